@@ -1,0 +1,64 @@
+# ANDREA build. `make` builds build/microgpt_cpu, and build/microgpt_cuda when nvcc is on PATH.
+#
+# No -march=native: binaries and results must be the same on every machine, and
+# -ffp-contract=off stops the compiler fusing a*b+c into FMAs differently from one build to the next.
+
+CC        = gcc
+CFLAGS    = -std=c99 -O3 -fopenmp -ffp-contract=off -Wall -D_POSIX_C_SOURCE=200809L
+LDLIBS    = -lm
+NVCC     ?= nvcc
+NVCCFLAGS = -O3 -std=c++17 -Xcompiler -fopenmp,-ffp-contract=off,-Wall -D_POSIX_C_SOURCE=200809L
+NVLDLIBS  = -lcublas -lcublasLt -lgomp -lm
+PYTHON   ?= python
+
+HOST_HEADERS := $(wildcard microgpt/host/*.h)
+CPU_HEADERS  := $(wildcard microgpt/cpu/*.h)
+CUDA_HEADERS := $(wildcard microgpt/cuda/*.cuh)
+CUDA_SOURCE  := $(wildcard microgpt/microgpt_cuda.cu)
+HAVE_NVCC    := $(shell command -v $(NVCC) 2>/dev/null)
+
+# GPU architecture: the local GPU's if nvidia-smi answers (e.g. "9.0" -> 90), else a fat binary for
+# Ampere, Ada and Hopper plus compute_90 PTX that newer GPUs JIT-compile. Override: make GPU_ARCH=86
+GPU_ARCH ?= $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .')
+ifneq ($(GPU_ARCH),)
+  NVCC_ARCH := -gencode arch=compute_$(GPU_ARCH),code=sm_$(GPU_ARCH)
+else
+  NVCC_ARCH := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_86,code=sm_86 \
+               -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=sm_90 \
+               -gencode arch=compute_90,code=compute_90
+endif
+
+# `make` builds the GPU engine only where it can: with nvcc and its source present.
+ALL := build/microgpt_cpu
+ifneq ($(HAVE_NVCC),)
+ifneq ($(CUDA_SOURCE),)
+  ALL += build/microgpt_cuda
+endif
+endif
+
+.PHONY: all cpu cuda test data clean
+
+all: $(ALL)
+
+cpu: build/microgpt_cpu
+
+cuda: build/microgpt_cuda
+
+build/microgpt_cpu: microgpt/microgpt_cpu.c $(HOST_HEADERS) $(CPU_HEADERS) | build
+	$(CC) $(CFLAGS) -o $@ microgpt/microgpt_cpu.c $(LDLIBS)
+
+build/microgpt_cuda: microgpt/microgpt_cuda.cu $(HOST_HEADERS) $(CUDA_HEADERS) $(CPU_HEADERS) | build
+	@test -n "$(HAVE_NVCC)" || { echo "error: $(NVCC) not found on PATH (install the CUDA toolkit, 12 or 13)"; exit 1; }
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ microgpt/microgpt_cuda.cu $(NVLDLIBS)
+
+build:
+	mkdir -p build
+
+test: all
+	$(PYTHON) -m pytest -q tests
+
+data:
+	$(PYTHON) scripts/prepare-data.py
+
+clean:
+	rm -rf build

@@ -1,0 +1,146 @@
+"""The PyTorch baseline is the same model as the engine: checked against the float64 numpy reference
+(tests/reference.py) on a tiny shape: loss, every gradient, and several clipped AdamW steps.
+
+    pytest bench/test_torch_gpt.py        (skipped where torch is not installed)
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+import reference as ref  # noqa: E402
+from bench_common import experiment_path, lr_at, model_shape  # noqa: E402
+from torch_gpt import GPT, make_optimizer, train_step  # noqa: E402
+
+TINY = ref.ModelConfig(vocab_size=50, padded_vocab_size=64, n_layer=2, d_model=16, n_head=4, seq_len=8)
+
+
+def tiny_shape(cfg=TINY):
+    return {k: getattr(cfg, k) for k in ("vocab_size", "padded_vocab_size", "n_layer", "d_model", "n_head",
+                                         "seq_len", "d_ff")}
+
+
+def tiny_model(flat):
+    model = GPT(tiny_shape()).double()
+    model.load_flat(torch.from_numpy(flat))
+    return model
+
+
+def batch(rng, B=2):
+    x = rng.integers(0, TINY.vocab_size, size=(B, TINY.seq_len))
+    y = rng.integers(0, TINY.vocab_size, size=(B, TINY.seq_len))
+    return x, y
+
+
+def test_flat_layout_round_trips():
+    flat = ref.init_params(TINY, np.random.default_rng(1))
+    assert np.array_equal(tiny_model(flat).flat().numpy(), flat)
+
+
+def test_loss_and_every_gradient_match_reference():
+    rng = np.random.default_rng(2)
+    flat = ref.init_params(TINY, rng, std=0.3)
+    x, y = batch(rng)
+    want_loss, want_grads = ref.loss_and_grads(flat, TINY, x, y)
+    model = tiny_model(flat)
+    loss = model(torch.from_numpy(x), torch.from_numpy(y))
+    loss.backward()
+    assert abs(loss.item() - want_loss) <= 1e-12 * abs(want_loss)
+    got = model.flat(use_grad=True).numpy()
+    offset = 0
+    for name, shape in ref.param_shapes(TINY):
+        n = int(np.prod(shape))
+        np.testing.assert_allclose(got[offset:offset + n], want_grads[offset:offset + n], rtol=1e-9,
+                                   atol=1e-12, err_msg=name)
+        offset += n
+
+
+def test_clipped_adamw_steps_match_reference():
+    rng = np.random.default_rng(3)
+    flat = ref.init_params(TINY, rng, std=0.3)
+    batches = [batch(rng) for _ in range(4)]
+    tc = ref.TrainConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.5)
+    params, m, v = flat.copy(), np.zeros_like(flat), np.zeros_like(flat)
+    want = ref.train(params, m, v, TINY, tc, batches)
+    assert all(norm > tc.grad_clip for _, norm in want), "the clip must be exercised"
+
+    model = tiny_model(flat)
+    t = {"lr": tc.lr, "beta1": tc.beta1, "beta2": tc.beta2, "eps": tc.eps, "weight_decay": tc.weight_decay}
+    opt = make_optimizer(model, t, fused=False)
+    for (x, y), (want_loss, want_norm) in zip(batches, want):
+        loss, norm = train_step(model, opt, [(torch.from_numpy(x), torch.from_numpy(y))], tc.lr, tc.grad_clip,
+                                autocast=lambda: torch.autocast("cpu", enabled=False))
+        assert loss.item() == pytest.approx(want_loss, rel=1e-10)
+        assert norm.item() == pytest.approx(want_norm, rel=1e-10)
+    np.testing.assert_allclose(model.flat().numpy(), params, rtol=1e-9, atol=1e-12)
+
+
+def test_grad_accumulation_is_the_mean_of_micro_batches():
+    rng = np.random.default_rng(4)
+    flat = ref.init_params(TINY, rng, std=0.3)
+    (x1, y1), (x2, y2) = batch(rng), batch(rng)
+    l1, g1 = ref.loss_and_grads(flat, TINY, x1, y1)
+    l2, g2 = ref.loss_and_grads(flat, TINY, x2, y2)
+    model = tiny_model(flat)
+    opt = make_optimizer(model, {"lr": 0.0, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0},
+                         fused=False)
+    micro = [(torch.from_numpy(x1), torch.from_numpy(y1)), (torch.from_numpy(x2), torch.from_numpy(y2))]
+    loss, norm = train_step(model, opt, micro, 0.0, 0.0, autocast=lambda: torch.autocast("cpu", enabled=False))
+    assert loss.item() == pytest.approx((l1 + l2) / 2, rel=1e-12)
+    assert norm.item() == pytest.approx(np.linalg.norm((g1 + g2) / 2), rel=1e-10)
+
+
+def test_padded_vocabulary_takes_no_probability_and_no_gradient():
+    rng = np.random.default_rng(5)
+    flat = ref.init_params(TINY, rng, std=0.3)
+    p = ref.unflatten(flat, TINY)
+    p["wte"][TINY.vocab_size:] = 5.0   # padded rows that would dominate the softmax if it saw them
+    x, y = batch(rng)
+    model = tiny_model(flat)
+    loss = model(torch.from_numpy(x), torch.from_numpy(y))
+    loss.backward()
+    assert loss.item() == pytest.approx(ref.forward(flat, TINY, x, y)[0], rel=1e-12)
+    assert not model.wte.weight.grad[TINY.vocab_size:].any()
+
+
+def test_initialisation_follows_design():
+    shape = dict(tiny_shape(), n_layer=4, d_model=64, n_head=4, d_ff=256, padded_vocab_size=2048,
+                 vocab_size=2000)
+    torch.manual_seed(0)
+    model = GPT(shape)
+    assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.02)
+    assert model.blocks[0].qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.blocks[0].fc_proj.weight.std().item() == pytest.approx(0.02 / np.sqrt(8), rel=0.05)
+    assert model.blocks[0].proj.weight.std().item() == pytest.approx(0.02 / np.sqrt(8), rel=0.1)
+    assert torch.equal(model.lnf.weight, torch.ones(64)) and not model.lnf.bias.any()
+
+
+def test_shipped_shapes_have_the_spec_parameter_counts():
+    for name, approx in (("12M", 12.4e6), ("120M", 124e6)):
+        path = experiment_path(name)
+        if not os.path.exists(path):
+            pytest.skip(f"{path} not written yet")
+        with open(path) as f:
+            shape = model_shape(json.load(f))
+        cfg = ref.ModelConfig(**{k: shape[k] for k in tiny_shape()})
+        with torch.device("meta"):
+            n = sum(p.numel() for p in GPT(shape).parameters())
+        assert n == ref.num_params(cfg)
+        assert n == pytest.approx(approx, rel=0.01)
+
+
+def test_lr_schedule_warmup_then_cosine_to_min():
+    t = {"steps": 100, "warmup_steps": 10, "lr": 1e-3, "min_lr": 1e-4, "schedule": "cosine"}
+    assert lr_at(0, t) == pytest.approx(1e-4)
+    assert lr_at(9, t) == pytest.approx(1e-3)
+    assert lr_at(10, t) == pytest.approx(1e-3)
+    assert lr_at(55, t) == pytest.approx(5.5e-4)
+    assert lr_at(100, t) == pytest.approx(1e-4)

@@ -1,0 +1,87 @@
+/* Tied output layer and loss: logits = x[N,d] @ wte[Vp,d]^T, softmax and cross-entropy over the
+ * first V (real) columns only. probs [N,Vp] is saved for backward with padded columns set to 0.
+ * The loss is the mean over the N positions, so backward uses dloss = 1/N per position. */
+#ifndef MICROGPT_CPU_CLASSIFIER_H
+#define MICROGPT_CPU_CLASSIFIER_H
+
+#include "common.h"
+
+/* The loss is summed per chunk of rows and the chunk sums are added in order, so the result does
+ * not depend on how many threads ran the chunks. */
+#define CLASSIFIER_CHUNKS 256
+#define CLASSIFIER_ROWS 4
+
+/* one softmax row in place over probs[0:V]; returns -log p[target], computed from the logits */
+static inline double classifier_softmax_row(float* p, int target, int V, int Vp) {
+    float maxv = -INFINITY;
+    for (int v = 0; v < V; v++) if (p[v] > maxv) maxv = p[v];
+    float lt = p[target];
+    double sum = 0.0;
+    for (int v = 0; v < V; v++) { p[v] = expf(p[v] - maxv); sum += p[v]; }
+    float inv = (float)(1.0 / sum);
+    for (int v = 0; v < V; v++) p[v] *= inv;
+    for (int v = V; v < Vp; v++) p[v] = 0.0f;
+    return log(sum) - ((double)lt - maxv);
+}
+
+static inline float classifier_forward(float* probs, const float* x, const float* wte, const int* targets,
+                                int N, int d, int V, int Vp) {
+    double chunk_loss[CLASSIFIER_CHUNKS];
+    int per_chunk = (N + CLASSIFIER_CHUNKS - 1) / CLASSIFIER_CHUNKS;
+    int nchunks = (N + per_chunk - 1) / per_chunk;
+    #pragma omp parallel for schedule(static)
+    for (int ch = 0; ch < nchunks; ch++) {
+        int n_end = (ch + 1) * per_chunk < N ? (ch + 1) * per_chunk : N;
+        double loss = 0.0;
+        for (int n0 = ch * per_chunk; n0 < n_end; n0 += CLASSIFIER_ROWS) {
+            int rows = n0 + CLASSIFIER_ROWS <= n_end ? CLASSIFIER_ROWS : n_end - n0;
+            /* logits, four rows per pass over wte so each embedding row is loaded once */
+            for (int v = 0; v < V; v++) {
+                const float* wv = wte + (size_t)v * d;
+                for (int r = 0; r < rows; r++) {
+                    probs[(size_t)(n0 + r) * Vp + v] = dot_f32(x + (size_t)(n0 + r) * d, wv, d);
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                loss += classifier_softmax_row(probs + (size_t)(n0 + r) * Vp, targets[n0 + r], V, Vp);
+            }
+        }
+        chunk_loss[ch] = loss;
+    }
+    double total = 0.0;
+    for (int ch = 0; ch < nchunks; ch++) total += chunk_loss[ch];
+    return (float)(total / N);
+}
+
+static inline void classifier_backward(float* dx, float* dwte, const float* probs, const float* x,
+                                const float* wte, const int* targets, int N, int d, int V, int Vp) {
+    float dloss = 1.0f / N;
+    /* dlogits[n,v] = (p[n,v] - [v == target]) / N for real columns; padded columns get nothing */
+    /* dx[n,:] += sum_v dlogits[n,v] * wte[v,:]   (rows independent) */
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float* p = probs + (size_t)n * Vp;
+        float* o = dx + (size_t)n * d;
+        for (int v = 0; v < V; v++) {
+            float g = (p[v] - (v == targets[n] ? 1.0f : 0.0f)) * dloss;
+            axpy_f32(o, g, wte + (size_t)v * d, d);
+        }
+    }
+    /* dwte[v,:] += sum_n dlogits[n,v] * x[n,:]   (threads own tiles of real rows; n in order) */
+    int ntiles = (V + CLASSIFIER_ROWS - 1) / CLASSIFIER_ROWS;
+    #pragma omp parallel for schedule(static)
+    for (int tile = 0; tile < ntiles; tile++) {
+        int v0 = tile * CLASSIFIER_ROWS;
+        int rows = v0 + CLASSIFIER_ROWS <= V ? CLASSIFIER_ROWS : V - v0;
+        for (int n = 0; n < N; n++) {
+            const float* p = probs + (size_t)n * Vp + v0;
+            const float* xn = x + (size_t)n * d;
+            for (int r = 0; r < rows; r++) {
+                float g = (p[r] - (v0 + r == targets[n] ? 1.0f : 0.0f)) * dloss;
+                axpy_f32(dwte + (size_t)(v0 + r) * d, g, xn, d);
+            }
+        }
+    }
+}
+
+#endif

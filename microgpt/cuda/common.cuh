@@ -1,0 +1,182 @@
+/* common.cuh: what every CUDA layer header needs: error checks, the activation types, warp/block
+ * reductions and the one row-major GEMM wrapper over cuBLAS.
+ *
+ * Naming used in microgpt/cuda/: `k_<op>_fwd` / `k_<op>_bwd` are the host-side launchers the engine
+ * calls (SPEC §3 names; some launch one __global__ kernel, some a cuBLAS product plus a kernel);
+ * `<op>_kernel` are the __global__ kernels themselves. All work runs on the legacy default stream,
+ * in order, so there is no cross-stream synchronisation to get wrong.
+ *
+ * Activation type T is float (fp32), __nv_bfloat16 (bf16) or __half (fp16). Whatever T is, every
+ * kernel computes in fp32 and rounds once on store; parameter gradients are always fp32.
+ *
+ * Determinism: no kernel uses floating-point atomics; every reduction has a fixed shape that
+ * depends only on the problem size (never on the GPU), and cuBLAS is given one fixed workspace. */
+#ifndef MICROGPT_CUDA_COMMON_CUH
+#define MICROGPT_CUDA_COMMON_CUH
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Error checks: every CUDA/cuBLAS status goes through one of these; a failure is one line with the
+ * call, file:line and the library's own error string, then exit 1 (the machine failed, not the
+ * input). */
+
+static void cuda_fail(const char* what, const char* err, const char* file, int line) {
+    fflush(stdout);
+    fprintf(stderr, "error: CUDA failure '%s' in %s at %s:%d\n", err, what, file, line);
+    fflush(stderr);
+    exit(1);
+}
+
+#define CUDA_CHECK(call)                                                                   \
+    do {                                                                                   \
+        cudaError_t cuda_check_err_ = (call);                                              \
+        if (cuda_check_err_ != cudaSuccess)                                                \
+            cuda_fail(#call, cudaGetErrorString(cuda_check_err_), __FILE__, __LINE__);     \
+    } while (0)
+
+#define CUBLAS_CHECK(call)                                                                 \
+    do {                                                                                   \
+        cublasStatus_t cublas_check_st_ = (call);                                          \
+        if (cublas_check_st_ != CUBLAS_STATUS_SUCCESS)                                     \
+            cuda_fail(#call, cublasGetStatusString(cublas_check_st_), __FILE__, __LINE__); \
+    } while (0)
+
+/* Set ANDREA_CUDA_SYNC=1 to synchronise after every launch, so an asynchronous fault is reported at
+ * the launch that caused it rather than at the next synchronising call. */
+static int g_sync_launches = -1;
+static int sync_launches(void) {
+    if (g_sync_launches < 0) {
+        const char* s = getenv("ANDREA_CUDA_SYNC");
+        g_sync_launches = (s && s[0] == '1') ? 1 : 0;
+    }
+    return g_sync_launches;
+}
+
+/* After every <<<>>> launch: catches bad launch configurations at once (and faults, in sync mode). */
+#define LAUNCH_CHECK()                                                 \
+    do {                                                               \
+        CUDA_CHECK(cudaGetLastError());                                \
+        if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());      \
+    } while (0)
+
+static inline unsigned ceil_div(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
+
+/* Grid size for element-wise kernels over n elements with grid-stride loops: enough blocks to fill
+ * any current GPU, never so many that the count overflows. */
+static inline unsigned elementwise_grid(size_t n, int block) {
+    size_t g = (n + (size_t)block - 1) / (size_t)block;
+    if (g > 65535u * 8u) g = 65535u * 8u;
+    return (unsigned)(g ? g : 1);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Activation types */
+
+typedef __nv_bfloat16 bf16;
+typedef __half fp16;
+
+__host__ __device__ __forceinline__ float to_f(float x) { return x; }
+__host__ __device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+__host__ __device__ __forceinline__ float to_f(fp16 x) { return __half2float(x); }
+
+/* Round-to-nearest-even conversion from fp32. */
+template <typename T> __host__ __device__ __forceinline__ T from_f(float x);
+template <> __host__ __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __host__ __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16(x); }
+template <> __host__ __device__ __forceinline__ fp16 from_f<fp16>(float x) { return __float2half(x); }
+
+template <typename T> struct TypeInfo;
+template <> struct TypeInfo<float> { static constexpr cudaDataType_t dtype = CUDA_R_32F; static const char* name() { return "fp32"; } };
+template <> struct TypeInfo<bf16> { static constexpr cudaDataType_t dtype = CUDA_R_16BF; static const char* name() { return "bf16"; } };
+template <> struct TypeInfo<fp16> { static constexpr cudaDataType_t dtype = CUDA_R_16F; static const char* name() { return "fp16"; } };
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Reductions. Butterfly (xor) shuffles: every lane ends with the same bits, because each step adds
+ * the same two values in either order, and fp addition is commutative. */
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+__device__ __forceinline__ double warp_sum_d(double x) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+/* Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the
+ * result. The leading barrier lets a kernel call it several times with the one shared array. */
+__device__ __forceinline__ float block_sum(float x) {
+    __shared__ float partial[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    x = warp_sum(x);
+    __syncthreads();
+    if (lane == 0) partial[warp] = x;
+    __syncthreads();
+    return warp_sum(lane < n_warps ? partial[lane] : 0.0f);
+}
+
+__device__ __forceinline__ float block_max(float x) {
+    __shared__ float partial[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    x = warp_max(x);
+    __syncthreads();
+    if (lane == 0) partial[warp] = x;
+    __syncthreads();
+    return warp_max(lane < n_warps ? partial[lane] : -INFINITY);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* cuBLAS: one handle, one explicit workspace (so the library never allocates behind our back and
+ * picks the same kernels every run), fp32 accumulation everywhere and no TF32: with
+ * CUBLAS_COMPUTE_32F and the default math mode, fp32 inputs are multiplied in full fp32, and
+ * bf16/fp16 inputs use tensor cores with fp32 accumulation. */
+
+#define CUBLAS_WORKSPACE_BYTES ((size_t)32 << 20)
+
+static cublasHandle_t g_cublas = NULL;
+
+static void cublas_init(void* workspace, size_t bytes) {
+    if (!g_cublas) CUBLAS_CHECK(cublasCreate(&g_cublas));
+    CUBLAS_CHECK(cublasSetMathMode(g_cublas, CUBLAS_DEFAULT_MATH));
+    CUBLAS_CHECK(cublasSetStream(g_cublas, 0));
+    CUBLAS_CHECK(cublasSetWorkspace(g_cublas, workspace, bytes));
+}
+
+static void cublas_shutdown(void) {
+    if (g_cublas) CUBLAS_CHECK(cublasDestroy(g_cublas));
+    g_cublas = NULL;
+}
+
+/* Row-major product, batched with strides (batch 1: plain product):
+ *     C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C
+ * A is stored [M,K] (ld lda) or, with ta, [K,M]; B is stored [K,N] or, with tb, [N,K].
+ * cuBLAS is column-major, and a row-major matrix is its column-major transpose, so we ask cuBLAS
+ * for C^T = op(B)^T op(A)^T: the operands swap places and keep their own transpose flags.
+ * ab_type is the type of A and B, c_type that of C (fp32 for parameter gradients and for scores /
+ * logits that a softmax reads). */
+static void gemm_rm(bool ta, bool tb, int M, int N, int K, float alpha,
+                    const void* A, int lda, long long stride_a,
+                    const void* B, int ldb, long long stride_b, float beta,
+                    void* C, int ldc, long long stride_c, int batch,
+                    cudaDataType_t ab_type, cudaDataType_t c_type) {
+    CUBLAS_CHECK(cublasGemmStridedBatchedEx(g_cublas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                            N, M, K, &alpha, B, ab_type, ldb, stride_b, A, ab_type, lda, stride_a,
+                                            &beta, C, c_type, ldc, stride_c, batch, CUBLAS_COMPUTE_32F,
+                                            CUBLAS_GEMM_DEFAULT));
+    if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+#endif

@@ -1,0 +1,218 @@
+/* checkpoint.h: checkpoint files (SPEC §3), exactly
+ *   [int32 step][int32 n_params][n_params f32 weights][n_params f32 m][n_params f32 v]
+ * little-endian (the host byte order of every machine we target), and the JSON sidecar PATH.json
+ * holding what exact resume needs beyond that (loss scale) plus a config fingerprint.
+ * Both files are written to a temporary file, flushed, fsynced and renamed, so a crash or a full
+ * disk leaves the previous good checkpoint in place, never a torn one.
+ * Compiles as C99 and as C++ (nvcc). */
+#ifndef MICROGPT_HOST_CHECKPOINT_H
+#define MICROGPT_HOST_CHECKPOINT_H
+
+#include "config.h"
+#include <fcntl.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define CKPT_HEADER_BYTES 8
+
+static size_t ckpt_expected_bytes(size_t n_params) { return CKPT_HEADER_BYTES + 3 * 4 * n_params; }
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Writing */
+
+static int write_all(FILE* f, const void* p, size_t bytes) { return fwrite(p, 1, bytes, f) == bytes; }
+
+/* fflush + fsync + fclose of a temporary file; 0 on success. */
+static int close_durably(FILE* f) {
+    int ok = fflush(f) == 0;
+    ok = (fsync(fileno(f)) == 0) && ok;
+    ok = (fclose(f) == 0) && ok;
+    return ok ? 0 : -1;
+}
+
+/* The rename is only durable once the directory entry is on disk too. Best effort. */
+static void fsync_parent_dir(const char* path) {
+    char dir[CFG_PATH_MAX];
+    char* slash;
+    int fd;
+    snprintf(dir, sizeof dir, "%s", path);
+    slash = strrchr(dir, '/');
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else if (slash == dir) dir[1] = '\0';
+    else *slash = '\0';
+    fd = open(dir, O_RDONLY);
+    if (fd >= 0) {
+        fsync(fd);
+        close(fd);
+    }
+}
+
+static void sidecar_text(char* buf, size_t cap, int step, size_t n_params, float loss_scale, const Config* c) {
+    char ls[32];
+    snprintf(buf, cap,
+             "{\"step\":%d,\"n_params\":%zu,\"loss_scale\":%s,\"fingerprint\":{\"n_layer\":%d,\"d_model\":%d,"
+             "\"n_head\":%d,\"d_ff\":%d,\"seq_len\":%d,\"vocab_size\":%d,\"padded_vocab_size\":%d,\"seed\":%d,"
+             "\"batch_size\":%d,\"grad_accum\":%d,\"steps\":%d,\"precision\":\"%s\"}}\n",
+             step, n_params, json_num(ls, sizeof ls, loss_scale), c->model.n_layer, c->model.d_model, c->model.n_head,
+             c->model.d_ff, c->model.seq_len, c->model.vocab_size, c->model.padded_vocab_size, c->train.seed,
+             c->train.batch_size, c->train.grad_accum, c->train.steps, c->train.precision);
+}
+
+/* Writes checkpoint + sidecar atomically. On any I/O failure the temporary files are removed, the
+ * previous checkpoint is left untouched, and the process exits with an error (the caller can't
+ * carry on believing it has a checkpoint it doesn't have). */
+static void ckpt_write(const char* path, int step, const float* params, const float* m, const float* v, size_t n,
+                       float loss_scale, const Config* c) {
+    char tmp[CFG_PATH_MAX + 32], side[CFG_PATH_MAX + 8], side_tmp[CFG_PATH_MAX + 40], text[1024];
+    int32_t header[2];
+    FILE* f;
+    int ok;
+    snprintf(tmp, sizeof tmp, "%s.tmp%d", path, (int)getpid());
+    snprintf(side, sizeof side, "%s.json", path);
+    snprintf(side_tmp, sizeof side_tmp, "%s.json.tmp%d", path, (int)getpid());
+    header[0] = step;
+    header[1] = (int32_t)n;
+
+    f = fopen(tmp, "wb");
+    if (!f) die_io("cannot create checkpoint %s: %s", tmp, strerror(errno));
+    ok = write_all(f, header, sizeof header) && write_all(f, params, n * 4) && write_all(f, m, n * 4) &&
+         write_all(f, v, n * 4);
+    if (close_durably(f) != 0 || !ok) {
+        int e = errno;
+        unlink(tmp);
+        die_io("writing checkpoint %s failed (%s); the previous checkpoint, if any, is untouched", path, strerror(e));
+    }
+
+    sidecar_text(text, sizeof text, step, n, loss_scale, c);
+    f = fopen(side_tmp, "wb");
+    if (!f) {
+        unlink(tmp);
+        die_io("cannot create checkpoint sidecar %s: %s", side_tmp, strerror(errno));
+    }
+    ok = write_all(f, text, strlen(text));
+    if (close_durably(f) != 0 || !ok) {
+        int e = errno;
+        unlink(tmp);
+        unlink(side_tmp);
+        die_io("writing checkpoint sidecar %s failed (%s); the previous checkpoint, if any, is untouched", side,
+               strerror(e));
+    }
+    /* Checkpoint first, then sidecar. A crash in between leaves a sidecar whose step disagrees with
+     * the checkpoint; the reader notices that and ignores the stale sidecar. */
+    if (rename(tmp, path) != 0) {
+        int e = errno;
+        unlink(tmp);
+        unlink(side_tmp);
+        die_io("renaming %s to %s failed: %s", tmp, path, strerror(e));
+    }
+    if (rename(side_tmp, side) != 0) {
+        int e = errno;
+        unlink(side_tmp);
+        die_io("renaming %s to %s failed: %s", side_tmp, side, strerror(e));
+    }
+    fsync_parent_dir(path);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Reading */
+
+/* Validates header and size against the config's n_params without reading the weights (so it can
+ * run before any large allocation). Returns the checkpoint's step. Dies on any mismatch; the file
+ * is left as it is. */
+static int ckpt_check(const char* path, size_t n_params) {
+    struct stat st;
+    int32_t header[2];
+    FILE* f;
+    if (stat(path, &st) != 0) die_input("checkpoint %s does not exist (drop --resume to start a fresh run)", path);
+    f = fopen(path, "rb");
+    if (!f) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
+    if (fread(header, 1, sizeof header, f) != sizeof header) {
+        fclose(f);
+        die_input("checkpoint %s is truncated: %lld bytes, shorter than its 8-byte header", path, (long long)st.st_size);
+    }
+    fclose(f);
+    if (header[1] < 0 || (size_t)header[1] != n_params)
+        die_input("checkpoint %s has n_params %d but this config needs %zu (different model shape?); "
+                  "refusing to load or overwrite it", path, header[1], n_params);
+    if ((size_t)st.st_size != ckpt_expected_bytes(n_params))
+        die_input("checkpoint %s is %lld bytes, expected %zu for %zu parameters (truncated or corrupt); "
+                  "refusing to load or overwrite it", path, (long long)st.st_size, ckpt_expected_bytes(n_params), n_params);
+    if (header[0] < 0) die_input("checkpoint %s has a negative step %d", path, header[0]);
+    return header[0];
+}
+
+/* Reads weights, m and v (n floats each) of a checkpoint that ckpt_check accepted. */
+static void ckpt_load(const char* path, size_t n, float* params, float* m, float* v) {
+    FILE* f = fopen(path, "rb");
+    int ok;
+    if (!f) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
+    ok = fseek(f, CKPT_HEADER_BYTES, SEEK_SET) == 0 && fread(params, 4, n, f) == n && fread(m, 4, n, f) == n &&
+         fread(v, 4, n, f) == n;
+    fclose(f);
+    if (!ok) die_input("reading checkpoint %s failed (changed while reading?)", path);
+}
+
+/* Tiny JSON lookup for the sidecar: the number after "key": anywhere in text (sidecar keys are
+ * unique, so no nesting logic is needed). Returns 1 if found. */
+static int json_find_number(const char* text, const char* key, double* out) {
+    char pat[64];
+    const char* p;
+    char* end;
+    snprintf(pat, sizeof pat, "\"%s\"", key);
+    p = strstr(text, pat);
+    if (!p) return 0;
+    p += strlen(pat);
+    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+    if (*p++ != ':') return 0;
+    *out = strtod(p, &end);
+    return end != p;
+}
+
+/* Reads PATH.json. Returns the loss scale to resume with (0: engine default). A missing, malformed
+ * or stale sidecar is a warning, not an error: only the loss scale depends on it. Fingerprint
+ * differences (e.g. resuming a bf16 run in fp32) are reported and allowed. */
+static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
+    char side[CFG_PATH_MAX + 8], text[4096];
+    size_t len;
+    double x;
+    float loss_scale = 0.0f;
+    int i;
+    FILE* f;
+    struct { const char* key; int value; } fp[10];
+    snprintf(side, sizeof side, "%s.json", path);
+    f = fopen(side, "rb");
+    if (!f) {
+        warn("checkpoint sidecar %s is missing; the loss scale starts from its default", side);
+        return 0.0f;
+    }
+    len = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[len] = '\0';
+    if (!json_find_number(text, "step", &x) || (int)x != ckpt_step) {
+        warn("checkpoint sidecar %s does not belong to step %d of %s; ignoring it", side, ckpt_step, path);
+        return 0.0f;
+    }
+    if (json_find_number(text, "loss_scale", &x)) loss_scale = (float)x;
+    fp[0].key = "n_layer"; fp[0].value = c->model.n_layer;
+    fp[1].key = "d_model"; fp[1].value = c->model.d_model;
+    fp[2].key = "n_head"; fp[2].value = c->model.n_head;
+    fp[3].key = "d_ff"; fp[3].value = c->model.d_ff;
+    fp[4].key = "seq_len"; fp[4].value = c->model.seq_len;
+    fp[5].key = "vocab_size"; fp[5].value = c->model.vocab_size;
+    fp[6].key = "padded_vocab_size"; fp[6].value = c->model.padded_vocab_size;
+    fp[7].key = "seed"; fp[7].value = c->train.seed;
+    fp[8].key = "batch_size"; fp[8].value = c->train.batch_size;
+    fp[9].key = "grad_accum"; fp[9].value = c->train.grad_accum;
+    for (i = 0; i < 10; i++)
+        if (json_find_number(text, fp[i].key, &x) && (int)x != fp[i].value)
+            warn("resuming with %s = %d, the checkpoint was written with %d", fp[i].key, fp[i].value, (int)x);
+    {
+        const char* p = strstr(text, "\"precision\":\"");
+        if (p && strncmp(p + 13, c->train.precision, strlen(c->train.precision)) != 0)
+            warn("resuming in precision %s, the checkpoint was written in another precision", c->train.precision);
+    }
+    return loss_scale;
+}
+
+#endif

@@ -1,0 +1,342 @@
+/* config.h: the Config struct and the one flag table that drives parsing, defaults, --help and
+ * validation. Every flag is the dotted path of its key in the experiment JSON (docs/DESIGN.md), so
+ * `{"train": {"lr": 6e-4}}` becomes `--train.lr 6e-4`. Compiles as C99 and as C++ (nvcc). */
+#ifndef MICROGPT_HOST_CONFIG_H
+#define MICROGPT_HOST_CONFIG_H
+
+#include "output.h"
+#include <errno.h>
+#include <limits.h>
+
+#define CFG_PATH_MAX 1024
+#define CFG_MAX_PROMPTS 64
+
+typedef struct {
+    char name[128];
+    struct {
+        int n_layer, d_model, n_head, d_ff, seq_len, vocab_size, padded_vocab_size;
+    } model;
+    struct {
+        int batch_size, grad_accum, steps, seed, warmup_steps;
+        char precision[8]; /* fp32 | bf16 | fp16 | fp8 */
+        float lr, min_lr, weight_decay, grad_clip, beta1, beta2, eps;
+        char schedule[16]; /* cosine | wsd | constant */
+        float decay_frac;  /* WSD: fraction of steps spent decaying */
+    } train;
+    struct {
+        char train[CFG_PATH_MAX], val[CFG_PATH_MAX]; /* globs; val "" = none */
+    } data;
+    struct {
+        int every, batches;
+    } eval;
+    struct {
+        int every, tokens, top_k;
+        float temperature;
+        /* prompt i is prompt_tokens[prompt_start[i] .. prompt_start[i+1]) */
+        int n_prompts;
+        int prompt_start[CFG_MAX_PROMPTS + 1];
+        int* prompt_tokens;
+    } sample;
+    struct {
+        int every;
+        char path[CFG_PATH_MAX]; /* --checkpoint; "" = never write */
+    } checkpoint;
+    struct {
+        int enabled;    /* derived: --polish.start_step given */
+        int start_step; /* step index from which polish data + constant polish LR apply */
+        char train[CFG_PATH_MAX];
+        float lr;
+    } polish;
+    int resume;
+    char dump_grads[CFG_PATH_MAX]; /* "" = off */
+} Config;
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The flag table */
+
+typedef enum { F_INT, F_FLOAT, F_STR, F_CHOICE, F_BOOL, F_PROMPT } FlagType;
+
+typedef struct {
+    const char* name;    /* without the leading "--" */
+    FlagType type;
+    void* ptr;           /* into the Config being parsed */
+    size_t cap;          /* F_STR / F_CHOICE: buffer size */
+    const char* def;     /* default as text; NULL: required (if required) or derived/none */
+    int required;
+    const char* choices; /* F_CHOICE: "a|b|c" */
+    double min, max;     /* F_INT / F_FLOAT: allowed closed range */
+    const char* help;
+} Flag;
+
+#define CFG_N_FLAGS_MAX 64
+
+/* Fills `f` with the table bound to `c`; returns the number of flags. One list, used for
+ * everything, so a flag can't be parsed but missing from --help or the other way round. */
+static int config_flags(Config* c, Flag* f) {
+    int n = 0;
+    const double BIG = 2147483647.0, FBIG = 1e30;
+#define FLAG(NAME, TYPE, PTR, CAP, DEF, REQ, CHOICES, MIN, MAX, HELP)                          \
+    do {                                                                                         \
+        f[n].name = NAME; f[n].type = TYPE; f[n].ptr = (void*)(PTR); f[n].cap = CAP;             \
+        f[n].def = DEF; f[n].required = REQ; f[n].choices = CHOICES; f[n].min = MIN;             \
+        f[n].max = MAX; f[n].help = HELP; n++;                                                   \
+    } while (0)
+    FLAG("name", F_STR, c->name, sizeof c->name, "run", 0, NULL, 0, 0, "run name (reported only)");
+    FLAG("model.n_layer", F_INT, &c->model.n_layer, 0, NULL, 1, NULL, 1, 1024, "transformer layers");
+    FLAG("model.d_model", F_INT, &c->model.d_model, 0, NULL, 1, NULL, 1, 65536, "embedding width");
+    FLAG("model.n_head", F_INT, &c->model.n_head, 0, NULL, 1, NULL, 1, 65536, "attention heads (must divide d_model)");
+    FLAG("model.d_ff", F_INT, &c->model.d_ff, 0, NULL, 0, NULL, 1, 1 << 20, "MLP width (default 4*d_model)");
+    FLAG("model.seq_len", F_INT, &c->model.seq_len, 0, NULL, 1, NULL, 1, 1 << 20, "context length T");
+    FLAG("model.vocab_size", F_INT, &c->model.vocab_size, 0, "50259", 0, NULL, 2, 1 << 24, "real vocabulary size");
+    FLAG("model.padded_vocab_size", F_INT, &c->model.padded_vocab_size, 0, NULL, 0, NULL, 2, 1 << 24,
+         "embedding rows (default vocab_size rounded up to 64)");
+    FLAG("train.batch_size", F_INT, &c->train.batch_size, 0, "8", 0, NULL, 1, 1 << 20, "sequences per micro-batch B");
+    FLAG("train.grad_accum", F_INT, &c->train.grad_accum, 0, "1", 0, NULL, 1, 1 << 20, "micro-batches per optimizer step");
+    FLAG("train.steps", F_INT, &c->train.steps, 0, NULL, 1, NULL, 1, BIG, "optimizer steps in the whole run");
+    FLAG("train.seed", F_INT, &c->train.seed, 0, "1337", 0, NULL, 0, BIG, "seed for init, batches and sampling");
+    FLAG("train.warmup_steps", F_INT, &c->train.warmup_steps, 0, "0", 0, NULL, 0, BIG, "linear LR warmup steps");
+    FLAG("train.precision", F_CHOICE, c->train.precision, sizeof c->train.precision, "fp32", 0, "fp32|bf16|fp16|fp8", 0, 0,
+         "compute precision (the CPU engine always computes fp32)");
+    FLAG("train.lr", F_FLOAT, &c->train.lr, 0, "6e-4", 0, NULL, 0, FBIG, "peak learning rate");
+    FLAG("train.min_lr", F_FLOAT, &c->train.min_lr, 0, "0", 0, NULL, 0, FBIG, "final learning rate of the decay");
+    FLAG("train.weight_decay", F_FLOAT, &c->train.weight_decay, 0, "0.1", 0, NULL, 0, FBIG, "AdamW decoupled weight decay (2-D tensors only)");
+    FLAG("train.grad_clip", F_FLOAT, &c->train.grad_clip, 0, "1.0", 0, NULL, 0, FBIG, "clip global grad L2 norm to this (0: off)");
+    FLAG("train.beta1", F_FLOAT, &c->train.beta1, 0, "0.9", 0, NULL, 0, 0.999999, "AdamW beta1");
+    FLAG("train.beta2", F_FLOAT, &c->train.beta2, 0, "0.95", 0, NULL, 0, 0.999999999, "AdamW beta2");
+    FLAG("train.eps", F_FLOAT, &c->train.eps, 0, "1e-8", 0, NULL, 1e-30, 1, "AdamW epsilon");
+    FLAG("train.schedule", F_CHOICE, c->train.schedule, sizeof c->train.schedule, "cosine", 0, "cosine|wsd|constant", 0, 0,
+         "LR schedule after warmup");
+    FLAG("train.decay_frac", F_FLOAT, &c->train.decay_frac, 0, "0.2", 0, NULL, 0, 1, "WSD: fraction of steps spent decaying");
+    FLAG("data.train", F_STR, c->data.train, sizeof c->data.train, NULL, 1, NULL, 0, 0, "glob of llm.c train shards");
+    FLAG("data.val", F_STR, c->data.val, sizeof c->data.val, "", 0, NULL, 0, 0, "glob of llm.c validation shards");
+    FLAG("eval.every", F_INT, &c->eval.every, 0, "0", 0, NULL, 0, BIG, "validate every N steps (0: off)");
+    FLAG("eval.batches", F_INT, &c->eval.batches, 0, "20", 0, NULL, 1, BIG, "validation batches per evaluation");
+    FLAG("sample.every", F_INT, &c->sample.every, 0, "0", 0, NULL, 0, BIG, "sample every N steps (0: off)");
+    FLAG("sample.tokens", F_INT, &c->sample.tokens, 0, "64", 0, NULL, 1, 1 << 20, "tokens generated per prompt");
+    FLAG("sample.top_k", F_INT, &c->sample.top_k, 0, "40", 0, NULL, 0, 1 << 24, "top-k sampling (0: whole vocabulary)");
+    FLAG("sample.temperature", F_FLOAT, &c->sample.temperature, 0, "1.0", 0, NULL, 0, FBIG, "sampling temperature (0: greedy)");
+    FLAG("sample.prompt", F_PROMPT, &c->sample, 0, NULL, 0, NULL, 0, 0, "comma-separated prompt token ids (repeatable)");
+    FLAG("checkpoint.every", F_INT, &c->checkpoint.every, 0, "0", 0, NULL, 0, BIG, "checkpoint every N steps (0: only on signal/finish)");
+    FLAG("checkpoint", F_STR, c->checkpoint.path, sizeof c->checkpoint.path, "", 0, NULL, 0, 0,
+         "checkpoint path (sidecar PATH.json)");
+    FLAG("polish.start_step", F_INT, &c->polish.start_step, 0, NULL, 0, NULL, 0, BIG,
+         "step index from which polish data and constant polish LR apply");
+    FLAG("polish.train", F_STR, c->polish.train, sizeof c->polish.train, "", 0, NULL, 0, 0, "glob of polish train shards");
+    FLAG("polish.lr", F_FLOAT, &c->polish.lr, 0, NULL, 0, NULL, 0, FBIG, "constant learning rate of the polish phase");
+    FLAG("resume", F_BOOL, &c->resume, 0, "0", 0, NULL, 0, 0, "continue from --checkpoint (must exist)");
+    FLAG("dump-grads", F_STR, c->dump_grads, sizeof c->dump_grads, "", 0, NULL, 0, 0,
+         "debug: write [f32 loss][f32 grads] of step 0, micro-batch 0, to PATH and exit");
+#undef FLAG
+    return n;
+}
+
+static void config_help(FILE* out, const char* prog) {
+    Config c;
+    Flag f[CFG_N_FLAGS_MAX];
+    int i, n = config_flags(&c, f);
+    static const char* type_names[] = {"int", "float", "str", "choice", "", "ids"};
+    fprintf(out, "usage: %s --model.n_layer N --model.d_model N --model.n_head N --model.seq_len N "
+                 "--train.steps N --data.train GLOB [flags]\n"
+                 "Flags are the dotted keys of the experiment JSON; --x=v and --x v both work.\n\n", prog);
+    for (i = 0; i < n; i++) {
+        char left[64];
+        snprintf(left, sizeof left, "--%s %s", f[i].name,
+                 f[i].type == F_CHOICE ? f[i].choices : type_names[f[i].type]);
+        fprintf(out, "  %-36s %s", left, f[i].help);
+        if (f[i].required) fputs(" [required]", out);
+        else if (f[i].def && f[i].def[0] && f[i].type != F_BOOL) fprintf(out, " [default %s]", f[i].def);
+        fputc('\n', out);
+    }
+    fprintf(out, "  %-36s %s\n", "--help", "show this help and exit");
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Parsing */
+
+static long long parse_int_or_die(const char* flag, const char* s) {
+    char* end;
+    long long v;
+    errno = 0;
+    v = strtoll(s, &end, 10);
+    if (errno || end == s || *end) die_input("--%s: '%s' is not an integer", flag, s);
+    return v;
+}
+
+static double parse_float_or_die(const char* flag, const char* s) {
+    char* end;
+    double v;
+    errno = 0;
+    v = strtod(s, &end);
+    if (errno == ERANGE && fabs(v) > 1.0) die_input("--%s: '%s' is out of range", flag, s);
+    if (end == s || *end || !isfinite(v)) die_input("--%s: '%s' is not a finite number", flag, s);
+    return v;
+}
+
+/* "--sample.prompt 50257,882,198": append one prompt. Ids are checked against vocab_size later,
+ * once all flags (in any order) are known. */
+static void parse_prompt(Config* c, const char* s) {
+    int n_tok = 0, cap, k;
+    const char* p;
+    char* end;
+    if (c->sample.n_prompts >= CFG_MAX_PROMPTS) die_input("--sample.prompt: at most %d prompts", CFG_MAX_PROMPTS);
+    for (p = s, cap = 1; *p; p++) cap += (*p == ',');
+    k = c->sample.prompt_start[c->sample.n_prompts];
+    c->sample.prompt_tokens = (int*)realloc(c->sample.prompt_tokens, (size_t)(k + cap) * sizeof(int));
+    if (!c->sample.prompt_tokens) die_io("out of memory parsing prompts");
+    p = s;
+    for (;;) {
+        long v;
+        errno = 0;
+        v = strtol(p, &end, 10);
+        if (errno || end == p || v < 0 || v > INT_MAX || (*end != ',' && *end != '\0'))
+            die_input("--sample.prompt: '%s' is not a comma-separated list of token ids", s);
+        c->sample.prompt_tokens[k + n_tok++] = (int)v;
+        if (*end == '\0') break;
+        p = end + 1;
+    }
+    c->sample.n_prompts++;
+    c->sample.prompt_start[c->sample.n_prompts] = k + n_tok;
+}
+
+static int choice_ok(const char* choices, const char* v) {
+    size_t len = strlen(v);
+    const char* p = choices;
+    while (*p) {
+        const char* bar = strchr(p, '|');
+        size_t n = bar ? (size_t)(bar - p) : strlen(p);
+        if (n == len && strncmp(p, v, n) == 0) return 1;
+        if (!bar) break;
+        p = bar + 1;
+    }
+    return 0;
+}
+
+static void flag_set(Config* c, const Flag* f, const char* v) {
+    switch (f->type) {
+    case F_INT: {
+        long long x = parse_int_or_die(f->name, v);
+        if ((double)x < f->min || (double)x > f->max)
+            die_input("--%s: %lld is outside [%.0f, %.0f]", f->name, x, f->min, f->max);
+        *(int*)f->ptr = (int)x;
+        break;
+    }
+    case F_FLOAT: {
+        double x = parse_float_or_die(f->name, v);
+        if (x < f->min || x > f->max) die_input("--%s: %g is outside [%g, %g]", f->name, x, f->min, f->max);
+        *(float*)f->ptr = (float)x;
+        break;
+    }
+    case F_CHOICE:
+    case F_STR:
+        if (f->type == F_CHOICE && !choice_ok(f->choices, v))
+            die_input("--%s: '%s' is not one of %s", f->name, v, f->choices);
+        if (strlen(v) >= f->cap) die_input("--%s: value is longer than %zu characters", f->name, f->cap - 1);
+        strcpy((char*)f->ptr, v);
+        break;
+    case F_BOOL:
+        *(int*)f->ptr = (strcmp(v, "1") == 0);
+        break;
+    case F_PROMPT:
+        parse_prompt(c, v);
+        break;
+    }
+}
+
+static int find_flag(const Flag* f, int n, const char* name, size_t len) {
+    int i;
+    for (i = 0; i < n; i++)
+        if (strlen(f[i].name) == len && strncmp(f[i].name, name, len) == 0) return i;
+    return -1;
+}
+
+/* Whether the flag called `name` was given on the command line. */
+static int flag_seen(const Flag* f, int n, const int* seen, const char* name) {
+    return seen[find_flag(f, n, name, strlen(name))];
+}
+
+static void config_validate(const Config* c, const int* seen, const Flag* f, int n);
+
+/* Parses argv into *c (defaults first), validates, and dies with one error line on bad input.
+ * --help prints the table and exits 0. */
+static void config_parse(Config* c, int argc, char** argv) {
+    Flag f[CFG_N_FLAGS_MAX];
+    int seen[CFG_N_FLAGS_MAX];
+    int n, i;
+    memset(c, 0, sizeof *c);
+    n = config_flags(c, f);
+    memset(seen, 0, sizeof seen);
+    for (i = 0; i < n; i++)
+        if (f[i].def) flag_set(c, &f[i], f[i].def);
+    for (i = 1; i < argc; i++) {
+        const char* a = argv[i];
+        const char* eq;
+        const char* val;
+        int k;
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            config_help(stdout, argv[0]);
+            exit(0);
+        }
+        if (strncmp(a, "--", 2) != 0) die_input("unexpected argument '%s' (flags start with --; see --help)", a);
+        a += 2;
+        eq = strchr(a, '=');
+        k = find_flag(f, n, a, eq ? (size_t)(eq - a) : strlen(a));
+        if (k < 0) die_input("unknown flag '%s' (see --help)", argv[i]);
+        if (f[k].type == F_BOOL) {
+            if (eq) die_input("--%s takes no value", f[k].name);
+            val = "1";
+        } else if (eq) {
+            val = eq + 1;
+        } else {
+            if (i + 1 >= argc) die_input("--%s needs a value", f[k].name);
+            val = argv[++i];
+        }
+        flag_set(c, &f[k], val);
+        seen[k] = 1;
+    }
+    /* derived defaults */
+    if (!flag_seen(f, n, seen, "model.d_ff")) c->model.d_ff = 4 * c->model.d_model;
+    if (!flag_seen(f, n, seen, "model.padded_vocab_size"))
+        c->model.padded_vocab_size = (c->model.vocab_size + 63) / 64 * 64;
+    c->polish.enabled = flag_seen(f, n, seen, "polish.start_step");
+    config_validate(c, seen, f, n);
+}
+
+static void config_validate(const Config* c, const int* seen, const Flag* f, int n) {
+    int i;
+    for (i = 0; i < n; i++)
+        if (f[i].required && !seen[i]) die_input("missing required flag --%s", f[i].name);
+    if (c->model.d_model % c->model.n_head != 0)
+        die_input("model.n_head (%d) must divide model.d_model (%d)", c->model.n_head, c->model.d_model);
+    if (c->model.padded_vocab_size < c->model.vocab_size)
+        die_input("model.padded_vocab_size (%d) is smaller than model.vocab_size (%d)", c->model.padded_vocab_size,
+                  c->model.vocab_size);
+    if ((double)c->train.batch_size * c->model.seq_len * (double)c->model.padded_vocab_size > 9e18)
+        die_input("train.batch_size * model.seq_len * model.padded_vocab_size is too large");
+    if (c->train.min_lr > c->train.lr) die_input("train.min_lr (%g) is above train.lr (%g)", c->train.min_lr, c->train.lr);
+    if (c->train.warmup_steps > c->train.steps)
+        die_input("train.warmup_steps (%d) is more than train.steps (%d)", c->train.warmup_steps, c->train.steps);
+    if (c->eval.every > 0 && !c->data.val[0]) die_input("eval.every > 0 needs --data.val");
+    if (c->sample.every > 0 && c->sample.n_prompts == 0) die_input("sample.every > 0 needs at least one --sample.prompt");
+    for (i = 0; i < c->sample.n_prompts; i++) {
+        int j;
+        if (c->sample.prompt_start[i + 1] == c->sample.prompt_start[i]) die_input("--sample.prompt %d is empty", i);
+        for (j = c->sample.prompt_start[i]; j < c->sample.prompt_start[i + 1]; j++)
+            if (c->sample.prompt_tokens[j] >= c->model.vocab_size)
+                die_input("--sample.prompt %d: token id %d >= model.vocab_size (%d)", i, c->sample.prompt_tokens[j],
+                          c->model.vocab_size);
+    }
+    if (c->checkpoint.every > 0 && !c->checkpoint.path[0]) die_input("checkpoint.every > 0 needs --checkpoint PATH");
+    if (c->resume && !c->checkpoint.path[0]) die_input("--resume needs --checkpoint PATH");
+    if (c->polish.enabled) {
+        if (!c->polish.train[0]) die_input("--polish.start_step needs --polish.train");
+        if (!flag_seen(f, n, seen, "polish.lr")) die_input("--polish.start_step needs --polish.lr");
+        if (c->polish.start_step > c->train.steps)
+            die_input("polish.start_step (%d) is beyond train.steps (%d)", c->polish.start_step, c->train.steps);
+    } else if (c->polish.train[0] || flag_seen(f, n, seen, "polish.lr")) {
+        die_input("--polish.train / --polish.lr need --polish.start_step");
+    }
+}
+
+static int config_is_fp16(const Config* c) { return strcmp(c->train.precision, "fp16") == 0; }
+
+#endif

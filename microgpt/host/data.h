@@ -1,0 +1,137 @@
+/* data.h: llm.c token shards (SPEC §7) and the deterministic choice of training / validation
+ * windows (docs/DESIGN.md "Steps, batches, randomness").
+ * Shards are memory-mapped read-only: validating them (header, size, every token id) happens before
+ * any large allocation and costs no memory beyond the page cache.
+ * Compiles as C99 and as C++ (nvcc). */
+#ifndef MICROGPT_HOST_DATA_H
+#define MICROGPT_HOST_DATA_H
+
+#include "output.h"
+#include "rng.h"
+#include <fcntl.h>
+#include <glob.h>
+#include <stdint.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define SHARD_MAGIC 20240520
+#define SHARD_VERSION 1
+#define SHARD_HEADER_BYTES 1024
+
+typedef struct {
+    int n_shards;
+    char** paths;
+    const uint16_t** tokens; /* tokens of shard i (points into its mapping) */
+    size_t* ntok;
+    void** maps;
+    size_t* map_bytes;
+    uint64_t* first_window; /* prefix sums: windows of shards before i; [n_shards] = total */
+    uint64_t n_windows;     /* windows of T+1 tokens that lie inside one shard */
+    size_t total_tokens;
+} Dataset;
+
+/* Maps and validates one shard; dies naming the file on any defect. */
+static void shard_map(Dataset* ds, int i, const char* path, int vocab_size) {
+    struct stat st;
+    const int32_t* header;
+    size_t k, n;
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) die_input("cannot open shard %s", path);
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) die_input("shard %s is not a regular file", path);
+    if ((size_t)st.st_size < SHARD_HEADER_BYTES)
+        die_input("shard %s: %lld bytes is shorter than the %d-byte header", path, (long long)st.st_size, SHARD_HEADER_BYTES);
+    ds->maps[i] = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (ds->maps[i] == MAP_FAILED) die_input("cannot map shard %s", path);
+    ds->map_bytes[i] = (size_t)st.st_size;
+    header = (const int32_t*)ds->maps[i];
+    if (header[0] != SHARD_MAGIC) die_input("shard %s: bad magic %d (expected %d)", path, header[0], SHARD_MAGIC);
+    if (header[1] != SHARD_VERSION) die_input("shard %s: unsupported version %d (expected %d)", path, header[1], SHARD_VERSION);
+    if (header[2] < 0 || (size_t)st.st_size != SHARD_HEADER_BYTES + 2 * (size_t)header[2])
+        die_input("shard %s: file is %lld bytes, header promises %lld", path, (long long)st.st_size,
+                  (long long)SHARD_HEADER_BYTES + 2LL * header[2]);
+    n = (size_t)header[2];
+    ds->ntok[i] = n;
+    ds->tokens[i] = (const uint16_t*)((const char*)ds->maps[i] + SHARD_HEADER_BYTES);
+    for (k = 0; k < n; k++)
+        if (ds->tokens[i][k] >= vocab_size)
+            die_input("shard %s: token id %d at position %zu >= model.vocab_size (%d)", path, ds->tokens[i][k], k, vocab_size);
+}
+
+/* Opens every shard matching `pattern` (sorted, as glob returns them) for windows of T+1 tokens.
+ * `what` names the flag in error messages. */
+static void dataset_open(Dataset* ds, const char* pattern, const char* what, int vocab_size, int T) {
+    glob_t g;
+    int i, rc;
+    size_t longest = 0;
+    memset(ds, 0, sizeof *ds);
+    rc = glob(pattern, 0, NULL, &g);
+    if (rc != 0 || g.gl_pathc == 0) die_input("%s: no shard matches '%s'", what, pattern);
+    ds->n_shards = (int)g.gl_pathc;
+    ds->paths = (char**)xcalloc(g.gl_pathc, sizeof(char*), "shard list");
+    ds->tokens = (const uint16_t**)xcalloc(g.gl_pathc, sizeof(uint16_t*), "shard list");
+    ds->ntok = (size_t*)xcalloc(g.gl_pathc, sizeof(size_t), "shard list");
+    ds->maps = (void**)xcalloc(g.gl_pathc, sizeof(void*), "shard list");
+    ds->map_bytes = (size_t*)xcalloc(g.gl_pathc, sizeof(size_t), "shard list");
+    ds->first_window = (uint64_t*)xcalloc(g.gl_pathc + 1, sizeof(uint64_t), "shard list");
+    for (i = 0; i < ds->n_shards; i++) {
+        ds->paths[i] = strdup(g.gl_pathv[i]);
+        shard_map(ds, i, ds->paths[i], vocab_size);
+        ds->total_tokens += ds->ntok[i];
+        if (ds->ntok[i] > longest) longest = ds->ntok[i];
+        /* a window of T+1 tokens may start at 0 .. ntok-T-1 */
+        ds->first_window[i + 1] = ds->first_window[i] + (ds->ntok[i] > (size_t)T ? ds->ntok[i] - (size_t)T : 0);
+    }
+    ds->n_windows = ds->first_window[ds->n_shards];
+    globfree(&g);
+    if (ds->n_windows == 0)
+        die_input("%s: model.seq_len (%d) is too long for the data: a window needs %d tokens, the longest shard has %zu",
+                  what, T, T + 1, longest);
+}
+
+static void dataset_close(Dataset* ds) {
+    int i;
+    for (i = 0; i < ds->n_shards; i++) {
+        if (ds->maps[i] && ds->maps[i] != MAP_FAILED) munmap(ds->maps[i], ds->map_bytes[i]);
+        free(ds->paths[i]);
+    }
+    free(ds->paths); free((void*)ds->tokens); free(ds->ntok); free(ds->maps); free(ds->map_bytes); free(ds->first_window);
+    memset(ds, 0, sizeof *ds);
+}
+
+/* B windows of T+1 tokens: window b starts at a position drawn from rng(seed, stream, counter0 + b)
+ * over all windows of all shards. inputs/targets are [B*T]; targets are inputs shifted by one. */
+static void dataset_fill(const Dataset* ds, uint64_t seed, int stream, uint64_t counter0, int B, int T,
+                         int* inputs, int* targets) {
+    int b, t;
+    for (b = 0; b < B; b++) {
+        uint64_t w = rng_below(seed, (uint64_t)stream, counter0 + (uint64_t)b, ds->n_windows);
+        int lo = 0, hi = ds->n_shards - 1; /* find the shard i with first_window[i] <= w < first_window[i+1] */
+        const uint16_t* src;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if (ds->first_window[mid] <= w) lo = mid;
+            else hi = mid - 1;
+        }
+        src = ds->tokens[lo] + (w - ds->first_window[lo]);
+        for (t = 0; t < T; t++) {
+            inputs[b * T + t] = src[t];
+            targets[b * T + t] = src[t + 1];
+        }
+    }
+}
+
+/* Micro-batch j of step index s (train and polish data). */
+static void fill_train_batch(const Dataset* ds, uint64_t seed, int s, int j, int accum, int B, int T, int* inputs,
+                             int* targets) {
+    uint64_t counter0 = ((uint64_t)s * (uint64_t)accum + (uint64_t)j) * (uint64_t)B;
+    dataset_fill(ds, seed, STREAM_TRAIN, counter0, B, T, inputs, targets);
+}
+
+/* Validation batch i: the same fixed set at every evaluation. */
+static void fill_val_batch(const Dataset* ds, uint64_t seed, int i, int B, int T, int* inputs, int* targets) {
+    dataset_fill(ds, seed, STREAM_VAL, (uint64_t)i * (uint64_t)B, B, T, inputs, targets);
+}
+
+#endif

@@ -1,0 +1,44 @@
+/* engine.h: the interface every engine (CPU, CUDA) implements. train_loop.h drives it; it never
+ * sees device memory. All arrays passed in or out are host memory.
+ * Compiles as C99 and as C++ (nvcc). */
+#ifndef MICROGPT_HOST_ENGINE_H
+#define MICROGPT_HOST_ENGINE_H
+
+#include "config.h"
+#include "params.h"
+
+typedef struct {
+    float grad_norm;  /* global L2 norm of the (1/accum-scaled) gradients, before clipping */
+    int skipped;      /* 1: the update was not applied (fp16 overflow) */
+    float loss_scale; /* current dynamic loss scale (fp16), 1 otherwise */
+} UpdateResult;
+
+/* Identity for the "start" event: "cpu" / "cuda", and what the engine really computes in for the
+ * configured precision (the CPU engine always answers "fp32"). */
+static const char* engine_name(void);
+static const char* engine_compute_precision(const Config* cfg);
+
+/* Allocate every buffer once, print the memory plan to stderr, emit the "memory" event
+ * (output.h: emit_memory); returns the bytes allocated. Must die (die_io) with needed/free bytes
+ * when memory is short. The engine builds its own ParamLayout with param_layout_init(cfg): the
+ * same layout train_loop uses. */
+static size_t engine_setup(const Config* cfg);
+/* Load weights and AdamW moments (n_params floats each). loss_scale <= 0 means "engine default". */
+static void engine_set_state(const float* params, const float* m, const float* v, float loss_scale);
+static void engine_get_state(float* params, float* m, float* v, float* loss_scale);
+/* One micro-batch of B·T tokens: forward + backward, grads += ; returns the mean loss. */
+static float engine_forward_backward(const int* inputs, const int* targets);
+/* Validation: forward only, no gradients; returns the mean loss over B·T positions. */
+static float engine_forward_loss(const int* inputs, const int* targets);
+/* Logits [vocab_size] (real vocabulary only) at position len-1 of one sequence, 1 <= len <= T. */
+static void engine_next_logits(const int* tokens, int len, float* logits);
+/* grads·1/accum, global norm (deterministic), clip to grad_clip, AdamW with decay on 2-D tensors
+ * only (t = 1-based step), then zero the grads. */
+static UpdateResult engine_update(float lr, int t, const Config* cfg);
+/* Host copy of the accumulated (unscaled) grads, n_params floats (for --dump-grads). */
+static void engine_get_grads(float* grads);
+/* Device bytes in use right now (cudaMemGetInfo-style); 0 on the CPU. */
+static size_t engine_device_bytes_in_use(void);
+static void engine_shutdown(void);
+
+#endif

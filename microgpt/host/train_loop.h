@@ -1,0 +1,319 @@
+/* train_loop.h: train_main(), the whole training loop, shared by both engines. The engine file
+ * defines the engine_* functions of engine.h, includes this header and calls train_main from main.
+ * Order of business: parse and validate every input (flags, shards, checkpoint header) before any
+ * large allocation; allocate everything once; then run steps, reacting to signals between steps.
+ * Compiles as C99 and as C++ (nvcc). */
+#ifndef MICROGPT_HOST_TRAIN_LOOP_H
+#define MICROGPT_HOST_TRAIN_LOOP_H
+
+#include "checkpoint.h"
+#include "config.h"
+#include "data.h"
+#include "engine.h"
+#include "output.h"
+#include "params.h"
+#include "rng.h"
+#include "schedule.h"
+#include "signals.h"
+#include <time.h>
+
+/* Everything the loop needs, allocated once in run_setup. */
+typedef struct {
+    Config cfg;
+    ParamLayout layout;
+    Dataset train, val, polish;
+    int start_step;                  /* completed steps at start (checkpoint step on resume) */
+    float *params, *m, *v;           /* host copies for checkpoints [n_params] each */
+    float loss_scale;
+    int *inputs, *targets;           /* one micro-batch [B*T] */
+    int* sample_seq;                 /* longest prompt + sample.tokens */
+    float* logits;                   /* [vocab_size] */
+    int* topk_idx;                   /* [k_eff] */
+    float* topk_val;                 /* [k_eff] */
+    int k_eff;                       /* candidates per sampled token: top_k, or the whole vocabulary */
+} Run;
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static int file_exists(const char* path) {
+    struct stat st;
+    return stat(path, &st) == 0;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Sampling */
+
+/* Picks a token from logits over the real vocabulary: greedy when temperature is 0, otherwise
+ * softmax(logits / temperature) restricted to the top-k logits (ties: lower id first), inverted
+ * at the uniform draw u. Only indices < vocab_size are ever considered. */
+static int sample_token(Run* r, const float* logits, double u) {
+    const Config* c = &r->cfg;
+    int V = c->model.vocab_size, n = 0, i, j;
+    double max, total = 0.0, acc = 0.0;
+    if (c->sample.temperature == 0.0f) {
+        int best = 0;
+        for (i = 1; i < V; i++)
+            if (logits[i] > logits[best]) best = i;
+        return best;
+    }
+    /* insertion into a descending list of at most k_eff candidates */
+    for (i = 0; i < V; i++) {
+        float x = logits[i];
+        if (x != x) continue; /* NaN never wins */
+        if (n == r->k_eff && !(x > r->topk_val[n - 1])) continue;
+        j = n < r->k_eff ? n++ : n - 1;
+        while (j > 0 && x > r->topk_val[j - 1]) {
+            r->topk_val[j] = r->topk_val[j - 1];
+            r->topk_idx[j] = r->topk_idx[j - 1];
+            j--;
+        }
+        r->topk_val[j] = x;
+        r->topk_idx[j] = i;
+    }
+    if (n == 0) return 0;
+    max = r->topk_val[0];
+    for (i = 0; i < n; i++) total += exp(((double)r->topk_val[i] - max) / c->sample.temperature);
+    for (i = 0; i < n; i++) {
+        acc += exp(((double)r->topk_val[i] - max) / c->sample.temperature);
+        if (u * total < acc) return r->topk_idx[i];
+    }
+    return r->topk_idx[n - 1];
+}
+
+/* Continues every prompt by sample.tokens tokens and emits one "sample" line each. Draw i of
+ * prompt p after `done` steps uses counter (done·n_prompts + p)·tokens + i of STREAM_SAMPLE. */
+static void run_samples(Run* r, int done) {
+    const Config* c = &r->cfg;
+    int p, i, T = c->model.seq_len;
+    for (p = 0; p < c->sample.n_prompts; p++) {
+        const int* prompt = c->sample.prompt_tokens + c->sample.prompt_start[p];
+        int n0 = c->sample.prompt_start[p + 1] - c->sample.prompt_start[p];
+        memcpy(r->sample_seq, prompt, (size_t)n0 * sizeof(int));
+        for (i = 0; i < c->sample.tokens; i++) {
+            int len = n0 + i, ctx_len = len < T ? len : T; /* slide the window once past T */
+            uint64_t counter = ((uint64_t)done * (uint64_t)c->sample.n_prompts + (uint64_t)p) * (uint64_t)c->sample.tokens + (uint64_t)i;
+            engine_next_logits(r->sample_seq + (len - ctx_len), ctx_len, r->logits);
+            r->sample_seq[len] = sample_token(r, r->logits, rng_uniform((uint64_t)c->train.seed, STREAM_SAMPLE, counter));
+        }
+        emit_sample(done, p, prompt, n0, r->sample_seq + n0, c->sample.tokens);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Evaluation, checkpoints */
+
+static double run_eval(Run* r) {
+    const Config* c = &r->cfg;
+    double sum = 0.0;
+    int i;
+    for (i = 0; i < c->eval.batches; i++) {
+        fill_val_batch(&r->val, (uint64_t)c->train.seed, i, c->train.batch_size, c->model.seq_len, r->inputs, r->targets);
+        sum += engine_forward_loss(r->inputs, r->targets);
+    }
+    return sum / c->eval.batches;
+}
+
+static void save_checkpoint(Run* r, int done, const char* reason) {
+    engine_get_state(r->params, r->m, r->v, &r->loss_scale);
+    ckpt_write(r->cfg.checkpoint.path, done, r->params, r->m, r->v, r->layout.n_params, r->loss_scale, &r->cfg);
+    emit_checkpoint(done, r->cfg.checkpoint.path, reason);
+}
+
+static const Dataset* data_for_step(const Run* r, int s) { return in_polish(&r->cfg, s) ? &r->polish : &r->train; }
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Start-up */
+
+/* Everything that can be wrong with the input is found here, before any large allocation. */
+static void run_validate_inputs(Run* r, int argc, char** argv) {
+    Config* c = &r->cfg;
+    int V, T;
+    config_parse(c, argc, argv);
+    V = c->model.vocab_size;
+    T = c->model.seq_len;
+    param_layout_init(&r->layout, c);
+    if (r->layout.n_params > 2147483647u)
+        die_input("the model has %zu parameters; the checkpoint format holds at most 2^31-1", r->layout.n_params);
+    dataset_open(&r->train, c->data.train, "data.train", V, T);
+    if (c->data.val[0]) dataset_open(&r->val, c->data.val, "data.val", V, T);
+    if (c->polish.enabled) dataset_open(&r->polish, c->polish.train, "polish.train", V, T);
+    r->start_step = 0;
+    if (c->resume) {
+        r->start_step = ckpt_check(c->checkpoint.path, r->layout.n_params);
+    } else if (c->checkpoint.path[0] && file_exists(c->checkpoint.path) && !c->dump_grads[0]) {
+        die_input("checkpoint %s already exists; pass --resume to continue that run, or remove it to start over",
+                  c->checkpoint.path);
+    }
+}
+
+static void run_allocate(Run* r) {
+    const Config* c = &r->cfg;
+    size_t n = r->layout.n_params, bt = (size_t)c->train.batch_size * c->model.seq_len;
+    int i, longest_prompt = 0;
+    r->params = (float*)xmalloc(n * sizeof(float), "host weights");
+    r->m = (float*)xcalloc(n, sizeof(float), "host AdamW m");
+    r->v = (float*)xcalloc(n, sizeof(float), "host AdamW v");
+    r->inputs = (int*)xmalloc(bt * sizeof(int), "batch inputs");
+    r->targets = (int*)xmalloc(bt * sizeof(int), "batch targets");
+    for (i = 0; i < c->sample.n_prompts; i++) {
+        int len = c->sample.prompt_start[i + 1] - c->sample.prompt_start[i];
+        if (len > longest_prompt) longest_prompt = len;
+    }
+    r->sample_seq = (int*)xmalloc((size_t)(longest_prompt + c->sample.tokens) * sizeof(int), "sample tokens");
+    r->logits = (float*)xmalloc((size_t)c->model.vocab_size * sizeof(float), "sample logits");
+    r->k_eff = (c->sample.top_k == 0 || c->sample.top_k > c->model.vocab_size) ? c->model.vocab_size : c->sample.top_k;
+    r->topk_idx = (int*)xmalloc((size_t)r->k_eff * sizeof(int), "top-k ids");
+    r->topk_val = (float*)xmalloc((size_t)r->k_eff * sizeof(float), "top-k logits");
+}
+
+static void run_free(Run* r) {
+    free(r->params); free(r->m); free(r->v); free(r->inputs); free(r->targets);
+    free(r->sample_seq); free(r->logits); free(r->topk_idx); free(r->topk_val);
+    free(r->cfg.sample.prompt_tokens);
+    dataset_close(&r->train);
+    if (r->val.n_shards) dataset_close(&r->val);
+    if (r->polish.n_shards) dataset_close(&r->polish);
+    param_layout_free(&r->layout);
+}
+
+static void emit_start(const Run* r) {
+    const Config* c = &r->cfg;
+    fputs("{\"event\":\"start\",\"engine\":", stdout);
+    json_put_string(stdout, engine_name());
+    fputs(",\"name\":", stdout);
+    json_put_string(stdout, c->name);
+    fprintf(stdout, ",\"n_params\":%zu,\"step\":%d,\"steps\":%d,\"precision\":\"%s\",\"compute_precision\":\"%s\","
+                    "\"tokens_per_step\":%lld",
+            r->layout.n_params, r->start_step, c->train.steps, c->train.precision, engine_compute_precision(c),
+            (long long)c->train.batch_size * c->model.seq_len * c->train.grad_accum);
+    jline_end();
+}
+
+/* --dump-grads: one forward/backward of micro-batch 0 of step 0, written as [f32 loss][grads]. */
+static int run_dump_grads(Run* r) {
+    const Config* c = &r->cfg;
+    size_t n = r->layout.n_params;
+    float loss;
+    float* grads = (float*)xmalloc(n * sizeof(float), "gradient dump");
+    FILE* f;
+    fill_train_batch(data_for_step(r, 0), (uint64_t)c->train.seed, 0, 0, c->train.grad_accum, c->train.batch_size,
+                     c->model.seq_len, r->inputs, r->targets);
+    loss = engine_forward_backward(r->inputs, r->targets);
+    engine_get_grads(grads);
+    f = fopen(c->dump_grads, "wb");
+    if (!f) die_io("cannot create %s: %s", c->dump_grads, strerror(errno));
+    if (fwrite(&loss, 4, 1, f) != 1 || fwrite(grads, 4, n, f) != n || fclose(f) != 0)
+        die_io("writing %s failed: %s", c->dump_grads, strerror(errno));
+    info("wrote loss %.6f and %zu gradients to %s", loss, n, c->dump_grads);
+    free(grads);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The loop */
+
+/* One optimizer step: grad_accum micro-batches, then the update. Returns the mean micro-batch loss. */
+static double run_step(Run* r, int s, UpdateResult* res, double lr) {
+    const Config* c = &r->cfg;
+    const Dataset* ds = data_for_step(r, s);
+    double loss = 0.0;
+    int j;
+    for (j = 0; j < c->train.grad_accum; j++) {
+        fill_train_batch(ds, (uint64_t)c->train.seed, s, j, c->train.grad_accum, c->train.batch_size, c->model.seq_len,
+                         r->inputs, r->targets);
+        loss += engine_forward_backward(r->inputs, r->targets);
+    }
+    *res = engine_update((float)lr, s + 1, c);
+    return loss / c->train.grad_accum;
+}
+
+/* Which checkpoint (if any) is due after `done` completed steps, by priority. */
+static const char* checkpoint_reason(const Run* r, int done) {
+    const Config* c = &r->cfg;
+    if (done == c->train.steps) return "final";
+    if (g_stop_signal) return "signal";
+    if (g_ckpt_requested) return "usr1";
+    if (c->checkpoint.every > 0 && done % c->checkpoint.every == 0) return "periodic";
+    return NULL;
+}
+
+static int train_main(int argc, char** argv) {
+    static Run run; /* static: big enough (Config holds paths) that it shouldn't live on the stack */
+    Run* r = &run;
+    const Config* c = &r->cfg;
+    long long tokens_per_step;
+    int s, steps;
+
+    signals_install();
+    run_validate_inputs(r, argc, argv);
+    steps = c->train.steps;
+    tokens_per_step = (long long)c->train.batch_size * c->model.seq_len * c->train.grad_accum;
+    if (r->start_step >= steps && !c->dump_grads[0]) {
+        emit_start(r);
+        info("checkpoint %s is at step %d of %d: the run is already finished", c->checkpoint.path, r->start_step, steps);
+        emit_exit(r->start_step, "already_finished");
+        run_free(r);
+        return 0;
+    }
+
+    emit_start(r);
+    run_allocate(r);
+    engine_setup(c);
+    if (c->resume) {
+        ckpt_load(c->checkpoint.path, r->layout.n_params, r->params, r->m, r->v);
+        r->loss_scale = sidecar_read(c->checkpoint.path, r->start_step, c);
+        info("resumed from %s at step %d", c->checkpoint.path, r->start_step);
+    } else {
+        params_init(r->params, &r->layout, c);
+        r->loss_scale = 0.0f; /* engine default */
+    }
+    engine_set_state(r->params, r->m, r->v, r->loss_scale);
+    if (strcmp(engine_compute_precision(c), c->train.precision) != 0)
+        info("note: the %s engine computes in %s (train.precision %s was asked for)", engine_name(),
+             engine_compute_precision(c), c->train.precision);
+    if (c->dump_grads[0]) {
+        run_dump_grads(r);
+        engine_shutdown();
+        run_free(r);
+        return 0;
+    }
+
+    for (s = r->start_step; s < steps; s++) {
+        UpdateResult res;
+        double lr = lr_at(c, s), t0, ms, loss;
+        int done = s + 1;
+        const char* reason;
+        if (c->polish.enabled && s == c->polish.start_step) emit_polish(s);
+        t0 = now_ms();
+        loss = run_step(r, s, &res, lr);
+        ms = now_ms() - t0;
+        emit_step(done, loss, lr, res.grad_norm, ms, (double)tokens_per_step / (ms > 0 ? ms * 1e-3 : 1e-9),
+                  (long long)done * tokens_per_step, in_polish(c, s) ? "polish" : "pretrain", res.skipped,
+                  res.loss_scale, config_is_fp16(c));
+        if (engine_device_bytes_in_use() > 0 && (s == r->start_step || done == steps))
+            emit_device_memory(done, engine_device_bytes_in_use());
+        if (c->eval.every > 0 && (done % c->eval.every == 0 || done == steps)) emit_val(done, run_eval(r));
+        if (c->sample.every > 0 && done % c->sample.every == 0) run_samples(r, done);
+        reason = checkpoint_reason(r, done);
+        if (reason && c->checkpoint.path[0]) save_checkpoint(r, done, reason);
+        else if (reason && (g_stop_signal || g_ckpt_requested)) warn("no --checkpoint given: nothing saved");
+        g_ckpt_requested = 0;
+        if (g_stop_signal && done < steps) {
+            info("stopped by signal %d after step %d", (int)g_stop_signal, done);
+            emit_exit(done, "signal");
+            engine_shutdown();
+            run_free(r);
+            return 0;
+        }
+    }
+    emit_exit(steps, "finished");
+    engine_shutdown();
+    run_free(r);
+    return 0;
+}
+
+#endif

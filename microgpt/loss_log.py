@@ -1,0 +1,241 @@
+"""A run's loss history, <name>.loss.json: one JSON array that only ever grows (SPEC §5).
+
+On disk, one record per line:
+
+    [
+    {"live":1,"step":1,"loss":10.93,"lr":6e-05,...,"seg":1,"time":1718000000.123,"elapsed":0.41},
+    {"live":1,"step":2,"loss":10.71,...}
+    ]
+
+Appending seeks back over the closing "\\n]" and writes ",\\n{record}...\\n]" with one pwrite, so the
+file is never rewritten and is valid JSON after every complete write. A crash in the middle of a
+write leaves a torn tail; opening the log cuts it back to the last complete record and closes the
+array again (repair()).
+
+Superseded records. Every record starts with "live":1. When a run resumes from a checkpoint at step
+k, every live record with step > k describes a future that no longer happens; its "1" is overwritten
+in place by "0" (a single byte, so the file is valid JSON at every instant) before the resumed engine
+writes anything, and a {"event":"resume","step":k} record is appended. So for a plain reader
+
+    live = [r for r in json.load(open(path)) if r["live"]]
+
+holds each step once, and a streaming reader (the dashboard) that only sees appended records applies
+the same rule: a resume record at step k supersedes every earlier record with step > k. Live records
+therefore appear in non-decreasing step order, which lets supersede_after() stop at the first live
+record at or below k instead of scanning the whole file.
+"""
+import json
+import os
+import threading
+from array import array
+
+LIVE_FLAG_OFFSET = len(b'{"live":')  # the byte that becomes "0" when the record is superseded
+EMPTY = b"[\n]"
+
+
+class LossLogError(RuntimeError):
+    pass
+
+
+def encode_record(rec):
+    """One record as the bytes of its line: "live" first, so its flag sits at a fixed offset."""
+    body = json.dumps({k: v for k, v in rec.items() if k != "live"}, separators=(",", ":"),
+                      allow_nan=False)
+    if body == "{}":
+        raise LossLogError("refusing to log an empty record")
+    live = 0 if rec.get("live", 1) == 0 else 1
+    return b'{"live":%d,' % live + body[1:].encode()
+
+
+def _complete_record(line):
+    """The record on a line of the log ("{...}" maybe followed by "," or "]"), or None if torn."""
+    text = line.strip().rstrip(b",]").strip()
+    if not text.startswith(b"{"):
+        return None
+    try:
+        rec = json.loads(text)
+    except ValueError:  # torn JSON, or NUL bytes left by a crash of the file system
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def repair(path):
+    """Make the file at path a valid log again; returns what was done, or None if it was fine.
+
+    Only the tail can be torn (the writer never touches earlier bytes except single flag bytes), so
+    walk back from the end to the last line that holds a complete record, cut the file right after
+    that record's "}" and close the array. A valid array in another layout (e.g. pretty-printed by
+    hand) is rewritten once into ours. Anything else is refused rather than cut, because cutting it
+    would destroy someone's data."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.strip() == b"":
+        _write_all(path, EMPTY)
+        return f"{path}: empty file, started a new log"
+    try:
+        records = json.loads(data)
+    except ValueError:
+        records = None
+    if records is not None:
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise LossLogError(f"{path}: not a JSON array of records; move it away")
+        lines = [encode_record(r) for r in records]
+        _write_all(path, b"[\n" + b",\n".join(lines) + b"\n]" if lines else EMPTY)
+        return f"{path}: rewrote into the one-record-per-line layout"
+    lines = data.split(b"\n")
+    if lines[0].strip() != b"[":
+        raise LossLogError(f"{path}: neither valid JSON nor a loss log with a torn tail; "
+                           "fix or move it")
+    pos = len(data)
+    for line in reversed(lines[1:]):
+        pos -= len(line)  # now the offset where this line starts
+        if _complete_record(line) is not None:
+            keep = pos + len(line.rstrip(b" \t\r,]"))  # through the record's closing "}"
+            _truncate_and_close(path, keep)
+            break
+        pos -= 1  # the "\n" before this line
+    else:
+        _write_all(path, EMPTY)
+        return f"{path}: no complete record survived a torn write; started a new log"
+    try:
+        with open(path, "rb") as f:
+            json.load(f)
+    except ValueError as e:
+        raise LossLogError(f"{path}: still not valid JSON after cutting the torn tail ({e}); "
+                           "the damage is not at the end, fix or move the file") from None
+    return f"{path}: repaired a torn tail (cut {len(data) - keep} bytes)"
+
+
+def _truncate_and_close(path, size):
+    with open(path, "r+b") as f:
+        f.truncate(size)
+        f.seek(size)
+        f.write(b"\n]")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_all(path, data):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class LossLog:
+    """The open log of one run: appends from the proxy, reads from the server's threads.
+
+    Keeps the byte offset of every record's line, so a reader can be served records i..j as raw
+    bytes without parsing them, and a record's live flag can be found without scanning."""
+
+    def __init__(self, path):
+        self.path = path
+        self.lock = threading.Lock()
+        self.message = None  # what opening had to repair, for the proxy to report
+        if not os.path.exists(path):
+            _write_all(path, EMPTY)
+        self.starts = array("q")  # byte offset where each record's line starts
+        self.end = self._index()  # offset of the final "\n]", where the next append goes
+        if self.end is None:
+            self.message = repair(path)
+            self.end = self._index()
+            if self.end is None:
+                raise LossLogError(f"{path}: could not be brought into the loss-log layout")
+        self.fd = os.open(path, os.O_RDWR)
+
+    def _index(self):
+        """Fill self.starts from the file; returns the offset of the closing "\\n]", or None if the
+        file is not exactly in our layout (torn, or written by something else).
+
+        A per-line check, not a full parse, so opening a million-record log stays quick; the last
+        record is parsed because that is where a torn write would be."""
+        with open(self.path, "rb") as f:
+            data = f.read()
+        self.starts = array("q")
+        lines = data.split(b"\n")
+        if len(lines) < 2 or lines[0] != b"[" or lines[-1] != b"]":
+            return None
+        body = lines[1:-1]
+        pos = len(lines[0]) + 1
+        for i, line in enumerate(body):
+            last = i == len(body) - 1
+            if not (line.startswith(b'{"live":') and line.endswith(b"}" if last else b"},")):
+                return None
+            self.starts.append(pos)
+            pos += len(line) + 1
+        if body and _complete_record(body[-1]) is None:
+            return None
+        return len(data) - 2
+
+    def __len__(self):
+        return len(self.starts)
+
+    def append(self, records):
+        """Append records (dicts) with one write and one fsync: the batch is the unit of durability."""
+        if not records:
+            return
+        with self.lock:
+            blob = bytearray()
+            starts = []
+            pos = self.end
+            for rec in records:
+                sep = b",\n" if len(self.starts) + len(starts) else b"\n"
+                line = encode_record(rec)
+                starts.append(pos + len(sep))
+                blob += sep + line
+                pos += len(sep) + len(line)
+            blob += b"\n]"
+            os.pwrite(self.fd, bytes(blob), self.end)
+            os.fsync(self.fd)
+            self.starts.extend(starts)
+            self.end = pos
+
+    def _line(self, i):
+        stop = self.starts[i + 1] - 2 if i + 1 < len(self.starts) else self.end
+        return os.pread(self.fd, stop - self.starts[i], self.starts[i])
+
+    def record(self, i):
+        return json.loads(self._line(i))
+
+    def supersede_after(self, step):
+        """Mark every live record with step > `step` superseded; returns how many were marked."""
+        marked = 0
+        with self.lock:
+            for i in range(len(self.starts) - 1, -1, -1):
+                rec = json.loads(self._line(i))
+                if not rec.get("live"):
+                    continue
+                if rec.get("step", 0) <= step:
+                    break
+                os.pwrite(self.fd, b"0", self.starts[i] + LIVE_FLAG_OFFSET)
+                marked += 1
+            if marked:
+                os.fsync(self.fd)
+        return marked
+
+    def last_live(self, predicate):
+        """The newest live record for which predicate(record) is true, or None."""
+        with self.lock:
+            for i in range(len(self.starts) - 1, -1, -1):
+                rec = json.loads(self._line(i))
+                if rec.get("live") and predicate(rec):
+                    return rec
+        return None
+
+    def read_json(self, first, limit):
+        """Records first..first+limit-1 as the bytes of a JSON array (no parsing), and the index
+        after the last one returned."""
+        with self.lock:
+            n = len(self.starts)
+            first = max(0, min(first, n))
+            stop_i = min(n, first + max(0, limit))
+            if stop_i == first:
+                return b"[]", first
+            stop = self.starts[stop_i] - 2 if stop_i < n else self.end
+            chunk = os.pread(self.fd, stop - self.starts[first], self.starts[first])
+        return b"[" + chunk + b"]", stop_i
+
+    def close(self):
+        os.close(self.fd)

@@ -1,0 +1,285 @@
+/* microgpt_cpu.c: the CPU reference engine. The model of SPEC §2 (pre-LayerNorm GPT, no biases in
+ * linear layers, tied embeddings, padded vocabulary) assembled from the layer pairs in cpu/ (one header each),
+ * implementing host/engine.h; the training loop itself is host/train_loop.h, shared with the GPU.
+ *
+ * Everything is fp32. Every buffer is allocated once in engine_setup, sized for B·T positions;
+ * smaller calls (one sequence of len tokens when sampling) reuse the same buffers. Results are
+ * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation
+ * orders, and the gradient norm is summed in fixed chunks).
+ *
+ * Build: make cpu   (gcc -std=c99 -O3 -fopenmp -ffp-contract=off) */
+#include "host/train_loop.h"
+
+#include "cpu/adamw.h"
+#include "cpu/attention.h"
+#include "cpu/classifier.h"
+#include "cpu/embed.h"
+#include "cpu/gelu.h"
+#include "cpu/layernorm.h"
+#include "cpu/matmul.h"
+#include "cpu/residual.h"
+
+/* Forward values of one layer that its backward needs. */
+typedef struct {
+    float *ln1, *ln1_mean, *ln1_rstd; /* LN1 output [BT,d], statistics [BT] */
+    float *q, *k, *v;                 /* [BT,d] */
+    float *att;                       /* softmax probabilities [B,H,T,T] */
+    float *atty;                      /* attention output before W_O [BT,d] */
+    float *res1;                      /* x + attention branch [BT,d] */
+    float *ln2, *ln2_mean, *ln2_rstd;
+    float *fc_pre, *fc_gelu;          /* [BT,d_ff]: GELU input and output */
+    float *res2;                      /* layer output [BT,d] */
+} LayerActs;
+
+static struct {
+    Config cfg; /* copy: the engine outlives nothing, but keep it independent of the caller */
+    ParamLayout layout;
+    int B, T, d, H, dff, V, Vp, L;
+    float *params, *grads, *m, *v;
+    /* activations */
+    LayerActs* layers;
+    float *x0, *lnf, *lnf_mean, *lnf_rstd, *probs, *branch;
+    const int* tokens; /* inputs of the last forward (embed_backward needs them) */
+    /* backward scratch, shared by all layers (each is zeroed before use: the layer backward
+     * functions accumulate into every output) */
+    float *dres_a, *dres_b, *dbranch, *dln, *datty, *dq, *dk, *dv, *dfc_gelu, *dfc_pre;
+    double* norm_partials;
+    size_t n_norm_chunks;
+    float* arena;
+    size_t arena_floats;
+} E;
+
+#define NORM_CHUNK 65536 /* grad-norm partial sums: fixed chunks, so the order never depends on threads */
+
+static const char* engine_name(void) { return "cpu"; }
+static const char* engine_compute_precision(const Config* cfg) {
+    (void)cfg;
+    return "fp32";
+}
+
+/* Carves `n` floats off the arena (first pass: only counts). */
+static float* take(size_t* cursor, size_t n) {
+    float* p = E.arena ? E.arena + *cursor : NULL;
+    *cursor += n;
+    return p;
+}
+
+/* Lays out every activation and scratch buffer; with E.arena == NULL it only counts. */
+static size_t carve_buffers(void) {
+    size_t cur = 0, bt = (size_t)E.B * E.T, btd = bt * E.d, btf = bt * E.dff;
+    size_t att = (size_t)E.B * E.H * E.T * E.T;
+    int l;
+    for (l = 0; l < E.L; l++) {
+        LayerActs* a = &E.layers[l];
+        a->ln1 = take(&cur, btd); a->ln1_mean = take(&cur, bt); a->ln1_rstd = take(&cur, bt);
+        a->q = take(&cur, btd); a->k = take(&cur, btd); a->v = take(&cur, btd);
+        a->att = take(&cur, att);
+        a->atty = take(&cur, btd);
+        a->res1 = take(&cur, btd);
+        a->ln2 = take(&cur, btd); a->ln2_mean = take(&cur, bt); a->ln2_rstd = take(&cur, bt);
+        a->fc_pre = take(&cur, btf); a->fc_gelu = take(&cur, btf);
+        a->res2 = take(&cur, btd);
+    }
+    E.x0 = take(&cur, btd);
+    E.lnf = take(&cur, btd); E.lnf_mean = take(&cur, bt); E.lnf_rstd = take(&cur, bt);
+    E.probs = take(&cur, bt * E.Vp);
+    E.branch = take(&cur, btd);
+    E.dres_a = take(&cur, btd); E.dres_b = take(&cur, btd);
+    E.dbranch = take(&cur, btd); E.dln = take(&cur, btd); E.datty = take(&cur, btd);
+    E.dq = take(&cur, btd); E.dk = take(&cur, btd); E.dv = take(&cur, btd);
+    E.dfc_gelu = take(&cur, btf); E.dfc_pre = take(&cur, btf);
+    return cur;
+}
+
+static size_t engine_setup(const Config* cfg) {
+    size_t n, bytes[4];
+    static const char* groups[4] = {"params", "grads", "adam", "activations"};
+    E.cfg = *cfg;
+    param_layout_init(&E.layout, cfg);
+    E.B = cfg->train.batch_size; E.T = cfg->model.seq_len; E.d = cfg->model.d_model; E.H = cfg->model.n_head;
+    E.dff = cfg->model.d_ff; E.V = cfg->model.vocab_size; E.Vp = cfg->model.padded_vocab_size; E.L = cfg->model.n_layer;
+    n = E.layout.n_params;
+    E.layers = (LayerActs*)xcalloc((size_t)E.L, sizeof(LayerActs), "layer table");
+    E.arena = NULL;
+    E.arena_floats = carve_buffers();
+    bytes[0] = n * 4; bytes[1] = n * 4; bytes[2] = 2 * n * 4; bytes[3] = E.arena_floats * 4;
+    info("memory plan (cpu): params %.1f MB, grads %.1f MB, adam %.1f MB, activations %.1f MB, total %.1f MB",
+         bytes[0] / 1e6, bytes[1] / 1e6, bytes[2] / 1e6, bytes[3] / 1e6, (bytes[0] + bytes[1] + bytes[2] + bytes[3]) / 1e6);
+    E.params = (float*)xmalloc(n * sizeof(float), "weights");
+    E.grads = (float*)xcalloc(n, sizeof(float), "gradients");
+    E.m = (float*)xcalloc(n, sizeof(float), "AdamW m");
+    E.v = (float*)xcalloc(n, sizeof(float), "AdamW v");
+    E.arena = (float*)xmalloc(E.arena_floats * sizeof(float), "activations");
+    carve_buffers();
+    E.n_norm_chunks = (n + NORM_CHUNK - 1) / NORM_CHUNK;
+    E.norm_partials = (double*)xmalloc(E.n_norm_chunks * sizeof(double), "norm partials");
+    emit_memory(groups, bytes, 4);
+    return bytes[0] + bytes[1] + bytes[2] + bytes[3];
+}
+
+static void engine_set_state(const float* params, const float* m, const float* v, float loss_scale) {
+    size_t bytes = E.layout.n_params * sizeof(float);
+    (void)loss_scale; /* fp32 needs no loss scaling */
+    memcpy(E.params, params, bytes);
+    memcpy(E.m, m, bytes);
+    memcpy(E.v, v, bytes);
+}
+
+static void engine_get_state(float* params, float* m, float* v, float* loss_scale) {
+    size_t bytes = E.layout.n_params * sizeof(float);
+    memcpy(params, E.params, bytes);
+    memcpy(m, E.m, bytes);
+    memcpy(v, E.v, bytes);
+    *loss_scale = 1.0f;
+}
+
+static float* P(size_t offset) { return E.params + offset; }
+static float* G(size_t offset) { return E.grads + offset; }
+static size_t LO(int l, int t) { return layer_offset(&E.layout, l, t); }
+
+/* The residual stream entering layer l. */
+static const float* layer_input(int l) { return l == 0 ? E.x0 : E.layers[l - 1].res2; }
+
+/* Forward over B sequences of T tokens up to the final LayerNorm (E.lnf). */
+static void forward_trunk(const int* tokens, int B, int T) {
+    int bt = B * T, d = E.d, l;
+    E.tokens = tokens;
+    embed_forward(E.x0, tokens, P(E.layout.wte), P(E.layout.wpe), B, T, d);
+    for (l = 0; l < E.L; l++) {
+        LayerActs* a = &E.layers[l];
+        const float* x = layer_input(l);
+        layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x, P(LO(l, T_LN1_GAMMA)), P(LO(l, T_LN1_BETA)), bt, d);
+        matmul_forward(a->q, a->ln1, P(LO(l, T_WQ)), bt, d, d);
+        matmul_forward(a->k, a->ln1, P(LO(l, T_WK)), bt, d, d);
+        matmul_forward(a->v, a->ln1, P(LO(l, T_WV)), bt, d, d);
+        attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, d, E.H);
+        matmul_forward(E.branch, a->atty, P(LO(l, T_WO)), bt, d, d);
+        residual_forward(a->res1, x, E.branch, bt * d);
+        layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res1, P(LO(l, T_LN2_GAMMA)), P(LO(l, T_LN2_BETA)), bt, d);
+        matmul_forward(a->fc_pre, a->ln2, P(LO(l, T_W1)), bt, d, E.dff);
+        gelu_forward(a->fc_gelu, a->fc_pre, bt * E.dff);
+        matmul_forward(E.branch, a->fc_gelu, P(LO(l, T_W2)), bt, E.dff, d);
+        residual_forward(a->res2, a->res1, E.branch, bt * d);
+    }
+    layernorm_forward(E.lnf, E.lnf_mean, E.lnf_rstd, layer_input(E.L), P(E.layout.lnf_gamma), P(E.layout.lnf_beta), bt, d);
+}
+
+static float forward_loss(const int* inputs, const int* targets) {
+    forward_trunk(inputs, E.B, E.T);
+    return classifier_forward(E.probs, E.lnf, P(E.layout.wte), targets, E.B * E.T, E.d, E.V, E.Vp);
+}
+
+static void zero(float* p, size_t n) { memset(p, 0, n * sizeof(float)); }
+
+/* Backward of the last forward_loss; adds into E.grads. */
+static void backward(const int* targets) {
+    int bt = E.B * E.T, d = E.d, l;
+    size_t btd = (size_t)bt * d, btf = (size_t)bt * E.dff;
+    float *dres = E.dres_a, *dmid = E.dres_b;
+    zero(E.dln, btd);
+    classifier_backward(E.dln, G(E.layout.wte), E.probs, E.lnf, P(E.layout.wte), targets, bt, d, E.V, E.Vp);
+    zero(dres, btd);
+    layernorm_backward(dres, G(E.layout.lnf_gamma), G(E.layout.lnf_beta), E.dln, layer_input(E.L),
+                       P(E.layout.lnf_gamma), E.lnf_mean, E.lnf_rstd, bt, d);
+    for (l = E.L - 1; l >= 0; l--) {
+        LayerActs* a = &E.layers[l];
+        const float* x = layer_input(l);
+        /* res2 = res1 + W_2·gelu(W_1·LN2(res1)); dres holds d(res2) */
+        zero(dmid, btd); zero(E.dbranch, btd);
+        residual_backward(dmid, E.dbranch, dres, (int)btd);
+        zero(E.dfc_gelu, btf);
+        matmul_backward(E.dfc_gelu, G(LO(l, T_W2)), E.dbranch, a->fc_gelu, P(LO(l, T_W2)), bt, E.dff, d);
+        zero(E.dfc_pre, btf);
+        gelu_backward(E.dfc_pre, a->fc_pre, E.dfc_gelu, (int)btf);
+        zero(E.dln, btd);
+        matmul_backward(E.dln, G(LO(l, T_W1)), E.dfc_pre, a->ln2, P(LO(l, T_W1)), bt, d, E.dff);
+        layernorm_backward(dmid, G(LO(l, T_LN2_GAMMA)), G(LO(l, T_LN2_BETA)), E.dln, a->res1, P(LO(l, T_LN2_GAMMA)),
+                           a->ln2_mean, a->ln2_rstd, bt, d);
+        /* res1 = x + W_O·attn(LN1(x)); dmid holds d(res1); dres becomes d(x) */
+        zero(dres, btd); zero(E.dbranch, btd);
+        residual_backward(dres, E.dbranch, dmid, (int)btd);
+        zero(E.datty, btd);
+        matmul_backward(E.datty, G(LO(l, T_WO)), E.dbranch, a->atty, P(LO(l, T_WO)), bt, d, d);
+        zero(E.dq, btd); zero(E.dk, btd); zero(E.dv, btd);
+        attention_backward(E.dq, E.dk, E.dv, E.datty, a->att, a->q, a->k, a->v, E.B, E.T, d, E.H);
+        zero(E.dln, btd);
+        matmul_backward(E.dln, G(LO(l, T_WQ)), E.dq, a->ln1, P(LO(l, T_WQ)), bt, d, d);
+        matmul_backward(E.dln, G(LO(l, T_WK)), E.dk, a->ln1, P(LO(l, T_WK)), bt, d, d);
+        matmul_backward(E.dln, G(LO(l, T_WV)), E.dv, a->ln1, P(LO(l, T_WV)), bt, d, d);
+        layernorm_backward(dres, G(LO(l, T_LN1_GAMMA)), G(LO(l, T_LN1_BETA)), E.dln, x, P(LO(l, T_LN1_GAMMA)),
+                           a->ln1_mean, a->ln1_rstd, bt, d);
+        /* dres = d(x) = d(res2) of the layer below */
+    }
+    embed_backward(G(E.layout.wte), G(E.layout.wpe), dres, E.tokens, E.B, E.T, d);
+}
+
+static float engine_forward_backward(const int* inputs, const int* targets) {
+    float loss = forward_loss(inputs, targets);
+    backward(targets);
+    return loss;
+}
+
+static float engine_forward_loss(const int* inputs, const int* targets) { return forward_loss(inputs, targets); }
+
+/* Logits of the real vocabulary at the last of len positions of one sequence. */
+static void engine_next_logits(const int* tokens, int len, float* logits) {
+    int v, d = E.d;
+    const float* x;
+    forward_trunk(tokens, 1, len);
+    x = E.lnf + (size_t)(len - 1) * d;
+#pragma omp parallel for schedule(static)
+    for (v = 0; v < E.V; v++) logits[v] = dot_f32(x, P(E.layout.wte) + (size_t)v * d, d);
+}
+
+/* Global L2 norm of the gradients: per-chunk double sums, then the chunks in order. */
+static double grad_norm(void) {
+    long c, nc = (long)E.n_norm_chunks;
+    size_t n = E.layout.n_params;
+    double total = 0.0;
+#pragma omp parallel for schedule(static)
+    for (c = 0; c < nc; c++) {
+        size_t i, lo = (size_t)c * NORM_CHUNK, hi = lo + NORM_CHUNK < n ? lo + NORM_CHUNK : n;
+        double s = 0.0;
+        for (i = lo; i < hi; i++) s += (double)E.grads[i] * (double)E.grads[i];
+        E.norm_partials[c] = s;
+    }
+    for (c = 0; c < nc; c++) total += E.norm_partials[c];
+    return sqrt(total);
+}
+
+static void scale_grads(float s) {
+    long i, n = (long)E.layout.n_params;
+#pragma omp parallel for schedule(static)
+    for (i = 0; i < n; i++) E.grads[i] *= s;
+}
+
+static UpdateResult engine_update(float lr, int t, const Config* cfg) {
+    UpdateResult r;
+    double norm;
+    int i;
+    if (cfg->train.grad_accum > 1) scale_grads(1.0f / (float)cfg->train.grad_accum);
+    norm = grad_norm();
+    if (cfg->train.grad_clip > 0.0f && norm > cfg->train.grad_clip) scale_grads((float)(cfg->train.grad_clip / norm));
+    for (i = 0; i < E.layout.n_tensors; i++) {
+        const ParamTensor* pt = &E.layout.tensors[i];
+        adamw_update(E.params + pt->offset, E.grads + pt->offset, E.m + pt->offset, E.v + pt->offset, (long)pt->size, lr,
+                     cfg->train.beta1, cfg->train.beta2, cfg->train.eps, pt->decay ? cfg->train.weight_decay : 0.0f, t);
+    }
+    zero(E.grads, E.layout.n_params);
+    r.grad_norm = (float)norm;
+    r.skipped = 0;
+    r.loss_scale = 1.0f;
+    return r;
+}
+
+static void engine_get_grads(float* grads) { memcpy(grads, E.grads, E.layout.n_params * sizeof(float)); }
+
+static size_t engine_device_bytes_in_use(void) { return 0; }
+
+static void engine_shutdown(void) {
+    free(E.params); free(E.grads); free(E.m); free(E.v); free(E.arena); free(E.norm_partials); free(E.layers);
+    param_layout_free(&E.layout);
+    memset(&E, 0, sizeof E);
+}
+
+int main(int argc, char** argv) { return train_main(argc, argv); }

@@ -1,0 +1,183 @@
+"""The one tokenizer of ANDREA: tiktoken r50k_base (GPT-2 BPE) plus the two ChatML specials (SPEC §2).
+
+    ids 0..50255   GPT-2 byte-pair tokens
+    50256          <|endoftext|>  (separates documents / conversations)
+    50257          <|im_start|>
+    50258          <|im_end|>     -> vocab_size 50259
+
+The BPE ranks come from data/assets/r50k_base.tiktoken when it exists (written by
+`python scripts/fetch-assets.py`, works offline), else from tiktoken's own download.
+
+The ChatML format lives here too, so the data pipeline and the proxy render and tokenize it the same way:
+
+    <|im_start|>system\n...<|im_end|>\n<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n...<|im_end|>\n
+
+Command line (used to check a prompt or to decode a shard):
+    python microgpt/tokenizer.py encode "text"        ordinary text -> ids
+    python microgpt/tokenizer.py encode-chat "text"   text whose ChatML specials are real specials -> ids
+    python microgpt/tokenizer.py decode 1 2 3         ids -> text
+"""
+import base64
+import hashlib
+import json
+import os
+import sys
+
+import tiktoken
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ASSET_PATH = os.path.join(ROOT, "data", "assets", "r50k_base.tiktoken")
+ASSET_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+# The same regex tiktoken_ext/openai_public.py uses for r50k_base.
+PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+EOT = 50256
+IM_START = 50257
+IM_END = 50258
+VOCAB_SIZE = 50259
+SPECIALS = {"<|endoftext|>": EOT, "<|im_start|>": IM_START, "<|im_end|>": IM_END}
+
+# Conversation roles as written in ChatML; the record formats' names map onto them.
+ROLE_NAMES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+              "assistant": "assistant", "tool": "tool"}
+
+
+class TokenizerUnavailable(RuntimeError):
+    pass
+
+
+def _load_ranks(path):
+    """Parse a .tiktoken file ('<base64 token> <rank>' per line) after checking its sha256.
+
+    tiktoken.load.load_tiktoken_bpe does the same parse but also copies local files into a cache
+    directory; reading it here keeps loading free of side effects."""
+    with open(path, "rb") as f:
+        data = f.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != ASSET_SHA256:
+        raise TokenizerUnavailable(f"{path}: sha256 {digest} is not r50k_base's {ASSET_SHA256}; "
+                                   "delete it and run `python scripts/fetch-assets.py`")
+    ranks = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def _build_encoding():
+    if os.path.exists(ASSET_PATH):
+        ranks = _load_ranks(ASSET_PATH)
+    else:
+        try:
+            ranks = tiktoken.get_encoding("r50k_base")._mergeable_ranks
+        except Exception as e:  # offline: requests raises one of several connection errors
+            raise TokenizerUnavailable(
+                f"r50k_base BPE file not found at {ASSET_PATH} and tiktoken could not download it "
+                f"({type(e).__name__}); run `python scripts/fetch-assets.py`") from None
+    return tiktoken.Encoding(name="r50k_base_chatml", pat_str=PAT_STR, mergeable_ranks=ranks,
+                             special_tokens=SPECIALS, explicit_n_vocab=VOCAB_SIZE)
+
+
+_encoding = None
+
+
+def encoding():
+    """The tiktoken Encoding, built once per process on first use."""
+    global _encoding
+    if _encoding is None:
+        _encoding = _build_encoding()
+    return _encoding
+
+
+def encode(text):
+    """Ordinary text -> ids. Special-token strings in the text stay plain text (never 50256..50258),
+    so data can never smuggle a control token in."""
+    return encoding().encode_ordinary(text)
+
+
+def encode_chat(text):
+    """Text written by a person (e.g. a sample prompt) in which <|im_start|>, <|im_end|> and
+    <|endoftext|> mean the special tokens."""
+    return encoding().encode(text, allowed_special=set(SPECIALS), disallowed_special=())
+
+
+def decode(ids):
+    """ids -> text. Ids outside the vocabulary (e.g. padded embedding rows) are dropped rather than
+    raising, so a sample from a half-trained model always decodes; invalid UTF-8 becomes U+FFFD."""
+    ids = [int(i) for i in ids]
+    return encoding().decode([i for i in ids if 0 <= i < VOCAB_SIZE], errors="replace")
+
+
+def render_chatml(turns):
+    """[(role, content), ...] -> the ChatML text of one conversation (no <|endoftext|>)."""
+    return "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
+
+
+def encode_conversation(turns):
+    """Tokens of render_chatml(turns) + <|endoftext|>, built structurally: contents are encoded as
+    ordinary text, so a literal "<|im_end|>" inside a message cannot end the turn.
+    For contents without special strings this equals encode_chat(render_chatml(turns) + "<|endoftext|>")."""
+    ids = []
+    newline = encode("\n")
+    for role, content in turns:
+        ids.append(IM_START)
+        ids.extend(encode(f"{role}\n{content}"))
+        ids.append(IM_END)
+        ids.extend(newline)
+    ids.append(EOT)
+    return ids
+
+
+def parse_conversation(record):
+    """A ShareGPT record ({"conversations": [{"from", "value"}]}) or an OpenAI record
+    ({"messages": [{"role", "content"}]}) -> [(chatml_role, content), ...].
+    Raises ValueError with a short reason (used as a counter key) if the record is malformed."""
+    if not isinstance(record, dict):
+        raise ValueError("record is not an object")
+    if isinstance(record.get("conversations"), list):
+        turns, role_key, text_key = record["conversations"], "from", "value"
+    elif isinstance(record.get("messages"), list):
+        turns, role_key, text_key = record["messages"], "role", "content"
+    else:
+        raise ValueError("no conversations/messages list")
+    out = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise ValueError("turn is not an object")
+        role, content = turn.get(role_key), turn.get(text_key)
+        if role not in ROLE_NAMES:
+            raise ValueError("unknown role")
+        if not isinstance(content, str):
+            raise ValueError("content is not a string")
+        out.append((ROLE_NAMES[role], content))
+    roles = {role for role, _ in out}
+    if "user" not in roles or "assistant" not in roles:
+        raise ValueError("no user/assistant exchange")
+    return out
+
+
+def main(argv):
+    usage = "usage: tokenizer.py encode TEXT | encode-chat TEXT | decode ID..."
+    if len(argv) < 2 or argv[0] not in ("encode", "encode-chat", "decode"):
+        print(usage, file=sys.stderr)
+        return 2
+    try:
+        if argv[0] == "decode":
+            try:
+                ids = [int(a) for a in argv[1:]]
+            except ValueError:
+                print("error: decode takes integer token ids", file=sys.stderr)
+                return 2
+            sys.stdout.write(decode(ids) + "\n")
+        else:
+            fn = encode if argv[0] == "encode" else encode_chat
+            print(json.dumps(fn(" ".join(argv[1:]))))
+    except TokenizerUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,633 @@
+#!/usr/bin/env python3
+"""The training proxy (SPEC §5): launches an engine on an experiment config, records what it reports
+in the run directory, and serves the live dashboard.
+
+    python microgpt/training_proxy.py experiments/ANDREA-12M-TRAIN.json [--engine cuda|cpu]
+        [--run-dir DIR] [--host 127.0.0.1] [--port 8765] [--keep-serving]
+
+The run directory (default runs/<name>/ under the repository root) holds
+    <name>.ckpt, <name>.ckpt.json   the engine's checkpoint and sidecar; if present, the run resumes
+    <name>.loss.json                every train/val record of every launch (see microgpt/loss_log.py)
+    <name>.samples.json             [{step, prompt, text}]: decoded samples of the current phase
+    <name>.state.json               status, step, phase, checkpoint, pid, tokens, throughput, ETA, config
+    archive/step_<s>/               at polish step s: the checkpoint, samples and state of pretraining
+
+Signals: SIGTERM/SIGINT are forwarded to the engine, which checkpoints and exits; the proxy then
+marks the run stopped and exits 0. SIGUSR1 is forwarded (checkpoint, keep training). An engine that
+dies any other way leaves the run crashed and the proxy exits non-zero; re-running resumes.
+See docs/PROXY.md for the user's view and the server's endpoints.
+"""
+import argparse
+import collections
+import json
+import os
+import secrets
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import queue
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # run as a script: import the sibling modules
+    sys.path.insert(0, HERE)
+
+from loss_log import LossLog, LossLogError  # noqa: E402
+
+ROOT = os.path.dirname(HERE)
+ENGINES = {"cuda": os.path.join(ROOT, "build", "microgpt_cuda"),
+           "cpu": os.path.join(ROOT, "build", "microgpt_cpu")}
+DEFAULT_PORT = 8765
+FLUSH_SECONDS = 0.25  # how stale the loss log on disk may get; one fsync per flush
+FLUSH_RECORDS = 512
+STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
+
+# ---------------------------------------------------------------------------------------------------
+# Experiment configuration (SPEC §4). Every key but name/description/sample.prompts is an engine
+# flag of the same dotted name (docs/DESIGN.md), so this table is the proxy's copy of the flag list.
+
+INT, FLOAT, STR, PATH, PROMPTS = "an integer", "a number", "a string", "a path", "a list of strings"
+SCHEMA = {
+    "name": STR,
+    "description": STR,  # free text for people; not passed to the engine
+    "model": {"n_layer": INT, "d_model": INT, "n_head": INT, "d_ff": INT, "seq_len": INT,
+              "vocab_size": INT, "padded_vocab_size": INT},
+    "train": {"batch_size": INT, "grad_accum": INT, "steps": INT, "seed": INT, "warmup_steps": INT,
+              "precision": STR, "lr": FLOAT, "min_lr": FLOAT, "weight_decay": FLOAT,
+              "grad_clip": FLOAT, "beta1": FLOAT, "beta2": FLOAT, "eps": FLOAT, "schedule": STR,
+              "decay_frac": FLOAT},
+    "data": {"train": PATH, "val": PATH},
+    "eval": {"every": INT, "batches": INT},
+    "sample": {"every": INT, "tokens": INT, "top_k": INT, "temperature": FLOAT, "prompts": PROMPTS},
+    "checkpoint": {"every": INT},
+    "polish": {"start_step": INT, "train": PATH, "lr": FLOAT},
+}
+CHOICES = {"train.precision": ("fp32", "bf16", "fp16", "fp8"),
+           "train.schedule": ("cosine", "wsd", "constant")}
+REQUIRED = ("name", "model.n_layer", "model.d_model", "model.n_head", "model.seq_len",
+            "train.steps", "data.train")
+REQUIRED_IF_SECTION = {"polish": ("polish.start_step", "polish.train", "polish.lr")}
+DEFAULT_VOCAB = 50259
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _type_ok(kind, value):
+    if isinstance(value, bool):  # JSON true/false are ints to Python; never a valid setting here
+        return False
+    if kind == INT:
+        return isinstance(value, int)
+    if kind == FLOAT:
+        return isinstance(value, (int, float))
+    if kind in (STR, PATH):
+        return isinstance(value, str) and value != ""
+    return isinstance(value, list) and all(isinstance(p, str) and p for p in value)
+
+
+def validate_config(cfg):
+    """Raise ConfigError naming the first unknown, mistyped or missing key."""
+    if not isinstance(cfg, dict):
+        raise ConfigError("the config must be a JSON object")
+    for key, value in cfg.items():
+        if key not in SCHEMA:
+            raise ConfigError(f'unknown key "{key}"')
+        spec = SCHEMA[key]
+        if isinstance(spec, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f'"{key}" must be an object')
+            for sub, subval in value.items():
+                if sub not in spec:
+                    raise ConfigError(f'unknown key "{key}.{sub}"')
+                if not _type_ok(spec[sub], subval):
+                    raise ConfigError(f'"{key}.{sub}" must be {spec[sub]}, not {json.dumps(subval)}')
+                choices = CHOICES.get(f"{key}.{sub}")
+                if choices and subval not in choices:
+                    raise ConfigError(f'"{key}.{sub}" must be one of {", ".join(choices)}, '
+                                      f'not {json.dumps(subval)}')
+        elif not _type_ok(spec, value):
+            raise ConfigError(f'"{key}" must be {spec}, not {json.dumps(value)}')
+    required = list(REQUIRED)
+    for section, keys in REQUIRED_IF_SECTION.items():
+        if section in cfg:
+            required += keys
+    for dotted in required:
+        section, _, sub = dotted.partition(".")
+        if section not in cfg or (sub and sub not in cfg[section]):
+            raise ConfigError(f'missing key "{dotted}"')
+    name = cfg["name"]
+    if not all(c.isalnum() or c in "._-" for c in name) or name.startswith("."):
+        raise ConfigError(f'"name" must be letters, digits, ".", "_" or "-" (it names files), '
+                          f'not {json.dumps(name)}')
+
+
+def load_config(path):
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read it: {e.strerror}") from None
+    except ValueError as e:
+        raise ConfigError(f"not valid JSON: {e}") from None
+    validate_config(cfg)
+    return cfg
+
+
+def resolve_path(p):
+    """Config paths (and globs) are relative to the repository root, wherever the proxy runs."""
+    p = os.path.expanduser(p)
+    return p if os.path.isabs(p) else os.path.join(ROOT, p)
+
+
+def tokenize_prompts(cfg):
+    """sample.prompts -> token id lists (ChatML specials allowed), checked against the vocabulary."""
+    prompts = cfg.get("sample", {}).get("prompts", [])
+    if not prompts:
+        return []
+    import tokenizer
+    vocab = cfg["model"].get("vocab_size", DEFAULT_VOCAB)
+    out = []
+    for i, text in enumerate(prompts):
+        try:
+            ids = tokenizer.encode_chat(text)
+        except tokenizer.TokenizerUnavailable as e:
+            raise ConfigError(f'"sample.prompts" cannot be tokenized: {e}') from None
+        too_big = [t for t in ids if t >= vocab]
+        if too_big:
+            raise ConfigError(f'"sample.prompts[{i}]" has token id {too_big[0]}, which is not below '
+                              f'model.vocab_size {vocab}')
+        out.append(ids)
+    return out
+
+
+def _flag_value(kind, value):
+    if kind == PATH:
+        return resolve_path(value)
+    if kind == FLOAT:
+        return repr(float(value))  # repr round-trips a double exactly
+    return str(value)
+
+
+def engine_args(cfg, prompt_ids, ckpt_path, resume):
+    """The engine's command-line flags for a config: the dotted keys, mechanically."""
+    args = ["--name", cfg["name"]]
+    for section, spec in SCHEMA.items():
+        if not isinstance(spec, dict):
+            continue
+        for key, value in cfg.get(section, {}).items():
+            if spec[key] != PROMPTS:
+                args += [f"--{section}.{key}", _flag_value(spec[key], value)]
+    for ids in prompt_ids:
+        args += ["--sample.prompt", ",".join(str(t) for t in ids)]
+    args += ["--checkpoint", ckpt_path]
+    if resume:
+        args.append("--resume")
+    return args
+
+
+def checkpoint_step(path):
+    """The step stored in a checkpoint's first int32, or None if there is no checkpoint."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except FileNotFoundError:
+        return None
+    return struct.unpack("<i", head)[0] if len(head) == 4 else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Small file helpers
+
+
+def write_json_atomic(path, obj):
+    """Readers (the server, a user's script) must never see half a file: tmp, fsync, rename."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path, default):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return default
+
+
+def say(msg):
+    print(f"[proxy] {msg}", flush=True)
+
+
+def decode_tokens(ids):
+    """Token ids -> text; if the tokenizer cannot load, the ids themselves (a sample is never lost)."""
+    try:
+        import tokenizer
+        return tokenizer.decode(ids)
+    except Exception as e:  # TokenizerUnavailable, or tiktoken missing entirely
+        if not getattr(decode_tokens, "warned", False):
+            say(f"warning: samples are kept as token ids, the tokenizer is unavailable ({e})")
+            decode_tokens.warned = True
+        return " ".join(str(i) for i in ids)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run
+
+
+class Run:
+    """One run directory and, while it trains, its engine process.
+
+    The main thread owns every write; the server's threads only read self.state, self.samples and
+    self.log (whose own lock guards it). state and samples are replaced, never mutated, so a reader
+    always holds a consistent snapshot; the *_version counters tell the live stream what changed."""
+
+    def __init__(self, cfg, config_path, run_dir, engine_path, prompt_ids):
+        self.cfg, self.config_path, self.engine_path = cfg, config_path, engine_path
+        self.name = cfg["name"]
+        self.dir = os.path.abspath(run_dir)
+        os.makedirs(self.dir, exist_ok=True)
+        base = os.path.join(self.dir, self.name)
+        self.ckpt_path = base + ".ckpt"
+        self.samples_path = base + ".samples.json"
+        self.state_path = base + ".state.json"
+        self.prompt_texts = cfg.get("sample", {}).get("prompts", [])
+        self.prompt_ids = prompt_ids
+        self.log = LossLog(base + ".loss.json")
+        if self.log.message:
+            say(self.log.message)
+        self.samples = read_json(self.samples_path, [])
+        self.state = read_json(self.state_path, {})
+        self.state_version = self.samples_version = 0
+        self.token = secrets.token_urlsafe(18)  # authorises requests that change the run
+        self.proc = None
+        self.pending = []  # loss records not yet on disk
+        self.pending_since = 0.0
+        self.state_written = 0.0
+        self.state_dirty = False
+        self.stop_signal = None
+        self.exit_reason = None
+        self.polish_step = None  # set from the polish event until its checkpoint is archived
+        self.window = collections.deque(maxlen=64)  # (time, step, tokens) of recent train records
+        self.stderr_tail = collections.deque(maxlen=8)
+        self.steps = cfg["train"]["steps"]
+        self.tokens_per_step = None
+        # Launch number: every record says which launch wrote it, so resumes can be told apart.
+        self.seg = 1 + (self.log.record(len(self.log) - 1).get("seg", 0) if len(self.log) else 0)
+        self.seg_t0 = time.time()
+        self.elapsed_base = 0.0
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def set_state(self, force=False, **changes):
+        self.state = {**self.state, **changes, "updated_at": round(time.time(), 3)}
+        self.state_version += 1
+        self.state_dirty = True
+        if force:
+            self.write_state()
+
+    def write_state(self):
+        if self.state_dirty:
+            write_json_atomic(self.state_path, self.state)
+            self.state_dirty = False
+            self.state_written = time.monotonic()
+
+    def base_state(self):
+        return {"name": self.name, "status": "running", "phase": "pretrain", "step": 0,
+                "steps": self.steps, "checkpoint": None, "checkpoint_step": None, "pid": None,
+                "tokens": 0, "tokens_per_s": None, "eta_s": None, "elapsed_s": 0.0,
+                "seg": self.seg, "run_dir": self.dir, "engine": self.engine_path,
+                "config_path": os.path.abspath(self.config_path), "config": self.cfg,
+                "message": None, "started_at": round(time.time(), 3)}
+
+    def set_samples(self, samples):
+        self.samples = samples
+        self.samples_version += 1
+        write_json_atomic(self.samples_path, samples)
+
+    # -- the loss log -----------------------------------------------------------------------------
+
+    def add_record(self, rec):
+        now = time.time()
+        rec.update(seg=self.seg, time=round(now, 3),
+                   elapsed=round(self.elapsed_base + now - self.seg_t0, 3))
+        if not self.pending:
+            self.pending_since = time.monotonic()
+        self.pending.append(rec)
+
+    def flush(self, force=False):
+        now = time.monotonic()
+        if self.pending and (force or len(self.pending) >= FLUSH_RECORDS
+                             or now - self.pending_since >= FLUSH_SECONDS):
+            self.log.append(self.pending)
+            self.pending = []
+        if self.state_dirty and (force or now - self.state_written >= STATE_SECONDS):
+            self.write_state()
+
+    # -- engine events ----------------------------------------------------------------------------
+
+    def handle_line(self, line):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict):  # not protocol: show it rather than lose it
+            sys.stderr.write(line)
+            return
+        event = rec.get("event")
+        handler = {None: self.on_record, "start": self.on_start, "sample": self.on_sample,
+                   "polish": self.on_polish, "checkpoint": self.on_checkpoint,
+                   "exit": self.on_exit, "memory": self.on_memory}.get(event)
+        if handler:
+            handler(rec)
+
+    def on_start(self, rec):
+        """The engine has loaded its checkpoint (or initialised) at step k: from here on, anything
+        the log holds beyond k is a future that will not happen."""
+        k = rec.get("step", 0)
+        self.steps = rec.get("steps", self.steps)
+        self.tokens_per_step = rec.get("tokens_per_step")
+        self.flush(force=True)
+        marked = self.log.supersede_after(k)
+        before = self.log.last_live(lambda r: "elapsed" in r and r.get("step", 0) <= k)
+        self.elapsed_base = before["elapsed"] if before else 0.0
+        self.seg_t0 = time.time()
+        kind = "resume" if len(self.log) else "start"
+        self.log.append([{"event": kind, "step": k, "seg": self.seg, "time": round(self.seg_t0, 3),
+                          "elapsed": self.elapsed_base, "superseded": marked}])
+        if any(s.get("step", 0) > k and not s.get("superseded") for s in self.samples):
+            self.set_samples([dict(s, superseded=True) if s.get("step", 0) > k else s
+                              for s in self.samples])
+        polish = self.cfg.get("polish")
+        phase = "polish" if polish and k >= polish["start_step"] else "pretrain"
+        tokens = before.get("tokens", 0) if before else 0
+        self.set_state(force=True, status="running", step=k, steps=self.steps, phase=phase,
+                       tokens=tokens, elapsed_s=self.elapsed_base, seg=self.seg)
+        what = f"resuming at step {k}" if k else "starting at step 0"
+        extra = f"; {marked} logged records beyond step {k} marked superseded" if marked else ""
+        say(f"{self.name}: {what} of {self.steps} ({rec.get('engine', '?')} engine, "
+            f"{rec.get('n_params', '?')} parameters){extra}")
+
+    def on_memory(self, rec):
+        self.set_state(memory_bytes=rec.get("total_bytes"))
+
+    def on_record(self, rec):
+        if "step" not in rec or ("loss" not in rec and "val_loss" not in rec):
+            return
+        if "loss" in rec:
+            self.on_train(rec)
+        elif self.tokens_per_step:
+            rec.setdefault("tokens", rec["step"] * self.tokens_per_step)
+        self.add_record(rec)
+
+    def on_train(self, rec):
+        now = time.time()
+        self.window.append((now, rec["step"], rec.get("tokens", 0)))
+        t0, s0, k0 = self.window[0]
+        if len(self.window) >= 2 and rec["step"] > s0 and now > t0:
+            sec_per_step = (now - t0) / (rec["step"] - s0)
+            tokens_per_s = (rec.get("tokens", 0) - k0) / (now - t0)
+        else:  # too early to measure: trust the engine's own timing
+            sec_per_step = rec.get("ms", 0) / 1000
+            tokens_per_s = rec.get("tokens_per_s")
+        eta = max(0, self.steps - rec["step"]) * sec_per_step
+        self.set_state(step=rec["step"], tokens=rec.get("tokens"), phase=rec.get("phase", "pretrain"),
+                       tokens_per_s=round(tokens_per_s, 1) if tokens_per_s else None,
+                       eta_s=round(eta, 1), loss=rec.get("loss"), lr=rec.get("lr"),
+                       elapsed_s=round(self.elapsed_base + now - self.seg_t0, 3))
+
+    def on_sample(self, rec):
+        i = rec.get("prompt", 0)
+        prompt = (self.prompt_texts[i] if isinstance(i, int) and 0 <= i < len(self.prompt_texts)
+                  else decode_tokens(rec.get("prompt_tokens", [])))
+        self.set_samples(self.samples + [{"step": rec.get("step"), "prompt": prompt,
+                                          "text": decode_tokens(rec.get("tokens", []))}])
+
+    def on_polish(self, rec):
+        """Pretraining ends here: have the engine checkpoint (it keeps training), and archive at the
+        checkpoint event. The engine switched data and LR itself, so resume stays exact."""
+        s = rec.get("step", 0)
+        self.add_record({"event": "polish", "step": s})
+        self.flush(force=True)
+        if os.path.exists(self.archive_dir(s)):
+            say(f"polish at step {s}: {self.archive_dir(s)} already exists, keeping it as it is")
+            self.set_state(phase="polish")
+            return
+        self.polish_step = s
+        self.set_state(force=True, step=s)
+        say(f"polish phase starts at step {s}: asking the engine for a checkpoint to archive")
+        self.signal_engine(signal.SIGUSR1)
+
+    def archive_dir(self, s):
+        return os.path.join(self.dir, "archive", f"step_{s}")
+
+    def on_checkpoint(self, rec):
+        self.set_state(force=True, checkpoint=rec.get("path"), checkpoint_step=rec.get("step"))
+        if self.polish_step is not None:
+            self.archive_polish(self.polish_step, rec.get("path") or self.ckpt_path)
+            self.polish_step = None
+
+    def archive_polish(self, s, ckpt):
+        """Keep the checkpoint that ends pretraining, move its samples and state aside, and start
+        fresh samples for the polish phase. The loss log is never archived: it is one history."""
+        dest = self.archive_dir(s)
+        tmp = dest + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for src in (ckpt, ckpt + ".json"):
+            if os.path.exists(src):
+                shutil.copyfile(src, os.path.join(tmp, os.path.basename(src)))
+        self.write_state()
+        for src in (self.samples_path, self.state_path):
+            if os.path.exists(src):
+                shutil.copyfile(src, os.path.join(tmp, os.path.basename(src)))
+        os.rename(tmp, dest)  # the archive appears whole or not at all
+        self.set_samples([])
+        self.set_state(force=True, phase="polish", archive=os.path.relpath(dest, self.dir))
+        say(f"archived pretraining (checkpoint, samples, state) in {dest}")
+
+    def on_exit(self, rec):
+        self.exit_reason = rec.get("reason")
+        self.set_state(step=rec.get("step", self.state.get("step")))
+
+    # -- signals ----------------------------------------------------------------------------------
+
+    def signal_engine(self, sig):
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def on_signal(self, sig, _frame):
+        """Signals only forward and take note; the main loop reacts when the engine answers."""
+        if sig in (signal.SIGTERM, signal.SIGINT):
+            if self.stop_signal is None:
+                say(f"{signal.Signals(sig).name}: asking the engine to checkpoint and stop")
+            self.stop_signal = sig
+        self.signal_engine(sig)
+
+    # -- the engine process -----------------------------------------------------------------------
+
+    def launch(self):
+        resume = os.path.exists(self.ckpt_path)
+        cmd = [self.engine_path] + engine_args(self.cfg, self.prompt_ids, self.ckpt_path, resume)
+        # A process group of its own: a terminal's Ctrl-C reaches only the proxy, which forwards it
+        # once, so the engine sees exactly the signals the proxy decided to send.
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     process_group=0)
+        kept = {k: self.state[k] for k in ("checkpoint", "checkpoint_step", "archive")
+                if k in self.state}
+        self.state = {**self.base_state(), **kept}
+        self.set_state(force=True, pid=self.proc.pid, step=checkpoint_step(self.ckpt_path) or 0)
+        if self.stop_signal is not None:  # a signal that arrived before the engine existed
+            self.signal_engine(self.stop_signal)
+
+    def run(self):
+        """Launch the engine, follow it to its end, return the proxy's exit code."""
+        lines = queue.Queue()
+        self.launch()
+        threading.Thread(target=_pump, args=(self.proc.stdout, lines), daemon=True).start()
+        err = threading.Thread(target=_tee_stderr, args=(self.proc.stderr, self.stderr_tail),
+                               daemon=True)
+        err.start()
+        while True:
+            try:
+                line = lines.get(timeout=FLUSH_SECONDS)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            if line:
+                self.handle_line(line)
+            self.flush()
+        rc = self.proc.wait()
+        err.join(timeout=5)
+        self.flush(force=True)
+        return self.finish(rc)
+
+    def finish(self, rc):
+        step = self.state.get("step")
+        if rc == 0 and self.exit_reason in ("finished", "already_finished"):
+            self.set_state(force=True, status="finished", pid=None, eta_s=0, message=None)
+            say(f"{self.name} finished at step {step}; checkpoint {self.ckpt_path}")
+            return 0
+        if rc == 0 and self.exit_reason == "signal":
+            self.set_state(force=True, status="stopped", pid=None, eta_s=None, message=None)
+            say(f"{self.name} stopped at step {step} with checkpoint {self.state.get('checkpoint')}; "
+                "run the same command to resume")
+            return 0
+        if rc < 0:
+            why = f"engine killed by {signal.Signals(-rc).name}"
+        elif rc == 0:
+            why = "engine exited without saying why"
+        else:
+            last = next((ln for ln in reversed(self.stderr_tail) if ln.startswith("error")), None)
+            why = f"engine exited with code {rc}" + (f": {last}" if last else "")
+        self.set_state(force=True, status="crashed", pid=None, eta_s=None, message=why)
+        say(f"{self.name} crashed at step {step}: {why}; run the same command to resume from the "
+            "last checkpoint")
+        return rc if rc > 0 else 1
+
+
+def _pump(stream, lines):
+    for raw in iter(stream.readline, b""):
+        lines.put(raw.decode("utf-8", "replace"))
+    lines.put(None)
+
+
+def _tee_stderr(stream, tail):
+    """Pass the engine's messages through as they come, and keep the last few for the state."""
+    for raw in iter(stream.readline, b""):
+        text = raw.decode("utf-8", "replace")
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        tail.append(text.strip())
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Train with an engine, log the run and serve its "
+                                            "live dashboard (see docs/PROXY.md).")
+    p.add_argument("config", help="experiment JSON, e.g. experiments/ANDREA-12M-TRAIN.json")
+    p.add_argument("--engine", choices=sorted(ENGINES), default="cuda",
+                   help="build/microgpt_cuda (default) or build/microgpt_cpu")
+    p.add_argument("--engine-binary", metavar="PATH",
+                   help="run this engine executable instead (a custom build, or a test double)")
+    p.add_argument("--run-dir", help="run directory (default: runs/<name>/ in the repository)")
+    p.add_argument("--host", default="127.0.0.1", help="address the dashboard binds (default "
+                   "127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=None,
+                   help=f"dashboard port (default {DEFAULT_PORT}, or a free one if that is taken; "
+                        "0: any free port)")
+    p.add_argument("--no-server", action="store_true", help="do not serve the dashboard")
+    p.add_argument("--keep-serving", action="store_true",
+                   help="keep the dashboard up after the engine exits (or for a finished run), "
+                        "until Ctrl-C")
+    return p.parse_args(argv)
+
+
+def fail(msg, code=2):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def main(argv):
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+        prompt_ids = tokenize_prompts(cfg)
+    except ConfigError as e:
+        fail(f"{args.config}: {e}")
+    engine = os.path.abspath(args.engine_binary) if args.engine_binary else ENGINES[args.engine]
+    if not os.access(engine, os.X_OK):
+        hint = "" if args.engine_binary else f" (build it with `make {args.engine}`)"
+        fail(f"engine {engine} not found or not executable{hint}")
+    run_dir = args.run_dir or os.path.join(ROOT, "runs", cfg["name"])
+    try:
+        run = Run(cfg, args.config, run_dir, engine, prompt_ids)
+    except (LossLogError, OSError) as e:
+        fail(str(e))
+
+    done = checkpoint_step(run.ckpt_path)
+    finished = done is not None and done >= run.steps
+    server = None
+    if not args.no_server:
+        import proxy_server
+        try:
+            server = proxy_server.start(run, args.host, args.port, DEFAULT_PORT)
+        except OSError as e:
+            fail(f"cannot serve the dashboard on {args.host}:{args.port}: {e.strerror or e}")
+        say(f"dashboard: {server.url}?token={run.token}")
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, run.on_signal)
+    if finished:
+        run.set_state(force=True, status="finished", pid=None, step=done)
+        say(f"{run.name} already finished: checkpoint {run.ckpt_path} is at step {done} of "
+            f"{run.steps}; nothing to train")
+        code = 0
+    else:
+        code = run.run()
+    if server and args.keep_serving:
+        say("run over; still serving the dashboard, Ctrl-C to quit")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(0.5):
+            pass
+    run.log.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

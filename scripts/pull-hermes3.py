@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""Fetch NousResearch/Hermes-3-Dataset (Apache-2.0) into a local JSON-lines file, resumably (SPEC §7).
+
+    python scripts/pull-hermes3.py [--max-records N]            # stream from the Hugging Face hub
+    python scripts/pull-hermes3.py --from-file copy.parquet      # a local json / jsonl / parquet copy
+
+Input records are ShareGPT ({"conversations": [{"from": system|human|gpt, "value"}]}) or OpenAI
+({"messages": [{"role", "content"}]}). Every usable record is written as one ShareGPT line to
+--out (default data/raw/hermes3/hermes3.jsonl), which is what scripts/prep-megachat.py reads.
+Malformed records are counted by reason and skipped, never fatal.
+
+Resuming: progress (records read, bytes written) is saved beside the output in OUT.progress.json;
+an interrupted pull (network error, Ctrl-C, a smaller --max-records) continues where it stopped when
+re-run with the same source (a changed --from-file starts over). A finished pull is not repeated.
+
+Exit status: 0 done; 1 the hub is unreachable / the download failed (re-run to resume); 2 bad usage.
+"""
+import argparse
+import collections
+import itertools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from microgpt.tokenizer import parse_conversation  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ID = "NousResearch/Hermes-3-Dataset"
+SHAREGPT_NAMES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
+SAVE_EVERY = 1000  # records between progress saves
+
+
+class PullError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------- reading records
+
+def iter_json_lines(path):
+    """Yield parsed records of a JSON-lines file; a line that is not JSON yields its error instead."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    yield ValueError("invalid JSON")
+
+
+def iter_local_file(path):
+    """Records of a local copy: .jsonl/.ndjson (streamed), .json (one array or one record), .parquet (by batches)."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext in (".jsonl", ".ndjson"):
+        yield from iter_json_lines(path)
+    elif ext == ".json":
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError:
+                data = None
+        if data is None:  # many ".json" downloads are really JSON lines
+            yield from iter_json_lines(path)
+        else:
+            yield from (data if isinstance(data, list) else [data])
+    elif ext == ".parquet":
+        import pyarrow.parquet as pq  # comes with `datasets`
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+    else:
+        raise PullError(f"{path}: unknown extension {ext!r} (expected .json, .jsonl or .parquet)")
+
+
+def iter_hub(skip, timeout):
+    """Stream the dataset's train split from the hub, skipping the first `skip` records."""
+    import requests
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    try:  # a quick probe, so an offline machine fails in seconds, not after datasets' retries
+        requests.get(f"{endpoint}/api/datasets/{REPO_ID}", timeout=timeout).raise_for_status()
+    except requests.RequestException as e:
+        raise PullError(f"cannot reach {endpoint} ({type(e).__name__}); offline? "
+                        "use --from-file with a local copy") from None
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", str(timeout))
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", str(timeout))
+    import datasets
+    ds = datasets.load_dataset(REPO_ID, split="train", streaming=True)
+    return iter(ds.skip(skip) if skip else ds)
+
+
+# ---------------------------------------------------------------- progress
+
+def load_progress(path, source):
+    """Saved progress for the same source, else a fresh start."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return fresh_progress(source)
+    return saved if saved.get("source") == source else fresh_progress(source)
+
+
+def fresh_progress(source):
+    return {"source": source, "read": 0, "written": 0, "bytes": 0, "exhausted": False, "malformed": {}}
+
+
+def save_progress(path, progress):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(progress, f, indent=1)
+    os.replace(tmp, path)
+
+
+def progress_bar(total, initial):
+    try:
+        from tqdm import tqdm  # a dependency of datasets
+        return tqdm(total=total, initial=initial, unit="rec", file=sys.stderr, mininterval=1.0)
+    except ImportError:
+        return None
+
+
+# ---------------------------------------------------------------- the pull
+
+def to_sharegpt(turns):
+    return {"conversations": [{"from": SHAREGPT_NAMES[r], "value": v} for r, v in turns]}
+
+
+def pull(records, out_path, progress, progress_path, max_records):
+    """Append normalized records to out_path until the source or max_records runs out."""
+    malformed = collections.Counter(progress["malformed"])
+    bar = progress_bar(max_records, progress["read"])
+    with open(out_path, "r+b" if os.path.exists(out_path) else "wb") as out:
+        out.truncate(progress["bytes"])  # drop a torn tail written after the last save
+        out.seek(progress["bytes"])
+
+        def save():
+            out.flush()
+            progress.update(bytes=out.tell(), malformed=dict(malformed))
+            save_progress(progress_path, progress)
+
+        try:
+            while max_records is None or progress["read"] < max_records:
+                record = next(records, StopIteration)
+                if record is StopIteration:
+                    progress["exhausted"] = True
+                    break
+                progress["read"] += 1
+                try:
+                    if isinstance(record, Exception):
+                        raise record
+                    line = json.dumps(to_sharegpt(parse_conversation(record)), ensure_ascii=False)
+                    out.write(line.encode("utf-8") + b"\n")
+                    progress["written"] += 1
+                except ValueError as e:
+                    malformed[str(e)] += 1
+                if bar is not None:
+                    bar.update(1)
+                if progress["read"] % SAVE_EVERY == 0:
+                    save()
+        finally:
+            save()
+            if bar is not None:
+                bar.close()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--from-file", help="local .json/.jsonl/.parquet copy instead of the hub")
+    ap.add_argument("--out", default=os.path.join(ROOT, "data", "raw", "hermes3", "hermes3.jsonl"),
+                    help="output JSON-lines file (default: data/raw/hermes3/hermes3.jsonl)")
+    ap.add_argument("--max-records", type=int, default=None, help="stop after reading this many records")
+    ap.add_argument("--timeout", type=float, default=10.0, help="network timeout in seconds (default 10)")
+    args = ap.parse_args()
+    if args.max_records is not None and args.max_records <= 0:
+        print("error: --max-records must be positive", file=sys.stderr)
+        return 2
+    if args.from_file and not os.path.isfile(args.from_file):
+        print(f"error: --from-file {args.from_file}: no such file", file=sys.stderr)
+        return 2
+
+    if args.from_file:  # size and mtime in the key: a changed copy is pulled again
+        st = os.stat(args.from_file)
+        source = f"file:{os.path.abspath(args.from_file)}:{st.st_size}:{st.st_mtime_ns}"
+    else:
+        source = f"hub:{REPO_ID}"
+    progress_path = args.out + ".progress.json"
+    progress = load_progress(progress_path, source)
+    if progress["exhausted"] or (args.max_records is not None and progress["read"] >= args.max_records):
+        print(f"pull-hermes3: {args.out} already has {progress['written']} conversations from {source}",
+              file=sys.stderr)
+        return 0
+    out_size = os.path.getsize(args.out) if os.path.exists(args.out) else 0
+    if out_size < progress["bytes"]:  # the output was removed or cut: its progress is void
+        progress = fresh_progress(source)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    try:
+        if progress["read"]:
+            print(f"pull-hermes3: resuming after record {progress['read']}", file=sys.stderr)
+        if args.from_file:
+            records = itertools.islice(iter_local_file(args.from_file), progress["read"], None)
+        else:
+            records = iter_hub(progress["read"], args.timeout)
+        pull(records, args.out, progress, progress_path, args.max_records)
+    except PullError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if args.from_file else 1
+    except KeyboardInterrupt:
+        print(f"\npull-hermes3: interrupted after {progress['read']} records; re-run to resume",
+              file=sys.stderr)
+        return 130
+    except Exception as e:  # network errors from datasets/requests/fsspec come in many types
+        if args.from_file:
+            print(f"error: {args.from_file}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        print(f"error: download failed after {progress['read']} records ({type(e).__name__}: {e}); "
+              "re-run to resume", file=sys.stderr)
+        return 1
+
+    bad = sum(progress["malformed"].values())
+    reasons = ", ".join(f"{n} {r}" for r, n in sorted(progress["malformed"].items()))
+    print(f"pull-hermes3: {progress['read']} records read, {progress['written']} conversations written "
+          f"to {args.out}, {bad} malformed" + (f" ({reasons})" if bad else ""), file=sys.stderr)
+    if progress["written"] == 0:
+        print("error: no usable conversations", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

