@@ -44,6 +44,7 @@ DEFAULT_PORT = 8765
 FLUSH_SECONDS = 0.25  # how stale the loss log on disk may get; one fsync per flush
 FLUSH_RECORDS = 512
 STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
+LINGER_SECONDS = 0.6  # a few live-stream polls (proxy_server.POLL_SECONDS) after the run ends
 
 # ---------------------------------------------------------------------------------------------------
 # Experiment configuration (SPEC §4). Every key but name/description/sample.prompts is an engine
@@ -359,15 +360,16 @@ class Run:
         before = self.log.last_live(lambda r: "elapsed" in r and r.get("step", 0) <= k)
         self.elapsed_base = before["elapsed"] if before else 0.0
         self.seg_t0 = time.time()
+        tokens = before.get("tokens", 0) if before else 0
         kind = "resume" if len(self.log) else "start"
-        self.log.append([{"event": kind, "step": k, "seg": self.seg, "time": round(self.seg_t0, 3),
-                          "elapsed": self.elapsed_base, "superseded": marked}])
+        self.log.append([{"event": kind, "step": k, "tokens": tokens, "seg": self.seg,
+                          "time": round(self.seg_t0, 3), "elapsed": self.elapsed_base,
+                          "superseded": marked}])
         if any(s.get("step", 0) > k and not s.get("superseded") for s in self.samples):
             self.set_samples([dict(s, superseded=True) if s.get("step", 0) > k else s
                               for s in self.samples])
         polish = self.cfg.get("polish")
         phase = "polish" if polish and k >= polish["start_step"] else "pretrain"
-        tokens = before.get("tokens", 0) if before else 0
         self.set_state(force=True, status="running", step=k, steps=self.steps, phase=phase,
                        tokens=tokens, elapsed_s=self.elapsed_base, seg=self.seg)
         what = f"resuming at step {k}" if k else "starting at step 0"
@@ -414,7 +416,7 @@ class Run:
         """Pretraining ends here: have the engine checkpoint (it keeps training), and archive at the
         checkpoint event. The engine switched data and LR itself, so resume stays exact."""
         s = rec.get("step", 0)
-        self.add_record({"event": "polish", "step": s})
+        self.add_record({"event": "polish", "step": s, "tokens": self.state.get("tokens")})
         self.flush(force=True)
         if os.path.exists(self.archive_dir(s)):
             say(f"polish at step {s}: {self.archive_dir(s)} already exists, keeping it as it is")
@@ -619,6 +621,8 @@ def main(argv):
         code = 0
     else:
         code = run.run()
+    if server and not args.keep_serving:
+        time.sleep(LINGER_SECONDS)  # let open dashboards receive the final status before we go
     if server and args.keep_serving:
         say("run over; still serving the dashboard, Ctrl-C to quit")
         for sig in (signal.SIGTERM, signal.SIGINT):

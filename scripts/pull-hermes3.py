@@ -184,13 +184,13 @@ def main():
         source = f"hub:{REPO_ID}"
     progress_path = args.out + ".progress.json"
     progress = load_progress(progress_path, source)
+    out_size = os.path.getsize(args.out) if os.path.exists(args.out) else 0
+    if out_size < progress["bytes"]:  # the output was removed or cut: its progress is void
+        progress = fresh_progress(source)
     if progress["exhausted"] or (args.max_records is not None and progress["read"] >= args.max_records):
         print(f"pull-hermes3: {args.out} already has {progress['written']} conversations from {source}",
               file=sys.stderr)
         return 0
-    out_size = os.path.getsize(args.out) if os.path.exists(args.out) else 0
-    if out_size < progress["bytes"]:  # the output was removed or cut: its progress is void
-        progress = fresh_progress(source)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     try:

@@ -157,19 +157,24 @@ def test_prep_counts_malformed_records_and_goes_on(with_bad_records, tmp_path):
 
 
 def test_pull_resumes_where_it_stopped(chitchat, tmp_path):
-    """A pull cut short (here by --max-records, then a torn half-line as after a crash) continues
-    from its saved progress and ends with the same file as one uninterrupted pull."""
+    """A pull cut short (here by --max-records) continues from its saved progress and ends with the
+    same file as one uninterrupted pull, even when lines were written after the last save (a crash):
+    those are cut off, not kept or duplicated."""
     once, twice = tmp_path / "once.jsonl", tmp_path / "twice.jsonl"
     ok(run_script("pull-hermes3", "--from-file", chitchat["jsonl"], "--out", once))
     ok(run_script("pull-hermes3", "--from-file", chitchat["jsonl"], "--out", twice, "--max-records", 250))
     assert len(twice.read_text().splitlines()) == 250
+    unsaved = twice.read_text().splitlines()[0] + "\n"
     with open(twice, "a") as f:
-        f.write('{"conversations": [{"from": "hu')
+        f.write(unsaved * 2000 + '{"conversations": [{"from": "hu')
     res = ok(run_script("pull-hermes3", "--from-file", chitchat["jsonl"], "--out", twice))
     assert "resuming after record 250" in res.stderr
     assert twice.read_bytes() == once.read_bytes()
     res = ok(run_script("pull-hermes3", "--from-file", chitchat["jsonl"], "--out", twice))
     assert "already has 600 conversations" in res.stderr
+    twice.unlink()  # a finished pull whose output is gone is pulled again
+    res = ok(run_script("pull-hermes3", "--from-file", chitchat["jsonl"], "--out", twice))
+    assert "already has" not in res.stderr and twice.read_bytes() == once.read_bytes()
 
 
 def test_pull_from_unreachable_hub_fails_fast_and_clearly(tmp_path):

@@ -43,7 +43,7 @@ def files_beside(path):
 @pytest.mark.parametrize("sig,accum", [(signal.SIGTERM, 1), (signal.SIGTERM, 2), (signal.SIGINT, 1)],
                          ids=["sigterm", "sigterm-accum2", "sigint"])
 def test_exact_resume_after_signal(engine, random_shards, tmp_path, sig, accum):
-    args = tiny_args(random_shards.train, random_shards.val, **RESUME, **{"train.grad_accum": accum})
+    args = tiny_args(random_shards.train, random_shards.val, **{**RESUME, "train.grad_accum": accum})
     steps = RESUME["train.steps"]
     ref_ckpt, ckpt = tmp_path / "ref.ckpt", tmp_path / "run.ckpt"
     ref = run_ok(engine, args + ["--checkpoint", ref_ckpt])
@@ -395,7 +395,7 @@ def test_training_on_shakespeare_lowers_val_loss(engine, shakespeare_shards):
 # 8: determinism, flag syntax, --help, the output contract
 
 def test_identical_runs_are_identical(engine, random_shards, tmp_path):
-    args = tiny_args(random_shards.train, random_shards.val, **RESUME, **{"train.steps": 8})
+    args = tiny_args(random_shards.train, random_shards.val, **{**RESUME, "train.steps": 8})
     a = run_ok(engine, args + ["--checkpoint", tmp_path / "a.ckpt"])
     b = run_ok(engine, args + ["--checkpoint", tmp_path / "b.ckpt"])
     assert eu.exact_records(a) == eu.exact_records(b)

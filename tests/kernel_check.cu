@@ -1,0 +1,660 @@
+/* kernel_check.cu: every CUDA kernel pair of microgpt/cuda/ against its CPU reference in
+ * microgpt/cpu/, in fp32, bf16 and fp16, on fresh random inputs and a few awkward shapes.
+ *
+ *   build: make kernel-check    (or: nvcc -O3 -std=c++17 -Xcompiler -fopenmp -o build/kernel_check
+ *                                     tests/kernel_check.cu -lcublas -lcublasLt -lgomp -lm)
+ *   run:   build/kernel_check [--seed N] [--prec fp32|bf16|fp16|all]
+ *
+ * How each check works:
+ *   - inputs are drawn from a seeded generator (the seed differs per run unless --seed is given,
+ *     and is printed first so any failure can be replayed); inputs the GPU holds in 16 bits are
+ *     rounded to that type first, so the CPU sees exactly the values the GPU sees;
+ *   - outputs a kernel overwrites are poisoned with NaN before the launch; outputs a backward
+ *     accumulates into (+=) are prefilled with random values of the size of the expected
+ *     increment, so "=" instead of "+=" fails;
+ *   - the error reported is ||gpu - cpu|| / ||cpu - prefill||: relative to what the kernel had to
+ *     compute; any non-finite GPU element (an unwritten NaN) fails on its own;
+ *   - backward kernels with reductions are launched twice from the same state and must agree bit
+ *     for bit (determinism).
+ *
+ * Tolerances (relative, normwise). fp32 has no TF32 and the only differences from the CPU are
+ * summation order and FMA contraction (~1e-7..1e-6); 16-bit runs are dominated by rounding of the
+ * stored outputs (bf16: 2^-9 relative per element, fp16: 2^-11) and of intermediates in fused
+ * pairs. A real indexing or formula bug gives errors of order 1.
+ *                      element-wise   products/reductions   fused (attention, MLP, loss)
+ *   fp32                   1e-6             2e-5                   5e-5
+ *   bf16                   1e-2             2e-2                   3e-2
+ *   fp16                   2e-3             5e-3                   1e-2
+ * The mean loss is always compared at products tolerance of fp32 (2e-5) for fp32 and 1e-4
+ * otherwise: logits are fp32 in every precision. Exit status 1 if any check fails. */
+#include "../microgpt/cpu/adamw.h"
+#include "../microgpt/cpu/attention.h"
+#include "../microgpt/cpu/classifier.h"
+#include "../microgpt/cpu/embed.h"
+#include "../microgpt/cpu/gelu.h"
+#include "../microgpt/cpu/layernorm.h"
+#include "../microgpt/cpu/matmul.h"
+#include "../microgpt/cpu/residual.h"
+
+#include "../microgpt/cuda/attention.cuh"
+#include "../microgpt/cuda/embed.cuh"
+#include "../microgpt/cuda/layernorm.cuh"
+#include "../microgpt/cuda/loss.cuh"
+#include "../microgpt/cuda/mlp.cuh"
+#include "../microgpt/cuda/optimizer.cuh"
+#include "../microgpt/cuda/residual.cuh"
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <string>
+#include <vector>
+
+typedef std::vector<float> Vec;
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Random inputs (splitmix64; normals by Box-Muller) */
+
+static uint64_t g_state;
+
+static uint64_t next_u64(void) {
+    uint64_t z = (g_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static double next_uniform(void) { return ((next_u64() >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+
+static float next_normal(void) {
+    double u1 = next_uniform(), u2 = next_uniform();
+    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+static Vec randn(size_t n, float scale, float offset = 0.0f) {
+    Vec v(n);
+    for (size_t i = 0; i < n; i++) v[i] = offset + scale * next_normal();
+    return v;
+}
+
+static std::vector<int> rand_ints(size_t n, int hi) {
+    std::vector<int> v(n);
+    for (size_t i = 0; i < n; i++) v[i] = (int)(next_u64() % (uint64_t)hi);
+    return v;
+}
+
+/* The values a T buffer would hold. */
+template <typename T> static Vec rounded(Vec v) {
+    for (float& x : v) x = to_f(from_f<T>(x));
+    return v;
+}
+
+static double rms(const Vec& v) {
+    double s = 0.0;
+    for (float x : v) s += (double)x * x;
+    return v.empty() ? 0.0 : sqrt(s / v.size());
+}
+
+/* Random prefill for an accumulating output, at the scale of its expected increment. */
+template <typename T> static Vec prefill_like(const Vec& incr) {
+    double s = rms(incr);
+    return rounded<T>(randn(incr.size(), (float)(s > 0 ? s : 1.0)));
+}
+
+static Vec plus(const Vec& a, const Vec& b) {
+    Vec r(a.size());
+    for (size_t i = 0; i < a.size(); i++) r[i] = (float)((double)a[i] + b[i]);
+    return r;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Device buffers: every allocation of a test is freed at its end */
+
+static std::vector<void*> g_allocs;
+
+static void* dalloc(size_t bytes) {
+    void* p = NULL;
+    CUDA_CHECK(cudaMalloc(&p, bytes ? bytes : 1));
+    g_allocs.push_back(p);
+    return p;
+}
+
+static void dfree_all(void) {
+    for (void* p : g_allocs) CUDA_CHECK(cudaFree(p));
+    g_allocs.clear();
+}
+
+/* n elements filled with NaN (all-ones bytes are a NaN in fp32, bf16 and fp16) */
+template <typename T> static T* poisoned(size_t n) {
+    T* p = (T*)dalloc(n * sizeof(T));
+    CUDA_CHECK(cudaMemset(p, 0xFF, n * sizeof(T)));
+    return p;
+}
+
+template <typename T> static T* upload(const Vec& v) {
+    std::vector<T> h(v.size());
+    for (size_t i = 0; i < v.size(); i++) h[i] = from_f<T>(v[i]);
+    T* p = (T*)dalloc(v.size() * sizeof(T));
+    CUDA_CHECK(cudaMemcpy(p, h.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return p;
+}
+
+template <typename T> static void upload_into(T* p, const Vec& v) {
+    std::vector<T> h(v.size());
+    for (size_t i = 0; i < v.size(); i++) h[i] = from_f<T>(v[i]);
+    CUDA_CHECK(cudaMemcpy(p, h.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+static int* upload_ints(const std::vector<int>& v) {
+    int* p = (int*)dalloc(v.size() * sizeof(int));
+    CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(int), cudaMemcpyHostToDevice));
+    return p;
+}
+
+template <typename T> static Vec download(const T* p, size_t n) {
+    std::vector<T> h(n);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    Vec v(n);
+    for (size_t i = 0; i < n; i++) v[i] = to_f(h[i]);
+    return v;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Checks */
+
+struct Tol {
+    double elem, prod, fused;
+};
+template <typename T> static Tol tol_for(void);
+template <> Tol tol_for<float>(void) { return {1e-6, 2e-5, 5e-5}; }
+template <> Tol tol_for<bf16>(void) { return {1e-2, 2e-2, 3e-2}; }
+template <> Tol tol_for<fp16>(void) { return {2e-3, 5e-3, 1e-2}; }
+
+static int g_checks = 0, g_failed = 0;
+static std::string g_ctx; /* "bf16 attn B=2 T=37 C=48 H=4" */
+
+static bool report(bool ok, const char* what, const char* fmt, ...) {
+    char detail[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(detail, sizeof detail, fmt, ap);
+    va_end(ap);
+    printf("%s  %-44s %-8s %s\n", ok ? "PASS" : "FAIL", g_ctx.c_str(), what, detail);
+    fflush(stdout);
+    g_checks++;
+    if (!ok) g_failed++;
+    return ok;
+}
+
+/* ||gpu - cpu|| / ||cpu - base|| (base: the prefill of an accumulating output, or none) */
+static bool check(const char* what, const Vec& gpu, const Vec& cpu, double tol, const Vec* base = NULL) {
+    double num = 0.0, den = 0.0;
+    size_t bad = 0;
+    if (gpu.size() != cpu.size()) {
+        return report(false, what, "size mismatch: gpu %zu, cpu %zu", gpu.size(), cpu.size());
+    }
+    for (size_t i = 0; i < gpu.size(); i++) {
+        if (!isfinite(gpu[i])) {
+            bad++;
+            continue;
+        }
+        double d = (double)gpu[i] - cpu[i], r = (double)cpu[i] - (base ? (*base)[i] : 0.0);
+        num += d * d;
+        den += r * r;
+    }
+    if (bad) return report(false, what, "%zu of %zu elements unwritten or non-finite", bad, gpu.size());
+    double err = den > 0 ? sqrt(num / den) : sqrt(num);
+    return report(err <= tol, what, "rel_err %.2e  tol %.0e", err, tol);
+}
+
+static bool check_scalar(const char* what, double gpu, double cpu, double tol) {
+    double err = fabs(gpu - cpu) / (fabs(cpu) > 0 ? fabs(cpu) : 1.0);
+    if (!isfinite(gpu)) return report(false, what, "non-finite %g (cpu %g)", gpu, cpu);
+    return report(err <= tol, what, "rel_err %.2e  tol %.0e", err, tol);
+}
+
+/* Two launches from the same state must give the same bits. */
+static bool check_same(const char* what, const std::vector<Vec>& a, const std::vector<Vec>& b) {
+    bool same = a.size() == b.size();
+    for (size_t i = 0; same && i < a.size(); i++)
+        same = a[i].size() == b[i].size() && memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) == 0;
+    return report(same, what, same ? "bitwise identical on relaunch" : "DIFFERENT bits on relaunch");
+}
+
+static void set_ctx(const char* prec, const char* test, const char* shape) {
+    g_ctx = std::string(prec) + " " + test + " " + shape;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Shapes: odd sequence lengths and row counts (not multiples of 4 or of any tile), head sizes
+ * from 1 to 32, padded and unpadded vocabularies. */
+
+struct Shape {
+    int B, T, C, H, F, V, Vp, chunk; /* chunk: logits rows per k_loss call */
+};
+
+static const Shape SHAPES[] = {
+    {2, 37, 48, 4, 192, 97, 128, 16},
+    {3, 64, 64, 2, 100, 50, 64, 64},
+    {1, 5, 8, 8, 32, 7, 7, 5},
+    {4, 33, 96, 3, 384, 300, 320, 50},
+};
+
+static std::string shape_str(const Shape& s) {
+    char b[96];
+    snprintf(b, sizeof b, "B=%d T=%d C=%d H=%d F=%d V=%d/%d", s.B, s.T, s.C, s.H, s.F, s.V, s.Vp);
+    return b;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The tests. Each draws its inputs, computes the CPU reference, runs the GPU pair, compares. */
+
+template <typename T> static void test_embed(const Shape& s, Tol tol) {
+    int N = s.B * s.T, C = s.C;
+    /* tokens from a quarter of the vocabulary: many repeats, so dwte rows sum several positions */
+    std::vector<int> tokens = rand_ints(N, s.V / 4 > 1 ? s.V / 4 : 2);
+    Vec wte = randn((size_t)s.Vp * C, 0.5f), wpe = randn((size_t)s.T * C, 0.5f);
+    Vec out_c((size_t)N * C);
+    embed_forward(out_c.data(), tokens.data(), wte.data(), wpe.data(), s.B, s.T, C);
+    int* d_tok = upload_ints(tokens);
+    float *d_wte = upload<float>(wte), *d_wpe = upload<float>(wpe);
+    T* d_out = poisoned<T>((size_t)N * C);
+    k_embed_fwd<T>(d_out, d_tok, d_wte, d_wpe, s.B, s.T, C);
+    check("out", download(d_out, (size_t)N * C), out_c, tol.elem);
+
+    Vec dout = rounded<T>(randn((size_t)N * C, 1.0f));
+    Vec dwte_inc(wte.size(), 0.0f), dwpe_inc(wpe.size(), 0.0f);
+    embed_backward(dwte_inc.data(), dwpe_inc.data(), dout.data(), tokens.data(), s.B, s.T, C);
+    Vec dwte0 = prefill_like<float>(dwte_inc), dwpe0 = prefill_like<float>(dwpe_inc);
+    std::vector<unsigned long long> keys(N);
+    std::vector<int> order(N), start(N + 1), token(N);
+    int nb = embed_buckets(tokens.data(), N, keys.data(), order.data(), start.data(), token.data());
+    int *d_order = upload_ints(order), *d_start = upload_ints(start), *d_token = upload_ints(token);
+    T* d_dout = upload<T>(dout);
+    float *d_dwte = upload<float>(dwte0), *d_dwpe = upload<float>(dwpe0);
+    auto gpu = [&]() {
+        upload_into(d_dwte, dwte0);
+        upload_into(d_dwpe, dwpe0);
+        k_embed_bwd<T>(d_dwte, d_dwpe, d_dout, d_order, d_start, d_token, nb, s.B, s.T, C);
+        return std::vector<Vec>{download(d_dwte, wte.size()), download(d_dwpe, wpe.size())};
+    };
+    std::vector<Vec> r1 = gpu(), r2 = gpu();
+    check("dwte", r1[0], plus(dwte0, dwte_inc), tol.prod, &dwte0);
+    check("dwpe", r1[1], plus(dwpe0, dwpe_inc), tol.prod, &dwpe0);
+    check_same("determ", r1, r2);
+    dfree_all();
+}
+
+template <typename T> static void test_layernorm(const Shape& s, Tol tol) {
+    /* more rows than LN_MAX_CHUNKS in the larger shapes, so chunks hold several rows */
+    int N = s.B * s.T * 2 + 1, C = s.C;
+    Vec x = rounded<T>(randn((size_t)N * C, 1.0f, 0.3f));
+    Vec gamma = randn(C, 0.2f, 1.0f), beta = randn(C, 0.2f);
+    Vec out_c((size_t)N * C), mean_c(N), rstd_c(N);
+    layernorm_forward(out_c.data(), mean_c.data(), rstd_c.data(), x.data(), gamma.data(), beta.data(), N, C);
+    T* d_x = upload<T>(x);
+    float *d_gamma = upload<float>(gamma), *d_beta = upload<float>(beta);
+    T* d_out = poisoned<T>((size_t)N * C);
+    float *d_mean = poisoned<float>(N), *d_rstd = poisoned<float>(N);
+    k_layernorm_fwd<T>(d_out, d_mean, d_rstd, d_x, d_gamma, d_beta, N, C);
+    check("out", download(d_out, (size_t)N * C), out_c, tol.prod);
+    check("mean", download(d_mean, N), mean_c, tol_for<float>().prod);
+    check("rstd", download(d_rstd, N), rstd_c, tol_for<float>().prod);
+
+    Vec dout = rounded<T>(randn((size_t)N * C, 1.0f));
+    Vec dx_inc((size_t)N * C, 0.0f), dg_inc(C, 0.0f), db_inc(C, 0.0f);
+    layernorm_backward(dx_inc.data(), dg_inc.data(), db_inc.data(), dout.data(), x.data(), gamma.data(), mean_c.data(),
+                       rstd_c.data(), N, C);
+    Vec dx0 = prefill_like<T>(dx_inc), dg0 = prefill_like<float>(dg_inc), db0 = prefill_like<float>(db_inc);
+    T* d_dout = upload<T>(dout);
+    float *d_mean_c = upload<float>(mean_c), *d_rstd_c = upload<float>(rstd_c); /* backward alone: CPU statistics */
+    T* d_dx = upload<T>(dx0);
+    float *d_dg = upload<float>(dg0), *d_db = upload<float>(db0);
+    float* d_scratch = poisoned<float>(layernorm_scratch_floats(C));
+    auto gpu = [&]() {
+        upload_into(d_dx, dx0);
+        upload_into(d_dg, dg0);
+        upload_into(d_db, db0);
+        k_layernorm_bwd<T>(d_dx, d_dg, d_db, d_dout, d_x, d_gamma, d_mean_c, d_rstd_c, N, C, d_scratch);
+        return std::vector<Vec>{download(d_dx, (size_t)N * C), download(d_dg, C), download(d_db, C)};
+    };
+    std::vector<Vec> r1 = gpu(), r2 = gpu();
+    check("dx", r1[0], plus(dx0, dx_inc), tol.prod, &dx0);
+    check("dgamma", r1[1], plus(dg0, dg_inc), tol.prod, &dg0);
+    check("dbeta", r1[2], plus(db0, db_inc), tol.prod, &db0);
+    check_same("determ", r1, r2);
+    dfree_all();
+}
+
+template <typename T> static void test_attn_out(const Shape& s, Tol tol) {
+    int N = s.B * s.T, C = s.C;
+    Vec x = rounded<T>(randn((size_t)N * C, 1.0f)), w = rounded<T>(randn((size_t)C * C, 1.0f / sqrtf((float)C)));
+    Vec out_c((size_t)N * C);
+    matmul_forward(out_c.data(), x.data(), w.data(), N, C, C);
+    T *d_x = upload<T>(x), *d_w = upload<T>(w), *d_out = poisoned<T>((size_t)N * C);
+    k_attn_out_fwd<T>(d_out, d_x, d_w, N, C);
+    check("out", download(d_out, (size_t)N * C), out_c, tol.prod);
+
+    Vec dout = rounded<T>(randn((size_t)N * C, 1.0f));
+    Vec dx_inc((size_t)N * C, 0.0f), dw_inc((size_t)C * C, 0.0f);
+    matmul_backward(dx_inc.data(), dw_inc.data(), dout.data(), x.data(), w.data(), N, C, C);
+    Vec dx0 = prefill_like<T>(dx_inc), dw0 = prefill_like<float>(dw_inc);
+    T *d_dout = upload<T>(dout), *d_dx = upload<T>(dx0);
+    float* d_dw = upload<float>(dw0);
+    k_attn_out_bwd<T>(d_dx, d_dw, d_dout, d_x, d_w, N, C);
+    check("dx", download(d_dx, (size_t)N * C), plus(dx0, dx_inc), tol.prod, &dx0);
+    check("dw", download(d_dw, (size_t)C * C), plus(dw0, dw_inc), tol.prod, &dw0);
+    dfree_all();
+}
+
+template <typename T> static void test_attn_qkv(const Shape& s, Tol tol) {
+    int N = s.B * s.T, C = s.C;
+    size_t nc = (size_t)N * C, cc = (size_t)C * C;
+    Vec x = rounded<T>(randn(nc, 1.0f)), w = rounded<T>(randn(3 * cc, 1.0f / sqrtf((float)C)));
+    Vec qkv_c(3 * nc);
+    for (int i = 0; i < 3; i++) matmul_forward(qkv_c.data() + i * nc, x.data(), w.data() + i * cc, N, C, C);
+    T *d_x = upload<T>(x), *d_w = upload<T>(w), *d_qkv = poisoned<T>(3 * nc);
+    k_attn_qkv_fwd<T>(d_qkv, d_x, d_w, N, C);
+    check("qkv", download(d_qkv, 3 * nc), qkv_c, tol.prod);
+
+    Vec dqkv = rounded<T>(randn(3 * nc, 1.0f));
+    Vec dx_inc(nc, 0.0f), dw_inc(3 * cc, 0.0f);
+    for (int i = 0; i < 3; i++)
+        matmul_backward(dx_inc.data(), dw_inc.data() + i * cc, dqkv.data() + i * nc, x.data(), w.data() + i * cc, N, C, C);
+    Vec dx0 = prefill_like<T>(dx_inc), dw0 = prefill_like<float>(dw_inc);
+    T *d_dqkv = upload<T>(dqkv), *d_dx = upload<T>(dx0);
+    float* d_dw = upload<float>(dw0);
+    k_attn_qkv_bwd<T>(d_dx, d_dw, d_dqkv, d_x, d_w, N, C);
+    check("dx", download(d_dx, nc), plus(dx0, dx_inc), tol.prod, &dx0);
+    check("dw", download(d_dw, 3 * cc), plus(dw0, dw_inc), tol.prod, &dw0);
+    dfree_all();
+}
+
+template <typename T> static void test_attn(const Shape& s, Tol tol) {
+    int B = s.B, Tn = s.T, C = s.C, H = s.H, hs = C / H, N = B * Tn;
+    size_t nc = (size_t)N * C, tt = attn_scratch_elems(H, Tn);
+    Vec q = rounded<T>(randn(nc, 1.0f)), k = rounded<T>(randn(nc, 1.0f)), v = rounded<T>(randn(nc, 1.0f));
+    Vec out_c(nc), att((size_t)B * H * Tn * Tn);
+    attention_forward(out_c.data(), att.data(), q.data(), k.data(), v.data(), B, Tn, C, H);
+    /* reference log-sum-exp of each score row, in double */
+    Vec lse_c((size_t)B * H * Tn);
+    double scale = 1.0 / sqrt((double)hs);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int i = 0; i < Tn; i++) {
+                std::vector<double> sc(i + 1);
+                double mx = -1e300, sum = 0.0;
+                for (int j = 0; j <= i; j++) {
+                    double d = 0.0;
+                    for (int c = 0; c < hs; c++)
+                        d += (double)q[((size_t)b * Tn + i) * C + h * hs + c] * k[((size_t)b * Tn + j) * C + h * hs + c];
+                    sc[j] = d * scale;
+                    if (sc[j] > mx) mx = sc[j];
+                }
+                for (int j = 0; j <= i; j++) sum += exp(sc[j] - mx);
+                lse_c[((size_t)b * H + h) * Tn + i] = (float)(mx + log(sum));
+            }
+    T *d_q = upload<T>(q), *d_k = upload<T>(k), *d_v = upload<T>(v), *d_out = poisoned<T>(nc);
+    float* d_lse = poisoned<float>((size_t)B * H * Tn);
+    AttnScratch<T> sc;
+    sc.S = poisoned<float>(tt);
+    sc.dP = poisoned<float>(tt);
+    sc.P = poisoned<T>(tt);
+    k_attn_fwd<T>(d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
+    check("out", download(d_out, nc), out_c, tol.fused);
+    check("lse", download(d_lse, (size_t)B * H * Tn), lse_c, tol_for<float>().prod);
+
+    Vec dout = rounded<T>(randn(nc, 1.0f));
+    Vec dq_inc(nc, 0.0f), dk_inc(nc, 0.0f), dv_inc(nc, 0.0f);
+    attention_backward(dq_inc.data(), dk_inc.data(), dv_inc.data(), dout.data(), att.data(), q.data(), k.data(), v.data(),
+                       B, Tn, C, H);
+    Vec dq0 = prefill_like<T>(dq_inc), dk0 = prefill_like<T>(dk_inc), dv0 = prefill_like<T>(dv_inc);
+    T *d_dout = upload<T>(dout), *d_dq = upload<T>(dq0), *d_dk = upload<T>(dk0), *d_dv = upload<T>(dv0);
+    auto gpu = [&]() {
+        upload_into(d_dq, dq0);
+        upload_into(d_dk, dk0);
+        upload_into(d_dv, dv0);
+        k_attn_bwd<T>(d_dq, d_dk, d_dv, d_dout, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
+        return std::vector<Vec>{download(d_dq, nc), download(d_dk, nc), download(d_dv, nc)};
+    };
+    std::vector<Vec> r1 = gpu(), r2 = gpu();
+    check("dq", r1[0], plus(dq0, dq_inc), tol.fused, &dq0);
+    check("dk", r1[1], plus(dk0, dk_inc), tol.fused, &dk0);
+    check("dv", r1[2], plus(dv0, dv_inc), tol.fused, &dv0);
+    check_same("determ", r1, r2);
+    dfree_all();
+}
+
+template <typename T> static void test_mlp(const Shape& s, Tol tol) {
+    int N = s.B * s.T, C = s.C, F = s.F;
+    size_t nc = (size_t)N * C, nf = (size_t)N * F;
+    Vec x = rounded<T>(randn(nc, 1.0f));
+    Vec w1 = rounded<T>(randn((size_t)C * F, 1.0f / sqrtf((float)C))), w2 = rounded<T>(randn((size_t)F * C, 1.0f / sqrtf((float)F)));
+    Vec h_c(nf), g_c(nf), out_c(nc);
+    matmul_forward(h_c.data(), x.data(), w1.data(), N, C, F);
+    gelu_forward(g_c.data(), h_c.data(), (int)nf);
+    matmul_forward(out_c.data(), g_c.data(), w2.data(), N, F, C);
+    T *d_x = upload<T>(x), *d_w1 = upload<T>(w1), *d_w2 = upload<T>(w2);
+    T *d_out = poisoned<T>(nc), *d_h = poisoned<T>(nf), *d_g = poisoned<T>(nf), *d_dh = poisoned<T>(nf);
+    k_mlp_fwd<T>(d_out, d_h, d_g, d_x, d_w1, d_w2, N, C, F);
+    check("out", download(d_out, nc), out_c, tol.fused);
+    check("h", download(d_h, nf), h_c, tol.prod);
+
+    Vec dout = rounded<T>(randn(nc, 1.0f));
+    Vec dg(nf, 0.0f), dh(nf, 0.0f), dx_inc(nc, 0.0f), dw1_inc(w1.size(), 0.0f), dw2_inc(w2.size(), 0.0f);
+    matmul_backward(dg.data(), dw2_inc.data(), dout.data(), g_c.data(), w2.data(), N, F, C);
+    gelu_backward(dh.data(), h_c.data(), dg.data(), (int)nf);
+    matmul_backward(dx_inc.data(), dw1_inc.data(), dh.data(), x.data(), w1.data(), N, C, F);
+    Vec dx0 = prefill_like<T>(dx_inc), dw10 = prefill_like<float>(dw1_inc), dw20 = prefill_like<float>(dw2_inc);
+    T *d_dout = upload<T>(dout), *d_dx = upload<T>(dx0);
+    float *d_dw1 = upload<float>(dw10), *d_dw2 = upload<float>(dw20);
+    k_mlp_bwd<T>(d_dx, d_dw1, d_dw2, d_dout, d_x, d_h, d_w1, d_w2, d_g, d_dh, N, C, F); /* the forward's saved h */
+    check("dx", download(d_dx, nc), plus(dx0, dx_inc), tol.fused, &dx0);
+    check("dw1", download(d_dw1, w1.size()), plus(dw10, dw1_inc), tol.fused, &dw10);
+    check("dw2", download(d_dw2, w2.size()), plus(dw20, dw2_inc), tol.fused, &dw20);
+    dfree_all();
+}
+
+template <typename T> static void test_gelu(const Shape& s, Tol tol) {
+    size_t n = (size_t)s.B * s.T * s.F + 3;
+    Vec x = rounded<T>(randn(n, 2.0f)), out_c(n);
+    gelu_forward(out_c.data(), x.data(), (int)n);
+    T *d_x = upload<T>(x), *d_out = poisoned<T>(n);
+    gelu_fwd<T>(d_out, d_x, n);
+    check("out", download(d_out, n), out_c, tol.elem);
+    Vec dout = rounded<T>(randn(n, 1.0f)), dx_c(n, 0.0f);
+    gelu_backward(dx_c.data(), x.data(), dout.data(), (int)n);
+    T* d_d = upload<T>(dout);
+    gelu_bwd_inplace<T>(d_d, d_x, n);
+    check("dx", download(d_d, n), dx_c, tol.elem);
+    dfree_all();
+}
+
+template <typename T> static void test_residual(const Shape& s, Tol tol) {
+    size_t n = (size_t)s.B * s.T * s.C;
+    Vec a = rounded<T>(randn(n, 1.0f)), b = rounded<T>(randn(n, 1.0f)), out_c(n);
+    residual_forward(out_c.data(), a.data(), b.data(), (int)n);
+    T *d_a = upload<T>(a), *d_b = upload<T>(b), *d_out = poisoned<T>(n);
+    k_residual_add<T>(d_out, d_a, d_b, n);
+    check("out", download(d_out, n), out_c, tol.elem);
+    Vec dout = rounded<T>(randn(n, 1.0f)), da_inc(n, 0.0f), db_inc(n, 0.0f);
+    residual_backward(da_inc.data(), db_inc.data(), dout.data(), (int)n);
+    Vec da0 = prefill_like<T>(da_inc), db0 = prefill_like<T>(db_inc);
+    T *d_dout = upload<T>(dout), *d_da = upload<T>(da0), *d_db = upload<T>(db0);
+    k_residual_add_bwd<T>(d_da, d_db, d_dout, n);
+    check("da", download(d_da, n), plus(da0, da_inc), tol.elem, &da0);
+    check("db", download(d_db, n), plus(db0, db_inc), tol.elem, &db0);
+    dfree_all();
+}
+
+/* The classifier the way the engine runs it: chunks of s.chunk rows, each forward then backward. */
+template <typename T> static void test_loss(const Shape& s, Tol tol) {
+    int N = s.B * s.T, C = s.C, V = s.V, Vp = s.Vp;
+    Vec x = rounded<T>(randn((size_t)N * C, 1.0f)), wte = rounded<T>(randn((size_t)Vp * C, 0.3f));
+    std::vector<int> targets = rand_ints(N, V);
+    Vec probs((size_t)N * Vp);
+    float loss_c = classifier_forward(probs.data(), x.data(), wte.data(), targets.data(), N, C, V, Vp);
+    Vec dx_inc((size_t)N * C, 0.0f), dwte_inc(wte.size(), 0.0f);
+    classifier_backward(dx_inc.data(), dwte_inc.data(), probs.data(), x.data(), wte.data(), targets.data(), N, C, V, Vp);
+    Vec dx0 = prefill_like<T>(dx_inc), dwte0 = prefill_like<float>(dwte_inc);
+
+    T *d_x = upload<T>(x), *d_wte = upload<T>(wte), *d_dx = upload<T>(dx0);
+    int* d_targets = upload_ints(targets);
+    float *d_losses = poisoned<float>(N), *d_lse = poisoned<float>(N), *d_dwte = upload<float>(dwte0);
+    float* d_logits = poisoned<float>((size_t)s.chunk * Vp);
+    /* as in the engine: in fp32 the gradient overwrites the logits in place */
+    T* d_dlogits = sizeof(T) == 4 ? (T*)d_logits : poisoned<T>((size_t)s.chunk * Vp);
+    auto gpu = [&]() {
+        upload_into(d_dx, dx0);
+        upload_into(d_dwte, dwte0);
+        for (int r0 = 0; r0 < N; r0 += s.chunk) {
+            int n = N - r0 < s.chunk ? N - r0 : s.chunk;
+            k_loss_fwd<T>(d_losses + r0, d_lse + r0, d_logits, d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V, Vp);
+            k_loss_bwd<T>(d_dx + (size_t)r0 * C, d_dwte, d_dlogits, d_logits, d_lse + r0, d_x + (size_t)r0 * C, d_wte,
+                          d_targets + r0, n, C, V, Vp, 1.0f / N);
+        }
+        return std::vector<Vec>{download(d_losses, N), download(d_dx, (size_t)N * C), download(d_dwte, wte.size())};
+    };
+    std::vector<Vec> r1 = gpu(), r2 = gpu();
+    double sum = 0.0;
+    size_t bad = 0;
+    for (float l : r1[0]) {
+        if (!isfinite(l)) bad++;
+        sum += l;
+    }
+    if (bad) report(false, "loss", "%zu of %d row losses unwritten or non-finite", bad, N);
+    else check_scalar("loss", sum / N, loss_c, sizeof(T) == 4 ? tol_for<float>().prod : 1e-4);
+    check("dx", r1[1], plus(dx0, dx_inc), tol.fused, &dx0);
+    check("dwte", r1[2], plus(dwte0, dwte_inc), tol.fused, &dwte0);
+    /* padded rows: never any gradient, so exactly the prefill */
+    {
+        Vec pad_gpu(r1[2].begin() + (size_t)V * C, r1[2].end()), pad0(dwte0.begin() + (size_t)V * C, dwte0.end());
+        bool same = memcmp(pad_gpu.data(), pad0.data(), pad0.size() * sizeof(float)) == 0;
+        report(same, "dwte_pad", same ? "padded rows untouched" : "padded rows CHANGED");
+    }
+    check_same("determ", r1, r2);
+    dfree_all();
+}
+
+/* AdamW, the weight copy, and the norm/scale kernels work on fp32 gradients whatever T is. */
+template <typename T> static void test_adamw(Tol tol) {
+    size_t n = 10007;
+    Vec p = randn(n, 1.0f), g = randn(n, 0.1f), m = randn(n, 0.01f), v = randn(n, 0.01f);
+    for (float& x : v) x = x * x;
+    float lr = 1e-3f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;
+    int t = 7;
+    Vec pc = p, mc = m, vc = v;
+    adamw_update(pc.data(), g.data(), mc.data(), vc.data(), (long)n, lr, b1, b2, eps, wd, t);
+    float *d_p = upload<float>(p), *d_g = upload<float>(g), *d_m = upload<float>(m), *d_v = upload<float>(v);
+    T* d_low = sizeof(T) == 4 ? (T*)NULL : poisoned<T>(n);
+    k_adamw<T>(d_p, d_g, d_m, d_v, d_low, n, lr, b1, b2, eps, wd, t);
+    check("p", download(d_p, n), pc, tol_for<float>().elem);
+    check("m", download(d_m, n), mc, tol_for<float>().elem);
+    check("v", download(d_v, n), vc, tol_for<float>().elem);
+    if (d_low) check("p_low", download(d_low, n), rounded<T>(pc), tol.elem);
+    T* d_conv = poisoned<T>(n);
+    k_convert<T>(d_conv, d_p, n);
+    check("convert", download(d_conv, n), rounded<T>(pc), tol.elem);
+    dfree_all();
+}
+
+static void test_grad_norm(void) {
+    size_t n = 1000003;
+    Vec g = randn(n, 0.01f);
+    double s = 0.0;
+    for (float x : g) s += (double)x * x;
+    float *d_g = upload<float>(g), *d_partial = poisoned<float>(NORM_BLOCKS), *d_norm = poisoned<float>(1);
+    auto norm = [&]() {
+        k_grad_norm_partial(d_partial, d_g, n);
+        k_grad_norm_final(d_norm, d_partial);
+        return std::vector<Vec>{download(d_norm, 1)};
+    };
+    std::vector<Vec> r1 = norm(), r2 = norm();
+    check_scalar("norm", r1[0][0], sqrt(s), tol_for<float>().prod);
+    check_same("determ", r1, r2);
+    /* a single inf must make the norm non-finite (fp16 overflow detection relies on it) */
+    float inf = INFINITY;
+    CUDA_CHECK(cudaMemcpy(d_g + n / 2, &inf, sizeof inf, cudaMemcpyHostToDevice));
+    Vec r3 = norm()[0];
+    report(!isfinite(r3[0]), "inf", "norm with one inf gradient: %g", (double)r3[0]);
+    /* scale */
+    Vec small = randn(4099, 1.0f), scaled(small.size());
+    for (size_t i = 0; i < small.size(); i++) scaled[i] = small[i] * 0.37f;
+    float* d_s = upload<float>(small);
+    k_grad_scale(d_s, small.size(), 0.37f);
+    check("scale", download(d_s, small.size()), scaled, tol_for<float>().elem);
+    dfree_all();
+}
+
+template <typename T> static void run_precision(void) {
+    const char* prec = TypeInfo<T>::name();
+    Tol tol = tol_for<T>();
+    for (const Shape& s : SHAPES) {
+        std::string sh = shape_str(s);
+        set_ctx(prec, "embed", sh.c_str());
+        test_embed<T>(s, tol);
+        set_ctx(prec, "layernorm", sh.c_str());
+        test_layernorm<T>(s, tol);
+        set_ctx(prec, "attn_qkv", sh.c_str());
+        test_attn_qkv<T>(s, tol);
+        set_ctx(prec, "attn", sh.c_str());
+        test_attn<T>(s, tol);
+        set_ctx(prec, "attn_out", sh.c_str());
+        test_attn_out<T>(s, tol);
+        set_ctx(prec, "mlp", sh.c_str());
+        test_mlp<T>(s, tol);
+        set_ctx(prec, "gelu", sh.c_str());
+        test_gelu<T>(s, tol);
+        set_ctx(prec, "residual", sh.c_str());
+        test_residual<T>(s, tol);
+        set_ctx(prec, "loss", sh.c_str());
+        test_loss<T>(s, tol);
+    }
+    set_ctx(prec, "adamw", "n=10007");
+    test_adamw<T>(tol);
+}
+
+int main(int argc, char** argv) {
+    uint64_t seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 20);
+    const char* prec = "all";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--prec") && i + 1 < argc) prec = argv[++i];
+        else {
+            fprintf(stderr, "error: unknown argument '%s' (usage: kernel_check [--seed N] [--prec fp32|bf16|fp16|all])\n", argv[i]);
+            return 2;
+        }
+    }
+    if (strcmp(prec, "all") && strcmp(prec, "fp32") && strcmp(prec, "bf16") && strcmp(prec, "fp16")) {
+        fprintf(stderr, "error: --prec must be fp32, bf16, fp16 or all, not '%s'\n", prec);
+        return 2;
+    }
+    int n_dev = 0;
+    if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1) {
+        fprintf(stderr, "error: no usable CUDA device\n");
+        return 1;
+    }
+    cudaDeviceProp p;
+    CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
+    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)\n", p.name, p.major, p.minor,
+           (unsigned long long)seed, (unsigned long long)seed);
+    g_state = seed;
+    void* ws = dalloc(CUBLAS_WORKSPACE_BYTES);
+    g_allocs.clear(); /* the workspace lives for the whole run */
+    cublas_init(ws, CUBLAS_WORKSPACE_BYTES);
+
+    set_ctx("fp32", "grad_norm", "n=1000003");
+    test_grad_norm();
+    if (!strcmp(prec, "all") || !strcmp(prec, "fp32")) run_precision<float>();
+    if (!strcmp(prec, "all") || !strcmp(prec, "bf16")) run_precision<bf16>();
+    if (!strcmp(prec, "all") || !strcmp(prec, "fp16")) run_precision<fp16>();
+
+    cublas_shutdown();
+    CUDA_CHECK(cudaFree(ws));
+    printf("kernel_check: %d checks, %d failed (seed %llu)\n", g_checks, g_failed, (unsigned long long)seed);
+    return g_failed ? 1 : 0;
+}

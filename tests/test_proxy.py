@@ -1,0 +1,490 @@
+"""The training proxy (SPEC §5), end to end with the real CPU engine: the proxy runs as a subprocess,
+as a user runs it, on tiny configs (2 layers, d 32, seq 32, batch 2) that take a few seconds.
+Plus unit tests of the loss log (torn tails, supersession) and of the config → flags mapping."""
+import http.client
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from proxy_util import (NAME, PROXY, REPO, Proxy, ProxyFixtureDir, live_train, live_val,
+                        proxy_env, run_to_end)
+
+sys.path.insert(0, str(REPO / "microgpt"))
+import loss_log  # noqa: E402
+import training_proxy  # noqa: E402
+
+PROMPTS = ["A", "B"]  # GPT-2 ids 32 and 33: inside the tiny vocabulary
+
+
+@pytest.fixture
+def exp(tmp_path):
+    return ProxyFixtureDir(tmp_path)
+
+
+def ckpt_step(path):
+    with open(path, "rb") as f:
+        return struct.unpack("<i", f.read(4))[0]
+
+
+def assert_one_live_value_per_step(records):
+    """SPEC: a step never shows two live values; and the live train steps are 1..N without a gap."""
+    steps = [r["step"] for r in live_train(records)]
+    assert steps == list(range(1, len(steps) + 1)), steps
+    vsteps = [r["step"] for r in live_val(records)]
+    assert len(vsteps) == len(set(vsteps)) and vsteps == sorted(vsteps), vsteps
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loss log on its own
+
+
+def write_log(path, n):
+    log = loss_log.LossLog(str(path))
+    log.append([{"step": i, "loss": 10.0 / i, "time": 1.5} for i in range(1, n + 1)])
+    log.append([{"step": n, "val_loss": 3.25}])
+    log.close()
+    return path.read_bytes()
+
+
+def test_loss_log_appends_without_rewriting(tmp_path):
+    path = tmp_path / "x.loss.json"
+    data = write_log(path, 3)
+    log = loss_log.LossLog(str(path))
+    log.append([{"step": 4, "loss": 1.0}])
+    log.close()
+    grown = path.read_bytes()
+    # Everything before the old closing "\n]" is untouched: the file grew, it was not rewritten.
+    assert grown.startswith(data[:-2]) and len(grown) > len(data)
+    recs = json.loads(grown)
+    assert [r["step"] for r in recs] == [1, 2, 3, 3, 4] and all(r["live"] == 1 for r in recs)
+
+
+def test_loss_log_repairs_a_tail_torn_anywhere(tmp_path):
+    """Cut the file at every byte: opening must always give valid JSON holding a prefix of the
+    records, and appending must work afterwards."""
+    path = tmp_path / "x.loss.json"
+    data = write_log(path, 4)
+    full = json.loads(data)
+    for cut in range(len(data) + 1):
+        path.write_bytes(data[:cut])
+        log = loss_log.LossLog(str(path))
+        recs = json.loads(path.read_bytes())
+        assert recs == full[:len(recs)], cut
+        # Only the torn record may be lost: whole records before the cut survive.
+        complete = data[:cut].count(b"}")
+        assert len(recs) >= complete - 1 if cut < len(data) - 2 else len(recs) == len(full), cut
+        log.append([{"step": 99, "loss": 0.5}])
+        log.close()
+        assert json.loads(path.read_bytes())[-1]["step"] == 99, cut
+
+
+def test_loss_log_repairs_nul_bytes_left_by_a_crash(tmp_path):
+    path = tmp_path / "x.loss.json"
+    data = write_log(path, 3)
+    path.write_bytes(data[:-2] + b",\n" + b"\0" * 300)
+    loss_log.LossLog(str(path)).close()
+    assert [r["step"] for r in json.loads(path.read_bytes())] == [1, 2, 3, 3]
+
+
+def test_loss_log_refuses_damage_that_is_not_a_torn_tail(tmp_path):
+    path = tmp_path / "x.loss.json"
+    data = write_log(path, 5)
+    damaged = data.replace(b'"step":2,', b'"step":2#')  # corrupt the middle, keep the tail valid
+    assert damaged != data
+    path.write_bytes(damaged)
+    with pytest.raises(loss_log.LossLogError, match="not at the end"):
+        loss_log.LossLog(str(path))
+    assert path.read_bytes() == damaged  # nothing was cut
+
+
+def test_loss_log_supersede_marks_in_place(tmp_path):
+    path = tmp_path / "x.loss.json"
+    write_log(path, 6)
+    log = loss_log.LossLog(str(path))
+    size = path.stat().st_size
+    assert log.supersede_after(4) == 3  # steps 5, 6 and the val record at 6
+    assert path.stat().st_size == size  # one byte per record changed, nothing rewritten
+    log.append([{"event": "resume", "step": 4}, {"step": 5, "loss": 2.0}])
+    assert log.supersede_after(5) == 0  # stops at the first live record at or below the step
+    log.close()
+    recs = json.loads(path.read_bytes())
+    assert [(r["step"], r["live"]) for r in recs if "loss" in r] == [
+        (1, 1), (2, 1), (3, 1), (4, 1), (5, 0), (6, 0), (5, 1)]
+    assert_one_live_value_per_step(recs)
+
+
+def test_loss_log_rewrites_a_hand_edited_array_into_its_layout(tmp_path):
+    path = tmp_path / "x.loss.json"
+    path.write_text(json.dumps([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0, "live": 0}], indent=2))
+    log = loss_log.LossLog(str(path))
+    assert "rewrote" in log.message
+    log.append([{"step": 2, "loss": 1.5}])
+    log.close()
+    recs = json.loads(path.read_bytes())
+    assert [(r["step"], r["live"]) for r in recs] == [(1, 1), (2, 0), (2, 1)]
+
+
+def test_loss_log_serves_raw_ranges(tmp_path):
+    path = tmp_path / "x.loss.json"
+    write_log(path, 5)
+    log = loss_log.LossLog(str(path))
+    body, nxt = log.read_json(2, 2)
+    assert nxt == 4 and [r["step"] for r in json.loads(body)] == [3, 4]
+    body, nxt = log.read_json(4, 100)
+    assert nxt == 6 and [r["step"] for r in json.loads(body)] == [5, 5]
+    assert log.read_json(6, 10) == (b"[]", 6)
+    log.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config validation and the config → flags mapping
+
+
+def test_engine_args_are_the_dotted_keys(tmp_path):
+    cfg = {"name": "x", "model": {"n_layer": 6, "d_model": 192, "n_head": 6, "seq_len": 512},
+           "train": {"steps": 100, "lr": 6e-4, "precision": "bf16"},
+           "data": {"train": "data/megachat/megachat_train_*.bin", "val": "/abs/val_*.bin"},
+           "sample": {"every": 5, "prompts": ["a", "b"]}}
+    training_proxy.validate_config(cfg)
+    args = training_proxy.engine_args(cfg, [[64], [65, 66]], "/r/x.ckpt", resume=True)
+    pairs = dict(zip(args[::2], args[1::2]))
+    assert pairs["--name"] == "x" and pairs["--model.n_layer"] == "6"
+    assert float(pairs["--train.lr"]) == 6e-4 and pairs["--train.precision"] == "bf16"
+    assert pairs["--data.train"] == str(REPO / "data/megachat/megachat_train_*.bin")  # repo-relative
+    assert pairs["--data.val"] == "/abs/val_*.bin"
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--sample.prompt"] == ["64", "65,66"]
+    assert "--sample.prompts" not in args and pairs["--checkpoint"] == "/r/x.ckpt"
+    assert args[-1] == "--resume"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"trian": {}}, 'unknown key "trian"'),
+    ({"train": {"steps": 5, "lrr": 0.1}}, 'unknown key "train.lrr"'),
+    ({"train": {"steps": 5, "lr": "fast"}}, '"train.lr" must be a number'),
+    ({"train": {"steps": True}}, '"train.steps" must be an integer'),
+    ({"train": {"steps": 2.5}}, '"train.steps" must be an integer'),
+    ({"train": {"steps": 5, "schedule": "linear"}}, '"train.schedule" must be one of'),
+    ({"model": {"d_model": 32, "n_head": 2, "seq_len": 32}}, 'missing key "model.n_layer"'),
+    ({"sample": {"prompts": "A"}}, '"sample.prompts" must be a list of strings'),
+    ({"sample": {"prompts": ["A", "a"]}}, '"sample.prompts[1]" has token id 64'),
+    ({"polish": {"start_step": 3, "lr": 0.1}}, 'missing key "polish.train"'),
+    ({"name": "../evil"}, '"name" must be letters'),
+])
+def test_bad_config_is_one_clear_error_naming_the_key(exp, change, message):
+    """Validated before anything is launched or created: exit 2, one line, the key named."""
+    cfg = exp.config(steps=5)
+    data = json.loads(cfg.read_text())
+    for key, value in change.items():
+        data[key] = value
+    cfg.write_text(json.dumps(data))
+    res = subprocess.run([sys.executable, str(PROXY), str(cfg), "--engine-binary", "/bin/true",
+                          "--run-dir", str(exp.run_dir)], capture_output=True, text=True,
+                         env=proxy_env(), timeout=60)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
+    assert not exp.run_dir.exists()
+
+
+def test_missing_engine_is_a_clear_error(exp):
+    res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=5)), "--engine-binary",
+                          str(exp.root / "nope")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "not found or not executable" in res.stderr
+
+
+def test_engine_errors_pass_through(exp, cpu_binary):
+    """A config the proxy accepts but the engine refuses (n_head must divide d_model): the engine's
+    own error line reaches the user, the run is marked crashed, the exit code is the engine's."""
+    p, rc = run_to_end(exp.config(steps=5, model={"n_head": 3}), exp.run_dir, cpu_binary)
+    assert rc == 2, p.describe()
+    assert any(line.startswith("error:") and "n_head" in line for line in p.err), p.describe()
+    st = exp.state()
+    assert st["status"] == "crashed" and "n_head" in st["message"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Runs end to end
+
+
+def test_run_finishes_then_says_so(exp, cpu_binary):
+    cfg = exp.config(steps=40, sample={"every": 20, "tokens": 8, "prompts": PROMPTS})
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary)
+    assert rc == 0, p.describe()
+    st = exp.state()
+    assert st["status"] == "finished" and st["step"] == 40 and st["phase"] == "pretrain"
+    assert st["checkpoint_step"] == 40 and st["pid"] is None and st["tokens"] == 40 * 2 * 32
+    assert st["config"]["name"] == NAME
+    recs = exp.loss()
+    assert_one_live_value_per_step(recs)
+    train = live_train(recs)
+    assert len(train) == 40 and all({"loss", "lr", "grad_norm", "tokens", "time", "elapsed"} <= r.keys()
+                                    for r in train)
+    assert [r["step"] for r in live_val(recs)] == [10, 20, 30, 40]
+    assert recs[0]["event"] == "start"
+    samples = json.loads(exp.path(".samples.json").read_text())
+    assert [(s["step"], s["prompt"]) for s in samples] == [(20, "A"), (20, "B"), (40, "A"), (40, "B")]
+    # decoded text, not ids: tiny-vocabulary ids are single printable characters
+    assert all(isinstance(s["text"], str) and len(s["text"]) == 8 and " " not in s["text"] for s in samples)
+
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary)
+    assert rc == 0 and any("already finished" in line for line in p.out), p.describe()
+    assert exp.loss() == recs  # nothing was launched, nothing logged
+
+
+def test_sigterm_stops_with_a_checkpoint_and_rerun_resumes_exactly(tmp_path, cpu_binary):
+    """Stop twice and resume; the live losses must equal an uninterrupted run's, bit for bit."""
+    exp = ProxyFixtureDir(tmp_path / "interrupted")
+    cfg = exp.config(steps=10**6, checkpoint={"every": 0})
+    for round_ in range(3):
+        p = Proxy.start(cfg, exp.run_dir, cpu_binary)
+        target = 30 * (round_ + 1)
+        p.wait_state(lambda s: s.get("status") == "running" and s.get("step", 0) >= target)
+        assert p.stop() == 0, p.describe()
+        st = exp.state()
+        assert st["status"] == "stopped" and st["pid"] is None, st
+        step = ckpt_step(exp.path(".ckpt"))
+        assert st["checkpoint_step"] == step == st["step"] == live_train(exp.loss())[-1]["step"]
+        assert any("stopped at step" in line for line in p.out)
+    recs = exp.loss()
+    assert_one_live_value_per_step(recs)
+    resumes = [r for r in recs if r.get("event") == "resume"]
+    assert len(resumes) == 2 and [r["seg"] for r in resumes] == [2, 3]
+
+    straight = ProxyFixtureDir(tmp_path / "straight")
+    p = Proxy.start(straight.config(steps=10**6, checkpoint={"every": 0}), straight.run_dir, cpu_binary)
+    p.wait_state(lambda s: s.get("step", 0) >= 40)
+    assert p.stop() == 0
+    a, b = live_train(recs), live_train(straight.loss())
+    n = min(len(a), len(b))
+    assert n >= 40
+    assert [r["loss"] for r in a[:n]] == [r["loss"] for r in b[:n]]
+
+
+def test_sigusr1_is_forwarded_and_training_continues(exp, cpu_binary):
+    p = Proxy.start(exp.config(steps=10**6, checkpoint={"every": 0}), exp.run_dir, cpu_binary)
+    p.wait_state(lambda s: s.get("step", 0) >= 10)
+    assert not exp.path(".ckpt").exists()
+    p.proc.send_signal(signal.SIGUSR1)
+    st = p.wait_state(lambda s: s.get("checkpoint_step") is not None)
+    taken = st["checkpoint_step"]
+    assert ckpt_step(exp.path(".ckpt")) == taken
+    p.wait_state(lambda s: s.get("step", 0) > taken + 10 and s["status"] == "running")
+    assert p.stop() == 0
+
+
+def test_engine_killed_outright_is_crashed_and_rerun_resumes(exp, cpu_binary):
+    cfg = exp.config(steps=10**6, checkpoint={"every": 10})
+    p = Proxy.start(cfg, exp.run_dir, cpu_binary)
+    st = p.wait_state(lambda s: s.get("step", 0) >= 35 and s.get("pid"))
+    os.kill(st["pid"], signal.SIGKILL)
+    rc = p.wait()
+    assert rc != 0, p.describe()
+    st = exp.state()
+    assert st["status"] == "crashed" and "SIGKILL" in st["message"], st
+    before = exp.loss()  # still loads with json.load
+    k = ckpt_step(exp.path(".ckpt"))
+    beyond = [r for r in before if r["live"] and r["step"] > k and "event" not in r]
+    assert k % 10 == 0 and k >= 30 and beyond, (k, len(before))
+
+    # A crash can also tear the log's last write: cut it mid-record, the proxy must repair it.
+    data = exp.path(".loss.json").read_bytes()
+    exp.path(".loss.json").write_bytes(data[:-25])
+    p = Proxy.start(cfg, exp.run_dir, cpu_binary)
+    p.wait_output(r"repaired a torn tail")
+    p.wait_state(lambda s: s.get("status") == "running" and s.get("step", 0) >= k + 10)
+    assert p.stop() == 0, p.describe()
+    recs = exp.loss()
+    assert_one_live_value_per_step(recs)
+    resume = [r for r in recs if r.get("event") == "resume"][-1]
+    assert resume["step"] == k and resume["superseded"] >= len(beyond) - 1  # the torn one is gone
+    superseded = [r for r in recs if not r["live"]]
+    assert superseded and all(r["step"] > k and r["seg"] == 1 for r in superseded)
+    # the resumed run continues from the checkpoint: its first record is step k+1
+    assert [r["step"] for r in recs if r.get("seg") == 2 and "loss" in r][0] == k + 1
+
+
+def test_polish_archives_pretraining(exp, cpu_binary):
+    cfg = exp.config(steps=60, checkpoint={"every": 0},
+                     sample={"every": 10, "tokens": 4, "prompts": PROMPTS},
+                     polish={"start_step": 30, "train": str(exp.val), "lr": 1e-4})
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary)
+    assert rc == 0, p.describe()
+    arch = exp.run_dir / "archive" / "step_30"
+    assert sorted(os.listdir(arch)) == sorted(f"{NAME}{s}" for s in (".ckpt", ".ckpt.json",
+                                                                     ".samples.json", ".state.json"))
+    kept = ckpt_step(arch / f"{NAME}.ckpt")
+    assert 30 <= kept < 60  # the SIGUSR1 checkpoint, kept while the live one moved on to 60
+    assert ckpt_step(exp.path(".ckpt")) == 60
+    old = json.loads((arch / f"{NAME}.samples.json").read_text())
+    new = json.loads(exp.path(".samples.json").read_text())
+    assert {s["step"] for s in old} == {10, 20, 30} and {s["step"] for s in new} == {40, 50, 60}
+    assert json.loads((arch / f"{NAME}.state.json").read_text())["phase"] == "pretrain"
+    st = exp.state()
+    assert st["phase"] == "polish" and st["status"] == "finished"
+    recs = exp.loss()  # one history, never archived
+    assert_one_live_value_per_step(recs)
+    assert len(live_train(recs)) == 60
+    assert [r["step"] for r in recs if r.get("event") == "polish"] == [30]
+    assert {r["phase"] for r in live_train(recs) if r["step"] > 30} == {"polish"}
+    assert {r["phase"] for r in live_train(recs) if r["step"] <= 30} == {"pretrain"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The server
+
+
+@pytest.fixture
+def served(exp, cpu_binary):
+    p = Proxy.start(exp.config(steps=10**6, checkpoint={"every": 0}), exp.run_dir, cpu_binary)
+    url, token = p.url_and_token()
+    p.wait_state(lambda s: s.get("step", 0) >= 5)
+    yield p, url, token
+    p.kill()
+
+
+def listening_addresses(port):
+    """Local addresses with a socket listening on port, from /proc/net/tcp{,6}."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in open(table).read().splitlines()[1:]:
+            local, _remote, st = line.split()[1:4]
+            addr, p = local.split(":")
+            if int(p, 16) == port and st == "0A":
+                found.append(addr)
+    return found
+
+
+def raw_get(url, path, host=None):
+    """GET with the path sent exactly as given (no client-side normalisation of ../)."""
+    hostport = url.split("/")[2]
+    conn = http.client.HTTPConnection(hostport, timeout=10)
+    conn.putrequest("GET", path, skip_host=True)
+    conn.putheader("Host", host or hostport)
+    conn.endheaders()
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp.status, body
+
+
+def test_server_binds_loopback_and_prints_the_url(served):
+    p, url, token = served
+    assert url.startswith("http://127.0.0.1:")
+    port = int(url.rstrip("/").rsplit(":", 1)[1])
+    assert listening_addresses(port) == ["0100007F"]  # 127.0.0.1 only
+    page = requests.get(url, timeout=10)
+    assert page.status_code == 200 and "live-loss" not in page.url and "<canvas" in page.text
+
+
+def test_server_reaches_nothing_outside_the_run_dir(served, tmp_path):
+    p, url, _ = served
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"secret": "outside the run"}')
+    (p.run_dir / "link.json").symlink_to(secret)
+    bad = ["/files/../secret.json", "/files/..%2fsecret.json", "/files/%2e%2e/secret.json",
+           "/files/%2e%2e%2fsecret.json", "/files//etc/passwd", "/files/%2fetc%2fpasswd",
+           "/files/archive/../../secret.json", "/files/link.json", "/files/..", "/files/tiny.ckpt",
+           "/files/../../../../../../etc/passwd", "/..%2f..%2fsecret.json"]
+    for path in bad:
+        status, body = raw_get(url, path)
+        assert status in (400, 403, 404), (path, status)
+        assert b"outside the run" not in body and b"root:" not in body, path
+    status, body = raw_get(url, f"/files/{NAME}.loss.json")
+    assert status == 200 and isinstance(json.loads(body), list)
+    listing = requests.get(url + "files/", timeout=10).json()
+    assert f"{NAME}.loss.json" in listing and not any("secret" in f for f in listing)
+
+
+def test_server_refuses_foreign_host_headers(served):
+    _, url, _ = served
+    assert raw_get(url, "/api/state", host="evil.example:80")[0] == 403
+    assert raw_get(url, "/api/state")[0] == 200
+
+
+def test_changing_the_run_needs_the_token(served):
+    p, url, token = served
+    for headers in ({}, {"X-Run-Token": "wrong"}, {"X-Run-Token": token[:-1]}):
+        for action in ("checkpoint", "stop"):
+            assert requests.post(url + "api/" + action, headers=headers, timeout=10).status_code == 403
+    assert requests.get(url + "api/checkpoint", timeout=10).status_code == 405
+    assert p.state().get("checkpoint_step") is None and p.proc.poll() is None
+    r = requests.post(url + "api/checkpoint", headers={"X-Run-Token": token}, timeout=10)
+    assert r.status_code == 202
+    p.wait_state(lambda s: s.get("checkpoint_step") is not None)
+    r = requests.post(url + "api/stop", headers={"X-Run-Token": token}, timeout=10)
+    assert r.status_code == 202
+    assert p.wait() == 0 and p.state()["status"] == "stopped"
+
+
+def sse_events(resp):
+    """(event, id, data) triples from a streaming SSE response."""
+    event, eid, data = None, None, []
+    for raw in resp.iter_lines():
+        line = raw.decode()
+        if line == "":
+            if data:
+                yield event, eid, "\n".join(data)
+            event, data = None, []
+        elif line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("id: "):
+            eid = line[4:]
+        elif line.startswith("data: "):
+            data.append(line[6:])
+
+
+def test_live_stream_sends_only_unseen_records(served):
+    p, url, _ = served
+    p.wait_state(lambda s: s.get("step", 0) >= 40)
+    total = requests.get(url + "api/records?from=0&limit=1", timeout=10).json()["total"]
+    start = total - 5
+    got, ids = [], []
+    with requests.get(url + f"api/stream?from={start}", stream=True, timeout=30) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        kinds = set()
+        for event, eid, data in sse_events(resp):
+            kinds.add(event)
+            if event == "records":
+                msg = json.loads(data)
+                got += msg["records"]
+                ids.append(int(eid))
+                assert int(eid) == msg["next"] == start + len(got)
+            if len(ids) >= 3 and {"state", "samples"} <= kinds:
+                break
+    on_disk = p_loss(p)
+    assert got == on_disk[start:start + len(got)]  # from the cursor on, no gap, no repeat
+    assert len(got) > 5  # and new records arrived live
+    # A reconnecting EventSource sends Last-Event-ID: the stream resumes right there.
+    with requests.get(url + "api/stream?from=0", headers={"Last-Event-ID": str(ids[-1])},
+                      stream=True, timeout=30) as resp:
+        event, eid, data = next(e for e in sse_events(resp) if e[0] == "records")
+        first = json.loads(data)["records"][0]
+    assert first == p_loss(p)[ids[-1]]
+
+
+def p_loss(p):
+    with open(p.run_dir / f"{NAME}.loss.json") as f:
+        return json.load(f)
+
+
+def test_records_endpoint_pages_through_the_log(served):
+    p, url, _ = served
+    seen, cursor = [], 0
+    while True:
+        msg = requests.get(url + f"api/records?from={cursor}&limit=7", timeout=10).json()
+        if not msg["records"]:
+            break
+        seen += msg["records"]
+        assert msg["next"] == cursor + len(msg["records"])
+        cursor = msg["next"]
+    assert seen == p_loss(p)[:len(seen)] and len(seen) >= 6
+    assert requests.get(url + "api/records?from=-1", timeout=10).status_code == 400
