@@ -7,7 +7,7 @@ CC        = gcc
 CFLAGS    = -std=c99 -O3 -fopenmp -ffp-contract=off -Wall -D_POSIX_C_SOURCE=200809L
 LDLIBS    = -lm
 NVCC     ?= nvcc
-NVCCFLAGS = -O3 -std=c++17 -Xcompiler -fopenmp,-ffp-contract=off,-Wall -D_POSIX_C_SOURCE=200809L
+NVCCFLAGS = -O3 -std=c++17 -Xcompiler -fopenmp,-ffp-contract=off,-Wall
 NVLDLIBS  = -lcublas -lcublasLt -lgomp -lm
 PYTHON   ?= python
 

@@ -17,6 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -31,7 +32,7 @@ TORCH_SCRIPT = os.path.join(BENCH_DIR, "torch_gpt.py")
 
 # Real text the loss check may use when neither --data nor the config's data.train has shards.
 FALLBACK_DATA = [("data/megachat/megachat_train_*.bin", "data/megachat/megachat_val_*.bin"),
-                 ("data/shakespeare/*train*.bin", "data/shakespeare/*val*.bin")]
+                 ("data/shakespeare/shakespeare_train_*.bin", "data/shakespeare/shakespeare_val_*.bin")]
 
 # Issue targets: (model, precisions) -> minimum engine/PyTorch tokens/s ratio; fp32 rows: >= 1.0.
 SPEED_TARGETS = {("120M", "bf16"): 1.25, ("120M", "fp16"): 1.25, ("12M", "bf16"): 5.0, ("12M", "fp16"): 5.0}
@@ -201,9 +202,10 @@ def torch_command(config_path, overrides, mode, device):
 # data
 
 
-def synthetic_data(out_dir, vocab_size):
-    """A shard of uniform random tokens: enough for timing, meaningless for the loss check."""
-    path = os.path.join(out_dir, f"synthetic_{vocab_size}.bin")
+def synthetic_data(vocab_size):
+    """A shard of uniform random tokens: enough for timing, meaningless for the loss check. It goes to
+    the temp dir, not --out, which holds only results."""
+    path = os.path.join(tempfile.gettempdir(), f"andrea_bench_synthetic_{vocab_size}.bin")
     if not os.path.exists(path):
         write_shard(path, np.random.default_rng(0).integers(0, vocab_size, size=4 << 20))
     return {"train": path, "val": None, "real": False}
@@ -221,7 +223,7 @@ def choose_data(cfg, args, shape):
             return {"train": train, "val": val if val and shard_paths(val) else None, "real": True}
     if args.loss_check:
         raise BenchError("the loss check needs real text shards: none found, give --data GLOB")
-    return synthetic_data(args.out, shape["vocab_size"])
+    return synthetic_data(shape["vocab_size"])
 
 
 # -----------------------------------------------------------------------------

@@ -132,7 +132,7 @@ def test_shipped_shapes_have_the_spec_parameter_counts():
             shape = model_shape(json.load(f))
         cfg = ref.ModelConfig(**{k: shape[k] for k in tiny_shape()})
         with torch.device("meta"):
-            n = sum(p.numel() for p in GPT(shape).parameters())
+            n = sum(p.numel() for p in GPT(shape, seed=None).parameters())
         assert n == ref.num_params(cfg)
         assert n == pytest.approx(approx, rel=0.01)
 
@@ -144,3 +144,68 @@ def test_lr_schedule_warmup_then_cosine_to_min():
     assert lr_at(10, t) == pytest.approx(1e-3)
     assert lr_at(55, t) == pytest.approx(5.5e-4)
     assert lr_at(100, t) == pytest.approx(1e-4)
+
+
+# ----------------------------------------------------------------------------- against the CPU engine
+# The baseline must draw the engine's exact initial weights and windows (bench/engine_rng.py):
+# then one forward/backward agrees to fp32 rounding, and a short fp32 run follows the same curve.
+
+CPU_ENGINE = os.path.join(os.path.dirname(HERE), "build", "microgpt_cpu")
+ENGINE_SHAPE = {"n_layer": 2, "d_model": 32, "n_head": 4, "seq_len": 16, "vocab_size": 100,
+                "padded_vocab_size": 128, "d_ff": 128}
+
+
+@pytest.fixture
+def engine_run(tmp_path):
+    """A tiny experiment on random-token shards and a function running the CPU engine on it."""
+    if not os.access(CPU_ENGINE, os.X_OK):
+        pytest.skip("build/microgpt_cpu not built (make cpu)")
+    from microgpt.shards import write_shard
+    rng = np.random.default_rng(7)
+    for name, n in (("a", 3000), ("b", 5000)):   # two shards: the window rule spans shards
+        write_shard(str(tmp_path / f"train_{name}.bin"), rng.integers(0, 100, size=n))
+    cfg = {"name": "tiny", "model": {k: v for k, v in ENGINE_SHAPE.items()},
+           "train": {"batch_size": 4, "grad_accum": 2, "steps": 12, "seed": 42, "lr": 3e-3, "min_lr": 3e-4,
+                     "warmup_steps": 3, "schedule": "cosine", "weight_decay": 0.1, "grad_clip": 0.5},
+           "data": {"train": str(tmp_path / "train_*.bin")}}
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(cfg))
+
+    def run(*extra):
+        import subprocess
+        flags = [f"--{s}.{k}={v}" for s in ("model", "train", "data") for k, v in cfg[s].items()]
+        out = subprocess.run([CPU_ENGINE, *flags, "--train.precision=fp32", *extra], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return cfg, path, run
+
+
+def test_first_step_loss_and_gradients_match_cpu_engine(engine_run, tmp_path):
+    from torch_gpt import Windows
+    import engine_rng
+    cfg, _, run = engine_run
+    run(f"--dump-grads={tmp_path / 'grads.bin'}")
+    dump = np.fromfile(tmp_path / "grads.bin", dtype="<f4")
+    model = GPT(dict(ENGINE_SHAPE), seed=cfg["train"]["seed"])
+    data = Windows(cfg["data"]["train"], 16, 100, cfg["train"]["seed"], engine_rng.STREAM_TRAIN)
+    x, y = data.batch(0, cfg["train"]["batch_size"])
+    loss = model(torch.from_numpy(x), torch.from_numpy(y))
+    loss.backward()
+    assert loss.item() == pytest.approx(float(dump[0]), rel=1e-5)
+    np.testing.assert_allclose(model.flat(use_grad=True).numpy(), dump[1:], rtol=2e-3, atol=2e-6)
+
+
+def test_short_fp32_run_follows_cpu_engine(engine_run):
+    import subprocess
+    cfg, path, run = engine_run
+    engine = [r for r in run() if "loss" in r]
+    out = subprocess.run([sys.executable, os.path.join(HERE, "torch_gpt.py"), str(path), "--device", "cpu",
+                          "--precision", "fp32"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    mine = [json.loads(line) for line in out.stdout.splitlines() if '"loss"' in line]
+    assert len(mine) == len(engine) == cfg["train"]["steps"]
+    for e, t in zip(engine, mine):
+        assert t["lr"] == pytest.approx(e["lr"], rel=1e-6)
+        assert t["loss"] == pytest.approx(e["loss"], rel=1e-4), f"step {e['step']}"
+        assert t["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-3), f"step {e['step']}"

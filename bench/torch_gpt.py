@@ -1,9 +1,8 @@
 """ANDREA (SPEC §2) in PyTorch: the baseline the engine is benchmarked against (SPEC §9).
 
-Same model, initialisation rule, optimizer, schedule and clipping as the engine (docs/DESIGN.md);
-it differs only where the engine's exact random streams would be needed: the initial values and the
-order of training windows are drawn from torch/numpy generators, so losses agree statistically, not
-bit for bit. Two modes:
+Same model, initial weights, training and validation windows (drawn from the engine's own
+counter-based generator, bench/engine_rng.py), optimizer, schedule and clipping as the engine
+(docs/DESIGN.md). Losses still drift apart slowly: the arithmetic differs in rounding. Two modes:
 
     --precision bf16   bf16 autocast, torch.compile, fused AdamW, flash attention through SDPA
     --precision fp32   eager fp32 with TF32 matmuls allowed, fused AdamW
@@ -27,8 +26,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import engine_rng
 from bench_common import (BenchError, experiment_path, load_config, lr_at, model_shape, shard_paths,
-                    train_settings)
+                          train_settings)
 from microgpt.shards import ShardError, read_shard
 
 # -----------------------------------------------------------------------------
@@ -59,7 +59,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, shape):
+    def __init__(self, shape, seed=1337):
+        """seed None leaves torch's default initialisation (for shape-only uses)."""
         super().__init__()
         self.shape = shape
         d = shape["d_model"]
@@ -67,20 +68,13 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(shape["seq_len"], d)
         self.blocks = nn.ModuleList(Block(d, shape["n_head"], shape["d_ff"]) for _ in range(shape["n_layer"]))
         self.lnf = nn.LayerNorm(d, eps=1e-5)
-        self.init_weights()
+        if seed is not None:
+            self.init_weights(seed)
 
-    @torch.no_grad()
-    def init_weights(self):
-        """DESIGN.md: every 2-D tensor ~ N(0, 0.02), W_O and W_2 ~ N(0, 0.02/sqrt(2 n_layer)), LN 1/0."""
-        residual_std = 0.02 / math.sqrt(2 * self.shape["n_layer"])
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                std = residual_std if name.endswith(("proj.weight", "fc_proj.weight")) else 0.02
-                p.normal_(0.0, std)
-            elif name.endswith("weight"):
-                p.fill_(1.0)
-            else:
-                p.zero_()
+    def init_weights(self, seed):
+        """The engine's initial weights exactly (DESIGN.md rule, drawn from the engine's counter-based
+        generator): N(0, 0.02), W_O and W_2 N(0, 0.02/sqrt(2 n_layer)), LayerNorm gamma 1, beta 0."""
+        self.load_flat(engine_rng.init_params(self.spec_shapes(), self.shape["n_layer"], seed))
 
     def forward(self, idx, targets):
         T = idx.shape[1]
@@ -94,6 +88,16 @@ class GPT(nn.Module):
 
     # -- the flat parameter vector of SPEC §2 (weights [in, out]), for checks against other
     #    implementations; the torch Linear stores [out, in], hence the transposes.
+
+    def spec_shapes(self):
+        """[(name, shape)] of the flat vector, named as the engine names them."""
+        d, f = self.shape["d_model"], self.shape["d_ff"]
+        out = [("wte", (self.shape["padded_vocab_size"], d)), ("wpe", (self.shape["seq_len"], d))]
+        for i in range(self.shape["n_layer"]):
+            out += [(f"h{i}.{n}", (d, d)) for n in ("W_Q", "W_K", "W_V", "W_O")]
+            out += [(f"h{i}.W_1", (d, f)), (f"h{i}.W_2", (f, d))]
+            out += [(f"h{i}.{n}", (d,)) for n in ("LN1.gamma", "LN1.beta", "LN2.gamma", "LN2.beta")]
+        return out + [("LNf.gamma", (d,)), ("LNf.beta", (d,))]
 
     def flat_tensors(self, use_grad=False):
         """The model's tensors in SPEC §2 order, each as the engine lays it out."""
@@ -137,8 +141,12 @@ def make_optimizer(model, t, fused):
 
 
 class Windows:
-    def __init__(self, pattern, T, vocab_size, seed, role):
+    """The engine's windows exactly (data.h): window b of a batch starts at a position drawn from
+    rng(seed, stream, counter0 + b) over all windows of T+1 tokens of all shards."""
+
+    def __init__(self, pattern, T, vocab_size, seed, stream):
         paths = shard_paths(pattern)
+        role = "train" if stream == engine_rng.STREAM_TRAIN else "val"
         if not paths:
             raise BenchError(f"no {role} shards match {pattern}")
         try:
@@ -148,22 +156,17 @@ class Windows:
         for p, s in zip(paths, self.shards):
             if s.size and int(s.max()) >= vocab_size:
                 raise BenchError(f"{p}: token id {int(s.max())} >= vocab_size {vocab_size}")
-        self.T = T
-        counts = np.array([max(0, s.size - T) for s in self.shards], dtype=np.int64)
-        if counts.sum() == 0:
+        self.T, self.seed, self.stream = T, seed, stream
+        self.first_window = [0]
+        for s in self.shards:
+            self.first_window.append(self.first_window[-1] + max(0, s.size - T))
+        if self.first_window[-1] == 0:
             raise BenchError(f"{role} shards {pattern} hold no window of seq_len+1 = {T + 1} tokens")
-        self.ends = np.cumsum(counts)
-        self.rng = np.random.default_rng([seed, 0 if role == "train" else 1])
 
-    def batch(self, B):
+    def batch(self, counter0, B):
         """(inputs, targets) as int64 arrays [B, T]."""
-        draws = self.rng.integers(0, self.ends[-1], size=B)
-        rows = []
-        for r in draws:
-            i = int(np.searchsorted(self.ends, r, side="right"))
-            start = int(r - (self.ends[i - 1] if i else 0))
-            rows.append(self.shards[i][start:start + self.T + 1])
-        w = np.stack(rows).astype(np.int64)
+        starts = engine_rng.window_starts(self.first_window, self.seed, self.stream, counter0, B)
+        w = np.stack([self.shards[i][j:j + self.T + 1] for i, j in starts]).astype(np.int64)
         return w[:, :-1], w[:, 1:]
 
 
@@ -176,16 +179,14 @@ def emit(record):
 
 
 def to_device(a, device):
-    t = torch.from_numpy(a)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    # a plain copy: each step ends in a sync anyway, so pinned memory would buy no overlap
+    return torch.from_numpy(a).to(device)
 
 
 def setup_precision(precision, device):
     """Global switches for the mode; returns the autocast context factory."""
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True     # "PyTorch fp32 (tf32)"; no effect under bf16
+        torch.backends.cuda.matmul.allow_tf32 = True     # the issue's "PyTorch fp32 (tf32)" baseline
         torch.backends.cudnn.allow_tf32 = True
     if precision == "bf16":
         if device.type == "cuda":
@@ -207,8 +208,8 @@ def device_used_bytes(device):
 def evaluate(model, val, B, n_batches, autocast, device):
     total = 0.0
     with torch.no_grad(), autocast():
-        for _ in range(n_batches):
-            x, y = val.batch(B)
+        for i in range(n_batches):
+            x, y = val.batch(i * B, B)
             total += model(to_device(x, device), to_device(y, device)).item()
     return total / n_batches
 
@@ -244,14 +245,13 @@ def train_step(model, opt, batches, lr, grad_clip, autocast):
 def train(cfg, args):
     shape, t = model_shape(cfg), train_settings(cfg)
     device = torch.device(args.device)
-    torch.manual_seed(t["seed"])
     autocast = setup_precision(args.precision, device)
     B, T, accum = t["batch_size"], shape["seq_len"], t["grad_accum"]
 
-    train_data = Windows(args.data, T, shape["vocab_size"], t["seed"], "train")
-    val_data = Windows(args.val, T, shape["vocab_size"], t["seed"], "val") if args.val else None
+    train_data = Windows(args.data, T, shape["vocab_size"], t["seed"], engine_rng.STREAM_TRAIN)
+    val_data = Windows(args.val, T, shape["vocab_size"], t["seed"], engine_rng.STREAM_VAL) if args.val else None
 
-    model = GPT(shape).to(device)
+    model = GPT(shape, t["seed"]).to(device)
     step_model = torch.compile(model) if args.precision == "bf16" and args.compile else model
     opt = make_optimizer(model, t, fused=device.type == "cuda")
     n_params = sum(p.numel() for p in model.parameters())
@@ -262,7 +262,7 @@ def train(cfg, args):
     for s in range(t["steps"]):
         t0 = time.perf_counter()
         lr = lr_at(s, t)
-        batches = [tuple(to_device(a, device) for a in train_data.batch(B)) for _ in range(accum)]
+        batches = [tuple(to_device(a, device) for a in train_data.batch((s * accum + j) * B, B)) for j in range(accum)]
         loss, norm = train_step(step_model, opt, batches, lr, t["grad_clip"], autocast)
         loss_val, norm_val = torch.stack([loss, norm]).tolist()   # one sync per step, as the engine's loss read
         ms = (time.perf_counter() - t0) * 1000.0

@@ -413,47 +413,60 @@ class Run:
                                           "text": decode_tokens(rec.get("tokens", []))}])
 
     def on_polish(self, rec):
-        """Pretraining ends here: have the engine checkpoint (it keeps training), and archive at the
-        checkpoint event. The engine switched data and LR itself, so resume stays exact."""
+        """Pretraining ends at step s (the engine switches data and LR itself, so resume stays
+        exact). Its samples and state are archived right here, at the boundary; the engine is asked
+        for a checkpoint (SIGUSR1, training continues), which joins the archive when it is written:
+        the first checkpoint at or after step s. The loss log is never archived: it is one history."""
         s = rec.get("step", 0)
         self.add_record({"event": "polish", "step": s, "tokens": self.state.get("tokens")})
         self.flush(force=True)
-        if os.path.exists(self.archive_dir(s)):
-            say(f"polish at step {s}: {self.archive_dir(s)} already exists, keeping it as it is")
-            self.set_state(phase="polish")
-            return
-        self.polish_step = s
-        self.set_state(force=True, step=s)
-        say(f"polish phase starts at step {s}: asking the engine for a checkpoint to archive")
-        self.signal_engine(signal.SIGUSR1)
+        dest = self.archive_dir(s)
+        if os.path.exists(dest):  # a resume that replays the boundary: the archive is already made
+            say(f"polish at step {s}: {dest} exists, keeping its samples and state")
+        else:
+            self.set_state(step=s)
+            self.archive_samples_and_state(dest)
+        if not os.path.exists(os.path.join(dest, os.path.basename(self.ckpt_path))):
+            self.polish_step = s
+            self.signal_engine(signal.SIGUSR1)
+            say(f"polish phase starts at step {s}: asked the engine for a checkpoint to keep")
+        self.set_state(force=True, phase="polish", archive=os.path.relpath(dest, self.dir))
 
     def archive_dir(self, s):
         return os.path.join(self.dir, "archive", f"step_{s}")
 
-    def on_checkpoint(self, rec):
-        self.set_state(force=True, checkpoint=rec.get("path"), checkpoint_step=rec.get("step"))
-        if self.polish_step is not None:
-            self.archive_polish(self.polish_step, rec.get("path") or self.ckpt_path)
-            self.polish_step = None
-
-    def archive_polish(self, s, ckpt):
-        """Keep the checkpoint that ends pretraining, move its samples and state aside, and start
-        fresh samples for the polish phase. The loss log is never archived: it is one history."""
-        dest = self.archive_dir(s)
+    def archive_samples_and_state(self, dest):
+        """Move .samples.json and .state.json aside (the directory appears whole or not at all) and
+        start fresh samples for the polish phase."""
         tmp = dest + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        for src in (ckpt, ckpt + ".json"):
-            if os.path.exists(src):
-                shutil.copyfile(src, os.path.join(tmp, os.path.basename(src)))
-        self.write_state()
-        for src in (self.samples_path, self.state_path):
-            if os.path.exists(src):
-                shutil.copyfile(src, os.path.join(tmp, os.path.basename(src)))
-        os.rename(tmp, dest)  # the archive appears whole or not at all
+        write_json_atomic(os.path.join(tmp, os.path.basename(self.samples_path)), self.samples)
+        write_json_atomic(os.path.join(tmp, os.path.basename(self.state_path)), self.state)
+        os.rename(tmp, dest)
         self.set_samples([])
-        self.set_state(force=True, phase="polish", archive=os.path.relpath(dest, self.dir))
-        say(f"archived pretraining (checkpoint, samples, state) in {dest}")
+        say(f"archived the pretraining samples and state in {dest}")
+
+    def on_checkpoint(self, rec):
+        ckpt = rec.get("path") or self.ckpt_path
+        self.set_state(force=True, checkpoint=ckpt, checkpoint_step=rec.get("step"))
+        if self.polish_step is not None:
+            self.keep_checkpoint(self.archive_dir(self.polish_step), ckpt)
+            self.polish_step = None
+
+    def keep_checkpoint(self, dest, ckpt):
+        """Copy the checkpoint (sidecar first: the checkpoint's presence means the copy is whole)."""
+        for src in (ckpt + ".json", ckpt):
+            if os.path.exists(src):
+                target = os.path.join(dest, os.path.basename(src))
+                shutil.copyfile(src, target + ".tmp")
+                os.replace(target + ".tmp", target)
+        kept = os.path.join(dest, os.path.basename(ckpt))
+        state_path = os.path.join(dest, os.path.basename(self.state_path))
+        archived = read_json(state_path, {})
+        write_json_atomic(state_path, {**archived, "checkpoint": kept,
+                                       "checkpoint_step": checkpoint_step(kept)})
+        say(f"kept the checkpoint of step {checkpoint_step(kept)} in {dest}")
 
     def on_exit(self, rec):
         self.exit_reason = rec.get("reason")

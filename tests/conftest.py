@@ -6,6 +6,7 @@ when a GPU is present and build/microgpt_cuda exists, and are skipped otherwise.
 """
 import fcntl
 import functools
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,11 @@ from pathlib import Path
 import pytest
 
 import engine_util as eu
+
+# Engines run their OpenMP loops on a machine that other test sessions share. libgomp's default
+# spin-waiting turns oversubscription into a 2-3x slowdown; sleeping waiters don't change any
+# result (the engines' reductions don't depend on timing), only the wall time.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 
 def pytest_configure(config):
@@ -47,7 +53,11 @@ def _is_stale(binary, sources):
 @pytest.fixture(scope="session")
 def cpu_binary():
     """build/microgpt_cpu, rebuilt with `make cpu` if missing or older than its sources.
-    A lock file keeps concurrent pytest sessions from building over each other."""
+    A lock file keeps concurrent pytest sessions from building over each other.
+    ANDREA_CPU_BINARY=path runs the suite against another binary instead (e.g. a deliberately broken
+    build, to see a test fail), without building anything."""
+    if os.environ.get("ANDREA_CPU_BINARY"):
+        return Path(os.environ["ANDREA_CPU_BINARY"]).resolve()
     binary = eu.CPU_BINARY
     if not (eu.REPO / "microgpt" / "microgpt_cpu.c").exists():
         pytest.fail("microgpt/microgpt_cpu.c does not exist: nothing to build")
@@ -79,9 +89,10 @@ def engine(request):
         return Engine("cpu", request.getfixturevalue("cpu_binary"))
     if not gpu_present():
         pytest.skip("no GPU (nvidia-smi -L lists none)")
-    if not eu.CUDA_BINARY.exists():
-        pytest.skip(f"{eu.CUDA_BINARY} not built (make cuda)")
-    return Engine("cuda", eu.CUDA_BINARY)
+    binary = Path(os.environ.get("ANDREA_CUDA_BINARY", eu.CUDA_BINARY))
+    if not binary.exists():
+        pytest.skip(f"{binary} not built (make cuda)")
+    return Engine("cuda", binary)
 
 
 @dataclass(frozen=True)

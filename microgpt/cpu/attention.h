@@ -34,42 +34,38 @@ static inline void attention_forward(float* out, float* att, const float* q, con
 }
 
 /* dk and dv rows collect terms from every later query, so each (b, h) pair is one task that walks
- * t in order: no races, and the summation order is fixed whatever the thread count. */
+ * t in order: no races, and the summation order is fixed whatever the thread count.
+ * datt[t2] = dout_t . v_t2 is computed twice (once for the softmax sum, once per element) rather than
+ * kept in a scratch row: the engine allocates nothing inside the training loop. */
 static inline void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* att,
                                const float* q, const float* k, const float* v,
                                int B, int T, int d, int H) {
     int hs = d / H;
     float scale = (float)(1.0 / sqrt((double)hs));
-    #pragma omp parallel
-    {
-        float* datt = (float*)malloc((size_t)T * sizeof(float)); /* per-thread scratch row */
-        #pragma omp for schedule(static)
-        for (int bh = 0; bh < B * H; bh++) {
-            int b = bh / H, h = bh % H;
-            for (int t = 0; t < T; t++) {
-                const float* a = att + ((size_t)bh * T + t) * T;
-                const float* go = dout + ((size_t)b * T + t) * d + h * hs;
-                /* datt = dout . v ; dv += att * dout */
-                double s = 0.0;
-                for (int t2 = 0; t2 <= t; t2++) {
-                    size_t row = ((size_t)b * T + t2) * d + h * hs;
-                    datt[t2] = dot_f32(go, v + row, hs);
-                    s += (double)a[t2] * datt[t2];
-                    axpy_f32(dv + row, a[t2], go, hs);
-                }
-                /* softmax backward, then the scaled dot product's two inputs */
-                float ssum = (float)s;
-                const float* qt = q + ((size_t)b * T + t) * d + h * hs;
-                float* dqt = dq + ((size_t)b * T + t) * d + h * hs;
-                for (int t2 = 0; t2 <= t; t2++) {
-                    size_t row = ((size_t)b * T + t2) * d + h * hs;
-                    float ds = a[t2] * (datt[t2] - ssum) * scale;
-                    axpy_f32(dqt, ds, k + row, hs);
-                    axpy_f32(dk + row, ds, qt, hs);
-                }
+    #pragma omp parallel for schedule(static)
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        for (int t = 0; t < T; t++) {
+            const float* a = att + ((size_t)bh * T + t) * T;
+            const float* go = dout + ((size_t)b * T + t) * d + h * hs;
+            /* s = sum_t2 att * (dout . v) ; dv += att * dout */
+            double s = 0.0;
+            for (int t2 = 0; t2 <= t; t2++) {
+                size_t row = ((size_t)b * T + t2) * d + h * hs;
+                s += (double)a[t2] * dot_f32(go, v + row, hs);
+                axpy_f32(dv + row, a[t2], go, hs);
+            }
+            /* softmax backward, then the scaled dot product's two inputs */
+            float ssum = (float)s;
+            const float* qt = q + ((size_t)b * T + t) * d + h * hs;
+            float* dqt = dq + ((size_t)b * T + t) * d + h * hs;
+            for (int t2 = 0; t2 <= t; t2++) {
+                size_t row = ((size_t)b * T + t2) * d + h * hs;
+                float ds = a[t2] * (dot_f32(go, v + row, hs) - ssum) * scale;
+                axpy_f32(dqt, ds, k + row, hs);
+                axpy_f32(dk + row, ds, qt, hs);
             }
         }
-        free(datt);
     }
 }
 

@@ -21,13 +21,25 @@ static size_t ckpt_expected_bytes(size_t n_params) { return CKPT_HEADER_BYTES + 
 /* ---------------------------------------------------------------------------------------------- */
 /* Writing */
 
-static int write_all(FILE* f, const void* p, size_t bytes) { return fwrite(p, 1, bytes, f) == bytes; }
+/* Raw file descriptors rather than stdio: no hidden buffer allocation inside the training loop, and
+ * every short write or error is seen. Returns 1 when all bytes were written. */
+static int write_all(int fd, const void* p, size_t bytes) {
+    const char* c = (const char*)p;
+    while (bytes > 0) {
+        size_t chunk = bytes < ((size_t)1 << 30) ? bytes : ((size_t)1 << 30);
+        ssize_t w = write(fd, c, chunk);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return 0;
+        c += w;
+        bytes -= (size_t)w;
+    }
+    return 1;
+}
 
-/* fflush + fsync + fclose of a temporary file; 0 on success. */
-static int close_durably(FILE* f) {
-    int ok = fflush(f) == 0;
-    ok = (fsync(fileno(f)) == 0) && ok;
-    ok = (fclose(f) == 0) && ok;
+/* fsync + close of a temporary file; 0 on success. */
+static int close_durably(int fd) {
+    int ok = fsync(fd) == 0;
+    ok = (close(fd) == 0) && ok;
     return ok ? 0 : -1;
 }
 
@@ -66,33 +78,35 @@ static void ckpt_write(const char* path, int step, const float* params, const fl
                        float loss_scale, const Config* c) {
     char tmp[CFG_PATH_MAX + 32], side[CFG_PATH_MAX + 8], side_tmp[CFG_PATH_MAX + 40], text[1024];
     int32_t header[2];
-    FILE* f;
-    int ok;
+    int fd, ok, e;
     snprintf(tmp, sizeof tmp, "%s.tmp%d", path, (int)getpid());
     snprintf(side, sizeof side, "%s.json", path);
     snprintf(side_tmp, sizeof side_tmp, "%s.json.tmp%d", path, (int)getpid());
     header[0] = step;
     header[1] = (int32_t)n;
 
-    f = fopen(tmp, "wb");
-    if (!f) die_io("cannot create checkpoint %s: %s", tmp, strerror(errno));
-    ok = write_all(f, header, sizeof header) && write_all(f, params, n * 4) && write_all(f, m, n * 4) &&
-         write_all(f, v, n * 4);
-    if (close_durably(f) != 0 || !ok) {
-        int e = errno;
+    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) die_io("cannot create checkpoint %s: %s", tmp, strerror(errno));
+    ok = write_all(fd, header, sizeof header) && write_all(fd, params, n * 4) && write_all(fd, m, n * 4) &&
+         write_all(fd, v, n * 4);
+    e = errno;
+    if (close_durably(fd) != 0 || !ok) {
+        if (ok) e = errno;
         unlink(tmp);
         die_io("writing checkpoint %s failed (%s); the previous checkpoint, if any, is untouched", path, strerror(e));
     }
 
     sidecar_text(text, sizeof text, step, n, loss_scale, c);
-    f = fopen(side_tmp, "wb");
-    if (!f) {
+    fd = open(side_tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) {
+        e = errno;
         unlink(tmp);
-        die_io("cannot create checkpoint sidecar %s: %s", side_tmp, strerror(errno));
+        die_io("cannot create checkpoint sidecar %s: %s", side_tmp, strerror(e));
     }
-    ok = write_all(f, text, strlen(text));
-    if (close_durably(f) != 0 || !ok) {
-        int e = errno;
+    ok = write_all(fd, text, strlen(text));
+    e = errno;
+    if (close_durably(fd) != 0 || !ok) {
+        if (ok) e = errno;
         unlink(tmp);
         unlink(side_tmp);
         die_io("writing checkpoint sidecar %s failed (%s); the previous checkpoint, if any, is untouched", side,
@@ -101,13 +115,13 @@ static void ckpt_write(const char* path, int step, const float* params, const fl
     /* Checkpoint first, then sidecar. A crash in between leaves a sidecar whose step disagrees with
      * the checkpoint; the reader notices that and ignores the stale sidecar. */
     if (rename(tmp, path) != 0) {
-        int e = errno;
+        e = errno;
         unlink(tmp);
         unlink(side_tmp);
         die_io("renaming %s to %s failed: %s", tmp, path, strerror(e));
     }
     if (rename(side_tmp, side) != 0) {
-        int e = errno;
+        e = errno;
         unlink(side_tmp);
         die_io("renaming %s to %s failed: %s", side_tmp, side, strerror(e));
     }

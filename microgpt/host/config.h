@@ -310,8 +310,9 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
     if (c->model.padded_vocab_size < c->model.vocab_size)
         die_input("model.padded_vocab_size (%d) is smaller than model.vocab_size (%d)", c->model.padded_vocab_size,
                   c->model.vocab_size);
-    if ((double)c->train.batch_size * c->model.seq_len * (double)c->model.padded_vocab_size > 9e18)
-        die_input("train.batch_size * model.seq_len * model.padded_vocab_size is too large");
+    /* layer functions count elements of one activation tensor in int */
+    if ((double)c->train.batch_size * c->model.seq_len * (c->model.d_ff > c->model.d_model ? c->model.d_ff : c->model.d_model) > INT_MAX)
+        die_input("train.batch_size * model.seq_len * model.d_ff is too large (at most %d elements per activation)", INT_MAX);
     if (c->train.min_lr > c->train.lr) die_input("train.min_lr (%g) is above train.lr (%g)", c->train.min_lr, c->train.lr);
     if (c->train.warmup_steps > c->train.steps)
         die_input("train.warmup_steps (%d) is more than train.steps (%d)", c->train.warmup_steps, c->train.steps);
