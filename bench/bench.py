@@ -264,7 +264,7 @@ def targets(model, precision, engine, torch_res):
 
 def run_model(model, args, torch_cache):
     """model: a shipped name (12M -> experiments/ANDREA-12M-TRAIN.json) or a config path."""
-    config_path = repo_path(model) if model.endswith(".json") else experiment_path(model)
+    config_path = experiment_path(model)
     cfg = load_config(config_path)
     model = cfg.get("name", model) if model.endswith(".json") else model
     shape, t = model_shape(cfg), train_settings(cfg)
@@ -319,11 +319,17 @@ def table_row(r):
             gib(e.get("smi_bytes")), torch_name, side(t, "ms_per_step", ".2f"), fmt(t.get("tokens_per_s"), ",.0f"),
             gib(t.get("smi_bytes")), f"{gib(t.get('peak_allocated'))}/{gib(t.get('peak_reserved'))}",
             fmt(ratio, ".2f"), f"{fmt(e.get('loss_last'), '.3f')}/{fmt(t.get('loss_last'), '.3f')}",
-            r["loss_check"], goals or "-"]
+            check_cell(r), goals or "-"]
+
+
+def check_cell(r):
+    """e.g. 'PASS (train 0.12%, val 0.30%)'"""
+    diffs = ", ".join(f"{k} {100 * d:.2f}%" for k, d in (r["loss_diffs"] or {}).items())
+    return f"{r['loss_check']} ({diffs})" if diffs else r["loss_check"]
 
 
 def markdown(rows, meta):
-    lines = [f"Benchmark {meta['date']} · {meta['gpu']} · commit {meta['commit']} · torch {meta['torch']} · "
+    lines = [f"### {meta['date']} · {meta['gpu']} · commit {meta['commit']} · torch {meta['torch']} · "
              f"{meta['steps']} steps, median after {meta['warmup']} warm-up",
              "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(table_row(r)) + " |" for r in rows]
@@ -390,7 +396,7 @@ def main(argv):
         f.write(md)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(md.splitlines()[0])
+    print(md.splitlines()[0][4:])
     print(plain_table(rows))
     failed = [r for r in rows if r["engine"]["error"] or r["torch"]["error"] or r["loss_check"] == "FAIL"]
     for r in failed:

@@ -26,7 +26,9 @@ def repo_path(path):
 
 
 def experiment_path(model):
-    """'12M' -> experiments/ANDREA-12M-TRAIN.json"""
+    """'12M' -> experiments/ANDREA-12M-TRAIN.json; a path ending in .json is taken as it is."""
+    if model.endswith(".json"):
+        return repo_path(model)
     return os.path.join(REPO, "experiments", f"ANDREA-{model}-TRAIN.json")
 
 

@@ -11,7 +11,7 @@ It prints the engine's stdout format (docs/DESIGN.md "Output"), so bench.py read
 step records {"step","loss","lr","grad_norm","ms","tokens_per_s","tokens"}, {"step","val_loss"},
 {"event":"device_memory",...} at the first and last step, and a final {"event":"torch_memory",...}.
 
-    python3 bench/torch_gpt.py [CONFIG] [--precision bf16|fp32] [--steps N] [--data GLOB] [--val GLOB]
+    python3 bench/torch_gpt.py [12M|120M|CONFIG] [--precision bf16|fp32] [--steps N] [--data GLOB] [--val GLOB]
                                [--device cuda|cpu] [--model.n_layer N ...]
 """
 import argparse
@@ -299,7 +299,7 @@ def apply_overrides(cfg, pairs):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("config", nargs="?", default=experiment_path("12M"))
+    p.add_argument("config", nargs="?", default="12M", help="12M, 120M (shipped experiments) or a config path")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--steps", type=int, help="override train.steps")
     p.add_argument("--data", help="train shard glob (default: the config's data.train)")
@@ -307,7 +307,7 @@ def parse_args(argv):
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="bf16 without torch.compile")
     args, rest = p.parse_known_args(argv)
-    cfg = load_config(args.config)
+    cfg = load_config(experiment_path(args.config))
     apply_overrides(cfg, rest)
     if args.steps is not None:
         cfg["train"]["steps"] = args.steps

@@ -333,11 +333,15 @@ static float forward_loss_t(const int* inputs, const int* targets) {
     return mean_loss(E.N);
 }
 
+/* The sequence is padded with token 0 to the full T and run at the one shape (1, T): attention is
+ * causal, so positions < len see exactly what they would without the padding, and every call runs
+ * the same kernels (all of them loaded by the warm-up, see engine_setup). */
 template <typename T>
 static void next_logits_t(const int* tokens, int len, float* logits) {
     memcpy(E.tok_host, tokens, (size_t)len * sizeof(int));
-    CUDA_CHECK(cudaMemcpyAsync(E.tok, E.tok_host, (size_t)len * sizeof(int), cudaMemcpyHostToDevice, 0));
-    forward<T>(1, len);
+    memset(E.tok_host + len, 0, (size_t)(E.T - len) * sizeof(int));
+    CUDA_CHECK(cudaMemcpyAsync(E.tok, E.tok_host, (size_t)E.T * sizeof(int), cudaMemcpyHostToDevice, 0));
+    forward<T>(1, E.T);
     classifier_logits<T>(E.logits, (const T*)E.lnf + (size_t)(len - 1) * E.C, (const T*)E.wlow + E.layout.wte, 1, E.C,
                          E.Vp);
     CUDA_CHECK(cudaMemcpy(logits, E.logits, (size_t)E.V * sizeof(float), cudaMemcpyDeviceToHost));
@@ -367,6 +371,23 @@ static void refresh_lowp_weights(void) {
 }
 
 static void zero_grads(void) { CUDA_CHECK(cudaMemsetAsync(E.grads, 0, E.P * sizeof(float))); }
+
+/* Runs every code path once on a dummy batch (all-zero weights and tokens), then clears what it
+ * touched. The CUDA driver loads kernels (ours and cuBLAS's) lazily, on first use, and that takes
+ * device memory; after this, the first training step already sees the memory every later step
+ * sees, so device_memory at the first and the last step agree. */
+static void warm_up(void) {
+    int* zeros = (int*)xcalloc((size_t)E.N, sizeof(int), "warm-up tokens");
+    float* logits = (float*)xmalloc((size_t)E.V * sizeof(float), "warm-up logits");
+    refresh_lowp_weights();
+    engine_forward_backward(zeros, zeros);
+    engine_forward_loss(zeros, zeros);
+    engine_next_logits(zeros, 1, logits);
+    zero_grads();
+    CUDA_CHECK(cudaDeviceSynchronize());
+    free(zeros);
+    free(logits);
+}
 
 /* ---------------------------------------------------------------------------------------------- */
 /* engine.h */
@@ -437,9 +458,9 @@ static size_t engine_setup(const Config* cfg) {
     E.sort_keys = (unsigned long long*)xmalloc((size_t)E.N * sizeof(unsigned long long), "token sort keys");
     E.loss_host = (float*)xmalloc((size_t)E.N * sizeof(float), "per-position losses");
     cublas_init(E.cublas_ws, CUBLAS_WORKSPACE_BYTES);
-    CUDA_CHECK(cudaMemset(E.group_base[G_GRADS], 0, used[G_GRADS]));
+    CUDA_CHECK(cudaMemset(E.group_base[G_PARAMS], 0, used[G_PARAMS]));
     CUDA_CHECK(cudaMemset(E.group_base[G_ADAM], 0, used[G_ADAM]));
-    CUDA_CHECK(cudaDeviceSynchronize());
+    warm_up();
     return total;
 }
 

@@ -265,6 +265,8 @@ class Run:
         if self.log.message:
             say(self.log.message)
         self.samples = read_json(self.samples_path, [])
+        if not os.path.exists(self.samples_path):
+            write_json_atomic(self.samples_path, [])
         self.state = read_json(self.state_path, {})
         self.state_version = self.samples_version = 0
         self.token = secrets.token_urlsafe(18)  # authorises requests that change the run
@@ -273,7 +275,8 @@ class Run:
         self.pending_since = 0.0
         self.state_written = 0.0
         self.state_dirty = False
-        self.stop_signal = None
+        self.stop_signal = None  # SIGTERM/SIGINT received: the engine was asked to stop
+        self.stop_announced = False
         self.exit_reason = None
         self.polish_step = None  # set from the polish event until its checkpoint is archived
         self.window = collections.deque(maxlen=64)  # (time, step, tokens) of recent train records
@@ -482,12 +485,17 @@ class Run:
                 pass
 
     def on_signal(self, sig, _frame):
-        """Signals only forward and take note; the main loop reacts when the engine answers."""
-        if sig in (signal.SIGTERM, signal.SIGINT):
-            if self.stop_signal is None:
-                say(f"{signal.Signals(sig).name}: asking the engine to checkpoint and stop")
+        """Signals only forward and take note; the main loop reports and reacts. (No printing
+        here: the handler may interrupt a print of the main thread, and buffered I/O is not
+        reentrant.)"""
+        if sig in (signal.SIGTERM, signal.SIGINT) and self.stop_signal is None:
             self.stop_signal = sig
         self.signal_engine(sig)
+
+    def announce_stop(self):
+        if self.stop_signal is not None and not self.stop_announced:
+            self.stop_announced = True
+            say(f"{signal.Signals(self.stop_signal).name}: asked the engine to checkpoint and stop")
 
     # -- the engine process -----------------------------------------------------------------------
 
@@ -497,7 +505,7 @@ class Run:
         # A process group of its own: a terminal's Ctrl-C reaches only the proxy, which forwards it
         # once, so the engine sees exactly the signals the proxy decided to send.
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     process_group=0)
+                                     start_new_session=True)
         kept = {k: self.state[k] for k in ("checkpoint", "checkpoint_step", "archive")
                 if k in self.state}
         self.state = {**self.base_state(), **kept}
@@ -522,6 +530,7 @@ class Run:
                 break
             if line:
                 self.handle_line(line)
+            self.announce_stop()
             self.flush()
         rc = self.proc.wait()
         err.join(timeout=5)

@@ -13,6 +13,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 DASHBOARD = REPO / "scripts" / "live-loss-dashboard.html"
 TRAIN_COLOR = (0x1F, 0x6F, 0xEB)  # the first run's colour in the dashboard
+SECOND_COLOR = (0xD1, 0x24, 0x2F)  # the second run's
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +121,18 @@ def test_dashboard_opened_from_disk(browser, tmp_path, cpu_binary):
         assert curve_pixels(browser) > 100
         # No token from disk: the controls stay hidden.
         assert browser.execute_script("return document.getElementById('controls').hidden")
+        # Comparing runs: every ?url= is a run of its own, drawn in its own colour.
+        browser.get(f"{DASHBOARD.as_uri()}?url={url}&url={url}")
+        wait_js(browser, "dash.runs.length === 2 && dash.runs.every(r => r.train.n > 20)")
+        assert curve_pixels(browser, color=SECOND_COLOR) > 100
     finally:
-        p.stop()
+        assert p.stop() == 0
+    # A finished run's .loss.json opened from disk, no proxy at all.
+    browser.get(DASHBOARD.as_uri())
+    browser.find_element("id", "fileInput").send_keys(str(exp.path(".loss.json")))
+    live = len([r for r in exp.loss() if r["live"] and "loss" in r])
+    wait_js(browser, f"dash.runs.length === 1 && +document.body.dataset.points === {live}")
+    assert curve_pixels(browser) > 100
 
 
 def test_dashboard_stays_responsive_with_a_million_points(browser):
@@ -147,10 +158,10 @@ def test_dashboard_resume_supersedes_and_smoothing_is_debiased(browser):
     browser.get(DASHBOARD.as_uri())
     result = browser.execute_script("""
         const rec = (s, live) => ({step: s, loss: 3.0, tokens: s, elapsed: s, lr: 1, grad_norm: 1, tokens_per_s: 1, live});
-        const streamed = new Run('a', '#000');  // as a live client sees it: resume arrives later
+        const streamed = new Run('a', ['#000', '#000']);  // as a live client sees it: resume arrives later
         streamed.feed([1,2,3,4,5,6,7,8,9,10].map(s => rec(s, 1)));
         streamed.feed([{event: 'resume', step: 5, live: 1}, rec(6, 1), rec(7, 1), rec(8, 1)]);
-        const loaded = new Run('b', '#000');  // as loaded from disk later: flags already flipped
+        const loaded = new Run('b', ['#000', '#000']);  // as loaded from disk later: flags already flipped
         loaded.feed([1,2,3,4,5].map(s => rec(s, 1)).concat([6,7,8,9,10].map(s => rec(s, 0)),
                     [{event: 'resume', step: 5, live: 1}, rec(6, 1), rec(7, 1), rec(8, 1)]));
         const live = (r) => { const out = []; for (let i = 0; i < r.train.n; i++) if (r.train.c.live[i]) out.push(r.train.c.step[i]); return out; };

@@ -8,7 +8,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
@@ -233,9 +232,18 @@ def test_run_finishes_then_says_so(exp, cpu_binary):
     # decoded text, not ids: tiny-vocabulary ids are single printable characters
     assert all(isinstance(s["text"], str) and len(s["text"]) == 8 and " " not in s["text"] for s in samples)
 
-    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary)
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
     assert rc == 0 and any("already finished" in line for line in p.out), p.describe()
+    assert not any("dashboard:" in line for line in p.out)
     assert exp.loss() == recs  # nothing was launched, nothing logged
+
+    # --keep-serving: look at a finished run until Ctrl-C
+    p = Proxy.start(cfg, exp.run_dir, cpu_binary, "--keep-serving")
+    url, _ = p.url_and_token()
+    p.wait_output("still serving")
+    assert requests.get(url + "api/state", timeout=10).json()["status"] == "finished"
+    p.proc.send_signal(signal.SIGINT)
+    assert p.wait() == 0
 
 
 def test_sigterm_stops_with_a_checkpoint_and_rerun_resumes_exactly(tmp_path, cpu_binary):

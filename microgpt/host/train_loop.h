@@ -232,34 +232,18 @@ static double run_step(Run* r, int s, UpdateResult* res, double lr) {
 }
 
 /* Which checkpoint (if any) is due after `done` completed steps, by priority. */
-static const char* checkpoint_reason(const Run* r, int done) {
+static const char* checkpoint_reason(const Run* r, int done, int usr1) {
     const Config* c = &r->cfg;
     if (done == c->train.steps) return "final";
     if (g_stop_signal) return "signal";
-    if (g_ckpt_requested) return "usr1";
+    if (usr1) return "usr1";
     if (c->checkpoint.every > 0 && done % c->checkpoint.every == 0) return "periodic";
     return NULL;
 }
 
-static int train_main(int argc, char** argv) {
-    static Run run; /* static: big enough (Config holds paths) that it shouldn't live on the stack */
-    Run* r = &run;
+/* Start-up after validation: allocate once, load or initialise the state, hand it to the engine. */
+static void run_start(Run* r) {
     const Config* c = &r->cfg;
-    long long tokens_per_step;
-    int s, steps;
-
-    signals_install();
-    run_validate_inputs(r, argc, argv);
-    steps = c->train.steps;
-    tokens_per_step = (long long)c->train.batch_size * c->model.seq_len * c->train.grad_accum;
-    if (r->start_step >= steps && !c->dump_grads[0]) {
-        emit_start(r);
-        info("checkpoint %s is at step %d of %d: the run is already finished", c->checkpoint.path, r->start_step, steps);
-        emit_exit(r->start_step, "already_finished");
-        run_free(r);
-        return 0;
-    }
-
     emit_start(r);
     run_allocate(r);
     engine_setup(c);
@@ -275,44 +259,72 @@ static int train_main(int argc, char** argv) {
     if (strcmp(engine_compute_precision(c), c->train.precision) != 0)
         info("note: the %s engine computes in %s (train.precision %s was asked for)", engine_name(),
              engine_compute_precision(c), c->train.precision);
-    if (c->dump_grads[0]) {
+}
+
+/* Step index s, its record, and what is due after it (eval, samples, checkpoint). */
+static void run_one_step(Run* r, int s) {
+    const Config* c = &r->cfg;
+    long long tokens_per_step = (long long)c->train.batch_size * c->model.seq_len * c->train.grad_accum;
+    int done = s + 1, usr1;
+    double lr = lr_at(c, s), t0, ms, loss;
+    UpdateResult res;
+    const char* reason;
+    if (c->polish.enabled && s == c->polish.start_step) emit_polish(s);
+    t0 = now_ms();
+    loss = run_step(r, s, &res, lr);
+    ms = now_ms() - t0;
+    emit_step(done, loss, lr, res.grad_norm, ms, (double)tokens_per_step / (ms > 0 ? ms * 1e-3 : 1e-9),
+              (long long)done * tokens_per_step, in_polish(c, s) ? "polish" : "pretrain", res.skipped, res.loss_scale,
+              config_is_fp16(c));
+    if (engine_device_bytes_in_use() > 0 && (s == r->start_step || done == c->train.steps))
+        emit_device_memory(done, engine_device_bytes_in_use());
+    if (c->eval.every > 0 && (done % c->eval.every == 0 || done == c->train.steps)) emit_val(done, run_eval(r));
+    if (c->sample.every > 0 && done % c->sample.every == 0) run_samples(r, done);
+    /* consume the SIGUSR1 flag before acting on it: one arriving from here on is seen next step */
+    usr1 = g_ckpt_requested;
+    g_ckpt_requested = 0;
+    reason = checkpoint_reason(r, done, usr1);
+    if (reason && c->checkpoint.path[0]) save_checkpoint(r, done, reason);
+    else if (g_stop_signal || usr1) warn("no --checkpoint given: nothing saved");
+}
+
+static void run_finish(Run* r, int step, const char* reason) {
+    emit_exit(step, reason);
+    engine_shutdown();
+    run_free(r);
+}
+
+static int train_main(int argc, char** argv) {
+    static Run run; /* static: big enough (Config holds paths) that it shouldn't live on the stack */
+    Run* r = &run;
+    int s;
+
+    signals_install();
+    run_validate_inputs(r, argc, argv);
+    if (r->start_step >= r->cfg.train.steps && !r->cfg.dump_grads[0]) {
+        emit_start(r);
+        info("checkpoint %s is at step %d of %d: the run is already finished", r->cfg.checkpoint.path, r->start_step,
+             r->cfg.train.steps);
+        emit_exit(r->start_step, "already_finished");
+        run_free(r);
+        return 0;
+    }
+    run_start(r);
+    if (r->cfg.dump_grads[0]) {
         run_dump_grads(r);
         engine_shutdown();
         run_free(r);
         return 0;
     }
-
-    for (s = r->start_step; s < steps; s++) {
-        UpdateResult res;
-        double lr = lr_at(c, s), t0, ms, loss;
-        int done = s + 1;
-        const char* reason;
-        if (c->polish.enabled && s == c->polish.start_step) emit_polish(s);
-        t0 = now_ms();
-        loss = run_step(r, s, &res, lr);
-        ms = now_ms() - t0;
-        emit_step(done, loss, lr, res.grad_norm, ms, (double)tokens_per_step / (ms > 0 ? ms * 1e-3 : 1e-9),
-                  (long long)done * tokens_per_step, in_polish(c, s) ? "polish" : "pretrain", res.skipped,
-                  res.loss_scale, config_is_fp16(c));
-        if (engine_device_bytes_in_use() > 0 && (s == r->start_step || done == steps))
-            emit_device_memory(done, engine_device_bytes_in_use());
-        if (c->eval.every > 0 && (done % c->eval.every == 0 || done == steps)) emit_val(done, run_eval(r));
-        if (c->sample.every > 0 && done % c->sample.every == 0) run_samples(r, done);
-        reason = checkpoint_reason(r, done);
-        if (reason && c->checkpoint.path[0]) save_checkpoint(r, done, reason);
-        else if (reason && (g_stop_signal || g_ckpt_requested)) warn("no --checkpoint given: nothing saved");
-        g_ckpt_requested = 0;
-        if (g_stop_signal && done < steps) {
-            info("stopped by signal %d after step %d", (int)g_stop_signal, done);
-            emit_exit(done, "signal");
-            engine_shutdown();
-            run_free(r);
+    for (s = r->start_step; s < r->cfg.train.steps; s++) {
+        run_one_step(r, s);
+        if (g_stop_signal && s + 1 < r->cfg.train.steps) {
+            info("stopped by signal %d after step %d", (int)g_stop_signal, s + 1);
+            run_finish(r, s + 1, "signal");
             return 0;
         }
     }
-    emit_exit(steps, "finished");
-    engine_shutdown();
-    run_free(r);
+    run_finish(r, r->cfg.train.steps, "finished");
     return 0;
 }
 

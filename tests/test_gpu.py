@@ -1,0 +1,253 @@
+"""GPU engine checks (SPEC §8): every test here is marked `gpu` and skips without an NVIDIA GPU or
+without build/microgpt_cuda. Run on the GPU machine by scripts/gpu-check.sh:
+
+    python3 -m pytest -m gpu -v tests/test_gpu.py
+
+What is compared, and how tightly (relative, normwise per tensor):
+  * kernel by kernel: build/kernel_check (tests/kernel_check.cu; its own tolerance table);
+  * one forward/backward of the whole model (--dump-grads) against the CPU engine: loss and every
+    gradient tensor. fp32 must agree to 1e-4 (no TF32; the rest is summation order, ~1e-6);
+    bf16 to 5e-2 and fp16 to 2e-2 (16-bit activations: ~5e-3 and ~1e-3 measured on a CPU
+    emulation of the kernels); padded embedding rows must get exactly zero gradient;
+  * ten AdamW steps with grad_accum 2 against the CPU engine: every loss, lr, grad norm and the
+    final checkpoint (fp32 tight; bf16 losses within 2e-2);
+  * exact resume after SIGTERM in bf16 and fp16 (fp32 resume, SIGUSR1 and device memory are also
+    run on the GPU by tests/test_engine.py through its `engine` fixture), fp16 overflow handling,
+    the memory plan, and the fp8 refusal.
+The engines are compared on tiny configurations with small vocabularies, in seconds.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+import numpy as np
+import pytest
+
+import engine_util as eu
+from conftest import gpu_present
+from engine_util import tiny_args
+
+pytestmark = pytest.mark.gpu
+
+KERNEL_CHECK = eu.BUILD / "kernel_check"
+KERNEL_CHECK_SRC = eu.REPO / "tests" / "kernel_check.cu"
+# ANDREA_CUDA_ENGINE / ANDREA_KERNEL_CHECK: test other builds of the two GPU binaries (for instance
+# builds of the same sources against a CPU emulation of CUDA); no GPU is then required.
+OVERRIDE_ENGINE = os.environ.get("ANDREA_CUDA_ENGINE")
+OVERRIDE_KERNEL_CHECK = os.environ.get("ANDREA_KERNEL_CHECK")
+
+# Two shapes: TINY with a padded vocabulary, and one with odd sizes everywhere (T not a multiple of
+# any tile, head size 16, d_ff not 4·d, rows B·T = 111).
+SHAPES = {
+    "tiny": {"model.padded_vocab_size": 128},
+    "odd": {"model.n_layer": 3, "model.d_model": 48, "model.n_head": 3, "model.d_ff": 100, "model.seq_len": 37,
+            "model.vocab_size": 100, "model.padded_vocab_size": 128, "train.batch_size": 3},
+}
+GRAD_TOL = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 2e-2}
+LOSS_TOL = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 5e-3}
+
+
+@pytest.fixture(scope="module")
+def cuda_binary():
+    if OVERRIDE_ENGINE:
+        return OVERRIDE_ENGINE
+    if not gpu_present():
+        pytest.skip("no GPU (nvidia-smi -L lists none)")
+    if not eu.CUDA_BINARY.exists():
+        pytest.skip(f"{eu.CUDA_BINARY} not built (make cuda)")
+    return eu.CUDA_BINARY
+
+
+@pytest.fixture(scope="module")
+def kernel_check_binary(cuda_binary):
+    """build/kernel_check: `make kernel-check`, or the equivalent nvcc line where the Makefile has no
+    such target."""
+    if OVERRIDE_KERNEL_CHECK:
+        return OVERRIDE_KERNEL_CHECK
+    if not KERNEL_CHECK.exists() or KERNEL_CHECK.stat().st_mtime < KERNEL_CHECK_SRC.stat().st_mtime:
+        made = subprocess.run(["make", "kernel-check"], cwd=eu.REPO, capture_output=True, text=True, timeout=900)
+        if made.returncode != 0 or not KERNEL_CHECK.exists():
+            eu.BUILD.mkdir(exist_ok=True)
+            cmd = ["nvcc", "-O3", "-std=c++17", "-Xcompiler", "-fopenmp", "-o", str(KERNEL_CHECK), str(KERNEL_CHECK_SRC),
+                   "-lcublas", "-lcublasLt", "-lgomp", "-lm"]
+            built = subprocess.run(cmd, cwd=eu.REPO, capture_output=True, text=True, timeout=900)
+            assert built.returncode == 0, f"building kernel_check failed:\n{built.stdout[-3000:]}\n{built.stderr[-3000:]}"
+    return KERNEL_CHECK
+
+
+def run_ok(binary, args, **kw):
+    res = eu.run_engine(binary, args, **kw)
+    assert res.rc == 0, res.describe()
+    return res
+
+
+def rel_err(a, b):
+    den = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (den if den > 0 else 1.0))
+
+
+def layout_of(overrides):
+    s = {**eu.TINY, **overrides}
+    return eu.param_layout(s["model.n_layer"], s["model.d_model"], s["model.seq_len"], s["model.padded_vocab_size"],
+                           s.get("model.d_ff"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# kernels
+
+def test_kernel_check(kernel_check_binary):
+    """Every kernel pair against its CPU layer, fp32/bf16/fp16, fresh random inputs (seed printed)."""
+    res = subprocess.run([str(kernel_check_binary)], capture_output=True, text=True, timeout=600)
+    failed = [l for l in res.stdout.splitlines() if l.startswith("FAIL")]
+    assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
+    assert "0 failed" in res.stdout.splitlines()[-1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the whole model against the CPU engine
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gradients_match_cpu_engine(cuda_binary, cpu_binary, random_shards, tmp_path, shape, precision):
+    overrides = SHAPES[shape]
+    cpu_dump, gpu_dump = tmp_path / "cpu.grads", tmp_path / "gpu.grads"
+    run_ok(cpu_binary, tiny_args(random_shards.train, **{**overrides, "dump_grads": cpu_dump}))
+    run_ok(cuda_binary, tiny_args(random_shards.train, **{**overrides, "dump_grads": gpu_dump,
+                                                           "train.precision": precision}))
+    cpu_loss, cpu_grads = eu.read_grad_dump(cpu_dump)
+    gpu_loss, gpu_grads = eu.read_grad_dump(gpu_dump)
+    assert cpu_grads.size == gpu_grads.size
+    assert abs(gpu_loss - cpu_loss) <= LOSS_TOL[precision] * abs(cpu_loss), (gpu_loss, cpu_loss)
+
+    errors = {}
+    for name, (off, shp) in eu.param_offsets(layout_of(overrides)).items():
+        n = int(np.prod(shp))
+        errors[name] = rel_err(gpu_grads[off:off + n], cpu_grads[off:off + n])
+    bad = {k: v for k, v in errors.items() if not v <= GRAD_TOL[precision]}
+    assert not bad, f"{precision}: tensors beyond {GRAD_TOL[precision]}: {bad}\nall: {errors}"
+
+    s = {**eu.TINY, **overrides}
+    V, d = s["model.vocab_size"], s["model.d_model"]
+    wte_off, (Vp, _) = eu.param_offsets(layout_of(overrides))["wte"]
+    padded = gpu_grads[wte_off + V * d: wte_off + Vp * d]
+    assert padded.size == (Vp - V) * d and not padded.any(), "padded wte rows received gradient"
+
+
+def test_ten_adamw_steps_match_cpu_engine(cuda_binary, cpu_binary, random_shards, tmp_path):
+    settings = {**SHAPES["tiny"], "train.steps": 10, "train.grad_accum": 2, "train.lr": 3e-3, "train.warmup_steps": 2,
+                "train.weight_decay": 0.1, "eval.every": 5, "eval.batches": 2}
+    args = tiny_args(random_shards.train, random_shards.val, **settings)
+    cpu = run_ok(cpu_binary, args + ["--checkpoint", tmp_path / "cpu.ckpt"])
+    gpu = run_ok(cuda_binary, args + ["--checkpoint", tmp_path / "gpu.ckpt"])
+    assert [r["step"] for r in gpu.steps] == list(range(1, 11))
+    for c, g in zip(cpu.steps, gpu.steps):
+        assert g["lr"] == c["lr"]
+        assert abs(g["loss"] - c["loss"]) <= 1e-5 * abs(c["loss"]), (c, g)
+        assert abs(g["grad_norm"] - c["grad_norm"]) <= 1e-4 * abs(c["grad_norm"]), (c, g)
+    for c, g in zip(cpu.vals, gpu.vals):
+        assert abs(g["val_loss"] - c["val_loss"]) <= 1e-5 * abs(c["val_loss"]), (c, g)
+    a, b = eu.read_checkpoint(tmp_path / "cpu.ckpt"), eu.read_checkpoint(tmp_path / "gpu.ckpt")
+    assert a.step == b.step == 10
+    assert rel_err(b.params, a.params) <= 1e-5, rel_err(b.params, a.params)
+    assert rel_err(b.m, a.m) <= 1e-4, rel_err(b.m, a.m)
+    assert rel_err(b.v, a.v) <= 1e-4, rel_err(b.v, a.v)
+
+
+def test_bf16_training_tracks_cpu_engine(cuda_binary, cpu_binary, random_shards):
+    settings = {**SHAPES["odd"], "train.steps": 10, "train.lr": 3e-3, "train.warmup_steps": 2}
+    cpu = run_ok(cpu_binary, tiny_args(random_shards.train, **settings))
+    gpu = run_ok(cuda_binary, tiny_args(random_shards.train, **{**settings, "train.precision": "bf16"}))
+    assert gpu.events("start")[0]["compute_precision"] == "bf16"
+    for c, g in zip(cpu.steps, gpu.steps):
+        assert abs(g["loss"] - c["loss"]) <= 2e-2 * abs(c["loss"]), (c, g)
+
+
+# ---------------------------------------------------------------------------------------------------
+# exact resume, fp16 loss scaling, memory, refusals
+
+RESUME = {"train.steps": 400, "train.lr": 3e-3, "train.warmup_steps": 3, "eval.every": 50, "eval.batches": 2,
+          "sample.every": 100, "sample.tokens": 6, "sample.prompt": ["1,2,3", "7"]}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_exact_resume_after_sigterm(cuda_binary, random_shards, tmp_path, precision):
+    args = tiny_args(random_shards.train, random_shards.val, **{**RESUME, "train.precision": precision})
+    ref_ckpt, ckpt = tmp_path / "ref.ckpt", tmp_path / "run.ckpt"
+    ref = run_ok(cuda_binary, args + ["--checkpoint", ref_ckpt])
+    first = eu.run_with_signal(cuda_binary, args + ["--checkpoint", ckpt], signal.SIGTERM, 3)
+    assert first.rc == 0 and first.exit_event["reason"] == "signal", first.describe()
+    k = first.exit_event["step"]
+    assert 3 <= k < RESUME["train.steps"], f"the signal landed at step {k}"
+    second = run_ok(cuda_binary, args + ["--checkpoint", ckpt, "--resume"])
+    assert [r["step"] for r in second.steps] == list(range(k + 1, RESUME["train.steps"] + 1))
+    assert eu.merged_exact_records(first, second) == eu.exact_records(ref)
+    assert ckpt.read_bytes() == ref_ckpt.read_bytes(), "final checkpoints differ"
+    assert eu.read_sidecar(ckpt)["loss_scale"] == eu.read_sidecar(ref_ckpt)["loss_scale"]
+
+
+def test_fp16_overflow_skips_steps_and_lowers_the_scale(cuda_binary, random_shards, tmp_path):
+    """A loss scale of 2^30 overflows fp16 at once: the step must be skipped (weights and moments
+    untouched, grad_norm null), the scale halved each time, and training must recover."""
+    ckpt = tmp_path / "run.ckpt"
+
+    def args(steps, resume=False):
+        return tiny_args(random_shards.train, **{"train.precision": "fp16", "checkpoint": ckpt, "train.steps": steps,
+                                                 "resume": resume})
+
+    first = run_ok(cuda_binary, args(1))
+    assert first.steps[0]["loss_scale"] == 65536 and "skipped" not in first.steps[0]
+    side = eu.read_sidecar(ckpt)
+    side["loss_scale"] = float(2 ** 30)
+    (tmp_path / "run.ckpt.json").write_text(json.dumps(side))
+    shutil.copyfile(ckpt, tmp_path / "start.ckpt")
+    shutil.copyfile(tmp_path / "run.ckpt.json", tmp_path / "start.ckpt.json")
+
+    one = run_ok(cuda_binary, args(2, resume=True))
+    assert one.steps[0]["skipped"] is True and one.steps[0]["loss_scale"] == 2 ** 29, one.steps
+    assert one.steps[0]["grad_norm"] is None
+    before, after = eu.read_checkpoint(tmp_path / "start.ckpt"), eu.read_checkpoint(ckpt)
+    assert after.step == 2
+    assert np.array_equal(before.params, after.params) and np.array_equal(before.m, after.m) \
+        and np.array_equal(before.v, after.v), "a skipped step changed the state"
+    assert eu.read_sidecar(ckpt)["loss_scale"] == 2 ** 29
+
+    shutil.copyfile(tmp_path / "start.ckpt", ckpt)
+    shutil.copyfile(tmp_path / "start.ckpt.json", tmp_path / "run.ckpt.json")
+    many = run_ok(cuda_binary, args(31, resume=True))
+    scales = [r["loss_scale"] for r in many.steps]
+    skipped = [bool(r.get("skipped")) for r in many.steps]
+    n_skip = skipped.index(False) if False in skipped else len(skipped)
+    assert 0 < n_skip < len(skipped), f"never recovered: {scales}"
+    assert scales[:n_skip] == [2.0 ** (29 - i) for i in range(n_skip)], scales
+    # later batches may overflow at the scale the first clean step found, but mostly they don't, and
+    # the scale only ever goes down here (growth needs 1000 steps)
+    assert skipped.count(False) >= 10, skipped
+    assert all(b <= a for a, b in zip(scales, scales[1:])), scales
+    assert all(r["grad_norm"] is not None for r, s in zip(many.steps, skipped) if not s)
+    assert all(np.isfinite(r["loss"]) for r in many.steps)
+
+
+def test_memory_plan_and_constant_device_memory(cuda_binary, random_shards):
+    res = run_ok(cuda_binary, tiny_args(random_shards.train, random_shards.val, **{
+        **SHAPES["odd"], "train.precision": "bf16", "train.steps": 6, "eval.every": 2, "eval.batches": 2,
+        "sample.every": 3, "sample.tokens": 40, "sample.prompt": ["1,2"]}))
+    mem = res.events("memory")
+    assert len(mem) == 1
+    groups = mem[0]["groups"]
+    assert sum(groups.values()) == mem[0]["total_bytes"]
+    for g in ("params", "grads", "adam", "weights_lowp", "activations"):
+        assert groups[g] > 0, groups
+    n = eu.count_params(3, 48, 37, 128, 100)
+    assert groups["params"] >= 4 * n and groups["adam"] >= 8 * n and groups["weights_lowp"] >= 2 * n
+    dev = res.events("device_memory")
+    assert [d["step"] for d in dev] == [1, 6], dev
+    assert dev[0]["bytes"] == dev[1]["bytes"], f"device memory grew during training: {dev}"
+    assert dev[0]["bytes"] >= mem[0]["total_bytes"]
+
+
+def test_fp8_is_refused_with_a_clear_message(cuda_binary, random_shards):
+    res = eu.run_engine(cuda_binary, tiny_args(random_shards.train, **{"train.precision": "fp8"}))
+    assert res.rc == 2 and res.steps == [], res.describe()
+    assert len(res.errors) == 1 and "fp8" in res.errors[0] and "not yet supported" in res.errors[0], res.stderr
