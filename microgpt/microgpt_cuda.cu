@@ -410,6 +410,9 @@ static size_t engine_setup(const Config* cfg) {
     E.V = cfg->model.vocab_size;
     E.Vp = cfg->model.padded_vocab_size;
     E.L = cfg->model.n_layer;
+    if ((size_t)E.B * E.T > (size_t)INT_MAX / 4)
+        die_input("train.batch_size x model.seq_len = %zu positions is too many for one micro-batch",
+                  (size_t)E.B * E.T);
     E.N = E.B * E.T;
     param_layout_init(&E.layout, cfg);
     E.P = E.layout.n_params;

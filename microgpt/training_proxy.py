@@ -47,76 +47,143 @@ STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every
 LINGER_SECONDS = 0.6  # a few live-stream polls (proxy_server.POLL_SECONDS) after the run ends
 
 # ---------------------------------------------------------------------------------------------------
-# Experiment configuration (SPEC §4). Every key but name/description/sample.prompts is an engine
-# flag of the same dotted name (docs/DESIGN.md), so this table is the proxy's copy of the flag list.
+# Choosing the engine (SPEC §5: the GPU engine by default)
 
-INT, FLOAT, STR, PATH, PROMPTS = "an integer", "a number", "a string", "a path", "a list of strings"
-SCHEMA = {
-    "name": STR,
-    "description": STR,  # free text for people; not passed to the engine
-    "model": {"n_layer": INT, "d_model": INT, "n_head": INT, "d_ff": INT, "seq_len": INT,
-              "vocab_size": INT, "padded_vocab_size": INT},
-    "train": {"batch_size": INT, "grad_accum": INT, "steps": INT, "seed": INT, "warmup_steps": INT,
-              "precision": STR, "lr": FLOAT, "min_lr": FLOAT, "weight_decay": FLOAT,
-              "grad_clip": FLOAT, "beta1": FLOAT, "beta2": FLOAT, "eps": FLOAT, "schedule": STR,
-              "decay_frac": FLOAT},
-    "data": {"train": PATH, "val": PATH},
-    "eval": {"every": INT, "batches": INT},
-    "sample": {"every": INT, "tokens": INT, "top_k": INT, "temperature": FLOAT, "prompts": PROMPTS},
-    "checkpoint": {"every": INT},
-    "polish": {"start_step": INT, "train": PATH, "lr": FLOAT},
+
+class EngineChoiceError(RuntimeError):
+    pass
+
+
+def gpu_visible():
+    """True if `nvidia-smi -L` runs and lists a GPU (the driver sees one)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def _built(path):
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def choose_engine(requested, gpu, engines=ENGINES):
+    """The engine binary for --engine `requested` (None: not given) -> (path, warning or None).
+    Not given: the CUDA engine if it is built and a GPU is visible, else the CPU engine with a
+    warning. Asked for by name: that engine or an EngineChoiceError, never a silent substitute."""
+    cuda, cpu = engines["cuda"], engines["cpu"]
+    warning = None
+    if requested == "cuda" or (requested is None and gpu and _built(cuda)):
+        if not _built(cuda):
+            raise EngineChoiceError(f"--engine cuda: {cuda} is not built; run `make` (it needs nvcc)")
+        if not gpu:
+            raise EngineChoiceError("--engine cuda: no GPU visible (`nvidia-smi -L` lists none); "
+                                    "use --engine cpu")
+        return cuda, None
+    if requested is None:
+        why = "no GPU visible (`nvidia-smi -L` lists none)" if not gpu else f"{cuda} is not built"
+        warning = (f"{why}: running the CPU engine {cpu} (slow); --engine cuda forces the GPU "
+                   "engine")
+    if not _built(cpu):
+        raise EngineChoiceError(f"{cpu} is not built; run `make`")
+    return cpu, warning
+
+
+# ---------------------------------------------------------------------------------------------------
+# Experiment configuration (SPEC §4). The engine owns the list of keys: every config key
+# `section.key` is the engine flag --section.key, and `ENGINE --flags-json` publishes the flags
+# (type, default, choices, range, required). Flags without a dot (--checkpoint, --resume, ...) are
+# the command line's own, not config keys. The proxy adds a few keys that are its own:
+
+OWN_KEYS = {  # key: (type, required)
+    "name": ("str", True),          # names the run directory and files; passed as --name
+    "description": ("str", False),  # free text for people; not passed to the engine
+    "sample.prompts": ("prompts", False),  # strings, tokenized into repeated --sample.prompt ids
 }
-CHOICES = {"train.precision": ("fp32", "bf16", "fp16", "fp8"),
-           "train.schedule": ("cosine", "wsd", "constant")}
-REQUIRED = ("name", "model.n_layer", "model.d_model", "model.n_head", "model.seq_len",
-            "train.steps", "data.train")
-REQUIRED_IF_SECTION = {"polish": ("polish.start_step", "polish.train", "polish.lr")}
-DEFAULT_VOCAB = 50259
+TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "path": "a path",
+              "glob": "a glob pattern", "bool": "true or false", "prompts": "a list of strings"}
 
 
 class ConfigError(ValueError):
     pass
 
 
+def engine_flags(engine):
+    """`ENGINE --flags-json` -> {name: flag}. Raises EngineChoiceError if the engine can't say."""
+    try:
+        res = subprocess.run([engine, "--flags-json"], capture_output=True, text=True, timeout=60)
+        if res.returncode != 0:
+            raise ValueError((res.stderr.strip().splitlines() or [f"exit code {res.returncode}"])[-1])
+        return {f["name"]: f for f in json.loads(res.stdout)["flags"]}
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError) as e:
+        raise EngineChoiceError(f"{engine} --flags-json did not give its flag table ({e}); "
+                                "rebuild it with `make`") from None
+
+
+def config_keys(flags):
+    """The keys a config may hold -> what each must be: the engine's dotted flags (but the
+    token-id prompts, which the proxy makes from sample.prompts) and the proxy's own keys."""
+    keys = {name: f["type"] for name, f in flags.items() if "." in name and f["type"] != "prompt"}
+    keys.update({key: kind for key, (kind, _) in OWN_KEYS.items()})
+    return keys
+
+
 def _type_ok(kind, value):
-    if isinstance(value, bool):  # JSON true/false are ints to Python; never a valid setting here
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):  # JSON true/false are ints to Python; never a number here
         return False
-    if kind == INT:
+    if kind == "int":
         return isinstance(value, int)
-    if kind == FLOAT:
+    if kind == "float":
         return isinstance(value, (int, float))
-    if kind in (STR, PATH):
-        return isinstance(value, str) and value != ""
-    return isinstance(value, list) and all(isinstance(p, str) and p for p in value)
+    if kind == "prompts":
+        return isinstance(value, list) and all(isinstance(p, str) and p for p in value)
+    return isinstance(value, str) and value != ""  # str, path, glob
 
 
-def validate_config(cfg):
-    """Raise ConfigError naming the first unknown, mistyped or missing key."""
+def _check_value(dotted, kind, value, flag):
+    """One key's value against its type and, for engine flags, its choices and range."""
+    if not _type_ok(kind, value):
+        raise ConfigError(f'"{dotted}" must be {TYPE_WORDS[kind]}, not {json.dumps(value)}')
+    if not flag:
+        return
+    if flag["choices"] and value not in flag["choices"]:
+        raise ConfigError(f'"{dotted}" must be one of {", ".join(flag["choices"])}, '
+                          f'not {json.dumps(value)}')
+    if flag["min"] is not None and value < flag["min"]:
+        raise ConfigError(f'"{dotted}" must be at least {flag["min"]}, not {json.dumps(value)}')
+    if flag["max"] is not None and value > flag["max"]:
+        raise ConfigError(f'"{dotted}" must be at most {flag["max"]}, not {json.dumps(value)}')
+
+
+def _required_keys(cfg, flags):
+    """Own required keys, required flags, and flags required once their section is there."""
+    own = [key for key, (_, required) in OWN_KEYS.items() if required]
+    return own + [name for name, f in flags.items() if "." in name and
+                  (f["required"] is True or (f["required"] == "section" and name.split(".")[0] in cfg))]
+
+
+def validate_config(cfg, flags):
+    """Raise ConfigError naming the first unknown, mistyped, out-of-range or missing key."""
     if not isinstance(cfg, dict):
         raise ConfigError("the config must be a JSON object")
+    keys = config_keys(flags)
+    sections = {k.split(".")[0] for k in keys if "." in k}
     for key, value in cfg.items():
-        if key not in SCHEMA:
-            raise ConfigError(f'unknown key "{key}"')
-        spec = SCHEMA[key]
-        if isinstance(spec, dict):
+        if key in sections:
             if not isinstance(value, dict):
                 raise ConfigError(f'"{key}" must be an object')
             for sub, subval in value.items():
-                if sub not in spec:
-                    raise ConfigError(f'unknown key "{key}.{sub}"')
-                if not _type_ok(spec[sub], subval):
-                    raise ConfigError(f'"{key}.{sub}" must be {spec[sub]}, not {json.dumps(subval)}')
-                choices = CHOICES.get(f"{key}.{sub}")
-                if choices and subval not in choices:
-                    raise ConfigError(f'"{key}.{sub}" must be one of {", ".join(choices)}, '
-                                      f'not {json.dumps(subval)}')
-        elif not _type_ok(spec, value):
-            raise ConfigError(f'"{key}" must be {spec}, not {json.dumps(value)}')
-    required = list(REQUIRED)
-    for section, keys in REQUIRED_IF_SECTION.items():
-        if section in cfg:
-            required += keys
-    for dotted in required:
+                dotted = f"{key}.{sub}"
+                if dotted not in keys:
+                    raise ConfigError(f'unknown key "{dotted}"')
+                _check_value(dotted, keys[dotted], subval, flags.get(dotted))
+        elif key in keys:
+            _check_value(key, keys[key], value, None)
+        else:
+            raise ConfigError(f'unknown key "{key}"')
+    for dotted in _required_keys(cfg, flags):
         section, _, sub = dotted.partition(".")
         if section not in cfg or (sub and sub not in cfg[section]):
             raise ConfigError(f'missing key "{dotted}"')
@@ -126,7 +193,7 @@ def validate_config(cfg):
                           f'not {json.dumps(name)}')
 
 
-def load_config(path):
+def load_config(path, flags):
     try:
         with open(path) as f:
             cfg = json.load(f)
@@ -134,7 +201,7 @@ def load_config(path):
         raise ConfigError(f"cannot read it: {e.strerror}") from None
     except ValueError as e:
         raise ConfigError(f"not valid JSON: {e}") from None
-    validate_config(cfg)
+    validate_config(cfg, flags)
     return cfg
 
 
@@ -144,13 +211,13 @@ def resolve_path(p):
     return p if os.path.isabs(p) else os.path.join(ROOT, p)
 
 
-def tokenize_prompts(cfg):
+def tokenize_prompts(cfg, flags):
     """sample.prompts -> token id lists (ChatML specials allowed), checked against the vocabulary."""
     prompts = cfg.get("sample", {}).get("prompts", [])
     if not prompts:
         return []
     import tokenizer
-    vocab = cfg["model"].get("vocab_size", DEFAULT_VOCAB)
+    vocab = cfg["model"].get("vocab_size", flags["model.vocab_size"]["default"])
     out = []
     for i, text in enumerate(prompts):
         try:
@@ -165,23 +232,24 @@ def tokenize_prompts(cfg):
     return out
 
 
-def _flag_value(kind, value):
-    if kind == PATH:
-        return resolve_path(value)
-    if kind == FLOAT:
-        return repr(float(value))  # repr round-trips a double exactly
-    return str(value)
+def _flag_args(name, kind, value):
+    if kind == "bool":
+        return [f"--{name}"] if value else []
+    if kind in ("path", "glob"):
+        value = resolve_path(value)
+    elif kind == "float":
+        value = repr(float(value))  # repr round-trips a double exactly
+    return [f"--{name}", str(value)]
 
 
-def engine_args(cfg, prompt_ids, ckpt_path, resume):
-    """The engine's command-line flags for a config: the dotted keys, mechanically."""
+def engine_args(cfg, flags, prompt_ids, ckpt_path, resume):
+    """The engine's command-line flags for a validated config: the dotted keys, mechanically."""
     args = ["--name", cfg["name"]]
-    for section, spec in SCHEMA.items():
-        if not isinstance(spec, dict):
-            continue
-        for key, value in cfg.get(section, {}).items():
-            if spec[key] != PROMPTS:
-                args += [f"--{section}.{key}", _flag_value(spec[key], value)]
+    for section, value in cfg.items():
+        for key, subval in (value.items() if isinstance(value, dict) else ()):
+            dotted = f"{section}.{key}"
+            if dotted in flags:  # not the proxy's own sample.prompts
+                args += _flag_args(dotted, flags[dotted]["type"], subval)
     for ids in prompt_ids:
         args += ["--sample.prompt", ",".join(str(t) for t in ids)]
     args += ["--checkpoint", ckpt_path]
@@ -250,8 +318,8 @@ class Run:
     self.log (whose own lock guards it). state and samples are replaced, never mutated, so a reader
     always holds a consistent snapshot; the *_version counters tell the live stream what changed."""
 
-    def __init__(self, cfg, config_path, run_dir, engine_path, prompt_ids):
-        self.cfg, self.config_path, self.engine_path = cfg, config_path, engine_path
+    def __init__(self, cfg, flags, config_path, run_dir, engine_path, prompt_ids):
+        self.cfg, self.flags, self.config_path, self.engine_path = cfg, flags, config_path, engine_path
         self.name = cfg["name"]
         self.dir = os.path.abspath(run_dir)
         os.makedirs(self.dir, exist_ok=True)
@@ -501,7 +569,8 @@ class Run:
 
     def launch(self):
         resume = os.path.exists(self.ckpt_path)
-        cmd = [self.engine_path] + engine_args(self.cfg, self.prompt_ids, self.ckpt_path, resume)
+        cmd = [self.engine_path] + engine_args(self.cfg, self.flags, self.prompt_ids, self.ckpt_path,
+                                               resume)
         # A process group of its own: a terminal's Ctrl-C reaches only the proxy, which forwards it
         # once, so the engine sees exactly the signals the proxy decided to send.
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -583,8 +652,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description="Train with an engine, log the run and serve its "
                                             "live dashboard (see docs/PROXY.md).")
     p.add_argument("config", help="experiment JSON, e.g. experiments/ANDREA-12M-TRAIN.json")
-    p.add_argument("--engine", choices=sorted(ENGINES), default="cuda",
-                   help="build/microgpt_cuda (default) or build/microgpt_cpu")
+    p.add_argument("--engine", choices=sorted(ENGINES), default=None,
+                   help="build/microgpt_cuda (default when built and a GPU is visible; else the "
+                        "CPU engine, with a warning) or build/microgpt_cpu")
     p.add_argument("--engine-binary", metavar="PATH",
                    help="run this engine executable instead (a custom build, or a test double)")
     p.add_argument("--run-dir", help="run directory (default: runs/<name>/ in the repository)")
@@ -605,20 +675,34 @@ def fail(msg, code=2):
     sys.exit(code)
 
 
+def pick_engine(args):
+    """--engine-binary as given, or choose_engine's pick (its warning printed once, here)."""
+    if args.engine_binary:
+        engine = os.path.abspath(args.engine_binary)
+        if not _built(engine):
+            raise EngineChoiceError(f"engine {engine} not found or not executable")
+        return engine
+    engine, warning = choose_engine(args.engine, args.engine != "cpu" and gpu_visible())
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    return engine
+
+
 def main(argv):
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config)
-        prompt_ids = tokenize_prompts(cfg)
+        engine = pick_engine(args)
+        flags = engine_flags(engine)  # the config's keys come from the engine itself
+    except EngineChoiceError as e:
+        fail(str(e))
+    try:
+        cfg = load_config(args.config, flags)
+        prompt_ids = tokenize_prompts(cfg, flags)
     except ConfigError as e:
         fail(f"{args.config}: {e}")
-    engine = os.path.abspath(args.engine_binary) if args.engine_binary else ENGINES[args.engine]
-    if not os.access(engine, os.X_OK):
-        hint = "" if args.engine_binary else f" (build it with `make {args.engine}`)"
-        fail(f"engine {engine} not found or not executable{hint}")
     run_dir = args.run_dir or os.path.join(ROOT, "runs", cfg["name"])
     try:
-        run = Run(cfg, args.config, run_dir, engine, prompt_ids)
+        run = Run(cfg, flags, args.config, run_dir, engine, prompt_ids)
     except (LossLogError, OSError) as e:
         fail(str(e))
 

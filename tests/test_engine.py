@@ -3,6 +3,7 @@
 
 Fast tests use the TINY model on random-token shards; one test trains on real Shakespeare shards.
 """
+import json
 import math
 import os
 import re
@@ -443,6 +444,51 @@ def test_help_lists_every_flag(engine):
     text = res.stdout + res.stderr
     missing = [f for f in design_flags() if not re.search(re.escape(f) + r"(?![\w.-])", text)]
     assert not missing, f"--help does not mention {missing}"
+
+
+def help_lines(engine):
+    """--help's flag lines by flag name: "--name METAVAR help [note]"."""
+    res = eu.run_engine(engine.binary, ["--help"], timeout=30)
+    assert res.rc == 0, res.describe()
+    lines = [ln.strip() for ln in res.stdout.splitlines() if ln.startswith("  --")]
+    return {ln.split()[0][2:]: ln for ln in lines}
+
+
+def test_flags_json_agrees_with_help(engine):
+    """--flags-json (for the proxy) and --help (for people) come from the one flag table: the same
+    flags, each with the same type or choices, help text, required mark and default."""
+    res = eu.run_engine(engine.binary, ["--flags-json"], timeout=30)
+    assert res.rc == 0 and res.stderr == "", res.describe()
+    flags = json.loads(res.stdout)["flags"]
+    by_name = {f["name"]: f for f in flags}
+    assert len(by_name) == len(flags) > 30
+    lines = help_lines(engine)
+    assert set(lines) == set(by_name) | {"help", "flags-json"}
+    types = {"int", "float", "str", "path", "glob", "prompt", "bool"}
+    for f in flags:
+        line, name = lines[f["name"]], f["name"]
+        assert f["type"] in types, f
+        metavar = "|".join(f["choices"]) if f["choices"] else f["type"]
+        after = line[len(name) + 2:].lstrip()
+        if f["type"] == "bool":
+            assert after.startswith(f["help"]), (line, f)
+        else:
+            assert after.startswith(metavar + " ") and f["help"] in after, (line, f)
+        assert ("[required]" in line) == (f["required"] is True), (line, f)
+        assert ("[required with any" in line) == (f["required"] == "section"), (line, f)
+        shown = re.search(r"\[default (\S+)\]$", line)
+        if f["default"] is None or f["type"] == "bool":
+            assert not shown, (line, f)
+        else:
+            parse = {"int": int, "float": float}.get(f["type"], str)
+            assert shown and parse(shown.group(1)) == f["default"], (line, f)
+        if f["type"] in ("int", "float"):
+            assert f["min"] <= f["max"], f
+            if f["default"] is not None:
+                assert f["min"] <= f["default"] <= f["max"], f
+    assert by_name["train.precision"]["choices"] == ["fp32", "bf16", "fp16", "fp8"]
+    assert by_name["data.train"]["type"] == "glob" and by_name["checkpoint"]["type"] == "path"
+    assert by_name["model.vocab_size"]["default"] == 50259 and by_name["train.lr"]["default"] == 6e-4
 
 
 def test_output_follows_contract(engine, random_shards, tmp_path):

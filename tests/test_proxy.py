@@ -146,13 +146,19 @@ def test_loss_log_serves_raw_ranges(tmp_path):
 # Config validation and the config → flags mapping
 
 
-def test_engine_args_are_the_dotted_keys(tmp_path):
+@pytest.fixture(scope="module")
+def flags(cpu_binary):
+    """The engine's flag table, as the proxy reads it (`ENGINE --flags-json`)."""
+    return training_proxy.engine_flags(str(cpu_binary))
+
+
+def test_engine_args_are_the_dotted_keys(flags):
     cfg = {"name": "x", "model": {"n_layer": 6, "d_model": 192, "n_head": 6, "seq_len": 512},
            "train": {"steps": 100, "lr": 6e-4, "precision": "bf16"},
            "data": {"train": "data/megachat/megachat_train_*.bin", "val": "/abs/val_*.bin"},
            "sample": {"every": 5, "prompts": ["a", "b"]}}
-    training_proxy.validate_config(cfg)
-    args = training_proxy.engine_args(cfg, [[64], [65, 66]], "/r/x.ckpt", resume=True)
+    training_proxy.validate_config(cfg, flags)
+    args = training_proxy.engine_args(cfg, flags, [[64], [65, 66]], "/r/x.ckpt", resume=True)
     pairs = dict(zip(args[::2], args[1::2]))
     assert pairs["--name"] == "x" and pairs["--model.n_layer"] == "6"
     assert float(pairs["--train.lr"]) == 6e-4 and pairs["--train.precision"] == "bf16"
@@ -163,27 +169,52 @@ def test_engine_args_are_the_dotted_keys(tmp_path):
     assert args[-1] == "--resume"
 
 
+def test_every_dotted_engine_flag_is_a_config_key(flags):
+    """The config's keys come from the engine's table, not a copy: a config that sets every dotted
+    flag (but the token-id prompts) validates, and each becomes exactly its own flag."""
+    def value(f):
+        if f["choices"]:
+            return f["choices"][-1]
+        return {"int": f["min"], "float": f["min"], "bool": True}.get(f["type"], "x")
+    dotted = {n: f for n, f in flags.items() if "." in n and f["type"] != "prompt"}
+    assert len(dotted) > 30 and "train.decay_frac" in dotted
+    cfg = {"name": "x"}
+    for name, f in dotted.items():
+        section, key = name.split(".")
+        cfg.setdefault(section, {})[key] = value(f)
+    training_proxy.validate_config(cfg, flags)
+    args = training_proxy.engine_args(cfg, flags, [], "/r/x.ckpt", resume=False)
+    given = [a[2:] for a in args if a.startswith("--")]
+    assert sorted(given) == sorted(list(dotted) + ["name", "checkpoint"])
+
+
 @pytest.mark.parametrize("change, message", [
     ({"trian": {}}, 'unknown key "trian"'),
     ({"train": {"steps": 5, "lrr": 0.1}}, 'unknown key "train.lrr"'),
     ({"train": {"steps": 5, "lr": "fast"}}, '"train.lr" must be a number'),
     ({"train": {"steps": True}}, '"train.steps" must be an integer'),
     ({"train": {"steps": 2.5}}, '"train.steps" must be an integer'),
-    ({"train": {"steps": 5, "schedule": "linear"}}, '"train.schedule" must be one of'),
+    ({"train": {"steps": 5, "schedule": "linear"}}, '"train.schedule" must be one of cosine, wsd'),
+    ({"train": {"steps": 5, "beta1": 1.5}}, '"train.beta1" must be at most 0.999999, not 1.5'),
+    ({"train": {"steps": 0}}, '"train.steps" must be at least 1, not 0'),
+    ({"data": {"train": 7}}, '"data.train" must be a glob pattern, not 7'),
     ({"model": {"d_model": 32, "n_head": 2, "seq_len": 32}}, 'missing key "model.n_layer"'),
     ({"sample": {"prompts": "A"}}, '"sample.prompts" must be a list of strings'),
+    ({"sample": {"prompt": "1,2"}}, 'unknown key "sample.prompt"'),  # the engine's ids: not a key
     ({"sample": {"prompts": ["A", "a"]}}, '"sample.prompts[1]" has token id 64'),
     ({"polish": {"start_step": 3, "lr": 0.1}}, 'missing key "polish.train"'),
+    ({"resume": True}, 'unknown key "resume"'),  # a flag the proxy sets itself, not a config key
     ({"name": "../evil"}, '"name" must be letters'),
+    ({"name": 3}, '"name" must be a string'),
 ])
-def test_bad_config_is_one_clear_error_naming_the_key(exp, change, message):
+def test_bad_config_is_one_clear_error_naming_the_key(exp, cpu_binary, change, message):
     """Validated before anything is launched or created: exit 2, one line, the key named."""
     cfg = exp.config(steps=5)
     data = json.loads(cfg.read_text())
     for key, value in change.items():
         data[key] = value
     cfg.write_text(json.dumps(data))
-    res = subprocess.run([sys.executable, str(PROXY), str(cfg), "--engine-binary", "/bin/true",
+    res = subprocess.run([sys.executable, str(PROXY), str(cfg), "--engine-binary", str(cpu_binary),
                           "--run-dir", str(exp.run_dir)], capture_output=True, text=True,
                          env=proxy_env(), timeout=60)
     assert res.returncode == 2, res.stderr
@@ -196,6 +227,94 @@ def test_missing_engine_is_a_clear_error(exp):
     res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=5)), "--engine-binary",
                           str(exp.root / "nope")], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "not found or not executable" in res.stderr
+
+
+def test_engine_without_a_flag_table_is_a_clear_error(exp):
+    """An engine that cannot answer --flags-json (an old build, a wrong binary): one line, rebuild."""
+    res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=5)), "--engine-binary",
+                          "/bin/true"], capture_output=True, text=True, timeout=60)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "--flags-json" in lines[0], res.stderr
+    assert "make" in lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Choosing the engine: the GPU engine when it can run, else the CPU engine with a warning
+
+
+def fake_engines(tmp_path, cuda=True, cpu=True):
+    engines = {"cuda": tmp_path / "microgpt_cuda", "cpu": tmp_path / "microgpt_cpu"}
+    for kind, built in (("cuda", cuda), ("cpu", cpu)):
+        if built:
+            engines[kind].write_text("#!/bin/sh\n")
+            engines[kind].chmod(0o755)
+    return {k: str(v) for k, v in engines.items()}
+
+
+@pytest.mark.parametrize("requested, gpu, cuda, want, warning", [
+    (None, True, True, "cuda", None),
+    (None, False, True, "cpu", "no GPU visible"),
+    (None, True, False, "cpu", "microgpt_cuda is not built"),
+    ("cuda", True, True, "cuda", None),
+    ("cpu", True, True, "cpu", None),
+])
+def test_engine_choice(tmp_path, requested, gpu, cuda, want, warning):
+    engines = fake_engines(tmp_path, cuda=cuda)
+    path, said = training_proxy.choose_engine(requested, gpu, engines)
+    assert path == engines[want]
+    if warning:
+        assert warning in said and "--engine cuda forces" in said and engines["cpu"] in said
+    else:
+        assert said is None
+
+
+@pytest.mark.parametrize("requested, gpu, cuda, cpu, message", [
+    ("cuda", False, True, True, "--engine cuda: no GPU visible"),
+    ("cuda", True, False, True, "--engine cuda: " + "{cuda} is not built; run `make`"),
+    ("cpu", False, True, False, "{cpu} is not built; run `make`"),
+    (None, False, True, False, "{cpu} is not built; run `make`"),
+])
+def test_engine_choice_errors(tmp_path, requested, gpu, cuda, cpu, message):
+    engines = fake_engines(tmp_path, cuda=cuda, cpu=cpu)
+    with pytest.raises(training_proxy.EngineChoiceError) as e:
+        training_proxy.choose_engine(requested, gpu, engines)
+    assert message.format(**engines) in str(e.value)
+
+
+@pytest.fixture
+def no_gpu_env(tmp_path):
+    """The proxy's environment with an `nvidia-smi` that finds no GPU, as on CI (and even on the GPU
+    machine, so this path is tested everywhere)."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    smi.chmod(0o755)
+    env = proxy_env()
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def test_without_a_gpu_the_default_engine_falls_back_to_cpu(exp, cpu_binary, no_gpu_env):
+    assert str(cpu_binary) == training_proxy.ENGINES["cpu"], "needs the repository's build/microgpt_cpu"
+    res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=12)), "--run-dir",
+                          str(exp.run_dir), "--no-server"], capture_output=True, text=True,
+                         env=no_gpu_env, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    warnings = [ln for ln in res.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and "no GPU visible" in warnings[0] and "--engine cuda" in warnings[0]
+    st = exp.state()
+    assert st["status"] == "finished" and st["engine"] == training_proxy.ENGINES["cpu"]
+
+
+def test_engine_cuda_without_a_usable_gpu_engine_is_an_error(exp, no_gpu_env):
+    res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=3)), "--engine", "cuda",
+                          "--run-dir", str(exp.run_dir)], capture_output=True, text=True,
+                         env=no_gpu_env, timeout=60)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: --engine cuda: ") and ("no GPU" in lines[0] or "make" in lines[0])
+    assert not exp.run_dir.exists()
 
 
 def test_engine_errors_pass_through(exp, cpu_binary):

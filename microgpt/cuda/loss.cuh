@@ -37,14 +37,15 @@ __global__ void loss_rows_kernel(float* losses, float* lse, const float* logits,
 }
 
 /* dlogits = (exp(logit - lse) - [j == target]) * dscale on real columns, 0 on padded ones.
- * dlogits may be the logits buffer itself (fp32): each element is read and then written by the
- * same thread. */
+ * Grid (column blocks, rows; rows strided past gridDim.y). dlogits may be the logits buffer itself
+ * (fp32): each element is read and then written by the same thread. */
 template <typename T>
 __global__ void dlogits_kernel(T* dlogits, const float* logits, const float* lse, const int* targets, int n, int V,
                                int Vp, float dscale) {
-    size_t total = (size_t)n * Vp;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
-        int row = (int)(i / Vp), j = (int)(i % Vp);
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= Vp) return;
+    for (int row = blockIdx.y; row < n; row += gridDim.y) {
+        size_t i = (size_t)row * Vp + j;
         float g = 0.0f;
         if (j < V) g = (expf(logits[i] - lse[row]) - (j == targets[row] ? 1.0f : 0.0f)) * dscale;
         dlogits[i] = from_f<T>(g);
@@ -66,8 +67,8 @@ static void k_loss_fwd(float* losses, float* lse, float* logits, const T* x, con
 template <typename T>
 static void k_loss_bwd(T* dx, float* dwte, T* dlogits, const float* logits, const float* lse, const T* x,
                        const T* wte, const int* targets, int n, int C, int V, int Vp, float dscale) {
-    size_t total = (size_t)n * Vp;
-    dlogits_kernel<T><<<elementwise_grid(total, 256), 256>>>(dlogits, logits, lse, targets, n, V, Vp, dscale);
+    dim3 grid(ceil_div(Vp, 256), n < 65535 ? n : 65535);
+    dlogits_kernel<T><<<grid, 256>>>(dlogits, logits, lse, targets, n, V, Vp, dscale);
     LAUNCH_CHECK();
     cudaDataType_t t = TypeInfo<T>::dtype;
     /* dx += dlogits @ wte */

@@ -54,16 +54,23 @@ typedef struct {
 /* ---------------------------------------------------------------------------------------------- */
 /* The flag table */
 
-typedef enum { F_INT, F_FLOAT, F_STR, F_CHOICE, F_BOOL, F_PROMPT } FlagType;
+/* Text flags (F_STR, F_PATH, F_GLOB) parse alike; the kind tells the proxy what a value means
+ * (a path or glob resolves against the repository root). F_PROMPT is the repeatable token-id list. */
+typedef enum { F_INT, F_FLOAT, F_STR, F_PATH, F_GLOB, F_PROMPT, F_BOOL } FlagType;
+static const char* const FLAG_TYPE_NAMES[] = {"int", "float", "str", "path", "glob", "prompt", "bool"};
+
+/* REQ_IN_SECTION: required as soon as any flag of the same section ("polish." ...) is given, so a
+ * section is all there or all absent. */
+enum { REQ_NO = 0, REQ_YES = 1, REQ_IN_SECTION = 2 };
 
 typedef struct {
     const char* name;    /* without the leading "--" */
     FlagType type;
     void* ptr;           /* into the Config being parsed */
-    size_t cap;          /* F_STR / F_CHOICE: buffer size */
-    const char* def;     /* default as text; NULL: required (if required) or derived/none */
-    int required;
-    const char* choices; /* F_CHOICE: "a|b|c" */
+    size_t cap;          /* text flags: buffer size */
+    const char* def;     /* default as text; NULL: required, derived (see help) or none */
+    int required;        /* REQ_* */
+    const char* choices; /* text flags: "a|b|c" allowed values, or NULL for any */
     double min, max;     /* F_INT / F_FLOAT: allowed closed range */
     const char* help;
 } Flag;
@@ -95,7 +102,7 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("train.steps", F_INT, &c->train.steps, 0, NULL, 1, NULL, 1, BIG, "optimizer steps in the whole run");
     FLAG("train.seed", F_INT, &c->train.seed, 0, "1337", 0, NULL, 0, BIG, "seed for init, batches and sampling");
     FLAG("train.warmup_steps", F_INT, &c->train.warmup_steps, 0, "0", 0, NULL, 0, BIG, "linear LR warmup steps");
-    FLAG("train.precision", F_CHOICE, c->train.precision, sizeof c->train.precision, "fp32", 0, "fp32|bf16|fp16|fp8", 0, 0,
+    FLAG("train.precision", F_STR, c->train.precision, sizeof c->train.precision, "fp32", 0, "fp32|bf16|fp16|fp8", 0, 0,
          "compute precision (the CPU engine always computes fp32)");
     FLAG("train.lr", F_FLOAT, &c->train.lr, 0, "6e-4", 0, NULL, 0, FBIG, "peak learning rate");
     FLAG("train.min_lr", F_FLOAT, &c->train.min_lr, 0, "0", 0, NULL, 0, FBIG, "final learning rate of the decay");
@@ -104,50 +111,115 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("train.beta1", F_FLOAT, &c->train.beta1, 0, "0.9", 0, NULL, 0, 0.999999, "AdamW beta1");
     FLAG("train.beta2", F_FLOAT, &c->train.beta2, 0, "0.95", 0, NULL, 0, 0.999999999, "AdamW beta2");
     FLAG("train.eps", F_FLOAT, &c->train.eps, 0, "1e-8", 0, NULL, 1e-30, 1, "AdamW epsilon");
-    FLAG("train.schedule", F_CHOICE, c->train.schedule, sizeof c->train.schedule, "cosine", 0, "cosine|wsd|constant", 0, 0,
+    FLAG("train.schedule", F_STR, c->train.schedule, sizeof c->train.schedule, "cosine", 0, "cosine|wsd|constant", 0, 0,
          "LR schedule after warmup");
     FLAG("train.decay_frac", F_FLOAT, &c->train.decay_frac, 0, "0.2", 0, NULL, 0, 1, "WSD: fraction of steps spent decaying");
-    FLAG("data.train", F_STR, c->data.train, sizeof c->data.train, NULL, 1, NULL, 0, 0, "glob of llm.c train shards");
-    FLAG("data.val", F_STR, c->data.val, sizeof c->data.val, "", 0, NULL, 0, 0, "glob of llm.c validation shards");
+    FLAG("data.train", F_GLOB, c->data.train, sizeof c->data.train, NULL, 1, NULL, 0, 0, "glob of llm.c train shards");
+    FLAG("data.val", F_GLOB, c->data.val, sizeof c->data.val, "", 0, NULL, 0, 0, "glob of llm.c validation shards");
     FLAG("eval.every", F_INT, &c->eval.every, 0, "0", 0, NULL, 0, BIG, "validate every N steps (0: off)");
     FLAG("eval.batches", F_INT, &c->eval.batches, 0, "20", 0, NULL, 1, BIG, "validation batches per evaluation");
     FLAG("sample.every", F_INT, &c->sample.every, 0, "0", 0, NULL, 0, BIG, "sample every N steps (0: off)");
     FLAG("sample.tokens", F_INT, &c->sample.tokens, 0, "64", 0, NULL, 1, 1 << 20, "tokens generated per prompt");
     FLAG("sample.top_k", F_INT, &c->sample.top_k, 0, "40", 0, NULL, 0, 1 << 24, "top-k sampling (0: whole vocabulary)");
     FLAG("sample.temperature", F_FLOAT, &c->sample.temperature, 0, "1.0", 0, NULL, 0, FBIG, "sampling temperature (0: greedy)");
-    FLAG("sample.prompt", F_PROMPT, &c->sample, 0, NULL, 0, NULL, 0, 0, "comma-separated prompt token ids (repeatable)");
+    FLAG("sample.prompt", F_PROMPT, &c->sample, 0, NULL, 0, NULL, 0, 0, "comma-separated token ids of one prompt (repeatable)");
     FLAG("checkpoint.every", F_INT, &c->checkpoint.every, 0, "0", 0, NULL, 0, BIG, "checkpoint every N steps (0: only on signal/finish)");
-    FLAG("checkpoint", F_STR, c->checkpoint.path, sizeof c->checkpoint.path, "", 0, NULL, 0, 0,
+    FLAG("checkpoint", F_PATH, c->checkpoint.path, sizeof c->checkpoint.path, "", 0, NULL, 0, 0,
          "checkpoint path (sidecar PATH.json)");
-    FLAG("polish.start_step", F_INT, &c->polish.start_step, 0, NULL, 0, NULL, 0, BIG,
+    FLAG("polish.start_step", F_INT, &c->polish.start_step, 0, NULL, REQ_IN_SECTION, NULL, 0, BIG,
          "step index from which polish data and constant polish LR apply");
-    FLAG("polish.train", F_STR, c->polish.train, sizeof c->polish.train, "", 0, NULL, 0, 0, "glob of polish train shards");
-    FLAG("polish.lr", F_FLOAT, &c->polish.lr, 0, NULL, 0, NULL, 0, FBIG, "constant learning rate of the polish phase");
+    FLAG("polish.train", F_GLOB, c->polish.train, sizeof c->polish.train, "", REQ_IN_SECTION, NULL, 0, 0, "glob of polish train shards");
+    FLAG("polish.lr", F_FLOAT, &c->polish.lr, 0, NULL, REQ_IN_SECTION, NULL, 0, FBIG, "constant learning rate of the polish phase");
     FLAG("resume", F_BOOL, &c->resume, 0, "0", 0, NULL, 0, 0, "continue from --checkpoint (must exist)");
-    FLAG("dump-grads", F_STR, c->dump_grads, sizeof c->dump_grads, "", 0, NULL, 0, 0,
+    FLAG("dump-grads", F_PATH, c->dump_grads, sizeof c->dump_grads, "", 0, NULL, 0, 0,
          "debug: write [f32 loss][f32 grads] of step 0, micro-batch 0, to PATH and exit");
 #undef FLAG
     return n;
+}
+
+/* " [required]", " [default X]" or "" : the same facts --flags-json gives as fields. */
+static void flag_help_note(FILE* out, const Flag* f) {
+    const char* section_end = strchr(f->name, '.');
+    if (f->required == REQ_YES) fputs(" [required]", out);
+    else if (f->required == REQ_IN_SECTION)
+        fprintf(out, " [required with any --%.*s.* flag]", (int)(section_end - f->name), f->name);
+    else if (f->def && f->def[0] && f->type != F_BOOL) fprintf(out, " [default %s]", f->def);
 }
 
 static void config_help(FILE* out, const char* prog) {
     Config c;
     Flag f[CFG_N_FLAGS_MAX];
     int i, n = config_flags(&c, f);
-    static const char* type_names[] = {"int", "float", "str", "choice", "", "ids"};
     fprintf(out, "usage: %s --model.n_layer N --model.d_model N --model.n_head N --model.seq_len N "
                  "--train.steps N --data.train GLOB [flags]\n"
                  "Flags are the dotted keys of the experiment JSON; --x=v and --x v both work.\n\n", prog);
     for (i = 0; i < n; i++) {
         char left[64];
         snprintf(left, sizeof left, "--%s %s", f[i].name,
-                 f[i].type == F_CHOICE ? f[i].choices : type_names[f[i].type]);
+                 f[i].choices ? f[i].choices : f[i].type == F_BOOL ? "" : FLAG_TYPE_NAMES[f[i].type]);
         fprintf(out, "  %-36s %s", left, f[i].help);
-        if (f[i].required) fputs(" [required]", out);
-        else if (f[i].def && f[i].def[0] && f[i].type != F_BOOL) fprintf(out, " [default %s]", f[i].def);
+        flag_help_note(out, &f[i]);
         fputc('\n', out);
     }
+    fprintf(out, "  %-36s %s\n", "--flags-json", "print this table as one JSON document and exit");
     fprintf(out, "  %-36s %s\n", "--help", "show this help and exit");
+}
+
+/* A flag's default (or range end) as a JSON value of its type; null when there is none. */
+static void flag_json_value(FILE* out, const Flag* f, const char* text) {
+    char b[32];
+    if (!text || !text[0]) fputs("null", out); /* "" is a text flag's "none" */
+    else if (f->type == F_INT) fprintf(out, "%lld", strtoll(text, NULL, 10));
+    else if (f->type == F_FLOAT) fputs(json_num(b, sizeof b, strtod(text, NULL)), out);
+    else if (f->type == F_BOOL) fputs(strcmp(text, "1") == 0 ? "true" : "false", out);
+    else json_put_string(out, text);
+}
+
+static void flag_json_choices(FILE* out, const char* choices) {
+    const char* p = choices;
+    if (!choices) {
+        fputs("null", out);
+        return;
+    }
+    fputc('[', out);
+    while (*p) {
+        const char* bar = strchr(p, '|');
+        size_t len = bar ? (size_t)(bar - p) : strlen(p);
+        fprintf(out, "%s\"%.*s\"", p == choices ? "" : ",", (int)len, p);
+        p += len + (bar != NULL);
+    }
+    fputc(']', out);
+}
+
+/* --flags-json: the flag table for programs (the proxy validates experiment configs against it),
+ * {"flags":[{"name","type","default","required","choices","min","max","help"}, ...]}.
+ * required is true, false or "section" (REQ_IN_SECTION); min/max are null for non-numbers. */
+static void config_flags_json(FILE* out) {
+    Config c;
+    Flag f[CFG_N_FLAGS_MAX];
+    int i, n = config_flags(&c, f);
+    fputs("{\"flags\":[", out);
+    for (i = 0; i < n; i++) {
+        int numeric = f[i].type == F_INT || f[i].type == F_FLOAT;
+        char lo[32], hi[32];
+        fprintf(out, "%s\n{\"name\":", i ? "," : "");
+        json_put_string(out, f[i].name);
+        fprintf(out, ",\"type\":\"%s\",\"default\":", FLAG_TYPE_NAMES[f[i].type]);
+        flag_json_value(out, &f[i], f[i].def);
+        fprintf(out, ",\"required\":%s,\"choices\":",
+                f[i].required == REQ_IN_SECTION ? "\"section\"" : f[i].required ? "true" : "false");
+        flag_json_choices(out, f[i].choices);
+        snprintf(lo, sizeof lo, "%.17g", f[i].min);
+        snprintf(hi, sizeof hi, "%.17g", f[i].max);
+        fputs(",\"min\":", out);
+        flag_json_value(out, &f[i], numeric ? lo : NULL);
+        fputs(",\"max\":", out);
+        flag_json_value(out, &f[i], numeric ? hi : NULL);
+        fputs(",\"help\":", out);
+        json_put_string(out, f[i].help);
+        fputc('}', out);
+    }
+    fputs("\n]}\n", out);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -226,10 +298,10 @@ static void flag_set(Config* c, const Flag* f, const char* v) {
         *(float*)f->ptr = (float)x;
         break;
     }
-    case F_CHOICE:
     case F_STR:
-        if (f->type == F_CHOICE && !choice_ok(f->choices, v))
-            die_input("--%s: '%s' is not one of %s", f->name, v, f->choices);
+    case F_PATH:
+    case F_GLOB:
+        if (f->choices && !choice_ok(f->choices, v)) die_input("--%s: '%s' is not one of %s", f->name, v, f->choices);
         if (strlen(v) >= f->cap) die_input("--%s: value is longer than %zu characters", f->name, f->cap - 1);
         strcpy((char*)f->ptr, v);
         break;
@@ -254,10 +326,19 @@ static int flag_seen(const Flag* f, int n, const int* seen, const char* name) {
     return seen[find_flag(f, n, name, strlen(name))];
 }
 
+/* Index of a given flag in the same dotted section as `name` ("polish.lr" -> "polish."), or -1. */
+static int seen_in_section(const Flag* f, int n, const int* seen, const char* name) {
+    size_t len = strchr(name, '.') - name + 1;
+    int i;
+    for (i = 0; i < n; i++)
+        if (seen[i] && strncmp(f[i].name, name, len) == 0) return i;
+    return -1;
+}
+
 static void config_validate(const Config* c, const int* seen, const Flag* f, int n);
 
 /* Parses argv into *c (defaults first), validates, and dies with one error line on bad input.
- * --help prints the table and exits 0. */
+ * --help prints the table for people, --flags-json for programs; both exit 0. */
 static void config_parse(Config* c, int argc, char** argv) {
     Flag f[CFG_N_FLAGS_MAX];
     int seen[CFG_N_FLAGS_MAX];
@@ -274,6 +355,10 @@ static void config_parse(Config* c, int argc, char** argv) {
         int k;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             config_help(stdout, argv[0]);
+            exit(0);
+        }
+        if (strcmp(a, "--flags-json") == 0) {
+            config_flags_json(stdout);
             exit(0);
         }
         if (strncmp(a, "--", 2) != 0) die_input("unexpected argument '%s' (flags start with --; see --help)", a);
@@ -303,8 +388,11 @@ static void config_parse(Config* c, int argc, char** argv) {
 
 static void config_validate(const Config* c, const int* seen, const Flag* f, int n) {
     int i;
-    for (i = 0; i < n; i++)
-        if (f[i].required && !seen[i]) die_input("missing required flag --%s", f[i].name);
+    for (i = 0; i < n; i++) {
+        int j = f[i].required == REQ_IN_SECTION && !seen[i] ? seen_in_section(f, n, seen, f[i].name) : -1;
+        if (f[i].required == REQ_YES && !seen[i]) die_input("missing required flag --%s", f[i].name);
+        if (j >= 0) die_input("--%s needs --%s", f[j].name, f[i].name);
+    }
     if (c->model.d_model % c->model.n_head != 0)
         die_input("model.n_head (%d) must divide model.d_model (%d)", c->model.n_head, c->model.d_model);
     if (c->model.padded_vocab_size < c->model.vocab_size)
@@ -328,14 +416,9 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
     }
     if (c->checkpoint.every > 0 && !c->checkpoint.path[0]) die_input("checkpoint.every > 0 needs --checkpoint PATH");
     if (c->resume && !c->checkpoint.path[0]) die_input("--resume needs --checkpoint PATH");
-    if (c->polish.enabled) {
-        if (!c->polish.train[0]) die_input("--polish.start_step needs --polish.train");
-        if (!flag_seen(f, n, seen, "polish.lr")) die_input("--polish.start_step needs --polish.lr");
-        if (c->polish.start_step > c->train.steps)
-            die_input("polish.start_step (%d) is beyond train.steps (%d)", c->polish.start_step, c->train.steps);
-    } else if (c->polish.train[0] || flag_seen(f, n, seen, "polish.lr")) {
-        die_input("--polish.train / --polish.lr need --polish.start_step");
-    }
+    if (c->polish.enabled && !c->polish.train[0]) die_input("--polish.train is empty");
+    if (c->polish.enabled && c->polish.start_step > c->train.steps)
+        die_input("polish.start_step (%d) is beyond train.steps (%d)", c->polish.start_step, c->train.steps);
 }
 
 static int config_is_fp16(const Config* c) { return strcmp(c->train.precision, "fp16") == 0; }

@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# gpu-check.sh: the whole GPU verification in one unattended command, for the GPU machine.
+#
+#   OUT=/some/dir scripts/gpu-check.sh        (OUT defaults to ./gpu-out)
+#
+# Stages, each logged to $OUT/<stage>.log (stdout and stderr together):
+#   build        nvcc/driver versions, `make` (CPU + CUDA engines for this GPU), kernel_check, ptxas
+#                register/spill report of the engine
+#   kernel_check every kernel pair vs its CPU layer, fp32/bf16/fp16, fresh seed (printed)
+#   pytest_gpu   tests/test_gpu.py: whole model vs the CPU engine, exact resume, fp16 overflow, ...
+#   pytest_engine the CUDA half of tests/test_engine.py (resume, signals, memory, bad input, ...)
+#   sanitizer    compute-sanitizer memcheck / racecheck / initcheck / synccheck on a tiny config,
+#                and memcheck over kernel_check's odd shapes
+#   timing       ~30 steps of the ANDREA-12M and ANDREA-120M shapes on random tokens: ms/step,
+#                tokens/s, device memory; summary in $OUT/timing.json
+# The last lines say which stages passed; exit status 1 if any failed. About 5-8 minutes on an H200.
+# shellcheck disable=SC2317  # stage functions are called indirectly, through run_stage
+set -u -o pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+DATA=$(mktemp -d /tmp/andrea-gpu-check.XXXXXX)
+trap 'rm -rf "$DATA"' EXIT
+command -v nvcc >/dev/null 2>&1 || export PATH="/usr/local/cuda/bin:$PATH"
+PY=${PYTHON:-python3}
+RESULTS=()
+FAILED=0
+
+# run_stage NAME FUNCTION: runs the function with its output teed to $OUT/NAME.log, records the result.
+run_stage() {
+    local name=$1 fn=$2 t0 rc
+    t0=$(date +%s)
+    echo "=== stage $name ($(date -u +%H:%M:%S) UTC)" | tee "$OUT/$name.log"
+    "$fn" 2>&1 | tee -a "$OUT/$name.log"
+    rc=${PIPESTATUS[0]}
+    local secs=$(( $(date +%s) - t0 ))
+    if [ "$rc" -eq 0 ]; then RESULTS+=("PASS  $name  (${secs}s)"); else RESULTS+=("FAIL  $name  (${secs}s, status $rc, see $OUT/$name.log)"); FAILED=1; fi
+    echo "=== stage $name: status $rc after ${secs}s" | tee -a "$OUT/$name.log"
+}
+
+# run_cmd LIMIT_SECONDS CMD...: one command with a time limit; prints the command and its status.
+run_cmd() {
+    local limit=$1 rc
+    shift
+    echo "+ $*"
+    timeout -k 10 "$limit" "$@"
+    rc=$?
+    [ "$rc" -eq 124 ] && echo "!! timed out after ${limit}s: $*"
+    [ "$rc" -ne 0 ] && echo "!! status $rc: $*"
+    return "$rc"
+}
+
+gpu_arch() { nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .'; }
+
+stage_build() {
+    local rc=0 arch
+    nvcc --version
+    nvidia-smi || rc=1
+    arch=$(gpu_arch)
+    echo "GPU compute capability: ${arch:-unknown}; git: $(git rev-parse --short HEAD 2>/dev/null || echo none)"
+    run_cmd 600 make -j4 || return 1
+    test -x build/microgpt_cuda || { echo "!! make did not produce build/microgpt_cuda"; return 1; }
+    if make -n kernel-check >/dev/null 2>&1; then
+        run_cmd 600 make kernel-check || rc=1
+    else
+        echo "(no kernel-check target in the Makefile: building it directly)"
+        run_cmd 600 nvcc -O3 -std=c++17 ${arch:+-arch=sm_$arch} -Xcompiler -fopenmp -o build/kernel_check \
+            tests/kernel_check.cu -lcublas -lcublasLt -lgomp -lm || rc=1
+    fi
+    # registers and spills of every kernel, for the optimisation pass (not a pass/fail criterion)
+    nvcc -O3 -std=c++17 ${arch:+-arch=sm_$arch} -Xcompiler -fopenmp -Xptxas -v -c -o "$DATA/engine.o" \
+        microgpt/microgpt_cuda.cu > "$OUT/ptxas.log" 2>&1
+    echo "ptxas report: $OUT/ptxas.log ($(grep -c 'spill stores' "$OUT/ptxas.log") kernels;" \
+        "$(grep 'spill stores' "$OUT/ptxas.log" | grep -vc ' 0 bytes spill stores') with spills)"
+    return "$rc"
+}
+
+stage_kernel_check() { run_cmd 600 build/kernel_check; }
+
+stage_pytest_gpu() { run_cmd 900 "$PY" -m pytest -m gpu -v -rA tests/test_gpu.py; }
+
+# The Shakespeare test needs prepared data the GPU machine may not have; everything else runs.
+stage_pytest_engine() { run_cmd 900 "$PY" -m pytest -m gpu -v -rA tests/test_engine.py -k "not shakespeare"; }
+
+# Random-token shards: $1 prefix, $2 vocabulary, $3 tokens.
+make_shard() {
+    "$PY" - "$DATA" "$1" "$2" "$3" <<'EOF'
+import sys
+import numpy as np
+sys.path.insert(0, ".")
+from microgpt.shards import write_shard
+d, prefix, vocab, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+write_shard(f"{d}/{prefix}_000000.bin", np.random.default_rng(7).integers(0, vocab, n))
+EOF
+}
+
+TINY_ARGS=(--model.n_layer 2 --model.d_model 32 --model.n_head 4 --model.seq_len 19 --model.vocab_size 61
+           --model.padded_vocab_size 64 --model.d_ff 72 --train.batch_size 3 --train.seed 5)
+
+stage_sanitizer() {
+    local cs rc=0
+    cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    [ -x "$cs" ] || { echo "!! compute-sanitizer not found: nothing checked"; return 1; }
+    "$cs" --version | head -n 3
+    make_shard tiny 61 20000 || return 1
+    local data=(--data.train "$DATA/tiny_*.bin" --data.val "$DATA/tiny_*.bin")
+    local extra=(--eval.every 2 --eval.batches 1 --sample.every 2 --sample.tokens 25 --sample.prompt "1,2,3")
+    export ANDREA_CUDA_SYNC=1 # report a fault at the launch that made it
+    for prec in fp32 bf16 fp16; do
+        run_cmd 300 "$cs" --tool memcheck --leak-check full --error-exitcode 1 build/microgpt_cuda "${TINY_ARGS[@]}" \
+            "${data[@]}" "${extra[@]}" --train.steps 2 --train.grad_accum 2 --train.precision "$prec" || rc=1
+    done
+    run_cmd 300 "$cs" --tool racecheck --error-exitcode 1 build/microgpt_cuda "${TINY_ARGS[@]}" "${data[@]}" \
+        --train.steps 1 --train.precision bf16 || rc=1
+    run_cmd 300 "$cs" --tool synccheck --error-exitcode 1 build/microgpt_cuda "${TINY_ARGS[@]}" "${data[@]}" \
+        --train.steps 1 || rc=1
+    run_cmd 300 "$cs" --tool initcheck --error-exitcode 1 build/microgpt_cuda "${TINY_ARGS[@]}" "${data[@]}" \
+        "${extra[@]}" --train.steps 2 || rc=1
+    run_cmd 420 "$cs" --tool memcheck --error-exitcode 1 build/kernel_check --prec bf16 --seed 11 || rc=1
+    unset ANDREA_CUDA_SYNC
+    return "$rc"
+}
+
+# timing_run NAME PRECISION SHAPE-ARGS...: 30 steps; the step records go to $DATA/NAME.jsonl.
+timing_run() {
+    local name=$1 prec=$2
+    shift 2
+    run_cmd 240 build/microgpt_cuda --name "$name" "$@" --model.vocab_size 50259 --model.padded_vocab_size 50304 \
+        --train.batch_size 8 --train.steps 30 --train.warmup_steps 5 --train.precision "$prec" \
+        --data.train "$DATA/big_*.bin" > "$DATA/$name.jsonl"
+}
+
+stage_timing() {
+    local rc=0
+    make_shard big 50257 3000000 || return 1
+    local m12=(--model.n_layer 6 --model.d_model 192 --model.n_head 6 --model.d_ff 768 --model.seq_len 512)
+    local m120=(--model.n_layer 12 --model.d_model 768 --model.n_head 12 --model.d_ff 3072 --model.seq_len 1024)
+    timing_run 12M-bf16 bf16 "${m12[@]}" || rc=1
+    timing_run 12M-fp32 fp32 "${m12[@]}" || rc=1
+    timing_run 120M-bf16 bf16 "${m120[@]}" || rc=1
+    timing_run 120M-fp16 fp16 "${m120[@]}" || rc=1
+    timing_run 120M-fp32 fp32 "${m120[@]}" || rc=1
+    cp "$DATA"/*.jsonl "$OUT/" 2>/dev/null
+    "$PY" - "$DATA" "$OUT/timing.json" <<'EOF' || rc=1
+import json, statistics, sys
+from pathlib import Path
+data, out = Path(sys.argv[1]), sys.argv[2]
+rows = []
+for name in ["12M-bf16", "12M-fp32", "120M-bf16", "120M-fp16", "120M-fp32"]:
+    recs = []
+    for line in (data / f"{name}.jsonl").read_text().splitlines() if (data / f"{name}.jsonl").exists() else []:
+        try:
+            recs.append(json.loads(line))
+        except ValueError:
+            pass
+    steps = [r for r in recs if "loss" in r and "event" not in r]
+    mem = [r for r in recs if r.get("event") == "memory"]
+    dev = [r for r in recs if r.get("event") == "device_memory"]
+    timed = [r["ms"] for r in steps[5:]] or [r["ms"] for r in steps]  # skip the first steps (warm-up)
+    row = {"run": name, "steps": len(steps),
+           "ms_per_step_median": round(statistics.median(timed), 3) if timed else None,
+           "tokens_per_s_median": round(statistics.median([r["tokens_per_s"] for r in steps[5:]] or [0])),
+           "first_loss": steps[0]["loss"] if steps else None, "last_loss": steps[-1]["loss"] if steps else None,
+           "skipped_steps": sum(1 for r in steps if r.get("skipped")),
+           "plan_bytes": mem[0]["total_bytes"] if mem else None,
+           "device_bytes": [d["bytes"] for d in dev]}
+    rows.append(row)
+    print(f"{name:10s} steps {row['steps']:3d}  {row['ms_per_step_median']} ms/step  {row['tokens_per_s_median']} tok/s  "
+          f"loss {row['first_loss']} -> {row['last_loss']}  skipped {row['skipped_steps']}  "
+          f"plan {row['plan_bytes']} B  device {row['device_bytes']} B")
+Path(out).write_text(json.dumps(rows, indent=1))
+bad = [r["run"] for r in rows if r["steps"] != 30]
+if bad:
+    sys.exit(f"runs without 30 steps: {bad}")
+EOF
+    return "$rc"
+}
+
+run_stage build stage_build
+if [ -x build/microgpt_cuda ]; then
+    run_stage kernel_check stage_kernel_check
+    run_stage pytest_gpu stage_pytest_gpu
+    run_stage pytest_engine stage_pytest_engine
+    run_stage sanitizer stage_sanitizer
+    run_stage timing stage_timing
+fi
+
+{
+    echo "=== gpu-check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1))"
+    printf '%s\n' "${RESULTS[@]}"
+} | tee "$OUT/summary.log"
+exit $FAILED
