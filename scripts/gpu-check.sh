@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # gpu-check.sh: the whole GPU verification in one unattended command, for the GPU machine.
 #
-#   OUT=/some/dir scripts/gpu-check.sh        (OUT defaults to ./gpu-out)
+#   OUT=/some/dir scripts/gpu-check.sh [STAGE...]     (OUT defaults to ./gpu-out)
+#
+# With no STAGE, all of them in this order; a command limited to 10 minutes should split them, e.g.
+#   scripts/gpu-check.sh build kernel_check pytest_gpu timing   then   scripts/gpu-check.sh pytest_engine sanitizer
 #
 # Stages, each logged to $OUT/<stage>.log (stdout and stderr together):
 #   build        nvcc/driver versions, `make` (CPU + CUDA engines for this GPU), kernel_check, ptxas
 #                register/spill report of the engine
 #   kernel_check every kernel pair vs its CPU layer, fp32/bf16/fp16, fresh seed (printed)
 #   pytest_gpu   tests/test_gpu.py: whole model vs the CPU engine, exact resume, fp16 overflow, ...
+#   timing       ~30 steps of the ANDREA-12M and ANDREA-120M shapes on random tokens: ms/step,
+#                tokens/s, device memory; summary in $OUT/timing.json, step records in $OUT/*.jsonl
 #   pytest_engine the CUDA half of tests/test_engine.py (resume, signals, memory, bad input, ...)
 #   sanitizer    compute-sanitizer memcheck / racecheck / initcheck / synccheck on a tiny config,
 #                and memcheck over kernel_check's odd shapes
-#   timing       ~30 steps of the ANDREA-12M and ANDREA-120M shapes on random tokens: ms/step,
-#                tokens/s, device memory; summary in $OUT/timing.json
-# The last lines say which stages passed; exit status 1 if any failed. About 5-8 minutes on an H200.
+# The last lines (also appended to $OUT/summary.log) say which stages passed; exit status 1 if any
+# failed, 2 for an unknown stage. Estimated on an H200: build 1-2 min, kernel_check < 1, pytest_gpu
+# 1-2, timing 1-2, pytest_engine 1-3, sanitizer 3-6 (each tool run has its own time limit).
 # shellcheck disable=SC2317  # stage functions are called indirectly, through run_stage
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -105,19 +110,20 @@ stage_sanitizer() {
     "$cs" --version | head -n 3
     make_shard tiny 61 20000 || return 1
     local data=(--data.train "$DATA/tiny_*.bin" --data.val "$DATA/tiny_*.bin")
-    local extra=(--eval.every 2 --eval.batches 1 --sample.every 2 --sample.tokens 25 --sample.prompt "1,2,3")
+    local extra=(--eval.every 2 --eval.batches 1 --sample.every 2 --sample.tokens 22 --sample.prompt "1,2,3")
     export ANDREA_CUDA_SYNC=1 # report a fault at the launch that made it
-    for prec in fp32 bf16 fp16; do
-        run_cmd 300 "$cs" --tool memcheck --leak-check full --error-exitcode 1 build/microgpt_cuda "${TINY_ARGS[@]}" \
+    # time limits keep the worst case (every tool slow) near 10 minutes; a timeout counts as a failure
+    for prec in fp32 bf16; do
+        run_cmd 180 "$cs" --tool memcheck --leak-check full --error-exitcode 1 build/microgpt_cuda "${TINY_ARGS[@]}" \
             "${data[@]}" "${extra[@]}" --train.steps 2 --train.grad_accum 2 --train.precision "$prec" || rc=1
     done
-    run_cmd 300 "$cs" --tool racecheck --error-exitcode 1 build/microgpt_cuda "${TINY_ARGS[@]}" "${data[@]}" \
+    run_cmd 150 "$cs" --tool racecheck --error-exitcode 1 build/microgpt_cuda "${TINY_ARGS[@]}" "${data[@]}" \
         --train.steps 1 --train.precision bf16 || rc=1
-    run_cmd 300 "$cs" --tool synccheck --error-exitcode 1 build/microgpt_cuda "${TINY_ARGS[@]}" "${data[@]}" \
+    run_cmd 90 "$cs" --tool synccheck --error-exitcode 1 build/microgpt_cuda "${TINY_ARGS[@]}" "${data[@]}" \
         --train.steps 1 || rc=1
-    run_cmd 300 "$cs" --tool initcheck --error-exitcode 1 build/microgpt_cuda "${TINY_ARGS[@]}" "${data[@]}" \
-        "${extra[@]}" --train.steps 2 || rc=1
-    run_cmd 420 "$cs" --tool memcheck --error-exitcode 1 build/kernel_check --prec bf16 --seed 11 || rc=1
+    run_cmd 150 "$cs" --tool initcheck --error-exitcode 1 build/microgpt_cuda "${TINY_ARGS[@]}" "${data[@]}" \
+        "${extra[@]}" --train.steps 2 --train.precision fp16 || rc=1
+    run_cmd 240 "$cs" --tool memcheck --error-exitcode 1 build/kernel_check --prec bf16 --seed 11 || rc=1
     unset ANDREA_CUDA_SYNC
     return "$rc"
 }
@@ -177,17 +183,26 @@ EOF
     return "$rc"
 }
 
-run_stage build stage_build
-if [ -x build/microgpt_cuda ]; then
-    run_stage kernel_check stage_kernel_check
-    run_stage pytest_gpu stage_pytest_gpu
-    run_stage pytest_engine stage_pytest_engine
-    run_stage sanitizer stage_sanitizer
-    run_stage timing stage_timing
-fi
+ALL_STAGES=(build kernel_check pytest_gpu timing pytest_engine sanitizer)
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL_STAGES[@]}")
+for st in "${STAGES[@]}"; do
+    case " ${ALL_STAGES[*]} " in
+        *" $st "*) ;;
+        *) echo "error: unknown stage '$st' (stages: ${ALL_STAGES[*]})" >&2; exit 2 ;;
+    esac
+done
+for st in "${STAGES[@]}"; do
+    if [ "$st" != build ] && [ ! -x build/microgpt_cuda ]; then
+        RESULTS+=("FAIL  $st  (not run: build/microgpt_cuda is missing; run the build stage)")
+        FAILED=1
+        continue
+    fi
+    run_stage "$st" "stage_$st"
+done
 
 {
     echo "=== gpu-check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1))"
     printf '%s\n' "${RESULTS[@]}"
-} | tee "$OUT/summary.log"
+} | tee -a "$OUT/summary.log"
 exit $FAILED
