@@ -22,6 +22,14 @@
  * Determinism: no float atomics anywhere; fixed-shape reductions; one cuBLAS handle with a fixed
  * workspace on one stream. Two runs of the same config on the same GPU give identical bits.
  *
+ * Speed: a micro-batch (tokens in, forward, loss, backward, mean loss out) and the update (norm,
+ * clip, AdamW, zeroed gradients, norm out) each run as one CUDA graph, captured at setup and
+ * replayed: no per-kernel launch cost and no host round trip inside either. Whatever changes
+ * between replays (tokens, learning rate, bias corrections, loss scale) is copied from pinned host
+ * memory by the graph's first nodes; the one float each returns (loss, norm) is its last node.
+ * ANDREA_CUDA_SYNC=1 (synchronise after every launch) and ANDREA_NO_GRAPH=1 run the same work
+ * uncaptured, launch by launch.
+ *
  * Build: make cuda   (nvcc -O3 -std=c++17, linked with -lcublas) */
 #include "host/train_loop.h"
 
@@ -36,6 +44,17 @@
 #include "cuda/residual.cuh"
 
 enum { PREC_FP32, PREC_BF16, PREC_FP16 };
+
+/* What the graphs read from the host on each replay (uploaded first) and hand back (downloaded
+ * last), so that their kernels' arguments never change. */
+typedef struct {
+    UpdateCtl uctl; /* engine_update: learning rate, bias corrections, gradient multiplier, clip */
+    float dscale;   /* the loss gradient's weight: 1/N, times the loss scale in fp16 */
+    /* outputs (from offsetof(StepIO, loss) on) */
+    float loss; /* mean loss of the last micro-batch */
+    float norm; /* gradient norm of the last update */
+} StepIO;
+#define STEPIO_IN_BYTES offsetof(StepIO, loss)
 
 #define LOSS_SCALE_DEFAULT 65536.0f  /* 2^16: fp16's usual starting scale */
 #define LOSS_SCALE_MAX 16777216.0f   /* 2^24 */
@@ -87,20 +106,22 @@ static struct {
     /* scratch */
     void *branch; /* [N][C] output of a branch before the residual add */
     void *g;      /* [N][F] gelu(h) */
-    float *att_S, *att_dP; void* att_P; /* [H][T][T] */
+    float *att_S, *att_dP; void* att_P; /* [H][T][T], cuBLAS attention only (else empty) */
+    float* att_delta;                     /* [B][H][T], flash attention only (else empty) */
     float* logits;  /* [chunk][Vp] */
     void* dlogits;  /* [chunk][Vp] (== logits when fp32) */
     float *losses, *loss_lse; /* [N] */
     float* ln_partial;
     float* norm_partial;
-    float* norm_out;
-    int* tok; /* device: inputs [N] | targets [N] | order [N] | bucket start [N+1] | bucket token [N] */
+    int* tok;     /* device: inputs [N] | targets [N] */
+    StepIO* io;   /* device: per-call inputs and outputs of the graphs */
     void* cublas_ws;
 
     /* host */
-    int* tok_host; /* pinned mirror of tok */
-    unsigned long long* sort_keys; /* [N] embed_buckets scratch */
-    float* loss_host;              /* [N] per-row losses */
+    int* tok_host;    /* pinned mirror of tok */
+    StepIO* io_host;  /* pinned mirror of io */
+    int use_graphs;   /* 0: ANDREA_CUDA_SYNC / ANDREA_NO_GRAPH, run launch by launch */
+    cudaGraphExec_t fb_graph, update_graph; /* instantiated by the warm-up */
     char* group_base[N_GROUPS];
     size_t group_bytes[N_GROUPS];
 } E;
@@ -121,7 +142,7 @@ static void* carve(int group, size_t bytes, size_t* used) {
 
 static void plan_buffers(size_t* used) {
     size_t es = E.es, L = (size_t)E.L, N = (size_t)E.N, C = (size_t)E.C, F = (size_t)E.F, P = E.P;
-    size_t nc = N * C, tt = attn_scratch_elems(E.H, E.T);
+    size_t nc = N * C, tt = attn_scratch_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H);
     int g;
     for (g = 0; g < N_GROUPS; g++) used[g] = 0;
     E.params = (float*)carve(G_PARAMS, P * 4, used);
@@ -157,14 +178,15 @@ static void plan_buffers(size_t* used) {
     E.att_S = (float*)carve(G_SCRATCH, tt * 4, used);
     E.att_dP = (float*)carve(G_SCRATCH, tt * 4, used);
     E.att_P = carve(G_SCRATCH, tt * es, used);
+    E.att_delta = (float*)carve(G_SCRATCH, attn_delta_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * 4, used);
     E.logits = (float*)carve(G_SCRATCH, (size_t)E.chunk * E.Vp * 4, used);
     E.dlogits = E.prec == PREC_FP32 ? (void*)E.logits : carve(G_SCRATCH, (size_t)E.chunk * E.Vp * es, used);
     E.losses = (float*)carve(G_SCRATCH, N * 4, used);
     E.loss_lse = (float*)carve(G_SCRATCH, N * 4, used);
     E.ln_partial = (float*)carve(G_SCRATCH, layernorm_scratch_floats(E.C) * 4, used);
     E.norm_partial = (float*)carve(G_SCRATCH, NORM_BLOCKS * 4, used);
-    E.norm_out = (float*)carve(G_SCRATCH, 4, used);
-    E.tok = (int*)carve(G_SCRATCH, (5 * N + 1) * 4, used);
+    E.tok = (int*)carve(G_SCRATCH, 2 * N * 4, used);
+    E.io = (StepIO*)carve(G_SCRATCH, sizeof(StepIO), used);
     E.cublas_ws = carve(G_CUBLAS, CUBLAS_WORKSPACE_BYTES, used);
 }
 
@@ -198,6 +220,7 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
     s.S = E.att_S;
     s.dP = E.att_dP;
     s.P = (T*)E.att_P;
+    s.delta = E.att_delta;
     return s;
 }
 
@@ -232,34 +255,36 @@ static void forward(int B, int Tn) {
                        E.params + E.layout.lnf_beta, N, C);
 }
 
-/* Loss over the N positions, chunk by chunk; with `train`, also the classifier backward, which
- * adds the gradient of LNf's output into dln (zeroed here) and into dwte. */
+/* Loss over the N positions, chunk by chunk, and its mean into io->loss; with `train`, also the
+ * classifier backward (weighted by io->dscale), which adds the gradient of LNf's output into dln
+ * (zeroed here) and into dwte. */
 template <typename T>
 static void loss_chunks(int N, int train) {
     int C = E.C, r0;
     const T* wte = (const T*)E.wlow + E.layout.wte;
     const int* targets = E.tok + E.N;
-    float dscale = (E.prec == PREC_FP16 ? E.loss_scale : 1.0f) / (float)N;
-    if (train) CUDA_CHECK(cudaMemsetAsync(E.dln, 0, (size_t)N * C * E.es));
+    if (train) CUDA_CHECK(cudaMemsetAsync(E.dln, 0, (size_t)N * C * E.es, g_stream));
     for (r0 = 0; r0 < N; r0 += E.chunk) {
         int n = N - r0 < E.chunk ? N - r0 : E.chunk;
         const T* x = (const T*)E.lnf + (size_t)r0 * C;
-        k_loss_fwd<T>(E.losses + r0, E.loss_lse + r0, E.logits, x, wte, targets + r0, n, C, E.V, E.Vp);
         if (train)
-            k_loss_bwd<T>((T*)E.dln + (size_t)r0 * C, E.grads + E.layout.wte, (T*)E.dlogits, E.logits, E.loss_lse + r0,
-                          x, wte, targets + r0, n, C, E.V, E.Vp, dscale);
+            k_loss_fwd_bwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.dln + (size_t)r0 * C, E.grads + E.layout.wte,
+                              E.logits, (T*)E.dlogits, x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale);
+        else
+            k_loss_fwd<T>(E.losses + r0, E.loss_lse + r0, E.logits, x, wte, targets + r0, n, C, E.V, E.Vp);
     }
+    k_loss_mean(&E.io->loss, E.losses, N);
 }
 
 template <typename T>
-static void backward(int n_buckets) {
+static void backward(void) {
     int B = E.B, Tn = E.T, C = E.C, H = E.H, F = E.F, L = E.L, N = E.N, l;
     size_t nc = (size_t)N * C, nf = (size_t)N * F, es = E.es;
     T* dres = (T*)E.dres;
     T* dln = (T*)E.dln;
     T* dqkv = (T*)E.dqkv;
     /* dln holds d(LNf output) from loss_chunks */
-    CUDA_CHECK(cudaMemsetAsync(dres, 0, nc * es));
+    CUDA_CHECK(cudaMemsetAsync(dres, 0, nc * es, g_stream));
     k_layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, layer_act<T>(E.res, L, nc),
                        E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial);
     for (l = L - 1; l >= 0; l--) {
@@ -271,66 +296,89 @@ static void backward(int n_buckets) {
         T* atty = layer_act<T>(E.atty, l, nc);
         T* h = layer_act<T>(E.h, l, nf);
         /* MLP branch: its output gradient is the stream's, dres */
-        CUDA_CHECK(cudaMemsetAsync(dln, 0, nc * es));
+        CUDA_CHECK(cudaMemsetAsync(dln, 0, nc * es, g_stream));
         k_mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, ln2, h, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.g, (T*)E.dh, N, C,
                      F);
         k_layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, xmid, wf(l, T_LN2_GAMMA),
                            E.ln2_mean + (size_t)l * N, E.ln2_rstd + (size_t)l * N, N, C, E.ln_partial);
         /* attention branch: dres is now the gradient at x_mid */
-        CUDA_CHECK(cudaMemsetAsync(E.datty, 0, nc * es));
+        CUDA_CHECK(cudaMemsetAsync(E.datty, 0, nc * es, g_stream));
         k_attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, atty, wl<T>(l, T_WO), N, C);
-        CUDA_CHECK(cudaMemsetAsync(dqkv, 0, 3 * nc * es));
-        k_attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, E.att_lse + (size_t)l * N * H, qkv, qkv + nc,
-                      qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
-        CUDA_CHECK(cudaMemsetAsync(dln, 0, nc * es));
+        CUDA_CHECK(cudaMemsetAsync(dqkv, 0, 3 * nc * es, g_stream));
+        k_attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, atty, E.att_lse + (size_t)l * N * H, qkv,
+                      qkv + nc, qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
+        CUDA_CHECK(cudaMemsetAsync(dln, 0, nc * es, g_stream));
         k_attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, ln1, wl<T>(l, T_WQ), N, C);
         k_layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, x, wf(l, T_LN1_GAMMA),
                            E.ln1_mean + (size_t)l * N, E.ln1_rstd + (size_t)l * N, N, C, E.ln_partial);
     }
-    {
-        const int* order = E.tok + 2 * N;
-        const int* start = E.tok + 3 * N;
-        const int* token = E.tok + 4 * N + 1;
-        k_embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, order, start, token, n_buckets, B, Tn, C);
-    }
+    k_embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, B, Tn, C);
 }
 
-/* Copies a batch's N inputs and N targets to the device (through the pinned staging buffer). */
-static void upload_batch(const int* inputs, const int* targets) {
+/* Runs `record` (the device work of one call, everything on g_stream) as a CUDA graph: captured
+ * and instantiated the first time (by the warm-up), replayed after; or, with graphs off, launch by
+ * launch. Returns when the work is done. */
+static void run_graph(cudaGraphExec_t* exec, void (*record)(void)) {
+    if (!E.use_graphs) {
+        record();
+    } else {
+        if (!*exec) {
+            cudaGraph_t graph;
+            CUDA_CHECK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal));
+            record();
+            CUDA_CHECK(cudaStreamEndCapture(g_stream, &graph));
+            CUDA_CHECK(cudaGraphInstantiate(exec, graph, 0));
+            CUDA_CHECK(cudaGraphDestroy(graph));
+        }
+        CUDA_CHECK(cudaGraphLaunch(*exec, g_stream));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(g_stream));
+}
+
+/* The N inputs and N targets of a batch into the pinned staging buffer (the graphs upload it). */
+static void stage_batch(const int* inputs, const int* targets) {
     memcpy(E.tok_host, inputs, (size_t)E.N * sizeof(int));
     memcpy(E.tok_host + E.N, targets, (size_t)E.N * sizeof(int));
-    CUDA_CHECK(cudaMemcpyAsync(E.tok, E.tok_host, 2 * (size_t)E.N * sizeof(int), cudaMemcpyHostToDevice, 0));
 }
 
-/* Mean of the N per-row losses, summed on the host in a fixed order. */
-static float mean_loss(int N) {
-    double sum = 0.0;
-    int i;
-    CUDA_CHECK(cudaMemcpy(E.loss_host, E.losses, (size_t)N * sizeof(float), cudaMemcpyDeviceToHost));
-    for (i = 0; i < N; i++) sum += E.loss_host[i];
-    return (float)(sum / N);
+static void upload_inputs(size_t tok_count) {
+    if (tok_count)
+        CUDA_CHECK(cudaMemcpyAsync(E.tok, E.tok_host, tok_count * sizeof(int), cudaMemcpyHostToDevice, g_stream));
+    CUDA_CHECK(cudaMemcpyAsync(E.io, E.io_host, STEPIO_IN_BYTES, cudaMemcpyHostToDevice, g_stream));
+}
+
+static void download_output(const float* dev, float* host) {
+    CUDA_CHECK(cudaMemcpyAsync(host, dev, sizeof(float), cudaMemcpyDeviceToHost, g_stream));
+}
+
+/* One training micro-batch, as recorded into fb_graph. */
+template <typename T>
+static void record_forward_backward(void) {
+    upload_inputs(2 * (size_t)E.N);
+    forward<T>(E.B, E.T);
+    loss_chunks<T>(E.N, 1);
+    backward<T>();
+    download_output(&E.io->loss, &E.io_host->loss);
 }
 
 template <typename T>
 static float forward_backward_t(const int* inputs, const int* targets) {
-    int N = E.N, n_buckets;
-    upload_batch(inputs, targets);
-    forward<T>(E.B, E.T);
-    /* while the GPU runs the forward: group positions by token for the embedding backward */
-    n_buckets = embed_buckets(inputs, N, E.sort_keys, E.tok_host + 2 * N, E.tok_host + 3 * N, E.tok_host + 4 * N + 1);
-    CUDA_CHECK(cudaMemcpyAsync(E.tok + 2 * N, E.tok_host + 2 * N, (size_t)(3 * N + 1) * sizeof(int),
-                               cudaMemcpyHostToDevice, 0));
-    loss_chunks<T>(N, 1);
-    backward<T>(n_buckets);
-    return mean_loss(N);
+    stage_batch(inputs, targets);
+    E.io_host->dscale = (E.prec == PREC_FP16 ? E.loss_scale : 1.0f) / (float)E.N;
+    run_graph(&E.fb_graph, record_forward_backward<T>);
+    return E.io_host->loss;
 }
 
+/* Validation runs uncaptured: it is rare, and its launches are few next to its work. */
 template <typename T>
 static float forward_loss_t(const int* inputs, const int* targets) {
-    upload_batch(inputs, targets);
+    stage_batch(inputs, targets);
+    upload_inputs(2 * (size_t)E.N);
     forward<T>(E.B, E.T);
     loss_chunks<T>(E.N, 0);
-    return mean_loss(E.N);
+    download_output(&E.io->loss, &E.io_host->loss);
+    CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    return E.io_host->loss;
 }
 
 /* The sequence is padded with token 0 to the full T and run at the one shape (1, T): attention is
@@ -340,11 +388,12 @@ template <typename T>
 static void next_logits_t(const int* tokens, int len, float* logits) {
     memcpy(E.tok_host, tokens, (size_t)len * sizeof(int));
     memset(E.tok_host + len, 0, (size_t)(E.T - len) * sizeof(int));
-    CUDA_CHECK(cudaMemcpyAsync(E.tok, E.tok_host, (size_t)E.T * sizeof(int), cudaMemcpyHostToDevice, 0));
+    upload_inputs((size_t)E.T);
     forward<T>(1, E.T);
     classifier_logits<T>(E.logits, (const T*)E.lnf + (size_t)(len - 1) * E.C, (const T*)E.wlow + E.layout.wte, 1, E.C,
                          E.Vp);
-    CUDA_CHECK(cudaMemcpy(logits, E.logits, (size_t)E.V * sizeof(float), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpyAsync(logits, E.logits, (size_t)E.V * sizeof(float), cudaMemcpyDeviceToHost, g_stream));
+    CUDA_CHECK(cudaStreamSynchronize(g_stream));
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -352,7 +401,7 @@ static void next_logits_t(const int* tokens, int len, float* logits) {
 
 /* AdamW over runs of consecutive tensors with the same decay flag (a handful of launches). */
 template <typename T>
-static void adamw_all(float lr, int t, const Config* cfg) {
+static void adamw_all(const Config* cfg) {
     int i = 0, n = E.layout.n_tensors;
     while (i < n) {
         const ParamTensor* first = &E.layout.tensors[i];
@@ -360,8 +409,8 @@ static void adamw_all(float lr, int t, const Config* cfg) {
         int decay = first->decay;
         while (i < n && E.layout.tensors[i].decay == decay) size += E.layout.tensors[i++].size;
         k_adamw<T>(E.params + off, E.grads + off, E.m + off, E.v + off,
-                   E.prec == PREC_FP32 ? (T*)NULL : (T*)E.wlow + off, size, lr, cfg->train.beta1, cfg->train.beta2,
-                   cfg->train.eps, decay ? cfg->train.weight_decay : 0.0f, t);
+                   E.prec == PREC_FP32 ? (T*)NULL : (T*)E.wlow + off, size, cfg->train.beta1, cfg->train.beta2,
+                   cfg->train.eps, decay ? cfg->train.weight_decay : 0.0f, &E.io->uctl, &E.io->norm);
     }
 }
 
@@ -370,17 +419,37 @@ static void refresh_lowp_weights(void) {
     if (E.prec == PREC_FP16) k_convert<fp16>((fp16*)E.wlow, E.params, E.P);
 }
 
-static void zero_grads(void) { CUDA_CHECK(cudaMemsetAsync(E.grads, 0, E.P * sizeof(float))); }
+static void zero_grads(void) { CUDA_CHECK(cudaMemsetAsync(E.grads, 0, E.P * sizeof(float), g_stream)); }
+
+/* The update, as recorded into update_graph: the norm of the unscaled gradients, AdamW (which
+ * clips, and skips on a non-finite norm in fp16, by itself), zeroed gradients, the norm back. */
+template <typename T>
+static void record_update(void) {
+    upload_inputs(0);
+    k_grad_norm_partial(E.norm_partial, E.grads, E.P, &E.io->uctl.unscale);
+    k_grad_norm_final(&E.io->norm, E.norm_partial);
+    adamw_all<T>(&E.cfg);
+    zero_grads();
+    download_output(&E.io->norm, &E.io_host->norm);
+}
 
 /* Runs every code path once on a dummy batch (all-zero weights and tokens), then clears what it
  * touched. The CUDA driver loads kernels (ours and cuBLAS's) lazily, on first use, and that takes
- * device memory; after this, the first training step already sees the memory every later step
- * sees, so device_memory at the first and the last step agree. */
+ * device memory, as does instantiating and first launching a graph; after this, the first training
+ * step already sees the memory every later step sees, so device_memory at the first and the last
+ * step agree. The first round runs uncaptured, so that nothing is loaded for the first time inside
+ * a capture; the second captures the graphs and replays them once. engine_set_state overwrites
+ * the weights and moments the lr-0 updates went through. */
 static void warm_up(void) {
     int* zeros = (int*)xcalloc((size_t)E.N, sizeof(int), "warm-up tokens");
     float* logits = (float*)xmalloc((size_t)E.V * sizeof(float), "warm-up logits");
+    int graphs = E.use_graphs, round;
     refresh_lowp_weights();
-    engine_forward_backward(zeros, zeros);
+    for (round = 0; round < 2; round++) {
+        E.use_graphs = round == 0 ? 0 : graphs;
+        engine_forward_backward(zeros, zeros);
+        engine_update(0.0f, 1, &E.cfg);
+    }
     engine_forward_loss(zeros, zeros);
     engine_next_logits(zeros, 1, logits);
     zero_grads();
@@ -442,7 +511,9 @@ static size_t engine_setup(const Config* cfg) {
     }
     CUDA_CHECK(cudaSetDevice(0));
     CUDA_CHECK(cudaFree(0)); /* create the context now, so the free-memory figure below accounts for it */
+    CUDA_CHECK(cudaStreamCreate(&g_stream));
     CUBLAS_CHECK(cublasCreate(&g_cublas));
+    E.use_graphs = !sync_launches() && !(getenv("ANDREA_NO_GRAPH") && getenv("ANDREA_NO_GRAPH")[0] == '1');
 
     plan_buffers(used); /* sizes only */
     print_plan(used);
@@ -454,15 +525,18 @@ static size_t engine_setup(const Config* cfg) {
                free_b / 1073741824.0);
     for (g = 0; g < N_GROUPS; g++) {
         E.group_bytes[g] = used[g];
-        if (used[g]) CUDA_CHECK(cudaMalloc((void**)&E.group_base[g], used[g]));
+        if (used[g]) {
+            CUDA_CHECK(cudaMalloc((void**)&E.group_base[g], used[g]));
+            /* every byte defined before first use (the warm-up reads zero weights; the padding
+             * between buffers is read by nothing, but initcheck stays meaningful) */
+            CUDA_CHECK(cudaMemset(E.group_base[g], 0, used[g]));
+        }
     }
     plan_buffers(used); /* now with the bases: the pointers */
-    CUDA_CHECK(cudaMallocHost((void**)&E.tok_host, (5 * (size_t)E.N + 1) * sizeof(int)));
-    E.sort_keys = (unsigned long long*)xmalloc((size_t)E.N * sizeof(unsigned long long), "token sort keys");
-    E.loss_host = (float*)xmalloc((size_t)E.N * sizeof(float), "per-position losses");
+    CUDA_CHECK(cudaMallocHost((void**)&E.tok_host, 2 * (size_t)E.N * sizeof(int)));
+    CUDA_CHECK(cudaMallocHost((void**)&E.io_host, sizeof(StepIO)));
+    memset(E.io_host, 0, sizeof(StepIO));
     cublas_init(E.cublas_ws, CUBLAS_WORKSPACE_BYTES);
-    CUDA_CHECK(cudaMemset(E.group_base[G_PARAMS], 0, used[G_PARAMS]));
-    CUDA_CHECK(cudaMemset(E.group_base[G_ADAM], 0, used[G_ADAM]));
     warm_up();
     return total;
 }
@@ -508,32 +582,22 @@ static void engine_next_logits(const int* tokens, int len, float* logits) {
 
 static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     UpdateResult r;
-    float norm_f;
-    double norm, unscale = 1.0 / cfg->train.grad_accum;
-    if (E.prec == PREC_FP16) unscale /= E.loss_scale;
-    if (unscale != 1.0) k_grad_scale(E.grads, E.P, (float)unscale);
-    k_grad_norm_partial(E.norm_partial, E.grads, E.P);
-    k_grad_norm_final(E.norm_out, E.norm_partial);
-    CUDA_CHECK(cudaMemcpy(&norm_f, E.norm_out, sizeof norm_f, cudaMemcpyDeviceToHost));
-    norm = norm_f;
-    r.grad_norm = norm_f;
-    r.skipped = 0;
-    if (E.prec == PREC_FP16 && !isfinite(norm)) {
-        /* overflow somewhere in the scaled backward: drop this step's gradients, retry smaller */
-        zero_grads();
+    double unscale = 1.0 / cfg->train.grad_accum;
+    int is_fp16 = E.prec == PREC_FP16;
+    if (is_fp16) unscale /= E.loss_scale;
+    E.io_host->uctl = update_ctl(lr, t, cfg->train.beta1, cfg->train.beta2, unscale, cfg->train.grad_clip, is_fp16);
+    if (E.prec == PREC_BF16) run_graph(&E.update_graph, record_update<bf16>);
+    else if (is_fp16) run_graph(&E.update_graph, record_update<fp16>);
+    else run_graph(&E.update_graph, record_update<float>);
+    r.grad_norm = E.io_host->norm;
+    r.skipped = is_fp16 && !isfinite(r.grad_norm);
+    if (r.skipped) {
+        /* overflow somewhere in the scaled backward: the kernels dropped this step's gradients */
         if (E.loss_scale > 1.0f) E.loss_scale *= 0.5f;
-        r.skipped = 1;
-        r.loss_scale = E.loss_scale;
         info("step %d: fp16 gradient overflow, step skipped, loss scale now %g", t, E.loss_scale);
-        return r;
+    } else if (is_fp16 && t % LOSS_SCALE_GROW_EVERY == 0 && E.loss_scale < LOSS_SCALE_MAX) {
+        E.loss_scale *= 2.0f;
     }
-    if (cfg->train.grad_clip > 0.0f && norm > cfg->train.grad_clip)
-        k_grad_scale(E.grads, E.P, (float)(cfg->train.grad_clip / norm));
-    if (E.prec == PREC_BF16) adamw_all<bf16>(lr, t, cfg);
-    else if (E.prec == PREC_FP16) adamw_all<fp16>(lr, t, cfg);
-    else adamw_all<float>(lr, t, cfg);
-    zero_grads();
-    if (E.prec == PREC_FP16 && t % LOSS_SCALE_GROW_EVERY == 0 && E.loss_scale < LOSS_SCALE_MAX) E.loss_scale *= 2.0f;
     r.loss_scale = E.loss_scale;
     return r;
 }
@@ -555,11 +619,14 @@ static void engine_shutdown(void) {
     int g;
     CUDA_CHECK(cudaDeviceSynchronize());
     cublas_shutdown();
+    if (E.fb_graph) CUDA_CHECK(cudaGraphExecDestroy(E.fb_graph));
+    if (E.update_graph) CUDA_CHECK(cudaGraphExecDestroy(E.update_graph));
     for (g = 0; g < N_GROUPS; g++)
         if (E.group_base[g]) CUDA_CHECK(cudaFree(E.group_base[g]));
     if (E.tok_host) CUDA_CHECK(cudaFreeHost(E.tok_host));
-    free(E.sort_keys);
-    free(E.loss_host);
+    if (E.io_host) CUDA_CHECK(cudaFreeHost(E.io_host));
+    if (g_stream) CUDA_CHECK(cudaStreamDestroy(g_stream));
+    g_stream = 0;
     param_layout_free(&E.layout);
     memset(&E, 0, sizeof E);
 }

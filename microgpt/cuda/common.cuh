@@ -3,8 +3,11 @@
  *
  * Naming used in microgpt/cuda/: `k_<op>_fwd` / `k_<op>_bwd` are the host-side launchers the engine
  * calls (SPEC §3 names; some launch one __global__ kernel, some a cuBLAS product plus a kernel);
- * `<op>_kernel` are the __global__ kernels themselves. All work runs on the legacy default stream,
- * in order, so there is no cross-stream synchronisation to get wrong.
+ * `<op>_kernel` are the __global__ kernels themselves. All work runs in order on one stream,
+ * g_stream (every launch passes it, and cuBLAS is bound to it), so there is no cross-stream
+ * synchronisation to get wrong. The engine creates g_stream so that it can capture a whole step in
+ * a CUDA graph (the legacy default stream cannot be captured); left 0, as kernel_check leaves it,
+ * it is the legacy default stream.
  *
  * Activation type T is float (fp32), __nv_bfloat16 (bf16) or __half (fp16). Whatever T is, every
  * kernel computes in fp32 and rounds once on store; parameter gradients are always fp32.
@@ -147,11 +150,12 @@ __device__ __forceinline__ float block_max(float x) {
 #define CUBLAS_WORKSPACE_BYTES ((size_t)32 << 20)
 
 static cublasHandle_t g_cublas = NULL;
+static cudaStream_t g_stream = 0; /* the one stream of all work; see the top of this file */
 
 static void cublas_init(void* workspace, size_t bytes) {
     if (!g_cublas) CUBLAS_CHECK(cublasCreate(&g_cublas));
     CUBLAS_CHECK(cublasSetMathMode(g_cublas, CUBLAS_DEFAULT_MATH));
-    CUBLAS_CHECK(cublasSetStream(g_cublas, 0));
+    CUBLAS_CHECK(cublasSetStream(g_cublas, g_stream));
     CUBLAS_CHECK(cublasSetWorkspace(g_cublas, workspace, bytes));
 }
 

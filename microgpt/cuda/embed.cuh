@@ -2,41 +2,17 @@
  * Reads the fp32 master embeddings (sums in fp32, rounds once to T).
  *
  * Backward without atomics: several positions can hold the same token, so dwte rows are not
- * independent outputs. The host groups the positions by token (embed_buckets: a sort by
- * (token, position), cheap next to the step), and the kernel gives each distinct token one block
- * that adds its positions' gradient rows in position order: a fixed summation order, and every
- * dwte row written by exactly one block. dwpe[t] has one term per sequence, summed in b order. */
+ * independent outputs. Each distinct token gets one block, the one of its first position, that
+ * adds the gradient rows of all its positions in position order: a fixed summation order, every
+ * dwte row written by exactly one block, and no sort or host work (so a step needs no host round
+ * trip and can be captured in a CUDA graph). dwpe[t] has one term per sequence, summed in b order.
+ */
 #ifndef MICROGPT_CUDA_EMBED_CUH
 #define MICROGPT_CUDA_EMBED_CUH
 
 #include "common.cuh"
 
-static int cmp_u64(const void* a, const void* b) {
-    unsigned long long x = *(const unsigned long long*)a, y = *(const unsigned long long*)b;
-    return (x > y) - (x < y);
-}
-
-/* Token buckets for one batch of N positions (host memory):
- *   order[0..N)         positions sorted by (token, position)
- *   start[0..n_buckets] bucket k is order[start[k] .. start[k+1])
- *   token[0..n_buckets) the token of bucket k
- * Returns n_buckets. `keys` is scratch of N entries. */
-static int embed_buckets(const int* tokens, int N, unsigned long long* keys, int* order, int* start, int* token) {
-    int i, n_buckets = 0;
-    for (i = 0; i < N; i++) keys[i] = ((unsigned long long)(unsigned)tokens[i] << 32) | (unsigned)i;
-    qsort(keys, (size_t)N, sizeof *keys, cmp_u64);
-    for (i = 0; i < N; i++) {
-        int tok = (int)(keys[i] >> 32);
-        order[i] = (int)(keys[i] & 0xffffffffu);
-        if (i == 0 || tok != token[n_buckets - 1]) {
-            token[n_buckets] = tok;
-            start[n_buckets] = i;
-            n_buckets++;
-        }
-    }
-    start[n_buckets] = N;
-    return n_buckets;
-}
+#define EMBED_BWD_THREADS 256
 
 template <typename T>
 __global__ void embed_fwd_kernel(T* out, const int* tokens, const float* wte, const float* wpe, int N, int T_, int C) {
@@ -47,17 +23,36 @@ __global__ void embed_fwd_kernel(T* out, const int* tokens, const float* wte, co
     }
 }
 
-/* One block per distinct token; threads stride over the columns. */
+/* One block per position i (EMBED_BWD_THREADS threads). Only the first position of each token
+ * works: it scans the positions from i on a tile at a time, each warp's ballot marking those with
+ * the token, and every thread (one column) adds the marked rows in position order. */
 template <typename T>
-__global__ void embed_bwd_wte_kernel(float* dwte, const T* dout, const int* order, const int* start,
-                                     const int* token, int C) {
-    int k = blockIdx.x;
-    int s0 = start[k], s1 = start[k + 1];
-    float* row = dwte + (size_t)token[k] * C;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+__global__ void embed_bwd_wte_kernel(float* dwte, const T* dout, const int* tokens, int N, int C) {
+    __shared__ unsigned match[EMBED_BWD_THREADS / 32];
+    int i = blockIdx.x, tok = tokens[i];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int seen = 0;
+    for (int j = threadIdx.x; j < i; j += EMBED_BWD_THREADS) seen |= tokens[j] == tok;
+    if (__syncthreads_or(seen)) return; /* an earlier position owns this token */
+    float* row = dwte + (size_t)tok * C;
+    /* c0 loop: every thread runs the same iterations, so the barriers below are uniform */
+    for (int c0 = 0; c0 < C; c0 += EMBED_BWD_THREADS) {
+        int c = c0 + threadIdx.x;
         float s = 0.0f;
-        for (int j = s0; j < s1; j++) s += to_f(dout[(size_t)order[j] * C + c]);
-        row[c] += s;
+        for (int j0 = i; j0 < N; j0 += EMBED_BWD_THREADS) {
+            int j = j0 + threadIdx.x;
+            unsigned m = __ballot_sync(0xffffffffu, j < N && tokens[j] == tok);
+            __syncthreads(); /* the previous tile's masks are read */
+            if (lane == 0) match[warp] = m;
+            __syncthreads();
+            for (int w = 0; w < EMBED_BWD_THREADS / 32; w++) {
+                for (unsigned bits = match[w]; bits; bits &= bits - 1) {
+                    int p = j0 + 32 * w + __ffs(bits) - 1;
+                    if (c < C) s += to_f(dout[(size_t)p * C + c]);
+                }
+            }
+        }
+        if (c < C) row[c] += s;
     }
 }
 
@@ -76,19 +71,17 @@ __global__ void embed_bwd_wpe_kernel(float* dwpe, const T* dout, int B, int T_, 
 template <typename T>
 static void k_embed_fwd(T* out, const int* tokens, const float* wte, const float* wpe, int B, int T_, int C) {
     size_t n = (size_t)B * T_ * C;
-    embed_fwd_kernel<T><<<elementwise_grid(n, 256), 256>>>(out, tokens, wte, wpe, B * T_, T_, C);
+    embed_fwd_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(out, tokens, wte, wpe, B * T_, T_, C);
     LAUNCH_CHECK();
 }
 
-/* dwte, dwpe += from dout [B*T, C]. order/start/token are the device copies of embed_buckets'
- * output for this batch's tokens. */
+/* dwte, dwpe += from dout [B*T, C]; tokens [B*T] are the batch's input tokens (device). */
 template <typename T>
-static void k_embed_bwd(float* dwte, float* dwpe, const T* dout, const int* order, const int* start, const int* token,
-                        int n_buckets, int B, int T_, int C) {
-    embed_bwd_wte_kernel<T><<<n_buckets, 128>>>(dwte, dout, order, start, token, C);
+static void k_embed_bwd(float* dwte, float* dwpe, const T* dout, const int* tokens, int B, int T_, int C) {
+    embed_bwd_wte_kernel<T><<<B * T_, EMBED_BWD_THREADS, 0, g_stream>>>(dwte, dout, tokens, B * T_, C);
     LAUNCH_CHECK();
     size_t n = (size_t)T_ * C;
-    embed_bwd_wpe_kernel<T><<<elementwise_grid(n, 256), 256>>>(dwpe, dout, B, T_, C);
+    embed_bwd_wpe_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(dwpe, dout, B, T_, C);
     LAUNCH_CHECK();
 }
 

@@ -36,13 +36,13 @@ __global__ void gelu_bwd_inplace_kernel(T* d, const T* x, size_t n) {
 
 template <typename T>
 static void gelu_fwd(T* out, const T* x, size_t n) {
-    gelu_fwd_kernel<T><<<elementwise_grid(n, 256), 256>>>(out, x, n);
+    gelu_fwd_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(out, x, n);
     LAUNCH_CHECK();
 }
 
 template <typename T>
 static void gelu_bwd_inplace(T* d, const T* x, size_t n) {
-    gelu_bwd_inplace_kernel<T><<<elementwise_grid(n, 256), 256>>>(d, x, n);
+    gelu_bwd_inplace_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(d, x, n);
     LAUNCH_CHECK();
 }
 

@@ -4,7 +4,13 @@
  *
  * The norm is deterministic: a fixed number of blocks (NORM_BLOCKS, not derived from the GPU) each
  * sum a fixed grid-stride subset in fp32 and write one partial; one block adds the partials in
- * double, in a fixed tree. A non-finite gradient anywhere makes the norm non-finite. */
+ * double, in a fixed tree. A non-finite gradient anywhere makes the norm non-finite.
+ *
+ * Nothing here needs the host between the backward and the next step: the norm stays on the
+ * device, and the AdamW kernel reads it, with the step's learning rate, bias corrections, gradient
+ * multiplier and clip threshold (UpdateCtl), from device memory. It derives the clip factor itself
+ * and, when told to, skips the update on a non-finite norm (fp16 overflow). So the whole update
+ * has fixed kernel arguments and can be captured once in a CUDA graph. */
 #ifndef MICROGPT_CUDA_OPTIMIZER_CUH
 #define MICROGPT_CUDA_OPTIMIZER_CUH
 
@@ -13,10 +19,31 @@
 #define NORM_BLOCKS 1024
 #define NORM_THREADS 256
 
-__global__ void grad_norm_partial_kernel(float* partial, const float* g, size_t n) {
-    float s = 0.0f;
+/* Per-step values of the update, in device memory (see the top of this file). */
+struct UpdateCtl {
+    float lr;
+    float c1, c2;       /* bias corrections 1 - beta1^t, 1 - beta2^t (computed in double) */
+    float unscale;      /* gradients are used times this: 1/grad_accum, and 1/loss scale in fp16 */
+    float clip;         /* grad_clip; <= 0: no clipping */
+    int skip_nonfinite; /* 1 (fp16): a non-finite norm leaves the weights and moments alone */
+};
+
+static UpdateCtl update_ctl(float lr, int t, float beta1, float beta2, double unscale, float clip, int skip_nonfinite) {
+    UpdateCtl c;
+    c.lr = lr;
+    c.c1 = (float)(1.0 - pow((double)beta1, (double)t));
+    c.c2 = (float)(1.0 - pow((double)beta2, (double)t));
+    c.unscale = (float)unscale;
+    c.clip = clip;
+    c.skip_nonfinite = skip_nonfinite;
+    return c;
+}
+
+/* The norm of g * unscale (unscale: nullable device float, NULL = 1), without rewriting g. */
+__global__ void grad_norm_partial_kernel(float* partial, const float* g, size_t n, const float* unscale) {
+    float s = 0.0f, u = unscale ? *unscale : 1.0f;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float x = g[i];
+        float x = g[i] * u;
         s += x * x;
     }
     s = block_sum(s);
@@ -40,13 +67,20 @@ __global__ void grad_scale_kernel(float* g, size_t n, float s) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) g[i] *= s;
 }
 
-/* As the CPU's adamw_update (c1, c2 = bias corrections, computed on the host in double);
- * p_low (nullable) receives the updated weight rounded to T for the next step's products. */
+/* As the CPU's adamw_update, on the gradient g * unscale, clipped to norm ctl->clip when the
+ * global norm (*norm, of g * unscale) exceeds it; p_low (nullable) receives the updated weight
+ * rounded to T for the next step's products. */
 template <typename T>
-__global__ void adamw_kernel(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float lr, float beta1,
-                             float beta2, float eps, float wd, float c1, float c2) {
+__global__ void adamw_kernel(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float beta1, float beta2,
+                             float eps, float wd, const UpdateCtl* ctl, const float* norm) {
+    float nrm = *norm;
+    if (ctl->skip_nonfinite && !isfinite(nrm)) return;
+    int clip = ctl->clip > 0.0f && nrm > ctl->clip;
+    float clip_s = clip ? (float)((double)ctl->clip / (double)nrm) : 1.0f;
+    float lr = ctl->lr, c1 = ctl->c1, c2 = ctl->c2, u = ctl->unscale;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float gi = g[i];
+        float gi = g[i] * u;
+        if (clip) gi *= clip_s;
         float mi = beta1 * m[i] + (1.0f - beta1) * gi;
         float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
         m[i] = mi;
@@ -64,35 +98,35 @@ __global__ void convert_kernel(T* out, const float* in, size_t n) {
         out[i] = from_f<T>(in[i]);
 }
 
-/* partial: NORM_BLOCKS floats of scratch */
-static void k_grad_norm_partial(float* partial, const float* g, size_t n) {
-    grad_norm_partial_kernel<<<NORM_BLOCKS, NORM_THREADS>>>(partial, g, n);
+/* partial: NORM_BLOCKS floats of scratch; unscale: nullable device float (see the kernel) */
+static void k_grad_norm_partial(float* partial, const float* g, size_t n, const float* unscale) {
+    grad_norm_partial_kernel<<<NORM_BLOCKS, NORM_THREADS, 0, g_stream>>>(partial, g, n, unscale);
     LAUNCH_CHECK();
 }
 
 /* out: one device float, the L2 norm of everything k_grad_norm_partial summed */
 static void k_grad_norm_final(float* out, const float* partial) {
-    grad_norm_final_kernel<<<1, NORM_BLOCKS>>>(out, partial);
+    grad_norm_final_kernel<<<1, NORM_BLOCKS, 0, g_stream>>>(out, partial);
     LAUNCH_CHECK();
 }
 
 static void k_grad_scale(float* g, size_t n, float s) {
-    grad_scale_kernel<<<elementwise_grid(n, 256), 256>>>(g, n, s);
+    grad_scale_kernel<<<elementwise_grid(n, 256), 256, 0, g_stream>>>(g, n, s);
     LAUNCH_CHECK();
 }
 
+/* ctl, norm: device pointers (UpdateCtl of this step; the norm from k_grad_norm_final) */
 template <typename T>
-static void k_adamw(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float lr, float beta1,
-                    float beta2, float eps, float wd, int t) {
-    float c1 = (float)(1.0 - pow((double)beta1, (double)t));
-    float c2 = (float)(1.0 - pow((double)beta2, (double)t));
-    adamw_kernel<T><<<elementwise_grid(n, 256), 256>>>(p, g, m, v, p_low, n, lr, beta1, beta2, eps, wd, c1, c2);
+static void k_adamw(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float beta1, float beta2,
+                    float eps, float wd, const UpdateCtl* ctl, const float* norm) {
+    adamw_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(p, g, m, v, p_low, n, beta1, beta2, eps, wd, ctl,
+                                                                     norm);
     LAUNCH_CHECK();
 }
 
 template <typename T>
 static void k_convert(T* out, const float* in, size_t n) {
-    convert_kernel<T><<<elementwise_grid(n, 256), 256>>>(out, in, n);
+    convert_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(out, in, n);
     LAUNCH_CHECK();
 }
 

@@ -28,14 +28,14 @@ __global__ void residual_add_bwd_kernel(T* da, T* db, const T* dout, size_t n) {
 
 template <typename T>
 static void k_residual_add(T* out, const T* a, const T* b, size_t n) {
-    residual_add_kernel<T><<<elementwise_grid(n, 256), 256>>>(out, a, b, n);
+    residual_add_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(out, a, b, n);
     LAUNCH_CHECK();
 }
 
 /* da, db += dout; neither may alias dout. */
 template <typename T>
 static void k_residual_add_bwd(T* da, T* db, const T* dout, size_t n) {
-    residual_add_bwd_kernel<T><<<elementwise_grid(n, 256), 256>>>(da, db, dout, n);
+    residual_add_bwd_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(da, db, dout, n);
     LAUNCH_CHECK();
 }
 
