@@ -36,7 +36,7 @@ ifneq ($(CUDA_SOURCE),)
 endif
 endif
 
-.PHONY: all cpu cuda test data clean
+.PHONY: all cpu cuda kernel-check test data clean
 
 all: $(ALL)
 
@@ -50,6 +50,12 @@ build/microgpt_cpu: microgpt/microgpt_cpu.c $(HOST_HEADERS) $(CPU_HEADERS) | bui
 build/microgpt_cuda: microgpt/microgpt_cuda.cu $(HOST_HEADERS) $(CUDA_HEADERS) $(CPU_HEADERS) | build
 	@test -n "$(HAVE_NVCC)" || { echo "error: $(NVCC) not found on PATH (install the CUDA toolkit, 12 or 13)"; exit 1; }
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ microgpt/microgpt_cuda.cu $(NVLDLIBS)
+
+# GPU-vs-CPU check of every kernel pair (tests/kernel_check.cu); run by tests/test_gpu.py
+kernel-check: build/kernel_check
+
+build/kernel_check: tests/kernel_check.cu $(CUDA_HEADERS) $(CPU_HEADERS) | build
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ tests/kernel_check.cu $(NVLDLIBS)
 
 build:
 	mkdir -p build
