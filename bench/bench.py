@@ -342,12 +342,20 @@ def plain_table(rows):
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
+def source_commit():
+    """The commit measured: git's, or ANDREA_COMMIT where the tree was copied without git metadata
+    (the GPU machine of this workplace); "unknown" rather than a guess."""
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    if git.returncode == 0:
+        return git.stdout.strip()
+    return os.environ.get("ANDREA_COMMIT", "unknown")
+
+
 def run_meta(args, rows):
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     versions = [r["torch"].get("version") for r in rows if r["torch"].get("version")]
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "gpu": smi_query("name,driver_version") or "no GPU visible",
-            "commit": commit.stdout.strip() if commit.returncode == 0 else "unknown",
+            "commit": source_commit(),
             "torch": versions[0] if versions else "unknown", "steps": args.steps, "warmup": args.warmup}
 
 
