@@ -8,6 +8,7 @@ import fcntl
 import functools
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,14 +27,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU and build/microgpt_cuda (skipped otherwise)")
 
 
-@functools.lru_cache(maxsize=None)
-def gpu_present():
-    """True if `nvidia-smi -L` succeeds and lists at least one GPU."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and "GPU" in out.stdout
+sys.path.insert(0, str(eu.REPO / "microgpt"))
+from training_proxy import gpu_visible  # noqa: E402  (the proxy's rule for "a GPU is there")
+
+# nvidia-smi is asked once per session
+gpu_present = functools.lru_cache(maxsize=None)(gpu_visible)
 
 
 def _cpu_sources():
