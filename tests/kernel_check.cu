@@ -278,16 +278,12 @@ template <typename T> static void test_embed(const Shape& s, Tol tol) {
     Vec dwte_inc(wte.size(), 0.0f), dwpe_inc(wpe.size(), 0.0f);
     embed_backward(dwte_inc.data(), dwpe_inc.data(), dout.data(), tokens.data(), s.B, s.T, C);
     Vec dwte0 = prefill_like<float>(dwte_inc), dwpe0 = prefill_like<float>(dwpe_inc);
-    std::vector<unsigned long long> keys(N);
-    std::vector<int> order(N), start(N + 1), token(N);
-    int nb = embed_buckets(tokens.data(), N, keys.data(), order.data(), start.data(), token.data());
-    int *d_order = upload_ints(order), *d_start = upload_ints(start), *d_token = upload_ints(token);
     T* d_dout = upload<T>(dout);
     float *d_dwte = upload<float>(dwte0), *d_dwpe = upload<float>(dwpe0);
     auto gpu = [&]() {
         upload_into(d_dwte, dwte0);
         upload_into(d_dwpe, dwpe0);
-        k_embed_bwd<T>(d_dwte, d_dwpe, d_dout, d_order, d_start, d_token, nb, s.B, s.T, C);
+        k_embed_bwd<T>(d_dwte, d_dwpe, d_dout, d_tok, s.B, s.T, C);
         return std::vector<Vec>{download(d_dwte, wte.size()), download(d_dwpe, wpe.size())};
     };
     std::vector<Vec> r1 = gpu(), r2 = gpu();
@@ -501,7 +497,9 @@ template <typename T> static void test_residual(const Shape& s, Tol tol) {
     dfree_all();
 }
 
-/* The classifier the way the engine runs it: chunks of s.chunk rows, each forward then backward. */
+/* The classifier the way the engine runs it: chunks of s.chunk rows, each the fused forward and
+ * backward, then the mean loss on the device; and the evaluation path, which must give the same
+ * row losses bit for bit. */
 template <typename T> static void test_loss(const Shape& s, Tol tol) {
     int N = s.B * s.T, C = s.C, V = s.V, Vp = s.Vp;
     Vec x = rounded<T>(randn((size_t)N * C, 1.0f)), wte = rounded<T>(randn((size_t)Vp * C, 0.3f));
@@ -518,18 +516,31 @@ template <typename T> static void test_loss(const Shape& s, Tol tol) {
     float* d_logits = poisoned<float>((size_t)s.chunk * Vp);
     /* as in the engine: in fp32 the gradient overwrites the logits in place */
     T* d_dlogits = sizeof(T) == 4 ? (T*)d_logits : poisoned<T>((size_t)s.chunk * Vp);
+    float* d_dscale = upload<float>(Vec(1, 1.0f / N));
+    float* d_mean = poisoned<float>(1);
     auto gpu = [&]() {
         upload_into(d_dx, dx0);
         upload_into(d_dwte, dwte0);
         for (int r0 = 0; r0 < N; r0 += s.chunk) {
             int n = N - r0 < s.chunk ? N - r0 : s.chunk;
-            k_loss_fwd<T>(d_losses + r0, d_lse + r0, d_logits, d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V, Vp);
-            k_loss_bwd<T>(d_dx + (size_t)r0 * C, d_dwte, d_dlogits, d_logits, d_lse + r0, d_x + (size_t)r0 * C, d_wte,
-                          d_targets + r0, n, C, V, Vp, 1.0f / N);
+            k_loss_fwd_bwd<T>(d_losses + r0, d_lse + r0, d_dx + (size_t)r0 * C, d_dwte, d_logits, d_dlogits,
+                              d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V, Vp, d_dscale);
         }
-        return std::vector<Vec>{download(d_losses, N), download(d_dx, (size_t)N * C), download(d_dwte, wte.size())};
+        k_loss_mean(d_mean, d_losses, N);
+        return std::vector<Vec>{download(d_losses, N), download(d_dx, (size_t)N * C), download(d_dwte, wte.size()),
+                                download(d_mean, 1)};
     };
     std::vector<Vec> r1 = gpu(), r2 = gpu();
+    {
+        float* d_eval = poisoned<float>(N);
+        for (int r0 = 0; r0 < N; r0 += s.chunk) {
+            int n = N - r0 < s.chunk ? N - r0 : s.chunk;
+            k_loss_fwd<T>(d_eval + r0, d_lse + r0, d_logits, d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V, Vp);
+        }
+        Vec ev = download(d_eval, N);
+        bool same = memcmp(ev.data(), r1[0].data(), N * sizeof(float)) == 0;
+        report(same, "eval_loss", same ? "evaluation row losses identical to training's" : "evaluation row losses DIFFER");
+    }
     double sum = 0.0;
     size_t bad = 0;
     for (float l : r1[0]) {
@@ -538,6 +549,7 @@ template <typename T> static void test_loss(const Shape& s, Tol tol) {
     }
     if (bad) report(false, "loss", "%zu of %d row losses unwritten or non-finite", bad, N);
     else check_scalar("loss", sum / N, loss_c, sizeof(T) == 4 ? tol_for<float>().prod : 1e-4);
+    check_scalar("loss_mean", r1[3][0], sum / N, 1e-6); /* the device mean of the same row losses */
     check("dx", r1[1], plus(dx0, dx_inc), tol.fused, &dx0);
     check("dwte", r1[2], plus(dwte0, dwte_inc), tol.fused, &dwte0);
     /* padded rows: never any gradient, so exactly the prefill */
@@ -561,14 +573,43 @@ template <typename T> static void test_adamw(Tol tol) {
     adamw_update(pc.data(), g.data(), mc.data(), vc.data(), (long)n, lr, b1, b2, eps, wd, t);
     float *d_p = upload<float>(p), *d_g = upload<float>(g), *d_m = upload<float>(m), *d_v = upload<float>(v);
     T* d_low = sizeof(T) == 4 ? (T*)NULL : poisoned<T>(n);
-    k_adamw<T>(d_p, d_g, d_m, d_v, d_low, n, lr, b1, b2, eps, wd, t);
+    /* the kernel reads the step's values and the norm from device memory */
+    UpdateCtl* d_ctl = (UpdateCtl*)dalloc(sizeof(UpdateCtl));
+    float* d_norm = (float*)dalloc(sizeof(float));
+    auto set_ctl = [&](double unscale, float clip, int skip, float norm) {
+        UpdateCtl c = update_ctl(lr, t, b1, b2, unscale, clip, skip);
+        CUDA_CHECK(cudaMemcpy(d_ctl, &c, sizeof c, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(d_norm, &norm, sizeof norm, cudaMemcpyHostToDevice));
+    };
+    set_ctl(1.0, 0.0f, 0, 1.0f);
+    k_adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_ctl, d_norm);
     check("p", download(d_p, n), pc, tol_for<float>().elem);
     check("m", download(d_m, n), mc, tol_for<float>().elem);
     check("v", download(d_v, n), vc, tol_for<float>().elem);
     if (d_low) check("p_low", download(d_low, n), rounded<T>(pc), tol.elem);
+    /* gradient multiplier and clipping: g * 0.25, clipped from norm 3 to 1.5 */
+    {
+        float u = 0.25f, norm = 3.0f, clip = 1.5f;
+        Vec gs(n), pc2 = p, mc2 = m, vc2 = v;
+        for (size_t i = 0; i < n; i++) gs[i] = (g[i] * u) * (float)((double)clip / norm);
+        adamw_update(pc2.data(), gs.data(), mc2.data(), vc2.data(), (long)n, lr, b1, b2, eps, wd, t);
+        upload_into(d_p, p);
+        upload_into(d_m, m);
+        upload_into(d_v, v);
+        set_ctl(u, clip, 0, norm);
+        k_adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_ctl, d_norm);
+        check("p_clip", download(d_p, n), pc2, tol_for<float>().elem);
+        check("m_clip", download(d_m, n), mc2, tol_for<float>().elem);
+        /* fp16 overflow: a non-finite norm with skip set leaves everything as it was */
+        Vec p_before = download(d_p, n), m_before = download(d_m, n), v_before = download(d_v, n);
+        set_ctl(1.0, 1.0f, 1, INFINITY);
+        k_adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_ctl, d_norm);
+        std::vector<Vec> after{download(d_p, n), download(d_m, n), download(d_v, n)};
+        check_same("skip", std::vector<Vec>{p_before, m_before, v_before}, after);
+    }
     T* d_conv = poisoned<T>(n);
     k_convert<T>(d_conv, d_p, n);
-    check("convert", download(d_conv, n), rounded<T>(pc), tol.elem);
+    check("convert", download(d_conv, n), rounded<T>(download(d_p, n)), tol.elem);
     dfree_all();
 }
 
@@ -579,7 +620,7 @@ static void test_grad_norm(void) {
     for (float x : g) s += (double)x * x;
     float *d_g = upload<float>(g), *d_partial = poisoned<float>(NORM_BLOCKS), *d_norm = poisoned<float>(1);
     auto norm = [&]() {
-        k_grad_norm_partial(d_partial, d_g, n);
+        k_grad_norm_partial(d_partial, d_g, n, NULL);
         k_grad_norm_final(d_norm, d_partial);
         return std::vector<Vec>{download(d_norm, 1)};
     };
@@ -591,6 +632,15 @@ static void test_grad_norm(void) {
     CUDA_CHECK(cudaMemcpy(d_g + n / 2, &inf, sizeof inf, cudaMemcpyHostToDevice));
     Vec r3 = norm()[0];
     report(!isfinite(r3[0]), "inf", "norm with one inf gradient: %g", (double)r3[0]);
+    /* with a device multiplier: the norm of g * 0.5, g itself untouched */
+    {
+        float* d_u = upload<float>(Vec(1, 0.5f));
+        CUDA_CHECK(cudaMemcpy(d_g + n / 2, &g[n / 2], sizeof(float), cudaMemcpyHostToDevice));
+        k_grad_norm_partial(d_partial, d_g, n, d_u);
+        k_grad_norm_final(d_norm, d_partial);
+        check_scalar("norm_unscaled", download(d_norm, 1)[0], 0.5 * sqrt(s), tol_for<float>().prod);
+        check("norm_g_kept", download(d_g, n), g, 0.0);
+    }
     /* scale */
     Vec small = randn(4099, 1.0f), scaled(small.size());
     for (size_t i = 0; i < small.size(); i++) scaled[i] = small[i] * 0.37f;
@@ -627,6 +677,13 @@ template <typename T> static void run_precision(void) {
     for (const Shape& s : ATTN_SHAPES) {
         set_ctx(prec, "attn", shape_str(s).c_str());
         test_attn<T>(s, tol);
+    }
+    {
+        /* C and B·T both above EMBED_BWD_THREADS: the embedding backward's column groups, and
+         * tokens repeated across its position tiles */
+        Shape wide = {3, 100, 300, 4, 8, 17, 17, 8};
+        set_ctx(prec, "embed", shape_str(wide).c_str());
+        test_embed<T>(wide, tol);
     }
     set_ctx(prec, "adamw", "n=10007");
     test_adamw<T>(tol);

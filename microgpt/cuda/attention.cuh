@@ -9,7 +9,7 @@
  * lse = log-sum-exp of each score row ([B, H, T], fp32) and the backward recomputes probabilities
  * as exp(s - lse). It has two implementations, chosen by attn_flash_ok() from the type and shape:
  *
- *   flash  (bf16/fp16, hs 16, 32 or 64): fused tiles on tensor cores (nvcuda::wmma, fp32
+ *   flash  (bf16/fp16, hs 16, 32 or 64): fused tiles on tensor cores (mma.sync, fp32
  *          accumulate), online softmax in fp32, nothing T×T in global memory. The backward is
  *          flash-attention-2 style but split in two kernels so that no output needs atomics:
  *          one per key block accumulates dK, dV; one per query block accumulates dQ; both
@@ -22,24 +22,16 @@
 #ifndef MICROGPT_CUDA_ATTENTION_CUH
 #define MICROGPT_CUDA_ATTENTION_CUH
 
-#include <mma.h>
-
 #include "matmul.cuh"
 
 #define ATTN_WARPS 8 /* cuBLAS path: score rows per softmax block, one warp per row */
 
-/* The flash path's tiles: a block of FA_WARPS warps owns FA_TILE query rows (forward, dQ) or
- * FA_TILE keys (dK/dV), 16 per warp, and walks the other side in tiles of FA_TILE. */
-#define FA_TILE 64
-#define FA_WARPS 4
-#define FA_THREADS (32 * FA_WARPS)
-
-/* Whether k_attn uses the flash kernels: 16-bit types only (wmma has no fp32 inputs), head sizes
- * a multiple of the 16-wide fragment that fit the shared-memory budget, and rows of whole 16-byte
- * vectors (C % 8) so tiles load with aligned uint4 reads. */
+/* Whether k_attn uses the flash kernels: 16-bit types only (tensor-core inputs) and head
+ * sizes that are whole 16-wide fragments and fit the shared-memory budget. A head's row is then
+ * whole 16-byte vectors, so tiles load with aligned uint4 reads. */
 static bool attn_flash_ok(bool half_type, int C, int H) {
     int hs = C / H;
-    return half_type && C % 8 == 0 && (hs == 16 || hs == 32 || hs == 64);
+    return half_type && C % H == 0 && (hs == 16 || hs == 32 || hs == 64);
 }
 template <typename T> static bool attn_flash_ok(int C, int H) { return attn_flash_ok(sizeof(T) == 2, C, H); }
 
@@ -154,8 +146,8 @@ static void attn_fwd_cublas(T* out, float* lse, const T* q, const T* k, const T*
     for (int b = 0; b < B; b++) {
         size_t off = (size_t)b * T_ * C;
         attn_scores(sc.S, q + off, k + off, T_, C, H);
-        attn_softmax_fwd_kernel<T><<<ceil_div(n_rows, ATTN_WARPS), 32 * ATTN_WARPS, 0, g_stream>>>(sc.P, lse + (size_t)b * n_rows,
-                                                                                      sc.S, n_rows, T_);
+        attn_softmax_fwd_kernel<T><<<ceil_div(n_rows, ATTN_WARPS), 32 * ATTN_WARPS, 0, g_stream>>>(
+            sc.P, lse + (size_t)b * n_rows, sc.S, n_rows, T_);
         LAUNCH_CHECK();
         /* out_h = P_h v_h */
         gemm_rm(false, false, T_, hs, T_, 1.0f, sc.P, T_, (long long)T_ * T_, v + off, C, hs, 0.0f, out + off, C, hs,
@@ -191,171 +183,256 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
 }
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Flash path. Shared-memory tiles, per block (hs = D, a template parameter):
- *   a "row tile"  [FA_TILE][D + 8] of T: 64 rows of one head's q, k, v or dout (the +8 pads rows
- *                 off a common bank; zero rows past T, so padded positions contribute nothing);
- *   a "warp tile" [16][FA_TILE + 4] fp32 per warp: one warp's score (or dP) block, later reused in
- *                 place for the same block rounded to T (row stride doubled, same bytes per row);
- *   an "out tile" [16][D + 4] fp32 per warp: the forward's running output.
- * Every wmma pointer is 32-byte aligned: tile sizes are multiples of 32 bytes and fragments start
- * at multiples of 16 elements. Scores run in base 2: s2 = (q·k) * scale * log2(e), so exp2f. */
+/* Flash path, on tensor cores through mma.sync.m16n8k16 (fp32 accumulate; sm_80 and later).
+ *
+ * A block of FA_WARPS warps owns 64 query rows (forward, dQ) or 64 keys (dK/dV), 16 per warp, and
+ * walks the other side in tiles of 64 rows staged in shared memory ([64][D + 8] of T: the +8 puts
+ * the 8 rows a fragment load touches on distinct banks; rows at or past T are zero). Tiles are
+ * double-buffered: cp.async fetches tile i+1 while the warps multiply on tile i. B fragments come
+ * from the staged tiles through ldmatrix (transposed where the tile is stored [k][n]).
+ *
+ * Fragments (PTX ISA, mma.m16n8k16 with 16-bit inputs), lane = 4 g + t:
+ *   A 16x16 (4 regs of 2 T): {row g, cols 2t,2t+1}, {row g+8, same}, {row g, cols 2t+8,+9},
+ *                            {row g+8, same}
+ *   B 16x8  (2 regs of 2 T): {k 2t,2t+1; col g}, {k 2t+8,+9; col g}
+ *   C 16x8  (4 fp32):        row g cols 2t,2t+1, then row g+8 cols 2t,2t+1
+ * so a 16x64 block of scores lives in registers as 8 C fragments, each row held by one quad of
+ * lanes (row statistics: two xor shuffles), and two neighbouring C fragments, rounded to T, are
+ * exactly the A fragment of the next product (P V, dS K, ...): scores never touch shared memory.
+ * Scores run in base 2: s2 = (q·k) * scale * log2(e), so exp2f. */
 
+#define FA_TILE 64 /* rows per block and per staged tile */
+#define FA_WARPS 4
+#define FA_THREADS (32 * FA_WARPS)
+/* Occupancy hint for ptxas: without it, sm_80 squeezes the forward into 128 registers and spills. */
+#define FA_MIN_BLOCKS 2
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
 
-namespace wmma = nvcuda::wmma;
+/* d += a b on one warp (T = bf16 or fp16). */
+template <typename T> __device__ __forceinline__ void fa_mma(float* d, const unsigned* a, const unsigned* b);
+template <> __device__ __forceinline__ void fa_mma<bf16>(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <> __device__ __forceinline__ void fa_mma<fp16>(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 
-template <typename T, int D>
+/* Two values rounded to T, packed into one register (the lower index in the low half). */
+template <typename T> __device__ __forceinline__ unsigned fa_pack(float lo, float hi) {
+    T v[2] = {from_f<T>(lo), from_f<T>(hi)};
+    unsigned r;
+    memcpy(&r, v, 4);
+    return r;
+}
+/* Two consecutive T of a row (4-byte aligned). */
+template <typename T> __device__ __forceinline__ unsigned fa_pair(const T* p) { return *(const unsigned*)p; }
+
+/* ldmatrix.x4: four 8x8 matrices of 16-bit values from shared memory; lane 8i + r gives the address
+ * of row r of matrix i (16-byte aligned), and register i receives matrix i in the B fragment order
+ * of one 8-wide fragment: plain, lane 4g + t gets row g, columns 2t, 2t+1 (a tile stored [n][k]);
+ * transposed, rows 2t, 2t+1 of column g (a tile stored [k][n]). */
+__device__ __forceinline__ void fa_ldsm_x4(unsigned* r, const void* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void fa_ldsm_x4_trans(unsigned* r, const void* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+template <int D>
 struct Fa {
-    static constexpr int LD = D + 8;           /* T per row of a row tile */
-    static constexpr int SLD = FA_TILE + 4;    /* fp32 per row of a warp tile */
-    static constexpr int PLD = 2 * SLD;        /* T per row of a warp tile viewed as T */
-    static constexpr int OLD = D + 4;          /* fp32 per row of an out tile */
-    static constexpr int KD = D / 16;          /* fragments along the head dimension */
-    static constexpr size_t ROW_TILE = (size_t)FA_TILE * LD * sizeof(T);
-    static constexpr size_t WARP_TILES = (size_t)FA_WARPS * 16 * SLD * sizeof(float);
-    static constexpr size_t OUT_TILES = (size_t)FA_WARPS * 16 * OLD * sizeof(float);
-    static constexpr size_t FWD_SMEM = 2 * ROW_TILE + WARP_TILES + OUT_TILES;
-    static constexpr size_t DKV_SMEM = 2 * ROW_TILE + 2 * WARP_TILES + 2 * FA_TILE * sizeof(float);
-    static constexpr size_t DQ_SMEM = 2 * ROW_TILE + 2 * WARP_TILES;
-    typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> FragA;
-    typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> FragB;   /* B[k][n] stored [k][n] */
-    typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> FragBt;  /* B[k][n] stored [n][k] */
-    typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
+    static constexpr int LD = D + 8;  /* T per row of a staged tile */
+    static constexpr int KD = D / 16; /* 16-wide k steps along the head dimension */
+    static constexpr int ND = D / 8;  /* 8-wide output fragments along the head dimension */
 };
 
-/* Rows [r0, r0 + 64) of one head (src: the sequence's row 0 at the head's first column, row stride
- * C) into a row tile; rows at or past T are zero. Whole block, 16-byte vectors. */
+/* Asynchronous 16-byte copy global -> shared (src_bytes 0: write zeros, read nothing), and its
+ * group commit / wait: a tile's copies overlap the products on the previous tile. */
+__device__ __forceinline__ void fa_cp_async16(void* dst, const void* src, int src_bytes) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void fa_cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
+/* Waits until at most `pending` of this thread's committed groups are still in flight. */
+template <int pending> __device__ __forceinline__ void fa_cp_wait(void) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
+}
+
+/* Starts copying rows [r0, r0 + 64) of one head (src: the sequence's row 0 at the head's first
+ * column, row stride C) into a staged tile; rows at or past T become zero. Whole block. */
 template <typename T, int D>
 __device__ __forceinline__ void fa_load_rows(T* dst, const T* src, int r0, int T_, int C) {
     constexpr int VEC = 16 / sizeof(T), PER_ROW = D / VEC;
     for (int e = threadIdx.x; e < FA_TILE * PER_ROW; e += FA_THREADS) {
         int r = e / PER_ROW, c = (e % PER_ROW) * VEC;
-        uint4 val = make_uint4(0u, 0u, 0u, 0u);
-        if (r0 + r < T_) val = *(const uint4*)(src + (size_t)(r0 + r) * C + c);
-        *(uint4*)(dst + r * Fa<T, D>::LD + c) = val;
+        bool ok = r0 + r < T_;
+        fa_cp_async16(dst + r * Fa<D>::LD + c, ok ? src + (size_t)(r0 + r) * C + c : src, ok ? 16 : 0);
     }
 }
 
-/* One warp: out[16][64] (fp32, ld SLD) = A[16][D] · Bs[64][D]^T, A given as fragments, Bs a row tile. */
+/* A fragments of the 16 rows of a staged tile starting at `rows`, for every k step of D. */
 template <typename T, int D>
-__device__ __forceinline__ void fa_scores(float* out, const typename Fa<T, D>::FragA* a, const T* bs) {
-    typename Fa<T, D>::FragBt b;
-    typename Fa<T, D>::Acc acc;
-    for (int n = 0; n < FA_TILE / 16; n++) {
-        wmma::fill_fragment(acc, 0.0f);
-        for (int kk = 0; kk < Fa<T, D>::KD; kk++) {
-            wmma::load_matrix_sync(b, bs + n * 16 * Fa<T, D>::LD + kk * 16, Fa<T, D>::LD);
-            wmma::mma_sync(acc, a[kk], b, acc);
+__device__ __forceinline__ void fa_load_a(unsigned (*a)[4], const T* rows) {
+    int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    for (int kk = 0; kk < Fa<D>::KD; kk++) {
+        const T* p = rows + g * Fa<D>::LD + kk * 16 + 2 * t;
+        a[kk][0] = fa_pair(p);
+        a[kk][1] = fa_pair(p + 8 * Fa<D>::LD);
+        a[kk][2] = fa_pair(p + 8);
+        a[kk][3] = fa_pair(p + 8 * Fa<D>::LD + 8);
+    }
+}
+
+/* s[16][64] = A[16][D] · tile[64][D]^T: 8 C fragments, fragment j = tile rows 8j .. 8j+7. One
+ * ldmatrix serves fragments j, j+1 at one k step: matrices (rows 8j.., k), (8j.., k+8),
+ * (8j+8.., k), (8j+8.., k+8). */
+template <typename T, int D>
+__device__ __forceinline__ void fa_scores(float (*s)[4], const unsigned (*a)[4], const T* tile) {
+    int lane = threadIdx.x & 31, mi = lane >> 3;
+    const T* p = tile + (8 * (mi >> 1) + (lane & 7)) * Fa<D>::LD + 8 * (mi & 1);
+    for (int j = 0; j < FA_TILE / 8; j += 2) {
+        for (int e = 0; e < 4; e++) s[j][e] = s[j + 1][e] = 0.0f;
+        for (int kk = 0; kk < Fa<D>::KD; kk++) {
+            unsigned b[4];
+            fa_ldsm_x4(b, p + 8 * j * Fa<D>::LD + kk * 16);
+            fa_mma<T>(s[j], a[kk], b);
+            fa_mma<T>(s[j + 1], a[kk], b + 2);
         }
-        wmma::store_matrix_sync(out + n * 16, acc, Fa<T, D>::SLD, wmma::mem_row_major);
     }
 }
 
-/* One warp: acc[n] += P[16][64] · Bs[64][D] (P a warp tile viewed as T, Bs a row tile). */
+/* acc[16][D] += P[16][64] · tile[64][D], P given as 8 C fragments (rounded to T here). One
+ * transposed ldmatrix serves output fragments n, n+1 at one k step: matrices (k.., cols 8n),
+ * (k+8.., 8n), (k.., 8n+8), (k+8.., 8n+8). */
 template <typename T, int D>
-__device__ __forceinline__ void fa_accumulate(typename Fa<T, D>::Acc* acc, const T* p, const T* bs) {
-    typename Fa<T, D>::FragA a;
-    typename Fa<T, D>::FragB b;
+__device__ __forceinline__ void fa_accumulate(float (*acc)[4], const float (*p)[4], const T* tile) {
+    int lane = threadIdx.x & 31, mi = lane >> 3;
+    const T* q = tile + (8 * (mi & 1) + (lane & 7)) * Fa<D>::LD + 8 * (mi >> 1);
     for (int kk = 0; kk < FA_TILE / 16; kk++) {
-        wmma::load_matrix_sync(a, p + kk * 16, Fa<T, D>::PLD);
-        for (int n = 0; n < Fa<T, D>::KD; n++) {
-            wmma::load_matrix_sync(b, bs + kk * 16 * Fa<T, D>::LD + n * 16, Fa<T, D>::LD);
-            wmma::mma_sync(acc[n], a, b, acc[n]);
+        const float* p0 = p[2 * kk];
+        const float* p1 = p[2 * kk + 1];
+        unsigned a[4] = {fa_pack<T>(p0[0], p0[1]), fa_pack<T>(p0[2], p0[3]), fa_pack<T>(p1[0], p1[1]),
+                         fa_pack<T>(p1[2], p1[3])};
+        for (int n = 0; n < Fa<D>::ND; n += 2) {
+            unsigned b[4];
+            fa_ldsm_x4_trans(b, q + kk * 16 * Fa<D>::LD + 8 * n);
+            fa_mma<T>(acc[n], a, b);
+            fa_mma<T>(acc[n + 1], a, b + 2);
         }
     }
 }
 
-/* One warp: the 16 rows of a row tile starting at `rows` as A fragments. */
+/* y[row][col] += s * acc for the warp's 16 rows (y at the warp's first row and the head's first
+ * column); rows from n_valid on are past T and skipped. */
 template <typename T, int D>
-__device__ __forceinline__ void fa_load_a(typename Fa<T, D>::FragA* a, const T* rows) {
-    for (int kk = 0; kk < Fa<T, D>::KD; kk++) wmma::load_matrix_sync(a[kk], rows + kk * 16, Fa<T, D>::LD);
-}
-
-/* One warp: y[row][col] (+)= s * acc for the warp's 16 rows, through its fp32 warp tile `stage`;
- * rows at or past T are skipped. y points at the warp's first row, head's first column. */
-template <typename T, int D>
-__device__ __forceinline__ void fa_add_out(T* y, const typename Fa<T, D>::Acc* acc, float* stage, float s,
-                                           int n_valid, int C) {
-    int lane = threadIdx.x & 31;
-    for (int n = 0; n < Fa<T, D>::KD; n++) wmma::store_matrix_sync(stage + n * 16, acc[n], Fa<T, D>::SLD, wmma::mem_row_major);
-    __syncwarp();
-    for (int e = lane; e < 16 * D; e += 32) {
-        int r = e / D, c = e % D;
-        if (r < n_valid) {
-            T* p = y + (size_t)r * C + c;
-            *p = from_f<T>(to_f(*p) + s * stage[r * Fa<T, D>::SLD + c]);
+__device__ __forceinline__ void fa_add_out(T* y, const float (*acc)[4], float s, int n_valid, int C) {
+    int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    for (int n = 0; n < Fa<D>::ND; n++)
+        for (int h = 0; h < 2; h++) {
+            int r = g + 8 * h;
+            if (r >= n_valid) continue;
+            T* p = y + (size_t)r * C + 8 * n + 2 * t;
+            p[0] = from_f<T>(to_f(p[0]) + s * acc[n][2 * h]);
+            p[1] = from_f<T>(to_f(p[1]) + s * acc[n][2 * h + 1]);
         }
-    }
 }
 
-/* Forward: block (query tile, b*H + h); the heaviest (last) query tiles are scheduled first.
- * Warp w owns query rows q0 + 16w .. +15; in the softmax, lane pair (2r, 2r+1) owns row r, the even
- * lane the even key columns. Every processed key tile holds a key <= each of the tile's query rows
- * (tiles run up to the diagonal), so the running max is finite after the first tile. */
-template <typename T, int D>
-__global__ void __launch_bounds__(FA_THREADS) attn_flash_fwd_kernel(T* out, float* lse, const T* q, const T* k,
-                                                                    const T* v, int T_, int C, int H, float sl2) {
-    typedef Fa<T, D> F;
-    extern __shared__ __align__(128) unsigned char fa_smem[];
-    T* ks = (T*)fa_smem;
-    T* vs = (T*)(fa_smem + F::ROW_TILE);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 1, hf = lane & 1;
-    float* sw = (float*)(fa_smem + 2 * F::ROW_TILE) + warp * 16 * F::SLD;
-    T* pw = (T*)sw;
-    float* ow = (float*)(fa_smem + 2 * F::ROW_TILE + F::WARP_TILES) + warp * 16 * F::OLD;
-    int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
-    int q0 = qt * FA_TILE, i = q0 + warp * 16 + r;
-    size_t base = (size_t)b * T_ * C + (size_t)h * D;
+/* Sum / max over the 4 lanes of a quad (the lanes holding one score row). */
+__device__ __forceinline__ float fa_quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+__device__ __forceinline__ float fa_quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
 
-    typename F::FragA qf[F::KD];
-    fa_load_rows<T, D>(ks, q + base, q0, T_, C); /* q staged through the k tile */
+/* Forward: block (query tile, b*H + h); the heaviest (last) query tiles are scheduled first. Warp
+ * w owns query rows q0 + 16w .. +15; each lane holds rows g and g+8 of them (index h = 0, 1). Every
+ * processed key tile holds a key <= each of the tile's rows (tiles run up to the diagonal), so the
+ * running max is finite from the first tile on. */
+template <typename T, int D>
+__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
+    attn_flash_fwd_kernel(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2) {
+    __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
+    __shared__ __align__(16) T vs[2][FA_TILE * Fa<D>::LD];
+    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H;
+    int q0 = qt * FA_TILE, row0 = q0 + warp * 16;
+    size_t base = (size_t)b * T_ * C + (size_t)hd * D;
+
+    unsigned qa[Fa<D>::KD][4];
+    fa_load_rows<T, D>(ks[1], q + base, q0, T_, C); /* q staged through the second k buffer */
+    fa_load_rows<T, D>(ks[0], k + base, 0, T_, C);
+    fa_load_rows<T, D>(vs[0], v + base, 0, T_, C);
+    fa_cp_commit();
+    fa_cp_wait<0>();
     __syncthreads();
-    fa_load_a<T, D>(qf, ks + warp * 16 * F::LD);
-    for (int e = lane; e < 16 * F::OLD; e += 32) ow[e] = 0.0f;
-    float m = -INFINITY, l = 0.0f; /* running max (base 2) and this lane's share of the sum */
+    fa_load_a<T, D>(qa, ks[1] + warp * 16 * Fa<D>::LD);
+    __syncthreads(); /* everyone has its q before ks[1] takes the next tile */
+    float o[Fa<D>::ND][4] = {};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* running max (base 2), this lane's sum */
 
     for (int kt = 0; kt <= qt; kt++) {
-        int kv0 = kt * FA_TILE;
-        __syncthreads(); /* everyone is done reading the previous k, v (or the staged q) */
-        fa_load_rows<T, D>(ks, k + base, kv0, T_, C);
-        fa_load_rows<T, D>(vs, v + base, kv0, T_, C);
-        __syncthreads();
-        fa_scores<T, D>(sw, qf, ks);
-        __syncwarp();
-        float x[FA_TILE / 2], mx = -INFINITY;
-        for (int c = 0; c < FA_TILE / 2; c++) {
-            int col = hf + 2 * c;
-            x[c] = kv0 + col <= i ? sw[r * F::SLD + col] * sl2 : -INFINITY;
-            mx = fmaxf(mx, x[c]);
+        int kv0 = kt * FA_TILE, cur = kt & 1;
+        if (kt < qt) {
+            fa_load_rows<T, D>(ks[cur ^ 1], k + base, kv0 + FA_TILE, T_, C);
+            fa_load_rows<T, D>(vs[cur ^ 1], v + base, kv0 + FA_TILE, T_, C);
         }
-        float m_new = fmaxf(m, fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1)));
-        float alpha = exp2f(m - m_new), sum = 0.0f;
-        for (int c = 0; c < FA_TILE / 2; c++) {
-            x[c] = exp2f(x[c] - m_new);
-            sum += x[c];
+        fa_cp_commit();
+        fa_cp_wait<1>(); /* tile kt has landed (this thread's part) ... */
+        __syncthreads(); /* ... and everyone's */
+        float s[FA_TILE / 8][4];
+        fa_scores<T, D>(s, qa, ks[cur]);
+        for (int h = 0; h < 2; h++) {
+            int i = row0 + g + 8 * h;
+            float mx = -INFINITY;
+            for (int j = 0; j < FA_TILE / 8; j++)
+                for (int e = 0; e < 2; e++) {
+                    float x = kv0 + 8 * j + 2 * t + e <= i ? s[j][2 * h + e] * sl2 : -INFINITY;
+                    s[j][2 * h + e] = x;
+                    mx = fmaxf(mx, x);
+                }
+            float m_new = fmaxf(m[h], fa_quad_max(mx));
+            float alpha = exp2f(m[h] - m_new), sum = 0.0f;
+            for (int j = 0; j < FA_TILE / 8; j++)
+                for (int e = 0; e < 2; e++) {
+                    float p = exp2f(s[j][2 * h + e] - m_new);
+                    s[j][2 * h + e] = p;
+                    sum += p;
+                }
+            l[h] = l[h] * alpha + sum;
+            m[h] = m_new;
+            for (int n = 0; n < Fa<D>::ND; n++) {
+                o[n][2 * h] *= alpha;
+                o[n][2 * h + 1] *= alpha;
+            }
         }
-        l = l * alpha + sum;
-        m = m_new;
-        __syncwarp(); /* all scores read: overwrite them with P in T */
-        for (int c = 0; c < FA_TILE / 2; c++) pw[r * F::PLD + hf + 2 * c] = from_f<T>(x[c]);
-        for (int c = hf; c < D; c += 2) ow[r * F::OLD + c] *= alpha;
-        __syncwarp();
-        typename F::Acc acc[F::KD];
-        for (int n = 0; n < F::KD; n++) wmma::load_matrix_sync(acc[n], ow + n * 16, F::OLD, wmma::mem_row_major);
-        fa_accumulate<T, D>(acc, pw, vs);
-        for (int n = 0; n < F::KD; n++) wmma::store_matrix_sync(ow + n * 16, acc[n], F::OLD, wmma::mem_row_major);
+        fa_accumulate<T, D>(o, s, vs[cur]);
+        __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
 
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    __syncwarp();
-    if (hf == 0) sw[r] = 1.0f / l; /* per-row 1/l through the (now free) warp tile */
-    if (hf == 0 && i < T_) lse[(size_t)bh * T_ + i] = m * FA_LN2 + logf(l);
-    __syncwarp();
-    int row0 = q0 + warp * 16;
-    for (int e = lane; e < 16 * D; e += 32) {
-        int rr = e / D, c = e % D;
-        if (row0 + rr < T_) out[base + (size_t)(row0 + rr) * C + c] = from_f<T>(ow[rr * F::OLD + c] * sw[rr]);
+    for (int h = 0; h < 2; h++) {
+        int i = row0 + g + 8 * h;
+        float lt = fa_quad_sum(l[h]), inv = 1.0f / lt;
+        if (i < T_) {
+            T* p = out + base + (size_t)i * C + 2 * t;
+            for (int n = 0; n < Fa<D>::ND; n++) {
+                p[8 * n] = from_f<T>(o[n][2 * h] * inv);
+                p[8 * n + 1] = from_f<T>(o[n][2 * h + 1] * inv);
+            }
+            if (t == 0) lse[(size_t)bh * T_ + i] = m[h] * FA_LN2 + logf(lt);
+        }
     }
 }
 
@@ -373,169 +450,164 @@ __global__ void attn_delta_kernel(float* delta, const T* dout, const T* out, int
     if (lane == 0) delta[((size_t)(n / T_) * H + h) * T_ + n % T_] = s;
 }
 
-/* dK, dV: block (key tile, b*H + h); warp w owns keys kv0 + 16w .. +15 and accumulates their dK, dV
- * rows in registers over the query tiles from the diagonal on. Works on transposed blocks
- * (rows = keys, columns = queries): S^T = K Q^T, dP^T = V dO^T, then dV += P^T dO, dK += dS^T Q. */
+/* dK, dV: block (key tile, b*H + h); warp w owns keys kv0 + 16w .. +15 (lane: keys g, g+8) and
+ * accumulates their dK, dV rows in registers over the query tiles from the diagonal on. Works on
+ * transposed blocks (rows = keys, columns = queries): S^T = K Q^T, dP^T = V dO^T, then
+ * dV += P^T dO, dK += dS^T Q. */
 template <typename T, int D>
-__global__ void __launch_bounds__(FA_THREADS) attn_flash_dkv_kernel(T* dk, T* dv, const T* dout, const float* lse,
-                                                                    const float* delta, const T* q, const T* k,
-                                                                    const T* v, int T_, int C, int H, float scale,
-                                                                    float sl2) {
-    typedef Fa<T, D> F;
-    extern __shared__ __align__(128) unsigned char fa_smem[];
-    T* qs = (T*)fa_smem;
-    T* dos = (T*)(fa_smem + F::ROW_TILE);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 1, hf = lane & 1;
-    float* sw = (float*)(fa_smem + 2 * F::ROW_TILE) + warp * 16 * F::SLD;
-    float* dpw = (float*)(fa_smem + 2 * F::ROW_TILE + F::WARP_TILES) + warp * 16 * F::SLD;
-    float* lse2s = (float*)(fa_smem + 2 * F::ROW_TILE + 2 * F::WARP_TILES);
-    float* dls = lse2s + FA_TILE;
-    int kt = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H, n_tiles = gridDim.x;
-    int kv0 = kt * FA_TILE, j = kv0 + warp * 16 + r;
-    size_t base = (size_t)b * T_ * C + (size_t)h * D;
+__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
+    attn_flash_dkv_kernel(T* dk, T* dv, const T* dout, const float* lse, const float* delta, const T* q, const T* k,
+                          const T* v, int T_, int C, int H, float scale, float sl2) {
+    /* double-buffered: query tile qt in [(qt - kt) & 1], with its lse (base 2) and delta */
+    __shared__ __align__(16) T qs[2][FA_TILE * Fa<D>::LD];
+    __shared__ __align__(16) T dos[2][FA_TILE * Fa<D>::LD];
+    __shared__ float lse2s[2][FA_TILE], dls[2][FA_TILE];
+    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    int kt = blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H, n_tiles = gridDim.x;
+    int kv0 = kt * FA_TILE, row0 = kv0 + warp * 16;
+    size_t base = (size_t)b * T_ * C + (size_t)hd * D;
+    /* starts loading query tile qt into buffer `buf` */
+    auto load_queries = [&](int qt, int buf) {
+        int q0 = qt * FA_TILE;
+        fa_load_rows<T, D>(qs[buf], q + base, q0, T_, C);
+        fa_load_rows<T, D>(dos[buf], dout + base, q0, T_, C);
+        for (int c = threadIdx.x; c < FA_TILE; c += FA_THREADS) {
+            bool ok = q0 + c < T_;
+            lse2s[buf][c] = ok ? lse[(size_t)bh * T_ + q0 + c] * FA_LOG2E : 0.0f;
+            dls[buf][c] = ok ? delta[(size_t)bh * T_ + q0 + c] : 0.0f;
+        }
+    };
 
-    fa_load_rows<T, D>(qs, k + base, kv0, T_, C); /* k and v staged through the q, dout tiles */
-    fa_load_rows<T, D>(dos, v + base, kv0, T_, C);
-    typename F::FragA kf[F::KD], vf[F::KD];
-    typename F::Acc dk_acc[F::KD], dv_acc[F::KD];
-    for (int n = 0; n < F::KD; n++) {
-        wmma::fill_fragment(dk_acc[n], 0.0f);
-        wmma::fill_fragment(dv_acc[n], 0.0f);
-    }
+    unsigned ka[Fa<D>::KD][4], va[Fa<D>::KD][4];
+    fa_load_rows<T, D>(qs[1], k + base, kv0, T_, C); /* k and v staged through the second buffers */
+    fa_load_rows<T, D>(dos[1], v + base, kv0, T_, C);
+    load_queries(kt, 0);
+    fa_cp_commit();
+    fa_cp_wait<0>();
     __syncthreads();
-    fa_load_a<T, D>(kf, qs + warp * 16 * F::LD);
-    fa_load_a<T, D>(vf, dos + warp * 16 * F::LD);
+    fa_load_a<T, D>(ka, qs[1] + warp * 16 * Fa<D>::LD);
+    fa_load_a<T, D>(va, dos[1] + warp * 16 * Fa<D>::LD);
+    __syncthreads(); /* everyone has its k, v before the second buffers take the next tile */
+    float dk_acc[Fa<D>::ND][4] = {}, dv_acc[Fa<D>::ND][4] = {};
 
     for (int qt = kt; qt < n_tiles; qt++) {
-        int q0 = qt * FA_TILE;
-        __syncthreads(); /* everyone is done with the previous q, dout tiles */
-        fa_load_rows<T, D>(qs, q + base, q0, T_, C);
-        fa_load_rows<T, D>(dos, dout + base, q0, T_, C);
-        for (int t = threadIdx.x; t < FA_TILE; t += FA_THREADS) {
-            bool ok = q0 + t < T_;
-            lse2s[t] = ok ? lse[(size_t)bh * T_ + q0 + t] * FA_LOG2E : 0.0f;
-            dls[t] = ok ? delta[(size_t)bh * T_ + q0 + t] : 0.0f;
-        }
-        __syncthreads();
-        fa_scores<T, D>(sw, kf, qs);
-        fa_scores<T, D>(dpw, vf, dos);
-        /* Overwrite S^T with P^T and dP^T with dS^T, in T, in two halves of the columns (fewer live
-         * registers): the T values of columns [0, 32) take the bytes of fp32 columns [0, 16), read
-         * in the first half; those of [32, 64) take fp32 columns [16, 32), also read already. */
-        T* pw = (T*)sw;
-        T* dsw = (T*)dpw;
-        for (int c0 = 0; c0 < FA_TILE; c0 += FA_TILE / 2) {
-            float p[FA_TILE / 4], ds[FA_TILE / 4];
-            __syncwarp();
-            for (int c = 0; c < FA_TILE / 4; c++) {
-                int col = c0 + hf + 2 * c, i = q0 + col;
-                p[c] = j <= i && i < T_ ? exp2f(sw[r * F::SLD + col] * sl2 - lse2s[col]) : 0.0f;
-                ds[c] = p[c] * (dpw[r * F::SLD + col] - dls[col]);
-            }
-            __syncwarp();
-            for (int c = 0; c < FA_TILE / 4; c++) {
-                pw[r * F::PLD + c0 + hf + 2 * c] = from_f<T>(p[c]);
-                dsw[r * F::PLD + c0 + hf + 2 * c] = from_f<T>(ds[c]);
-            }
-        }
-        __syncwarp();
-        fa_accumulate<T, D>(dv_acc, pw, dos);
-        fa_accumulate<T, D>(dk_acc, dsw, qs);
+        int q0 = qt * FA_TILE, cur = (qt - kt) & 1;
+        if (qt + 1 < n_tiles) load_queries(qt + 1, cur ^ 1);
+        fa_cp_commit();
+        fa_cp_wait<1>(); /* tile qt has landed (this thread's part) ... */
+        __syncthreads(); /* ... and everyone's */
+        const float* lse2c = lse2s[cur];
+        const float* dlc = dls[cur];
+        float p[FA_TILE / 8][4], ds[FA_TILE / 8][4];
+        fa_scores<T, D>(p, ka, qs[cur]);
+        fa_scores<T, D>(ds, va, dos[cur]);
+        for (int j = 0; j < FA_TILE / 8; j++)
+            for (int h = 0; h < 2; h++)
+                for (int e = 0; e < 2; e++) {
+                    int col = 8 * j + 2 * t + e, i = q0 + col, key = row0 + g + 8 * h;
+                    float pr = key <= i && i < T_ ? exp2f(p[j][2 * h + e] * sl2 - lse2c[col]) : 0.0f;
+                    p[j][2 * h + e] = pr;
+                    ds[j][2 * h + e] = pr * (ds[j][2 * h + e] - dlc[col]);
+                }
+        fa_accumulate<T, D>(dv_acc, p, dos[cur]);
+        fa_accumulate<T, D>(dk_acc, ds, qs[cur]);
+        __syncthreads(); /* everyone is done with buffer cur before it takes tile qt + 2 */
     }
 
-    __syncwarp();
-    int row0 = kv0 + warp * 16;
-    fa_add_out<T, D>(dv + base + (size_t)row0 * C, dv_acc, sw, 1.0f, T_ - row0, C);
-    fa_add_out<T, D>(dk + base + (size_t)row0 * C, dk_acc, dpw, scale, T_ - row0, C);
+    fa_add_out<T, D>(dv + base + (size_t)row0 * C, dv_acc, 1.0f, T_ - row0, C);
+    fa_add_out<T, D>(dk + base + (size_t)row0 * C, dk_acc, scale, T_ - row0, C);
 }
 
 /* dQ: block (query tile, b*H + h); warp w owns query rows q0 + 16w .. +15 and accumulates their dQ
  * over the key tiles up to the diagonal: S = Q K^T, dP = dO V^T, dQ += dS K. */
 template <typename T, int D>
-__global__ void __launch_bounds__(FA_THREADS) attn_flash_dq_kernel(T* dq, const T* dout, const float* lse,
-                                                                   const float* delta, const T* q, const T* k,
-                                                                   const T* v, int T_, int C, int H, float scale,
-                                                                   float sl2) {
-    typedef Fa<T, D> F;
-    extern __shared__ __align__(128) unsigned char fa_smem[];
-    T* ks = (T*)fa_smem;
-    T* vs = (T*)(fa_smem + F::ROW_TILE);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 1, hf = lane & 1;
-    float* sw = (float*)(fa_smem + 2 * F::ROW_TILE) + warp * 16 * F::SLD;
-    float* dpw = (float*)(fa_smem + 2 * F::ROW_TILE + F::WARP_TILES) + warp * 16 * F::SLD;
-    int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
-    int q0 = qt * FA_TILE, i = q0 + warp * 16 + r;
-    size_t base = (size_t)b * T_ * C + (size_t)h * D;
-    float lse2 = i < T_ ? lse[(size_t)bh * T_ + i] * FA_LOG2E : 0.0f;
-    float dl = i < T_ ? delta[(size_t)bh * T_ + i] : 0.0f;
-
-    fa_load_rows<T, D>(ks, q + base, q0, T_, C); /* q and dout staged through the k, v tiles */
-    fa_load_rows<T, D>(vs, dout + base, q0, T_, C);
-    __syncthreads();
-    typename F::FragA qf[F::KD], dof[F::KD];
-    typename F::Acc dq_acc[F::KD];
-    fa_load_a<T, D>(qf, ks + warp * 16 * F::LD);
-    fa_load_a<T, D>(dof, vs + warp * 16 * F::LD);
-    for (int n = 0; n < F::KD; n++) wmma::fill_fragment(dq_acc[n], 0.0f);
-
-    for (int kt = 0; kt <= qt; kt++) {
-        int kv0 = kt * FA_TILE;
-        __syncthreads();
-        fa_load_rows<T, D>(ks, k + base, kv0, T_, C);
-        fa_load_rows<T, D>(vs, v + base, kv0, T_, C);
-        __syncthreads();
-        fa_scores<T, D>(sw, qf, ks);
-        fa_scores<T, D>(dpw, dof, vs);
-        __syncwarp();
-        float ds[FA_TILE / 2];
-        for (int c = 0; c < FA_TILE / 2; c++) {
-            int col = hf + 2 * c;
-            float p = kv0 + col <= i && i < T_ ? exp2f(sw[r * F::SLD + col] * sl2 - lse2) : 0.0f;
-            ds[c] = p * (dpw[r * F::SLD + col] - dl);
-        }
-        __syncwarp(); /* all read: overwrite dP with dS in T */
-        T* dsw = (T*)dpw;
-        for (int c = 0; c < FA_TILE / 2; c++) dsw[r * F::PLD + hf + 2 * c] = from_f<T>(ds[c]);
-        __syncwarp();
-        fa_accumulate<T, D>(dq_acc, dsw, ks);
+__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
+    attn_flash_dq_kernel(T* dq, const T* dout, const float* lse, const float* delta, const T* q, const T* k,
+                         const T* v, int T_, int C, int H, float scale, float sl2) {
+    __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
+    __shared__ __align__(16) T vs[2][FA_TILE * Fa<D>::LD];
+    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H;
+    int q0 = qt * FA_TILE, row0 = q0 + warp * 16;
+    size_t base = (size_t)b * T_ * C + (size_t)hd * D;
+    float lse2[2], dl[2];
+    for (int h = 0; h < 2; h++) {
+        int i = row0 + g + 8 * h;
+        lse2[h] = i < T_ ? lse[(size_t)bh * T_ + i] * FA_LOG2E : 0.0f;
+        dl[h] = i < T_ ? delta[(size_t)bh * T_ + i] : 0.0f;
     }
 
-    __syncwarp();
-    int row0 = q0 + warp * 16;
-    fa_add_out<T, D>(dq + base + (size_t)row0 * C, dq_acc, sw, scale, T_ - row0, C);
+    unsigned qa[Fa<D>::KD][4], doa[Fa<D>::KD][4];
+    fa_load_rows<T, D>(ks[1], q + base, q0, T_, C); /* q and dout staged through the second buffers */
+    fa_load_rows<T, D>(vs[1], dout + base, q0, T_, C);
+    fa_load_rows<T, D>(ks[0], k + base, 0, T_, C);
+    fa_load_rows<T, D>(vs[0], v + base, 0, T_, C);
+    fa_cp_commit();
+    fa_cp_wait<0>();
+    __syncthreads();
+    fa_load_a<T, D>(qa, ks[1] + warp * 16 * Fa<D>::LD);
+    fa_load_a<T, D>(doa, vs[1] + warp * 16 * Fa<D>::LD);
+    __syncthreads(); /* everyone has its q, dout before the second buffers take the next tile */
+    float dq_acc[Fa<D>::ND][4] = {};
+
+    for (int kt = 0; kt <= qt; kt++) {
+        int kv0 = kt * FA_TILE, cur = kt & 1;
+        if (kt < qt) {
+            fa_load_rows<T, D>(ks[cur ^ 1], k + base, kv0 + FA_TILE, T_, C);
+            fa_load_rows<T, D>(vs[cur ^ 1], v + base, kv0 + FA_TILE, T_, C);
+        }
+        fa_cp_commit();
+        fa_cp_wait<1>(); /* tile kt has landed (this thread's part) ... */
+        __syncthreads(); /* ... and everyone's */
+        float s[FA_TILE / 8][4], ds[FA_TILE / 8][4];
+        fa_scores<T, D>(s, qa, ks[cur]);
+        fa_scores<T, D>(ds, doa, vs[cur]);
+        for (int j = 0; j < FA_TILE / 8; j++)
+            for (int h = 0; h < 2; h++)
+                for (int e = 0; e < 2; e++) {
+                    int i = row0 + g + 8 * h, key = kv0 + 8 * j + 2 * t + e;
+                    float pr = key <= i && i < T_ ? exp2f(s[j][2 * h + e] * sl2 - lse2[h]) : 0.0f;
+                    ds[j][2 * h + e] = pr * (ds[j][2 * h + e] - dl[h]);
+                }
+        fa_accumulate<T, D>(dq_acc, ds, ks[cur]);
+        __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
+    }
+
+    fa_add_out<T, D>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
 }
 
-/* Launch helpers: dynamic shared memory above the 48 KiB default needs the per-kernel opt-in. */
-template <typename K>
-static void fa_allow_smem(K kernel, size_t bytes) {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+/* The tiles' uint4 loads need 16-byte aligned tensors (the engine's buffers are 256-aligned). */
+static void fa_check_aligned(const void* a, const void* b, const void* c, const void* d) {
+    if (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d) & 15) {
+        fprintf(stderr, "error: flash attention needs 16-byte aligned q, k, v, out/dout\n");
+        exit(1);
+    }
 }
 
 template <typename T, int D>
 static void attn_fwd_flash(T* out, float* lse, const T* q, const T* k, const T* v, int B, int T_, int C, int H) {
-    typedef Fa<T, D> F;
     float sl2 = FA_LOG2E / sqrtf((float)D);
     dim3 grid(ceil_div(T_, FA_TILE), B * H);
-    fa_allow_smem(attn_flash_fwd_kernel<T, D>, F::FWD_SMEM);
-    attn_flash_fwd_kernel<T, D><<<grid, FA_THREADS, F::FWD_SMEM, g_stream>>>(out, lse, q, k, v, T_, C, H, sl2);
+    fa_check_aligned(out, q, k, v);
+    attn_flash_fwd_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(out, lse, q, k, v, T_, C, H, sl2);
     LAUNCH_CHECK();
 }
 
 template <typename T, int D>
 static void attn_bwd_flash(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q, const T* k,
                            const T* v, int B, int T_, int C, int H, float* delta) {
-    typedef Fa<T, D> F;
     int N = B * T_;
     float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
-    attn_delta_kernel<T><<<ceil_div((size_t)N * H, ATTN_WARPS), 32 * ATTN_WARPS, 0, g_stream>>>(delta, dout, out, N, T_, C, H);
+    fa_check_aligned(dout, q, k, v);
+    fa_check_aligned(dq, dk, dv, out);
+    attn_delta_kernel<T><<<ceil_div((size_t)N * H, ATTN_WARPS), 32 * ATTN_WARPS, 0, g_stream>>>(delta, dout, out, N,
+                                                                                               T_, C, H);
     LAUNCH_CHECK();
     dim3 grid(ceil_div(T_, FA_TILE), B * H);
-    fa_allow_smem(attn_flash_dkv_kernel<T, D>, F::DKV_SMEM);
-    attn_flash_dkv_kernel<T, D><<<grid, FA_THREADS, F::DKV_SMEM, g_stream>>>(dk, dv, dout, lse, delta, q, k, v, T_, C, H, scale,
+    attn_flash_dkv_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dk, dv, dout, lse, delta, q, k, v, T_, C, H, scale,
                                                                    sl2);
     LAUNCH_CHECK();
-    fa_allow_smem(attn_flash_dq_kernel<T, D>, F::DQ_SMEM);
-    attn_flash_dq_kernel<T, D><<<grid, FA_THREADS, F::DQ_SMEM, g_stream>>>(dq, dout, lse, delta, q, k, v, T_, C, H, scale, sl2);
+    attn_flash_dq_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dq, dout, lse, delta, q, k, v, T_, C, H, scale, sl2);
     LAUNCH_CHECK();
 }
 

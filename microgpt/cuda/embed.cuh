@@ -46,9 +46,18 @@ __global__ void embed_bwd_wte_kernel(float* dwte, const T* dout, const int* toke
             if (lane == 0) match[warp] = m;
             __syncthreads();
             for (int w = 0; w < EMBED_BWD_THREADS / 32; w++) {
-                for (unsigned bits = match[w]; bits; bits &= bits - 1) {
-                    int p = j0 + 32 * w + __ffs(bits) - 1;
-                    if (c < C) s += to_f(dout[(size_t)p * C + c]);
+                unsigned bits = match[w];
+                while (bits) {
+                    /* up to 4 rows loaded before any is added: the loads overlap (a frequent token's
+                     * block is the kernel's critical path), the adds keep position order */
+                    int p[4], k = 0;
+                    float x[4];
+                    for (; k < 4 && bits; k++, bits &= bits - 1) p[k] = j0 + 32 * w + __ffs(bits) - 1;
+#pragma unroll
+                    for (int q = 0; q < 4; q++) x[q] = q < k && c < C ? to_f(dout[(size_t)p[q] * C + c]) : 0.0f;
+#pragma unroll
+                    for (int q = 0; q < 4; q++)
+                        if (q < k) s += x[q];
                 }
             }
         }

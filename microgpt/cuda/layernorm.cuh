@@ -104,7 +104,8 @@ __global__ void layernorm_bwd_final_kernel(float* dgamma, float* dbeta, const fl
 template <typename T>
 static void k_layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const float* gamma, const float* beta,
                             int N, int C) {
-    layernorm_fwd_kernel<T><<<ceil_div(N, LN_WARPS), 32 * LN_WARPS, 0, g_stream>>>(out, mean, rstd, x, gamma, beta, N, C);
+    unsigned blocks = ceil_div(N, LN_WARPS);
+    layernorm_fwd_kernel<T><<<blocks, 32 * LN_WARPS, 0, g_stream>>>(out, mean, rstd, x, gamma, beta, N, C);
     LAUNCH_CHECK();
 }
 
@@ -112,12 +113,14 @@ static void k_layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const 
 template <typename T>
 static void k_layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, const T* x, const float* gamma,
                             const float* mean, const float* rstd, int N, int C, float* scratch) {
-    layernorm_bwd_dx_kernel<T><<<ceil_div(N, LN_WARPS), 32 * LN_WARPS, 0, g_stream>>>(dx, dout, x, gamma, mean, rstd, N, C);
+    unsigned blocks = ceil_div(N, LN_WARPS);
+    layernorm_bwd_dx_kernel<T><<<blocks, 32 * LN_WARPS, 0, g_stream>>>(dx, dout, x, gamma, mean, rstd, N, C);
     LAUNCH_CHECK();
     int rows_per_chunk = ln_rows_per_chunk(N);
     int n_chunks = (int)ceil_div(N, rows_per_chunk);
     dim3 grid(ceil_div(C, LN_COL_THREADS), n_chunks);
-    layernorm_bwd_partial_kernel<T><<<grid, LN_COL_THREADS, 0, g_stream>>>(scratch, dout, x, mean, rstd, N, C, rows_per_chunk, n_chunks);
+    layernorm_bwd_partial_kernel<T><<<grid, LN_COL_THREADS, 0, g_stream>>>(scratch, dout, x, mean, rstd, N, C,
+                                                                           rows_per_chunk, n_chunks);
     LAUNCH_CHECK();
     layernorm_bwd_final_kernel<<<ceil_div(C, 128), 128, 0, g_stream>>>(dgamma, dbeta, scratch, C, n_chunks);
     LAUNCH_CHECK();

@@ -65,7 +65,8 @@ template <typename T>
 static void k_loss_fwd(float* losses, float* lse, float* logits, const T* x, const T* wte, const int* targets,
                        int n, int C, int V, int Vp) {
     classifier_logits(logits, x, wte, n, C, Vp);
-    loss_rows_kernel<T><<<n, LOSS_THREADS, 0, g_stream>>>(losses, lse, (T*)NULL, logits, targets, V, Vp, NULL);
+    loss_rows_kernel<T><<<n, LOSS_THREADS, 0, g_stream>>>(losses, lse, (T*)NULL, logits, targets, V, Vp,
+                                                          (const float*)NULL);
     LAUNCH_CHECK();
 }
 
