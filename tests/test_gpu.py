@@ -271,3 +271,36 @@ def test_fp8_is_refused_with_a_clear_message(cuda_binary, random_shards):
     res = eu.run_engine(cuda_binary, tiny_args(random_shards.train, **{"train.precision": "fp8"}))
     assert res.rc == 2 and res.steps == [], res.describe()
     assert len(res.errors) == 1 and "fp8" in res.errors[0] and "not yet supported" in res.errors[0], res.stderr
+
+
+def test_a_model_too_large_for_the_gpu_is_refused_before_training(cuda_binary, random_shards):
+    # 2.0e9 parameters (under the checkpoint format's 2^31 limit: 32 GB of fp32 state) and 65536
+    # tokens per micro-batch, whose saved activations alone need about 170 GB (every input limit holds).
+    huge = {"model.n_layer": 10, "model.d_model": 4096, "model.n_head": 64, "model.seq_len": 16,
+            "train.batch_size": 4096}
+    res = eu.run_engine(cuda_binary, tiny_args(random_shards.train, **huge))
+    assert res.rc != 0 and res.steps == [], res.describe()
+    assert len(res.errors) == 1, res.stderr
+    assert "needs" in res.errors[0] and "free" in res.errors[0], res.errors[0]
+    assert res.events("device_memory") == [], "it trained instead of refusing"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_gpu_checkpoint_resumes_on_the_cpu_engine(cuda_binary, cpu_binary, random_shards, tmp_path, precision):
+    """Checkpoints are fp32 in the whitepaper layout whatever the precision, so a run stopped on the
+    GPU continues on the CPU engine (and in fp32): from the same checkpoint both engines take the
+    same next steps, within the GPU run's precision tolerance."""
+    settings = {**SHAPES["tiny"], "train.lr": 3e-3, "train.warmup_steps": 2}
+    half = tiny_args(random_shards.train, **{**settings, "train.steps": 4, "train.precision": precision})
+    run_ok(cuda_binary, half + ["--checkpoint", tmp_path / "gpu.ckpt"])
+    for name in ("cpu", "gpu2"):
+        shutil.copy(tmp_path / "gpu.ckpt", tmp_path / f"{name}.ckpt")
+        shutil.copy(tmp_path / "gpu.ckpt.json", tmp_path / f"{name}.ckpt.json")
+    full = tiny_args(random_shards.train, **{**settings, "train.steps": 8})
+    cpu = run_ok(cpu_binary, full + ["--checkpoint", tmp_path / "cpu.ckpt", "--resume"])
+    gpu = run_ok(cuda_binary, full + ["--checkpoint", tmp_path / "gpu2.ckpt", "--resume"])
+    assert [r["step"] for r in cpu.steps] == [r["step"] for r in gpu.steps] == [5, 6, 7, 8]
+    for c, g in zip(cpu.steps, gpu.steps):
+        assert abs(g["loss"] - c["loss"]) <= LOSS_TOL["fp32"] * abs(c["loss"]), (c, g)
+    a, b = eu.read_checkpoint(tmp_path / "cpu.ckpt"), eu.read_checkpoint(tmp_path / "gpu2.ckpt")
+    assert a.step == b.step == 8 and rel_err(b.params, a.params) <= 1e-5
