@@ -9,7 +9,7 @@ LDLIBS    = -lm
 NVCC     ?= nvcc
 NVCCFLAGS = -O3 -std=c++17 -Xcompiler -fopenmp,-ffp-contract=off,-Wall
 NVLDLIBS  = -lcublas -lcublasLt -lgomp -lm
-PYTHON   ?= python
+PYTHON   ?= python3
 
 HOST_HEADERS := $(wildcard microgpt/host/*.h)
 CPU_HEADERS  := $(wildcard microgpt/cpu/*.h)
@@ -61,7 +61,7 @@ build:
 	mkdir -p build
 
 test: all
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q
 
 data:
 	$(PYTHON) scripts/prepare-data.py

@@ -83,12 +83,14 @@ def lr_at(s, t):
     if t["schedule"] == "cosine":
         p = (s - warmup) / max(1, steps - warmup)
         return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * p))
-    if t["schedule"] == "wsd":
-        decay_start = int(steps * (1.0 - t["decay_frac"]))
+    if t["schedule"] == "wsd":  # as microgpt/host/schedule.h: the decay never starts inside warmup
+        decay_start = max(warmup, int(steps * (1.0 - t["decay_frac"])))
+        last = steps - 1
         if s < decay_start:
             return lr
-        p = (s - decay_start) / max(1, steps - 1 - decay_start)
-        return lr + (min_lr - lr) * min(1.0, p)
+        if last <= decay_start:
+            return min_lr
+        return lr + (min_lr - lr) * (s - decay_start) / (last - decay_start)
     raise BenchError(f"config: unknown train.schedule '{t['schedule']}'")
 
 

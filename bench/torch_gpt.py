@@ -17,7 +17,6 @@ step records {"step","loss","lr","grad_norm","ms","tokens_per_s","tokens"}, {"st
 import argparse
 import contextlib
 import json
-import math
 import sys
 import time
 

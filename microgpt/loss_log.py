@@ -95,6 +95,11 @@ def repair(path):
             break
         pos -= 1  # the "\n" before this line
     else:
+        # Our writer puts one record per line, so a log of ours with no complete record holds at most
+        # one (torn) line after "[". More than that is someone else's data: refuse, don't erase it.
+        if any(line.strip(b" \t\r\0") for line in lines[1:-1]):
+            raise LossLogError(f"{path}: not valid JSON, and no line of it is a complete record; "
+                               "fix or move it")
         _write_all(path, EMPTY)
         return f"{path}: no complete record survived a torn write; started a new log"
     try:

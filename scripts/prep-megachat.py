@@ -36,7 +36,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from microgpt import tokenizer  # noqa: E402
-from microgpt.shards import write_shard  # noqa: E402
+from microgpt.shards import HEADER_BYTES, write_shard  # noqa: E402
 
 FORMAT = 1          # bump when the rendering or splitting changes, so old manifests go stale
 BATCH_DOCS = 256    # documents per task sent to a worker
@@ -256,7 +256,7 @@ def up_to_date(manifest_path, fingerprint):
         return None
     for shard in manifest["shards"]:
         path = os.path.join(os.path.dirname(manifest_path), shard["file"])
-        if not os.path.exists(path) or os.path.getsize(path) != 1024 + 2 * shard["tokens"]:
+        if not os.path.exists(path) or os.path.getsize(path) != HEADER_BYTES + 2 * shard["tokens"]:
             return None
     return manifest
 
@@ -344,7 +344,7 @@ def main(argv):
                 "fingerprint": fingerprint,
                 "sources": [{"path": s.path, "kind": s.kind, "weight": s.weight, **st}
                             for s, st in zip(sources, stats)],
-                "shards": [{"file": os.path.basename(p), "tokens": (os.path.getsize(p) - 1024) // 2}
+                "shards": [{"file": os.path.basename(p), "tokens": (os.path.getsize(p) - HEADER_BYTES) // 2}
                            for p in paths]}
     tmp = manifest_path + ".tmp"
     with open(tmp, "w") as f:

