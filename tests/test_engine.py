@@ -87,6 +87,20 @@ def test_resume_of_finished_run_does_nothing(engine, random_shards, tmp_path):
     assert ckpt.read_bytes() == before
 
 
+def test_resume_in_another_precision_starts_from_the_default_loss_scale(engine, random_shards, tmp_path):
+    """A checkpoint's loss scale belongs to the precision that wrote it (fp32 runs record 1): resuming
+    such a checkpoint in fp16 must start from the engine's default scale, not from 1."""
+    ckpt = tmp_path / "run.ckpt"
+    run_ok(engine, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt}))
+    same = run_ok(engine, tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint": ckpt, "resume": True}))
+    assert "loss scale starts from its default" not in same.stderr
+    fp16 = run_ok(engine, tiny_args(random_shards.train, **{"train.steps": 6, "train.precision": "fp16",
+                                                            "checkpoint": ckpt, "resume": True}))
+    assert "written in fp32; the loss scale starts from its default" in fp16.stderr, fp16.stderr
+    if engine.name == "cuda":  # the CPU engine computes in fp32 and reports no scale
+        assert fp16.steps[0]["loss_scale"] >= 32768, fp16.steps[0]  # default 65536, at most one overflow
+
+
 def test_sigusr1_checkpoints_and_training_continues(engine, random_shards, tmp_path):
     settings = resume_settings(engine)
     args = tiny_args(random_shards.train, random_shards.val, **settings)

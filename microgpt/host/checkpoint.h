@@ -218,13 +218,23 @@ static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
     fp[7].key = "seed"; fp[7].value = c->train.seed;
     fp[8].key = "batch_size"; fp[8].value = c->train.batch_size;
     fp[9].key = "grad_accum"; fp[9].value = c->train.grad_accum;
-    for (i = 0; i < 10; i++)
+    for (i = 0; i < (int)(sizeof fp / sizeof fp[0]); i++)
         if (json_find_number(text, fp[i].key, &x) && (int)x != fp[i].value)
             warn("resuming with %s = %d, the checkpoint was written with %d", fp[i].key, fp[i].value, (int)x);
     {
+        /* A loss scale belongs to the precision whose run produced it (non-fp16 runs record 1):
+         * resuming in another precision starts from the engine's default scale. */
+        char saved[16] = "";
         const char* p = strstr(text, "\"precision\":\"");
-        if (p && strncmp(p + 13, c->train.precision, strlen(c->train.precision)) != 0)
-            warn("resuming in precision %s, the checkpoint was written in another precision", c->train.precision);
+        size_t k = 0;
+        if (p)
+            for (p += 13; p[k] && p[k] != '"' && k + 1 < sizeof saved; k++) saved[k] = p[k];
+        saved[k] = '\0';
+        if (p && strcmp(saved, c->train.precision) != 0) {
+            warn("resuming in precision %s, the checkpoint was written in %s; the loss scale starts from its default",
+                 c->train.precision, saved);
+            loss_scale = 0.0f;
+        }
     }
     return loss_scale;
 }
