@@ -29,6 +29,8 @@ import os
 import threading
 from array import array
 
+from atomic import write_bytes_atomic  # a sibling module, like this one is to the proxy
+
 LIVE_FLAG_OFFSET = len(b'{"live":')  # the byte that becomes "0" when the record is superseded
 EMPTY = b"[\n]"
 TAIL_CHECK_LINES = 4096  # more than the proxy ever writes between two fsyncs
@@ -71,7 +73,7 @@ def repair(path):
     with open(path, "rb") as f:
         data = f.read()
     if data.strip() == b"":
-        _write_all(path, EMPTY)
+        write_bytes_atomic(path, EMPTY)
         return f"{path}: empty file, started a new log"
     try:
         records = json.loads(data)
@@ -81,7 +83,7 @@ def repair(path):
         if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
             raise LossLogError(f"{path}: not a JSON array of records; move it away")
         lines = [encode_record(r) for r in records]
-        _write_all(path, b"[\n" + b",\n".join(lines) + b"\n]" if lines else EMPTY)
+        write_bytes_atomic(path, b"[\n" + b",\n".join(lines) + b"\n]" if lines else EMPTY)
         return f"{path}: rewrote into the one-record-per-line layout"
     lines = data.split(b"\n")
     if lines[0].strip() != b"[":
@@ -100,7 +102,7 @@ def repair(path):
         if any(line.strip(b" \t\r\0") for line in lines[1:-1]):
             raise LossLogError(f"{path}: not valid JSON, and no line of it is a complete record; "
                                "fix or move it")
-        _write_all(path, EMPTY)
+        write_bytes_atomic(path, EMPTY)
         return f"{path}: no complete record survived a torn write; started a new log"
     try:
         json.loads(data[:keep] + b"\n]")
@@ -120,13 +122,15 @@ def _truncate_and_close(path, size):
         os.fsync(f.fileno())
 
 
-def _write_all(path, data):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _pwrite_all(fd, data, offset):
+    """pwrite may write fewer bytes than asked (a nearly full disk, a signal); write the rest, so a
+    batch is either all on disk or cut short at the tail, where repair() can mend it."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:  # nothing written and no error: retrying would spin forever
+            raise LossLogError(f"write to the loss log made no progress at byte {offset}")
+        view, offset = view[n:], offset + n
 
 
 class LossLog:
@@ -140,7 +144,7 @@ class LossLog:
         self.lock = threading.Lock()
         self.message = None  # what opening had to repair, for the proxy to report
         if not os.path.exists(path):
-            _write_all(path, EMPTY)
+            write_bytes_atomic(path, EMPTY)
         self.starts = array("q")  # byte offset where each record's line starts
         self.end = self._index()  # offset of the final "\n]", where the next append goes
         if self.end is None:
@@ -193,7 +197,7 @@ class LossLog:
                 blob += sep + line
                 pos += len(sep) + len(line)
             blob += b"\n]"
-            os.pwrite(self.fd, bytes(blob), self.end)
+            _pwrite_all(self.fd, bytes(blob), self.end)
             os.fsync(self.fd)
             self.starts.extend(starts)
             self.end = pos
@@ -215,7 +219,7 @@ class LossLog:
                     continue
                 if rec.get("step", 0) <= step:
                     break
-                os.pwrite(self.fd, b"0", self.starts[i] + LIVE_FLAG_OFFSET)
+                _pwrite_all(self.fd, b"0", self.starts[i] + LIVE_FLAG_OFFSET)
                 marked += 1
             if marked:
                 os.fsync(self.fd)

@@ -7,6 +7,8 @@ import os
 
 import numpy as np
 
+from .atomic import atomic_open
+
 MAGIC = 20240520
 VERSION = 1
 HEADER_WORDS = 256
@@ -24,13 +26,9 @@ def write_shard(path, tokens):
         raise ShardError(f"{path}: token ids must lie in [0, 65535]")
     header = np.zeros(HEADER_WORDS, dtype="<i4")
     header[:3] = (MAGIC, VERSION, tokens.size)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_open(path, "wb") as f:
         f.write(header.tobytes())
         f.write(tokens.astype("<u2").tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_shard(path):

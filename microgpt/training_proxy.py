@@ -15,7 +15,9 @@ The run directory (default runs/<name>/ under the repository root) holds
 
 Signals: SIGTERM/SIGINT are forwarded to the engine, which checkpoints and exits; the proxy then
 marks the run stopped and exits 0. SIGUSR1 is forwarded (checkpoint, keep training). An engine that
-dies any other way leaves the run crashed and the proxy exits non-zero; re-running resumes.
+dies any other way leaves the run crashed and the proxy exits non-zero; re-running resumes. If the
+proxy itself fails while the engine runs, it stops the engine (SIGTERM, then SIGKILL after
+ABORT_WAIT_SECONDS), marks the run crashed and exits 1.
 See docs/PROXY.md for the user's view and the server's endpoints.
 """
 import argparse
@@ -31,12 +33,14 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import queue
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # run as a script: import the sibling modules
     sys.path.insert(0, HERE)
 
+from atomic import atomic_open, write_json_atomic  # noqa: E402
 from loss_log import LossLog, LossLogError  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
@@ -47,6 +51,7 @@ FLUSH_SECONDS = 0.25  # how stale the loss log on disk may get; one fsync per fl
 FLUSH_RECORDS = 512
 STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
 LINGER_SECONDS = 0.6  # a few live-stream polls (proxy_server.POLL_SECONDS) after the run ends
+ABORT_WAIT_SECONDS = 30  # after a proxy failure: how long the engine gets to checkpoint on SIGTERM
 
 # ---------------------------------------------------------------------------------------------------
 # Choosing the engine (SPEC §5: the GPU engine by default)
@@ -272,17 +277,6 @@ def checkpoint_step(path):
 
 # ---------------------------------------------------------------------------------------------------
 # Small file helpers
-
-
-def write_json_atomic(path, obj):
-    """Readers (the server, a user's script) must never see half a file: tmp, fsync, rename."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_json(path, default):
@@ -556,8 +550,8 @@ class Run:
         for src in (ckpt + ".json", ckpt):
             if os.path.exists(src):
                 target = os.path.join(dest, os.path.basename(src))
-                shutil.copyfile(src, target + ".tmp")
-                os.replace(target + ".tmp", target)
+                with open(src, "rb") as fin, atomic_open(target) as fout:
+                    shutil.copyfileobj(fin, fout)
         kept = os.path.join(dest, os.path.basename(ckpt))
         state_path = os.path.join(dest, os.path.basename(self.state_path))
         archived = read_json(state_path, {})
@@ -609,7 +603,15 @@ class Run:
             self.signal_engine(self.stop_signal)
 
     def run(self):
-        """Launch the engine, follow it to its end, return the proxy's exit code."""
+        """Launch the engine, follow it to its end, return the proxy's exit code. If the proxy
+        itself fails (a bug in a handler, a full disk), the engine must not train on unobserved:
+        it is stopped with a checkpoint and the run is marked crashed."""
+        try:
+            return self.follow()
+        except Exception as e:  # noqa: BLE001  (any failure: the engine must not outlive the proxy)
+            return self.abort(e)
+
+    def follow(self):
         lines = queue.Queue()
         self.launch()
         threading.Thread(target=_pump, args=(self.proc.stdout, lines), daemon=True).start()
@@ -631,6 +633,32 @@ class Run:
         err.join(timeout=5)
         self.flush(force=True)
         return self.finish(rc)
+
+    def abort(self, exc):
+        """SIGTERM the engine (it checkpoints and exits), SIGKILL it if it takes too long, mark the
+        run crashed (not stopped: nobody asked it to stop, and the log may lack the steps between
+        the failure and the checkpoint), and return 1 after one error line."""
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        why = (f"proxy failed: {type(exc).__name__}: {exc} "
+               f"({os.path.basename(where.filename)}:{where.lineno})")
+        if self.proc and self.proc.poll() is None:
+            self.signal_engine(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=ABORT_WAIT_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.signal_engine(signal.SIGKILL)
+                self.proc.wait()
+                why += f"; engine did not stop within {ABORT_WAIT_SECONDS} s of SIGTERM, killed"
+        step = checkpoint_step(self.ckpt_path)
+        if self.proc:
+            why += "; last checkpoint: " + (f"step {step}" if step is not None else "none")
+        try:
+            kept = {"checkpoint": self.ckpt_path, "checkpoint_step": step} if step is not None else {}
+            self.set_state(force=True, status="crashed", pid=None, eta_s=None, message=why, **kept)
+        except OSError as e:  # the failure may be the full disk itself: still say what happened
+            why += f"; could not record the crash in {self.state_path}: {e.strerror or e}"
+        print(f"error: {self.name}: {why}", file=sys.stderr, flush=True)
+        return 1
 
     def finish(self, rc):
         step = self.state.get("step")

@@ -23,6 +23,7 @@ import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from microgpt.atomic import write_bytes_atomic  # noqa: E402
 from microgpt.tokenizer import ASSET_PATH, ASSET_SHA256  # noqa: E402  (where the tokenizer reads it)
 
 DATA = os.path.join(ROOT, "data")
@@ -47,10 +48,7 @@ def sha256_of(path):
 
 def write_atomic(path, data):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    write_bytes_atomic(path, data)
 
 
 def pip_download(requirement, filename_glob, sdist):

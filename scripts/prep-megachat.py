@@ -36,6 +36,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from microgpt import tokenizer  # noqa: E402
+from microgpt.atomic import write_json_atomic  # noqa: E402
 from microgpt.shards import HEADER_BYTES, write_shard  # noqa: E402
 
 FORMAT = 1          # bump when the rendering or splitting changes, so old manifests go stale
@@ -346,10 +347,7 @@ def main(argv):
                             for s, st in zip(sources, stats)],
                 "shards": [{"file": os.path.basename(p), "tokens": (os.path.getsize(p) - HEADER_BYTES) // 2}
                            for p in paths]}
-    tmp = manifest_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-    os.replace(tmp, manifest_path)
+    write_json_atomic(manifest_path, manifest)
     print_summary(manifest)
 
     tokens = {s: sum(st["tokens"][s] for st in stats) for s in SPLITS}

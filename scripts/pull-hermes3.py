@@ -24,6 +24,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from microgpt.atomic import write_json_atomic  # noqa: E402
 from microgpt.tokenizer import parse_conversation  # noqa: E402
 
 REPO_ID = "NousResearch/Hermes-3-Dataset"
@@ -103,13 +104,6 @@ def fresh_progress(source):
     return {"source": source, "read": 0, "written": 0, "bytes": 0, "exhausted": False, "malformed": {}}
 
 
-def save_progress(path, progress):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(progress, f, indent=1)
-    os.replace(tmp, path)
-
-
 def progress_bar(total, initial):
     try:
         from tqdm import tqdm  # a dependency of datasets
@@ -135,7 +129,7 @@ def pull(records, out_path, progress, progress_path, max_records):
         def save():
             out.flush()
             progress.update(bytes=out.tell(), malformed=dict(malformed))
-            save_progress(progress_path, progress)
+            write_json_atomic(progress_path, progress)
 
         try:
             while max_records is None or progress["read"] < max_records:

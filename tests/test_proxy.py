@@ -427,6 +427,81 @@ def test_engine_killed_by_an_unnamed_signal_is_crashed(exp, cpu_binary, tmp_path
     assert st["status"] == "crashed" and st["message"] == "engine killed by signal 40", st
 
 
+def test_proxy_failure_stops_the_engine_with_a_checkpoint(exp, cpu_binary, tmp_path):
+    """A bug in the proxy (here: a record with a non-numeric step trips the train handler) must not
+    leave the engine training unobserved: the engine gets SIGTERM, checkpoints and exits; the run is
+    marked crashed and the proxy exits 1 with one error line. The double wraps the real engine so
+    the checkpoint on SIGTERM is the real one."""
+    pidfile = tmp_path / "engine.pid"
+    engine = tmp_path / "engine.py"
+    engine.write_text(f"""#!{sys.executable}
+import os, signal, subprocess, sys
+cpu = {str(cpu_binary)!r}
+if sys.argv[1:] == ["--flags-json"]:
+    os.execv(cpu, [cpu, "--flags-json"])
+child = subprocess.Popen([cpu] + sys.argv[1:], stdout=subprocess.PIPE)
+open({str(pidfile)!r}, "w").write(str(child.pid))
+signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+trains = 0
+for line in child.stdout:
+    sys.stdout.buffer.write(line)
+    trains += b'"loss"' in line
+    if trains == 20:
+        sys.stdout.buffer.write(b'{{"step": "twenty-one", "loss": 1.0}}\\n')
+    sys.stdout.flush()
+sys.exit(child.wait())
+""")
+    engine.chmod(0o755)
+    p, rc = run_to_end(exp.config(steps=10**6, checkpoint={"every": 0}), exp.run_dir, engine)
+    assert rc == 1, p.describe()
+    errors = [line for line in p.err if line.startswith("error")]
+    assert len(errors) == 1 and "proxy failed: TypeError" in errors[0], p.describe()
+    st = exp.state()
+    step = ckpt_step(exp.path(".ckpt"))  # checkpoint every 0: only SIGTERM makes one
+    assert step >= 20 and st["checkpoint_step"] == step, (step, st)
+    assert st["status"] == "crashed" and st["pid"] is None, st
+    assert f"last checkpoint: step {step}" in st["message"], st
+    with pytest.raises(ProcessLookupError):  # the engine itself is gone, not just the wrapper
+        os.kill(int(pidfile.read_text()), 0)
+
+
+def test_proxy_failure_kills_an_engine_that_ignores_sigterm(tmp_path, monkeypatch, capsys):
+    """The SIGKILL fallback of Run.abort, in process: an "engine" that ignores SIGTERM."""
+    monkeypatch.setattr(training_proxy, "ABORT_WAIT_SECONDS", 0.5)
+    run = training_proxy.Run.__new__(training_proxy.Run)  # only what abort() touches
+    run.name, run.state, run.state_version, run.state_dirty = "t", {}, 0, False
+    run.ckpt_path, run.state_path = str(tmp_path / "t.ckpt"), str(tmp_path / "t.state.json")
+    run.proc = subprocess.Popen(["sh", "-c", "trap '' TERM; echo ready; exec sleep 60"],
+                                stdout=subprocess.PIPE)
+    assert run.proc.stdout.readline() == b"ready\n"  # SIGTERM is ignored from here on
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError as e:
+        assert run.abort(e) == 1
+    assert run.proc.returncode == -signal.SIGKILL
+    st = json.loads((tmp_path / "t.state.json").read_text())
+    assert st["status"] == "crashed" and "did not stop within 0.5 s" in st["message"], st
+    assert "last checkpoint: none" in st["message"], st
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: t: proxy failed: OSError"), err
+    run.proc.stdout.close()
+
+
+def test_loss_log_completes_short_writes(tmp_path, monkeypatch):
+    """pwrite may write only part of a batch; the rest must follow, never be silently dropped."""
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(loss_log.os, "pwrite", lambda fd, data, off: real_pwrite(fd, data[:3], off))
+    path = tmp_path / "x.loss.json"
+    write_log(path, 5)
+    recs = json.loads(path.read_bytes())
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 5]
+    monkeypatch.setattr(loss_log.os, "pwrite", lambda fd, data, off: 0)
+    log = loss_log.LossLog(str(path))
+    with pytest.raises(loss_log.LossLogError, match="no progress"):
+        log.append([{"step": 6, "loss": 1.0}])
+    log.close()
+
+
 def test_a_second_proxy_on_a_running_run_is_refused(exp, cpu_binary):
     cfg = exp.config(steps=10**6)
     p = Proxy.start(cfg, exp.run_dir, cpu_binary)

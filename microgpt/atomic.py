@@ -1,0 +1,50 @@
+"""Replace a file so that a reader, or the next run after a crash, sees either the old file or the
+whole new one, never a part: write a temp file beside it, fsync, rename over the target, fsync the
+directory (so the rename itself survives a power loss). The one place that does this; the proxy, the
+loss log, the shard writer and the data scripts all use it.
+
+    with atomic_open(path, "w") as f:
+        json.dump(obj, f)
+"""
+import contextlib
+import json
+import os
+
+
+@contextlib.contextmanager
+def atomic_open(path, mode="wb"):
+    """Yield a file open for writing (mode "w" or "wb") that replaces `path` when the block ends
+    without an exception; on an exception the temp file is removed and `path` is left as it was."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"  # the pid: two processes never share a temp file
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # KeyboardInterrupt too: never leave a stray temp file behind
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path, data):
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def write_json_atomic(path, obj):
+    """obj as indented JSON with a final newline (readable with cat, diffable)."""
+    with atomic_open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")

@@ -1,0 +1,40 @@
+"""microgpt/atomic.py: a file is replaced whole or not at all, and no temp file is left behind."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from microgpt.atomic import atomic_open, write_bytes_atomic, write_json_atomic  # noqa: E402
+
+
+def test_writes_replace_the_file(tmp_path):
+    path = tmp_path / "a.json"
+    write_json_atomic(path, {"x": 1})
+    write_json_atomic(path, {"x": 2})
+    assert json.loads(path.read_text()) == {"x": 2} and path.read_text().endswith("}\n")
+    write_bytes_atomic(path, b"raw")
+    assert path.read_bytes() == b"raw"
+    assert os.listdir(tmp_path) == ["a.json"]
+
+
+def test_failure_mid_write_keeps_the_old_file_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "a.bin"
+    path.write_bytes(b"old contents")
+    with pytest.raises(RuntimeError, match="disk full"):
+        with atomic_open(path, "wb") as f:
+            f.write(b"new, but only half")
+            f.flush()
+            raise RuntimeError("disk full")
+    assert path.read_bytes() == b"old contents"
+    assert os.listdir(tmp_path) == ["a.bin"]
+
+
+def test_unserialisable_json_keeps_the_old_file(tmp_path):
+    path = tmp_path / "a.json"
+    write_json_atomic(path, [1])
+    with pytest.raises(TypeError):  # json.dump fails part way, after "{" is written
+        write_json_atomic(path, {"ok": 1, "bad": object()})
+    assert json.loads(path.read_text()) == [1] and os.listdir(tmp_path) == ["a.json"]
