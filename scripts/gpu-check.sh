@@ -16,6 +16,9 @@
 #   pytest_engine the CUDA half of tests/test_engine.py (resume, signals, memory, bad input, ...)
 #   sanitizer    compute-sanitizer memcheck / racecheck / initcheck / synccheck on a tiny config,
 #                and memcheck over kernel_check's odd shapes
+#   profile      (not in the default set) Nsight Compute's duration of every kernel of one training
+#                step, ANDREA-12M and ANDREA-120M in bf16, uncaptured; $OUT/profile-*.csv, summed per
+#                kernel by bench/kernel_profile.py into $OUT/profile.log
 # The last lines (also appended to $OUT/summary.log) say which stages passed; exit status 1 if any
 # failed, 2 for an unknown stage. Estimated on an H200: build 1-2 min, kernel_check < 1, pytest_gpu
 # 1-2, timing 1-2, pytest_engine 1-3, sanitizer 3-6 (each tool run has its own time limit).
@@ -132,6 +135,9 @@ stage_sanitizer() {
     return "$rc"
 }
 
+M12=(--model.n_layer 6 --model.d_model 192 --model.n_head 6 --model.d_ff 768 --model.seq_len 512)
+M120=(--model.n_layer 12 --model.d_model 768 --model.n_head 12 --model.d_ff 3072 --model.seq_len 1024)
+
 # timing_run NAME PRECISION SHAPE-ARGS...: 30 steps; the step records go to $DATA/NAME.jsonl.
 timing_run() {
     local name=$1 prec=$2
@@ -144,13 +150,11 @@ timing_run() {
 stage_timing() {
     local rc=0
     make_shard big 50257 3000000 || return 1
-    local m12=(--model.n_layer 6 --model.d_model 192 --model.n_head 6 --model.d_ff 768 --model.seq_len 512)
-    local m120=(--model.n_layer 12 --model.d_model 768 --model.n_head 12 --model.d_ff 3072 --model.seq_len 1024)
-    timing_run 12M-bf16 bf16 "${m12[@]}" || rc=1
-    timing_run 12M-fp32 fp32 "${m12[@]}" || rc=1
-    timing_run 120M-bf16 bf16 "${m120[@]}" || rc=1
-    timing_run 120M-fp16 fp16 "${m120[@]}" || rc=1
-    timing_run 120M-fp32 fp32 "${m120[@]}" || rc=1
+    timing_run 12M-bf16 bf16 "${M12[@]}" || rc=1
+    timing_run 12M-fp32 fp32 "${M12[@]}" || rc=1
+    timing_run 120M-bf16 bf16 "${M120[@]}" || rc=1
+    timing_run 120M-fp16 fp16 "${M120[@]}" || rc=1
+    timing_run 120M-fp32 fp32 "${M120[@]}" || rc=1
     cp "$DATA"/*.jsonl "$OUT/" 2>/dev/null
     "$PY" - "$DATA" "$OUT/timing.json" <<'EOF' || rc=1
 import json, statistics, sys
@@ -187,13 +191,35 @@ EOF
     return "$rc"
 }
 
+# profile_run NAME PRECISION SHAPE-ARGS...: every kernel of the warm-up and one training step under
+# ncu (duration only, clocks and caches left alone), as CSV in $OUT/profile-NAME.csv.
+profile_run() {
+    local name=$1 prec=$2 ncu
+    shift 2
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    ANDREA_NO_GRAPH=1 run_cmd 300 "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+        --csv --print-units base --print-kernel-base function --log-file "$OUT/profile-$name.csv" build/microgpt_cuda --name "$name" "$@" \
+        --model.vocab_size 50259 --model.padded_vocab_size 50304 --train.batch_size 8 --train.steps 1 \
+        --train.precision "$prec" --eval.every 1000 --sample.every 1000 --data.train "$DATA/big_*.bin" > /dev/null
+}
+
+stage_profile() {
+    local rc=0
+    make_shard big 50257 3000000 || return 1
+    profile_run 12M-bf16 bf16 "${M12[@]}" || rc=1
+    profile_run 120M-bf16 bf16 "${M120[@]}" || rc=1
+    "$PY" bench/kernel_profile.py "$OUT"/profile-*.csv || rc=1
+    return "$rc"
+}
+
 ALL_STAGES=(build kernel_check pytest_gpu timing pytest_engine sanitizer)
+KNOWN_STAGES=("${ALL_STAGES[@]}" profile)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL_STAGES[@]}")
 for st in "${STAGES[@]}"; do
-    case " ${ALL_STAGES[*]} " in
+    case " ${KNOWN_STAGES[*]} " in
         *" $st "*) ;;
-        *) echo "error: unknown stage '$st' (stages: ${ALL_STAGES[*]})" >&2; exit 2 ;;
+        *) echo "error: unknown stage '$st' (stages: ${KNOWN_STAGES[*]})" >&2; exit 2 ;;
     esac
 done
 for st in "${STAGES[@]}"; do

@@ -1,0 +1,64 @@
+"""Sums Nsight Compute's per-kernel durations over one training step of the engine.
+
+    python bench/kernel_profile.py profile-12M-bf16.csv [more.csv ...]
+
+Input: `ncu --metrics gpu__time_duration.sum --csv` of an uncaptured engine run of one training step
+(scripts/gpu-check.sh profile). The step is located from the end of the log: its update starts at the
+last grad_norm_partial_kernel and ends with the last adamw_kernel; its micro-batch is everything from
+the last embed_fwd_kernel before that update. Prints, per file, the kernels of the step grouped by
+name, with launch count, total microseconds and share of the step, biggest first.
+"""
+import csv
+import sys
+from collections import defaultdict
+
+
+def kernel_rows(path):
+    """(name, duration in ns) for every profiled kernel, in launch order."""
+    with open(path, newline="") as f:
+        lines = [ln for ln in f if ln.startswith('"')]  # skip ==PROF== and program output
+    rows = []
+    for rec in csv.DictReader(lines):
+        if rec.get("Metric Name") == "gpu__time_duration.sum":
+            rows.append((rec["Kernel Name"], float(rec["Metric Value"])))
+    return rows
+
+
+def last_index(rows, needle, before=None):
+    end = len(rows) if before is None else before
+    for i in range(end - 1, -1, -1):
+        if needle in rows[i][0]:
+            return i
+    raise SystemExit(f"no kernel named *{needle}* in the profile: not an engine training step")
+
+
+def step_slices(rows):
+    adamw = last_index(rows, "adamw_kernel")
+    update = last_index(rows, "grad_norm_partial_kernel", adamw)
+    fb = last_index(rows, "embed_fwd_kernel", update)
+    return rows[fb:update], rows[update:adamw + 1]
+
+
+def report(path):
+    fb, update = step_slices(kernel_rows(path))
+    step = fb + update
+    total = sum(d for _, d in step)
+    groups = defaultdict(lambda: [0, 0.0])
+    for name, d in step:
+        groups[name][0] += 1
+        groups[name][1] += d
+    print(f"== {path}: {len(step)} kernels, {total / 1e3:.1f} us of kernel time per step "
+          f"(micro-batch {sum(d for _, d in fb) / 1e3:.1f} us, update {sum(d for _, d in update) / 1e3:.1f} us)")
+    for name, (n, d) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+        print(f"{d / 1e3:10.1f} us {100 * d / total:5.1f} % {n:5d}x  {name[:110]}")
+
+
+def main(argv):
+    if not argv:
+        raise SystemExit(__doc__)
+    for path in argv:
+        report(path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
