@@ -200,7 +200,7 @@ profile_run() {
     ANDREA_NO_GRAPH=1 run_cmd 300 "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
         --csv --print-units base --print-kernel-base function --log-file "$OUT/profile-$name.csv" build/microgpt_cuda --name "$name" "$@" \
         --model.vocab_size 50259 --model.padded_vocab_size 50304 --train.batch_size 8 --train.steps 1 \
-        --train.precision "$prec" --eval.every 1000 --sample.every 1000 --data.train "$DATA/big_*.bin" > /dev/null
+        --train.precision "$prec" --eval.every 0 --sample.every 0 --data.train "$DATA/big_*.bin" > /dev/null
 }
 
 stage_profile() {
