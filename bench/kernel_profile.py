@@ -20,7 +20,7 @@ def kernel_rows(path):
     rows = []
     for rec in csv.DictReader(lines):
         if rec.get("Metric Name") == "gpu__time_duration.sum":
-            rows.append((rec["Kernel Name"], float(rec["Metric Value"])))
+            rows.append((rec["Kernel Name"], float(rec["Metric Value"].replace(",", ""))))
     return rows
 
 

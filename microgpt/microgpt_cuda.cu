@@ -8,7 +8,7 @@
  *   bf16  fp32 master weights, gradients and AdamW moments; a bf16 copy of the weights (rewritten
  *         by the AdamW kernel) feeds the matrix products; activations and their gradients bf16;
  *         every product accumulates in fp32; LayerNorm/embedding read the fp32 masters; attention
- *         scores and logits are fp32.
+ *         scores are fp32; logits are bf16, their softmax and loss fp32 (cuda/loss.cuh).
  *   fp16  as bf16 with fp16, plus dynamic loss scaling: the loss gradient is multiplied by the
  *         scale; engine_update unscales, and when the gradient norm is not finite it skips the
  *         step, zeroes the gradients and halves the scale; every LOSS_SCALE_GROW_EVERY-th step
@@ -59,7 +59,7 @@ typedef struct {
 #define LOSS_SCALE_DEFAULT 65536.0f  /* 2^16: fp16's usual starting scale */
 #define LOSS_SCALE_MAX 16777216.0f   /* 2^24 */
 #define LOSS_SCALE_GROW_EVERY 1000
-#define LOGITS_CHUNK_BYTES ((size_t)256 << 20) /* budget for one chunk of logits (+ their gradient) */
+#define LOGITS_CHUNK_BYTES ((size_t)512 << 20) /* budget for one chunk of logits (then their gradient) */
 
 /* Memory groups of the plan, in the order printed and emitted. */
 enum { G_PARAMS, G_GRADS, G_ADAM, G_WEIGHTS_LOWP, G_ACTIVATIONS, G_ACT_GRADS, G_SCRATCH, G_CUBLAS, N_GROUPS };
@@ -91,6 +91,7 @@ static struct {
     void *qkv;   /* [L][3][N][C] */
     void *atty;  /* [L][N][C] attention output before W_O */
     void *h;     /* [L][N][F] MLP pre-activation */
+    void *g;     /* [L][N][F] gelu(h) */
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd; /* [L][N] */
     float *att_lse; /* [L][B][H][T] */
     void *lnf;      /* [N][C] */
@@ -105,11 +106,9 @@ static struct {
 
     /* scratch */
     void *branch; /* [N][C] output of a branch before the residual add */
-    void *g;      /* [N][F] gelu(h) */
     float *att_S, *att_dP; void* att_P; /* [H][T][T], cuBLAS attention only (else empty) */
     float* att_delta;                     /* [B][H][T], flash attention only (else empty) */
-    float* logits;  /* [chunk][Vp] */
-    void* dlogits;  /* [chunk][Vp] (== logits when fp32) */
+    void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (the sampler's) */
     float *losses, *loss_lse; /* [N] */
     float* ln_partial;
     float* norm_partial;
@@ -158,6 +157,7 @@ static void plan_buffers(size_t* used) {
     E.qkv = carve(G_ACTIVATIONS, L * 3 * nc * es, used);
     E.atty = carve(G_ACTIVATIONS, L * nc * es, used);
     E.h = carve(G_ACTIVATIONS, L * N * F * es, used);
+    E.g = carve(G_ACTIVATIONS, L * N * F * es, used);
     E.ln1_mean = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
     E.ln1_rstd = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
     E.ln2_mean = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
@@ -174,13 +174,11 @@ static void plan_buffers(size_t* used) {
     E.dh = carve(G_ACT_GRADS, N * F * es, used);
 
     E.branch = carve(G_SCRATCH, nc * es, used);
-    E.g = carve(G_SCRATCH, N * F * es, used);
     E.att_S = (float*)carve(G_SCRATCH, tt * 4, used);
     E.att_dP = (float*)carve(G_SCRATCH, tt * 4, used);
     E.att_P = carve(G_SCRATCH, tt * es, used);
     E.att_delta = (float*)carve(G_SCRATCH, attn_delta_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * 4, used);
-    E.logits = (float*)carve(G_SCRATCH, (size_t)E.chunk * E.Vp * 4, used);
-    E.dlogits = E.prec == PREC_FP32 ? (void*)E.logits : carve(G_SCRATCH, (size_t)E.chunk * E.Vp * es, used);
+    E.logits = carve(G_SCRATCH, (size_t)E.Vp * (E.chunk * es > 4 ? E.chunk * es : 4), used);
     E.losses = (float*)carve(G_SCRATCH, N * 4, used);
     E.loss_lse = (float*)carve(G_SCRATCH, N * 4, used);
     E.ln_partial = (float*)carve(G_SCRATCH, layernorm_scratch_floats(E.C) * 4, used);
@@ -248,7 +246,7 @@ static void forward(int B, int Tn) {
         k_residual_add<T>(xmid, x, branch, (size_t)N * C);
         k_layernorm_fwd<T>(ln2, E.ln2_mean + (size_t)l * E.N, E.ln2_rstd + (size_t)l * E.N, xmid, wf(l, T_LN2_GAMMA),
                            wf(l, T_LN2_BETA), N, C);
-        k_mlp_fwd<T>(branch, h, (T*)E.g, ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), N, C, F);
+        k_mlp_fwd<T>(branch, h, layer_act<T>(E.g, l, nf), ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), N, C, F);
         k_residual_add<T>(layer_act<T>(E.res, l + 1, nc), xmid, branch, (size_t)N * C);
     }
     k_layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, layer_act<T>(E.res, L, nc), E.params + E.layout.lnf_gamma,
@@ -269,9 +267,9 @@ static void loss_chunks(int N, int train) {
         const T* x = (const T*)E.lnf + (size_t)r0 * C;
         if (train)
             k_loss_fwd_bwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.dln + (size_t)r0 * C, E.grads + E.layout.wte,
-                              E.logits, (T*)E.dlogits, x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale);
+                              (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale);
         else
-            k_loss_fwd<T>(E.losses + r0, E.loss_lse + r0, E.logits, x, wte, targets + r0, n, C, E.V, E.Vp);
+            k_loss_fwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp);
     }
     k_loss_mean(&E.io->loss, E.losses, N);
 }
@@ -297,8 +295,8 @@ static void backward(void) {
         T* h = layer_act<T>(E.h, l, nf);
         /* MLP branch: its output gradient is the stream's, dres */
         CUDA_CHECK(cudaMemsetAsync(dln, 0, nc * es, g_stream));
-        k_mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, ln2, h, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.g, (T*)E.dh, N, C,
-                     F);
+        k_mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, ln2, h, layer_act<T>(E.g, l, nf), wl<T>(l, T_W1),
+                     wl<T>(l, T_W2), (T*)E.dh, N, C, F);
         k_layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, xmid, wf(l, T_LN2_GAMMA),
                            E.ln2_mean + (size_t)l * N, E.ln2_rstd + (size_t)l * N, N, C, E.ln_partial);
         /* attention branch: dres is now the gradient at x_mid */
@@ -390,8 +388,8 @@ static void next_logits_t(const int* tokens, int len, float* logits) {
     memset(E.tok_host + len, 0, (size_t)(E.T - len) * sizeof(int));
     upload_inputs((size_t)E.T);
     forward<T>(1, E.T);
-    classifier_logits<T>(E.logits, (const T*)E.lnf + (size_t)(len - 1) * E.C, (const T*)E.wlow + E.layout.wte, 1, E.C,
-                         E.Vp);
+    classifier_logits<T, float>((float*)E.logits, (const T*)E.lnf + (size_t)(len - 1) * E.C,
+                                (const T*)E.wlow + E.layout.wte, 1, E.C, E.Vp);
     CUDA_CHECK(cudaMemcpyAsync(logits, E.logits, (size_t)E.V * sizeof(float), cudaMemcpyDeviceToHost, g_stream));
     CUDA_CHECK(cudaStreamSynchronize(g_stream));
 }
@@ -490,7 +488,7 @@ static size_t engine_setup(const Config* cfg) {
         layer_offset(&E.layout, 0, T_WV) != layer_offset(&E.layout, 0, T_WK) + (size_t)E.C * E.C)
         die_io("internal: W_Q, W_K, W_V are not consecutive in the parameter layout");
     {
-        size_t row_bytes = (size_t)E.Vp * (4 + (E.prec == PREC_FP32 ? 0 : E.es));
+        size_t row_bytes = (size_t)E.Vp * E.es;
         size_t rows = LOGITS_CHUNK_BYTES / row_bytes;
         if (rows > 128) rows -= rows % 128; /* whole tiles for the products */
         E.chunk = (int)(rows < 1 ? 1 : rows > (size_t)E.N ? (size_t)E.N : rows);

@@ -21,7 +21,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <initializer_list>
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -99,6 +101,75 @@ template <typename T> struct TypeInfo;
 template <> struct TypeInfo<float> { static constexpr cudaDataType_t dtype = CUDA_R_32F; static const char* name() { return "fp32"; } };
 template <> struct TypeInfo<bf16> { static constexpr cudaDataType_t dtype = CUDA_R_16BF; static const char* name() { return "bf16"; } };
 template <> struct TypeInfo<fp16> { static constexpr cudaDataType_t dtype = CUDA_R_16F; static const char* name() { return "fp16"; } };
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Packed access. The element-wise and row kernels move VEC consecutive elements per thread:
+ * VEC = PACK<T> (16 bytes: 8 bf16/fp16 or 4 fp32) as one 128-bit load or store where the row
+ * length and the pointers allow it, VEC = 1 (element by element) otherwise. The launchers pick
+ * with packable(); both forms are instantiated and checked (tests/kernel_check.cu has shapes of
+ * each kind). Values are converted to fp32 on load and rounded once on store, as everywhere. */
+
+template <typename T> struct Pack { static constexpr int n = 16 / (int)sizeof(T); };
+#define PACK(T) (Pack<T>::n)
+
+template <int VEC, typename T>
+__device__ __forceinline__ void load_vec(float (&f)[VEC], const T* p) {
+    if constexpr (VEC % PACK(T) == 0) {
+#pragma unroll
+        for (int q = 0; q < VEC / PACK(T); q++) {
+            int4 raw = reinterpret_cast<const int4*>(p)[q];
+            const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+            for (int k = 0; k < PACK(T); k++) f[q * PACK(T) + k] = to_f(e[k]);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < VEC; k++) f[k] = to_f(p[k]);
+    }
+}
+
+template <int VEC, typename T>
+__device__ __forceinline__ void store_vec(T* p, const float (&f)[VEC]) {
+    if constexpr (VEC % PACK(T) == 0) {
+#pragma unroll
+        for (int q = 0; q < VEC / PACK(T); q++) {
+            int4 raw;
+            T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+            for (int k = 0; k < PACK(T); k++) e[k] = from_f<T>(f[q * PACK(T) + k]);
+            reinterpret_cast<int4*>(p)[q] = raw;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < VEC; k++) p[k] = from_f<T>(f[k]);
+    }
+}
+
+/* Whether rows of `len` elements of width `elem` bytes at these pointers can be read in 16-byte
+ * packets: every row starts 16-byte aligned. */
+static inline bool packable(size_t len, size_t elem, std::initializer_list<const void*> ptrs) {
+    if ((len * elem) % 16) return false;
+    for (const void* p : ptrs)
+        if ((uintptr_t)p % 16) return false;
+    return true;
+}
+
+/* Grid-stride loop over the VEC-element packets of n elements (n a multiple of VEC). */
+#define FOR_PACKETS(i, n)                                                                   \
+    for (size_t i = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) * VEC; i < (n);        \
+         i += (size_t)gridDim.x * blockDim.x * VEC)
+
+/* Launches kernel<T, PACK(T)> when `packed` holds, else kernel<T, 1>, on g_stream, and checks it. */
+#define LAUNCH_PACKED(packed, kernel, T, grid, block, ...)                                  \
+    do {                                                                                   \
+        if (packed) kernel<T, PACK(T)><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__);     \
+        else kernel<T, 1><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__);                  \
+        LAUNCH_CHECK();                                                                    \
+    } while (0)
+
+/* The same for an element-wise kernel over n elements, FOR_PACKETS inside: 256-thread blocks. */
+#define LAUNCH_PACKED_ELEMENTWISE(packed, kernel, T, n, ...) \
+    LAUNCH_PACKED(packed, kernel, T, elementwise_grid((n) / ((packed) ? PACK(T) : 1), 256), 256, __VA_ARGS__)
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Reductions. Butterfly (xor) shuffles: every lane ends with the same bits, because each step adds

@@ -2,9 +2,10 @@
  * layernorm_forward / layernorm_backward. gamma/beta are the fp32 master parameters; mean and rstd
  * [N] (fp32) are saved by the forward for the backward.
  *
- * Forward and dx: one warp per row. dgamma/dbeta are sums over rows, done without atomics in two
- * fixed-shape steps: each block owns a slab of columns and a chunk of rows and writes its partial
- * sums, then one thread per column adds the chunk partials in chunk order. The chunking depends
+ * Forward and dx: one warp per row, moving 16-byte packets where the width allows (common.cuh).
+ * dgamma/dbeta are sums over rows, done without atomics in two fixed-shape steps: each block owns
+ * a slab of columns and a chunk of rows and writes its partial sums, then one thread per column
+ * adds the chunk partials in chunk order. The chunking depends
  * only on N, so the result does not depend on the GPU. */
 #ifndef MICROGPT_CUDA_LAYERNORM_CUH
 #define MICROGPT_CUDA_LAYERNORM_CUH
@@ -14,79 +15,110 @@
 #define LN_EPS 1e-5f
 #define LN_WARPS 8         /* rows per block in the row kernels */
 #define LN_MAX_CHUNKS 128  /* row chunks for dgamma/dbeta partials */
-#define LN_COL_THREADS 128 /* columns per block in the partials kernel */
+#define LN_COL_THREADS 128 /* threads per block in the partials kernel (each owns VEC columns) */
 
 /* Scratch floats k_layernorm_bwd needs for width C. */
 static size_t layernorm_scratch_floats(int C) { return (size_t)2 * LN_MAX_CHUNKS * C; }
 
 static int ln_rows_per_chunk(int N) { return (int)ceil_div((size_t)N, N < LN_MAX_CHUNKS ? (size_t)N : LN_MAX_CHUNKS); }
 
-template <typename T>
-__global__ void layernorm_fwd_kernel(T* out, float* mean, float* rstd, const T* x, const float* gamma,
-                                     const float* beta, int N, int C) {
+/* Lane `lane` of a row's warp handles the VEC-element packets at lane*VEC, lane*VEC + 32*VEC, ... */
+#define LN_ROW_LOOP(c, C) for (int c = lane * VEC; c < (C); c += 32 * VEC)
+
+template <typename T, int VEC>
+__global__ void layernorm_fwd_kernel(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                     const T* __restrict__ x, const float* __restrict__ gamma,
+                                     const float* __restrict__ beta, int N, int C) {
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     if (row >= N) return; /* whole warps leave together: no block barriers below */
     const T* xr = x + (size_t)row * C;
-    float s = 0.0f;
-    for (int c = lane; c < C; c += 32) s += to_f(xr[c]);
+    float s = 0.0f, v[VEC];
+    LN_ROW_LOOP(c, C) {
+        load_vec(v, xr + c);
+        for (int k = 0; k < VEC; k++) s += v[k];
+    }
     float m = warp_sum(s) / C;
     float s2 = 0.0f; /* two-pass variance: no cancellation when |mean| >> std */
-    for (int c = lane; c < C; c += 32) {
-        float e = to_f(xr[c]) - m;
-        s2 += e * e;
+    LN_ROW_LOOP(c, C) {
+        load_vec(v, xr + c);
+        for (int k = 0; k < VEC; k++) s2 += (v[k] - m) * (v[k] - m);
     }
     float r = 1.0f / sqrtf(warp_sum(s2) / C + LN_EPS);
     T* o = out + (size_t)row * C;
-    for (int c = lane; c < C; c += 32) o[c] = from_f<T>((to_f(xr[c]) - m) * r * gamma[c] + beta[c]);
+    LN_ROW_LOOP(c, C) {
+        float g[VEC], b[VEC];
+        load_vec(v, xr + c);
+        load_vec(g, gamma + c);
+        load_vec(b, beta + c);
+        for (int k = 0; k < VEC; k++) v[k] = (v[k] - m) * r * g[k] + b[k];
+        store_vec(o + c, v);
+    }
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
     }
 }
 
-/* dx += rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dout * gamma, xhat = (x - mean) * rstd */
-template <typename T>
-__global__ void layernorm_bwd_dx_kernel(T* dx, const T* dout, const T* x, const float* gamma, const float* mean,
-                                        const float* rstd, int N, int C) {
+/* dx += rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dout * gamma, xhat = (x - mean) * rstd.
+ * dx must not alias dout or x. */
+template <typename T, int VEC>
+__global__ void layernorm_bwd_dx_kernel(T* __restrict__ dx, const T* __restrict__ dout, const T* __restrict__ x,
+                                        const float* __restrict__ gamma, const float* __restrict__ mean,
+                                        const float* __restrict__ rstd, int N, int C) {
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     if (row >= N) return;
     const T* xr = x + (size_t)row * C;
     const T* dr = dout + (size_t)row * C;
     float m = mean[row], r = rstd[row];
-    float sg = 0.0f, sgx = 0.0f;
-    for (int c = lane; c < C; c += 32) {
-        float g = to_f(dr[c]) * gamma[c];
-        sg += g;
-        sgx += g * ((to_f(xr[c]) - m) * r);
+    float sg = 0.0f, sgx = 0.0f, xv[VEC], dv[VEC], gv[VEC];
+    LN_ROW_LOOP(c, C) {
+        load_vec(xv, xr + c);
+        load_vec(dv, dr + c);
+        load_vec(gv, gamma + c);
+        for (int k = 0; k < VEC; k++) {
+            float g = dv[k] * gv[k];
+            sg += g;
+            sgx += g * ((xv[k] - m) * r);
+        }
     }
     float mg = warp_sum(sg) / C, mgx = warp_sum(sgx) / C;
     T* o = dx + (size_t)row * C;
-    for (int c = lane; c < C; c += 32) {
-        float xhat = (to_f(xr[c]) - m) * r;
-        float g = to_f(dr[c]) * gamma[c];
-        o[c] = from_f<T>(to_f(o[c]) + r * (g - mg - xhat * mgx));
+    LN_ROW_LOOP(c, C) {
+        float ov[VEC];
+        load_vec(xv, xr + c);
+        load_vec(dv, dr + c);
+        load_vec(gv, gamma + c);
+        load_vec(ov, o + c);
+        for (int k = 0; k < VEC; k++) ov[k] += r * (dv[k] * gv[k] - mg - (xv[k] - m) * r * mgx);
+        store_vec(o + c, ov);
     }
 }
 
-/* grid (column slabs, row chunks): partial[chunk][c] = sum over the chunk's rows of dout*xhat,
- * partial[n_chunks + chunk][c] = sum of dout. */
-template <typename T>
-__global__ void layernorm_bwd_partial_kernel(float* partial, const T* dout, const T* x, const float* mean,
-                                             const float* rstd, int N, int C, int rows_per_chunk, int n_chunks) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
+/* grid (column slabs, row chunks), a thread per VEC columns: partial[chunk][c] = sum over the
+ * chunk's rows of dout*xhat, partial[n_chunks + chunk][c] = sum of dout. */
+template <typename T, int VEC>
+__global__ void layernorm_bwd_partial_kernel(float* __restrict__ partial, const T* __restrict__ dout,
+                                             const T* __restrict__ x, const float* __restrict__ mean,
+                                             const float* __restrict__ rstd, int N, int C, int rows_per_chunk,
+                                             int n_chunks) {
+    int c = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
     int chunk = blockIdx.y;
     if (c >= C) return;
     int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
-    float ag = 0.0f, ab = 0.0f;
+    float ag[VEC] = {0.0f}, ab[VEC] = {0.0f}, dv[VEC], xv[VEC];
     for (int r = r0; r < r1; r++) {
-        float d = to_f(dout[(size_t)r * C + c]);
-        ag += d * ((to_f(x[(size_t)r * C + c]) - mean[r]) * rstd[r]);
-        ab += d;
+        float m = mean[r], rs = rstd[r];
+        load_vec(dv, dout + (size_t)r * C + c);
+        load_vec(xv, x + (size_t)r * C + c);
+        for (int k = 0; k < VEC; k++) {
+            ag[k] += dv[k] * ((xv[k] - m) * rs);
+            ab[k] += dv[k];
+        }
     }
-    partial[(size_t)chunk * C + c] = ag;
-    partial[(size_t)(n_chunks + chunk) * C + c] = ab;
+    store_vec(partial + (size_t)chunk * C + c, ag);
+    store_vec(partial + (size_t)(n_chunks + chunk) * C + c, ab);
 }
 
 __global__ void layernorm_bwd_final_kernel(float* dgamma, float* dbeta, const float* partial, int C, int n_chunks) {
@@ -104,24 +136,23 @@ __global__ void layernorm_bwd_final_kernel(float* dgamma, float* dbeta, const fl
 template <typename T>
 static void k_layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const float* gamma, const float* beta,
                             int N, int C) {
-    unsigned blocks = ceil_div(N, LN_WARPS);
-    layernorm_fwd_kernel<T><<<blocks, 32 * LN_WARPS, 0, g_stream>>>(out, mean, rstd, x, gamma, beta, N, C);
-    LAUNCH_CHECK();
+    bool packed = packable(C, sizeof(T), {out, x}) && packable(C, sizeof(float), {gamma, beta});
+    LAUNCH_PACKED(packed, layernorm_fwd_kernel, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean, rstd, x, gamma,
+                  beta, N, C);
 }
 
 /* dx, dgamma, dbeta += ; scratch holds layernorm_scratch_floats(C) floats. */
 template <typename T>
 static void k_layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, const T* x, const float* gamma,
                             const float* mean, const float* rstd, int N, int C, float* scratch) {
-    unsigned blocks = ceil_div(N, LN_WARPS);
-    layernorm_bwd_dx_kernel<T><<<blocks, 32 * LN_WARPS, 0, g_stream>>>(dx, dout, x, gamma, mean, rstd, N, C);
-    LAUNCH_CHECK();
+    bool packed = packable(C, sizeof(T), {dx, dout, x}) && packable(C, sizeof(float), {gamma, scratch});
+    LAUNCH_PACKED(packed, layernorm_bwd_dx_kernel, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, dx, dout, x, gamma, mean,
+                  rstd, N, C);
     int rows_per_chunk = ln_rows_per_chunk(N);
     int n_chunks = (int)ceil_div(N, rows_per_chunk);
-    dim3 grid(ceil_div(C, LN_COL_THREADS), n_chunks);
-    layernorm_bwd_partial_kernel<T><<<grid, LN_COL_THREADS, 0, g_stream>>>(scratch, dout, x, mean, rstd, N, C,
-                                                                           rows_per_chunk, n_chunks);
-    LAUNCH_CHECK();
+    dim3 grid(ceil_div(ceil_div(C, packed ? PACK(T) : 1), LN_COL_THREADS), n_chunks);
+    LAUNCH_PACKED(packed, layernorm_bwd_partial_kernel, T, grid, LN_COL_THREADS, scratch, dout, x, mean, rstd, N, C,
+                  rows_per_chunk, n_chunks);
     layernorm_bwd_final_kernel<<<ceil_div(C, 128), 128, 0, g_stream>>>(dgamma, dbeta, scratch, C, n_chunks);
     LAUNCH_CHECK();
 }

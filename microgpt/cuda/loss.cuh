@@ -2,88 +2,104 @@
  * logits = x @ wte^T over all Vp (padded) rows of wte, softmax and loss over the first V (real)
  * columns only; padded columns get zero gradient, so padded wte rows never change by gradient.
  *
- * The engine runs these on chunks of rows so the fp32 logits of a whole batch (N × Vp) never
- * exist at once. Logits are fp32 even when T is 16-bit (cuBLAS writes fp32 C from T inputs): the
- * softmax over 50k entries is where 16-bit rounding would cost most.
+ * The engine runs these on chunks of rows so that the logits of a whole batch need not exist at
+ * once. Logits are stored in T, the activation type (fp32, or bf16/fp16 rounded from the fp32
+ * accumulation, as under PyTorch's autocast and in llm.c): the logits pass is the biggest memory
+ * stream of a step (N × Vp values written, read and overwritten with their gradient), and fp32
+ * logits cost 1.2 ms of ANDREA-12M's 3.8 ms step on the H200. The softmax, its log-sum-exp and the
+ * loss are computed in fp32 from them; rounding a logit costs at most half a T ulp of it in that
+ * row's loss (documented with the tolerances in tests/kernel_check.cu and tests/test_gpu.py).
  *
  * One kernel does a row's softmax, loss and (when training) its gradient: a first pass over the
- * row keeps a running max and a sum rescaled to it (online softmax), giving the log-sum-exp; a
- * second pass writes dlogits = (softmax - onehot) * dscale in T, ready for the two products. Two
- * reads of the logits and one write of the gradient, in one launch. dscale is read from device
- * memory (it carries the fp16 loss scale) so a captured graph of the step stays fixed. */
+ * row keeps a running max and a sum rescaled to it (online softmax, once per 16-byte packet),
+ * giving the log-sum-exp; a second pass overwrites the logits with their gradient
+ * dlogits = (softmax - onehot) * dscale, ready for the two products. A block of LOSS_THREADS per
+ * row keeps the rows in flight small enough (2 blocks per multiprocessor) that the second pass
+ * reads from L2. dscale is read from device memory (it carries the fp16 loss scale) so a captured
+ * graph of the step stays fixed. */
 #ifndef MICROGPT_CUDA_LOSS_CUH
 #define MICROGPT_CUDA_LOSS_CUH
 
 #include "matmul.cuh"
 
-#define LOSS_THREADS 256
+#define LOSS_THREADS 1024
 
-/* logits [n, Vp] (fp32) = x [n, C] @ wte^T, wte [Vp, C] */
-template <typename T>
-static void classifier_logits(float* logits, const T* x, const T* wte, int n, int C, int Vp) {
-    gemm_rm(false, true, n, Vp, C, 1.0f, x, C, 0, wte, C, 0, 0.0f, logits, Vp, 0, 1, TypeInfo<T>::dtype, CUDA_R_32F);
+/* logits [n, Vp] = x [n, C] @ wte^T, wte [Vp, C]; L is T (training, evaluation) or float (the
+ * sampler's logits of one position). */
+template <typename T, typename L>
+static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C, int Vp) {
+    gemm_rm(false, true, n, Vp, C, 1.0f, x, C, 0, wte, C, 0, 0.0f, logits, Vp, 0, 1, TypeInfo<T>::dtype,
+            TypeInfo<L>::dtype);
 }
 
-/* One block per row: lse over the real columns, loss = lse - logit[target]; with dlogits (nullable;
- * may alias logits when T is float: each element is read, then written, by one thread), also
- * dlogits = (exp(logit - lse) - [j == target]) * dscale on real columns and 0 on padded ones. */
-template <typename T>
-__global__ void loss_rows_kernel(float* losses, float* lse, T* dlogits, const float* logits, const int* targets, int V,
-                                 int Vp, const float* dscale) {
+/* One block per row: lse over the real columns, loss = lse - logit[target]; with dscale (device
+ * float, nullable), also overwrites the row with dlogits = (exp(logit - lse) - [j == target]) *
+ * dscale on real columns and 0 on padded ones. Rows are whole packets when VEC > 1. */
+template <typename T, int VEC>
+__global__ void __launch_bounds__(LOSS_THREADS)
+loss_rows_kernel(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
+                 const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
     int row = blockIdx.x, target = targets[row];
-    const float* l = logits + (size_t)row * Vp;
-    float mx = -INFINITY, s = 0.0f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        float x = l[j];
-        if (x > mx) {
-            s = s * expf(mx - x) + 1.0f; /* first element: 0 * exp(-inf) + 1 */
-            mx = x;
-        } else {
-            s += expf(x - mx);
+    T* l = logits + (size_t)row * Vp;
+    float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f; /* read before the row is overwritten */
+    float mx = -INFINITY, s = 0.0f, v[VEC];
+    for (int j = threadIdx.x * VEC; j < V; j += LOSS_THREADS * VEC) {
+        float pm = -INFINITY;
+        load_vec(v, l + j);
+        for (int k = 0; k < VEC; k++)
+            if (j + k < V) pm = fmaxf(pm, v[k]);
+        if (pm > mx) { /* rescale the sum to the new max (first packet: 0 * exp(-inf) = 0) */
+            s *= expf(mx - pm);
+            mx = pm;
         }
+        for (int k = 0; k < VEC; k++)
+            if (j + k < V) s += expf(v[k] - mx);
     }
     float row_mx = block_max(mx);
-    s = block_sum(mx == -INFINITY ? 0.0f : s * expf(mx - row_mx));
+    s = block_sum(mx == -INFINITY ? 0.0f : s * expf(mx - row_mx)); /* ends with every read of l done */
     float row_lse = row_mx + logf(s);
     if (threadIdx.x == 0) {
         lse[row] = row_lse;
-        losses[row] = row_lse - l[target];
+        losses[row] = row_lse - target_logit;
     }
-    if (!dlogits) return;
+    if (!dscale) return;
     float ds = *dscale;
-    T* d = dlogits + (size_t)row * Vp;
-    __syncthreads(); /* thread 0 has read l[target] before anyone overwrites it (fp32 alias) */
-    for (int j = threadIdx.x; j < Vp; j += blockDim.x) {
-        float g = 0.0f;
-        if (j < V) g = (expf(l[j] - row_lse) - (j == target ? 1.0f : 0.0f)) * ds;
-        d[j] = from_f<T>(g);
+    for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
+        load_vec(v, l + j);
+        for (int k = 0; k < VEC; k++)
+            v[k] = j + k < V ? (expf(v[k] - row_lse) - (j + k == target ? 1.0f : 0.0f)) * ds : 0.0f;
+        store_vec(l + j, v);
     }
 }
 
-/* Evaluation: per-row losses [n] and lse [n] of rows x [n, C]; logits [n, Vp] fp32 scratch. */
 template <typename T>
-static void k_loss_fwd(float* losses, float* lse, float* logits, const T* x, const T* wte, const int* targets,
-                       int n, int C, int V, int Vp) {
+static void loss_rows(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
+                      const float* dscale) {
+    LAUNCH_PACKED(packable(Vp, sizeof(T), {logits}), loss_rows_kernel, T, n, LOSS_THREADS, losses, lse, logits,
+                  targets, V, Vp, dscale);
+}
+
+/* Evaluation: per-row losses [n] and lse [n] of rows x [n, C]; logits [n, Vp] is scratch. */
+template <typename T>
+static void k_loss_fwd(float* losses, float* lse, T* logits, const T* x, const T* wte, const int* targets, int n,
+                       int C, int V, int Vp) {
     classifier_logits(logits, x, wte, n, C, Vp);
-    loss_rows_kernel<T><<<n, LOSS_THREADS, 0, g_stream>>>(losses, lse, (T*)NULL, logits, targets, V, Vp,
-                                                          (const float*)NULL);
-    LAUNCH_CHECK();
+    loss_rows(losses, lse, logits, targets, n, V, Vp, (const float*)NULL);
 }
 
 /* Training: as k_loss_fwd, and dx [n, C] and dwte [Vp, C] (fp32) += the gradient of these n rows,
  * each row's loss weighted by *dscale (device float: 1/rows-in-the-whole-batch for a mean, times
- * the loss scale for fp16). dlogits [n, Vp] is T scratch (may alias logits when T is float). */
+ * the loss scale for fp16). logits [n, Vp] is scratch and ends holding dlogits. */
 template <typename T>
-static void k_loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, float* logits, T* dlogits, const T* x,
-                           const T* wte, const int* targets, int n, int C, int V, int Vp, const float* dscale) {
-    classifier_logits(logits, x, wte, n, C, Vp);
-    loss_rows_kernel<T><<<n, LOSS_THREADS, 0, g_stream>>>(losses, lse, dlogits, logits, targets, V, Vp, dscale);
-    LAUNCH_CHECK();
+static void k_loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logits, const T* x, const T* wte,
+                           const int* targets, int n, int C, int V, int Vp, const float* dscale) {
     cudaDataType_t t = TypeInfo<T>::dtype;
+    classifier_logits(logits, x, wte, n, C, Vp);
+    loss_rows(losses, lse, logits, targets, n, V, Vp, dscale);
     /* dx += dlogits @ wte */
-    gemm_rm(false, false, n, C, Vp, 1.0f, dlogits, Vp, 0, wte, C, 0, 1.0f, dx, C, 0, 1, t, t);
+    gemm_rm(false, false, n, C, Vp, 1.0f, logits, Vp, 0, wte, C, 0, 1.0f, dx, C, 0, 1, t, t);
     /* dwte += dlogits^T @ x */
-    gemm_rm(true, false, Vp, C, n, 1.0f, dlogits, Vp, 0, x, C, 0, 1.0f, dwte, C, 0, 1, t, CUDA_R_32F);
+    gemm_rm(true, false, Vp, C, n, 1.0f, logits, Vp, 0, x, C, 0, 1.0f, dwte, C, 0, 1, t, CUDA_R_32F);
 }
 
 /* One block of LOSS_MEAN_THREADS: out[0] = the mean of losses [n], summed in double in a fixed

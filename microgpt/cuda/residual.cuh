@@ -11,10 +11,15 @@
 
 #include "common.cuh"
 
-template <typename T>
-__global__ void residual_add_kernel(T* out, const T* a, const T* b, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        out[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
+template <typename T, int VEC>
+__global__ void residual_add_kernel(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, size_t n) {
+    FOR_PACKETS(i, n) {
+        float av[VEC], bv[VEC];
+        load_vec(av, a + i);
+        load_vec(bv, b + i);
+        for (int k = 0; k < VEC; k++) av[k] += bv[k];
+        store_vec(out + i, av);
+    }
 }
 
 template <typename T>
@@ -26,10 +31,11 @@ __global__ void residual_add_bwd_kernel(T* da, T* db, const T* dout, size_t n) {
     }
 }
 
+/* out = a + b; out may not alias a or b. */
 template <typename T>
 static void k_residual_add(T* out, const T* a, const T* b, size_t n) {
-    residual_add_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(out, a, b, n);
-    LAUNCH_CHECK();
+    bool packed = packable(n, sizeof(T), {out, a, b});
+    LAUNCH_PACKED_ELEMENTWISE(packed, residual_add_kernel, T, n, out, a, b, n);
 }
 
 /* da, db += dout; neither may alias dout. */
