@@ -96,7 +96,9 @@ def test_targets_follow_the_issue():
     t = bench.targets("120M", "fp16", side(0, tok=1200, smi=6, constant=False), side(0, tok=1000, smi=5))
     assert not t["tokens/s >= 1.25x"][0] and not t["memory <= PyTorch"][0] and not t["memory constant"][0]
     assert not bench.targets("12M", "bf16", side(0, tok=4900), side(0, tok=1000))["tokens/s >= 5.0x"][0]
-    assert bench.targets("12M", "fp32", side(0, tok=1000), side(0, tok=1000))["tokens/s >= 1.0x"][0]
+    assert bench.targets("12M", "tf32", side(0, tok=1000), side(0, tok=1000))["tokens/s >= 1.0x"][0]
+    assert not bench.targets("120M", "tf32", side(0, tok=999), side(0, tok=1000))["tokens/s >= 1.0x"][0]
+    assert bench.targets("12M", "fp32", side(0, tok=1000), side(0, tok=1000)) == {}  # strict fp32: no target
     assert bench.targets("12M", "bf16", side(0, error="boom"), side(0)) == {}
 
 
@@ -133,11 +135,11 @@ def test_a_whole_run_reports_every_row_even_when_a_side_fails(tmp_path):
     assert out.returncode == 1, out.stderr
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     rows = {r["precision"]: r for r in report["rows"]}
-    assert set(rows) == {"bf16", "fp32"}
+    assert set(rows) == {"bf16", "tf32", "fp32"}
     for r in rows.values():
         assert r["engine"]["error"] is None and r["engine"]["ms_per_step"] == 2.0
         assert r["engine"]["tokens_per_s"] == pytest.approx(128 / 0.002)
         assert r["engine"]["loss_last"] == pytest.approx(4.0 - sum(range(10, 30)) / 20 / 30)
         assert r["loss_check"] == ("SKIP (a run failed)" if r["torch"]["error"] else "FAIL")
     md = (tmp_path / "out" / "bench.md").read_text()
-    assert md.count("\n| tiny |") == 2
+    assert md.count("\n| tiny |") == 3

@@ -521,7 +521,7 @@ def test_flags_json_agrees_with_help(engine):
             assert f["min"] <= f["max"], f
             if f["default"] is not None:
                 assert f["min"] <= f["default"] <= f["max"], f
-    assert by_name["train.precision"]["choices"] == ["fp32", "bf16", "fp16", "fp8"]
+    assert by_name["train.precision"]["choices"] == ["fp32", "tf32", "bf16", "fp16", "fp8"]
     assert by_name["data.train"]["type"] == "glob" and by_name["checkpoint"]["type"] == "path"
     assert by_name["model.vocab_size"]["default"] == 50259 and by_name["train.lr"]["default"] == 6e-4
 

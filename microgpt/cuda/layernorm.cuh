@@ -14,8 +14,10 @@
 
 #define LN_EPS 1e-5f
 #define LN_WARPS 8         /* rows per block in the row kernels */
-#define LN_MAX_CHUNKS 128  /* row chunks for dgamma/dbeta partials */
-#define LN_COL_THREADS 128 /* threads per block in the partials kernel (each owns VEC columns) */
+#define LN_MAX_CHUNKS 256  /* row chunks for dgamma/dbeta partials */
+#define LN_COL_THREADS 128 /* columns per block in the partials kernel */
+#define LN_FINAL_COLS 32   /* columns per block in the final sum ... */
+#define LN_FINAL_GROUPS 8  /* ... and the groups of chunks each column's sum is split into */
 
 /* Scratch floats k_layernorm_bwd needs for width C. */
 static size_t layernorm_scratch_floats(int C) { return (size_t)2 * LN_MAX_CHUNKS * C; }
@@ -96,41 +98,52 @@ __global__ void layernorm_bwd_dx_kernel(T* __restrict__ dx, const T* __restrict_
     }
 }
 
-/* grid (column slabs, row chunks), a thread per VEC columns: partial[chunk][c] = sum over the
- * chunk's rows of dout*xhat, partial[n_chunks + chunk][c] = sum of dout. */
-template <typename T, int VEC>
+/* grid (column slabs, row chunks), a thread per column (coalesced across the slab; element by
+ * element, because packets would leave too few threads for the rows to stream):
+ * partial[chunk][c] = sum over the chunk's rows of dout*xhat, partial[n_chunks + chunk][c] = sum
+ * of dout. */
+template <typename T>
 __global__ void layernorm_bwd_partial_kernel(float* __restrict__ partial, const T* __restrict__ dout,
                                              const T* __restrict__ x, const float* __restrict__ mean,
                                              const float* __restrict__ rstd, int N, int C, int rows_per_chunk,
                                              int n_chunks) {
-    int c = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
     int chunk = blockIdx.y;
     if (c >= C) return;
     int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
-    float ag[VEC] = {0.0f}, ab[VEC] = {0.0f}, dv[VEC], xv[VEC];
+    float ag = 0.0f, ab = 0.0f;
     for (int r = r0; r < r1; r++) {
-        float m = mean[r], rs = rstd[r];
-        load_vec(dv, dout + (size_t)r * C + c);
-        load_vec(xv, x + (size_t)r * C + c);
-        for (int k = 0; k < VEC; k++) {
-            ag[k] += dv[k] * ((xv[k] - m) * rs);
-            ab[k] += dv[k];
-        }
+        float d = to_f(dout[(size_t)r * C + c]);
+        ag += d * ((to_f(x[(size_t)r * C + c]) - mean[r]) * rstd[r]);
+        ab += d;
     }
-    store_vec(partial + (size_t)chunk * C + c, ag);
-    store_vec(partial + (size_t)(n_chunks + chunk) * C + c, ab);
+    partial[(size_t)chunk * C + c] = ag;
+    partial[(size_t)(n_chunks + chunk) * C + c] = ab;
 }
 
+/* Block (LN_FINAL_COLS columns) x (LN_FINAL_GROUPS groups): group k of a column sums chunks k,
+ * k + LN_FINAL_GROUPS, ... in order, then group 0 adds the group sums in group order. */
 __global__ void layernorm_bwd_final_kernel(float* dgamma, float* dbeta, const float* partial, int C, int n_chunks) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
+    __shared__ float sg_part[LN_FINAL_GROUPS][LN_FINAL_COLS], sb_part[LN_FINAL_GROUPS][LN_FINAL_COLS];
+    int col = threadIdx.x % LN_FINAL_COLS, grp = threadIdx.x / LN_FINAL_COLS;
+    int c = blockIdx.x * LN_FINAL_COLS + col;
     float sg = 0.0f, sb = 0.0f;
-    for (int k = 0; k < n_chunks; k++) {
-        sg += partial[(size_t)k * C + c];
-        sb += partial[(size_t)(n_chunks + k) * C + c];
+    if (c < C)
+        for (int k = grp; k < n_chunks; k += LN_FINAL_GROUPS) {
+            sg += partial[(size_t)k * C + c];
+            sb += partial[(size_t)(n_chunks + k) * C + c];
+        }
+    sg_part[grp][col] = sg;
+    sb_part[grp][col] = sb;
+    __syncthreads();
+    if (grp == 0 && c < C) {
+        for (int k = 1; k < LN_FINAL_GROUPS; k++) {
+            sg += sg_part[k][col];
+            sb += sb_part[k][col];
+        }
+        dgamma[c] += sg;
+        dbeta[c] += sb;
     }
-    dgamma[c] += sg;
-    dbeta[c] += sb;
 }
 
 template <typename T>
@@ -145,15 +158,17 @@ static void k_layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const 
 template <typename T>
 static void k_layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, const T* x, const float* gamma,
                             const float* mean, const float* rstd, int N, int C, float* scratch) {
-    bool packed = packable(C, sizeof(T), {dx, dout, x}) && packable(C, sizeof(float), {gamma, scratch});
+    bool packed = packable(C, sizeof(T), {dx, dout, x}) && packable(C, sizeof(float), {gamma});
     LAUNCH_PACKED(packed, layernorm_bwd_dx_kernel, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, dx, dout, x, gamma, mean,
                   rstd, N, C);
     int rows_per_chunk = ln_rows_per_chunk(N);
     int n_chunks = (int)ceil_div(N, rows_per_chunk);
-    dim3 grid(ceil_div(ceil_div(C, packed ? PACK(T) : 1), LN_COL_THREADS), n_chunks);
-    LAUNCH_PACKED(packed, layernorm_bwd_partial_kernel, T, grid, LN_COL_THREADS, scratch, dout, x, mean, rstd, N, C,
-                  rows_per_chunk, n_chunks);
-    layernorm_bwd_final_kernel<<<ceil_div(C, 128), 128, 0, g_stream>>>(dgamma, dbeta, scratch, C, n_chunks);
+    dim3 grid(ceil_div(C, LN_COL_THREADS), n_chunks);
+    layernorm_bwd_partial_kernel<T><<<grid, LN_COL_THREADS, 0, g_stream>>>(scratch, dout, x, mean, rstd, N, C,
+                                                                           rows_per_chunk, n_chunks);
+    LAUNCH_CHECK();
+    layernorm_bwd_final_kernel<<<ceil_div(C, LN_FINAL_COLS), LN_FINAL_COLS * LN_FINAL_GROUPS, 0, g_stream>>>(
+        dgamma, dbeta, scratch, C, n_chunks);
     LAUNCH_CHECK();
 }
 

@@ -18,7 +18,7 @@ typedef struct {
     } model;
     struct {
         int batch_size, grad_accum, steps, seed, warmup_steps;
-        char precision[8]; /* fp32 | bf16 | fp16 | fp8 */
+        char precision[8]; /* fp32 | tf32 | bf16 | fp16 | fp8 */
         float lr, min_lr, weight_decay, grad_clip, beta1, beta2, eps;
         char schedule[16]; /* cosine | wsd | constant */
         float decay_frac;  /* WSD: fraction of steps spent decaying */
@@ -102,8 +102,8 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("train.steps", F_INT, &c->train.steps, 0, NULL, 1, NULL, 1, BIG, "optimizer steps in the whole run");
     FLAG("train.seed", F_INT, &c->train.seed, 0, "1337", 0, NULL, 0, BIG, "seed for init, batches and sampling");
     FLAG("train.warmup_steps", F_INT, &c->train.warmup_steps, 0, "0", 0, NULL, 0, BIG, "linear LR warmup steps");
-    FLAG("train.precision", F_STR, c->train.precision, sizeof c->train.precision, "fp32", 0, "fp32|bf16|fp16|fp8", 0, 0,
-         "compute precision (the CPU engine always computes fp32)");
+    FLAG("train.precision", F_STR, c->train.precision, sizeof c->train.precision, "fp32", 0, "fp32|tf32|bf16|fp16|fp8", 0,
+         0, "compute precision: tf32 is fp32 with TF32 tensor-core products (the CPU engine always computes fp32)");
     FLAG("train.lr", F_FLOAT, &c->train.lr, 0, "6e-4", 0, NULL, 0, FBIG, "peak learning rate");
     FLAG("train.min_lr", F_FLOAT, &c->train.min_lr, 0, "0", 0, NULL, 0, FBIG, "final learning rate of the decay");
     FLAG("train.weight_decay", F_FLOAT, &c->train.weight_decay, 0, "0.1", 0, NULL, 0, FBIG, "AdamW decoupled weight decay (2-D tensors only)");
