@@ -155,13 +155,15 @@ stage_timing() {
     timing_run 120M-bf16 bf16 "${M120[@]}" || rc=1
     timing_run 120M-fp16 fp16 "${M120[@]}" || rc=1
     timing_run 120M-fp32 fp32 "${M120[@]}" || rc=1
+    timing_run 12M-tf32 tf32 "${M12[@]}" || rc=1
+    timing_run 120M-tf32 tf32 "${M120[@]}" || rc=1
     cp "$DATA"/*.jsonl "$OUT/" 2>/dev/null
     "$PY" - "$DATA" "$OUT/timing.json" <<'EOF' || rc=1
 import json, statistics, sys
 from pathlib import Path
 data, out = Path(sys.argv[1]), sys.argv[2]
 rows = []
-for name in ["12M-bf16", "12M-fp32", "120M-bf16", "120M-fp16", "120M-fp32"]:
+for name in ["12M-bf16", "12M-fp32", "12M-tf32", "120M-bf16", "120M-fp16", "120M-fp32", "120M-tf32"]:
     recs = []
     for line in (data / f"{name}.jsonl").read_text().splitlines() if (data / f"{name}.jsonl").exists() else []:
         try:
