@@ -18,7 +18,8 @@
 #                and memcheck over kernel_check's odd shapes
 #   profile      (not in the default set) Nsight Compute's duration of every kernel of one training
 #                step, ANDREA-12M and ANDREA-120M in bf16, uncaptured; $OUT/profile-*.csv, summed per
-#                kernel by bench/kernel_profile.py into $OUT/profile.log
+#                kernel by bench/kernel_profile.py into $OUT/profile.log; and the stall and occupancy
+#                sections of the flash-attention kernels in $OUT/profile-attn_flash_*.log
 # The last lines (also appended to $OUT/summary.log) say which stages passed; exit status 1 if any
 # failed, 2 for an unknown stage. Estimated on an H200: build 1-2 min, kernel_check < 1, pytest_gpu
 # 1-2, timing 1-2, pytest_engine 1-3, sanitizer 3-6 (each tool run has its own time limit).
@@ -205,12 +206,27 @@ profile_run() {
         --train.precision "$prec" --eval.every 0 --sample.every 0 --data.train "$DATA/big_*.bin" > /dev/null
 }
 
+# profile_sections KERNEL: Nsight Compute's speed-of-light, occupancy, warp-stall and instruction
+# sections for the first launch of KERNEL in the ANDREA-120M bf16 training step.
+profile_sections() {
+    local ncu
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    ANDREA_NO_GRAPH=1 run_cmd 200 "$ncu" --clock-control none -k "regex:$1" -s 24 -c 1 --section SpeedOfLight \
+        --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis --section SchedulerStats \
+        --section InstructionStats --section LaunchStats build/microgpt_cuda "${M120[@]}" --model.vocab_size 50259 \
+        --model.padded_vocab_size 50304 --train.batch_size 8 --train.steps 1 --train.precision bf16 \
+        --data.train "$DATA/big_*.bin" | grep -v '^{'
+}
+
 stage_profile() {
-    local rc=0
+    local rc=0 k
     make_shard big 50257 3000000 || return 1
     profile_run 12M-bf16 bf16 "${M12[@]}" || rc=1
     profile_run 120M-bf16 bf16 "${M120[@]}" || rc=1
     "$PY" bench/kernel_profile.py "$OUT"/profile-*.csv || rc=1
+    for k in attn_flash_fwd_kernel attn_flash_dq_kernel attn_flash_dkv_kernel; do
+        profile_sections "$k" > "$OUT/profile-$k.log" 2>&1 || rc=1
+    done
     return "$rc"
 }
 

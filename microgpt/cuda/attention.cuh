@@ -347,6 +347,22 @@ __device__ __forceinline__ void fa_add_out(T* y, const float (*acc)[4], float s,
         }
 }
 
+/* The causal mask of a diagonal tile pair (query tile == key tile), the only tile pair where any
+ * key follows a query: scores s in the C-fragment layout above, row base_row + g + 8h, column
+ * 8j + 2t + e (tile-relative), become -inf where the key index exceeds the query index. Rows are
+ * queries (forward, dQ: mask column > row) or keys (dK/dV: mask column < row). Off the diagonal
+ * every key precedes every query, and no mask is applied at all. */
+template <bool ROWS_ARE_KEYS>
+__device__ __forceinline__ void fa_mask_diagonal(float (*s)[4], int base_row) {
+    int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    for (int j = 0; j < FA_TILE / 8; j++)
+        for (int h = 0; h < 2; h++)
+            for (int e = 0; e < 2; e++) {
+                int r = base_row + g + 8 * h, c = 8 * j + 2 * t + e;
+                if (ROWS_ARE_KEYS ? c < r : c > r) s[j][2 * h + e] = -INFINITY;
+            }
+}
+
 /* Sum / max over the 4 lanes of a quad (the lanes holding one score row). */
 __device__ __forceinline__ float fa_quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
@@ -384,22 +400,22 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* running max (base 2), this lane's sum */
 
     for (int kt = 0; kt <= qt; kt++) {
-        int kv0 = kt * FA_TILE, cur = kt & 1;
+        int cur = kt & 1;
         if (kt < qt) {
-            fa_load_rows<T, D>(ks[cur ^ 1], k + base, kv0 + FA_TILE, T_, C);
-            fa_load_rows<T, D>(vs[cur ^ 1], v + base, kv0 + FA_TILE, T_, C);
+            fa_load_rows<T, D>(ks[cur ^ 1], k + base, (kt + 1) * FA_TILE, T_, C);
+            fa_load_rows<T, D>(vs[cur ^ 1], v + base, (kt + 1) * FA_TILE, T_, C);
         }
         fa_cp_commit();
         fa_cp_wait<1>(); /* tile kt has landed (this thread's part) ... */
         __syncthreads(); /* ... and everyone's */
         float s[FA_TILE / 8][4];
         fa_scores<T, D>(s, qa, ks[cur]);
+        if (kt == qt) fa_mask_diagonal<false>(s, warp * 16);
         for (int h = 0; h < 2; h++) {
-            int i = row0 + g + 8 * h;
             float mx = -INFINITY;
             for (int j = 0; j < FA_TILE / 8; j++)
                 for (int e = 0; e < 2; e++) {
-                    float x = kv0 + 8 * j + 2 * t + e <= i ? s[j][2 * h + e] * sl2 : -INFINITY;
+                    float x = s[j][2 * h + e] * sl2;
                     s[j][2 * h + e] = x;
                     mx = fmaxf(mx, x);
                 }
@@ -462,7 +478,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
     __shared__ __align__(16) T qs[2][FA_TILE * Fa<D>::LD];
     __shared__ __align__(16) T dos[2][FA_TILE * Fa<D>::LD];
     __shared__ float lse2s[2][FA_TILE], dls[2][FA_TILE];
-    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
     int kt = blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H, n_tiles = gridDim.x;
     int kv0 = kt * FA_TILE, row0 = kv0 + warp * 16;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
@@ -491,7 +507,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
     float dk_acc[Fa<D>::ND][4] = {}, dv_acc[Fa<D>::ND][4] = {};
 
     for (int qt = kt; qt < n_tiles; qt++) {
-        int q0 = qt * FA_TILE, cur = (qt - kt) & 1;
+        int cur = (qt - kt) & 1;
         if (qt + 1 < n_tiles) load_queries(qt + 1, cur ^ 1);
         fa_cp_commit();
         fa_cp_wait<1>(); /* tile qt has landed (this thread's part) ... */
@@ -501,11 +517,14 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
         float p[FA_TILE / 8][4], ds[FA_TILE / 8][4];
         fa_scores<T, D>(p, ka, qs[cur]);
         fa_scores<T, D>(ds, va, dos[cur]);
+        if (qt == kt) fa_mask_diagonal<true>(p, warp * 16);
+        /* queries past T (a partial last tile) were loaded as zero rows of q and dout with lse and
+         * delta 0: their P is 1 but their dP and dout rows are 0, so they add nothing */
         for (int j = 0; j < FA_TILE / 8; j++)
             for (int h = 0; h < 2; h++)
                 for (int e = 0; e < 2; e++) {
-                    int col = 8 * j + 2 * t + e, i = q0 + col, key = row0 + g + 8 * h;
-                    float pr = key <= i && i < T_ ? exp2f(p[j][2 * h + e] * sl2 - lse2c[col]) : 0.0f;
+                    int col = 8 * j + 2 * t + e;
+                    float pr = exp2f(p[j][2 * h + e] * sl2 - lse2c[col]);
                     p[j][2 * h + e] = pr;
                     ds[j][2 * h + e] = pr * (ds[j][2 * h + e] - dlc[col]);
                 }
@@ -526,7 +545,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
                          const T* v, int T_, int C, int H, float scale, float sl2) {
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
     __shared__ __align__(16) T vs[2][FA_TILE * Fa<D>::LD];
-    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
     int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H;
     int q0 = qt * FA_TILE, row0 = q0 + warp * 16;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
@@ -562,11 +581,12 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
         float s[FA_TILE / 8][4], ds[FA_TILE / 8][4];
         fa_scores<T, D>(s, qa, ks[cur]);
         fa_scores<T, D>(ds, doa, vs[cur]);
+        if (kt == qt) fa_mask_diagonal<false>(s, warp * 16);
+        /* rows past T (lse, delta 0) get finite values that are never stored */
         for (int j = 0; j < FA_TILE / 8; j++)
             for (int h = 0; h < 2; h++)
                 for (int e = 0; e < 2; e++) {
-                    int i = row0 + g + 8 * h, key = kv0 + 8 * j + 2 * t + e;
-                    float pr = key <= i && i < T_ ? exp2f(s[j][2 * h + e] * sl2 - lse2[h]) : 0.0f;
+                    float pr = exp2f(s[j][2 * h + e] * sl2 - lse2[h]);
                     ds[j][2 * h + e] = pr * (ds[j][2 * h + e] - dl[h]);
                 }
         fa_accumulate<T, D>(dq_acc, ds, ks[cur]);

@@ -12,7 +12,7 @@
  *
  * One kernel does a row's softmax, loss and (when training) its gradient: a first pass over the
  * row keeps a running max and a sum rescaled to it (online softmax, once per 16-byte packet),
- * giving the log-sum-exp; a second pass overwrites the logits with their gradient
+ * giving the log-sum-exp (exponentials by the hardware's __expf, ~2 ulp); a second pass overwrites the logits with their gradient
  * dlogits = (softmax - onehot) * dscale, ready for the two products. A block of LOSS_THREADS per
  * row keeps the rows in flight small enough (2 blocks per multiprocessor) that the second pass
  * reads from L2. dscale is read from device memory (it carries the fp16 loss scale) so a captured
@@ -44,19 +44,20 @@ loss_rows_kernel(float* __restrict__ losses, float* __restrict__ lse, T* __restr
     float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f; /* read before the row is overwritten */
     float mx = -INFINITY, s = 0.0f, v[VEC];
     for (int j = threadIdx.x * VEC; j < V; j += LOSS_THREADS * VEC) {
-        float pm = -INFINITY;
         load_vec(v, l + j);
-        for (int k = 0; k < VEC; k++)
-            if (j + k < V) pm = fmaxf(pm, v[k]);
+        if (j + VEC > V) /* the one packet that reaches into the padding */
+            for (int k = 0; k < VEC; k++)
+                if (j + k >= V) v[k] = -INFINITY;
+        float pm = v[0];
+        for (int k = 1; k < VEC; k++) pm = fmaxf(pm, v[k]);
         if (pm > mx) { /* rescale the sum to the new max (first packet: 0 * exp(-inf) = 0) */
-            s *= expf(mx - pm);
+            s *= __expf(mx - pm);
             mx = pm;
         }
-        for (int k = 0; k < VEC; k++)
-            if (j + k < V) s += expf(v[k] - mx);
+        for (int k = 0; k < VEC; k++) s += __expf(v[k] - mx);
     }
     float row_mx = block_max(mx);
-    s = block_sum(mx == -INFINITY ? 0.0f : s * expf(mx - row_mx)); /* ends with every read of l done */
+    s = block_sum(mx == -INFINITY ? 0.0f : s * __expf(mx - row_mx)); /* ends with every read of l done */
     float row_lse = row_mx + logf(s);
     if (threadIdx.x == 0) {
         lse[row] = row_lse;
@@ -66,8 +67,10 @@ loss_rows_kernel(float* __restrict__ losses, float* __restrict__ lse, T* __restr
     float ds = *dscale;
     for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
         load_vec(v, l + j);
-        for (int k = 0; k < VEC; k++)
-            v[k] = j + k < V ? (expf(v[k] - row_lse) - (j + k == target ? 1.0f : 0.0f)) * ds : 0.0f;
+        for (int k = 0; k < VEC; k++) v[k] = (__expf(v[k] - row_lse) - (j + k == target ? 1.0f : 0.0f)) * ds;
+        if (j + VEC > V) /* padded columns */
+            for (int k = 0; k < VEC; k++)
+                if (j + k >= V) v[k] = 0.0f;
         store_vec(l + j, v);
     }
 }
