@@ -685,9 +685,9 @@ template <typename T> static void run_precision(void) {
         test_attn<T>(s, tol);
     }
     {
-        /* C and B·T both above EMBED_BWD_THREADS: the embedding backward's column groups, and
-         * tokens repeated across its position tiles */
-        Shape wide = {3, 100, 300, 4, 8, 17, 17, 8};
+        /* C above EMBED_BWD_THREADS and B·T above EMBED_LIST: the embedding backward's column
+         * groups, and tokens repeated across its position tiles and list segments */
+        Shape wide = {3, 800, 300, 4, 8, 17, 17, 8};
         set_ctx(prec, "embed", shape_str(wide).c_str());
         test_embed<T>(wide, tol);
     }

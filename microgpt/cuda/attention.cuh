@@ -452,18 +452,23 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
     }
 }
 
-/* delta[b, h, t] = sum over the head's columns of dout * out: one warp per (row, head). */
+/* delta[b, h, t] = sum over the head's columns of dout * out: one thread per (row, head), in
+ * 16-byte packets (a flash head's row is whole packets, see attn_flash_ok). */
 template <typename T>
 __global__ void attn_delta_kernel(float* delta, const T* dout, const T* out, int N, int T_, int C, int H) {
-    int lane = threadIdx.x & 31, gw = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
-    if (gw >= N * H) return;
-    int n = gw / H, h = gw % H, hs = C / H;
+    constexpr int VEC = PACK(T);
+    int gid = blockIdx.x * blockDim.x + threadIdx.x;
+    if (gid >= N * H) return;
+    int n = gid / H, h = gid % H, hs = C / H;
     const T* a = dout + (size_t)n * C + h * hs;
     const T* o = out + (size_t)n * C + h * hs;
-    float s = 0.0f;
-    for (int c = lane; c < hs; c += 32) s += to_f(a[c]) * to_f(o[c]);
-    s = warp_sum(s);
-    if (lane == 0) delta[((size_t)(n / T_) * H + h) * T_ + n % T_] = s;
+    float s = 0.0f, av[VEC], ov[VEC];
+    for (int c = 0; c < hs; c += VEC) {
+        load_vec(av, a + c);
+        load_vec(ov, o + c);
+        for (int k = 0; k < VEC; k++) s += av[k] * ov[k];
+    }
+    delta[((size_t)(n / T_) * H + h) * T_ + n % T_] = s;
 }
 
 /* dK, dV: block (key tile, b*H + h); warp w owns keys kv0 + 16w .. +15 (lane: keys g, g+8) and
@@ -620,8 +625,7 @@ static void attn_bwd_flash(T* dq, T* dk, T* dv, const T* dout, const T* out, con
     float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
     fa_check_aligned(dout, q, k, v);
     fa_check_aligned(dq, dk, dv, out);
-    attn_delta_kernel<T><<<ceil_div((size_t)N * H, ATTN_WARPS), 32 * ATTN_WARPS, 0, g_stream>>>(delta, dout, out, N,
-                                                                                               T_, C, H);
+    attn_delta_kernel<T><<<ceil_div((size_t)N * H, 256), 256, 0, g_stream>>>(delta, dout, out, N, T_, C, H);
     LAUNCH_CHECK();
     dim3 grid(ceil_div(T_, FA_TILE), B * H);
     attn_flash_dkv_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dk, dv, dout, lse, delta, q, k, v, T_, C, H, scale,

@@ -3,7 +3,8 @@
  *
  * Backward without atomics: several positions can hold the same token, so dwte rows are not
  * independent outputs. Each distinct token gets one block, the one of its first position, that
- * adds the gradient rows of all its positions in position order: a fixed summation order, every
+ * adds the gradient rows of all its positions in position order (one sum per EMBED_LIST-position
+ * segment, added to the row segment by segment): a fixed summation order, every
  * dwte row written by exactly one block, and no sort or host work (so a step needs no host round
  * trip and can be captured in a CUDA graph). dwpe[t] has one term per sequence, summed in b order.
  */
@@ -13,6 +14,7 @@
 #include "common.cuh"
 
 #define EMBED_BWD_THREADS 256
+#define EMBED_LIST 2048 /* positions per segment of the backward's match list (a multiple of the block) */
 
 template <typename T>
 __global__ void embed_fwd_kernel(T* out, const int* tokens, const float* wte, const float* wpe, int N, int T_, int C) {
@@ -24,10 +26,13 @@ __global__ void embed_fwd_kernel(T* out, const int* tokens, const float* wte, co
 }
 
 /* One block per position i (EMBED_BWD_THREADS threads). Only the first position of each token
- * works: it scans the positions from i on a tile at a time, each warp's ballot marking those with
- * the token, and every thread (one column) adds the marked rows in position order. */
+ * works. It walks the positions from i on in segments of EMBED_LIST positions: lists, in position
+ * order, those holding the token (a ballot per warp and a prefix count over the warps), then every
+ * thread (one column at a time) adds the listed rows in list order into the token's dwte row,
+ * which no other block writes. */
 template <typename T>
 __global__ void embed_bwd_wte_kernel(float* dwte, const T* dout, const int* tokens, int N, int C) {
+    __shared__ int list[EMBED_LIST];
     __shared__ unsigned match[EMBED_BWD_THREADS / 32];
     int i = blockIdx.x, tok = tokens[i];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -35,33 +40,31 @@ __global__ void embed_bwd_wte_kernel(float* dwte, const T* dout, const int* toke
     for (int j = threadIdx.x; j < i; j += EMBED_BWD_THREADS) seen |= tokens[j] == tok;
     if (__syncthreads_or(seen)) return; /* an earlier position owns this token */
     float* row = dwte + (size_t)tok * C;
-    /* c0 loop: every thread runs the same iterations, so the barriers below are uniform */
-    for (int c0 = 0; c0 < C; c0 += EMBED_BWD_THREADS) {
-        int c = c0 + threadIdx.x;
-        float s = 0.0f;
-        for (int j0 = i; j0 < N; j0 += EMBED_BWD_THREADS) {
+    for (int seg = i; seg < N; seg += EMBED_LIST) {
+        int n = 0; /* listed so far in this segment; the same in every thread */
+        for (int j0 = seg; j0 < seg + EMBED_LIST && j0 < N; j0 += EMBED_BWD_THREADS) {
             int j = j0 + threadIdx.x;
-            unsigned m = __ballot_sync(0xffffffffu, j < N && tokens[j] == tok);
-            __syncthreads(); /* the previous tile's masks are read */
+            bool hit = j < N && tokens[j] == tok;
+            unsigned m = __ballot_sync(0xffffffffu, hit);
             if (lane == 0) match[warp] = m;
             __syncthreads();
+            int before = n, total = 0;
             for (int w = 0; w < EMBED_BWD_THREADS / 32; w++) {
-                unsigned bits = match[w];
-                while (bits) {
-                    /* up to 4 rows loaded before any is added: the loads overlap (a frequent token's
-                     * block is the kernel's critical path), the adds keep position order */
-                    int p[4], k = 0;
-                    float x[4];
-                    for (; k < 4 && bits; k++, bits &= bits - 1) p[k] = j0 + 32 * w + __ffs(bits) - 1;
-#pragma unroll
-                    for (int q = 0; q < 4; q++) x[q] = q < k && c < C ? to_f(dout[(size_t)p[q] * C + c]) : 0.0f;
-#pragma unroll
-                    for (int q = 0; q < 4; q++)
-                        if (q < k) s += x[q];
-                }
+                int c = __popc(match[w]);
+                before += w < warp ? c : 0;
+                total += c;
             }
+            if (hit) list[before + __popc(m & ((1u << lane) - 1u))] = j;
+            n += total;
+            __syncthreads(); /* match is read and the list entries written before the next tile */
         }
-        if (c < C) row[c] += s;
+        if (n == 0) continue; /* block-uniform */
+        for (int c = threadIdx.x; c < C; c += EMBED_BWD_THREADS) {
+            float s = 0.0f;
+            for (int q = 0; q < n; q++) s += to_f(dout[(size_t)list[q] * C + c]);
+            row[c] += s;
+        }
+        __syncthreads(); /* the list is read before the next segment overwrites it */
     }
 }
 
