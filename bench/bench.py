@@ -344,12 +344,12 @@ def plain_table(rows):
 
 
 def source_commit():
-    """The commit measured: git's, or ANDREA_COMMIT where the tree was copied without git metadata
-    (the GPU machine of this workplace); "unknown" rather than a guess."""
+    """The commit measured: ANDREA_COMMIT when set (a tree copied to the GPU machine of this workplace
+    has no git metadata, or stale metadata), else git's; "unknown" rather than a guess."""
+    if os.environ.get("ANDREA_COMMIT"):
+        return os.environ["ANDREA_COMMIT"]
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    if git.returncode == 0:
-        return git.stdout.strip()
-    return os.environ.get("ANDREA_COMMIT", "unknown")
+    return git.stdout.strip() if git.returncode == 0 else "unknown"
 
 
 def run_meta(args, rows):

@@ -225,6 +225,7 @@ static float engine_forward_loss(const int* inputs, const int* targets) { return
 static void engine_next_logits(const int* tokens, int len, float* logits) {
     int v, d = E.d;
     const float* x;
+    if (len < 1 || len > E.T) die_io("internal: engine_next_logits with len %d (1..%d)", len, E.T);
     forward_trunk(tokens, 1, len);
     x = E.lnf + (size_t)(len - 1) * d;
 #pragma omp parallel for schedule(static)

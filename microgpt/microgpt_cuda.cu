@@ -208,6 +208,34 @@ static void print_plan(const size_t* bytes) {
 
 template <typename T> static T* layer_act(void* base, int l, size_t per_layer) { return (T*)base + (size_t)l * per_layer; }
 
+/* The residual stream entering layer l (l = L: the last layer's output, LNf's input). */
+template <typename T> static T* stream(int l) { return layer_act<T>(E.res, l, (size_t)E.N * E.C); }
+
+/* The saved forward values of layer l. */
+template <typename T> struct LayerActs {
+    T *x, *xmid, *ln1, *ln2, *qkv, *atty, *h, *g;
+    float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd, *att_lse;
+};
+
+template <typename T> static LayerActs<T> layer_acts(int l) {
+    size_t nc = (size_t)E.N * E.C, nf = (size_t)E.N * E.F, n = (size_t)E.N; /* per-layer strides: allocated sizes */
+    LayerActs<T> a;
+    a.x = stream<T>(l);
+    a.xmid = layer_act<T>(E.x_mid, l, nc);
+    a.ln1 = layer_act<T>(E.ln1, l, nc);
+    a.ln2 = layer_act<T>(E.ln2, l, nc);
+    a.qkv = layer_act<T>(E.qkv, l, 3 * nc);
+    a.atty = layer_act<T>(E.atty, l, nc);
+    a.h = layer_act<T>(E.h, l, nf);
+    a.g = layer_act<T>(E.g, l, nf);
+    a.ln1_mean = E.ln1_mean + l * n;
+    a.ln1_rstd = E.ln1_rstd + l * n;
+    a.ln2_mean = E.ln2_mean + l * n;
+    a.ln2_rstd = E.ln2_rstd + l * n;
+    a.att_lse = E.att_lse + l * n * E.H;
+    return a;
+}
+
 /* Weight tensor `t` of layer l in the activation type (products) / fp32 master (LayerNorm). */
 template <typename T> static const T* wl(int l, int t) { return (const T*)E.wlow + layer_offset(&E.layout, l, t); }
 static const float* wf(int l, int t) { return E.params + layer_offset(&E.layout, l, t); }
@@ -229,30 +257,21 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
 template <typename T>
 static void forward(int B, int Tn) {
     int C = E.C, H = E.H, F = E.F, L = E.L, N = B * Tn, l;
-    size_t nc = (size_t)E.N * C, nf = (size_t)E.N * F; /* per-layer strides: the allocated size */
+    T* branch = (T*)E.branch;
     k_embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
     for (l = 0; l < L; l++) {
-        T* x = layer_act<T>(E.res, l, nc);
-        T* xmid = layer_act<T>(E.x_mid, l, nc);
-        T* ln1 = layer_act<T>(E.ln1, l, nc);
-        T* ln2 = layer_act<T>(E.ln2, l, nc);
-        T* qkv = layer_act<T>(E.qkv, l, 3 * nc);
-        T* atty = layer_act<T>(E.atty, l, nc);
-        T* h = layer_act<T>(E.h, l, nf);
-        T* branch = (T*)E.branch;
-        k_layernorm_fwd<T>(ln1, E.ln1_mean + (size_t)l * E.N, E.ln1_rstd + (size_t)l * E.N, x, wf(l, T_LN1_GAMMA),
-                           wf(l, T_LN1_BETA), N, C);
-        k_attn_qkv_fwd<T>(qkv, ln1, wl<T>(l, T_WQ), N, C);
-        k_attn_fwd<T>(atty, E.att_lse + (size_t)l * E.N * H, qkv, qkv + (size_t)N * C, qkv + 2 * (size_t)N * C, B, Tn,
-                      C, H, attn_scratch<T>());
-        k_attn_out_fwd<T>(branch, atty, wl<T>(l, T_WO), N, C);
-        k_residual_add<T>(xmid, x, branch, (size_t)N * C);
-        k_layernorm_fwd<T>(ln2, E.ln2_mean + (size_t)l * E.N, E.ln2_rstd + (size_t)l * E.N, xmid, wf(l, T_LN2_GAMMA),
-                           wf(l, T_LN2_BETA), N, C);
-        k_mlp_fwd<T>(branch, h, layer_act<T>(E.g, l, nf), ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), N, C, F);
-        k_residual_add<T>(layer_act<T>(E.res, l + 1, nc), xmid, branch, (size_t)N * C);
+        LayerActs<T> a = layer_acts<T>(l);
+        k_layernorm_fwd<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), N, C);
+        k_attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
+        k_attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
+                      attn_scratch<T>());
+        k_attn_out_fwd<T>(branch, a.atty, wl<T>(l, T_WO), N, C);
+        k_residual_add<T>(a.xmid, a.x, branch, (size_t)N * C);
+        k_layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
+        k_mlp_fwd<T>(branch, a.h, a.g, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), N, C, F);
+        k_residual_add<T>(stream<T>(l + 1), a.xmid, branch, (size_t)N * C);
     }
-    k_layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, layer_act<T>(E.res, L, nc), E.params + E.layout.lnf_gamma,
+    k_layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, stream<T>(L), E.params + E.layout.lnf_gamma,
                        E.params + E.layout.lnf_beta, N, C);
 }
 
@@ -280,38 +299,32 @@ static void loss_chunks(int N, int train) {
 template <typename T>
 static void backward(void) {
     int B = E.B, Tn = E.T, C = E.C, H = E.H, F = E.F, L = E.L, N = E.N, l;
-    size_t nc = (size_t)N * C, nf = (size_t)N * F, es = E.es;
+    size_t nc = (size_t)N * C, es = E.es;
     T* dres = (T*)E.dres;
     T* dln = (T*)E.dln;
     T* dqkv = (T*)E.dqkv;
     /* dln holds d(LNf output) from loss_chunks */
     CUDA_CHECK(cudaMemsetAsync(dres, 0, nc * es, g_stream));
-    k_layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, layer_act<T>(E.res, L, nc),
+    k_layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, stream<T>(L),
                        E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial);
     for (l = L - 1; l >= 0; l--) {
-        T* x = layer_act<T>(E.res, l, nc);
-        T* xmid = layer_act<T>(E.x_mid, l, nc);
-        T* ln1 = layer_act<T>(E.ln1, l, nc);
-        T* ln2 = layer_act<T>(E.ln2, l, nc);
-        T* qkv = layer_act<T>(E.qkv, l, 3 * nc);
-        T* atty = layer_act<T>(E.atty, l, nc);
-        T* h = layer_act<T>(E.h, l, nf);
+        LayerActs<T> a = layer_acts<T>(l);
         /* MLP branch: its output gradient is the stream's, dres */
         CUDA_CHECK(cudaMemsetAsync(dln, 0, nc * es, g_stream));
-        k_mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, ln2, h, layer_act<T>(E.g, l, nf), wl<T>(l, T_W1),
-                     wl<T>(l, T_W2), (T*)E.dh, N, C, F);
-        k_layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, xmid, wf(l, T_LN2_GAMMA),
-                           E.ln2_mean + (size_t)l * N, E.ln2_rstd + (size_t)l * N, N, C, E.ln_partial);
+        k_mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.g, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.dh,
+                     N, C, F);
+        k_layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
+                           a.ln2_rstd, N, C, E.ln_partial);
         /* attention branch: dres is now the gradient at x_mid */
         CUDA_CHECK(cudaMemsetAsync(E.datty, 0, nc * es, g_stream));
-        k_attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, atty, wl<T>(l, T_WO), N, C);
+        k_attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C);
         CUDA_CHECK(cudaMemsetAsync(dqkv, 0, 3 * nc * es, g_stream));
-        k_attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, atty, E.att_lse + (size_t)l * N * H, qkv,
-                      qkv + nc, qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
+        k_attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
+                      a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
         CUDA_CHECK(cudaMemsetAsync(dln, 0, nc * es, g_stream));
-        k_attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, ln1, wl<T>(l, T_WQ), N, C);
-        k_layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, x, wf(l, T_LN1_GAMMA),
-                           E.ln1_mean + (size_t)l * N, E.ln1_rstd + (size_t)l * N, N, C, E.ln_partial);
+        k_attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C);
+        k_layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
+                           a.ln1_rstd, N, C, E.ln_partial);
     }
     k_embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, B, Tn, C);
 }

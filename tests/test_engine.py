@@ -250,6 +250,23 @@ def test_full_disk_keeps_previous_checkpoint(engine, random_shards, tmp_path):
     assert after == before, f"previous checkpoint damaged or temporary files left: {sorted(after)} vs {sorted(before)}"
 
 
+def test_temporary_files_of_a_killed_writer_are_removed(engine, random_shards, tmp_path):
+    """A writer killed mid-checkpoint leaves PATH.tmpPID behind; the next save removes it (its
+    process is gone) and leaves a live process's temporary file alone."""
+    ckpt = tmp_path / "run.ckpt"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that certainly ran and is gone (pids are not reused this quickly)
+    stale = [tmp_path / f"run.ckpt.tmp{dead.pid}", tmp_path / f"run.ckpt.json.tmp{dead.pid}"]
+    live = tmp_path / f"run.ckpt.tmp{os.getpid()}"
+    other = tmp_path / f"run.ckpt.tmpnotapid"
+    for p in stale + [live, other]:
+        p.write_bytes(b"partial")
+    res = run_ok(engine, tiny_args(random_shards.train, train_steps=2, checkpoint=ckpt))
+    assert not any(p.exists() for p in stale), sorted(os.listdir(tmp_path))
+    assert live.exists() and other.exists()
+    assert sum("no longer runs" in line for line in res.stderr.splitlines()) == 2, res.describe()
+
+
 # ---------------------------------------------------------------------------------------------------
 # 5: bad input, one error line, exit 2, before any large allocation
 

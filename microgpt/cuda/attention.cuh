@@ -280,6 +280,13 @@ __device__ __forceinline__ void fa_load_rows(T* dst, const T* src, int r0, int T
     }
 }
 
+/* Starts copying key/value tile kt (rows kt*64 ..) of one head into the staged buffers ks, vs. */
+template <typename T, int D>
+__device__ __forceinline__ void fa_load_kv(T* ks, T* vs, const T* k, const T* v, int kt, int T_, int C) {
+    fa_load_rows<T, D>(ks, k, kt * FA_TILE, T_, C);
+    fa_load_rows<T, D>(vs, v, kt * FA_TILE, T_, C);
+}
+
 /* A fragments of the 16 rows of a staged tile starting at `rows`, for every k step of D. */
 template <typename T, int D>
 __device__ __forceinline__ void fa_load_a(unsigned (*a)[4], const T* rows) {
@@ -389,8 +396,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
 
     unsigned qa[Fa<D>::KD][4];
     fa_load_rows<T, D>(ks[1], q + base, q0, T_, C); /* q staged through the second k buffer */
-    fa_load_rows<T, D>(ks[0], k + base, 0, T_, C);
-    fa_load_rows<T, D>(vs[0], v + base, 0, T_, C);
+    fa_load_kv<T, D>(ks[0], vs[0], k + base, v + base, 0, T_, C);
     fa_cp_commit();
     fa_cp_wait<0>();
     __syncthreads();
@@ -401,10 +407,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
 
     for (int kt = 0; kt <= qt; kt++) {
         int cur = kt & 1;
-        if (kt < qt) {
-            fa_load_rows<T, D>(ks[cur ^ 1], k + base, (kt + 1) * FA_TILE, T_, C);
-            fa_load_rows<T, D>(vs[cur ^ 1], v + base, (kt + 1) * FA_TILE, T_, C);
-        }
+        if (kt < qt) fa_load_kv<T, D>(ks[cur ^ 1], vs[cur ^ 1], k + base, v + base, kt + 1, T_, C);
         fa_cp_commit();
         fa_cp_wait<1>(); /* tile kt has landed (this thread's part) ... */
         __syncthreads(); /* ... and everyone's */
@@ -500,8 +503,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
     };
 
     unsigned ka[Fa<D>::KD][4], va[Fa<D>::KD][4];
-    fa_load_rows<T, D>(qs[1], k + base, kv0, T_, C); /* k and v staged through the second buffers */
-    fa_load_rows<T, D>(dos[1], v + base, kv0, T_, C);
+    fa_load_kv<T, D>(qs[1], dos[1], k + base, v + base, kt, T_, C); /* k and v staged through the second buffers */
     load_queries(kt, 0);
     fa_cp_commit();
     fa_cp_wait<0>();
@@ -564,8 +566,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
     unsigned qa[Fa<D>::KD][4], doa[Fa<D>::KD][4];
     fa_load_rows<T, D>(ks[1], q + base, q0, T_, C); /* q and dout staged through the second buffers */
     fa_load_rows<T, D>(vs[1], dout + base, q0, T_, C);
-    fa_load_rows<T, D>(ks[0], k + base, 0, T_, C);
-    fa_load_rows<T, D>(vs[0], v + base, 0, T_, C);
+    fa_load_kv<T, D>(ks[0], vs[0], k + base, v + base, 0, T_, C);
     fa_cp_commit();
     fa_cp_wait<0>();
     __syncthreads();
@@ -575,11 +576,8 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS)
     float dq_acc[Fa<D>::ND][4] = {};
 
     for (int kt = 0; kt <= qt; kt++) {
-        int kv0 = kt * FA_TILE, cur = kt & 1;
-        if (kt < qt) {
-            fa_load_rows<T, D>(ks[cur ^ 1], k + base, kv0 + FA_TILE, T_, C);
-            fa_load_rows<T, D>(vs[cur ^ 1], v + base, kv0 + FA_TILE, T_, C);
-        }
+        int cur = kt & 1;
+        if (kt < qt) fa_load_kv<T, D>(ks[cur ^ 1], vs[cur ^ 1], k + base, v + base, kt + 1, T_, C);
         fa_cp_commit();
         fa_cp_wait<1>(); /* tile kt has landed (this thread's part) ... */
         __syncthreads(); /* ... and everyone's */

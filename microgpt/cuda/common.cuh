@@ -190,27 +190,21 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
-/* Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the
- * result. The leading barrier lets a kernel call it several times with the one shared array. */
-__device__ __forceinline__ float block_sum(float x) {
+/* Reduction over the whole block (blockDim.x a multiple of 32, at most 1024) with the warp
+ * reduction `warp_op` and its identity; every thread gets the result. The leading barrier lets a
+ * kernel call it several times with the one shared array. */
+template <float (*warp_op)(float)>
+__device__ __forceinline__ float block_reduce(float x, float identity) {
     __shared__ float partial[32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    x = warp_sum(x);
+    x = warp_op(x);
     __syncthreads();
     if (lane == 0) partial[warp] = x;
     __syncthreads();
-    return warp_sum(lane < n_warps ? partial[lane] : 0.0f);
+    return warp_op(lane < n_warps ? partial[lane] : identity);
 }
-
-__device__ __forceinline__ float block_max(float x) {
-    __shared__ float partial[32];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    x = warp_max(x);
-    __syncthreads();
-    if (lane == 0) partial[warp] = x;
-    __syncthreads();
-    return warp_max(lane < n_warps ? partial[lane] : -INFINITY);
-}
+__device__ __forceinline__ float block_sum(float x) { return block_reduce<warp_sum>(x, 0.0f); }
+__device__ __forceinline__ float block_max(float x) { return block_reduce<warp_max>(x, -INFINITY); }
 
 /* ---------------------------------------------------------------------------------------------- */
 /* cuBLAS: one handle, one explicit workspace (so the library never allocates behind our back and

@@ -9,7 +9,9 @@
 #define MICROGPT_HOST_CHECKPOINT_H
 
 #include "config.h"
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdint.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -71,6 +73,38 @@ static void sidecar_text(char* buf, size_t cap, int step, size_t n_params, float
              c->train.batch_size, c->train.grad_accum, c->train.steps, c->train.precision);
 }
 
+/* Temporary files of a writer that was killed (PATH.tmpPID, PATH.json.tmpPID whose process no
+ * longer exists) are removed before writing, so crashes never pile up checkpoint-sized leftovers
+ * on the disk. Another live process's temporary files are left alone. */
+static void ckpt_remove_stale_temps(const char* path) {
+    char dir[CFG_PATH_MAX], victim[2 * CFG_PATH_MAX + 8];
+    const char* base = strrchr(path, '/');
+    const char* suffixes[2] = {".tmp", ".json.tmp"};
+    size_t base_len;
+    struct dirent* e;
+    DIR* d;
+    base = base ? base + 1 : path;
+    base_len = strlen(base);
+    snprintf(dir, sizeof dir, "%.*s", base == path ? 1 : (int)(base - path), base == path ? "." : path);
+    if (!(d = opendir(dir))) return;
+    while ((e = readdir(d)) != NULL) {
+        int k;
+        if (strncmp(e->d_name, base, base_len) != 0) continue;
+        for (k = 0; k < 2; k++) {
+            const char* rest = e->d_name + base_len;
+            size_t sl = strlen(suffixes[k]);
+            char* end;
+            long pid;
+            if (strncmp(rest, suffixes[k], sl) != 0 || !rest[sl]) continue;
+            pid = strtol(rest + sl, &end, 10);
+            if (*end || pid <= 0 || pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+            snprintf(victim, sizeof victim, "%s/%s", dir, e->d_name);
+            if (unlink(victim) == 0) info("removed %s, left by a writer that no longer runs", victim);
+        }
+    }
+    closedir(d);
+}
+
 /* Writes checkpoint + sidecar atomically. On any I/O failure the temporary files are removed, the
  * previous checkpoint is left untouched, and the process exits with an error (the caller can't
  * carry on believing it has a checkpoint it doesn't have). */
@@ -82,6 +116,7 @@ static void ckpt_write(const char* path, int step, const float* params, const fl
     snprintf(tmp, sizeof tmp, "%s.tmp%d", path, (int)getpid());
     snprintf(side, sizeof side, "%s.json", path);
     snprintf(side_tmp, sizeof side_tmp, "%s.json.tmp%d", path, (int)getpid());
+    ckpt_remove_stale_temps(path);
     header[0] = step;
     header[1] = (int32_t)n;
 

@@ -84,6 +84,7 @@ static int config_flags(Config* c, Flag* f) {
     const double BIG = 2147483647.0, FBIG = 1e30;
 #define FLAG(NAME, TYPE, PTR, CAP, DEF, REQ, CHOICES, MIN, MAX, HELP)                          \
     do {                                                                                         \
+        if (n == CFG_N_FLAGS_MAX) die_io("internal: more than CFG_N_FLAGS_MAX flags in config_flags"); \
         f[n].name = NAME; f[n].type = TYPE; f[n].ptr = (void*)(PTR); f[n].cap = CAP;             \
         f[n].def = DEF; f[n].required = REQ; f[n].choices = CHOICES; f[n].min = MIN;             \
         f[n].max = MAX; f[n].help = HELP; n++;                                                   \
@@ -422,5 +423,10 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
 }
 
 static int config_is_fp16(const Config* c) { return strcmp(c->train.precision, "fp16") == 0; }
+
+/* Tokens one optimizer step trains on: batch_size x seq_len x grad_accum. */
+static long long config_tokens_per_step(const Config* c) {
+    return (long long)c->train.batch_size * c->model.seq_len * c->train.grad_accum;
+}
 
 #endif

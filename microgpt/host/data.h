@@ -76,7 +76,8 @@ static void dataset_open(Dataset* ds, const char* pattern, const char* what, int
     ds->map_bytes = (size_t*)xcalloc(g.gl_pathc, sizeof(size_t), "shard list");
     ds->first_window = (uint64_t*)xcalloc(g.gl_pathc + 1, sizeof(uint64_t), "shard list");
     for (i = 0; i < ds->n_shards; i++) {
-        ds->paths[i] = strdup(g.gl_pathv[i]);
+        ds->paths[i] = (char*)xmalloc(strlen(g.gl_pathv[i]) + 1, "shard path");
+        strcpy(ds->paths[i], g.gl_pathv[i]);
         shard_map(ds, i, ds->paths[i], vocab_size);
         ds->total_tokens += ds->ntok[i];
         if (ds->ntok[i] > longest) longest = ds->ntok[i];

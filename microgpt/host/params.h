@@ -16,8 +16,12 @@ enum {
     T_PER_LAYER
 };
 
+/* How a tensor starts (params_init): see docs/ANDREA.md. */
+typedef enum { INIT_NORMAL, INIT_NORMAL_RESIDUAL, INIT_ONES, INIT_ZEROS } ParamInit;
+
 typedef struct {
     char name[32];
+    ParamInit init;
     size_t offset, size; /* in floats */
     int rows, cols;      /* 1-D tensors have rows = 1 */
     int decay;           /* 1 for 2-D tensors (wte, wpe, W_*): AdamW weight decay applies */
@@ -38,9 +42,11 @@ static size_t layer_offset(const ParamLayout* p, int l, int t) {
     return p->layer0[t] + (size_t)l * p->layer_stride;
 }
 
-static size_t param_add(ParamLayout* p, size_t* cursor, const char* name, int rows, int cols, int decay) {
+static size_t param_add(ParamLayout* p, size_t* cursor, const char* name, int rows, int cols, int decay,
+                        ParamInit init) {
     ParamTensor* t = &p->tensors[p->n_tensors++];
     snprintf(t->name, sizeof t->name, "%s", name);
+    t->init = init;
     t->offset = *cursor;
     t->rows = rows;
     t->cols = cols;
@@ -56,10 +62,13 @@ static void param_layout_init(ParamLayout* p, const Config* c) {
     size_t cur = 0;
     static const char* names[T_PER_LAYER] = {"W_Q", "W_K", "W_V", "W_O", "W_1", "W_2",
                                              "ln1.gamma", "ln1.beta", "ln2.gamma", "ln2.beta"};
+    static const ParamInit inits[T_PER_LAYER] = {INIT_NORMAL, INIT_NORMAL, INIT_NORMAL, INIT_NORMAL_RESIDUAL,
+                                                 INIT_NORMAL, INIT_NORMAL_RESIDUAL, INIT_ONES, INIT_ZEROS,
+                                                 INIT_ONES, INIT_ZEROS};
     memset(p, 0, sizeof *p);
     p->tensors = (ParamTensor*)xmalloc(sizeof(ParamTensor) * (size_t)(4 + T_PER_LAYER * L), "parameter table");
-    p->wte = param_add(p, &cur, "wte", c->model.padded_vocab_size, d, 1);
-    p->wpe = param_add(p, &cur, "wpe", c->model.seq_len, d, 1);
+    p->wte = param_add(p, &cur, "wte", c->model.padded_vocab_size, d, 1, INIT_NORMAL);
+    p->wpe = param_add(p, &cur, "wpe", c->model.seq_len, d, 1, INIT_NORMAL);
     for (l = 0; l < L; l++) {
         for (t = 0; t < T_PER_LAYER; t++) {
             char name[32];
@@ -67,14 +76,14 @@ static void param_layout_init(ParamLayout* p, const Config* c) {
             int cols = (t == T_W1) ? f : d;
             size_t off;
             snprintf(name, sizeof name, "h%d.%s", l, names[t]);
-            off = param_add(p, &cur, name, rows, cols, t <= T_W2);
+            off = param_add(p, &cur, name, rows, cols, t <= T_W2, inits[t]);
             if (l == 0) p->layer0[t] = off;
             if (l == 1 && t == 0) p->layer_stride = off - p->layer0[0];
         }
     }
     if (L == 1) p->layer_stride = cur - p->layer0[0];
-    p->lnf_gamma = param_add(p, &cur, "lnf.gamma", 1, d, 0);
-    p->lnf_beta = param_add(p, &cur, "lnf.beta", 1, d, 0);
+    p->lnf_gamma = param_add(p, &cur, "lnf.gamma", 1, d, 0, INIT_ONES);
+    p->lnf_beta = param_add(p, &cur, "lnf.beta", 1, d, 0, INIT_ZEROS);
     p->n_params = cur;
 }
 
@@ -91,15 +100,13 @@ static void params_init(float* params, const ParamLayout* p, const Config* c) {
     double proj_std = 0.02 / sqrt(2.0 * c->model.n_layer);
     for (i = 0; i < p->n_tensors; i++) {
         const ParamTensor* t = &p->tensors[i];
-        const char* dot = strrchr(t->name, '.');
-        const char* base = dot ? dot + 1 : t->name;
         long j, n = (long)t->size;
         float* w = params + t->offset;
-        if (!t->decay) {
-            float value = strcmp(base, "gamma") == 0 ? 1.0f : 0.0f;
+        if (t->init == INIT_ONES || t->init == INIT_ZEROS) {
+            float value = t->init == INIT_ONES ? 1.0f : 0.0f;
             for (j = 0; j < n; j++) w[j] = value;
         } else {
-            double std = (strcmp(base, "W_O") == 0 || strcmp(base, "W_2") == 0) ? proj_std : 0.02;
+            double std = t->init == INIT_NORMAL_RESIDUAL ? proj_std : 0.02;
             uint64_t seed = (uint64_t)c->train.seed, first = (uint64_t)t->offset;
 #pragma omp parallel for schedule(static)
             for (j = 0; j < n; j++) w[j] = (float)(std * rng_normal(seed, STREAM_INIT, first + (uint64_t)j));

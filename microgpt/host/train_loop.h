@@ -189,7 +189,7 @@ static void emit_start(const Run* r) {
     fprintf(stdout, ",\"n_params\":%zu,\"step\":%d,\"steps\":%d,\"precision\":\"%s\",\"compute_precision\":\"%s\","
                     "\"tokens_per_step\":%lld",
             r->layout.n_params, r->start_step, c->train.steps, c->train.precision, engine_compute_precision(c),
-            (long long)c->train.batch_size * c->model.seq_len * c->train.grad_accum);
+            config_tokens_per_step(c));
     jline_end();
 }
 
@@ -264,7 +264,7 @@ static void run_start(Run* r) {
 /* Step index s, its record, and what is due after it (eval, samples, checkpoint). */
 static void run_one_step(Run* r, int s) {
     const Config* c = &r->cfg;
-    long long tokens_per_step = (long long)c->train.batch_size * c->model.seq_len * c->train.grad_accum;
+    long long tokens_per_step = config_tokens_per_step(c);
     int done = s + 1, usr1;
     double lr = lr_at(c, s), t0, ms, loss;
     UpdateResult res;
