@@ -1,0 +1,52 @@
+"""bench/kernel_profile.py on a synthetic Nsight Compute CSV: the training step is found from the end
+of the log (warm-up and evaluation kernels before it are left out) and summed per kernel."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import kernel_profile  # noqa: E402
+
+HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+          '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+
+def csv_text(kernels):
+    lines = ["==PROF== Connected to process 1 (build/microgpt_cuda)", HEADER]
+    for i, (name, ns) in enumerate(kernels):
+        lines.append(f'"{i}","1","microgpt_cuda","h","{name}","1","13","(256, 1, 1)","(1, 1, 1)","0","9.0",'
+                     f'"Command line profiler metrics","gpu__time_duration.sum","ns","{ns:,}"')
+    lines.append("==PROF== Disconnected from process 1")
+    return "\n".join(lines) + "\n"
+
+
+# warm-up micro-batch and update, then the real step, then an evaluation forward
+STEP = [("embed_fwd_kernel", 5_000), ("layernorm_fwd_kernel", 1_000), ("loss_rows_kernel", 2_000_000),
+        ("layernorm_fwd_kernel", 1_500), ("grad_norm_partial_kernel", 3_000), ("adamw_kernel", 10_000),
+        ("adamw_kernel", 20_000)]
+LOG = ([("embed_fwd_kernel", 9), ("loss_rows_kernel", 9), ("grad_norm_partial_kernel", 9), ("adamw_kernel", 9)]
+       + STEP + [("embed_fwd_kernel", 7), ("layernorm_fwd_kernel", 7)])
+
+
+def test_the_last_training_step_is_found_and_summed(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text(csv_text(LOG))
+    fb, update = kernel_profile.step_slices(kernel_profile.kernel_rows(str(path)))
+    assert [n for n, _ in fb] == [n for n, _ in STEP[:4]]
+    assert [d for _, d in update] == [3_000, 10_000, 20_000]  # "1,234" thousands separators parsed
+    out = subprocess.run([sys.executable, os.path.join(HERE, "kernel_profile.py"), str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "7 kernels, 2040.5 us of kernel time per step (micro-batch 2007.5 us, update 33.0 us)" in out
+    first = out.splitlines()[1]
+    assert "loss_rows_kernel" in first and "2000.0 us" in first  # biggest first
+    assert "    2.5 us   0.1 %     2x  layernorm_fwd_kernel" in out  # grouped by name
+
+
+def test_a_log_without_a_training_step_is_refused(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text(csv_text([("embed_fwd_kernel", 5), ("loss_rows_kernel", 9)]))
+    with pytest.raises(SystemExit, match="adamw_kernel"):
+        kernel_profile.step_slices(kernel_profile.kernel_rows(str(path)))
