@@ -25,9 +25,10 @@
  *   fp32                   5e-6             2e-5                   5e-5
  *   bf16                   1e-2             2e-2                   3e-2
  *   fp16                   2e-3             5e-3                   1e-2
- * The mean loss is compared at 2e-5 in fp32 and 1e-4 otherwise (logits are fp32 in every
- * precision). Measured on a CPU emulation of these kernels: fp32 errors <= 5e-7, bf16 <= 3.8e-3,
- * fp16 <= 1e-3. Exit status 1 if any check fails. */
+ * The mean loss is compared at 2e-5 in fp32, 3e-3 in bf16 and 1e-3 in fp16: 16-bit logits are
+ * stored in T (see Tol below for the derivation). Measured on a CPU emulation of the kernels before
+ * 16-bit logits: fp32 errors <= 5e-7, bf16 <= 3.8e-3, fp16 <= 1e-3. Exit status 1 if any check
+ * fails. */
 #include "../microgpt/cpu/adamw.h"
 #include "../microgpt/cpu/attention.h"
 #include "../microgpt/cpu/classifier.h"
@@ -171,7 +172,8 @@ template <typename T> static Vec download(const T* p, size_t n) {
  * (several products in a row), loss (the mean loss of k_loss). In 16-bit types the loss is taken
  * from logits rounded to T: each row's loss carries up to half an ulp of its target logit
  * (2^-9 relative in bf16, 2^-11 in fp16) of logits of size ~3 here, so the mean over >= 5 rows is
- * within about 1e-3 (bf16) / 2.5e-4 (fp16) of the exact one; the bounds leave a margin of ~3. */
+ * within about 1e-3 (bf16) / 2.5e-4 (fp16) of the exact one. Measured on the H200 over 69 checks
+ * each (14 runs with fresh seeds, 2026-11-29): at most 3.0e-4 (bf16) and 7e-5 (fp16). */
 struct Tol {
     double elem, prod, fused, loss;
 };
