@@ -13,12 +13,12 @@ import os
 
 @contextlib.contextmanager
 def atomic_open(path, mode="wb"):
-    """Yield a file open for writing (mode "w" or "wb") that replaces `path` when the block ends
-    without an exception; on an exception the temp file is removed and `path` is left as it was."""
+    """Yield a file open for writing (mode "w", UTF-8, or "wb") that replaces `path` when the block
+    ends without an exception; on an exception the temp file is removed and `path` is left as it was."""
     path = os.fspath(path)
     tmp = f"{path}.tmp{os.getpid()}"  # the pid: two processes never share a temp file
     try:
-        with open(tmp, mode) as f:
+        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())

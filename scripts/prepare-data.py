@@ -19,6 +19,9 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from microgpt.atomic import atomic_open  # noqa: E402
+
 RAW = os.path.join(ROOT, "data", "raw")
 SHAKESPEARE = os.path.join(RAW, "shakespeare")
 CHITCHAT_JSON = os.path.join(RAW, "chitchat", "dataset.json")
@@ -47,8 +50,7 @@ def convert_chitchat(src, dst):
     with open(src, encoding="utf-8") as f:
         data = json.load(f)
     written = skipped = 0
-    tmp = f"{dst}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as out:
+    with atomic_open(dst, "w") as out:
         for key, conv in data.items():
             turns = [t for t in conv.get("messages", []) if t]
             if len(turns) < 2:
@@ -60,7 +62,6 @@ def convert_chitchat(src, dst):
                  "value": "\n".join(m["text"] for m in t)} for t in turns]}
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
             written += 1
-    os.replace(tmp, dst)
     return written, skipped
 
 

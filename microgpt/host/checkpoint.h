@@ -45,16 +45,21 @@ static int close_durably(int fd) {
     return ok ? 0 : -1;
 }
 
+/* The directory holding `path` ("." for a bare file name, "/" for a file in the root). */
+static void parent_dir(const char* path, char* dir, size_t cap) {
+    char* slash;
+    snprintf(dir, cap, "%s", path);
+    slash = strrchr(dir, '/');
+    if (!slash) snprintf(dir, cap, ".");
+    else if (slash == dir) dir[1] = '\0';
+    else *slash = '\0';
+}
+
 /* The rename is only durable once the directory entry is on disk too. Best effort. */
 static void fsync_parent_dir(const char* path) {
     char dir[CFG_PATH_MAX];
-    char* slash;
     int fd;
-    snprintf(dir, sizeof dir, "%s", path);
-    slash = strrchr(dir, '/');
-    if (!slash) snprintf(dir, sizeof dir, ".");
-    else if (slash == dir) dir[1] = '\0';
-    else *slash = '\0';
+    parent_dir(path, dir, sizeof dir);
     fd = open(dir, O_RDONLY);
     if (fd >= 0) {
         fsync(fd);
@@ -85,7 +90,7 @@ static void ckpt_remove_stale_temps(const char* path) {
     DIR* d;
     base = base ? base + 1 : path;
     base_len = strlen(base);
-    snprintf(dir, sizeof dir, "%.*s", base == path ? 1 : (int)(base - path), base == path ? "." : path);
+    parent_dir(path, dir, sizeof dir);
     if (!(d = opendir(dir))) return;
     while ((e = readdir(d)) != NULL) {
         int k;

@@ -42,8 +42,8 @@ static size_t layer_offset(const ParamLayout* p, int l, int t) {
     return p->layer0[t] + (size_t)l * p->layer_stride;
 }
 
-static size_t param_add(ParamLayout* p, size_t* cursor, const char* name, int rows, int cols, int decay,
-                        ParamInit init) {
+/* Weight decay applies exactly to the normal-initialised (2-D) tensors. */
+static size_t param_add(ParamLayout* p, size_t* cursor, const char* name, int rows, int cols, ParamInit init) {
     ParamTensor* t = &p->tensors[p->n_tensors++];
     snprintf(t->name, sizeof t->name, "%s", name);
     t->init = init;
@@ -51,7 +51,7 @@ static size_t param_add(ParamLayout* p, size_t* cursor, const char* name, int ro
     t->rows = rows;
     t->cols = cols;
     t->size = (size_t)rows * (size_t)cols;
-    t->decay = decay;
+    t->decay = init == INIT_NORMAL || init == INIT_NORMAL_RESIDUAL;
     *cursor += t->size;
     return t->offset;
 }
@@ -67,8 +67,8 @@ static void param_layout_init(ParamLayout* p, const Config* c) {
                                                  INIT_ONES, INIT_ZEROS};
     memset(p, 0, sizeof *p);
     p->tensors = (ParamTensor*)xmalloc(sizeof(ParamTensor) * (size_t)(4 + T_PER_LAYER * L), "parameter table");
-    p->wte = param_add(p, &cur, "wte", c->model.padded_vocab_size, d, 1, INIT_NORMAL);
-    p->wpe = param_add(p, &cur, "wpe", c->model.seq_len, d, 1, INIT_NORMAL);
+    p->wte = param_add(p, &cur, "wte", c->model.padded_vocab_size, d, INIT_NORMAL);
+    p->wpe = param_add(p, &cur, "wpe", c->model.seq_len, d, INIT_NORMAL);
     for (l = 0; l < L; l++) {
         for (t = 0; t < T_PER_LAYER; t++) {
             char name[32];
@@ -76,14 +76,14 @@ static void param_layout_init(ParamLayout* p, const Config* c) {
             int cols = (t == T_W1) ? f : d;
             size_t off;
             snprintf(name, sizeof name, "h%d.%s", l, names[t]);
-            off = param_add(p, &cur, name, rows, cols, t <= T_W2, inits[t]);
+            off = param_add(p, &cur, name, rows, cols, inits[t]);
             if (l == 0) p->layer0[t] = off;
             if (l == 1 && t == 0) p->layer_stride = off - p->layer0[0];
         }
     }
     if (L == 1) p->layer_stride = cur - p->layer0[0];
-    p->lnf_gamma = param_add(p, &cur, "lnf.gamma", 1, d, 0, INIT_ONES);
-    p->lnf_beta = param_add(p, &cur, "lnf.beta", 1, d, 0, INIT_ZEROS);
+    p->lnf_gamma = param_add(p, &cur, "lnf.gamma", 1, d, INIT_ONES);
+    p->lnf_beta = param_add(p, &cur, "lnf.beta", 1, d, INIT_ZEROS);
     p->n_params = cur;
 }
 
