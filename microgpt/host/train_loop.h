@@ -276,8 +276,10 @@ static void run_one_step(Run* r, int s) {
     emit_step(done, loss, lr, res.grad_norm, ms, (double)tokens_per_step / (ms > 0 ? ms * 1e-3 : 1e-9),
               (long long)done * tokens_per_step, in_polish(c, s) ? "polish" : "pretrain", res.skipped, res.loss_scale,
               config_is_fp16(c));
-    if (engine_device_bytes_in_use() > 0 && (s == r->start_step || done == c->train.steps))
-        emit_device_memory(done, engine_device_bytes_in_use());
+    if (s == r->start_step || done == c->train.steps) { /* the query only where it is reported */
+        size_t in_use = engine_device_bytes_in_use();
+        if (in_use > 0) emit_device_memory(done, in_use);
+    }
     if (c->eval.every > 0 && (done % c->eval.every == 0 || done == c->train.steps)) emit_val(done, run_eval(r));
     if (c->sample.every > 0 && done % c->sample.every == 0) run_samples(r, done);
     /* consume the SIGUSR1 flag before acting on it: one arriving from here on is seen next step */
