@@ -100,7 +100,8 @@ static struct {
     void *lnf;      /* [N][C] */
     float *lnf_mean, *lnf_rstd;
 
-    /* activation gradients, shared by all layers; each is zeroed before a backward adds into it */
+    /* activation gradients, shared by all layers; each sub-layer's backward overwrites its input
+     * gradient (matmul.cuh), only dres is added into (zeroed once per backward) */
     void *dres; /* [N][C] gradient of the residual stream at the current depth */
     void *dln;  /* [N][C] gradient of a LayerNorm output */
     void *dqkv; /* [3][N][C] */
@@ -108,7 +109,6 @@ static struct {
     void *dh;   /* [N][F] MLP scratch gradient */
 
     /* scratch */
-    void *branch; /* [N][C] output of a branch before the residual add */
     float *att_S, *att_dP; void* att_P; /* [H][T][T], cuBLAS attention only (else empty) */
     float* att_delta;                     /* [B][H][T], flash attention only (else empty) */
     void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (the sampler's) */
@@ -176,7 +176,6 @@ static void plan_buffers(size_t* used) {
     E.datty = carve(G_ACT_GRADS, nc * es, used);
     E.dh = carve(G_ACT_GRADS, N * F * es, used);
 
-    E.branch = carve(G_SCRATCH, nc * es, used);
     E.att_S = (float*)carve(G_SCRATCH, tt * 4, used);
     E.att_dP = (float*)carve(G_SCRATCH, tt * 4, used);
     E.att_P = carve(G_SCRATCH, tt * es, used);
@@ -257,7 +256,6 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
 template <typename T>
 static void forward(int B, int Tn) {
     int C = E.C, H = E.H, F = E.F, L = E.L, N = B * Tn, l;
-    T* branch = (T*)E.branch;
     k_embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
     for (l = 0; l < L; l++) {
         LayerActs<T> a = layer_acts<T>(l);
@@ -265,25 +263,22 @@ static void forward(int B, int Tn) {
         k_attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
         k_attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
                       attn_scratch<T>());
-        k_attn_out_fwd<T>(branch, a.atty, wl<T>(l, T_WO), N, C);
-        k_residual_add<T>(a.xmid, a.x, branch, (size_t)N * C);
+        k_attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* x_mid = x + attn(...) W_O */
         k_layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
-        k_mlp_fwd<T>(branch, a.h, a.g, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), N, C, F);
-        k_residual_add<T>(stream<T>(l + 1), a.xmid, branch, (size_t)N * C);
+        k_mlp_fwd<T>(stream<T>(l + 1), a.h, a.g, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
     }
     k_layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, stream<T>(L), E.params + E.layout.lnf_gamma,
                        E.params + E.layout.lnf_beta, N, C);
 }
 
 /* Loss over the N positions, chunk by chunk, and its mean into io->loss; with `train`, also the
- * classifier backward (weighted by io->dscale), which adds the gradient of LNf's output into dln
- * (zeroed here) and into dwte. */
+ * classifier backward (weighted by io->dscale), which writes the gradient of LNf's output into dln
+ * and adds into dwte. */
 template <typename T>
 static void loss_chunks(int N, int train) {
     int C = E.C, r0;
     const T* wte = (const T*)E.wlow + E.layout.wte;
     const int* targets = E.tok + E.N;
-    if (train) CUDA_CHECK(cudaMemsetAsync(E.dln, 0, (size_t)N * C * E.es, g_stream));
     for (r0 = 0; r0 < N; r0 += E.chunk) {
         int n = N - r0 < E.chunk ? N - r0 : E.chunk;
         const T* x = (const T*)E.lnf + (size_t)r0 * C;
@@ -310,18 +305,14 @@ static void backward(void) {
     for (l = L - 1; l >= 0; l--) {
         LayerActs<T> a = layer_acts<T>(l);
         /* MLP branch: its output gradient is the stream's, dres */
-        CUDA_CHECK(cudaMemsetAsync(dln, 0, nc * es, g_stream));
         k_mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.g, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.dh,
                      N, C, F);
         k_layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
                            a.ln2_rstd, N, C, E.ln_partial);
         /* attention branch: dres is now the gradient at x_mid */
-        CUDA_CHECK(cudaMemsetAsync(E.datty, 0, nc * es, g_stream));
         k_attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C);
-        CUDA_CHECK(cudaMemsetAsync(dqkv, 0, 3 * nc * es, g_stream));
         k_attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
                       a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
-        CUDA_CHECK(cudaMemsetAsync(dln, 0, nc * es, g_stream));
         k_attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C);
         k_layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
                            a.ln1_rstd, N, C, E.ln_partial);
@@ -551,7 +542,7 @@ static size_t engine_setup(const Config* cfg) {
     CUDA_CHECK(cudaMallocHost((void**)&E.io_host, sizeof(StepIO)));
     memset(E.io_host, 0, sizeof(StepIO));
     cublas_init(E.cublas_ws, CUBLAS_WORKSPACE_BYTES);
-    if (strcmp(prec, "tf32") == 0) CUBLAS_CHECK(cublasSetMathMode(g_cublas, CUBLAS_TF32_TENSOR_OP_MATH));
+    if (strcmp(prec, "tf32") == 0) gemm_set_tf32();
     warm_up();
     return total;
 }

@@ -18,7 +18,8 @@
 #                and memcheck over kernel_check's odd shapes
 #   profile      (not in the default set) Nsight Compute's duration of every kernel of one training
 #                step, ANDREA-12M and ANDREA-120M in bf16, uncaptured; $OUT/profile-*.csv, summed per
-#                kernel by bench/kernel_profile.py into $OUT/profile.log; and the stall and occupancy
+#                kernel by bench/kernel_profile.py into $OUT/profile.log (ANDREA-120M also on the real
+#                text of data/megachat when it is there); and the stall and occupancy
 #                sections of the flash-attention kernels in $OUT/profile-attn_flash_*.log
 # The last lines (also appended to $OUT/summary.log) say which stages passed; exit status 1 if any
 # failed, 2 for an unknown stage. Estimated on an H200: build 1-2 min, kernel_check < 1, pytest_gpu
@@ -194,16 +195,17 @@ EOF
     return "$rc"
 }
 
-# profile_run NAME PRECISION SHAPE-ARGS...: every kernel of the warm-up and one training step under
-# ncu (duration only, clocks and caches left alone), as CSV in $OUT/profile-NAME.csv.
+# profile_run NAME PRECISION DATA SHAPE-ARGS...: every kernel of the warm-up and one training step
+# on the shards DATA under ncu (duration only, clocks and caches left alone), as CSV in
+# $OUT/profile-NAME.csv.
 profile_run() {
-    local name=$1 prec=$2 ncu
-    shift 2
+    local name=$1 prec=$2 data=$3 ncu
+    shift 3
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     ANDREA_NO_GRAPH=1 run_cmd 300 "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum \
         --csv --print-units base --print-kernel-base function --log-file "$OUT/profile-$name.csv" build/microgpt_cuda --name "$name" "$@" \
         --model.vocab_size 50259 --model.padded_vocab_size 50304 --train.batch_size 8 --train.steps 1 \
-        --train.precision "$prec" --eval.every 0 --sample.every 0 --data.train "$DATA/big_*.bin" > /dev/null
+        --train.precision "$prec" --eval.every 0 --sample.every 0 --data.train "$data" > /dev/null
 }
 
 # profile_sections KERNEL: Nsight Compute's speed-of-light, occupancy, warp-stall and instruction
@@ -221,8 +223,13 @@ profile_sections() {
 stage_profile() {
     local rc=0 k
     make_shard big 50257 3000000 || return 1
-    profile_run 12M-bf16 bf16 "${M12[@]}" || rc=1
-    profile_run 120M-bf16 bf16 "${M120[@]}" || rc=1
+    profile_run 12M-bf16 bf16 "$DATA/big_*.bin" "${M12[@]}" || rc=1
+    profile_run 120M-bf16 bf16 "$DATA/big_*.bin" "${M120[@]}" || rc=1
+    # real text, where frequent tokens make the embedding backward's work uneven (random tokens
+    # above are nearly all distinct)
+    if compgen -G "data/megachat/megachat_train_*.bin" > /dev/null; then
+        profile_run 120M-bf16-text bf16 "data/megachat/megachat_train_*.bin" "${M120[@]}" || rc=1
+    fi
     "$PY" bench/kernel_profile.py "$OUT"/profile-*.csv || rc=1
     for k in attn_flash_fwd_kernel attn_flash_dq_kernel attn_flash_dkv_kernel; do
         profile_sections "$k" > "$OUT/profile-$k.log" 2>&1 || rc=1

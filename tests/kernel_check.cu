@@ -9,9 +9,10 @@
  *   - inputs are drawn from a seeded generator (the seed differs per run unless --seed is given,
  *     and is printed first so any failure can be replayed); inputs the GPU holds in 16 bits are
  *     rounded to that type first, so the CPU sees exactly the values the GPU sees;
- *   - outputs a kernel overwrites are poisoned with NaN before the launch; outputs a backward
- *     accumulates into (+=) are prefilled with random values of the size of the expected
- *     increment, so "=" instead of "+=" fails;
+ *   - outputs a kernel overwrites (forward outputs, and the activation gradients a backward hands
+ *     to the layer below) are poisoned with NaN before the launch; outputs a backward accumulates
+ *     into (+=: parameter gradients, LayerNorm's residual-stream dx) are prefilled with random
+ *     values of the size of the expected increment, so "=" instead of "+=" fails;
  *   - the error reported is ||gpu - cpu|| / ||cpu - prefill||: relative to what the kernel had to
  *     compute; any non-finite GPU element (an unwritten NaN) fails on its own;
  *   - backward kernels with reductions are launched twice from the same state and must agree bit
@@ -129,10 +130,12 @@ static void dfree_all(void) {
     g_allocs.clear();
 }
 
-/* n elements filled with NaN (all-ones bytes are a NaN in fp32, bf16 and fp16) */
+/* n elements of p set to NaN (all-ones bytes are a NaN in fp32, bf16 and fp16) */
+template <typename T> static void poison(T* p, size_t n) { CUDA_CHECK(cudaMemset(p, 0xFF, n * sizeof(T))); }
+
 template <typename T> static T* poisoned(size_t n) {
     T* p = (T*)dalloc(n * sizeof(T));
-    CUDA_CHECK(cudaMemset(p, 0xFF, n * sizeof(T)));
+    poison(p, n);
     return p;
 }
 
@@ -342,23 +345,25 @@ template <typename T> static void test_layernorm(const Shape& s, Tol tol) {
     dfree_all();
 }
 
+/* The output projection with the residual join after it: out = res + x @ W_O. */
 template <typename T> static void test_attn_out(const Shape& s, Tol tol) {
     int N = s.B * s.T, C = s.C;
     Vec x = rounded<T>(randn((size_t)N * C, 1.0f)), w = rounded<T>(randn((size_t)C * C, 1.0f / sqrtf((float)C)));
-    Vec out_c((size_t)N * C);
-    matmul_forward(out_c.data(), x.data(), w.data(), N, C, C);
-    T *d_x = upload<T>(x), *d_w = upload<T>(w), *d_out = poisoned<T>((size_t)N * C);
-    k_attn_out_fwd<T>(d_out, d_x, d_w, N, C);
+    Vec res = rounded<T>(randn((size_t)N * C, 1.0f)), proj((size_t)N * C), out_c((size_t)N * C);
+    matmul_forward(proj.data(), x.data(), w.data(), N, C, C);
+    residual_forward(out_c.data(), res.data(), proj.data(), N * C);
+    T *d_x = upload<T>(x), *d_w = upload<T>(w), *d_res = upload<T>(res), *d_out = poisoned<T>((size_t)N * C);
+    k_attn_out_fwd<T>(d_out, d_x, d_w, d_res, N, C);
     check("out", download(d_out, (size_t)N * C), out_c, tol.prod);
 
     Vec dout = rounded<T>(randn((size_t)N * C, 1.0f));
     Vec dx_inc((size_t)N * C, 0.0f), dw_inc((size_t)C * C, 0.0f);
     matmul_backward(dx_inc.data(), dw_inc.data(), dout.data(), x.data(), w.data(), N, C, C);
-    Vec dx0 = prefill_like<T>(dx_inc), dw0 = prefill_like<float>(dw_inc);
-    T *d_dout = upload<T>(dout), *d_dx = upload<T>(dx0);
+    Vec dw0 = prefill_like<float>(dw_inc);
+    T *d_dout = upload<T>(dout), *d_dx = poisoned<T>((size_t)N * C); /* dx is overwritten */
     float* d_dw = upload<float>(dw0);
     k_attn_out_bwd<T>(d_dx, d_dw, d_dout, d_x, d_w, N, C);
-    check("dx", download(d_dx, (size_t)N * C), plus(dx0, dx_inc), tol.prod, &dx0);
+    check("dx", download(d_dx, (size_t)N * C), dx_inc, tol.prod);
     check("dw", download(d_dw, (size_t)C * C), plus(dw0, dw_inc), tol.prod, &dw0);
     dfree_all();
 }
@@ -377,11 +382,11 @@ template <typename T> static void test_attn_qkv(const Shape& s, Tol tol) {
     Vec dx_inc(nc, 0.0f), dw_inc(3 * cc, 0.0f);
     for (int i = 0; i < 3; i++)
         matmul_backward(dx_inc.data(), dw_inc.data() + i * cc, dqkv.data() + i * nc, x.data(), w.data() + i * cc, N, C, C);
-    Vec dx0 = prefill_like<T>(dx_inc), dw0 = prefill_like<float>(dw_inc);
-    T *d_dqkv = upload<T>(dqkv), *d_dx = upload<T>(dx0);
+    Vec dw0 = prefill_like<float>(dw_inc);
+    T *d_dqkv = upload<T>(dqkv), *d_dx = poisoned<T>(nc); /* dx is overwritten */
     float* d_dw = upload<float>(dw0);
     k_attn_qkv_bwd<T>(d_dx, d_dw, d_dqkv, d_x, d_w, N, C);
-    check("dx", download(d_dx, nc), plus(dx0, dx_inc), tol.prod, &dx0);
+    check("dx", download(d_dx, nc), dx_inc, tol.prod);
     check("dw", download(d_dw, 3 * cc), plus(dw0, dw_inc), tol.prod, &dw0);
     dfree_all();
 }
@@ -426,19 +431,19 @@ template <typename T> static void test_attn(const Shape& s, Tol tol) {
     Vec dq_inc(nc, 0.0f), dk_inc(nc, 0.0f), dv_inc(nc, 0.0f);
     attention_backward(dq_inc.data(), dk_inc.data(), dv_inc.data(), dout.data(), att.data(), q.data(), k.data(), v.data(),
                        B, Tn, C, H);
-    Vec dq0 = prefill_like<T>(dq_inc), dk0 = prefill_like<T>(dk_inc), dv0 = prefill_like<T>(dv_inc);
-    T *d_dout = upload<T>(dout), *d_dq = upload<T>(dq0), *d_dk = upload<T>(dk0), *d_dv = upload<T>(dv0);
+    /* dq, dk, dv are overwritten: poisoned before each launch */
+    T *d_dout = upload<T>(dout), *d_dq = poisoned<T>(nc), *d_dk = poisoned<T>(nc), *d_dv = poisoned<T>(nc);
     auto gpu = [&]() {
-        upload_into(d_dq, dq0);
-        upload_into(d_dk, dk0);
-        upload_into(d_dv, dv0);
+        poison(d_dq, nc);
+        poison(d_dk, nc);
+        poison(d_dv, nc);
         k_attn_bwd<T>(d_dq, d_dk, d_dv, d_dout, d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
         return std::vector<Vec>{download(d_dq, nc), download(d_dk, nc), download(d_dv, nc)};
     };
     std::vector<Vec> r1 = gpu(), r2 = gpu();
-    check("dq", r1[0], plus(dq0, dq_inc), tol.fused, &dq0);
-    check("dk", r1[1], plus(dk0, dk_inc), tol.fused, &dk0);
-    check("dv", r1[2], plus(dv0, dv_inc), tol.fused, &dv0);
+    check("dq", r1[0], dq_inc, tol.fused);
+    check("dk", r1[1], dk_inc, tol.fused);
+    check("dv", r1[2], dv_inc, tol.fused);
     check_same("determ", r1, r2);
     dfree_all();
 }
@@ -448,13 +453,14 @@ template <typename T> static void test_mlp(const Shape& s, Tol tol) {
     size_t nc = (size_t)N * C, nf = (size_t)N * F;
     Vec x = rounded<T>(randn(nc, 1.0f));
     Vec w1 = rounded<T>(randn((size_t)C * F, 1.0f / sqrtf((float)C))), w2 = rounded<T>(randn((size_t)F * C, 1.0f / sqrtf((float)F)));
-    Vec h_c(nf), g_c(nf), out_c(nc);
+    Vec res = rounded<T>(randn(nc, 1.0f)), h_c(nf), g_c(nf), mlp(nc), out_c(nc);
     matmul_forward(h_c.data(), x.data(), w1.data(), N, C, F);
     gelu_forward(g_c.data(), h_c.data(), (int)nf);
-    matmul_forward(out_c.data(), g_c.data(), w2.data(), N, F, C);
-    T *d_x = upload<T>(x), *d_w1 = upload<T>(w1), *d_w2 = upload<T>(w2);
+    matmul_forward(mlp.data(), g_c.data(), w2.data(), N, F, C);
+    residual_forward(out_c.data(), res.data(), mlp.data(), (int)nc); /* the join after the MLP */
+    T *d_x = upload<T>(x), *d_w1 = upload<T>(w1), *d_w2 = upload<T>(w2), *d_res = upload<T>(res);
     T *d_out = poisoned<T>(nc), *d_h = poisoned<T>(nf), *d_g = poisoned<T>(nf), *d_dh = poisoned<T>(nf);
-    k_mlp_fwd<T>(d_out, d_h, d_g, d_x, d_w1, d_w2, N, C, F);
+    k_mlp_fwd<T>(d_out, d_h, d_g, d_x, d_w1, d_w2, d_res, N, C, F);
     check("out", download(d_out, nc), out_c, tol.fused);
     check("h", download(d_h, nf), h_c, tol.prod);
     check("g", download(d_g, nf), g_c, tol.prod);
@@ -464,11 +470,11 @@ template <typename T> static void test_mlp(const Shape& s, Tol tol) {
     matmul_backward(dg.data(), dw2_inc.data(), dout.data(), g_c.data(), w2.data(), N, F, C);
     gelu_backward(dh.data(), h_c.data(), dg.data(), (int)nf);
     matmul_backward(dx_inc.data(), dw1_inc.data(), dh.data(), x.data(), w1.data(), N, C, F);
-    Vec dx0 = prefill_like<T>(dx_inc), dw10 = prefill_like<float>(dw1_inc), dw20 = prefill_like<float>(dw2_inc);
-    T *d_dout = upload<T>(dout), *d_dx = upload<T>(dx0);
+    Vec dw10 = prefill_like<float>(dw1_inc), dw20 = prefill_like<float>(dw2_inc);
+    T *d_dout = upload<T>(dout), *d_dx = poisoned<T>(nc); /* dx is overwritten */
     float *d_dw1 = upload<float>(dw10), *d_dw2 = upload<float>(dw20);
     k_mlp_bwd<T>(d_dx, d_dw1, d_dw2, d_dout, d_x, d_h, d_g, d_w1, d_w2, d_dh, N, C, F); /* the forward's h and g */
-    check("dx", download(d_dx, nc), plus(dx0, dx_inc), tol.fused, &dx0);
+    check("dx", download(d_dx, nc), dx_inc, tol.fused);
     check("dw1", download(d_dw1, w1.size()), plus(dw10, dw1_inc), tol.fused, &dw10);
     check("dw2", download(d_dw2, w2.size()), plus(dw20, dw2_inc), tol.fused, &dw20);
     dfree_all();
@@ -517,16 +523,16 @@ template <typename T> static void test_loss(const Shape& s, Tol tol) {
     float loss_c = classifier_forward(probs.data(), x.data(), wte.data(), targets.data(), N, C, V, Vp);
     Vec dx_inc((size_t)N * C, 0.0f), dwte_inc(wte.size(), 0.0f);
     classifier_backward(dx_inc.data(), dwte_inc.data(), probs.data(), x.data(), wte.data(), targets.data(), N, C, V, Vp);
-    Vec dx0 = prefill_like<T>(dx_inc), dwte0 = prefill_like<float>(dwte_inc);
+    Vec dwte0 = prefill_like<float>(dwte_inc);
 
-    T *d_x = upload<T>(x), *d_wte = upload<T>(wte), *d_dx = upload<T>(dx0);
+    T *d_x = upload<T>(x), *d_wte = upload<T>(wte), *d_dx = poisoned<T>((size_t)N * C); /* dx is overwritten */
     int* d_targets = upload_ints(targets);
     float *d_losses = poisoned<float>(N), *d_lse = poisoned<float>(N), *d_dwte = upload<float>(dwte0);
     T* d_logits = poisoned<T>((size_t)s.chunk * Vp); /* as in the engine: overwritten by their gradient */
     float* d_dscale = upload<float>(Vec(1, 1.0f / N));
     float* d_mean = poisoned<float>(1);
     auto gpu = [&]() {
-        upload_into(d_dx, dx0);
+        poison(d_dx, (size_t)N * C);
         upload_into(d_dwte, dwte0);
         for (int r0 = 0; r0 < N; r0 += s.chunk) {
             int n = N - r0 < s.chunk ? N - r0 : s.chunk;
@@ -557,7 +563,7 @@ template <typename T> static void test_loss(const Shape& s, Tol tol) {
     if (bad) report(false, "loss", "%zu of %d row losses unwritten or non-finite", bad, N);
     else check_scalar("loss", sum / N, loss_c, tol.loss);
     check_scalar("loss_mean", r1[3][0], sum / N, 1e-6); /* the device mean of the same row losses */
-    check("dx", r1[1], plus(dx0, dx_inc), tol.fused, &dx0);
+    check("dx", r1[1], dx_inc, tol.fused);
     check("dwte", r1[2], plus(dwte0, dwte_inc), tol.fused, &dwte0);
     /* padded rows: never any gradient, so exactly the prefill */
     {
@@ -657,9 +663,21 @@ static void test_grad_norm(void) {
     dfree_all();
 }
 
+/* The fused products (common.cuh) must really have run in this precision, or the checks above
+ * would only have seen the unfused path: every tested shape whose rows are whole multiples of 8
+ * elements has a cuBLASLt kernel for each epilogue on sm_80 and later. */
+static void check_fused_taken(const long* before) {
+    static const char* names[3] = {"residual", "gelu_aux", "dgelu"};
+    for (int e = 0; e < 3; e++) {
+        long n = g_gemm_fused_runs[e] - before[e];
+        report(n > 0, "fused", "%s epilogue: %ld fused products", names[e], n);
+    }
+}
+
 template <typename T> static void run_precision(void) {
     const char* prec = TypeInfo<T>::name();
     Tol tol = tol_for<T>();
+    long fused_before[3] = {g_gemm_fused_runs[0], g_gemm_fused_runs[1], g_gemm_fused_runs[2]};
     for (const Shape& s : SHAPES) {
         std::string sh = shape_str(s);
         set_ctx(prec, "embed", sh.c_str());
@@ -670,10 +688,14 @@ template <typename T> static void run_precision(void) {
         test_attn_qkv<T>(s, tol);
         set_ctx(prec, "attn", sh.c_str());
         test_attn<T>(s, tol);
-        set_ctx(prec, "attn_out", sh.c_str());
-        test_attn_out<T>(s, tol);
-        set_ctx(prec, "mlp", sh.c_str());
-        test_mlp<T>(s, tol);
+        for (int fuse = 1; fuse >= 0; fuse--) { /* the fused products, then the unfused path */
+            g_gemm_fuse = fuse;
+            set_ctx(prec, fuse ? "attn_out" : "attn_out unfused", sh.c_str());
+            test_attn_out<T>(s, tol);
+            set_ctx(prec, fuse ? "mlp" : "mlp unfused", sh.c_str());
+            test_mlp<T>(s, tol);
+        }
+        g_gemm_fuse = true;
         set_ctx(prec, "gelu", sh.c_str());
         test_gelu<T>((size_t)s.B * s.T * s.F, tol);
         test_gelu<T>((size_t)s.B * s.T * s.F + 3, tol);
@@ -682,6 +704,8 @@ template <typename T> static void run_precision(void) {
         set_ctx(prec, "loss", sh.c_str());
         test_loss<T>(s, tol);
     }
+    set_ctx(prec, "cuBLASLt", "all shapes");
+    check_fused_taken(fused_before);
     for (const Shape& s : ATTN_SHAPES) {
         set_ctx(prec, "attn", shape_str(s).c_str());
         test_attn<T>(s, tol);

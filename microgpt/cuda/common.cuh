@@ -13,10 +13,12 @@
  * kernel computes in fp32 and rounds once on store; parameter gradients are always fp32.
  *
  * Determinism: no kernel uses floating-point atomics; every reduction has a fixed shape that
- * depends only on the problem size (never on the GPU), and cuBLAS is given one fixed workspace. */
+ * depends only on the problem size (never on the GPU), cuBLAS is given one fixed workspace, and
+ * cuBLASLt's algorithm is the heuristic's first choice for the problem (never picked by timing). */
 #ifndef MICROGPT_CUDA_COMMON_CUH
 #define MICROGPT_CUDA_COMMON_CUH
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -26,6 +28,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Error checks: every CUDA/cuBLAS status goes through one of these; a failure is one line with the
@@ -208,24 +211,43 @@ __device__ __forceinline__ float block_max(float x) { return block_reduce<warp_m
 
 /* ---------------------------------------------------------------------------------------------- */
 /* cuBLAS: one handle, one explicit workspace (so the library never allocates behind our back and
- * picks the same kernels every run), fp32 accumulation everywhere and no TF32: with
- * CUBLAS_COMPUTE_32F and the default math mode, fp32 inputs are multiplied in full fp32, and
- * bf16/fp16 inputs use tensor cores with fp32 accumulation. */
+ * picks the same kernels every run), fp32 accumulation everywhere. The compute type is fp32
+ * (bf16/fp16 inputs use tensor cores with fp32 accumulation; fp32 inputs are multiplied in full
+ * fp32) unless gemm_set_tf32 turns on TF32 tensor-core math for fp32 inputs (precision tf32). */
 
 #define CUBLAS_WORKSPACE_BYTES ((size_t)32 << 20)
 
 static cublasHandle_t g_cublas = NULL;
+static cublasLtHandle_t g_cublaslt = NULL;
+static void* g_gemm_workspace = NULL; /* shared by both libraries: all work is on one stream */
+static size_t g_gemm_workspace_bytes = 0;
+static cublasComputeType_t g_lt_compute = CUBLAS_COMPUTE_32F;
 static cudaStream_t g_stream = 0; /* the one stream of all work; see the top of this file */
 
 static void cublas_init(void* workspace, size_t bytes) {
     if (!g_cublas) CUBLAS_CHECK(cublasCreate(&g_cublas));
+    if (!g_cublaslt) CUBLAS_CHECK(cublasLtCreate(&g_cublaslt));
     CUBLAS_CHECK(cublasSetMathMode(g_cublas, CUBLAS_DEFAULT_MATH));
     CUBLAS_CHECK(cublasSetStream(g_cublas, g_stream));
     CUBLAS_CHECK(cublasSetWorkspace(g_cublas, workspace, bytes));
+    g_gemm_workspace = workspace;
+    g_gemm_workspace_bytes = bytes;
+    g_lt_compute = CUBLAS_COMPUTE_32F;
 }
 
+/* Precision tf32: fp32 inputs multiplied on tensor cores in TF32, in both libraries. */
+static void gemm_set_tf32(void) {
+    CUBLAS_CHECK(cublasSetMathMode(g_cublas, CUBLAS_TF32_TENSOR_OP_MATH));
+    g_lt_compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+}
+
+static void lt_plans_clear(void);
+
 static void cublas_shutdown(void) {
+    lt_plans_clear();
+    if (g_cublaslt) CUBLAS_CHECK(cublasLtDestroy(g_cublaslt));
     if (g_cublas) CUBLAS_CHECK(cublasDestroy(g_cublas));
+    g_cublaslt = NULL;
     g_cublas = NULL;
 }
 
@@ -246,6 +268,153 @@ static void gemm_rm(bool ta, bool tb, int M, int N, int K, float alpha,
                                             &beta, C, c_type, ldc, stride_c, batch, CUBLAS_COMPUTE_32F,
                                             CUBLAS_GEMM_DEFAULT));
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Fused products (cuBLASLt): what follows a linear layer's product is done in the product's
+ * epilogue, so the result is written once instead of being written, read back and rewritten by a
+ * separate kernel. Row-major as gemm_rm, one product (no batch), alpha 1:
+ *   GEMM_RESIDUAL  D = A B + R             R: an input of D's shape (the residual join), not D itself
+ *   GEMM_GELU_AUX  D = gelu(A B), AUX = A B  (the MLP's first product; AUX: the saved pre-activation)
+ *   GEMM_DGELU     D = (A B) * gelu'(AUX)  (the MLP backward through its GELU)
+ * AUX has D's shape and leading dimension. cuBLASLt's GELU is the tanh form, the one
+ * microgpt/cpu/gelu.h computes (tests/kernel_check.cu compares them). Not every type, shape and
+ * alignment has a fused kernel (AUX's rows must be a multiple of 8 elements, for one): gemm_fused
+ * then returns false and the caller runs the unfused product and kernel. Which path a product takes
+ * depends only on the problem (never on timing), so it is the same on every step and every run. */
+
+enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU };
+
+/* Off: gemm_fused always declines (tests/kernel_check.cu checks the unfused path this way). */
+static bool g_gemm_fuse = true;
+/* Fused products run so far, per epilogue (kernel_check checks that the fused path was taken). */
+static long g_gemm_fused_runs[3] = {0, 0, 0};
+
+/* Everything cuBLASLt's choice of algorithm depends on; memcmp-able (built from a zeroed struct). */
+struct LtKey {
+    int ta, tb, M, N, K, lda, ldb, ldd, epilogue, ab_type, d_type, compute;
+    unsigned align_a, align_b, align_r, align_d, align_aux;
+};
+
+/* A problem's descriptors and algorithm, made once (descriptor creation and the heuristic cost
+ * microseconds of host time; the captured step does not pay them, uncaptured calls would). */
+struct LtPlan {
+    LtKey key;
+    bool ok; /* a fused algorithm exists */
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t a, b, d;
+    cublasLtMatmulAlgo_t algo;
+};
+
+#define LT_MAX_PLANS 256
+static LtPlan g_lt_plans[LT_MAX_PLANS];
+static int g_lt_n_plans = 0;
+
+static void lt_plans_clear(void) {
+    for (int i = 0; i < g_lt_n_plans; i++) {
+        LtPlan* p = &g_lt_plans[i];
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->a));
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->b));
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->d));
+        CUBLAS_CHECK(cublasLtMatmulDescDestroy(p->desc));
+    }
+    g_lt_n_plans = 0;
+}
+
+/* The largest power of two up to 256 that divides the address (cuBLASLt's alignment classes). */
+static unsigned lt_alignment(const void* p) {
+    unsigned a = 256;
+    while (a > 1 && (uintptr_t)p % a) a >>= 1;
+    return a;
+}
+
+/* A row-major [rows, cols] matrix (leading dimension ld) as cuBLASLt sees it: column-major
+ * [cols, rows]. */
+static cublasLtMatrixLayout_t lt_layout(cudaDataType_t type, int rows, int cols, int ld) {
+    cublasLtMatrixLayout_t l;
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, (uint64_t)cols, (uint64_t)rows, ld));
+    return l;
+}
+
+static void lt_set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const void* v, size_t n) {
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, v, n));
+}
+
+static void lt_set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attr, uint32_t v) {
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof v));
+}
+
+/* Builds the plan of `key` into p: as in gemm_rm, cuBLASLt computes D^T = op(B)^T op(A)^T, so B is
+ * its first operand and A its second. */
+static void lt_plan_make(LtPlan* p, const LtKey* key, void* aux) {
+    static const cublasLtEpilogue_t epilogues[3] = {CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_GELU_AUX,
+                                                    CUBLASLT_EPILOGUE_DGELU};
+    cudaDataType_t ab = (cudaDataType_t)key->ab_type, dt = (cudaDataType_t)key->d_type;
+    cublasOperation_t op_b = key->tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = key->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasLtEpilogue_t epi = epilogues[key->epilogue];
+    p->key = *key;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, (cublasComputeType_t)key->compute, CUDA_R_32F));
+    lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b);
+    lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a);
+    lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi);
+    if (aux) {
+        int64_t ld_aux = key->ldd;
+        lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);
+        lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld_aux, sizeof ld_aux);
+    }
+    p->a = lt_layout(ab, key->tb ? key->N : key->K, key->tb ? key->K : key->N, key->ldb);
+    p->b = lt_layout(ab, key->ta ? key->K : key->M, key->ta ? key->M : key->K, key->lda);
+    p->d = lt_layout(dt, key->M, key->N, key->ldd);
+
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    uint64_t ws = g_gemm_workspace_bytes;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key->align_b);
+    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key->align_a);
+    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key->align_r);
+    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key->align_d);
+    cublasLtMatmulHeuristicResult_t result;
+    int found = 0;
+    cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(g_cublaslt, p->desc, p->a, p->b, p->d, p->d, pref, 1, &result, &found);
+    CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+    if (st != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(st);
+    p->ok = st == CUBLAS_STATUS_SUCCESS && found > 0;
+    if (p->ok) p->algo = result.algo;
+}
+
+static LtPlan* lt_plan(const LtKey* key, void* aux) {
+    for (int i = 0; i < g_lt_n_plans; i++)
+        if (!memcmp(&g_lt_plans[i].key, key, sizeof *key)) return &g_lt_plans[i];
+    if (g_lt_n_plans == LT_MAX_PLANS) lt_plans_clear(); /* only kernel_check's many shapes get here */
+    LtPlan* p = &g_lt_plans[g_lt_n_plans++];
+    lt_plan_make(p, key, aux);
+    return p;
+}
+
+/* D = epilogue(A B) as described above (R: GEMM_RESIDUAL's addend; aux: the GELU pre-activation,
+ * written by GEMM_GELU_AUX, read by GEMM_DGELU). Returns false, having done nothing, when no fused
+ * kernel exists for the problem or fusing is off. */
+static bool gemm_fused(GemmEpilogue epilogue, bool ta, bool tb, int M, int N, int K, const void* A, int lda,
+                       const void* B, int ldb, const void* R, void* D, int ldd, const void* aux,
+                       cudaDataType_t ab_type, cudaDataType_t d_type) {
+    if (!g_gemm_fuse) return false;
+    LtKey key;
+    memset(&key, 0, sizeof key);
+    key.ta = ta, key.tb = tb, key.M = M, key.N = N, key.K = K, key.lda = lda, key.ldb = ldb, key.ldd = ldd;
+    key.epilogue = epilogue, key.ab_type = ab_type, key.d_type = d_type, key.compute = g_lt_compute;
+    key.align_a = lt_alignment(A), key.align_b = lt_alignment(B), key.align_d = lt_alignment(D);
+    key.align_r = lt_alignment(R ? R : D), key.align_aux = aux ? lt_alignment(aux) : 0;
+    LtPlan* p = lt_plan(&key, (void*)aux);
+    if (!p->ok) return false;
+    if (aux) lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);
+    float alpha = 1.0f, beta = R ? 1.0f : 0.0f;
+    CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &alpha, B, p->a, A, p->b, &beta, R ? R : D, p->d, D, p->d,
+                                &p->algo, g_gemm_workspace, g_gemm_workspace_bytes, g_stream));
+    if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
+    g_gemm_fused_runs[epilogue]++;
+    return true;
 }
 
 #endif

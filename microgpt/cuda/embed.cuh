@@ -3,10 +3,12 @@
  *
  * Backward without atomics: several positions can hold the same token, so dwte rows are not
  * independent outputs. Each distinct token gets one block, the one of its first position, that
- * adds the gradient rows of all its positions in position order (one sum per EMBED_LIST-position
- * segment, added to the row segment by segment): a fixed summation order, every
- * dwte row written by exactly one block, and no sort or host work (so a step needs no host round
- * trip and can be captured in a CUDA graph). dwpe[t] has one term per sequence, summed in b order.
+ * adds the gradient rows of all its positions (one sum per EMBED_LIST-position segment, added to
+ * the row segment by segment): every dwte row written by exactly one block, and no sort or host
+ * work (so a step needs no host round trip and can be captured in a CUDA graph). Within a segment
+ * warp w sums the listed rows w, w + 8, ... and the eight warp sums are added in warp order: a
+ * fixed summation order that does not make a frequent token (hundreds of positions in real text)
+ * one long chain of dependent loads. dwpe[t] has one term per sequence, summed in b order.
  */
 #ifndef MICROGPT_CUDA_EMBED_CUH
 #define MICROGPT_CUDA_EMBED_CUH
@@ -15,6 +17,9 @@
 
 #define EMBED_BWD_THREADS 256
 #define EMBED_LIST 2048 /* positions per segment of the backward's match list (a multiple of the block) */
+#define EMBED_WARPS (EMBED_BWD_THREADS / 32)
+#define EMBED_LANE_COLS 8 /* columns per lane in the backward's sum: 256-column slabs */
+#define EMBED_SLAB (32 * EMBED_LANE_COLS)
 
 template <typename T>
 __global__ void embed_fwd_kernel(T* out, const int* tokens, const float* wte, const float* wpe, int N, int T_, int C) {
@@ -25,15 +30,42 @@ __global__ void embed_fwd_kernel(T* out, const int* tokens, const float* wte, co
     }
 }
 
+/* row[c] += sum of the n listed rows of dout at column c, for every column (whole block, n the
+ * same in every thread). Per 256-column slab, lane l of warp w adds columns l, l + 32, ... of
+ * rows list[w], list[w + 8], ... (each row read as eight coalesced runs), then thread c adds the
+ * eight warp sums of column c in warp order. */
+template <typename T>
+__device__ void embed_add_listed_rows(float* row, const T* dout, const int* list, int n, int C) {
+    __shared__ float warp_sums[EMBED_WARPS][EMBED_SLAB];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int c0 = 0; c0 < C; c0 += EMBED_SLAB) {
+        float acc[EMBED_LANE_COLS] = {};
+        for (int q = warp; q < n; q += EMBED_WARPS) {
+            const T* src = dout + (size_t)list[q] * C + c0 + lane;
+#pragma unroll
+            for (int k = 0; k < EMBED_LANE_COLS; k++)
+                if (c0 + lane + 32 * k < C) acc[k] += to_f(src[32 * k]);
+        }
+#pragma unroll
+        for (int k = 0; k < EMBED_LANE_COLS; k++) warp_sums[warp][lane + 32 * k] = acc[k];
+        __syncthreads();
+        for (int c = threadIdx.x; c < EMBED_SLAB && c0 + c < C; c += EMBED_BWD_THREADS) {
+            float s = 0.0f;
+            for (int w = 0; w < EMBED_WARPS; w++) s += warp_sums[w][c];
+            row[c0 + c] += s;
+        }
+        __syncthreads(); /* the sums are read before the next slab overwrites them */
+    }
+}
+
 /* One block per position i (EMBED_BWD_THREADS threads). Only the first position of each token
  * works. It walks the positions from i on in segments of EMBED_LIST positions: lists, in position
- * order, those holding the token (a ballot per warp and a prefix count over the warps), then every
- * thread (one column at a time) adds the listed rows in list order into the token's dwte row,
- * which no other block writes. */
+ * order, those holding the token (a ballot per warp and a prefix count over the warps), then adds
+ * the listed rows into the token's dwte row, which no other block writes. */
 template <typename T>
 __global__ void embed_bwd_wte_kernel(float* dwte, const T* dout, const int* tokens, int N, int C) {
     __shared__ int list[EMBED_LIST];
-    __shared__ unsigned match[EMBED_BWD_THREADS / 32];
+    __shared__ unsigned match[EMBED_WARPS];
     int i = blockIdx.x, tok = tokens[i];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int seen = 0;
@@ -49,7 +81,7 @@ __global__ void embed_bwd_wte_kernel(float* dwte, const T* dout, const int* toke
             if (lane == 0) match[warp] = m;
             __syncthreads();
             int before = n, total = 0;
-            for (int w = 0; w < EMBED_BWD_THREADS / 32; w++) {
+            for (int w = 0; w < EMBED_WARPS; w++) {
                 int c = __popc(match[w]);
                 before += w < warp ? c : 0;
                 total += c;
@@ -59,12 +91,7 @@ __global__ void embed_bwd_wte_kernel(float* dwte, const T* dout, const int* toke
             __syncthreads(); /* match is read and the list entries written before the next tile */
         }
         if (n == 0) continue; /* block-uniform */
-        for (int c = threadIdx.x; c < C; c += EMBED_BWD_THREADS) {
-            float s = 0.0f;
-            for (int q = 0; q < n; q++) s += to_f(dout[(size_t)list[q] * C + c]);
-            row[c] += s;
-        }
-        __syncthreads(); /* the list is read before the next segment overwrites it */
+        embed_add_listed_rows(row, dout, list, n, C); /* ends with a barrier: the list may be rewritten */
     }
 }
 

@@ -90,7 +90,7 @@ static void k_loss_fwd(float* losses, float* lse, T* logits, const T* x, const T
     loss_rows(losses, lse, logits, targets, n, V, Vp, (const float*)NULL);
 }
 
-/* Training: as k_loss_fwd, and dx [n, C] and dwte [Vp, C] (fp32) += the gradient of these n rows,
+/* Training: as k_loss_fwd; dx [n, C] = and dwte [Vp, C] (fp32) += the gradient of these n rows,
  * each row's loss weighted by *dscale (device float: 1/rows-in-the-whole-batch for a mean, times
  * the loss scale for fp16). logits [n, Vp] is scratch and ends holding dlogits. */
 template <typename T>
@@ -99,8 +99,8 @@ static void k_loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* log
     cudaDataType_t t = TypeInfo<T>::dtype;
     classifier_logits(logits, x, wte, n, C, Vp);
     loss_rows(losses, lse, logits, targets, n, V, Vp, dscale);
-    /* dx += dlogits @ wte */
-    gemm_rm(false, false, n, C, Vp, 1.0f, logits, Vp, 0, wte, C, 0, 1.0f, dx, C, 0, 1, t, t);
+    /* dx = dlogits @ wte */
+    gemm_rm(false, false, n, C, Vp, 1.0f, logits, Vp, 0, wte, C, 0, 0.0f, dx, C, 0, 1, t, t);
     /* dwte += dlogits^T @ x */
     gemm_rm(true, false, Vp, C, n, 1.0f, logits, Vp, 0, x, C, 0, 1.0f, dwte, C, 0, 1, t, CUDA_R_32F);
 }

@@ -1,19 +1,31 @@
 /* matmul.cuh: the bias-free linear layer out[N,out] = x[N,in] @ w[in,out] (weights [in,out]
  * row-major, SPEC §2) on cuBLAS, the building block of k_attn_qkv, k_attn_out, k_mlp and k_loss.
- * Activations and weights are T; weight gradients are fp32 (cuBLAS writes fp32 C from T inputs). */
+ * Activations and weights are T; weight gradients are fp32 (cuBLAS writes fp32 C from T inputs).
+ *
+ * Gradient contract of the whole engine: parameter gradients accumulate (+=) over micro-batches;
+ * activation gradients a sub-layer's backward produces for the layer below are overwritten (=),
+ * except the residual stream's, which LayerNorm's backward adds into. */
 #ifndef MICROGPT_CUDA_MATMUL_CUH
 #define MICROGPT_CUDA_MATMUL_CUH
 
 #include "common.cuh"
 
-/* out = x @ w (overwrites out) */
+/* out = x @ w, or with `residual`, out = residual + x @ w (the residual join in the product's
+ * epilogue; out must not alias residual). Overwrites out. */
 template <typename T>
-static void linear_fwd(T* out, const T* x, const T* w, int N, int in, int out_dim) {
+static void linear_fwd(T* out, const T* x, const T* w, int N, int in, int out_dim, const T* residual = NULL) {
     cudaDataType_t t = TypeInfo<T>::dtype;
-    gemm_rm(false, false, N, out_dim, in, 1.0f, x, in, 0, w, out_dim, 0, 0.0f, out, out_dim, 0, 1, t, t);
+    if (residual) {
+        if (gemm_fused(GEMM_RESIDUAL, false, false, N, out_dim, in, x, in, w, out_dim, residual, out, out_dim, NULL, t, t))
+            return;
+        /* unfused: the same sum, fp32 accumulator + residual rounded once, through beta = 1 */
+        CUDA_CHECK(cudaMemcpyAsync(out, residual, (size_t)N * out_dim * sizeof(T), cudaMemcpyDeviceToDevice, g_stream));
+    }
+    gemm_rm(false, false, N, out_dim, in, 1.0f, x, in, 0, w, out_dim, 0, residual ? 1.0f : 0.0f, out, out_dim, 0, 1, t,
+            t);
 }
 
-/* dx = dout @ w^T + beta * dx   (beta 1: accumulate, the backward contract; 0: overwrite scratch) */
+/* dx = dout @ w^T + beta * dx   (beta 0: overwrite, the activation-gradient contract; 1: add) */
 template <typename T>
 static void linear_dx(T* dx, const T* dout, const T* w, int N, int in, int out_dim, float beta) {
     cudaDataType_t t = TypeInfo<T>::dtype;
@@ -27,11 +39,12 @@ static void linear_dw(float* dw, const T* x, const T* dout, int N, int in, int o
             TypeInfo<T>::dtype, CUDA_R_32F);
 }
 
-/* The pair as the CPU's matmul_forward / matmul_backward: both gradients accumulate. */
+/* The pair's backward: dw += (parameter gradients accumulate, SPEC §3); dx = (an activation
+ * gradient is written whole, so its buffer needs no zeroing first). */
 template <typename T>
 static void linear_bwd(T* dx, float* dw, const T* dout, const T* x, const T* w, int N, int in, int out_dim) {
     linear_dw(dw, x, dout, N, in, out_dim);
-    linear_dx(dx, dout, w, N, in, out_dim, 1.0f);
+    linear_dx(dx, dout, w, N, in, out_dim, 0.0f);
 }
 
 #endif
