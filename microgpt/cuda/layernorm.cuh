@@ -3,28 +3,42 @@
  * [N] (fp32) are saved by the forward for the backward.
  *
  * Forward and dx: one warp per row, moving 16-byte packets where the width allows (common.cuh).
- * dgamma/dbeta are sums over rows, done without atomics in two fixed-shape steps: each block owns
- * a slab of columns and a chunk of rows and writes its partial sums, then one thread per column
- * adds the chunk partials in chunk order. The chunking depends
- * only on N, so the result does not depend on the GPU. */
+ * The backward is two kernels, without atomics. The first owns a chunk of rows and a slab of
+ * columns (all C of them up to LN_SLAB_COLS): while its warps compute dx, each also sums
+ * dout * xhat and dout per column over its rows in shared memory, and the block adds its warps'
+ * sums in warp order into the chunk's partial dgamma/dbeta; so one kernel reads dout and x for
+ * both. The second kernel adds the chunk partials in a fixed order. Chunks depend only on N and
+ * slabs only on C, so the result does not depend on the GPU. */
 #ifndef MICROGPT_CUDA_LAYERNORM_CUH
 #define MICROGPT_CUDA_LAYERNORM_CUH
 
 #include "common.cuh"
 
 #define LN_EPS 1e-5f
-#define LN_WARPS 8         /* rows per block in the row kernels */
+#define LN_WARPS 8         /* warps per block in the row kernels */
 #define LN_MAX_CHUNKS 256  /* row chunks for dgamma/dbeta partials */
-#define LN_COL_THREADS 128 /* columns per block in the partials kernel */
+#define LN_SLAB_COLS 768   /* widest column slab of the backward: LN_WARPS x 2 sums per column fill the
+                              48 KB of shared memory a block gets without cudaFuncSetAttribute */
 #define LN_FINAL_COLS 32   /* columns per block in the final sum ... */
-#define LN_FINAL_GROUPS 8  /* ... and the groups of chunks each column's sum is split into */
+#define LN_FINAL_GROUPS 32 /* ... and the groups of chunks each column's sum is split into */
 
 /* Scratch floats k_layernorm_bwd needs for width C. */
 static size_t layernorm_scratch_floats(int C) { return (size_t)2 * LN_MAX_CHUNKS * C; }
 
 static int ln_rows_per_chunk(int N) { return (int)ceil_div((size_t)N, N < LN_MAX_CHUNKS ? (size_t)N : LN_MAX_CHUNKS); }
 
-/* Lane `lane` of a row's warp handles the VEC-element packets at lane*VEC, lane*VEC + 32*VEC, ... */
+/* Columns per slab of the backward: all C if they fit, else the fewest slabs that do, of equal
+ * width rounded up to the longest packet so that every slab starts on a packet boundary (the last
+ * is the shorter). Each slab's blocks read whole rows for the row means, so wide rows are read
+ * once per slab: the price of staying within 48 KB. */
+static int ln_slab_cols(int C) {
+    if (C <= LN_SLAB_COLS) return C;
+    unsigned n_slabs = ceil_div(C, LN_SLAB_COLS);
+    return PACK(bf16) * (int)ceil_div(ceil_div(C, n_slabs), PACK(bf16));
+}
+
+/* Lane `lane` of a row's warp handles the VEC-element packets at lane*VEC, lane*VEC + 32*VEC, ...
+ * of the row (or of the slab, in the backward). */
 #define LN_ROW_LOOP(c, C) for (int c = lane * VEC; c < (C); c += 32 * VEC)
 
 template <typename T, int VEC>
@@ -62,18 +76,12 @@ __global__ void layernorm_fwd_kernel(T* __restrict__ out, float* __restrict__ me
     }
 }
 
-/* dx += rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dout * gamma, xhat = (x - mean) * rstd.
- * dx must not alias dout or x. */
+/* The means over a row of g = dout * gamma and of g * xhat (xhat = (x - mean) * rstd), which every
+ * column's dx needs; every lane of the row's warp gets both. */
 template <typename T, int VEC>
-__global__ void layernorm_bwd_dx_kernel(T* __restrict__ dx, const T* __restrict__ dout, const T* __restrict__ x,
-                                        const float* __restrict__ gamma, const float* __restrict__ mean,
-                                        const float* __restrict__ rstd, int N, int C) {
+__device__ __forceinline__ void ln_bwd_row_means(float* mg, float* mgx, const T* xr, const T* dr,
+                                                 const float* gamma, float m, float r, int C) {
     int lane = threadIdx.x & 31;
-    int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
-    if (row >= N) return;
-    const T* xr = x + (size_t)row * C;
-    const T* dr = dout + (size_t)row * C;
-    float m = mean[row], r = rstd[row];
     float sg = 0.0f, sgx = 0.0f, xv[VEC], dv[VEC], gv[VEC];
     LN_ROW_LOOP(c, C) {
         load_vec(xv, xr + c);
@@ -85,40 +93,78 @@ __global__ void layernorm_bwd_dx_kernel(T* __restrict__ dx, const T* __restrict_
             sgx += g * ((xv[k] - m) * r);
         }
     }
-    float mg = warp_sum(sg) / C, mgx = warp_sum(sgx) / C;
-    T* o = dx + (size_t)row * C;
-    LN_ROW_LOOP(c, C) {
-        float ov[VEC];
-        load_vec(xv, xr + c);
-        load_vec(dv, dr + c);
-        load_vec(gv, gamma + c);
-        load_vec(ov, o + c);
-        for (int k = 0; k < VEC; k++) ov[k] += r * (dv[k] * gv[k] - mg - (xv[k] - m) * r * mgx);
-        store_vec(o + c, ov);
+    *mg = warp_sum(sg) / C;
+    *mgx = warp_sum(sgx) / C;
+}
+
+/* One row's `width` columns of a slab (every pointer already at the slab's first column):
+ * dx += rstd * (g - mean(g) - xhat * mean(g * xhat)), and dout * xhat and dout added into the
+ * warp's column sums. A lane touches the same columns in every row, so no other thread touches
+ * its sums. */
+template <typename T, int VEC>
+__device__ __forceinline__ void ln_bwd_slab_row(T* o, float* dg_sum, float* db_sum, const T* xs, const T* ds,
+                                                const float* gs, float m, float r, float mg, float mgx, int width) {
+    int lane = threadIdx.x & 31;
+    LN_ROW_LOOP(j, width) {
+        float xv[VEC], dv[VEC], gv[VEC], ov[VEC], ag[VEC], ab[VEC];
+        load_vec(xv, xs + j);
+        load_vec(dv, ds + j);
+        load_vec(gv, gs + j);
+        load_vec(ov, o + j);
+        load_vec(ag, dg_sum + j);
+        load_vec(ab, db_sum + j);
+        for (int k = 0; k < VEC; k++) {
+            float xhat = (xv[k] - m) * r;
+            ov[k] += r * (dv[k] * gv[k] - mg - xhat * mgx);
+            ag[k] += dv[k] * xhat;
+            ab[k] += dv[k];
+        }
+        store_vec(o + j, ov);
+        store_vec(dg_sum + j, ag);
+        store_vec(db_sum + j, ab);
     }
 }
 
-/* grid (column slabs, row chunks), a thread per column (coalesced across the slab; element by
- * element, because packets would leave too few threads for the rows to stream):
- * partial[chunk][c] = sum over the chunk's rows of dout*xhat, partial[n_chunks + chunk][c] = sum
- * of dout. */
-template <typename T>
-__global__ void layernorm_bwd_partial_kernel(float* __restrict__ partial, const T* __restrict__ dout,
-                                             const T* __restrict__ x, const float* __restrict__ mean,
-                                             const float* __restrict__ rstd, int N, int C, int rows_per_chunk,
-                                             int n_chunks) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    int chunk = blockIdx.y;
-    if (c >= C) return;
+/* grid (column slabs, row chunks), LN_WARPS warps a block. Warp w takes rows r0 + w,
+ * r0 + w + LN_WARPS, ... of the chunk: the row's means over all C columns, then dx over the slab's
+ * columns, adding dout * xhat and dout into its own per-column sums in shared memory.
+ * Then the block adds the warps' sums in warp order and writes partial[chunk][c] (dgamma) and
+ * partial[n_chunks + chunk][c] (dbeta) for the slab's columns. dx must not alias dout or x. */
+template <typename T, int VEC>
+__global__ void layernorm_bwd_kernel(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
+                                     const T* __restrict__ x, const float* __restrict__ gamma,
+                                     const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C,
+                                     int rows_per_chunk, int slab_cols) {
+    __shared__ __align__(16) float col_sums[LN_WARPS][2][LN_SLAB_COLS]; /* [warp][dgamma, dbeta][slab column] */
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int c0 = blockIdx.x * slab_cols, width = min(slab_cols, C - c0);
+    int chunk = blockIdx.y, n_chunks = gridDim.y;
     int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
-    float ag = 0.0f, ab = 0.0f;
-    for (int r = r0; r < r1; r++) {
-        float d = to_f(dout[(size_t)r * C + c]);
-        ag += d * ((to_f(x[(size_t)r * C + c]) - mean[r]) * rstd[r]);
-        ab += d;
+    /* each lane clears the columns it will add into, so no barrier is needed before the rows; a
+     * warp with no rows (short last chunk) leaves zeros */
+    const float zero[VEC] = {};
+    LN_ROW_LOOP(j, width) {
+        store_vec(col_sums[warp][0] + j, zero);
+        store_vec(col_sums[warp][1] + j, zero);
     }
-    partial[(size_t)chunk * C + c] = ag;
-    partial[(size_t)(n_chunks + chunk) * C + c] = ab;
+    for (int row = r0 + warp; row < r1; row += LN_WARPS) {
+        const T* xr = x + (size_t)row * C;
+        const T* dr = dout + (size_t)row * C;
+        float m = mean[row], r = rstd[row], mg, mgx;
+        ln_bwd_row_means<T, VEC>(&mg, &mgx, xr, dr, gamma, m, r, C);
+        ln_bwd_slab_row<T, VEC>(dx + (size_t)row * C + c0, col_sums[warp][0], col_sums[warp][1], xr + c0, dr + c0,
+                                gamma + c0, m, r, mg, mgx, width);
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+        float sg = 0.0f, sb = 0.0f;
+        for (int w = 0; w < LN_WARPS; w++) {
+            sg += col_sums[w][0][j];
+            sb += col_sums[w][1][j];
+        }
+        partial[(size_t)chunk * C + c0 + j] = sg;
+        partial[(size_t)(n_chunks + chunk) * C + c0 + j] = sb;
+    }
 }
 
 /* Block (LN_FINAL_COLS columns) x (LN_FINAL_GROUPS groups): group k of a column sums chunks k,
@@ -159,14 +205,12 @@ template <typename T>
 static void k_layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, const T* x, const float* gamma,
                             const float* mean, const float* rstd, int N, int C, float* scratch) {
     bool packed = packable(C, sizeof(T), {dx, dout, x}) && packable(C, sizeof(float), {gamma});
-    LAUNCH_PACKED(packed, layernorm_bwd_dx_kernel, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, dx, dout, x, gamma, mean,
-                  rstd, N, C);
     int rows_per_chunk = ln_rows_per_chunk(N);
     int n_chunks = (int)ceil_div(N, rows_per_chunk);
-    dim3 grid(ceil_div(C, LN_COL_THREADS), n_chunks);
-    layernorm_bwd_partial_kernel<T><<<grid, LN_COL_THREADS, 0, g_stream>>>(scratch, dout, x, mean, rstd, N, C,
-                                                                           rows_per_chunk, n_chunks);
-    LAUNCH_CHECK();
+    int slab_cols = ln_slab_cols(C);
+    dim3 grid(ceil_div(C, slab_cols), n_chunks);
+    LAUNCH_PACKED(packed, layernorm_bwd_kernel, T, grid, 32 * LN_WARPS, dx, scratch, dout, x, gamma, mean, rstd, N, C,
+                  rows_per_chunk, slab_cols);
     layernorm_bwd_final_kernel<<<ceil_div(C, LN_FINAL_COLS), LN_FINAL_COLS * LN_FINAL_GROUPS, 0, g_stream>>>(
         dgamma, dbeta, scratch, C, n_chunks);
     LAUNCH_CHECK();
