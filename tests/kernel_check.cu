@@ -306,7 +306,7 @@ template <typename T> static void test_embed(const Shape& s, Tol tol) {
 
 template <typename T> static void test_layernorm(const Shape& s, Tol tol) {
     /* more rows than LN_MAX_CHUNKS in the larger shapes, so chunks hold several rows */
-    int N = s.B * s.T * 2 + 1, C = s.C;
+    int N = s.B * s.T * 4 + 1, C = s.C;
     Vec x = rounded<T>(randn((size_t)N * C, 1.0f, 0.3f));
     Vec gamma = randn(C, 0.2f, 1.0f), beta = randn(C, 0.2f);
     Vec out_c((size_t)N * C), mean_c(N), rstd_c(N);
@@ -576,8 +576,8 @@ template <typename T> static void test_loss(const Shape& s, Tol tol) {
 }
 
 /* AdamW, the weight copy, and the norm/scale kernels work on fp32 gradients whatever T is. */
-template <typename T> static void test_adamw(Tol tol) {
-    size_t n = 10007;
+/* n: odd (element by element) or a multiple of 8 (16-byte packets) */
+template <typename T> static void test_adamw(size_t n, Tol tol) {
     Vec p = randn(n, 1.0f), g = randn(n, 0.1f), m = randn(n, 0.01f), v = randn(n, 0.01f);
     for (float& x : v) x = x * x;
     float lr = 1e-3f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;
@@ -626,8 +626,8 @@ template <typename T> static void test_adamw(Tol tol) {
     dfree_all();
 }
 
-static void test_grad_norm(void) {
-    size_t n = 1000003;
+/* n: odd (element by element) or a multiple of 4 (16-byte packets) */
+static void test_grad_norm(size_t n) {
     Vec g = randn(n, 0.01f);
     double s = 0.0;
     for (float x : g) s += (double)x * x;
@@ -718,7 +718,9 @@ template <typename T> static void run_precision(void) {
         test_embed<T>(wide, tol);
     }
     set_ctx(prec, "adamw", "n=10007");
-    test_adamw<T>(tol);
+    test_adamw<T>(10007, tol);
+    set_ctx(prec, "adamw", "n=10008");
+    test_adamw<T>(10008, tol);
 }
 
 int main(int argc, char** argv) {
@@ -751,7 +753,9 @@ int main(int argc, char** argv) {
     cublas_init(ws, CUBLAS_WORKSPACE_BYTES);
 
     set_ctx("fp32", "grad_norm", "n=1000003");
-    test_grad_norm();
+    test_grad_norm(1000003);
+    set_ctx("fp32", "grad_norm", "n=1000004");
+    test_grad_norm(1000004);
     if (!strcmp(prec, "all") || !strcmp(prec, "fp32")) run_precision<float>();
     if (!strcmp(prec, "all") || !strcmp(prec, "bf16")) run_precision<bf16>();
     if (!strcmp(prec, "all") || !strcmp(prec, "fp16")) run_precision<fp16>();

@@ -13,8 +13,8 @@
  *   flash  (bf16/fp16, hs 16, 32 or 64): fused tiles on tensor cores (mma.sync, fp32
  *          accumulate), online softmax in fp32, nothing T×T in global memory. The backward is
  *          flash-attention-2 style but split in two kernels so that no output needs atomics:
- *          one per key block accumulates dK, dV; one per query block accumulates dQ; both
- *          recompute P from lse and use delta = rowsum(dO ∘ O) from a small first kernel.
+ *          one per query block accumulates dQ (and forms delta = rowsum(dO ∘ O) on the way),
+ *          then one per key block accumulates dK, dV; both recompute P from lse.
  *   cuBLAS (fp32, the reference mode compared tightly with the CPU engine, and other head sizes):
  *          scores of one sequence at a time, batched over heads, into fp32 [H, T, T] scratch.
  *
@@ -187,14 +187,11 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
 /* ---------------------------------------------------------------------------------------------- */
 /* Flash path, on tensor cores through mma.sync.m16n8k16 (fp32 accumulate; sm_80 and later).
  *
- * A block of FA_WARPS warps owns 64 query rows (dQ) or 64 keys (dK/dV), 16 per warp, or in the
- * forward FA_FWD_ROWS = 128 query rows, 32 per warp as FA_FWD_GROUPS = 2 groups of 16 rows. It walks
- * the other side in tiles of 64 rows staged in shared memory ([64][D + 8] of T: the +8 puts the 8
- * rows a fragment load touches on distinct banks; rows at or past T are zero). Tiles are
+ * A block of FA_WARPS warps owns 64 query rows (forward, dQ) or 64 keys (dK/dV), 16 per warp, and
+ * walks the other side in tiles of 64 rows staged in shared memory ([64][D + 8] of T: the +8 puts
+ * the 8 rows a fragment load touches on distinct banks; rows at or past T are zero). Tiles are
  * double-buffered: cp.async fetches tile i+1 while the warps multiply on tile i. B fragments come
- * from the staged tiles through ldmatrix (transposed where the tile is stored [k][n]); in the
- * forward both row groups of a warp use every B fragment loaded, which halves the shared-memory
- * traffic per mma (the forward is bound by it; the backward kernels hold too many accumulators).
+ * from the staged tiles through ldmatrix (transposed where the tile is stored [k][n]).
  *
  * Fragments (PTX ISA, mma.m16n8k16 with 16-bit inputs), lane = 4 g + t:
  *   A 16x16 (4 regs of 2 T): {row g, cols 2t,2t+1}, {row g+8, same}, {row g, cols 2t+8,+9},
@@ -206,15 +203,12 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
  * exactly the A fragment of the next product (P V, dS K, ...): scores never touch shared memory.
  * Scores run in base 2: s2 = (q·k) * scale * log2(e), so exp2f. */
 
-#define FA_TILE 64 /* rows per backward block and per staged tile */
+#define FA_TILE 64 /* rows per block and per staged tile */
 #define FA_WARPS 4
 #define FA_THREADS (32 * FA_WARPS)
-#define FA_FWD_GROUPS 2                              /* forward: 16-row groups per warp */
-#define FA_FWD_ROWS (FA_WARPS * 16 * FA_FWD_GROUPS) /* forward: query rows per block */
 /* Blocks per multiprocessor that ptxas must fit in registers (65536 / (128 threads x blocks)):
- * the forward, with its two row groups per warp, fits 2 (D = 64: 248 registers on sm_90, 252 on
- * sm_80, no spills; 3 would spill for D = 32 and 64), the two backward kernels 3 (168). */
-#define FA_MIN_BLOCKS_FWD 2
+ * the forward fits 4 (127 registers on sm_90, no spills), the two backward kernels 3 (168). */
+#define FA_MIN_BLOCKS_FWD 4
 #define FA_MIN_BLOCKS_BWD 3
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
@@ -310,55 +304,41 @@ __device__ __forceinline__ void fa_load_a(unsigned (*a)[4], const T* rows) {
     }
 }
 
-/* s[16][64] = A[16][D] · tile[64][D]^T for each of G groups of 16 rows: 8 C fragments per group,
- * fragment j = tile rows 8j .. 8j+7; group r's A fragments are a[KD r ..], its scores s[8r ..].
- * One ldmatrix serves fragments j, j+1 at one k step of every group (2G mma): matrices
- * (rows 8j.., k), (8j.., k+8), (8j+8.., k), (8j+8.., k+8). */
-template <typename T, int D, int G = 1>
+/* s[16][64] = A[16][D] · tile[64][D]^T: 8 C fragments, fragment j = tile rows 8j .. 8j+7. One
+ * ldmatrix serves fragments j, j+1 at one k step: matrices (rows 8j.., k), (8j.., k+8),
+ * (8j+8.., k), (8j+8.., k+8). */
+template <typename T, int D>
 __device__ __forceinline__ void fa_scores(float (*s)[4], const unsigned (*a)[4], const T* tile) {
-    constexpr int NJ = FA_TILE / 8;
     int lane = threadIdx.x & 31, mi = lane >> 3;
     const T* p = tile + (8 * (mi >> 1) + (lane & 7)) * Fa<D>::LD + 8 * (mi & 1);
-    for (int j = 0; j < NJ; j += 2) {
-        for (int r = 0; r < G; r++)
-            for (int e = 0; e < 4; e++) s[NJ * r + j][e] = s[NJ * r + j + 1][e] = 0.0f;
+    for (int j = 0; j < FA_TILE / 8; j += 2) {
+        for (int e = 0; e < 4; e++) s[j][e] = s[j + 1][e] = 0.0f;
         for (int kk = 0; kk < Fa<D>::KD; kk++) {
             unsigned b[4];
             fa_ldsm_x4(b, p + 8 * j * Fa<D>::LD + kk * 16);
-            for (int r = 0; r < G; r++) {
-                fa_mma<T>(s[NJ * r + j], a[Fa<D>::KD * r + kk], b);
-                fa_mma<T>(s[NJ * r + j + 1], a[Fa<D>::KD * r + kk], b + 2);
-            }
+            fa_mma<T>(s[j], a[kk], b);
+            fa_mma<T>(s[j + 1], a[kk], b + 2);
         }
     }
 }
 
-/* acc[16][D] += P[16][64] · tile[64][D] for each of G groups of 16 rows, P given as 8 C fragments
- * per group (rounded to T here); group r's P is p[8r ..], its accumulator acc[ND r ..]. One
- * transposed ldmatrix serves output fragments n, n+1 at one k step of every group (2G mma):
- * matrices (k.., cols 8n), (k+8.., 8n), (k.., 8n+8), (k+8.., 8n+8). */
-template <typename T, int D, int G = 1>
+/* acc[16][D] += P[16][64] · tile[64][D], P given as 8 C fragments (rounded to T here). One
+ * transposed ldmatrix serves output fragments n, n+1 at one k step: matrices (k.., cols 8n),
+ * (k+8.., 8n), (k.., 8n+8), (k+8.., 8n+8). */
+template <typename T, int D>
 __device__ __forceinline__ void fa_accumulate(float (*acc)[4], const float (*p)[4], const T* tile) {
-    constexpr int NJ = FA_TILE / 8;
     int lane = threadIdx.x & 31, mi = lane >> 3;
     const T* q = tile + (8 * (mi & 1) + (lane & 7)) * Fa<D>::LD + 8 * (mi >> 1);
     for (int kk = 0; kk < FA_TILE / 16; kk++) {
-        unsigned a[G][4];
-        for (int r = 0; r < G; r++) {
-            const float* p0 = p[NJ * r + 2 * kk];
-            const float* p1 = p[NJ * r + 2 * kk + 1];
-            a[r][0] = fa_pack<T>(p0[0], p0[1]);
-            a[r][1] = fa_pack<T>(p0[2], p0[3]);
-            a[r][2] = fa_pack<T>(p1[0], p1[1]);
-            a[r][3] = fa_pack<T>(p1[2], p1[3]);
-        }
+        const float* p0 = p[2 * kk];
+        const float* p1 = p[2 * kk + 1];
+        unsigned a[4] = {fa_pack<T>(p0[0], p0[1]), fa_pack<T>(p0[2], p0[3]), fa_pack<T>(p1[0], p1[1]),
+                         fa_pack<T>(p1[2], p1[3])};
         for (int n = 0; n < Fa<D>::ND; n += 2) {
             unsigned b[4];
             fa_ldsm_x4_trans(b, q + kk * 16 * Fa<D>::LD + 8 * n);
-            for (int r = 0; r < G; r++) {
-                fa_mma<T>(acc[Fa<D>::ND * r + n], a[r], b);
-                fa_mma<T>(acc[Fa<D>::ND * r + n + 1], a[r], b + 2);
-            }
+            fa_mma<T>(acc[n], a, b);
+            fa_mma<T>(acc[n + 1], a, b + 2);
         }
     }
 }
@@ -378,12 +358,11 @@ __device__ __forceinline__ void fa_store_out(T* y, const float (*acc)[4], float 
         }
 }
 
-/* The causal mask of a tile pair where some key follows some query: scores s in the C-fragment
- * layout above, row base_row + g + 8h, column 8j + 2t + e (both counted from the first row of the
- * column tile), become -inf where the key index exceeds the query index. Rows are queries
- * (forward, dQ: mask column > row) or keys (dK/dV: mask column < row). In the backward kernels this
- * is the diagonal tile pair (query tile == key tile), in the forward a warp's last key tile; on the
- * other tiles every key precedes every query, and no mask is applied at all. */
+/* The causal mask of a diagonal tile pair (query tile == key tile), the only tile pair where any
+ * key follows a query: scores s in the C-fragment layout above, row base_row + g + 8h, column
+ * 8j + 2t + e (tile-relative), become -inf where the key index exceeds the query index. Rows are
+ * queries (forward, dQ: mask column > row) or keys (dK/dV: mask column < row). Off the diagonal
+ * every key precedes every query, and no mask is applied at all. */
 template <bool ROWS_ARE_KEYS>
 __device__ __forceinline__ void fa_mask_diagonal(float (*s)[4], int base_row) {
     int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -405,122 +384,79 @@ __device__ __forceinline__ float fa_quad_max(float x) {
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
-/* Forward: block (query block of FA_FWD_ROWS rows, b*H + h); the heaviest (last) query blocks are
- * scheduled first. Warp w owns the 32 query rows row0 = q0 + 32w .. +31 as FA_FWD_GROUPS groups of
- * 16 (group r: rows row0 + 16r ..; each lane holds rows g and g+8 of a group, index h = 0, 1).
- * The block walks the key tiles up to the last one holding a key <= its last valid query. row0 is
- * a multiple of 32 and a tile starts at a multiple of 64, so a tile either starts at or before
- * row0 (its first key precedes every row of the warp) or after row0 + 31 (every key follows every
- * row: the warp skips its math, and only its math, since the tile loads and barriers are the
- * block's). Hence each row processes tiles 0 .. row0 / 64, in order as with 64-row blocks, and key
- * tile 0 first: its key 0 precedes every row, so the running max is finite from the first tile on
- * and exp2f never sees -inf - -inf. Only the warp's last tile holds keys past its rows, masked
- * there (key > row). Keys past T (zero rows) can lie in no earlier tile of a warp with a valid row
- * i (those end before row0 <= i < T), so they are masked too: key >= T > i. Rows past T are zero
- * q rows, computed but never stored. */
+/* Forward: block (query tile, b*H + h); the heaviest (last) query tiles are scheduled first. Warp
+ * w owns query rows q0 + 16w .. +15; each lane holds rows g and g+8 of them (index h = 0, 1). Every
+ * processed key tile holds a key <= each of the tile's rows (tiles run up to the diagonal), so the
+ * running max is finite from the first tile on. */
 template <typename T, int D>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
     attn_flash_fwd_kernel(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2) {
-    constexpr int G = FA_FWD_GROUPS, NJ = FA_TILE / 8, TILE = FA_TILE * Fa<D>::LD;
-    static_assert(FA_FWD_ROWS == 2 * FA_TILE, "q is staged through one key + value buffer");
-    static_assert(FA_TILE % (16 * G) == 0, "a warp's rows never straddle the start of a key tile");
-    /* double-buffered: key tile kt in kv[kt & 1][0 .. TILE), its values in the next TILE; first,
-     * kv[1] stages the block's FA_FWD_ROWS query rows */
-    __shared__ __align__(16) T kv[2][2 * TILE];
+    __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
+    __shared__ __align__(16) T vs[2][FA_TILE * Fa<D>::LD];
     int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H;
-    int q0 = qt * FA_FWD_ROWS, row0 = q0 + warp * 16 * G;
-    int n_tiles = (min(q0 + FA_FWD_ROWS, T_) + FA_TILE - 1) / FA_TILE; /* the block's key tiles */
-    int last = row0 / FA_TILE;                                           /* the warp's last key tile */
+    int q0 = qt * FA_TILE, row0 = q0 + warp * 16;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
 
-    unsigned qa[G * Fa<D>::KD][4]; /* group r's A fragments at qa[KD r ..] */
-    fa_load_rows<T, D>(kv[1], q + base, q0, T_, C);
-    fa_load_rows<T, D>(kv[1] + TILE, q + base, q0 + FA_TILE, T_, C);
-    fa_load_kv<T, D>(kv[0], kv[0] + TILE, k + base, v + base, 0, T_, C);
+    unsigned qa[Fa<D>::KD][4];
+    fa_load_rows<T, D>(ks[1], q + base, q0, T_, C); /* q staged through the second k buffer */
+    fa_load_kv<T, D>(ks[0], vs[0], k + base, v + base, 0, T_, C);
     fa_cp_commit();
     fa_cp_wait<0>();
     __syncthreads();
-    for (int r = 0; r < G; r++) fa_load_a<T, D>(qa + Fa<D>::KD * r, kv[1] + (row0 - q0 + 16 * r) * Fa<D>::LD);
-    __syncthreads(); /* everyone has its q before kv[1] takes the next tile */
-    float o[G * Fa<D>::ND][4] = {}; /* group r's output at o[ND r ..] */
-    float m[G][2], l[G][2] = {};    /* running max (base 2), this lane's sum */
-    for (int r = 0; r < G; r++) m[r][0] = m[r][1] = -INFINITY;
+    fa_load_a<T, D>(qa, ks[1] + warp * 16 * Fa<D>::LD);
+    __syncthreads(); /* everyone has its q before ks[1] takes the next tile */
+    float o[Fa<D>::ND][4] = {};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* running max (base 2), this lane's sum */
 
-    for (int kt = 0; kt < n_tiles; kt++) {
+    for (int kt = 0; kt <= qt; kt++) {
         int cur = kt & 1;
-        if (kt + 1 < n_tiles) fa_load_kv<T, D>(kv[cur ^ 1], kv[cur ^ 1] + TILE, k + base, v + base, kt + 1, T_, C);
+        if (kt < qt) fa_load_kv<T, D>(ks[cur ^ 1], vs[cur ^ 1], k + base, v + base, kt + 1, T_, C);
         fa_cp_commit();
         fa_cp_wait<1>(); /* tile kt has landed (this thread's part) ... */
         __syncthreads(); /* ... and everyone's */
-        if (kt <= last) {
-            float s[G * NJ][4]; /* group r's scores at s[NJ r ..] */
-            fa_scores<T, D, G>(s, qa, kv[cur]);
-            for (int r = 0; r < G; r++) {
-                float(*sg)[4] = s + NJ * r; /* this group's scores and output */
-                float(*og)[4] = o + Fa<D>::ND * r;
-                if (kt == last) fa_mask_diagonal<false>(sg, row0 + 16 * r - kt * FA_TILE);
-                for (int h = 0; h < 2; h++) {
-                    float mx = -INFINITY;
-                    for (int j = 0; j < NJ; j++)
-                        for (int e = 0; e < 2; e++) {
-                            float x = sg[j][2 * h + e] * sl2;
-                            sg[j][2 * h + e] = x;
-                            mx = fmaxf(mx, x);
-                        }
-                    float m_new = fmaxf(m[r][h], fa_quad_max(mx));
-                    float alpha = exp2f(m[r][h] - m_new), sum = 0.0f;
-                    for (int j = 0; j < NJ; j++)
-                        for (int e = 0; e < 2; e++) {
-                            float p = exp2f(sg[j][2 * h + e] - m_new);
-                            sg[j][2 * h + e] = p;
-                            sum += p;
-                        }
-                    l[r][h] = l[r][h] * alpha + sum;
-                    m[r][h] = m_new;
-                    for (int n = 0; n < Fa<D>::ND; n++) {
-                        og[n][2 * h] *= alpha;
-                        og[n][2 * h + 1] *= alpha;
-                    }
+        float s[FA_TILE / 8][4];
+        fa_scores<T, D>(s, qa, ks[cur]);
+        if (kt == qt) fa_mask_diagonal<false>(s, warp * 16);
+        for (int h = 0; h < 2; h++) {
+            float mx = -INFINITY;
+            for (int j = 0; j < FA_TILE / 8; j++)
+                for (int e = 0; e < 2; e++) {
+                    float x = s[j][2 * h + e] * sl2;
+                    s[j][2 * h + e] = x;
+                    mx = fmaxf(mx, x);
                 }
+            float m_new = fmaxf(m[h], fa_quad_max(mx));
+            float alpha = exp2f(m[h] - m_new), sum = 0.0f;
+            for (int j = 0; j < FA_TILE / 8; j++)
+                for (int e = 0; e < 2; e++) {
+                    float p = exp2f(s[j][2 * h + e] - m_new);
+                    s[j][2 * h + e] = p;
+                    sum += p;
+                }
+            l[h] = l[h] * alpha + sum;
+            m[h] = m_new;
+            for (int n = 0; n < Fa<D>::ND; n++) {
+                o[n][2 * h] *= alpha;
+                o[n][2 * h + 1] *= alpha;
             }
-            fa_accumulate<T, D, G>(o, s, kv[cur] + TILE);
         }
+        fa_accumulate<T, D>(o, s, vs[cur]);
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
 
-    for (int r = 0; r < G; r++)
-        for (int h = 0; h < 2; h++) {
-            int i = row0 + 16 * r + g + 8 * h;
-            float lt = fa_quad_sum(l[r][h]), inv = 1.0f / lt;
-            if (i < T_) {
-                T* p = out + base + (size_t)i * C + 2 * t;
-                for (int n = 0; n < Fa<D>::ND; n++) {
-                    p[8 * n] = from_f<T>(o[Fa<D>::ND * r + n][2 * h] * inv);
-                    p[8 * n + 1] = from_f<T>(o[Fa<D>::ND * r + n][2 * h + 1] * inv);
-                }
-                if (t == 0) lse[(size_t)bh * T_ + i] = m[r][h] * FA_LN2 + logf(lt);
+    for (int h = 0; h < 2; h++) {
+        int i = row0 + g + 8 * h;
+        float lt = fa_quad_sum(l[h]), inv = 1.0f / lt;
+        if (i < T_) {
+            T* p = out + base + (size_t)i * C + 2 * t;
+            for (int n = 0; n < Fa<D>::ND; n++) {
+                p[8 * n] = from_f<T>(o[n][2 * h] * inv);
+                p[8 * n + 1] = from_f<T>(o[n][2 * h + 1] * inv);
             }
+            if (t == 0) lse[(size_t)bh * T_ + i] = m[h] * FA_LN2 + logf(lt);
         }
-}
-
-/* delta[b, h, t] = sum over the head's columns of dout * out: one thread per (row, head), in
- * 16-byte packets (a flash head's row is whole packets, see attn_flash_ok). */
-template <typename T>
-__global__ void attn_delta_kernel(float* delta, const T* dout, const T* out, int N, int T_, int C, int H) {
-    constexpr int VEC = PACK(T);
-    int gid = blockIdx.x * blockDim.x + threadIdx.x;
-    if (gid >= N * H) return;
-    int n = gid / H, h = gid % H, hs = C / H;
-    const T* a = dout + (size_t)n * C + h * hs;
-    const T* o = out + (size_t)n * C + h * hs;
-    float s = 0.0f, av[VEC], ov[VEC];
-    for (int c = 0; c < hs; c += VEC) {
-        load_vec(av, a + c);
-        load_vec(ov, o + c);
-        for (int k = 0; k < VEC; k++) s += av[k] * ov[k];
     }
-    delta[((size_t)(n / T_) * H + h) * T_ + n % T_] = s;
 }
 
 /* dK, dV: block (key tile, b*H + h); warp w owns keys kv0 + 16w .. +15 (lane: keys g, g+8) and
@@ -594,14 +530,16 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_BWD)
 }
 
 /* dQ: block (query tile, b*H + h); warp w owns query rows q0 + 16w .. +15 and accumulates their dQ
- * over the key tiles up to the diagonal: S = Q K^T, dP = dO V^T, dQ += dS K. */
+ * over the key tiles up to the diagonal: S = Q K^T, dP = dO V^T, dQ += dS K. It runs first of the
+ * two and also forms delta = rowsum(dO ∘ O) of its rows (from the dout tile it stages anyway),
+ * which it needs itself and stores for the dK/dV kernel. */
 template <typename T, int D>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_BWD)
-    attn_flash_dq_kernel(T* dq, const T* dout, const float* lse, const float* delta, const T* q, const T* k,
+    attn_flash_dq_kernel(T* dq, float* delta, const T* dout, const T* out, const float* lse, const T* q, const T* k,
                          const T* v, int T_, int C, int H, float scale, float sl2) {
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
     __shared__ __align__(16) T vs[2][FA_TILE * Fa<D>::LD];
-    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H;
     int q0 = qt * FA_TILE, row0 = q0 + warp * 16;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
@@ -609,7 +547,6 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_BWD)
     for (int h = 0; h < 2; h++) {
         int i = row0 + g + 8 * h;
         lse2[h] = i < T_ ? lse[(size_t)bh * T_ + i] * FA_LOG2E : 0.0f;
-        dl[h] = i < T_ ? delta[(size_t)bh * T_ + i] : 0.0f;
     }
 
     unsigned qa[Fa<D>::KD][4], doa[Fa<D>::KD][4];
@@ -621,6 +558,19 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_BWD)
     __syncthreads();
     fa_load_a<T, D>(qa, ks[1] + warp * 16 * Fa<D>::LD);
     fa_load_a<T, D>(doa, vs[1] + warp * 16 * Fa<D>::LD);
+    /* delta of rows g and g + 8: lane t of the row's quad sums columns [t D/4, (t+1) D/4); rows
+     * past T get 0 (their dout rows are zero) and are not stored */
+    for (int h = 0; h < 2; h++) {
+        int r = warp * 16 + g + 8 * h, i = q0 + r;
+        float s = 0.0f;
+        if (i < T_) {
+            const T* d_row = vs[1] + r * Fa<D>::LD + t * (D / 4);
+            const T* o_row = out + base + (size_t)i * C + t * (D / 4);
+            for (int c = 0; c < D / 4; c++) s += to_f(d_row[c]) * to_f(o_row[c]);
+        }
+        dl[h] = fa_quad_sum(s);
+        if (t == 0 && i < T_) delta[(size_t)bh * T_ + i] = dl[h];
+    }
     __syncthreads(); /* everyone has its q, dout before the second buffers take the next tile */
     float dq_acc[Fa<D>::ND][4] = {};
 
@@ -659,7 +609,7 @@ static void fa_check_aligned(const void* a, const void* b, const void* c, const 
 template <typename T, int D>
 static void attn_fwd_flash(T* out, float* lse, const T* q, const T* k, const T* v, int B, int T_, int C, int H) {
     float sl2 = FA_LOG2E / sqrtf((float)D);
-    dim3 grid(ceil_div(T_, FA_FWD_ROWS), B * H);
+    dim3 grid(ceil_div(T_, FA_TILE), B * H);
     fa_check_aligned(out, q, k, v);
     attn_flash_fwd_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(out, lse, q, k, v, T_, C, H, sl2);
     LAUNCH_CHECK();
@@ -668,17 +618,15 @@ static void attn_fwd_flash(T* out, float* lse, const T* q, const T* k, const T* 
 template <typename T, int D>
 static void attn_bwd_flash(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q, const T* k,
                            const T* v, int B, int T_, int C, int H, float* delta) {
-    int N = B * T_;
     float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
     fa_check_aligned(dout, q, k, v);
     fa_check_aligned(dq, dk, dv, out);
-    attn_delta_kernel<T><<<ceil_div((size_t)N * H, 256), 256, 0, g_stream>>>(delta, dout, out, N, T_, C, H);
-    LAUNCH_CHECK();
     dim3 grid(ceil_div(T_, FA_TILE), B * H);
+    attn_flash_dq_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dq, delta, dout, out, lse, q, k, v, T_, C, H, scale,
+                                                                  sl2);
+    LAUNCH_CHECK();
     attn_flash_dkv_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dk, dv, dout, lse, delta, q, k, v, T_, C, H, scale,
                                                                    sl2);
-    LAUNCH_CHECK();
-    attn_flash_dq_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dq, dout, lse, delta, q, k, v, T_, C, H, scale, sl2);
     LAUNCH_CHECK();
 }
 

@@ -16,7 +16,7 @@
 
 #define LN_EPS 1e-5f
 #define LN_WARPS 8         /* warps per block in the row kernels */
-#define LN_MAX_CHUNKS 256  /* row chunks for dgamma/dbeta partials */
+#define LN_MAX_CHUNKS 512  /* row chunks for dgamma/dbeta partials: 512 blocks (4 per SM) for 120M */
 #define LN_SLAB_COLS 768   /* widest column slab of the backward: LN_WARPS x 2 sums per column fill the
                               48 KB of shared memory a block gets without cudaFuncSetAttribute */
 #define LN_FINAL_COLS 32   /* columns per block in the final sum ... */

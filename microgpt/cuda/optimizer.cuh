@@ -40,11 +40,13 @@ static UpdateCtl update_ctl(float lr, int t, float beta1, float beta2, double un
 }
 
 /* The norm of g * unscale (unscale: nullable device float, NULL = 1), without rewriting g. */
-__global__ void grad_norm_partial_kernel(float* partial, const float* g, size_t n, const float* unscale) {
+template <typename F, int VEC>
+__global__ void grad_norm_partial_kernel(float* partial, const float* __restrict__ g, size_t n, const float* unscale) {
     float s = 0.0f, u = unscale ? *unscale : 1.0f;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float x = g[i] * u;
-        s += x * x;
+    FOR_PACKETS(i, n) {
+        float x[VEC];
+        load_vec(x, g + i);
+        for (int k = 0; k < VEC; k++) s += (x[k] * u) * (x[k] * u);
     }
     s = block_sum(s);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
@@ -70,25 +72,32 @@ __global__ void grad_scale_kernel(float* g, size_t n, float s) {
 /* As the CPU's adamw_update, on the gradient g * unscale, clipped to norm ctl->clip when the
  * global norm (*norm, of g * unscale) exceeds it; p_low (nullable) receives the updated weight
  * rounded to T for the next step's products. */
-template <typename T>
-__global__ void adamw_kernel(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float beta1, float beta2,
+template <typename T, int VEC>
+__global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                             float* __restrict__ v, T* __restrict__ p_low, size_t n, float beta1, float beta2,
                              float eps, float wd, const UpdateCtl* ctl, const float* norm) {
     float nrm = *norm;
     if (ctl->skip_nonfinite && !isfinite(nrm)) return;
     int clip = ctl->clip > 0.0f && nrm > ctl->clip;
     float clip_s = clip ? (float)((double)ctl->clip / (double)nrm) : 1.0f;
     float lr = ctl->lr, c1 = ctl->c1, c2 = ctl->c2, u = ctl->unscale;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float gi = g[i] * u;
-        if (clip) gi *= clip_s;
-        float mi = beta1 * m[i] + (1.0f - beta1) * gi;
-        float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        float pi = p[i];
-        pi -= lr * ((mi / c1) / (sqrtf(vi / c2) + eps) + wd * pi);
-        p[i] = pi;
-        if (p_low) p_low[i] = from_f<T>(pi);
+    FOR_PACKETS(i, n) {
+        float gv[VEC], mv[VEC], vv[VEC], pv[VEC];
+        load_vec(gv, g + i);
+        load_vec(mv, m + i);
+        load_vec(vv, v + i);
+        load_vec(pv, p + i);
+        for (int k = 0; k < VEC; k++) {
+            float gi = gv[k] * u;
+            if (clip) gi *= clip_s;
+            mv[k] = beta1 * mv[k] + (1.0f - beta1) * gi;
+            vv[k] = beta2 * vv[k] + (1.0f - beta2) * gi * gi;
+            pv[k] -= lr * ((mv[k] / c1) / (sqrtf(vv[k] / c2) + eps) + wd * pv[k]);
+        }
+        store_vec(m + i, mv);
+        store_vec(v + i, vv);
+        store_vec(p + i, pv);
+        if (p_low) store_vec(p_low + i, pv);
     }
 }
 
@@ -100,8 +109,8 @@ __global__ void convert_kernel(T* out, const float* in, size_t n) {
 
 /* partial: NORM_BLOCKS floats of scratch; unscale: nullable device float (see the kernel) */
 static void k_grad_norm_partial(float* partial, const float* g, size_t n, const float* unscale) {
-    grad_norm_partial_kernel<<<NORM_BLOCKS, NORM_THREADS, 0, g_stream>>>(partial, g, n, unscale);
-    LAUNCH_CHECK();
+    LAUNCH_PACKED(packable(n, sizeof(float), {g}), grad_norm_partial_kernel, float, NORM_BLOCKS, NORM_THREADS, partial,
+                  g, n, unscale);
 }
 
 /* out: one device float, the L2 norm of everything k_grad_norm_partial summed */
@@ -119,9 +128,9 @@ static void k_grad_scale(float* g, size_t n, float s) {
 template <typename T>
 static void k_adamw(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float beta1, float beta2,
                     float eps, float wd, const UpdateCtl* ctl, const float* norm) {
-    adamw_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(p, g, m, v, p_low, n, beta1, beta2, eps, wd, ctl,
-                                                                     norm);
-    LAUNCH_CHECK();
+    /* packets of PACK(T) elements: 16 bytes of p_low, one or two of each fp32 array */
+    bool packed = packable(n, sizeof(T), {p, g, m, v, p_low}) && packable(n, sizeof(float), {p});
+    LAUNCH_PACKED_ELEMENTWISE(packed, adamw_kernel, T, n, p, g, m, v, p_low, n, beta1, beta2, eps, wd, ctl, norm);
 }
 
 template <typename T>
