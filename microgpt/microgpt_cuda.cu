@@ -22,8 +22,9 @@
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
  * and reused by smaller calls (one sequence of len tokens when sampling).
  *
- * Determinism: no float atomics anywhere; fixed-shape reductions; one cuBLAS handle with a fixed
- * workspace on one stream. Two runs of the same config on the same GPU give identical bits.
+ * Determinism: no float atomics anywhere; fixed-shape reductions; one cuBLAS and one cuBLASLt
+ * handle sharing a fixed workspace on one stream, cuBLASLt's algorithms chosen by its heuristic (not
+ * by timing). Two runs of the same config on the same GPU give identical bits.
  *
  * Speed: a micro-batch (tokens in, forward, loss, backward, mean loss out) and the update (norm,
  * clip, AdamW, zeroed gradients, norm out) each run as one CUDA graph, captured at setup and
@@ -33,7 +34,7 @@
  * ANDREA_CUDA_SYNC=1 (synchronise after every launch) and ANDREA_NO_GRAPH=1 run the same work
  * uncaptured, launch by launch.
  *
- * Build: make cuda   (nvcc -O3 -std=c++17, linked with -lcublas) */
+ * Build: make cuda   (nvcc -O3 -std=c++17, linked with -lcublas -lcublasLt) */
 #include "host/train_loop.h"
 
 #include "cuda/attention.cuh"

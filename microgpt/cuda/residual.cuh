@@ -1,11 +1,12 @@
 /* residual.cuh: the residual connection out = a + b; its gradient flows unchanged into both
  * branches (da += dout, db += dout), as the CPU's residual_forward / residual_backward.
  *
- * The engine calls k_residual_add for both residual joins of every layer. It needs no separate
- * k_residual_add_bwd launch: it keeps one residual-gradient buffer that is the gradient of the
- * stream at every depth (each branch's input gradient is accumulated into it in place), which is
- * k_residual_add_bwd with da aliased to dout. The kernel is kept, and checked, as the pair's
- * reference form and for callers whose branches have separate gradient buffers. */
+ * The engine launches neither kernel: both residual joins of a layer are fused into the product
+ * that ends the branch (k_attn_out_fwd, k_mlp_fwd: out = residual + x @ W, matmul.cuh), and the
+ * backward keeps one residual-gradient buffer that is the gradient of the stream at every depth
+ * (each branch's input gradient is accumulated into it in place), which is k_residual_add_bwd
+ * with da aliased to dout. The pair is kept, and checked against the CPU in tests/kernel_check.cu,
+ * as the reference form of what the fused products compute (SPEC §3 names it). */
 #ifndef MICROGPT_CUDA_RESIDUAL_CUH
 #define MICROGPT_CUDA_RESIDUAL_CUH
 
