@@ -59,28 +59,51 @@ def smi_query(fields):
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-class MemoryPoller(threading.Thread):
-    """Polls the GPU's used memory while a child runs; peak minus the idle level before it started."""
+SMI_FIELDS = "memory.used,clocks.sm,power.draw"
+
+
+def median_or_none(xs):
+    return statistics.median(xs) if xs else None
+
+
+def parse_smi_sample(text):
+    """'61234, 1830, 690.52' (MiB, MHz, W) -> (61234, 1830.0, 690.52); None if it is not that."""
+    try:
+        mib, mhz, watts = (field.strip() for field in (text or "").split(","))
+        return int(mib), float(mhz), float(watts)
+    except ValueError:
+        return None
+
+
+class GpuPoller(threading.Thread):
+    """Polls the GPU while a child runs: its used memory (peak minus the idle level before it
+    started), SM clock and power draw. A step's time depends on the clock, which the GPU lowers
+    under sustained load, so each run reports the clock and power it actually ran at."""
 
     def __init__(self, period_s=0.2):
         super().__init__(daemon=True)
         self.period_s = period_s
         self.stop_flag = threading.Event()
-        base = smi_query("memory.used")
-        self.base_mib = int(base) if base and base.isdigit() else None
+        base = parse_smi_sample(smi_query(SMI_FIELDS))
+        self.base_mib = base[0] if base else None
         self.peak_mib = self.base_mib
+        self.clocks, self.watts = [], []
 
     def run(self):
         while self.base_mib is not None and not self.stop_flag.wait(self.period_s):
-            used = smi_query("memory.used")
-            if used and used.isdigit():
-                self.peak_mib = max(self.peak_mib, int(used))
+            sample = parse_smi_sample(smi_query(SMI_FIELDS))
+            if sample:
+                self.peak_mib = max(self.peak_mib, sample[0])
+                self.clocks.append(sample[1])
+                self.watts.append(sample[2])
 
     def finish(self):
-        """Stop polling; bytes the child added at its peak, or None without nvidia-smi."""
+        """Stop polling; (bytes the child added at its peak, median SM MHz, median W), None for
+        what nvidia-smi could not give."""
         self.stop_flag.set()
         self.join()
-        return None if self.base_mib is None else (self.peak_mib - self.base_mib) << 20
+        added = None if self.base_mib is None else (self.peak_mib - self.base_mib) << 20
+        return added, median_or_none(self.clocks), median_or_none(self.watts)
 
 
 # -----------------------------------------------------------------------------
@@ -88,15 +111,16 @@ class MemoryPoller(threading.Thread):
 
 
 def run_logged(cmd, log_prefix, timeout_s):
-    """Run cmd with stdout/stderr saved beside the results; returns (returncode or error, records, smi bytes)."""
-    poller = MemoryPoller()
+    """Run cmd with stdout/stderr saved beside the results; returns (returncode or error, records,
+    GpuPoller.finish()'s (bytes, MHz, W))."""
+    poller = GpuPoller()
     poller.start()
     t0 = time.time()
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     except OSError as e:
         poller.finish()
-        return f"cannot start {cmd[0]}: {e.strerror}", [], None
+        return f"cannot start {cmd[0]}: {e.strerror}", [], (None, None, None)
     try:
         out, err = proc.communicate(timeout=timeout_s)
         status = proc.returncode
@@ -104,7 +128,7 @@ def run_logged(cmd, log_prefix, timeout_s):
         proc.kill()
         out, err = proc.communicate()
         status = f"timed out after {timeout_s} s"
-    smi_bytes = poller.finish()
+    gpu = poller.finish()
     for suffix, text in ((".stdout", out), (".stderr", err)):
         with open(log_prefix + suffix, "w") as f:
             f.write(text)
@@ -112,7 +136,7 @@ def run_logged(cmd, log_prefix, timeout_s):
         last = [line for line in err.splitlines() if line.strip()][-1:] or ["(no stderr)"]
         status = f"exit {status}: {last[0][:200]}"
     print(f"  {os.path.basename(log_prefix)}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    return status, parse_records(out), smi_bytes
+    return status, parse_records(out), gpu
 
 
 def parse_records(text):
@@ -148,8 +172,9 @@ def summarize(records, warmup, last, tokens_per_step):
 
 
 def run_side(name, cmd, args, tokens_per_step):
-    status, records, smi_bytes = run_logged(cmd, os.path.join(args.out, name), args.timeout)
-    result = {"command": " ".join(cmd), "error": None if status == 0 else status, "smi_bytes": smi_bytes}
+    status, records, (smi_bytes, sm_mhz, power_w) = run_logged(cmd, os.path.join(args.out, name), args.timeout)
+    result = {"command": " ".join(cmd), "error": None if status == 0 else status, "smi_bytes": smi_bytes,
+              "sm_mhz": sm_mhz, "power_w": power_w}
     try:
         result.update(summarize(records, args.warmup, args.last, tokens_per_step))
     except BenchError as e:
@@ -303,7 +328,8 @@ def fmt(x, spec):
 
 
 COLUMNS = ["model", "prec", "engine ms", "engine tok/s", "engine GiB", "torch", "torch ms", "torch tok/s",
-           "torch GiB", "torch peak alloc/resv GiB", "ratio", "loss e/t", "loss check", "targets"]
+           "torch GiB", "torch peak alloc/resv GiB", "ratio", "SM MHz e/t", "W e/t", "loss e/t", "loss check",
+           "targets"]
 
 
 def table_row(r):
@@ -319,7 +345,9 @@ def table_row(r):
     return [r["model"], r["precision"], side(e, "ms_per_step", ".2f"), fmt(e.get("tokens_per_s"), ",.0f"),
             gib(e.get("smi_bytes")), torch_name, side(t, "ms_per_step", ".2f"), fmt(t.get("tokens_per_s"), ",.0f"),
             gib(t.get("smi_bytes")), f"{gib(t.get('peak_allocated'))}/{gib(t.get('peak_reserved'))}",
-            fmt(ratio, ".2f"), f"{fmt(e.get('loss_last'), '.3f')}/{fmt(t.get('loss_last'), '.3f')}",
+            fmt(ratio, ".2f"), f"{fmt(e.get('sm_mhz'), '.0f')}/{fmt(t.get('sm_mhz'), '.0f')}",
+            f"{fmt(e.get('power_w'), '.0f')}/{fmt(t.get('power_w'), '.0f')}",
+            f"{fmt(e.get('loss_last'), '.3f')}/{fmt(t.get('loss_last'), '.3f')}",
             check_cell(r), goals or "-"]
 
 

@@ -71,6 +71,12 @@ def test_memory_that_grows_is_not_constant():
     assert bench.summarize(records, 1, 1, 8)["memory_constant"] is False
 
 
+def test_nvidia_smi_samples_are_parsed_or_refused():
+    assert bench.parse_smi_sample("61234, 1830, 690.52") == (61234, 1830.0, 690.52)
+    for bad in (None, "", "[N/A], 1830, 690", "61234, 1830", "61234, [Not Supported], 690"):
+        assert bench.parse_smi_sample(bad) is None
+
+
 def test_too_few_steps_is_an_error():
     with pytest.raises(BenchError):
         bench.summarize(step_records([1.0] * 10, [1.0] * 10), warmup=10, last=5, tokens_per_step=1)
