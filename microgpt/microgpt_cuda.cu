@@ -117,6 +117,7 @@ static struct {
     float* ln_partial;
     float* norm_partial;
     int* tok;     /* device: inputs [N] | targets [N] */
+    int* embed_first; /* [V] the embedding backward's first position of each token */
     StepIO* io;   /* device: per-call inputs and outputs of the graphs */
     void* cublas_ws;
 
@@ -187,6 +188,7 @@ static void plan_buffers(size_t* used) {
     E.ln_partial = (float*)carve(G_SCRATCH, layernorm_scratch_floats(E.C) * 4, used);
     E.norm_partial = (float*)carve(G_SCRATCH, NORM_BLOCKS * 4, used);
     E.tok = (int*)carve(G_SCRATCH, 2 * N * 4, used);
+    E.embed_first = (int*)carve(G_SCRATCH, (size_t)E.V * 4, used);
     E.io = (StepIO*)carve(G_SCRATCH, sizeof(StepIO), used);
     E.cublas_ws = carve(G_CUBLAS, CUBLAS_WORKSPACE_BYTES, used);
 }
@@ -318,7 +320,7 @@ static void backward(void) {
         k_layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
                            a.ln1_rstd, N, C, E.ln_partial);
     }
-    k_embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, B, Tn, C);
+    k_embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_first, E.V, B, Tn, C);
 }
 
 /* Runs `record` (the device work of one call, everything on g_stream) as a CUDA graph: captured

@@ -291,10 +291,11 @@ template <typename T> static void test_embed(const Shape& s, Tol tol) {
     Vec dwte0 = prefill_like<float>(dwte_inc), dwpe0 = prefill_like<float>(dwpe_inc);
     T* d_dout = upload<T>(dout);
     float *d_dwte = upload<float>(dwte0), *d_dwpe = upload<float>(dwpe0);
+    int* d_first = poisoned<int>(s.V);
     auto gpu = [&]() {
         upload_into(d_dwte, dwte0);
         upload_into(d_dwpe, dwpe0);
-        k_embed_bwd<T>(d_dwte, d_dwpe, d_dout, d_tok, s.B, s.T, C);
+        k_embed_bwd<T>(d_dwte, d_dwpe, d_dout, d_tok, d_first, s.V, s.B, s.T, C);
         return std::vector<Vec>{download(d_dwte, wte.size()), download(d_dwpe, wpe.size())};
     };
     std::vector<Vec> r1 = gpu(), r2 = gpu();

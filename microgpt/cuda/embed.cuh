@@ -1,11 +1,13 @@
 /* embed.cuh: token + position embedding, out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:].
  * Reads the fp32 master embeddings (sums in fp32, rounds once to T).
  *
- * Backward without atomics: several positions can hold the same token, so dwte rows are not
- * independent outputs. Each distinct token gets one block, the one of its first position, that
- * adds the gradient rows of all its positions (one sum per EMBED_LIST-position segment, added to
- * the row segment by segment): every dwte row written by exactly one block, and no sort or host
- * work (so a step needs no host round trip and can be captured in a CUDA graph). Within a segment
+ * Backward without floating-point atomics: several positions can hold the same token, so dwte
+ * rows are not independent outputs. Each distinct token gets one block, the one of its first
+ * position, that adds the gradient rows of all its positions (one sum per EMBED_LIST-position
+ * segment, added to the row segment by segment): every dwte row written by exactly one block, and
+ * no sort or host work (so a step needs no host round trip and can be captured in a CUDA graph).
+ * A token's first position comes from a table filled by integer atomicMin, whose result does not
+ * depend on the order the positions arrive in. Within a segment
  * warp w sums the listed rows w, w + 8, ... and the eight warp sums are added in warp order: a
  * fixed summation order that does not make a frequent token (hundreds of positions in real text)
  * one long chain of dependent loads. dwpe[t] has one term per sequence, summed in b order.
@@ -58,19 +60,23 @@ __device__ void embed_add_listed_rows(float* row, const T* dout, const int* list
     }
 }
 
+/* first[tokens[i]] = min over positions i holding the token (first: INT_MAX-like beforehand). */
+__global__ void embed_first_position_kernel(int* first, const int* tokens, int N) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < N; i += gridDim.x * blockDim.x)
+        atomicMin(&first[tokens[i]], i);
+}
+
 /* One block per position i (EMBED_BWD_THREADS threads). Only the first position of each token
  * works. It walks the positions from i on in segments of EMBED_LIST positions: lists, in position
  * order, those holding the token (a ballot per warp and a prefix count over the warps), then adds
  * the listed rows into the token's dwte row, which no other block writes. */
 template <typename T>
-__global__ void embed_bwd_wte_kernel(float* dwte, const T* dout, const int* tokens, int N, int C) {
+__global__ void embed_bwd_wte_kernel(float* dwte, const T* dout, const int* tokens, const int* first, int N, int C) {
     __shared__ int list[EMBED_LIST];
     __shared__ unsigned match[EMBED_WARPS];
     int i = blockIdx.x, tok = tokens[i];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int seen = 0;
-    for (int j = threadIdx.x; j < i; j += EMBED_BWD_THREADS) seen |= tokens[j] == tok;
-    if (__syncthreads_or(seen)) return; /* an earlier position owns this token */
+    if (first[tok] != i) return; /* an earlier position owns this token (block-uniform) */
     float* row = dwte + (size_t)tok * C;
     for (int seg = i; seg < N; seg += EMBED_LIST) {
         int n = 0; /* listed so far in this segment; the same in every thread */
@@ -114,10 +120,16 @@ static void k_embed_fwd(T* out, const int* tokens, const float* wte, const float
     LAUNCH_CHECK();
 }
 
-/* dwte, dwpe += from dout [B*T, C]; tokens [B*T] are the batch's input tokens (device). */
+/* dwte, dwpe += from dout [B*T, C]; tokens [B*T] are the batch's input tokens (device), all below
+ * V; first is scratch of V ints. */
 template <typename T>
-static void k_embed_bwd(float* dwte, float* dwpe, const T* dout, const int* tokens, int B, int T_, int C) {
-    embed_bwd_wte_kernel<T><<<B * T_, EMBED_BWD_THREADS, 0, g_stream>>>(dwte, dout, tokens, B * T_, C);
+static void k_embed_bwd(float* dwte, float* dwpe, const T* dout, const int* tokens, int* first, int V, int B, int T_,
+                        int C) {
+    int N = B * T_;
+    CUDA_CHECK(cudaMemsetAsync(first, 0x7f, (size_t)V * sizeof(int), g_stream)); /* 0x7f7f7f7f > any position */
+    embed_first_position_kernel<<<ceil_div(N, 256), 256, 0, g_stream>>>(first, tokens, N);
+    LAUNCH_CHECK();
+    embed_bwd_wte_kernel<T><<<N, EMBED_BWD_THREADS, 0, g_stream>>>(dwte, dout, tokens, first, N, C);
     LAUNCH_CHECK();
     size_t n = (size_t)T_ * C;
     embed_bwd_wpe_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(dwpe, dout, B, T_, C);
