@@ -306,55 +306,40 @@ __device__ __forceinline__ void fa_load_a(unsigned (*a)[4], const T* rows) {
 
 /* s[16][64] = A[16][D] · tile[64][D]^T: 8 C fragments, fragment j = tile rows 8j .. 8j+7. One
  * ldmatrix serves fragments j, j+1 at one k step: matrices (rows 8j.., k), (8j.., k+8),
- * (8j+8.., k), (8j+8.., k+8). The steps (fragment pair, k step) are software-pipelined: the
- * ldmatrix of step i+1 is issued before the two mma of step i, so its latency overlaps them
- * instead of stalling the warp (the profile had 40 % of stalls waiting on shared memory). */
+ * (8j+8.., k), (8j+8.., k+8). */
 template <typename T, int D>
 __device__ __forceinline__ void fa_scores(float (*s)[4], const unsigned (*a)[4], const T* tile) {
-    constexpr int KD = Fa<D>::KD, STEPS = FA_TILE / 16 * KD;
     int lane = threadIdx.x & 31, mi = lane >> 3;
     const T* p = tile + (8 * (mi >> 1) + (lane & 7)) * Fa<D>::LD + 8 * (mi & 1);
-    auto step_addr = [&](int i) { return p + 16 * (i / KD) * Fa<D>::LD + (i % KD) * 16; };
-#pragma unroll
-    for (int j = 0; j < FA_TILE / 8; j++)
-        for (int e = 0; e < 4; e++) s[j][e] = 0.0f;
-    unsigned b[2][4];
-    fa_ldsm_x4(b[0], step_addr(0));
-#pragma unroll
-    for (int i = 0; i < STEPS; i++) {
-        int j = 2 * (i / KD), kk = i % KD;
-        if (i + 1 < STEPS) fa_ldsm_x4(b[(i + 1) & 1], step_addr(i + 1));
-        fa_mma<T>(s[j], a[kk], b[i & 1]);
-        fa_mma<T>(s[j + 1], a[kk], b[i & 1] + 2);
+    for (int j = 0; j < FA_TILE / 8; j += 2) {
+        for (int e = 0; e < 4; e++) s[j][e] = s[j + 1][e] = 0.0f;
+        for (int kk = 0; kk < Fa<D>::KD; kk++) {
+            unsigned b[4];
+            fa_ldsm_x4(b, p + 8 * j * Fa<D>::LD + kk * 16);
+            fa_mma<T>(s[j], a[kk], b);
+            fa_mma<T>(s[j + 1], a[kk], b + 2);
+        }
     }
 }
 
 /* acc[16][D] += P[16][64] · tile[64][D], P given as 8 C fragments (rounded to T here). One
  * transposed ldmatrix serves output fragments n, n+1 at one k step: matrices (k.., cols 8n),
- * (k+8.., 8n), (k.., 8n+8), (k+8.., 8n+8). Pipelined as fa_scores: steps (k step, fragment
- * pair), each step's ldmatrix issued before the previous step's mma. */
+ * (k+8.., 8n), (k.., 8n+8), (k+8.., 8n+8). */
 template <typename T, int D>
 __device__ __forceinline__ void fa_accumulate(float (*acc)[4], const float (*p)[4], const T* tile) {
-    constexpr int PAIRS = Fa<D>::ND / 2, STEPS = FA_TILE / 16 * PAIRS;
     int lane = threadIdx.x & 31, mi = lane >> 3;
     const T* q = tile + (8 * (mi & 1) + (lane & 7)) * Fa<D>::LD + 8 * (mi >> 1);
-    auto step_addr = [&](int i) { return q + (i / PAIRS) * 16 * Fa<D>::LD + 16 * (i % PAIRS); };
-    unsigned a[4], b[2][4];
-    fa_ldsm_x4_trans(b[0], step_addr(0));
-#pragma unroll
-    for (int i = 0; i < STEPS; i++) {
-        int kk = i / PAIRS, n = 2 * (i % PAIRS);
-        if (n == 0) {
-            const float* p0 = p[2 * kk];
-            const float* p1 = p[2 * kk + 1];
-            a[0] = fa_pack<T>(p0[0], p0[1]);
-            a[1] = fa_pack<T>(p0[2], p0[3]);
-            a[2] = fa_pack<T>(p1[0], p1[1]);
-            a[3] = fa_pack<T>(p1[2], p1[3]);
+    for (int kk = 0; kk < FA_TILE / 16; kk++) {
+        const float* p0 = p[2 * kk];
+        const float* p1 = p[2 * kk + 1];
+        unsigned a[4] = {fa_pack<T>(p0[0], p0[1]), fa_pack<T>(p0[2], p0[3]), fa_pack<T>(p1[0], p1[1]),
+                         fa_pack<T>(p1[2], p1[3])};
+        for (int n = 0; n < Fa<D>::ND; n += 2) {
+            unsigned b[4];
+            fa_ldsm_x4_trans(b, q + kk * 16 * Fa<D>::LD + 8 * n);
+            fa_mma<T>(acc[n], a, b);
+            fa_mma<T>(acc[n + 1], a, b + 2);
         }
-        if (i + 1 < STEPS) fa_ldsm_x4_trans(b[(i + 1) & 1], step_addr(i + 1));
-        fa_mma<T>(acc[n], a, b[i & 1]);
-        fa_mma<T>(acc[n + 1], a, b[i & 1] + 2);
     }
 }
 
