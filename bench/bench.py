@@ -59,7 +59,8 @@ def smi_query(fields):
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-SMI_FIELDS = "memory.used,clocks.sm,power.draw"
+SMI_FIELDS = "memory.used,clocks.sm,power.draw,utilization.gpu"
+BUSY_PERCENT = 50  # clock and power are taken from samples where the GPU was at least this busy
 
 
 def median_or_none(xs):
@@ -67,10 +68,11 @@ def median_or_none(xs):
 
 
 def parse_smi_sample(text):
-    """'61234, 1830, 690.52' (MiB, MHz, W) -> (61234, 1830.0, 690.52); None if it is not that."""
+    """'61234, 1830, 690.52, 100' (MiB, MHz, W, % busy) -> (61234, 1830.0, 690.52, 100); None if it is
+    not that."""
     try:
-        mib, mhz, watts = (field.strip() for field in (text or "").split(","))
-        return int(mib), float(mhz), float(watts)
+        mib, mhz, watts, busy = (field.strip() for field in (text or "").split(","))
+        return int(mib), float(mhz), float(watts), int(busy)
     except ValueError:
         return None
 
@@ -78,7 +80,8 @@ def parse_smi_sample(text):
 class GpuPoller(threading.Thread):
     """Polls the GPU while a child runs: its used memory (peak minus the idle level before it
     started), SM clock and power draw. A step's time depends on the clock, which the GPU lowers
-    under sustained load, so each run reports the clock and power it actually ran at."""
+    under sustained load, so each run reports the clock and power it actually ran at: the medians
+    over the samples where the GPU was busy (not over torch.compile or set-up, when it is idle)."""
 
     def __init__(self, period_s=0.2):
         super().__init__(daemon=True)
@@ -94,12 +97,13 @@ class GpuPoller(threading.Thread):
             sample = parse_smi_sample(smi_query(SMI_FIELDS))
             if sample:
                 self.peak_mib = max(self.peak_mib, sample[0])
-                self.clocks.append(sample[1])
-                self.watts.append(sample[2])
+                if sample[3] >= BUSY_PERCENT:
+                    self.clocks.append(sample[1])
+                    self.watts.append(sample[2])
 
     def finish(self):
-        """Stop polling; (bytes the child added at its peak, median SM MHz, median W), None for
-        what nvidia-smi could not give."""
+        """Stop polling; (bytes the child added at its peak, median SM MHz and W while busy), None
+        for what nvidia-smi could not give."""
         self.stop_flag.set()
         self.join()
         added = None if self.base_mib is None else (self.peak_mib - self.base_mib) << 20

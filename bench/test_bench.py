@@ -72,8 +72,8 @@ def test_memory_that_grows_is_not_constant():
 
 
 def test_nvidia_smi_samples_are_parsed_or_refused():
-    assert bench.parse_smi_sample("61234, 1830, 690.52") == (61234, 1830.0, 690.52)
-    for bad in (None, "", "[N/A], 1830, 690", "61234, 1830", "61234, [Not Supported], 690"):
+    assert bench.parse_smi_sample("61234, 1830, 690.52, 100") == (61234, 1830.0, 690.52, 100)
+    for bad in (None, "", "[N/A], 1830, 690, 100", "61234, 1830, 690", "61234, [Not Supported], 690, 99"):
         assert bench.parse_smi_sample(bad) is None
 
 
