@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from bench_common import (REPO, BenchError, experiment_path, load_config, model_shape, repo_path,
-                          shard_paths, train_settings)
+from bench_common import (REPO, BenchError, config_flags, experiment_path, flag_args, load_config, model_shape,
+                          repo_path, shard_paths, train_settings)
 from microgpt.shards import write_shard
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -204,17 +204,11 @@ def run_overrides(cfg, args, precision, data):
 def engine_command(cfg, overrides, engine):
     """The config as engine flags (DESIGN.md: flags are the dotted config keys). Sampling, polish and
     periodic checkpoints are left out: they are not what is being measured."""
-    flags = {"name": cfg.get("name", "bench")}
-    for section in ("model", "train", "data", "eval"):
-        for key, value in cfg.get(section, {}).items():
-            flags[f"{section}.{key}"] = value
+    flags = config_flags(cfg)
     flags.pop("data.val", None)
     flags.update(overrides)
     flags.update({"sample.every": 0, "checkpoint.every": 0})
-    cmd = [engine]
-    for key, value in flags.items():
-        cmd += [f"--{key}", repr(value) if isinstance(value, float) else str(value)]
-    return cmd
+    return [engine] + flag_args(flags)
 
 
 def torch_command(config_path, overrides, mode, device):

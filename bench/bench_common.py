@@ -1,14 +1,17 @@
 """What the benchmark driver (bench.py) and the PyTorch baseline (torch_gpt.py) share: experiment
-config loading, the model shape with its defaults, the learning-rate schedule, shard globs.
+config loading, the engine's settings for a config, the learning-rate schedule, shard globs.
 
 No torch here: bench.py imports this on machines where torch may be missing.
-The defaults and the schedule follow docs/DESIGN.md ("Flags are the config keys", "Steps, batches,
-randomness"); when that file changes, change this one with it.
+The settings come from the engine itself (`build/microgpt_cpu --print-config`), so the defaults
+live only in microgpt/host/config.h; the schedule follows docs/DESIGN.md ("Steps, batches,
+randomness") and microgpt/host/schedule.h.
 """
+import functools
 import glob
 import json
 import math
 import os
+import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,15 +49,58 @@ def load_config(path):
     return cfg
 
 
+CONFIG_ENGINE = os.path.join(REPO, "build", "microgpt_cpu")
+
+
+def config_flags(cfg, sections=("model", "train", "data", "eval")):
+    """The config's keys as engine flags {dotted key: value} (DESIGN.md: flags are the config keys)."""
+    flags = {"name": cfg.get("name", "bench")}
+    for section in sections:
+        for key, value in cfg.get(section, {}).items():
+            flags[f"{section}.{key}"] = value
+    return flags
+
+
+def flag_args(flags):
+    """{dotted key: value} -> ["--key", "value", ...] (floats by repr, so no digits are lost)."""
+    args = []
+    for key, value in flags.items():
+        args += [f"--{key}", repr(value) if isinstance(value, float) else str(value)]
+    return args
+
+
+def run_config_engine(args):
+    try:
+        res = subprocess.run([CONFIG_ENGINE] + args, capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        raise BenchError(f"cannot run {CONFIG_ENGINE} ({e.strerror}): build it with make")
+    if res.returncode != 0:
+        last = [line for line in res.stderr.splitlines() if line.strip()][-1:] or ["(no message)"]
+        raise BenchError(f"config: {last[0].removeprefix('error: ')}")
+    return json.loads(res.stdout)
+
+
+@functools.lru_cache(maxsize=None)
+def required_flags():
+    """The flags the engine's table marks required (`--flags-json`)."""
+    return frozenset(f["name"] for f in run_config_engine(["--flags-json"])["flags"] if f["required"] is True)
+
+
+def engine_settings(cfg, section):
+    """One section of the config as the engine resolves it, defaults applied ({"d_ff": 3072, ...};
+    floats as the engine holds them); a required key of the section that the config lacks is an
+    error, as it is for the engine."""
+    missing = sorted(k for k in required_flags() if k.startswith(section + ".") and k not in config_flags(cfg))
+    if missing:
+        raise BenchError(f"config: {missing[0]} is required")
+    resolved = run_config_engine(flag_args(config_flags(cfg)) + ["--print-config"])
+    return {k.split(".", 1)[1]: v for k, v in resolved.items() if k.startswith(section + ".")}
+
+
 def model_shape(cfg):
-    """The model section with DESIGN.md's defaults filled in."""
-    m = dict(cfg["model"])
-    for key in ("n_layer", "d_model", "n_head", "seq_len"):
-        if key not in m:
-            raise BenchError(f"config: model.{key} is required")
-    m.setdefault("d_ff", 4 * m["d_model"])
-    m.setdefault("vocab_size", 50259)
-    m.setdefault("padded_vocab_size", (m["vocab_size"] + 63) // 64 * 64)
+    """The model section as the engine resolves it; the baseline's model needs whole heads and an
+    embedding with a row for every token."""
+    m = engine_settings(cfg, "model")
     if m["d_model"] % m["n_head"]:
         raise BenchError(f"config: model.n_head {m['n_head']} does not divide model.d_model {m['d_model']}")
     if m["padded_vocab_size"] < m["vocab_size"]:
@@ -63,13 +109,8 @@ def model_shape(cfg):
 
 
 def train_settings(cfg):
-    """The train section with DESIGN.md's defaults filled in."""
-    defaults = {"batch_size": 8, "grad_accum": 1, "seed": 1337, "warmup_steps": 0, "precision": "fp32",
-                "lr": 6e-4, "min_lr": 0.0, "weight_decay": 0.1, "grad_clip": 1.0, "beta1": 0.9,
-                "beta2": 0.95, "eps": 1e-8, "schedule": "cosine", "decay_frac": 0.2}
-    t = dict(defaults)
-    t.update(cfg["train"])
-    return t
+    """The train section as the engine resolves it."""
+    return engine_settings(cfg, "train")
 
 
 def lr_at(s, t):

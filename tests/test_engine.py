@@ -515,7 +515,7 @@ def test_flags_json_agrees_with_help(engine):
     by_name = {f["name"]: f for f in flags}
     assert len(by_name) == len(flags) > 30
     lines = help_lines(engine)
-    assert set(lines) == set(by_name) | {"help", "flags-json"}
+    assert set(lines) == set(by_name) | {"help", "flags-json", "print-config"}
     types = {"int", "float", "str", "path", "glob", "prompt", "bool"}
     for f in flags:
         line, name = lines[f["name"]], f["name"]
@@ -541,6 +541,28 @@ def test_flags_json_agrees_with_help(engine):
     assert by_name["train.precision"]["choices"] == ["fp32", "tf32", "bf16", "fp16", "fp8"]
     assert by_name["data.train"]["type"] == "glob" and by_name["checkpoint"]["type"] == "path"
     assert by_name["model.vocab_size"]["default"] == 50259 and by_name["train.lr"]["default"] == 6e-4
+
+
+def test_print_config_gives_every_flag_with_defaults_applied(engine):
+    """--print-config: the value of every flag of the table once parsed, given ones as given, the rest
+    at their defaults (derived ones derived), floats as the engine holds them; exit 0, nothing run."""
+    table = json.loads(eu.run_engine(engine.binary, ["--flags-json"], timeout=30).stdout)["flags"]
+    res = eu.run_engine(engine.binary, ["--model.n_layer", "2", "--model.d_model", "48", "--model.n_head", "4",
+                                        "--model.seq_len", "16", "--model.vocab_size", "100", "--train.lr", "0.001",
+                                        "--sample.prompt", "5,6", "--resume", "--print-config"], timeout=30)
+    assert res.rc == 0 and res.stderr == "", res.describe()
+    got = json.loads(res.stdout)
+    assert set(got) == {f["name"] for f in table}
+    assert got["model.d_model"] == 48 and got["model.d_ff"] == 4 * 48             # derived: 4 * d_model
+    assert got["model.padded_vocab_size"] == 128                                   # 100 rounded up to 64
+    assert got["train.lr"] == pytest.approx(0.001, rel=1e-7) and got["train.lr"] != 0.001  # float32, as held
+    assert got["sample.prompt"] == [[5, 6]] and got["resume"] is True and got["checkpoint"] == ""
+    for f in table:
+        if f["default"] is not None and f["type"] in ("int", "str", "glob", "path") and f["name"] not in (
+                "model.vocab_size",):
+            assert got[f["name"]] == f["default"], f
+    bad = eu.run_engine(engine.binary, ["--model.d_ff", "0", "--print-config"], timeout=30)
+    assert bad.rc == 2 and "model.d_ff" in bad.stderr and bad.stdout == ""     # values are still range-checked
 
 
 def test_output_follows_contract(engine, random_shards, tmp_path):

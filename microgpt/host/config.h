@@ -163,6 +163,7 @@ static void config_help(FILE* out, const char* prog) {
         fputc('\n', out);
     }
     fprintf(out, "  %-36s %s\n", "--flags-json", "print this table as one JSON document and exit");
+    fprintf(out, "  %-36s %s\n", "--print-config", "print every flag's value, defaults applied, as JSON and exit");
     fprintf(out, "  %-36s %s\n", "--help", "show this help and exit");
 }
 
@@ -221,6 +222,44 @@ static void config_flags_json(FILE* out) {
         fputc('}', out);
     }
     fputs("\n]}\n", out);
+}
+
+/* --print-config: every flag's value once the command line is parsed, defaults and derived defaults
+ * applied (each value range-checked, but not yet the required flags and cross-flag rules), as one
+ * JSON object keyed by flag name ({"model.d_ff":3072,"train.lr":0.000600000028,...};
+ * floats as the engine holds them, prompts as lists of token ids). Programs that need the engine's
+ * settings (bench/) read them here instead of repeating its defaults. */
+static void config_print_json(FILE* out, Config* c) {
+    Flag f[CFG_N_FLAGS_MAX];
+    int i, n = config_flags(c, f);
+    char b[32];
+    fputc('{', out);
+    for (i = 0; i < n; i++) {
+        fputs(i ? ",\n" : "\n", out);
+        json_put_string(out, f[i].name);
+        fputc(':', out);
+        switch (f[i].type) {
+        case F_INT: fprintf(out, "%d", *(int*)f[i].ptr); break;
+        case F_FLOAT: fputs(json_num(b, sizeof b, *(float*)f[i].ptr), out); break;
+        case F_BOOL: fputs(*(int*)f[i].ptr ? "true" : "false", out); break;
+        case F_STR:
+        case F_PATH:
+        case F_GLOB: json_put_string(out, (const char*)f[i].ptr); break;
+        case F_PROMPT: {
+            int p, k;
+            fputc('[', out);
+            for (p = 0; p < c->sample.n_prompts; p++) {
+                fputs(p ? ",[" : "[", out);
+                for (k = c->sample.prompt_start[p]; k < c->sample.prompt_start[p + 1]; k++)
+                    fprintf(out, k > c->sample.prompt_start[p] ? ",%d" : "%d", c->sample.prompt_tokens[k]);
+                fputc(']', out);
+            }
+            fputc(']', out);
+            break;
+        }
+        }
+    }
+    fputs("\n}\n", out);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -339,11 +378,12 @@ static int seen_in_section(const Flag* f, int n, const int* seen, const char* na
 static void config_validate(const Config* c, const int* seen, const Flag* f, int n);
 
 /* Parses argv into *c (defaults first), validates, and dies with one error line on bad input.
- * --help prints the table for people, --flags-json for programs; both exit 0. */
+ * --help prints the table for people, --flags-json for programs, --print-config the parsed
+ * configuration with its defaults; all three exit 0. */
 static void config_parse(Config* c, int argc, char** argv) {
     Flag f[CFG_N_FLAGS_MAX];
     int seen[CFG_N_FLAGS_MAX];
-    int n, i;
+    int n, i, print_config = 0;
     memset(c, 0, sizeof *c);
     n = config_flags(c, f);
     memset(seen, 0, sizeof seen);
@@ -361,6 +401,10 @@ static void config_parse(Config* c, int argc, char** argv) {
         if (strcmp(a, "--flags-json") == 0) {
             config_flags_json(stdout);
             exit(0);
+        }
+        if (strcmp(a, "--print-config") == 0) {
+            print_config = 1;
+            continue;
         }
         if (strncmp(a, "--", 2) != 0) die_input("unexpected argument '%s' (flags start with --; see --help)", a);
         a += 2;
@@ -384,6 +428,10 @@ static void config_parse(Config* c, int argc, char** argv) {
     if (!flag_seen(f, n, seen, "model.padded_vocab_size"))
         c->model.padded_vocab_size = (c->model.vocab_size + 63) / 64 * 64;
     c->polish.enabled = flag_seen(f, n, seen, "polish.start_step");
+    if (print_config) { /* before the required-flag and cross-flag checks: a partial config resolves too */
+        config_print_json(stdout, c);
+        exit(0);
+    }
     config_validate(c, seen, f, n);
 }
 
