@@ -718,6 +718,12 @@ template <typename T> static void run_precision(void) {
         set_ctx(prec, "embed", shape_str(wide).c_str());
         test_embed<T>(wide, tol);
     }
+    /* rows wider than LN_SLAB_COLS: the LayerNorm backward's column slabs, in packets (1600: three
+     * slabs of 536, 536, 528) and element by element (1001) */
+    for (Shape wide : {Shape{1, 7, 1600, 4, 0, 0, 0, 0}, Shape{1, 5, 1001, 7, 0, 0, 0, 0}}) {
+        set_ctx(prec, "layernorm", shape_str(wide).c_str());
+        test_layernorm<T>(wide, tol);
+    }
     set_ctx(prec, "adamw", "n=10007");
     test_adamw<T>(10007, tol);
     set_ctx(prec, "adamw", "n=10008");
