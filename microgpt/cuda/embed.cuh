@@ -7,10 +7,10 @@
  * segment, added to the row segment by segment): every dwte row written by exactly one block, and
  * no sort or host work (so a step needs no host round trip and can be captured in a CUDA graph).
  * A token's first position comes from a table filled by integer atomicMin, whose result does not
- * depend on the order the positions arrive in. Within a segment
- * warp w sums the listed rows w, w + 8, ... and the eight warp sums are added in warp order: a
- * fixed summation order that does not make a frequent token (hundreds of positions in real text)
- * one long chain of dependent loads. dwpe[t] has one term per sequence, summed in b order.
+ * depend on the order the positions arrive in. Within a segment warp w sums the listed rows w,
+ * w + 8, ... and the eight warp sums are added in warp order: a fixed summation order that does not
+ * make a frequent token (hundreds of positions in real text) one long chain of dependent loads.
+ * dwpe[t] has one term per sequence, summed in b order.
  */
 #ifndef MICROGPT_CUDA_EMBED_CUH
 #define MICROGPT_CUDA_EMBED_CUH

@@ -39,8 +39,9 @@ static UpdateCtl update_ctl(float lr, int t, float beta1, float beta2, double un
     return c;
 }
 
-/* The norm of g * unscale (unscale: nullable device float, NULL = 1), without rewriting g. */
-template <typename F, int VEC>
+/* The norm of g * unscale (unscale: nullable device float, NULL = 1), without rewriting g. T is
+ * float: the type slot LAUNCH_PACKED fills, which sets the packet (VEC 4 or 1). */
+template <typename T, int VEC>
 __global__ void grad_norm_partial_kernel(float* partial, const float* __restrict__ g, size_t n, const float* unscale) {
     float s = 0.0f, u = unscale ? *unscale : 1.0f;
     FOR_PACKETS(i, n) {
