@@ -129,8 +129,9 @@ static void k_grad_scale(float* g, size_t n, float s) {
 template <typename T>
 static void k_adamw(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float beta1, float beta2,
                     float eps, float wd, const UpdateCtl* ctl, const float* norm) {
-    /* packets of PACK(T) elements: 16 bytes of p_low, one or two of each fp32 array */
-    bool packed = packable(n, sizeof(T), {p, g, m, v, p_low}) && packable(n, sizeof(float), {p});
+    /* packets of PACK(T) elements: 16 bytes of p_low, one or two of each fp32 array (n a multiple of
+     * PACK(T) makes n fp32 whole 16-byte packets too) */
+    bool packed = packable(n, sizeof(T), {p, g, m, v, p_low});
     LAUNCH_PACKED_ELEMENTWISE(packed, adamw_kernel, T, n, p, g, m, v, p_low, n, beta1, beta2, eps, wd, ctl, norm);
 }
 
