@@ -112,6 +112,7 @@ static struct {
     /* scratch */
     float *att_S, *att_dP; void* att_P; /* [H][T][T], cuBLAS attention only (else empty) */
     float* att_delta;                     /* [B][H][T], flash attention only (else empty) */
+    void* att_ds;                         /* dS tiles of the causal half, flash attention only (else empty) */
     void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (the sampler's) */
     float *losses, *loss_lse; /* [N] */
     float* ln_partial;
@@ -182,6 +183,7 @@ static void plan_buffers(size_t* used) {
     E.att_dP = (float*)carve(G_SCRATCH, tt * 4, used);
     E.att_P = carve(G_SCRATCH, tt * es, used);
     E.att_delta = (float*)carve(G_SCRATCH, attn_delta_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * 4, used);
+    E.att_ds = carve(G_SCRATCH, attn_ds_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * es, used);
     E.logits = carve(G_SCRATCH, (size_t)E.Vp * (E.chunk * es > 4 ? E.chunk * es : 4), used);
     E.losses = (float*)carve(G_SCRATCH, N * 4, used);
     E.loss_lse = (float*)carve(G_SCRATCH, N * 4, used);
@@ -252,6 +254,7 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
     s.dP = E.att_dP;
     s.P = (T*)E.att_P;
     s.delta = E.att_delta;
+    s.ds = (T*)E.att_ds;
     return s;
 }
 

@@ -424,6 +424,7 @@ template <typename T> static void test_attn(const Shape& s, Tol tol) {
     sc.dP = poisoned<float>(tt);
     sc.P = poisoned<T>(tt);
     sc.delta = poisoned<float>(attn_delta_elems(half, B, Tn, C, H));
+    sc.ds = poisoned<T>(attn_ds_elems(half, B, Tn, C, H));
     k_attn_fwd<T>(d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
     check("out", download(d_out, nc), out_c, tol.fused);
     check("lse", download(d_lse, (size_t)B * H * Tn), lse_c, tol_for<float>().prod);

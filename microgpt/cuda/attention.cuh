@@ -11,10 +11,12 @@
  * as exp(s - lse). It has two implementations, chosen by attn_flash_ok() from the type and shape:
  *
  *   flash  (bf16/fp16, hs 16, 32 or 64): fused tiles on tensor cores (mma.sync, fp32
- *          accumulate), online softmax in fp32, nothing T×T in global memory. The backward is
- *          flash-attention-2 style but split in two kernels so that no output needs atomics:
- *          one per query block accumulates dQ (and forms delta = rowsum(dO ∘ O) on the way),
- *          then one per key block accumulates dK, dV; both recompute P from lse.
+ *          accumulate), online softmax in fp32; the forward keeps nothing T×T. The backward is
+ *          flash-attention-2 style but split so that no output needs atomics: a row kernel forms
+ *          delta = rowsum(dO ∘ O); one kernel per key block recomputes P from lse, accumulates
+ *          dK, dV and stores dS (rounded to T, as it is fed to the products) in 64×64 tiles of
+ *          the causal half; one per query block then accumulates dQ = dS K from those tiles, so
+ *          S and dP are computed once, not once per side.
  *   cuBLAS (fp32, the reference mode compared tightly with the CPU engine, and other head sizes):
  *          scores of one sequence at a time, batched over heads, into fp32 [H, T, T] scratch.
  *
@@ -42,15 +44,17 @@ struct AttnScratch {
     float* dP;    /* cuBLAS path: [H, T, T] gradient of the probabilities (backward only) */
     T* P;         /* cuBLAS path: [H, T, T] probabilities (forward), then dS (backward) */
     float* delta; /* flash path: [B, H, T] rowsum(dO ∘ O) (backward only) */
+    T* ds;        /* flash path: the dS tiles of the causal half (backward only), attn_ds_elems */
 };
 
-/* Elements of each of S, dP, P (0 on the flash path) and of delta (0 on the cuBLAS path). */
+/* Elements of each of S, dP, P (0 on the flash path) and of delta and ds (0 on the cuBLAS path). */
 static size_t attn_scratch_elems(bool half_type, int B, int T_, int C, int H) {
     return attn_flash_ok(half_type, C, H) ? 0 : (size_t)H * T_ * T_;
 }
 static size_t attn_delta_elems(bool half_type, int B, int T_, int C, int H) {
     return attn_flash_ok(half_type, C, H) ? (size_t)B * H * T_ : 0;
 }
+/* attn_ds_elems: with the flash kernels, below */
 
 /* ---------------------------------------------------------------------------------------------- */
 /* QKV projections */
@@ -207,9 +211,12 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
 #define FA_WARPS 4
 #define FA_THREADS (32 * FA_WARPS)
 /* Blocks per multiprocessor that ptxas must fit in registers (65536 / (128 threads x blocks)):
- * the forward fits 4 (127 registers on sm_90, no spills), the two backward kernels 3 (168). */
+ * the forward fits 4 (127 registers on sm_90, no spills), the dK/dV kernel 3 (168); the dQ
+ * kernel (one product per tile pair) needs no bound. */
 #define FA_MIN_BLOCKS_FWD 4
-#define FA_MIN_BLOCKS_BWD 3
+#define FA_MIN_BLOCKS_DKV 3
+#define FA_BWD_COLS 32 /* the dK/dV kernel takes a staged tile's 64 queries in two halves of 32:
+                          half the score registers, and the same products in the same order */
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
 
@@ -260,6 +267,19 @@ struct Fa {
     static constexpr int ND = D / 8;  /* 8-wide output fragments along the head dimension */
 };
 
+/* The backward's dS tiles: per head, the (query tile qt, key tile kt <= qt) pairs of the causal
+ * half, each 64×64 of T stored [key][query] (the dK/dV kernel's orientation); pairs in the order
+ * (0,0), (1,0), (1,1), (2,0), ..., so a query tile's row of tiles is contiguous. */
+__host__ __device__ __forceinline__ size_t fa_tile_pairs(int n_tiles) { return (size_t)n_tiles * (n_tiles + 1) / 2; }
+/* First element of pair (qt, kt)'s tile of head bh (b*H + h). */
+__device__ __forceinline__ size_t fa_ds_tile(int bh, int qt, int kt, int n_tiles) {
+    return ((size_t)bh * fa_tile_pairs(n_tiles) + fa_tile_pairs(qt) + kt) * FA_TILE * FA_TILE;
+}
+static size_t attn_ds_elems(bool half_type, int B, int T_, int C, int H) {
+    return attn_flash_ok(half_type, C, H) ? (size_t)B * H * fa_tile_pairs(ceil_div(T_, FA_TILE)) * FA_TILE * FA_TILE
+                                          : 0;
+}
+
 /* Asynchronous 16-byte copy global -> shared (src_bytes 0: write zeros, read nothing), and its
  * group commit / wait: a tile's copies overlap the products on the previous tile. */
 __device__ __forceinline__ void fa_cp_async16(void* dst, const void* src, int src_bytes) {
@@ -307,11 +327,11 @@ __device__ __forceinline__ void fa_load_a(unsigned (*a)[4], const T* rows) {
 /* s[16][64] = A[16][D] · tile[64][D]^T: 8 C fragments, fragment j = tile rows 8j .. 8j+7. One
  * ldmatrix serves fragments j, j+1 at one k step: matrices (rows 8j.., k), (8j.., k+8),
  * (8j+8.., k), (8j+8.., k+8). */
-template <typename T, int D>
+template <typename T, int D, int COLS = FA_TILE>
 __device__ __forceinline__ void fa_scores(float (*s)[4], const unsigned (*a)[4], const T* tile) {
     int lane = threadIdx.x & 31, mi = lane >> 3;
     const T* p = tile + (8 * (mi >> 1) + (lane & 7)) * Fa<D>::LD + 8 * (mi & 1);
-    for (int j = 0; j < FA_TILE / 8; j += 2) {
+    for (int j = 0; j < COLS / 8; j += 2) {
         for (int e = 0; e < 4; e++) s[j][e] = s[j + 1][e] = 0.0f;
         for (int kk = 0; kk < Fa<D>::KD; kk++) {
             unsigned b[4];
@@ -322,24 +342,31 @@ __device__ __forceinline__ void fa_scores(float (*s)[4], const unsigned (*a)[4],
     }
 }
 
-/* acc[16][D] += P[16][64] · tile[64][D], P given as 8 C fragments (rounded to T here). One
- * transposed ldmatrix serves output fragments n, n+1 at one k step: matrices (k.., cols 8n),
- * (k+8.., 8n), (k.., 8n+8), (k+8.., 8n+8). */
+/* acc[16][D] += A[16][16] · tile rows [16 kk, 16 kk + 16) of [64][D], one 16-wide k step with A
+ * as an A fragment. One transposed ldmatrix serves output fragments n, n+1: matrices (k.., cols
+ * 8n), (k+8.., 8n), (k.., 8n+8), (k+8.., 8n+8). */
 template <typename T, int D>
-__device__ __forceinline__ void fa_accumulate(float (*acc)[4], const float (*p)[4], const T* tile) {
+__device__ __forceinline__ void fa_accumulate_step(float (*acc)[4], const unsigned* a, const T* tile, int kk) {
     int lane = threadIdx.x & 31, mi = lane >> 3;
-    const T* q = tile + (8 * (mi & 1) + (lane & 7)) * Fa<D>::LD + 8 * (mi >> 1);
-    for (int kk = 0; kk < FA_TILE / 16; kk++) {
+    const T* q = tile + (16 * kk + 8 * (mi & 1) + (lane & 7)) * Fa<D>::LD + 8 * (mi >> 1);
+    for (int n = 0; n < Fa<D>::ND; n += 2) {
+        unsigned b[4];
+        fa_ldsm_x4_trans(b, q + 8 * n);
+        fa_mma<T>(acc[n], a, b);
+        fa_mma<T>(acc[n + 1], a, b + 2);
+    }
+}
+
+/* acc[16][D] += P[16][COLS] · tile[COLS][D], P given as COLS / 8 C fragments (rounded to T here:
+ * two neighbouring C fragments are one A fragment). */
+template <typename T, int D, int COLS = FA_TILE>
+__device__ __forceinline__ void fa_accumulate(float (*acc)[4], const float (*p)[4], const T* tile) {
+    for (int kk = 0; kk < COLS / 16; kk++) {
         const float* p0 = p[2 * kk];
         const float* p1 = p[2 * kk + 1];
         unsigned a[4] = {fa_pack<T>(p0[0], p0[1]), fa_pack<T>(p0[2], p0[3]), fa_pack<T>(p1[0], p1[1]),
                          fa_pack<T>(p1[2], p1[3])};
-        for (int n = 0; n < Fa<D>::ND; n += 2) {
-            unsigned b[4];
-            fa_ldsm_x4_trans(b, q + kk * 16 * Fa<D>::LD + 8 * n);
-            fa_mma<T>(acc[n], a, b);
-            fa_mma<T>(acc[n + 1], a, b + 2);
-        }
+        fa_accumulate_step<T, D>(acc, a, tile, kk);
     }
 }
 
@@ -363,13 +390,13 @@ __device__ __forceinline__ void fa_store_out(T* y, const float (*acc)[4], float 
  * 8j + 2t + e (tile-relative), become -inf where the key index exceeds the query index. Rows are
  * queries (forward, dQ: mask column > row) or keys (dK/dV: mask column < row). Off the diagonal
  * every key precedes every query, and no mask is applied at all. */
-template <bool ROWS_ARE_KEYS>
-__device__ __forceinline__ void fa_mask_diagonal(float (*s)[4], int base_row) {
+template <bool ROWS_ARE_KEYS, int COLS = FA_TILE>
+__device__ __forceinline__ void fa_mask_diagonal(float (*s)[4], int base_row, int col0 = 0) {
     int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    for (int j = 0; j < FA_TILE / 8; j++)
+    for (int j = 0; j < COLS / 8; j++)
         for (int h = 0; h < 2; h++)
             for (int e = 0; e < 2; e++) {
-                int r = base_row + g + 8 * h, c = 8 * j + 2 * t + e;
+                int r = base_row + g + 8 * h, c = col0 + 8 * j + 2 * t + e;
                 if (ROWS_ARE_KEYS ? c < r : c > r) s[j][2 * h + e] = -INFINITY;
             }
 }
@@ -462,16 +489,16 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
 /* dK, dV: block (key tile, b*H + h); warp w owns keys kv0 + 16w .. +15 (lane: keys g, g+8) and
  * accumulates their dK, dV rows in registers over the query tiles from the diagonal on. Works on
  * transposed blocks (rows = keys, columns = queries): S^T = K Q^T, dP^T = V dO^T, then
- * dV += P^T dO, dK += dS^T Q. */
+ * dV += P^T dO, dK += dS^T Q; and stores each dS^T tile for the dQ kernel (fa_ds_tile). */
 template <typename T, int D>
-__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_BWD)
-    attn_flash_dkv_kernel(T* dk, T* dv, const T* dout, const float* lse, const float* delta, const T* q, const T* k,
-                          const T* v, int T_, int C, int H, float scale, float sl2) {
+__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
+    attn_flash_dkv_kernel(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q,
+                          const T* k, const T* v, int T_, int C, int H, float scale, float sl2) {
     /* double-buffered: query tile qt in [(qt - kt) & 1], with its lse (base 2) and delta */
     __shared__ __align__(16) T qs[2][FA_TILE * Fa<D>::LD];
     __shared__ __align__(16) T dos[2][FA_TILE * Fa<D>::LD];
     __shared__ float lse2s[2][FA_TILE], dls[2][FA_TILE];
-    int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
+    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     int kt = blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H, n_tiles = gridDim.x;
     int kv0 = kt * FA_TILE, row0 = kv0 + warp * 16;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
@@ -504,24 +531,33 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_BWD)
         fa_cp_commit();
         fa_cp_wait<1>(); /* tile qt has landed (this thread's part) ... */
         __syncthreads(); /* ... and everyone's */
-        const float* lse2c = lse2s[cur];
-        const float* dlc = dls[cur];
-        float p[FA_TILE / 8][4], ds[FA_TILE / 8][4];
-        fa_scores<T, D>(p, ka, qs[cur]);
-        fa_scores<T, D>(ds, va, dos[cur]);
-        if (qt == kt) fa_mask_diagonal<true>(p, warp * 16);
-        /* queries past T (a partial last tile) were loaded as zero rows of q and dout with lse and
-         * delta 0: their P is 1 but their dP and dout rows are 0, so they add nothing */
-        for (int j = 0; j < FA_TILE / 8; j++)
-            for (int h = 0; h < 2; h++)
-                for (int e = 0; e < 2; e++) {
-                    int col = 8 * j + 2 * t + e;
-                    float pr = exp2f(p[j][2 * h + e] * sl2 - lse2c[col]);
-                    p[j][2 * h + e] = pr;
-                    ds[j][2 * h + e] = pr * (ds[j][2 * h + e] - dlc[col]);
-                }
-        fa_accumulate<T, D>(dv_acc, p, dos[cur]);
-        fa_accumulate<T, D>(dk_acc, ds, qs[cur]);
+        T* ds_tile = ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles) + (size_t)(warp * 16 + g) * FA_TILE + 2 * t;
+        for (int c0 = 0; c0 < FA_TILE; c0 += FA_BWD_COLS) { /* the tile's queries in two halves */
+            const T* qh = qs[cur] + c0 * Fa<D>::LD;
+            const T* doh = dos[cur] + c0 * Fa<D>::LD;
+            const float* lse2c = lse2s[cur] + c0;
+            const float* dlc = dls[cur] + c0;
+            float p[FA_BWD_COLS / 8][4], ds[FA_BWD_COLS / 8][4];
+            fa_scores<T, D, FA_BWD_COLS>(p, ka, qh);
+            fa_scores<T, D, FA_BWD_COLS>(ds, va, doh);
+            if (qt == kt) fa_mask_diagonal<true, FA_BWD_COLS>(p, warp * 16, c0);
+            /* queries past T (a partial last tile) were loaded as zero rows of q and dout with lse
+             * and delta 0: their P is 1 but their dP and dout rows are 0, so they add nothing */
+            for (int j = 0; j < FA_BWD_COLS / 8; j++)
+                for (int h = 0; h < 2; h++)
+                    for (int e = 0; e < 2; e++) {
+                        int col = 8 * j + 2 * t + e;
+                        float pr = exp2f(p[j][2 * h + e] * sl2 - lse2c[col]);
+                        p[j][2 * h + e] = pr;
+                        ds[j][2 * h + e] = pr * (ds[j][2 * h + e] - dlc[col]);
+                    }
+            fa_accumulate<T, D, FA_BWD_COLS>(dv_acc, p, doh);
+            fa_accumulate<T, D, FA_BWD_COLS>(dk_acc, ds, qh);
+            /* this warp's 16 key rows of the dS^T tile, rounded to T as the product above used them */
+            for (int j = 0; j < FA_BWD_COLS / 8; j++)
+                for (int h = 0; h < 2; h++)
+                    *(unsigned*)(ds_tile + 8 * h * FA_TILE + c0 + 8 * j) = fa_pack<T>(ds[j][2 * h], ds[j][2 * h + 1]);
+        }
         __syncthreads(); /* everyone is done with buffer cur before it takes tile qt + 2 */
     }
 
@@ -529,75 +565,68 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_BWD)
     fa_store_out<T, D>(dk + base + (size_t)row0 * C, dk_acc, scale, T_ - row0, C);
 }
 
-/* dQ: block (query tile, b*H + h); warp w owns query rows q0 + 16w .. +15 and accumulates their dQ
- * over the key tiles up to the diagonal: S = Q K^T, dP = dO V^T, dQ += dS K. It runs first of the
- * two and also forms delta = rowsum(dO ∘ O) of its rows (from the dout tile it stages anyway),
- * which it needs itself and stores for the dK/dV kernel. */
+/* dQ: block (query tile, b*H + h); warp w owns query rows q0 + 16w .. +15 and accumulates
+ * dQ = scale · dS K over the key tiles up to the diagonal, from the dS^T tiles the dK/dV kernel
+ * stored (staged, then read as A fragments through transposed ldmatrix). Masked and past-T
+ * entries of those tiles are 0 or meet zero rows of K, so whole tiles are used. */
 template <typename T, int D>
-__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_BWD)
-    attn_flash_dq_kernel(T* dq, float* delta, const T* dout, const T* out, const float* lse, const T* q, const T* k,
-                         const T* v, int T_, int C, int H, float scale, float sl2) {
-    __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
-    __shared__ __align__(16) T vs[2][FA_TILE * Fa<D>::LD];
-    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+__global__ void __launch_bounds__(FA_THREADS)
+    attn_flash_dq_kernel(T* dq, const T* ds_tiles, const T* k, int T_, int C, int H, float scale) {
+    __shared__ __align__(16) T dss[2][FA_TILE * Fa<FA_TILE>::LD]; /* double-buffered: tile kt in [kt & 1] */
+    __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, mi = lane >> 3;
     int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H;
-    int q0 = qt * FA_TILE, row0 = q0 + warp * 16;
+    int row0 = qt * FA_TILE + warp * 16;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
-    float lse2[2], dl[2];
-    for (int h = 0; h < 2; h++) {
-        int i = row0 + g + 8 * h;
-        lse2[h] = i < T_ ? lse[(size_t)bh * T_ + i] * FA_LOG2E : 0.0f;
-    }
+    const T* ds_row = ds_tiles + fa_ds_tile(bh, qt, 0, gridDim.x); /* tiles (qt, 0 .. qt), consecutive */
+    auto load_tiles = [&](int kt, int buf) {
+        fa_load_rows<T, FA_TILE>(dss[buf], ds_row + (size_t)kt * FA_TILE * FA_TILE, 0, FA_TILE, FA_TILE);
+        fa_load_rows<T, D>(ks[buf], k + base, kt * FA_TILE, T_, C);
+    };
+    /* lane 8i + r addresses row r of matrix i of an A fragment (queries 16w + 8(i & 1) .., keys
+     * 8(i >> 1) ..); stored [key][query], so the transposed load gives the [query][key] order */
+    int a_off = (8 * (mi >> 1) + (lane & 7)) * Fa<FA_TILE>::LD + warp * 16 + 8 * (mi & 1);
 
-    unsigned qa[Fa<D>::KD][4], doa[Fa<D>::KD][4];
-    fa_load_rows<T, D>(ks[1], q + base, q0, T_, C); /* q and dout staged through the second buffers */
-    fa_load_rows<T, D>(vs[1], dout + base, q0, T_, C);
-    fa_load_kv<T, D>(ks[0], vs[0], k + base, v + base, 0, T_, C);
+    load_tiles(0, 0);
     fa_cp_commit();
-    fa_cp_wait<0>();
-    __syncthreads();
-    fa_load_a<T, D>(qa, ks[1] + warp * 16 * Fa<D>::LD);
-    fa_load_a<T, D>(doa, vs[1] + warp * 16 * Fa<D>::LD);
-    /* delta of rows g and g + 8: lane t of the row's quad sums columns [t D/4, (t+1) D/4) (whole
-     * 16-byte packets for D 32 and 64); rows past T get 0 (their dout rows are zero) and are not
-     * stored */
-    for (int h = 0; h < 2; h++) {
-        int r = warp * 16 + g + 8 * h, i = q0 + r;
-        float s = 0.0f;
-        if (i < T_) {
-            float dv[D / 4], ov[D / 4];
-            load_vec(dv, vs[1] + r * Fa<D>::LD + t * (D / 4));
-            load_vec(ov, out + base + (size_t)i * C + t * (D / 4));
-            for (int c = 0; c < D / 4; c++) s += dv[c] * ov[c];
-        }
-        dl[h] = fa_quad_sum(s);
-        if (t == 0 && i < T_) delta[(size_t)bh * T_ + i] = dl[h];
-    }
-    __syncthreads(); /* everyone has its q, dout before the second buffers take the next tile */
     float dq_acc[Fa<D>::ND][4] = {};
-
     for (int kt = 0; kt <= qt; kt++) {
         int cur = kt & 1;
-        if (kt < qt) fa_load_kv<T, D>(ks[cur ^ 1], vs[cur ^ 1], k + base, v + base, kt + 1, T_, C);
+        if (kt < qt) load_tiles(kt + 1, cur ^ 1);
         fa_cp_commit();
         fa_cp_wait<1>(); /* tile kt has landed (this thread's part) ... */
         __syncthreads(); /* ... and everyone's */
-        float s[FA_TILE / 8][4], ds[FA_TILE / 8][4];
-        fa_scores<T, D>(s, qa, ks[cur]);
-        fa_scores<T, D>(ds, doa, vs[cur]);
-        if (kt == qt) fa_mask_diagonal<false>(s, warp * 16);
-        /* rows past T (lse, delta 0) get finite values that are never stored */
-        for (int j = 0; j < FA_TILE / 8; j++)
-            for (int h = 0; h < 2; h++)
-                for (int e = 0; e < 2; e++) {
-                    float pr = exp2f(s[j][2 * h + e] * sl2 - lse2[h]);
-                    ds[j][2 * h + e] = pr * (ds[j][2 * h + e] - dl[h]);
-                }
-        fa_accumulate<T, D>(dq_acc, ds, ks[cur]);
+        for (int kk = 0; kk < FA_TILE / 16; kk++) {
+            unsigned a[4];
+            fa_ldsm_x4_trans(a, dss[cur] + a_off + 16 * kk * Fa<FA_TILE>::LD);
+            fa_accumulate_step<T, D>(dq_acc, a, ks[cur], kk);
+        }
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
-
     fa_store_out<T, D>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
+}
+
+/* delta[b, h, i] = sum over head h's columns of (dO ∘ O)[b, i]: one warp per position; lane l
+ * takes the row's 16-byte packets l, l + 32, ..., and the D / PACK lanes holding one head's
+ * packets add their sums (xor shuffles: a fixed order). */
+template <typename T, int D>
+__global__ void attn_flash_delta_kernel(float* delta, const T* dout, const T* out, int N, int T_, int C, int H) {
+    constexpr int VEC = PACK(T), LANES_PER_HEAD = D / VEC;
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return; /* the whole warp */
+    int b = row / T_, i = row % T_, packets = C / VEC;
+    for (int p0 = 0; p0 < packets; p0 += 32) {
+        int p = p0 + lane;
+        float s = 0.0f;
+        if (p < packets) {
+            float d[VEC], o[VEC];
+            load_vec(d, dout + (size_t)row * C + p * VEC);
+            load_vec(o, out + (size_t)row * C + p * VEC);
+            for (int c = 0; c < VEC; c++) s += d[c] * o[c];
+        }
+        for (int off = 1; off < LANES_PER_HEAD; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        if (p < packets && lane % LANES_PER_HEAD == 0) delta[((size_t)b * H + p / LANES_PER_HEAD) * T_ + i] = s;
+    }
 }
 
 /* The tiles' uint4 loads need 16-byte aligned tensors (the engine's buffers are 256-aligned). */
@@ -619,16 +648,18 @@ static void attn_fwd_flash(T* out, float* lse, const T* q, const T* k, const T* 
 
 template <typename T, int D>
 static void attn_bwd_flash(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q, const T* k,
-                           const T* v, int B, int T_, int C, int H, float* delta) {
+                           const T* v, int B, int T_, int C, int H, float* delta, T* ds_tiles) {
     float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
+    int N = B * T_;
     fa_check_aligned(dout, q, k, v);
     fa_check_aligned(dq, dk, dv, out);
-    dim3 grid(ceil_div(T_, FA_TILE), B * H);
-    attn_flash_dq_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dq, delta, dout, out, lse, q, k, v, T_, C, H, scale,
-                                                                  sl2);
+    attn_flash_delta_kernel<T, D><<<ceil_div(N, 4), 128, 0, g_stream>>>(delta, dout, out, N, T_, C, H);
     LAUNCH_CHECK();
-    attn_flash_dkv_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dk, dv, dout, lse, delta, q, k, v, T_, C, H, scale,
-                                                                   sl2);
+    dim3 grid(ceil_div(T_, FA_TILE), B * H);
+    attn_flash_dkv_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C,
+                                                                   H, scale, sl2);
+    LAUNCH_CHECK();
+    attn_flash_dq_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dq, ds_tiles, k, T_, C, H, scale);
     LAUNCH_CHECK();
 }
 
@@ -663,9 +694,9 @@ static void k_attn_bwd(T* dq, T* dk, T* dv, const T* dout, const T* out, const f
     if constexpr (FaType<T>::ok) {
         if (attn_flash_ok<T>(C, H)) {
             switch (C / H) {
-            case 16: attn_bwd_flash<T, 16>(dq, dk, dv, dout, out, lse, q, k, v, B, T_, C, H, sc.delta); return;
-            case 32: attn_bwd_flash<T, 32>(dq, dk, dv, dout, out, lse, q, k, v, B, T_, C, H, sc.delta); return;
-            case 64: attn_bwd_flash<T, 64>(dq, dk, dv, dout, out, lse, q, k, v, B, T_, C, H, sc.delta); return;
+            case 16: attn_bwd_flash<T, 16>(dq, dk, dv, dout, out, lse, q, k, v, B, T_, C, H, sc.delta, sc.ds); return;
+            case 32: attn_bwd_flash<T, 32>(dq, dk, dv, dout, out, lse, q, k, v, B, T_, C, H, sc.delta, sc.ds); return;
+            case 64: attn_bwd_flash<T, 64>(dq, dk, dv, dout, out, lse, q, k, v, B, T_, C, H, sc.delta, sc.ds); return;
             }
         }
     }
