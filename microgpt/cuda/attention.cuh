@@ -216,8 +216,8 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
 #define FA_MIN_BLOCKS_FWD 4
 #define FA_MIN_BLOCKS_DKV 3
 /* Queries per step of the dK/dV kernel: at D = 64 a staged tile's 64 queries in two halves of 32
- * (half the score registers, the same products in the same order: 16 bytes spilled instead of 60
- * at 168 registers); smaller heads fit whole tiles. */
+ * (half the score registers, the same products in the same order; at 168 registers whole tiles
+ * spill 48 bytes, halves none: ptxas -v, sm_90); smaller heads fit whole tiles. */
 template <int D> struct FaBwd { static constexpr int COLS = D == 64 ? 32 : FA_TILE; };
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
@@ -295,12 +295,11 @@ template <int pending> __device__ __forceinline__ void fa_cp_wait(void) {
 }
 
 /* Starts copying rows [r0, r0 + 64) of one head (src: the sequence's row 0 at the head's first
- * column, row stride C) into a staged tile; rows at or past T become zero. By FA_THREADS threads,
- * tid 0 .. FA_THREADS - 1 (a whole block of FA_WARPS warps unless told otherwise). */
+ * column, row stride C) into a staged tile; rows at or past T become zero. Whole block. */
 template <typename T, int D>
-__device__ __forceinline__ void fa_load_rows(T* dst, const T* src, int r0, int T_, int C, int tid = threadIdx.x) {
+__device__ __forceinline__ void fa_load_rows(T* dst, const T* src, int r0, int T_, int C) {
     constexpr int VEC = 16 / sizeof(T), PER_ROW = D / VEC;
-    for (int e = tid; e < FA_TILE * PER_ROW; e += FA_THREADS) {
+    for (int e = threadIdx.x; e < FA_TILE * PER_ROW; e += FA_THREADS) {
         int r = e / PER_ROW, c = (e % PER_ROW) * VEC;
         bool ok = r0 + r < T_;
         fa_cp_async16(dst + r * Fa<D>::LD + c, ok ? src + (size_t)(r0 + r) * C + c : src, ok ? 16 : 0);
@@ -585,61 +584,45 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     fa_store_out<T, D>(dk + base + (size_t)row0 * C, dk_acc, scale, T_ - row0, C);
 }
 
-/* dQ: block (FA_DQ_TILES query tiles, b*H + h); warp w owns query rows 16w .. +15 of the block's
- * rows (query tile qt0 + w / FA_WARPS) and accumulates dQ = scale · dS K over the key tiles up to
- * the diagonal, from the dS^T tiles the dK/dV kernel stored (staged, then read as A fragments
- * through transposed ldmatrix). The block's query tiles share each staged K tile. Masked and
- * past-T entries of the dS tiles are 0 or meet zero rows of K, so whole tiles are used. */
-#ifndef FA_DQ_TILES
-#define FA_DQ_TILES 2
-#endif
+/* dQ: block (query tile, b*H + h); warp w owns query rows q0 + 16w .. +15 and accumulates
+ * dQ = scale · dS K over the key tiles up to the diagonal, from the dS^T tiles the dK/dV kernel
+ * stored (staged, then read as A fragments through transposed ldmatrix). Masked and past-T
+ * entries of those tiles are 0 or meet zero rows of K, so whole tiles are used. */
 template <typename T, int D>
-struct FaDqSmem { /* double-buffered: key tile kt in [kt & 1], with the dS tiles of the block's query tiles */
-    T dss[2][FA_DQ_TILES][FA_TILE * Fa<FA_TILE>::LD];
-    T ks[2][FA_TILE * Fa<D>::LD];
-};
-template <typename T, int D>
-__global__ void __launch_bounds__(FA_THREADS * FA_DQ_TILES)
+__global__ void __launch_bounds__(FA_THREADS)
     attn_flash_dq_kernel(T* dq, const T* ds_tiles, const T* k, int T_, int C, int H, float scale) {
-    extern __shared__ __align__(16) unsigned char fa_dq_smem[]; /* dynamic: over the 48 KB of static arrays */
-    auto& sm = *reinterpret_cast<FaDqSmem<T, D>*>(fa_dq_smem);
-    auto& dss = sm.dss;
-    auto& ks = sm.ks;
+    __shared__ __align__(16) T dss[2][FA_TILE * Fa<FA_TILE>::LD]; /* double-buffered: tile kt in [kt & 1] */
+    __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, mi = lane >> 3;
-    int sub = warp / FA_WARPS, tid = threadIdx.x % FA_THREADS; /* the warp group of query tile qt0 + sub */
-    int n_tiles = (T_ + FA_TILE - 1) / FA_TILE, bh = blockIdx.y, b = bh / H, hd = bh % H;
-    int qt0 = FA_DQ_TILES * (gridDim.x - 1 - blockIdx.x), qt = qt0 + sub, last = min(qt0 + FA_DQ_TILES, n_tiles) - 1;
-    int my_last = qt <= last ? qt : -1; /* this warp group's last key tile; -1: its query tile is past T */
-    int row0 = qt * FA_TILE + (warp % FA_WARPS) * 16;
+    int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H;
+    int row0 = qt * FA_TILE + warp * 16;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
-    const T* ds_row = ds_tiles + fa_ds_tile(bh, qt, 0, n_tiles); /* tiles (qt, 0 .. qt), consecutive; read only if qt < n_tiles */
-    /* each warp group stages its own query tile's dS tile; the first also the K tile */
+    const T* ds_row = ds_tiles + fa_ds_tile(bh, qt, 0, gridDim.x); /* tiles (qt, 0 .. qt), consecutive */
     auto load_tiles = [&](int kt, int buf) {
-        if (kt <= my_last) fa_load_rows<T, FA_TILE>(dss[buf][sub], ds_row + (size_t)kt * FA_TILE * FA_TILE, 0, FA_TILE, FA_TILE, tid);
-        if (sub == 0) fa_load_rows<T, D>(ks[buf], k + base, kt * FA_TILE, T_, C, tid);
+        fa_load_rows<T, FA_TILE>(dss[buf], ds_row + (size_t)kt * FA_TILE * FA_TILE, 0, FA_TILE, FA_TILE);
+        fa_load_rows<T, D>(ks[buf], k + base, kt * FA_TILE, T_, C);
     };
     /* lane 8i + r addresses row r of matrix i of an A fragment (queries 16w + 8(i & 1) .., keys
      * 8(i >> 1) ..); stored [key][query], so the transposed load gives the [query][key] order */
-    int a_off = (8 * (mi >> 1) + (lane & 7)) * Fa<FA_TILE>::LD + (warp % FA_WARPS) * 16 + 8 * (mi & 1);
+    int a_off = (8 * (mi >> 1) + (lane & 7)) * Fa<FA_TILE>::LD + warp * 16 + 8 * (mi & 1);
 
     load_tiles(0, 0);
     fa_cp_commit();
     float dq_acc[Fa<D>::ND][4] = {};
-    for (int kt = 0; kt <= last; kt++) {
+    for (int kt = 0; kt <= qt; kt++) {
         int cur = kt & 1;
-        if (kt < last) load_tiles(kt + 1, cur ^ 1);
+        if (kt < qt) load_tiles(kt + 1, cur ^ 1);
         fa_cp_commit();
         fa_cp_wait<1>(); /* tile kt has landed (this thread's part) ... */
         __syncthreads(); /* ... and everyone's */
-        if (kt <= my_last)
-            for (int kk = 0; kk < FA_TILE / 16; kk++) {
-                unsigned a[4];
-                fa_ldsm_x4_trans(a, dss[cur][sub] + a_off + 16 * kk * Fa<FA_TILE>::LD);
-                fa_accumulate_step<T, D>(dq_acc, a, ks[cur], kk);
-            }
+        for (int kk = 0; kk < FA_TILE / 16; kk++) {
+            unsigned a[4];
+            fa_ldsm_x4_trans(a, dss[cur] + a_off + 16 * kk * Fa<FA_TILE>::LD);
+            fa_accumulate_step<T, D>(dq_acc, a, ks[cur], kk);
+        }
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
-    if (my_last >= 0) fa_store_out<T, D>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
+    fa_store_out<T, D>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
 }
 
 /* delta[b, h, i] = sum over head h's columns of (dO ∘ O)[b, i]: one warp per position; lane l
@@ -695,15 +678,7 @@ static void attn_bwd_flash(T* dq, T* dk, T* dv, const T* dout, const T* out, con
     attn_flash_dkv_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C,
                                                                    H, scale, sl2);
     LAUNCH_CHECK();
-    dim3 dq_grid(ceil_div(T_, FA_TILE * FA_DQ_TILES), B * H);
-    static bool dq_smem_set = false; /* per instantiation: the kernel's dynamic shared memory limit */
-    if (!dq_smem_set) {
-        CUDA_CHECK(cudaFuncSetAttribute(attn_flash_dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)sizeof(FaDqSmem<T, D>)));
-        dq_smem_set = true;
-    }
-    attn_flash_dq_kernel<T, D><<<dq_grid, FA_THREADS * FA_DQ_TILES, sizeof(FaDqSmem<T, D>), g_stream>>>(
-        dq, ds_tiles, k, T_, C, H, scale);
+    attn_flash_dq_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dq, ds_tiles, k, T_, C, H, scale);
     LAUNCH_CHECK();
 }
 
