@@ -14,7 +14,7 @@
  *         scores are fp32; logits are bf16, their softmax and loss fp32 (cuda/loss.cuh).
  *   fp16  as bf16 with fp16, plus dynamic loss scaling: the loss gradient is multiplied by the
  *         scale; engine_update unscales, and when the gradient norm is not finite it skips the
- *         step, zeroes the gradients and halves the scale; every LOSS_SCALE_GROW_EVERY-th step
+ *         step (the next micro-batch overwrites its gradients) and halves the scale; every LOSS_SCALE_GROW_EVERY-th step
  *         (a pure function of the step, so resume stays exact) that is not skipped doubles it.
  *   fp8   refused with a clear message (not yet supported).
  *
@@ -27,8 +27,10 @@
  * by timing). Two runs of the same config on the same GPU give identical bits.
  *
  * Speed: a micro-batch (tokens in, forward, loss, backward, mean loss out) and the update (norm,
- * clip, AdamW, zeroed gradients, norm out) each run as one CUDA graph, captured at setup and
- * replayed: no per-kernel launch cost and no host round trip inside either. Whatever changes
+ * clip, AdamW, norm out) each run as one CUDA graph, captured at setup and replayed: no per-kernel
+ * launch cost and no host round trip inside either. The micro-batch has two graphs, the first
+ * micro-batch of a step's (its parameter gradients overwrite the buffer, so the gradients are never
+ * zeroed) and the later ones' (they add). Whatever changes
  * between replays (tokens, learning rate, bias corrections, loss scale) is copied from pinned host
  * memory by the graph's first nodes; the one float each returns (loss, norm) is its last node.
  * ANDREA_CUDA_SYNC=1 (synchronise after every launch) and ANDREA_NO_GRAPH=1 run the same work
@@ -126,7 +128,11 @@ static struct {
     int* tok_host;    /* pinned mirror of tok */
     StepIO* io_host;  /* pinned mirror of io */
     int use_graphs;   /* 0: ANDREA_CUDA_SYNC / ANDREA_NO_GRAPH, run launch by launch */
-    cudaGraphExec_t fb_graph, update_graph; /* instantiated by the warm-up */
+    /* fb_graph[0]: the first micro-batch after an update (parameter gradients overwritten, so
+     * never zeroed), [1]: the later ones (added); all instantiated by the warm-up */
+    cudaGraphExec_t fb_graph[2], update_graph;
+    int grads_pending; /* the gradients hold micro-batches not yet used by an update */
+    float grad_beta;   /* of the micro-batch being recorded: 0 overwrite, 1 add (matmul.cuh) */
     char* group_base[N_GROUPS];
     size_t group_bytes[N_GROUPS];
 } E;
@@ -288,9 +294,10 @@ static void loss_chunks(int N, int train) {
     for (r0 = 0; r0 < N; r0 += E.chunk) {
         int n = N - r0 < E.chunk ? N - r0 : E.chunk;
         const T* x = (const T*)E.lnf + (size_t)r0 * C;
-        if (train)
+        if (train) /* the first chunk honours the micro-batch's grad_beta, the later ones add */
             k_loss_fwd_bwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.dln + (size_t)r0 * C, E.grads + E.layout.wte,
-                              (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale);
+                              (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale,
+                              r0 == 0 ? E.grad_beta : 1.0f);
         else
             k_loss_fwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp);
     }
@@ -301,29 +308,30 @@ template <typename T>
 static void backward(void) {
     int B = E.B, Tn = E.T, C = E.C, H = E.H, F = E.F, L = E.L, N = E.N, l;
     size_t nc = (size_t)N * C, es = E.es;
+    float gb = E.grad_beta;
     T* dres = (T*)E.dres;
     T* dln = (T*)E.dln;
     T* dqkv = (T*)E.dqkv;
     /* dln holds d(LNf output) from loss_chunks */
     CUDA_CHECK(cudaMemsetAsync(dres, 0, nc * es, g_stream));
     k_layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, stream<T>(L),
-                       E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial);
+                       E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial, gb);
     for (l = L - 1; l >= 0; l--) {
         LayerActs<T> a = layer_acts<T>(l);
         /* MLP branch: its output gradient is the stream's, dres */
         k_mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.g, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.dh,
-                     N, C, F);
+                     N, C, F, gb);
         k_layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
-                           a.ln2_rstd, N, C, E.ln_partial);
+                           a.ln2_rstd, N, C, E.ln_partial, gb);
         /* attention branch: dres is now the gradient at x_mid */
-        k_attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C);
+        k_attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
         k_attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
                       a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
-        k_attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C);
+        k_attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
         k_layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
-                           a.ln1_rstd, N, C, E.ln_partial);
+                           a.ln1_rstd, N, C, E.ln_partial, gb);
     }
-    k_embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_first, E.V, B, Tn, C);
+    k_embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_first, E.V, B, Tn, C, gb);
 }
 
 /* Runs `record` (the device work of one call, everything on g_stream) as a CUDA graph: captured
@@ -362,7 +370,7 @@ static void download_output(const float* dev, float* host) {
     CUDA_CHECK(cudaMemcpyAsync(host, dev, sizeof(float), cudaMemcpyDeviceToHost, g_stream));
 }
 
-/* One training micro-batch, as recorded into fb_graph. */
+/* One training micro-batch, as recorded into fb_graph[grad_beta]. */
 template <typename T>
 static void record_forward_backward(void) {
     upload_inputs(2 * (size_t)E.N);
@@ -376,7 +384,9 @@ template <typename T>
 static float forward_backward_t(const int* inputs, const int* targets) {
     stage_batch(inputs, targets);
     E.io_host->dscale = (E.prec == PREC_FP16 ? E.loss_scale : 1.0f) / (float)E.N;
-    run_graph(&E.fb_graph, record_forward_backward<T>);
+    E.grad_beta = E.grads_pending ? 1.0f : 0.0f;
+    run_graph(&E.fb_graph[E.grads_pending], record_forward_backward<T>);
+    E.grads_pending = 1;
     return E.io_host->loss;
 }
 
@@ -430,17 +440,15 @@ static void refresh_lowp_weights(void) {
     if (E.prec == PREC_FP16) k_convert<fp16>((fp16*)E.wlow, E.params, E.P);
 }
 
-static void zero_grads(void) { CUDA_CHECK(cudaMemsetAsync(E.grads, 0, E.P * sizeof(float), g_stream)); }
-
 /* The update, as recorded into update_graph: the norm of the unscaled gradients, AdamW (which
- * clips, and skips on a non-finite norm in fp16, by itself), zeroed gradients, the norm back. */
+ * clips, and skips on a non-finite norm in fp16, by itself), the norm back. The gradients are not
+ * zeroed: the next micro-batch overwrites them (fb_graph[0]). */
 template <typename T>
 static void record_update(void) {
     upload_inputs(0);
     k_grad_norm_partial(E.norm_partial, E.grads, E.P, &E.io->uctl.unscale);
     k_grad_norm_final(&E.io->norm, E.norm_partial);
     adamw_all<T>(&E.cfg);
-    zero_grads();
     download_output(&E.io->norm, &E.io_host->norm);
 }
 
@@ -456,14 +464,14 @@ static void warm_up(void) {
     float* logits = (float*)xmalloc((size_t)E.V * sizeof(float), "warm-up logits");
     int graphs = E.use_graphs, round;
     refresh_lowp_weights();
-    for (round = 0; round < 2; round++) {
+    for (round = 0; round < 2; round++) { /* two micro-batches: both fb_graph variants */
         E.use_graphs = round == 0 ? 0 : graphs;
+        engine_forward_backward(zeros, zeros);
         engine_forward_backward(zeros, zeros);
         engine_update(0.0f, 1, &E.cfg);
     }
     engine_forward_loss(zeros, zeros);
     engine_next_logits(zeros, 1, logits);
-    zero_grads();
     CUDA_CHECK(cudaDeviceSynchronize());
     free(zeros);
     free(logits);
@@ -561,7 +569,7 @@ static void engine_set_state(const float* params, const float* m, const float* v
     if (E.prec == PREC_FP16) E.loss_scale = loss_scale > 0.0f ? loss_scale : LOSS_SCALE_DEFAULT;
     else E.loss_scale = 1.0f;
     refresh_lowp_weights();
-    zero_grads();
+    E.grads_pending = 0;
     CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -601,6 +609,7 @@ static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     if (E.prec == PREC_BF16) run_graph(&E.update_graph, record_update<bf16>);
     else if (is_fp16) run_graph(&E.update_graph, record_update<fp16>);
     else run_graph(&E.update_graph, record_update<float>);
+    E.grads_pending = 0; /* also after a skipped fp16 step: its non-finite gradients are overwritten */
     r.grad_norm = E.io_host->norm;
     r.skipped = is_fp16 && !isfinite(r.grad_norm);
     if (r.skipped) {
@@ -631,7 +640,8 @@ static void engine_shutdown(void) {
     int g;
     CUDA_CHECK(cudaDeviceSynchronize());
     cublas_shutdown();
-    if (E.fb_graph) CUDA_CHECK(cudaGraphExecDestroy(E.fb_graph));
+    for (int i = 0; i < 2; i++)
+        if (E.fb_graph[i]) CUDA_CHECK(cudaGraphExecDestroy(E.fb_graph[i]));
     if (E.update_graph) CUDA_CHECK(cudaGraphExecDestroy(E.update_graph));
     for (g = 0; g < N_GROUPS; g++)
         if (E.group_base[g]) CUDA_CHECK(cudaFree(E.group_base[g]));

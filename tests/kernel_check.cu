@@ -11,8 +11,10 @@
  *     rounded to that type first, so the CPU sees exactly the values the GPU sees;
  *   - outputs a kernel overwrites (forward outputs, and the activation gradients a backward hands
  *     to the layer below) are poisoned with NaN before the launch; outputs a backward accumulates
- *     into (+=: parameter gradients, LayerNorm's residual-stream dx) are prefilled with random
- *     values of the size of the expected increment, so "=" instead of "+=" fails;
+ *     into (+=: LayerNorm's residual-stream dx) are prefilled with random values of the size of
+ *     the expected increment, so "=" instead of "+=" fails; parameter gradients are checked both
+ *     ways, as the engine uses them (matmul.cuh): grad_beta 0 over poison ("dw="), grad_beta 1
+ *     over a prefill ("dw+=");
  *   - the error reported is ||gpu - cpu|| / ||cpu - prefill||: relative to what the kernel had to
  *     compute; any non-finite GPU element (an unwritten NaN) fails on its own;
  *   - backward kernels with reductions are launched twice from the same state and must agree bit
@@ -115,6 +117,9 @@ static Vec plus(const Vec& a, const Vec& b) {
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Device buffers: every allocation of a test is freed at its end */
+
+/* The two ways a backward writes parameter gradients: grad_beta 0 overwrites, 1 adds. */
+static const float GRAD_BETAS[2] = {0.0f, 1.0f};
 
 static std::vector<void*> g_allocs;
 
@@ -222,6 +227,18 @@ static bool check(const char* what, const Vec& gpu, const Vec& cpu, double tol, 
     return report(err <= tol, what, "rel_err %.2e  tol %.0e", err, tol);
 }
 
+/* A parameter gradient's device buffer before a backward with grad_beta gb: poisoned (gb 0, it
+ * must be overwritten) or the prefill (gb 1, it must be added into). */
+template <typename T> static void init_grad(T* d, const Vec& prefill, float gb) {
+    if (gb != 0.0f) upload_into(d, prefill);
+    else poison(d, prefill.size());
+}
+/* ... and its check: "name=" against the increment, or "name+=" against prefill + increment. */
+static bool check_grad(const char* name, const Vec& gpu, const Vec& inc, const Vec& prefill, float gb, double tol) {
+    std::string label = std::string(name) + (gb != 0.0f ? "+=" : "=");
+    return gb != 0.0f ? check(label.c_str(), gpu, plus(prefill, inc), tol, &prefill) : check(label.c_str(), gpu, inc, tol);
+}
+
 static bool check_scalar(const char* what, double gpu, double cpu, double tol) {
     double err = fabs(gpu - cpu) / (fabs(cpu) > 0 ? fabs(cpu) : 1.0);
     if (!isfinite(gpu)) return report(false, what, "non-finite %g (cpu %g)", gpu, cpu);
@@ -292,16 +309,18 @@ template <typename T> static void test_embed(const Shape& s, Tol tol) {
     T* d_dout = upload<T>(dout);
     float *d_dwte = upload<float>(dwte0), *d_dwpe = upload<float>(dwpe0);
     int* d_first = poisoned<int>(s.V);
-    auto gpu = [&]() {
-        upload_into(d_dwte, dwte0);
-        upload_into(d_dwpe, dwpe0);
-        k_embed_bwd<T>(d_dwte, d_dwpe, d_dout, d_tok, d_first, s.V, s.B, s.T, C);
-        return std::vector<Vec>{download(d_dwte, wte.size()), download(d_dwpe, wpe.size())};
-    };
-    std::vector<Vec> r1 = gpu(), r2 = gpu();
-    check("dwte", r1[0], plus(dwte0, dwte_inc), tol.prod, &dwte0);
-    check("dwpe", r1[1], plus(dwpe0, dwpe_inc), tol.prod, &dwpe0);
-    check_same("determ", r1, r2);
+    for (float gb : GRAD_BETAS) { /* dwte always adds (the classifier wrote it first); dwpe by gb */
+        auto gpu = [&]() {
+            upload_into(d_dwte, dwte0);
+            init_grad(d_dwpe, dwpe0, gb);
+            k_embed_bwd<T>(d_dwte, d_dwpe, d_dout, d_tok, d_first, s.V, s.B, s.T, C, gb);
+            return std::vector<Vec>{download(d_dwte, wte.size()), download(d_dwpe, wpe.size())};
+        };
+        std::vector<Vec> r1 = gpu(), r2 = gpu();
+        check("dwte", r1[0], plus(dwte0, dwte_inc), tol.prod, &dwte0);
+        check_grad("dwpe", r1[1], dwpe_inc, dwpe0, gb, tol.prod);
+        check_same("determ", r1, r2);
+    }
     dfree_all();
 }
 
@@ -331,18 +350,20 @@ template <typename T> static void test_layernorm(const Shape& s, Tol tol) {
     T* d_dx = upload<T>(dx0);
     float *d_dg = upload<float>(dg0), *d_db = upload<float>(db0);
     float* d_scratch = poisoned<float>(layernorm_scratch_floats(C));
-    auto gpu = [&]() {
-        upload_into(d_dx, dx0);
-        upload_into(d_dg, dg0);
-        upload_into(d_db, db0);
-        k_layernorm_bwd<T>(d_dx, d_dg, d_db, d_dout, d_x, d_gamma, d_mean_c, d_rstd_c, N, C, d_scratch);
-        return std::vector<Vec>{download(d_dx, (size_t)N * C), download(d_dg, C), download(d_db, C)};
-    };
-    std::vector<Vec> r1 = gpu(), r2 = gpu();
-    check("dx", r1[0], plus(dx0, dx_inc), tol.prod, &dx0);
-    check("dgamma", r1[1], plus(dg0, dg_inc), tol.prod, &dg0);
-    check("dbeta", r1[2], plus(db0, db_inc), tol.prod, &db0);
-    check_same("determ", r1, r2);
+    for (float gb : GRAD_BETAS) { /* dx always adds (the residual stream); dgamma, dbeta by gb */
+        auto gpu = [&]() {
+            upload_into(d_dx, dx0);
+            init_grad(d_dg, dg0, gb);
+            init_grad(d_db, db0, gb);
+            k_layernorm_bwd<T>(d_dx, d_dg, d_db, d_dout, d_x, d_gamma, d_mean_c, d_rstd_c, N, C, d_scratch, gb);
+            return std::vector<Vec>{download(d_dx, (size_t)N * C), download(d_dg, C), download(d_db, C)};
+        };
+        std::vector<Vec> r1 = gpu(), r2 = gpu();
+        check("dx", r1[0], plus(dx0, dx_inc), tol.prod, &dx0);
+        check_grad("dgamma", r1[1], dg_inc, dg0, gb, tol.prod);
+        check_grad("dbeta", r1[2], db_inc, db0, gb, tol.prod);
+        check_same("determ", r1, r2);
+    }
     dfree_all();
 }
 
@@ -363,9 +384,13 @@ template <typename T> static void test_attn_out(const Shape& s, Tol tol) {
     Vec dw0 = prefill_like<float>(dw_inc);
     T *d_dout = upload<T>(dout), *d_dx = poisoned<T>((size_t)N * C); /* dx is overwritten */
     float* d_dw = upload<float>(dw0);
-    k_attn_out_bwd<T>(d_dx, d_dw, d_dout, d_x, d_w, N, C);
-    check("dx", download(d_dx, (size_t)N * C), dx_inc, tol.prod);
-    check("dw", download(d_dw, (size_t)C * C), plus(dw0, dw_inc), tol.prod, &dw0);
+    for (float gb : GRAD_BETAS) {
+        poison(d_dx, (size_t)N * C);
+        init_grad(d_dw, dw0, gb);
+        k_attn_out_bwd<T>(d_dx, d_dw, d_dout, d_x, d_w, N, C, gb);
+        check("dx", download(d_dx, (size_t)N * C), dx_inc, tol.prod);
+        check_grad("dw", download(d_dw, (size_t)C * C), dw_inc, dw0, gb, tol.prod);
+    }
     dfree_all();
 }
 
@@ -386,9 +411,13 @@ template <typename T> static void test_attn_qkv(const Shape& s, Tol tol) {
     Vec dw0 = prefill_like<float>(dw_inc);
     T *d_dqkv = upload<T>(dqkv), *d_dx = poisoned<T>(nc); /* dx is overwritten */
     float* d_dw = upload<float>(dw0);
-    k_attn_qkv_bwd<T>(d_dx, d_dw, d_dqkv, d_x, d_w, N, C);
-    check("dx", download(d_dx, nc), dx_inc, tol.prod);
-    check("dw", download(d_dw, 3 * cc), plus(dw0, dw_inc), tol.prod, &dw0);
+    for (float gb : GRAD_BETAS) {
+        poison(d_dx, nc);
+        init_grad(d_dw, dw0, gb);
+        k_attn_qkv_bwd<T>(d_dx, d_dw, d_dqkv, d_x, d_w, N, C, gb);
+        check("dx", download(d_dx, nc), dx_inc, tol.prod);
+        check_grad("dw", download(d_dw, 3 * cc), dw_inc, dw0, gb, tol.prod);
+    }
     dfree_all();
 }
 
@@ -475,10 +504,15 @@ template <typename T> static void test_mlp(const Shape& s, Tol tol) {
     Vec dw10 = prefill_like<float>(dw1_inc), dw20 = prefill_like<float>(dw2_inc);
     T *d_dout = upload<T>(dout), *d_dx = poisoned<T>(nc); /* dx is overwritten */
     float *d_dw1 = upload<float>(dw10), *d_dw2 = upload<float>(dw20);
-    k_mlp_bwd<T>(d_dx, d_dw1, d_dw2, d_dout, d_x, d_h, d_g, d_w1, d_w2, d_dh, N, C, F); /* the forward's h and g */
-    check("dx", download(d_dx, nc), dx_inc, tol.fused);
-    check("dw1", download(d_dw1, w1.size()), plus(dw10, dw1_inc), tol.fused, &dw10);
-    check("dw2", download(d_dw2, w2.size()), plus(dw20, dw2_inc), tol.fused, &dw20);
+    for (float gb : GRAD_BETAS) {
+        poison(d_dx, nc);
+        init_grad(d_dw1, dw10, gb);
+        init_grad(d_dw2, dw20, gb);
+        k_mlp_bwd<T>(d_dx, d_dw1, d_dw2, d_dout, d_x, d_h, d_g, d_w1, d_w2, d_dh, N, C, F, gb); /* the forward's h, g */
+        check("dx", download(d_dx, nc), dx_inc, tol.fused);
+        check_grad("dw1", download(d_dw1, w1.size()), dw1_inc, dw10, gb, tol.fused);
+        check_grad("dw2", download(d_dw2, w2.size()), dw2_inc, dw20, gb, tol.fused);
+    }
     dfree_all();
 }
 
@@ -533,47 +567,54 @@ template <typename T> static void test_loss(const Shape& s, Tol tol) {
     T* d_logits = poisoned<T>((size_t)s.chunk * Vp); /* as in the engine: overwritten by their gradient */
     float* d_dscale = upload<float>(Vec(1, 1.0f / N));
     float* d_mean = poisoned<float>(1);
-    auto gpu = [&]() {
-        poison(d_dx, (size_t)N * C);
-        upload_into(d_dwte, dwte0);
-        for (int r0 = 0; r0 < N; r0 += s.chunk) {
-            int n = N - r0 < s.chunk ? N - r0 : s.chunk;
-            k_loss_fwd_bwd<T>(d_losses + r0, d_lse + r0, d_dx + (size_t)r0 * C, d_dwte, d_logits,
-                              d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V, Vp, d_dscale);
+    for (float gb : GRAD_BETAS) { /* dwte by gb in the first chunk, added to by the later ones (the engine's order) */
+        auto gpu = [&]() {
+            poison(d_dx, (size_t)N * C);
+            init_grad(d_dwte, dwte0, gb);
+            for (int r0 = 0; r0 < N; r0 += s.chunk) {
+                int n = N - r0 < s.chunk ? N - r0 : s.chunk;
+                k_loss_fwd_bwd<T>(d_losses + r0, d_lse + r0, d_dx + (size_t)r0 * C, d_dwte, d_logits,
+                                  d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V, Vp, d_dscale,
+                                  r0 == 0 ? gb : 1.0f);
+            }
+            k_loss_mean(d_mean, d_losses, N);
+            return std::vector<Vec>{download(d_losses, N), download(d_dx, (size_t)N * C),
+                                    download(d_dwte, wte.size()), download(d_mean, 1)};
+        };
+        std::vector<Vec> r1 = gpu(), r2 = gpu();
+        if (gb == GRAD_BETAS[0]) { /* the losses do not depend on gb: checked once */
+            float* d_eval = poisoned<float>(N);
+            for (int r0 = 0; r0 < N; r0 += s.chunk) {
+                int n = N - r0 < s.chunk ? N - r0 : s.chunk;
+                k_loss_fwd<T>(d_eval + r0, d_lse + r0, d_logits, d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V,
+                              Vp);
+            }
+            Vec ev = download(d_eval, N);
+            bool same = memcmp(ev.data(), r1[0].data(), N * sizeof(float)) == 0;
+            report(same, "eval_loss",
+                   same ? "evaluation row losses identical to training's" : "evaluation row losses DIFFER");
+            double sum = 0.0;
+            size_t bad = 0;
+            for (float l : r1[0]) {
+                if (!isfinite(l)) bad++;
+                sum += l;
+            }
+            if (bad) report(false, "loss", "%zu of %d row losses unwritten or non-finite", bad, N);
+            else check_scalar("loss", sum / N, loss_c, tol.loss);
+            check_scalar("loss_mean", r1[3][0], sum / N, 1e-6); /* the device mean of the same row losses */
+            check("dx", r1[1], dx_inc, tol.fused);
         }
-        k_loss_mean(d_mean, d_losses, N);
-        return std::vector<Vec>{download(d_losses, N), download(d_dx, (size_t)N * C), download(d_dwte, wte.size()),
-                                download(d_mean, 1)};
-    };
-    std::vector<Vec> r1 = gpu(), r2 = gpu();
-    {
-        float* d_eval = poisoned<float>(N);
-        for (int r0 = 0; r0 < N; r0 += s.chunk) {
-            int n = N - r0 < s.chunk ? N - r0 : s.chunk;
-            k_loss_fwd<T>(d_eval + r0, d_lse + r0, d_logits, d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V, Vp);
+        check_grad("dwte", r1[2], dwte_inc, dwte0, gb, tol.fused);
+        /* padded rows: never any gradient, so exactly the prefill (gb 1) or exactly zero (gb 0) */
+        {
+            Vec pad_gpu(r1[2].begin() + (size_t)V * C, r1[2].end()), pad0(dwte0.begin() + (size_t)V * C, dwte0.end());
+            if (gb == 0.0f) pad0.assign(pad0.size(), 0.0f);
+            bool same = true; /* by value: a zero may come back as -0 */
+            for (size_t i = 0; i < pad0.size(); i++) same = same && pad_gpu[i] == pad0[i];
+            report(same, "dwte_pad", same ? "padded rows: no gradient" : "padded rows CHANGED");
         }
-        Vec ev = download(d_eval, N);
-        bool same = memcmp(ev.data(), r1[0].data(), N * sizeof(float)) == 0;
-        report(same, "eval_loss", same ? "evaluation row losses identical to training's" : "evaluation row losses DIFFER");
+        check_same("determ", r1, r2);
     }
-    double sum = 0.0;
-    size_t bad = 0;
-    for (float l : r1[0]) {
-        if (!isfinite(l)) bad++;
-        sum += l;
-    }
-    if (bad) report(false, "loss", "%zu of %d row losses unwritten or non-finite", bad, N);
-    else check_scalar("loss", sum / N, loss_c, tol.loss);
-    check_scalar("loss_mean", r1[3][0], sum / N, 1e-6); /* the device mean of the same row losses */
-    check("dx", r1[1], dx_inc, tol.fused);
-    check("dwte", r1[2], plus(dwte0, dwte_inc), tol.fused, &dwte0);
-    /* padded rows: never any gradient, so exactly the prefill */
-    {
-        Vec pad_gpu(r1[2].begin() + (size_t)V * C, r1[2].end()), pad0(dwte0.begin() + (size_t)V * C, dwte0.end());
-        bool same = memcmp(pad_gpu.data(), pad0.data(), pad0.size() * sizeof(float)) == 0;
-        report(same, "dwte_pad", same ? "padded rows untouched" : "padded rows CHANGED");
-    }
-    check_same("determ", r1, r2);
     dfree_all();
 }
 

@@ -66,10 +66,11 @@ static void k_attn_qkv_fwd(T* qkv, const T* x, const T* w_qkv, int N, int C) {
     gemm_rm(false, false, N, C, C, 1.0f, x, C, 0, w_qkv, C, (long long)C * C, 0.0f, qkv, C, (long long)N * C, 3, t, t);
 }
 
-/* dx = sum_i dqkv_i @ W_i^T (in the fixed order q, k, v); dw_i += x^T @ dqkv_i. */
+/* dx = sum_i dqkv_i @ W_i^T (in the fixed order q, k, v); dw_i = / += x^T @ dqkv_i by grad_beta. */
 template <typename T>
-static void k_attn_qkv_bwd(T* dx, float* dw_qkv, const T* dqkv, const T* x, const T* w_qkv, int N, int C) {
-    gemm_rm(true, false, C, C, N, 1.0f, x, C, 0, dqkv, C, (long long)N * C, 1.0f, dw_qkv, C, (long long)C * C, 3,
+static void k_attn_qkv_bwd(T* dx, float* dw_qkv, const T* dqkv, const T* x, const T* w_qkv, int N, int C,
+                           float grad_beta) {
+    gemm_rm(true, false, C, C, N, 1.0f, x, C, 0, dqkv, C, (long long)N * C, grad_beta, dw_qkv, C, (long long)C * C, 3,
             TypeInfo<T>::dtype, CUDA_R_32F);
     for (int i = 0; i < 3; i++)
         linear_dx(dx, dqkv + (size_t)i * N * C, w_qkv + (size_t)i * C * C, N, C, C, i == 0 ? 0.0f : 1.0f);
@@ -594,7 +595,9 @@ __global__ void __launch_bounds__(FA_THREADS)
     __shared__ __align__(16) T dss[2][FA_TILE * Fa<FA_TILE>::LD]; /* double-buffered: tile kt in [kt & 1] */
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, mi = lane >> 3;
-    int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H;
+    /* heads in the reverse of the dK/dV kernel's order: the first blocks read the tiles written
+     * last, the likeliest still in L2 */
+    int qt = gridDim.x - 1 - blockIdx.x, bh = gridDim.y - 1 - blockIdx.y, b = bh / H, hd = bh % H;
     int row0 = qt * FA_TILE + warp * 16;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
     const T* ds_row = ds_tiles + fa_ds_tile(bh, qt, 0, gridDim.x); /* tiles (qt, 0 .. qt), consecutive */
@@ -731,10 +734,10 @@ static void k_attn_out_fwd(T* out, const T* y, const T* w_o, const T* residual, 
     linear_fwd(out, y, w_o, N, C, C, residual);
 }
 
-/* dy = ; dw_o += */
+/* dy = ; dw_o = / += by grad_beta */
 template <typename T>
-static void k_attn_out_bwd(T* dy, float* dw_o, const T* dout, const T* y, const T* w_o, int N, int C) {
-    linear_bwd(dy, dw_o, dout, y, w_o, N, C, C);
+static void k_attn_out_bwd(T* dy, float* dw_o, const T* dout, const T* y, const T* w_o, int N, int C, float grad_beta) {
+    linear_bwd(dy, dw_o, dout, y, w_o, N, C, C, grad_beta);
 }
 
 #endif

@@ -101,14 +101,14 @@ __global__ void embed_bwd_wte_kernel(float* dwte, const T* dout, const int* toke
     }
 }
 
-/* One thread per (t, c). */
+/* One thread per (t, c); writes (add 0) or adds (add 1) the sum. */
 template <typename T>
-__global__ void embed_bwd_wpe_kernel(float* dwpe, const T* dout, int B, int T_, int C) {
+__global__ void embed_bwd_wpe_kernel(float* dwpe, const T* dout, int B, int T_, int C, int add) {
     size_t n_total = (size_t)T_ * C;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_total; i += (size_t)gridDim.x * blockDim.x) {
         float s = 0.0f;
         for (int b = 0; b < B; b++) s += to_f(dout[(size_t)b * T_ * C + i]);
-        dwpe[i] += s;
+        dwpe[i] = add ? dwpe[i] + s : s;
     }
 }
 
@@ -120,11 +120,12 @@ static void k_embed_fwd(T* out, const int* tokens, const float* wte, const float
     LAUNCH_CHECK();
 }
 
-/* dwte, dwpe += from dout [B*T, C]; tokens [B*T] are the batch's input tokens (device), all below
- * V; first is scratch of V ints. */
+/* dwte += (always: the classifier's product writes it first, loss.cuh) and dwpe = / += by
+ * grad_beta, from dout [B*T, C]; tokens [B*T] are the batch's input tokens (device), all below V;
+ * first is scratch of V ints. */
 template <typename T>
 static void k_embed_bwd(float* dwte, float* dwpe, const T* dout, const int* tokens, int* first, int V, int B, int T_,
-                        int C) {
+                        int C, float grad_beta) {
     int N = B * T_;
     CUDA_CHECK(cudaMemsetAsync(first, 0x7f, (size_t)V * sizeof(int), g_stream)); /* 0x7f7f7f7f > any position */
     embed_first_position_kernel<<<ceil_div(N, 256), 256, 0, g_stream>>>(first, tokens, N);
@@ -132,7 +133,7 @@ static void k_embed_bwd(float* dwte, float* dwpe, const T* dout, const int* toke
     embed_bwd_wte_kernel<T><<<N, EMBED_BWD_THREADS, 0, g_stream>>>(dwte, dout, tokens, first, N, C);
     LAUNCH_CHECK();
     size_t n = (size_t)T_ * C;
-    embed_bwd_wpe_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(dwpe, dout, B, T_, C);
+    embed_bwd_wpe_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(dwpe, dout, B, T_, C, grad_beta != 0.0f);
     LAUNCH_CHECK();
 }
 

@@ -168,8 +168,10 @@ __global__ void layernorm_bwd_kernel(T* __restrict__ dx, float* __restrict__ par
 }
 
 /* Block (LN_FINAL_COLS columns) x (LN_FINAL_GROUPS groups): group k of a column sums chunks k,
- * k + LN_FINAL_GROUPS, ... in order, then group 0 adds the group sums in group order. */
-__global__ void layernorm_bwd_final_kernel(float* dgamma, float* dbeta, const float* partial, int C, int n_chunks) {
+ * k + LN_FINAL_GROUPS, ... in order, then group 0 adds the group sums in group order and writes
+ * (add 0: whatever dgamma/dbeta held is not read) or adds (add 1) the result. */
+__global__ void layernorm_bwd_final_kernel(float* dgamma, float* dbeta, const float* partial, int C, int n_chunks,
+                                           int add) {
     __shared__ float sg_part[LN_FINAL_GROUPS][LN_FINAL_COLS], sb_part[LN_FINAL_GROUPS][LN_FINAL_COLS];
     int col = threadIdx.x % LN_FINAL_COLS, grp = threadIdx.x / LN_FINAL_COLS;
     int c = blockIdx.x * LN_FINAL_COLS + col;
@@ -187,8 +189,8 @@ __global__ void layernorm_bwd_final_kernel(float* dgamma, float* dbeta, const fl
             sg += sg_part[k][col];
             sb += sb_part[k][col];
         }
-        dgamma[c] += sg;
-        dbeta[c] += sb;
+        dgamma[c] = add ? dgamma[c] + sg : sg;
+        dbeta[c] = add ? dbeta[c] + sb : sb;
     }
 }
 
@@ -200,10 +202,10 @@ static void k_layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const 
                   beta, N, C);
 }
 
-/* dx, dgamma, dbeta += ; scratch holds layernorm_scratch_floats(C) floats. */
+/* dx += ; dgamma, dbeta = / += by grad_beta (0 or 1); scratch holds layernorm_scratch_floats(C) floats. */
 template <typename T>
 static void k_layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, const T* x, const float* gamma,
-                            const float* mean, const float* rstd, int N, int C, float* scratch) {
+                            const float* mean, const float* rstd, int N, int C, float* scratch, float grad_beta) {
     bool packed = packable(C, sizeof(T), {dx, dout, x}) && packable(C, sizeof(float), {gamma});
     int rows_per_chunk = ln_rows_per_chunk(N);
     int n_chunks = (int)ceil_div(N, rows_per_chunk);
@@ -212,7 +214,7 @@ static void k_layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, c
     LAUNCH_PACKED(packed, layernorm_bwd_kernel, T, grid, 32 * LN_WARPS, dx, scratch, dout, x, gamma, mean, rstd, N, C,
                   rows_per_chunk, slab_cols);
     layernorm_bwd_final_kernel<<<ceil_div(C, LN_FINAL_COLS), LN_FINAL_COLS * LN_FINAL_GROUPS, 0, g_stream>>>(
-        dgamma, dbeta, scratch, C, n_chunks);
+        dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
     LAUNCH_CHECK();
 }
 

@@ -90,19 +90,19 @@ static void k_loss_fwd(float* losses, float* lse, T* logits, const T* x, const T
     loss_rows(losses, lse, logits, targets, n, V, Vp, (const float*)NULL);
 }
 
-/* Training: as k_loss_fwd; dx [n, C] = and dwte [Vp, C] (fp32) += the gradient of these n rows,
- * each row's loss weighted by *dscale (device float: 1/rows-in-the-whole-batch for a mean, times
- * the loss scale for fp16). logits [n, Vp] is scratch and ends holding dlogits. */
+/* Training: as k_loss_fwd; dx [n, C] = and dwte [Vp, C] (fp32) = / += (by grad_beta) the gradient
+ * of these n rows, each row's loss weighted by *dscale (device float: 1/rows-in-the-whole-batch for
+ * a mean, times the loss scale for fp16). logits [n, Vp] is scratch and ends holding dlogits. */
 template <typename T>
 static void k_loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logits, const T* x, const T* wte,
-                           const int* targets, int n, int C, int V, int Vp, const float* dscale) {
+                           const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
     cudaDataType_t t = TypeInfo<T>::dtype;
     classifier_logits(logits, x, wte, n, C, Vp);
     loss_rows(losses, lse, logits, targets, n, V, Vp, dscale);
     /* dx = dlogits @ wte */
     gemm_rm(false, false, n, C, Vp, 1.0f, logits, Vp, 0, wte, C, 0, 0.0f, dx, C, 0, 1, t, t);
-    /* dwte += dlogits^T @ x */
-    gemm_rm(true, false, Vp, C, n, 1.0f, logits, Vp, 0, x, C, 0, 1.0f, dwte, C, 0, 1, t, CUDA_R_32F);
+    /* dwte = dlogits^T @ x + grad_beta * dwte */
+    gemm_rm(true, false, Vp, C, n, 1.0f, logits, Vp, 0, x, C, 0, grad_beta, dwte, C, 0, 1, t, CUDA_R_32F);
 }
 
 /* One block of LOSS_MEAN_THREADS: out[0] = the mean of losses [n], summed in double in a fixed

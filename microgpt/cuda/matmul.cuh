@@ -2,8 +2,12 @@
  * row-major, SPEC §2) on cuBLAS, the building block of k_attn_qkv, k_attn_out, k_mlp and k_loss.
  * Activations and weights are T; weight gradients are fp32 (cuBLAS writes fp32 C from T inputs).
  *
- * Gradient contract of the whole engine: parameter gradients accumulate (+=) over micro-batches;
- * activation gradients a sub-layer's backward produces for the layer below are overwritten (=),
+ * Gradient contract of the whole engine: parameter gradients are written by the first micro-batch
+ * after an update (grad_beta 0: overwritten, so they are never zeroed and stale or non-finite
+ * values from before cannot leak in) and accumulated by the later ones (grad_beta 1: +=); each
+ * parameter element has exactly one writer per micro-batch that honours grad_beta (the tied wte's
+ * is the classifier's first chunk: the later chunks and the embedding backward add to it).
+ * Activation gradients a sub-layer's backward produces for the layer below are overwritten (=),
  * except the residual stream's, which LayerNorm's backward adds into. */
 #ifndef MICROGPT_CUDA_MATMUL_CUH
 #define MICROGPT_CUDA_MATMUL_CUH
@@ -32,18 +36,19 @@ static void linear_dx(T* dx, const T* dout, const T* w, int N, int in, int out_d
     gemm_rm(false, true, N, in, out_dim, 1.0f, dout, out_dim, 0, w, out_dim, 0, beta, dx, in, 0, 1, t, t);
 }
 
-/* dw += x^T @ dout   (fp32 gradient) */
+/* dw = x^T @ dout + grad_beta * dw   (fp32 gradient; grad_beta 0 or 1, see the contract above) */
 template <typename T>
-static void linear_dw(float* dw, const T* x, const T* dout, int N, int in, int out_dim) {
-    gemm_rm(true, false, in, out_dim, N, 1.0f, x, in, 0, dout, out_dim, 0, 1.0f, dw, out_dim, 0, 1,
+static void linear_dw(float* dw, const T* x, const T* dout, int N, int in, int out_dim, float grad_beta) {
+    gemm_rm(true, false, in, out_dim, N, 1.0f, x, in, 0, dout, out_dim, 0, grad_beta, dw, out_dim, 0, 1,
             TypeInfo<T>::dtype, CUDA_R_32F);
 }
 
-/* The pair's backward: dw += (parameter gradients accumulate, SPEC §3); dx = (an activation
- * gradient is written whole, so its buffer needs no zeroing first). */
+/* The pair's backward: dw = / += by grad_beta (parameter gradients accumulate over micro-batches,
+ * SPEC §3); dx = (an activation gradient is written whole, so its buffer needs no zeroing first). */
 template <typename T>
-static void linear_bwd(T* dx, float* dw, const T* dout, const T* x, const T* w, int N, int in, int out_dim) {
-    linear_dw(dw, x, dout, N, in, out_dim);
+static void linear_bwd(T* dx, float* dw, const T* dout, const T* x, const T* w, int N, int in, int out_dim,
+                       float grad_beta) {
+    linear_dw(dw, x, dout, N, in, out_dim, grad_beta);
     linear_dx(dx, dout, w, N, in, out_dim, 0.0f);
 }
 

@@ -70,18 +70,18 @@ static void k_mlp_fwd(T* out, T* h, T* g, const T* x, const T* w1, const T* w2, 
     linear_fwd(out, g, w2, N, F, C, residual);
 }
 
-/* dx = ; dw1, dw2 += ; h and g are the forward's; dh [N,F] is scratch. */
+/* dx = ; dw1, dw2 = / += by grad_beta; h and g are the forward's; dh [N,F] is scratch. */
 template <typename T>
 static void k_mlp_bwd(T* dx, float* dw1, float* dw2, const T* dout, const T* x, const T* h, const T* g, const T* w1,
-                      const T* w2, T* dh, int N, int C, int F) {
+                      const T* w2, T* dh, int N, int C, int F, float grad_beta) {
     cudaDataType_t t = TypeInfo<T>::dtype;
-    linear_dw(dw2, g, dout, N, F, C);
+    linear_dw(dw2, g, dout, N, F, C, grad_beta);
     /* dh = (dout @ w2^T) * gelu'(h) */
     if (!gemm_fused(GEMM_DGELU, false, true, N, F, C, dout, C, w2, C, NULL, dh, F, h, t, t)) {
         linear_dx(dh, dout, w2, N, F, C, 0.0f);
         gelu_bwd_inplace(dh, h, (size_t)N * F);
     }
-    linear_bwd(dx, dw1, dh, x, w1, N, C, F);
+    linear_bwd(dx, dw1, dh, x, w1, N, C, F, grad_beta);
 }
 
 #endif

@@ -33,7 +33,7 @@ static float engine_forward_loss(const int* inputs, const int* targets);
 /* Logits [vocab_size] (real vocabulary only) at position len-1 of one sequence, 1 <= len <= T. */
 static void engine_next_logits(const int* tokens, int len, float* logits);
 /* grads·1/accum, global norm (deterministic), clip to grad_clip, AdamW with decay on 2-D tensors
- * only (t = 1-based step), then zero the grads. */
+ * only (t = 1-based step); the next micro-batch starts the gradients afresh. */
 static UpdateResult engine_update(float lr, int t, const Config* cfg);
 /* Host copy of the accumulated (unscaled) grads, n_params floats (for --dump-grads). */
 static void engine_get_grads(float* grads);
