@@ -1,6 +1,6 @@
 /* lt_algos.cu: what cuBLASLt offers, and how fast each offer runs, for every product shape of an
  * ANDREA-120M step (bf16, B8 T1024) on this GPU: its heuristic's first 8 algorithms per problem, each
- * timed over 20 launches. A measurement tool for choosing a fixed algorithm rule (the engine itself
+ * timed over 20 launches; then the same for ANDREA-12M. A measurement tool for choosing a fixed algorithm rule (the engine itself
  * never chooses by timing, see microgpt/cuda/common.cuh); not part of the engine or the tests.
  *
  *   build: nvcc -O2 -std=c++17 -arch=native -o build/lt_algos bench/lt_algos.cu -lcublas -lcublasLt
@@ -94,28 +94,34 @@ static void run(Prob pr) {
     CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(ld));
     CUBLAS_CHECK(cublasLtMatmulDescDestroy(desc));
 }
+/* The product shapes of one micro-batch of a model: N tokens, width C, MLP width F, R logits rows
+ * per classifier chunk (the engine's 512 MiB chunk), Vp padded vocabulary. */
+static void model_products(const char* model, int Nt, int C, int F, int R, int Vp) {
+    void *x = dmalloc((size_t)Nt * C * 2), *w1 = dmalloc((size_t)C * F * 2), *w2 = dmalloc((size_t)F * C * 2),
+         *dout = dmalloc((size_t)Nt * C * 2);
+    void *h = dmalloc((size_t)Nt * F * 2), *g = dmalloc((size_t)Nt * F * 2), *dh = dmalloc((size_t)Nt * F * 2);
+    void *big = dmalloc((size_t)R * Vp * 2), *wte = dmalloc((size_t)Vp * C * 2), *dw = dmalloc((size_t)Vp * C * 4);
+    printf("######## %s: N %d, C %d, F %d, logits chunk %d x %d\n", model, Nt, C, F, R, Vp);
+    run({"MLP forward, GELU + aux: h = x W1", 1, false, false, Nt, F, C, C, F, F, x, w1, g, h});
+    run({"MLP backward, DGELU: dh = dout W2^T", 2, false, true, Nt, F, C, C, C, F, dout, w2, dh, h});
+    run({"x W (q, k, v, W_O)", 0, false, false, Nt, C, C, C, C, C, x, w1, dout, NULL});
+    run({"g W2", 0, false, false, Nt, C, F, F, C, C, g, w2, dout, NULL});
+    run({"dx = dout W^T (W_O, q, k, v)", 0, false, true, Nt, C, C, C, C, C, dout, w1, x, NULL});
+    run({"dx = dh W1^T", 0, false, true, Nt, C, F, F, F, C, dh, w1, x, NULL});
+    run({"dW = x^T dout (fp32)", 0, true, false, C, C, Nt, C, C, C, x, dout, dw, NULL, CUDA_R_32F});
+    run({"dW1 = x^T dh (fp32)", 0, true, false, C, F, Nt, C, F, F, x, dh, dw, NULL, CUDA_R_32F});
+    run({"dW2 = g^T dout (fp32)", 0, true, false, F, C, Nt, F, C, C, g, dout, dw, NULL, CUDA_R_32F});
+    run({"logits = x wte^T", 0, false, true, R, Vp, C, C, C, Vp, x, wte, big, NULL});
+    run({"classifier dx = dlogits wte", 0, false, false, R, C, Vp, Vp, C, C, big, wte, x, NULL});
+    run({"dwte = dlogits^T x (fp32)", 0, true, false, Vp, C, R, Vp, C, C, big, x, dw, NULL, CUDA_R_32F});
+    for (void* p : {x, w1, w2, dout, h, g, dh, big, wte, dw}) CUDA_CHECK(cudaFree(p));
+}
+
 int main() {
     CUDA_CHECK(cudaStreamCreate(&g_stream));
     void *ws = dmalloc(CUBLAS_WORKSPACE_BYTES);
     cublas_init(ws, CUBLAS_WORKSPACE_BYTES);
-    int Nt = 8192, C = 768, F = 3072;
-    void *x = dmalloc((size_t)Nt * C * 2), *w1 = dmalloc((size_t)C * F * 2), *w2 = dmalloc((size_t)F * C * 2),
-         *dout = dmalloc((size_t)Nt * C * 2);
-    void *h = dmalloc((size_t)Nt * F * 2), *g = dmalloc((size_t)Nt * F * 2), *dh = dmalloc((size_t)Nt * F * 2);
-    void *big = dmalloc((size_t)5248 * 50304 * 2), *wte = dmalloc((size_t)50304 * C * 2),
-         *dw = dmalloc((size_t)50304 * C * 4);
-    int R = 5248, Vp = 50304;
-    run({"GELU_AUX h[N,F] (engine)", 1, false, false, Nt, F, C, C, F, F, x, w1, g, h});
-    run({"DGELU dh[N,F] (engine)", 2, false, true, Nt, F, C, C, C, F, dout, w2, dh, h});
-    run({"fwd x W (qkv, W_O) [8192,768,768]", 0, false, false, Nt, C, C, C, C, C, x, w1, dout, NULL});
-    run({"fwd g W2 [8192,768,3072]", 0, false, false, Nt, C, F, F, C, C, g, w2, dout, NULL});
-    run({"dx dout W^T [8192,768,768]", 0, false, true, Nt, C, C, C, C, C, dout, w1, x, NULL});
-    run({"dx dh W1^T [8192,768,3072]", 0, false, true, Nt, C, F, F, F, C, dh, w1, x, NULL});
-    run({"dW x^T dout [768,768,8192] fp32", 0, true, false, C, C, Nt, C, C, C, x, dout, dw, NULL, CUDA_R_32F});
-    run({"dW1 x^T dh [768,3072,8192] fp32", 0, true, false, C, F, Nt, C, F, F, x, dh, dw, NULL, CUDA_R_32F});
-    run({"dW2 g^T dout [3072,768,8192] fp32", 0, true, false, F, C, Nt, F, C, C, g, dout, dw, NULL, CUDA_R_32F});
-    run({"logits x wte^T [5248,50304,768]", 0, false, true, R, Vp, C, C, C, Vp, x, wte, big, NULL});
-    run({"cls dx dlogits wte [5248,768,50304]", 0, false, false, R, C, Vp, Vp, C, C, big, wte, x, NULL});
-    run({"dwte dlogits^T x [50304,768,5248] fp32", 0, true, false, Vp, C, R, Vp, C, C, big, x, dw, NULL, CUDA_R_32F});
+    model_products("ANDREA-120M (B8, T1024)", 8192, 768, 3072, 5248, 50304);
+    model_products("ANDREA-12M (B8, T512)", 4096, 192, 768, 4096, 50304);
     return 0;
 }
