@@ -74,7 +74,7 @@ static const char* const GROUP_NAMES[N_GROUPS] = {"params", "grads", "adam", "we
 static const char* const GROUP_HELP[N_GROUPS] = {
     "fp32 master weights", "fp32 gradients", "fp32 AdamW m and v", "16-bit weight copy for the products",
     "forward values saved for backward", "activation gradients (shared by layers)",
-    "attention scores, logits chunk, reductions, tokens", "fixed cuBLAS workspace"};
+    "attention scores or dS tiles, logits chunk, reductions, tokens", "fixed cuBLAS workspace"};
 
 static struct {
     Config cfg;

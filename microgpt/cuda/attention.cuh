@@ -628,6 +628,8 @@ __global__ void __launch_bounds__(FA_THREADS)
     fa_store_out<T, D>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
 }
 
+#define FA_DELTA_WARPS 4 /* positions per block of the delta kernel */
+
 /* delta[b, h, i] = sum over head h's columns of (dO ∘ O)[b, i]: one warp per position; lane l
  * takes the row's 16-byte packets l, l + 32, ..., and the D / PACK lanes holding one head's
  * packets add their sums (xor shuffles: a fixed order). */
@@ -675,7 +677,8 @@ static void attn_bwd_flash(T* dq, T* dk, T* dv, const T* dout, const T* out, con
     int N = B * T_;
     fa_check_aligned(dout, q, k, v);
     fa_check_aligned(dq, dk, dv, out);
-    attn_flash_delta_kernel<T, D><<<ceil_div(N, 4), 128, 0, g_stream>>>(delta, dout, out, N, T_, C, H);
+    attn_flash_delta_kernel<T, D><<<ceil_div(N, FA_DELTA_WARPS), 32 * FA_DELTA_WARPS, 0, g_stream>>>(delta, dout, out,
+                                                                                                  N, T_, C, H);
     LAUNCH_CHECK();
     dim3 grid(ceil_div(T_, FA_TILE), B * H);
     attn_flash_dkv_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C,
