@@ -1,7 +1,8 @@
 /* lt_algos.cu: what cuBLASLt offers, and how fast each offer runs, for every product shape of an
- * ANDREA-120M step (bf16, B8 T1024) on this GPU: its heuristic's first 8 algorithms per problem, each
- * timed over 20 launches; then the same for ANDREA-12M. A measurement tool for choosing a fixed algorithm rule (the engine itself
- * never chooses by timing, see microgpt/cuda/common.cuh); not part of the engine or the tests.
+ * ANDREA-120M step (bf16, B8 T1024) on this GPU: its heuristic's first 8 algorithms per problem,
+ * each timed over 20 launches; then the same for ANDREA-12M. A measurement tool for choosing a
+ * fixed algorithm rule (the engine itself never chooses by timing, see microgpt/cuda/common.cuh);
+ * not part of the engine or the tests.
  *
  *   build: nvcc -O2 -std=c++17 -arch=native -o build/lt_algos bench/lt_algos.cu -lcublas -lcublasLt
  *   run:   build/lt_algos          (one line per algorithm: config id, tile id, time, TFLOP/s)

@@ -14,8 +14,9 @@
  *         scores are fp32; logits are bf16, their softmax and loss fp32 (cuda/loss.cuh).
  *   fp16  as bf16 with fp16, plus dynamic loss scaling: the loss gradient is multiplied by the
  *         scale; engine_update unscales, and when the gradient norm is not finite it skips the
- *         step (the next micro-batch overwrites its gradients) and halves the scale; every LOSS_SCALE_GROW_EVERY-th step
- *         (a pure function of the step, so resume stays exact) that is not skipped doubles it.
+ *         step (the next micro-batch overwrites its gradients) and halves the scale; every
+ *         LOSS_SCALE_GROW_EVERY-th step (a pure function of the step, so resume stays exact) that
+ *         is not skipped doubles it.
  *   fp8   refused with a clear message (not yet supported).
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and

@@ -236,7 +236,8 @@ template <typename T> static void init_grad(T* d, const Vec& prefill, float gb) 
 /* ... and its check: "name=" against the increment, or "name+=" against prefill + increment. */
 static bool check_grad(const char* name, const Vec& gpu, const Vec& inc, const Vec& prefill, float gb, double tol) {
     std::string label = std::string(name) + (gb != 0.0f ? "+=" : "=");
-    return gb != 0.0f ? check(label.c_str(), gpu, plus(prefill, inc), tol, &prefill) : check(label.c_str(), gpu, inc, tol);
+    if (gb != 0.0f) return check(label.c_str(), gpu, plus(prefill, inc), tol, &prefill);
+    return check(label.c_str(), gpu, inc, tol);
 }
 
 static bool check_scalar(const char* what, double gpu, double cpu, double tol) {

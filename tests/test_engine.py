@@ -258,7 +258,7 @@ def test_temporary_files_of_a_killed_writer_are_removed(engine, random_shards, t
     dead.wait()  # a pid that certainly ran and is gone (pids are not reused this quickly)
     stale = [tmp_path / f"run.ckpt.tmp{dead.pid}", tmp_path / f"run.ckpt.json.tmp{dead.pid}"]
     live = tmp_path / f"run.ckpt.tmp{os.getpid()}"
-    other = tmp_path / f"run.ckpt.tmpnotapid"
+    other = tmp_path / "run.ckpt.tmpnotapid"
     for p in stale + [live, other]:
         p.write_bytes(b"partial")
     res = run_ok(engine, tiny_args(random_shards.train, train_steps=2, checkpoint=ckpt))
