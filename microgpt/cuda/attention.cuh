@@ -570,7 +570,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
                 for (int h = 0; h < 2; h++)
                     for (int e = 0; e < 2; e++) {
                         int col = 8 * j + 2 * t + e;
-                        float pr = exp2f(fmaf(p[j][2 * h + e], sl2, -lse2c[col]));
+                        float pr = fa_exp2(fmaf(p[j][2 * h + e], sl2, -lse2c[col]));
                         p[j][2 * h + e] = pr;
                         ds[j][2 * h + e] = pr * (ds[j][2 * h + e] - dlc[col]);
                     }
