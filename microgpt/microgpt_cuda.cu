@@ -24,8 +24,8 @@
  * and reused by smaller calls (one sequence of len tokens when sampling).
  *
  * Determinism: no float atomics anywhere; fixed-shape reductions; one cuBLAS and one cuBLASLt
- * handle sharing a fixed workspace on one stream, cuBLASLt's algorithms chosen by its heuristic (not
- * by timing). Two runs of the same config on the same GPU give identical bits.
+ * handle sharing a fixed workspace on one stream, cuBLASLt's algorithms chosen by a fixed rule over
+ * its heuristic's offers (common.cuh; not by timing). Two runs of the same config on the same GPU give identical bits.
  *
  * Speed: a micro-batch (tokens in, forward, loss, backward, mean loss out) and the update (norm,
  * clip, AdamW, norm out) each run as one CUDA graph, captured at setup and replayed: no per-kernel
@@ -89,6 +89,7 @@ static struct {
 
     /* parameters (fp32 unless noted) */
     float *params, *grads, *m, *v;
+    unsigned* decay_bits; /* AdamW's weight-decay mask, adamw_decay_words(P) words */
     void* wlow; /* weights in the activation type; == params when fp32 */
 
     /* saved activations, per layer l at offset l * (size of one layer's slice) */
@@ -161,6 +162,7 @@ static void plan_buffers(size_t* used) {
     E.grads = (float*)carve(G_GRADS, P * 4, used);
     E.m = (float*)carve(G_ADAM, P * 4, used);
     E.v = (float*)carve(G_ADAM, P * 4, used);
+    E.decay_bits = (unsigned*)carve(G_ADAM, adamw_decay_words(P) * 4, used);
     E.wlow = E.prec == PREC_FP32 ? (void*)E.params : carve(G_WEIGHTS_LOWP, P * es, used);
 
     E.res = carve(G_ACTIVATIONS, (L + 1) * nc * es, used);
@@ -421,19 +423,27 @@ static void next_logits_t(const int* tokens, int len, float* logits) {
 /* ---------------------------------------------------------------------------------------------- */
 /* Update */
 
-/* AdamW over runs of consecutive tensors with the same decay flag (a handful of launches). */
+/* AdamW over every parameter in one launch; which decay, the mask says (upload_decay_bits). */
 template <typename T>
 static void adamw_all(const Config* cfg) {
-    int i = 0, n = E.layout.n_tensors;
-    while (i < n) {
-        const ParamTensor* first = &E.layout.tensors[i];
-        size_t off = first->offset, size = 0;
-        int decay = first->decay;
-        while (i < n && E.layout.tensors[i].decay == decay) size += E.layout.tensors[i++].size;
-        k_adamw<T>(E.params + off, E.grads + off, E.m + off, E.v + off,
-                   E.prec == PREC_FP32 ? (T*)NULL : (T*)E.wlow + off, size, cfg->train.beta1, cfg->train.beta2,
-                   cfg->train.eps, decay ? cfg->train.weight_decay : 0.0f, &E.io->uctl, &E.io->norm);
+    k_adamw<T>(E.params, E.grads, E.m, E.v, E.prec == PREC_FP32 ? (T*)NULL : (T*)E.wlow, E.P, cfg->train.beta1,
+               cfg->train.beta2, cfg->train.eps, cfg->train.weight_decay, E.decay_bits, &E.io->uctl, &E.io->norm);
+}
+
+/* The weight-decay mask of the layout's tensors (their decay flags), onto the device once. */
+static void upload_decay_bits(void) {
+    size_t words = adamw_decay_words(E.P);
+    unsigned* bits = (unsigned*)xcalloc(words, sizeof(unsigned), "decay mask");
+    for (int t = 0; t < E.layout.n_tensors; t++) {
+        const ParamTensor* pt = &E.layout.tensors[t];
+        size_t i = pt->offset, end = pt->offset + pt->size;
+        if (!pt->decay) continue;
+        for (; i < end && i % 32; i++) bits[i / 32] |= 1u << (i % 32); /* up to a word boundary */
+        for (; i + 32 <= end; i += 32) bits[i / 32] = ~0u;             /* whole words */
+        for (; i < end; i++) bits[i / 32] |= 1u << (i % 32);
     }
+    CUDA_CHECK(cudaMemcpy(E.decay_bits, bits, words * sizeof(unsigned), cudaMemcpyHostToDevice));
+    free(bits);
 }
 
 static void refresh_lowp_weights(void) {
@@ -553,6 +563,7 @@ static size_t engine_setup(const Config* cfg) {
         }
     }
     plan_buffers(used); /* now with the bases: the pointers */
+    upload_decay_bits();
     CUDA_CHECK(cudaMallocHost((void**)&E.tok_host, 2 * (size_t)E.N * sizeof(int)));
     CUDA_CHECK(cudaMallocHost((void**)&E.io_host, sizeof(StepIO)));
     memset(E.io_host, 0, sizeof(StepIO));

@@ -206,7 +206,8 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
  * so a 16x64 block of scores lives in registers as 8 C fragments, each row held by one quad of
  * lanes (row statistics: two xor shuffles), and two neighbouring C fragments, rounded to T, are
  * exactly the A fragment of the next product (P V, dS K, ...): scores never touch shared memory.
- * Scores run in base 2: s2 = (q·k) * scale * log2(e), so exp2f. */
+ * Scores run in base 2: s2 = (q·k) * scale * log2(e), so 2^x (fa_exp2), the scale folded into a fused
+ * multiply-add with the subtracted max or lse. */
 
 #define FA_TILE 64 /* rows per block and per staged tile */
 #define FA_WARPS 4
@@ -415,6 +416,15 @@ __device__ __forceinline__ void fa_mask_diagonal(float (*s)[4], int base_row, in
             }
 }
 
+/* 2^x by the hardware's approximation (ex2.approx, ~2 ulp), results below 2^-126 flushed to zero: a
+ * probability that small adds nothing to a 16-bit product (exp2f would add a denormal rescale around
+ * each of the kernels' many exponentials). 2^-inf = 0. */
+__device__ __forceinline__ float fa_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 /* Sum / max over the 4 lanes of a quad (the lanes holding one score row). */
 __device__ __forceinline__ float fa_quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
@@ -460,18 +470,15 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
         fa_scores<T, D>(s, qa, ks[cur]);
         if (kt == qt) fa_mask_diagonal<false>(s, warp * 16);
         for (int h = 0; h < 2; h++) {
+            /* the max of the raw scores, scaled once: scaling by sl2 > 0 and rounding keep the order,
+             * so this is the max of the scaled scores */
             float mx = -INFINITY;
+            for (int j = 0; j < FA_TILE / 8; j++) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+            float m_new = fmaxf(m[h], fa_quad_max(mx) * sl2);
+            float alpha = fa_exp2(m[h] - m_new), sum = 0.0f;
             for (int j = 0; j < FA_TILE / 8; j++)
                 for (int e = 0; e < 2; e++) {
-                    float x = s[j][2 * h + e] * sl2;
-                    s[j][2 * h + e] = x;
-                    mx = fmaxf(mx, x);
-                }
-            float m_new = fmaxf(m[h], fa_quad_max(mx));
-            float alpha = exp2f(m[h] - m_new), sum = 0.0f;
-            for (int j = 0; j < FA_TILE / 8; j++)
-                for (int e = 0; e < 2; e++) {
-                    float p = exp2f(s[j][2 * h + e] - m_new);
+                    float p = fa_exp2(fmaf(s[j][2 * h + e], sl2, -m_new));
                     s[j][2 * h + e] = p;
                     sum += p;
                 }
@@ -563,7 +570,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
                 for (int h = 0; h < 2; h++)
                     for (int e = 0; e < 2; e++) {
                         int col = 8 * j + 2 * t + e;
-                        float pr = exp2f(p[j][2 * h + e] * sl2 - lse2c[col]);
+                        float pr = fa_exp2(fmaf(p[j][2 * h + e], sl2, -lse2c[col]));
                         p[j][2 * h + e] = pr;
                         ds[j][2 * h + e] = pr * (ds[j][2 * h + e] - dlc[col]);
                     }

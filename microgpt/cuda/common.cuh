@@ -1,5 +1,5 @@
 /* common.cuh: what every CUDA layer header needs: error checks, the activation types, warp/block
- * reductions and the one row-major GEMM wrapper over cuBLAS.
+ * reductions and the row-major products over cuBLAS and cuBLASLt.
  *
  * Naming used in microgpt/cuda/: `k_<op>_fwd` / `k_<op>_bwd` are the host-side launchers the engine
  * calls (SPEC §3 names; some launch one __global__ kernel, some a cuBLAS product plus a kernel);
@@ -14,7 +14,7 @@
  *
  * Determinism: no kernel uses floating-point atomics; every reduction has a fixed shape that
  * depends only on the problem size (never on the GPU), cuBLAS is given one fixed workspace, and
- * cuBLASLt's algorithm is the heuristic's first choice for the problem (never picked by timing). */
+ * cuBLASLt's algorithm follows a fixed rule over its heuristic's offers (never picked by timing). */
 #ifndef MICROGPT_CUDA_COMMON_CUH
 #define MICROGPT_CUDA_COMMON_CUH
 
@@ -251,39 +251,36 @@ static void cublas_shutdown(void) {
     g_cublas = NULL;
 }
 
-/* Row-major product, batched with strides (batch 1: plain product):
- *     C[M,N] = alpha * op(A)[M,K] * op(B)[K,N] + beta * C
- * A is stored [M,K] (ld lda) or, with ta, [K,M]; B is stored [K,N] or, with tb, [N,K].
- * cuBLAS is column-major, and a row-major matrix is its column-major transpose, so we ask cuBLAS
- * for C^T = op(B)^T op(A)^T: the operands swap places and keep their own transpose flags.
- * ab_type is the type of A and B, c_type that of C (fp32 for parameter gradients and for scores /
- * logits that a softmax reads). */
-static void gemm_rm(bool ta, bool tb, int M, int N, int K, float alpha,
-                    const void* A, int lda, long long stride_a,
-                    const void* B, int ldb, long long stride_b, float beta,
-                    void* C, int ldc, long long stride_c, int batch,
-                    cudaDataType_t ab_type, cudaDataType_t c_type) {
-    CUBLAS_CHECK(cublasGemmStridedBatchedEx(g_cublas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                            N, M, K, &alpha, B, ab_type, ldb, stride_b, A, ab_type, lda, stride_a,
-                                            &beta, C, c_type, ldc, stride_c, batch, CUBLAS_COMPUTE_32F,
-                                            CUBLAS_GEMM_DEFAULT));
-    if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
-}
-
 /* ---------------------------------------------------------------------------------------------- */
-/* Fused products (cuBLASLt): what follows a linear layer's product is done in the product's
- * epilogue, so the result is written once instead of being written, read back and rewritten by a
- * separate kernel. Row-major as gemm_rm, one product (no batch), alpha 1:
+/* Products. Row-major, batched with strides (batch 1: one product):
+ *     D[M,N] = epilogue(alpha * op(A)[M,K] * op(B)[K,N] + beta * C)
+ * A is stored [M,K] (ld lda) or, with ta, [K,M]; B is stored [K,N] or, with tb, [N,K]. Both
+ * libraries are column-major, and a row-major matrix is its column-major transpose, so they are
+ * asked for D^T = op(B)^T op(A)^T: the operands swap places and keep their own transpose flags.
+ *
+ * 16-bit inputs go through cuBLASLt (below), fp32 inputs (precisions fp32 and tf32) through cuBLAS.
+ * cuBLASLt also runs what follows a linear layer's product in the product's epilogue, so the
+ * result is written once instead of being written, read back and rewritten by a separate kernel
+ * (gemm_fused):
  *   GEMM_RESIDUAL  D = A B + R             R: an input of D's shape (the residual join), not D itself
  *   GEMM_GELU_AUX  D = gelu(A B), AUX = A B  (the MLP's first product; AUX: the saved pre-activation)
  *   GEMM_DGELU     D = (A B) * gelu'(AUX)  (the MLP backward through its GELU)
  * AUX has D's shape and leading dimension. cuBLASLt's GELU is the tanh form, the one
  * microgpt/cpu/gelu.h computes (tests/kernel_check.cu compares them). Not every type, shape and
  * alignment has a fused kernel (AUX's rows must be a multiple of 8 elements, for one): gemm_fused
- * then returns false and the caller runs the unfused product and kernel. Which path a product takes
- * depends only on the problem (never on timing), so it is the same on every step and every run. */
+ * then returns false and the caller runs the unfused product and kernel.
+ *
+ * The algorithm is a fixed rule over the heuristic's first LT_CANDIDATES offers, never a choice by
+ * timing, so every step and every run of a problem takes the same kernel: the first offer, except
+ * that a 16-bit output big enough for LT_FILL_WAVES waves of 128×128 tiles on this GPU takes the
+ * first 128×128 offer. Measured on the H200 with bench/lt_algos.cu (docs/BENCHMARKS.md): for the
+ * [8192 × 768] products of ANDREA-120M the heuristic's first offer ran at 290-590 TFLOP/s, its
+ * 128×128 offer at 620; for the GELU forward 550 against 640. */
 
-enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU };
+enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU, GEMM_PLAIN };
+
+#define LT_CANDIDATES 8
+#define LT_FILL_WAVES 2
 
 /* Off: gemm_fused always declines (tests/kernel_check.cu checks the unfused path this way). */
 static bool g_gemm_fuse = true;
@@ -292,15 +289,16 @@ static long g_gemm_fused_runs[3] = {0, 0, 0};
 
 /* Everything cuBLASLt's choice of algorithm depends on; memcmp-able (built from a zeroed struct). */
 struct LtKey {
-    int ta, tb, M, N, K, lda, ldb, ldd, epilogue, ab_type, d_type, compute;
-    unsigned align_a, align_b, align_r, align_d, align_aux;
+    int ta, tb, M, N, K, lda, ldb, ldd, batch, epilogue, ab_type, d_type, compute;
+    long long stride_a, stride_b, stride_d;
+    unsigned align_a, align_b, align_c, align_d, align_aux;
 };
 
 /* A problem's descriptors and algorithm, made once (descriptor creation and the heuristic cost
  * microseconds of host time; the captured step does not pay them, uncaptured calls would). */
 struct LtPlan {
     LtKey key;
-    bool ok; /* a fused algorithm exists */
+    bool ok; /* an algorithm exists */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t a, b, d;
     cublasLtMatmulAlgo_t algo;
@@ -329,10 +327,17 @@ static unsigned lt_alignment(const void* p) {
 }
 
 /* A row-major [rows, cols] matrix (leading dimension ld) as cuBLASLt sees it: column-major
- * [cols, rows]. */
-static cublasLtMatrixLayout_t lt_layout(cudaDataType_t type, int rows, int cols, int ld) {
+ * [cols, rows]; with batch > 1, batch of them `stride` elements apart. */
+static cublasLtMatrixLayout_t lt_layout(cudaDataType_t type, int rows, int cols, int ld, int batch = 1,
+                                        long long stride = 0) {
     cublasLtMatrixLayout_t l;
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, (uint64_t)cols, (uint64_t)rows, ld));
+    if (batch > 1) {
+        int32_t n = batch;
+        int64_t s = stride;
+        CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &n, sizeof n));
+        CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &s, sizeof s));
+    }
     return l;
 }
 
@@ -344,11 +349,36 @@ static void lt_set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenc
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof v));
 }
 
-/* Builds the plan of `key` into p: as in gemm_rm, cuBLASLt computes D^T = op(B)^T op(A)^T, so B is
- * its first operand and A its second. */
-static void lt_plan_make(LtPlan* p, const LtKey* key, void* aux) {
-    static const cublasLtEpilogue_t epilogues[3] = {CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_GELU_AUX,
-                                                    CUBLASLT_EPILOGUE_DGELU};
+static int lt_sm_count(void) {
+    static int n = 0;
+    if (!n) {
+        int dev;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    }
+    return n;
+}
+
+/* The rule at the top of this section, over the heuristic's offers res[0 .. n). */
+static int lt_choose(const LtKey* key, const cublasLtMatmulHeuristicResult_t* res, int n) {
+    bool out16 = key->d_type == CUDA_R_16BF || key->d_type == CUDA_R_16F;
+    long long tiles = (long long)((key->M + 127) / 128) * ((key->N + 127) / 128) * key->batch;
+    if (!out16 || tiles < (long long)LT_FILL_WAVES * lt_sm_count()) return 0;
+    for (int i = 0; i < n; i++) {
+        int tile = 0;
+        size_t got;
+        CUBLAS_CHECK(cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile,
+                                                          sizeof tile, &got));
+        if (tile == CUBLASLT_MATMUL_TILE_128x128) return i;
+    }
+    return 0;
+}
+
+/* Builds the plan of `key` into p: cuBLASLt computes D^T = op(B)^T op(A)^T, so B is its first
+ * operand and A its second. C, when read (beta != 0), has D's layout. */
+static void lt_plan_make(LtPlan* p, const LtKey* key, const void* aux) {
+    static const cublasLtEpilogue_t epilogues[4] = {CUBLASLT_EPILOGUE_DEFAULT, CUBLASLT_EPILOGUE_GELU_AUX,
+                                                    CUBLASLT_EPILOGUE_DGELU, CUBLASLT_EPILOGUE_DEFAULT};
     cudaDataType_t ab = (cudaDataType_t)key->ab_type, dt = (cudaDataType_t)key->d_type;
     cublasOperation_t op_b = key->tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = key->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasLtEpilogue_t epi = epilogues[key->epilogue];
@@ -362,9 +392,9 @@ static void lt_plan_make(LtPlan* p, const LtKey* key, void* aux) {
         lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);
         lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld_aux, sizeof ld_aux);
     }
-    p->a = lt_layout(ab, key->tb ? key->N : key->K, key->tb ? key->K : key->N, key->ldb);
-    p->b = lt_layout(ab, key->ta ? key->K : key->M, key->ta ? key->M : key->K, key->lda);
-    p->d = lt_layout(dt, key->M, key->N, key->ldd);
+    p->a = lt_layout(ab, key->tb ? key->N : key->K, key->tb ? key->K : key->N, key->ldb, key->batch, key->stride_b);
+    p->b = lt_layout(ab, key->ta ? key->K : key->M, key->ta ? key->M : key->K, key->lda, key->batch, key->stride_a);
+    p->d = lt_layout(dt, key->M, key->N, key->ldd, key->batch, key->stride_d);
 
     cublasLtMatmulPreference_t pref;
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -372,19 +402,19 @@ static void lt_plan_make(LtPlan* p, const LtKey* key, void* aux) {
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
     lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key->align_b);
     lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key->align_a);
-    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key->align_r);
+    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key->align_c);
     lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key->align_d);
-    cublasLtMatmulHeuristicResult_t result;
+    cublasLtMatmulHeuristicResult_t res[LT_CANDIDATES];
     int found = 0;
     cublasStatus_t st =
-        cublasLtMatmulAlgoGetHeuristic(g_cublaslt, p->desc, p->a, p->b, p->d, p->d, pref, 1, &result, &found);
+        cublasLtMatmulAlgoGetHeuristic(g_cublaslt, p->desc, p->a, p->b, p->d, p->d, pref, LT_CANDIDATES, res, &found);
     CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
     if (st != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(st);
     p->ok = st == CUBLAS_STATUS_SUCCESS && found > 0;
-    if (p->ok) p->algo = result.algo;
+    if (p->ok) p->algo = res[lt_choose(key, res, found)].algo;
 }
 
-static LtPlan* lt_plan(const LtKey* key, void* aux) {
+static LtPlan* lt_plan(const LtKey* key, const void* aux) {
     for (int i = 0; i < g_lt_n_plans; i++)
         if (!memcmp(&g_lt_plans[i].key, key, sizeof *key)) return &g_lt_plans[i];
     if (g_lt_n_plans == LT_MAX_PLANS) lt_plans_clear(); /* only kernel_check's many shapes get here */
@@ -393,26 +423,57 @@ static LtPlan* lt_plan(const LtKey* key, void* aux) {
     return p;
 }
 
-/* D = epilogue(A B) as described above (R: GEMM_RESIDUAL's addend; aux: the GELU pre-activation,
- * written by GEMM_GELU_AUX, read by GEMM_DGELU). Returns false, having done nothing, when no fused
- * kernel exists for the problem or fusing is off. */
+/* D = epilogue(alpha op(A) op(B) + beta C) through cuBLASLt, as at the top of this section (C, when
+ * beta != 0, has D's layout; it may be D itself). Returns false, having done nothing, when
+ * cuBLASLt has no algorithm for the problem. */
+static bool lt_matmul(GemmEpilogue epilogue, bool ta, bool tb, int M, int N, int K, float alpha, const void* A,
+                      int lda, long long stride_a, const void* B, int ldb, long long stride_b, float beta,
+                      const void* C, void* D, int ldd, long long stride_d, int batch, const void* aux,
+                      cudaDataType_t ab_type, cudaDataType_t d_type) {
+    LtKey key;
+    memset(&key, 0, sizeof key);
+    key.ta = ta, key.tb = tb, key.M = M, key.N = N, key.K = K, key.lda = lda, key.ldb = ldb, key.ldd = ldd;
+    key.batch = batch, key.stride_a = stride_a, key.stride_b = stride_b, key.stride_d = stride_d;
+    key.epilogue = epilogue, key.ab_type = ab_type, key.d_type = d_type, key.compute = g_lt_compute;
+    key.align_a = lt_alignment(A), key.align_b = lt_alignment(B), key.align_d = lt_alignment(D);
+    key.align_c = lt_alignment(C), key.align_aux = aux ? lt_alignment(aux) : 0;
+    LtPlan* p = lt_plan(&key, aux);
+    if (!p->ok) return false;
+    if (aux) lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);
+    CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &alpha, B, p->a, A, p->b, &beta, C, p->d, D, p->d, &p->algo,
+                                g_gemm_workspace, g_gemm_workspace_bytes, g_stream));
+    if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
+    return true;
+}
+
+/* The plain product D = alpha op(A) op(B) + beta D (D is C), batched with strides. ab_type is the
+ * type of A and B, c_type that of D (fp32 for parameter gradients and for scores / logits that a
+ * softmax reads). cuBLASLt for 16-bit inputs where it has an algorithm, else cuBLAS. */
+static void gemm_rm(bool ta, bool tb, int M, int N, int K, float alpha,
+                    const void* A, int lda, long long stride_a,
+                    const void* B, int ldb, long long stride_b, float beta,
+                    void* C, int ldc, long long stride_c, int batch,
+                    cudaDataType_t ab_type, cudaDataType_t c_type) {
+    if (ab_type != CUDA_R_32F && lt_matmul(GEMM_PLAIN, ta, tb, M, N, K, alpha, A, lda, stride_a, B, ldb, stride_b,
+                                           beta, C, C, ldc, stride_c, batch, NULL, ab_type, c_type))
+        return;
+    CUBLAS_CHECK(cublasGemmStridedBatchedEx(g_cublas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                            N, M, K, &alpha, B, ab_type, ldb, stride_b, A, ab_type, lda, stride_a,
+                                            &beta, C, c_type, ldc, stride_c, batch, CUBLAS_COMPUTE_32F,
+                                            CUBLAS_GEMM_DEFAULT));
+    if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+/* D = epilogue(A B) (+ R for GEMM_RESIDUAL; aux: the GELU pre-activation, written by
+ * GEMM_GELU_AUX, read by GEMM_DGELU), one product, alpha 1. Returns false, having done nothing,
+ * when no fused kernel exists for the problem or fusing is off. */
 static bool gemm_fused(GemmEpilogue epilogue, bool ta, bool tb, int M, int N, int K, const void* A, int lda,
                        const void* B, int ldb, const void* R, void* D, int ldd, const void* aux,
                        cudaDataType_t ab_type, cudaDataType_t d_type) {
     if (!g_gemm_fuse) return false;
-    LtKey key;
-    memset(&key, 0, sizeof key);
-    key.ta = ta, key.tb = tb, key.M = M, key.N = N, key.K = K, key.lda = lda, key.ldb = ldb, key.ldd = ldd;
-    key.epilogue = epilogue, key.ab_type = ab_type, key.d_type = d_type, key.compute = g_lt_compute;
-    key.align_a = lt_alignment(A), key.align_b = lt_alignment(B), key.align_d = lt_alignment(D);
-    key.align_r = lt_alignment(R ? R : D), key.align_aux = aux ? lt_alignment(aux) : 0;
-    LtPlan* p = lt_plan(&key, (void*)aux);
-    if (!p->ok) return false;
-    if (aux) lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);
-    float alpha = 1.0f, beta = R ? 1.0f : 0.0f;
-    CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &alpha, B, p->a, A, p->b, &beta, R ? R : D, p->d, D, p->d,
-                                &p->algo, g_gemm_workspace, g_gemm_workspace_bytes, g_stream));
-    if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
+    if (!lt_matmul(epilogue, ta, tb, M, N, K, 1.0f, A, lda, 0, B, ldb, 0, R ? 1.0f : 0.0f, R ? R : D, D, ldd, 0, 1,
+                   aux, ab_type, d_type))
+        return false;
     g_gemm_fused_runs[epilogue]++;
     return true;
 }

@@ -70,13 +70,20 @@ __global__ void grad_scale_kernel(float* g, size_t n, float s) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) g[i] *= s;
 }
 
+/* Words of the weight-decay mask of n parameters: bit i % 32 of word i / 32 set where parameter i
+ * decays (the 2-D tensors), so one launch updates every tensor. */
+static size_t adamw_decay_words(size_t n) { return (n + 31) / 32; }
+
 /* As the CPU's adamw_update, on the gradient g * unscale, clipped to norm ctl->clip when the
- * global norm (*norm, of g * unscale) exceeds it; p_low (nullable) receives the updated weight
- * rounded to T for the next step's products. */
+ * global norm (*norm, of g * unscale) exceeds it, with weight decay wd where decay_bits has the
+ * parameter's bit (else 0); p_low (nullable) receives the updated weight rounded to T for the next
+ * step's products. A packet's VEC bits lie in one word (VEC divides 32, packets start at multiples
+ * of VEC). */
 template <typename T, int VEC>
 __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
                              float* __restrict__ v, T* __restrict__ p_low, size_t n, float beta1, float beta2,
-                             float eps, float wd, const UpdateCtl* ctl, const float* norm) {
+                             float eps, float wd, const unsigned* __restrict__ decay_bits, const UpdateCtl* ctl,
+                             const float* norm) {
     float nrm = *norm;
     if (ctl->skip_nonfinite && !isfinite(nrm)) return;
     int clip = ctl->clip > 0.0f && nrm > ctl->clip;
@@ -88,12 +95,13 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
         load_vec(mv, m + i);
         load_vec(vv, v + i);
         load_vec(pv, p + i);
+        unsigned bits = decay_bits[i / 32] >> (i % 32);
         for (int k = 0; k < VEC; k++) {
-            float gi = gv[k] * u;
+            float gi = gv[k] * u, wdk = (bits >> k) & 1u ? wd : 0.0f;
             if (clip) gi *= clip_s;
             mv[k] = beta1 * mv[k] + (1.0f - beta1) * gi;
             vv[k] = beta2 * vv[k] + (1.0f - beta2) * gi * gi;
-            pv[k] -= lr * ((mv[k] / c1) / (sqrtf(vv[k] / c2) + eps) + wd * pv[k]);
+            pv[k] -= lr * ((mv[k] / c1) / (sqrtf(vv[k] / c2) + eps) + wdk * pv[k]);
         }
         store_vec(m + i, mv);
         store_vec(v + i, vv);
@@ -125,14 +133,16 @@ static void k_grad_scale(float* g, size_t n, float s) {
     LAUNCH_CHECK();
 }
 
-/* ctl, norm: device pointers (UpdateCtl of this step; the norm from k_grad_norm_final) */
+/* ctl, norm, decay_bits: device pointers (UpdateCtl of this step; the norm from k_grad_norm_final;
+ * adamw_decay_words(n) words of the decay mask) */
 template <typename T>
 static void k_adamw(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float beta1, float beta2,
-                    float eps, float wd, const UpdateCtl* ctl, const float* norm) {
+                    float eps, float wd, const unsigned* decay_bits, const UpdateCtl* ctl, const float* norm) {
     /* packets of PACK(T) elements: 16 bytes of p_low, one or two of each fp32 array (n a multiple of
      * PACK(T) makes n fp32 whole 16-byte packets too) */
     bool packed = packable(n, sizeof(T), {p, g, m, v, p_low});
-    LAUNCH_PACKED_ELEMENTWISE(packed, adamw_kernel, T, n, p, g, m, v, p_low, n, beta1, beta2, eps, wd, ctl, norm);
+    LAUNCH_PACKED_ELEMENTWISE(packed, adamw_kernel, T, n, p, g, m, v, p_low, n, beta1, beta2, eps, wd, decay_bits, ctl,
+                              norm);
 }
 
 template <typename T>
