@@ -25,7 +25,8 @@
  *
  * Determinism: no float atomics anywhere; fixed-shape reductions; one cuBLAS and one cuBLASLt
  * handle sharing a fixed workspace on one stream, cuBLASLt's algorithms chosen by a fixed rule over
- * its heuristic's offers (common.cuh; not by timing). Two runs of the same config on the same GPU give identical bits.
+ * its heuristic's offers (common.cuh; not by timing). Two runs of the same config on the same GPU
+ * give identical bits.
  *
  * Speed: a micro-batch (tokens in, forward, loss, backward, mean loss out) and the update (norm,
  * clip, AdamW, norm out) each run as one CUDA graph, captured at setup and replayed: no per-kernel

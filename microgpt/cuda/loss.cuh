@@ -13,10 +13,10 @@
  * One kernel does a row's softmax, loss and (when training) its gradient: a first pass over the
  * row keeps a running max and a sum rescaled to it (online softmax, once per 16-byte packet),
  * giving the log-sum-exp (exponentials by the hardware's __expf, ~2 ulp); a second pass overwrites
- * the logits with their gradient dlogits = (softmax - onehot) * dscale, ready for the two products. A block of LOSS_THREADS per
- * row keeps the rows in flight small enough (2 blocks per multiprocessor) that the second pass
- * reads from L2. dscale is read from device memory (it carries the fp16 loss scale) so a captured
- * graph of the step stays fixed. */
+ * the logits with their gradient dlogits = (softmax - onehot) * dscale, ready for the two products.
+ * A block of LOSS_THREADS per row keeps the rows in flight small enough (2 blocks per
+ * multiprocessor) that the second pass reads from L2. dscale is read from device memory (it carries
+ * the fp16 loss scale) so a captured graph of the step stays fixed. */
 #ifndef MICROGPT_CUDA_LOSS_CUH
 #define MICROGPT_CUDA_LOSS_CUH
 
