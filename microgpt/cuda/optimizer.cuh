@@ -128,6 +128,9 @@ static void k_grad_norm_final(float* out, const float* partial) {
     LAUNCH_CHECK();
 }
 
+/* g *= s. SPEC §3 names this launcher among the clipping kernels; the engine itself folds the
+ * gradient multiplier and the clip factor into the AdamW pass (one read of g instead of two), so
+ * only tests/kernel_check.cu calls it. */
 static void k_grad_scale(float* g, size_t n, float s) {
     grad_scale_kernel<<<elementwise_grid(n, 256), 256, 0, g_stream>>>(g, n, s);
     LAUNCH_CHECK();
