@@ -273,9 +273,10 @@ static void cublas_shutdown(void) {
  * The algorithm is a fixed rule over the heuristic's first LT_CANDIDATES offers, never a choice by
  * timing, so every step and every run of a problem takes the same kernel: the first offer, except
  * that a 16-bit output big enough for LT_FILL_WAVES waves of 128×128 tiles on this GPU takes the
- * first 128×128 offer. Measured on the H200 with bench/lt_algos.cu (docs/BENCHMARKS.md): for the
- * [8192 × 768] products of ANDREA-120M the heuristic's first offer ran at 290-590 TFLOP/s, its
- * 128×128 offer at 620; for the GELU forward 550 against 640. */
+ * first 128×128 offer. Chosen with bench/lt_algos.cu on the H200 (docs/BENCHMARKS.md; zeroed
+ * inputs): for the [8192 × 768] products of ANDREA-120M the heuristic's first offer ran at
+ * 290-590 TFLOP/s, its 128×128 offer at 620; for the GELU forward 550 against 640. In a real step
+ * the products it changes gained ~5 % (0.2 ms of kernel time at ANDREA-120M). */
 
 enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU, GEMM_PLAIN };
 
@@ -349,6 +350,7 @@ static void lt_set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenc
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof v));
 }
 
+/* Multiprocessors of the current device (asked once). */
 static int lt_sm_count(void) {
     static int n = 0;
     if (!n) {
