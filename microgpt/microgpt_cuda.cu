@@ -74,7 +74,8 @@ enum { G_PARAMS, G_GRADS, G_ADAM, G_WEIGHTS_LOWP, G_ACTIVATIONS, G_ACT_GRADS, G_
 static const char* const GROUP_NAMES[N_GROUPS] = {"params", "grads", "adam", "weights_lowp", "activations",
                                                   "activation_grads", "scratch", "cublas_workspace"};
 static const char* const GROUP_HELP[N_GROUPS] = {
-    "fp32 master weights", "fp32 gradients", "fp32 AdamW m and v", "16-bit weight copy for the products",
+    "fp32 master weights", "fp32 gradients", "fp32 AdamW m and v, weight-decay mask",
+    "16-bit weight copy for the products",
     "forward values saved for backward", "activation gradients (shared by layers)",
     "attention scores or dS tiles, logits chunk, reductions, tokens", "fixed cuBLAS workspace"};
 

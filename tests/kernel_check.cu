@@ -725,8 +725,8 @@ static void test_grad_norm(size_t n) {
  * would only have seen the unfused path: every tested shape whose rows are whole multiples of 8
  * elements has a cuBLASLt kernel for each epilogue on sm_80 and later. */
 static void check_fused_taken(const long* before) {
-    static const char* names[3] = {"residual", "gelu_aux", "dgelu"};
-    for (int e = 0; e < 3; e++) {
+    static const char* names[GEMM_N_FUSED] = {"residual", "gelu_aux", "dgelu"};
+    for (int e = 0; e < GEMM_N_FUSED; e++) {
         long n = g_gemm_fused_runs[e] - before[e];
         report(n > 0, "fused", "%s epilogue: %ld fused products", names[e], n);
     }
@@ -735,7 +735,8 @@ static void check_fused_taken(const long* before) {
 template <typename T> static void run_precision(void) {
     const char* prec = TypeInfo<T>::name();
     Tol tol = tol_for<T>();
-    long fused_before[3] = {g_gemm_fused_runs[0], g_gemm_fused_runs[1], g_gemm_fused_runs[2]};
+    long fused_before[GEMM_N_FUSED];
+    memcpy(fused_before, g_gemm_fused_runs, sizeof fused_before);
     for (const Shape& s : SHAPES) {
         std::string sh = shape_str(s);
         set_ctx(prec, "embed", sh.c_str());

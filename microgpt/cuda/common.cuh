@@ -279,6 +279,7 @@ static void cublas_shutdown(void) {
  * the products it changes gained ~5 % (0.2 ms of kernel time at ANDREA-120M). */
 
 enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU, GEMM_PLAIN };
+#define GEMM_N_FUSED GEMM_PLAIN /* the fused epilogues come first */
 
 #define LT_CANDIDATES 8
 #define LT_FILL_WAVES 2
@@ -286,7 +287,7 @@ enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU, GEMM_PLAIN };
 /* Off: gemm_fused always declines (tests/kernel_check.cu checks the unfused path this way). */
 static bool g_gemm_fuse = true;
 /* Fused products run so far, per epilogue (kernel_check checks that the fused path was taken). */
-static long g_gemm_fused_runs[3] = {0, 0, 0};
+static long g_gemm_fused_runs[GEMM_N_FUSED] = {};
 
 /* Everything cuBLASLt's choice of algorithm depends on; memcmp-able (built from a zeroed struct). */
 struct LtKey {

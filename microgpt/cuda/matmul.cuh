@@ -1,6 +1,7 @@
 /* matmul.cuh: the bias-free linear layer out[N,out] = x[N,in] @ w[in,out] (weights [in,out]
- * row-major, SPEC §2) on cuBLAS, the building block of k_attn_qkv, k_attn_out, k_mlp and k_loss.
- * Activations and weights are T; weight gradients are fp32 (cuBLAS writes fp32 C from T inputs).
+ * row-major, SPEC §2) on the products of common.cuh (cuBLASLt for 16-bit inputs, cuBLAS for fp32),
+ * the building block of k_attn_qkv, k_attn_out, k_mlp and k_loss. Activations and weights are T;
+ * weight gradients are fp32 (the products write fp32 D from T inputs).
  *
  * Gradient contract of the whole engine: parameter gradients are written by the first micro-batch
  * after an update (grad_beta 0: overwritten, so they are never zeroed and stale or non-finite
