@@ -505,9 +505,9 @@ class Run:
 
     def on_polish(self, rec):
         """Pretraining ends at step s (the engine switches data and LR itself, so resume stays
-        exact). Its samples and state are archived right here, at the boundary; the engine is asked
-        for a checkpoint (SIGUSR1, training continues), which joins the archive when it is written:
-        the first checkpoint at or after step s. The loss log is never archived: it is one history."""
+        exact). Its samples and state are archived right here, at the boundary; the checkpoint the
+        engine writes next, before the first polish step (reason "polish"), joins the archive: the
+        state at the switch. The loss log is never archived: it is one history."""
         s = rec.get("step", 0)
         self.add_record({"event": "polish", "step": s, "tokens": self.state.get("tokens")})
         self.flush(force=True)
@@ -519,8 +519,7 @@ class Run:
             self.archive_samples_and_state(dest)
         if not os.path.exists(os.path.join(dest, os.path.basename(self.ckpt_path))):
             self.polish_step = s
-            self.signal_engine(signal.SIGUSR1)
-            say(f"polish phase starts at step {s}: asked the engine for a checkpoint to keep")
+            say(f"polish phase starts at step {s}: the engine's checkpoint of this step will be kept")
         self.set_state(force=True, phase="polish", archive=os.path.relpath(dest, self.dir))
 
     def archive_dir(self, s):
@@ -541,7 +540,7 @@ class Run:
     def on_checkpoint(self, rec):
         ckpt = rec.get("path") or self.ckpt_path
         self.set_state(force=True, checkpoint=ckpt, checkpoint_step=rec.get("step"))
-        if self.polish_step is not None:
+        if self.polish_step is not None and rec.get("reason") == "polish":
             self.keep_checkpoint(self.archive_dir(self.polish_step), ckpt)
             self.polish_step = None
 
@@ -592,9 +591,16 @@ class Run:
         cmd = [self.engine_path] + engine_args(self.cfg, self.flags, self.prompt_ids, self.ckpt_path,
                                                resume)
         # A process group of its own: a terminal's Ctrl-C reaches only the proxy, which forwards it
-        # once, so the engine sees exactly the signals the proxy decided to send.
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+        # once, so the engine sees exactly the signals the proxy decided to send. It starts with
+        # them blocked (the mask survives exec) and unblocks them once its handlers are installed:
+        # a SIGTERM sent right after the launch waits for the handler instead of killing it.
+        engine_signals = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, engine_signals)
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         start_new_session=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         kept = {k: self.state[k] for k in ("checkpoint", "checkpoint_step", "archive")
                 if k in self.state}
         self.state = {**self.base_state(), **kept}
