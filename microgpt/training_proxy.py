@@ -591,16 +591,9 @@ class Run:
         cmd = [self.engine_path] + engine_args(self.cfg, self.flags, self.prompt_ids, self.ckpt_path,
                                                resume)
         # A process group of its own: a terminal's Ctrl-C reaches only the proxy, which forwards it
-        # once, so the engine sees exactly the signals the proxy decided to send. It starts with
-        # them blocked (the mask survives exec) and unblocks them once its handlers are installed:
-        # a SIGTERM sent right after the launch waits for the handler instead of killing it.
-        engine_signals = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, engine_signals)
-        try:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         start_new_session=True)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        # once, so the engine sees exactly the signals the proxy decided to send.
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
         kept = {k: self.state[k] for k in ("checkpoint", "checkpoint_step", "archive")
                 if k in self.state}
         self.state = {**self.base_state(), **kept}
