@@ -735,6 +735,31 @@ def test_previous_slot_is_the_checkpoint_before_the_newest(engine, random_shards
     assert fresh.rc == 2 and len(fresh.errors) == 1 and "run.ckpt.prev" in fresh.errors[0], fresh.describe()
 
 
+@pytest.fixture(scope="session")
+def no_hard_links(tmp_path_factory):
+    lib = tmp_path_factory.mktemp("no_hard_links") / "no_hard_links.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(eu.REPO / "tests" / "no_hard_links.c")],
+                   check=True)
+    return lib
+
+
+def test_previous_slot_without_hard_links_is_a_copy(engine, random_shards, tmp_path, no_hard_links):
+    """Where the file system has no hard links, the previous slot is made by a durable copy: the same
+    bytes, the same sidecar, and no temporary file left behind."""
+    linked, copied = tmp_path / "linked" / "run.ckpt", tmp_path / "copied" / "run.ckpt"
+    for ckpt in (linked, copied):
+        ckpt.parent.mkdir()
+    args = tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint.every": 2})
+    run_ok(engine, args + ["--checkpoint", linked])
+    res = run_ok(engine, args + ["--checkpoint", copied], env={"LD_PRELOAD": str(no_hard_links)})
+    assert "no_hard_links: link refused" in res.stderr, "the shim was not loaded: " + res.describe()
+    assert files_beside(copied) == files_beside(linked) == ["run.ckpt", "run.ckpt.json", "run.ckpt.prev",
+                                                            "run.ckpt.prev.json"]
+    for name in files_beside(linked):
+        assert (copied.parent / name).read_bytes() == (linked.parent / name).read_bytes(), name
+    assert eu.read_checkpoint(f"{copied}.prev").step == 2
+
+
 def _crafted_state(path, where, value):
     """Put `value` into the checkpoint's weights ("params") or Adam's v ("v") and reseal it: an intact
     file holding a state that cannot train on."""
