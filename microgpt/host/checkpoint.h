@@ -276,8 +276,8 @@ static void ckpt_check_paths(const char* path, int fresh) {
     if (fresh && file_exists(f.ckpt))
         die_input("checkpoint %s already exists; pass --resume to continue that run, or remove it to start over", path);
     if (fresh && file_exists(f.prev))
-        die_input("previous checkpoint %s of an earlier run exists; pass --resume to continue that run, or remove it to "
-                  "start over", f.prev);
+        die_input("previous checkpoint %s of an earlier run exists; pass --resume to continue that run, or remove "
+                  "it to start over", f.prev);
 }
 
 /* Step in the header of the checkpoint `path`, or -1 when it cannot be read. */
@@ -296,7 +296,7 @@ static void ckpt_refuse_damaged(const CkptFiles* f, const char* what) {
     int prev_step = file_exists(f->prev) ? ckpt_header_step(f->prev) : -1;
     if (prev_step >= 0)
         die_input("checkpoint %s %s; it is left as it is. The previous checkpoint %s (step %d) is kept: to resume from "
-                  "it, run mv %s %s && mv %s %s, then --resume again", f->ckpt, what, f->prev, prev_step, f->prev,
+                  "it, run mv %s %s && mv %s %s, then run again with --resume", f->ckpt, what, f->prev, prev_step, f->prev,
                   f->ckpt, f->prev_side, f->side);
     die_input("checkpoint %s %s; it is left as it is (there is no previous checkpoint %s)", f->ckpt, what, f->prev);
 }
@@ -395,8 +395,8 @@ static int ckpt_check(const char* path, size_t n_params, char* sidecar, size_t c
         warn("checkpoint sidecar %s holds no checksum (written before checkpoints carried one): %s is loaded "
              "unverified", f.side, path);
     } else if ((double)(crc = ckpt_file_crc(path)) != x) {
-        snprintf(what, sizeof what, "fails its integrity check: its bytes have CRC-32C %lu, its sidecar %s records %.0f "
-                 "(damaged on disk or edited)", (unsigned long)crc, f.side, x);
+        snprintf(what, sizeof what, "fails its integrity check: its bytes have CRC-32C %lu, its sidecar %s records "
+                 "%.0f (damaged on disk or edited)", (unsigned long)crc, f.side, x);
         ckpt_refuse_damaged(&f, what);
     }
     if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");

@@ -119,8 +119,10 @@ static double run_eval(Run* r) {
  * disk (and the one before it, PATH.prev) stays the last good state. */
 static void stop_diverged(const Run* r, int done, const char* what) {
     char kept[CFG_PATH_MAX + 64];
-    if (r->saved_step >= 0) snprintf(kept, sizeof kept, "checkpoint %s (step %d) is kept", r->cfg.checkpoint.path, r->saved_step);
-    else snprintf(kept, sizeof kept, "no checkpoint was written");
+    if (r->saved_step >= 0)
+        snprintf(kept, sizeof kept, "checkpoint %s (step %d) is kept", r->cfg.checkpoint.path, r->saved_step);
+    else
+        snprintf(kept, sizeof kept, "no checkpoint was written");
     emit_exit(done, "diverged");
     die_code(EXIT_DIVERGED, "training diverged at step %d: %s; stopped without saving this state, the last good %s "
              "(a lower train.lr, or train.grad_clip, may help)", done, what, kept);
@@ -172,7 +174,9 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     r->start_step = 0;
     r->saved_step = -1;
     if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0]);
-    if (c->resume) r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params, r->sidecar, sizeof r->sidecar);
+    if (c->resume)
+        r->start_step = r->saved_step =
+            ckpt_check(c->checkpoint.path, r->layout.n_params, r->sidecar, sizeof r->sidecar);
 }
 
 static void run_allocate(Run* r) {
@@ -337,9 +341,9 @@ static void run_finish(Run* r, int step, const char* reason) {
     run_free(r);
 }
 
-/* A stopping signal that came before the first step (signals_install runs first, so a launcher's
- * SIGTERM is never lost): nothing was trained, so nothing is saved (a resumed run's checkpoint
- * already holds this state); exit 0 like any stop by signal. */
+/* A stopping signal that came before the first step (during start-up, or pending from a launcher
+ * that spawned the engine with it blocked, see signals.h): nothing was trained, so nothing is saved
+ * (a resumed run's checkpoint already holds this state); exit 0 like any stop by signal. */
 static int stop_before_first_step(Run* r, int engine_started) {
     info("stopped by signal %d before the first step: nothing to save", (int)g_stop_signal);
     emit_exit(r->start_step, "signal");
