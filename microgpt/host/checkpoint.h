@@ -296,8 +296,8 @@ static void ckpt_refuse_damaged(const CkptFiles* f, const char* what) {
     int prev_step = file_exists(f->prev) ? ckpt_header_step(f->prev) : -1;
     if (prev_step >= 0)
         die_input("checkpoint %s %s; it is left as it is. The previous checkpoint %s (step %d) is kept: to resume from "
-                  "it, run mv %s %s && mv %s %s, then run again with --resume", f->ckpt, what, f->prev, prev_step, f->prev,
-                  f->ckpt, f->prev_side, f->side);
+                  "it, run mv %s %s && mv %s %s, then run again with --resume", f->ckpt, what, f->prev, prev_step,
+                  f->prev, f->ckpt, f->prev_side, f->side);
     die_input("checkpoint %s %s; it is left as it is (there is no previous checkpoint %s)", f->ckpt, what, f->prev);
 }
 
