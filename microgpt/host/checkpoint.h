@@ -349,19 +349,18 @@ static uint32_t ckpt_file_crc(const char* path) {
 
 /* Validates a checkpoint before it is resumed and before any large allocation: header and size
  * against the config's n_params, the sidecar's step, and the CRC-32C of every byte against the
- * sidecar's. Leaves the sidecar's text in `sidecar` ("" when there is none) and returns the step.
- * Dies with one error line on any mismatch; the files are left as they are. A checkpoint without a
- * checksum (no sidecar, or one written before sidecars held "crc32c") is loaded with a warning. */
-static int ckpt_check(const char* path, size_t n_params, char* sidecar, size_t cap) {
+ * sidecar's. Returns the step. Dies with one error line on any mismatch; the files are left as
+ * they are. A checkpoint without a checksum (no sidecar, or one written before sidecars held
+ * "crc32c") is loaded with a warning. */
+static int ckpt_check(const char* path, size_t n_params) {
     CkptFiles f;
     struct stat st;
     int32_t header[2];
-    char what[2 * CFG_PATH_MAX];
+    char what[2 * CFG_PATH_MAX], sidecar[CKPT_SIDECAR_MAX];
     double x;
     uint32_t crc;
     int fd, header_ok;
     ckpt_files(path, &f);
-    sidecar[0] = '\0';
     if (!file_exists(path)) die_input("checkpoint %s does not exist (drop --resume to start a fresh run)", path);
     fd = open_regular_or_die(path, "checkpoint", &st);
     header_ok = read(fd, header, sizeof header) == (ssize_t)sizeof header;
@@ -378,7 +377,7 @@ static int ckpt_check(const char* path, size_t n_params, char* sidecar, size_t c
                  (long long)st.st_size, ckpt_expected_bytes(n_params), n_params);
         ckpt_refuse_damaged(&f, what);
     }
-    if (!sidecar_load(f.side, sidecar, cap)) {
+    if (!sidecar_load(f.side, sidecar, sizeof sidecar)) {
         warn("checkpoint sidecar %s is missing: %s is loaded unverified (no checksum) and the loss scale starts "
              "from its default", f.side, path);
         if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
@@ -414,15 +413,21 @@ static void ckpt_load(const char* path, size_t n, float* params, float* m, float
     if (!ok) die_input("reading checkpoint %s failed (changed while reading?)", path);
 }
 
-/* The loss scale to resume with, from the sidecar text ckpt_check kept (0: engine default, also
- * when there is no sidecar). Fingerprint differences (e.g. resuming a bf16 run in fp32) are
- * reported and allowed. */
-static float sidecar_loss_scale(const char* text, const Config* c) {
+/* Reads PATH.json of a checkpoint that ckpt_check accepted. Returns the loss scale to resume with
+ * (0: engine default, also when there is no sidecar: ckpt_check warned). Fingerprint differences
+ * (e.g. resuming a bf16 run in fp32) are reported and allowed. */
+static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
+    char side[CFG_PATH_MAX + 8], text[CKPT_SIDECAR_MAX];
     double x;
     float loss_scale = 0.0f;
     int i;
     struct { const char* key; int value; } fp[10];
-    if (!text[0]) return 0.0f;
+    snprintf(side, sizeof side, "%s.json", path);
+    if (!sidecar_load(side, text, sizeof text)) return 0.0f;
+    if (!json_find_number(text, "step", &x) || (int)x != ckpt_step) {
+        warn("checkpoint sidecar %s does not belong to step %d of %s; ignoring it", side, ckpt_step, path);
+        return 0.0f;
+    }
     if (json_find_number(text, "loss_scale", &x)) loss_scale = (float)x;
     fp[0].key = "n_layer"; fp[0].value = c->model.n_layer;
     fp[1].key = "d_model"; fp[1].value = c->model.d_model;

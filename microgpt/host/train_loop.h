@@ -24,7 +24,6 @@ typedef struct {
     Dataset train, val, polish;
     int start_step;                  /* completed steps at start (checkpoint step on resume) */
     int saved_step;                  /* step of the newest checkpoint on disk, -1: none */
-    char sidecar[CKPT_SIDECAR_MAX];  /* the resumed checkpoint's sidecar, as ckpt_check read it */
     float *params, *m, *v;           /* host copies for checkpoints [n_params] each */
     float loss_scale;
     int *inputs, *targets;           /* one micro-batch [B*T] */
@@ -174,9 +173,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     r->start_step = 0;
     r->saved_step = -1;
     if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0]);
-    if (c->resume)
-        r->start_step = r->saved_step =
-            ckpt_check(c->checkpoint.path, r->layout.n_params, r->sidecar, sizeof r->sidecar);
+    if (c->resume) r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params);
 }
 
 static void run_allocate(Run* r) {
@@ -279,7 +276,7 @@ static void run_start(Run* r) {
     engine_setup(c);
     if (c->resume) {
         ckpt_load(c->checkpoint.path, r->layout.n_params, r->params, r->m, r->v);
-        r->loss_scale = sidecar_loss_scale(r->sidecar, c);
+        r->loss_scale = sidecar_read(c->checkpoint.path, r->start_step, c);
         info("resumed from %s at step %d", c->checkpoint.path, r->start_step);
     } else {
         params_init(r->params, &r->layout, c);
