@@ -369,12 +369,17 @@ def test_huge_shape_is_really_too_big(engine, random_shards):
 # ---------------------------------------------------------------------------------------------------
 # 6: nothing is allocated inside the training loop
 
+def build_shim(tmp_path_factory, name):
+    """tests/NAME.c built as an LD_PRELOAD library; returns its path."""
+    lib = tmp_path_factory.mktemp(name) / f"{name}.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(eu.REPO / "tests" / f"{name}.c"), "-ldl"],
+                   check=True)
+    return lib
+
+
 @pytest.fixture(scope="session")
 def alloc_counter(tmp_path_factory):
-    src = eu.REPO / "tests" / "alloc_counter.c"
-    lib = tmp_path_factory.mktemp("alloc_counter") / "alloc_counter.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(src), "-ldl"], check=True)
-    return lib
+    return build_shim(tmp_path_factory, "alloc_counter")
 
 
 def test_no_allocation_in_training_loop(engine, random_shards, alloc_counter):
@@ -737,10 +742,7 @@ def test_previous_slot_is_the_checkpoint_before_the_newest(engine, random_shards
 
 @pytest.fixture(scope="session")
 def no_hard_links(tmp_path_factory):
-    lib = tmp_path_factory.mktemp("no_hard_links") / "no_hard_links.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(eu.REPO / "tests" / "no_hard_links.c")],
-                   check=True)
-    return lib
+    return build_shim(tmp_path_factory, "no_hard_links")
 
 
 def test_previous_slot_without_hard_links_is_a_copy(engine, random_shards, tmp_path, no_hard_links):
@@ -758,6 +760,47 @@ def test_previous_slot_without_hard_links_is_a_copy(engine, random_shards, tmp_p
     for name in files_beside(linked):
         assert (copied.parent / name).read_bytes() == (linked.parent / name).read_bytes(), name
     assert eu.read_checkpoint(f"{copied}.prev").step == 2
+
+
+@pytest.fixture(scope="session")
+def kill_at_rename(tmp_path_factory):
+    return build_shim(tmp_path_factory, "kill_at_rename")
+
+
+# Renames of a run that checkpoints at steps 2 and 4: the first write renames its sidecar and its
+# checkpoint into place (1, 2); the second first gives the step-2 pair the PATH.prev names (3, 4),
+# then renames its own sidecar and checkpoint (5, 6).
+RENAMES_OF_TWO_WRITES = 6
+
+
+@pytest.mark.parametrize("kill_at", range(1, RENAMES_OF_TWO_WRITES + 1))
+def test_a_crash_at_any_rename_leaves_a_whole_checkpoint(engine, random_shards, tmp_path, kill_at_rename, kill_at):
+    """Killed just before any rename of a checkpoint write, a run leaves either no checkpoint (during
+    its first write) or a slot that resumes exactly: never only a bad file, and never a checkpoint
+    event for a write that did not complete. Where the newest slot is refused (its new sidecar beside
+    its old checkpoint), the error line's advice resumes the previous slot."""
+    settings = {**CONSTANT_LR, "train.steps": 6, "checkpoint.every": 2}
+    ckpt, ref_ckpt = tmp_path / "run" / "run.ckpt", tmp_path / "ref.ckpt"
+    ckpt.parent.mkdir()
+    ref = run_ok(engine, tiny_args(random_shards.train, **settings, checkpoint=ref_ckpt))
+    crashed = eu.run_engine(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt),
+                            env={"LD_PRELOAD": str(kill_at_rename), "KILL_AT_RENAME": str(kill_at)})
+    assert crashed.rc == -signal.SIGKILL, crashed.describe()
+    assert [c["step"] for c in crashed.events("checkpoint")] == ([2] if kill_at > 2 else []), crashed.describe()
+
+    args = tiny_args(random_shards.train, **settings, checkpoint=ckpt, resume=ckpt.exists())
+    again = eu.run_engine(engine.binary, args)
+    if kill_at == RENAMES_OF_TWO_WRITES:
+        assert again.rc == 2 and len(again.errors) == 1 and "run.ckpt.prev (step 2)" in again.errors[0], \
+            again.describe()
+        os.replace(f"{ckpt}.prev", ckpt)
+        os.replace(f"{ckpt}.prev.json", f"{ckpt}.json")
+        again = eu.run_engine(engine.binary, args)
+    assert again.rc == 0 and "unverified" not in again.stderr, again.describe()
+    assert again.events("start")[0]["step"] == (2 if kill_at > 2 else 0)
+    expected = eu.exact_records(ref)
+    assert all(expected[key] == text for key, text in eu.exact_records(again).items())
+    assert ckpt.read_bytes() == ref_ckpt.read_bytes()
 
 
 def _crafted_state(path, where, value):

@@ -238,18 +238,19 @@ static void ckpt_write(const char* path, int step, const float* params, const fl
         unlink(side_tmp);
         die_io("keeping %s as %s failed (%s); %s itself is untouched", path, f.prev, strerror(e), path);
     }
-    /* Checkpoint first, then sidecar. A crash in between leaves a sidecar whose step and checksum
-     * disagree with the checkpoint: the reader refuses that slot, and the previous one is whole. */
-    if (rename(tmp, path) != 0) {
+    /* Sidecar first, then checkpoint. A crash in between leaves the new sidecar beside the old
+     * checkpoint: the reader refuses that slot (step and checksum disagree), and the previous one
+     * is whole; at the first write it leaves a sidecar without a checkpoint, i.e. no checkpoint. */
+    if (rename(side_tmp, f.side) != 0) {
         e = errno;
         unlink(tmp);
         unlink(side_tmp);
-        die_io("renaming %s to %s failed: %s", tmp, path, strerror(e));
-    }
-    if (rename(side_tmp, f.side) != 0) {
-        e = errno;
-        unlink(side_tmp);
         die_io("renaming %s to %s failed: %s", side_tmp, f.side, strerror(e));
+    }
+    if (rename(tmp, path) != 0) {
+        e = errno;
+        unlink(tmp);
+        die_io("renaming %s to %s failed: %s", tmp, path, strerror(e));
     }
     fsync_parent_dir(path);
 }
