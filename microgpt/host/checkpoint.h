@@ -223,13 +223,13 @@ static void ckpt_write(const char* path, int step, const float* params, const fl
     for (crc = 0, i = 0; i < 4; i++) crc = crc32c_update(crc, parts[i], bytes[i]);
 
     if ((e = write_temp(tmp, parts, bytes, 4)) != 0)
-        die_io("writing checkpoint %s failed (%s); the previous checkpoint, if any, is untouched", tmp, strerror(e));
+        die_io("writing checkpoint %s failed (%s); the previous checkpoint, if any, is untouched", path, strerror(e));
     sidecar_text(text, sizeof text, step, n, crc, loss_scale, c);
     parts[0] = text;
     bytes[0] = strlen(text);
     if ((e = write_temp(side_tmp, parts, bytes, 1)) != 0) {
         unlink(tmp);
-        die_io("writing checkpoint sidecar %s failed (%s); the previous checkpoint, if any, is untouched", side_tmp,
+        die_io("writing checkpoint sidecar %s failed (%s); the previous checkpoint, if any, is untouched", f.side,
                strerror(e));
     }
     if (ckpt_keep_previous(&f) != 0) {
