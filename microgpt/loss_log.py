@@ -29,7 +29,7 @@ import os
 import threading
 from array import array
 
-from atomic import write_bytes_atomic  # a sibling module, like this one is to the proxy
+from microgpt.atomic import write_bytes_atomic
 
 LIVE_FLAG_OFFSET = len(b'{"live":')  # the byte that becomes "0" when the record is superseded
 EMPTY = b"[\n]"
