@@ -5,7 +5,6 @@ the CPU engine."""
 import collections
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +13,10 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from microgpt import tokenizer as tok  # noqa: E402
-from microgpt.shards import HEADER_BYTES, ShardError, read_shard, write_shard  # noqa: E402
+from engine_util import python_env
+
+from microgpt import tokenizer as tok
+from microgpt.shards import HEADER_BYTES, ShardError, read_shard, write_shard
 
 N_CONVERSATIONS = 600  # a slice of chitchat keeps every run of the scripts well under a second or two
 EOT_TEXT = "<|endoftext|>"
@@ -31,7 +31,7 @@ def load_script(name):
 
 def run_script(name, *args, env=None):
     return subprocess.run([sys.executable, str(REPO / "scripts" / f"{name}.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+                          capture_output=True, text=True, timeout=300, env=python_env(**(env or {})))
 
 
 def ok(res):
