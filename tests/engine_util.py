@@ -80,8 +80,14 @@ def tiny_args(train_glob, val_glob=None, **overrides):
         settings["--data.val"] = str(val_glob)
     for key, value in overrides.items():
         settings[flag_name(key)] = value
+    return flag_list(settings)
+
+
+def flag_list(settings):
+    """{"--flag" or dotted key: value} -> the command line (see tiny_args for the value rules)."""
     args = []
-    for flag, value in settings.items():
+    for key, value in settings.items():
+        flag = key if key.startswith("--") else flag_name(key)
         if value is None or value is False:
             continue
         if value is True:
@@ -106,7 +112,7 @@ def layout_for(settings=None, binary=CPU_BINARY):
 
 @functools.lru_cache(maxsize=None)
 def _layout(binary, model_items):
-    return param_layout(binary, [arg for k, v in model_items for arg in (f"--{k}", str(v))])
+    return param_layout(binary, flag_list(dict(model_items)))
 
 
 def tensor_shapes(layout):

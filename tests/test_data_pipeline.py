@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-from engine_util import python_env
+from engine_util import python_env, run_engine, tiny_args
 
 from microgpt import tokenizer as tok
 from microgpt.shards import HEADER_BYTES, ShardError, read_shard, write_shard
@@ -326,16 +326,12 @@ def test_prepare_data_falls_back_to_chitchat_and_shakespeare(assets, tmp_path):
     assert res.stderr.count("up to date") == 2
 
 
-def test_engine_trains_on_the_shards(megachat, request):
-    if not (REPO / "microgpt" / "microgpt_cpu.c").exists():
-        pytest.skip("microgpt/microgpt_cpu.c does not exist yet: no engine to feed")
-    import engine_util as eu
-    binary = request.getfixturevalue("cpu_binary")
+def test_engine_trains_on_the_shards(megachat, cpu_binary):
     out, _ = megachat
-    args = eu.tiny_args(out / "megachat_train_*.bin", out / "megachat_val_*.bin",
+    args = tiny_args(out / "megachat_train_*.bin", out / "megachat_val_*.bin",
                         **{"model.vocab_size": tok.VOCAB_SIZE, "model.padded_vocab_size": 50304,
                            "train.steps": 2, "eval.every": 2, "eval.batches": 2})
-    res = eu.run_engine(binary, args)
+    res = run_engine(cpu_binary, args)
     assert res.rc == 0, res.describe()
     losses = [r["loss"] for r in res.steps]
     assert len(losses) == 2 and all(np.isfinite(losses))

@@ -509,7 +509,7 @@ def test_flags_json_agrees_with_help(engine):
     by_name = {f["name"]: f for f in flags}
     assert len(by_name) == len(flags) > 30
     lines = help_lines(engine)
-    assert set(lines) == set(by_name) | {"help", "flags-json", "print-config"}
+    assert set(lines) == set(by_name) | {"help", "flags-json", "print-config", "layout-json"}
     types = {"int", "float", "str", "path", "glob", "prompt", "bool"}
     for f in flags:
         line, name = lines[f["name"]], f["name"]
@@ -557,6 +557,35 @@ def test_print_config_gives_every_flag_with_defaults_applied(engine):
             assert got[f["name"]] == f["default"], f
     bad = eu.run_engine(engine.binary, ["--model.d_ff", "0", "--print-config"], timeout=30)
     assert bad.rc == 2 and "model.d_ff" in bad.stderr and bad.stdout == ""     # values are still range-checked
+
+
+def test_layout_json_publishes_the_flat_vector_of_design(engine, random_shards, tmp_path):
+    """--layout-json: the tensors of the flat vector in docs/DESIGN.md §2's order, with their shapes,
+    contiguous offsets and the weight-decay mask (2-D tensors only); n_params is what the engine
+    trains and checkpoints. Only the model flags are needed; a missing one is one error line."""
+    shape = {"model.n_layer": 2, "model.d_model": 8, "model.n_head": 2, "model.seq_len": 5,
+             "model.vocab_size": 60, "model.d_ff": 12}
+    res = eu.run_engine(engine.binary, [*eu.flag_list(shape), "--layout-json"], timeout=30)
+    assert res.rc == 0 and res.stderr == "", res.describe()
+    layout = json.loads(res.stdout)
+    d, f, Vp, T = 8, 12, 64, 5
+    per_layer = [("W_Q", [d, d]), ("W_K", [d, d]), ("W_V", [d, d]), ("W_O", [d, d]), ("W_1", [d, f]),
+                 ("W_2", [f, d]), ("ln1.gamma", [d]), ("ln1.beta", [d]), ("ln2.gamma", [d]), ("ln2.beta", [d])]
+    want = ([("wte", [Vp, d]), ("wpe", [T, d])] + [(f"h{l}.{n}", s) for l in range(2) for n, s in per_layer]
+            + [("lnf.gamma", [d]), ("lnf.beta", [d])])
+    assert [(t["name"], t["shape"]) for t in layout["tensors"]] == want
+    at = 0
+    for t in layout["tensors"]:
+        assert t["offset"] == at and t["decay"] == (len(t["shape"]) == 2), t
+        at += int(np.prod(t["shape"]))
+    assert layout["n_params"] == at
+
+    ckpt = tmp_path / "x.ckpt"
+    run = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{**shape, "train.steps": 1}, checkpoint=ckpt))
+    assert run.records[0]["n_params"] == layout["n_params"] == read_checkpoint(ckpt).n_params
+    missing = eu.run_engine(engine.binary, ["--model.d_model", "8", "--layout-json"], timeout=30)
+    assert missing.rc == 2 and missing.stdout == "" and len(missing.errors) == 1, missing.describe()
+    assert "--model." in missing.errors[0]
 
 
 def test_output_follows_contract(engine, random_shards, tmp_path):

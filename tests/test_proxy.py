@@ -263,11 +263,11 @@ def fake_engines(tmp_path, cuda=True, cpu=True):
     ("cpu", True, True, "cpu", None),
 ])
 def test_engine_choice(tmp_path, requested, gpu, cuda, want, warning):
-    engines = fake_engines(tmp_path, cuda=cuda)
-    path, said = engines.choose_engine(requested, gpu, engines)
-    assert path == engines[want]
+    binaries = fake_engines(tmp_path, cuda=cuda)
+    path, said = engines.choose_engine(requested, gpu, binaries)
+    assert path == binaries[want]
     if warning:
-        assert warning in said and "--engine cuda forces" in said and engines["cpu"] in said
+        assert warning in said and "--engine cuda forces" in said and binaries["cpu"] in said
     else:
         assert said is None
 
@@ -279,10 +279,10 @@ def test_engine_choice(tmp_path, requested, gpu, cuda, want, warning):
     (None, False, True, False, "{cpu} is not built; run `make`"),
 ])
 def test_engine_choice_errors(tmp_path, requested, gpu, cuda, cpu, message):
-    engines = fake_engines(tmp_path, cuda=cuda, cpu=cpu)
+    binaries = fake_engines(tmp_path, cuda=cuda, cpu=cpu)
     with pytest.raises(engines.EngineChoiceError) as e:
-        engines.choose_engine(requested, gpu, engines)
-    assert message.format(**engines) in str(e.value)
+        engines.choose_engine(requested, gpu, binaries)
+    assert message.format(**binaries) in str(e.value)
 
 
 @pytest.fixture
