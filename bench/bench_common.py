@@ -3,8 +3,7 @@ config loading, the engine's settings for a config, the learning-rate schedule, 
 
 No torch here: bench.py imports this on machines where torch may be missing.
 The settings come from the engine itself (`build/microgpt_cpu --print-config`), so the defaults
-live only in microgpt/host/config.h; the schedule follows docs/DESIGN.md ("Steps, batches,
-randomness") and microgpt/host/schedule.h.
+live only in microgpt/host/config.h; the schedule follows docs/DESIGN.md §13 and microgpt/host/schedule.h.
 """
 import functools
 import glob
