@@ -62,16 +62,14 @@ static size_t attn_delta_elems(bool half_type, int B, int T_, int C, int H) {
 /* qkv: [3, N, C] (q, then k, then v); w_qkv: W_Q, W_K, W_V consecutive, each [C, C]. */
 template <typename T>
 static void k_attn_qkv_fwd(T* qkv, const T* x, const T* w_qkv, int N, int C) {
-    cudaDataType_t t = TypeInfo<T>::dtype;
-    gemm_rm(false, false, N, C, C, 1.0f, x, C, 0, w_qkv, C, (long long)C * C, 0.0f, qkv, C, (long long)N * C, 3, t, t);
+    gemm(N, C, C, mat(x, C), mat(w_qkv, C, (long long)C * C), mat(qkv, C, (long long)N * C), 1.0f, 0.0f, 3);
 }
 
 /* dx = sum_i dqkv_i @ W_i^T (in the fixed order q, k, v); dw_i = / += x^T @ dqkv_i by grad_beta. */
 template <typename T>
 static void k_attn_qkv_bwd(T* dx, float* dw_qkv, const T* dqkv, const T* x, const T* w_qkv, int N, int C,
                            float grad_beta) {
-    gemm_rm(true, false, C, C, N, 1.0f, x, C, 0, dqkv, C, (long long)N * C, grad_beta, dw_qkv, C, (long long)C * C, 3,
-            TypeInfo<T>::dtype, CUDA_R_32F);
+    gemm(C, C, N, mat_t(x, C), mat(dqkv, C, (long long)N * C), mat(dw_qkv, C, (long long)C * C), 1.0f, grad_beta, 3);
     for (int i = 0; i < 3; i++)
         linear_dx(dx, dqkv + (size_t)i * N * C, w_qkv + (size_t)i * C * C, N, C, C, i == 0 ? 0.0f : 1.0f);
 }
@@ -141,15 +139,13 @@ static void attn_scores(float* S, const T* q, const T* k, int T_, int C, int H) 
     int hs = C / H;
     float scale = 1.0f / sqrtf((float)hs);
     /* S[h] = scale * q_h k_h^T  ([T, T] per head) */
-    gemm_rm(false, true, T_, T_, hs, scale, q, C, hs, k, C, hs, 0.0f, S, T_, (long long)T_ * T_, H,
-            TypeInfo<T>::dtype, CUDA_R_32F);
+    gemm(T_, T_, hs, mat(q, C, hs), mat_t(k, C, hs), mat(S, T_, (long long)T_ * T_), scale, 0.0f, H);
 }
 
 template <typename T>
 static void attn_fwd_cublas(T* out, float* lse, const T* q, const T* k, const T* v, int B, int T_, int C, int H,
                             AttnScratch<T> sc) {
     int hs = C / H, n_rows = H * T_;
-    cudaDataType_t t = TypeInfo<T>::dtype;
     for (int b = 0; b < B; b++) {
         size_t off = (size_t)b * T_ * C;
         attn_scores(sc.S, q + off, k + off, T_, C, H);
@@ -157,8 +153,7 @@ static void attn_fwd_cublas(T* out, float* lse, const T* q, const T* k, const T*
             sc.P, lse + (size_t)b * n_rows, sc.S, n_rows, T_);
         LAUNCH_CHECK();
         /* out_h = P_h v_h */
-        gemm_rm(false, false, T_, hs, T_, 1.0f, sc.P, T_, (long long)T_ * T_, v + off, C, hs, 0.0f, out + off, C, hs,
-                H, t, t);
+        gemm(T_, hs, T_, mat(sc.P, T_, (long long)T_ * T_), mat(v + off, C, hs), mat(out + off, C, hs), 1.0f, 0.0f, H);
     }
 }
 
@@ -168,7 +163,6 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
     int hs = C / H, n_rows = H * T_;
     float scale = 1.0f / sqrtf((float)hs);
     long long tt = (long long)T_ * T_;
-    cudaDataType_t t = TypeInfo<T>::dtype;
     unsigned grid = ceil_div(n_rows, ATTN_WARPS);
     for (int b = 0; b < B; b++) {
         size_t off = (size_t)b * T_ * C;
@@ -177,15 +171,15 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
         attn_probs_kernel<T><<<grid, 32 * ATTN_WARPS, 0, g_stream>>>(sc.P, lse_b, sc.S, n_rows, T_);
         LAUNCH_CHECK();
         /* dP_h = dout_h v_h^T (fp32) */
-        gemm_rm(false, true, T_, T_, hs, 1.0f, dout + off, C, hs, v + off, C, hs, 0.0f, sc.dP, T_, tt, H, t, CUDA_R_32F);
+        gemm(T_, T_, hs, mat(dout + off, C, hs), mat_t(v + off, C, hs), mat(sc.dP, T_, tt), 1.0f, 0.0f, H);
         /* dv_h = P_h^T dout_h */
-        gemm_rm(true, false, T_, hs, T_, 1.0f, sc.P, T_, tt, dout + off, C, hs, 0.0f, dv + off, C, hs, H, t, t);
+        gemm(T_, hs, T_, mat_t(sc.P, T_, tt), mat(dout + off, C, hs), mat(dv + off, C, hs), 1.0f, 0.0f, H);
         /* dS into the P buffer (P is no longer needed) */
         attn_softmax_bwd_kernel<T><<<grid, 32 * ATTN_WARPS, 0, g_stream>>>(sc.P, sc.dP, lse_b, sc.S, n_rows, T_);
         LAUNCH_CHECK();
         /* scores were scale * q k^T: dq_h = scale dS_h k_h ; dk_h = scale dS_h^T q_h */
-        gemm_rm(false, false, T_, hs, T_, scale, sc.P, T_, tt, k + off, C, hs, 0.0f, dq + off, C, hs, H, t, t);
-        gemm_rm(true, false, T_, hs, T_, scale, sc.P, T_, tt, q + off, C, hs, 0.0f, dk + off, C, hs, H, t, t);
+        gemm(T_, hs, T_, mat(sc.P, T_, tt), mat(k + off, C, hs), mat(dq + off, C, hs), scale, 0.0f, H);
+        gemm(T_, hs, T_, mat_t(sc.P, T_, tt), mat(q + off, C, hs), mat(dk + off, C, hs), scale, 0.0f, H);
     }
 }
 

@@ -28,8 +28,7 @@
  * sampler's logits of one position). */
 template <typename T, typename L>
 static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C, int Vp) {
-    gemm_rm(false, true, n, Vp, C, 1.0f, x, C, 0, wte, C, 0, 0.0f, logits, Vp, 0, 1, TypeInfo<T>::dtype,
-            TypeInfo<L>::dtype);
+    gemm(n, Vp, C, mat(x, C), mat_t(wte, C), mat(logits, Vp));
 }
 
 /* One block per row: lse over the real columns, loss = lse - logit[target]; with dscale (device
@@ -96,13 +95,12 @@ static void k_loss_fwd(float* losses, float* lse, T* logits, const T* x, const T
 template <typename T>
 static void k_loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logits, const T* x, const T* wte,
                            const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
-    cudaDataType_t t = TypeInfo<T>::dtype;
     classifier_logits(logits, x, wte, n, C, Vp);
     loss_rows(losses, lse, logits, targets, n, V, Vp, dscale);
     /* dx = dlogits @ wte */
-    gemm_rm(false, false, n, C, Vp, 1.0f, logits, Vp, 0, wte, C, 0, 0.0f, dx, C, 0, 1, t, t);
+    gemm(n, C, Vp, mat(logits, Vp), mat(wte, C), mat(dx, C));
     /* dwte = dlogits^T @ x + grad_beta * dwte */
-    gemm_rm(true, false, Vp, C, n, 1.0f, logits, Vp, 0, x, C, 0, grad_beta, dwte, C, 0, 1, t, CUDA_R_32F);
+    gemm(Vp, C, n, mat_t(logits, Vp), mat(x, C), mat(dwte, C), 1.0f, grad_beta);
 }
 
 /* One block of LOSS_MEAN_THREADS: out[0] = the mean of losses [n], summed in double in a fixed

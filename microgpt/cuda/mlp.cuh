@@ -62,8 +62,7 @@ static void gelu_bwd_inplace(T* d, const T* x, size_t n) {
 template <typename T>
 static void k_mlp_fwd(T* out, T* h, T* g, const T* x, const T* w1, const T* w2, const T* residual, int N, int C,
                       int F) {
-    cudaDataType_t t = TypeInfo<T>::dtype;
-    if (!gemm_fused(GEMM_GELU_AUX, false, false, N, F, C, x, C, w1, F, NULL, g, F, h, t, t)) {
+    if (!gemm_fused(GEMM_GELU_AUX, N, F, C, mat(x, C), mat(w1, F), mat(g, F), NULL, h)) {
         linear_fwd(h, x, w1, N, C, F);
         gelu_fwd(g, h, (size_t)N * F);
     }
@@ -74,10 +73,9 @@ static void k_mlp_fwd(T* out, T* h, T* g, const T* x, const T* w1, const T* w2, 
 template <typename T>
 static void k_mlp_bwd(T* dx, float* dw1, float* dw2, const T* dout, const T* x, const T* h, const T* g, const T* w1,
                       const T* w2, T* dh, int N, int C, int F, float grad_beta) {
-    cudaDataType_t t = TypeInfo<T>::dtype;
     linear_dw(dw2, g, dout, N, F, C, grad_beta);
     /* dh = (dout @ w2^T) * gelu'(h) */
-    if (!gemm_fused(GEMM_DGELU, false, true, N, F, C, dout, C, w2, C, NULL, dh, F, h, t, t)) {
+    if (!gemm_fused(GEMM_DGELU, N, F, C, mat(dout, C), mat_t(w2, C), mat(dh, F), NULL, h)) {
         linear_dx(dh, dout, w2, N, F, C, 0.0f);
         gelu_bwd_inplace(dh, h, (size_t)N * F);
     }
