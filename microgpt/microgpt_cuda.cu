@@ -53,6 +53,11 @@
 
 enum { PREC_FP32, PREC_BF16, PREC_FP16 };
 
+/* The instance of function template `fn` for the run's activation type: the one place where the
+ * precision picks a type (fp32 and tf32 both run on float). Every `fn` instance has the same
+ * signature, so the result is one function pointer whatever the type. */
+#define FOR_ACT_TYPE(fn) (E.prec == PREC_BF16 ? fn<bf16> : E.prec == PREC_FP16 ? fn<fp16> : fn<float>)
+
 /* What the graphs read from the host on each replay (uploaded first) and hand back (downloaded
  * last), so that their kernels' arguments never change. */
 typedef struct {
@@ -448,9 +453,10 @@ static void upload_decay_bits(void) {
     free(bits);
 }
 
-static void refresh_lowp_weights(void) {
-    if (E.prec == PREC_BF16) k_convert<bf16>((bf16*)E.wlow, E.params, E.P);
-    if (E.prec == PREC_FP16) k_convert<fp16>((fp16*)E.wlow, E.params, E.P);
+/* The 16-bit copy of the weights the products read, from the fp32 masters (fp32 has no copy). */
+template <typename T>
+static void refresh_lowp_weights_t(void) {
+    if constexpr (sizeof(T) == 2) k_convert<T>((T*)E.wlow, E.params, E.P);
 }
 
 /* The update, as recorded into update_graph: the norm of the unscaled gradients, AdamW (which
@@ -476,7 +482,7 @@ static void warm_up(void) {
     int* zeros = (int*)xcalloc((size_t)E.N, sizeof(int), "warm-up tokens");
     float* logits = (float*)xmalloc((size_t)E.V * sizeof(float), "warm-up logits");
     int graphs = E.use_graphs, round;
-    refresh_lowp_weights();
+    FOR_ACT_TYPE(refresh_lowp_weights_t)();
     for (round = 0; round < 2; round++) { /* two micro-batches: both fb_graph variants */
         E.use_graphs = round == 0 ? 0 : graphs;
         engine_forward_backward(zeros, zeros);
@@ -582,7 +588,7 @@ static void engine_set_state(const float* params, const float* m, const float* v
     CUDA_CHECK(cudaMemcpy(E.v, v, bytes, cudaMemcpyHostToDevice));
     if (E.prec == PREC_FP16) E.loss_scale = loss_scale > 0.0f ? loss_scale : LOSS_SCALE_DEFAULT;
     else E.loss_scale = 1.0f;
-    refresh_lowp_weights();
+    FOR_ACT_TYPE(refresh_lowp_weights_t)();
     E.grads_pending = 0;
     CUDA_CHECK(cudaDeviceSynchronize());
 }
@@ -596,22 +602,16 @@ static void engine_get_state(float* params, float* m, float* v, float* loss_scal
 }
 
 static float engine_forward_backward(const int* inputs, const int* targets) {
-    if (E.prec == PREC_BF16) return forward_backward_t<bf16>(inputs, targets);
-    if (E.prec == PREC_FP16) return forward_backward_t<fp16>(inputs, targets);
-    return forward_backward_t<float>(inputs, targets);
+    return FOR_ACT_TYPE(forward_backward_t)(inputs, targets);
 }
 
 static float engine_forward_loss(const int* inputs, const int* targets) {
-    if (E.prec == PREC_BF16) return forward_loss_t<bf16>(inputs, targets);
-    if (E.prec == PREC_FP16) return forward_loss_t<fp16>(inputs, targets);
-    return forward_loss_t<float>(inputs, targets);
+    return FOR_ACT_TYPE(forward_loss_t)(inputs, targets);
 }
 
 static void engine_next_logits(const int* tokens, int len, float* logits) {
     if (len < 1 || len > E.T) die_io("internal: engine_next_logits with len %d (1..%d)", len, E.T);
-    if (E.prec == PREC_BF16) next_logits_t<bf16>(tokens, len, logits);
-    else if (E.prec == PREC_FP16) next_logits_t<fp16>(tokens, len, logits);
-    else next_logits_t<float>(tokens, len, logits);
+    FOR_ACT_TYPE(next_logits_t)(tokens, len, logits);
 }
 
 static UpdateResult engine_update(float lr, int t, const Config* cfg) {
@@ -620,9 +620,7 @@ static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     int is_fp16 = E.prec == PREC_FP16;
     if (is_fp16) unscale /= E.loss_scale;
     E.io_host->uctl = update_ctl(lr, t, cfg->train.beta1, cfg->train.beta2, unscale, cfg->train.grad_clip, is_fp16);
-    if (E.prec == PREC_BF16) run_graph(&E.update_graph, record_update<bf16>);
-    else if (is_fp16) run_graph(&E.update_graph, record_update<fp16>);
-    else run_graph(&E.update_graph, record_update<float>);
+    run_graph(&E.update_graph, FOR_ACT_TYPE(record_update));
     E.grads_pending = 0; /* also after a skipped fp16 step: its non-finite gradients are overwritten */
     r.grad_norm = E.io_host->norm;
     r.skipped = is_fp16 && !isfinite(r.grad_norm);
