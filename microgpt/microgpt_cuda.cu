@@ -278,19 +278,19 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
 template <typename T>
 static void forward(int B, int Tn) {
     int C = E.C, H = E.H, F = E.F, L = E.L, N = B * Tn, l;
-    k_embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
+    embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
     for (l = 0; l < L; l++) {
         LayerActs<T> a = layer_acts<T>(l);
-        k_layernorm_fwd<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), N, C);
-        k_attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
-        k_attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
-                      attn_scratch<T>());
-        k_attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* x_mid = x + attn(...) W_O */
-        k_layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
-        k_mlp_fwd<T>(stream<T>(l + 1), a.h, a.g, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
+        layernorm_fwd<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), N, C);
+        attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
+        attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
+                    attn_scratch<T>());
+        attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* x_mid = x + attn(...) W_O */
+        layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
+        mlp_fwd<T>(stream<T>(l + 1), a.h, a.g, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
     }
-    k_layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, stream<T>(L), E.params + E.layout.lnf_gamma,
-                       E.params + E.layout.lnf_beta, N, C);
+    layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, stream<T>(L), E.params + E.layout.lnf_gamma,
+                     E.params + E.layout.lnf_beta, N, C);
 }
 
 /* Loss over the N positions, chunk by chunk, and its mean into io->loss; with `train`, also the
@@ -305,13 +305,13 @@ static void loss_chunks(int N, int train) {
         int n = N - r0 < E.chunk ? N - r0 : E.chunk;
         const T* x = (const T*)E.lnf + (size_t)r0 * C;
         if (train) /* the first chunk honours the micro-batch's grad_beta, the later ones add */
-            k_loss_fwd_bwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.dln + (size_t)r0 * C, E.grads + E.layout.wte,
-                              (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale,
-                              r0 == 0 ? E.grad_beta : 1.0f);
+            loss_fwd_bwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.dln + (size_t)r0 * C, E.grads + E.layout.wte,
+                            (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale,
+                            r0 == 0 ? E.grad_beta : 1.0f);
         else
-            k_loss_fwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp);
+            loss_fwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp);
     }
-    k_loss_mean(&E.io->loss, E.losses, N);
+    loss_mean(&E.io->loss, E.losses, N);
 }
 
 template <typename T>
@@ -324,24 +324,24 @@ static void backward(void) {
     T* dqkv = (T*)E.dqkv;
     /* dln holds d(LNf output) from loss_chunks */
     CUDA_CHECK(cudaMemsetAsync(dres, 0, nc * es, g_stream));
-    k_layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, stream<T>(L),
-                       E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial, gb);
+    layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, stream<T>(L),
+                     E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial, gb);
     for (l = L - 1; l >= 0; l--) {
         LayerActs<T> a = layer_acts<T>(l);
         /* MLP branch: its output gradient is the stream's, dres */
-        k_mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.g, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.dh,
-                     N, C, F, gb);
-        k_layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
-                           a.ln2_rstd, N, C, E.ln_partial, gb);
+        mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.g, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.dh,
+                   N, C, F, gb);
+        layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
+                         a.ln2_rstd, N, C, E.ln_partial, gb);
         /* attention branch: dres is now the gradient at x_mid */
-        k_attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
-        k_attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
-                      a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
-        k_attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
-        k_layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
-                           a.ln1_rstd, N, C, E.ln_partial, gb);
+        attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
+        attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
+                    a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
+        attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
+        layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
+                         a.ln1_rstd, N, C, E.ln_partial, gb);
     }
-    k_embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_first, E.V, B, Tn, C, gb);
+    embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_first, E.V, B, Tn, C, gb);
 }
 
 /* Runs `record` (the device work of one call, everything on g_stream) as a CUDA graph: captured
@@ -433,8 +433,8 @@ static void next_logits_t(const int* tokens, int len, float* logits) {
 /* AdamW over every parameter in one launch; which decay, the mask says (upload_decay_bits). */
 template <typename T>
 static void adamw_all(const Config* cfg) {
-    k_adamw<T>(E.params, E.grads, E.m, E.v, E.prec == PREC_FP32 ? (T*)NULL : (T*)E.wlow, E.P, cfg->train.beta1,
-               cfg->train.beta2, cfg->train.eps, cfg->train.weight_decay, E.decay_bits, &E.io->uctl, &E.io->norm);
+    adamw<T>(E.params, E.grads, E.m, E.v, E.prec == PREC_FP32 ? (T*)NULL : (T*)E.wlow, E.P, cfg->train.beta1,
+             cfg->train.beta2, cfg->train.eps, cfg->train.weight_decay, E.decay_bits, &E.io->uctl, &E.io->norm);
 }
 
 /* The weight-decay mask of the layout's tensors (their decay flags), onto the device once. */
@@ -456,7 +456,7 @@ static void upload_decay_bits(void) {
 /* The 16-bit copy of the weights the products read, from the fp32 masters (fp32 has no copy). */
 template <typename T>
 static void refresh_lowp_weights_t(void) {
-    if constexpr (sizeof(T) == 2) k_convert<T>((T*)E.wlow, E.params, E.P);
+    if constexpr (sizeof(T) == 2) convert<T>((T*)E.wlow, E.params, E.P);
 }
 
 /* The update, as recorded into update_graph: the norm of the unscaled gradients, AdamW (which
@@ -465,8 +465,8 @@ static void refresh_lowp_weights_t(void) {
 template <typename T>
 static void record_update(void) {
     upload_inputs(0);
-    k_grad_norm_partial(E.norm_partial, E.grads, E.P, &E.io->uctl.unscale);
-    k_grad_norm_final(&E.io->norm, E.norm_partial);
+    grad_norm_partial(E.norm_partial, E.grads, E.P, &E.io->uctl.unscale);
+    grad_norm_final(&E.io->norm, E.norm_partial);
     adamw_all<T>(&E.cfg);
     download_output(&E.io->norm, &E.io_host->norm);
 }
@@ -523,7 +523,7 @@ static size_t engine_setup(const Config* cfg) {
     E.N = E.B * E.T;
     param_layout_init(&E.layout, cfg);
     E.P = E.layout.n_params;
-    /* k_attn_qkv does the three projections as one batched product over consecutive weights */
+    /* attn_qkv_fwd does the three projections as one batched product over consecutive weights */
     if (layer_offset(&E.layout, 0, T_WK) != layer_offset(&E.layout, 0, T_WQ) + (size_t)E.C * E.C ||
         layer_offset(&E.layout, 0, T_WV) != layer_offset(&E.layout, 0, T_WK) + (size_t)E.C * E.C)
         die_io("internal: W_Q, W_K, W_V are not consecutive in the parameter layout");

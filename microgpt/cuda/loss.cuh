@@ -36,8 +36,8 @@ static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C,
  * dscale on real columns and 0 on padded ones. Rows are whole packets when VEC > 1. */
 template <typename T, int VEC>
 __global__ void __launch_bounds__(LOSS_THREADS)
-loss_rows_kernel(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
-                 const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
+k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
+            const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
     int row = blockIdx.x, target = targets[row];
     T* l = logits + (size_t)row * Vp;
     float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f; /* read before the row is overwritten */
@@ -77,24 +77,24 @@ loss_rows_kernel(float* __restrict__ losses, float* __restrict__ lse, T* __restr
 template <typename T>
 static void loss_rows(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
                       const float* dscale) {
-    LAUNCH_PACKED(packable(Vp, sizeof(T), {logits}), loss_rows_kernel, T, n, LOSS_THREADS, losses, lse, logits,
+    LAUNCH_PACKED(packable(Vp, sizeof(T), {logits}), k_loss_rows, T, n, LOSS_THREADS, losses, lse, logits,
                   targets, V, Vp, dscale);
 }
 
 /* Evaluation: per-row losses [n] and lse [n] of rows x [n, C]; logits [n, Vp] is scratch. */
 template <typename T>
-static void k_loss_fwd(float* losses, float* lse, T* logits, const T* x, const T* wte, const int* targets, int n,
-                       int C, int V, int Vp) {
+static void loss_fwd(float* losses, float* lse, T* logits, const T* x, const T* wte, const int* targets, int n,
+                     int C, int V, int Vp) {
     classifier_logits(logits, x, wte, n, C, Vp);
     loss_rows(losses, lse, logits, targets, n, V, Vp, (const float*)NULL);
 }
 
-/* Training: as k_loss_fwd; dx [n, C] = and dwte [Vp, C] (fp32) = / += (by grad_beta) the gradient
+/* Training: as loss_fwd; dx [n, C] = and dwte [Vp, C] (fp32) = / += (by grad_beta) the gradient
  * of these n rows, each row's loss weighted by *dscale (device float: 1/rows-in-the-whole-batch for
  * a mean, times the loss scale for fp16). logits [n, Vp] is scratch and ends holding dlogits. */
 template <typename T>
-static void k_loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logits, const T* x, const T* wte,
-                           const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
+static void loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logits, const T* x, const T* wte,
+                         const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
     classifier_logits(logits, x, wte, n, C, Vp);
     loss_rows(losses, lse, logits, targets, n, V, Vp, dscale);
     /* dx = dlogits @ wte */
@@ -106,7 +106,7 @@ static void k_loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* log
 /* One block of LOSS_MEAN_THREADS: out[0] = the mean of losses [n], summed in double in a fixed
  * order (the step's loss, formed on the device so only one float comes back). */
 #define LOSS_MEAN_THREADS 1024
-__global__ void loss_mean_kernel(float* out, const float* losses, int n) {
+__global__ void k_loss_mean(float* out, const float* losses, int n) {
     __shared__ double warp_part[LOSS_MEAN_THREADS / 32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     double s = 0.0;
@@ -120,8 +120,8 @@ __global__ void loss_mean_kernel(float* out, const float* losses, int n) {
     }
 }
 
-static void k_loss_mean(float* out, const float* losses, int n) {
-    loss_mean_kernel<<<1, LOSS_MEAN_THREADS, 0, g_stream>>>(out, losses, n);
+static void loss_mean(float* out, const float* losses, int n) {
+    k_loss_mean<<<1, LOSS_MEAN_THREADS, 0, g_stream>>>(out, losses, n);
     LAUNCH_CHECK();
 }
 
