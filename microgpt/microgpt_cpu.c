@@ -1,4 +1,4 @@
-/* microgpt_cpu.c: the CPU reference engine. The model of SPEC §2 (pre-LayerNorm GPT, no biases in
+/* microgpt_cpu.c: the CPU reference engine. The model of docs/DESIGN.md §2 (pre-LayerNorm GPT, no biases in
  * linear layers, tied embeddings, padded vocabulary) assembled from the layer pairs in cpu/ (one header each),
  * implementing host/engine.h; the training loop itself is host/train_loop.h, shared with the GPU.
  *

@@ -1,4 +1,4 @@
-/* microgpt_cuda.cu: the GPU engine. The model of SPEC §2 (pre-LayerNorm GPT, no biases, tied
+/* microgpt_cuda.cu: the GPU engine. The model of docs/DESIGN.md §2 (pre-LayerNorm GPT, no biases, tied
  * embeddings, padded vocabulary) assembled from the kernel pairs in cuda/ (one header per layer),
  * implementing host/engine.h; the training loop itself is host/train_loop.h, shared with the CPU
  * engine.

@@ -1,12 +1,17 @@
-/* attention.cuh: the attention sub-layer's three kernel pairs.
- *   k_attn_qkv  q, k, v [N, C] = x @ W_Q, x @ W_K, x @ W_V   (one batched product: the three weights
- *               are consecutive [C,C] blocks of the flat vector, and q, k, v consecutive [N,C] blocks)
- *   k_attn      causal softmax(q k^T / sqrt(hs)) v per head, hs = C / H; head h owns columns
- *               [h*hs, (h+1)*hs) of q, k, v and out, as the CPU's attention_forward/backward
- *   k_attn_out  out = residual + y @ W_O   (the residual join after the sub-layer, in the product's
- *               epilogue where cuBLASLt has one, matmul.cuh)
+/* attention.cuh: the attention sub-layer's three pairs (docs/DESIGN.md §3.1).
+ *   attn_qkv_fwd/bwd  q, k, v [N, C] = x @ W_Q, x @ W_K, x @ W_V: one batched product (the three
+ *                     weights are consecutive [C,C] blocks of the flat vector, and q, k, v
+ *                     consecutive [N,C] blocks). The k_attn_qkv_fwd/bwd pair is this product.
+ *   attn_fwd/bwd      causal softmax(q k^T / sqrt(hs)) v per head, hs = C / H; head h owns columns
+ *                     [h*hs, (h+1)*hs) of q, k, v and out, as the CPU's attention_forward/backward.
+ *                     Kernels: k_attn_fwd, and k_attn_bwd_delta + k_attn_bwd_dkv + k_attn_bwd_dq
+ *                     (flash path); k_attn_softmax_fwd, k_attn_probs, k_attn_softmax_bwd between
+ *                     products (cuBLAS path).
+ *   attn_out_fwd/bwd  out = residual + y @ W_O (the residual join after the sub-layer, in the
+ *                     product's epilogue where cuBLASLt has one, matmul.cuh). The k_attn_out_fwd/bwd
+ *                     pair is this product.
  *
- * k_attn never keeps a T×T matrix per layer: the forward saves only the softmax statistic
+ * Attention never keeps a T×T matrix per layer: the forward saves only the softmax statistic
  * lse = log-sum-exp of each score row ([B, H, T], fp32) and the backward recomputes probabilities
  * as exp(s - lse). It has two implementations, chosen by attn_flash_ok() from the type and shape:
  *
@@ -29,7 +34,7 @@
 
 #define ATTN_WARPS 8 /* cuBLAS path: score rows per softmax block, one warp per row */
 
-/* Whether k_attn uses the flash kernels: 16-bit types only (tensor-core inputs) and head
+/* Whether attention uses the flash kernels: 16-bit types only (tensor-core inputs) and head
  * sizes that are whole 16-wide fragments and fit the shared-memory budget. A head's row is then
  * whole 16-byte vectors, so tiles load with aligned uint4 reads. */
 static bool attn_flash_ok(bool half_type, int C, int H) {
@@ -690,7 +695,7 @@ static void attn_bwd_flash(T* dq, T* dk, T* dv, const T* dout, const T* out, con
 }
 
 /* ---------------------------------------------------------------------------------------------- */
-/* k_attn: the engine's entry points; pick the path (see the top of the file). */
+/* attn_fwd / attn_bwd: the engine's entry points; pick the path (see the top of the file). */
 
 /* 16-bit types only: the flash kernels are never instantiated for fp32. */
 template <typename T> struct FaType { static constexpr bool ok = false; };

@@ -1,13 +1,15 @@
 /* common.cuh: what every CUDA layer header needs: error checks, the activation types, warp/block
  * reductions and the row-major products over cuBLAS and cuBLASLt.
  *
- * Naming used in microgpt/cuda/: `k_<op>_fwd` / `k_<op>_bwd` are the host-side launchers the engine
- * calls (SPEC §3 names; some launch one __global__ kernel, some a cuBLAS product plus a kernel);
- * `<op>_kernel` are the __global__ kernels themselves. All work runs in order on one stream,
- * g_stream (every launch passes it, and cuBLAS is bound to it), so there is no cross-stream
- * synchronisation to get wrong. The engine creates g_stream so that it can capture a whole step in
- * a CUDA graph (the legacy default stream cannot be captured); left 0, as kernel_check leaves it,
- * it is the legacy default stream.
+ * Naming in microgpt/cuda/ (docs/DESIGN.md §3.1, §11): a `k_` name is always a __global__ kernel
+ * (`k_<op>_fwd`, `k_<op>_bwd`, and `k_<op>_<part>` where an operation takes several kernels); the
+ * host function the engine calls for a layer is `<op>_fwd` / `<op>_bwd`, and launches kernels,
+ * products (gemm, below) or both. Each layer header says which plays each named role.
+ *
+ * All work runs in order on one stream, g_stream (every launch passes it, and cuBLAS is bound to
+ * it), so there is no cross-stream synchronisation to get wrong. The engine creates g_stream so
+ * that it can capture a whole step in a CUDA graph (the legacy default stream cannot be captured);
+ * left 0, as kernel_check leaves it, it is the legacy default stream.
  *
  * Activation type T is float (fp32), __nv_bfloat16 (bf16) or __half (fp16). Whatever T is, every
  * kernel computes in fp32 and rounds once on store; parameter gradients are always fp32.
@@ -276,10 +278,9 @@ static void cublas_shutdown(void) {
  * The algorithm is a fixed rule over the heuristic's first LT_CANDIDATES offers, never a choice by
  * timing, so every step and every run of a problem takes the same kernel: the first offer, except
  * that a 16-bit output big enough for LT_FILL_WAVES waves of 128×128 tiles on this GPU takes the
- * first 128×128 offer. Chosen with bench/lt_algos.cu on the H200 (docs/BENCHMARKS.md; zeroed
- * inputs): for the [8192 × 768] products of ANDREA-120M the heuristic's first offer ran at
- * 290-590 TFLOP/s, its 128×128 offer at 620; for the GELU forward 550 against 640. In a real step
- * the products it changes gained ~5 % (0.2 ms of kernel time at ANDREA-120M). */
+ * first 128×128 offer: for the large 16-bit products the heuristic's first offer is often a tile
+ * shape that runs slower than its 128×128 one. The offers and their speeds were probed with
+ * bench/lt_algos.cu; the figures are in docs/BENCHMARKS.md. */
 
 enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU, GEMM_PLAIN };
 #define GEMM_N_FUSED GEMM_PLAIN /* the fused epilogues come first */

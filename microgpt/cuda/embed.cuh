@@ -11,6 +11,9 @@
  * w + 8, ... and the eight warp sums are added in warp order: a fixed summation order that does not
  * make a frequent token (hundreds of positions in real text) one long chain of dependent loads.
  * dwpe[t] has one term per sequence, summed in b order.
+ *
+ * Kernels: k_embed_fwd; the backward (k_embed_bwd) is k_embed_first_position, then
+ * k_embed_bwd_wte and k_embed_bwd_wpe. The engine calls embed_fwd / embed_bwd.
  */
 #ifndef MICROGPT_CUDA_EMBED_CUH
 #define MICROGPT_CUDA_EMBED_CUH

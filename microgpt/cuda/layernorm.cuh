@@ -3,12 +3,12 @@
  * [N] (fp32) are saved by the forward for the backward.
  *
  * Forward and dx: one warp per row, moving 16-byte packets where the width allows (common.cuh).
- * The backward is two kernels, without atomics. The first owns a chunk of rows and a slab of
- * columns (all C of them up to LN_SLAB_COLS): while its warps compute dx, each also sums
- * dout * xhat and dout per column over its rows in shared memory, and the block adds its warps'
- * sums in warp order into the chunk's partial dgamma/dbeta; so one kernel reads dout and x for
- * both. The second kernel adds the chunk partials in a fixed order. Chunks depend only on N and
- * slabs only on C, so the result does not depend on the GPU. */
+ * The backward is two kernels, without atomics. The first, k_layernorm_bwd, owns a chunk of rows
+ * and a slab of columns (all C of them up to LN_SLAB_COLS): while its warps compute dx, each also
+ * sums dout * xhat and dout per column over its rows in shared memory, and the block adds its
+ * warps' sums in warp order into the chunk's partial dgamma/dbeta; so one kernel reads dout and x
+ * for both. The second, k_layernorm_bwd_final, adds the chunk partials in a fixed order. Chunks
+ * depend only on N and slabs only on C, so the result does not depend on the GPU. */
 #ifndef MICROGPT_CUDA_LAYERNORM_CUH
 #define MICROGPT_CUDA_LAYERNORM_CUH
 

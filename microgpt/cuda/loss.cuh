@@ -1,14 +1,17 @@
 /* loss.cuh: the tied classifier and cross-entropy, as the CPU's classifier_forward/backward:
  * logits = x @ wte^T over all Vp (padded) rows of wte, softmax and loss over the first V (real)
  * columns only; padded columns get zero gradient, so padded wte rows never change by gradient.
+ * Roles (docs/DESIGN.md §3.1): loss_fwd (evaluation) and loss_fwd_bwd (training) run the
+ * classifier products around one kernel, k_loss_rows, which is the k_loss_fwd / k_loss_bwd pair
+ * in one pass (the backward half runs when it is given dscale); k_loss_mean forms the mean.
  *
  * The engine runs these on chunks of rows so that the logits of a whole batch need not exist at
  * once. Logits are stored in T, the activation type (fp32, or bf16/fp16 rounded from the fp32
  * accumulation, as under PyTorch's autocast and in llm.c): the logits pass is the biggest memory
  * stream of a step (N × Vp values written, read and overwritten with their gradient), and fp32
- * logits cost 1.2 ms of ANDREA-12M's 3.8 ms step on the H200. The softmax, its log-sum-exp and the
- * loss are computed in fp32 from them; rounding a logit costs at most half a T ulp of it in that
- * row's loss (documented with the tolerances in tests/kernel_check.cu and tests/test_gpu.py).
+ * logits would double its bytes. The softmax, its log-sum-exp and the loss are computed in fp32
+ * from them; rounding a logit costs at most half a T ulp of it in that row's loss (documented with
+ * the tolerances in tests/kernel_check.cu and tests/test_gpu.py).
  *
  * One kernel does a row's softmax, loss and (when training) its gradient: a first pass over the
  * row keeps a running max and a sum rescaled to it (online softmax, once per 16-byte packet),

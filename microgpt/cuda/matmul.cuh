@@ -1,6 +1,6 @@
 /* matmul.cuh: the bias-free linear layer out[N,out] = x[N,in] @ w[in,out] (weights [in,out]
- * row-major, SPEC §2) on the products of common.cuh (cuBLASLt for 16-bit inputs, cuBLAS for fp32),
- * the building block of k_attn_qkv, k_attn_out, k_mlp and k_loss. Activations and weights are T;
+ * row-major, docs/DESIGN.md §2) on the products of common.cuh (cuBLASLt for 16-bit inputs, cuBLAS
+ * for fp32), the building block of attn_qkv, attn_out, mlp and loss. Activations and weights are T;
  * weight gradients are fp32 (the products write fp32 D from T inputs).
  *
  * Gradient contract of the whole engine: parameter gradients are written by the first micro-batch
@@ -41,7 +41,7 @@ static void linear_dw(float* dw, const T* x, const T* dout, int N, int in, int o
 }
 
 /* The pair's backward: dw = / += by grad_beta (parameter gradients accumulate over micro-batches,
- * SPEC §3); dx = (an activation gradient is written whole, so its buffer needs no zeroing first). */
+ * docs/DESIGN.md §3); dx = (an activation gradient is written whole, so its buffer needs no zeroing first). */
 template <typename T>
 static void linear_bwd(T* dx, float* dw, const T* dout, const T* x, const T* w, int N, int in, int out_dim,
                        float grad_beta) {

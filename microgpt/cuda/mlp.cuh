@@ -1,8 +1,12 @@
 /* mlp.cuh: the MLP sub-layer out = gelu_tanh(x @ W_1) @ W_2 (no biases), and the residual join
  * that follows it in the block (out = x_mid + MLP(LN2(x_mid)), fused into the second product).
  * The forward saves the pre-activation h = x @ W_1 and g = gelu(h), both [N, F]: the backward
- * needs g for dW_2, and keeping it costs N·F values per layer where recomputing it cost a full
- * element-wise pass per layer and step (measured 76 us per layer for ANDREA-120M on the H200). */
+ * needs g for dW_2, and keeping it costs N·F values per layer where recomputing it costs a full
+ * element-wise pass per layer and step (docs/BENCHMARKS.md has the trade measured).
+ *
+ * Roles (docs/DESIGN.md §3.1): mlp_fwd / mlp_bwd are the k_mlp_fwd / k_mlp_bwd pair. Their GELU
+ * runs in the products' epilogues (GEMM_GELU_AUX, GEMM_DGELU, common.cuh) where cuBLASLt has
+ * them, otherwise in the kernels k_gelu_fwd and k_gelu_bwd_inplace after a plain product. */
 #ifndef MICROGPT_CUDA_MLP_CUH
 #define MICROGPT_CUDA_MLP_CUH
 

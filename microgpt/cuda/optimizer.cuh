@@ -128,9 +128,9 @@ static void grad_norm_final(float* out, const float* partial) {
     LAUNCH_CHECK();
 }
 
-/* g *= s. SPEC §3 names this launcher among the clipping kernels; the engine itself folds the
- * gradient multiplier and the clip factor into the AdamW pass (one read of g instead of two), so
- * only tests/kernel_check.cu calls it. */
+/* g *= s. k_grad_scale is one of the clipping kernels docs/DESIGN.md §3.1 names; the engine itself
+ * folds the gradient multiplier and the clip factor into the AdamW pass (one read of g instead of
+ * two), so only tests/kernel_check.cu calls it. */
 static void grad_scale(float* g, size_t n, float s) {
     k_grad_scale<<<elementwise_grid(n, 256), 256, 0, g_stream>>>(g, n, s);
     LAUNCH_CHECK();

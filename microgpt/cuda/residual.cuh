@@ -6,7 +6,7 @@
  * backward keeps one residual-gradient buffer that is the gradient of the stream at every depth
  * (each branch's input gradient is accumulated into it in place), which is residual_add_bwd
  * with da aliased to dout. The pair is kept, and checked against the CPU in tests/kernel_check.cu,
- * as the reference form of what the fused products compute (SPEC §3 names it). */
+ * as the reference form of what the fused products compute (docs/DESIGN.md §3 names it). */
 #ifndef MICROGPT_CUDA_RESIDUAL_CUH
 #define MICROGPT_CUDA_RESIDUAL_CUH
 
