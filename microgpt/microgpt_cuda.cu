@@ -101,12 +101,12 @@ static struct {
 
     /* saved activations, per layer l at offset l * (size of one layer's slice) */
     void *res;   /* [L+1][N][C] residual stream: res[l] = input of layer l, res[L] = final */
-    void *x_mid; /* [L][N][C] stream after the attention branch */
+    void *xmid;  /* [L][N][C] stream after the attention branch */
     void *ln1, *ln2; /* [L][N][C] */
     void *qkv;   /* [L][3][N][C] */
     void *atty;  /* [L][N][C] attention output before W_O */
     void *h;     /* [L][N][F] MLP pre-activation */
-    void *g;     /* [L][N][F] gelu(h) */
+    void *h_gelu; /* [L][N][F] gelu(h) */
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd; /* [L][N] */
     float *att_lse; /* [L][B][H][T] */
     void *lnf;      /* [N][C] */
@@ -173,13 +173,13 @@ static void plan_buffers(size_t* used) {
     E.wlow = E.prec == PREC_FP32 ? (void*)E.params : carve(G_WEIGHTS_LOWP, P * es, used);
 
     E.res = carve(G_ACTIVATIONS, (L + 1) * nc * es, used);
-    E.x_mid = carve(G_ACTIVATIONS, L * nc * es, used);
+    E.xmid = carve(G_ACTIVATIONS, L * nc * es, used);
     E.ln1 = carve(G_ACTIVATIONS, L * nc * es, used);
     E.ln2 = carve(G_ACTIVATIONS, L * nc * es, used);
     E.qkv = carve(G_ACTIVATIONS, L * 3 * nc * es, used);
     E.atty = carve(G_ACTIVATIONS, L * nc * es, used);
     E.h = carve(G_ACTIVATIONS, L * N * F * es, used);
-    E.g = carve(G_ACTIVATIONS, L * N * F * es, used);
+    E.h_gelu = carve(G_ACTIVATIONS, L * N * F * es, used);
     E.ln1_mean = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
     E.ln1_rstd = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
     E.ln2_mean = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
@@ -233,7 +233,7 @@ template <typename T> static T* stream(int l) { return layer_act<T>(E.res, l, (s
 
 /* The saved forward values of layer l. */
 template <typename T> struct LayerActs {
-    T *x, *xmid, *ln1, *ln2, *qkv, *atty, *h, *g;
+    T *x, *xmid, *ln1, *ln2, *qkv, *atty, *h, *h_gelu;
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd, *att_lse;
 };
 
@@ -241,13 +241,13 @@ template <typename T> static LayerActs<T> layer_acts(int l) {
     size_t nc = (size_t)E.N * E.C, nf = (size_t)E.N * E.F, n = (size_t)E.N; /* per-layer strides: allocated sizes */
     LayerActs<T> a;
     a.x = stream<T>(l);
-    a.xmid = layer_act<T>(E.x_mid, l, nc);
+    a.xmid = layer_act<T>(E.xmid, l, nc);
     a.ln1 = layer_act<T>(E.ln1, l, nc);
     a.ln2 = layer_act<T>(E.ln2, l, nc);
     a.qkv = layer_act<T>(E.qkv, l, 3 * nc);
     a.atty = layer_act<T>(E.atty, l, nc);
     a.h = layer_act<T>(E.h, l, nf);
-    a.g = layer_act<T>(E.g, l, nf);
+    a.h_gelu = layer_act<T>(E.h_gelu, l, nf);
     a.ln1_mean = E.ln1_mean + l * n;
     a.ln1_rstd = E.ln1_rstd + l * n;
     a.ln2_mean = E.ln2_mean + l * n;
@@ -285,9 +285,9 @@ static void forward(int B, int Tn) {
         attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
         attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
                     attn_scratch<T>());
-        attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* x_mid = x + attn(...) W_O */
+        attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
         layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
-        mlp_fwd<T>(stream<T>(l + 1), a.h, a.g, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
+        mlp_fwd<T>(stream<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
     }
     layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, stream<T>(L), E.params + E.layout.lnf_gamma,
                      E.params + E.layout.lnf_beta, N, C);
@@ -329,11 +329,11 @@ static void backward(void) {
     for (l = L - 1; l >= 0; l--) {
         LayerActs<T> a = layer_acts<T>(l);
         /* MLP branch: its output gradient is the stream's, dres */
-        mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.g, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.dh,
+        mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.h_gelu, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.dh,
                    N, C, F, gb);
         layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
                          a.ln2_rstd, N, C, E.ln_partial, gb);
-        /* attention branch: dres is now the gradient at x_mid */
+        /* attention branch: dres is now the gradient at xmid */
         attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
         attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
                     a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());

@@ -485,22 +485,22 @@ template <typename T> static void test_mlp(const Shape& s, Tol tol) {
     size_t nc = (size_t)N * C, nf = (size_t)N * F;
     Vec x = rounded<T>(randn(nc, 1.0f));
     Vec w1 = rounded<T>(randn((size_t)C * F, 1.0f / sqrtf((float)C))), w2 = rounded<T>(randn((size_t)F * C, 1.0f / sqrtf((float)F)));
-    Vec res = rounded<T>(randn(nc, 1.0f)), h_c(nf), g_c(nf), mlp(nc), out_c(nc);
+    Vec res = rounded<T>(randn(nc, 1.0f)), h_c(nf), h_gelu_c(nf), mlp(nc), out_c(nc);
     matmul_forward(h_c.data(), x.data(), w1.data(), N, C, F);
-    gelu_forward(g_c.data(), h_c.data(), (int)nf);
-    matmul_forward(mlp.data(), g_c.data(), w2.data(), N, F, C);
+    gelu_forward(h_gelu_c.data(), h_c.data(), (int)nf);
+    matmul_forward(mlp.data(), h_gelu_c.data(), w2.data(), N, F, C);
     residual_forward(out_c.data(), res.data(), mlp.data(), (int)nc); /* the join after the MLP */
     T *d_x = upload<T>(x), *d_w1 = upload<T>(w1), *d_w2 = upload<T>(w2), *d_res = upload<T>(res);
-    T *d_out = poisoned<T>(nc), *d_h = poisoned<T>(nf), *d_g = poisoned<T>(nf), *d_dh = poisoned<T>(nf);
-    mlp_fwd<T>(d_out, d_h, d_g, d_x, d_w1, d_w2, d_res, N, C, F);
+    T *d_out = poisoned<T>(nc), *d_h = poisoned<T>(nf), *d_h_gelu = poisoned<T>(nf), *d_dh = poisoned<T>(nf);
+    mlp_fwd<T>(d_out, d_h, d_h_gelu, d_x, d_w1, d_w2, d_res, N, C, F);
     check("out", download(d_out, nc), out_c, tol.fused);
     check("h", download(d_h, nf), h_c, tol.prod);
-    check("g", download(d_g, nf), g_c, tol.prod);
+    check("h_gelu", download(d_h_gelu, nf), h_gelu_c, tol.prod);
 
     Vec dout = rounded<T>(randn(nc, 1.0f));
-    Vec dg(nf, 0.0f), dh(nf, 0.0f), dx_inc(nc, 0.0f), dw1_inc(w1.size(), 0.0f), dw2_inc(w2.size(), 0.0f);
-    matmul_backward(dg.data(), dw2_inc.data(), dout.data(), g_c.data(), w2.data(), N, F, C);
-    gelu_backward(dh.data(), h_c.data(), dg.data(), (int)nf);
+    Vec dh_gelu(nf, 0.0f), dh(nf, 0.0f), dx_inc(nc, 0.0f), dw1_inc(w1.size(), 0.0f), dw2_inc(w2.size(), 0.0f);
+    matmul_backward(dh_gelu.data(), dw2_inc.data(), dout.data(), h_gelu_c.data(), w2.data(), N, F, C);
+    gelu_backward(dh.data(), h_c.data(), dh_gelu.data(), (int)nf);
     matmul_backward(dx_inc.data(), dw1_inc.data(), dh.data(), x.data(), w1.data(), N, C, F);
     Vec dw10 = prefill_like<float>(dw1_inc), dw20 = prefill_like<float>(dw2_inc);
     T *d_dout = upload<T>(dout), *d_dx = poisoned<T>(nc); /* dx is overwritten */
@@ -509,7 +509,8 @@ template <typename T> static void test_mlp(const Shape& s, Tol tol) {
         poison(d_dx, nc);
         init_grad(d_dw1, dw10, gb);
         init_grad(d_dw2, dw20, gb);
-        mlp_bwd<T>(d_dx, d_dw1, d_dw2, d_dout, d_x, d_h, d_g, d_w1, d_w2, d_dh, N, C, F, gb); /* the forward's h, g */
+        /* h and h_gelu are the forward's */
+        mlp_bwd<T>(d_dx, d_dw1, d_dw2, d_dout, d_x, d_h, d_h_gelu, d_w1, d_w2, d_dh, N, C, F, gb);
         check("dx", download(d_dx, nc), dx_inc, tol.fused);
         check_grad("dw1", download(d_dw1, w1.size()), dw1_inc, dw10, gb, tol.fused);
         check_grad("dw2", download(d_dw2, w2.size()), dw2_inc, dw20, gb, tol.fused);
