@@ -6,8 +6,8 @@
  * Precision (train.precision):
  *   fp32  everything fp32, no TF32: the reference that is compared tightly with the CPU engine.
  *   tf32  fp32 in every buffer and kernel, but cuBLAS multiplies fp32 inputs on tensor cores in
- *         TF32 (10-bit mantissa, fp32 accumulation): PyTorch's default for fp32 matmuls, ~8x the
- *         products' speed; compared with the CPU engine at fp16-like tolerances.
+ *         TF32 (10-bit mantissa, fp32 accumulation): PyTorch's default for fp32 matmuls, and
+ *         several times faster products; compared with the CPU engine at fp16-like tolerances.
  *   bf16  fp32 master weights, gradients and AdamW moments; a bf16 copy of the weights (rewritten
  *         by the AdamW kernel) feeds the matrix products; activations and their gradients bf16;
  *         every product accumulates in fp32; LayerNorm/embedding read the fp32 masters; attention
