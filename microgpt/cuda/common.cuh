@@ -259,7 +259,7 @@ static void cublas_shutdown(void) {
  * Each operand is a Mat: where it is, its type, its leading dimension, the distance between the
  * matrices of a batch, and whether the product uses it transposed (A is stored [M,K], or [K,M]
  * when transposed; B [K,N], or [N,K]). A call site then reads as the formula it computes:
- *     gemm(N, C, C, mat(x, C), mat_t(w, C), mat(dx, C))          dx[N,C] = x[N,C] @ w[C,C]^T
+ *     gemm(N, C, C, mat(x, C), mat_t(w, C), mat(y, C))            y[N,C] = x[N,C] @ w[C,C]^T
  * Both libraries are column-major, and a row-major matrix is its column-major transpose, so they
  * are asked for D^T = op(B)^T op(A)^T: the operands swap places and keep their own transposes.
  *
@@ -496,8 +496,8 @@ static void gemm(int M, int N, int K, Mat A, Mat B, Mat D, float alpha = 1.0f, f
 }
 
 /* D = epilogue(A B) (+ R, of D's layout, for GEMM_RESIDUAL; aux, of D's layout: the GELU
- * pre-activation, written by GEMM_GELU_AUX, read by GEMM_DGELU), one product. Returns false, having
- * done nothing, when no fused kernel exists for the problem or fusing is off. */
+ * pre-activation, written by GEMM_GELU_AUX, read by GEMM_DGELU), one product, alpha 1. Returns
+ * false, having done nothing, when no fused kernel exists for the problem or fusing is off. */
 static bool gemm_fused(GemmEpilogue epilogue, int M, int N, int K, Mat A, Mat B, Mat D, const void* R,
                        const void* aux) {
     if (!g_gemm_fuse) return false;
