@@ -177,7 +177,7 @@ template <typename T> static Vec download(const T* p, size_t n) {
 /* Checks */
 
 /* Relative tolerances: elem (element-wise kernels), prod (one product or row reduction), fused
- * (several products in a row), loss (the mean loss of k_loss). In 16-bit types the loss is taken
+ * (several products in a row), loss (the mean loss of loss_fwd). In 16-bit types the loss is taken
  * from logits rounded to T: each row's loss carries up to half an ulp of its target logit
  * (2^-9 relative in bf16, 2^-11 in fp16) of logits of size ~3 here, so the mean over >= 5 rows is
  * within about 1e-3 (bf16) / 2.5e-4 (fp16) of the exact one. Measured on the H200 over 69 checks
@@ -263,7 +263,7 @@ static void set_ctx(const char* prec, const char* test, const char* shape) {
  * from 1 to 32, padded and unpadded vocabularies. */
 
 struct Shape {
-    int B, T, C, H, F, V, Vp, chunk; /* chunk: logits rows per k_loss call */
+    int B, T, C, H, F, V, Vp, chunk; /* chunk: logits rows per loss_fwd call */
 };
 
 static const Shape SHAPES[] = {
