@@ -91,17 +91,18 @@ static void fsync_parent_dir(const char* path) {
     }
 }
 
+/* `extra`: further members of the sidecar object (",\"bandit\":{...}", mixture.h), or "". */
 static void sidecar_text(char* buf, size_t cap, int step, size_t n_params, uint32_t crc, float loss_scale,
-                         const Config* c) {
+                         const Config* c, const char* extra) {
     char ls[32];
     snprintf(buf, cap,
              "{\"step\":%d,\"n_params\":%zu,\"crc32c\":%lu,\"loss_scale\":%s,\"fingerprint\":{\"n_layer\":%d,"
              "\"d_model\":%d,\"n_head\":%d,\"d_ff\":%d,\"seq_len\":%d,\"vocab_size\":%d,\"padded_vocab_size\":%d,"
-             "\"seed\":%d,\"batch_size\":%d,\"grad_accum\":%d,\"steps\":%d,\"precision\":\"%s\"}}\n",
+             "\"seed\":%d,\"batch_size\":%d,\"grad_accum\":%d,\"steps\":%d,\"precision\":\"%s\"}%s}\n",
              step, n_params, (unsigned long)crc, json_num(ls, sizeof ls, loss_scale), c->model.n_layer,
              c->model.d_model, c->model.n_head, c->model.d_ff, c->model.seq_len, c->model.vocab_size,
              c->model.padded_vocab_size, c->train.seed, c->train.batch_size, c->train.grad_accum, c->train.steps,
-             c->train.precision);
+             c->train.precision, extra);
 }
 
 /* Temporary files of a writer that was killed (PATH.tmpPID, PATH.json.tmpPID and those of the
@@ -204,7 +205,7 @@ static int write_temp(const char* tmp, const void* const* parts, const size_t* b
  * process exits with an error (the caller can't carry on believing it has a checkpoint it doesn't
  * have). */
 static void ckpt_write(const char* path, int step, const float* params, const float* m, const float* v, size_t n,
-                       float loss_scale, const Config* c) {
+                       float loss_scale, const Config* c, const char* sidecar_extra) {
     char tmp[CFG_PATH_MAX + 32], side_tmp[CFG_PATH_MAX + 40], text[CKPT_SIDECAR_MAX];
     int32_t header[2];
     const void* parts[4];
@@ -224,7 +225,7 @@ static void ckpt_write(const char* path, int step, const float* params, const fl
 
     if ((e = write_temp(tmp, parts, bytes, 4)) != 0)
         die_io("writing checkpoint %s failed (%s); the previous checkpoint, if any, is untouched", path, strerror(e));
-    sidecar_text(text, sizeof text, step, n, crc, loss_scale, c);
+    sidecar_text(text, sizeof text, step, n, crc, loss_scale, c, sidecar_extra);
     parts[0] = text;
     bytes[0] = strlen(text);
     if ((e = write_temp(side_tmp, parts, bytes, 1)) != 0) {

@@ -5,11 +5,21 @@
 #define MICROGPT_HOST_CONFIG_H
 
 #include "output.h"
+#include <ctype.h>
 #include <errno.h>
 #include <limits.h>
 
 #define CFG_PATH_MAX 1024
 #define CFG_MAX_PROMPTS 64
+#define CFG_MAX_SOURCES 8
+#define CFG_NAME_MAX 64
+
+/* One data source of a mixture (docs/FIREHOSE-BANDIT.md): --data.sources.N.{name,train,val,weight}. */
+typedef struct {
+    char name[CFG_NAME_MAX];
+    char train[CFG_PATH_MAX], val[CFG_PATH_MAX]; /* globs; val "" = none */
+    float weight;                                /* prior weight >= 0; 0: evaluated, never trained on */
+} SourceConfig;
 
 typedef struct {
     char name[128];
@@ -24,8 +34,15 @@ typedef struct {
         float decay_frac;  /* WSD: fraction of steps spent decaying */
     } train;
     struct {
-        char train[CFG_PATH_MAX], val[CFG_PATH_MAX]; /* globs; val "" = none */
+        char train[CFG_PATH_MAX], val[CFG_PATH_MAX]; /* globs; train "" = data.sources given; val "" = none */
+        int n_sources;                               /* derived: highest --data.sources.N.* index + 1 */
+        SourceConfig sources[CFG_MAX_SOURCES];
     } data;
+    struct {
+        int enabled; /* derived: --bandit.every given */
+        int every, probe_batches;
+        float gamma, eta, reward_decay; /* eta 0: sqrt(ln K / (K * rounds)) */
+    } bandit;
     struct {
         int every, batches;
     } eval;
@@ -74,6 +91,8 @@ typedef struct {
     const char* choices; /* text flags: "a|b|c" allowed values, or NULL for any */
     double min, max;     /* F_INT / F_FLOAT: allowed closed range */
     const char* help;
+    int items;           /* list-item flag "list.N.key" (N = 0 .. items-1), or 0 for a plain flag */
+    size_t stride;       /* list-item flags: bytes from item N's value to item N+1's */
 } Flag;
 
 #define CFG_N_FLAGS_MAX 64
@@ -90,7 +109,14 @@ static int config_flags(Config* c, Flag* f) {
         if (n == CFG_N_FLAGS_MAX) die_io("internal: more than CFG_N_FLAGS_MAX flags in config_flags"); \
         f[n].name = NAME; f[n].type = TYPE; f[n].ptr = (void*)(PTR); f[n].cap = CAP;             \
         f[n].def = DEF; f[n].required = REQ; f[n].choices = CHOICES; f[n].min = MIN;             \
-        f[n].max = MAX; f[n].help = HELP; n++;                                                   \
+        f[n].max = MAX; f[n].help = HELP; f[n].items = 0; f[n].stride = 0; n++;                 \
+    } while (0)
+    /* A field of each item of the data.sources list: --data.sources.N.KEY; REQ_YES means required
+     * in every item given. */
+#define SOURCE_FLAG(KEY, TYPE, MEMBER, CAP, DEF, REQ, MIN, MAX, HELP)                              \
+    do {                                                                                         \
+        FLAG("data.sources.N." KEY, TYPE, &c->data.sources[0].MEMBER, CAP, DEF, REQ, NULL, MIN, MAX, HELP); \
+        f[n - 1].items = CFG_MAX_SOURCES; f[n - 1].stride = sizeof(SourceConfig);                \
     } while (0)
     FLAG("name", F_STR, c->name, sizeof c->name, "run", 0, NULL, 0, 0, "run name (reported only)");
     FLAG("model.n_layer", F_INT, &c->model.n_layer, 0, NULL, 1, NULL, 1, 1024, "transformer layers");
@@ -118,8 +144,24 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("train.schedule", F_STR, c->train.schedule, sizeof c->train.schedule, "cosine", 0, "cosine|wsd|constant", 0, 0,
          "LR schedule after warmup");
     FLAG("train.decay_frac", F_FLOAT, &c->train.decay_frac, 0, "0.2", 0, NULL, 0, 1, "WSD: fraction of steps spent decaying");
-    FLAG("data.train", F_GLOB, c->data.train, sizeof c->data.train, NULL, 1, NULL, 0, 0, "glob of llm.c train shards");
+    FLAG("data.train", F_GLOB, c->data.train, sizeof c->data.train, "", 0, NULL, 0, 0,
+         "glob of llm.c train shards (one source; or give data.sources)");
     FLAG("data.val", F_GLOB, c->data.val, sizeof c->data.val, "", 0, NULL, 0, 0, "glob of llm.c validation shards");
+    SOURCE_FLAG("name", F_STR, name, CFG_NAME_MAX, NULL, REQ_YES, 0, 0,
+                "name of data source N (letters, digits, . _ -; N = 0, 1, ...)");
+    SOURCE_FLAG("train", F_GLOB, train, CFG_PATH_MAX, NULL, REQ_YES, 0, 0, "glob of source N's train shards");
+    SOURCE_FLAG("val", F_GLOB, val, CFG_PATH_MAX, "", REQ_NO, 0, 0, "glob of source N's validation shards (val_loss_by_source)");
+    SOURCE_FLAG("weight", F_FLOAT, weight, 0, "1", REQ_NO, 0, FBIG,
+                "source N's prior weight (static mixture: its share; 0: evaluated only)");
+    FLAG("bandit.every", F_INT, &c->bandit.every, 0, NULL, REQ_IN_SECTION, NULL, 1, BIG,
+         "adaptive mixture: a probe step every N steps (docs/FIREHOSE-BANDIT.md)");
+    FLAG("bandit.gamma", F_FLOAT, &c->bandit.gamma, 0, "0.1", 0, NULL, 0, 1, "bandit exploration: share spread evenly over the sources");
+    FLAG("bandit.eta", F_FLOAT, &c->bandit.eta, 0, "0", 0, NULL, 0, FBIG,
+         "bandit learning rate (0: sqrt(ln K / (K * probe steps)))");
+    FLAG("bandit.probe_batches", F_INT, &c->bandit.probe_batches, 0, "2", 0, NULL, 1, 1 << 20,
+         "validation batches of the probe that scores a source");
+    FLAG("bandit.reward_decay", F_FLOAT, &c->bandit.reward_decay, 0, "0.9", 0, NULL, 0, 0.999999,
+         "decay of the running mean and variance that normalise rewards");
     FLAG("eval.every", F_INT, &c->eval.every, 0, "0", 0, NULL, 0, BIG, "validate every N steps (0: off)");
     FLAG("eval.batches", F_INT, &c->eval.batches, 0, "20", 0, NULL, 1, BIG, "validation batches per evaluation");
     FLAG("sample.every", F_INT, &c->sample.every, 0, "0", 0, NULL, 0, BIG, "sample every N steps (0: off)");
@@ -137,6 +179,7 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("resume", F_BOOL, &c->resume, 0, "0", 0, NULL, 0, 0, "continue from --checkpoint (must exist)");
     FLAG("dump-grads", F_PATH, c->dump_grads, sizeof c->dump_grads, "", 0, NULL, 0, 0,
          "debug: write [f32 loss][f32 grads] of step 0, micro-batch 0, to PATH and exit");
+#undef SOURCE_FLAG
 #undef FLAG
     return n;
 }
@@ -198,8 +241,11 @@ static void flag_json_choices(FILE* out, const char* choices) {
 }
 
 /* --flags-json: the flag table for programs (the proxy validates experiment configs against it),
- * {"flags":[{"name","type","default","required","choices","min","max","help"}, ...]}.
- * required is true, false or "section" (REQ_IN_SECTION); min/max are null for non-numbers. */
+ * {"flags":[{"name","type","default","required","choices","min","max","help"[,"items"]}, ...],
+ *  "one_of":[["data.train","data.sources"]]}.
+ * required is true, false or "section" (REQ_IN_SECTION); min/max are null for non-numbers. A flag
+ * "list.N.key" with "items":n is the field `key` of each item of the config list `list` (at most n
+ * items; required: in every item); "one_of" lists keys of which a config gives exactly one. */
 static void config_flags_json(FILE* out) {
     Config c;
     Flag f[CFG_N_FLAGS_MAX];
@@ -223,15 +269,17 @@ static void config_flags_json(FILE* out) {
         flag_json_value(out, &f[i], numeric ? hi : NULL);
         fputs(",\"help\":", out);
         json_put_string(out, f[i].help);
+        if (f[i].items) fprintf(out, ",\"items\":%d", f[i].items);
         fputc('}', out);
     }
-    fputs("\n]}\n", out);
+    fputs("\n],\"one_of\":[[\"data.train\",\"data.sources\"]]}\n", out);
 }
 
 /* --print-config: every flag's value once the command line is parsed, defaults and derived defaults
  * applied (each value range-checked, but not yet the required flags and cross-flag rules), as one
  * JSON object keyed by flag name ({"model.d_ff":3072,"train.lr":0.000600000028,...};
- * floats as the engine holds them, prompts as lists of token ids). Programs that need the engine's
+ * floats as the engine holds them, prompts as lists of token ids, a list-item flag as the list of
+ * its values, one per source given). Programs that need the engine's
  * settings (bench/) read them here instead of repeating its defaults. */
 static void config_print_json(FILE* out, Config* c) {
     Flag f[CFG_N_FLAGS_MAX];
@@ -239,9 +287,21 @@ static void config_print_json(FILE* out, Config* c) {
     char b[32];
     fputc('{', out);
     for (i = 0; i < n; i++) {
+        int item;
         fputs(i ? ",\n" : "\n", out);
         json_put_string(out, f[i].name);
         fputc(':', out);
+        if (f[i].items) { /* one value per source given */
+            fputc('[', out);
+            for (item = 0; item < c->data.n_sources; item++) {
+                const void* p = (const char*)f[i].ptr + (size_t)item * f[i].stride;
+                if (item) fputc(',', out);
+                if (f[i].type == F_FLOAT) fputs(json_num(b, sizeof b, *(const float*)p), out);
+                else json_put_string(out, (const char*)p);
+            }
+            fputc(']', out);
+            continue;
+        }
         switch (f[i].type) {
         case F_INT: fprintf(out, "%d", *(int*)f[i].ptr); break;
         case F_FLOAT: fputs(json_num(b, sizeof b, *(float*)f[i].ptr), out); break;
@@ -327,30 +387,33 @@ static int choice_ok(const char* choices, const char* v) {
     return 0;
 }
 
-static void flag_set(Config* c, const Flag* f, const char* v) {
+/* Sets flag f (of list item `item`; 0 for a plain flag) from the text v. `name` is the flag as
+ * given, for error messages ("data.sources.1.weight", not "data.sources.N.weight"). */
+static void flag_set(Config* c, const Flag* f, const char* name, int item, const char* v) {
+    void* ptr = (char*)f->ptr + (size_t)item * f->stride;
     switch (f->type) {
     case F_INT: {
-        long long x = parse_int_or_die(f->name, v);
+        long long x = parse_int_or_die(name, v);
         if ((double)x < f->min || (double)x > f->max)
-            die_input("--%s: %lld is outside [%.0f, %.0f]", f->name, x, f->min, f->max);
-        *(int*)f->ptr = (int)x;
+            die_input("--%s: %lld is outside [%.0f, %.0f]", name, x, f->min, f->max);
+        *(int*)ptr = (int)x;
         break;
     }
     case F_FLOAT: {
-        double x = parse_float_or_die(f->name, v);
-        if (x < f->min || x > f->max) die_input("--%s: %g is outside [%g, %g]", f->name, x, f->min, f->max);
-        *(float*)f->ptr = (float)x;
+        double x = parse_float_or_die(name, v);
+        if (x < f->min || x > f->max) die_input("--%s: %g is outside [%g, %g]", name, x, f->min, f->max);
+        *(float*)ptr = (float)x;
         break;
     }
     case F_STR:
     case F_PATH:
     case F_GLOB:
-        if (f->choices && !choice_ok(f->choices, v)) die_input("--%s: '%s' is not one of %s", f->name, v, f->choices);
-        if (strlen(v) >= f->cap) die_input("--%s: value is longer than %zu characters", f->name, f->cap - 1);
-        strcpy((char*)f->ptr, v);
+        if (f->choices && !choice_ok(f->choices, v)) die_input("--%s: '%s' is not one of %s", name, v, f->choices);
+        if (strlen(v) >= f->cap) die_input("--%s: value is longer than %zu characters", name, f->cap - 1);
+        strcpy((char*)ptr, v);
         break;
     case F_BOOL:
-        *(int*)f->ptr = (strcmp(v, "1") == 0);
+        *(int*)ptr = (strcmp(v, "1") == 0);
         break;
     case F_PROMPT:
         parse_prompt(c, v);
@@ -358,16 +421,38 @@ static void flag_set(Config* c, const Flag* f, const char* v) {
     }
 }
 
-static int find_flag(const Flag* f, int n, const char* name, size_t len) {
+/* Whether name[0 .. len) is the list-item flag f with a decimal index ("data.sources.12.train" for
+ * "data.sources.N.train"); the index goes to *item. */
+static int item_flag_matches(const Flag* f, const char* name, size_t len, int* item) {
+    const char* n_at = strstr(f->name, ".N.");
+    size_t prefix = (size_t)(n_at - f->name) + 1, digits = 0, rest;
+    const char* suffix = n_at + 2; /* ".key" */
+    if (len <= prefix || strncmp(name, f->name, prefix) != 0) return 0;
+    while (prefix + digits < len && name[prefix + digits] >= '0' && name[prefix + digits] <= '9') digits++;
+    rest = len - prefix - digits;
+    if (digits == 0 || digits > 6 || (digits > 1 && name[prefix] == '0')) return 0;
+    if (rest != strlen(suffix) || strncmp(name + prefix + digits, suffix, rest) != 0) return 0;
+    *item = atoi(name + prefix);
+    return 1;
+}
+
+/* The table index of the flag called name[0 .. len), or -1; *item: its list index (0 for a plain
+ * flag). */
+static int find_flag(const Flag* f, int n, const char* name, size_t len, int* item) {
     int i;
-    for (i = 0; i < n; i++)
-        if (strlen(f[i].name) == len && strncmp(f[i].name, name, len) == 0) return i;
+    *item = 0;
+    for (i = 0; i < n; i++) {
+        if (f[i].items ? item_flag_matches(&f[i], name, len, item)
+                       : strlen(f[i].name) == len && strncmp(f[i].name, name, len) == 0)
+            return i;
+    }
     return -1;
 }
 
 /* Whether the flag called `name` was given on the command line. */
 static int flag_seen(const Flag* f, int n, const int* seen, const char* name) {
-    return seen[find_flag(f, n, name, strlen(name))];
+    int item;
+    return seen[find_flag(f, n, name, strlen(name), &item)];
 }
 
 /* Index of a given flag in the same dotted section as `name` ("polish.lr" -> "polish."), or -1. */
@@ -392,13 +477,16 @@ static void config_parse(Config* c, int argc, char** argv) {
     memset(c, 0, sizeof *c);
     n = config_flags(c, f);
     memset(seen, 0, sizeof seen);
-    for (i = 0; i < n; i++)
-        if (f[i].def) flag_set(c, &f[i], f[i].def);
+    for (i = 0; i < n; i++) {
+        int item;
+        for (item = 0; f[i].def && item < (f[i].items ? f[i].items : 1); item++) flag_set(c, &f[i], f[i].name, item, f[i].def);
+    }
     for (i = 1; i < argc; i++) {
         const char* a = argv[i];
         const char* eq;
         const char* val;
-        int k;
+        char name[96];
+        int k, item;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             config_help(stdout, argv[0]);
             exit(0);
@@ -418,8 +506,12 @@ static void config_parse(Config* c, int argc, char** argv) {
         if (strncmp(a, "--", 2) != 0) die_input("unexpected argument '%s' (flags start with --; see --help)", a);
         a += 2;
         eq = strchr(a, '=');
-        k = find_flag(f, n, a, eq ? (size_t)(eq - a) : strlen(a));
+        k = find_flag(f, n, a, eq ? (size_t)(eq - a) : strlen(a), &item);
         if (k < 0) die_input("unknown flag '%s' (see --help)", argv[i]);
+        if (f[k].items && item >= f[k].items)
+            die_input("--%.*s: at most %d data sources (indices 0 to %d)", (int)(eq ? eq - a : (long)strlen(a)), a,
+                      f[k].items, f[k].items - 1);
+        snprintf(name, sizeof name, "%.*s", (int)(eq ? eq - a : (long)strlen(a)), a);
         if (f[k].type == F_BOOL) {
             if (eq) die_input("--%s takes no value", f[k].name);
             val = "1";
@@ -429,14 +521,16 @@ static void config_parse(Config* c, int argc, char** argv) {
             if (i + 1 >= argc) die_input("--%s needs a value", f[k].name);
             val = argv[++i];
         }
-        flag_set(c, &f[k], val);
+        flag_set(c, &f[k], name, item, val);
         seen[k] = 1;
+        if (f[k].items && item >= c->data.n_sources) c->data.n_sources = item + 1;
     }
     /* derived defaults */
     if (!flag_seen(f, n, seen, "model.d_ff")) c->model.d_ff = 4 * c->model.d_model;
     if (!flag_seen(f, n, seen, "model.padded_vocab_size"))
         c->model.padded_vocab_size = (c->model.vocab_size + 63) / 64 * 64;
     c->polish.enabled = flag_seen(f, n, seen, "polish.start_step");
+    c->bandit.enabled = flag_seen(f, n, seen, "bandit.every");
     if (print_config) { /* before the required-flag and cross-flag checks: a partial config resolves too */
         config_print_json(stdout, c);
         exit(0);
@@ -450,13 +544,50 @@ static void config_parse(Config* c, int argc, char** argv) {
     config_validate(c, seen, f, n);
 }
 
+/* Whether every source of data.sources has a val glob (then the overall val_loss is their mean by
+ * prior weight, docs/FIREHOSE-BANDIT.md). */
+static int config_all_sources_have_val(const Config* c) {
+    int i;
+    for (i = 0; i < c->data.n_sources; i++)
+        if (!c->data.sources[i].val[0]) return 0;
+    return c->data.n_sources > 0;
+}
+
+/* data.train or data.sources, each source whole and named once, weights not all 0; the bandit's
+ * needs. */
+static void config_validate_sources(const Config* c) {
+    int i, j;
+    double total = 0.0;
+    if (c->data.train[0] && c->data.n_sources > 0)
+        die_input("give --data.train or --data.sources.N.*, not both (data.train is one source)");
+    if (!c->data.train[0] && c->data.n_sources == 0) die_input("missing required flag --data.train (or --data.sources.N.train)");
+    for (i = 0; i < c->data.n_sources; i++) {
+        const SourceConfig* s = &c->data.sources[i];
+        const char* p;
+        if (!s->name[0]) die_input("missing required flag --data.sources.%d.name (sources are numbered from 0)", i);
+        if (!s->train[0]) die_input("missing required flag --data.sources.%d.train (sources are numbered from 0)", i);
+        for (p = s->name; *p; p++)
+            if (!(isalnum((unsigned char)*p) || *p == '.' || *p == '_' || *p == '-'))
+                die_input("--data.sources.%d.name: '%s' may hold only letters, digits, '.', '_' and '-'", i, s->name);
+        for (j = 0; j < i; j++)
+            if (strcmp(c->data.sources[j].name, s->name) == 0)
+                die_input("--data.sources.%d.name: '%s' is already the name of data.sources.%d", i, s->name, j);
+        total += s->weight;
+    }
+    if (c->data.n_sources > 0 && !(total > 0.0))
+        die_input("--data.sources.N.weight: every weight is 0; at least one source must be trained on");
+    if (c->bandit.enabled && !c->data.val[0])
+        die_input("bandit.every needs --data.val: the bandit's probes measure the loss on it");
+}
+
 static void config_validate(const Config* c, const int* seen, const Flag* f, int n) {
     int i;
     for (i = 0; i < n; i++) {
         int j = f[i].required == REQ_IN_SECTION && !seen[i] ? seen_in_section(f, n, seen, f[i].name) : -1;
-        if (f[i].required == REQ_YES && !seen[i]) die_input("missing required flag --%s", f[i].name);
+        if (f[i].required == REQ_YES && !seen[i] && !f[i].items) die_input("missing required flag --%s", f[i].name);
         if (j >= 0) die_input("--%s needs --%s", f[j].name, f[i].name);
     }
+    config_validate_sources(c);
     if (c->model.d_model % c->model.n_head != 0)
         die_input("model.n_head (%d) must divide model.d_model (%d)", c->model.n_head, c->model.d_model);
     if (c->model.padded_vocab_size < c->model.vocab_size)
@@ -468,7 +599,8 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
     if (c->train.min_lr > c->train.lr) die_input("train.min_lr (%g) is above train.lr (%g)", c->train.min_lr, c->train.lr);
     if (c->train.warmup_steps > c->train.steps)
         die_input("train.warmup_steps (%d) is more than train.steps (%d)", c->train.warmup_steps, c->train.steps);
-    if (c->eval.every > 0 && !c->data.val[0]) die_input("eval.every > 0 needs --data.val");
+    if (c->eval.every > 0 && !c->data.val[0] && !config_all_sources_have_val(c))
+        die_input("eval.every > 0 needs --data.val (or a val glob for every one of data.sources)");
     if (c->sample.every > 0 && c->sample.n_prompts == 0) die_input("sample.every > 0 needs at least one --sample.prompt");
     for (i = 0; i < c->sample.n_prompts; i++) {
         int j;

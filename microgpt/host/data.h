@@ -129,9 +129,10 @@ static void fill_train_batch(const Dataset* ds, uint64_t seed, int s, int j, int
     dataset_fill(ds, seed, STREAM_TRAIN, counter0, B, T, inputs, targets);
 }
 
-/* Validation batch i: the same fixed set at every evaluation. */
-static void fill_val_batch(const Dataset* ds, uint64_t seed, int i, int B, int T, int* inputs, int* targets) {
-    dataset_fill(ds, seed, STREAM_VAL, (uint64_t)i * (uint64_t)B, B, T, inputs, targets);
+/* Validation batch i of `stream`: the same fixed set at every evaluation (STREAM_VAL) or probe of
+ * the bandit (STREAM_PROBE: other windows of the same shards). */
+static void fill_val_batch(const Dataset* ds, uint64_t seed, int stream, int i, int B, int T, int* inputs, int* targets) {
+    dataset_fill(ds, seed, stream, (uint64_t)i * (uint64_t)B, B, T, inputs, targets);
 }
 
 #endif

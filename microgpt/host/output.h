@@ -133,9 +133,23 @@ static void emit_polish(int step) {
     jline_end();
 }
 
-static void emit_val(int step, double val_loss) {
+/* {"step":s,"val_loss":L[,"val_loss_by_source":{"name":L,...}]}: n_sources 0 leaves the second part
+ * out; a source whose loss is NAN (it has no val shards) is left out of it. */
+static void emit_val(int step, double val_loss, const char* const* names, const double* by_source, int n_sources) {
     char b[32];
+    int i, first = 1;
     fprintf(stdout, "{\"step\":%d,\"val_loss\":%s", step, json_num(b, sizeof b, val_loss));
+    if (n_sources > 0) {
+        fputs(",\"val_loss_by_source\":{", stdout);
+        for (i = 0; i < n_sources; i++) {
+            if (isnan(by_source[i])) continue;
+            if (!first) fputc(',', stdout);
+            first = 0;
+            json_put_string(stdout, names[i]);
+            fprintf(stdout, ":%s", json_num(b, sizeof b, by_source[i]));
+        }
+        fputc('}', stdout);
+    }
     jline_end();
 }
 
@@ -154,9 +168,12 @@ static void emit_sample(int step, int prompt, const int* prompt_tokens, int n_pr
     jline_end();
 }
 
-/* The per-step training record. skipped/loss_scale only appear for loss-scaled (fp16) runs. */
+/* The per-step training record. skipped/loss_scale only appear for loss-scaled (fp16) runs; "arm"
+ * (the data source of the micro-batch, a list of one per micro-batch when n_arms > 1) only for runs
+ * with data.sources (n_arms 0: none). */
 static void emit_step(int step, double loss, double lr, double grad_norm, double ms, double tokens_per_s,
-                      long long tokens, const char* phase, int skipped, double loss_scale, int show_scale) {
+                      long long tokens, const char* phase, int skipped, double loss_scale, int show_scale,
+                      const int* arms, int n_arms) {
     char b1[32], b2[32], b3[32], b4[32], b5[32];
     fprintf(stdout, "{\"step\":%d,\"loss\":%s,\"lr\":%s,\"grad_norm\":%s,\"ms\":%s,\"tokens_per_s\":%s,"
                     "\"tokens\":%lld,\"phase\":\"%s\"",
@@ -164,6 +181,11 @@ static void emit_step(int step, double loss, double lr, double grad_norm, double
             json_num(b4, sizeof b4, ms), json_num(b5, sizeof b5, tokens_per_s), tokens, phase);
     if (skipped) fputs(",\"skipped\":true", stdout);
     if (show_scale) fprintf(stdout, ",\"loss_scale\":%s", json_num(b1, sizeof b1, loss_scale));
+    if (n_arms == 1) fprintf(stdout, ",\"arm\":%d", arms[0]);
+    if (n_arms > 1) {
+        fputs(",\"arm\":", stdout);
+        emit_int_array(arms, n_arms);
+    }
     jline_end();
 }
 

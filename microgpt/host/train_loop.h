@@ -10,6 +10,7 @@
 #include "config.h"
 #include "data.h"
 #include "engine.h"
+#include "mixture.h"
 #include "output.h"
 #include "params.h"
 #include "rng.h"
@@ -21,12 +22,14 @@
 typedef struct {
     Config cfg;
     ParamLayout layout;
-    Dataset train, val, polish;
+    Mixture mix;                     /* the train sources and their mixer */
+    Dataset val, polish;
     int start_step;                  /* completed steps at start (checkpoint step on resume) */
     int saved_step;                  /* step of the newest checkpoint on disk, -1: none */
     float *params, *m, *v;           /* host copies for checkpoints [n_params] each */
     float loss_scale;
     int *inputs, *targets;           /* one micro-batch [B*T] */
+    int* arms;                       /* the source of each micro-batch of the current step [grad_accum] */
     int* sample_seq;                 /* longest prompt + sample.tokens */
     float* logits;                   /* [vocab_size] */
     int* topk_idx;                   /* [k_eff] */
@@ -102,15 +105,42 @@ static void run_samples(Run* r, int done) {
 /* ---------------------------------------------------------------------------------------------- */
 /* Evaluation, checkpoints */
 
-static double run_eval(Run* r) {
+/* Mean loss over validation batches 0 .. batches-1 of `stream` from ds. */
+static double mean_val_loss(Run* r, const Dataset* ds, int stream, int batches) {
     const Config* c = &r->cfg;
     double sum = 0.0;
     int i;
-    for (i = 0; i < c->eval.batches; i++) {
-        fill_val_batch(&r->val, (uint64_t)c->train.seed, i, c->train.batch_size, c->model.seq_len, r->inputs, r->targets);
+    for (i = 0; i < batches; i++) {
+        fill_val_batch(ds, (uint64_t)c->train.seed, stream, i, c->train.batch_size, c->model.seq_len, r->inputs, r->targets);
         sum += engine_forward_loss(r->inputs, r->targets);
     }
-    return sum / c->eval.batches;
+    return sum / batches;
+}
+
+/* An evaluation after `done` steps: data.val's loss, and each source's that has val shards. Without
+ * data.val the overall loss is the sources' mean by prior weight (every source then has a val). */
+static void run_eval(Run* r, int done) {
+    const Config* c = &r->cfg;
+    const Mixture* m = &r->mix;
+    double by_source[CFG_MAX_SOURCES], overall = 0.0;
+    int i;
+    for (i = 0; i < m->n; i++) {
+        by_source[i] = m->val[i].n_shards ? mean_val_loss(r, &m->val[i], STREAM_VAL, c->eval.batches) : NAN;
+        overall += m->val[i].n_shards ? m->prior[i] * by_source[i] : 0.0;
+    }
+    if (r->val.n_shards) overall = mean_val_loss(r, &r->val, STREAM_VAL, c->eval.batches);
+    emit_val(done, overall, m->names, by_source, m->listed ? m->n : 0);
+}
+
+/* The bandit's probe loss at the start of step index s: data.val's loss on probe_batches windows of
+ * STREAM_PROBE (not the evaluation's windows, so the reported val_loss is not what the bandit
+ * optimises). Measured once per state of the weights. */
+static double probe_loss(Run* r, int s) {
+    if (r->mix.probe_step != s) {
+        r->mix.probe_loss = mean_val_loss(r, &r->val, STREAM_PROBE, r->cfg.bandit.probe_batches);
+        r->mix.probe_step = s;
+    }
+    return r->mix.probe_loss;
 }
 
 /* Ends a run whose training went non-finite after `done` steps: an exit event, one error line,
@@ -138,7 +168,7 @@ static void save_checkpoint(Run* r, int done, const char* reason) {
     const float* parts[3];
     const char* names[3] = {"weight", "AdamW m", "AdamW v"};
     size_t n = r->layout.n_params, bad;
-    char what[96];
+    char what[96], bandit_json[CKPT_SIDECAR_MAX / 2];
     int k;
     engine_get_state(r->params, r->m, r->v, &r->loss_scale);
     parts[0] = r->params; parts[1] = r->m; parts[2] = r->v;
@@ -147,12 +177,24 @@ static void save_checkpoint(Run* r, int done, const char* reason) {
             snprintf(what, sizeof what, "%s %zu of %zu is not finite", names[k], bad, n);
             stop_diverged(r, done, what);
         }
-    ckpt_write(r->cfg.checkpoint.path, done, r->params, r->m, r->v, n, r->loss_scale, &r->cfg);
+    mixture_sidecar_json(&r->mix, &r->cfg, bandit_json, sizeof bandit_json);
+    ckpt_write(r->cfg.checkpoint.path, done, r->params, r->m, r->v, n, r->loss_scale, &r->cfg, bandit_json);
     r->saved_step = done;
     emit_checkpoint(done, r->cfg.checkpoint.path, reason);
 }
 
-static const Dataset* data_for_step(const Run* r, int s) { return in_polish(&r->cfg, s) ? &r->polish : &r->train; }
+/* Micro-batch j of step index s into r->inputs/targets, from its source (the polish shards in the
+ * polish phase); r->arms[j] says which source. */
+static void fill_step_batch(Run* r, int s, int j) {
+    const Config* c = &r->cfg;
+    const Dataset* ds = &r->polish;
+    if (!in_polish(c, s)) {
+        r->arms[j] = mixture_arm(&r->mix, c, s, j);
+        ds = &r->mix.train[r->arms[j]];
+    }
+    fill_train_batch(ds, (uint64_t)c->train.seed, s, j, c->train.grad_accum, c->train.batch_size, c->model.seq_len,
+                     r->inputs, r->targets);
+}
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Start-up */
@@ -171,7 +213,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     }
     if (r->layout.n_params > 2147483647u)
         die_input("the model has %zu parameters; the checkpoint format holds at most 2^31-1", r->layout.n_params);
-    dataset_open(&r->train, c->data.train, "data.train", V, T);
+    mixture_open(&r->mix, c);
     if (c->data.val[0]) dataset_open(&r->val, c->data.val, "data.val", V, T);
     if (c->polish.enabled) dataset_open(&r->polish, c->polish.train, "polish.train", V, T);
     r->start_step = 0;
@@ -189,6 +231,7 @@ static void run_allocate(Run* r) {
     r->v = (float*)xcalloc(n, sizeof(float), "host AdamW v");
     r->inputs = (int*)xmalloc(bt * sizeof(int), "batch inputs");
     r->targets = (int*)xmalloc(bt * sizeof(int), "batch targets");
+    r->arms = (int*)xcalloc((size_t)c->train.grad_accum, sizeof(int), "micro-batch sources");
     for (i = 0; i < c->sample.n_prompts; i++) {
         int len = c->sample.prompt_start[i + 1] - c->sample.prompt_start[i];
         if (len > longest_prompt) longest_prompt = len;
@@ -201,10 +244,10 @@ static void run_allocate(Run* r) {
 }
 
 static void run_free(Run* r) {
-    free(r->params); free(r->m); free(r->v); free(r->inputs); free(r->targets);
+    free(r->params); free(r->m); free(r->v); free(r->inputs); free(r->targets); free(r->arms);
     free(r->sample_seq); free(r->logits); free(r->topk_idx); free(r->topk_val);
     free(r->cfg.sample.prompt_tokens);
-    dataset_close(&r->train);
+    mixture_close(&r->mix);
     if (r->val.n_shards) dataset_close(&r->val);
     if (r->polish.n_shards) dataset_close(&r->polish);
     param_layout_free(&r->layout);
@@ -220,6 +263,7 @@ static void emit_start(const Run* r) {
                     "\"tokens_per_step\":%lld",
             r->layout.n_params, r->start_step, c->train.steps, c->train.precision, engine_compute_precision(c),
             config_tokens_per_step(c));
+    emit_mixture_fields(&r->mix);
     jline_end();
 }
 
@@ -230,8 +274,7 @@ static int run_dump_grads(Run* r) {
     float loss;
     float* grads = (float*)xmalloc(n * sizeof(float), "gradient dump");
     FILE* f;
-    fill_train_batch(data_for_step(r, 0), (uint64_t)c->train.seed, 0, 0, c->train.grad_accum, c->train.batch_size,
-                     c->model.seq_len, r->inputs, r->targets);
+    fill_step_batch(r, 0, 0);
     loss = engine_forward_backward(r->inputs, r->targets);
     engine_get_grads(grads);
     f = fopen(c->dump_grads, "wb");
@@ -249,12 +292,10 @@ static int run_dump_grads(Run* r) {
 /* One optimizer step: grad_accum micro-batches, then the update. Returns the mean micro-batch loss. */
 static double run_step(Run* r, int s, UpdateResult* res, double lr) {
     const Config* c = &r->cfg;
-    const Dataset* ds = data_for_step(r, s);
     double loss = 0.0;
     int j;
     for (j = 0; j < c->train.grad_accum; j++) {
-        fill_train_batch(ds, (uint64_t)c->train.seed, s, j, c->train.grad_accum, c->train.batch_size, c->model.seq_len,
-                         r->inputs, r->targets);
+        fill_step_batch(r, s, j);
         loss += engine_forward_backward(r->inputs, r->targets);
     }
     *res = engine_update((float)lr, s + 1, c);
@@ -281,6 +322,7 @@ static void run_start(Run* r) {
     if (c->resume) {
         ckpt_load(c->checkpoint.path, r->layout.n_params, r->params, r->m, r->v);
         r->loss_scale = sidecar_read(c->checkpoint.path, r->start_step, c);
+        mixture_resume(&r->mix, c, c->checkpoint.path);
         info("resumed from %s at step %d", c->checkpoint.path, r->start_step);
     } else {
         params_init(r->params, &r->layout, c);
@@ -298,32 +340,40 @@ static void run_start(Run* r) {
 static int run_one_step(Run* r, int s) {
     const Config* c = &r->cfg;
     long long tokens_per_step = config_tokens_per_step(c);
-    int done = s + 1, usr1, stop;
+    int done = s + 1, usr1, stop, probe = bandit_is_probe_step(c, s);
     double lr = lr_at(c, s), t0, ms, loss;
     UpdateResult res;
+    BanditRound probe_round = {0, 0.0, 0.0, 0.0, 0.0, {0.0}};
     const char* reason;
     if (c->polish.enabled && s == c->polish.start_step) {
         emit_polish(s);
         /* the state at the switch, before the first polish step: what the polish archive keeps */
         if (c->checkpoint.path[0]) save_checkpoint(r, s, "polish");
     }
+    if (probe) probe_round.loss_before = probe_loss(r, s);
     t0 = now_ms();
     loss = run_step(r, s, &res, lr);
     ms = now_ms() - t0;
     emit_step(done, loss, lr, res.grad_norm, ms, (double)tokens_per_step / (ms > 0 ? ms * 1e-3 : 1e-9),
               (long long)done * tokens_per_step, in_polish(c, s) ? "polish" : "pretrain", res.skipped, res.loss_scale,
-              config_is_fp16(c));
+              config_is_fp16(c), r->arms, r->mix.listed && !in_polish(c, s) ? c->train.grad_accum : 0);
     /* an fp16 overflow is a skipped step (the loss scale handles it), not a divergence */
     if (!isfinite(loss) || (!res.skipped && !isfinite(res.grad_norm))) {
         char what[96];
         snprintf(what, sizeof what, "loss %g, gradient norm %g", loss, (double)res.grad_norm);
         stop_diverged(r, done, what);
     }
+    if (probe && !res.skipped) { /* an fp16 overflow step changed nothing: nothing to learn from it */
+        probe_round.arm = r->arms[0];
+        probe_round.loss_after = probe_loss(r, done);
+        bandit_learn(&r->mix, c, &probe_round);
+        emit_bandit(done, &r->mix, &probe_round);
+    }
     if (s == r->start_step || done == c->train.steps) { /* the query only where it is reported */
         size_t in_use = engine_device_bytes_in_use();
         if (in_use > 0) emit_device_memory(done, in_use);
     }
-    if (c->eval.every > 0 && (done % c->eval.every == 0 || done == c->train.steps)) emit_val(done, run_eval(r));
+    if (c->eval.every > 0 && (done % c->eval.every == 0 || done == c->train.steps)) run_eval(r, done);
     if (c->sample.every > 0 && done % c->sample.every == 0) run_samples(r, done);
     /* read the flags once, and consume SIGUSR1's, before acting on them: a signal arriving from here
      * on is seen after the next step, never half-handled (a stop without its checkpoint) */

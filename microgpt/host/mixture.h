@@ -1,0 +1,282 @@
+/* mixture.h: the data mixture and its adaptive mixer, the FIREHOSE bandit (docs/FIREHOSE-BANDIT.md).
+ * Which source each micro-batch comes from is a pure function of (config, seed, step, bandit
+ * state): micro-batch j of step index s draws u = rng(seed, STREAM_MIXTURE, s·grad_accum + j) and
+ * takes the source where u falls in the cumulative probabilities p as they stood at the start of
+ * step s. Without a bandit p is the prior weights; with one, p moves after every probe step, and
+ * the state it moves by is written in the checkpoint's sidecar, so a resumed run draws exactly
+ * what an unstopped one draws. Host code only (no engine calls): both engines share it.
+ * Compiles as C99 and as C++ (nvcc). */
+#ifndef MICROGPT_HOST_MIXTURE_H
+#define MICROGPT_HOST_MIXTURE_H
+
+#include "checkpoint.h"
+#include "config.h"
+#include "data.h"
+#include "rng.h"
+#include "schedule.h"
+
+/* A normalised reward is clipped to this many standard deviations: one freak probe (a loss spike)
+ * must not decide the mixture. */
+#define BANDIT_Z_CLIP 3.0
+
+typedef struct {
+    int n;      /* sources: those of data.sources, or one for a plain data.train */
+    int listed; /* data.sources was given: records carry the arms and per-source losses */
+    const char* names[CFG_MAX_SOURCES];
+    Dataset train[CFG_MAX_SOURCES];
+    Dataset val[CFG_MAX_SOURCES];  /* n_shards 0: the source has no val glob */
+    double prior[CFG_MAX_SOURCES]; /* weights / their sum */
+    double p[CFG_MAX_SOURCES];     /* what the next step draws from */
+    int n_active;                  /* sources with prior > 0: the bandit's arms */
+    double eta;                    /* the bandit's learning rate, resolved */
+    /* bandit state, kept in the sidecar */
+    double gain[CFG_MAX_SOURCES];  /* G_i: importance-weighted sum of normalised rewards */
+    double reward_mean, reward_var; /* running (exponentially decayed) statistics of raw rewards */
+    int rounds;                     /* probe steps so far */
+    /* probe loss at the start of step index probe_step (-1: none). A cache, not state: after a
+     * resume it is measured again, on the same weights, to the same bits. */
+    int probe_step;
+    double probe_loss;
+} Mixture;
+
+/* Steps that train on the mixture (the polish phase trains on the polish shards alone). */
+static int mixture_steps(const Config* c) { return c->polish.enabled ? c->polish.start_step : c->train.steps; }
+
+/* p from the bandit state: (1-γ)·softmax(η·G + log prior) + γ/K over the K arms; the prior without
+ * a bandit. Sources of weight 0 are never drawn. */
+static void mixture_update_p(Mixture* m, const Config* c) {
+    double top = -INFINITY, total = 0.0, gamma = c->bandit.gamma;
+    int i;
+    if (!c->bandit.enabled) {
+        for (i = 0; i < m->n; i++) m->p[i] = m->prior[i];
+        return;
+    }
+    for (i = 0; i < m->n; i++)
+        if (m->prior[i] > 0.0 && m->eta * m->gain[i] + log(m->prior[i]) > top) top = m->eta * m->gain[i] + log(m->prior[i]);
+    for (i = 0; i < m->n; i++) {
+        m->p[i] = m->prior[i] > 0.0 ? exp(m->eta * m->gain[i] + log(m->prior[i]) - top) : 0.0;
+        total += m->p[i];
+    }
+    for (i = 0; i < m->n; i++)
+        m->p[i] = m->prior[i] > 0.0 ? (1.0 - gamma) * m->p[i] / total + gamma / m->n_active : 0.0;
+}
+
+static void mixture_reset_bandit(Mixture* m, const Config* c) {
+    int i;
+    for (i = 0; i < m->n; i++) m->gain[i] = 0.0;
+    m->reward_mean = m->reward_var = 0.0;
+    m->rounds = 0;
+    m->probe_step = -1;
+    mixture_update_p(m, c);
+}
+
+/* Opens every source's shards (errors name the flag) and sets the prior. */
+static void mixture_open(Mixture* m, const Config* c) {
+    int V = c->model.vocab_size, T = c->model.seq_len, i;
+    double total = 0.0;
+    char what[48];
+    memset(m, 0, sizeof *m);
+    m->listed = c->data.n_sources > 0;
+    m->n = m->listed ? c->data.n_sources : 1;
+    if (!m->listed) {
+        m->names[0] = "train";
+        dataset_open(&m->train[0], c->data.train, "data.train", V, T);
+        m->prior[0] = 1.0;
+    }
+    for (i = 0; m->listed && i < m->n; i++) {
+        const SourceConfig* s = &c->data.sources[i];
+        m->names[i] = s->name;
+        snprintf(what, sizeof what, "data.sources.%d.train", i);
+        dataset_open(&m->train[i], s->train, what, V, T);
+        snprintf(what, sizeof what, "data.sources.%d.val", i);
+        if (s->val[0]) dataset_open(&m->val[i], s->val, what, V, T);
+        m->prior[i] = s->weight;
+        total += s->weight;
+    }
+    for (i = 0; m->listed && i < m->n; i++) m->prior[i] /= total;
+    for (i = 0; i < m->n; i++) m->n_active += m->prior[i] > 0.0;
+    m->eta = c->bandit.eta;
+    if (m->eta == 0.0 && m->n_active > 1) { /* EXP3's rate for K arms over the run's probe steps */
+        int rounds = mixture_steps(c) / (c->bandit.every > 0 ? c->bandit.every : 1);
+        m->eta = sqrt(log((double)m->n_active) / ((double)m->n_active * (rounds > 0 ? rounds : 1)));
+    }
+    mixture_reset_bandit(m, c);
+}
+
+static void mixture_close(Mixture* m) {
+    int i;
+    for (i = 0; i < m->n; i++) {
+        if (m->train[i].n_shards) dataset_close(&m->train[i]);
+        if (m->val[i].n_shards) dataset_close(&m->val[i]);
+    }
+}
+
+/* Step index s is a probe step: the bandit scores the one source all its micro-batches come from. */
+static int bandit_is_probe_step(const Config* c, int s) {
+    return c->bandit.enabled && !in_polish(c, s) && (s + 1) % c->bandit.every == 0;
+}
+
+/* The source of micro-batch j of step index s; on a probe step every micro-batch takes j = 0's. */
+static int mixture_arm(const Mixture* m, const Config* c, int s, int j) {
+    uint64_t counter = (uint64_t)s * (uint64_t)c->train.grad_accum + (uint64_t)(bandit_is_probe_step(c, s) ? 0 : j);
+    double u = rng_uniform((uint64_t)c->train.seed, STREAM_MIXTURE, counter), acc = 0.0;
+    int i, last = 0;
+    for (i = 0; i < m->n; i++) {
+        if (m->p[i] <= 0.0) continue;
+        acc += m->p[i];
+        last = i;
+        if (u < acc) return i;
+    }
+    return last; /* u beyond a sum that rounding left just below 1 */
+}
+
+/* What one probe step taught the bandit (the "bandit" event). */
+typedef struct {
+    int arm;
+    double loss_before, loss_after, drop, z;
+    double reward[CFG_MAX_SOURCES]; /* importance-weighted estimate: z/p_arm for the arm, 0 for the others */
+} BanditRound;
+
+/* Probe steps that only measure, while the reward statistics settle: about the memory of their
+ * decay, 1/(1 - reward_decay) (10 at the default 0.9), and at least 2. */
+static int bandit_warmup_rounds(const Config* c) {
+    int n = (int)ceil(1.0 / (1.0 - c->bandit.reward_decay) - 1e-9);
+    return n < 2 ? 2 : n;
+}
+
+/* EXP3 update after a probe step that trained on source `arm`: the raw reward is the drop of the
+ * probe loss over the step; it is normalised by the running mean and standard deviation of raw
+ * rewards before this one (a common baseline: every arm is judged against the recent typical drop,
+ * which removes the trend of the loss curve), clipped, and divided by p_arm (unbiased estimate). */
+static void bandit_learn(Mixture* m, const Config* c, BanditRound* b) {
+    double d = c->bandit.reward_decay, dev;
+    int i;
+    b->drop = b->loss_before - b->loss_after;
+    dev = b->drop - m->reward_mean;
+    if (m->rounds < bandit_warmup_rounds(c) || m->reward_var <= 0.0) b->z = 0.0; /* no scale yet: only measure */
+    else b->z = dev / sqrt(m->reward_var);
+    if (b->z > BANDIT_Z_CLIP) b->z = BANDIT_Z_CLIP;
+    if (b->z < -BANDIT_Z_CLIP) b->z = -BANDIT_Z_CLIP;
+    for (i = 0; i < m->n; i++) b->reward[i] = i == b->arm ? b->z / m->p[i] : 0.0;
+    m->gain[b->arm] += b->reward[b->arm];
+    if (m->rounds == 0) m->reward_mean = b->drop;
+    else {
+        m->reward_mean += (1.0 - d) * dev;
+        m->reward_var = d * (m->reward_var + (1.0 - d) * dev * dev);
+    }
+    m->rounds++;
+    mixture_update_p(m, c);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* State in the sidecar, exact: doubles as %.17g, which strtod reads back to the same bits */
+
+static void put_double(char* buf, size_t cap, double x) { snprintf(buf, cap, isfinite(x) ? "%.17g" : "null", x); }
+
+/* The sidecar members of the bandit state, ",\"bandit\":{...}", or "" without a bandit. */
+static void mixture_sidecar_json(const Mixture* m, const Config* c, char* out, size_t cap) {
+    char x[40];
+    size_t len;
+    int k, i;
+    out[0] = '\0';
+    if (!c->bandit.enabled) return;
+    len = (size_t)snprintf(out, cap, ",\"bandit\":{\"rounds\":%d,\"reward_mean\":", m->rounds);
+    put_double(x, sizeof x, m->reward_mean);
+    len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "%s,\"reward_var\":", x);
+    put_double(x, sizeof x, m->reward_var);
+    len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "%s", x);
+    for (k = 0; k < 2; k++) { /* the gains (the state) and p (for people: derived from the gains) */
+        len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, k ? "],\"p\":[" : ",\"gain\":[");
+        for (i = 0; i < m->n; i++) {
+            put_double(x, sizeof x, k ? m->p[i] : m->gain[i]);
+            len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "%s%s", i ? "," : "", x);
+        }
+    }
+    if (len < cap) snprintf(out + len, cap - len, "]}");
+    if (len + 2 >= cap) die_io("internal: the bandit state does not fit the sidecar buffer");
+}
+
+/* The numbers of the JSON array after "key": in text, at most max; returns how many, -1 if absent. */
+static int json_find_array(const char* text, const char* key, double* out, int max) {
+    char pat[64];
+    const char* p;
+    char* end;
+    int n = 0;
+    snprintf(pat, sizeof pat, "\"%s\":[", key);
+    if (!(p = strstr(text, pat))) return -1;
+    p += strlen(pat);
+    while (*p != ']') {
+        double x = strtod(p, &end);
+        if (end == p || n == max) return -1;
+        out[n++] = x;
+        p = end;
+        if (*p == ',') p++;
+        else if (*p != ']') return -1;
+    }
+    return n;
+}
+
+/* Restores the bandit state from the sidecar of the checkpoint being resumed. A sidecar without it
+ * (the checkpoint of a run without a bandit) or with another number of sources starts the bandit
+ * afresh, with a warning. */
+static void mixture_resume(Mixture* m, const Config* c, const char* ckpt_path) {
+    char side[CFG_PATH_MAX + 8], text[CKPT_SIDECAR_MAX];
+    double x, gain[CFG_MAX_SOURCES], mean, var;
+    int n, i;
+    if (!c->bandit.enabled) return;
+    snprintf(side, sizeof side, "%s.json", ckpt_path);
+    if (!sidecar_load(side, text, sizeof text) || !strstr(text, "\"bandit\":")) {
+        warn("checkpoint %s holds no bandit state: the bandit starts afresh from the prior weights", ckpt_path);
+        return;
+    }
+    n = json_find_array(text, "gain", gain, CFG_MAX_SOURCES);
+    if (n != m->n || !json_find_number(text, "rounds", &x) || !json_find_number(text, "reward_mean", &mean) ||
+        !json_find_number(text, "reward_var", &var)) {
+        warn("the bandit state in %s does not fit %d data sources: the bandit starts afresh", side, m->n);
+        return;
+    }
+    for (i = 0; i < n; i++) m->gain[i] = gain[i];
+    m->reward_mean = mean;
+    m->reward_var = var;
+    m->rounds = (int)x;
+    mixture_update_p(m, c);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Output */
+
+static void emit_double_array(const double* xs, int n) {
+    char b[32];
+    int i;
+    fputc('[', stdout);
+    for (i = 0; i < n; i++) fprintf(stdout, "%s%s", i ? "," : "", json_num(b, sizeof b, xs[i]));
+    fputc(']', stdout);
+}
+
+/* ,"sources":[names],"p":[...] for the start event of a run with data.sources. */
+static void emit_mixture_fields(const Mixture* m) {
+    int i;
+    if (!m->listed) return;
+    fputs(",\"sources\":[", stdout);
+    for (i = 0; i < m->n; i++) {
+        if (i) fputc(',', stdout);
+        json_put_string(stdout, m->names[i]);
+    }
+    fputs("],\"p\":", stdout);
+    emit_double_array(m->p, m->n);
+}
+
+/* {"event":"bandit","step":s,"arm":i,"probe_loss":L,"drop":d,"z":z,"reward":[...],"p":[...]}:
+ * after probe step s (completed steps); p is what the following steps draw from. */
+static void emit_bandit(int step, const Mixture* m, const BanditRound* b) {
+    char b1[32], b2[32], b3[32];
+    fprintf(stdout, "{\"event\":\"bandit\",\"step\":%d,\"arm\":%d,\"probe_loss\":%s,\"drop\":%s,\"z\":%s,\"reward\":",
+            step, b->arm, json_num(b1, sizeof b1, b->loss_after), json_num(b2, sizeof b2, b->drop),
+            json_num(b3, sizeof b3, b->z));
+    emit_double_array(b->reward, m->n);
+    fputs(",\"p\":", stdout);
+    emit_double_array(m->p, m->n);
+    jline_end();
+}
+
+#endif
