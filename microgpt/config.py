@@ -4,9 +4,15 @@ and turning it into the engine's command line. Shared by the proxy, the benchmar
 The engine owns the list of keys: every config key `section.key` is the engine flag --section.key,
 and `ENGINE --flags-json` publishes the flags (type, default, choices, range, required). Flags
 without a dot (--checkpoint, --resume, ...) are the command line's own, not config keys. The proxy
-adds a few keys that are its own (OWN_KEYS)."""
+adds a few keys that are its own (OWN_KEYS).
+
+A list of objects (`data.sources`) is published as one flag per field of its items,
+`data.sources.N.train` with `"items": n` (at most n items): item i's field becomes
+--data.sources.i.train, and errors name it `data.sources[i].train`. A flag with `"one_of"` names
+keys of which a config gives exactly one (`data.train` or `data.sources`)."""
 import json
 import os
+import re
 
 from microgpt.engines import ROOT
 
@@ -16,7 +22,9 @@ OWN_KEYS = {  # key: (type, required)
     "sample.prompts": ("prompts", False),  # strings, tokenized into repeated --sample.prompt ids
 }
 TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "path": "a path",
-              "glob": "a glob pattern", "bool": "true or false", "prompts": "a list of strings"}
+              "glob": "a glob pattern", "bool": "true or false", "prompts": "a list of strings",
+              "list": "a list of objects"}
+ITEM_INDEX = re.compile(r"\.(N|\d+)\.")  # the item index of a list-item flag: data.sources.N.train
 
 
 class ConfigError(ValueError):
@@ -41,10 +49,28 @@ def load_config(path, flags):
     return cfg
 
 
+def list_fields(flags):
+    """{list key: {field: flag}} from the list-item flags ("data.sources.N.train" -> "data.sources")."""
+    lists = {}
+    for name, f in flags.items():
+        if f.get("items"):
+            key, _, field = name.partition(".N.")
+            lists.setdefault(key, {})[field] = f
+    return lists
+
+
+def item_flag(name, flags):
+    """The table entry of a flag given with an item index ("data.sources.3.train"), or of a plain one."""
+    return flags.get(name) or flags.get(ITEM_INDEX.sub(".N.", name, count=1))
+
+
 def config_keys(flags):
     """The keys a config may hold -> what each must be: the engine's dotted flags (but the
-    token-id prompts, which the proxy makes from sample.prompts) and the proxy's own keys."""
-    keys = {name: f["type"] for name, f in flags.items() if "." in name and f["type"] != "prompt"}
+    token-id prompts, which the proxy makes from sample.prompts, and the list-item flags, which
+    make list keys), the list keys and the proxy's own keys."""
+    keys = {name: f["type"] for name, f in flags.items()
+            if "." in name and f["type"] != "prompt" and not f.get("items")}
+    keys.update({key: "list" for key in list_fields(flags)})
     keys.update({key: kind for key, (kind, _) in OWN_KEYS.items()})
     return keys
 
@@ -60,6 +86,8 @@ def _type_ok(kind, value):
         return isinstance(value, (int, float))
     if kind == "prompts":
         return isinstance(value, list) and all(isinstance(p, str) and p for p in value)
+    if kind == "list":
+        return isinstance(value, list) and value != [] and all(isinstance(item, dict) for item in value)
     return isinstance(value, str) and value != ""  # str, path, glob
 
 
@@ -78,10 +106,31 @@ def _check_value(dotted, kind, value, flag):
         raise ConfigError(f'"{dotted}" must be at most {flag["max"]}, not {json.dumps(value)}')
 
 
+def _check_list(dotted, items, fields):
+    """A list of objects against the flags of its fields: count, each field's type and range, and
+    the fields every item needs."""
+    most = max(f["items"] for f in fields.values())
+    if len(items) > most:
+        raise ConfigError(f'"{dotted}" holds {len(items)} items; at most {most}')
+    for i, item in enumerate(items):
+        for field, value in item.items():
+            if field not in fields:
+                raise ConfigError(f'unknown key "{dotted}[{i}].{field}"')
+            _check_value(f"{dotted}[{i}].{field}", fields[field]["type"], value, fields[field])
+        for field, f in fields.items():
+            if f["required"] is True and field not in item:
+                raise ConfigError(f'missing key "{dotted}[{i}].{field}"')
+
+
+def _given(cfg, dotted):
+    section, _, key = dotted.partition(".")
+    return isinstance(cfg.get(section), dict) and key in cfg[section]
+
+
 def _required_keys(cfg, flags):
     """Own required keys, required flags, and flags required once their section is there."""
     own = [key for key, (_, required) in OWN_KEYS.items() if required]
-    return own + [name for name, f in flags.items() if "." in name and
+    return own + [name for name, f in flags.items() if "." in name and not f.get("items") and
                   (f["required"] is True or (f["required"] == "section" and name.split(".")[0] in cfg))]
 
 
@@ -100,6 +149,8 @@ def validate_config(cfg, flags):
                 if dotted not in keys:
                     raise ConfigError(f'unknown key "{dotted}"')
                 _check_value(dotted, keys[dotted], subval, flags.get(dotted))
+                if keys[dotted] == "list":
+                    _check_list(dotted, subval, list_fields(flags)[dotted])
         elif key in keys:
             _check_value(key, keys[key], value, None)
         else:
@@ -108,6 +159,11 @@ def validate_config(cfg, flags):
         section, _, sub = dotted.partition(".")
         if section not in cfg or (sub and sub not in cfg[section]):
             raise ConfigError(f'missing key "{dotted}"')
+    for f in flags.values():
+        given = [key for key in f.get("one_of") or [] if _given(cfg, key)]
+        if f.get("one_of") and len(given) != 1:
+            raise ConfigError(f'give one of "{f["one_of"][0]}" and "{f["one_of"][1]}"'
+                              + (", not both" if given else f': missing key "{f["one_of"][0]}"'))
     name = cfg["name"]
     if not all(c.isalnum() or c in "._-" for c in name) or name.startswith("."):
         raise ConfigError(f'"name" must be letters, digits, ".", "_" or "-" (it names files), '
@@ -142,10 +198,21 @@ def tokenize_prompts(cfg, flags):
 
 
 def config_values(cfg, flags):
-    """{dotted key: value} for every engine flag the config sets (not the proxy's own keys)."""
-    return {f"{section}.{key}": value
-            for section, keys in cfg.items() if isinstance(keys, dict)
-            for key, value in keys.items() if f"{section}.{key}" in flags}
+    """{flag name: value} for every engine flag the config sets (not the proxy's own keys); a list
+    key gives one flag per field of each item (data.sources[1].train -> data.sources.1.train)."""
+    lists = list_fields(flags)
+    values = {}
+    for section, keys in cfg.items():
+        if not isinstance(keys, dict):
+            continue
+        for key, value in keys.items():
+            dotted = f"{section}.{key}"
+            if dotted in lists:
+                values.update({f"{dotted}.{i}.{field}": v for i, item in enumerate(value)
+                               for field, v in item.items()})
+            elif dotted in flags:
+                values[dotted] = value
+    return values
 
 
 def flag_args(values, flags):
@@ -153,7 +220,8 @@ def flag_args(values, flags):
     flags, paths resolved against the repository, floats by repr (which round-trips a double)."""
     args = []
     for name, value in values.items():
-        kind = flags[name]["type"] if name in flags else "str"
+        flag = item_flag(name, flags)
+        kind = flag["type"] if flag else "str"
         if kind == "bool":
             args += [f"--{name}"] if value else []
             continue

@@ -79,7 +79,8 @@ class EventHandler:
             return
         handler = {None: self.on_record, "start": self.on_start, "sample": self.on_sample,
                    "polish": self.on_polish, "checkpoint": self.on_checkpoint,
-                   "exit": self.on_exit, "memory": self.on_memory}.get(rec.get("event"))
+                   "exit": self.on_exit, "memory": self.on_memory,
+                   "bandit": self.add_record}.get(rec.get("event"))
         if handler:
             handler(rec)
 
@@ -100,9 +101,10 @@ class EventHandler:
         run.clock.restart(before["elapsed"] if before else 0.0)
         tokens = before.get("tokens", 0) if before else 0
         kind = "resume" if len(run.log) else "start"
+        mixture = {key: rec[key] for key in ("sources", "p") if key in rec}  # runs with data.sources
         run.log.append([{"event": kind, "step": k, "tokens": tokens, "seg": run.clock.seg,
                          "time": round(run.clock.t0, 3), "elapsed": run.clock.base,
-                         "superseded": marked}])
+                         "superseded": marked, **mixture}])
         samples = run.store.samples
         if any(s.get("step", 0) > k and not s.get("superseded") for s in samples):
             run.store.set_samples([dict(s, superseded=True) if s.get("step", 0) > k else s

@@ -182,14 +182,21 @@ def test_every_dotted_engine_flag_is_a_config_key(flags):
         return {"int": f["min"], "float": f["min"], "bool": True}.get(f["type"], "x")
     dotted = {n: f for n, f in flags.items() if "." in n and f["type"] != "prompt"}
     assert len(dotted) > 30 and "train.decay_frac" in dotted
+    # a list's fields ("data.sources.N.train") fill one item; data.sources excludes data.train (one_of)
+    item_fields = [n for n, f in dotted.items() if f.get("items")]
+    plain = [n for n, f in dotted.items() if not f.get("items") and not f.get("one_of")]
+    assert "data.sources.N.train" in item_fields and flags["data.train"]["one_of"] == ["data.train", "data.sources"]
     cfg = {"name": "x"}
-    for name, f in dotted.items():
+    for name in plain:
         section, key = name.split(".")
-        cfg.setdefault(section, {})[key] = value(f)
+        cfg.setdefault(section, {})[key] = value(flags[name])
+    for name in item_fields:
+        (section, key), field = name.partition(".N.")[0].split("."), name.partition(".N.")[2]
+        cfg.setdefault(section, {}).setdefault(key, [{}])[0][field] = value(flags[name])
     config.validate_config(cfg, flags)
     args = config.engine_args(cfg, flags, [], "/r/x.ckpt", resume=False)
     given = [a[2:] for a in args if a.startswith("--")]
-    assert sorted(given) == sorted(list(dotted) + ["name", "checkpoint"])
+    assert sorted(given) == sorted(plain + [n.replace(".N.", ".0.") for n in item_fields] + ["name", "checkpoint"])
 
 
 @pytest.mark.parametrize("change, message", [

@@ -93,6 +93,7 @@ typedef struct {
     const char* help;
     int items;           /* list-item flag "list.N.key" (N = 0 .. items-1), or 0 for a plain flag */
     size_t stride;       /* list-item flags: bytes from item N's value to item N+1's */
+    const char* one_of;  /* "a|b": config keys of which exactly one must be given, or NULL */
 } Flag;
 
 #define CFG_N_FLAGS_MAX 64
@@ -109,7 +110,7 @@ static int config_flags(Config* c, Flag* f) {
         if (n == CFG_N_FLAGS_MAX) die_io("internal: more than CFG_N_FLAGS_MAX flags in config_flags"); \
         f[n].name = NAME; f[n].type = TYPE; f[n].ptr = (void*)(PTR); f[n].cap = CAP;             \
         f[n].def = DEF; f[n].required = REQ; f[n].choices = CHOICES; f[n].min = MIN;             \
-        f[n].max = MAX; f[n].help = HELP; f[n].items = 0; f[n].stride = 0; n++;                 \
+        f[n].max = MAX; f[n].help = HELP; f[n].items = 0; f[n].stride = 0; f[n].one_of = NULL; n++; \
     } while (0)
     /* A field of each item of the data.sources list: --data.sources.N.KEY; REQ_YES means required
      * in every item given. */
@@ -146,6 +147,7 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("train.decay_frac", F_FLOAT, &c->train.decay_frac, 0, "0.2", 0, NULL, 0, 1, "WSD: fraction of steps spent decaying");
     FLAG("data.train", F_GLOB, c->data.train, sizeof c->data.train, "", 0, NULL, 0, 0,
          "glob of llm.c train shards (one source; or give data.sources)");
+    f[n - 1].one_of = "data.train|data.sources";
     FLAG("data.val", F_GLOB, c->data.val, sizeof c->data.val, "", 0, NULL, 0, 0, "glob of llm.c validation shards");
     SOURCE_FLAG("name", F_STR, name, CFG_NAME_MAX, NULL, REQ_YES, 0, 0,
                 "name of data source N (letters, digits, . _ -; N = 0, 1, ...)");
@@ -241,11 +243,10 @@ static void flag_json_choices(FILE* out, const char* choices) {
 }
 
 /* --flags-json: the flag table for programs (the proxy validates experiment configs against it),
- * {"flags":[{"name","type","default","required","choices","min","max","help"[,"items"]}, ...],
- *  "one_of":[["data.train","data.sources"]]}.
+ * {"flags":[{"name","type","default","required","choices","min","max","help"[,"items"][,"one_of"]}, ...]}.
  * required is true, false or "section" (REQ_IN_SECTION); min/max are null for non-numbers. A flag
  * "list.N.key" with "items":n is the field `key` of each item of the config list `list` (at most n
- * items; required: in every item); "one_of" lists keys of which a config gives exactly one. */
+ * items; required: in every item); "one_of" lists config keys of which exactly one must be given. */
 static void config_flags_json(FILE* out) {
     Config c;
     Flag f[CFG_N_FLAGS_MAX];
@@ -270,9 +271,13 @@ static void config_flags_json(FILE* out) {
         fputs(",\"help\":", out);
         json_put_string(out, f[i].help);
         if (f[i].items) fprintf(out, ",\"items\":%d", f[i].items);
+        if (f[i].one_of) {
+            fputs(",\"one_of\":", out);
+            flag_json_choices(out, f[i].one_of);
+        }
         fputc('}', out);
     }
-    fputs("\n],\"one_of\":[[\"data.train\",\"data.sources\"]]}\n", out);
+    fputs("\n]}\n", out);
 }
 
 /* --print-config: every flag's value once the command line is parsed, defaults and derived defaults

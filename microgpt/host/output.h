@@ -133,13 +133,14 @@ static void emit_polish(int step) {
     jline_end();
 }
 
-/* {"step":s,"val_loss":L[,"val_loss_by_source":{"name":L,...}]}: n_sources 0 leaves the second part
- * out; a source whose loss is NAN (it has no val shards) is left out of it. */
+/* {"step":s,"val_loss":L[,"val_loss_by_source":{"name":L,...}]}: a source whose loss is NAN (it has
+ * no val shards) is left out, and the second part with it when no source has one. */
 static void emit_val(int step, double val_loss, const char* const* names, const double* by_source, int n_sources) {
     char b[32];
-    int i, first = 1;
+    int i, first = 1, any = 0;
     fprintf(stdout, "{\"step\":%d,\"val_loss\":%s", step, json_num(b, sizeof b, val_loss));
-    if (n_sources > 0) {
+    for (i = 0; i < n_sources; i++) any |= !isnan(by_source[i]);
+    if (any) {
         fputs(",\"val_loss_by_source\":{", stdout);
         for (i = 0; i < n_sources; i++) {
             if (isnan(by_source[i])) continue;

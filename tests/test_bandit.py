@@ -1,0 +1,313 @@
+"""The data mixture and the FIREHOSE bandit (docs/FIREHOSE-BANDIT.md): data.sources, the arm of every
+micro-batch, the bandit's probabilities, its state across a resume, per-source validation loss, and
+the errors of bad mixture configs. CPU engine; the arms of the GPU engine are checked against it
+(marker `gpu`)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engine_util as eu
+from engine_util import TINY, tiny_args
+from proxy_util import proxy_env
+
+from microgpt import config, engines
+from microgpt.checkpoint import read_sidecar
+
+PROXY = eu.REPO / "microgpt" / "training_proxy.py"
+V = eu.TINY_VOCAB
+
+
+def chain_tokens(n, seed):
+    """Tokens of a learnable process over the TINY vocabulary: mostly next = (3·prev + 7) mod V, a
+    random token one time in ten. A tiny model learns it within a hundred steps."""
+    rng = np.random.default_rng(seed)
+    noise, random = rng.random(n) < 0.1, rng.integers(0, V, n)
+    x = np.empty(n, dtype=np.int64)
+    x[0] = 0
+    for i in range(1, n):
+        x[i] = random[i] if noise[i] else (3 * x[i - 1] + 7) % V
+    return x
+
+
+class Sources:
+    """Shards of two sources: `useful` (train and val from the chain process, the validation
+    distribution), `noise` (uniform random tokens, with its own val)."""
+
+    def __init__(self, d):
+        d.mkdir(parents=True, exist_ok=True)
+        eu.write_shard(d / "useful_train_000000.bin", chain_tokens(16384, 11))
+        eu.write_shard(d / "useful_val_000000.bin", chain_tokens(4096, 12))
+        self.useful_train, self.val = str(d / "useful_train_*.bin"), str(d / "useful_val_*.bin")
+        self.noise_train = eu.write_random_shards(d, "noise_train", 1, 16384, V, seed=13)
+        self.noise_val = eu.write_random_shards(d, "noise_val", 1, 4096, V, seed=14)
+
+    def flags(self, **weights):
+        """--data.sources.N.* of noise (0) and useful (1), and data.val = the useful val."""
+        w = {"noise": 1.0, "useful": 1.0, **weights}
+        return {"data.sources.0.name": "noise", "data.sources.0.train": self.noise_train,
+                "data.sources.0.val": self.noise_val, "data.sources.0.weight": w["noise"],
+                "data.sources.1.name": "useful", "data.sources.1.train": self.useful_train,
+                "data.sources.1.val": self.val, "data.sources.1.weight": w["useful"],
+                "data.val": self.val}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    return Sources(tmp_path_factory.mktemp("bandit_sources"))
+
+
+def mixture_args(sources, steps, **overrides):
+    """TINY on the two sources (data.train dropped: data.sources replaces it)."""
+    settings = {**sources.flags(), "train.steps": steps, "train.lr": 3e-3, "data.train": None, **overrides}
+    return [a for a in tiny_args("unused", **settings)]
+
+
+def without_arms(records):
+    """exact_records with the "arm" field taken out of every train record."""
+    out = {}
+    for key, text in records.items():
+        rec = json.loads(text)
+        rec.pop("arm", None)
+        out[key] = json.dumps(rec, sort_keys=True)
+    return out
+
+
+def arms_of(result):
+    """The source of every micro-batch, in order."""
+    return [a for r in result.steps for a in (r["arm"] if isinstance(r["arm"], list) else [r["arm"]])]
+
+
+# ---------------------------------------------------------------------------------------------------
+# One source: the mixture and the bandit change nothing
+
+
+def test_one_source_with_the_bandit_is_a_plain_run(cpu_binary, random_shards, tmp_path):
+    """A plain data.train run, the same shards as the one source of data.sources, and that with the
+    bandit probing at every step: the same losses, validation losses and checkpoint bytes. The
+    bandit really ran (its probes are forward passes between steps), with p = [1] throughout."""
+    base = {"train.steps": 12, "eval.every": 4, "eval.batches": 2, "train.grad_accum": 2}
+    plain_ckpt, source_ckpt, bandit_ckpt = tmp_path / "plain.ckpt", tmp_path / "source.ckpt", tmp_path / "bandit.ckpt"
+    plain = eu.run_ok(cpu_binary, tiny_args(random_shards.train, random_shards.val, **base, checkpoint=plain_ckpt))
+    one = {"data.train": None, "data.sources.0.name": "only", "data.sources.0.train": random_shards.train}
+    source = eu.run_ok(cpu_binary, tiny_args("x", random_shards.val, **base, **one, checkpoint=source_ckpt))
+    bandit = eu.run_ok(cpu_binary, tiny_args("x", random_shards.val, **base, **one, checkpoint=bandit_ckpt,
+                                             **{"bandit.every": 1, "bandit.eta": 1.0}))
+    assert all("arm" not in r for r in plain.steps)
+    assert all(r["arm"] == [0, 0] for r in source.steps + bandit.steps)
+    assert without_arms(eu.exact_records(source)) == eu.exact_records(plain)
+    assert without_arms(eu.exact_records(bandit)) == eu.exact_records(plain)
+    events = bandit.events("bandit")
+    assert [e["step"] for e in events] == list(range(1, 13)) and all(e["p"] == [1] for e in events)
+    assert source_ckpt.read_bytes() == plain_ckpt.read_bytes() == bandit_ckpt.read_bytes()
+    assert "bandit" not in read_sidecar(source_ckpt) and read_sidecar(bandit_ckpt)["bandit"]["rounds"] == 12
+
+
+# ---------------------------------------------------------------------------------------------------
+# Two sources
+
+
+def test_static_mixture_draws_by_weight(cpu_binary, sources):
+    """Without a bandit the arms follow the weights (1:3) and nothing else: 400 micro-batches, the
+    share of source 1 within 3.5 standard deviations (0.076) of 0.75; arms are a function of the
+    seed, so this is deterministic, and another seed draws other arms."""
+    res = eu.run_ok(cpu_binary, mixture_args(sources, 200, **{"train.grad_accum": 2, "data.sources.1.weight": 3.0}))
+    arms = arms_of(res)
+    assert len(arms) == 400 and set(arms) == {0, 1}
+    assert abs(np.mean(arms) - 0.75) < 3.5 * np.sqrt(0.75 * 0.25 / 400)
+    assert res.events("start")[0]["sources"] == ["noise", "useful"] and res.events("start")[0]["p"] == [0.25, 0.75]
+    assert not res.events("bandit")
+    other = eu.run_ok(cpu_binary, mixture_args(sources, 20, **{"data.sources.1.weight": 3.0, "train.seed": 7}))
+    assert arms_of(other) != arms[:20]
+
+
+def test_bandit_shifts_weight_to_the_useful_source(cpu_binary, sources):
+    """Useful source (the validation distribution) against random tokens, equal prior weights,
+    default bandit settings (probing every step): within 300 steps of the TINY model the useful
+    source's probability passes 0.9, and the draws follow it."""
+    res = eu.run_ok(cpu_binary, mixture_args(sources, 300, **{"bandit.every": 1, "train.warmup_steps": 0}))
+    events = res.events("bandit")
+    assert len(events) == 300 and all(len(e["p"]) == 2 and abs(sum(e["p"]) - 1) < 1e-8 for e in events)
+    assert events[0]["p"] == [0.5, 0.5]
+    above = [e["step"] for e in events if e["p"][1] > 0.9]
+    assert above and above[0] <= 300, [e["p"] for e in events[::25]]
+    assert events[-1]["p"][1] > 0.9
+    late = arms_of(res)[-100:]
+    assert np.mean(late) > 0.8, late
+    # every probe event is one arm's score, importance-weighted
+    for e in events:
+        assert [i for i, x in enumerate(e["reward"]) if x != 0] in ([], [e["arm"]])
+
+
+def test_validation_loss_per_source(cpu_binary, sources):
+    """Every evaluation reports each source's val loss by name; the useful source's val shards are
+    data.val, so its loss is the overall one to the bit. Without data.val the overall loss is the
+    sources' mean by prior weight."""
+    res = eu.run_ok(cpu_binary, mixture_args(sources, 6, **{"eval.every": 3, "eval.batches": 2}))
+    vals = res.vals
+    assert [v["step"] for v in vals] == [3, 6]
+    for v in vals:
+        assert set(v["val_loss_by_source"]) == {"noise", "useful"}
+        assert v["val_loss_by_source"]["useful"] == v["val_loss"]
+    no_val = eu.run_ok(cpu_binary, mixture_args(sources, 3, **{"eval.every": 3, "eval.batches": 2, "data.val": None,
+                                                               "data.sources.1.weight": 3.0}))
+    v = no_val.vals[0]
+    by = v["val_loss_by_source"]
+    assert v["val_loss"] == pytest.approx(0.25 * by["noise"] + 0.75 * by["useful"], rel=1e-6)
+
+
+def test_a_source_of_weight_zero_is_evaluated_never_trained_on(cpu_binary, sources):
+    res = eu.run_ok(cpu_binary, mixture_args(sources, 20, **{"data.sources.0.weight": 0.0, "bandit.every": 1,
+                                                             "eval.every": 20, "eval.batches": 1}))
+    assert set(arms_of(res)) == {1} and all(e["p"] == [0, 1] for e in res.events("bandit"))
+    assert set(res.vals[0]["val_loss_by_source"]) == {"noise", "useful"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exact resume
+
+
+@pytest.mark.parametrize("accum, every", [(1, 1), (2, 3)], ids=["accum1-every1", "accum2-every3"])
+def test_exact_resume_with_the_bandit(cpu_binary, sources, tmp_path, accum, every):
+    """SIGTERM mid-run and resume: the same arms, probabilities, rewards, losses and final checkpoint
+    bytes as the run that was never stopped. The bandit's state travels in the sidecar."""
+    args = mixture_args(sources, 40, **{"bandit.every": every, "train.grad_accum": accum, "eval.every": 10,
+                                        "eval.batches": 1, "bandit.eta": 0.5,
+                                        "bandit.reward_decay": 0.5})
+    ref_ckpt, ckpt = tmp_path / "ref.ckpt", tmp_path / "run.ckpt"
+    ref = eu.run_ok(cpu_binary, args + ["--checkpoint", ref_ckpt])
+    first = eu.run_with_signal(cpu_binary, args + ["--checkpoint", ckpt], signal.SIGTERM, 7)
+    assert first.rc == 0 and first.exit_event["reason"] == "signal", first.describe()
+    k = first.exit_event["step"]
+    assert 7 <= k < 40
+    side = read_sidecar(ckpt)["bandit"]
+    assert side["rounds"] == k // every and len(side["gain"]) == len(side["p"]) == 2
+    second = eu.run_ok(cpu_binary, args + ["--checkpoint", ckpt, "--resume"])
+    assert eu.merged_exact_records(first, second) == eu.exact_records(ref)
+    bandit_lines = [[ln for ln in r.lines if '"event":"bandit"' in ln] for r in (ref, first, second)]
+    assert bandit_lines[1] + bandit_lines[2] == bandit_lines[0] and len(bandit_lines[0]) == 40 // every
+    assert len(set(arms_of(ref))) == 2 and max(e["p"][1] for e in ref.events("bandit")) > 0.6  # it did move
+    assert ckpt.read_bytes() == ref_ckpt.read_bytes()
+    assert read_sidecar(ckpt)["bandit"] == read_sidecar(ref_ckpt)["bandit"]
+
+
+def test_resuming_a_run_without_bandit_state_starts_it_afresh(cpu_binary, sources, tmp_path):
+    ckpt = tmp_path / "c.ckpt"
+    eu.run_ok(cpu_binary, mixture_args(sources, 4, checkpoint=ckpt))
+    res = eu.run_ok(cpu_binary, mixture_args(sources, 8, checkpoint=ckpt, resume=True, **{"bandit.every": 2}))
+    assert "holds no bandit state" in res.stderr
+    assert res.events("bandit")[0]["step"] == 6 and read_sidecar(ckpt)["bandit"]["rounds"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad configs: one clear error naming the key
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"data.sources.1.weight": -1}, ["--data.sources.1.weight", "-1"]),
+    ({"data.sources.0.weight": 0, "data.sources.1.weight": 0}, ["data.sources.N.weight", "every weight is 0"]),
+    ({"data.sources.1.wieght": 1}, ["unknown flag", "--data.sources.1.wieght"]),
+    ({"data.sources.1.train": "/nonexistent/x_*.bin"}, ["data.sources.1.train", "no shard matches"]),
+    ({"data.sources.0.val": "/nonexistent/v_*.bin"}, ["data.sources.0.val", "no shard matches"]),
+    ({"data.sources.1.train": None}, ["--data.sources.1.train"]),
+    ({"data.sources.1.name": "noise"}, ["--data.sources.1.name", "already the name"]),
+    ({"data.sources.1.name": "a b"}, ["--data.sources.1.name", "letters"]),
+    ({"data.sources.8.name": "x"}, ["--data.sources.8.name", "at most 8"]),
+    ({"data.train": "x_*.bin"}, ["--data.train", "not both"]),
+    ({"bandit.gamma": 0.2}, ["--bandit.every"]),
+    ({"bandit.every": 0}, ["--bandit.every", "outside"]),
+    ({"bandit.every": 2, "data.val": None}, ["bandit.every", "--data.val"]),
+], ids=["negative-weight", "all-zero", "unknown-key", "empty-train-glob", "empty-val-glob", "missing-train",
+        "duplicate-name", "bad-name", "too-many", "train-and-sources", "bandit-without-every", "every-0",
+        "bandit-without-val"])
+def test_bad_mixture_flags_are_one_clear_error(cpu_binary, sources, overrides, words):
+    res = eu.run_engine(cpu_binary, mixture_args(sources, 3, **overrides), timeout=30)
+    assert res.rc == 2 and len(res.errors) == 1 and not res.steps, res.describe()
+    assert all(w in res.errors[0] for w in words), res.errors
+
+
+@pytest.fixture(scope="module")
+def flags(cpu_binary):
+    return engines.engine_flags(str(cpu_binary))
+
+
+def mixture_config(**data):
+    return {"name": "mix", "model": {"n_layer": 2, "d_model": 32, "n_head": 4, "seq_len": 16, "vocab_size": V},
+            "train": {"steps": 3, "batch_size": 4},
+            "data": {"sources": [{"name": "a", "train": "a_*.bin", "weight": 1.0},
+                                 {"name": "b", "train": "b_*.bin", "val": "bv_*.bin", "weight": 2}],
+                     "val": "v_*.bin", **data},
+            "bandit": {"every": 5, "gamma": 0.2}}
+
+
+def test_config_sources_become_indexed_flags(flags):
+    cfg = mixture_config()
+    config.validate_config(cfg, flags)
+    args = config.engine_args(cfg, flags, [], "/r/x.ckpt", resume=False)
+    pairs = dict(zip(args[::2], args[1::2]))
+    assert pairs["--data.sources.0.name"] == "a" and pairs["--data.sources.1.name"] == "b"
+    assert pairs["--data.sources.1.train"] == str(eu.REPO / "b_*.bin")          # a glob: repository-relative
+    assert pairs["--data.sources.1.val"] == str(eu.REPO / "bv_*.bin")
+    assert float(pairs["--data.sources.1.weight"]) == 2.0 and pairs["--bandit.every"] == "5"
+    assert "--data.sources.0.val" not in pairs and "--data.train" not in pairs
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"sources": [{"name": "a", "train": "a", "weight": -1}]}, '"data.sources[0].weight" must be at least 0'),
+    ({"sources": [{"name": "a", "train": "a", "wieght": 1}]}, 'unknown key "data.sources[0].wieght"'),
+    ({"sources": [{"name": "a", "train": ""}]}, '"data.sources[0].train" must be a glob pattern'),
+    ({"sources": [{"name": "a"}]}, 'missing key "data.sources[0].train"'),
+    ({"sources": [{"train": "a"}]}, 'missing key "data.sources[0].name"'),
+    ({"sources": []}, '"data.sources" must be a list of objects'),
+    ({"sources": [{"name": "a", "train": "a"}] * 9}, '"data.sources" holds 9 items; at most 8'),
+    ({"train": "t_*.bin"}, '"data.train" and "data.sources", not both'),
+])
+def test_bad_mixture_config_names_the_key(flags, change, message):
+    cfg = mixture_config(**change)
+    with pytest.raises(config.ConfigError, match=None) as e:
+        config.validate_config(cfg, flags)
+    assert message in str(e.value)
+
+
+def test_proxy_refuses_a_bad_mixture_before_launching(cpu_binary, tmp_path):
+    """Through the proxy: exit 2, one error line naming the key, no run directory."""
+    cfg = mixture_config()
+    cfg["data"]["sources"][1]["weight"] = "heavy"
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps(cfg))
+    res = subprocess.run([sys.executable, str(PROXY), str(path), "--engine-binary", str(cpu_binary),
+                          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, env=proxy_env(),
+                         timeout=60)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and '"data.sources[1].weight" must be a number' in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The GPU engine draws what the CPU engine draws
+
+
+@pytest.mark.gpu
+def test_gpu_engine_draws_the_cpu_engines_arms(cpu_binary, sources):
+    """fp32, the bandit probing every step: the arms of all 200 steps × 2 micro-batches are the CPU
+    engine's, and p agrees to 1e-4 (rewards come from each engine's own probe losses, which agree
+    to about 1e-6; an arm could differ only if a draw fell that close to a boundary of p)."""
+    from conftest import gpu_present
+    if not gpu_present():
+        pytest.skip("no GPU (nvidia-smi -L lists none)")
+    cuda = Path(os.environ.get("ANDREA_CUDA_BINARY", eu.CUDA_BINARY))
+    if not cuda.exists():
+        pytest.skip(f"{cuda} not built (make cuda)")
+    args = mixture_args(sources, 200, **{"bandit.every": 1, "train.grad_accum": 2, "train.precision": "fp32"})
+    cpu, gpu = eu.run_ok(cpu_binary, args), eu.run_ok(cuda, args)
+    assert arms_of(gpu) == arms_of(cpu) and len(arms_of(cpu)) == 400
+    p_cpu = np.array([e["p"] for e in cpu.events("bandit")])
+    p_gpu = np.array([e["p"] for e in gpu.events("bandit")])
+    assert p_cpu.shape == p_gpu.shape == (200, 2)
+    assert np.abs(p_cpu - p_gpu).max() < 1e-4, np.abs(p_cpu - p_gpu).max()
+    assert p_cpu[:, 1].max() > 0.6  # the bandit moved, so the comparison covers its updates
