@@ -217,7 +217,7 @@ def test_resuming_a_run_without_bandit_state_starts_it_afresh(cpu_binary, source
     ({"data.sources.1.train": None}, ["--data.sources.1.train"]),
     ({"data.sources.1.name": "noise"}, ["--data.sources.1.name", "already the name"]),
     ({"data.sources.1.name": "a b"}, ["--data.sources.1.name", "letters"]),
-    ({"data.sources.8.name": "x"}, ["--data.sources.8.name", "at most 8"]),
+    ({"data.sources.32.name": "x"}, ["--data.sources.32.name", "at most 32"]),
     ({"data.train": "x_*.bin"}, ["--data.train", "not both"]),
     ({"bandit.gamma": 0.2}, ["--bandit.every"]),
     ({"bandit.every": 0}, ["--bandit.every", "outside"]),
@@ -264,7 +264,7 @@ def test_config_sources_become_indexed_flags(flags):
     ({"sources": [{"name": "a"}]}, 'missing key "data.sources[0].train"'),
     ({"sources": [{"train": "a"}]}, 'missing key "data.sources[0].name"'),
     ({"sources": []}, '"data.sources" must be a list of objects'),
-    ({"sources": [{"name": "a", "train": "a"}] * 9}, '"data.sources" holds 9 items; at most 8'),
+    ({"sources": [{"name": "a", "train": "a"}] * 33}, '"data.sources" holds 33 items; at most 32'),
     ({"train": "t_*.bin"}, '"data.train" and "data.sources", not both'),
 ])
 def test_bad_mixture_config_names_the_key(flags, change, message):

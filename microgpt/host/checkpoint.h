@@ -23,7 +23,7 @@
 #include <unistd.h>
 
 #define CKPT_HEADER_BYTES 8
-#define CKPT_SIDECAR_MAX 4096
+#define CKPT_SIDECAR_MAX 8192
 
 static size_t ckpt_expected_bytes(size_t n_params) { return CKPT_HEADER_BYTES + 3 * 4 * n_params; }
 

@@ -11,7 +11,7 @@
 
 #define CFG_PATH_MAX 1024
 #define CFG_MAX_PROMPTS 64
-#define CFG_MAX_SOURCES 8
+#define CFG_MAX_SOURCES 32
 #define CFG_NAME_MAX 64
 
 /* One data source of a mixture (docs/FIREHOSE-BANDIT.md): --data.sources.N.{name,train,val,weight}. */
