@@ -1,88 +1,196 @@
-"""The proxy's web server (SPEC §5): the dashboard, the run's data, live updates, and two controls.
+"""The dashboard's web server (docs/DESIGN.md §5, §6): the page, the runs' data, live updates, and
+two controls of the run being trained.
 
     GET  /                     scripts/live-loss-dashboard.html
-    GET  /api/state            the run's state (as in <name>.state.json)
-    GET  /api/samples          the samples of the current phase
-    GET  /api/records?from=i&limit=n   loss-log records i.. as {"next","total","records"}
-    GET  /api/stream?from=i    Server-Sent Events: "records" (id = index after the last record sent,
-                               so a reconnecting EventSource resumes where it stopped), "state",
-                               "samples" whenever they change
-    GET  /files/               the run directory's JSON files; GET /files/<path> one of them
-    POST /api/checkpoint       checkpoint now (SIGUSR1)            } header X-Run-Token: <token>
-    POST /api/stop             checkpoint and stop (SIGTERM)      } (printed with the URL)
+    GET  /api/runs             [{"id", "name"}] of the runs served (one, or a directory's)
+    GET  /api/state?run=ID     a run's state (as in <name>.state.json)
+    GET  /api/samples?run=ID   the samples of the current phase
+    GET  /api/records?run=ID&from=i&limit=n   loss-log records i.. as {"next","total","records"}
+    GET  /api/stream?run=ID&from=i   Server-Sent Events: "records" (id = index after the last record
+                               sent, so a reconnecting EventSource resumes where it stopped),
+                               "state", "samples" whenever they change
+    GET  /files/               the served directory's JSON files; GET /files/<path> one of them
+    POST /api/checkpoint       checkpoint now (SIGUSR1)      } the run being trained only
+    POST /api/stop             checkpoint and stop (SIGTERM) }
 
-The cursor is a record index, not a step: steps repeat after a resume, indices never do. Read-only
-endpoints allow any origin, so the dashboard opened from disk can use them; nothing outside the run
-directory is reachable, and only JSON files inside it. On a loopback address the Host header must be
-a loopback name too, so a web page cannot reach the server through DNS rebinding.
+`run` may be left out when one run is served. Every request but the page itself needs the token
+(header X-Run-Token, or ?token= where a header cannot be set: EventSource, links); when the server
+is bound to anything but loopback, the page needs it too. The token is kept in the served directory
+(TOKEN_FILE, owner-only), so it outlives a launch: a tab left open keeps working after a relaunch.
+
+No wildcard CORS: only the origin "null" (the dashboard opened from disk) is allowed to read, and
+only with the token. The Host header must name this machine (a loopback name, an IP literal, or
+this host's name), so a page cannot reach the server through DNS rebinding.
+
+Resources are bounded so that no client can slow training: at most MAX_CONNECTIONS connections
+(one thread each), MAX_STREAMS live streams, one message of at most STREAM_CHUNK records buffered
+per stream, and a client that does not take its data for SEND_TIMEOUT_SECONDS is dropped. The
+engine's output is read by the proxy's own threads, which never wait on a client.
 """
 import hmac
+import ipaddress
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
+import stat
+import sys
 import threading
 import time
 
 from flask import Flask, Response, abort, jsonify, request, send_file
-from werkzeug.serving import make_server
+from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
+
+from run_view import RunDirectory  # a sibling module, like this one is to the proxy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DASHBOARD = os.path.join(os.path.dirname(HERE), "scripts", "live-loss-dashboard.html")
-CHUNK = 20000  # records per message: big enough to catch up fast, small enough to parse smoothly
+TOKEN_FILE = "dashboard.token"
+CHUNK = 20000  # records per /api/records answer at most
+STREAM_CHUNK = 5000  # records per stream message: catches up fast, bounds each stream's buffer
 POLL_SECONDS = 0.2
 PING_SECONDS = 15
+MAX_CONNECTIONS = 64
+MAX_STREAMS = 16
+SEND_TIMEOUT_SECONDS = 10
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def create_app(run, bind_host):
+def is_loopback(host):
+    """Only these binds keep the server on this machine: 127.0.0.2 is reachable by other users'
+    containers and namespaces that share lo, and 0.0.0.0 by the network."""
+    return host in LOOPBACK
+
+
+# ---------------------------------------------------------------------------------------------------
+# The token
+
+
+def load_token(directory):
+    """The dashboard token of `directory`, created on first use: a file only its owner can read.
+    A token file that others can read, or that is not ours, is replaced (with a warning)."""
+    path = os.path.join(directory, TOKEN_FILE)
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            with open(path) as f:
+                token = f.read().strip()
+            if len(token) >= 16 and token.replace("-", "").replace("_", "").isalnum():
+                return token
+        print(f"warning: {path} was not an owner-only token file; made a new token", file=sys.stderr)
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    token = secrets.token_urlsafe(18)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, (token + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # fails if another process made one meanwhile: then use that one
+    except FileExistsError:
+        os.unlink(tmp)
+        return load_token(directory)
+    os.unlink(tmp)
+    return token
+
+
+# ---------------------------------------------------------------------------------------------------
+# What is served: the run being trained, or a directory of runs (read-only, see run_view.py)
+
+
+class TrainedRun:
+    """The training proxy's own run (training_proxy.Run): one run, with controls."""
+
+    controllable = True
+
+    def __init__(self, run):
+        self.run, self.root = run, run.dir
+
+    def listing(self):
+        return [{"id": self.run.name, "name": self.run.name}]
+
+    def get(self, run_id):
+        return self.run if run_id in (None, self.run.name) else None
+
+
+def create_app(served, bind_host, token):
     app = Flask(__name__)
+    exposed = not is_loopback(bind_host)
+    streams = threading.BoundedSemaphore(MAX_STREAMS)
 
     @app.before_request
-    def check_host():
-        if bind_host in LOOPBACK:
-            host = request.host.rsplit(":", 1)[0] if not request.host.endswith("]") else request.host
-            if host.strip("[]") not in LOOPBACK:
-                abort(403, "Host must be a loopback name")
+    def guard():
+        if not _host_allowed(request.host, bind_host):
+            abort(403, "the Host header must name this machine")
+        if request.method == "OPTIONS" or (request.path == "/" and not exposed):
+            return  # a CORS preflight; the page itself holds no data and asks for the token
+        given = request.headers.get("X-Run-Token") or request.args.get("token", "")
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            abort(403, "this needs the dashboard's token: open the URL the proxy printed "
+                       "(…/?token=…)")
 
     @app.after_request
     def headers(resp):
-        resp.headers["Access-Control-Allow-Origin"] = "*"
-        resp.headers["Access-Control-Allow-Headers"] = "X-Run-Token"
+        if request.headers.get("Origin") == "null":  # the dashboard opened from disk
+            resp.headers["Access-Control-Allow-Origin"] = "null"
+            resp.headers["Access-Control-Allow-Headers"] = "X-Run-Token"
+            resp.headers["Access-Control-Allow-Methods"] = "GET, POST"
+        resp.headers["Vary"] = "Origin"
         resp.headers["Cache-Control"] = "no-store"
+        resp.headers["X-Content-Type-Options"] = "nosniff"
+        resp.headers["Referrer-Policy"] = "no-referrer"  # the token is in the page's URL
         return resp
+
+    def the_run():
+        run = served.get(request.args.get("run"))
+        if run is None:
+            abort(404, "no such run")
+        return run
 
     @app.get("/")
     def dashboard():
         return send_file(DASHBOARD, mimetype="text/html")
 
+    @app.get("/api/runs")
+    def runs():
+        return jsonify(served.listing())
+
     @app.get("/api/state")
     def state():
-        return jsonify(run.state)
+        return jsonify(the_run().state)
 
     @app.get("/api/samples")
     def samples():
-        return jsonify(run.samples)
+        return jsonify(the_run().samples)
 
     @app.get("/api/records")
     def records():
+        run = the_run()
         first = _int_arg("from", 0)
-        limit = min(_int_arg("limit", CHUNK), CHUNK * 10)
+        limit = min(_int_arg("limit", CHUNK), CHUNK)
         return Response(_records_message(run.log, first, limit)[0], mimetype="application/json")
 
     @app.get("/api/stream")
     def stream():
+        run = the_run()
         first = _int_arg("from", 0)
         last_id = request.headers.get("Last-Event-ID", "")
         if _is_index(last_id):  # EventSource reconnecting after a drop
             first = int(last_id)
-        return Response(_events(run, first), mimetype="text/event-stream",
+        if not streams.acquire(blocking=False):
+            abort(503, f"too many live streams (at most {MAX_STREAMS}): close other dashboards")
+        return Response(_events(run, first, streams.release), mimetype="text/event-stream",
                         headers={"X-Accel-Buffering": "no"})
 
     @app.get("/files/")
     def file_list():
-        root = os.path.realpath(run.dir)
+        root = os.path.realpath(served.root)
         found = []
         for d, _dirs, names in os.walk(root):
             found += [os.path.relpath(os.path.join(d, n), root) for n in names if n.endswith(".json")]
@@ -90,24 +198,35 @@ def create_app(run, bind_host):
 
     @app.get("/files/<path:rel>")
     def run_file(rel):
-        path = _inside(run.dir, rel)
+        path = _inside(served.root, rel)
         if path is None or not path.endswith(".json") or not os.path.isfile(path):
             abort(404)
         return send_file(path, mimetype="application/json")
 
-    @app.post("/api/checkpoint")
-    def checkpoint():
-        _require_token(run.token)
-        os.kill(os.getpid(), signal.SIGUSR1)  # the proxy's own handler forwards it
-        return jsonify(ok=True, action="checkpoint"), 202
+    def control(action, sig):
+        if not served.controllable:
+            abort(405, "this server only shows runs")
+        os.kill(os.getpid(), sig)  # the proxy's own handler forwards it to the engine
+        return jsonify(ok=True, action=action), 202
 
-    @app.post("/api/stop")
-    def stop():
-        _require_token(run.token)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return jsonify(ok=True, action="stop"), 202
-
+    app.post("/api/checkpoint")(lambda: control("checkpoint", signal.SIGUSR1))
+    app.post("/api/stop", endpoint="stop")(lambda: control("stop", signal.SIGTERM))
     return app
+
+
+def _host_allowed(host_header, bind_host):
+    """The Host header's name (port dropped) is a loopback name, or, when bound beyond loopback,
+    an IP literal or this machine's name: never a name someone else's DNS can point here."""
+    name = host_header[1:].split("]")[0] if host_header.startswith("[") else host_header.rsplit(":", 1)[0]
+    if name in LOOPBACK:
+        return True
+    if is_loopback(bind_host):
+        return False
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return name.lower() in {socket.gethostname().lower(), socket.getfqdn().lower()}
 
 
 def _is_index(text):
@@ -122,14 +241,11 @@ def _int_arg(name, default):
     return int(value)
 
 
-def _require_token(token):
-    given = request.headers.get("X-Run-Token", "")
-    if not hmac.compare_digest(given.encode(), token.encode()):
-        abort(403, "this action needs the run's token (header X-Run-Token)")
-
-
 def _inside(root, rel):
-    """The real path of rel under root, or None if it leaves root (.., absolute, symlink)."""
+    """The real path of rel under root, or None if it leaves root (.., absolute, symlink) or cannot
+    be a path at all (a NUL byte)."""
+    if "\0" in rel:
+        return None
     root = os.path.realpath(root)
     path = os.path.realpath(os.path.join(root, rel))
     return path if os.path.commonpath([root, path]) == root and path != root else None
@@ -144,29 +260,72 @@ def _records_message(log, first, limit):
     return msg, nxt
 
 
-def _events(run, cursor):
-    """The live stream: everything from cursor on, then whatever is new, as it appears."""
-    seen_state = seen_samples = None
-    last_sent = time.monotonic()
-    while True:
-        out = []
-        if cursor < len(run.log):
-            msg, cursor = _records_message(run.log, cursor, CHUNK)
-            out.append(b"id: %d\nevent: records\ndata: " % cursor + msg + b"\n\n")
-        if run.state_version != seen_state:
-            seen_state = run.state_version
-            out.append(b"event: state\ndata: " + json.dumps(run.state).encode() + b"\n\n")
-        if run.samples_version != seen_samples:
-            seen_samples = run.samples_version
-            out.append(b"event: samples\ndata: " + json.dumps(run.samples).encode() + b"\n\n")
-        now = time.monotonic()
-        if not out and now - last_sent > PING_SECONDS:
-            out.append(b": ping\n\n")  # a write is how a dropped client is noticed
-        if out:
-            last_sent = now
-            yield b"".join(out)
-        if cursor >= len(run.log):
-            time.sleep(POLL_SECONDS)
+def _events(run, cursor, release):
+    """The live stream: everything from cursor on, then whatever is new, as it appears. One message
+    is built at a time, and only once the previous one was handed to the socket: a client that
+    does not read costs one message and its socket buffer, until the send timeout drops it."""
+    try:
+        seen_state = seen_samples = None
+        last_sent = time.monotonic()
+        while True:
+            out = []
+            if cursor < len(run.log):
+                msg, cursor = _records_message(run.log, cursor, STREAM_CHUNK)
+                out.append(b"id: %d\nevent: records\ndata: " % cursor + msg + b"\n\n")
+            if run.state_version != seen_state:
+                seen_state = run.state_version
+                out.append(b"event: state\ndata: " + json.dumps(run.state).encode() + b"\n\n")
+            if run.samples_version != seen_samples:
+                seen_samples = run.samples_version
+                out.append(b"event: samples\ndata: " + json.dumps(run.samples).encode() + b"\n\n")
+            now = time.monotonic()
+            if not out and now - last_sent > PING_SECONDS:
+                out.append(b": ping\n\n")  # a write is how a dropped client is noticed
+            if out:
+                last_sent = now
+                yield b"".join(out)
+            if cursor >= len(run.log):
+                time.sleep(POLL_SECONDS)
+    finally:
+        release()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The HTTP server
+
+
+class _RequestHandler(WSGIRequestHandler):
+    timeout = SEND_TIMEOUT_SECONDS  # on every send and receive: a client that stalls is dropped
+
+    def log_request(self, *args):  # no line per request
+        pass
+
+
+class _BoundedServer(ThreadedWSGIServer):
+    """werkzeug's threaded server, with at most MAX_CONNECTIONS connections (and so threads) at a
+    time: one more is answered 503 and closed at once, without a thread."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.setblocking(False)
+                request.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                             b"Connection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 def _bind(host, port):
@@ -175,8 +334,8 @@ def _bind(host, port):
 
 
 class Server:
-    def __init__(self, httpd, host):
-        self.httpd = httpd
+    def __init__(self, httpd, host, token):
+        self.httpd, self.token = httpd, token
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{httpd.socket.getsockname()[1]}/"
         self.thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -185,10 +344,19 @@ class Server:
         self.httpd.shutdown()
 
 
-def start(run, host, port, default_port):
+def exposure_warning(host, port):
+    """Said loudly when the server is reachable beyond loopback."""
+    bar = "!" * 78
+    return (f"{bar}\nWARNING: --host {host} is not loopback: anyone who can reach this machine on "
+            f"port {port} can connect.\nEvery request needs the token in the printed URL, but the "
+            "traffic is plain HTTP: anyone on the\nway can read the token and the run. Prefer the "
+            f"default host and a tunnel:\n    ssh -L {port}:127.0.0.1:{port} THIS-MACHINE\n{bar}")
+
+
+def start(served, host, port, default_port, token):
     """Serve in a background thread; port None means default_port, or any free port if taken."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-    app = create_app(run, host)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    app = create_app(served, host, token)
     try:
         sock = _bind(host, default_port if port is None else port)
     except OSError:
@@ -196,8 +364,21 @@ def start(run, host, port, default_port):
             raise
         sock = _bind(host, 0)
     # werkzeug would print and sys.exit() on a bind error, so the socket is bound here instead.
-    httpd = make_server(host, sock.getsockname()[1], app, threaded=True, fd=sock.fileno())
-    sock.close()  # werkzeug holds its own duplicate of the descriptor
-    server = Server(httpd, host)
+    httpd = _BoundedServer(host, sock.getsockname()[1], app, handler=_RequestHandler,
+                           fd=sock.fileno())
+    sock.close()  # the server holds its own duplicate of the descriptor
+    server = Server(httpd, host, token)
+    if not is_loopback(host):
+        print(exposure_warning(host, httpd.socket.getsockname()[1]), file=sys.stderr, flush=True)
     server.thread.start()
     return server
+
+
+def start_for_run(run, host, port, default_port):
+    """The training proxy's server: its run, with the run directory's token."""
+    return start(TrainedRun(run), host, port, default_port, load_token(run.dir))
+
+
+def start_for_directory(root, host, port, default_port):
+    """`--serve DIR`: every run under DIR, read-only, with DIR's token."""
+    return start(RunDirectory(root), host, port, default_port, load_token(root))

@@ -25,7 +25,6 @@ import collections
 import fcntl
 import json
 import os
-import secrets
 import shutil
 import signal
 import struct
@@ -357,7 +356,6 @@ class Run:
             write_json_atomic(self.samples_path, [])
         self.state = read_json(self.state_path, {})
         self.state_version = self.samples_version = 0
-        self.token = secrets.token_urlsafe(18)  # authorises requests that change the run
         self.proc = None
         self.pending = []  # loss records not yet on disk
         self.pending_since = 0.0
@@ -774,10 +772,10 @@ def main(argv):
     if not args.no_server:
         import proxy_server
         try:
-            server = proxy_server.start(run, args.host, args.port, DEFAULT_PORT)
+            server = proxy_server.start_for_run(run, args.host, args.port, DEFAULT_PORT)
         except OSError as e:
             fail(f"cannot serve the dashboard on {args.host}:{args.port}: {e.strerror or e}")
-        say(f"dashboard: {server.url}?token={run.token}")
+        say(f"dashboard: {server.url}?token={server.token}")
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
