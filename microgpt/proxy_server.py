@@ -27,6 +27,8 @@ Resources are bounded so that no client can slow training: at most MAX_CONNECTIO
 per stream, and a client that does not take its data for SEND_TIMEOUT_SECONDS is dropped. The
 engine's output is read by the proxy's own threads, which never wait on a client.
 """
+import base64
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -41,6 +43,7 @@ import threading
 import time
 
 from flask import Flask, Response, abort, jsonify, request, send_file
+from werkzeug.exceptions import HTTPException
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 from run_view import RunDirectory  # a sibling module, like this one is to the proxy
@@ -113,7 +116,7 @@ class TrainedRun:
         self.run, self.root = run, run.dir
 
     def listing(self):
-        return [{"id": self.run.name, "name": self.run.name}]
+        return [{"id": self.run.name, "name": self.run.name, "controls": True}]
 
     def get(self, run_id):
         return self.run if run_id in (None, self.run.name) else None
@@ -153,9 +156,15 @@ def create_app(served, bind_host, token):
             abort(404, "no such run")
         return run
 
+    @app.errorhandler(HTTPException)
+    def plain_error(e):  # a short JSON answer, never an HTML page that echoes the request
+        return jsonify(error=e.description), e.code
+
     @app.get("/")
     def dashboard():
-        return send_file(DASHBOARD, mimetype="text/html")
+        with open(DASHBOARD, "rb") as f:
+            page = f.read()
+        return Response(page, mimetype="text/html", headers={"Content-Security-Policy": _page_policy(page)})
 
     @app.get("/api/runs")
     def runs():
@@ -212,6 +221,16 @@ def create_app(served, bind_host, token):
     app.post("/api/checkpoint")(lambda: control("checkpoint", signal.SIGUSR1))
     app.post("/api/stop", endpoint="stop")(lambda: control("stop", signal.SIGTERM))
     return app
+
+
+def _page_policy(page):
+    """The page may run its own script and nothing else (the script's hash), and talk only to this
+    server: even a text that slipped into the page as HTML could not run or send anything."""
+    script = page.split(b"<script>", 1)[1].split(b"</script>", 1)[0]
+    digest = base64.b64encode(hashlib.sha256(script).digest()).decode()
+    return (f"default-src 'none'; script-src 'sha256-{digest}'; style-src 'unsafe-inline'; "
+            "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+            "frame-ancestors 'none'")
 
 
 def _host_allowed(host_header, bind_host):
