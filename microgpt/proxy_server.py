@@ -18,8 +18,8 @@ two controls of the run being trained.
 is bound to anything but loopback, the page needs it too. The token is kept in the served directory
 (TOKEN_FILE, owner-only), so it outlives a launch: a tab left open keeps working after a relaunch.
 
-No wildcard CORS: only the origin "null" (the dashboard opened from disk) is allowed to read, and
-only with the token. The Host header must name this machine (a loopback name, an IP literal, or
+No wildcard CORS: only a page opened from disk (origin "null", or "file://") is allowed to read,
+and only with the token. The Host header must name this machine (a loopback name, an IP literal, or
 this host's name), so a page cannot reach the server through DNS rebinding.
 
 Resources are bounded so that no client can slow training: at most MAX_CONNECTIONS connections
@@ -59,6 +59,7 @@ MAX_CONNECTIONS = 64
 MAX_STREAMS = 16
 SEND_TIMEOUT_SECONDS = 10
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+FILE_ORIGINS = ("null", "file://")  # how browsers name a page opened from disk
 
 
 def is_loopback(host):
@@ -140,8 +141,9 @@ def create_app(served, bind_host, token):
 
     @app.after_request
     def headers(resp):
-        if request.headers.get("Origin") == "null":  # the dashboard opened from disk
-            resp.headers["Access-Control-Allow-Origin"] = "null"
+        origin = request.headers.get("Origin")
+        if origin in FILE_ORIGINS:  # the dashboard opened from disk
+            resp.headers["Access-Control-Allow-Origin"] = origin
             resp.headers["Access-Control-Allow-Headers"] = "X-Run-Token"
             resp.headers["Access-Control-Allow-Methods"] = "GET, POST"
         resp.headers["Vary"] = "Origin"
