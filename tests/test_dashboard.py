@@ -250,7 +250,7 @@ def test_text_from_a_run_is_never_html(browser):
               r.samples = [{step: 50, prompt: hostile, text: hostile}];
               r.feed([{event: 'resume', step: 40, tokens: 1, elapsed: 1, changed: {[hostile]: [hostile, hostile]}}]);
             }
-            document.getElementById('configs').open = true;
+            document.querySelectorAll('details').forEach(d => { d.open = true; });
             dash.draw();""", HOSTILE, hostile_state("x"), n_runs)
         assert_nothing_ran(browser)
 
