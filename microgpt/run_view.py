@@ -15,6 +15,7 @@ LOSS_SUFFIX = ".loss.json"
 REFRESH_SECONDS = 0.2  # files are looked at no more often than this, whatever the clients ask
 SCAN_SECONDS = 2.0  # new runs in the directory appear within this
 SCAN_DEPTH = 2  # DIR/<name>.loss.json or DIR/<run>/<name>.loss.json
+READ_BYTES = 1 << 22  # a log is indexed this much at a time (records are a few hundred bytes)
 
 
 class LogFollower:
@@ -39,12 +40,13 @@ class LogFollower:
         with self.lock:
             if (st.st_dev, st.st_ino) != self.ident or st.st_size < self.scanned:
                 self._reset((st.st_dev, st.st_ino))
-            if st.st_size == self.scanned:
-                return
             with open(self.path, "rb") as f:
-                f.seek(self.scanned)
-                data = f.read(st.st_size - self.scanned)
-            self._index(data)
+                while self.scanned < st.st_size:  # in bounded pieces: a big log costs no big buffer
+                    f.seek(self.scanned)
+                    before = self.scanned
+                    self._index(f.read(min(st.st_size - self.scanned, READ_BYTES)))
+                    if self.scanned == before:  # a write under way: its line is looked at next time
+                        break
 
     def _index(self, data):
         """Index the complete record lines of data (which starts at self.scanned). A record line is

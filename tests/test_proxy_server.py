@@ -243,3 +243,33 @@ def test_clients_that_never_read_do_not_hold_up_training(tmp_path, cpu_binary):
         assert (exp.run_dir / proxy_server.TOKEN_FILE).read_text().strip() == token
     finally:
         p.kill()
+
+
+def test_the_log_follower_serves_only_complete_records(tmp_path, monkeypatch):
+    """`--serve` reads logs that another process is writing: a record counts once its line is
+    whole, a log read in small pieces is the same log, and a log replaced by a repair is indexed
+    again."""
+    import run_view
+    monkeypatch.setattr(run_view, "READ_BYTES", 97)  # lines cross every piece's edge
+    path = tmp_path / "x.loss.json"
+    log = LossLog(str(path))
+    log.append([{"step": i, "loss": 1.0 / i, "note": "é" * (i % 5)} for i in range(1, 40)])
+    follower = run_view.LogFollower(str(path))
+    follower.refresh()
+    whole = json.loads(path.read_bytes())
+    assert len(follower) == 39 and json.loads(follower.read_json(0, 100)[0]) == whole
+    # An append caught half-written: ",\n{record" without its end, then the rest.
+    data = path.read_bytes()
+    torn = data[:-2] + b',\n{"live":1,"step":40,"lo'
+    path.write_bytes(torn)
+    follower.refresh()
+    assert len(follower) == 39
+    path.write_bytes(data[:-2] + b',\n{"live":1,"step":40,"loss":0.025}\n]')
+    follower.refresh()
+    assert len(follower) == 40 and json.loads(follower.read_json(38, 5)[0])[-1]["step"] == 40
+    # Replaced (a new inode, as a repair writes it): indexed from scratch.
+    fresh = tmp_path / "fresh.json"
+    fresh.write_bytes(b'[\n{"live":1,"step":1,"loss":2.0}\n]')
+    os.replace(fresh, path)
+    follower.refresh()
+    assert json.loads(follower.read_json(0, 10)[0]) == [{"live": 1, "step": 1, "loss": 2.0}]
