@@ -11,6 +11,8 @@ import threading
 import time
 from array import array
 
+from loss_log import LossLog  # a sibling module, like this one is to the proxy
+
 LOSS_SUFFIX = ".loss.json"
 REFRESH_SECONDS = 0.2  # files are looked at no more often than this, whatever the clients ask
 SCAN_SECONDS = 2.0  # new runs in the directory appear within this
@@ -20,37 +22,47 @@ READ_BYTES = 1 << 22  # a log is indexed this much at a time (records are a few 
 
 class LogFollower:
     """A loss log written by someone else (microgpt/loss_log.py's layout), indexed by complete
-    lines as it grows; serves raw record bytes the way LossLog.read_json does."""
+    lines as it grows. It keeps what LossLog.read_json reads (starts, end, fd, lock), so records
+    are served by the same code, as raw bytes."""
+
+    read_json = LossLog.read_json
 
     def __init__(self, path):
         self.path = path
         self.lock = threading.Lock()
-        self._reset(None)
+        self.fd = None
+        self.ident = None  # (device, inode): a log replaced by a repair is indexed again
 
-    def _reset(self, ident):
-        self.ident = ident  # (device, inode): a log replaced by a repair is indexed again
-        self.starts, self.ends = array("q"), array("q")
+    def _reopen(self):
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        st = os.fstat(self.fd)
+        self.ident = (st.st_dev, st.st_ino)
+        self.starts = array("q")  # byte offset where each record's line starts
+        self.end = 0  # offset just after the last indexed record's "}"
         self.scanned = 0  # offset of the first byte not yet indexed
 
     def refresh(self):
         try:
             st = os.stat(self.path)
-        except FileNotFoundError:
-            return
-        with self.lock:
-            if (st.st_dev, st.st_ino) != self.ident or st.st_size < self.scanned:
-                self._reset((st.st_dev, st.st_ino))
-            with open(self.path, "rb") as f:
-                while self.scanned < st.st_size:  # in bounded pieces: a big log costs no big buffer
-                    f.seek(self.scanned)
+            with self.lock:
+                if (st.st_dev, st.st_ino) != self.ident:
+                    self._reopen()
+                size = os.fstat(self.fd).st_size
+                if size < self.scanned:  # cut back (a torn tail repaired in place)
+                    self._reopen()
+                while self.scanned < size:  # in bounded pieces: a big log costs no big buffer
                     before = self.scanned
-                    self._index(f.read(min(st.st_size - self.scanned, READ_BYTES)))
+                    self._index(os.pread(self.fd, min(size - self.scanned, READ_BYTES), self.scanned))
                     if self.scanned == before:  # a write under way: its line is looked at next time
                         break
+        except FileNotFoundError:
+            return
 
     def _index(self, data):
         """Index the complete record lines of data (which starts at self.scanned). A record line is
-        {"live":...} followed by ",\\n" or by "\\n]" (the last one); anything shorter is a write
+        {"live":...} followed by ",\n" or by "\n]" (the last one); anything shorter is a write
         still under way, looked at again next time."""
         pos = 0
         while True:
@@ -59,32 +71,19 @@ class LogFollower:
                 break
             line = data[pos:nl]
             if line.startswith(b'{"live":'):
-                end = line.rstrip(b",")
+                record = line.rstrip(b",")
                 last = not line.endswith(b",")
-                if not end.endswith(b"}") or (last and not data.startswith(b"]", nl + 1)):
+                if not record.endswith(b"}") or (last and not data.startswith(b"]", nl + 1)):
                     break
                 self.starts.append(self.scanned + pos)
-                self.ends.append(self.scanned + pos + len(end))
+                self.end = self.scanned + pos + len(record)
             elif line not in (b"[", b""):  # "" where an append replaced the closing "\n]"
                 break
             pos = nl + 1
         self.scanned += pos
 
     def __len__(self):
-        return len(self.starts)
-
-    def read_json(self, first, limit):
-        with self.lock:
-            n = len(self.starts)
-            first = max(0, min(first, n))
-            stop_i = min(n, first + max(0, limit))
-            if stop_i == first:
-                return b"[]", first
-            start, stop = self.starts[first], self.ends[stop_i - 1]
-        with open(self.path, "rb") as f:
-            f.seek(start)
-            chunk = f.read(stop - start)
-        return b"[" + chunk + b"]", stop_i
+        return len(self.starts) if self.fd is not None else 0
 
 
 def _read_json_file(path, kind):
@@ -97,6 +96,14 @@ def _read_json_file(path, kind):
     return value if isinstance(value, kind) else kind()
 
 
+def _checked(attr):
+    """A RunView attribute read after a look at whether the run's files changed."""
+    def get(view):
+        view._refresh()
+        return getattr(view, attr)
+    return property(get)
+
+
 class RunView:
     """One run on disk: state, samples and log, with the counters the live stream watches."""
 
@@ -106,18 +113,18 @@ class RunView:
         base = os.path.join(self.dir, self.name)
         self._log = LogFollower(loss_path)
         self._files = {"state": (base + ".state.json", dict), "samples": (base + ".samples.json", list)}
-        self._seen = {}
-        self._values = {"state": {}, "samples": []}
-        self._versions = {"state": 0, "samples": 0}
-        self._checked = 0.0
+        self._seen = {}  # file -> (inode, size, mtime) when last read
+        self._state, self._samples = {}, []
+        self._state_version = self._samples_version = 0
+        self._looked = 0.0
         self._lock = threading.Lock()
 
     def _refresh(self):
         with self._lock:
             now = time.monotonic()
-            if now - self._checked < REFRESH_SECONDS:
+            if now - self._looked < REFRESH_SECONDS:
                 return
-            self._checked = now
+            self._looked = now
             for key, (path, kind) in self._files.items():
                 try:
                     st = os.stat(path)
@@ -126,34 +133,15 @@ class RunView:
                     sig = None
                 if sig != self._seen.get(key):
                     self._seen[key] = sig
-                    self._values[key] = _read_json_file(path, kind)
-                    self._versions[key] += 1
+                    setattr(self, f"_{key}", _read_json_file(path, kind))
+                    setattr(self, f"_{key}_version", getattr(self, f"_{key}_version") + 1)
             self._log.refresh()
 
-    @property
-    def log(self):
-        self._refresh()
-        return self._log
-
-    @property
-    def state(self):
-        self._refresh()
-        return self._values["state"]
-
-    @property
-    def samples(self):
-        self._refresh()
-        return self._values["samples"]
-
-    @property
-    def state_version(self):
-        self._refresh()
-        return self._versions["state"]
-
-    @property
-    def samples_version(self):
-        self._refresh()
-        return self._versions["samples"]
+    log = _checked("_log")
+    state = _checked("_state")
+    samples = _checked("_samples")
+    state_version = _checked("_state_version")
+    samples_version = _checked("_samples_version")
 
 
 class RunDirectory:
