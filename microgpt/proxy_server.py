@@ -126,11 +126,13 @@ class TrainedRun:
 def create_app(served, bind_host, token):
     app = Flask(__name__)
     exposed = not is_loopback(bind_host)
+    # this machine's names, looked up once (getfqdn may wait on DNS)
+    own_names = {socket.gethostname().lower(), socket.getfqdn().lower()} if exposed else set()
     streams = threading.BoundedSemaphore(MAX_STREAMS)
 
     @app.before_request
     def guard():
-        if not _host_allowed(request.host, bind_host):
+        if not _host_allowed(request.host, exposed, own_names):
             abort(403, "the Host header must name this machine")
         if request.method == "OPTIONS" or (request.path == "/" and not exposed):
             return  # a CORS preflight; the page itself holds no data and asks for the token
@@ -235,19 +237,19 @@ def _page_policy(page):
             "frame-ancestors 'none'")
 
 
-def _host_allowed(host_header, bind_host):
+def _host_allowed(host_header, exposed, own_names):
     """The Host header's name (port dropped) is a loopback name, or, when bound beyond loopback,
-    an IP literal or this machine's name: never a name someone else's DNS can point here."""
+    an IP literal or one of own_names: never a name someone else's DNS can point here."""
     name = host_header[1:].split("]")[0] if host_header.startswith("[") else host_header.rsplit(":", 1)[0]
     if name in LOOPBACK:
         return True
-    if is_loopback(bind_host):
+    if not exposed:
         return False
     try:
         ipaddress.ip_address(name)
         return True
     except ValueError:
-        return name.lower() in {socket.gethostname().lower(), socket.getfqdn().lower()}
+        return name.lower() in own_names
 
 
 def _is_index(text):
