@@ -46,7 +46,7 @@ from flask import Flask, Response, abort, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
-from run_view import RunDirectory  # a sibling module, like this one is to the proxy
+from microgpt.run_view import RunDirectory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DASHBOARD = os.path.join(os.path.dirname(HERE), "scripts", "live-loss-dashboard.html")
@@ -357,8 +357,8 @@ def _bind(host, port):
 
 
 class Server:
-    def __init__(self, httpd, host, token):
-        self.httpd, self.token = httpd, token
+    def __init__(self, httpd, host, served, token):
+        self.httpd, self.served, self.token = httpd, served, token
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{httpd.socket.getsockname()[1]}/"
         self.thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -390,7 +390,7 @@ def start(served, host, port, default_port, token):
     httpd = _BoundedServer(host, sock.getsockname()[1], app, handler=_RequestHandler,
                            fd=sock.fileno())
     sock.close()  # the server holds its own duplicate of the descriptor
-    server = Server(httpd, host, token)
+    server = Server(httpd, host, served, token)
     if not is_loopback(host):
         print(exposure_warning(host, httpd.socket.getsockname()[1]), file=sys.stderr, flush=True)
     server.thread.start()

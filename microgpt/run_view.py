@@ -11,7 +11,7 @@ import threading
 import time
 from array import array
 
-from loss_log import LossLog  # a sibling module, like this one is to the proxy
+from microgpt.loss_log import LossLog
 
 LOSS_SUFFIX = ".loss.json"
 REFRESH_SECONDS = 0.2  # files are looked at no more often than this, whatever the clients ask

@@ -20,8 +20,7 @@ import pytest
 from proxy_util import ARTIFACTS, REPO, Proxy, ProxyFixtureDir
 from test_proxy_server import make_run
 
-sys.path.insert(0, str(REPO / "microgpt"))
-import proxy_server  # noqa: E402
+from microgpt import proxy_server
 
 DASHBOARD = REPO / "scripts" / "live-loss-dashboard.html"
 TRAIN_COLOR = (0x1F, 0x6F, 0xEB)  # the first run's colour in the dashboard

@@ -13,11 +13,10 @@ import time
 import pytest
 import requests
 
-from proxy_util import REPO, Proxy, ProxyFixtureDir
+from proxy_util import Proxy, ProxyFixtureDir
 
-sys.path.insert(0, str(REPO / "microgpt"))
-import proxy_server  # noqa: E402
-from loss_log import LossLog  # noqa: E402
+from microgpt import proxy_server, run_view
+from microgpt.loss_log import LossLog
 
 
 def make_run(root, name, n, state=None):
@@ -249,7 +248,6 @@ def test_the_log_follower_serves_only_complete_records(tmp_path, monkeypatch):
     """`--serve` reads logs that another process is writing: a record counts once its line is
     whole, a log read in small pieces is the same log, and a log replaced by a repair is indexed
     again."""
-    import run_view
     monkeypatch.setattr(run_view, "READ_BYTES", 97)  # lines cross every piece's edge
     path = tmp_path / "x.loss.json"
     log = LossLog(str(path))
