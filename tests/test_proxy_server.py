@@ -1,11 +1,13 @@
 """The dashboard's server (docs/DESIGN.md §5) against an adversary: the token on every read, no
 wildcard CORS, the Host check beyond loopback, bounded connections and streams, stalled clients
 dropped, a NUL in a path; and `--serve DIR` following runs on disk. Most tests serve a directory of
-runs in this process (microgpt/run_view.py); the last runs the real proxy and CPU engine."""
+runs in this process (microgpt/run_view.py); one runs the real proxy and CPU engine."""
 import json
 import os
+import signal
 import socket
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -13,7 +15,7 @@ import time
 import pytest
 import requests
 
-from proxy_util import Proxy, ProxyFixtureDir
+from proxy_util import PROXY, Proxy, ProxyFixtureDir, proxy_env
 
 from microgpt import proxy_server, run_view
 from microgpt.loss_log import LossLog
@@ -271,3 +273,27 @@ def test_the_log_follower_serves_only_complete_records(tmp_path, monkeypatch):
     os.replace(fresh, path)
     follower.refresh()
     assert json.loads(follower.read_json(0, 10)[0]) == [{"live": 1, "step": 1, "loss": 2.0}]
+
+
+def test_serve_dir_from_the_command_line(tmp_path):
+    """`training_proxy.py --serve DIR`: one line with the URL, the runs listed, Ctrl-C ends it;
+    a config and --serve together, or neither, or a DIR that is not one, is a usage error."""
+    root = tmp_path / "runs"
+    make_run(root, "alpha", 10)
+    make_run(root, "beta", 10)
+    proc = subprocess.Popen([sys.executable, str(PROXY), "--serve", str(root), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=proxy_env())
+    try:
+        line = proc.stdout.readline()
+        assert "serving 2 runs of" in line and "read-only" in line, line
+        url, token = line.split(": ", 1)[1].strip().split("?token=")
+        runs = requests.get(url + "api/runs", headers={"X-Run-Token": token}, timeout=10).json()
+        assert [r["name"] for r in runs] == ["alpha", "beta"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    for args in (["cfg.json", "--serve", str(root)], [], ["--serve", str(root / "alpha" / "alpha.loss.json")]):
+        res = subprocess.run([sys.executable, str(PROXY), *args], capture_output=True, text=True,
+                             env=proxy_env(), timeout=60)
+        assert res.returncode == 2 and "error:" in res.stderr and "Traceback" not in res.stderr, args
