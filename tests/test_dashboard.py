@@ -193,6 +193,14 @@ def test_a_refused_token_stays_on_screen(browser, tmp_path, serve_dir):
     browser.get(server.url)  # no token at all: says where to find it
     wait_js(browser, "document.querySelectorAll('#errors .error').length === 1")
     assert "needs the dashboard's token" in errors_shown(browser)[0]
+    # A live stream whose token stops being accepted (the token file deleted and the server
+    # relaunched): the stream's 403 becomes the same lasting message and a "refused" badge.
+    browser.get(f"{server.url}?token={server.token}")
+    wait_js(browser, "dash.runs.length === 1 && dash.runs[0].train.n === 50")
+    browser.execute_script("const r = dash.runs[0]; r.source.close(); r.token = 'revoked-token-of-an-old-launch'; r.connect();")
+    wait_js(browser, "document.body.dataset.status === 'refused'")
+    [shown] = errors_shown(browser)
+    assert "refuses this page's token" in shown
 
 
 def test_a_failed_control_stays_on_screen(browser, tmp_path, cpu_binary):
