@@ -294,6 +294,7 @@ def test_several_runs_from_a_served_directory(browser, tmp_path, serve_dir):
     assert alpha[:4] == ["alpha", "finished", "300 / 300", "pretrain"] and "1234" in alpha
     assert beta[:4] == ["beta", "running", "120 / 500", "polish"] and "1m 01s" in beta
     assert curve_pixels(browser) > 100 and curve_pixels(browser, color=SECOND_COLOR) > 100
+    assert browser.execute_script("return document.getElementById('status').textContent") == "1 finished · 1 running"
     # read-only: no controls
     assert browser.execute_script("return document.getElementById('controls').hidden")
     # a run started later shows up without a reload
