@@ -198,8 +198,10 @@ def create_app(served, bind_host, token):
             first = int(last_id)
         if not streams.acquire(blocking=False):
             abort(503, f"too many live streams (at most {MAX_STREAMS}): close other dashboards")
-        return Response(_events(run, first, streams.release), mimetype="text/event-stream",
+        resp = Response(_events(run, first), mimetype="text/event-stream",
                         headers={"X-Accel-Buffering": "no"})
+        resp.call_on_close(streams.release)  # however the stream ends, even before its first byte
+        return resp
 
     @app.get("/files/")
     def file_list():
@@ -283,34 +285,31 @@ def _records_message(log, first, limit):
     return msg, nxt
 
 
-def _events(run, cursor, release):
+def _events(run, cursor):
     """The live stream: everything from cursor on, then whatever is new, as it appears. One message
     is built at a time, and only once the previous one was handed to the socket: a client that
     does not read costs one message and its socket buffer, until the send timeout drops it."""
-    try:
-        seen_state = seen_samples = None
-        last_sent = time.monotonic()
-        while True:
-            out = []
-            if cursor < len(run.log):
-                msg, cursor = _records_message(run.log, cursor, STREAM_CHUNK)
-                out.append(b"id: %d\nevent: records\ndata: " % cursor + msg + b"\n\n")
-            if run.state_version != seen_state:
-                seen_state = run.state_version
-                out.append(b"event: state\ndata: " + json.dumps(run.state).encode() + b"\n\n")
-            if run.samples_version != seen_samples:
-                seen_samples = run.samples_version
-                out.append(b"event: samples\ndata: " + json.dumps(run.samples).encode() + b"\n\n")
-            now = time.monotonic()
-            if not out and now - last_sent > PING_SECONDS:
-                out.append(b": ping\n\n")  # a write is how a dropped client is noticed
-            if out:
-                last_sent = now
-                yield b"".join(out)
-            if cursor >= len(run.log):
-                time.sleep(POLL_SECONDS)
-    finally:
-        release()
+    seen_state = seen_samples = None
+    last_sent = time.monotonic()
+    while True:
+        out = []
+        if cursor < len(run.log):
+            msg, cursor = _records_message(run.log, cursor, STREAM_CHUNK)
+            out.append(b"id: %d\nevent: records\ndata: " % cursor + msg + b"\n\n")
+        if run.state_version != seen_state:
+            seen_state = run.state_version
+            out.append(b"event: state\ndata: " + json.dumps(run.state).encode() + b"\n\n")
+        if run.samples_version != seen_samples:
+            seen_samples = run.samples_version
+            out.append(b"event: samples\ndata: " + json.dumps(run.samples).encode() + b"\n\n")
+        now = time.monotonic()
+        if not out and now - last_sent > PING_SECONDS:
+            out.append(b": ping\n\n")  # a write is how a dropped client is noticed
+        if out:
+            last_sent = now
+            yield b"".join(out)
+        if cursor >= len(run.log):
+            time.sleep(POLL_SECONDS)
 
 
 # ---------------------------------------------------------------------------------------------------
