@@ -74,34 +74,54 @@ def is_loopback(host):
 
 def load_token(directory):
     """The dashboard token of `directory`, created on first use: a file only its owner can read.
-    A token file that others can read, or that is not ours, is replaced (with a warning)."""
+    Where it cannot be kept (a read-only directory), a token for this process only, with a warning."""
     path = os.path.join(directory, TOKEN_FILE)
+    token = _read_token(path)
+    if token:
+        return token
+    token = secrets.token_urlsafe(18)
+    try:
+        _write_token(path, token)
+    except FileExistsError:  # another process made one meanwhile: use that one
+        token = _read_token(path) or token
+    except OSError as e:
+        print(f"warning: cannot keep the dashboard token in {path} ({e.strerror or e}): this "
+              "token lasts as long as this process", file=sys.stderr)
+    return token
+
+
+def _read_token(path):
+    """The token kept at path, if it is a file of ours that nobody else can read; else None. One
+    that others could read is no secret: it is removed (and a new one made)."""
     try:
         st = os.lstat(path)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
-            with open(path) as f:
-                token = f.read().strip()
-            if len(token) >= 16 and token.replace("-", "").replace("_", "").isalnum():
-                return token
-        print(f"warning: {path} was not an owner-only token file; made a new token", file=sys.stderr)
-        os.unlink(path)
     except FileNotFoundError:
+        return None
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+        with open(path) as f:
+            token = f.read().strip()
+        if len(token) >= 16 and token.replace("-", "").replace("_", "").isalnum():
+            return token
+    print(f"warning: {path} was not an owner-only token file; making a new token", file=sys.stderr)
+    try:
+        os.unlink(path)
+    except OSError:
         pass
-    token = secrets.token_urlsafe(18)
+    return None
+
+
+def _write_token(path, token):
+    """Written whole, owner-only from its first byte, and never over a token another process
+    kept meanwhile (os.link refuses to replace: FileExistsError)."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, (token + "\n").encode())
         os.fsync(fd)
+        os.link(tmp, path)
     finally:
         os.close(fd)
-    try:
-        os.link(tmp, path)  # fails if another process made one meanwhile: then use that one
-    except FileExistsError:
         os.unlink(tmp)
-        return load_token(directory)
-    os.unlink(tmp)
-    return token
 
 
 # ---------------------------------------------------------------------------------------------------

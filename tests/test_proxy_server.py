@@ -110,6 +110,11 @@ def test_the_token_is_stable_and_owner_only(tmp_path):
     path.chmod(0o644)  # readable by others: no longer a secret, so it is replaced
     assert proxy_server.load_token(str(root)) != tokens[0]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    # Not a file at all, in a directory that cannot take a new one: a token for this process only,
+    # with a warning, never a traceback.
+    path.unlink()
+    path.mkdir()
+    assert len(proxy_server.load_token(str(root))) >= 16 and path.is_dir()
 
 
 def test_a_non_loopback_host_warns_and_needs_the_token_everywhere(tmp_path, capsys):
