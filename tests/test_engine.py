@@ -19,6 +19,8 @@ import pytest
 import engine_util as eu
 from engine_util import TINY, tiny_args
 
+from microgpt.checkpoint import read_checkpoint, read_sidecar, write_checkpoint
+
 # Signals are sent when the record of step SIGNAL_STEP appears; RESUME has eval and sampling on, so
 # their records (and random draws) are part of what must match exactly.
 SIGNAL_STEP = 3
@@ -31,12 +33,6 @@ def resume_settings(engine):
     """RESUME with enough steps that the signal lands well before the end: a TINY step takes a few ms
     on the CPU but far less on a GPU, so the GPU run is longer."""
     return {**RESUME, "train.steps": 30 if engine.name == "cpu" else 400}
-
-
-def run_ok(engine, args, **kw):
-    res = eu.run_engine(engine.binary, args, **kw)
-    assert res.rc == 0, res.describe()
-    return res
 
 
 def files_beside(path):
@@ -54,7 +50,7 @@ def test_exact_resume_after_signal(engine, random_shards, tmp_path, sig, accum):
     args = tiny_args(random_shards.train, random_shards.val, **settings)
     steps = settings["train.steps"]
     ref_ckpt, ckpt = tmp_path / "ref.ckpt", tmp_path / "run.ckpt"
-    ref = run_ok(engine, args + ["--checkpoint", ref_ckpt])
+    ref = eu.run_ok(engine.binary, args + ["--checkpoint", ref_ckpt])
 
     first = eu.run_with_signal(engine.binary, args + ["--checkpoint", ckpt], sig, SIGNAL_STEP)
     assert first.rc == 0, first.describe()
@@ -64,10 +60,10 @@ def test_exact_resume_after_signal(engine, random_shards, tmp_path, sig, accum):
     assert SIGNAL_STEP <= k < steps, f"signal landed at step {k}; the run must stop before its end {steps}"
     assert [r["step"] for r in first.steps] == list(range(1, k + 1)), "after the signal the engine finishes only the current step"
     assert any(c["step"] == k and c["reason"] == "signal" for c in first.events("checkpoint")), first.describe()
-    assert eu.read_checkpoint(ckpt).step == k
-    assert eu.read_sidecar(ckpt)["step"] == k
+    assert read_checkpoint(ckpt).step == k
+    assert read_sidecar(ckpt)["step"] == k
 
-    second = run_ok(engine, args + ["--checkpoint", ckpt, "--resume"])
+    second = eu.run_ok(engine.binary, args + ["--checkpoint", ckpt, "--resume"])
     assert second.events("start")[0]["step"] == k
     assert [r["step"] for r in second.steps] == list(range(k + 1, steps + 1))
 
@@ -79,9 +75,9 @@ def test_exact_resume_after_signal(engine, random_shards, tmp_path, sig, accum):
 def test_resume_of_finished_run_does_nothing(engine, random_shards, tmp_path):
     ckpt = tmp_path / "done.ckpt"
     args = tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt})
-    run_ok(engine, args)
+    eu.run_ok(engine.binary, args)
     before = ckpt.read_bytes()
-    again = run_ok(engine, args + ["--resume"])
+    again = eu.run_ok(engine.binary, args + ["--resume"])
     assert again.exit_event == {"event": "exit", "step": 3, "reason": "already_finished"}, again.describe()
     assert again.steps == []
     assert ckpt.read_bytes() == before
@@ -91,10 +87,10 @@ def test_resume_in_another_precision_starts_from_the_default_loss_scale(engine, 
     """A checkpoint's loss scale belongs to the precision that wrote it (fp32 runs record 1): resuming
     such a checkpoint in fp16 must start from the engine's default scale, not from 1."""
     ckpt = tmp_path / "run.ckpt"
-    run_ok(engine, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt}))
-    same = run_ok(engine, tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint": ckpt, "resume": True}))
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt}))
+    same = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint": ckpt, "resume": True}))
     assert "loss scale starts from its default" not in same.stderr
-    fp16 = run_ok(engine, tiny_args(random_shards.train, **{"train.steps": 6, "train.precision": "fp16",
+    fp16 = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 6, "train.precision": "fp16",
                                                             "checkpoint": ckpt, "resume": True}))
     assert "written in fp32; the loss scale starts from its default" in fp16.stderr, fp16.stderr
     if engine.name == "cuda":  # the CPU engine computes in fp32 and reports no scale
@@ -106,7 +102,7 @@ def test_sigusr1_checkpoints_and_training_continues(engine, random_shards, tmp_p
     args = tiny_args(random_shards.train, random_shards.val, **settings)
     steps = settings["train.steps"]
     ref_ckpt, ckpt, snapshot = tmp_path / "ref.ckpt", tmp_path / "run.ckpt", tmp_path / "usr1.ckpt"
-    ref = run_ok(engine, args + ["--checkpoint", ref_ckpt])
+    ref = eu.run_ok(engine.binary, args + ["--checkpoint", ref_ckpt])
 
     proc = eu.start_engine(engine.binary, args + ["--checkpoint", ckpt])
     proc.wait_for(eu.is_step_record(SIGNAL_STEP))
@@ -120,14 +116,14 @@ def test_sigusr1_checkpoints_and_training_continues(engine, random_shards, tmp_p
 
     k = event["step"]
     assert event["reason"] == "usr1" and SIGNAL_STEP <= k < steps, event
-    assert eu.read_checkpoint(snapshot).step == k
+    assert read_checkpoint(snapshot).step == k
     assert res.exit_event["reason"] == "finished" and res.exit_event["step"] == steps
     assert [r["step"] for r in res.steps] == list(range(1, steps + 1))
     assert eu.exact_records(res) == eu.exact_records(ref), "SIGUSR1 changed the training"
     assert ckpt.read_bytes() == ref_ckpt.read_bytes()
 
     # The mid-run checkpoint is a real one: resuming from it reproduces the same end.
-    resumed = eu.exact_records(run_ok(engine, args + ["--checkpoint", snapshot, "--resume"]))
+    resumed = eu.exact_records(eu.run_ok(engine.binary, args + ["--checkpoint", snapshot, "--resume"]))
     expected = eu.exact_records(ref)
     assert all(expected.get(key) == text for key, text in resumed.items())
     assert all(key in resumed for key in expected if key[1] > k)
@@ -145,15 +141,14 @@ def test_checkpoint_layout_and_first_adamw_step(engine, random_shards, tmp_path)
                 "train.grad_clip": 0, "train.weight_decay": 0, "train.beta1": beta1, "train.beta2": beta2,
                 "train.eps": eps}
     ckpt, grads_path = tmp_path / "one.ckpt", tmp_path / "grads.bin"
-    run_ok(engine, tiny_args(random_shards.train, **settings, checkpoint=ckpt))
-    run_ok(engine, tiny_args(random_shards.train, **settings, dump_grads=grads_path))
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt))
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, dump_grads=grads_path))
 
     layout = eu.layout_for(TINY)
-    n = eu.count_params(TINY["model.n_layer"], TINY["model.d_model"], TINY["model.seq_len"],
-                        TINY["model.padded_vocab_size"])
+    n = layout["n_params"]
     assert ckpt.stat().st_size == 8 + 12 * n
     assert grads_path.stat().st_size == 4 + 4 * n
-    c = eu.read_checkpoint(ckpt)
+    c = read_checkpoint(ckpt)
     assert (c.step, c.n_params) == (1, n)
     loss, g = eu.read_grad_dump(grads_path)
 
@@ -166,21 +161,20 @@ def test_checkpoint_layout_and_first_adamw_step(engine, random_shards, tmp_path)
     assert np.all(c.v >= 0)
 
     # Padded embedding rows never get a target: zero gradient and zero moments.
-    offsets = eu.param_offsets(layout)
+    slices = eu.tensor_slices(layout)
     d, V = TINY["model.d_model"], TINY["model.vocab_size"]
-    wte0, _ = offsets["wte"]
-    padded = slice(wte0 + V * d, wte0 + TINY["model.padded_vocab_size"] * d)
+    wte = slices["wte"][0]
+    padded = slice(wte.start + V * d, wte.stop)
     assert not g[padded].any() and not c.m[padded].any() and not c.v[padded].any()
 
     # LayerNorms start at gamma = 1, beta = 0, so their values after one step are known exactly.
     step = lr * g / (np.abs(g) + eps)
-    for name, (off, shape) in offsets.items():
+    for name, (sl, _) in slices.items():
         if ".gamma" in name or ".beta" in name:
             start = 1.0 if name.endswith("gamma") else 0.0
-            sl = slice(off, off + int(np.prod(shape)))
             np.testing.assert_allclose(c.params[sl], start - step[sl], atol=2e-6, err_msg=name)
 
-    side = eu.read_sidecar(ckpt)
+    side = read_sidecar(ckpt)
     assert side["step"] == 1 and side["n_params"] == n and "loss_scale" in side and isinstance(side["fingerprint"], dict)
     assert files_beside(ckpt) == sorted(["one.ckpt", "one.ckpt.json", "grads.bin"]), "temporary files left behind"
 
@@ -194,7 +188,7 @@ def _truncate(path):
 
 
 def _wrong_n_params(path):
-    c = eu.read_checkpoint(path)
+    c = read_checkpoint(path)
     raw = bytearray(path.read_bytes())
     raw[4:8] = np.array([c.n_params + 1], dtype="<i4").tobytes()  # size still that of the real shape
     path.write_bytes(bytes(raw))
@@ -202,7 +196,7 @@ def _wrong_n_params(path):
 
 def _other_shape(engine, shards, path):
     """A genuine checkpoint (with sidecar) of a model with a different d_model."""
-    run_ok(engine, tiny_args(shards.train, **{"train.steps": 1, "model.d_model": 16, "checkpoint": path}))
+    eu.run_ok(engine.binary, tiny_args(shards.train, **{"train.steps": 1, "model.d_model": 16, "checkpoint": path}))
 
 
 DAMAGE = {"truncated": _truncate, "wrong_n_params": _wrong_n_params}
@@ -215,7 +209,7 @@ def test_bad_checkpoint_is_refused_and_left_alone(engine, random_shards, tmp_pat
     if damage == "other_shape":
         _other_shape(engine, random_shards, ckpt)
     elif damage != "missing":
-        run_ok(engine, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
+        eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
         DAMAGE.get(damage, lambda path: None)(ckpt)
     before = {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)}
 
@@ -239,7 +233,7 @@ def _limit_file_size(limit):
 
 def test_full_disk_keeps_previous_checkpoint(engine, random_shards, tmp_path):
     ckpt = tmp_path / "disk.ckpt"
-    run_ok(engine, tiny_args(random_shards.train, train_steps=2, checkpoint=ckpt))
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, train_steps=2, checkpoint=ckpt))
     before = {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)}
     size = ckpt.stat().st_size
 
@@ -261,7 +255,7 @@ def test_temporary_files_of_a_killed_writer_are_removed(engine, random_shards, t
     other = tmp_path / "run.ckpt.tmpnotapid"
     for p in stale + [live, other]:
         p.write_bytes(b"partial")
-    res = run_ok(engine, tiny_args(random_shards.train, train_steps=2, checkpoint=ckpt))
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, train_steps=2, checkpoint=ckpt))
     assert not any(p.exists() for p in stale), sorted(os.listdir(tmp_path))
     assert live.exists() and other.exists()
     assert sum("no longer runs" in line for line in res.stderr.splitlines()) == 2, res.describe()
@@ -369,12 +363,17 @@ def test_huge_shape_is_really_too_big(engine, random_shards):
 # ---------------------------------------------------------------------------------------------------
 # 6: nothing is allocated inside the training loop
 
+def build_shim(tmp_path_factory, name):
+    """tests/NAME.c built as an LD_PRELOAD library; returns its path."""
+    lib = tmp_path_factory.mktemp(name) / f"{name}.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(eu.REPO / "tests" / f"{name}.c"), "-ldl"],
+                   check=True)
+    return lib
+
+
 @pytest.fixture(scope="session")
 def alloc_counter(tmp_path_factory):
-    src = eu.REPO / "tests" / "alloc_counter.c"
-    lib = tmp_path_factory.mktemp("alloc_counter") / "alloc_counter.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(src), "-ldl"], check=True)
-    return lib
+    return build_shim(tmp_path_factory, "alloc_counter")
 
 
 def test_no_allocation_in_training_loop(engine, random_shards, alloc_counter):
@@ -386,7 +385,7 @@ def test_no_allocation_in_training_loop(engine, random_shards, alloc_counter):
     args = tiny_args(random_shards.train, random_shards.val, **{
         "train.steps": 6, "eval.every": 2, "eval.batches": 2, "sample.every": 3, "sample.tokens": 4,
         "sample.prompt": ["1,2", "3"], "checkpoint.every": 0})
-    res = run_ok(engine, args, env={"LD_PRELOAD": str(alloc_counter), "OMP_NUM_THREADS": "2"})
+    res = eu.run_ok(engine.binary, args, env={"LD_PRELOAD": str(alloc_counter), "OMP_NUM_THREADS": "2"})
     lines = res.lines
     assert any(l.startswith("ALLOC ") for l in lines), "the shim reported nothing: is it loaded?"
     first = next(i for i, l in enumerate(lines) if l.startswith('{"step"'))
@@ -399,7 +398,7 @@ def test_no_allocation_in_training_loop(engine, random_shards, alloc_counter):
 def test_device_memory_is_constant(engine, random_shards):
     if engine.name != "cuda":
         pytest.skip("device_memory events come from the GPU engine")
-    res = run_ok(engine, tiny_args(random_shards.train, random_shards.val, **{
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, random_shards.val, **{
         "train.steps": 6, "eval.every": 2, "sample.every": 3, "sample.prompt": "1,2"}))
     mem = res.events("device_memory")
     assert len(mem) >= 2 and len({m["bytes"] for m in mem}) == 1, mem
@@ -418,7 +417,8 @@ def shakespeare_shards():
         script = eu.REPO / "scripts" / "prepare-data.py"
         assert script.exists(), f"{script} is missing: it prepares {SHAKESPEARE['train']}"
         # --source chitchat: the offline path; the Shakespeare shards don't depend on the source.
-        prep = subprocess.run([sys.executable, str(script), "--source", "chitchat"], cwd=eu.REPO, capture_output=True, text=True, timeout=900)
+        prep = subprocess.run([sys.executable, str(script), "--source", "chitchat"], cwd=eu.REPO, capture_output=True, text=True,
+                              timeout=900, env=eu.python_env())
         assert prep.returncode == 0, f"prepare-data.py failed:\n{prep.stdout[-2000:]}\n{prep.stderr[-2000:]}"
     return SHAKESPEARE
 
@@ -431,7 +431,7 @@ def test_training_on_shakespeare_lowers_val_loss(engine, shakespeare_shards):
         "model.vocab_size": vocab, "model.padded_vocab_size": 50304, "model.d_model": 64,
         "model.seq_len": 16, "train.batch_size": 4, "train.steps": 80, "train.lr": 1e-2,
         "train.warmup_steps": 5, "train.min_lr": 1e-3, "eval.every": 20, "eval.batches": 2})
-    res = run_ok(engine, args, timeout=300)
+    res = eu.run_ok(engine.binary, args, timeout=300)
     first_loss = res.steps[0]["loss"]
     vals = [v["val_loss"] for v in res.vals]
     assert abs(first_loss - math.log(vocab)) < 0.2, f"untrained loss {first_loss} should be near ln({vocab})"
@@ -445,12 +445,12 @@ def test_training_on_shakespeare_lowers_val_loss(engine, shakespeare_shards):
 
 def test_identical_runs_are_identical(engine, random_shards, tmp_path):
     args = tiny_args(random_shards.train, random_shards.val, **{**RESUME, "train.steps": 8})
-    a = run_ok(engine, args + ["--checkpoint", tmp_path / "a.ckpt"])
-    b = run_ok(engine, args + ["--checkpoint", tmp_path / "b.ckpt"])
+    a = eu.run_ok(engine.binary, args + ["--checkpoint", tmp_path / "a.ckpt"])
+    b = eu.run_ok(engine.binary, args + ["--checkpoint", tmp_path / "b.ckpt"])
     assert eu.exact_records(a) == eu.exact_records(b)
     assert (tmp_path / "a.ckpt").read_bytes() == (tmp_path / "b.ckpt").read_bytes()
     # ... and the seed matters, so the comparison above is not vacuous.
-    c = run_ok(engine, args + ["--train.seed", "7"])
+    c = eu.run_ok(engine.binary, args + ["--train.seed", "7"])
     assert [r["loss"] for r in c.steps] != [r["loss"] for r in a.steps]
 
 
@@ -464,7 +464,6 @@ def test_identical_runs_are_identical(engine, random_shards, tmp_path):
 def test_lr_schedule_matches_the_python_statement_of_design(cpu_binary, random_shards, train):
     """The engine's lr per step equals bench_common.lr_at (DESIGN.md's schedule, which the PyTorch
     baseline trains with), including the edge cases the C code handles on its own."""
-    sys.path.insert(0, str(eu.REPO / "bench"))
     from bench_common import lr_at, train_settings
     given = {"steps": 12, "lr": 1e-3, **train}
     res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{f"train.{k}": v for k, v in given.items()}))
@@ -478,7 +477,7 @@ def test_lr_schedule_matches_the_python_statement_of_design(cpu_binary, random_s
 def test_equals_form_of_flags(engine, random_shards):
     spaced = tiny_args(random_shards.train, **{"train.steps": 3})
     joined = [f"{spaced[i]}={spaced[i + 1]}" for i in range(0, len(spaced), 2)]
-    assert eu.exact_records(run_ok(engine, spaced)) == eu.exact_records(run_ok(engine, joined))
+    assert eu.exact_records(eu.run_ok(engine.binary, spaced)) == eu.exact_records(eu.run_ok(engine.binary, joined))
 
 
 def design_flags():
@@ -515,7 +514,7 @@ def test_flags_json_agrees_with_help(engine):
     by_name = {f["name"]: f for f in flags}
     assert len(by_name) == len(flags) > 30
     lines = help_lines(engine)
-    assert set(lines) == set(by_name) | {"help", "flags-json", "print-config"}
+    assert set(lines) == set(by_name) | {"help", "flags-json", "print-config", "layout-json"}
     types = {"int", "float", "str", "path", "glob", "prompt", "bool"}
     for f in flags:
         line, name = lines[f["name"]], f["name"]
@@ -565,11 +564,40 @@ def test_print_config_gives_every_flag_with_defaults_applied(engine):
     assert bad.rc == 2 and "model.d_ff" in bad.stderr and bad.stdout == ""     # values are still range-checked
 
 
+def test_layout_json_publishes_the_flat_vector_of_design(engine, random_shards, tmp_path):
+    """--layout-json: the tensors of the flat vector in docs/DESIGN.md §2's order, with their shapes,
+    contiguous offsets and the weight-decay mask (2-D tensors only); n_params is what the engine
+    trains and checkpoints. Only the model flags are needed; a missing one is one error line."""
+    shape = {"model.n_layer": 2, "model.d_model": 8, "model.n_head": 2, "model.seq_len": 5,
+             "model.vocab_size": 60, "model.d_ff": 12}
+    res = eu.run_engine(engine.binary, [*eu.flag_list(shape), "--layout-json"], timeout=30)
+    assert res.rc == 0 and res.stderr == "", res.describe()
+    layout = json.loads(res.stdout)
+    d, f, Vp, T = 8, 12, 64, 5
+    per_layer = [("W_Q", [d, d]), ("W_K", [d, d]), ("W_V", [d, d]), ("W_O", [d, d]), ("W_1", [d, f]),
+                 ("W_2", [f, d]), ("ln1.gamma", [d]), ("ln1.beta", [d]), ("ln2.gamma", [d]), ("ln2.beta", [d])]
+    want = ([("wte", [Vp, d]), ("wpe", [T, d])] + [(f"h{l}.{n}", s) for l in range(2) for n, s in per_layer]
+            + [("lnf.gamma", [d]), ("lnf.beta", [d])])
+    assert [(t["name"], t["shape"]) for t in layout["tensors"]] == want
+    at = 0
+    for t in layout["tensors"]:
+        assert t["offset"] == at and t["decay"] == (len(t["shape"]) == 2), t
+        at += int(np.prod(t["shape"]))
+    assert layout["n_params"] == at
+
+    ckpt = tmp_path / "x.ckpt"
+    run = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{**shape, "train.steps": 1}, checkpoint=ckpt))
+    assert run.records[0]["n_params"] == layout["n_params"] == read_checkpoint(ckpt).n_params
+    missing = eu.run_engine(engine.binary, ["--model.d_model", "8", "--layout-json"], timeout=30)
+    assert missing.rc == 2 and missing.stdout == "" and len(missing.errors) == 1, missing.describe()
+    assert "--model." in missing.errors[0]
+
+
 def test_output_follows_contract(engine, random_shards, tmp_path):
     B, T, steps = TINY["train.batch_size"], TINY["model.seq_len"], 8
     prompts = [[1, 2, 3], [7]]
     ckpt = tmp_path / "c.ckpt"
-    res = run_ok(engine, tiny_args(random_shards.train, random_shards.val, **{
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, random_shards.val, **{
         "train.steps": steps, "train.grad_accum": 2, "eval.every": 4, "eval.batches": 2,
         "sample.every": 1, "sample.tokens": 8, "sample.top_k": 64,
         "sample.prompt": [",".join(map(str, p)) for p in prompts],
@@ -580,7 +608,7 @@ def test_output_follows_contract(engine, random_shards, tmp_path):
     start = res.records[0]
     assert start["event"] == "start" and start["engine"] == engine.name and start["step"] == 0
     assert start["steps"] == steps and start["tokens_per_step"] == tokens_per_step
-    assert start["n_params"] == sum(int(np.prod(s)) for _, s in eu.layout_for(TINY))
+    assert start["n_params"] == eu.layout_for(TINY)["n_params"]
     if engine.name == "cpu":
         assert start["compute_precision"] == "fp32"
     mem = res.events("memory")
@@ -607,3 +635,322 @@ def test_output_follows_contract(engine, random_shards, tmp_path):
     assert any(c["step"] == 4 and c["reason"] == "periodic" for c in ckpts), ckpts
     assert ckpts[-1]["step"] == steps and ckpts[-1]["path"] == str(ckpt)
     assert res.records[-1] == {"event": "exit", "step": steps, "reason": "finished"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# 9: nothing silently corrupted, nothing lost: checksums, two slots, the divergence guard, special
+# files, signals at start-up, the polish boundary (docs/DESIGN.md §15)
+
+# A constant LR keeps every step the same whatever train.steps is, so a short run's checkpoint
+# resumes into a longer run exactly.
+CONSTANT_LR = {"train.schedule": "constant"}
+
+
+def two_slots(engine, shards, ckpt, steps=4, every=2):
+    """A run that leaves the newest checkpoint (step `steps`) and the previous one (PATH.prev)."""
+    eu.run_ok(engine.binary, tiny_args(shards.train, **{**CONSTANT_LR, "train.steps": steps, "checkpoint.every": every,
+                                              "checkpoint": ckpt}))
+    return read_checkpoint(ckpt), read_checkpoint(f"{ckpt}.prev")
+
+
+def test_sidecar_holds_the_crc32c_of_the_checkpoint_bytes(engine, random_shards, tmp_path):
+    assert eu.crc32c(b"123456789") == 0xE3069283  # the standard check value: the test's CRC is CRC-32C
+    ckpt = tmp_path / "run.ckpt"
+    newest, prev = two_slots(engine, random_shards, ckpt)
+    assert (newest.step, prev.step) == (4, 2)
+    for path in (ckpt, tmp_path / "run.ckpt.prev"):
+        side = read_sidecar(path)
+        assert side["step"] == read_checkpoint(path).step
+        assert side["crc32c"] == eu.crc32c(path.read_bytes()), path
+    assert files_beside(ckpt) == ["run.ckpt", "run.ckpt.json", "run.ckpt.prev", "run.ckpt.prev.json"]
+
+
+def _flip_bit_in_v(path):
+    raw = bytearray(path.read_bytes())
+    n = read_checkpoint(path).n_params
+    raw[8 + 8 * n + 4 * (n // 2) + 2] ^= 0x10  # one bit of an exponent in the middle of Adam's v
+    path.write_bytes(bytes(raw))
+
+
+def _garbage_weights(path):
+    raw = bytearray(path.read_bytes())
+    n = read_checkpoint(path).n_params
+    raw[8:8 + 4 * n] = np.random.default_rng(0).bytes(4 * n)
+    path.write_bytes(bytes(raw))
+
+
+def _set_step(step):
+    def damage(path):
+        raw = bytearray(path.read_bytes())
+        raw[0:4] = np.array([step], dtype="<i4").tobytes()
+        path.write_bytes(bytes(raw))
+    return damage
+
+
+def _sidecar_of_another_step(path):
+    side = read_sidecar(path)
+    side["step"] = 3
+    path.with_name(path.name + ".json").write_text(json.dumps(side))
+
+
+INTEGRITY_DAMAGE = {"bit_in_v": _flip_bit_in_v, "garbage_weights": _garbage_weights, "step_49": _set_step(49),
+                    "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step}
+
+
+@pytest.mark.parametrize("damage", sorted(INTEGRITY_DAMAGE))
+def test_damaged_checkpoint_is_refused_and_the_previous_one_resumes(engine, random_shards, tmp_path, damage):
+    """Damage that keeps the size right (a flipped bit, garbage, an edited step, a sidecar of another
+    step) is refused at --resume with one error line that says how to resume from PATH.prev; nothing
+    is changed; and doing what it says resumes the previous checkpoint exactly."""
+    ckpt, ref_ckpt = tmp_path / "run.ckpt", tmp_path / "ref" / "ref.ckpt"
+    args = tiny_args(random_shards.train, **{**CONSTANT_LR, "train.steps": 8, "checkpoint": ckpt, "resume": True})
+    two_slots(engine, random_shards, ckpt)
+    INTEGRITY_DAMAGE[damage](ckpt)
+    before = {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)}
+
+    res = eu.run_engine(engine.binary, args)
+    assert res.rc == 2, res.describe()
+    assert len(res.errors) == 1 and str(ckpt) in res.errors[0], res.describe()
+    assert "run.ckpt.prev (step 2)" in res.errors[0], res.errors[0]
+    assert res.steps == [] and not res.events("memory"), res.describe()
+    assert {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)} == before
+
+    ref_ckpt.parent.mkdir()
+    ref = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{**CONSTANT_LR, "train.steps": 8, "checkpoint": ref_ckpt}))
+    os.replace(f"{ckpt}.prev", ckpt)  # what the error line says to do
+    os.replace(f"{ckpt}.prev.json", f"{ckpt}.json")
+    resumed = eu.run_ok(engine.binary, args)
+    assert [r["step"] for r in resumed.steps] == list(range(3, 9))
+    expected = eu.exact_records(ref)
+    assert all(expected[key] == text for key, text in eu.exact_records(resumed).items())
+    assert ckpt.read_bytes()[8:] == ref_ckpt.read_bytes()[8:]
+
+
+@pytest.mark.parametrize("old", ["no_checksum", "no_sidecar"])
+def test_checkpoint_without_checksum_resumes_with_a_warning(engine, random_shards, tmp_path, old):
+    """Checkpoints written before sidecars held a checksum (or made by hand, without a sidecar) still
+    resume, with a warning that they were not verified."""
+    ckpt = tmp_path / "run.ckpt"
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
+    if old == "no_sidecar":
+        os.remove(f"{ckpt}.json")
+    else:
+        side = read_sidecar(ckpt)
+        del side["crc32c"]
+        (tmp_path / "run.ckpt.json").write_text(json.dumps(side))
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt, "resume": True}))
+    assert "unverified" in res.stderr and [r["step"] for r in res.steps] == [3], res.describe()
+
+
+def test_previous_slot_is_the_checkpoint_before_the_newest(engine, random_shards, tmp_path):
+    """Each checkpoint write keeps the one it replaces as PATH.prev, a whole checkpoint (with its own
+    sidecar) that resumes exactly; a fresh run refuses to start over either slot."""
+    settings = {"train.steps": 7, "checkpoint.every": 3}
+    ckpt, ref_ckpt, prev_copy = tmp_path / "run.ckpt", tmp_path / "ref.ckpt", tmp_path / "prev.ckpt"
+    ref = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ref_ckpt))
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt))
+    assert [c["step"] for c in res.events("checkpoint")] == [3, 6, 7]
+    assert (read_checkpoint(ckpt).step, read_checkpoint(f"{ckpt}.prev").step) == (7, 6)
+    shutil.copyfile(f"{ckpt}.prev", prev_copy)
+    shutil.copyfile(f"{ckpt}.prev.json", f"{prev_copy}.json")
+    resumed = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=prev_copy, resume=True))
+    assert [r["step"] for r in resumed.steps] == [7]
+    assert eu.exact_records(resumed)[("train", 7, None)] == eu.exact_records(ref)[("train", 7, None)]
+    assert prev_copy.read_bytes() == ckpt.read_bytes()
+
+    os.remove(ckpt)  # only PATH.prev left: still an earlier run that a fresh start must not clobber
+    fresh = eu.run_engine(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt))
+    assert fresh.rc == 2 and len(fresh.errors) == 1 and "run.ckpt.prev" in fresh.errors[0], fresh.describe()
+
+
+@pytest.fixture(scope="session")
+def no_hard_links(tmp_path_factory):
+    return build_shim(tmp_path_factory, "no_hard_links")
+
+
+def test_previous_slot_without_hard_links_is_a_copy(engine, random_shards, tmp_path, no_hard_links):
+    """Where the file system has no hard links, the previous slot is made by a durable copy: the same
+    bytes, the same sidecar, and no temporary file left behind."""
+    linked, copied = tmp_path / "linked" / "run.ckpt", tmp_path / "copied" / "run.ckpt"
+    for ckpt in (linked, copied):
+        ckpt.parent.mkdir()
+    args = tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint.every": 2})
+    eu.run_ok(engine.binary, args + ["--checkpoint", linked])
+    res = eu.run_ok(engine.binary, args + ["--checkpoint", copied], env={"LD_PRELOAD": str(no_hard_links)})
+    assert "no_hard_links: link refused" in res.stderr, "the shim was not loaded: " + res.describe()
+    assert files_beside(copied) == files_beside(linked) == ["run.ckpt", "run.ckpt.json", "run.ckpt.prev",
+                                                            "run.ckpt.prev.json"]
+    for name in files_beside(linked):
+        assert (copied.parent / name).read_bytes() == (linked.parent / name).read_bytes(), name
+    assert read_checkpoint(f"{copied}.prev").step == 2
+
+
+@pytest.fixture(scope="session")
+def kill_at_rename(tmp_path_factory):
+    return build_shim(tmp_path_factory, "kill_at_rename")
+
+
+# Renames of a run that checkpoints at steps 2 and 4: the first write renames its sidecar and its
+# checkpoint into place (1, 2); the second first gives the step-2 pair the PATH.prev names (3, 4),
+# then renames its own sidecar and checkpoint (5, 6).
+RENAMES_OF_TWO_WRITES = 6
+
+
+@pytest.mark.parametrize("kill_at", range(1, RENAMES_OF_TWO_WRITES + 1))
+def test_a_crash_at_any_rename_leaves_a_whole_checkpoint(engine, random_shards, tmp_path, kill_at_rename, kill_at):
+    """Killed just before any rename of a checkpoint write, a run leaves either no checkpoint (during
+    its first write) or a slot that resumes exactly: never only a bad file, and never a checkpoint
+    event for a write that did not complete. Where the newest slot is refused (its new sidecar beside
+    its old checkpoint), the error line's advice resumes the previous slot."""
+    settings = {**CONSTANT_LR, "train.steps": 6, "checkpoint.every": 2}
+    ckpt, ref_ckpt = tmp_path / "run" / "run.ckpt", tmp_path / "ref.ckpt"
+    ckpt.parent.mkdir()
+    ref = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ref_ckpt))
+    crashed = eu.run_engine(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt),
+                            env={"LD_PRELOAD": str(kill_at_rename), "KILL_AT_RENAME": str(kill_at)})
+    assert crashed.rc == -signal.SIGKILL, crashed.describe()
+    assert [c["step"] for c in crashed.events("checkpoint")] == ([2] if kill_at > 2 else []), crashed.describe()
+
+    args = tiny_args(random_shards.train, **settings, checkpoint=ckpt, resume=ckpt.exists())
+    again = eu.run_engine(engine.binary, args)
+    if kill_at == RENAMES_OF_TWO_WRITES:
+        assert again.rc == 2 and len(again.errors) == 1 and "run.ckpt.prev (step 2)" in again.errors[0], \
+            again.describe()
+        os.replace(f"{ckpt}.prev", ckpt)
+        os.replace(f"{ckpt}.prev.json", f"{ckpt}.json")
+        again = eu.run_engine(engine.binary, args)
+    assert again.rc == 0 and "unverified" not in again.stderr, again.describe()
+    assert again.events("start")[0]["step"] == (2 if kill_at > 2 else 0)
+    expected = eu.exact_records(ref)
+    assert all(expected[key] == text for key, text in eu.exact_records(again).items())
+    assert ckpt.read_bytes() == ref_ckpt.read_bytes()
+
+
+def _crafted_state(path, where, value):
+    """Put `value` into the checkpoint's weights ("params") or Adam's v ("v") and reseal it: an intact
+    file holding a state that cannot train on."""
+    c = read_checkpoint(path)
+    state = {name: np.array(getattr(c, name)) for name in ("params", "m", "v")}  # writable copies
+    state[where][c.n_params // 2] = value
+    write_checkpoint(path, c.step, state["params"], state["m"], state["v"])
+    eu.reseal_checkpoint(path)
+
+
+@pytest.mark.parametrize("where,value,words", [("params", np.nan, "loss nan"), ("v", np.inf, "AdamW v")],
+                         ids=["nan_weight", "inf_in_adam_v"])
+def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(engine, random_shards, tmp_path, where, value,
+                                                                       words):
+    """A non-finite loss (from a NaN weight), or a non-finite state at checkpoint time (an infinite v
+    leaves the loss finite), ends the run: the step record, one error line, an exit event
+    "diverged", exit code 3, and both checkpoint slots exactly as they were."""
+    ckpt = tmp_path / "run.ckpt"
+    two_slots(engine, random_shards, ckpt)
+    _crafted_state(ckpt, where, value)
+    before = {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)}
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{
+        "train.steps": 10, "checkpoint.every": 1, "checkpoint": ckpt, "resume": True}))
+    assert res.rc == 3, res.describe()
+    assert len(res.errors) == 1 and "diverged at step 5" in res.errors[0] and words in res.errors[0], res.describe()
+    assert "run.ckpt (step 4) is kept" in res.errors[0], res.errors[0]
+    assert res.exit_event == {"event": "exit", "step": 5, "reason": "diverged"}, res.describe()
+    assert [r["step"] for r in res.steps] == [5] and not res.events("checkpoint"), res.describe()
+    assert {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)} == before
+
+
+@pytest.mark.parametrize("flag", ["train.lr", "train.min_lr", "polish.lr"])
+def test_learning_rates_are_bounded(engine, random_shards, flag):
+    """lr 1e30 trained NaN to the end; learning rates above 1 are refused (AdamW moves every weight
+    by about lr per step)."""
+    polish = {"polish.start_step": 2, "polish.train": random_shards.val, "polish.lr": 1e-4}
+    ok = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{**polish, "train.steps": 3, "train.lr": 1.0, flag: 1.0}))
+    assert ok.exit_event["reason"] == "finished"
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{**polish, "train.steps": 3, flag: 1e30}))
+    assert res.rc == 2 and len(res.errors) == 1 and flag in res.errors[0], res.describe()
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "fifo.bin"
+    os.mkfifo(path)
+    return path
+
+
+SPECIAL_FILES = {
+    # id: (overrides with "@fifo" / "@dir" for the special file, words the error must contain)
+    "train_fifo": ({"data.train": "@fifo"}, "FIFO"),
+    "val_fifo": ({"data.val": "@fifo", "eval.every": 1}, "FIFO"),
+    "polish_fifo": ({"polish.start_step": 1, "polish.train": "@fifo", "polish.lr": 1e-4}, "FIFO"),
+    "checkpoint_fifo": ({"checkpoint": "@fifo", "resume": True}, "FIFO"),
+    "checkpoint_fifo_fresh": ({"checkpoint": "@fifo"}, "FIFO"),
+    "sidecar_fifo": ({"checkpoint": "@fifo_base", "resume": True}, "FIFO"),
+    "checkpoint_dir": ({"checkpoint": "@dir", "resume": True}, "directory"),
+    "checkpoint_dir_fresh": ({"checkpoint": "@dir"}, "directory"),
+    "checkpoint_in_missing_dir": ({"checkpoint": "@missing"}, "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPECIAL_FILES))
+def test_special_files_are_refused_up_front(engine, random_shards, tmp_path, fifo, case):
+    """A FIFO where a shard or checkpoint file belongs used to hang the engine in open(), deaf to
+    SIGTERM; a directory as the checkpoint said "truncated". Each is one clear error, at once."""
+    overrides, word = SPECIAL_FILES[case]
+    (tmp_path / "dir.ckpt").mkdir()
+    os.mkfifo(tmp_path / "side.ckpt.json")
+    (tmp_path / "side.ckpt").write_bytes(b"any regular file: its FIFO sidecar is refused first")
+    special = {"@fifo": fifo, "@dir": tmp_path / "dir.ckpt", "@fifo_base": tmp_path / "side.ckpt",
+               "@missing": tmp_path / "nowhere" / "run.ckpt"}
+    overrides = {k: special.get(v, v) if isinstance(v, str) else v for k, v in overrides.items()}
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, random_shards.val, **overrides), timeout=20)
+    assert res.rc == 2, res.describe()
+    assert len(res.errors) == 1 and word in res.errors[0], res.describe()
+    assert res.steps == [] and not res.events("memory"), res.describe()
+
+
+def _term_pending_at_exec():
+    """In the child before exec: block SIGTERM and send it, so it is pending the moment the engine
+    starts (what a launcher that blocks signals across exec, as the proxy may, hands over)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+def test_sigterm_before_the_first_step(engine, random_shards, tmp_path, resume):
+    """A SIGTERM that arrives before the handlers exist is not lost: it is handled as soon as they
+    are installed. Before the first step it ends the run with exit 0 and an exit event "signal" at
+    the start step, saving nothing (a resumed run's checkpoint already holds that state)."""
+    ckpt = tmp_path / "run.ckpt"
+    if resume:
+        eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{
+        "train.steps": 200, "checkpoint": ckpt, "resume": resume}), preexec_fn=_term_pending_at_exec)
+    start = 2 if resume else 0
+    assert res.rc == 0, res.describe()
+    assert res.exit_event == {"event": "exit", "step": start, "reason": "signal"}, res.describe()
+    assert res.steps == [] and not res.events("checkpoint") and res.errors == [], res.describe()
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+
+
+def test_polish_boundary_checkpoint(engine, random_shards, tmp_path):
+    """At polish.start_step the engine writes a checkpoint with reason "polish" before the first
+    polish step: the exact state at the switch, which resumes bit-exactly."""
+    settings = {"train.steps": 9, "polish.start_step": 5, "polish.train": random_shards.val, "polish.lr": 1e-4,
+                "eval.every": 3, "eval.batches": 2}
+    ckpt, ref_ckpt, boundary = tmp_path / "run.ckpt", tmp_path / "ref.ckpt", tmp_path / "boundary.ckpt"
+    ref = eu.run_ok(engine.binary, tiny_args(random_shards.train, random_shards.val, **settings, checkpoint=ref_ckpt))
+    polish_at = next(i for i, r in enumerate(ref.records) if r.get("event") == "polish")
+    assert ref.records[polish_at] == {"event": "polish", "step": 5}
+    assert ref.records[polish_at + 1] == {"event": "checkpoint", "step": 5, "path": str(ref_ckpt),
+                                          "reason": "polish"}, ref.records[polish_at:polish_at + 3]
+    assert [r["step"] for r in ref.steps if r["phase"] == "polish"] == [6, 7, 8, 9]
+    assert all(r["step"] > 5 for r in ref.records[polish_at + 2:] if "loss" in r)
+    assert read_checkpoint(f"{ref_ckpt}.prev").step == 5  # the final write kept it as the previous slot
+
+    shutil.copyfile(f"{ref_ckpt}.prev", boundary)
+    shutil.copyfile(f"{ref_ckpt}.prev.json", f"{boundary}.json")
+    resumed = eu.run_ok(engine.binary, tiny_args(random_shards.train, random_shards.val, **settings, checkpoint=boundary,
+                                       resume=True))
+    assert [r["step"] for r in resumed.steps] == [6, 7, 8, 9]
+    expected = eu.exact_records(ref)
+    assert all(expected[key] == text for key, text in eu.exact_records(resumed).items())
+    assert boundary.read_bytes() == ref_ckpt.read_bytes()
