@@ -70,6 +70,9 @@ class EventHandler:
         self.exit_reason = None
         self.polish_step = None  # set from the polish event until its checkpoint is archived
         self.throughput = Throughput()
+        self.checkpoint_every = run.cfg.get("checkpoint", {}).get("every", 0)
+        self.polish_start = run.cfg.get("polish", {}).get("start_step")
+        self.checkpoint_asked = False  # a signal asked the engine for a checkpoint not yet written
 
     def handle_line(self, line):
         try:
@@ -130,6 +133,15 @@ class EventHandler:
         elif self.tokens_per_step:
             rec.setdefault("tokens", rec["step"] * self.tokens_per_step)
         self.add_record(rec)
+        if "loss" in rec and self.checkpoint_may_follow(rec["step"]):
+            self.run.flush(force=True)
+
+    def checkpoint_may_follow(self, step):
+        """The engine checkpoints right after this step's record (and its eval and samples): the
+        records up to it go to disk first, so a checkpoint never gets ahead of the log (a proxy
+        killed after it would lose them for good: the next run starts after them)."""
+        return (step >= self.steps or self.checkpoint_asked or step == self.polish_start
+                or (self.checkpoint_every > 0 and step % self.checkpoint_every == 0))
 
     def on_train(self, rec):
         now = time.time()
@@ -171,6 +183,9 @@ class EventHandler:
         rs.set_state(force=True, phase="polish", archive=os.path.relpath(dest, run.files.dir))
 
     def on_checkpoint(self, rec):
+        """Records first (their steps are now behind the checkpoint), then the state that says so."""
+        self.run.flush(force=True)
+        self.checkpoint_asked = False
         ckpt = rec.get("path") or self.run.files.ckpt
         self.run.store.set_state(force=True, checkpoint=ckpt, checkpoint_step=rec.get("step"))
         if self.polish_step is not None:

@@ -8,6 +8,7 @@ proxy itself fails while the engine runs, it stops the engine (SIGTERM, then SIG
 ABORT_WAIT_SECONDS), marks the run crashed and exits 1.
 """
 import collections
+import json
 import os
 import queue
 import secrets
@@ -21,8 +22,8 @@ import traceback
 from microgpt.checkpoint import CheckpointError, checkpoint_step
 from microgpt.config import engine_args
 from microgpt.events import Clock, EventHandler, say
-from microgpt.loss_log import LossBuffer, LossLog
-from microgpt.run_dir import RunFiles, RunState, lock_run
+from microgpt.loss_log import LossBuffer, LossLog, LossLogError
+from microgpt.run_dir import RunBusyError, RunFiles, RunState, lock_run
 
 ABORT_WAIT_SECONDS = 30  # after a proxy failure: how long the engine gets to checkpoint on SIGTERM
 POLL_SECONDS = LossBuffer.FLUSH_SECONDS  # the main loop wakes at least this often to flush
@@ -45,6 +46,7 @@ class Run:
             say(self.log.message)
         self.buffer = LossBuffer(self.log)
         self.store = RunState(self.files)
+        self.note_an_unrecorded_end()
         self.token = secrets.token_urlsafe(18)  # authorises requests that change the run
         self.steps = cfg["train"]["steps"]
         self.clock = Clock(1 + (self.log.record(len(self.log) - 1).get("seg", 0) if len(self.log) else 0))
@@ -54,6 +56,22 @@ class Run:
     samples = property(lambda self: self.store.samples)
     state_version = property(lambda self: self.store.state_version)
     samples_version = property(lambda self: self.store.samples_version)
+
+    def note_an_unrecorded_end(self):
+        """A state still "running" was left by a proxy that died (this one holds the lock now): mark
+        that launch crashed. Its engine may outlive it for a moment; training beside it would race
+        it for the checkpoint, so that is refused."""
+        state = self.store.state
+        if state.get("status") != "running":
+            return
+        pid = state.get("pid")
+        if engine_alive(pid, state.get("engine")):
+            raise RunBusyError(f"the engine of an earlier launch of this run (pid {pid}) is still "
+                               f"running without its proxy; stop it first (kill {pid})")
+        self.store.set_state(force=True, status="crashed", pid=None, eta_s=None,
+                             message="the previous launch ended without recording it (its proxy "
+                                     "was killed)")
+        say("the previous launch ended without recording it (its proxy was killed): marked crashed")
 
     def flush(self, force=False):
         self.buffer.flush(force)
@@ -74,6 +92,7 @@ class Supervisor:
     def __init__(self, run):
         self.run = run
         self.proc = None
+        self.lines = None  # the engine's stdout lines, as the reader thread queues them
         self.events = EventHandler(run, self.signal_engine)
         self.stderr_tail = collections.deque(maxlen=8)
         self.stop_signal = None  # SIGTERM/SIGINT received: the engine was asked to stop
@@ -94,6 +113,7 @@ class Supervisor:
         reentrant.)"""
         if sig in (signal.SIGTERM, signal.SIGINT) and self.stop_signal is None:
             self.stop_signal = sig
+        self.events.checkpoint_asked = True  # each of these signals makes the engine checkpoint
         self.signal_engine(sig)
 
     def announce_stop(self):
@@ -127,7 +147,7 @@ class Supervisor:
             return self.abort(e)
 
     def follow(self):
-        lines = queue.Queue()
+        self.lines = lines = queue.Queue()
         self.launch()
         threading.Thread(target=_pump, args=(self.proc.stdout, lines), daemon=True).start()
         err = threading.Thread(target=_tee_stderr, args=(self.proc.stderr, self.stderr_tail),
@@ -150,21 +170,17 @@ class Supervisor:
         return self.finish(rc)
 
     def abort(self, exc):
-        """SIGTERM the engine (it checkpoints and exits), SIGKILL it if it takes too long, mark the
-        run crashed (not stopped: nobody asked it to stop, and the log may lack the steps between
-        the failure and the checkpoint), and return 1 after one error line."""
+        """The proxy failed while the engine runs: stop the engine and mark the run crashed (not
+        stopped: nobody asked it to stop), then return 1 after one error line. If every record so
+        far is on disk, the engine gets SIGTERM (it checkpoints and exits) and the records it prints
+        on its way out are logged; if the log cannot be written (a full disk), it gets SIGKILL, so
+        that no checkpoint gets ahead of the log: the next run trains and logs those steps again."""
         run = self.run
         where = traceback.extract_tb(exc.__traceback__)[-1]
         why = (f"proxy failed: {type(exc).__name__}: {exc} "
                f"({os.path.basename(where.filename)}:{where.lineno})")
         if self.proc and self.proc.poll() is None:
-            self.signal_engine(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=ABORT_WAIT_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.signal_engine(signal.SIGKILL)
-                self.proc.wait()
-                why += f"; engine did not stop within {ABORT_WAIT_SECONDS} s of SIGTERM, killed"
+            why += self.stop_engine_after_failure()
         try:
             step = checkpoint_step(run.files.ckpt)
         except CheckpointError:
@@ -178,6 +194,58 @@ class Supervisor:
             why += f"; could not record the crash in {run.files.state}: {e.strerror or e}"
         print(f"error: {run.name}: {why}", file=sys.stderr, flush=True)
         return 1
+
+    def stop_engine_after_failure(self):
+        """Stop the engine as abort() says; returns what happened, for its message."""
+        unwritten = self.unwritten_records()
+        if unwritten:
+            self.signal_engine(signal.SIGKILL)
+            self.proc.wait()
+            return (f"; {unwritten} could not be written to the loss log, so the engine was killed "
+                    "without a checkpoint: the next run trains and logs those steps again")
+        self.signal_engine(signal.SIGTERM)
+        deadline = time.monotonic() + ABORT_WAIT_SECONDS
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self.log_plain_records(timeout=min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+        said = ""
+        if self.proc.poll() is None:
+            self.signal_engine(signal.SIGKILL)
+            said = f"; engine did not stop within {ABORT_WAIT_SECONDS} s of SIGTERM, killed"
+        self.proc.wait()
+        self.log_plain_records(timeout=1.0)  # what the engine printed just before it exited
+        unwritten = self.unwritten_records()
+        return said + (f"; {unwritten} printed while the engine stopped could not be written to "
+                       "the loss log" if unwritten else "")
+
+    def unwritten_records(self):
+        """Flush the loss buffer; None if that worked, else which records are not on disk."""
+        pending = self.run.buffer.pending
+        try:
+            self.run.buffer.flush(force=True)
+            return None
+        except (OSError, LossLogError) as e:
+            steps = [r.get("step") for r in pending]
+            return f"{len(pending)} records (steps {steps[0]}..{steps[-1]}; {getattr(e, 'strerror', None) or e})"
+
+    def log_plain_records(self, timeout):
+        """While the engine stops after a proxy failure: its step and validation records go to the
+        loss log (and nothing else: the event handlers may be what failed)."""
+        lines = self.lines
+        deadline = time.monotonic() + timeout
+        while lines is not None:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return
+            if line is None:
+                return
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if (isinstance(rec, dict) and "event" not in rec and isinstance(rec.get("step"), int)
+                    and ("loss" in rec or "val_loss" in rec)):
+                self.events.add_record(rec)
 
     def finish(self, rc):
         run, reason = self.run, self.events.exit_reason
@@ -202,6 +270,18 @@ class Supervisor:
         say(f"{run.name} crashed at step {step}: {why}; run the same command to resume from the "
             "last checkpoint")
         return rc if rc > 0 else 1
+
+
+def engine_alive(pid, engine):
+    """True if process pid runs the executable `engine` (a pid alone may have been reused)."""
+    if not isinstance(pid, int) or not isinstance(engine, str):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv0 = f.read().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return False
+    return os.path.realpath(argv0) == os.path.realpath(engine)
 
 
 def signal_name(num):

@@ -1,0 +1,202 @@
+"""The proxy under damage and faults: a damaged loss log anywhere, a proxy killed with SIGKILL, a full
+disk, stale or damaged run files, hostile inputs (docs/PROXY.md, "When things go wrong")."""
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from proxy_util import NAME, Proxy, ProxyFixtureDir, live_train, run_to_end
+
+from microgpt import config, engines, loss_log, supervisor
+from microgpt.checkpoint import checkpoint_step
+
+
+@pytest.fixture
+def exp(tmp_path):
+    return ProxyFixtureDir(tmp_path)
+
+
+def error_lines(p):
+    return [line for line in p.err if line.startswith("error")]
+
+
+def assert_no_train_step_missing(records):
+    steps = [r["step"] for r in live_train(records)]
+    assert steps == list(range(1, len(steps) + 1)), steps
+
+
+# ---------------------------------------------------------------------------------------------------
+# .loss.json: every record checked at start
+
+
+def test_a_damaged_record_far_from_the_end_is_refused(tmp_path):
+    """A crash only tears the end; damage in the body (here 5000 records before it) is someone
+    else's doing and must be refused, not appended to."""
+    path = tmp_path / "x.loss.json"
+    log = loss_log.LossLog(str(path))
+    log.append([{"step": i, "loss": 1.0 / i} for i in range(1, 5001)])
+    log.close()
+    data = path.read_bytes()
+    damaged = data.replace(b'{"live":1,"step":10,"loss":0.1}', b'{"live":1,"step":10,"loss":0.1#')
+    assert damaged != data and len(damaged) == len(data)
+    path.write_bytes(damaged)
+    with pytest.raises(loss_log.LossLogError, match=r"line 11 is not a complete record.*not at the end"):
+        loss_log.LossLog(str(path))
+    assert path.read_bytes() == damaged
+
+
+@pytest.mark.parametrize("damage", [
+    lambda line: line[:-2] + b',"x":}' + line[-1:],                  # invalid JSON, layout intact
+    lambda line: line[:-1] + b'{"live":1,"step":0},',                  # two records on one line
+    lambda line: line[:-2] + b'\0' + line[-1:],                       # a NUL byte
+], ids=["json", "two-records", "nul"])
+def test_every_kind_of_body_damage_is_found(tmp_path, damage):
+    path = tmp_path / "x.loss.json"
+    log = loss_log.LossLog(str(path))
+    log.append([{"step": i, "loss": 1.0} for i in range(1, 20001)])
+    log.close()
+    lines = path.read_bytes().split(b"\n")
+    lines[3] = damage(lines[3])  # record 3, far before the last batch
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(loss_log.LossLogError, match="line 4 is not a complete record"):
+        loss_log.LossLog(str(path))
+
+
+def test_a_hand_edited_flag_is_rewritten_and_said(tmp_path):
+    """Valid JSON outside the layout (here a "live" flag of 7) is a hand edit: rewritten, reported."""
+    path = tmp_path / "x.loss.json"
+    log = loss_log.LossLog(str(path))
+    log.append([{"step": i, "loss": 1.0} for i in range(1, 20001)])
+    log.close()
+    path.write_bytes(path.read_bytes().replace(b'{"live":1,"step":3,', b'{"live":7,"step":3,'))
+    log = loss_log.LossLog(str(path))
+    assert "rewrote" in log.message and log.record(2) == {"live": 1, "step": 3, "loss": 1.0}
+    log.close()
+
+
+def test_the_proxy_refuses_a_damaged_log_with_one_line(exp, cpu_binary):
+    cfg = exp.config(steps=20)
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    path = exp.path(".loss.json")
+    damaged = path.read_bytes().replace(b'"step":3,', b'"step":3#', 1)
+    path.write_bytes(damaged)
+    p, rc = run_to_end(exp.config(steps=40), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 2 and len(error_lines(p)) == 1 and "not at the end" in error_lines(p)[0], p.describe()
+    assert "Traceback" not in "".join(p.err)
+    assert path.read_bytes() == damaged and checkpoint_step(exp.path(".ckpt")) == 20
+
+
+# ---------------------------------------------------------------------------------------------------
+# records reach the disk before a checkpoint gets past them
+
+
+def test_records_are_on_disk_when_the_checkpoint_is_announced(exp, cpu_binary):
+    """The state says checkpoint_step s only once the records up to s are on disk: a proxy killed
+    with SIGKILL right then (its engine too) loses nothing the next run does not repeat."""
+    cfg = exp.config(steps=10**6, checkpoint={"every": 25}, eval={"every": 0})
+    for kill in range(3):
+        p = Proxy.start(cfg, exp.run_dir, cpu_binary, "--no-server")
+        seen = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # poll fast: the proxy's own flush timer is 0.25 s
+            st = p.state() if exp.path(".state.json").exists() else {}
+            if st.get("status") == "running" and (st.get("checkpoint_step") or 0) >= 25 * (kill + 2):
+                seen = st["checkpoint_step"]
+                break
+            time.sleep(0.002)
+        assert seen, p.describe()
+        p.kill()
+        steps = [r["step"] for r in live_train(exp.loss())]
+        assert steps[-1] >= seen, (seen, steps[-5:])
+    p = Proxy.start(exp.config(steps=200, checkpoint={"every": 25}, eval={"every": 0}), exp.run_dir,
+                    cpu_binary, "--no-server")
+    assert p.wait(120) == 0, p.describe()
+    assert any("previous launch ended without recording it" in line for line in p.out), p.describe()
+    assert_no_train_step_missing(exp.loss())
+
+
+STUB_ENGINE = """#!{python}
+# A stand-in engine: records as fast as it can; SIGTERM writes "checkpointed" (as the real engine's
+# checkpoint would) and exits.
+import json, os, signal, sys
+if sys.argv[1:] == ["--flags-json"]:
+    os.execv({cpu!r}, [{cpu!r}, "--flags-json"])
+def stop(*_):
+    open({marker!r}, "w").write("checkpointed")
+    print(json.dumps({{"event": "exit", "step": step, "reason": "signal"}}), flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+step = 0
+print(json.dumps({{"event": "start", "step": 0, "steps": 10**9, "tokens_per_step": 64}}), flush=True)
+while True:
+    step += 1
+    print(json.dumps({{"step": step, "loss": 1.0, "tokens": 64 * step}}), flush=True)
+"""
+
+
+def stub_engine(tmp_path, cpu_binary):
+    marker = tmp_path / "checkpointed"
+    engine = tmp_path / "engine.py"
+    engine.write_text(STUB_ENGINE.format(python=sys.executable, cpu=str(cpu_binary), marker=str(marker)))
+    engine.chmod(0o755)
+    return engine, marker
+
+
+def test_a_full_disk_loses_nothing_silently(exp, cpu_binary, tmp_path, monkeypatch, capsys):
+    """When the loss log cannot be written, the engine must not checkpoint past the records that
+    are not on disk: it is killed without a checkpoint, and the one error line says so."""
+    engine, marker = stub_engine(tmp_path, cpu_binary)
+    flags = engines.engine_flags(str(cpu_binary))
+    cfg = json.loads(exp.config(steps=10**6).read_text())
+    run = supervisor.Run(cfg, flags, str(exp.root / "cfg.json"), str(exp.run_dir), str(engine), [])
+    real_append, appends = loss_log.LossLog.append, []
+
+    def append(log, records):
+        appends.append(len(records))
+        if len(appends) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_append(log, records)
+    monkeypatch.setattr(loss_log.LossLog, "append", append)
+    sup = supervisor.Supervisor(run)
+    assert sup.run_engine() == 1
+    assert sup.proc.returncode == -signal.SIGKILL and not marker.exists()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0], err
+    assert "could not be written to the loss log, so the engine was killed without a checkpoint" in err[0]
+    st = json.loads(exp.path(".state.json").read_text())
+    assert st["status"] == "crashed" and "could not be written" in st["message"]
+
+
+def test_a_proxy_failure_logs_the_records_up_to_the_engine_checkpoint(exp, cpu_binary, tmp_path, capsys):
+    """The proxy fails (a handler trips on a record) but can still write: the engine gets SIGTERM,
+    and what it prints on its way out is logged, so no step before its checkpoint is missing."""
+    engine, marker = stub_engine(tmp_path, cpu_binary)
+    flags = engines.engine_flags(str(cpu_binary))
+    cfg = json.loads(exp.config(steps=10**6).read_text())
+    run = supervisor.Run(cfg, flags, str(exp.root / "cfg.json"), str(exp.run_dir), str(engine), [])
+    sup = supervisor.Supervisor(run)
+    calls = []
+    real = sup.events.on_train
+
+    def on_train(rec):
+        calls.append(rec["step"])
+        if len(calls) == 200:
+            raise RuntimeError("a bug in a handler")
+        real(rec)
+    sup.events.on_train = on_train
+    assert sup.run_engine() == 1
+    assert sup.proc.returncode == 0 and marker.exists()
+    run.log.close()
+    recs = json.loads(exp.path(".loss.json").read_text())
+    steps = [r["step"] for r in live_train(recs)]
+    # step 200 itself tripped the handler: it is the one record the failure cost
+    assert steps[:199] == list(range(1, 200)) and steps[199:] == list(range(201, steps[-1] + 1))
+    assert steps[-1] > 200
+    assert "proxy failed: RuntimeError: a bug in a handler" in capsys.readouterr().err
