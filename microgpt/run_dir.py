@@ -76,13 +76,32 @@ class RunState:
 
     def __init__(self, files):
         self.files = files
-        self.samples = read_json(files.samples, [])
+        self.messages = []  # what loading had to repair, for the proxy to say
+        self.samples = self.load(files.samples, "a list of samples", [],
+                                 lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v))
         if not os.path.exists(files.samples):
             write_json_atomic(files.samples, [])
-        self.state = read_json(files.state, {})
+        self.state = self.load(files.state, "a JSON object", {}, lambda v: isinstance(v, dict))
         self.state_version = self.samples_version = 0
         self.state_written = 0.0
         self.state_dirty = False
+
+    def load(self, path, what, empty, valid):
+        """A run file the proxy wrote, or `empty` if it is missing. One that is not what the proxy
+        writes (hand-edited, damaged) is moved aside to PATH.damaged, never silently dropped."""
+        try:
+            with open(path, "rb") as f:
+                value = json.loads(f.read())
+            if valid(value):
+                return value
+            why = f"not {what}"
+        except FileNotFoundError:
+            return empty
+        except (ValueError, RecursionError):
+            why = "not valid JSON"
+        os.replace(path, path + ".damaged")
+        self.messages.append(f"warning: {path} was {why}; moved it to {path}.damaged and started anew")
+        return empty
 
     def set_state(self, force=False, **changes):
         self.state = {**self.state, **changes, "updated_at": round(time.time(), 3)}

@@ -46,6 +46,8 @@ class Run:
             say(self.log.message)
         self.buffer = LossBuffer(self.log)
         self.store = RunState(self.files)
+        for message in self.store.messages:
+            say(message)
         self.note_an_unrecorded_end()
         self.token = secrets.token_urlsafe(18)  # authorises requests that change the run
         self.steps = cfg["train"]["steps"]

@@ -88,6 +88,9 @@ def open_run(args):
 
 
 def main(argv):
+    early = []  # signals that arrive before the supervisor takes them over: a stop is honoured
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, lambda sig, _frame: early.append(sig))
     args = parse_args(argv)
     run = open_run(args)
     try:
@@ -106,7 +109,11 @@ def main(argv):
     supervisor = Supervisor(run)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, supervisor.on_signal)
-    if done is not None and done >= run.steps:
+    stop = next((sig for sig in early if sig != signal.SIGUSR1), None)
+    if stop is not None:
+        say(f"{signal.Signals(stop).name} before the engine started: nothing launched")
+        code = 0
+    elif done is not None and done >= run.steps:
         run.store.set_state(force=True, status="finished", pid=None, step=done)
         say(f"{run.name} already finished: checkpoint {run.files.ckpt} is at step {done} of "
             f"{run.steps}; nothing to train")

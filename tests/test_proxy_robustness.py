@@ -200,3 +200,83 @@ def test_a_proxy_failure_logs_the_records_up_to_the_engine_checkpoint(exp, cpu_b
     assert steps[:199] == list(range(1, 200)) and steps[199:] == list(range(201, steps[-1] + 1))
     assert steps[-1] > 200
     assert "proxy failed: RuntimeError: a bug in a handler" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# run files of the wrong type, hostile configs: one message each, never a traceback
+
+
+@pytest.mark.parametrize("suffix, content, what", [
+    (".state.json", "null", "not a JSON object"),
+    (".state.json", "[1, 2]", "not a JSON object"),
+    (".samples.json", '{"step": 1}', "not a list of samples"),
+    (".samples.json", "[1, 2]", "not a list of samples"),
+    (".samples.json", "{", "not valid JSON"),
+])
+def test_run_files_of_the_wrong_type_are_moved_aside(exp, cpu_binary, suffix, content, what):
+    exp.run_dir.mkdir()
+    exp.path(suffix).write_text(content)
+    p, rc = run_to_end(exp.config(steps=12), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0 and "Traceback" not in "".join(p.err), p.describe()
+    said = [line for line in p.out if "damaged" in line]
+    assert len(said) == 1 and what in said[0], p.describe()
+    assert exp.path(suffix + ".damaged").read_text() == content  # kept, not lost
+    assert exp.state()["status"] == "finished"
+
+
+def one_error(p, rc, words):
+    errors = error_lines(p)
+    assert rc == 2 and len(errors) == 1 and words in errors[0], p.describe()
+    assert "Traceback" not in "".join(p.err), p.describe()
+    return errors[0]
+
+
+def test_a_config_nested_too_deeply_is_one_error(exp, cpu_binary):
+    path = exp.root / "deep.json"
+    path.write_text("[" * 100000 + "]" * 100000)
+    p, rc = run_to_end(path, exp.run_dir, cpu_binary, "--no-server")
+    one_error(p, rc, "nested too deeply")
+
+
+def test_a_fifo_as_config_is_refused_not_waited_on(exp, cpu_binary):
+    path = exp.root / "fifo.json"
+    os.mkfifo(path)
+    p, rc = run_to_end(path, exp.run_dir, cpu_binary, "--no-server", timeout=30)
+    one_error(p, rc, "not a regular file")
+
+
+def test_a_checkpoint_path_that_is_a_directory_is_one_error(exp, cpu_binary):
+    exp.path(".ckpt").mkdir(parents=True)
+    p, rc = run_to_end(exp.config(steps=5), exp.run_dir, cpu_binary, "--no-server")
+    one_error(p, rc, "is a directory")
+
+
+@pytest.mark.parametrize("sections, words", [
+    ({"description": "x" * 60_000_000}, '"description" has 60000000 characters; at most 10000'),
+    ({"sample": {"every": 5, "prompts": ["A" * 200_000]}}, '"sample.prompts" has 200000 characters'),
+    ({"sample": {"every": 5, "prompts": ["A B " * 20]}}, '"sample.prompts[0]" is 41 tokens; the model sees at most model.seq_len (32)'),
+    ({"name": "n" * 101}, '"name" must be at most 100'),
+], ids=["description", "prompt-chars", "prompt-tokens", "name"])
+def test_oversized_inputs_are_one_clear_error(exp, cpu_binary, sections, words):
+    p, rc = run_to_end(exp.config(steps=5, **sections), exp.run_dir, cpu_binary, "--no-server")
+    message = one_error(p, rc, words)
+    assert len(message) < 300, message  # the value itself is not echoed back
+    assert not exp.run_dir.exists()
+
+
+def test_sigterm_before_the_engine_starts_stops_cleanly(exp, cpu_binary, tmp_path):
+    """A stop that arrives while the proxy is still starting (here: while it asks the engine for its
+    flag table) is honoured: exit 0, no engine launched."""
+    asked, launched = tmp_path / "asked", tmp_path / "launched"
+    engine = tmp_path / "engine.sh"
+    engine.write_text(f'#!/bin/sh\nif [ "$1" = --flags-json ]; then touch {asked}; sleep 1; '
+                      f'exec {cpu_binary} --flags-json; fi\ntouch {launched}\nexec {cpu_binary} "$@"\n')
+    engine.chmod(0o755)
+    p = Proxy.start(exp.config(steps=5), exp.run_dir, engine, "--no-server")
+    deadline = time.monotonic() + 30
+    while not asked.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    p.proc.send_signal(signal.SIGTERM)
+    assert p.wait() == 0, p.describe()
+    assert any("SIGTERM before the engine started: nothing launched" in line for line in p.out)
+    assert not launched.exists()
