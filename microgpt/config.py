@@ -122,8 +122,8 @@ def validate_config(cfg, flags):
             raise ConfigError(f'missing key "{dotted}"')
     name = cfg["name"]
     if not all(c.isalnum() or c in "._-" for c in name) or name.startswith(".") or len(name) > NAME_MAX_CHARS:
-        raise ConfigError(f'"name" must be at most {NAME_MAX_CHARS} letters, digits, ".", "_" or "-" '
-                          f'(it names files), not {_shown(name)}')
+        raise ConfigError(f'"name" must be letters, digits, ".", "_" or "-" (it names files; at '
+                          f'most {NAME_MAX_CHARS}), not {_shown(name)}')
     _check_length("description", cfg.get("description", ""), DESCRIPTION_MAX_CHARS)
     _check_length("sample.prompts", "".join(cfg.get("sample", {}).get("prompts", [])), PROMPTS_MAX_CHARS)
 
@@ -170,6 +170,26 @@ def tokenize_prompts(cfg, flags):
             raise ConfigError(f'"sample.prompts[{i}]" is too long to pass to the engine')
         out.append(ids)
     return out
+
+
+def config_changes(old, new):
+    """{key: [old value, new value]} for every dotted key whose value differs between two configs
+    (None where a config lacks the key)."""
+    before, after = _dotted(old), _dotted(new)
+    return {k: [before.get(k), after.get(k)] for k in sorted(before.keys() | after.keys())
+            if before.get(k) != after.get(k)}
+
+
+def describe_changes(changes):
+    """'train.lr 0.0006 -> 0.001, train.steps 2000 -> 4000' (long values cut short)."""
+    word = lambda v: "(none)" if v is None else _shown(v, 40)  # noqa: E731
+    return ", ".join(f"{k} {word(a)} -> {word(b)}" for k, (a, b) in changes.items())
+
+
+def _dotted(cfg):
+    return {f"{key}.{sub}" if isinstance(value, dict) else key: subval
+            for key, value in cfg.items()
+            for sub, subval in (value.items() if isinstance(value, dict) else [(None, value)])}
 
 
 def config_values(cfg, flags):

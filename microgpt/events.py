@@ -7,11 +7,9 @@ import signal
 import sys
 import time
 
+from microgpt.config import config_changes, describe_changes
 from microgpt.run_dir import archive_samples_and_state, keep_checkpoint
-
-
-def say(msg):
-    print(f"[proxy] {msg}", flush=True)
+from microgpt.terminal import say
 
 
 def decode_tokens(ids):
@@ -68,6 +66,7 @@ class EventHandler:
         self.steps = run.cfg["train"]["steps"]
         self.tokens_per_step = None
         self.exit_reason = None
+        self.started = False  # the engine said "start": its config was accepted
         self.polish_step = None  # set from the polish event until its checkpoint is archived
         self.throughput = Throughput()
         self.checkpoint_every = run.cfg.get("checkpoint", {}).get("every", 0)
@@ -97,6 +96,8 @@ class EventHandler:
         """The engine has loaded its checkpoint (or initialised) at step k: from here on, anything
         the log holds beyond k is a future that will not happen."""
         run, k = self.run, rec.get("step", 0)
+        self.started = True
+        run.store.held = False
         self.steps = rec.get("steps", self.steps)
         self.tokens_per_step = rec.get("tokens_per_step")
         run.buffer.flush(force=True)
@@ -105,9 +106,13 @@ class EventHandler:
         run.clock.restart(before["elapsed"] if before else 0.0)
         tokens = before.get("tokens", 0) if before else 0
         kind = "resume" if len(run.log) else "start"
-        run.log.append([{"event": kind, "step": k, "tokens": tokens, "seg": run.clock.seg,
-                         "time": round(run.clock.t0, 3), "elapsed": run.clock.base,
-                         "superseded": marked}])
+        stamp = {"seg": run.clock.seg, "time": round(run.clock.t0, 3), "elapsed": run.clock.base}
+        records = [{"event": kind, "step": k, "tokens": tokens, **stamp, "superseded": marked}]
+        changed = config_changes(run.previous_config, run.cfg) if isinstance(run.previous_config, dict) else {}
+        if changed:
+            records.append({"event": "config", "step": k, "changed": changed, **stamp})
+            say(f"the config changed since the last launch: {describe_changes(changed)}")
+        run.log.append(records)
         samples = run.store.samples
         if any(s.get("step", 0) > k and not s.get("superseded") for s in samples):
             run.store.set_samples([dict(s, superseded=True) if s.get("step", 0) > k else s
@@ -130,8 +135,10 @@ class EventHandler:
             return
         if "loss" in rec:
             self.on_train(rec)
-        elif self.tokens_per_step:
-            rec.setdefault("tokens", rec["step"] * self.tokens_per_step)
+        else:
+            if self.tokens_per_step:
+                rec.setdefault("tokens", rec["step"] * self.tokens_per_step)
+            self.run.store.set_state(val_loss=rec["val_loss"], val_step=rec["step"])
         self.add_record(rec)
         if "loss" in rec and self.checkpoint_may_follow(rec["step"]):
             self.run.flush(force=True)

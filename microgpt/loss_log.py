@@ -272,7 +272,9 @@ class LossLog:
         return b"[" + chunk + b"]", stop_i
 
     def close(self):
-        os.close(self.fd)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class LossBuffer:

@@ -66,6 +66,21 @@ class RunFiles:
     def archive_dir(self, step):
         return os.path.join(self.dir, "archive", f"step_{step}")
 
+    def existing(self):
+        """Which of the run directory and its files exist now."""
+        return {p for p in (self.dir, self.ckpt, self.loss, self.samples, self.state, self.lock)
+                if os.path.lexists(p)}
+
+    def remove_all_but(self, existed):
+        """Undo a launch that never started: remove what was not there before (existing()), the
+        whole directory if it was new. Returns what is left to say about it."""
+        if self.dir not in existed:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return f"removed {self.dir}, which this launch had created"
+        for path in self.existing() - existed:
+            os.remove(path)
+        return f"{self.dir} is as it was"
+
 
 class RunState:
     """The run's .state.json and .samples.json, in memory and on disk.
@@ -85,6 +100,7 @@ class RunState:
         self.state_version = self.samples_version = 0
         self.state_written = 0.0
         self.state_dirty = False
+        self.held = False  # True while a launch has not started: nothing is written (see write_state)
 
     def load(self, path, what, empty, valid):
         """A run file the proxy wrote, or `empty` if it is missing. One that is not what the proxy
@@ -111,8 +127,10 @@ class RunState:
             self.write_state()
 
     def write_state(self, due_only=False):
-        """Write .state.json if it changed (and, with due_only, if STATE_SECONDS have passed)."""
-        if not self.state_dirty or (due_only and time.monotonic() - self.state_written < STATE_SECONDS):
+        """Write .state.json if it changed (and, with due_only, if STATE_SECONDS have passed); not
+        while held: an engine that refuses its config at start-up must leave nothing behind."""
+        if (not self.state_dirty or self.held
+                or (due_only and time.monotonic() - self.state_written < STATE_SECONDS)):
             return
         write_json_atomic(self.files.state, self.state)
         self.state_dirty = False

@@ -21,7 +21,8 @@ import traceback
 
 from microgpt.checkpoint import CheckpointError, checkpoint_step
 from microgpt.config import engine_args
-from microgpt.events import Clock, EventHandler, say
+from microgpt.events import Clock, EventHandler
+from microgpt.terminal import progress_line, say, summary, terminal
 from microgpt.loss_log import LossBuffer, LossLog, LossLogError
 from microgpt.run_dir import RunBusyError, RunFiles, RunState, lock_run
 
@@ -39,6 +40,7 @@ class Run:
         self.name = cfg["name"]
         self.files = RunFiles(run_dir, self.name)
         self.dir = self.files.dir
+        self.existed = self.files.existing()  # what a launch the engine refuses must leave as it was
         os.makedirs(self.dir, exist_ok=True)
         self.lock = lock_run(self.files.lock)  # before the log is opened (and maybe repaired)
         self.log = LossLog(self.files.loss)
@@ -48,6 +50,7 @@ class Run:
         self.store = RunState(self.files)
         for message in self.store.messages:
             say(message)
+        self.previous_config = self.store.state.get("config")  # the last launch's, to tell changes
         self.note_an_unrecorded_end()
         self.token = secrets.token_urlsafe(18)  # authorises requests that change the run
         self.steps = cfg["train"]["steps"]
@@ -74,6 +77,12 @@ class Run:
                              message="the previous launch ended without recording it (its proxy "
                                      "was killed)")
         say("the previous launch ended without recording it (its proxy was killed): marked crashed")
+
+    def discard_launch(self):
+        """The engine refused to start: remove what this launch created; returns what to say."""
+        self.log.close()
+        self.lock.close()
+        return self.files.remove_all_but(self.existed)
 
     def flush(self, force=False):
         self.buffer.flush(force)
@@ -133,9 +142,11 @@ class Supervisor:
         # once, so the engine sees exactly the signals the proxy decided to send.
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
+        self.launched_at = time.monotonic()
         kept = {k: run.state[k] for k in ("checkpoint", "checkpoint_step", "archive") if k in run.state}
+        run.store.held = True  # written once the engine has started (EventHandler.on_start)
         run.store.state = {**run.base_state(self.proc.pid), **kept}
-        run.store.set_state(force=True, step=checkpoint_step(run.files.ckpt) or 0)
+        run.store.set_state(step=checkpoint_step(run.files.ckpt) or 0)
         if self.stop_signal is not None:  # a signal that arrived before the engine existed
             self.signal_engine(self.stop_signal)
 
@@ -166,10 +177,27 @@ class Supervisor:
                 self.events.handle_line(line)
             self.announce_stop()
             self.run.flush()
+            if self.events.started:
+                terminal.progress(progress_line(self.run.state))
         rc = self.proc.wait()
         err.join(timeout=5)
+        terminal.end_progress()
+        if not self.events.started and rc > 0:
+            return self.refused(rc)
         self.run.flush(force=True)
-        return self.finish(rc)
+        code = self.finish(rc)
+        self.summarize()
+        return code
+
+    def refused(self, rc):
+        """The engine said why it will not start (its `error:` line went to stderr as it came) and
+        nothing ran: nothing is recorded either, and the proxy exits with the engine's code."""
+        where = self.run.discard_launch()
+        say(f"the engine refused to start (exit code {rc}), so nothing was trained; {where}")
+        return rc
+
+    def summarize(self):
+        summarize(self.run, time.monotonic() - self.launched_at)
 
     def abort(self, exc):
         """The proxy failed while the engine runs: stop the engine and mark the run crashed (not
@@ -178,6 +206,7 @@ class Supervisor:
         on its way out are logged; if the log cannot be written (a full disk), it gets SIGKILL, so
         that no checkpoint gets ahead of the log: the next run trains and logs those steps again."""
         run = self.run
+        run.store.held = False
         where = traceback.extract_tb(exc.__traceback__)[-1]
         why = (f"proxy failed: {type(exc).__name__}: {exc} "
                f"({os.path.basename(where.filename)}:{where.lineno})")
@@ -251,6 +280,7 @@ class Supervisor:
 
     def finish(self, rc):
         run, reason = self.run, self.events.exit_reason
+        run.store.held = False  # an engine that dies before its start event: that is recorded
         step = run.state.get("step")
         if rc == 0 and reason in ("finished", "already_finished"):
             run.store.set_state(force=True, status="finished", pid=None, eta_s=0, message=None)
@@ -269,9 +299,18 @@ class Supervisor:
             last = next((ln for ln in reversed(self.stderr_tail) if ln.startswith("error")), None)
             why = f"engine exited with code {rc}" + (f": {last}" if last else "")
         run.store.set_state(force=True, status="crashed", pid=None, eta_s=None, message=why)
-        say(f"{run.name} crashed at step {step}: {why}; run the same command to resume from the "
-            "last checkpoint")
+        again = ("resume from the last checkpoint" if os.path.exists(run.files.ckpt)
+                 else "start again (there is no checkpoint yet)")
+        say(f"{run.name} crashed at step {step}: {why}; run the same command to {again}")
         return rc if rc > 0 else 1
+
+
+def summarize(run, launch_seconds):
+    """Say the summary of the run as it stands (terminal.summary)."""
+    step = run.state.get("checkpoint_step")
+    ckpt = (run.state.get("checkpoint") or run.files.ckpt, step) if step is not None else None
+    for line in summary(run.state, launch_seconds, run.dir, ckpt):
+        say(line)
 
 
 def engine_alive(pid, engine):
@@ -304,6 +343,5 @@ def _tee_stderr(stream, tail):
     """Pass the engine's messages through as they come, and keep the last few for the state."""
     for raw in iter(stream.readline, b""):
         text = raw.decode("utf-8", "replace")
-        sys.stderr.write(text)
-        sys.stderr.flush()
+        terminal.passthrough(text)
         tail.append(text.strip())

@@ -19,10 +19,10 @@ import time
 from microgpt.checkpoint import CheckpointError, checkpoint_step
 from microgpt.config import ConfigError, load_config, tokenize_prompts
 from microgpt.engines import ENGINES, ROOT, EngineChoiceError, choose_engine, engine_flags, gpu_visible, is_built
-from microgpt.events import say
 from microgpt.loss_log import LossLogError
 from microgpt.run_dir import RunBusyError
-from microgpt.supervisor import Run, Supervisor
+from microgpt.supervisor import Run, Supervisor, summarize
+from microgpt.terminal import say
 
 DEFAULT_PORT = 8765
 LINGER_SECONDS = 0.6  # a few live-stream polls (proxy_server.POLL_SECONDS) after the run ends
@@ -114,9 +114,11 @@ def main(argv):
         say(f"{signal.Signals(stop).name} before the engine started: nothing launched")
         code = 0
     elif done is not None and done >= run.steps:
-        run.store.set_state(force=True, status="finished", pid=None, step=done)
+        run.store.set_state(force=True, status="finished", pid=None, step=done,
+                            checkpoint=run.files.ckpt, checkpoint_step=done)
         say(f"{run.name} already finished: checkpoint {run.files.ckpt} is at step {done} of "
             f"{run.steps}; nothing to train")
+        summarize(run, 0.0)
         code = 0
     else:
         code = supervisor.run_engine()

@@ -320,14 +320,53 @@ def test_engine_cuda_without_a_usable_gpu_engine_is_an_error(exp, no_gpu_env):
     assert not exp.run_dir.exists()
 
 
-def test_engine_errors_pass_through(exp, cpu_binary):
-    """A config the proxy accepts but the engine refuses (n_head must divide d_model): the engine's
-    own error line reaches the user, the run is marked crashed, the exit code is the engine's."""
-    p, rc = run_to_end(exp.config(steps=5, model={"n_head": 3}), exp.run_dir, cpu_binary)
-    assert rc == 2, p.describe()
-    assert any(line.startswith("error:") and "n_head" in line for line in p.err), p.describe()
-    st = exp.state()
-    assert st["status"] == "crashed" and "n_head" in st["message"]
+def test_a_config_the_engine_refuses_leaves_nothing_behind(exp, cpu_binary):
+    """A config the proxy accepts but the engine refuses (n_head must divide d_model; a missing
+    shard): the engine's own error line reaches the user once, the exit code is the engine's, and
+    neither a new run directory nor a word about resuming is left behind."""
+    for sections in ({"model": {"n_head": 3}}, {"data": {"train": str(exp.root / "missing_*.bin")}}):
+        p, rc = run_to_end(exp.config(steps=5, **sections), exp.run_dir, cpu_binary)
+        assert rc == 2, p.describe()
+        errors = [line for line in p.err if line.startswith("error")]
+        assert len(errors) == 1, p.describe()
+        assert not any("resume" in line for line in p.out + p.err), p.describe()
+        assert any("the engine refused to start" in line for line in p.out), p.describe()
+        assert not exp.run_dir.exists(), os.listdir(exp.run_dir)
+
+
+def test_a_refused_relaunch_leaves_the_run_as_it_was(exp, cpu_binary):
+    cfg = exp.config(steps=10, sample={"every": 5, "prompts": PROMPTS})
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary)
+    assert rc == 0, p.describe()
+    def contents():  # the lock file holds the pid of the last proxy to take it: not run data
+        return {f: (exp.run_dir / f).read_bytes() for f in sorted(os.listdir(exp.run_dir)) if f != f"{NAME}.lock"}
+    before = contents()
+    p, rc = run_to_end(exp.config(steps=20, model={"n_head": 3}), exp.run_dir, cpu_binary)
+    assert rc == 2 and f"{exp.run_dir} is as it was" in "".join(p.out), p.describe()
+    assert contents() == before
+
+
+def test_resuming_with_a_changed_config_says_what_changed(exp, cpu_binary):
+    p, rc = run_to_end(exp.config(steps=20), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    p, rc = run_to_end(exp.config(steps=30, train={"lr": 1e-3}, description="longer"), exp.run_dir,
+                       cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    said = [line for line in p.out if "config changed" in line]
+    assert said == ["[proxy] the config changed since the last launch: description (none) -> "
+                    '"longer", train.lr 0.003 -> 0.001, train.steps 20 -> 30\n'], p.describe()
+    recs = exp.loss()
+    change = [r for r in recs if r.get("event") == "config"]
+    assert len(change) == 1 and change[0]["step"] == 20 and change[0]["seg"] == 2
+    assert change[0]["changed"] == {"description": [None, "longer"], "train.lr": [0.003, 0.001],
+                                    "train.steps": [20, 30]}
+    resume = recs.index(change[0]) - 1
+    assert recs[resume]["event"] == "resume" and recs[resume]["step"] == 20
+    assert [r["step"] for r in live_train(recs)] == list(range(1, 31))
+    p, rc = run_to_end(exp.config(steps=40, train={"lr": 1e-3}, description="longer"), exp.run_dir,
+                       cpu_binary, "--no-server")
+    assert rc == 0 and [r for r in exp.loss() if r.get("event") == "config"][-1]["changed"] == {
+        "train.steps": [30, 40]}, p.describe()
 
 
 # ---------------------------------------------------------------------------------------------------
