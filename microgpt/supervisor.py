@@ -177,7 +177,7 @@ class Supervisor:
                 self.events.handle_line(line)
             self.announce_stop()
             self.run.flush()
-            if self.events.started:
+            if self.run.state.get("loss") is not None:  # from the first step record on
                 terminal.progress(progress_line(self.run.state))
         rc = self.proc.wait()
         err.join(timeout=5)

@@ -2,7 +2,8 @@
 through, a progress line at a steady cadence and a summary at the end.
 
 On a terminal the progress line is one line rewritten in place (every TTY_SECONDS), cleared before
-any other message; otherwise (a log file, a pipe) it is a plain line every PLAIN_SECONDS."""
+any other message; otherwise (a log file, a pipe) it is a plain line every PLAIN_SECONDS. The
+proxy's --progress-every sets another interval (0: no progress line)."""
 import os
 import sys
 import threading
@@ -19,6 +20,7 @@ class Terminal:
         self.lock = threading.Lock()  # the stderr pass-through runs in its own thread
         self.shown = False  # a progress line is on screen (TTY only)
         self.last_progress = 0.0
+        self.interval = TTY_SECONDS if self.tty else PLAIN_SECONDS
 
     def _clear(self):
         if self.shown:
@@ -42,7 +44,7 @@ class Terminal:
     def progress(self, line):
         """Show the progress line if it is due (the caller may call this as often as it likes)."""
         now = time.monotonic()
-        if now - self.last_progress < (TTY_SECONDS if self.tty else PLAIN_SECONDS):
+        if self.interval <= 0 or now - self.last_progress < self.interval:
             return
         self.last_progress = now
         with self.lock:

@@ -22,7 +22,7 @@ from microgpt.engines import ENGINES, ROOT, EngineChoiceError, choose_engine, en
 from microgpt.loss_log import LossLogError
 from microgpt.run_dir import RunBusyError
 from microgpt.supervisor import Run, Supervisor, summarize
-from microgpt.terminal import say
+from microgpt.terminal import say, terminal
 
 DEFAULT_PORT = 8765
 LINGER_SECONDS = 0.6  # a few live-stream polls (proxy_server.POLL_SECONDS) after the run ends
@@ -44,6 +44,9 @@ def parse_args(argv):
                    help=f"dashboard port (default {DEFAULT_PORT}, or a free one if that is taken; "
                         "0: any free port)")
     p.add_argument("--no-server", action="store_true", help="do not serve the dashboard")
+    p.add_argument("--progress-every", type=float, metavar="SECONDS", default=None,
+                   help="print the progress line this often (default: every second, rewritten in "
+                        "place, on a terminal; every 30 s otherwise; 0: never)")
     p.add_argument("--keep-serving", action="store_true",
                    help="keep the dashboard up after the engine exits (or for a finished run), "
                         "until Ctrl-C")
@@ -92,6 +95,8 @@ def main(argv):
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, lambda sig, _frame: early.append(sig))
     args = parse_args(argv)
+    if args.progress_every is not None:
+        terminal.interval = args.progress_every
     run = open_run(args)
     try:
         done = checkpoint_step(run.files.ckpt)

@@ -13,7 +13,7 @@ import pytest
 
 from proxy_util import NAME, Proxy, ProxyFixtureDir, live_train, run_to_end
 
-from microgpt import config, engines, loss_log, supervisor
+from microgpt import config, engines, loss_log, supervisor, terminal
 from microgpt.checkpoint import checkpoint_step
 
 
@@ -280,3 +280,68 @@ def test_sigterm_before_the_engine_starts_stops_cleanly(exp, cpu_binary, tmp_pat
     assert p.wait() == 0, p.describe()
     assert any("SIGTERM before the engine started: nothing launched" in line for line in p.out)
     assert not launched.exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the terminal: progress and summary
+
+
+def test_progress_line_and_summary_say_what_a_user_needs():
+    state = {"status": "running", "step": 1200, "steps": 20000, "loss": 4.12345, "val_loss": 4.35,
+             "val_step": 1000, "tokens_per_s": 95200.0, "elapsed_s": 130.0, "eta_s": 1865.0,
+             "phase": "pretrain"}
+    assert terminal.progress_line(state) == ("step 1200/20000 6.0% | loss 4.1235 | val 4.3500 | "
+                                             "95.2k tok/s | 2m10s | ETA 31m05s")
+    assert terminal.duration(7384) == "2h03m04s" and terminal.duration(4.4) == "4s"
+    lines = terminal.summary({**state, "status": "finished", "step": 20000}, 61.0, "/r/x",
+                             ("/r/x/x.ckpt", 20000))
+    assert lines == ["summary: step 20000 of 20000, 2m10s of training (this launch 1m01s)",
+                     "train loss 4.1235, validation loss 4.3500 (step 1000)",
+                     "checkpoint /r/x/x.ckpt (step 20000)",
+                     "chat with it:  python microgpt/chat.py /r/x",
+                     "export it:     python scripts/export-hf.py /r/x OUT_DIR"]
+    assert not any("chat" in line for line in terminal.summary(state, 1.0, "/r/x", None))
+
+
+def test_plain_progress_lines_then_a_summary(exp, cpu_binary):
+    cfg = exp.config(steps=400, eval={"every": 50})
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server", "--progress-every", "0.2")
+    assert rc == 0, p.describe()
+    progress = [line for line in p.out if line.startswith("[proxy] step ")]
+    assert len(progress) >= 2, p.describe()
+    steps = [int(line.split()[2].split("/")[0]) for line in progress]
+    assert steps == sorted(steps) and all(line.split()[2].endswith("/400") for line in progress)
+    assert all(" | loss " in line and " tok/s | " in line and "ETA" in line for line in progress), progress
+    out = "".join(p.out)
+    assert "summary: step 400 of 400" in out and "validation loss" in out
+    assert f"chat with it:  python microgpt/chat.py {exp.run_dir}" in out
+    assert f"export it:     python scripts/export-hf.py {exp.run_dir} OUT_DIR" in out
+
+
+def test_on_a_terminal_the_progress_line_is_rewritten_in_place(exp, cpu_binary):
+    import pty
+    from proxy_util import PROXY, proxy_env
+    leader, follower = pty.openpty()
+    cfg = exp.config(steps=300)
+    proc = subprocess.Popen([sys.executable, str(PROXY), str(cfg), "--engine-binary", str(cpu_binary),
+                             "--run-dir", str(exp.run_dir), "--no-server", "--progress-every", "0.1"],
+                            stdin=follower, stdout=follower, stderr=follower, env=proxy_env())
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the other end closed: the proxy is gone
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    assert proc.wait(60) == 0, out.decode(errors="replace")[-3000:]
+    text = out.decode()
+    rewrites = text.count("\r[proxy] ") + text.count("\rstep ")
+    assert rewrites >= 2, text[-3000:]
+    assert "\r\x1b[K" in text  # cleared before the next message
+    for chunk in text.split("\rstep ")[1:]:
+        assert "\n" not in chunk.split("\x1b[K")[0], chunk  # the progress line never ends a line
+    assert "summary: step 300 of 300" in text
