@@ -28,6 +28,7 @@ from microgpt.run_dir import RunBusyError, RunFiles, RunState, lock_run
 
 ABORT_WAIT_SECONDS = 30  # after a proxy failure: how long the engine gets to checkpoint on SIGTERM
 POLL_SECONDS = LossBuffer.FLUSH_SECONDS  # the main loop wakes at least this often to flush
+ENGINE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}  # the ones the proxy forwards
 
 
 class Run:
@@ -104,7 +105,7 @@ class Supervisor:
         self.run = run
         self.proc = None
         self.lines = None  # the engine's stdout lines, as the reader thread queues them
-        self.events = EventHandler(run, self.signal_engine)
+        self.events = EventHandler(run)
         self.stderr_tail = collections.deque(maxlen=8)
         self.stop_signal = None  # SIGTERM/SIGINT received: the engine was asked to stop
         self.stop_announced = False
@@ -139,9 +140,15 @@ class Supervisor:
         resume = os.path.exists(run.files.ckpt)
         cmd = [run.engine_path] + engine_args(run.cfg, run.flags, run.prompt_ids, run.files.ckpt, resume)
         # A process group of its own: a terminal's Ctrl-C reaches only the proxy, which forwards it
-        # once, so the engine sees exactly the signals the proxy decided to send.
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+        # once, so the engine sees exactly the signals the proxy decided to send. It starts with
+        # them blocked (the mask survives exec) and unblocks them once its handlers are installed
+        # (host/signals.h): a SIGTERM forwarded right after the launch waits for the handler.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, ENGINE_SIGNALS)
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         start_new_session=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         self.launched_at = time.monotonic()
         kept = {k: run.state[k] for k in ("checkpoint", "checkpoint_step", "archive") if k in run.state}
         run.store.held = True  # written once the engine has started (EventHandler.on_start)

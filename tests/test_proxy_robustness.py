@@ -133,6 +133,7 @@ def stop(*_):
     print(json.dumps({{"event": "exit", "step": step, "reason": "signal"}}), flush=True)
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}})  # as the engine does
 step = 0
 print(json.dumps({{"event": "start", "step": 0, "steps": 10**9, "tokens_per_step": 64}}), flush=True)
 while True:
@@ -345,3 +346,18 @@ def test_on_a_terminal_the_progress_line_is_rewritten_in_place(exp, cpu_binary):
     for chunk in text.split("\rstep ")[1:]:
         assert "\n" not in chunk.split("\x1b[K")[0], chunk  # the progress line never ends a line
     assert "summary: step 300 of 300" in text
+
+
+def test_the_engine_starts_with_the_forwarded_signals_blocked(exp, cpu_binary, tmp_path):
+    """A SIGTERM forwarded in the moment between the launch and the engine's handlers must wait for
+    them (the engine unblocks the signals once they are installed), not kill the engine."""
+    seen = tmp_path / "sigblk"
+    engine = tmp_path / "engine.sh"
+    engine.write_text(f'#!/bin/sh\n[ "$1" = --flags-json ] && exec {cpu_binary} --flags-json\n'
+                      f'grep SigBlk /proc/self/status > {seen}\nexit 2\n')
+    engine.chmod(0o755)
+    p, rc = run_to_end(exp.config(steps=5), exp.run_dir, engine, "--no-server")
+    assert rc == 2, p.describe()
+    blocked = int(seen.read_text().split()[1], 16)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        assert blocked & (1 << (sig - 1)), (sig, hex(blocked))
