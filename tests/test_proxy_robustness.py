@@ -352,9 +352,12 @@ def test_the_engine_starts_with_the_forwarded_signals_blocked(exp, cpu_binary, t
     """A SIGTERM forwarded in the moment between the launch and the engine's handlers must wait for
     them (the engine unblocks the signals once they are installed), not kill the engine."""
     seen = tmp_path / "sigblk"
-    engine = tmp_path / "engine.sh"
-    engine.write_text(f'#!/bin/sh\n[ "$1" = --flags-json ] && exec {cpu_binary} --flags-json\n'
-                      f'grep SigBlk /proc/self/status > {seen}\nexit 2\n')
+    engine = tmp_path / "engine.py"
+    engine.write_text(f"#!{sys.executable}\nimport os, sys\n"
+                      f"if sys.argv[1:] == ['--flags-json']:\n    os.execv({str(cpu_binary)!r}, sys.argv[:1] + sys.argv[1:])\n"
+                      f"status = open('/proc/self/status').read()\n"
+                      f"open({str(seen)!r}, 'w').write([l for l in status.splitlines() if l.startswith('SigBlk')][0])\n"
+                      f"sys.exit(2)\n")
     engine.chmod(0o755)
     p, rc = run_to_end(exp.config(steps=5), exp.run_dir, engine, "--no-server")
     assert rc == 2, p.describe()
