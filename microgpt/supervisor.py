@@ -4,29 +4,25 @@ end, forward signals, and say how it ended.
 Signals: SIGTERM/SIGINT are forwarded to the engine, which checkpoints and exits; the proxy then
 marks the run stopped and exits 0. SIGUSR1 is forwarded (checkpoint, keep training). An engine that
 dies any other way leaves the run crashed and the proxy exits non-zero; re-running resumes. If the
-proxy itself fails while the engine runs, it stops the engine (SIGTERM, then SIGKILL after
-ABORT_WAIT_SECONDS), marks the run crashed and exits 1.
+proxy itself fails while the engine runs, failure.py stops the engine and marks the run crashed.
 """
 import collections
-import json
 import os
 import queue
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
-import traceback
 
-from microgpt.checkpoint import CheckpointError, checkpoint_step
+from microgpt.checkpoint import checkpoint_step
 from microgpt.config import engine_args
 from microgpt.events import Clock, EventHandler
+from microgpt.failure import abort
 from microgpt.terminal import progress_line, say, summary, terminal
-from microgpt.loss_log import LossBuffer, LossLog, LossLogError
+from microgpt.loss_log import LossBuffer, LossLog
 from microgpt.run_dir import RunBusyError, RunFiles, RunState, lock_run
 
-ABORT_WAIT_SECONDS = 30  # after a proxy failure: how long the engine gets to checkpoint on SIGTERM
 POLL_SECONDS = LossBuffer.FLUSH_SECONDS  # the main loop wakes at least this often to flush
 ENGINE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}  # the ones the proxy forwards
 
@@ -164,7 +160,7 @@ class Supervisor:
         try:
             return self.follow()
         except Exception as e:  # noqa: BLE001  (any failure: the engine must not outlive the proxy)
-            return self.abort(e)
+            return abort(self, e)
 
     def follow(self):
         self.lines = lines = queue.Queue()
@@ -205,85 +201,6 @@ class Supervisor:
 
     def summarize(self):
         summarize(self.run, time.monotonic() - self.launched_at)
-
-    def abort(self, exc):
-        """The proxy failed while the engine runs: stop the engine and mark the run crashed (not
-        stopped: nobody asked it to stop), then return 1 after one error line. If every record so
-        far is on disk, the engine gets SIGTERM (it checkpoints and exits) and the records it prints
-        on its way out are logged; if the log cannot be written (a full disk), it gets SIGKILL, so
-        that no checkpoint gets ahead of the log: the next run trains and logs those steps again."""
-        run = self.run
-        run.store.held = False
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        why = (f"proxy failed: {type(exc).__name__}: {exc} "
-               f"({os.path.basename(where.filename)}:{where.lineno})")
-        if self.proc and self.proc.poll() is None:
-            why += self.stop_engine_after_failure()
-        try:
-            step = checkpoint_step(run.files.ckpt)
-        except CheckpointError:
-            step = None
-        if self.proc:
-            why += "; last checkpoint: " + (f"step {step}" if step is not None else "none")
-        try:
-            kept = {"checkpoint": run.files.ckpt, "checkpoint_step": step} if step is not None else {}
-            run.store.set_state(force=True, status="crashed", pid=None, eta_s=None, message=why, **kept)
-        except OSError as e:  # the failure may be the full disk itself: still say what happened
-            why += f"; could not record the crash in {run.files.state}: {e.strerror or e}"
-        print(f"error: {run.name}: {why}", file=sys.stderr, flush=True)
-        return 1
-
-    def stop_engine_after_failure(self):
-        """Stop the engine as abort() says; returns what happened, for its message."""
-        unwritten = self.unwritten_records()
-        if unwritten:
-            self.signal_engine(signal.SIGKILL)
-            self.proc.wait()
-            return (f"; {unwritten} could not be written to the loss log, so the engine was killed "
-                    "without a checkpoint: the next run trains and logs those steps again")
-        self.signal_engine(signal.SIGTERM)
-        deadline = time.monotonic() + ABORT_WAIT_SECONDS
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            self.log_plain_records(timeout=min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
-        said = ""
-        if self.proc.poll() is None:
-            self.signal_engine(signal.SIGKILL)
-            said = f"; engine did not stop within {ABORT_WAIT_SECONDS} s of SIGTERM, killed"
-        self.proc.wait()
-        self.log_plain_records(timeout=1.0)  # what the engine printed just before it exited
-        unwritten = self.unwritten_records()
-        return said + (f"; {unwritten} printed while the engine stopped could not be written to "
-                       "the loss log" if unwritten else "")
-
-    def unwritten_records(self):
-        """Flush the loss buffer; None if that worked, else which records are not on disk."""
-        pending = self.run.buffer.pending
-        try:
-            self.run.buffer.flush(force=True)
-            return None
-        except (OSError, LossLogError) as e:
-            steps = [r.get("step") for r in pending]
-            return f"{len(pending)} records (steps {steps[0]}..{steps[-1]}; {getattr(e, 'strerror', None) or e})"
-
-    def log_plain_records(self, timeout):
-        """While the engine stops after a proxy failure: its step and validation records go to the
-        loss log (and nothing else: the event handlers may be what failed)."""
-        lines = self.lines
-        deadline = time.monotonic() + timeout
-        while lines is not None:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return
-            if line is None:
-                return
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if (isinstance(rec, dict) and "event" not in rec and isinstance(rec.get("step"), int)
-                    and ("loss" in rec or "val_loss" in rec)):
-                self.events.add_record(rec)
 
     def finish(self, rc):
         run, reason = self.run, self.events.exit_reason

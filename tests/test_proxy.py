@@ -15,7 +15,7 @@ import requests
 from proxy_util import (NAME, PROXY, REPO, Proxy, ProxyFixtureDir, live_train, live_val,
                         proxy_env, run_to_end)
 
-from microgpt import config, engines, loss_log, run_dir, supervisor
+from microgpt import config, engines, failure, loss_log, run_dir, supervisor
 from microgpt.checkpoint import checkpoint_step
 
 PROMPTS = ["A", "B"]  # GPT-2 ids 32 and 33: inside the tiny vocabulary
@@ -499,8 +499,8 @@ sys.exit(child.wait())
 
 
 def test_proxy_failure_kills_an_engine_that_ignores_sigterm(tmp_path, monkeypatch, capsys):
-    """The SIGKILL fallback of Supervisor.abort, in process: an "engine" that ignores SIGTERM."""
-    monkeypatch.setattr(supervisor, "ABORT_WAIT_SECONDS", 0.5)
+    """The SIGKILL fallback of failure.abort, in process: an "engine" that ignores SIGTERM."""
+    monkeypatch.setattr(failure, "ABORT_WAIT_SECONDS", 0.5)
     files = run_dir.RunFiles(tmp_path, "t")
     sup = supervisor.Supervisor.__new__(supervisor.Supervisor)  # only what abort() touches
     sup.lines = None  # no output reader: the "engine" prints nothing after "ready"
@@ -512,7 +512,7 @@ def test_proxy_failure_kills_an_engine_that_ignores_sigterm(tmp_path, monkeypatc
     try:
         raise OSError(28, "No space left on device")
     except OSError as e:
-        assert sup.abort(e) == 1
+        assert failure.abort(sup, e) == 1
     assert sup.proc.returncode == -signal.SIGKILL
     st = json.loads((tmp_path / "t.state.json").read_text())
     assert st["status"] == "crashed" and "did not stop within 0.5 s" in st["message"], st

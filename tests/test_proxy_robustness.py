@@ -3,7 +3,6 @@ disk, stale or damaged run files, hostile inputs (docs/PROXY.md, "When things go
 import errno
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,9 +10,9 @@ import time
 
 import pytest
 
-from proxy_util import NAME, Proxy, ProxyFixtureDir, live_train, run_to_end
+from proxy_util import Proxy, ProxyFixtureDir, live_train, run_to_end
 
-from microgpt import config, engines, loss_log, supervisor, terminal
+from microgpt import engines, loss_log, supervisor, terminal
 from microgpt.checkpoint import checkpoint_step
 
 
