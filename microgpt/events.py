@@ -100,30 +100,40 @@ class EventHandler:
         self.tokens_per_step = rec.get("tokens_per_step")
         run.buffer.flush(force=True)
         marked = run.log.supersede_after(k)
-        before = run.log.last_live(lambda r: "elapsed" in r and r.get("step", 0) <= k)
-        run.clock.restart(before["elapsed"] if before else 0.0)
-        tokens = before.get("tokens", 0) if before else 0
-        kind = "resume" if len(run.log) else "start"
-        stamp = {"seg": run.clock.seg, "time": round(run.clock.t0, 3), "elapsed": run.clock.base}
-        records = [{"event": kind, "step": k, "tokens": tokens, **stamp, "superseded": marked}]
-        changed = config_changes(run.previous_config, run.cfg) if isinstance(run.previous_config, dict) else {}
-        if changed:
-            records.append({"event": "config", "step": k, "changed": changed, **stamp})
-            say(f"the config changed since the last launch: {describe_changes(changed)}")
-        run.log.append(records)
-        samples = run.store.samples
-        if any(s.get("step", 0) > k and not s.get("superseded") for s in samples):
-            run.store.set_samples([dict(s, superseded=True) if s.get("step", 0) > k else s
-                                         for s in samples])
+        tokens = self.log_launch(k, marked)
+        self.supersede_samples_after(k)
         polish = run.cfg.get("polish")
         phase = "polish" if polish and k >= polish["start_step"] else "pretrain"
-        run.store.set_state(force=True, status="running", step=k, steps=self.steps,
-                                  phase=phase, tokens=tokens, elapsed_s=run.clock.base,
-                                  seg=run.clock.seg)
+        run.store.set_state(force=True, status="running", step=k, steps=self.steps, phase=phase,
+                            tokens=tokens, elapsed_s=run.clock.base, seg=run.clock.seg)
         what = f"resuming at step {k}" if k else "starting at step 0"
         extra = f"; {marked} logged records beyond step {k} marked superseded" if marked else ""
         say(f"{run.name}: {what} of {self.steps} ({rec.get('engine', '?')} engine, "
             f"{rec.get('n_params', '?')} parameters){extra}")
+
+    def log_launch(self, k, marked):
+        """The start (or resume) record of this launch at step k, and what changed in the config
+        since the last launch; returns the tokens trained up to k."""
+        run = self.run
+        before = run.log.last_live(lambda r: "elapsed" in r and r.get("step", 0) <= k)
+        run.clock.restart(before["elapsed"] if before else 0.0)
+        tokens = before.get("tokens", 0) if before else 0
+        stamp = {"seg": run.clock.seg, "time": round(run.clock.t0, 3), "elapsed": run.clock.base}
+        kind = "resume" if len(run.log) else "start"
+        records = [{"event": kind, "step": k, "tokens": tokens, **stamp, "superseded": marked}]
+        previous = run.previous_config
+        changed = config_changes(previous, run.cfg) if isinstance(previous, dict) else {}
+        if changed:
+            records.append({"event": "config", "step": k, "changed": changed, **stamp})
+            say(f"the config changed since the last launch: {describe_changes(changed)}")
+        run.log.append(records)
+        return tokens
+
+    def supersede_samples_after(self, k):
+        samples = self.run.store.samples
+        if any(s.get("step", 0) > k and not s.get("superseded") for s in samples):
+            self.run.store.set_samples([dict(s, superseded=True) if s.get("step", 0) > k else s
+                                        for s in samples])
 
     def on_memory(self, rec):
         self.run.store.set_state(memory_bytes=rec.get("total_bytes"))
