@@ -375,12 +375,68 @@ def test_every_chart_has_a_log_scale(browser):
         for (const box of document.querySelectorAll('[data-log]')) { box.checked = true; box.dispatchEvent(new Event('change')); }
         dash.draw();
         return Object.values(dash.charts).map(c => [c.title, c.logY]);""")
-    assert [t for t, log in titles if log] == ["loss", "learning rate", "gradient norm", "tokens / s"]
+    assert [t for t, log in titles if log] == ["loss", "learning rate", "gradient norm", "tokens / s", "source mixture",
+                                               "validation loss per source"]
     for chart in ("lossChart", "lrChart", "gnChart", "tpsChart"):
         assert curve_pixels(browser, chart) > 100, chart
     browser.execute_script("""const box = document.querySelector('[data-log=gn]'); box.checked = false;
                               box.dispatchEvent(new Event('change')); dash.draw();""")
     assert browser.execute_script("return dash.charts.gn.logY") is False
+
+
+SOURCE_COLORS = [(0x1F, 0x6F, 0xEB), (0xE8, 0x71, 0x0A), (0x1A, 0x7F, 0x37)]  # the dashboard's first three sources
+
+
+def feed_mixture_run(browser, bandit):
+    """A run on three sources for 2000 steps, evaluated every 100. With `bandit`, p moves from
+    uniform to [0.8, 0.14, 0.06] over the first 1000 steps; without, the arms are drawn 1:3:0 (a static
+    mixture shows what it drew). The third source's name is hostile HTML."""
+    browser.get(DASHBOARD.as_uri())
+    return browser.execute_script("""
+        const bandit = arguments[0], r = dash.synthetic(0), names = ['chat', 'docs', '<img src=x onerror="window.pwned=1">'];
+        const recs = [{event: 'start', step: 0, tokens: 0, elapsed: 0, sources: names, p: [1/3, 1/3, 1/3]}];
+        for (let i = 1; i <= 2000; i++) {
+          recs.push({step: i, tokens: i, elapsed: i, loss: 3, lr: 1e-3, grad_norm: 1, tokens_per_s: 1, arm: i % 4 ? [1, 1] : [0, 0]});
+          const q = Math.min(1, i / 1000);
+          if (bandit) recs.push({event: 'bandit', step: i, tokens: i, elapsed: i, p: [1/3 + q * (0.8 - 1/3), 1/3 + q * (0.14 - 1/3), 1/3 + q * (0.06 - 1/3)]});
+          if (i % 100 === 0) recs.push({step: i, tokens: i, elapsed: i, val_loss: 3,
+                                        val_loss_by_source: {chat: 2 + 100 / i, docs: 4 + 100 / i, [names[2]]: 6}});
+        }
+        r.feed(recs); dash.draw();
+        return [document.getElementById('mixture').hidden, dash.charts.mix.title,
+                Array.from(document.querySelectorAll('#sourceLegend span'), e => e.textContent), window.pwned === undefined];""",
+                                   bandit)
+
+
+def test_the_mixture_and_each_sources_validation_loss_are_drawn(browser):
+    """The bandit's p as stacked areas, each source's band as wide as its share (averaged over the
+    run, 0.68 : 0.19 : 0.13); with "log", one line per source instead; every source's validation
+    curve; the names as text, never HTML."""
+    hidden, title, legend, safe = feed_mixture_run(browser, bandit=True)
+    assert not hidden and title == "source mixture p" and safe
+    assert legend == ["chat", "docs", '<img src=x onerror="window.pwned=1">']
+    area = [curve_pixels(browser, "mixChart", c) for c in SOURCE_COLORS]
+    assert 1000 < area[2] < area[1] and 3 * area[1] < area[0], area
+    assert 1.2 < area[1] / area[2] < 1.8, area  # 0.19 / 0.13
+    for c in SOURCE_COLORS:
+        assert curve_pixels(browser, "srcValChart", c) > 100, c
+    browser.execute_script("""const box = document.querySelector('[data-log=mix]'); box.checked = true;
+                              box.dispatchEvent(new Event('change')); dash.draw();""")
+    lines = [curve_pixels(browser, "mixChart", c) for c in SOURCE_COLORS]
+    assert all(50 < n < a / 3 for n, a in zip(lines, area)), (lines, area)
+    assert browser.execute_script("return dash.charts.mix.logY && dash.charts.mix.title") == "source mixture p"
+
+
+def test_a_static_mixture_shows_the_shares_it_drew(browser):
+    hidden, title, _, _ = feed_mixture_run(browser, bandit=False)
+    assert not hidden and title == "source mixture (shares drawn)"
+    area = [curve_pixels(browser, "mixChart", c) for c in SOURCE_COLORS]
+    assert 2.5 < area[1] / area[0] < 3.5 and area[2] == 0, area
+
+
+def test_no_mixture_charts_without_sources(browser):
+    browser.get(DASHBOARD.as_uri())
+    assert browser.execute_script("dash.synthetic(100); dash.draw(); return document.getElementById('mixture').hidden")
 
 
 def test_marker_labels_never_overlap(browser):
