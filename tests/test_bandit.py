@@ -188,6 +188,7 @@ def test_exact_resume_with_the_bandit(cpu_binary, sources, tmp_path, accum, ever
     side = read_sidecar(ckpt)["bandit"]
     assert side["rounds"] == k // every and len(side["gain"]) == len(side["p"]) == 2
     second = eu.run_ok(cpu_binary, args + ["--checkpoint", ckpt, "--resume"])
+    assert second.events("start")[0]["p"] == first.events("bandit")[-1]["p"]  # the start event reports the resumed p
     assert eu.merged_exact_records(first, second) == eu.exact_records(ref)
     bandit_lines = [[ln for ln in r.lines if '"event":"bandit"' in ln] for r in (ref, first, second)]
     assert bandit_lines[1] + bandit_lines[2] == bandit_lines[0] and len(bandit_lines[0]) == 40 // every

@@ -96,8 +96,8 @@ static void mixture_open(Mixture* m, const Config* c) {
     for (i = 0; m->listed && i < m->n; i++) m->prior[i] /= total;
     for (i = 0; i < m->n; i++) m->n_active += m->prior[i] > 0.0;
     m->eta = c->bandit.eta;
-    if (m->eta == 0.0 && m->n_active > 1) { /* EXP3's rate for K arms over the run's probe steps */
-        int rounds = mixture_steps(c) / (c->bandit.every > 0 ? c->bandit.every : 1);
+    if (c->bandit.enabled && m->eta == 0.0 && m->n_active > 1) { /* EXP3's rate for K arms over the run's probe steps */
+        int rounds = mixture_steps(c) / c->bandit.every;
         m->eta = sqrt(log((double)m->n_active) / ((double)m->n_active * (rounds > 0 ? rounds : 1)));
     }
     mixture_reset_bandit(m, c);
@@ -152,6 +152,7 @@ static void bandit_learn(Mixture* m, const Config* c, BanditRound* b) {
     double d = c->bandit.reward_decay, dev;
     int i;
     b->drop = b->loss_before - b->loss_after;
+    if (!isfinite(b->drop)) b->drop = 0.0; /* a probe that overflowed says nothing about the source */
     dev = b->drop - m->reward_mean;
     if (m->rounds < bandit_warmup_rounds(c) || m->reward_var <= 0.0) b->z = 0.0; /* no scale yet: only measure */
     else b->z = dev / sqrt(m->reward_var);

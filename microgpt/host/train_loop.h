@@ -219,7 +219,10 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     r->start_step = 0;
     r->saved_step = -1;
     if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0]);
-    if (c->resume) r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params);
+    if (c->resume) {
+        r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params);
+        mixture_resume(&r->mix, c, c->checkpoint.path); /* before the start event, which reports p */
+    }
 }
 
 static void run_allocate(Run* r) {
@@ -322,7 +325,6 @@ static void run_start(Run* r) {
     if (c->resume) {
         ckpt_load(c->checkpoint.path, r->layout.n_params, r->params, r->m, r->v);
         r->loss_scale = sidecar_read(c->checkpoint.path, r->start_step, c);
-        mixture_resume(&r->mix, c, c->checkpoint.path);
         info("resumed from %s at step %d", c->checkpoint.path, r->start_step);
     } else {
         params_init(r->params, &r->layout, c);
