@@ -11,8 +11,8 @@ equal steps and tokens, through the proxy as a user runs them (docs/FIREHOSE-BAN
 
 The sources are the folders data/megachat/sources/SRC/ that `make data` writes (SRC_train_*.bin,
 SRC_val_*.bin); data.val is the mixed validation set. Model, optimiser and bandit settings come from
-experiments/ANDREA-12M-BANDIT.json; sampling and periodic checkpoints are left out (they cost time
-and measure nothing here). For each run DIR/bandit-RUN.json holds the validation loss overall and
+experiments/ANDREA-12M-BANDIT.json; sampling, the polish phase and periodic checkpoints are left
+out (they cost time and measure nothing here). For each run DIR/bandit-RUN.json holds the validation loss overall and
 per source at every evaluation, the bandit's p after every probe step, the share of micro-batches
 each source really got per window of steps, and the median ms/step; DIR/bandit-experiment.json
 holds all three and the final comparison. scripts/plot-bandit.py draws them.
@@ -54,6 +54,7 @@ def run_configs(base, sources, steps, eval_every):
     """The three configs: the same model, steps, tokens, seed and evaluation; only the mixture differs."""
     common = json.loads(json.dumps(base))
     common.pop("sample", None)
+    common.pop("polish", None)  # the experiment is about the pretraining mixture
     common["train"]["steps"] = steps
     common["train"]["warmup_steps"] = min(common["train"].get("warmup_steps", 0), steps // 10)
     common["eval"] = {**common.get("eval", {}), "every": eval_every}

@@ -318,3 +318,49 @@ def test_gpu_engine_draws_the_cpu_engines_arms(cpu_binary, sources):
     assert p_cpu.shape == p_gpu.shape == (60, 2)
     assert np.abs(p_cpu - p_gpu).max() < 1e-3, np.abs(p_cpu - p_gpu).max()
     assert np.abs(p_cpu[:, 1] - 0.5).max() > 0.1  # the bandit moved, so the comparison covers its updates
+
+
+# ---------------------------------------------------------------------------------------------------
+# The experiment's scripts (run for real on a GPU; here on the CPU engine, tiny)
+
+
+def test_experiment_scripts_run_and_draw(sources, tmp_path):
+    """scripts/bandit-experiment.py on two per-source folders with the TINY model: three runs of
+    equal steps and tokens, the bandit's p only in the bandit run, per-source validation losses;
+    scripts/plot-bandit.py draws the three figures (SVG here, where matplotlib may be missing)."""
+    src = tmp_path / "sources"
+    for name, train, val in (("noise", sources.noise_train, sources.noise_val), ("useful", sources.useful_train, sources.val)):
+        (src / name).mkdir(parents=True)
+        for pattern, split in ((train, "train"), (val, "val")):
+            for i, path in enumerate(sorted(Path(pattern).parent.glob(Path(pattern).name))):
+                (src / name / f"{name}_{split}_{i:06d}.bin").write_bytes(path.read_bytes())
+    experiment = tmp_path / "tiny-bandit.json"
+    experiment.write_text(json.dumps({
+        "name": "tiny-bandit",
+        "model": {k.split(".")[1]: v for k, v in TINY.items() if k.startswith("model.")},
+        "train": {"batch_size": 4, "steps": 1, "lr": 3e-3, "warmup_steps": 0},
+        "data": {"sources": [], "val": sources.val},
+        "eval": {"every": 10, "batches": 2},
+        "bandit": {"every": 1}}))
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "bandit-experiment.py"), "--out", str(out),
+                          "--steps", "40", "--eval-every", "10", "--engine", "cpu", "--experiment", str(experiment),
+                          "--sources-dir", str(src)], capture_output=True, text=True, env=eu.python_env(), timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((out / "bandit-experiment.json").read_text())
+    assert doc["sources"] == ["noise", "useful"] and set(doc["runs"]) == {"bandit", "static-uniform", "static-natural"}
+    for run, r in doc["runs"].items():
+        assert r["steps"] == 40 and r["tokens"] == 40 * 4 * 16, run
+        assert [v["step"] for v in r["val"]] == [10, 20, 30, 40]
+        assert set(r["val"][-1]["by_source"]) == {"noise", "useful"}
+        assert bool(r["p"]) == (run == "bandit") and r["arm_share"][-1]["step"] == 40
+    assert doc["runs"]["static-natural"]["prior"] == [0.5, 0.5]  # both sources hold 16384 train tokens
+    assert (out / "bandit-bandit.json").exists()
+    plot = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "plot-bandit.py"), str(out), "--svg"],
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    import xml.etree.ElementTree as ET
+    for stem in ("bandit-val-loss", "bandit-val-by-source", "bandit-mixture"):
+        root = ET.parse(out / f"{stem}.svg").getroot()
+        assert len(list(root.iter("{http://www.w3.org/2000/svg}polyline")) +
+                   list(root.iter("{http://www.w3.org/2000/svg}polygon"))) >= 2, stem
