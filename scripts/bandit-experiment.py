@@ -7,7 +7,7 @@ equal steps and tokens, through the proxy as a user runs them (docs/FIREHOSE-BAN
     static-natural  each source by its share of the training tokens, no bandit: the proportions of
                     the mixed set (data.val), i.e. the mixture the validation set itself follows
 
-    python scripts/bandit-experiment.py --out DIR [--steps 6000] [--engine cuda]
+    python scripts/bandit-experiment.py --out DIR [--steps 6000] [--engine cuda] [--only SRC,SRC,...]
 
 The sources are the folders data/megachat/sources/SRC/ that `make data` writes (SRC_train_*.bin,
 SRC_val_*.bin); data.val is the mixed validation set. Model, optimiser and bandit settings come from
@@ -136,10 +136,17 @@ def main():
     ap.add_argument("--experiment", default=EXPERIMENT, help="model, optimiser and bandit settings")
     ap.add_argument("--sources-dir", default=SOURCES_DIR, help="per-source shard folders (default data/megachat/sources)")
     ap.add_argument("--runs", default=",".join(RUNS), help="which runs, comma-separated (default all three)")
+    ap.add_argument("--only", help="these sources only, comma-separated (default every folder of --sources-dir)")
     args = ap.parse_args()
     if not args.out:
         ap.error("--out DIR (or $OUT) is required")
     sources = discover_sources(args.sources_dir)
+    if args.only:
+        wanted = args.only.split(",")
+        missing = sorted(set(wanted) - {s["name"] for s in sources})
+        if missing:
+            sys.exit(f"error: --only: no shards for {', '.join(missing)} in {args.sources_dir}")
+        sources = [s for s in sources if s["name"] in wanted]
     if len(sources) < 2:
         sys.exit(f"error: {args.sources_dir} holds {len(sources)} source folder(s) with shards; the experiment needs "
                  "at least 2 (run `make data`)")
