@@ -208,7 +208,8 @@ typedef struct {
     char id[GEN_ID_MAX]; /* the id's JSON text, echoed verbatim; "null" when absent */
     int* prompt;         /* [seq_len] */
     int n_prompt;
-    int max_tokens, top_k, want_logits, n_stop;
+    int max_tokens, top_k, n_stop;
+    int want_logits; /* 0; 1: the prompt's last position's logits; 2: those of every token drawn */
     double temperature, top_p;
     uint64_t seed;
     int stop[GEN_MAX_STOP];
@@ -409,9 +410,9 @@ static int parse_request(JsonIn* j, Request* r, const Config* c) {
             ok = js_number(j, &r->top_p);
             if (ok && !(r->top_p > 0 && r->top_p <= 1) && !r->error[0])
                 snprintf(r->error, sizeof r->error, "top_p must be in (0, 1] (1: off)");
-        } else if (strcmp(key, "logits") == 0) {
-            r->want_logits = *j->p == 't';
-            ok = js_literal(j, r->want_logits ? "true" : "false");
+        } else if (strcmp(key, "logits") == 0) { /* true, false, or "all": before every token */
+            r->want_logits = *j->p == 't' ? 1 : *j->p == '"' ? 2 : 0;
+            ok = r->want_logits == 2 ? js_literal(j, "\"all\"") : js_literal(j, r->want_logits ? "true" : "false");
         } else {
             if (!r->error[0]) snprintf(r->error, sizeof r->error, "unknown key \"%.40s\"", key);
             ok = js_skip(j, 0);
@@ -523,7 +524,9 @@ static void server_free(Server* s) {
  * counter i of STREAM_GENERATE under the request's seed: what it is batched with changes nothing. */
 static void next_token(Server* s, Request* r, double t0) {
     double u = rng_uniform(r->seed, STREAM_GENERATE, (uint64_t)r->n_out);
-    int tok = sample_token(&s->sampler, r->logits, r->temperature, r->top_k, r->top_p, u);
+    int tok;
+    if (r->want_logits == 2 && r->n_out > 0) emit_gen_logits(r, s->V); /* the prompt's: serve_batch */
+    tok = sample_token(&s->sampler, r->logits, r->temperature, r->top_k, r->top_p, u);
     r->out[r->n_out++] = tok;
     emit_gen_token(r, tok);
     if (id_in(tok, r->stop, r->n_stop)) r->reason = "stop";
