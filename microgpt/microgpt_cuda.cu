@@ -623,6 +623,7 @@ static size_t engine_setup(const Config* cfg) {
         size_t rows = LOGITS_CHUNK_BYTES / row_bytes;
         if (rows > 128) rows -= rows % 128; /* whole tiles for the products */
         E.chunk = (int)(rows < 1 ? 1 : rows > (size_t)E.N ? (size_t)E.N : rows);
+        if (cfg->generate.enabled) E.chunk = 1; /* no loss: the prefill's one row of logits */
     }
     E.loss_scale = E.prec == PREC_FP16 ? LOSS_SCALE_DEFAULT : 1.0f;
 
