@@ -259,7 +259,9 @@ def test_stop_ids_max_tokens_and_the_context_window(cpu_binary, trained):
 BAD = [
     ("not json", "hello", None),
     ("not an object", "[1, 2]", None),
-    ("trailing text", '{"id": 1, "prompt": [1]} x', None),
+    ("trailing text", '{"id": 1, "prompt": [1]} x', 1),   # a syntax error after the id: the id is known
+    ("hex number", '{"id": "h", "prompt": [0x1]}', "h"),
+    ("nan", '{"id": "nan", "prompt": [1], "temperature": NaN}', "nan"),
     ("too big a batch", json.dumps([{"id": i, "prompt": [1]} for i in range(MAX_BATCH + 1)]), None),
     ("empty batch", "[]", None),
     ("token out of vocabulary", {"id": "v", "prompt": [1, V]}, "v"),

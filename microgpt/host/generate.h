@@ -253,12 +253,26 @@ static int js_string(JsonIn* j, char* out, size_t cap) {
     return 1;
 }
 
+static int js_digits(const char** q) {
+    const char* start = *q;
+    while (**q >= '0' && **q <= '9') (*q)++;
+    return *q > start;
+}
+
+/* A JSON number (-?int(.digits)?([eE][+-]?digits)?: no hex, inf or nan), converted by strtod. */
 static int js_number(JsonIn* j, double* x) {
-    char* end;
-    if (*j->p != '-' && (*j->p < '0' || *j->p > '9')) return js_fail(j, "expected a number");
-    *x = strtod(j->p, &end);
-    if (end == j->p) return js_fail(j, "expected a number");
-    j->p = end;
+    const char* q = j->p;
+    if (*q == '-') q++;
+    if (*q == '0') q++;
+    else if (!js_digits(&q)) return js_fail(j, "expected a number");
+    if (*q == '.' && (q++, !js_digits(&q))) return js_fail(j, "malformed number");
+    if (*q == 'e' || *q == 'E') {
+        q++;
+        if (*q == '+' || *q == '-') q++;
+        if (!js_digits(&q)) return js_fail(j, "malformed number");
+    }
+    *x = strtod(j->p, NULL);
+    j->p = q;
     return 1;
 }
 
@@ -571,16 +585,19 @@ static void serve_batch(Server* s, int n) {
 }
 
 /* One stdin line: a request object or an array of them. A line that is not JSON of that form, or
- * a batch larger than max_batch, is one error event with id null; a bad request in a batch is an
- * error event of its own and the others are served. */
+ * a batch larger than max_batch, is one error event (id null, or a lone request's id when it was
+ * read before the fault); a bad request in a batch is an error event of its own and the others
+ * are served. */
 static void serve_line(Server* s, const char* line) {
     JsonIn j;
-    int n = 0, i;
+    int n = 0, i, batch;
     j.p = line;
     j.syntax_error = NULL;
     js_ws(&j);
     if (!*j.p) return; /* blank line */
-    if (*j.p == '[') {
+    batch = *j.p == '[';
+    strcpy(s->req[0].id, "null");
+    if (batch) {
         j.p++;
         js_ws(&j);
         if (*j.p == ']') {
@@ -613,7 +630,7 @@ static void serve_line(Server* s, const char* line) {
     if (j.syntax_error) {
         char msg[160];
         snprintf(msg, sizeof msg, "not a request line (%s at byte %d)", j.syntax_error, (int)(j.p - line));
-        emit_gen_error("null", msg);
+        emit_gen_error(batch ? "null" : s->req[0].id, msg); /* a lone request's id, if read before */
         return;
     }
     if (n == 0) {
