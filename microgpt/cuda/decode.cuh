@@ -16,7 +16,7 @@
 #include "common.cuh"
 #include "mlp.cuh" /* gelu_f */
 
-#define DECODE_K_WARPS 8    /* warps of a product block; each sums its slice of the K terms */
+#define DECODE_K_WARPS 16   /* warps of a product block; each sums its slice of the K terms */
 #define DECODE_ROWS 8       /* rows (sequences) a product or classifier block handles */
 #define DECODE_ATT_THREADS 256
 #define DECODE_LOGIT_WARPS 8 /* classifier rows (vocabulary entries) per block, one per warp */
@@ -52,6 +52,7 @@ decode_matmul_kernel(T* out, const T* x, const T* w, const T* residual, int n, i
 #pragma unroll
     for (int r = 0; r < DECODE_ROWS; r++) acc[r] = 0.0f;
     if (j < out_dim)
+#pragma unroll 4
         for (int k = k0; k < k1; k++) {
             float wk = to_f(w[(size_t)k * out_dim + j]);
 #pragma unroll
