@@ -207,20 +207,23 @@ def test_seeded_sampling_is_deterministic_and_batch_independent(cpu_binary, trai
     assert [r["token"] for r in served.of("batched") if "token" in r] == alone
 
 
-def test_sampler_draws_from_the_top_k_softmax(cpu_binary, trained):
-    """The first token of 2000 seeds: only the top-5 logits' tokens, at the frequencies of
-    softmax(logits / 0.7) over them (bound: 5 standard deviations of a frequency at n = 2000)."""
-    prompt, n, temp = [6, 2, 8], 2000, 0.7
+@pytest.mark.parametrize("top_k", [5, 0])
+def test_sampler_draws_from_the_top_k_softmax(cpu_binary, trained, top_k):
+    """The first token of 2000 seeds: only the top-k logits' tokens (0: all), at the frequencies of
+    softmax(logits / temperature) over them (bound: 5 standard deviations of a frequency at
+    n = 2000). Temperature 3 with the whole vocabulary, so that many tokens are drawn."""
+    prompt, n, temp = [6, 2, 8], 2000, 0.7 if top_k else 3.0
     lines = [{"id": "logits", "prompt": prompt, "max_tokens": 0, "logits": True}]
-    lines += [{"id": s, "prompt": prompt, "max_tokens": 1, "temperature": temp, "top_k": 5, "seed": s}
+    lines += [{"id": s, "prompt": prompt, "max_tokens": 1, "temperature": temp, "top_k": top_k, "seed": s}
               for s in range(n)]
     served = serve(cpu_binary, trained["ckpt"], lines)
     logits = np.array(served.of("logits")[0]["logits"], dtype=np.float64)
-    top = np.argsort(-logits, kind="stable")[:5]
+    top = np.argsort(-logits, kind="stable")[:top_k or V]
     p = np.exp((logits[top] - logits[top].max()) / temp)
     p /= p.sum()
     drawn = np.array([served.tokens(s)[0] for s in range(n)])
     assert set(drawn) <= set(top.tolist())
+    assert len(set(drawn)) >= min(len(top), 10)
     freq = np.array([(drawn == t).mean() for t in top])
     assert np.abs(freq - p).max() <= 5 * np.sqrt(0.25 / n), (freq, p)
 

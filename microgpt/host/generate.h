@@ -83,14 +83,36 @@ static int sampler_top(Sampler* s, const float* logits, int k) {
     return n;
 }
 
+/* softmax(logits / temperature) over the whole vocabulary inverted at u, in id order: no sort
+ * (it would cost more than a GPU decode step). NaN logits have no weight. */
+static int sample_full(Sampler* s, const float* logits, double temperature, double u) {
+    double max = -INFINITY, total = 0.0, acc = 0.0;
+    int i, last = 0;
+    for (i = 0; i < s->V; i++)
+        if (logits[i] > max) max = logits[i];
+    for (i = 0; i < s->V; i++) {
+        s->weight[i] = logits[i] == logits[i] ? exp(((double)logits[i] - max) / temperature) : 0.0;
+        total += s->weight[i];
+    }
+    for (i = 0; i < s->V; i++) {
+        if (s->weight[i] == 0.0) continue;
+        acc += s->weight[i];
+        last = i;
+        if (u * total < acc) return i;
+    }
+    return last;
+}
+
 /* A token from logits over the real vocabulary (padded rows are never passed in): greedy (the
  * highest logit, lowest id among equals) when temperature is 0; otherwise softmax(logits /
  * temperature) over the top_k best (0: all), cut to the smallest head whose probability reaches
- * top_p (1: no cut), inverted at the uniform draw u in [0, 1). */
+ * top_p (1: no cut), inverted at the uniform draw u in [0, 1): over the candidates in order of
+ * their logits, or over the whole vocabulary in id order when neither cut applies. */
 static int sample_token(Sampler* s, const float* logits, double temperature, int top_k, double top_p, double u) {
     int k = (top_k <= 0 || top_k > s->V) ? s->V : top_k, n, i;
     double total = 0.0, acc = 0.0, max;
     if (temperature == 0.0) k = 1;
+    else if (k == s->V && top_p >= 1.0) return sample_full(s, logits, temperature, u);
     n = sampler_top(s, logits, k);
     if (n == 0) return 0; /* every logit NaN */
     if (n == 1) return s->cand[0].id;
