@@ -74,7 +74,7 @@ class Supervisor:
     def __init__(self, run):
         self.run = run
         self.proc = None
-        self.events = EventHandler(run, self.signal_engine)
+        self.events = EventHandler(run)
         self.stderr_tail = collections.deque(maxlen=8)
         self.stop_signal = None  # SIGTERM/SIGINT received: the engine was asked to stop
         self.stop_announced = False

@@ -328,7 +328,7 @@ def test_training_samples_stop_at_im_end_for_chatml_prompts(cpu_binary, random_s
     tensors["lnf.gamma"][:], tensors["lnf.beta"][:] = 0.0, 1.0
 
     def run(*flags):
-        ckpt = tmp_path / f"chat{len(flags)}.ckpt"
+        ckpt = tmp_path / ("chat" + "".join(flags).replace(",", "_") + ".ckpt")  # a fresh one per run
         write_checkpoint(ckpt, 0, params, np.zeros(n), np.zeros(n))
         res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **shape, **{
             "train.steps": 1, "train.lr": 0, "sample.every": 1, "sample.tokens": 6,

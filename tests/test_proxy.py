@@ -561,10 +561,10 @@ def test_polish_archives_pretraining(exp, cpu_binary):
     arch = exp.run_dir / "archive" / "step_30"
     assert sorted(os.listdir(arch)) == sorted(f"{NAME}{s}" for s in (".ckpt", ".ckpt.json",
                                                                      ".samples.json", ".state.json"))
-    # The SIGUSR1 checkpoint, kept while the live one moved on; the engine keeps training while
-    # the signal travels, so it is the first checkpoint at or after the boundary.
+    # The engine's checkpoint at the boundary (reason "polish", before the first polish step): the
+    # state at the switch, kept while the live one moved on.
     kept = checkpoint_step(arch / f"{NAME}.ckpt")
-    assert 30 <= kept < 300 and checkpoint_step(exp.path(".ckpt")) == 300
+    assert kept == 30 and checkpoint_step(exp.path(".ckpt")) == 300
     assert json.loads((arch / f"{NAME}.ckpt.json").read_text())["step"] == kept
     old = json.loads((arch / f"{NAME}.samples.json").read_text())
     new = json.loads(exp.path(".samples.json").read_text())
