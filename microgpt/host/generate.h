@@ -223,7 +223,7 @@ typedef struct {
     int stop[GEN_MAX_STOP];
     char error[200]; /* "" = a good request */
     /* as decoded */
-    int* out; /* [seq_len + 1] generated tokens */
+    int* out; /* [seq_len] generated tokens */
     int n_out;
     const float* logits; /* [vocab_size] for the next token */
     const char* reason;  /* NULL while decoding */
@@ -522,7 +522,7 @@ static void server_init(Server* s, const Config* c) {
     s->req = (Request*)xcalloc((size_t)s->max_batch, sizeof(Request), "requests");
     for (i = 0; i < s->max_batch; i++) {
         s->req[i].prompt = (int*)xmalloc((size_t)s->T * sizeof(int), "prompt");
-        s->req[i].out = (int*)xmalloc((size_t)(s->T + 1) * sizeof(int), "generated tokens");
+        s->req[i].out = (int*)xmalloc((size_t)s->T * sizeof(int), "generated tokens");
     }
     s->prefill_logits = (float*)xmalloc((size_t)s->max_batch * s->V * sizeof(float), "logits");
     s->step_logits = (float*)xmalloc((size_t)s->max_batch * s->V * sizeof(float), "logits");
@@ -553,7 +553,7 @@ static void next_token(Server* s, Request* r, double t0) {
     emit_gen_token(r, tok);
     if (id_in(tok, r->stop, r->n_stop)) r->reason = "stop";
     else if (r->n_out >= r->max_tokens) r->reason = "length";
-    else if (r->n_prompt + r->n_out > s->T) r->reason = "context"; /* its position would be seq_len */
+    else if (r->n_prompt + r->n_out >= s->T) r->reason = "context"; /* the window is full */
     if (r->reason) emit_gen_done(r, now_ms() - t0);
 }
 
@@ -570,8 +570,8 @@ static void serve_batch(Server* s, int n) {
         r->logits = s->prefill_logits + (size_t)i * s->V;
         engine_prefill(i, r->prompt, r->n_prompt, s->prefill_logits + (size_t)i * s->V);
         if (r->want_logits) emit_gen_logits(r, s->V);
-        if (r->max_tokens == 0) {
-            r->reason = "length";
+        if (r->max_tokens == 0 || r->n_prompt == s->T) {
+            r->reason = r->max_tokens == 0 ? "length" : "context";
             emit_gen_done(r, now_ms() - t0);
         }
     }

@@ -48,8 +48,8 @@ static int sample_stop_ids(const Config* c, const int* prompt, int n, const int*
 }
 
 /* Continues every prompt by up to sample.tokens tokens with the KV cache (slot 0), ending early at
- * a stop id (kept as the last token) or when the window is full (the next position would be
- * seq_len: no sliding), and emits one "sample" line each. Draw i of prompt p after `done` steps
+ * a stop id (kept as the last token) or when prompt and sample fill the window of seq_len
+ * positions (no sliding), and emits one "sample" line each. Draw i of prompt p after `done` steps
  * uses counter (done·n_prompts + p)·tokens + i of STREAM_SAMPLE. */
 static void run_samples(Run* r, int done) {
     const Config* c = &r->cfg;
@@ -60,13 +60,13 @@ static void run_samples(Run* r, int done) {
         int n0 = c->sample.prompt_start[p + 1] - c->sample.prompt_start[p];
         int n_stop = sample_stop_ids(c, prompt, n0, &stop), n = 0;
         engine_prefill(slot, prompt, n0, r->logits);
-        for (;;) {
+        while (n0 + n < T) {
             uint64_t counter = ((uint64_t)done * (uint64_t)c->sample.n_prompts + (uint64_t)p) * (uint64_t)c->sample.tokens + (uint64_t)n;
             int tok = sample_token(&r->sampler, r->logits, c->sample.temperature, c->sample.top_k, 1.0,
                                    rng_uniform((uint64_t)c->train.seed, STREAM_SAMPLE, counter));
             int pos = n0 + n; /* of tok */
             r->sample_tokens[n++] = tok;
-            if (n == c->sample.tokens || id_in(tok, stop, n_stop) || pos == T) break;
+            if (n == c->sample.tokens || id_in(tok, stop, n_stop) || pos + 1 == T) break;
             engine_decode(1, &slot, &tok, &pos, r->logits);
         }
         emit_sample(done, p, prompt, n0, r->sample_tokens, n);
