@@ -19,6 +19,7 @@ import engine_util as eu
 import reference as ref
 from engine_util import TINY, tiny_args
 from microgpt.checkpoint import read_checkpoint, write_checkpoint
+from microgpt.tokenizer import IM_END, IM_START, VOCAB_SIZE
 from test_gpu import cuda_binary  # noqa: F401  (the fixture: skips without a GPU or the binary)
 
 V, T = TINY["model.vocab_size"], TINY["model.seq_len"]
@@ -314,7 +315,7 @@ def test_model_flags_come_from_the_sidecar_and_bad_setups_are_refused(cpu_binary
 # ---------------------------------------------------------------------------------------------------
 # training samples stop at <|im_end|>
 
-IM_START, IM_END, CHATML_VOCAB = 50257, 50258, 50259
+CHATML_VOCAB = VOCAB_SIZE  # the engine's TOKEN_IM_START / TOKEN_IM_END must be the tokenizer's
 
 
 def test_training_samples_stop_at_im_end_for_chatml_prompts(cpu_binary, random_shards, tmp_path):
