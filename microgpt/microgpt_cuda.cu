@@ -134,7 +134,7 @@ static struct {
     float *att_S, *att_dP; void* att_P; /* [H][T][T], cuBLAS attention only (else empty) */
     float* att_delta;                     /* [B][H][T], flash attention only (else empty) */
     void* att_ds;                         /* dS tiles of the causal half, flash attention only (else empty) */
-    void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (the sampler's) */
+    void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (a prefill's row) */
     float *losses, *loss_lse; /* [N] */
     float* ln_partial;
     float* norm_partial;
