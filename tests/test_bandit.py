@@ -15,6 +15,7 @@ import pytest
 import engine_util as eu
 from engine_util import TINY, tiny_args
 from proxy_util import proxy_env
+from test_engine import alloc_counter  # noqa: F401  (the fixture: the LD_PRELOAD allocation counter)
 
 from microgpt import config, engines
 from microgpt.checkpoint import read_sidecar
@@ -166,6 +167,19 @@ def test_a_source_of_weight_zero_is_evaluated_never_trained_on(cpu_binary, sourc
                                                              "eval.every": 20, "eval.batches": 1}))
     assert set(arms_of(res)) == {1} and all(e["p"] == [0, 1] for e in res.events("bandit"))
     assert set(res.vals[0]["val_loss_by_source"]) == {"noise", "useful"}
+
+
+def test_no_allocation_in_the_loop_with_the_bandit(cpu_binary, sources, alloc_counter):
+    """Drawing sources, probing, learning and per-source evaluation use what was allocated at start
+    (the shim and the thread count as in test_engine.py's test of the plain loop)."""
+    args = mixture_args(sources, 6, **{"bandit.every": 2, "train.grad_accum": 2, "eval.every": 3, "eval.batches": 1})
+    res = eu.run_ok(cpu_binary, args, env={"LD_PRELOAD": str(alloc_counter), "OMP_NUM_THREADS": "2"})
+    assert any(l.startswith("ALLOC ") for l in res.lines), "the shim reported nothing: is it loaded?"
+    first = next(i for i, l in enumerate(res.lines) if l.startswith('{"step"'))
+    last = next(i for i, l in enumerate(res.lines) if l.startswith('{"event":"exit"'))
+    in_loop = [l for l in res.lines[first:last] if "ALLOC" in l]
+    assert not in_loop, f"{len(in_loop)} allocations inside the training loop, e.g. {in_loop[:5]}"
+    assert len(res.events("bandit")) == 3 and all("val_loss_by_source" in v for v in res.vals)
 
 
 # ---------------------------------------------------------------------------------------------------
