@@ -187,25 +187,27 @@ def test_no_allocation_in_the_loop_with_the_bandit(cpu_binary, sources, alloc_co
 
 
 @pytest.mark.parametrize("accum, every", [(1, 1), (2, 3)], ids=["accum1-every1", "accum2-every3"])
-def test_exact_resume_with_the_bandit(cpu_binary, sources, tmp_path, accum, every):
+def test_exact_resume_with_the_bandit(engine, sources, tmp_path, accum, every):
     """SIGTERM mid-run and resume: the same arms, probabilities, rewards, losses and final checkpoint
-    bytes as the run that was never stopped. The bandit's state travels in the sidecar."""
-    args = mixture_args(sources, 40, **{"bandit.every": every, "train.grad_accum": accum, "eval.every": 10,
-                                        "eval.batches": 1, "bandit.eta": 0.5,
-                                        "bandit.reward_decay": 0.5})
+    bytes as the run that was never stopped, on each engine. The bandit's state travels in the
+    sidecar. (A GPU step takes far less time than a CPU one: the GPU run is longer, so the signal
+    still lands before its end.)"""
+    steps = 40 if engine.name == "cpu" else 400
+    args = mixture_args(sources, steps, **{"bandit.every": every, "train.grad_accum": accum, "eval.every": 10,
+                                           "eval.batches": 1, "bandit.eta": 0.5, "bandit.reward_decay": 0.5})
     ref_ckpt, ckpt = tmp_path / "ref.ckpt", tmp_path / "run.ckpt"
-    ref = eu.run_ok(cpu_binary, args + ["--checkpoint", ref_ckpt])
-    first = eu.run_with_signal(cpu_binary, args + ["--checkpoint", ckpt], signal.SIGTERM, 7)
+    ref = eu.run_ok(engine.binary, args + ["--checkpoint", ref_ckpt])
+    first = eu.run_with_signal(engine.binary, args + ["--checkpoint", ckpt], signal.SIGTERM, 7)
     assert first.rc == 0 and first.exit_event["reason"] == "signal", first.describe()
     k = first.exit_event["step"]
-    assert 7 <= k < 40
+    assert 7 <= k < steps
     side = read_sidecar(ckpt)["bandit"]
     assert side["rounds"] == k // every and len(side["gain"]) == len(side["p"]) == 2
-    second = eu.run_ok(cpu_binary, args + ["--checkpoint", ckpt, "--resume"])
+    second = eu.run_ok(engine.binary, args + ["--checkpoint", ckpt, "--resume"])
     assert second.events("start")[0]["p"] == first.events("bandit")[-1]["p"]  # the start event reports the resumed p
     assert eu.merged_exact_records(first, second) == eu.exact_records(ref)
     bandit_lines = [[ln for ln in r.lines if '"event":"bandit"' in ln] for r in (ref, first, second)]
-    assert bandit_lines[1] + bandit_lines[2] == bandit_lines[0] and len(bandit_lines[0]) == 40 // every
+    assert bandit_lines[1] + bandit_lines[2] == bandit_lines[0] and len(bandit_lines[0]) == steps // every
     assert len(set(arms_of(ref))) == 2 and max(e["p"][1] for e in ref.events("bandit")) > 0.6  # it did move
     assert ckpt.read_bytes() == ref_ckpt.read_bytes()
     assert read_sidecar(ckpt)["bandit"] == read_sidecar(ref_ckpt)["bandit"]
