@@ -21,12 +21,9 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
-from microgpt import tokenizer  # noqa: E402
-from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,  # noqa: E402
+from microgpt import tokenizer
+from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 
 COMMANDS = "/reset clears the conversation, /exit quits"

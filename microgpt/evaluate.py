@@ -27,14 +27,11 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
-from microgpt import tokenizer  # noqa: E402
-from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,  # noqa: E402
+from microgpt import tokenizer
+from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,
                                 resolve_checkpoint)
-from microgpt.shards import write_shard  # noqa: E402
+from microgpt.shards import write_shard
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 

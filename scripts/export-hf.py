@@ -36,13 +36,10 @@ import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
-from microgpt import tokenizer  # noqa: E402
-from microgpt.atomic import write_bytes_atomic, write_json_atomic  # noqa: E402
-from microgpt.inference import InferenceError, read_model_params, resolve_checkpoint  # noqa: E402
+from microgpt import tokenizer
+from microgpt.atomic import write_bytes_atomic, write_json_atomic
+from microgpt.inference import InferenceError, read_model_params, resolve_checkpoint
 
 # microgpt/cpu/layernorm.h and microgpt/cuda/layernorm.cuh: LayerNorm's epsilon (test_export checks
 # that the engines still say so).

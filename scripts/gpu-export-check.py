@@ -24,12 +24,9 @@ import tempfile
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
-from microgpt import tokenizer  # noqa: E402
-from microgpt.inference import Generator, pick_engine, resolve_checkpoint  # noqa: E402
+from microgpt import tokenizer
+from microgpt.inference import Generator, pick_engine, resolve_checkpoint
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello! How are you today?"}],
@@ -63,7 +60,8 @@ def main(argv):
 
     ckpt = resolve_checkpoint(args.model)
     out = args.out or tempfile.mkdtemp(prefix="andrea-export-")
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "export-hf.py"), ckpt, out], check=True)
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "export-hf.py"), ckpt, out],
+                   check=True)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                               attn_implementation="eager")

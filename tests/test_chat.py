@@ -18,6 +18,7 @@ import pytest
 import engine_util as eu
 import reference as ref
 from microgpt import tokenizer as tk
+from microgpt.checkpoint import read_sidecar, write_checkpoint
 from tools_util import reference_greedy, reference_model
 
 CHAT = eu.REPO / "microgpt" / "chat.py"
@@ -36,7 +37,7 @@ def write_model(run_dir, cfg, flat, sidecar):
     """A run directory holding flat as its checkpoint (step 0, zero Adam moments)."""
     run_dir.mkdir()
     ckpt = run_dir / f"{run_dir.name}.ckpt"
-    eu.write_checkpoint(ckpt, 0, flat, np.zeros_like(flat), np.zeros_like(flat))
+    write_checkpoint(ckpt, 0, flat, np.zeros_like(flat), np.zeros_like(flat))
     (run_dir / f"{ckpt.name}.json").write_text(json.dumps({**sidecar, "step": 0}))
     return run_dir
 
@@ -45,7 +46,7 @@ def write_model(run_dir, cfg, flat, sidecar):
 def random_model(trained_model, tmp_path_factory):
     cfg, _ = reference_model(trained_model.ckpt)
     flat = ref.init_params(cfg, np.random.default_rng(7), std=0.3).astype(np.float32).astype(np.float64)
-    run_dir = write_model(tmp_path_factory.mktemp("chat") / "random", cfg, flat, eu.read_sidecar(trained_model.ckpt))
+    run_dir = write_model(tmp_path_factory.mktemp("chat") / "random", cfg, flat, read_sidecar(trained_model.ckpt))
     return run_dir, cfg, flat
 
 
@@ -80,7 +81,7 @@ PROMPT = turn("user", "Hi there! How are you?") + HEADER
 def chat(model, *args, stdin=None):
     return subprocess.run([sys.executable, str(CHAT), str(model), "--engine", "cpu", "--temperature", "0",
                            "--max-tokens", str(MAX_TOKENS), *args],
-                          input=stdin, capture_output=True, text=True, timeout=300)
+                          input=stdin, capture_output=True, text=True, timeout=300, env=eu.python_env())
 
 
 def test_one_shot_json_is_the_reference_greedy_reply(random_model, cpu_binary):
@@ -162,7 +163,7 @@ def test_message_too_long_for_the_context(random_model, cpu_binary):
 @pytest.mark.parametrize("target,message", [("missing.ckpt", "no such checkpoint"), (".", "without a checkpoint")])
 def test_bad_checkpoint(tmp_path, target, message):
     res = subprocess.run([sys.executable, str(CHAT), str(tmp_path / target), "--prompt", "hi"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=eu.python_env())
     errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
     assert res.returncode == 2 and len(errors) == 1 and message in errors[0], res.stderr
     assert "Traceback" not in res.stderr

@@ -21,7 +21,7 @@ REFERENCE_RTOL = 1e-6  # measured: about 1e-8
 
 def evaluate(*args):
     res = subprocess.run([sys.executable, str(EVALUATE), *map(str, args), "--engine", "cpu"],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=eu.python_env())
     return res, (json.loads(res.stdout) if res.returncode == 0 else None)
 
 
