@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 
-
 from microgpt import tokenizer
 from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,
                                 resolve_checkpoint)
@@ -80,11 +79,10 @@ def run_evaluate(engine, ckpt, shard_glob, batches):
     raise InferenceError(f"the engine printed no loss record; stdout: {res.stdout.strip()[-500:]}")
 
 
-def evaluate(model, data, batches=0, engine=None):
+def evaluate(engine, model, data, batches):
     """The JSON-ready result for RUN_DIR_OR_CHECKPOINT `model` on FILE_OR_GLOB `data`."""
     ckpt = resolve_checkpoint(model)
     shape = read_model_shape(ckpt)
-    engine = engine or pick_engine(None)
     extra = {}
     with tempfile.TemporaryDirectory(prefix="andrea-eval-") as tmp:
         if data.endswith(TEXT_SUFFIXES):
@@ -128,7 +126,7 @@ def main(argv):
     args = parse_args(argv)
     try:
         engine = pick_engine(args.engine)
-        result = evaluate(args.model, args.data, args.batches, engine)
+        result = evaluate(engine, args.model, args.data, args.batches)
     except InferenceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

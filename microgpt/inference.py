@@ -19,7 +19,6 @@ import collections
 import json
 import os
 import subprocess
-import sys
 import threading
 
 from microgpt.checkpoint import CheckpointError, read_checkpoint, read_sidecar, split_params

@@ -30,12 +30,10 @@ ChatML specials. llm.c hard-codes a 4 x d_model MLP, so only models with d_ff = 
 Each file is written atomically; other files in OUT_DIR are left alone.
 """
 import argparse
-import json
 import os
 import sys
 
 import numpy as np
-
 
 from microgpt import tokenizer
 from microgpt.atomic import write_bytes_atomic, write_json_atomic

@@ -24,7 +24,6 @@ import tempfile
 
 import numpy as np
 
-
 from microgpt import tokenizer
 from microgpt.inference import Generator, pick_engine, resolve_checkpoint
 

@@ -10,7 +10,6 @@ the directory offline and its logits and greedy tokens match the engine's.
 """
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import engine_util as eu
 import reference as ref
 from tools_util import reference_log_probs, reference_model
 from microgpt import tokenizer
-from microgpt.checkpoint import read_checkpoint, read_sidecar
+from microgpt.checkpoint import read_sidecar
 from microgpt.inference import Generator
 
 EXPORT = eu.REPO / "scripts" / "export-hf.py"
