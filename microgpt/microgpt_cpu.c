@@ -94,7 +94,7 @@ static size_t carve_buffers(void) {
     }
     E.x0 = take(&cur, btd);
     E.lnf = take(&cur, btd); E.lnf_mean = take(&cur, bt); E.lnf_rstd = take(&cur, bt);
-    E.probs = take(&cur, bt * E.Vp);
+    E.probs = take(&cur, E.cfg.generate.enabled ? 0 : bt * E.Vp); /* the loss's; the prefill needs one row */
     E.branch = take(&cur, btd);
     E.dres_a = take(&cur, gbtd); E.dres_b = take(&cur, gbtd);
     E.dbranch = take(&cur, gbtd); E.dln = take(&cur, gbtd); E.datty = take(&cur, gbtd);

@@ -10,6 +10,7 @@ training loop's val_loss.
 """
 import json
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import pytest
 import engine_util as eu
 import reference as ref
 from engine_util import TINY, tiny_args
+from microgpt.checkpoint import read_checkpoint, write_checkpoint
 from test_gpu import cuda_binary  # noqa: F401  (the fixture: skips without a GPU or the binary)
 
 V, T = TINY["model.vocab_size"], TINY["model.seq_len"]
@@ -50,7 +52,7 @@ def pattern_shards(tmp_path_factory):
     d = tmp_path_factory.mktemp("pattern")
     write_pattern_shard(d / "pattern_train_000000.bin", 8192, seed=1)
     write_pattern_shard(d / "pattern_val_000000.bin", 2048, seed=2)
-    return eu.Path(d / "pattern_train_*.bin"), eu.Path(d / "pattern_val_*.bin")
+    return d / "pattern_train_*.bin", d / "pattern_val_*.bin"
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,7 @@ def trained(cpu_binary, pattern_shards, tmp_path_factory):
     assert res.rc == 0, res.describe()
     val_line = next(line for line in res.lines if '"val_loss"' in line)
     return {"ckpt": ckpt, "val_loss_text": json.loads(val_line, parse_float=str)["val_loss"],
-            "params": eu.read_checkpoint(ckpt).params.astype(np.float64)}
+            "params": np.array(read_checkpoint(ckpt).params, dtype=np.float64)}
 
 
 def model_config():
@@ -207,20 +209,23 @@ def test_seeded_sampling_is_deterministic_and_batch_independent(cpu_binary, trai
     assert [r["token"] for r in served.of("batched") if "token" in r] == alone
 
 
-def test_sampler_draws_from_the_top_k_softmax(cpu_binary, trained):
-    """The first token of 2000 seeds: only the top-5 logits' tokens, at the frequencies of
-    softmax(logits / 0.7) over them (bound: 5 standard deviations of a frequency at n = 2000)."""
-    prompt, n, temp = [6, 2, 8], 2000, 0.7
+@pytest.mark.parametrize("top_k", [5, 0])
+def test_sampler_draws_from_the_top_k_softmax(cpu_binary, trained, top_k):
+    """The first token of 2000 seeds: only the top-k logits' tokens (0: all), at the frequencies of
+    softmax(logits / temperature) over them (bound: 5 standard deviations of a frequency at
+    n = 2000). Temperature 3 with the whole vocabulary, so that many tokens are drawn."""
+    prompt, n, temp = [6, 2, 8], 2000, 0.7 if top_k else 3.0
     lines = [{"id": "logits", "prompt": prompt, "max_tokens": 0, "logits": True}]
-    lines += [{"id": s, "prompt": prompt, "max_tokens": 1, "temperature": temp, "top_k": 5, "seed": s}
+    lines += [{"id": s, "prompt": prompt, "max_tokens": 1, "temperature": temp, "top_k": top_k, "seed": s}
               for s in range(n)]
     served = serve(cpu_binary, trained["ckpt"], lines)
     logits = np.array(served.of("logits")[0]["logits"], dtype=np.float64)
-    top = np.argsort(-logits, kind="stable")[:5]
+    top = np.argsort(-logits, kind="stable")[:top_k or V]
     p = np.exp((logits[top] - logits[top].max()) / temp)
     p /= p.sum()
     drawn = np.array([served.tokens(s)[0] for s in range(n)])
     assert set(drawn) <= set(top.tolist())
+    assert len(set(drawn)) >= min(len(top), 10)
     freq = np.array([(drawn == t).mean() for t in top])
     assert np.abs(freq - p).max() <= 5 * np.sqrt(0.25 / n), (freq, p)
 
@@ -259,7 +264,9 @@ def test_stop_ids_max_tokens_and_the_context_window(cpu_binary, trained):
 BAD = [
     ("not json", "hello", None),
     ("not an object", "[1, 2]", None),
-    ("trailing text", '{"id": 1, "prompt": [1]} x', None),
+    ("trailing text", '{"id": 1, "prompt": [1]} x', 1),   # a syntax error after the id: the id is known
+    ("hex number", '{"id": "h", "prompt": [0x1]}', "h"),
+    ("nan", '{"id": "nan", "prompt": [1], "temperature": NaN}', "nan"),
     ("too big a batch", json.dumps([{"id": i, "prompt": [1]} for i in range(MAX_BATCH + 1)]), None),
     ("empty batch", "[]", None),
     ("token out of vocabulary", {"id": "v", "prompt": [1, V]}, "v"),
@@ -311,19 +318,16 @@ def test_training_samples_stop_at_im_end_for_chatml_prompts(cpu_binary, random_s
     wte[<|im_end|>]) continued for one step at lr 0: the ChatML prompt's sample is <|im_end|> alone,
     the plain prompt's runs to sample.tokens, and --sample.stop overrides the default."""
     shape = {"model.vocab_size": CHATML_VOCAB, "model.padded_vocab_size": 50304}
-    offsets = eu.param_offsets(eu.layout_for(shape))
-    n = sum(int(np.prod(s)) for s in dict(eu.layout_for(shape)).values())
+    layout = eu.layout_for(shape)
+    n = layout["n_params"]
     params = np.random.default_rng(0).normal(0, 0.02, n)
-    wte_at, _ = offsets["wte"]
-    d = TINY["model.d_model"]
-    params[wte_at + IM_END * d: wte_at + (IM_END + 1) * d] = 1.0
-    g_at, _ = offsets["LNf.gamma"]
-    b_at, _ = offsets["LNf.beta"]
-    params[g_at:g_at + d], params[b_at:b_at + d] = 0.0, 1.0
+    tensors = {name: params[sl].reshape(sh) for name, (sl, sh) in eu.tensor_slices(layout).items()}
+    tensors["wte"][IM_END] = 1.0
+    tensors["lnf.gamma"][:], tensors["lnf.beta"][:] = 0.0, 1.0
 
     def run(*flags):
         ckpt = tmp_path / f"chat{len(flags)}.ckpt"
-        eu.write_checkpoint(ckpt, 0, params, np.zeros(n), np.zeros(n))
+        write_checkpoint(ckpt, 0, params, np.zeros(n), np.zeros(n))
         res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **shape, **{
             "train.steps": 1, "train.lr": 0, "sample.every": 1, "sample.tokens": 6,
             "sample.prompt": [f"{IM_START},1,2", "1,2"], "checkpoint": ckpt, "resume": True}) + list(flags))

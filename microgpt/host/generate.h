@@ -83,14 +83,36 @@ static int sampler_top(Sampler* s, const float* logits, int k) {
     return n;
 }
 
+/* softmax(logits / temperature) over the whole vocabulary inverted at u, in id order: no sort
+ * (it would cost more than a GPU decode step). NaN logits have no weight. */
+static int sample_full(Sampler* s, const float* logits, double temperature, double u) {
+    double max = -INFINITY, total = 0.0, acc = 0.0;
+    int i, last = 0;
+    for (i = 0; i < s->V; i++)
+        if (logits[i] > max) max = logits[i];
+    for (i = 0; i < s->V; i++) {
+        s->weight[i] = logits[i] == logits[i] ? exp(((double)logits[i] - max) / temperature) : 0.0;
+        total += s->weight[i];
+    }
+    for (i = 0; i < s->V; i++) {
+        if (s->weight[i] == 0.0) continue;
+        acc += s->weight[i];
+        last = i;
+        if (u * total < acc) return i;
+    }
+    return last;
+}
+
 /* A token from logits over the real vocabulary (padded rows are never passed in): greedy (the
  * highest logit, lowest id among equals) when temperature is 0; otherwise softmax(logits /
  * temperature) over the top_k best (0: all), cut to the smallest head whose probability reaches
- * top_p (1: no cut), inverted at the uniform draw u in [0, 1). */
+ * top_p (1: no cut), inverted at the uniform draw u in [0, 1): over the candidates in order of
+ * their logits, or over the whole vocabulary in id order when neither cut applies. */
 static int sample_token(Sampler* s, const float* logits, double temperature, int top_k, double top_p, double u) {
     int k = (top_k <= 0 || top_k > s->V) ? s->V : top_k, n, i;
     double total = 0.0, acc = 0.0, max;
     if (temperature == 0.0) k = 1;
+    else if (k == s->V && top_p >= 1.0) return sample_full(s, logits, temperature, u);
     n = sampler_top(s, logits, k);
     if (n == 0) return 0; /* every logit NaN */
     if (n == 1) return s->cand[0].id;
@@ -253,12 +275,26 @@ static int js_string(JsonIn* j, char* out, size_t cap) {
     return 1;
 }
 
+static int js_digits(const char** q) {
+    const char* start = *q;
+    while (**q >= '0' && **q <= '9') (*q)++;
+    return *q > start;
+}
+
+/* A JSON number (-?int(.digits)?([eE][+-]?digits)?: no hex, inf or nan), converted by strtod. */
 static int js_number(JsonIn* j, double* x) {
-    char* end;
-    if (*j->p != '-' && (*j->p < '0' || *j->p > '9')) return js_fail(j, "expected a number");
-    *x = strtod(j->p, &end);
-    if (end == j->p) return js_fail(j, "expected a number");
-    j->p = end;
+    const char* q = j->p;
+    if (*q == '-') q++;
+    if (*q == '0') q++;
+    else if (!js_digits(&q)) return js_fail(j, "expected a number");
+    if (*q == '.' && (q++, !js_digits(&q))) return js_fail(j, "malformed number");
+    if (*q == 'e' || *q == 'E') {
+        q++;
+        if (*q == '+' || *q == '-') q++;
+        if (!js_digits(&q)) return js_fail(j, "malformed number");
+    }
+    *x = strtod(j->p, NULL);
+    j->p = q;
     return 1;
 }
 
@@ -571,16 +607,19 @@ static void serve_batch(Server* s, int n) {
 }
 
 /* One stdin line: a request object or an array of them. A line that is not JSON of that form, or
- * a batch larger than max_batch, is one error event with id null; a bad request in a batch is an
- * error event of its own and the others are served. */
+ * a batch larger than max_batch, is one error event (id null, or a lone request's id when it was
+ * read before the fault); a bad request in a batch is an error event of its own and the others
+ * are served. */
 static void serve_line(Server* s, const char* line) {
     JsonIn j;
-    int n = 0, i;
+    int n = 0, i, batch;
     j.p = line;
     j.syntax_error = NULL;
     js_ws(&j);
     if (!*j.p) return; /* blank line */
-    if (*j.p == '[') {
+    batch = *j.p == '[';
+    strcpy(s->req[0].id, "null");
+    if (batch) {
         j.p++;
         js_ws(&j);
         if (*j.p == ']') {
@@ -613,7 +652,7 @@ static void serve_line(Server* s, const char* line) {
     if (j.syntax_error) {
         char msg[160];
         snprintf(msg, sizeof msg, "not a request line (%s at byte %d)", j.syntax_error, (int)(j.p - line));
-        emit_gen_error("null", msg);
+        emit_gen_error(batch ? "null" : s->req[0].id, msg); /* a lone request's id, if read before */
         return;
     }
     if (n == 0) {
