@@ -9,6 +9,7 @@ newlines whatever it is asked), and a copy of it whose <|im_end|> embedding is m
 argmax a few tokens into a reply.
 """
 import json
+import signal
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ import engine_util as eu
 import reference as ref
 from microgpt import tokenizer as tk
 from microgpt.checkpoint import read_sidecar, write_checkpoint
+from microgpt.inference import Generator, InferenceError
 from tools_util import reference_greedy, reference_model
 
 CHAT = eu.REPO / "microgpt" / "chat.py"
@@ -180,3 +182,22 @@ def test_streamed_text_holds_back_split_characters(assets):
     pieces = [stream.feed(t) for t in ids] + [stream.finish()]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert stream.feed(tk.IM_END) == "" and stream.feed(tk.EOT) == ""
+
+
+def test_ctrl_c_quits_cleanly(random_model, cpu_binary):
+    run_dir, _, _ = random_model
+    proc = subprocess.Popen([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=eu.python_env())
+    assert "chatting with" in proc.stderr.readline()  # the engine is up, the chat waits for input
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+
+
+def test_a_refused_request_is_an_error_and_the_engine_carries_on(random_model, cpu_binary):
+    run_dir, cfg, flat = random_model
+    with Generator(str(cpu_binary), str(run_dir / f"{run_dir.name}.ckpt")) as gen:
+        with pytest.raises(InferenceError, match="refused the request"):
+            gen.run({"prompt": [cfg.vocab_size], "max_tokens": 1})
+        done, _ = gen.run({"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+    assert done["tokens"] == reference_greedy(cfg, flat, PROMPT, 3, STOPS)
