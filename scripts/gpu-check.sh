@@ -231,7 +231,7 @@ stage_profile() {
         profile_run 120M-bf16-text bf16 "data/megachat/megachat_train_*.bin" "${M120[@]}" || rc=1
     fi
     "$PY" bench/kernel_profile.py "$OUT"/profile-*.csv || rc=1
-    for k in attn_flash_fwd_kernel attn_flash_dq_kernel attn_flash_dkv_kernel; do
+    for k in k_attn_fwd k_attn_bwd_dq k_attn_bwd_dkv; do
         profile_sections "$k" > "$OUT/profile-$k.log" 2>&1 || rc=1
     done
     return "$rc"

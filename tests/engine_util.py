@@ -31,7 +31,7 @@ CUDA_BINARY = BUILD / "microgpt_cuda"
 from microgpt.engines import param_layout
 from microgpt.shards import write_shard  # noqa: F401  (re-exported for tests: the one shard writer)
 
-# Sections of the experiment config; a flag is --SECTION.key (DESIGN "Flags are the config keys").
+# Sections of the experiment config; a flag is --SECTION.key (docs/DESIGN.md §4.1).
 SECTIONS = ("model", "train", "data", "eval", "sample", "checkpoint", "polish")
 
 # A model small enough that a step takes milliseconds on one CPU core. The vocabulary (60 real tokens,

@@ -9,7 +9,13 @@
  *
  * Layouts: activations [n, C] rows in the activation type T (fp32 accumulation everywhere); the
  * weights [in, out] row-major (T); the KV cache of one layer [slots, T_, C] (T); the sequences'
- * slots, tokens and positions are device ints [n]. */
+ * slots, tokens and positions are device ints [n].
+ *
+ * Roles: decode_embed (k_decode_embed) the embedding, decode_matmul (k_decode_matmul) every
+ * product with its epilogue (the QKV projections as three consecutive matrices, W_O and W_2 with
+ * the residual join, W_1 with GELU), decode_kv_append (k_decode_kv_append) the new keys and values
+ * into the cache, decode_attention (k_decode_attention) the attention of one query over the cache,
+ * decode_logits (k_decode_logits) the tied classifier; LayerNorm is layernorm.cuh's layernorm_fwd. */
 #ifndef MICROGPT_CUDA_DECODE_CUH
 #define MICROGPT_CUDA_DECODE_CUH
 
@@ -23,9 +29,9 @@
 
 enum { DECODE_PLAIN, DECODE_GELU, DECODE_RESIDUAL };
 
-/* out [n, C] = wte[tokens[i]] + wpe[positions[i]] from the fp32 masters, as embed_fwd_kernel. */
+/* out [n, C] = wte[tokens[i]] + wpe[positions[i]] from the fp32 masters, as k_embed_fwd. */
 template <typename T>
-__global__ void decode_embed_kernel(T* out, const int* tokens, const int* positions, const float* wte,
+__global__ void k_decode_embed(T* out, const int* tokens, const int* positions, const float* wte,
                                     const float* wpe, int n, int C) {
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < (size_t)n * C;
          e += (size_t)gridDim.x * blockDim.x) {
@@ -40,7 +46,7 @@ __global__ void decode_embed_kernel(T* out, const int* tokens, const int* positi
  * order. blockIdx.y picks DECODE_ROWS rows. */
 template <typename T>
 __global__ void __launch_bounds__(32 * DECODE_K_WARPS)
-decode_matmul_kernel(T* out, const T* x, const T* w, const T* residual, int n, int in, int out_dim, int epilogue) {
+k_decode_matmul(T* out, const T* x, const T* w, const T* residual, int n, int in, int out_dim, int epilogue) {
     __shared__ float part[DECODE_K_WARPS][DECODE_ROWS][32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int j = blockIdx.x * 32 + lane, r0 = blockIdx.y * DECODE_ROWS;
@@ -73,19 +79,19 @@ decode_matmul_kernel(T* out, const T* x, const T* w, const T* residual, int n, i
     }
 }
 
-/* n_mats consecutive products (see decode_matmul_kernel); residual only with DECODE_RESIDUAL. */
+/* n_mats consecutive products (see k_decode_matmul); residual only with DECODE_RESIDUAL. */
 template <typename T>
-static void k_decode_matmul(T* out, const T* x, const T* w, const T* residual, int n, int in, int out_dim,
+static void decode_matmul(T* out, const T* x, const T* w, const T* residual, int n, int in, int out_dim,
                             int epilogue, int n_mats = 1) {
     dim3 grid(ceil_div(out_dim, 32), ceil_div(n, DECODE_ROWS), n_mats);
-    decode_matmul_kernel<T><<<grid, 32 * DECODE_K_WARPS, 0, g_stream>>>(out, x, w, residual, n, in, out_dim,
+    k_decode_matmul<T><<<grid, 32 * DECODE_K_WARPS, 0, g_stream>>>(out, x, w, residual, n, in, out_dim,
                                                                           epilogue);
     LAUNCH_CHECK();
 }
 
 /* The new keys and values k, v [n, C] into row positions[i] of slot slots[i] of one layer's caches. */
 template <typename T>
-__global__ void decode_kv_append_kernel(T* kcache, T* vcache, const T* k, const T* v, const int* slots,
+__global__ void k_decode_kv_append(T* kcache, T* vcache, const T* k, const T* v, const int* slots,
                                         const int* positions, int n, int T_, int C) {
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < (size_t)n * C;
          e += (size_t)gridDim.x * blockDim.x) {
@@ -97,10 +103,10 @@ __global__ void decode_kv_append_kernel(T* kcache, T* vcache, const T* k, const 
 }
 
 template <typename T>
-static void k_decode_kv_append(T* kcache, T* vcache, const T* k, const T* v, const int* slots, const int* positions,
+static void decode_kv_append(T* kcache, T* vcache, const T* k, const T* v, const int* slots, const int* positions,
                                int n, int T_, int C) {
     size_t total = (size_t)n * C;
-    decode_kv_append_kernel<T><<<elementwise_grid(total, 256), 256, 0, g_stream>>>(kcache, vcache, k, v, slots,
+    k_decode_kv_append<T><<<elementwise_grid(total, 256), 256, 0, g_stream>>>(kcache, vcache, k, v, slots,
                                                                                     positions, n, T_, C);
     LAUNCH_CHECK();
 }
@@ -113,7 +119,7 @@ static void k_decode_kv_append(T* kcache, T* vcache, const T* k, const T* v, con
  * are added in group order. */
 template <typename T>
 __global__ void __launch_bounds__(DECODE_ATT_THREADS)
-decode_attention_kernel(T* out, float* scores, const T* q, const T* kcache, const T* vcache, const int* slots,
+k_decode_attention(T* out, float* scores, const T* q, const T* kcache, const T* vcache, const int* slots,
                         const int* positions, int T_, int C, int H) {
     __shared__ float part[DECODE_ATT_THREADS];
     int i = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, hs = C / H, pos = positions[i];
@@ -162,9 +168,9 @@ decode_attention_kernel(T* out, float* scores, const T* q, const T* kcache, cons
 
 /* scores: [n, H, T_] fp32 scratch. */
 template <typename T>
-static void k_decode_attention(T* out, float* scores, const T* q, const T* kcache, const T* vcache, const int* slots,
+static void decode_attention(T* out, float* scores, const T* q, const T* kcache, const T* vcache, const int* slots,
                                const int* positions, int n, int T_, int C, int H) {
-    decode_attention_kernel<T><<<dim3(n, H), DECODE_ATT_THREADS, 0, g_stream>>>(out, scores, q, kcache, vcache, slots,
+    k_decode_attention<T><<<dim3(n, H), DECODE_ATT_THREADS, 0, g_stream>>>(out, scores, q, kcache, vcache, slots,
                                                                                 positions, T_, C, H);
     LAUNCH_CHECK();
 }
@@ -173,7 +179,7 @@ static void k_decode_attention(T* out, float* scores, const T* q, const T* kcach
  * lanes over C in a fixed stride, the lanes' sums by the butterfly warp_sum. */
 template <typename T>
 __global__ void __launch_bounds__(32 * DECODE_LOGIT_WARPS)
-decode_logits_kernel(float* logits, const T* x, const T* wte, int n, int C, int V) {
+k_decode_logits(float* logits, const T* x, const T* wte, int n, int C, int V) {
     int lane = threadIdx.x & 31, v = blockIdx.x * DECODE_LOGIT_WARPS + (threadIdx.x >> 5);
     int r0 = blockIdx.y * DECODE_ROWS, rows = n - r0 < DECODE_ROWS ? n - r0 : DECODE_ROWS;
     float acc[DECODE_ROWS];
@@ -194,17 +200,17 @@ decode_logits_kernel(float* logits, const T* x, const T* wte, int n, int C, int 
 }
 
 template <typename T>
-static void k_decode_logits(float* logits, const T* x, const T* wte, int n, int C, int V) {
+static void decode_logits(float* logits, const T* x, const T* wte, int n, int C, int V) {
     dim3 grid(ceil_div(V, DECODE_LOGIT_WARPS), ceil_div(n, DECODE_ROWS));
-    decode_logits_kernel<T><<<grid, 32 * DECODE_LOGIT_WARPS, 0, g_stream>>>(logits, x, wte, n, C, V);
+    k_decode_logits<T><<<grid, 32 * DECODE_LOGIT_WARPS, 0, g_stream>>>(logits, x, wte, n, C, V);
     LAUNCH_CHECK();
 }
 
 template <typename T>
-static void k_decode_embed(T* out, const int* tokens, const int* positions, const float* wte, const float* wpe,
+static void decode_embed(T* out, const int* tokens, const int* positions, const float* wte, const float* wpe,
                            int n, int C) {
     size_t total = (size_t)n * C;
-    decode_embed_kernel<T><<<elementwise_grid(total, 256), 256, 0, g_stream>>>(out, tokens, positions, wte, wpe, n,
+    k_decode_embed<T><<<elementwise_grid(total, 256), 256, 0, g_stream>>>(out, tokens, positions, wte, wpe, n,
                                                                                 C);
     LAUNCH_CHECK();
 }

@@ -1,5 +1,5 @@
 /* data.h: llm.c token shards (SPEC §7) and the deterministic choice of training / validation
- * windows (docs/DESIGN.md "Steps, batches, randomness").
+ * windows (docs/DESIGN.md §13).
  * Shards are memory-mapped read-only: validating them (header, size, every token id) happens before
  * any large allocation and costs no memory beyond the page cache.
  * Compiles as C99 and as C++ (nvcc). */
