@@ -1,19 +1,11 @@
-"""Running a trained model: the checkpoint a run directory names, the engine to use, and the client
-of the engines' `--generate` mode (docs/DESIGN.md §5a). chat.py, evaluate.py and the export checks
-use it; nothing else speaks the protocol.
+"""Running a trained model: the checkpoint a run directory names, the model's shape and weights, the
+engine to use, and the one client of the engines' `--generate` protocol (docs/DESIGN.md §5a, the
+protocol itself in §15). chat.py, evaluate.py, export-hf.py and the export checks use it.
 
     engine = pick_engine(None)                      # the proxy's choice: GPU when built and visible
     with Generator(engine, resolve_checkpoint("runs/ANDREA-12M")) as gen:
-        for event in gen.stream({"prompt": ids, "max_tokens": 64, "temperature": 0}):
+        for record in gen.stream({"prompt": ids, "max_tokens": 64, "temperature": 0}):
             ...                                     # {"token": t} ... then {"done": true, ...}
-
-The protocol, one JSON object per line: a request on the engine's stdin
-    {"id", "prompt": [ids], "max_tokens", "temperature" (0: greedy), "top_k", "top_p", "seed",
-     "stop": [ids], "logits": bool}
-and on its stdout, flushed per token, {"id", "logits": [...]} first when asked (the prompt's last
-position, real vocabulary), then {"id", "token": t} per token, then
-{"id", "done": true, "reason": "stop"|"length"|"context", "tokens", "prompt_tokens", "ms"};
-{"id", "error": "..."} for a bad request. End of stdin ends the engine (exit 0).
 """
 import collections
 import json
