@@ -34,6 +34,7 @@ import os
 import sys
 
 import numpy as np
+from safetensors.numpy import save as safetensors_bytes
 
 from microgpt import tokenizer
 from microgpt.atomic import write_bytes_atomic, write_json_atomic
@@ -207,9 +208,8 @@ def llmc_tokenizer_bytes(vocab_size):
 # ---------------------------------------------------------------------------------------------------
 
 def export_hf(shape, params, out_dir):
-    from safetensors.numpy import save
-    write_bytes_atomic(os.path.join(out_dir, "model.safetensors"),
-                       save(hf_tensors(shape, params), metadata={"format": "pt"}))
+    write_bytes_atomic(os.path.join(out_dir, "model.safetensors"),  # "pt": what transformers accepts
+                       safetensors_bytes(hf_tensors(shape, params), metadata={"format": "pt"}))
     write_json_atomic(os.path.join(out_dir, "config.json"), hf_config(shape))
     write_json_atomic(os.path.join(out_dir, "generation_config.json"),
                       {"bos_token_id": tokenizer.EOT, "eos_token_id": tokenizer.IM_END,
