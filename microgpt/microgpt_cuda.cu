@@ -134,7 +134,7 @@ static struct {
     float *att_S, *att_dP; void* att_P; /* [H][T][T], cuBLAS attention only (else empty) */
     float* att_delta;                     /* [B][H][T], flash attention only (else empty) */
     void* att_ds;                         /* dS tiles of the causal half, flash attention only (else empty) */
-    void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (the sampler's) */
+    void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (a prefill's row) */
     float *losses, *loss_lse; /* [N] */
     float* ln_partial;
     float* norm_partial;
@@ -265,7 +265,7 @@ static void print_plan(const size_t* bytes) {
 template <typename T> static T* layer_act(void* base, int l, size_t per_layer) { return (T*)base + (size_t)l * per_layer; }
 
 /* The residual stream entering layer l (l = L: the last layer's output, LNf's input). */
-template <typename T> static T* stream(int l) { return layer_act<T>(E.res, l, (size_t)E.N * E.C); }
+template <typename T> static T* layer_input(int l) { return layer_act<T>(E.res, l, (size_t)E.N * E.C); }
 
 /* The saved forward values of layer l. */
 template <typename T> struct LayerActs {
@@ -276,7 +276,7 @@ template <typename T> struct LayerActs {
 template <typename T> static LayerActs<T> layer_acts(int l) {
     size_t nc = (size_t)E.N * E.C, nf = (size_t)E.N * E.F, n = (size_t)E.N; /* per-layer strides: allocated sizes */
     LayerActs<T> a;
-    a.x = stream<T>(l);
+    a.x = layer_input<T>(l);
     a.xmid = layer_act<T>(E.xmid, l, nc);
     a.ln1 = layer_act<T>(E.ln1, l, nc);
     a.ln2 = layer_act<T>(E.ln2, l, nc);
@@ -323,9 +323,9 @@ static void forward(int B, int Tn) {
                     attn_scratch<T>());
         attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
         layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
-        mlp_fwd<T>(stream<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
+        mlp_fwd<T>(layer_input<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
     }
-    layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, stream<T>(L), E.params + E.layout.lnf_gamma,
+    layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, layer_input<T>(L), E.params + E.layout.lnf_gamma,
                      E.params + E.layout.lnf_beta, N, C);
 }
 
@@ -360,7 +360,7 @@ static void backward(void) {
     T* dqkv = (T*)E.dqkv;
     /* dln holds d(LNf output) from loss_chunks */
     CUDA_CHECK(cudaMemsetAsync(dres, 0, nc * es, g_stream));
-    layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, stream<T>(L),
+    layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, layer_input<T>(L),
                      E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial, gb);
     for (l = L - 1; l >= 0; l--) {
         LayerActs<T> a = layer_acts<T>(l);

@@ -20,7 +20,7 @@
 #                step, ANDREA-12M and ANDREA-120M in bf16, uncaptured; $OUT/profile-*.csv, summed per
 #                kernel by bench/kernel_profile.py into $OUT/profile.log (ANDREA-120M also on the real
 #                text of data/megachat when it is there); and the stall and occupancy
-#                sections of the flash-attention kernels in $OUT/profile-attn_flash_*.log
+#                sections of the flash-attention kernels in $OUT/profile-k_attn_*.log
 # The last lines (also appended to $OUT/summary.log) say which stages passed; exit status 1 if any
 # failed, 2 for an unknown stage. Estimated on an H200: build 1-2 min, kernel_check < 1, pytest_gpu
 # 1-2, timing 1-2, pytest_engine 1-3, sanitizer 3-6 (each tool run has its own time limit).

@@ -19,6 +19,7 @@ import engine_util as eu
 import reference as ref
 from engine_util import TINY, tiny_args
 from microgpt.checkpoint import read_checkpoint, write_checkpoint
+from microgpt.tokenizer import IM_END, IM_START, VOCAB_SIZE
 from test_gpu import cuda_binary  # noqa: F401  (the fixture: skips without a GPU or the binary)
 
 V, T = TINY["model.vocab_size"], TINY["model.seq_len"]
@@ -120,7 +121,7 @@ def serve(binary, ckpt, requests, *flags, timeout=120):
     return served
 
 
-def greedy(rid, prompt, max_tokens=T + 1, **extra):
+def greedy(rid, prompt, max_tokens=T, **extra):
     return {"id": rid, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
 
 
@@ -135,7 +136,7 @@ def test_greedy_tokens_equal_the_float64_reference(cpu_binary, trained):
     compared = 0
     for i, prompt in enumerate(PROMPTS):
         got = served.tokens(i)
-        assert len(got) == T + 1 - len(prompt) and served.done(i)["reason"] == "context"
+        assert len(got) == T - len(prompt) and served.done(i)["reason"] == "context"
         seq = list(prompt)
         for tok in got:
             logits = reference_logits(trained["params"], seq)[-1]
@@ -239,7 +240,7 @@ def test_top_p_and_top_k_one_are_greedy_and_padded_rows_never_drawn(cpu_binary, 
         {"id": "hot", "prompt": [1], "max_tokens": T, "temperature": 50.0, "seed": 5}])
     assert served.tokens("k1") == served.tokens("greedy") == served.tokens("p0")
     hot = served.tokens("hot")
-    assert len(hot) == T and all(0 <= t < V for t in hot)  # V = 60 real of 64 rows
+    assert len(hot) == T - 1 and all(0 <= t < V for t in hot)  # V = 60 real of 64 rows
     assert len(set(hot)) > 5, "temperature 50 should spread the draws"
 
 
@@ -249,16 +250,18 @@ def test_top_p_and_top_k_one_are_greedy_and_padded_rows_never_drawn(cpu_binary, 
 def test_stop_ids_max_tokens_and_the_context_window(cpu_binary, trained):
     prompt = [1, 2, 3]
     base = serve(cpu_binary, trained["ckpt"], [greedy("g", prompt)]).tokens("g")
-    assert len(base) == T + 1 - len(prompt)
+    assert len(base) == T - len(prompt)
     k = next(i for i in range(1, len(base)) if base[i] not in base[:i])
     served = serve(cpu_binary, trained["ckpt"], [
         greedy("stop", prompt, stop=[base[k], 59]), greedy("length", prompt, max_tokens=4),
-        greedy("zero", prompt, max_tokens=0), greedy("full", [0] * T, max_tokens=5)])
+        greedy("zero", prompt, max_tokens=0), greedy("full", [0] * T, max_tokens=5),
+        greedy("last", [0] * (T - 1), max_tokens=5)])
     assert served.tokens("stop") == base[:k + 1] and served.done("stop")["reason"] == "stop"
     assert served.tokens("length") == base[:4] and served.done("length")["reason"] == "length"
     assert served.tokens("zero") == [] and served.done("zero")["reason"] == "length"
-    # a prompt filling the window still gets its next token, then the window is full
-    assert len(served.tokens("full")) == 1 and served.done("full")["reason"] == "context"
+    # prompt and generated tokens together fill at most the window of T positions
+    assert served.tokens("full") == [] and served.done("full")["reason"] == "context"
+    assert len(served.tokens("last")) == 1 and served.done("last")["reason"] == "context"
     done = served.done("length")
     assert done["prompt_tokens"] == 3 and done["ms"] >= 0
 
@@ -312,7 +315,7 @@ def test_model_flags_come_from_the_sidecar_and_bad_setups_are_refused(cpu_binary
 # ---------------------------------------------------------------------------------------------------
 # training samples stop at <|im_end|>
 
-IM_START, IM_END, CHATML_VOCAB = 50257, 50258, 50259
+CHATML_VOCAB = VOCAB_SIZE  # the engine's TOKEN_IM_START / TOKEN_IM_END must be the tokenizer's
 
 
 def test_training_samples_stop_at_im_end_for_chatml_prompts(cpu_binary, random_shards, tmp_path):
@@ -328,7 +331,7 @@ def test_training_samples_stop_at_im_end_for_chatml_prompts(cpu_binary, random_s
     tensors["lnf.gamma"][:], tensors["lnf.beta"][:] = 0.0, 1.0
 
     def run(*flags):
-        ckpt = tmp_path / f"chat{len(flags)}.ckpt"
+        ckpt = tmp_path / ("chat" + "".join(flags).replace(",", "_") + ".ckpt")  # a fresh one per run
         write_checkpoint(ckpt, 0, params, np.zeros(n), np.zeros(n))
         res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **shape, **{
             "train.steps": 1, "train.lr": 0, "sample.every": 1, "sample.tokens": 6,
@@ -345,7 +348,7 @@ def test_samples_end_when_the_window_is_full(cpu_binary, random_shards):
     res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{
         "train.steps": 1, "sample.every": 1, "sample.tokens": 40, "sample.prompt": ["1,2,3", ",".join(["5"] * T)]}))
     assert res.rc == 0, res.describe()
-    assert [len(s["tokens"]) for s in res.events("sample")] == [T + 1 - 3, 1]
+    assert [len(s["tokens"]) for s in res.events("sample")] == [T - 3, 0]
     res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{
         "train.steps": 1, "sample.every": 1, "sample.prompt": ",".join(["5"] * (T + 1))}))
     assert res.rc == 2 and "model.seq_len" in res.errors[0], res.describe()
@@ -381,7 +384,7 @@ def test_gpu_generation_is_batch_independent_and_tracks_the_cpu(cuda_binary, cpu
     assert eu.rel_err(np.array(gpu.of("alone")[0]["logits"]),
                       np.array(cpu.of("alone")[0]["logits"])) <= GPU_LOGIT_TOL[precision]
     for i, p in enumerate(PROMPTS):
-        assert len(gpu.tokens(i)) == T + 1 - len(p) and all(0 <= t < V for t in gpu.tokens(i))
+        assert len(gpu.tokens(i)) == T - len(p) and all(0 <= t < V for t in gpu.tokens(i))
 
 
 @pytest.mark.gpu
