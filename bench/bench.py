@@ -464,9 +464,9 @@ def markdown(rows, record):
     return "\n".join(lines) + "\n"
 
 
-def plain_table(rows):
-    cells = [COLUMNS] + rows
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+def plain_table(rows, columns=COLUMNS):
+    cells = [columns] + rows
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
