@@ -428,17 +428,18 @@ COLUMNS = ["model", "run", "ms/step", "tok/s", "MFU", "GiB", "SM MHz", "W", "los
            "loss check", "targets"]
 
 
-def table_rows(runs, comparisons):
-    """One line per run; an engine run's line carries its comparison with the fastest PyTorch."""
-    by_engine = {(c["model"], c["precision"]): c for c in comparisons}
+def table_rows(record):
+    """One line per run of a results record; an engine run's line carries its comparison with the
+    fastest PyTorch run."""
+    by_engine = {(c["model"], c["precision"]): c for c in record["comparisons"]}
     rows = []
-    for r in runs:
+    for r in record["runs"]:
         c = by_engine.get((r["model"], r["precision"])) if r["side"] == "engine" else None
         ms = f"error: {r['error']}" if r.get("error") else fmt(r.get("ms_per_step"), ".2f")
         vs = "-" if c is None or c["ratio"] is None else f"{c['ratio']:.2f}x ({c['baseline'].split(' ', 2)[-1]})"
         goals = "; ".join(f"{k}: {'met' if ok else 'MISSED'} ({d})" for k, (ok, d) in c["targets"].items()) if c else ""
         rows.append([r["model"], run_label(r), ms, fmt(r.get("tokens_per_s"), ",.0f"), fmt(r.get("mfu"), ".1%"),
-                     gib(r.get("smi_bytes")), fmt(r.get("sm_mhz"), ".0f"), fmt(r.get("power_w"), ".0f"),
+                     fmt(r.get("device_gib"), ".2f"), fmt(r.get("sm_mhz"), ".0f"), fmt(r.get("power_w"), ".0f"),
                      fmt(r.get("loss_last"), ".3f"), vs, check_cell(c) if c else "-", goals or "-"])
     return rows
 
@@ -451,17 +452,20 @@ def check_cell(c):
 
 def heading(record):
     matmul = record["matmul"]
-    rate = f"{matmul['tflops']:.0f} TFLOP/s" if "tflops" in matmul else matmul["error"]
+    rate = f"{matmul['tflops']:.0f} TFLOP/s" if "tflops" in matmul else matmul.get("error", "-")
     dirty = {True: " + uncommitted changes", False: "", None: ""}[record["dirty"]]
     return (f"{record['date']} · {record['gpu'] or 'no GPU visible'}, driver {record['driver'] or '-'} · "
             f"commit {record['commit'] or 'unknown'}{dirty} · torch {record['torch'] or '-'} · bf16 matmul {rate} · "
             f"{record['steps']} steps, median after {record['warmup']} warm-up")
 
 
-def markdown(rows, record):
-    lines = [f"### {heading(record)}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+def markdown_table(rows, columns):
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
+def markdown(record):
+    return f"### {heading(record)}\n\n" + markdown_table(table_rows(record), COLUMNS)
 
 
 def plain_table(rows, columns=COLUMNS):
@@ -558,9 +562,8 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         return 2
     record = results_record(args, matmul, runs, comparisons)
-    rows = table_rows(runs, comparisons)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
-        f.write(markdown(rows, record))
+        f.write(markdown(record))
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump({"record": record, "runs": runs}, f, indent=1)
     with open(os.path.join(args.out, "record.jsonl"), "w") as f:
@@ -574,7 +577,7 @@ def main(argv):
             f"{r['model']} engine {r['precision']}: loss check FAIL {check_cell(r)}"
         print(what, file=sys.stderr)
     print(heading(record))
-    print(plain_table(rows))
+    print(plain_table(table_rows(record)))
     return 1 if failed else 0
 
 

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from bench import choose_data, engine_command, fmt, plain_table, run_overrides
+from bench import choose_data, engine_command, fmt, markdown_table, plain_table, run_overrides
 from bench_common import (REPO, BenchError, config_flags, experiment_path, flag_args, load_config, model_shape,
                           repo_path)
 from results import RESULTS_FILE, append_record, environment
@@ -301,9 +301,22 @@ def compare(row):
 COLUMNS = ["model", "batch", "engine tok/s", "transformers tok/s", "ratio", "greedy tokens alike", "targets"]
 
 
-def table_rows(rows, new_tokens):
+def heading(record):
+    return (f"{record['date']} · {record['gpu'] or 'no GPU visible'}, driver {record['driver'] or '-'} · commit "
+            f"{record['commit'] or 'unknown'} · transformers {record.get('transformers') or '-'} · "
+            f"{record['precision']}, {record['prompt_tokens']} prompt + {record['new_tokens']} new tokens, greedy, "
+            f"median of {record['reps']}")
+
+
+def markdown(record):
+    return f"### {heading(record)}\n\n" + markdown_table(table_rows(record), COLUMNS)
+
+
+def table_rows(record):
+    """One line per (model, batch) of a results record."""
     out = []
-    for r in rows:
+    new_tokens = record["new_tokens"]
+    for r in record["rows"]:
         def side(res):
             return f"error: {res['error']}" if "error" in res else fmt(res.get("tokens_per_s"), ",.0f")
         goals = "; ".join(f"{k}: {'met' if ok else 'MISSED'} ({d})" for k, (ok, d) in r["targets"].items())
@@ -398,10 +411,8 @@ def main(argv):
               if "error" in r[side] and not (side == "hf" and args.no_hf)]
     for r, side in failed:
         print(f"{r['model']} batch {r['batch']} {side}: {r[side]['error']}", file=sys.stderr)
-    print(f"{record['date']} · {record['gpu'] or 'no GPU visible'} · commit {record['commit'] or 'unknown'} · "
-          f"{args.precision}, {args.prompt_tokens} prompt + {args.new_tokens} new tokens, greedy, "
-          f"median of {args.reps}")
-    print(plain_table(table_rows(rows, args.new_tokens), COLUMNS))
+    print(heading(record))
+    print(plain_table(table_rows(record), COLUMNS))
     return 1 if failed else 0
 
 

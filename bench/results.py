@@ -2,13 +2,20 @@
 bench/results.jsonl, saying what was measured (commit, uncommitted changes, date, GPU, driver,
 CUDA, torch) beside its figures. docs/BENCHMARKS.md describes the record's fields.
 
+    python3 bench/results.py [--file FILE] [COMMIT_OR_DATE_PREFIX]
+
+prints, as the markdown docs/BENCHMARKS.md shows, the last training and decoding record (or the
+last of each whose commit or date starts with the prefix).
+
 No torch here: the drivers import this where torch may be missing.
 """
+import argparse
 import datetime
 import json
 import os
 import re
 import subprocess
+import sys
 
 from bench_common import REPO
 from microgpt.atomic import atomic_open
@@ -91,3 +98,34 @@ def read_records(path):
                 raise ValueError(f"{path}:{n}: not a JSON object")
             records.append(record)
     return records
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description="show recorded benchmark runs as markdown")
+    p.add_argument("prefix", nargs="?", default="", help="a commit or date prefix (default: the last runs)")
+    p.add_argument("--file", default=RESULTS_FILE)
+    args = p.parse_args(argv)
+    import bench          # here, not at the top: bench imports this module
+    import decode_bench
+    try:
+        records = read_records(args.file)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    chosen = [r for r in records if str(r.get("commit")).startswith(args.prefix) or r["date"].startswith(args.prefix)]
+    shown = 0
+    for kind, render in (("train", bench.markdown), ("decode", decode_bench.markdown)):
+        last = [r for r in chosen if r.get("kind") == kind][-1:]
+        for r in last:
+            print(render(r))
+            if r.get("note"):
+                print(r["note"] + "\n")
+            shown += 1
+    if not shown:
+        print(f"error: no record in {args.file} matches '{args.prefix}'", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
