@@ -196,13 +196,14 @@ static int ckpt_check(const char* path, size_t n_params) {
     return header[0];
 }
 
-/* Reads weights, m and v (n floats each) of a checkpoint that ckpt_check accepted. */
+/* Reads weights, m and v (n floats each) of a checkpoint that ckpt_check accepted; m and v NULL:
+ * the weights only (--generate, --evaluate). */
 static void ckpt_load(const char* path, size_t n, float* params, float* m, float* v) {
     FILE* f = fopen(path, "rb");
     int ok;
     if (!f) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
-    ok = fseek(f, CKPT_HEADER_BYTES, SEEK_SET) == 0 && fread(params, 4, n, f) == n && fread(m, 4, n, f) == n &&
-         fread(v, 4, n, f) == n;
+    ok = fseek(f, CKPT_HEADER_BYTES, SEEK_SET) == 0 && fread(params, 4, n, f) == n &&
+         (!m || (fread(m, 4, n, f) == n && fread(v, 4, n, f) == n));
     fclose(f);
     if (!ok) die_input("reading checkpoint %s failed (changed while reading?)", path);
 }
