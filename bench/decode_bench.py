@@ -10,8 +10,9 @@ decode speed does not depend on them); scripts/export-hf.py turns it into a tran
 directory. Then, for each batch size, the same fixed random prompts are decoded greedily for
 exactly --new-tokens tokens (no stop tokens) by
 
-  * the engine: `ENGINE --generate --checkpoint PATH [model flags]`, one process for all batch
-    sizes, the requests of a batch sent as one JSON array (docs/DESIGN.md §5a);
+  * the engine: `ENGINE --generate --checkpoint PATH` (the model flags come from the checkpoint's
+    sidecar), one process for all batch sizes, the requests of a batch sent as one JSON array
+    (docs/DESIGN.md §5a);
   * transformers (bench/hf_decode.py, its own process): `generate` with its KV cache, bf16.
 
 tokens/s = batch × new tokens / the wall time from sending the request to its last token (prefill
@@ -33,8 +34,8 @@ import time
 import numpy as np
 
 from bench import choose_data, engine_command, fmt, markdown_table, plain_table, run_overrides
-from bench_common import (REPO, BenchError, config_flags, experiment_path, flag_args, load_config, model_shape,
-                          repo_path)
+from bench_common import REPO, BenchError, experiment_path, load_config, model_shape, repo_path
+from microgpt.inference import Generator, InferenceError
 from results import RESULTS_FILE, append_record, environment
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -45,85 +46,55 @@ PROMPT_SEED = 2024   # the prompts are fixed: the same ids in every run and on b
 TARGETS = {("120M", 1): 5.0}
 
 
-class GenerateSession:
-    """One `ENGINE --generate` process: requests in as JSON lines on stdin, token and done records
-    out on stdout, read by a thread so that a silent or dead engine is a timeout, not a hang."""
+class BatchGenerator(Generator):
+    """The engine's --generate process (microgpt/inference.py's client) sent whole batches: the
+    requests of a batch as one JSON array, every answer awaited, with a time limit, so a silent
+    engine is an error rather than a hang."""
 
-    def __init__(self, cmd, log_prefix):
-        self.log_prefix = log_prefix
-        try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True, bufsize=1, cwd=REPO)
-        except OSError as e:
-            raise BenchError(f"cannot start {cmd[0]}: {e.strerror}")
-        self.lines, self.stdout_log, self.stderr_log = queue.Queue(), [], []
-        threading.Thread(target=self._pump, args=(self.proc.stdout, self.stdout_log, self.lines), daemon=True).start()
-        threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr_log, None), daemon=True).start()
+    def __init__(self, engine, ckpt):
+        super().__init__(engine, ckpt)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
 
-    @staticmethod
-    def _pump(stream, log, lines):
-        for line in stream:
-            log.append(line)
-            if lines is not None:
-                lines.put(line)
-        if lines is not None:
-            lines.put(None)   # end of output: the engine exited
-
-    def failure(self, what):
-        last = [line.strip() for line in self.stderr_log if line.strip()][-1:] or ["(no stderr)"]
-        return BenchError(f"{what}: {last[0][:200]}")
+    def _read_stdout(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)   # end of output: the engine exited
 
     def generate(self, requests, timeout_s):
-        """Send requests (a list: one object on the line when it holds one, else an array) and wait
-        for every one's done record. Returns (seconds from sending to the last done, {id: done},
-        {id: [streamed tokens]})."""
-        line = json.dumps(requests[0] if len(requests) == 1 else requests)
+        """Send requests (one object on the line when there is one, else an array) and wait for every
+        done record. Returns (seconds from sending to the last done, {id: done}, {id: [streamed
+        tokens]})."""
         pending = {r["id"] for r in requests}
         done, streamed = {}, {r["id"]: [] for r in requests}
         t0 = time.perf_counter()
         try:
-            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.write(json.dumps(requests[0] if len(requests) == 1 else requests) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
-            raise self.failure("the engine closed its input")
-        deadline = t0 + timeout_s
+            raise self._failure("stopped before taking the request") from None
         while pending:
             try:
-                out = self.lines.get(timeout=max(0.0, deadline - time.perf_counter()))
+                line = self.lines.get(timeout=max(0.0, t0 + timeout_s - time.perf_counter()))
             except queue.Empty:
-                raise BenchError(f"no answer within {timeout_s} s")
-            if out is None:
-                raise self.failure(f"the engine exited (status {self.proc.wait()})")
+                raise InferenceError(f"no answer within {timeout_s} s") from None
+            if line is None:
+                raise self._failure("stopped while answering")
             try:
-                record = json.loads(out)
-            except json.JSONDecodeError:
-                continue
+                record = json.loads(line)
+            except ValueError:
+                continue   # not a protocol line
             rid = record.get("id") if isinstance(record, dict) else None
             if rid not in streamed:
                 continue
             if "error" in record:
-                raise BenchError(f"request {rid}: {record['error']}")
+                raise InferenceError(f"the engine refused request {rid}: {record['error']}")
             if record.get("done"):
                 done[rid] = record
                 pending.discard(rid)
             elif "token" in record:
                 streamed[rid].append(record["token"])
         return time.perf_counter() - t0, done, streamed
-
-    def close(self):
-        if self.proc.stdin and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()   # end of input: the engine finishes and exits
-            except OSError:
-                pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        for suffix, log in ((".stdout", self.stdout_log), (".stderr", self.stderr_log)):
-            with open(self.log_prefix + suffix, "w") as f:
-                f.writelines(log)
 
 
 def prompts(batch, n_tokens, vocab_size):
@@ -150,7 +121,7 @@ def engine_decode(session, batch_prompts, args, batch):
         for r in reqs:
             tokens = done[r["id"]].get("tokens")
             if tokens != streamed[r["id"]] or len(tokens) != args.new_tokens:
-                raise BenchError(f"request {r['id']}: {len(streamed[r['id']])} tokens streamed, done lists "
+                raise InferenceError(f"request {r['id']}: {len(streamed[r['id']])} tokens streamed, done lists "
                                  f"{len(tokens or [])}, {args.new_tokens} asked (reason "
                                  f"{done[r['id']].get('reason')})")
         rates.append(len(reqs) * args.new_tokens / seconds)
@@ -193,11 +164,6 @@ def train_checkpoint(cfg, shape, args, name, workdir):
     return path
 
 
-def generate_command(cfg, checkpoint, args):
-    return ([args.engine, "--generate", "--checkpoint", checkpoint]
-            + flag_args(config_flags(cfg, sections=("model",))) + ["--train.precision", args.precision])
-
-
 # -----------------------------------------------------------------------------
 # one model
 
@@ -223,18 +189,22 @@ def run_model(model, args, workdir):
         fail_all("hf", str(e))
         return list(rows.values())
 
-    session = GenerateSession(generate_command(cfg, checkpoint, args), os.path.join(args.out, f"generate-{model}"))
     try:
-        for b in args.batches:
-            try:
-                rows[b]["engine"] = engine_decode(session, batch_prompts[b], args, b)
-            except BenchError as e:
-                rows[b]["engine"] = {"error": str(e)}
-                if session.proc.poll() is not None:
-                    fail_all("engine", str(e))
-                    break
-    finally:
-        session.close()
+        session = BatchGenerator(args.engine, checkpoint)   # the model flags come from the sidecar
+    except InferenceError as e:
+        fail_all("engine", str(e))
+    else:
+        try:
+            for b in args.batches:
+                try:
+                    rows[b]["engine"] = engine_decode(session, batch_prompts[b], args, b)
+                except InferenceError as e:
+                    rows[b]["engine"] = {"error": str(e)}
+                    if session.proc.poll() is not None:
+                        fail_all("engine", str(e))
+                        break
+        finally:
+            session.close()
 
     if args.no_hf:
         fail_all("hf", "not run (--no-hf)")
