@@ -18,6 +18,7 @@
 # $OUT/decode.log. Exit status 1 if any stage failed, 2 for an unknown stage.
 # Estimated on an H200: build 1-2 min, train 4-6 min, decode 1-3 min; a command limited to 10
 # minutes should run `build train` and then `decode`.
+# shellcheck disable=SC2317  # stage functions are called indirectly, through run_stage
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-./bench-out}

@@ -49,6 +49,37 @@ def test_engine_command_is_the_config_as_dotted_flags_with_the_run_overrides():
     assert not any(f.startswith("--sample.prompts") or f == "--checkpoint" for f in flags)
 
 
+def test_each_pytorch_mode_is_its_compile_flag_and_a_cpu_dry_run_stays_eager():
+    overrides = bench.run_overrides(CFG, Args, "bf16", {"train": "t.bin", "val": "v.bin", "real": True})
+
+    def flags(mode, device):
+        cmd = bench.torch_command("c.json", overrides, "bf16", mode, device)
+        return dict(zip(cmd[3::2], cmd[4::2]))
+
+    for mode, flag in (("eager", "none"), ("compile", "default"), ("reduce-overhead", "reduce-overhead"),
+                       ("max-autotune", "max-autotune")):
+        assert flags(mode, "cuda")["--compile"] == flag and flags(mode, "cpu")["--compile"] == "none"
+    f = flags("compile", "cuda")
+    assert f["--precision"] == "bf16" and f["--val"] == "v.bin" and f["--train.steps"] == "200"
+    assert "--train.precision" not in f and "--eval.every" not in f
+
+
+def test_unknown_modes_and_precisions_are_refused():
+    for argv in (["--torch-modes", "compile,turbo"], ["--precisions", "bf17"], ["--torch-modes", ""]):
+        with pytest.raises(BenchError):
+            bench.parse_args(argv)
+    args = bench.parse_args([])
+    assert args.precisions == ["bf16"] and args.torch_modes == ["compile", "reduce-overhead"]
+    assert args.results == results.RESULTS_FILE and bench.parse_args(["--device", "cpu"]).results is None
+    assert bench.parse_args(["--no-record"]).results is None
+
+
+def test_run_all_refuses_an_unknown_stage(tmp_path):
+    out = subprocess.run(["bash", os.path.join(HERE, "run-all.sh"), "nosuch"], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, OUT=str(tmp_path), ANDREA_COMMIT="x"))
+    assert out.returncode == 2 and "unknown stage 'nosuch'" in out.stdout
+
+
 def test_without_validation_data_the_engine_does_not_evaluate():
     cmd = bench.engine_command(CFG, bench.run_overrides(CFG, Args, "bf16", {"train": "t", "val": None}), "eng")
     flags = dict(zip(cmd[1::2], cmd[2::2]))
