@@ -26,6 +26,8 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 command -v nvcc >/dev/null 2>&1 || export PATH="/usr/local/cuda/bin:$PATH"
 PY=${PYTHON:-python3}
+# the microgpt package from this tree, whether or not `pip install -e .` ran on this machine (offline)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 [ -n "${ANDREA_COMMIT:-}" ] || echo "note: ANDREA_COMMIT is not set: the commit recorded is git's, if this tree has git metadata"
 FAILED=0
 SUMMARY=()
