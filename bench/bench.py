@@ -1,7 +1,7 @@
 """Side-by-side benchmark: the CUDA engine against PyTorch on the same GPU, same model, same run
 (docs/DESIGN.md §9).
 
-    python3 bench/bench.py [--models 12M,120M] [--precisions bf16] [--torch-modes compile,reduce-overhead]
+    python3 bench/bench.py [--models 12M,120M] [--precisions bf16] [--torch-modes eager,compile,reduce-overhead]
                            [--steps 200] [--warmup 10] [--out DIR] [--results FILE]
     python3 bench/bench.py --loss-check [--data GLOB --val GLOB]
 
@@ -505,7 +505,7 @@ def parse_args(argv):
                    help="comma-separated: 12M means experiments/ANDREA-12M-TRAIN.json; a .json path is a config")
     p.add_argument("--precisions", default="bf16", help="engine precisions, comma-separated (fp32, tf32, bf16, "
                    "fp16, fp8; default bf16)")
-    p.add_argument("--torch-modes", default="compile,reduce-overhead",
+    p.add_argument("--torch-modes", default="eager,compile,reduce-overhead",
                    help="PyTorch bf16 baselines, comma-separated: " + ", ".join(TORCH_MODES) +
                    " (max-autotune compiles for minutes)")
     p.add_argument("--steps", type=int, default=200)

@@ -5,11 +5,11 @@
 #
 # Stages, each logged to $OUT/<stage>.log (stdout and stderr together); with no STAGE, all three:
 #   build   nvidia-smi, nvcc, `make` (CPU and CUDA engines for this GPU)
-#   train   bench/bench.py: ANDREA-12M and ANDREA-120M, bf16, the engine against PyTorch compiled
-#           (default mode) and compiled with CUDA graphs (reduce-overhead), 200 steps, the bf16
+#   train   bench/bench.py: ANDREA-12M and ANDREA-120M, bf16, the engine against PyTorch eager,
+#           compiled (default mode) and compiled with CUDA graphs (reduce-overhead), 200 steps, the bf16
 #           matmul rate for the MFU column; real text when data/megachat is there (loss check),
 #           else random tokens. BENCH_ARGS adds options, e.g.
-#           BENCH_ARGS="--torch-modes compile,reduce-overhead,max-autotune" (adds minutes)
+#           BENCH_ARGS="--torch-modes eager,compile,reduce-overhead,max-autotune" (adds minutes)
 #   decode  bench/decode_bench.py: both models, batch 1 and 8, 128 prompt + 256 new tokens, the
 #           engine's --generate against transformers' generate (needs scripts/export-hf.py)
 # Each benchmark appends its JSON line to bench/results.jsonl of this copy of the tree and writes

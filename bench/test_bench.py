@@ -69,7 +69,7 @@ def test_unknown_modes_and_precisions_are_refused():
         with pytest.raises(BenchError):
             bench.parse_args(argv)
     args = bench.parse_args([])
-    assert args.precisions == ["bf16"] and args.torch_modes == ["compile", "reduce-overhead"]
+    assert args.precisions == ["bf16"] and args.torch_modes == ["eager", "compile", "reduce-overhead"]
     assert args.results == results.RESULTS_FILE and bench.parse_args(["--device", "cpu"]).results is None
     assert bench.parse_args(["--no-record"]).results is None
 
