@@ -121,9 +121,9 @@ def engine_decode(session, batch_prompts, args, batch):
         for r in reqs:
             tokens = done[r["id"]].get("tokens")
             if tokens != streamed[r["id"]] or len(tokens) != args.new_tokens:
-                raise InferenceError(f"request {r['id']}: {len(streamed[r['id']])} tokens streamed, done lists "
-                                 f"{len(tokens or [])}, {args.new_tokens} asked (reason "
-                                 f"{done[r['id']].get('reason')})")
+                raise InferenceError(f"request {r['id']}: {len(streamed[r['id']])} tokens streamed, done "
+                                     f"lists {len(tokens or [])}, {args.new_tokens} asked (reason "
+                                     f"{done[r['id']].get('reason')})")
         rates.append(len(reqs) * args.new_tokens / seconds)
         engine_ms.append(max(d.get("ms", 0.0) for d in done.values()))
         first = first or done[reqs[0]["id"]]["tokens"]
@@ -169,6 +169,8 @@ def train_checkpoint(cfg, shape, args, name, workdir):
 
 
 def run_model(model, args, workdir):
+    """One row per batch size: {"model", "batch", "engine": result or {"error"}, "hf": the same,
+    "ratio", "greedy_agree", "targets"}."""
     cfg = load_config(experiment_path(model))
     model = cfg.get("name", model) if model.endswith(".json") else model
     shape = model_shape(cfg)
@@ -177,43 +179,44 @@ def run_model(model, args, workdir):
                          f"exceeds seq_len {shape['seq_len']}")
     batch_prompts = {b: prompts(b, args.prompt_tokens, shape["vocab_size"]) for b in args.batches}
     rows = {b: {"model": model, "batch": b, "engine": {}, "hf": {}} for b in args.batches}
-
-    def fail_all(side, error):
-        for row in rows.values():
-            row[side].setdefault("error", error)
-
     try:
         checkpoint = train_checkpoint(cfg, shape, args, model, workdir)
     except BenchError as e:
-        fail_all("engine", str(e))
-        fail_all("hf", str(e))
-        return list(rows.values())
-
-    try:
-        session = BatchGenerator(args.engine, checkpoint)   # the model flags come from the sidecar
-    except InferenceError as e:
-        fail_all("engine", str(e))
-    else:
-        try:
-            for b in args.batches:
-                try:
-                    rows[b]["engine"] = engine_decode(session, batch_prompts[b], args, b)
-                except InferenceError as e:
-                    rows[b]["engine"] = {"error": str(e)}
-                    if session.proc.poll() is not None:
-                        fail_all("engine", str(e))
-                        break
-        finally:
-            session.close()
-
-    if args.no_hf:
-        fail_all("hf", "not run (--no-hf)")
-    else:
-        for b, result in hf_decode(checkpoint, batch_prompts, args, model, workdir).items():
+        checkpoint = None
+        for row in rows.values():
+            row["engine"] = row["hf"] = {"error": str(e)}
+    if checkpoint:
+        for b, result in engine_decode_all(checkpoint, batch_prompts, args).items():
+            rows[b]["engine"] = result
+        results = ({b: {"error": "not run (--no-hf)"} for b in rows} if args.no_hf
+                   else hf_decode(checkpoint, batch_prompts, args, model, workdir))
+        for b, result in results.items():
             rows[b]["hf"] = result
     for row in rows.values():
         compare(row)
     return list(rows.values())
+
+
+def engine_decode_all(checkpoint, batch_prompts, args):
+    """{batch: engine_decode's result, or {"error": why}}, all batch sizes in one engine process; once
+    the engine has died, the batch sizes not yet run carry its error."""
+    results = {}
+    try:
+        session = BatchGenerator(args.engine, checkpoint)   # the model flags come from the sidecar
+    except InferenceError as e:
+        return {b: {"error": str(e)} for b in batch_prompts}
+    try:
+        for b, batch in batch_prompts.items():
+            try:
+                results[b] = engine_decode(session, batch, args, b)
+            except InferenceError as e:
+                results[b] = {"error": str(e)}
+                if session.proc.poll() is not None:
+                    break
+    finally:
+        session.close()
+    died = next((r["error"] for r in results.values() if "error" in r), None)
+    return {b: results.get(b, {"error": died}) for b in batch_prompts}
 
 
 def hf_decode(checkpoint, batch_prompts, args, model, workdir):

@@ -25,23 +25,27 @@ CPU_ENGINE = os.path.join(REPO, "build", "microgpt_cpu")
 
 # A stand-in engine: a training run writes a checkpoint; --generate answers the protocol, each
 # request's tokens a function of its prompt, a batch's tokens interleaved as a batched decoder sends
-# them. STANDIN_MODE=short stops every request after 2 tokens; crash exits on the second request.
+# them. STANDIN_MODE: short stops every request after 2 tokens; crash exits on the second request
+# (the first timed one); crash-at-3 exits on the first batch of 3; notrain fails its training run.
 STANDIN = r"""#!/usr/bin/env python3
 import json, os, sys
 argv = sys.argv[1:]
 ckpt = argv[argv.index("--checkpoint") + 1]
+mode = os.environ.get("STANDIN_MODE", "")
 if "--generate" not in argv:
+    if mode == "notrain":
+        print("error: data.train: no shards match", file=sys.stderr)
+        sys.exit(2)
     open(ckpt, "wb").write(b"weights")
     print(json.dumps({"step": 1, "loss": 4.0, "ms": 1.0}))
     sys.exit(0)
 open(os.environ["STANDIN_ARGV"], "w").write(json.dumps(argv))
-mode = os.environ.get("STANDIN_MODE", "")
 for n, line in enumerate(sys.stdin):
-    if mode == "crash" and n == 1:
-        print("error: out of device memory", file=sys.stderr)
-        sys.exit(3)
     reqs = json.loads(line)
     reqs = reqs if isinstance(reqs, list) else [reqs]
+    if (mode == "crash" and n == 1) or (mode == "crash-at-3" and len(reqs) == 3):
+        print("error: out of device memory", file=sys.stderr)
+        sys.exit(3)
     made = {r["id"]: [] for r in reqs}
     steps = 2 if mode == "short" else max(r["max_tokens"] for r in reqs)
     for i in range(steps):
@@ -109,6 +113,24 @@ def test_an_engine_that_dies_fails_its_rows_with_its_message(tiny):
     assert out.returncode == 1
     errors = [r["engine"]["error"] for r in record["rows"]]
     assert all("exit code 3" in e and "out of device memory" in e for e in errors), errors
+
+
+def test_results_before_the_engine_died_are_kept(tiny):
+    tmp_path, engine = tiny
+    out, [record] = decode(tmp_path, engine, env={"STANDIN_MODE": "crash-at-3"})
+    assert out.returncode == 1
+    first, second = record["rows"]
+    assert "error" not in first["engine"] and first["engine"]["tokens_per_s"] > 0
+    assert "exit code 3" in second["engine"]["error"]
+
+
+def test_a_failed_training_run_is_reported_in_every_row(tiny):
+    tmp_path, engine = tiny
+    out, [record] = decode(tmp_path, engine, env={"STANDIN_MODE": "notrain"})
+    assert out.returncode == 1
+    for r in record["rows"]:
+        assert "training: exit 2: error: data.train: no shards match" in r["engine"]["error"]
+        assert r["ratio"] is None and r["targets"] == {}
 
 
 def test_prompts_are_fixed_and_inside_the_vocabulary():
