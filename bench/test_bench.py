@@ -12,12 +12,12 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import bench
+import results
+from bench_common import BenchError, lr_at, repo_path
+from engine_util import python_env
 
-import bench  # noqa: E402
-import results  # noqa: E402
-from bench_common import BenchError, lr_at  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 CFG = {"name": "ANDREA-12M",
        "model": {"n_layer": 6, "d_model": 192, "n_head": 6, "seq_len": 512},
@@ -43,7 +43,8 @@ def test_engine_command_is_the_config_as_dotted_flags_with_the_run_overrides():
     assert flags["--model.d_model"] == "192" and flags["--train.lr"] == "0.0006"
     assert flags["--train.steps"] == "200" and flags["--train.precision"] == "fp16"
     assert flags["--train.warmup_steps"] == "20"            # min(200, steps/10)
-    assert flags["--data.train"] == "t.bin" and flags["--data.val"] == "v.bin"
+    # paths resolved against the repository, as the proxy passes them (microgpt/config.py)
+    assert flags["--data.train"] == repo_path("t.bin") and flags["--data.val"] == repo_path("v.bin")
     assert flags["--eval.every"] == "200" and flags["--eval.batches"] == "20"
     assert flags["--sample.every"] == "0" and flags["--checkpoint.every"] == "0"
     assert not any(f.startswith("--sample.prompts") or f == "--checkpoint" for f in flags)
@@ -290,7 +291,7 @@ def test_a_whole_run_reports_every_row_even_when_a_side_fails(tmp_path):
                           "--precisions", "bf16,tf32", "--torch-modes", "eager,compile", "--steps", "30",
                           "--engine", str(engine), "--device", "cpu", "--out", str(tmp_path / "out"),
                           "--results", str(record_file)],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=python_env())
     # the PyTorch side fails where torch is missing; where it runs, the stand-in's loss is not its loss
     assert out.returncode == 1, out.stderr
     [record] = results.read_records(str(record_file))
@@ -319,9 +320,9 @@ def test_recorded_runs_are_shown_as_the_docs_print_them(tmp_path):
     lines = [line for line in open(results.RESULTS_FILE) if '"kind":"train"' in line]
     path.write_text("".join(lines))
     show = [sys.executable, os.path.join(HERE, "results.py"), "--file", str(path)]
-    out = subprocess.run(show + ["2026-11-29T22:29"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(show + ["2026-11-29T22:29"], capture_output=True, text=True, timeout=60, env=python_env())
     assert out.returncode == 0, out.stderr
     assert "commit 2752352" in out.stdout and out.stdout.count("\n| 120M | engine ") == 3
     assert "| 120M | engine bf16 | 17.22 | 475,591 | - | 5.70 | 1815 | 690 | 4.987 | 1.24x (compile) |" in out.stdout
-    missing = subprocess.run(show + ["1999"], capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(show + ["1999"], capture_output=True, text=True, timeout=60, env=python_env())
     assert missing.returncode == 1 and "no record" in missing.stderr

@@ -13,13 +13,13 @@ import sys
 import numpy as np
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import decode_bench
+import results
+from bench_common import REPO
+from engine_util import python_env
+from microgpt.shards import write_shard
 
-import decode_bench  # noqa: E402
-import results  # noqa: E402
-from bench_common import REPO  # noqa: E402
-from microgpt.shards import write_shard  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 CPU_ENGINE = os.path.join(REPO, "build", "microgpt_cpu")
 
@@ -79,7 +79,7 @@ def decode(tmp_path, engine, *extra, env=None):
            "--engine", engine, "--no-hf", "--batches", "1,3", "--prompt-tokens", "4", "--new-tokens", "6",
            "--reps", "2", "--out", str(tmp_path / "out"), "--results", str(tmp_path / "results.jsonl"), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, STANDIN_ARGV=str(tmp_path / "argv.json"), **(env or {})))
+                         env=python_env(STANDIN_ARGV=str(tmp_path / "argv.json"), **(env or {})))
     return out, results.read_records(str(tmp_path / "results.jsonl")) if (tmp_path / "results.jsonl").exists() else []
 
 
@@ -198,7 +198,7 @@ def test_hf_decode_runs_greedy_generate_to_the_requested_length(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(prompts))
     out = subprocess.run([sys.executable, os.path.join(HERE, "hf_decode.py"), str(tmp_path / "m"), "--prompts",
                           str(tmp_path / "p.json"), "--new-tokens", "9", "--reps", "2", "--device", "cpu"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=python_env())
     assert out.returncode == 0, out.stderr
     got = {r["batch"]: r for r in map(json.loads, (ln for ln in out.stdout.splitlines() if ln.startswith("{")))}
     assert set(got) == {1, 2}

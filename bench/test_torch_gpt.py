@@ -17,13 +17,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: the PyTorch baseline cannot be checked "
                             "(a CPU build is enough, see this file's docstring)")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+import reference as ref
+from bench_common import experiment_path, lr_at, model_shape
+from engine_util import python_env
+from torch_gpt import GPT, make_optimizer, train_step
 
-import reference as ref  # noqa: E402
-from bench_common import experiment_path, lr_at, model_shape  # noqa: E402
-from torch_gpt import GPT, make_optimizer, train_step  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 TINY = ref.ModelConfig(vocab_size=50, padded_vocab_size=64, n_layer=2, d_model=16, n_head=4, seq_len=8)
 
@@ -230,7 +229,7 @@ def test_compiled_modes_train_as_eager_does(engine_run, mode):
     def losses(compile_mode):
         out = subprocess.run([sys.executable, os.path.join(HERE, "torch_gpt.py"), str(path), "--device", "cuda",
                               "--precision", "bf16", "--compile", compile_mode], capture_output=True, text=True,
-                             timeout=600)
+                             timeout=600, env=python_env())
         assert out.returncode == 0, out.stderr
         records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
         assert records[0]["compile"] == compile_mode
@@ -246,7 +245,7 @@ def test_compiled_modes_train_as_eager_does(engine_run, mode):
 def test_the_matmul_rate_is_measured():
     import subprocess
     out = subprocess.run([sys.executable, os.path.join(HERE, "matmul_peak.py"), "--n", "2048", "--reps", "5"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=python_env())
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["n"] == 2048 and r["reps"] == 5 and 0 < r["tflops"] <= r["tflops_max"]

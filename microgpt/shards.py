@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from .atomic import atomic_open
+from microgpt.atomic import atomic_open
 
 MAGIC = 20240520
 VERSION = 1

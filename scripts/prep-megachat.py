@@ -33,11 +33,11 @@ import sys
 
 import numpy as np
 
+from microgpt import tokenizer
+from microgpt.atomic import write_json_atomic
+from microgpt.shards import HEADER_BYTES, write_shard
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from microgpt import tokenizer  # noqa: E402
-from microgpt.atomic import write_json_atomic  # noqa: E402
-from microgpt.shards import HEADER_BYTES, write_shard  # noqa: E402
 
 FORMAT = 1          # bump when the rendering or splitting changes, so old manifests go stale
 BATCH_DOCS = 256    # documents per task sent to a worker

@@ -18,9 +18,9 @@ import os
 import subprocess
 import sys
 
+from microgpt.atomic import atomic_open
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from microgpt.atomic import atomic_open  # noqa: E402
 
 RAW = os.path.join(ROOT, "data", "raw")
 SHAKESPEARE = os.path.join(RAW, "shakespeare")

@@ -5,7 +5,6 @@ the CPU engine."""
 import collections
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +13,10 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from microgpt import tokenizer as tok  # noqa: E402
-from microgpt.shards import HEADER_BYTES, ShardError, read_shard, write_shard  # noqa: E402
+from engine_util import python_env, run_engine, tiny_args
+
+from microgpt import tokenizer as tok
+from microgpt.shards import HEADER_BYTES, ShardError, read_shard, write_shard
 
 N_CONVERSATIONS = 600  # a slice of chitchat keeps every run of the scripts well under a second or two
 EOT_TEXT = "<|endoftext|>"
@@ -31,7 +31,7 @@ def load_script(name):
 
 def run_script(name, *args, env=None):
     return subprocess.run([sys.executable, str(REPO / "scripts" / f"{name}.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+                          capture_output=True, text=True, timeout=300, env=python_env(**(env or {})))
 
 
 def ok(res):
@@ -326,16 +326,12 @@ def test_prepare_data_falls_back_to_chitchat_and_shakespeare(assets, tmp_path):
     assert res.stderr.count("up to date") == 2
 
 
-def test_engine_trains_on_the_shards(megachat, request):
-    if not (REPO / "microgpt" / "microgpt_cpu.c").exists():
-        pytest.skip("microgpt/microgpt_cpu.c does not exist yet: no engine to feed")
-    import engine_util as eu
-    binary = request.getfixturevalue("cpu_binary")
+def test_engine_trains_on_the_shards(megachat, cpu_binary):
     out, _ = megachat
-    args = eu.tiny_args(out / "megachat_train_*.bin", out / "megachat_val_*.bin",
+    args = tiny_args(out / "megachat_train_*.bin", out / "megachat_val_*.bin",
                         **{"model.vocab_size": tok.VOCAB_SIZE, "model.padded_vocab_size": 50304,
                            "train.steps": 2, "eval.every": 2, "eval.batches": 2})
-    res = eu.run_engine(binary, args)
+    res = run_engine(cpu_binary, args)
     assert res.rc == 0, res.describe()
     losses = [r["loss"] for r in res.steps]
     assert len(losses) == 2 and all(np.isfinite(losses))
