@@ -3,9 +3,10 @@
 
     pytest bench/test_torch_gpt.py        (skipped where torch is not installed)
 
-torch is not in requirements.txt: PyPI's Linux wheel of torch pulls the CUDA libraries (cuDNN,
-cuBLAS, NCCL, ...), far more than CI needs; the CPU wheel from PyTorch's own index is enough here
-(pip install torch --index-url https://download.pytorch.org/whl/cpu). The last tests need a CUDA GPU.
+torch is not in requirements.txt. PyPI's Linux wheel of torch is the CUDA build (it depends on cuDNN,
+cuBLAS, NCCL and a dozen more nvidia-* packages, a few GB), which runs on a CPU too; PyTorch's own
+index has a CPU-only wheel (pip install torch --index-url https://download.pytorch.org/whl/cpu). The
+last tests need a CUDA GPU.
 """
 import json
 import os
