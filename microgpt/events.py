@@ -3,7 +3,6 @@ records go to the loss log, everything else updates the run's state, samples and
 import collections
 import json
 import os
-import signal
 import sys
 import time
 
@@ -60,11 +59,10 @@ class Throughput:
 
 
 class EventHandler:
-    """Dispatches the engine's stdout lines. `run` gives the config, files, state and loss buffer;
-    `ask_engine(sig)` signals the engine (the polish boundary asks it for a checkpoint)."""
+    """Dispatches the engine's stdout lines. `run` gives the config, files, state and loss buffer."""
 
-    def __init__(self, run, ask_engine):
-        self.run, self.ask_engine = run, ask_engine
+    def __init__(self, run):
+        self.run = run
         self.steps = run.cfg["train"]["steps"]
         self.tokens_per_step = None
         self.exit_reason = None
@@ -150,9 +148,9 @@ class EventHandler:
 
     def on_polish(self, rec):
         """Pretraining ends at step s (the engine switches data and LR itself, so resume stays
-        exact). Its samples and state are archived right here, at the boundary; the engine is asked
-        for a checkpoint (SIGUSR1, training continues), which joins the archive when it is written:
-        the first checkpoint at or after step s. The loss log is never archived: it is one history."""
+        exact). Its samples and state are archived right here, at the boundary; the checkpoint the
+        engine writes next, before the first polish step (reason "polish"), joins the archive: the
+        state at the switch. The loss log is never archived: it is one history."""
         run, s = self.run, rec.get("step", 0)
         rs = run.store
         self.add_record({"event": "polish", "step": s, "tokens": rs.state.get("tokens")})
@@ -166,14 +164,13 @@ class EventHandler:
             say(f"archived the pretraining samples and state in {dest}")
         if not os.path.exists(os.path.join(dest, os.path.basename(run.files.ckpt))):
             self.polish_step = s
-            self.ask_engine(signal.SIGUSR1)
-            say(f"polish phase starts at step {s}: asked the engine for a checkpoint to keep")
+            say(f"polish phase starts at step {s}: the engine's checkpoint of this step will be kept")
         rs.set_state(force=True, phase="polish", archive=os.path.relpath(dest, run.files.dir))
 
     def on_checkpoint(self, rec):
         ckpt = rec.get("path") or self.run.files.ckpt
         self.run.store.set_state(force=True, checkpoint=ckpt, checkpoint_step=rec.get("step"))
-        if self.polish_step is not None:
+        if self.polish_step is not None and rec.get("reason") == "polish":
             dest = self.run.files.archive_dir(self.polish_step)
             step = keep_checkpoint(dest, ckpt, os.path.basename(self.run.files.state))
             say(f"kept the checkpoint of step {step} in {dest}")

@@ -1,4 +1,4 @@
-/* microgpt_cuda.cu: the GPU engine. The model of SPEC §2 (pre-LayerNorm GPT, no biases, tied
+/* microgpt_cuda.cu: the GPU engine. The model of docs/DESIGN.md §2 (pre-LayerNorm GPT, no biases, tied
  * embeddings, padded vocabulary) assembled from the kernel pairs in cuda/ (one header per layer),
  * implementing host/engine.h; the training loop itself is host/train_loop.h, shared with the CPU
  * engine.
@@ -6,8 +6,8 @@
  * Precision (train.precision):
  *   fp32  everything fp32, no TF32: the reference that is compared tightly with the CPU engine.
  *   tf32  fp32 in every buffer and kernel, but cuBLAS multiplies fp32 inputs on tensor cores in
- *         TF32 (10-bit mantissa, fp32 accumulation): PyTorch's default for fp32 matmuls, ~8x the
- *         products' speed; compared with the CPU engine at fp16-like tolerances.
+ *         TF32 (10-bit mantissa, fp32 accumulation): PyTorch's default for fp32 matmuls, and
+ *         several times faster products; compared with the CPU engine at fp16-like tolerances.
  *   bf16  fp32 master weights, gradients and AdamW moments; a bf16 copy of the weights (rewritten
  *         by the AdamW kernel) feeds the matrix products; activations and their gradients bf16;
  *         every product accumulates in fp32; LayerNorm/embedding read the fp32 masters; attention
@@ -21,7 +21,14 @@
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
- * and reused by smaller calls (one sequence of len tokens when sampling).
+ * and reused by smaller calls (one prompt's prefill). --generate and --evaluate train nothing, so
+ * their plan has no gradients, AdamW state or backward scratch.
+ *
+ * Generation (docs/DESIGN.md §5a): engine_prefill runs the training forward over a prompt (padded
+ * to T, as one sequence) and copies its keys and values into a KV-cache slot; engine_decode runs
+ * one position of n sequences with cuda/decode.cuh as one CUDA graph per n, captured on first use
+ * (the training samples' n = 1 by the warm-up), the step's tokens uploaded by its first node and
+ * the fp32 logits downloaded by its last.
  *
  * Determinism: no float atomics anywhere; fixed-shape reductions; one cuBLAS and one cuBLASLt
  * handle sharing a fixed workspace on one stream, cuBLASLt's algorithms chosen by a fixed rule over
@@ -43,6 +50,7 @@
 
 #include "cuda/attention.cuh"
 #include "cuda/common.cuh"
+#include "cuda/decode.cuh"
 #include "cuda/embed.cuh"
 #include "cuda/layernorm.cuh"
 #include "cuda/loss.cuh"
@@ -52,6 +60,11 @@
 #include "cuda/residual.cuh"
 
 enum { PREC_FP32, PREC_BF16, PREC_FP16 };
+
+/* The instance of function template `fn` for the run's activation type: the one place where the
+ * precision picks a type (fp32 and tf32 both run on float). Every `fn` instance has the same
+ * signature, so the result is one function pointer whatever the type. */
+#define FOR_ACT_TYPE(fn) (E.prec == PREC_BF16 ? fn<bf16> : E.prec == PREC_FP16 ? fn<fp16> : fn<float>)
 
 /* What the graphs read from the host on each replay (uploaded first) and hand back (downloaded
  * last), so that their kernels' arguments never change. */
@@ -70,14 +83,16 @@ typedef struct {
 #define LOGITS_CHUNK_BYTES ((size_t)512 << 20) /* budget for one chunk of logits (then their gradient) */
 
 /* Memory groups of the plan, in the order printed and emitted. */
-enum { G_PARAMS, G_GRADS, G_ADAM, G_WEIGHTS_LOWP, G_ACTIVATIONS, G_ACT_GRADS, G_SCRATCH, G_CUBLAS, N_GROUPS };
+enum { G_PARAMS, G_GRADS, G_ADAM, G_WEIGHTS_LOWP, G_ACTIVATIONS, G_ACT_GRADS, G_SCRATCH, G_KV_CACHE, G_CUBLAS,
+       N_GROUPS };
 static const char* const GROUP_NAMES[N_GROUPS] = {"params", "grads", "adam", "weights_lowp", "activations",
-                                                  "activation_grads", "scratch", "cublas_workspace"};
+                                                  "activation_grads", "scratch", "kv_cache", "cublas_workspace"};
 static const char* const GROUP_HELP[N_GROUPS] = {
     "fp32 master weights", "fp32 gradients", "fp32 AdamW m and v, weight-decay mask",
     "16-bit weight copy for the products",
     "forward values saved for backward", "activation gradients (shared by layers)",
-    "attention scores or dS tiles, logits chunk, reductions, tokens", "fixed cuBLAS workspace"};
+    "attention scores or dS tiles, logits chunk, reductions, tokens, decode step",
+    "keys and values of the sequences being generated", "fixed cuBLAS workspace"};
 
 static struct {
     Config cfg;
@@ -96,12 +111,12 @@ static struct {
 
     /* saved activations, per layer l at offset l * (size of one layer's slice) */
     void *res;   /* [L+1][N][C] residual stream: res[l] = input of layer l, res[L] = final */
-    void *x_mid; /* [L][N][C] stream after the attention branch */
+    void *xmid;  /* [L][N][C] stream after the attention branch */
     void *ln1, *ln2; /* [L][N][C] */
     void *qkv;   /* [L][3][N][C] */
     void *atty;  /* [L][N][C] attention output before W_O */
     void *h;     /* [L][N][F] MLP pre-activation */
-    void *g;     /* [L][N][F] gelu(h) */
+    void *h_gelu; /* [L][N][F] gelu(h) */
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd; /* [L][N] */
     float *att_lse; /* [L][B][H][T] */
     void *lnf;      /* [N][C] */
@@ -119,7 +134,7 @@ static struct {
     float *att_S, *att_dP; void* att_P; /* [H][T][T], cuBLAS attention only (else empty) */
     float* att_delta;                     /* [B][H][T], flash attention only (else empty) */
     void* att_ds;                         /* dS tiles of the causal half, flash attention only (else empty) */
-    void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (the sampler's) */
+    void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (a prefill's row) */
     float *losses, *loss_lse; /* [N] */
     float* ln_partial;
     float* norm_partial;
@@ -139,6 +154,18 @@ static struct {
     float grad_beta;   /* of the micro-batch being recorded: 0 overwrite, 1 add (matmul.cuh) */
     char* group_base[N_GROUPS];
     size_t group_bytes[N_GROUPS];
+
+    /* generation */
+    int training;              /* 0 in --generate and --evaluate: no gradients, no AdamW state */
+    int slots;                 /* KV-cache slots (config_kv_slots) */
+    void *kcache, *vcache;     /* [L][slots][T][C] each */
+    void *dec_x, *dec_res1, *dec_ln, *dec_qkv, *dec_atty, *dec_fc; /* one decode step's rows [slots][..] */
+    float *dec_mean, *dec_rstd, *dec_scores, *dec_logits;          /* [slots], [slots][H][T], [slots][V] */
+    int* dec_io;               /* device: slots | tokens | positions, [slots] each */
+    int* dec_io_host;          /* pinned mirror of dec_io */
+    float* dec_logits_host;    /* pinned [slots][V] */
+    cudaGraphExec_t* decode_graph; /* [slots]: the step of n sequences is decode_graph[n-1] */
+    int decode_n;              /* sequences of the step being recorded */
 } E;
 
 static const char* engine_name(void) { return "cuda"; }
@@ -158,23 +185,24 @@ static void* carve(int group, size_t bytes, size_t* used) {
 static void plan_buffers(size_t* used) {
     size_t es = E.es, L = (size_t)E.L, N = (size_t)E.N, C = (size_t)E.C, F = (size_t)E.F, P = E.P;
     size_t nc = N * C, tt = attn_scratch_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H);
+    size_t S = (size_t)E.slots, tr = (size_t)E.training; /* tr: 0 leaves the training-only buffers empty */
     int g;
     for (g = 0; g < N_GROUPS; g++) used[g] = 0;
     E.params = (float*)carve(G_PARAMS, P * 4, used);
-    E.grads = (float*)carve(G_GRADS, P * 4, used);
-    E.m = (float*)carve(G_ADAM, P * 4, used);
-    E.v = (float*)carve(G_ADAM, P * 4, used);
-    E.decay_bits = (unsigned*)carve(G_ADAM, adamw_decay_words(P) * 4, used);
+    E.grads = (float*)carve(G_GRADS, tr * P * 4, used);
+    E.m = (float*)carve(G_ADAM, tr * P * 4, used);
+    E.v = (float*)carve(G_ADAM, tr * P * 4, used);
+    E.decay_bits = (unsigned*)carve(G_ADAM, tr * adamw_decay_words(P) * 4, used);
     E.wlow = E.prec == PREC_FP32 ? (void*)E.params : carve(G_WEIGHTS_LOWP, P * es, used);
 
     E.res = carve(G_ACTIVATIONS, (L + 1) * nc * es, used);
-    E.x_mid = carve(G_ACTIVATIONS, L * nc * es, used);
+    E.xmid = carve(G_ACTIVATIONS, L * nc * es, used);
     E.ln1 = carve(G_ACTIVATIONS, L * nc * es, used);
     E.ln2 = carve(G_ACTIVATIONS, L * nc * es, used);
     E.qkv = carve(G_ACTIVATIONS, L * 3 * nc * es, used);
     E.atty = carve(G_ACTIVATIONS, L * nc * es, used);
     E.h = carve(G_ACTIVATIONS, L * N * F * es, used);
-    E.g = carve(G_ACTIVATIONS, L * N * F * es, used);
+    E.h_gelu = carve(G_ACTIVATIONS, L * N * F * es, used);
     E.ln1_mean = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
     E.ln1_rstd = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
     E.ln2_mean = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
@@ -184,17 +212,17 @@ static void plan_buffers(size_t* used) {
     E.lnf_mean = (float*)carve(G_ACTIVATIONS, N * 4, used);
     E.lnf_rstd = (float*)carve(G_ACTIVATIONS, N * 4, used);
 
-    E.dres = carve(G_ACT_GRADS, nc * es, used);
-    E.dln = carve(G_ACT_GRADS, nc * es, used);
-    E.dqkv = carve(G_ACT_GRADS, 3 * nc * es, used);
-    E.datty = carve(G_ACT_GRADS, nc * es, used);
-    E.dh = carve(G_ACT_GRADS, N * F * es, used);
+    E.dres = carve(G_ACT_GRADS, tr * nc * es, used);
+    E.dln = carve(G_ACT_GRADS, tr * nc * es, used);
+    E.dqkv = carve(G_ACT_GRADS, tr * 3 * nc * es, used);
+    E.datty = carve(G_ACT_GRADS, tr * nc * es, used);
+    E.dh = carve(G_ACT_GRADS, tr * N * F * es, used);
 
     E.att_S = (float*)carve(G_SCRATCH, tt * 4, used);
-    E.att_dP = (float*)carve(G_SCRATCH, tt * 4, used);
+    E.att_dP = (float*)carve(G_SCRATCH, tr * tt * 4, used);
     E.att_P = carve(G_SCRATCH, tt * es, used);
-    E.att_delta = (float*)carve(G_SCRATCH, attn_delta_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * 4, used);
-    E.att_ds = carve(G_SCRATCH, attn_ds_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * es, used);
+    E.att_delta = (float*)carve(G_SCRATCH, tr * attn_delta_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * 4, used);
+    E.att_ds = carve(G_SCRATCH, tr * attn_ds_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * es, used);
     E.logits = carve(G_SCRATCH, (size_t)E.Vp * (E.chunk * es > 4 ? E.chunk * es : 4), used);
     E.losses = (float*)carve(G_SCRATCH, N * 4, used);
     E.loss_lse = (float*)carve(G_SCRATCH, N * 4, used);
@@ -203,6 +231,19 @@ static void plan_buffers(size_t* used) {
     E.tok = (int*)carve(G_SCRATCH, 2 * N * 4, used);
     E.embed_first = (int*)carve(G_SCRATCH, (size_t)E.V * 4, used);
     E.io = (StepIO*)carve(G_SCRATCH, sizeof(StepIO), used);
+    E.dec_x = carve(G_SCRATCH, S * C * es, used);
+    E.dec_res1 = carve(G_SCRATCH, S * C * es, used);
+    E.dec_ln = carve(G_SCRATCH, S * C * es, used);
+    E.dec_qkv = carve(G_SCRATCH, 3 * S * C * es, used);
+    E.dec_atty = carve(G_SCRATCH, S * C * es, used);
+    E.dec_fc = carve(G_SCRATCH, S * F * es, used);
+    E.dec_mean = (float*)carve(G_SCRATCH, S * 4, used);
+    E.dec_rstd = (float*)carve(G_SCRATCH, S * 4, used);
+    E.dec_scores = (float*)carve(G_SCRATCH, S * (size_t)E.H * E.T * 4, used);
+    E.dec_logits = (float*)carve(G_SCRATCH, S * (size_t)E.V * 4, used);
+    E.dec_io = (int*)carve(G_SCRATCH, 3 * S * 4, used);
+    E.kcache = carve(G_KV_CACHE, L * S * E.T * C * es, used);
+    E.vcache = carve(G_KV_CACHE, L * S * E.T * C * es, used);
     E.cublas_ws = carve(G_CUBLAS, CUBLAS_WORKSPACE_BYTES, used);
 }
 
@@ -224,25 +265,25 @@ static void print_plan(const size_t* bytes) {
 template <typename T> static T* layer_act(void* base, int l, size_t per_layer) { return (T*)base + (size_t)l * per_layer; }
 
 /* The residual stream entering layer l (l = L: the last layer's output, LNf's input). */
-template <typename T> static T* stream(int l) { return layer_act<T>(E.res, l, (size_t)E.N * E.C); }
+template <typename T> static T* layer_input(int l) { return layer_act<T>(E.res, l, (size_t)E.N * E.C); }
 
 /* The saved forward values of layer l. */
 template <typename T> struct LayerActs {
-    T *x, *xmid, *ln1, *ln2, *qkv, *atty, *h, *g;
+    T *x, *xmid, *ln1, *ln2, *qkv, *atty, *h, *h_gelu;
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd, *att_lse;
 };
 
 template <typename T> static LayerActs<T> layer_acts(int l) {
     size_t nc = (size_t)E.N * E.C, nf = (size_t)E.N * E.F, n = (size_t)E.N; /* per-layer strides: allocated sizes */
     LayerActs<T> a;
-    a.x = stream<T>(l);
-    a.xmid = layer_act<T>(E.x_mid, l, nc);
+    a.x = layer_input<T>(l);
+    a.xmid = layer_act<T>(E.xmid, l, nc);
     a.ln1 = layer_act<T>(E.ln1, l, nc);
     a.ln2 = layer_act<T>(E.ln2, l, nc);
     a.qkv = layer_act<T>(E.qkv, l, 3 * nc);
     a.atty = layer_act<T>(E.atty, l, nc);
     a.h = layer_act<T>(E.h, l, nf);
-    a.g = layer_act<T>(E.g, l, nf);
+    a.h_gelu = layer_act<T>(E.h_gelu, l, nf);
     a.ln1_mean = E.ln1_mean + l * n;
     a.ln1_rstd = E.ln1_rstd + l * n;
     a.ln2_mean = E.ln2_mean + l * n;
@@ -273,19 +314,19 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
 template <typename T>
 static void forward(int B, int Tn) {
     int C = E.C, H = E.H, F = E.F, L = E.L, N = B * Tn, l;
-    k_embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
+    embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
     for (l = 0; l < L; l++) {
         LayerActs<T> a = layer_acts<T>(l);
-        k_layernorm_fwd<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), N, C);
-        k_attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
-        k_attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
-                      attn_scratch<T>());
-        k_attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* x_mid = x + attn(...) W_O */
-        k_layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
-        k_mlp_fwd<T>(stream<T>(l + 1), a.h, a.g, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
+        layernorm_fwd<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), N, C);
+        attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
+        attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
+                    attn_scratch<T>());
+        attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
+        layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
+        mlp_fwd<T>(layer_input<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
     }
-    k_layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, stream<T>(L), E.params + E.layout.lnf_gamma,
-                       E.params + E.layout.lnf_beta, N, C);
+    layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, layer_input<T>(L), E.params + E.layout.lnf_gamma,
+                     E.params + E.layout.lnf_beta, N, C);
 }
 
 /* Loss over the N positions, chunk by chunk, and its mean into io->loss; with `train`, also the
@@ -300,13 +341,13 @@ static void loss_chunks(int N, int train) {
         int n = N - r0 < E.chunk ? N - r0 : E.chunk;
         const T* x = (const T*)E.lnf + (size_t)r0 * C;
         if (train) /* the first chunk honours the micro-batch's grad_beta, the later ones add */
-            k_loss_fwd_bwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.dln + (size_t)r0 * C, E.grads + E.layout.wte,
-                              (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale,
-                              r0 == 0 ? E.grad_beta : 1.0f);
+            loss_fwd_bwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.dln + (size_t)r0 * C, E.grads + E.layout.wte,
+                            (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale,
+                            r0 == 0 ? E.grad_beta : 1.0f);
         else
-            k_loss_fwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp);
+            loss_fwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp);
     }
-    k_loss_mean(&E.io->loss, E.losses, N);
+    loss_mean(&E.io->loss, E.losses, N);
 }
 
 template <typename T>
@@ -319,24 +360,24 @@ static void backward(void) {
     T* dqkv = (T*)E.dqkv;
     /* dln holds d(LNf output) from loss_chunks */
     CUDA_CHECK(cudaMemsetAsync(dres, 0, nc * es, g_stream));
-    k_layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, stream<T>(L),
-                       E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial, gb);
+    layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, layer_input<T>(L),
+                     E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial, gb);
     for (l = L - 1; l >= 0; l--) {
         LayerActs<T> a = layer_acts<T>(l);
         /* MLP branch: its output gradient is the stream's, dres */
-        k_mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.g, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.dh,
-                     N, C, F, gb);
-        k_layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
-                           a.ln2_rstd, N, C, E.ln_partial, gb);
-        /* attention branch: dres is now the gradient at x_mid */
-        k_attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
-        k_attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
-                      a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
-        k_attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
-        k_layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
-                           a.ln1_rstd, N, C, E.ln_partial, gb);
+        mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.h_gelu, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.dh,
+                   N, C, F, gb);
+        layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
+                         a.ln2_rstd, N, C, E.ln_partial, gb);
+        /* attention branch: dres is now the gradient at xmid */
+        attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
+        attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
+                    a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
+        attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
+        layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
+                         a.ln1_rstd, N, C, E.ln_partial, gb);
     }
-    k_embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_first, E.V, B, Tn, C, gb);
+    embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_first, E.V, B, Tn, C, gb);
 }
 
 /* Runs `record` (the device work of one call, everything on g_stream) as a CUDA graph: captured
@@ -407,19 +448,74 @@ static float forward_loss_t(const int* inputs, const int* targets) {
     return E.io_host->loss;
 }
 
-/* The sequence is padded with token 0 to the full T and run at the one shape (1, T): attention is
- * causal, so positions < len see exactly what they would without the padding, and every call runs
- * the same kernels (all of them loaded by the warm-up, see engine_setup). */
+/* Layer l's cache rows of `slot` (keys or values). */
+template <typename T> static T* kv_slot(void* cache, int l, int slot) {
+    return (T*)cache + (((size_t)l * E.slots + slot) * E.T) * E.C;
+}
+
+/* The prompt is padded with token 0 to the full T and run at the one shape (1, T) of the training
+ * forward: attention is causal, so positions < len see exactly what they would without the
+ * padding, and every call runs the same kernels (all of them loaded by the warm-up). Then the
+ * keys and values of positions < len go to the slot, and the logits of position len-1 out. */
 template <typename T>
-static void next_logits_t(const int* tokens, int len, float* logits) {
+static void prefill_t(int slot, const int* tokens, int len, float* logits) {
+    size_t nc = (size_t)E.T * E.C; /* the forward's N = T rows */
     memcpy(E.tok_host, tokens, (size_t)len * sizeof(int));
     memset(E.tok_host + len, 0, (size_t)(E.T - len) * sizeof(int));
     upload_inputs((size_t)E.T);
     forward<T>(1, E.T);
+    for (int l = 0; l < E.L; l++) {
+        const T* qkv = layer_acts<T>(l).qkv;
+        size_t bytes = (size_t)len * E.C * sizeof(T);
+        CUDA_CHECK(cudaMemcpyAsync(kv_slot<T>(E.kcache, l, slot), qkv + nc, bytes, cudaMemcpyDeviceToDevice, g_stream));
+        CUDA_CHECK(cudaMemcpyAsync(kv_slot<T>(E.vcache, l, slot), qkv + 2 * nc, bytes, cudaMemcpyDeviceToDevice,
+                                   g_stream));
+    }
     classifier_logits<T, float>((float*)E.logits, (const T*)E.lnf + (size_t)(len - 1) * E.C,
                                 (const T*)E.wlow + E.layout.wte, 1, E.C, E.Vp);
     CUDA_CHECK(cudaMemcpyAsync(logits, E.logits, (size_t)E.V * sizeof(float), cudaMemcpyDeviceToHost, g_stream));
     CUDA_CHECK(cudaStreamSynchronize(g_stream));
+}
+
+/* One decode step of E.decode_n sequences, as recorded into decode_graph[n-1]: their slots, tokens
+ * and positions up, the model (cuda/decode.cuh), their logits down. */
+template <typename T>
+static void record_decode(void) {
+    int n = E.decode_n, C = E.C, F = E.F, S = E.slots, l;
+    const int *slots = E.dec_io, *tokens = E.dec_io + S, *positions = E.dec_io + 2 * S;
+    T *x = (T*)E.dec_x, *res1 = (T*)E.dec_res1, *ln = (T*)E.dec_ln, *qkv = (T*)E.dec_qkv, *atty = (T*)E.dec_atty;
+    CUDA_CHECK(cudaMemcpyAsync(E.dec_io, E.dec_io_host, 3 * (size_t)S * sizeof(int), cudaMemcpyHostToDevice, g_stream));
+    decode_embed<T>(x, tokens, positions, E.params + E.layout.wte, E.params + E.layout.wpe, n, C);
+    for (l = 0; l < E.L; l++) {
+        layernorm_fwd<T>(ln, E.dec_mean, E.dec_rstd, x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), n, C);
+        decode_matmul<T>(qkv, ln, wl<T>(l, T_WQ), NULL, n, C, C, DECODE_PLAIN, 3); /* W_Q, W_K, W_V consecutive */
+        decode_kv_append<T>(kv_slot<T>(E.kcache, l, 0), kv_slot<T>(E.vcache, l, 0), qkv + (size_t)n * C,
+                              qkv + 2 * (size_t)n * C, slots, positions, n, E.T, C);
+        decode_attention<T>(atty, E.dec_scores, qkv, kv_slot<T>(E.kcache, l, 0), kv_slot<T>(E.vcache, l, 0), slots,
+                              positions, n, E.T, C, E.H);
+        decode_matmul<T>(res1, atty, wl<T>(l, T_WO), x, n, C, C, DECODE_RESIDUAL);
+        layernorm_fwd<T>(ln, E.dec_mean, E.dec_rstd, res1, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), n, C);
+        decode_matmul<T>((T*)E.dec_fc, ln, wl<T>(l, T_W1), NULL, n, C, F, DECODE_GELU);
+        decode_matmul<T>(x, (const T*)E.dec_fc, wl<T>(l, T_W2), res1, n, F, C, DECODE_RESIDUAL);
+    }
+    layernorm_fwd<T>(ln, E.dec_mean, E.dec_rstd, x, E.params + E.layout.lnf_gamma, E.params + E.layout.lnf_beta, n,
+                       C);
+    decode_logits<T>(E.dec_logits, ln, (const T*)E.wlow + E.layout.wte, n, C, E.V);
+    CUDA_CHECK(cudaMemcpyAsync(E.dec_logits_host, E.dec_logits, (size_t)n * E.V * sizeof(float),
+                               cudaMemcpyDeviceToHost, g_stream));
+}
+
+template <typename T>
+static void decode_t(int n, const int* slots, const int* tokens, const int* positions, float* logits) {
+    memcpy(E.dec_io_host, slots, (size_t)n * sizeof(int));
+    memcpy(E.dec_io_host + E.slots, tokens, (size_t)n * sizeof(int));
+    memcpy(E.dec_io_host + 2 * E.slots, positions, (size_t)n * sizeof(int));
+    E.decode_n = n;
+    /* before the first capture of this n, one run launch by launch: no kernel is then loaded for the
+     * first time inside a capture (warm_up's rule). It writes the same cache rows the replay does. */
+    if (E.use_graphs && !E.decode_graph[n - 1]) record_decode<T>();
+    run_graph(&E.decode_graph[n - 1], record_decode<T>);
+    memcpy(logits, E.dec_logits_host, (size_t)n * E.V * sizeof(float));
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -428,8 +524,8 @@ static void next_logits_t(const int* tokens, int len, float* logits) {
 /* AdamW over every parameter in one launch; which decay, the mask says (upload_decay_bits). */
 template <typename T>
 static void adamw_all(const Config* cfg) {
-    k_adamw<T>(E.params, E.grads, E.m, E.v, E.prec == PREC_FP32 ? (T*)NULL : (T*)E.wlow, E.P, cfg->train.beta1,
-               cfg->train.beta2, cfg->train.eps, cfg->train.weight_decay, E.decay_bits, &E.io->uctl, &E.io->norm);
+    adamw<T>(E.params, E.grads, E.m, E.v, E.prec == PREC_FP32 ? (T*)NULL : (T*)E.wlow, E.P, cfg->train.beta1,
+             cfg->train.beta2, cfg->train.eps, cfg->train.weight_decay, E.decay_bits, &E.io->uctl, &E.io->norm);
 }
 
 /* The weight-decay mask of the layout's tensors (their decay flags), onto the device once. */
@@ -448,9 +544,10 @@ static void upload_decay_bits(void) {
     free(bits);
 }
 
-static void refresh_lowp_weights(void) {
-    if (E.prec == PREC_BF16) k_convert<bf16>((bf16*)E.wlow, E.params, E.P);
-    if (E.prec == PREC_FP16) k_convert<fp16>((fp16*)E.wlow, E.params, E.P);
+/* The 16-bit copy of the weights the products read, from the fp32 masters (fp32 has no copy). */
+template <typename T>
+static void refresh_lowp_weights_t(void) {
+    if constexpr (sizeof(T) == 2) convert<T>((T*)E.wlow, E.params, E.P);
 }
 
 /* The update, as recorded into update_graph: the norm of the unscaled gradients, AdamW (which
@@ -459,8 +556,8 @@ static void refresh_lowp_weights(void) {
 template <typename T>
 static void record_update(void) {
     upload_inputs(0);
-    k_grad_norm_partial(E.norm_partial, E.grads, E.P, &E.io->uctl.unscale);
-    k_grad_norm_final(&E.io->norm, E.norm_partial);
+    grad_norm_partial(E.norm_partial, E.grads, E.P, &E.io->uctl.unscale);
+    grad_norm_final(&E.io->norm, E.norm_partial);
     adamw_all<T>(&E.cfg);
     download_output(&E.io->norm, &E.io_host->norm);
 }
@@ -476,7 +573,7 @@ static void warm_up(void) {
     int* zeros = (int*)xcalloc((size_t)E.N, sizeof(int), "warm-up tokens");
     float* logits = (float*)xmalloc((size_t)E.V * sizeof(float), "warm-up logits");
     int graphs = E.use_graphs, round;
-    refresh_lowp_weights();
+    FOR_ACT_TYPE(refresh_lowp_weights_t)();
     for (round = 0; round < 2; round++) { /* two micro-batches: both fb_graph variants */
         E.use_graphs = round == 0 ? 0 : graphs;
         engine_forward_backward(zeros, zeros);
@@ -484,7 +581,11 @@ static void warm_up(void) {
         engine_update(0.0f, 1, &E.cfg);
     }
     engine_forward_loss(zeros, zeros);
-    engine_next_logits(zeros, 1, logits);
+    if (E.slots > 0) { /* the training samples: a prefill and the decode graph of one sequence */
+        int slot = 0, pos = 0;
+        engine_prefill(slot, zeros, 1, logits);
+        engine_decode(1, &slot, zeros, &pos, logits);
+    }
     CUDA_CHECK(cudaDeviceSynchronize());
     free(zeros);
     free(logits);
@@ -515,9 +616,11 @@ static size_t engine_setup(const Config* cfg) {
         die_input("train.batch_size x model.seq_len = %zu positions is too many for one micro-batch",
                   (size_t)E.B * E.T);
     E.N = E.B * E.T;
+    E.training = !cfg->generate.enabled && !cfg->evaluate;
+    E.slots = config_kv_slots(cfg);
     param_layout_init(&E.layout, cfg);
     E.P = E.layout.n_params;
-    /* k_attn_qkv does the three projections as one batched product over consecutive weights */
+    /* attn_qkv_fwd does the three projections as one batched product over consecutive weights */
     if (layer_offset(&E.layout, 0, T_WK) != layer_offset(&E.layout, 0, T_WQ) + (size_t)E.C * E.C ||
         layer_offset(&E.layout, 0, T_WV) != layer_offset(&E.layout, 0, T_WK) + (size_t)E.C * E.C)
         die_io("internal: W_Q, W_K, W_V are not consecutive in the parameter layout");
@@ -526,6 +629,7 @@ static size_t engine_setup(const Config* cfg) {
         size_t rows = LOGITS_CHUNK_BYTES / row_bytes;
         if (rows > 128) rows -= rows % 128; /* whole tiles for the products */
         E.chunk = (int)(rows < 1 ? 1 : rows > (size_t)E.N ? (size_t)E.N : rows);
+        if (cfg->generate.enabled) E.chunk = 1; /* no loss: the prefill's one row of logits */
     }
     E.loss_scale = E.prec == PREC_FP16 ? LOSS_SCALE_DEFAULT : 1.0f;
 
@@ -565,24 +669,30 @@ static size_t engine_setup(const Config* cfg) {
         }
     }
     plan_buffers(used); /* now with the bases: the pointers */
-    upload_decay_bits();
+    if (E.training) upload_decay_bits();
     CUDA_CHECK(cudaMallocHost((void**)&E.tok_host, 2 * (size_t)E.N * sizeof(int)));
     CUDA_CHECK(cudaMallocHost((void**)&E.io_host, sizeof(StepIO)));
     memset(E.io_host, 0, sizeof(StepIO));
+    if (E.slots > 0) {
+        CUDA_CHECK(cudaMallocHost((void**)&E.dec_io_host, 3 * (size_t)E.slots * sizeof(int)));
+        CUDA_CHECK(cudaMallocHost((void**)&E.dec_logits_host, (size_t)E.slots * E.V * sizeof(float)));
+        memset(E.dec_io_host, 0, 3 * (size_t)E.slots * sizeof(int));
+        E.decode_graph = (cudaGraphExec_t*)xcalloc((size_t)E.slots, sizeof(cudaGraphExec_t), "decode graphs");
+    }
     cublas_init(E.cublas_ws, CUBLAS_WORKSPACE_BYTES);
     if (strcmp(prec, "tf32") == 0) gemm_set_tf32();
-    warm_up();
+    if (E.training) warm_up(); /* the device memory of a training run must not grow after its first step */
     return total;
 }
 
 static void engine_set_state(const float* params, const float* m, const float* v, float loss_scale) {
     size_t bytes = E.P * sizeof(float);
     CUDA_CHECK(cudaMemcpy(E.params, params, bytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(E.m, m, bytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(E.v, v, bytes, cudaMemcpyHostToDevice));
+    if (m) CUDA_CHECK(cudaMemcpy(E.m, m, bytes, cudaMemcpyHostToDevice));
+    if (v) CUDA_CHECK(cudaMemcpy(E.v, v, bytes, cudaMemcpyHostToDevice));
     if (E.prec == PREC_FP16) E.loss_scale = loss_scale > 0.0f ? loss_scale : LOSS_SCALE_DEFAULT;
     else E.loss_scale = 1.0f;
-    refresh_lowp_weights();
+    FOR_ACT_TYPE(refresh_lowp_weights_t)();
     E.grads_pending = 0;
     CUDA_CHECK(cudaDeviceSynchronize());
 }
@@ -596,22 +706,25 @@ static void engine_get_state(float* params, float* m, float* v, float* loss_scal
 }
 
 static float engine_forward_backward(const int* inputs, const int* targets) {
-    if (E.prec == PREC_BF16) return forward_backward_t<bf16>(inputs, targets);
-    if (E.prec == PREC_FP16) return forward_backward_t<fp16>(inputs, targets);
-    return forward_backward_t<float>(inputs, targets);
+    return FOR_ACT_TYPE(forward_backward_t)(inputs, targets);
 }
 
 static float engine_forward_loss(const int* inputs, const int* targets) {
-    if (E.prec == PREC_BF16) return forward_loss_t<bf16>(inputs, targets);
-    if (E.prec == PREC_FP16) return forward_loss_t<fp16>(inputs, targets);
-    return forward_loss_t<float>(inputs, targets);
+    return FOR_ACT_TYPE(forward_loss_t)(inputs, targets);
 }
 
-static void engine_next_logits(const int* tokens, int len, float* logits) {
-    if (len < 1 || len > E.T) die_io("internal: engine_next_logits with len %d (1..%d)", len, E.T);
-    if (E.prec == PREC_BF16) next_logits_t<bf16>(tokens, len, logits);
-    else if (E.prec == PREC_FP16) next_logits_t<fp16>(tokens, len, logits);
-    else next_logits_t<float>(tokens, len, logits);
+static void engine_prefill(int slot, const int* tokens, int len, float* logits) {
+    if (len < 1 || len > E.T || slot < 0 || slot >= E.slots)
+        die_io("internal: engine_prefill of %d tokens into slot %d (1..%d tokens, %d slots)", len, slot, E.T, E.slots);
+    FOR_ACT_TYPE(prefill_t)(slot, tokens, len, logits);
+}
+
+static void engine_decode(int n, const int* slots, const int* tokens, const int* positions, float* logits) {
+    if (n < 1 || n > E.slots) die_io("internal: engine_decode of %d sequences (1..%d)", n, E.slots);
+    for (int i = 0; i < n; i++)
+        if (positions[i] < 0 || positions[i] >= E.T || slots[i] < 0 || slots[i] >= E.slots)
+            die_io("internal: engine_decode at position %d of slot %d", positions[i], slots[i]);
+    FOR_ACT_TYPE(decode_t)(n, slots, tokens, positions, logits);
 }
 
 static UpdateResult engine_update(float lr, int t, const Config* cfg) {
@@ -620,9 +733,7 @@ static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     int is_fp16 = E.prec == PREC_FP16;
     if (is_fp16) unscale /= E.loss_scale;
     E.io_host->uctl = update_ctl(lr, t, cfg->train.beta1, cfg->train.beta2, unscale, cfg->train.grad_clip, is_fp16);
-    if (E.prec == PREC_BF16) run_graph(&E.update_graph, record_update<bf16>);
-    else if (is_fp16) run_graph(&E.update_graph, record_update<fp16>);
-    else run_graph(&E.update_graph, record_update<float>);
+    run_graph(&E.update_graph, FOR_ACT_TYPE(record_update));
     E.grads_pending = 0; /* also after a skipped fp16 step: its non-finite gradients are overwritten */
     r.grad_norm = E.io_host->norm;
     r.skipped = is_fp16 && !isfinite(r.grad_norm);
@@ -657,14 +768,19 @@ static void engine_shutdown(void) {
     for (int i = 0; i < 2; i++)
         if (E.fb_graph[i]) CUDA_CHECK(cudaGraphExecDestroy(E.fb_graph[i]));
     if (E.update_graph) CUDA_CHECK(cudaGraphExecDestroy(E.update_graph));
+    for (int i = 0; i < E.slots; i++)
+        if (E.decode_graph[i]) CUDA_CHECK(cudaGraphExecDestroy(E.decode_graph[i]));
+    free(E.decode_graph);
     for (g = 0; g < N_GROUPS; g++)
         if (E.group_base[g]) CUDA_CHECK(cudaFree(E.group_base[g]));
     if (E.tok_host) CUDA_CHECK(cudaFreeHost(E.tok_host));
     if (E.io_host) CUDA_CHECK(cudaFreeHost(E.io_host));
+    if (E.dec_io_host) CUDA_CHECK(cudaFreeHost(E.dec_io_host));
+    if (E.dec_logits_host) CUDA_CHECK(cudaFreeHost(E.dec_logits_host));
     if (g_stream) CUDA_CHECK(cudaStreamDestroy(g_stream));
     g_stream = 0;
     param_layout_free(&E.layout);
     memset(&E, 0, sizeof E);
 }
 
-int main(int argc, char** argv) { return train_main(argc, argv); }
+int main(int argc, char** argv) { return engine_main(argc, argv); }

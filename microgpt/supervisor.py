@@ -10,7 +10,6 @@ ABORT_WAIT_SECONDS), marks the run crashed and exits 1.
 import collections
 import os
 import queue
-import secrets
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ POLL_SECONDS = LossBuffer.FLUSH_SECONDS  # the main loop wakes at least this oft
 
 class Run:
     """One run directory: its config, lock, loss log, state and samples. What the dashboard server
-    reads (state, samples, log, token, dir and the version counters) is here."""
+    reads (state, samples, log, dir and the version counters) is here."""
 
     def __init__(self, cfg, flags, config_path, run_dir, engine_path, prompt_ids):
         self.cfg, self.flags, self.config_path, self.engine_path = cfg, flags, config_path, engine_path
@@ -45,7 +44,6 @@ class Run:
             say(self.log.message)
         self.buffer = LossBuffer(self.log)
         self.store = RunState(self.files)
-        self.token = secrets.token_urlsafe(18)  # authorises requests that change the run
         self.steps = cfg["train"]["steps"]
         self.clock = Clock(1 + (self.log.record(len(self.log) - 1).get("seg", 0) if len(self.log) else 0))
 
@@ -74,7 +72,7 @@ class Supervisor:
     def __init__(self, run):
         self.run = run
         self.proc = None
-        self.events = EventHandler(run, self.signal_engine)
+        self.events = EventHandler(run)
         self.stderr_tail = collections.deque(maxlen=8)
         self.stop_signal = None  # SIGTERM/SIGINT received: the engine was asked to stop
         self.stop_announced = False

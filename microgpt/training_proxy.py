@@ -4,6 +4,7 @@ it reports in the run directory, and serves the live dashboard.
 
     python microgpt/training_proxy.py experiments/ANDREA-12M-TRAIN.json [--engine cuda|cpu]
         [--run-dir DIR] [--host 127.0.0.1] [--port 8765] [--keep-serving]
+    python microgpt/training_proxy.py --serve runs/     every run under runs/, read-only
 
 The run directory (default runs/<name>/ under the repository root) is described in run_dir.py, the
 engine's supervision and signals in supervisor.py, the config in config.py. See docs/PROXY.md for
@@ -31,7 +32,9 @@ LINGER_SECONDS = 0.6  # a few live-stream polls (proxy_server.POLL_SECONDS) afte
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Train with an engine, log the run and serve its "
                                             "live dashboard (see docs/PROXY.md).")
-    p.add_argument("config", help="experiment JSON, e.g. experiments/ANDREA-12M-TRAIN.json")
+    p.add_argument("config", nargs="?", help="experiment JSON, e.g. experiments/ANDREA-12M-TRAIN.json")
+    p.add_argument("--serve", metavar="DIR", help="train nothing: show every run under DIR (a run "
+                   "directory or a directory of them) on one dashboard, read-only, until Ctrl-C")
     p.add_argument("--engine", choices=sorted(ENGINES), default=None,
                    help="build/microgpt_cuda (default when built and a GPU is visible; else the "
                         "CPU engine, with a warning) or build/microgpt_cpu")
@@ -47,7 +50,10 @@ def parse_args(argv):
     p.add_argument("--keep-serving", action="store_true",
                    help="keep the dashboard up after the engine exits (or for a finished run), "
                         "until Ctrl-C")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.config is None) == (args.serve is None):
+        p.error("give an experiment config to train, or --serve DIR to look at runs")
+    return args
 
 
 def fail(msg, code=2):
@@ -89,6 +95,8 @@ def open_run(args):
 
 def main(argv):
     args = parse_args(argv)
+    if args.serve:
+        return serve_directory(args)
     run = open_run(args)
     try:
         done = checkpoint_step(run.files.ckpt)
@@ -98,10 +106,10 @@ def main(argv):
     if not args.no_server:
         from microgpt import proxy_server  # flask loads only when the dashboard is served
         try:
-            server = proxy_server.start(run, args.host, args.port, DEFAULT_PORT)
+            server = proxy_server.start_for_run(run, args.host, args.port, DEFAULT_PORT)
         except OSError as e:
             fail(f"cannot serve the dashboard on {args.host}:{args.port}: {e.strerror or e}")
-        say(f"dashboard: {server.url}?token={run.token}")
+        say(f"dashboard: {server.url}?token={server.token}")
 
     supervisor = Supervisor(run)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
@@ -116,13 +124,29 @@ def main(argv):
     if server and not args.keep_serving:
         time.sleep(LINGER_SECONDS)  # let open dashboards receive the final status before we go
     if server and args.keep_serving:
-        serve_until_signal()
+        serve_until_signal("run over; still serving the dashboard, Ctrl-C to quit")
     run.log.close()
     return code
 
 
-def serve_until_signal():
-    say("run over; still serving the dashboard, Ctrl-C to quit")
+def serve_directory(args):
+    """--serve DIR: the dashboard of every run under DIR, read-only, until Ctrl-C."""
+    if not os.path.isdir(args.serve):
+        fail(f"--serve {args.serve}: not a directory")
+    from microgpt import proxy_server
+    try:
+        server = proxy_server.start_for_directory(args.serve, args.host, args.port, DEFAULT_PORT)
+    except OSError as e:
+        fail(f"cannot serve the dashboard on {args.host}:{args.port}: {e.strerror or e}")
+    n = len(server.served.listing())
+    say(f"serving {n} run{'s' * (n != 1)} of {args.serve} (read-only; runs started later appear "
+        f"too): {server.url}?token={server.token}")
+    serve_until_signal("Ctrl-C to quit")
+    return 0
+
+
+def serve_until_signal(message):
+    say(message)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -18,7 +18,9 @@
  *   - the error reported is ||gpu - cpu|| / ||cpu - prefill||: relative to what the kernel had to
  *     compute; any non-finite GPU element (an unwritten NaN) fails on its own;
  *   - backward kernels with reductions are launched twice from the same state and must agree bit
- *     for bit (determinism).
+ *     for bit (determinism);
+ *   - the decode kernels (cuda/decode.cuh) are also run on one sequence alone, which must give
+ *     the bits that sequence got in the batch.
  *
  * Tolerances (relative, normwise). fp32 has no TF32 and the only differences from the CPU are
  * summation order and FMA contraction (~1e-7..1e-6); 16-bit runs are dominated by rounding of the
@@ -42,6 +44,7 @@
 #include "../microgpt/cpu/residual.h"
 
 #include "../microgpt/cuda/attention.cuh"
+#include "../microgpt/cuda/decode.cuh"
 #include "../microgpt/cuda/embed.cuh"
 #include "../microgpt/cuda/layernorm.cuh"
 #include "../microgpt/cuda/loss.cuh"
@@ -177,7 +180,7 @@ template <typename T> static Vec download(const T* p, size_t n) {
 /* Checks */
 
 /* Relative tolerances: elem (element-wise kernels), prod (one product or row reduction), fused
- * (several products in a row), loss (the mean loss of k_loss). In 16-bit types the loss is taken
+ * (several products in a row), loss (the mean loss of loss_fwd). In 16-bit types the loss is taken
  * from logits rounded to T: each row's loss carries up to half an ulp of its target logit
  * (2^-9 relative in bf16, 2^-11 in fp16) of logits of size ~3 here, so the mean over >= 5 rows is
  * within about 1e-3 (bf16) / 2.5e-4 (fp16) of the exact one. Measured on the H200 over 69 checks
@@ -263,7 +266,7 @@ static void set_ctx(const char* prec, const char* test, const char* shape) {
  * from 1 to 32, padded and unpadded vocabularies. */
 
 struct Shape {
-    int B, T, C, H, F, V, Vp, chunk; /* chunk: logits rows per k_loss call */
+    int B, T, C, H, F, V, Vp, chunk; /* chunk: logits rows per loss_fwd call */
 };
 
 static const Shape SHAPES[] = {
@@ -300,7 +303,7 @@ template <typename T> static void test_embed(const Shape& s, Tol tol) {
     int* d_tok = upload_ints(tokens);
     float *d_wte = upload<float>(wte), *d_wpe = upload<float>(wpe);
     T* d_out = poisoned<T>((size_t)N * C);
-    k_embed_fwd<T>(d_out, d_tok, d_wte, d_wpe, s.B, s.T, C);
+    embed_fwd<T>(d_out, d_tok, d_wte, d_wpe, s.B, s.T, C);
     check("out", download(d_out, (size_t)N * C), out_c, tol.elem);
 
     Vec dout = rounded<T>(randn((size_t)N * C, 1.0f));
@@ -314,7 +317,7 @@ template <typename T> static void test_embed(const Shape& s, Tol tol) {
         auto gpu = [&]() {
             upload_into(d_dwte, dwte0);
             init_grad(d_dwpe, dwpe0, gb);
-            k_embed_bwd<T>(d_dwte, d_dwpe, d_dout, d_tok, d_first, s.V, s.B, s.T, C, gb);
+            embed_bwd<T>(d_dwte, d_dwpe, d_dout, d_tok, d_first, s.V, s.B, s.T, C, gb);
             return std::vector<Vec>{download(d_dwte, wte.size()), download(d_dwpe, wpe.size())};
         };
         std::vector<Vec> r1 = gpu(), r2 = gpu();
@@ -336,7 +339,7 @@ template <typename T> static void test_layernorm(const Shape& s, Tol tol) {
     float *d_gamma = upload<float>(gamma), *d_beta = upload<float>(beta);
     T* d_out = poisoned<T>((size_t)N * C);
     float *d_mean = poisoned<float>(N), *d_rstd = poisoned<float>(N);
-    k_layernorm_fwd<T>(d_out, d_mean, d_rstd, d_x, d_gamma, d_beta, N, C);
+    layernorm_fwd<T>(d_out, d_mean, d_rstd, d_x, d_gamma, d_beta, N, C);
     check("out", download(d_out, (size_t)N * C), out_c, tol.prod);
     check("mean", download(d_mean, N), mean_c, tol_for<float>().prod);
     check("rstd", download(d_rstd, N), rstd_c, tol_for<float>().prod);
@@ -356,7 +359,7 @@ template <typename T> static void test_layernorm(const Shape& s, Tol tol) {
             upload_into(d_dx, dx0);
             init_grad(d_dg, dg0, gb);
             init_grad(d_db, db0, gb);
-            k_layernorm_bwd<T>(d_dx, d_dg, d_db, d_dout, d_x, d_gamma, d_mean_c, d_rstd_c, N, C, d_scratch, gb);
+            layernorm_bwd<T>(d_dx, d_dg, d_db, d_dout, d_x, d_gamma, d_mean_c, d_rstd_c, N, C, d_scratch, gb);
             return std::vector<Vec>{download(d_dx, (size_t)N * C), download(d_dg, C), download(d_db, C)};
         };
         std::vector<Vec> r1 = gpu(), r2 = gpu();
@@ -376,7 +379,7 @@ template <typename T> static void test_attn_out(const Shape& s, Tol tol) {
     matmul_forward(proj.data(), x.data(), w.data(), N, C, C);
     residual_forward(out_c.data(), res.data(), proj.data(), N * C);
     T *d_x = upload<T>(x), *d_w = upload<T>(w), *d_res = upload<T>(res), *d_out = poisoned<T>((size_t)N * C);
-    k_attn_out_fwd<T>(d_out, d_x, d_w, d_res, N, C);
+    attn_out_fwd<T>(d_out, d_x, d_w, d_res, N, C);
     check("out", download(d_out, (size_t)N * C), out_c, tol.prod);
 
     Vec dout = rounded<T>(randn((size_t)N * C, 1.0f));
@@ -388,7 +391,7 @@ template <typename T> static void test_attn_out(const Shape& s, Tol tol) {
     for (float gb : GRAD_BETAS) {
         poison(d_dx, (size_t)N * C);
         init_grad(d_dw, dw0, gb);
-        k_attn_out_bwd<T>(d_dx, d_dw, d_dout, d_x, d_w, N, C, gb);
+        attn_out_bwd<T>(d_dx, d_dw, d_dout, d_x, d_w, N, C, gb);
         check("dx", download(d_dx, (size_t)N * C), dx_inc, tol.prod);
         check_grad("dw", download(d_dw, (size_t)C * C), dw_inc, dw0, gb, tol.prod);
     }
@@ -402,7 +405,7 @@ template <typename T> static void test_attn_qkv(const Shape& s, Tol tol) {
     Vec qkv_c(3 * nc);
     for (int i = 0; i < 3; i++) matmul_forward(qkv_c.data() + i * nc, x.data(), w.data() + i * cc, N, C, C);
     T *d_x = upload<T>(x), *d_w = upload<T>(w), *d_qkv = poisoned<T>(3 * nc);
-    k_attn_qkv_fwd<T>(d_qkv, d_x, d_w, N, C);
+    attn_qkv_fwd<T>(d_qkv, d_x, d_w, N, C);
     check("qkv", download(d_qkv, 3 * nc), qkv_c, tol.prod);
 
     Vec dqkv = rounded<T>(randn(3 * nc, 1.0f));
@@ -415,7 +418,7 @@ template <typename T> static void test_attn_qkv(const Shape& s, Tol tol) {
     for (float gb : GRAD_BETAS) {
         poison(d_dx, nc);
         init_grad(d_dw, dw0, gb);
-        k_attn_qkv_bwd<T>(d_dx, d_dw, d_dqkv, d_x, d_w, N, C, gb);
+        attn_qkv_bwd<T>(d_dx, d_dw, d_dqkv, d_x, d_w, N, C, gb);
         check("dx", download(d_dx, nc), dx_inc, tol.prod);
         check_grad("dw", download(d_dw, 3 * cc), dw_inc, dw0, gb, tol.prod);
     }
@@ -455,7 +458,7 @@ template <typename T> static void test_attn(const Shape& s, Tol tol) {
     sc.P = poisoned<T>(tt);
     sc.delta = poisoned<float>(attn_delta_elems(half, B, Tn, C, H));
     sc.ds = poisoned<T>(attn_ds_elems(half, B, Tn, C, H));
-    k_attn_fwd<T>(d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
+    attn_fwd<T>(d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
     check("out", download(d_out, nc), out_c, tol.fused);
     check("lse", download(d_lse, (size_t)B * H * Tn), lse_c, tol_for<float>().prod);
 
@@ -469,7 +472,7 @@ template <typename T> static void test_attn(const Shape& s, Tol tol) {
         poison(d_dq, nc);
         poison(d_dk, nc);
         poison(d_dv, nc);
-        k_attn_bwd<T>(d_dq, d_dk, d_dv, d_dout, d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
+        attn_bwd<T>(d_dq, d_dk, d_dv, d_dout, d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
         return std::vector<Vec>{download(d_dq, nc), download(d_dk, nc), download(d_dv, nc)};
     };
     std::vector<Vec> r1 = gpu(), r2 = gpu();
@@ -485,22 +488,22 @@ template <typename T> static void test_mlp(const Shape& s, Tol tol) {
     size_t nc = (size_t)N * C, nf = (size_t)N * F;
     Vec x = rounded<T>(randn(nc, 1.0f));
     Vec w1 = rounded<T>(randn((size_t)C * F, 1.0f / sqrtf((float)C))), w2 = rounded<T>(randn((size_t)F * C, 1.0f / sqrtf((float)F)));
-    Vec res = rounded<T>(randn(nc, 1.0f)), h_c(nf), g_c(nf), mlp(nc), out_c(nc);
+    Vec res = rounded<T>(randn(nc, 1.0f)), h_c(nf), h_gelu_c(nf), mlp(nc), out_c(nc);
     matmul_forward(h_c.data(), x.data(), w1.data(), N, C, F);
-    gelu_forward(g_c.data(), h_c.data(), (int)nf);
-    matmul_forward(mlp.data(), g_c.data(), w2.data(), N, F, C);
+    gelu_forward(h_gelu_c.data(), h_c.data(), (int)nf);
+    matmul_forward(mlp.data(), h_gelu_c.data(), w2.data(), N, F, C);
     residual_forward(out_c.data(), res.data(), mlp.data(), (int)nc); /* the join after the MLP */
     T *d_x = upload<T>(x), *d_w1 = upload<T>(w1), *d_w2 = upload<T>(w2), *d_res = upload<T>(res);
-    T *d_out = poisoned<T>(nc), *d_h = poisoned<T>(nf), *d_g = poisoned<T>(nf), *d_dh = poisoned<T>(nf);
-    k_mlp_fwd<T>(d_out, d_h, d_g, d_x, d_w1, d_w2, d_res, N, C, F);
+    T *d_out = poisoned<T>(nc), *d_h = poisoned<T>(nf), *d_h_gelu = poisoned<T>(nf), *d_dh = poisoned<T>(nf);
+    mlp_fwd<T>(d_out, d_h, d_h_gelu, d_x, d_w1, d_w2, d_res, N, C, F);
     check("out", download(d_out, nc), out_c, tol.fused);
     check("h", download(d_h, nf), h_c, tol.prod);
-    check("g", download(d_g, nf), g_c, tol.prod);
+    check("h_gelu", download(d_h_gelu, nf), h_gelu_c, tol.prod);
 
     Vec dout = rounded<T>(randn(nc, 1.0f));
-    Vec dg(nf, 0.0f), dh(nf, 0.0f), dx_inc(nc, 0.0f), dw1_inc(w1.size(), 0.0f), dw2_inc(w2.size(), 0.0f);
-    matmul_backward(dg.data(), dw2_inc.data(), dout.data(), g_c.data(), w2.data(), N, F, C);
-    gelu_backward(dh.data(), h_c.data(), dg.data(), (int)nf);
+    Vec dh_gelu(nf, 0.0f), dh(nf, 0.0f), dx_inc(nc, 0.0f), dw1_inc(w1.size(), 0.0f), dw2_inc(w2.size(), 0.0f);
+    matmul_backward(dh_gelu.data(), dw2_inc.data(), dout.data(), h_gelu_c.data(), w2.data(), N, F, C);
+    gelu_backward(dh.data(), h_c.data(), dh_gelu.data(), (int)nf);
     matmul_backward(dx_inc.data(), dw1_inc.data(), dh.data(), x.data(), w1.data(), N, C, F);
     Vec dw10 = prefill_like<float>(dw1_inc), dw20 = prefill_like<float>(dw2_inc);
     T *d_dout = upload<T>(dout), *d_dx = poisoned<T>(nc); /* dx is overwritten */
@@ -509,7 +512,8 @@ template <typename T> static void test_mlp(const Shape& s, Tol tol) {
         poison(d_dx, nc);
         init_grad(d_dw1, dw10, gb);
         init_grad(d_dw2, dw20, gb);
-        k_mlp_bwd<T>(d_dx, d_dw1, d_dw2, d_dout, d_x, d_h, d_g, d_w1, d_w2, d_dh, N, C, F, gb); /* the forward's h, g */
+        /* h and h_gelu are the forward's */
+        mlp_bwd<T>(d_dx, d_dw1, d_dw2, d_dout, d_x, d_h, d_h_gelu, d_w1, d_w2, d_dh, N, C, F, gb);
         check("dx", download(d_dx, nc), dx_inc, tol.fused);
         check_grad("dw1", download(d_dw1, w1.size()), dw1_inc, dw10, gb, tol.fused);
         check_grad("dw2", download(d_dw2, w2.size()), dw2_inc, dw20, gb, tol.fused);
@@ -537,13 +541,13 @@ template <typename T> static void test_residual(const Shape& s, Tol tol) {
     Vec a = rounded<T>(randn(n, 1.0f)), b = rounded<T>(randn(n, 1.0f)), out_c(n);
     residual_forward(out_c.data(), a.data(), b.data(), (int)n);
     T *d_a = upload<T>(a), *d_b = upload<T>(b), *d_out = poisoned<T>(n);
-    k_residual_add<T>(d_out, d_a, d_b, n);
+    residual_add<T>(d_out, d_a, d_b, n);
     check("out", download(d_out, n), out_c, tol.elem);
     Vec dout = rounded<T>(randn(n, 1.0f)), da_inc(n, 0.0f), db_inc(n, 0.0f);
     residual_backward(da_inc.data(), db_inc.data(), dout.data(), (int)n);
     Vec da0 = prefill_like<T>(da_inc), db0 = prefill_like<T>(db_inc);
     T *d_dout = upload<T>(dout), *d_da = upload<T>(da0), *d_db = upload<T>(db0);
-    k_residual_add_bwd<T>(d_da, d_db, d_dout, n);
+    residual_add_bwd<T>(d_da, d_db, d_dout, n);
     check("da", download(d_da, n), plus(da0, da_inc), tol.elem, &da0);
     check("db", download(d_db, n), plus(db0, db_inc), tol.elem, &db0);
     dfree_all();
@@ -574,11 +578,11 @@ template <typename T> static void test_loss(const Shape& s, Tol tol) {
             init_grad(d_dwte, dwte0, gb);
             for (int r0 = 0; r0 < N; r0 += s.chunk) {
                 int n = N - r0 < s.chunk ? N - r0 : s.chunk;
-                k_loss_fwd_bwd<T>(d_losses + r0, d_lse + r0, d_dx + (size_t)r0 * C, d_dwte, d_logits,
-                                  d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V, Vp, d_dscale,
-                                  r0 == 0 ? gb : 1.0f);
+                loss_fwd_bwd<T>(d_losses + r0, d_lse + r0, d_dx + (size_t)r0 * C, d_dwte, d_logits,
+                                d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V, Vp, d_dscale,
+                                r0 == 0 ? gb : 1.0f);
             }
-            k_loss_mean(d_mean, d_losses, N);
+            loss_mean(d_mean, d_losses, N);
             return std::vector<Vec>{download(d_losses, N), download(d_dx, (size_t)N * C),
                                     download(d_dwte, wte.size()), download(d_mean, 1)};
         };
@@ -587,8 +591,8 @@ template <typename T> static void test_loss(const Shape& s, Tol tol) {
             float* d_eval = poisoned<float>(N);
             for (int r0 = 0; r0 < N; r0 += s.chunk) {
                 int n = N - r0 < s.chunk ? N - r0 : s.chunk;
-                k_loss_fwd<T>(d_eval + r0, d_lse + r0, d_logits, d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V,
-                              Vp);
+                loss_fwd<T>(d_eval + r0, d_lse + r0, d_logits, d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V,
+                            Vp);
             }
             Vec ev = download(d_eval, N);
             bool same = memcmp(ev.data(), r1[0].data(), N * sizeof(float)) == 0;
@@ -653,7 +657,7 @@ template <typename T> static void test_adamw(size_t n, Tol tol) {
         CUDA_CHECK(cudaMemcpy(d_norm, &norm, sizeof norm, cudaMemcpyHostToDevice));
     };
     set_ctl(1.0, 0.0f, 0, 1.0f);
-    k_adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
+    adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
     check("p", download(d_p, n), pc, tol_for<float>().elem);
     check("m", download(d_m, n), mc, tol_for<float>().elem);
     check("v", download(d_v, n), vc, tol_for<float>().elem);
@@ -668,18 +672,18 @@ template <typename T> static void test_adamw(size_t n, Tol tol) {
         upload_into(d_m, m);
         upload_into(d_v, v);
         set_ctl(u, clip, 0, norm);
-        k_adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
+        adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
         check("p_clip", download(d_p, n), pc2, tol_for<float>().elem);
         check("m_clip", download(d_m, n), mc2, tol_for<float>().elem);
         /* fp16 overflow: a non-finite norm with skip set leaves everything as it was */
         Vec p_before = download(d_p, n), m_before = download(d_m, n), v_before = download(d_v, n);
         set_ctl(1.0, 1.0f, 1, INFINITY);
-        k_adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
+        adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
         std::vector<Vec> after{download(d_p, n), download(d_m, n), download(d_v, n)};
         check_same("skip", std::vector<Vec>{p_before, m_before, v_before}, after);
     }
     T* d_conv = poisoned<T>(n);
-    k_convert<T>(d_conv, d_p, n);
+    convert<T>(d_conv, d_p, n);
     check("convert", download(d_conv, n), rounded<T>(download(d_p, n)), tol.elem);
     dfree_all();
 }
@@ -691,8 +695,8 @@ static void test_grad_norm(size_t n) {
     for (float x : g) s += (double)x * x;
     float *d_g = upload<float>(g), *d_partial = poisoned<float>(NORM_BLOCKS), *d_norm = poisoned<float>(1);
     auto norm = [&]() {
-        k_grad_norm_partial(d_partial, d_g, n, NULL);
-        k_grad_norm_final(d_norm, d_partial);
+        grad_norm_partial(d_partial, d_g, n, NULL);
+        grad_norm_final(d_norm, d_partial);
         return std::vector<Vec>{download(d_norm, 1)};
     };
     std::vector<Vec> r1 = norm(), r2 = norm();
@@ -707,8 +711,8 @@ static void test_grad_norm(size_t n) {
     {
         float* d_u = upload<float>(Vec(1, 0.5f));
         CUDA_CHECK(cudaMemcpy(d_g + n / 2, &g[n / 2], sizeof(float), cudaMemcpyHostToDevice));
-        k_grad_norm_partial(d_partial, d_g, n, d_u);
-        k_grad_norm_final(d_norm, d_partial);
+        grad_norm_partial(d_partial, d_g, n, d_u);
+        grad_norm_final(d_norm, d_partial);
         check_scalar("norm_unscaled", download(d_norm, 1)[0], 0.5 * sqrt(s), tol_for<float>().prod);
         check("norm_g_kept", download(d_g, n), g, 0.0);
     }
@@ -716,7 +720,7 @@ static void test_grad_norm(size_t n) {
     Vec small = randn(4099, 1.0f), scaled(small.size());
     for (size_t i = 0; i < small.size(); i++) scaled[i] = small[i] * 0.37f;
     float* d_s = upload<float>(small);
-    k_grad_scale(d_s, small.size(), 0.37f);
+    grad_scale(d_s, small.size(), 0.37f);
     check("scale", download(d_s, small.size()), scaled, tol_for<float>().elem);
     dfree_all();
 }
@@ -724,6 +728,94 @@ static void test_grad_norm(size_t n) {
 /* The fused products (common.cuh) must really have run in this precision, or the checks above
  * would only have seen the unfused path: every tested shape whose rows are whole multiples of 8
  * elements has a cuBLASLt kernel for each epilogue on sm_80 and later. */
+/* The KV-cache decode step's kernels for s.B sequences in slots s.B-1 .. 0 of s.B + 1 (one unused),
+ * at random positions < s.T: each against the CPU layer it stands for, and sequence 0 alone
+ * against its row of the batch, bit for bit. */
+template <typename T> static void test_decode(const Shape& s, Tol tol) {
+    int n = s.B, S = s.B + 1, Tc = s.T, C = s.C, H = s.H, F = s.F, hs = C / H;
+    std::vector<int> slots(n), positions = rand_ints(n, Tc), tokens = rand_ints(n, s.V);
+    for (int i = 0; i < n; i++) slots[i] = n - 1 - i;
+    int *d_slots = upload_ints(slots), *d_pos = upload_ints(positions), *d_tok = upload_ints(tokens);
+
+    /* embedding */
+    Vec wte = randn((size_t)s.Vp * C, 0.5f), wpe = randn((size_t)Tc * C, 0.5f), emb_c((size_t)n * C);
+    for (int i = 0; i < n; i++)
+        embed_forward(emb_c.data() + (size_t)i * C, &tokens[i], wte.data(), wpe.data() + (size_t)positions[i] * C, 1,
+                      1, C);
+    T* d_emb = poisoned<T>((size_t)n * C);
+    decode_embed<T>(d_emb, d_tok, d_pos, upload<float>(wte), upload<float>(wpe), n, C);
+    check("embed", download(d_emb, (size_t)n * C), emb_c, tol.elem);
+
+    /* products: plain (three consecutive matrices), gelu, residual */
+    Vec x = rounded<T>(randn((size_t)n * C, 1.0f)), w3 = rounded<T>(randn(3 * (size_t)C * F, 1.0f / sqrtf((float)C)));
+    Vec res = rounded<T>(randn((size_t)n * F, 1.0f)), out_c(3 * (size_t)n * F), pre((size_t)n * F), act_c((size_t)n * F);
+    for (int z = 0; z < 3; z++)
+        matmul_forward(out_c.data() + (size_t)z * n * F, x.data(), w3.data() + (size_t)z * C * F, n, C, F);
+    gelu_forward(act_c.data(), out_c.data(), n * F);
+    Vec res_c((size_t)n * F);
+    residual_forward(res_c.data(), res.data(), out_c.data(), n * F);
+    T *d_x = upload<T>(x), *d_w = upload<T>(w3), *d_res = upload<T>(res), *d_out = poisoned<T>(3 * (size_t)n * F);
+    decode_matmul<T>(d_out, d_x, d_w, NULL, n, C, F, DECODE_PLAIN, 3);
+    Vec batched = download(d_out, 3 * (size_t)n * F);
+    check("matmul", batched, out_c, tol.prod);
+    decode_matmul<T>(d_out, d_x, d_w, NULL, 1, C, F, DECODE_PLAIN, 3); /* row 0 alone: out[z] is [1, F] */
+    Vec alone = download(d_out, 3 * (size_t)F), row0;
+    for (int z = 0; z < 3; z++) row0.insert(row0.end(), batched.begin() + (size_t)z * n * F, batched.begin() + (size_t)z * n * F + F);
+    check_same("matmul_1", std::vector<Vec>{alone}, std::vector<Vec>{row0});
+    poison(d_out, (size_t)n * F);
+    decode_matmul<T>(d_out, d_x, d_w, NULL, n, C, F, DECODE_GELU);
+    check("gelu", download(d_out, (size_t)n * F), act_c, tol.fused);
+    poison(d_out, (size_t)n * F);
+    decode_matmul<T>(d_out, d_x, d_w, d_res, n, C, F, DECODE_RESIDUAL);
+    check("residual", download(d_out, (size_t)n * F), res_c, tol.prod);
+
+    /* the new keys and values into the caches, then attention over them */
+    size_t cache = (size_t)S * Tc * C;
+    Vec kc = rounded<T>(randn(cache, 1.0f)), vc = rounded<T>(randn(cache, 1.0f));
+    Vec q = rounded<T>(randn((size_t)n * C, 1.0f)), kn = rounded<T>(randn((size_t)n * C, 1.0f)),
+        vn = rounded<T>(randn((size_t)n * C, 1.0f));
+    T *d_kc = upload<T>(kc), *d_vc = upload<T>(vc);
+    decode_kv_append<T>(d_kc, d_vc, upload<T>(kn), upload<T>(vn), d_slots, d_pos, n, Tc, C);
+    for (int i = 0; i < n; i++) {
+        size_t row = ((size_t)slots[i] * Tc + positions[i]) * C;
+        memcpy(kc.data() + row, kn.data() + (size_t)i * C, C * sizeof(float));
+        memcpy(vc.data() + row, vn.data() + (size_t)i * C, C * sizeof(float));
+    }
+    check("k_append", download(d_kc, cache), kc, 0.0); /* copies: exact, and every other row untouched */
+    check("v_append", download(d_vc, cache), vc, 0.0);
+    Vec att_c((size_t)n * C), probs(Tc);
+    float scale = (float)(1.0 / sqrt((double)hs));
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < H; h++) {
+            size_t head = (size_t)slots[i] * Tc * C + (size_t)h * hs;
+            attention_row(att_c.data() + (size_t)i * C + h * hs, probs.data(), q.data() + (size_t)i * C + h * hs,
+                          kc.data() + head, vc.data() + head, positions[i], (size_t)C, hs, scale);
+        }
+    T *d_q = upload<T>(q), *d_att = poisoned<T>((size_t)n * C);
+    float* d_scores = poisoned<float>((size_t)n * H * Tc);
+    decode_attention<T>(d_att, d_scores, d_q, d_kc, d_vc, d_slots, d_pos, n, Tc, C, H);
+    Vec att_batched = download(d_att, (size_t)n * C);
+    check("attn", att_batched, att_c, tol.fused);
+    decode_attention<T>(d_att, d_scores, d_q, d_kc, d_vc, d_slots, d_pos, 1, Tc, C, H);
+    check_same("attn_1", std::vector<Vec>{download(d_att, (size_t)C)},
+               std::vector<Vec>{Vec(att_batched.begin(), att_batched.begin() + C)});
+
+    /* the tied classifier over the real vocabulary */
+    Vec wte_t = rounded<T>(wte), logits_c((size_t)n * s.V);
+    for (int i = 0; i < n; i++)
+        for (int v = 0; v < s.V; v++)
+            logits_c[(size_t)i * s.V + v] = dot_f32(x.data() + (size_t)i * C, wte_t.data() + (size_t)v * C, C);
+    float* d_logits = poisoned<float>((size_t)n * s.V);
+    T* d_wte = upload<T>(wte_t);
+    decode_logits<T>(d_logits, d_x, d_wte, n, C, s.V);
+    Vec logits_batched = download(d_logits, (size_t)n * s.V);
+    check("logits", logits_batched, logits_c, tol_for<float>().prod);
+    decode_logits<T>(d_logits, d_x, d_wte, 1, C, s.V);
+    check_same("logits_1", std::vector<Vec>{download(d_logits, (size_t)s.V)},
+               std::vector<Vec>{Vec(logits_batched.begin(), logits_batched.begin() + s.V)});
+    dfree_all();
+}
+
 static void check_fused_taken(const long* before) {
     static const char* names[GEMM_N_FUSED] = {"residual", "gelu_aux", "dgelu"};
     for (int e = 0; e < GEMM_N_FUSED; e++) {
@@ -762,6 +854,17 @@ template <typename T> static void run_precision(void) {
         test_residual<T>(s, tol);
         set_ctx(prec, "loss", sh.c_str());
         test_loss<T>(s, tol);
+        set_ctx(prec, "decode", sh.c_str());
+        test_decode<T>(s, tol);
+    }
+    {
+        /* more sequences than a block's DECODE_ROWS, a head wider than the attention block's
+         * threads (its one-group sum), and T beyond the block (positions loop) */
+        Shape many = {11, 300, 16, 1, 24, 40, 40, 0}, wide = {2, 20, 600, 2, 64, 9, 16, 0};
+        set_ctx(prec, "decode", shape_str(many).c_str());
+        test_decode<T>(many, tol);
+        set_ctx(prec, "decode", shape_str(wide).c_str());
+        test_decode<T>(wide, tol);
     }
     set_ctx(prec, "cuBLASLt", "all shapes");
     check_fused_taken(fused_before);

@@ -362,9 +362,9 @@ def test_run_finishes_then_says_so(exp, cpu_binary):
 
     # --keep-serving: look at a finished run until Ctrl-C
     p = Proxy.start(cfg, exp.run_dir, cpu_binary, "--keep-serving")
-    url, _ = p.url_and_token()
+    url, token = p.url_and_token()
     p.wait_output("still serving")
-    assert requests.get(url + "api/state", timeout=10).json()["status"] == "finished"
+    assert requests.get(url + "api/state", params={"token": token}, timeout=10).json()["status"] == "finished"
     p.proc.send_signal(signal.SIGINT)
     assert p.wait() == 0
 
@@ -561,10 +561,10 @@ def test_polish_archives_pretraining(exp, cpu_binary):
     arch = exp.run_dir / "archive" / "step_30"
     assert sorted(os.listdir(arch)) == sorted(f"{NAME}{s}" for s in (".ckpt", ".ckpt.json",
                                                                      ".samples.json", ".state.json"))
-    # The SIGUSR1 checkpoint, kept while the live one moved on; the engine keeps training while
-    # the signal travels, so it is the first checkpoint at or after the boundary.
+    # The engine's checkpoint at the boundary (reason "polish", before the first polish step): the
+    # state at the switch, kept while the live one moved on.
     kept = checkpoint_step(arch / f"{NAME}.ckpt")
-    assert 30 <= kept < 300 and checkpoint_step(exp.path(".ckpt")) == 300
+    assert kept == 30 and checkpoint_step(exp.path(".ckpt")) == 300
     assert json.loads((arch / f"{NAME}.ckpt.json").read_text())["step"] == kept
     old = json.loads((arch / f"{NAME}.samples.json").read_text())
     new = json.loads(exp.path(".samples.json").read_text())
@@ -611,13 +611,15 @@ def listening_addresses(port):
     return found
 
 
-def raw_get(url, path, host=None, redirects=3):
+def raw_get(url, path, host=None, redirects=3, token=None):
     """GET with the path sent exactly as given (no client-side normalisation of ../); redirects
     (werkzeug merges "//") are followed, also sent as given."""
     hostport = url.split("/")[2]
     conn = http.client.HTTPConnection(hostport, timeout=10)
     conn.putrequest("GET", path, skip_host=True)
     conn.putheader("Host", host or hostport)
+    if token:
+        conn.putheader("X-Run-Token", token)
     conn.endheaders()
     resp = conn.getresponse()
     body = resp.read()
@@ -625,7 +627,7 @@ def raw_get(url, path, host=None, redirects=3):
     location = resp.getheader("Location")
     if resp.status in (301, 302, 307, 308) and location and redirects:
         return raw_get(url, "/" + location.split("/", 3)[3] if "://" in location else location,
-                       host, redirects - 1)
+                       host, redirects - 1, token)
     return resp.status, body
 
 
@@ -639,7 +641,7 @@ def test_server_binds_loopback_and_prints_the_url(served):
 
 
 def test_server_reaches_nothing_outside_the_run_dir(served, tmp_path):
-    p, url, _ = served
+    p, url, token = served
     secret = tmp_path / "secret.json"
     secret.write_text('{"secret": "outside the run"}')
     (p.run_dir / "link.json").symlink_to(secret)
@@ -648,19 +650,19 @@ def test_server_reaches_nothing_outside_the_run_dir(served, tmp_path):
            "/files/archive/../../secret.json", "/files/link.json", "/files/..", "/files/tiny.ckpt",
            "/files/../../../../../../etc/passwd", "/..%2f..%2fsecret.json"]
     for path in bad:
-        status, body = raw_get(url, path)
+        status, body = raw_get(url, path, token=token)
         assert status in (400, 403, 404), (path, status)
         assert b"outside the run" not in body and b"root:" not in body, path
-    status, body = raw_get(url, f"/files/{NAME}.loss.json")
+    status, body = raw_get(url, f"/files/{NAME}.loss.json", token=token)
     assert status == 200 and isinstance(json.loads(body), list)
-    listing = requests.get(url + "files/", timeout=10).json()
+    listing = requests.get(url + "files/", headers={"X-Run-Token": token}, timeout=10).json()
     assert f"{NAME}.loss.json" in listing and not any("secret" in f for f in listing)
 
 
 def test_server_refuses_foreign_host_headers(served):
-    _, url, _ = served
-    assert raw_get(url, "/api/state", host="evil.example:80")[0] == 403
-    assert raw_get(url, "/api/state")[0] == 200
+    _, url, token = served
+    assert raw_get(url, "/api/state", host="evil.example:80", token=token)[0] == 403
+    assert raw_get(url, "/api/state", token=token)[0] == 200
 
 
 def test_changing_the_run_needs_the_token(served):
@@ -668,7 +670,7 @@ def test_changing_the_run_needs_the_token(served):
     for headers in ({}, {"X-Run-Token": "wrong"}, {"X-Run-Token": token[:-1]}):
         for action in ("checkpoint", "stop"):
             assert requests.post(url + "api/" + action, headers=headers, timeout=10).status_code == 403
-    assert requests.get(url + "api/checkpoint", timeout=10).status_code == 405
+    assert requests.get(url + "api/checkpoint", headers={"X-Run-Token": token}, timeout=10).status_code == 405
     assert p.state().get("checkpoint_step") is None and p.proc.poll() is None
     r = requests.post(url + "api/checkpoint", headers={"X-Run-Token": token}, timeout=10)
     assert r.status_code == 202
@@ -696,12 +698,13 @@ def sse_events(resp):
 
 
 def test_live_stream_sends_only_unseen_records(served):
-    p, url, _ = served
+    p, url, token = served
+    auth = {"X-Run-Token": token}
     p.wait_state(lambda s: s.get("step", 0) >= 40)
-    total = requests.get(url + "api/records?from=0&limit=1", timeout=10).json()["total"]
+    total = requests.get(url + "api/records?from=0&limit=1", headers=auth, timeout=10).json()["total"]
     start = total - 5
     got, ids = [], []
-    with requests.get(url + f"api/stream?from={start}", stream=True, timeout=30) as resp:
+    with requests.get(url + f"api/stream?from={start}", headers=auth, stream=True, timeout=30) as resp:
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         kinds = set()
         for event, eid, data in sse_events(resp):
@@ -717,7 +720,7 @@ def test_live_stream_sends_only_unseen_records(served):
     assert got == on_disk[start:start + len(got)]  # from the cursor on, no gap, no repeat
     assert len(got) > 5  # and new records arrived live
     # A reconnecting EventSource sends Last-Event-ID: the stream resumes right there.
-    with requests.get(url + "api/stream?from=0", headers={"Last-Event-ID": str(ids[-1])},
+    with requests.get(url + "api/stream?from=0", headers={**auth, "Last-Event-ID": str(ids[-1])},
                       stream=True, timeout=30) as resp:
         event, eid, data = next(e for e in sse_events(resp) if e[0] == "records")
         first = json.loads(data)["records"][0]
@@ -730,10 +733,11 @@ def p_loss(p):
 
 
 def test_records_endpoint_pages_through_the_log(served):
-    p, url, _ = served
+    p, url, token = served
+    auth = {"X-Run-Token": token}
     seen, cursor = [], 0
     while True:
-        msg = requests.get(url + f"api/records?from={cursor}&limit=7", timeout=10).json()
+        msg = requests.get(url + f"api/records?from={cursor}&limit=7", headers=auth, timeout=10).json()
         if not msg["records"]:
             break
         seen += msg["records"]
@@ -741,7 +745,7 @@ def test_records_endpoint_pages_through_the_log(served):
         cursor = msg["next"]
     assert seen == p_loss(p)[:len(seen)] and len(seen) >= 6
     for bad in ("-1", "x", "%C2%B2", "%D9%A1"):  # "²" and Arabic-Indic "1" pass str.isdigit()
-        assert requests.get(url + f"api/records?from={bad}", timeout=10).status_code == 400, bad
-    with requests.get(url + "api/stream?from=0", headers={"Last-Event-ID": "\u00b2"}, stream=True,
+        assert requests.get(url + f"api/records?from={bad}", headers=auth, timeout=10).status_code == 400, bad
+    with requests.get(url + "api/stream?from=0", headers={**auth, "Last-Event-ID": "\u00b2"}, stream=True,
                       timeout=30) as resp:  # not an index: ignored, the stream starts at "from"
         assert resp.status_code == 200

@@ -83,14 +83,36 @@ static int sampler_top(Sampler* s, const float* logits, int k) {
     return n;
 }
 
+/* softmax(logits / temperature) over the whole vocabulary inverted at u, in id order: no sort
+ * (it would cost more than a GPU decode step). NaN logits have no weight. */
+static int sample_full(Sampler* s, const float* logits, double temperature, double u) {
+    double max = -INFINITY, total = 0.0, acc = 0.0;
+    int i, last = 0;
+    for (i = 0; i < s->V; i++)
+        if (logits[i] > max) max = logits[i];
+    for (i = 0; i < s->V; i++) {
+        s->weight[i] = logits[i] == logits[i] ? exp(((double)logits[i] - max) / temperature) : 0.0;
+        total += s->weight[i];
+    }
+    for (i = 0; i < s->V; i++) {
+        if (s->weight[i] == 0.0) continue;
+        acc += s->weight[i];
+        last = i;
+        if (u * total < acc) return i;
+    }
+    return last;
+}
+
 /* A token from logits over the real vocabulary (padded rows are never passed in): greedy (the
  * highest logit, lowest id among equals) when temperature is 0; otherwise softmax(logits /
  * temperature) over the top_k best (0: all), cut to the smallest head whose probability reaches
- * top_p (1: no cut), inverted at the uniform draw u in [0, 1). */
+ * top_p (1: no cut), inverted at the uniform draw u in [0, 1): over the candidates in order of
+ * their logits, or over the whole vocabulary in id order when neither cut applies. */
 static int sample_token(Sampler* s, const float* logits, double temperature, int top_k, double top_p, double u) {
     int k = (top_k <= 0 || top_k > s->V) ? s->V : top_k, n, i;
     double total = 0.0, acc = 0.0, max;
     if (temperature == 0.0) k = 1;
+    else if (k == s->V && top_p >= 1.0) return sample_full(s, logits, temperature, u);
     n = sampler_top(s, logits, k);
     if (n == 0) return 0; /* every logit NaN */
     if (n == 1) return s->cand[0].id;
@@ -146,20 +168,14 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv) {
         {"train.batch_size", "batch_size"}};
     enum { N_KEYS = sizeof keys / sizeof keys[0] };
     static char values[N_KEYS + 1][40], flags[N_KEYS + 1][40];
-    char text[4096], side[CFG_PATH_MAX + 8];
+    char text[CKPT_SIDECAR_MAX], side[CFG_PATH_MAX + 8];
     const char* path = argv_value(argc, argv, "--checkpoint");
     char** args = (char**)xmalloc((size_t)(argc + 2 * N_KEYS + 2) * sizeof(char*), "command line");
     int n = 0, i;
-    FILE* f;
+    double x;
     args[n++] = argv[0];
     snprintf(side, sizeof side, "%s.json", path ? path : "");
-    f = path ? fopen(side, "rb") : NULL;
-    if (f) {
-        size_t len = fread(text, 1, sizeof text - 1, f);
-        const char* p;
-        double x;
-        fclose(f);
-        text[len] = '\0';
+    if (path && sidecar_load(side, text, sizeof text)) {
         for (i = 0; i < N_KEYS; i++)
             if (json_find_number(text, keys[i][1], &x)) {
                 snprintf(flags[i], sizeof flags[i], "--%s", keys[i][0]);
@@ -167,10 +183,7 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv) {
                 args[n++] = flags[i];
                 args[n++] = values[i];
             }
-        if ((p = strstr(text, "\"precision\":\"")) != NULL) {
-            size_t k = 0;
-            for (p += 13; p[k] && p[k] != '"' && k + 1 < sizeof values[N_KEYS]; k++) values[N_KEYS][k] = p[k];
-            values[N_KEYS][k] = '\0';
+        if (json_find_string(text, "precision", values[N_KEYS], sizeof values[N_KEYS])) {
             snprintf(flags[N_KEYS], sizeof flags[N_KEYS], "--train.precision");
             args[n++] = flags[N_KEYS];
             args[n++] = values[N_KEYS];
@@ -181,20 +194,15 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv) {
     for (i = 1; i < argc; i++) args[n++] = argv[i];
     config_parse(c, n, args);
     free(args);
-    {
-        struct stat st;
-        if (stat(c->checkpoint.path, &st) != 0) die_input("checkpoint %s does not exist", c->checkpoint.path);
-    }
+    if (!file_exists(c->checkpoint.path)) die_input("checkpoint %s does not exist", c->checkpoint.path);
 }
 
-/* The weights of --checkpoint into the engine (set up already); returns the checkpoint's step. */
-static int load_weights(const Config* c, size_t n_params) {
-    int step = ckpt_check(c->checkpoint.path, n_params);
+/* The weights of --checkpoint (ckpt_check accepted it) into the engine (set up already). */
+static void load_weights(const Config* c, size_t n_params) {
     float* params = (float*)xmalloc(n_params * sizeof(float), "host weights");
     ckpt_load(c->checkpoint.path, n_params, params, NULL, NULL);
     engine_set_state(params, NULL, NULL, 0.0f);
     free(params);
-    return step;
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -215,7 +223,7 @@ typedef struct {
     int stop[GEN_MAX_STOP];
     char error[200]; /* "" = a good request */
     /* as decoded */
-    int* out; /* [seq_len + 1] generated tokens */
+    int* out; /* [seq_len] generated tokens */
     int n_out;
     const float* logits; /* [vocab_size] for the next token */
     const char* reason;  /* NULL while decoding */
@@ -253,12 +261,26 @@ static int js_string(JsonIn* j, char* out, size_t cap) {
     return 1;
 }
 
+static int js_digits(const char** q) {
+    const char* start = *q;
+    while (**q >= '0' && **q <= '9') (*q)++;
+    return *q > start;
+}
+
+/* A JSON number (-?int(.digits)?([eE][+-]?digits)?: no hex, inf or nan), converted by strtod. */
 static int js_number(JsonIn* j, double* x) {
-    char* end;
-    if (*j->p != '-' && (*j->p < '0' || *j->p > '9')) return js_fail(j, "expected a number");
-    *x = strtod(j->p, &end);
-    if (end == j->p) return js_fail(j, "expected a number");
-    j->p = end;
+    const char* q = j->p;
+    if (*q == '-') q++;
+    if (*q == '0') q++;
+    else if (!js_digits(&q)) return js_fail(j, "expected a number");
+    if (*q == '.' && (q++, !js_digits(&q))) return js_fail(j, "malformed number");
+    if (*q == 'e' || *q == 'E') {
+        q++;
+        if (*q == '+' || *q == '-') q++;
+        if (!js_digits(&q)) return js_fail(j, "malformed number");
+    }
+    *x = strtod(j->p, NULL);
+    j->p = q;
     return 1;
 }
 
@@ -500,7 +522,7 @@ static void server_init(Server* s, const Config* c) {
     s->req = (Request*)xcalloc((size_t)s->max_batch, sizeof(Request), "requests");
     for (i = 0; i < s->max_batch; i++) {
         s->req[i].prompt = (int*)xmalloc((size_t)s->T * sizeof(int), "prompt");
-        s->req[i].out = (int*)xmalloc((size_t)(s->T + 1) * sizeof(int), "generated tokens");
+        s->req[i].out = (int*)xmalloc((size_t)s->T * sizeof(int), "generated tokens");
     }
     s->prefill_logits = (float*)xmalloc((size_t)s->max_batch * s->V * sizeof(float), "logits");
     s->step_logits = (float*)xmalloc((size_t)s->max_batch * s->V * sizeof(float), "logits");
@@ -531,7 +553,7 @@ static void next_token(Server* s, Request* r, double t0) {
     emit_gen_token(r, tok);
     if (id_in(tok, r->stop, r->n_stop)) r->reason = "stop";
     else if (r->n_out >= r->max_tokens) r->reason = "length";
-    else if (r->n_prompt + r->n_out > s->T) r->reason = "context"; /* its position would be seq_len */
+    else if (r->n_prompt + r->n_out >= s->T) r->reason = "context"; /* the window is full */
     if (r->reason) emit_gen_done(r, now_ms() - t0);
 }
 
@@ -548,8 +570,8 @@ static void serve_batch(Server* s, int n) {
         r->logits = s->prefill_logits + (size_t)i * s->V;
         engine_prefill(i, r->prompt, r->n_prompt, s->prefill_logits + (size_t)i * s->V);
         if (r->want_logits) emit_gen_logits(r, s->V);
-        if (r->max_tokens == 0) {
-            r->reason = "length";
+        if (r->max_tokens == 0 || r->n_prompt == s->T) {
+            r->reason = r->max_tokens == 0 ? "length" : "context";
             emit_gen_done(r, now_ms() - t0);
         }
     }
@@ -571,16 +593,19 @@ static void serve_batch(Server* s, int n) {
 }
 
 /* One stdin line: a request object or an array of them. A line that is not JSON of that form, or
- * a batch larger than max_batch, is one error event with id null; a bad request in a batch is an
- * error event of its own and the others are served. */
+ * a batch larger than max_batch, is one error event (id null, or a lone request's id when it was
+ * read before the fault); a bad request in a batch is an error event of its own and the others
+ * are served. */
 static void serve_line(Server* s, const char* line) {
     JsonIn j;
-    int n = 0, i;
+    int n = 0, i, batch;
     j.p = line;
     j.syntax_error = NULL;
     js_ws(&j);
     if (!*j.p) return; /* blank line */
-    if (*j.p == '[') {
+    batch = *j.p == '[';
+    strcpy(s->req[0].id, "null");
+    if (batch) {
         j.p++;
         js_ws(&j);
         if (*j.p == ']') {
@@ -613,7 +638,7 @@ static void serve_line(Server* s, const char* line) {
     if (j.syntax_error) {
         char msg[160];
         snprintf(msg, sizeof msg, "not a request line (%s at byte %d)", j.syntax_error, (int)(j.p - line));
-        emit_gen_error("null", msg);
+        emit_gen_error(batch ? "null" : s->req[0].id, msg); /* a lone request's id, if read before */
         return;
     }
     if (n == 0) {
@@ -643,11 +668,11 @@ static int generate_main(int argc, char** argv) {
     int step;
     config_parse_for_checkpoint(c, argc, argv);
     param_layout_init(&layout, c);
-    ckpt_check(c->checkpoint.path, layout.n_params);
+    step = ckpt_check(c->checkpoint.path, layout.n_params); /* before any large allocation */
     c->train.batch_size = 1; /* the prefill's forward buffers: one window */
     g_quiet_events = 1;      /* stdout is the protocol's; the memory plan goes to stderr */
     engine_setup(c);
-    step = load_weights(c, layout.n_params);
+    load_weights(c, layout.n_params);
     info("%s engine, %s (computing in %s): %s at step %d; reading requests on stdin", engine_name(),
          c->train.precision, engine_compute_precision(c), c->checkpoint.path, step);
     server_init(&server, c);
