@@ -18,15 +18,10 @@ Turn n of a session samples with seed --seed + n, so a session replays exactly w
 import argparse
 import codecs
 import json
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from microgpt import tokenizer  # noqa: E402
-from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,  # noqa: E402
+from microgpt import tokenizer
+from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 
 COMMANDS = "/reset clears the conversation, /exit quits"
@@ -106,7 +101,7 @@ def reply(gen, prompt_ids, args, turn, out):
     for record in gen.stream(request):
         if "token" in record:
             token = record["token"]
-            if record.get("done") or token in request["stop"]:
+            if token in request["stop"]:  # streamed like any token; never printed or kept
                 continue
             ids.append(token)
             piece = stream.feed(token)
@@ -148,6 +143,8 @@ def one_shot(gen, conv, args):
 
 
 def interactive(gen, conv, args):
+    if sys.stdin.isatty():
+        import readline  # noqa: F401  (line editing and history for input(); only on a terminal)
     turn = 0
     while True:
         try:
@@ -188,8 +185,8 @@ def parse_args(argv):
     p.add_argument("--system", help="system prompt")
     p.add_argument("--prompt", help="answer this one message and exit")
     p.add_argument("--json", action="store_true",
-                   help="with --prompt: print one JSON object (reply, tokens, reason, prompt_tokens, "
-                        "ms, tokens_per_s)")
+                   help="with --prompt: print one JSON object: reply (text), tokens (its ids, without "
+                        "<|im_end|>), reason (stop|length|context), prompt_tokens, ms, tokens_per_s")
     p.add_argument("--engine", choices=("cuda", "cpu"),
                    help="default: the GPU engine when built and a GPU is visible, else the CPU engine")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")

@@ -27,14 +27,10 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from microgpt import tokenizer  # noqa: E402
-from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,  # noqa: E402
+from microgpt import tokenizer
+from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,
                                 resolve_checkpoint)
-from microgpt.shards import write_shard  # noqa: E402
+from microgpt.shards import write_shard
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
@@ -83,11 +79,10 @@ def run_evaluate(engine, ckpt, shard_glob, batches):
     raise InferenceError(f"the engine printed no loss record; stdout: {res.stdout.strip()[-500:]}")
 
 
-def evaluate(model, data, batches=0, engine=None):
+def evaluate(engine, model, data, batches):
     """The JSON-ready result for RUN_DIR_OR_CHECKPOINT `model` on FILE_OR_GLOB `data`."""
     ckpt = resolve_checkpoint(model)
     shape = read_model_shape(ckpt)
-    engine = engine or pick_engine(None)
     extra = {}
     with tempfile.TemporaryDirectory(prefix="andrea-eval-") as tmp:
         if data.endswith(TEXT_SUFFIXES):
@@ -131,7 +126,7 @@ def main(argv):
     args = parse_args(argv)
     try:
         engine = pick_engine(args.engine)
-        result = evaluate(args.model, args.data, args.batches, engine)
+        result = evaluate(engine, args.model, args.data, args.batches)
     except InferenceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,36 +1,24 @@
-"""Running a trained model: the checkpoint a run directory names, the engine to use, and the client
-of the engines' `--generate` mode (docs/DESIGN.md §5a). chat.py, evaluate.py and the export checks
-use it; nothing else speaks the protocol.
+"""Running a trained model: the checkpoint a run directory names, the model's shape and weights, the
+engine to use, and the one client of the engines' `--generate` protocol (docs/DESIGN.md §5a, the
+protocol itself in §15). chat.py, evaluate.py, export-hf.py and the export checks use it.
 
     engine = pick_engine(None)                      # the proxy's choice: GPU when built and visible
     with Generator(engine, resolve_checkpoint("runs/ANDREA-12M")) as gen:
-        for event in gen.stream({"prompt": ids, "max_tokens": 64, "temperature": 0}):
+        for record in gen.stream({"prompt": ids, "max_tokens": 64, "temperature": 0}):
             ...                                     # {"token": t} ... then {"done": true, ...}
-
-The protocol, one JSON object per line: a request on the engine's stdin
-    {"id", "prompt": [ids], "max_tokens", "temperature" (0: greedy), "top_k", "top_p", "seed",
-     "stop": [ids], "logits": bool}
-and on its stdout, flushed per token, {"id", "logits": [...]} first when asked (the prompt's last
-position, real vocabulary), then {"id", "token": t} per token, then
-{"id", "done": true, "reason": "stop"|"length"|"context", "tokens", "prompt_tokens", "ms"};
-{"id", "error": "..."} for a bad request. End of stdin ends the engine (exit 0).
 """
 import collections
 import json
 import os
 import subprocess
-import sys
 import threading
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:  # the proxy's modules import their siblings by plain name
-    sys.path.insert(0, HERE)
-
-import numpy as np  # noqa: E402
-
-from training_proxy import ENGINES, EngineChoiceError, choose_engine, gpu_visible  # noqa: E402
+from microgpt.checkpoint import CheckpointError, read_checkpoint, read_sidecar, split_params
+from microgpt.engines import ENGINES, EngineChoiceError, EngineQueryError, param_layout, select_engine
+from microgpt.run_dir import RunFiles
 
 STDERR_TAIL_LINES = 20  # the engine's last messages, shown when it fails
+MODEL_FLAGS = ("n_layer", "d_model", "n_head", "d_ff", "seq_len", "vocab_size", "padded_vocab_size")
 
 
 class InferenceError(RuntimeError):
@@ -38,76 +26,49 @@ class InferenceError(RuntimeError):
 
 
 def resolve_checkpoint(path):
-    """A checkpoint file as given, or a run directory's `<dir>/<name>.ckpt` (name = the directory's
-    own name, as the proxy writes it). Raises InferenceError when there is none."""
+    """A checkpoint file as given, or a run directory's checkpoint (runs/<name>/<name>.ckpt, named
+    after the directory as the proxy names it). Raises InferenceError when there is none."""
     if os.path.isdir(path):
-        name = os.path.basename(os.path.normpath(os.path.abspath(path)))
-        ckpt = os.path.join(path, f"{name}.ckpt")
-        if not os.path.isfile(ckpt):
-            raise InferenceError(f"{path} is a directory without a checkpoint {name}.ckpt; give a run "
+        files = RunFiles(path, os.path.basename(os.path.normpath(os.path.abspath(path))))
+        if not os.path.isfile(files.ckpt):
+            raise InferenceError(f"{path} is a directory without a checkpoint {files.name}.ckpt; give a run "
                                  "directory (runs/<name>/) or a checkpoint file")
-        return ckpt
+        return files.ckpt
     if not os.path.isfile(path):
         raise InferenceError(f"{path}: no such checkpoint file or run directory")
     return path
 
 
 def read_model_shape(ckpt):
-    """The model's shape from the checkpoint's sidecar (CKPT.json, its "fingerprint")."""
+    """The model's shape ({n_layer, d_model, ...} and the checkpoint's "step") from the sidecar's
+    fingerprint: the engines read the model flags from there too."""
+    sidecar = read_sidecar(ckpt)
     try:
-        with open(f"{ckpt}.json") as f:
-            sidecar = json.load(f)
-        shape = sidecar["fingerprint"]
-        for key in ("n_layer", "d_model", "n_head", "d_ff", "seq_len", "vocab_size", "padded_vocab_size"):
-            int(shape[key])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InferenceError(f"{ckpt}.json: cannot read the model's shape from the checkpoint's "
-                             f"sidecar ({type(e).__name__}: {e})") from None
+        shape = {key: int(sidecar["fingerprint"][key]) for key in MODEL_FLAGS}
+    except (TypeError, KeyError, ValueError):
+        raise InferenceError(f"{ckpt}.json: the checkpoint's sidecar is missing or does not give the "
+                             "model's shape (its \"fingerprint\")") from None
     return {**shape, "step": sidecar.get("step")}
 
 
-MODEL_FLAGS = ("n_layer", "d_model", "n_head", "d_ff", "seq_len", "vocab_size", "padded_vocab_size")
-
-
-def param_layout(shape):
-    """[{"name", "shape", "offset"}] of the flat vector, as the engine itself lays it out
-    (`ENGINE --layout-json`)."""
-    cmd = [ENGINES["cpu"], "--layout-json"] + [a for k in MODEL_FLAGS for a in (f"--model.{k}", str(shape[k]))]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        if res.returncode != 0:
-            raise ValueError(res.stderr.strip()[-300:])
-        return json.loads(res.stdout)["tensors"]
-    except (OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
-        raise InferenceError(f"{ENGINES['cpu']} --layout-json did not give the parameter layout ({e}); "
-                             "run `make`") from None
-
-
 def read_model_params(ckpt):
-    """(model shape, {tensor name: float32 array}) of a checkpoint's weights (not its Adam moments)."""
+    """(model shape, {tensor name: float32 array}) of a checkpoint's weights, laid out as the engine
+    says (`--layout-json` of the CPU engine, which every machine builds)."""
     shape = read_model_shape(ckpt)
-    layout = param_layout(shape)
-    n_params = sum(int(np.prod(t["shape"])) for t in layout)
-    with open(ckpt, "rb") as f:
-        head = np.frombuffer(f.read(8), "<i4")
-        if len(head) != 2 or head[1] != n_params or os.path.getsize(ckpt) != 8 + 12 * n_params:
-            raise InferenceError(f"{ckpt}: not a checkpoint of the model its sidecar describes "
-                                 f"({n_params} parameters)")
-        flat = np.fromfile(f, "<f4", count=n_params)
-    return shape, {t["name"]: flat[t["offset"]:t["offset"] + int(np.prod(t["shape"]))].reshape(t["shape"])
-                   for t in layout}
+    try:
+        layout = param_layout(ENGINES["cpu"], [a for k in MODEL_FLAGS for a in (f"--model.{k}", str(shape[k]))])
+        return shape, split_params(read_checkpoint(ckpt).params, layout)
+    except (CheckpointError, EngineQueryError) as e:
+        raise InferenceError(str(e)) from None
 
 
 def pick_engine(requested):
-    """The engine binary for --engine `requested` (None: the proxy's default choice); its warning,
-    if any (the CPU engine was chosen because no GPU is there), goes to stderr as one line."""
+    """The proxy's engine choice for --engine `requested` (None: GPU when built and visible, else
+    the CPU engine, with one line saying so)."""
     try:
-        engine, warning = choose_engine(requested, requested != "cpu" and gpu_visible())
+        return select_engine(requested)
     except EngineChoiceError as e:
         raise InferenceError(str(e)) from None
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
-    return engine
 
 
 def engine_name(engine):

@@ -30,19 +30,15 @@ ChatML specials. llm.c hard-codes a 4 x d_model MLP, so only models with d_ff = 
 Each file is written atomically; other files in OUT_DIR are left alone.
 """
 import argparse
-import json
 import os
 import sys
 
 import numpy as np
+from safetensors.numpy import save as safetensors_bytes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from microgpt import tokenizer  # noqa: E402
-from microgpt.atomic import write_bytes_atomic, write_json_atomic  # noqa: E402
-from microgpt.inference import InferenceError, read_model_params, resolve_checkpoint  # noqa: E402
+from microgpt import tokenizer
+from microgpt.atomic import write_bytes_atomic, write_json_atomic
+from microgpt.inference import InferenceError, read_model_params, resolve_checkpoint
 
 # microgpt/cpu/layernorm.h and microgpt/cuda/layernorm.cuh: LayerNorm's epsilon (test_export checks
 # that the engines still say so).
@@ -212,9 +208,8 @@ def llmc_tokenizer_bytes(vocab_size):
 # ---------------------------------------------------------------------------------------------------
 
 def export_hf(shape, params, out_dir):
-    from safetensors.numpy import save
-    write_bytes_atomic(os.path.join(out_dir, "model.safetensors"),
-                       save(hf_tensors(shape, params), metadata={"format": "pt"}))
+    write_bytes_atomic(os.path.join(out_dir, "model.safetensors"),  # "pt": what transformers accepts
+                       safetensors_bytes(hf_tensors(shape, params), metadata={"format": "pt"}))
     write_json_atomic(os.path.join(out_dir, "config.json"), hf_config(shape))
     write_json_atomic(os.path.join(out_dir, "generation_config.json"),
                       {"bos_token_id": tokenizer.EOT, "eos_token_id": tokenizer.IM_END,

@@ -2,16 +2,16 @@
 a trained model (chat, evaluate, export): its log-probabilities and its greedy continuation."""
 import numpy as np
 
-import engine_util as eu
 import reference as ref
+from microgpt.checkpoint import read_checkpoint, read_sidecar
 
 
 def reference_model(ckpt):
     """(ModelConfig, float64 flat parameters) of a checkpoint, its shape from the sidecar."""
-    shape = eu.read_sidecar(ckpt)["fingerprint"]
+    shape = read_sidecar(ckpt)["fingerprint"]
     cfg = ref.ModelConfig(shape["vocab_size"], shape["padded_vocab_size"], shape["n_layer"], shape["d_model"],
                           shape["n_head"], shape["seq_len"], shape["d_ff"])
-    return cfg, eu.read_checkpoint(ckpt).params.astype(np.float64)
+    return cfg, read_checkpoint(ckpt).params.astype(np.float64)
 
 
 def reference_log_probs(cfg, flat, ids):
