@@ -257,8 +257,8 @@ def run_overrides(cfg, args, precision, data):
 
 
 def engine_command(cfg, overrides, engine):
-    """The config as engine flags (DESIGN.md: flags are the dotted config keys). Sampling, polish and
-    periodic checkpoints are left out: they are not what is being measured."""
+    """The config as engine flags (docs/DESIGN.md §4.1: flags are the dotted config keys). Sampling,
+    polish and periodic checkpoints are left out: they are not what is being measured."""
     flags = config_flags(cfg)
     flags.pop("data.val", None)
     flags.update(overrides)

@@ -77,7 +77,7 @@ class GPT(nn.Module):
             self.init_weights(seed)
 
     def init_weights(self, seed):
-        """The engine's initial weights exactly (DESIGN.md rule, drawn from the engine's counter-based
+        """The engine's initial weights exactly (docs/DESIGN.md §2, drawn from the engine's counter-based
         generator): N(0, 0.02), W_O and W_2 N(0, 0.02/sqrt(2 n_layer)), LayerNorm gamma 1, beta 0."""
         self.load_flat(engine_rng.init_params(param_shapes(self.shape), self.shape["n_layer"], seed))
 
@@ -124,7 +124,7 @@ class GPT(nn.Module):
 
 
 def make_optimizer(model, t, fused):
-    """AdamW with decoupled decay on the 2-D tensors only (DESIGN.md)."""
+    """AdamW with decoupled decay on the 2-D tensors only (docs/DESIGN.md §3.2)."""
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() == 2], "weight_decay": t["weight_decay"]},
               {"params": [p for p in params if p.dim() != 2], "weight_decay": 0.0}]
