@@ -1,6 +1,6 @@
 """decode_bench.py's engine side without a GPU or torch: the protocol driven against a stand-in engine
 (streaming, batches, an engine that stops short or dies), and against the CPU engine's --generate on
-a tiny model. transformers' side (bench/hf_decode.py) on a tiny GPT-2 where torch and transformers are
+a tiny model (the CUDA engine's too, on a GPU). transformers' side (bench/hf_decode.py) on a tiny GPT-2 where torch and transformers are
 installed.
 
     pytest bench/test_decode_bench.py
@@ -18,6 +18,7 @@ import results
 from bench_common import REPO
 from engine_util import python_env
 from microgpt.shards import write_shard
+from test_gpu import cuda_binary  # noqa: F401  (the fixture: skips without a GPU or the binary)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -165,6 +166,16 @@ def engine_generates():
 def test_the_cpu_engine_decodes_through_the_benchmark(tiny):
     tmp_path, _ = tiny
     out, [record] = decode(tmp_path, CPU_ENGINE, "--precision", "fp32", "--train-steps", "3")
+    assert out.returncode == 0, out.stderr
+    for r in record["rows"]:
+        assert "error" not in r["engine"] and r["engine"]["tokens_per_s"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_cuda_engine_decodes_through_the_benchmark(tiny, cuda_binary, precision):  # noqa: F811
+    tmp_path, _ = tiny
+    out, [record] = decode(tmp_path, str(cuda_binary), "--precision", precision, "--train-steps", "3")
     assert out.returncode == 0, out.stderr
     for r in record["rows"]:
         assert "error" not in r["engine"] and r["engine"]["tokens_per_s"] > 0
