@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # run-all.sh: the whole benchmark on the GPU machine in one unattended command.
 #
-#   ANDREA_COMMIT=<commit> OUT=/some/dir bash bench/run-all.sh [STAGE...]     (OUT defaults to ./bench-out)
+#   ANDREA_COMMIT=<commit> OUT=/some/dir bash bench/run-all.sh [STAGE...]     (OUT defaults to bench/out)
 #
 # Stages, each logged to $OUT/<stage>.log (stdout and stderr together); with no STAGE, all three:
 #   build   nvidia-smi, nvcc, `make` (CPU and CUDA engines for this GPU)
@@ -21,7 +21,7 @@
 # shellcheck disable=SC2317  # stage functions are called indirectly, through run_stage
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-./bench-out}
+OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 command -v nvcc >/dev/null 2>&1 || export PATH="/usr/local/cuda/bin:$PATH"
