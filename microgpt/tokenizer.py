@@ -37,9 +37,12 @@ IM_END = 50258
 VOCAB_SIZE = 50259
 SPECIALS = {"<|endoftext|>": EOT, "<|im_start|>": IM_START, "<|im_end|>": IM_END}
 
-# Conversation roles as written in ChatML; the record formats' names map onto them.
+# Conversation roles as written in ChatML, and the names that record formats use for them; looked up
+# lower-cased, so "Human" and "GPT" count. The assistant aliases are the model names that ShareGPT
+# exports write in `from` (chatgpt, bing, bard) and the names other formats use (model, bot).
 ROLE_NAMES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
-              "assistant": "assistant", "tool": "tool"}
+              "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+              "model": "assistant", "bot": "assistant", "tool": "tool", "function": "tool"}
 
 
 class TokenizerUnavailable(RuntimeError):
@@ -131,8 +134,10 @@ def encode_conversation(turns):
 
 def parse_conversation(record):
     """A ShareGPT record ({"conversations": [{"from", "value"}]}) or an OpenAI record
-    ({"messages": [{"role", "content"}]}) -> [(chatml_role, content), ...].
-    Raises ValueError with a short reason (used as a counter key) if the record is malformed."""
+    ({"messages": [{"role", "content"}]}) -> ([(chatml_role, content), ...], cut), where `cut` is None,
+    or the reason why a bad turn (unknown role, content that is not a string or holds a lone UTF-16
+    surrogate) ended the conversation: the turns before it are kept. Raises ValueError with a short
+    reason (used as a counter key) if nothing usable is left."""
     if not isinstance(record, dict):
         raise ValueError("record is not an object")
     if isinstance(record.get("conversations"), list):
@@ -141,20 +146,32 @@ def parse_conversation(record):
         turns, role_key, text_key = record["messages"], "role", "content"
     else:
         raise ValueError("no conversations/messages list")
-    out = []
+    out, cut = [], None
     for turn in turns:
-        if not isinstance(turn, dict):
-            raise ValueError("turn is not an object")
-        role, content = turn.get(role_key), turn.get(text_key)
-        if role not in ROLE_NAMES:
-            raise ValueError("unknown role")
-        if not isinstance(content, str):
-            raise ValueError("content is not a string")
-        out.append((ROLE_NAMES[role], content))
+        cut = turn_problem(turn, role_key, text_key)
+        if cut:
+            break
+        out.append((ROLE_NAMES[turn[role_key].lower()], turn[text_key]))
     roles = {role for role, _ in out}
     if "user" not in roles or "assistant" not in roles:
-        raise ValueError("no user/assistant exchange")
-    return out
+        raise ValueError(cut or "no user/assistant exchange")
+    return out, cut
+
+
+def turn_problem(turn, role_key, text_key):
+    """Why a turn cannot be rendered, or None."""
+    if not isinstance(turn, dict):
+        return "turn is not an object"
+    role, content = turn.get(role_key), turn.get(text_key)
+    if not isinstance(role, str) or role.lower() not in ROLE_NAMES:
+        return "unknown role"
+    if not isinstance(content, str):
+        return "content is not a string"
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError:  # valid JSON ("\ud83d") but no text: a lone UTF-16 surrogate
+        return "lone UTF-16 surrogate"
+    return None
 
 
 def main(argv):
