@@ -120,9 +120,10 @@ def passes_warning(what, pattern, tokens_read):
             f"{MAX_PASSES} and a model memorises its data); add data or shorten the run")
 
 
-def run_passes_warnings(cfg):
+def run_passes_warnings(cfg, resolve=os.path.abspath):
     """passes_warning for an experiment config's pretraining data and, if it has one, its polish
-    phase (docs/DESIGN.md §4 keys); a list of warning lines, empty when the run is fine."""
+    phase (docs/DESIGN.md §4 keys); a list of warning lines, empty when the run is fine. `resolve`
+    turns a config's glob into the one to read (the proxy's are relative to the repository)."""
     train = cfg["train"]
     tokens_per_step = train["batch_size"] * train.get("grad_accum", 1) * cfg["model"]["seq_len"]
     polish = cfg.get("polish")
@@ -130,5 +131,5 @@ def run_passes_warnings(cfg):
     phases = [("pretraining", cfg["data"]["train"], pretrain_steps)]
     if polish:
         phases.append(("the polish phase", polish["train"], train["steps"] - polish["start_step"]))
-    lines = [passes_warning(what, pattern, steps * tokens_per_step) for what, pattern, steps in phases]
+    lines = [passes_warning(what, resolve(pattern), steps * tokens_per_step) for what, pattern, steps in phases]
     return [line for line in lines if line]

@@ -221,6 +221,11 @@ CORPUS = {
     "django-doc": (["python-django-doc"], ["*/html/*.html"],
                    ["*/genindex*.html", "*/search.html", "*/py-modindex.html", "*/_modules/*"], "html",
                    "BSD-3-Clause (Django documentation)"),
+    "sqlalchemy-doc": (["python-sqlalchemy-doc"], ["*/rst/*.rst"], [], "text", "MIT (SQLAlchemy documentation)"),
+    "pandas-doc": (["python-pandas-doc"], ["*/html/_sources/*.rst.txt"], ["*/reference/api/*"], "text", "BSD-3-Clause (pandas documentation)"),
+    "sympy-doc": (["python-sympy-doc"], ["*/html/_sources/*.rst.txt", "*/html/_sources/*.md.txt"], [], "text",
+                  "BSD-3-Clause (SymPy documentation)"),
+    "sphinx-doc": (["sphinx-doc"], ["*/html/_sources/*.rst.txt"], [], "text", "BSD-2-Clause (Sphinx documentation)"),
     "rust-books": (["rust-doc"], [f"*/html/{book}/*.html" for book in
                                   ("book", "reference", "rust-by-example", "nomicon", "edition-guide",
                                    "embedded-book", "rustc", "cargo")],

@@ -1,0 +1,112 @@
+"""Tokenizing speed of the data pipeline against tiktoken's own multi-threaded rate (docs/ANDREA.md).
+
+    python3 bench/tokenize_speed.py [--mb 40] [--workers 1,2,N] [--repeats 3]
+
+Takes about --mb MB of the default corpus (data/raw, after `make data`: the first files of each
+text source plus the chitchat conversations, copied to a temporary folder), then for each worker
+count k, best of --repeats:
+  tiktoken   encoding.encode_ordinary_batch(texts, num_threads=k) over exactly the texts the
+             pipeline encodes (the same chunks, the conversations rendered), nothing else;
+  pipeline   scripts/prep-megachat.py's build() on the same files with --workers k: reading,
+             JSON parsing, rendering, hashing, tokenizing, writing the mixed and per-source shards.
+It prints tokens/s of both and their ratio (the pipeline's target: at least 0.90).
+"""
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from microgpt import tokenizer  # noqa: E402
+from microgpt.progress import Progress  # noqa: E402
+
+
+def load_prep():
+    spec = importlib.util.spec_from_file_location("prep_megachat", os.path.join(ROOT, "scripts", "prep-megachat.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sample_corpus(dst, mb):
+    """Copy about mb MB of the corpus to dst: equal shares of each text source, and chitchat."""
+    raw = os.path.join(ROOT, "data", "raw")
+    sources = sorted(d for d in os.listdir(raw) if os.path.exists(os.path.join(raw, d, ".complete")))
+    chat = os.path.join(raw, "chitchat", "chitchat_hermes.jsonl")
+    if not sources or not os.path.exists(chat):
+        sys.exit("error: no corpus in data/raw; run `make data` first")
+    share = mb * 1e6 / (len(sources) + 1)
+    specs = []
+    for name in sources:
+        os.makedirs(os.path.join(dst, name))
+        size = 0
+        for path in sorted(glob.glob(os.path.join(raw, name, "*.txt"))):
+            if size >= share:
+                break
+            shutil.copy(path, os.path.join(dst, name))
+            size += os.path.getsize(path)
+        specs += ["--text", os.path.join(dst, name)]
+    with open(chat, "rb") as src, open(os.path.join(dst, "chitchat.jsonl"), "wb") as out:
+        out.write(src.read(int(share)).rpartition(b"\n")[0] + b"\n")
+    return specs + ["--chat", os.path.join(dst, "chitchat.jsonl")]
+
+
+def pipeline_texts(prep, sources, chunk_chars):
+    """The texts the pipeline hands to the tokenizer, in order."""
+    texts = []
+    for src in sources:
+        for payload, _, _ in src.units(chunk_chars):
+            if src.kind == "chat":
+                turns, _ = tokenizer.parse_conversation(json.loads(payload))
+                texts += [f"{role}\n{content}" for role, content in turns] + ["\n"] * len(turns)
+            else:
+                texts.append(payload)
+    return texts
+
+
+def best_of(repeats, fn):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mb", type=float, default=40)
+    ap.add_argument("--workers", default=f"1,2,{os.cpu_count()}")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    prep = load_prep()
+    enc = tokenizer.encoding()
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = sample_corpus(os.path.join(tmp, "in"), args.mb)
+        print(f"{'workers':>7} {'tiktoken tok/s':>15} {'pipeline tok/s':>15} {'ratio':>6}   "
+              f"(cores: {os.cpu_count()}, sample: {args.mb:g} MB)")
+        for k in sorted({int(w) for w in args.workers.split(",")}):
+            opts = prep.parse_args([*specs, "--workers", str(k), "--out-dir", os.path.join(tmp, "out")])
+            sources = [prep.Source(kind, spec) for kind, spec in opts.sources]
+            texts = pipeline_texts(prep, sources, opts.text_chunk_chars)
+            base_s, ids = best_of(args.repeats, lambda: enc.encode_ordinary_batch(texts, num_threads=k))
+            ntok = sum(map(len, ids))
+
+            def run():
+                build_dir = tempfile.mkdtemp(dir=tmp)
+                with open(os.devnull, "w") as quiet:
+                    stats, _, _ = prep.build(sources, opts, build_dir, Progress("", None, out=quiet))
+                shutil.rmtree(build_dir)
+                return sum(st["tokens"][s] for st in stats for s in prep.SPLITS)
+            pipe_s, pipe_tok = best_of(args.repeats, run)
+            print(f"{k:>7} {ntok / base_s:>15,.0f} {pipe_tok / pipe_s:>15,.0f} {base_s / pipe_s * pipe_tok / ntok:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
