@@ -6,6 +6,7 @@ import collections
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -588,3 +589,63 @@ def test_passes_warning_from_shard_headers(tmp_path):
     cfg["polish"] = {"start_step": 300, "train": str(tmp_path / "p_train_*.bin"), "lr": 1e-4}
     [line] = run_passes_warnings(cfg)  # pretraining now 3 passes; polish 101 x 100 over 1000 tokens
     assert line.startswith("warning: the polish phase") and "10.1 passes" in line
+
+
+# ---------------------------------------------------------------- the text corpus (Debian packages)
+
+@pytest.fixture(scope="module")
+def corpus_sources(assets):
+    """Three of the corpus's sources, one per reader: Sphinx's reST sources (text), SQLite's pages
+    (HTML) and WordNet (a dictd dictionary), fetched by scripts/fetch-assets.py as `make data` does."""
+    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
+        pytest.skip("no apt-get/dpkg-deb: the corpus is fetched from Debian packages")
+    names = ("sphinx-doc", "sqlite-doc", "wordnet")
+    ok(run_script("fetch-assets", "--only", ",".join(names)))
+    return {name: assets / "raw" / name for name in names}
+
+
+def test_corpus_documents_are_clean_text(corpus_sources):
+    docs = {name: sorted(d.glob("*.txt")) for name, d in corpus_sources.items()}
+    assert len(docs["sphinx-doc"]) > 50 and len(docs["sqlite-doc"]) > 500 and len(docs["wordnet"]) > 1000
+    rst = "".join(p.read_text() for p in docs["sphinx-doc"])
+    assert ".. code-block::" in rst or ".. note::" in rst  # the reST sources, as written
+    pages = [p.read_text() for p in docs["sqlite-doc"]]
+    text = "".join(pages)
+    assert "SQLite" in text and "CREATE TABLE" in text
+    # the pages' markup is gone (tags shown as text in code examples stay, as the reader sees them)
+    assert not any(tag in text for tag in ("<div", "<script", "<meta", "<head", "<html", "&nbsp;")), "HTML left"
+    assert "\n\n\n" not in text  # blank lines squeezed
+    # WordNet: documents of whole entries (each starts with a headword at column 0), about 16k
+    # characters, the dictd header entries left out, nothing lost between documents
+    entries = 0
+    for p in docs["wordnet"]:
+        doc = p.read_text()
+        assert doc[:1].strip() and "00-database" not in doc
+        assert len(doc) < 16_000 + 20_000
+        entries += sum(1 for line in doc.splitlines() if line[:1].strip())
+    assert entries > 140_000  # WordNet 3.0 has about 147k lemmas
+
+
+def test_corpus_sources_prepare_into_their_own_and_the_mixed_sets(corpus_sources, tmp_path):
+    """A slice of each source through prep-megachat: every piece of every split is one whole file,
+    each source's own set holds exactly its documents, and the mixed set all of them."""
+    slices = {}
+    for name, d in corpus_sources.items():
+        slices[name] = tmp_path / "in" / name
+        slices[name].mkdir(parents=True)
+        for p in sorted(d.glob("*.txt"))[:60]:
+            shutil.copy(p, slices[name])
+    out = tmp_path / "out"
+    prep(out, *[a for name in slices for a in ("--text", slices[name])],
+         extra=("--val-permille", 200, "--min-shard-tokens", 257))
+    mixed = collections.Counter()
+    for name, d in slices.items():
+        files = {p.read_text(errors="replace") + EOT_TEXT for p in d.glob("*.txt")}
+        own = collections.Counter()
+        for split in ("train", "val"):
+            own.update(decoded_docs(out / "sources" / name, name, split))
+        assert set(own) == files and set(own.values()) == {1}
+        mixed.update(own)
+    for split in ("train", "val"):
+        assert collections.Counter(decoded_docs(out, "megachat", split)) <= mixed
+    assert sum(len(decoded_docs(out, "megachat", s)) for s in ("train", "val")) == sum(mixed.values())
