@@ -368,8 +368,8 @@ def shard_list(shards, base):
 
 class SetLocation:
     """OUT_DIR is a symbolic link to PARENT/.BASE.set-ID, a complete set; PARENT/.BASE.build-PID is
-    a build in progress; PARENT/.BASE.lock serialises builds. Anything else named .BASE.* that the
-    link does not point to is left over from a killed build and removed by the next one."""
+    a build in progress; PARENT/.BASE.lock serialises builds. Any other .BASE.{set,build,link,old}-*
+    (a set the link no longer points to, a killed build's folder) is removed by the next build."""
 
     def __init__(self, out_dir, name):
         self.out_dir, self.name = out_dir, name
@@ -393,10 +393,11 @@ class SetLocation:
 
     def clean_stale(self):
         """Remove leftovers of killed builds (call with the lock held: no other build is running)."""
-        keep = {self.current_target(), self.hidden("lock")}
-        for path in glob.glob(glob.escape(self.hidden("")) + "*"):
-            if path not in keep:
-                remove(path)
+        current = self.current_target()
+        for tag in ("set", "build", "link", "old"):
+            for path in glob.glob(glob.escape(self.hidden(tag)) + "-*"):
+                if path != current:
+                    remove(path)
 
     def check_out_dir(self):
         """An OUT_DIR that is a real folder (an older layout, or a new empty folder) is taken over
