@@ -1,22 +1,22 @@
 """What the benchmark driver (bench.py) and the PyTorch baseline (torch_gpt.py) share: experiment
-config loading, the engine's settings for a config, the learning-rate schedule, shard globs.
+config loading, the engine's settings and parameter layout for a config, the learning-rate schedule,
+shard globs.
 
 No torch here: bench.py imports this on machines where torch may be missing.
-The settings come from the engine itself (`build/microgpt_cpu --print-config`), so the defaults
-live only in microgpt/host/config.h; the schedule follows docs/DESIGN.md ("Steps, batches,
-randomness") and microgpt/host/schedule.h.
+Configs are read and mapped to engine flags by microgpt/config.py (as the proxy does); the settings
+and the layout come from the engine itself (`build/microgpt_cpu --print-config`, `--layout-json`), so
+the defaults live only in microgpt/host/config.h and the layout only in microgpt/host/params.h; the
+schedule follows docs/DESIGN.md ("Steps, batches, randomness") and microgpt/host/schedule.h.
 """
 import functools
 import glob
-import json
 import math
 import os
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from microgpt import config, engines
+
+REPO = engines.ROOT
+CONFIG_ENGINE = engines.ENGINES["cpu"]
 
 
 class BenchError(Exception):
@@ -37,63 +37,53 @@ def experiment_path(model):
 
 def load_config(path):
     try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except OSError as e:
-        raise BenchError(f"cannot read config {path}: {e.strerror}")
-    except json.JSONDecodeError as e:
-        raise BenchError(f"config {path} is not valid JSON: {e}")
+        cfg = config.read_config(path)
+    except config.ConfigError as e:
+        raise BenchError(f"config {path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise BenchError(f"config {path}: not a JSON object")
     for section in ("model", "train"):
         if not isinstance(cfg.get(section), dict):
             raise BenchError(f"config {path}: missing section '{section}'")
     return cfg
 
 
-CONFIG_ENGINE = os.path.join(REPO, "build", "microgpt_cpu")
+def _ask_engine(ask, *args):
+    try:
+        return ask(CONFIG_ENGINE, *args)
+    except engines.EngineChoiceError as e:
+        raise BenchError(str(e)) from None
+    except engines.EngineQueryError as e:
+        raise BenchError(f"config: {e}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def flag_table():
+    """The engine's flags (`--flags-json`): {name: flag}."""
+    return _ask_engine(engines.engine_flags)
 
 
 def config_flags(cfg, sections=("model", "train", "data", "eval")):
     """The config's keys as engine flags {dotted key: value} (DESIGN.md: flags are the config keys)."""
-    flags = {"name": cfg.get("name", "bench")}
-    for section in sections:
-        for key, value in cfg.get(section, {}).items():
-            flags[f"{section}.{key}"] = value
-    return flags
+    values = config.config_values({s: cfg[s] for s in sections if isinstance(cfg.get(s), dict)}, flag_table())
+    return {"name": cfg.get("name", "bench"), **values}
 
 
 def flag_args(flags):
-    """{dotted key: value} -> ["--key", "value", ...] (floats by repr, so no digits are lost)."""
-    args = []
-    for key, value in flags.items():
-        args += [f"--{key}", repr(value) if isinstance(value, float) else str(value)]
-    return args
-
-
-def run_config_engine(args):
-    try:
-        res = subprocess.run([CONFIG_ENGINE] + args, capture_output=True, text=True, timeout=60)
-    except OSError as e:
-        raise BenchError(f"cannot run {CONFIG_ENGINE} ({e.strerror}): build it with make")
-    if res.returncode != 0:
-        last = [line for line in res.stderr.splitlines() if line.strip()][-1:] or ["(no message)"]
-        raise BenchError(f"config: {last[0].removeprefix('error: ')}")
-    return json.loads(res.stdout)
-
-
-@functools.lru_cache(maxsize=None)
-def required_flags():
-    """The flags the engine's table marks required (`--flags-json`)."""
-    return frozenset(f["name"] for f in run_config_engine(["--flags-json"])["flags"] if f["required"] is True)
+    """{dotted key: value} -> ["--key", "value", ...], as the proxy passes them to the engine."""
+    return config.flag_args(flags, flag_table())
 
 
 def engine_settings(cfg, section):
     """One section of the config as the engine resolves it, defaults applied ({"d_ff": 3072, ...};
     floats as the engine holds them); a required key of the section that the config lacks is an
     error, as it is for the engine."""
-    missing = sorted(k for k in required_flags() if k.startswith(section + ".") and k not in config_flags(cfg))
+    given = config_flags(cfg)
+    missing = sorted(k for k, f in flag_table().items()
+                     if f["required"] is True and k.startswith(section + ".") and k not in given)
     if missing:
         raise BenchError(f"config: {missing[0]} is required")
-    resolved = run_config_engine(flag_args(config_flags(cfg)) + ["--print-config"])
+    resolved = _ask_engine(engines.resolved_settings, flag_args(given))
     return {k.split(".", 1)[1]: v for k, v in resolved.items() if k.startswith(section + ".")}
 
 
@@ -106,6 +96,12 @@ def model_shape(cfg):
     if m["padded_vocab_size"] < m["vocab_size"]:
         raise BenchError("config: model.padded_vocab_size is smaller than model.vocab_size")
     return m
+
+
+def param_shapes(shape):
+    """[(name, shape)] of the flat parameter vector for a model_shape, as the engine lays it out."""
+    layout = _ask_engine(engines.param_layout, flag_args({f"model.{k}": v for k, v in shape.items()}))
+    return [(t["name"], tuple(t["shape"])) for t in layout["tensors"]]
 
 
 def train_settings(cfg):

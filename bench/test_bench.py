@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import bench
+from bench_common import BenchError, lr_at, repo_path
+from engine_util import python_env
 
-import bench  # noqa: E402
-from bench_common import BenchError, lr_at  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 CFG = {"name": "ANDREA-12M",
        "model": {"n_layer": 6, "d_model": 192, "n_head": 6, "seq_len": 512},
@@ -41,7 +41,8 @@ def test_engine_command_is_the_config_as_dotted_flags_with_the_run_overrides():
     assert flags["--model.d_model"] == "192" and flags["--train.lr"] == "0.0006"
     assert flags["--train.steps"] == "200" and flags["--train.precision"] == "fp16"
     assert flags["--train.warmup_steps"] == "20"            # min(200, steps/10)
-    assert flags["--data.train"] == "t.bin" and flags["--data.val"] == "v.bin"
+    # paths resolved against the repository, as the proxy passes them (microgpt/config.py)
+    assert flags["--data.train"] == repo_path("t.bin") and flags["--data.val"] == repo_path("v.bin")
     assert flags["--eval.every"] == "200" and flags["--eval.batches"] == "20"
     assert flags["--sample.every"] == "0" and flags["--checkpoint.every"] == "0"
     assert not any(f.startswith("--sample.prompts") or f == "--checkpoint" for f in flags)
@@ -136,7 +137,7 @@ def test_a_whole_run_reports_every_row_even_when_a_side_fails(tmp_path):
     (tmp_path / "tiny.json").write_text(json.dumps(cfg))
     out = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--models", str(tmp_path / "tiny.json"),
                           "--steps", "30", "--engine", str(engine), "--device", "cpu", "--out", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=python_env())
     # the PyTorch side fails where torch is missing; where it runs, the stand-in's loss is not its loss
     assert out.returncode == 1, out.stderr
     report = json.loads((tmp_path / "out" / "bench.json").read_text())

@@ -21,10 +21,10 @@ import sys
 import tempfile
 import time
 
+from microgpt import tokenizer
+from microgpt.progress import Progress
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from microgpt import tokenizer  # noqa: E402
-from microgpt.progress import Progress  # noqa: E402
 
 
 def load_prep():

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import engine_rng
-from bench_common import (BenchError, experiment_path, load_config, lr_at, model_shape, shard_paths,
+from bench_common import (BenchError, experiment_path, load_config, lr_at, model_shape, param_shapes, shard_paths,
                           train_settings)
 from microgpt.shards import ShardError, read_shard
 
@@ -73,7 +73,7 @@ class GPT(nn.Module):
     def init_weights(self, seed):
         """The engine's initial weights exactly (DESIGN.md rule, drawn from the engine's counter-based
         generator): N(0, 0.02), W_O and W_2 N(0, 0.02/sqrt(2 n_layer)), LayerNorm gamma 1, beta 0."""
-        self.load_flat(engine_rng.init_params(self.spec_shapes(), self.shape["n_layer"], seed))
+        self.load_flat(engine_rng.init_params(param_shapes(self.shape), self.shape["n_layer"], seed))
 
     def forward(self, idx, targets):
         T = idx.shape[1]
@@ -87,16 +87,6 @@ class GPT(nn.Module):
 
     # -- the flat parameter vector of SPEC §2 (weights [in, out]), for checks against other
     #    implementations; the torch Linear stores [out, in], hence the transposes.
-
-    def spec_shapes(self):
-        """[(name, shape)] of the flat vector, named as the engine names them."""
-        d, f = self.shape["d_model"], self.shape["d_ff"]
-        out = [("wte", (self.shape["padded_vocab_size"], d)), ("wpe", (self.shape["seq_len"], d))]
-        for i in range(self.shape["n_layer"]):
-            out += [(f"h{i}.{n}", (d, d)) for n in ("W_Q", "W_K", "W_V", "W_O")]
-            out += [(f"h{i}.W_1", (d, f)), (f"h{i}.W_2", (f, d))]
-            out += [(f"h{i}.{n}", (d,)) for n in ("LN1.gamma", "LN1.beta", "LN2.gamma", "LN2.beta")]
-        return out + [("LNf.gamma", (d,)), ("LNf.beta", (d,))]
 
     def flat_tensors(self, use_grad=False):
         """The model's tensors in SPEC §2 order, each as the engine lays it out."""

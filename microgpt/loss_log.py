@@ -27,9 +27,10 @@ record at or below k instead of scanning the whole file.
 import json
 import os
 import threading
+import time
 from array import array
 
-from atomic import write_bytes_atomic  # a sibling module, like this one is to the proxy
+from microgpt.atomic import write_bytes_atomic
 
 LIVE_FLAG_OFFSET = len(b'{"live":')  # the byte that becomes "0" when the record is superseded
 EMPTY = b"[\n]"
@@ -249,3 +250,27 @@ class LossLog:
 
     def close(self):
         os.close(self.fd)
+
+
+class LossBuffer:
+    """Records on their way to a LossLog: appended together (one pwrite, one fsync) every
+    FLUSH_SECONDS or FLUSH_RECORDS, so a fast engine does not cost one fsync per step."""
+
+    FLUSH_SECONDS = 0.25  # how stale the loss log on disk may get
+    FLUSH_RECORDS = 512
+
+    def __init__(self, log):
+        self.log = log
+        self.pending = []
+        self.pending_since = 0.0
+
+    def add(self, rec):
+        if not self.pending:
+            self.pending_since = time.monotonic()
+        self.pending.append(rec)
+
+    def flush(self, force=False):
+        if self.pending and (force or len(self.pending) >= self.FLUSH_RECORDS
+                             or time.monotonic() - self.pending_since >= self.FLUSH_SECONDS):
+            self.log.append(self.pending)
+            self.pending = []

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from .atomic import atomic_open
+from microgpt.atomic import atomic_open
 
 MAGIC = 20240520
 VERSION = 1
@@ -120,16 +120,20 @@ def passes_warning(what, pattern, tokens_read):
             f"{MAX_PASSES} and a model memorises its data); add data or shorten the run")
 
 
-def run_passes_warnings(cfg, resolve=os.path.abspath):
+def run_passes_warnings(cfg, resolve=os.path.abspath, defaults=None):
     """passes_warning for an experiment config's pretraining data and, if it has one, its polish
     phase (docs/DESIGN.md §4 keys); a list of warning lines, empty when the run is fine. `resolve`
-    turns a config's glob into the one to read (the proxy's are relative to the repository)."""
-    train = cfg["train"]
-    tokens_per_step = train["batch_size"] * train.get("grad_accum", 1) * cfg["model"]["seq_len"]
-    polish = cfg.get("polish")
-    pretrain_steps = polish["start_step"] if polish else train["steps"]
-    phases = [("pretraining", cfg["data"]["train"], pretrain_steps)]
+    turns a config's glob into the one to read (the proxy's are relative to the repository);
+    `defaults` gives the engine's value of a dotted key the config leaves out."""
+    defaults = defaults or {}
+
+    def get(dotted):
+        section, key = dotted.split(".")
+        return cfg.get(section, {}).get(key, defaults.get(dotted))
+    tokens_per_step = get("train.batch_size") * (get("train.grad_accum") or 1) * get("model.seq_len")
+    steps, polish = get("train.steps"), cfg.get("polish")
+    phases = [("pretraining", get("data.train"), polish["start_step"] if polish else steps)]
     if polish:
-        phases.append(("the polish phase", polish["train"], train["steps"] - polish["start_step"]))
-    lines = [passes_warning(what, resolve(pattern), steps * tokens_per_step) for what, pattern, steps in phases]
+        phases.append(("the polish phase", polish["train"], steps - polish["start_step"]))
+    lines = [passes_warning(what, resolve(pattern), n * tokens_per_step) for what, pattern, n in phases]
     return [line for line in lines if line]

@@ -29,11 +29,11 @@ import sys
 import tarfile
 import zipfile
 
+from microgpt.atomic import write_bytes_atomic
+from microgpt.progress import Progress
+from microgpt.tokenizer import ASSET_PATH, ASSET_SHA256  # where the tokenizer reads it
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from microgpt.atomic import write_bytes_atomic  # noqa: E402
-from microgpt.progress import Progress  # noqa: E402
-from microgpt.tokenizer import ASSET_PATH, ASSET_SHA256  # noqa: E402  (where the tokenizer reads it)
 
 DATA = os.path.join(ROOT, "data")
 DOWNLOADS = os.path.join(DATA, "downloads")

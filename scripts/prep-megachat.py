@@ -49,12 +49,12 @@ import time
 
 import numpy as np
 
+from microgpt import tokenizer
+from microgpt.atomic import fsync_dir, write_json_atomic
+from microgpt.progress import Progress
+from microgpt.shards import HEADER_BYTES, ShardError, ShardStream, read_header, read_shard
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from microgpt import tokenizer  # noqa: E402
-from microgpt.atomic import fsync_dir, write_json_atomic  # noqa: E402
-from microgpt.progress import Progress  # noqa: E402
-from microgpt.shards import HEADER_BYTES, ShardError, ShardStream, read_header, read_shard  # noqa: E402
 
 FORMAT = 2                   # bump when the rendering or splitting changes, so old manifests go stale
 BATCH_DOCS = 256             # documents per task handed to a worker ...

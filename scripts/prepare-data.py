@@ -23,9 +23,9 @@ import os
 import subprocess
 import sys
 
+from microgpt.atomic import atomic_open
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from microgpt.atomic import atomic_open  # noqa: E402
 
 
 

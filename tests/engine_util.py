@@ -11,11 +11,11 @@ The one set of engine-running helpers for the suite; the contract they encode is
     proc.send_signal(signal.SIGTERM)
     res = proc.finish()
 """
+import functools
 import json
 import os
 import queue
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,8 +28,8 @@ BUILD = REPO / "build"
 CPU_BINARY = BUILD / "microgpt_cpu"
 CUDA_BINARY = BUILD / "microgpt_cuda"
 
-sys.path.insert(0, str(REPO))
-from microgpt.shards import write_shard  # noqa: E402  (re-exported for tests: the one shard writer)
+from microgpt.engines import param_layout
+from microgpt.shards import write_shard  # noqa: F401  (re-exported for tests: the one shard writer)
 
 # Sections of the experiment config; a flag is --SECTION.key (DESIGN "Flags are the config keys").
 SECTIONS = ("model", "train", "data", "eval", "sample", "checkpoint", "polish")
@@ -80,8 +80,14 @@ def tiny_args(train_glob, val_glob=None, **overrides):
         settings["--data.val"] = str(val_glob)
     for key, value in overrides.items():
         settings[flag_name(key)] = value
+    return flag_list(settings)
+
+
+def flag_list(settings):
+    """{"--flag" or dotted key: value} -> the command line (see tiny_args for the value rules)."""
     args = []
-    for flag, value in settings.items():
+    for key, value in settings.items():
+        flag = key if key.startswith("--") else flag_name(key)
         if value is None or value is False:
             continue
         if value is True:
@@ -95,39 +101,29 @@ def tiny_args(train_glob, val_glob=None, **overrides):
 
 
 # ---------------------------------------------------------------------------------------------------
-# the parameter layout (SPEC §2): the flat vector, which is also the checkpoint order
+# the parameter layout (docs/DESIGN.md §2), as the engine publishes it (`--layout-json`)
 
-def param_layout(n_layer, d_model, seq_len, padded_vocab_size, d_ff=None):
-    """[(name, shape)] in flat-vector order."""
-    d, f = d_model, d_ff or 4 * d_model
-    layout = [("wte", (padded_vocab_size, d)), ("wpe", (seq_len, d))]
-    for l in range(n_layer):
-        layout += [(f"h{l}.W_Q", (d, d)), (f"h{l}.W_K", (d, d)), (f"h{l}.W_V", (d, d)), (f"h{l}.W_O", (d, d)),
-                   (f"h{l}.W_1", (d, f)), (f"h{l}.W_2", (f, d)),
-                   (f"h{l}.LN1.gamma", (d,)), (f"h{l}.LN1.beta", (d,)),
-                   (f"h{l}.LN2.gamma", (d,)), (f"h{l}.LN2.beta", (d,))]
-    layout += [("LNf.gamma", (d,)), ("LNf.beta", (d,))]
-    return layout
+def layout_for(settings=None, binary=CPU_BINARY):
+    """{"n_params": N, "tensors": [{name, shape, offset, decay}]} for dotted model settings over
+    TINY's, e.g. layout_for({"model.n_layer": 3}). Asked of the CPU engine (the conftest builds it)."""
+    model = {k: v for k, v in {**TINY, **(settings or {})}.items() if k.startswith("model.") and v is not None}
+    return _layout(str(binary), tuple(sorted(model.items())))
 
 
-def param_offsets(layout):
-    """{name: (offset, shape)} for a layout from param_layout."""
-    offsets, at = {}, 0
-    for name, shape in layout:
-        offsets[name] = (at, shape)
-        at += int(np.prod(shape))
-    return offsets
+@functools.lru_cache(maxsize=None)
+def _layout(binary, model_items):
+    return param_layout(binary, flag_list(dict(model_items)))
 
 
-def count_params(n_layer, d_model, seq_len, padded_vocab_size, d_ff=None):
-    return sum(int(np.prod(shape)) for _, shape in param_layout(n_layer, d_model, seq_len, padded_vocab_size, d_ff))
+def tensor_shapes(layout):
+    """[(name, shape tuple)] in flat order."""
+    return [(t["name"], tuple(t["shape"])) for t in layout["tensors"]]
 
 
-def layout_for(settings):
-    """param_layout for a dict of dotted settings (defaults: TINY), e.g. layout_for({**TINY, ...})."""
-    s = {**TINY, **settings}
-    return param_layout(s["model.n_layer"], s["model.d_model"], s["model.seq_len"],
-                        s["model.padded_vocab_size"], s.get("model.d_ff"))
+def tensor_slices(layout):
+    """{name: (slice of the flat vector, shape)}."""
+    return {t["name"]: (slice(t["offset"], t["offset"] + int(np.prod(t["shape"]))), tuple(t["shape"]))
+            for t in layout["tensors"]}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -166,6 +162,21 @@ class Result:
     def describe(self):
         """Everything a failing assertion should show."""
         return f"rc={self.rc}\n--- stdout (tail) ---\n{self.stdout[-3000:]}\n--- stderr ---\n{self.stderr[-3000:]}"
+
+
+def run_ok(binary, args, **kw):
+    """run_engine, asserting exit code 0."""
+    res = run_engine(binary, args, **kw)
+    assert res.rc == 0, res.describe()
+    return res
+
+
+def python_env(**extra):
+    """The environment for a Python subprocess (a script, the proxy): it imports this checkout's
+    microgpt package, whichever checkout `pip install -e .` installed (as pytest.ini's pythonpath
+    does for the test process itself)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def parse_stdout(text):
@@ -328,38 +339,12 @@ def merged_exact_records(*results):
 
 
 # ---------------------------------------------------------------------------------------------------
-# checkpoints (SPEC §3): [int32 step][int32 n_params][weights][m][v], little-endian f32, nothing else
+# engine outputs other than checkpoints (those are read by microgpt/checkpoint.py)
 
-@dataclass
-class Checkpoint:
-    step: int
-    n_params: int
-    params: np.ndarray
-    m: np.ndarray
-    v: np.ndarray
-
-
-def write_checkpoint(path, step, params, m, v):
-    params, m, v = (np.asarray(a, dtype="<f4").ravel() for a in (params, m, v))
-    assert params.size == m.size == v.size
-    with open(path, "wb") as f:
-        f.write(np.array([step, params.size], dtype="<i4").tobytes())
-        for a in (params, m, v):
-            f.write(a.tobytes())
-
-
-def read_checkpoint(path):
-    """Parse a checkpoint, asserting its size is exactly 8 + 12·n_params."""
-    raw = Path(path).read_bytes()
-    assert len(raw) >= 8, f"{path}: {len(raw)} bytes, shorter than the header"
-    step, n = (int(x) for x in np.frombuffer(raw, dtype="<i4", count=2))
-    assert len(raw) == 8 + 12 * n, f"{path}: {len(raw)} bytes, expected 8 + 12·{n} = {8 + 12 * n}"
-    body = np.frombuffer(raw, dtype="<f4", offset=8)
-    return Checkpoint(step, n, body[:n].copy(), body[n:2 * n].copy(), body[2 * n:].copy())
-
-
-def read_sidecar(ckpt_path):
-    return json.loads(Path(f"{ckpt_path}.json").read_text())
+def rel_err(got, want):
+    """||got - want|| / ||want|| (the plain norm of the difference where want is all zeros)."""
+    den = np.linalg.norm(want)
+    return float(np.linalg.norm(np.asarray(got) - want) / (den if den > 0 else 1.0))
 
 
 def read_grad_dump(path):

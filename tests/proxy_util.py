@@ -20,11 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+from engine_util import REPO, python_env, write_shard
+
 PROXY = REPO / "microgpt" / "training_proxy.py"
 ARTIFACTS = REPO / "test-artifacts"
-sys.path.insert(0, str(REPO))
-from microgpt.shards import write_shard  # noqa: E402
 
 VOCAB = 64  # GPT-2 ids below 64 are single printable characters: prompts "A" (32), "B" (33) fit
 NAME = "tiny"
@@ -102,7 +101,7 @@ def live_val(records):
 def proxy_env():
     # One OpenMP thread: the tiny model gains nothing from two, and a shared 2-core machine makes
     # spinning OpenMP threads very slow.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return python_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
 class Proxy:

@@ -7,13 +7,15 @@ and backward side by side, the same math as microgpt/cpu/*.h.
 Model: pre-LayerNorm GPT-2 without biases in linear layers, tied embeddings padded to
 padded_vocab_size rows, GELU (tanh), causal attention, mean cross-entropy over the real vocabulary.
 Parameters live in one flat vector in SPEC order: wte, wpe, per layer W_Q W_K W_V W_O W_1 W_2
-LN1.gamma LN1.beta LN2.gamma LN2.beta, then LNf.gamma LNf.beta.
+ln1.gamma ln1.beta ln2.gamma ln2.beta, then lnf.gamma lnf.beta.
 """
 from dataclasses import dataclass
 
 import numpy as np
 
-from engine_util import param_layout
+from engine_util import layout_for, tensor_shapes
+
+from microgpt.checkpoint import split_params
 
 LN_EPS = 1e-5
 GELU_SCALE = np.sqrt(2.0 / np.pi)
@@ -37,32 +39,32 @@ class ModelConfig:
 
 # ----------------------------------------------------------------------------- parameter layout
 
+def layout(cfg):
+    """The engine's layout (`--layout-json`) for this shape: the flat order of docs/DESIGN.md §2,
+    also the checkpoint order: wte, wpe, h{l}.W_Q ... h{l}.ln2.beta, lnf.gamma, lnf.beta."""
+    return layout_for({"model.vocab_size": cfg.vocab_size, "model.padded_vocab_size": cfg.padded_vocab_size,
+                       "model.n_layer": cfg.n_layer, "model.d_model": cfg.d_model, "model.n_head": cfg.n_head,
+                       "model.seq_len": cfg.seq_len, "model.d_ff": cfg.d_ff})
+
+
 def param_shapes(cfg):
-    """[(name, shape)] in the flat order of SPEC §2 (also the checkpoint order); names as in
-    engine_util.param_layout (the one description of the layout in the test suite): wte, wpe,
-    h{l}.W_Q ... h{l}.LN2.beta, LNf.gamma, LNf.beta."""
-    return param_layout(cfg.n_layer, cfg.d_model, cfg.seq_len, cfg.padded_vocab_size, cfg.d_ff)
+    """[(name, shape)] in flat order."""
+    return tensor_shapes(layout(cfg))
 
 
 def num_params(cfg):
-    return sum(int(np.prod(s)) for _, s in param_shapes(cfg))
+    return layout(cfg)["n_params"]
 
 
 def unflatten(flat, cfg):
-    """{name: view into flat} with the SPEC shapes; writing a view writes the flat vector."""
-    assert flat.size == num_params(cfg), f"flat vector has {flat.size} entries, config needs {num_params(cfg)}"
-    views, offset = {}, 0
-    for name, shape in param_shapes(cfg):
-        n = int(np.prod(shape))
-        views[name] = flat[offset:offset + n].reshape(shape)
-        offset += n
-    return views
+    """{name: view into flat} with the layout's shapes; writing a view writes the flat vector."""
+    return split_params(flat, layout(cfg))
 
 
 def decay_mask(cfg):
-    """Flat float64 mask: 1 where weight decay applies (every 2-D tensor), 0 for LayerNorm."""
-    return np.concatenate([np.full(int(np.prod(s)), 1.0 if len(s) == 2 else 0.0)
-                           for _, s in param_shapes(cfg)])
+    """Flat float64 mask: 1 where weight decay applies (the layout's "decay": every 2-D tensor)."""
+    return np.concatenate([np.full(int(np.prod(t["shape"])), 1.0 if t["decay"] else 0.0)
+                           for t in layout(cfg)["tensors"]])
 
 
 def init_params(cfg, rng, std=0.02):
@@ -185,17 +187,17 @@ def forward(flat, cfg, inputs, targets):
     for l in range(cfg.n_layer):
         w = {name.split(".", 1)[1]: arr for name, arr in p.items() if name.startswith(f"h{l}.")}
         c = {"x_in": x}
-        c["ln1"], c["ln1_cache"] = layernorm_forward(x, w["LN1.gamma"], w["LN1.beta"])
+        c["ln1"], c["ln1_cache"] = layernorm_forward(x, w["ln1.gamma"], w["ln1.beta"])
         c["q"], c["k"], c["v"] = c["ln1"] @ w["W_Q"], c["ln1"] @ w["W_K"], c["ln1"] @ w["W_V"]
         c["y"], c["att"] = attention_forward(c["q"], c["k"], c["v"], H)
         x = x + c["y"] @ w["W_O"]
         c["x_mid"] = x
-        c["ln2"], c["ln2_cache"] = layernorm_forward(x, w["LN2.gamma"], w["LN2.beta"])
+        c["ln2"], c["ln2_cache"] = layernorm_forward(x, w["ln2.gamma"], w["ln2.beta"])
         c["h"] = c["ln2"] @ w["W_1"]
         c["g"] = gelu_forward(c["h"])
         x = x + c["g"] @ w["W_2"]
         layers.append((w, c))
-    xf, lnf_cache = layernorm_forward(x, p["LNf.gamma"], p["LNf.beta"])
+    xf, lnf_cache = layernorm_forward(x, p["lnf.gamma"], p["lnf.beta"])
     loss, probs = classifier_forward(xf, p["wte"], targets, cfg.vocab_size)
     return loss, {"p": p, "layers": layers, "xf": xf, "lnf_cache": lnf_cache, "probs": probs}
 
@@ -207,7 +209,7 @@ def backward(cache, cfg, inputs, targets):
     g = unflatten(grads, cfg)
     H, V = cfg.n_head, cfg.vocab_size
     dxf, g["wte"][:V] = classifier_backward(cache["probs"], cache["xf"], p["wte"], targets, V)
-    dx, g["LNf.gamma"][...], g["LNf.beta"][...] = layernorm_backward(dxf, cache["lnf_cache"], p["LNf.gamma"])
+    dx, g["lnf.gamma"][...], g["lnf.beta"][...] = layernorm_backward(dxf, cache["lnf_cache"], p["lnf.gamma"])
     for l in reversed(range(cfg.n_layer)):
         w, c = cache["layers"][l]
         gl = lambda name: g[f"h{l}.{name}"]  # noqa: E731  (gradient view of this layer)
@@ -215,7 +217,7 @@ def backward(cache, cfg, inputs, targets):
         gl("W_2")[...] = c["g"].reshape(-1, cfg.d_ff).T @ dx.reshape(-1, cfg.d_model)
         dh = gelu_backward(dx @ w["W_2"].T, c["h"])
         gl("W_1")[...] = c["ln2"].reshape(-1, cfg.d_model).T @ dh.reshape(-1, cfg.d_ff)
-        dln2, gl("LN2.gamma")[...], gl("LN2.beta")[...] = layernorm_backward(dh @ w["W_1"].T, c["ln2_cache"], w["LN2.gamma"])
+        dln2, gl("ln2.gamma")[...], gl("ln2.beta")[...] = layernorm_backward(dh @ w["W_1"].T, c["ln2_cache"], w["ln2.gamma"])
         dx = dx + dln2
         # attention branch: x_mid = x_in + attn(ln1) @ W_O
         gl("W_O")[...] = c["y"].reshape(-1, cfg.d_model).T @ dx.reshape(-1, cfg.d_model)
@@ -225,7 +227,7 @@ def backward(cache, cfg, inputs, targets):
         gl("W_K")[...] = ln1.T @ dk.reshape(-1, cfg.d_model)
         gl("W_V")[...] = ln1.T @ dv.reshape(-1, cfg.d_model)
         dln1_out = dq @ w["W_Q"].T + dk @ w["W_K"].T + dv @ w["W_V"].T
-        dln1, gl("LN1.gamma")[...], gl("LN1.beta")[...] = layernorm_backward(dln1_out, c["ln1_cache"], w["LN1.gamma"])
+        dln1, gl("ln1.gamma")[...], gl("ln1.beta")[...] = layernorm_backward(dln1_out, c["ln1_cache"], w["ln1.gamma"])
         dx = dx + dln1
     embed_backward(dx, inputs, g["wte"], g["wpe"])
     return grads

@@ -1,13 +1,10 @@
 """microgpt/atomic.py: a file is replaced whole or not at all, and no temp file is left behind."""
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from microgpt.atomic import atomic_open, write_bytes_atomic, write_json_atomic  # noqa: E402
+from microgpt.atomic import atomic_open, write_bytes_atomic, write_json_atomic
 
 
 def test_writes_replace_the_file(tmp_path):

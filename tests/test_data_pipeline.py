@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from microgpt import tokenizer as tok  # noqa: E402
-from microgpt.shards import HEADER_BYTES, ShardError, read_shard, write_shard  # noqa: E402
+from engine_util import python_env, run_engine, tiny_args
+
+from microgpt import tokenizer as tok
+from microgpt.shards import HEADER_BYTES, ShardError, read_shard, write_shard
 
 N_CONVERSATIONS = 600  # a slice of chitchat keeps every run of the scripts well under a second or two
 EOT_TEXT = "<|endoftext|>"
@@ -32,7 +33,7 @@ def load_script(name):
 
 def run_script(name, *args, env=None):
     return subprocess.run([sys.executable, str(REPO / "scripts" / f"{name}.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+                          capture_output=True, text=True, timeout=300, env=python_env(**(env or {})))
 
 
 def ok(res):
@@ -338,16 +339,12 @@ def test_prepare_data_falls_back_to_chitchat_and_shakespeare(assets, tmp_path):
     assert res.stderr.count("up to date") == 3
 
 
-def test_engine_trains_on_the_shards(megachat, request):
-    if not (REPO / "microgpt" / "microgpt_cpu.c").exists():
-        pytest.skip("microgpt/microgpt_cpu.c does not exist yet: no engine to feed")
-    import engine_util as eu
-    binary = request.getfixturevalue("cpu_binary")
+def test_engine_trains_on_the_shards(megachat, cpu_binary):
     out, _ = megachat
-    args = eu.tiny_args(out / "megachat_train_*.bin", out / "megachat_val_*.bin",
+    args = tiny_args(out / "megachat_train_*.bin", out / "megachat_val_*.bin",
                         **{"model.vocab_size": tok.VOCAB_SIZE, "model.padded_vocab_size": 50304,
                            "train.steps": 2, "eval.every": 2, "eval.batches": 2})
-    res = eu.run_engine(binary, args)
+    res = run_engine(cpu_binary, args)
     assert res.rc == 0, res.describe()
     losses = [r["loss"] for r in res.steps]
     assert len(losses) == 2 and all(np.isfinite(losses))
@@ -444,7 +441,7 @@ def test_every_document_ends_with_eot_and_lies_in_one_source(assets, chitchat, t
 def start_prep(out_dir, *args):
     return subprocess.Popen([sys.executable, str(REPO / "scripts" / "prep-megachat.py"), *map(str, args),
                              "--out-dir", str(out_dir), "--name", "megachat"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env())
 
 
 def test_killed_build_leaves_the_previous_set_and_is_cleaned_up(assets, chitchat, tmp_path):
@@ -519,7 +516,7 @@ def peak_rss_mb(args):
             "stderr=subprocess.DEVNULL, check=True); "
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
     res = ok(subprocess.run([sys.executable, "-c", code, sys.executable, *map(str, args)],
-                            capture_output=True, text=True, timeout=600))
+                            capture_output=True, text=True, timeout=600, env=python_env()))
     return int(res.stdout) / 1024
 
 
@@ -567,7 +564,7 @@ def test_progress_and_one_line_errors_for_unwritable_or_full_output(chitchat, tm
         resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
     res = subprocess.run([sys.executable, str(REPO / "scripts" / "prep-megachat.py"), "--chat", str(chitchat["jsonl"]),
                           "--out-dir", str(out), "--min-shard-tokens", "257", "--force"],
-                         capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+                         capture_output=True, text=True, timeout=300, preexec_fn=small_files, env=python_env())
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert res.returncode == 1 and "Traceback" not in res.stderr and len(errors) == 1
     assert "cannot write the megachat shards" in errors[0] and "the previous shards are kept" in errors[0]
@@ -649,3 +646,15 @@ def test_corpus_sources_prepare_into_their_own_and_the_mixed_sets(corpus_sources
     for split in ("train", "val"):
         assert collections.Counter(decoded_docs(out, "megachat", split)) <= mixed
     assert sum(len(decoded_docs(out, "megachat", s)) for s in ("train", "val")) == sum(mixed.values())
+
+
+def test_proxy_warns_at_start_when_a_run_passes_over_its_data_too_often(tmp_path, cpu_binary):
+    from proxy_util import ProxyFixtureDir, markov_tokens, run_to_end
+    fx = ProxyFixtureDir(tmp_path)
+    write_shard(tmp_path / "polish_train.bin", markov_tokens(500, seed=3))
+    # 50 steps x 64 tokens: pretraining reads 640 of 20000 tokens; polish 40 x 64 = 2560 of 500: 5.1 passes
+    cfg = fx.config(50, polish={"start_step": 10, "train": str(tmp_path / "polish_train.bin"), "lr": 1e-3})
+    proxy, rc = run_to_end(cfg, fx.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, proxy.err
+    warnings = [line for line in proxy.err if "passes over the same data" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: the polish phase reads") and "5.1 passes" in warnings[0]

@@ -19,6 +19,8 @@ import pytest
 import engine_util as eu
 from engine_util import TINY, tiny_args
 
+from microgpt.checkpoint import read_checkpoint, read_sidecar
+
 # Signals are sent when the record of step SIGNAL_STEP appears; RESUME has eval and sampling on, so
 # their records (and random draws) are part of what must match exactly.
 SIGNAL_STEP = 3
@@ -31,12 +33,6 @@ def resume_settings(engine):
     """RESUME with enough steps that the signal lands well before the end: a TINY step takes a few ms
     on the CPU but far less on a GPU, so the GPU run is longer."""
     return {**RESUME, "train.steps": 30 if engine.name == "cpu" else 400}
-
-
-def run_ok(engine, args, **kw):
-    res = eu.run_engine(engine.binary, args, **kw)
-    assert res.rc == 0, res.describe()
-    return res
 
 
 def files_beside(path):
@@ -54,7 +50,7 @@ def test_exact_resume_after_signal(engine, random_shards, tmp_path, sig, accum):
     args = tiny_args(random_shards.train, random_shards.val, **settings)
     steps = settings["train.steps"]
     ref_ckpt, ckpt = tmp_path / "ref.ckpt", tmp_path / "run.ckpt"
-    ref = run_ok(engine, args + ["--checkpoint", ref_ckpt])
+    ref = eu.run_ok(engine.binary, args + ["--checkpoint", ref_ckpt])
 
     first = eu.run_with_signal(engine.binary, args + ["--checkpoint", ckpt], sig, SIGNAL_STEP)
     assert first.rc == 0, first.describe()
@@ -64,10 +60,10 @@ def test_exact_resume_after_signal(engine, random_shards, tmp_path, sig, accum):
     assert SIGNAL_STEP <= k < steps, f"signal landed at step {k}; the run must stop before its end {steps}"
     assert [r["step"] for r in first.steps] == list(range(1, k + 1)), "after the signal the engine finishes only the current step"
     assert any(c["step"] == k and c["reason"] == "signal" for c in first.events("checkpoint")), first.describe()
-    assert eu.read_checkpoint(ckpt).step == k
-    assert eu.read_sidecar(ckpt)["step"] == k
+    assert read_checkpoint(ckpt).step == k
+    assert read_sidecar(ckpt)["step"] == k
 
-    second = run_ok(engine, args + ["--checkpoint", ckpt, "--resume"])
+    second = eu.run_ok(engine.binary, args + ["--checkpoint", ckpt, "--resume"])
     assert second.events("start")[0]["step"] == k
     assert [r["step"] for r in second.steps] == list(range(k + 1, steps + 1))
 
@@ -79,9 +75,9 @@ def test_exact_resume_after_signal(engine, random_shards, tmp_path, sig, accum):
 def test_resume_of_finished_run_does_nothing(engine, random_shards, tmp_path):
     ckpt = tmp_path / "done.ckpt"
     args = tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt})
-    run_ok(engine, args)
+    eu.run_ok(engine.binary, args)
     before = ckpt.read_bytes()
-    again = run_ok(engine, args + ["--resume"])
+    again = eu.run_ok(engine.binary, args + ["--resume"])
     assert again.exit_event == {"event": "exit", "step": 3, "reason": "already_finished"}, again.describe()
     assert again.steps == []
     assert ckpt.read_bytes() == before
@@ -91,10 +87,10 @@ def test_resume_in_another_precision_starts_from_the_default_loss_scale(engine, 
     """A checkpoint's loss scale belongs to the precision that wrote it (fp32 runs record 1): resuming
     such a checkpoint in fp16 must start from the engine's default scale, not from 1."""
     ckpt = tmp_path / "run.ckpt"
-    run_ok(engine, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt}))
-    same = run_ok(engine, tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint": ckpt, "resume": True}))
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt}))
+    same = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint": ckpt, "resume": True}))
     assert "loss scale starts from its default" not in same.stderr
-    fp16 = run_ok(engine, tiny_args(random_shards.train, **{"train.steps": 6, "train.precision": "fp16",
+    fp16 = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 6, "train.precision": "fp16",
                                                             "checkpoint": ckpt, "resume": True}))
     assert "written in fp32; the loss scale starts from its default" in fp16.stderr, fp16.stderr
     if engine.name == "cuda":  # the CPU engine computes in fp32 and reports no scale
@@ -106,7 +102,7 @@ def test_sigusr1_checkpoints_and_training_continues(engine, random_shards, tmp_p
     args = tiny_args(random_shards.train, random_shards.val, **settings)
     steps = settings["train.steps"]
     ref_ckpt, ckpt, snapshot = tmp_path / "ref.ckpt", tmp_path / "run.ckpt", tmp_path / "usr1.ckpt"
-    ref = run_ok(engine, args + ["--checkpoint", ref_ckpt])
+    ref = eu.run_ok(engine.binary, args + ["--checkpoint", ref_ckpt])
 
     proc = eu.start_engine(engine.binary, args + ["--checkpoint", ckpt])
     proc.wait_for(eu.is_step_record(SIGNAL_STEP))
@@ -120,14 +116,14 @@ def test_sigusr1_checkpoints_and_training_continues(engine, random_shards, tmp_p
 
     k = event["step"]
     assert event["reason"] == "usr1" and SIGNAL_STEP <= k < steps, event
-    assert eu.read_checkpoint(snapshot).step == k
+    assert read_checkpoint(snapshot).step == k
     assert res.exit_event["reason"] == "finished" and res.exit_event["step"] == steps
     assert [r["step"] for r in res.steps] == list(range(1, steps + 1))
     assert eu.exact_records(res) == eu.exact_records(ref), "SIGUSR1 changed the training"
     assert ckpt.read_bytes() == ref_ckpt.read_bytes()
 
     # The mid-run checkpoint is a real one: resuming from it reproduces the same end.
-    resumed = eu.exact_records(run_ok(engine, args + ["--checkpoint", snapshot, "--resume"]))
+    resumed = eu.exact_records(eu.run_ok(engine.binary, args + ["--checkpoint", snapshot, "--resume"]))
     expected = eu.exact_records(ref)
     assert all(expected.get(key) == text for key, text in resumed.items())
     assert all(key in resumed for key in expected if key[1] > k)
@@ -145,15 +141,14 @@ def test_checkpoint_layout_and_first_adamw_step(engine, random_shards, tmp_path)
                 "train.grad_clip": 0, "train.weight_decay": 0, "train.beta1": beta1, "train.beta2": beta2,
                 "train.eps": eps}
     ckpt, grads_path = tmp_path / "one.ckpt", tmp_path / "grads.bin"
-    run_ok(engine, tiny_args(random_shards.train, **settings, checkpoint=ckpt))
-    run_ok(engine, tiny_args(random_shards.train, **settings, dump_grads=grads_path))
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt))
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, dump_grads=grads_path))
 
     layout = eu.layout_for(TINY)
-    n = eu.count_params(TINY["model.n_layer"], TINY["model.d_model"], TINY["model.seq_len"],
-                        TINY["model.padded_vocab_size"])
+    n = layout["n_params"]
     assert ckpt.stat().st_size == 8 + 12 * n
     assert grads_path.stat().st_size == 4 + 4 * n
-    c = eu.read_checkpoint(ckpt)
+    c = read_checkpoint(ckpt)
     assert (c.step, c.n_params) == (1, n)
     loss, g = eu.read_grad_dump(grads_path)
 
@@ -166,21 +161,20 @@ def test_checkpoint_layout_and_first_adamw_step(engine, random_shards, tmp_path)
     assert np.all(c.v >= 0)
 
     # Padded embedding rows never get a target: zero gradient and zero moments.
-    offsets = eu.param_offsets(layout)
+    slices = eu.tensor_slices(layout)
     d, V = TINY["model.d_model"], TINY["model.vocab_size"]
-    wte0, _ = offsets["wte"]
-    padded = slice(wte0 + V * d, wte0 + TINY["model.padded_vocab_size"] * d)
+    wte = slices["wte"][0]
+    padded = slice(wte.start + V * d, wte.stop)
     assert not g[padded].any() and not c.m[padded].any() and not c.v[padded].any()
 
     # LayerNorms start at gamma = 1, beta = 0, so their values after one step are known exactly.
     step = lr * g / (np.abs(g) + eps)
-    for name, (off, shape) in offsets.items():
+    for name, (sl, _) in slices.items():
         if ".gamma" in name or ".beta" in name:
             start = 1.0 if name.endswith("gamma") else 0.0
-            sl = slice(off, off + int(np.prod(shape)))
             np.testing.assert_allclose(c.params[sl], start - step[sl], atol=2e-6, err_msg=name)
 
-    side = eu.read_sidecar(ckpt)
+    side = read_sidecar(ckpt)
     assert side["step"] == 1 and side["n_params"] == n and "loss_scale" in side and isinstance(side["fingerprint"], dict)
     assert files_beside(ckpt) == sorted(["one.ckpt", "one.ckpt.json", "grads.bin"]), "temporary files left behind"
 
@@ -194,7 +188,7 @@ def _truncate(path):
 
 
 def _wrong_n_params(path):
-    c = eu.read_checkpoint(path)
+    c = read_checkpoint(path)
     raw = bytearray(path.read_bytes())
     raw[4:8] = np.array([c.n_params + 1], dtype="<i4").tobytes()  # size still that of the real shape
     path.write_bytes(bytes(raw))
@@ -202,7 +196,7 @@ def _wrong_n_params(path):
 
 def _other_shape(engine, shards, path):
     """A genuine checkpoint (with sidecar) of a model with a different d_model."""
-    run_ok(engine, tiny_args(shards.train, **{"train.steps": 1, "model.d_model": 16, "checkpoint": path}))
+    eu.run_ok(engine.binary, tiny_args(shards.train, **{"train.steps": 1, "model.d_model": 16, "checkpoint": path}))
 
 
 DAMAGE = {"truncated": _truncate, "wrong_n_params": _wrong_n_params}
@@ -215,7 +209,7 @@ def test_bad_checkpoint_is_refused_and_left_alone(engine, random_shards, tmp_pat
     if damage == "other_shape":
         _other_shape(engine, random_shards, ckpt)
     elif damage != "missing":
-        run_ok(engine, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
+        eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
         DAMAGE.get(damage, lambda path: None)(ckpt)
     before = {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)}
 
@@ -239,7 +233,7 @@ def _limit_file_size(limit):
 
 def test_full_disk_keeps_previous_checkpoint(engine, random_shards, tmp_path):
     ckpt = tmp_path / "disk.ckpt"
-    run_ok(engine, tiny_args(random_shards.train, train_steps=2, checkpoint=ckpt))
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, train_steps=2, checkpoint=ckpt))
     before = {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)}
     size = ckpt.stat().st_size
 
@@ -261,7 +255,7 @@ def test_temporary_files_of_a_killed_writer_are_removed(engine, random_shards, t
     other = tmp_path / "run.ckpt.tmpnotapid"
     for p in stale + [live, other]:
         p.write_bytes(b"partial")
-    res = run_ok(engine, tiny_args(random_shards.train, train_steps=2, checkpoint=ckpt))
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, train_steps=2, checkpoint=ckpt))
     assert not any(p.exists() for p in stale), sorted(os.listdir(tmp_path))
     assert live.exists() and other.exists()
     assert sum("no longer runs" in line for line in res.stderr.splitlines()) == 2, res.describe()
@@ -386,7 +380,7 @@ def test_no_allocation_in_training_loop(engine, random_shards, alloc_counter):
     args = tiny_args(random_shards.train, random_shards.val, **{
         "train.steps": 6, "eval.every": 2, "eval.batches": 2, "sample.every": 3, "sample.tokens": 4,
         "sample.prompt": ["1,2", "3"], "checkpoint.every": 0})
-    res = run_ok(engine, args, env={"LD_PRELOAD": str(alloc_counter), "OMP_NUM_THREADS": "2"})
+    res = eu.run_ok(engine.binary, args, env={"LD_PRELOAD": str(alloc_counter), "OMP_NUM_THREADS": "2"})
     lines = res.lines
     assert any(l.startswith("ALLOC ") for l in lines), "the shim reported nothing: is it loaded?"
     first = next(i for i, l in enumerate(lines) if l.startswith('{"step"'))
@@ -399,7 +393,7 @@ def test_no_allocation_in_training_loop(engine, random_shards, alloc_counter):
 def test_device_memory_is_constant(engine, random_shards):
     if engine.name != "cuda":
         pytest.skip("device_memory events come from the GPU engine")
-    res = run_ok(engine, tiny_args(random_shards.train, random_shards.val, **{
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, random_shards.val, **{
         "train.steps": 6, "eval.every": 2, "sample.every": 3, "sample.prompt": "1,2"}))
     mem = res.events("device_memory")
     assert len(mem) >= 2 and len({m["bytes"] for m in mem}) == 1, mem
@@ -418,7 +412,8 @@ def shakespeare_shards():
         script = eu.REPO / "scripts" / "prepare-data.py"
         assert script.exists(), f"{script} is missing: it prepares {SHAKESPEARE['train']}"
         # --source chitchat: the offline path; the Shakespeare shards don't depend on the source.
-        prep = subprocess.run([sys.executable, str(script), "--source", "chitchat"], cwd=eu.REPO, capture_output=True, text=True, timeout=900)
+        prep = subprocess.run([sys.executable, str(script), "--source", "chitchat"], cwd=eu.REPO, capture_output=True, text=True,
+                              timeout=900, env=eu.python_env())
         assert prep.returncode == 0, f"prepare-data.py failed:\n{prep.stdout[-2000:]}\n{prep.stderr[-2000:]}"
     return SHAKESPEARE
 
@@ -431,7 +426,7 @@ def test_training_on_shakespeare_lowers_val_loss(engine, shakespeare_shards):
         "model.vocab_size": vocab, "model.padded_vocab_size": 50304, "model.d_model": 64,
         "model.seq_len": 16, "train.batch_size": 4, "train.steps": 80, "train.lr": 1e-2,
         "train.warmup_steps": 5, "train.min_lr": 1e-3, "eval.every": 20, "eval.batches": 2})
-    res = run_ok(engine, args, timeout=300)
+    res = eu.run_ok(engine.binary, args, timeout=300)
     first_loss = res.steps[0]["loss"]
     vals = [v["val_loss"] for v in res.vals]
     assert abs(first_loss - math.log(vocab)) < 0.2, f"untrained loss {first_loss} should be near ln({vocab})"
@@ -445,12 +440,12 @@ def test_training_on_shakespeare_lowers_val_loss(engine, shakespeare_shards):
 
 def test_identical_runs_are_identical(engine, random_shards, tmp_path):
     args = tiny_args(random_shards.train, random_shards.val, **{**RESUME, "train.steps": 8})
-    a = run_ok(engine, args + ["--checkpoint", tmp_path / "a.ckpt"])
-    b = run_ok(engine, args + ["--checkpoint", tmp_path / "b.ckpt"])
+    a = eu.run_ok(engine.binary, args + ["--checkpoint", tmp_path / "a.ckpt"])
+    b = eu.run_ok(engine.binary, args + ["--checkpoint", tmp_path / "b.ckpt"])
     assert eu.exact_records(a) == eu.exact_records(b)
     assert (tmp_path / "a.ckpt").read_bytes() == (tmp_path / "b.ckpt").read_bytes()
     # ... and the seed matters, so the comparison above is not vacuous.
-    c = run_ok(engine, args + ["--train.seed", "7"])
+    c = eu.run_ok(engine.binary, args + ["--train.seed", "7"])
     assert [r["loss"] for r in c.steps] != [r["loss"] for r in a.steps]
 
 
@@ -464,7 +459,6 @@ def test_identical_runs_are_identical(engine, random_shards, tmp_path):
 def test_lr_schedule_matches_the_python_statement_of_design(cpu_binary, random_shards, train):
     """The engine's lr per step equals bench_common.lr_at (DESIGN.md's schedule, which the PyTorch
     baseline trains with), including the edge cases the C code handles on its own."""
-    sys.path.insert(0, str(eu.REPO / "bench"))
     from bench_common import lr_at, train_settings
     given = {"steps": 12, "lr": 1e-3, **train}
     res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{f"train.{k}": v for k, v in given.items()}))
@@ -478,7 +472,7 @@ def test_lr_schedule_matches_the_python_statement_of_design(cpu_binary, random_s
 def test_equals_form_of_flags(engine, random_shards):
     spaced = tiny_args(random_shards.train, **{"train.steps": 3})
     joined = [f"{spaced[i]}={spaced[i + 1]}" for i in range(0, len(spaced), 2)]
-    assert eu.exact_records(run_ok(engine, spaced)) == eu.exact_records(run_ok(engine, joined))
+    assert eu.exact_records(eu.run_ok(engine.binary, spaced)) == eu.exact_records(eu.run_ok(engine.binary, joined))
 
 
 def design_flags():
@@ -515,7 +509,7 @@ def test_flags_json_agrees_with_help(engine):
     by_name = {f["name"]: f for f in flags}
     assert len(by_name) == len(flags) > 30
     lines = help_lines(engine)
-    assert set(lines) == set(by_name) | {"help", "flags-json", "print-config"}
+    assert set(lines) == set(by_name) | {"help", "flags-json", "print-config", "layout-json"}
     types = {"int", "float", "str", "path", "glob", "prompt", "bool"}
     for f in flags:
         line, name = lines[f["name"]], f["name"]
@@ -565,11 +559,40 @@ def test_print_config_gives_every_flag_with_defaults_applied(engine):
     assert bad.rc == 2 and "model.d_ff" in bad.stderr and bad.stdout == ""     # values are still range-checked
 
 
+def test_layout_json_publishes_the_flat_vector_of_design(engine, random_shards, tmp_path):
+    """--layout-json: the tensors of the flat vector in docs/DESIGN.md §2's order, with their shapes,
+    contiguous offsets and the weight-decay mask (2-D tensors only); n_params is what the engine
+    trains and checkpoints. Only the model flags are needed; a missing one is one error line."""
+    shape = {"model.n_layer": 2, "model.d_model": 8, "model.n_head": 2, "model.seq_len": 5,
+             "model.vocab_size": 60, "model.d_ff": 12}
+    res = eu.run_engine(engine.binary, [*eu.flag_list(shape), "--layout-json"], timeout=30)
+    assert res.rc == 0 and res.stderr == "", res.describe()
+    layout = json.loads(res.stdout)
+    d, f, Vp, T = 8, 12, 64, 5
+    per_layer = [("W_Q", [d, d]), ("W_K", [d, d]), ("W_V", [d, d]), ("W_O", [d, d]), ("W_1", [d, f]),
+                 ("W_2", [f, d]), ("ln1.gamma", [d]), ("ln1.beta", [d]), ("ln2.gamma", [d]), ("ln2.beta", [d])]
+    want = ([("wte", [Vp, d]), ("wpe", [T, d])] + [(f"h{l}.{n}", s) for l in range(2) for n, s in per_layer]
+            + [("lnf.gamma", [d]), ("lnf.beta", [d])])
+    assert [(t["name"], t["shape"]) for t in layout["tensors"]] == want
+    at = 0
+    for t in layout["tensors"]:
+        assert t["offset"] == at and t["decay"] == (len(t["shape"]) == 2), t
+        at += int(np.prod(t["shape"]))
+    assert layout["n_params"] == at
+
+    ckpt = tmp_path / "x.ckpt"
+    run = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{**shape, "train.steps": 1}, checkpoint=ckpt))
+    assert run.records[0]["n_params"] == layout["n_params"] == read_checkpoint(ckpt).n_params
+    missing = eu.run_engine(engine.binary, ["--model.d_model", "8", "--layout-json"], timeout=30)
+    assert missing.rc == 2 and missing.stdout == "" and len(missing.errors) == 1, missing.describe()
+    assert "--model." in missing.errors[0]
+
+
 def test_output_follows_contract(engine, random_shards, tmp_path):
     B, T, steps = TINY["train.batch_size"], TINY["model.seq_len"], 8
     prompts = [[1, 2, 3], [7]]
     ckpt = tmp_path / "c.ckpt"
-    res = run_ok(engine, tiny_args(random_shards.train, random_shards.val, **{
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, random_shards.val, **{
         "train.steps": steps, "train.grad_accum": 2, "eval.every": 4, "eval.batches": 2,
         "sample.every": 1, "sample.tokens": 8, "sample.top_k": 64,
         "sample.prompt": [",".join(map(str, p)) for p in prompts],
@@ -580,7 +603,7 @@ def test_output_follows_contract(engine, random_shards, tmp_path):
     start = res.records[0]
     assert start["event"] == "start" and start["engine"] == engine.name and start["step"] == 0
     assert start["steps"] == steps and start["tokens_per_step"] == tokens_per_step
-    assert start["n_params"] == sum(int(np.prod(s)) for _, s in eu.layout_for(TINY))
+    assert start["n_params"] == eu.layout_for(TINY)["n_params"]
     if engine.name == "cpu":
         assert start["compute_precision"] == "fp32"
     mem = res.events("memory")

@@ -29,7 +29,9 @@ import pytest
 
 import engine_util as eu
 from conftest import gpu_present
-from engine_util import tiny_args
+from engine_util import rel_err, run_ok, tiny_args
+
+from microgpt.checkpoint import read_checkpoint, read_sidecar
 
 pytestmark = pytest.mark.gpu
 
@@ -79,23 +81,6 @@ def kernel_check_binary(cuda_binary):
     return KERNEL_CHECK
 
 
-def run_ok(binary, args, **kw):
-    res = eu.run_engine(binary, args, **kw)
-    assert res.rc == 0, res.describe()
-    return res
-
-
-def rel_err(a, b):
-    den = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / (den if den > 0 else 1.0))
-
-
-def layout_of(overrides):
-    s = {**eu.TINY, **overrides}
-    return eu.param_layout(s["model.n_layer"], s["model.d_model"], s["model.seq_len"], s["model.padded_vocab_size"],
-                           s.get("model.d_ff"))
-
-
 # ---------------------------------------------------------------------------------------------------
 # kernels
 
@@ -124,16 +109,15 @@ def test_gradients_match_cpu_engine(cuda_binary, cpu_binary, random_shards, tmp_
     assert abs(gpu_loss - cpu_loss) <= LOSS_TOL[precision] * abs(cpu_loss), (gpu_loss, cpu_loss)
 
     errors = {}
-    for name, (off, shp) in eu.param_offsets(layout_of(overrides)).items():
-        n = int(np.prod(shp))
-        errors[name] = rel_err(gpu_grads[off:off + n], cpu_grads[off:off + n])
+    for name, (sl, _) in eu.tensor_slices(eu.layout_for(overrides)).items():
+        errors[name] = rel_err(gpu_grads[sl], cpu_grads[sl])
     bad = {k: v for k, v in errors.items() if not v <= GRAD_TOL[precision]}
     assert not bad, f"{precision}: tensors beyond {GRAD_TOL[precision]}: {bad}\nall: {errors}"
 
     s = {**eu.TINY, **overrides}
     V, d = s["model.vocab_size"], s["model.d_model"]
-    wte_off, (Vp, _) = eu.param_offsets(layout_of(overrides))["wte"]
-    padded = gpu_grads[wte_off + V * d: wte_off + Vp * d]
+    wte, (Vp, _) = eu.tensor_slices(eu.layout_for(overrides))["wte"]
+    padded = gpu_grads[wte.start + V * d: wte.stop]
     assert padded.size == (Vp - V) * d and not padded.any(), "padded wte rows received gradient"
 
 
@@ -150,7 +134,7 @@ def test_ten_adamw_steps_match_cpu_engine(cuda_binary, cpu_binary, random_shards
         assert abs(g["grad_norm"] - c["grad_norm"]) <= 1e-4 * abs(c["grad_norm"]), (c, g)
     for c, g in zip(cpu.vals, gpu.vals):
         assert abs(g["val_loss"] - c["val_loss"]) <= 1e-5 * abs(c["val_loss"]), (c, g)
-    a, b = eu.read_checkpoint(tmp_path / "cpu.ckpt"), eu.read_checkpoint(tmp_path / "gpu.ckpt")
+    a, b = read_checkpoint(tmp_path / "cpu.ckpt"), read_checkpoint(tmp_path / "gpu.ckpt")
     assert a.step == b.step == 10
     assert rel_err(b.params, a.params) <= 1e-5, rel_err(b.params, a.params)
     assert rel_err(b.m, a.m) <= 1e-4, rel_err(b.m, a.m)
@@ -186,7 +170,7 @@ def test_exact_resume_after_sigterm(cuda_binary, random_shards, tmp_path, precis
     assert [r["step"] for r in second.steps] == list(range(k + 1, RESUME["train.steps"] + 1))
     assert eu.merged_exact_records(first, second) == eu.exact_records(ref)
     assert ckpt.read_bytes() == ref_ckpt.read_bytes(), "final checkpoints differ"
-    assert eu.read_sidecar(ckpt)["loss_scale"] == eu.read_sidecar(ref_ckpt)["loss_scale"]
+    assert read_sidecar(ckpt)["loss_scale"] == read_sidecar(ref_ckpt)["loss_scale"]
 
 
 def test_fp16_overflow_skips_steps_and_lowers_the_scale(cuda_binary, random_shards, tmp_path):
@@ -200,7 +184,7 @@ def test_fp16_overflow_skips_steps_and_lowers_the_scale(cuda_binary, random_shar
 
     first = run_ok(cuda_binary, args(1))
     assert first.steps[0]["loss_scale"] == 65536 and "skipped" not in first.steps[0]
-    side = eu.read_sidecar(ckpt)
+    side = read_sidecar(ckpt)
     side["loss_scale"] = float(2 ** 30)
     (tmp_path / "run.ckpt.json").write_text(json.dumps(side))
     shutil.copyfile(ckpt, tmp_path / "start.ckpt")
@@ -209,11 +193,11 @@ def test_fp16_overflow_skips_steps_and_lowers_the_scale(cuda_binary, random_shar
     one = run_ok(cuda_binary, args(2, resume=True))
     assert one.steps[0]["skipped"] is True and one.steps[0]["loss_scale"] == 2 ** 29, one.steps
     assert one.steps[0]["grad_norm"] is None
-    before, after = eu.read_checkpoint(tmp_path / "start.ckpt"), eu.read_checkpoint(ckpt)
+    before, after = read_checkpoint(tmp_path / "start.ckpt"), read_checkpoint(ckpt)
     assert after.step == 2
     assert np.array_equal(before.params, after.params) and np.array_equal(before.m, after.m) \
         and np.array_equal(before.v, after.v), "a skipped step changed the state"
-    assert eu.read_sidecar(ckpt)["loss_scale"] == 2 ** 29
+    assert read_sidecar(ckpt)["loss_scale"] == 2 ** 29
 
     shutil.copyfile(tmp_path / "start.ckpt", ckpt)
     shutil.copyfile(tmp_path / "start.ckpt.json", tmp_path / "run.ckpt.json")
@@ -261,7 +245,8 @@ def test_memory_plan_and_constant_device_memory(cuda_binary, random_shards):
     assert sum(groups.values()) == mem[0]["total_bytes"]
     for g in ("params", "grads", "adam", "weights_lowp", "activations"):
         assert groups[g] > 0, groups
-    n = eu.count_params(3, 48, 37, 128, 100)
+    n = eu.layout_for({"model.n_layer": 3, "model.d_model": 48, "model.seq_len": 37,
+                       "model.padded_vocab_size": 128, "model.d_ff": 100})["n_params"]
     assert groups["params"] >= 4 * n and groups["adam"] >= 8 * n and groups["weights_lowp"] >= 2 * n
     dev = res.events("device_memory")
     assert [d["step"] for d in dev] == [1, 6], dev
@@ -304,5 +289,5 @@ def test_a_gpu_checkpoint_resumes_on_the_cpu_engine(cuda_binary, cpu_binary, ran
     assert [r["step"] for r in cpu.steps] == [r["step"] for r in gpu.steps] == [5, 6, 7, 8]
     for c, g in zip(cpu.steps, gpu.steps):
         assert abs(g["loss"] - c["loss"]) <= LOSS_TOL["fp32"] * abs(c["loss"]), (c, g)
-    a, b = eu.read_checkpoint(tmp_path / "cpu.ckpt"), eu.read_checkpoint(tmp_path / "gpu2.ckpt")
+    a, b = read_checkpoint(tmp_path / "cpu.ckpt"), read_checkpoint(tmp_path / "gpu2.ckpt")
     assert a.step == b.step == 8 and rel_err(b.params, a.params) <= 1e-5

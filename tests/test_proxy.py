@@ -5,9 +5,9 @@ import http.client
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
+import types
 
 import pytest
 import requests
@@ -15,9 +15,8 @@ import requests
 from proxy_util import (NAME, PROXY, REPO, Proxy, ProxyFixtureDir, live_train, live_val,
                         proxy_env, run_to_end)
 
-sys.path.insert(0, str(REPO / "microgpt"))
-import loss_log  # noqa: E402
-import training_proxy  # noqa: E402
+from microgpt import config, engines, loss_log, run_dir, supervisor
+from microgpt.checkpoint import checkpoint_step
 
 PROMPTS = ["A", "B"]  # GPT-2 ids 32 and 33: inside the tiny vocabulary
 
@@ -25,11 +24,6 @@ PROMPTS = ["A", "B"]  # GPT-2 ids 32 and 33: inside the tiny vocabulary
 @pytest.fixture
 def exp(tmp_path):
     return ProxyFixtureDir(tmp_path)
-
-
-def ckpt_step(path):
-    with open(path, "rb") as f:
-        return struct.unpack("<i", f.read(4))[0]
 
 
 def assert_one_live_value_per_step(records):
@@ -159,7 +153,7 @@ def test_loss_log_serves_raw_ranges(tmp_path):
 @pytest.fixture(scope="module")
 def flags(cpu_binary):
     """The engine's flag table, as the proxy reads it (`ENGINE --flags-json`)."""
-    return training_proxy.engine_flags(str(cpu_binary))
+    return engines.engine_flags(str(cpu_binary))
 
 
 def test_engine_args_are_the_dotted_keys(flags):
@@ -167,8 +161,8 @@ def test_engine_args_are_the_dotted_keys(flags):
            "train": {"steps": 100, "lr": 6e-4, "precision": "bf16"},
            "data": {"train": "data/megachat/megachat_train_*.bin", "val": "/abs/val_*.bin"},
            "sample": {"every": 5, "prompts": ["a", "b"]}}
-    training_proxy.validate_config(cfg, flags)
-    args = training_proxy.engine_args(cfg, flags, [[64], [65, 66]], "/r/x.ckpt", resume=True)
+    config.validate_config(cfg, flags)
+    args = config.engine_args(cfg, flags, [[64], [65, 66]], "/r/x.ckpt", resume=True)
     pairs = dict(zip(args[::2], args[1::2]))
     assert pairs["--name"] == "x" and pairs["--model.n_layer"] == "6"
     assert float(pairs["--train.lr"]) == 6e-4 and pairs["--train.precision"] == "bf16"
@@ -192,8 +186,8 @@ def test_every_dotted_engine_flag_is_a_config_key(flags):
     for name, f in dotted.items():
         section, key = name.split(".")
         cfg.setdefault(section, {})[key] = value(f)
-    training_proxy.validate_config(cfg, flags)
-    args = training_proxy.engine_args(cfg, flags, [], "/r/x.ckpt", resume=False)
+    config.validate_config(cfg, flags)
+    args = config.engine_args(cfg, flags, [], "/r/x.ckpt", resume=False)
     given = [a[2:] for a in args if a.startswith("--")]
     assert sorted(given) == sorted(list(dotted) + ["name", "checkpoint"])
 
@@ -269,11 +263,11 @@ def fake_engines(tmp_path, cuda=True, cpu=True):
     ("cpu", True, True, "cpu", None),
 ])
 def test_engine_choice(tmp_path, requested, gpu, cuda, want, warning):
-    engines = fake_engines(tmp_path, cuda=cuda)
-    path, said = training_proxy.choose_engine(requested, gpu, engines)
-    assert path == engines[want]
+    binaries = fake_engines(tmp_path, cuda=cuda)
+    path, said = engines.choose_engine(requested, gpu, binaries)
+    assert path == binaries[want]
     if warning:
-        assert warning in said and "--engine cuda forces" in said and engines["cpu"] in said
+        assert warning in said and "--engine cuda forces" in said and binaries["cpu"] in said
     else:
         assert said is None
 
@@ -285,10 +279,10 @@ def test_engine_choice(tmp_path, requested, gpu, cuda, want, warning):
     (None, False, True, False, "{cpu} is not built; run `make`"),
 ])
 def test_engine_choice_errors(tmp_path, requested, gpu, cuda, cpu, message):
-    engines = fake_engines(tmp_path, cuda=cuda, cpu=cpu)
-    with pytest.raises(training_proxy.EngineChoiceError) as e:
-        training_proxy.choose_engine(requested, gpu, engines)
-    assert message.format(**engines) in str(e.value)
+    binaries = fake_engines(tmp_path, cuda=cuda, cpu=cpu)
+    with pytest.raises(engines.EngineChoiceError) as e:
+        engines.choose_engine(requested, gpu, binaries)
+    assert message.format(**binaries) in str(e.value)
 
 
 @pytest.fixture
@@ -306,7 +300,7 @@ def no_gpu_env(tmp_path):
 
 
 def test_without_a_gpu_the_default_engine_falls_back_to_cpu(exp, cpu_binary, no_gpu_env):
-    assert str(cpu_binary) == training_proxy.ENGINES["cpu"], "needs the repository's build/microgpt_cpu"
+    assert str(cpu_binary) == engines.ENGINES["cpu"], "needs the repository's build/microgpt_cpu"
     res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=12)), "--run-dir",
                           str(exp.run_dir), "--no-server"], capture_output=True, text=True,
                          env=no_gpu_env, timeout=120)
@@ -314,7 +308,7 @@ def test_without_a_gpu_the_default_engine_falls_back_to_cpu(exp, cpu_binary, no_
     warnings = [ln for ln in res.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warnings) == 1 and "no GPU visible" in warnings[0] and "--engine cuda" in warnings[0]
     st = exp.state()
-    assert st["status"] == "finished" and st["engine"] == training_proxy.ENGINES["cpu"]
+    assert st["status"] == "finished" and st["engine"] == engines.ENGINES["cpu"]
 
 
 def test_engine_cuda_without_a_usable_gpu_engine_is_an_error(exp, no_gpu_env):
@@ -386,7 +380,7 @@ def test_sigterm_stops_with_a_checkpoint_and_rerun_resumes_exactly(tmp_path, cpu
         assert p.stop() == 0, p.describe()
         st = exp.state()
         assert st["status"] == "stopped" and st["pid"] is None, st
-        step = ckpt_step(exp.path(".ckpt"))
+        step = checkpoint_step(exp.path(".ckpt"))
         assert st["checkpoint_step"] == step == st["step"] == live_train(exp.loss())[-1]["step"]
         assert any("stopped at step" in line for line in p.out)
     recs = exp.loss()
@@ -411,7 +405,7 @@ def test_sigusr1_is_forwarded_and_training_continues(exp, cpu_binary):
     p.proc.send_signal(signal.SIGUSR1)
     st = p.wait_state(lambda s: s.get("checkpoint_step") is not None)
     taken = st["checkpoint_step"]
-    assert ckpt_step(exp.path(".ckpt")) == taken
+    assert checkpoint_step(exp.path(".ckpt")) == taken
     p.wait_state(lambda s: s.get("step", 0) > taken + 10 and s["status"] == "running")
     assert p.stop() == 0
 
@@ -457,7 +451,7 @@ sys.exit(child.wait())
     errors = [line for line in p.err if line.startswith("error")]
     assert len(errors) == 1 and "proxy failed: TypeError" in errors[0], p.describe()
     st = exp.state()
-    step = ckpt_step(exp.path(".ckpt"))  # checkpoint every 0: only SIGTERM makes one
+    step = checkpoint_step(exp.path(".ckpt"))  # checkpoint every 0: only SIGTERM makes one
     assert step >= 20 and st["checkpoint_step"] == step, (step, st)
     assert st["status"] == "crashed" and st["pid"] is None, st
     assert f"last checkpoint: step {step}" in st["message"], st
@@ -466,25 +460,25 @@ sys.exit(child.wait())
 
 
 def test_proxy_failure_kills_an_engine_that_ignores_sigterm(tmp_path, monkeypatch, capsys):
-    """The SIGKILL fallback of Run.abort, in process: an "engine" that ignores SIGTERM."""
-    monkeypatch.setattr(training_proxy, "ABORT_WAIT_SECONDS", 0.5)
-    run = training_proxy.Run.__new__(training_proxy.Run)  # only what abort() touches
-    run.name, run.state, run.state_version, run.state_dirty = "t", {}, 0, False
-    run.ckpt_path, run.state_path = str(tmp_path / "t.ckpt"), str(tmp_path / "t.state.json")
-    run.proc = subprocess.Popen(["sh", "-c", "trap '' TERM; echo ready; exec sleep 60"],
+    """The SIGKILL fallback of Supervisor.abort, in process: an "engine" that ignores SIGTERM."""
+    monkeypatch.setattr(supervisor, "ABORT_WAIT_SECONDS", 0.5)
+    files = run_dir.RunFiles(tmp_path, "t")
+    sup = supervisor.Supervisor.__new__(supervisor.Supervisor)  # only what abort() touches
+    sup.run = types.SimpleNamespace(name="t", files=files, store=run_dir.RunState(files))
+    sup.proc = subprocess.Popen(["sh", "-c", "trap '' TERM; echo ready; exec sleep 60"],
                                 stdout=subprocess.PIPE)
-    assert run.proc.stdout.readline() == b"ready\n"  # SIGTERM is ignored from here on
+    assert sup.proc.stdout.readline() == b"ready\n"  # SIGTERM is ignored from here on
     try:
         raise OSError(28, "No space left on device")
     except OSError as e:
-        assert run.abort(e) == 1
-    assert run.proc.returncode == -signal.SIGKILL
+        assert sup.abort(e) == 1
+    assert sup.proc.returncode == -signal.SIGKILL
     st = json.loads((tmp_path / "t.state.json").read_text())
     assert st["status"] == "crashed" and "did not stop within 0.5 s" in st["message"], st
     assert "last checkpoint: none" in st["message"], st
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: t: proxy failed: OSError"), err
-    run.proc.stdout.close()
+    sup.proc.stdout.close()
 
 
 def test_loss_log_completes_short_writes(tmp_path, monkeypatch):
@@ -537,7 +531,7 @@ def test_engine_killed_outright_is_crashed_and_rerun_resumes(exp, cpu_binary):
     st = exp.state()
     assert st["status"] == "crashed" and "SIGKILL" in st["message"], st
     before = exp.loss()  # still loads with json.load
-    assert ckpt_step(exp.path(".ckpt")) == k
+    assert checkpoint_step(exp.path(".ckpt")) == k
     beyond = [r for r in before if r["live"] and r["step"] > k and "event" not in r]
     assert len(beyond) >= 20
 
@@ -569,8 +563,8 @@ def test_polish_archives_pretraining(exp, cpu_binary):
                                                                      ".samples.json", ".state.json"))
     # The SIGUSR1 checkpoint, kept while the live one moved on; the engine keeps training while
     # the signal travels, so it is the first checkpoint at or after the boundary.
-    kept = ckpt_step(arch / f"{NAME}.ckpt")
-    assert 30 <= kept < 300 and ckpt_step(exp.path(".ckpt")) == 300
+    kept = checkpoint_step(arch / f"{NAME}.ckpt")
+    assert 30 <= kept < 300 and checkpoint_step(exp.path(".ckpt")) == 300
     assert json.loads((arch / f"{NAME}.ckpt.json").read_text())["step"] == kept
     old = json.loads((arch / f"{NAME}.samples.json").read_text())
     new = json.loads(exp.path(".samples.json").read_text())

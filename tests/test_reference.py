@@ -10,6 +10,8 @@ import pytest
 import engine_util as eu
 import reference as R
 
+from microgpt.checkpoint import read_checkpoint, write_checkpoint
+
 # ----------------------------------------------------------------------------- reference vs finite differences
 
 FD_CFG = R.ModelConfig(vocab_size=11, padded_vocab_size=16, n_layer=2, d_model=8, n_head=2, seq_len=5, d_ff=12)
@@ -122,7 +124,7 @@ def engine_setup(tmp_path):
         eu.write_shard(tmp_path / f"win_{i:06d}.bin", w)
     params = R.init_params(ENG_CFG, rng, std=INIT_STD).astype(np.float32).astype(np.float64)  # what the engine loads
     ckpt = tmp_path / "start.ckpt"
-    eu.write_checkpoint(ckpt, 0, params, np.zeros_like(params), np.zeros_like(params))
+    write_checkpoint(ckpt, 0, params, np.zeros_like(params), np.zeros_like(params))
     return {"glob": str(tmp_path / "win_*.bin"), "ckpt": ckpt, "params": params, "windows": windows}
 
 
@@ -146,10 +148,6 @@ def match_batch(params, windows, engine_loss):
     return combo, x, y
 
 
-def rel_err(got, want):
-    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-
-
 def test_engine_gradients_match_reference(cpu_binary, engine_setup, tmp_path):
     s = engine_setup
     dump = tmp_path / "grads.bin"
@@ -163,7 +161,7 @@ def test_engine_gradients_match_reference(cpu_binary, engine_setup, tmp_path):
     assert abs(loss - ref_loss) <= LOSS_RTOL * abs(ref_loss), f"loss {loss} vs reference {ref_loss}"
     got, want = R.unflatten(grads.astype(np.float64), ENG_CFG), R.unflatten(ref_grads, ENG_CFG)
     for name, _ in R.param_shapes(ENG_CFG):
-        err = rel_err(got[name], want[name])
+        err = eu.rel_err(got[name], want[name])
         assert err <= GRAD_RTOL, f"gradient {name}: relative error {err:.3g} > {GRAD_RTOL:g}"
     assert not got["wte"][ENG_CFG.vocab_size:].any(), "engine gave padded wte rows a gradient"
 
@@ -189,7 +187,7 @@ def test_engine_adamw_steps_match_reference(cpu_binary, engine_setup, tmp_path, 
         if grad_clip:
             assert norm > grad_clip, f"step {i + 1}: norm {norm} does not exceed grad_clip, clipping untested"
 
-    final = eu.read_checkpoint(ckpt)
+    final = read_checkpoint(ckpt)
     assert final.step == N_STEPS
     # the weight change is compared too: the weights themselves are dominated by their common start
     state = [("weights", final.params, params), ("weight change", final.params - s["params"], params - s["params"]),
@@ -197,5 +195,5 @@ def test_engine_adamw_steps_match_reference(cpu_binary, engine_setup, tmp_path, 
     for label, got_flat, want_flat in state:
         got, want = R.unflatten(got_flat.astype(np.float64), ENG_CFG), R.unflatten(want_flat, ENG_CFG)
         for name, _ in R.param_shapes(ENG_CFG):
-            err = rel_err(got[name], want[name])
+            err = eu.rel_err(got[name], want[name])
             assert err <= STATE_RTOL, f"{label} {name} after {N_STEPS} steps: relative error {err:.3g} > {STATE_RTOL:g}"

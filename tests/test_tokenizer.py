@@ -13,8 +13,9 @@ import pytest
 import tiktoken
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from microgpt import tokenizer as tok  # noqa: E402
+from engine_util import python_env
+
+from microgpt import tokenizer as tok
 
 R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"  # tiktoken_ext/openai_public.py
 
@@ -85,7 +86,7 @@ def test_decode_drops_ids_outside_vocab(assets):
      [("user", "u"), ("assistant", "a")]),
 ])
 def test_parse_conversation_formats(record, turns):
-    assert tok.parse_conversation(record) == turns
+    assert tok.parse_conversation(record) == (turns, None)  # (turns, reason a bad turn cut it)
 
 
 @pytest.mark.parametrize("record, reason", [
@@ -122,7 +123,7 @@ def test_missing_asset_offline_says_what_to_run(fresh_tokenizer, tmp_path, monke
 
 def run_cli(*args):
     return subprocess.run([sys.executable, str(REPO / "microgpt" / "tokenizer.py"), *args],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=python_env())
 
 
 def test_cli(assets):

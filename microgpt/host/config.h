@@ -48,6 +48,7 @@ typedef struct {
         float lr;
     } polish;
     int resume;
+    int layout_json; /* --layout-json: print the parameter layout (params.h) and exit */
     char dump_grads[CFG_PATH_MAX]; /* "" = off */
 } Config;
 
@@ -164,6 +165,7 @@ static void config_help(FILE* out, const char* prog) {
     }
     fprintf(out, "  %-36s %s\n", "--flags-json", "print this table as one JSON document and exit");
     fprintf(out, "  %-36s %s\n", "--print-config", "print every flag's value, defaults applied, as JSON and exit");
+    fprintf(out, "  %-36s %s\n", "--layout-json", "print the model's parameter tensors (names, shapes, offsets) as JSON and exit");
     fprintf(out, "  %-36s %s\n", "--help", "show this help and exit");
 }
 
@@ -379,7 +381,8 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
 
 /* Parses argv into *c (defaults first), validates, and dies with one error line on bad input.
  * --help prints the table for people, --flags-json for programs, --print-config the parsed
- * configuration with its defaults; all three exit 0. */
+ * configuration with its defaults; all three exit 0. --layout-json returns unvalidated: the caller
+ * prints the parameter layout (param_layout_json) and exits 0. */
 static void config_parse(Config* c, int argc, char** argv) {
     Flag f[CFG_N_FLAGS_MAX];
     int seen[CFG_N_FLAGS_MAX];
@@ -404,6 +407,10 @@ static void config_parse(Config* c, int argc, char** argv) {
         }
         if (strcmp(a, "--print-config") == 0) {
             print_config = 1;
+            continue;
+        }
+        if (strcmp(a, "--layout-json") == 0) {
+            c->layout_json = 1;
             continue;
         }
         if (strncmp(a, "--", 2) != 0) die_input("unexpected argument '%s' (flags start with --; see --help)", a);
@@ -431,6 +438,12 @@ static void config_parse(Config* c, int argc, char** argv) {
     if (print_config) { /* before the required-flag and cross-flag checks: a partial config resolves too */
         config_print_json(stdout, c);
         exit(0);
+    }
+    if (c->layout_json) { /* the layout needs only the model's sizes; the caller prints it */
+        for (i = 0; i < n; i++)
+            if (f[i].required == REQ_YES && !seen[i] && strncmp(f[i].name, "model.", 6) == 0)
+                die_input("missing required flag --%s", f[i].name);
+        return;
     }
     config_validate(c, seen, f, n);
 }

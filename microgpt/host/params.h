@@ -87,6 +87,22 @@ static void param_layout_init(ParamLayout* p, const Config* c) {
     p->n_params = cur;
 }
 
+/* --layout-json: the layout for programs, so that no other language restates it:
+ * {"n_params":N,"tensors":[{"name":"wte","shape":[50304,192],"offset":0,"decay":true},...]};
+ * 1-D tensors have a shape of one dimension. */
+static void param_layout_json(FILE* out, const ParamLayout* p) {
+    int i;
+    fprintf(out, "{\"n_params\":%zu,\"tensors\":[", p->n_params);
+    for (i = 0; i < p->n_tensors; i++) {
+        const ParamTensor* t = &p->tensors[i];
+        fprintf(out, "%s\n{\"name\":\"%s\",\"shape\":", i ? "," : "", t->name);
+        if (t->rows == 1) fprintf(out, "[%d]", t->cols);
+        else fprintf(out, "[%d,%d]", t->rows, t->cols);
+        fprintf(out, ",\"offset\":%zu,\"decay\":%s}", t->offset, t->decay ? "true" : "false");
+    }
+    fputs("]}\n", out);
+}
+
 static void param_layout_free(ParamLayout* p) {
     free(p->tensors);
     p->tensors = NULL;

@@ -136,6 +136,10 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     V = c->model.vocab_size;
     T = c->model.seq_len;
     param_layout_init(&r->layout, c);
+    if (c->layout_json) {
+        param_layout_json(stdout, &r->layout);
+        exit(0);
+    }
     if (r->layout.n_params > 2147483647u)
         die_input("the model has %zu parameters; the checkpoint format holds at most 2^31-1", r->layout.n_params);
     dataset_open(&r->train, c->data.train, "data.train", V, T);

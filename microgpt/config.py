@@ -1,0 +1,176 @@
+"""Experiment configs (docs/DESIGN.md §4): reading one, checking it against the engine's flag table,
+and turning it into the engine's command line. Shared by the proxy, the benchmark and the tools.
+
+The engine owns the list of keys: every config key `section.key` is the engine flag --section.key,
+and `ENGINE --flags-json` publishes the flags (type, default, choices, range, required). Flags
+without a dot (--checkpoint, --resume, ...) are the command line's own, not config keys. The proxy
+adds a few keys that are its own (OWN_KEYS)."""
+import json
+import os
+
+from microgpt.engines import ROOT
+
+OWN_KEYS = {  # key: (type, required)
+    "name": ("str", True),          # names the run directory and files; passed as --name
+    "description": ("str", False),  # free text for people; not passed to the engine
+    "sample.prompts": ("prompts", False),  # strings, tokenized into repeated --sample.prompt ids
+}
+TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "path": "a path",
+              "glob": "a glob pattern", "bool": "true or false", "prompts": "a list of strings"}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def read_config(path):
+    """The JSON document at path (any JSON: validate_config says whether it is a config)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read it: {e.strerror}") from None
+    except ValueError as e:
+        raise ConfigError(f"not valid JSON: {e}") from None
+
+
+def load_config(path, flags):
+    """A config checked against the engine's flag table."""
+    cfg = read_config(path)
+    validate_config(cfg, flags)
+    return cfg
+
+
+def config_keys(flags):
+    """The keys a config may hold -> what each must be: the engine's dotted flags (but the
+    token-id prompts, which the proxy makes from sample.prompts) and the proxy's own keys."""
+    keys = {name: f["type"] for name, f in flags.items() if "." in name and f["type"] != "prompt"}
+    keys.update({key: kind for key, (kind, _) in OWN_KEYS.items()})
+    return keys
+
+
+def _type_ok(kind, value):
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):  # JSON true/false are ints to Python; never a number here
+        return False
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "float":
+        return isinstance(value, (int, float))
+    if kind == "prompts":
+        return isinstance(value, list) and all(isinstance(p, str) and p for p in value)
+    return isinstance(value, str) and value != ""  # str, path, glob
+
+
+def _check_value(dotted, kind, value, flag):
+    """One key's value against its type and, for engine flags, its choices and range."""
+    if not _type_ok(kind, value):
+        raise ConfigError(f'"{dotted}" must be {TYPE_WORDS[kind]}, not {json.dumps(value)}')
+    if not flag:
+        return
+    if flag["choices"] and value not in flag["choices"]:
+        raise ConfigError(f'"{dotted}" must be one of {", ".join(flag["choices"])}, '
+                          f'not {json.dumps(value)}')
+    if flag["min"] is not None and value < flag["min"]:
+        raise ConfigError(f'"{dotted}" must be at least {flag["min"]}, not {json.dumps(value)}')
+    if flag["max"] is not None and value > flag["max"]:
+        raise ConfigError(f'"{dotted}" must be at most {flag["max"]}, not {json.dumps(value)}')
+
+
+def _required_keys(cfg, flags):
+    """Own required keys, required flags, and flags required once their section is there."""
+    own = [key for key, (_, required) in OWN_KEYS.items() if required]
+    return own + [name for name, f in flags.items() if "." in name and
+                  (f["required"] is True or (f["required"] == "section" and name.split(".")[0] in cfg))]
+
+
+def validate_config(cfg, flags):
+    """Raise ConfigError naming the first unknown, mistyped, out-of-range or missing key."""
+    if not isinstance(cfg, dict):
+        raise ConfigError("the config must be a JSON object")
+    keys = config_keys(flags)
+    sections = {k.split(".")[0] for k in keys if "." in k}
+    for key, value in cfg.items():
+        if key in sections:
+            if not isinstance(value, dict):
+                raise ConfigError(f'"{key}" must be an object')
+            for sub, subval in value.items():
+                dotted = f"{key}.{sub}"
+                if dotted not in keys:
+                    raise ConfigError(f'unknown key "{dotted}"')
+                _check_value(dotted, keys[dotted], subval, flags.get(dotted))
+        elif key in keys:
+            _check_value(key, keys[key], value, None)
+        else:
+            raise ConfigError(f'unknown key "{key}"')
+    for dotted in _required_keys(cfg, flags):
+        section, _, sub = dotted.partition(".")
+        if section not in cfg or (sub and sub not in cfg[section]):
+            raise ConfigError(f'missing key "{dotted}"')
+    name = cfg["name"]
+    if not all(c.isalnum() or c in "._-" for c in name) or name.startswith("."):
+        raise ConfigError(f'"name" must be letters, digits, ".", "_" or "-" (it names files), '
+                          f'not {json.dumps(name)}')
+
+
+def resolve_path(p):
+    """Config paths (and globs) are relative to the repository root, wherever the proxy runs."""
+    p = os.path.expanduser(p)
+    return p if os.path.isabs(p) else os.path.join(ROOT, p)
+
+
+def tokenize_prompts(cfg, flags):
+    """sample.prompts -> token id lists (ChatML specials allowed), checked against the vocabulary."""
+    prompts = cfg.get("sample", {}).get("prompts", [])
+    if not prompts:
+        return []
+    from microgpt import tokenizer  # tiktoken loads only for configs that sample
+    vocab = cfg["model"].get("vocab_size", flags["model.vocab_size"]["default"])
+    out = []
+    for i, text in enumerate(prompts):
+        try:
+            ids = tokenizer.encode_chat(text)
+        except tokenizer.TokenizerUnavailable as e:
+            raise ConfigError(f'"sample.prompts" cannot be tokenized: {e}') from None
+        too_big = [t for t in ids if t >= vocab]
+        if too_big:
+            raise ConfigError(f'"sample.prompts[{i}]" has token id {too_big[0]}, which is not below '
+                              f'model.vocab_size {vocab}')
+        out.append(ids)
+    return out
+
+
+def config_values(cfg, flags):
+    """{dotted key: value} for every engine flag the config sets (not the proxy's own keys)."""
+    return {f"{section}.{key}": value
+            for section, keys in cfg.items() if isinstance(keys, dict)
+            for key, value in keys.items() if f"{section}.{key}" in flags}
+
+
+def flag_args(values, flags):
+    """{flag name: value} -> the engine's command line, by each flag's type: booleans as bare
+    flags, paths resolved against the repository, floats by repr (which round-trips a double)."""
+    args = []
+    for name, value in values.items():
+        kind = flags[name]["type"] if name in flags else "str"
+        if kind == "bool":
+            args += [f"--{name}"] if value else []
+            continue
+        if kind in ("path", "glob"):
+            value = resolve_path(value)
+        elif kind == "float":
+            value = repr(float(value))
+        args += [f"--{name}", str(value)]
+    return args
+
+
+def engine_args(cfg, flags, prompt_ids, ckpt_path, resume):
+    """The engine's command-line flags for a validated config: the dotted keys, mechanically."""
+    args = flag_args({"name": cfg["name"], **config_values(cfg, flags)}, flags)
+    for ids in prompt_ids:
+        args += ["--sample.prompt", ",".join(str(t) for t in ids)]
+    args += ["--checkpoint", ckpt_path]
+    if resume:
+        args.append("--resume")
+    return args

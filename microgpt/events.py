@@ -1,0 +1,184 @@
+"""What the proxy does with each line the engine prints (docs/DESIGN.md §3 lists the events): loss
+records go to the loss log, everything else updates the run's state, samples and archive."""
+import collections
+import json
+import os
+import signal
+import sys
+import time
+
+from microgpt.run_dir import archive_samples_and_state, keep_checkpoint
+
+
+def say(msg):
+    print(f"[proxy] {msg}", flush=True)
+
+
+def decode_tokens(ids):
+    """Token ids -> text; if the tokenizer cannot load, the ids themselves (a sample is never lost)."""
+    try:
+        from microgpt import tokenizer  # tiktoken loads only for runs that sample
+        return tokenizer.decode(ids)
+    except Exception as e:  # TokenizerUnavailable, or tiktoken missing entirely
+        if not getattr(decode_tokens, "warned", False):
+            say(f"warning: samples are kept as token ids, the tokenizer is unavailable ({e})")
+            decode_tokens.warned = True
+        return " ".join(str(i) for i in ids)
+
+
+class Clock:
+    """Launch number and elapsed training time across launches: every record says which launch
+    (seg) wrote it and how long the run had trained by then, so resumes can be told apart."""
+
+    def __init__(self, seg):
+        self.seg = seg
+        self.t0 = time.time()
+        self.base = 0.0  # training time of earlier launches, up to the step this one resumed at
+
+    def restart(self, base):
+        self.base, self.t0 = base, time.time()
+
+    def elapsed(self, now=None):
+        return round(self.base + (now or time.time()) - self.t0, 3)
+
+
+class Throughput:
+    """Seconds per step and tokens per second over the last WINDOW train records."""
+
+    WINDOW = 64
+
+    def __init__(self):
+        self.window = collections.deque(maxlen=self.WINDOW)  # (time, step, tokens)
+
+    def add(self, now, rec):
+        """-> (seconds per step, tokens per second or None) as of this record."""
+        self.window.append((now, rec["step"], rec.get("tokens", 0)))
+        t0, s0, k0 = self.window[0]
+        if len(self.window) >= 2 and rec["step"] > s0 and now > t0:
+            return (now - t0) / (rec["step"] - s0), (rec.get("tokens", 0) - k0) / (now - t0)
+        return rec.get("ms", 0) / 1000, rec.get("tokens_per_s")  # too early: the engine's timing
+
+
+class EventHandler:
+    """Dispatches the engine's stdout lines. `run` gives the config, files, state and loss buffer;
+    `ask_engine(sig)` signals the engine (the polish boundary asks it for a checkpoint)."""
+
+    def __init__(self, run, ask_engine):
+        self.run, self.ask_engine = run, ask_engine
+        self.steps = run.cfg["train"]["steps"]
+        self.tokens_per_step = None
+        self.exit_reason = None
+        self.polish_step = None  # set from the polish event until its checkpoint is archived
+        self.throughput = Throughput()
+
+    def handle_line(self, line):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict):  # not protocol: show it rather than lose it
+            sys.stderr.write(line)
+            return
+        handler = {None: self.on_record, "start": self.on_start, "sample": self.on_sample,
+                   "polish": self.on_polish, "checkpoint": self.on_checkpoint,
+                   "exit": self.on_exit, "memory": self.on_memory}.get(rec.get("event"))
+        if handler:
+            handler(rec)
+
+    def add_record(self, rec):
+        now = time.time()
+        rec.update(seg=self.run.clock.seg, time=round(now, 3), elapsed=self.run.clock.elapsed(now))
+        self.run.buffer.add(rec)
+
+    def on_start(self, rec):
+        """The engine has loaded its checkpoint (or initialised) at step k: from here on, anything
+        the log holds beyond k is a future that will not happen."""
+        run, k = self.run, rec.get("step", 0)
+        self.steps = rec.get("steps", self.steps)
+        self.tokens_per_step = rec.get("tokens_per_step")
+        run.buffer.flush(force=True)
+        marked = run.log.supersede_after(k)
+        before = run.log.last_live(lambda r: "elapsed" in r and r.get("step", 0) <= k)
+        run.clock.restart(before["elapsed"] if before else 0.0)
+        tokens = before.get("tokens", 0) if before else 0
+        kind = "resume" if len(run.log) else "start"
+        run.log.append([{"event": kind, "step": k, "tokens": tokens, "seg": run.clock.seg,
+                         "time": round(run.clock.t0, 3), "elapsed": run.clock.base,
+                         "superseded": marked}])
+        samples = run.store.samples
+        if any(s.get("step", 0) > k and not s.get("superseded") for s in samples):
+            run.store.set_samples([dict(s, superseded=True) if s.get("step", 0) > k else s
+                                         for s in samples])
+        polish = run.cfg.get("polish")
+        phase = "polish" if polish and k >= polish["start_step"] else "pretrain"
+        run.store.set_state(force=True, status="running", step=k, steps=self.steps,
+                                  phase=phase, tokens=tokens, elapsed_s=run.clock.base,
+                                  seg=run.clock.seg)
+        what = f"resuming at step {k}" if k else "starting at step 0"
+        extra = f"; {marked} logged records beyond step {k} marked superseded" if marked else ""
+        say(f"{run.name}: {what} of {self.steps} ({rec.get('engine', '?')} engine, "
+            f"{rec.get('n_params', '?')} parameters){extra}")
+
+    def on_memory(self, rec):
+        self.run.store.set_state(memory_bytes=rec.get("total_bytes"))
+
+    def on_record(self, rec):
+        if "step" not in rec or ("loss" not in rec and "val_loss" not in rec):
+            return
+        if "loss" in rec:
+            self.on_train(rec)
+        elif self.tokens_per_step:
+            rec.setdefault("tokens", rec["step"] * self.tokens_per_step)
+        self.add_record(rec)
+
+    def on_train(self, rec):
+        now = time.time()
+        sec_per_step, tokens_per_s = self.throughput.add(now, rec)
+        eta = max(0, self.steps - rec["step"]) * sec_per_step
+        self.run.store.set_state(
+            step=rec["step"], tokens=rec.get("tokens"), phase=rec.get("phase", "pretrain"),
+            tokens_per_s=round(tokens_per_s, 1) if tokens_per_s else None, eta_s=round(eta, 1),
+            loss=rec.get("loss"), lr=rec.get("lr"), elapsed_s=self.run.clock.elapsed(now))
+
+    def on_sample(self, rec):
+        texts, i = self.run.prompt_texts, rec.get("prompt", 0)
+        prompt = (texts[i] if isinstance(i, int) and 0 <= i < len(texts)
+                  else decode_tokens(rec.get("prompt_tokens", [])))
+        rs = self.run.store
+        rs.set_samples(rs.samples + [{"step": rec.get("step"), "prompt": prompt,
+                                      "text": decode_tokens(rec.get("tokens", []))}])
+
+    def on_polish(self, rec):
+        """Pretraining ends at step s (the engine switches data and LR itself, so resume stays
+        exact). Its samples and state are archived right here, at the boundary; the engine is asked
+        for a checkpoint (SIGUSR1, training continues), which joins the archive when it is written:
+        the first checkpoint at or after step s. The loss log is never archived: it is one history."""
+        run, s = self.run, rec.get("step", 0)
+        rs = run.store
+        self.add_record({"event": "polish", "step": s, "tokens": rs.state.get("tokens")})
+        run.flush(force=True)
+        dest = run.files.archive_dir(s)
+        if os.path.exists(dest):  # a resume that replays the boundary: the archive is already made
+            say(f"polish at step {s}: {dest} exists, keeping its samples and state")
+        else:
+            rs.set_state(step=s)
+            archive_samples_and_state(rs, dest)
+            say(f"archived the pretraining samples and state in {dest}")
+        if not os.path.exists(os.path.join(dest, os.path.basename(run.files.ckpt))):
+            self.polish_step = s
+            self.ask_engine(signal.SIGUSR1)
+            say(f"polish phase starts at step {s}: asked the engine for a checkpoint to keep")
+        rs.set_state(force=True, phase="polish", archive=os.path.relpath(dest, run.files.dir))
+
+    def on_checkpoint(self, rec):
+        ckpt = rec.get("path") or self.run.files.ckpt
+        self.run.store.set_state(force=True, checkpoint=ckpt, checkpoint_step=rec.get("step"))
+        if self.polish_step is not None:
+            dest = self.run.files.archive_dir(self.polish_step)
+            step = keep_checkpoint(dest, ckpt, os.path.basename(self.run.files.state))
+            say(f"kept the checkpoint of step {step} in {dest}")
+            self.polish_step = None
+
+    def on_exit(self, rec):
+        self.exit_reason = rec.get("reason")
+        self.run.store.set_state(step=rec.get("step", self.run.store.state.get("step")))

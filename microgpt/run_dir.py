@@ -1,0 +1,133 @@
+"""A run directory (docs/DESIGN.md §5) and the files in it, as the proxy keeps them:
+
+    <name>.ckpt, <name>.ckpt.json   the engine's checkpoint and sidecar; if present, the run resumes
+    <name>.loss.json                every train/val record of every launch (microgpt/loss_log.py)
+    <name>.samples.json             [{step, prompt, text}]: decoded samples of the current phase
+    <name>.state.json               status, step, phase, checkpoint, pid, tokens, throughput, ETA, config
+    <name>.lock                     held by the one proxy running the run (its pid inside)
+    archive/step_<s>/               at polish step s: the checkpoint, samples and state of pretraining
+"""
+import fcntl
+import json
+import os
+import shutil
+import time
+
+from microgpt.atomic import atomic_open, write_json_atomic
+from microgpt.checkpoint import checkpoint_step
+
+STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
+
+
+class RunBusyError(RuntimeError):
+    pass
+
+
+def read_json(path, default):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return default
+
+
+def lock_run(path):
+    """One proxy per run: a second one would append to the same loss log, "repair" the first one's
+    write in progress and launch a second engine on the same checkpoint. The flock lives as long as
+    the returned file stays open (the kernel drops it when the process dies, however it dies)."""
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise RunBusyError(f"another proxy (pid {holder}) is running this run ({path}); stop it "
+                           "first, or give this one another --run-dir") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+class RunFiles:
+    """The paths of one run directory."""
+
+    def __init__(self, run_dir, name):
+        self.dir = os.path.abspath(run_dir)
+        self.name = name
+        base = os.path.join(self.dir, name)
+        self.ckpt = base + ".ckpt"
+        self.loss = base + ".loss.json"
+        self.samples = base + ".samples.json"
+        self.state = base + ".state.json"
+        self.lock = base + ".lock"
+
+    def archive_dir(self, step):
+        return os.path.join(self.dir, "archive", f"step_{step}")
+
+
+class RunState:
+    """The run's .state.json and .samples.json, in memory and on disk.
+
+    The main thread owns every write; the server's threads only read .state and .samples, which are
+    replaced, never mutated, so a reader always holds a consistent snapshot; the *_version counters
+    tell the live stream what changed."""
+
+    def __init__(self, files):
+        self.files = files
+        self.samples = read_json(files.samples, [])
+        if not os.path.exists(files.samples):
+            write_json_atomic(files.samples, [])
+        self.state = read_json(files.state, {})
+        self.state_version = self.samples_version = 0
+        self.state_written = 0.0
+        self.state_dirty = False
+
+    def set_state(self, force=False, **changes):
+        self.state = {**self.state, **changes, "updated_at": round(time.time(), 3)}
+        self.state_version += 1
+        self.state_dirty = True
+        if force:
+            self.write_state()
+
+    def write_state(self, due_only=False):
+        """Write .state.json if it changed (and, with due_only, if STATE_SECONDS have passed)."""
+        if not self.state_dirty or (due_only and time.monotonic() - self.state_written < STATE_SECONDS):
+            return
+        write_json_atomic(self.files.state, self.state)
+        self.state_dirty = False
+        self.state_written = time.monotonic()
+
+    def set_samples(self, samples):
+        self.samples = samples
+        self.samples_version += 1
+        write_json_atomic(self.files.samples, samples)
+
+
+def archive_samples_and_state(run_state, dest):
+    """Move .samples.json and .state.json aside (the directory appears whole or not at all) and
+    start fresh samples for the polish phase."""
+    files = run_state.files
+    tmp = dest + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    write_json_atomic(os.path.join(tmp, os.path.basename(files.samples)), run_state.samples)
+    write_json_atomic(os.path.join(tmp, os.path.basename(files.state)), run_state.state)
+    os.rename(tmp, dest)
+    run_state.set_samples([])
+
+
+def keep_checkpoint(dest, ckpt, state_name):
+    """Copy the checkpoint into an archive (sidecar first: the checkpoint's presence means the copy
+    is whole) and point the archived state at it; returns the kept checkpoint's step."""
+    for src in (ckpt + ".json", ckpt):
+        if os.path.exists(src):
+            target = os.path.join(dest, os.path.basename(src))
+            with open(src, "rb") as fin, atomic_open(target) as fout:
+                shutil.copyfileobj(fin, fout)
+    kept = os.path.join(dest, os.path.basename(ckpt))
+    state_path = os.path.join(dest, state_name)
+    step = checkpoint_step(kept)
+    write_json_atomic(state_path, {**read_json(state_path, {}), "checkpoint": kept, "checkpoint_step": step})
+    return step

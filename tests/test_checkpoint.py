@@ -1,0 +1,66 @@
+"""microgpt/checkpoint.py, the one Python reader of the engine's checkpoints (docs/DESIGN.md §3):
+the bytes as the engine writes them, memory-mapped; the sidecar; named tensors by the engine's layout;
+one clear error for anything that is not a whole checkpoint."""
+import json
+
+import numpy as np
+import pytest
+
+import engine_util as eu
+from engine_util import TINY, tiny_args
+
+from microgpt.checkpoint import (CheckpointError, checkpoint_step, read_checkpoint, read_header,
+                                 split_params, write_checkpoint)
+
+
+def test_engine_checkpoint_reads_as_named_tensors(cpu_binary, random_shards, tmp_path):
+    ckpt = tmp_path / "c.ckpt"
+    eu.run_ok(cpu_binary, tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=ckpt))
+    c = read_checkpoint(ckpt)
+    layout = eu.layout_for(TINY)
+    assert (c.step, c.n_params) == (2, layout["n_params"]) and checkpoint_step(ckpt) == 2
+    raw = np.frombuffer(ckpt.read_bytes(), dtype="<f4", offset=8)
+    n = c.n_params
+    assert np.array_equal(c.params, raw[:n]) and np.array_equal(c.m, raw[n:2 * n])
+    assert np.array_equal(c.v, raw[2 * n:])
+    assert isinstance(c.params, np.memmap) and not c.params.flags.writeable
+    assert c.sidecar == json.loads((tmp_path / "c.ckpt.json").read_text()) and c.sidecar["step"] == 2
+    tensors = split_params(c.params, layout)
+    d = TINY["model.d_model"]
+    assert tensors["wte"].shape == (TINY["model.padded_vocab_size"], d)
+    assert tensors["h1.ln2.gamma"].shape == (d,) and list(tensors)[-1] == "lnf.beta"
+    assert np.shares_memory(tensors["h0.W_Q"], c.params)  # views, nothing copied
+
+
+def test_write_then_read_round_trips(tmp_path):
+    rng = np.random.default_rng(0)
+    params, m, v = (rng.standard_normal(7).astype(np.float32) for _ in range(3))
+    write_checkpoint(tmp_path / "w.ckpt", 5, params, m, v)
+    c = read_checkpoint(tmp_path / "w.ckpt")
+    assert (c.step, c.n_params, c.sidecar) == (5, 7, None)
+    assert np.array_equal(c.params, params) and np.array_equal(c.m, m) and np.array_equal(c.v, v)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: p.mkdir(), "is a directory"),
+    (lambda p: p.write_bytes(b"\x01\x00"), "shorter than its header"),
+    (lambda p: p.write_bytes(np.array([3, 2], "<i4").tobytes() + b"\0" * 23), "needs 32"),
+    (lambda p: p.write_bytes(np.array([3, -1], "<i4").tobytes()), "-1 parameters"),
+], ids=["directory", "short", "size", "negative"])
+def test_what_is_not_a_checkpoint_is_one_clear_error(tmp_path, make, words):
+    path = tmp_path / "bad.ckpt"
+    make(path)
+    for read in (read_header, read_checkpoint, checkpoint_step):
+        with pytest.raises(CheckpointError, match=words):
+            read(path)
+
+
+def test_a_missing_checkpoint_has_no_step(tmp_path):
+    assert checkpoint_step(tmp_path / "none.ckpt") is None
+
+
+def test_split_params_refuses_a_vector_of_another_model():
+    layout = {"n_params": 3, "tensors": [{"name": "a", "shape": [3], "offset": 0, "decay": False}]}
+    assert split_params(np.arange(3.0), layout)["a"].tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(CheckpointError, match="4 values, but the layout has 3"):
+        split_params(np.arange(4.0), layout)
