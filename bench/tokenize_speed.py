@@ -7,9 +7,11 @@ text source plus the chitchat conversations, copied to a temporary folder), then
 count k, best of --repeats:
   tiktoken   encoding.encode_ordinary_batch(texts, num_threads=k) over exactly the texts the
              pipeline encodes (the same chunks, the conversations rendered), nothing else;
+  joined     the same call on the same texts joined into ~64 kB strings: tiktoken without the cost
+             of one thread-pool task per text (its best case; the token counts differ slightly);
   pipeline   scripts/prep-megachat.py's build() on the same files with --workers k: reading,
              JSON parsing, rendering, hashing, tokenizing, writing the mixed and per-source shards.
-It prints tokens/s of both and their ratio (the pipeline's target: at least 0.90).
+It prints tokens/s of each and the pipeline's ratio to both (its target: at least 0.90).
 """
 import argparse
 import glob
@@ -70,6 +72,17 @@ def pipeline_texts(prep, sources, chunk_chars):
     return texts
 
 
+def joined(texts, size=64_000):
+    out, buf, n = [], [], 0
+    for text in texts:
+        buf.append(text)
+        n += len(text)
+        if n >= size:
+            out.append("".join(buf))
+            buf, n = [], 0
+    return out + ["".join(buf)] if buf else out
+
+
 def best_of(repeats, fn):
     times = []
     for _ in range(repeats):
@@ -89,14 +102,17 @@ def main():
     enc = tokenizer.encoding()
     with tempfile.TemporaryDirectory() as tmp:
         specs = sample_corpus(os.path.join(tmp, "in"), args.mb)
-        print(f"{'workers':>7} {'tiktoken tok/s':>15} {'pipeline tok/s':>15} {'ratio':>6}   "
-              f"(cores: {os.cpu_count()}, sample: {args.mb:g} MB)")
+        print(f"{'workers':>7} {'tiktoken tok/s':>15} {'joined tok/s':>13} {'pipeline tok/s':>15} "
+              f"{'ratio':>6} {'to joined':>9}   (cores: {os.cpu_count()}, sample: {args.mb:g} MB)")
         for k in sorted({int(w) for w in args.workers.split(",")}):
             opts = prep.parse_args([*specs, "--workers", str(k), "--out-dir", os.path.join(tmp, "out")])
             sources = [prep.Source(kind, spec) for kind, spec in opts.sources]
             texts = pipeline_texts(prep, sources, opts.text_chunk_chars)
             base_s, ids = best_of(args.repeats, lambda: enc.encode_ordinary_batch(texts, num_threads=k))
             ntok = sum(map(len, ids))
+            big = joined(texts)
+            join_s, join_ids = best_of(args.repeats, lambda: enc.encode_ordinary_batch(big, num_threads=k))
+            join_rate = sum(map(len, join_ids)) / join_s
 
             def run():
                 build_dir = tempfile.mkdtemp(dir=tmp)
@@ -105,7 +121,9 @@ def main():
                 shutil.rmtree(build_dir)
                 return sum(st["tokens"][s] for st in stats for s in prep.SPLITS)
             pipe_s, pipe_tok = best_of(args.repeats, run)
-            print(f"{k:>7} {ntok / base_s:>15,.0f} {pipe_tok / pipe_s:>15,.0f} {base_s / pipe_s * pipe_tok / ntok:>6.2f}")
+            rate = pipe_tok / pipe_s
+            print(f"{k:>7} {ntok / base_s:>15,.0f} {join_rate:>13,.0f} {rate:>15,.0f} "
+                  f"{rate / (ntok / base_s):>6.2f} {rate / join_rate:>9.2f}")
 
 
 if __name__ == "__main__":
