@@ -113,8 +113,12 @@ class Source:
         self.passes = max(1, math.ceil(self.weight))
 
     def fingerprint(self):
+        """What the output depends on: a digest of every file's path, size and mtime (a folder can
+        hold thousands of files; the manifest stays small)."""
         files = [[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in self.files]
-        return {"name": self.name, "kind": self.kind, "weight": self.weight, "files": files}
+        digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
+        return {"name": self.name, "kind": self.kind, "weight": self.weight, "files": len(files),
+                "bytes": self.bytes, "digest": digest}
 
     def units(self, chunk_chars):
         """Yield (payload, position, nbytes): position is "doc" for a whole document, else "first",
