@@ -59,14 +59,15 @@ def sample_corpus(dst, mb):
     return specs + ["--chat", os.path.join(dst, "chitchat.jsonl")]
 
 
-def pipeline_texts(prep, sources, chunk_chars):
+def pipeline_texts(sources, chunk_chars):
     """The texts the pipeline hands to the tokenizer, in order."""
     texts = []
     for src in sources:
         for payload, _, _ in src.units(chunk_chars):
             if src.kind == "chat":
                 turns, _ = tokenizer.parse_conversation(json.loads(payload))
-                texts += [f"{role}\n{content}" for role, content in turns] + ["\n"] * len(turns)
+                # tokenizer.encode_conversation: one call per turn, and "\n" once
+                texts += [f"{role}\n{content}" for role, content in turns] + ["\n"]
             else:
                 texts.append(payload)
     return texts
@@ -107,7 +108,7 @@ def main():
         for k in sorted({int(w) for w in args.workers.split(",")}):
             opts = prep.parse_args([*specs, "--workers", str(k), "--out-dir", os.path.join(tmp, "out")])
             sources = [prep.Source(kind, spec) for kind, spec in opts.sources]
-            texts = pipeline_texts(prep, sources, opts.text_chunk_chars)
+            texts = pipeline_texts(sources, opts.text_chunk_chars)
             base_s, ids = best_of(args.repeats, lambda: enc.encode_ordinary_batch(texts, num_threads=k))
             ntok = sum(map(len, ids))
             big = joined(texts)
