@@ -84,13 +84,16 @@ def joined(texts, size=64_000):
     return out + ["".join(buf)] if buf else out
 
 
-def best_of(repeats, fn):
-    times = []
+def best_times(repeats, fns):
+    """The best time of each function over `repeats` rounds, the functions taking turns within a
+    round, so a busy spell on a shared machine slows them alike; and each one's last result."""
+    best, results = [float("inf")] * len(fns), [None] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), result
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            results[i] = fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best, results
 
 
 def main():
@@ -109,19 +112,19 @@ def main():
             opts = prep.parse_args([*specs, "--workers", str(k), "--out-dir", os.path.join(tmp, "out")])
             sources = [prep.Source(kind, spec) for kind, spec in opts.sources]
             texts = pipeline_texts(sources, opts.text_chunk_chars)
-            base_s, ids = best_of(args.repeats, lambda: enc.encode_ordinary_batch(texts, num_threads=k))
-            ntok = sum(map(len, ids))
             big = joined(texts)
-            join_s, join_ids = best_of(args.repeats, lambda: enc.encode_ordinary_batch(big, num_threads=k))
-            join_rate = sum(map(len, join_ids)) / join_s
 
-            def run():
+            def pipeline():
                 build_dir = tempfile.mkdtemp(dir=tmp)
                 with open(os.devnull, "w") as quiet:
                     stats, _, _ = prep.build(sources, opts, build_dir, Progress("", None, out=quiet))
                 shutil.rmtree(build_dir)
                 return sum(st["tokens"][s] for st in stats for s in prep.SPLITS)
-            pipe_s, pipe_tok = best_of(args.repeats, run)
+            (base_s, join_s, pipe_s), (ids, join_ids, pipe_tok) = best_times(args.repeats, [
+                lambda: enc.encode_ordinary_batch(texts, num_threads=k),
+                lambda: enc.encode_ordinary_batch(big, num_threads=k), pipeline])
+            ntok = sum(map(len, ids))
+            join_rate = sum(map(len, join_ids)) / join_s
             rate = pipe_tok / pipe_s
             print(f"{k:>7} {ntok / base_s:>15,.0f} {join_rate:>13,.0f} {rate:>15,.0f} "
                   f"{rate / (ntok / base_s):>6.2f} {rate / join_rate:>9.2f}")

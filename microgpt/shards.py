@@ -59,8 +59,10 @@ class ShardStream:
 
     def write(self, tokens):
         tokens = np.asarray(tokens)
-        check_ids(self.path, tokens)
-        self.f.write(tokens.astype("<u2").tobytes())
+        if tokens.dtype != np.dtype("<u2"):  # uint16 tokens (the pipeline's) go out without a copy
+            check_ids(self.path, tokens)
+            tokens = tokens.astype("<u2")
+        self.f.write(memoryview(np.ascontiguousarray(tokens)))
         self.ntok += tokens.size
 
     def close(self):

