@@ -1,6 +1,7 @@
 """Tokenizing speed of the data pipeline against tiktoken's own multi-threaded rate (docs/ANDREA.md).
 
-    python3 bench/tokenize_speed.py [--mb 40] [--workers 1,2,N] [--repeats 3]
+    python3 bench/tokenize_speed.py [--mb 40] [--workers 1,2,N] [--repeats 3] [--raw DIR]
+    python3 bench/tokenize_speed.py --mb 15 --save-sample DIR    # a sample to take to another machine
 
 Takes about --mb MB of the default corpus (data/raw, after `make data`: the first files of each
 text source plus the chitchat conversations, copied to a temporary folder), then for each worker
@@ -36,13 +37,14 @@ def load_prep():
     return module
 
 
-def sample_corpus(dst, mb):
-    """Copy about mb MB of the corpus to dst: equal shares of each text source, and chitchat."""
-    raw = os.path.join(ROOT, "data", "raw")
+def sample_corpus(raw, dst, mb):
+    """Copy about mb MB of the corpus in `raw` to dst, in the same layout: equal shares of each text
+    source (SRC/*.txt, SRC/.complete) and of the chitchat conversations; return prep-megachat's
+    source arguments for it."""
     sources = sorted(d for d in os.listdir(raw) if os.path.exists(os.path.join(raw, d, ".complete")))
     chat = os.path.join(raw, "chitchat", "chitchat_hermes.jsonl")
     if not sources or not os.path.exists(chat):
-        sys.exit("error: no corpus in data/raw; run `make data` first")
+        sys.exit(f"error: no corpus in {raw}; run `make data` first")
     share = mb * 1e6 / (len(sources) + 1)
     specs = []
     for name in sources:
@@ -53,10 +55,12 @@ def sample_corpus(dst, mb):
                 break
             shutil.copy(path, os.path.join(dst, name))
             size += os.path.getsize(path)
+        open(os.path.join(dst, name, ".complete"), "w").close()
         specs += ["--text", os.path.join(dst, name)]
-    with open(chat, "rb") as src, open(os.path.join(dst, "chitchat.jsonl"), "wb") as out:
+    os.makedirs(os.path.join(dst, "chitchat"))
+    with open(chat, "rb") as src, open(os.path.join(dst, "chitchat", "chitchat_hermes.jsonl"), "wb") as out:
         out.write(src.read(int(share)).rpartition(b"\n")[0] + b"\n")
-    return specs + ["--chat", os.path.join(dst, "chitchat.jsonl")]
+    return specs + ["--chat", os.path.join(dst, "chitchat", "chitchat_hermes.jsonl")]
 
 
 def pipeline_texts(sources, chunk_chars):
@@ -101,11 +105,17 @@ def main():
     ap.add_argument("--mb", type=float, default=40)
     ap.add_argument("--workers", default=f"1,2,{os.cpu_count()}")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--raw", default=os.path.join(ROOT, "data", "raw"), help="the corpus (default data/raw)")
+    ap.add_argument("--save-sample", metavar="DIR",
+                    help="only write the sample to DIR (a --raw for a machine without the corpus)")
     args = ap.parse_args()
+    if args.save_sample:
+        sample_corpus(args.raw, args.save_sample, args.mb)
+        return
     prep = load_prep()
     enc = tokenizer.encoding()
     with tempfile.TemporaryDirectory() as tmp:
-        specs = sample_corpus(os.path.join(tmp, "in"), args.mb)
+        specs = sample_corpus(args.raw, os.path.join(tmp, "in"), args.mb)
         print(f"{'workers':>7} {'tiktoken tok/s':>15} {'joined tok/s':>13} {'pipeline tok/s':>15} "
               f"{'ratio':>6} {'to joined':>9}   (cores: {os.cpu_count()}, sample: {args.mb:g} MB)")
         for k in sorted({int(w) for w in args.workers.split(",")}):
