@@ -6,7 +6,7 @@ No torch here: bench.py imports this on machines where torch may be missing.
 Configs are read and mapped to engine flags by microgpt/config.py (as the proxy does); the settings
 and the layout come from the engine itself (`build/microgpt_cpu --print-config`, `--layout-json`), so
 the defaults live only in microgpt/host/config.h and the layout only in microgpt/host/params.h; the
-schedule follows docs/DESIGN.md ("Steps, batches, randomness") and microgpt/host/schedule.h.
+schedule follows docs/DESIGN.md §13 and microgpt/host/schedule.h.
 """
 import functools
 import glob

@@ -4,8 +4,8 @@
 
 Input: `ncu --metrics gpu__time_duration.sum --csv` of an uncaptured engine run of one training step
 (scripts/gpu-check.sh profile). The step is located from the end of the log: its update starts at the
-last grad_norm_partial_kernel and ends with the last adamw_kernel; its micro-batch is everything from
-the last embed_fwd_kernel before that update. Prints, per file, the kernels of the step grouped by
+last k_grad_norm_partial and ends with the last k_adamw; its micro-batch is everything from
+the last k_embed_fwd before that update. Prints, per file, the kernels of the step grouped by
 name, with launch count, total microseconds and share of the step, biggest first.
 """
 import csv
@@ -33,9 +33,9 @@ def last_index(rows, needle, before=None):
 
 
 def step_slices(rows):
-    adamw = last_index(rows, "adamw_kernel")
-    update = last_index(rows, "grad_norm_partial_kernel", adamw)
-    fb = last_index(rows, "embed_fwd_kernel", update)
+    adamw = last_index(rows, "k_adamw")
+    update = last_index(rows, "k_grad_norm_partial", adamw)
+    fb = last_index(rows, "k_embed_fwd", update)
     return rows[fb:update], rows[update:adamw + 1]
 
 

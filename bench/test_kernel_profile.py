@@ -24,11 +24,11 @@ def csv_text(kernels):
 
 
 # warm-up micro-batch and update, then the real step, then an evaluation forward
-STEP = [("embed_fwd_kernel", 5_000), ("layernorm_fwd_kernel", 1_000), ("loss_rows_kernel", 2_000_000),
-        ("layernorm_fwd_kernel", 1_500), ("grad_norm_partial_kernel", 3_000), ("adamw_kernel", 10_000),
-        ("adamw_kernel", 20_000)]
-LOG = ([("embed_fwd_kernel", 9), ("loss_rows_kernel", 9), ("grad_norm_partial_kernel", 9), ("adamw_kernel", 9)]
-       + STEP + [("embed_fwd_kernel", 7), ("layernorm_fwd_kernel", 7)])
+STEP = [("k_embed_fwd", 5_000), ("k_layernorm_fwd", 1_000), ("k_loss_rows", 2_000_000),
+        ("k_layernorm_fwd", 1_500), ("k_grad_norm_partial", 3_000), ("k_adamw", 10_000),
+        ("k_adamw", 20_000)]
+LOG = ([("k_embed_fwd", 9), ("k_loss_rows", 9), ("k_grad_norm_partial", 9), ("k_adamw", 9)]
+       + STEP + [("k_embed_fwd", 7), ("k_layernorm_fwd", 7)])
 
 
 def test_the_last_training_step_is_found_and_summed(tmp_path):
@@ -41,12 +41,12 @@ def test_the_last_training_step_is_found_and_summed(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     assert "7 kernels, 2040.5 us of kernel time per step (micro-batch 2007.5 us, update 33.0 us)" in out
     first = out.splitlines()[1]
-    assert "loss_rows_kernel" in first and "2000.0 us" in first  # biggest first
-    assert "    2.5 us   0.1 %     2x  layernorm_fwd_kernel" in out  # grouped by name
+    assert "k_loss_rows" in first and "2000.0 us" in first  # biggest first
+    assert "    2.5 us   0.1 %     2x  k_layernorm_fwd" in out  # grouped by name
 
 
 def test_a_log_without_a_training_step_is_refused(tmp_path):
     path = tmp_path / "p.csv"
-    path.write_text(csv_text([("embed_fwd_kernel", 5), ("loss_rows_kernel", 9)]))
-    with pytest.raises(SystemExit, match="adamw_kernel"):
+    path.write_text(csv_text([("k_embed_fwd", 5), ("k_loss_rows", 9)]))
+    with pytest.raises(SystemExit, match="k_adamw"):
         kernel_profile.step_slices(kernel_profile.kernel_rows(str(path)))

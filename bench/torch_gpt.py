@@ -7,7 +7,7 @@ counter-based generator, bench/engine_rng.py), optimizer, schedule and clipping 
     --precision bf16   bf16 autocast, torch.compile, fused AdamW, flash attention through SDPA
     --precision fp32   eager fp32 with TF32 matmuls allowed, fused AdamW
 
-It prints the engine's stdout format (docs/DESIGN.md "Output"), so bench.py reads both the same way:
+It prints the engine's stdout format (docs/DESIGN.md §3.8), so bench.py reads both the same way:
 step records {"step","loss","lr","grad_norm","ms","tokens_per_s","tokens"}, {"step","val_loss"},
 {"event":"device_memory",...} at the first and last step, and a final {"event":"torch_memory",...}.
 

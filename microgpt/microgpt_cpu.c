@@ -1,4 +1,4 @@
-/* microgpt_cpu.c: the CPU reference engine. The model of SPEC §2 (pre-LayerNorm GPT, no biases in
+/* microgpt_cpu.c: the CPU reference engine. The model of docs/DESIGN.md §2 (pre-LayerNorm GPT, no biases in
  * linear layers, tied embeddings, padded vocabulary) assembled from the layer pairs in cpu/ (one header each),
  * implementing host/engine.h; the training loop itself is host/train_loop.h, shared with the GPU.
  *
@@ -21,20 +21,20 @@
 
 /* Forward values of one layer that its backward needs. */
 typedef struct {
-    float *ln1, *ln1_mean, *ln1_rstd; /* LN1 output [BT,d], statistics [BT] */
-    float *q, *k, *v;                 /* [BT,d] */
+    float *ln1, *ln1_mean, *ln1_rstd; /* LN1 output [N,C], statistics [N] */
+    float *q, *k, *v;                 /* [N,C] */
     float *att;                       /* softmax probabilities [B,H,T,T] */
-    float *atty;                      /* attention output before W_O [BT,d] */
-    float *res1;                      /* x + attention branch [BT,d] */
+    float *atty;                      /* attention output before W_O [N,C] */
+    float *xmid;                      /* x + attention branch [N,C] */
     float *ln2, *ln2_mean, *ln2_rstd;
-    float *fc_pre, *fc_gelu;          /* [BT,d_ff]: GELU input and output */
-    float *res2;                      /* layer output [BT,d] */
+    float *h, *h_gelu;                /* [N,F]: GELU input and output */
+    float *xout;                      /* layer output [N,C] */
 } LayerActs;
 
 static struct {
     Config cfg; /* copy: the engine outlives nothing, but keep it independent of the caller */
     ParamLayout layout;
-    int B, T, d, H, dff, V, Vp, L;
+    int B, T, C, H, F, V, Vp, L;
     float *params, *grads, *m, *v;
     /* activations */
     LayerActs* layers;
@@ -42,7 +42,7 @@ static struct {
     const int* tokens; /* inputs of the last forward (embed_backward needs them) */
     /* backward scratch, shared by all layers (each is zeroed before use: the layer backward
      * functions accumulate into every output) */
-    float *dres_a, *dres_b, *dbranch, *dln, *datty, *dq, *dk, *dv, *dfc_gelu, *dfc_pre;
+    float *dres_a, *dres_b, *dbranch, *dln, *datty, *dq, *dk, *dv, *dh_gelu, *dh;
     double* norm_partials;
     size_t n_norm_chunks;
     float* arena;
@@ -66,28 +66,28 @@ static float* take(size_t* cursor, size_t n) {
 
 /* Lays out every activation and scratch buffer; with E.arena == NULL it only counts. */
 static size_t carve_buffers(void) {
-    size_t cur = 0, bt = (size_t)E.B * E.T, btd = bt * E.d, btf = bt * E.dff;
+    size_t cur = 0, N = (size_t)E.B * E.T, nc = N * E.C, nf = N * E.F;
     size_t att = (size_t)E.B * E.H * E.T * E.T;
     int l;
     for (l = 0; l < E.L; l++) {
         LayerActs* a = &E.layers[l];
-        a->ln1 = take(&cur, btd); a->ln1_mean = take(&cur, bt); a->ln1_rstd = take(&cur, bt);
-        a->q = take(&cur, btd); a->k = take(&cur, btd); a->v = take(&cur, btd);
+        a->ln1 = take(&cur, nc); a->ln1_mean = take(&cur, N); a->ln1_rstd = take(&cur, N);
+        a->q = take(&cur, nc); a->k = take(&cur, nc); a->v = take(&cur, nc);
         a->att = take(&cur, att);
-        a->atty = take(&cur, btd);
-        a->res1 = take(&cur, btd);
-        a->ln2 = take(&cur, btd); a->ln2_mean = take(&cur, bt); a->ln2_rstd = take(&cur, bt);
-        a->fc_pre = take(&cur, btf); a->fc_gelu = take(&cur, btf);
-        a->res2 = take(&cur, btd);
+        a->atty = take(&cur, nc);
+        a->xmid = take(&cur, nc);
+        a->ln2 = take(&cur, nc); a->ln2_mean = take(&cur, N); a->ln2_rstd = take(&cur, N);
+        a->h = take(&cur, nf); a->h_gelu = take(&cur, nf);
+        a->xout = take(&cur, nc);
     }
-    E.x0 = take(&cur, btd);
-    E.lnf = take(&cur, btd); E.lnf_mean = take(&cur, bt); E.lnf_rstd = take(&cur, bt);
-    E.probs = take(&cur, bt * E.Vp);
-    E.branch = take(&cur, btd);
-    E.dres_a = take(&cur, btd); E.dres_b = take(&cur, btd);
-    E.dbranch = take(&cur, btd); E.dln = take(&cur, btd); E.datty = take(&cur, btd);
-    E.dq = take(&cur, btd); E.dk = take(&cur, btd); E.dv = take(&cur, btd);
-    E.dfc_gelu = take(&cur, btf); E.dfc_pre = take(&cur, btf);
+    E.x0 = take(&cur, nc);
+    E.lnf = take(&cur, nc); E.lnf_mean = take(&cur, N); E.lnf_rstd = take(&cur, N);
+    E.probs = take(&cur, N * E.Vp);
+    E.branch = take(&cur, nc);
+    E.dres_a = take(&cur, nc); E.dres_b = take(&cur, nc);
+    E.dbranch = take(&cur, nc); E.dln = take(&cur, nc); E.datty = take(&cur, nc);
+    E.dq = take(&cur, nc); E.dk = take(&cur, nc); E.dv = take(&cur, nc);
+    E.dh_gelu = take(&cur, nf); E.dh = take(&cur, nf);
     return cur;
 }
 
@@ -96,8 +96,8 @@ static size_t engine_setup(const Config* cfg) {
     static const char* groups[4] = {"params", "grads", "adam", "activations"};
     E.cfg = *cfg;
     param_layout_init(&E.layout, cfg);
-    E.B = cfg->train.batch_size; E.T = cfg->model.seq_len; E.d = cfg->model.d_model; E.H = cfg->model.n_head;
-    E.dff = cfg->model.d_ff; E.V = cfg->model.vocab_size; E.Vp = cfg->model.padded_vocab_size; E.L = cfg->model.n_layer;
+    E.B = cfg->train.batch_size; E.T = cfg->model.seq_len; E.C = cfg->model.d_model; E.H = cfg->model.n_head;
+    E.F = cfg->model.d_ff; E.V = cfg->model.vocab_size; E.Vp = cfg->model.padded_vocab_size; E.L = cfg->model.n_layer;
     n = E.layout.n_params;
     E.layers = (LayerActs*)xcalloc((size_t)E.L, sizeof(LayerActs), "layer table");
     E.arena = NULL;
@@ -138,79 +138,79 @@ static float* G(size_t offset) { return E.grads + offset; }
 static size_t LO(int l, int t) { return layer_offset(&E.layout, l, t); }
 
 /* The residual stream entering layer l. */
-static const float* layer_input(int l) { return l == 0 ? E.x0 : E.layers[l - 1].res2; }
+static const float* layer_input(int l) { return l == 0 ? E.x0 : E.layers[l - 1].xout; }
 
 /* Forward over B sequences of T tokens up to the final LayerNorm (E.lnf). */
 static void forward_trunk(const int* tokens, int B, int T) {
-    int bt = B * T, d = E.d, l;
+    int N = B * T, C = E.C, l;
     E.tokens = tokens;
-    embed_forward(E.x0, tokens, P(E.layout.wte), P(E.layout.wpe), B, T, d);
+    embed_forward(E.x0, tokens, P(E.layout.wte), P(E.layout.wpe), B, T, C);
     for (l = 0; l < E.L; l++) {
         LayerActs* a = &E.layers[l];
         const float* x = layer_input(l);
-        layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x, P(LO(l, T_LN1_GAMMA)), P(LO(l, T_LN1_BETA)), bt, d);
-        matmul_forward(a->q, a->ln1, P(LO(l, T_WQ)), bt, d, d);
-        matmul_forward(a->k, a->ln1, P(LO(l, T_WK)), bt, d, d);
-        matmul_forward(a->v, a->ln1, P(LO(l, T_WV)), bt, d, d);
-        attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, d, E.H);
-        matmul_forward(E.branch, a->atty, P(LO(l, T_WO)), bt, d, d);
-        residual_forward(a->res1, x, E.branch, bt * d);
-        layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res1, P(LO(l, T_LN2_GAMMA)), P(LO(l, T_LN2_BETA)), bt, d);
-        matmul_forward(a->fc_pre, a->ln2, P(LO(l, T_W1)), bt, d, E.dff);
-        gelu_forward(a->fc_gelu, a->fc_pre, bt * E.dff);
-        matmul_forward(E.branch, a->fc_gelu, P(LO(l, T_W2)), bt, E.dff, d);
-        residual_forward(a->res2, a->res1, E.branch, bt * d);
+        layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x, P(LO(l, T_LN1_GAMMA)), P(LO(l, T_LN1_BETA)), N, C);
+        matmul_forward(a->q, a->ln1, P(LO(l, T_WQ)), N, C, C);
+        matmul_forward(a->k, a->ln1, P(LO(l, T_WK)), N, C, C);
+        matmul_forward(a->v, a->ln1, P(LO(l, T_WV)), N, C, C);
+        attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, C, E.H);
+        matmul_forward(E.branch, a->atty, P(LO(l, T_WO)), N, C, C);
+        residual_forward(a->xmid, x, E.branch, N * C);
+        layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->xmid, P(LO(l, T_LN2_GAMMA)), P(LO(l, T_LN2_BETA)), N, C);
+        matmul_forward(a->h, a->ln2, P(LO(l, T_W1)), N, C, E.F);
+        gelu_forward(a->h_gelu, a->h, N * E.F);
+        matmul_forward(E.branch, a->h_gelu, P(LO(l, T_W2)), N, E.F, C);
+        residual_forward(a->xout, a->xmid, E.branch, N * C);
     }
-    layernorm_forward(E.lnf, E.lnf_mean, E.lnf_rstd, layer_input(E.L), P(E.layout.lnf_gamma), P(E.layout.lnf_beta), bt, d);
+    layernorm_forward(E.lnf, E.lnf_mean, E.lnf_rstd, layer_input(E.L), P(E.layout.lnf_gamma), P(E.layout.lnf_beta), N, C);
 }
 
 static float forward_loss(const int* inputs, const int* targets) {
     forward_trunk(inputs, E.B, E.T);
-    return classifier_forward(E.probs, E.lnf, P(E.layout.wte), targets, E.B * E.T, E.d, E.V, E.Vp);
+    return classifier_forward(E.probs, E.lnf, P(E.layout.wte), targets, E.B * E.T, E.C, E.V, E.Vp);
 }
 
 static void zero(float* p, size_t n) { memset(p, 0, n * sizeof(float)); }
 
 /* Backward of the last forward_loss; adds into E.grads. */
 static void backward(const int* targets) {
-    int bt = E.B * E.T, d = E.d, l;
-    size_t btd = (size_t)bt * d, btf = (size_t)bt * E.dff;
-    float *dres = E.dres_a, *dmid = E.dres_b;
-    zero(E.dln, btd);
-    classifier_backward(E.dln, G(E.layout.wte), E.probs, E.lnf, P(E.layout.wte), targets, bt, d, E.V, E.Vp);
-    zero(dres, btd);
+    int N = E.B * E.T, C = E.C, l;
+    size_t nc = (size_t)N * C, nf = (size_t)N * E.F;
+    float *dres = E.dres_a, *dxmid = E.dres_b;
+    zero(E.dln, nc);
+    classifier_backward(E.dln, G(E.layout.wte), E.probs, E.lnf, P(E.layout.wte), targets, N, C, E.V, E.Vp);
+    zero(dres, nc);
     layernorm_backward(dres, G(E.layout.lnf_gamma), G(E.layout.lnf_beta), E.dln, layer_input(E.L),
-                       P(E.layout.lnf_gamma), E.lnf_mean, E.lnf_rstd, bt, d);
+                       P(E.layout.lnf_gamma), E.lnf_mean, E.lnf_rstd, N, C);
     for (l = E.L - 1; l >= 0; l--) {
         LayerActs* a = &E.layers[l];
         const float* x = layer_input(l);
-        /* res2 = res1 + W_2·gelu(W_1·LN2(res1)); dres holds d(res2) */
-        zero(dmid, btd); zero(E.dbranch, btd);
-        residual_backward(dmid, E.dbranch, dres, (int)btd);
-        zero(E.dfc_gelu, btf);
-        matmul_backward(E.dfc_gelu, G(LO(l, T_W2)), E.dbranch, a->fc_gelu, P(LO(l, T_W2)), bt, E.dff, d);
-        zero(E.dfc_pre, btf);
-        gelu_backward(E.dfc_pre, a->fc_pre, E.dfc_gelu, (int)btf);
-        zero(E.dln, btd);
-        matmul_backward(E.dln, G(LO(l, T_W1)), E.dfc_pre, a->ln2, P(LO(l, T_W1)), bt, d, E.dff);
-        layernorm_backward(dmid, G(LO(l, T_LN2_GAMMA)), G(LO(l, T_LN2_BETA)), E.dln, a->res1, P(LO(l, T_LN2_GAMMA)),
-                           a->ln2_mean, a->ln2_rstd, bt, d);
-        /* res1 = x + W_O·attn(LN1(x)); dmid holds d(res1); dres becomes d(x) */
-        zero(dres, btd); zero(E.dbranch, btd);
-        residual_backward(dres, E.dbranch, dmid, (int)btd);
-        zero(E.datty, btd);
-        matmul_backward(E.datty, G(LO(l, T_WO)), E.dbranch, a->atty, P(LO(l, T_WO)), bt, d, d);
-        zero(E.dq, btd); zero(E.dk, btd); zero(E.dv, btd);
-        attention_backward(E.dq, E.dk, E.dv, E.datty, a->att, a->q, a->k, a->v, E.B, E.T, d, E.H);
-        zero(E.dln, btd);
-        matmul_backward(E.dln, G(LO(l, T_WQ)), E.dq, a->ln1, P(LO(l, T_WQ)), bt, d, d);
-        matmul_backward(E.dln, G(LO(l, T_WK)), E.dk, a->ln1, P(LO(l, T_WK)), bt, d, d);
-        matmul_backward(E.dln, G(LO(l, T_WV)), E.dv, a->ln1, P(LO(l, T_WV)), bt, d, d);
+        /* xout = xmid + W_2·gelu(W_1·LN2(xmid)); dres holds d(xout) */
+        zero(dxmid, nc); zero(E.dbranch, nc);
+        residual_backward(dxmid, E.dbranch, dres, (int)nc);
+        zero(E.dh_gelu, nf);
+        matmul_backward(E.dh_gelu, G(LO(l, T_W2)), E.dbranch, a->h_gelu, P(LO(l, T_W2)), N, E.F, C);
+        zero(E.dh, nf);
+        gelu_backward(E.dh, a->h, E.dh_gelu, (int)nf);
+        zero(E.dln, nc);
+        matmul_backward(E.dln, G(LO(l, T_W1)), E.dh, a->ln2, P(LO(l, T_W1)), N, C, E.F);
+        layernorm_backward(dxmid, G(LO(l, T_LN2_GAMMA)), G(LO(l, T_LN2_BETA)), E.dln, a->xmid, P(LO(l, T_LN2_GAMMA)),
+                           a->ln2_mean, a->ln2_rstd, N, C);
+        /* xmid = x + W_O·attn(LN1(x)); dxmid holds d(xmid); dres becomes d(x) */
+        zero(dres, nc); zero(E.dbranch, nc);
+        residual_backward(dres, E.dbranch, dxmid, (int)nc);
+        zero(E.datty, nc);
+        matmul_backward(E.datty, G(LO(l, T_WO)), E.dbranch, a->atty, P(LO(l, T_WO)), N, C, C);
+        zero(E.dq, nc); zero(E.dk, nc); zero(E.dv, nc);
+        attention_backward(E.dq, E.dk, E.dv, E.datty, a->att, a->q, a->k, a->v, E.B, E.T, C, E.H);
+        zero(E.dln, nc);
+        matmul_backward(E.dln, G(LO(l, T_WQ)), E.dq, a->ln1, P(LO(l, T_WQ)), N, C, C);
+        matmul_backward(E.dln, G(LO(l, T_WK)), E.dk, a->ln1, P(LO(l, T_WK)), N, C, C);
+        matmul_backward(E.dln, G(LO(l, T_WV)), E.dv, a->ln1, P(LO(l, T_WV)), N, C, C);
         layernorm_backward(dres, G(LO(l, T_LN1_GAMMA)), G(LO(l, T_LN1_BETA)), E.dln, x, P(LO(l, T_LN1_GAMMA)),
-                           a->ln1_mean, a->ln1_rstd, bt, d);
-        /* dres = d(x) = d(res2) of the layer below */
+                           a->ln1_mean, a->ln1_rstd, N, C);
+        /* dres = d(x) = d(xout) of the layer below */
     }
-    embed_backward(G(E.layout.wte), G(E.layout.wpe), dres, E.tokens, E.B, E.T, d);
+    embed_backward(G(E.layout.wte), G(E.layout.wpe), dres, E.tokens, E.B, E.T, C);
 }
 
 static float engine_forward_backward(const int* inputs, const int* targets) {
@@ -223,13 +223,13 @@ static float engine_forward_loss(const int* inputs, const int* targets) { return
 
 /* Logits of the real vocabulary at the last of len positions of one sequence. */
 static void engine_next_logits(const int* tokens, int len, float* logits) {
-    int v, d = E.d;
+    int v, C = E.C;
     const float* x;
-    if (len < 1 || len > E.T) die_io("internal: engine_next_logits with len %d (1..%d)", len, E.T);
+    if (len < 1 || len > E.T) die_io("internal: engine_next_logits with len %C (1..%C)", len, E.T);
     forward_trunk(tokens, 1, len);
-    x = E.lnf + (size_t)(len - 1) * d;
+    x = E.lnf + (size_t)(len - 1) * C;
 #pragma omp parallel for schedule(static)
-    for (v = 0; v < E.V; v++) logits[v] = dot_f32(x, P(E.layout.wte) + (size_t)v * d, d);
+    for (v = 0; v < E.V; v++) logits[v] = dot_f32(x, P(E.layout.wte) + (size_t)v * C, C);
 }
 
 /* Global L2 norm of the gradients: per-chunk double sums, then the chunks in order. */

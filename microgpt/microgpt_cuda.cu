@@ -1,4 +1,4 @@
-/* microgpt_cuda.cu: the GPU engine. The model of SPEC §2 (pre-LayerNorm GPT, no biases, tied
+/* microgpt_cuda.cu: the GPU engine. The model of docs/DESIGN.md §2 (pre-LayerNorm GPT, no biases, tied
  * embeddings, padded vocabulary) assembled from the kernel pairs in cuda/ (one header per layer),
  * implementing host/engine.h; the training loop itself is host/train_loop.h, shared with the CPU
  * engine.
@@ -6,8 +6,8 @@
  * Precision (train.precision):
  *   fp32  everything fp32, no TF32: the reference that is compared tightly with the CPU engine.
  *   tf32  fp32 in every buffer and kernel, but cuBLAS multiplies fp32 inputs on tensor cores in
- *         TF32 (10-bit mantissa, fp32 accumulation): PyTorch's default for fp32 matmuls, ~8x the
- *         products' speed; compared with the CPU engine at fp16-like tolerances.
+ *         TF32 (10-bit mantissa, fp32 accumulation): PyTorch's default for fp32 matmuls, and
+ *         several times faster products; compared with the CPU engine at fp16-like tolerances.
  *   bf16  fp32 master weights, gradients and AdamW moments; a bf16 copy of the weights (rewritten
  *         by the AdamW kernel) feeds the matrix products; activations and their gradients bf16;
  *         every product accumulates in fp32; LayerNorm/embedding read the fp32 masters; attention
@@ -53,6 +53,11 @@
 
 enum { PREC_FP32, PREC_BF16, PREC_FP16 };
 
+/* The instance of function template `fn` for the run's activation type: the one place where the
+ * precision picks a type (fp32 and tf32 both run on float). Every `fn` instance has the same
+ * signature, so the result is one function pointer whatever the type. */
+#define FOR_ACT_TYPE(fn) (E.prec == PREC_BF16 ? fn<bf16> : E.prec == PREC_FP16 ? fn<fp16> : fn<float>)
+
 /* What the graphs read from the host on each replay (uploaded first) and hand back (downloaded
  * last), so that their kernels' arguments never change. */
 typedef struct {
@@ -96,12 +101,12 @@ static struct {
 
     /* saved activations, per layer l at offset l * (size of one layer's slice) */
     void *res;   /* [L+1][N][C] residual stream: res[l] = input of layer l, res[L] = final */
-    void *x_mid; /* [L][N][C] stream after the attention branch */
+    void *xmid;  /* [L][N][C] stream after the attention branch */
     void *ln1, *ln2; /* [L][N][C] */
     void *qkv;   /* [L][3][N][C] */
     void *atty;  /* [L][N][C] attention output before W_O */
     void *h;     /* [L][N][F] MLP pre-activation */
-    void *g;     /* [L][N][F] gelu(h) */
+    void *h_gelu; /* [L][N][F] gelu(h) */
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd; /* [L][N] */
     float *att_lse; /* [L][B][H][T] */
     void *lnf;      /* [N][C] */
@@ -168,13 +173,13 @@ static void plan_buffers(size_t* used) {
     E.wlow = E.prec == PREC_FP32 ? (void*)E.params : carve(G_WEIGHTS_LOWP, P * es, used);
 
     E.res = carve(G_ACTIVATIONS, (L + 1) * nc * es, used);
-    E.x_mid = carve(G_ACTIVATIONS, L * nc * es, used);
+    E.xmid = carve(G_ACTIVATIONS, L * nc * es, used);
     E.ln1 = carve(G_ACTIVATIONS, L * nc * es, used);
     E.ln2 = carve(G_ACTIVATIONS, L * nc * es, used);
     E.qkv = carve(G_ACTIVATIONS, L * 3 * nc * es, used);
     E.atty = carve(G_ACTIVATIONS, L * nc * es, used);
     E.h = carve(G_ACTIVATIONS, L * N * F * es, used);
-    E.g = carve(G_ACTIVATIONS, L * N * F * es, used);
+    E.h_gelu = carve(G_ACTIVATIONS, L * N * F * es, used);
     E.ln1_mean = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
     E.ln1_rstd = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
     E.ln2_mean = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
@@ -224,25 +229,25 @@ static void print_plan(const size_t* bytes) {
 template <typename T> static T* layer_act(void* base, int l, size_t per_layer) { return (T*)base + (size_t)l * per_layer; }
 
 /* The residual stream entering layer l (l = L: the last layer's output, LNf's input). */
-template <typename T> static T* stream(int l) { return layer_act<T>(E.res, l, (size_t)E.N * E.C); }
+template <typename T> static T* layer_input(int l) { return layer_act<T>(E.res, l, (size_t)E.N * E.C); }
 
 /* The saved forward values of layer l. */
 template <typename T> struct LayerActs {
-    T *x, *xmid, *ln1, *ln2, *qkv, *atty, *h, *g;
+    T *x, *xmid, *ln1, *ln2, *qkv, *atty, *h, *h_gelu;
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd, *att_lse;
 };
 
 template <typename T> static LayerActs<T> layer_acts(int l) {
     size_t nc = (size_t)E.N * E.C, nf = (size_t)E.N * E.F, n = (size_t)E.N; /* per-layer strides: allocated sizes */
     LayerActs<T> a;
-    a.x = stream<T>(l);
-    a.xmid = layer_act<T>(E.x_mid, l, nc);
+    a.x = layer_input<T>(l);
+    a.xmid = layer_act<T>(E.xmid, l, nc);
     a.ln1 = layer_act<T>(E.ln1, l, nc);
     a.ln2 = layer_act<T>(E.ln2, l, nc);
     a.qkv = layer_act<T>(E.qkv, l, 3 * nc);
     a.atty = layer_act<T>(E.atty, l, nc);
     a.h = layer_act<T>(E.h, l, nf);
-    a.g = layer_act<T>(E.g, l, nf);
+    a.h_gelu = layer_act<T>(E.h_gelu, l, nf);
     a.ln1_mean = E.ln1_mean + l * n;
     a.ln1_rstd = E.ln1_rstd + l * n;
     a.ln2_mean = E.ln2_mean + l * n;
@@ -273,19 +278,19 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
 template <typename T>
 static void forward(int B, int Tn) {
     int C = E.C, H = E.H, F = E.F, L = E.L, N = B * Tn, l;
-    k_embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
+    embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
     for (l = 0; l < L; l++) {
         LayerActs<T> a = layer_acts<T>(l);
-        k_layernorm_fwd<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), N, C);
-        k_attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
-        k_attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
-                      attn_scratch<T>());
-        k_attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* x_mid = x + attn(...) W_O */
-        k_layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
-        k_mlp_fwd<T>(stream<T>(l + 1), a.h, a.g, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
+        layernorm_fwd<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), N, C);
+        attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
+        attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
+                    attn_scratch<T>());
+        attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
+        layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
+        mlp_fwd<T>(layer_input<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
     }
-    k_layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, stream<T>(L), E.params + E.layout.lnf_gamma,
-                       E.params + E.layout.lnf_beta, N, C);
+    layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, layer_input<T>(L), E.params + E.layout.lnf_gamma,
+                     E.params + E.layout.lnf_beta, N, C);
 }
 
 /* Loss over the N positions, chunk by chunk, and its mean into io->loss; with `train`, also the
@@ -300,13 +305,13 @@ static void loss_chunks(int N, int train) {
         int n = N - r0 < E.chunk ? N - r0 : E.chunk;
         const T* x = (const T*)E.lnf + (size_t)r0 * C;
         if (train) /* the first chunk honours the micro-batch's grad_beta, the later ones add */
-            k_loss_fwd_bwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.dln + (size_t)r0 * C, E.grads + E.layout.wte,
-                              (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale,
-                              r0 == 0 ? E.grad_beta : 1.0f);
+            loss_fwd_bwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.dln + (size_t)r0 * C, E.grads + E.layout.wte,
+                            (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale,
+                            r0 == 0 ? E.grad_beta : 1.0f);
         else
-            k_loss_fwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp);
+            loss_fwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp);
     }
-    k_loss_mean(&E.io->loss, E.losses, N);
+    loss_mean(&E.io->loss, E.losses, N);
 }
 
 template <typename T>
@@ -319,24 +324,24 @@ static void backward(void) {
     T* dqkv = (T*)E.dqkv;
     /* dln holds d(LNf output) from loss_chunks */
     CUDA_CHECK(cudaMemsetAsync(dres, 0, nc * es, g_stream));
-    k_layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, stream<T>(L),
-                       E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial, gb);
+    layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, layer_input<T>(L),
+                     E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial, gb);
     for (l = L - 1; l >= 0; l--) {
         LayerActs<T> a = layer_acts<T>(l);
         /* MLP branch: its output gradient is the stream's, dres */
-        k_mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.g, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.dh,
-                     N, C, F, gb);
-        k_layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
-                           a.ln2_rstd, N, C, E.ln_partial, gb);
-        /* attention branch: dres is now the gradient at x_mid */
-        k_attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
-        k_attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
-                      a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
-        k_attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
-        k_layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
-                           a.ln1_rstd, N, C, E.ln_partial, gb);
+        mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.h_gelu, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.dh,
+                   N, C, F, gb);
+        layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
+                         a.ln2_rstd, N, C, E.ln_partial, gb);
+        /* attention branch: dres is now the gradient at xmid */
+        attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
+        attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
+                    a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
+        attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
+        layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
+                         a.ln1_rstd, N, C, E.ln_partial, gb);
     }
-    k_embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_first, E.V, B, Tn, C, gb);
+    embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_first, E.V, B, Tn, C, gb);
 }
 
 /* Runs `record` (the device work of one call, everything on g_stream) as a CUDA graph: captured
@@ -428,8 +433,8 @@ static void next_logits_t(const int* tokens, int len, float* logits) {
 /* AdamW over every parameter in one launch; which decay, the mask says (upload_decay_bits). */
 template <typename T>
 static void adamw_all(const Config* cfg) {
-    k_adamw<T>(E.params, E.grads, E.m, E.v, E.prec == PREC_FP32 ? (T*)NULL : (T*)E.wlow, E.P, cfg->train.beta1,
-               cfg->train.beta2, cfg->train.eps, cfg->train.weight_decay, E.decay_bits, &E.io->uctl, &E.io->norm);
+    adamw<T>(E.params, E.grads, E.m, E.v, E.prec == PREC_FP32 ? (T*)NULL : (T*)E.wlow, E.P, cfg->train.beta1,
+             cfg->train.beta2, cfg->train.eps, cfg->train.weight_decay, E.decay_bits, &E.io->uctl, &E.io->norm);
 }
 
 /* The weight-decay mask of the layout's tensors (their decay flags), onto the device once. */
@@ -448,9 +453,10 @@ static void upload_decay_bits(void) {
     free(bits);
 }
 
-static void refresh_lowp_weights(void) {
-    if (E.prec == PREC_BF16) k_convert<bf16>((bf16*)E.wlow, E.params, E.P);
-    if (E.prec == PREC_FP16) k_convert<fp16>((fp16*)E.wlow, E.params, E.P);
+/* The 16-bit copy of the weights the products read, from the fp32 masters (fp32 has no copy). */
+template <typename T>
+static void refresh_lowp_weights_t(void) {
+    if constexpr (sizeof(T) == 2) convert<T>((T*)E.wlow, E.params, E.P);
 }
 
 /* The update, as recorded into update_graph: the norm of the unscaled gradients, AdamW (which
@@ -459,8 +465,8 @@ static void refresh_lowp_weights(void) {
 template <typename T>
 static void record_update(void) {
     upload_inputs(0);
-    k_grad_norm_partial(E.norm_partial, E.grads, E.P, &E.io->uctl.unscale);
-    k_grad_norm_final(&E.io->norm, E.norm_partial);
+    grad_norm_partial(E.norm_partial, E.grads, E.P, &E.io->uctl.unscale);
+    grad_norm_final(&E.io->norm, E.norm_partial);
     adamw_all<T>(&E.cfg);
     download_output(&E.io->norm, &E.io_host->norm);
 }
@@ -476,7 +482,7 @@ static void warm_up(void) {
     int* zeros = (int*)xcalloc((size_t)E.N, sizeof(int), "warm-up tokens");
     float* logits = (float*)xmalloc((size_t)E.V * sizeof(float), "warm-up logits");
     int graphs = E.use_graphs, round;
-    refresh_lowp_weights();
+    FOR_ACT_TYPE(refresh_lowp_weights_t)();
     for (round = 0; round < 2; round++) { /* two micro-batches: both fb_graph variants */
         E.use_graphs = round == 0 ? 0 : graphs;
         engine_forward_backward(zeros, zeros);
@@ -517,7 +523,7 @@ static size_t engine_setup(const Config* cfg) {
     E.N = E.B * E.T;
     param_layout_init(&E.layout, cfg);
     E.P = E.layout.n_params;
-    /* k_attn_qkv does the three projections as one batched product over consecutive weights */
+    /* attn_qkv_fwd does the three projections as one batched product over consecutive weights */
     if (layer_offset(&E.layout, 0, T_WK) != layer_offset(&E.layout, 0, T_WQ) + (size_t)E.C * E.C ||
         layer_offset(&E.layout, 0, T_WV) != layer_offset(&E.layout, 0, T_WK) + (size_t)E.C * E.C)
         die_io("internal: W_Q, W_K, W_V are not consecutive in the parameter layout");
@@ -582,7 +588,7 @@ static void engine_set_state(const float* params, const float* m, const float* v
     CUDA_CHECK(cudaMemcpy(E.v, v, bytes, cudaMemcpyHostToDevice));
     if (E.prec == PREC_FP16) E.loss_scale = loss_scale > 0.0f ? loss_scale : LOSS_SCALE_DEFAULT;
     else E.loss_scale = 1.0f;
-    refresh_lowp_weights();
+    FOR_ACT_TYPE(refresh_lowp_weights_t)();
     E.grads_pending = 0;
     CUDA_CHECK(cudaDeviceSynchronize());
 }
@@ -596,22 +602,16 @@ static void engine_get_state(float* params, float* m, float* v, float* loss_scal
 }
 
 static float engine_forward_backward(const int* inputs, const int* targets) {
-    if (E.prec == PREC_BF16) return forward_backward_t<bf16>(inputs, targets);
-    if (E.prec == PREC_FP16) return forward_backward_t<fp16>(inputs, targets);
-    return forward_backward_t<float>(inputs, targets);
+    return FOR_ACT_TYPE(forward_backward_t)(inputs, targets);
 }
 
 static float engine_forward_loss(const int* inputs, const int* targets) {
-    if (E.prec == PREC_BF16) return forward_loss_t<bf16>(inputs, targets);
-    if (E.prec == PREC_FP16) return forward_loss_t<fp16>(inputs, targets);
-    return forward_loss_t<float>(inputs, targets);
+    return FOR_ACT_TYPE(forward_loss_t)(inputs, targets);
 }
 
 static void engine_next_logits(const int* tokens, int len, float* logits) {
     if (len < 1 || len > E.T) die_io("internal: engine_next_logits with len %d (1..%d)", len, E.T);
-    if (E.prec == PREC_BF16) next_logits_t<bf16>(tokens, len, logits);
-    else if (E.prec == PREC_FP16) next_logits_t<fp16>(tokens, len, logits);
-    else next_logits_t<float>(tokens, len, logits);
+    FOR_ACT_TYPE(next_logits_t)(tokens, len, logits);
 }
 
 static UpdateResult engine_update(float lr, int t, const Config* cfg) {
@@ -620,9 +620,7 @@ static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     int is_fp16 = E.prec == PREC_FP16;
     if (is_fp16) unscale /= E.loss_scale;
     E.io_host->uctl = update_ctl(lr, t, cfg->train.beta1, cfg->train.beta2, unscale, cfg->train.grad_clip, is_fp16);
-    if (E.prec == PREC_BF16) run_graph(&E.update_graph, record_update<bf16>);
-    else if (is_fp16) run_graph(&E.update_graph, record_update<fp16>);
-    else run_graph(&E.update_graph, record_update<float>);
+    run_graph(&E.update_graph, FOR_ACT_TYPE(record_update));
     E.grads_pending = 0; /* also after a skipped fp16 step: its non-finite gradients are overwritten */
     r.grad_norm = E.io_host->norm;
     r.skipped = is_fp16 && !isfinite(r.grad_norm);

@@ -20,7 +20,7 @@
 #                step, ANDREA-12M and ANDREA-120M in bf16, uncaptured; $OUT/profile-*.csv, summed per
 #                kernel by bench/kernel_profile.py into $OUT/profile.log (ANDREA-120M also on the real
 #                text of data/megachat when it is there); and the stall and occupancy
-#                sections of the flash-attention kernels in $OUT/profile-attn_flash_*.log
+#                sections of the flash-attention kernels in $OUT/profile-k_attn_*.log
 # The last lines (also appended to $OUT/summary.log) say which stages passed; exit status 1 if any
 # failed, 2 for an unknown stage. Estimated on an H200: build 1-2 min, kernel_check < 1, pytest_gpu
 # 1-2, timing 1-2, pytest_engine 1-3, sanitizer 3-6 (each tool run has its own time limit).
@@ -231,7 +231,7 @@ stage_profile() {
         profile_run 120M-bf16-text bf16 "data/megachat/megachat_train_*.bin" "${M120[@]}" || rc=1
     fi
     "$PY" bench/kernel_profile.py "$OUT"/profile-*.csv || rc=1
-    for k in attn_flash_fwd_kernel attn_flash_dq_kernel attn_flash_dkv_kernel; do
+    for k in k_attn_fwd k_attn_bwd_dq k_attn_bwd_dkv; do
         profile_sections "$k" > "$OUT/profile-$k.log" 2>&1 || rc=1
     done
     return "$rc"

@@ -56,5 +56,5 @@ import json,sys
 s=json.load(open('$WORK/runs/ANDREA-12M-chat/ANDREA-12M-chat.samples.json'))
 for r in s[-3:]: print('--- step', r['step']); print(r['prompt'] + r['text'])
 "
-(cd "$WORK" && tar czf "$OUT/real-runs.tgz" --exclude='*.ckpt' --exclude='*.ckpt.json' runs *.proxy.log *.json)
+(cd "$WORK" && tar czf "$OUT/real-runs.tgz" --exclude='*.ckpt' --exclude='*.ckpt.json' --exclude='*.ckpt.prev' --exclude='*.ckpt.prev.json' runs *.proxy.log *.json)
 rm -rf "$WORK"

@@ -177,7 +177,7 @@ template <typename T> static Vec download(const T* p, size_t n) {
 /* Checks */
 
 /* Relative tolerances: elem (element-wise kernels), prod (one product or row reduction), fused
- * (several products in a row), loss (the mean loss of k_loss). In 16-bit types the loss is taken
+ * (several products in a row), loss (the mean loss of loss_fwd). In 16-bit types the loss is taken
  * from logits rounded to T: each row's loss carries up to half an ulp of its target logit
  * (2^-9 relative in bf16, 2^-11 in fp16) of logits of size ~3 here, so the mean over >= 5 rows is
  * within about 1e-3 (bf16) / 2.5e-4 (fp16) of the exact one. Measured on the H200 over 69 checks
@@ -263,7 +263,7 @@ static void set_ctx(const char* prec, const char* test, const char* shape) {
  * from 1 to 32, padded and unpadded vocabularies. */
 
 struct Shape {
-    int B, T, C, H, F, V, Vp, chunk; /* chunk: logits rows per k_loss call */
+    int B, T, C, H, F, V, Vp, chunk; /* chunk: logits rows per loss_fwd call */
 };
 
 static const Shape SHAPES[] = {
@@ -300,7 +300,7 @@ template <typename T> static void test_embed(const Shape& s, Tol tol) {
     int* d_tok = upload_ints(tokens);
     float *d_wte = upload<float>(wte), *d_wpe = upload<float>(wpe);
     T* d_out = poisoned<T>((size_t)N * C);
-    k_embed_fwd<T>(d_out, d_tok, d_wte, d_wpe, s.B, s.T, C);
+    embed_fwd<T>(d_out, d_tok, d_wte, d_wpe, s.B, s.T, C);
     check("out", download(d_out, (size_t)N * C), out_c, tol.elem);
 
     Vec dout = rounded<T>(randn((size_t)N * C, 1.0f));
@@ -314,7 +314,7 @@ template <typename T> static void test_embed(const Shape& s, Tol tol) {
         auto gpu = [&]() {
             upload_into(d_dwte, dwte0);
             init_grad(d_dwpe, dwpe0, gb);
-            k_embed_bwd<T>(d_dwte, d_dwpe, d_dout, d_tok, d_first, s.V, s.B, s.T, C, gb);
+            embed_bwd<T>(d_dwte, d_dwpe, d_dout, d_tok, d_first, s.V, s.B, s.T, C, gb);
             return std::vector<Vec>{download(d_dwte, wte.size()), download(d_dwpe, wpe.size())};
         };
         std::vector<Vec> r1 = gpu(), r2 = gpu();
@@ -336,7 +336,7 @@ template <typename T> static void test_layernorm(const Shape& s, Tol tol) {
     float *d_gamma = upload<float>(gamma), *d_beta = upload<float>(beta);
     T* d_out = poisoned<T>((size_t)N * C);
     float *d_mean = poisoned<float>(N), *d_rstd = poisoned<float>(N);
-    k_layernorm_fwd<T>(d_out, d_mean, d_rstd, d_x, d_gamma, d_beta, N, C);
+    layernorm_fwd<T>(d_out, d_mean, d_rstd, d_x, d_gamma, d_beta, N, C);
     check("out", download(d_out, (size_t)N * C), out_c, tol.prod);
     check("mean", download(d_mean, N), mean_c, tol_for<float>().prod);
     check("rstd", download(d_rstd, N), rstd_c, tol_for<float>().prod);
@@ -356,7 +356,7 @@ template <typename T> static void test_layernorm(const Shape& s, Tol tol) {
             upload_into(d_dx, dx0);
             init_grad(d_dg, dg0, gb);
             init_grad(d_db, db0, gb);
-            k_layernorm_bwd<T>(d_dx, d_dg, d_db, d_dout, d_x, d_gamma, d_mean_c, d_rstd_c, N, C, d_scratch, gb);
+            layernorm_bwd<T>(d_dx, d_dg, d_db, d_dout, d_x, d_gamma, d_mean_c, d_rstd_c, N, C, d_scratch, gb);
             return std::vector<Vec>{download(d_dx, (size_t)N * C), download(d_dg, C), download(d_db, C)};
         };
         std::vector<Vec> r1 = gpu(), r2 = gpu();
@@ -376,7 +376,7 @@ template <typename T> static void test_attn_out(const Shape& s, Tol tol) {
     matmul_forward(proj.data(), x.data(), w.data(), N, C, C);
     residual_forward(out_c.data(), res.data(), proj.data(), N * C);
     T *d_x = upload<T>(x), *d_w = upload<T>(w), *d_res = upload<T>(res), *d_out = poisoned<T>((size_t)N * C);
-    k_attn_out_fwd<T>(d_out, d_x, d_w, d_res, N, C);
+    attn_out_fwd<T>(d_out, d_x, d_w, d_res, N, C);
     check("out", download(d_out, (size_t)N * C), out_c, tol.prod);
 
     Vec dout = rounded<T>(randn((size_t)N * C, 1.0f));
@@ -388,7 +388,7 @@ template <typename T> static void test_attn_out(const Shape& s, Tol tol) {
     for (float gb : GRAD_BETAS) {
         poison(d_dx, (size_t)N * C);
         init_grad(d_dw, dw0, gb);
-        k_attn_out_bwd<T>(d_dx, d_dw, d_dout, d_x, d_w, N, C, gb);
+        attn_out_bwd<T>(d_dx, d_dw, d_dout, d_x, d_w, N, C, gb);
         check("dx", download(d_dx, (size_t)N * C), dx_inc, tol.prod);
         check_grad("dw", download(d_dw, (size_t)C * C), dw_inc, dw0, gb, tol.prod);
     }
@@ -402,7 +402,7 @@ template <typename T> static void test_attn_qkv(const Shape& s, Tol tol) {
     Vec qkv_c(3 * nc);
     for (int i = 0; i < 3; i++) matmul_forward(qkv_c.data() + i * nc, x.data(), w.data() + i * cc, N, C, C);
     T *d_x = upload<T>(x), *d_w = upload<T>(w), *d_qkv = poisoned<T>(3 * nc);
-    k_attn_qkv_fwd<T>(d_qkv, d_x, d_w, N, C);
+    attn_qkv_fwd<T>(d_qkv, d_x, d_w, N, C);
     check("qkv", download(d_qkv, 3 * nc), qkv_c, tol.prod);
 
     Vec dqkv = rounded<T>(randn(3 * nc, 1.0f));
@@ -415,7 +415,7 @@ template <typename T> static void test_attn_qkv(const Shape& s, Tol tol) {
     for (float gb : GRAD_BETAS) {
         poison(d_dx, nc);
         init_grad(d_dw, dw0, gb);
-        k_attn_qkv_bwd<T>(d_dx, d_dw, d_dqkv, d_x, d_w, N, C, gb);
+        attn_qkv_bwd<T>(d_dx, d_dw, d_dqkv, d_x, d_w, N, C, gb);
         check("dx", download(d_dx, nc), dx_inc, tol.prod);
         check_grad("dw", download(d_dw, 3 * cc), dw_inc, dw0, gb, tol.prod);
     }
@@ -455,7 +455,7 @@ template <typename T> static void test_attn(const Shape& s, Tol tol) {
     sc.P = poisoned<T>(tt);
     sc.delta = poisoned<float>(attn_delta_elems(half, B, Tn, C, H));
     sc.ds = poisoned<T>(attn_ds_elems(half, B, Tn, C, H));
-    k_attn_fwd<T>(d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
+    attn_fwd<T>(d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
     check("out", download(d_out, nc), out_c, tol.fused);
     check("lse", download(d_lse, (size_t)B * H * Tn), lse_c, tol_for<float>().prod);
 
@@ -469,7 +469,7 @@ template <typename T> static void test_attn(const Shape& s, Tol tol) {
         poison(d_dq, nc);
         poison(d_dk, nc);
         poison(d_dv, nc);
-        k_attn_bwd<T>(d_dq, d_dk, d_dv, d_dout, d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
+        attn_bwd<T>(d_dq, d_dk, d_dv, d_dout, d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
         return std::vector<Vec>{download(d_dq, nc), download(d_dk, nc), download(d_dv, nc)};
     };
     std::vector<Vec> r1 = gpu(), r2 = gpu();
@@ -485,22 +485,22 @@ template <typename T> static void test_mlp(const Shape& s, Tol tol) {
     size_t nc = (size_t)N * C, nf = (size_t)N * F;
     Vec x = rounded<T>(randn(nc, 1.0f));
     Vec w1 = rounded<T>(randn((size_t)C * F, 1.0f / sqrtf((float)C))), w2 = rounded<T>(randn((size_t)F * C, 1.0f / sqrtf((float)F)));
-    Vec res = rounded<T>(randn(nc, 1.0f)), h_c(nf), g_c(nf), mlp(nc), out_c(nc);
+    Vec res = rounded<T>(randn(nc, 1.0f)), h_c(nf), h_gelu_c(nf), mlp(nc), out_c(nc);
     matmul_forward(h_c.data(), x.data(), w1.data(), N, C, F);
-    gelu_forward(g_c.data(), h_c.data(), (int)nf);
-    matmul_forward(mlp.data(), g_c.data(), w2.data(), N, F, C);
+    gelu_forward(h_gelu_c.data(), h_c.data(), (int)nf);
+    matmul_forward(mlp.data(), h_gelu_c.data(), w2.data(), N, F, C);
     residual_forward(out_c.data(), res.data(), mlp.data(), (int)nc); /* the join after the MLP */
     T *d_x = upload<T>(x), *d_w1 = upload<T>(w1), *d_w2 = upload<T>(w2), *d_res = upload<T>(res);
-    T *d_out = poisoned<T>(nc), *d_h = poisoned<T>(nf), *d_g = poisoned<T>(nf), *d_dh = poisoned<T>(nf);
-    k_mlp_fwd<T>(d_out, d_h, d_g, d_x, d_w1, d_w2, d_res, N, C, F);
+    T *d_out = poisoned<T>(nc), *d_h = poisoned<T>(nf), *d_h_gelu = poisoned<T>(nf), *d_dh = poisoned<T>(nf);
+    mlp_fwd<T>(d_out, d_h, d_h_gelu, d_x, d_w1, d_w2, d_res, N, C, F);
     check("out", download(d_out, nc), out_c, tol.fused);
     check("h", download(d_h, nf), h_c, tol.prod);
-    check("g", download(d_g, nf), g_c, tol.prod);
+    check("h_gelu", download(d_h_gelu, nf), h_gelu_c, tol.prod);
 
     Vec dout = rounded<T>(randn(nc, 1.0f));
-    Vec dg(nf, 0.0f), dh(nf, 0.0f), dx_inc(nc, 0.0f), dw1_inc(w1.size(), 0.0f), dw2_inc(w2.size(), 0.0f);
-    matmul_backward(dg.data(), dw2_inc.data(), dout.data(), g_c.data(), w2.data(), N, F, C);
-    gelu_backward(dh.data(), h_c.data(), dg.data(), (int)nf);
+    Vec dh_gelu(nf, 0.0f), dh(nf, 0.0f), dx_inc(nc, 0.0f), dw1_inc(w1.size(), 0.0f), dw2_inc(w2.size(), 0.0f);
+    matmul_backward(dh_gelu.data(), dw2_inc.data(), dout.data(), h_gelu_c.data(), w2.data(), N, F, C);
+    gelu_backward(dh.data(), h_c.data(), dh_gelu.data(), (int)nf);
     matmul_backward(dx_inc.data(), dw1_inc.data(), dh.data(), x.data(), w1.data(), N, C, F);
     Vec dw10 = prefill_like<float>(dw1_inc), dw20 = prefill_like<float>(dw2_inc);
     T *d_dout = upload<T>(dout), *d_dx = poisoned<T>(nc); /* dx is overwritten */
@@ -509,7 +509,8 @@ template <typename T> static void test_mlp(const Shape& s, Tol tol) {
         poison(d_dx, nc);
         init_grad(d_dw1, dw10, gb);
         init_grad(d_dw2, dw20, gb);
-        k_mlp_bwd<T>(d_dx, d_dw1, d_dw2, d_dout, d_x, d_h, d_g, d_w1, d_w2, d_dh, N, C, F, gb); /* the forward's h, g */
+        /* h and h_gelu are the forward's */
+        mlp_bwd<T>(d_dx, d_dw1, d_dw2, d_dout, d_x, d_h, d_h_gelu, d_w1, d_w2, d_dh, N, C, F, gb);
         check("dx", download(d_dx, nc), dx_inc, tol.fused);
         check_grad("dw1", download(d_dw1, w1.size()), dw1_inc, dw10, gb, tol.fused);
         check_grad("dw2", download(d_dw2, w2.size()), dw2_inc, dw20, gb, tol.fused);
@@ -537,13 +538,13 @@ template <typename T> static void test_residual(const Shape& s, Tol tol) {
     Vec a = rounded<T>(randn(n, 1.0f)), b = rounded<T>(randn(n, 1.0f)), out_c(n);
     residual_forward(out_c.data(), a.data(), b.data(), (int)n);
     T *d_a = upload<T>(a), *d_b = upload<T>(b), *d_out = poisoned<T>(n);
-    k_residual_add<T>(d_out, d_a, d_b, n);
+    residual_add<T>(d_out, d_a, d_b, n);
     check("out", download(d_out, n), out_c, tol.elem);
     Vec dout = rounded<T>(randn(n, 1.0f)), da_inc(n, 0.0f), db_inc(n, 0.0f);
     residual_backward(da_inc.data(), db_inc.data(), dout.data(), (int)n);
     Vec da0 = prefill_like<T>(da_inc), db0 = prefill_like<T>(db_inc);
     T *d_dout = upload<T>(dout), *d_da = upload<T>(da0), *d_db = upload<T>(db0);
-    k_residual_add_bwd<T>(d_da, d_db, d_dout, n);
+    residual_add_bwd<T>(d_da, d_db, d_dout, n);
     check("da", download(d_da, n), plus(da0, da_inc), tol.elem, &da0);
     check("db", download(d_db, n), plus(db0, db_inc), tol.elem, &db0);
     dfree_all();
@@ -574,11 +575,11 @@ template <typename T> static void test_loss(const Shape& s, Tol tol) {
             init_grad(d_dwte, dwte0, gb);
             for (int r0 = 0; r0 < N; r0 += s.chunk) {
                 int n = N - r0 < s.chunk ? N - r0 : s.chunk;
-                k_loss_fwd_bwd<T>(d_losses + r0, d_lse + r0, d_dx + (size_t)r0 * C, d_dwte, d_logits,
-                                  d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V, Vp, d_dscale,
-                                  r0 == 0 ? gb : 1.0f);
+                loss_fwd_bwd<T>(d_losses + r0, d_lse + r0, d_dx + (size_t)r0 * C, d_dwte, d_logits,
+                                d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V, Vp, d_dscale,
+                                r0 == 0 ? gb : 1.0f);
             }
-            k_loss_mean(d_mean, d_losses, N);
+            loss_mean(d_mean, d_losses, N);
             return std::vector<Vec>{download(d_losses, N), download(d_dx, (size_t)N * C),
                                     download(d_dwte, wte.size()), download(d_mean, 1)};
         };
@@ -587,8 +588,8 @@ template <typename T> static void test_loss(const Shape& s, Tol tol) {
             float* d_eval = poisoned<float>(N);
             for (int r0 = 0; r0 < N; r0 += s.chunk) {
                 int n = N - r0 < s.chunk ? N - r0 : s.chunk;
-                k_loss_fwd<T>(d_eval + r0, d_lse + r0, d_logits, d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V,
-                              Vp);
+                loss_fwd<T>(d_eval + r0, d_lse + r0, d_logits, d_x + (size_t)r0 * C, d_wte, d_targets + r0, n, C, V,
+                            Vp);
             }
             Vec ev = download(d_eval, N);
             bool same = memcmp(ev.data(), r1[0].data(), N * sizeof(float)) == 0;
@@ -653,7 +654,7 @@ template <typename T> static void test_adamw(size_t n, Tol tol) {
         CUDA_CHECK(cudaMemcpy(d_norm, &norm, sizeof norm, cudaMemcpyHostToDevice));
     };
     set_ctl(1.0, 0.0f, 0, 1.0f);
-    k_adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
+    adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
     check("p", download(d_p, n), pc, tol_for<float>().elem);
     check("m", download(d_m, n), mc, tol_for<float>().elem);
     check("v", download(d_v, n), vc, tol_for<float>().elem);
@@ -668,18 +669,18 @@ template <typename T> static void test_adamw(size_t n, Tol tol) {
         upload_into(d_m, m);
         upload_into(d_v, v);
         set_ctl(u, clip, 0, norm);
-        k_adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
+        adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
         check("p_clip", download(d_p, n), pc2, tol_for<float>().elem);
         check("m_clip", download(d_m, n), mc2, tol_for<float>().elem);
         /* fp16 overflow: a non-finite norm with skip set leaves everything as it was */
         Vec p_before = download(d_p, n), m_before = download(d_m, n), v_before = download(d_v, n);
         set_ctl(1.0, 1.0f, 1, INFINITY);
-        k_adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
+        adamw<T>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
         std::vector<Vec> after{download(d_p, n), download(d_m, n), download(d_v, n)};
         check_same("skip", std::vector<Vec>{p_before, m_before, v_before}, after);
     }
     T* d_conv = poisoned<T>(n);
-    k_convert<T>(d_conv, d_p, n);
+    convert<T>(d_conv, d_p, n);
     check("convert", download(d_conv, n), rounded<T>(download(d_p, n)), tol.elem);
     dfree_all();
 }
@@ -691,8 +692,8 @@ static void test_grad_norm(size_t n) {
     for (float x : g) s += (double)x * x;
     float *d_g = upload<float>(g), *d_partial = poisoned<float>(NORM_BLOCKS), *d_norm = poisoned<float>(1);
     auto norm = [&]() {
-        k_grad_norm_partial(d_partial, d_g, n, NULL);
-        k_grad_norm_final(d_norm, d_partial);
+        grad_norm_partial(d_partial, d_g, n, NULL);
+        grad_norm_final(d_norm, d_partial);
         return std::vector<Vec>{download(d_norm, 1)};
     };
     std::vector<Vec> r1 = norm(), r2 = norm();
@@ -707,8 +708,8 @@ static void test_grad_norm(size_t n) {
     {
         float* d_u = upload<float>(Vec(1, 0.5f));
         CUDA_CHECK(cudaMemcpy(d_g + n / 2, &g[n / 2], sizeof(float), cudaMemcpyHostToDevice));
-        k_grad_norm_partial(d_partial, d_g, n, d_u);
-        k_grad_norm_final(d_norm, d_partial);
+        grad_norm_partial(d_partial, d_g, n, d_u);
+        grad_norm_final(d_norm, d_partial);
         check_scalar("norm_unscaled", download(d_norm, 1)[0], 0.5 * sqrt(s), tol_for<float>().prod);
         check("norm_g_kept", download(d_g, n), g, 0.0);
     }
@@ -716,7 +717,7 @@ static void test_grad_norm(size_t n) {
     Vec small = randn(4099, 1.0f), scaled(small.size());
     for (size_t i = 0; i < small.size(); i++) scaled[i] = small[i] * 0.37f;
     float* d_s = upload<float>(small);
-    k_grad_scale(d_s, small.size(), 0.37f);
+    grad_scale(d_s, small.size(), 0.37f);
     check("scale", download(d_s, small.size()), scaled, tol_for<float>().elem);
     dfree_all();
 }

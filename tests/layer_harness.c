@@ -53,28 +53,28 @@ int main(int argc, char** argv) {
     int a[8] = {0};
     for (int i = 3; i < argc && i < 11; i++) a[i - 3] = atoi(argv[i]);
 
-    if (!strcmp(layer, "embed")) {             /* B T d Vp */
-        int B = a[0], T = a[1], d = a[2], Vp = a[3];
-        size_t n = (size_t)B * T * d;
+    if (!strcmp(layer, "embed")) {             /* B T C Vp */
+        int B = a[0], T = a[1], C = a[2], Vp = a[3];
+        size_t n = (size_t)B * T * C;
         int* tok = li("tokens", B * T);
-        float *wte = lf("wte", (size_t)Vp * d), *wpe = lf("wpe", (size_t)T * d), *dout = lf("dout", n);
-        float *dwte = lf("dwte", (size_t)Vp * d), *dwpe = lf("dwpe", (size_t)T * d);
+        float *wte = lf("wte", (size_t)Vp * C), *wpe = lf("wpe", (size_t)T * C), *dout = lf("dout", n);
+        float *dwte = lf("dwte", (size_t)Vp * C), *dwpe = lf("dwpe", (size_t)T * C);
         float* out = (float*)malloc(n * sizeof(float));
-        embed_forward(out, tok, wte, wpe, B, T, d);
-        embed_backward(dwte, dwpe, dout, tok, B, T, d);
-        save("out", out, n); save("dwte", dwte, (size_t)Vp * d); save("dwpe", dwpe, (size_t)T * d);
-    } else if (!strcmp(layer, "layernorm")) {  /* N d */
-        int N = a[0], d = a[1];
-        size_t n = (size_t)N * d;
-        float *x = lf("x", n), *gamma = lf("gamma", d), *beta = lf("beta", d), *dout = lf("dout", n);
-        float *dx = lf("dx", n), *dgamma = lf("dgamma", d), *dbeta = lf("dbeta", d);
+        embed_forward(out, tok, wte, wpe, B, T, C);
+        embed_backward(dwte, dwpe, dout, tok, B, T, C);
+        save("out", out, n); save("dwte", dwte, (size_t)Vp * C); save("dwpe", dwpe, (size_t)T * C);
+    } else if (!strcmp(layer, "layernorm")) {  /* N C */
+        int N = a[0], C = a[1];
+        size_t n = (size_t)N * C;
+        float *x = lf("x", n), *gamma = lf("gamma", C), *beta = lf("beta", C), *dout = lf("dout", n);
+        float *dx = lf("dx", n), *dgamma = lf("dgamma", C), *dbeta = lf("dbeta", C);
         float* out = (float*)malloc(n * sizeof(float));
         float* mean = (float*)malloc(N * sizeof(float));
         float* rstd = (float*)malloc(N * sizeof(float));
-        layernorm_forward(out, mean, rstd, x, gamma, beta, N, d);
-        layernorm_backward(dx, dgamma, dbeta, dout, x, gamma, mean, rstd, N, d);
+        layernorm_forward(out, mean, rstd, x, gamma, beta, N, C);
+        layernorm_backward(dx, dgamma, dbeta, dout, x, gamma, mean, rstd, N, C);
         save("out", out, n); save("mean", mean, N); save("rstd", rstd, N);
-        save("dx", dx, n); save("dgamma", dgamma, d); save("dbeta", dbeta, d);
+        save("dx", dx, n); save("dgamma", dgamma, C); save("dbeta", dbeta, C);
     } else if (!strcmp(layer, "matmul")) {     /* N in out */
         int N = a[0], in = a[1], od = a[2];
         float *x = lf("x", (size_t)N * in), *w = lf("w", (size_t)in * od), *dout = lf("dout", (size_t)N * od);
@@ -83,15 +83,15 @@ int main(int argc, char** argv) {
         matmul_forward(out, x, w, N, in, od);
         matmul_backward(dx, dw, dout, x, w, N, in, od);
         save("out", out, (size_t)N * od); save("dx", dx, (size_t)N * in); save("dw", dw, (size_t)in * od);
-    } else if (!strcmp(layer, "attention")) {  /* B T d H */
-        int B = a[0], T = a[1], d = a[2], H = a[3];
-        size_t n = (size_t)B * T * d, na = (size_t)B * H * T * T;
+    } else if (!strcmp(layer, "attention")) {  /* B T C H */
+        int B = a[0], T = a[1], C = a[2], H = a[3];
+        size_t n = (size_t)B * T * C, na = (size_t)B * H * T * T;
         float *q = lf("q", n), *k = lf("k", n), *v = lf("v", n), *dout = lf("dout", n);
         float *dq = lf("dq", n), *dk = lf("dk", n), *dv = lf("dv", n);
         float* out = (float*)malloc(n * sizeof(float));
         float* att = (float*)malloc(na * sizeof(float));
-        attention_forward(out, att, q, k, v, B, T, d, H);
-        attention_backward(dq, dk, dv, dout, att, q, k, v, B, T, d, H);
+        attention_forward(out, att, q, k, v, B, T, C, H);
+        attention_backward(dq, dk, dv, dout, att, q, k, v, B, T, C, H);
         save("out", out, n); save("att", att, na); save("dq", dq, n); save("dk", dk, n); save("dv", dv, n);
     } else if (!strcmp(layer, "gelu")) {       /* n */
         int n = a[0];
@@ -107,16 +107,16 @@ int main(int argc, char** argv) {
         residual_forward(out, x, y, n);
         residual_backward(da, db, dout, n);
         save("out", out, n); save("da", da, n); save("db", db, n);
-    } else if (!strcmp(layer, "classifier")) { /* N d V Vp */
-        int N = a[0], d = a[1], V = a[2], Vp = a[3];
-        float *x = lf("x", (size_t)N * d), *wte = lf("wte", (size_t)Vp * d);
+    } else if (!strcmp(layer, "classifier")) { /* N C V Vp */
+        int N = a[0], C = a[1], V = a[2], Vp = a[3];
+        float *x = lf("x", (size_t)N * C), *wte = lf("wte", (size_t)Vp * C);
         int* targets = li("targets", N);
-        float *dx = lf("dx", (size_t)N * d), *dwte = lf("dwte", (size_t)Vp * d);
+        float *dx = lf("dx", (size_t)N * C), *dwte = lf("dwte", (size_t)Vp * C);
         float* probs = (float*)malloc((size_t)N * Vp * sizeof(float));
-        float loss = classifier_forward(probs, x, wte, targets, N, d, V, Vp);
-        classifier_backward(dx, dwte, probs, x, wte, targets, N, d, V, Vp);
+        float loss = classifier_forward(probs, x, wte, targets, N, C, V, Vp);
+        classifier_backward(dx, dwte, probs, x, wte, targets, N, C, V, Vp);
         save("loss", &loss, 1); save("probs", probs, (size_t)N * Vp);
-        save("dx", dx, (size_t)N * d); save("dwte", dwte, (size_t)Vp * d);
+        save("dx", dx, (size_t)N * C); save("dwte", dwte, (size_t)Vp * C);
     } else if (!strcmp(layer, "adamw")) {      /* n t; hyper-parameters in hyper.bin */
         int n = a[0], t = a[1];
         float* h = lf("hyper", 5); /* lr beta1 beta2 eps wd */

@@ -19,7 +19,7 @@ import pytest
 import engine_util as eu
 from engine_util import TINY, tiny_args
 
-from microgpt.checkpoint import read_checkpoint, read_sidecar
+from microgpt.checkpoint import read_checkpoint, read_sidecar, write_checkpoint
 
 # Signals are sent when the record of step SIGNAL_STEP appears; RESUME has eval and sampling on, so
 # their records (and random draws) are part of what must match exactly.
@@ -363,12 +363,17 @@ def test_huge_shape_is_really_too_big(engine, random_shards):
 # ---------------------------------------------------------------------------------------------------
 # 6: nothing is allocated inside the training loop
 
+def build_shim(tmp_path_factory, name):
+    """tests/NAME.c built as an LD_PRELOAD library; returns its path."""
+    lib = tmp_path_factory.mktemp(name) / f"{name}.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(eu.REPO / "tests" / f"{name}.c"), "-ldl"],
+                   check=True)
+    return lib
+
+
 @pytest.fixture(scope="session")
 def alloc_counter(tmp_path_factory):
-    src = eu.REPO / "tests" / "alloc_counter.c"
-    lib = tmp_path_factory.mktemp("alloc_counter") / "alloc_counter.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(src), "-ldl"], check=True)
-    return lib
+    return build_shim(tmp_path_factory, "alloc_counter")
 
 
 def test_no_allocation_in_training_loop(engine, random_shards, alloc_counter):
@@ -478,7 +483,7 @@ def test_equals_form_of_flags(engine, random_shards):
 def design_flags():
     """Every flag in docs/DESIGN.md's flag table (the one list of flags)."""
     text = (eu.REPO / "docs" / "DESIGN.md").read_text()
-    section = text.split("## Flags are the config keys", 1)[1].split("\n## ", 1)[0]
+    section = text.split("### 4.1 Flags are the config keys", 1)[1].split("\n## ", 1)[0]
     flags = set(re.findall(r"`(--[a-z][a-z0-9_.-]*)", section))
     assert len(flags) > 30, flags
     return sorted(flags)
@@ -630,3 +635,322 @@ def test_output_follows_contract(engine, random_shards, tmp_path):
     assert any(c["step"] == 4 and c["reason"] == "periodic" for c in ckpts), ckpts
     assert ckpts[-1]["step"] == steps and ckpts[-1]["path"] == str(ckpt)
     assert res.records[-1] == {"event": "exit", "step": steps, "reason": "finished"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# 9: nothing silently corrupted, nothing lost: checksums, two slots, the divergence guard, special
+# files, signals at start-up, the polish boundary (docs/DESIGN.md §15)
+
+# A constant LR keeps every step the same whatever train.steps is, so a short run's checkpoint
+# resumes into a longer run exactly.
+CONSTANT_LR = {"train.schedule": "constant"}
+
+
+def two_slots(engine, shards, ckpt, steps=4, every=2):
+    """A run that leaves the newest checkpoint (step `steps`) and the previous one (PATH.prev)."""
+    eu.run_ok(engine.binary, tiny_args(shards.train, **{**CONSTANT_LR, "train.steps": steps, "checkpoint.every": every,
+                                              "checkpoint": ckpt}))
+    return read_checkpoint(ckpt), read_checkpoint(f"{ckpt}.prev")
+
+
+def test_sidecar_holds_the_crc32c_of_the_checkpoint_bytes(engine, random_shards, tmp_path):
+    assert eu.crc32c(b"123456789") == 0xE3069283  # the standard check value: the test's CRC is CRC-32C
+    ckpt = tmp_path / "run.ckpt"
+    newest, prev = two_slots(engine, random_shards, ckpt)
+    assert (newest.step, prev.step) == (4, 2)
+    for path in (ckpt, tmp_path / "run.ckpt.prev"):
+        side = read_sidecar(path)
+        assert side["step"] == read_checkpoint(path).step
+        assert side["crc32c"] == eu.crc32c(path.read_bytes()), path
+    assert files_beside(ckpt) == ["run.ckpt", "run.ckpt.json", "run.ckpt.prev", "run.ckpt.prev.json"]
+
+
+def _flip_bit_in_v(path):
+    raw = bytearray(path.read_bytes())
+    n = read_checkpoint(path).n_params
+    raw[8 + 8 * n + 4 * (n // 2) + 2] ^= 0x10  # one bit of an exponent in the middle of Adam's v
+    path.write_bytes(bytes(raw))
+
+
+def _garbage_weights(path):
+    raw = bytearray(path.read_bytes())
+    n = read_checkpoint(path).n_params
+    raw[8:8 + 4 * n] = np.random.default_rng(0).bytes(4 * n)
+    path.write_bytes(bytes(raw))
+
+
+def _set_step(step):
+    def damage(path):
+        raw = bytearray(path.read_bytes())
+        raw[0:4] = np.array([step], dtype="<i4").tobytes()
+        path.write_bytes(bytes(raw))
+    return damage
+
+
+def _sidecar_of_another_step(path):
+    side = read_sidecar(path)
+    side["step"] = 3
+    path.with_name(path.name + ".json").write_text(json.dumps(side))
+
+
+INTEGRITY_DAMAGE = {"bit_in_v": _flip_bit_in_v, "garbage_weights": _garbage_weights, "step_49": _set_step(49),
+                    "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step}
+
+
+@pytest.mark.parametrize("damage", sorted(INTEGRITY_DAMAGE))
+def test_damaged_checkpoint_is_refused_and_the_previous_one_resumes(engine, random_shards, tmp_path, damage):
+    """Damage that keeps the size right (a flipped bit, garbage, an edited step, a sidecar of another
+    step) is refused at --resume with one error line that says how to resume from PATH.prev; nothing
+    is changed; and doing what it says resumes the previous checkpoint exactly."""
+    ckpt, ref_ckpt = tmp_path / "run.ckpt", tmp_path / "ref" / "ref.ckpt"
+    args = tiny_args(random_shards.train, **{**CONSTANT_LR, "train.steps": 8, "checkpoint": ckpt, "resume": True})
+    two_slots(engine, random_shards, ckpt)
+    INTEGRITY_DAMAGE[damage](ckpt)
+    before = {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)}
+
+    res = eu.run_engine(engine.binary, args)
+    assert res.rc == 2, res.describe()
+    assert len(res.errors) == 1 and str(ckpt) in res.errors[0], res.describe()
+    assert "run.ckpt.prev (step 2)" in res.errors[0], res.errors[0]
+    assert res.steps == [] and not res.events("memory"), res.describe()
+    assert {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)} == before
+
+    ref_ckpt.parent.mkdir()
+    ref = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{**CONSTANT_LR, "train.steps": 8, "checkpoint": ref_ckpt}))
+    os.replace(f"{ckpt}.prev", ckpt)  # what the error line says to do
+    os.replace(f"{ckpt}.prev.json", f"{ckpt}.json")
+    resumed = eu.run_ok(engine.binary, args)
+    assert [r["step"] for r in resumed.steps] == list(range(3, 9))
+    expected = eu.exact_records(ref)
+    assert all(expected[key] == text for key, text in eu.exact_records(resumed).items())
+    assert ckpt.read_bytes()[8:] == ref_ckpt.read_bytes()[8:]
+
+
+@pytest.mark.parametrize("old", ["no_checksum", "no_sidecar"])
+def test_checkpoint_without_checksum_resumes_with_a_warning(engine, random_shards, tmp_path, old):
+    """Checkpoints written before sidecars held a checksum (or made by hand, without a sidecar) still
+    resume, with a warning that they were not verified."""
+    ckpt = tmp_path / "run.ckpt"
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
+    if old == "no_sidecar":
+        os.remove(f"{ckpt}.json")
+    else:
+        side = read_sidecar(ckpt)
+        del side["crc32c"]
+        (tmp_path / "run.ckpt.json").write_text(json.dumps(side))
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt, "resume": True}))
+    assert "unverified" in res.stderr and [r["step"] for r in res.steps] == [3], res.describe()
+
+
+def test_previous_slot_is_the_checkpoint_before_the_newest(engine, random_shards, tmp_path):
+    """Each checkpoint write keeps the one it replaces as PATH.prev, a whole checkpoint (with its own
+    sidecar) that resumes exactly; a fresh run refuses to start over either slot."""
+    settings = {"train.steps": 7, "checkpoint.every": 3}
+    ckpt, ref_ckpt, prev_copy = tmp_path / "run.ckpt", tmp_path / "ref.ckpt", tmp_path / "prev.ckpt"
+    ref = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ref_ckpt))
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt))
+    assert [c["step"] for c in res.events("checkpoint")] == [3, 6, 7]
+    assert (read_checkpoint(ckpt).step, read_checkpoint(f"{ckpt}.prev").step) == (7, 6)
+    shutil.copyfile(f"{ckpt}.prev", prev_copy)
+    shutil.copyfile(f"{ckpt}.prev.json", f"{prev_copy}.json")
+    resumed = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=prev_copy, resume=True))
+    assert [r["step"] for r in resumed.steps] == [7]
+    assert eu.exact_records(resumed)[("train", 7, None)] == eu.exact_records(ref)[("train", 7, None)]
+    assert prev_copy.read_bytes() == ckpt.read_bytes()
+
+    os.remove(ckpt)  # only PATH.prev left: still an earlier run that a fresh start must not clobber
+    fresh = eu.run_engine(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt))
+    assert fresh.rc == 2 and len(fresh.errors) == 1 and "run.ckpt.prev" in fresh.errors[0], fresh.describe()
+
+
+@pytest.fixture(scope="session")
+def no_hard_links(tmp_path_factory):
+    return build_shim(tmp_path_factory, "no_hard_links")
+
+
+def test_previous_slot_without_hard_links_is_a_copy(engine, random_shards, tmp_path, no_hard_links):
+    """Where the file system has no hard links, the previous slot is made by a durable copy: the same
+    bytes, the same sidecar, and no temporary file left behind."""
+    linked, copied = tmp_path / "linked" / "run.ckpt", tmp_path / "copied" / "run.ckpt"
+    for ckpt in (linked, copied):
+        ckpt.parent.mkdir()
+    args = tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint.every": 2})
+    eu.run_ok(engine.binary, args + ["--checkpoint", linked])
+    res = eu.run_ok(engine.binary, args + ["--checkpoint", copied], env={"LD_PRELOAD": str(no_hard_links)})
+    assert "no_hard_links: link refused" in res.stderr, "the shim was not loaded: " + res.describe()
+    assert files_beside(copied) == files_beside(linked) == ["run.ckpt", "run.ckpt.json", "run.ckpt.prev",
+                                                            "run.ckpt.prev.json"]
+    for name in files_beside(linked):
+        assert (copied.parent / name).read_bytes() == (linked.parent / name).read_bytes(), name
+    assert read_checkpoint(f"{copied}.prev").step == 2
+
+
+@pytest.fixture(scope="session")
+def kill_at_rename(tmp_path_factory):
+    return build_shim(tmp_path_factory, "kill_at_rename")
+
+
+# Renames of a run that checkpoints at steps 2 and 4: the first write renames its sidecar and its
+# checkpoint into place (1, 2); the second first gives the step-2 pair the PATH.prev names (3, 4),
+# then renames its own sidecar and checkpoint (5, 6).
+RENAMES_OF_TWO_WRITES = 6
+
+
+@pytest.mark.parametrize("kill_at", range(1, RENAMES_OF_TWO_WRITES + 1))
+def test_a_crash_at_any_rename_leaves_a_whole_checkpoint(engine, random_shards, tmp_path, kill_at_rename, kill_at):
+    """Killed just before any rename of a checkpoint write, a run leaves either no checkpoint (during
+    its first write) or a slot that resumes exactly: never only a bad file, and never a checkpoint
+    event for a write that did not complete. Where the newest slot is refused (its new sidecar beside
+    its old checkpoint), the error line's advice resumes the previous slot."""
+    settings = {**CONSTANT_LR, "train.steps": 6, "checkpoint.every": 2}
+    ckpt, ref_ckpt = tmp_path / "run" / "run.ckpt", tmp_path / "ref.ckpt"
+    ckpt.parent.mkdir()
+    ref = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ref_ckpt))
+    crashed = eu.run_engine(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt),
+                            env={"LD_PRELOAD": str(kill_at_rename), "KILL_AT_RENAME": str(kill_at)})
+    assert crashed.rc == -signal.SIGKILL, crashed.describe()
+    assert [c["step"] for c in crashed.events("checkpoint")] == ([2] if kill_at > 2 else []), crashed.describe()
+
+    args = tiny_args(random_shards.train, **settings, checkpoint=ckpt, resume=ckpt.exists())
+    again = eu.run_engine(engine.binary, args)
+    if kill_at == RENAMES_OF_TWO_WRITES:
+        assert again.rc == 2 and len(again.errors) == 1 and "run.ckpt.prev (step 2)" in again.errors[0], \
+            again.describe()
+        os.replace(f"{ckpt}.prev", ckpt)
+        os.replace(f"{ckpt}.prev.json", f"{ckpt}.json")
+        again = eu.run_engine(engine.binary, args)
+    assert again.rc == 0 and "unverified" not in again.stderr, again.describe()
+    assert again.events("start")[0]["step"] == (2 if kill_at > 2 else 0)
+    expected = eu.exact_records(ref)
+    assert all(expected[key] == text for key, text in eu.exact_records(again).items())
+    assert ckpt.read_bytes() == ref_ckpt.read_bytes()
+
+
+def _crafted_state(path, where, value):
+    """Put `value` into the checkpoint's weights ("params") or Adam's v ("v") and reseal it: an intact
+    file holding a state that cannot train on."""
+    c = read_checkpoint(path)
+    state = {name: np.array(getattr(c, name)) for name in ("params", "m", "v")}  # writable copies
+    state[where][c.n_params // 2] = value
+    write_checkpoint(path, c.step, state["params"], state["m"], state["v"])
+    eu.reseal_checkpoint(path)
+
+
+@pytest.mark.parametrize("where,value,words", [("params", np.nan, "loss nan"), ("v", np.inf, "AdamW v")],
+                         ids=["nan_weight", "inf_in_adam_v"])
+def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(engine, random_shards, tmp_path, where, value,
+                                                                       words):
+    """A non-finite loss (from a NaN weight), or a non-finite state at checkpoint time (an infinite v
+    leaves the loss finite), ends the run: the step record, one error line, an exit event
+    "diverged", exit code 3, and both checkpoint slots exactly as they were."""
+    ckpt = tmp_path / "run.ckpt"
+    two_slots(engine, random_shards, ckpt)
+    _crafted_state(ckpt, where, value)
+    before = {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)}
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{
+        "train.steps": 10, "checkpoint.every": 1, "checkpoint": ckpt, "resume": True}))
+    assert res.rc == 3, res.describe()
+    assert len(res.errors) == 1 and "diverged at step 5" in res.errors[0] and words in res.errors[0], res.describe()
+    assert "run.ckpt (step 4) is kept" in res.errors[0], res.errors[0]
+    assert res.exit_event == {"event": "exit", "step": 5, "reason": "diverged"}, res.describe()
+    assert [r["step"] for r in res.steps] == [5] and not res.events("checkpoint"), res.describe()
+    assert {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)} == before
+
+
+@pytest.mark.parametrize("flag", ["train.lr", "train.min_lr", "polish.lr"])
+def test_learning_rates_are_bounded(engine, random_shards, flag):
+    """lr 1e30 trained NaN to the end; learning rates above 1 are refused (AdamW moves every weight
+    by about lr per step)."""
+    polish = {"polish.start_step": 2, "polish.train": random_shards.val, "polish.lr": 1e-4}
+    ok = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{**polish, "train.steps": 3, "train.lr": 1.0, flag: 1.0}))
+    assert ok.exit_event["reason"] == "finished"
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{**polish, "train.steps": 3, flag: 1e30}))
+    assert res.rc == 2 and len(res.errors) == 1 and flag in res.errors[0], res.describe()
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "fifo.bin"
+    os.mkfifo(path)
+    return path
+
+
+SPECIAL_FILES = {
+    # id: (overrides with "@fifo" / "@dir" for the special file, words the error must contain)
+    "train_fifo": ({"data.train": "@fifo"}, "FIFO"),
+    "val_fifo": ({"data.val": "@fifo", "eval.every": 1}, "FIFO"),
+    "polish_fifo": ({"polish.start_step": 1, "polish.train": "@fifo", "polish.lr": 1e-4}, "FIFO"),
+    "checkpoint_fifo": ({"checkpoint": "@fifo", "resume": True}, "FIFO"),
+    "checkpoint_fifo_fresh": ({"checkpoint": "@fifo"}, "FIFO"),
+    "sidecar_fifo": ({"checkpoint": "@fifo_base", "resume": True}, "FIFO"),
+    "checkpoint_dir": ({"checkpoint": "@dir", "resume": True}, "directory"),
+    "checkpoint_dir_fresh": ({"checkpoint": "@dir"}, "directory"),
+    "checkpoint_in_missing_dir": ({"checkpoint": "@missing"}, "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPECIAL_FILES))
+def test_special_files_are_refused_up_front(engine, random_shards, tmp_path, fifo, case):
+    """A FIFO where a shard or checkpoint file belongs used to hang the engine in open(), deaf to
+    SIGTERM; a directory as the checkpoint said "truncated". Each is one clear error, at once."""
+    overrides, word = SPECIAL_FILES[case]
+    (tmp_path / "dir.ckpt").mkdir()
+    os.mkfifo(tmp_path / "side.ckpt.json")
+    (tmp_path / "side.ckpt").write_bytes(b"any regular file: its FIFO sidecar is refused first")
+    special = {"@fifo": fifo, "@dir": tmp_path / "dir.ckpt", "@fifo_base": tmp_path / "side.ckpt",
+               "@missing": tmp_path / "nowhere" / "run.ckpt"}
+    overrides = {k: special.get(v, v) if isinstance(v, str) else v for k, v in overrides.items()}
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, random_shards.val, **overrides), timeout=20)
+    assert res.rc == 2, res.describe()
+    assert len(res.errors) == 1 and word in res.errors[0], res.describe()
+    assert res.steps == [] and not res.events("memory"), res.describe()
+
+
+def _term_pending_at_exec():
+    """In the child before exec: block SIGTERM and send it, so it is pending the moment the engine
+    starts (what a launcher that blocks signals across exec, as the proxy may, hands over)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+def test_sigterm_before_the_first_step(engine, random_shards, tmp_path, resume):
+    """A SIGTERM that arrives before the handlers exist is not lost: it is handled as soon as they
+    are installed. Before the first step it ends the run with exit 0 and an exit event "signal" at
+    the start step, saving nothing (a resumed run's checkpoint already holds that state)."""
+    ckpt = tmp_path / "run.ckpt"
+    if resume:
+        eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{
+        "train.steps": 200, "checkpoint": ckpt, "resume": resume}), preexec_fn=_term_pending_at_exec)
+    start = 2 if resume else 0
+    assert res.rc == 0, res.describe()
+    assert res.exit_event == {"event": "exit", "step": start, "reason": "signal"}, res.describe()
+    assert res.steps == [] and not res.events("checkpoint") and res.errors == [], res.describe()
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+
+
+def test_polish_boundary_checkpoint(engine, random_shards, tmp_path):
+    """At polish.start_step the engine writes a checkpoint with reason "polish" before the first
+    polish step: the exact state at the switch, which resumes bit-exactly."""
+    settings = {"train.steps": 9, "polish.start_step": 5, "polish.train": random_shards.val, "polish.lr": 1e-4,
+                "eval.every": 3, "eval.batches": 2}
+    ckpt, ref_ckpt, boundary = tmp_path / "run.ckpt", tmp_path / "ref.ckpt", tmp_path / "boundary.ckpt"
+    ref = eu.run_ok(engine.binary, tiny_args(random_shards.train, random_shards.val, **settings, checkpoint=ref_ckpt))
+    polish_at = next(i for i, r in enumerate(ref.records) if r.get("event") == "polish")
+    assert ref.records[polish_at] == {"event": "polish", "step": 5}
+    assert ref.records[polish_at + 1] == {"event": "checkpoint", "step": 5, "path": str(ref_ckpt),
+                                          "reason": "polish"}, ref.records[polish_at:polish_at + 3]
+    assert [r["step"] for r in ref.steps if r["phase"] == "polish"] == [6, 7, 8, 9]
+    assert all(r["step"] > 5 for r in ref.records[polish_at + 2:] if "loss" in r)
+    assert read_checkpoint(f"{ref_ckpt}.prev").step == 5  # the final write kept it as the previous slot
+
+    shutil.copyfile(f"{ref_ckpt}.prev", boundary)
+    shutil.copyfile(f"{ref_ckpt}.prev.json", f"{boundary}.json")
+    resumed = eu.run_ok(engine.binary, tiny_args(random_shards.train, random_shards.val, **settings, checkpoint=boundary,
+                                       resume=True))
+    assert [r["step"] for r in resumed.steps] == [6, 7, 8, 9]
+    expected = eu.exact_records(ref)
+    assert all(expected[key] == text for key, text in eu.exact_records(resumed).items())
+    assert boundary.read_bytes() == ref_ckpt.read_bytes()

@@ -1,5 +1,5 @@
 /* Causal multi-head self-attention core (the projections are separate matmuls).
- * q, k, v, out: [B*T, d]; head h uses columns [h*hs, (h+1)*hs), hs = d/H.
+ * q, k, v, out: [B*T, C]; head h uses columns [h*hs, (h+1)*hs), hs = C/H.
  * att: [B, H, T, T] softmax probabilities, saved for backward; entries above the diagonal are 0.
  * scores = q.k / sqrt(hs). */
 #ifndef MICROGPT_CPU_ATTENTION_H
@@ -8,18 +8,18 @@
 #include "common.h"
 
 static inline void attention_forward(float* out, float* att, const float* q, const float* k, const float* v,
-                              int B, int T, int d, int H) {
-    int hs = d / H;
+                              int B, int T, int C, int H) {
+    int hs = C / H;
     float scale = (float)(1.0 / sqrt((double)hs));
     /* every (b, h, t) query row is an independent output */
     #pragma omp parallel for schedule(static)
     for (int bht = 0; bht < B * H * T; bht++) {
         int t = bht % T, h = (bht / T) % H, b = bht / (T * H);
-        const float* qt = q + ((size_t)b * T + t) * d + h * hs;
+        const float* qt = q + ((size_t)b * T + t) * C + h * hs;
         float* a = att + (size_t)bht * T;
         float maxv = -INFINITY;
         for (int t2 = 0; t2 <= t; t2++) {
-            a[t2] = dot_f32(qt, k + ((size_t)b * T + t2) * d + h * hs, hs) * scale;
+            a[t2] = dot_f32(qt, k + ((size_t)b * T + t2) * C + h * hs, hs) * scale;
             if (a[t2] > maxv) maxv = a[t2];
         }
         double sum = 0.0;
@@ -27,9 +27,9 @@ static inline void attention_forward(float* out, float* att, const float* q, con
         float inv = (float)(1.0 / sum);
         for (int t2 = 0; t2 <= t; t2++) a[t2] *= inv;
         for (int t2 = t + 1; t2 < T; t2++) a[t2] = 0.0f;
-        float* o = out + ((size_t)b * T + t) * d + h * hs;
+        float* o = out + ((size_t)b * T + t) * C + h * hs;
         for (int i = 0; i < hs; i++) o[i] = 0.0f;
-        for (int t2 = 0; t2 <= t; t2++) axpy_f32(o, a[t2], v + ((size_t)b * T + t2) * d + h * hs, hs);
+        for (int t2 = 0; t2 <= t; t2++) axpy_f32(o, a[t2], v + ((size_t)b * T + t2) * C + h * hs, hs);
     }
 }
 
@@ -39,28 +39,28 @@ static inline void attention_forward(float* out, float* att, const float* q, con
  * kept in a scratch row: the engine allocates nothing inside the training loop. */
 static inline void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* att,
                                const float* q, const float* k, const float* v,
-                               int B, int T, int d, int H) {
-    int hs = d / H;
+                               int B, int T, int C, int H) {
+    int hs = C / H;
     float scale = (float)(1.0 / sqrt((double)hs));
     #pragma omp parallel for schedule(static)
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
         for (int t = 0; t < T; t++) {
             const float* a = att + ((size_t)bh * T + t) * T;
-            const float* go = dout + ((size_t)b * T + t) * d + h * hs;
+            const float* go = dout + ((size_t)b * T + t) * C + h * hs;
             /* s = sum_t2 att * (dout . v) ; dv += att * dout */
             double s = 0.0;
             for (int t2 = 0; t2 <= t; t2++) {
-                size_t row = ((size_t)b * T + t2) * d + h * hs;
+                size_t row = ((size_t)b * T + t2) * C + h * hs;
                 s += (double)a[t2] * dot_f32(go, v + row, hs);
                 axpy_f32(dv + row, a[t2], go, hs);
             }
             /* softmax backward, then the scaled dot product's two inputs */
             float ssum = (float)s;
-            const float* qt = q + ((size_t)b * T + t) * d + h * hs;
-            float* dqt = dq + ((size_t)b * T + t) * d + h * hs;
+            const float* qt = q + ((size_t)b * T + t) * C + h * hs;
+            float* dqt = dq + ((size_t)b * T + t) * C + h * hs;
             for (int t2 = 0; t2 <= t; t2++) {
-                size_t row = ((size_t)b * T + t2) * d + h * hs;
+                size_t row = ((size_t)b * T + t2) * C + h * hs;
                 float ds = a[t2] * (dot_f32(go, v + row, hs) - ssum) * scale;
                 axpy_f32(dqt, ds, k + row, hs);
                 axpy_f32(dk + row, ds, qt, hs);

@@ -1,4 +1,4 @@
-/* Tied output layer and loss: logits = x[N,d] @ wte[Vp,d]^T, softmax and cross-entropy over the
+/* Tied output layer and loss: logits = x[N,C] @ wte[Vp,C]^T, softmax and cross-entropy over the
  * first V (real) columns only. probs [N,Vp] is saved for backward with padded columns set to 0.
  * The loss is the mean over the N positions, so backward uses dloss = 1/N per position. */
 #ifndef MICROGPT_CPU_CLASSIFIER_H
@@ -25,7 +25,7 @@ static inline double classifier_softmax_row(float* p, int target, int V, int Vp)
 }
 
 static inline float classifier_forward(float* probs, const float* x, const float* wte, const int* targets,
-                                int N, int d, int V, int Vp) {
+                                int N, int C, int V, int Vp) {
     double chunk_loss[CLASSIFIER_CHUNKS];
     int per_chunk = (N + CLASSIFIER_CHUNKS - 1) / CLASSIFIER_CHUNKS;
     int nchunks = (N + per_chunk - 1) / per_chunk;
@@ -37,9 +37,9 @@ static inline float classifier_forward(float* probs, const float* x, const float
             int rows = n0 + CLASSIFIER_ROWS <= n_end ? CLASSIFIER_ROWS : n_end - n0;
             /* logits, four rows per pass over wte so each embedding row is loaded once */
             for (int v = 0; v < V; v++) {
-                const float* wv = wte + (size_t)v * d;
+                const float* wv = wte + (size_t)v * C;
                 for (int r = 0; r < rows; r++) {
-                    probs[(size_t)(n0 + r) * Vp + v] = dot_f32(x + (size_t)(n0 + r) * d, wv, d);
+                    probs[(size_t)(n0 + r) * Vp + v] = dot_f32(x + (size_t)(n0 + r) * C, wv, C);
                 }
             }
             for (int r = 0; r < rows; r++) {
@@ -54,17 +54,17 @@ static inline float classifier_forward(float* probs, const float* x, const float
 }
 
 static inline void classifier_backward(float* dx, float* dwte, const float* probs, const float* x,
-                                const float* wte, const int* targets, int N, int d, int V, int Vp) {
+                                const float* wte, const int* targets, int N, int C, int V, int Vp) {
     float dloss = 1.0f / N;
     /* dlogits[n,v] = (p[n,v] - [v == target]) / N for real columns; padded columns get nothing */
     /* dx[n,:] += sum_v dlogits[n,v] * wte[v,:]   (rows independent) */
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const float* p = probs + (size_t)n * Vp;
-        float* o = dx + (size_t)n * d;
+        float* o = dx + (size_t)n * C;
         for (int v = 0; v < V; v++) {
             float g = (p[v] - (v == targets[n] ? 1.0f : 0.0f)) * dloss;
-            axpy_f32(o, g, wte + (size_t)v * d, d);
+            axpy_f32(o, g, wte + (size_t)v * C, C);
         }
     }
     /* dwte[v,:] += sum_n dlogits[n,v] * x[n,:]   (threads own tiles of real rows; n in order) */
@@ -75,10 +75,10 @@ static inline void classifier_backward(float* dx, float* dwte, const float* prob
         int rows = v0 + CLASSIFIER_ROWS <= V ? CLASSIFIER_ROWS : V - v0;
         for (int n = 0; n < N; n++) {
             const float* p = probs + (size_t)n * Vp + v0;
-            const float* xn = x + (size_t)n * d;
+            const float* xn = x + (size_t)n * C;
             for (int r = 0; r < rows; r++) {
                 float g = (p[r] - (v0 + r == targets[n] ? 1.0f : 0.0f)) * dloss;
-                axpy_f32(dwte + (size_t)(v0 + r) * d, g, xn, d);
+                axpy_f32(dwte + (size_t)(v0 + r) * C, g, xn, C);
             }
         }
     }

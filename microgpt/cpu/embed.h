@@ -5,13 +5,13 @@
 #include "common.h"
 
 static inline void embed_forward(float* out, const int* tokens, const float* wte, const float* wpe,
-                          int B, int T, int d) {
+                          int B, int T, int C) {
     #pragma omp parallel for
     for (int bt = 0; bt < B * T; bt++) {
-        const float* we = wte + (size_t)tokens[bt] * d;
-        const float* pe = wpe + (size_t)(bt % T) * d;
-        float* o = out + (size_t)bt * d;
-        for (int c = 0; c < d; c++) o[c] = we[c] + pe[c];
+        const float* we = wte + (size_t)tokens[bt] * C;
+        const float* pe = wpe + (size_t)(bt % T) * C;
+        float* o = out + (size_t)bt * C;
+        for (int c = 0; c < C; c++) o[c] = we[c] + pe[c];
     }
 }
 
@@ -19,25 +19,25 @@ static inline void embed_forward(float* out, const int* tokens, const float* wte
  * own column blocks instead and walk the positions in order: no races, fixed summation order. */
 #define EMBED_COL_BLOCK 32
 static inline void embed_backward(float* dwte, float* dwpe, const float* dout, const int* tokens,
-                           int B, int T, int d) {
-    int nblocks = (d + EMBED_COL_BLOCK - 1) / EMBED_COL_BLOCK;
+                           int B, int T, int C) {
+    int nblocks = (C + EMBED_COL_BLOCK - 1) / EMBED_COL_BLOCK;
     #pragma omp parallel for
     for (int blk = 0; blk < nblocks; blk++) {
         int c0 = blk * EMBED_COL_BLOCK;
-        int c1 = c0 + EMBED_COL_BLOCK < d ? c0 + EMBED_COL_BLOCK : d;
+        int c1 = c0 + EMBED_COL_BLOCK < C ? c0 + EMBED_COL_BLOCK : C;
         for (int bt = 0; bt < B * T; bt++) {
-            float* dw = dwte + (size_t)tokens[bt] * d;
-            const float* g = dout + (size_t)bt * d;
+            float* dw = dwte + (size_t)tokens[bt] * C;
+            const float* g = dout + (size_t)bt * C;
             for (int c = c0; c < c1; c++) dw[c] += g[c];
         }
     }
     /* dwpe[t] gets one term per batch row; each t is an independent output. */
     #pragma omp parallel for
     for (int t = 0; t < T; t++) {
-        float* dp = dwpe + (size_t)t * d;
+        float* dp = dwpe + (size_t)t * C;
         for (int b = 0; b < B; b++) {
-            const float* g = dout + ((size_t)b * T + t) * d;
-            for (int c = 0; c < d; c++) dp[c] += g[c];
+            const float* g = dout + ((size_t)b * T + t) * C;
+            for (int c = 0; c < C; c++) dp[c] += g[c];
         }
     }
 }

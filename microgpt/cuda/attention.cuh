@@ -1,12 +1,17 @@
-/* attention.cuh: the attention sub-layer's three kernel pairs.
- *   k_attn_qkv  q, k, v [N, C] = x @ W_Q, x @ W_K, x @ W_V   (one batched product: the three weights
- *               are consecutive [C,C] blocks of the flat vector, and q, k, v consecutive [N,C] blocks)
- *   k_attn      causal softmax(q k^T / sqrt(hs)) v per head, hs = C / H; head h owns columns
- *               [h*hs, (h+1)*hs) of q, k, v and out, as the CPU's attention_forward/backward
- *   k_attn_out  out = residual + y @ W_O   (the residual join after the sub-layer, in the product's
- *               epilogue where cuBLASLt has one, matmul.cuh)
+/* attention.cuh: the attention sub-layer's three pairs (docs/DESIGN.md §3.1).
+ *   attn_qkv_fwd/bwd  q, k, v [N, C] = x @ W_Q, x @ W_K, x @ W_V: one batched product (the three
+ *                     weights are consecutive [C,C] blocks of the flat vector, and q, k, v
+ *                     consecutive [N,C] blocks). The k_attn_qkv_fwd/bwd pair is this product.
+ *   attn_fwd/bwd      causal softmax(q k^T / sqrt(hs)) v per head, hs = C / H; head h owns columns
+ *                     [h*hs, (h+1)*hs) of q, k, v and out, as the CPU's attention_forward/backward.
+ *                     Kernels: k_attn_fwd, and k_attn_bwd_delta + k_attn_bwd_dkv + k_attn_bwd_dq
+ *                     (flash path); k_attn_softmax_fwd, k_attn_probs, k_attn_softmax_bwd between
+ *                     products (cuBLAS path).
+ *   attn_out_fwd/bwd  out = residual + y @ W_O (the residual join after the sub-layer, in the
+ *                     product's epilogue where cuBLASLt has one, matmul.cuh). The k_attn_out_fwd/bwd
+ *                     pair is this product.
  *
- * k_attn never keeps a T×T matrix per layer: the forward saves only the softmax statistic
+ * Attention never keeps a T×T matrix per layer: the forward saves only the softmax statistic
  * lse = log-sum-exp of each score row ([B, H, T], fp32) and the backward recomputes probabilities
  * as exp(s - lse). It has two implementations, chosen by attn_flash_ok() from the type and shape:
  *
@@ -29,7 +34,7 @@
 
 #define ATTN_WARPS 8 /* cuBLAS path: score rows per softmax block, one warp per row */
 
-/* Whether k_attn uses the flash kernels: 16-bit types only (tensor-core inputs) and head
+/* Whether attention uses the flash kernels: 16-bit types only (tensor-core inputs) and head
  * sizes that are whole 16-wide fragments and fit the shared-memory budget. A head's row is then
  * whole 16-byte vectors, so tiles load with aligned uint4 reads. */
 static bool attn_flash_ok(bool half_type, int C, int H) {
@@ -61,17 +66,15 @@ static size_t attn_delta_elems(bool half_type, int B, int T_, int C, int H) {
 
 /* qkv: [3, N, C] (q, then k, then v); w_qkv: W_Q, W_K, W_V consecutive, each [C, C]. */
 template <typename T>
-static void k_attn_qkv_fwd(T* qkv, const T* x, const T* w_qkv, int N, int C) {
-    cudaDataType_t t = TypeInfo<T>::dtype;
-    gemm_rm(false, false, N, C, C, 1.0f, x, C, 0, w_qkv, C, (long long)C * C, 0.0f, qkv, C, (long long)N * C, 3, t, t);
+static void attn_qkv_fwd(T* qkv, const T* x, const T* w_qkv, int N, int C) {
+    gemm(N, C, C, mat(x, C), mat(w_qkv, C, (long long)C * C), mat(qkv, C, (long long)N * C), 1.0f, 0.0f, 3);
 }
 
 /* dx = sum_i dqkv_i @ W_i^T (in the fixed order q, k, v); dw_i = / += x^T @ dqkv_i by grad_beta. */
 template <typename T>
-static void k_attn_qkv_bwd(T* dx, float* dw_qkv, const T* dqkv, const T* x, const T* w_qkv, int N, int C,
-                           float grad_beta) {
-    gemm_rm(true, false, C, C, N, 1.0f, x, C, 0, dqkv, C, (long long)N * C, grad_beta, dw_qkv, C, (long long)C * C, 3,
-            TypeInfo<T>::dtype, CUDA_R_32F);
+static void attn_qkv_bwd(T* dx, float* dw_qkv, const T* dqkv, const T* x, const T* w_qkv, int N, int C,
+                         float grad_beta) {
+    gemm(C, C, N, mat_t(x, C), mat(dqkv, C, (long long)N * C), mat(dw_qkv, C, (long long)C * C), 1.0f, grad_beta, 3);
     for (int i = 0; i < 3; i++)
         linear_dx(dx, dqkv + (size_t)i * N * C, w_qkv + (size_t)i * C * C, N, C, C, i == 0 ? 0.0f : 1.0f);
 }
@@ -82,7 +85,7 @@ static void k_attn_qkv_bwd(T* dx, float* dw_qkv, const T* dqkv, const T* x, cons
 
 /* P = softmax(S) per row; lse[row] = log sum_j<=i exp(S[row, j]). */
 template <typename T>
-__global__ void attn_softmax_fwd_kernel(T* P, float* lse, const float* S, int n_rows, int T_) {
+__global__ void k_attn_softmax_fwd(T* P, float* lse, const float* S, int n_rows, int T_) {
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
     if (row >= n_rows) return;
@@ -101,7 +104,7 @@ __global__ void attn_softmax_fwd_kernel(T* P, float* lse, const float* S, int n_
 
 /* The backward's P: the same expf(s - lse) from the same S and the saved lse, so identical bits. */
 template <typename T>
-__global__ void attn_probs_kernel(T* P, const float* lse, const float* S, int n_rows, int T_) {
+__global__ void k_attn_probs(T* P, const float* lse, const float* S, int n_rows, int T_) {
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
     if (row >= n_rows) return;
@@ -116,7 +119,7 @@ __global__ void attn_probs_kernel(T* P, const float* lse, const float* S, int n_
  * Written into dS (T), which may be the P buffer: each element is read (S, dP) before it is
  * written, and P itself is never read here. */
 template <typename T>
-__global__ void attn_softmax_bwd_kernel(T* dS, const float* dP, const float* lse, const float* S, int n_rows, int T_) {
+__global__ void k_attn_softmax_bwd(T* dS, const float* dP, const float* lse, const float* S, int n_rows, int T_) {
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
     if (row >= n_rows) return;
@@ -141,24 +144,21 @@ static void attn_scores(float* S, const T* q, const T* k, int T_, int C, int H) 
     int hs = C / H;
     float scale = 1.0f / sqrtf((float)hs);
     /* S[h] = scale * q_h k_h^T  ([T, T] per head) */
-    gemm_rm(false, true, T_, T_, hs, scale, q, C, hs, k, C, hs, 0.0f, S, T_, (long long)T_ * T_, H,
-            TypeInfo<T>::dtype, CUDA_R_32F);
+    gemm(T_, T_, hs, mat(q, C, hs), mat_t(k, C, hs), mat(S, T_, (long long)T_ * T_), scale, 0.0f, H);
 }
 
 template <typename T>
 static void attn_fwd_cublas(T* out, float* lse, const T* q, const T* k, const T* v, int B, int T_, int C, int H,
                             AttnScratch<T> sc) {
     int hs = C / H, n_rows = H * T_;
-    cudaDataType_t t = TypeInfo<T>::dtype;
     for (int b = 0; b < B; b++) {
         size_t off = (size_t)b * T_ * C;
         attn_scores(sc.S, q + off, k + off, T_, C, H);
-        attn_softmax_fwd_kernel<T><<<ceil_div(n_rows, ATTN_WARPS), 32 * ATTN_WARPS, 0, g_stream>>>(
+        k_attn_softmax_fwd<T><<<ceil_div(n_rows, ATTN_WARPS), 32 * ATTN_WARPS, 0, g_stream>>>(
             sc.P, lse + (size_t)b * n_rows, sc.S, n_rows, T_);
         LAUNCH_CHECK();
         /* out_h = P_h v_h */
-        gemm_rm(false, false, T_, hs, T_, 1.0f, sc.P, T_, (long long)T_ * T_, v + off, C, hs, 0.0f, out + off, C, hs,
-                H, t, t);
+        gemm(T_, hs, T_, mat(sc.P, T_, (long long)T_ * T_), mat(v + off, C, hs), mat(out + off, C, hs), 1.0f, 0.0f, H);
     }
 }
 
@@ -168,24 +168,23 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
     int hs = C / H, n_rows = H * T_;
     float scale = 1.0f / sqrtf((float)hs);
     long long tt = (long long)T_ * T_;
-    cudaDataType_t t = TypeInfo<T>::dtype;
     unsigned grid = ceil_div(n_rows, ATTN_WARPS);
     for (int b = 0; b < B; b++) {
         size_t off = (size_t)b * T_ * C;
         const float* lse_b = lse + (size_t)b * n_rows;
         attn_scores(sc.S, q + off, k + off, T_, C, H);
-        attn_probs_kernel<T><<<grid, 32 * ATTN_WARPS, 0, g_stream>>>(sc.P, lse_b, sc.S, n_rows, T_);
+        k_attn_probs<T><<<grid, 32 * ATTN_WARPS, 0, g_stream>>>(sc.P, lse_b, sc.S, n_rows, T_);
         LAUNCH_CHECK();
         /* dP_h = dout_h v_h^T (fp32) */
-        gemm_rm(false, true, T_, T_, hs, 1.0f, dout + off, C, hs, v + off, C, hs, 0.0f, sc.dP, T_, tt, H, t, CUDA_R_32F);
+        gemm(T_, T_, hs, mat(dout + off, C, hs), mat_t(v + off, C, hs), mat(sc.dP, T_, tt), 1.0f, 0.0f, H);
         /* dv_h = P_h^T dout_h */
-        gemm_rm(true, false, T_, hs, T_, 1.0f, sc.P, T_, tt, dout + off, C, hs, 0.0f, dv + off, C, hs, H, t, t);
+        gemm(T_, hs, T_, mat_t(sc.P, T_, tt), mat(dout + off, C, hs), mat(dv + off, C, hs), 1.0f, 0.0f, H);
         /* dS into the P buffer (P is no longer needed) */
-        attn_softmax_bwd_kernel<T><<<grid, 32 * ATTN_WARPS, 0, g_stream>>>(sc.P, sc.dP, lse_b, sc.S, n_rows, T_);
+        k_attn_softmax_bwd<T><<<grid, 32 * ATTN_WARPS, 0, g_stream>>>(sc.P, sc.dP, lse_b, sc.S, n_rows, T_);
         LAUNCH_CHECK();
         /* scores were scale * q k^T: dq_h = scale dS_h k_h ; dk_h = scale dS_h^T q_h */
-        gemm_rm(false, false, T_, hs, T_, scale, sc.P, T_, tt, k + off, C, hs, 0.0f, dq + off, C, hs, H, t, t);
-        gemm_rm(true, false, T_, hs, T_, scale, sc.P, T_, tt, q + off, C, hs, 0.0f, dk + off, C, hs, H, t, t);
+        gemm(T_, hs, T_, mat(sc.P, T_, tt), mat(k + off, C, hs), mat(dq + off, C, hs), scale, 0.0f, H);
+        gemm(T_, hs, T_, mat_t(sc.P, T_, tt), mat(q + off, C, hs), mat(dk + off, C, hs), scale, 0.0f, H);
     }
 }
 
@@ -441,7 +440,7 @@ __device__ __forceinline__ float fa_quad_max(float x) {
  * running max is finite from the first tile on. */
 template <typename T, int D>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
-    attn_flash_fwd_kernel(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2) {
+    k_attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2) {
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
     __shared__ __align__(16) T vs[2][FA_TILE * Fa<D>::LD];
     int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -513,8 +512,8 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
  * dV += P^T dO, dK += dS^T Q; and stores each dS^T tile for the dQ kernel (fa_ds_tile). */
 template <typename T, int D>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
-    attn_flash_dkv_kernel(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q,
-                          const T* k, const T* v, int T_, int C, int H, float scale, float sl2) {
+    k_attn_bwd_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q,
+                   const T* k, const T* v, int T_, int C, int H, float scale, float sl2) {
     /* double-buffered: query tile qt in [(qt - kt) & 1], with its lse (base 2) and delta */
     __shared__ __align__(16) T qs[2][FA_TILE * Fa<D>::LD];
     __shared__ __align__(16) T dos[2][FA_TILE * Fa<D>::LD];
@@ -598,7 +597,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
  * entries of those tiles are 0 or meet zero rows of K, so whole tiles are used. */
 template <typename T, int D>
 __global__ void __launch_bounds__(FA_THREADS)
-    attn_flash_dq_kernel(T* dq, const T* ds_tiles, const T* k, int T_, int C, int H, float scale) {
+    k_attn_bwd_dq(T* dq, const T* ds_tiles, const T* k, int T_, int C, int H, float scale) {
     __shared__ __align__(16) T dss[2][FA_TILE * Fa<FA_TILE>::LD]; /* double-buffered: tile kt in [kt & 1] */
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, mi = lane >> 3;
@@ -641,7 +640,7 @@ __global__ void __launch_bounds__(FA_THREADS)
  * takes the row's 16-byte packets l, l + 32, ..., and the D / PACK lanes holding one head's
  * packets add their sums (xor shuffles: a fixed order). */
 template <typename T, int D>
-__global__ void attn_flash_delta_kernel(float* delta, const T* dout, const T* out, int N, int T_, int C, int H) {
+__global__ void k_attn_bwd_delta(float* delta, const T* dout, const T* out, int N, int T_, int C, int H) {
     constexpr int VEC = PACK(T), LANES_PER_HEAD = D / VEC;
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return; /* the whole warp */
@@ -673,7 +672,7 @@ static void attn_fwd_flash(T* out, float* lse, const T* q, const T* k, const T* 
     float sl2 = FA_LOG2E / sqrtf((float)D);
     dim3 grid(ceil_div(T_, FA_TILE), B * H);
     fa_check_aligned(out, q, k, v);
-    attn_flash_fwd_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(out, lse, q, k, v, T_, C, H, sl2);
+    k_attn_fwd<T, D><<<grid, FA_THREADS, 0, g_stream>>>(out, lse, q, k, v, T_, C, H, sl2);
     LAUNCH_CHECK();
 }
 
@@ -684,19 +683,19 @@ static void attn_bwd_flash(T* dq, T* dk, T* dv, const T* dout, const T* out, con
     int N = B * T_;
     fa_check_aligned(dout, q, k, v);
     fa_check_aligned(dq, dk, dv, out);
-    attn_flash_delta_kernel<T, D><<<ceil_div(N, FA_DELTA_WARPS), 32 * FA_DELTA_WARPS, 0, g_stream>>>(delta, dout, out,
+    k_attn_bwd_delta<T, D><<<ceil_div(N, FA_DELTA_WARPS), 32 * FA_DELTA_WARPS, 0, g_stream>>>(delta, dout, out,
                                                                                                   N, T_, C, H);
     LAUNCH_CHECK();
     dim3 grid(ceil_div(T_, FA_TILE), B * H);
-    attn_flash_dkv_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C,
-                                                                   H, scale, sl2);
+    k_attn_bwd_dkv<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C,
+                                                            H, scale, sl2);
     LAUNCH_CHECK();
-    attn_flash_dq_kernel<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dq, ds_tiles, k, T_, C, H, scale);
+    k_attn_bwd_dq<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dq, ds_tiles, k, T_, C, H, scale);
     LAUNCH_CHECK();
 }
 
 /* ---------------------------------------------------------------------------------------------- */
-/* k_attn: the engine's entry points; pick the path (see the top of the file). */
+/* attn_fwd / attn_bwd: the engine's entry points; pick the path (see the top of the file). */
 
 /* 16-bit types only: the flash kernels are never instantiated for fp32. */
 template <typename T> struct FaType { static constexpr bool ok = false; };
@@ -705,8 +704,8 @@ template <> struct FaType<fp16> { static constexpr bool ok = true; };
 
 /* out [B*T, C] = attention(q, k, v); lse [B, H, T] saved for the backward. */
 template <typename T>
-static void k_attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, int B, int T_, int C, int H,
-                       AttnScratch<T> sc) {
+static void attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, int B, int T_, int C, int H,
+                     AttnScratch<T> sc) {
     if constexpr (FaType<T>::ok) {
         if (attn_flash_ok<T>(C, H)) {
             switch (C / H) {
@@ -721,8 +720,8 @@ static void k_attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, i
 
 /* dq, dk, dv = from dout (overwritten); reads the forward's out (flash path: delta), q, k, v and the saved lse. */
 template <typename T>
-static void k_attn_bwd(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q, const T* k,
-                       const T* v, int B, int T_, int C, int H, AttnScratch<T> sc) {
+static void attn_bwd(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q, const T* k,
+                     const T* v, int B, int T_, int C, int H, AttnScratch<T> sc) {
     if constexpr (FaType<T>::ok) {
         if (attn_flash_ok<T>(C, H)) {
             switch (C / H) {
@@ -740,13 +739,13 @@ static void k_attn_bwd(T* dq, T* dk, T* dv, const T* dout, const T* out, const f
 
 /* out = residual + y @ W_O; out must not alias residual. */
 template <typename T>
-static void k_attn_out_fwd(T* out, const T* y, const T* w_o, const T* residual, int N, int C) {
+static void attn_out_fwd(T* out, const T* y, const T* w_o, const T* residual, int N, int C) {
     linear_fwd(out, y, w_o, N, C, C, residual);
 }
 
 /* dy = ; dw_o = / += by grad_beta */
 template <typename T>
-static void k_attn_out_bwd(T* dy, float* dw_o, const T* dout, const T* y, const T* w_o, int N, int C, float grad_beta) {
+static void attn_out_bwd(T* dy, float* dw_o, const T* dout, const T* y, const T* w_o, int N, int C, float grad_beta) {
     linear_bwd(dy, dw_o, dout, y, w_o, N, C, C, grad_beta);
 }
 

@@ -1,13 +1,15 @@
 /* common.cuh: what every CUDA layer header needs: error checks, the activation types, warp/block
  * reductions and the row-major products over cuBLAS and cuBLASLt.
  *
- * Naming used in microgpt/cuda/: `k_<op>_fwd` / `k_<op>_bwd` are the host-side launchers the engine
- * calls (SPEC §3 names; some launch one __global__ kernel, some a cuBLAS product plus a kernel);
- * `<op>_kernel` are the __global__ kernels themselves. All work runs in order on one stream,
- * g_stream (every launch passes it, and cuBLAS is bound to it), so there is no cross-stream
- * synchronisation to get wrong. The engine creates g_stream so that it can capture a whole step in
- * a CUDA graph (the legacy default stream cannot be captured); left 0, as kernel_check leaves it,
- * it is the legacy default stream.
+ * Naming in microgpt/cuda/ (docs/DESIGN.md §3.1, §11): a `k_` name is always a __global__ kernel
+ * (`k_<op>_fwd`, `k_<op>_bwd`, and `k_<op>_<part>` where an operation takes several kernels); the
+ * host function the engine calls for a layer is `<op>_fwd` / `<op>_bwd`, and launches kernels,
+ * products (gemm, below) or both. Each layer header says which plays each named role.
+ *
+ * All work runs in order on one stream, g_stream (every launch passes it, and cuBLAS is bound to
+ * it), so there is no cross-stream synchronisation to get wrong. The engine creates g_stream so
+ * that it can capture a whole step in a CUDA graph (the legacy default stream cannot be captured);
+ * left 0, as kernel_check leaves it, it is the legacy default stream.
  *
  * Activation type T is float (fp32), __nv_bfloat16 (bf16) or __half (fp16). Whatever T is, every
  * kernel computes in fp32 and rounds once on store; parameter gradients are always fp32.
@@ -254,9 +256,12 @@ static void cublas_shutdown(void) {
 /* ---------------------------------------------------------------------------------------------- */
 /* Products. Row-major, batched with strides (batch 1: one product):
  *     D[M,N] = epilogue(alpha * op(A)[M,K] * op(B)[K,N] + beta * C)
- * A is stored [M,K] (ld lda) or, with ta, [K,M]; B is stored [K,N] or, with tb, [N,K]. Both
- * libraries are column-major, and a row-major matrix is its column-major transpose, so they are
- * asked for D^T = op(B)^T op(A)^T: the operands swap places and keep their own transpose flags.
+ * Each operand is a Mat: where it is, its type, its leading dimension, the distance between the
+ * matrices of a batch, and whether the product uses it transposed (A is stored [M,K], or [K,M]
+ * when transposed; B [K,N], or [N,K]). A call site then reads as the formula it computes:
+ *     gemm(N, C, C, mat(x, C), mat_t(w, C), mat(y, C))            y[N,C] = x[N,C] @ w[C,C]^T
+ * Both libraries are column-major, and a row-major matrix is its column-major transpose, so they
+ * are asked for D^T = op(B)^T op(A)^T: the operands swap places and keep their own transposes.
  *
  * 16-bit inputs go through cuBLASLt (below), fp32 inputs (precisions fp32 and tf32) through cuBLAS.
  * cuBLASLt also runs what follows a linear layer's product in the product's epilogue, so the
@@ -273,16 +278,47 @@ static void cublas_shutdown(void) {
  * The algorithm is a fixed rule over the heuristic's first LT_CANDIDATES offers, never a choice by
  * timing, so every step and every run of a problem takes the same kernel: the first offer, except
  * that a 16-bit output big enough for LT_FILL_WAVES waves of 128×128 tiles on this GPU takes the
- * first 128×128 offer. Chosen with bench/lt_algos.cu on the H200 (docs/BENCHMARKS.md; zeroed
- * inputs): for the [8192 × 768] products of ANDREA-120M the heuristic's first offer ran at
- * 290-590 TFLOP/s, its 128×128 offer at 620; for the GELU forward 550 against 640. In a real step
- * the products it changes gained ~5 % (0.2 ms of kernel time at ANDREA-120M). */
+ * first 128×128 offer: for the large 16-bit products the heuristic's first offer is often a tile
+ * shape that runs slower than its 128×128 one. The offers and their speeds were probed with
+ * bench/lt_algos.cu; the figures are in docs/BENCHMARKS.md. */
 
 enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU, GEMM_PLAIN };
 #define GEMM_N_FUSED GEMM_PLAIN /* the fused epilogues come first */
 
 #define LT_CANDIDATES 8
 #define LT_FILL_WAVES 2
+
+/* One operand of a product, as it lies in memory: row-major, `ld` elements from one row to the
+ * next, `stride` elements from one matrix of a batch to the next (0: the same matrix for every
+ * batch entry); `trans`: the product reads its transpose. A and B share a type; D's may differ
+ * (fp32 for parameter gradients and for the scores and logits a softmax reads). The product
+ * writes D through `p`. */
+struct Mat {
+    const void* p;
+    cudaDataType_t type;
+    int ld;
+    long long stride;
+    bool trans;
+};
+
+template <typename T> static Mat mat(const T* p, int ld, long long stride = 0) {
+    Mat m = {p, TypeInfo<T>::dtype, ld, stride, false};
+    return m;
+}
+
+/* The same matrix, used transposed. */
+template <typename T> static Mat mat_t(const T* p, int ld, long long stride = 0) {
+    Mat m = mat(p, ld, stride);
+    m.trans = true;
+    return m;
+}
+
+/* One product: D = alpha op(A) op(B) + beta C, `batch` times. */
+struct Gemm {
+    int M, N, K, batch;
+    Mat A, B, D;
+    float alpha, beta;
+};
 
 /* Off: gemm_fused always declines (tests/kernel_check.cu checks the unfused path this way). */
 static bool g_gemm_fuse = true;
@@ -429,54 +465,44 @@ static LtPlan* lt_plan(const LtKey* key, const void* aux) {
 /* D = epilogue(alpha op(A) op(B) + beta C) through cuBLASLt, as at the top of this section (C, when
  * beta != 0, has D's layout; it may be D itself). Returns false, having done nothing, when
  * cuBLASLt has no algorithm for the problem. */
-static bool lt_matmul(GemmEpilogue epilogue, bool ta, bool tb, int M, int N, int K, float alpha, const void* A,
-                      int lda, long long stride_a, const void* B, int ldb, long long stride_b, float beta,
-                      const void* C, void* D, int ldd, long long stride_d, int batch, const void* aux,
-                      cudaDataType_t ab_type, cudaDataType_t d_type) {
+static bool lt_matmul(const Gemm& g, GemmEpilogue epilogue, const void* C, const void* aux) {
     LtKey key;
     memset(&key, 0, sizeof key);
-    key.ta = ta, key.tb = tb, key.M = M, key.N = N, key.K = K, key.lda = lda, key.ldb = ldb, key.ldd = ldd;
-    key.batch = batch, key.stride_a = stride_a, key.stride_b = stride_b, key.stride_d = stride_d;
-    key.epilogue = epilogue, key.ab_type = ab_type, key.d_type = d_type, key.compute = g_lt_compute;
-    key.align_a = lt_alignment(A), key.align_b = lt_alignment(B), key.align_d = lt_alignment(D);
+    key.ta = g.A.trans, key.tb = g.B.trans, key.M = g.M, key.N = g.N, key.K = g.K;
+    key.lda = g.A.ld, key.ldb = g.B.ld, key.ldd = g.D.ld;
+    key.batch = g.batch, key.stride_a = g.A.stride, key.stride_b = g.B.stride, key.stride_d = g.D.stride;
+    key.epilogue = epilogue, key.ab_type = g.A.type, key.d_type = g.D.type, key.compute = g_lt_compute;
+    key.align_a = lt_alignment(g.A.p), key.align_b = lt_alignment(g.B.p), key.align_d = lt_alignment(g.D.p);
     key.align_c = lt_alignment(C), key.align_aux = aux ? lt_alignment(aux) : 0;
     LtPlan* p = lt_plan(&key, aux);
     if (!p->ok) return false;
     if (aux) lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);
-    CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &alpha, B, p->a, A, p->b, &beta, C, p->d, D, p->d, &p->algo,
-                                g_gemm_workspace, g_gemm_workspace_bytes, g_stream));
+    CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &g.alpha, g.B.p, p->a, g.A.p, p->b, &g.beta, C, p->d,
+                                (void*)g.D.p, p->d, &p->algo, g_gemm_workspace, g_gemm_workspace_bytes, g_stream));
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
     return true;
 }
 
-/* The plain product D = alpha op(A) op(B) + beta D (D is C), batched with strides. ab_type is the
- * type of A and B, c_type that of D (fp32 for parameter gradients and for scores / logits that a
- * softmax reads). cuBLASLt for 16-bit inputs where it has an algorithm, else cuBLAS. */
-static void gemm_rm(bool ta, bool tb, int M, int N, int K, float alpha,
-                    const void* A, int lda, long long stride_a,
-                    const void* B, int ldb, long long stride_b, float beta,
-                    void* C, int ldc, long long stride_c, int batch,
-                    cudaDataType_t ab_type, cudaDataType_t c_type) {
-    if (ab_type != CUDA_R_32F && lt_matmul(GEMM_PLAIN, ta, tb, M, N, K, alpha, A, lda, stride_a, B, ldb, stride_b,
-                                           beta, C, C, ldc, stride_c, batch, NULL, ab_type, c_type))
-        return;
-    CUBLAS_CHECK(cublasGemmStridedBatchedEx(g_cublas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                            N, M, K, &alpha, B, ab_type, ldb, stride_b, A, ab_type, lda, stride_a,
-                                            &beta, C, c_type, ldc, stride_c, batch, CUBLAS_COMPUTE_32F,
-                                            CUBLAS_GEMM_DEFAULT));
+/* The plain product D = alpha op(A) op(B) + beta D, batched: cuBLASLt for 16-bit inputs where it
+ * has an algorithm, else cuBLAS. */
+static void gemm(int M, int N, int K, Mat A, Mat B, Mat D, float alpha = 1.0f, float beta = 0.0f, int batch = 1) {
+    Gemm g = {M, N, K, batch, A, B, D, alpha, beta};
+    if (A.type != CUDA_R_32F && lt_matmul(g, GEMM_PLAIN, D.p, NULL)) return;
+    CUBLAS_CHECK(cublasGemmStridedBatchedEx(g_cublas, B.trans ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                            A.trans ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B.p, B.type, B.ld,
+                                            B.stride, A.p, A.type, A.ld, A.stride, &beta, (void*)D.p, D.type, D.ld,
+                                            D.stride, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-/* D = epilogue(A B) (+ R for GEMM_RESIDUAL; aux: the GELU pre-activation, written by
- * GEMM_GELU_AUX, read by GEMM_DGELU), one product, alpha 1. Returns false, having done nothing,
- * when no fused kernel exists for the problem or fusing is off. */
-static bool gemm_fused(GemmEpilogue epilogue, bool ta, bool tb, int M, int N, int K, const void* A, int lda,
-                       const void* B, int ldb, const void* R, void* D, int ldd, const void* aux,
-                       cudaDataType_t ab_type, cudaDataType_t d_type) {
+/* D = epilogue(A B) (+ R, of D's layout, for GEMM_RESIDUAL; aux, of D's layout: the GELU
+ * pre-activation, written by GEMM_GELU_AUX, read by GEMM_DGELU), one product, alpha 1. Returns
+ * false, having done nothing, when no fused kernel exists for the problem or fusing is off. */
+static bool gemm_fused(GemmEpilogue epilogue, int M, int N, int K, Mat A, Mat B, Mat D, const void* R,
+                       const void* aux) {
     if (!g_gemm_fuse) return false;
-    if (!lt_matmul(epilogue, ta, tb, M, N, K, 1.0f, A, lda, 0, B, ldb, 0, R ? 1.0f : 0.0f, R ? R : D, D, ldd, 0, 1,
-                   aux, ab_type, d_type))
-        return false;
+    Gemm g = {M, N, K, 1, A, B, D, 1.0f, R ? 1.0f : 0.0f};
+    if (!lt_matmul(g, epilogue, R ? R : D.p, aux)) return false;
     g_gemm_fused_runs[epilogue]++;
     return true;
 }

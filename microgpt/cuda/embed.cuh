@@ -11,6 +11,9 @@
  * w + 8, ... and the eight warp sums are added in warp order: a fixed summation order that does not
  * make a frequent token (hundreds of positions in real text) one long chain of dependent loads.
  * dwpe[t] has one term per sequence, summed in b order.
+ *
+ * Kernels: k_embed_fwd; the backward (k_embed_bwd) is k_embed_first_position, then
+ * k_embed_bwd_wte and k_embed_bwd_wpe. The engine calls embed_fwd / embed_bwd.
  */
 #ifndef MICROGPT_CUDA_EMBED_CUH
 #define MICROGPT_CUDA_EMBED_CUH
@@ -24,7 +27,7 @@
 #define EMBED_SLAB (32 * EMBED_LANE_COLS)
 
 template <typename T>
-__global__ void embed_fwd_kernel(T* out, const int* tokens, const float* wte, const float* wpe, int N, int T_, int C) {
+__global__ void k_embed_fwd(T* out, const int* tokens, const float* wte, const float* wpe, int N, int T_, int C) {
     size_t n_total = (size_t)N * C;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_total; i += (size_t)gridDim.x * blockDim.x) {
         int n = (int)(i / C), c = (int)(i % C);
@@ -61,7 +64,7 @@ __device__ void embed_add_listed_rows(float* row, const T* dout, const int* list
 }
 
 /* first[tokens[i]] = min over positions i holding the token (first: INT_MAX-like beforehand). */
-__global__ void embed_first_position_kernel(int* first, const int* tokens, int N) {
+__global__ void k_embed_first_position(int* first, const int* tokens, int N) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < N; i += gridDim.x * blockDim.x)
         atomicMin(&first[tokens[i]], i);
 }
@@ -71,7 +74,7 @@ __global__ void embed_first_position_kernel(int* first, const int* tokens, int N
  * order, those holding the token (a ballot per warp and a prefix count over the warps), then adds
  * the listed rows into the token's dwte row, which no other block writes. */
 template <typename T>
-__global__ void embed_bwd_wte_kernel(float* dwte, const T* dout, const int* tokens, const int* first, int N, int C) {
+__global__ void k_embed_bwd_wte(float* dwte, const T* dout, const int* tokens, const int* first, int N, int C) {
     __shared__ int list[EMBED_LIST];
     __shared__ unsigned match[EMBED_WARPS];
     int i = blockIdx.x, tok = tokens[i];
@@ -103,7 +106,7 @@ __global__ void embed_bwd_wte_kernel(float* dwte, const T* dout, const int* toke
 
 /* One thread per (t, c); writes (add 0) or adds (add 1) the sum. */
 template <typename T>
-__global__ void embed_bwd_wpe_kernel(float* dwpe, const T* dout, int B, int T_, int C, int add) {
+__global__ void k_embed_bwd_wpe(float* dwpe, const T* dout, int B, int T_, int C, int add) {
     size_t n_total = (size_t)T_ * C;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_total; i += (size_t)gridDim.x * blockDim.x) {
         float s = 0.0f;
@@ -114,9 +117,9 @@ __global__ void embed_bwd_wpe_kernel(float* dwpe, const T* dout, int B, int T_, 
 
 /* out [B*T, C] (T) from device tokens [B*T] and the fp32 master wte/wpe. */
 template <typename T>
-static void k_embed_fwd(T* out, const int* tokens, const float* wte, const float* wpe, int B, int T_, int C) {
+static void embed_fwd(T* out, const int* tokens, const float* wte, const float* wpe, int B, int T_, int C) {
     size_t n = (size_t)B * T_ * C;
-    embed_fwd_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(out, tokens, wte, wpe, B * T_, T_, C);
+    k_embed_fwd<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(out, tokens, wte, wpe, B * T_, T_, C);
     LAUNCH_CHECK();
 }
 
@@ -124,16 +127,16 @@ static void k_embed_fwd(T* out, const int* tokens, const float* wte, const float
  * grad_beta, from dout [B*T, C]; tokens [B*T] are the batch's input tokens (device), all below V;
  * first is scratch of V ints. */
 template <typename T>
-static void k_embed_bwd(float* dwte, float* dwpe, const T* dout, const int* tokens, int* first, int V, int B, int T_,
-                        int C, float grad_beta) {
+static void embed_bwd(float* dwte, float* dwpe, const T* dout, const int* tokens, int* first, int V, int B, int T_,
+                      int C, float grad_beta) {
     int N = B * T_;
     CUDA_CHECK(cudaMemsetAsync(first, 0x7f, (size_t)V * sizeof(int), g_stream)); /* 0x7f7f7f7f > any position */
-    embed_first_position_kernel<<<ceil_div(N, 256), 256, 0, g_stream>>>(first, tokens, N);
+    k_embed_first_position<<<ceil_div(N, 256), 256, 0, g_stream>>>(first, tokens, N);
     LAUNCH_CHECK();
-    embed_bwd_wte_kernel<T><<<N, EMBED_BWD_THREADS, 0, g_stream>>>(dwte, dout, tokens, first, N, C);
+    k_embed_bwd_wte<T><<<N, EMBED_BWD_THREADS, 0, g_stream>>>(dwte, dout, tokens, first, N, C);
     LAUNCH_CHECK();
     size_t n = (size_t)T_ * C;
-    embed_bwd_wpe_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(dwpe, dout, B, T_, C, grad_beta != 0.0f);
+    k_embed_bwd_wpe<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(dwpe, dout, B, T_, C, grad_beta != 0.0f);
     LAUNCH_CHECK();
 }
 

@@ -3,12 +3,12 @@
  * [N] (fp32) are saved by the forward for the backward.
  *
  * Forward and dx: one warp per row, moving 16-byte packets where the width allows (common.cuh).
- * The backward is two kernels, without atomics. The first owns a chunk of rows and a slab of
- * columns (all C of them up to LN_SLAB_COLS): while its warps compute dx, each also sums
- * dout * xhat and dout per column over its rows in shared memory, and the block adds its warps'
- * sums in warp order into the chunk's partial dgamma/dbeta; so one kernel reads dout and x for
- * both. The second kernel adds the chunk partials in a fixed order. Chunks depend only on N and
- * slabs only on C, so the result does not depend on the GPU. */
+ * The backward is two kernels, without atomics. The first, k_layernorm_bwd, owns a chunk of rows
+ * and a slab of columns (all C of them up to LN_SLAB_COLS): while its warps compute dx, each also
+ * sums dout * xhat and dout per column over its rows in shared memory, and the block adds its
+ * warps' sums in warp order into the chunk's partial dgamma/dbeta; so one kernel reads dout and x
+ * for both. The second, k_layernorm_bwd_final, adds the chunk partials in a fixed order. Chunks
+ * depend only on N and slabs only on C, so the result does not depend on the GPU. */
 #ifndef MICROGPT_CUDA_LAYERNORM_CUH
 #define MICROGPT_CUDA_LAYERNORM_CUH
 
@@ -22,7 +22,7 @@
 #define LN_FINAL_COLS 32   /* columns per block in the final sum ... */
 #define LN_FINAL_GROUPS 32 /* ... and the groups of chunks each column's sum is split into */
 
-/* Scratch floats k_layernorm_bwd needs for width C. */
+/* Scratch floats layernorm_bwd needs for width C. */
 static size_t layernorm_scratch_floats(int C) { return (size_t)2 * LN_MAX_CHUNKS * C; }
 
 static int ln_rows_per_chunk(int N) { return (int)ceil_div((size_t)N, N < LN_MAX_CHUNKS ? (size_t)N : LN_MAX_CHUNKS); }
@@ -42,9 +42,9 @@ static int ln_slab_cols(int C) {
 #define LN_ROW_LOOP(c, C) for (int c = lane * VEC; c < (C); c += 32 * VEC)
 
 template <typename T, int VEC>
-__global__ void layernorm_fwd_kernel(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                     const T* __restrict__ x, const float* __restrict__ gamma,
-                                     const float* __restrict__ beta, int N, int C) {
+__global__ void k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                const T* __restrict__ x, const float* __restrict__ gamma,
+                                const float* __restrict__ beta, int N, int C) {
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     if (row >= N) return; /* whole warps leave together: no block barriers below */
@@ -131,10 +131,10 @@ __device__ __forceinline__ void ln_bwd_slab_row(T* o, float* dg_sum, float* db_s
  * Then the block adds the warps' sums in warp order and writes partial[chunk][c] (dgamma) and
  * partial[n_chunks + chunk][c] (dbeta) for the slab's columns. dx must not alias dout or x. */
 template <typename T, int VEC>
-__global__ void layernorm_bwd_kernel(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
-                                     const T* __restrict__ x, const float* __restrict__ gamma,
-                                     const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C,
-                                     int rows_per_chunk, int slab_cols) {
+__global__ void k_layernorm_bwd(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
+                                const T* __restrict__ x, const float* __restrict__ gamma,
+                                const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C,
+                                int rows_per_chunk, int slab_cols) {
     __shared__ __align__(16) float col_sums[LN_WARPS][2][LN_SLAB_COLS]; /* [warp][dgamma, dbeta][slab column] */
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int c0 = blockIdx.x * slab_cols, width = min(slab_cols, C - c0);
@@ -170,8 +170,8 @@ __global__ void layernorm_bwd_kernel(T* __restrict__ dx, float* __restrict__ par
 /* Block (LN_FINAL_COLS columns) x (LN_FINAL_GROUPS groups): group k of a column sums chunks k,
  * k + LN_FINAL_GROUPS, ... in order, then group 0 adds the group sums in group order and writes
  * (add 0: whatever dgamma/dbeta held is not read) or adds (add 1) the result. */
-__global__ void layernorm_bwd_final_kernel(float* dgamma, float* dbeta, const float* partial, int C, int n_chunks,
-                                           int add) {
+__global__ void k_layernorm_bwd_final(float* dgamma, float* dbeta, const float* partial, int C, int n_chunks,
+                                      int add) {
     __shared__ float sg_part[LN_FINAL_GROUPS][LN_FINAL_COLS], sb_part[LN_FINAL_GROUPS][LN_FINAL_COLS];
     int col = threadIdx.x % LN_FINAL_COLS, grp = threadIdx.x / LN_FINAL_COLS;
     int c = blockIdx.x * LN_FINAL_COLS + col;
@@ -195,25 +195,25 @@ __global__ void layernorm_bwd_final_kernel(float* dgamma, float* dbeta, const fl
 }
 
 template <typename T>
-static void k_layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const float* gamma, const float* beta,
-                            int N, int C) {
+static void layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const float* gamma, const float* beta,
+                          int N, int C) {
     bool packed = packable(C, sizeof(T), {out, x}) && packable(C, sizeof(float), {gamma, beta});
-    LAUNCH_PACKED(packed, layernorm_fwd_kernel, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean, rstd, x, gamma,
+    LAUNCH_PACKED(packed, k_layernorm_fwd, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean, rstd, x, gamma,
                   beta, N, C);
 }
 
 /* dx += ; dgamma, dbeta = / += by grad_beta (0 or 1); scratch holds layernorm_scratch_floats(C) floats. */
 template <typename T>
-static void k_layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, const T* x, const float* gamma,
-                            const float* mean, const float* rstd, int N, int C, float* scratch, float grad_beta) {
+static void layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, const T* x, const float* gamma,
+                          const float* mean, const float* rstd, int N, int C, float* scratch, float grad_beta) {
     bool packed = packable(C, sizeof(T), {dx, dout, x}) && packable(C, sizeof(float), {gamma});
     int rows_per_chunk = ln_rows_per_chunk(N);
     int n_chunks = (int)ceil_div(N, rows_per_chunk);
     int slab_cols = ln_slab_cols(C);
     dim3 grid(ceil_div(C, slab_cols), n_chunks);
-    LAUNCH_PACKED(packed, layernorm_bwd_kernel, T, grid, 32 * LN_WARPS, dx, scratch, dout, x, gamma, mean, rstd, N, C,
+    LAUNCH_PACKED(packed, k_layernorm_bwd, T, grid, 32 * LN_WARPS, dx, scratch, dout, x, gamma, mean, rstd, N, C,
                   rows_per_chunk, slab_cols);
-    layernorm_bwd_final_kernel<<<ceil_div(C, LN_FINAL_COLS), LN_FINAL_COLS * LN_FINAL_GROUPS, 0, g_stream>>>(
+    k_layernorm_bwd_final<<<ceil_div(C, LN_FINAL_COLS), LN_FINAL_COLS * LN_FINAL_GROUPS, 0, g_stream>>>(
         dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
     LAUNCH_CHECK();
 }

@@ -1,14 +1,17 @@
 /* loss.cuh: the tied classifier and cross-entropy, as the CPU's classifier_forward/backward:
  * logits = x @ wte^T over all Vp (padded) rows of wte, softmax and loss over the first V (real)
  * columns only; padded columns get zero gradient, so padded wte rows never change by gradient.
+ * Roles (docs/DESIGN.md §3.1): loss_fwd (evaluation) and loss_fwd_bwd (training) run the
+ * classifier products around one kernel, k_loss_rows, which is the k_loss_fwd / k_loss_bwd pair
+ * in one pass (the backward half runs when it is given dscale); k_loss_mean forms the mean.
  *
  * The engine runs these on chunks of rows so that the logits of a whole batch need not exist at
  * once. Logits are stored in T, the activation type (fp32, or bf16/fp16 rounded from the fp32
  * accumulation, as under PyTorch's autocast and in llm.c): the logits pass is the biggest memory
  * stream of a step (N × Vp values written, read and overwritten with their gradient), and fp32
- * logits cost 1.2 ms of ANDREA-12M's 3.8 ms step on the H200. The softmax, its log-sum-exp and the
- * loss are computed in fp32 from them; rounding a logit costs at most half a T ulp of it in that
- * row's loss (documented with the tolerances in tests/kernel_check.cu and tests/test_gpu.py).
+ * logits would double its bytes. The softmax, its log-sum-exp and the loss are computed in fp32
+ * from them; rounding a logit costs at most half a T ulp of it in that row's loss (documented with
+ * the tolerances in tests/kernel_check.cu and tests/test_gpu.py).
  *
  * One kernel does a row's softmax, loss and (when training) its gradient: a first pass over the
  * row keeps a running max and a sum rescaled to it (online softmax, once per 16-byte packet),
@@ -28,8 +31,7 @@
  * sampler's logits of one position). */
 template <typename T, typename L>
 static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C, int Vp) {
-    gemm_rm(false, true, n, Vp, C, 1.0f, x, C, 0, wte, C, 0, 0.0f, logits, Vp, 0, 1, TypeInfo<T>::dtype,
-            TypeInfo<L>::dtype);
+    gemm(n, Vp, C, mat(x, C), mat_t(wte, C), mat(logits, Vp));
 }
 
 /* One block per row: lse over the real columns, loss = lse - logit[target]; with dscale (device
@@ -37,8 +39,8 @@ static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C,
  * dscale on real columns and 0 on padded ones. Rows are whole packets when VEC > 1. */
 template <typename T, int VEC>
 __global__ void __launch_bounds__(LOSS_THREADS)
-loss_rows_kernel(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
-                 const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
+k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
+            const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
     int row = blockIdx.x, target = targets[row];
     T* l = logits + (size_t)row * Vp;
     float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f; /* read before the row is overwritten */
@@ -78,37 +80,36 @@ loss_rows_kernel(float* __restrict__ losses, float* __restrict__ lse, T* __restr
 template <typename T>
 static void loss_rows(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
                       const float* dscale) {
-    LAUNCH_PACKED(packable(Vp, sizeof(T), {logits}), loss_rows_kernel, T, n, LOSS_THREADS, losses, lse, logits,
+    LAUNCH_PACKED(packable(Vp, sizeof(T), {logits}), k_loss_rows, T, n, LOSS_THREADS, losses, lse, logits,
                   targets, V, Vp, dscale);
 }
 
 /* Evaluation: per-row losses [n] and lse [n] of rows x [n, C]; logits [n, Vp] is scratch. */
 template <typename T>
-static void k_loss_fwd(float* losses, float* lse, T* logits, const T* x, const T* wte, const int* targets, int n,
-                       int C, int V, int Vp) {
+static void loss_fwd(float* losses, float* lse, T* logits, const T* x, const T* wte, const int* targets, int n,
+                     int C, int V, int Vp) {
     classifier_logits(logits, x, wte, n, C, Vp);
     loss_rows(losses, lse, logits, targets, n, V, Vp, (const float*)NULL);
 }
 
-/* Training: as k_loss_fwd; dx [n, C] = and dwte [Vp, C] (fp32) = / += (by grad_beta) the gradient
+/* Training: as loss_fwd; dx [n, C] = and dwte [Vp, C] (fp32) = / += (by grad_beta) the gradient
  * of these n rows, each row's loss weighted by *dscale (device float: 1/rows-in-the-whole-batch for
  * a mean, times the loss scale for fp16). logits [n, Vp] is scratch and ends holding dlogits. */
 template <typename T>
-static void k_loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logits, const T* x, const T* wte,
-                           const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
-    cudaDataType_t t = TypeInfo<T>::dtype;
+static void loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logits, const T* x, const T* wte,
+                         const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
     classifier_logits(logits, x, wte, n, C, Vp);
     loss_rows(losses, lse, logits, targets, n, V, Vp, dscale);
     /* dx = dlogits @ wte */
-    gemm_rm(false, false, n, C, Vp, 1.0f, logits, Vp, 0, wte, C, 0, 0.0f, dx, C, 0, 1, t, t);
+    gemm(n, C, Vp, mat(logits, Vp), mat(wte, C), mat(dx, C));
     /* dwte = dlogits^T @ x + grad_beta * dwte */
-    gemm_rm(true, false, Vp, C, n, 1.0f, logits, Vp, 0, x, C, 0, grad_beta, dwte, C, 0, 1, t, CUDA_R_32F);
+    gemm(Vp, C, n, mat_t(logits, Vp), mat(x, C), mat(dwte, C), 1.0f, grad_beta);
 }
 
 /* One block of LOSS_MEAN_THREADS: out[0] = the mean of losses [n], summed in double in a fixed
  * order (the step's loss, formed on the device so only one float comes back). */
 #define LOSS_MEAN_THREADS 1024
-__global__ void loss_mean_kernel(float* out, const float* losses, int n) {
+__global__ void k_loss_mean(float* out, const float* losses, int n) {
     __shared__ double warp_part[LOSS_MEAN_THREADS / 32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     double s = 0.0;
@@ -122,8 +123,8 @@ __global__ void loss_mean_kernel(float* out, const float* losses, int n) {
     }
 }
 
-static void k_loss_mean(float* out, const float* losses, int n) {
-    loss_mean_kernel<<<1, LOSS_MEAN_THREADS, 0, g_stream>>>(out, losses, n);
+static void loss_mean(float* out, const float* losses, int n) {
+    k_loss_mean<<<1, LOSS_MEAN_THREADS, 0, g_stream>>>(out, losses, n);
     LAUNCH_CHECK();
 }
 

@@ -1,6 +1,6 @@
 /* matmul.cuh: the bias-free linear layer out[N,out] = x[N,in] @ w[in,out] (weights [in,out]
- * row-major, SPEC §2) on the products of common.cuh (cuBLASLt for 16-bit inputs, cuBLAS for fp32),
- * the building block of k_attn_qkv, k_attn_out, k_mlp and k_loss. Activations and weights are T;
+ * row-major, docs/DESIGN.md §2) on the products of common.cuh (cuBLASLt for 16-bit inputs, cuBLAS
+ * for fp32), the building block of attn_qkv, attn_out, mlp and loss. Activations and weights are T;
  * weight gradients are fp32 (the products write fp32 D from T inputs).
  *
  * Gradient contract of the whole engine: parameter gradients are written by the first micro-batch
@@ -19,33 +19,29 @@
  * epilogue; out must not alias residual). Overwrites out. */
 template <typename T>
 static void linear_fwd(T* out, const T* x, const T* w, int N, int in, int out_dim, const T* residual = NULL) {
-    cudaDataType_t t = TypeInfo<T>::dtype;
     if (residual) {
-        if (gemm_fused(GEMM_RESIDUAL, false, false, N, out_dim, in, x, in, w, out_dim, residual, out, out_dim, NULL, t, t))
+        if (gemm_fused(GEMM_RESIDUAL, N, out_dim, in, mat(x, in), mat(w, out_dim), mat(out, out_dim), residual, NULL))
             return;
         /* unfused: the same sum, fp32 accumulator + residual rounded once, through beta = 1 */
         CUDA_CHECK(cudaMemcpyAsync(out, residual, (size_t)N * out_dim * sizeof(T), cudaMemcpyDeviceToDevice, g_stream));
     }
-    gemm_rm(false, false, N, out_dim, in, 1.0f, x, in, 0, w, out_dim, 0, residual ? 1.0f : 0.0f, out, out_dim, 0, 1, t,
-            t);
+    gemm(N, out_dim, in, mat(x, in), mat(w, out_dim), mat(out, out_dim), 1.0f, residual ? 1.0f : 0.0f);
 }
 
 /* dx = dout @ w^T + beta * dx   (beta 0: overwrite, the activation-gradient contract; 1: add) */
 template <typename T>
 static void linear_dx(T* dx, const T* dout, const T* w, int N, int in, int out_dim, float beta) {
-    cudaDataType_t t = TypeInfo<T>::dtype;
-    gemm_rm(false, true, N, in, out_dim, 1.0f, dout, out_dim, 0, w, out_dim, 0, beta, dx, in, 0, 1, t, t);
+    gemm(N, in, out_dim, mat(dout, out_dim), mat_t(w, out_dim), mat(dx, in), 1.0f, beta);
 }
 
 /* dw = x^T @ dout + grad_beta * dw   (fp32 gradient; grad_beta 0 or 1, see the contract above) */
 template <typename T>
 static void linear_dw(float* dw, const T* x, const T* dout, int N, int in, int out_dim, float grad_beta) {
-    gemm_rm(true, false, in, out_dim, N, 1.0f, x, in, 0, dout, out_dim, 0, grad_beta, dw, out_dim, 0, 1,
-            TypeInfo<T>::dtype, CUDA_R_32F);
+    gemm(in, out_dim, N, mat_t(x, in), mat(dout, out_dim), mat(dw, out_dim), 1.0f, grad_beta);
 }
 
 /* The pair's backward: dw = / += by grad_beta (parameter gradients accumulate over micro-batches,
- * SPEC §3); dx = (an activation gradient is written whole, so its buffer needs no zeroing first). */
+ * docs/DESIGN.md §3); dx = (an activation gradient is written whole, so its buffer needs no zeroing first). */
 template <typename T>
 static void linear_bwd(T* dx, float* dw, const T* dout, const T* x, const T* w, int N, int in, int out_dim,
                        float grad_beta) {

@@ -1,8 +1,12 @@
 /* mlp.cuh: the MLP sub-layer out = gelu_tanh(x @ W_1) @ W_2 (no biases), and the residual join
- * that follows it in the block (out = x_mid + MLP(LN2(x_mid)), fused into the second product).
- * The forward saves the pre-activation h = x @ W_1 and g = gelu(h), both [N, F]: the backward
- * needs g for dW_2, and keeping it costs N·F values per layer where recomputing it cost a full
- * element-wise pass per layer and step (measured 76 us per layer for ANDREA-120M on the H200). */
+ * that follows it in the block (out = xmid + MLP(LN2(xmid)), fused into the second product).
+ * The forward saves the pre-activation h = x @ W_1 and h_gelu = gelu(h), both [N, F]: the backward
+ * needs h_gelu for dW_2, and keeping it costs N·F values per layer where recomputing it costs a
+ * full element-wise pass per layer and step (docs/BENCHMARKS.md has the trade measured).
+ *
+ * Roles (docs/DESIGN.md §3.1): mlp_fwd / mlp_bwd are the k_mlp_fwd / k_mlp_bwd pair. Their GELU
+ * runs in the products' epilogues (GEMM_GELU_AUX, GEMM_DGELU, common.cuh) where cuBLASLt has
+ * them, otherwise in the kernels k_gelu_fwd and k_gelu_bwd_inplace after a plain product. */
 #ifndef MICROGPT_CUDA_MLP_CUH
 #define MICROGPT_CUDA_MLP_CUH
 
@@ -22,7 +26,7 @@ __device__ __forceinline__ float gelu_grad_f(float x) {
 }
 
 template <typename T, int VEC>
-__global__ void gelu_fwd_kernel(T* __restrict__ out, const T* __restrict__ x, size_t n) {
+__global__ void k_gelu_fwd(T* __restrict__ out, const T* __restrict__ x, size_t n) {
     FOR_PACKETS(i, n) {
         float v[VEC];
         load_vec(v, x + i);
@@ -34,7 +38,7 @@ __global__ void gelu_fwd_kernel(T* __restrict__ out, const T* __restrict__ x, si
 /* In place: d = d * gelu'(x). d arrives as the gradient of the GELU output and leaves as that of
  * its input; the MLP backward owns d as scratch, so nothing needs accumulating here. */
 template <typename T, int VEC>
-__global__ void gelu_bwd_inplace_kernel(T* __restrict__ d, const T* __restrict__ x, size_t n) {
+__global__ void k_gelu_bwd_inplace(T* __restrict__ d, const T* __restrict__ x, size_t n) {
     FOR_PACKETS(i, n) {
         float dv[VEC], xv[VEC];
         load_vec(dv, d + i);
@@ -47,37 +51,35 @@ __global__ void gelu_bwd_inplace_kernel(T* __restrict__ d, const T* __restrict__
 template <typename T>
 static void gelu_fwd(T* out, const T* x, size_t n) {
     bool packed = packable(n, sizeof(T), {out, x});
-    LAUNCH_PACKED_ELEMENTWISE(packed, gelu_fwd_kernel, T, n, out, x, n);
+    LAUNCH_PACKED_ELEMENTWISE(packed, k_gelu_fwd, T, n, out, x, n);
 }
 
 template <typename T>
 static void gelu_bwd_inplace(T* d, const T* x, size_t n) {
     bool packed = packable(n, sizeof(T), {d, x});
-    LAUNCH_PACKED_ELEMENTWISE(packed, gelu_bwd_inplace_kernel, T, n, d, x, n);
+    LAUNCH_PACKED_ELEMENTWISE(packed, k_gelu_bwd_inplace, T, n, d, x, n);
 }
 
 /* out [N,C] = residual + gelu(x @ w1) @ w2 (the MLP and the residual join after it); saves
- * h = x @ w1 and g = gelu(h), both [N,F], for the backward. out must not alias residual. The GELU
- * and the join run in the products' epilogues where cuBLASLt has them (common.cuh). */
+ * h = x @ w1 and h_gelu = gelu(h), both [N,F], for the backward. out must not alias residual. The
+ * GELU and the join run in the products' epilogues where cuBLASLt has them (common.cuh). */
 template <typename T>
-static void k_mlp_fwd(T* out, T* h, T* g, const T* x, const T* w1, const T* w2, const T* residual, int N, int C,
-                      int F) {
-    cudaDataType_t t = TypeInfo<T>::dtype;
-    if (!gemm_fused(GEMM_GELU_AUX, false, false, N, F, C, x, C, w1, F, NULL, g, F, h, t, t)) {
+static void mlp_fwd(T* out, T* h, T* h_gelu, const T* x, const T* w1, const T* w2, const T* residual, int N, int C,
+                    int F) {
+    if (!gemm_fused(GEMM_GELU_AUX, N, F, C, mat(x, C), mat(w1, F), mat(h_gelu, F), NULL, h)) {
         linear_fwd(h, x, w1, N, C, F);
-        gelu_fwd(g, h, (size_t)N * F);
+        gelu_fwd(h_gelu, h, (size_t)N * F);
     }
-    linear_fwd(out, g, w2, N, F, C, residual);
+    linear_fwd(out, h_gelu, w2, N, F, C, residual);
 }
 
-/* dx = ; dw1, dw2 = / += by grad_beta; h and g are the forward's; dh [N,F] is scratch. */
+/* dx = ; dw1, dw2 = / += by grad_beta; h and h_gelu are the forward's; dh [N,F] is scratch. */
 template <typename T>
-static void k_mlp_bwd(T* dx, float* dw1, float* dw2, const T* dout, const T* x, const T* h, const T* g, const T* w1,
-                      const T* w2, T* dh, int N, int C, int F, float grad_beta) {
-    cudaDataType_t t = TypeInfo<T>::dtype;
-    linear_dw(dw2, g, dout, N, F, C, grad_beta);
+static void mlp_bwd(T* dx, float* dw1, float* dw2, const T* dout, const T* x, const T* h, const T* h_gelu,
+                    const T* w1, const T* w2, T* dh, int N, int C, int F, float grad_beta) {
+    linear_dw(dw2, h_gelu, dout, N, F, C, grad_beta);
     /* dh = (dout @ w2^T) * gelu'(h) */
-    if (!gemm_fused(GEMM_DGELU, false, true, N, F, C, dout, C, w2, C, NULL, dh, F, h, t, t)) {
+    if (!gemm_fused(GEMM_DGELU, N, F, C, mat(dout, C), mat_t(w2, C), mat(dh, F), NULL, h)) {
         linear_dx(dh, dout, w2, N, F, C, 0.0f);
         gelu_bwd_inplace(dh, h, (size_t)N * F);
     }

@@ -42,7 +42,7 @@ static UpdateCtl update_ctl(float lr, int t, float beta1, float beta2, double un
 /* The norm of g * unscale (unscale: nullable device float, NULL = 1), without rewriting g. T is
  * float: the type slot LAUNCH_PACKED fills, which sets the packet (VEC 4 or 1). */
 template <typename T, int VEC>
-__global__ void grad_norm_partial_kernel(float* partial, const float* __restrict__ g, size_t n, const float* unscale) {
+__global__ void k_grad_norm_partial(float* partial, const float* __restrict__ g, size_t n, const float* unscale) {
     float s = 0.0f, u = unscale ? *unscale : 1.0f;
     FOR_PACKETS(i, n) {
         float x[VEC];
@@ -54,7 +54,7 @@ __global__ void grad_norm_partial_kernel(float* partial, const float* __restrict
 }
 
 /* One block of NORM_BLOCKS threads: out[0] = sqrt(sum of partials). */
-__global__ void grad_norm_final_kernel(float* out, const float* partial) {
+__global__ void k_grad_norm_final(float* out, const float* partial) {
     __shared__ double warp_part[NORM_BLOCKS / 32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     double s = warp_sum_d((double)partial[threadIdx.x]);
@@ -66,7 +66,7 @@ __global__ void grad_norm_final_kernel(float* out, const float* partial) {
     }
 }
 
-__global__ void grad_scale_kernel(float* g, size_t n, float s) {
+__global__ void k_grad_scale(float* g, size_t n, float s) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) g[i] *= s;
 }
 
@@ -80,10 +80,10 @@ static size_t adamw_decay_words(size_t n) { return (n + 31) / 32; }
  * step's products. A packet's VEC bits lie in one word (VEC divides 32, packets start at multiples
  * of VEC). */
 template <typename T, int VEC>
-__global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                             float* __restrict__ v, T* __restrict__ p_low, size_t n, float beta1, float beta2,
-                             float eps, float wd, const unsigned* __restrict__ decay_bits, const UpdateCtl* ctl,
-                             const float* norm) {
+__global__ void k_adamw(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                        float* __restrict__ v, T* __restrict__ p_low, size_t n, float beta1, float beta2,
+                        float eps, float wd, const unsigned* __restrict__ decay_bits, const UpdateCtl* ctl,
+                        const float* norm) {
     float nrm = *norm;
     if (ctl->skip_nonfinite && !isfinite(nrm)) return;
     int clip = ctl->clip > 0.0f && nrm > ctl->clip;
@@ -111,46 +111,46 @@ __global__ void adamw_kernel(float* __restrict__ p, const float* __restrict__ g,
 }
 
 template <typename T>
-__global__ void convert_kernel(T* out, const float* in, size_t n) {
+__global__ void k_convert(T* out, const float* in, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         out[i] = from_f<T>(in[i]);
 }
 
 /* partial: NORM_BLOCKS floats of scratch; unscale: nullable device float (see the kernel) */
-static void k_grad_norm_partial(float* partial, const float* g, size_t n, const float* unscale) {
-    LAUNCH_PACKED(packable(n, sizeof(float), {g}), grad_norm_partial_kernel, float, NORM_BLOCKS, NORM_THREADS, partial,
+static void grad_norm_partial(float* partial, const float* g, size_t n, const float* unscale) {
+    LAUNCH_PACKED(packable(n, sizeof(float), {g}), k_grad_norm_partial, float, NORM_BLOCKS, NORM_THREADS, partial,
                   g, n, unscale);
 }
 
-/* out: one device float, the L2 norm of everything k_grad_norm_partial summed */
-static void k_grad_norm_final(float* out, const float* partial) {
-    grad_norm_final_kernel<<<1, NORM_BLOCKS, 0, g_stream>>>(out, partial);
+/* out: one device float, the L2 norm of everything grad_norm_partial summed */
+static void grad_norm_final(float* out, const float* partial) {
+    k_grad_norm_final<<<1, NORM_BLOCKS, 0, g_stream>>>(out, partial);
     LAUNCH_CHECK();
 }
 
-/* g *= s. SPEC §3 names this launcher among the clipping kernels; the engine itself folds the
- * gradient multiplier and the clip factor into the AdamW pass (one read of g instead of two), so
- * only tests/kernel_check.cu calls it. */
-static void k_grad_scale(float* g, size_t n, float s) {
-    grad_scale_kernel<<<elementwise_grid(n, 256), 256, 0, g_stream>>>(g, n, s);
+/* g *= s. k_grad_scale is one of the clipping kernels docs/DESIGN.md §3.1 names; the engine itself
+ * folds the gradient multiplier and the clip factor into the AdamW pass (one read of g instead of
+ * two), so only tests/kernel_check.cu calls it. */
+static void grad_scale(float* g, size_t n, float s) {
+    k_grad_scale<<<elementwise_grid(n, 256), 256, 0, g_stream>>>(g, n, s);
     LAUNCH_CHECK();
 }
 
-/* ctl, norm, decay_bits: device pointers (UpdateCtl of this step; the norm from k_grad_norm_final;
+/* ctl, norm, decay_bits: device pointers (UpdateCtl of this step; the norm from grad_norm_final;
  * adamw_decay_words(n) words of the decay mask) */
 template <typename T>
-static void k_adamw(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float beta1, float beta2,
-                    float eps, float wd, const unsigned* decay_bits, const UpdateCtl* ctl, const float* norm) {
+static void adamw(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float beta1, float beta2,
+                  float eps, float wd, const unsigned* decay_bits, const UpdateCtl* ctl, const float* norm) {
     /* packets of PACK(T) elements: 16 bytes of p_low, one or two of each fp32 array (n a multiple of
      * PACK(T) makes n fp32 whole 16-byte packets too) */
     bool packed = packable(n, sizeof(T), {p, g, m, v, p_low});
-    LAUNCH_PACKED_ELEMENTWISE(packed, adamw_kernel, T, n, p, g, m, v, p_low, n, beta1, beta2, eps, wd, decay_bits, ctl,
+    LAUNCH_PACKED_ELEMENTWISE(packed, k_adamw, T, n, p, g, m, v, p_low, n, beta1, beta2, eps, wd, decay_bits, ctl,
                               norm);
 }
 
 template <typename T>
-static void k_convert(T* out, const float* in, size_t n) {
-    convert_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(out, in, n);
+static void convert(T* out, const float* in, size_t n) {
+    k_convert<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(out, in, n);
     LAUNCH_CHECK();
 }
 

@@ -2,18 +2,18 @@
  * branches (da += dout, db += dout), as the CPU's residual_forward / residual_backward.
  *
  * The engine launches neither kernel: both residual joins of a layer are fused into the product
- * that ends the branch (k_attn_out_fwd, k_mlp_fwd: out = residual + x @ W, matmul.cuh), and the
+ * that ends the branch (attn_out_fwd, mlp_fwd: out = residual + x @ W, matmul.cuh), and the
  * backward keeps one residual-gradient buffer that is the gradient of the stream at every depth
- * (each branch's input gradient is accumulated into it in place), which is k_residual_add_bwd
+ * (each branch's input gradient is accumulated into it in place), which is residual_add_bwd
  * with da aliased to dout. The pair is kept, and checked against the CPU in tests/kernel_check.cu,
- * as the reference form of what the fused products compute (SPEC §3 names it). */
+ * as the reference form of what the fused products compute (docs/DESIGN.md §3 names it). */
 #ifndef MICROGPT_CUDA_RESIDUAL_CUH
 #define MICROGPT_CUDA_RESIDUAL_CUH
 
 #include "common.cuh"
 
 template <typename T, int VEC>
-__global__ void residual_add_kernel(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, size_t n) {
+__global__ void k_residual_add(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, size_t n) {
     FOR_PACKETS(i, n) {
         float av[VEC], bv[VEC];
         load_vec(av, a + i);
@@ -24,7 +24,7 @@ __global__ void residual_add_kernel(T* __restrict__ out, const T* __restrict__ a
 }
 
 template <typename T>
-__global__ void residual_add_bwd_kernel(T* da, T* db, const T* dout, size_t n) {
+__global__ void k_residual_add_bwd(T* da, T* db, const T* dout, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float g = to_f(dout[i]);
         da[i] = from_f<T>(to_f(da[i]) + g);
@@ -34,15 +34,15 @@ __global__ void residual_add_bwd_kernel(T* da, T* db, const T* dout, size_t n) {
 
 /* out = a + b; out may not alias a or b. */
 template <typename T>
-static void k_residual_add(T* out, const T* a, const T* b, size_t n) {
+static void residual_add(T* out, const T* a, const T* b, size_t n) {
     bool packed = packable(n, sizeof(T), {out, a, b});
-    LAUNCH_PACKED_ELEMENTWISE(packed, residual_add_kernel, T, n, out, a, b, n);
+    LAUNCH_PACKED_ELEMENTWISE(packed, k_residual_add, T, n, out, a, b, n);
 }
 
 /* da, db += dout; neither may alias dout. */
 template <typename T>
-static void k_residual_add_bwd(T* da, T* db, const T* dout, size_t n) {
-    residual_add_bwd_kernel<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(da, db, dout, n);
+static void residual_add_bwd(T* da, T* db, const T* dout, size_t n) {
+    k_residual_add_bwd<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(da, db, dout, n);
     LAUNCH_CHECK();
 }
 

@@ -1,14 +1,20 @@
 /* checkpoint.h: checkpoint files (SPEC §3), exactly
  *   [int32 step][int32 n_params][n_params f32 weights][n_params f32 m][n_params f32 v]
  * little-endian (the host byte order of every machine we target), and the JSON sidecar PATH.json
- * holding what exact resume needs beyond that (loss scale) plus a config fingerprint.
- * Both files are written to a temporary file, flushed, fsynced and renamed, so a crash or a full
- * disk leaves the previous good checkpoint in place, never a torn one.
+ * holding what exact resume needs beyond that (loss scale), the CRC-32C of the checkpoint's bytes
+ * and a config fingerprint.
+ * Two slots: before PATH is replaced, the checkpoint it holds gets a second name, PATH.prev (with
+ * PATH.prev.json), so a damaged newest checkpoint never leaves only a bad file.
+ * Every file is written to a temporary name, flushed, fsynced and renamed, in an order that keeps
+ * at least one slot whole (checkpoint and its own sidecar) at every instant: a crash or a full disk
+ * leaves a good checkpoint in place, never only a torn one.
  * Compiles as C99 and as C++ (nvcc). */
 #ifndef MICROGPT_HOST_CHECKPOINT_H
 #define MICROGPT_HOST_CHECKPOINT_H
 
 #include "config.h"
+#include "crc32c.h"
+#include "files.h"
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -17,8 +23,26 @@
 #include <unistd.h>
 
 #define CKPT_HEADER_BYTES 8
+#define CKPT_SIDECAR_MAX 4096
 
 static size_t ckpt_expected_bytes(size_t n_params) { return CKPT_HEADER_BYTES + 3 * 4 * n_params; }
+
+/* The four files of a checkpoint at `path`: the newest slot and the previous one, each with its
+ * sidecar. */
+typedef struct {
+    char ckpt[CFG_PATH_MAX], side[CFG_PATH_MAX + 8], prev[CFG_PATH_MAX + 8], prev_side[CFG_PATH_MAX + 16];
+} CkptFiles;
+
+static void ckpt_files(const char* path, CkptFiles* f) {
+    snprintf(f->ckpt, sizeof f->ckpt, "%s", path);
+    snprintf(f->side, sizeof f->side, "%s.json", path);
+    snprintf(f->prev, sizeof f->prev, "%s.prev", path);
+    snprintf(f->prev_side, sizeof f->prev_side, "%s.prev.json", path);
+}
+
+/* Bounce buffer for streaming a checkpoint (checksum, copy): static, so no allocation happens
+ * inside the training loop and none before validation. */
+static char ckpt_io_buf[1 << 20];
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Writing */
@@ -55,7 +79,7 @@ static void parent_dir(const char* path, char* dir, size_t cap) {
     else *slash = '\0';
 }
 
-/* The rename is only durable once the directory entry is on disk too. Best effort. */
+/* A rename is only durable once the directory entry is on disk too. Best effort. */
 static void fsync_parent_dir(const char* path) {
     char dir[CFG_PATH_MAX];
     int fd;
@@ -67,24 +91,26 @@ static void fsync_parent_dir(const char* path) {
     }
 }
 
-static void sidecar_text(char* buf, size_t cap, int step, size_t n_params, float loss_scale, const Config* c) {
+static void sidecar_text(char* buf, size_t cap, int step, size_t n_params, uint32_t crc, float loss_scale,
+                         const Config* c) {
     char ls[32];
     snprintf(buf, cap,
-             "{\"step\":%d,\"n_params\":%zu,\"loss_scale\":%s,\"fingerprint\":{\"n_layer\":%d,\"d_model\":%d,"
-             "\"n_head\":%d,\"d_ff\":%d,\"seq_len\":%d,\"vocab_size\":%d,\"padded_vocab_size\":%d,\"seed\":%d,"
-             "\"batch_size\":%d,\"grad_accum\":%d,\"steps\":%d,\"precision\":\"%s\"}}\n",
-             step, n_params, json_num(ls, sizeof ls, loss_scale), c->model.n_layer, c->model.d_model, c->model.n_head,
-             c->model.d_ff, c->model.seq_len, c->model.vocab_size, c->model.padded_vocab_size, c->train.seed,
-             c->train.batch_size, c->train.grad_accum, c->train.steps, c->train.precision);
+             "{\"step\":%d,\"n_params\":%zu,\"crc32c\":%lu,\"loss_scale\":%s,\"fingerprint\":{\"n_layer\":%d,"
+             "\"d_model\":%d,\"n_head\":%d,\"d_ff\":%d,\"seq_len\":%d,\"vocab_size\":%d,\"padded_vocab_size\":%d,"
+             "\"seed\":%d,\"batch_size\":%d,\"grad_accum\":%d,\"steps\":%d,\"precision\":\"%s\"}}\n",
+             step, n_params, (unsigned long)crc, json_num(ls, sizeof ls, loss_scale), c->model.n_layer,
+             c->model.d_model, c->model.n_head, c->model.d_ff, c->model.seq_len, c->model.vocab_size,
+             c->model.padded_vocab_size, c->train.seed, c->train.batch_size, c->train.grad_accum, c->train.steps,
+             c->train.precision);
 }
 
-/* Temporary files of a writer that was killed (PATH.tmpPID, PATH.json.tmpPID whose process no
- * longer exists) are removed before writing, so crashes never pile up checkpoint-sized leftovers
- * on the disk. Another live process's temporary files are left alone. */
+/* Temporary files of a writer that was killed (PATH.tmpPID, PATH.json.tmpPID and those of the
+ * previous slot, whose process no longer exists) are removed before writing, so crashes never pile
+ * up checkpoint-sized leftovers on the disk. Another live process's temporary files are left alone. */
 static void ckpt_remove_stale_temps(const char* path) {
     char dir[CFG_PATH_MAX], victim[2 * CFG_PATH_MAX + 8];
     const char* base = strrchr(path, '/');
-    const char* suffixes[2] = {".tmp", ".json.tmp"};
+    const char* suffixes[4] = {".tmp", ".json.tmp", ".prev.tmp", ".prev.json.tmp"};
     size_t base_len;
     struct dirent* e;
     DIR* d;
@@ -95,7 +121,7 @@ static void ckpt_remove_stale_temps(const char* path) {
     while ((e = readdir(d)) != NULL) {
         int k;
         if (strncmp(e->d_name, base, base_len) != 0) continue;
-        for (k = 0; k < 2; k++) {
+        for (k = 0; k < 4; k++) {
             const char* rest = e->d_name + base_len;
             size_t sl = strlen(suffixes[k]);
             char* end;
@@ -110,101 +136,170 @@ static void ckpt_remove_stale_temps(const char* path) {
     closedir(d);
 }
 
-/* Writes checkpoint + sidecar atomically. On any I/O failure the temporary files are removed, the
- * previous checkpoint is left untouched, and the process exits with an error (the caller can't
- * carry on believing it has a checkpoint it doesn't have). */
+/* Copies `from` to the new file `to` and fsyncs it; 0 on success. For file systems without hard
+ * links only. */
+static int copy_durably(const char* from, const char* to) {
+    int in = open(from, O_RDONLY), out, ok = 1;
+    ssize_t got;
+    if (in < 0) return -1;
+    out = open(to, O_WRONLY | O_CREAT | O_EXCL, 0644);
+    if (out < 0) {
+        close(in);
+        return -1;
+    }
+    while (ok && (got = read(in, ckpt_io_buf, sizeof ckpt_io_buf)) != 0) {
+        if (got < 0 && errno == EINTR) continue;
+        ok = got > 0 && write_all(out, ckpt_io_buf, (size_t)got);
+    }
+    close(in);
+    return close_durably(out) == 0 && ok ? 0 : -1;
+}
+
+/* Gives the bytes of `from` the name `to` as well, replacing `to` atomically: a hard link (no copy)
+ * made under a temporary name and renamed over `to`; a durable copy where the file system has no
+ * hard links. `from` is never touched. 0 on success. */
+static int second_name(const char* from, const char* to) {
+    char tmp[CFG_PATH_MAX + 48];
+    snprintf(tmp, sizeof tmp, "%s.tmp%d", to, (int)getpid());
+    unlink(tmp);
+    if ((link(from, tmp) != 0 && copy_durably(from, tmp) != 0) || rename(tmp, to) != 0) {
+        int e = errno;
+        unlink(tmp);
+        errno = e;
+        return -1;
+    }
+    return 0;
+}
+
+/* Before the newest slot is replaced, the checkpoint in it (written by this run, or verified when
+ * it was resumed) becomes the previous slot: checkpoint first, then its sidecar, each by an atomic
+ * rename, and all of it durable before the newest slot is touched. Until then the newest slot is
+ * whole; from then on the previous one is. */
+static int ckpt_keep_previous(const CkptFiles* f) {
+    if (!file_exists(f->ckpt)) return 0;
+    if (second_name(f->ckpt, f->prev) != 0) return -1;
+    if (file_exists(f->side) ? second_name(f->side, f->prev_side) != 0 : unlink(f->prev_side) != 0 && errno != ENOENT)
+        return -1;
+    fsync_parent_dir(f->ckpt);
+    return 0;
+}
+
+/* Writes the parts, in order, to the new file `tmp` and fsyncs it. 0 on success; on failure the
+ * file is removed and the error number returned. */
+static int write_temp(const char* tmp, const void* const* parts, const size_t* bytes, int n_parts) {
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644), ok = 1, e, i;
+    if (fd < 0) return errno;
+    for (i = 0; i < n_parts && ok; i++) ok = write_all(fd, parts[i], bytes[i]);
+    e = errno;
+    if (close_durably(fd) != 0 || !ok) {
+        if (ok) e = errno;
+        unlink(tmp);
+        return e ? e : EIO;
+    }
+    return 0;
+}
+
+/* Writes checkpoint + sidecar into the newest slot, the one it held kept as the previous slot. On
+ * any I/O failure the temporary files are removed, both slots are left as they were, and the
+ * process exits with an error (the caller can't carry on believing it has a checkpoint it doesn't
+ * have). */
 static void ckpt_write(const char* path, int step, const float* params, const float* m, const float* v, size_t n,
                        float loss_scale, const Config* c) {
-    char tmp[CFG_PATH_MAX + 32], side[CFG_PATH_MAX + 8], side_tmp[CFG_PATH_MAX + 40], text[1024];
+    char tmp[CFG_PATH_MAX + 32], side_tmp[CFG_PATH_MAX + 40], text[CKPT_SIDECAR_MAX];
     int32_t header[2];
-    int fd, ok, e;
+    const void* parts[4];
+    size_t bytes[4];
+    uint32_t crc;
+    int e, i;
+    CkptFiles f;
+    ckpt_files(path, &f);
     snprintf(tmp, sizeof tmp, "%s.tmp%d", path, (int)getpid());
-    snprintf(side, sizeof side, "%s.json", path);
     snprintf(side_tmp, sizeof side_tmp, "%s.json.tmp%d", path, (int)getpid());
     ckpt_remove_stale_temps(path);
     header[0] = step;
     header[1] = (int32_t)n;
+    parts[0] = header; parts[1] = params; parts[2] = m; parts[3] = v;
+    bytes[0] = sizeof header; bytes[1] = bytes[2] = bytes[3] = n * 4;
+    for (crc = 0, i = 0; i < 4; i++) crc = crc32c_update(crc, parts[i], bytes[i]);
 
-    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) die_io("cannot create checkpoint %s: %s", tmp, strerror(errno));
-    ok = write_all(fd, header, sizeof header) && write_all(fd, params, n * 4) && write_all(fd, m, n * 4) &&
-         write_all(fd, v, n * 4);
-    e = errno;
-    if (close_durably(fd) != 0 || !ok) {
-        if (ok) e = errno;
-        unlink(tmp);
+    if ((e = write_temp(tmp, parts, bytes, 4)) != 0)
         die_io("writing checkpoint %s failed (%s); the previous checkpoint, if any, is untouched", path, strerror(e));
-    }
-
-    sidecar_text(text, sizeof text, step, n, loss_scale, c);
-    fd = open(side_tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) {
-        e = errno;
+    sidecar_text(text, sizeof text, step, n, crc, loss_scale, c);
+    parts[0] = text;
+    bytes[0] = strlen(text);
+    if ((e = write_temp(side_tmp, parts, bytes, 1)) != 0) {
         unlink(tmp);
-        die_io("cannot create checkpoint sidecar %s: %s", side_tmp, strerror(e));
-    }
-    ok = write_all(fd, text, strlen(text));
-    e = errno;
-    if (close_durably(fd) != 0 || !ok) {
-        if (ok) e = errno;
-        unlink(tmp);
-        unlink(side_tmp);
-        die_io("writing checkpoint sidecar %s failed (%s); the previous checkpoint, if any, is untouched", side,
+        die_io("writing checkpoint sidecar %s failed (%s); the previous checkpoint, if any, is untouched", f.side,
                strerror(e));
     }
-    /* Checkpoint first, then sidecar. A crash in between leaves a sidecar whose step disagrees with
-     * the checkpoint; the reader notices that and ignores the stale sidecar. */
+    if (ckpt_keep_previous(&f) != 0) {
+        e = errno;
+        unlink(tmp);
+        unlink(side_tmp);
+        die_io("keeping %s as %s failed (%s); %s itself is untouched", path, f.prev, strerror(e), path);
+    }
+    /* Sidecar first, then checkpoint. A crash in between leaves the new sidecar beside the old
+     * checkpoint: the reader refuses that slot (step and checksum disagree), and the previous one
+     * is whole; at the first write it leaves a sidecar without a checkpoint, i.e. no checkpoint. */
+    if (rename(side_tmp, f.side) != 0) {
+        e = errno;
+        unlink(tmp);
+        unlink(side_tmp);
+        die_io("renaming %s to %s failed: %s", side_tmp, f.side, strerror(e));
+    }
     if (rename(tmp, path) != 0) {
         e = errno;
         unlink(tmp);
-        unlink(side_tmp);
         die_io("renaming %s to %s failed: %s", tmp, path, strerror(e));
-    }
-    if (rename(side_tmp, side) != 0) {
-        e = errno;
-        unlink(side_tmp);
-        die_io("renaming %s to %s failed: %s", side_tmp, side, strerror(e));
     }
     fsync_parent_dir(path);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Reading */
+/* Checking and reading */
 
-/* Validates header and size against the config's n_params without reading the weights (so it can
- * run before any large allocation). Returns the checkpoint's step. Dies on any mismatch; the file
- * is left as it is. */
-static int ckpt_check(const char* path, size_t n_params) {
+/* Refuses, before anything is done, checkpoint files that are not plain files (a directory; a FIFO,
+ * on which every open would block; a device) or that lie in a directory that does not exist, and,
+ * for a fresh run (`fresh`), an existing checkpoint in either slot. */
+static void ckpt_check_paths(const char* path, int fresh) {
+    CkptFiles f;
+    const char* names[4];
+    char dir[CFG_PATH_MAX];
     struct stat st;
-    int32_t header[2];
-    FILE* f;
-    if (stat(path, &st) != 0) die_input("checkpoint %s does not exist (drop --resume to start a fresh run)", path);
-    f = fopen(path, "rb");
-    if (!f) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
-    if (fread(header, 1, sizeof header, f) != sizeof header) {
-        fclose(f);
-        die_input("checkpoint %s is truncated: %lld bytes, shorter than its 8-byte header", path, (long long)st.st_size);
-    }
-    fclose(f);
-    if (header[1] < 0 || (size_t)header[1] != n_params)
-        die_input("checkpoint %s has n_params %d but this config needs %zu (different model shape?); "
-                  "refusing to load or overwrite it", path, header[1], n_params);
-    if ((size_t)st.st_size != ckpt_expected_bytes(n_params))
-        die_input("checkpoint %s is %lld bytes, expected %zu for %zu parameters (truncated or corrupt); "
-                  "refusing to load or overwrite it", path, (long long)st.st_size, ckpt_expected_bytes(n_params), n_params);
-    if (header[0] < 0) die_input("checkpoint %s has a negative step %d", path, header[0]);
-    return header[0];
+    int i;
+    ckpt_files(path, &f);
+    names[0] = f.ckpt; names[1] = f.side; names[2] = f.prev; names[3] = f.prev_side;
+    for (i = 0; i < 4; i++)
+        if (stat(names[i], &st) == 0 && !S_ISREG(st.st_mode))
+            die_input("checkpoint %s is %s, not a regular file", names[i], file_kind(st.st_mode));
+    parent_dir(path, dir, sizeof dir);
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) die_input("checkpoint directory %s does not exist", dir);
+    if (fresh && file_exists(f.ckpt))
+        die_input("checkpoint %s already exists; pass --resume to continue that run, or remove it to start over", path);
+    if (fresh && file_exists(f.prev))
+        die_input("previous checkpoint %s of an earlier run exists; pass --resume to continue that run, or remove "
+                  "it to start over", f.prev);
 }
 
-/* Reads weights, m and v (n floats each) of a checkpoint that ckpt_check accepted. */
-static void ckpt_load(const char* path, size_t n, float* params, float* m, float* v) {
-    FILE* f = fopen(path, "rb");
-    int ok;
-    if (!f) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
-    ok = fseek(f, CKPT_HEADER_BYTES, SEEK_SET) == 0 && fread(params, 4, n, f) == n && fread(m, 4, n, f) == n &&
-         fread(v, 4, n, f) == n;
-    fclose(f);
-    if (!ok) die_input("reading checkpoint %s failed (changed while reading?)", path);
+/* Step in the header of the checkpoint `path`, or -1 when it cannot be read. */
+static int ckpt_header_step(const char* path) {
+    int32_t header[2];
+    int fd = open(path, O_RDONLY | O_NONBLOCK), ok;
+    if (fd < 0) return -1;
+    ok = read(fd, header, sizeof header) == (ssize_t)sizeof header;
+    close(fd);
+    return ok && header[0] >= 0 ? header[0] : -1;
+}
+
+/* One error line for a damaged checkpoint: what is wrong, that nothing was changed, and how to
+ * resume from the previous slot where there is one. */
+static void ckpt_refuse_damaged(const CkptFiles* f, const char* what) {
+    int prev_step = file_exists(f->prev) ? ckpt_header_step(f->prev) : -1;
+    if (prev_step >= 0)
+        die_input("checkpoint %s %s; it is left as it is. The previous checkpoint %s (step %d) is kept: to resume from "
+                  "it, run mv %s %s && mv %s %s, then run again with --resume", f->ckpt, what, f->prev, prev_step,
+                  f->prev, f->ckpt, f->prev_side, f->side);
+    die_input("checkpoint %s %s; it is left as it is (there is no previous checkpoint %s)", f->ckpt, what, f->prev);
 }
 
 /* Tiny JSON lookup for the sidecar: the number after "key": anywhere in text (sidecar keys are
@@ -223,26 +318,113 @@ static int json_find_number(const char* text, const char* key, double* out) {
     return end != p;
 }
 
-/* Reads PATH.json. Returns the loss scale to resume with (0: engine default). A missing, malformed
- * or stale sidecar is a warning, not an error: only the loss scale depends on it. Fingerprint
- * differences (e.g. resuming a bf16 run in fp32) are reported and allowed. */
+/* Reads the sidecar `side` into text (at most cap - 1 bytes, NUL-terminated); 0 when there is none. */
+static int sidecar_load(const char* side, char* text, size_t cap) {
+    size_t len = 0;
+    ssize_t got;
+    struct stat st;
+    int fd;
+    if (!file_exists(side)) return 0;
+    fd = open_regular_or_die(side, "checkpoint sidecar", &st);
+    while (len + 1 < cap && ((got = read(fd, text + len, cap - 1 - len)) > 0 || (got < 0 && errno == EINTR)))
+        if (got > 0) len += (size_t)got;
+    close(fd);
+    text[len] = '\0';
+    return 1;
+}
+
+/* CRC-32C of the whole file, streamed through the static buffer. */
+static uint32_t ckpt_file_crc(const char* path) {
+    uint32_t crc = 0;
+    ssize_t got;
+    struct stat st;
+    int fd = open_regular_or_die(path, "checkpoint", &st);
+    while ((got = read(fd, ckpt_io_buf, sizeof ckpt_io_buf)) != 0) {
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) die_input("reading checkpoint %s failed: %s", path, strerror(errno));
+        crc = crc32c_update(crc, ckpt_io_buf, (size_t)got);
+    }
+    close(fd);
+    return crc;
+}
+
+/* Validates a checkpoint before it is resumed and before any large allocation: header and size
+ * against the config's n_params, the sidecar's step, and the CRC-32C of every byte against the
+ * sidecar's. Returns the step. Dies with one error line on any mismatch; the files are left as
+ * they are. A checkpoint without a checksum (no sidecar, or one written before sidecars held
+ * "crc32c") is loaded with a warning. */
+static int ckpt_check(const char* path, size_t n_params) {
+    CkptFiles f;
+    struct stat st;
+    int32_t header[2];
+    char what[2 * CFG_PATH_MAX], sidecar[CKPT_SIDECAR_MAX];
+    double x;
+    uint32_t crc;
+    int fd, header_ok;
+    ckpt_files(path, &f);
+    if (!file_exists(path)) die_input("checkpoint %s does not exist (drop --resume to start a fresh run)", path);
+    fd = open_regular_or_die(path, "checkpoint", &st);
+    header_ok = read(fd, header, sizeof header) == (ssize_t)sizeof header;
+    close(fd);
+    if (!header_ok) {
+        snprintf(what, sizeof what, "is truncated: %lld bytes, shorter than its 8-byte header", (long long)st.st_size);
+        ckpt_refuse_damaged(&f, what);
+    }
+    if (header[1] < 0 || (size_t)header[1] != n_params)
+        die_input("checkpoint %s has n_params %d but this config needs %zu (different model shape?); "
+                  "refusing to load or overwrite it", path, header[1], n_params);
+    if ((size_t)st.st_size != ckpt_expected_bytes(n_params)) {
+        snprintf(what, sizeof what, "is %lld bytes, expected %zu for %zu parameters (truncated or corrupt)",
+                 (long long)st.st_size, ckpt_expected_bytes(n_params), n_params);
+        ckpt_refuse_damaged(&f, what);
+    }
+    if (!sidecar_load(f.side, sidecar, sizeof sidecar)) {
+        warn("checkpoint sidecar %s is missing: %s is loaded unverified (no checksum) and the loss scale starts "
+             "from its default", f.side, path);
+        if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
+        return header[0];
+    }
+    if (!json_find_number(sidecar, "step", &x) || x != (double)header[0]) {
+        char side_step[32] = "none";
+        if (json_find_number(sidecar, "step", &x)) snprintf(side_step, sizeof side_step, "%.0f", x);
+        snprintf(what, sizeof what, "does not match its sidecar %s (step %d in the checkpoint, %s in the sidecar)",
+                 f.side, header[0], side_step);
+        ckpt_refuse_damaged(&f, what);
+    }
+    if (!json_find_number(sidecar, "crc32c", &x)) {
+        warn("checkpoint sidecar %s holds no checksum (written before checkpoints carried one): %s is loaded "
+             "unverified", f.side, path);
+    } else if ((double)(crc = ckpt_file_crc(path)) != x) {
+        snprintf(what, sizeof what, "fails its integrity check: its bytes have CRC-32C %lu, its sidecar %s records "
+                 "%.0f (damaged on disk or edited)", (unsigned long)crc, f.side, x);
+        ckpt_refuse_damaged(&f, what);
+    }
+    if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
+    return header[0];
+}
+
+/* Reads weights, m and v (n floats each) of a checkpoint that ckpt_check accepted. */
+static void ckpt_load(const char* path, size_t n, float* params, float* m, float* v) {
+    FILE* f = fopen(path, "rb");
+    int ok;
+    if (!f) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
+    ok = fseek(f, CKPT_HEADER_BYTES, SEEK_SET) == 0 && fread(params, 4, n, f) == n && fread(m, 4, n, f) == n &&
+         fread(v, 4, n, f) == n;
+    fclose(f);
+    if (!ok) die_input("reading checkpoint %s failed (changed while reading?)", path);
+}
+
+/* Reads PATH.json of a checkpoint that ckpt_check accepted. Returns the loss scale to resume with
+ * (0: engine default, also when there is no sidecar: ckpt_check warned). Fingerprint differences
+ * (e.g. resuming a bf16 run in fp32) are reported and allowed. */
 static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
-    char side[CFG_PATH_MAX + 8], text[4096];
-    size_t len;
+    char side[CFG_PATH_MAX + 8], text[CKPT_SIDECAR_MAX];
     double x;
     float loss_scale = 0.0f;
     int i;
-    FILE* f;
     struct { const char* key; int value; } fp[10];
     snprintf(side, sizeof side, "%s.json", path);
-    f = fopen(side, "rb");
-    if (!f) {
-        warn("checkpoint sidecar %s is missing; the loss scale starts from its default", side);
-        return 0.0f;
-    }
-    len = fread(text, 1, sizeof text - 1, f);
-    fclose(f);
-    text[len] = '\0';
+    if (!sidecar_load(side, text, sizeof text)) return 0.0f;
     if (!json_find_number(text, "step", &x) || (int)x != ckpt_step) {
         warn("checkpoint sidecar %s does not belong to step %d of %s; ignoring it", side, ckpt_step, path);
         return 0.0f;

@@ -82,7 +82,9 @@ typedef struct {
  * everything, so a flag can't be parsed but missing from --help or the other way round. */
 static int config_flags(Config* c, Flag* f) {
     int n = 0;
-    const double BIG = 2147483647.0, FBIG = 1e30;
+    /* AdamW moves every weight by about lr per step whatever the gradient's size: at lr 1 a weight
+     * initialised at std 0.02 moves 50 times its size each step. Beyond that no run trains. */
+    const double BIG = 2147483647.0, FBIG = 1e30, LR_MAX = 1.0;
 #define FLAG(NAME, TYPE, PTR, CAP, DEF, REQ, CHOICES, MIN, MAX, HELP)                          \
     do {                                                                                         \
         if (n == CFG_N_FLAGS_MAX) die_io("internal: more than CFG_N_FLAGS_MAX flags in config_flags"); \
@@ -106,8 +108,8 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("train.warmup_steps", F_INT, &c->train.warmup_steps, 0, "0", 0, NULL, 0, BIG, "linear LR warmup steps");
     FLAG("train.precision", F_STR, c->train.precision, sizeof c->train.precision, "fp32", 0, "fp32|tf32|bf16|fp16|fp8", 0,
          0, "compute precision: tf32 is fp32 with TF32 tensor-core products (the CPU engine always computes fp32)");
-    FLAG("train.lr", F_FLOAT, &c->train.lr, 0, "6e-4", 0, NULL, 0, FBIG, "peak learning rate");
-    FLAG("train.min_lr", F_FLOAT, &c->train.min_lr, 0, "0", 0, NULL, 0, FBIG, "final learning rate of the decay");
+    FLAG("train.lr", F_FLOAT, &c->train.lr, 0, "6e-4", 0, NULL, 0, LR_MAX, "peak learning rate");
+    FLAG("train.min_lr", F_FLOAT, &c->train.min_lr, 0, "0", 0, NULL, 0, LR_MAX, "final learning rate of the decay");
     FLAG("train.weight_decay", F_FLOAT, &c->train.weight_decay, 0, "0.1", 0, NULL, 0, FBIG, "AdamW decoupled weight decay (2-D tensors only)");
     FLAG("train.grad_clip", F_FLOAT, &c->train.grad_clip, 0, "1.0", 0, NULL, 0, FBIG, "clip global grad L2 norm to this (0: off)");
     FLAG("train.beta1", F_FLOAT, &c->train.beta1, 0, "0.9", 0, NULL, 0, 0.999999, "AdamW beta1");
@@ -131,7 +133,7 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("polish.start_step", F_INT, &c->polish.start_step, 0, NULL, REQ_IN_SECTION, NULL, 0, BIG,
          "step index from which polish data and constant polish LR apply");
     FLAG("polish.train", F_GLOB, c->polish.train, sizeof c->polish.train, "", REQ_IN_SECTION, NULL, 0, 0, "glob of polish train shards");
-    FLAG("polish.lr", F_FLOAT, &c->polish.lr, 0, NULL, REQ_IN_SECTION, NULL, 0, FBIG, "constant learning rate of the polish phase");
+    FLAG("polish.lr", F_FLOAT, &c->polish.lr, 0, NULL, REQ_IN_SECTION, NULL, 0, LR_MAX, "constant learning rate of the polish phase");
     FLAG("resume", F_BOOL, &c->resume, 0, "0", 0, NULL, 0, 0, "continue from --checkpoint (must exist)");
     FLAG("dump-grads", F_PATH, c->dump_grads, sizeof c->dump_grads, "", 0, NULL, 0, 0,
          "debug: write [f32 loss][f32 grads] of step 0, micro-batch 0, to PATH and exit");

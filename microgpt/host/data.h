@@ -1,11 +1,12 @@
 /* data.h: llm.c token shards (SPEC §7) and the deterministic choice of training / validation
- * windows (docs/DESIGN.md "Steps, batches, randomness").
+ * windows (docs/DESIGN.md §13).
  * Shards are memory-mapped read-only: validating them (header, size, every token id) happens before
  * any large allocation and costs no memory beyond the page cache.
  * Compiles as C99 and as C++ (nvcc). */
 #ifndef MICROGPT_HOST_DATA_H
 #define MICROGPT_HOST_DATA_H
 
+#include "files.h"
 #include "output.h"
 #include "rng.h"
 #include <fcntl.h>
@@ -36,9 +37,7 @@ static void shard_map(Dataset* ds, int i, const char* path, int vocab_size) {
     struct stat st;
     const int32_t* header;
     size_t k, n;
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) die_input("cannot open shard %s", path);
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) die_input("shard %s is not a regular file", path);
+    int fd = open_regular_or_die(path, "shard", &st);
     if ((size_t)st.st_size < SHARD_HEADER_BYTES)
         die_input("shard %s: %lld bytes is shorter than the %d-byte header", path, (long long)st.st_size, SHARD_HEADER_BYTES);
     ds->maps[i] = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);

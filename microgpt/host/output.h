@@ -17,6 +17,7 @@
 
 #define EXIT_BAD_INPUT 2 /* unknown/malformed flag, bad shard, bad checkpoint, ... */
 #define EXIT_FAILURE_IO 1 /* the machine failed us (disk full, out of memory) */
+#define EXIT_DIVERGED 3 /* the loss, gradient norm or state went non-finite; nothing of it was saved */
 
 /* One "error: ..." line on stderr, then exit. Used for every fatal condition. */
 static void die_code(int code, const char* fmt, ...) {

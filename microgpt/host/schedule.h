@@ -1,4 +1,4 @@
-/* schedule.h: the learning rate at step index s (docs/DESIGN.md). Computed in double from the
+/* schedule.h: the learning rate at step index s (docs/DESIGN.md §13). Computed in double from the
  * config alone, so a resumed run gets exactly the same rates.
  * Compiles as C99 and as C++ (nvcc). */
 #ifndef MICROGPT_HOST_SCHEDULE_H

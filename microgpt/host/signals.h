@@ -1,5 +1,10 @@
 /* signals.h: signals only set flags; the training loop acts on them between steps (SPEC §3).
- * SIGTERM / SIGINT: finish the current step, checkpoint, exit 0. SIGUSR1: checkpoint, keep going.
+ * SIGTERM / SIGINT: finish the current step, checkpoint, exit 0 (before the first step: exit 0,
+ * nothing to save). SIGUSR1: checkpoint, keep going.
+ * The handlers are the first thing main installs. A signal sent in the moments before that (between
+ * fork and main) would kill the engine with the default action; a launcher closes that window by
+ * spawning the engine with these signals blocked: the blocked signal waits, pending, until
+ * signals_install has put the handlers in place and unblocks it.
  * Compiles as C99 and as C++ (nvcc). */
 #ifndef MICROGPT_HOST_SIGNALS_H
 #define MICROGPT_HOST_SIGNALS_H
@@ -18,6 +23,7 @@ static void on_usr1_signal(int sig) { (void)sig; g_ckpt_requested = 1; }
 
 static void signals_install(void) {
     struct sigaction sa;
+    sigset_t handled;
     memset(&sa, 0, sizeof sa);
     sigemptyset(&sa.sa_mask);
     sa.sa_flags = SA_RESTART; /* a signal must not make a read or write fail with EINTR */
@@ -26,6 +32,11 @@ static void signals_install(void) {
     sigaction(SIGINT, &sa, NULL);
     sa.sa_handler = on_usr1_signal;
     sigaction(SIGUSR1, &sa, NULL);
+    sigemptyset(&handled);
+    sigaddset(&handled, SIGTERM);
+    sigaddset(&handled, SIGINT);
+    sigaddset(&handled, SIGUSR1);
+    sigprocmask(SIG_UNBLOCK, &handled, NULL); /* a pending one is handled now, by the handler */
     /* Exceeding a file-size limit must be a write error we report (and survive with the old
      * checkpoint intact), not a silent kill. */
     signal(SIGXFSZ, SIG_IGN);

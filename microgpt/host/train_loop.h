@@ -23,6 +23,7 @@ typedef struct {
     ParamLayout layout;
     Dataset train, val, polish;
     int start_step;                  /* completed steps at start (checkpoint step on resume) */
+    int saved_step;                  /* step of the newest checkpoint on disk, -1: none */
     float *params, *m, *v;           /* host copies for checkpoints [n_params] each */
     float loss_scale;
     int *inputs, *targets;           /* one micro-batch [B*T] */
@@ -37,11 +38,6 @@ static double now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-static int file_exists(const char* path) {
-    struct stat st;
-    return stat(path, &st) == 0;
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -117,9 +113,42 @@ static double run_eval(Run* r) {
     return sum / c->eval.batches;
 }
 
+/* Ends a run whose training went non-finite after `done` steps: an exit event, one error line,
+ * exit code EXIT_DIVERGED. Nothing of the non-finite state is written: the newest checkpoint on
+ * disk (and the one before it, PATH.prev) stays the last good state. */
+static void stop_diverged(const Run* r, int done, const char* what) {
+    char kept[CFG_PATH_MAX + 64];
+    if (r->saved_step >= 0)
+        snprintf(kept, sizeof kept, "checkpoint %s (step %d) is kept", r->cfg.checkpoint.path, r->saved_step);
+    else
+        snprintf(kept, sizeof kept, "no checkpoint was written");
+    emit_exit(done, "diverged");
+    die_code(EXIT_DIVERGED, "training diverged at step %d: %s; stopped without saving this state, the last good %s "
+             "(a lower train.lr, or train.grad_clip, may help)", done, what, kept);
+}
+
+/* Index of the first non-finite value of x[0 .. n), or n. */
+static size_t first_non_finite(const float* x, size_t n) {
+    size_t i = 0;
+    while (i < n && isfinite(x[i])) i++;
+    return i;
+}
+
 static void save_checkpoint(Run* r, int done, const char* reason) {
+    const float* parts[3];
+    const char* names[3] = {"weight", "AdamW m", "AdamW v"};
+    size_t n = r->layout.n_params, bad;
+    char what[96];
+    int k;
     engine_get_state(r->params, r->m, r->v, &r->loss_scale);
-    ckpt_write(r->cfg.checkpoint.path, done, r->params, r->m, r->v, r->layout.n_params, r->loss_scale, &r->cfg);
+    parts[0] = r->params; parts[1] = r->m; parts[2] = r->v;
+    for (k = 0; k < 3; k++)
+        if ((bad = first_non_finite(parts[k], n)) < n) {
+            snprintf(what, sizeof what, "%s %zu of %zu is not finite", names[k], bad, n);
+            stop_diverged(r, done, what);
+        }
+    ckpt_write(r->cfg.checkpoint.path, done, r->params, r->m, r->v, n, r->loss_scale, &r->cfg);
+    r->saved_step = done;
     emit_checkpoint(done, r->cfg.checkpoint.path, reason);
 }
 
@@ -146,12 +175,9 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     if (c->data.val[0]) dataset_open(&r->val, c->data.val, "data.val", V, T);
     if (c->polish.enabled) dataset_open(&r->polish, c->polish.train, "polish.train", V, T);
     r->start_step = 0;
-    if (c->resume) {
-        r->start_step = ckpt_check(c->checkpoint.path, r->layout.n_params);
-    } else if (c->checkpoint.path[0] && file_exists(c->checkpoint.path) && !c->dump_grads[0]) {
-        die_input("checkpoint %s already exists; pass --resume to continue that run, or remove it to start over",
-                  c->checkpoint.path);
-    }
+    r->saved_step = -1;
+    if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0]);
+    if (c->resume) r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params);
 }
 
 static void run_allocate(Run* r) {
@@ -235,11 +261,12 @@ static double run_step(Run* r, int s, UpdateResult* res, double lr) {
     return loss / c->train.grad_accum;
 }
 
-/* Which checkpoint (if any) is due after `done` completed steps, by priority. */
-static const char* checkpoint_reason(const Run* r, int done, int usr1) {
+/* Which checkpoint (if any) is due after `done` completed steps, by priority. `stop`: a stopping
+ * signal's number, or 0. */
+static const char* checkpoint_reason(const Run* r, int done, int usr1, int stop) {
     const Config* c = &r->cfg;
     if (done == c->train.steps) return "final";
-    if (g_stop_signal) return "signal";
+    if (stop) return "signal";
     if (usr1) return "usr1";
     if (c->checkpoint.every > 0 && done % c->checkpoint.every == 0) return "periodic";
     return NULL;
@@ -265,33 +292,48 @@ static void run_start(Run* r) {
              engine_compute_precision(c), c->train.precision);
 }
 
-/* Step index s, its record, and what is due after it (eval, samples, checkpoint). */
-static void run_one_step(Run* r, int s) {
+/* Step index s, its record, and what is due after it (eval, samples, checkpoint). Returns the
+ * number of a stopping signal that asked the run to end after this step (its checkpoint written),
+ * else 0. */
+static int run_one_step(Run* r, int s) {
     const Config* c = &r->cfg;
     long long tokens_per_step = config_tokens_per_step(c);
-    int done = s + 1, usr1;
+    int done = s + 1, usr1, stop;
     double lr = lr_at(c, s), t0, ms, loss;
     UpdateResult res;
     const char* reason;
-    if (c->polish.enabled && s == c->polish.start_step) emit_polish(s);
+    if (c->polish.enabled && s == c->polish.start_step) {
+        emit_polish(s);
+        /* the state at the switch, before the first polish step: what the polish archive keeps */
+        if (c->checkpoint.path[0]) save_checkpoint(r, s, "polish");
+    }
     t0 = now_ms();
     loss = run_step(r, s, &res, lr);
     ms = now_ms() - t0;
     emit_step(done, loss, lr, res.grad_norm, ms, (double)tokens_per_step / (ms > 0 ? ms * 1e-3 : 1e-9),
               (long long)done * tokens_per_step, in_polish(c, s) ? "polish" : "pretrain", res.skipped, res.loss_scale,
               config_is_fp16(c));
+    /* an fp16 overflow is a skipped step (the loss scale handles it), not a divergence */
+    if (!isfinite(loss) || (!res.skipped && !isfinite(res.grad_norm))) {
+        char what[96];
+        snprintf(what, sizeof what, "loss %g, gradient norm %g", loss, (double)res.grad_norm);
+        stop_diverged(r, done, what);
+    }
     if (s == r->start_step || done == c->train.steps) { /* the query only where it is reported */
         size_t in_use = engine_device_bytes_in_use();
         if (in_use > 0) emit_device_memory(done, in_use);
     }
     if (c->eval.every > 0 && (done % c->eval.every == 0 || done == c->train.steps)) emit_val(done, run_eval(r));
     if (c->sample.every > 0 && done % c->sample.every == 0) run_samples(r, done);
-    /* consume the SIGUSR1 flag before acting on it: one arriving from here on is seen next step */
+    /* read the flags once, and consume SIGUSR1's, before acting on them: a signal arriving from here
+     * on is seen after the next step, never half-handled (a stop without its checkpoint) */
     usr1 = g_ckpt_requested;
     g_ckpt_requested = 0;
-    reason = checkpoint_reason(r, done, usr1);
+    stop = g_stop_signal;
+    reason = checkpoint_reason(r, done, usr1, stop);
     if (reason && c->checkpoint.path[0]) save_checkpoint(r, done, reason);
-    else if (g_stop_signal || usr1) warn("no --checkpoint given: nothing saved");
+    else if (stop || usr1) warn("no --checkpoint given: nothing saved");
+    return stop;
 }
 
 static void run_finish(Run* r, int step, const char* reason) {
@@ -300,10 +342,21 @@ static void run_finish(Run* r, int step, const char* reason) {
     run_free(r);
 }
 
+/* A stopping signal that came before the first step (during start-up, or pending from a launcher
+ * that spawned the engine with it blocked, see signals.h): nothing was trained, so nothing is saved
+ * (a resumed run's checkpoint already holds this state); exit 0 like any stop by signal. */
+static int stop_before_first_step(Run* r, int engine_started) {
+    info("stopped by signal %d before the first step: nothing to save", (int)g_stop_signal);
+    emit_exit(r->start_step, "signal");
+    if (engine_started) engine_shutdown();
+    run_free(r);
+    return 0;
+}
+
 static int train_main(int argc, char** argv) {
     static Run run; /* static: big enough (Config holds paths) that it shouldn't live on the stack */
     Run* r = &run;
-    int s;
+    int s, stop;
 
     signals_install();
     run_validate_inputs(r, argc, argv);
@@ -315,6 +368,10 @@ static int train_main(int argc, char** argv) {
         run_free(r);
         return 0;
     }
+    if (g_stop_signal) { /* before the slow part of start-up (device set-up) */
+        emit_start(r);
+        return stop_before_first_step(r, 0);
+    }
     run_start(r);
     if (r->cfg.dump_grads[0]) {
         run_dump_grads(r);
@@ -322,13 +379,12 @@ static int train_main(int argc, char** argv) {
         run_free(r);
         return 0;
     }
-    for (s = r->start_step; s < r->cfg.train.steps; s++) {
-        run_one_step(r, s);
-        if (g_stop_signal && s + 1 < r->cfg.train.steps) {
-            info("stopped by signal %d after step %d", (int)g_stop_signal, s + 1);
-            run_finish(r, s + 1, "signal");
-            return 0;
-        }
+    if (g_stop_signal) return stop_before_first_step(r, 1);
+    for (s = r->start_step, stop = 0; s < r->cfg.train.steps && !stop; s++) stop = run_one_step(r, s);
+    if (s < r->cfg.train.steps) {
+        info("stopped by signal %d after step %d", stop, s);
+        run_finish(r, s, "signal");
+        return 0;
     }
     run_finish(r, r->cfg.train.steps, "finished");
     return 0;

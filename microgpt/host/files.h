@@ -1,0 +1,35 @@
+/* files.h: opening input files (shards, checkpoints) so that nothing can hang the engine: a FIFO
+ * or device given as a data or checkpoint path is refused with one error line instead of blocking
+ * open() or read(), deaf to SIGTERM, until some writer appears.
+ * Compiles as C99 and as C++ (nvcc). */
+#ifndef MICROGPT_HOST_FILES_H
+#define MICROGPT_HOST_FILES_H
+
+#include "output.h"
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static int file_exists(const char* path) {
+    struct stat st;
+    return stat(path, &st) == 0;
+}
+
+/* What a file that is not a regular file is, for error messages. */
+static const char* file_kind(mode_t mode) {
+    return S_ISDIR(mode) ? "a directory" : S_ISFIFO(mode) ? "a FIFO" : S_ISSOCK(mode) ? "a socket" : "a device";
+}
+
+/* Opens an existing file for reading without ever blocking: O_NONBLOCK makes opening a FIFO return
+ * at once (a plain open would wait, deaf to SIGTERM, for a writer), and anything but a regular
+ * file is refused with one error line naming `what`. Returns the descriptor; *st is its stat. */
+static int open_regular_or_die(const char* path, const char* what, struct stat* st) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK);
+    if (fd < 0) die_input("cannot open %s %s: %s", what, path, strerror(errno));
+    if (fstat(fd, st) != 0) die_input("cannot read %s %s: %s", what, path, strerror(errno));
+    if (!S_ISREG(st->st_mode)) die_input("%s %s is %s, not a regular file", what, path, file_kind(st->st_mode));
+    return fd;
+}
+
+#endif
