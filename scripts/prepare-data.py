@@ -127,7 +127,7 @@ def main():
         return 1
     corpus, missing = ([], []) if args.no_corpus else fetch_corpus()
     if script("prep-megachat.py", "--text", SHAKESPEARE, "--out-dir", shakespeare_dir,
-              "--name", "shakespeare", "--val-permille", "100") != 0:
+              "--name", "shakespeare", "--val-permille", "200") != 0:
         return 1
 
     hermes_ok = args.source != "chitchat" and script(
