@@ -69,7 +69,7 @@ def pipeline_texts(sources, chunk_chars):
     for src in sources:
         for payload, _, _ in src.units(chunk_chars):
             if src.kind == "chat":
-                turns, _ = tokenizer.parse_conversation(json.loads(payload))
+                turns = tokenizer.parse_conversation(json.loads(payload))
                 # tokenizer.encode_conversation: one call per turn, and "\n" once
                 texts += [f"{role}\n{content}" for role, content in turns] + ["\n"]
             else:

@@ -139,12 +139,12 @@ def encode_conversation(turns):
     return ids
 
 
-def parse_conversation(record):
+def parse_conversation(record, cuts=None):
     """A ShareGPT record ({"conversations": [{"from", "value"}]}) or an OpenAI record
-    ({"messages": [{"role", "content"}]}) -> ([(chatml_role, content), ...], cut), where `cut` is None,
-    or the reason why a bad turn (unknown role, content that is not a string or holds a lone UTF-16
-    surrogate) ended the conversation: the turns before it are kept. Raises ValueError with a short
-    reason (used as a counter key) if nothing usable is left."""
+    ({"messages": [{"role", "content"}]}) -> [(chatml_role, content), ...]. A bad turn (unknown role,
+    content that is not a string or holds a lone UTF-16 surrogate) ends the conversation there: the
+    turns before it are kept, and its reason is counted in the dict `cuts` when one is given. Raises
+    ValueError with a short reason (used as a counter key) if nothing usable is left."""
     if not isinstance(record, dict):
         raise ValueError("record is not an object")
     if isinstance(record.get("conversations"), list):
@@ -162,7 +162,9 @@ def parse_conversation(record):
     roles = {role for role, _ in out}
     if "user" not in roles or "assistant" not in roles:
         raise ValueError(cut or "no user/assistant exchange")
-    return out, cut
+    if cut and cuts is not None:
+        cuts[cut] = cuts.get(cut, 0) + 1
+    return out
 
 
 def turn_problem(turn, role_key, text_key):

@@ -190,10 +190,11 @@ def assign(text, val_permille, weight):
 
 def chat_doc(payload):
     """-> (skip_reason, cut_reason, text, token ids) of one JSON line."""
+    cuts = {}
     if payload is None:
         return f"record over {MAX_RECORD_BYTES >> 20} MB", None, None, None
     try:
-        turns, cut = tokenizer.parse_conversation(json.loads(payload))
+        turns = tokenizer.parse_conversation(json.loads(payload), cuts)
     except UnicodeDecodeError:
         return "invalid UTF-8", None, None, None
     except json.JSONDecodeError:
@@ -202,7 +203,7 @@ def chat_doc(payload):
         return "JSON nested too deeply", None, None, None
     except ValueError as e:
         return str(e), None, None, None
-    return None, cut, tokenizer.render_chatml(turns), tokenizer.encode_conversation(turns)
+    return None, next(iter(cuts), None), tokenizer.render_chatml(turns), tokenizer.encode_conversation(turns)
 
 
 def process_batch(task, val_permille):

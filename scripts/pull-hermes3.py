@@ -176,9 +176,9 @@ def pull(records, out_path, progress, progress_path, max_records):
                 try:
                     if isinstance(record, Exception):
                         raise record
-                    turns, cut = parse_conversation(record)
-                    if cut:
-                        malformed[f"cut: {cut}"] += 1
+                    cuts = {}
+                    turns = parse_conversation(record, cuts)
+                    malformed.update(f"cut: {reason}" for reason in cuts)
                     line = json.dumps(to_sharegpt(turns), ensure_ascii=False)
                     out.write(line.encode("utf-8") + b"\n")
                     progress["written"] += 1

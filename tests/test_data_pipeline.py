@@ -101,7 +101,7 @@ def megachat(pulled, tmp_path_factory):
 
 
 def rendered(records):
-    return [tok.render_chatml(tok.parse_conversation(r)[0]) + EOT_TEXT for r in records]
+    return [tok.render_chatml(tok.parse_conversation(r)) + EOT_TEXT for r in records]
 
 
 # ---------------------------------------------------------------- pull-hermes3
@@ -215,7 +215,7 @@ def test_round_trip_shards_decode_to_the_rendered_conversations(chitchat, megach
     assert expected[0].startswith("<|im_start|>user\n") and "<|im_start|>assistant\n" in expected[0]
     # Tokens, not only text: every conversation is exactly encode_conversation of its turns.
     all_tokens = np.concatenate([shard_tokens(out, "megachat", s) for s in ("train", "val")])
-    expected_tokens = sum(len(tok.encode_conversation(tok.parse_conversation(r)[0])) for r in chitchat["records"])
+    expected_tokens = sum(len(tok.encode_conversation(tok.parse_conversation(r))) for r in chitchat["records"])
     assert len(all_tokens) == expected_tokens
     assert f"{len(train):>10} {len(val):>8}" in res.stdout  # the summary reports the counts
 
@@ -668,3 +668,15 @@ def test_encode_array_is_encode(assets):
         ids = tok.encode_array(text)
         assert ids.dtype == np.uint16 and ids.tolist() == tok.encode(text)
     assert tok.EOT not in tok.encode_array(texts[1]).tolist()
+
+
+def test_parse_conversation_keeps_the_turns_before_a_bad_one():
+    cuts = {}
+    record = {"conversations": [{"from": "Human", "value": "q"}, {"from": "ChatGPT", "value": "a"},
+                                {"from": "human", "value": 7}, {"from": "gpt", "value": "lost"}]}
+    assert tok.parse_conversation(record, cuts) == [("user", "q"), ("assistant", "a")]
+    assert cuts == {"content is not a string": 1}
+    assert tok.parse_conversation(record) == [("user", "q"), ("assistant", "a")]  # counting is optional
+    with pytest.raises(ValueError, match="lone UTF-16 surrogate"):  # nothing usable before it
+        tok.parse_conversation(json.loads('{"messages": [{"role": "user", "content": "\\ud83d"}]}'), cuts)
+    assert cuts == {"content is not a string": 1}  # a skipped record is the caller's to count

@@ -86,7 +86,7 @@ def test_decode_drops_ids_outside_vocab(assets):
      [("user", "u"), ("assistant", "a")]),
 ])
 def test_parse_conversation_formats(record, turns):
-    assert tok.parse_conversation(record) == (turns, None)  # (turns, reason a bad turn cut it)
+    assert tok.parse_conversation(record) == turns
 
 
 @pytest.mark.parametrize("record, reason", [
