@@ -51,6 +51,7 @@
 #include "cuda/attention.cuh"
 #include "cuda/common.cuh"
 #include "cuda/decode.cuh"
+#include "cuda/dist.cuh"
 #include "cuda/embed.cuh"
 #include "cuda/layernorm.cuh"
 #include "cuda/loss.cuh"
@@ -641,14 +642,16 @@ static size_t engine_setup(const Config* cfg) {
     }
     {
         cudaDeviceProp p;
-        CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-        info("device 0: %s, compute capability %d.%d, %.1f GiB", p.name, p.major, p.minor, p.totalGlobalMem / 1073741824.0);
+        if (dist_device() >= n_dev) die_input("LOCAL_RANK %d: only %d CUDA devices are visible", dist_device(), n_dev);
+        CUDA_CHECK(cudaGetDeviceProperties(&p, dist_device()));
+        info("device %d: %s, compute capability %d.%d, %.1f GiB", dist_device(), p.name, p.major, p.minor, p.totalGlobalMem / 1073741824.0);
         if (E.prec == PREC_BF16 && p.major < 8) die_input("train.precision bf16 needs compute capability 8.0 or newer");
     }
-    CUDA_CHECK(cudaSetDevice(0));
+    CUDA_CHECK(cudaSetDevice(dist_device())); /* LOCAL_RANK's GPU (docs/DESIGN.md §17) */
     CUDA_CHECK(cudaFree(0)); /* create the context now, so the free-memory figure below accounts for it */
     CUDA_CHECK(cudaStreamCreate(&g_stream));
     CUBLAS_CHECK(cublasCreate(&g_cublas));
+    dist_cuda_init();
     E.use_graphs = !sync_launches() && !(getenv("ANDREA_NO_GRAPH") && getenv("ANDREA_NO_GRAPH")[0] == '1');
 
     plan_buffers(used); /* sizes only */
@@ -729,8 +732,9 @@ static void engine_decode(int n, const int* slots, const int* tokens, const int*
 
 static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     UpdateResult r;
-    double unscale = 1.0 / cfg->train.grad_accum;
+    double unscale = 1.0 / ((double)cfg->train.grad_accum * g_dist.world);
     int is_fp16 = E.prec == PREC_FP16;
+    dist_all_reduce_grads(E.grads, E.P); /* every rank's gradients (§17) */
     if (is_fp16) unscale /= E.loss_scale;
     E.io_host->uctl = update_ctl(lr, t, cfg->train.beta1, cfg->train.beta2, unscale, cfg->train.grad_clip, is_fp16);
     run_graph(&E.update_graph, FOR_ACT_TYPE(record_update));
@@ -780,6 +784,7 @@ static void engine_shutdown(void) {
     if (g_stream) CUDA_CHECK(cudaStreamDestroy(g_stream));
     g_stream = 0;
     param_layout_free(&E.layout);
+    dist_cuda_shutdown();
     memset(&E, 0, sizeof E);
 }
 

@@ -260,7 +260,7 @@ static void dist_gather(const void* mine, size_t bytes, void* all) {
 }
 
 /* Each rank's part (dist_part(n, unit)) of buf, elements of `elem` bytes, into rank 0's buf. */
-static void dist_gather_parts(void* buf, size_t elem, size_t n, size_t unit) {
+static inline void dist_gather_parts(void* buf, size_t elem, size_t n, size_t unit) {
     int r;
     if (g_dist.world == 1) return;
     for (r = g_dist.rank == 0 ? 1 : g_dist.rank; r < g_dist.world; r++) {
@@ -272,14 +272,14 @@ static void dist_gather_parts(void* buf, size_t elem, size_t n, size_t unit) {
 }
 
 /* Every rank's part of buf to every rank: afterwards all hold the whole buf. */
-static void dist_all_gather_parts(void* buf, size_t elem, size_t n, size_t unit) {
+static inline void dist_all_gather_parts(void* buf, size_t elem, size_t n, size_t unit) {
     dist_gather_parts(buf, elem, n, unit);
     dist_broadcast(buf, n * elem);
 }
 
 /* Sum of every rank's buf[0, n), added by rank 0 in rank order ((g0 + g1) + g2 ...); each rank
  * gets its part (dist_part(n, unit)) of the sum in place. Rank 0's buf holds the whole sum. */
-static void dist_reduce_scatter_sum(float* buf, size_t n, size_t unit) {
+static inline void dist_reduce_scatter_sum(float* buf, size_t n, size_t unit) {
     int r;
     size_t i;
     if (g_dist.world == 1) return;
