@@ -87,7 +87,7 @@ static void dist_wait(int fd, short events, int peer) {
         if (rc < 0 && errno == EINTR) continue; /* a signal: its flag is read between steps */
         if (rc < 0) dist_lost(peer, strerror(errno));
         if (rc > 0) {
-            if (p.revents & (POLLERR | POLLNVAL)) dist_lost(peer, "its connection failed");
+            if (p.revents & (POLLERR | POLLNVAL)) dist_lost(peer, "it exited or its connection broke");
             return; /* readable, writable, or hung up (then recv reads 0: "it exited") */
         }
     }
