@@ -1,10 +1,11 @@
 /* dist.cuh: the CUDA engine's data parallelism (docs/DESIGN.md §17) over NCCL. host/dist.h connects
- * the ranks and carries the NCCL id; the gradients travel through NCCL. First version: after the
- * backward, one ncclAllReduce (sum) of the fp32 gradients, then every rank runs the same update
- * (the AdamW state is replicated, not yet sharded; not yet overlapped with the backward).
+ * the ranks and carries the NCCL id and scalars; the gradients and weights travel through NCCL.
+ * ZeRO-1, first version: after the backward (not yet overlapped with it), one ncclReduceScatter of
+ * the fp32 gradients, AdamW on this rank's part, one ncclAllGather of the fp32 weights
+ * (microgpt_cuda.cu: update_sharded). Parts are dist_part(P, DIST_CUDA_UNIT): whole words of the
+ * weight-decay mask, equal strides, the buffers padded to world × stride.
  * Reproducible sums: NCCL_ALGO=Ring and NCCL_PROTO=Simple unless the environment says otherwise
- * (one ring order, run to run, on the same ranks and GPUs), and a ring all-reduce hands every rank
- * the same bytes, so the replicated weights never drift apart. NVLink multicast stays off
+ * (one ring order, run to run, on the same ranks and GPUs). NVLink multicast stays off
  * (NCCL_NVLS_ENABLE=0). Every wait polls ncclCommGetAsyncError and aborts after
  * ANDREA_DIST_TIMEOUT_S, so a dead rank ends the run instead of hanging it.
  * Built without NCCL (no nccl.h at build time), WORLD_SIZE > 1 is refused with one error line. */
@@ -13,6 +14,8 @@
 
 #include "../host/dist.h"
 #include "common.cuh"
+
+#define DIST_CUDA_UNIT 32 /* floats: one word of the AdamW decay mask, 128 bytes (packed kernels) */
 
 #ifdef ANDREA_NCCL
 #include <nccl.h>
@@ -78,13 +81,22 @@ static void dist_cuda_init(void) {
          dist_device(), getenv("NCCL_ALGO"), getenv("NCCL_PROTO"), getenv("NCCL_NVLS_ENABLE"));
 }
 
-/* The ranks' gradient sums, in place, on every rank (outside any graph capture). */
-static void dist_all_reduce_grads(float* grads, size_t n) {
-    ncclResult_t r;
-    if (g_dist.world == 1) return;
-    r = ncclAllReduce(grads, grads, n, ncclFloat32, ncclSum, g_nccl, g_stream);
-    if (r != ncclSuccess && r != ncclInProgress) nccl_fail("ncclAllReduce", r);
-    nccl_wait(stream_idle, "gradient all-reduce");
+static void nccl_check_enqueued(const char* what, ncclResult_t r) {
+    if (r != ncclSuccess && r != ncclInProgress) nccl_fail(what, r);
+}
+
+/* The ranks' gradient sums; this rank's part [rank·stride, +stride) of grads, in place. */
+static void dist_reduce_scatter_grads(float* grads, size_t stride) {
+    nccl_check_enqueued("ncclReduceScatter", ncclReduceScatter(grads, grads + (size_t)g_dist.rank * stride, stride,
+                                                               ncclFloat32, ncclSum, g_nccl, g_stream));
+    nccl_wait(stream_idle, "gradient reduce-scatter");
+}
+
+/* Every rank's part of params to every rank, in place. */
+static void dist_all_gather_params(float* params, size_t stride) {
+    nccl_check_enqueued("ncclAllGather", ncclAllGather(params + (size_t)g_dist.rank * stride, params, stride,
+                                                       ncclFloat32, g_nccl, g_stream));
+    nccl_wait(stream_idle, "weight all-gather");
 }
 
 static void dist_cuda_shutdown(void) {
@@ -102,7 +114,9 @@ static void dist_cuda_init(void) {
                   "install NCCL and rebuild, or train on one GPU", g_dist.world);
 }
 
-static void dist_all_reduce_grads(float* grads, size_t n) { (void)grads; (void)n; }
+/* only ever called with WORLD_SIZE > 1, which dist_cuda_init refused */
+static void dist_reduce_scatter_grads(float* grads, size_t stride) { (void)grads; (void)stride; }
+static void dist_all_gather_params(float* params, size_t stride) { (void)params; (void)stride; }
 static void dist_cuda_shutdown(void) {}
 
 #endif

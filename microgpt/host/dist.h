@@ -38,16 +38,22 @@ typedef struct {
 
 static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, NULL, NULL, 0};
 
-/* A part of [0, n) for each rank: the n_units = ceil(n / unit) units are split as evenly as
- * possible, rank r taking units [r·n_units/world, (r+1)·n_units/world); the floats of a unit are
- * never split (the CPU engine's unit is its gradient-norm chunk). */
+/* A part of [0, n) for each rank: rank r takes [r·stride, (r+1)·stride) clipped to n, where the
+ * stride is a whole number of units (dist_stride), the same for every rank as NCCL's reduce-scatter
+ * and all-gather need (the last parts may be short or empty). A unit is never split: the CPU
+ * engine's is its gradient-norm chunk, the CUDA engine's a word of the weight-decay mask. */
 typedef struct { size_t lo, hi; } DistPart;
 
-static DistPart dist_part(size_t n, size_t unit, int rank, int world) {
+static size_t dist_stride(size_t n, size_t unit, int world) {
     size_t units = (n + unit - 1) / unit;
+    return (units + (size_t)world - 1) / (size_t)world * unit;
+}
+
+static DistPart dist_part(size_t n, size_t unit, int rank, int world) {
+    size_t stride = dist_stride(n, unit, world);
     DistPart p;
-    p.lo = units * (size_t)rank / (size_t)world * unit;
-    p.hi = units * (size_t)(rank + 1) / (size_t)world * unit;
+    p.lo = stride * (size_t)rank;
+    p.hi = p.lo + stride;
     if (p.lo > n) p.lo = n;
     if (p.hi > n) p.hi = n;
     return p;
