@@ -6,8 +6,8 @@
  * weight-decay mask, equal strides, the buffers padded to world × stride.
  * Reproducible sums: NCCL_ALGO=Ring and NCCL_PROTO=Simple unless the environment says otherwise
  * (one ring order, run to run, on the same ranks and GPUs). NVLink multicast stays off
- * (NCCL_NVLS_ENABLE=0). Every wait polls ncclCommGetAsyncError and aborts after
- * ANDREA_DIST_TIMEOUT_S, so a dead rank ends the run instead of hanging it.
+ * (NCCL_NVLS_ENABLE=0). Every wait polls ncclCommGetAsyncError and the ranks' sockets (a rank that
+ * exited) and aborts after ANDREA_DIST_TIMEOUT_S, so a dead rank ends the run instead of hanging it.
  * Built without NCCL (no nccl.h at build time), WORLD_SIZE > 1 is refused with one error line. */
 #ifndef MICROGPT_CUDA_DIST_CUH
 #define MICROGPT_CUDA_DIST_CUH
@@ -34,9 +34,15 @@ static void nccl_wait(int (*done)(void), const char* what) {
     double deadline = dist_now_s() + g_dist.timeout_s;
     for (;;) {
         ncclResult_t async = ncclSuccess;
+        int gone;
         if (done()) return;
         ncclCommGetAsyncError(g_nccl, &async);
         if (async != ncclSuccess && async != ncclInProgress) nccl_fail(what, async);
+        if ((gone = dist_peer_gone()) >= 0) { /* NCCL would wait for it until the timeout */
+            ncclCommAbort(g_nccl);
+            g_nccl = NULL;
+            dist_lost(gone, "it exited");
+        }
         if (dist_now_s() > deadline) {
             ncclCommAbort(g_nccl);
             g_nccl = NULL;

@@ -221,6 +221,20 @@ static void dist_init(void) {
     else dist_connect(dist_master_address());
 }
 
+/* A peer whose connection has closed (it exited), or -1. For waits that are not on a socket (the
+ * CUDA engine's NCCL calls): a peeked byte is a message already on its way, not a death. */
+static inline int dist_peer_gone(void) {
+    int r;
+    if (g_dist.world == 1) return -1;
+    for (r = 0; r < g_dist.world; r++) {
+        char byte;
+        int fd = g_dist.fds[r];
+        if (fd < 0) continue;
+        if (recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0) return g_dist.rank == 0 ? r : 0;
+    }
+    return -1;
+}
+
 static void dist_shutdown(void) {
     int r;
     if (g_dist.world == 1) return;
