@@ -301,3 +301,18 @@ def test_a_killed_gpu_rank_ends_the_run(two_gpus, shards, tmp_path):
     ranks.procs[1].kill()
     rcs, _, errs = ranks.finish(timeout=120)
     assert rcs[0] != 0 and "error: rank 0:" in errs[0]
+
+
+def test_rank_environments_of_the_proxy(monkeypatch):
+    from microgpt.supervisor import rank_environments
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    assert rank_environments(1, "build/microgpt_cuda") == [None]  # one rank: the environment as it is
+    envs = rank_environments(4, "build/microgpt_cuda")
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [(str(r), str(r), "4") for r in range(4)]
+    assert len({e["MASTER_PORT"] for e in envs}) == 1 and envs[0]["MASTER_ADDR"] == "127.0.0.1"
+    assert all(e["NCCL_NVLS_ENABLE"] == "0" and e["NVSHMEM_DISABLE_NVLS"] == "1"
+               and e["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" for e in envs)
+    assert "OMP_NUM_THREADS" not in envs[0]  # the GPU engine's host threads are left alone
+    cpu = rank_environments(2, "build/microgpt_cpu")
+    assert cpu[0]["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
