@@ -116,9 +116,11 @@ static int bandit_is_probe_step(const Config* c, int s) {
     return c->bandit.enabled && !in_polish(c, s) && (s + 1) % c->bandit.every == 0;
 }
 
-/* The source of micro-batch j of step index s; on a probe step every micro-batch takes j = 0's. */
-static int mixture_arm(const Mixture* m, const Config* c, int s, int j) {
-    uint64_t counter = (uint64_t)s * (uint64_t)c->train.grad_accum + (uint64_t)(bandit_is_probe_step(c, s) ? 0 : j);
+/* The source of micro-batch j of the `accum` of step index s (with several ranks, j and accum count
+ * the micro-batches of all ranks: docs/DESIGN.md §17); on a probe step every micro-batch takes
+ * j = 0's. */
+static int mixture_arm(const Mixture* m, const Config* c, int s, int j, int accum) {
+    uint64_t counter = (uint64_t)s * (uint64_t)accum + (uint64_t)(bandit_is_probe_step(c, s) ? 0 : j);
     double u = rng_uniform((uint64_t)c->train.seed, STREAM_MIXTURE, counter), acc = 0.0;
     int i, last = 0;
     for (i = 0; i < m->n; i++) {
