@@ -123,8 +123,9 @@ def passes_warning(what, pattern, tokens_read):
 
 
 def run_passes_warnings(cfg, resolve=os.path.abspath, defaults=None):
-    """passes_warning for an experiment config's pretraining data and, if it has one, its polish
-    phase (docs/DESIGN.md §4 keys); a list of warning lines, empty when the run is fine. `resolve`
+    """passes_warning for an experiment config's pretraining data (each source of data.sources) and,
+    if it has one, its polish phase (docs/DESIGN.md §4 keys); a list of warning lines, empty when
+    the run is fine. `resolve`
     turns a config's glob into the one to read (the proxy's are relative to the repository);
     `defaults` gives the engine's value of a dotted key the config leaves out."""
     defaults = defaults or {}
@@ -134,7 +135,14 @@ def run_passes_warnings(cfg, resolve=os.path.abspath, defaults=None):
         return cfg.get(section, {}).get(key, defaults.get(dotted))
     tokens_per_step = get("train.batch_size") * (get("train.grad_accum") or 1) * get("model.seq_len")
     steps, polish = get("train.steps"), cfg.get("polish")
-    phases = [("pretraining", get("data.train"), polish["start_step"] if polish else steps)]
+    pretraining = polish["start_step"] if polish else steps
+    sources = cfg.get("data", {}).get("sources")
+    if sources:  # a mixture: each source reads its share of the steps, by its prior weight
+        weights = [s.get("weight", defaults.get("data.sources.N.weight", 1.0)) for s in sources]
+        phases = [(f'pretraining on data.sources[{i}] ("{s["name"]}", at its prior weight)', s["train"],
+                   pretraining * w / sum(weights)) for i, (s, w) in enumerate(zip(sources, weights)) if w > 0]
+    else:
+        phases = [("pretraining", get("data.train"), pretraining)]
     if polish:
         phases.append(("the polish phase", polish["train"], steps - polish["start_step"]))
     lines = [passes_warning(what, resolve(pattern), n * tokens_per_step) for what, pattern, n in phases]

@@ -313,6 +313,21 @@ def test_bad_mixture_config_names_the_key(flags, change, message):
     assert message in str(e.value)
 
 
+def test_passes_warning_per_source(tmp_path):
+    """The proxy's warning about reading data more than MAX_PASSES times looks at each source, by
+    the share of the steps its prior weight gives it."""
+    from microgpt.shards import run_passes_warnings
+    eu.write_shard(tmp_path / "big_train_000000.bin", np.zeros(10000, np.uint16))
+    eu.write_shard(tmp_path / "small_train_000000.bin", np.zeros(1000, np.uint16))
+    cfg = {"model": {"seq_len": 10}, "train": {"batch_size": 10, "steps": 100},
+           "data": {"sources": [{"name": "big", "train": str(tmp_path / "big_train_*.bin")},
+                                {"name": "small", "train": str(tmp_path / "small_train_*.bin"), "weight": 1.0}]}}
+    [line] = run_passes_warnings(cfg)  # 100 steps x 100 tokens, half each: 0.5 and 5 passes
+    assert 'data.sources[1] ("small"' in line and "5.0 passes" in line
+    cfg["data"]["sources"][1]["weight"] = 0.5  # a third of 10000 tokens: 3.3 passes over 1000
+    assert run_passes_warnings(cfg) == []
+
+
 def test_proxy_refuses_a_bad_mixture_before_launching(cpu_binary, tmp_path):
     """Through the proxy: exit 2, one error line naming the key, no run directory."""
     cfg = mixture_config()
