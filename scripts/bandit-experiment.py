@@ -14,7 +14,8 @@ SRC_val_*.bin); data.val is the mixed validation set. Model, optimiser and bandi
 experiments/ANDREA-12M-BANDIT.json; sampling, the polish phase and periodic checkpoints are left
 out (they cost time and measure nothing here). For each run DIR/bandit-RUN.json holds the validation loss overall and
 per source at every evaluation, the bandit's p after every probe step, the share of micro-batches
-each source really got per window of steps, and the median ms/step; DIR/bandit-experiment.json
+each source really got per window of steps, the median ms/step (a step's time includes its probes)
+and the training time (evaluations included); DIR/bandit-experiment.json
 holds all three and the final comparison. scripts/plot-bandit.py draws them.
 """
 import argparse
@@ -112,6 +113,7 @@ def summarise(run, cfg, records, seconds):
     thin = max(1, len(bandit) // 600)
     return {"run": run, "sources": names, "prior": [s["weight"] for s in cfg["data"]["sources"]],
             "steps": len(steps), "tokens": steps[-1]["tokens"], "seconds": round(seconds, 1),
+            "train_seconds": steps[-1].get("elapsed"),
             "ms_per_step_median": statistics.median(r["ms"] for r in steps[10:]) if len(steps) > 10 else None,
             "val": [{"step": r["step"], "val_loss": r["val_loss"], "by_source": r.get("val_loss_by_source", {})}
                     for r in vals],
@@ -163,7 +165,8 @@ def main():
             results[run] = summarise(run, configs[run], records, seconds)
             write_json(os.path.join(args.out, f"bandit-{run}.json"), results[run])
     final = {run: {"val_loss": r["val"][-1]["val_loss"], "by_source": r["val"][-1]["by_source"],
-                   "steps": r["steps"], "tokens": r["tokens"], "ms_per_step_median": r["ms_per_step_median"]}
+                   "steps": r["steps"], "tokens": r["tokens"], "ms_per_step_median": r["ms_per_step_median"],
+                   "train_seconds": r["train_seconds"]}
              for run, r in results.items() if r["val"]}
     write_json(os.path.join(args.out, "bandit-experiment.json"),
                {"sources": [s["name"] for s in sources], "train_tokens": tokens, "steps": args.steps,

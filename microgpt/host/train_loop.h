@@ -339,9 +339,10 @@ static int run_one_step(Run* r, int s) {
         /* the state at the switch, before the first polish step: what the polish archive keeps */
         if (c->checkpoint.path[0]) save_checkpoint(r, s, "polish");
     }
+    t0 = now_ms(); /* a step's time includes its probes: they are what the bandit costs */
     if (probe) probe_round.loss_before = probe_loss(r, s);
-    t0 = now_ms();
     loss = run_step(r, s, &res, lr);
+    if (probe && !res.skipped) probe_round.loss_after = probe_loss(r, done);
     ms = now_ms() - t0;
     emit_step(done, loss, lr, res.grad_norm, ms, (double)tokens_per_step / (ms > 0 ? ms * 1e-3 : 1e-9),
               (long long)done * tokens_per_step, in_polish(c, s) ? "polish" : "pretrain", res.skipped, res.loss_scale,
@@ -354,7 +355,6 @@ static int run_one_step(Run* r, int s) {
     }
     if (probe && !res.skipped) { /* an fp16 overflow step changed nothing: nothing to learn from it */
         probe_round.arm = r->arms[0];
-        probe_round.loss_after = probe_loss(r, done);
         bandit_learn(&r->mix, c, &probe_round);
         emit_bandit(done, &r->mix, &probe_round);
     }
