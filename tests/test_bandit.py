@@ -313,6 +313,26 @@ def test_bad_mixture_config_names_the_key(flags, change, message):
     assert message in str(e.value)
 
 
+def test_the_shipped_bandit_experiment(flags):
+    """experiments/ANDREA-12M-BANDIT.json is a valid config; its sources are the folders `make data`
+    writes (every corpus source of scripts/fetch-assets.py, Shakespeare and the fallback
+    conversations), and model and optimiser are ANDREA-12M's."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("fetch_assets", eu.REPO / "scripts" / "fetch-assets.py")
+    fetch_assets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch_assets)
+    cfg = config.load_config(eu.REPO / "experiments" / "ANDREA-12M-BANDIT.json", flags)
+    plain = config.load_config(eu.REPO / "experiments" / "ANDREA-12M-TRAIN.json", flags)
+    names = [s["name"] for s in cfg["data"]["sources"]]
+    assert sorted(names) == sorted([*fetch_assets.CORPUS, "shakespeare", "chitchat"])
+    for s in cfg["data"]["sources"]:
+        n = s["name"]
+        assert s["train"] == f"data/megachat/sources/{n}/{n}_train_*.bin"
+        assert s.get("val", f"data/megachat/sources/{n}/{n}_val_*.bin") == f"data/megachat/sources/{n}/{n}_val_*.bin"
+    assert cfg["model"] == plain["model"] and cfg["train"] == plain["train"] and cfg["data"]["val"] == plain["data"]["val"]
+    assert "bandit" in cfg and "bandit" not in plain
+
+
 def test_passes_warning_per_source(tmp_path):
     """The proxy's warning about reading data more than MAX_PASSES times looks at each source, by
     the share of the steps its prior weight gives it."""
