@@ -28,11 +28,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from microgpt.atomic import atomic_open  # noqa: E402
-from microgpt.shards import glob_tokens  # noqa: E402
+from microgpt.atomic import atomic_open
+from microgpt.engines import ROOT
+from microgpt.shards import glob_tokens
 
 EXPERIMENT = os.path.join(ROOT, "experiments", "ANDREA-12M-BANDIT.json")
 SOURCES_DIR = os.path.join(ROOT, "data", "megachat", "sources")
