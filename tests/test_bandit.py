@@ -14,7 +14,7 @@ import pytest
 
 import engine_util as eu
 from engine_util import TINY, tiny_args
-from proxy_util import proxy_env
+from proxy_util import ProxyFixtureDir, proxy_env, run_to_end
 from test_distributed import REL_TOL, run_ranks, run_single
 from test_engine import alloc_counter  # noqa: F401  (the fixture: the LD_PRELOAD allocation counter)
 
@@ -346,6 +346,35 @@ def test_passes_warning_per_source(tmp_path):
     assert 'data.sources[1] ("small"' in line and "5.0 passes" in line
     cfg["data"]["sources"][1]["weight"] = 0.5  # a third of 10000 tokens: 3.3 passes over 1000
     assert run_passes_warnings(cfg) == []
+
+
+def test_the_proxy_keeps_what_the_dashboard_draws(cpu_binary, tmp_path):
+    """Through the proxy: .loss.json holds the launch records with the sources' names and p, the
+    arms, the per-source validation losses and the bandit records (placed on the tokens axis), also
+    across a second launch that resumes the run (docs/PROXY.md)."""
+    exp = ProxyFixtureDir(tmp_path)
+    cfg = json.loads(exp.config(steps=20).read_text())
+    cfg["data"] = {"sources": [{"name": "a", "train": str(exp.train), "val": str(exp.val)},
+                               {"name": "b", "train": str(exp.train), "weight": 3}], "val": str(exp.val)}
+    cfg["bandit"] = {"every": 2}
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps(cfg))
+    for steps in (20, 30):
+        cfg["train"]["steps"] = steps
+        path.write_text(json.dumps(cfg))
+        proxy, rc = run_to_end(path, exp.run_dir, cpu_binary)
+        assert rc == 0, proxy.describe()
+    records = [r for r in exp.loss() if r.get("live", 1)]
+    launches = [r for r in records if r.get("event") in ("start", "resume")]
+    assert [r["event"] for r in launches] == ["start", "resume"]
+    assert all(r["sources"] == ["a", "b"] and len(r["p"]) == 2 for r in launches)
+    assert launches[0]["p"] == [0.275, 0.725]  # (1 - γ)·prior + γ/K
+    bandit = [r for r in records if r.get("event") == "bandit"]
+    assert [r["step"] for r in bandit] == list(range(2, 31, 2))
+    assert all(r["tokens"] == r["step"] * 2 * 32 and "elapsed" in r for r in bandit)
+    assert all(r["arm"] in (0, 1) for r in records if "loss" in r)
+    vals = [r for r in records if "val_loss" in r]
+    assert vals and all(set(r["val_loss_by_source"]) == {"a"} for r in vals)
 
 
 def test_proxy_refuses_a_bad_mixture_before_launching(cpu_binary, tmp_path):
