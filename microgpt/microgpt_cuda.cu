@@ -632,9 +632,11 @@ static size_t engine_setup(const Config* cfg) {
         die_input("train.batch_size x model.seq_len = %zu positions is too many for one micro-batch",
                   (size_t)E.B * E.T);
     E.N = E.B * E.T;
-    if (E.use_fp8 && (E.C % 16 || E.F % 16 || E.N % 16))
-        die_input("train.precision fp8 needs model.d_model, model.d_ff and train.batch_size x model.seq_len to be "
-                  "multiples of 16 (FP8 products contract over them); got %d, %d and %d", E.C, E.F, E.N);
+    /* FP8 products need every dimension a multiple of 16: d_model, d_ff, and the rows, B·T when
+     * training and T alone when sampling */
+    if (E.use_fp8 && (E.C % 16 || E.F % 16 || E.T % 16))
+        die_input("train.precision fp8 needs model.d_model, model.d_ff and model.seq_len to be multiples of 16 "
+                  "(FP8 products contract over them); got %d, %d and %d", E.C, E.F, E.T);
     param_layout_init(&E.layout, cfg);
     E.P = E.layout.n_params;
     /* attn_qkv_fwd does the three projections as one batched product over consecutive weights */

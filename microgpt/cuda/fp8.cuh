@@ -100,6 +100,10 @@ __global__ void k_fp8_cast(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8
 template <typename T>
 static void fp8_quantize(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt) {
     size_t n = (size_t)batch * R * Cc;
+    if (ceil_div(R, FP8_TILE) > 65535u || batch > 65535) {
+        fprintf(stderr, "error: internal: fp8_quantize of %d x [%d, %d] exceeds the cast's grid\n", batch, R, Cc);
+        exit(1);
+    }
     CUDA_CHECK(cudaMemsetAsync(&sc->amax_bits, 0, sizeof(unsigned), g_stream));
     k_fp8_amax<T><<<elementwise_grid(n, FP8_AMAX_BLOCK) < 1024 ? elementwise_grid(n, FP8_AMAX_BLOCK) : 1024,
                     FP8_AMAX_BLOCK, 0, g_stream>>>(&sc->amax_bits, in, n);
