@@ -25,7 +25,14 @@
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
- * and reused by smaller calls (one sequence of len tokens when sampling).
+ * and reused by smaller calls (one prompt's prefill). --generate and --evaluate train nothing, so
+ * their plan has no gradients, AdamW state or backward scratch.
+ *
+ * Generation (docs/DESIGN.md §5a): engine_prefill runs the training forward over a prompt (padded
+ * to T, as one sequence) and copies its keys and values into a KV-cache slot; engine_decode runs
+ * one position of n sequences with cuda/decode.cuh as one CUDA graph per n, captured on first use
+ * (the training samples' n = 1 by the warm-up), the step's tokens uploaded by its first node and
+ * the fp32 logits downloaded by its last.
  *
  * Determinism: no float atomics anywhere; fixed-shape reductions; one cuBLAS and one cuBLASLt
  * handle sharing a fixed workspace on one stream, cuBLASLt's algorithms chosen by a fixed rule over
@@ -47,6 +54,7 @@
 
 #include "cuda/attention.cuh"
 #include "cuda/common.cuh"
+#include "cuda/decode.cuh"
 #include "cuda/embed.cuh"
 #include "cuda/fp8.cuh"
 #include "cuda/layernorm.cuh"
@@ -83,14 +91,16 @@ typedef struct {
 #define LOGITS_CHUNK_BYTES ((size_t)512 << 20) /* budget for one chunk of logits (then their gradient) */
 
 /* Memory groups of the plan, in the order printed and emitted. */
-enum { G_PARAMS, G_GRADS, G_ADAM, G_WEIGHTS_LOWP, G_ACTIVATIONS, G_ACT_GRADS, G_SCRATCH, G_CUBLAS, N_GROUPS };
+enum { G_PARAMS, G_GRADS, G_ADAM, G_WEIGHTS_LOWP, G_ACTIVATIONS, G_ACT_GRADS, G_SCRATCH, G_KV_CACHE, G_CUBLAS,
+       N_GROUPS };
 static const char* const GROUP_NAMES[N_GROUPS] = {"params", "grads", "adam", "weights_lowp", "activations",
-                                                  "activation_grads", "scratch", "cublas_workspace"};
+                                                  "activation_grads", "scratch", "kv_cache", "cublas_workspace"};
 static const char* const GROUP_HELP[N_GROUPS] = {
     "fp32 master weights", "fp32 gradients", "fp32 AdamW m and v, weight-decay mask",
     "16-bit weight copy for the products",
     "forward values saved for backward", "activation gradients (shared by layers)",
-    "attention scores or dS tiles, logits chunk, reductions, tokens", "fixed cuBLAS workspace"};
+    "attention scores or dS tiles, logits chunk, reductions, tokens, decode step",
+    "keys and values of the sequences being generated", "fixed cuBLAS workspace"};
 
 static struct {
     Config cfg;
@@ -141,7 +151,7 @@ static struct {
     float *att_S, *att_dP; void* att_P; /* [H][T][T], cuBLAS attention only (else empty) */
     float* att_delta;                     /* [B][H][T], flash attention only (else empty) */
     void* att_ds;                         /* dS tiles of the causal half, flash attention only (else empty) */
-    void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (the sampler's) */
+    void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (a prefill's row) */
     float *losses, *loss_lse; /* [N] */
     float* ln_partial;
     float* norm_partial;
@@ -161,6 +171,18 @@ static struct {
     float grad_beta;   /* of the micro-batch being recorded: 0 overwrite, 1 add (matmul.cuh) */
     char* group_base[N_GROUPS];
     size_t group_bytes[N_GROUPS];
+
+    /* generation */
+    int training;              /* 0 in --generate and --evaluate: no gradients, no AdamW state */
+    int slots;                 /* KV-cache slots (config_kv_slots) */
+    void *kcache, *vcache;     /* [L][slots][T][C] each */
+    void *dec_x, *dec_res1, *dec_ln, *dec_qkv, *dec_atty, *dec_fc; /* one decode step's rows [slots][..] */
+    float *dec_mean, *dec_rstd, *dec_scores, *dec_logits;          /* [slots], [slots][H][T], [slots][V] */
+    int* dec_io;               /* device: slots | tokens | positions, [slots] each */
+    int* dec_io_host;          /* pinned mirror of dec_io */
+    float* dec_logits_host;    /* pinned [slots][V] */
+    cudaGraphExec_t* decode_graph; /* [slots]: the step of n sequences is decode_graph[n-1] */
+    int decode_n;              /* sequences of the step being recorded */
 } E;
 
 static const char* engine_name(void) { return "cuda"; }
@@ -180,13 +202,14 @@ static void* carve(int group, size_t bytes, size_t* used) {
 static void plan_buffers(size_t* used) {
     size_t es = E.es, L = (size_t)E.L, N = (size_t)E.N, C = (size_t)E.C, F = (size_t)E.F, P = E.P;
     size_t nc = N * C, tt = attn_scratch_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H);
+    size_t S = (size_t)E.slots, tr = (size_t)E.training; /* tr: 0 leaves the training-only buffers empty */
     int g;
     for (g = 0; g < N_GROUPS; g++) used[g] = 0;
     E.params = (float*)carve(G_PARAMS, P * 4, used);
-    E.grads = (float*)carve(G_GRADS, P * 4, used);
-    E.m = (float*)carve(G_ADAM, P * 4, used);
-    E.v = (float*)carve(G_ADAM, P * 4, used);
-    E.decay_bits = (unsigned*)carve(G_ADAM, adamw_decay_words(P) * 4, used);
+    E.grads = (float*)carve(G_GRADS, tr * P * 4, used);
+    E.m = (float*)carve(G_ADAM, tr * P * 4, used);
+    E.v = (float*)carve(G_ADAM, tr * P * 4, used);
+    E.decay_bits = (unsigned*)carve(G_ADAM, tr * adamw_decay_words(P) * 4, used);
     E.wlow = E.prec == PREC_FP32 ? (void*)E.params : carve(G_WEIGHTS_LOWP, P * es, used);
     if (E.use_fp8) {
         size_t act = N * (F > C ? F : C), grad = N * (F > 3 * C ? F : 3 * C);
@@ -216,17 +239,17 @@ static void plan_buffers(size_t* used) {
     E.lnf_mean = (float*)carve(G_ACTIVATIONS, N * 4, used);
     E.lnf_rstd = (float*)carve(G_ACTIVATIONS, N * 4, used);
 
-    E.dres = carve(G_ACT_GRADS, nc * es, used);
-    E.dln = carve(G_ACT_GRADS, nc * es, used);
-    E.dqkv = carve(G_ACT_GRADS, 3 * nc * es, used);
-    E.datty = carve(G_ACT_GRADS, nc * es, used);
-    E.dh = carve(G_ACT_GRADS, N * F * es, used);
+    E.dres = carve(G_ACT_GRADS, tr * nc * es, used);
+    E.dln = carve(G_ACT_GRADS, tr * nc * es, used);
+    E.dqkv = carve(G_ACT_GRADS, tr * 3 * nc * es, used);
+    E.datty = carve(G_ACT_GRADS, tr * nc * es, used);
+    E.dh = carve(G_ACT_GRADS, tr * N * F * es, used);
 
     E.att_S = (float*)carve(G_SCRATCH, tt * 4, used);
-    E.att_dP = (float*)carve(G_SCRATCH, tt * 4, used);
+    E.att_dP = (float*)carve(G_SCRATCH, tr * tt * 4, used);
     E.att_P = carve(G_SCRATCH, tt * es, used);
-    E.att_delta = (float*)carve(G_SCRATCH, attn_delta_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * 4, used);
-    E.att_ds = carve(G_SCRATCH, attn_ds_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * es, used);
+    E.att_delta = (float*)carve(G_SCRATCH, tr * attn_delta_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * 4, used);
+    E.att_ds = carve(G_SCRATCH, tr * attn_ds_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * es, used);
     E.logits = carve(G_SCRATCH, (size_t)E.Vp * (E.chunk * es > 4 ? E.chunk * es : 4), used);
     E.losses = (float*)carve(G_SCRATCH, N * 4, used);
     E.loss_lse = (float*)carve(G_SCRATCH, N * 4, used);
@@ -235,6 +258,19 @@ static void plan_buffers(size_t* used) {
     E.tok = (int*)carve(G_SCRATCH, 2 * N * 4, used);
     E.embed_first = (int*)carve(G_SCRATCH, (size_t)E.V * 4, used);
     E.io = (StepIO*)carve(G_SCRATCH, sizeof(StepIO), used);
+    E.dec_x = carve(G_SCRATCH, S * C * es, used);
+    E.dec_res1 = carve(G_SCRATCH, S * C * es, used);
+    E.dec_ln = carve(G_SCRATCH, S * C * es, used);
+    E.dec_qkv = carve(G_SCRATCH, 3 * S * C * es, used);
+    E.dec_atty = carve(G_SCRATCH, S * C * es, used);
+    E.dec_fc = carve(G_SCRATCH, S * F * es, used);
+    E.dec_mean = (float*)carve(G_SCRATCH, S * 4, used);
+    E.dec_rstd = (float*)carve(G_SCRATCH, S * 4, used);
+    E.dec_scores = (float*)carve(G_SCRATCH, S * (size_t)E.H * E.T * 4, used);
+    E.dec_logits = (float*)carve(G_SCRATCH, S * (size_t)E.V * 4, used);
+    E.dec_io = (int*)carve(G_SCRATCH, 3 * S * 4, used);
+    E.kcache = carve(G_KV_CACHE, L * S * E.T * C * es, used);
+    E.vcache = carve(G_KV_CACHE, L * S * E.T * C * es, used);
     E.cublas_ws = carve(G_CUBLAS, CUBLAS_WORKSPACE_BYTES, used);
 }
 
@@ -376,22 +412,26 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
     return s;
 }
 
-/* Forward of B sequences of Tn positions (tokens already on the device) up to LNf's output. */
+/* Forward of B sequences of Tn positions (tokens already on the device) up to LNf's output; `fp8`:
+ * the linear products in FP8 (precision fp8's training and validation forward). Generation's
+ * prefill runs without: its decode steps multiply in bf16 (cuda/decode.cuh), and per-tensor scales
+ * of a decode step's few rows could not match the prompt's, so the whole of generation runs on the
+ * bf16 weights and the prefill's keys and values are the decode's. */
 template <typename T>
-static void forward(int B, int Tn) {
+static void forward(int B, int Tn, bool fp8) {
     int C = E.C, H = E.H, F = E.F, L = E.L, N = B * Tn, l;
     embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
     for (l = 0; l < L; l++) {
         LayerActs<T> a = layer_acts<T>(l);
         layernorm_fwd<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), N, C);
-        if (E.use_fp8) fp8_qkv_fwd<T>(a, l, N);
+        if (fp8) fp8_qkv_fwd<T>(a, l, N);
         else attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
         attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
                     attn_scratch<T>());
-        if (E.use_fp8) fp8_linear_fwd<T>(a.xmid, a.atty, l, T_WO, FP8_W_O, N, C, C, a.x);
+        if (fp8) fp8_linear_fwd<T>(a.xmid, a.atty, l, T_WO, FP8_W_O, N, C, C, a.x);
         else attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
         layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
-        if (E.use_fp8) fp8_mlp_fwd<T>(a, l, N);
+        if (fp8) fp8_mlp_fwd<T>(a, l, N);
         else mlp_fwd<T>(layer_input<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
     }
     layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, layer_input<T>(L), E.params + E.layout.lnf_gamma,
@@ -494,7 +534,7 @@ static void download_output(const float* dev, float* host) {
 template <typename T>
 static void record_forward_backward(void) {
     upload_inputs(2 * (size_t)E.N);
-    forward<T>(E.B, E.T);
+    forward<T>(E.B, E.T, E.use_fp8);
     loss_chunks<T>(E.N, 1);
     backward<T>();
     download_output(&E.io->loss, &E.io_host->loss);
@@ -515,26 +555,81 @@ template <typename T>
 static float forward_loss_t(const int* inputs, const int* targets) {
     stage_batch(inputs, targets);
     upload_inputs(2 * (size_t)E.N);
-    forward<T>(E.B, E.T);
+    forward<T>(E.B, E.T, E.use_fp8);
     loss_chunks<T>(E.N, 0);
     download_output(&E.io->loss, &E.io_host->loss);
     CUDA_CHECK(cudaStreamSynchronize(g_stream));
     return E.io_host->loss;
 }
 
-/* The sequence is padded with token 0 to the full T and run at the one shape (1, T): attention is
- * causal, so positions < len see exactly what they would without the padding, and every call runs
- * the same kernels (all of them loaded by the warm-up, see engine_setup). */
+/* Layer l's cache rows of `slot` (keys or values). */
+template <typename T> static T* kv_slot(void* cache, int l, int slot) {
+    return (T*)cache + (((size_t)l * E.slots + slot) * E.T) * E.C;
+}
+
+/* The prompt is padded with token 0 to the full T and run at the one shape (1, T) of the training
+ * forward: attention is causal, so positions < len see exactly what they would without the
+ * padding, and every call runs the same kernels (all of them loaded by the warm-up). Then the
+ * keys and values of positions < len go to the slot, and the logits of position len-1 out. */
 template <typename T>
-static void next_logits_t(const int* tokens, int len, float* logits) {
+static void prefill_t(int slot, const int* tokens, int len, float* logits) {
+    size_t nc = (size_t)E.T * E.C; /* the forward's N = T rows */
     memcpy(E.tok_host, tokens, (size_t)len * sizeof(int));
     memset(E.tok_host + len, 0, (size_t)(E.T - len) * sizeof(int));
     upload_inputs((size_t)E.T);
-    forward<T>(1, E.T);
+    forward<T>(1, E.T, false);
+    for (int l = 0; l < E.L; l++) {
+        const T* qkv = layer_acts<T>(l).qkv;
+        size_t bytes = (size_t)len * E.C * sizeof(T);
+        CUDA_CHECK(cudaMemcpyAsync(kv_slot<T>(E.kcache, l, slot), qkv + nc, bytes, cudaMemcpyDeviceToDevice, g_stream));
+        CUDA_CHECK(cudaMemcpyAsync(kv_slot<T>(E.vcache, l, slot), qkv + 2 * nc, bytes, cudaMemcpyDeviceToDevice,
+                                   g_stream));
+    }
     classifier_logits<T, float>((float*)E.logits, (const T*)E.lnf + (size_t)(len - 1) * E.C,
                                 (const T*)E.wlow + E.layout.wte, 1, E.C, E.Vp);
     CUDA_CHECK(cudaMemcpyAsync(logits, E.logits, (size_t)E.V * sizeof(float), cudaMemcpyDeviceToHost, g_stream));
     CUDA_CHECK(cudaStreamSynchronize(g_stream));
+}
+
+/* One decode step of E.decode_n sequences, as recorded into decode_graph[n-1]: their slots, tokens
+ * and positions up, the model (cuda/decode.cuh), their logits down. */
+template <typename T>
+static void record_decode(void) {
+    int n = E.decode_n, C = E.C, F = E.F, S = E.slots, l;
+    const int *slots = E.dec_io, *tokens = E.dec_io + S, *positions = E.dec_io + 2 * S;
+    T *x = (T*)E.dec_x, *res1 = (T*)E.dec_res1, *ln = (T*)E.dec_ln, *qkv = (T*)E.dec_qkv, *atty = (T*)E.dec_atty;
+    CUDA_CHECK(cudaMemcpyAsync(E.dec_io, E.dec_io_host, 3 * (size_t)S * sizeof(int), cudaMemcpyHostToDevice, g_stream));
+    decode_embed<T>(x, tokens, positions, E.params + E.layout.wte, E.params + E.layout.wpe, n, C);
+    for (l = 0; l < E.L; l++) {
+        layernorm_fwd<T>(ln, E.dec_mean, E.dec_rstd, x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), n, C);
+        decode_matmul<T>(qkv, ln, wl<T>(l, T_WQ), NULL, n, C, C, DECODE_PLAIN, 3); /* W_Q, W_K, W_V consecutive */
+        decode_kv_append<T>(kv_slot<T>(E.kcache, l, 0), kv_slot<T>(E.vcache, l, 0), qkv + (size_t)n * C,
+                              qkv + 2 * (size_t)n * C, slots, positions, n, E.T, C);
+        decode_attention<T>(atty, E.dec_scores, qkv, kv_slot<T>(E.kcache, l, 0), kv_slot<T>(E.vcache, l, 0), slots,
+                              positions, n, E.T, C, E.H);
+        decode_matmul<T>(res1, atty, wl<T>(l, T_WO), x, n, C, C, DECODE_RESIDUAL);
+        layernorm_fwd<T>(ln, E.dec_mean, E.dec_rstd, res1, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), n, C);
+        decode_matmul<T>((T*)E.dec_fc, ln, wl<T>(l, T_W1), NULL, n, C, F, DECODE_GELU);
+        decode_matmul<T>(x, (const T*)E.dec_fc, wl<T>(l, T_W2), res1, n, F, C, DECODE_RESIDUAL);
+    }
+    layernorm_fwd<T>(ln, E.dec_mean, E.dec_rstd, x, E.params + E.layout.lnf_gamma, E.params + E.layout.lnf_beta, n,
+                       C);
+    decode_logits<T>(E.dec_logits, ln, (const T*)E.wlow + E.layout.wte, n, C, E.V);
+    CUDA_CHECK(cudaMemcpyAsync(E.dec_logits_host, E.dec_logits, (size_t)n * E.V * sizeof(float),
+                               cudaMemcpyDeviceToHost, g_stream));
+}
+
+template <typename T>
+static void decode_t(int n, const int* slots, const int* tokens, const int* positions, float* logits) {
+    memcpy(E.dec_io_host, slots, (size_t)n * sizeof(int));
+    memcpy(E.dec_io_host + E.slots, tokens, (size_t)n * sizeof(int));
+    memcpy(E.dec_io_host + 2 * E.slots, positions, (size_t)n * sizeof(int));
+    E.decode_n = n;
+    /* before the first capture of this n, one run launch by launch: no kernel is then loaded for the
+     * first time inside a capture (warm_up's rule). It writes the same cache rows the replay does. */
+    if (E.use_graphs && !E.decode_graph[n - 1]) record_decode<T>();
+    run_graph(&E.decode_graph[n - 1], record_decode<T>);
+    memcpy(logits, E.dec_logits_host, (size_t)n * E.V * sizeof(float));
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -602,7 +697,11 @@ static void warm_up(void) {
         engine_update(0.0f, 1, &E.cfg);
     }
     engine_forward_loss(zeros, zeros);
-    engine_next_logits(zeros, 1, logits);
+    if (E.slots > 0) { /* the training samples: a prefill and the decode graph of one sequence */
+        int slot = 0, pos = 0;
+        engine_prefill(slot, zeros, 1, logits);
+        engine_decode(1, &slot, zeros, &pos, logits);
+    }
     CUDA_CHECK(cudaDeviceSynchronize());
     free(zeros);
     free(logits);
@@ -632,11 +731,13 @@ static size_t engine_setup(const Config* cfg) {
         die_input("train.batch_size x model.seq_len = %zu positions is too many for one micro-batch",
                   (size_t)E.B * E.T);
     E.N = E.B * E.T;
-    /* FP8 products need every dimension a multiple of 16: d_model, d_ff, and the rows, B·T when
-     * training and T alone when sampling */
-    if (E.use_fp8 && (E.C % 16 || E.F % 16 || E.T % 16))
-        die_input("train.precision fp8 needs model.d_model, model.d_ff and model.seq_len to be multiples of 16 "
-                  "(FP8 products contract over them); got %d, %d and %d", E.C, E.F, E.T);
+    E.training = !cfg->generate.enabled && !cfg->evaluate;
+    E.slots = config_kv_slots(cfg);
+    /* FP8 products need every dimension they touch a multiple of 16: d_model, d_ff and the B·T rows
+     * (generation's prefill and decode run without them, see forward) */
+    if (E.use_fp8 && (E.C % 16 || E.F % 16 || E.N % 16))
+        die_input("train.precision fp8 needs model.d_model, model.d_ff and train.batch_size x model.seq_len to be "
+                  "multiples of 16 (FP8 products contract over them); got %d, %d and %d", E.C, E.F, E.N);
     param_layout_init(&E.layout, cfg);
     E.P = E.layout.n_params;
     /* attn_qkv_fwd does the three projections as one batched product over consecutive weights */
@@ -648,6 +749,7 @@ static size_t engine_setup(const Config* cfg) {
         size_t rows = LOGITS_CHUNK_BYTES / row_bytes;
         if (rows > 128) rows -= rows % 128; /* whole tiles for the products */
         E.chunk = (int)(rows < 1 ? 1 : rows > (size_t)E.N ? (size_t)E.N : rows);
+        if (cfg->generate.enabled) E.chunk = 1; /* no loss: the prefill's one row of logits */
     }
     E.loss_scale = E.prec == PREC_FP16 ? LOSS_SCALE_DEFAULT : 1.0f;
 
@@ -690,21 +792,27 @@ static size_t engine_setup(const Config* cfg) {
         }
     }
     plan_buffers(used); /* now with the bases: the pointers */
-    upload_decay_bits();
+    if (E.training) upload_decay_bits();
     CUDA_CHECK(cudaMallocHost((void**)&E.tok_host, 2 * (size_t)E.N * sizeof(int)));
     CUDA_CHECK(cudaMallocHost((void**)&E.io_host, sizeof(StepIO)));
     memset(E.io_host, 0, sizeof(StepIO));
+    if (E.slots > 0) {
+        CUDA_CHECK(cudaMallocHost((void**)&E.dec_io_host, 3 * (size_t)E.slots * sizeof(int)));
+        CUDA_CHECK(cudaMallocHost((void**)&E.dec_logits_host, (size_t)E.slots * E.V * sizeof(float)));
+        memset(E.dec_io_host, 0, 3 * (size_t)E.slots * sizeof(int));
+        E.decode_graph = (cudaGraphExec_t*)xcalloc((size_t)E.slots, sizeof(cudaGraphExec_t), "decode graphs");
+    }
     cublas_init(E.cublas_ws, CUBLAS_WORKSPACE_BYTES);
     if (strcmp(prec, "tf32") == 0) gemm_set_tf32();
-    warm_up();
+    if (E.training) warm_up(); /* the device memory of a training run must not grow after its first step */
     return total;
 }
 
 static void engine_set_state(const float* params, const float* m, const float* v, float loss_scale) {
     size_t bytes = E.P * sizeof(float);
     CUDA_CHECK(cudaMemcpy(E.params, params, bytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(E.m, m, bytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(E.v, v, bytes, cudaMemcpyHostToDevice));
+    if (m) CUDA_CHECK(cudaMemcpy(E.m, m, bytes, cudaMemcpyHostToDevice));
+    if (v) CUDA_CHECK(cudaMemcpy(E.v, v, bytes, cudaMemcpyHostToDevice));
     if (E.prec == PREC_FP16) E.loss_scale = loss_scale > 0.0f ? loss_scale : LOSS_SCALE_DEFAULT;
     else E.loss_scale = 1.0f;
     FOR_ACT_TYPE(refresh_lowp_weights_t)();
@@ -728,9 +836,18 @@ static float engine_forward_loss(const int* inputs, const int* targets) {
     return FOR_ACT_TYPE(forward_loss_t)(inputs, targets);
 }
 
-static void engine_next_logits(const int* tokens, int len, float* logits) {
-    if (len < 1 || len > E.T) die_io("internal: engine_next_logits with len %d (1..%d)", len, E.T);
-    FOR_ACT_TYPE(next_logits_t)(tokens, len, logits);
+static void engine_prefill(int slot, const int* tokens, int len, float* logits) {
+    if (len < 1 || len > E.T || slot < 0 || slot >= E.slots)
+        die_io("internal: engine_prefill of %d tokens into slot %d (1..%d tokens, %d slots)", len, slot, E.T, E.slots);
+    FOR_ACT_TYPE(prefill_t)(slot, tokens, len, logits);
+}
+
+static void engine_decode(int n, const int* slots, const int* tokens, const int* positions, float* logits) {
+    if (n < 1 || n > E.slots) die_io("internal: engine_decode of %d sequences (1..%d)", n, E.slots);
+    for (int i = 0; i < n; i++)
+        if (positions[i] < 0 || positions[i] >= E.T || slots[i] < 0 || slots[i] >= E.slots)
+            die_io("internal: engine_decode at position %d of slot %d", positions[i], slots[i]);
+    FOR_ACT_TYPE(decode_t)(n, slots, tokens, positions, logits);
 }
 
 static UpdateResult engine_update(float lr, int t, const Config* cfg) {
@@ -775,14 +892,19 @@ static void engine_shutdown(void) {
     for (int i = 0; i < 2; i++)
         if (E.fb_graph[i]) CUDA_CHECK(cudaGraphExecDestroy(E.fb_graph[i]));
     if (E.update_graph) CUDA_CHECK(cudaGraphExecDestroy(E.update_graph));
+    for (int i = 0; i < E.slots; i++)
+        if (E.decode_graph[i]) CUDA_CHECK(cudaGraphExecDestroy(E.decode_graph[i]));
+    free(E.decode_graph);
     for (g = 0; g < N_GROUPS; g++)
         if (E.group_base[g]) CUDA_CHECK(cudaFree(E.group_base[g]));
     if (E.tok_host) CUDA_CHECK(cudaFreeHost(E.tok_host));
     if (E.io_host) CUDA_CHECK(cudaFreeHost(E.io_host));
+    if (E.dec_io_host) CUDA_CHECK(cudaFreeHost(E.dec_io_host));
+    if (E.dec_logits_host) CUDA_CHECK(cudaFreeHost(E.dec_logits_host));
     if (g_stream) CUDA_CHECK(cudaStreamDestroy(g_stream));
     g_stream = 0;
     param_layout_free(&E.layout);
     memset(&E, 0, sizeof E);
 }
 
-int main(int argc, char** argv) { return train_main(argc, argv); }
+int main(int argc, char** argv) { return engine_main(argc, argv); }

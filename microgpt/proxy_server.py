@@ -1,88 +1,231 @@
-"""The proxy's web server (SPEC §5): the dashboard, the run's data, live updates, and two controls.
+"""The dashboard's web server (docs/DESIGN.md §5, §6): the page, the runs' data, live updates, and
+two controls of the run being trained.
 
     GET  /                     scripts/live-loss-dashboard.html
-    GET  /api/state            the run's state (as in <name>.state.json)
-    GET  /api/samples          the samples of the current phase
-    GET  /api/records?from=i&limit=n   loss-log records i.. as {"next","total","records"}
-    GET  /api/stream?from=i    Server-Sent Events: "records" (id = index after the last record sent,
-                               so a reconnecting EventSource resumes where it stopped), "state",
-                               "samples" whenever they change
-    GET  /files/               the run directory's JSON files; GET /files/<path> one of them
-    POST /api/checkpoint       checkpoint now (SIGUSR1)            } header X-Run-Token: <token>
-    POST /api/stop             checkpoint and stop (SIGTERM)      } (printed with the URL)
+    GET  /api/runs             [{"id", "name"}] of the runs served (one, or a directory's)
+    GET  /api/state?run=ID     a run's state (as in <name>.state.json)
+    GET  /api/samples?run=ID   the samples of the current phase
+    GET  /api/records?run=ID&from=i&limit=n   loss-log records i.. as {"next","total","records"}
+    GET  /api/stream?run=ID&from=i   Server-Sent Events: "records" (id = index after the last record
+                               sent, so a reconnecting EventSource resumes where it stopped),
+                               "state", "samples" whenever they change
+    GET  /files/               the served directory's JSON files; GET /files/<path> one of them
+    POST /api/checkpoint       checkpoint now (SIGUSR1)      } the run being trained only
+    POST /api/stop             checkpoint and stop (SIGTERM) }
 
-The cursor is a record index, not a step: steps repeat after a resume, indices never do. Read-only
-endpoints allow any origin, so the dashboard opened from disk can use them; nothing outside the run
-directory is reachable, and only JSON files inside it. On a loopback address the Host header must be
-a loopback name too, so a web page cannot reach the server through DNS rebinding.
+`run` may be left out when one run is served. Every request but the page itself needs the token
+(header X-Run-Token, or ?token= where a header cannot be set: EventSource, links); when the server
+is bound to anything but loopback, the page needs it too. The token is kept in the served directory
+(TOKEN_FILE, owner-only), so it outlives a launch: a tab left open keeps working after a relaunch.
+
+No wildcard CORS: only a page opened from disk (origin "null", or "file://") is allowed to read,
+and only with the token. The Host header must name this machine (a loopback name, an IP literal, or
+this host's name), so a page cannot reach the server through DNS rebinding.
+
+Resources are bounded so that no client can slow training: at most MAX_CONNECTIONS connections
+(one thread each), MAX_STREAMS live streams, one message of at most STREAM_CHUNK records buffered
+per stream, and a client that does not take its data for SEND_TIMEOUT_SECONDS is dropped. The
+engine's output is read by the proxy's own threads, which never wait on a client.
 """
+import base64
+import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
+import stat
+import sys
 import threading
 import time
 
 from flask import Flask, Response, abort, jsonify, request, send_file
-from werkzeug.serving import make_server
+from werkzeug.exceptions import HTTPException
+from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
+
+from microgpt.run_view import RunDirectory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DASHBOARD = os.path.join(os.path.dirname(HERE), "scripts", "live-loss-dashboard.html")
-CHUNK = 20000  # records per message: big enough to catch up fast, small enough to parse smoothly
+TOKEN_FILE = "dashboard.token"
+CHUNK = 20000  # records per /api/records answer at most
+STREAM_CHUNK = 5000  # records per stream message: catches up fast, bounds each stream's buffer
 POLL_SECONDS = 0.2
 PING_SECONDS = 15
+MAX_CONNECTIONS = 64
+MAX_STREAMS = 16
+SEND_TIMEOUT_SECONDS = 10
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+FILE_ORIGINS = ("null", "file://")  # how browsers name a page opened from disk
 
 
-def create_app(run, bind_host):
+def is_loopback(host):
+    """Only these binds keep the server on this machine: 127.0.0.2 is reachable by other users'
+    containers and namespaces that share lo, and 0.0.0.0 by the network."""
+    return host in LOOPBACK
+
+
+# ---------------------------------------------------------------------------------------------------
+# The token
+
+
+def load_token(directory):
+    """The dashboard token of `directory`, created on first use: a file only its owner can read.
+    Where it cannot be kept (a read-only directory), a token for this process only, with a warning."""
+    path = os.path.join(directory, TOKEN_FILE)
+    token = _read_token(path)
+    if token:
+        return token
+    token = secrets.token_urlsafe(18)
+    try:
+        _write_token(path, token)
+    except FileExistsError:  # another process made one meanwhile: use that one
+        token = _read_token(path) or token
+    except OSError as e:
+        print(f"warning: cannot keep the dashboard token in {path} ({e.strerror or e}): this "
+              "token lasts as long as this process", file=sys.stderr)
+    return token
+
+
+def _read_token(path):
+    """The token kept at path, if it is a file of ours that nobody else can read; else None. One
+    that others could read is no secret: it is removed (and a new one made)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+        with open(path) as f:
+            token = f.read().strip()
+        if len(token) >= 16 and token.replace("-", "").replace("_", "").isalnum():
+            return token
+    print(f"warning: {path} was not an owner-only token file; making a new token", file=sys.stderr)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    return None
+
+
+def _write_token(path, token):
+    """Written whole, owner-only from its first byte, and never over a token another process
+    kept meanwhile (os.link refuses to replace: FileExistsError)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, (token + "\n").encode())
+        os.fsync(fd)
+        os.link(tmp, path)
+    finally:
+        os.close(fd)
+        os.unlink(tmp)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What is served: the run being trained, or a directory of runs (read-only, see run_view.py)
+
+
+class TrainedRun:
+    """The training proxy's own run (training_proxy.Run): one run, with controls."""
+
+    controllable = True
+
+    def __init__(self, run):
+        self.run, self.root = run, run.dir
+
+    def listing(self):
+        return [{"id": self.run.name, "name": self.run.name, "controls": True}]
+
+    def get(self, run_id):
+        return self.run if run_id in (None, self.run.name) else None
+
+
+def create_app(served, bind_host, token):
     app = Flask(__name__)
+    exposed = not is_loopback(bind_host)
+    # this machine's names, looked up once (getfqdn may wait on DNS)
+    own_names = {socket.gethostname().lower(), socket.getfqdn().lower()} if exposed else set()
+    streams = threading.BoundedSemaphore(MAX_STREAMS)
 
     @app.before_request
-    def check_host():
-        if bind_host in LOOPBACK:
-            host = request.host.rsplit(":", 1)[0] if not request.host.endswith("]") else request.host
-            if host.strip("[]") not in LOOPBACK:
-                abort(403, "Host must be a loopback name")
+    def guard():
+        if not _host_allowed(request.host, exposed, own_names):
+            abort(403, "the Host header must name this machine")
+        if request.method == "OPTIONS" or (request.path == "/" and not exposed):
+            return  # a CORS preflight; the page itself holds no data and asks for the token
+        given = request.headers.get("X-Run-Token") or request.args.get("token", "")
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            abort(403, "this needs the dashboard's token: open the URL the proxy printed "
+                       "(…/?token=…)")
 
     @app.after_request
     def headers(resp):
-        resp.headers["Access-Control-Allow-Origin"] = "*"
-        resp.headers["Access-Control-Allow-Headers"] = "X-Run-Token"
+        origin = request.headers.get("Origin")
+        if origin in FILE_ORIGINS:  # the dashboard opened from disk
+            resp.headers["Access-Control-Allow-Origin"] = origin
+            resp.headers["Access-Control-Allow-Headers"] = "X-Run-Token"
+            resp.headers["Access-Control-Allow-Methods"] = "GET, POST"
+        resp.headers["Vary"] = "Origin"
         resp.headers["Cache-Control"] = "no-store"
+        resp.headers["X-Content-Type-Options"] = "nosniff"
+        resp.headers["Referrer-Policy"] = "no-referrer"  # the token is in the page's URL
         return resp
+
+    def the_run():
+        run = served.get(request.args.get("run"))
+        if run is None:
+            abort(404, "no such run")
+        return run
+
+    @app.errorhandler(HTTPException)
+    def plain_error(e):  # a short JSON answer, never an HTML page that echoes the request
+        return jsonify(error=e.description), e.code
 
     @app.get("/")
     def dashboard():
-        return send_file(DASHBOARD, mimetype="text/html")
+        with open(DASHBOARD, "rb") as f:
+            page = f.read()
+        return Response(page, mimetype="text/html", headers={"Content-Security-Policy": _page_policy(page)})
+
+    @app.get("/api/runs")
+    def runs():
+        return jsonify(served.listing())
 
     @app.get("/api/state")
     def state():
-        return jsonify(run.state)
+        return jsonify(the_run().state)
 
     @app.get("/api/samples")
     def samples():
-        return jsonify(run.samples)
+        return jsonify(the_run().samples)
 
     @app.get("/api/records")
     def records():
+        run = the_run()
         first = _int_arg("from", 0)
-        limit = min(_int_arg("limit", CHUNK), CHUNK * 10)
+        limit = min(_int_arg("limit", CHUNK), CHUNK)
         return Response(_records_message(run.log, first, limit)[0], mimetype="application/json")
 
     @app.get("/api/stream")
     def stream():
+        run = the_run()
         first = _int_arg("from", 0)
         last_id = request.headers.get("Last-Event-ID", "")
         if _is_index(last_id):  # EventSource reconnecting after a drop
             first = int(last_id)
-        return Response(_events(run, first), mimetype="text/event-stream",
+        if not streams.acquire(blocking=False):
+            abort(503, f"too many live streams (at most {MAX_STREAMS}): close other dashboards")
+        resp = Response(_events(run, first), mimetype="text/event-stream",
                         headers={"X-Accel-Buffering": "no"})
+        resp.call_on_close(streams.release)  # however the stream ends, even before its first byte
+        return resp
 
     @app.get("/files/")
     def file_list():
-        root = os.path.realpath(run.dir)
+        root = os.path.realpath(served.root)
         found = []
         for d, _dirs, names in os.walk(root):
             found += [os.path.relpath(os.path.join(d, n), root) for n in names if n.endswith(".json")]
@@ -90,24 +233,45 @@ def create_app(run, bind_host):
 
     @app.get("/files/<path:rel>")
     def run_file(rel):
-        path = _inside(run.dir, rel)
+        path = _inside(served.root, rel)
         if path is None or not path.endswith(".json") or not os.path.isfile(path):
             abort(404)
         return send_file(path, mimetype="application/json")
 
-    @app.post("/api/checkpoint")
-    def checkpoint():
-        _require_token(run.token)
-        os.kill(os.getpid(), signal.SIGUSR1)  # the proxy's own handler forwards it
-        return jsonify(ok=True, action="checkpoint"), 202
+    def control(action, sig):
+        if not served.controllable:
+            abort(405, "this server only shows runs")
+        os.kill(os.getpid(), sig)  # the proxy's own handler forwards it to the engine
+        return jsonify(ok=True, action=action), 202
 
-    @app.post("/api/stop")
-    def stop():
-        _require_token(run.token)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return jsonify(ok=True, action="stop"), 202
-
+    app.post("/api/checkpoint")(lambda: control("checkpoint", signal.SIGUSR1))
+    app.post("/api/stop", endpoint="stop")(lambda: control("stop", signal.SIGTERM))
     return app
+
+
+def _page_policy(page):
+    """The page may run its own script and nothing else (the script's hash), and talk only to this
+    server: even a text that slipped into the page as HTML could not run or send anything."""
+    script = page.split(b"<script>", 1)[1].split(b"</script>", 1)[0]
+    digest = base64.b64encode(hashlib.sha256(script).digest()).decode()
+    return (f"default-src 'none'; script-src 'sha256-{digest}'; style-src 'unsafe-inline'; "
+            "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+            "frame-ancestors 'none'")
+
+
+def _host_allowed(host_header, exposed, own_names):
+    """The Host header's name (port dropped) is a loopback name, or, when bound beyond loopback,
+    an IP literal or one of own_names: never a name someone else's DNS can point here."""
+    name = host_header[1:].split("]")[0] if host_header.startswith("[") else host_header.rsplit(":", 1)[0]
+    if name in LOOPBACK:
+        return True
+    if not exposed:
+        return False
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return name.lower() in own_names
 
 
 def _is_index(text):
@@ -122,14 +286,11 @@ def _int_arg(name, default):
     return int(value)
 
 
-def _require_token(token):
-    given = request.headers.get("X-Run-Token", "")
-    if not hmac.compare_digest(given.encode(), token.encode()):
-        abort(403, "this action needs the run's token (header X-Run-Token)")
-
-
 def _inside(root, rel):
-    """The real path of rel under root, or None if it leaves root (.., absolute, symlink)."""
+    """The real path of rel under root, or None if it leaves root (.., absolute, symlink) or cannot
+    be a path at all (a NUL byte)."""
+    if "\0" in rel:
+        return None
     root = os.path.realpath(root)
     path = os.path.realpath(os.path.join(root, rel))
     return path if os.path.commonpath([root, path]) == root and path != root else None
@@ -145,13 +306,15 @@ def _records_message(log, first, limit):
 
 
 def _events(run, cursor):
-    """The live stream: everything from cursor on, then whatever is new, as it appears."""
+    """The live stream: everything from cursor on, then whatever is new, as it appears. One message
+    is built at a time, and only once the previous one was handed to the socket: a client that
+    does not read costs one message and its socket buffer, until the send timeout drops it."""
     seen_state = seen_samples = None
     last_sent = time.monotonic()
     while True:
         out = []
         if cursor < len(run.log):
-            msg, cursor = _records_message(run.log, cursor, CHUNK)
+            msg, cursor = _records_message(run.log, cursor, STREAM_CHUNK)
             out.append(b"id: %d\nevent: records\ndata: " % cursor + msg + b"\n\n")
         if run.state_version != seen_state:
             seen_state = run.state_version
@@ -169,14 +332,52 @@ def _events(run, cursor):
             time.sleep(POLL_SECONDS)
 
 
+# ---------------------------------------------------------------------------------------------------
+# The HTTP server
+
+
+class _RequestHandler(WSGIRequestHandler):
+    timeout = SEND_TIMEOUT_SECONDS  # on every send and receive: a client that stalls is dropped
+
+    def log_request(self, *args):  # no line per request
+        pass
+
+
+class _BoundedServer(ThreadedWSGIServer):
+    """werkzeug's threaded server, with at most MAX_CONNECTIONS connections (and so threads) at a
+    time: one more is answered 503 and closed at once, without a thread."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.setblocking(False)
+                request.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                             b"Connection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 def _bind(host, port):
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family, backlog=64)
 
 
 class Server:
-    def __init__(self, httpd, host):
-        self.httpd = httpd
+    def __init__(self, httpd, host, served, token):
+        self.httpd, self.served, self.token = httpd, served, token
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{httpd.socket.getsockname()[1]}/"
         self.thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -185,10 +386,19 @@ class Server:
         self.httpd.shutdown()
 
 
-def start(run, host, port, default_port):
+def exposure_warning(host, port):
+    """Said loudly when the server is reachable beyond loopback."""
+    bar = "!" * 78
+    return (f"{bar}\nWARNING: --host {host} is not loopback: anyone who can reach this machine on "
+            f"port {port} can connect.\nEvery request needs the token in the printed URL, but the "
+            "traffic is plain HTTP: anyone on the\nway can read the token and the run. Prefer the "
+            f"default host and a tunnel:\n    ssh -L {port}:127.0.0.1:{port} THIS-MACHINE\n{bar}")
+
+
+def start(served, host, port, default_port, token):
     """Serve in a background thread; port None means default_port, or any free port if taken."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-    app = create_app(run, host)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    app = create_app(served, host, token)
     try:
         sock = _bind(host, default_port if port is None else port)
     except OSError:
@@ -196,8 +406,21 @@ def start(run, host, port, default_port):
             raise
         sock = _bind(host, 0)
     # werkzeug would print and sys.exit() on a bind error, so the socket is bound here instead.
-    httpd = make_server(host, sock.getsockname()[1], app, threaded=True, fd=sock.fileno())
-    sock.close()  # werkzeug holds its own duplicate of the descriptor
-    server = Server(httpd, host)
+    httpd = _BoundedServer(host, sock.getsockname()[1], app, handler=_RequestHandler,
+                           fd=sock.fileno())
+    sock.close()  # the server holds its own duplicate of the descriptor
+    server = Server(httpd, host, served, token)
+    if not is_loopback(host):
+        print(exposure_warning(host, httpd.socket.getsockname()[1]), file=sys.stderr, flush=True)
     server.thread.start()
     return server
+
+
+def start_for_run(run, host, port, default_port):
+    """The training proxy's server: its run, with the run directory's token."""
+    return start(TrainedRun(run), host, port, default_port, load_token(run.dir))
+
+
+def start_for_directory(root, host, port, default_port):
+    """`--serve DIR`: every run under DIR, read-only, with DIR's token."""
+    return start(RunDirectory(root), host, port, default_port, load_token(root))

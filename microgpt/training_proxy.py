@@ -4,6 +4,7 @@ it reports in the run directory, and serves the live dashboard.
 
     python microgpt/training_proxy.py experiments/ANDREA-12M-TRAIN.json [--engine cuda|cpu]
         [--run-dir DIR] [--host 127.0.0.1] [--port 8765] [--keep-serving]
+    python microgpt/training_proxy.py --serve runs/     every run under runs/, read-only
 
 The run directory (default runs/<name>/ under the repository root) is described in run_dir.py, the
 engine's supervision and signals in supervisor.py, the config in config.py. See docs/PROXY.md for
@@ -19,10 +20,10 @@ import time
 from microgpt.checkpoint import CheckpointError, checkpoint_step
 from microgpt.config import ConfigError, load_config, tokenize_prompts
 from microgpt.engines import ENGINES, ROOT, EngineChoiceError, choose_engine, engine_flags, gpu_visible, is_built
-from microgpt.events import say
 from microgpt.loss_log import LossLogError
 from microgpt.run_dir import RunBusyError
-from microgpt.supervisor import Run, Supervisor
+from microgpt.supervisor import Run, Supervisor, summarize
+from microgpt.terminal import say, terminal
 
 DEFAULT_PORT = 8765
 LINGER_SECONDS = 0.6  # a few live-stream polls (proxy_server.POLL_SECONDS) after the run ends
@@ -31,7 +32,9 @@ LINGER_SECONDS = 0.6  # a few live-stream polls (proxy_server.POLL_SECONDS) afte
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Train with an engine, log the run and serve its "
                                             "live dashboard (see docs/PROXY.md).")
-    p.add_argument("config", help="experiment JSON, e.g. experiments/ANDREA-12M-TRAIN.json")
+    p.add_argument("config", nargs="?", help="experiment JSON, e.g. experiments/ANDREA-12M-TRAIN.json")
+    p.add_argument("--serve", metavar="DIR", help="train nothing: show every run under DIR (a run "
+                   "directory or a directory of them) on one dashboard, read-only, until Ctrl-C")
     p.add_argument("--engine", choices=sorted(ENGINES), default=None,
                    help="build/microgpt_cuda (default when built and a GPU is visible; else the "
                         "CPU engine, with a warning) or build/microgpt_cpu")
@@ -44,10 +47,16 @@ def parse_args(argv):
                    help=f"dashboard port (default {DEFAULT_PORT}, or a free one if that is taken; "
                         "0: any free port)")
     p.add_argument("--no-server", action="store_true", help="do not serve the dashboard")
+    p.add_argument("--progress-every", type=float, metavar="SECONDS", default=None,
+                   help="print the progress line this often (default: every second, rewritten in "
+                        "place, on a terminal; every 30 s otherwise; 0: never)")
     p.add_argument("--keep-serving", action="store_true",
                    help="keep the dashboard up after the engine exits (or for a finished run), "
                         "until Ctrl-C")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.config is None) == (args.serve is None):
+        p.error("give an experiment config to train, or --serve DIR to look at runs")
+    return args
 
 
 def fail(msg, code=2):
@@ -88,7 +97,14 @@ def open_run(args):
 
 
 def main(argv):
+    early = []  # signals that arrive before the supervisor takes them over: a stop is honoured
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, lambda sig, _frame: early.append(sig))
     args = parse_args(argv)
+    if args.serve:
+        return serve_directory(args)
+    if args.progress_every is not None:
+        terminal.interval = args.progress_every
     run = open_run(args)
     try:
         done = checkpoint_step(run.files.ckpt)
@@ -98,31 +114,53 @@ def main(argv):
     if not args.no_server:
         from microgpt import proxy_server  # flask loads only when the dashboard is served
         try:
-            server = proxy_server.start(run, args.host, args.port, DEFAULT_PORT)
+            server = proxy_server.start_for_run(run, args.host, args.port, DEFAULT_PORT)
         except OSError as e:
             fail(f"cannot serve the dashboard on {args.host}:{args.port}: {e.strerror or e}")
-        say(f"dashboard: {server.url}?token={run.token}")
+        say(f"dashboard: {server.url}?token={server.token}")
 
     supervisor = Supervisor(run)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, supervisor.on_signal)
-    if done is not None and done >= run.steps:
-        run.store.set_state(force=True, status="finished", pid=None, step=done)
+    stop = next((sig for sig in early if sig != signal.SIGUSR1), None)
+    if stop is not None:
+        say(f"{signal.Signals(stop).name} before the engine started: nothing launched")
+        code = 0
+    elif done is not None and done >= run.steps:
+        run.store.set_state(force=True, status="finished", pid=None, step=done,
+                            checkpoint=run.files.ckpt, checkpoint_step=done)
         say(f"{run.name} already finished: checkpoint {run.files.ckpt} is at step {done} of "
             f"{run.steps}; nothing to train")
+        summarize(run, 0.0)
         code = 0
     else:
         code = supervisor.run_engine()
     if server and not args.keep_serving:
         time.sleep(LINGER_SECONDS)  # let open dashboards receive the final status before we go
     if server and args.keep_serving:
-        serve_until_signal()
+        serve_until_signal("run over; still serving the dashboard, Ctrl-C to quit")
     run.log.close()
     return code
 
 
-def serve_until_signal():
-    say("run over; still serving the dashboard, Ctrl-C to quit")
+def serve_directory(args):
+    """--serve DIR: the dashboard of every run under DIR, read-only, until Ctrl-C."""
+    if not os.path.isdir(args.serve):
+        fail(f"--serve {args.serve}: not a directory")
+    from microgpt import proxy_server
+    try:
+        server = proxy_server.start_for_directory(args.serve, args.host, args.port, DEFAULT_PORT)
+    except OSError as e:
+        fail(f"cannot serve the dashboard on {args.host}:{args.port}: {e.strerror or e}")
+    n = len(server.served.listing())
+    say(f"serving {n} run{'s' * (n != 1)} of {args.serve} (read-only; runs started later appear "
+        f"too): {server.url}?token={server.token}")
+    serve_until_signal("Ctrl-C to quit")
+    return 0
+
+
+def serve_until_signal(message):
+    say(message)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

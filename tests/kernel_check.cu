@@ -18,7 +18,9 @@
  *   - the error reported is ||gpu - cpu|| / ||cpu - prefill||: relative to what the kernel had to
  *     compute; any non-finite GPU element (an unwritten NaN) fails on its own;
  *   - backward kernels with reductions are launched twice from the same state and must agree bit
- *     for bit (determinism).
+ *     for bit (determinism);
+ *   - the decode kernels (cuda/decode.cuh) are also run on one sequence alone, which must give
+ *     the bits that sequence got in the batch.
  *
  * Tolerances (relative, normwise). fp32 has no TF32 and the only differences from the CPU are
  * summation order and FMA contraction (~1e-7..1e-6); 16-bit runs are dominated by rounding of the
@@ -43,6 +45,7 @@
 #include "../microgpt/cpu/residual.h"
 
 #include "../microgpt/cuda/attention.cuh"
+#include "../microgpt/cuda/decode.cuh"
 #include "../microgpt/cuda/embed.cuh"
 #include "../microgpt/cuda/fp8.cuh"
 #include "../microgpt/cuda/layernorm.cuh"
@@ -727,6 +730,94 @@ static void test_grad_norm(size_t n) {
 /* The fused products (common.cuh) must really have run in this precision, or the checks above
  * would only have seen the unfused path: every tested shape whose rows are whole multiples of 8
  * elements has a cuBLASLt kernel for each epilogue on sm_80 and later. */
+/* The KV-cache decode step's kernels for s.B sequences in slots s.B-1 .. 0 of s.B + 1 (one unused),
+ * at random positions < s.T: each against the CPU layer it stands for, and sequence 0 alone
+ * against its row of the batch, bit for bit. */
+template <typename T> static void test_decode(const Shape& s, Tol tol) {
+    int n = s.B, S = s.B + 1, Tc = s.T, C = s.C, H = s.H, F = s.F, hs = C / H;
+    std::vector<int> slots(n), positions = rand_ints(n, Tc), tokens = rand_ints(n, s.V);
+    for (int i = 0; i < n; i++) slots[i] = n - 1 - i;
+    int *d_slots = upload_ints(slots), *d_pos = upload_ints(positions), *d_tok = upload_ints(tokens);
+
+    /* embedding */
+    Vec wte = randn((size_t)s.Vp * C, 0.5f), wpe = randn((size_t)Tc * C, 0.5f), emb_c((size_t)n * C);
+    for (int i = 0; i < n; i++)
+        embed_forward(emb_c.data() + (size_t)i * C, &tokens[i], wte.data(), wpe.data() + (size_t)positions[i] * C, 1,
+                      1, C);
+    T* d_emb = poisoned<T>((size_t)n * C);
+    decode_embed<T>(d_emb, d_tok, d_pos, upload<float>(wte), upload<float>(wpe), n, C);
+    check("embed", download(d_emb, (size_t)n * C), emb_c, tol.elem);
+
+    /* products: plain (three consecutive matrices), gelu, residual */
+    Vec x = rounded<T>(randn((size_t)n * C, 1.0f)), w3 = rounded<T>(randn(3 * (size_t)C * F, 1.0f / sqrtf((float)C)));
+    Vec res = rounded<T>(randn((size_t)n * F, 1.0f)), out_c(3 * (size_t)n * F), pre((size_t)n * F), act_c((size_t)n * F);
+    for (int z = 0; z < 3; z++)
+        matmul_forward(out_c.data() + (size_t)z * n * F, x.data(), w3.data() + (size_t)z * C * F, n, C, F);
+    gelu_forward(act_c.data(), out_c.data(), n * F);
+    Vec res_c((size_t)n * F);
+    residual_forward(res_c.data(), res.data(), out_c.data(), n * F);
+    T *d_x = upload<T>(x), *d_w = upload<T>(w3), *d_res = upload<T>(res), *d_out = poisoned<T>(3 * (size_t)n * F);
+    decode_matmul<T>(d_out, d_x, d_w, NULL, n, C, F, DECODE_PLAIN, 3);
+    Vec batched = download(d_out, 3 * (size_t)n * F);
+    check("matmul", batched, out_c, tol.prod);
+    decode_matmul<T>(d_out, d_x, d_w, NULL, 1, C, F, DECODE_PLAIN, 3); /* row 0 alone: out[z] is [1, F] */
+    Vec alone = download(d_out, 3 * (size_t)F), row0;
+    for (int z = 0; z < 3; z++) row0.insert(row0.end(), batched.begin() + (size_t)z * n * F, batched.begin() + (size_t)z * n * F + F);
+    check_same("matmul_1", std::vector<Vec>{alone}, std::vector<Vec>{row0});
+    poison(d_out, (size_t)n * F);
+    decode_matmul<T>(d_out, d_x, d_w, NULL, n, C, F, DECODE_GELU);
+    check("gelu", download(d_out, (size_t)n * F), act_c, tol.fused);
+    poison(d_out, (size_t)n * F);
+    decode_matmul<T>(d_out, d_x, d_w, d_res, n, C, F, DECODE_RESIDUAL);
+    check("residual", download(d_out, (size_t)n * F), res_c, tol.prod);
+
+    /* the new keys and values into the caches, then attention over them */
+    size_t cache = (size_t)S * Tc * C;
+    Vec kc = rounded<T>(randn(cache, 1.0f)), vc = rounded<T>(randn(cache, 1.0f));
+    Vec q = rounded<T>(randn((size_t)n * C, 1.0f)), kn = rounded<T>(randn((size_t)n * C, 1.0f)),
+        vn = rounded<T>(randn((size_t)n * C, 1.0f));
+    T *d_kc = upload<T>(kc), *d_vc = upload<T>(vc);
+    decode_kv_append<T>(d_kc, d_vc, upload<T>(kn), upload<T>(vn), d_slots, d_pos, n, Tc, C);
+    for (int i = 0; i < n; i++) {
+        size_t row = ((size_t)slots[i] * Tc + positions[i]) * C;
+        memcpy(kc.data() + row, kn.data() + (size_t)i * C, C * sizeof(float));
+        memcpy(vc.data() + row, vn.data() + (size_t)i * C, C * sizeof(float));
+    }
+    check("k_append", download(d_kc, cache), kc, 0.0); /* copies: exact, and every other row untouched */
+    check("v_append", download(d_vc, cache), vc, 0.0);
+    Vec att_c((size_t)n * C), probs(Tc);
+    float scale = (float)(1.0 / sqrt((double)hs));
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < H; h++) {
+            size_t head = (size_t)slots[i] * Tc * C + (size_t)h * hs;
+            attention_row(att_c.data() + (size_t)i * C + h * hs, probs.data(), q.data() + (size_t)i * C + h * hs,
+                          kc.data() + head, vc.data() + head, positions[i], (size_t)C, hs, scale);
+        }
+    T *d_q = upload<T>(q), *d_att = poisoned<T>((size_t)n * C);
+    float* d_scores = poisoned<float>((size_t)n * H * Tc);
+    decode_attention<T>(d_att, d_scores, d_q, d_kc, d_vc, d_slots, d_pos, n, Tc, C, H);
+    Vec att_batched = download(d_att, (size_t)n * C);
+    check("attn", att_batched, att_c, tol.fused);
+    decode_attention<T>(d_att, d_scores, d_q, d_kc, d_vc, d_slots, d_pos, 1, Tc, C, H);
+    check_same("attn_1", std::vector<Vec>{download(d_att, (size_t)C)},
+               std::vector<Vec>{Vec(att_batched.begin(), att_batched.begin() + C)});
+
+    /* the tied classifier over the real vocabulary */
+    Vec wte_t = rounded<T>(wte), logits_c((size_t)n * s.V);
+    for (int i = 0; i < n; i++)
+        for (int v = 0; v < s.V; v++)
+            logits_c[(size_t)i * s.V + v] = dot_f32(x.data() + (size_t)i * C, wte_t.data() + (size_t)v * C, C);
+    float* d_logits = poisoned<float>((size_t)n * s.V);
+    T* d_wte = upload<T>(wte_t);
+    decode_logits<T>(d_logits, d_x, d_wte, n, C, s.V);
+    Vec logits_batched = download(d_logits, (size_t)n * s.V);
+    check("logits", logits_batched, logits_c, tol_for<float>().prod);
+    decode_logits<T>(d_logits, d_x, d_wte, 1, C, s.V);
+    check_same("logits_1", std::vector<Vec>{download(d_logits, (size_t)s.V)},
+               std::vector<Vec>{Vec(logits_batched.begin(), logits_batched.begin() + s.V)});
+    dfree_all();
+}
+
 static void check_fused_taken(const long* before) {
     static const char* names[GEMM_N_FUSED] = {"residual", "gelu_aux", "dgelu"};
     for (int e = 0; e < GEMM_N_FUSED; e++) {
@@ -987,6 +1078,17 @@ template <typename T> static void run_precision(void) {
         test_residual<T>(s, tol);
         set_ctx(prec, "loss", sh.c_str());
         test_loss<T>(s, tol);
+        set_ctx(prec, "decode", sh.c_str());
+        test_decode<T>(s, tol);
+    }
+    {
+        /* more sequences than a block's DECODE_ROWS, a head wider than the attention block's
+         * threads (its one-group sum), and T beyond the block (positions loop) */
+        Shape many = {11, 300, 16, 1, 24, 40, 40, 0}, wide = {2, 20, 600, 2, 64, 9, 16, 0};
+        set_ctx(prec, "decode", shape_str(many).c_str());
+        test_decode<T>(many, tol);
+        set_ctx(prec, "decode", shape_str(wide).c_str());
+        test_decode<T>(wide, tol);
     }
     set_ctx(prec, "cuBLASLt", "all shapes");
     check_fused_taken(fused_before);

@@ -15,7 +15,7 @@ import requests
 from proxy_util import (NAME, PROXY, REPO, Proxy, ProxyFixtureDir, live_train, live_val,
                         proxy_env, run_to_end)
 
-from microgpt import config, engines, loss_log, run_dir, supervisor
+from microgpt import config, engines, failure, loss_log, run_dir, supervisor
 from microgpt.checkpoint import checkpoint_step
 
 PROMPTS = ["A", "B"]  # GPT-2 ids 32 and 33: inside the tiny vocabulary
@@ -70,9 +70,8 @@ def test_loss_log_repairs_a_tail_torn_anywhere(tmp_path):
         log = loss_log.LossLog(str(path))
         recs = json.loads(path.read_bytes())
         assert recs == full[:len(recs)], cut
-        # Only the torn record may be lost: whole records before the cut survive.
-        complete = data[:cut].count(b"}")
-        assert len(recs) >= complete - 1 if cut < len(data) - 2 else len(recs) == len(full), cut
+        # Only a torn record may be lost: every record whose closing "}" is before the cut survives.
+        assert len(recs) == data[:cut].count(b"}"), cut
         log.append([{"step": 99, "loss": 0.5}])
         log.close()
         assert json.loads(path.read_bytes())[-1]["step"] == 99, cut
@@ -321,14 +320,53 @@ def test_engine_cuda_without_a_usable_gpu_engine_is_an_error(exp, no_gpu_env):
     assert not exp.run_dir.exists()
 
 
-def test_engine_errors_pass_through(exp, cpu_binary):
-    """A config the proxy accepts but the engine refuses (n_head must divide d_model): the engine's
-    own error line reaches the user, the run is marked crashed, the exit code is the engine's."""
-    p, rc = run_to_end(exp.config(steps=5, model={"n_head": 3}), exp.run_dir, cpu_binary)
-    assert rc == 2, p.describe()
-    assert any(line.startswith("error:") and "n_head" in line for line in p.err), p.describe()
-    st = exp.state()
-    assert st["status"] == "crashed" and "n_head" in st["message"]
+def test_a_config_the_engine_refuses_leaves_nothing_behind(exp, cpu_binary):
+    """A config the proxy accepts but the engine refuses (n_head must divide d_model; a missing
+    shard): the engine's own error line reaches the user once, the exit code is the engine's, and
+    neither a new run directory nor a word about resuming is left behind."""
+    for sections in ({"model": {"n_head": 3}}, {"data": {"train": str(exp.root / "missing_*.bin")}}):
+        p, rc = run_to_end(exp.config(steps=5, **sections), exp.run_dir, cpu_binary)
+        assert rc == 2, p.describe()
+        errors = [line for line in p.err if line.startswith("error")]
+        assert len(errors) == 1, p.describe()
+        assert not any("resume" in line for line in p.out + p.err), p.describe()
+        assert any("the engine refused to start" in line for line in p.out), p.describe()
+        assert not exp.run_dir.exists(), os.listdir(exp.run_dir)
+
+
+def test_a_refused_relaunch_leaves_the_run_as_it_was(exp, cpu_binary):
+    cfg = exp.config(steps=10, sample={"every": 5, "prompts": PROMPTS})
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary)
+    assert rc == 0, p.describe()
+    def contents():  # the lock file holds the pid of the last proxy to take it: not run data
+        return {f: (exp.run_dir / f).read_bytes() for f in sorted(os.listdir(exp.run_dir)) if f != f"{NAME}.lock"}
+    before = contents()
+    p, rc = run_to_end(exp.config(steps=20, model={"n_head": 3}), exp.run_dir, cpu_binary)
+    assert rc == 2 and f"{exp.run_dir} is as it was" in "".join(p.out), p.describe()
+    assert contents() == before
+
+
+def test_resuming_with_a_changed_config_says_what_changed(exp, cpu_binary):
+    p, rc = run_to_end(exp.config(steps=20), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    p, rc = run_to_end(exp.config(steps=30, train={"lr": 1e-3}, description="longer"), exp.run_dir,
+                       cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    said = [line for line in p.out if "config changed" in line]
+    assert said == ["[proxy] the config changed since the last launch: description (none) -> "
+                    '"longer", train.lr 0.003 -> 0.001, train.steps 20 -> 30\n'], p.describe()
+    recs = exp.loss()
+    change = [r for r in recs if r.get("event") == "config"]
+    assert len(change) == 1 and change[0]["step"] == 20 and change[0]["seg"] == 2
+    assert change[0]["changed"] == {"description": [None, "longer"], "train.lr": [0.003, 0.001],
+                                    "train.steps": [20, 30]}
+    resume = recs.index(change[0]) - 1
+    assert recs[resume]["event"] == "resume" and recs[resume]["step"] == 20
+    assert [r["step"] for r in live_train(recs)] == list(range(1, 31))
+    p, rc = run_to_end(exp.config(steps=40, train={"lr": 1e-3}, description="longer"), exp.run_dir,
+                       cpu_binary, "--no-server")
+    assert rc == 0 and [r for r in exp.loss() if r.get("event") == "config"][-1]["changed"] == {
+        "train.steps": [30, 40]}, p.describe()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -362,9 +400,9 @@ def test_run_finishes_then_says_so(exp, cpu_binary):
 
     # --keep-serving: look at a finished run until Ctrl-C
     p = Proxy.start(cfg, exp.run_dir, cpu_binary, "--keep-serving")
-    url, _ = p.url_and_token()
+    url, token = p.url_and_token()
     p.wait_output("still serving")
-    assert requests.get(url + "api/state", timeout=10).json()["status"] == "finished"
+    assert requests.get(url + "api/state", params={"token": token}, timeout=10).json()["status"] == "finished"
     p.proc.send_signal(signal.SIGINT)
     assert p.wait() == 0
 
@@ -436,6 +474,7 @@ if sys.argv[1:] == ["--flags-json"]:
 child = subprocess.Popen([cpu] + sys.argv[1:], stdout=subprocess.PIPE)
 open({str(pidfile)!r}, "w").write(str(child.pid))
 signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGTERM}})  # the proxy launches engines with it blocked
 trains = 0
 for line in child.stdout:
     sys.stdout.buffer.write(line)
@@ -460,18 +499,20 @@ sys.exit(child.wait())
 
 
 def test_proxy_failure_kills_an_engine_that_ignores_sigterm(tmp_path, monkeypatch, capsys):
-    """The SIGKILL fallback of Supervisor.abort, in process: an "engine" that ignores SIGTERM."""
-    monkeypatch.setattr(supervisor, "ABORT_WAIT_SECONDS", 0.5)
+    """The SIGKILL fallback of failure.abort, in process: an "engine" that ignores SIGTERM."""
+    monkeypatch.setattr(failure, "ABORT_WAIT_SECONDS", 0.5)
     files = run_dir.RunFiles(tmp_path, "t")
     sup = supervisor.Supervisor.__new__(supervisor.Supervisor)  # only what abort() touches
-    sup.run = types.SimpleNamespace(name="t", files=files, store=run_dir.RunState(files))
+    sup.lines = None  # no output reader: the "engine" prints nothing after "ready"
+    sup.run = types.SimpleNamespace(name="t", files=files, store=run_dir.RunState(files),
+                                    buffer=loss_log.LossBuffer(loss_log.LossLog(files.loss)))
     sup.proc = subprocess.Popen(["sh", "-c", "trap '' TERM; echo ready; exec sleep 60"],
                                 stdout=subprocess.PIPE)
     assert sup.proc.stdout.readline() == b"ready\n"  # SIGTERM is ignored from here on
     try:
         raise OSError(28, "No space left on device")
     except OSError as e:
-        assert sup.abort(e) == 1
+        assert failure.abort(sup, e) == 1
     assert sup.proc.returncode == -signal.SIGKILL
     st = json.loads((tmp_path / "t.state.json").read_text())
     assert st["status"] == "crashed" and "did not stop within 0.5 s" in st["message"], st
@@ -611,13 +652,15 @@ def listening_addresses(port):
     return found
 
 
-def raw_get(url, path, host=None, redirects=3):
+def raw_get(url, path, host=None, redirects=3, token=None):
     """GET with the path sent exactly as given (no client-side normalisation of ../); redirects
     (werkzeug merges "//") are followed, also sent as given."""
     hostport = url.split("/")[2]
     conn = http.client.HTTPConnection(hostport, timeout=10)
     conn.putrequest("GET", path, skip_host=True)
     conn.putheader("Host", host or hostport)
+    if token:
+        conn.putheader("X-Run-Token", token)
     conn.endheaders()
     resp = conn.getresponse()
     body = resp.read()
@@ -625,7 +668,7 @@ def raw_get(url, path, host=None, redirects=3):
     location = resp.getheader("Location")
     if resp.status in (301, 302, 307, 308) and location and redirects:
         return raw_get(url, "/" + location.split("/", 3)[3] if "://" in location else location,
-                       host, redirects - 1)
+                       host, redirects - 1, token)
     return resp.status, body
 
 
@@ -639,7 +682,7 @@ def test_server_binds_loopback_and_prints_the_url(served):
 
 
 def test_server_reaches_nothing_outside_the_run_dir(served, tmp_path):
-    p, url, _ = served
+    p, url, token = served
     secret = tmp_path / "secret.json"
     secret.write_text('{"secret": "outside the run"}')
     (p.run_dir / "link.json").symlink_to(secret)
@@ -648,19 +691,19 @@ def test_server_reaches_nothing_outside_the_run_dir(served, tmp_path):
            "/files/archive/../../secret.json", "/files/link.json", "/files/..", "/files/tiny.ckpt",
            "/files/../../../../../../etc/passwd", "/..%2f..%2fsecret.json"]
     for path in bad:
-        status, body = raw_get(url, path)
+        status, body = raw_get(url, path, token=token)
         assert status in (400, 403, 404), (path, status)
         assert b"outside the run" not in body and b"root:" not in body, path
-    status, body = raw_get(url, f"/files/{NAME}.loss.json")
+    status, body = raw_get(url, f"/files/{NAME}.loss.json", token=token)
     assert status == 200 and isinstance(json.loads(body), list)
-    listing = requests.get(url + "files/", timeout=10).json()
+    listing = requests.get(url + "files/", headers={"X-Run-Token": token}, timeout=10).json()
     assert f"{NAME}.loss.json" in listing and not any("secret" in f for f in listing)
 
 
 def test_server_refuses_foreign_host_headers(served):
-    _, url, _ = served
-    assert raw_get(url, "/api/state", host="evil.example:80")[0] == 403
-    assert raw_get(url, "/api/state")[0] == 200
+    _, url, token = served
+    assert raw_get(url, "/api/state", host="evil.example:80", token=token)[0] == 403
+    assert raw_get(url, "/api/state", token=token)[0] == 200
 
 
 def test_changing_the_run_needs_the_token(served):
@@ -668,7 +711,7 @@ def test_changing_the_run_needs_the_token(served):
     for headers in ({}, {"X-Run-Token": "wrong"}, {"X-Run-Token": token[:-1]}):
         for action in ("checkpoint", "stop"):
             assert requests.post(url + "api/" + action, headers=headers, timeout=10).status_code == 403
-    assert requests.get(url + "api/checkpoint", timeout=10).status_code == 405
+    assert requests.get(url + "api/checkpoint", headers={"X-Run-Token": token}, timeout=10).status_code == 405
     assert p.state().get("checkpoint_step") is None and p.proc.poll() is None
     r = requests.post(url + "api/checkpoint", headers={"X-Run-Token": token}, timeout=10)
     assert r.status_code == 202
@@ -696,12 +739,13 @@ def sse_events(resp):
 
 
 def test_live_stream_sends_only_unseen_records(served):
-    p, url, _ = served
+    p, url, token = served
+    auth = {"X-Run-Token": token}
     p.wait_state(lambda s: s.get("step", 0) >= 40)
-    total = requests.get(url + "api/records?from=0&limit=1", timeout=10).json()["total"]
+    total = requests.get(url + "api/records?from=0&limit=1", headers=auth, timeout=10).json()["total"]
     start = total - 5
     got, ids = [], []
-    with requests.get(url + f"api/stream?from={start}", stream=True, timeout=30) as resp:
+    with requests.get(url + f"api/stream?from={start}", headers=auth, stream=True, timeout=30) as resp:
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         kinds = set()
         for event, eid, data in sse_events(resp):
@@ -717,7 +761,7 @@ def test_live_stream_sends_only_unseen_records(served):
     assert got == on_disk[start:start + len(got)]  # from the cursor on, no gap, no repeat
     assert len(got) > 5  # and new records arrived live
     # A reconnecting EventSource sends Last-Event-ID: the stream resumes right there.
-    with requests.get(url + "api/stream?from=0", headers={"Last-Event-ID": str(ids[-1])},
+    with requests.get(url + "api/stream?from=0", headers={**auth, "Last-Event-ID": str(ids[-1])},
                       stream=True, timeout=30) as resp:
         event, eid, data = next(e for e in sse_events(resp) if e[0] == "records")
         first = json.loads(data)["records"][0]
@@ -730,10 +774,11 @@ def p_loss(p):
 
 
 def test_records_endpoint_pages_through_the_log(served):
-    p, url, _ = served
+    p, url, token = served
+    auth = {"X-Run-Token": token}
     seen, cursor = [], 0
     while True:
-        msg = requests.get(url + f"api/records?from={cursor}&limit=7", timeout=10).json()
+        msg = requests.get(url + f"api/records?from={cursor}&limit=7", headers=auth, timeout=10).json()
         if not msg["records"]:
             break
         seen += msg["records"]
@@ -741,7 +786,7 @@ def test_records_endpoint_pages_through_the_log(served):
         cursor = msg["next"]
     assert seen == p_loss(p)[:len(seen)] and len(seen) >= 6
     for bad in ("-1", "x", "%C2%B2", "%D9%A1"):  # "²" and Arabic-Indic "1" pass str.isdigit()
-        assert requests.get(url + f"api/records?from={bad}", timeout=10).status_code == 400, bad
-    with requests.get(url + "api/stream?from=0", headers={"Last-Event-ID": "\u00b2"}, stream=True,
+        assert requests.get(url + f"api/records?from={bad}", headers=auth, timeout=10).status_code == 400, bad
+    with requests.get(url + "api/stream?from=0", headers={**auth, "Last-Event-ID": "\u00b2"}, stream=True,
                       timeout=30) as resp:  # not an index: ignored, the stream starts at "from"
         assert resp.status_code == 200

@@ -21,9 +21,19 @@ static volatile sig_atomic_t g_ckpt_requested = 0; /* SIGUSR1 seen since the las
 static void on_stop_signal(int sig) { g_stop_signal = sig; }
 static void on_usr1_signal(int sig) { (void)sig; g_ckpt_requested = 1; }
 
+/* Unblocks SIGTERM, SIGINT and SIGUSR1, which a launcher may have blocked (a pending one is
+ * handled now). --generate and --evaluate call only this: their signals keep the default action. */
+static void signals_unblock(void) {
+    sigset_t handled;
+    sigemptyset(&handled);
+    sigaddset(&handled, SIGTERM);
+    sigaddset(&handled, SIGINT);
+    sigaddset(&handled, SIGUSR1);
+    sigprocmask(SIG_UNBLOCK, &handled, NULL);
+}
+
 static void signals_install(void) {
     struct sigaction sa;
-    sigset_t handled;
     memset(&sa, 0, sizeof sa);
     sigemptyset(&sa.sa_mask);
     sa.sa_flags = SA_RESTART; /* a signal must not make a read or write fail with EINTR */
@@ -32,11 +42,7 @@ static void signals_install(void) {
     sigaction(SIGINT, &sa, NULL);
     sa.sa_handler = on_usr1_signal;
     sigaction(SIGUSR1, &sa, NULL);
-    sigemptyset(&handled);
-    sigaddset(&handled, SIGTERM);
-    sigaddset(&handled, SIGINT);
-    sigaddset(&handled, SIGUSR1);
-    sigprocmask(SIG_UNBLOCK, &handled, NULL); /* a pending one is handled now, by the handler */
+    signals_unblock(); /* a pending one is handled now, by the handler */
     /* Exceeding a file-size limit must be a write error we report (and survive with the old
      * checkpoint intact), not a silent kill. */
     signal(SIGXFSZ, SIG_IGN);

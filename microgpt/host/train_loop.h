@@ -10,6 +10,7 @@
 #include "config.h"
 #include "data.h"
 #include "engine.h"
+#include "generate.h"
 #include "output.h"
 #include "params.h"
 #include "rng.h"
@@ -27,75 +28,48 @@ typedef struct {
     float *params, *m, *v;           /* host copies for checkpoints [n_params] each */
     float loss_scale;
     int *inputs, *targets;           /* one micro-batch [B*T] */
-    int* sample_seq;                 /* longest prompt + sample.tokens */
+    int* sample_tokens;              /* [sample.tokens] */
     float* logits;                   /* [vocab_size] */
-    int* topk_idx;                   /* [k_eff] */
-    float* topk_val;                 /* [k_eff] */
-    int k_eff;                       /* candidates per sampled token: top_k, or the whole vocabulary */
+    Sampler sampler;
 } Run;
-
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Sampling */
 
-/* Picks a token from logits over the real vocabulary: greedy when temperature is 0, otherwise
- * softmax(logits / temperature) restricted to the top-k logits (ties: lower id first), inverted
- * at the uniform draw u. Only indices < vocab_size are ever considered. */
-static int sample_token(Run* r, const float* logits, double u) {
-    const Config* c = &r->cfg;
-    int V = c->model.vocab_size, n = 0, i, j;
-    double max, total = 0.0, acc = 0.0;
-    if (c->sample.temperature == 0.0f) {
-        int best = 0;
-        for (i = 1; i < V; i++)
-            if (logits[i] > logits[best]) best = i;
-        return best;
-    }
-    /* insertion into a descending list of at most k_eff candidates */
-    for (i = 0; i < V; i++) {
-        float x = logits[i];
-        if (x != x) continue; /* NaN never wins */
-        if (n == r->k_eff && !(x > r->topk_val[n - 1])) continue;
-        j = n < r->k_eff ? n++ : n - 1;
-        while (j > 0 && x > r->topk_val[j - 1]) {
-            r->topk_val[j] = r->topk_val[j - 1];
-            r->topk_idx[j] = r->topk_idx[j - 1];
-            j--;
-        }
-        r->topk_val[j] = x;
-        r->topk_idx[j] = i;
-    }
-    if (n == 0) return 0;
-    max = r->topk_val[0];
-    for (i = 0; i < n; i++) total += exp(((double)r->topk_val[i] - max) / c->sample.temperature);
-    for (i = 0; i < n; i++) {
-        acc += exp(((double)r->topk_val[i] - max) / c->sample.temperature);
-        if (u * total < acc) return r->topk_idx[i];
-    }
-    return r->topk_idx[n - 1];
+/* The ids that end prompt p's samples: --sample.stop's, or with "auto" <|im_end|> for a ChatML
+ * prompt (one holding <|im_start|>) when the vocabulary has it, so a sample is the assistant's
+ * answer and not the next turns it would invent. */
+static int sample_stop_ids(const Config* c, const int* prompt, int n, const int** ids) {
+    static const int im_end = TOKEN_IM_END;
+    *ids = c->sample.stop_ids;
+    if (strcmp(c->sample.stop, "auto") != 0) return c->sample.n_stop;
+    *ids = &im_end;
+    return c->model.vocab_size > TOKEN_IM_END && id_in(TOKEN_IM_START, prompt, n);
 }
 
-/* Continues every prompt by sample.tokens tokens and emits one "sample" line each. Draw i of
- * prompt p after `done` steps uses counter (done·n_prompts + p)·tokens + i of STREAM_SAMPLE. */
+/* Continues every prompt by up to sample.tokens tokens with the KV cache (slot 0), ending early at
+ * a stop id (kept as the last token) or when prompt and sample fill the window of seq_len
+ * positions (no sliding), and emits one "sample" line each. Draw i of prompt p after `done` steps
+ * uses counter (done·n_prompts + p)·tokens + i of STREAM_SAMPLE. */
 static void run_samples(Run* r, int done) {
     const Config* c = &r->cfg;
-    int p, i, T = c->model.seq_len;
+    int p, T = c->model.seq_len, slot = 0;
     for (p = 0; p < c->sample.n_prompts; p++) {
         const int* prompt = c->sample.prompt_tokens + c->sample.prompt_start[p];
+        const int* stop;
         int n0 = c->sample.prompt_start[p + 1] - c->sample.prompt_start[p];
-        memcpy(r->sample_seq, prompt, (size_t)n0 * sizeof(int));
-        for (i = 0; i < c->sample.tokens; i++) {
-            int len = n0 + i, ctx_len = len < T ? len : T; /* slide the window once past T */
-            uint64_t counter = ((uint64_t)done * (uint64_t)c->sample.n_prompts + (uint64_t)p) * (uint64_t)c->sample.tokens + (uint64_t)i;
-            engine_next_logits(r->sample_seq + (len - ctx_len), ctx_len, r->logits);
-            r->sample_seq[len] = sample_token(r, r->logits, rng_uniform((uint64_t)c->train.seed, STREAM_SAMPLE, counter));
+        int n_stop = sample_stop_ids(c, prompt, n0, &stop), n = 0;
+        engine_prefill(slot, prompt, n0, r->logits);
+        while (n0 + n < T) {
+            uint64_t counter = ((uint64_t)done * (uint64_t)c->sample.n_prompts + (uint64_t)p) * (uint64_t)c->sample.tokens + (uint64_t)n;
+            int tok = sample_token(&r->sampler, r->logits, c->sample.temperature, c->sample.top_k, 1.0,
+                                   rng_uniform((uint64_t)c->train.seed, STREAM_SAMPLE, counter));
+            int pos = n0 + n; /* of tok */
+            r->sample_tokens[n++] = tok;
+            if (n == c->sample.tokens || id_in(tok, stop, n_stop) || pos + 1 == T) break;
+            engine_decode(1, &slot, &tok, &pos, r->logits);
         }
-        emit_sample(done, p, prompt, n0, r->sample_seq + n0, c->sample.tokens);
+        emit_sample(done, p, prompt, n0, r->sample_tokens, n);
     }
 }
 
@@ -183,26 +157,20 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
 static void run_allocate(Run* r) {
     const Config* c = &r->cfg;
     size_t n = r->layout.n_params, bt = (size_t)c->train.batch_size * c->model.seq_len;
-    int i, longest_prompt = 0;
     r->params = (float*)xmalloc(n * sizeof(float), "host weights");
     r->m = (float*)xcalloc(n, sizeof(float), "host AdamW m");
     r->v = (float*)xcalloc(n, sizeof(float), "host AdamW v");
     r->inputs = (int*)xmalloc(bt * sizeof(int), "batch inputs");
     r->targets = (int*)xmalloc(bt * sizeof(int), "batch targets");
-    for (i = 0; i < c->sample.n_prompts; i++) {
-        int len = c->sample.prompt_start[i + 1] - c->sample.prompt_start[i];
-        if (len > longest_prompt) longest_prompt = len;
-    }
-    r->sample_seq = (int*)xmalloc((size_t)(longest_prompt + c->sample.tokens) * sizeof(int), "sample tokens");
+    r->sample_tokens = (int*)xmalloc((size_t)c->sample.tokens * sizeof(int), "sample tokens");
     r->logits = (float*)xmalloc((size_t)c->model.vocab_size * sizeof(float), "sample logits");
-    r->k_eff = (c->sample.top_k == 0 || c->sample.top_k > c->model.vocab_size) ? c->model.vocab_size : c->sample.top_k;
-    r->topk_idx = (int*)xmalloc((size_t)r->k_eff * sizeof(int), "top-k ids");
-    r->topk_val = (float*)xmalloc((size_t)r->k_eff * sizeof(float), "top-k logits");
+    sampler_init(&r->sampler, c->model.vocab_size);
 }
 
 static void run_free(Run* r) {
     free(r->params); free(r->m); free(r->v); free(r->inputs); free(r->targets);
-    free(r->sample_seq); free(r->logits); free(r->topk_idx); free(r->topk_val);
+    free(r->sample_tokens); free(r->logits);
+    sampler_free(&r->sampler);
     free(r->cfg.sample.prompt_tokens);
     dataset_close(&r->train);
     if (r->val.n_shards) dataset_close(&r->val);
@@ -388,6 +356,76 @@ static int train_main(int argc, char** argv) {
     }
     run_finish(r, r->cfg.train.steps, "finished");
     return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* --evaluate (docs/DESIGN.md §5a) */
+
+/* The mean loss over every whole non-overlapping window of the validation shards, in order, one
+ * window per forward (the engine is set up with batch size 1). */
+static double eval_all_windows(Run* r, uint64_t* windows) {
+    const Config* c = &r->cfg;
+    double sum = 0.0;
+    uint64_t w;
+    *windows = dataset_sequential_windows(&r->val, c->model.seq_len);
+    if (*windows == 0)
+        die_input("data.val: no shard holds a whole window of %d tokens (model.seq_len + 1)", c->model.seq_len + 1);
+    for (w = 0; w < *windows; w++) {
+        fill_sequential_window(&r->val, w, c->model.seq_len, r->inputs, r->targets);
+        sum += engine_forward_loss(r->inputs, r->targets);
+    }
+    return sum / (double)*windows;
+}
+
+/* --evaluate: the loss of --checkpoint on --data.val as one JSON line
+ * {"loss":L,"tokens":N,"batches":n}. With eval.batches n > 0 it is run_eval's figure: the training
+ * loop's val_loss on the same batches (seed, batch size and precision from the sidecar), bit for
+ * bit on the same engine; with 0 it is the mean over every whole window (eval_all_windows). */
+static int evaluate_main(int argc, char** argv) {
+    static Run run; /* static: Config holds paths */
+    Run* r = &run;
+    Config* c = &r->cfg;
+    uint64_t batches;
+    double loss;
+    char b[32];
+    config_parse_for_checkpoint(c, argc, argv);
+    param_layout_init(&r->layout, c);
+    ckpt_check(c->checkpoint.path, r->layout.n_params); /* before any large allocation */
+    if (c->eval.batches == 0) c->train.batch_size = 1;
+    dataset_open(&r->val, c->data.val, "data.val", c->model.vocab_size, c->model.seq_len);
+    r->inputs = (int*)xmalloc((size_t)c->train.batch_size * c->model.seq_len * sizeof(int), "batch inputs");
+    r->targets = (int*)xmalloc((size_t)c->train.batch_size * c->model.seq_len * sizeof(int), "batch targets");
+    g_quiet_events = 1; /* stdout is the one result line */
+    engine_setup(c);
+    load_weights(c, r->layout.n_params);
+    if (strcmp(engine_compute_precision(c), c->train.precision) != 0)
+        info("note: the %s engine computes in %s (train.precision %s was asked for)", engine_name(),
+             engine_compute_precision(c), c->train.precision);
+    if (c->eval.batches > 0) {
+        loss = run_eval(r);
+        batches = (uint64_t)c->eval.batches;
+    } else {
+        loss = eval_all_windows(r, &batches);
+    }
+    fprintf(stdout, "{\"loss\":%s,\"tokens\":%llu,\"batches\":%llu", json_num(b, sizeof b, loss),
+            (unsigned long long)(batches * (uint64_t)c->train.batch_size * (uint64_t)c->model.seq_len),
+            (unsigned long long)batches);
+    jline_end();
+    engine_shutdown();
+    run_free(r);
+    return 0;
+}
+
+/* main() of both engines: --generate (generate.h), --evaluate, or training. */
+static int engine_main(int argc, char** argv) {
+    int i;
+    for (i = 1; i < argc; i++) {
+        int generate = strcmp(argv[i], "--generate") == 0, evaluate = strcmp(argv[i], "--evaluate") == 0;
+        if (generate || evaluate) signals_unblock();
+        if (generate) return generate_main(argc, argv);
+        if (evaluate) return evaluate_main(argc, argv);
+    }
+    return train_main(argc, argv);
 }
 
 #endif

@@ -1,0 +1,181 @@
+"""Runs read from disk, for serving a directory of runs without training (`--serve DIR`).
+
+DIR is a run directory (it holds <name>.loss.json) or a directory of them (runs/<name>/...). Each
+run is followed as its files change, so runs that other proxies are training show up live: the
+loss log is indexed as it grows (only complete lines), the state and samples are re-read when
+their files change. Nothing is ever written, except the dashboard token (proxy_server.load_token).
+"""
+import json
+import os
+import threading
+import time
+from array import array
+
+from microgpt.loss_log import LossLog
+
+LOSS_SUFFIX = ".loss.json"
+REFRESH_SECONDS = 0.2  # files are looked at no more often than this, whatever the clients ask
+SCAN_SECONDS = 2.0  # new runs in the directory appear within this
+SCAN_DEPTH = 2  # DIR/<name>.loss.json or DIR/<run>/<name>.loss.json
+READ_BYTES = 1 << 22  # a log is indexed this much at a time (records are a few hundred bytes)
+
+
+class LogFollower:
+    """A loss log written by someone else (microgpt/loss_log.py's layout), indexed by complete
+    lines as it grows. It keeps what LossLog.read_json reads (starts, end, fd, lock), so records
+    are served by the same code, as raw bytes."""
+
+    read_json = LossLog.read_json
+
+    def __init__(self, path):
+        self.path = path
+        self.lock = threading.Lock()
+        self.fd = None
+        self.ident = None  # (device, inode): a log replaced by a repair is indexed again
+
+    def _reopen(self):
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        st = os.fstat(self.fd)
+        self.ident = (st.st_dev, st.st_ino)
+        self.starts = array("q")  # byte offset where each record's line starts
+        self.end = 0  # offset just after the last indexed record's "}"
+        self.scanned = 0  # offset of the first byte not yet indexed
+
+    def refresh(self):
+        try:
+            st = os.stat(self.path)
+            with self.lock:
+                if (st.st_dev, st.st_ino) != self.ident:
+                    self._reopen()
+                size = os.fstat(self.fd).st_size
+                if size < self.scanned:  # cut back (a torn tail repaired in place)
+                    self._reopen()
+                while self.scanned < size:  # in bounded pieces: a big log costs no big buffer
+                    before = self.scanned
+                    self._index(os.pread(self.fd, min(size - self.scanned, READ_BYTES), self.scanned))
+                    if self.scanned == before:  # a write under way: its line is looked at next time
+                        break
+        except FileNotFoundError:
+            return
+
+    def _index(self, data):
+        """Index the complete record lines of data (which starts at self.scanned). A record line is
+        {"live":...} followed by ",\n" or by "\n]" (the last one); anything shorter is a write
+        still under way, looked at again next time."""
+        pos = 0
+        while True:
+            nl = data.find(b"\n", pos)
+            if nl < 0:
+                break
+            line = data[pos:nl]
+            if line.startswith(b'{"live":'):
+                record = line.rstrip(b",")
+                last = not line.endswith(b",")
+                if not record.endswith(b"}") or (last and not data.startswith(b"]", nl + 1)):
+                    break
+                self.starts.append(self.scanned + pos)
+                self.end = self.scanned + pos + len(record)
+            elif line not in (b"[", b""):  # "" where an append replaced the closing "\n]"
+                break
+            pos = nl + 1
+        self.scanned += pos
+
+    def __len__(self):
+        return len(self.starts) if self.fd is not None else 0
+
+
+def _read_json_file(path, kind):
+    """A JSON file's value if it is of the expected kind (dict or list), else an empty one."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return kind()
+    return value if isinstance(value, kind) else kind()
+
+
+def _checked(attr):
+    """A RunView attribute read after a look at whether the run's files changed."""
+    def get(view):
+        view._refresh()
+        return getattr(view, attr)
+    return property(get)
+
+
+class RunView:
+    """One run on disk: state, samples and log, with the counters the live stream watches."""
+
+    def __init__(self, loss_path):
+        self.dir = os.path.dirname(loss_path)
+        self.name = os.path.basename(loss_path)[:-len(LOSS_SUFFIX)]
+        base = os.path.join(self.dir, self.name)
+        self._log = LogFollower(loss_path)
+        self._files = {"state": (base + ".state.json", dict), "samples": (base + ".samples.json", list)}
+        self._seen = {}  # file -> (inode, size, mtime) when last read
+        self._state, self._samples = {}, []
+        self._state_version = self._samples_version = 0
+        self._looked = 0.0
+        self._lock = threading.Lock()
+
+    def _refresh(self):
+        with self._lock:
+            now = time.monotonic()
+            if now - self._looked < REFRESH_SECONDS:
+                return
+            self._looked = now
+            for key, (path, kind) in self._files.items():
+                try:
+                    st = os.stat(path)
+                    sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+                except OSError:
+                    sig = None
+                if sig != self._seen.get(key):
+                    self._seen[key] = sig
+                    setattr(self, f"_{key}", _read_json_file(path, kind))
+                    setattr(self, f"_{key}_version", getattr(self, f"_{key}_version") + 1)
+            self._log.refresh()
+
+    log = _checked("_log")
+    state = _checked("_state")
+    samples = _checked("_samples")
+    state_version = _checked("_state_version")
+    samples_version = _checked("_samples_version")
+
+
+class RunDirectory:
+    """Every run under root, found again every SCAN_SECONDS; read-only."""
+
+    controllable = False
+
+    def __init__(self, root):
+        self.root = os.path.realpath(root)
+        self._runs = {}
+        self._scanned = 0.0
+        self._lock = threading.Lock()
+
+    def _scan(self):
+        with self._lock:
+            if time.monotonic() - self._scanned < SCAN_SECONDS:
+                return
+            self._scanned = time.monotonic()
+            for d, dirs, names in os.walk(self.root):
+                depth = os.path.relpath(d, self.root).count(os.sep) + (d != self.root)
+                dirs[:] = sorted(x for x in dirs if x != "archive" and depth + 1 < SCAN_DEPTH)
+                for n in sorted(names):
+                    if n.endswith(LOSS_SUFFIX) and len(n) > len(LOSS_SUFFIX):
+                        path = os.path.join(d, n)
+                        run_id = os.path.relpath(path, self.root)[:-len(LOSS_SUFFIX)]
+                        if run_id not in self._runs:
+                            self._runs[run_id] = RunView(path)
+
+    def listing(self):
+        self._scan()
+        return [{"id": run_id, "name": run.name} for run_id, run in sorted(self._runs.items())]
+
+    def get(self, run_id):
+        self._scan()
+        if run_id is None:
+            return next(iter(self._runs.values())) if len(self._runs) == 1 else None
+        return self._runs.get(run_id)

@@ -1,0 +1,304 @@
+"""The dashboard's server (docs/DESIGN.md §5) against an adversary: the token on every read, no
+wildcard CORS, the Host check beyond loopback, bounded connections and streams, stalled clients
+dropped, a NUL in a path; and `--serve DIR` following runs on disk. Most tests serve a directory of
+runs in this process (microgpt/run_view.py); one runs the real proxy and CPU engine."""
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from proxy_util import PROXY, Proxy, ProxyFixtureDir, proxy_env
+
+from microgpt import proxy_server, run_view
+from microgpt.loss_log import LossLog
+
+
+def make_run(root, name, n, state=None):
+    """A run directory root/name with n train records, a state and samples."""
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    log = LossLog(str(d / f"{name}.loss.json"))
+    log.append([{"step": i, "loss": 5.0 / i ** 0.3, "lr": 1e-3, "grad_norm": 1.0, "tokens": 64 * i,
+                 "elapsed": 0.01 * i, "tokens_per_s": 6400.0} for i in range(1, n + 1)])
+    (d / f"{name}.state.json").write_text(json.dumps(state or {"name": name, "status": "finished",
+                                                               "step": n, "steps": n}))
+    (d / f"{name}.samples.json").write_text(json.dumps([{"step": n, "prompt": "A", "text": "bc"}]))
+    return log
+
+
+@pytest.fixture
+def served_dir(tmp_path):
+    """`--serve DIR` on two runs, in this process: (server, root)."""
+    root = tmp_path / "runs"
+    make_run(root, "alpha", 300)
+    make_run(root, "beta", 200)
+    server = proxy_server.start_for_directory(str(root), "127.0.0.1", 0, None)
+    yield server, root
+    server.shutdown()
+
+
+def get(server, path, token=True, **kw):
+    headers = kw.pop("headers", {})
+    if token:
+        headers["X-Run-Token"] = server.token
+    return requests.get(server.url + path, headers=headers, timeout=10, **kw)
+
+
+def test_every_read_needs_the_token(served_dir):
+    server, _ = served_dir
+    reads = ["api/runs", "api/state?run=alpha/alpha", "api/samples?run=alpha/alpha",
+             "api/records?run=alpha/alpha", "files/", "files/alpha/alpha.loss.json"]
+    for path in reads:
+        assert get(server, path, token=False).status_code == 403, path
+        assert get(server, path, token=False, headers={"X-Run-Token": "x" * 24}).status_code == 403, path
+        assert get(server, path).status_code == 200, path
+        # ?token= works where a header cannot be set (EventSource)
+        sep = "&" if "?" in path else "?"
+        assert get(server, f"{path}{sep}token={server.token}", token=False).status_code == 200, path
+    stream = get(server, "api/stream?run=alpha/alpha", token=False, stream=True)
+    assert stream.status_code == 403
+    # The page itself holds no data (on loopback it loads and asks for the token).
+    page = get(server, "", token=False)
+    assert page.status_code == 200 and "<canvas" in page.text
+
+
+def test_no_wildcard_cors(served_dir):
+    server, _ = served_dir
+    for origin in ("http://evil.example", "https://127.0.0.1.evil.example", "http://localhost:1"):
+        r = get(server, "api/state?run=alpha/alpha", headers={"Origin": origin})
+        assert "Access-Control-Allow-Origin" not in r.headers, origin
+    # A page opened from disk (origin "null", or "file://") may read, with the token like anyone else.
+    for origin in ("null", "file://"):
+        r = get(server, "api/state?run=alpha/alpha", headers={"Origin": origin})
+        assert r.headers["Access-Control-Allow-Origin"] == origin and r.json()["name"] == "alpha"
+    assert get(server, "api/state?run=alpha/alpha", token=False,
+               headers={"Origin": "null"}).status_code == 403
+
+
+def test_the_page_may_run_only_its_own_script(served_dir):
+    server, _ = served_dir
+    policy = get(server, "").headers["Content-Security-Policy"]
+    assert "script-src 'sha256-" in policy and "unsafe-inline" not in policy.split("script-src")[1].split(";")[0]
+    assert "connect-src 'self'" in policy
+
+
+def test_a_nul_byte_in_a_file_path_is_a_clean_404(served_dir):
+    server, _ = served_dir
+    for path in ("files/%00", "files/alpha/alpha.loss.json%00", "files/%00/../../etc/passwd"):
+        assert get(server, path).status_code == 404, path
+
+
+def test_the_token_is_stable_and_owner_only(tmp_path):
+    root = tmp_path / "runs"
+    make_run(root, "alpha", 5)
+    tokens = []
+    for _ in range(2):
+        server = proxy_server.start_for_directory(str(root), "127.0.0.1", 0, None)
+        tokens.append(server.token)
+        server.shutdown()
+    assert tokens[0] == tokens[1] and len(tokens[0]) >= 16
+    path = root / proxy_server.TOKEN_FILE
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.stat().st_uid == os.getuid()
+    path.chmod(0o644)  # readable by others: no longer a secret, so it is replaced
+    assert proxy_server.load_token(str(root)) != tokens[0]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    # Not a file at all, in a directory that cannot take a new one: a token for this process only,
+    # with a warning, never a traceback.
+    path.unlink()
+    path.mkdir()
+    assert len(proxy_server.load_token(str(root))) >= 16 and path.is_dir()
+
+
+def test_a_non_loopback_host_warns_and_needs_the_token_everywhere(tmp_path, capsys):
+    root = tmp_path / "runs"
+    make_run(root, "alpha", 5)
+    server = proxy_server.start_for_directory(str(root), "127.0.0.2", 0, None)
+    try:
+        assert "WARNING: --host 127.0.0.2 is not loopback" in capsys.readouterr().err
+        port = server.url.rstrip("/").rsplit(":", 1)[1]
+        assert get(server, "", token=False).status_code == 403  # the page too
+        assert get(server, "").status_code == 200
+        for host in ("evil.example", "127.0.0.2.nip.io", f"attacker.example:{port}"):
+            assert get(server, "api/runs", headers={"Host": host}).status_code == 403, host
+        for host in (f"127.0.0.2:{port}", f"localhost:{port}", socket.gethostname()):
+            assert get(server, "api/runs", headers={"Host": host}).status_code == 200, host
+    finally:
+        server.shutdown()
+
+
+def test_the_served_directory_follows_runs_on_disk(served_dir):
+    server, root = served_dir
+    assert [r["name"] for r in get(server, "api/runs").json()] == ["alpha", "beta"]
+    assert get(server, "api/records?run=beta/beta&from=198").json()["next"] == 200
+    assert get(server, "api/records").status_code == 404  # two runs: say which
+    # Another proxy appends and starts a run: both show up.
+    log = LossLog(str(root / "beta" / "beta.loss.json"))
+    log.append([{"step": 201, "loss": 1.0}])
+    make_run(root, "gamma", 3)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        msg = get(server, "api/records?run=beta/beta&from=199").json()
+        if msg["total"] == 201 and len(get(server, "api/runs").json()) == 3:
+            break
+        time.sleep(0.1)
+    assert [r["step"] for r in msg["records"]] == [200, 201]
+    assert get(server, "api/state?run=gamma/gamma").json()["name"] == "gamma"
+    # Read-only: no controls.
+    assert requests.post(server.url + "api/stop", headers={"X-Run-Token": server.token},
+                         timeout=10).status_code == 405
+
+
+def test_a_state_file_of_the_wrong_type_is_served_as_empty(served_dir):
+    server, root = served_dir
+    (root / "alpha" / "alpha.state.json").write_text("null")
+    (root / "alpha" / "alpha.samples.json").write_text('{"not": "a list"}')
+    time.sleep(0.3)  # past run_view.REFRESH_SECONDS
+    assert get(server, "api/state?run=alpha/alpha").json() == {}
+    assert get(server, "api/samples?run=alpha/alpha").json() == []
+
+
+def open_stream(server, run="alpha/alpha", rcvbuf=None):
+    """A raw stream request that is never read: (socket, status line)."""
+    host, port = server.url.split("/")[2].split(":")
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect((host, int(port)))
+    s.sendall(f"GET /api/stream?run={run}&token={server.token} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n"
+              .encode())
+    return s, s.recv(64).split(b"\r\n")[0]
+
+
+def test_streams_and_connections_are_bounded(served_dir):
+    server, _ = served_dir
+    before = threading.active_count()
+    held = [open_stream(server) for _ in range(proxy_server.MAX_STREAMS)]
+    try:
+        assert all(b" 200 " in line for _, line in held)
+        assert b" 503 " in open_stream(server)[1]  # one stream too many
+        idle = []
+        for _ in range(3 * proxy_server.MAX_CONNECTIONS):  # connections that never send a request
+            c = socket.create_connection(server.url.split("/")[2].split(":"))
+            idle.append(c)
+        time.sleep(0.5)
+        # one thread per connection, and no more than MAX_CONNECTIONS of them
+        assert threading.active_count() - before <= proxy_server.MAX_CONNECTIONS
+        for c in idle:
+            c.close()
+    finally:
+        for s, _ in held:
+            s.close()
+
+
+def test_a_client_that_stops_reading_is_dropped(tmp_path, monkeypatch):
+    """A stream whose client takes nothing fills the socket buffers; after SEND_TIMEOUT_SECONDS the
+    server drops it and its slot is free again. Enough records that the buffers fill."""
+    monkeypatch.setattr(proxy_server._RequestHandler, "timeout", 1)
+    root = tmp_path / "runs"
+    make_run(root, "big", 150000)  # ~18 MB of records: more than the socket buffers hold
+    server = proxy_server.start_for_directory(str(root), "127.0.0.1", 0, None)
+    try:
+        stalled = [open_stream(server, "big/big", rcvbuf=4096) for _ in range(proxy_server.MAX_STREAMS)]
+        assert all(b" 200 " in line for _, line in stalled)
+        deadline = time.monotonic() + 60
+        status = b""
+        while time.monotonic() < deadline:
+            s, status = open_stream(server, "big/big")
+            s.close()
+            if b" 200 " in status:
+                break
+            time.sleep(0.2)
+        assert b" 200 " in status, "stalled streams were never dropped"
+        for s, _ in stalled:
+            s.close()
+    finally:
+        server.shutdown()
+
+
+def test_clients_that_never_read_do_not_hold_up_training(tmp_path, cpu_binary):
+    """The real proxy and engine, and far more clients than it serves, none of which reads: the
+    proxy keeps its threads bounded and keeps recording the engine's steps."""
+    exp = ProxyFixtureDir(tmp_path)
+    p = Proxy.start(exp.config(steps=10**6, checkpoint={"every": 0}), exp.run_dir, cpu_binary)
+    try:
+        url, token = p.url_and_token()
+        host, port = url.split("/")[2].split(":")
+        p.wait_state(lambda s: s.get("step", 0) >= 5)
+        clients = []
+        for i in range(300):
+            c = socket.create_connection((host, int(port)))
+            if i < 2 * proxy_server.MAX_STREAMS:
+                c.sendall(f"GET /api/stream?token={token} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            clients.append(c)
+        step = p.state()["step"]
+        p.wait_state(lambda s: s["step"] >= step + 200, timeout=120)
+        threads = len(os.listdir(f"/proc/{p.proc.pid}/task"))
+        assert threads <= proxy_server.MAX_CONNECTIONS + 10, threads
+        for c in clients:
+            c.close()
+        assert p.stop() == 0
+        assert [r["step"] for r in exp.loss() if r.get("loss") is not None][-1] >= step + 200
+        assert (exp.run_dir / proxy_server.TOKEN_FILE).read_text().strip() == token
+    finally:
+        p.kill()
+
+
+def test_the_log_follower_serves_only_complete_records(tmp_path, monkeypatch):
+    """`--serve` reads logs that another process is writing: a record counts once its line is
+    whole, a log read in small pieces is the same log, and a log replaced by a repair is indexed
+    again."""
+    monkeypatch.setattr(run_view, "READ_BYTES", 97)  # lines cross every piece's edge
+    path = tmp_path / "x.loss.json"
+    log = LossLog(str(path))
+    log.append([{"step": i, "loss": 1.0 / i, "note": "é" * (i % 5)} for i in range(1, 40)])
+    follower = run_view.LogFollower(str(path))
+    follower.refresh()
+    whole = json.loads(path.read_bytes())
+    assert len(follower) == 39 and json.loads(follower.read_json(0, 100)[0]) == whole
+    # An append caught half-written: ",\n{record" without its end, then the rest.
+    data = path.read_bytes()
+    torn = data[:-2] + b',\n{"live":1,"step":40,"lo'
+    path.write_bytes(torn)
+    follower.refresh()
+    assert len(follower) == 39
+    path.write_bytes(data[:-2] + b',\n{"live":1,"step":40,"loss":0.025}\n]')
+    follower.refresh()
+    assert len(follower) == 40 and json.loads(follower.read_json(38, 5)[0])[-1]["step"] == 40
+    # Replaced (a new inode, as a repair writes it): indexed from scratch.
+    fresh = tmp_path / "fresh.json"
+    fresh.write_bytes(b'[\n{"live":1,"step":1,"loss":2.0}\n]')
+    os.replace(fresh, path)
+    follower.refresh()
+    assert json.loads(follower.read_json(0, 10)[0]) == [{"live": 1, "step": 1, "loss": 2.0}]
+
+
+def test_serve_dir_from_the_command_line(tmp_path):
+    """`training_proxy.py --serve DIR`: one line with the URL, the runs listed, Ctrl-C ends it;
+    a config and --serve together, or neither, or a DIR that is not one, is a usage error."""
+    root = tmp_path / "runs"
+    make_run(root, "alpha", 10)
+    make_run(root, "beta", 10)
+    proc = subprocess.Popen([sys.executable, str(PROXY), "--serve", str(root), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=proxy_env())
+    try:
+        line = proc.stdout.readline()
+        assert "serving 2 runs of" in line and "read-only" in line, line
+        url, token = line.split(": ", 1)[1].strip().split("?token=")
+        runs = requests.get(url + "api/runs", headers={"X-Run-Token": token}, timeout=10).json()
+        assert [r["name"] for r in runs] == ["alpha", "beta"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    for args in (["cfg.json", "--serve", str(root)], [], ["--serve", str(root / "alpha" / "alpha.loss.json")]):
+        res = subprocess.run([sys.executable, str(PROXY), *args], capture_output=True, text=True,
+                             env=proxy_env(), timeout=60)
+        assert res.returncode == 2 and "error:" in res.stderr and "Traceback" not in res.stderr, args
