@@ -6,7 +6,7 @@
  * (QKV, attention output, MLP up and down) read FP8-emulated operands: each operand is cast to
  * E4M3 (weights, activations) or E5M2 (activation gradients) with its per-tensor current scale and
  * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
- * reference for the GPU's FP8 products (docs/DESIGN.md §14). Every other precision computes fp32
+ * reference for the GPU's FP8 products (docs/DESIGN.md §17). Every other precision computes fp32
  * (and says so). Every buffer is allocated once in engine_setup, sized for B·T positions;
  * smaller calls (one prompt of len tokens in engine_prefill) reuse the same buffers. Results are
  * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation

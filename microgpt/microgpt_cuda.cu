@@ -21,7 +21,7 @@
  *         and down): FP8 tensor-core products (cuda/fp8.cuh) of operands cast per tensor at their
  *         current scale, E4M3 weights and activations, E5M2 activation gradients, fp32
  *         accumulation, bf16 activations and fp32 weight gradients out. The classifier stays bf16.
- *         Needs compute capability 8.9 or newer. docs/DESIGN.md §14.
+ *         Needs compute capability 8.9 or newer. docs/DESIGN.md §17.
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
