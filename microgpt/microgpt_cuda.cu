@@ -735,7 +735,7 @@ static size_t engine_setup(const Config* cfg) {
     E.slots = config_kv_slots(cfg);
     /* FP8 products need every dimension they touch a multiple of 16: d_model, d_ff and the B·T rows
      * (generation's prefill and decode run without them, see forward) */
-    if (E.use_fp8 && (E.C % 16 || E.F % 16 || E.N % 16))
+    if (E.use_fp8 && !cfg->generate.enabled && (E.C % 16 || E.F % 16 || E.N % 16))
         die_input("train.precision fp8 needs model.d_model, model.d_ff and train.batch_size x model.seq_len to be "
                   "multiples of 16 (FP8 products contract over them); got %d, %d and %d", E.C, E.F, E.N);
     param_layout_init(&E.layout, cfg);
