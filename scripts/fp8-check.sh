@@ -22,52 +22,9 @@
 # The last lines (also in $OUT/summary.log) say which stages passed; exit status 1 if any failed.
 # shellcheck disable=SC2317  # stage functions are called indirectly, through run_stage
 set -u -o pipefail
-cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-./fp8-out}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-DATA=$(mktemp -d /tmp/andrea-fp8-check.XXXXXX)
-trap 'rm -rf "$DATA"' EXIT
-command -v nvcc >/dev/null 2>&1 || export PATH="/usr/local/cuda/bin:$PATH"
-PY=${PYTHON:-python3}
-RESULTS=()
-FAILED=0
-
-run_stage() {
-    local name=$1 fn=$2 t0 rc
-    t0=$(date +%s)
-    echo "=== stage $name ($(date -u +%H:%M:%S) UTC)" | tee "$OUT/$name.log"
-    "$fn" 2>&1 | tee -a "$OUT/$name.log"
-    rc=${PIPESTATUS[0]}
-    local secs=$(( $(date +%s) - t0 ))
-    if [ "$rc" -eq 0 ]; then RESULTS+=("PASS  $name  (${secs}s)"); else RESULTS+=("FAIL  $name  (${secs}s, status $rc, see $OUT/$name.log)"); FAILED=1; fi
-    echo "=== stage $name: status $rc after ${secs}s" | tee -a "$OUT/$name.log"
-}
-
-run_cmd() {
-    local limit=$1 rc
-    shift
-    echo "+ $*"
-    timeout -k 10 "$limit" "$@"
-    rc=$?
-    [ "$rc" -eq 124 ] && echo "!! timed out after ${limit}s: $*"
-    [ "$rc" -ne 0 ] && echo "!! status $rc: $*"
-    return "$rc"
-}
-
-gpu_arch() { nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .'; }
-
-# Random-token shard: $1 prefix, $2 vocabulary, $3 tokens.
-make_shard() {
-    "$PY" - "$DATA" "$1" "$2" "$3" <<'EOF'
-import sys
-import numpy as np
-sys.path.insert(0, ".")
-from microgpt.shards import write_shard
-d, prefix, vocab, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-write_shard(f"{d}/{prefix}_000000.bin", np.random.default_rng(7).integers(0, vocab, n))
-EOF
-}
+# shellcheck source=scripts/check-lib.sh
+. "$(dirname "$0")/check-lib.sh"
+check_init fp8-check ./fp8-out
 
 stage_build() {
     local arch
@@ -109,8 +66,6 @@ stage_sanitizer() {
     return "$rc"
 }
 
-M12=(--model.n_layer 6 --model.d_model 192 --model.n_head 6 --model.d_ff 768 --model.seq_len 512)
-M120=(--model.n_layer 12 --model.d_model 768 --model.n_head 12 --model.d_ff 3072 --model.seq_len 1024)
 VOCAB=(--model.vocab_size 50259 --model.padded_vocab_size 50304 --train.batch_size 8)
 
 # Median ms/step (after 10 warm-up steps) and the loss of the runs NAME... ($DATA/NAME.jsonl) into $1.
@@ -193,13 +148,4 @@ EOF
     return "$rc"
 }
 
-STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(build kernel_check pytest sanitizer timing quality)
-for s in "${STAGES[@]}"; do
-    case "$s" in
-    build | kernel_check | pytest | sanitizer | timing | quality) run_stage "$s" "stage_$s" ;;
-    *) echo "error: unknown stage '$s' (build kernel_check pytest sanitizer timing quality)"; exit 2 ;;
-    esac
-done
-printf '%s\n' "${RESULTS[@]}" | tee -a "$OUT/summary.log"
-exit "$FAILED"
+run_stages "build kernel_check pytest sanitizer timing quality" "" "$@"

@@ -6,7 +6,6 @@ The same casts are checked against the GPU's conversion instruction on all 2^32 
 tests/kernel_check.cu; the GPU engine's fp8 runs against this CPU emulation in tests/test_gpu.py.
 """
 import ctypes
-import signal
 import subprocess
 
 import numpy as np
@@ -198,14 +197,5 @@ def test_cpu_engine_trains_fp8_emulated_and_says_so(cpu_binary, random_shards):
 
 def test_cpu_engine_resumes_fp8_exactly(cpu_binary, random_shards, tmp_path):
     args = tiny_args(random_shards.train, random_shards.val, **FP8_RUN)
-    ref_ckpt, ckpt = tmp_path / "ref.ckpt", tmp_path / "run.ckpt"
-    ref = run_ok(cpu_binary, args + ["--checkpoint", ref_ckpt])
-    first = eu.run_with_signal(cpu_binary, args + ["--checkpoint", ckpt], signal.SIGTERM, 3)
-    assert first.rc == 0 and first.exit_event["reason"] == "signal", first.describe()
-    k = first.exit_event["step"]
-    assert 3 <= k < FP8_RUN["train.steps"], f"the signal landed at step {k}"
-    second = run_ok(cpu_binary, args + ["--checkpoint", ckpt, "--resume"])
-    assert [r["step"] for r in second.steps] == list(range(k + 1, FP8_RUN["train.steps"] + 1))
-    assert eu.merged_exact_records(first, second) == eu.exact_records(ref)
-    assert ckpt.read_bytes() == ref_ckpt.read_bytes(), "final checkpoints differ"
+    _, ckpt = eu.check_exact_resume_after_sigterm(cpu_binary, args, FP8_RUN["train.steps"], tmp_path)
     assert read_checkpoint(ckpt).step == FP8_RUN["train.steps"]

@@ -27,7 +27,6 @@ The engines are compared on tiny configurations with small vocabularies, in seco
 import json
 import os
 import shutil
-import signal
 import subprocess
 
 import numpy as np
@@ -173,16 +172,7 @@ RESUME = {"train.steps": 400, "train.lr": 3e-3, "train.warmup_steps": 3, "eval.e
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp8"])
 def test_exact_resume_after_sigterm(cuda_binary, random_shards, tmp_path, precision):
     args = tiny_args(random_shards.train, random_shards.val, **{**RESUME, "train.precision": precision})
-    ref_ckpt, ckpt = tmp_path / "ref.ckpt", tmp_path / "run.ckpt"
-    ref = run_ok(cuda_binary, args + ["--checkpoint", ref_ckpt])
-    first = eu.run_with_signal(cuda_binary, args + ["--checkpoint", ckpt], signal.SIGTERM, 3)
-    assert first.rc == 0 and first.exit_event["reason"] == "signal", first.describe()
-    k = first.exit_event["step"]
-    assert 3 <= k < RESUME["train.steps"], f"the signal landed at step {k}"
-    second = run_ok(cuda_binary, args + ["--checkpoint", ckpt, "--resume"])
-    assert [r["step"] for r in second.steps] == list(range(k + 1, RESUME["train.steps"] + 1))
-    assert eu.merged_exact_records(first, second) == eu.exact_records(ref)
-    assert ckpt.read_bytes() == ref_ckpt.read_bytes(), "final checkpoints differ"
+    ref_ckpt, ckpt = eu.check_exact_resume_after_sigterm(cuda_binary, args, RESUME["train.steps"], tmp_path)
     assert read_sidecar(ckpt)["loss_scale"] == read_sidecar(ref_ckpt)["loss_scale"]
 
 

@@ -130,9 +130,7 @@ struct Fp8GemmKey {
 
 struct Fp8GemmPlan {
     Fp8GemmKey key;
-    cublasLtMatmulDesc_t desc;
-    cublasLtMatrixLayout_t a, b, d;
-    cublasLtMatmulAlgo_t algo;
+    LtPlan lt; /* its descriptors and algorithm (its LtKey unused) */
 };
 
 #define FP8_MAX_PLANS 64
@@ -140,13 +138,7 @@ static Fp8GemmPlan g_fp8_plans[FP8_MAX_PLANS];
 static int g_fp8_n_plans = 0;
 
 static void fp8_plans_clear(void) {
-    for (int i = 0; i < g_fp8_n_plans; i++) {
-        Fp8GemmPlan* p = &g_fp8_plans[i];
-        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->a));
-        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->b));
-        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->d));
-        CUBLAS_CHECK(cublasLtMatmulDescDestroy(p->desc));
-    }
+    for (int i = 0; i < g_fp8_n_plans; i++) lt_plan_destroy(&g_fp8_plans[i].lt);
     g_fp8_n_plans = 0;
 }
 
@@ -155,25 +147,17 @@ static void fp8_plans_clear(void) {
 static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
     cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
     cudaDataType_t dt = (cudaDataType_t)key->d_type;
+    LtPlan* lt = &p->lt;
     p->key = *key;
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t);
-    lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof op_n);
-    p->a = lt_layout(fp8_dtype(key->b_fmt), key->N, key->K, key->K, key->batch, key->stride_b);
-    p->b = lt_layout(fp8_dtype(key->a_fmt), key->M, key->K, key->K, key->batch, key->stride_a);
-    p->d = lt_layout(dt, key->M, key->N, key->N, key->batch, key->stride_d);
-    cublasLtMatmulPreference_t pref;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    uint64_t ws = g_gemm_workspace_bytes;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key->align_b);
-    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key->align_a);
-    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key->align_c);
-    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key->align_d);
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&lt->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t);
+    lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof op_n);
+    lt->a = lt_layout(fp8_dtype(key->b_fmt), key->N, key->K, key->K, key->batch, key->stride_b);
+    lt->b = lt_layout(fp8_dtype(key->a_fmt), key->M, key->K, key->K, key->batch, key->stride_a);
+    lt->d = lt_layout(dt, key->M, key->N, key->N, key->batch, key->stride_d);
     cublasLtMatmulHeuristicResult_t res;
     int found = 0;
-    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g_cublaslt, p->desc, p->a, p->b, p->d, p->d, pref, 1, &res, &found);
-    CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+    cublasStatus_t st = lt_heuristic(lt, key->align_b, key->align_a, key->align_c, key->align_d, 1, &res, &found);
     if (st != CUBLAS_STATUS_SUCCESS || found < 1) {
         fprintf(stderr,
                 "error: cuBLASLt has no FP8 algorithm for D[%d,%d] (%s) = A[%d,%d] (%s) B[%d,%d] (%s), batch %d "
@@ -182,7 +166,8 @@ static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
                 key->K, key->N, key->b_fmt ? "e5m2" : "e4m3", key->batch, (int)st);
         exit(1);
     }
-    p->algo = res.algo;
+    lt->algo = res.algo;
+    lt->ok = true;
 }
 
 static Fp8GemmPlan* fp8_plan(const Fp8GemmKey* key) {
@@ -218,7 +203,7 @@ static void fp8_gemm(int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD* D, const TD* 
     key.stride_a = A.stride, key.stride_b = Bt.stride, key.stride_d = stride_d;
     key.align_a = lt_alignment(A.p), key.align_b = lt_alignment(Bt.p);
     key.align_c = lt_alignment(C ? C : D), key.align_d = lt_alignment(D);
-    Fp8GemmPlan* p = fp8_plan(&key);
+    LtPlan* p = &fp8_plan(&key)->lt;
     const float* a_descale = &Bt.sc->descale; /* cuBLASLt's A is our Bt */
     const float* b_descale = &A.sc->descale;
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_descale, sizeof a_descale);
