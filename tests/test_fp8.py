@@ -13,6 +13,7 @@ import pytest
 
 import engine_util as eu
 from engine_util import run_ok, tiny_args
+from proxy_util import ProxyFixtureDir, live_train, run_to_end
 
 from microgpt.checkpoint import read_checkpoint
 
@@ -199,3 +200,18 @@ def test_cpu_engine_resumes_fp8_exactly(cpu_binary, random_shards, tmp_path):
     args = tiny_args(random_shards.train, random_shards.val, **FP8_RUN)
     _, ckpt = eu.check_exact_resume_after_sigterm(cpu_binary, args, FP8_RUN["train.steps"], tmp_path)
     assert read_checkpoint(ckpt).step == FP8_RUN["train.steps"]
+
+
+def test_the_proxy_trains_fp8_as_fp8_on_the_cpu_engine(tmp_path, cpu_binary):
+    """The proxy passes the precision through: on the CPU engine fp8 is the emulation (its losses differ
+    from fp32's), never fp32 under another name."""
+    losses = {}
+    for precision in ("fp32", "fp8"):
+        exp = ProxyFixtureDir(tmp_path / precision)
+        p, rc = run_to_end(exp.config(steps=12, train={"precision": precision}), exp.run_dir, cpu_binary, "--no-server")
+        assert rc == 0, p.describe()
+        assert exp.state()["status"] == "finished" and exp.state()["config"]["train"]["precision"] == precision
+        assert "computes in" not in p.describe(), "the engine fell back to another precision"
+        losses[precision] = [r["loss"] for r in live_train(exp.loss())]
+    assert len(losses["fp8"]) == 12 and losses["fp8"] != losses["fp32"]
+    assert all(abs(a - b) <= 0.05 * b for a, b in zip(losses["fp8"], losses["fp32"]))
