@@ -837,14 +837,15 @@ static void check_fused_taken(const long* before) {
 #define FP8_ALL_INPUTS (1ull << 32)
 
 /* Over every fp32 bit pattern: the hardware conversion (what the engine's casts use) against
- * cpu/fp8.h's fp8_from_float compiled for the device. Counts mismatches; keeps the smallest
- * mismatching pattern. */
+ * cpu/fp8.h's fp8_from_float compiled for the device. Counts mismatches (mismatches[1]: those with
+ * a NaN input); keeps the smallest mismatching pattern. */
 __global__ void k_fp8_cvt_all(unsigned long long* mismatches, unsigned* first, int fmt) {
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < FP8_ALL_INPUTS;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         float x = __uint_as_float((unsigned)i);
         if (fp8_cvt(x, fmt) != fp8_from_float(x, fmt)) {
             atomicAdd(mismatches, 1ull);
+            if (isnan(x)) atomicAdd(mismatches + 1, 1ull);
             atomicMin(first, (unsigned)i);
         }
     }
@@ -888,21 +889,32 @@ static Vec fp8_awkward_inputs(size_t n) {
 }
 
 static void test_fp8_conversion(int fmt) {
-    unsigned long long* mism = (unsigned long long*)dalloc(sizeof(unsigned long long));
+    unsigned long long* mism = (unsigned long long*)dalloc(2 * sizeof(unsigned long long));
     unsigned* first = (unsigned*)dalloc(sizeof(unsigned));
-    unsigned long long h_mism = 0;
+    unsigned long long h_mism[2] = {0, 0};
     unsigned h_first = 0xFFFFFFFFu;
-    CUDA_CHECK(cudaMemcpy(mism, &h_mism, sizeof h_mism, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(mism, h_mism, sizeof h_mism, cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(first, &h_first, sizeof h_first, cudaMemcpyHostToDevice));
     k_fp8_cvt_all<<<4096, 256>>>(mism, first, fmt);
     LAUNCH_CHECK();
-    CUDA_CHECK(cudaMemcpy(&h_mism, mism, sizeof h_mism, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(h_mism, mism, sizeof h_mism, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(&h_first, first, sizeof h_first, cudaMemcpyDeviceToHost));
     {
         float x;
+        unsigned char hw = 0;
         memcpy(&x, &h_first, sizeof x);
-        report(h_mism == 0, "cvt_all", "all 2^32 fp32 inputs: %llu mismatches (first 0x%08x = %g)", h_mism,
-               h_first, (double)x);
+        if (h_mism[0]) { /* the first mismatch's hardware code, for the report */
+            float* dx1 = (float*)dalloc(sizeof(float));
+            fp8* dq1 = (fp8*)dalloc(1);
+            CUDA_CHECK(cudaMemcpy(dx1, &x, sizeof x, cudaMemcpyHostToDevice));
+            k_fp8_cvt_list<<<1, 1>>>(dq1, dx1, 1, fmt);
+            LAUNCH_CHECK();
+            CUDA_CHECK(cudaMemcpy(&hw, dq1, 1, cudaMemcpyDeviceToHost));
+        }
+        report(h_mism[0] == 0, "cvt_all",
+               "all 2^32 fp32 inputs: %llu mismatches, %llu of them NaN inputs (first 0x%08x = %g: hardware 0x%02x, "
+               "emulation 0x%02x)",
+               h_mism[0], h_mism[1], h_first, (double)x, hw, fp8_from_float(x, fmt));
     }
     /* the host-compiled emulation (the CPU engine's) on awkward inputs against the hardware */
     Vec x = fp8_awkward_inputs(1 << 22);
