@@ -1,5 +1,6 @@
 /* kernel_check.cu: every CUDA kernel pair of microgpt/cuda/ against its CPU reference in
- * microgpt/cpu/, in fp32, bf16 and fp16, on fresh random inputs and a few awkward shapes.
+ * microgpt/cpu/, in fp32, bf16 and fp16, on fresh random inputs and a few awkward shapes; and, on
+ * compute capability 8.9+, precision fp8's casts and products (run_fp8, with its own tolerances).
  *
  *   build: make kernel-check    (or: nvcc -O3 -std=c++17 -Xcompiler -fopenmp -o build/kernel_check
  *                                     tests/kernel_check.cu -lcublas -lcublasLt -lgomp -lm)
