@@ -16,12 +16,14 @@ What is compared, and how tightly (relative, normwise per tensor):
   * exact resume after SIGTERM in bf16, fp16 and fp8 (fp32 resume, SIGUSR1 and device memory are
     also run on the GPU by tests/test_engine.py through its `engine` fixture), fp16 overflow
     handling, the memory plan, and the refusal of shapes FP8 products cannot contract;
-  * precision fp8 against the CPU engine's fp8 emulation (docs/DESIGN.md §17): loss within 2e-2 and
-    every gradient tensor within 1.5e-1. The emulation casts the CPU's fp32 activations where the
-    GPU casts bf16 ones, so a few percent of the fp8 codes differ by one step (1/8 or 1/4 of their
-    value: a bf16 rounding crosses an fp8 midpoint ~2^-9/2^-4 of the time) and a tensor's scale
-    can differ by 2 when its amax sits at a power of two; those differences average in the
-    products to a few 1e-2. A wrong layout, transposition or scale gives errors of order 1.
+  * precision fp8 against the CPU engine's fp8 emulation (docs/DESIGN.md §17): loss within 2e-2, and
+    each gradient tensor within 5e-2 + 3x that tensor's fp8 noise (its CPU fp8 vs CPU fp32 distance,
+    measured 0.07-0.11 for the linear weights of these shapes), at most 0.5. The emulation casts the
+    CPU's fp32 activations where the GPU casts bf16 ones, so some fp8 codes differ by one step, and
+    each difference moves the values cast after it: over a few layers the two fp8 runs drift apart
+    by about fp8's own rounding noise (two independent roundings: ~1.4x it). A wrong layout,
+    transposition or scale gives errors of order 1. The GPU's fp8 gradients must also differ from
+    its bf16 ones (the FP8 path ran).
 The engines are compared on tiny configurations with small vocabularies, in seconds.
 """
 import json
@@ -54,7 +56,8 @@ SHAPES = {
     "odd": {"model.n_layer": 3, "model.d_model": 48, "model.n_head": 3, "model.d_ff": 100, "model.seq_len": 37,
             "model.vocab_size": 100, "model.padded_vocab_size": 128, "train.batch_size": 3},
 }
-GRAD_TOL = {"fp32": 1e-4, "tf32": 2e-2, "bf16": 5e-2, "fp16": 2e-2, "fp8": 1.5e-1}
+GRAD_TOL = {"fp32": 1e-4, "tf32": 2e-2, "bf16": 5e-2, "fp16": 2e-2, "fp8": 5e-2}
+FP8_GRAD_TOL_NOISE, FP8_GRAD_TOL_MAX = 3.0, 0.5  # fp8: 5e-2 + 3 x the tensor's fp8 noise, at most 0.5
 LOSS_TOL = {"fp32": 1e-5, "tf32": 5e-3, "bf16": 1e-2, "fp16": 5e-3, "fp8": 2e-2}
 # FP8 products need d_model, d_ff and T multiples of 16: an odd-sized fp8 shape within that rule
 # (3 heads of 16, d_ff not 4·d, 3 sequences)
@@ -262,23 +265,32 @@ def test_memory_plan_and_constant_device_memory(cuda_binary, random_shards):
 
 @pytest.mark.parametrize("shape", sorted(FP8_SHAPES))
 def test_fp8_gradients_match_cpu_fp8_emulation(cuda_binary, cpu_binary, random_shards, tmp_path, shape):
-    overrides = {**FP8_SHAPES[shape], "train.precision": "fp8"}
-    dumps = {name: tmp_path / f"{name}.grads" for name in ("cpu8", "cpu32", "gpu8")}
-    run_ok(cpu_binary, tiny_args(random_shards.train, **{**overrides, "dump_grads": dumps["cpu8"]}))
-    run_ok(cpu_binary, tiny_args(random_shards.train, **{**overrides, "train.precision": "fp32",
-                                                          "dump_grads": dumps["cpu32"]}))
-    gpu = run_ok(cuda_binary, tiny_args(random_shards.train, **{**overrides, "dump_grads": dumps["gpu8"]}))
-    assert gpu.events("start")[0]["compute_precision"] == "fp8"
-    (cpu_loss, cpu_grads), (gpu_loss, gpu_grads) = eu.read_grad_dump(dumps["cpu8"]), eu.read_grad_dump(dumps["gpu8"])
-    _, fp32_grads = eu.read_grad_dump(dumps["cpu32"])
+    """Loss and every gradient tensor of one micro-batch, GPU fp8 against the CPU engine's fp8 (see the
+    module docstring for the tolerances); and the GPU's fp8 must differ from its bf16 (the FP8 path
+    ran)."""
+    dumps = {}
+    for name, binary, precision in (("cpu8", cpu_binary, "fp8"), ("cpu32", cpu_binary, "fp32"),
+                                    ("gpu8", cuda_binary, "fp8"), ("gpu16", cuda_binary, "bf16")):
+        path = tmp_path / f"{name}.grads"
+        res = run_ok(binary, tiny_args(random_shards.train, **{**FP8_SHAPES[shape], "train.precision": precision,
+                                                                "dump_grads": path}))
+        assert res.events("start")[0]["compute_precision"] == (precision if name != "cpu32" else "fp32")
+        dumps[name] = eu.read_grad_dump(path)
+    (cpu_loss, cpu8), (gpu_loss, gpu8) = dumps["cpu8"], dumps["gpu8"]
     assert abs(gpu_loss - cpu_loss) <= LOSS_TOL["fp8"] * abs(cpu_loss), (gpu_loss, cpu_loss)
-    errors, errors_fp32 = {}, {}
+    report, bad, unchanged = {}, {}, []
     for name, (sl, _) in eu.tensor_slices(eu.layout_for(FP8_SHAPES[shape])).items():
-        errors[name] = rel_err(gpu_grads[sl], cpu_grads[sl])
-        errors_fp32[name] = rel_err(gpu_grads[sl], fp32_grads[sl])
-    bad = {k: v for k, v in errors.items() if not v <= GRAD_TOL["fp8"]}
-    assert not bad, f"fp8: tensors beyond {GRAD_TOL['fp8']}: {bad}\nall: {errors}\nagainst CPU fp32: {errors_fp32}"
-    print(f"fp8 {shape}: loss gpu {gpu_loss} cpu-fp8 {cpu_loss}; grad errors vs cpu-fp8 {errors}; vs cpu-fp32 {errors_fp32}")
+        err = rel_err(gpu8[sl], cpu8[sl])
+        noise = rel_err(cpu8[sl], dumps["cpu32"][1][sl])  # what fp8 itself changes in this tensor
+        tol = min(FP8_GRAD_TOL_MAX, FP8_GRAD_TOL_NOISE * noise + GRAD_TOL["fp8"])
+        report[name] = (round(err, 4), round(noise, 4))
+        if not err <= tol:
+            bad[name] = (err, tol)
+        if ".W_" in name and rel_err(gpu8[sl], dumps["gpu16"][1][sl]) <= 1e-3:
+            unchanged.append(name)
+    assert not bad, f"fp8 {shape}: tensors beyond tolerance (err, tol): {bad}\n(err, fp8 noise) of all: {report}"
+    assert not unchanged, f"GPU fp8 gradients equal to its bf16 ones: the FP8 products did not run ({unchanged})"
+    print(f"fp8 {shape}: loss gpu {gpu_loss} cpu {cpu_loss}; (err, fp8 noise) per tensor {report}")
 
 
 def test_fp8_training_tracks_cpu_fp8_emulation(cuda_binary, cpu_binary, random_shards):
