@@ -19,7 +19,7 @@ import time
 
 from microgpt.checkpoint import CheckpointError, checkpoint_step
 from microgpt.config import ConfigError, load_config, tokenize_prompts
-from microgpt.engines import ENGINES, ROOT, EngineChoiceError, choose_engine, engine_flags, gpu_visible, is_built
+from microgpt.engines import ENGINES, ROOT, EngineChoiceError, engine_flags, is_built, select_engine
 from microgpt.loss_log import LossLogError
 from microgpt.run_dir import RunBusyError
 from microgpt.supervisor import Run, Supervisor, summarize
@@ -65,16 +65,13 @@ def fail(msg, code=2):
 
 
 def pick_engine(args):
-    """--engine-binary as given, or choose_engine's pick (its warning printed once, here)."""
+    """--engine-binary as given, or select_engine's pick (its warning printed once, there)."""
     if args.engine_binary:
         engine = os.path.abspath(args.engine_binary)
         if not is_built(engine):
             raise EngineChoiceError(f"engine {engine} not found or not executable")
         return engine
-    engine, warning = choose_engine(args.engine, args.engine != "cpu" and gpu_visible())
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
-    return engine
+    return select_engine(args.engine)
 
 
 def open_run(args):
