@@ -248,9 +248,26 @@ def compiled(model, mode):
     return torch.compile(model) if mode == "default" else torch.compile(model, mode=mode)
 
 
+def ddp_setup(device):
+    """PyTorch DDP under torchrun's variables (WORLD_SIZE > 1): the baseline for the engine's data
+    parallelism (docs/DESIGN.md §17, scripts/multi-gpu-check.sh). Returns (rank, world, device)."""
+    import os
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device
+    rank = int(os.environ["RANK"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl", device_id=device)
+    return rank, world, device
+
+
 def train(cfg, args):
     shape, t = model_shape(cfg), train_settings(cfg)
-    device = torch.device(args.device)
+    rank, world, device = ddp_setup(torch.device(args.device))
+    global emit
+    if rank != 0:
+        emit = lambda record: None  # noqa: E731  (rank 0 reports, as the engine's ranks do)
     autocast = setup_precision(args.precision, device)
     B, T, accum = t["batch_size"], shape["seq_len"], t["grad_accum"]
 
@@ -260,17 +277,20 @@ def train(cfg, args):
     model = GPT(shape, t["seed"]).to(device)
     compile_mode = args.compile if args.precision == "bf16" else "none"
     step_model = compiled(model, compile_mode)
+    if world > 1:  # gradients averaged over the ranks; each rank's micro-batches as the engine's
+        step_model = torch.nn.parallel.DistributedDataParallel(step_model, device_ids=[device.index])
     opt = make_optimizer(model, t, fused=device.type == "cuda")
     n_params = sum(p.numel() for p in model.parameters())
     emit({"event": "start", "engine": "torch", "n_params": n_params, "steps": t["steps"],
           "precision": args.precision, "compile": compile_mode, "torch": torch.__version__,
           "torch_cuda": torch.version.cuda,
-          "tokens_per_step": B * T * accum})
+          "tokens_per_step": B * T * accum * world, "world_size": world})
 
     for s in range(t["steps"]):
         t0 = time.perf_counter()
         lr = lr_at(s, t)
-        batches = [tuple(to_device(a, device) for a in train_data.batch((s * accum + j) * B, B)) for j in range(accum)]
+        batches = [tuple(to_device(a, device) for a in train_data.batch(((s * world + rank) * accum + j) * B, B))
+                   for j in range(accum)]
         if compile_mode in CUDA_GRAPH_MODES:
             # a new step: the graphs' outputs of the last one (loss, gradients) are no longer read
             torch.compiler.cudagraph_mark_step_begin()
@@ -278,7 +298,7 @@ def train(cfg, args):
         loss_val, norm_val = torch.stack([loss, norm]).tolist()   # one sync per step, as the engine's loss read
         ms = (time.perf_counter() - t0) * 1000.0
         emit({"step": s + 1, "loss": loss_val, "lr": lr, "grad_norm": norm_val, "ms": ms,
-              "tokens_per_s": B * T * accum / (ms / 1000.0), "tokens": (s + 1) * B * T * accum})
+              "tokens_per_s": B * T * accum * world / (ms / 1000.0), "tokens": (s + 1) * B * T * accum * world})
         if device.type == "cuda" and s in (0, t["steps"] - 1):
             emit({"event": "device_memory", "step": s + 1, "bytes": device_used_bytes(device)})
 

@@ -6,7 +6,7 @@
  * (QKV, attention output, MLP up and down) read FP8-emulated operands: each operand is cast to
  * E4M3 (weights, activations) or E5M2 (activation gradients) with its per-tensor current scale and
  * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
- * reference for the GPU's FP8 products (docs/DESIGN.md §17). Every other precision computes fp32
+ * reference for the GPU's FP8 products (docs/DESIGN.md §18). Every other precision computes fp32
  * (and says so). Every buffer is allocated once in engine_setup, sized for B·T positions;
  * smaller calls (one prompt of len tokens in engine_prefill) reuse the same buffers. Results are
  * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation
@@ -46,7 +46,8 @@ static struct {
     Config cfg; /* copy: the engine outlives nothing, but keep it independent of the caller */
     ParamLayout layout;
     int B, T, C, H, F, V, Vp, L;
-    float *params, *grads, *m, *v;
+    float *params, *grads, *m, *v; /* m, v: this rank's shard only (ZeRO-1, docs/DESIGN.md §17) */
+    DistPart shard;                /* the weights this rank updates: [lo, hi) of the flat vector */
     /* activations */
     LayerActs* layers;
     float *x0, *lnf, *lnf_mean, *lnf_rstd, *probs, *branch;
@@ -136,12 +137,13 @@ static size_t engine_setup(const Config* cfg) {
     E.training = !cfg->generate.enabled && !cfg->evaluate;
     E.slots = config_kv_slots(cfg);
     n = E.layout.n_params;
+    E.shard = dist_part(n, NORM_CHUNK, g_dist.rank, g_dist.world); /* whole chunks: the norm stays exact */
     E.fp8 = strcmp(cfg->train.precision, "fp8") == 0;
     E.layers = (LayerActs*)xcalloc((size_t)E.L, sizeof(LayerActs), "layer table");
     E.arena = NULL;
     E.arena_floats = carve_buffers();
     kv_floats = 2 * (size_t)E.L * E.slots * E.T * E.C;
-    bytes[0] = n * 4; bytes[1] = E.training ? n * 4 : 0; bytes[2] = E.training ? 2 * n * 4 : 0;
+    bytes[0] = n * 4; bytes[1] = E.training ? n * 4 : 0; bytes[2] = E.training ? 2 * (E.shard.hi - E.shard.lo) * 4 : 0;
     bytes[3] = (E.arena_floats - kv_floats) * 4; bytes[4] = kv_floats * 4;
     info("memory plan (cpu): params %.1f MB, grads %.1f MB, adam %.1f MB, activations %.1f MB, "
          "kv_cache %.1f MB (%d slots of %d positions), total %.1f MB", bytes[0] / 1e6, bytes[1] / 1e6, bytes[2] / 1e6,
@@ -149,8 +151,8 @@ static size_t engine_setup(const Config* cfg) {
     E.params = (float*)xmalloc(n * sizeof(float), "weights");
     if (E.training) {
         E.grads = (float*)xcalloc(n, sizeof(float), "gradients");
-        E.m = (float*)xcalloc(n, sizeof(float), "AdamW m");
-        E.v = (float*)xcalloc(n, sizeof(float), "AdamW v");
+        E.m = (float*)xcalloc(E.shard.hi - E.shard.lo + 1, sizeof(float), "AdamW m");
+        E.v = (float*)xcalloc(E.shard.hi - E.shard.lo + 1, sizeof(float), "AdamW v");
     }
     E.arena = (float*)xmalloc(E.arena_floats * sizeof(float), "activations");
     carve_buffers();
@@ -163,16 +165,20 @@ static size_t engine_setup(const Config* cfg) {
 static void engine_set_state(const float* params, const float* m, const float* v, float loss_scale) {
     size_t bytes = E.layout.n_params * sizeof(float);
     (void)loss_scale; /* fp32 needs no loss scaling */
+    size_t lo = E.shard.lo, shard_bytes = (E.shard.hi - lo) * sizeof(float);
     memcpy(E.params, params, bytes);
-    if (m) memcpy(E.m, m, bytes);
-    if (v) memcpy(E.v, v, bytes);
+    if (m) memcpy(E.m, m + lo, shard_bytes);
+    if (v) memcpy(E.v, v + lo, shard_bytes);
 }
 
 static void engine_get_state(float* params, float* m, float* v, float* loss_scale) {
     size_t bytes = E.layout.n_params * sizeof(float);
+    size_t n = E.layout.n_params, lo = E.shard.lo, shard_bytes = (E.shard.hi - lo) * sizeof(float);
     memcpy(params, E.params, bytes);
-    memcpy(m, E.m, bytes);
-    memcpy(v, E.v, bytes);
+    memcpy(m + lo, E.m, shard_bytes);
+    memcpy(v + lo, E.v, shard_bytes);
+    dist_gather_parts(m, sizeof(float), n, NORM_CHUNK); /* rank 0 gets the whole state */
+    dist_gather_parts(v, sizeof(float), n, NORM_CHUNK);
     *loss_scale = 1.0f;
 }
 
@@ -363,41 +369,54 @@ static void engine_decode(int n, const int* slots, const int* tokens, const int*
     for (i = 0; i < n; i++) logits_of(E.dec_ln + (size_t)i * C, logits + (size_t)i * E.V);
 }
 
-/* Global L2 norm of the gradients: per-chunk double sums, then the chunks in order. */
+/* Global L2 norm of the gradients: per-chunk double sums, then the chunks in order. Each rank sums
+ * the chunks of its shard; rank 0 adds all chunks in order, so the norm does not depend on the
+ * number of ranks. */
 static double grad_norm(void) {
-    long c, nc = (long)E.n_norm_chunks;
+    long c, c_lo = (long)(E.shard.lo / NORM_CHUNK), c_hi = (long)((E.shard.hi + NORM_CHUNK - 1) / NORM_CHUNK);
+    long nc = (long)E.n_norm_chunks;
     size_t n = E.layout.n_params;
     double total = 0.0;
 #pragma omp parallel for schedule(static)
-    for (c = 0; c < nc; c++) {
+    for (c = c_lo; c < c_hi; c++) {
         size_t i, lo = (size_t)c * NORM_CHUNK, hi = lo + NORM_CHUNK < n ? lo + NORM_CHUNK : n;
         double s = 0.0;
         for (i = lo; i < hi; i++) s += (double)E.grads[i] * (double)E.grads[i];
         E.norm_partials[c] = s;
     }
+    dist_gather_parts(E.norm_partials, sizeof(double), (size_t)nc, 1);
     for (c = 0; c < nc; c++) total += E.norm_partials[c];
+    dist_broadcast(&total, sizeof total);
     return sqrt(total);
 }
 
+/* The shard's gradients (the whole vector with one rank) times s. */
 static void scale_grads(float s) {
-    long i, n = (long)E.layout.n_params;
+    long i, lo = (long)E.shard.lo, hi = (long)E.shard.hi;
 #pragma omp parallel for schedule(static)
-    for (i = 0; i < n; i++) E.grads[i] *= s;
+    for (i = lo; i < hi; i++) E.grads[i] *= s;
 }
 
 static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     UpdateResult r;
     double norm;
-    int i;
-    if (cfg->train.grad_accum > 1) scale_grads(1.0f / (float)cfg->train.grad_accum);
+    int i, micro_batches = cfg->train.grad_accum * g_dist.world;
+    size_t n = E.layout.n_params;
+    /* ZeRO-1 (§17): the ranks' sums in rank order, this rank's shard of it; AdamW on the shard */
+    dist_reduce_scatter_sum(E.grads, n, NORM_CHUNK);
+    if (micro_batches > 1) scale_grads(1.0f / (float)micro_batches);
     norm = grad_norm();
     if (cfg->train.grad_clip > 0.0f && norm > cfg->train.grad_clip) scale_grads((float)(cfg->train.grad_clip / norm));
     for (i = 0; i < E.layout.n_tensors; i++) {
         const ParamTensor* pt = &E.layout.tensors[i];
-        adamw_update(E.params + pt->offset, E.grads + pt->offset, E.m + pt->offset, E.v + pt->offset, (long)pt->size, lr,
+        size_t lo = pt->offset > E.shard.lo ? pt->offset : E.shard.lo;
+        size_t hi = pt->offset + pt->size < E.shard.hi ? pt->offset + pt->size : E.shard.hi;
+        if (lo >= hi) continue;
+        adamw_update(E.params + lo, E.grads + lo, E.m + (lo - E.shard.lo), E.v + (lo - E.shard.lo), (long)(hi - lo), lr,
                      cfg->train.beta1, cfg->train.beta2, cfg->train.eps, pt->decay ? cfg->train.weight_decay : 0.0f, t);
     }
-    zero(E.grads, E.layout.n_params);
+    dist_all_gather_parts(E.params, sizeof(float), n, NORM_CHUNK);
+    zero(E.grads, n);
     r.grad_norm = (float)norm;
     r.skipped = 0;
     r.loss_scale = 1.0f;

@@ -21,7 +21,7 @@
  *         and down): FP8 tensor-core products (cuda/fp8.cuh) of operands cast per tensor at their
  *         current scale, E4M3 weights and activations, E5M2 activation gradients, fp32
  *         accumulation, bf16 activations and fp32 weight gradients out. The classifier stays bf16.
- *         Needs compute capability 8.9 or newer. docs/DESIGN.md §17.
+ *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18.
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
@@ -55,6 +55,7 @@
 #include "cuda/attention.cuh"
 #include "cuda/common.cuh"
 #include "cuda/decode.cuh"
+#include "cuda/dist.cuh"
 #include "cuda/embed.cuh"
 #include "cuda/fp8.cuh"
 #include "cuda/layernorm.cuh"
@@ -113,7 +114,10 @@ static struct {
     float loss_scale;
 
     /* parameters (fp32 unless noted) */
-    float *params, *grads, *m, *v;
+    float *params, *grads, *m, *v; /* m, v: this rank's part only (ZeRO-1, docs/DESIGN.md §17) */
+    DistPart shard;       /* the weights this rank updates; the whole vector with one rank */
+    size_t shard_stride;  /* parts' stride; params and grads hold P_padded = world × stride */
+    size_t P_padded;
     unsigned* decay_bits; /* AdamW's weight-decay mask, adamw_decay_words(P) words */
     void* wlow; /* weights in the activation type; == params when fp32 */
 
@@ -205,10 +209,10 @@ static void plan_buffers(size_t* used) {
     size_t S = (size_t)E.slots, tr = (size_t)E.training; /* tr: 0 leaves the training-only buffers empty */
     int g;
     for (g = 0; g < N_GROUPS; g++) used[g] = 0;
-    E.params = (float*)carve(G_PARAMS, P * 4, used);
-    E.grads = (float*)carve(G_GRADS, tr * P * 4, used);
-    E.m = (float*)carve(G_ADAM, tr * P * 4, used);
-    E.v = (float*)carve(G_ADAM, tr * P * 4, used);
+    E.params = (float*)carve(G_PARAMS, E.P_padded * 4, used);
+    E.grads = (float*)carve(G_GRADS, tr * E.P_padded * 4, used);
+    E.m = (float*)carve(G_ADAM, tr * (E.shard.hi - E.shard.lo) * 4, used);
+    E.v = (float*)carve(G_ADAM, tr * (E.shard.hi - E.shard.lo) * 4, used);
     E.decay_bits = (unsigned*)carve(G_ADAM, tr * adamw_decay_words(P) * 4, used);
     E.wlow = E.prec == PREC_FP32 ? (void*)E.params : carve(G_WEIGHTS_LOWP, P * es, used);
     if (E.use_fp8) {
@@ -678,6 +682,31 @@ static void record_update(void) {
     download_output(&E.io->norm, &E.io_host->norm);
 }
 
+/* The update with WORLD_SIZE > 1 (ZeRO-1, docs/DESIGN.md §17), launch by launch (NCCL stays out of
+ * the graphs): reduce-scatter the gradients; the norm of this rank's part, the parts' squares added
+ * by rank 0 in rank order over host/dist.h (a fixed order); AdamW on the part (the kernel clips and
+ * skips as in record_update); all-gather the weights; the 16-bit copy from them. */
+template <typename T>
+static void update_sharded(void) {
+    size_t lo = E.shard.lo, n = E.shard.hi - E.shard.lo;
+    double square;
+    upload_inputs(0);
+    dist_reduce_scatter_grads(E.grads, E.shard_stride);
+    grad_norm_partial(E.norm_partial, E.grads + lo, n, &E.io->uctl.unscale);
+    grad_norm_final(&E.io->norm, E.norm_partial);
+    download_output(&E.io->norm, &E.io_host->norm);
+    CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    square = (double)E.io_host->norm * (double)E.io_host->norm;
+    E.io_host->norm = (float)sqrt(dist_sum_in_rank_order(&square, 1));
+    CUDA_CHECK(cudaMemcpyAsync(&E.io->norm, &E.io_host->norm, sizeof(float), cudaMemcpyHostToDevice, g_stream));
+    if (n > 0)
+        adamw<T>(E.params + lo, E.grads + lo, E.m, E.v, (T*)NULL, n, E.cfg.train.beta1, E.cfg.train.beta2,
+                 E.cfg.train.eps, E.cfg.train.weight_decay, E.decay_bits + lo / 32, &E.io->uctl, &E.io->norm);
+    dist_all_gather_params(E.params, E.shard_stride);
+    refresh_lowp_weights_t<T>();
+    CUDA_CHECK(cudaStreamSynchronize(g_stream));
+}
+
 /* Runs every code path once on a dummy batch (all-zero weights and tokens), then clears what it
  * touched. The CUDA driver loads kernels (ours and cuBLAS's) lazily, on first use, and that takes
  * device memory, as does instantiating and first launching a graph; after this, the first training
@@ -740,6 +769,9 @@ static size_t engine_setup(const Config* cfg) {
                   "multiples of 16 (FP8 products contract over them); got %d, %d and %d", E.C, E.F, E.N);
     param_layout_init(&E.layout, cfg);
     E.P = E.layout.n_params;
+    E.shard = dist_part(E.P, DIST_CUDA_UNIT, g_dist.rank, g_dist.world);
+    E.shard_stride = dist_stride(E.P, DIST_CUDA_UNIT, g_dist.world);
+    E.P_padded = g_dist.world > 1 ? E.shard_stride * (size_t)g_dist.world : E.P;
     /* attn_qkv_fwd does the three projections as one batched product over consecutive weights */
     if (layer_offset(&E.layout, 0, T_WK) != layer_offset(&E.layout, 0, T_WQ) + (size_t)E.C * E.C ||
         layer_offset(&E.layout, 0, T_WV) != layer_offset(&E.layout, 0, T_WK) + (size_t)E.C * E.C)
@@ -761,17 +793,19 @@ static size_t engine_setup(const Config* cfg) {
     }
     {
         cudaDeviceProp p;
-        CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-        info("device 0: %s, compute capability %d.%d, %.1f GiB", p.name, p.major, p.minor, p.totalGlobalMem / 1073741824.0);
+        if (dist_device() >= n_dev) die_input("LOCAL_RANK %d: only %d CUDA devices are visible", dist_device(), n_dev);
+        CUDA_CHECK(cudaGetDeviceProperties(&p, dist_device()));
+        info("device %d: %s, compute capability %d.%d, %.1f GiB", dist_device(), p.name, p.major, p.minor, p.totalGlobalMem / 1073741824.0);
         if (E.use_fp8 && p.major * 10 + p.minor < 89)
             die_input("train.precision fp8 needs FP8 tensor cores: compute capability 8.9 or newer (this GPU: %d.%d)",
                       p.major, p.minor);
         if (E.prec == PREC_BF16 && p.major < 8) die_input("train.precision bf16 needs compute capability 8.0 or newer");
     }
-    CUDA_CHECK(cudaSetDevice(0));
+    CUDA_CHECK(cudaSetDevice(dist_device())); /* LOCAL_RANK's GPU (docs/DESIGN.md §17) */
     CUDA_CHECK(cudaFree(0)); /* create the context now, so the free-memory figure below accounts for it */
     CUDA_CHECK(cudaStreamCreate(&g_stream));
     CUBLAS_CHECK(cublasCreate(&g_cublas));
+    dist_cuda_init();
     E.use_graphs = !sync_launches() && !(getenv("ANDREA_NO_GRAPH") && getenv("ANDREA_NO_GRAPH")[0] == '1');
 
     plan_buffers(used); /* sizes only */
@@ -809,10 +843,10 @@ static size_t engine_setup(const Config* cfg) {
 }
 
 static void engine_set_state(const float* params, const float* m, const float* v, float loss_scale) {
-    size_t bytes = E.P * sizeof(float);
+    size_t bytes = E.P * sizeof(float), lo = E.shard.lo, shard_bytes = (E.shard.hi - lo) * sizeof(float);
     CUDA_CHECK(cudaMemcpy(E.params, params, bytes, cudaMemcpyHostToDevice));
-    if (m) CUDA_CHECK(cudaMemcpy(E.m, m, bytes, cudaMemcpyHostToDevice));
-    if (v) CUDA_CHECK(cudaMemcpy(E.v, v, bytes, cudaMemcpyHostToDevice));
+    if (m) CUDA_CHECK(cudaMemcpy(E.m, m + lo, shard_bytes, cudaMemcpyHostToDevice));
+    if (v) CUDA_CHECK(cudaMemcpy(E.v, v + lo, shard_bytes, cudaMemcpyHostToDevice));
     if (E.prec == PREC_FP16) E.loss_scale = loss_scale > 0.0f ? loss_scale : LOSS_SCALE_DEFAULT;
     else E.loss_scale = 1.0f;
     FOR_ACT_TYPE(refresh_lowp_weights_t)();
@@ -821,10 +855,12 @@ static void engine_set_state(const float* params, const float* m, const float* v
 }
 
 static void engine_get_state(float* params, float* m, float* v, float* loss_scale) {
-    size_t bytes = E.P * sizeof(float);
+    size_t bytes = E.P * sizeof(float), lo = E.shard.lo, shard_bytes = (E.shard.hi - lo) * sizeof(float);
     CUDA_CHECK(cudaMemcpy(params, E.params, bytes, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(m, E.m, bytes, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(v, E.v, bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(m + lo, E.m, shard_bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(v + lo, E.v, shard_bytes, cudaMemcpyDeviceToHost));
+    dist_gather_parts(m, sizeof(float), E.P, DIST_CUDA_UNIT); /* rank 0 gets the whole state (§17) */
+    dist_gather_parts(v, sizeof(float), E.P, DIST_CUDA_UNIT);
     *loss_scale = E.loss_scale;
 }
 
@@ -852,11 +888,12 @@ static void engine_decode(int n, const int* slots, const int* tokens, const int*
 
 static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     UpdateResult r;
-    double unscale = 1.0 / cfg->train.grad_accum;
+    double unscale = 1.0 / ((double)cfg->train.grad_accum * g_dist.world);
     int is_fp16 = E.prec == PREC_FP16;
     if (is_fp16) unscale /= E.loss_scale;
     E.io_host->uctl = update_ctl(lr, t, cfg->train.beta1, cfg->train.beta2, unscale, cfg->train.grad_clip, is_fp16);
-    run_graph(&E.update_graph, FOR_ACT_TYPE(record_update));
+    if (g_dist.world > 1) FOR_ACT_TYPE(update_sharded)(); /* ZeRO-1 over NCCL (§17) */
+    else run_graph(&E.update_graph, FOR_ACT_TYPE(record_update));
     E.grads_pending = 0; /* also after a skipped fp16 step: its non-finite gradients are overwritten */
     r.grad_norm = E.io_host->norm;
     r.skipped = is_fp16 && !isfinite(r.grad_norm);
@@ -904,6 +941,7 @@ static void engine_shutdown(void) {
     if (g_stream) CUDA_CHECK(cudaStreamDestroy(g_stream));
     g_stream = 0;
     param_layout_free(&E.layout);
+    dist_cuda_shutdown();
     memset(&E, 0, sizeof E);
 }
 

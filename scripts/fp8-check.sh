@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# fp8-check.sh: the GPU verification of precision fp8 (docs/DESIGN.md §17) in one unattended command,
+# fp8-check.sh: the GPU verification of precision fp8 (docs/DESIGN.md §18) in one unattended command,
 # for an sm_89/sm_90 machine; about 4 minutes on an H200.
 #
 #   OUT=/some/dir scripts/fp8-check.sh [STAGE...]     (OUT defaults to ./fp8-out)

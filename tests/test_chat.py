@@ -36,11 +36,13 @@ HEADER = [tk.IM_START] + tk.encode("assistant\n")
 
 
 def write_model(run_dir, cfg, flat, sidecar):
-    """A run directory holding flat as its checkpoint (step 0, zero Adam moments)."""
+    """A run directory holding flat as its checkpoint (step 0, zero Adam moments), with the trained
+    model's sidecar less its checksum: a hand-made checkpoint, loaded with an "unverified" warning."""
     run_dir.mkdir()
     ckpt = run_dir / f"{run_dir.name}.ckpt"
     write_checkpoint(ckpt, 0, flat, np.zeros_like(flat), np.zeros_like(flat))
-    (run_dir / f"{ckpt.name}.json").write_text(json.dumps({**sidecar, "step": 0}))
+    side = {k: v for k, v in sidecar.items() if k != "crc32c"}
+    (run_dir / f"{ckpt.name}.json").write_text(json.dumps({**side, "step": 0}))
     return run_dir
 
 

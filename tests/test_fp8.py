@@ -1,4 +1,4 @@
-"""Precision fp8 on the CPU engine (docs/DESIGN.md §17): the FP8 casts of microgpt/cpu/fp8.h against a
+"""Precision fp8 on the CPU engine (docs/DESIGN.md §18): the FP8 casts of microgpt/cpu/fp8.h against a
 float64 numpy reference of E4M3/E5M2 rounding written here from the formats' definitions, and fp8
 training on the CPU engine (it must compute fp8-emulated, say so, and resume bit-exactly).
 

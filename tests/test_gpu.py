@@ -16,7 +16,7 @@ What is compared, and how tightly (relative, normwise per tensor):
   * exact resume after SIGTERM in bf16, fp16 and fp8 (fp32 resume, SIGUSR1 and device memory are
     also run on the GPU by tests/test_engine.py through its `engine` fixture), fp16 overflow
     handling, the memory plan, and the refusal of shapes FP8 products cannot contract;
-  * precision fp8 against the CPU engine's fp8 emulation (docs/DESIGN.md §17): loss within 2e-2, and
+  * precision fp8 against the CPU engine's fp8 emulation (docs/DESIGN.md §18): loss within 2e-2, and
     each gradient tensor within 5e-2 + 3x that tensor's fp8 noise (its CPU fp8 vs CPU fp32 distance,
     measured 0.07-0.11 for the linear weights of these shapes), at most 0.5. The emulation casts the
     CPU's fp32 activations where the GPU casts bf16 ones, so some fp8 codes differ by one step, and
@@ -261,7 +261,7 @@ def test_memory_plan_and_constant_device_memory(cuda_binary, random_shards):
 
 
 # ---------------------------------------------------------------------------------------------------
-# precision fp8 (docs/DESIGN.md §17)
+# precision fp8 (docs/DESIGN.md §18)
 
 @pytest.mark.parametrize("shape", sorted(FP8_SHAPES))
 def test_fp8_gradients_match_cpu_fp8_emulation(cuda_binary, cpu_binary, random_shards, tmp_path, shape):

@@ -1,4 +1,4 @@
-/* fp8.h: the FP8 formats of precision fp8 (docs/DESIGN.md §17) in plain C, the one definition of
+/* fp8.h: the FP8 formats of precision fp8 (docs/DESIGN.md §18) in plain C, the one definition of
  * what the GPU engine's casts compute, so the CPU engine can emulate them bit for bit.
  *
  *   E4M3  1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinity; largest finite 448;

@@ -1,4 +1,4 @@
-/* fp8.cuh: precision fp8 (docs/DESIGN.md §17): the per-tensor casts to FP8 and the FP8 tensor-core
+/* fp8.cuh: precision fp8 (docs/DESIGN.md §18): the per-tensor casts to FP8 and the FP8 tensor-core
  * products of the linear layers, through cuBLASLt. Nothing here runs in any other precision.
  *
  * A cast is fp8_quantize: the tensor's amax (k_fp8_amax), then k_fp8_cast, which derives the scale

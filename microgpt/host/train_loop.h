@@ -9,6 +9,7 @@
 #include "checkpoint.h"
 #include "config.h"
 #include "data.h"
+#include "dist.h"
 #include "engine.h"
 #include "generate.h"
 #include "output.h"
@@ -28,6 +29,7 @@ typedef struct {
     float *params, *m, *v;           /* host copies for checkpoints [n_params] each */
     float loss_scale;
     int *inputs, *targets;           /* one micro-batch [B*T] */
+    double* micro_losses;            /* this rank's micro-batch losses of a step [grad_accum] (§17) */
     int* sample_tokens;              /* [sample.tokens] */
     float* logits;                   /* [vocab_size] */
     Sampler sampler;
@@ -114,7 +116,8 @@ static void save_checkpoint(Run* r, int done, const char* reason) {
     size_t n = r->layout.n_params, bad;
     char what[96];
     int k;
-    engine_get_state(r->params, r->m, r->v, &r->loss_scale);
+    engine_get_state(r->params, r->m, r->v, &r->loss_scale); /* gathers the ranks' AdamW shards (§17) */
+    if (g_dist.rank != 0) return;                            /* rank 0 alone checks and writes */
     parts[0] = r->params; parts[1] = r->m; parts[2] = r->v;
     for (k = 0; k < 3; k++)
         if ((bad = first_non_finite(parts[k], n)) < n) {
@@ -164,12 +167,13 @@ static void run_allocate(Run* r) {
     r->targets = (int*)xmalloc(bt * sizeof(int), "batch targets");
     r->sample_tokens = (int*)xmalloc((size_t)c->sample.tokens * sizeof(int), "sample tokens");
     r->logits = (float*)xmalloc((size_t)c->model.vocab_size * sizeof(float), "sample logits");
+    r->micro_losses = (double*)xmalloc((size_t)c->train.grad_accum * sizeof(double), "micro-batch losses");
     sampler_init(&r->sampler, c->model.vocab_size);
 }
 
 static void run_free(Run* r) {
     free(r->params); free(r->m); free(r->v); free(r->inputs); free(r->targets);
-    free(r->sample_tokens); free(r->logits);
+    free(r->sample_tokens); free(r->logits); free(r->micro_losses);
     sampler_free(&r->sampler);
     free(r->cfg.sample.prompt_tokens);
     dataset_close(&r->train);
@@ -177,6 +181,9 @@ static void run_free(Run* r) {
     if (r->polish.n_shards) dataset_close(&r->polish);
     param_layout_free(&r->layout);
 }
+
+/* dist (§17): every rank's batches count */
+static long long global_tokens_per_step(const Config* c) { return config_tokens_per_step(c) * g_dist.world; }
 
 static void emit_start(const Run* r) {
     const Config* c = &r->cfg;
@@ -187,7 +194,7 @@ static void emit_start(const Run* r) {
     fprintf(stdout, ",\"n_params\":%zu,\"step\":%d,\"steps\":%d,\"precision\":\"%s\",\"compute_precision\":\"%s\","
                     "\"tokens_per_step\":%lld",
             r->layout.n_params, r->start_step, c->train.steps, c->train.precision, engine_compute_precision(c),
-            config_tokens_per_step(c));
+            global_tokens_per_step(c));
     jline_end();
 }
 
@@ -214,19 +221,20 @@ static int run_dump_grads(Run* r) {
 /* ---------------------------------------------------------------------------------------------- */
 /* The loop */
 
-/* One optimizer step: grad_accum micro-batches, then the update. Returns the mean micro-batch loss. */
+/* One optimizer step: grad_accum micro-batches, then the update. Returns the mean micro-batch loss
+ * over every rank. dist (§17): rank r's micro-batch j is micro-batch r·accum + j of world·accum, and
+ * the losses are summed in that global order (with one rank: j = 0, 1, ... as always). */
 static double run_step(Run* r, int s, UpdateResult* res, double lr) {
     const Config* c = &r->cfg;
     const Dataset* ds = data_for_step(r, s);
-    double loss = 0.0;
-    int j;
-    for (j = 0; j < c->train.grad_accum; j++) {
-        fill_train_batch(ds, (uint64_t)c->train.seed, s, j, c->train.grad_accum, c->train.batch_size, c->model.seq_len,
-                         r->inputs, r->targets);
-        loss += engine_forward_backward(r->inputs, r->targets);
+    int j, accum = c->train.grad_accum;
+    for (j = 0; j < accum; j++) {
+        fill_train_batch(ds, (uint64_t)c->train.seed, s, g_dist.rank * accum + j, g_dist.world * accum,
+                         c->train.batch_size, c->model.seq_len, r->inputs, r->targets);
+        r->micro_losses[j] = engine_forward_backward(r->inputs, r->targets);
     }
     *res = engine_update((float)lr, s + 1, c);
-    return loss / c->train.grad_accum;
+    return dist_sum_in_rank_order(r->micro_losses, accum) / (accum * g_dist.world);
 }
 
 /* Which checkpoint (if any) is due after `done` completed steps, by priority. `stop`: a stopping
@@ -265,8 +273,8 @@ static void run_start(Run* r) {
  * else 0. */
 static int run_one_step(Run* r, int s) {
     const Config* c = &r->cfg;
-    long long tokens_per_step = config_tokens_per_step(c);
-    int done = s + 1, usr1, stop;
+    long long tokens_per_step = global_tokens_per_step(c);
+    int done = s + 1, usr1, stop, flags[2];
     double lr = lr_at(c, s), t0, ms, loss;
     UpdateResult res;
     const char* reason;
@@ -291,13 +299,18 @@ static int run_one_step(Run* r, int s) {
         size_t in_use = engine_device_bytes_in_use();
         if (in_use > 0) emit_device_memory(done, in_use);
     }
-    if (c->eval.every > 0 && (done % c->eval.every == 0 || done == c->train.steps)) emit_val(done, run_eval(r));
-    if (c->sample.every > 0 && done % c->sample.every == 0) run_samples(r, done);
+    if (g_dist.rank == 0) { /* dist (§17): the weights are the same on every rank; rank 0 reports */
+        if (c->eval.every > 0 && (done % c->eval.every == 0 || done == c->train.steps)) emit_val(done, run_eval(r));
+        if (c->sample.every > 0 && done % c->sample.every == 0) run_samples(r, done);
+    }
     /* read the flags once, and consume SIGUSR1's, before acting on them: a signal arriving from here
      * on is seen after the next step, never half-handled (a stop without its checkpoint) */
-    usr1 = g_ckpt_requested;
+    flags[0] = g_ckpt_requested;
     g_ckpt_requested = 0;
-    stop = g_stop_signal;
+    flags[1] = g_stop_signal;
+    dist_max_flags(flags, 2); /* dist (§17): a signal to any rank, acted on by all after this step */
+    usr1 = flags[0];
+    stop = flags[1];
     reason = checkpoint_reason(r, done, usr1, stop);
     if (reason && c->checkpoint.path[0]) save_checkpoint(r, done, reason);
     else if (stop || usr1) warn("no --checkpoint given: nothing saved");
@@ -307,6 +320,7 @@ static int run_one_step(Run* r, int s) {
 static void run_finish(Run* r, int step, const char* reason) {
     emit_exit(step, reason);
     engine_shutdown();
+    dist_shutdown();
     run_free(r);
 }
 
@@ -321,6 +335,24 @@ static int stop_before_first_step(Run* r, int engine_started) {
     return 0;
 }
 
+/* dist (§17): connect the ranks; only rank 0's events reach stdout. */
+static void dist_start(const Run* r) {
+    dist_init();
+    if (g_dist.world == 1) return;
+    if (r->cfg.dump_grads[0]) die_input("--dump-grads is one process: unset WORLD_SIZE");
+    if (g_dist.rank != 0 && !freopen("/dev/null", "w", stdout)) die_io("rank %d: cannot silence stdout", g_dist.rank);
+    info("rank %d of %d (local rank %d): %d windows of %d tokens per step in all", g_dist.rank, g_dist.world,
+         g_dist.local_rank, g_dist.world * r->cfg.train.grad_accum * r->cfg.train.batch_size, r->cfg.model.seq_len + 1);
+}
+
+/* A stopping signal seen by any rank (dist, §17): every rank takes the same way out. */
+static int agreed_stop(void) {
+    int stop = g_stop_signal;
+    dist_max_flags(&stop, 1);
+    if (stop && !g_stop_signal) g_stop_signal = stop;
+    return stop;
+}
+
 static int train_main(int argc, char** argv) {
     static Run run; /* static: big enough (Config holds paths) that it shouldn't live on the stack */
     Run* r = &run;
@@ -328,6 +360,7 @@ static int train_main(int argc, char** argv) {
 
     signals_install();
     run_validate_inputs(r, argc, argv);
+    dist_start(r); /* dist (§17): no-op unless WORLD_SIZE > 1 */
     if (r->start_step >= r->cfg.train.steps && !r->cfg.dump_grads[0]) {
         emit_start(r);
         info("checkpoint %s is at step %d of %d: the run is already finished", r->cfg.checkpoint.path, r->start_step,
@@ -336,7 +369,7 @@ static int train_main(int argc, char** argv) {
         run_free(r);
         return 0;
     }
-    if (g_stop_signal) { /* before the slow part of start-up (device set-up) */
+    if (agreed_stop()) { /* before the slow part of start-up (device set-up) */
         emit_start(r);
         return stop_before_first_step(r, 0);
     }
@@ -347,7 +380,7 @@ static int train_main(int argc, char** argv) {
         run_free(r);
         return 0;
     }
-    if (g_stop_signal) return stop_before_first_step(r, 1);
+    if (agreed_stop()) return stop_before_first_step(r, 1);
     for (s = r->start_step, stop = 0; s < r->cfg.train.steps && !stop; s++) stop = run_one_step(r, s);
     if (s < r->cfg.train.steps) {
         info("stopped by signal %d after step %d", stop, s);
