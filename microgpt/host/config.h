@@ -166,8 +166,8 @@ static int config_flags(Config* c, Flag* f) {
     f[n - 1].one_of = "data.train|data.sources";
     FLAG("data.val", F_GLOB, c->data.val, sizeof c->data.val, "", 0, NULL, 0, 0, "glob of llm.c validation shards");
     SOURCE_FLAG("name", F_STR, name, CFG_NAME_MAX, NULL, REQ_YES, 0, 0,
-                "name of data source N (letters, digits, . _ -; N = 0, 1, ...)");
-    SOURCE_FLAG("train", F_GLOB, train, CFG_PATH_MAX, NULL, REQ_YES, 0, 0, "glob of source N's train shards");
+                "name of data source N = 0, 1, ... (letters, digits, . _ -); every source has one");
+    SOURCE_FLAG("train", F_GLOB, train, CFG_PATH_MAX, NULL, REQ_YES, 0, 0, "glob of source N's train shards; every source has one");
     SOURCE_FLAG("val", F_GLOB, val, CFG_PATH_MAX, "", REQ_NO, 0, 0, "glob of source N's validation shards (val_loss_by_source)");
     SOURCE_FLAG("weight", F_FLOAT, weight, 0, "1", REQ_NO, 0, FBIG,
                 "source N's prior weight (static mixture: its share; 0: evaluated only)");
@@ -225,7 +225,7 @@ static void config_help(FILE* out, const char* prog) {
     Flag f[CFG_N_FLAGS_MAX];
     int i, n = config_flags(&c, f);
     fprintf(out, "usage: %s --model.n_layer N --model.d_model N --model.n_head N --model.seq_len N "
-                 "--train.steps N --data.train GLOB [flags]\n"
+                 "--train.steps N (--data.train GLOB | --data.sources.N.name S --data.sources.N.train GLOB ...) [flags]\n"
                  "Flags are the dotted keys of the experiment JSON; --x=v and --x v both work.\n\n", prog);
     for (i = 0; i < n; i++) {
         char left[64];
