@@ -24,6 +24,8 @@
 
 #define DECODE_K_WARPS 16    /* warps of a product block */
 #define DECODE_K_GROUPS (8 * DECODE_K_WARPS) /* a block's K slices: 8 per warp, 4 column lanes each */
+/* weight rows a product thread loads before using them: fewer when many rows' sums need registers */
+#define DECODE_K_UNROLL(rows) ((rows) <= 2 ? 8 : 4)
 #define DECODE_ROWS 8        /* the most rows (sequences) one product or classifier block handles */
 #define DECODE_ATT_THREADS 256
 #define DECODE_LOGIT_WARPS 8 /* classifier rows (vocabulary entries) per block, one per warp */
@@ -67,15 +69,29 @@ k_decode_matmul(T* __restrict__ out, const T* __restrict__ x, const T* __restric
 #pragma unroll
         for (int c = 0; c < VEC; c++) acc[r][c] = 0.0f;
     if (j0 < out_dim) /* out_dim is a multiple of VEC: a thread's columns are all in or all out */
-#pragma unroll 4
-        for (int k = group; k < in; k += DECODE_K_GROUPS) {
-            float wk[VEC];
-            load_vec<VEC>(wk, w + (size_t)k * out_dim + j0);
+        for (int k0 = group; k0 < in; k0 += DECODE_K_UNROLL(ROWS) * DECODE_K_GROUPS) {
+            /* all the chunk's loads in flight before any use, held as loaded (T) to spare registers */
+            alignas(16) T wk[DECODE_K_UNROLL(ROWS)][VEC];
 #pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                float xr = r < rows ? to_f(x[(size_t)r * in + k]) : 0.0f;
+            for (int u = 0; u < DECODE_K_UNROLL(ROWS); u++) {
+                int k = k0 + u * DECODE_K_GROUPS;
+                if (k >= in) break;
+                const T* wrow = w + (size_t)k * out_dim + j0;
+                if constexpr (VEC == PACK(T)) *reinterpret_cast<int4*>(wk[u]) = *reinterpret_cast<const int4*>(wrow);
+                else
 #pragma unroll
-                for (int c = 0; c < VEC; c++) acc[r][c] += xr * wk[c];
+                    for (int c = 0; c < VEC; c++) wk[u][c] = wrow[c];
+            }
+#pragma unroll
+            for (int u = 0; u < DECODE_K_UNROLL(ROWS); u++) {
+                int k = k0 + u * DECODE_K_GROUPS;
+                if (k >= in) break;
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) {
+                    float xr = r < rows ? to_f(x[(size_t)r * in + k]) : 0.0f;
+#pragma unroll
+                    for (int c = 0; c < VEC; c++) acc[r][c] += xr * to_f(wk[u][c]);
+                }
             }
         }
 #pragma unroll
