@@ -2,7 +2,12 @@
  * linear layers, tied embeddings, padded vocabulary) assembled from the layer pairs in cpu/ (one header each),
  * implementing host/engine.h; the training loop itself is host/train_loop.h, shared with the GPU.
  *
- * Everything is fp32. Every buffer is allocated once in engine_setup, sized for B·T positions;
+ * Everything is fp32, except that with train.precision fp8 the four linear products of each layer
+ * (QKV, attention output, MLP up and down) read FP8-emulated operands: each operand is cast to
+ * E4M3 (weights, activations) or E5M2 (activation gradients) with its per-tensor current scale and
+ * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
+ * reference for the GPU's FP8 products (docs/DESIGN.md §18). Every other precision computes fp32
+ * (and says so). Every buffer is allocated once in engine_setup, sized for B·T positions;
  * smaller calls (one prompt of len tokens in engine_prefill) reuse the same buffers. Results are
  * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation
  * orders, and the gradient norm is summed in fixed chunks).
@@ -19,6 +24,7 @@
 #include "cpu/attention.h"
 #include "cpu/classifier.h"
 #include "cpu/embed.h"
+#include "cpu/fp8.h"
 #include "cpu/gelu.h"
 #include "cpu/layernorm.h"
 #include "cpu/matmul.h"
@@ -54,6 +60,11 @@ static struct {
     /* backward scratch, shared by all layers (each is zeroed before use: the layer backward
      * functions accumulate into every output) */
     float *dres_a, *dres_b, *dbranch, *dln, *datty, *dq, *dk, *dv, *dh_gelu, *dh;
+    /* fp8 only: the dequantised operands of the product being computed (else empty); fp8_products:
+     * the current forward/backward uses them (training and validation; generation does not, as on
+     * the GPU: its decode steps multiply unquantised, and the prefill must give the decode's keys) */
+    int fp8, fp8_products;
+    float *fq_act, *fq_weight, *fq_grad;
     double* norm_partials;
     size_t n_norm_chunks;
     float* arena;
@@ -64,8 +75,7 @@ static struct {
 
 static const char* engine_name(void) { return "cpu"; }
 static const char* engine_compute_precision(const Config* cfg) {
-    (void)cfg;
-    return "fp32";
+    return strcmp(cfg->train.precision, "fp8") == 0 ? "fp8" : "fp32";
 }
 
 /* Carves `n` floats off the arena (first pass: only counts). */
@@ -100,8 +110,14 @@ static size_t carve_buffers(void) {
     E.branch = take(&cur, nc);
     E.dres_a = take(&cur, gnc); E.dres_b = take(&cur, gnc);
     E.dbranch = take(&cur, gnc); E.dln = take(&cur, gnc); E.datty = take(&cur, gnc);
-    E.dq = take(&cur, gnc); E.dk = take(&cur, gnc); E.dv = take(&cur, gnc);
+    E.dq = take(&cur, gnc); E.dk = take(&cur, gnc); E.dv = take(&cur, gnc); /* consecutive: one fp8 tensor */
     E.dh_gelu = take(&cur, gnf); E.dh = take(&cur, gnf);
+    if (E.fp8) {
+        size_t cc3 = 3 * (size_t)E.C * E.C, cf = (size_t)E.C * E.F;
+        E.fq_act = take(&cur, nf > nc ? nf : nc);
+        E.fq_weight = take(&cur, cc3 > cf ? cc3 : cf);
+        E.fq_grad = take(&cur, gnf > 3 * gnc ? gnf : 3 * gnc);
+    }
     E.kcache = take(&cur, kv); E.vcache = take(&cur, kv);
     E.dec_x = take(&cur, S * E.C); E.dec_xmid = take(&cur, S * E.C); E.dec_ln = take(&cur, S * E.C);
     E.dec_mean = take(&cur, S); E.dec_rstd = take(&cur, S);
@@ -122,6 +138,7 @@ static size_t engine_setup(const Config* cfg) {
     E.slots = config_kv_slots(cfg);
     n = E.layout.n_params;
     E.shard = dist_part(n, NORM_CHUNK, g_dist.rank, g_dist.world); /* whole chunks: the norm stays exact */
+    E.fp8 = strcmp(cfg->train.precision, "fp8") == 0;
     E.layers = (LayerActs*)xcalloc((size_t)E.L, sizeof(LayerActs), "layer table");
     E.arena = NULL;
     E.arena_floats = carve_buffers();
@@ -172,6 +189,19 @@ static size_t LO(int l, int t) { return layer_offset(&E.layout, l, t); }
 /* The residual stream entering layer l. */
 static const float* layer_input(int l) { return l == 0 ? E.x0 : E.layers[l - 1].xout; }
 
+/* What an fp8 product reads of the n values x: with precision fp8, their cast to `fmt` at the
+ * tensor's current scale, dequantised, in `scratch`; otherwise x itself. */
+static const float* operand(float* scratch, const float* x, size_t n, int fmt) {
+    if (!E.fp8_products) return x;
+    fp8_fake_quantize(scratch, x, n, fmt);
+    return scratch;
+}
+
+/* The products' operands: activations and weights E4M3, activation gradients E5M2. */
+static const float* act_operand(const float* x, size_t n) { return operand(E.fq_act, x, n, FP8_E4M3); }
+static const float* weight_operand(const float* w, size_t n) { return operand(E.fq_weight, w, n, FP8_E4M3); }
+static const float* grad_operand(const float* g, size_t n) { return operand(E.fq_grad, g, n, FP8_E5M2); }
+
 /* Forward over B sequences of T tokens up to the final LayerNorm (E.lnf). */
 static void forward_trunk(const int* tokens, int B, int T) {
     int N = B * T, C = E.C, l;
@@ -180,23 +210,29 @@ static void forward_trunk(const int* tokens, int B, int T) {
     for (l = 0; l < E.L; l++) {
         LayerActs* a = &E.layers[l];
         const float* x = layer_input(l);
+        const float *xa, *wqkv;
+        size_t nc = (size_t)N * C, nf = (size_t)N * E.F, cc = (size_t)C * C, cf = (size_t)C * E.F;
         layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x, P(LO(l, T_LN1_GAMMA)), P(LO(l, T_LN1_BETA)), N, C);
-        matmul_forward(a->q, a->ln1, P(LO(l, T_WQ)), N, C, C);
-        matmul_forward(a->k, a->ln1, P(LO(l, T_WK)), N, C, C);
-        matmul_forward(a->v, a->ln1, P(LO(l, T_WV)), N, C, C);
+        /* W_Q, W_K, W_V are consecutive: one tensor (one fp8 scale) for the three products */
+        xa = act_operand(a->ln1, nc);
+        wqkv = weight_operand(P(LO(l, T_WQ)), 3 * cc);
+        matmul_forward(a->q, xa, wqkv, N, C, C);
+        matmul_forward(a->k, xa, wqkv + cc, N, C, C);
+        matmul_forward(a->v, xa, wqkv + 2 * cc, N, C, C);
         attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, C, E.H);
-        matmul_forward(E.branch, a->atty, P(LO(l, T_WO)), N, C, C);
+        matmul_forward(E.branch, act_operand(a->atty, nc), weight_operand(P(LO(l, T_WO)), cc), N, C, C);
         residual_forward(a->xmid, x, E.branch, N * C);
         layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->xmid, P(LO(l, T_LN2_GAMMA)), P(LO(l, T_LN2_BETA)), N, C);
-        matmul_forward(a->h, a->ln2, P(LO(l, T_W1)), N, C, E.F);
+        matmul_forward(a->h, act_operand(a->ln2, nc), weight_operand(P(LO(l, T_W1)), cf), N, C, E.F);
         gelu_forward(a->h_gelu, a->h, N * E.F);
-        matmul_forward(E.branch, a->h_gelu, P(LO(l, T_W2)), N, E.F, C);
+        matmul_forward(E.branch, act_operand(a->h_gelu, nf), weight_operand(P(LO(l, T_W2)), cf), N, E.F, C);
         residual_forward(a->xout, a->xmid, E.branch, N * C);
     }
     layernorm_forward(E.lnf, E.lnf_mean, E.lnf_rstd, layer_input(E.L), P(E.layout.lnf_gamma), P(E.layout.lnf_beta), N, C);
 }
 
 static float forward_loss(const int* inputs, const int* targets) {
+    E.fp8_products = E.fp8;
     forward_trunk(inputs, E.B, E.T);
     return classifier_forward(E.probs, E.lnf, P(E.layout.wte), targets, E.B * E.T, E.C, E.V, E.Vp);
 }
@@ -206,7 +242,7 @@ static void zero(float* p, size_t n) { memset(p, 0, n * sizeof(float)); }
 /* Backward of the last forward_loss; adds into E.grads. */
 static void backward(const int* targets) {
     int N = E.B * E.T, C = E.C, l;
-    size_t nc = (size_t)N * C, nf = (size_t)N * E.F;
+    size_t nc = (size_t)N * C, nf = (size_t)N * E.F, cc = (size_t)C * C, cf = (size_t)C * E.F;
     float *dres = E.dres_a, *dxmid = E.dres_b;
     zero(E.dln, nc);
     classifier_backward(E.dln, G(E.layout.wte), E.probs, E.lnf, P(E.layout.wte), targets, N, C, E.V, E.Vp);
@@ -220,24 +256,31 @@ static void backward(const int* targets) {
         zero(dxmid, nc); zero(E.dbranch, nc);
         residual_backward(dxmid, E.dbranch, dres, (int)nc);
         zero(E.dh_gelu, nf);
-        matmul_backward(E.dh_gelu, G(LO(l, T_W2)), E.dbranch, a->h_gelu, P(LO(l, T_W2)), N, E.F, C);
+        matmul_backward(E.dh_gelu, G(LO(l, T_W2)), grad_operand(E.dbranch, nc), act_operand(a->h_gelu, nf),
+                        weight_operand(P(LO(l, T_W2)), cf), N, E.F, C);
         zero(E.dh, nf);
         gelu_backward(E.dh, a->h, E.dh_gelu, (int)nf);
         zero(E.dln, nc);
-        matmul_backward(E.dln, G(LO(l, T_W1)), E.dh, a->ln2, P(LO(l, T_W1)), N, C, E.F);
+        matmul_backward(E.dln, G(LO(l, T_W1)), grad_operand(E.dh, nf), act_operand(a->ln2, nc),
+                        weight_operand(P(LO(l, T_W1)), cf), N, C, E.F);
         layernorm_backward(dxmid, G(LO(l, T_LN2_GAMMA)), G(LO(l, T_LN2_BETA)), E.dln, a->xmid, P(LO(l, T_LN2_GAMMA)),
                            a->ln2_mean, a->ln2_rstd, N, C);
         /* xmid = x + W_O·attn(LN1(x)); dxmid holds d(xmid); dres becomes d(x) */
         zero(dres, nc); zero(E.dbranch, nc);
         residual_backward(dres, E.dbranch, dxmid, (int)nc);
         zero(E.datty, nc);
-        matmul_backward(E.datty, G(LO(l, T_WO)), E.dbranch, a->atty, P(LO(l, T_WO)), N, C, C);
+        matmul_backward(E.datty, G(LO(l, T_WO)), grad_operand(E.dbranch, nc), act_operand(a->atty, nc),
+                        weight_operand(P(LO(l, T_WO)), cc), N, C, C);
         zero(E.dq, nc); zero(E.dk, nc); zero(E.dv, nc);
         attention_backward(E.dq, E.dk, E.dv, E.datty, a->att, a->q, a->k, a->v, E.B, E.T, C, E.H);
         zero(E.dln, nc);
-        matmul_backward(E.dln, G(LO(l, T_WQ)), E.dq, a->ln1, P(LO(l, T_WQ)), N, C, C);
-        matmul_backward(E.dln, G(LO(l, T_WK)), E.dk, a->ln1, P(LO(l, T_WK)), N, C, C);
-        matmul_backward(E.dln, G(LO(l, T_WV)), E.dv, a->ln1, P(LO(l, T_WV)), N, C, C);
+        {   /* dq, dk, dv (consecutive) are one fp8 tensor, as are W_Q, W_K, W_V */
+            const float *dqkv = grad_operand(E.dq, 3 * nc), *xa = act_operand(a->ln1, nc);
+            const float* wqkv = weight_operand(P(LO(l, T_WQ)), 3 * cc);
+            matmul_backward(E.dln, G(LO(l, T_WQ)), dqkv, xa, wqkv, N, C, C);
+            matmul_backward(E.dln, G(LO(l, T_WK)), dqkv + nc, xa, wqkv + cc, N, C, C);
+            matmul_backward(E.dln, G(LO(l, T_WV)), dqkv + 2 * nc, xa, wqkv + 2 * cc, N, C, C);
+        }
         layernorm_backward(dres, G(LO(l, T_LN1_GAMMA)), G(LO(l, T_LN1_BETA)), E.dln, x, P(LO(l, T_LN1_GAMMA)),
                            a->ln1_mean, a->ln1_rstd, N, C);
         /* dres = d(x) = d(xout) of the layer below */
@@ -269,6 +312,7 @@ static void engine_prefill(int slot, const int* tokens, int len, float* logits) 
     int l;
     if (len < 1 || len > E.T || slot < 0 || slot >= E.slots)
         die_io("internal: engine_prefill of %d tokens into slot %d (1..%d tokens, %d slots)", len, slot, E.T, E.slots);
+    E.fp8_products = 0;
     forward_trunk(tokens, 1, len);
     for (l = 0; l < E.L; l++) {
         memcpy(kv_row(E.kcache, l, slot, 0), E.layers[l].k, (size_t)len * E.C * sizeof(float));

@@ -17,7 +17,11 @@
  *         step (the next micro-batch overwrites its gradients) and halves the scale; every
  *         LOSS_SCALE_GROW_EVERY-th step (a pure function of the step, so resume stays exact) that
  *         is not skipped doubles it.
- *   fp8   refused with a clear message (not yet supported).
+ *   fp8   as bf16, except the four linear products of each layer (QKV, attention output, MLP up
+ *         and down): FP8 tensor-core products (cuda/fp8.cuh) of operands cast per tensor at their
+ *         current scale, E4M3 weights and activations, E5M2 activation gradients, fp32
+ *         accumulation, bf16 activations and fp32 weight gradients out. The classifier stays bf16.
+ *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18.
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
@@ -53,6 +57,7 @@
 #include "cuda/decode.cuh"
 #include "cuda/dist.cuh"
 #include "cuda/embed.cuh"
+#include "cuda/fp8.cuh"
 #include "cuda/layernorm.cuh"
 #include "cuda/loss.cuh"
 #include "cuda/matmul.cuh"
@@ -61,6 +66,9 @@
 #include "cuda/residual.cuh"
 
 enum { PREC_FP32, PREC_BF16, PREC_FP16 };
+
+/* precision fp8: the fp8 weight tensors of a layer (W_Q, W_K, W_V are one) */
+enum { FP8_W_QKV, FP8_W_O, FP8_W_1, FP8_W_2, FP8_W_PER_LAYER };
 
 /* The instance of function template `fn` for the run's activation type: the one place where the
  * precision picks a type (fp32 and tf32 both run on float). Every `fn` instance has the same
@@ -112,6 +120,15 @@ static struct {
     size_t P_padded;
     unsigned* decay_bits; /* AdamW's weight-decay mask, adamw_decay_words(P) words */
     void* wlow; /* weights in the activation type; == params when fp32 */
+
+    /* precision fp8 only (else NULL): fp8 copies of the linear layers' weights at their parameter
+     * offsets, in the layouts of cuda/fp8.cuh (w8_fwd: W^T for the forward, w8_dx: W for the
+     * input gradient); per-tensor scales (FP8_W_PER_LAYER per layer, then the activation's and the
+     * gradient's being multiplied); the cast operands of the product in flight */
+    int use_fp8;
+    fp8 *w8_fwd, *w8_dx;
+    Fp8Scale* fp8_scales;
+    fp8 *a8, *a8t, *g8, *g8t;
 
     /* saved activations, per layer l at offset l * (size of one layer's slice) */
     void *res;   /* [L+1][N][C] residual stream: res[l] = input of layer l, res[L] = final */
@@ -198,6 +215,16 @@ static void plan_buffers(size_t* used) {
     E.v = (float*)carve(G_ADAM, tr * (E.shard.hi - E.shard.lo) * 4, used);
     E.decay_bits = (unsigned*)carve(G_ADAM, tr * adamw_decay_words(P) * 4, used);
     E.wlow = E.prec == PREC_FP32 ? (void*)E.params : carve(G_WEIGHTS_LOWP, P * es, used);
+    if (E.use_fp8) {
+        size_t act = N * (F > C ? F : C), grad = N * (F > 3 * C ? F : 3 * C);
+        E.w8_fwd = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
+        E.w8_dx = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
+        E.fp8_scales = (Fp8Scale*)carve(G_SCRATCH, (FP8_W_PER_LAYER * L + 2) * sizeof(Fp8Scale), used);
+        E.a8 = (fp8*)carve(G_SCRATCH, act, used);
+        E.a8t = (fp8*)carve(G_SCRATCH, act, used);
+        E.g8 = (fp8*)carve(G_SCRATCH, grad, used);
+        E.g8t = (fp8*)carve(G_SCRATCH, grad, used);
+    }
 
     E.res = carve(G_ACTIVATIONS, (L + 1) * nc * es, used);
     E.xmid = carve(G_ACTIVATIONS, L * nc * es, used);
@@ -302,6 +329,81 @@ static const float* wf(int l, int t) { return E.params + layer_offset(&E.layout,
 static float* gl(int l, int t) { return E.grads + layer_offset(&E.layout, l, t); }
 
 /* ---------------------------------------------------------------------------------------------- */
+/* Precision fp8: the layers' linear products on FP8 operands (cuda/fp8.cuh) */
+
+static Fp8Scale* w8_scale(int l, int k) { return E.fp8_scales + (size_t)l * FP8_W_PER_LAYER + k; }
+static Fp8Scale* act8_scale(void) { return E.fp8_scales + (size_t)FP8_W_PER_LAYER * E.L; }
+static Fp8Scale* grad8_scale(void) { return act8_scale() + 1; }
+static Fp8Mat w8_fwd(int l, int t, int k, long long stride = 0) {
+    return fp8_mat(E.w8_fwd + layer_offset(&E.layout, l, t), FP8_E4M3, w8_scale(l, k), stride);
+}
+static Fp8Mat w8_dx(int l, int t, int k) { return fp8_mat(E.w8_dx + layer_offset(&E.layout, l, t), FP8_E4M3, w8_scale(l, k)); }
+
+/* The fp8 weights from the fp32 masters (after every update, like the 16-bit copy). */
+static void fp8_quantize_weights(void) {
+    int C = E.C, F = E.F;
+    for (int l = 0; l < E.L; l++) {
+        size_t qkv = layer_offset(&E.layout, l, T_WQ), wo = layer_offset(&E.layout, l, T_WO);
+        size_t w1 = layer_offset(&E.layout, l, T_W1), w2 = layer_offset(&E.layout, l, T_W2);
+        fp8_quantize(E.w8_dx + qkv, E.w8_fwd + qkv, w8_scale(l, FP8_W_QKV), wf(l, T_WQ), 3, C, C, FP8_E4M3);
+        fp8_quantize(E.w8_dx + wo, E.w8_fwd + wo, w8_scale(l, FP8_W_O), wf(l, T_WO), 1, C, C, FP8_E4M3);
+        fp8_quantize(E.w8_dx + w1, E.w8_fwd + w1, w8_scale(l, FP8_W_1), wf(l, T_W1), 1, C, F, FP8_E4M3);
+        fp8_quantize(E.w8_dx + w2, E.w8_fwd + w2, w8_scale(l, FP8_W_2), wf(l, T_W2), 1, F, C, FP8_E4M3);
+    }
+}
+
+/* The activation x [N, in] of a forward product, cast (E.a8). */
+template <typename T> static Fp8Mat fp8_act(const T* x, int N, int in) {
+    fp8_quantize(E.a8, (fp8*)NULL, act8_scale(), x, 1, N, in, FP8_E4M3);
+    return fp8_mat(E.a8, FP8_E4M3, act8_scale());
+}
+
+/* out = x @ W (+ residual) for weight tensor t (scale k) of layer l. */
+template <typename T>
+static void fp8_linear_fwd(T* out, const T* x, int l, int t, int k, int N, int in, int out_dim, const T* residual) {
+    fp8_gemm<T>(N, out_dim, in, fp8_act(x, N, in), w8_fwd(l, t, k), out, residual, residual ? 1.0f : 0.0f);
+}
+
+/* The backward of a product whose output gradient dout is `batch` blocks [N, out_dim] (QKV: 3):
+ * dw (/ += by grad_beta) = x^T dout_i per block, dx = sum_i dout_i @ W_i^T (one product, K =
+ * batch * out_dim, over the side-by-side layouts of cuda/fp8.cuh). */
+template <typename T>
+static void fp8_linear_bwd(T* dx, float* dw, const T* dout, const T* x, int l, int t, int k, int N, int in,
+                           int out_dim, int batch, float grad_beta) {
+    Fp8Scale *gs = grad8_scale(), *xs = act8_scale();
+    fp8_quantize(E.g8, E.g8t, gs, dout, batch, N, out_dim, FP8_E5M2);
+    fp8_quantize((fp8*)NULL, E.a8t, xs, x, 1, N, in, FP8_E4M3);
+    fp8_gemm<float>(in, out_dim, N, fp8_mat(E.a8t, FP8_E4M3, xs), fp8_mat(E.g8t, FP8_E5M2, gs, (long long)out_dim * N),
+                    dw, NULL, grad_beta, batch, (long long)in * out_dim);
+    fp8_gemm<T>(N, in, batch * out_dim, fp8_mat(E.g8, FP8_E5M2, gs), w8_dx(l, t, k), dx, NULL, 0.0f);
+}
+
+/* The fp8 forward of layer l's sub-layers around attention (the LayerNorms and attention as in
+ * forward()). */
+template <typename T>
+static void fp8_qkv_fwd(const LayerActs<T>& a, int l, int N) {
+    int C = E.C;
+    fp8_gemm<T>(N, C, C, fp8_act(a.ln1, N, C), w8_fwd(l, T_WQ, FP8_W_QKV, (long long)C * C), a.qkv, NULL, 0.0f, 3,
+                (long long)N * C);
+}
+
+template <typename T>
+static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N) {
+    int C = E.C, F = E.F;
+    fp8_linear_fwd<T>(a.h, a.ln2, l, T_W1, FP8_W_1, N, C, F, NULL);
+    gelu_fwd(a.h_gelu, a.h, (size_t)N * F);
+    fp8_linear_fwd<T>(layer_input<T>(l + 1), a.h_gelu, l, T_W2, FP8_W_2, N, F, C, a.xmid);
+}
+
+template <typename T>
+static void fp8_mlp_bwd(T* dln, const T* dres, const LayerActs<T>& a, int l, int N, float gb) {
+    int C = E.C, F = E.F;
+    fp8_linear_bwd<T>((T*)E.dh, gl(l, T_W2), dres, a.h_gelu, l, T_W2, FP8_W_2, N, F, C, 1, gb);
+    gelu_bwd_inplace((T*)E.dh, a.h, (size_t)N * F);
+    fp8_linear_bwd<T>(dln, gl(l, T_W1), (const T*)E.dh, a.ln2, l, T_W1, FP8_W_1, N, C, F, 1, gb);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
 /* Forward and backward */
 
 template <typename T> static AttnScratch<T> attn_scratch(void) {
@@ -314,20 +416,27 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
     return s;
 }
 
-/* Forward of B sequences of Tn positions (tokens already on the device) up to LNf's output. */
+/* Forward of B sequences of Tn positions (tokens already on the device) up to LNf's output; `fp8`:
+ * the linear products in FP8 (precision fp8's training and validation forward). Generation's
+ * prefill runs without: its decode steps multiply in bf16 (cuda/decode.cuh), and per-tensor scales
+ * of a decode step's few rows could not match the prompt's, so the whole of generation runs on the
+ * bf16 weights and the prefill's keys and values are the decode's. */
 template <typename T>
-static void forward(int B, int Tn) {
+static void forward(int B, int Tn, bool fp8) {
     int C = E.C, H = E.H, F = E.F, L = E.L, N = B * Tn, l;
     embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
     for (l = 0; l < L; l++) {
         LayerActs<T> a = layer_acts<T>(l);
         layernorm_fwd<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), N, C);
-        attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
+        if (fp8) fp8_qkv_fwd<T>(a, l, N);
+        else attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
         attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
                     attn_scratch<T>());
-        attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
+        if (fp8) fp8_linear_fwd<T>(a.xmid, a.atty, l, T_WO, FP8_W_O, N, C, C, a.x);
+        else attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
         layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
-        mlp_fwd<T>(layer_input<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
+        if (fp8) fp8_mlp_fwd<T>(a, l, N);
+        else mlp_fwd<T>(layer_input<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
     }
     layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, layer_input<T>(L), E.params + E.layout.lnf_gamma,
                      E.params + E.layout.lnf_beta, N, C);
@@ -369,15 +478,20 @@ static void backward(void) {
     for (l = L - 1; l >= 0; l--) {
         LayerActs<T> a = layer_acts<T>(l);
         /* MLP branch: its output gradient is the stream's, dres */
-        mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.h_gelu, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.dh,
-                   N, C, F, gb);
+        if (E.use_fp8)
+            fp8_mlp_bwd<T>(dln, dres, a, l, N, gb);
+        else
+            mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.h_gelu, wl<T>(l, T_W1), wl<T>(l, T_W2),
+                       (T*)E.dh, N, C, F, gb);
         layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
                          a.ln2_rstd, N, C, E.ln_partial, gb);
         /* attention branch: dres is now the gradient at xmid */
-        attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
+        if (E.use_fp8) fp8_linear_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, l, T_WO, FP8_W_O, N, C, C, 1, gb);
+        else attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
         attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
                     a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
-        attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
+        if (E.use_fp8) fp8_linear_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, l, T_WQ, FP8_W_QKV, N, C, C, 3, gb);
+        else attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
         layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
                          a.ln1_rstd, N, C, E.ln_partial, gb);
     }
@@ -424,7 +538,7 @@ static void download_output(const float* dev, float* host) {
 template <typename T>
 static void record_forward_backward(void) {
     upload_inputs(2 * (size_t)E.N);
-    forward<T>(E.B, E.T);
+    forward<T>(E.B, E.T, E.use_fp8);
     loss_chunks<T>(E.N, 1);
     backward<T>();
     download_output(&E.io->loss, &E.io_host->loss);
@@ -445,7 +559,7 @@ template <typename T>
 static float forward_loss_t(const int* inputs, const int* targets) {
     stage_batch(inputs, targets);
     upload_inputs(2 * (size_t)E.N);
-    forward<T>(E.B, E.T);
+    forward<T>(E.B, E.T, E.use_fp8);
     loss_chunks<T>(E.N, 0);
     download_output(&E.io->loss, &E.io_host->loss);
     CUDA_CHECK(cudaStreamSynchronize(g_stream));
@@ -467,7 +581,7 @@ static void prefill_t(int slot, const int* tokens, int len, float* logits) {
     memcpy(E.tok_host, tokens, (size_t)len * sizeof(int));
     memset(E.tok_host + len, 0, (size_t)(E.T - len) * sizeof(int));
     upload_inputs((size_t)E.T);
-    forward<T>(1, E.T);
+    forward<T>(1, E.T, false);
     for (int l = 0; l < E.L; l++) {
         const T* qkv = layer_acts<T>(l).qkv;
         size_t bytes = (size_t)len * E.C * sizeof(T);
@@ -552,6 +666,7 @@ static void upload_decay_bits(void) {
 template <typename T>
 static void refresh_lowp_weights_t(void) {
     if constexpr (sizeof(T) == 2) convert<T>((T*)E.wlow, E.params, E.P);
+    if (E.use_fp8) fp8_quantize_weights();
 }
 
 /* The update, as recorded into update_graph: the norm of the unscaled gradients, AdamW (which
@@ -563,6 +678,7 @@ static void record_update(void) {
     grad_norm_partial(E.norm_partial, E.grads, E.P, &E.io->uctl.unscale);
     grad_norm_final(&E.io->norm, E.norm_partial);
     adamw_all<T>(&E.cfg);
+    if (E.use_fp8) fp8_quantize_weights();
     download_output(&E.io->norm, &E.io_host->norm);
 }
 
@@ -629,9 +745,8 @@ static size_t engine_setup(const Config* cfg) {
     int g, n_dev = 0;
     memset(&E, 0, sizeof E);
     E.cfg = *cfg;
-    if (strcmp(prec, "fp8") == 0)
-        die_input("train.precision fp8 is not yet supported by the CUDA engine (use fp32, bf16 or fp16)");
-    E.prec = strcmp(prec, "bf16") == 0 ? PREC_BF16 : strcmp(prec, "fp16") == 0 ? PREC_FP16 : PREC_FP32; /* or tf32 */
+    E.use_fp8 = strcmp(prec, "fp8") == 0; /* everything else as bf16 */
+    E.prec = strcmp(prec, "bf16") == 0 || E.use_fp8 ? PREC_BF16 : strcmp(prec, "fp16") == 0 ? PREC_FP16 : PREC_FP32; /* or tf32 */
     E.es = E.prec == PREC_FP32 ? 4 : 2;
     E.B = cfg->train.batch_size;
     E.T = cfg->model.seq_len;
@@ -647,6 +762,11 @@ static size_t engine_setup(const Config* cfg) {
     E.N = E.B * E.T;
     E.training = !cfg->generate.enabled && !cfg->evaluate;
     E.slots = config_kv_slots(cfg);
+    /* FP8 products need every dimension they touch a multiple of 16: d_model, d_ff and the B·T rows
+     * (generation's prefill and decode run without them, see forward) */
+    if (E.use_fp8 && !cfg->generate.enabled && (E.C % 16 || E.F % 16 || E.N % 16))
+        die_input("train.precision fp8 needs model.d_model, model.d_ff and train.batch_size x model.seq_len to be "
+                  "multiples of 16 (FP8 products contract over them); got %d, %d and %d", E.C, E.F, E.N);
     param_layout_init(&E.layout, cfg);
     E.P = E.layout.n_params;
     E.shard = dist_part(E.P, DIST_CUDA_UNIT, g_dist.rank, g_dist.world);
@@ -676,6 +796,9 @@ static size_t engine_setup(const Config* cfg) {
         if (dist_device() >= n_dev) die_input("LOCAL_RANK %d: only %d CUDA devices are visible", dist_device(), n_dev);
         CUDA_CHECK(cudaGetDeviceProperties(&p, dist_device()));
         info("device %d: %s, compute capability %d.%d, %.1f GiB", dist_device(), p.name, p.major, p.minor, p.totalGlobalMem / 1073741824.0);
+        if (E.use_fp8 && p.major * 10 + p.minor < 89)
+            die_input("train.precision fp8 needs FP8 tensor cores: compute capability 8.9 or newer (this GPU: %d.%d)",
+                      p.major, p.minor);
         if (E.prec == PREC_BF16 && p.major < 8) die_input("train.precision bf16 needs compute capability 8.0 or newer");
     }
     CUDA_CHECK(cudaSetDevice(dist_device())); /* LOCAL_RANK's GPU (docs/DESIGN.md §17) */
@@ -801,6 +924,7 @@ static size_t engine_device_bytes_in_use(void) {
 static void engine_shutdown(void) {
     int g;
     CUDA_CHECK(cudaDeviceSynchronize());
+    fp8_plans_clear();
     cublas_shutdown();
     for (int i = 0; i < 2; i++)
         if (E.fb_graph[i]) CUDA_CHECK(cudaGraphExecDestroy(E.fb_graph[i]));

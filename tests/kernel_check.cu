@@ -1,9 +1,10 @@
 /* kernel_check.cu: every CUDA kernel pair of microgpt/cuda/ against its CPU reference in
- * microgpt/cpu/, in fp32, bf16 and fp16, on fresh random inputs and a few awkward shapes.
+ * microgpt/cpu/, in fp32, bf16 and fp16, on fresh random inputs and a few awkward shapes; and, on
+ * compute capability 8.9+, precision fp8's casts and products (run_fp8, with its own tolerances).
  *
  *   build: make kernel-check    (or: nvcc -O3 -std=c++17 -Xcompiler -fopenmp -o build/kernel_check
  *                                     tests/kernel_check.cu -lcublas -lcublasLt -lgomp -lm)
- *   run:   build/kernel_check [--seed N] [--prec fp32|bf16|fp16|all]
+ *   run:   build/kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all]
  *
  * How each check works:
  *   - inputs are drawn from a seeded generator (the seed differs per run unless --seed is given,
@@ -38,6 +39,7 @@
 #include "../microgpt/cpu/attention.h"
 #include "../microgpt/cpu/classifier.h"
 #include "../microgpt/cpu/embed.h"
+#include "../microgpt/cpu/fp8.h"
 #include "../microgpt/cpu/gelu.h"
 #include "../microgpt/cpu/layernorm.h"
 #include "../microgpt/cpu/matmul.h"
@@ -46,6 +48,7 @@
 #include "../microgpt/cuda/attention.cuh"
 #include "../microgpt/cuda/decode.cuh"
 #include "../microgpt/cuda/embed.cuh"
+#include "../microgpt/cuda/fp8.cuh"
 #include "../microgpt/cuda/layernorm.cuh"
 #include "../microgpt/cuda/loss.cuh"
 #include "../microgpt/cuda/mlp.cuh"
@@ -834,6 +837,240 @@ static void check_fused_taken(const long* before) {
     }
 }
 
+/* ---------------------------------------------------------------------------------------------- */
+/* Precision fp8 (cuda/fp8.cuh against cpu/fp8.h). The casts must match the CPU emulation bit for
+ * bit; the products are compared with fp32 products of the dequantised operands at a normwise
+ * tolerance of 2e-3 (fp32 output) or 6e-3 (bf16 output: 2^-9 per element on top): every product
+ * of two fp8 values is exact in fp32, so what remains is the accumulation (Hopper's FP8 tensor
+ * cores add in reduced precision between cuBLASLt's fp32 promotions, which costs a few 1e-4 at
+ * these K) and the output rounding; a layout or scale bug gives errors of order 1. */
+
+#define FP8_ALL_INPUTS (1ull << 32)
+
+/* Over every fp32 bit pattern: the hardware conversion (what the engine's casts use) against
+ * cpu/fp8.h's fp8_from_float compiled for the device. Counts mismatches (mismatches[1]: those with
+ * a NaN input); keeps the smallest mismatching pattern. */
+__global__ void k_fp8_cvt_all(unsigned long long* mismatches, unsigned* first, int fmt) {
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < FP8_ALL_INPUTS;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        float x = __uint_as_float((unsigned)i);
+        if (fp8_cvt(x, fmt) != fp8_from_float(x, fmt)) {
+            atomicAdd(mismatches, 1ull);
+            if (isnan(x)) atomicAdd(mismatches + 1, 1ull);
+            atomicMin(first, (unsigned)i);
+        }
+    }
+}
+
+/* Every code's value through cuda_fp8.h's conversion (to half, exact, then to float). */
+__global__ void k_fp8_decode_all(float* out, int fmt) {
+    int c = threadIdx.x;
+    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)c, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+    out[c] = __half2float(__half(h));
+}
+
+/* The conversion of n given inputs on the device, for the host-compiled fp8_from_float. */
+__global__ void k_fp8_cvt_list(fp8* out, const float* x, size_t n, int fmt) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = fp8_cvt(x[i], fmt);
+}
+
+static const char* fp8_name(int fmt) { return fmt == FP8_E4M3 ? "e4m3" : "e5m2"; }
+
+/* Random fp32 values of every kind: normals of many magnitudes, fp32 subnormals, values around the
+ * formats' overflow and underflow thresholds and rounding midpoints, infinities, NaNs, zeros. */
+static Vec fp8_awkward_inputs(size_t n) {
+    Vec v(n);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)next_u64();
+        float x;
+        switch (i % 4) {
+        case 0: memcpy(&x, &bits, sizeof x); break;                                    /* any pattern */
+        case 1: x = ldexpf(next_normal(), (int)(next_u64() % 60) - 30); break;        /* -30..30 binades */
+        case 2: x = ldexpf(1.0f + (float)(next_u64() % 64) / 64.0f, (int)(next_u64() % 36) - 20); break; /* midpoints */
+        default: { uint32_t sub = bits & 0x807FFFFFu; memcpy(&x, &sub, sizeof x); } /* fp32 subnormals */
+        }
+        v[i] = x;
+    }
+    const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 448.0f, 464.0f, 464.0001f, 480.0f, 57344.0f,
+                             61440.0f, 61439.99f, 65536.0f, 1e30f, -1e30f, ldexpf(1.0f, -10), ldexpf(1.0f, -17),
+                             ldexpf(3.0f, -11), ldexpf(1.0f, -6), ldexpf(1.0f, -14)};
+    for (size_t i = 0; i < sizeof special / sizeof *special && i < n; i++) v[i] = special[i];
+    return v;
+}
+
+static void test_fp8_conversion(int fmt) {
+    unsigned long long* mism = (unsigned long long*)dalloc(2 * sizeof(unsigned long long));
+    unsigned* first = (unsigned*)dalloc(sizeof(unsigned));
+    unsigned long long h_mism[2] = {0, 0};
+    unsigned h_first = 0xFFFFFFFFu;
+    CUDA_CHECK(cudaMemcpy(mism, h_mism, sizeof h_mism, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(first, &h_first, sizeof h_first, cudaMemcpyHostToDevice));
+    k_fp8_cvt_all<<<4096, 256>>>(mism, first, fmt);
+    LAUNCH_CHECK();
+    CUDA_CHECK(cudaMemcpy(h_mism, mism, sizeof h_mism, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&h_first, first, sizeof h_first, cudaMemcpyDeviceToHost));
+    {
+        float x;
+        unsigned char hw = 0;
+        memcpy(&x, &h_first, sizeof x);
+        if (h_mism[0]) { /* the first mismatch's hardware code, for the report */
+            float* dx1 = (float*)dalloc(sizeof(float));
+            fp8* dq1 = (fp8*)dalloc(1);
+            CUDA_CHECK(cudaMemcpy(dx1, &x, sizeof x, cudaMemcpyHostToDevice));
+            k_fp8_cvt_list<<<1, 1>>>(dq1, dx1, 1, fmt);
+            LAUNCH_CHECK();
+            CUDA_CHECK(cudaMemcpy(&hw, dq1, 1, cudaMemcpyDeviceToHost));
+        }
+        report(h_mism[0] == 0, "cvt_all",
+               "all 2^32 fp32 inputs: %llu mismatches, %llu of them NaN inputs (first 0x%08x = %g: hardware 0x%02x, "
+               "emulation 0x%02x)",
+               h_mism[0], h_mism[1], h_first, (double)x, hw, fp8_from_float(x, fmt));
+    }
+    /* the host-compiled emulation (the CPU engine's) on awkward inputs against the hardware */
+    Vec x = fp8_awkward_inputs(1 << 22);
+    float* dx = (float*)dalloc(x.size() * sizeof(float));
+    CUDA_CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
+    fp8* dq = (fp8*)dalloc(x.size());
+    k_fp8_cvt_list<<<1024, 256>>>(dq, dx, x.size(), fmt);
+    LAUNCH_CHECK();
+    std::vector<unsigned char> q(x.size());
+    CUDA_CHECK(cudaMemcpy(q.data(), dq, q.size(), cudaMemcpyDeviceToHost));
+    size_t bad = 0;
+    for (size_t i = 0; i < x.size(); i++) bad += q[i] != fp8_from_float(x[i], fmt);
+    report(bad == 0, "cvt_host", "%zu random inputs (specials, subnormals, midpoints): %zu mismatches", x.size(), bad);
+    /* decoding: all 256 codes */
+    float* dv = (float*)dalloc(256 * sizeof(float));
+    k_fp8_decode_all<<<1, 256>>>(dv, fmt);
+    LAUNCH_CHECK();
+    Vec v(256);
+    CUDA_CHECK(cudaMemcpy(v.data(), dv, 256 * sizeof(float), cudaMemcpyDeviceToHost));
+    size_t bad_dec = 0, bad_trip = 0;
+    for (int c = 0; c < 256; c++) {
+        float mine = fp8_to_float((unsigned char)c, fmt);
+        if (isnan(mine) != isnan(v[c]) || (!isnan(mine) && memcmp(&mine, &v[c], sizeof mine))) bad_dec++;
+        if (!isnan(mine) && !isinf(mine) && fp8_from_float(mine, fmt) != c) bad_trip++;
+    }
+    report(bad_dec == 0 && bad_trip == 0, "codes", "256 codes: %zu decode mismatches, %zu round-trip failures", bad_dec,
+           bad_trip);
+    dfree_all();
+}
+
+/* fp8_quantize of batch blocks [R, Cc] of T against the CPU emulation: codes in both layouts and
+ * the scale, exactly. `special`: a NaN or an infinity in the input (the scale falls back to 1). */
+template <typename T> static void test_fp8_quantize(int batch, int R, int Cc, int fmt, int special) {
+    size_t n = (size_t)batch * R * Cc;
+    Vec x = rounded<T>(randn(n, fmt == FP8_E4M3 ? 3.0f : 1e-3f));
+    for (size_t i = 0; i < n; i += 97) x[i] = rounded<T>(Vec(1, ldexpf(x[i], -20)))[0]; /* below the fp8 range */
+    if (special == 1) x[n / 2] = NAN;
+    if (special == 2) x[n / 3] = -INFINITY;
+    T* dx = upload<T>(x);
+    fp8* out_n = (fp8*)dalloc(n);
+    fp8* out_t = (fp8*)dalloc(n);
+    Fp8Scale* sc = (Fp8Scale*)dalloc(sizeof(Fp8Scale));
+    CUDA_CHECK(cudaMemset(out_n, 0xAB, n));
+    CUDA_CHECK(cudaMemset(out_t, 0xAB, n));
+    CUDA_CHECK(cudaMemset(sc, 0xFF, sizeof(Fp8Scale)));
+    fp8_quantize(out_n, out_t, sc, dx, batch, R, Cc, fmt);
+    std::vector<unsigned char> gn(n), gt(n);
+    Fp8Scale gs;
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(gn.data(), out_n, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gt.data(), out_t, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&gs, sc, sizeof gs, cudaMemcpyDeviceToHost));
+    float amax = fp8_amax(x.data(), n), s = fp8_scale_for_amax(amax, fmt);
+    unsigned amax_bits = fp8_float_bits(amax);
+    size_t bad_n = 0, bad_t = 0;
+    for (int b = 0; b < batch; b++)
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < Cc; c++) {
+                unsigned char want = fp8_from_float(x[((size_t)b * R + r) * Cc + c] * s, fmt);
+                bad_n += gn[((size_t)r * batch + b) * Cc + c] != want;
+                bad_t += gt[((size_t)b * Cc + c) * R + r] != want;
+            }
+    report(gs.amax_bits == amax_bits && gs.scale == s && gs.descale == 1.0f / s, "scale",
+           "amax bits 0x%08x (cpu 0x%08x), scale %g (cpu %g), descale %g", gs.amax_bits, amax_bits,
+           (double)gs.scale, (double)s, (double)gs.descale);
+    report(bad_n == 0, "codes", "%zu of %zu differ from the CPU emulation", bad_n, n);
+    report(bad_t == 0, "codes^T", "%zu of %zu differ from the CPU emulation", bad_t, n);
+    dfree_all();
+}
+
+/* Random fp8 codes of n normal values of size `scale` (cast by the CPU emulation) and their values. */
+static std::vector<unsigned char> fp8_random_codes(size_t n, int fmt, Vec* values) {
+    std::vector<unsigned char> q(n);
+    values->resize(n);
+    for (size_t i = 0; i < n; i++) {
+        q[i] = fp8_from_float(next_normal() * (fmt == FP8_E4M3 ? 100.0f : 5000.0f), fmt);
+        (*values)[i] = fp8_to_float(q[i], fmt);
+    }
+    return q;
+}
+
+/* D [M,N] = da db A[M,K] Bt[N,K]^T + beta C, batched, against the fp32 product of the values. */
+template <typename TD> static void test_fp8_gemm(int M, int N, int K, int batch, int a_fmt, int b_fmt, float beta) {
+    Vec av, bv;
+    std::vector<unsigned char> aq = fp8_random_codes((size_t)M * K, a_fmt, &av);
+    std::vector<unsigned char> bq = fp8_random_codes((size_t)batch * N * K, b_fmt, &bv);
+    Fp8Scale hs[2] = {{0, 8.0f, 0.125f}, {0, 1024.0f, 1.0f / 1024.0f}};
+    Fp8Scale* sc = (Fp8Scale*)dalloc(sizeof hs);
+    CUDA_CHECK(cudaMemcpy(sc, hs, sizeof hs, cudaMemcpyHostToDevice));
+    fp8* da = (fp8*)dalloc(aq.size());
+    fp8* db = (fp8*)dalloc(bq.size());
+    CUDA_CHECK(cudaMemcpy(da, aq.data(), aq.size(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(db, bq.data(), bq.size(), cudaMemcpyHostToDevice));
+    size_t nd = (size_t)batch * M * N;
+    Vec prefill = rounded<TD>(randn(nd, 1.0f));
+    TD* dd = beta != 0.0f ? upload<TD>(prefill) : poisoned<TD>(nd);
+    fp8_gemm<TD>(M, N, K, fp8_mat(da, a_fmt, sc), fp8_mat(db, b_fmt, sc + 1, (long long)N * K), dd, NULL, beta, batch,
+                 (long long)M * N);
+    Vec got = download(dd, nd), want(nd);
+    for (int b = 0; b < batch; b++)
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) {
+                double acc = 0.0;
+                for (int k = 0; k < K; k++) acc += (double)av[(size_t)i * K + k] * bv[((size_t)b * N + j) * K + k];
+                size_t o = ((size_t)b * M + i) * N + j;
+                want[o] = (float)(acc * hs[0].descale * hs[1].descale + (beta != 0.0f ? prefill[o] : 0.0));
+            }
+    char what[64];
+    snprintf(what, sizeof what, "%s x %s%s", fp8_name(a_fmt), fp8_name(b_fmt), beta != 0.0f ? " +=" : "");
+    check(what, got, want, sizeof(TD) == 4 ? 2e-3 : 6e-3, beta != 0.0f ? &prefill : NULL);
+    dfree_all();
+}
+
+static void run_fp8(void) {
+    char sh[96];
+    for (int fmt = FP8_E4M3; fmt <= FP8_E5M2; fmt++) {
+        set_ctx("fp8", "conversion", fp8_name(fmt));
+        test_fp8_conversion(fmt);
+        const int shapes[][3] = {{1, 64, 48}, {3, 37, 80}, {1, 129, 33}, {1, 256, 1024}};
+        for (const auto& s : shapes)
+            for (int special = 0; special < 3; special++) {
+                snprintf(sh, sizeof sh, "%s batch=%d R=%d C=%d%s", fp8_name(fmt), s[0], s[1], s[2],
+                         special == 1 ? " NaN" : special == 2 ? " -inf" : "");
+                set_ctx("fp8", "quantize bf16", sh);
+                test_fp8_quantize<bf16>(s[0], s[1], s[2], fmt, special);
+                if (special == 0) {
+                    set_ctx("fp8", "quantize fp32", sh);
+                    test_fp8_quantize<float>(s[0], s[1], s[2], fmt, 0);
+                }
+            }
+    }
+    const int gshapes[][4] = {{64, 96, 128, 1}, {48, 32, 96, 3}, {256, 512, 64, 1}, {16, 48, 16, 1}};
+    for (const auto& g : gshapes) {
+        snprintf(sh, sizeof sh, "M=%d N=%d K=%d batch=%d", g[0], g[1], g[2], g[3]);
+        set_ctx("fp8", "gemm bf16 out", sh);
+        test_fp8_gemm<bf16>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E4M3, 0.0f);
+        test_fp8_gemm<bf16>(g[0], g[1], g[2], g[3], FP8_E5M2, FP8_E4M3, 0.0f);
+        test_fp8_gemm<bf16>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E4M3, 1.0f);
+        set_ctx("fp8", "gemm fp32 out", sh);
+        test_fp8_gemm<float>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 0.0f);
+        test_fp8_gemm<float>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 1.0f);
+    }
+    fp8_plans_clear();
+}
+
 template <typename T> static void run_precision(void) {
     const char* prec = TypeInfo<T>::name();
     Tol tol = tol_for<T>();
@@ -910,12 +1147,13 @@ int main(int argc, char** argv) {
         if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--prec") && i + 1 < argc) prec = argv[++i];
         else {
-            fprintf(stderr, "error: unknown argument '%s' (usage: kernel_check [--seed N] [--prec fp32|bf16|fp16|all])\n", argv[i]);
+            fprintf(stderr, "error: unknown argument '%s' (usage: kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all])\n", argv[i]);
             return 2;
         }
     }
-    if (strcmp(prec, "all") && strcmp(prec, "fp32") && strcmp(prec, "bf16") && strcmp(prec, "fp16")) {
-        fprintf(stderr, "error: --prec must be fp32, bf16, fp16 or all, not '%s'\n", prec);
+    if (strcmp(prec, "all") && strcmp(prec, "fp32") && strcmp(prec, "bf16") && strcmp(prec, "fp16") &&
+        strcmp(prec, "fp8")) {
+        fprintf(stderr, "error: --prec must be fp32, bf16, fp16, fp8 or all, not '%s'\n", prec);
         return 2;
     }
     int n_dev = 0;
@@ -939,6 +1177,11 @@ int main(int argc, char** argv) {
     if (!strcmp(prec, "all") || !strcmp(prec, "fp32")) run_precision<float>();
     if (!strcmp(prec, "all") || !strcmp(prec, "bf16")) run_precision<bf16>();
     if (!strcmp(prec, "all") || !strcmp(prec, "fp16")) run_precision<fp16>();
+    if (!strcmp(prec, "all") || !strcmp(prec, "fp8")) {
+        if (p.major * 10 + p.minor >= 89) run_fp8();
+        else if (!strcmp(prec, "fp8")) report(false, "fp8", "needs compute capability 8.9 or newer");
+        else printf("kernel_check: no fp8 checks on cc %d.%d (FP8 tensor cores need 8.9)\n", p.major, p.minor);
+    }
 
     cublas_shutdown();
     CUDA_CHECK(cudaFree(ws));
