@@ -188,6 +188,7 @@ k_decode_attention(T* __restrict__ out, float* __restrict__ scores, const T* __r
     for (int t = tid; t <= pos; t += blockDim.x) {
         const T* kt = kb + (size_t)t * C;
         float dot = 0.0f;
+#pragma unroll 8 /* the row's packets in flight together (a 64-wide bf16 head is 8) */
         for (int d = 0; d < hs; d += VEC) {
             float kv[VEC], qv[VEC];
             load_vec<VEC>(kv, kt + d);
@@ -211,7 +212,7 @@ k_decode_attention(T* __restrict__ out, float* __restrict__ scores, const T* __r
         int d = (e % packets) * VEC, g = e / packets;
         const T* vd = vb + d;
         float acc[VEC] = {};
-#pragma unroll 4
+#pragma unroll(sizeof(T) == 4 ? 4 : 8) /* fp32: 4 spare the registers */
         for (int t = g; t <= pos; t += G) {
             float vv[VEC], p = s[t] * inv;
             load_vec<VEC>(vv, vd + (size_t)t * C);
