@@ -770,6 +770,7 @@ template <typename T> static void test_decode(const Shape& s, Tol tol) {
             first.insert(first.end(), batched.begin() + (size_t)z * n * F, batched.begin() + ((size_t)z * n + m) * F);
         check_same(m == 1 ? "matmul_1" : "matmul_3", std::vector<Vec>{alone}, std::vector<Vec>{first});
     }
+    poison(d_out, 3 * (size_t)n * F);
     decode_matmul<T>(d_out, d_x, d_w, NULL, n, C, F, DECODE_PLAIN, 3);
     check_same("matmul", std::vector<Vec>{download(d_out, 3 * (size_t)n * F)}, std::vector<Vec>{batched});
     poison(d_out, (size_t)n * F);
