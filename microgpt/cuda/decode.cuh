@@ -29,6 +29,7 @@
 #define DECODE_ROWS 8        /* the most rows (sequences) one product or classifier block handles */
 #define DECODE_ATT_THREADS 256
 #define DECODE_LOGIT_WARPS 8 /* classifier rows (vocabulary entries) per block, one per warp */
+#define DECODE_LOGIT_UNROLL(rows) ((rows) <= 4 ? 4 : 2) /* packets of its row a classifier lane loads before use */
 
 enum { DECODE_PLAIN, DECODE_GELU, DECODE_RESIDUAL };
 
@@ -41,6 +42,16 @@ __global__ void k_decode_embed(T* out, const int* tokens, const int* positions, 
         int i = (int)(e / C), c = (int)(e % C);
         out[e] = from_f<T>(wte[(size_t)tokens[i] * C + c] + wpe[(size_t)positions[i] * C + c]);
     }
+}
+
+/* VEC elements as stored (one 16-byte load when VEC = PACK(T)): a load kept in flight costs half
+ * the registers of its fp32 conversion in 16-bit types. */
+template <int VEC, typename T>
+__device__ __forceinline__ void load_stored(T (&dst)[VEC], const T* p) {
+    if constexpr (VEC == PACK(T)) *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(p);
+    else
+#pragma unroll
+        for (int c = 0; c < VEC; c++) dst[c] = p[c];
 }
 
 /* out[z] [n, out_dim] = x [n, in] @ w[z] [in, out_dim] for the blockIdx.z-th of consecutive weight
@@ -76,11 +87,7 @@ k_decode_matmul(T* __restrict__ out, const T* __restrict__ x, const T* __restric
             for (int u = 0; u < DECODE_K_UNROLL(ROWS); u++) {
                 int k = k0 + u * DECODE_K_GROUPS;
                 if (k >= in) break;
-                const T* wrow = w + (size_t)k * out_dim + j0;
-                if constexpr (VEC == PACK(T)) *reinterpret_cast<int4*>(wk[u]) = *reinterpret_cast<const int4*>(wrow);
-                else
-#pragma unroll
-                    for (int c = 0; c < VEC; c++) wk[u][c] = wrow[c];
+                load_stored<VEC>(wk[u], w + (size_t)k * out_dim + j0);
             }
 #pragma unroll
             for (int u = 0; u < DECODE_K_UNROLL(ROWS); u++) {
@@ -246,7 +253,8 @@ static void decode_attention(T* out, float* scores, const T* q, const T* kcache,
 
 /* logits [n, V] (fp32, real vocabulary) = x [n, C] @ wte[0:V]^T: one warp per vocabulary entry, its
  * row read in VEC-element packets, lane l taking packets l, l + 32, ... (each summed in column
- * order), the lanes' sums by the butterfly warp_sum; every loaded packet serves all ROWS rows. */
+ * order; up to DECODE_LOGIT_UNROLL loaded before use), the lanes' sums by the butterfly warp_sum;
+ * every loaded packet serves all ROWS rows. */
 template <typename T, int VEC, int ROWS>
 __global__ void __launch_bounds__(32 * DECODE_LOGIT_WARPS)
 k_decode_logits(float* __restrict__ logits, const T* __restrict__ x, const T* __restrict__ wte, int n, int C, int V) {
@@ -257,17 +265,27 @@ k_decode_logits(float* __restrict__ logits, const T* __restrict__ x, const T* __
     x += (size_t)r0 * C;
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
-    for (int c = lane * VEC; c < C; c += 32 * VEC) {
-        float wc[VEC];
-        load_vec<VEC>(wc, wte + (size_t)v * C + c);
+    for (int c0 = lane * VEC; c0 < C; c0 += DECODE_LOGIT_UNROLL(ROWS) * 32 * VEC) {
+        alignas(16) T wc[DECODE_LOGIT_UNROLL(ROWS)][VEC]; /* the chunk's packets in flight together */
 #pragma unroll
-        for (int r = 0; r < ROWS; r++)
-            if (r < rows) {
-                float xr[VEC];
-                load_vec<VEC>(xr, x + (size_t)r * C + c);
+        for (int u = 0; u < DECODE_LOGIT_UNROLL(ROWS); u++) {
+            int c = c0 + u * 32 * VEC;
+            if (c >= C) break;
+            load_stored<VEC>(wc[u], wte + (size_t)v * C + c);
+        }
 #pragma unroll
-                for (int e = 0; e < VEC; e++) acc[r] += xr[e] * wc[e];
-            }
+        for (int u = 0; u < DECODE_LOGIT_UNROLL(ROWS); u++) {
+            int c = c0 + u * 32 * VEC;
+            if (c >= C) break;
+#pragma unroll
+            for (int r = 0; r < ROWS; r++)
+                if (r < rows) {
+                    float xr[VEC];
+                    load_vec<VEC>(xr, x + (size_t)r * C + c);
+#pragma unroll
+                    for (int e = 0; e < VEC; e++) acc[r] += xr[e] * to_f(wc[u][e]);
+                }
+        }
     }
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
