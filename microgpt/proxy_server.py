@@ -274,9 +274,13 @@ def _host_allowed(host_header, exposed, own_names):
         return name.lower() in own_names
 
 
+INDEX_DIGITS = 18  # any record index fits; int() refuses strings of over 4300 digits
+
+
 def _is_index(text):
-    """Plain ASCII digits only: str.isdigit() also accepts "²", which int() then refuses."""
-    return text.isascii() and text.isdigit()
+    """Plain ASCII digits only, and not too many: str.isdigit() also accepts "²", and int() refuses
+    a 5000-digit string; either would be a 500 instead of a clean 400."""
+    return text.isascii() and text.isdigit() and len(text) <= INDEX_DIGITS
 
 
 def _int_arg(name, default):

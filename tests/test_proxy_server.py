@@ -96,6 +96,22 @@ def test_a_nul_byte_in_a_file_path_is_a_clean_404(served_dir):
         assert get(server, path).status_code == 404, path
 
 
+def test_an_index_of_thousands_of_digits_is_a_clean_400(served_dir):
+    """int() refuses strings of over 4300 digits: such a from=, limit= or Last-Event-ID was a 500."""
+    server, _ = served_dir
+    huge = "9" * 5000
+    for path in (f"api/records?run=alpha/alpha&from={huge}", f"api/records?run=alpha/alpha&limit={huge}",
+                 f"api/stream?run=alpha/alpha&from={huge}"):
+        assert get(server, path).status_code == 400, path
+    # a reconnecting stream's Last-Event-ID that is no index is ignored, as any other non-index is
+    r = get(server, "api/stream?run=alpha/alpha", headers={"Last-Event-ID": huge}, stream=True)
+    try:
+        assert r.status_code == 200
+    finally:
+        r.close()
+    assert get(server, "api/records?run=alpha/alpha&from=99999999999999999").json()["records"] == []
+
+
 def test_the_token_is_stable_and_owner_only(tmp_path):
     root = tmp_path / "runs"
     make_run(root, "alpha", 5)
