@@ -239,6 +239,33 @@ def test_a_client_that_stops_reading_is_dropped(tmp_path, monkeypatch):
         server.shutdown()
 
 
+def test_a_client_that_trickles_its_request_is_dropped(served_dir, monkeypatch):
+    """Slowloris: a request head sent a line at a time, each line within the per-receive timeout,
+    held its connection (one of MAX_CONNECTIONS) for ever; the whole head must come within the
+    timeout. The client below trickles for 8 timeouts; the server drops it long before."""
+    server, _ = served_dir
+    monkeypatch.setattr(proxy_server._RequestHandler, "timeout", 0.5)
+    port = server.httpd.socket.getsockname()[1]
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        dropped = False
+        for i in range(40):
+            time.sleep(0.1)
+            try:
+                s.sendall(b"X-Trickle-%d: x\r\n" % i)
+            except OSError:  # the server closed the connection
+                dropped = True
+                break
+        if not dropped:
+            try:
+                s.sendall(b"X-Run-Token: " + server.token.encode() + b"\r\n\r\n")
+                dropped = s.recv(100) == b""
+            except OSError:
+                dropped = True
+    assert dropped, "a client trickling its request head for 4 s was still served (timeout 0.5 s)"
+    assert get(server, "api/runs").status_code == 200  # an ordinary request is served as before
+
+
 def test_clients_that_never_read_do_not_hold_up_training(tmp_path, cpu_binary):
     """The real proxy and engine, and far more clients than it serves, none of which reads: the
     proxy keeps its threads bounded and keeps recording the engine's steps."""
