@@ -7,6 +7,7 @@ without a dot (--checkpoint, --resume, ...) are the command line's own, not conf
 adds a few keys that are its own (OWN_KEYS)."""
 import json
 import os
+import stat
 
 from microgpt.engines import ROOT
 
@@ -15,6 +16,13 @@ OWN_KEYS = {  # key: (type, required)
     "description": ("str", False),  # free text for people; not passed to the engine
     "sample.prompts": ("prompts", False),  # strings, tokenized into repeated --sample.prompt ids
 }
+# Limits that keep a config something a person wrote: the run's name is part of file names, the
+# state file (rewritten twice a second) carries the config, and the prompts travel on the engine's
+# command line, where Linux allows one argument at most 128 KiB.
+NAME_MAX_CHARS = 100
+DESCRIPTION_MAX_CHARS = 10_000
+PROMPTS_MAX_CHARS = 65_536  # all prompts together
+ARG_MAX_BYTES = 128 * 1024
 TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "path": "a path",
               "glob": "a glob pattern", "bool": "true or false", "prompts": "a list of strings"}
 
@@ -26,12 +34,16 @@ class ConfigError(ValueError):
 def read_config(path):
     """The JSON document at path (any JSON: validate_config says whether it is a config)."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open forever
+            raise ConfigError("cannot read it: not a regular file")
         with open(path) as f:
             return json.load(f)
     except OSError as e:
         raise ConfigError(f"cannot read it: {e.strerror}") from None
     except ValueError as e:
         raise ConfigError(f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError("nested too deeply to be a config (a config is sections of keys)") from None
 
 
 def load_config(path, flags):
@@ -109,9 +121,22 @@ def validate_config(cfg, flags):
         if section not in cfg or (sub and sub not in cfg[section]):
             raise ConfigError(f'missing key "{dotted}"')
     name = cfg["name"]
-    if not all(c.isalnum() or c in "._-" for c in name) or name.startswith("."):
-        raise ConfigError(f'"name" must be letters, digits, ".", "_" or "-" (it names files), '
-                          f'not {json.dumps(name)}')
+    if not all(c.isalnum() or c in "._-" for c in name) or name.startswith(".") or len(name) > NAME_MAX_CHARS:
+        raise ConfigError(f'"name" must be letters, digits, ".", "_" or "-" (it names files; at '
+                          f'most {NAME_MAX_CHARS}), not {_shown(name)}')
+    _check_length("description", cfg.get("description", ""), DESCRIPTION_MAX_CHARS)
+    _check_length("sample.prompts", "".join(cfg.get("sample", {}).get("prompts", [])), PROMPTS_MAX_CHARS)
+
+
+def _shown(text, limit=60):
+    """A value for an error message: JSON, cut short if long."""
+    shown = json.dumps(text)
+    return shown if len(shown) <= limit else f"{shown[:limit]}... ({len(text)} characters)"
+
+
+def _check_length(key, text, limit):
+    if len(text) > limit:
+        raise ConfigError(f'"{key}" has {len(text)} characters; at most {limit} are allowed')
 
 
 def resolve_path(p):
@@ -127,18 +152,44 @@ def tokenize_prompts(cfg, flags):
         return []
     from microgpt import tokenizer  # tiktoken loads only for configs that sample
     vocab = cfg["model"].get("vocab_size", flags["model.vocab_size"]["default"])
+    seq_len = cfg["model"]["seq_len"]
     out = []
     for i, text in enumerate(prompts):
         try:
             ids = tokenizer.encode_chat(text)
         except tokenizer.TokenizerUnavailable as e:
             raise ConfigError(f'"sample.prompts" cannot be tokenized: {e}') from None
+        if len(ids) > seq_len:
+            raise ConfigError(f'"sample.prompts[{i}]" is {len(ids)} tokens; the model sees at most '
+                              f'model.seq_len ({seq_len})')
         too_big = [t for t in ids if t >= vocab]
         if too_big:
             raise ConfigError(f'"sample.prompts[{i}]" has token id {too_big[0]}, which is not below '
                               f'model.vocab_size {vocab}')
+        if len(",".join(map(str, ids))) >= ARG_MAX_BYTES:
+            raise ConfigError(f'"sample.prompts[{i}]" is too long to pass to the engine')
         out.append(ids)
     return out
+
+
+def config_changes(old, new):
+    """{key: [old value, new value]} for every dotted key whose value differs between two configs
+    (None where a config lacks the key)."""
+    before, after = _dotted(old), _dotted(new)
+    return {k: [before.get(k), after.get(k)] for k in sorted(before.keys() | after.keys())
+            if before.get(k) != after.get(k)}
+
+
+def describe_changes(changes):
+    """'train.lr 0.0006 -> 0.001, train.steps 2000 -> 4000' (long values cut short)."""
+    word = lambda v: "(none)" if v is None else _shown(v, 40)  # noqa: E731
+    return ", ".join(f"{k} {word(a)} -> {word(b)}" for k, (a, b) in changes.items())
+
+
+def _dotted(cfg):
+    return {f"{key}.{sub}" if isinstance(value, dict) else key: subval
+            for key, value in cfg.items()
+            for sub, subval in (value.items() if isinstance(value, dict) else [(None, value)])}
 
 
 def config_values(cfg, flags):

@@ -6,11 +6,9 @@ import os
 import sys
 import time
 
+from microgpt.config import config_changes, describe_changes
 from microgpt.run_dir import archive_samples_and_state, keep_checkpoint
-
-
-def say(msg):
-    print(f"[proxy] {msg}", flush=True)
+from microgpt.terminal import say
 
 
 def decode_tokens(ids):
@@ -66,8 +64,12 @@ class EventHandler:
         self.steps = run.cfg["train"]["steps"]
         self.tokens_per_step = None
         self.exit_reason = None
+        self.started = False  # the engine said "start": its config was accepted
         self.polish_step = None  # set from the polish event until its checkpoint is archived
         self.throughput = Throughput()
+        self.checkpoint_every = run.cfg.get("checkpoint", {}).get("every", 0)
+        self.polish_start = run.cfg.get("polish", {}).get("start_step")
+        self.checkpoint_asked = False  # a signal asked the engine for a checkpoint not yet written
 
     def handle_line(self, line):
         try:
@@ -92,30 +94,46 @@ class EventHandler:
         """The engine has loaded its checkpoint (or initialised) at step k: from here on, anything
         the log holds beyond k is a future that will not happen."""
         run, k = self.run, rec.get("step", 0)
+        self.started = True
+        run.store.held = False
         self.steps = rec.get("steps", self.steps)
         self.tokens_per_step = rec.get("tokens_per_step")
         run.buffer.flush(force=True)
         marked = run.log.supersede_after(k)
-        before = run.log.last_live(lambda r: "elapsed" in r and r.get("step", 0) <= k)
-        run.clock.restart(before["elapsed"] if before else 0.0)
-        tokens = before.get("tokens", 0) if before else 0
-        kind = "resume" if len(run.log) else "start"
-        run.log.append([{"event": kind, "step": k, "tokens": tokens, "seg": run.clock.seg,
-                         "time": round(run.clock.t0, 3), "elapsed": run.clock.base,
-                         "superseded": marked}])
-        samples = run.store.samples
-        if any(s.get("step", 0) > k and not s.get("superseded") for s in samples):
-            run.store.set_samples([dict(s, superseded=True) if s.get("step", 0) > k else s
-                                         for s in samples])
+        tokens = self.log_launch(k, marked)
+        self.supersede_samples_after(k)
         polish = run.cfg.get("polish")
         phase = "polish" if polish and k >= polish["start_step"] else "pretrain"
-        run.store.set_state(force=True, status="running", step=k, steps=self.steps,
-                                  phase=phase, tokens=tokens, elapsed_s=run.clock.base,
-                                  seg=run.clock.seg)
+        run.store.set_state(force=True, status="running", step=k, steps=self.steps, phase=phase,
+                            tokens=tokens, elapsed_s=run.clock.base, seg=run.clock.seg)
         what = f"resuming at step {k}" if k else "starting at step 0"
         extra = f"; {marked} logged records beyond step {k} marked superseded" if marked else ""
         say(f"{run.name}: {what} of {self.steps} ({rec.get('engine', '?')} engine, "
             f"{rec.get('n_params', '?')} parameters){extra}")
+
+    def log_launch(self, k, marked):
+        """The start (or resume) record of this launch at step k, and what changed in the config
+        since the last launch; returns the tokens trained up to k."""
+        run = self.run
+        before = run.log.last_live(lambda r: "elapsed" in r and r.get("step", 0) <= k)
+        run.clock.restart(before["elapsed"] if before else 0.0)
+        tokens = before.get("tokens", 0) if before else 0
+        stamp = {"seg": run.clock.seg, "time": round(run.clock.t0, 3), "elapsed": run.clock.base}
+        kind = "resume" if len(run.log) else "start"
+        records = [{"event": kind, "step": k, "tokens": tokens, **stamp, "superseded": marked}]
+        previous = run.previous_config
+        changed = config_changes(previous, run.cfg) if isinstance(previous, dict) else {}
+        if changed:
+            records.append({"event": "config", "step": k, "changed": changed, **stamp})
+            say(f"the config changed since the last launch: {describe_changes(changed)}")
+        run.log.append(records)
+        return tokens
+
+    def supersede_samples_after(self, k):
+        samples = self.run.store.samples
+        if any(s.get("step", 0) > k and not s.get("superseded") for s in samples):
+            self.run.store.set_samples([dict(s, superseded=True) if s.get("step", 0) > k else s
+                                        for s in samples])
 
     def on_memory(self, rec):
         self.run.store.set_state(memory_bytes=rec.get("total_bytes"))
@@ -125,9 +143,20 @@ class EventHandler:
             return
         if "loss" in rec:
             self.on_train(rec)
-        elif self.tokens_per_step:
-            rec.setdefault("tokens", rec["step"] * self.tokens_per_step)
+        else:
+            if self.tokens_per_step:
+                rec.setdefault("tokens", rec["step"] * self.tokens_per_step)
+            self.run.store.set_state(val_loss=rec["val_loss"], val_step=rec["step"])
         self.add_record(rec)
+        if "loss" in rec and self.checkpoint_may_follow(rec["step"]):
+            self.run.flush(force=True)
+
+    def checkpoint_may_follow(self, step):
+        """The engine checkpoints right after this step's record (and its eval and samples): the
+        records up to it go to disk first, so a checkpoint never gets ahead of the log (a proxy
+        killed after it would lose them for good: the next run starts after them)."""
+        return (step >= self.steps or self.checkpoint_asked or step == self.polish_start
+                or (self.checkpoint_every > 0 and step % self.checkpoint_every == 0))
 
     def on_train(self, rec):
         now = time.time()
@@ -168,6 +197,9 @@ class EventHandler:
         rs.set_state(force=True, phase="polish", archive=os.path.relpath(dest, run.files.dir))
 
     def on_checkpoint(self, rec):
+        """Records first (their steps are now behind the checkpoint), then the state that says so."""
+        self.run.flush(force=True)
+        self.checkpoint_asked = False
         ckpt = rec.get("path") or self.run.files.ckpt
         self.run.store.set_state(force=True, checkpoint=ckpt, checkpoint_step=rec.get("step"))
         if self.polish_step is not None and rec.get("reason") == "polish":

@@ -66,6 +66,21 @@ class RunFiles:
     def archive_dir(self, step):
         return os.path.join(self.dir, "archive", f"step_{step}")
 
+    def existing(self):
+        """Which of the run directory and its files exist now."""
+        return {p for p in (self.dir, self.ckpt, self.loss, self.samples, self.state, self.lock)
+                if os.path.lexists(p)}
+
+    def remove_all_but(self, existed):
+        """Undo a launch that never started: remove what was not there before (existing()), the
+        whole directory if it was new. Returns what is left to say about it."""
+        if self.dir not in existed:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return f"removed {self.dir}, which this launch had created"
+        for path in self.existing() - existed:
+            os.remove(path)
+        return f"{self.dir} is as it was"
+
 
 class RunState:
     """The run's .state.json and .samples.json, in memory and on disk.
@@ -76,13 +91,33 @@ class RunState:
 
     def __init__(self, files):
         self.files = files
-        self.samples = read_json(files.samples, [])
+        self.messages = []  # what loading had to repair, for the proxy to say
+        self.samples = self.load(files.samples, "a list of samples", [],
+                                 lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v))
         if not os.path.exists(files.samples):
             write_json_atomic(files.samples, [])
-        self.state = read_json(files.state, {})
+        self.state = self.load(files.state, "a JSON object", {}, lambda v: isinstance(v, dict))
         self.state_version = self.samples_version = 0
         self.state_written = 0.0
         self.state_dirty = False
+        self.held = False  # True while a launch has not started: nothing is written (see write_state)
+
+    def load(self, path, what, empty, valid):
+        """A run file the proxy wrote, or `empty` if it is missing. One that is not what the proxy
+        writes (hand-edited, damaged) is moved aside to PATH.damaged, never silently dropped."""
+        try:
+            with open(path, "rb") as f:
+                value = json.loads(f.read())
+            if valid(value):
+                return value
+            why = f"not {what}"
+        except FileNotFoundError:
+            return empty
+        except (ValueError, RecursionError):
+            why = "not valid JSON"
+        os.replace(path, path + ".damaged")
+        self.messages.append(f"warning: {path} was {why}; moved it to {path}.damaged and started anew")
+        return empty
 
     def set_state(self, force=False, **changes):
         self.state = {**self.state, **changes, "updated_at": round(time.time(), 3)}
@@ -92,8 +127,10 @@ class RunState:
             self.write_state()
 
     def write_state(self, due_only=False):
-        """Write .state.json if it changed (and, with due_only, if STATE_SECONDS have passed)."""
-        if not self.state_dirty or (due_only and time.monotonic() - self.state_written < STATE_SECONDS):
+        """Write .state.json if it changed (and, with due_only, if STATE_SECONDS have passed); not
+        while held: an engine that refuses its config at start-up must leave nothing behind."""
+        if (not self.state_dirty or self.held
+                or (due_only and time.monotonic() - self.state_written < STATE_SECONDS)):
             return
         write_json_atomic(self.files.state, self.state)
         self.state_dirty = False

@@ -4,27 +4,26 @@ end, forward signals, and say how it ended.
 Signals: SIGTERM/SIGINT are forwarded to the engine, which checkpoints and exits; the proxy then
 marks the run stopped and exits 0. SIGUSR1 is forwarded (checkpoint, keep training). An engine that
 dies any other way leaves the run crashed and the proxy exits non-zero; re-running resumes. If the
-proxy itself fails while the engine runs, it stops the engine (SIGTERM, then SIGKILL after
-ABORT_WAIT_SECONDS), marks the run crashed and exits 1.
+proxy itself fails while the engine runs, failure.py stops the engine and marks the run crashed.
 """
 import collections
 import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
-import traceback
 
-from microgpt.checkpoint import CheckpointError, checkpoint_step
+from microgpt.checkpoint import checkpoint_step
 from microgpt.config import engine_args
-from microgpt.events import Clock, EventHandler, say
+from microgpt.events import Clock, EventHandler
+from microgpt.failure import abort
+from microgpt.terminal import progress_line, say, summary, terminal
 from microgpt.loss_log import LossBuffer, LossLog
-from microgpt.run_dir import RunFiles, RunState, lock_run
+from microgpt.run_dir import RunBusyError, RunFiles, RunState, lock_run
 
-ABORT_WAIT_SECONDS = 30  # after a proxy failure: how long the engine gets to checkpoint on SIGTERM
 POLL_SECONDS = LossBuffer.FLUSH_SECONDS  # the main loop wakes at least this often to flush
+ENGINE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}  # the ones the proxy forwards
 
 
 class Run:
@@ -37,6 +36,7 @@ class Run:
         self.name = cfg["name"]
         self.files = RunFiles(run_dir, self.name)
         self.dir = self.files.dir
+        self.existed = self.files.existing()  # what a launch the engine refuses must leave as it was
         os.makedirs(self.dir, exist_ok=True)
         self.lock = lock_run(self.files.lock)  # before the log is opened (and maybe repaired)
         self.log = LossLog(self.files.loss)
@@ -44,6 +44,10 @@ class Run:
             say(self.log.message)
         self.buffer = LossBuffer(self.log)
         self.store = RunState(self.files)
+        for message in self.store.messages:
+            say(message)
+        self.previous_config = self.store.state.get("config")  # the last launch's, to tell changes
+        self.note_an_unrecorded_end()
         self.steps = cfg["train"]["steps"]
         self.clock = Clock(1 + (self.log.record(len(self.log) - 1).get("seg", 0) if len(self.log) else 0))
 
@@ -52,6 +56,28 @@ class Run:
     samples = property(lambda self: self.store.samples)
     state_version = property(lambda self: self.store.state_version)
     samples_version = property(lambda self: self.store.samples_version)
+
+    def note_an_unrecorded_end(self):
+        """A state still "running" was left by a proxy that died (this one holds the lock now): mark
+        that launch crashed. Its engine may outlive it for a moment; training beside it would race
+        it for the checkpoint, so that is refused."""
+        state = self.store.state
+        if state.get("status") != "running":
+            return
+        pid = state.get("pid")
+        if engine_alive(pid, state.get("engine")):
+            raise RunBusyError(f"the engine of an earlier launch of this run (pid {pid}) is still "
+                               f"running without its proxy; stop it first (kill {pid})")
+        self.store.set_state(force=True, status="crashed", pid=None, eta_s=None,
+                             message="the previous launch ended without recording it (its proxy "
+                                     "was killed)")
+        say("the previous launch ended without recording it (its proxy was killed): marked crashed")
+
+    def discard_launch(self):
+        """The engine refused to start: remove what this launch created; returns what to say."""
+        self.log.close()
+        self.lock.close()
+        return self.files.remove_all_but(self.existed)
 
     def flush(self, force=False):
         self.buffer.flush(force)
@@ -72,6 +98,7 @@ class Supervisor:
     def __init__(self, run):
         self.run = run
         self.proc = None
+        self.lines = None  # the engine's stdout lines, as the reader thread queues them
         self.events = EventHandler(run)
         self.stderr_tail = collections.deque(maxlen=8)
         self.stop_signal = None  # SIGTERM/SIGINT received: the engine was asked to stop
@@ -92,6 +119,7 @@ class Supervisor:
         reentrant.)"""
         if sig in (signal.SIGTERM, signal.SIGINT) and self.stop_signal is None:
             self.stop_signal = sig
+        self.events.checkpoint_asked = True  # each of these signals makes the engine checkpoint
         self.signal_engine(sig)
 
     def announce_stop(self):
@@ -106,12 +134,20 @@ class Supervisor:
         resume = os.path.exists(run.files.ckpt)
         cmd = [run.engine_path] + engine_args(run.cfg, run.flags, run.prompt_ids, run.files.ckpt, resume)
         # A process group of its own: a terminal's Ctrl-C reaches only the proxy, which forwards it
-        # once, so the engine sees exactly the signals the proxy decided to send.
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+        # once, so the engine sees exactly the signals the proxy decided to send. It starts with
+        # them blocked (the mask survives exec) and unblocks them once its handlers are installed
+        # (host/signals.h): a SIGTERM forwarded right after the launch waits for the handler.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, ENGINE_SIGNALS)
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         start_new_session=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        self.launched_at = time.monotonic()
         kept = {k: run.state[k] for k in ("checkpoint", "checkpoint_step", "archive") if k in run.state}
+        run.store.held = True  # written once the engine has started (EventHandler.on_start)
         run.store.state = {**run.base_state(self.proc.pid), **kept}
-        run.store.set_state(force=True, step=checkpoint_step(run.files.ckpt) or 0)
+        run.store.set_state(step=checkpoint_step(run.files.ckpt) or 0)
         if self.stop_signal is not None:  # a signal that arrived before the engine existed
             self.signal_engine(self.stop_signal)
 
@@ -122,10 +158,10 @@ class Supervisor:
         try:
             return self.follow()
         except Exception as e:  # noqa: BLE001  (any failure: the engine must not outlive the proxy)
-            return self.abort(e)
+            return abort(self, e)
 
     def follow(self):
-        lines = queue.Queue()
+        self.lines = lines = queue.Queue()
         self.launch()
         threading.Thread(target=_pump, args=(self.proc.stdout, lines), daemon=True).start()
         err = threading.Thread(target=_tee_stderr, args=(self.proc.stderr, self.stderr_tail),
@@ -142,43 +178,31 @@ class Supervisor:
                 self.events.handle_line(line)
             self.announce_stop()
             self.run.flush()
+            if self.run.state.get("loss") is not None:  # from the first step record on
+                terminal.progress(progress_line(self.run.state))
         rc = self.proc.wait()
         err.join(timeout=5)
+        terminal.end_progress()
+        if not self.events.started and rc > 0:
+            return self.refused(rc)
         self.run.flush(force=True)
-        return self.finish(rc)
+        code = self.finish(rc)
+        self.summarize()
+        return code
 
-    def abort(self, exc):
-        """SIGTERM the engine (it checkpoints and exits), SIGKILL it if it takes too long, mark the
-        run crashed (not stopped: nobody asked it to stop, and the log may lack the steps between
-        the failure and the checkpoint), and return 1 after one error line."""
-        run = self.run
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        why = (f"proxy failed: {type(exc).__name__}: {exc} "
-               f"({os.path.basename(where.filename)}:{where.lineno})")
-        if self.proc and self.proc.poll() is None:
-            self.signal_engine(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=ABORT_WAIT_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.signal_engine(signal.SIGKILL)
-                self.proc.wait()
-                why += f"; engine did not stop within {ABORT_WAIT_SECONDS} s of SIGTERM, killed"
-        try:
-            step = checkpoint_step(run.files.ckpt)
-        except CheckpointError:
-            step = None
-        if self.proc:
-            why += "; last checkpoint: " + (f"step {step}" if step is not None else "none")
-        try:
-            kept = {"checkpoint": run.files.ckpt, "checkpoint_step": step} if step is not None else {}
-            run.store.set_state(force=True, status="crashed", pid=None, eta_s=None, message=why, **kept)
-        except OSError as e:  # the failure may be the full disk itself: still say what happened
-            why += f"; could not record the crash in {run.files.state}: {e.strerror or e}"
-        print(f"error: {run.name}: {why}", file=sys.stderr, flush=True)
-        return 1
+    def refused(self, rc):
+        """The engine said why it will not start (its `error:` line went to stderr as it came) and
+        nothing ran: nothing is recorded either, and the proxy exits with the engine's code."""
+        where = self.run.discard_launch()
+        say(f"the engine refused to start (exit code {rc}), so nothing was trained; {where}")
+        return rc
+
+    def summarize(self):
+        summarize(self.run, time.monotonic() - self.launched_at)
 
     def finish(self, rc):
         run, reason = self.run, self.events.exit_reason
+        run.store.held = False  # an engine that dies before its start event: that is recorded
         step = run.state.get("step")
         if rc == 0 and reason in ("finished", "already_finished"):
             run.store.set_state(force=True, status="finished", pid=None, eta_s=0, message=None)
@@ -197,9 +221,30 @@ class Supervisor:
             last = next((ln for ln in reversed(self.stderr_tail) if ln.startswith("error")), None)
             why = f"engine exited with code {rc}" + (f": {last}" if last else "")
         run.store.set_state(force=True, status="crashed", pid=None, eta_s=None, message=why)
-        say(f"{run.name} crashed at step {step}: {why}; run the same command to resume from the "
-            "last checkpoint")
+        again = ("resume from the last checkpoint" if os.path.exists(run.files.ckpt)
+                 else "start again (there is no checkpoint yet)")
+        say(f"{run.name} crashed at step {step}: {why}; run the same command to {again}")
         return rc if rc > 0 else 1
+
+
+def summarize(run, launch_seconds):
+    """Say the summary of the run as it stands (terminal.summary)."""
+    step = run.state.get("checkpoint_step")
+    ckpt = (run.state.get("checkpoint") or run.files.ckpt, step) if step is not None else None
+    for line in summary(run.state, launch_seconds, run.dir, ckpt):
+        say(line)
+
+
+def engine_alive(pid, engine):
+    """True if process pid runs the executable `engine` (a pid alone may have been reused)."""
+    if not isinstance(pid, int) or not isinstance(engine, str):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv0 = f.read().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return False
+    return os.path.realpath(argv0) == os.path.realpath(engine)
 
 
 def signal_name(num):
@@ -220,6 +265,5 @@ def _tee_stderr(stream, tail):
     """Pass the engine's messages through as they come, and keep the last few for the state."""
     for raw in iter(stream.readline, b""):
         text = raw.decode("utf-8", "replace")
-        sys.stderr.write(text)
-        sys.stderr.flush()
+        terminal.passthrough(text)
         tail.append(text.strip())

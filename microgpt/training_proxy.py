@@ -20,10 +20,10 @@ import time
 from microgpt.checkpoint import CheckpointError, checkpoint_step
 from microgpt.config import ConfigError, load_config, tokenize_prompts
 from microgpt.engines import ENGINES, ROOT, EngineChoiceError, choose_engine, engine_flags, gpu_visible, is_built
-from microgpt.events import say
 from microgpt.loss_log import LossLogError
 from microgpt.run_dir import RunBusyError
-from microgpt.supervisor import Run, Supervisor
+from microgpt.supervisor import Run, Supervisor, summarize
+from microgpt.terminal import say, terminal
 
 DEFAULT_PORT = 8765
 LINGER_SECONDS = 0.6  # a few live-stream polls (proxy_server.POLL_SECONDS) after the run ends
@@ -47,6 +47,9 @@ def parse_args(argv):
                    help=f"dashboard port (default {DEFAULT_PORT}, or a free one if that is taken; "
                         "0: any free port)")
     p.add_argument("--no-server", action="store_true", help="do not serve the dashboard")
+    p.add_argument("--progress-every", type=float, metavar="SECONDS", default=None,
+                   help="print the progress line this often (default: every second, rewritten in "
+                        "place, on a terminal; every 30 s otherwise; 0: never)")
     p.add_argument("--keep-serving", action="store_true",
                    help="keep the dashboard up after the engine exits (or for a finished run), "
                         "until Ctrl-C")
@@ -94,9 +97,14 @@ def open_run(args):
 
 
 def main(argv):
+    early = []  # signals that arrive before the supervisor takes them over: a stop is honoured
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, lambda sig, _frame: early.append(sig))
     args = parse_args(argv)
     if args.serve:
         return serve_directory(args)
+    if args.progress_every is not None:
+        terminal.interval = args.progress_every
     run = open_run(args)
     try:
         done = checkpoint_step(run.files.ckpt)
@@ -114,10 +122,16 @@ def main(argv):
     supervisor = Supervisor(run)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, supervisor.on_signal)
-    if done is not None and done >= run.steps:
-        run.store.set_state(force=True, status="finished", pid=None, step=done)
+    stop = next((sig for sig in early if sig != signal.SIGUSR1), None)
+    if stop is not None:
+        say(f"{signal.Signals(stop).name} before the engine started: nothing launched")
+        code = 0
+    elif done is not None and done >= run.steps:
+        run.store.set_state(force=True, status="finished", pid=None, step=done,
+                            checkpoint=run.files.ckpt, checkpoint_step=done)
         say(f"{run.name} already finished: checkpoint {run.files.ckpt} is at step {done} of "
             f"{run.steps}; nothing to train")
+        summarize(run, 0.0)
         code = 0
     else:
         code = supervisor.run_engine()

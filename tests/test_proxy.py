@@ -15,7 +15,7 @@ import requests
 from proxy_util import (NAME, PROXY, REPO, Proxy, ProxyFixtureDir, live_train, live_val,
                         proxy_env, run_to_end)
 
-from microgpt import config, engines, loss_log, run_dir, supervisor
+from microgpt import config, engines, failure, loss_log, run_dir, supervisor
 from microgpt.checkpoint import checkpoint_step
 
 PROMPTS = ["A", "B"]  # GPT-2 ids 32 and 33: inside the tiny vocabulary
@@ -70,9 +70,8 @@ def test_loss_log_repairs_a_tail_torn_anywhere(tmp_path):
         log = loss_log.LossLog(str(path))
         recs = json.loads(path.read_bytes())
         assert recs == full[:len(recs)], cut
-        # Only the torn record may be lost: whole records before the cut survive.
-        complete = data[:cut].count(b"}")
-        assert len(recs) >= complete - 1 if cut < len(data) - 2 else len(recs) == len(full), cut
+        # Only a torn record may be lost: every record whose closing "}" is before the cut survives.
+        assert len(recs) == data[:cut].count(b"}"), cut
         log.append([{"step": 99, "loss": 0.5}])
         log.close()
         assert json.loads(path.read_bytes())[-1]["step"] == 99, cut
@@ -321,14 +320,53 @@ def test_engine_cuda_without_a_usable_gpu_engine_is_an_error(exp, no_gpu_env):
     assert not exp.run_dir.exists()
 
 
-def test_engine_errors_pass_through(exp, cpu_binary):
-    """A config the proxy accepts but the engine refuses (n_head must divide d_model): the engine's
-    own error line reaches the user, the run is marked crashed, the exit code is the engine's."""
-    p, rc = run_to_end(exp.config(steps=5, model={"n_head": 3}), exp.run_dir, cpu_binary)
-    assert rc == 2, p.describe()
-    assert any(line.startswith("error:") and "n_head" in line for line in p.err), p.describe()
-    st = exp.state()
-    assert st["status"] == "crashed" and "n_head" in st["message"]
+def test_a_config_the_engine_refuses_leaves_nothing_behind(exp, cpu_binary):
+    """A config the proxy accepts but the engine refuses (n_head must divide d_model; a missing
+    shard): the engine's own error line reaches the user once, the exit code is the engine's, and
+    neither a new run directory nor a word about resuming is left behind."""
+    for sections in ({"model": {"n_head": 3}}, {"data": {"train": str(exp.root / "missing_*.bin")}}):
+        p, rc = run_to_end(exp.config(steps=5, **sections), exp.run_dir, cpu_binary)
+        assert rc == 2, p.describe()
+        errors = [line for line in p.err if line.startswith("error")]
+        assert len(errors) == 1, p.describe()
+        assert not any("resume" in line for line in p.out + p.err), p.describe()
+        assert any("the engine refused to start" in line for line in p.out), p.describe()
+        assert not exp.run_dir.exists(), os.listdir(exp.run_dir)
+
+
+def test_a_refused_relaunch_leaves_the_run_as_it_was(exp, cpu_binary):
+    cfg = exp.config(steps=10, sample={"every": 5, "prompts": PROMPTS})
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary)
+    assert rc == 0, p.describe()
+    def contents():  # the lock file holds the pid of the last proxy to take it: not run data
+        return {f: (exp.run_dir / f).read_bytes() for f in sorted(os.listdir(exp.run_dir)) if f != f"{NAME}.lock"}
+    before = contents()
+    p, rc = run_to_end(exp.config(steps=20, model={"n_head": 3}), exp.run_dir, cpu_binary)
+    assert rc == 2 and f"{exp.run_dir} is as it was" in "".join(p.out), p.describe()
+    assert contents() == before
+
+
+def test_resuming_with_a_changed_config_says_what_changed(exp, cpu_binary):
+    p, rc = run_to_end(exp.config(steps=20), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    p, rc = run_to_end(exp.config(steps=30, train={"lr": 1e-3}, description="longer"), exp.run_dir,
+                       cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    said = [line for line in p.out if "config changed" in line]
+    assert said == ["[proxy] the config changed since the last launch: description (none) -> "
+                    '"longer", train.lr 0.003 -> 0.001, train.steps 20 -> 30\n'], p.describe()
+    recs = exp.loss()
+    change = [r for r in recs if r.get("event") == "config"]
+    assert len(change) == 1 and change[0]["step"] == 20 and change[0]["seg"] == 2
+    assert change[0]["changed"] == {"description": [None, "longer"], "train.lr": [0.003, 0.001],
+                                    "train.steps": [20, 30]}
+    resume = recs.index(change[0]) - 1
+    assert recs[resume]["event"] == "resume" and recs[resume]["step"] == 20
+    assert [r["step"] for r in live_train(recs)] == list(range(1, 31))
+    p, rc = run_to_end(exp.config(steps=40, train={"lr": 1e-3}, description="longer"), exp.run_dir,
+                       cpu_binary, "--no-server")
+    assert rc == 0 and [r for r in exp.loss() if r.get("event") == "config"][-1]["changed"] == {
+        "train.steps": [30, 40]}, p.describe()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -436,6 +474,7 @@ if sys.argv[1:] == ["--flags-json"]:
 child = subprocess.Popen([cpu] + sys.argv[1:], stdout=subprocess.PIPE)
 open({str(pidfile)!r}, "w").write(str(child.pid))
 signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGTERM}})  # the proxy launches engines with it blocked
 trains = 0
 for line in child.stdout:
     sys.stdout.buffer.write(line)
@@ -460,18 +499,20 @@ sys.exit(child.wait())
 
 
 def test_proxy_failure_kills_an_engine_that_ignores_sigterm(tmp_path, monkeypatch, capsys):
-    """The SIGKILL fallback of Supervisor.abort, in process: an "engine" that ignores SIGTERM."""
-    monkeypatch.setattr(supervisor, "ABORT_WAIT_SECONDS", 0.5)
+    """The SIGKILL fallback of failure.abort, in process: an "engine" that ignores SIGTERM."""
+    monkeypatch.setattr(failure, "ABORT_WAIT_SECONDS", 0.5)
     files = run_dir.RunFiles(tmp_path, "t")
     sup = supervisor.Supervisor.__new__(supervisor.Supervisor)  # only what abort() touches
-    sup.run = types.SimpleNamespace(name="t", files=files, store=run_dir.RunState(files))
+    sup.lines = None  # no output reader: the "engine" prints nothing after "ready"
+    sup.run = types.SimpleNamespace(name="t", files=files, store=run_dir.RunState(files),
+                                    buffer=loss_log.LossBuffer(loss_log.LossLog(files.loss)))
     sup.proc = subprocess.Popen(["sh", "-c", "trap '' TERM; echo ready; exec sleep 60"],
                                 stdout=subprocess.PIPE)
     assert sup.proc.stdout.readline() == b"ready\n"  # SIGTERM is ignored from here on
     try:
         raise OSError(28, "No space left on device")
     except OSError as e:
-        assert sup.abort(e) == 1
+        assert failure.abort(sup, e) == 1
     assert sup.proc.returncode == -signal.SIGKILL
     st = json.loads((tmp_path / "t.state.json").read_text())
     assert st["status"] == "crashed" and "did not stop within 0.5 s" in st["message"], st

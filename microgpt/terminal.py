@@ -1,0 +1,124 @@
+"""What the proxy prints (docs/PROXY.md, "The terminal"): its messages, the engine's messages passed
+through, a progress line at a steady cadence and a summary at the end.
+
+On a terminal the progress line is one line rewritten in place (every TTY_SECONDS), cleared before
+any other message; otherwise (a log file, a pipe) it is a plain line every PLAIN_SECONDS. The
+proxy's --progress-every sets another interval (0: no progress line)."""
+import os
+import sys
+import threading
+import time
+
+TTY_SECONDS = 1.0
+PLAIN_SECONDS = 30.0
+
+
+class Terminal:
+    def __init__(self, out=None, err=None):
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.tty = self.out.isatty()
+        self.lock = threading.Lock()  # the stderr pass-through runs in its own thread
+        self.shown = False  # a progress line is on screen (TTY only)
+        self.last_progress = 0.0
+        self.interval = TTY_SECONDS if self.tty else PLAIN_SECONDS
+
+    def _clear(self):
+        if self.shown:
+            self.out.write("\r\033[K")
+            self.out.flush()
+            self.shown = False
+
+    def say(self, msg):
+        with self.lock:
+            self._clear()
+            self.out.write(f"[proxy] {msg}\n")
+            self.out.flush()
+
+    def passthrough(self, text):
+        """A line of the engine's stderr, as it came."""
+        with self.lock:
+            self._clear()
+            self.err.write(text)
+            self.err.flush()
+
+    def progress(self, line):
+        """Show the progress line if it is due (the caller may call this as often as it likes)."""
+        now = time.monotonic()
+        if self.interval <= 0 or now - self.last_progress < self.interval:
+            return
+        self.last_progress = now
+        with self.lock:
+            if self.tty:
+                self.out.write("\r" + line[:max(20, _columns() - 1)] + "\033[K")
+                self.shown = True
+            else:
+                self.out.write(f"[proxy] {line}\n")
+            self.out.flush()
+
+    def end_progress(self):
+        with self.lock:
+            self._clear()
+
+
+def _columns():
+    try:
+        return os.get_terminal_size().columns
+    except OSError:
+        return 120
+
+
+terminal = Terminal()
+say = terminal.say
+
+
+def duration(seconds):
+    """12.3 -> "12s", 754 -> "12m34s", 7384 -> "2h03m04s"."""
+    s = int(round(seconds))
+    h, m = divmod(s, 3600)
+    m, s = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def progress_line(state):
+    """step 1200/20000 6.0% | loss 4.1234 | val 4.3501 | 95.2k tok/s | 2m10s | ETA 31m05s"""
+    step, steps = state.get("step") or 0, state.get("steps") or 0
+    parts = [f"step {step}/{steps} {100.0 * step / steps:.1f}%" if steps else f"step {step}"]
+    if state.get("loss") is not None:
+        parts.append(f"loss {state['loss']:.4f}")
+    if state.get("val_loss") is not None:
+        parts.append(f"val {state['val_loss']:.4f}")
+    if state.get("tokens_per_s"):
+        parts.append(f"{state['tokens_per_s'] / 1000:.1f}k tok/s")
+    if state.get("elapsed_s") is not None:
+        parts.append(duration(state["elapsed_s"]))
+    if state.get("eta_s") is not None:
+        parts.append(f"ETA {duration(state['eta_s'])}")
+    if state.get("phase") == "polish":
+        parts.append("polish")
+    return " | ".join(parts)
+
+
+def shown_path(path):
+    """A path as the user can type it from here: relative if below the working directory."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def summary(state, launch_seconds, run_dir, checkpoint):
+    """The lines said when a launch ends: how it ended, the losses, the time, the checkpoint, and
+    what to do next."""
+    lines = [f"summary: step {state.get('step')} of {state.get('steps')}, "
+             f"{duration(state.get('elapsed_s') or 0)} of training (this launch {duration(launch_seconds)})"]
+    losses = []
+    if state.get("loss") is not None:
+        losses.append(f"train loss {state['loss']:.4f}")
+    if state.get("val_loss") is not None:
+        losses.append(f"validation loss {state['val_loss']:.4f} (step {state.get('val_step')})")
+    if losses:
+        lines.append(", ".join(losses))
+    if checkpoint is not None:
+        lines.append(f"checkpoint {shown_path(checkpoint[0])} (step {checkpoint[1]})")
+        run = shown_path(run_dir)
+        lines.append(f"chat with it:  python microgpt/chat.py {run}")
+        lines.append(f"export it:     python scripts/export-hf.py {run} OUT_DIR")
+    return lines

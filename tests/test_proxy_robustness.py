@@ -1,0 +1,365 @@
+"""The proxy under damage and faults: a damaged loss log anywhere, a proxy killed with SIGKILL, a full
+disk, stale or damaged run files, hostile inputs (docs/PROXY.md, "When things go wrong")."""
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from proxy_util import Proxy, ProxyFixtureDir, live_train, run_to_end
+
+from microgpt import engines, loss_log, supervisor, terminal
+from microgpt.checkpoint import checkpoint_step
+
+
+@pytest.fixture
+def exp(tmp_path):
+    return ProxyFixtureDir(tmp_path)
+
+
+def error_lines(p):
+    return [line for line in p.err if line.startswith("error")]
+
+
+def assert_no_train_step_missing(records):
+    steps = [r["step"] for r in live_train(records)]
+    assert steps == list(range(1, len(steps) + 1)), steps
+
+
+# ---------------------------------------------------------------------------------------------------
+# .loss.json: every record checked at start
+
+
+def test_a_damaged_record_far_from_the_end_is_refused(tmp_path):
+    """A crash only tears the end; damage in the body (here 5000 records before it) is someone
+    else's doing and must be refused, not appended to."""
+    path = tmp_path / "x.loss.json"
+    log = loss_log.LossLog(str(path))
+    log.append([{"step": i, "loss": 1.0 / i} for i in range(1, 5001)])
+    log.close()
+    data = path.read_bytes()
+    damaged = data.replace(b'{"live":1,"step":10,"loss":0.1}', b'{"live":1,"step":10,"loss":0.1#')
+    assert damaged != data and len(damaged) == len(data)
+    path.write_bytes(damaged)
+    with pytest.raises(loss_log.LossLogError, match=r"line 11 is not a complete record.*not at the end"):
+        loss_log.LossLog(str(path))
+    assert path.read_bytes() == damaged
+
+
+@pytest.mark.parametrize("damage", [
+    lambda line: line[:-2] + b',"x":}' + line[-1:],                  # invalid JSON, layout intact
+    lambda line: line[:-1] + b'{"live":1,"step":0},',                  # two records on one line
+    lambda line: line[:-2] + b'\0' + line[-1:],                       # a NUL byte
+], ids=["json", "two-records", "nul"])
+def test_every_kind_of_body_damage_is_found(tmp_path, damage):
+    path = tmp_path / "x.loss.json"
+    log = loss_log.LossLog(str(path))
+    log.append([{"step": i, "loss": 1.0} for i in range(1, 20001)])
+    log.close()
+    lines = path.read_bytes().split(b"\n")
+    lines[3] = damage(lines[3])  # record 3, far before the last batch
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(loss_log.LossLogError, match="line 4 is not a complete record"):
+        loss_log.LossLog(str(path))
+
+
+def test_a_hand_edited_flag_is_rewritten_and_said(tmp_path):
+    """Valid JSON outside the layout (here a "live" flag of 7) is a hand edit: rewritten, reported."""
+    path = tmp_path / "x.loss.json"
+    log = loss_log.LossLog(str(path))
+    log.append([{"step": i, "loss": 1.0} for i in range(1, 20001)])
+    log.close()
+    path.write_bytes(path.read_bytes().replace(b'{"live":1,"step":3,', b'{"live":7,"step":3,'))
+    log = loss_log.LossLog(str(path))
+    assert "rewrote" in log.message and log.record(2) == {"live": 1, "step": 3, "loss": 1.0}
+    log.close()
+
+
+def test_the_proxy_refuses_a_damaged_log_with_one_line(exp, cpu_binary):
+    cfg = exp.config(steps=20)
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    path = exp.path(".loss.json")
+    damaged = path.read_bytes().replace(b'"step":3,', b'"step":3#', 1)
+    path.write_bytes(damaged)
+    p, rc = run_to_end(exp.config(steps=40), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 2 and len(error_lines(p)) == 1 and "not at the end" in error_lines(p)[0], p.describe()
+    assert "Traceback" not in "".join(p.err)
+    assert path.read_bytes() == damaged and checkpoint_step(exp.path(".ckpt")) == 20
+
+
+# ---------------------------------------------------------------------------------------------------
+# records reach the disk before a checkpoint gets past them
+
+
+def test_records_are_on_disk_when_the_checkpoint_is_announced(exp, cpu_binary):
+    """The state says checkpoint_step s only once the records up to s are on disk: a proxy killed
+    with SIGKILL right then (its engine too) loses nothing the next run does not repeat."""
+    cfg = exp.config(steps=10**6, checkpoint={"every": 25}, eval={"every": 0})
+    for kill in range(3):
+        p = Proxy.start(cfg, exp.run_dir, cpu_binary, "--no-server")
+        seen = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # poll fast: the proxy's own flush timer is 0.25 s
+            st = p.state() if exp.path(".state.json").exists() else {}
+            if st.get("status") == "running" and (st.get("checkpoint_step") or 0) >= 25 * (kill + 2):
+                seen = st["checkpoint_step"]
+                break
+            time.sleep(0.002)
+        assert seen, p.describe()
+        p.kill()
+        steps = [r["step"] for r in live_train(exp.loss())]
+        assert steps[-1] >= seen, (seen, steps[-5:])
+    p = Proxy.start(exp.config(steps=200, checkpoint={"every": 25}, eval={"every": 0}), exp.run_dir,
+                    cpu_binary, "--no-server")
+    assert p.wait(120) == 0, p.describe()
+    assert any("previous launch ended without recording it" in line for line in p.out), p.describe()
+    assert_no_train_step_missing(exp.loss())
+
+
+STUB_ENGINE = """#!{python}
+# A stand-in engine: records as fast as it can; SIGTERM writes "checkpointed" (as the real engine's
+# checkpoint would) and exits.
+import json, os, signal, sys
+if sys.argv[1:] == ["--flags-json"]:
+    os.execv({cpu!r}, [{cpu!r}, "--flags-json"])
+def stop(*_):
+    open({marker!r}, "w").write("checkpointed")
+    print(json.dumps({{"event": "exit", "step": step, "reason": "signal"}}), flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}})  # as the engine does
+step = 0
+print(json.dumps({{"event": "start", "step": 0, "steps": 10**9, "tokens_per_step": 64}}), flush=True)
+while True:
+    step += 1
+    print(json.dumps({{"step": step, "loss": 1.0, "tokens": 64 * step}}), flush=True)
+"""
+
+
+def stub_engine(tmp_path, cpu_binary):
+    marker = tmp_path / "checkpointed"
+    engine = tmp_path / "engine.py"
+    engine.write_text(STUB_ENGINE.format(python=sys.executable, cpu=str(cpu_binary), marker=str(marker)))
+    engine.chmod(0o755)
+    return engine, marker
+
+
+def test_a_full_disk_loses_nothing_silently(exp, cpu_binary, tmp_path, monkeypatch, capsys):
+    """When the loss log cannot be written, the engine must not checkpoint past the records that
+    are not on disk: it is killed without a checkpoint, and the one error line says so."""
+    engine, marker = stub_engine(tmp_path, cpu_binary)
+    flags = engines.engine_flags(str(cpu_binary))
+    cfg = json.loads(exp.config(steps=10**6).read_text())
+    run = supervisor.Run(cfg, flags, str(exp.root / "cfg.json"), str(exp.run_dir), str(engine), [])
+    real_append, appends = loss_log.LossLog.append, []
+
+    def append(log, records):
+        appends.append(len(records))
+        if len(appends) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_append(log, records)
+    monkeypatch.setattr(loss_log.LossLog, "append", append)
+    sup = supervisor.Supervisor(run)
+    assert sup.run_engine() == 1
+    assert sup.proc.returncode == -signal.SIGKILL and not marker.exists()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0], err
+    assert "could not be written to the loss log, so the engine was killed without a checkpoint" in err[0]
+    st = json.loads(exp.path(".state.json").read_text())
+    assert st["status"] == "crashed" and "could not be written" in st["message"]
+
+
+def test_a_proxy_failure_logs_the_records_up_to_the_engine_checkpoint(exp, cpu_binary, tmp_path, capsys):
+    """The proxy fails (a handler trips on a record) but can still write: the engine gets SIGTERM,
+    and what it prints on its way out is logged, so no step before its checkpoint is missing."""
+    engine, marker = stub_engine(tmp_path, cpu_binary)
+    flags = engines.engine_flags(str(cpu_binary))
+    cfg = json.loads(exp.config(steps=10**6).read_text())
+    run = supervisor.Run(cfg, flags, str(exp.root / "cfg.json"), str(exp.run_dir), str(engine), [])
+    sup = supervisor.Supervisor(run)
+    calls = []
+    real = sup.events.on_train
+
+    def on_train(rec):
+        calls.append(rec["step"])
+        if len(calls) == 200:
+            raise RuntimeError("a bug in a handler")
+        real(rec)
+    sup.events.on_train = on_train
+    assert sup.run_engine() == 1
+    assert sup.proc.returncode == 0 and marker.exists()
+    run.log.close()
+    recs = json.loads(exp.path(".loss.json").read_text())
+    steps = [r["step"] for r in live_train(recs)]
+    # step 200 itself tripped the handler: it is the one record the failure cost
+    assert steps[:199] == list(range(1, 200)) and steps[199:] == list(range(201, steps[-1] + 1))
+    assert steps[-1] > 200
+    assert "proxy failed: RuntimeError: a bug in a handler" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# run files of the wrong type, hostile configs: one message each, never a traceback
+
+
+@pytest.mark.parametrize("suffix, content, what", [
+    (".state.json", "null", "not a JSON object"),
+    (".state.json", "[1, 2]", "not a JSON object"),
+    (".samples.json", '{"step": 1}', "not a list of samples"),
+    (".samples.json", "[1, 2]", "not a list of samples"),
+    (".samples.json", "{", "not valid JSON"),
+])
+def test_run_files_of_the_wrong_type_are_moved_aside(exp, cpu_binary, suffix, content, what):
+    exp.run_dir.mkdir()
+    exp.path(suffix).write_text(content)
+    p, rc = run_to_end(exp.config(steps=12), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0 and "Traceback" not in "".join(p.err), p.describe()
+    said = [line for line in p.out if "damaged" in line]
+    assert len(said) == 1 and what in said[0], p.describe()
+    assert exp.path(suffix + ".damaged").read_text() == content  # kept, not lost
+    assert exp.state()["status"] == "finished"
+
+
+def one_error(p, rc, words):
+    errors = error_lines(p)
+    assert rc == 2 and len(errors) == 1 and words in errors[0], p.describe()
+    assert "Traceback" not in "".join(p.err), p.describe()
+    return errors[0]
+
+
+def test_a_config_nested_too_deeply_is_one_error(exp, cpu_binary):
+    path = exp.root / "deep.json"
+    path.write_text("[" * 100000 + "]" * 100000)
+    p, rc = run_to_end(path, exp.run_dir, cpu_binary, "--no-server")
+    one_error(p, rc, "nested too deeply")
+
+
+def test_a_fifo_as_config_is_refused_not_waited_on(exp, cpu_binary):
+    path = exp.root / "fifo.json"
+    os.mkfifo(path)
+    p, rc = run_to_end(path, exp.run_dir, cpu_binary, "--no-server", timeout=30)
+    one_error(p, rc, "not a regular file")
+
+
+def test_a_checkpoint_path_that_is_a_directory_is_one_error(exp, cpu_binary):
+    exp.path(".ckpt").mkdir(parents=True)
+    p, rc = run_to_end(exp.config(steps=5), exp.run_dir, cpu_binary, "--no-server")
+    one_error(p, rc, "is a directory")
+
+
+@pytest.mark.parametrize("sections, words", [
+    ({"description": "x" * 60_000_000}, '"description" has 60000000 characters; at most 10000'),
+    ({"sample": {"every": 5, "prompts": ["A" * 200_000]}}, '"sample.prompts" has 200000 characters'),
+    ({"sample": {"every": 5, "prompts": ["A B " * 20]}}, '"sample.prompts[0]" is 41 tokens; the model sees at most model.seq_len (32)'),
+    ({"name": "n" * 101}, '"name" must be letters, digits, ".", "_" or "-" (it names files; at most 100)'),
+], ids=["description", "prompt-chars", "prompt-tokens", "name"])
+def test_oversized_inputs_are_one_clear_error(exp, cpu_binary, sections, words):
+    p, rc = run_to_end(exp.config(steps=5, **sections), exp.run_dir, cpu_binary, "--no-server")
+    message = one_error(p, rc, words)
+    assert len(message) < 300, message  # the value itself is not echoed back
+    assert not exp.run_dir.exists()
+
+
+def test_sigterm_before_the_engine_starts_stops_cleanly(exp, cpu_binary, tmp_path):
+    """A stop that arrives while the proxy is still starting (here: while it asks the engine for its
+    flag table) is honoured: exit 0, no engine launched."""
+    asked, launched = tmp_path / "asked", tmp_path / "launched"
+    engine = tmp_path / "engine.sh"
+    engine.write_text(f'#!/bin/sh\nif [ "$1" = --flags-json ]; then touch {asked}; sleep 1; '
+                      f'exec {cpu_binary} --flags-json; fi\ntouch {launched}\nexec {cpu_binary} "$@"\n')
+    engine.chmod(0o755)
+    p = Proxy.start(exp.config(steps=5), exp.run_dir, engine, "--no-server")
+    deadline = time.monotonic() + 30
+    while not asked.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    p.proc.send_signal(signal.SIGTERM)
+    assert p.wait() == 0, p.describe()
+    assert any("SIGTERM before the engine started: nothing launched" in line for line in p.out)
+    assert not launched.exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the terminal: progress and summary
+
+
+def test_progress_line_and_summary_say_what_a_user_needs():
+    state = {"status": "running", "step": 1200, "steps": 20000, "loss": 4.12345, "val_loss": 4.35,
+             "val_step": 1000, "tokens_per_s": 95200.0, "elapsed_s": 130.0, "eta_s": 1865.0,
+             "phase": "pretrain"}
+    assert terminal.progress_line(state) == ("step 1200/20000 6.0% | loss 4.1235 | val 4.3500 | "
+                                             "95.2k tok/s | 2m10s | ETA 31m05s")
+    assert terminal.duration(7384) == "2h03m04s" and terminal.duration(4.4) == "4s"
+    lines = terminal.summary({**state, "status": "finished", "step": 20000}, 61.0, "/r/x",
+                             ("/r/x/x.ckpt", 20000))
+    assert lines == ["summary: step 20000 of 20000, 2m10s of training (this launch 1m01s)",
+                     "train loss 4.1235, validation loss 4.3500 (step 1000)",
+                     "checkpoint /r/x/x.ckpt (step 20000)",
+                     "chat with it:  python microgpt/chat.py /r/x",
+                     "export it:     python scripts/export-hf.py /r/x OUT_DIR"]
+    assert not any("chat" in line for line in terminal.summary(state, 1.0, "/r/x", None))
+
+
+def test_plain_progress_lines_then_a_summary(exp, cpu_binary):
+    cfg = exp.config(steps=400, eval={"every": 50})
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server", "--progress-every", "0.2")
+    assert rc == 0, p.describe()
+    progress = [line for line in p.out if line.startswith("[proxy] step ")]
+    assert len(progress) >= 2, p.describe()
+    steps = [int(line.split()[2].split("/")[0]) for line in progress]
+    assert steps == sorted(steps) and all(line.split()[2].endswith("/400") for line in progress)
+    assert all(" | loss " in line and " tok/s | " in line and "ETA" in line for line in progress), progress
+    out = "".join(p.out)
+    assert "summary: step 400 of 400" in out and "validation loss" in out
+    assert f"chat with it:  python microgpt/chat.py {exp.run_dir}" in out
+    assert f"export it:     python scripts/export-hf.py {exp.run_dir} OUT_DIR" in out
+
+
+def test_on_a_terminal_the_progress_line_is_rewritten_in_place(exp, cpu_binary):
+    import pty
+    from proxy_util import PROXY, proxy_env
+    leader, follower = pty.openpty()
+    cfg = exp.config(steps=300)
+    proc = subprocess.Popen([sys.executable, str(PROXY), str(cfg), "--engine-binary", str(cpu_binary),
+                             "--run-dir", str(exp.run_dir), "--no-server", "--progress-every", "0.1"],
+                            stdin=follower, stdout=follower, stderr=follower, env=proxy_env())
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the other end closed: the proxy is gone
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    assert proc.wait(60) == 0, out.decode(errors="replace")[-3000:]
+    text = out.decode()
+    rewrites = text.count("\r[proxy] ") + text.count("\rstep ")
+    assert rewrites >= 2, text[-3000:]
+    assert "\r\x1b[K" in text  # cleared before the next message
+    for chunk in text.split("\rstep ")[1:]:
+        assert "\n" not in chunk.split("\x1b[K")[0], chunk  # the progress line never ends a line
+    assert "summary: step 300 of 300" in text
+
+
+def test_the_engine_starts_with_the_forwarded_signals_blocked(exp, cpu_binary, tmp_path):
+    """A SIGTERM forwarded in the moment between the launch and the engine's handlers must wait for
+    them (the engine unblocks the signals once they are installed), not kill the engine."""
+    seen = tmp_path / "sigblk"
+    engine = tmp_path / "engine.py"
+    engine.write_text(f"#!{sys.executable}\nimport os, sys\n"
+                      f"if sys.argv[1:] == ['--flags-json']:\n    os.execv({str(cpu_binary)!r}, sys.argv[:1] + sys.argv[1:])\n"
+                      f"status = open('/proc/self/status').read()\n"
+                      f"open({str(seen)!r}, 'w').write([l for l in status.splitlines() if l.startswith('SigBlk')][0])\n"
+                      f"sys.exit(2)\n")
+    engine.chmod(0o755)
+    p, rc = run_to_end(exp.config(steps=5), exp.run_dir, engine, "--no-server")
+    assert rc == 2, p.describe()
+    blocked = int(seen.read_text().split()[1], 16)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        assert blocked & (1 << (sig - 1)), (sig, hex(blocked))
