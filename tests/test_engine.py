@@ -693,8 +693,17 @@ def _sidecar_of_another_step(path):
     path.with_name(path.name + ".json").write_text(json.dumps(side))
 
 
+def _sidecar_checksum_not_a_number(path):
+    """A checksum that is there but unreadable is damage: it was loaded unverified, as if the
+    checkpoint predated checksums."""
+    side = read_sidecar(path)
+    side["crc32c"] = "x"
+    path.with_name(path.name + ".json").write_text(json.dumps(side))
+
+
 INTEGRITY_DAMAGE = {"bit_in_v": _flip_bit_in_v, "garbage_weights": _garbage_weights, "step_49": _set_step(49),
-                    "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step}
+                    "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step,
+                    "sidecar_checksum_not_a_number": _sidecar_checksum_not_a_number}
 
 
 @pytest.mark.parametrize("damage", sorted(INTEGRITY_DAMAGE))
@@ -724,6 +733,25 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_resumes(engine, rand
     expected = eu.exact_records(ref)
     assert all(expected[key] == text for key, text in eu.exact_records(resumed).items())
     assert ckpt.read_bytes()[8:] == ref_ckpt.read_bytes()[8:]
+
+
+@pytest.mark.parametrize("scale", ["Infinity", "NaN", "-1", "0", "1e39", '"x"'])
+def test_a_loss_scale_that_is_no_scale_starts_from_the_default(engine, random_shards, tmp_path, scale):
+    """The checksum covers the checkpoint, not its sidecar: a loss scale of inf in the sidecar was
+    taken as it was, and an fp16 run would then skip every step (inf halved stays inf). Anything but
+    a positive finite float is reported and replaced by the engine's default; the run resumes."""
+    ckpt = tmp_path / "run.ckpt"
+    precision = "fp16" if engine.name == "cuda" else "fp32"
+    args = tiny_args(random_shards.train, **{"train.steps": 3, "train.precision": precision, "checkpoint": ckpt})
+    eu.run_ok(engine.binary, args)
+    side = (tmp_path / "run.ckpt.json").read_text()
+    (tmp_path / "run.ckpt.json").write_text(re.sub(r'"loss_scale":[^,]*', f'"loss_scale":{scale}', side))
+    resumed = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 6, "train.precision": precision,
+                                                                       "checkpoint": ckpt, "resume": True}))
+    assert "holds a loss_scale that is not a positive finite number" in resumed.stderr, resumed.describe()
+    assert [r["step"] for r in resumed.steps] == [4, 5, 6]
+    if engine.name == "cuda":  # the default scale, 65536, at most one overflow below it
+        assert 32768 <= resumed.steps[0]["loss_scale"] <= 65536, resumed.steps[0]
 
 
 @pytest.mark.parametrize("old", ["no_checksum", "no_sidecar"])

@@ -17,6 +17,7 @@
 #include "files.h"
 #include <dirent.h>
 #include <fcntl.h>
+#include <float.h>
 #include <signal.h>
 #include <stdint.h>
 #include <sys/stat.h>
@@ -386,17 +387,21 @@ static int ckpt_check(const char* path, size_t n_params) {
     }
     if (!json_find_number(sidecar, "step", &x) || x != (double)header[0]) {
         char side_step[32] = "none";
-        if (json_find_number(sidecar, "step", &x)) snprintf(side_step, sizeof side_step, "%.0f", x);
+        if (json_find_number(sidecar, "step", &x)) snprintf(side_step, sizeof side_step, "%.12g", x);
         snprintf(what, sizeof what, "does not match its sidecar %s (step %d in the checkpoint, %s in the sidecar)",
                  f.side, header[0], side_step);
         ckpt_refuse_damaged(&f, what);
     }
     if (!json_find_number(sidecar, "crc32c", &x)) {
+        if (strstr(sidecar, "\"crc32c\"")) { /* a checksum that is there but no number is damage, not age */
+            snprintf(what, sizeof what, "has a sidecar %s whose crc32c is not a number (damaged or edited)", f.side);
+            ckpt_refuse_damaged(&f, what);
+        }
         warn("checkpoint sidecar %s holds no checksum (written before checkpoints carried one): %s is loaded "
              "unverified", f.side, path);
     } else if ((double)(crc = ckpt_file_crc(path)) != x) {
         snprintf(what, sizeof what, "fails its integrity check: its bytes have CRC-32C %lu, its sidecar %s records "
-                 "%.0f (damaged on disk or edited)", (unsigned long)crc, f.side, x);
+                 "%.12g (damaged on disk or edited)", (unsigned long)crc, f.side, x);
         ckpt_refuse_damaged(&f, what);
     }
     if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
@@ -429,7 +434,12 @@ static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
         warn("checkpoint sidecar %s does not belong to step %d of %s; ignoring it", side, ckpt_step, path);
         return 0.0f;
     }
-    if (json_find_number(text, "loss_scale", &x)) loss_scale = (float)x;
+    /* The sidecar's bytes carry no checksum: a loss scale of inf would make an fp16 run skip every
+     * step (inf halved stays inf), so only a positive finite float is taken. */
+    if (json_find_number(text, "loss_scale", &x) && x > 0.0 && x <= FLT_MAX) loss_scale = (float)x;
+    else if (strstr(text, "\"loss_scale\""))
+        warn("checkpoint sidecar %s holds a loss_scale that is not a positive finite number; the loss scale starts "
+             "from its default", side);
     fp[0].key = "n_layer"; fp[0].value = c->model.n_layer;
     fp[1].key = "d_model"; fp[1].value = c->model.d_model;
     fp[2].key = "n_head"; fp[2].value = c->model.n_head;
