@@ -244,6 +244,35 @@ def test_full_disk_keeps_previous_checkpoint(engine, random_shards, tmp_path):
     assert after == before, f"previous checkpoint damaged or temporary files left: {sorted(after)} vs {sorted(before)}"
 
 
+def test_a_checkpoint_directory_that_cannot_take_one_is_refused_up_front(engine, random_shards):
+    """/proc exists but takes no new file, as a read-only mount does: that was found at the first
+    save, after every step up to it was trained (and lost)."""
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint.every": 2,
+                                                                       "checkpoint": "/proc/run.ckpt"}))
+    assert res.rc == 2 and len(res.errors) == 1, res.describe()
+    assert res.errors[0].startswith("error: cannot create files in checkpoint directory /proc "), res.errors
+    assert res.steps == [] and not res.events("memory"), res.describe()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 64 KiB file system: too small for any test model's checkpoint (mounting needs root)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "none", str(mnt)]).returncode:
+        pytest.skip("mounting a 64 KiB tmpfs needs root")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_checkpoint_directory_without_room_for_one_is_refused_up_front(engine, random_shards, tiny_tmpfs):
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint.every": 2,
+                                                                       "checkpoint": tiny_tmpfs / "run.ckpt"}))
+    assert res.rc == 2 and len(res.errors) == 1, res.describe()
+    assert f"checkpoint directory {tiny_tmpfs} has 65536 bytes free" in res.errors[0], res.errors
+    assert res.steps == [] and os.listdir(tiny_tmpfs) == [], res.describe()
+
+
 def test_temporary_files_of_a_killed_writer_are_removed(engine, random_shards, tmp_path):
     """A writer killed mid-checkpoint leaves PATH.tmpPID behind; the next save removes it (its
     process is gone) and leaves a live process's temporary file alone."""

@@ -21,6 +21,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #define CKPT_HEADER_BYTES 8
@@ -259,10 +260,30 @@ static void ckpt_write(const char* path, int step, const float* params, const fl
 /* ---------------------------------------------------------------------------------------------- */
 /* Checking and reading */
 
+/* A checkpoint directory that cannot take a checkpoint (read-only, not ours, full) is refused up
+ * front: found at the first save instead, it would cost every step trained until then. A probe
+ * file is made and removed; the free space must hold one more checkpoint and its sidecar (the
+ * previous slot is a hard link, no copy). Space taken later by others is still the save's error. */
+static void ckpt_check_writable(const char* path, const char* dir, size_t n_params) {
+    char probe[CFG_PATH_MAX + 48];
+    struct statvfs fs;
+    unsigned long long free_bytes, need = ckpt_expected_bytes(n_params) + CKPT_SIDECAR_MAX;
+    int fd;
+    snprintf(probe, sizeof probe, "%s.tmp%d", path, (int)getpid());
+    if ((fd = open(probe, O_WRONLY | O_CREAT | O_EXCL, 0644)) < 0)
+        die_input("cannot create files in checkpoint directory %s (%s): no checkpoint could be saved", dir,
+                  strerror(errno));
+    close(fd);
+    unlink(probe);
+    if (statvfs(dir, &fs) == 0 && (free_bytes = (unsigned long long)fs.f_bavail * fs.f_frsize) < need)
+        die_input("checkpoint directory %s has %llu bytes free; a checkpoint of this model needs %llu", dir,
+                  free_bytes, need);
+}
+
 /* Refuses, before anything is done, checkpoint files that are not plain files (a directory; a FIFO,
- * on which every open would block; a device) or that lie in a directory that does not exist, and,
- * for a fresh run (`fresh`), an existing checkpoint in either slot. */
-static void ckpt_check_paths(const char* path, int fresh) {
+ * on which every open would block; a device) or that lie in a directory that does not exist or
+ * cannot take a checkpoint, and, for a fresh run (`fresh`), an existing checkpoint in either slot. */
+static void ckpt_check_paths(const char* path, int fresh, size_t n_params) {
     CkptFiles f;
     const char* names[4];
     char dir[CFG_PATH_MAX];
@@ -275,6 +296,7 @@ static void ckpt_check_paths(const char* path, int fresh) {
             die_input("checkpoint %s is %s, not a regular file", names[i], file_kind(st.st_mode));
     parent_dir(path, dir, sizeof dir);
     if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) die_input("checkpoint directory %s does not exist", dir);
+    ckpt_check_writable(path, dir, n_params);
     if (fresh && file_exists(f.ckpt))
         die_input("checkpoint %s already exists; pass --resume to continue that run, or remove it to start over", path);
     if (fresh && file_exists(f.prev))

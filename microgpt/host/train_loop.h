@@ -176,7 +176,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     if (c->polish.enabled) dataset_open(&r->polish, c->polish.train, "polish.train", V, T);
     r->start_step = 0;
     r->saved_step = -1;
-    if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0]);
+    if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0], r->layout.n_params);
     if (c->resume) r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params);
 }
 
