@@ -13,7 +13,7 @@ import os
 import shutil
 import time
 
-from microgpt.atomic import atomic_open, write_json_atomic
+from microgpt.atomic import atomic_open, fsync_dir, write_json_atomic
 from microgpt.checkpoint import checkpoint_step
 
 STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
@@ -80,6 +80,22 @@ class RunFiles:
         for path in self.existing() - existed:
             os.remove(path)
         return f"{self.dir} is as it was"
+
+
+def roll_back_checkpoint(ckpt):
+    """Make the previous checkpoint slot (PATH.prev, the engine's, see host/checkpoint.h) the newest
+    and keep the newest as the previous one, so that the engine resumes from the older state and
+    repeats the steps in between; the newer state is only set aside, never lost (if the older one
+    turned out damaged, the engine's refusal names it). Three pairs of renames through PATH.ahead,
+    each done only where its source is there and its target is not: a rollback cut short by a
+    crash is finished by the next call, whichever rename it stopped at."""
+    pairs = [(ckpt, ckpt + ".ahead"), (ckpt + ".prev", ckpt), (ckpt + ".ahead", ckpt + ".prev")]
+    for src, dst in pairs:
+        if os.path.exists(src) and not os.path.exists(dst):
+            if os.path.exists(src + ".json"):
+                os.replace(src + ".json", dst + ".json")
+            os.replace(src, dst)
+    fsync_dir(os.path.dirname(ckpt))
 
 
 class RunState:
