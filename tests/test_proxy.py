@@ -210,6 +210,8 @@ def test_every_dotted_engine_flag_is_a_config_key(flags):
     ({"resume": True}, 'unknown key "resume"'),  # a flag the proxy sets itself, not a config key
     ({"name": "../evil"}, '"name" must be letters'),
     ({"name": 3}, '"name" must be a string'),
+    # a NUL cannot be in a command-line argument: it was "proxy failed: ValueError" and exit 1
+    ({"data": {"train": "a\u0000b"}}, '"data.train" must not contain a NUL character'),
 ])
 def test_bad_config_is_one_clear_error_naming_the_key(exp, cpu_binary, change, message):
     """Validated before anything is launched or created: exit 2, one line, the key named."""
