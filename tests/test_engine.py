@@ -963,6 +963,20 @@ def test_special_files_are_refused_up_front(engine, random_shards, tmp_path, fif
     assert res.steps == [] and not res.events("memory"), res.describe()
 
 
+def test_a_shard_truncated_while_training_is_one_error_line(engine, tmp_path):
+    """Shards are memory-mapped: one truncated in place under a training engine (a data script
+    rerun) made the next read of a vanished page raise SIGBUS, killing the engine without a word."""
+    eu.write_random_shards(tmp_path, "big", 1, 2_000_000, eu.TINY_VOCAB, 5)
+    shard = tmp_path / "big_000000.bin"
+    assert shard.exists()
+    proc = eu.start_engine(engine.binary, tiny_args(str(shard), **{"train.steps": 10**6}))
+    proc.wait_for(lambda r: r.get("step") == 3 and "loss" in r)
+    os.truncate(shard, 1024 + 2 * 100)  # 100 tokens left: every other window's pages are gone
+    res = proc.finish()
+    assert res.rc == 1, res.describe()
+    assert len(res.errors) == 1 and "a data shard truncated or rewritten in place" in res.errors[0], res.describe()
+
+
 def _term_pending_at_exec():
     """In the child before exec: block SIGTERM and send it, so it is pending the moment the engine
     starts (what a launcher that blocks signals across exec, as the proxy may, hands over)."""
