@@ -97,6 +97,22 @@ def test_loss_log_refuses_damage_that_is_not_a_torn_tail(tmp_path):
     assert path.read_bytes() == damaged  # nothing was cut
 
 
+@pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
+def test_loss_log_refuses_a_record_no_browser_can_parse(tmp_path, constant):
+    """Python's json takes NaN and Infinity, JSON.parse does not: a hand-edited loss of NaN passed
+    the full validation, and every dashboard answer holding that record failed to parse. (A NaN
+    in a whole array went on to the layout rewrite and a ValueError traceback.)"""
+    path = tmp_path / "x.loss.json"
+    data = write_log(path, 5)
+    for damaged in (data.replace(b'"loss":5.0', b'"loss":' + constant),  # in the log's own layout
+                    b"[" + data[1:].replace(b'"loss":5.0', b'"loss":' + constant).replace(b"\n", b" ")):
+        assert damaged != data
+        path.write_bytes(damaged)
+        with pytest.raises(loss_log.LossLogError):
+            loss_log.LossLog(str(path))
+        assert path.read_bytes() == damaged  # nothing was cut
+
+
 def test_loss_log_refuses_to_erase_a_torn_file_in_another_layout(tmp_path):
     path = tmp_path / "x.loss.json"
     pretty = json.dumps([{"step": i, "loss": 1.0 / i} for i in range(1, 4)], indent=2).encode()
