@@ -14,7 +14,7 @@ import subprocess
 import threading
 import time
 
-from microgpt.checkpoint import checkpoint_step
+from microgpt.checkpoint import CheckpointError, checkpoint_step
 from microgpt.config import engine_args
 from microgpt.events import Clock, EventHandler
 from microgpt.failure import abort
@@ -35,6 +35,7 @@ class Run:
         self.prompt_ids, self.prompt_texts = prompt_ids, cfg.get("sample", {}).get("prompts", [])
         self.name = cfg["name"]
         self.files = RunFiles(run_dir, self.name)
+        self.files.refuse_special_files()
         self.dir = self.files.dir
         self.existed = self.files.existing()  # what a launch the engine refuses must leave as it was
         os.makedirs(self.dir, exist_ok=True)
@@ -84,7 +85,10 @@ class Run:
         steps after it again (bit-exact: the same steps; the records they replace superseded)."""
         ckpt = self.files.ckpt
         if not os.path.exists(ckpt + ".ahead"):  # else a rollback was cut short: finish it
-            newest, previous = checkpoint_step(ckpt), checkpoint_step(ckpt + ".prev")
+            try:
+                newest, previous = checkpoint_step(ckpt), checkpoint_step(ckpt + ".prev")
+            except CheckpointError:  # a damaged slot: the engine refuses it, with what to do
+                return
             logged = self.store.state.get("checkpoint_step")
             logged = logged if isinstance(logged, int) else 0
             if newest is None or newest <= logged or previous is None or previous >= newest:

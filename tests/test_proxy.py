@@ -556,6 +556,41 @@ def test_loss_log_completes_short_writes(tmp_path, monkeypatch):
     log.close()
 
 
+@pytest.fixture
+def finished_run(exp, cpu_binary):
+    """A run of 4 steps, checkpointed every 2 (both checkpoint slots), and a config to go on to 8."""
+    _, rc = run_to_end(exp.config(steps=4, checkpoint={"every": 2}, train={"warmup_steps": 0}), exp.run_dir,
+                       cpu_binary, "--no-server")
+    assert rc == 0
+    return exp.config(steps=8, checkpoint={"every": 2}, train={"warmup_steps": 0}, file="cfg8.json")
+
+
+@pytest.mark.parametrize("suffix, kind, words", [
+    (".loss.json", "fifo", "is a FIFO"), (".state.json", "fifo", "is a FIFO"),  # open() waited for ever
+    (".samples.json", "fifo", "is a FIFO"), (".ckpt", "fifo", "is a FIFO"),
+    (".loss.json", "devnull", "is a device"),  # every record went nowhere, exit 0
+    (".ckpt.prev", "dir", "is a directory")])
+def test_a_run_file_that_is_not_a_regular_file_is_refused(exp, cpu_binary, finished_run, suffix, kind, words):
+    path = exp.path(suffix)
+    path.unlink()
+    {"fifo": os.mkfifo, "dir": os.mkdir, "devnull": lambda p: os.symlink("/dev/null", p)}[kind](path)
+    res = subprocess.run([sys.executable, str(PROXY), str(finished_run), "--engine-binary", str(cpu_binary),
+                          "--run-dir", str(exp.run_dir), "--no-server"], capture_output=True, text=True,
+                         env=proxy_env(), timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines() == [f"error: {path} {words}, not a regular file; move it away"], res.stderr
+
+
+def test_samples_of_the_wrong_types_are_moved_aside(exp, cpu_binary, finished_run):
+    """A sample whose step is a string was taken as a list of samples, and the first resume's
+    comparison of steps failed: "proxy failed: TypeError", exit 1."""
+    exp.path(".samples.json").write_text(json.dumps([{"step": "x", "prompt": 5, "text": None}]))
+    p, rc = run_to_end(finished_run, exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    assert "samples.json was not a list of samples; moved it to" in "".join(p.out), p.describe()
+    assert json.loads(exp.path(".samples.json.damaged").read_text())[0]["step"] == "x"
+
+
 def test_a_second_proxy_on_a_running_run_is_refused(exp, cpu_binary):
     cfg = exp.config(steps=10**6)
     p = Proxy.start(cfg, exp.run_dir, cpu_binary)
