@@ -914,6 +914,16 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(engine, ran
     assert {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)} == before
 
 
+def test_divergence_before_any_checkpoint_says_so_plainly(engine, random_shards, tmp_path):
+    """lr 1 with beta2 0.999999999 diverges in a step or two, before any checkpoint: the message read
+    "the last good no checkpoint was written"."""
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{
+        "train.steps": 10, "train.lr": 1.0, "train.beta2": 0.999999999, "checkpoint": tmp_path / "run.ckpt"}))
+    assert res.rc == 3 and len(res.errors) == 1, res.describe()
+    assert "training diverged at step " in res.errors[0] and "; stopped without saving this state, no checkpoint was " \
+        "written (a lower train.lr" in res.errors[0], res.errors[0]
+
+
 @pytest.mark.parametrize("flag", ["train.lr", "train.min_lr", "polish.lr"])
 def test_learning_rates_are_bounded(engine, random_shards, flag):
     """lr 1e30 trained NaN to the end; learning rates above 1 are refused (AdamW moves every weight

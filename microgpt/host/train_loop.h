@@ -119,11 +119,12 @@ static double run_eval(Run* r) {
 static void stop_diverged(const Run* r, int done, const char* what) {
     char kept[CFG_PATH_MAX + 64];
     if (r->saved_step >= 0)
-        snprintf(kept, sizeof kept, "checkpoint %s (step %d) is kept", r->cfg.checkpoint.path, r->saved_step);
+        snprintf(kept, sizeof kept, "the last good checkpoint %s (step %d) is kept", r->cfg.checkpoint.path,
+                 r->saved_step);
     else
         snprintf(kept, sizeof kept, "no checkpoint was written");
     emit_exit(done, "diverged");
-    die_code(EXIT_DIVERGED, "training diverged at step %d: %s; stopped without saving this state, the last good %s "
+    die_code(EXIT_DIVERGED, "training diverged at step %d: %s; stopped without saving this state, %s "
              "(a lower train.lr, or train.grad_clip, may help)", done, what, kept);
 }
 
