@@ -14,7 +14,7 @@ import subprocess
 import threading
 import time
 
-from microgpt.checkpoint import CheckpointError, checkpoint_step
+from microgpt.checkpoint import CheckpointError, checkpoint_step, read_header
 from microgpt.config import engine_args
 from microgpt.events import Clock, EventHandler
 from microgpt.failure import abort
@@ -85,13 +85,15 @@ class Run:
         steps after it again (bit-exact: the same steps; the records they replace superseded)."""
         ckpt = self.files.ckpt
         if not os.path.exists(ckpt + ".ahead"):  # else a rollback was cut short: finish it
+            if not (os.path.exists(ckpt) and os.path.exists(ckpt + ".prev")):
+                return
             try:
-                newest, previous = checkpoint_step(ckpt), checkpoint_step(ckpt + ".prev")
+                (newest, n_newest), (previous, n_previous) = read_header(ckpt), read_header(ckpt + ".prev")
             except CheckpointError:  # a damaged slot: the engine refuses it, with what to do
                 return
             logged = self.store.state.get("checkpoint_step")
             logged = logged if isinstance(logged, int) else 0
-            if newest is None or newest <= logged or previous is None or previous >= newest:
+            if newest <= logged or previous >= newest or n_previous != n_newest:  # not this run's
                 return
             unsure = (f"; records of steps {logged + 1}..{previous} may be missing"
                       if previous > logged else "")
