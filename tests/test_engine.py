@@ -254,6 +254,19 @@ def test_a_checkpoint_directory_that_cannot_take_one_is_refused_up_front(engine,
     assert res.steps == [] and not res.events("memory"), res.describe()
 
 
+@pytest.mark.parametrize("length", [238, 246])
+def test_a_checkpoint_name_too_long_for_its_temporary_files_is_refused_up_front(engine, random_shards, tmp_path,
+                                                                                 length):
+    """A name that fits the file system's 255 bytes but not with ".prev.json.tmpPID" added trained
+    until the first (246) or second (238) save, then failed."""
+    ckpt = tmp_path / ("c" * length)
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{"train.steps": 6, "checkpoint.every": 2,
+                                                                       "checkpoint": ckpt}))
+    assert res.rc == 2 and len(res.errors) == 1, res.describe()
+    assert res.errors[0].startswith(f"error: checkpoint name {ckpt} is too long"), res.errors
+    assert res.steps == [] and os.listdir(tmp_path) == [], res.describe()
+
+
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """A 64 KiB file system: too small for any test model's checkpoint (mounting needs root)."""

@@ -262,15 +262,20 @@ static void ckpt_write(const char* path, int step, const float* params, const fl
 
 /* A checkpoint directory that cannot take a checkpoint (read-only, not ours, full) is refused up
  * front: found at the first save instead, it would cost every step trained until then. A probe
- * file is made and removed; the free space must hold one more checkpoint and its sidecar (the
- * previous slot is a hard link, no copy). Space taken later by others is still the save's error. */
+ * file with the longest name a save makes (the previous sidecar's temporary file, its pid at the
+ * widest Linux gives) is made and removed, so a name too long for the file system is found too;
+ * the free space must hold one more checkpoint and its sidecar (the previous slot is a hard link,
+ * no copy). Space taken later by others is still the save's error. */
 static void ckpt_check_writable(const char* path, const char* dir, size_t n_params) {
     char probe[CFG_PATH_MAX + 48];
     struct statvfs fs;
     unsigned long long free_bytes, need = ckpt_expected_bytes(n_params) + CKPT_SIDECAR_MAX;
     int fd;
-    snprintf(probe, sizeof probe, "%s.tmp%d", path, (int)getpid());
-    if ((fd = open(probe, O_WRONLY | O_CREAT | O_EXCL, 0644)) < 0)
+    snprintf(probe, sizeof probe, "%s.prev.json.tmp%07d", path, (int)getpid());
+    if ((fd = open(probe, O_WRONLY | O_CREAT | O_EXCL, 0644)) < 0 && errno == ENAMETOOLONG)
+        die_input("checkpoint name %s is too long: the files saved beside it (up to %s) exceed the file system's "
+                  "limit on a name", path, probe);
+    if (fd < 0)
         die_input("cannot create files in checkpoint directory %s (%s): no checkpoint could be saved", dir,
                   strerror(errno));
     close(fd);
