@@ -16,6 +16,13 @@ CPU_HEADERS  := $(wildcard microgpt/cpu/*.h)
 CUDA_HEADERS := $(wildcard microgpt/cuda/*.cuh)
 CUDA_SOURCE  := $(wildcard microgpt/microgpt_cuda.cu)
 HAVE_NVCC    := $(shell command -v $(NVCC) 2>/dev/null)
+# NCCL (multi-GPU data parallelism, docs/DESIGN.md §17) where its header is found beside nvcc's or in
+# /usr/include; without it the GPU engine still builds and refuses WORLD_SIZE > 1 with one error line.
+NCCL_HEADER  := $(firstword $(wildcard $(dir $(HAVE_NVCC))../include/nccl.h /usr/include/nccl.h))
+ifneq ($(NCCL_HEADER),)
+  NVCCFLAGS += -DANDREA_NCCL
+  NVLDLIBS  += -lnccl
+endif
 
 # GPU architecture: the local GPU's if nvidia-smi answers (e.g. "9.0" -> 90), else a fat binary for
 # Ampere, Ada and Hopper plus compute_90 PTX that newer GPUs JIT-compile. Override: make GPU_ARCH=86

@@ -1,17 +1,22 @@
-"""Side-by-side benchmark: the CUDA engine against PyTorch on the same GPU, same model, same run (SPEC §9).
+"""Side-by-side benchmark: the CUDA engine against PyTorch on the same GPU, same model, same run
+(docs/DESIGN.md §9).
 
-    python3 bench/bench.py [--models 12M,120M] [--precisions bf16,fp32] [--steps 200] [--out DIR]
+    python3 bench/bench.py [--models 12M,120M] [--precisions bf16] [--torch-modes eager,compile,reduce-overhead]
+                           [--steps 200] [--warmup 10] [--out DIR] [--results FILE]
     python3 bench/bench.py --loss-check [--data GLOB --val GLOB]
 
-For each model and engine precision it runs build/microgpt_cuda, then the PyTorch baseline
-(bench/torch_gpt.py: bf16 autocast + torch.compile for bf16/fp16/fp8 rows, fp32 eager with TF32 for
-fp32 rows), each in its own process, and reports median ms/step after warm-up, tokens/s, device
-memory, the engine/PyTorch throughput ratio, the targets, and whether both reached the same loss.
-Method and column meanings: docs/BENCHMARKS.md. A failing engine is reported in its row; the
-PyTorch side still runs. Exit status: 0 when every run finished and every loss check passed.
+First one large bf16 product measures the GPU's matmul rate (bench/matmul_peak.py), the ceiling
+of the MFU column. Then, for each model and engine precision, it runs build/microgpt_cuda and the
+PyTorch baselines of that precision (bench/torch_gpt.py), each in its own process: for 16-bit
+engine rows bf16 autocast in every --torch-modes mode (torch.compile's default mode, with CUDA
+graphs, max-autotune, or eager), for tf32/fp32 rows fp32 eager with TF32. It reports median
+ms/step after warm-up, tokens/s, MFU, device memory, the engine's throughput over the FASTEST
+PyTorch run of its baseline, the targets, and whether they reached the same loss. The table is
+printed last; the run is appended as one JSON line to bench/results.jsonl. Method and columns:
+docs/BENCHMARKS.md. A failing run is reported in its row; the others still run. Exit status: 0
+when every run finished and every loss check passed, 1 otherwise, 2 for bad input.
 """
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -26,37 +31,87 @@ import numpy as np
 from bench_common import (REPO, BenchError, config_flags, experiment_path, flag_args, load_config, model_shape,
                           repo_path, shard_paths, train_settings)
 from microgpt.shards import write_shard
+from results import RESULTS_FILE, append_record, environment, smi_query
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 TORCH_SCRIPT = os.path.join(BENCH_DIR, "torch_gpt.py")
+MATMUL_SCRIPT = os.path.join(BENCH_DIR, "matmul_peak.py")
 
 # Real text the loss check may use when neither --data nor the config's data.train has shards.
 FALLBACK_DATA = [("data/megachat/megachat_train_*.bin", "data/megachat/megachat_val_*.bin"),
                  ("data/shakespeare/shakespeare_train_*.bin", "data/shakespeare/shakespeare_val_*.bin")]
 
-# Issue targets: (model, precisions) -> minimum engine/PyTorch tokens/s ratio; tf32 rows (the engine's
-# fp32 storage with TF32 products, as PyTorch's fp32 baseline): >= 1.0. Strict fp32 rows have no target.
-SPEED_TARGETS = {("120M", "bf16"): 1.25, ("120M", "fp16"): 1.25, ("12M", "bf16"): 5.0, ("12M", "fp16"): 5.0}
-MEMORY_TARGET_MODELS = {"120M"}   # engine device memory <= PyTorch-compiled peak, constant over the run
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+# PyTorch baselines of 16-bit engine rows: bf16 autocast in one of these modes (bench/torch_gpt.py's
+# --compile value for each). tf32 and fp32 rows have one baseline: fp32 eager with TF32 products.
+TORCH_MODES = {"eager": "none", "compile": "default", "reduce-overhead": "reduce-overhead",
+               "max-autotune": "max-autotune"}
+FP32_BASELINE = ("fp32", "eager")
+
+# Targets per (model, engine precision), against the fastest PyTorch run of the row's baseline:
+# step time, throughput ratio, MFU. tf32 rows (the engine's fp32 storage with TF32 products, as
+# PyTorch's fp32 baseline): ratio >= 1.0. Strict fp32 rows have no target.
+TARGETS = {("120M", "bf16"): {"max_ms": 14.0, "min_ratio": 1.3, "min_mfu": 0.60},
+           ("12M", "bf16"): {"max_ms": 1.4, "min_ratio": 2.3}}
+TF32_TARGET = {"min_ratio": 1.0}
+MEMORY_TARGET_MODELS = {"120M"}   # engine device memory <= the fastest PyTorch's, constant over the run
 
 
-def torch_mode(precision):
-    """The PyTorch baseline an engine precision is compared against."""
-    return "fp32" if precision in ("fp32", "tf32") else "bf16"
+def baselines(precision, torch_modes):
+    """The PyTorch runs an engine precision is compared against: [(torch precision, mode)]."""
+    if precision in ("fp32", "tf32"):
+        return [FP32_BASELINE]
+    return [("bf16", mode) for mode in torch_modes]
 
 
 # -----------------------------------------------------------------------------
-# device memory as nvidia-smi sees it: the same measure for both processes
+# model FLOPs and MFU
 
 
-def smi_query(fields):
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits",
-                              "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]],
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
+def step_flops(shape, t):
+    """Model FLOPs of one optimizer step (forward and backward, each multiply-add 2 FLOPs):
+
+        6 * tokens * (n_layer * (4 d^2 + 2 d d_ff) + d * padded_vocab)      the products with weights
+      + 6 * sequences * n_layer * d * T (T + 1)                             causal attention
+
+    tokens = batch_size * seq_len * grad_accum, sequences = batch_size * grad_accum. A product with a
+    weight costs 2 FLOPs per weight per token forward and twice that backward (the input's gradient
+    and the weight's), hence 6. Attention's two products (Q K^T and P V) cost 2 d FLOPs per
+    (query, key) pair each, over the T (T + 1) / 2 pairs a causal mask keeps (each counted once, not
+    the full T^2 square), forward 4 d pairs, backward twice that. The classifier is counted at the
+    padded vocabulary the product computes. Not counted: LayerNorm, GELU, softmax, the loss,
+    embeddings, AdamW, and the work flash attention recomputes in its backward."""
+    d, n_layer, T = shape["d_model"], shape["n_layer"], shape["seq_len"]
+    sequences = t["batch_size"] * t["grad_accum"]
+    weight_products = n_layer * (4 * d * d + 2 * d * shape["d_ff"]) + d * shape["padded_vocab_size"]
+    return 6 * sequences * T * weight_products + 6 * sequences * n_layer * d * T * (T + 1)
+
+
+def mfu(flops_per_step, ms_per_step, matmul_tflops):
+    """Model FLOPs per second over the measured bf16 matmul rate; None when either is unknown."""
+    if ms_per_step is None or not matmul_tflops:
         return None
-    return out.stdout.strip() if out.returncode == 0 else None
+    return flops_per_step / (ms_per_step / 1000.0) / (matmul_tflops * 1e12)
+
+
+def measure_matmul(args):
+    """bench/matmul_peak.py's JSON ({"tflops": ...}), or {"error": why} when it could not run."""
+    if not args.device.startswith("cuda"):
+        return {"error": f"not measured (--device {args.device})"}
+    cmd = [sys.executable, MATMUL_SCRIPT, "--n", str(args.matmul_n), "--reps", str(args.matmul_reps)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out after 300 s"}
+    records = parse_records(out.stdout)
+    if out.returncode != 0 or not records or "tflops" not in records[-1]:
+        last = [line for line in out.stderr.splitlines() if line.strip()][-1:] or ["(no stderr)"]
+        return {"error": f"exit {out.returncode}: {last[0][:200]}"}
+    return records[-1]
+
+
+# -----------------------------------------------------------------------------
+# device memory, clock and power as nvidia-smi sees them: the same measure for every process
 
 
 SMI_FIELDS = "memory.used,clocks.sm,power.draw,utilization.gpu"
@@ -167,7 +222,7 @@ def summarize(records, warmup, last, tokens_per_step):
     dev = [r["bytes"] for r in records if r.get("event") == "device_memory"]
     plan = next((r["total_bytes"] for r in records if r.get("event") == "memory"), None)
     tmem = next((r for r in records if r.get("event") == "torch_memory"), {})
-    return {"version": start.get("torch"), "compiled": start.get("compiled"), "steps": len(steps), "ms_per_step": ms, "tokens_per_s": tokens_per_step / (ms / 1000.0),
+    return {"torch_version": start.get("torch"), "torch_cuda": start.get("torch_cuda"), "steps": len(steps), "ms_per_step": ms, "tokens_per_s": tokens_per_step / (ms / 1000.0),
             "loss_last": statistics.fmean(r["loss"] for r in steps[-last:]), "val_loss": val[-1] if val else None,
             "device_memory": max(dev) if dev else None, "memory_constant": len(set(dev)) == 1 if dev else None,
             "plan_bytes": plan, "peak_allocated": tmem.get("peak_allocated"),
@@ -175,8 +230,8 @@ def summarize(records, warmup, last, tokens_per_step):
             "skipped_steps": sum(1 for r in steps if r.get("skipped"))}
 
 
-def run_side(name, cmd, args, tokens_per_step):
-    status, records, (smi_bytes, sm_mhz, power_w) = run_logged(cmd, os.path.join(args.out, name), args.timeout)
+def run_side(name, cmd, args, tokens_per_step, timeout_s):
+    status, records, (smi_bytes, sm_mhz, power_w) = run_logged(cmd, os.path.join(args.out, name), timeout_s)
     result = {"command": " ".join(cmd), "error": None if status == 0 else status, "smi_bytes": smi_bytes,
               "sm_mhz": sm_mhz, "power_w": power_w}
     try:
@@ -202,8 +257,8 @@ def run_overrides(cfg, args, precision, data):
 
 
 def engine_command(cfg, overrides, engine):
-    """The config as engine flags (DESIGN.md: flags are the dotted config keys). Sampling, polish and
-    periodic checkpoints are left out: they are not what is being measured."""
+    """The config as engine flags (docs/DESIGN.md §4.1: flags are the dotted config keys). Sampling,
+    polish and periodic checkpoints are left out: they are not what is being measured."""
     flags = config_flags(cfg)
     flags.pop("data.val", None)
     flags.update(overrides)
@@ -211,11 +266,10 @@ def engine_command(cfg, overrides, engine):
     return [engine] + flag_args(flags)
 
 
-def torch_command(config_path, overrides, mode, device):
-    cmd = [sys.executable, TORCH_SCRIPT, config_path, "--precision", mode, "--device", device,
-           "--val", overrides.get("data.val", "")]
-    if device == "cpu":
-        cmd.append("--no-compile")   # a CPU dry run checks the plumbing, not PyTorch's compiler
+def torch_command(config_path, overrides, precision, mode, device):
+    compile_mode = TORCH_MODES[mode] if device.startswith("cuda") else "none"   # a CPU dry run checks plumbing
+    cmd = [sys.executable, TORCH_SCRIPT, config_path, "--precision", precision, "--compile", compile_mode,
+           "--device", device, "--val", overrides.get("data.val", "")]
     for key, value in overrides.items():
         if key not in ("train.precision", "data.val", "eval.every"):
             cmd += [f"--{key}", str(value)]
@@ -250,10 +304,6 @@ def choose_data(cfg, args, shape):
     return synthetic_data(shape["vocab_size"])
 
 
-# -----------------------------------------------------------------------------
-# one row: engine vs PyTorch for one model and precision
-
-
 def loss_check(engine, torch_res, tol, real):
     """PASS when the last-steps mean train loss (and the val loss, when both have one) agree within tol."""
     if not real:
@@ -268,17 +318,45 @@ def loss_check(engine, torch_res, tol, real):
     return ("PASS" if ok else "FAIL"), diffs
 
 
-def targets(model, precision, engine, torch_res):
-    """Each issue target that applies to the row: {name: (met, detail)}."""
+# -----------------------------------------------------------------------------
+# one model: the engine in each precision against its PyTorch baselines
+
+
+def loss_checks(engine, torch_runs, tol, real):
+    """loss_check against every PyTorch run that finished: PASS when all pass, FAIL when any fails;
+    the largest difference of each kind."""
+    done = [r for r in torch_runs if not r.get("error")]
+    if not done:
+        return loss_check(engine, {"error": "none finished"}, tol, real)
+    checks = [loss_check(engine, r, tol, real) for r in done]
+    status = "FAIL" if any(s == "FAIL" for s, _ in checks) else checks[0][0]
+    diffs = {}
+    for _, d in checks:
+        for key, value in (d or {}).items():
+            diffs[key] = max(diffs.get(key, 0.0), value)
+    return status, diffs or None
+
+
+def fastest(runs):
+    done = [r for r in runs if not r.get("error")]
+    return max(done, key=lambda r: r["tokens_per_s"]) if done else None
+
+
+def targets(model, precision, engine, baseline):
+    """Each target that applies to the row: {name: (met, detail)}; baseline: the fastest PyTorch run."""
+    if engine.get("error") or baseline is None:
+        return {}
+    spec = TF32_TARGET if precision == "tf32" else TARGETS.get((model, precision), {})
     out = {}
-    if engine.get("error") or torch_res.get("error"):
-        return out
-    ratio = engine["tokens_per_s"] / torch_res["tokens_per_s"]
-    need = 1.0 if precision == "tf32" else SPEED_TARGETS.get((model, precision))
-    if need is not None:
-        out[f"tokens/s >= {need}x"] = (ratio >= need, f"{ratio:.2f}x")
-    if model in MEMORY_TARGET_MODELS and precision not in ("fp32", "tf32"):
-        e_mem, t_mem = engine["smi_bytes"], torch_res["smi_bytes"]
+    ratio = engine["tokens_per_s"] / baseline["tokens_per_s"]
+    if "max_ms" in spec:
+        out[f"ms/step <= {spec['max_ms']}"] = (engine["ms_per_step"] <= spec["max_ms"], f"{engine['ms_per_step']:.2f}")
+    if "min_ratio" in spec:
+        out[f"tokens/s >= {spec['min_ratio']}x"] = (ratio >= spec["min_ratio"], f"{ratio:.2f}x")
+    if "min_mfu" in spec and engine.get("mfu") is not None:
+        out[f"MFU >= {spec['min_mfu']:.0%}"] = (engine["mfu"] >= spec["min_mfu"], f"{engine['mfu']:.1%}")
+    if model in MEMORY_TARGET_MODELS and precision in ("bf16", "fp16"):
+        e_mem, t_mem = engine["smi_bytes"], baseline["smi_bytes"]
         if e_mem is not None and t_mem is not None:
             out["memory <= PyTorch"] = (e_mem <= t_mem, f"{gib(e_mem)} vs {gib(t_mem)} GiB")
         if engine["memory_constant"] is not None:
@@ -286,31 +364,52 @@ def targets(model, precision, engine, torch_res):
     return out
 
 
-def run_model(model, args, torch_cache):
-    """model: a shipped name (12M -> experiments/ANDREA-12M-TRAIN.json) or a config path."""
+def run_label(r):
+    """'engine bf16', 'torch bf16 reduce-overhead', 'torch fp32 eager'."""
+    return f"{r['side']} {r['precision']}" + (f" {r['mode']}" if r["side"] == "torch" else "")
+
+
+def run_model(model, args, matmul_tflops):
+    """model: a shipped name (12M -> experiments/ANDREA-12M-TRAIN.json) or a config path. Returns
+    (runs, comparisons): every engine and PyTorch run, and one comparison per engine precision."""
     config_path = experiment_path(model)
     cfg = load_config(config_path)
     model = cfg.get("name", model) if model.endswith(".json") else model
     shape, t = model_shape(cfg), train_settings(cfg)
     tokens_per_step = t["batch_size"] * shape["seq_len"] * t["grad_accum"]
+    flops = step_flops(shape, t)
     data = choose_data(cfg, args, shape)
     print(f"{model}: data {data['train']} ({'real' if data['real'] else 'synthetic'})", file=sys.stderr)
-    rows = []
+    runs, comparisons, torch_runs = [], [], {}
+
+    def measured(run, **labels):
+        run.update(labels, model=model, flops_per_step=flops,
+                   mfu=mfu(flops, run.get("ms_per_step"), matmul_tflops))
+        runs.append(run)
+        return run
+
     for precision in args.precisions:
         overrides = run_overrides(cfg, args, precision, data)
-        engine = run_side(f"engine-{model}-{precision}", engine_command(cfg, overrides, args.engine),
-                          args, tokens_per_step)
-        mode = torch_mode(precision)
-        if (model, mode) not in torch_cache:
-            torch_cache[(model, mode)] = run_side(f"torch-{model}-{mode}",
-                                                  torch_command(config_path, overrides, mode, args.device),
-                                                  args, tokens_per_step)
-        torch_res = torch_cache[(model, mode)]
-        check, diffs = loss_check(engine, torch_res, args.tol, data["real"])
-        rows.append({"model": model, "precision": precision, "torch_mode": mode, "data": data,
-                     "engine": engine, "torch": torch_res, "loss_check": check, "loss_diffs": diffs,
-                     "targets": targets(model, precision, engine, torch_res)})
-    return rows
+        engine = measured(run_side(f"engine-{model}-{precision}", engine_command(cfg, overrides, args.engine),
+                                   args, tokens_per_step, args.timeout), side="engine", precision=precision)
+        for key in baselines(precision, args.torch_modes):
+            if key not in torch_runs:
+                torch_prec, mode = key
+                timeout = args.autotune_timeout if mode == "max-autotune" else args.timeout
+                torch_runs[key] = measured(run_side(f"torch-{model}-{torch_prec}-{mode}",
+                                                    torch_command(config_path, overrides, torch_prec, mode,
+                                                                  args.device),
+                                                    args, tokens_per_step, timeout),
+                                           side="torch", precision=torch_prec, mode=mode)
+        family = [torch_runs[key] for key in baselines(precision, args.torch_modes)]
+        baseline = fastest(family)
+        check, diffs = loss_checks(engine, family, args.tol, data["real"])
+        ratio = None if engine.get("error") or baseline is None else engine["tokens_per_s"] / baseline["tokens_per_s"]
+        comparisons.append({"model": model, "precision": precision, "data": "real" if data["real"] else "synthetic",
+                            "baseline": baseline and run_label(baseline), "ratio": ratio,
+                            "loss_check": check, "loss_diffs": diffs,
+                            "targets": targets(model, precision, engine, baseline)})
+    return runs, comparisons
 
 
 # -----------------------------------------------------------------------------
@@ -325,73 +424,90 @@ def fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
-COLUMNS = ["model", "prec", "engine ms", "engine tok/s", "engine GiB", "torch", "torch ms", "torch tok/s",
-           "torch GiB", "torch peak alloc/resv GiB", "ratio", "SM MHz e/t", "W e/t", "loss e/t", "loss check",
-           "targets"]
+COLUMNS = ["model", "run", "ms/step", "tok/s", "MFU", "GiB", "SM MHz", "W", "loss", "vs fastest PyTorch",
+           "loss check", "targets"]
 
 
-def table_row(r):
-    e, t = r["engine"], r["torch"]
-    ratio = None if e.get("error") or t.get("error") else e["tokens_per_s"] / t["tokens_per_s"]
-    torch_name = {"bf16": "bf16 autocast", "fp32": "fp32/tf32"}[r["torch_mode"]]
-    torch_name += {True: ", compiled", False: ", eager"}.get(t.get("compiled"), "")
-    goals = "; ".join(f"{k}: {'met' if ok else 'MISSED'} ({d})" for k, (ok, d) in r["targets"].items())
-
-    def side(res, key, spec):
-        return f"error: {res['error']}" if res.get("error") and key == "ms_per_step" else fmt(res.get(key), spec)
-
-    return [r["model"], r["precision"], side(e, "ms_per_step", ".2f"), fmt(e.get("tokens_per_s"), ",.0f"),
-            gib(e.get("smi_bytes")), torch_name, side(t, "ms_per_step", ".2f"), fmt(t.get("tokens_per_s"), ",.0f"),
-            gib(t.get("smi_bytes")), f"{gib(t.get('peak_allocated'))}/{gib(t.get('peak_reserved'))}",
-            fmt(ratio, ".2f"), f"{fmt(e.get('sm_mhz'), '.0f')}/{fmt(t.get('sm_mhz'), '.0f')}",
-            f"{fmt(e.get('power_w'), '.0f')}/{fmt(t.get('power_w'), '.0f')}",
-            f"{fmt(e.get('loss_last'), '.3f')}/{fmt(t.get('loss_last'), '.3f')}",
-            check_cell(r), goals or "-"]
+def table_rows(record):
+    """One line per run of a results record; an engine run's line carries its comparison with the
+    fastest PyTorch run."""
+    by_engine = {(c["model"], c["precision"]): c for c in record["comparisons"]}
+    rows = []
+    for r in record["runs"]:
+        c = by_engine.get((r["model"], r["precision"])) if r["side"] == "engine" else None
+        ms = f"error: {r['error']}" if r.get("error") else fmt(r.get("ms_per_step"), ".2f")
+        vs = "-" if c is None or c["ratio"] is None else f"{c['ratio']:.2f}x ({c['baseline'].split(' ', 2)[-1]})"
+        goals = "; ".join(f"{k}: {'met' if ok else 'MISSED'} ({d})" for k, (ok, d) in c["targets"].items()) if c else ""
+        rows.append([r["model"], run_label(r), ms, fmt(r.get("tokens_per_s"), ",.0f"), fmt(r.get("mfu"), ".1%"),
+                     fmt(r.get("device_gib"), ".2f"), fmt(r.get("sm_mhz"), ".0f"), fmt(r.get("power_w"), ".0f"),
+                     fmt(r.get("loss_last"), ".3f"), vs, check_cell(c) if c else "-", goals or "-"])
+    return rows
 
 
-def check_cell(r):
+def check_cell(c):
     """e.g. 'PASS (train 0.12%, val 0.30%)'"""
-    diffs = ", ".join(f"{k} {100 * d:.2f}%" for k, d in (r["loss_diffs"] or {}).items())
-    return f"{r['loss_check']} ({diffs})" if diffs else r["loss_check"]
+    diffs = ", ".join(f"{k} {100 * d:.2f}%" for k, d in (c["loss_diffs"] or {}).items())
+    return f"{c['loss_check']} ({diffs})" if diffs else c["loss_check"]
 
 
-def markdown(rows, meta):
-    lines = [f"### {meta['date']} · {meta['gpu']} · commit {meta['commit']} · torch {meta['torch']} · "
-             f"{meta['steps']} steps, median after {meta['warmup']} warm-up",
-             "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(table_row(r)) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+def heading(record):
+    matmul = record["matmul"]
+    rate = f"{matmul['tflops']:.0f} TFLOP/s" if "tflops" in matmul else matmul.get("error", "-")
+    dirty = {True: " + uncommitted changes", False: "", None: ""}[record["dirty"]]
+    return (f"{record['date']} · {record['gpu'] or 'no GPU visible'}, driver {record['driver'] or '-'} · "
+            f"commit {record['commit'] or 'unknown'}{dirty} · torch {record['torch'] or '-'} · bf16 matmul {rate} · "
+            f"{record['steps']} steps, median after {record['warmup']} warm-up")
 
 
-def plain_table(rows):
-    cells = [COLUMNS] + [table_row(r) for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+def markdown_table(rows, columns):
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
+
+
+def markdown(record):
+    return f"### {heading(record)}\n\n" + markdown_table(table_rows(record), COLUMNS)
+
+
+def plain_table(rows, columns=COLUMNS):
+    cells = [columns] + rows
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
-def source_commit():
-    """The commit measured: ANDREA_COMMIT when set (a tree copied to the GPU machine of this workplace
-    has no git metadata, or stale metadata), else git's; "unknown" rather than a guess."""
-    if os.environ.get("ANDREA_COMMIT"):
-        return os.environ["ANDREA_COMMIT"]
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return git.stdout.strip() if git.returncode == 0 else "unknown"
+def gib_or_none(n):
+    return None if n is None else round(n / 2**30, 3)
 
 
-def run_meta(args, rows):
-    versions = [r["torch"].get("version") for r in rows if r["torch"].get("version")]
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "gpu": smi_query("name,driver_version") or "no GPU visible",
-            "commit": source_commit(),
-            "torch": versions[0] if versions else "unknown", "steps": args.steps, "warmup": args.warmup}
+RECORD_RUN_KEYS = ("model", "side", "precision", "mode", "error", "steps", "ms_per_step", "tokens_per_s",
+                   "flops_per_step", "mfu", "sm_mhz", "power_w", "memory_constant", "loss_last", "val_loss",
+                   "skipped_steps")
+
+
+def results_record(args, matmul, runs, comparisons):
+    """The run as one results-file record (docs/BENCHMARKS.md, "The results file")."""
+    versions = [r for r in runs if r.get("torch_version")]
+    record = {"kind": "train", "source": "bench/bench.py", **environment(),
+              "torch": versions[0]["torch_version"] if versions else None,
+              "torch_cuda": versions[0].get("torch_cuda") if versions else None,
+              "matmul": {k: matmul[k] for k in ("tflops", "tflops_max", "n", "reps", "error") if k in matmul},
+              "steps": args.steps, "warmup": args.warmup, "runs": [], "comparisons": comparisons}
+    for r in runs:
+        entry = {k: r.get(k) for k in RECORD_RUN_KEYS if k in r}
+        entry.update(device_gib=gib_or_none(r.get("smi_bytes")), peak_allocated_gib=gib_or_none(r.get("peak_allocated")),
+                     peak_reserved_gib=gib_or_none(r.get("peak_reserved")))
+        record["runs"].append(entry)
+    return record
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="engine vs PyTorch, same GPU, same run (docs/BENCHMARKS.md)")
     p.add_argument("--models", default="12M,120M",
                    help="comma-separated: 12M means experiments/ANDREA-12M-TRAIN.json; a .json path is a config")
-    p.add_argument("--precisions", default=None, help="engine precisions, comma-separated (default bf16,fp32; "
-                   "with --loss-check: bf16)")
+    p.add_argument("--precisions", default="bf16", help="engine precisions, comma-separated (fp32, tf32, bf16, "
+                   "fp16, fp8; default bf16)")
+    p.add_argument("--torch-modes", default="eager,compile,reduce-overhead",
+                   help="PyTorch bf16 baselines, comma-separated: " + ", ".join(TORCH_MODES) +
+                   " (max-autotune compiles for minutes)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the timing median")
     p.add_argument("--last", type=int, default=20, help="steps whose mean train loss is compared")
@@ -402,16 +518,32 @@ def parse_args(argv):
     p.add_argument("--loss-check", action="store_true", help="require real text; exit 1 unless every check passes")
     p.add_argument("--device", default="cuda", help="PyTorch device; cpu: a dry run of the plumbing")
     p.add_argument("--timeout", type=int, default=300, help="seconds per engine or PyTorch run")
+    p.add_argument("--autotune-timeout", type=int, default=540, help="seconds for a max-autotune run")
+    p.add_argument("--matmul-n", type=int, default=8192, help="size of the product measuring the bf16 rate")
+    p.add_argument("--matmul-reps", type=int, default=30, help="timed launches of that product")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(BENCH_DIR, "out"))
+    p.add_argument("--results", help=f"results file the run is appended to (default {RESULTS_FILE} with "
+                   "--device cuda; a CPU dry run is not recorded unless this is given)")
+    p.add_argument("--no-record", action="store_true", help="do not append the run to a results file")
     args = p.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
-    args.precisions = (args.precisions or ("bf16" if args.loss_check else "bf16,tf32,fp32")).split(",")
+    args.precisions = [x for x in args.precisions.split(",") if x]
+    args.torch_modes = [x for x in args.torch_modes.split(",") if x]
     for prec in args.precisions:
-        if prec not in ("fp32", "tf32", "bf16", "fp16", "fp8"):
-            raise BenchError(f"unknown precision '{prec}' (fp32, tf32, bf16, fp16, fp8)")
+        if prec not in PRECISIONS:
+            raise BenchError(f"unknown precision '{prec}' ({', '.join(PRECISIONS)})")
+    for mode in args.torch_modes:
+        if mode not in TORCH_MODES:
+            raise BenchError(f"unknown PyTorch mode '{mode}' ({', '.join(TORCH_MODES)})")
+    if not args.models or not args.precisions or not args.torch_modes:
+        raise BenchError("--models, --precisions and --torch-modes need at least one entry each")
     if args.warmup < 0 or args.last < 1 or args.steps <= max(args.warmup, args.last - 1):
         raise BenchError("need --steps > --warmup and >= --last")
     args.engine = repo_path(args.engine)
+    if args.no_record:
+        args.results = None
+    elif args.results is None and args.device.startswith("cuda"):
+        args.results = RESULTS_FILE
     return args
 
 
@@ -419,24 +551,33 @@ def main(argv):
     try:
         args = parse_args(argv)
         os.makedirs(args.out, exist_ok=True)
-        rows, torch_cache = [], {}
+        matmul = measure_matmul(args)
+        print(f"bf16 matmul: {json.dumps(matmul)}", file=sys.stderr, flush=True)
+        runs, comparisons = [], []
         for model in args.models:
-            rows += run_model(model, args, torch_cache)
+            model_runs, model_comparisons = run_model(model, args, matmul.get("tflops"))
+            runs += model_runs
+            comparisons += model_comparisons
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    meta = run_meta(args, rows)
-    md = markdown(rows, meta)
+    record = results_record(args, matmul, runs, comparisons)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
-        f.write(md)
+        f.write(markdown(record))
     with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(md.splitlines()[0][4:])
-    print(plain_table(rows))
-    failed = [r for r in rows if r["engine"]["error"] or r["torch"]["error"] or r["loss_check"] == "FAIL"]
+        json.dump({"record": record, "runs": runs}, f, indent=1)
+    with open(os.path.join(args.out, "record.jsonl"), "w") as f:
+        f.write(json.dumps(record, separators=(",", ":")) + "\n")
+    if args.results:
+        append_record(args.results, record)
+        print(f"recorded in {args.results}", file=sys.stderr)
+    failed = [r for r in runs if r.get("error")] + [c for c in comparisons if c["loss_check"] == "FAIL"]
     for r in failed:
-        print(f"{r['model']} {r['precision']}: engine: {r['engine']['error'] or 'ok'}; "
-              f"torch: {r['torch']['error'] or 'ok'}; loss check: {r['loss_check']}", file=sys.stderr)
+        what = f"{r['model']} {run_label(r)}: {r['error']}" if "side" in r else \
+            f"{r['model']} engine {r['precision']}: loss check FAIL {check_cell(r)}"
+        print(what, file=sys.stderr)
+    print(heading(record))
+    print(plain_table(table_rows(record)))
     return 1 if failed else 0
 
 

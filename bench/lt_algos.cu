@@ -7,11 +7,12 @@
  *   build: nvcc -O2 -std=c++17 -arch=native -o build/lt_algos bench/lt_algos.cu -lcublas -lcublasLt
  *   run:   build/lt_algos          (one line per algorithm: config id, tile id, time, TFLOP/s)
  *
- * Tile ids are cublasLtMatmulTile_t values (20 = 128x128, 23 = 128x256, 24 = 256x128). Results of
- * 2026-11-29 on the H200 are in docs/BENCHMARKS.md ("Where the remaining gap is"). */
+ * Tile ids are cublasLtMatmulTile_t values (20 = 128x128, 23 = 128x256, 24 = 256x128). Recorded
+ * results are in docs/BENCHMARKS.md ("cuBLASLt's offers"). */
 #include "../microgpt/cuda/common.cuh"
 
-/* Zeroed device memory: the products' inputs (their values do not change the time). */
+/* Zeroed device memory as the products' inputs: it ranks the offers, but zeros draw less power
+ * than real operands, so the times are upper bounds on speed, not what a training step sees. */
 static void *dmalloc(size_t b) {
     void *p;
     CUDA_CHECK(cudaMalloc(&p, b));

@@ -1,5 +1,6 @@
-"""bench.py's bookkeeping without a GPU or torch: flags, medians, loss check, targets, and a whole run
-against a stand-in engine (where torch is missing its PyTorch side fails, and the report must say so).
+"""bench.py's bookkeeping without a GPU or torch: flags, medians, the FLOP count, loss check, targets,
+the results file, and a whole run against a stand-in engine (where torch is missing its PyTorch side
+fails, and the report must say so).
 
     pytest bench/test_bench.py
 """
@@ -12,6 +13,7 @@ import sys
 import pytest
 
 import bench
+import results
 from bench_common import BenchError, lr_at, repo_path
 from engine_util import python_env
 
@@ -46,6 +48,37 @@ def test_engine_command_is_the_config_as_dotted_flags_with_the_run_overrides():
     assert flags["--eval.every"] == "200" and flags["--eval.batches"] == "20"
     assert flags["--sample.every"] == "0" and flags["--checkpoint.every"] == "0"
     assert not any(f.startswith("--sample.prompts") or f == "--checkpoint" for f in flags)
+
+
+def test_each_pytorch_mode_is_its_compile_flag_and_a_cpu_dry_run_stays_eager():
+    overrides = bench.run_overrides(CFG, Args, "bf16", {"train": "t.bin", "val": "v.bin", "real": True})
+
+    def flags(mode, device):
+        cmd = bench.torch_command("c.json", overrides, "bf16", mode, device)
+        return dict(zip(cmd[3::2], cmd[4::2]))
+
+    for mode, flag in (("eager", "none"), ("compile", "default"), ("reduce-overhead", "reduce-overhead"),
+                       ("max-autotune", "max-autotune")):
+        assert flags(mode, "cuda")["--compile"] == flag and flags(mode, "cpu")["--compile"] == "none"
+    f = flags("compile", "cuda")
+    assert f["--precision"] == "bf16" and f["--val"] == "v.bin" and f["--train.steps"] == "200"
+    assert "--train.precision" not in f and "--eval.every" not in f
+
+
+def test_unknown_modes_and_precisions_are_refused():
+    for argv in (["--torch-modes", "compile,turbo"], ["--precisions", "bf17"], ["--torch-modes", ""]):
+        with pytest.raises(BenchError):
+            bench.parse_args(argv)
+    args = bench.parse_args([])
+    assert args.precisions == ["bf16"] and args.torch_modes == ["eager", "compile", "reduce-overhead"]
+    assert args.results == results.RESULTS_FILE and bench.parse_args(["--device", "cpu"]).results is None
+    assert bench.parse_args(["--no-record"]).results is None
+
+
+def test_run_all_refuses_an_unknown_stage(tmp_path):
+    out = subprocess.run(["bash", os.path.join(HERE, "run-all.sh"), "nosuch"], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, OUT=str(tmp_path), ANDREA_COMMIT="x"))
+    assert out.returncode == 2 and "unknown stage 'nosuch'" in out.stdout
 
 
 def test_without_validation_data_the_engine_does_not_evaluate():
@@ -83,9 +116,9 @@ def test_too_few_steps_is_an_error():
         bench.summarize(step_records([1.0] * 10, [1.0] * 10), warmup=10, last=5, tokens_per_step=1)
 
 
-def side(loss, val=None, tok=1000.0, smi=None, constant=None, error=None):
+def side(loss, val=None, tok=1000.0, smi=None, constant=None, error=None, ms=None, mfu=None):
     return {"loss_last": loss, "val_loss": val, "tokens_per_s": tok, "smi_bytes": smi,
-            "memory_constant": constant, "error": error}
+            "memory_constant": constant, "error": error, "ms_per_step": ms, "mfu": mfu}
 
 
 def test_loss_check_passes_within_tolerance_and_fails_outside_or_on_nan():
@@ -97,16 +130,134 @@ def test_loss_check_passes_within_tolerance_and_fails_outside_or_on_nan():
     assert bench.loss_check(side(5.0, error="x"), side(5.0), 0.02, True)[0].startswith("SKIP")
 
 
+def test_the_loss_is_checked_against_every_pytorch_mode_that_finished():
+    engine = side(5.0, 5.0)
+    status, diffs = bench.loss_checks(engine, [side(5.05, 5.0), side(5.01, 5.08), side(9.0, error="boom")], 0.02, True)
+    assert status == "PASS" and diffs["train"] == pytest.approx(0.05 / 5.05) and diffs["val"] == pytest.approx(0.08 / 5.08)
+    assert bench.loss_checks(engine, [side(5.0, 5.0), side(5.5, 5.0)], 0.02, True)[0] == "FAIL"
+    assert bench.loss_checks(engine, [side(5.0, error="boom")], 0.02, True)[0].startswith("SKIP")
+
+
+def test_the_denominator_is_the_fastest_pytorch_run_that_finished():
+    runs = [side(0, tok=900), side(0, tok=1200), side(0, tok=5000, error="crashed")]
+    assert bench.fastest(runs) is runs[1]
+    assert bench.fastest([side(0, error="x")]) is None
+    assert bench.baselines("bf16", ["compile", "reduce-overhead"]) == [("bf16", "compile"), ("bf16", "reduce-overhead")]
+    assert bench.baselines("fp16", ["eager"]) == [("bf16", "eager")]
+    assert bench.baselines("tf32", ["compile"]) == bench.baselines("fp32", []) == [("fp32", "eager")]
+
+
 def test_targets_follow_the_issue():
-    t = bench.targets("120M", "bf16", side(0, tok=1300, smi=4, constant=True), side(0, tok=1000, smi=5))
-    assert t["tokens/s >= 1.25x"][0] and t["memory <= PyTorch"][0] and t["memory constant"][0]
-    t = bench.targets("120M", "fp16", side(0, tok=1200, smi=6, constant=False), side(0, tok=1000, smi=5))
-    assert not t["tokens/s >= 1.25x"][0] and not t["memory <= PyTorch"][0] and not t["memory constant"][0]
-    assert not bench.targets("12M", "bf16", side(0, tok=4900), side(0, tok=1000))["tokens/s >= 5.0x"][0]
-    assert bench.targets("12M", "tf32", side(0, tok=1000), side(0, tok=1000))["tokens/s >= 1.0x"][0]
+    met = bench.targets("120M", "bf16", side(0, tok=1300, smi=4, constant=True, ms=13.9, mfu=0.61),
+                        side(0, tok=1000, smi=5))
+    assert met == {"ms/step <= 14.0": (True, "13.90"), "tokens/s >= 1.3x": (True, "1.30x"),
+                   "MFU >= 60%": (True, "61.0%"), "memory <= PyTorch": (True, "0.00 vs 0.00 GiB"),
+                   "memory constant": (True, "device_memory first == last")}
+    missed = bench.targets("120M", "bf16", side(0, tok=1290, smi=6, constant=False, ms=14.1, mfu=0.59),
+                           side(0, tok=1000, smi=5))
+    assert not any(ok for ok, _ in missed.values()) and len(missed) == 5
+    small = bench.targets("12M", "bf16", side(0, tok=2300, ms=1.4), side(0, tok=1000))
+    assert small == {"ms/step <= 1.4": (True, "1.40"), "tokens/s >= 2.3x": (True, "2.30x")}
+    assert not bench.targets("12M", "bf16", side(0, tok=2299, ms=1.41), side(0, tok=1000))["tokens/s >= 2.3x"][0]
+    assert bench.targets("12M", "tf32", side(0, tok=1000), side(0, tok=1000)) == {"tokens/s >= 1.0x": (True, "1.00x")}
     assert not bench.targets("120M", "tf32", side(0, tok=999), side(0, tok=1000))["tokens/s >= 1.0x"][0]
     assert bench.targets("12M", "fp32", side(0, tok=1000), side(0, tok=1000)) == {}  # strict fp32: no target
     assert bench.targets("12M", "bf16", side(0, error="boom"), side(0)) == {}
+    assert bench.targets("12M", "bf16", side(0), None) == {}   # no PyTorch run finished
+
+
+# ----------------------------------------------------------------------------- FLOPs and MFU
+
+
+def test_step_flops_equal_a_hand_count():
+    # d 2, 1 layer, T 2, d_ff 4, padded vocab 3, one sequence of 2 tokens. Per token forward, each
+    # weight 2 FLOPs: W_Q, W_K, W_V, W_O 4*2*2 = 16 weights, W_1, W_2 2*2*4 = 16, classifier 2*3 = 6:
+    # 38 weights, 76 FLOPs, 152 for the 2 tokens. Attention: query 0 sees 1 key, query 1 sees 2: 3
+    # pairs, Q K^T and P V 2*d = 4 FLOPs each per pair: 24. Forward 176; backward twice that: 528.
+    shape = {"d_model": 2, "n_layer": 1, "seq_len": 2, "d_ff": 4, "padded_vocab_size": 3}
+    assert bench.step_flops(shape, {"batch_size": 1, "grad_accum": 1}) == 528
+    assert bench.step_flops(shape, {"batch_size": 3, "grad_accum": 2}) == 6 * 528
+
+
+def product_by_product(shape, sequences):
+    """The same count written out product by product, as a check of the closed form at real sizes."""
+    d, f, v, T = shape["d_model"], shape["d_ff"], shape["padded_vocab_size"], shape["seq_len"]
+    tokens = sequences * T
+    products = [(tokens, d, 3 * d), (tokens, d, d), (tokens, d, f), (tokens, f, d)]   # (M, K, N) per layer
+    forward = shape["n_layer"] * sum(2 * m * k * n for m, k, n in products) + 2 * tokens * d * v
+    pairs = sum(t + 1 for t in range(T))
+    forward += shape["n_layer"] * sequences * shape["n_head"] * 2 * (2 * pairs * (d // shape["n_head"]))
+    return 3 * forward
+
+
+def test_step_flops_of_the_shipped_shapes_match_the_product_by_product_count():
+    for name in ("12M", "120M"):
+        cfg = bench.load_config(bench.experiment_path(name))
+        shape, t = bench.model_shape(cfg), bench.train_settings(cfg)
+        assert bench.step_flops(shape, t) == product_by_product(shape, t["batch_size"] * t["grad_accum"])
+
+
+def test_mfu_is_model_flops_per_second_over_the_measured_matmul_rate():
+    assert bench.mfu(5e11, 1000.0, 1.0) == pytest.approx(0.5)   # 5e11 FLOPs in 1 s against 1 TFLOP/s
+    assert bench.mfu(5e11, 1000.0, None) is None and bench.mfu(5e11, None, 1.0) is None
+
+
+def test_a_cpu_dry_run_does_not_measure_the_matmul_rate():
+    class A:
+        device = "cpu"
+    assert "error" in bench.measure_matmul(A)
+
+
+# ----------------------------------------------------------------------------- the results file
+
+
+def test_records_are_appended_one_line_each(tmp_path):
+    path = tmp_path / "results.jsonl"
+    results.append_record(str(path), {"kind": "train", "n": 1})
+    results.append_record(str(path), {"kind": "decode", "n": 2})
+    assert path.read_text().count("\n") == 2
+    assert results.read_records(str(path)) == [{"kind": "train", "n": 1}, {"kind": "decode", "n": 2}]
+    path.write_text('{"n": 1}')                      # a file whose last line lacks its newline
+    results.append_record(str(path), {"n": 2})
+    assert [r["n"] for r in results.read_records(str(path))] == [1, 2]
+    assert not list(tmp_path.glob("*.tmp*"))          # written through a temp file, none left behind
+
+
+def test_a_damaged_results_file_is_refused(tmp_path):
+    for text in ('{"n": 1}\n{"n": 2\n', '[1, 2]\n'):
+        (tmp_path / "r.jsonl").write_text(text)
+        with pytest.raises(ValueError, match="r.jsonl:"):
+            results.read_records(str(tmp_path / "r.jsonl"))
+
+
+def test_the_commit_comes_from_the_environment_when_set(monkeypatch):
+    monkeypatch.setenv("ANDREA_COMMIT", "abc1234")
+    monkeypatch.delenv("ANDREA_DIRTY", raising=False)
+    assert results.source_state() == ("abc1234", None)
+    monkeypatch.setenv("ANDREA_DIRTY", "1")
+    assert results.source_state() == ("abc1234", True)
+    env = results.environment()
+    assert env["commit"] == "abc1234" and env["dirty"] is True
+    assert set(env) == {"date", "commit", "dirty", "gpu", "driver", "cuda_driver", "nvcc"}
+
+
+REQUIRED = {"train": {"kind", "source", "date", "commit", "gpu", "steps", "runs", "comparisons"},
+            "decode": {"kind", "source", "date", "commit", "gpu", "rows"},
+            "real_run": {"kind", "source", "date", "commit", "gpu", "runs"}}
+
+
+def test_the_recorded_history_is_well_formed():
+    records = results.read_records(results.RESULTS_FILE)
+    assert records, "bench/results.jsonl holds the recorded history"
+    for r in records:
+        assert REQUIRED[r["kind"]] <= set(r), r.get("date")
+        for run in r["runs"] if r["kind"] == "train" else []:
+            assert run["side"] in ("engine", "torch") and run["model"] and run["precision"] in bench.PRECISIONS
+            assert run.get("error") or run["ms_per_step"] > 0
+        for c in r["comparisons"] if r["kind"] == "train" else []:
+            assert c["loss_check"].split(" ")[0] in ("PASS", "FAIL", "SKIP")
+    dates = [r["date"] for r in records]
+    assert dates == sorted(dates), "oldest first"
 
 
 def test_wsd_schedule_holds_then_decays_to_min_at_the_last_step():
@@ -135,18 +286,43 @@ def test_a_whole_run_reports_every_row_even_when_a_side_fails(tmp_path):
     cfg = dict(CFG, name="tiny", model={"n_layer": 1, "d_model": 8, "n_head": 2, "seq_len": 16, "vocab_size": 100},
                data={"train": str(tmp_path / "train.bin")})
     (tmp_path / "tiny.json").write_text(json.dumps(cfg))
+    record_file = tmp_path / "results.jsonl"
     out = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--models", str(tmp_path / "tiny.json"),
-                          "--steps", "30", "--engine", str(engine), "--device", "cpu", "--out", str(tmp_path / "out")],
+                          "--precisions", "bf16,tf32", "--torch-modes", "eager,compile", "--steps", "30",
+                          "--engine", str(engine), "--device", "cpu", "--out", str(tmp_path / "out"),
+                          "--results", str(record_file)],
                          capture_output=True, text=True, timeout=300, env=python_env())
     # the PyTorch side fails where torch is missing; where it runs, the stand-in's loss is not its loss
     assert out.returncode == 1, out.stderr
-    report = json.loads((tmp_path / "out" / "bench.json").read_text())
-    rows = {r["precision"]: r for r in report["rows"]}
-    assert set(rows) == {"bf16", "tf32", "fp32"}
-    for r in rows.values():
-        assert r["engine"]["error"] is None and r["engine"]["ms_per_step"] == 2.0
-        assert r["engine"]["tokens_per_s"] == pytest.approx(128 / 0.002)
-        assert r["engine"]["loss_last"] == pytest.approx(4.0 - sum(range(10, 30)) / 20 / 30)
-        assert r["loss_check"] == ("SKIP (a run failed)" if r["torch"]["error"] else "FAIL")
-    md = (tmp_path / "out" / "bench.md").read_text()
-    assert md.count("\n| tiny |") == 3
+    [record] = results.read_records(str(record_file))
+    assert (tmp_path / "out" / "record.jsonl").read_text() == record_file.read_text()
+    assert record["kind"] == "train" and record["steps"] == 30 and record["matmul"]["error"].startswith("not measured")
+    labels = [bench.run_label(r) for r in record["runs"]]
+    assert labels == ["engine bf16", "torch bf16 eager", "torch bf16 compile", "engine tf32", "torch fp32 eager"]
+    for r in record["runs"]:
+        assert r["flops_per_step"] == bench.step_flops({"d_model": 8, "n_layer": 1, "seq_len": 16, "d_ff": 32,
+                                                        "padded_vocab_size": 128}, {"batch_size": 8, "grad_accum": 1})
+        assert r["mfu"] is None                       # no matmul rate on a CPU dry run
+    for r in record["runs"][::3]:
+        assert r["error"] is None and r["ms_per_step"] == 2.0 and r["tokens_per_s"] == pytest.approx(128 / 0.002)
+        assert r["loss_last"] == pytest.approx(4.0 - sum(range(10, 30)) / 20 / 30)
+    torch_failed = all(r["error"] for r in record["runs"] if r["side"] == "torch")
+    for c in record["comparisons"]:
+        assert c["loss_check"] == ("SKIP (a run failed)" if torch_failed else "FAIL")
+        assert (c["ratio"] is None) == torch_failed
+    table = out.stdout.splitlines()
+    assert table[1].split()[:3] == ["model", "run", "ms/step"] and len(table) == 2 + 5   # the table is last
+    assert (tmp_path / "out" / "bench.md").read_text().count("\n| tiny |") == 5
+
+
+def test_recorded_runs_are_shown_as_the_docs_print_them(tmp_path):
+    path = tmp_path / "r.jsonl"
+    lines = [line for line in open(results.RESULTS_FILE) if '"kind":"train"' in line]
+    path.write_text("".join(lines))
+    show = [sys.executable, os.path.join(HERE, "results.py"), "--file", str(path)]
+    out = subprocess.run(show + ["2026-11-29T22:29"], capture_output=True, text=True, timeout=60, env=python_env())
+    assert out.returncode == 0, out.stderr
+    assert "commit 2752352" in out.stdout and out.stdout.count("\n| 120M | engine ") == 3
+    assert "| 120M | engine bf16 | 17.22 | 475,591 | - | 5.70 | 1815 | 690 | 4.987 | 1.24x (compile) |" in out.stdout
+    missing = subprocess.run(show + ["1999"], capture_output=True, text=True, timeout=60, env=python_env())
+    assert missing.returncode == 1 and "no record" in missing.stderr

@@ -2,6 +2,11 @@
 (tests/reference.py) on a tiny shape: loss, every gradient, and several clipped AdamW steps.
 
     pytest bench/test_torch_gpt.py        (skipped where torch is not installed)
+
+torch is not in requirements.txt. PyPI's Linux wheel of torch is the CUDA build (it depends on cuDNN,
+cuBLAS, NCCL and a dozen more nvidia-* packages, a few GB), which runs on a CPU too; PyTorch's own
+index has a CPU-only wheel (pip install torch --index-url https://download.pytorch.org/whl/cpu). The
+last tests need a CUDA GPU.
 """
 import json
 import os
@@ -10,10 +15,12 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="torch is not installed: the PyTorch baseline cannot be checked "
+                            "(a CPU build is enough, see this file's docstring)")
 
 import reference as ref
 from bench_common import experiment_path, lr_at, model_shape
+from engine_util import python_env
 from torch_gpt import GPT, make_optimizer, train_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -123,8 +130,7 @@ def test_initialisation_follows_design():
 
 def test_shipped_shapes_have_the_spec_parameter_counts():
     for name, approx in (("12M", 12.4e6), ("120M", 124e6)):
-        path = experiment_path(name)
-        with open(path) as f:
+        with open(experiment_path(name)) as f:
             shape = model_shape(json.load(f))
         cfg = ref.ModelConfig(**{k: shape[k] for k in tiny_shape()})
         with torch.device("meta"):
@@ -205,3 +211,42 @@ def test_short_fp32_run_follows_cpu_engine(engine_run):
         assert t["lr"] == pytest.approx(e["lr"], rel=1e-6)
         assert t["loss"] == pytest.approx(e["loss"], rel=1e-4), f"step {e['step']}"
         assert t["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-3), f"step {e['step']}"
+
+
+# ----------------------------------------------------------------------------- on the GPU
+# The benchmark's PyTorch modes: compiled, with CUDA graphs (a new step marked each step), on the
+# same tiny run as above; each must train as eager does (bf16 rounding apart) and say which mode ran.
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU visible to torch")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_modes_train_as_eager_does(engine_run, mode):
+    import subprocess
+    _, path, _ = engine_run
+
+    def losses(compile_mode):
+        out = subprocess.run([sys.executable, os.path.join(HERE, "torch_gpt.py"), str(path), "--device", "cuda",
+                              "--precision", "bf16", "--compile", compile_mode], capture_output=True, text=True,
+                             timeout=600, env=python_env())
+        assert out.returncode == 0, out.stderr
+        records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        assert records[0]["compile"] == compile_mode
+        return [r["loss"] for r in records if "loss" in r]
+
+    eager, compiled = losses("none"), losses(mode)
+    assert len(compiled) == len(eager) == 12
+    np.testing.assert_allclose(compiled, eager, rtol=2e-2)   # bf16 autocast: fused kernels round differently
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_the_matmul_rate_is_measured():
+    import subprocess
+    out = subprocess.run([sys.executable, os.path.join(HERE, "matmul_peak.py"), "--n", "2048", "--reps", "5"],
+                         capture_output=True, text=True, timeout=300, env=python_env())
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["n"] == 2048 and r["reps"] == 5 and 0 < r["tflops"] <= r["tflops_max"]

@@ -2,17 +2,23 @@
 
 Same model, initial weights, training and validation windows (drawn from the engine's own
 counter-based generator, bench/engine_rng.py), optimizer, schedule and clipping as the engine
-(docs/DESIGN.md). Losses still drift apart slowly: the arithmetic differs in rounding. Two modes:
+(docs/DESIGN.md). Losses still drift apart slowly: the arithmetic differs in rounding. Two precisions:
 
-    --precision bf16   bf16 autocast, torch.compile, fused AdamW, flash attention through SDPA
+    --precision bf16   bf16 autocast, fused AdamW, flash attention through SDPA, and --compile:
+                         default         torch.compile(model) (the default)
+                         reduce-overhead torch.compile with CUDA graphs; each step begins with
+                                         torch.compiler.cudagraph_mark_step_begin()
+                         max-autotune    reduce-overhead plus autotuned product kernels (compiling
+                                         takes minutes)
+                         none            eager
     --precision fp32   eager fp32 with TF32 matmuls allowed, fused AdamW
 
 It prints the engine's stdout format (docs/DESIGN.md §3.8), so bench.py reads both the same way:
 step records {"step","loss","lr","grad_norm","ms","tokens_per_s","tokens"}, {"step","val_loss"},
 {"event":"device_memory",...} at the first and last step, and a final {"event":"torch_memory",...}.
 
-    python3 bench/torch_gpt.py [12M|120M|CONFIG] [--precision bf16|fp32] [--steps N] [--data GLOB] [--val GLOB]
-                               [--device cuda|cpu] [--model.n_layer N ...]
+    python3 bench/torch_gpt.py [12M|120M|CONFIG] [--precision bf16|fp32] [--compile MODE] [--steps N]
+                               [--data GLOB] [--val GLOB] [--device cuda|cpu] [--model.n_layer N ...]
 """
 import argparse
 import contextlib
@@ -71,7 +77,7 @@ class GPT(nn.Module):
             self.init_weights(seed)
 
     def init_weights(self, seed):
-        """The engine's initial weights exactly (DESIGN.md rule, drawn from the engine's counter-based
+        """The engine's initial weights exactly (docs/DESIGN.md §2, drawn from the engine's counter-based
         generator): N(0, 0.02), W_O and W_2 N(0, 0.02/sqrt(2 n_layer)), LayerNorm gamma 1, beta 0."""
         self.load_flat(engine_rng.init_params(param_shapes(self.shape), self.shape["n_layer"], seed))
 
@@ -118,7 +124,7 @@ class GPT(nn.Module):
 
 
 def make_optimizer(model, t, fused):
-    """AdamW with decoupled decay on the 2-D tensors only (DESIGN.md)."""
+    """AdamW with decoupled decay on the 2-D tensors only (docs/DESIGN.md §3.2)."""
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() == 2], "weight_decay": t["weight_decay"]},
               {"params": [p for p in params if p.dim() != 2], "weight_decay": 0.0}]
@@ -231,9 +237,37 @@ def train_step(model, opt, batches, lr, grad_clip, autocast):
     return loss_sum / len(batches), norm
 
 
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")   # torch.compile modes that replay CUDA graphs
+
+
+def compiled(model, mode):
+    """The model as the step runs it: itself (mode none) or torch.compile'd in that mode."""
+    if mode == "none":
+        return model
+    return torch.compile(model) if mode == "default" else torch.compile(model, mode=mode)
+
+
+def ddp_setup(device):
+    """PyTorch DDP under torchrun's variables (WORLD_SIZE > 1): the baseline for the engine's data
+    parallelism (docs/DESIGN.md §17, scripts/multi-gpu-check.sh). Returns (rank, world, device)."""
+    import os
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device
+    rank = int(os.environ["RANK"])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl", device_id=device)
+    return rank, world, device
+
+
 def train(cfg, args):
     shape, t = model_shape(cfg), train_settings(cfg)
-    device = torch.device(args.device)
+    rank, world, device = ddp_setup(torch.device(args.device))
+    global emit
+    if rank != 0:
+        emit = lambda record: None  # noqa: E731  (rank 0 reports, as the engine's ranks do)
     autocast = setup_precision(args.precision, device)
     B, T, accum = t["batch_size"], shape["seq_len"], t["grad_accum"]
 
@@ -241,22 +275,30 @@ def train(cfg, args):
     val_data = Windows(args.val, T, shape["vocab_size"], t["seed"], engine_rng.STREAM_VAL) if args.val else None
 
     model = GPT(shape, t["seed"]).to(device)
-    step_model = torch.compile(model) if args.precision == "bf16" and args.compile else model
+    compile_mode = args.compile if args.precision == "bf16" else "none"
+    step_model = compiled(model, compile_mode)
+    if world > 1:  # gradients averaged over the ranks; each rank's micro-batches as the engine's
+        step_model = torch.nn.parallel.DistributedDataParallel(step_model, device_ids=[device.index])
     opt = make_optimizer(model, t, fused=device.type == "cuda")
     n_params = sum(p.numel() for p in model.parameters())
     emit({"event": "start", "engine": "torch", "n_params": n_params, "steps": t["steps"],
-          "precision": args.precision, "compiled": step_model is not model, "torch": torch.__version__,
-          "tokens_per_step": B * T * accum})
+          "precision": args.precision, "compile": compile_mode, "torch": torch.__version__,
+          "torch_cuda": torch.version.cuda,
+          "tokens_per_step": B * T * accum * world, "world_size": world})
 
     for s in range(t["steps"]):
         t0 = time.perf_counter()
         lr = lr_at(s, t)
-        batches = [tuple(to_device(a, device) for a in train_data.batch((s * accum + j) * B, B)) for j in range(accum)]
+        batches = [tuple(to_device(a, device) for a in train_data.batch(((s * world + rank) * accum + j) * B, B))
+                   for j in range(accum)]
+        if compile_mode in CUDA_GRAPH_MODES:
+            # a new step: the graphs' outputs of the last one (loss, gradients) are no longer read
+            torch.compiler.cudagraph_mark_step_begin()
         loss, norm = train_step(step_model, opt, batches, lr, t["grad_clip"], autocast)
         loss_val, norm_val = torch.stack([loss, norm]).tolist()   # one sync per step, as the engine's loss read
         ms = (time.perf_counter() - t0) * 1000.0
         emit({"step": s + 1, "loss": loss_val, "lr": lr, "grad_norm": norm_val, "ms": ms,
-              "tokens_per_s": B * T * accum / (ms / 1000.0), "tokens": (s + 1) * B * T * accum})
+              "tokens_per_s": B * T * accum * world / (ms / 1000.0), "tokens": (s + 1) * B * T * accum * world})
         if device.type == "cuda" and s in (0, t["steps"] - 1):
             emit({"event": "device_memory", "step": s + 1, "bytes": device_used_bytes(device)})
 
@@ -294,7 +336,8 @@ def parse_args(argv):
     p.add_argument("--data", help="train shard glob (default: the config's data.train)")
     p.add_argument("--val", help="val shard glob (default: the config's data.val; '' for none)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--no-compile", dest="compile", action="store_false", help="bf16 without torch.compile")
+    p.add_argument("--compile", choices=COMPILE_MODES, default="default",
+                   help="bf16: torch.compile mode, or none for eager (fp32 always runs eager)")
     args, rest = p.parse_known_args(argv)
     cfg = load_config(experiment_path(args.config))
     apply_overrides(cfg, rest)

@@ -4,6 +4,7 @@ parameter layout (`--layout-json`). Python asks the engine instead of restating 
 import json
 import os
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINES = {"cuda": os.path.join(ROOT, "build", "microgpt_cuda"),
@@ -51,6 +52,15 @@ def choose_engine(requested, gpu, engines=ENGINES):
     if not is_built(cpu):
         raise EngineChoiceError(f"{cpu} is not built; run `make`")
     return cpu, warning
+
+
+def select_engine(requested):
+    """choose_engine for --engine `requested` with the GPU probed; its warning (the CPU engine was
+    chosen because no GPU or GPU engine is there) printed as one line on stderr."""
+    engine, warning = choose_engine(requested, requested != "cpu" and gpu_visible())
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    return engine
 
 
 def query(engine, args):

@@ -2,10 +2,20 @@
  * linear layers, tied embeddings, padded vocabulary) assembled from the layer pairs in cpu/ (one header each),
  * implementing host/engine.h; the training loop itself is host/train_loop.h, shared with the GPU.
  *
- * Everything is fp32. Every buffer is allocated once in engine_setup, sized for B·T positions;
- * smaller calls (one sequence of len tokens when sampling) reuse the same buffers. Results are
+ * Everything is fp32, except that with train.precision fp8 the four linear products of each layer
+ * (QKV, attention output, MLP up and down) read FP8-emulated operands: each operand is cast to
+ * E4M3 (weights, activations) or E5M2 (activation gradients) with its per-tensor current scale and
+ * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
+ * reference for the GPU's FP8 products (docs/DESIGN.md §18). Every other precision computes fp32
+ * (and says so). Every buffer is allocated once in engine_setup, sized for B·T positions;
+ * smaller calls (one prompt of len tokens in engine_prefill) reuse the same buffers. Results are
  * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation
  * orders, and the gradient norm is summed in fixed chunks).
+ *
+ * Generation (docs/DESIGN.md §5a): the KV cache keeps every layer's keys and values per slot;
+ * engine_decode runs one position per sequence through the same per-row layer functions as the
+ * forward (attention_row included), so a decoded position's logits equal, bit for bit, those of
+ * the forward over the whole prefix, and do not depend on the other sequences of the step.
  *
  * Build: make cpu   (gcc -std=c99 -O3 -fopenmp -ffp-contract=off) */
 #include "host/train_loop.h"
@@ -14,6 +24,7 @@
 #include "cpu/attention.h"
 #include "cpu/classifier.h"
 #include "cpu/embed.h"
+#include "cpu/fp8.h"
 #include "cpu/gelu.h"
 #include "cpu/layernorm.h"
 #include "cpu/matmul.h"
@@ -35,14 +46,25 @@ static struct {
     Config cfg; /* copy: the engine outlives nothing, but keep it independent of the caller */
     ParamLayout layout;
     int B, T, C, H, F, V, Vp, L;
-    float *params, *grads, *m, *v;
+    float *params, *grads, *m, *v; /* m, v: this rank's shard only (ZeRO-1, docs/DESIGN.md §17) */
+    DistPart shard;                /* the weights this rank updates: [lo, hi) of the flat vector */
     /* activations */
     LayerActs* layers;
     float *x0, *lnf, *lnf_mean, *lnf_rstd, *probs, *branch;
     const int* tokens; /* inputs of the last forward (embed_backward needs them) */
+    /* generation: KV cache [L][slots][T][C] each, and one decode step's rows [slots][...] */
+    int training, slots;
+    float *kcache, *vcache;
+    float *dec_x, *dec_xmid, *dec_ln, *dec_mean, *dec_rstd, *dec_q, *dec_k, *dec_v, *dec_att, *dec_atty;
+    float *dec_h, *dec_h_gelu, *dec_branch;
     /* backward scratch, shared by all layers (each is zeroed before use: the layer backward
      * functions accumulate into every output) */
     float *dres_a, *dres_b, *dbranch, *dln, *datty, *dq, *dk, *dv, *dh_gelu, *dh;
+    /* fp8 only: the dequantised operands of the product being computed (else empty); fp8_products:
+     * the current forward/backward uses them (training and validation; generation does not, as on
+     * the GPU: its decode steps multiply unquantised, and the prefill must give the decode's keys) */
+    int fp8, fp8_products;
+    float *fq_act, *fq_weight, *fq_grad;
     double* norm_partials;
     size_t n_norm_chunks;
     float* arena;
@@ -53,8 +75,7 @@ static struct {
 
 static const char* engine_name(void) { return "cpu"; }
 static const char* engine_compute_precision(const Config* cfg) {
-    (void)cfg;
-    return "fp32";
+    return strcmp(cfg->train.precision, "fp8") == 0 ? "fp8" : "fp32";
 }
 
 /* Carves `n` floats off the arena (first pass: only counts). */
@@ -64,10 +85,13 @@ static float* take(size_t* cursor, size_t n) {
     return p;
 }
 
-/* Lays out every activation and scratch buffer; with E.arena == NULL it only counts. */
+/* Lays out every activation and scratch buffer; with E.arena == NULL it only counts. Without
+ * training, the backward's scratch is empty (and in --generate the loss's probabilities); without
+ * samples or --generate, the KV cache. */
 static size_t carve_buffers(void) {
     size_t cur = 0, N = (size_t)E.B * E.T, nc = N * E.C, nf = N * E.F;
-    size_t att = (size_t)E.B * E.H * E.T * E.T;
+    size_t att = (size_t)E.B * E.H * E.T * E.T, gnc = E.training ? nc : 0, gnf = E.training ? nf : 0;
+    size_t S = (size_t)E.slots, kv = (size_t)E.L * S * E.T * E.C;
     int l;
     for (l = 0; l < E.L; l++) {
         LayerActs* a = &E.layers[l];
@@ -82,54 +106,79 @@ static size_t carve_buffers(void) {
     }
     E.x0 = take(&cur, nc);
     E.lnf = take(&cur, nc); E.lnf_mean = take(&cur, N); E.lnf_rstd = take(&cur, N);
-    E.probs = take(&cur, N * E.Vp);
+    E.probs = take(&cur, E.cfg.generate.enabled ? 0 : N * E.Vp); /* the loss's; the prefill needs one row */
     E.branch = take(&cur, nc);
-    E.dres_a = take(&cur, nc); E.dres_b = take(&cur, nc);
-    E.dbranch = take(&cur, nc); E.dln = take(&cur, nc); E.datty = take(&cur, nc);
-    E.dq = take(&cur, nc); E.dk = take(&cur, nc); E.dv = take(&cur, nc);
-    E.dh_gelu = take(&cur, nf); E.dh = take(&cur, nf);
+    E.dres_a = take(&cur, gnc); E.dres_b = take(&cur, gnc);
+    E.dbranch = take(&cur, gnc); E.dln = take(&cur, gnc); E.datty = take(&cur, gnc);
+    E.dq = take(&cur, gnc); E.dk = take(&cur, gnc); E.dv = take(&cur, gnc); /* consecutive: one fp8 tensor */
+    E.dh_gelu = take(&cur, gnf); E.dh = take(&cur, gnf);
+    if (E.fp8) {
+        size_t cc3 = 3 * (size_t)E.C * E.C, cf = (size_t)E.C * E.F;
+        E.fq_act = take(&cur, nf > nc ? nf : nc);
+        E.fq_weight = take(&cur, cc3 > cf ? cc3 : cf);
+        E.fq_grad = take(&cur, gnf > 3 * gnc ? gnf : 3 * gnc);
+    }
+    E.kcache = take(&cur, kv); E.vcache = take(&cur, kv);
+    E.dec_x = take(&cur, S * E.C); E.dec_xmid = take(&cur, S * E.C); E.dec_ln = take(&cur, S * E.C);
+    E.dec_mean = take(&cur, S); E.dec_rstd = take(&cur, S);
+    E.dec_q = take(&cur, S * E.C); E.dec_k = take(&cur, S * E.C); E.dec_v = take(&cur, S * E.C);
+    E.dec_att = take(&cur, S * E.H * E.T); E.dec_atty = take(&cur, S * E.C);
+    E.dec_h = take(&cur, S * E.F); E.dec_h_gelu = take(&cur, S * E.F); E.dec_branch = take(&cur, S * E.C);
     return cur;
 }
 
 static size_t engine_setup(const Config* cfg) {
-    size_t n, bytes[4];
-    static const char* groups[4] = {"params", "grads", "adam", "activations"};
+    size_t n, bytes[5], kv_floats;
+    static const char* groups[5] = {"params", "grads", "adam", "activations", "kv_cache"};
     E.cfg = *cfg;
     param_layout_init(&E.layout, cfg);
     E.B = cfg->train.batch_size; E.T = cfg->model.seq_len; E.C = cfg->model.d_model; E.H = cfg->model.n_head;
     E.F = cfg->model.d_ff; E.V = cfg->model.vocab_size; E.Vp = cfg->model.padded_vocab_size; E.L = cfg->model.n_layer;
+    E.training = !cfg->generate.enabled && !cfg->evaluate;
+    E.slots = config_kv_slots(cfg);
     n = E.layout.n_params;
+    E.shard = dist_part(n, NORM_CHUNK, g_dist.rank, g_dist.world); /* whole chunks: the norm stays exact */
+    E.fp8 = strcmp(cfg->train.precision, "fp8") == 0;
     E.layers = (LayerActs*)xcalloc((size_t)E.L, sizeof(LayerActs), "layer table");
     E.arena = NULL;
     E.arena_floats = carve_buffers();
-    bytes[0] = n * 4; bytes[1] = n * 4; bytes[2] = 2 * n * 4; bytes[3] = E.arena_floats * 4;
-    info("memory plan (cpu): params %.1f MB, grads %.1f MB, adam %.1f MB, activations %.1f MB, total %.1f MB",
-         bytes[0] / 1e6, bytes[1] / 1e6, bytes[2] / 1e6, bytes[3] / 1e6, (bytes[0] + bytes[1] + bytes[2] + bytes[3]) / 1e6);
+    kv_floats = 2 * (size_t)E.L * E.slots * E.T * E.C;
+    bytes[0] = n * 4; bytes[1] = E.training ? n * 4 : 0; bytes[2] = E.training ? 2 * (E.shard.hi - E.shard.lo) * 4 : 0;
+    bytes[3] = (E.arena_floats - kv_floats) * 4; bytes[4] = kv_floats * 4;
+    info("memory plan (cpu): params %.1f MB, grads %.1f MB, adam %.1f MB, activations %.1f MB, "
+         "kv_cache %.1f MB (%d slots of %d positions), total %.1f MB", bytes[0] / 1e6, bytes[1] / 1e6, bytes[2] / 1e6,
+         bytes[3] / 1e6, bytes[4] / 1e6, E.slots, E.T, (bytes[0] + bytes[1] + bytes[2] + bytes[3] + bytes[4]) / 1e6);
     E.params = (float*)xmalloc(n * sizeof(float), "weights");
-    E.grads = (float*)xcalloc(n, sizeof(float), "gradients");
-    E.m = (float*)xcalloc(n, sizeof(float), "AdamW m");
-    E.v = (float*)xcalloc(n, sizeof(float), "AdamW v");
+    if (E.training) {
+        E.grads = (float*)xcalloc(n, sizeof(float), "gradients");
+        E.m = (float*)xcalloc(E.shard.hi - E.shard.lo + 1, sizeof(float), "AdamW m");
+        E.v = (float*)xcalloc(E.shard.hi - E.shard.lo + 1, sizeof(float), "AdamW v");
+    }
     E.arena = (float*)xmalloc(E.arena_floats * sizeof(float), "activations");
     carve_buffers();
     E.n_norm_chunks = (n + NORM_CHUNK - 1) / NORM_CHUNK;
     E.norm_partials = (double*)xmalloc(E.n_norm_chunks * sizeof(double), "norm partials");
-    emit_memory(groups, bytes, 4);
-    return bytes[0] + bytes[1] + bytes[2] + bytes[3];
+    emit_memory(groups, bytes, 5);
+    return bytes[0] + bytes[1] + bytes[2] + bytes[3] + bytes[4];
 }
 
 static void engine_set_state(const float* params, const float* m, const float* v, float loss_scale) {
     size_t bytes = E.layout.n_params * sizeof(float);
     (void)loss_scale; /* fp32 needs no loss scaling */
+    size_t lo = E.shard.lo, shard_bytes = (E.shard.hi - lo) * sizeof(float);
     memcpy(E.params, params, bytes);
-    memcpy(E.m, m, bytes);
-    memcpy(E.v, v, bytes);
+    if (m) memcpy(E.m, m + lo, shard_bytes);
+    if (v) memcpy(E.v, v + lo, shard_bytes);
 }
 
 static void engine_get_state(float* params, float* m, float* v, float* loss_scale) {
     size_t bytes = E.layout.n_params * sizeof(float);
+    size_t n = E.layout.n_params, lo = E.shard.lo, shard_bytes = (E.shard.hi - lo) * sizeof(float);
     memcpy(params, E.params, bytes);
-    memcpy(m, E.m, bytes);
-    memcpy(v, E.v, bytes);
+    memcpy(m + lo, E.m, shard_bytes);
+    memcpy(v + lo, E.v, shard_bytes);
+    dist_gather_parts(m, sizeof(float), n, NORM_CHUNK); /* rank 0 gets the whole state */
+    dist_gather_parts(v, sizeof(float), n, NORM_CHUNK);
     *loss_scale = 1.0f;
 }
 
@@ -140,6 +189,19 @@ static size_t LO(int l, int t) { return layer_offset(&E.layout, l, t); }
 /* The residual stream entering layer l. */
 static const float* layer_input(int l) { return l == 0 ? E.x0 : E.layers[l - 1].xout; }
 
+/* What an fp8 product reads of the n values x: with precision fp8, their cast to `fmt` at the
+ * tensor's current scale, dequantised, in `scratch`; otherwise x itself. */
+static const float* operand(float* scratch, const float* x, size_t n, int fmt) {
+    if (!E.fp8_products) return x;
+    fp8_fake_quantize(scratch, x, n, fmt);
+    return scratch;
+}
+
+/* The products' operands: activations and weights E4M3, activation gradients E5M2. */
+static const float* act_operand(const float* x, size_t n) { return operand(E.fq_act, x, n, FP8_E4M3); }
+static const float* weight_operand(const float* w, size_t n) { return operand(E.fq_weight, w, n, FP8_E4M3); }
+static const float* grad_operand(const float* g, size_t n) { return operand(E.fq_grad, g, n, FP8_E5M2); }
+
 /* Forward over B sequences of T tokens up to the final LayerNorm (E.lnf). */
 static void forward_trunk(const int* tokens, int B, int T) {
     int N = B * T, C = E.C, l;
@@ -148,23 +210,29 @@ static void forward_trunk(const int* tokens, int B, int T) {
     for (l = 0; l < E.L; l++) {
         LayerActs* a = &E.layers[l];
         const float* x = layer_input(l);
+        const float *xa, *wqkv;
+        size_t nc = (size_t)N * C, nf = (size_t)N * E.F, cc = (size_t)C * C, cf = (size_t)C * E.F;
         layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x, P(LO(l, T_LN1_GAMMA)), P(LO(l, T_LN1_BETA)), N, C);
-        matmul_forward(a->q, a->ln1, P(LO(l, T_WQ)), N, C, C);
-        matmul_forward(a->k, a->ln1, P(LO(l, T_WK)), N, C, C);
-        matmul_forward(a->v, a->ln1, P(LO(l, T_WV)), N, C, C);
+        /* W_Q, W_K, W_V are consecutive: one tensor (one fp8 scale) for the three products */
+        xa = act_operand(a->ln1, nc);
+        wqkv = weight_operand(P(LO(l, T_WQ)), 3 * cc);
+        matmul_forward(a->q, xa, wqkv, N, C, C);
+        matmul_forward(a->k, xa, wqkv + cc, N, C, C);
+        matmul_forward(a->v, xa, wqkv + 2 * cc, N, C, C);
         attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, C, E.H);
-        matmul_forward(E.branch, a->atty, P(LO(l, T_WO)), N, C, C);
+        matmul_forward(E.branch, act_operand(a->atty, nc), weight_operand(P(LO(l, T_WO)), cc), N, C, C);
         residual_forward(a->xmid, x, E.branch, N * C);
         layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->xmid, P(LO(l, T_LN2_GAMMA)), P(LO(l, T_LN2_BETA)), N, C);
-        matmul_forward(a->h, a->ln2, P(LO(l, T_W1)), N, C, E.F);
+        matmul_forward(a->h, act_operand(a->ln2, nc), weight_operand(P(LO(l, T_W1)), cf), N, C, E.F);
         gelu_forward(a->h_gelu, a->h, N * E.F);
-        matmul_forward(E.branch, a->h_gelu, P(LO(l, T_W2)), N, E.F, C);
+        matmul_forward(E.branch, act_operand(a->h_gelu, nf), weight_operand(P(LO(l, T_W2)), cf), N, E.F, C);
         residual_forward(a->xout, a->xmid, E.branch, N * C);
     }
     layernorm_forward(E.lnf, E.lnf_mean, E.lnf_rstd, layer_input(E.L), P(E.layout.lnf_gamma), P(E.layout.lnf_beta), N, C);
 }
 
 static float forward_loss(const int* inputs, const int* targets) {
+    E.fp8_products = E.fp8;
     forward_trunk(inputs, E.B, E.T);
     return classifier_forward(E.probs, E.lnf, P(E.layout.wte), targets, E.B * E.T, E.C, E.V, E.Vp);
 }
@@ -174,7 +242,7 @@ static void zero(float* p, size_t n) { memset(p, 0, n * sizeof(float)); }
 /* Backward of the last forward_loss; adds into E.grads. */
 static void backward(const int* targets) {
     int N = E.B * E.T, C = E.C, l;
-    size_t nc = (size_t)N * C, nf = (size_t)N * E.F;
+    size_t nc = (size_t)N * C, nf = (size_t)N * E.F, cc = (size_t)C * C, cf = (size_t)C * E.F;
     float *dres = E.dres_a, *dxmid = E.dres_b;
     zero(E.dln, nc);
     classifier_backward(E.dln, G(E.layout.wte), E.probs, E.lnf, P(E.layout.wte), targets, N, C, E.V, E.Vp);
@@ -188,24 +256,31 @@ static void backward(const int* targets) {
         zero(dxmid, nc); zero(E.dbranch, nc);
         residual_backward(dxmid, E.dbranch, dres, (int)nc);
         zero(E.dh_gelu, nf);
-        matmul_backward(E.dh_gelu, G(LO(l, T_W2)), E.dbranch, a->h_gelu, P(LO(l, T_W2)), N, E.F, C);
+        matmul_backward(E.dh_gelu, G(LO(l, T_W2)), grad_operand(E.dbranch, nc), act_operand(a->h_gelu, nf),
+                        weight_operand(P(LO(l, T_W2)), cf), N, E.F, C);
         zero(E.dh, nf);
         gelu_backward(E.dh, a->h, E.dh_gelu, (int)nf);
         zero(E.dln, nc);
-        matmul_backward(E.dln, G(LO(l, T_W1)), E.dh, a->ln2, P(LO(l, T_W1)), N, C, E.F);
+        matmul_backward(E.dln, G(LO(l, T_W1)), grad_operand(E.dh, nf), act_operand(a->ln2, nc),
+                        weight_operand(P(LO(l, T_W1)), cf), N, C, E.F);
         layernorm_backward(dxmid, G(LO(l, T_LN2_GAMMA)), G(LO(l, T_LN2_BETA)), E.dln, a->xmid, P(LO(l, T_LN2_GAMMA)),
                            a->ln2_mean, a->ln2_rstd, N, C);
         /* xmid = x + W_O·attn(LN1(x)); dxmid holds d(xmid); dres becomes d(x) */
         zero(dres, nc); zero(E.dbranch, nc);
         residual_backward(dres, E.dbranch, dxmid, (int)nc);
         zero(E.datty, nc);
-        matmul_backward(E.datty, G(LO(l, T_WO)), E.dbranch, a->atty, P(LO(l, T_WO)), N, C, C);
+        matmul_backward(E.datty, G(LO(l, T_WO)), grad_operand(E.dbranch, nc), act_operand(a->atty, nc),
+                        weight_operand(P(LO(l, T_WO)), cc), N, C, C);
         zero(E.dq, nc); zero(E.dk, nc); zero(E.dv, nc);
         attention_backward(E.dq, E.dk, E.dv, E.datty, a->att, a->q, a->k, a->v, E.B, E.T, C, E.H);
         zero(E.dln, nc);
-        matmul_backward(E.dln, G(LO(l, T_WQ)), E.dq, a->ln1, P(LO(l, T_WQ)), N, C, C);
-        matmul_backward(E.dln, G(LO(l, T_WK)), E.dk, a->ln1, P(LO(l, T_WK)), N, C, C);
-        matmul_backward(E.dln, G(LO(l, T_WV)), E.dv, a->ln1, P(LO(l, T_WV)), N, C, C);
+        {   /* dq, dk, dv (consecutive) are one fp8 tensor, as are W_Q, W_K, W_V */
+            const float *dqkv = grad_operand(E.dq, 3 * nc), *xa = act_operand(a->ln1, nc);
+            const float* wqkv = weight_operand(P(LO(l, T_WQ)), 3 * cc);
+            matmul_backward(E.dln, G(LO(l, T_WQ)), dqkv, xa, wqkv, N, C, C);
+            matmul_backward(E.dln, G(LO(l, T_WK)), dqkv + nc, xa, wqkv + cc, N, C, C);
+            matmul_backward(E.dln, G(LO(l, T_WV)), dqkv + 2 * nc, xa, wqkv + 2 * cc, N, C, C);
+        }
         layernorm_backward(dres, G(LO(l, T_LN1_GAMMA)), G(LO(l, T_LN1_BETA)), E.dln, x, P(LO(l, T_LN1_GAMMA)),
                            a->ln1_mean, a->ln1_rstd, N, C);
         /* dres = d(x) = d(xout) of the layer below */
@@ -221,52 +296,127 @@ static float engine_forward_backward(const int* inputs, const int* targets) {
 
 static float engine_forward_loss(const int* inputs, const int* targets) { return forward_loss(inputs, targets); }
 
-/* Logits of the real vocabulary at the last of len positions of one sequence. */
-static void engine_next_logits(const int* tokens, int len, float* logits) {
-    int v, C = E.C;
-    const float* x;
-    if (len < 1 || len > E.T) die_io("internal: engine_next_logits with len %C (1..%C)", len, E.T);
-    forward_trunk(tokens, 1, len);
-    x = E.lnf + (size_t)(len - 1) * C;
+/* Logits of the real vocabulary for one final-LayerNorm row x (the classifier's dot products). */
+static void logits_of(const float* x, float* logits) {
+    int v;
 #pragma omp parallel for schedule(static)
-    for (v = 0; v < E.V; v++) logits[v] = dot_f32(x, P(E.layout.wte) + (size_t)v * C, C);
+    for (v = 0; v < E.V; v++) logits[v] = dot_f32(x, P(E.layout.wte) + (size_t)v * E.C, E.C);
 }
 
-/* Global L2 norm of the gradients: per-chunk double sums, then the chunks in order. */
+/* Row `pos` of layer l's key (or value) cache of `slot`. */
+static float* kv_row(float* cache, int l, int slot, int pos) {
+    return cache + (((size_t)l * E.slots + slot) * E.T + pos) * E.C;
+}
+
+static void engine_prefill(int slot, const int* tokens, int len, float* logits) {
+    int l;
+    if (len < 1 || len > E.T || slot < 0 || slot >= E.slots)
+        die_io("internal: engine_prefill of %d tokens into slot %d (1..%d tokens, %d slots)", len, slot, E.T, E.slots);
+    E.fp8_products = 0;
+    forward_trunk(tokens, 1, len);
+    for (l = 0; l < E.L; l++) {
+        memcpy(kv_row(E.kcache, l, slot, 0), E.layers[l].k, (size_t)len * E.C * sizeof(float));
+        memcpy(kv_row(E.vcache, l, slot, 0), E.layers[l].v, (size_t)len * E.C * sizeof(float));
+    }
+    logits_of(E.lnf + (size_t)(len - 1) * E.C, logits);
+}
+
+/* Attention of the n decoded rows: row i's query over the cached positions 0..positions[i] of its
+ * slot (its own key and value already appended). */
+static void decode_attention(int l, int n, const int* slots, const int* positions) {
+    int hs = E.C / E.H, i;
+    float scale = (float)(1.0 / sqrt((double)hs));
+#pragma omp parallel for schedule(static)
+    for (i = 0; i < n * E.H; i++) {
+        int row = i / E.H, h = i % E.H;
+        size_t col = (size_t)row * E.C + (size_t)h * hs;
+        attention_row(E.dec_atty + col, E.dec_att + (size_t)i * E.T, E.dec_q + col,
+                      kv_row(E.kcache, l, slots[row], 0) + h * hs, kv_row(E.vcache, l, slots[row], 0) + h * hs,
+                      positions[row], (size_t)E.C, hs, scale);
+    }
+}
+
+/* One position per sequence through the model with the layer functions of forward_trunk, row by row
+ * the same arithmetic. */
+static void engine_decode(int n, const int* slots, const int* tokens, const int* positions, float* logits) {
+    int C = E.C, i, l;
+    float* x = E.dec_x;
+    if (n < 1 || n > E.slots) die_io("internal: engine_decode of %d sequences (1..%d)", n, E.slots);
+    for (i = 0; i < n; i++) {
+        if (positions[i] < 0 || positions[i] >= E.T || slots[i] < 0 || slots[i] >= E.slots)
+            die_io("internal: engine_decode at position %d of slot %d", positions[i], slots[i]);
+        embed_forward(x + (size_t)i * C, tokens + i, P(E.layout.wte), P(E.layout.wpe) + (size_t)positions[i] * C, 1, 1, C);
+    }
+    for (l = 0; l < E.L; l++) {
+        layernorm_forward(E.dec_ln, E.dec_mean, E.dec_rstd, x, P(LO(l, T_LN1_GAMMA)), P(LO(l, T_LN1_BETA)), n, C);
+        matmul_forward(E.dec_q, E.dec_ln, P(LO(l, T_WQ)), n, C, C);
+        matmul_forward(E.dec_k, E.dec_ln, P(LO(l, T_WK)), n, C, C);
+        matmul_forward(E.dec_v, E.dec_ln, P(LO(l, T_WV)), n, C, C);
+        for (i = 0; i < n; i++) {
+            memcpy(kv_row(E.kcache, l, slots[i], positions[i]), E.dec_k + (size_t)i * C, (size_t)C * sizeof(float));
+            memcpy(kv_row(E.vcache, l, slots[i], positions[i]), E.dec_v + (size_t)i * C, (size_t)C * sizeof(float));
+        }
+        decode_attention(l, n, slots, positions);
+        matmul_forward(E.dec_branch, E.dec_atty, P(LO(l, T_WO)), n, C, C);
+        residual_forward(E.dec_xmid, x, E.dec_branch, n * C);
+        layernorm_forward(E.dec_ln, E.dec_mean, E.dec_rstd, E.dec_xmid, P(LO(l, T_LN2_GAMMA)), P(LO(l, T_LN2_BETA)), n, C);
+        matmul_forward(E.dec_h, E.dec_ln, P(LO(l, T_W1)), n, C, E.F);
+        gelu_forward(E.dec_h_gelu, E.dec_h, n * E.F);
+        matmul_forward(E.dec_branch, E.dec_h_gelu, P(LO(l, T_W2)), n, E.F, C);
+        residual_forward(x, E.dec_xmid, E.dec_branch, n * C);
+    }
+    layernorm_forward(E.dec_ln, E.dec_mean, E.dec_rstd, x, P(E.layout.lnf_gamma), P(E.layout.lnf_beta), n, C);
+    for (i = 0; i < n; i++) logits_of(E.dec_ln + (size_t)i * C, logits + (size_t)i * E.V);
+}
+
+/* Global L2 norm of the gradients: per-chunk double sums, then the chunks in order. Each rank sums
+ * the chunks of its shard; rank 0 adds all chunks in order, so the norm does not depend on the
+ * number of ranks. */
 static double grad_norm(void) {
-    long c, nc = (long)E.n_norm_chunks;
+    long c, c_lo = (long)(E.shard.lo / NORM_CHUNK), c_hi = (long)((E.shard.hi + NORM_CHUNK - 1) / NORM_CHUNK);
+    long nc = (long)E.n_norm_chunks;
     size_t n = E.layout.n_params;
     double total = 0.0;
 #pragma omp parallel for schedule(static)
-    for (c = 0; c < nc; c++) {
+    for (c = c_lo; c < c_hi; c++) {
         size_t i, lo = (size_t)c * NORM_CHUNK, hi = lo + NORM_CHUNK < n ? lo + NORM_CHUNK : n;
         double s = 0.0;
         for (i = lo; i < hi; i++) s += (double)E.grads[i] * (double)E.grads[i];
         E.norm_partials[c] = s;
     }
+    dist_gather_parts(E.norm_partials, sizeof(double), (size_t)nc, 1);
     for (c = 0; c < nc; c++) total += E.norm_partials[c];
+    dist_broadcast(&total, sizeof total);
     return sqrt(total);
 }
 
+/* The shard's gradients (the whole vector with one rank) times s. */
 static void scale_grads(float s) {
-    long i, n = (long)E.layout.n_params;
+    long i, lo = (long)E.shard.lo, hi = (long)E.shard.hi;
 #pragma omp parallel for schedule(static)
-    for (i = 0; i < n; i++) E.grads[i] *= s;
+    for (i = lo; i < hi; i++) E.grads[i] *= s;
 }
 
 static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     UpdateResult r;
     double norm;
-    int i;
-    if (cfg->train.grad_accum > 1) scale_grads(1.0f / (float)cfg->train.grad_accum);
+    int i, micro_batches = cfg->train.grad_accum * g_dist.world;
+    size_t n = E.layout.n_params;
+    /* ZeRO-1 (§17): the ranks' sums in rank order, this rank's shard of it; AdamW on the shard */
+    dist_reduce_scatter_sum(E.grads, n, NORM_CHUNK);
+    if (micro_batches > 1) scale_grads(1.0f / (float)micro_batches);
     norm = grad_norm();
     if (cfg->train.grad_clip > 0.0f && norm > cfg->train.grad_clip) scale_grads((float)(cfg->train.grad_clip / norm));
     for (i = 0; i < E.layout.n_tensors; i++) {
         const ParamTensor* pt = &E.layout.tensors[i];
-        adamw_update(E.params + pt->offset, E.grads + pt->offset, E.m + pt->offset, E.v + pt->offset, (long)pt->size, lr,
+        size_t lo = pt->offset > E.shard.lo ? pt->offset : E.shard.lo;
+        size_t hi = pt->offset + pt->size < E.shard.hi ? pt->offset + pt->size : E.shard.hi;
+        if (lo >= hi) continue;
+        adamw_update(E.params + lo, E.grads + lo, E.m + (lo - E.shard.lo), E.v + (lo - E.shard.lo), (long)(hi - lo), lr,
                      cfg->train.beta1, cfg->train.beta2, cfg->train.eps, pt->decay ? cfg->train.weight_decay : 0.0f, t);
     }
-    zero(E.grads, E.layout.n_params);
+    dist_all_gather_parts(E.params, sizeof(float), n, NORM_CHUNK);
+    zero(E.grads, n);
     r.grad_norm = (float)norm;
     r.skipped = 0;
     r.loss_scale = 1.0f;
@@ -283,4 +433,4 @@ static void engine_shutdown(void) {
     memset(&E, 0, sizeof E);
 }
 
-int main(int argc, char** argv) { return train_main(argc, argv); }
+int main(int argc, char** argv) { return engine_main(argc, argv); }

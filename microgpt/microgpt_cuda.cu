@@ -17,11 +17,22 @@
  *         step (the next micro-batch overwrites its gradients) and halves the scale; every
  *         LOSS_SCALE_GROW_EVERY-th step (a pure function of the step, so resume stays exact) that
  *         is not skipped doubles it.
- *   fp8   refused with a clear message (not yet supported).
+ *   fp8   as bf16, except the four linear products of each layer (QKV, attention output, MLP up
+ *         and down): FP8 tensor-core products (cuda/fp8.cuh) of operands cast per tensor at their
+ *         current scale, E4M3 weights and activations, E5M2 activation gradients, fp32
+ *         accumulation, bf16 activations and fp32 weight gradients out. The classifier stays bf16.
+ *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18.
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
- * and reused by smaller calls (one sequence of len tokens when sampling).
+ * and reused by smaller calls (one prompt's prefill). --generate and --evaluate train nothing, so
+ * their plan has no gradients, AdamW state or backward scratch.
+ *
+ * Generation (docs/DESIGN.md §5a): engine_prefill runs the training forward over a prompt (padded
+ * to T, as one sequence) and copies its keys and values into a KV-cache slot; engine_decode runs
+ * one position of n sequences with cuda/decode.cuh as one CUDA graph per n, captured on first use
+ * (the training samples' n = 1 by the warm-up), the step's tokens uploaded by its first node and
+ * the fp32 logits downloaded by its last.
  *
  * Determinism: no float atomics anywhere; fixed-shape reductions; one cuBLAS and one cuBLASLt
  * handle sharing a fixed workspace on one stream, cuBLASLt's algorithms chosen by a fixed rule over
@@ -43,7 +54,10 @@
 
 #include "cuda/attention.cuh"
 #include "cuda/common.cuh"
+#include "cuda/decode.cuh"
+#include "cuda/dist.cuh"
 #include "cuda/embed.cuh"
+#include "cuda/fp8.cuh"
 #include "cuda/layernorm.cuh"
 #include "cuda/loss.cuh"
 #include "cuda/matmul.cuh"
@@ -52,6 +66,9 @@
 #include "cuda/residual.cuh"
 
 enum { PREC_FP32, PREC_BF16, PREC_FP16 };
+
+/* precision fp8: the fp8 weight tensors of a layer (W_Q, W_K, W_V are one) */
+enum { FP8_W_QKV, FP8_W_O, FP8_W_1, FP8_W_2, FP8_W_PER_LAYER };
 
 /* The instance of function template `fn` for the run's activation type: the one place where the
  * precision picks a type (fp32 and tf32 both run on float). Every `fn` instance has the same
@@ -75,14 +92,16 @@ typedef struct {
 #define LOGITS_CHUNK_BYTES ((size_t)512 << 20) /* budget for one chunk of logits (then their gradient) */
 
 /* Memory groups of the plan, in the order printed and emitted. */
-enum { G_PARAMS, G_GRADS, G_ADAM, G_WEIGHTS_LOWP, G_ACTIVATIONS, G_ACT_GRADS, G_SCRATCH, G_CUBLAS, N_GROUPS };
+enum { G_PARAMS, G_GRADS, G_ADAM, G_WEIGHTS_LOWP, G_ACTIVATIONS, G_ACT_GRADS, G_SCRATCH, G_KV_CACHE, G_CUBLAS,
+       N_GROUPS };
 static const char* const GROUP_NAMES[N_GROUPS] = {"params", "grads", "adam", "weights_lowp", "activations",
-                                                  "activation_grads", "scratch", "cublas_workspace"};
+                                                  "activation_grads", "scratch", "kv_cache", "cublas_workspace"};
 static const char* const GROUP_HELP[N_GROUPS] = {
     "fp32 master weights", "fp32 gradients", "fp32 AdamW m and v, weight-decay mask",
     "16-bit weight copy for the products",
     "forward values saved for backward", "activation gradients (shared by layers)",
-    "attention scores or dS tiles, logits chunk, reductions, tokens", "fixed cuBLAS workspace"};
+    "attention scores or dS tiles, logits chunk, reductions, tokens, decode step",
+    "keys and values of the sequences being generated", "fixed cuBLAS workspace"};
 
 static struct {
     Config cfg;
@@ -95,9 +114,21 @@ static struct {
     float loss_scale;
 
     /* parameters (fp32 unless noted) */
-    float *params, *grads, *m, *v;
+    float *params, *grads, *m, *v; /* m, v: this rank's part only (ZeRO-1, docs/DESIGN.md §17) */
+    DistPart shard;       /* the weights this rank updates; the whole vector with one rank */
+    size_t shard_stride;  /* parts' stride; params and grads hold P_padded = world × stride */
+    size_t P_padded;
     unsigned* decay_bits; /* AdamW's weight-decay mask, adamw_decay_words(P) words */
     void* wlow; /* weights in the activation type; == params when fp32 */
+
+    /* precision fp8 only (else NULL): fp8 copies of the linear layers' weights at their parameter
+     * offsets, in the layouts of cuda/fp8.cuh (w8_fwd: W^T for the forward, w8_dx: W for the
+     * input gradient); per-tensor scales (FP8_W_PER_LAYER per layer, then the activation's and the
+     * gradient's being multiplied); the cast operands of the product in flight */
+    int use_fp8;
+    fp8 *w8_fwd, *w8_dx;
+    Fp8Scale* fp8_scales;
+    fp8 *a8, *a8t, *g8, *g8t;
 
     /* saved activations, per layer l at offset l * (size of one layer's slice) */
     void *res;   /* [L+1][N][C] residual stream: res[l] = input of layer l, res[L] = final */
@@ -124,7 +155,7 @@ static struct {
     float *att_S, *att_dP; void* att_P; /* [H][T][T], cuBLAS attention only (else empty) */
     float* att_delta;                     /* [B][H][T], flash attention only (else empty) */
     void* att_ds;                         /* dS tiles of the causal half, flash attention only (else empty) */
-    void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (the sampler's) */
+    void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (a prefill's row) */
     float *losses, *loss_lse; /* [N] */
     float* ln_partial;
     float* norm_partial;
@@ -144,6 +175,18 @@ static struct {
     float grad_beta;   /* of the micro-batch being recorded: 0 overwrite, 1 add (matmul.cuh) */
     char* group_base[N_GROUPS];
     size_t group_bytes[N_GROUPS];
+
+    /* generation */
+    int training;              /* 0 in --generate and --evaluate: no gradients, no AdamW state */
+    int slots;                 /* KV-cache slots (config_kv_slots) */
+    void *kcache, *vcache;     /* [L][slots][T][C] each */
+    void *dec_x, *dec_res1, *dec_ln, *dec_qkv, *dec_atty, *dec_fc; /* one decode step's rows [slots][..] */
+    float *dec_mean, *dec_rstd, *dec_scores, *dec_logits;          /* [slots], [slots][H][T], [slots][V] */
+    int* dec_io;               /* device: slots | tokens | positions, [slots] each */
+    int* dec_io_host;          /* pinned mirror of dec_io */
+    float* dec_logits_host;    /* pinned [slots][V] */
+    cudaGraphExec_t* decode_graph; /* [slots]: the step of n sequences is decode_graph[n-1] */
+    int decode_n;              /* sequences of the step being recorded */
 } E;
 
 static const char* engine_name(void) { return "cuda"; }
@@ -163,14 +206,25 @@ static void* carve(int group, size_t bytes, size_t* used) {
 static void plan_buffers(size_t* used) {
     size_t es = E.es, L = (size_t)E.L, N = (size_t)E.N, C = (size_t)E.C, F = (size_t)E.F, P = E.P;
     size_t nc = N * C, tt = attn_scratch_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H);
+    size_t S = (size_t)E.slots, tr = (size_t)E.training; /* tr: 0 leaves the training-only buffers empty */
     int g;
     for (g = 0; g < N_GROUPS; g++) used[g] = 0;
-    E.params = (float*)carve(G_PARAMS, P * 4, used);
-    E.grads = (float*)carve(G_GRADS, P * 4, used);
-    E.m = (float*)carve(G_ADAM, P * 4, used);
-    E.v = (float*)carve(G_ADAM, P * 4, used);
-    E.decay_bits = (unsigned*)carve(G_ADAM, adamw_decay_words(P) * 4, used);
+    E.params = (float*)carve(G_PARAMS, E.P_padded * 4, used);
+    E.grads = (float*)carve(G_GRADS, tr * E.P_padded * 4, used);
+    E.m = (float*)carve(G_ADAM, tr * (E.shard.hi - E.shard.lo) * 4, used);
+    E.v = (float*)carve(G_ADAM, tr * (E.shard.hi - E.shard.lo) * 4, used);
+    E.decay_bits = (unsigned*)carve(G_ADAM, tr * adamw_decay_words(P) * 4, used);
     E.wlow = E.prec == PREC_FP32 ? (void*)E.params : carve(G_WEIGHTS_LOWP, P * es, used);
+    if (E.use_fp8) {
+        size_t act = N * (F > C ? F : C), grad = N * (F > 3 * C ? F : 3 * C);
+        E.w8_fwd = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
+        E.w8_dx = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
+        E.fp8_scales = (Fp8Scale*)carve(G_SCRATCH, (FP8_W_PER_LAYER * L + 2) * sizeof(Fp8Scale), used);
+        E.a8 = (fp8*)carve(G_SCRATCH, act, used);
+        E.a8t = (fp8*)carve(G_SCRATCH, act, used);
+        E.g8 = (fp8*)carve(G_SCRATCH, grad, used);
+        E.g8t = (fp8*)carve(G_SCRATCH, grad, used);
+    }
 
     E.res = carve(G_ACTIVATIONS, (L + 1) * nc * es, used);
     E.xmid = carve(G_ACTIVATIONS, L * nc * es, used);
@@ -189,17 +243,17 @@ static void plan_buffers(size_t* used) {
     E.lnf_mean = (float*)carve(G_ACTIVATIONS, N * 4, used);
     E.lnf_rstd = (float*)carve(G_ACTIVATIONS, N * 4, used);
 
-    E.dres = carve(G_ACT_GRADS, nc * es, used);
-    E.dln = carve(G_ACT_GRADS, nc * es, used);
-    E.dqkv = carve(G_ACT_GRADS, 3 * nc * es, used);
-    E.datty = carve(G_ACT_GRADS, nc * es, used);
-    E.dh = carve(G_ACT_GRADS, N * F * es, used);
+    E.dres = carve(G_ACT_GRADS, tr * nc * es, used);
+    E.dln = carve(G_ACT_GRADS, tr * nc * es, used);
+    E.dqkv = carve(G_ACT_GRADS, tr * 3 * nc * es, used);
+    E.datty = carve(G_ACT_GRADS, tr * nc * es, used);
+    E.dh = carve(G_ACT_GRADS, tr * N * F * es, used);
 
     E.att_S = (float*)carve(G_SCRATCH, tt * 4, used);
-    E.att_dP = (float*)carve(G_SCRATCH, tt * 4, used);
+    E.att_dP = (float*)carve(G_SCRATCH, tr * tt * 4, used);
     E.att_P = carve(G_SCRATCH, tt * es, used);
-    E.att_delta = (float*)carve(G_SCRATCH, attn_delta_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * 4, used);
-    E.att_ds = carve(G_SCRATCH, attn_ds_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * es, used);
+    E.att_delta = (float*)carve(G_SCRATCH, tr * attn_delta_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * 4, used);
+    E.att_ds = carve(G_SCRATCH, tr * attn_ds_elems(E.prec != PREC_FP32, E.B, E.T, E.C, E.H) * es, used);
     E.logits = carve(G_SCRATCH, (size_t)E.Vp * (E.chunk * es > 4 ? E.chunk * es : 4), used);
     E.losses = (float*)carve(G_SCRATCH, N * 4, used);
     E.loss_lse = (float*)carve(G_SCRATCH, N * 4, used);
@@ -208,6 +262,19 @@ static void plan_buffers(size_t* used) {
     E.tok = (int*)carve(G_SCRATCH, 2 * N * 4, used);
     E.embed_first = (int*)carve(G_SCRATCH, (size_t)E.V * 4, used);
     E.io = (StepIO*)carve(G_SCRATCH, sizeof(StepIO), used);
+    E.dec_x = carve(G_SCRATCH, S * C * es, used);
+    E.dec_res1 = carve(G_SCRATCH, S * C * es, used);
+    E.dec_ln = carve(G_SCRATCH, S * C * es, used);
+    E.dec_qkv = carve(G_SCRATCH, 3 * S * C * es, used);
+    E.dec_atty = carve(G_SCRATCH, S * C * es, used);
+    E.dec_fc = carve(G_SCRATCH, S * F * es, used);
+    E.dec_mean = (float*)carve(G_SCRATCH, S * 4, used);
+    E.dec_rstd = (float*)carve(G_SCRATCH, S * 4, used);
+    E.dec_scores = (float*)carve(G_SCRATCH, S * (size_t)E.H * E.T * 4, used);
+    E.dec_logits = (float*)carve(G_SCRATCH, S * (size_t)E.V * 4, used);
+    E.dec_io = (int*)carve(G_SCRATCH, 3 * S * 4, used);
+    E.kcache = carve(G_KV_CACHE, L * S * E.T * C * es, used);
+    E.vcache = carve(G_KV_CACHE, L * S * E.T * C * es, used);
     E.cublas_ws = carve(G_CUBLAS, CUBLAS_WORKSPACE_BYTES, used);
 }
 
@@ -262,6 +329,81 @@ static const float* wf(int l, int t) { return E.params + layer_offset(&E.layout,
 static float* gl(int l, int t) { return E.grads + layer_offset(&E.layout, l, t); }
 
 /* ---------------------------------------------------------------------------------------------- */
+/* Precision fp8: the layers' linear products on FP8 operands (cuda/fp8.cuh) */
+
+static Fp8Scale* w8_scale(int l, int k) { return E.fp8_scales + (size_t)l * FP8_W_PER_LAYER + k; }
+static Fp8Scale* act8_scale(void) { return E.fp8_scales + (size_t)FP8_W_PER_LAYER * E.L; }
+static Fp8Scale* grad8_scale(void) { return act8_scale() + 1; }
+static Fp8Mat w8_fwd(int l, int t, int k, long long stride = 0) {
+    return fp8_mat(E.w8_fwd + layer_offset(&E.layout, l, t), FP8_E4M3, w8_scale(l, k), stride);
+}
+static Fp8Mat w8_dx(int l, int t, int k) { return fp8_mat(E.w8_dx + layer_offset(&E.layout, l, t), FP8_E4M3, w8_scale(l, k)); }
+
+/* The fp8 weights from the fp32 masters (after every update, like the 16-bit copy). */
+static void fp8_quantize_weights(void) {
+    int C = E.C, F = E.F;
+    for (int l = 0; l < E.L; l++) {
+        size_t qkv = layer_offset(&E.layout, l, T_WQ), wo = layer_offset(&E.layout, l, T_WO);
+        size_t w1 = layer_offset(&E.layout, l, T_W1), w2 = layer_offset(&E.layout, l, T_W2);
+        fp8_quantize(E.w8_dx + qkv, E.w8_fwd + qkv, w8_scale(l, FP8_W_QKV), wf(l, T_WQ), 3, C, C, FP8_E4M3);
+        fp8_quantize(E.w8_dx + wo, E.w8_fwd + wo, w8_scale(l, FP8_W_O), wf(l, T_WO), 1, C, C, FP8_E4M3);
+        fp8_quantize(E.w8_dx + w1, E.w8_fwd + w1, w8_scale(l, FP8_W_1), wf(l, T_W1), 1, C, F, FP8_E4M3);
+        fp8_quantize(E.w8_dx + w2, E.w8_fwd + w2, w8_scale(l, FP8_W_2), wf(l, T_W2), 1, F, C, FP8_E4M3);
+    }
+}
+
+/* The activation x [N, in] of a forward product, cast (E.a8). */
+template <typename T> static Fp8Mat fp8_act(const T* x, int N, int in) {
+    fp8_quantize(E.a8, (fp8*)NULL, act8_scale(), x, 1, N, in, FP8_E4M3);
+    return fp8_mat(E.a8, FP8_E4M3, act8_scale());
+}
+
+/* out = x @ W (+ residual) for weight tensor t (scale k) of layer l. */
+template <typename T>
+static void fp8_linear_fwd(T* out, const T* x, int l, int t, int k, int N, int in, int out_dim, const T* residual) {
+    fp8_gemm<T>(N, out_dim, in, fp8_act(x, N, in), w8_fwd(l, t, k), out, residual, residual ? 1.0f : 0.0f);
+}
+
+/* The backward of a product whose output gradient dout is `batch` blocks [N, out_dim] (QKV: 3):
+ * dw (/ += by grad_beta) = x^T dout_i per block, dx = sum_i dout_i @ W_i^T (one product, K =
+ * batch * out_dim, over the side-by-side layouts of cuda/fp8.cuh). */
+template <typename T>
+static void fp8_linear_bwd(T* dx, float* dw, const T* dout, const T* x, int l, int t, int k, int N, int in,
+                           int out_dim, int batch, float grad_beta) {
+    Fp8Scale *gs = grad8_scale(), *xs = act8_scale();
+    fp8_quantize(E.g8, E.g8t, gs, dout, batch, N, out_dim, FP8_E5M2);
+    fp8_quantize((fp8*)NULL, E.a8t, xs, x, 1, N, in, FP8_E4M3);
+    fp8_gemm<float>(in, out_dim, N, fp8_mat(E.a8t, FP8_E4M3, xs), fp8_mat(E.g8t, FP8_E5M2, gs, (long long)out_dim * N),
+                    dw, NULL, grad_beta, batch, (long long)in * out_dim);
+    fp8_gemm<T>(N, in, batch * out_dim, fp8_mat(E.g8, FP8_E5M2, gs), w8_dx(l, t, k), dx, NULL, 0.0f);
+}
+
+/* The fp8 forward of layer l's sub-layers around attention (the LayerNorms and attention as in
+ * forward()). */
+template <typename T>
+static void fp8_qkv_fwd(const LayerActs<T>& a, int l, int N) {
+    int C = E.C;
+    fp8_gemm<T>(N, C, C, fp8_act(a.ln1, N, C), w8_fwd(l, T_WQ, FP8_W_QKV, (long long)C * C), a.qkv, NULL, 0.0f, 3,
+                (long long)N * C);
+}
+
+template <typename T>
+static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N) {
+    int C = E.C, F = E.F;
+    fp8_linear_fwd<T>(a.h, a.ln2, l, T_W1, FP8_W_1, N, C, F, NULL);
+    gelu_fwd(a.h_gelu, a.h, (size_t)N * F);
+    fp8_linear_fwd<T>(layer_input<T>(l + 1), a.h_gelu, l, T_W2, FP8_W_2, N, F, C, a.xmid);
+}
+
+template <typename T>
+static void fp8_mlp_bwd(T* dln, const T* dres, const LayerActs<T>& a, int l, int N, float gb) {
+    int C = E.C, F = E.F;
+    fp8_linear_bwd<T>((T*)E.dh, gl(l, T_W2), dres, a.h_gelu, l, T_W2, FP8_W_2, N, F, C, 1, gb);
+    gelu_bwd_inplace((T*)E.dh, a.h, (size_t)N * F);
+    fp8_linear_bwd<T>(dln, gl(l, T_W1), (const T*)E.dh, a.ln2, l, T_W1, FP8_W_1, N, C, F, 1, gb);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
 /* Forward and backward */
 
 template <typename T> static AttnScratch<T> attn_scratch(void) {
@@ -274,20 +416,27 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
     return s;
 }
 
-/* Forward of B sequences of Tn positions (tokens already on the device) up to LNf's output. */
+/* Forward of B sequences of Tn positions (tokens already on the device) up to LNf's output; `fp8`:
+ * the linear products in FP8 (precision fp8's training and validation forward). Generation's
+ * prefill runs without: its decode steps multiply in bf16 (cuda/decode.cuh), and per-tensor scales
+ * of a decode step's few rows could not match the prompt's, so the whole of generation runs on the
+ * bf16 weights and the prefill's keys and values are the decode's. */
 template <typename T>
-static void forward(int B, int Tn) {
+static void forward(int B, int Tn, bool fp8) {
     int C = E.C, H = E.H, F = E.F, L = E.L, N = B * Tn, l;
     embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
     for (l = 0; l < L; l++) {
         LayerActs<T> a = layer_acts<T>(l);
         layernorm_fwd<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), N, C);
-        attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
+        if (fp8) fp8_qkv_fwd<T>(a, l, N);
+        else attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
         attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
                     attn_scratch<T>());
-        attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
+        if (fp8) fp8_linear_fwd<T>(a.xmid, a.atty, l, T_WO, FP8_W_O, N, C, C, a.x);
+        else attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
         layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
-        mlp_fwd<T>(layer_input<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
+        if (fp8) fp8_mlp_fwd<T>(a, l, N);
+        else mlp_fwd<T>(layer_input<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
     }
     layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, layer_input<T>(L), E.params + E.layout.lnf_gamma,
                      E.params + E.layout.lnf_beta, N, C);
@@ -329,15 +478,20 @@ static void backward(void) {
     for (l = L - 1; l >= 0; l--) {
         LayerActs<T> a = layer_acts<T>(l);
         /* MLP branch: its output gradient is the stream's, dres */
-        mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.h_gelu, wl<T>(l, T_W1), wl<T>(l, T_W2), (T*)E.dh,
-                   N, C, F, gb);
+        if (E.use_fp8)
+            fp8_mlp_bwd<T>(dln, dres, a, l, N, gb);
+        else
+            mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.h_gelu, wl<T>(l, T_W1), wl<T>(l, T_W2),
+                       (T*)E.dh, N, C, F, gb);
         layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
                          a.ln2_rstd, N, C, E.ln_partial, gb);
         /* attention branch: dres is now the gradient at xmid */
-        attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
+        if (E.use_fp8) fp8_linear_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, l, T_WO, FP8_W_O, N, C, C, 1, gb);
+        else attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
         attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
                     a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
-        attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
+        if (E.use_fp8) fp8_linear_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, l, T_WQ, FP8_W_QKV, N, C, C, 3, gb);
+        else attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
         layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
                          a.ln1_rstd, N, C, E.ln_partial, gb);
     }
@@ -384,7 +538,7 @@ static void download_output(const float* dev, float* host) {
 template <typename T>
 static void record_forward_backward(void) {
     upload_inputs(2 * (size_t)E.N);
-    forward<T>(E.B, E.T);
+    forward<T>(E.B, E.T, E.use_fp8);
     loss_chunks<T>(E.N, 1);
     backward<T>();
     download_output(&E.io->loss, &E.io_host->loss);
@@ -405,26 +559,81 @@ template <typename T>
 static float forward_loss_t(const int* inputs, const int* targets) {
     stage_batch(inputs, targets);
     upload_inputs(2 * (size_t)E.N);
-    forward<T>(E.B, E.T);
+    forward<T>(E.B, E.T, E.use_fp8);
     loss_chunks<T>(E.N, 0);
     download_output(&E.io->loss, &E.io_host->loss);
     CUDA_CHECK(cudaStreamSynchronize(g_stream));
     return E.io_host->loss;
 }
 
-/* The sequence is padded with token 0 to the full T and run at the one shape (1, T): attention is
- * causal, so positions < len see exactly what they would without the padding, and every call runs
- * the same kernels (all of them loaded by the warm-up, see engine_setup). */
+/* Layer l's cache rows of `slot` (keys or values). */
+template <typename T> static T* kv_slot(void* cache, int l, int slot) {
+    return (T*)cache + (((size_t)l * E.slots + slot) * E.T) * E.C;
+}
+
+/* The prompt is padded with token 0 to the full T and run at the one shape (1, T) of the training
+ * forward: attention is causal, so positions < len see exactly what they would without the
+ * padding, and every call runs the same kernels (all of them loaded by the warm-up). Then the
+ * keys and values of positions < len go to the slot, and the logits of position len-1 out. */
 template <typename T>
-static void next_logits_t(const int* tokens, int len, float* logits) {
+static void prefill_t(int slot, const int* tokens, int len, float* logits) {
+    size_t nc = (size_t)E.T * E.C; /* the forward's N = T rows */
     memcpy(E.tok_host, tokens, (size_t)len * sizeof(int));
     memset(E.tok_host + len, 0, (size_t)(E.T - len) * sizeof(int));
     upload_inputs((size_t)E.T);
-    forward<T>(1, E.T);
+    forward<T>(1, E.T, false);
+    for (int l = 0; l < E.L; l++) {
+        const T* qkv = layer_acts<T>(l).qkv;
+        size_t bytes = (size_t)len * E.C * sizeof(T);
+        CUDA_CHECK(cudaMemcpyAsync(kv_slot<T>(E.kcache, l, slot), qkv + nc, bytes, cudaMemcpyDeviceToDevice, g_stream));
+        CUDA_CHECK(cudaMemcpyAsync(kv_slot<T>(E.vcache, l, slot), qkv + 2 * nc, bytes, cudaMemcpyDeviceToDevice,
+                                   g_stream));
+    }
     classifier_logits<T, float>((float*)E.logits, (const T*)E.lnf + (size_t)(len - 1) * E.C,
                                 (const T*)E.wlow + E.layout.wte, 1, E.C, E.Vp);
     CUDA_CHECK(cudaMemcpyAsync(logits, E.logits, (size_t)E.V * sizeof(float), cudaMemcpyDeviceToHost, g_stream));
     CUDA_CHECK(cudaStreamSynchronize(g_stream));
+}
+
+/* One decode step of E.decode_n sequences, as recorded into decode_graph[n-1]: their slots, tokens
+ * and positions up, the model (cuda/decode.cuh), their logits down. */
+template <typename T>
+static void record_decode(void) {
+    int n = E.decode_n, C = E.C, F = E.F, S = E.slots, l;
+    const int *slots = E.dec_io, *tokens = E.dec_io + S, *positions = E.dec_io + 2 * S;
+    T *x = (T*)E.dec_x, *res1 = (T*)E.dec_res1, *ln = (T*)E.dec_ln, *qkv = (T*)E.dec_qkv, *atty = (T*)E.dec_atty;
+    CUDA_CHECK(cudaMemcpyAsync(E.dec_io, E.dec_io_host, 3 * (size_t)S * sizeof(int), cudaMemcpyHostToDevice, g_stream));
+    decode_embed<T>(x, tokens, positions, E.params + E.layout.wte, E.params + E.layout.wpe, n, C);
+    for (l = 0; l < E.L; l++) {
+        layernorm_fwd<T>(ln, E.dec_mean, E.dec_rstd, x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), n, C);
+        decode_matmul<T>(qkv, ln, wl<T>(l, T_WQ), NULL, n, C, C, DECODE_PLAIN, 3); /* W_Q, W_K, W_V consecutive */
+        decode_kv_append<T>(kv_slot<T>(E.kcache, l, 0), kv_slot<T>(E.vcache, l, 0), qkv + (size_t)n * C,
+                              qkv + 2 * (size_t)n * C, slots, positions, n, E.T, C);
+        decode_attention<T>(atty, E.dec_scores, qkv, kv_slot<T>(E.kcache, l, 0), kv_slot<T>(E.vcache, l, 0), slots,
+                              positions, n, E.T, C, E.H);
+        decode_matmul<T>(res1, atty, wl<T>(l, T_WO), x, n, C, C, DECODE_RESIDUAL);
+        layernorm_fwd<T>(ln, E.dec_mean, E.dec_rstd, res1, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), n, C);
+        decode_matmul<T>((T*)E.dec_fc, ln, wl<T>(l, T_W1), NULL, n, C, F, DECODE_GELU);
+        decode_matmul<T>(x, (const T*)E.dec_fc, wl<T>(l, T_W2), res1, n, F, C, DECODE_RESIDUAL);
+    }
+    layernorm_fwd<T>(ln, E.dec_mean, E.dec_rstd, x, E.params + E.layout.lnf_gamma, E.params + E.layout.lnf_beta, n,
+                       C);
+    decode_logits<T>(E.dec_logits, ln, (const T*)E.wlow + E.layout.wte, n, C, E.V);
+    CUDA_CHECK(cudaMemcpyAsync(E.dec_logits_host, E.dec_logits, (size_t)n * E.V * sizeof(float),
+                               cudaMemcpyDeviceToHost, g_stream));
+}
+
+template <typename T>
+static void decode_t(int n, const int* slots, const int* tokens, const int* positions, float* logits) {
+    memcpy(E.dec_io_host, slots, (size_t)n * sizeof(int));
+    memcpy(E.dec_io_host + E.slots, tokens, (size_t)n * sizeof(int));
+    memcpy(E.dec_io_host + 2 * E.slots, positions, (size_t)n * sizeof(int));
+    E.decode_n = n;
+    /* before the first capture of this n, one run launch by launch: no kernel is then loaded for the
+     * first time inside a capture (warm_up's rule). It writes the same cache rows the replay does. */
+    if (E.use_graphs && !E.decode_graph[n - 1]) record_decode<T>();
+    run_graph(&E.decode_graph[n - 1], record_decode<T>);
+    memcpy(logits, E.dec_logits_host, (size_t)n * E.V * sizeof(float));
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -457,6 +666,7 @@ static void upload_decay_bits(void) {
 template <typename T>
 static void refresh_lowp_weights_t(void) {
     if constexpr (sizeof(T) == 2) convert<T>((T*)E.wlow, E.params, E.P);
+    if (E.use_fp8) fp8_quantize_weights();
 }
 
 /* The update, as recorded into update_graph: the norm of the unscaled gradients, AdamW (which
@@ -468,7 +678,33 @@ static void record_update(void) {
     grad_norm_partial(E.norm_partial, E.grads, E.P, &E.io->uctl.unscale);
     grad_norm_final(&E.io->norm, E.norm_partial);
     adamw_all<T>(&E.cfg);
+    if (E.use_fp8) fp8_quantize_weights();
     download_output(&E.io->norm, &E.io_host->norm);
+}
+
+/* The update with WORLD_SIZE > 1 (ZeRO-1, docs/DESIGN.md §17), launch by launch (NCCL stays out of
+ * the graphs): reduce-scatter the gradients; the norm of this rank's part, the parts' squares added
+ * by rank 0 in rank order over host/dist.h (a fixed order); AdamW on the part (the kernel clips and
+ * skips as in record_update); all-gather the weights; the 16-bit copy from them. */
+template <typename T>
+static void update_sharded(void) {
+    size_t lo = E.shard.lo, n = E.shard.hi - E.shard.lo;
+    double square;
+    upload_inputs(0);
+    dist_reduce_scatter_grads(E.grads, E.shard_stride);
+    grad_norm_partial(E.norm_partial, E.grads + lo, n, &E.io->uctl.unscale);
+    grad_norm_final(&E.io->norm, E.norm_partial);
+    download_output(&E.io->norm, &E.io_host->norm);
+    CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    square = (double)E.io_host->norm * (double)E.io_host->norm;
+    E.io_host->norm = (float)sqrt(dist_sum_in_rank_order(&square, 1));
+    CUDA_CHECK(cudaMemcpyAsync(&E.io->norm, &E.io_host->norm, sizeof(float), cudaMemcpyHostToDevice, g_stream));
+    if (n > 0)
+        adamw<T>(E.params + lo, E.grads + lo, E.m, E.v, (T*)NULL, n, E.cfg.train.beta1, E.cfg.train.beta2,
+                 E.cfg.train.eps, E.cfg.train.weight_decay, E.decay_bits + lo / 32, &E.io->uctl, &E.io->norm);
+    dist_all_gather_params(E.params, E.shard_stride);
+    refresh_lowp_weights_t<T>();
+    CUDA_CHECK(cudaStreamSynchronize(g_stream));
 }
 
 /* Runs every code path once on a dummy batch (all-zero weights and tokens), then clears what it
@@ -490,7 +726,11 @@ static void warm_up(void) {
         engine_update(0.0f, 1, &E.cfg);
     }
     engine_forward_loss(zeros, zeros);
-    engine_next_logits(zeros, 1, logits);
+    if (E.slots > 0) { /* the training samples: a prefill and the decode graph of one sequence */
+        int slot = 0, pos = 0;
+        engine_prefill(slot, zeros, 1, logits);
+        engine_decode(1, &slot, zeros, &pos, logits);
+    }
     CUDA_CHECK(cudaDeviceSynchronize());
     free(zeros);
     free(logits);
@@ -505,9 +745,8 @@ static size_t engine_setup(const Config* cfg) {
     int g, n_dev = 0;
     memset(&E, 0, sizeof E);
     E.cfg = *cfg;
-    if (strcmp(prec, "fp8") == 0)
-        die_input("train.precision fp8 is not yet supported by the CUDA engine (use fp32, bf16 or fp16)");
-    E.prec = strcmp(prec, "bf16") == 0 ? PREC_BF16 : strcmp(prec, "fp16") == 0 ? PREC_FP16 : PREC_FP32; /* or tf32 */
+    E.use_fp8 = strcmp(prec, "fp8") == 0; /* everything else as bf16 */
+    E.prec = strcmp(prec, "bf16") == 0 || E.use_fp8 ? PREC_BF16 : strcmp(prec, "fp16") == 0 ? PREC_FP16 : PREC_FP32; /* or tf32 */
     E.es = E.prec == PREC_FP32 ? 4 : 2;
     E.B = cfg->train.batch_size;
     E.T = cfg->model.seq_len;
@@ -521,8 +760,18 @@ static size_t engine_setup(const Config* cfg) {
         die_input("train.batch_size x model.seq_len = %zu positions is too many for one micro-batch",
                   (size_t)E.B * E.T);
     E.N = E.B * E.T;
+    E.training = !cfg->generate.enabled && !cfg->evaluate;
+    E.slots = config_kv_slots(cfg);
+    /* FP8 products need every dimension they touch a multiple of 16: d_model, d_ff and the B·T rows
+     * (generation's prefill and decode run without them, see forward) */
+    if (E.use_fp8 && !cfg->generate.enabled && (E.C % 16 || E.F % 16 || E.N % 16))
+        die_input("train.precision fp8 needs model.d_model, model.d_ff and train.batch_size x model.seq_len to be "
+                  "multiples of 16 (FP8 products contract over them); got %d, %d and %d", E.C, E.F, E.N);
     param_layout_init(&E.layout, cfg);
     E.P = E.layout.n_params;
+    E.shard = dist_part(E.P, DIST_CUDA_UNIT, g_dist.rank, g_dist.world);
+    E.shard_stride = dist_stride(E.P, DIST_CUDA_UNIT, g_dist.world);
+    E.P_padded = g_dist.world > 1 ? E.shard_stride * (size_t)g_dist.world : E.P;
     /* attn_qkv_fwd does the three projections as one batched product over consecutive weights */
     if (layer_offset(&E.layout, 0, T_WK) != layer_offset(&E.layout, 0, T_WQ) + (size_t)E.C * E.C ||
         layer_offset(&E.layout, 0, T_WV) != layer_offset(&E.layout, 0, T_WK) + (size_t)E.C * E.C)
@@ -532,6 +781,7 @@ static size_t engine_setup(const Config* cfg) {
         size_t rows = LOGITS_CHUNK_BYTES / row_bytes;
         if (rows > 128) rows -= rows % 128; /* whole tiles for the products */
         E.chunk = (int)(rows < 1 ? 1 : rows > (size_t)E.N ? (size_t)E.N : rows);
+        if (cfg->generate.enabled) E.chunk = 1; /* no loss: the prefill's one row of logits */
     }
     E.loss_scale = E.prec == PREC_FP16 ? LOSS_SCALE_DEFAULT : 1.0f;
 
@@ -543,14 +793,19 @@ static size_t engine_setup(const Config* cfg) {
     }
     {
         cudaDeviceProp p;
-        CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-        info("device 0: %s, compute capability %d.%d, %.1f GiB", p.name, p.major, p.minor, p.totalGlobalMem / 1073741824.0);
+        if (dist_device() >= n_dev) die_input("LOCAL_RANK %d: only %d CUDA devices are visible", dist_device(), n_dev);
+        CUDA_CHECK(cudaGetDeviceProperties(&p, dist_device()));
+        info("device %d: %s, compute capability %d.%d, %.1f GiB", dist_device(), p.name, p.major, p.minor, p.totalGlobalMem / 1073741824.0);
+        if (E.use_fp8 && p.major * 10 + p.minor < 89)
+            die_input("train.precision fp8 needs FP8 tensor cores: compute capability 8.9 or newer (this GPU: %d.%d)",
+                      p.major, p.minor);
         if (E.prec == PREC_BF16 && p.major < 8) die_input("train.precision bf16 needs compute capability 8.0 or newer");
     }
-    CUDA_CHECK(cudaSetDevice(0));
+    CUDA_CHECK(cudaSetDevice(dist_device())); /* LOCAL_RANK's GPU (docs/DESIGN.md §17) */
     CUDA_CHECK(cudaFree(0)); /* create the context now, so the free-memory figure below accounts for it */
     CUDA_CHECK(cudaStreamCreate(&g_stream));
     CUBLAS_CHECK(cublasCreate(&g_cublas));
+    dist_cuda_init();
     E.use_graphs = !sync_launches() && !(getenv("ANDREA_NO_GRAPH") && getenv("ANDREA_NO_GRAPH")[0] == '1');
 
     plan_buffers(used); /* sizes only */
@@ -571,21 +826,27 @@ static size_t engine_setup(const Config* cfg) {
         }
     }
     plan_buffers(used); /* now with the bases: the pointers */
-    upload_decay_bits();
+    if (E.training) upload_decay_bits();
     CUDA_CHECK(cudaMallocHost((void**)&E.tok_host, 2 * (size_t)E.N * sizeof(int)));
     CUDA_CHECK(cudaMallocHost((void**)&E.io_host, sizeof(StepIO)));
     memset(E.io_host, 0, sizeof(StepIO));
+    if (E.slots > 0) {
+        CUDA_CHECK(cudaMallocHost((void**)&E.dec_io_host, 3 * (size_t)E.slots * sizeof(int)));
+        CUDA_CHECK(cudaMallocHost((void**)&E.dec_logits_host, (size_t)E.slots * E.V * sizeof(float)));
+        memset(E.dec_io_host, 0, 3 * (size_t)E.slots * sizeof(int));
+        E.decode_graph = (cudaGraphExec_t*)xcalloc((size_t)E.slots, sizeof(cudaGraphExec_t), "decode graphs");
+    }
     cublas_init(E.cublas_ws, CUBLAS_WORKSPACE_BYTES);
     if (strcmp(prec, "tf32") == 0) gemm_set_tf32();
-    warm_up();
+    if (E.training) warm_up(); /* the device memory of a training run must not grow after its first step */
     return total;
 }
 
 static void engine_set_state(const float* params, const float* m, const float* v, float loss_scale) {
-    size_t bytes = E.P * sizeof(float);
+    size_t bytes = E.P * sizeof(float), lo = E.shard.lo, shard_bytes = (E.shard.hi - lo) * sizeof(float);
     CUDA_CHECK(cudaMemcpy(E.params, params, bytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(E.m, m, bytes, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(E.v, v, bytes, cudaMemcpyHostToDevice));
+    if (m) CUDA_CHECK(cudaMemcpy(E.m, m + lo, shard_bytes, cudaMemcpyHostToDevice));
+    if (v) CUDA_CHECK(cudaMemcpy(E.v, v + lo, shard_bytes, cudaMemcpyHostToDevice));
     if (E.prec == PREC_FP16) E.loss_scale = loss_scale > 0.0f ? loss_scale : LOSS_SCALE_DEFAULT;
     else E.loss_scale = 1.0f;
     FOR_ACT_TYPE(refresh_lowp_weights_t)();
@@ -594,10 +855,12 @@ static void engine_set_state(const float* params, const float* m, const float* v
 }
 
 static void engine_get_state(float* params, float* m, float* v, float* loss_scale) {
-    size_t bytes = E.P * sizeof(float);
+    size_t bytes = E.P * sizeof(float), lo = E.shard.lo, shard_bytes = (E.shard.hi - lo) * sizeof(float);
     CUDA_CHECK(cudaMemcpy(params, E.params, bytes, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(m, E.m, bytes, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(v, E.v, bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(m + lo, E.m, shard_bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(v + lo, E.v, shard_bytes, cudaMemcpyDeviceToHost));
+    dist_gather_parts(m, sizeof(float), E.P, DIST_CUDA_UNIT); /* rank 0 gets the whole state (§17) */
+    dist_gather_parts(v, sizeof(float), E.P, DIST_CUDA_UNIT);
     *loss_scale = E.loss_scale;
 }
 
@@ -609,18 +872,28 @@ static float engine_forward_loss(const int* inputs, const int* targets) {
     return FOR_ACT_TYPE(forward_loss_t)(inputs, targets);
 }
 
-static void engine_next_logits(const int* tokens, int len, float* logits) {
-    if (len < 1 || len > E.T) die_io("internal: engine_next_logits with len %d (1..%d)", len, E.T);
-    FOR_ACT_TYPE(next_logits_t)(tokens, len, logits);
+static void engine_prefill(int slot, const int* tokens, int len, float* logits) {
+    if (len < 1 || len > E.T || slot < 0 || slot >= E.slots)
+        die_io("internal: engine_prefill of %d tokens into slot %d (1..%d tokens, %d slots)", len, slot, E.T, E.slots);
+    FOR_ACT_TYPE(prefill_t)(slot, tokens, len, logits);
+}
+
+static void engine_decode(int n, const int* slots, const int* tokens, const int* positions, float* logits) {
+    if (n < 1 || n > E.slots) die_io("internal: engine_decode of %d sequences (1..%d)", n, E.slots);
+    for (int i = 0; i < n; i++)
+        if (positions[i] < 0 || positions[i] >= E.T || slots[i] < 0 || slots[i] >= E.slots)
+            die_io("internal: engine_decode at position %d of slot %d", positions[i], slots[i]);
+    FOR_ACT_TYPE(decode_t)(n, slots, tokens, positions, logits);
 }
 
 static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     UpdateResult r;
-    double unscale = 1.0 / cfg->train.grad_accum;
+    double unscale = 1.0 / ((double)cfg->train.grad_accum * g_dist.world);
     int is_fp16 = E.prec == PREC_FP16;
     if (is_fp16) unscale /= E.loss_scale;
     E.io_host->uctl = update_ctl(lr, t, cfg->train.beta1, cfg->train.beta2, unscale, cfg->train.grad_clip, is_fp16);
-    run_graph(&E.update_graph, FOR_ACT_TYPE(record_update));
+    if (g_dist.world > 1) FOR_ACT_TYPE(update_sharded)(); /* ZeRO-1 over NCCL (§17) */
+    else run_graph(&E.update_graph, FOR_ACT_TYPE(record_update));
     E.grads_pending = 0; /* also after a skipped fp16 step: its non-finite gradients are overwritten */
     r.grad_norm = E.io_host->norm;
     r.skipped = is_fp16 && !isfinite(r.grad_norm);
@@ -651,18 +924,25 @@ static size_t engine_device_bytes_in_use(void) {
 static void engine_shutdown(void) {
     int g;
     CUDA_CHECK(cudaDeviceSynchronize());
+    fp8_plans_clear();
     cublas_shutdown();
     for (int i = 0; i < 2; i++)
         if (E.fb_graph[i]) CUDA_CHECK(cudaGraphExecDestroy(E.fb_graph[i]));
     if (E.update_graph) CUDA_CHECK(cudaGraphExecDestroy(E.update_graph));
+    for (int i = 0; i < E.slots; i++)
+        if (E.decode_graph[i]) CUDA_CHECK(cudaGraphExecDestroy(E.decode_graph[i]));
+    free(E.decode_graph);
     for (g = 0; g < N_GROUPS; g++)
         if (E.group_base[g]) CUDA_CHECK(cudaFree(E.group_base[g]));
     if (E.tok_host) CUDA_CHECK(cudaFreeHost(E.tok_host));
     if (E.io_host) CUDA_CHECK(cudaFreeHost(E.io_host));
+    if (E.dec_io_host) CUDA_CHECK(cudaFreeHost(E.dec_io_host));
+    if (E.dec_logits_host) CUDA_CHECK(cudaFreeHost(E.dec_logits_host));
     if (g_stream) CUDA_CHECK(cudaStreamDestroy(g_stream));
     g_stream = 0;
     param_layout_free(&E.layout);
+    dist_cuda_shutdown();
     memset(&E, 0, sizeof E);
 }
 
-int main(int argc, char** argv) { return train_main(argc, argv); }
+int main(int argc, char** argv) { return engine_main(argc, argv); }

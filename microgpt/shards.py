@@ -1,8 +1,9 @@
-"""Token shards in the llm.c format (SPEC §7), the one place that reads and writes them.
+"""Token shards in the llm.c format (docs/DESIGN.md §7), the one place that reads and writes them.
 
 Layout: 256 little-endian int32 header words [MAGIC, VERSION, ntok, 0, ...], then ntok uint16 tokens.
 A valid file is exactly HEADER_BYTES + 2 * ntok bytes long.
 """
+import glob
 import os
 
 import numpy as np
@@ -19,20 +20,63 @@ class ShardError(ValueError):
     pass
 
 
+def header_bytes(ntok):
+    header = np.zeros(HEADER_WORDS, dtype="<i4")
+    header[:3] = (MAGIC, VERSION, ntok)
+    return header.tobytes()
+
+
+def check_ids(path, tokens):
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 16):
+        raise ShardError(f"{path}: token ids must lie in [0, 65535]")
+
+
 def write_shard(path, tokens):
     """Write tokens (any int iterable/array, each < 65536) atomically: tmp file, fsync, rename."""
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 16):
-        raise ShardError(f"{path}: token ids must lie in [0, 65535]")
-    header = np.zeros(HEADER_WORDS, dtype="<i4")
-    header[:3] = (MAGIC, VERSION, tokens.size)
+    check_ids(path, tokens)
     with atomic_open(path, "wb") as f:
-        f.write(header.tobytes())
+        f.write(header_bytes(tokens.size))
         f.write(tokens.astype("<u2").tobytes())
 
 
-def read_shard(path):
-    """Return the tokens of a shard as a uint16 array; ShardError if the file is malformed."""
+class ShardStream:
+    """A shard written as its tokens come, so no shard is ever held in memory: a placeholder header,
+    the tokens appended, the real header written by close(). Not atomic by itself: the data pipeline
+    builds whole shard sets in a folder of their own and swaps the set in (scripts/prep-megachat.py).
+    `ShardStream(path, append=True)` extends a finished shard."""
+
+    def __init__(self, path, append=False):
+        self.path = path
+        if append:
+            self.ntok = read_header(path)
+            self.f = open(path, "r+b")
+            self.f.seek(0, os.SEEK_END)
+        else:
+            self.ntok = 0
+            self.f = open(path, "wb")
+            self.f.write(header_bytes(0))
+
+    def write(self, tokens):
+        tokens = np.asarray(tokens)
+        if tokens.dtype != np.dtype("<u2"):  # uint16 tokens (the pipeline's) go out without a copy
+            check_ids(self.path, tokens)
+            tokens = tokens.astype("<u2")
+        self.f.write(memoryview(np.ascontiguousarray(tokens)))
+        self.ntok += tokens.size
+
+    def close(self):
+        """Write the header, flush and fsync; return the token count."""
+        self.f.seek(0)
+        self.f.write(header_bytes(self.ntok))
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return self.ntok
+
+
+def read_header(path):
+    """The token count a shard's header promises, after checking magic, version and file size."""
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
         raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header")
@@ -44,4 +88,54 @@ def read_shard(path):
     ntok = int(header[2])
     if size != HEADER_BYTES + 2 * ntok:
         raise ShardError(f"{path}: file is {size} bytes, header promises {HEADER_BYTES + 2 * ntok}")
+    return ntok
+
+
+def read_shard(path):
+    """Return the tokens of a shard as a uint16 array; ShardError if the file is malformed."""
+    read_header(path)
     return np.fromfile(path, dtype="<u2", offset=HEADER_BYTES)
+
+
+def glob_tokens(pattern):
+    """Total tokens of the shards a glob matches, from their headers only (fast on any size)."""
+    return sum(read_header(p) for p in sorted(glob.glob(pattern)))
+
+
+# More passes than this over the same tokens and a small model starts to memorise its data rather
+# than learn the language (seen on ANDREA-12M: 16 passes, held-out loss rising after step 16000).
+MAX_PASSES = 4
+
+
+def passes_warning(what, pattern, tokens_read):
+    """A one-line warning when reading tokens_read tokens from the shards of `pattern` passes over
+    them more than MAX_PASSES times, else None. Shards that are missing or malformed are left to
+    the engine, which names them."""
+    try:
+        total = glob_tokens(pattern)
+    except (OSError, ShardError):
+        return None
+    if total == 0 or tokens_read <= MAX_PASSES * total:
+        return None
+    return (f"warning: {what} reads {tokens_read / 1e6:.1f}M tokens from {pattern}, which holds "
+            f"{total / 1e6:.1f}M: {tokens_read / total:.1f} passes over the same data (more than "
+            f"{MAX_PASSES} and a model memorises its data); add data or shorten the run")
+
+
+def run_passes_warnings(cfg, resolve=os.path.abspath, defaults=None):
+    """passes_warning for an experiment config's pretraining data and, if it has one, its polish
+    phase (docs/DESIGN.md §4 keys); a list of warning lines, empty when the run is fine. `resolve`
+    turns a config's glob into the one to read (the proxy's are relative to the repository);
+    `defaults` gives the engine's value of a dotted key the config leaves out."""
+    defaults = defaults or {}
+
+    def get(dotted):
+        section, key = dotted.split(".")
+        return cfg.get(section, {}).get(key, defaults.get(dotted))
+    tokens_per_step = get("train.batch_size") * (get("train.grad_accum") or 1) * get("model.seq_len")
+    steps, polish = get("train.steps"), cfg.get("polish")
+    phases = [("pretraining", get("data.train"), polish["start_step"] if polish else steps)]
+    if polish:
+        phases.append(("the polish phase", polish["train"], steps - polish["start_step"]))
+    lines = [passes_warning(what, resolve(pattern), n * tokens_per_step) for what, pattern, n in phases]
+    return [line for line in lines if line]

@@ -1,6 +1,10 @@
 """A run and its engine process (docs/DESIGN.md §5): launch the engine, follow its output to the
 end, forward signals, and say how it ended.
 
+With --ranks N (docs/DESIGN.md §17) the engine is N processes, ranks 0..N-1 of one data-parallel
+run: rank 0's stdout is the run's, the others' messages are prefixed "rank R: ", every signal goes
+to all of them, and a rank that dies is a crashed run.
+
 Signals: SIGTERM/SIGINT are forwarded to the engine, which checkpoints and exits; the proxy then
 marks the run stopped and exits 0. SIGUSR1 is forwarded (checkpoint, keep training). An engine that
 dies any other way leaves the run crashed and the proxy exits non-zero; re-running resumes. If the
@@ -10,6 +14,7 @@ import collections
 import os
 import queue
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -24,6 +29,9 @@ from microgpt.run_dir import RunBusyError, RunFiles, RunState, lock_run, roll_ba
 
 POLL_SECONDS = LossBuffer.FLUSH_SECONDS  # the main loop wakes at least this often to flush
 ENGINE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}  # the ones the proxy forwards
+PEER_GRACE_SECONDS = 30  # after rank 0 ends, how long the other ranks get to end by themselves
+# NVLink multicast stays off in every process of a multi-GPU run (NCCL, PyTorch, NVSHMEM)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class Run:
@@ -124,9 +132,11 @@ class Run:
 class Supervisor:
     """The engine process of a run: launched, followed, signalled, and its end reported."""
 
-    def __init__(self, run):
+    def __init__(self, run, ranks=1):
         self.run = run
-        self.proc = None
+        self.ranks = ranks
+        self.proc = None  # rank 0
+        self.peers = []   # ranks 1..N-1
         self.lines = None  # the engine's stdout lines, as the reader thread queues them
         self.events = EventHandler(run)
         self.stderr_tail = collections.deque(maxlen=8)
@@ -136,11 +146,12 @@ class Supervisor:
     # -- signals ----------------------------------------------------------------------------------
 
     def signal_engine(self, sig):
-        if self.proc and self.proc.poll() is None:
-            try:
-                os.kill(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
+        for proc in [self.proc] + self.peers:
+            if proc and proc.poll() is None:
+                try:
+                    os.kill(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
 
     def on_signal(self, sig, _frame):
         """Signals only forward and take note; the main loop reports and reacts. (No printing
@@ -167,9 +178,12 @@ class Supervisor:
         # them blocked (the mask survives exec) and unblocks them once its handlers are installed
         # (host/signals.h): a SIGTERM forwarded right after the launch waits for the handler.
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, ENGINE_SIGNALS)
+        envs = rank_environments(self.ranks, run.engine_path)
         try:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         start_new_session=True)
+                                         start_new_session=True, env=envs[0])
+            self.peers = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                           start_new_session=True, env=env) for env in envs[1:]]
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         self.launched_at = time.monotonic()
@@ -196,6 +210,10 @@ class Supervisor:
         err = threading.Thread(target=_tee_stderr, args=(self.proc.stderr, self.stderr_tail),
                                daemon=True)
         err.start()
+        self.peer_tails = [collections.deque(maxlen=8) for _ in self.peers]
+        for rank, (peer, tail) in enumerate(zip(self.peers, self.peer_tails), start=1):
+            threading.Thread(target=_tee_stderr, args=(peer.stderr, tail, f"rank {rank}: "),
+                             daemon=True).start()
         while True:
             try:
                 line = lines.get(timeout=POLL_SECONDS)
@@ -211,6 +229,7 @@ class Supervisor:
                 terminal.progress(progress_line(self.run.state))
         rc = self.proc.wait()
         err.join(timeout=5)
+        rc = self.wait_for_peers(rc)
         terminal.end_progress()
         if not self.events.started and rc > 0:
             return self.refused(rc)
@@ -218,6 +237,29 @@ class Supervisor:
         code = self.finish(rc)
         self.summarize()
         return code
+
+    def wait_for_peers(self, rc):
+        """Rank 0 has ended: the others end with it (they would wait for it until their timeout
+        otherwise). The run's exit code is rank 0's, unless it ended well and another rank did
+        not. A rank that failed first is named in the messages (rank 0 then says it lost it)."""
+        deadline = time.monotonic() + (PEER_GRACE_SECONDS if rc == 0 else 2)
+        stopped_here = set()
+        for peer in self.peers:
+            try:
+                peer.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                peer.kill()  # rank 0 holds and writes the state: nothing of the others' is lost
+                peer.wait()
+                stopped_here.add(peer)
+        for rank, peer in enumerate(self.peers, start=1):
+            if peer.returncode != 0 and peer not in stopped_here:
+                how = (f"killed by {signal_name(-peer.returncode)}" if peer.returncode < 0
+                       else f"exit code {peer.returncode}")
+                say(f"rank {rank} of {self.ranks} ended with {how}")
+                if rc == 0:
+                    self.stderr_tail.append(f"error: rank {rank} ended with {how}")
+                    rc = peer.returncode if peer.returncode > 0 else 1
+        return rc
 
     def refused(self, rc):
         """The engine said why it will not start (its `error:` line went to stderr as it came) and
@@ -290,9 +332,26 @@ def _pump(stream, lines):
     lines.put(None)
 
 
-def _tee_stderr(stream, tail):
+def _tee_stderr(stream, tail, prefix=""):
     """Pass the engine's messages through as they come, and keep the last few for the state."""
     for raw in iter(stream.readline, b""):
-        text = raw.decode("utf-8", "replace")
+        text = prefix + raw.decode("utf-8", "replace")
         terminal.passthrough(text)
         tail.append(text.strip())
+
+
+def rank_environments(ranks, engine_path):
+    """The environment of each rank (docs/DESIGN.md §17): torchrun's variables, rank 0 listening
+    on a free local port, NVLink multicast off, and the CPU engine's OpenMP threads split between
+    the ranks. One rank: the proxy's own environment, untouched."""
+    if ranks == 1:
+        return [None]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = {**os.environ, "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for key, value in NO_MULTICAST.items():
+        common.setdefault(key, value)
+    if "cuda" not in os.path.basename(engine_path) and "OMP_NUM_THREADS" not in os.environ:
+        common["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // ranks))
+    return [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(ranks)]

@@ -23,6 +23,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import tiktoken
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,9 +38,12 @@ IM_END = 50258
 VOCAB_SIZE = 50259
 SPECIALS = {"<|endoftext|>": EOT, "<|im_start|>": IM_START, "<|im_end|>": IM_END}
 
-# Conversation roles as written in ChatML; the record formats' names map onto them.
+# Conversation roles as written in ChatML, and the names that record formats use for them; looked up
+# lower-cased, so "Human" and "GPT" count. The assistant aliases are the model names that ShareGPT
+# exports write in `from` (chatgpt, bing, bard) and the names other formats use (model, bot).
 ROLE_NAMES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
-              "assistant": "assistant", "tool": "tool"}
+              "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+              "model": "assistant", "bot": "assistant", "tool": "tool", "function": "tool"}
 
 
 class TokenizerUnavailable(RuntimeError):
@@ -96,6 +100,12 @@ def encode(text):
     return encoding().encode_ordinary(text)
 
 
+def encode_array(text):
+    """encode(text) as a uint16 array, built without one Python int per token: the data pipeline's
+    hot path (tiktoken releases the GIL for the whole encoding). Same ids as encode()."""
+    return encoding().encode_to_numpy(text, disallowed_special=()).astype(np.uint16)
+
+
 def encode_chat(text):
     """Text written by a person (e.g. a sample prompt) in which <|im_start|>, <|im_end|> and
     <|endoftext|> mean the special tokens."""
@@ -129,10 +139,12 @@ def encode_conversation(turns):
     return ids
 
 
-def parse_conversation(record):
+def parse_conversation(record, cuts=None):
     """A ShareGPT record ({"conversations": [{"from", "value"}]}) or an OpenAI record
-    ({"messages": [{"role", "content"}]}) -> [(chatml_role, content), ...].
-    Raises ValueError with a short reason (used as a counter key) if the record is malformed."""
+    ({"messages": [{"role", "content"}]}) -> [(chatml_role, content), ...]. A bad turn (unknown role,
+    content that is not a string or holds a lone UTF-16 surrogate) ends the conversation there: the
+    turns before it are kept, and its reason is counted in the dict `cuts` when one is given. Raises
+    ValueError with a short reason (used as a counter key) if nothing usable is left."""
     if not isinstance(record, dict):
         raise ValueError("record is not an object")
     if isinstance(record.get("conversations"), list):
@@ -141,20 +153,34 @@ def parse_conversation(record):
         turns, role_key, text_key = record["messages"], "role", "content"
     else:
         raise ValueError("no conversations/messages list")
-    out = []
+    out, cut = [], None
     for turn in turns:
-        if not isinstance(turn, dict):
-            raise ValueError("turn is not an object")
-        role, content = turn.get(role_key), turn.get(text_key)
-        if role not in ROLE_NAMES:
-            raise ValueError("unknown role")
-        if not isinstance(content, str):
-            raise ValueError("content is not a string")
-        out.append((ROLE_NAMES[role], content))
+        cut = turn_problem(turn, role_key, text_key)
+        if cut:
+            break
+        out.append((ROLE_NAMES[turn[role_key].lower()], turn[text_key]))
     roles = {role for role, _ in out}
     if "user" not in roles or "assistant" not in roles:
-        raise ValueError("no user/assistant exchange")
+        raise ValueError(cut or "no user/assistant exchange")
+    if cut and cuts is not None:
+        cuts[cut] = cuts.get(cut, 0) + 1
     return out
+
+
+def turn_problem(turn, role_key, text_key):
+    """Why a turn cannot be rendered, or None."""
+    if not isinstance(turn, dict):
+        return "turn is not an object"
+    role, content = turn.get(role_key), turn.get(text_key)
+    if not isinstance(role, str) or role.lower() not in ROLE_NAMES:
+        return "unknown role"
+    if not isinstance(content, str):
+        return "content is not a string"
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError:  # valid JSON ("\ud83d") but no text: a lone UTF-16 surrogate
+        return "lone UTF-16 surrogate"
+    return None
 
 
 def main(argv):

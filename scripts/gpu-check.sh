@@ -26,42 +26,9 @@
 # 1-2, timing 1-2, pytest_engine 1-3, sanitizer 3-6 (each tool run has its own time limit).
 # shellcheck disable=SC2317  # stage functions are called indirectly, through run_stage
 set -u -o pipefail
-cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-./gpu-out}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-DATA=$(mktemp -d /tmp/andrea-gpu-check.XXXXXX)
-trap 'rm -rf "$DATA"' EXIT
-command -v nvcc >/dev/null 2>&1 || export PATH="/usr/local/cuda/bin:$PATH"
-PY=${PYTHON:-python3}
-RESULTS=()
-FAILED=0
-
-# run_stage NAME FUNCTION: runs the function with its output teed to $OUT/NAME.log, records the result.
-run_stage() {
-    local name=$1 fn=$2 t0 rc
-    t0=$(date +%s)
-    echo "=== stage $name ($(date -u +%H:%M:%S) UTC)" | tee "$OUT/$name.log"
-    "$fn" 2>&1 | tee -a "$OUT/$name.log"
-    rc=${PIPESTATUS[0]}
-    local secs=$(( $(date +%s) - t0 ))
-    if [ "$rc" -eq 0 ]; then RESULTS+=("PASS  $name  (${secs}s)"); else RESULTS+=("FAIL  $name  (${secs}s, status $rc, see $OUT/$name.log)"); FAILED=1; fi
-    echo "=== stage $name: status $rc after ${secs}s" | tee -a "$OUT/$name.log"
-}
-
-# run_cmd LIMIT_SECONDS CMD...: one command with a time limit; prints the command and its status.
-run_cmd() {
-    local limit=$1 rc
-    shift
-    echo "+ $*"
-    timeout -k 10 "$limit" "$@"
-    rc=$?
-    [ "$rc" -eq 124 ] && echo "!! timed out after ${limit}s: $*"
-    [ "$rc" -ne 0 ] && echo "!! status $rc: $*"
-    return "$rc"
-}
-
-gpu_arch() { nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .'; }
+# shellcheck source=scripts/check-lib.sh
+. "$(dirname "$0")/check-lib.sh"
+check_init gpu-check ./gpu-out
 
 stage_build() {
     local rc=0 arch
@@ -92,18 +59,6 @@ stage_pytest_gpu() { run_cmd 900 "$PY" -m pytest -m gpu -v -rA tests/test_gpu.py
 
 # The Shakespeare test needs prepared data the GPU machine may not have; everything else runs.
 stage_pytest_engine() { run_cmd 900 "$PY" -m pytest -m gpu -v -rA tests/test_engine.py -k "not shakespeare"; }
-
-# Random-token shards: $1 prefix, $2 vocabulary, $3 tokens.
-make_shard() {
-    "$PY" - "$DATA" "$1" "$2" "$3" <<'EOF'
-import sys
-import numpy as np
-sys.path.insert(0, ".")
-from microgpt.shards import write_shard
-d, prefix, vocab, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-write_shard(f"{d}/{prefix}_000000.bin", np.random.default_rng(7).integers(0, vocab, n))
-EOF
-}
 
 TINY_ARGS=(--model.n_layer 2 --model.d_model 32 --model.n_head 4 --model.seq_len 19 --model.vocab_size 61
            --model.padded_vocab_size 64 --model.d_ff 72 --train.batch_size 3 --train.seed 5)
@@ -137,8 +92,6 @@ stage_sanitizer() {
     return "$rc"
 }
 
-M12=(--model.n_layer 6 --model.d_model 192 --model.n_head 6 --model.d_ff 768 --model.seq_len 512)
-M120=(--model.n_layer 12 --model.d_model 768 --model.n_head 12 --model.d_ff 3072 --model.seq_len 1024)
 
 # timing_run NAME PRECISION SHAPE-ARGS...: 30 steps; the step records go to $DATA/NAME.jsonl.
 timing_run() {
@@ -237,27 +190,4 @@ stage_profile() {
     return "$rc"
 }
 
-ALL_STAGES=(build kernel_check pytest_gpu timing pytest_engine sanitizer)
-KNOWN_STAGES=("${ALL_STAGES[@]}" profile)
-STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL_STAGES[@]}")
-for st in "${STAGES[@]}"; do
-    case " ${KNOWN_STAGES[*]} " in
-        *" $st "*) ;;
-        *) echo "error: unknown stage '$st' (stages: ${KNOWN_STAGES[*]})" >&2; exit 2 ;;
-    esac
-done
-for st in "${STAGES[@]}"; do
-    if [ "$st" != build ] && [ ! -x build/microgpt_cuda ]; then
-        RESULTS+=("FAIL  $st  (not run: build/microgpt_cuda is missing; run the build stage)")
-        FAILED=1
-        continue
-    fi
-    run_stage "$st" "stage_$st"
-done
-
-{
-    echo "=== gpu-check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1))"
-    printf '%s\n' "${RESULTS[@]}"
-} | tee -a "$OUT/summary.log"
-exit $FAILED
+run_stages "build kernel_check pytest_gpu timing pytest_engine sanitizer" "profile" "$@"

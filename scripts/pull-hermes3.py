@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ID = "NousResearch/Hermes-3-Dataset"
 SHAREGPT_NAMES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
 SAVE_EVERY = 1000  # records between progress saves
+MAX_RECORD_CHARS = 32 << 20  # one array element larger than this is not read (memory stays bounded)
 
 
 class PullError(RuntimeError):
@@ -50,26 +51,60 @@ def iter_json_lines(path):
 
 
 def iter_local_file(path):
-    """Records of a local copy: .jsonl/.ndjson (streamed), .json (one array or one record), .parquet (by batches)."""
+    """Records of a local copy: .jsonl/.ndjson (streamed), .json (an array, streamed element by
+    element; or one record; or JSON lines under a .json name), .parquet (by batches)."""
     ext = os.path.splitext(path)[1].lower()
     if ext in (".jsonl", ".ndjson"):
         yield from iter_json_lines(path)
     elif ext == ".json":
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError:
-                data = None
-        if data is None:  # many ".json" downloads are really JSON lines
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            first = f.read(1 << 16).lstrip()[:1]
+        if first == "[":
+            yield from iter_json_array(path)
+        else:  # one record, or (as many ".json" downloads are) JSON lines
             yield from iter_json_lines(path)
-        else:
-            yield from (data if isinstance(data, list) else [data])
     elif ext == ".parquet":
         import pyarrow.parquet as pq  # comes with `datasets`
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
             yield from batch.to_pylist()
     else:
         raise PullError(f"{path}: unknown extension {ext!r} (expected .json, .jsonl or .parquet)")
+
+
+def iter_json_array(path, block=1 << 20):
+    """The elements of a JSON array file, one at a time, holding one element plus one block of text
+    in memory (a .json download of a whole data set can be gigabytes). An element that does not
+    parse yields a ValueError and the rest of the file is not read (its structure is lost)."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        buf, pos, started = "", 0, False
+
+        def refill():
+            nonlocal buf, pos
+            more = f.read(block)
+            buf, pos = buf[pos:] + more, 0
+            return bool(more)
+
+        while True:
+            if pos == len(buf) and not refill():
+                return
+            c = buf[pos]
+            if c in " \t\r\n" or (started and c == ","):
+                pos += 1
+            elif c == "[" and not started:
+                started = True
+                pos += 1
+            elif c == "]" and started:
+                return
+            else:
+                try:
+                    element, pos = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError:  # cut by the block end, or really invalid
+                    if len(buf) - pos > MAX_RECORD_CHARS or not refill():
+                        yield ValueError("invalid JSON")
+                        return
+                    continue
+                yield element
 
 
 def iter_hub(skip, timeout):
@@ -141,7 +176,10 @@ def pull(records, out_path, progress, progress_path, max_records):
                 try:
                     if isinstance(record, Exception):
                         raise record
-                    line = json.dumps(to_sharegpt(parse_conversation(record)), ensure_ascii=False)
+                    cuts = {}
+                    turns = parse_conversation(record, cuts)
+                    malformed.update(f"cut: {reason}" for reason in cuts)
+                    line = json.dumps(to_sharegpt(turns), ensure_ascii=False)
                     out.write(line.encode("utf-8") + b"\n")
                     progress["written"] += 1
                 except ValueError as e:
@@ -210,7 +248,7 @@ def main():
               "re-run to resume", file=sys.stderr)
         return 1
 
-    bad = sum(progress["malformed"].values())
+    bad = sum(n for r, n in progress["malformed"].items() if not r.startswith("cut: "))
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(progress["malformed"].items()))
     print(f"pull-hermes3: {progress['read']} records read, {progress['written']} conversations written "
           f"to {args.out}, {bad} malformed" + (f" ({reasons})" if bad else ""), file=sys.stderr)

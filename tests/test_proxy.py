@@ -523,6 +523,7 @@ def test_proxy_failure_kills_an_engine_that_ignores_sigterm(tmp_path, monkeypatc
     files = run_dir.RunFiles(tmp_path, "t")
     sup = supervisor.Supervisor.__new__(supervisor.Supervisor)  # only what abort() touches
     sup.lines = None  # no output reader: the "engine" prints nothing after "ready"
+    sup.peers = []  # one rank
     sup.run = types.SimpleNamespace(name="t", files=files, store=run_dir.RunState(files),
                                     buffer=loss_log.LossBuffer(loss_log.LossLog(files.loss)))
     sup.proc = subprocess.Popen(["sh", "-c", "trap '' TERM; echo ready; exec sleep 60"],

@@ -7,6 +7,24 @@
 
 #include "common.h"
 
+/* One query row of one head: qt attends to the rows 0..t of k and v (rows `stride` floats apart,
+ * already offset to the head's columns); probabilities into a[0..t], the output into o[0:hs]. The
+ * forward and the KV-cache decode (microgpt_cpu.c) share it, so both give the same bits. */
+static inline void attention_row(float* o, float* a, const float* qt, const float* k, const float* v, int t,
+                                 size_t stride, int hs, float scale) {
+    float maxv = -INFINITY;
+    for (int t2 = 0; t2 <= t; t2++) {
+        a[t2] = dot_f32(qt, k + (size_t)t2 * stride, hs) * scale;
+        if (a[t2] > maxv) maxv = a[t2];
+    }
+    double sum = 0.0;
+    for (int t2 = 0; t2 <= t; t2++) { a[t2] = expf(a[t2] - maxv); sum += a[t2]; }
+    float inv = (float)(1.0 / sum);
+    for (int t2 = 0; t2 <= t; t2++) a[t2] *= inv;
+    for (int i = 0; i < hs; i++) o[i] = 0.0f;
+    for (int t2 = 0; t2 <= t; t2++) axpy_f32(o, a[t2], v + (size_t)t2 * stride, hs);
+}
+
 static inline void attention_forward(float* out, float* att, const float* q, const float* k, const float* v,
                               int B, int T, int C, int H) {
     int hs = C / H;
@@ -15,21 +33,11 @@ static inline void attention_forward(float* out, float* att, const float* q, con
     #pragma omp parallel for schedule(static)
     for (int bht = 0; bht < B * H * T; bht++) {
         int t = bht % T, h = (bht / T) % H, b = bht / (T * H);
-        const float* qt = q + ((size_t)b * T + t) * C + h * hs;
+        size_t head = (size_t)b * T * C + h * hs; /* row 0 of sequence b, head h's columns */
         float* a = att + (size_t)bht * T;
-        float maxv = -INFINITY;
-        for (int t2 = 0; t2 <= t; t2++) {
-            a[t2] = dot_f32(qt, k + ((size_t)b * T + t2) * C + h * hs, hs) * scale;
-            if (a[t2] > maxv) maxv = a[t2];
-        }
-        double sum = 0.0;
-        for (int t2 = 0; t2 <= t; t2++) { a[t2] = expf(a[t2] - maxv); sum += a[t2]; }
-        float inv = (float)(1.0 / sum);
-        for (int t2 = 0; t2 <= t; t2++) a[t2] *= inv;
+        attention_row(out + head + (size_t)t * C, a, q + head + (size_t)t * C, k + head, v + head, t, (size_t)C, hs,
+                      scale);
         for (int t2 = t + 1; t2 < T; t2++) a[t2] = 0.0f;
-        float* o = out + ((size_t)b * T + t) * C + h * hs;
-        for (int i = 0; i < hs; i++) o[i] = 0.0f;
-        for (int t2 = 0; t2 <= t; t2++) axpy_f32(o, a[t2], v + ((size_t)b * T + t2) * C + h * hs, hs);
     }
 }
 

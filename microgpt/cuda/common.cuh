@@ -346,14 +346,15 @@ struct LtPlan {
 static LtPlan g_lt_plans[LT_MAX_PLANS];
 static int g_lt_n_plans = 0;
 
+static void lt_plan_destroy(LtPlan* p) {
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->a));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->b));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->d));
+    CUBLAS_CHECK(cublasLtMatmulDescDestroy(p->desc));
+}
+
 static void lt_plans_clear(void) {
-    for (int i = 0; i < g_lt_n_plans; i++) {
-        LtPlan* p = &g_lt_plans[i];
-        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->a));
-        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->b));
-        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->d));
-        CUBLAS_CHECK(cublasLtMatmulDescDestroy(p->desc));
-    }
+    for (int i = 0; i < g_lt_n_plans; i++) lt_plan_destroy(&g_lt_plans[i]);
     g_lt_n_plans = 0;
 }
 
@@ -413,6 +414,23 @@ static int lt_choose(const LtKey* key, const cublasLtMatmulHeuristicResult_t* re
     return 0;
 }
 
+/* The heuristic's first offers (up to n, *found of them) for the descriptors of p, with the fixed
+ * workspace and the operands' alignments in cuBLASLt's order (its A, B, C, D). */
+static cublasStatus_t lt_heuristic(const LtPlan* p, unsigned align_a, unsigned align_b, unsigned align_c,
+                                   unsigned align_d, int n, cublasLtMatmulHeuristicResult_t* res, int* found) {
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    uint64_t ws = g_gemm_workspace_bytes;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a);
+    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
+    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
+    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
+    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g_cublaslt, p->desc, p->a, p->b, p->d, p->d, pref, n, res, found);
+    CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+    return st;
+}
+
 /* Builds the plan of `key` into p: cuBLASLt computes D^T = op(B)^T op(A)^T, so B is its first
  * operand and A its second. C, when read (beta != 0), has D's layout. */
 static void lt_plan_make(LtPlan* p, const LtKey* key, const void* aux) {
@@ -435,19 +453,9 @@ static void lt_plan_make(LtPlan* p, const LtKey* key, const void* aux) {
     p->b = lt_layout(ab, key->ta ? key->K : key->M, key->ta ? key->M : key->K, key->lda, key->batch, key->stride_a);
     p->d = lt_layout(dt, key->M, key->N, key->ldd, key->batch, key->stride_d);
 
-    cublasLtMatmulPreference_t pref;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    uint64_t ws = g_gemm_workspace_bytes;
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key->align_b);
-    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key->align_a);
-    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key->align_c);
-    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key->align_d);
     cublasLtMatmulHeuristicResult_t res[LT_CANDIDATES];
     int found = 0;
-    cublasStatus_t st =
-        cublasLtMatmulAlgoGetHeuristic(g_cublaslt, p->desc, p->a, p->b, p->d, p->d, pref, LT_CANDIDATES, res, &found);
-    CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+    cublasStatus_t st = lt_heuristic(p, key->align_b, key->align_a, key->align_c, key->align_d, LT_CANDIDATES, res, &found);
     if (st != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(st);
     p->ok = st == CUBLAS_STATUS_SUCCESS && found > 0;
     if (p->ok) p->algo = res[lt_choose(key, res, found)].algo;

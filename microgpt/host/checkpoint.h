@@ -346,6 +346,20 @@ static int json_find_number(const char* text, const char* key, double* out) {
     return end != p;
 }
 
+/* The string after "key": in text, without its quotes (at most cap - 1 bytes, no escapes: the
+ * sidecar's strings are precision names), into out. Returns 1 if found. */
+static int json_find_string(const char* text, const char* key, char* out, size_t cap) {
+    char pat[64];
+    const char* p;
+    size_t k = 0;
+    snprintf(pat, sizeof pat, "\"%s\":\"", key);
+    p = strstr(text, pat);
+    if (!p) return 0;
+    for (p += strlen(pat); p[k] && p[k] != '"' && k + 1 < cap; k++) out[k] = p[k];
+    out[k] = '\0';
+    return 1;
+}
+
 /* Reads the sidecar `side` into text (at most cap - 1 bytes, NUL-terminated); 0 when there is none. */
 static int sidecar_load(const char* side, char* text, size_t cap) {
     size_t len = 0;
@@ -435,13 +449,14 @@ static int ckpt_check(const char* path, size_t n_params) {
     return header[0];
 }
 
-/* Reads weights, m and v (n floats each) of a checkpoint that ckpt_check accepted. */
+/* Reads weights, m and v (n floats each) of a checkpoint that ckpt_check accepted; m and v NULL:
+ * the weights only (--generate, --evaluate). */
 static void ckpt_load(const char* path, size_t n, float* params, float* m, float* v) {
     FILE* f = fopen(path, "rb");
     int ok;
     if (!f) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
-    ok = fseek(f, CKPT_HEADER_BYTES, SEEK_SET) == 0 && fread(params, 4, n, f) == n && fread(m, 4, n, f) == n &&
-         fread(v, 4, n, f) == n;
+    ok = fseek(f, CKPT_HEADER_BYTES, SEEK_SET) == 0 && fread(params, 4, n, f) == n &&
+         (!m || (fread(m, 4, n, f) == n && fread(v, 4, n, f) == n));
     fclose(f);
     if (!ok) die_input("reading checkpoint %s failed (changed while reading?)", path);
 }
@@ -483,13 +498,8 @@ static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
     {
         /* A loss scale belongs to the precision whose run produced it (non-fp16 runs record 1):
          * resuming in another precision starts from the engine's default scale. */
-        char saved[16] = "";
-        const char* p = strstr(text, "\"precision\":\"");
-        size_t k = 0;
-        if (p)
-            for (p += 13; p[k] && p[k] != '"' && k + 1 < sizeof saved; k++) saved[k] = p[k];
-        saved[k] = '\0';
-        if (p && strcmp(saved, c->train.precision) != 0) {
+        char saved[16];
+        if (json_find_string(text, "precision", saved, sizeof saved) && strcmp(saved, c->train.precision) != 0) {
             warn("resuming in precision %s, the checkpoint was written in %s; the loss scale starts from its default",
                  c->train.precision, saved);
             loss_scale = 0.0f;

@@ -10,6 +10,11 @@
 
 #define CFG_PATH_MAX 1024
 #define CFG_MAX_PROMPTS 64
+#define CFG_MAX_STOP 16
+
+/* ChatML's special tokens in the ANDREA vocabulary (microgpt/tokenizer.py IM_START, IM_END). */
+#define TOKEN_IM_START 50257
+#define TOKEN_IM_END 50258
 
 typedef struct {
     char name[128];
@@ -36,7 +41,16 @@ typedef struct {
         int n_prompts;
         int prompt_start[CFG_MAX_PROMPTS + 1];
         int* prompt_tokens;
+        /* "auto": ChatML prompts (holding <|im_start|>) stop at <|im_end|> when the vocabulary has
+         * it; "none"; or comma-separated ids that end every sample (parsed into stop_ids) */
+        char stop[128];
+        int n_stop;
+        int stop_ids[CFG_MAX_STOP];
     } sample;
+    struct {
+        int enabled;   /* --generate: serve generation requests (docs/DESIGN.md §5a) */
+        int max_batch; /* requests decoded together (KV-cache slots) */
+    } generate;
     struct {
         int every;
         char path[CFG_PATH_MAX]; /* --checkpoint; "" = never write */
@@ -50,6 +64,7 @@ typedef struct {
     int resume;
     int layout_json; /* --layout-json: print the parameter layout (params.h) and exit */
     char dump_grads[CFG_PATH_MAX]; /* "" = off */
+    int evaluate; /* --evaluate (docs/DESIGN.md §5a); neither it nor --generate: training */
 } Config;
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -121,12 +136,17 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("data.train", F_GLOB, c->data.train, sizeof c->data.train, NULL, 1, NULL, 0, 0, "glob of llm.c train shards");
     FLAG("data.val", F_GLOB, c->data.val, sizeof c->data.val, "", 0, NULL, 0, 0, "glob of llm.c validation shards");
     FLAG("eval.every", F_INT, &c->eval.every, 0, "0", 0, NULL, 0, BIG, "validate every N steps (0: off)");
-    FLAG("eval.batches", F_INT, &c->eval.batches, 0, "20", 0, NULL, 1, BIG, "validation batches per evaluation");
+    FLAG("eval.batches", F_INT, &c->eval.batches, 0, "20", 0, NULL, 0, BIG,
+         "validation batches per evaluation (0: every whole non-overlapping window of the shards, in order)");
     FLAG("sample.every", F_INT, &c->sample.every, 0, "0", 0, NULL, 0, BIG, "sample every N steps (0: off)");
     FLAG("sample.tokens", F_INT, &c->sample.tokens, 0, "64", 0, NULL, 1, 1 << 20, "tokens generated per prompt");
     FLAG("sample.top_k", F_INT, &c->sample.top_k, 0, "40", 0, NULL, 0, 1 << 24, "top-k sampling (0: whole vocabulary)");
     FLAG("sample.temperature", F_FLOAT, &c->sample.temperature, 0, "1.0", 0, NULL, 0, FBIG, "sampling temperature (0: greedy)");
     FLAG("sample.prompt", F_PROMPT, &c->sample, 0, NULL, 0, NULL, 0, 0, "comma-separated token ids of one prompt (repeatable)");
+    FLAG("sample.stop", F_STR, c->sample.stop, sizeof c->sample.stop, "auto", 0, NULL, 0, 0,
+         "token ids that end a sample (comma-separated), none, or auto: <|im_end|> for prompts holding <|im_start|>");
+    FLAG("generate.max_batch", F_INT, &c->generate.max_batch, 0, "8", 0, NULL, 1, 1024,
+         "--generate: most requests decoded together (KV-cache slots)");
     FLAG("checkpoint.every", F_INT, &c->checkpoint.every, 0, "0", 0, NULL, 0, BIG, "checkpoint every N steps (0: only on signal/finish)");
     FLAG("checkpoint", F_PATH, c->checkpoint.path, sizeof c->checkpoint.path, "", 0, NULL, 0, 0,
          "checkpoint path (sidecar PATH.json)");
@@ -137,6 +157,10 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("resume", F_BOOL, &c->resume, 0, "0", 0, NULL, 0, 0, "continue from --checkpoint (must exist)");
     FLAG("dump-grads", F_PATH, c->dump_grads, sizeof c->dump_grads, "", 0, NULL, 0, 0,
          "debug: write [f32 loss][f32 grads] of step 0, micro-batch 0, to PATH and exit");
+    FLAG("generate", F_BOOL, &c->generate.enabled, 0, "0", 0, NULL, 0, 0,
+         "serve generation requests (JSON lines on stdin) from --checkpoint; model flags default to its sidecar");
+    FLAG("evaluate", F_BOOL, &c->evaluate, 0, "0", 0, NULL, 0, 0,
+         "print the loss of --checkpoint on --data.val as one JSON line; model flags default to its sidecar");
 #undef FLAG
     return n;
 }
@@ -288,30 +312,47 @@ static double parse_float_or_die(const char* flag, const char* s) {
     return v;
 }
 
-/* "--sample.prompt 50257,882,198": append one prompt. Ids are checked against vocab_size later,
- * once all flags (in any order) are known. */
-static void parse_prompt(Config* c, const char* s) {
-    int n_tok = 0, cap, k;
-    const char* p;
+/* Ids in "50257,882,198" (one more than its commas: the caller's capacity) into out; returns how
+ * many. Ids are checked against vocab_size later, once all flags (in any order) are known. */
+static int count_ids(const char* s) {
+    int n = 1;
+    for (; *s; s++) n += (*s == ',');
+    return n;
+}
+
+static int parse_ids(const char* flag, const char* s, int* out) {
+    const char* p = s;
     char* end;
-    if (c->sample.n_prompts >= CFG_MAX_PROMPTS) die_input("--sample.prompt: at most %d prompts", CFG_MAX_PROMPTS);
-    for (p = s, cap = 1; *p; p++) cap += (*p == ',');
-    k = c->sample.prompt_start[c->sample.n_prompts];
-    c->sample.prompt_tokens = (int*)realloc(c->sample.prompt_tokens, (size_t)(k + cap) * sizeof(int));
-    if (!c->sample.prompt_tokens) die_io("out of memory parsing prompts");
-    p = s;
+    int n = 0;
     for (;;) {
         long v;
         errno = 0;
         v = strtol(p, &end, 10);
         if (errno || end == p || v < 0 || v > INT_MAX || (*end != ',' && *end != '\0'))
-            die_input("--sample.prompt: '%s' is not a comma-separated list of token ids", s);
-        c->sample.prompt_tokens[k + n_tok++] = (int)v;
-        if (*end == '\0') break;
+            die_input("--%s: '%s' is not a comma-separated list of token ids", flag, s);
+        out[n++] = (int)v;
+        if (*end == '\0') return n;
         p = end + 1;
     }
+}
+
+/* "--sample.prompt 50257,882,198": append one prompt. */
+static void parse_prompt(Config* c, const char* s) {
+    int k = c->sample.prompt_start[c->sample.n_prompts];
+    if (c->sample.n_prompts >= CFG_MAX_PROMPTS) die_input("--sample.prompt: at most %d prompts", CFG_MAX_PROMPTS);
+    c->sample.prompt_tokens = (int*)realloc(c->sample.prompt_tokens, (size_t)(k + count_ids(s)) * sizeof(int));
+    if (!c->sample.prompt_tokens) die_io("out of memory parsing prompts");
     c->sample.n_prompts++;
-    c->sample.prompt_start[c->sample.n_prompts] = k + n_tok;
+    c->sample.prompt_start[c->sample.n_prompts] = k + parse_ids("sample.prompt", s, c->sample.prompt_tokens + k);
+}
+
+/* --sample.stop: "auto" and "none" keep n_stop 0 (auto is resolved per prompt: sample_stop_ids). */
+static void parse_stop(Config* c) {
+    const char* s = c->sample.stop;
+    c->sample.n_stop = 0;
+    if (strcmp(s, "auto") == 0 || strcmp(s, "none") == 0) return;
+    if (count_ids(s) > CFG_MAX_STOP) die_input("--sample.stop: at most %d token ids", CFG_MAX_STOP);
+    c->sample.n_stop = parse_ids("sample.stop", s, c->sample.stop_ids);
 }
 
 static int choice_ok(const char* choices, const char* v) {
@@ -437,6 +478,7 @@ static void config_parse(Config* c, int argc, char** argv) {
     if (!flag_seen(f, n, seen, "model.padded_vocab_size"))
         c->model.padded_vocab_size = (c->model.vocab_size + 63) / 64 * 64;
     c->polish.enabled = flag_seen(f, n, seen, "polish.start_step");
+    parse_stop(c);
     if (print_config) { /* before the required-flag and cross-flag checks: a partial config resolves too */
         config_print_json(stdout, c);
         exit(0);
@@ -452,11 +494,23 @@ static void config_parse(Config* c, int argc, char** argv) {
 
 static void config_validate(const Config* c, const int* seen, const Flag* f, int n) {
     int i;
+    if (c->generate.enabled || c->evaluate) {
+        const char* mode = c->generate.enabled ? "--generate" : "--evaluate";
+        if (c->generate.enabled && c->evaluate) die_input("--generate and --evaluate are separate modes: give one");
+        if (!c->checkpoint.path[0]) die_input("%s needs --checkpoint PATH", mode);
+        if (c->resume || c->dump_grads[0]) die_input("%s does not train: drop --resume and --dump-grads", mode);
+        if (c->evaluate && !c->data.val[0]) die_input("--evaluate needs --data.val GLOB");
+    }
     for (i = 0; i < n; i++) {
         int j = f[i].required == REQ_IN_SECTION && !seen[i] ? seen_in_section(f, n, seen, f[i].name) : -1;
-        if (f[i].required == REQ_YES && !seen[i]) die_input("missing required flag --%s", f[i].name);
+        /* --generate and --evaluate train nothing: of the required flags they need the model's */
+        int needed = !(c->generate.enabled || c->evaluate) || strncmp(f[i].name, "model.", 6) == 0;
+        if (f[i].required == REQ_YES && !seen[i] && needed) die_input("missing required flag --%s", f[i].name);
         if (j >= 0) die_input("--%s needs --%s", f[j].name, f[i].name);
     }
+    for (i = 0; i < c->sample.n_stop; i++)
+        if (c->sample.stop_ids[i] >= c->model.vocab_size)
+            die_input("--sample.stop: token id %d >= model.vocab_size (%d)", c->sample.stop_ids[i], c->model.vocab_size);
     if (c->model.d_model % c->model.n_head != 0)
         die_input("model.n_head (%d) must divide model.d_model (%d)", c->model.n_head, c->model.d_model);
     if (c->model.padded_vocab_size < c->model.vocab_size)
@@ -469,6 +523,8 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
     if (c->train.warmup_steps > c->train.steps)
         die_input("train.warmup_steps (%d) is more than train.steps (%d)", c->train.warmup_steps, c->train.steps);
     if (c->eval.every > 0 && !c->data.val[0]) die_input("eval.every > 0 needs --data.val");
+    if (c->eval.every > 0 && c->eval.batches == 0)
+        die_input("eval.batches 0 (every window of the validation shards) is for --evaluate; give a batch count");
     if (c->sample.every > 0 && c->sample.n_prompts == 0) die_input("sample.every > 0 needs at least one --sample.prompt");
     for (i = 0; i < c->sample.n_prompts; i++) {
         int j;
@@ -477,6 +533,10 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
             if (c->sample.prompt_tokens[j] >= c->model.vocab_size)
                 die_input("--sample.prompt %d: token id %d >= model.vocab_size (%d)", i, c->sample.prompt_tokens[j],
                           c->model.vocab_size);
+        /* samples continue the prompt in one window (KV cache, no sliding) */
+        if (c->sample.prompt_start[i + 1] - c->sample.prompt_start[i] > c->model.seq_len)
+            die_input("--sample.prompt %d has %d tokens, more than model.seq_len (%d)", i,
+                      c->sample.prompt_start[i + 1] - c->sample.prompt_start[i], c->model.seq_len);
     }
     if (c->checkpoint.every > 0 && !c->checkpoint.path[0]) die_input("checkpoint.every > 0 needs --checkpoint PATH");
     if (c->resume && !c->checkpoint.path[0]) die_input("--resume needs --checkpoint PATH");
@@ -486,6 +546,13 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
 }
 
 static int config_is_fp16(const Config* c) { return strcmp(c->train.precision, "fp16") == 0; }
+
+/* KV-cache slots an engine allocates (docs/DESIGN.md §5a): one per request decoded together in
+ * --generate, one for the training samples, none otherwise. */
+static int config_kv_slots(const Config* c) {
+    if (c->generate.enabled) return c->generate.max_batch;
+    return !c->evaluate && c->sample.every > 0 ? 1 : 0;
+}
 
 /* Tokens one optimizer step trains on: batch_size x seq_len x grad_accum. */
 static long long config_tokens_per_step(const Config* c) {

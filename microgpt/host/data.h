@@ -134,4 +134,29 @@ static void fill_val_batch(const Dataset* ds, uint64_t seed, int i, int B, int T
     dataset_fill(ds, seed, STREAM_VAL, (uint64_t)i * (uint64_t)B, B, T, inputs, targets);
 }
 
+/* --evaluate --eval.batches 0: the whole non-overlapping windows of T+1 tokens of every shard, in
+ * order. Window k of a shard starts at k·T, so every token but a shard's first is predicted once. */
+static uint64_t shard_sequential_windows(const Dataset* ds, int i, int T) {
+    return ds->ntok[i] > 0 ? (ds->ntok[i] - 1) / (size_t)T : 0;
+}
+
+static uint64_t dataset_sequential_windows(const Dataset* ds, int T) {
+    uint64_t n = 0;
+    int i;
+    for (i = 0; i < ds->n_shards; i++) n += shard_sequential_windows(ds, i, T);
+    return n;
+}
+
+/* Window w of that order into one sequence of inputs/targets [T]. */
+static void fill_sequential_window(const Dataset* ds, uint64_t w, int T, int* inputs, int* targets) {
+    int i = 0, t;
+    const uint16_t* src;
+    for (; w >= shard_sequential_windows(ds, i, T); i++) w -= shard_sequential_windows(ds, i, T);
+    src = ds->tokens[i] + w * (size_t)T;
+    for (t = 0; t < T; t++) {
+        inputs[t] = src[t];
+        targets[t] = src[t + 1];
+    }
+}
+
 #endif

@@ -21,17 +21,26 @@ static const char* engine_compute_precision(const Config* cfg);
 /* Allocate every buffer once, print the memory plan to stderr, emit the "memory" event
  * (output.h: emit_memory); returns the bytes allocated. Must die (die_io) with needed/free bytes
  * when memory is short. The engine builds its own ParamLayout with param_layout_init(cfg): the
- * same layout train_loop uses. */
+ * same layout train_loop uses. With cfg->generate or cfg->evaluate nothing is trained: no
+ * gradients, no AdamW state. The KV cache has config_kv_slots(cfg) slots of seq_len positions. */
 static size_t engine_setup(const Config* cfg);
-/* Load weights and AdamW moments (n_params floats each). loss_scale <= 0 means "engine default". */
+/* Load weights and AdamW moments (n_params floats each). loss_scale <= 0 means "engine default".
+ * m and v are NULL in --generate and --evaluate (weights only). */
 static void engine_set_state(const float* params, const float* m, const float* v, float loss_scale);
 static void engine_get_state(float* params, float* m, float* v, float* loss_scale);
 /* One micro-batch of B·T tokens: forward + backward, grads += ; returns the mean loss. */
 static float engine_forward_backward(const int* inputs, const int* targets);
 /* Validation: forward only, no gradients; returns the mean loss over B·T positions. */
 static float engine_forward_loss(const int* inputs, const int* targets);
-/* Logits [vocab_size] (real vocabulary only) at position len-1 of one sequence, 1 <= len <= T. */
-static void engine_next_logits(const int* tokens, int len, float* logits);
+/* Generation with the KV cache (docs/DESIGN.md §5a). Logits are fp32 over the real vocabulary.
+ * prefill: the forward (the training kernels) over tokens[0:len] of one sequence, 1 <= len <= T;
+ * keeps their keys and values in cache slot `slot` and writes the logits [vocab_size] of position
+ * len-1. decode: one step of n sequences, sequence i in slot slots[i] (distinct) with token
+ * tokens[i] at position positions[i] < T, whose earlier positions are in the cache: appends its
+ * key and value there, writes logits[i·vocab_size ...]. Each sequence's logits do not depend on the
+ * others decoded with it. */
+static void engine_prefill(int slot, const int* tokens, int len, float* logits);
+static void engine_decode(int n, const int* slots, const int* tokens, const int* positions, float* logits);
 /* grads·1/accum, global norm (deterministic), clip to grad_clip, AdamW with decay on 2-D tensors
  * only (t = 1-based step); the next micro-batch starts the gradients afresh. */
 static UpdateResult engine_update(float lr, int t, const Config* cfg);

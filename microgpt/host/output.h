@@ -95,10 +95,14 @@ static void jline_end(void) {
     fflush(stdout);
 }
 
+/* --generate keeps stdout for its own protocol (docs/DESIGN.md §5a): no events there. */
+static int g_quiet_events = 0;
+
 /* {"event":"memory","groups":{...},"total_bytes":N}: engines call this from engine_setup. */
 static void emit_memory(const char* const* group_names, const size_t* group_bytes, int n_groups) {
     size_t total = 0;
     int i;
+    if (g_quiet_events) return;
     fputs("{\"event\":\"memory\",\"groups\":{", stdout);
     for (i = 0; i < n_groups; i++) {
         if (i) fputc(',', stdout);

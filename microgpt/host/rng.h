@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 /* Streams keep independent uses of the generator apart (see docs/DESIGN.md). */
-enum { STREAM_INIT = 1, STREAM_TRAIN = 2, STREAM_VAL = 3, STREAM_SAMPLE = 4 };
+enum { STREAM_INIT = 1, STREAM_TRAIN = 2, STREAM_VAL = 3, STREAM_SAMPLE = 4, STREAM_GENERATE = 5 };
 
 static const double RNG_PI = 3.14159265358979323846;
 

@@ -37,9 +37,19 @@ static void on_bus_error(int sig) {
     _exit(EXIT_FAILURE_IO);
 }
 
+/* Unblocks SIGTERM, SIGINT and SIGUSR1, which a launcher may have blocked (a pending one is
+ * handled now). --generate and --evaluate call only this: their signals keep the default action. */
+static void signals_unblock(void) {
+    sigset_t handled;
+    sigemptyset(&handled);
+    sigaddset(&handled, SIGTERM);
+    sigaddset(&handled, SIGINT);
+    sigaddset(&handled, SIGUSR1);
+    sigprocmask(SIG_UNBLOCK, &handled, NULL);
+}
+
 static void signals_install(void) {
     struct sigaction sa;
-    sigset_t handled;
     memset(&sa, 0, sizeof sa);
     sigemptyset(&sa.sa_mask);
     sa.sa_flags = SA_RESTART; /* a signal must not make a read or write fail with EINTR */
@@ -50,11 +60,7 @@ static void signals_install(void) {
     sigaction(SIGUSR1, &sa, NULL);
     sa.sa_handler = on_bus_error;
     sigaction(SIGBUS, &sa, NULL);
-    sigemptyset(&handled);
-    sigaddset(&handled, SIGTERM);
-    sigaddset(&handled, SIGINT);
-    sigaddset(&handled, SIGUSR1);
-    sigprocmask(SIG_UNBLOCK, &handled, NULL); /* a pending one is handled now, by the handler */
+    signals_unblock(); /* a pending one is handled now, by the handler */
     /* Exceeding a file-size limit must be a write error we report (and survive with the old
      * checkpoint intact), not a silent kill. */
     signal(SIGXFSZ, SIG_IGN);

@@ -9,7 +9,9 @@
 #include "checkpoint.h"
 #include "config.h"
 #include "data.h"
+#include "dist.h"
 #include "engine.h"
+#include "generate.h"
 #include "output.h"
 #include "params.h"
 #include "rng.h"
@@ -27,75 +29,49 @@ typedef struct {
     float *params, *m, *v;           /* host copies for checkpoints [n_params] each */
     float loss_scale;
     int *inputs, *targets;           /* one micro-batch [B*T] */
-    int* sample_seq;                 /* longest prompt + sample.tokens */
+    double* micro_losses;            /* this rank's micro-batch losses of a step [grad_accum] (§17) */
+    int* sample_tokens;              /* [sample.tokens] */
     float* logits;                   /* [vocab_size] */
-    int* topk_idx;                   /* [k_eff] */
-    float* topk_val;                 /* [k_eff] */
-    int k_eff;                       /* candidates per sampled token: top_k, or the whole vocabulary */
+    Sampler sampler;
 } Run;
-
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Sampling */
 
-/* Picks a token from logits over the real vocabulary: greedy when temperature is 0, otherwise
- * softmax(logits / temperature) restricted to the top-k logits (ties: lower id first), inverted
- * at the uniform draw u. Only indices < vocab_size are ever considered. */
-static int sample_token(Run* r, const float* logits, double u) {
-    const Config* c = &r->cfg;
-    int V = c->model.vocab_size, n = 0, i, j;
-    double max, total = 0.0, acc = 0.0;
-    if (c->sample.temperature == 0.0f) {
-        int best = 0;
-        for (i = 1; i < V; i++)
-            if (logits[i] > logits[best]) best = i;
-        return best;
-    }
-    /* insertion into a descending list of at most k_eff candidates */
-    for (i = 0; i < V; i++) {
-        float x = logits[i];
-        if (x != x) continue; /* NaN never wins */
-        if (n == r->k_eff && !(x > r->topk_val[n - 1])) continue;
-        j = n < r->k_eff ? n++ : n - 1;
-        while (j > 0 && x > r->topk_val[j - 1]) {
-            r->topk_val[j] = r->topk_val[j - 1];
-            r->topk_idx[j] = r->topk_idx[j - 1];
-            j--;
-        }
-        r->topk_val[j] = x;
-        r->topk_idx[j] = i;
-    }
-    if (n == 0) return 0;
-    max = r->topk_val[0];
-    for (i = 0; i < n; i++) total += exp(((double)r->topk_val[i] - max) / c->sample.temperature);
-    for (i = 0; i < n; i++) {
-        acc += exp(((double)r->topk_val[i] - max) / c->sample.temperature);
-        if (u * total < acc) return r->topk_idx[i];
-    }
-    return r->topk_idx[n - 1];
+/* The ids that end prompt p's samples: --sample.stop's, or with "auto" <|im_end|> for a ChatML
+ * prompt (one holding <|im_start|>) when the vocabulary has it, so a sample is the assistant's
+ * answer and not the next turns it would invent. */
+static int sample_stop_ids(const Config* c, const int* prompt, int n, const int** ids) {
+    static const int im_end = TOKEN_IM_END;
+    *ids = c->sample.stop_ids;
+    if (strcmp(c->sample.stop, "auto") != 0) return c->sample.n_stop;
+    *ids = &im_end;
+    return c->model.vocab_size > TOKEN_IM_END && id_in(TOKEN_IM_START, prompt, n);
 }
 
-/* Continues every prompt by sample.tokens tokens and emits one "sample" line each. Draw i of
- * prompt p after `done` steps uses counter (done·n_prompts + p)·tokens + i of STREAM_SAMPLE. */
+/* Continues every prompt by up to sample.tokens tokens with the KV cache (slot 0), ending early at
+ * a stop id (kept as the last token) or when prompt and sample fill the window of seq_len
+ * positions (no sliding), and emits one "sample" line each. Draw i of prompt p after `done` steps
+ * uses counter (done·n_prompts + p)·tokens + i of STREAM_SAMPLE. */
 static void run_samples(Run* r, int done) {
     const Config* c = &r->cfg;
-    int p, i, T = c->model.seq_len;
+    int p, T = c->model.seq_len, slot = 0;
     for (p = 0; p < c->sample.n_prompts; p++) {
         const int* prompt = c->sample.prompt_tokens + c->sample.prompt_start[p];
+        const int* stop;
         int n0 = c->sample.prompt_start[p + 1] - c->sample.prompt_start[p];
-        memcpy(r->sample_seq, prompt, (size_t)n0 * sizeof(int));
-        for (i = 0; i < c->sample.tokens; i++) {
-            int len = n0 + i, ctx_len = len < T ? len : T; /* slide the window once past T */
-            uint64_t counter = ((uint64_t)done * (uint64_t)c->sample.n_prompts + (uint64_t)p) * (uint64_t)c->sample.tokens + (uint64_t)i;
-            engine_next_logits(r->sample_seq + (len - ctx_len), ctx_len, r->logits);
-            r->sample_seq[len] = sample_token(r, r->logits, rng_uniform((uint64_t)c->train.seed, STREAM_SAMPLE, counter));
+        int n_stop = sample_stop_ids(c, prompt, n0, &stop), n = 0;
+        engine_prefill(slot, prompt, n0, r->logits);
+        while (n0 + n < T) {
+            uint64_t counter = ((uint64_t)done * (uint64_t)c->sample.n_prompts + (uint64_t)p) * (uint64_t)c->sample.tokens + (uint64_t)n;
+            int tok = sample_token(&r->sampler, r->logits, c->sample.temperature, c->sample.top_k, 1.0,
+                                   rng_uniform((uint64_t)c->train.seed, STREAM_SAMPLE, counter));
+            int pos = n0 + n; /* of tok */
+            r->sample_tokens[n++] = tok;
+            if (n == c->sample.tokens || id_in(tok, stop, n_stop) || pos + 1 == T) break;
+            engine_decode(1, &slot, &tok, &pos, r->logits);
         }
-        emit_sample(done, p, prompt, n0, r->sample_seq + n0, c->sample.tokens);
+        emit_sample(done, p, prompt, n0, r->sample_tokens, n);
     }
 }
 
@@ -141,7 +117,8 @@ static void save_checkpoint(Run* r, int done, const char* reason) {
     size_t n = r->layout.n_params, bad;
     char what[96];
     int k;
-    engine_get_state(r->params, r->m, r->v, &r->loss_scale);
+    engine_get_state(r->params, r->m, r->v, &r->loss_scale); /* gathers the ranks' AdamW shards (§17) */
+    if (g_dist.rank != 0) return;                            /* rank 0 alone checks and writes */
     parts[0] = r->params; parts[1] = r->m; parts[2] = r->v;
     for (k = 0; k < 3; k++)
         if ((bad = first_non_finite(parts[k], n)) < n) {
@@ -184,32 +161,30 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
 static void run_allocate(Run* r) {
     const Config* c = &r->cfg;
     size_t n = r->layout.n_params, bt = (size_t)c->train.batch_size * c->model.seq_len;
-    int i, longest_prompt = 0;
     r->params = (float*)xmalloc(n * sizeof(float), "host weights");
     r->m = (float*)xcalloc(n, sizeof(float), "host AdamW m");
     r->v = (float*)xcalloc(n, sizeof(float), "host AdamW v");
     r->inputs = (int*)xmalloc(bt * sizeof(int), "batch inputs");
     r->targets = (int*)xmalloc(bt * sizeof(int), "batch targets");
-    for (i = 0; i < c->sample.n_prompts; i++) {
-        int len = c->sample.prompt_start[i + 1] - c->sample.prompt_start[i];
-        if (len > longest_prompt) longest_prompt = len;
-    }
-    r->sample_seq = (int*)xmalloc((size_t)(longest_prompt + c->sample.tokens) * sizeof(int), "sample tokens");
+    r->sample_tokens = (int*)xmalloc((size_t)c->sample.tokens * sizeof(int), "sample tokens");
     r->logits = (float*)xmalloc((size_t)c->model.vocab_size * sizeof(float), "sample logits");
-    r->k_eff = (c->sample.top_k == 0 || c->sample.top_k > c->model.vocab_size) ? c->model.vocab_size : c->sample.top_k;
-    r->topk_idx = (int*)xmalloc((size_t)r->k_eff * sizeof(int), "top-k ids");
-    r->topk_val = (float*)xmalloc((size_t)r->k_eff * sizeof(float), "top-k logits");
+    r->micro_losses = (double*)xmalloc((size_t)c->train.grad_accum * sizeof(double), "micro-batch losses");
+    sampler_init(&r->sampler, c->model.vocab_size);
 }
 
 static void run_free(Run* r) {
     free(r->params); free(r->m); free(r->v); free(r->inputs); free(r->targets);
-    free(r->sample_seq); free(r->logits); free(r->topk_idx); free(r->topk_val);
+    free(r->sample_tokens); free(r->logits); free(r->micro_losses);
+    sampler_free(&r->sampler);
     free(r->cfg.sample.prompt_tokens);
     dataset_close(&r->train);
     if (r->val.n_shards) dataset_close(&r->val);
     if (r->polish.n_shards) dataset_close(&r->polish);
     param_layout_free(&r->layout);
 }
+
+/* dist (§17): every rank's batches count */
+static long long global_tokens_per_step(const Config* c) { return config_tokens_per_step(c) * g_dist.world; }
 
 static void emit_start(const Run* r) {
     const Config* c = &r->cfg;
@@ -220,7 +195,7 @@ static void emit_start(const Run* r) {
     fprintf(stdout, ",\"n_params\":%zu,\"step\":%d,\"steps\":%d,\"precision\":\"%s\",\"compute_precision\":\"%s\","
                     "\"tokens_per_step\":%lld",
             r->layout.n_params, r->start_step, c->train.steps, c->train.precision, engine_compute_precision(c),
-            config_tokens_per_step(c));
+            global_tokens_per_step(c));
     jline_end();
 }
 
@@ -247,19 +222,20 @@ static int run_dump_grads(Run* r) {
 /* ---------------------------------------------------------------------------------------------- */
 /* The loop */
 
-/* One optimizer step: grad_accum micro-batches, then the update. Returns the mean micro-batch loss. */
+/* One optimizer step: grad_accum micro-batches, then the update. Returns the mean micro-batch loss
+ * over every rank. dist (§17): rank r's micro-batch j is micro-batch r·accum + j of world·accum, and
+ * the losses are summed in that global order (with one rank: j = 0, 1, ... as always). */
 static double run_step(Run* r, int s, UpdateResult* res, double lr) {
     const Config* c = &r->cfg;
     const Dataset* ds = data_for_step(r, s);
-    double loss = 0.0;
-    int j;
-    for (j = 0; j < c->train.grad_accum; j++) {
-        fill_train_batch(ds, (uint64_t)c->train.seed, s, j, c->train.grad_accum, c->train.batch_size, c->model.seq_len,
-                         r->inputs, r->targets);
-        loss += engine_forward_backward(r->inputs, r->targets);
+    int j, accum = c->train.grad_accum;
+    for (j = 0; j < accum; j++) {
+        fill_train_batch(ds, (uint64_t)c->train.seed, s, g_dist.rank * accum + j, g_dist.world * accum,
+                         c->train.batch_size, c->model.seq_len, r->inputs, r->targets);
+        r->micro_losses[j] = engine_forward_backward(r->inputs, r->targets);
     }
     *res = engine_update((float)lr, s + 1, c);
-    return loss / c->train.grad_accum;
+    return dist_sum_in_rank_order(r->micro_losses, accum) / (accum * g_dist.world);
 }
 
 /* Which checkpoint (if any) is due after `done` completed steps, by priority. `stop`: a stopping
@@ -298,8 +274,8 @@ static void run_start(Run* r) {
  * else 0. */
 static int run_one_step(Run* r, int s) {
     const Config* c = &r->cfg;
-    long long tokens_per_step = config_tokens_per_step(c);
-    int done = s + 1, usr1, stop;
+    long long tokens_per_step = global_tokens_per_step(c);
+    int done = s + 1, usr1, stop, flags[2];
     double lr = lr_at(c, s), t0, ms, loss;
     UpdateResult res;
     const char* reason;
@@ -324,13 +300,18 @@ static int run_one_step(Run* r, int s) {
         size_t in_use = engine_device_bytes_in_use();
         if (in_use > 0) emit_device_memory(done, in_use);
     }
-    if (c->eval.every > 0 && (done % c->eval.every == 0 || done == c->train.steps)) emit_val(done, run_eval(r));
-    if (c->sample.every > 0 && done % c->sample.every == 0) run_samples(r, done);
+    if (g_dist.rank == 0) { /* dist (§17): the weights are the same on every rank; rank 0 reports */
+        if (c->eval.every > 0 && (done % c->eval.every == 0 || done == c->train.steps)) emit_val(done, run_eval(r));
+        if (c->sample.every > 0 && done % c->sample.every == 0) run_samples(r, done);
+    }
     /* read the flags once, and consume SIGUSR1's, before acting on them: a signal arriving from here
      * on is seen after the next step, never half-handled (a stop without its checkpoint) */
-    usr1 = g_ckpt_requested;
+    flags[0] = g_ckpt_requested;
     g_ckpt_requested = 0;
-    stop = g_stop_signal;
+    flags[1] = g_stop_signal;
+    dist_max_flags(flags, 2); /* dist (§17): a signal to any rank, acted on by all after this step */
+    usr1 = flags[0];
+    stop = flags[1];
     reason = checkpoint_reason(r, done, usr1, stop);
     if (reason && c->checkpoint.path[0]) save_checkpoint(r, done, reason);
     else if (stop || usr1) warn("no --checkpoint given: nothing saved");
@@ -340,6 +321,7 @@ static int run_one_step(Run* r, int s) {
 static void run_finish(Run* r, int step, const char* reason) {
     emit_exit(step, reason);
     engine_shutdown();
+    dist_shutdown();
     run_free(r);
 }
 
@@ -354,6 +336,24 @@ static int stop_before_first_step(Run* r, int engine_started) {
     return 0;
 }
 
+/* dist (§17): connect the ranks; only rank 0's events reach stdout. */
+static void dist_start(const Run* r) {
+    dist_init();
+    if (g_dist.world == 1) return;
+    if (r->cfg.dump_grads[0]) die_input("--dump-grads is one process: unset WORLD_SIZE");
+    if (g_dist.rank != 0 && !freopen("/dev/null", "w", stdout)) die_io("rank %d: cannot silence stdout", g_dist.rank);
+    info("rank %d of %d (local rank %d): %d windows of %d tokens per step in all", g_dist.rank, g_dist.world,
+         g_dist.local_rank, g_dist.world * r->cfg.train.grad_accum * r->cfg.train.batch_size, r->cfg.model.seq_len + 1);
+}
+
+/* A stopping signal seen by any rank (dist, §17): every rank takes the same way out. */
+static int agreed_stop(void) {
+    int stop = g_stop_signal;
+    dist_max_flags(&stop, 1);
+    if (stop && !g_stop_signal) g_stop_signal = stop;
+    return stop;
+}
+
 static int train_main(int argc, char** argv) {
     static Run run; /* static: big enough (Config holds paths) that it shouldn't live on the stack */
     Run* r = &run;
@@ -361,6 +361,7 @@ static int train_main(int argc, char** argv) {
 
     signals_install();
     run_validate_inputs(r, argc, argv);
+    dist_start(r); /* dist (§17): no-op unless WORLD_SIZE > 1 */
     if (r->start_step >= r->cfg.train.steps && !r->cfg.dump_grads[0]) {
         emit_start(r);
         info("checkpoint %s is at step %d of %d: the run is already finished", r->cfg.checkpoint.path, r->start_step,
@@ -369,7 +370,7 @@ static int train_main(int argc, char** argv) {
         run_free(r);
         return 0;
     }
-    if (g_stop_signal) { /* before the slow part of start-up (device set-up) */
+    if (agreed_stop()) { /* before the slow part of start-up (device set-up) */
         emit_start(r);
         return stop_before_first_step(r, 0);
     }
@@ -380,7 +381,7 @@ static int train_main(int argc, char** argv) {
         run_free(r);
         return 0;
     }
-    if (g_stop_signal) return stop_before_first_step(r, 1);
+    if (agreed_stop()) return stop_before_first_step(r, 1);
     for (s = r->start_step, stop = 0; s < r->cfg.train.steps && !stop; s++) stop = run_one_step(r, s);
     if (s < r->cfg.train.steps) {
         info("stopped by signal %d after step %d", stop, s);
@@ -389,6 +390,76 @@ static int train_main(int argc, char** argv) {
     }
     run_finish(r, r->cfg.train.steps, "finished");
     return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* --evaluate (docs/DESIGN.md §5a) */
+
+/* The mean loss over every whole non-overlapping window of the validation shards, in order, one
+ * window per forward (the engine is set up with batch size 1). */
+static double eval_all_windows(Run* r, uint64_t* windows) {
+    const Config* c = &r->cfg;
+    double sum = 0.0;
+    uint64_t w;
+    *windows = dataset_sequential_windows(&r->val, c->model.seq_len);
+    if (*windows == 0)
+        die_input("data.val: no shard holds a whole window of %d tokens (model.seq_len + 1)", c->model.seq_len + 1);
+    for (w = 0; w < *windows; w++) {
+        fill_sequential_window(&r->val, w, c->model.seq_len, r->inputs, r->targets);
+        sum += engine_forward_loss(r->inputs, r->targets);
+    }
+    return sum / (double)*windows;
+}
+
+/* --evaluate: the loss of --checkpoint on --data.val as one JSON line
+ * {"loss":L,"tokens":N,"batches":n}. With eval.batches n > 0 it is run_eval's figure: the training
+ * loop's val_loss on the same batches (seed, batch size and precision from the sidecar), bit for
+ * bit on the same engine; with 0 it is the mean over every whole window (eval_all_windows). */
+static int evaluate_main(int argc, char** argv) {
+    static Run run; /* static: Config holds paths */
+    Run* r = &run;
+    Config* c = &r->cfg;
+    uint64_t batches;
+    double loss;
+    char b[32];
+    config_parse_for_checkpoint(c, argc, argv);
+    param_layout_init(&r->layout, c);
+    ckpt_check(c->checkpoint.path, r->layout.n_params); /* before any large allocation */
+    if (c->eval.batches == 0) c->train.batch_size = 1;
+    dataset_open(&r->val, c->data.val, "data.val", c->model.vocab_size, c->model.seq_len);
+    r->inputs = (int*)xmalloc((size_t)c->train.batch_size * c->model.seq_len * sizeof(int), "batch inputs");
+    r->targets = (int*)xmalloc((size_t)c->train.batch_size * c->model.seq_len * sizeof(int), "batch targets");
+    g_quiet_events = 1; /* stdout is the one result line */
+    engine_setup(c);
+    load_weights(c, r->layout.n_params);
+    if (strcmp(engine_compute_precision(c), c->train.precision) != 0)
+        info("note: the %s engine computes in %s (train.precision %s was asked for)", engine_name(),
+             engine_compute_precision(c), c->train.precision);
+    if (c->eval.batches > 0) {
+        loss = run_eval(r);
+        batches = (uint64_t)c->eval.batches;
+    } else {
+        loss = eval_all_windows(r, &batches);
+    }
+    fprintf(stdout, "{\"loss\":%s,\"tokens\":%llu,\"batches\":%llu", json_num(b, sizeof b, loss),
+            (unsigned long long)(batches * (uint64_t)c->train.batch_size * (uint64_t)c->model.seq_len),
+            (unsigned long long)batches);
+    jline_end();
+    engine_shutdown();
+    run_free(r);
+    return 0;
+}
+
+/* main() of both engines: --generate (generate.h), --evaluate, or training. */
+static int engine_main(int argc, char** argv) {
+    int i;
+    for (i = 1; i < argc; i++) {
+        int generate = strcmp(argv[i], "--generate") == 0, evaluate = strcmp(argv[i], "--evaluate") == 0;
+        if (generate || evaluate) signals_unblock();
+        if (generate) return generate_main(argc, argv);
+        if (evaluate) return evaluate_main(argc, argv);
+    }
+    return train_main(argc, argv);
 }
 
 #endif

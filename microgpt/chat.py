@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""Chat with a trained model in the terminal, in ChatML (docs/DESIGN.md §5a).
+
+    python microgpt/chat.py runs/ANDREA-12M [--system TEXT] [--engine cuda|cpu]
+        [--temperature 0.8] [--top-k 40] [--top-p 0.95] [--seed 0] [--max-tokens 256]
+    python microgpt/chat.py runs/ANDREA-12M --prompt "Hello!" [--json]     # answer once, exit
+
+The conversation is kept as tokens, rendered as the training data renders it
+(<|im_start|>role\\n...<|im_end|>\\n per turn, microgpt/tokenizer.py), and each reply is generated
+after <|im_start|>assistant\\n until the model writes <|im_end|>. The reply is printed as its tokens
+arrive. One engine process serves the whole conversation. When the next prompt would leave less than
+the reply's room (--max-tokens, at most half of seq_len) in the model's context, the oldest
+exchanges are dropped and a line on stderr says so. Typing /reset starts over (the system prompt
+stays), /exit or end of input (Ctrl-D) quits, Ctrl-C quits at any time.
+
+Turn n of a session samples with seed --seed + n, so a session replays exactly with the same inputs.
+"""
+import argparse
+import codecs
+import json
+import sys
+
+from microgpt import tokenizer
+from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
+                                resolve_checkpoint)
+
+COMMANDS = "/reset clears the conversation, /exit quits"
+
+
+def turn_tokens(role, content):
+    """One finished turn exactly as the data pipeline renders it: encode_conversation's tokens
+    without the <|endoftext|> that closes a whole conversation."""
+    return tokenizer.encode_conversation([(role, content)])[:-1]
+
+
+def reply_header():
+    """<|im_start|>assistant\\n: the prompt's end, after which the model writes its turn."""
+    return [tokenizer.IM_START] + tokenizer.encode("assistant\n")
+
+
+class Conversation:
+    """The system turn and the exchanges so far, as token lists, cut to fit the context."""
+
+    def __init__(self, system, seq_len, reply_room):
+        self.system = turn_tokens("system", system) if system else []
+        self.seq_len, self.reply_room = seq_len, reply_room
+        self.exchanges = []  # [user turn tokens + assistant turn tokens]
+        if len(self.system) + len(reply_header()) + self.reply_room > seq_len:
+            raise InferenceError(f"the system prompt takes {len(self.system)} tokens; with the reply's "
+                                 f"room ({reply_room}) it does not fit the model's {seq_len}-token context")
+
+    def prompt(self, user_text):
+        """Prompt tokens for the next reply and how many old exchanges had to go to fit it.
+        Raises InferenceError (the conversation unchanged) if the message alone is too long."""
+        user = turn_tokens("user", user_text)
+        fixed = len(self.system) + len(user) + len(reply_header())
+        if fixed + self.reply_room > self.seq_len:
+            raise InferenceError(f"the message takes {len(user)} tokens; it does not fit the model's "
+                                 f"{self.seq_len}-token context with room for a reply; say it shorter")
+        dropped = 0
+        while fixed + sum(map(len, self.exchanges[dropped:])) + self.reply_room > self.seq_len:
+            dropped += 1
+        del self.exchanges[:dropped]
+        history = [t for exchange in self.exchanges for t in exchange]
+        return self.system + history + user + reply_header(), dropped
+
+    def add(self, user_text, reply_ids):
+        """Keep the exchange; the reply's tokens as the model made them, closed with <|im_end|>\\n
+        whether it stopped there or was cut off."""
+        closing = [tokenizer.IM_END] + tokenizer.encode("\n")
+        self.exchanges.append(turn_tokens("user", user_text) + reply_header() + reply_ids + closing)
+
+    def reset(self):
+        self.exchanges = []
+
+
+class TextStream:
+    """Token ids -> text as they arrive. A character's UTF-8 bytes may be split over tokens; the
+    incremental decoder holds an incomplete tail back until the rest comes. Special tokens print
+    nothing."""
+
+    def __init__(self):
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token):
+        if token >= tokenizer.EOT:  # <|endoftext|>, ChatML specials (padded ids are never sampled)
+            return ""
+        return self.decoder.decode(tokenizer.encoding().decode_single_token_bytes(token))
+
+    def finish(self):
+        return self.decoder.decode(b"", final=True)
+
+
+def reply(gen, prompt_ids, args, turn, out):
+    """Generate one reply, writing its text to `out` as it comes (None: silent).
+    Returns (reply token ids without the stop token, text, done record)."""
+    request = {"prompt": prompt_ids, "max_tokens": args.max_tokens, "temperature": args.temperature,
+               "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed + turn,
+               "stop": [tokenizer.IM_END, tokenizer.EOT]}
+    text, ids, stream = [], [], TextStream()
+    for record in gen.stream(request):
+        if "token" in record:
+            token = record["token"]
+            if token in request["stop"]:  # streamed like any token; never printed or kept
+                continue
+            ids.append(token)
+            piece = stream.feed(token)
+            text.append(piece)
+            if out and piece:
+                out.write(piece)
+                out.flush()
+        if record.get("done"):
+            tail = stream.finish()
+            text.append(tail)
+            if out and tail:
+                out.write(tail)
+            return ids, "".join(text), record
+
+
+def cut_notice(record):
+    """A line for a reply that did not end with <|im_end|>, or None."""
+    if record["reason"] == "length":
+        return "[reply cut at --max-tokens]"
+    if record["reason"] == "context":
+        return "[reply cut: the model's context is full]"
+    return None
+
+
+def one_shot(gen, conv, args):
+    prompt_ids, _ = conv.prompt(args.prompt)
+    ids, text, done = reply(gen, prompt_ids, args, 0, None if args.json else sys.stdout)
+    if args.json:
+        ms = done.get("ms")
+        print(json.dumps({"reply": text, "tokens": ids, "reason": done["reason"],
+                          "prompt_tokens": len(prompt_ids), "ms": ms,
+                          "tokens_per_s": len(ids) / (ms / 1000) if ms else None}))
+    else:
+        print()
+        notice = cut_notice(done)
+        if notice:
+            print(notice, file=sys.stderr)
+    return 0
+
+
+def interactive(gen, conv, args):
+    if sys.stdin.isatty():
+        import readline  # noqa: F401  (line editing and history for input(); only on a terminal)
+    turn = 0
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        text = line.strip()
+        if text == "/exit":
+            return 0
+        if text == "/reset":
+            conv.reset()
+            print("[conversation cleared]", file=sys.stderr)
+            continue
+        if not text:
+            continue
+        try:
+            prompt_ids, dropped = conv.prompt(line)
+        except InferenceError as e:
+            print(f"[{e}]", file=sys.stderr)
+            continue
+        if dropped:
+            print(f"[the conversation outgrew the {conv.seq_len}-token context: dropped the oldest "
+                  f"{dropped} exchange{'s' if dropped > 1 else ''}]", file=sys.stderr)
+        ids, _, done = reply(gen, prompt_ids, args, turn, sys.stdout)
+        print()
+        notice = cut_notice(done)
+        if notice:
+            print(notice, file=sys.stderr)
+        conv.add(line, ids)
+        turn += 1
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Chat with a trained model (ChatML).")
+    p.add_argument("model", metavar="RUN_DIR_OR_CHECKPOINT",
+                   help="a run directory (runs/<name>/, its <name>.ckpt) or a checkpoint file")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--prompt", help="answer this one message and exit")
+    p.add_argument("--json", action="store_true",
+                   help="with --prompt: print one JSON object: reply (text), tokens (its ids, without "
+                        "<|im_end|>), reason (stop|length|context), prompt_tokens, ms, tokens_per_s")
+    p.add_argument("--engine", choices=("cuda", "cpu"),
+                   help="default: the GPU engine when built and a GPU is visible, else the CPU engine")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="0: off (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="1: off (default 0.95)")
+    p.add_argument("--seed", type=int, default=0, help="turn n samples with seed+n (default 0)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="longest reply in tokens (default 256; at most the model's context)")
+    args = p.parse_args(argv)
+    if args.json and args.prompt is None:
+        p.error("--json needs --prompt")
+    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1 or args.max_tokens < 1:
+        p.error("need --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1 and --max-tokens >= 1")
+    return args
+
+
+def main(argv):
+    args = parse_args(argv)
+    gen = None
+    try:
+        ckpt = resolve_checkpoint(args.model)
+        shape = read_model_shape(ckpt)
+        conv = Conversation(args.system, shape["seq_len"], min(args.max_tokens, shape["seq_len"] // 2))
+        engine = pick_engine(args.engine)
+        gen = Generator(engine, ckpt)
+        if args.prompt is not None:
+            return one_shot(gen, conv, args)
+        print(f"chatting with {ckpt} (step {shape['step']}); {COMMANDS}", file=sys.stderr)
+        return interactive(gen, conv, args)
+    except InferenceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # at the prompt or mid-reply: stop the engine, no traceback
+        print(file=sys.stderr)
+        if gen:
+            gen.kill()
+        return 130
+    finally:
+        if gen:
+            gen.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,123 @@
+/* fp8.h: the FP8 formats of precision fp8 (docs/DESIGN.md §18) in plain C, the one definition of
+ * what the GPU engine's casts compute, so the CPU engine can emulate them bit for bit.
+ *
+ *   E4M3  1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinity; largest finite 448;
+ *         NaN 0x7F/0xFF; subnormals m * 2^-9.         Weights and activations.
+ *   E5M2  1 sign, 5 exponent (bias 15), 2 mantissa bits; IEEE-like; largest finite 57344;
+ *         subnormals m * 2^-16.                         Activation gradients.
+ *
+ * fp8_from_float rounds to nearest, ties to even, and saturates every finite or infinite value
+ * beyond the largest finite one to it (the contract of cuda_fp8.h's __nv_cvt_float_to_fp8 with
+ * __NV_SATFINITE, on sm_89+ the instruction cvt.rn.satfinite); NaN becomes 0x7F.
+ * tests/kernel_check.cu compares it with the intrinsic on all 2^32 fp32 inputs.
+ *
+ * Scaling is per tensor and current: a tensor is cast as fp8(x * s) with s the largest power of two
+ * for which amax(|x|) * s stays within the format's largest finite value. A power of two makes
+ * x * s and the dequantisation q / s exact (in fp32, barring subnormals, which are rounded the same
+ * on both engines), so the only rounding is the cast itself.
+ *
+ * The header compiles as C99 and as C++; under nvcc every function is also a device function (the
+ * kernel check runs the same code on the GPU). */
+#ifndef MICROGPT_CPU_FP8_H
+#define MICROGPT_CPU_FP8_H
+
+#include <math.h>
+#include <string.h>
+
+#ifdef __CUDACC__
+#define FP8_HD __host__ __device__
+#else
+#define FP8_HD
+#endif
+
+enum { FP8_E4M3 = 0, FP8_E5M2 = 1 };
+
+#define FP8_E4M3_MAX 448.0f
+#define FP8_E5M2_MAX 57344.0f
+#define FP8_SCALE_EXP_LIMIT 126 /* scales 2^-126 .. 2^126: the scale and its inverse stay normal fp32 */
+
+/* Mantissa bits, exponent bias and largest finite code (positive) of a format. */
+static inline FP8_HD int fp8_mant_bits(int fmt) { return fmt == FP8_E4M3 ? 3 : 2; }
+static inline FP8_HD int fp8_bias(int fmt) { return fmt == FP8_E4M3 ? 7 : 15; }
+static inline FP8_HD int fp8_max_code(int fmt) { return fmt == FP8_E4M3 ? 0x7E : 0x7B; }
+
+static inline FP8_HD unsigned fp8_float_bits(float x) {
+    unsigned u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+/* x rounded to nearest, ties to even, saturating; see the top of the file. */
+static inline FP8_HD unsigned char fp8_from_float(float x, int fmt) {
+    unsigned bits = fp8_float_bits(x), abs_bits = bits & 0x7FFFFFFFu;
+    unsigned sign = (bits >> 24) & 0x80u;
+    int mb = fp8_mant_bits(fmt), bias = fp8_bias(fmt), max_code = fp8_max_code(fmt);
+    int code;
+    if (abs_bits > 0x7F800000u) return 0x7F; /* NaN */
+    if (abs_bits == 0x7F800000u) return (unsigned char)(sign | (unsigned)max_code);
+    if (ldexpf(fabsf(x), bias - 1) < 1.0f) {
+        /* below the smallest normal 2^(1-bias): a multiple of the smallest subnormal 2^(1-bias-mb);
+         * |x| / that unit is exact (a power-of-two scaling up), then rounded to an integer */
+        float q = ldexpf(fabsf(x), bias - 1 + mb), fl = floorf(q), rest = q - fl;
+        code = (int)fl;
+        if (rest > 0.5f || (rest == 0.5f && (code & 1))) code++; /* code 1 << mb: the smallest normal */
+    } else {
+        int e = (int)((abs_bits >> 23) & 0xFF) - 127, drop = 23 - mb;
+        unsigned m = abs_bits & 0x7FFFFFu, rest = m & ((1u << drop) - 1u), half = 1u << (drop - 1);
+        code = ((e + bias) << mb) | (int)(m >> drop);
+        if (rest > half || (rest == half && (code & 1))) code++; /* a carry moves into the exponent */
+        if (code > max_code) code = max_code;
+    }
+    return (unsigned char)(sign | (unsigned)code);
+}
+
+/* The value of an fp8 code (exact in fp32). */
+static inline FP8_HD float fp8_to_float(unsigned char c, int fmt) {
+    int mb = fp8_mant_bits(fmt), bias = fp8_bias(fmt);
+    int e = (c & 0x7F) >> mb, m = c & ((1 << mb) - 1), max_e = fmt == FP8_E4M3 ? 15 : 31;
+    float v;
+    if (fmt == FP8_E4M3 && (c & 0x7F) == 0x7F) return NAN;
+    if (fmt == FP8_E5M2 && e == max_e) v = m ? NAN : INFINITY;
+    else if (e == 0) v = ldexpf((float)m, 1 - bias - mb);
+    else v = ldexpf((float)((1 << mb) + m), e - bias - mb);
+    return (c & 0x80) ? -v : v;
+}
+
+/* The cast scale for a tensor whose largest magnitude is amax: the largest power of two s with
+ * amax * s <= the format's largest finite value, within 2^±FP8_SCALE_EXP_LIMIT; 1 when amax is 0
+ * or not finite (nothing to scale; a NaN stays NaN through the cast). */
+static inline FP8_HD float fp8_scale_for_amax(float amax, int fmt) {
+    int ex, k, max_e = fmt == FP8_E4M3 ? 9 : 16; /* largest finite = 0.875 * 2^max_e */
+    float m;
+    if (!(amax > 0.0f) || !(amax <= 3.402823466e38f)) return 1.0f;
+    m = frexpf(amax, &ex); /* amax = m * 2^ex, m in [0.5, 1) */
+    k = max_e - ex - (m > 0.875f ? 1 : 0);
+    if (k > FP8_SCALE_EXP_LIMIT) k = FP8_SCALE_EXP_LIMIT;
+    if (k < -FP8_SCALE_EXP_LIMIT) k = -FP8_SCALE_EXP_LIMIT;
+    return ldexpf(1.0f, k);
+}
+
+/* Largest |x| of n values as the GPU reduces it: the maximum of the fp32 bit patterns of |x|, so
+ * a NaN (whose pattern is above infinity's) makes the result NaN. Order-free, hence deterministic. */
+static inline float fp8_amax(const float* x, size_t n) {
+    unsigned best = 0;
+    float r;
+    for (size_t i = 0; i < n; i++) {
+        unsigned b = fp8_float_bits(x[i]) & 0x7FFFFFFFu;
+        if (b > best) best = b;
+    }
+    memcpy(&r, &best, sizeof r);
+    return r;
+}
+
+/* out = the values the fp8 product sees of x [n]: cast with the tensor's current scale, then
+ * dequantised (code value / scale). out may be x. Returns the scale. */
+static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int fmt) {
+    float s = fp8_scale_for_amax(fp8_amax(x, n), fmt), inv = 1.0f / s;
+    long i, len = (long)n;
+    #pragma omp parallel for schedule(static)
+    for (i = 0; i < len; i++) out[i] = fp8_to_float(fp8_from_float(x[i] * s, fmt), fmt) * inv;
+    return s;
+}
+
+#endif

@@ -1,0 +1,217 @@
+/* fp8.cuh: precision fp8 (docs/DESIGN.md §18): the per-tensor casts to FP8 and the FP8 tensor-core
+ * products of the linear layers, through cuBLASLt. Nothing here runs in any other precision.
+ *
+ * A cast is fp8_quantize: the tensor's amax (k_fp8_amax), then k_fp8_cast, which derives the scale
+ * from the amax (cpu/fp8.h's fp8_scale_for_amax, a power of two), casts x * scale with the
+ * hardware's round-to-nearest-even, saturating conversion, and writes the inverse scale where the
+ * product reads it. Current scaling: every cast uses the amax of the tensor it casts, so no scale
+ * state outlives a step and resume needs nothing beyond the weights.
+ *
+ * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
+ * patterns is the order of the values), reduced per block and combined with an integer atomicMax:
+ * the maximum does not depend on the order, so the result is deterministic.
+ *
+ * Hopper's FP8 products take both operands K-major ("TN": in row-major terms A [M,K] and B^T
+ * [N,K]). So a cast writes the layouts its products need in one pass: `out_n`, the tensor as it is,
+ * and `out_t`, its transpose (the weight-gradient products contract over positions, and the forward
+ * reads W^T). A tensor may be `batch` [R, Cc] blocks (W_Q, W_K, W_V; dq, dk, dv): out_n is then
+ * [R][batch][Cc], the blocks side by side, so that sum_i dqkv_i @ W_i^T is one product with
+ * K = 3C, and out_t is [batch][Cc][R].
+ *
+ * Formats: weights and activations E4M3 (more mantissa), activation gradients E5M2 (more range:
+ * gradients span more binades per tensor than activations do, and E5M2 x E4M3 is a product
+ * cuBLASLt has, while E5M2 x E5M2 is not). Products accumulate in fp32 (cuBLASLt's default FP8
+ * accumulation, without its fast-accumulation mode) and write bf16 activations or fp32 weight
+ * gradients. */
+#ifndef MICROGPT_CUDA_FP8_CUH
+#define MICROGPT_CUDA_FP8_CUH
+
+#include <cuda_fp8.h>
+
+#include "../cpu/fp8.h"
+#include "common.cuh"
+
+typedef unsigned char fp8;
+
+/* One cast's scale: the amax it was derived from (as fp32 bits), the scale, and its inverse, which
+ * the product multiplies by. */
+struct Fp8Scale {
+    unsigned amax_bits;
+    float scale;
+    float descale;
+};
+
+#define FP8_AMAX_BLOCK 256
+#define FP8_TILE 32      /* the cast's tile: 32 x 32 elements through shared memory */
+#define FP8_TILE_ROWS 8  /* threads per tile column: each thread casts 4 rows */
+
+template <typename T>
+__global__ void k_fp8_amax(unsigned* __restrict__ amax_bits, const T* __restrict__ x, size_t n) {
+    __shared__ unsigned warp_max[FP8_AMAX_BLOCK / 32];
+    unsigned m = 0;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        m = max(m, __float_as_uint(to_f(x[i])) & 0x7FFFFFFFu);
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < FP8_AMAX_BLOCK / 32; w++) m = max(m, warp_max[w]);
+        atomicMax(amax_bits, m);
+    }
+}
+
+__device__ __forceinline__ fp8 fp8_cvt(float x, int fmt) {
+    return (fp8)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+/* in: batch blocks [R, Cc]; out_n [R][batch][Cc] and out_t [batch][Cc][R], either may be NULL.
+ * Grid (Cc tiles, R tiles, batch), block (FP8_TILE, FP8_TILE_ROWS). */
+template <typename T>
+__global__ void k_fp8_cast(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* sc, const T* __restrict__ in,
+                           int R, int Cc, int fmt) {
+    __shared__ fp8 tile[FP8_TILE][FP8_TILE + 4];
+    int b = blockIdx.z, batch = gridDim.z;
+    int c = blockIdx.x * FP8_TILE + threadIdx.x, r0 = blockIdx.y * FP8_TILE;
+    float amax = __uint_as_float(sc->amax_bits), s = fp8_scale_for_amax(amax, fmt);
+    const T* src = in + (size_t)b * R * Cc;
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
+        sc->scale = s;
+        sc->descale = 1.0f / s;
+    }
+    for (int k = threadIdx.y; k < FP8_TILE; k += FP8_TILE_ROWS) {
+        int r = r0 + k;
+        if (r < R && c < Cc) {
+            fp8 q = fp8_cvt(to_f(src[(size_t)r * Cc + c]) * s, fmt);
+            if (out_n) out_n[((size_t)r * batch + b) * Cc + c] = q;
+            tile[k][threadIdx.x] = q;
+        }
+    }
+    if (!out_t) return;
+    __syncthreads();
+    /* transposed: thread x walks rows r0 + x of the tile, its y the columns */
+    for (int k = threadIdx.y; k < FP8_TILE; k += FP8_TILE_ROWS) {
+        int r = r0 + threadIdx.x, cc = blockIdx.x * FP8_TILE + k;
+        if (r < R && cc < Cc) out_t[((size_t)b * Cc + cc) * R + r] = tile[threadIdx.x][k];
+    }
+}
+
+/* Casts `batch` blocks [R, Cc] of `in` to `fmt` at their joint current scale into out_n / out_t
+ * (layouts at the top of the file); sc receives the scale. */
+template <typename T>
+static void fp8_quantize(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt) {
+    size_t n = (size_t)batch * R * Cc;
+    if (ceil_div(R, FP8_TILE) > 65535u || batch > 65535) {
+        fprintf(stderr, "error: internal: fp8_quantize of %d x [%d, %d] exceeds the cast's grid\n", batch, R, Cc);
+        exit(1);
+    }
+    CUDA_CHECK(cudaMemsetAsync(&sc->amax_bits, 0, sizeof(unsigned), g_stream));
+    k_fp8_amax<T><<<elementwise_grid(n, FP8_AMAX_BLOCK) < 1024 ? elementwise_grid(n, FP8_AMAX_BLOCK) : 1024,
+                    FP8_AMAX_BLOCK, 0, g_stream>>>(&sc->amax_bits, in, n);
+    LAUNCH_CHECK();
+    dim3 grid(ceil_div(Cc, FP8_TILE), ceil_div(R, FP8_TILE), batch), block(FP8_TILE, FP8_TILE_ROWS);
+    k_fp8_cast<T><<<grid, block, 0, g_stream>>>(out_n, out_t, sc, in, R, Cc, fmt);
+    LAUNCH_CHECK();
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The FP8 product, row-major like gemm (common.cuh):
+ *     D[M,N] = descale_a descale_b (A[M,K] B[K,N]) + beta C        B given as Bt [N,K]
+ * A and Bt K-major fp8 (types a_fmt, b_fmt), `batch` times with element strides; D and C (C of
+ * D's layout: D itself, a residual, or ignored with beta 0) bf16 or fp32. cuBLASLt computes
+ * D^T = Bt A^T column-major: its first operand is Bt (transposed), its second A. */
+
+static cudaDataType_t fp8_dtype(int fmt) { return fmt == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
+
+struct Fp8GemmKey {
+    int M, N, K, batch, a_fmt, b_fmt, d_type;
+    long long stride_a, stride_b, stride_d;
+    unsigned align_a, align_b, align_c, align_d;
+};
+
+struct Fp8GemmPlan {
+    Fp8GemmKey key;
+    LtPlan lt; /* its descriptors and algorithm (its LtKey unused) */
+};
+
+#define FP8_MAX_PLANS 64
+static Fp8GemmPlan g_fp8_plans[FP8_MAX_PLANS];
+static int g_fp8_n_plans = 0;
+
+static void fp8_plans_clear(void) {
+    for (int i = 0; i < g_fp8_n_plans; i++) lt_plan_destroy(&g_fp8_plans[i].lt);
+    g_fp8_n_plans = 0;
+}
+
+/* Descriptors and the heuristic's first algorithm for `key`; no algorithm is an error (the shape
+ * checks of engine_setup should have refused the config first). */
+static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
+    cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
+    cudaDataType_t dt = (cudaDataType_t)key->d_type;
+    LtPlan* lt = &p->lt;
+    p->key = *key;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&lt->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t);
+    lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof op_n);
+    lt->a = lt_layout(fp8_dtype(key->b_fmt), key->N, key->K, key->K, key->batch, key->stride_b);
+    lt->b = lt_layout(fp8_dtype(key->a_fmt), key->M, key->K, key->K, key->batch, key->stride_a);
+    lt->d = lt_layout(dt, key->M, key->N, key->N, key->batch, key->stride_d);
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    cublasStatus_t st = lt_heuristic(lt, key->align_b, key->align_a, key->align_c, key->align_d, 1, &res, &found);
+    if (st != CUBLAS_STATUS_SUCCESS || found < 1) {
+        fprintf(stderr,
+                "error: cuBLASLt has no FP8 algorithm for D[%d,%d] (%s) = A[%d,%d] (%s) B[%d,%d] (%s), batch %d "
+                "(status %d); FP8 products need K a multiple of 16 and 16-byte aligned operands\n",
+                key->M, key->N, dt == CUDA_R_32F ? "fp32" : "bf16", key->M, key->K, key->a_fmt ? "e5m2" : "e4m3",
+                key->K, key->N, key->b_fmt ? "e5m2" : "e4m3", key->batch, (int)st);
+        exit(1);
+    }
+    lt->algo = res.algo;
+    lt->ok = true;
+}
+
+static Fp8GemmPlan* fp8_plan(const Fp8GemmKey* key) {
+    for (int i = 0; i < g_fp8_n_plans; i++)
+        if (!memcmp(&g_fp8_plans[i].key, key, sizeof *key)) return &g_fp8_plans[i];
+    if (g_fp8_n_plans == FP8_MAX_PLANS) fp8_plans_clear(); /* only kernel_check's many shapes get here */
+    Fp8GemmPlan* p = &g_fp8_plans[g_fp8_n_plans++];
+    fp8_plan_make(p, key);
+    return p;
+}
+
+/* One FP8 operand: where, its format, the cast scale it was made with, its batch stride. */
+struct Fp8Mat {
+    const fp8* p;
+    int fmt;
+    const Fp8Scale* sc;
+    long long stride;
+};
+
+static Fp8Mat fp8_mat(const fp8* p, int fmt, const Fp8Scale* sc, long long stride = 0) {
+    Fp8Mat m = {p, fmt, sc, stride};
+    return m;
+}
+
+/* D [M,N] (type TD: bf16 or float) = A [M,K] Bt[N,K]^T + beta C, as at the top of this section. */
+template <typename TD>
+static void fp8_gemm(int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD* D, const TD* C, float beta, int batch = 1,
+                     long long stride_d = 0) {
+    Fp8GemmKey key;
+    memset(&key, 0, sizeof key);
+    key.M = M, key.N = N, key.K = K, key.batch = batch, key.a_fmt = A.fmt, key.b_fmt = Bt.fmt;
+    key.d_type = TypeInfo<TD>::dtype;
+    key.stride_a = A.stride, key.stride_b = Bt.stride, key.stride_d = stride_d;
+    key.align_a = lt_alignment(A.p), key.align_b = lt_alignment(Bt.p);
+    key.align_c = lt_alignment(C ? C : D), key.align_d = lt_alignment(D);
+    LtPlan* p = &fp8_plan(&key)->lt;
+    const float* a_descale = &Bt.sc->descale; /* cuBLASLt's A is our Bt */
+    const float* b_descale = &A.sc->descale;
+    lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_descale, sizeof a_descale);
+    lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_descale, sizeof b_descale);
+    float alpha = 1.0f;
+    CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &alpha, Bt.p, p->a, A.p, p->b, &beta, C ? (const void*)C : D,
+                                p->d, D, p->d, &p->algo, g_gemm_workspace, g_gemm_workspace_bytes, g_stream));
+    if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+#endif

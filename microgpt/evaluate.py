@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Loss and perplexity of a trained model on text, as JSON (docs/DESIGN.md §5a).
+
+    python microgpt/evaluate.py RUN_DIR_OR_CHECKPOINT FILE_OR_GLOB [--batches N] [--engine cuda|cpu]
+
+FILE_OR_GLOB is
+  * a glob over token shards (llm.c format, e.g. 'data/megachat/megachat_val_*.bin'), or
+  * a .jsonl file of conversations (ShareGPT or OpenAI records), each rendered in ChatML and closed
+    with <|endoftext|> exactly as the data pipeline renders it (microgpt/tokenizer.py); malformed
+    records are skipped and counted, as the pipeline does, or
+  * a .txt file, one document: its text, then <|endoftext|>.
+A file is tokenized into a temporary shard. The engine's `--evaluate` mode scores it: the same code
+and the same windows as the training loop's validation, so `--batches N` on a run's validation
+shards reproduces the val_loss the run reported with eval.batches N. Without --batches every full
+window of seq_len + 1 tokens is scored once.
+
+Output, one JSON object on stdout:
+    {"loss": 4.19, "perplexity": 66.0, "tokens": 81920, "batches": 20, "checkpoint": ..., "step": ...,
+     "data": ..., "engine": "cpu"|"cuda"[, "documents": n, "skipped": {reason: n}]}
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+from microgpt import tokenizer
+from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,
+                                resolve_checkpoint)
+from microgpt.shards import write_shard
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+def tokenize_file(path):
+    """A .txt or .jsonl file -> (token ids, documents, {malformed reason: count})."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            if path.endswith(".txt"):
+                return tokenizer.encode(f.read()) + [tokenizer.EOT], 1, {}
+            ids, documents, skipped = [], 0, {}
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    turns = tokenizer.parse_conversation(json.loads(line))
+                except ValueError as e:  # json.JSONDecodeError is a ValueError too
+                    reason = "invalid JSON" if isinstance(e, json.JSONDecodeError) else str(e)
+                    skipped[reason] = skipped.get(reason, 0) + 1
+                    continue
+                ids += tokenizer.encode_conversation(turns)
+                documents += 1
+            return ids, documents, skipped
+    except OSError as e:
+        raise InferenceError(f"{path}: {e.strerror}") from None
+
+
+def run_evaluate(engine, ckpt, shard_glob, batches):
+    """ENGINE --evaluate -> its {"loss", "tokens", "batches"} record."""
+    cmd = [engine, "--evaluate", "--checkpoint", ckpt, "--data.val", shard_glob, "--eval.batches", str(batches)]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise InferenceError(f"cannot start {engine}: {e.strerror or e}") from None
+    if res.returncode != 0:
+        errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+        detail = errors[-1][len("error:"):].strip() if errors else res.stderr.strip()[-500:]
+        raise InferenceError(f"the engine could not evaluate (exit code {res.returncode}): {detail}")
+    for line in reversed(res.stdout.splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "loss" in record:
+            return record
+    raise InferenceError(f"the engine printed no loss record; stdout: {res.stdout.strip()[-500:]}")
+
+
+def evaluate(engine, model, data, batches):
+    """The JSON-ready result for RUN_DIR_OR_CHECKPOINT `model` on FILE_OR_GLOB `data`."""
+    ckpt = resolve_checkpoint(model)
+    shape = read_model_shape(ckpt)
+    extra = {}
+    with tempfile.TemporaryDirectory(prefix="andrea-eval-") as tmp:
+        if data.endswith(TEXT_SUFFIXES):
+            ids, documents, skipped = tokenize_file(data)
+            window = shape["seq_len"] + 1
+            if len(ids) < window:
+                raise InferenceError(f"{data} has {len(ids)} tokens; scoring needs at least one window "
+                                     f"of seq_len + 1 = {window}")
+            shard_glob = os.path.join(tmp, "eval_000000.bin")
+            write_shard(shard_glob, ids)
+            extra = {"documents": documents, "skipped": skipped}
+        else:
+            if not glob.glob(data):
+                raise InferenceError(f"{data}: no shard matches (give a shard glob, or a .txt/.jsonl file)")
+            shard_glob = data
+        record = run_evaluate(engine, ckpt, shard_glob, batches)
+    loss = float(record["loss"])
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": record["tokens"],
+            "batches": record["batches"], "checkpoint": ckpt, "step": shape["step"], "data": data,
+            "engine": engine_name(engine), **extra}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Loss and perplexity of a trained model, as JSON.")
+    p.add_argument("model", metavar="RUN_DIR_OR_CHECKPOINT",
+                   help="a run directory (runs/<name>/, its <name>.ckpt) or a checkpoint file")
+    p.add_argument("data", metavar="FILE_OR_GLOB",
+                   help="a glob over token shards, or a .txt / .jsonl (conversations) file")
+    p.add_argument("--batches", type=int, default=0,
+                   help="score the first N validation batches, as the training loop does with "
+                        "eval.batches N (default 0: every full window once)")
+    p.add_argument("--engine", choices=("cuda", "cpu"),
+                   help="default: the GPU engine when built and a GPU is visible, else the CPU engine")
+    args = p.parse_args(argv)
+    if args.batches < 0:
+        p.error("--batches must be >= 0")
+    return args
+
+
+def main(argv):
+    args = parse_args(argv)
+    try:
+        engine = pick_engine(args.engine)
+        result = evaluate(engine, args.model, args.data, args.batches)
+    except InferenceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,349 @@
+/* dist.h: data parallelism across processes (docs/DESIGN.md §17), the host part both engines share.
+ *
+ * Ranks come from torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+ * MASTER_PORT); WORLD_SIZE unset or 1 is one process and every function here is then a no-op.
+ * The control plane is a TCP star: rank 0 listens on MASTER_ADDR:MASTER_PORT, every other rank
+ * connects. Collectives go through rank 0 in rank order, so every sum has one fixed order. The CPU
+ * engine sends its gradients through it; the CUDA engine only its NCCL id and scalars (the
+ * gradients travel through NCCL). Every wait has a timeout; a peer that exits closes its socket and
+ * the waiting rank stops at once with one error line naming it.
+ * Compiles as C99 and as C++ (nvcc). */
+#ifndef MICROGPT_HOST_DIST_H
+#define MICROGPT_HOST_DIST_H
+
+#include "output.h"
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define DIST_MAGIC 0x414e4452u /* "ANDR": a connection from something else is refused */
+#define DIST_DEFAULT_TIMEOUT_S 600.0
+
+typedef struct {
+    int rank, world, local_rank;
+    double timeout_s; /* longest wait for a peer (ANDREA_DIST_TIMEOUT_S) */
+    int* fds;         /* rank 0: fds[r] is rank r's socket (fds[0] unused); others: fds[0] is rank 0's */
+    char* scratch;    /* rank 0's receive buffer for reductions, grown once */
+    size_t scratch_bytes;
+} Dist;
+
+static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, NULL, NULL, 0};
+
+/* A part of [0, n) for each rank: rank r takes [r·stride, (r+1)·stride) clipped to n, where the
+ * stride is a whole number of units (dist_stride), the same for every rank as NCCL's reduce-scatter
+ * and all-gather need (the last parts may be short or empty). A unit is never split: the CPU
+ * engine's is its gradient-norm chunk, the CUDA engine's a word of the weight-decay mask. */
+typedef struct { size_t lo, hi; } DistPart;
+
+static size_t dist_stride(size_t n, size_t unit, int world) {
+    size_t units = (n + unit - 1) / unit;
+    return (units + (size_t)world - 1) / (size_t)world * unit;
+}
+
+static DistPart dist_part(size_t n, size_t unit, int rank, int world) {
+    size_t stride = dist_stride(n, unit, world);
+    DistPart p;
+    p.lo = stride * (size_t)rank;
+    p.hi = p.lo + stride;
+    if (p.lo > n) p.lo = n;
+    if (p.hi > n) p.hi = n;
+    return p;
+}
+
+static int env_int(const char* name, int fallback) {
+    const char* s = getenv(name);
+    char* end;
+    long x;
+    if (!s || !*s) return fallback;
+    errno = 0;
+    x = strtol(s, &end, 10);
+    if (*end || errno || x < 0 || x > 1 << 20) die_input("environment variable %s=%s is not a count", name, s);
+    return (int)x;
+}
+
+static double dist_now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void dist_lost(int peer, const char* what) {
+    die_io("rank %d: lost rank %d (%s); the run stops (the last checkpoint is kept)", g_dist.rank, peer, what);
+}
+
+/* Waits until fd is ready for `events`, at most the timeout; a dead or silent peer ends the run. */
+static void dist_wait(int fd, short events, int peer) {
+    double deadline = dist_now_s() + g_dist.timeout_s;
+    for (;;) {
+        struct pollfd p;
+        double left = deadline - dist_now_s();
+        int rc;
+        if (left <= 0) dist_lost(peer, "no answer within ANDREA_DIST_TIMEOUT_S");
+        p.fd = fd; p.events = events; p.revents = 0;
+        rc = poll(&p, 1, left > 1000.0 ? 1000000 : (int)(left * 1000.0) + 1);
+        if (rc < 0 && errno == EINTR) continue; /* a signal: its flag is read between steps */
+        if (rc < 0) dist_lost(peer, strerror(errno));
+        if (rc > 0) {
+            if (p.revents & (POLLERR | POLLNVAL)) dist_lost(peer, "it exited or its connection broke");
+            return; /* readable, writable, or hung up (then recv reads 0: "it exited") */
+        }
+    }
+}
+
+static void dist_send(int peer, const void* buf, size_t bytes) {
+    int fd = g_dist.fds[g_dist.rank == 0 ? peer : 0];
+    const char* p = (const char*)buf;
+    while (bytes > 0) {
+        ssize_t k;
+        dist_wait(fd, POLLOUT, peer);
+        k = send(fd, p, bytes, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+        if (k <= 0) dist_lost(peer, "it exited");
+        p += k;
+        bytes -= (size_t)k;
+    }
+}
+
+static void dist_recv(int peer, void* buf, size_t bytes) {
+    int fd = g_dist.fds[g_dist.rank == 0 ? peer : 0];
+    char* p = (char*)buf;
+    while (bytes > 0) {
+        ssize_t k;
+        dist_wait(fd, POLLIN, peer);
+        k = recv(fd, p, bytes, MSG_DONTWAIT);
+        if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+        if (k <= 0) dist_lost(peer, "it exited");
+        p += k;
+        bytes -= (size_t)k;
+    }
+}
+
+static struct sockaddr_in dist_master_address(void) {
+    const char* host = getenv("MASTER_ADDR");
+    int port = env_int("MASTER_PORT", -1);
+    struct addrinfo hints, *res = NULL;
+    struct sockaddr_in a;
+    int rc;
+    if (!host || !*host || port <= 0 || port > 65535)
+        die_input("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT (rank 0's address and a free TCP port)");
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    if ((rc = getaddrinfo(host, NULL, &hints, &res)) != 0 || !res)
+        die_input("MASTER_ADDR %s: %s", host, gai_strerror(rc));
+    memcpy(&a, res->ai_addr, sizeof a);
+    freeaddrinfo(res);
+    a.sin_port = htons((uint16_t)port);
+    return a;
+}
+
+static void dist_set_socket_options(int fd) {
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* small control messages: no Nagle */
+}
+
+/* Rank 0: accept the world-1 others, each announcing (magic, rank, world). */
+static void dist_accept_all(struct sockaddr_in a) {
+    int one = 1, n = 0, lfd = socket(AF_INET, SOCK_STREAM, 0);
+    if (lfd < 0) die_io("rank 0: socket: %s", strerror(errno));
+    setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(lfd, (struct sockaddr*)&a, sizeof a) != 0 || listen(lfd, g_dist.world) != 0)
+        die_io("rank 0: cannot listen on MASTER_ADDR:MASTER_PORT (port %d): %s", ntohs(a.sin_port), strerror(errno));
+    while (n < g_dist.world - 1) {
+        uint32_t hello[3];
+        int fd;
+        dist_wait(lfd, POLLIN, -1);
+        fd = accept(lfd, NULL, NULL);
+        if (fd < 0) continue;
+        dist_set_socket_options(fd);
+        g_dist.fds[0] = fd; /* dist_recv's socket for peer 0 until the rank is known */
+        dist_recv(0, hello, sizeof hello);
+        if (hello[0] != DIST_MAGIC || (int)hello[2] != g_dist.world || hello[1] == 0 || (int)hello[1] >= g_dist.world ||
+            g_dist.fds[hello[1]] >= 0)
+            die_input("rank 0: a connection announced rank %u of world %u (expected a new rank of %d)", hello[1],
+                      hello[2], g_dist.world);
+        g_dist.fds[hello[1]] = fd;
+        n++;
+    }
+    g_dist.fds[0] = -1;
+    close(lfd);
+}
+
+/* Rank r > 0: connect to rank 0, retrying until the timeout (rank 0 may start later). */
+static void dist_connect(struct sockaddr_in a) {
+    double deadline = dist_now_s() + g_dist.timeout_s;
+    uint32_t hello[3];
+    for (;;) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        if (fd < 0) die_io("rank %d: socket: %s", g_dist.rank, strerror(errno));
+        if (connect(fd, (struct sockaddr*)&a, sizeof a) == 0) {
+            dist_set_socket_options(fd);
+            g_dist.fds[0] = fd;
+            break;
+        }
+        close(fd);
+        if (dist_now_s() > deadline) dist_lost(0, "cannot connect to MASTER_ADDR:MASTER_PORT");
+        {
+            struct timespec pause = {0, 50000000}; /* 50 ms between attempts */
+            nanosleep(&pause, NULL);
+        }
+    }
+    hello[0] = DIST_MAGIC; hello[1] = (uint32_t)g_dist.rank; hello[2] = (uint32_t)g_dist.world;
+    dist_send(0, hello, sizeof hello);
+}
+
+/* Reads the environment; with WORLD_SIZE > 1 connects every rank to rank 0. */
+static void dist_init(void) {
+    const char* t = getenv("ANDREA_DIST_TIMEOUT_S");
+    int r;
+    g_dist.world = env_int("WORLD_SIZE", 1);
+    g_dist.rank = env_int("RANK", 0);
+    g_dist.local_rank = env_int("LOCAL_RANK", g_dist.rank);
+    if (g_dist.world < 1 || g_dist.rank >= g_dist.world)
+        die_input("RANK %d is not below WORLD_SIZE %d", g_dist.rank, g_dist.world);
+    if (t && *t) {
+        g_dist.timeout_s = atof(t);
+        if (!(g_dist.timeout_s > 0)) die_input("ANDREA_DIST_TIMEOUT_S=%s is not a positive number of seconds", t);
+    }
+    if (g_dist.world == 1) return;
+    g_dist.fds = (int*)xmalloc((size_t)g_dist.world * sizeof(int), "rank sockets");
+    for (r = 0; r < g_dist.world; r++) g_dist.fds[r] = -1;
+    if (g_dist.rank == 0) dist_accept_all(dist_master_address());
+    else dist_connect(dist_master_address());
+}
+
+/* A peer whose connection has closed (it exited), or -1. For waits that are not on a socket (the
+ * CUDA engine's NCCL calls): a peeked byte is a message already on its way, not a death. */
+static inline int dist_peer_gone(void) {
+    int r;
+    if (g_dist.world == 1) return -1;
+    for (r = 0; r < g_dist.world; r++) {
+        char byte;
+        int fd = g_dist.fds[r];
+        if (fd < 0) continue;
+        if (recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0) return g_dist.rank == 0 ? r : 0;
+    }
+    return -1;
+}
+
+static void dist_shutdown(void) {
+    int r;
+    if (g_dist.world == 1) return;
+    for (r = 0; r < g_dist.world; r++)
+        if (g_dist.fds[r] >= 0) close(g_dist.fds[r]);
+    free(g_dist.fds);
+    free(g_dist.scratch);
+    g_dist.fds = NULL;
+    g_dist.scratch = NULL;
+}
+
+static void* dist_scratch(size_t bytes) {
+    if (bytes > g_dist.scratch_bytes) {
+        free(g_dist.scratch);
+        g_dist.scratch = (char*)xmalloc(bytes, "reduction buffer");
+        g_dist.scratch_bytes = bytes;
+    }
+    return g_dist.scratch;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Collectives: every rank calls the same ones in the same order. */
+
+/* Rank 0's buf to every rank. */
+static void dist_broadcast(void* buf, size_t bytes) {
+    int r;
+    if (g_dist.world == 1) return;
+    if (g_dist.rank == 0)
+        for (r = 1; r < g_dist.world; r++) dist_send(r, buf, bytes);
+    else
+        dist_recv(0, buf, bytes);
+}
+
+/* Each rank's `bytes` into rank 0's all[rank · bytes ...] (rank order); other ranks' all unused. */
+static void dist_gather(const void* mine, size_t bytes, void* all) {
+    int r;
+    if (g_dist.world > 1 && g_dist.rank != 0) {
+        dist_send(0, mine, bytes);
+        return;
+    }
+    memmove(all, mine, bytes);
+    for (r = 1; r < g_dist.world; r++) dist_recv(r, (char*)all + (size_t)r * bytes, bytes);
+}
+
+/* Each rank's part (dist_part(n, unit)) of buf, elements of `elem` bytes, into rank 0's buf. */
+static inline void dist_gather_parts(void* buf, size_t elem, size_t n, size_t unit) {
+    int r;
+    if (g_dist.world == 1) return;
+    for (r = g_dist.rank == 0 ? 1 : g_dist.rank; r < g_dist.world; r++) {
+        DistPart p = dist_part(n, unit, r, g_dist.world);
+        char* at = (char*)buf + p.lo * elem;
+        if (g_dist.rank == 0) dist_recv(r, at, (p.hi - p.lo) * elem);
+        else { dist_send(0, at, (p.hi - p.lo) * elem); break; }
+    }
+}
+
+/* Every rank's part of buf to every rank: afterwards all hold the whole buf. */
+static inline void dist_all_gather_parts(void* buf, size_t elem, size_t n, size_t unit) {
+    dist_gather_parts(buf, elem, n, unit);
+    dist_broadcast(buf, n * elem);
+}
+
+/* Sum of every rank's buf[0, n), added by rank 0 in rank order ((g0 + g1) + g2 ...); each rank
+ * gets its part (dist_part(n, unit)) of the sum in place. Rank 0's buf holds the whole sum. */
+static inline void dist_reduce_scatter_sum(float* buf, size_t n, size_t unit) {
+    int r;
+    size_t i;
+    if (g_dist.world == 1) return;
+    if (g_dist.rank != 0) {
+        DistPart p = dist_part(n, unit, g_dist.rank, g_dist.world);
+        dist_send(0, buf, n * sizeof(float));
+        dist_recv(0, buf + p.lo, (p.hi - p.lo) * sizeof(float));
+        return;
+    }
+    {
+        float* other = (float*)dist_scratch(n * sizeof(float));
+        for (r = 1; r < g_dist.world; r++) {
+            dist_recv(r, other, n * sizeof(float));
+            for (i = 0; i < n; i++) buf[i] += other[i];
+        }
+    }
+    for (r = 1; r < g_dist.world; r++) {
+        DistPart p = dist_part(n, unit, r, g_dist.world);
+        dist_send(r, buf + p.lo, (p.hi - p.lo) * sizeof(float));
+    }
+}
+
+/* Every rank's k doubles, in rank order, summed left to right by rank 0; the sum to every rank. */
+static double dist_sum_in_rank_order(const double* mine, int k) {
+    double sum = 0.0, *all = (double*)dist_scratch((size_t)g_dist.world * (size_t)k * sizeof(double));
+    int i;
+    dist_gather(mine, (size_t)k * sizeof(double), all);
+    if (g_dist.rank == 0)
+        for (i = 0; i < g_dist.world * k; i++) sum += all[i];
+    dist_broadcast(&sum, sizeof sum);
+    return sum;
+}
+
+/* The largest of every rank's flags[i], for each i, to every rank. */
+static void dist_max_flags(int* flags, int k) {
+    int r, i, *all;
+    if (g_dist.world == 1) return;
+    all = (int*)dist_scratch((size_t)g_dist.world * (size_t)k * sizeof(int));
+    dist_gather(flags, (size_t)k * sizeof(int), all);
+    if (g_dist.rank == 0)
+        for (r = 1; r < g_dist.world; r++)
+            for (i = 0; i < k; i++)
+                if (all[r * k + i] > flags[i]) flags[i] = all[r * k + i];
+    dist_broadcast(flags, (size_t)k * sizeof(int));
+}
+
+#endif

@@ -1,0 +1,165 @@
+"""Running a trained model: the checkpoint a run directory names, the model's shape and weights, the
+engine to use, and the one client of the engines' `--generate` protocol (docs/DESIGN.md §5a, the
+protocol itself in §15). chat.py, evaluate.py, export-hf.py and the export checks use it.
+
+    engine = pick_engine(None)                      # the proxy's choice: GPU when built and visible
+    with Generator(engine, resolve_checkpoint("runs/ANDREA-12M")) as gen:
+        for record in gen.stream({"prompt": ids, "max_tokens": 64, "temperature": 0}):
+            ...                                     # {"token": t} ... then {"done": true, ...}
+"""
+import collections
+import json
+import os
+import subprocess
+import threading
+
+from microgpt.checkpoint import CheckpointError, read_checkpoint, read_sidecar, split_params
+from microgpt.engines import ENGINES, EngineChoiceError, EngineQueryError, param_layout, select_engine
+from microgpt.run_dir import RunFiles
+
+STDERR_TAIL_LINES = 20  # the engine's last messages, shown when it fails
+MODEL_FLAGS = ("n_layer", "d_model", "n_head", "d_ff", "seq_len", "vocab_size", "padded_vocab_size")
+
+
+class InferenceError(RuntimeError):
+    """A checkpoint, engine or request problem, worded for a one-line `error:` message."""
+
+
+def resolve_checkpoint(path):
+    """A checkpoint file as given, or a run directory's checkpoint (runs/<name>/<name>.ckpt, named
+    after the directory as the proxy names it). Raises InferenceError when there is none."""
+    if os.path.isdir(path):
+        files = RunFiles(path, os.path.basename(os.path.normpath(os.path.abspath(path))))
+        if not os.path.isfile(files.ckpt):
+            raise InferenceError(f"{path} is a directory without a checkpoint {files.name}.ckpt; give a run "
+                                 "directory (runs/<name>/) or a checkpoint file")
+        return files.ckpt
+    if not os.path.isfile(path):
+        raise InferenceError(f"{path}: no such checkpoint file or run directory")
+    return path
+
+
+def read_model_shape(ckpt):
+    """The model's shape ({n_layer, d_model, ...} and the checkpoint's "step") from the sidecar's
+    fingerprint: the engines read the model flags from there too."""
+    sidecar = read_sidecar(ckpt)
+    try:
+        shape = {key: int(sidecar["fingerprint"][key]) for key in MODEL_FLAGS}
+    except (TypeError, KeyError, ValueError):
+        raise InferenceError(f"{ckpt}.json: the checkpoint's sidecar is missing or does not give the "
+                             "model's shape (its \"fingerprint\")") from None
+    return {**shape, "step": sidecar.get("step")}
+
+
+def read_model_params(ckpt):
+    """(model shape, {tensor name: float32 array}) of a checkpoint's weights, laid out as the engine
+    says (`--layout-json` of the CPU engine, which every machine builds)."""
+    shape = read_model_shape(ckpt)
+    try:
+        layout = param_layout(ENGINES["cpu"], [a for k in MODEL_FLAGS for a in (f"--model.{k}", str(shape[k]))])
+        return shape, split_params(read_checkpoint(ckpt).params, layout)
+    except (CheckpointError, EngineQueryError) as e:
+        raise InferenceError(str(e)) from None
+
+
+def pick_engine(requested):
+    """The proxy's engine choice for --engine `requested` (None: GPU when built and visible, else
+    the CPU engine, with one line saying so)."""
+    try:
+        return select_engine(requested)
+    except EngineChoiceError as e:
+        raise InferenceError(str(e)) from None
+
+
+def engine_name(engine):
+    return "cuda" if os.path.basename(engine).endswith("cuda") else "cpu"
+
+
+class Generator:
+    """One engine process in `--generate` mode, kept alive across requests (the chat's turns).
+    Requests run one at a time; stderr is drained in a thread so the engine never blocks on it."""
+
+    def __init__(self, engine, ckpt, extra_args=()):
+        self.args = [engine, "--generate", "--checkpoint", ckpt, *extra_args]
+        try:
+            self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True, encoding="utf-8", bufsize=1)
+        except OSError as e:
+            raise InferenceError(f"cannot start {engine}: {e.strerror or e}") from None
+        self.stderr_tail = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._drain.start()
+        self.next_id = 0
+
+    def _drain_stderr(self):
+        for line in self.proc.stderr:
+            self.stderr_tail.append(line.rstrip("\n"))
+
+    def _failure(self, what):
+        self.proc.wait()
+        self._drain.join(timeout=5)
+        errors = [l for l in self.stderr_tail if l.startswith("error:")]
+        detail = errors[-1][len("error:"):].strip() if errors else " | ".join(self.stderr_tail)
+        return InferenceError(f"the engine {what} (exit code {self.proc.returncode}): {detail}")
+
+    def stream(self, request):
+        """Send one request (an "id" is added) and yield the engine's answers to it: an optional
+        {"logits"} record, {"token"} records, and last the {"done"} record. A request the engine
+        refuses raises InferenceError with its message."""
+        rid = self.next_id
+        self.next_id += 1
+        try:
+            self.proc.stdin.write(json.dumps({**request, "id": rid}) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise self._failure("stopped before taking the request") from None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise self._failure("stopped while answering")
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # not a protocol line
+            if not isinstance(record, dict) or record.get("id") != rid:
+                continue
+            if "error" in record:
+                raise InferenceError(f"the engine refused the request: {record['error']}")
+            yield record
+            if record.get("done"):
+                return
+
+    def run(self, request):
+        """The whole answer: (done record, logits or None)."""
+        logits = None
+        for record in self.stream(request):
+            if "logits" in record:
+                logits = record["logits"]
+            if record.get("done"):
+                return record, logits
+
+    def close(self):
+        """End of stdin ends the engine; it exits 0."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._drain.join(timeout=5)
+
+    def kill(self):
+        """Stop the engine now, mid-request (Ctrl-C)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,94 @@
+# check-lib.sh: what the GPU check scripts share (scripts/gpu-check.sh, scripts/fp8-check.sh); sourced,
+# never run. A script calls check_init, defines its stage_* functions, then run_stages.
+# shellcheck shell=bash
+
+# check_init NAME DEFAULT_OUT: run from the repository root; $OUT (default DEFAULT_OUT) for the logs,
+# $DATA a scratch directory removed on exit, $PY the Python, nvcc on PATH.
+check_init() {
+    cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+    OUT=${OUT:-$2}
+    mkdir -p "$OUT"
+    OUT=$(cd "$OUT" && pwd)
+    DATA=$(mktemp -d "/tmp/andrea-$1.XXXXXX")
+    trap 'rm -rf "$DATA"' EXIT
+    command -v nvcc >/dev/null 2>&1 || export PATH="/usr/local/cuda/bin:$PATH"
+    PY=${PYTHON:-python3}
+    CHECK_NAME=$1
+    RESULTS=()
+    FAILED=0
+}
+
+# run_stage NAME FUNCTION: runs the function with its output teed to $OUT/NAME.log, records the result.
+run_stage() {
+    local name=$1 fn=$2 t0 rc
+    t0=$(date +%s)
+    echo "=== stage $name ($(date -u +%H:%M:%S) UTC)" | tee "$OUT/$name.log"
+    "$fn" 2>&1 | tee -a "$OUT/$name.log"
+    rc=${PIPESTATUS[0]}
+    local secs=$(( $(date +%s) - t0 ))
+    if [ "$rc" -eq 0 ]; then RESULTS+=("PASS  $name  (${secs}s)"); else RESULTS+=("FAIL  $name  (${secs}s, status $rc, see $OUT/$name.log)"); FAILED=1; fi
+    echo "=== stage $name: status $rc after ${secs}s" | tee -a "$OUT/$name.log"
+}
+
+# run_cmd LIMIT_SECONDS CMD...: one command with a time limit; prints the command and its status.
+run_cmd() {
+    local limit=$1 rc
+    shift
+    echo "+ $*"
+    timeout -k 10 "$limit" "$@"
+    rc=$?
+    [ "$rc" -eq 124 ] && echo "!! timed out after ${limit}s: $*"
+    [ "$rc" -ne 0 ] && echo "!! status $rc: $*"
+    return "$rc"
+}
+
+# The shapes of ANDREA-12M and ANDREA-120M (experiments/), for timing runs on random tokens.
+# shellcheck disable=SC2034  # used by the scripts that source this file
+M12=(--model.n_layer 6 --model.d_model 192 --model.n_head 6 --model.d_ff 768 --model.seq_len 512)
+# shellcheck disable=SC2034
+M120=(--model.n_layer 12 --model.d_model 768 --model.n_head 12 --model.d_ff 3072 --model.seq_len 1024)
+
+gpu_arch() { nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .'; }
+
+# Random-token shard: $1 prefix, $2 vocabulary, $3 tokens.
+make_shard() {
+    "$PY" - "$DATA" "$1" "$2" "$3" <<'PYEOF'
+import sys
+import numpy as np
+sys.path.insert(0, ".")
+from microgpt.shards import write_shard
+d, prefix, vocab, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+write_shard(f"{d}/{prefix}_000000.bin", np.random.default_rng(7).integers(0, vocab, n))
+PYEOF
+}
+
+# run_stages "DEFAULT STAGES" "OTHER KNOWN STAGES" [STAGE...]: checks the names (exit 2 for an unknown
+# one), runs each stage_NAME (after the build stage only when build/microgpt_cuda exists), prints
+# the summary (also appended to $OUT/summary.log) and exits 1 if any stage failed.
+run_stages() {
+    local -a all known stages
+    read -r -a all <<< "$1"
+    read -r -a known <<< "$1 $2"
+    shift 2
+    stages=("$@")
+    [ ${#stages[@]} -eq 0 ] && stages=("${all[@]}")
+    for st in "${stages[@]}"; do
+        case " ${known[*]} " in
+            *" $st "*) ;;
+            *) echo "error: unknown stage '$st' (stages: ${known[*]})" >&2; exit 2 ;;
+        esac
+    done
+    for st in "${stages[@]}"; do
+        if [ "$st" != build ] && [ ! -x build/microgpt_cuda ]; then
+            RESULTS+=("FAIL  $st  (not run: build/microgpt_cuda is missing; run the build stage)")
+            FAILED=1
+            continue
+        fi
+        run_stage "$st" "stage_$st"
+    done
+    {
+        echo "=== $CHECK_NAME summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1))"
+        printf '%s\n' "${RESULTS[@]}"
+    } | tee -a "$OUT/summary.log"
+    exit "$FAILED"
+}

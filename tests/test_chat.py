@@ -1,0 +1,205 @@
+"""microgpt/chat.py end to end with the CPU engine (docs/DESIGN.md §5a): the replies are the float64
+reference's greedy continuations of the ChatML prompts the conversation should produce, the
+conversation keeps its history, drops its oldest exchanges when the context is full, stops at
+<|im_end|>, and /reset, /exit, end of input and bad input behave.
+
+The chat tests use a random model with the real tokenizer (weights N(0, 0.3), so that every prompt
+leads somewhere else and a wrong history shows as a wrong reply; the tiny trained model answers
+newlines whatever it is asked), and a copy of it whose <|im_end|> embedding is made to win the
+argmax a few tokens into a reply.
+"""
+import json
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import engine_util as eu
+import reference as ref
+from microgpt import tokenizer as tk
+from microgpt.checkpoint import read_sidecar, write_checkpoint
+from microgpt.inference import Generator, InferenceError
+from tools_util import reference_greedy, reference_model
+
+CHAT = eu.REPO / "microgpt" / "chat.py"
+STOPS = (tk.IM_END, tk.EOT)
+MAX_TOKENS = 8
+
+
+def turn(role, content):
+    return [tk.IM_START] + tk.encode(f"{role}\n{content}") + [tk.IM_END] + tk.encode("\n")
+
+
+HEADER = [tk.IM_START] + tk.encode("assistant\n")
+
+
+def write_model(run_dir, cfg, flat, sidecar):
+    """A run directory holding flat as its checkpoint (step 0, zero Adam moments), with the trained
+    model's sidecar less its checksum: a hand-made checkpoint, loaded with an "unverified" warning."""
+    run_dir.mkdir()
+    ckpt = run_dir / f"{run_dir.name}.ckpt"
+    write_checkpoint(ckpt, 0, flat, np.zeros_like(flat), np.zeros_like(flat))
+    side = {k: v for k, v in sidecar.items() if k != "crc32c"}
+    (run_dir / f"{ckpt.name}.json").write_text(json.dumps({**side, "step": 0}))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def random_model(trained_model, tmp_path_factory):
+    cfg, _ = reference_model(trained_model.ckpt)
+    flat = ref.init_params(cfg, np.random.default_rng(7), std=0.3).astype(np.float32).astype(np.float64)
+    run_dir = write_model(tmp_path_factory.mktemp("chat") / "random", cfg, flat, read_sidecar(trained_model.ckpt))
+    return run_dir, cfg, flat
+
+
+@pytest.fixture(scope="module")
+def stopping_model(random_model, tmp_path_factory):
+    """The random model with <|im_end|>'s embedding a scaled copy of another token's, so <|im_end|>
+    wins wherever that token would; the token is searched for among the tokens of the replies seen
+    so that the first reply to PROMPT ends with <|im_end|> after at least two tokens."""
+    run_dir, cfg, flat = random_model
+    flat = flat.copy()
+    wte = ref.unflatten(flat, cfg)["wte"]
+    original = wte[tk.IM_END].copy()
+    candidates, tried = list(reference_greedy(cfg, flat, PROMPT, MAX_TOKENS, STOPS)), set()
+    while candidates and len(tried) < 50:
+        v = candidates.pop(0)
+        if v in tried:
+            continue
+        tried.add(v)
+        wte[tk.IM_END] = 1.05 * wte[v]
+        reply = reference_greedy(cfg, flat, PROMPT, MAX_TOKENS, STOPS)
+        if reply[-1] == tk.IM_END and len(reply) >= 3:
+            sidecar = json.loads((run_dir / f"{run_dir.name}.ckpt.json").read_text())
+            return write_model(tmp_path_factory.mktemp("chat") / "stopping", cfg, flat, sidecar), cfg, flat
+        candidates += reply
+        wte[tk.IM_END] = original
+    pytest.fail(f"no token among {len(tried)} tried makes <|im_end|> end the reply; the search needs a look")
+
+
+PROMPT = turn("user", "Hi there! How are you?") + HEADER
+
+
+def chat(model, *args, stdin=None):
+    return subprocess.run([sys.executable, str(CHAT), str(model), "--engine", "cpu", "--temperature", "0",
+                           "--max-tokens", str(MAX_TOKENS), *args],
+                          input=stdin, capture_output=True, text=True, timeout=300, env=eu.python_env())
+
+
+def test_one_shot_json_is_the_reference_greedy_reply(random_model, cpu_binary):
+    run_dir, cfg, flat = random_model
+    res = chat(run_dir, "--prompt", "Hi there! How are you?", "--json")
+    assert res.returncode == 0, res.stderr
+    answer = json.loads(res.stdout)
+    expected = reference_greedy(cfg, flat, PROMPT, MAX_TOKENS, STOPS)
+    assert tk.IM_END not in expected and len(expected) == MAX_TOKENS
+    assert answer["tokens"] == expected and answer["reason"] == "length"
+    assert answer["reply"] == tk.decode(expected) and answer["prompt_tokens"] == len(PROMPT)
+    assert answer["ms"] > 0
+
+
+def test_reply_stops_at_im_end(stopping_model, cpu_binary):
+    run_dir, cfg, flat = stopping_model
+    expected = reference_greedy(cfg, flat, PROMPT, MAX_TOKENS, STOPS)
+    res = chat(run_dir, "--prompt", "Hi there! How are you?", "--json")
+    assert res.returncode == 0, res.stderr
+    answer = json.loads(res.stdout)
+    assert answer["reason"] == "stop" and answer["tokens"] == expected[:-1]
+    res = chat(run_dir, "--prompt", "Hi there! How are you?")  # plain: the text, never <|im_end|>
+    assert res.returncode == 0 and res.stdout == tk.decode(expected[:-1]) + "\n", res.stderr
+    assert "cut" not in res.stderr
+
+
+def test_conversation_history_context_and_reset(random_model, cpu_binary):
+    """Four messages fill the 64-token context, so the oldest exchanges go (and a line says so);
+    /reset starts over with the system prompt; /exit ends. Each reply must be the reference's
+    greedy reply to exactly the prompt the rule gives: system turn, the exchanges kept (replies as
+    made, closed with <|im_end|>\\n), the new user turn, the assistant header."""
+    run_dir, cfg, flat = random_model
+    system = turn("system", "Be nice.")
+    messages = ["Hello!", "What is your name?", "Do you like music?", "Tell me more.", "/reset", "Hello!", "/exit"]
+    exchanges, stdout, drops = [], "", []
+    for message in messages:
+        stdout += "> "
+        if message == "/reset":
+            exchanges = []
+            continue
+        if message == "/exit":
+            break
+        user = turn("user", message)
+        dropped = 0
+        while len(system) + sum(map(len, exchanges[dropped:])) + len(user) + len(HEADER) + MAX_TOKENS > cfg.seq_len:
+            dropped += 1
+        exchanges = exchanges[dropped:]
+        drops += [dropped] if dropped else []
+        reply = reference_greedy(cfg, flat, system + sum(exchanges, []) + user + HEADER, MAX_TOKENS, STOPS)
+        exchanges.append(user + HEADER + reply + [tk.IM_END] + tk.encode("\n"))
+        stdout += tk.decode(reply) + "\n"
+    assert drops, "the script must outgrow the context"
+
+    res = chat(run_dir, "--system", "Be nice.", stdin="".join(m + "\n" for m in messages))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == stdout
+    notices = [l for l in res.stderr.splitlines() if "dropped the oldest" in l]
+    assert [int(l.split("oldest ")[1].split()[0]) for l in notices] == drops
+    assert "[conversation cleared]" in res.stderr
+
+
+def test_end_of_input_and_blank_lines(random_model, cpu_binary):
+    run_dir, _, _ = random_model
+    res = chat(run_dir, stdin="\n   \n")  # nothing asked: no reply, EOF quits cleanly
+    assert res.returncode == 0 and res.stdout == "> > > \n", res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_message_too_long_for_the_context(random_model, cpu_binary):
+    run_dir, _, _ = random_model
+    long_message = "word " * 80
+    res = chat(run_dir, "--prompt", long_message)
+    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and "context" in errors[0], res.stderr
+    res = chat(run_dir, stdin=long_message + "\n/exit\n")  # interactive: said, and the chat goes on
+    assert res.returncode == 0 and "does not fit" in res.stderr and res.stdout == "> > ", res.stderr
+
+
+@pytest.mark.parametrize("target,message", [("missing.ckpt", "no such checkpoint"), (".", "without a checkpoint")])
+def test_bad_checkpoint(tmp_path, target, message):
+    res = subprocess.run([sys.executable, str(CHAT), str(tmp_path / target), "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=60, env=eu.python_env())
+    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and message in errors[0], res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_streamed_text_holds_back_split_characters(assets):
+    """A character whose UTF-8 bytes span tokens prints once whole, never as U+FFFD halves."""
+    from microgpt import chat
+    text = "日本語 and emoji 😀🙂 naïve"
+    ids = tk.encode(text)
+    assert any(not tk.encoding().decode_single_token_bytes(t).decode("utf-8", "ignore") for t in ids), \
+        "the text must hold a token that is part of a character"
+    stream = chat.TextStream()
+    pieces = [stream.feed(t) for t in ids] + [stream.finish()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert stream.feed(tk.IM_END) == "" and stream.feed(tk.EOT) == ""
+
+
+def test_ctrl_c_quits_cleanly(random_model, cpu_binary):
+    run_dir, _, _ = random_model
+    proc = subprocess.Popen([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=eu.python_env())
+    assert "chatting with" in proc.stderr.readline()  # the engine is up, the chat waits for input
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+
+
+def test_a_refused_request_is_an_error_and_the_engine_carries_on(random_model, cpu_binary):
+    run_dir, cfg, flat = random_model
+    with Generator(str(cpu_binary), str(run_dir / f"{run_dir.name}.ckpt")) as gen:
+        with pytest.raises(InferenceError, match="refused the request"):
+            gen.run({"prompt": [cfg.vocab_size], "max_tokens": 1})
+        done, _ = gen.run({"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+    assert done["tokens"] == reference_greedy(cfg, flat, PROMPT, 3, STOPS)

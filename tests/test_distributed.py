@@ -1,0 +1,318 @@
+"""Data parallelism across processes (docs/DESIGN.md §17) on the CPU engine: ranks from torchrun's
+environment variables, each rank's batches, the fixed-order reductions, the gathered checkpoint,
+exact resume, signals reaching every rank, a dead rank, another rank count, the proxy's --ranks.
+
+Tolerance. An N-rank run equals a 1-rank run with N x the accumulation except for the grouping of
+the gradient sum ((g0+g1)+(g2+g3) against ((g0+g1)+g2)+g3, fp32): the first step's loss (same
+weights, same windows, losses summed in the same global order) and its gradient norm are equal bit
+for bit; after a few steps losses agree within REL_TOL and the state within STATE_TOL (measured:
+about 1e-7 and 1e-6). Two runs on the same number of ranks are bit-identical.
+"""
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from engine_util import TIMING_KEYS, parse_stdout, rel_err, write_random_shards
+from microgpt.checkpoint import read_checkpoint
+from proxy_util import Proxy, ProxyFixtureDir, run_to_end
+
+REL_TOL = 1e-5    # step losses and gradient norms, N ranks against 1 rank with N x accumulation
+STATE_TOL = 1e-4  # weights and AdamW moments, same comparison, max |difference|
+# d_model 64 makes about 103k parameters: two of the CPU engine's 65536-float norm chunks, so two
+# ranks each own one and three ranks leave one rank an empty shard
+MODEL = ["--model.n_layer", "2", "--model.d_model", "64", "--model.n_head", "4", "--model.seq_len", "16",
+         "--model.vocab_size", "60", "--model.padded_vocab_size", "64"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist_shards")
+    write_random_shards(d, "tr", 2, 20000, 60, seed=3)
+    return str(d / "tr_*.bin")
+
+
+def args(shards, ckpt, steps=6, accum=1, **extra):
+    out = MODEL + ["--train.batch_size", "2", "--train.grad_accum", str(accum), "--train.steps", str(steps),
+                   "--train.seed", "7", "--train.lr", "3e-3", "--train.warmup_steps", "0",
+                   "--data.train", shards, "--checkpoint", str(ckpt)]
+    for k, v in extra.items():
+        out += [f"--{k.replace('_', '.', 1)}"] + ([] if v is True else [str(v)])
+    return out
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Ranks:
+    """N engine processes of one run, as a launcher starts them."""
+
+    def __init__(self, binary, argv, n, extra_env=None):
+        port = str(free_port())
+        self.procs = []
+        for r in range(n):
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(n), "RANK": str(r),
+                   "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(extra_env or {})}
+            self.procs.append(subprocess.Popen([str(binary)] + argv, env=env, stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, text=True))
+
+    def finish(self, timeout=60):
+        outs = [p.communicate(timeout=timeout) for p in self.procs]
+        return [p.returncode for p in self.procs], parse_stdout(outs[0][0])[1], [e for _, e in outs]
+
+    def wait_rank0_step(self, step, timeout=30):
+        """Reads rank 0's stdout until the record of `step`; returns the lines read."""
+        lines, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.procs[0].stdout.readline()
+            assert line, "rank 0 ended early: " + self.procs[0].stderr.read()
+            lines.append(line)
+            if f'"step":{step},"loss"' in line:
+                return lines
+        raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def run_ranks(binary, argv, n):
+    rcs, records, errs = Ranks(binary, argv, n).finish()
+    assert rcs == [0] * n, errs
+    return records
+
+
+def run_single(binary, argv, env=None):
+    p = subprocess.run([str(binary)] + argv, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert p.returncode == 0, p.stderr
+    return parse_stdout(p.stdout)[1]
+
+
+def steps_of(records):
+    return [r for r in records if "loss" in r]
+
+
+def state(path):
+    c = read_checkpoint(str(path))
+    return c.step, np.array(c.params), np.array(c.m), np.array(c.v)
+
+
+def test_world_size_one_is_the_single_process(cpu_binary, shards, tmp_path):
+    run_single(cpu_binary, args(shards, tmp_path / "plain.ckpt", steps=3))
+    run_single(cpu_binary, args(shards, tmp_path / "one.ckpt", steps=3), env={"WORLD_SIZE": "1", "RANK": "0"})
+    assert (tmp_path / "plain.ckpt").read_bytes() == (tmp_path / "one.ckpt").read_bytes()
+
+
+@pytest.mark.parametrize("ranks,accum", [(2, 1), (2, 2), (3, 1)])
+def test_n_ranks_match_one_rank_with_n_times_the_accumulation(cpu_binary, shards, tmp_path, ranks, accum):
+    one = steps_of(run_single(cpu_binary, args(shards, tmp_path / "one.ckpt", accum=ranks * accum)))
+    many_records = run_ranks(cpu_binary, args(shards, tmp_path / "many.ckpt", accum=accum), ranks)
+    many = steps_of(many_records)
+    assert [r["step"] for r in many] == list(range(1, 7))
+    # sharding: rank r's micro-batch j is micro-batch r*accum+j of the 1-rank run, so the first
+    # step (same weights) has the same mean loss and gradient norm, bit for bit
+    assert many[0]["loss"] == one[0]["loss"] and many[0]["grad_norm"] == one[0]["grad_norm"]
+    assert all(m["tokens"] == o["tokens"] for m, o in zip(many, one))  # global batch: ranks x B x accum
+    for m, o in zip(many, one):
+        assert rel_err(m["loss"], o["loss"]) <= REL_TOL and rel_err(m["grad_norm"], o["grad_norm"]) <= REL_TOL
+    # gathering: rank 0 wrote every rank's shard of the AdamW moments in its place
+    s1, p1, m1, v1 = state(tmp_path / "one.ckpt")
+    sn, pn, mn, vn = state(tmp_path / "many.ckpt")
+    assert s1 == sn == 6
+    for a, b in ((p1, pn), (m1, mn), (v1, vn)):
+        assert np.max(np.abs(a - b)) <= STATE_TOL
+    assert np.count_nonzero(vn[len(vn) // 2:]) > 0.9 * (len(vn) - len(vn) // 2)  # the last rank's shard
+
+
+def test_batches_depend_on_the_rank(cpu_binary, shards, tmp_path):
+    """The negative control of the bit-exact first step above: had rank 1 taken rank 0's windows,
+    the 2-rank loss would be micro-batch 0's alone (the 1-rank, accumulation-1 loss)."""
+    one = steps_of(run_single(cpu_binary, args(shards, tmp_path / "one.ckpt", steps=1, accum=2)))
+    single0 = steps_of(run_single(cpu_binary, args(shards, tmp_path / "s0.ckpt", steps=1, accum=1)))
+    two = steps_of(run_ranks(cpu_binary, args(shards, tmp_path / "two.ckpt", steps=1), 2))
+    assert two[0]["loss"] == one[0]["loss"] != single0[0]["loss"]
+
+
+def test_two_runs_on_two_ranks_are_identical(cpu_binary, shards, tmp_path):
+    a = run_ranks(cpu_binary, args(shards, tmp_path / "a.ckpt", steps=4), 2)
+    b = run_ranks(cpu_binary, args(shards, tmp_path / "b.ckpt", steps=4), 2)
+    assert without_timing(steps_of(a)) == without_timing(steps_of(b))
+    assert (tmp_path / "a.ckpt").read_bytes() == (tmp_path / "b.ckpt").read_bytes()
+
+
+def without_timing(records):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+@pytest.mark.parametrize("signalled", ["all", "rank1"])
+def test_sigterm_stops_every_rank_and_resume_is_exact(cpu_binary, shards, tmp_path, signalled):
+    steps = 10
+    run_ranks(cpu_binary, args(shards, tmp_path / "full.ckpt", steps=steps), 2)
+    ckpt = tmp_path / "stopped.ckpt"
+    ranks = Ranks(cpu_binary, args(shards, ckpt, steps=steps), 2)
+    ranks.wait_rank0_step(3)
+    for p in (ranks.procs if signalled == "all" else ranks.procs[1:]):
+        p.send_signal(signal.SIGTERM)
+    rcs, records, errs = ranks.finish()
+    assert rcs == [0, 0], errs
+    stopped_at = [e for e in records if e.get("event") == "exit"][0]
+    assert stopped_at["reason"] == "signal" and stopped_at["step"] < steps
+    assert [e["reason"] for e in records if e.get("event") == "checkpoint"] == ["signal"]
+    run_ranks(cpu_binary, args(shards, ckpt, steps=steps, resume=True), 2)
+    assert ckpt.read_bytes() == (tmp_path / "full.ckpt").read_bytes()
+
+
+def test_a_killed_rank_ends_the_run_with_a_message(cpu_binary, shards, tmp_path):
+    ranks = Ranks(cpu_binary, args(shards, tmp_path / "k.ckpt", steps=10**6, checkpoint_every=2), 2)
+    ranks.wait_rank0_step(3)
+    ranks.procs[1].kill()
+    rcs, _, errs = ranks.finish(timeout=20)  # bounded: the lost connection is seen at the next step
+    assert rcs[0] == 1 and rcs[1] == -signal.SIGKILL
+    assert "error: rank 0: lost rank 1 (it exited" in errs[0]
+    assert read_checkpoint(str(tmp_path / "k.ckpt")).step >= 2  # the last checkpoint is kept
+
+
+def test_a_silent_rank_times_out(cpu_binary, shards, tmp_path):
+    ranks = Ranks(cpu_binary, args(shards, tmp_path / "t.ckpt", steps=10**6), 2,
+                  extra_env={"ANDREA_DIST_TIMEOUT_S": "2"})
+    ranks.wait_rank0_step(2)
+    ranks.procs[1].send_signal(signal.SIGSTOP)
+    try:
+        rc0 = ranks.procs[0].wait(timeout=20)
+        err0 = ranks.procs[0].stderr.read()
+    finally:
+        ranks.procs[1].kill()
+        ranks.procs[1].wait()
+    assert rc0 == 1 and "lost rank 1 (no answer within ANDREA_DIST_TIMEOUT_S)" in err0
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (2, 3), (1, 2)])
+def test_resume_on_another_number_of_ranks(cpu_binary, shards, tmp_path, before, after):
+    ckpt = tmp_path / "x.ckpt"
+    first = args(shards, ckpt, steps=3)
+    run_ranks(cpu_binary, first, before) if before > 1 else run_single(cpu_binary, first)
+    again = args(shards, ckpt, steps=6, resume=True)
+    records = run_ranks(cpu_binary, again, after) if after > 1 else run_single(cpu_binary, again)
+    assert [r["step"] for r in steps_of(records)] == [4, 5, 6]
+    assert read_checkpoint(str(ckpt)).step == 6 and np.all(np.isfinite(read_checkpoint(str(ckpt)).v))
+
+
+def test_rank_environment_errors(cpu_binary, shards, tmp_path):
+    bad = subprocess.run([str(cpu_binary)] + args(shards, tmp_path / "e.ckpt", steps=1), capture_output=True,
+                         text=True, timeout=30, env={**os.environ, "WORLD_SIZE": "2", "RANK": "0"})
+    assert bad.returncode == 2 and "error: WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT" in bad.stderr
+    bad = subprocess.run([str(cpu_binary)] + args(shards, tmp_path / "e.ckpt", steps=1), capture_output=True,
+                         text=True, timeout=30, env={**os.environ, "WORLD_SIZE": "2", "RANK": "2"})
+    assert bad.returncode == 2 and "error: RANK 2 is not below WORLD_SIZE 2" in bad.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# the proxy's --ranks
+
+def test_proxy_runs_two_ranks_and_stops_them_together(cpu_binary, tmp_path):
+    d = ProxyFixtureDir(tmp_path)
+    cfg = d.config(steps=10**6)
+    p = Proxy.start(cfg, d.run_dir, cpu_binary, "--ranks", "2", "--no-server")
+    p.wait_state(lambda s: s.get("step", 0) >= 3)
+    assert p.stop(timeout=30) == 0, p.describe()
+    state = d.state()
+    assert state["status"] == "stopped" and state["checkpoint_step"] == state["step"]
+    assert any(line.startswith("rank 1: ") for line in p.err)  # the other rank's messages, prefixed
+    p2, rc = run_to_end(d.config(steps=state["step"] + 2), d.run_dir, cpu_binary, "--ranks", "2", "--no-server")
+    assert rc == 0 and d.state()["status"] == "finished", p2.describe()
+
+
+def test_proxy_marks_the_run_crashed_when_a_rank_dies(cpu_binary, tmp_path):
+    d = ProxyFixtureDir(tmp_path)
+    p = Proxy.start(d.config(steps=10**6), d.run_dir, cpu_binary, "--ranks", "2", "--no-server")
+    p.wait_state(lambda s: s.get("step", 0) >= 2)
+    rank0 = d.state()["pid"]
+    peers = subprocess.run(["pgrep", "-P", str(p.proc.pid)], capture_output=True, text=True).stdout.split()
+    victim = next(int(pid) for pid in peers if int(pid) != rank0)
+    os.kill(victim, signal.SIGKILL)
+    assert p.wait(timeout=30) != 0, p.describe()
+    state = d.state()
+    assert state["status"] == "crashed" and "lost rank 1" in state["message"]
+
+
+# --------------------------------------------------------------------------------------------------
+# GPUs (NCCL): marked gpu, skipped unless two GPUs and build/microgpt_cuda (scripts/multi-gpu-check.sh)
+
+def gpu_count():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+@pytest.fixture
+def two_gpus():
+    from engine_util import CUDA_BINARY
+    if gpu_count() < 2:
+        pytest.skip("needs two GPUs (nvidia-smi -L)")
+    if not CUDA_BINARY.exists():
+        pytest.skip(f"{CUDA_BINARY} not built (make cuda)")
+    return CUDA_BINARY
+
+
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+GPU_REL_TOL = 1e-4  # fp32 on the GPU: the engine's own sums and NCCL's ring order differ from one rank's
+
+
+@pytest.mark.gpu
+def test_two_gpus_match_one_gpu_with_twice_the_accumulation(two_gpus, shards, tmp_path):
+    one = steps_of(run_single(two_gpus, args(shards, tmp_path / "one.ckpt", accum=2)))
+    rcs, records, errs = Ranks(two_gpus, args(shards, tmp_path / "two.ckpt"), 2, GPU_ENV).finish(timeout=300)
+    assert rcs == [0, 0], errs
+    two = steps_of(records)
+    assert [r["step"] for r in two] == list(range(1, 7))
+    for a, b in zip(two, one):
+        assert rel_err(a["loss"], b["loss"]) <= GPU_REL_TOL and rel_err(a["grad_norm"], b["grad_norm"]) <= GPU_REL_TOL
+    assert "NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_NVLS_ENABLE=0" in errs[0]
+
+
+@pytest.mark.gpu
+def test_two_gpus_resume_exactly_after_sigterm(two_gpus, shards, tmp_path):
+    steps = 10
+    rcs, _, errs = Ranks(two_gpus, args(shards, tmp_path / "full.ckpt", steps=steps), 2, GPU_ENV).finish(300)
+    assert rcs == [0, 0], errs
+    ckpt = tmp_path / "stopped.ckpt"
+    ranks = Ranks(two_gpus, args(shards, ckpt, steps=steps), 2, GPU_ENV)
+    ranks.wait_rank0_step(3, timeout=300)
+    for p in ranks.procs:
+        p.send_signal(signal.SIGTERM)
+    rcs, _, errs = ranks.finish(timeout=300)
+    assert rcs == [0, 0], errs
+    rcs, _, errs = Ranks(two_gpus, args(shards, ckpt, steps=steps, resume=True), 2, GPU_ENV).finish(300)
+    assert rcs == [0, 0], errs
+    assert ckpt.read_bytes() == (tmp_path / "full.ckpt").read_bytes()
+
+
+@pytest.mark.gpu
+def test_a_killed_gpu_rank_ends_the_run(two_gpus, shards, tmp_path):
+    ranks = Ranks(two_gpus, args(shards, tmp_path / "k.ckpt", steps=10**6), 2,
+                  {**GPU_ENV, "ANDREA_DIST_TIMEOUT_S": "30"})
+    ranks.wait_rank0_step(3, timeout=300)
+    ranks.procs[1].kill()
+    rcs, _, errs = ranks.finish(timeout=120)
+    assert rcs[0] != 0 and "error: rank 0:" in errs[0]
+
+
+def test_rank_environments_of_the_proxy(monkeypatch):
+    from microgpt.supervisor import rank_environments
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    assert rank_environments(1, "build/microgpt_cuda") == [None]  # one rank: the environment as it is
+    envs = rank_environments(4, "build/microgpt_cuda")
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [(str(r), str(r), "4") for r in range(4)]
+    assert len({e["MASTER_PORT"] for e in envs}) == 1 and envs[0]["MASTER_ADDR"] == "127.0.0.1"
+    assert all(e["NCCL_NVLS_ENABLE"] == "0" and e["NVSHMEM_DISABLE_NVLS"] == "1"
+               and e["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" for e in envs)
+    assert "OMP_NUM_THREADS" not in envs[0]  # the GPU engine's host threads are left alone
+    cpu = rank_environments(2, "build/microgpt_cpu")
+    assert cpu[0]["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))

