@@ -761,10 +761,18 @@ template <typename T> static void test_decode(const Shape& s, Tol tol) {
     decode_matmul<T>(d_out, d_x, d_w, NULL, n, C, F, DECODE_PLAIN, 3);
     Vec batched = download(d_out, 3 * (size_t)n * F);
     check("matmul", batched, out_c, tol.prod);
-    decode_matmul<T>(d_out, d_x, d_w, NULL, 1, C, F, DECODE_PLAIN, 3); /* row 0 alone: out[z] is [1, F] */
-    Vec alone = download(d_out, 3 * (size_t)F), row0;
-    for (int z = 0; z < 3; z++) row0.insert(row0.end(), batched.begin() + (size_t)z * n * F, batched.begin() + (size_t)z * n * F + F);
-    check_same("matmul_1", std::vector<Vec>{alone}, std::vector<Vec>{row0});
+    /* the first m rows alone (the kernel then holds fewer rows per block) give the same bits */
+    for (int m : {1, 3}) {
+        if (m >= n) continue;
+        decode_matmul<T>(d_out, d_x, d_w, NULL, m, C, F, DECODE_PLAIN, 3); /* out[z] is [m, F] */
+        Vec alone = download(d_out, 3 * (size_t)m * F), first;
+        for (int z = 0; z < 3; z++)
+            first.insert(first.end(), batched.begin() + (size_t)z * n * F, batched.begin() + ((size_t)z * n + m) * F);
+        check_same(m == 1 ? "matmul_1" : "matmul_3", std::vector<Vec>{alone}, std::vector<Vec>{first});
+    }
+    poison(d_out, 3 * (size_t)n * F);
+    decode_matmul<T>(d_out, d_x, d_w, NULL, n, C, F, DECODE_PLAIN, 3);
+    check_same("matmul", std::vector<Vec>{download(d_out, 3 * (size_t)n * F)}, std::vector<Vec>{batched});
     poison(d_out, (size_t)n * F);
     decode_matmul<T>(d_out, d_x, d_w, NULL, n, C, F, DECODE_GELU);
     check("gelu", download(d_out, (size_t)n * F), act_c, tol.fused);
@@ -813,9 +821,12 @@ template <typename T> static void test_decode(const Shape& s, Tol tol) {
     decode_logits<T>(d_logits, d_x, d_wte, n, C, s.V);
     Vec logits_batched = download(d_logits, (size_t)n * s.V);
     check("logits", logits_batched, logits_c, tol_for<float>().prod);
-    decode_logits<T>(d_logits, d_x, d_wte, 1, C, s.V);
-    check_same("logits_1", std::vector<Vec>{download(d_logits, (size_t)s.V)},
-               std::vector<Vec>{Vec(logits_batched.begin(), logits_batched.begin() + s.V)});
+    for (int m : {1, 3}) {
+        if (m >= n) continue;
+        decode_logits<T>(d_logits, d_x, d_wte, m, C, s.V);
+        check_same(m == 1 ? "logits_1" : "logits_3", std::vector<Vec>{download(d_logits, (size_t)m * s.V)},
+                   std::vector<Vec>{Vec(logits_batched.begin(), logits_batched.begin() + (size_t)m * s.V)});
+    }
     dfree_all();
 }
 
@@ -1096,12 +1107,14 @@ template <typename T> static void run_precision(void) {
     }
     {
         /* more sequences than a block's DECODE_ROWS, a head wider than the attention block's
-         * threads (its one-group sum), and T beyond the block (positions loop) */
-        Shape many = {11, 300, 16, 1, 24, 40, 40, 0}, wide = {2, 20, 600, 2, 64, 9, 16, 0};
-        set_ctx(prec, "decode", shape_str(many).c_str());
-        test_decode<T>(many, tol);
-        set_ctx(prec, "decode", shape_str(wide).c_str());
-        test_decode<T>(wide, tol);
+         * threads (its one-group sum), T beyond the block (positions loop), and a K of several
+         * rounds of a product thread's weight loads (more with 3 rows than alone) */
+        Shape many = {11, 300, 16, 1, 24, 40, 40, 0}, wide = {2, 20, 600, 2, 64, 9, 16, 0},
+              deep = {4, 8, 1200, 4, 16, 9, 16, 0};
+        for (const Shape& d : {many, wide, deep}) {
+            set_ctx(prec, "decode", shape_str(d).c_str());
+            test_decode<T>(d, tol);
+        }
     }
     set_ctx(prec, "cuBLASLt", "all shapes");
     check_fused_taken(fused_before);
