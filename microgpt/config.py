@@ -107,6 +107,8 @@ def _check_value(dotted, kind, value, flag):
     """One key's value against its type and, for engine flags, its choices and range."""
     if not _type_ok(kind, value):
         raise ConfigError(f'"{dotted}" must be {TYPE_WORDS[kind]}, not {json.dumps(value)}')
+    if isinstance(value, str) and "\0" in value:  # no command-line argument can hold one
+        raise ConfigError(f'"{dotted}" must not contain a NUL character')
     if not flag:
         return
     if flag["choices"] and value not in flag["choices"]:

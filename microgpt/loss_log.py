@@ -44,6 +44,16 @@ class LossLogError(RuntimeError):
     pass
 
 
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_json(text):
+    """JSON as a browser's JSON.parse reads it: Python's json also takes NaN and Infinity, which
+    would make a record that the dashboard (and any JSON reader) cannot parse look whole."""
+    return json.loads(text, parse_constant=_refuse_constant)
+
+
 def encode_record(rec):
     """One record as the bytes of its line: "live" first, so its flag sits at a fixed offset."""
     body = json.dumps({k: v for k, v in rec.items() if k != "live"}, separators=(",", ":"),
@@ -60,7 +70,7 @@ def _complete_record(line):
     if not text.startswith(b"{"):
         return None
     try:
-        rec = json.loads(text)
+        rec = parse_json(text)
     except ValueError:  # torn JSON, or NUL bytes left by a crash of the file system
         return None
     return rec if isinstance(rec, dict) else None
@@ -90,7 +100,7 @@ def _record_starts(data):
         last = min(i + VALIDATE_LINES, len(starts)) - 1
         batch = b"[" + data[starts[i]:ends_in[last] + 1] + b"]"
         try:
-            recs = json.loads(batch)
+            recs = parse_json(batch)
         except ValueError:
             return None
         if len(recs) != last + 1 - i or not all(isinstance(r, dict) for r in recs):
@@ -112,7 +122,7 @@ def repair(path):
         write_bytes_atomic(path, EMPTY)
         return f"{path}: empty file, started a new log"
     try:
-        records = json.loads(data)
+        records = parse_json(data)
     except ValueError:
         records = None
     if records is not None:
@@ -141,7 +151,7 @@ def repair(path):
         write_bytes_atomic(path, EMPTY)
         return f"{path}: no complete record survived a torn write; started a new log"
     try:
-        json.loads(data[:keep] + b"\n]")
+        parse_json(data[:keep] + b"\n]")
     except ValueError:
         bad = next((n for n, line in enumerate(lines[1:], 2) if _complete_record(line) is None), "?")
         raise LossLogError(f"{path}: line {bad} is not a complete record, and a crash only tears "

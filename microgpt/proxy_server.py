@@ -24,7 +24,8 @@ this host's name), so a page cannot reach the server through DNS rebinding.
 
 Resources are bounded so that no client can slow training: at most MAX_CONNECTIONS connections
 (one thread each), MAX_STREAMS live streams, one message of at most STREAM_CHUNK records buffered
-per stream, and a client that does not take its data for SEND_TIMEOUT_SECONDS is dropped. The
+per stream, and a client that does not take its data, or send a request's head, within
+SEND_TIMEOUT_SECONDS is dropped. The
 engine's output is read by the proxy's own threads, which never wait on a client.
 """
 import base64
@@ -274,9 +275,13 @@ def _host_allowed(host_header, exposed, own_names):
         return name.lower() in own_names
 
 
+INDEX_DIGITS = 18  # any record index fits; int() refuses strings of over 4300 digits
+
+
 def _is_index(text):
-    """Plain ASCII digits only: str.isdigit() also accepts "²", which int() then refuses."""
-    return text.isascii() and text.isdigit()
+    """Plain ASCII digits only, and not too many: str.isdigit() also accepts "²", and int() refuses
+    a 5000-digit string; either would be a 500 instead of a clean 400."""
+    return text.isascii() and text.isdigit() and len(text) <= INDEX_DIGITS
 
 
 def _int_arg(name, default):
@@ -339,8 +344,53 @@ def _events(run, cursor):
 class _RequestHandler(WSGIRequestHandler):
     timeout = SEND_TIMEOUT_SECONDS  # on every send and receive: a client that stalls is dropped
 
+    def handle_one_request(self):
+        """The timeout bounds each receive, not a request: a client sending its head a line at a
+        time, each within the timeout, would keep its connection (and one of MAX_CONNECTIONS)
+        for ever. So the whole head, or an idle keep-alive wait, must come within the timeout."""
+        self.server.heads.arm(self.connection, self.timeout)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.heads.disarm(self.connection)
+
+    def parse_request(self):
+        ok = super().parse_request()  # reads the headers
+        self.server.heads.disarm(self.connection)
+        return ok
+
     def log_request(self, *args):  # no line per request
         pass
+
+
+class _HeadDeadlines:
+    """Connections whose request head is still coming, each with the time by which it must have
+    come; one thread, for all of them, drops those that are late."""
+
+    def __init__(self):
+        self.due, self.lock, self.stopped = {}, threading.Lock(), threading.Event()
+        threading.Thread(target=self._drop_late, daemon=True).start()
+
+    def arm(self, conn, seconds):
+        with self.lock:
+            self.due[conn] = time.monotonic() + seconds
+
+    def disarm(self, conn):
+        with self.lock:
+            self.due.pop(conn, None)
+
+    def _drop_late(self):
+        while not self.stopped.wait(0.1):
+            now = time.monotonic()
+            with self.lock:
+                late = [conn for conn, due in self.due.items() if due < now]
+                for conn in late:
+                    del self.due[conn]
+            for conn in late:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns
+                except OSError:
+                    pass
 
 
 class _BoundedServer(ThreadedWSGIServer):
@@ -350,6 +400,7 @@ class _BoundedServer(ThreadedWSGIServer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.heads = _HeadDeadlines()
 
     def process_request(self, request, client_address):
         if not self.slots.acquire(blocking=False):
@@ -384,6 +435,7 @@ class Server:
 
     def shutdown(self):
         self.httpd.shutdown()
+        self.httpd.heads.stopped.set()
 
 
 def exposure_warning(host, port):

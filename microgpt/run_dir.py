@@ -11,15 +11,20 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import time
 
-from microgpt.atomic import atomic_open, write_json_atomic
+from microgpt.atomic import atomic_open, fsync_dir, write_json_atomic
 from microgpt.checkpoint import checkpoint_step
 
 STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
 
 
 class RunBusyError(RuntimeError):
+    pass
+
+
+class RunFileError(OSError):
     pass
 
 
@@ -63,6 +68,19 @@ class RunFiles:
         self.state = base + ".state.json"
         self.lock = base + ".lock"
 
+    def refuse_special_files(self):
+        """Every file of the run that exists must be a regular file: the proxy's open() of a FIFO
+        would wait for ever, and a log that is /dev/null would swallow every record."""
+        for path in (self.loss, self.state, self.samples, self.lock, self.ckpt, self.ckpt + ".prev"):
+            try:
+                mode = os.stat(path).st_mode
+            except OSError:  # missing (it is made), or a symlink loop (replaced when written)
+                continue
+            if not stat.S_ISREG(mode):
+                kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                        else "a socket" if stat.S_ISSOCK(mode) else "a device")
+                raise RunFileError(f"{path} is {kind}, not a regular file; move it away")
+
     def archive_dir(self, step):
         return os.path.join(self.dir, "archive", f"step_{step}")
 
@@ -82,6 +100,27 @@ class RunFiles:
         return f"{self.dir} is as it was"
 
 
+def roll_back_checkpoint(ckpt):
+    """Make the previous checkpoint slot (PATH.prev, the engine's, see host/checkpoint.h) the newest
+    and keep the newest as the previous one, so that the engine resumes from the older state and
+    repeats the steps in between; the newer state is only set aside, never lost (if the older one
+    turned out damaged, the engine's refusal names it). Three pairs of renames through PATH.ahead,
+    each done only where its source is there and its target is not: a rollback cut short by a
+    crash is finished by the next call, whichever rename it stopped at."""
+    pairs = [(ckpt, ckpt + ".ahead"), (ckpt + ".prev", ckpt), (ckpt + ".ahead", ckpt + ".prev")]
+    for src, dst in pairs:
+        if os.path.exists(src) and not os.path.exists(dst):
+            if os.path.exists(src + ".json"):
+                os.replace(src + ".json", dst + ".json")
+            os.replace(src, dst)
+    fsync_dir(os.path.dirname(ckpt))
+
+
+def _is_sample(x):
+    """A sample as the proxy writes it: an object whose step (steps are compared) is a number."""
+    return isinstance(x, dict) and isinstance(x.get("step", 0), (int, float))
+
+
 class RunState:
     """The run's .state.json and .samples.json, in memory and on disk.
 
@@ -93,7 +132,7 @@ class RunState:
         self.files = files
         self.messages = []  # what loading had to repair, for the proxy to say
         self.samples = self.load(files.samples, "a list of samples", [],
-                                 lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v))
+                                 lambda v: isinstance(v, list) and all(map(_is_sample, v)))
         if not os.path.exists(files.samples):
             write_json_atomic(files.samples, [])
         self.state = self.load(files.state, "a JSON object", {}, lambda v: isinstance(v, dict))

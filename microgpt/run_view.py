@@ -7,11 +7,12 @@ their files change. Nothing is ever written, except the dashboard token (proxy_s
 """
 import json
 import os
+import sys
 import threading
 import time
 from array import array
 
-from microgpt.loss_log import LossLog
+from microgpt.loss_log import LossLog, parse_json
 
 LOSS_SUFFIX = ".loss.json"
 REFRESH_SECONDS = 0.2  # files are looked at no more often than this, whatever the clients ask
@@ -42,6 +43,7 @@ class LogFollower:
         self.starts = array("q")  # byte offset where each record's line starts
         self.end = 0  # offset just after the last indexed record's "}"
         self.scanned = 0  # offset of the first byte not yet indexed
+        self.damaged = None  # what is wrong with the record at self.scanned, if anything
 
     def refresh(self):
         try:
@@ -52,7 +54,7 @@ class LogFollower:
                 size = os.fstat(self.fd).st_size
                 if size < self.scanned:  # cut back (a torn tail repaired in place)
                     self._reopen()
-                while self.scanned < size:  # in bounded pieces: a big log costs no big buffer
+                while self.scanned < size and not self.damaged:  # in bounded pieces: no big buffer
                     before = self.scanned
                     self._index(os.pread(self.fd, min(size - self.scanned, READ_BYTES), self.scanned))
                     if self.scanned == before:  # a write under way: its line is looked at next time
@@ -63,8 +65,10 @@ class LogFollower:
     def _index(self, data):
         """Index the complete record lines of data (which starts at self.scanned). A record line is
         {"live":...} followed by ",\n" or by "\n]" (the last one); anything shorter is a write
-        still under way, looked at again next time."""
-        pos = 0
+        still under way, looked at again next time. Records are served as raw bytes, so each is
+        checked to be a JSON object first: one damaged record would make every answer holding
+        it unparseable. The log is indexed up to the record before it, and no further."""
+        pos, found = 0, []  # found: (offset in data, record) of each complete record line
         while True:
             nl = data.find(b"\n", pos)
             if nl < 0:
@@ -75,15 +79,41 @@ class LogFollower:
                 last = not line.endswith(b",")
                 if not record.endswith(b"}") or (last and not data.startswith(b"]", nl + 1)):
                     break
-                self.starts.append(self.scanned + pos)
-                self.end = self.scanned + pos + len(record)
+                found.append((pos, record))
             elif line not in (b"[", b""):  # "" where an append replaced the closing "\n]"
                 break
             pos = nl + 1
+        whole = _whole_records(record for _, record in found)
+        for offset, record in found[:whole]:
+            self.starts.append(self.scanned + offset)
+            self.end = self.scanned + offset + len(record)
+        if whole < len(found):
+            self.damaged = f"{self.path}: record {len(self.starts) + 1} is damaged; shown up to the one before it"
+            print(f"warning: {self.damaged}", file=sys.stderr, flush=True)
+            pos = found[whole][0]
         self.scanned += pos
 
     def __len__(self):
         return len(self.starts) if self.fd is not None else 0
+
+
+def _whole_records(records):
+    """How many of the record lines, from the first, are whole JSON objects: all of them checked
+    as one array (C speed), one by one only to find the first damaged one."""
+    records = list(records)
+    try:
+        parsed = parse_json(b"[" + b",".join(records) + b"]")
+        if len(parsed) == len(records) and all(isinstance(r, dict) for r in parsed):
+            return len(records)
+    except ValueError:
+        pass
+    for i, record in enumerate(records):
+        try:
+            if not isinstance(parse_json(record), dict):
+                return i
+        except ValueError:
+            return i
+    return len(records)
 
 
 def _read_json_file(path, kind):

@@ -19,13 +19,13 @@ import subprocess
 import threading
 import time
 
-from microgpt.checkpoint import checkpoint_step
+from microgpt.checkpoint import CheckpointError, checkpoint_step, read_header
 from microgpt.config import engine_args
 from microgpt.events import Clock, EventHandler
 from microgpt.failure import abort
 from microgpt.terminal import progress_line, say, summary, terminal
 from microgpt.loss_log import LossBuffer, LossLog
-from microgpt.run_dir import RunBusyError, RunFiles, RunState, lock_run
+from microgpt.run_dir import RunBusyError, RunFiles, RunState, lock_run, roll_back_checkpoint
 
 POLL_SECONDS = LossBuffer.FLUSH_SECONDS  # the main loop wakes at least this often to flush
 ENGINE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}  # the ones the proxy forwards
@@ -43,6 +43,7 @@ class Run:
         self.prompt_ids, self.prompt_texts = prompt_ids, cfg.get("sample", {}).get("prompts", [])
         self.name = cfg["name"]
         self.files = RunFiles(run_dir, self.name)
+        self.files.refuse_special_files()
         self.dir = self.files.dir
         self.existed = self.files.existing()  # what a launch the engine refuses must leave as it was
         os.makedirs(self.dir, exist_ok=True)
@@ -56,6 +57,7 @@ class Run:
             say(message)
         self.previous_config = self.store.state.get("config")  # the last launch's, to tell changes
         self.note_an_unrecorded_end()
+        self.replay_unlogged_steps()
         self.steps = cfg["train"]["steps"]
         self.clock = Clock(1 + (self.log.record(len(self.log) - 1).get("seg", 0) if len(self.log) else 0))
 
@@ -80,6 +82,33 @@ class Run:
                              message="the previous launch ended without recording it (its proxy "
                                      "was killed)")
         say("the previous launch ended without recording it (its proxy was killed): marked crashed")
+
+    def replay_unlogged_steps(self):
+        """The engine does not wait for the proxy: a proxy killed while it lagged behind the engine
+        leaves a checkpoint whose event it never handled, so the records before it (a step's,
+        its evaluation's) may never have reached the log, and resuming there would lose them for
+        good. .state.json's checkpoint_step is the last checkpoint whose records were all on disk
+        (EventHandler.on_checkpoint flushes, then records it). Past it, the previous checkpoint
+        becomes the newest (roll_back_checkpoint), and the engine trains, and the proxy logs, the
+        steps after it again (bit-exact: the same steps; the records they replace superseded)."""
+        ckpt = self.files.ckpt
+        if not os.path.exists(ckpt + ".ahead"):  # else a rollback was cut short: finish it
+            if not (os.path.exists(ckpt) and os.path.exists(ckpt + ".prev")):
+                return
+            try:
+                (newest, n_newest), (previous, n_previous) = read_header(ckpt), read_header(ckpt + ".prev")
+            except CheckpointError:  # a damaged slot: the engine refuses it, with what to do
+                return
+            logged = self.store.state.get("checkpoint_step")
+            logged = logged if isinstance(logged, int) else 0
+            if newest <= logged or previous >= newest or n_previous != n_newest:  # not this run's
+                return
+            unsure = (f"; records of steps {logged + 1}..{previous} may be missing"
+                      if previous > logged else "")
+            say(f"the checkpoint of step {newest} was written after the proxy last logged one (step "
+                f"{logged}; it was killed): resuming from the previous checkpoint, step {previous}, "
+                f"to train and log steps {previous + 1}..{newest} again{unsure}")
+        roll_back_checkpoint(ckpt)
 
     def discard_launch(self):
         """The engine refused to start: remove what this launch created; returns what to say."""

@@ -17,6 +17,20 @@ import sys
 import threading
 import time
 
+# Signals that arrive while the proxy starts, before the supervisor takes them over: a stop is
+# honoured (nothing is launched). Held from before the imports below, which take a tenth of a
+# second or more: a Ctrl-C there was a KeyboardInterrupt traceback, a SIGTERM a silent death.
+EARLY_SIGNALS = []
+
+
+def hold_signals():
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, lambda sig, _frame: EARLY_SIGNALS.append(sig))
+
+
+if __name__ == "__main__":
+    hold_signals()
+
 from microgpt.checkpoint import CheckpointError, checkpoint_step
 from microgpt.config import ConfigError, load_config, resolve_path, tokenize_prompts
 from microgpt.engines import ENGINES, ROOT, EngineChoiceError, engine_flags, is_built, select_engine
@@ -102,9 +116,8 @@ def open_run(args):
 
 
 def main(argv):
-    early = []  # signals that arrive before the supervisor takes them over: a stop is honoured
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(sig, lambda sig, _frame: early.append(sig))
+    hold_signals()
+    early = EARLY_SIGNALS
     args = parse_args(argv)
     if args.serve:
         return serve_directory(args)

@@ -244,6 +244,48 @@ def test_full_disk_keeps_previous_checkpoint(engine, random_shards, tmp_path):
     assert after == before, f"previous checkpoint damaged or temporary files left: {sorted(after)} vs {sorted(before)}"
 
 
+def test_a_checkpoint_directory_that_cannot_take_one_is_refused_up_front(engine, random_shards):
+    """/proc exists but takes no new file, as a read-only mount does: that was found at the first
+    save, after every step up to it was trained (and lost)."""
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint.every": 2,
+                                                                       "checkpoint": "/proc/run.ckpt"}))
+    assert res.rc == 2 and len(res.errors) == 1, res.describe()
+    assert res.errors[0].startswith("error: cannot create files in checkpoint directory /proc "), res.errors
+    assert res.steps == [] and not res.events("memory"), res.describe()
+
+
+@pytest.mark.parametrize("length", [238, 246])
+def test_a_checkpoint_name_too_long_for_its_temporary_files_is_refused_up_front(engine, random_shards, tmp_path,
+                                                                                 length):
+    """A name that fits the file system's 255 bytes but not with ".prev.json.tmpPID" added trained
+    until the first (246) or second (238) save, then failed."""
+    ckpt = tmp_path / ("c" * length)
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{"train.steps": 6, "checkpoint.every": 2,
+                                                                       "checkpoint": ckpt}))
+    assert res.rc == 2 and len(res.errors) == 1, res.describe()
+    assert res.errors[0].startswith(f"error: checkpoint name {ckpt} is too long"), res.errors
+    assert res.steps == [] and os.listdir(tmp_path) == [], res.describe()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 64 KiB file system: too small for any test model's checkpoint (mounting needs root)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "none", str(mnt)]).returncode:
+        pytest.skip("mounting a 64 KiB tmpfs needs root")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_checkpoint_directory_without_room_for_one_is_refused_up_front(engine, random_shards, tiny_tmpfs):
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint.every": 2,
+                                                                       "checkpoint": tiny_tmpfs / "run.ckpt"}))
+    assert res.rc == 2 and len(res.errors) == 1, res.describe()
+    assert f"checkpoint directory {tiny_tmpfs} has 65536 bytes free" in res.errors[0], res.errors
+    assert res.steps == [] and os.listdir(tiny_tmpfs) == [], res.describe()
+
+
 def test_temporary_files_of_a_killed_writer_are_removed(engine, random_shards, tmp_path):
     """A writer killed mid-checkpoint leaves PATH.tmpPID behind; the next save removes it (its
     process is gone) and leaves a live process's temporary file alone."""
@@ -693,8 +735,17 @@ def _sidecar_of_another_step(path):
     path.with_name(path.name + ".json").write_text(json.dumps(side))
 
 
+def _sidecar_checksum_not_a_number(path):
+    """A checksum that is there but unreadable is damage: it was loaded unverified, as if the
+    checkpoint predated checksums."""
+    side = read_sidecar(path)
+    side["crc32c"] = "x"
+    path.with_name(path.name + ".json").write_text(json.dumps(side))
+
+
 INTEGRITY_DAMAGE = {"bit_in_v": _flip_bit_in_v, "garbage_weights": _garbage_weights, "step_49": _set_step(49),
-                    "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step}
+                    "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step,
+                    "sidecar_checksum_not_a_number": _sidecar_checksum_not_a_number}
 
 
 @pytest.mark.parametrize("damage", sorted(INTEGRITY_DAMAGE))
@@ -724,6 +775,25 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_resumes(engine, rand
     expected = eu.exact_records(ref)
     assert all(expected[key] == text for key, text in eu.exact_records(resumed).items())
     assert ckpt.read_bytes()[8:] == ref_ckpt.read_bytes()[8:]
+
+
+@pytest.mark.parametrize("scale", ["Infinity", "NaN", "-1", "0", "1e39", '"x"'])
+def test_a_loss_scale_that_is_no_scale_starts_from_the_default(engine, random_shards, tmp_path, scale):
+    """The checksum covers the checkpoint, not its sidecar: a loss scale of inf in the sidecar was
+    taken as it was, and an fp16 run would then skip every step (inf halved stays inf). Anything but
+    a positive finite float is reported and replaced by the engine's default; the run resumes."""
+    ckpt = tmp_path / "run.ckpt"
+    precision = "fp16" if engine.name == "cuda" else "fp32"
+    args = tiny_args(random_shards.train, **{"train.steps": 3, "train.precision": precision, "checkpoint": ckpt})
+    eu.run_ok(engine.binary, args)
+    side = (tmp_path / "run.ckpt.json").read_text()
+    (tmp_path / "run.ckpt.json").write_text(re.sub(r'"loss_scale":[^,]*', f'"loss_scale":{scale}', side))
+    resumed = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 6, "train.precision": precision,
+                                                                       "checkpoint": ckpt, "resume": True}))
+    assert "holds a loss_scale that is not a positive finite number" in resumed.stderr, resumed.describe()
+    assert [r["step"] for r in resumed.steps] == [4, 5, 6]
+    if engine.name == "cuda":  # the default scale, 65536, at most one overflow below it
+        assert 32768 <= resumed.steps[0]["loss_scale"] <= 65536, resumed.steps[0]
 
 
 @pytest.mark.parametrize("old", ["no_checksum", "no_sidecar"])
@@ -857,6 +927,16 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(engine, ran
     assert {name: (tmp_path / name).read_bytes() for name in files_beside(ckpt)} == before
 
 
+def test_divergence_before_any_checkpoint_says_so_plainly(engine, random_shards, tmp_path):
+    """lr 1 with beta2 0.999999999 diverges in a step or two, before any checkpoint: the message read
+    "the last good no checkpoint was written"."""
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{
+        "train.steps": 10, "train.lr": 1.0, "train.beta2": 0.999999999, "checkpoint": tmp_path / "run.ckpt"}))
+    assert res.rc == 3 and len(res.errors) == 1, res.describe()
+    assert "training diverged at step " in res.errors[0] and "; stopped without saving this state, no checkpoint was " \
+        "written (a lower train.lr" in res.errors[0], res.errors[0]
+
+
 @pytest.mark.parametrize("flag", ["train.lr", "train.min_lr", "polish.lr"])
 def test_learning_rates_are_bounded(engine, random_shards, flag):
     """lr 1e30 trained NaN to the end; learning rates above 1 are refused (AdamW moves every weight
@@ -904,6 +984,20 @@ def test_special_files_are_refused_up_front(engine, random_shards, tmp_path, fif
     assert res.rc == 2, res.describe()
     assert len(res.errors) == 1 and word in res.errors[0], res.describe()
     assert res.steps == [] and not res.events("memory"), res.describe()
+
+
+def test_a_shard_truncated_while_training_is_one_error_line(engine, tmp_path):
+    """Shards are memory-mapped: one truncated in place under a training engine (a data script
+    rerun) made the next read of a vanished page raise SIGBUS, killing the engine without a word."""
+    eu.write_random_shards(tmp_path, "big", 1, 2_000_000, eu.TINY_VOCAB, 5)
+    shard = tmp_path / "big_000000.bin"
+    assert shard.exists()
+    proc = eu.start_engine(engine.binary, tiny_args(str(shard), **{"train.steps": 10**6}))
+    proc.wait_for(lambda r: r.get("step") == 3 and "loss" in r)
+    os.truncate(shard, 1024 + 2 * 100)  # 100 tokens left: every other window's pages are gone
+    res = proc.finish()
+    assert res.rc == 1, res.describe()
+    assert len(res.errors) == 1 and "a data shard truncated or rewritten in place" in res.errors[0], res.describe()
 
 
 def _term_pending_at_exec():

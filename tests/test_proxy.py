@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -94,6 +95,22 @@ def test_loss_log_refuses_damage_that_is_not_a_torn_tail(tmp_path):
     with pytest.raises(loss_log.LossLogError, match="not at the end"):
         loss_log.LossLog(str(path))
     assert path.read_bytes() == damaged  # nothing was cut
+
+
+@pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
+def test_loss_log_refuses_a_record_no_browser_can_parse(tmp_path, constant):
+    """Python's json takes NaN and Infinity, JSON.parse does not: a hand-edited loss of NaN passed
+    the full validation, and every dashboard answer holding that record failed to parse. (A NaN
+    in a whole array went on to the layout rewrite and a ValueError traceback.)"""
+    path = tmp_path / "x.loss.json"
+    data = write_log(path, 5)
+    for damaged in (data.replace(b'"loss":5.0', b'"loss":' + constant),  # in the log's own layout
+                    b"[" + data[1:].replace(b'"loss":5.0', b'"loss":' + constant).replace(b"\n", b" ")):
+        assert damaged != data
+        path.write_bytes(damaged)
+        with pytest.raises(loss_log.LossLogError):
+            loss_log.LossLog(str(path))
+        assert path.read_bytes() == damaged  # nothing was cut
 
 
 def test_loss_log_refuses_to_erase_a_torn_file_in_another_layout(tmp_path):
@@ -216,6 +233,8 @@ def test_every_dotted_engine_flag_is_a_config_key(flags):
     ({"resume": True}, 'unknown key "resume"'),  # a flag the proxy sets itself, not a config key
     ({"name": "../evil"}, '"name" must be letters'),
     ({"name": 3}, '"name" must be a string'),
+    # a NUL cannot be in a command-line argument: it was "proxy failed: ValueError" and exit 1
+    ({"data": {"train": "a\u0000b"}}, '"data.train" must not contain a NUL character'),
 ])
 def test_bad_config_is_one_clear_error_naming_the_key(exp, cpu_binary, change, message):
     """Validated before anything is launched or created: exit 2, one line, the key named."""
@@ -545,6 +564,41 @@ def test_loss_log_completes_short_writes(tmp_path, monkeypatch):
     log.close()
 
 
+@pytest.fixture
+def finished_run(exp, cpu_binary):
+    """A run of 4 steps, checkpointed every 2 (both checkpoint slots), and a config to go on to 8."""
+    _, rc = run_to_end(exp.config(steps=4, checkpoint={"every": 2}, train={"warmup_steps": 0}), exp.run_dir,
+                       cpu_binary, "--no-server")
+    assert rc == 0
+    return exp.config(steps=8, checkpoint={"every": 2}, train={"warmup_steps": 0}, file="cfg8.json")
+
+
+@pytest.mark.parametrize("suffix, kind, words", [
+    (".loss.json", "fifo", "is a FIFO"), (".state.json", "fifo", "is a FIFO"),  # open() waited for ever
+    (".samples.json", "fifo", "is a FIFO"), (".ckpt", "fifo", "is a FIFO"),
+    (".loss.json", "devnull", "is a device"),  # every record went nowhere, exit 0
+    (".ckpt.prev", "dir", "is a directory")])
+def test_a_run_file_that_is_not_a_regular_file_is_refused(exp, cpu_binary, finished_run, suffix, kind, words):
+    path = exp.path(suffix)
+    path.unlink()
+    {"fifo": os.mkfifo, "dir": os.mkdir, "devnull": lambda p: os.symlink("/dev/null", p)}[kind](path)
+    res = subprocess.run([sys.executable, str(PROXY), str(finished_run), "--engine-binary", str(cpu_binary),
+                          "--run-dir", str(exp.run_dir), "--no-server"], capture_output=True, text=True,
+                         env=proxy_env(), timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines() == [f"error: {path} {words}, not a regular file; move it away"], res.stderr
+
+
+def test_samples_of_the_wrong_types_are_moved_aside(exp, cpu_binary, finished_run):
+    """A sample whose step is a string was taken as a list of samples, and the first resume's
+    comparison of steps failed: "proxy failed: TypeError", exit 1."""
+    exp.path(".samples.json").write_text(json.dumps([{"step": "x", "prompt": 5, "text": None}]))
+    p, rc = run_to_end(finished_run, exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    assert "samples.json was not a list of samples; moved it to" in "".join(p.out), p.describe()
+    assert json.loads(exp.path(".samples.json.damaged").read_text())[0]["step"] == "x"
+
+
 def test_a_second_proxy_on_a_running_run_is_refused(exp, cpu_binary):
     cfg = exp.config(steps=10**6)
     p = Proxy.start(cfg, exp.run_dir, cpu_binary)
@@ -599,6 +653,92 @@ def test_engine_killed_outright_is_crashed_and_rerun_resumes(exp, cpu_binary):
     assert superseded and all(r["step"] > k and r["seg"] == 1 for r in superseded)
     # the resumed run continues from the checkpoint: its first record is step k+1
     assert [r["step"] for r in recs if r.get("seg") == 2 and "loss" in r][0] == k + 1
+
+
+LAGGING_ENGINE = """\
+import os, subprocess, sys, time
+# The real engine, whose output reaches the proxy only up to the checkpoint event of step HOLD_AT:
+# the rest is held back, as when a proxy lags behind a fast engine, until the engine has exited.
+if sys.argv[1:] == ["--flags-json"]:
+    os.execv(ENGINE, [ENGINE] + sys.argv[1:])
+engine = subprocess.Popen([ENGINE] + sys.argv[1:], stdout=subprocess.PIPE)
+passing = True
+for line in engine.stdout:
+    if passing:
+        sys.stdout.buffer.write(line)
+        sys.stdout.flush()
+    if b'"event":"checkpoint"' in line and b'"step":HOLD_AT,' in line:
+        passing = False
+engine.wait()
+open(DONE, "w").close()
+time.sleep(600)
+"""
+
+
+def test_a_proxy_killed_while_it_lags_loses_no_record(exp, cpu_binary, tmp_path):
+    """The engine never waits for the proxy: a proxy killed while it lagged behind left checkpoints
+    past records it never wrote, and the next run resumed there: those records were lost for good
+    (5 of 12 random kill -9s lost a checkpoint interval). The next run must train and log them again:
+    every step's loss and validation loss as in a run never interrupted. (A lag of more than one
+    checkpoint interval can still lose records: there are two checkpoint slots; the message says so.)"""
+    cfg = exp.config(steps=20, checkpoint={"every": 5}, eval={"every": 5, "batches": 2})
+    ref = ProxyFixtureDir(tmp_path / "ref")
+    _, rc = run_to_end(ref.config(steps=20, checkpoint={"every": 5}, eval={"every": 5, "batches": 2}),
+                       ref.run_dir, cpu_binary, "--no-server")
+    assert rc == 0
+    done = tmp_path / "engine-done"
+    wrapper = tmp_path / "lagging_engine.py"
+    wrapper.write_text(f"#!{sys.executable}\nENGINE, DONE = {str(cpu_binary)!r}, {str(done)!r}\n" +
+                       LAGGING_ENGINE.replace("HOLD_AT", "15"))
+    wrapper.chmod(0o755)
+    p = Proxy.start(cfg, exp.run_dir, wrapper, "--no-server")
+    deadline = time.monotonic() + 120
+    while not done.exists() and p.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert done.exists(), p.describe()
+    wrapper_pid = exp.state()["pid"]
+    p.proc.kill()  # kill -9 of the proxy: it had logged up to step 15, the engine checkpointed 20
+    p.wait()
+    os.kill(wrapper_pid, signal.SIGKILL)
+    assert exp.state()["checkpoint_step"] == 15 and checkpoint_step(exp.path(".ckpt")) == 20
+
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    assert "resuming from the previous checkpoint, step 15, to train and log steps 16..20 again" in \
+        "".join(p.out), p.describe()
+    recs, want = exp.loss(), ref.loss()
+    assert_one_live_value_per_step(recs)
+    assert [(r["step"], r["loss"]) for r in live_train(recs)] == [(r["step"], r["loss"]) for r in live_train(want)]
+    assert [(r["step"], r["val_loss"]) for r in live_val(recs)] == \
+        [(r["step"], r["val_loss"]) for r in live_val(want)]
+    assert exp.path(".ckpt").read_bytes() == ref.path(".ckpt").read_bytes()
+    assert sorted(os.listdir(exp.run_dir)) == sorted(os.listdir(ref.run_dir))  # no .ahead left
+
+
+@pytest.mark.parametrize("cut_at", range(6))
+def test_a_rollback_cut_short_at_any_rename_is_finished_by_the_next(tmp_path, monkeypatch, cut_at):
+    """roll_back_checkpoint makes six renames; a crash after any number of them must leave what
+    the next call (the next launch makes it: there is a .ahead, or the checkpoint is still past
+    the logged one) finishes into the swapped slots, nothing lost on the way."""
+    ckpt = str(tmp_path / "t.ckpt")
+    files = {"": b"newest", ".json": b"newest sidecar", ".prev": b"older", ".prev.json": b"older sidecar"}
+    for suffix, data in files.items():
+        (tmp_path / f"t.ckpt{suffix}").write_bytes(data)
+    real_replace, calls = os.replace, []
+
+    def crashing_replace(src, dst):
+        if len(calls) == cut_at:
+            raise KeyboardInterrupt  # the process dies here
+        calls.append(src)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(run_dir.os, "replace", crashing_replace)
+    with pytest.raises(KeyboardInterrupt):
+        run_dir.roll_back_checkpoint(ckpt)
+    monkeypatch.setattr(run_dir.os, "replace", real_replace)
+    run_dir.roll_back_checkpoint(ckpt)
+    got = {p.name[len("t.ckpt"):]: p.read_bytes() for p in tmp_path.iterdir()}
+    assert got == {"": b"older", ".json": b"older sidecar", ".prev": b"newest", ".prev.json": b"newest sidecar"}
 
 
 def test_polish_archives_pretraining(exp, cpu_binary):

@@ -282,6 +282,24 @@ def test_sigterm_before_the_engine_starts_stops_cleanly(exp, cpu_binary, tmp_pat
     assert not launched.exists()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_the_proxy_imports_stops_cleanly(exp, cpu_binary, sig):
+    """The stop handlers were installed in main(), after the imports (numpy and the rest take a
+    tenth of a second): a Ctrl-C there was a KeyboardInterrupt traceback, a SIGTERM a silent death
+    (rc -15). The signal is sent once numpy is mapped into the proxy, i.e. while it imports."""
+    p = Proxy.start(exp.config(steps=5), exp.run_dir, cpu_binary, "--no-server")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and p.proc.poll() is None:
+        with open(f"/proc/{p.proc.pid}/maps") as f:
+            if "numpy" in f.read():
+                break
+        time.sleep(0.001)
+    p.proc.send_signal(sig)
+    assert p.wait() == 0, p.describe()
+    assert any(f"{sig.name} before the engine started: nothing launched" in line for line in p.out), p.describe()
+    assert not any("Traceback" in line for line in p.err), p.describe()
+
+
 # ---------------------------------------------------------------------------------------------------
 # the terminal: progress and summary
 

@@ -17,9 +17,11 @@
 #include "files.h"
 #include <dirent.h>
 #include <fcntl.h>
+#include <float.h>
 #include <signal.h>
 #include <stdint.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #define CKPT_HEADER_BYTES 8
@@ -259,10 +261,35 @@ static void ckpt_write(const char* path, int step, const float* params, const fl
 /* ---------------------------------------------------------------------------------------------- */
 /* Checking and reading */
 
+/* A checkpoint directory that cannot take a checkpoint (read-only, not ours, full) is refused up
+ * front: found at the first save instead, it would cost every step trained until then. A probe
+ * file with the longest name a save makes (the previous sidecar's temporary file, its pid at the
+ * widest Linux gives) is made and removed, so a name too long for the file system is found too;
+ * the free space must hold one more checkpoint and its sidecar (the previous slot is a hard link,
+ * no copy). Space taken later by others is still the save's error. */
+static void ckpt_check_writable(const char* path, const char* dir, size_t n_params) {
+    char probe[CFG_PATH_MAX + 48];
+    struct statvfs fs;
+    unsigned long long free_bytes, need = ckpt_expected_bytes(n_params) + CKPT_SIDECAR_MAX;
+    int fd;
+    snprintf(probe, sizeof probe, "%s.prev.json.tmp%07d", path, (int)getpid());
+    if ((fd = open(probe, O_WRONLY | O_CREAT | O_EXCL, 0644)) < 0 && errno == ENAMETOOLONG)
+        die_input("checkpoint name %s is too long: the files saved beside it (up to %s) exceed the file system's "
+                  "limit on a name", path, probe);
+    if (fd < 0)
+        die_input("cannot create files in checkpoint directory %s (%s): no checkpoint could be saved", dir,
+                  strerror(errno));
+    close(fd);
+    unlink(probe);
+    if (statvfs(dir, &fs) == 0 && (free_bytes = (unsigned long long)fs.f_bavail * fs.f_frsize) < need)
+        die_input("checkpoint directory %s has %llu bytes free; a checkpoint of this model needs %llu", dir,
+                  free_bytes, need);
+}
+
 /* Refuses, before anything is done, checkpoint files that are not plain files (a directory; a FIFO,
- * on which every open would block; a device) or that lie in a directory that does not exist, and,
- * for a fresh run (`fresh`), an existing checkpoint in either slot. */
-static void ckpt_check_paths(const char* path, int fresh) {
+ * on which every open would block; a device) or that lie in a directory that does not exist or
+ * cannot take a checkpoint, and, for a fresh run (`fresh`), an existing checkpoint in either slot. */
+static void ckpt_check_paths(const char* path, int fresh, size_t n_params) {
     CkptFiles f;
     const char* names[4];
     char dir[CFG_PATH_MAX];
@@ -275,6 +302,7 @@ static void ckpt_check_paths(const char* path, int fresh) {
             die_input("checkpoint %s is %s, not a regular file", names[i], file_kind(st.st_mode));
     parent_dir(path, dir, sizeof dir);
     if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) die_input("checkpoint directory %s does not exist", dir);
+    ckpt_check_writable(path, dir, n_params);
     if (fresh && file_exists(f.ckpt))
         die_input("checkpoint %s already exists; pass --resume to continue that run, or remove it to start over", path);
     if (fresh && file_exists(f.prev))
@@ -401,17 +429,21 @@ static int ckpt_check(const char* path, size_t n_params) {
     }
     if (!json_find_number(sidecar, "step", &x) || x != (double)header[0]) {
         char side_step[32] = "none";
-        if (json_find_number(sidecar, "step", &x)) snprintf(side_step, sizeof side_step, "%.0f", x);
+        if (json_find_number(sidecar, "step", &x)) snprintf(side_step, sizeof side_step, "%.12g", x);
         snprintf(what, sizeof what, "does not match its sidecar %s (step %d in the checkpoint, %s in the sidecar)",
                  f.side, header[0], side_step);
         ckpt_refuse_damaged(&f, what);
     }
     if (!json_find_number(sidecar, "crc32c", &x)) {
+        if (strstr(sidecar, "\"crc32c\"")) { /* a checksum that is there but no number is damage, not age */
+            snprintf(what, sizeof what, "has a sidecar %s whose crc32c is not a number (damaged or edited)", f.side);
+            ckpt_refuse_damaged(&f, what);
+        }
         warn("checkpoint sidecar %s holds no checksum (written before checkpoints carried one): %s is loaded "
              "unverified", f.side, path);
     } else if ((double)(crc = ckpt_file_crc(path)) != x) {
         snprintf(what, sizeof what, "fails its integrity check: its bytes have CRC-32C %lu, its sidecar %s records "
-                 "%.0f (damaged on disk or edited)", (unsigned long)crc, f.side, x);
+                 "%.12g (damaged on disk or edited)", (unsigned long)crc, f.side, x);
         ckpt_refuse_damaged(&f, what);
     }
     if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
@@ -445,7 +477,12 @@ static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
         warn("checkpoint sidecar %s does not belong to step %d of %s; ignoring it", side, ckpt_step, path);
         return 0.0f;
     }
-    if (json_find_number(text, "loss_scale", &x)) loss_scale = (float)x;
+    /* The sidecar's bytes carry no checksum: a loss scale of inf would make an fp16 run skip every
+     * step (inf halved stays inf), so only a positive finite float is taken. */
+    if (json_find_number(text, "loss_scale", &x) && x > 0.0 && x <= FLT_MAX) loss_scale = (float)x;
+    else if (strstr(text, "\"loss_scale\""))
+        warn("checkpoint sidecar %s holds a loss_scale that is not a positive finite number; the loss scale starts "
+             "from its default", side);
     fp[0].key = "n_layer"; fp[0].value = c->model.n_layer;
     fp[1].key = "d_model"; fp[1].value = c->model.d_model;
     fp[2].key = "n_head"; fp[2].value = c->model.n_head;

@@ -127,11 +127,12 @@ static double probe_loss(Run* r, int s) {
 static void stop_diverged(const Run* r, int done, const char* what) {
     char kept[CFG_PATH_MAX + 64];
     if (r->saved_step >= 0)
-        snprintf(kept, sizeof kept, "checkpoint %s (step %d) is kept", r->cfg.checkpoint.path, r->saved_step);
+        snprintf(kept, sizeof kept, "the last good checkpoint %s (step %d) is kept", r->cfg.checkpoint.path,
+                 r->saved_step);
     else
         snprintf(kept, sizeof kept, "no checkpoint was written");
     emit_exit(done, "diverged");
-    die_code(EXIT_DIVERGED, "training diverged at step %d: %s; stopped without saving this state, the last good %s "
+    die_code(EXIT_DIVERGED, "training diverged at step %d: %s; stopped without saving this state, %s "
              "(a lower train.lr, or train.grad_clip, may help)", done, what, kept);
 }
 
@@ -204,7 +205,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     if (c->polish.enabled) dataset_open(&r->polish, c->polish.train, "polish.train", V, T);
     r->start_step = 0;
     r->saved_step = -1;
-    if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0]);
+    if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0], r->layout.n_params);
     if (c->resume) {
         r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params);
         mixture_resume(&r->mix, c, c->checkpoint.path); /* before the start event, which reports p */
