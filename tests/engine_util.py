@@ -1,7 +1,7 @@
 """Helpers for tests that run an engine binary (build/microgpt_cpu or build/microgpt_cuda).
 
 The one set of engine-running helpers for the suite; the contract they encode is docs/DESIGN.md
-(flags, stdout JSON lines, checkpoint + sidecar) and SPEC §2/§3 (parameter layout, checkpoint bytes).
+(flags, stdout JSON lines, checkpoint + sidecar) and docs/DESIGN.md §2/§3 (parameter layout, checkpoint bytes).
 
     res = run_engine(binary, tiny_args(train_glob, **{"train.steps": 5}))
     res.rc, res.records, res.steps, res.exit_event, res.errors

@@ -1,4 +1,4 @@
-"""Float64 numpy reference of the ANDREA model (SPEC §2) and its training step (SPEC §3, DESIGN.md).
+"""Float64 numpy reference of the ANDREA model (docs/DESIGN.md §2) and its training step (docs/DESIGN.md §3, DESIGN.md).
 
 The CPU engine is checked against this file, and this file is checked by finite differences
 (tests/test_reference.py), so it is written for reading, not speed: one function per layer, forward
@@ -6,7 +6,7 @@ and backward side by side, the same math as microgpt/cpu/*.h.
 
 Model: pre-LayerNorm GPT-2 without biases in linear layers, tied embeddings padded to
 padded_vocab_size rows, GELU (tanh), causal attention, mean cross-entropy over the real vocabulary.
-Parameters live in one flat vector in SPEC order: wte, wpe, per layer W_Q W_K W_V W_O W_1 W_2
+Parameters live in one flat vector in docs/DESIGN.md §2 order: wte, wpe, per layer W_Q W_K W_V W_O W_1 W_2
 ln1.gamma ln1.beta ln2.gamma ln2.beta, then lnf.gamma lnf.beta.
 """
 from dataclasses import dataclass

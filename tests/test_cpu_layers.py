@@ -2,7 +2,7 @@
 
 tests/layer_harness.c runs one layer's forward and backward on inputs written here. Gradient buffers
 start non-zero, so a backward that overwrites instead of accumulating (+=) fails. Every layer is
-also run with 1 and 3 threads and must give bit-identical results (SPEC §3: deterministic).
+also run with 1 and 3 threads and must give bit-identical results (docs/DESIGN.md §3: deterministic).
 
 Tolerance: fp32 against float64 on O(1) random data with sums of at most a few hundred terms;
 the per-tensor relative error ||cpu - ref|| / ||ref|| is ~1e-7 in practice, RTOL = 2e-6 leaves

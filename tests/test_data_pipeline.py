@@ -1,4 +1,4 @@
-"""The data pipeline on real data (SPEC §7, §10): chitchat-dataset conversations converted to Hermes
+"""The data pipeline on real data (docs/DESIGN.md §7, §10): chitchat-dataset conversations converted to Hermes
 (ShareGPT) records, run through scripts/pull-hermes3.py and scripts/prep-megachat.py as subprocesses,
 as a user would; Shakespeare as a plain-text source; the shards read back, split, mixed and fed to
 the CPU engine."""
@@ -70,7 +70,7 @@ def chitchat(assets, tmp_path_factory):
     d = tmp_path_factory.mktemp("chitchat")
     full = d / "all.jsonl"
     written, skipped = load_script("prepare-data").convert_chitchat(assets / "raw" / "chitchat" / "dataset.json", full)
-    assert written + skipped == 7168 and written > 4000  # SPEC §10: 7,168 conversations
+    assert written + skipped == 7168 and written > 4000  # docs/DESIGN.md §10: 7,168 conversations
     lines = full.read_text().splitlines()[:N_CONVERSATIONS]
     jsonl = d / "hermes.jsonl"
     jsonl.write_text("\n".join(lines) + "\n")

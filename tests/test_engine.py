@@ -1,4 +1,4 @@
-"""Engine behaviour (SPEC §3, §8; flags/output/sidecar in docs/DESIGN.md), run on every engine the
+"""Engine behaviour (docs/DESIGN.md §3, §8; flags/output/sidecar in docs/DESIGN.md), run on every engine the
 `engine` fixture provides: the CPU engine always, the CUDA engine where a GPU and its binary exist.
 
 Fast tests use the TINY model on random-token shards; one test trains on real Shakespeare shards.

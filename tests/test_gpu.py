@@ -1,4 +1,4 @@
-"""GPU engine checks (SPEC §8): every test here is marked `gpu` and skips without an NVIDIA GPU or
+"""GPU engine checks (docs/DESIGN.md §8): every test here is marked `gpu` and skips without an NVIDIA GPU or
 without build/microgpt_cuda. Run on the GPU machine by scripts/gpu-check.sh:
 
     python3 -m pytest -m gpu -v tests/test_gpu.py
@@ -374,7 +374,7 @@ def test_a_model_too_large_for_the_gpu_is_refused_before_training(cuda_binary, r
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_gpu_checkpoint_resumes_on_the_cpu_engine(cuda_binary, cpu_binary, random_shards, tmp_path, precision):
-    """Checkpoints are fp32 in the whitepaper layout whatever the precision, so a run stopped on the
+    """Checkpoints are fp32 in the layout of docs/DESIGN.md §3 whatever the precision, so a run stopped on the
     GPU continues on the CPU engine (and in fp32): from the same checkpoint both engines take the
     same next steps, within the GPU run's precision tolerance."""
     settings = {**SHAPES["tiny"], "train.lr": 3e-3, "train.warmup_steps": 2}

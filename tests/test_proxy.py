@@ -1,4 +1,4 @@
-"""The training proxy (SPEC §5), end to end with the real CPU engine: the proxy runs as a subprocess,
+"""The training proxy (docs/DESIGN.md §5), end to end with the real CPU engine: the proxy runs as a subprocess,
 as a user runs it, on tiny configs (2 layers, d 32, seq 32, batch 2) that take a few seconds.
 Plus unit tests of the loss log (torn tails, supersession) and of the config → flags mapping."""
 import http.client
@@ -28,7 +28,7 @@ def exp(tmp_path):
 
 
 def assert_one_live_value_per_step(records):
-    """SPEC: a step never shows two live values; and the live train steps are 1..N without a gap."""
+    """docs/DESIGN.md §5: a step never shows two live values; and the live train steps are 1..N without a gap."""
     steps = [r["step"] for r in live_train(records)]
     assert steps == list(range(1, len(steps) + 1)), steps
     vsteps = [r["step"] for r in live_val(records)]

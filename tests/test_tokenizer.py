@@ -1,4 +1,4 @@
-"""microgpt/tokenizer.py: r50k_base + ChatML specials, loaded offline from data/assets (SPEC §2, §10).
+"""microgpt/tokenizer.py: r50k_base + ChatML specials, loaded offline from data/assets (docs/DESIGN.md §2, §10).
 
 The `assets` fixture (conftest.py) runs scripts/fetch-assets.py.
 """
@@ -33,7 +33,7 @@ def test_constants_and_vocab(assets):
 
 
 def test_matches_tiktoken_r50k_base_loaded_from_cache_dir(assets, tmp_path, monkeypatch):
-    """SPEC §10: tiktoken itself loads r50k_base offline from TIKTOKEN_CACHE_DIR/<sha1(url)>, and
+    """docs/DESIGN.md §10: tiktoken itself loads r50k_base offline from TIKTOKEN_CACHE_DIR/<sha1(url)>, and
     our encoding (built from the same file) tokenizes real text identically."""
     shutil.copy(assets / "assets" / "r50k_base.tiktoken", tmp_path / hashlib.sha1(R50K_URL.encode()).hexdigest())
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))

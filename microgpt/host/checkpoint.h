@@ -1,4 +1,4 @@
-/* checkpoint.h: checkpoint files (SPEC §3), exactly
+/* checkpoint.h: checkpoint files (docs/DESIGN.md §3), exactly
  *   [int32 step][int32 n_params][n_params f32 weights][n_params f32 m][n_params f32 v]
  * little-endian (the host byte order of every machine we target), and the JSON sidecar PATH.json
  * holding what exact resume needs beyond that (loss scale), the CRC-32C of the checkpoint's bytes

@@ -1,4 +1,4 @@
-/* data.h: llm.c token shards (SPEC §7) and the deterministic choice of training / validation
+/* data.h: llm.c token shards (docs/DESIGN.md §7) and the deterministic choice of training / validation
  * windows (docs/DESIGN.md §13).
  * Shards are memory-mapped read-only: validating them (header, size, every token id) happens before
  * any large allocation and costs no memory beyond the page cache.

@@ -1,4 +1,4 @@
-/* params.h: the flat parameter vector (SPEC §2 order, which is also the checkpoint order), the
+/* params.h: the flat parameter vector (docs/DESIGN.md §2 order, which is also the checkpoint order), the
  * parameter count, which tensors are 2-D (weight-decayed), and the seeded initialisation.
  * Compiles as C99 and as C++ (nvcc). */
 #ifndef MICROGPT_HOST_PARAMS_H

@@ -1,4 +1,4 @@
-/* signals.h: signals only set flags; the training loop acts on them between steps (SPEC §3).
+/* signals.h: signals only set flags; the training loop acts on them between steps (docs/DESIGN.md §3).
  * SIGTERM / SIGINT: finish the current step, checkpoint, exit 0 (before the first step: exit 0,
  * nothing to save). SIGUSR1: checkpoint, keep going. SIGBUS (a mapped shard truncated): one error
  * line, exit 1.
