@@ -374,9 +374,9 @@ def test_a_model_too_large_for_the_gpu_is_refused_before_training(cuda_binary, r
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_gpu_checkpoint_resumes_on_the_cpu_engine(cuda_binary, cpu_binary, random_shards, tmp_path, precision):
-    """Checkpoints are fp32 in the layout of docs/DESIGN.md §3 whatever the precision, so a run stopped on the
-    GPU continues on the CPU engine (and in fp32): from the same checkpoint both engines take the
-    same next steps, within the GPU run's precision tolerance."""
+    """Checkpoints are fp32 in the layout of docs/DESIGN.md §3 whatever the precision, so a run stopped
+    on the GPU continues on the CPU engine (and in fp32): from the same checkpoint both engines take
+    the same next steps, within the GPU run's precision tolerance."""
     settings = {**SHAPES["tiny"], "train.lr": 3e-3, "train.warmup_steps": 2}
     half = tiny_args(random_shards.train, **{**settings, "train.steps": 4, "train.precision": precision})
     run_ok(cuda_binary, half + ["--checkpoint", tmp_path / "gpu.ckpt"])
