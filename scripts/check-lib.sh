@@ -52,10 +52,9 @@ gpu_arch() { nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/nul
 
 # Random-token shard: $1 prefix, $2 vocabulary, $3 tokens.
 make_shard() {
-    "$PY" - "$DATA" "$1" "$2" "$3" <<'PYEOF'
+    PYTHONPATH=. "$PY" - "$DATA" "$1" "$2" "$3" <<'PYEOF'
 import sys
 import numpy as np
-sys.path.insert(0, ".")
 from microgpt.shards import write_shard
 d, prefix, vocab, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 write_shard(f"{d}/{prefix}_000000.bin", np.random.default_rng(7).integers(0, vocab, n))

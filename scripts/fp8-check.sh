@@ -119,10 +119,9 @@ stage_quality() {
     else
         # no real text here: a fixed random "vocabulary" of 512 sentences of 24 tokens, drawn in random
         # order, so there is structure to learn and both runs see the same tokens
-        "$PY" - "$DATA" <<'EOF' || return 1
+        PYTHONPATH=. "$PY" - "$DATA" <<'EOF' || return 1
 import sys
 import numpy as np
-sys.path.insert(0, ".")
 from microgpt.shards import write_shard
 rng = np.random.default_rng(3)
 sentences = rng.integers(0, 50257, (512, 24))

@@ -49,8 +49,7 @@ ranks() {
 }
 
 random_shards() {
-    [ -e "$DATA/big_000000.bin" ] || $PY -c "
-import sys; sys.path.insert(0, 'tests')
+    [ -e "$DATA/big_000000.bin" ] || PYTHONPATH=tests:. $PY -c "
 from engine_util import write_random_shards
 write_random_shards('$DATA', 'big', 2, 4_000_000, 50257, seed=5)"
 }
