@@ -800,12 +800,6 @@ static size_t engine_setup(const Config* cfg) {
             die_input("train.precision fp8 needs FP8 tensor cores: compute capability 8.9 or newer (this GPU: %d.%d)",
                       p.major, p.minor);
         if (E.prec == PREC_BF16 && p.major < 8) die_input("train.precision bf16 needs compute capability 8.0 or newer");
-        /* The FP8 products are not working yet: on an H200 (CUDA 13.0) cuBLASLt answered every one of
-         * them, even kernel_check's smallest, with CUBLAS_STATUS_NOT_SUPPORTED. Until they do, fp8 on
-         * the GPU is refused; ANDREA_FP8_GPU=1 runs the unfinished path (docs/DESIGN.md §18). */
-        if (E.use_fp8 && !fp8_gpu_enabled())
-            die_input("train.precision fp8 does not run on the GPU yet (its FP8 products fail in cuBLASLt); "
-                      "the CPU engine emulates fp8, or train in bf16 on the GPU");
     }
     CUDA_CHECK(cudaSetDevice(dist_device())); /* LOCAL_RANK's GPU (docs/DESIGN.md §17) */
     CUDA_CHECK(cudaFree(0)); /* create the context now, so the free-memory figure below accounts for it */

@@ -172,21 +172,7 @@ RESUME = {"train.steps": 400, "train.lr": 3e-3, "train.warmup_steps": 3, "eval.e
           "sample.every": 100, "sample.tokens": 6, "sample.prompt": ["1,2,3", "7"]}
 
 
-# The fp8 path runs only with ANDREA_FP8_GPU=1 (the engine refuses fp8 on the GPU otherwise): its FP8
-# products fail in cuBLASLt on the H200 (CUBLAS_STATUS_NOT_SUPPORTED, seen 2026-12-01). The fp8 tests
-# run that path and are expected to fail until it works; strict, so a fix makes them fail as XPASS
-# and the mark has to go.
-FP8_NOT_WORKING = pytest.mark.xfail(strict=True, reason="the GPU's FP8 products fail in cuBLASLt (NOT_SUPPORTED "
-                                    "on an H200); docs/DESIGN.md §18")
-
-
-@pytest.fixture
-def fp8_gpu(monkeypatch):
-    monkeypatch.setenv("ANDREA_FP8_GPU", "1")
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp16", pytest.param("fp8", marks=FP8_NOT_WORKING)])
-@pytest.mark.usefixtures("fp8_gpu")
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp8"])
 def test_exact_resume_after_sigterm(cuda_binary, random_shards, tmp_path, precision):
     args = tiny_args(random_shards.train, random_shards.val, **{**RESUME, "train.precision": precision})
     ref_ckpt, ckpt = eu.check_exact_resume_after_sigterm(cuda_binary, args, RESUME["train.steps"], tmp_path)
@@ -278,8 +264,6 @@ def test_memory_plan_and_constant_device_memory(cuda_binary, random_shards):
 # precision fp8 (docs/DESIGN.md §18)
 
 @pytest.mark.parametrize("shape", sorted(FP8_SHAPES))
-@FP8_NOT_WORKING
-@pytest.mark.usefixtures("fp8_gpu")
 def test_fp8_gradients_match_cpu_fp8_emulation(cuda_binary, cpu_binary, random_shards, tmp_path, shape):
     """Loss and every gradient tensor of one micro-batch, GPU fp8 against the CPU engine's fp8 (see the
     module docstring for the tolerances); and the GPU's fp8 must differ from its bf16 (the FP8 path
@@ -309,8 +293,6 @@ def test_fp8_gradients_match_cpu_fp8_emulation(cuda_binary, cpu_binary, random_s
     print(f"fp8 {shape}: loss gpu {gpu_loss} cpu {cpu_loss}; (err, fp8 noise) per tensor {report}")
 
 
-@FP8_NOT_WORKING
-@pytest.mark.usefixtures("fp8_gpu")
 def test_fp8_training_tracks_cpu_fp8_emulation(cuda_binary, cpu_binary, random_shards):
     settings = {**FP8_SHAPES["odd"], "train.steps": 10, "train.lr": 3e-3, "train.warmup_steps": 2,
                 "train.precision": "fp8"}
@@ -321,8 +303,6 @@ def test_fp8_training_tracks_cpu_fp8_emulation(cuda_binary, cpu_binary, random_s
         assert abs(g["loss"] - c["loss"]) <= 3e-2 * abs(c["loss"]), (c, g)
 
 
-@FP8_NOT_WORKING
-@pytest.mark.usefixtures("fp8_gpu")
 def test_fp8_graphs_give_the_same_bits_as_launch_by_launch(cuda_binary, random_shards, tmp_path):
     args = tiny_args(random_shards.train, random_shards.val, **{
         **FP8_SHAPES["odd"], "train.precision": "fp8", "train.steps": 5, "train.grad_accum": 2, "train.lr": 3e-3,
@@ -336,8 +316,6 @@ def test_fp8_graphs_give_the_same_bits_as_launch_by_launch(cuda_binary, random_s
     assert runs["eager"][1] == runs["graph"][1], "the eager run's checkpoint differs from the graph run's"
 
 
-@FP8_NOT_WORKING
-@pytest.mark.usefixtures("fp8_gpu")
 def test_fp8_memory_plan_holds_the_fp8_weights(cuda_binary, random_shards):
     res = run_ok(cuda_binary, tiny_args(random_shards.train, **{**FP8_SHAPES["odd"], "train.precision": "fp8",
                                                                 "train.steps": 2}))
@@ -346,13 +324,6 @@ def test_fp8_memory_plan_holds_the_fp8_weights(cuda_binary, random_shards):
     assert groups["weights_lowp"] >= 4 * n, groups  # the bf16 copy and two fp8 copies
 
 
-def test_fp8_is_refused_on_the_gpu_until_its_products_work(cuda_binary, random_shards):
-    res = eu.run_engine(cuda_binary, tiny_args(random_shards.train, **{**FP8_SHAPES["odd"], "train.precision": "fp8"}))
-    assert res.rc == 2 and res.steps == [], res.describe()
-    assert "fp8 does not run on the GPU yet" in res.stderr, res.describe()
-
-
-@pytest.mark.usefixtures("fp8_gpu")
 def test_fp8_shapes_it_cannot_contract_are_refused(cuda_binary, random_shards):
     # T = 15: the products would contract over B·T = 60 positions, not a multiple of 16
     res = eu.run_engine(cuda_binary, tiny_args(random_shards.train, **{"train.precision": "fp8", "model.seq_len": 15}))

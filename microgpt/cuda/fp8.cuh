@@ -33,13 +33,17 @@
 
 typedef unsigned char fp8;
 
-/* One cast's scale: the amax it was derived from (as fp32 bits), the scale, and its inverse, which
- * the product multiplies by. */
-struct Fp8Scale {
-    unsigned amax_bits;
-    float scale;
+/* One cast's scale: its inverse, which the product multiplies by, the scale, and the amax it was
+ * derived from (as fp32 bits). cuBLASLt reads `descale` through a scale pointer and refuses the
+ * product (CUBLAS_STATUS_NOT_SUPPORTED, cuBLASLt 13.1 on sm_90) when that pointer sits 4 bytes past
+ * an aligned address; so descale comes first and every Fp8Scale is 16-byte aligned (an array of
+ * them in a 256-byte aligned buffer keeps each one so). fp8_gemm checks it. */
+struct __align__(16) Fp8Scale {
     float descale;
+    float scale;
+    unsigned amax_bits;
 };
+#define FP8_SCALE_ALIGN 16
 
 #define FP8_AMAX_BLOCK 256
 #define FP8_TILE 32      /* the cast's tile: 32 x 32 elements through shared memory */
@@ -179,13 +183,6 @@ static Fp8GemmPlan* fp8_plan(const Fp8GemmKey* key) {
     return p;
 }
 
-/* ANDREA_FP8_GPU=1: run the fp8 path although its products are not working yet (see the engine's
- * refusal in microgpt_cuda.cu); kernel_check checks the products only then. */
-static bool fp8_gpu_enabled(void) {
-    const char* v = getenv("ANDREA_FP8_GPU");
-    return v && !strcmp(v, "1");
-}
-
 /* One FP8 operand: where, its format, the cast scale it was made with, its batch stride. */
 struct Fp8Mat {
     const fp8* p;
@@ -213,6 +210,10 @@ static void fp8_gemm(int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD* D, const TD* 
     LtPlan* p = &fp8_plan(&key)->lt;
     const float* a_descale = &Bt.sc->descale; /* cuBLASLt's A is our Bt */
     const float* b_descale = &A.sc->descale;
+    if (lt_alignment(a_descale) < FP8_SCALE_ALIGN || lt_alignment(b_descale) < FP8_SCALE_ALIGN) {
+        fprintf(stderr, "error: internal: an fp8 scale is not %d-byte aligned\n", FP8_SCALE_ALIGN);
+        exit(1);
+    }
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_descale, sizeof a_descale);
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_descale, sizeof b_descale);
     float alpha = 1.0f;
