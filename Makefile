@@ -61,8 +61,18 @@ build/microgpt_cuda: microgpt/microgpt_cuda.cu $(HOST_HEADERS) $(CUDA_HEADERS) $
 # GPU-vs-CPU check of every kernel pair (tests/kernel_check.cu); run by tests/test_gpu.py
 kernel-check: build/kernel_check
 
-build/kernel_check: tests/kernel_check.cu $(CUDA_HEADERS) $(CPU_HEADERS) | build
-	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ tests/kernel_check.cu $(NVLDLIBS)
+# Flash-attention variants (microgpt/cuda/attention.cuh, its -D macros): ATTN_FLAGS reaches
+# kernel_check and attn_bench; ATTN_SUFFIX names a variant's pair of binaries
+# (build/kernel_check$(ATTN_SUFFIX), build/attn_bench$(ATTN_SUFFIX)); bench/attn-variants.sh builds all.
+ATTN_FLAGS  ?=
+ATTN_SUFFIX ?=
+
+build/kernel_check$(ATTN_SUFFIX): tests/kernel_check.cu $(CUDA_HEADERS) $(CPU_HEADERS) | build
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) $(ATTN_FLAGS) -o $@ tests/kernel_check.cu $(NVLDLIBS)
+
+# flash-attention kernel times (bench/attn_bench.cu); a measurement tool, not part of `make`
+build/attn_bench$(ATTN_SUFFIX): bench/attn_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) $(ATTN_FLAGS) -o $@ bench/attn_bench.cu $(NVLDLIBS)
 
 build:
 	mkdir -p build

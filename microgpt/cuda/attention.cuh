@@ -208,18 +208,67 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
  * Scores run in base 2: s2 = (q·k) * scale * log2(e), so 2^x (fa_exp2), the scale folded into a fused
  * multiply-add with the subtracted max or lse. */
 
-#define FA_TILE 64 /* rows per block and per staged tile */
+#define FA_TILE 64 /* rows per block (dK/dV, dQ) and per staged tile */
 #define FA_WARPS 4
 #define FA_THREADS (32 * FA_WARPS)
-/* Blocks per multiprocessor that ptxas must fit in registers (65536 / (128 threads x blocks)):
- * the forward fits 4 (127 registers on sm_90, no spills), the dK/dV kernel 3 (168); the dQ
- * kernel (one product per tile pair) needs no bound. */
-#define FA_MIN_BLOCKS_FWD 4
+
+/* Variants for the speed experiments of docs/BENCHMARKS.md (optimisation log #40 on), each chosen
+ * at compile time (nvcc -D...; the defaults are the measured code, bench/attn-variants.sh builds
+ * and times every one) and each checked by build/kernel_check like the default:
+ *   FA_FWD_WARPS=8      forward blocks of 8 warps, 128 query rows sharing each staged K/V tile
+ *                       (half the tile loads per FLOP; 2 blocks of 8 warps per multiprocessor
+ *                       instead of 4 of 4, so the same 16 warps).
+ *   FA_GRID_LPT=1       every flash kernel's grid walks the tiles in the slow dimension, so the
+ *                       heaviest tile of every head starts before any lighter one (longest job
+ *                       first over the whole grid; the default is heaviest first within a head).
+ *   FA_MIN_BLOCKS_DKV=4 the dK/dV kernel held to 128 registers (4 blocks, 16 warps per
+ *                       multiprocessor instead of 12), accepting what ptxas spills.
+ *   FA_DKV_COLS64=16    the dK/dV kernel at head size 64 in quarter tiles of 16 queries (fewer
+ *                       score registers; the same products in the same order, so the same bits). */
+#ifndef FA_FWD_WARPS
+#define FA_FWD_WARPS 4
+#endif
+#if FA_FWD_WARPS != 4 && FA_FWD_WARPS != 8
+#error "FA_FWD_WARPS must be 4 or 8"
+#endif
+#ifndef FA_GRID_LPT
+#define FA_GRID_LPT 0
+#endif
+#ifndef FA_MIN_BLOCKS_DKV
 #define FA_MIN_BLOCKS_DKV 3
+#endif
+#ifndef FA_DKV_COLS64
+#define FA_DKV_COLS64 32
+#endif
+#if FA_DKV_COLS64 != 16 && FA_DKV_COLS64 != 32 && FA_DKV_COLS64 != 64
+#error "FA_DKV_COLS64 must be 16, 32 or 64"
+#endif
+#define FA_FWD_ROWS (16 * FA_FWD_WARPS) /* query rows per forward block */
+#define FA_FWD_THREADS (32 * FA_FWD_WARPS)
+/* Blocks per multiprocessor that ptxas must fit in registers (65536 / (threads x blocks)): the
+ * forward fits 16 warps (127 registers on sm_90, no spills), the dK/dV kernel 3 blocks (168; see
+ * FA_MIN_BLOCKS_DKV); the dQ kernel (one product per tile pair) needs no bound. */
+#define FA_MIN_BLOCKS_FWD (16 / FA_FWD_WARPS)
 /* Queries per step of the dK/dV kernel: at D = 64 a staged tile's 64 queries in two halves of 32
  * (half the score registers, the same products in the same order; at 168 registers whole tiles
  * spill 48 bytes, halves none: ptxas -v, sm_90); smaller heads fit whole tiles. */
-template <int D> struct FaBwd { static constexpr int COLS = D == 64 ? 32 : FA_TILE; };
+template <int D> struct FaBwd { static constexpr int COLS = D == 64 ? FA_DKV_COLS64 : FA_TILE; };
+
+/* A flash block's work: its tile index (before each kernel maps it heaviest first), its head
+ * b*H + h, and the counts of both; fa_grid is the matching launch grid. */
+struct FaBlock {
+    int tile, bh, n_tiles, n_bh;
+};
+__device__ __forceinline__ FaBlock fa_block(void) {
+#if FA_GRID_LPT
+    return {(int)blockIdx.y, (int)blockIdx.x, (int)gridDim.y, (int)gridDim.x};
+#else
+    return {(int)blockIdx.x, (int)blockIdx.y, (int)gridDim.x, (int)gridDim.y};
+#endif
+}
+static dim3 fa_grid(int n_tiles, int n_bh) {
+    return FA_GRID_LPT ? dim3(n_bh, n_tiles) : dim3(n_tiles, n_bh);
+}
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
 
@@ -297,10 +346,10 @@ template <int pending> __device__ __forceinline__ void fa_cp_wait(void) {
 
 /* Starts copying rows [r0, r0 + 64) of one head (src: the sequence's row 0 at the head's first
  * column, row stride C) into a staged tile; rows at or past T become zero. Whole block. */
-template <typename T, int D>
+template <typename T, int D, int THREADS = FA_THREADS>
 __device__ __forceinline__ void fa_load_rows(T* dst, const T* src, int r0, int T_, int C) {
     constexpr int VEC = 16 / sizeof(T), PER_ROW = D / VEC;
-    for (int e = threadIdx.x; e < FA_TILE * PER_ROW; e += FA_THREADS) {
+    for (int e = threadIdx.x; e < FA_TILE * PER_ROW; e += THREADS) {
         int r = e / PER_ROW, c = (e % PER_ROW) * VEC;
         bool ok = r0 + r < T_;
         fa_cp_async16(dst + r * Fa<D>::LD + c, ok ? src + (size_t)(r0 + r) * C + c : src, ok ? 16 : 0);
@@ -308,10 +357,10 @@ __device__ __forceinline__ void fa_load_rows(T* dst, const T* src, int r0, int T
 }
 
 /* Starts copying key/value tile kt (rows kt*64 ..) of one head into the staged buffers ks, vs. */
-template <typename T, int D>
+template <typename T, int D, int THREADS = FA_THREADS>
 __device__ __forceinline__ void fa_load_kv(T* ks, T* vs, const T* k, const T* v, int kt, int T_, int C) {
-    fa_load_rows<T, D>(ks, k, kt * FA_TILE, T_, C);
-    fa_load_rows<T, D>(vs, v, kt * FA_TILE, T_, C);
+    fa_load_rows<T, D, THREADS>(ks, k, kt * FA_TILE, T_, C);
+    fa_load_rows<T, D, THREADS>(vs, v, kt * FA_TILE, T_, C);
 }
 
 /* A fragments of the 16 rows of a staged tile starting at `rows`, for every k step of D. */
@@ -434,61 +483,69 @@ __device__ __forceinline__ float fa_quad_max(float x) {
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
-/* Forward: block (query tile, b*H + h); the heaviest (last) query tiles are scheduled first. Warp
- * w owns query rows q0 + 16w .. +15; each lane holds rows g and g+8 of them (index h = 0, 1). Every
- * processed key tile holds a key <= each of the tile's rows (tiles run up to the diagonal), so the
- * running max is finite from the first tile on. */
+/* Forward: block (query block of FA_FWD_ROWS rows, b*H + h); the heaviest (last) query blocks are
+ * scheduled first. Warp w owns query rows q0 + 16w .. +15; each lane holds rows g and g+8 of them
+ * (index h = 0, 1). The block walks the key tiles up to its last row; a warp skips a tile whose
+ * keys all follow its rows (only with 128-row blocks) and masks one that reaches past its first row
+ * (the diagonal). Key tile 0 holds a key <= every row, so the running max is finite from then on. */
 template <typename T, int D>
-__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
+__global__ void __launch_bounds__(FA_FWD_THREADS, FA_MIN_BLOCKS_FWD)
     k_attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2) {
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
     __shared__ __align__(16) T vs[2][FA_TILE * Fa<D>::LD];
     int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H;
-    int q0 = qt * FA_TILE, row0 = q0 + warp * 16;
+    FaBlock blk = fa_block();
+    int qt = blk.n_tiles - 1 - blk.tile, bh = blk.bh, b = bh / H, hd = bh % H;
+    int q0 = qt * FA_FWD_ROWS, row0 = q0 + warp * 16;
+    int last_kt = (min(q0 + FA_FWD_ROWS, T_) - 1) / FA_TILE;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
 
+    /* q staged through the second k buffer (rows 0-63) and, with 128-row blocks, the second v buffer */
+    T* q_stage[2] = {ks[1], vs[1]};
     unsigned qa[Fa<D>::KD][4];
-    fa_load_rows<T, D>(ks[1], q + base, q0, T_, C); /* q staged through the second k buffer */
-    fa_load_kv<T, D>(ks[0], vs[0], k + base, v + base, 0, T_, C);
+    for (int r = 0; r < FA_FWD_ROWS; r += FA_TILE)
+        fa_load_rows<T, D, FA_FWD_THREADS>(q_stage[r / FA_TILE], q + base, q0 + r, T_, C);
+    fa_load_kv<T, D, FA_FWD_THREADS>(ks[0], vs[0], k + base, v + base, 0, T_, C);
     fa_cp_commit();
     fa_cp_wait<0>();
     __syncthreads();
-    fa_load_a<T, D>(qa, ks[1] + warp * 16 * Fa<D>::LD);
-    __syncthreads(); /* everyone has its q before ks[1] takes the next tile */
+    fa_load_a<T, D>(qa, q_stage[warp / FA_WARPS] + warp % FA_WARPS * 16 * Fa<D>::LD);
+    __syncthreads(); /* everyone has its q before ks[1], vs[1] take the next tile */
     float o[Fa<D>::ND][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* running max (base 2), this lane's sum */
 
-    for (int kt = 0; kt <= qt; kt++) {
-        int cur = kt & 1;
-        if (kt < qt) fa_load_kv<T, D>(ks[cur ^ 1], vs[cur ^ 1], k + base, v + base, kt + 1, T_, C);
+    for (int kt = 0; kt <= last_kt; kt++) {
+        int cur = kt & 1, key0 = kt * FA_TILE;
+        if (kt < last_kt) fa_load_kv<T, D, FA_FWD_THREADS>(ks[cur ^ 1], vs[cur ^ 1], k + base, v + base, kt + 1, T_, C);
         fa_cp_commit();
         fa_cp_wait<1>(); /* tile kt has landed (this thread's part) ... */
         __syncthreads(); /* ... and everyone's */
-        float s[FA_TILE / 8][4];
-        fa_scores<T, D>(s, qa, ks[cur]);
-        if (kt == qt) fa_mask_diagonal<false>(s, warp * 16);
-        for (int h = 0; h < 2; h++) {
-            /* the max of the raw scores, scaled once: scaling by sl2 > 0 and rounding keep the order,
-             * so this is the max of the scaled scores */
-            float mx = -INFINITY;
-            for (int j = 0; j < FA_TILE / 8; j++) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
-            float m_new = fmaxf(m[h], fa_quad_max(mx) * sl2);
-            float alpha = fa_exp2(m[h] - m_new), sum = 0.0f;
-            for (int j = 0; j < FA_TILE / 8; j++)
-                for (int e = 0; e < 2; e++) {
-                    float p = fa_exp2(fmaf(s[j][2 * h + e], sl2, -m_new));
-                    s[j][2 * h + e] = p;
-                    sum += p;
+        if (key0 <= row0 + 15) { /* some key of the tile precedes some row of the warp */
+            float s[FA_TILE / 8][4];
+            fa_scores<T, D>(s, qa, ks[cur]);
+            if (key0 + FA_TILE - 1 > row0) fa_mask_diagonal<false>(s, row0 - key0);
+            for (int h = 0; h < 2; h++) {
+                /* the max of the raw scores, scaled once: scaling by sl2 > 0 and rounding keep the
+                 * order, so this is the max of the scaled scores */
+                float mx = -INFINITY;
+                for (int j = 0; j < FA_TILE / 8; j++) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+                float m_new = fmaxf(m[h], fa_quad_max(mx) * sl2);
+                float alpha = fa_exp2(m[h] - m_new), sum = 0.0f;
+                for (int j = 0; j < FA_TILE / 8; j++)
+                    for (int e = 0; e < 2; e++) {
+                        float p = fa_exp2(fmaf(s[j][2 * h + e], sl2, -m_new));
+                        s[j][2 * h + e] = p;
+                        sum += p;
+                    }
+                l[h] = l[h] * alpha + sum;
+                m[h] = m_new;
+                for (int n = 0; n < Fa<D>::ND; n++) {
+                    o[n][2 * h] *= alpha;
+                    o[n][2 * h + 1] *= alpha;
                 }
-            l[h] = l[h] * alpha + sum;
-            m[h] = m_new;
-            for (int n = 0; n < Fa<D>::ND; n++) {
-                o[n][2 * h] *= alpha;
-                o[n][2 * h + 1] *= alpha;
             }
+            fa_accumulate<T, D>(o, s, vs[cur]);
         }
-        fa_accumulate<T, D>(o, s, vs[cur]);
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
 
@@ -521,7 +578,8 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     __shared__ __align__(16) T ds_stages[FA_WARPS][16 * Fa<FA_TILE>::LD]; /* per warp: its dS^T rows */
     constexpr int COLS = FaBwd<D>::COLS;
     int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    int kt = blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H, n_tiles = gridDim.x;
+    FaBlock blk = fa_block();
+    int kt = blk.tile, bh = blk.bh, b = bh / H, hd = bh % H, n_tiles = blk.n_tiles;
     int kv0 = kt * FA_TILE, row0 = kv0 + warp * 16;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
     T* ds_stage = ds_stages[warp];
@@ -603,10 +661,11 @@ __global__ void __launch_bounds__(FA_THREADS)
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, mi = lane >> 3;
     /* heads in the reverse of the dK/dV kernel's order: the first blocks read the tiles written
      * last, the likeliest still in L2 */
-    int qt = gridDim.x - 1 - blockIdx.x, bh = gridDim.y - 1 - blockIdx.y, b = bh / H, hd = bh % H;
+    FaBlock blk = fa_block();
+    int qt = blk.n_tiles - 1 - blk.tile, bh = blk.n_bh - 1 - blk.bh, b = bh / H, hd = bh % H;
     int row0 = qt * FA_TILE + warp * 16;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
-    const T* ds_row = ds_tiles + fa_ds_tile(bh, qt, 0, gridDim.x); /* tiles (qt, 0 .. qt), consecutive */
+    const T* ds_row = ds_tiles + fa_ds_tile(bh, qt, 0, blk.n_tiles); /* tiles (qt, 0 .. qt), consecutive */
     auto load_tiles = [&](int kt, int buf) {
         fa_load_rows<T, FA_TILE>(dss[buf], ds_row + (size_t)kt * FA_TILE * FA_TILE, 0, FA_TILE, FA_TILE);
         fa_load_rows<T, D>(ks[buf], k + base, kt * FA_TILE, T_, C);
@@ -670,28 +729,44 @@ static void fa_check_aligned(const void* a, const void* b, const void* c, const 
 template <typename T, int D>
 static void attn_fwd_flash(T* out, float* lse, const T* q, const T* k, const T* v, int B, int T_, int C, int H) {
     float sl2 = FA_LOG2E / sqrtf((float)D);
-    dim3 grid(ceil_div(T_, FA_TILE), B * H);
     fa_check_aligned(out, q, k, v);
-    k_attn_fwd<T, D><<<grid, FA_THREADS, 0, g_stream>>>(out, lse, q, k, v, T_, C, H, sl2);
+    k_attn_fwd<T, D><<<fa_grid(ceil_div(T_, FA_FWD_ROWS), B * H), FA_FWD_THREADS, 0, g_stream>>>(out, lse, q, k, v,
+                                                                                                  T_, C, H, sl2);
+    LAUNCH_CHECK();
+}
+
+/* The backward's three launches, in order (attn_bwd_flash; bench/attn_bench.cu times each). */
+template <typename T, int D>
+static void attn_bwd_flash_delta(float* delta, const T* dout, const T* out, int B, int T_, int C, int H) {
+    int N = B * T_;
+    k_attn_bwd_delta<T, D><<<ceil_div(N, FA_DELTA_WARPS), 32 * FA_DELTA_WARPS, 0, g_stream>>>(delta, dout, out,
+                                                                                                  N, T_, C, H);
+    LAUNCH_CHECK();
+}
+template <typename T, int D>
+static void attn_bwd_flash_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta,
+                               const T* q, const T* k, const T* v, int B, int T_, int C, int H) {
+    float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
+    k_attn_bwd_dkv<T, D><<<fa_grid(ceil_div(T_, FA_TILE), B * H), FA_THREADS, 0, g_stream>>>(
+        dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C, H, scale, sl2);
+    LAUNCH_CHECK();
+}
+template <typename T, int D>
+static void attn_bwd_flash_dq(T* dq, const T* ds_tiles, const T* k, int B, int T_, int C, int H) {
+    float scale = 1.0f / sqrtf((float)D);
+    k_attn_bwd_dq<T, D><<<fa_grid(ceil_div(T_, FA_TILE), B * H), FA_THREADS, 0, g_stream>>>(dq, ds_tiles, k, T_, C,
+                                                                                             H, scale);
     LAUNCH_CHECK();
 }
 
 template <typename T, int D>
 static void attn_bwd_flash(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q, const T* k,
                            const T* v, int B, int T_, int C, int H, float* delta, T* ds_tiles) {
-    float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
-    int N = B * T_;
     fa_check_aligned(dout, q, k, v);
     fa_check_aligned(dq, dk, dv, out);
-    k_attn_bwd_delta<T, D><<<ceil_div(N, FA_DELTA_WARPS), 32 * FA_DELTA_WARPS, 0, g_stream>>>(delta, dout, out,
-                                                                                                  N, T_, C, H);
-    LAUNCH_CHECK();
-    dim3 grid(ceil_div(T_, FA_TILE), B * H);
-    k_attn_bwd_dkv<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C,
-                                                            H, scale, sl2);
-    LAUNCH_CHECK();
-    k_attn_bwd_dq<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dq, ds_tiles, k, T_, C, H, scale);
-    LAUNCH_CHECK();
+    attn_bwd_flash_delta<T, D>(delta, dout, out, B, T_, C, H);
+    attn_bwd_flash_dkv<T, D>(dk, dv, ds_tiles, dout, lse, delta, q, k, v, B, T_, C, H);
+    attn_bwd_flash_dq<T, D>(dq, ds_tiles, k, B, T_, C, H);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
