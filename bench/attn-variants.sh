@@ -20,11 +20,12 @@ mkdir -p "$OUT"
 ALL_VARIANTS=(
     "default|"
     "fwd_warps8|-DFA_FWD_WARPS=8"
+    "fwd_pipeline|-DFA_FWD_PIPELINE=1 -DFA_FWD_SM_WARPS=12"
     "grid_lpt|-DFA_GRID_LPT=1"
     "dkv_blocks4|-DFA_MIN_BLOCKS_DKV=4"
     "dkv_cols16|-DFA_DKV_COLS64=16"
     "dkv_blocks4_cols16|-DFA_MIN_BLOCKS_DKV=4 -DFA_DKV_COLS64=16"
-    "combined|-DFA_FWD_WARPS=8 -DFA_GRID_LPT=1 -DFA_MIN_BLOCKS_DKV=4 -DFA_DKV_COLS64=16"
+    "combined|-DFA_FWD_PIPELINE=1 -DFA_FWD_SM_WARPS=12 -DFA_GRID_LPT=1 -DFA_MIN_BLOCKS_DKV=4 -DFA_DKV_COLS64=16"
 )
 VARIANTS=()
 for v in "${ALL_VARIANTS[@]}"; do

@@ -28,6 +28,7 @@ The engines are compared on tiny configurations with small vocabularies, in seco
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -105,6 +106,17 @@ def test_kernel_check(kernel_check_binary):
     failed = [l for l in res.stdout.splitlines() if l.startswith("FAIL")]
     assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
     assert "checks, 0 failed" in res.stdout.splitlines()[-1]
+
+
+def test_kernel_check_attention_only(kernel_check_binary):
+    """`--only attn` (bench/attn-variants.sh checks each flash variant with it): the attention pair
+    alone, at every shape, passing; an unknown --only value is one error line and exit status 2."""
+    res = subprocess.run([str(kernel_check_binary), "--only", "attn"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    m = re.search(r"kernel_check: (\d+) checks, 0 failed", res.stdout.splitlines()[-1])
+    assert m and int(m.group(1)) > 0, res.stdout[-2000:]
+    bad = subprocess.run([str(kernel_check_binary), "--only", "mlp"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --only takes attn"), bad.stderr
 
 
 # ---------------------------------------------------------------------------------------------------

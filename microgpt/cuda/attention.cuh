@@ -218,6 +218,12 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
  *   FA_FWD_WARPS=8      forward blocks of 8 warps, 128 query rows sharing each staged K/V tile
  *                       (half the tile loads per FLOP; 2 blocks of 8 warps per multiprocessor
  *                       instead of 4 of 4, so the same 16 warps).
+ *   FA_FWD_PIPELINE=1   the forward computes the scores of key tile kt + 1 while it takes the
+ *                       softmax of tile kt (the same operations in the same order per tile, so the
+ *                       same bits; 32 more score registers: with FA_FWD_SM_WARPS=12, 3 blocks of
+ *                       4 warps per multiprocessor at 168 registers, no spill).
+ *   FA_FWD_SM_WARPS=N   the forward's warps per multiprocessor that ptxas must fit in registers
+ *                       (default 16: 128 registers).
  *   FA_GRID_LPT=1       every flash kernel's grid walks the tiles in the slow dimension, so the
  *                       heaviest tile of every head starts before any lighter one (longest job
  *                       first over the whole grid; the default is heaviest first within a head).
@@ -230,6 +236,12 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
 #endif
 #if FA_FWD_WARPS != 4 && FA_FWD_WARPS != 8
 #error "FA_FWD_WARPS must be 4 or 8"
+#endif
+#ifndef FA_FWD_PIPELINE
+#define FA_FWD_PIPELINE 0
+#endif
+#ifndef FA_FWD_SM_WARPS
+#define FA_FWD_SM_WARPS 16
 #endif
 #ifndef FA_GRID_LPT
 #define FA_GRID_LPT 0
@@ -246,9 +258,9 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
 #define FA_FWD_ROWS (16 * FA_FWD_WARPS) /* query rows per forward block */
 #define FA_FWD_THREADS (32 * FA_FWD_WARPS)
 /* Blocks per multiprocessor that ptxas must fit in registers (65536 / (threads x blocks)): the
- * forward fits 16 warps (127 registers on sm_90, no spills), the dK/dV kernel 3 blocks (168; see
- * FA_MIN_BLOCKS_DKV); the dQ kernel (one product per tile pair) needs no bound. */
-#define FA_MIN_BLOCKS_FWD (16 / FA_FWD_WARPS)
+ * forward fits 16 warps (128 registers on sm_90, no spills; FA_FWD_SM_WARPS), the dK/dV kernel 3
+ * blocks (168; FA_MIN_BLOCKS_DKV); the dQ kernel (one product per tile pair) needs no bound. */
+#define FA_MIN_BLOCKS_FWD (FA_FWD_SM_WARPS / FA_FWD_WARPS)
 /* Queries per step of the dK/dV kernel: at D = 64 a staged tile's 64 queries in two halves of 32
  * (half the score registers, the same products in the same order; at 168 registers whole tiles
  * spill 48 bytes, halves none: ptxas -v, sm_90); smaller heads fit whole tiles. */
@@ -483,6 +495,41 @@ __device__ __forceinline__ float fa_quad_max(float x) {
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
+/* The forward's scores of one warp's 16 query rows (first row0) against the staged key tile of
+ * keys key0 .., masked where that tile reaches past the warp's first row (the diagonal). */
+template <typename T, int D>
+__device__ __forceinline__ void fa_fwd_scores(float (*s)[4], const unsigned (*qa)[4], const T* ktile, int key0, int row0) {
+    fa_scores<T, D>(s, qa, ktile);
+    if (key0 + FA_TILE - 1 > row0) fa_mask_diagonal<false>(s, row0 - key0);
+}
+
+/* One key tile of the forward's online softmax for a warp: running max m and sum l (per row half
+ * h), the output accumulators o rescaled, then o += P V with P = 2^(s sl2 - m) (s becomes P). */
+template <typename T, int D>
+__device__ __forceinline__ void fa_fwd_tile(float (*o)[4], float* m, float* l, float (*s)[4], const T* vtile, float sl2) {
+    for (int h = 0; h < 2; h++) {
+        /* the max of the raw scores, scaled once: scaling by sl2 > 0 and rounding keep the order,
+         * so this is the max of the scaled scores */
+        float mx = -INFINITY;
+        for (int j = 0; j < FA_TILE / 8; j++) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+        float m_new = fmaxf(m[h], fa_quad_max(mx) * sl2);
+        float alpha = fa_exp2(m[h] - m_new), sum = 0.0f;
+        for (int j = 0; j < FA_TILE / 8; j++)
+            for (int e = 0; e < 2; e++) {
+                float p = fa_exp2(fmaf(s[j][2 * h + e], sl2, -m_new));
+                s[j][2 * h + e] = p;
+                sum += p;
+            }
+        l[h] = l[h] * alpha + sum;
+        m[h] = m_new;
+        for (int n = 0; n < Fa<D>::ND; n++) {
+            o[n][2 * h] *= alpha;
+            o[n][2 * h + 1] *= alpha;
+        }
+    }
+    fa_accumulate<T, D>(o, s, vtile);
+}
+
 /* Forward: block (query block of FA_FWD_ROWS rows, b*H + h); the heaviest (last) query blocks are
  * scheduled first. Warp w owns query rows q0 + 16w .. +15; each lane holds rows g and g+8 of them
  * (index h = 0, 1). The block walks the key tiles up to its last row; a warp skips a tile whose
@@ -509,11 +556,36 @@ __global__ void __launch_bounds__(FA_FWD_THREADS, FA_MIN_BLOCKS_FWD)
     fa_cp_commit();
     fa_cp_wait<0>();
     __syncthreads();
-    fa_load_a<T, D>(qa, q_stage[warp / FA_WARPS] + warp % FA_WARPS * 16 * Fa<D>::LD);
+    fa_load_a<T, D>(qa, q_stage[warp / (FA_TILE / 16)] + warp % (FA_TILE / 16) * 16 * Fa<D>::LD);
     __syncthreads(); /* everyone has its q before ks[1], vs[1] take the next tile */
     float o[Fa<D>::ND][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* running max (base 2), this lane's sum */
 
+#if FA_FWD_PIPELINE
+    /* each step computes the scores of tile kt + 1 while it takes the softmax of tile kt: the
+     * products and the exponentials are independent, so the warp's instruction stream has both.
+     * Step kt reads K tile kt + 1 (buffer (kt + 1) & 1) and V tile kt (kt & 1), and fetches K tile
+     * kt + 2 and V tile kt + 1 into the buffers the previous step finished with. */
+    if (last_kt > 0) fa_load_rows<T, D, FA_FWD_THREADS>(ks[1], k + base, FA_TILE, T_, C);
+    fa_cp_commit();
+    float s_even[FA_TILE / 8][4], s_odd[FA_TILE / 8][4]; /* the scores of the even and odd tiles */
+    fa_fwd_scores<T, D>(s_even, qa, ks[0], 0, row0);
+    auto step = [&](int kt, float (*s)[4], float (*s_next)[4]) {
+        int cur = kt & 1;
+        fa_cp_wait<0>(); /* K tile kt + 1 and V tile kt have landed (this thread's part) ... */
+        __syncthreads(); /* ... and everyone's, and everyone is done with K tile kt and V tile kt - 1 */
+        if (kt + 2 <= last_kt) fa_load_rows<T, D, FA_FWD_THREADS>(ks[cur], k + base, (kt + 2) * FA_TILE, T_, C);
+        if (kt + 1 <= last_kt) fa_load_rows<T, D, FA_FWD_THREADS>(vs[cur ^ 1], v + base, (kt + 1) * FA_TILE, T_, C);
+        fa_cp_commit();
+        if (kt < last_kt && (kt + 1) * FA_TILE <= row0 + 15)
+            fa_fwd_scores<T, D>(s_next, qa, ks[cur ^ 1], (kt + 1) * FA_TILE, row0);
+        if (kt * FA_TILE <= row0 + 15) fa_fwd_tile<T, D>(o, m, l, s, vs[cur], sl2);
+    };
+    for (int kt = 0; kt <= last_kt; kt += 2) { /* two steps, so that the score arrays swap roles */
+        step(kt, s_even, s_odd);
+        if (kt + 1 <= last_kt) step(kt + 1, s_odd, s_even);
+    }
+#else
     for (int kt = 0; kt <= last_kt; kt++) {
         int cur = kt & 1, key0 = kt * FA_TILE;
         if (kt < last_kt) fa_load_kv<T, D, FA_FWD_THREADS>(ks[cur ^ 1], vs[cur ^ 1], k + base, v + base, kt + 1, T_, C);
@@ -522,32 +594,12 @@ __global__ void __launch_bounds__(FA_FWD_THREADS, FA_MIN_BLOCKS_FWD)
         __syncthreads(); /* ... and everyone's */
         if (key0 <= row0 + 15) { /* some key of the tile precedes some row of the warp */
             float s[FA_TILE / 8][4];
-            fa_scores<T, D>(s, qa, ks[cur]);
-            if (key0 + FA_TILE - 1 > row0) fa_mask_diagonal<false>(s, row0 - key0);
-            for (int h = 0; h < 2; h++) {
-                /* the max of the raw scores, scaled once: scaling by sl2 > 0 and rounding keep the
-                 * order, so this is the max of the scaled scores */
-                float mx = -INFINITY;
-                for (int j = 0; j < FA_TILE / 8; j++) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
-                float m_new = fmaxf(m[h], fa_quad_max(mx) * sl2);
-                float alpha = fa_exp2(m[h] - m_new), sum = 0.0f;
-                for (int j = 0; j < FA_TILE / 8; j++)
-                    for (int e = 0; e < 2; e++) {
-                        float p = fa_exp2(fmaf(s[j][2 * h + e], sl2, -m_new));
-                        s[j][2 * h + e] = p;
-                        sum += p;
-                    }
-                l[h] = l[h] * alpha + sum;
-                m[h] = m_new;
-                for (int n = 0; n < Fa<D>::ND; n++) {
-                    o[n][2 * h] *= alpha;
-                    o[n][2 * h + 1] *= alpha;
-                }
-            }
-            fa_accumulate<T, D>(o, s, vs[cur]);
+            fa_fwd_scores<T, D>(s, qa, ks[cur], key0, row0);
+            fa_fwd_tile<T, D>(o, m, l, s, vs[cur], sl2);
         }
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
+#endif
 
     for (int h = 0; h < 2; h++) {
         int i = row0 + g + 8 * h;
