@@ -20,6 +20,7 @@ mkdir -p "$OUT"
 ALL_VARIANTS=(
     "default|"
     "fwd_warps8|-DFA_FWD_WARPS=8"
+    "fwd_warps2|-DFA_FWD_WARPS=2"
     "fwd_pipeline|-DFA_FWD_PIPELINE=1 -DFA_FWD_SM_WARPS=12"
     "grid_lpt|-DFA_GRID_LPT=1"
     "dkv_blocks4|-DFA_MIN_BLOCKS_DKV=4"

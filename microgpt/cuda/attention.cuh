@@ -218,6 +218,10 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
  *   FA_FWD_WARPS=8      forward blocks of 8 warps, 128 query rows sharing each staged K/V tile
  *                       (half the tile loads per FLOP; 2 blocks of 8 warps per multiprocessor
  *                       instead of 4 of 4, so the same 16 warps).
+ *   FA_FWD_WARPS=2      forward blocks of 2 warps, 32 query rows: twice the blocks, half the
+ *                       longest block's work (ANDREA-12M's forward is one wave of unequal blocks),
+ *                       twice the tile loads per FLOP (and at head size 64, shared memory allows
+ *                       only 6 blocks, 12 warps, per multiprocessor).
  *   FA_FWD_PIPELINE=1   the forward computes the scores of key tile kt + 1 while it takes the
  *                       softmax of tile kt (the same operations in the same order per tile, so the
  *                       same bits; 32 more score registers: with FA_FWD_SM_WARPS=12, 3 blocks of
@@ -234,8 +238,8 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
 #ifndef FA_FWD_WARPS
 #define FA_FWD_WARPS 4
 #endif
-#if FA_FWD_WARPS != 4 && FA_FWD_WARPS != 8
-#error "FA_FWD_WARPS must be 4 or 8"
+#if FA_FWD_WARPS != 2 && FA_FWD_WARPS != 4 && FA_FWD_WARPS != 8
+#error "FA_FWD_WARPS must be 2, 4 or 8"
 #endif
 #ifndef FA_FWD_PIPELINE
 #define FA_FWD_PIPELINE 0
@@ -547,7 +551,8 @@ __global__ void __launch_bounds__(FA_FWD_THREADS, FA_MIN_BLOCKS_FWD)
     int last_kt = (min(q0 + FA_FWD_ROWS, T_) - 1) / FA_TILE;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
 
-    /* q staged through the second k buffer (rows 0-63) and, with 128-row blocks, the second v buffer */
+    /* q staged through the second k buffer (64 rows, 32 of them used by a 2-warp block) and, with
+     * 128-row blocks, the second v buffer */
     T* q_stage[2] = {ks[1], vs[1]};
     unsigned qa[Fa<D>::KD][4];
     for (int r = 0; r < FA_FWD_ROWS; r += FA_TILE)
