@@ -23,9 +23,11 @@ ALL_VARIANTS=(
     "fwd_warps2|-DFA_FWD_WARPS=2"
     "fwd_pipeline|-DFA_FWD_PIPELINE=1 -DFA_FWD_SM_WARPS=12"
     "grid_lpt|-DFA_GRID_LPT=1"
+    "dkv_warps2|-DFA_DKV_WARPS=2"
     "dkv_blocks4|-DFA_MIN_BLOCKS_DKV=4"
     "dkv_cols16|-DFA_DKV_COLS64=16"
     "dkv_blocks4_cols16|-DFA_MIN_BLOCKS_DKV=4 -DFA_DKV_COLS64=16"
+    "combined_12m|-DFA_FWD_WARPS=2 -DFA_DKV_WARPS=2 -DFA_GRID_LPT=1"
     "combined|-DFA_FWD_PIPELINE=1 -DFA_FWD_SM_WARPS=12 -DFA_GRID_LPT=1 -DFA_MIN_BLOCKS_DKV=4 -DFA_DKV_COLS64=16"
 )
 VARIANTS=()

@@ -231,8 +231,12 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
  *   FA_GRID_LPT=1       every flash kernel's grid walks the tiles in the slow dimension, so the
  *                       heaviest tile of every head starts before any lighter one (longest job
  *                       first over the whole grid; the default is heaviest first within a head).
+ *   FA_DKV_WARPS=2      dK/dV blocks of 2 warps, 32 keys (half a key tile; they store their
+ *                       halves of the dS tiles): twice the blocks, the longest half as long, as
+ *                       FA_FWD_WARPS=2 for the forward; twice the query-tile loads per FLOP.
  *   FA_MIN_BLOCKS_DKV=4 the dK/dV kernel held to 128 registers (4 blocks, 16 warps per
- *                       multiprocessor instead of 12), accepting what ptxas spills.
+ *                       multiprocessor instead of 12), accepting what ptxas spills (counted in
+ *                       blocks of 4 warps: twice as many blocks with FA_DKV_WARPS=2).
  *   FA_DKV_COLS64=16    the dK/dV kernel at head size 64 in quarter tiles of 16 queries (fewer
  *                       score registers; the same products in the same order, so the same bits). */
 #ifndef FA_FWD_WARPS
@@ -253,6 +257,12 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
 #ifndef FA_MIN_BLOCKS_DKV
 #define FA_MIN_BLOCKS_DKV 3
 #endif
+#ifndef FA_DKV_WARPS
+#define FA_DKV_WARPS 4
+#endif
+#if FA_DKV_WARPS != 2 && FA_DKV_WARPS != 4
+#error "FA_DKV_WARPS must be 2 or 4"
+#endif
 #ifndef FA_DKV_COLS64
 #define FA_DKV_COLS64 32
 #endif
@@ -261,6 +271,8 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
 #endif
 #define FA_FWD_ROWS (16 * FA_FWD_WARPS) /* query rows per forward block */
 #define FA_FWD_THREADS (32 * FA_FWD_WARPS)
+#define FA_DKV_ROWS (16 * FA_DKV_WARPS) /* keys per dK/dV block */
+#define FA_DKV_THREADS (32 * FA_DKV_WARPS)
 /* Blocks per multiprocessor that ptxas must fit in registers (65536 / (threads x blocks)): the
  * forward fits 16 warps (128 registers on sm_90, no spills; FA_FWD_SM_WARPS), the dK/dV kernel 3
  * blocks (168; FA_MIN_BLOCKS_DKV); the dQ kernel (one product per tile pair) needs no bound. */
@@ -620,32 +632,33 @@ __global__ void __launch_bounds__(FA_FWD_THREADS, FA_MIN_BLOCKS_FWD)
     }
 }
 
-/* dK, dV: block (key tile, b*H + h); warp w owns keys kv0 + 16w .. +15 (lane: keys g, g+8) and
- * accumulates their dK, dV rows in registers over the query tiles from the diagonal on. Works on
+/* dK, dV: block (FA_DKV_ROWS keys from kv0, b*H + h), within key tile kt; warp w owns keys
+ * kv0 + 16w .. +15 (lane: keys g, g+8), rows sub + 16w of the tile, and accumulates their dK, dV
+ * rows in registers over the query tiles from the diagonal on. Works on
  * transposed blocks (rows = keys, columns = queries): S^T = K Q^T, dP^T = V dO^T, then
  * dV += P^T dO, dK += dS^T Q; and stores each dS^T tile for the dQ kernel (fa_ds_tile). */
 template <typename T, int D>
-__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
+__global__ void __launch_bounds__(FA_DKV_THREADS, FA_MIN_BLOCKS_DKV * FA_WARPS / FA_DKV_WARPS)
     k_attn_bwd_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q,
                    const T* k, const T* v, int T_, int C, int H, float scale, float sl2) {
     /* double-buffered: query tile qt in [(qt - kt) & 1], with its lse (base 2) and delta */
     __shared__ __align__(16) T qs[2][FA_TILE * Fa<D>::LD];
     __shared__ __align__(16) T dos[2][FA_TILE * Fa<D>::LD];
     __shared__ float lse2s[2][FA_TILE], dls[2][FA_TILE];
-    __shared__ __align__(16) T ds_stages[FA_WARPS][16 * Fa<FA_TILE>::LD]; /* per warp: its dS^T rows */
+    __shared__ __align__(16) T ds_stages[FA_DKV_WARPS][16 * Fa<FA_TILE>::LD]; /* per warp: its dS^T rows */
     constexpr int COLS = FaBwd<D>::COLS;
     int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     FaBlock blk = fa_block();
-    int kt = blk.tile, bh = blk.bh, b = bh / H, hd = bh % H, n_tiles = blk.n_tiles;
-    int kv0 = kt * FA_TILE, row0 = kv0 + warp * 16;
+    int bh = blk.bh, b = bh / H, hd = bh % H, n_tiles = (T_ + FA_TILE - 1) / FA_TILE;
+    int kv0 = blk.tile * FA_DKV_ROWS, kt = kv0 / FA_TILE, sub = kv0 % FA_TILE + warp * 16, row0 = kv0 + warp * 16;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
     T* ds_stage = ds_stages[warp];
     /* starts loading query tile qt into buffer `buf` */
     auto load_queries = [&](int qt, int buf) {
         int q0 = qt * FA_TILE;
-        fa_load_rows<T, D>(qs[buf], q + base, q0, T_, C);
-        fa_load_rows<T, D>(dos[buf], dout + base, q0, T_, C);
-        for (int c = threadIdx.x; c < FA_TILE; c += FA_THREADS) {
+        fa_load_rows<T, D, FA_DKV_THREADS>(qs[buf], q + base, q0, T_, C);
+        fa_load_rows<T, D, FA_DKV_THREADS>(dos[buf], dout + base, q0, T_, C);
+        for (int c = threadIdx.x; c < FA_TILE; c += FA_DKV_THREADS) {
             bool ok = q0 + c < T_;
             lse2s[buf][c] = ok ? lse[(size_t)bh * T_ + q0 + c] * FA_LOG2E : 0.0f;
             dls[buf][c] = ok ? delta[(size_t)bh * T_ + q0 + c] : 0.0f;
@@ -653,13 +666,13 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     };
 
     unsigned ka[Fa<D>::KD][4], va[Fa<D>::KD][4];
-    fa_load_kv<T, D>(qs[1], dos[1], k + base, v + base, kt, T_, C); /* k and v staged through the second buffers */
+    fa_load_kv<T, D, FA_DKV_THREADS>(qs[1], dos[1], k + base, v + base, kt, T_, C); /* k, v staged through the second buffers */
     load_queries(kt, 0);
     fa_cp_commit();
     fa_cp_wait<0>();
     __syncthreads();
-    fa_load_a<T, D>(ka, qs[1] + warp * 16 * Fa<D>::LD);
-    fa_load_a<T, D>(va, dos[1] + warp * 16 * Fa<D>::LD);
+    fa_load_a<T, D>(ka, qs[1] + sub * Fa<D>::LD);
+    fa_load_a<T, D>(va, dos[1] + sub * Fa<D>::LD);
     __syncthreads(); /* everyone has its k, v before the second buffers take the next tile */
     float dk_acc[Fa<D>::ND][4] = {}, dv_acc[Fa<D>::ND][4] = {};
 
@@ -677,7 +690,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
             float p[COLS / 8][4], ds[COLS / 8][4];
             fa_scores<T, D, COLS>(p, ka, qh);
             fa_scores<T, D, COLS>(ds, va, doh);
-            if (qt == kt) fa_mask_diagonal<true, COLS>(p, warp * 16, c0);
+            if (qt == kt) fa_mask_diagonal<true, COLS>(p, sub, c0);
             /* queries past T (a partial last tile) were loaded as zero rows of q and dout with lse
              * and delta 0: their P is 1 but their dP and dout rows are 0, so they add nothing */
             for (int j = 0; j < COLS / 8; j++)
@@ -698,7 +711,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
                         fa_pack<T>(ds[j][2 * h], ds[j][2 * h + 1]);
         }
         __syncwarp();
-        fa_store_rows16(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles) + (size_t)warp * 16 * FA_TILE, ds_stage);
+        fa_store_rows16(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles) + (size_t)sub * FA_TILE, ds_stage);
         __syncthreads(); /* everyone is done with buffer cur before it takes tile qt + 2 */
     }
 
@@ -804,7 +817,10 @@ template <typename T, int D>
 static void attn_bwd_flash_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta,
                                const T* q, const T* k, const T* v, int B, int T_, int C, int H) {
     float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
-    k_attn_bwd_dkv<T, D><<<fa_grid(ceil_div(T_, FA_TILE), B * H), FA_THREADS, 0, g_stream>>>(
+    /* whole key tiles, so every row of every dS tile is written (rows past T meet zero rows of K in
+     * the dQ kernel, but must be finite) */
+    unsigned n_blocks = ceil_div(T_, FA_TILE) * (FA_TILE / FA_DKV_ROWS);
+    k_attn_bwd_dkv<T, D><<<fa_grid(n_blocks, B * H), FA_DKV_THREADS, 0, g_stream>>>(
         dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C, H, scale, sl2);
     LAUNCH_CHECK();
 }
