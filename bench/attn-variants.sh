@@ -7,9 +7,10 @@
 # Per variant NAME: build/kernel_check_NAME and build/attn_bench_NAME (built in parallel, the
 # Makefile's ATTN_FLAGS / ATTN_SUFFIX), then `kernel_check_NAME --only attn` (the attention pair
 # at every checked shape, fp32/bf16/fp16, one fixed seed for all variants) and attn_bench_NAME.
-# Logs in $OUT/build-NAME.log, $OUT/check-NAME.log, $OUT/bench-NAME.log; at the end a table of µs
-# per kernel launch (one layer), one column per variant, and each variant's check result, also in
-# $OUT/summary.txt. A variant whose check fails is timed all the same and marked FAILED.
+# Logs in $OUT/build-NAME.log, $OUT/check-NAME.log, $OUT/bench-NAME.log; at the end a table, one
+# row per variant: µs per kernel launch (one layer) of each model, the flash kernels' µs per training
+# step, and the variant's check result (also in $OUT/summary.txt). A variant whose check fails is
+# timed all the same and marked FAILED.
 # Exit status 1 if any build or check failed. About 2-3 minutes on an H200 host (16 cores).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -75,22 +76,23 @@ for v in "${VARIANTS[@]}"; do
 done
 
 {
-    printf '\nµs per launch (one layer); kernel_check --only attn result in the last row\n'
-    printf '%-14s' "model/kernel"
-    for v in "${VARIANTS[@]}"; do printf ' %20s' "${v%%|*}"; done
-    printf '\n'
-    for model in 120M 12M; do
-        for kernel in forward delta dk_dv dq backward; do
-            printf '%-14s' "$model $kernel"
-            for v in "${VARIANTS[@]}"; do
-                us=$(awk -v m="$model" -v k="$kernel" '$3 == m && $4 == k { print $5 }' "$OUT/bench-${v%%|*}.log" 2>/dev/null)
-                printf ' %20s' "${us:--}"
+    printf '\nµs per launch (one layer); step = (forward + backward) x layers (12 at 120M, 6 at 12M)\n'
+    printf '%-20s' variant
+    for model in 120M 12M; do printf ' %8s' "$model:fwd" delta dk_dv dq bwd step; done
+    printf '  %s\n' "kernel_check --only attn"
+    for v in "${VARIANTS[@]}"; do
+        name=${v%%|*}
+        printf '%-20s' "$name"
+        for model in 120M 12M; do
+            for kernel in forward delta dk_dv dq backward; do
+                us=$(awk -v m="$model" -v k="$kernel" '$3 == m && $4 == k { print $5 }' "$OUT/bench-$name.log" 2>/dev/null)
+                printf ' %8s' "${us:--}"
             done
-            printf '\n'
+            step=$(awk -v m="$model" '$3 == m && ($4 == "forward" || $4 == "backward") { s += $9 } END { if (NR) printf "%.0f", s }' \
+                "$OUT/bench-$name.log" 2>/dev/null)
+            printf ' %8s' "${step:--}"
         done
+        printf '  %s\n' "${check[$name]}"
     done
-    printf '%-14s' "kernel_check"
-    for v in "${VARIANTS[@]}"; do printf ' %20s' "${check[${v%%|*}]}"; done
-    printf '\n'
 } | tee "$OUT/summary.txt"
 exit $rc
