@@ -13,7 +13,7 @@
 # timed all the same and marked FAILED.
 # Exit status 1 if any build or check failed. About 2-3 minutes on an H200 host (16 cores).
 set -u -o pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-./attn-out}
 mkdir -p "$OUT"
 
@@ -62,7 +62,10 @@ done
 declare -A check
 for v in "${VARIANTS[@]}"; do
     name=${v%%|*}
-    [ -x "build/attn_bench_$name" ] && [ -x "build/kernel_check_$name" ] || { check[$name]="NOT BUILT"; continue; }
+    if [ ! -x "build/attn_bench_$name" ] || [ ! -x "build/kernel_check_$name" ]; then
+        check[$name]="NOT BUILT"
+        continue
+    fi
     echo "== $name (${v#*|})"
     if timeout 120 "build/kernel_check_$name" --only attn --seed 12345 >"$OUT/check-$name.log" 2>&1; then
         check[$name]=ok
