@@ -1,11 +1,14 @@
 /* fp8.cuh: precision fp8 (docs/DESIGN.md §18): the per-tensor casts to FP8 and the FP8 tensor-core
  * products of the linear layers, through cuBLASLt. Nothing here runs in any other precision.
  *
- * A cast is fp8_quantize: the tensor's amax (k_fp8_amax), then k_fp8_cast, which derives the scale
- * from the amax (cpu/fp8.h's fp8_scale_for_amax, a power of two), casts x * scale with the
- * hardware's round-to-nearest-even, saturating conversion, and writes the inverse scale where the
- * product reads it. Current scaling: every cast uses the amax of the tensor it casts, so no scale
- * state outlives a step and resume needs nothing beyond the weights.
+ * A cast is the tensor's amax, then k_fp8_cast, which derives the scale from the amax
+ * (cpu/fp8.h's fp8_scale_for_amax, a power of two), casts x * scale with the hardware's
+ * round-to-nearest-even, saturating conversion, and writes the inverse scale where the product
+ * reads it. The amax comes from k_fp8_amax (fp8_quantize = amax, then cast) or, where one of the
+ * engine's kernels produces the operand (LayerNorm, GELU: common.cuh's block_amax_commit), from
+ * that kernel, saving a full read. Every cast has its own Fp8Scale, whose amax is zeroed before
+ * (fp8_zero_scales, one memset for many). Current scaling: every cast uses the amax of the tensor
+ * it casts, so no scale state outlives a step and resume needs nothing beyond the weights.
  *
  * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
  * patterns is the order of the values), reduced per block and combined with an integer atomicMax:
@@ -46,22 +49,23 @@ struct __align__(16) Fp8Scale {
 #define FP8_SCALE_ALIGN 16
 
 #define FP8_AMAX_BLOCK 256
-#define FP8_TILE 32      /* the cast's tile: 32 x 32 elements through shared memory */
-#define FP8_TILE_ROWS 8  /* threads per tile column: each thread casts 4 rows */
+#define FP8_TILE 64        /* the cast's tile: 64 x 64 elements through shared memory */
+#define FP8_CAST_THREADS 256
+#define FP8_ROW_PACKET 8   /* elements of a row a thread casts at once: one 16-byte load of bf16, one
+                              8-byte store of codes */
+#define FP8_COL_PACKET 16  /* elements of a transposed row a thread writes at once: one 16-byte store */
 
-template <typename T>
+/* The standalone amax, for operands no kernel of ours produces with the amax fused (attention's
+ * output and dq, dk, dv; the weights): 16-byte packets, at most AMAX_MAX_BLOCKS blocks. */
+template <typename T, int VEC>
 __global__ void k_fp8_amax(unsigned* __restrict__ amax_bits, const T* __restrict__ x, size_t n) {
-    __shared__ unsigned warp_max[FP8_AMAX_BLOCK / 32];
     unsigned m = 0;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        m = max(m, __float_as_uint(to_f(x[i])) & 0x7FFFFFFFu);
-    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < FP8_AMAX_BLOCK / 32; w++) m = max(m, warp_max[w]);
-        atomicMax(amax_bits, m);
+    FOR_PACKETS(i, n) {
+        float v[VEC];
+        load_vec(v, x + i);
+        for (int k = 0; k < VEC; k++) m = max(m, abs_bits(v[k]));
     }
+    block_amax_commit(amax_bits, m);
 }
 
 __device__ __forceinline__ fp8 fp8_cvt(float x, int fmt) {
@@ -69,52 +73,106 @@ __device__ __forceinline__ fp8 fp8_cvt(float x, int fmt) {
 }
 
 /* in: batch blocks [R, Cc]; out_n [R][batch][Cc] and out_t [batch][Cc][R], either may be NULL.
- * Grid (Cc tiles, R tiles, batch), block (FP8_TILE, FP8_TILE_ROWS). */
-template <typename T>
-__global__ void k_fp8_cast(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* sc, const T* __restrict__ in,
-                           int R, int Cc, int fmt) {
-    __shared__ fp8 tile[FP8_TILE][FP8_TILE + 4];
+ * Grid (Cc tiles, R tiles, batch), FP8_CAST_THREADS threads. A tile is cast row-wise (8 threads a
+ * row of 64, FP8_ROW_PACKET elements each) into out_n and shared memory, then written transposed
+ * from there (64 threads a row group, one column and FP8_COL_PACKET rows each; a warp reads 32
+ * consecutive bytes of a tile row, so without bank conflicts). PACKED (Cc a multiple of
+ * FP8_ROW_PACKET, R of FP8_COL_PACKET, pointers 16-byte aligned: fp8_cast_packable): 16-byte
+ * loads, 8-byte and 16-byte stores; else element by element. */
+template <typename T, bool PACKED>
+__global__ void __launch_bounds__(FP8_CAST_THREADS)
+    k_fp8_cast(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* sc, const T* __restrict__ in, int R,
+               int Cc, int fmt) {
+    __shared__ __align__(16) fp8 tile[FP8_TILE][FP8_TILE + 8]; /* rows of 72 bytes: 8-byte aligned */
     int b = blockIdx.z, batch = gridDim.z;
-    int c = blockIdx.x * FP8_TILE + threadIdx.x, r0 = blockIdx.y * FP8_TILE;
+    int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
     float amax = __uint_as_float(sc->amax_bits), s = fp8_scale_for_amax(amax, fmt);
     const T* src = in + (size_t)b * R * Cc;
-    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
         sc->scale = s;
         sc->descale = 1.0f / s;
     }
-    for (int k = threadIdx.y; k < FP8_TILE; k += FP8_TILE_ROWS) {
-        int r = r0 + k;
-        if (r < R && c < Cc) {
-            fp8 q = fp8_cvt(to_f(src[(size_t)r * Cc + c]) * s, fmt);
-            if (out_n) out_n[((size_t)r * batch + b) * Cc + c] = q;
-            tile[k][threadIdx.x] = q;
+    const int per_row = FP8_TILE / FP8_ROW_PACKET;
+    int tc = (threadIdx.x % per_row) * FP8_ROW_PACKET, c = c0 + tc;
+    for (int tr = threadIdx.x / per_row; tr < FP8_TILE; tr += FP8_CAST_THREADS / per_row) {
+        int r = r0 + tr;
+        if (r >= R) break;
+        if (PACKED) {
+            if (c >= Cc) continue; /* Cc a multiple of the packet: a packet is wholly in or out */
+            float v[FP8_ROW_PACKET];
+            uint2 q;
+            fp8* qb = reinterpret_cast<fp8*>(&q);
+            load_vec(v, src + (size_t)r * Cc + c);
+            for (int k = 0; k < FP8_ROW_PACKET; k++) qb[k] = fp8_cvt(v[k] * s, fmt);
+            if (out_n) *reinterpret_cast<uint2*>(out_n + ((size_t)r * batch + b) * Cc + c) = q;
+            *reinterpret_cast<uint2*>(&tile[tr][tc]) = q;
+        } else {
+            for (int k = 0; k < FP8_ROW_PACKET && c + k < Cc; k++) {
+                fp8 q = fp8_cvt(to_f(src[(size_t)r * Cc + c + k]) * s, fmt);
+                if (out_n) out_n[((size_t)r * batch + b) * Cc + c + k] = q;
+                tile[tr][tc + k] = q;
+            }
         }
     }
     if (!out_t) return;
     __syncthreads();
-    /* transposed: thread x walks rows r0 + x of the tile, its y the columns */
-    for (int k = threadIdx.y; k < FP8_TILE; k += FP8_TILE_ROWS) {
-        int r = r0 + threadIdx.x, cc = blockIdx.x * FP8_TILE + k;
-        if (r < R && cc < Cc) out_t[((size_t)b * Cc + cc) * R + r] = tile[threadIdx.x][k];
+    int col = threadIdx.x % FP8_TILE, tr0 = threadIdx.x / FP8_TILE * FP8_COL_PACKET;
+    int cc = c0 + col, r = r0 + tr0;
+    if (cc >= Cc || r >= R) return;
+    fp8* dst = out_t + ((size_t)b * Cc + cc) * R + r;
+    if (PACKED) { /* R a multiple of the packet: wholly in */
+        uint4 q;
+        fp8* qb = reinterpret_cast<fp8*>(&q);
+        for (int j = 0; j < FP8_COL_PACKET; j++) qb[j] = tile[tr0 + j][col];
+        *reinterpret_cast<uint4*>(dst) = q;
+    } else {
+        for (int j = 0; j < FP8_COL_PACKET && r + j < R; j++) dst[j] = tile[tr0 + j][col];
     }
 }
 
-/* Casts `batch` blocks [R, Cc] of `in` to `fmt` at their joint current scale into out_n / out_t
- * (layouts at the top of the file); sc receives the scale. */
+static_assert(FP8_CAST_THREADS / FP8_TILE * FP8_COL_PACKET == FP8_TILE, "the transposed pass covers the tile");
+
+/* Every cast's amax starts at 0: zeroes the amax (and the rest) of `count` consecutive scales. The
+ * engine zeroes all of a micro-batch's at its start, and all the weights' before their casts. */
+static void fp8_zero_scales(Fp8Scale* sc, size_t count) {
+    CUDA_CHECK(cudaMemsetAsync(sc, 0, count * sizeof(Fp8Scale), g_stream));
+}
+
+/* The amax of n values of x into sc (atomicMax: sc's amax zeroed before, fp8_zero_scales). */
+template <typename T> static void fp8_reduce_amax(Fp8Scale* sc, const T* x, size_t n) {
+    bool packed = packable(n, sizeof(T), {x});
+    LAUNCH_PACKED(packed, k_fp8_amax, T, amax_grid(elementwise_grid(n / (packed ? PACK(T) : 1), FP8_AMAX_BLOCK),
+                                                   &sc->amax_bits),
+                  FP8_AMAX_BLOCK, &sc->amax_bits, x, n);
+}
+
+static bool fp8_cast_packable(const void* out_n, const void* out_t, const void* in, int R, int Cc) {
+    return Cc % FP8_ROW_PACKET == 0 && R % FP8_COL_PACKET == 0 && (uintptr_t)out_n % 16 == 0 &&
+           (uintptr_t)out_t % 16 == 0 && (uintptr_t)in % 16 == 0;
+}
+
+/* Casts `batch` blocks [R, Cc] of `in` to `fmt` at the scale of the amax already in sc (from
+ * fp8_reduce_amax or a producer with the amax fused) into out_n / out_t (layouts at the top of the
+ * file); sc receives the scale. */
 template <typename T>
-static void fp8_quantize(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt) {
-    size_t n = (size_t)batch * R * Cc;
+static void fp8_cast(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt) {
     if (ceil_div(R, FP8_TILE) > 65535u || batch > 65535) {
-        fprintf(stderr, "error: internal: fp8_quantize of %d x [%d, %d] exceeds the cast's grid\n", batch, R, Cc);
+        fprintf(stderr, "error: internal: fp8_cast of %d x [%d, %d] exceeds the cast's grid\n", batch, R, Cc);
         exit(1);
     }
-    CUDA_CHECK(cudaMemsetAsync(&sc->amax_bits, 0, sizeof(unsigned), g_stream));
-    k_fp8_amax<T><<<elementwise_grid(n, FP8_AMAX_BLOCK) < 1024 ? elementwise_grid(n, FP8_AMAX_BLOCK) : 1024,
-                    FP8_AMAX_BLOCK, 0, g_stream>>>(&sc->amax_bits, in, n);
+    dim3 grid(ceil_div(Cc, FP8_TILE), ceil_div(R, FP8_TILE), batch);
+    if (fp8_cast_packable(out_n, out_t, in, R, Cc))
+        k_fp8_cast<T, true><<<grid, FP8_CAST_THREADS, 0, g_stream>>>(out_n, out_t, sc, in, R, Cc, fmt);
+    else
+        k_fp8_cast<T, false><<<grid, FP8_CAST_THREADS, 0, g_stream>>>(out_n, out_t, sc, in, R, Cc, fmt);
     LAUNCH_CHECK();
-    dim3 grid(ceil_div(Cc, FP8_TILE), ceil_div(R, FP8_TILE), batch), block(FP8_TILE, FP8_TILE_ROWS);
-    k_fp8_cast<T><<<grid, block, 0, g_stream>>>(out_n, out_t, sc, in, R, Cc, fmt);
-    LAUNCH_CHECK();
+}
+
+/* The amax, then the cast (sc's amax zeroed before). */
+template <typename T>
+static void fp8_quantize(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt) {
+    fp8_reduce_amax(sc, in, (size_t)batch * R * Cc);
+    fp8_cast(out_n, out_t, sc, in, batch, R, Cc, fmt);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
