@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(FP8_CAST_THREADS)
     for (int tr = threadIdx.x / per_row; tr < FP8_TILE; tr += FP8_CAST_THREADS / per_row) {
         int r = r0 + tr;
         if (r >= R) break;
-        if (PACKED) {
+        if constexpr (PACKED) {
             if (c >= Cc) continue; /* Cc a multiple of the packet: a packet is wholly in or out */
             float v[FP8_ROW_PACKET];
             uint2 q;
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(FP8_CAST_THREADS)
     int cc = c0 + col, r = r0 + tr0;
     if (cc >= Cc || r >= R) return;
     fp8* dst = out_t + ((size_t)b * Cc + cc) * R + r;
-    if (PACKED) { /* R a multiple of the packet: wholly in */
+    if constexpr (PACKED) { /* R a multiple of the packet: wholly in */
         uint4 q;
         fp8* qb = reinterpret_cast<fp8*>(&q);
         for (int j = 0; j < FP8_COL_PACKET; j++) qb[j] = tile[tr0 + j][col];
