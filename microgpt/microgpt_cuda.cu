@@ -131,6 +131,8 @@ static struct {
      * output gradient of the backward product in flight (g8, g8t) */
     int use_fp8;
     fp8 *w8_fwd, *w8_dx;
+    Fp8CastJob<float>* w8_job_list; /* the weights' casts (device), w8_jobs the list */
+    Fp8CastJobs<float> w8_jobs;
     Fp8Scale* fp8_scales;
     fp8 *a8, *x8t, *g8, *g8t;
 
@@ -224,6 +226,7 @@ static void plan_buffers(size_t* used) {
         E.w8_fwd = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
         E.w8_dx = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
         E.fp8_scales = (Fp8Scale*)carve(G_SCRATCH, 3 * FP8_W_PER_LAYER * L * sizeof(Fp8Scale), used);
+        E.w8_job_list = (Fp8CastJob<float>*)carve(G_SCRATCH, FP8_W_PER_LAYER * L * sizeof(Fp8CastJob<float>), used);
         E.a8 = (fp8*)carve(G_SCRATCH, act, used);
         E.x8t = (fp8*)carve(G_ACTIVATIONS, tr * L * N * (3 * C + F), used);
         E.g8 = (fp8*)carve(G_SCRATCH, tr * grad, used);
@@ -354,18 +357,30 @@ static Fp8Mat w8_fwd(int l, int t, int k, long long stride = 0) {
 }
 static Fp8Mat w8_dx(int l, int t, int k) { return fp8_mat(E.w8_dx + layer_offset(&E.layout, l, t), FP8_E4M3, w8_scale(l, k)); }
 
-/* The fp8 weights from the fp32 masters (after every update, like the 16-bit copy). */
+/* The casts of the fp8 weights from the fp32 masters, listed once (engine_setup): per layer W_Q,
+ * W_K, W_V as one cast of 3 blocks [C, C], then W_O [C, C], W_1 [C, F], W_2 [F, C]. */
+static void fp8_list_weight_casts(void) {
+    static const int tensor[FP8_W_PER_LAYER] = {T_WQ, T_WO, T_W1, T_W2};
+    int C = E.C, F = E.F, n = 0;
+    const int batch[FP8_W_PER_LAYER] = {3, 1, 1, 1}, rows[FP8_W_PER_LAYER] = {C, C, C, F};
+    const int cols[FP8_W_PER_LAYER] = {C, C, F, C};
+    Fp8CastJob<float>* jobs = (Fp8CastJob<float>*)xcalloc((size_t)FP8_W_PER_LAYER * E.L, sizeof *jobs, "fp8 casts");
+    for (int l = 0; l < E.L; l++)
+        for (int k = 0; k < FP8_W_PER_LAYER; k++) {
+            size_t off = layer_offset(&E.layout, l, tensor[k]);
+            Fp8CastJob<float> j = {wf(l, tensor[k]), E.w8_dx + off, E.w8_fwd + off, w8_scale(l, k), batch[k],
+                                   rows[k], cols[k], FP8_E4M3, 0};
+            jobs[n++] = j;
+        }
+    E.w8_jobs = fp8_jobs_upload(jobs, n, E.w8_job_list);
+    free(jobs);
+}
+
+/* The fp8 weights from the fp32 masters (after every update, like the 16-bit copy): one memset,
+ * one amax launch and one cast launch for all of them. */
 static void fp8_quantize_weights(void) {
-    int C = E.C, F = E.F;
     fp8_zero_scales(w8_scale(0, 0), (size_t)FP8_W_PER_LAYER * E.L);
-    for (int l = 0; l < E.L; l++) {
-        size_t qkv = layer_offset(&E.layout, l, T_WQ), wo = layer_offset(&E.layout, l, T_WO);
-        size_t w1 = layer_offset(&E.layout, l, T_W1), w2 = layer_offset(&E.layout, l, T_W2);
-        fp8_quantize(E.w8_dx + qkv, E.w8_fwd + qkv, w8_scale(l, FP8_W_QKV), wf(l, T_WQ), 3, C, C, FP8_E4M3);
-        fp8_quantize(E.w8_dx + wo, E.w8_fwd + wo, w8_scale(l, FP8_W_O), wf(l, T_WO), 1, C, C, FP8_E4M3);
-        fp8_quantize(E.w8_dx + w1, E.w8_fwd + w1, w8_scale(l, FP8_W_1), wf(l, T_W1), 1, C, F, FP8_E4M3);
-        fp8_quantize(E.w8_dx + w2, E.w8_fwd + w2, w8_scale(l, FP8_W_2), wf(l, T_W2), 1, F, C, FP8_E4M3);
-    }
+    fp8_quantize_jobs(E.w8_jobs);
 }
 
 /* The input x [N, in] of layer l's product k, cast once: into E.a8 for the forward product and,
@@ -860,6 +875,7 @@ static size_t engine_setup(const Config* cfg) {
     }
     plan_buffers(used); /* now with the bases: the pointers */
     if (E.training) upload_decay_bits();
+    if (E.use_fp8) fp8_list_weight_casts();
     CUDA_CHECK(cudaMallocHost((void**)&E.tok_host, 2 * (size_t)E.N * sizeof(int)));
     CUDA_CHECK(cudaMallocHost((void**)&E.io_host, sizeof(StepIO)));
     memset(E.io_host, 0, sizeof(StepIO));

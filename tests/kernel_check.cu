@@ -61,6 +61,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -986,34 +987,43 @@ static void test_fp8_conversion(int fmt) {
     dfree_all();
 }
 
-/* fp8_quantize (the standalone amax, then the cast) of batch blocks [R, Cc] of T against the CPU
- * emulation: codes and the scale, exactly. `special`: a NaN or an infinity in the input (the scale
- * falls back to 1). `layouts`: 3 both, 1 out_n only, 2 out_t only (the other NULL; its buffer
- * must stay poisoned). Shapes with Cc a multiple of 8 and R of 16 take the packed cast. */
-template <typename T> static void test_fp8_quantize(int batch, int R, int Cc, int fmt, int special, int layouts = 3) {
-    size_t n = (size_t)batch * R * Cc;
+/* Random input for an fp8 cast of n values of T: normal, every 97th below the fp8 range; `special`:
+ * a NaN or an infinity (the scale falls back to 1). */
+template <typename T> static Vec fp8_cast_input(size_t n, int fmt, int special) {
     Vec x = rounded<T>(randn(n, fmt == FP8_E4M3 ? 3.0f : 1e-3f));
-    for (size_t i = 0; i < n; i += 97) x[i] = rounded<T>(Vec(1, ldexpf(x[i], -20)))[0]; /* below the fp8 range */
+    for (size_t i = 0; i < n; i += 97) x[i] = rounded<T>(Vec(1, ldexpf(x[i], -20)))[0];
     if (special == 1) x[n / 2] = NAN;
     if (special == 2) x[n / 3] = -INFINITY;
-    T* dx = upload<T>(x);
-    fp8* out_n = (fp8*)dalloc(n);
-    fp8* out_t = (fp8*)dalloc(n);
-    Fp8Scale* sc = (Fp8Scale*)dalloc(sizeof(Fp8Scale));
-    CUDA_CHECK(cudaMemset(out_n, 0xAB, n));
-    CUDA_CHECK(cudaMemset(out_t, 0xAB, n));
-    CUDA_CHECK(cudaMemset(sc, 0xFF, sizeof(Fp8Scale)));
-    CUDA_CHECK(cudaMemset(&sc->amax_bits, 0, sizeof(unsigned))); /* as fp8_zero_scales leaves it */
-    fp8_quantize(layouts & 1 ? out_n : (fp8*)NULL, layouts & 2 ? out_t : (fp8*)NULL, sc, dx, batch, R, Cc, fmt);
+    return x;
+}
+
+/* A cast's outputs: codes (poisoned with 0xAB where no layout is written) and the scale (poisoned,
+ * with the amax zeroed as fp8_zero_scales leaves it). */
+struct Fp8CastOut {
+    fp8 *n, *t;
+    Fp8Scale* sc;
+};
+static Fp8CastOut fp8_cast_out(size_t n) {
+    Fp8CastOut o = {(fp8*)dalloc(n), (fp8*)dalloc(n), (Fp8Scale*)dalloc(sizeof(Fp8Scale))};
+    CUDA_CHECK(cudaMemset(o.n, 0xAB, n));
+    CUDA_CHECK(cudaMemset(o.t, 0xAB, n));
+    CUDA_CHECK(cudaMemset(o.sc, 0xFF, sizeof(Fp8Scale)));
+    CUDA_CHECK(cudaMemset(&o.sc->amax_bits, 0, sizeof(unsigned)));
+    return o;
+}
+
+/* The codes in the layouts asked for (`layouts`: 1 out_n, 2 out_t, 3 both; the other must stay
+ * poisoned) and the scale of a cast of batch blocks [R, Cc] of x, against the CPU emulation, exactly. */
+static void check_fp8_cast(const Fp8CastOut& o, const Vec& x, int batch, int R, int Cc, int fmt, int layouts) {
+    size_t n = x.size(), bad_n = 0, bad_t = 0;
     std::vector<unsigned char> gn(n), gt(n);
     Fp8Scale gs;
     CUDA_CHECK(cudaDeviceSynchronize());
-    CUDA_CHECK(cudaMemcpy(gn.data(), out_n, n, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(gt.data(), out_t, n, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(&gs, sc, sizeof gs, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gn.data(), o.n, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gt.data(), o.t, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&gs, o.sc, sizeof gs, cudaMemcpyDeviceToHost));
     float amax = fp8_amax(x.data(), n), s = fp8_scale_for_amax(amax, fmt);
     unsigned amax_bits = fp8_float_bits(amax);
-    size_t bad_n = 0, bad_t = 0;
     for (int b = 0; b < batch; b++)
         for (int r = 0; r < R; r++)
             for (int c = 0; c < Cc; c++) {
@@ -1030,6 +1040,40 @@ template <typename T> static void test_fp8_quantize(int batch, int R, int Cc, in
            (double)gs.scale, (double)s, (double)gs.descale);
     report(bad_n == 0, "codes", "%zu of %zu differ from the CPU emulation", bad_n, n);
     report(bad_t == 0, "codes^T", "%zu of %zu differ from the CPU emulation", bad_t, n);
+}
+
+/* The standalone amax, then the cast, of batch blocks [R, Cc] of T (shapes with Cc a multiple of 8
+ * and R of 16 take the packed cast). `layouts` as in check_fp8_cast. */
+template <typename T> static void test_fp8_quantize(int batch, int R, int Cc, int fmt, int special, int layouts = 3) {
+    size_t n = (size_t)batch * R * Cc;
+    Vec x = fp8_cast_input<T>(n, fmt, special);
+    T* dx = upload<T>(x);
+    Fp8CastOut o = fp8_cast_out(n);
+    fp8_reduce_amax(o.sc, dx, n);
+    fp8_cast(layouts & 1 ? o.n : (fp8*)NULL, layouts & 2 ? o.t : (fp8*)NULL, o.sc, dx, batch, R, Cc, fmt);
+    check_fp8_cast(o, x, batch, R, Cc, fmt, layouts);
+    dfree_all();
+}
+
+/* A list of casts in two launches (fp8_quantize_jobs, the engine's weights), each job checked as
+ * one cast: shapes[i] = {batch, R, Cc}; all packable (the packed kernels) or not (the others). */
+template <typename T> static void test_fp8_quantize_jobs(const std::vector<std::array<int, 3>>& shapes, int fmt) {
+    std::vector<Fp8CastJob<T>> jobs;
+    std::vector<Vec> xs;
+    std::vector<Fp8CastOut> outs;
+    for (const auto& sh : shapes) {
+        size_t n = (size_t)sh[0] * sh[1] * sh[2];
+        xs.push_back(fp8_cast_input<T>(n, fmt, 0));
+        outs.push_back(fp8_cast_out(n));
+        Fp8CastJob<T> j = {upload<T>(xs.back()), outs.back().n, outs.back().t, outs.back().sc, sh[0], sh[1], sh[2],
+                           fmt, 0};
+        jobs.push_back(j);
+    }
+    Fp8CastJob<T>* dev = (Fp8CastJob<T>*)dalloc(jobs.size() * sizeof(Fp8CastJob<T>));
+    Fp8CastJobs<T> js = fp8_jobs_upload(jobs.data(), (int)jobs.size(), dev);
+    fp8_quantize_jobs(js);
+    for (size_t i = 0; i < shapes.size(); i++) check_fp8_cast(outs[i], xs[i], shapes[i][0], shapes[i][1], shapes[i][2], fmt, 3);
+    report(js.packed == (shapes[0][2] % 8 == 0), "packed", "the list took the %s kernels", js.packed ? "packed" : "element-wise");
     dfree_all();
 }
 
@@ -1099,6 +1143,13 @@ static void run_fp8(void) {
                     test_fp8_quantize<bf16>(s[0], s[1], s[2], fmt, 0, 2);
                 }
             }
+        /* the weights' list: W_QKV (3 blocks), W_O, W_1, W_2 of two layers; then one with a column
+         * count that is not a multiple of 8 (so every job takes the element-wise kernels) */
+        set_ctx("fp8", "quantize jobs fp32", fp8_name(fmt));
+        test_fp8_quantize_jobs<float>({{3, 48, 48}, {1, 48, 48}, {1, 48, 208}, {1, 208, 48}, {3, 48, 48}, {1, 48, 48},
+                                       {1, 48, 208}, {1, 208, 48}}, fmt);
+        set_ctx("fp8", "quantize jobs fp32 odd", fp8_name(fmt));
+        test_fp8_quantize_jobs<float>({{1, 37, 36}, {3, 64, 64}, {1, 129, 200}}, fmt);
     }
     const int gshapes[][4] = {{64, 96, 128, 1}, {48, 32, 96, 3}, {256, 512, 64, 1}, {16, 48, 16, 1}};
     for (const auto& g : gshapes) {

@@ -76,7 +76,7 @@ static int sync_launches(void) {
         if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());      \
     } while (0)
 
-static inline unsigned ceil_div(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
+static inline __host__ __device__ unsigned ceil_div(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
 
 /* Grid size for element-wise kernels over n elements with grid-stride loops: enough blocks to fill
  * any current GPU, never so many that the count overflows. */
@@ -239,7 +239,7 @@ __device__ __forceinline__ void block_amax_commit_in(unsigned* amax_bits, unsign
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int w = 1; w < n_warps; w++) m = max(m, partial[w]);
-        atomicMax(amax_bits, m);
+        if (m) atomicMax(amax_bits, m); /* 0 changes nothing */
     }
 }
 

@@ -4,10 +4,11 @@
  * A cast is the tensor's amax, then k_fp8_cast, which derives the scale from the amax
  * (cpu/fp8.h's fp8_scale_for_amax, a power of two), casts x * scale with the hardware's
  * round-to-nearest-even, saturating conversion, and writes the inverse scale where the product
- * reads it. The amax comes from k_fp8_amax (fp8_quantize = amax, then cast) or, where one of the
- * engine's kernels produces the operand (LayerNorm, GELU: common.cuh's block_amax_commit), from
- * that kernel, saving a full read. Every cast has its own Fp8Scale, whose amax is zeroed before
- * (fp8_zero_scales, one memset for many). Current scaling: every cast uses the amax of the tensor
+ * reads it. The amax comes from k_fp8_amax (fp8_reduce_amax) or, where one of the engine's kernels
+ * produces the operand (LayerNorm, GELU: common.cuh's block_amax_commit), from that kernel, saving
+ * a full read. Every cast has its own Fp8Scale, whose amax is zeroed before (fp8_zero_scales, one
+ * memset for many). The weights' casts (all layers) run as one list: one amax launch, one cast
+ * launch (fp8_quantize_jobs). Current scaling: every cast uses the amax of the tensor
  * it casts, so no scale state outlives a step and resume needs nothing beyond the weights.
  *
  * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
@@ -55,42 +56,68 @@ struct __align__(16) Fp8Scale {
                               8-byte store of codes */
 #define FP8_COL_PACKET 16  /* elements of a transposed row a thread writes at once: one 16-byte store */
 
-/* The standalone amax, for operands no kernel of ours produces with the amax fused (attention's
- * output and dq, dk, dv; the weights): 16-byte packets, at most AMAX_MAX_BLOCKS blocks. */
-template <typename T, int VEC>
-__global__ void k_fp8_amax(unsigned* __restrict__ amax_bits, const T* __restrict__ x, size_t n) {
+/* One cast: `batch` blocks [R, Cc] of `in` into out_n / out_t (layouts at the top of the file; either
+ * may be NULL) in format fmt, at the scale of the amax in sc, which receives the scale. A launch
+ * does one (fp8_cast) or several, listed on the device (fp8_quantize_jobs: the weights). */
+template <typename T> struct Fp8CastJob {
+    const T* in;
+    fp8 *out_n, *out_t;
+    Fp8Scale* sc;
+    int batch, R, Cc, fmt;
+    unsigned first_tile; /* in a list: the tiles of the jobs before it (its first block of the cast) */
+};
+
+static unsigned fp8_cast_tiles(int batch, int R, int Cc) {
+    return ceil_div(Cc, FP8_TILE) * ceil_div(R, FP8_TILE) * (unsigned)batch;
+}
+
+/* Lane-local amax bits of n values (VEC-element packets, grid-stride over blockIdx.x / gridDim.x). */
+template <typename T, int VEC> __device__ __forceinline__ unsigned fp8_amax_bits_of(const T* __restrict__ x, size_t n) {
     unsigned m = 0;
     FOR_PACKETS(i, n) {
         float v[VEC];
         load_vec(v, x + i);
         for (int k = 0; k < VEC; k++) m = max(m, abs_bits(v[k]));
     }
-    block_amax_commit(amax_bits, m);
+    return m;
+}
+
+/* The standalone amax, for operands no kernel of ours produces with the amax fused (attention's
+ * output and dq, dk, dv): 16-byte packets, at most AMAX_MAX_BLOCKS blocks. */
+template <typename T, int VEC>
+__global__ void k_fp8_amax(unsigned* __restrict__ amax_bits, const T* __restrict__ x, size_t n) {
+    block_amax_commit(amax_bits, fp8_amax_bits_of<T, VEC>(x, n));
+}
+
+/* The amax of every job of a list: blockIdx.y is the job. */
+template <typename T, int VEC> __global__ void k_fp8_amax_jobs(const Fp8CastJob<T>* __restrict__ jobs) {
+    const Fp8CastJob<T>& j = jobs[blockIdx.y];
+    block_amax_commit(&j.sc->amax_bits, fp8_amax_bits_of<T, VEC>(j.in, (size_t)j.batch * j.R * j.Cc));
 }
 
 __device__ __forceinline__ fp8 fp8_cvt(float x, int fmt) {
     return (fp8)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
 }
 
-/* in: batch blocks [R, Cc]; out_n [R][batch][Cc] and out_t [batch][Cc][R], either may be NULL.
- * Grid (Cc tiles, R tiles, batch), FP8_CAST_THREADS threads. A tile is cast row-wise (8 threads a
- * row of 64, FP8_ROW_PACKET elements each) into out_n and shared memory, then written transposed
- * from there (64 threads a row group, one column and FP8_COL_PACKET rows each; a warp reads 32
- * consecutive bytes of a tile row, so without bank conflicts). PACKED (Cc a multiple of
- * FP8_ROW_PACKET, R of FP8_COL_PACKET, pointers 16-byte aligned: fp8_cast_packable): 16-byte
- * loads, 8-byte and 16-byte stores; else element by element. */
-template <typename T, bool PACKED>
-__global__ void __launch_bounds__(FP8_CAST_THREADS)
-    k_fp8_cast(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* sc, const T* __restrict__ in, int R,
-               int Cc, int fmt) {
+/* Tile `tile_id` (Cc tiles fastest, then R tiles, then the block b of the batch) of job j, by the
+ * FP8_CAST_THREADS threads of a block. The tile is cast row-wise (8 threads a row of 64,
+ * FP8_ROW_PACKET elements each) into out_n and shared memory, then written transposed from there
+ * (64 threads a row group, one column and FP8_COL_PACKET rows each; a warp reads 32 consecutive
+ * bytes of a tile row, so without bank conflicts). PACKED (Cc a multiple of FP8_ROW_PACKET, R of
+ * FP8_COL_PACKET, pointers 16-byte aligned: fp8_cast_packable): 16-byte loads, 8-byte and
+ * 16-byte stores; else element by element. */
+template <typename T, bool PACKED> __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned tile_id) {
     __shared__ __align__(16) fp8 tile[FP8_TILE][FP8_TILE + 8]; /* rows of 72 bytes: 8-byte aligned */
-    int b = blockIdx.z, batch = gridDim.z;
-    int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
-    float amax = __uint_as_float(sc->amax_bits), s = fp8_scale_for_amax(amax, fmt);
-    const T* src = in + (size_t)b * R * Cc;
-    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
-        sc->scale = s;
-        sc->descale = 1.0f / s;
+    const int R = j.R, Cc = j.Cc, batch = j.batch, fmt = j.fmt;
+    fp8 *out_n = j.out_n, *out_t = j.out_t;
+    unsigned tiles_c = ceil_div(Cc, FP8_TILE), tiles_r = ceil_div(R, FP8_TILE);
+    int c0 = (int)(tile_id % tiles_c) * FP8_TILE, r0 = (int)(tile_id / tiles_c % tiles_r) * FP8_TILE;
+    int b = (int)(tile_id / tiles_c / tiles_r);
+    float amax = __uint_as_float(j.sc->amax_bits), s = fp8_scale_for_amax(amax, fmt);
+    const T* src = j.in + (size_t)b * R * Cc;
+    if (tile_id == 0 && threadIdx.x == 0) {
+        j.sc->scale = s;
+        j.sc->descale = 1.0f / s;
     }
     const int per_row = FP8_TILE / FP8_ROW_PACKET;
     int tc = (threadIdx.x % per_row) * FP8_ROW_PACKET, c = c0 + tc;
@@ -123,14 +150,31 @@ __global__ void __launch_bounds__(FP8_CAST_THREADS)
     if constexpr (PACKED) { /* R a multiple of the packet: wholly in */
         uint4 q;
         fp8* qb = reinterpret_cast<fp8*>(&q);
-        for (int j = 0; j < FP8_COL_PACKET; j++) qb[j] = tile[tr0 + j][col];
+        for (int k = 0; k < FP8_COL_PACKET; k++) qb[k] = tile[tr0 + k][col];
         *reinterpret_cast<uint4*>(dst) = q;
     } else {
-        for (int j = 0; j < FP8_COL_PACKET && r + j < R; j++) dst[j] = tile[tr0 + j][col];
+        for (int k = 0; k < FP8_COL_PACKET && r + k < R; k++) dst[k] = tile[tr0 + k][col];
     }
 }
 
 static_assert(FP8_CAST_THREADS / FP8_TILE * FP8_COL_PACKET == FP8_TILE, "the transposed pass covers the tile");
+
+/* One cast, a block a tile. */
+template <typename T, bool PACKED> __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast(Fp8CastJob<T> j) {
+    fp8_cast_tile<T, PACKED>(j, blockIdx.x);
+}
+
+/* A list of casts, a block a tile: the block's job is the last whose first_tile is <= blockIdx.x. */
+template <typename T, bool PACKED>
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_jobs(const Fp8CastJob<T>* __restrict__ jobs, int n_jobs) {
+    int lo = 0, hi = n_jobs - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (jobs[mid].first_tile <= blockIdx.x) lo = mid;
+        else hi = mid - 1;
+    }
+    fp8_cast_tile<T, PACKED>(jobs[lo], blockIdx.x - jobs[lo].first_tile);
+}
 
 /* Every cast's amax starts at 0: zeroes the amax (and the rest) of `count` consecutive scales. The
  * engine zeroes all of a micro-batch's at its start, and all the weights' before their casts. */
@@ -146,33 +190,56 @@ template <typename T> static void fp8_reduce_amax(Fp8Scale* sc, const T* x, size
                   FP8_AMAX_BLOCK, &sc->amax_bits, x, n);
 }
 
-static bool fp8_cast_packable(const void* out_n, const void* out_t, const void* in, int R, int Cc) {
-    return Cc % FP8_ROW_PACKET == 0 && R % FP8_COL_PACKET == 0 && (uintptr_t)out_n % 16 == 0 &&
-           (uintptr_t)out_t % 16 == 0 && (uintptr_t)in % 16 == 0;
+template <typename T> static bool fp8_cast_packable(const Fp8CastJob<T>& j) {
+    return j.Cc % FP8_ROW_PACKET == 0 && j.R % FP8_COL_PACKET == 0 && (uintptr_t)j.out_n % 16 == 0 &&
+           (uintptr_t)j.out_t % 16 == 0 && (uintptr_t)j.in % 16 == 0;
 }
 
-/* Casts `batch` blocks [R, Cc] of `in` to `fmt` at the scale of the amax already in sc (from
- * fp8_reduce_amax or a producer with the amax fused) into out_n / out_t (layouts at the top of the
- * file); sc receives the scale. */
+/* The cast of `batch` blocks [R, Cc] of `in` (Fp8CastJob) at the scale of the amax already in sc
+ * (from fp8_reduce_amax or a producer with the amax fused). */
 template <typename T>
 static void fp8_cast(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt) {
-    if (ceil_div(R, FP8_TILE) > 65535u || batch > 65535) {
-        fprintf(stderr, "error: internal: fp8_cast of %d x [%d, %d] exceeds the cast's grid\n", batch, R, Cc);
-        exit(1);
-    }
-    dim3 grid(ceil_div(Cc, FP8_TILE), ceil_div(R, FP8_TILE), batch);
-    if (fp8_cast_packable(out_n, out_t, in, R, Cc))
-        k_fp8_cast<T, true><<<grid, FP8_CAST_THREADS, 0, g_stream>>>(out_n, out_t, sc, in, R, Cc, fmt);
-    else
-        k_fp8_cast<T, false><<<grid, FP8_CAST_THREADS, 0, g_stream>>>(out_n, out_t, sc, in, R, Cc, fmt);
+    Fp8CastJob<T> j = {in, out_n, out_t, sc, batch, R, Cc, fmt, 0};
+    unsigned tiles = fp8_cast_tiles(batch, R, Cc);
+    if (fp8_cast_packable(j)) k_fp8_cast<T, true><<<tiles, FP8_CAST_THREADS, 0, g_stream>>>(j);
+    else k_fp8_cast<T, false><<<tiles, FP8_CAST_THREADS, 0, g_stream>>>(j);
     LAUNCH_CHECK();
 }
 
-/* The amax, then the cast (sc's amax zeroed before). */
+/* A list of casts done by two launches (all the amax, then all the casts): the list on the device
+ * and what launching it needs. */
+template <typename T> struct Fp8CastJobs {
+    Fp8CastJob<T>* dev;
+    int n;
+    unsigned tiles;   /* the cast launch's blocks */
+    size_t max_elems; /* of the largest job: sizes the amax launch */
+    bool packed;      /* every job packable */
+};
+
+/* Lists the jobs host[0..n) (their first_tile filled in here) in dev (room for n, device memory). */
 template <typename T>
-static void fp8_quantize(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt) {
-    fp8_reduce_amax(sc, in, (size_t)batch * R * Cc);
-    fp8_cast(out_n, out_t, sc, in, batch, R, Cc, fmt);
+static Fp8CastJobs<T> fp8_jobs_upload(Fp8CastJob<T>* host, int n, Fp8CastJob<T>* dev) {
+    Fp8CastJobs<T> js = {dev, n, 0, 0, true};
+    for (int i = 0; i < n; i++) {
+        size_t elems = (size_t)host[i].batch * host[i].R * host[i].Cc;
+        host[i].first_tile = js.tiles;
+        js.tiles += fp8_cast_tiles(host[i].batch, host[i].R, host[i].Cc);
+        js.max_elems = elems > js.max_elems ? elems : js.max_elems;
+        js.packed = js.packed && fp8_cast_packable(host[i]) && packable(elems, sizeof(T), {host[i].in});
+    }
+    CUDA_CHECK(cudaMemcpy(dev, host, (size_t)n * sizeof(Fp8CastJob<T>), cudaMemcpyHostToDevice));
+    return js;
+}
+
+/* Every job of the list: amax (each job's sc zeroed before), then cast. */
+#define FP8_JOB_AMAX_BLOCKS 128u /* per job: the weights' jobs together fill the GPU many times */
+template <typename T> static void fp8_quantize_jobs(const Fp8CastJobs<T>& js) {
+    unsigned per_job = elementwise_grid(js.max_elems / (js.packed ? PACK(T) : 1), FP8_AMAX_BLOCK);
+    dim3 grid(per_job < FP8_JOB_AMAX_BLOCKS ? per_job : FP8_JOB_AMAX_BLOCKS, js.n);
+    LAUNCH_PACKED(js.packed, k_fp8_amax_jobs, T, grid, FP8_AMAX_BLOCK, js.dev);
+    if (js.packed) k_fp8_cast_jobs<T, true><<<js.tiles, FP8_CAST_THREADS, 0, g_stream>>>(js.dev, js.n);
+    else k_fp8_cast_jobs<T, false><<<js.tiles, FP8_CAST_THREADS, 0, g_stream>>>(js.dev, js.n);
+    LAUNCH_CHECK();
 }
 
 /* ---------------------------------------------------------------------------------------------- */
