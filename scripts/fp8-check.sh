@@ -15,6 +15,8 @@
 #   sanitizer    compute-sanitizer memcheck of a tiny fp8 run, uncaptured and as CUDA graphs
 #   timing       ANDREA-12M and ANDREA-120M, fp8 and bf16, 60 steps each on random tokens: median
 #                ms/step in $OUT/timing.json
+#   casts        bench/fp8_casts.cu: µs and GB/s of each cast, amax and amax-fused kernel at the
+#                12M and 120M activation shapes (a measurement, it fails only if it cannot run)
 #   quality      ANDREA-12M, 300 steps fp8 and bf16, same seed and data (data/megachat if present,
 #                else a synthetic repeating text): validation losses side by side in $OUT/quality.json;
 #                fails if fp8 is not finite or its last validation loss is more than 3% above bf16's
@@ -111,6 +113,11 @@ stage_timing() {
     return "$rc"
 }
 
+stage_casts() {
+    run_cmd 300 nvcc -O3 -std=c++17 -arch=native -o build/fp8_casts bench/fp8_casts.cu -lcublas -lcublasLt &&
+        run_cmd 120 build/fp8_casts
+}
+
 stage_quality() {
     local rc=0 train val
     if [ -e data/megachat/megachat_train_000000.bin ] && [ -e data/megachat/megachat_val_000000.bin ]; then
@@ -147,4 +154,4 @@ EOF
     return "$rc"
 }
 
-run_stages "build kernel_check pytest sanitizer timing quality" "" "$@"
+run_stages "build kernel_check pytest sanitizer timing casts quality" "" "$@"
