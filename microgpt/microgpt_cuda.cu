@@ -143,7 +143,7 @@ static struct {
     void *qkv;   /* [L][3][N][C] */
     void *atty;  /* [L][N][C] attention output before W_O */
     void *h;     /* [L][N][F] MLP pre-activation */
-    void *h_gelu; /* [L][N][F] gelu(h) */
+    void *h_gelu; /* [L][N][F] gelu(h); fp8: [N][F], one layer's (its backward reads x8t instead) */
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd; /* [L][N] */
     float *att_lse; /* [L][B][H][T] */
     void *lnf;      /* [N][C] */
@@ -240,7 +240,7 @@ static void plan_buffers(size_t* used) {
     E.qkv = carve(G_ACTIVATIONS, L * 3 * nc * es, used);
     E.atty = carve(G_ACTIVATIONS, L * nc * es, used);
     E.h = carve(G_ACTIVATIONS, L * N * F * es, used);
-    E.h_gelu = carve(G_ACTIVATIONS, L * N * F * es, used);
+    E.h_gelu = carve(G_ACTIVATIONS, (E.use_fp8 ? 1 : L) * N * F * es, used);
     E.ln1_mean = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
     E.ln1_rstd = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
     E.ln2_mean = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
@@ -321,7 +321,7 @@ template <typename T> static LayerActs<T> layer_acts(int l) {
     a.qkv = layer_act<T>(E.qkv, l, 3 * nc);
     a.atty = layer_act<T>(E.atty, l, nc);
     a.h = layer_act<T>(E.h, l, nf);
-    a.h_gelu = layer_act<T>(E.h_gelu, l, nf);
+    a.h_gelu = layer_act<T>(E.h_gelu, E.use_fp8 ? 0 : l, nf);
     a.ln1_mean = E.ln1_mean + l * n;
     a.ln1_rstd = E.ln1_rstd + l * n;
     a.ln2_mean = E.ln2_mean + l * n;
