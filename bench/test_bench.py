@@ -321,24 +321,31 @@ print(json.dumps({"step": steps, "val_loss": 3.5}))
 """
 
 
-def test_a_whole_run_reports_every_row_even_when_a_side_fails(tmp_path):
+def standin_run(tmp_path, name, d_model, *options):
+    """bench.py, 30 steps on the CPU, with the stand-in engine and a tiny config named `name`:
+    (its output, the one record it appended to the results file)."""
     engine = tmp_path / "engine"
     engine.write_text(STANDIN)
     engine.chmod(0o755)
     from microgpt.shards import write_shard
     write_shard(str(tmp_path / "train.bin"), list(range(100)) * 10)
-    cfg = dict(CFG, name="tiny", model={"n_layer": 1, "d_model": 8, "n_head": 2, "seq_len": 16, "vocab_size": 100},
+    cfg = dict(CFG, name=name, model={"n_layer": 1, "d_model": d_model, "n_head": 2, "seq_len": 16, "vocab_size": 100},
                data={"train": str(tmp_path / "train.bin")})
-    (tmp_path / "tiny.json").write_text(json.dumps(cfg))
+    (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
     record_file = tmp_path / "results.jsonl"
-    out = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--models", str(tmp_path / "tiny.json"),
-                          "--precisions", "bf16,tf32", "--torch-modes", "eager,compile", "--steps", "30",
-                          "--engine", str(engine), "--device", "cpu", "--out", str(tmp_path / "out"),
-                          "--results", str(record_file)],
+    out = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--models", str(tmp_path / f"{name}.json"),
+                          *options, "--steps", "30", "--engine", str(engine), "--device", "cpu",
+                          "--out", str(tmp_path / "out"), "--results", str(record_file)],
                          capture_output=True, text=True, timeout=300, env=python_env())
+    [record] = results.read_records(str(record_file))
+    return out, record
+
+
+def test_a_whole_run_reports_every_row_even_when_a_side_fails(tmp_path):
+    out, record = standin_run(tmp_path, "tiny", 8, "--precisions", "bf16,tf32", "--torch-modes", "eager,compile")
     # the PyTorch side fails where torch is missing; where it runs, the stand-in's loss is not its loss
     assert out.returncode == 1, out.stderr
-    [record] = results.read_records(str(record_file))
+    record_file = tmp_path / "results.jsonl"
     assert (tmp_path / "out" / "record.jsonl").read_text() == record_file.read_text()
     assert record["kind"] == "train" and record["steps"] == 30 and record["matmul"]["error"].startswith("not measured")
     labels = [bench.run_label(r) for r in record["runs"]]
@@ -376,22 +383,8 @@ def test_a_whole_run_with_fp8_rows_marks_the_fp8_targets(tmp_path):
     """The engine in bf16 and fp8 (the stand-in's fp8 is faster); torchao's row is a PyTorch run of
     its own (an error where torch or torchao is missing), and ANDREA-12M's fp8 target compares the
     two engine rows whatever PyTorch did."""
-    engine = tmp_path / "engine"
-    engine.write_text(STANDIN)
-    engine.chmod(0o755)
-    from microgpt.shards import write_shard
-    write_shard(str(tmp_path / "train.bin"), list(range(100)) * 10)
-    cfg = dict(CFG, name="12M", model={"n_layer": 1, "d_model": 16, "n_head": 2, "seq_len": 16, "vocab_size": 100},
-               data={"train": str(tmp_path / "train.bin")})
-    (tmp_path / "12M.json").write_text(json.dumps(cfg))
-    record_file = tmp_path / "results.jsonl"
-    out = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--models", str(tmp_path / "12M.json"),
-                          "--precisions", "fp8,bf16", "--torch-modes", "eager", "--steps", "30",
-                          "--engine", str(engine), "--device", "cpu", "--out", str(tmp_path / "out"),
-                          "--results", str(record_file)],
-                         capture_output=True, text=True, timeout=300, env=python_env())
+    out, record = standin_run(tmp_path, "12M", 16, "--precisions", "fp8,bf16", "--torch-modes", "eager")
     assert out.returncode == 1, out.stderr     # a PyTorch side fails (no torch, no torchao, or no CUDA for fp8)
-    [record] = results.read_records(str(record_file))
     labels = [bench.run_label(r) for r in record["runs"]]
     assert labels == ["engine fp8", "torch fp8 reduce-overhead", "torch bf16 eager", "engine bf16"]
     torch_fp8 = record["runs"][1]

@@ -33,7 +33,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 
-from bench import engine_command                     # noqa: E402  (bench/ is not a package)
+from bench import engine_command, parse_records      # noqa: E402  (bench/ is not a package)
 from bench_common import (BenchError, experiment_path, load_config, repo_path, shard_paths,  # noqa: E402
                           train_settings)
 from results import environment                      # noqa: E402
@@ -105,15 +105,8 @@ def read_run(path):
     """One run's figures from its records: where it ran (the environment line), validation curve,
     final validation loss (None if the run has none or it is not finite), median ms/step after 10
     warm-up steps, steps done."""
-    records = []
     with open(path) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(r, dict):
-                records.append(r)
+        records = parse_records(f.read())
     steps = [r for r in records if "loss" in r and "ms" in r]
     val = [[r["step"], r["val_loss"]] for r in records if "val_loss" in r]
     final = val[-1][1] if val else None
