@@ -397,3 +397,8 @@ def test_a_whole_run_with_fp8_rows_marks_the_fp8_targets(tmp_path):
     table = out.stdout.splitlines()
     assert "ms/step <= engine bf16: met (1.50 vs 2.00)" in table[2]
     assert "torch fp8 reduce-overhead  error:" in out.stdout
+    shown = subprocess.run([sys.executable, os.path.join(HERE, "results.py"), "--file", str(tmp_path / "results.jsonl")],
+                           capture_output=True, text=True, timeout=60, env=python_env())
+    assert shown.returncode == 0, shown.stderr
+    assert "| 12M | engine fp8 | 1.50 |" in shown.stdout and "| 12M | torch fp8 reduce-overhead | error: " in shown.stdout
+    assert "ms/step <= engine bf16: met (1.50 vs 2.00)" in shown.stdout

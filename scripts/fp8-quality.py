@@ -102,7 +102,8 @@ def run(args):
 
 
 def read_run(path):
-    """One run's figures from its records: where it ran (the environment line), validation curve,
+    """One run's figures from its records: where it ran (the environment line), the precision its
+    engine says it trained in (its start record), validation curve,
     final validation loss (None if the run has none or it is not finite), median ms/step after 10
     warm-up steps, steps done."""
     with open(path) as f:
@@ -111,17 +112,22 @@ def read_run(path):
     val = [[r["step"], r["val_loss"]] for r in records if "val_loss" in r]
     final = val[-1][1] if val else None
     env = next(({k: v for k, v in r.items() if k != "event"} for r in records if r.get("event") == "environment"), {})
-    return {"environment": env, "steps": len(steps), "val": val,
+    start = next((r for r in records if r.get("event") == "start"), {})
+    return {"environment": env, "precision": start.get("precision"), "steps": len(steps), "val": val,
             "final_val_loss": final if final is not None and math.isfinite(final) else None,
             "ms_per_step": statistics.median(r["ms"] for r in steps[10:]) if len(steps) > 10 else None}
 
 
 def compare(runs, expected_steps):
-    """PASS/FAIL of one model's two runs: both finished every step, fp8's final validation loss is
-    within TOLERANCE of bf16's (relative, either side)."""
+    """PASS/FAIL of one model's two runs: each engine trained in the precision its file names and
+    finished every step, and fp8's final validation loss is within TOLERANCE of bf16's (relative,
+    either side)."""
     bf16, fp8 = runs.get("bf16"), runs.get("fp8")
     if bf16 is None or fp8 is None:
         return {"rel_diff": None, "pass": False, "why": "a run is missing"}
+    wrong = [p for p, r in runs.items() if r["precision"] != p]
+    if wrong:
+        return {"rel_diff": None, "pass": False, "why": f"the {', '.join(wrong)} run's engine did not train in it"}
     short = [p for p, r in runs.items() if r["steps"] < expected_steps]
     if short:
         return {"rel_diff": None, "pass": False, "why": f"{', '.join(short)} stopped before step {expected_steps}"}

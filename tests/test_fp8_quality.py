@@ -60,17 +60,23 @@ def test_warmup_keeps_the_shipped_fraction_of_the_run(quality):
 
 
 def test_fp8_passes_within_one_percent_of_bf16_either_way(quality):
-    def run(final, steps=2000):
-        return {"final_val_loss": final, "steps": steps}
+    def run(final, steps=2000, precision=None):
+        return {"final_val_loss": final, "steps": steps, "precision": precision}
 
-    assert quality.compare({"bf16": run(4.0), "fp8": run(4.0396)}, 2000)["pass"]        # 0.99% worse
-    assert quality.compare({"bf16": run(4.0), "fp8": run(3.97)}, 2000)["pass"]
-    worse = quality.compare({"bf16": run(4.0), "fp8": run(4.0401)}, 2000)
+    def compare(bf16, fp8=None):
+        runs = {"bf16": dict(bf16, precision="bf16")}
+        if fp8:
+            runs["fp8"] = dict(fp8, precision=fp8["precision"] or "fp8")
+        return quality.compare(runs, 2000)
+
+    assert compare(run(4.0), run(4.0396))["pass"]        # 0.99% worse
+    assert compare(run(4.0), run(3.97))["pass"]
+    worse = compare(run(4.0), run(4.0401))
     assert not worse["pass"] and worse["rel_diff"] == pytest.approx(0.0401 / 4.0)
-    assert not quality.compare({"bf16": run(4.0), "fp8": run(3.95)}, 2000)["pass"]      # 1.25% better: not "within"
-    for runs, why in (({"bf16": run(4.0)}, "missing"), ({"bf16": run(4.0), "fp8": run(4.0, 1999)}, "fp8 stopped"),
-                      ({"bf16": run(4.0), "fp8": run(None)}, "no finite")):
-        c = quality.compare(runs, 2000)
+    assert not compare(run(4.0), run(3.95))["pass"]      # 1.25% better: not "within"
+    for fp8, why in ((None, "missing"), (run(4.0, 1999), "fp8 stopped"), (run(None), "no finite"),
+                     (run(4.0, precision="bf16"), "fp8 run's engine did not train in it")):
+        c = compare(run(4.0), fp8)
         assert not c["pass"] and c["rel_diff"] is None and why in c["why"]
 
 
@@ -132,7 +138,7 @@ args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 steps, every = int(args["--train.steps"]), int(args["--eval.every"])
 with open(sys.argv[0] + "." + args["--train.precision"] + ".flags", "w") as f:
     json.dump(args, f)
-print(json.dumps({"event": "start"}))
+print(json.dumps({"event": "start", "precision": args["--train.precision"]}))
 for s in range(1, steps + 1):
     print(json.dumps({"step": s, "loss": 4.0, "ms": 1.0}))
     if s % every == 0:
