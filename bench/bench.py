@@ -14,10 +14,10 @@ graphs, max-autotune, or eager), for fp8 rows torchao's float8 training in every
 mode and the bf16 runs, for tf32/fp32 rows fp32 eager with TF32. It reports median ms/step after
 warm-up, tokens/s, MFU, device memory, the engine's throughput over the FASTEST PyTorch run of its
 precision (and, for fp8 rows, over the fastest bf16 one), the targets, and whether they reached
-the same loss. The table is
-printed last; the run is appended as one JSON line to bench/results.jsonl. Method and columns:
-docs/BENCHMARKS.md. A failing run is reported in its row; the others still run. Exit status: 0
-when every run finished and every loss check passed, 1 otherwise, 2 for bad input.
+the same loss. The table is printed last; the run is appended as one JSON line to
+bench/results.jsonl. Method and columns: docs/BENCHMARKS.md. A failing run is reported in its row;
+the others still run. Exit status: 0 when every run finished and every loss check passed, 1
+otherwise, 2 for bad input.
 """
 import argparse
 import json
