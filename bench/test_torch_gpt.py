@@ -203,7 +203,7 @@ def test_short_fp32_run_follows_cpu_engine(engine_run):
     cfg, path, run = engine_run
     engine = [r for r in run() if "loss" in r]
     out = subprocess.run([sys.executable, os.path.join(HERE, "torch_gpt.py"), str(path), "--device", "cpu",
-                          "--precision", "fp32"], capture_output=True, text=True, timeout=120)
+                          "--precision", "fp32"], capture_output=True, text=True, timeout=120, env=python_env())
     assert out.returncode == 0, out.stderr
     mine = [json.loads(line) for line in out.stdout.splitlines() if '"loss"' in line]
     assert len(mine) == len(engine) == cfg["train"]["steps"]
