@@ -8,7 +8,10 @@
  * sums dout * xhat and dout per column over its rows in shared memory, and the block adds its
  * warps' sums in warp order into the chunk's partial dgamma/dbeta; so one kernel reads dout and x
  * for both. The second, k_layernorm_bwd_final, adds the chunk partials in a fixed order. Chunks
- * depend only on N and slabs only on C, so the result does not depend on the GPU. */
+ * depend only on N and slabs only on C, so the result does not depend on the GPU.
+ *
+ * Precision fp8: the forward's output and the backward's dx are FP8 products' operands, so both
+ * kernels can also take their amax (common.cuh's block_amax_commit), saving the cast a full read. */
 #ifndef MICROGPT_CUDA_LAYERNORM_CUH
 #define MICROGPT_CUDA_LAYERNORM_CUH
 
@@ -41,15 +44,16 @@ static int ln_slab_cols(int C) {
  * of the row (or of the slab, in the backward). */
 #define LN_ROW_LOOP(c, C) for (int c = lane * VEC; c < (C); c += 32 * VEC)
 
+/* One row of the forward (the row's warp); returns the amax bits of the row's outputs as stored
+ * (lane-local). */
 template <typename T, int VEC>
-__global__ void k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                const T* __restrict__ x, const float* __restrict__ gamma,
-                                const float* __restrict__ beta, int N, int C) {
+__device__ __forceinline__ unsigned ln_fwd_row(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                               const T* __restrict__ x, const float* __restrict__ gamma,
+                                               const float* __restrict__ beta, int row, int C) {
     int lane = threadIdx.x & 31;
-    int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
-    if (row >= N) return; /* whole warps leave together: no block barriers below */
     const T* xr = x + (size_t)row * C;
     float s = 0.0f, v[VEC];
+    unsigned am = 0;
     LN_ROW_LOOP(c, C) {
         load_vec(v, xr + c);
         for (int k = 0; k < VEC; k++) s += v[k];
@@ -67,13 +71,27 @@ __global__ void k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, f
         load_vec(v, xr + c);
         load_vec(g, gamma + c);
         load_vec(b, beta + c);
-        for (int k = 0; k < VEC; k++) v[k] = (v[k] - m) * r * g[k] + b[k];
+        for (int k = 0; k < VEC; k++) {
+            v[k] = (v[k] - m) * r * g[k] + b[k];
+            am = max(am, abs_bits(as_stored<T>(v[k])));
+        }
         store_vec(o + c, v);
     }
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
     }
+    return am;
+}
+
+/* One warp per row; amax_bits (precision fp8, else NULL): the outputs' amax, atomicMax'ed in. */
+template <typename T, int VEC>
+__global__ void k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                const T* __restrict__ x, const float* __restrict__ gamma,
+                                const float* __restrict__ beta, int N, int C, unsigned* amax_bits) {
+    int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
+    unsigned am = row < N ? ln_fwd_row<T, VEC>(out, mean, rstd, x, gamma, beta, row, C) : 0u; /* whole warps */
+    block_amax_commit(amax_bits, am);
 }
 
 /* The means over a row of g = dout * gamma and of g * xhat (xhat = (x - mean) * rstd), which every
@@ -100,11 +118,13 @@ __device__ __forceinline__ void ln_bwd_row_means(float* mg, float* mgx, const T*
 /* One row's `width` columns of a slab (every pointer already at the slab's first column):
  * dx += rstd * (g - mean(g) - xhat * mean(g * xhat)), and dout * xhat and dout added into the
  * warp's column sums. A lane touches the same columns in every row, so no other thread touches
- * its sums. */
+ * its sums. Returns the amax bits of the row's dx as stored (lane-local). */
 template <typename T, int VEC>
-__device__ __forceinline__ void ln_bwd_slab_row(T* o, float* dg_sum, float* db_sum, const T* xs, const T* ds,
-                                                const float* gs, float m, float r, float mg, float mgx, int width) {
+__device__ __forceinline__ unsigned ln_bwd_slab_row(T* o, float* dg_sum, float* db_sum, const T* xs, const T* ds,
+                                                    const float* gs, float m, float r, float mg, float mgx,
+                                                    int width) {
     int lane = threadIdx.x & 31;
+    unsigned am = 0;
     LN_ROW_LOOP(j, width) {
         float xv[VEC], dv[VEC], gv[VEC], ov[VEC], ag[VEC], ab[VEC];
         load_vec(xv, xs + j);
@@ -118,23 +138,26 @@ __device__ __forceinline__ void ln_bwd_slab_row(T* o, float* dg_sum, float* db_s
             ov[k] += r * (dv[k] * gv[k] - mg - xhat * mgx);
             ag[k] += dv[k] * xhat;
             ab[k] += dv[k];
+            am = max(am, abs_bits(as_stored<T>(ov[k])));
         }
         store_vec(o + j, ov);
         store_vec(dg_sum + j, ag);
         store_vec(db_sum + j, ab);
     }
+    return am;
 }
 
 /* grid (column slabs, row chunks), LN_WARPS warps a block. Warp w takes rows r0 + w,
  * r0 + w + LN_WARPS, ... of the chunk: the row's means over all C columns, then dx over the slab's
  * columns, adding dout * xhat and dout into its own per-column sums in shared memory.
  * Then the block adds the warps' sums in warp order and writes partial[chunk][c] (dgamma) and
- * partial[n_chunks + chunk][c] (dbeta) for the slab's columns. dx must not alias dout or x. */
+ * partial[n_chunks + chunk][c] (dbeta) for the slab's columns. dx must not alias dout or x.
+ * amax_bits (precision fp8, else NULL): the amax of dx (after the addition), atomicMax'ed in. */
 template <typename T, int VEC>
 __global__ void k_layernorm_bwd(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
                                 const T* __restrict__ x, const float* __restrict__ gamma,
                                 const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C,
-                                int rows_per_chunk, int slab_cols) {
+                                int rows_per_chunk, int slab_cols, unsigned* amax_bits) {
     __shared__ __align__(16) float col_sums[LN_WARPS][2][LN_SLAB_COLS]; /* [warp][dgamma, dbeta][slab column] */
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int c0 = blockIdx.x * slab_cols, width = min(slab_cols, C - c0);
@@ -143,6 +166,7 @@ __global__ void k_layernorm_bwd(T* __restrict__ dx, float* __restrict__ partial,
     /* each lane clears the columns it will add into, so no barrier is needed before the rows; a
      * warp with no rows (short last chunk) leaves zeros */
     const float zero[VEC] = {};
+    unsigned am = 0;
     LN_ROW_LOOP(j, width) {
         store_vec(col_sums[warp][0] + j, zero);
         store_vec(col_sums[warp][1] + j, zero);
@@ -152,8 +176,8 @@ __global__ void k_layernorm_bwd(T* __restrict__ dx, float* __restrict__ partial,
         const T* dr = dout + (size_t)row * C;
         float m = mean[row], r = rstd[row], mg, mgx;
         ln_bwd_row_means<T, VEC>(&mg, &mgx, xr, dr, gamma, m, r, C);
-        ln_bwd_slab_row<T, VEC>(dx + (size_t)row * C + c0, col_sums[warp][0], col_sums[warp][1], xr + c0, dr + c0,
-                                gamma + c0, m, r, mg, mgx, width);
+        am = max(am, ln_bwd_slab_row<T, VEC>(dx + (size_t)row * C + c0, col_sums[warp][0], col_sums[warp][1],
+                                             xr + c0, dr + c0, gamma + c0, m, r, mg, mgx, width));
     }
     __syncthreads();
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
@@ -165,6 +189,7 @@ __global__ void k_layernorm_bwd(T* __restrict__ dx, float* __restrict__ partial,
         partial[(size_t)chunk * C + c0 + j] = sg;
         partial[(size_t)(n_chunks + chunk) * C + c0 + j] = sb;
     }
+    block_amax_commit_in(amax_bits, am, (unsigned*)col_sums[0][0]); /* its barrier: col_sums is read */
 }
 
 /* Block (LN_FINAL_COLS columns) x (LN_FINAL_GROUPS groups): group k of a column sums chunks k,
@@ -194,25 +219,28 @@ __global__ void k_layernorm_bwd_final(float* dgamma, float* dbeta, const float* 
     }
 }
 
+/* amax_bits: precision fp8's amax of out (docs/DESIGN.md §18) is atomicMax'ed in; NULL: none. */
 template <typename T>
 static void layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const float* gamma, const float* beta,
-                          int N, int C) {
+                          int N, int C, unsigned* amax_bits = NULL) {
     bool packed = packable(C, sizeof(T), {out, x}) && packable(C, sizeof(float), {gamma, beta});
     LAUNCH_PACKED(packed, k_layernorm_fwd, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean, rstd, x, gamma,
-                  beta, N, C);
+                  beta, N, C, amax_bits);
 }
 
-/* dx += ; dgamma, dbeta = / += by grad_beta (0 or 1); scratch holds layernorm_scratch_floats(C) floats. */
+/* dx += ; dgamma, dbeta = / += by grad_beta (0 or 1); scratch holds layernorm_scratch_floats(C) floats.
+ * amax_bits: precision fp8's amax of dx (after the addition) is atomicMax'ed in; NULL: none. */
 template <typename T>
 static void layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, const T* x, const float* gamma,
-                          const float* mean, const float* rstd, int N, int C, float* scratch, float grad_beta) {
+                          const float* mean, const float* rstd, int N, int C, float* scratch, float grad_beta,
+                          unsigned* amax_bits = NULL) {
     bool packed = packable(C, sizeof(T), {dx, dout, x}) && packable(C, sizeof(float), {gamma});
     int rows_per_chunk = ln_rows_per_chunk(N);
     int n_chunks = (int)ceil_div(N, rows_per_chunk);
     int slab_cols = ln_slab_cols(C);
     dim3 grid(ceil_div(C, slab_cols), n_chunks);
     LAUNCH_PACKED(packed, k_layernorm_bwd, T, grid, 32 * LN_WARPS, dx, scratch, dout, x, gamma, mean, rstd, N, C,
-                  rows_per_chunk, slab_cols);
+                  rows_per_chunk, slab_cols, amax_bits);
     k_layernorm_bwd_final<<<ceil_div(C, LN_FINAL_COLS), LN_FINAL_COLS * LN_FINAL_GROUPS, 0, g_stream>>>(
         dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
     LAUNCH_CHECK();
