@@ -31,6 +31,7 @@ static std::string variant_name(void) {
     add(FA_FWD_SM_WARPS != 16, "fwd_sm_warps", FA_FWD_SM_WARPS);
     add(FA_GRID_LPT != 0, "grid_lpt", FA_GRID_LPT);
     add(FA_DKV_WARPS != 4, "dkv_warps", FA_DKV_WARPS);
+    add(FA_DKV_PIPELINE != 0, "dkv_pipeline", FA_DKV_PIPELINE);
     add(FA_MIN_BLOCKS_DKV != 3, "dkv_blocks", FA_MIN_BLOCKS_DKV);
     add(FA_DKV_COLS64 != 32, "dkv_cols64", FA_DKV_COLS64);
     return n.empty() ? "default" : n;

@@ -234,6 +234,10 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
  *   FA_DKV_WARPS=2      dK/dV blocks of 2 warps, 32 keys (half a key tile; they store their
  *                       halves of the dS tiles): twice the blocks, the longest half as long, as
  *                       FA_FWD_WARPS=2 for the forward; twice the query-tile loads per FLOP.
+ *   FA_DKV_PIPELINE=1   the dK/dV kernel issues the score products of its next step of queries
+ *                       before the exponentials and products of the current one (two sets of
+ *                       scores: with FA_DKV_COLS64=16 the registers of today's halves; smaller
+ *                       heads in halves); the same operations in the same order, the same bits.
  *   FA_MIN_BLOCKS_DKV=4 the dK/dV kernel held to 128 registers (4 blocks, 16 warps per
  *                       multiprocessor instead of 12), accepting what ptxas spills (counted in
  *                       blocks of 4 warps: twice as many blocks with FA_DKV_WARPS=2).
@@ -263,6 +267,9 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
 #if FA_DKV_WARPS != 2 && FA_DKV_WARPS != 4
 #error "FA_DKV_WARPS must be 2 or 4"
 #endif
+#ifndef FA_DKV_PIPELINE
+#define FA_DKV_PIPELINE 0
+#endif
 #ifndef FA_DKV_COLS64
 #define FA_DKV_COLS64 32
 #endif
@@ -280,7 +287,9 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
 /* Queries per step of the dK/dV kernel: at D = 64 a staged tile's 64 queries in two halves of 32
  * (half the score registers, the same products in the same order; at 168 registers whole tiles
  * spill 48 bytes, halves none: ptxas -v, sm_90); smaller heads fit whole tiles. */
-template <int D> struct FaBwd { static constexpr int COLS = D == 64 ? FA_DKV_COLS64 : FA_TILE; };
+template <int D> struct FaBwd {
+    static constexpr int COLS = D == 64 ? FA_DKV_COLS64 : FA_DKV_PIPELINE ? FA_TILE / 2 : FA_TILE;
+};
 
 /* A flash block's work: its tile index (before each kernel maps it heaviest first), its head
  * b*H + h, and the counts of both; fa_grid is the matching launch grid. */
@@ -682,15 +691,18 @@ __global__ void __launch_bounds__(FA_DKV_THREADS, FA_MIN_BLOCKS_DKV * FA_WARPS /
         fa_cp_commit();
         fa_cp_wait<1>(); /* tile qt has landed (this thread's part) ... */
         __syncthreads(); /* ... and everyone's */
-        for (int c0 = 0; c0 < FA_TILE; c0 += COLS) { /* the tile's queries, COLS at a time */
+        /* the tile's queries, COLS at a time: S^T and dP^T of queries c0 .. c0 + COLS - 1 ... */
+        auto scores = [&](float (*p)[4], float (*ds)[4], int c0) {
+            fa_scores<T, D, COLS>(p, ka, qs[cur] + c0 * Fa<D>::LD);
+            fa_scores<T, D, COLS>(ds, va, dos[cur] + c0 * Fa<D>::LD);
+            if (qt == kt) fa_mask_diagonal<true, COLS>(p, sub, c0);
+        };
+        /* ... then P, dS and their products, and dS staged */
+        auto accumulate = [&](float (*p)[4], float (*ds)[4], int c0) {
             const T* qh = qs[cur] + c0 * Fa<D>::LD;
             const T* doh = dos[cur] + c0 * Fa<D>::LD;
             const float* lse2c = lse2s[cur] + c0;
             const float* dlc = dls[cur] + c0;
-            float p[COLS / 8][4], ds[COLS / 8][4];
-            fa_scores<T, D, COLS>(p, ka, qh);
-            fa_scores<T, D, COLS>(ds, va, doh);
-            if (qt == kt) fa_mask_diagonal<true, COLS>(p, sub, c0);
             /* queries past T (a partial last tile) were loaded as zero rows of q and dout with lse
              * and delta 0: their P is 1 but their dP and dout rows are 0, so they add nothing */
             for (int j = 0; j < COLS / 8; j++)
@@ -709,7 +721,23 @@ __global__ void __launch_bounds__(FA_DKV_THREADS, FA_MIN_BLOCKS_DKV * FA_WARPS /
                 for (int h = 0; h < 2; h++)
                     *(unsigned*)(ds_stage + (g + 8 * h) * Fa<FA_TILE>::LD + c0 + 8 * j + 2 * t) =
                         fa_pack<T>(ds[j][2 * h], ds[j][2 * h + 1]);
+        };
+#if FA_DKV_PIPELINE
+        /* the products of step c + 1 issued before the exponentials of step c (two sets of scores) */
+        float p[2][COLS / 8][4], ds[2][COLS / 8][4];
+        scores(p[0], ds[0], 0);
+#pragma unroll
+        for (int c = 0; c < FA_TILE / COLS; c++) {
+            if (c + 1 < FA_TILE / COLS) scores(p[(c + 1) & 1], ds[(c + 1) & 1], (c + 1) * COLS);
+            accumulate(p[c & 1], ds[c & 1], c * COLS);
         }
+#else
+        for (int c0 = 0; c0 < FA_TILE; c0 += COLS) {
+            float p[COLS / 8][4], ds[COLS / 8][4];
+            scores(p, ds, c0);
+            accumulate(p, ds, c0);
+        }
+#endif
         __syncwarp();
         fa_store_rows16(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles) + (size_t)sub * FA_TILE, ds_stage);
         __syncthreads(); /* everyone is done with buffer cur before it takes tile qt + 2 */
