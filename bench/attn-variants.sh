@@ -89,11 +89,12 @@ done
         printf '%-20s' "$name"
         for model in 120M 12M; do
             for kernel in forward delta dk_dv dq backward; do
-                us=$(awk -v m="$model" -v k="$kernel" '$3 == m && $4 == k { print $5 }' "$OUT/bench-$name.log" 2>/dev/null)
+                us=$(awk -v m="$model" -v k="$kernel" '$3 == m && $4 == k { print $5 }' \
+                    "$OUT/bench-$name.log" 2>/dev/null)
                 printf ' %8s' "${us:--}"
             done
-            step=$(awk -v m="$model" '$3 == m && ($4 == "forward" || $4 == "backward") { s += $9 } END { if (NR) printf "%.0f", s }' \
-                "$OUT/bench-$name.log" 2>/dev/null)
+            step=$(awk -v m="$model" '$3 == m && ($4 == "forward" || $4 == "backward") { s += $9; n++ }
+                                      END { if (n) printf "%.0f", s }' "$OUT/bench-$name.log" 2>/dev/null)
             printf ' %8s' "${step:--}"
         done
         printf '  %s\n' "${check[$name]}"

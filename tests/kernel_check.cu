@@ -1257,7 +1257,10 @@ int main(int argc, char** argv) {
             only_attn = true;
         }
         else {
-            fprintf(stderr, "error: unknown argument '%s' (usage: kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all] [--only attn])\n", argv[i]);
+            fprintf(stderr,
+                    "error: unknown argument '%s' (usage: kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all] "
+                    "[--only attn])\n",
+                    argv[i]);
             return 2;
         }
     }

@@ -523,7 +523,8 @@ __device__ __forceinline__ float fa_quad_max(float x) {
 /* The forward's scores of one warp's 16 query rows (first row0) against the staged key tile of
  * keys key0 .., masked where that tile reaches past the warp's first row (the diagonal). */
 template <typename T, int D>
-__device__ __forceinline__ void fa_fwd_scores(float (*s)[4], const unsigned (*qa)[4], const T* ktile, int key0, int row0) {
+__device__ __forceinline__ void fa_fwd_scores(float (*s)[4], const unsigned (*qa)[4], const T* ktile, int key0,
+                                              int row0) {
     fa_scores<T, D>(s, qa, ktile);
     if (key0 + FA_TILE - 1 > row0) fa_mask_diagonal<false>(s, row0 - key0);
 }
@@ -531,7 +532,8 @@ __device__ __forceinline__ void fa_fwd_scores(float (*s)[4], const unsigned (*qa
 /* One key tile of the forward's online softmax for a warp: running max m and sum l (per row half
  * h), the output accumulators o rescaled, then o += P V with P = 2^(s sl2 - m) (s becomes P). */
 template <typename T, int D>
-__device__ __forceinline__ void fa_fwd_tile(float (*o)[4], float* m, float* l, float (*s)[4], const T* vtile, float sl2) {
+__device__ __forceinline__ void fa_fwd_tile(float (*o)[4], float* m, float* l, float (*s)[4], const T* vtile,
+                                            float sl2) {
     for (int h = 0; h < 2; h++) {
         /* the max of the raw scores, scaled once: scaling by sl2 > 0 and rounding keep the order,
          * so this is the max of the scaled scores */
@@ -659,7 +661,8 @@ __global__ void __launch_bounds__(FA_DKV_THREADS, FA_MIN_BLOCKS_DKV * FA_WARPS /
     int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     FaBlock blk = fa_block();
     int bh = blk.bh, b = bh / H, hd = bh % H, n_tiles = (T_ + FA_TILE - 1) / FA_TILE;
-    int kv0 = blk.tile * FA_DKV_ROWS, kt = kv0 / FA_TILE, sub = kv0 % FA_TILE + warp * 16, row0 = kv0 + warp * 16;
+    int kv0 = blk.tile * FA_DKV_ROWS, kt = kv0 / FA_TILE, row0 = kv0 + warp * 16;
+    int sub = kv0 % FA_TILE + warp * 16; /* the warp's first row within key tile kt */
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
     T* ds_stage = ds_stages[warp];
     /* starts loading query tile qt into buffer `buf` */
@@ -675,7 +678,8 @@ __global__ void __launch_bounds__(FA_DKV_THREADS, FA_MIN_BLOCKS_DKV * FA_WARPS /
     };
 
     unsigned ka[Fa<D>::KD][4], va[Fa<D>::KD][4];
-    fa_load_kv<T, D, FA_DKV_THREADS>(qs[1], dos[1], k + base, v + base, kt, T_, C); /* k, v staged through the second buffers */
+    /* k and v staged through the second buffers */
+    fa_load_kv<T, D, FA_DKV_THREADS>(qs[1], dos[1], k + base, v + base, kt, T_, C);
     load_queries(kt, 0);
     fa_cp_commit();
     fa_cp_wait<0>();
