@@ -56,13 +56,14 @@ build/microgpt_cpu: microgpt/microgpt_cpu.c $(HOST_HEADERS) $(CPU_HEADERS) | bui
 
 build/microgpt_cuda: microgpt/microgpt_cuda.cu $(HOST_HEADERS) $(CUDA_HEADERS) $(CPU_HEADERS) | build
 	@test -n "$(HAVE_NVCC)" || { echo "error: $(NVCC) not found on PATH (install the CUDA toolkit, 12 or 13)"; exit 1; }
-	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ microgpt/microgpt_cuda.cu $(NVLDLIBS)
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) $(ATTN_FLAGS) -o $@ microgpt/microgpt_cuda.cu $(NVLDLIBS)
 
 # GPU-vs-CPU check of every kernel pair (tests/kernel_check.cu); run by tests/test_gpu.py
 kernel-check: build/kernel_check
 
-# Flash-attention variants (microgpt/cuda/attention.cuh, its -D macros): ATTN_FLAGS reaches
-# kernel_check and attn_bench; ATTN_SUFFIX names a variant's pair of binaries
+# Flash-attention variants (microgpt/cuda/attention.cuh, its -D macros): ATTN_FLAGS reaches the
+# engine, kernel_check and attn_bench (`make -B build/microgpt_cuda ATTN_FLAGS=...` times a variant
+# in whole training steps); ATTN_SUFFIX names a variant's pair of binaries
 # (build/kernel_check$(ATTN_SUFFIX), build/attn_bench$(ATTN_SUFFIX)); bench/attn-variants.sh builds all.
 ATTN_FLAGS  ?=
 ATTN_SUFFIX ?=

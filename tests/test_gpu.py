@@ -119,6 +119,19 @@ def test_kernel_check_attention_only(kernel_check_binary):
     assert bad.returncode == 2 and bad.stderr.startswith("error: --only takes attn"), bad.stderr
 
 
+def test_attn_bench_prints_every_kernel(cuda_binary):
+    """bench/attn_bench.cu, the flash kernels' microbenchmark (bench/attn-variants.sh runs one per
+    variant): one line per model and kernel, each naming the variant, with a positive time."""
+    made = subprocess.run(["make", "build/attn_bench"], cwd=eu.REPO, capture_output=True, text=True, timeout=900)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    res = subprocess.run([str(eu.BUILD / "attn_bench")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = [line.split() for line in res.stdout.splitlines()]
+    want = [(m, k) for m in ("120M", "12M") for k in ("forward", "delta", "dk_dv", "dq", "backward")]
+    assert [(r[2], r[3]) for r in rows] == want, res.stdout
+    assert all(r[0] == "attn_bench" and r[1] == "default" and float(r[4]) > 0 for r in rows), res.stdout
+
+
 # ---------------------------------------------------------------------------------------------------
 # the whole model against the CPU engine
 
