@@ -34,6 +34,7 @@ static std::string variant_name(void) {
     add(FA_DKV_PIPELINE != 0, "dkv_pipeline", FA_DKV_PIPELINE);
     add(FA_MIN_BLOCKS_DKV != 3, "dkv_blocks", FA_MIN_BLOCKS_DKV);
     add(FA_DKV_COLS64 != 32, "dkv_cols64", FA_DKV_COLS64);
+    add(FA_DS_FRAGMENTS != 0, "ds_fragments", FA_DS_FRAGMENTS);
     return n.empty() ? "default" : n;
 }
 

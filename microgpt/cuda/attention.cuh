@@ -241,6 +241,11 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
  *   FA_MIN_BLOCKS_DKV=4 the dK/dV kernel held to 128 registers (4 blocks, 16 warps per
  *                       multiprocessor instead of 12), accepting what ptxas spills (counted in
  *                       blocks of 4 warps: twice as many blocks with FA_DKV_WARPS=2).
+ *   FA_DS_FRAGMENTS=1   the dS tiles stored in the dQ kernel's A-fragment order (the dK/dV kernel
+ *                       transposes its staged rows with ldmatrix), so the dQ kernel loads them
+ *                       straight into registers, a tile ahead, 512 contiguous bytes per warp
+ *                       load, and stages only K in shared memory (half of it); the same values
+ *                       and products, the same bits.
  *   FA_DKV_COLS64=16    the dK/dV kernel at head size 64 in quarter tiles of 16 queries (fewer
  *                       score registers; the same products in the same order, so the same bits). */
 #ifndef FA_FWD_WARPS
@@ -270,6 +275,9 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
 #ifndef FA_DKV_PIPELINE
 #define FA_DKV_PIPELINE 0
 #endif
+#ifndef FA_DS_FRAGMENTS
+#define FA_DS_FRAGMENTS 0
+#endif
 #ifndef FA_DKV_COLS64
 #define FA_DKV_COLS64 32
 #endif
@@ -282,8 +290,17 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
 #define FA_DKV_THREADS (32 * FA_DKV_WARPS)
 /* Blocks per multiprocessor that ptxas must fit in registers (65536 / (threads x blocks)): the
  * forward fits 16 warps (128 registers on sm_90, no spills; FA_FWD_SM_WARPS), the dK/dV kernel 3
- * blocks (168; FA_MIN_BLOCKS_DKV); the dQ kernel (one product per tile pair) needs no bound. */
+ * blocks (168; FA_MIN_BLOCKS_DKV); the dQ kernel (one product per tile pair) needs no bound
+ * (80 registers). */
 #define FA_MIN_BLOCKS_FWD (FA_FWD_SM_WARPS / FA_FWD_WARPS)
+/* dQ with FA_DS_FRAGMENTS: 6 blocks (80 registers, no spill; unbounded, ptxas takes 136 for the
+ * fragments prefetched a tile ahead). The default keeps no bound: an explicit 1 is not the same
+ * to ptxas (106 registers instead of 80). */
+#if FA_DS_FRAGMENTS
+#define FA_DQ_BOUNDS __launch_bounds__(FA_THREADS, 6)
+#else
+#define FA_DQ_BOUNDS __launch_bounds__(FA_THREADS)
+#endif
 /* Queries per step of the dK/dV kernel: at D = 64 a staged tile's 64 queries in two halves of 32
  * (half the score registers, the same products in the same order; at 168 registers whole tiles
  * spill 48 bytes, halves none: ptxas -v, sm_90); smaller heads fit whole tiles. */
@@ -482,6 +499,21 @@ __device__ __forceinline__ void fa_store_rows16(T* dst, const T* staged) {
     for (int e = threadIdx.x & 31; e < 16 * PER_ROW; e += 32) {
         int r = e / PER_ROW, c = (e % PER_ROW) * VEC;
         *(uint4*)(dst + r * FA_TILE + c) = *(const uint4*)(staged + r * Fa<FA_TILE>::LD + c);
+    }
+}
+
+/* With FA_DS_FRAGMENTS: a warp's 16 staged dS^T rows (row stride LD; keys 16 kk .. of the tile)
+ * as the dQ kernel's A fragments of k step kk: for query group i (dQ warp i), transposed ldmatrix
+ * gives each lane its 4 registers, stored as one 16-byte packet at ((i * 4 + kk) * 32 + lane) of
+ * the 64×64 tile, so that a dQ warp loads a fragment as 512 contiguous bytes. */
+template <typename T>
+__device__ __forceinline__ void fa_store_ds_fragments(T* tile, const T* staged, int kk) {
+    int lane = threadIdx.x & 31, mi = lane >> 3;
+    const T* p = staged + (8 * (mi >> 1) + (lane & 7)) * Fa<FA_TILE>::LD + 8 * (mi & 1);
+    for (int i = 0; i < FA_TILE / 16; i++) {
+        unsigned r[4];
+        fa_ldsm_x4_trans(r, p + 16 * i);
+        ((uint4*)tile)[(i * (FA_TILE / 16) + kk) * 32 + lane] = make_uint4(r[0], r[1], r[2], r[3]);
     }
 }
 
@@ -743,7 +775,11 @@ __global__ void __launch_bounds__(FA_DKV_THREADS, FA_MIN_BLOCKS_DKV * FA_WARPS /
         }
 #endif
         __syncwarp();
+#if FA_DS_FRAGMENTS
+        fa_store_ds_fragments(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles), ds_stage, sub / 16);
+#else
         fa_store_rows16(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles) + (size_t)sub * FA_TILE, ds_stage);
+#endif
         __syncthreads(); /* everyone is done with buffer cur before it takes tile qt + 2 */
     }
 
@@ -753,14 +789,14 @@ __global__ void __launch_bounds__(FA_DKV_THREADS, FA_MIN_BLOCKS_DKV * FA_WARPS /
 
 /* dQ: block (query tile, b*H + h); warp w owns query rows q0 + 16w .. +15 and accumulates
  * dQ = scale · dS K over the key tiles up to the diagonal, from the dS^T tiles the dK/dV kernel
- * stored (staged, then read as A fragments through transposed ldmatrix). Masked and past-T
- * entries of those tiles are 0 or meet zero rows of K, so whole tiles are used. */
+ * stored (staged, then read as A fragments through transposed ldmatrix; with FA_DS_FRAGMENTS,
+ * loaded as A fragments straight into registers, a tile ahead). Masked and past-T entries of
+ * those tiles are 0 or meet zero rows of K, so whole tiles are used. */
 template <typename T, int D>
-__global__ void __launch_bounds__(FA_THREADS)
+__global__ void FA_DQ_BOUNDS
     k_attn_bwd_dq(T* dq, const T* ds_tiles, const T* k, int T_, int C, int H, float scale) {
-    __shared__ __align__(16) T dss[2][FA_TILE * Fa<FA_TILE>::LD]; /* double-buffered: tile kt in [kt & 1] */
-    __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, mi = lane >> 3;
+    __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     /* heads in the reverse of the dK/dV kernel's order: the first blocks read the tiles written
      * last, the likeliest still in L2 */
     FaBlock blk = fa_block();
@@ -768,17 +804,46 @@ __global__ void __launch_bounds__(FA_THREADS)
     int row0 = qt * FA_TILE + warp * 16;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
     const T* ds_row = ds_tiles + fa_ds_tile(bh, qt, 0, blk.n_tiles); /* tiles (qt, 0 .. qt), consecutive */
+    float dq_acc[Fa<D>::ND][4] = {};
+#if FA_DS_FRAGMENTS
+    /* this warp's A fragments of dS tile kt, one 16-byte load per lane and k step */
+    auto load_fragments = [&](unsigned (*a)[4], int kt) {
+        const uint4* p = (const uint4*)(ds_row + (size_t)kt * FA_TILE * FA_TILE) + warp * (FA_TILE / 16) * 32 + lane;
+        for (int kk = 0; kk < FA_TILE / 16; kk++) {
+            uint4 v = p[kk * 32];
+            a[kk][0] = v.x, a[kk][1] = v.y, a[kk][2] = v.z, a[kk][3] = v.w;
+        }
+    };
+    unsigned a_next[FA_TILE / 16][4];
+    fa_load_rows<T, D>(ks[0], k + base, 0, T_, C);
+    fa_cp_commit();
+    load_fragments(a_next, 0);
+    for (int kt = 0; kt <= qt; kt++) {
+        int cur = kt & 1;
+        unsigned a[FA_TILE / 16][4];
+        memcpy(a, a_next, sizeof a);
+        if (kt < qt) {
+            fa_load_rows<T, D>(ks[cur ^ 1], k + base, (kt + 1) * FA_TILE, T_, C);
+            load_fragments(a_next, kt + 1);
+        }
+        fa_cp_commit();
+        fa_cp_wait<1>(); /* K tile kt has landed (this thread's part) ... */
+        __syncthreads(); /* ... and everyone's */
+        for (int kk = 0; kk < FA_TILE / 16; kk++) fa_accumulate_step<T, D>(dq_acc, a[kk], ks[cur], kk);
+        __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
+    }
+#else
+    __shared__ __align__(16) T dss[2][FA_TILE * Fa<FA_TILE>::LD]; /* double-buffered as ks */
     auto load_tiles = [&](int kt, int buf) {
         fa_load_rows<T, FA_TILE>(dss[buf], ds_row + (size_t)kt * FA_TILE * FA_TILE, 0, FA_TILE, FA_TILE);
         fa_load_rows<T, D>(ks[buf], k + base, kt * FA_TILE, T_, C);
     };
     /* lane 8i + r addresses row r of matrix i of an A fragment (queries 16w + 8(i & 1) .., keys
      * 8(i >> 1) ..); stored [key][query], so the transposed load gives the [query][key] order */
-    int a_off = (8 * (mi >> 1) + (lane & 7)) * Fa<FA_TILE>::LD + warp * 16 + 8 * (mi & 1);
+    int mi = lane >> 3, a_off = (8 * (mi >> 1) + (lane & 7)) * Fa<FA_TILE>::LD + warp * 16 + 8 * (mi & 1);
 
     load_tiles(0, 0);
     fa_cp_commit();
-    float dq_acc[Fa<D>::ND][4] = {};
     for (int kt = 0; kt <= qt; kt++) {
         int cur = kt & 1;
         if (kt < qt) load_tiles(kt + 1, cur ^ 1);
@@ -792,6 +857,7 @@ __global__ void __launch_bounds__(FA_THREADS)
         }
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
+#endif
     fa_store_out<T, D>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
 }
 
