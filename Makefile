@@ -9,6 +9,10 @@ LDLIBS    = -lm
 NVCC     ?= nvcc
 NVCCFLAGS = -O3 -std=c++17 -Xcompiler -fopenmp,-ffp-contract=off,-Wall
 NVLDLIBS  = -lcublas -lcublasLt -lgomp -lm
+# Compile-time kernel variants for A/B runs, e.g. make KERNEL_VARIANTS="-DLN_BWD_VARIANT=1" (each
+# header of microgpt/cuda/ lists its own; bench/rowk_variants.sh compares them). make does not
+# track flags: run `make clean` before building with other variants.
+NVCCFLAGS += $(KERNEL_VARIANTS)
 PYTHON   ?= python3
 
 HOST_HEADERS := $(wildcard microgpt/host/*.h)

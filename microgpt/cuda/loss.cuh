@@ -19,13 +19,31 @@
  * the logits with their gradient dlogits = (softmax - onehot) * dscale, ready for the two products.
  * A block of LOSS_THREADS per row keeps the rows in flight small enough (2 blocks per
  * multiprocessor) that the second pass reads from L2. dscale is read from device memory (it carries
- * the fp16 loss scale) so a captured graph of the step stays fixed. */
+ * the fp16 loss scale) so a captured graph of the step stays fixed.
+ *
+ * Variant, chosen at compile time (-D; 0, the default, is the code described above; it passes
+ * tests/kernel_check.cu, bench/rowk_bench.cu times it, docs/BENCHMARKS.md log #53):
+ *   LOSS_ROWS_VARIANT 1  k_loss_rows_shared: the block first copies its row into shared memory
+ *                        (cp.async, 16-byte packets, no registers in between; 98 KiB for a bf16 row
+ *                        of 50304), then runs both passes from there: memory sees one read and one
+ *                        write of the logits, neither pass waits on L2, and every thread has its
+ *                        whole share of the row in flight at once. The same operations in the same
+ *                        order, so the same bits. Taken where two rows fit a multiprocessor's
+ *                        shared memory (so two blocks run per multiprocessor, as today), else the
+ *                        default kernel. */
 #ifndef MICROGPT_CUDA_LOSS_CUH
 #define MICROGPT_CUDA_LOSS_CUH
 
 #include "matmul.cuh"
 
 #define LOSS_THREADS 1024
+
+#ifndef LOSS_ROWS_VARIANT
+#define LOSS_ROWS_VARIANT 0
+#endif
+#if LOSS_ROWS_VARIANT == 1
+#include <cuda_pipeline.h>
+#endif
 
 /* logits [n, Vp] = x [n, C] @ wte^T, wte [Vp, C]; L is T (training, evaluation) or float (the
  * sampler's logits of one position). */
@@ -77,9 +95,91 @@ k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__
     }
 }
 
+#if LOSS_ROWS_VARIANT == 1
+/* k_loss_rows with the row first copied into shared memory (Vp elements of dynamic shared memory),
+ * each thread copying the packets it reads later, so it waits only for its own copies. */
+template <typename T, int VEC>
+__global__ void __launch_bounds__(LOSS_THREADS)
+k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
+                   const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
+    extern __shared__ __align__(16) unsigned char loss_row_bytes[];
+    T* row = reinterpret_cast<T*>(loss_row_bytes);
+    int target = targets[blockIdx.x];
+    T* l = logits + (size_t)blockIdx.x * Vp;
+    for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
+        if constexpr (VEC * sizeof(T) == 16) __pipeline_memcpy_async(row + j, l + j, 16);
+        else row[j] = l[j];
+    }
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+    float mx = -INFINITY, s = 0.0f, v[VEC];
+    for (int j = threadIdx.x * VEC; j < V; j += LOSS_THREADS * VEC) {
+        load_vec(v, row + j);
+        if (j + VEC > V)
+            for (int k = 0; k < VEC; k++)
+                if (j + k >= V) v[k] = -INFINITY;
+        float pm = v[0];
+        for (int k = 1; k < VEC; k++) pm = fmaxf(pm, v[k]);
+        if (pm > mx) {
+            s *= __expf(mx - pm);
+            mx = pm;
+        }
+        for (int k = 0; k < VEC; k++) s += __expf(v[k] - mx);
+    }
+    float row_mx = block_max(mx); /* its barriers make every thread's copy visible to thread 0 below */
+    s = block_sum(mx == -INFINITY ? 0.0f : s * __expf(mx - row_mx));
+    float row_lse = row_mx + logf(s);
+    if (threadIdx.x == 0) {
+        lse[blockIdx.x] = row_lse;
+        losses[blockIdx.x] = row_lse - to_f(row[target]);
+    }
+    if (!dscale) return;
+    float ds = *dscale;
+    for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
+        load_vec(v, row + j);
+        for (int k = 0; k < VEC; k++) v[k] = (__expf(v[k] - row_lse) - (j + k == target ? 1.0f : 0.0f)) * ds;
+        if (j + VEC > V)
+            for (int k = 0; k < VEC; k++)
+                if (j + k >= V) v[k] = 0.0f;
+        store_vec(l + j, v);
+    }
+}
+
+/* Launches k_loss_rows_shared<T, VEC> with `bytes` of dynamic shared memory if two such blocks fit
+ * a multiprocessor of this GPU (raising the kernel's limit above the default 48 KB once); returns
+ * false, having launched nothing, if not. Either kernel gives the same bits. */
+template <typename T, int VEC>
+static bool loss_rows_shared(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
+                             const float* dscale) {
+    static int per_sm = -1, per_block = 0;
+    size_t bytes = (size_t)Vp * sizeof(T);
+    if (per_sm < 0) {
+        int dev;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+        CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_shared<T, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        per_block));
+        CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_shared<T, VEC>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared));
+    }
+    /* 1 KB a block is the runtime's own, plus block_reduce's partials */
+    if (bytes > (size_t)per_block || 2 * (bytes + 2048) > (size_t)per_sm) return false;
+    k_loss_rows_shared<T, VEC><<<n, LOSS_THREADS, bytes, g_stream>>>(losses, lse, logits, targets, V, Vp, dscale);
+    LAUNCH_CHECK();
+    return true;
+}
+#endif
+
 template <typename T>
 static void loss_rows(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
                       const float* dscale) {
+#if LOSS_ROWS_VARIANT == 1
+    bool packed = packable(Vp, sizeof(T), {logits});
+    if (packed ? loss_rows_shared<T, PACK(T)>(losses, lse, logits, targets, n, V, Vp, dscale)
+               : loss_rows_shared<T, 1>(losses, lse, logits, targets, n, V, Vp, dscale))
+        return;
+#endif
     LAUNCH_PACKED(packable(Vp, sizeof(T), {logits}), k_loss_rows, T, n, LOSS_THREADS, losses, lse, logits,
                   targets, V, Vp, dscale);
 }

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# rowk_variants.sh: the compile-time variants of the row and element-wise kernels
+# (microgpt/cuda/layernorm.cuh, loss.cuh, optimizer.cuh: each header's comment lists its variants),
+# side by side on this GPU, in one command:
+#   1. builds tests/kernel_check.cu and bench/rowk_bench.cu once per variant (in parallel), each
+#      into build/rowk/<variant>/;
+#   2. runs every variant's kernel_check (in parallel: values only, no timing), which must pass;
+#   3. runs every variant's rowk_bench, one after the other on a quiet GPU;
+#   4. prints a summary table: per model and kernel, each variant's time against the default's, and
+#      whether its results are the default's bits.
+# Exit status 1 if a build or a kernel_check fails (the benches still run for the variants that
+# built). Logs: build/rowk/<variant>/{build_*.log,kernel_check.log,bench.log}.
+#
+#   bench/rowk_variants.sh                 all variants (about 3 minutes on an H200)
+#   bench/rowk_variants.sh base ln_fwd1    only those
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# name|-D flags (base: the default code)
+VARIANTS=(
+    "base|"
+    "ln_fwd1|-DLN_FWD_VARIANT=1"
+    "ln_bwd1|-DLN_BWD_VARIANT=1"
+    "ln_bwd2|-DLN_BWD_VARIANT=2"
+    "loss1|-DLOSS_ROWS_VARIANT=1"
+    "norm1|-DNORM_VARIANT=1"
+    "all1|-DLN_FWD_VARIANT=1 -DLN_BWD_VARIANT=1 -DLOSS_ROWS_VARIANT=1 -DNORM_VARIANT=1"
+)
+
+NVCC=${NVCC:-nvcc}
+ARCH=${GPU_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .')}
+if [ -z "$ARCH" ]; then
+    echo "error: no GPU found by nvidia-smi; set GPU_ARCH (e.g. 90) to build only" >&2
+    exit 1
+fi
+# the Makefile's NVCCFLAGS for kernel_check, for this GPU's architecture
+FLAGS="-O3 -std=c++17 -Xcompiler -fopenmp,-ffp-contract=off,-Wall -gencode arch=compute_$ARCH,code=sm_$ARCH"
+LIBS="-lcublas -lcublasLt -lgomp -lm"
+OUT=build/rowk
+
+selected=()
+for v in "${VARIANTS[@]}"; do
+    name=${v%%|*}
+    if [ $# -eq 0 ] || [[ " $* " == *" $name "* ]]; then selected+=("$v"); fi
+done
+if [ ${#selected[@]} -eq 0 ]; then
+    echo "error: no variant named $*; known: $(for v in "${VARIANTS[@]}"; do printf '%s ' "${v%%|*}"; done)" >&2
+    exit 1
+fi
+
+status=0
+start=$(date +%s)
+echo "== build (${#selected[@]} variants, sm_$ARCH)"
+pids=()
+for v in "${selected[@]}"; do
+    name=${v%%|*} defs=${v#*|}
+    mkdir -p "$OUT/$name"
+    # shellcheck disable=SC2086
+    $NVCC $FLAGS $defs -o "$OUT/$name/kernel_check" tests/kernel_check.cu $LIBS >"$OUT/$name/build_kernel_check.log" 2>&1 &
+    pids+=("$!:$name/kernel_check")
+    # shellcheck disable=SC2086
+    $NVCC $FLAGS $defs -o "$OUT/$name/rowk_bench" bench/rowk_bench.cu $LIBS >"$OUT/$name/build_rowk_bench.log" 2>&1 &
+    pids+=("$!:$name/rowk_bench")
+done
+for p in "${pids[@]}"; do
+    if ! wait "${p%%:*}"; then
+        echo "FAIL build $OUT/${p#*:} (log: $OUT/${p#*:}.log)"
+        rm -f "$OUT/${p#*:}"
+        status=1
+    fi
+done
+echo "   $(($(date +%s) - start)) s"
+
+echo "== kernel_check"
+threads=$(( $(nproc) / ${#selected[@]} ))
+[ "$threads" -lt 1 ] && threads=1
+pids=()
+for v in "${selected[@]}"; do
+    name=${v%%|*}
+    [ -x "$OUT/$name/kernel_check" ] || continue
+    OMP_NUM_THREADS=$threads "$OUT/$name/kernel_check" >"$OUT/$name/kernel_check.log" 2>&1 &
+    pids+=("$!:$name")
+done
+for p in "${pids[@]}"; do
+    name=${p#*:}
+    if wait "${p%%:*}"; then
+        echo "   $name: $(tail -n1 "$OUT/$name/kernel_check.log")"
+    else
+        echo "FAIL kernel_check $name: $(grep -c '^FAIL' "$OUT/$name/kernel_check.log") failed checks (log: $OUT/$name/kernel_check.log)"
+        grep '^FAIL' "$OUT/$name/kernel_check.log" | head -n 5
+        status=1
+    fi
+done
+echo "   $(($(date +%s) - start)) s"
+
+echo "== rowk_bench"
+for v in "${selected[@]}"; do
+    name=${v%%|*}
+    [ -x "$OUT/$name/rowk_bench" ] || continue
+    if ! "$OUT/$name/rowk_bench" >"$OUT/$name/bench.log" 2>&1; then
+        echo "FAIL rowk_bench $name: $(tail -n1 "$OUT/$name/bench.log")"
+        status=1
+    fi
+    sed "s/^/   [$name] /" "$OUT/$name/bench.log"
+done
+echo "   $(($(date +%s) - start)) s"
+
+echo "== summary (µs, median of 20 launches; Δ against base; bits: the same results as base)"
+python3 - "$OUT" "${selected[@]%%|*}" <<'EOF'
+import sys, os
+out, names = sys.argv[1], sys.argv[2:]
+rows = {}  # (model, kernel) -> {variant: (us, gbs, bits)}
+order = []
+for name in names:
+    path = os.path.join(out, name, "bench.log")
+    if not os.path.exists(path):
+        continue
+    for line in open(path):
+        f = line.split()
+        if len(f) < 10 or f[0] != "rowk":
+            continue
+        key = (f[1], f[2])
+        if key not in rows:
+            rows[key] = {}
+            order.append(key)
+        rows[key][name] = (float(f[4]), float(f[6]), f[9])
+print("| model | kernel | " + " | ".join(names) + " |")
+print("|---|---|" + "---|" * len(names))
+for key in order:
+    r, cells = rows[key], []
+    base = r.get("base")
+    for name in names:
+        if name not in r:
+            cells.append("-")
+            continue
+        us, gbs, bits = r[name]
+        cell = f"{us:.1f} ({gbs / 1000:.2f} TB/s)"
+        if base and name != "base":
+            cell += f" {100.0 * (us - base[0]) / base[0]:+.1f}%" + ("" if bits == base[2] else " other bits")
+        cells.append(cell)
+    print(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+EOF
+echo "== $(($(date +%s) - start)) s; status $status"
+exit $status
