@@ -6,13 +6,14 @@
 #      into build/rowk/<variant>/;
 #   2. runs every variant's kernel_check (in parallel: values only, no timing), which must pass;
 #   3. runs every variant's rowk_bench, one after the other on a quiet GPU;
-#   4. prints a summary table: per model and kernel, each variant's time against the default's, and
-#      whether its results are the default's bits.
+#   4. prints a summary table (bench/rowk_summary.py): per model and kernel, each variant's time
+#      against the default's, and whether its results are the default's bits.
 # Exit status 1 if a build or a kernel_check fails (the benches still run for the variants that
 # built). Logs: build/rowk/<variant>/{build_*.log,kernel_check.log,bench.log}.
 #
 #   bench/rowk_variants.sh                 all variants (about 3 minutes on an H200)
 #   bench/rowk_variants.sh base ln_fwd1    only those
+#   bench/rowk_variants.sh --check-only    steps 1 and 2 (bench/test_rowk.py, on a GPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,10 +39,18 @@ FLAGS="-O3 -std=c++17 -Xcompiler -fopenmp,-ffp-contract=off,-Wall -gencode arch=
 LIBS="-lcublas -lcublasLt -lgomp -lm"
 OUT=build/rowk
 
-selected=()
+check_only=0
+if [ "${1:-}" = "--check-only" ]; then
+    check_only=1
+    shift
+fi
+selected=() names=()
 for v in "${VARIANTS[@]}"; do
     name=${v%%|*}
-    if [ $# -eq 0 ] || [[ " $* " == *" $name "* ]]; then selected+=("$v"); fi
+    if [ $# -eq 0 ] || [[ " $* " == *" $name "* ]]; then
+        selected+=("$v")
+        names+=("$name")
+    fi
 done
 if [ ${#selected[@]} -eq 0 ]; then
     echo "error: no variant named $*; known: $(for v in "${VARIANTS[@]}"; do printf '%s ' "${v%%|*}"; done)" >&2
@@ -93,6 +102,11 @@ for p in "${pids[@]}"; do
 done
 echo "   $(($(date +%s) - start)) s"
 
+if [ $check_only = 1 ]; then
+    echo "== $(($(date +%s) - start)) s; status $status"
+    exit $status
+fi
+
 echo "== rowk_bench"
 for v in "${selected[@]}"; do
     name=${v%%|*}
@@ -105,40 +119,7 @@ for v in "${selected[@]}"; do
 done
 echo "   $(($(date +%s) - start)) s"
 
-echo "== summary (µs, median of 20 launches; Δ against base; bits: the same results as base)"
-python3 - "$OUT" "${selected[@]%%|*}" <<'EOF'
-import sys, os
-out, names = sys.argv[1], sys.argv[2:]
-rows = {}  # (model, kernel) -> {variant: (us, gbs, bits)}
-order = []
-for name in names:
-    path = os.path.join(out, name, "bench.log")
-    if not os.path.exists(path):
-        continue
-    for line in open(path):
-        f = line.split()
-        if len(f) < 10 or f[0] != "rowk":
-            continue
-        key = (f[1], f[2])
-        if key not in rows:
-            rows[key] = {}
-            order.append(key)
-        rows[key][name] = (float(f[4]), float(f[6]), f[9])
-print("| model | kernel | " + " | ".join(names) + " |")
-print("|---|---|" + "---|" * len(names))
-for key in order:
-    r, cells = rows[key], []
-    base = r.get("base")
-    for name in names:
-        if name not in r:
-            cells.append("-")
-            continue
-        us, gbs, bits = r[name]
-        cell = f"{us:.1f} ({gbs / 1000:.2f} TB/s)"
-        if base and name != "base":
-            cell += f" {100.0 * (us - base[0]) / base[0]:+.1f}%" + ("" if bits == base[2] else " other bits")
-        cells.append(cell)
-    print(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
-EOF
+echo "== summary (median of 20 launches; change against base; \"other bits\": results differ from base's)"
+python3 bench/rowk_summary.py "$OUT" "${names[@]}" || status=1
 echo "== $(($(date +%s) - start)) s; status $status"
 exit $status
