@@ -55,8 +55,8 @@ def main(argv):
         if os.path.exists(path):
             with open(path) as f:
                 logs[name] = parse_log(f.read())
-    if not logs:
-        print(f"error: no bench.log under {argv[1]} for {' '.join(argv[2:])}", file=sys.stderr)
+    if not any(logs.values()):
+        print(f"error: no rowk_bench results under {argv[1]} for {' '.join(argv[2:])}", file=sys.stderr)
         return 1
     print(table(logs))
     return 0

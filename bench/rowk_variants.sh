@@ -23,6 +23,7 @@ VARIANTS=(
     "ln_fwd1|-DLN_FWD_VARIANT=1"
     "ln_bwd1|-DLN_BWD_VARIANT=1"
     "ln_bwd2|-DLN_BWD_VARIANT=2"
+    "ln_bwd3|-DLN_BWD_VARIANT=3"
     "loss1|-DLOSS_ROWS_VARIANT=1"
     "norm1|-DNORM_VARIANT=1"
     "all1|-DLN_FWD_VARIANT=1 -DLN_BWD_VARIANT=1 -DLOSS_ROWS_VARIANT=1 -DNORM_VARIANT=1"
@@ -95,8 +96,8 @@ for p in "${pids[@]}"; do
     if wait "${p%%:*}"; then
         echo "   $name: $(tail -n1 "$OUT/$name/kernel_check.log")"
     else
-        echo "FAIL kernel_check $name: $(grep -c '^FAIL' "$OUT/$name/kernel_check.log") failed checks (log: $OUT/$name/kernel_check.log)"
-        grep '^FAIL' "$OUT/$name/kernel_check.log" | head -n 5
+        echo "FAIL kernel_check $name (log: $OUT/$name/kernel_check.log):"
+        { grep '^FAIL' "$OUT/$name/kernel_check.log" | head -n 5; tail -n 1 "$OUT/$name/kernel_check.log"; } | sed 's/^/   /'
         status=1
     fi
 done

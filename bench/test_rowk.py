@@ -63,3 +63,10 @@ def test_every_variant_builds_and_passes_kernel_check():
                          timeout=900)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert "FAIL" not in res.stdout
+
+
+def test_summary_fails_without_any_result(tmp_path):
+    from rowk_summary import main
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "bench.log").write_text("error: CUDA failure 'no device' in cudaStreamCreate\n")
+    assert main(["rowk_summary.py", str(tmp_path), "base", "v1"]) == 1

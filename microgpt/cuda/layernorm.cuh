@@ -23,6 +23,9 @@
  *   LN_BWD_VARIANT 2  as 1 with at most LN_BWD_REGS_CHUNKS (256) chunks: twice the rows a warp,
  *                     half the partial sums to write and add; other bits for dgamma/dbeta (a
  *                     different but fixed order), dx's bits unchanged.
+ *   LN_BWD_VARIANT 3  as 1 with the column sums in shared memory as today (k_layernorm_bwd_regs_
+ *                     shared_sums): 80 registers instead of 127 at C = 768, so three blocks per
+ *                     multiprocessor instead of two; the same bits.
  * Wider rows take the default kernels. */
 #ifndef MICROGPT_CUDA_LAYERNORM_CUH
 #define MICROGPT_CUDA_LAYERNORM_CUH
@@ -47,9 +50,14 @@
 #define LN_REG_PACKETS 4 /* packets of a row a lane holds in registers at most */
 #endif
 #if LN_BWD_VARIANT == 1
+#define LN_BWD_REGS_KERNEL k_layernorm_bwd_regs
 #define LN_BWD_REGS_CHUNKS LN_MAX_CHUNKS
 #elif LN_BWD_VARIANT == 2
+#define LN_BWD_REGS_KERNEL k_layernorm_bwd_regs
 #define LN_BWD_REGS_CHUNKS 256 /* 32 rows a chunk (4 a warp) at N = 8192 */
+#elif LN_BWD_VARIANT == 3
+#define LN_BWD_REGS_KERNEL k_layernorm_bwd_regs_shared_sums
+#define LN_BWD_REGS_CHUNKS LN_MAX_CHUNKS
 #endif
 
 /* Scratch floats layernorm_bwd needs for width C. */
@@ -270,19 +278,23 @@ __device__ __forceinline__ void load_raw(T (&t)[VEC], const T* p) {
 }
 
 /* k_layernorm_bwd for rows of one slab (C <= LN_SLAB_COLS), grid (n_chunks), with a lane's packets
- * of x, dout and dx loaded once into registers, and its columns' dout * xhat and dout sums kept in
- * registers across the warp's rows: the same operations in the same order, so with the same
- * chunks the same bits. Two blocks per multiprocessor at most 128 registers a thread. */
-template <typename T, int VEC, int PACKETS>
-__global__ void __launch_bounds__(32 * LN_WARPS, 2)
-k_layernorm_bwd_regs(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
-                     const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ mean,
-                     const float* __restrict__ rstd, int N, int C, int rows_per_chunk) {
+ * of x, dout and dx loaded once into registers (as stored). Its columns' dout * xhat and dout sums
+ * over the warp's rows are kept in registers (REG_SUMS: 48 more at C = 768 in bf16) or, as in
+ * k_layernorm_bwd, in the warp's shared-memory sums (the first row stores 0 + its value, so
+ * nothing needs clearing). The same operations in the same order: with the same chunks, the same
+ * bits. */
+template <typename T, int VEC, int PACKETS, bool REG_SUMS>
+__device__ __forceinline__ void ln_bwd_regs(T* __restrict__ dx, float* __restrict__ partial,
+                                            const T* __restrict__ dout, const T* __restrict__ x,
+                                            const float* __restrict__ gamma, const float* __restrict__ mean,
+                                            const float* __restrict__ rstd, int N, int C, int rows_per_chunk) {
     __shared__ __align__(16) float col_sums[LN_WARPS][2][LN_SLAB_COLS]; /* [warp][dgamma, dbeta][column] */
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int chunk = blockIdx.x, n_chunks = gridDim.x;
     int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
-    float dg[PACKETS][VEC] = {}, db[PACKETS][VEC] = {}; /* this lane's columns' sums over the warp's rows */
+    float* dg_sum = col_sums[warp][0];
+    float* db_sum = col_sums[warp][1];
+    float dg[REG_SUMS ? PACKETS : 1][VEC] = {}, db[REG_SUMS ? PACKETS : 1][VEC] = {};
     for (int row = r0 + warp; row < r1; row += LN_WARPS) {
         __align__(16) T xv[PACKETS][VEC], dv[PACKETS][VEC], ov[PACKETS][VEC];
         const T* xr = x + (size_t)row * C;
@@ -304,21 +316,39 @@ k_layernorm_bwd_regs(T* __restrict__ dx, float* __restrict__ partial, const T* _
             }
         }
         float mg = warp_sum(sg) / C, mgx = warp_sum(sgx) / C;
+        bool first = row == r0 + warp;
         LN_REG_LOOP(p, C) {
-            float gv[VEC], out[VEC];
-            load_vec(gv, gamma + ln_reg_col(p));
+            int c = ln_reg_col(p);
+            float gv[VEC], out[VEC], ag[VEC], ab[VEC];
+            load_vec(gv, gamma + c);
+            if constexpr (REG_SUMS) {
+                for (int k = 0; k < VEC; k++) ag[k] = dg[p][k], ab[k] = db[p][k];
+            } else if (first) {
+                for (int k = 0; k < VEC; k++) ag[k] = ab[k] = 0.0f;
+            } else {
+                load_vec(ag, dg_sum + c);
+                load_vec(ab, db_sum + c);
+            }
             for (int k = 0; k < VEC; k++) {
                 float d = to_f(dv[p][k]), xhat = (to_f(xv[p][k]) - m) * r;
                 out[k] = to_f(ov[p][k]) + r * (d * gv[k] - mg - xhat * mgx);
-                dg[p][k] += d * xhat;
-                db[p][k] += d;
+                ag[k] += d * xhat;
+                ab[k] += d;
             }
-            store_vec(o + ln_reg_col(p), out);
+            store_vec(o + c, out);
+            if constexpr (REG_SUMS) {
+                for (int k = 0; k < VEC; k++) dg[p][k] = ag[k], db[p][k] = ab[k];
+            } else {
+                store_vec(dg_sum + c, ag);
+                store_vec(db_sum + c, ab);
+            }
         }
     }
-    LN_REG_LOOP(p, C) {
-        store_vec(col_sums[warp][0] + ln_reg_col(p), dg[p]);
-        store_vec(col_sums[warp][1] + ln_reg_col(p), db[p]);
+    if (REG_SUMS || r0 + warp >= r1) { /* the register sums, or a warp without rows: zeros */
+        LN_REG_LOOP(p, C) {
+            store_vec(dg_sum + ln_reg_col(p), dg[REG_SUMS ? p : 0]);
+            store_vec(db_sum + ln_reg_col(p), db[REG_SUMS ? p : 0]);
+        }
     }
     __syncthreads();
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
@@ -330,6 +360,24 @@ k_layernorm_bwd_regs(T* __restrict__ dx, float* __restrict__ partial, const T* _
         partial[(size_t)chunk * C + j] = sg;
         partial[(size_t)(n_chunks + chunk) * C + j] = sb;
     }
+}
+
+#define LN_BWD_REGS_ARGS                                                                                 \
+    T *__restrict__ dx, float *__restrict__ partial, const T *__restrict__ dout, const T *__restrict__ x, \
+        const float *__restrict__ gamma, const float *__restrict__ mean, const float *__restrict__ rstd, int N, \
+        int C, int rows_per_chunk
+
+/* Column sums in registers: at most 128 registers a thread, two blocks per multiprocessor. */
+template <typename T, int VEC, int PACKETS>
+__global__ void __launch_bounds__(32 * LN_WARPS, 2) k_layernorm_bwd_regs(LN_BWD_REGS_ARGS) {
+    ln_bwd_regs<T, VEC, PACKETS, true>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk);
+}
+
+/* Column sums in shared memory: at most 80 registers a thread, three blocks per multiprocessor (at four,
+ * 64 registers, the C = 768 kernel spills). */
+template <typename T, int VEC, int PACKETS>
+__global__ void __launch_bounds__(32 * LN_WARPS, 3) k_layernorm_bwd_regs_shared_sums(LN_BWD_REGS_ARGS) {
+    ln_bwd_regs<T, VEC, PACKETS, false>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk);
 }
 #endif
 
@@ -393,7 +441,7 @@ static void layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, con
     if (C <= LN_SLAB_COLS && packets <= LN_REG_PACKETS) {
         int rows_per_chunk = ln_rows_per_chunk(N, LN_BWD_REGS_CHUNKS);
         int n_chunks = (int)ceil_div(N, rows_per_chunk);
-        LN_LAUNCH_PACKETS(packed, packets, k_layernorm_bwd_regs, T, n_chunks, 32 * LN_WARPS, dx, scratch, dout, x,
+        LN_LAUNCH_PACKETS(packed, packets, LN_BWD_REGS_KERNEL, T, n_chunks, 32 * LN_WARPS, dx, scratch, dout, x,
                           gamma, mean, rstd, N, C, rows_per_chunk);
         layernorm_bwd_final(dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
         return;
