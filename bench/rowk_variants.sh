@@ -25,9 +25,12 @@ VARIANTS=(
     "ln_bwd2|-DLN_BWD_VARIANT=2"
     "ln_bwd3|-DLN_BWD_VARIANT=3"
     "loss1|-DLOSS_ROWS_VARIANT=1"
+    "loss2|-DLOSS_ROWS_VARIANT=2"
     "norm1|-DNORM_VARIANT=1"
-    "all1|-DLN_FWD_VARIANT=1 -DLN_BWD_VARIANT=1 -DLOSS_ROWS_VARIANT=1 -DNORM_VARIANT=1"
 )
+# The macros are independent (each selects kernels of one header), so a combination of variants is
+# timed kernel by kernel by the single variants; combinations are for the engine's A/B runs
+# (make KERNEL_VARIANTS="...", docs/BENCHMARKS.md).
 
 NVCC=${NVCC:-nvcc}
 ARCH=${GPU_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .')}

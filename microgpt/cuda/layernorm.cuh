@@ -222,6 +222,22 @@ __device__ __forceinline__ void ln_bwd_slab_row(T* o, float* dg_sum, float* db_s
     }
 }
 
+/* After the block's barrier: its warps' column sums (col_sums[warp][dgamma, dbeta][column]) added in
+ * warp order into the chunk's partial dgamma, partial[chunk][c], and dbeta, partial[n_chunks +
+ * chunk][c], for the slab's columns c = c0 .. c0 + width - 1. */
+__device__ __forceinline__ void ln_bwd_block_partials(float* partial, const float (*col_sums)[2][LN_SLAB_COLS],
+                                                      int chunk, int n_chunks, int C, int c0, int width) {
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+        float sg = 0.0f, sb = 0.0f;
+        for (int w = 0; w < LN_WARPS; w++) {
+            sg += col_sums[w][0][j];
+            sb += col_sums[w][1][j];
+        }
+        partial[(size_t)chunk * C + c0 + j] = sg;
+        partial[(size_t)(n_chunks + chunk) * C + c0 + j] = sb;
+    }
+}
+
 /* grid (column slabs, row chunks), LN_WARPS warps a block. Warp w takes rows r0 + w,
  * r0 + w + LN_WARPS, ... of the chunk: the row's means over all C columns, then dx over the slab's
  * columns, adding dout * xhat and dout into its own per-column sums in shared memory.
@@ -253,15 +269,7 @@ __global__ void k_layernorm_bwd(T* __restrict__ dx, float* __restrict__ partial,
                                 gamma + c0, m, r, mg, mgx, width);
     }
     __syncthreads();
-    for (int j = threadIdx.x; j < width; j += blockDim.x) {
-        float sg = 0.0f, sb = 0.0f;
-        for (int w = 0; w < LN_WARPS; w++) {
-            sg += col_sums[w][0][j];
-            sb += col_sums[w][1][j];
-        }
-        partial[(size_t)chunk * C + c0 + j] = sg;
-        partial[(size_t)(n_chunks + chunk) * C + c0 + j] = sb;
-    }
+    ln_bwd_block_partials(partial, col_sums, chunk, n_chunks, C, c0, width);
 }
 
 #if LN_BWD_VARIANT
@@ -351,15 +359,7 @@ __device__ __forceinline__ void ln_bwd_regs(T* __restrict__ dx, float* __restric
         }
     }
     __syncthreads();
-    for (int j = threadIdx.x; j < C; j += blockDim.x) {
-        float sg = 0.0f, sb = 0.0f;
-        for (int w = 0; w < LN_WARPS; w++) {
-            sg += col_sums[w][0][j];
-            sb += col_sums[w][1][j];
-        }
-        partial[(size_t)chunk * C + j] = sg;
-        partial[(size_t)(n_chunks + chunk) * C + j] = sb;
-    }
+    ln_bwd_block_partials(partial, col_sums, chunk, n_chunks, C, 0, C);
 }
 
 #define LN_BWD_REGS_ARGS                                                                                 \
