@@ -2,19 +2,22 @@
 (docs/DESIGN.md §9).
 
     python3 bench/bench.py [--models 12M,120M] [--precisions bf16] [--torch-modes eager,compile,reduce-overhead]
-                           [--steps 200] [--warmup 10] [--out DIR] [--results FILE]
+                           [--torch-fp8-modes reduce-overhead] [--steps 200] [--warmup 10] [--out DIR]
+                           [--results FILE]
     python3 bench/bench.py --loss-check [--data GLOB --val GLOB]
 
 First one large bf16 product measures the GPU's matmul rate (bench/matmul_peak.py), the ceiling
 of the MFU column. Then, for each model and engine precision, it runs build/microgpt_cuda and the
 PyTorch baselines of that precision (bench/torch_gpt.py), each in its own process: for 16-bit
 engine rows bf16 autocast in every --torch-modes mode (torch.compile's default mode, with CUDA
-graphs, max-autotune, or eager), for tf32/fp32 rows fp32 eager with TF32. It reports median
-ms/step after warm-up, tokens/s, MFU, device memory, the engine's throughput over the FASTEST
-PyTorch run of its baseline, the targets, and whether they reached the same loss. The table is
-printed last; the run is appended as one JSON line to bench/results.jsonl. Method and columns:
-docs/BENCHMARKS.md. A failing run is reported in its row; the others still run. Exit status: 0
-when every run finished and every loss check passed, 1 otherwise, 2 for bad input.
+graphs, max-autotune, or eager), for fp8 rows torchao's float8 training in every --torch-fp8-modes
+mode and the bf16 runs, for tf32/fp32 rows fp32 eager with TF32. It reports median ms/step after
+warm-up, tokens/s, MFU, device memory, the engine's throughput over the FASTEST PyTorch run of its
+precision (and, for fp8 rows, over the fastest bf16 one), the targets, and whether they reached
+the same loss. The table is printed last; the run is appended as one JSON line to
+bench/results.jsonl. Method and columns: docs/BENCHMARKS.md. A failing run is reported in its row;
+the others still run. Exit status: 0 when every run finished and every loss check passed, 1
+otherwise, 2 for bad input.
 """
 import argparse
 import json
@@ -48,20 +51,25 @@ TORCH_MODES = {"eager": "none", "compile": "default", "reduce-overhead": "reduce
                "max-autotune": "max-autotune"}
 FP32_BASELINE = ("fp32", "eager")
 
-# Targets per (model, engine precision), against the fastest PyTorch run of the row's baseline:
-# step time, throughput ratio, MFU. tf32 rows (the engine's fp32 storage with TF32 products, as
-# PyTorch's fp32 baseline): ratio >= 1.0. Strict fp32 rows have no target.
+# Targets per (model, engine precision): step time; throughput ratio and MFU against the fastest
+# PyTorch run of the row's own precision; step time no longer than the engine's row of another
+# precision in the same run (max_ms_of_engine). tf32 rows (the engine's fp32 storage with TF32
+# products, as PyTorch's fp32 baseline): ratio >= 1.0. Strict fp32 rows have no target.
 TARGETS = {("120M", "bf16"): {"max_ms": 14.0, "min_ratio": 1.3, "min_mfu": 0.60},
-           ("12M", "bf16"): {"max_ms": 1.4, "min_ratio": 2.3}}
+           ("12M", "bf16"): {"max_ms": 1.4, "min_ratio": 2.3},
+           ("120M", "fp8"): {"max_ms": 12.5},
+           ("12M", "fp8"): {"max_ms_of_engine": "bf16"}}
 TF32_TARGET = {"min_ratio": 1.0}
 MEMORY_TARGET_MODELS = {"120M"}   # engine device memory <= the fastest PyTorch's, constant over the run
 
 
-def baselines(precision, torch_modes):
-    """The PyTorch runs an engine precision is compared against: [(torch precision, mode)]."""
+def baselines(precision, torch_modes, fp8_modes=()):
+    """The PyTorch runs an engine precision is compared against: [(torch precision, mode)], those of
+    the row's own precision first (fp8 rows: torchao's float8 runs, then the bf16 runs)."""
     if precision in ("fp32", "tf32"):
         return [FP32_BASELINE]
-    return [("bf16", mode) for mode in torch_modes]
+    bf16 = [("bf16", mode) for mode in torch_modes]
+    return [("fp8", mode) for mode in fp8_modes] + bf16 if precision == "fp8" else bf16
 
 
 # -----------------------------------------------------------------------------
@@ -222,7 +230,8 @@ def summarize(records, warmup, last, tokens_per_step):
     dev = [r["bytes"] for r in records if r.get("event") == "device_memory"]
     plan = next((r["total_bytes"] for r in records if r.get("event") == "memory"), None)
     tmem = next((r for r in records if r.get("event") == "torch_memory"), {})
-    return {"torch_version": start.get("torch"), "torch_cuda": start.get("torch_cuda"), "steps": len(steps), "ms_per_step": ms, "tokens_per_s": tokens_per_step / (ms / 1000.0),
+    return {"torch_version": start.get("torch"), "torch_cuda": start.get("torch_cuda"),
+            "torchao_version": start.get("torchao"), "steps": len(steps), "ms_per_step": ms, "tokens_per_s": tokens_per_step / (ms / 1000.0),
             "loss_last": statistics.fmean(r["loss"] for r in steps[-last:]), "val_loss": val[-1] if val else None,
             "device_memory": max(dev) if dev else None, "memory_constant": len(set(dev)) == 1 if dev else None,
             "plan_bytes": plan, "peak_allocated": tmem.get("peak_allocated"),
@@ -337,20 +346,41 @@ def loss_checks(engine, torch_runs, tol, real):
     return status, diffs or None
 
 
-def fastest(runs):
-    done = [r for r in runs if not r.get("error")]
+def fastest(runs, precision=None):
+    """The fastest run that finished (of that PyTorch precision, when given), else None."""
+    done = [r for r in runs if not r.get("error") and (precision is None or r["precision"] == precision)]
     return max(done, key=lambda r: r["tokens_per_s"]) if done else None
 
 
-def targets(model, precision, engine, baseline):
-    """Each target that applies to the row: {name: (met, detail)}; baseline: the fastest PyTorch run."""
+def ratio_to(engine, baseline):
+    """Engine tokens/s over the baseline's; None when either did not finish."""
     if engine.get("error") or baseline is None:
+        return None
+    return engine["tokens_per_s"] / baseline["tokens_per_s"]
+
+
+def targets(model, precision, engine, baseline, engine_rows=None):
+    """Each target that applies to the row: {name: (met, detail)}, met None where it could not be
+    measured in this run; baseline: the fastest PyTorch run of the row's precision (None: none
+    finished, and the targets against PyTorch are left out); engine_rows: {precision: engine run}
+    of the same model and run."""
+    if engine.get("error"):
         return {}
     spec = TF32_TARGET if precision == "tf32" else TARGETS.get((model, precision), {})
     out = {}
-    ratio = engine["tokens_per_s"] / baseline["tokens_per_s"]
     if "max_ms" in spec:
         out[f"ms/step <= {spec['max_ms']}"] = (engine["ms_per_step"] <= spec["max_ms"], f"{engine['ms_per_step']:.2f}")
+    if "max_ms_of_engine" in spec:
+        other = (engine_rows or {}).get(spec["max_ms_of_engine"])
+        name = f"ms/step <= engine {spec['max_ms_of_engine']}"
+        if other is None or other.get("error"):
+            out[name] = (None, f"no engine {spec['max_ms_of_engine']} row finished in this run")
+        else:
+            out[name] = (engine["ms_per_step"] <= other["ms_per_step"],
+                         f"{engine['ms_per_step']:.2f} vs {other['ms_per_step']:.2f}")
+    if baseline is None:
+        return out
+    ratio = ratio_to(engine, baseline)
     if "min_ratio" in spec:
         out[f"tokens/s >= {spec['min_ratio']}x"] = (ratio >= spec["min_ratio"], f"{ratio:.2f}x")
     if "min_mfu" in spec and engine.get("mfu") is not None:
@@ -365,7 +395,7 @@ def targets(model, precision, engine, baseline):
 
 
 def run_label(r):
-    """'engine bf16', 'torch bf16 reduce-overhead', 'torch fp32 eager'."""
+    """'engine bf16', 'torch bf16 reduce-overhead', 'torch fp8 reduce-overhead' (torchao), 'torch fp32 eager'."""
     return f"{r['side']} {r['precision']}" + (f" {r['mode']}" if r["side"] == "torch" else "")
 
 
@@ -388,11 +418,12 @@ def run_model(model, args, matmul_tflops):
         runs.append(run)
         return run
 
+    engines = {}
     for precision in args.precisions:
         overrides = run_overrides(cfg, args, precision, data)
-        engine = measured(run_side(f"engine-{model}-{precision}", engine_command(cfg, overrides, args.engine),
-                                   args, tokens_per_step, args.timeout), side="engine", precision=precision)
-        for key in baselines(precision, args.torch_modes):
+        engines[precision] = measured(run_side(f"engine-{model}-{precision}", engine_command(cfg, overrides, args.engine),
+                                               args, tokens_per_step, args.timeout), side="engine", precision=precision)
+        for key in baselines(precision, args.torch_modes, args.torch_fp8_modes):
             if key not in torch_runs:
                 torch_prec, mode = key
                 timeout = args.autotune_timeout if mode == "max-autotune" else args.timeout
@@ -401,15 +432,26 @@ def run_model(model, args, matmul_tflops):
                                                                   args.device),
                                                     args, tokens_per_step, timeout),
                                            side="torch", precision=torch_prec, mode=mode)
-        family = [torch_runs[key] for key in baselines(precision, args.torch_modes)]
-        baseline = fastest(family)
-        check, diffs = loss_checks(engine, family, args.tol, data["real"])
-        ratio = None if engine.get("error") or baseline is None else engine["tokens_per_s"] / baseline["tokens_per_s"]
-        comparisons.append({"model": model, "precision": precision, "data": "real" if data["real"] else "synthetic",
-                            "baseline": baseline and run_label(baseline), "ratio": ratio,
-                            "loss_check": check, "loss_diffs": diffs,
-                            "targets": targets(model, precision, engine, baseline)})
+    for precision, engine in engines.items():   # after every run: a target may compare two engine rows
+        comparisons.append(compare(model, precision, engine, engines, torch_runs, args, data["real"]))
     return runs, comparisons
+
+
+def compare(model, precision, engine, engines, torch_runs, args, real):
+    """The comparison of one engine row: its ratio to the fastest PyTorch run of its own precision
+    (fp8 rows: also to the fastest bf16 one), the loss check against every PyTorch run it is
+    compared with, and its targets."""
+    keys = baselines(precision, args.torch_modes, args.torch_fp8_modes)
+    family = [torch_runs[key] for key in keys]
+    baseline = fastest(family, keys[0][0])
+    check, diffs = loss_checks(engine, family, args.tol, real)
+    c = {"model": model, "precision": precision, "data": "real" if real else "synthetic",
+         "baseline": baseline and run_label(baseline), "ratio": ratio_to(engine, baseline),
+         "loss_check": check, "loss_diffs": diffs, "targets": targets(model, precision, engine, baseline, engines)}
+    if precision == "fp8":
+        bf16 = fastest(family, "bf16")
+        c.update(bf16_baseline=bf16 and run_label(bf16), bf16_ratio=ratio_to(engine, bf16))
+    return c
 
 
 # -----------------------------------------------------------------------------
@@ -436,12 +478,25 @@ def table_rows(record):
     for r in record["runs"]:
         c = by_engine.get((r["model"], r["precision"])) if r["side"] == "engine" else None
         ms = f"error: {r['error']}" if r.get("error") else fmt(r.get("ms_per_step"), ".2f")
-        vs = "-" if c is None or c["ratio"] is None else f"{c['ratio']:.2f}x ({c['baseline'].split(' ', 2)[-1]})"
-        goals = "; ".join(f"{k}: {'met' if ok else 'MISSED'} ({d})" for k, (ok, d) in c["targets"].items()) if c else ""
+        goals = "; ".join(f"{k}: {TARGET_WORDS[ok]} ({d})" for k, (ok, d) in c["targets"].items()) if c else ""
         rows.append([r["model"], run_label(r), ms, fmt(r.get("tokens_per_s"), ",.0f"), fmt(r.get("mfu"), ".1%"),
                      fmt(r.get("device_gib"), ".2f"), fmt(r.get("sm_mhz"), ".0f"), fmt(r.get("power_w"), ".0f"),
-                     fmt(r.get("loss_last"), ".3f"), vs, check_cell(c) if c else "-", goals or "-"])
+                     fmt(r.get("loss_last"), ".3f"), vs_cell(c) if c else "-", check_cell(c) if c else "-",
+                     goals or "-"])
     return rows
+
+
+TARGET_WORDS = {True: "met", False: "MISSED", None: "not measured"}
+
+
+def vs_cell(c):
+    """e.g. '1.98x (reduce-overhead)'; an fp8 row: '1.30x (torchao reduce-overhead); 1.10x (bf16 reduce-overhead)'."""
+    def one(ratio, label, prefix):
+        return None if ratio is None else f"{ratio:.2f}x ({prefix}{label.split(' ', 2)[-1]})"
+    if c["precision"] != "fp8":
+        return one(c["ratio"], c["baseline"], "") or "-"
+    cells = [one(c["ratio"], c["baseline"], "torchao "), one(c.get("bf16_ratio"), c.get("bf16_baseline"), "bf16 ")]
+    return "; ".join(x for x in cells if x) or "-"
 
 
 def check_cell(c):
@@ -454,8 +509,9 @@ def heading(record):
     matmul = record["matmul"]
     rate = f"{matmul['tflops']:.0f} TFLOP/s" if "tflops" in matmul else matmul.get("error", "-")
     dirty = {True: " + uncommitted changes", False: "", None: ""}[record["dirty"]]
+    torchao = f" · torchao {record['torchao']}" if record.get("torchao") else ""
     return (f"{record['date']} · {record['gpu'] or 'no GPU visible'}, driver {record['driver'] or '-'} · "
-            f"commit {record['commit'] or 'unknown'}{dirty} · torch {record['torch'] or '-'} · bf16 matmul {rate} · "
+            f"commit {record['commit'] or 'unknown'}{dirty} · torch {record['torch'] or '-'}{torchao} · bf16 matmul {rate} · "
             f"{record['steps']} steps, median after {record['warmup']} warm-up")
 
 
@@ -486,9 +542,11 @@ RECORD_RUN_KEYS = ("model", "side", "precision", "mode", "error", "steps", "ms_p
 def results_record(args, matmul, runs, comparisons):
     """The run as one results-file record (docs/BENCHMARKS.md, "The results file")."""
     versions = [r for r in runs if r.get("torch_version")]
+    torchao = [r["torchao_version"] for r in runs if r.get("torchao_version")]
     record = {"kind": "train", "source": "bench/bench.py", **environment(),
               "torch": versions[0]["torch_version"] if versions else None,
               "torch_cuda": versions[0].get("torch_cuda") if versions else None,
+              "torchao": torchao[0] if torchao else None,
               "matmul": {k: matmul[k] for k in ("tflops", "tflops_max", "n", "reps", "error") if k in matmul},
               "steps": args.steps, "warmup": args.warmup, "runs": [], "comparisons": comparisons}
     for r in runs:
@@ -508,6 +566,8 @@ def parse_args(argv):
     p.add_argument("--torch-modes", default="eager,compile,reduce-overhead",
                    help="PyTorch bf16 baselines, comma-separated: " + ", ".join(TORCH_MODES) +
                    " (max-autotune compiles for minutes)")
+    p.add_argument("--torch-fp8-modes", default="reduce-overhead",
+                   help="PyTorch fp8 (torchao float8) baselines of fp8 rows, comma-separated, same modes")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the timing median")
     p.add_argument("--last", type=int, default=20, help="steps whose mean train loss is compared")
@@ -529,14 +589,15 @@ def parse_args(argv):
     args.models = [m for m in args.models.split(",") if m]
     args.precisions = [x for x in args.precisions.split(",") if x]
     args.torch_modes = [x for x in args.torch_modes.split(",") if x]
+    args.torch_fp8_modes = [x for x in args.torch_fp8_modes.split(",") if x]
     for prec in args.precisions:
         if prec not in PRECISIONS:
             raise BenchError(f"unknown precision '{prec}' ({', '.join(PRECISIONS)})")
-    for mode in args.torch_modes:
+    for mode in args.torch_modes + args.torch_fp8_modes:
         if mode not in TORCH_MODES:
             raise BenchError(f"unknown PyTorch mode '{mode}' ({', '.join(TORCH_MODES)})")
-    if not args.models or not args.precisions or not args.torch_modes:
-        raise BenchError("--models, --precisions and --torch-modes need at least one entry each")
+    if not args.models or not args.precisions or not args.torch_modes or not args.torch_fp8_modes:
+        raise BenchError("--models, --precisions, --torch-modes and --torch-fp8-modes need at least one entry each")
     if args.warmup < 0 or args.last < 1 or args.steps <= max(args.warmup, args.last - 1):
         raise BenchError("need --steps > --warmup and >= --last")
     args.engine = repo_path(args.engine)

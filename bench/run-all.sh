@@ -5,10 +5,13 @@
 #
 # Stages, each logged to $OUT/<stage>.log (stdout and stderr together); with no STAGE, all three:
 #   build   nvidia-smi, nvcc, `make` (CPU and CUDA engines for this GPU)
-#   train   bench/bench.py: ANDREA-12M and ANDREA-120M, bf16, the engine against PyTorch eager,
-#           compiled (default mode) and compiled with CUDA graphs (reduce-overhead), 200 steps, the bf16
-#           matmul rate for the MFU column; real text when data/megachat is there (loss check),
-#           else random tokens. BENCH_ARGS adds options, e.g.
+#   train   bench/bench.py: ANDREA-12M and ANDREA-120M, the engine in bf16 and fp8 against PyTorch
+#           bf16 eager, compiled (default mode) and compiled with CUDA graphs (reduce-overhead), and
+#           against torchao's float8 training compiled with CUDA graphs (the fp8 rows' baseline;
+#           torchao imported from PYTHONPATH or site-packages, its row an error where it is missing),
+#           200 steps, the bf16 matmul rate for the MFU column; real text when data/megachat is
+#           there (loss check), else random tokens. BENCH_ARGS adds options (a repeated option
+#           replaces the default), e.g. BENCH_ARGS="--precisions bf16" (no fp8 rows), or
 #           BENCH_ARGS="--torch-modes eager,compile,reduce-overhead,max-autotune" (adds minutes)
 #   decode  bench/decode_bench.py: both models, batch 1 and 8, 128 prompt + 256 new tokens, the
 #           engine's --generate against transformers' generate (needs scripts/export-hf.py)
@@ -16,8 +19,8 @@
 # it to $OUT/<stage>/record.jsonl too; $OUT/results-new.jsonl collects them, to be appended to
 # bench/results.jsonl of the repository. The tables are at the end of $OUT/train.log and
 # $OUT/decode.log. Exit status 1 if any stage failed, 2 for an unknown stage.
-# Estimated on an H200: build 1-2 min, train 4-6 min, decode 1-3 min; a command limited to 10
-# minutes should run `build train` and then `decode`.
+# Estimated on an H200: build 1-2 min, train 5-7 min (the two torchao runs compile for about a
+# minute each), decode 1-3 min; a command limited to 10 minutes runs `build train`, then `decode`.
 # shellcheck disable=SC2317  # stage functions are called indirectly, through run_stage
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -38,7 +41,7 @@ stage_build() {
 
 stage_train() {
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
-    timeout -k 10 560 "$PY" bench/bench.py --out "$OUT/train" ${BENCH_ARGS:-}
+    timeout -k 10 560 "$PY" bench/bench.py --out "$OUT/train" --precisions bf16,fp8 ${BENCH_ARGS:-}
 }
 
 stage_decode() {

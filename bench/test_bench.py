@@ -66,11 +66,13 @@ def test_each_pytorch_mode_is_its_compile_flag_and_a_cpu_dry_run_stays_eager():
 
 
 def test_unknown_modes_and_precisions_are_refused():
-    for argv in (["--torch-modes", "compile,turbo"], ["--precisions", "bf17"], ["--torch-modes", ""]):
+    for argv in (["--torch-modes", "compile,turbo"], ["--precisions", "bf17"], ["--torch-modes", ""],
+                 ["--torch-fp8-modes", "turbo"], ["--torch-fp8-modes", ""]):
         with pytest.raises(BenchError):
             bench.parse_args(argv)
     args = bench.parse_args([])
     assert args.precisions == ["bf16"] and args.torch_modes == ["eager", "compile", "reduce-overhead"]
+    assert args.torch_fp8_modes == ["reduce-overhead"]
     assert args.results == results.RESULTS_FILE and bench.parse_args(["--device", "cpu"]).results is None
     assert bench.parse_args(["--no-record"]).results is None
 
@@ -143,7 +145,10 @@ def test_the_denominator_is_the_fastest_pytorch_run_that_finished():
     assert bench.fastest(runs) is runs[1]
     assert bench.fastest([side(0, error="x")]) is None
     assert bench.baselines("bf16", ["compile", "reduce-overhead"]) == [("bf16", "compile"), ("bf16", "reduce-overhead")]
-    assert bench.baselines("fp16", ["eager"]) == [("bf16", "eager")]
+    assert bench.baselines("fp16", ["eager"], ["reduce-overhead"]) == [("bf16", "eager")]
+    # fp8 rows: torchao's float8 runs first (the ratio's denominator), then the bf16 runs
+    assert bench.baselines("fp8", ["eager", "compile"], ["reduce-overhead"]) == [
+        ("fp8", "reduce-overhead"), ("bf16", "eager"), ("bf16", "compile")]
     assert bench.baselines("tf32", ["compile"]) == bench.baselines("fp32", []) == [("fp32", "eager")]
 
 
@@ -163,7 +168,45 @@ def test_targets_follow_the_issue():
     assert not bench.targets("120M", "tf32", side(0, tok=999), side(0, tok=1000))["tokens/s >= 1.0x"][0]
     assert bench.targets("12M", "fp32", side(0, tok=1000), side(0, tok=1000)) == {}  # strict fp32: no target
     assert bench.targets("12M", "bf16", side(0, error="boom"), side(0)) == {}
-    assert bench.targets("12M", "bf16", side(0), None) == {}   # no PyTorch run finished
+    # no PyTorch run finished: only the targets that do not depend on one
+    assert bench.targets("12M", "bf16", side(0, ms=1.3), None) == {"ms/step <= 1.4": (True, "1.30")}
+
+
+def test_the_fastest_run_of_a_precision_is_chosen_among_mixed_runs():
+    runs = [dict(side(0, tok=900), precision="fp8"), dict(side(0, tok=1200), precision="bf16"),
+            dict(side(0, tok=1000), precision="fp8"), dict(side(0, tok=2000, error="x"), precision="fp8")]
+    assert bench.fastest(runs, "fp8") is runs[2] and bench.fastest(runs, "bf16") is runs[1]
+    assert bench.fastest(runs) is runs[1] and bench.fastest(runs, "fp32") is None
+    assert bench.ratio_to(side(0, tok=1500), runs[2]) == 1.5
+    assert bench.ratio_to(side(0, error="x"), runs[2]) is None and bench.ratio_to(side(0), None) is None
+
+
+def test_fp8_targets_follow_the_issue():
+    # ANDREA-120M fp8: at most 12.5 ms/step, whatever PyTorch did
+    assert bench.targets("120M", "fp8", side(0, ms=12.5), None) == {"ms/step <= 12.5": (True, "12.50")}
+    assert bench.targets("120M", "fp8", side(0, ms=12.6), side(0)) == {"ms/step <= 12.5": (False, "12.60")}
+    # ANDREA-12M fp8: no slower than the engine's bf16 row of the same run
+    bf16 = side(0, ms=1.86)
+    assert bench.targets("12M", "fp8", side(0, ms=1.86), None, {"bf16": bf16}) == {
+        "ms/step <= engine bf16": (True, "1.86 vs 1.86")}
+    assert bench.targets("12M", "fp8", side(0, ms=2.91), side(0), {"bf16": bf16}) == {
+        "ms/step <= engine bf16": (False, "2.91 vs 1.86")}
+    for rows in ({}, {"bf16": side(0, error="boom")}):   # not measured: neither met nor missed
+        assert bench.targets("12M", "fp8", side(0, ms=1.0), None, rows) == {
+            "ms/step <= engine bf16": (None, "no engine bf16 row finished in this run")}
+
+
+def test_fp8_rows_show_both_ratios_and_unmeasured_targets():
+    record = {"runs": [{"model": "12M", "side": "engine", "precision": "fp8", "ms_per_step": 2.0}],
+              "comparisons": [{"model": "12M", "precision": "fp8", "baseline": "torch fp8 reduce-overhead",
+                               "ratio": 1.5, "bf16_baseline": "torch bf16 reduce-overhead", "bf16_ratio": 1.25,
+                               "loss_check": "PASS", "loss_diffs": None,
+                               "targets": {"ms/step <= engine bf16": (None, "no engine bf16 row finished")}}]}
+    [row] = bench.table_rows(record)
+    assert row[9] == "1.50x (torchao reduce-overhead); 1.25x (bf16 reduce-overhead)"
+    assert row[11] == "ms/step <= engine bf16: not measured (no engine bf16 row finished)"
+    record["comparisons"][0].update(ratio=None, baseline=None)           # torchao missing: bf16 only
+    assert bench.table_rows(record)[0][9] == "1.25x (bf16 reduce-overhead)"
 
 
 # ----------------------------------------------------------------------------- FLOPs and MFU
@@ -270,31 +313,39 @@ STANDIN = """#!/usr/bin/env python3
 import json, sys
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 steps = int(args["--train.steps"])
+ms = 1.5 if args["--train.precision"] == "fp8" else 2.0
 print(json.dumps({"event": "start", "tokens_per_step": 8 * 16}))
 for s in range(steps):
-    print(json.dumps({"step": s + 1, "loss": 4.0 - s / steps, "ms": 2.0}))
+    print(json.dumps({"step": s + 1, "loss": 4.0 - s / steps, "ms": ms}))
 print(json.dumps({"step": steps, "val_loss": 3.5}))
 """
 
 
-def test_a_whole_run_reports_every_row_even_when_a_side_fails(tmp_path):
+def standin_run(tmp_path, name, d_model, *options):
+    """bench.py, 30 steps on the CPU, with the stand-in engine and a tiny config named `name`:
+    (its output, the one record it appended to the results file)."""
     engine = tmp_path / "engine"
     engine.write_text(STANDIN)
     engine.chmod(0o755)
     from microgpt.shards import write_shard
     write_shard(str(tmp_path / "train.bin"), list(range(100)) * 10)
-    cfg = dict(CFG, name="tiny", model={"n_layer": 1, "d_model": 8, "n_head": 2, "seq_len": 16, "vocab_size": 100},
+    cfg = dict(CFG, name=name, model={"n_layer": 1, "d_model": d_model, "n_head": 2, "seq_len": 16, "vocab_size": 100},
                data={"train": str(tmp_path / "train.bin")})
-    (tmp_path / "tiny.json").write_text(json.dumps(cfg))
+    (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
     record_file = tmp_path / "results.jsonl"
-    out = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--models", str(tmp_path / "tiny.json"),
-                          "--precisions", "bf16,tf32", "--torch-modes", "eager,compile", "--steps", "30",
-                          "--engine", str(engine), "--device", "cpu", "--out", str(tmp_path / "out"),
-                          "--results", str(record_file)],
+    out = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--models", str(tmp_path / f"{name}.json"),
+                          *options, "--steps", "30", "--engine", str(engine), "--device", "cpu",
+                          "--out", str(tmp_path / "out"), "--results", str(record_file)],
                          capture_output=True, text=True, timeout=300, env=python_env())
+    [record] = results.read_records(str(record_file))
+    return out, record
+
+
+def test_a_whole_run_reports_every_row_even_when_a_side_fails(tmp_path):
+    out, record = standin_run(tmp_path, "tiny", 8, "--precisions", "bf16,tf32", "--torch-modes", "eager,compile")
     # the PyTorch side fails where torch is missing; where it runs, the stand-in's loss is not its loss
     assert out.returncode == 1, out.stderr
-    [record] = results.read_records(str(record_file))
+    record_file = tmp_path / "results.jsonl"
     assert (tmp_path / "out" / "record.jsonl").read_text() == record_file.read_text()
     assert record["kind"] == "train" and record["steps"] == 30 and record["matmul"]["error"].startswith("not measured")
     labels = [bench.run_label(r) for r in record["runs"]]
@@ -326,3 +377,28 @@ def test_recorded_runs_are_shown_as_the_docs_print_them(tmp_path):
     assert "| 120M | engine bf16 | 17.22 | 475,591 | - | 5.70 | 1815 | 690 | 4.987 | 1.24x (compile) |" in out.stdout
     missing = subprocess.run(show + ["1999"], capture_output=True, text=True, timeout=60, env=python_env())
     assert missing.returncode == 1 and "no record" in missing.stderr
+
+
+def test_a_whole_run_with_fp8_rows_marks_the_fp8_targets(tmp_path):
+    """The engine in bf16 and fp8 (the stand-in's fp8 is faster); torchao's row is a PyTorch run of
+    its own (an error where torch or torchao is missing), and ANDREA-12M's fp8 target compares the
+    two engine rows whatever PyTorch did."""
+    out, record = standin_run(tmp_path, "12M", 16, "--precisions", "fp8,bf16", "--torch-modes", "eager")
+    assert out.returncode == 1, out.stderr     # a PyTorch side fails (no torch, no torchao, or no CUDA for fp8)
+    labels = [bench.run_label(r) for r in record["runs"]]
+    assert labels == ["engine fp8", "torch fp8 reduce-overhead", "torch bf16 eager", "engine bf16"]
+    torch_fp8 = record["runs"][1]
+    assert torch_fp8["error"]                   # fp8 in PyTorch needs torchao and a CUDA device
+    fp8, bf16 = record["comparisons"]
+    assert fp8["precision"] == "fp8" and fp8["ratio"] is None and fp8["baseline"] is None
+    assert fp8["targets"] == {"ms/step <= engine bf16": [True, "1.50 vs 2.00"]}
+    assert bf16["targets"]["ms/step <= 1.4"] == [False, "2.00"]
+    assert "bf16_ratio" in fp8 and "bf16_ratio" not in bf16
+    table = out.stdout.splitlines()
+    assert "ms/step <= engine bf16: met (1.50 vs 2.00)" in table[2]
+    assert "torch fp8 reduce-overhead  error:" in out.stdout
+    shown = subprocess.run([sys.executable, os.path.join(HERE, "results.py"), "--file", str(tmp_path / "results.jsonl")],
+                           capture_output=True, text=True, timeout=60, env=python_env())
+    assert shown.returncode == 0, shown.stderr
+    assert "| 12M | engine fp8 | 1.50 |" in shown.stdout and "| 12M | torch fp8 reduce-overhead | error: " in shown.stdout
+    assert "ms/step <= engine bf16: met (1.50 vs 2.00)" in shown.stdout

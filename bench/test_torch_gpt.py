@@ -203,7 +203,7 @@ def test_short_fp32_run_follows_cpu_engine(engine_run):
     cfg, path, run = engine_run
     engine = [r for r in run() if "loss" in r]
     out = subprocess.run([sys.executable, os.path.join(HERE, "torch_gpt.py"), str(path), "--device", "cpu",
-                          "--precision", "fp32"], capture_output=True, text=True, timeout=120)
+                          "--precision", "fp32"], capture_output=True, text=True, timeout=120, env=python_env())
     assert out.returncode == 0, out.stderr
     mine = [json.loads(line) for line in out.stdout.splitlines() if '"loss"' in line]
     assert len(mine) == len(engine) == cfg["train"]["steps"]
@@ -239,6 +239,50 @@ def test_compiled_modes_train_as_eager_does(engine_run, mode):
     eager, compiled = losses("none"), losses(mode)
     assert len(compiled) == len(eager) == 12
     np.testing.assert_allclose(compiled, eager, rtol=2e-2)   # bf16 autocast: fused kernels round differently
+
+
+def torchao_importable():
+    import importlib.util
+    return importlib.util.find_spec("torchao") is not None
+
+
+@pytest.mark.skipif(torchao_importable(), reason="torchao is installed: its absence cannot be checked here")
+def test_fp8_without_torchao_is_one_error_line(engine_run):
+    import subprocess
+    _, path, _ = engine_run
+    out = subprocess.run([sys.executable, os.path.join(HERE, "torch_gpt.py"), str(path), "--device", "cpu",
+                          "--precision", "fp8"], capture_output=True, text=True, timeout=120, env=python_env())
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("error: --precision fp8 needs torchao") and out.stderr.count("\n") == 1
+
+
+def fp8_capable():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_capable() or not torchao_importable(),
+                    reason="needs torchao and a GPU with FP8 tensor cores (compute capability 8.9+)")
+def test_torchao_fp8_trains_as_bf16_does_with_cuda_graphs(engine_run):
+    """The fp8 baseline of the benchmark: torchao's float8 products, compiled with CUDA graphs, follow
+    bf16 eager's loss on the tiny run (E4M3/E5M2 rounding: a looser tolerance than the compiled bf16
+    modes' 2e-2) and the start record names torchao's version."""
+    import subprocess
+    _, path, _ = engine_run
+
+    def run(precision, compile_mode):
+        out = subprocess.run([sys.executable, os.path.join(HERE, "torch_gpt.py"), str(path), "--device", "cuda",
+                              "--precision", precision, "--compile", compile_mode], capture_output=True, text=True,
+                             timeout=600, env=python_env())
+        assert out.returncode == 0, out.stderr
+        return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+    fp8 = run("fp8", "reduce-overhead")
+    assert fp8[0]["precision"] == "fp8" and fp8[0]["torchao"] and fp8[0]["compile"] == "reduce-overhead"
+    bf16 = [r["loss"] for r in run("bf16", "none") if "loss" in r]
+    fp8 = [r["loss"] for r in fp8 if "loss" in r]
+    assert len(fp8) == len(bf16) == 12
+    np.testing.assert_allclose(fp8, bf16, rtol=5e-2)
 
 
 @needs_cuda

@@ -11,13 +11,19 @@ counter-based generator, bench/engine_rng.py), optimizer, schedule and clipping 
                          max-autotune    reduce-overhead plus autotuned product kernels (compiling
                                          takes minutes)
                          none            eager
+    --precision fp8    bf16 with the blocks' linear layers (QKV, attention output, MLP up and down)
+                       trained in float8 by torchao (convert_to_float8_training, tensorwise scaling:
+                       E4M3 weights and activations, E5M2 gradients, a dynamic scale per tensor), the
+                       classifier in bf16 as the engine's fp8 mode keeps it; --compile as for bf16.
+                       torchao is imported as it is installed (not in requirements.txt: it needs a
+                       CUDA torch); where it is missing this precision stops with one error line.
     --precision fp32   eager fp32 with TF32 matmuls allowed, fused AdamW
 
 It prints the engine's stdout format (docs/DESIGN.md §3.8), so bench.py reads both the same way:
 step records {"step","loss","lr","grad_norm","ms","tokens_per_s","tokens"}, {"step","val_loss"},
 {"event":"device_memory",...} at the first and last step, and a final {"event":"torch_memory",...}.
 
-    python3 bench/torch_gpt.py [12M|120M|CONFIG] [--precision bf16|fp32] [--compile MODE] [--steps N]
+    python3 bench/torch_gpt.py [12M|120M|CONFIG] [--precision bf16|fp8|fp32] [--compile MODE] [--steps N]
                                [--data GLOB] [--val GLOB] [--device cuda|cpu] [--model.n_layer N ...]
 """
 import argparse
@@ -178,12 +184,15 @@ def to_device(a, device):
     return torch.from_numpy(a).to(device)
 
 
+AUTOCAST_PRECISIONS = ("bf16", "fp8")   # bf16 autocast around the model; fp8 adds torchao's float8 products
+
+
 def setup_precision(precision, device):
     """Global switches for the mode; returns the autocast context factory."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True     # the "PyTorch fp32 (tf32)" baseline of the targets
         torch.backends.cudnn.allow_tf32 = True
-    if precision == "bf16":
+    if precision in AUTOCAST_PRECISIONS:
         if device.type == "cuda":
             # flash attention only, so a silent fallback to another SDPA kernel is an error instead
             torch.backends.cuda.enable_math_sdp(False)
@@ -237,6 +246,22 @@ def train_step(model, opt, batches, lr, grad_clip, autocast):
     return loss_sum / len(batches), norm
 
 
+def float8_training(model):
+    """torchao's float8 training on every nn.Linear of the model (the blocks' four products; the
+    classifier is F.linear on the tied embedding, so it stays bf16, as torchao's documentation
+    advises for the last layer and as the engine's fp8 mode does). Tensorwise recipe: each operand
+    cast with a dynamic per-tensor scale from its amax, E4M3 forward, E5M2 gradients. Returns
+    torchao's version."""
+    try:
+        import torchao
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise BenchError(f"--precision fp8 needs torchao's float8 training, which is not importable here ({e}); "
+                         "install torchao matching this torch (docs/BENCHMARKS.md)") from None
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    return torchao.__version__
+
+
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")   # torch.compile modes that replay CUDA graphs
 
@@ -275,7 +300,8 @@ def train(cfg, args):
     val_data = Windows(args.val, T, shape["vocab_size"], t["seed"], engine_rng.STREAM_VAL) if args.val else None
 
     model = GPT(shape, t["seed"]).to(device)
-    compile_mode = args.compile if args.precision == "bf16" else "none"
+    torchao_version = float8_training(model) if args.precision == "fp8" else None
+    compile_mode = args.compile if args.precision in AUTOCAST_PRECISIONS else "none"
     step_model = compiled(model, compile_mode)
     if world > 1:  # gradients averaged over the ranks; each rank's micro-batches as the engine's
         step_model = torch.nn.parallel.DistributedDataParallel(step_model, device_ids=[device.index])
@@ -283,7 +309,7 @@ def train(cfg, args):
     n_params = sum(p.numel() for p in model.parameters())
     emit({"event": "start", "engine": "torch", "n_params": n_params, "steps": t["steps"],
           "precision": args.precision, "compile": compile_mode, "torch": torch.__version__,
-          "torch_cuda": torch.version.cuda,
+          "torch_cuda": torch.version.cuda, "torchao": torchao_version,
           "tokens_per_step": B * T * accum * world, "world_size": world})
 
     for s in range(t["steps"]):
@@ -331,13 +357,13 @@ def apply_overrides(cfg, pairs):
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("config", nargs="?", default="12M", help="12M, 120M (shipped experiments) or a config path")
-    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--precision", choices=("bf16", "fp8", "fp32"), default="bf16")
     p.add_argument("--steps", type=int, help="override train.steps")
     p.add_argument("--data", help="train shard glob (default: the config's data.train)")
     p.add_argument("--val", help="val shard glob (default: the config's data.val; '' for none)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--compile", choices=COMPILE_MODES, default="default",
-                   help="bf16: torch.compile mode, or none for eager (fp32 always runs eager)")
+                   help="bf16, fp8: torch.compile mode, or none for eager (fp32 always runs eager)")
     args, rest = p.parse_known_args(argv)
     cfg = load_config(experiment_path(args.config))
     apply_overrides(cfg, rest)

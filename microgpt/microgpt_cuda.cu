@@ -67,7 +67,8 @@
 
 enum { PREC_FP32, PREC_BF16, PREC_FP16 };
 
-/* precision fp8: the fp8 weight tensors of a layer (W_Q, W_K, W_V are one) */
+/* precision fp8: the FP8 products of a layer, by weight tensor (W_Q, W_K, W_V are one). Each has
+ * three casts, hence three scales: its weight's, its input's, its output gradient's. */
 enum { FP8_W_QKV, FP8_W_O, FP8_W_1, FP8_W_2, FP8_W_PER_LAYER };
 
 /* The instance of function template `fn` for the run's activation type: the one place where the
@@ -123,12 +124,17 @@ static struct {
 
     /* precision fp8 only (else NULL): fp8 copies of the linear layers' weights at their parameter
      * offsets, in the layouts of cuda/fp8.cuh (w8_fwd: W^T for the forward, w8_dx: W for the
-     * input gradient); per-tensor scales (FP8_W_PER_LAYER per layer, then the activation's and the
-     * gradient's being multiplied); the cast operands of the product in flight */
+     * input gradient); the scales of every cast ([L][FP8_W_PER_LAYER] each of the weights', the
+     * products' inputs' and their output gradients', in that order); the cast input of the forward
+     * product in flight (a8); the cast inputs kept transposed for the weight gradients (x8t, per
+     * layer: ln1, atty, ln2 [N][C] each, h_gelu [N][F], written by the forward's casts); the cast
+     * output gradient of the backward product in flight (g8, g8t) */
     int use_fp8;
     fp8 *w8_fwd, *w8_dx;
+    Fp8CastJob<float>* w8_job_list; /* the weights' casts (device), w8_jobs the list */
+    Fp8CastJobs<float> w8_jobs;
     Fp8Scale* fp8_scales;
-    fp8 *a8, *a8t, *g8, *g8t;
+    fp8 *a8, *x8t, *g8, *g8t;
 
     /* saved activations, per layer l at offset l * (size of one layer's slice) */
     void *res;   /* [L+1][N][C] residual stream: res[l] = input of layer l, res[L] = final */
@@ -137,7 +143,7 @@ static struct {
     void *qkv;   /* [L][3][N][C] */
     void *atty;  /* [L][N][C] attention output before W_O */
     void *h;     /* [L][N][F] MLP pre-activation */
-    void *h_gelu; /* [L][N][F] gelu(h) */
+    void *h_gelu; /* [L][N][F] gelu(h); fp8: [N][F], one layer's (its backward reads x8t instead) */
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd; /* [L][N] */
     float *att_lse; /* [L][B][H][T] */
     void *lnf;      /* [N][C] */
@@ -219,11 +225,12 @@ static void plan_buffers(size_t* used) {
         size_t act = N * (F > C ? F : C), grad = N * (F > 3 * C ? F : 3 * C);
         E.w8_fwd = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
         E.w8_dx = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
-        E.fp8_scales = (Fp8Scale*)carve(G_SCRATCH, (FP8_W_PER_LAYER * L + 2) * sizeof(Fp8Scale), used);
+        E.fp8_scales = (Fp8Scale*)carve(G_SCRATCH, 3 * FP8_W_PER_LAYER * L * sizeof(Fp8Scale), used);
+        E.w8_job_list = (Fp8CastJob<float>*)carve(G_SCRATCH, FP8_W_PER_LAYER * L * sizeof(Fp8CastJob<float>), used);
         E.a8 = (fp8*)carve(G_SCRATCH, act, used);
-        E.a8t = (fp8*)carve(G_SCRATCH, act, used);
-        E.g8 = (fp8*)carve(G_SCRATCH, grad, used);
-        E.g8t = (fp8*)carve(G_SCRATCH, grad, used);
+        E.x8t = (fp8*)carve(G_ACTIVATIONS, tr * L * N * (3 * C + F), used);
+        E.g8 = (fp8*)carve(G_SCRATCH, tr * grad, used);
+        E.g8t = (fp8*)carve(G_SCRATCH, tr * grad, used);
     }
 
     E.res = carve(G_ACTIVATIONS, (L + 1) * nc * es, used);
@@ -233,7 +240,7 @@ static void plan_buffers(size_t* used) {
     E.qkv = carve(G_ACTIVATIONS, L * 3 * nc * es, used);
     E.atty = carve(G_ACTIVATIONS, L * nc * es, used);
     E.h = carve(G_ACTIVATIONS, L * N * F * es, used);
-    E.h_gelu = carve(G_ACTIVATIONS, L * N * F * es, used);
+    E.h_gelu = carve(G_ACTIVATIONS, (E.use_fp8 ? 1 : L) * N * F * es, used);
     E.ln1_mean = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
     E.ln1_rstd = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
     E.ln2_mean = (float*)carve(G_ACTIVATIONS, L * N * 4, used);
@@ -314,7 +321,7 @@ template <typename T> static LayerActs<T> layer_acts(int l) {
     a.qkv = layer_act<T>(E.qkv, l, 3 * nc);
     a.atty = layer_act<T>(E.atty, l, nc);
     a.h = layer_act<T>(E.h, l, nf);
-    a.h_gelu = layer_act<T>(E.h_gelu, l, nf);
+    a.h_gelu = layer_act<T>(E.h_gelu, E.use_fp8 ? 0 : l, nf);
     a.ln1_mean = E.ln1_mean + l * n;
     a.ln1_rstd = E.ln1_rstd + l * n;
     a.ln2_mean = E.ln2_mean + l * n;
@@ -331,76 +338,110 @@ static float* gl(int l, int t) { return E.grads + layer_offset(&E.layout, l, t);
 /* ---------------------------------------------------------------------------------------------- */
 /* Precision fp8: the layers' linear products on FP8 operands (cuda/fp8.cuh) */
 
+/* The scales of layer l's product k: its weight's, its input's, its output gradient's. */
 static Fp8Scale* w8_scale(int l, int k) { return E.fp8_scales + (size_t)l * FP8_W_PER_LAYER + k; }
-static Fp8Scale* act8_scale(void) { return E.fp8_scales + (size_t)FP8_W_PER_LAYER * E.L; }
-static Fp8Scale* grad8_scale(void) { return act8_scale() + 1; }
+static Fp8Scale* x8_scale(int l, int k) { return w8_scale(l, k) + (size_t)FP8_W_PER_LAYER * E.L; }
+static Fp8Scale* g8_scale(int l, int k) { return w8_scale(l, k) + 2 * (size_t)FP8_W_PER_LAYER * E.L; }
+/* Where a producer with the amax fused (LayerNorm, GELU) puts it: a cast's scale; NULL off fp8. */
+static unsigned* x8_amax(int l, int k) { return E.use_fp8 ? &x8_scale(l, k)->amax_bits : NULL; }
+static unsigned* g8_amax(int l, int k) { return E.use_fp8 ? &g8_scale(l, k)->amax_bits : NULL; }
+
+/* Layer l's input of product k, cast and transposed [in][N] by the forward (E.x8t). */
+static fp8* x8t(int l, int k) {
+    size_t N = (size_t)E.N, C = (size_t)E.C;
+    return E.x8t + (size_t)l * N * (3 * C + E.F) + (size_t)k * N * C;
+}
+
 static Fp8Mat w8_fwd(int l, int t, int k, long long stride = 0) {
     return fp8_mat(E.w8_fwd + layer_offset(&E.layout, l, t), FP8_E4M3, w8_scale(l, k), stride);
 }
 static Fp8Mat w8_dx(int l, int t, int k) { return fp8_mat(E.w8_dx + layer_offset(&E.layout, l, t), FP8_E4M3, w8_scale(l, k)); }
 
-/* The fp8 weights from the fp32 masters (after every update, like the 16-bit copy). */
+/* The casts of the fp8 weights from the fp32 masters, listed once (engine_setup): per layer W_Q,
+ * W_K, W_V as one cast of 3 blocks [C, C], then W_O [C, C], W_1 [C, F], W_2 [F, C]. */
+static void fp8_list_weight_casts(void) {
+    static const int tensor[FP8_W_PER_LAYER] = {T_WQ, T_WO, T_W1, T_W2};
+    int C = E.C, F = E.F, n = 0;
+    const int batch[FP8_W_PER_LAYER] = {3, 1, 1, 1}, rows[FP8_W_PER_LAYER] = {C, C, C, F};
+    const int cols[FP8_W_PER_LAYER] = {C, C, F, C};
+    Fp8CastJob<float>* jobs = (Fp8CastJob<float>*)xcalloc((size_t)FP8_W_PER_LAYER * E.L, sizeof *jobs, "fp8 casts");
+    for (int l = 0; l < E.L; l++)
+        for (int k = 0; k < FP8_W_PER_LAYER; k++) {
+            size_t off = layer_offset(&E.layout, l, tensor[k]);
+            Fp8CastJob<float> j = {wf(l, tensor[k]), E.w8_dx + off, E.w8_fwd + off, w8_scale(l, k), batch[k],
+                                   rows[k], cols[k], FP8_E4M3, 0};
+            jobs[n++] = j;
+        }
+    E.w8_jobs = fp8_jobs_upload(jobs, n, E.w8_job_list);
+    free(jobs);
+}
+
+/* The fp8 weights from the fp32 masters (after every update, like the 16-bit copy): one memset,
+ * one amax launch and one cast launch for all of them. */
 static void fp8_quantize_weights(void) {
-    int C = E.C, F = E.F;
-    for (int l = 0; l < E.L; l++) {
-        size_t qkv = layer_offset(&E.layout, l, T_WQ), wo = layer_offset(&E.layout, l, T_WO);
-        size_t w1 = layer_offset(&E.layout, l, T_W1), w2 = layer_offset(&E.layout, l, T_W2);
-        fp8_quantize(E.w8_dx + qkv, E.w8_fwd + qkv, w8_scale(l, FP8_W_QKV), wf(l, T_WQ), 3, C, C, FP8_E4M3);
-        fp8_quantize(E.w8_dx + wo, E.w8_fwd + wo, w8_scale(l, FP8_W_O), wf(l, T_WO), 1, C, C, FP8_E4M3);
-        fp8_quantize(E.w8_dx + w1, E.w8_fwd + w1, w8_scale(l, FP8_W_1), wf(l, T_W1), 1, C, F, FP8_E4M3);
-        fp8_quantize(E.w8_dx + w2, E.w8_fwd + w2, w8_scale(l, FP8_W_2), wf(l, T_W2), 1, F, C, FP8_E4M3);
-    }
+    fp8_zero_scales(w8_scale(0, 0), (size_t)FP8_W_PER_LAYER * E.L);
+    fp8_quantize_jobs(E.w8_jobs);
 }
 
-/* The activation x [N, in] of a forward product, cast (E.a8). */
-template <typename T> static Fp8Mat fp8_act(const T* x, int N, int in) {
-    fp8_quantize(E.a8, (fp8*)NULL, act8_scale(), x, 1, N, in, FP8_E4M3);
-    return fp8_mat(E.a8, FP8_E4M3, act8_scale());
+/* The input x [N, in] of layer l's product k, cast once: into E.a8 for the forward product and,
+ * when training, transposed into x8t(l, k) for the backward's weight gradient (the same codes at
+ * the same scale, x8_scale(l, k)). `amax_fused`: x's producer already put its amax there. */
+template <typename T> static Fp8Mat fp8_act(const T* x, int l, int k, int N, int in, bool amax_fused) {
+    Fp8Scale* sc = x8_scale(l, k);
+    if (!amax_fused) fp8_reduce_amax(sc, x, (size_t)N * in);
+    fp8_cast(E.a8, E.training ? x8t(l, k) : (fp8*)NULL, sc, x, 1, N, in, FP8_E4M3);
+    return fp8_mat(E.a8, FP8_E4M3, sc);
 }
 
-/* out = x @ W (+ residual) for weight tensor t (scale k) of layer l. */
+/* out = x @ W (+ residual) for weight tensor t (product k) of layer l. */
 template <typename T>
-static void fp8_linear_fwd(T* out, const T* x, int l, int t, int k, int N, int in, int out_dim, const T* residual) {
-    fp8_gemm<T>(N, out_dim, in, fp8_act(x, N, in), w8_fwd(l, t, k), out, residual, residual ? 1.0f : 0.0f);
+static void fp8_linear_fwd(T* out, const T* x, int l, int t, int k, int N, int in, int out_dim, const T* residual,
+                           bool amax_fused) {
+    fp8_gemm<T>(N, out_dim, in, fp8_act(x, l, k, N, in, amax_fused), w8_fwd(l, t, k), out, residual,
+                residual ? 1.0f : 0.0f);
 }
 
 /* The backward of a product whose output gradient dout is `batch` blocks [N, out_dim] (QKV: 3):
- * dw (/ += by grad_beta) = x^T dout_i per block, dx = sum_i dout_i @ W_i^T (one product, K =
- * batch * out_dim, over the side-by-side layouts of cuda/fp8.cuh). */
+ * dw (/ += by grad_beta) = x^T dout_i per block (x as the forward cast it, x8t), dx = sum_i dout_i
+ * @ W_i^T (one product, K = batch * out_dim, over the side-by-side layouts of cuda/fp8.cuh).
+ * `amax_fused`: dout's producer already put its amax in g8_scale(l, k). */
 template <typename T>
-static void fp8_linear_bwd(T* dx, float* dw, const T* dout, const T* x, int l, int t, int k, int N, int in,
-                           int out_dim, int batch, float grad_beta) {
-    Fp8Scale *gs = grad8_scale(), *xs = act8_scale();
-    fp8_quantize(E.g8, E.g8t, gs, dout, batch, N, out_dim, FP8_E5M2);
-    fp8_quantize((fp8*)NULL, E.a8t, xs, x, 1, N, in, FP8_E4M3);
-    fp8_gemm<float>(in, out_dim, N, fp8_mat(E.a8t, FP8_E4M3, xs), fp8_mat(E.g8t, FP8_E5M2, gs, (long long)out_dim * N),
-                    dw, NULL, grad_beta, batch, (long long)in * out_dim);
+static void fp8_linear_bwd(T* dx, float* dw, const T* dout, int l, int t, int k, int N, int in, int out_dim,
+                           int batch, float grad_beta, bool amax_fused) {
+    Fp8Scale *gs = g8_scale(l, k), *xs = x8_scale(l, k);
+    if (!amax_fused) fp8_reduce_amax(gs, dout, (size_t)batch * N * out_dim);
+    fp8_cast(E.g8, E.g8t, gs, dout, batch, N, out_dim, FP8_E5M2);
+    fp8_gemm<float>(in, out_dim, N, fp8_mat(x8t(l, k), FP8_E4M3, xs),
+                    fp8_mat(E.g8t, FP8_E5M2, gs, (long long)out_dim * N), dw, NULL, grad_beta, batch,
+                    (long long)in * out_dim);
     fp8_gemm<T>(N, in, batch * out_dim, fp8_mat(E.g8, FP8_E5M2, gs), w8_dx(l, t, k), dx, NULL, 0.0f);
 }
 
 /* The fp8 forward of layer l's sub-layers around attention (the LayerNorms and attention as in
- * forward()). */
+ * forward(), which put the amax of ln1 and ln2 in their casts' scales). */
 template <typename T>
 static void fp8_qkv_fwd(const LayerActs<T>& a, int l, int N) {
     int C = E.C;
-    fp8_gemm<T>(N, C, C, fp8_act(a.ln1, N, C), w8_fwd(l, T_WQ, FP8_W_QKV, (long long)C * C), a.qkv, NULL, 0.0f, 3,
-                (long long)N * C);
+    fp8_gemm<T>(N, C, C, fp8_act(a.ln1, l, FP8_W_QKV, N, C, true), w8_fwd(l, T_WQ, FP8_W_QKV, (long long)C * C),
+                a.qkv, NULL, 0.0f, 3, (long long)N * C);
 }
 
 template <typename T>
 static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N) {
     int C = E.C, F = E.F;
-    fp8_linear_fwd<T>(a.h, a.ln2, l, T_W1, FP8_W_1, N, C, F, NULL);
-    gelu_fwd(a.h_gelu, a.h, (size_t)N * F);
-    fp8_linear_fwd<T>(layer_input<T>(l + 1), a.h_gelu, l, T_W2, FP8_W_2, N, F, C, a.xmid);
+    fp8_linear_fwd<T>(a.h, a.ln2, l, T_W1, FP8_W_1, N, C, F, NULL, true);
+    gelu_fwd(a.h_gelu, a.h, (size_t)N * F, x8_amax(l, FP8_W_2));
+    fp8_linear_fwd<T>(layer_input<T>(l + 1), a.h_gelu, l, T_W2, FP8_W_2, N, F, C, a.xmid, true);
 }
 
+/* dres's amax is in the scale already (the LayerNorm backward that produced it); dh's comes from
+ * the GELU backward. */
 template <typename T>
 static void fp8_mlp_bwd(T* dln, const T* dres, const LayerActs<T>& a, int l, int N, float gb) {
     int C = E.C, F = E.F;
-    fp8_linear_bwd<T>((T*)E.dh, gl(l, T_W2), dres, a.h_gelu, l, T_W2, FP8_W_2, N, F, C, 1, gb);
-    gelu_bwd_inplace((T*)E.dh, a.h, (size_t)N * F);
-    fp8_linear_bwd<T>(dln, gl(l, T_W1), (const T*)E.dh, a.ln2, l, T_W1, FP8_W_1, N, C, F, 1, gb);
+    fp8_linear_bwd<T>((T*)E.dh, gl(l, T_W2), dres, l, T_W2, FP8_W_2, N, F, C, 1, gb, true);
+    gelu_bwd_inplace((T*)E.dh, a.h, (size_t)N * F, g8_amax(l, FP8_W_1));
+    fp8_linear_bwd<T>(dln, gl(l, T_W1), (const T*)E.dh, l, T_W1, FP8_W_1, N, C, F, 1, gb, true);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -424,17 +465,21 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
 template <typename T>
 static void forward(int B, int Tn, bool fp8) {
     int C = E.C, H = E.H, F = E.F, L = E.L, N = B * Tn, l;
+    /* every amax of the activations' and gradients' casts that this micro-batch takes starts at 0 */
+    if (fp8) fp8_zero_scales(x8_scale(0, 0), 2 * (size_t)FP8_W_PER_LAYER * L);
     embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
     for (l = 0; l < L; l++) {
         LayerActs<T> a = layer_acts<T>(l);
-        layernorm_fwd<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), N, C);
+        layernorm_fwd<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), N, C,
+                         fp8 ? x8_amax(l, FP8_W_QKV) : NULL);
         if (fp8) fp8_qkv_fwd<T>(a, l, N);
         else attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
         attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
                     attn_scratch<T>());
-        if (fp8) fp8_linear_fwd<T>(a.xmid, a.atty, l, T_WO, FP8_W_O, N, C, C, a.x);
+        if (fp8) fp8_linear_fwd<T>(a.xmid, a.atty, l, T_WO, FP8_W_O, N, C, C, a.x, false);
         else attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
-        layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C);
+        layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C,
+                         fp8 ? x8_amax(l, FP8_W_1) : NULL);
         if (fp8) fp8_mlp_fwd<T>(a, l, N);
         else mlp_fwd<T>(layer_input<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
     }
@@ -473,8 +518,11 @@ static void backward(void) {
     T* dqkv = (T*)E.dqkv;
     /* dln holds d(LNf output) from loss_chunks */
     CUDA_CHECK(cudaMemsetAsync(dres, 0, nc * es, g_stream));
+    /* precision fp8: each LayerNorm backward's dres is the next product's output gradient (W_2 of the
+     * layer below, W_O of its own), so it takes that cast's amax */
     layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, layer_input<T>(L),
-                     E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial, gb);
+                     E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial, gb,
+                     g8_amax(L - 1, FP8_W_2));
     for (l = L - 1; l >= 0; l--) {
         LayerActs<T> a = layer_acts<T>(l);
         /* MLP branch: its output gradient is the stream's, dres */
@@ -484,16 +532,16 @@ static void backward(void) {
             mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.h_gelu, wl<T>(l, T_W1), wl<T>(l, T_W2),
                        (T*)E.dh, N, C, F, gb);
         layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
-                         a.ln2_rstd, N, C, E.ln_partial, gb);
+                         a.ln2_rstd, N, C, E.ln_partial, gb, g8_amax(l, FP8_W_O));
         /* attention branch: dres is now the gradient at xmid */
-        if (E.use_fp8) fp8_linear_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, l, T_WO, FP8_W_O, N, C, C, 1, gb);
+        if (E.use_fp8) fp8_linear_bwd<T>((T*)E.datty, gl(l, T_WO), dres, l, T_WO, FP8_W_O, N, C, C, 1, gb, true);
         else attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
         attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
                     a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
-        if (E.use_fp8) fp8_linear_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, l, T_WQ, FP8_W_QKV, N, C, C, 3, gb);
+        if (E.use_fp8) fp8_linear_bwd<T>(dln, gl(l, T_WQ), dqkv, l, T_WQ, FP8_W_QKV, N, C, C, 3, gb, false);
         else attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
         layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
-                         a.ln1_rstd, N, C, E.ln_partial, gb);
+                         a.ln1_rstd, N, C, E.ln_partial, gb, l > 0 ? g8_amax(l - 1, FP8_W_2) : NULL);
     }
     embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_first, E.V, B, Tn, C, gb);
 }
@@ -827,6 +875,7 @@ static size_t engine_setup(const Config* cfg) {
     }
     plan_buffers(used); /* now with the bases: the pointers */
     if (E.training) upload_decay_bits();
+    if (E.use_fp8) fp8_list_weight_casts();
     CUDA_CHECK(cudaMallocHost((void**)&E.tok_host, 2 * (size_t)E.N * sizeof(int)));
     CUDA_CHECK(cudaMallocHost((void**)&E.io_host, sizeof(StepIO)));
     memset(E.io_host, 0, sizeof(StepIO));

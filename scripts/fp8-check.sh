@@ -15,10 +15,20 @@
 #   sanitizer    compute-sanitizer memcheck of a tiny fp8 run, uncaptured and as CUDA graphs
 #   timing       ANDREA-12M and ANDREA-120M, fp8 and bf16, 60 steps each on random tokens: median
 #                ms/step in $OUT/timing.json
+#   casts        bench/fp8_casts.cu: µs and GB/s of each cast, amax and amax-fused kernel at the
+#                12M and 120M activation shapes (a measurement, it fails only if it cannot run)
 #   quality      ANDREA-12M, 300 steps fp8 and bf16, same seed and data (data/megachat if present,
 #                else a synthetic repeating text): validation losses side by side in $OUT/quality.json;
 #                fails if fp8 is not finite or its last validation loss is more than 3% above bf16's
-# The full 2000-step quality runs and the PyTorch/torchao bench rows are not part of this script.
+# Stages run only when named (the 2000-step quality runs of docs/ANDREA.md, real text required:
+# data/megachat train and validation shards), each about 1 (12M) and 2 (120M) minutes on an H200:
+#   quality2000_12M, quality2000_120M   scripts/fp8-quality.py: the model trained 2000 steps in bf16
+#                and in fp8, same seed and data, validation every 100 steps (20 batches), records in
+#                $OUT/quality2000/; then the summary of every model there ($OUT/quality2000/
+#                fp8-quality.json: final validation losses, relative difference, PASS when within 1%)
+#                and the chart of the validation curves (fp8-quality.svg); fails unless every model
+#                there passes
+# The PyTorch/torchao bench rows are bench/run-all.sh's.
 # The last lines (also in $OUT/summary.log) say which stages passed; exit status 1 if any failed.
 # shellcheck disable=SC2317  # stage functions are called indirectly, through run_stage
 set -u -o pipefail
@@ -111,6 +121,11 @@ stage_timing() {
     return "$rc"
 }
 
+stage_casts() {
+    run_cmd 300 nvcc -O3 -std=c++17 -arch=native -o build/fp8_casts bench/fp8_casts.cu -lcublas -lcublasLt &&
+        run_cmd 120 build/fp8_casts
+}
+
 stage_quality() {
     local rc=0 train val
     if [ -e data/megachat/megachat_train_000000.bin ] && [ -e data/megachat/megachat_val_000000.bin ]; then
@@ -147,4 +162,13 @@ EOF
     return "$rc"
 }
 
-run_stages "build kernel_check pytest sanitizer timing quality" "" "$@"
+# quality2000 MODEL LIMIT_SECONDS: both runs of one model, then the summary of all models so far
+quality2000() {
+    PYTHONPATH=. run_cmd "$2" "$PY" scripts/fp8-quality.py run "$1" --out "$OUT/quality2000" || return 1
+    PYTHONPATH=. run_cmd 60 "$PY" scripts/fp8-quality.py summary "$OUT/quality2000"
+}
+
+stage_quality2000_12M() { quality2000 12M 300; }
+stage_quality2000_120M() { quality2000 120M 540; }
+
+run_stages "build kernel_check pytest sanitizer timing casts quality" "quality2000_12M quality2000_120M" "$@"

@@ -18,20 +18,14 @@
 # NVLink multicast stays off in every process started here.
 # shellcheck disable=SC2317  # stage functions are called indirectly
 set -u -o pipefail
-cd "$(dirname "$0")/.." || exit 1
+# shellcheck source=scripts/check-lib.sh
+. "$(dirname "$0")/check-lib.sh"
+check_init multi-gpu-check ./multi-gpu-out
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-./multi-gpu-out}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-DATA=$(mktemp -d /tmp/andrea-multi-gpu.XXXXXX)
-trap 'rm -rf "$DATA"' EXIT
-command -v nvcc >/dev/null 2>&1 || export PATH="/usr/local/cuda/bin:$PATH"
-PY=${PYTHON:-python3}
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 SIZES=()
 for n in 2 4 8; do [ "$n" -le "$NGPU" ] && SIZES+=("$n"); done
-MODEL=(--model.n_layer 12 --model.d_model 768 --model.n_head 12 --model.seq_len 1024
-       --model.vocab_size 50259 --model.padded_vocab_size 50304)
+MODEL=("${M120[@]}" --model.vocab_size 50259 --model.padded_vocab_size 50304)
 
 # ranks N ARGS...: N engine processes of one run (rank 0's stdout to stdout, the others' dropped)
 ranks() {
@@ -48,11 +42,7 @@ ranks() {
     return "$rc"
 }
 
-random_shards() {
-    [ -e "$DATA/big_000000.bin" ] || PYTHONPATH=tests:. $PY -c "
-from engine_util import write_random_shards
-write_random_shards('$DATA', 'big', 2, 4_000_000, 50257, seed=5)"
-}
+random_shards() { [ -e "$DATA/big_000000.bin" ] || make_shard big 50257 8000000; }
 
 stage_build() { nvcc --version | tail -n 2; nice make GPU_ARCH="${GPU_ARCH:-90}" 2>&1; }
 
@@ -111,14 +101,5 @@ PY
     done
 }
 
-STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(build pytest scaling curves)
 [ "$NGPU" -ge 2 ] || { echo "error: needs at least 2 GPUs (nvidia-smi -L lists $NGPU)"; exit 2; }
-FAILED=0
-for st in "${STAGES[@]}"; do
-    declare -F "stage_$st" >/dev/null || { echo "error: unknown stage $st"; exit 2; }
-    echo "=== $st"
-    if "stage_$st" 2>&1 | tee "$OUT/$st.log"; then echo "PASS  $st" | tee -a "$OUT/summary.log"
-    else echo "FAIL  $st (see $OUT/$st.log)" | tee -a "$OUT/summary.log"; FAILED=1; fi
-done
-exit $FAILED
+run_stages "build pytest scaling curves" "" "$@"

@@ -11,19 +11,12 @@ DIR holds bandit-experiment.json; the figures go beside it. PNG through matplotl
 installed, else (or with --svg) plain SVG written here, so the figures need nothing beyond Python.
 """
 import argparse
-import html
 import json
 import math
 import os
 import sys
 
-COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-           "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd"]
-
-
-def colour(i):
-    return COLOURS[i % len(COLOURS)]
-
+from svg_chart import colour, svg_figure
 
 def figures(doc):
     """What to draw, independent of the backend: [(file stem, title, panels)], a panel being
@@ -80,60 +73,12 @@ def plot_matplotlib(figs, out_dir):
     return written
 
 
-def svg_panel(x0, y0, w, h, name, kind, series):
-    """One panel as SVG elements: axes box, title, min/max labels, the series."""
-    xs_all = [x for _, xs, _ in series for x in xs] or [0, 1]
-    ys_all = [y for _, _, ys in series for y in ys if y is not None] or [0, 1]
-    lo_x, hi_x = min(xs_all), max(xs_all) if max(xs_all) > min(xs_all) else min(xs_all) + 1
-    lo_y, hi_y = (0.0, 1.0) if kind == "stack" else (min(ys_all), max(ys_all))
-    if hi_y <= lo_y:
-        hi_y = lo_y + 1e-9
-
-    def px(x):
-        return x0 + (x - lo_x) / (hi_x - lo_x) * w
-
-    def py(y):
-        return y0 + h - (y - lo_y) / (hi_y - lo_y) * h
-
-    parts = [f'<rect x="{x0}" y="{y0}" width="{w}" height="{h}" fill="none" stroke="#999"/>',
-             f'<text x="{x0}" y="{y0 - 6}" font-size="12">{html.escape(name)}</text>',
-             f'<text x="{x0 - 4}" y="{y0 + 10}" font-size="9" text-anchor="end">{hi_y:.3g}</text>',
-             f'<text x="{x0 - 4}" y="{y0 + h}" font-size="9" text-anchor="end">{lo_y:.3g}</text>',
-             f'<text x="{x0 + w}" y="{y0 + h + 12}" font-size="9" text-anchor="end">step {hi_x:g}</text>']
-    base = [0.0] * len(series[0][1]) if kind == "stack" and series else []
-    for i, (label, xs, ys) in enumerate(series):
-        if not xs:
-            continue
-        if kind == "stack":
-            top = [b + y for b, y in zip(base, ys)]
-            pts = [(px(x), py(t)) for x, t in zip(xs, top)] + [(px(x), py(b)) for x, b in reversed(list(zip(xs, base)))]
-            parts.append(f'<polygon fill="{colour(i)}" points="' + " ".join(f"{a:.1f},{b:.1f}" for a, b in pts) + '"/>')
-            base = top
-        else:
-            pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys))
-            parts.append(f'<polyline fill="none" stroke="{colour(i)}" stroke-width="1.5" points="{pts}"/>')
-        parts.append(f'<text x="{x0 + w + 6}" y="{y0 + 12 + 12 * i}" font-size="9" fill="{colour(i)}">'
-                     f'{html.escape(label)}</text>')
-    return parts
-
-
 def plot_svg(figs, out_dir):
     written = []
     for stem, title, panels in figs:
-        cols = min(3, len(panels))
-        rows = math.ceil(len(panels) / cols)
-        pw, ph, gap_x, gap_y = 300, 170, 190, 60
-        width, height = 60 + cols * (pw + gap_x), 60 + rows * (ph + gap_y)
-        parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-                 f'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>',
-                 f'<text x="20" y="24" font-size="15">{html.escape(title)}</text>']
-        for k, (name, kind, series) in enumerate(panels):
-            x0, y0 = 60 + (k % cols) * (pw + gap_x), 60 + (k // cols) * (ph + gap_y)
-            parts += svg_panel(x0, y0, pw, ph, name, kind, series)
-        parts.append("</svg>")
         path = os.path.join(out_dir, stem + ".svg")
         with open(path, "w") as f:
-            f.write("\n".join(parts) + "\n")
+            f.write(svg_figure(title, panels))
         written.append(path)
     return written
 

@@ -61,6 +61,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -331,6 +332,21 @@ template <typename T> static void test_embed(const Shape& s, Tol tol) {
     dfree_all();
 }
 
+/* A zeroed amax for a kernel with precision fp8's amax fused (common.cuh's block_amax_commit). */
+static unsigned* amax_slot(void) {
+    unsigned* p = (unsigned*)dalloc(sizeof(unsigned));
+    CUDA_CHECK(cudaMemset(p, 0, sizeof(unsigned)));
+    return p;
+}
+
+/* The fused amax must be the standalone one's bits: cpu/fp8.h's fp8_amax of the values the kernel
+ * stored (downloaded: exactly the stored values). */
+static void check_amax(const char* what, const unsigned* d_amax, const Vec& stored) {
+    unsigned got = 0, want = fp8_float_bits(fp8_amax(stored.data(), stored.size()));
+    CUDA_CHECK(cudaMemcpy(&got, d_amax, sizeof got, cudaMemcpyDeviceToHost));
+    report(got == want, what, "0x%08x, cpu 0x%08x", got, want);
+}
+
 template <typename T> static void test_layernorm(const Shape& s, Tol tol) {
     /* more rows than LN_MAX_CHUNKS in the larger shapes, so chunks hold several rows */
     int N = s.B * s.T * 4 + 1, C = s.C;
@@ -342,8 +358,11 @@ template <typename T> static void test_layernorm(const Shape& s, Tol tol) {
     float *d_gamma = upload<float>(gamma), *d_beta = upload<float>(beta);
     T* d_out = poisoned<T>((size_t)N * C);
     float *d_mean = poisoned<float>(N), *d_rstd = poisoned<float>(N);
-    layernorm_fwd<T>(d_out, d_mean, d_rstd, d_x, d_gamma, d_beta, N, C);
-    check("out", download(d_out, (size_t)N * C), out_c, tol.prod);
+    unsigned* d_amax = amax_slot(); /* the forward with precision fp8's amax fused */
+    layernorm_fwd<T>(d_out, d_mean, d_rstd, d_x, d_gamma, d_beta, N, C, d_amax);
+    Vec out_g = download(d_out, (size_t)N * C);
+    check("out", out_g, out_c, tol.prod);
+    check_amax("amax", d_amax, out_g);
     check("mean", download(d_mean, N), mean_c, tol_for<float>().prod);
     check("rstd", download(d_rstd, N), rstd_c, tol_for<float>().prod);
 
@@ -358,15 +377,17 @@ template <typename T> static void test_layernorm(const Shape& s, Tol tol) {
     float *d_dg = upload<float>(dg0), *d_db = upload<float>(db0);
     float* d_scratch = poisoned<float>(layernorm_scratch_floats(C));
     for (float gb : GRAD_BETAS) { /* dx always adds (the residual stream); dgamma, dbeta by gb */
-        auto gpu = [&]() {
+        auto gpu = [&](unsigned* amax) {
             upload_into(d_dx, dx0);
             init_grad(d_dg, dg0, gb);
             init_grad(d_db, db0, gb);
-            layernorm_bwd<T>(d_dx, d_dg, d_db, d_dout, d_x, d_gamma, d_mean_c, d_rstd_c, N, C, d_scratch, gb);
+            layernorm_bwd<T>(d_dx, d_dg, d_db, d_dout, d_x, d_gamma, d_mean_c, d_rstd_c, N, C, d_scratch, gb, amax);
             return std::vector<Vec>{download(d_dx, (size_t)N * C), download(d_dg, C), download(d_db, C)};
         };
-        std::vector<Vec> r1 = gpu(), r2 = gpu();
+        unsigned* d_dx_amax = amax_slot(); /* the first run with the amax fused, the second without */
+        std::vector<Vec> r1 = gpu(d_dx_amax), r2 = gpu(NULL);
         check("dx", r1[0], plus(dx0, dx_inc), tol.prod, &dx0);
+        check_amax("dx amax", d_dx_amax, r1[0]);
         check_grad("dgamma", r1[1], dg_inc, dg0, gb, tol.prod);
         check_grad("dbeta", r1[2], db_inc, db0, gb, tol.prod);
         check_same("determ", r1, r2);
@@ -528,14 +549,23 @@ template <typename T> static void test_mlp(const Shape& s, Tol tol) {
 template <typename T> static void test_gelu(size_t n, Tol tol) {
     Vec x = rounded<T>(randn(n, 2.0f)), out_c(n);
     gelu_forward(out_c.data(), x.data(), (int)n);
-    T *d_x = upload<T>(x), *d_out = poisoned<T>(n);
+    T *d_x = upload<T>(x), *d_out = poisoned<T>(n), *d_out_amax = poisoned<T>(n);
+    unsigned *d_amax = amax_slot(), *d_dx_amax = amax_slot();
     gelu_fwd<T>(d_out, d_x, n);
-    check("out", download(d_out, n), out_c, tol.elem);
+    gelu_fwd<T>(d_out_amax, d_x, n, d_amax); /* precision fp8's amax fused: the same outputs */
+    Vec out_g = download(d_out, n);
+    check("out", out_g, out_c, tol.elem);
+    check_same("out+amax", {out_g}, {download(d_out_amax, n)});
+    check_amax("amax", d_amax, out_g);
     Vec dout = rounded<T>(randn(n, 1.0f)), dx_c(n, 0.0f);
     gelu_backward(dx_c.data(), x.data(), dout.data(), (int)n);
-    T* d_d = upload<T>(dout);
+    T *d_d = upload<T>(dout), *d_d_amax = upload<T>(dout);
     gelu_bwd_inplace<T>(d_d, d_x, n);
-    check("dx", download(d_d, n), dx_c, tol.elem);
+    gelu_bwd_inplace<T>(d_d_amax, d_x, n, d_dx_amax);
+    Vec dx_g = download(d_d, n);
+    check("dx", dx_g, dx_c, tol.elem);
+    check_same("dx+amax", {dx_g}, {download(d_d_amax, n)});
+    check_amax("dx amax", d_dx_amax, dx_g);
     dfree_all();
 }
 
@@ -957,37 +987,49 @@ static void test_fp8_conversion(int fmt) {
     dfree_all();
 }
 
-/* fp8_quantize of batch blocks [R, Cc] of T against the CPU emulation: codes in both layouts and
- * the scale, exactly. `special`: a NaN or an infinity in the input (the scale falls back to 1). */
-template <typename T> static void test_fp8_quantize(int batch, int R, int Cc, int fmt, int special) {
-    size_t n = (size_t)batch * R * Cc;
+/* Random input for an fp8 cast of n values of T: normal, every 97th below the fp8 range; `special`:
+ * a NaN or an infinity (the scale falls back to 1). */
+template <typename T> static Vec fp8_cast_input(size_t n, int fmt, int special) {
     Vec x = rounded<T>(randn(n, fmt == FP8_E4M3 ? 3.0f : 1e-3f));
-    for (size_t i = 0; i < n; i += 97) x[i] = rounded<T>(Vec(1, ldexpf(x[i], -20)))[0]; /* below the fp8 range */
+    for (size_t i = 0; i < n; i += 97) x[i] = rounded<T>(Vec(1, ldexpf(x[i], -20)))[0];
     if (special == 1) x[n / 2] = NAN;
     if (special == 2) x[n / 3] = -INFINITY;
-    T* dx = upload<T>(x);
-    fp8* out_n = (fp8*)dalloc(n);
-    fp8* out_t = (fp8*)dalloc(n);
-    Fp8Scale* sc = (Fp8Scale*)dalloc(sizeof(Fp8Scale));
-    CUDA_CHECK(cudaMemset(out_n, 0xAB, n));
-    CUDA_CHECK(cudaMemset(out_t, 0xAB, n));
-    CUDA_CHECK(cudaMemset(sc, 0xFF, sizeof(Fp8Scale)));
-    fp8_quantize(out_n, out_t, sc, dx, batch, R, Cc, fmt);
+    return x;
+}
+
+/* A cast's outputs: codes (poisoned with 0xAB where no layout is written) and the scale (poisoned,
+ * with the amax zeroed as fp8_zero_scales leaves it). */
+struct Fp8CastOut {
+    fp8 *n, *t;
+    Fp8Scale* sc;
+};
+static Fp8CastOut fp8_cast_out(size_t n) {
+    Fp8CastOut o = {(fp8*)dalloc(n), (fp8*)dalloc(n), (Fp8Scale*)dalloc(sizeof(Fp8Scale))};
+    CUDA_CHECK(cudaMemset(o.n, 0xAB, n));
+    CUDA_CHECK(cudaMemset(o.t, 0xAB, n));
+    CUDA_CHECK(cudaMemset(o.sc, 0xFF, sizeof(Fp8Scale)));
+    CUDA_CHECK(cudaMemset(&o.sc->amax_bits, 0, sizeof(unsigned)));
+    return o;
+}
+
+/* The codes in the layouts asked for (`layouts`: 1 out_n, 2 out_t, 3 both; the other must stay
+ * poisoned) and the scale of a cast of batch blocks [R, Cc] of x, against the CPU emulation, exactly. */
+static void check_fp8_cast(const Fp8CastOut& o, const Vec& x, int batch, int R, int Cc, int fmt, int layouts) {
+    size_t n = x.size(), bad_n = 0, bad_t = 0;
     std::vector<unsigned char> gn(n), gt(n);
     Fp8Scale gs;
     CUDA_CHECK(cudaDeviceSynchronize());
-    CUDA_CHECK(cudaMemcpy(gn.data(), out_n, n, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(gt.data(), out_t, n, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(&gs, sc, sizeof gs, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gn.data(), o.n, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gt.data(), o.t, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&gs, o.sc, sizeof gs, cudaMemcpyDeviceToHost));
     float amax = fp8_amax(x.data(), n), s = fp8_scale_for_amax(amax, fmt);
     unsigned amax_bits = fp8_float_bits(amax);
-    size_t bad_n = 0, bad_t = 0;
     for (int b = 0; b < batch; b++)
         for (int r = 0; r < R; r++)
             for (int c = 0; c < Cc; c++) {
                 unsigned char want = fp8_from_float(x[((size_t)b * R + r) * Cc + c] * s, fmt);
-                bad_n += gn[((size_t)r * batch + b) * Cc + c] != want;
-                bad_t += gt[((size_t)b * Cc + c) * R + r] != want;
+                bad_n += gn[((size_t)r * batch + b) * Cc + c] != (layouts & 1 ? want : 0xAB);
+                bad_t += gt[((size_t)b * Cc + c) * R + r] != (layouts & 2 ? want : 0xAB);
             }
     /* A NaN amax matches any NaN: its payload is the input's encoding (a bf16 NaN uploaded from the
      * host reads 0x7fff0000 on the GPU, the CPU's NaN is 0x7fc00000), and only "is NaN" decides the
@@ -998,6 +1040,40 @@ template <typename T> static void test_fp8_quantize(int batch, int R, int Cc, in
            (double)gs.scale, (double)s, (double)gs.descale);
     report(bad_n == 0, "codes", "%zu of %zu differ from the CPU emulation", bad_n, n);
     report(bad_t == 0, "codes^T", "%zu of %zu differ from the CPU emulation", bad_t, n);
+}
+
+/* The standalone amax, then the cast, of batch blocks [R, Cc] of T (shapes with Cc a multiple of 8
+ * and R of 16 take the packed cast). `layouts` as in check_fp8_cast. */
+template <typename T> static void test_fp8_quantize(int batch, int R, int Cc, int fmt, int special, int layouts = 3) {
+    size_t n = (size_t)batch * R * Cc;
+    Vec x = fp8_cast_input<T>(n, fmt, special);
+    T* dx = upload<T>(x);
+    Fp8CastOut o = fp8_cast_out(n);
+    fp8_reduce_amax(o.sc, dx, n);
+    fp8_cast(layouts & 1 ? o.n : (fp8*)NULL, layouts & 2 ? o.t : (fp8*)NULL, o.sc, dx, batch, R, Cc, fmt);
+    check_fp8_cast(o, x, batch, R, Cc, fmt, layouts);
+    dfree_all();
+}
+
+/* A list of casts in two launches (fp8_quantize_jobs, the engine's weights), each job checked as
+ * one cast: shapes[i] = {batch, R, Cc}; all packable (the packed kernels) or not (the others). */
+template <typename T> static void test_fp8_quantize_jobs(const std::vector<std::array<int, 3>>& shapes, int fmt) {
+    std::vector<Fp8CastJob<T>> jobs;
+    std::vector<Vec> xs;
+    std::vector<Fp8CastOut> outs;
+    for (const auto& sh : shapes) {
+        size_t n = (size_t)sh[0] * sh[1] * sh[2];
+        xs.push_back(fp8_cast_input<T>(n, fmt, 0));
+        outs.push_back(fp8_cast_out(n));
+        Fp8CastJob<T> j = {upload<T>(xs.back()), outs.back().n, outs.back().t, outs.back().sc, sh[0], sh[1], sh[2],
+                           fmt, 0};
+        jobs.push_back(j);
+    }
+    Fp8CastJob<T>* dev = (Fp8CastJob<T>*)dalloc(jobs.size() * sizeof(Fp8CastJob<T>));
+    Fp8CastJobs<T> js = fp8_jobs_upload(jobs.data(), (int)jobs.size(), dev);
+    fp8_quantize_jobs(js);
+    for (size_t i = 0; i < shapes.size(); i++) check_fp8_cast(outs[i], xs[i], shapes[i][0], shapes[i][1], shapes[i][2], fmt, 3);
+    report(js.packed == (shapes[0][2] % 8 == 0), "packed", "the list took the %s kernels", js.packed ? "packed" : "element-wise");
     dfree_all();
 }
 
@@ -1049,7 +1125,9 @@ static void run_fp8(void) {
     for (int fmt = FP8_E4M3; fmt <= FP8_E5M2; fmt++) {
         set_ctx("fp8", "conversion", fp8_name(fmt));
         test_fp8_conversion(fmt);
-        const int shapes[][3] = {{1, 64, 48}, {3, 37, 80}, {1, 129, 33}, {1, 256, 1024}};
+        /* packed: {1, 64, 48} (one partial tile), {2, 80, 200} (partial tiles both ways), {1, 256, 1024};
+         * element by element: {3, 37, 80}, {1, 129, 33}, {1, 96, 36} (rows fit, columns do not) */
+        const int shapes[][3] = {{1, 64, 48}, {3, 37, 80}, {1, 129, 33}, {1, 256, 1024}, {2, 80, 200}, {1, 96, 36}};
         for (const auto& s : shapes)
             for (int special = 0; special < 3; special++) {
                 snprintf(sh, sizeof sh, "%s batch=%d R=%d C=%d%s", fp8_name(fmt), s[0], s[1], s[2],
@@ -1059,8 +1137,19 @@ static void run_fp8(void) {
                 if (special == 0) {
                     set_ctx("fp8", "quantize fp32", sh);
                     test_fp8_quantize<float>(s[0], s[1], s[2], fmt, 0);
+                    set_ctx("fp8", "quantize bf16 out_n only", sh);
+                    test_fp8_quantize<bf16>(s[0], s[1], s[2], fmt, 0, 1);
+                    set_ctx("fp8", "quantize bf16 out_t only", sh);
+                    test_fp8_quantize<bf16>(s[0], s[1], s[2], fmt, 0, 2);
                 }
             }
+        /* the weights' list: W_QKV (3 blocks), W_O, W_1, W_2 of two layers; then one with a column
+         * count that is not a multiple of 8 (so every job takes the element-wise kernels) */
+        set_ctx("fp8", "quantize jobs fp32", fp8_name(fmt));
+        test_fp8_quantize_jobs<float>({{3, 48, 48}, {1, 48, 48}, {1, 48, 208}, {1, 208, 48}, {3, 48, 48}, {1, 48, 48},
+                                       {1, 48, 208}, {1, 208, 48}}, fmt);
+        set_ctx("fp8", "quantize jobs fp32 odd", fp8_name(fmt));
+        test_fp8_quantize_jobs<float>({{1, 37, 36}, {3, 64, 64}, {1, 129, 200}}, fmt);
     }
     const int gshapes[][4] = {{64, 96, 128, 1}, {48, 32, 96, 3}, {256, 512, 64, 1}, {16, 48, 16, 1}};
     for (const auto& g : gshapes) {

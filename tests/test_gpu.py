@@ -316,12 +316,21 @@ def test_fp8_graphs_give_the_same_bits_as_launch_by_launch(cuda_binary, random_s
     assert runs["eager"][1] == runs["graph"][1], "the eager run's checkpoint differs from the graph run's"
 
 
-def test_fp8_memory_plan_holds_the_fp8_weights(cuda_binary, random_shards):
-    res = run_ok(cuda_binary, tiny_args(random_shards.train, **{**FP8_SHAPES["odd"], "train.precision": "fp8",
-                                                                "train.steps": 2}))
-    groups = res.events("memory")[0]["groups"]
+def test_fp8_memory_plan_holds_the_fp8_weights_and_the_kept_casts(cuda_binary, random_shards):
+    groups = {}
+    for precision in ("fp8", "bf16"):
+        res = run_ok(cuda_binary, tiny_args(random_shards.train, **{**FP8_SHAPES["odd"], "train.precision": precision,
+                                                                    "train.steps": 2}))
+        groups[precision] = res.events("memory")[0]["groups"]
     n = eu.layout_for(FP8_SHAPES["odd"])["n_params"]
-    assert groups["weights_lowp"] >= 4 * n, groups  # the bf16 copy and two fp8 copies
+    assert groups["fp8"]["weights_lowp"] >= 4 * n, groups  # the bf16 copy and two fp8 copies
+    # the forward's casts kept transposed for the backward: per layer ln1, attention output, ln2 [N, C]
+    # and h_gelu [N, F], one byte each; and the bf16 h_gelu [N, F] of one layer instead of every
+    # layer's (the fp8 backward reads the kept cast). Here all multiples of the plan's 256 bytes.
+    s = FP8_SHAPES["odd"]
+    L, N, F = s["model.n_layer"], s["train.batch_size"] * s["model.seq_len"], s["model.d_ff"]
+    kept, h_gelu_saved = L * N * (3 * s["model.d_model"] + F), (L - 1) * N * F * 2
+    assert groups["fp8"]["activations"] - groups["bf16"]["activations"] == kept - h_gelu_saved, groups
 
 
 def test_fp8_shapes_it_cannot_contract_are_refused(cuda_binary, random_shards):

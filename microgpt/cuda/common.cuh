@@ -76,7 +76,7 @@ static int sync_launches(void) {
         if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());      \
     } while (0)
 
-static inline unsigned ceil_div(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
+static inline __host__ __device__ unsigned ceil_div(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
 
 /* Grid size for element-wise kernels over n elements with grid-stride loops: enough blocks to fill
  * any current GPU, never so many that the count overflows. */
@@ -210,6 +210,43 @@ __device__ __forceinline__ float block_reduce(float x, float identity) {
 }
 __device__ __forceinline__ float block_sum(float x) { return block_reduce<warp_sum>(x, 0.0f); }
 __device__ __forceinline__ float block_max(float x) { return block_reduce<warp_max>(x, -INFINITY); }
+
+/* Precision fp8's amax (docs/DESIGN.md §18), fused into kernels that produce an FP8 product's
+ * operand. The amax is the maximum of the fp32 bit patterns of |x| over the values as stored (in
+ * the activation type: as_stored): for non-negative floats the order of the patterns is the order
+ * of the values, and a NaN's pattern is above infinity's. */
+template <typename T> __device__ __forceinline__ float as_stored(float x) { return to_f(from_f<T>(x)); }
+__device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7FFFFFFFu; }
+
+/* Blocks of a kernel that ends in block_amax_commit: enough to fill the GPU, few enough that the
+ * atomics on the one address stay cheap. */
+#define AMAX_MAX_BLOCKS 1024u
+static inline unsigned amax_grid(unsigned grid, const unsigned* amax_bits) {
+    return amax_bits && grid > AMAX_MAX_BLOCKS ? AMAX_MAX_BLOCKS : grid;
+}
+
+/* The block's maximum of every thread's m into *amax_bits: one integer atomicMax per block. The
+ * maximum does not depend on the order, so the result is deterministic. Every thread of the block
+ * calls it (blockDim.x a multiple of 32); amax_bits NULL: nothing. `partial`: 32 unsigned of
+ * shared memory (a kernel whose shared memory is full lends some; the leading barrier makes that
+ * safe). */
+__device__ __forceinline__ void block_amax_commit_in(unsigned* amax_bits, unsigned m, unsigned* partial) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    if (!amax_bits) return;
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    __syncthreads();
+    if (lane == 0) partial[warp] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < n_warps; w++) m = max(m, partial[w]);
+        if (m) atomicMax(amax_bits, m); /* 0 changes nothing */
+    }
+}
+
+__device__ __forceinline__ void block_amax_commit(unsigned* amax_bits, unsigned m) {
+    __shared__ unsigned partial[32];
+    block_amax_commit_in(amax_bits, m, partial);
+}
 
 /* ---------------------------------------------------------------------------------------------- */
 /* cuBLAS: one handle, one explicit workspace (so the library never allocates behind our back and

@@ -1,11 +1,15 @@
 /* fp8.cuh: precision fp8 (docs/DESIGN.md §18): the per-tensor casts to FP8 and the FP8 tensor-core
  * products of the linear layers, through cuBLASLt. Nothing here runs in any other precision.
  *
- * A cast is fp8_quantize: the tensor's amax (k_fp8_amax), then k_fp8_cast, which derives the scale
- * from the amax (cpu/fp8.h's fp8_scale_for_amax, a power of two), casts x * scale with the
- * hardware's round-to-nearest-even, saturating conversion, and writes the inverse scale where the
- * product reads it. Current scaling: every cast uses the amax of the tensor it casts, so no scale
- * state outlives a step and resume needs nothing beyond the weights.
+ * A cast is the tensor's amax, then k_fp8_cast, which derives the scale from the amax
+ * (cpu/fp8.h's fp8_scale_for_amax, a power of two), casts x * scale with the hardware's
+ * round-to-nearest-even, saturating conversion, and writes the inverse scale where the product
+ * reads it. The amax comes from k_fp8_amax (fp8_reduce_amax) or, where one of the engine's kernels
+ * produces the operand (LayerNorm, GELU: common.cuh's block_amax_commit), from that kernel, saving
+ * a full read. Every cast has its own Fp8Scale, whose amax is zeroed before (fp8_zero_scales, one
+ * memset for many). The weights' casts (all layers) run as one list: one amax launch, one cast
+ * launch (fp8_quantize_jobs). Current scaling: every cast uses the amax of the tensor
+ * it casts, so no scale state outlives a step and resume needs nothing beyond the weights.
  *
  * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
  * patterns is the order of the values), reduced per block and combined with an integer atomicMax:
@@ -46,74 +50,195 @@ struct __align__(16) Fp8Scale {
 #define FP8_SCALE_ALIGN 16
 
 #define FP8_AMAX_BLOCK 256
-#define FP8_TILE 32      /* the cast's tile: 32 x 32 elements through shared memory */
-#define FP8_TILE_ROWS 8  /* threads per tile column: each thread casts 4 rows */
+#define FP8_TILE 64        /* the cast's tile: 64 x 64 elements through shared memory */
+#define FP8_CAST_THREADS 256
+#define FP8_ROW_PACKET 8   /* elements of a row a thread casts at once: one 16-byte load of bf16, one
+                              8-byte store of codes */
+#define FP8_COL_PACKET 16  /* elements of a transposed row a thread writes at once: one 16-byte store */
 
-template <typename T>
-__global__ void k_fp8_amax(unsigned* __restrict__ amax_bits, const T* __restrict__ x, size_t n) {
-    __shared__ unsigned warp_max[FP8_AMAX_BLOCK / 32];
+/* One cast: `batch` blocks [R, Cc] of `in` into out_n / out_t (layouts at the top of the file; either
+ * may be NULL) in format fmt, at the scale of the amax in sc, which receives the scale. A launch
+ * does one (fp8_cast) or several, listed on the device (fp8_quantize_jobs: the weights). */
+template <typename T> struct Fp8CastJob {
+    const T* in;
+    fp8 *out_n, *out_t;
+    Fp8Scale* sc;
+    int batch, R, Cc, fmt;
+    unsigned first_tile; /* in a list: the tiles of the jobs before it (its first block of the cast) */
+};
+
+static unsigned fp8_cast_tiles(int batch, int R, int Cc) {
+    return ceil_div(Cc, FP8_TILE) * ceil_div(R, FP8_TILE) * (unsigned)batch;
+}
+
+/* Lane-local amax bits of n values (VEC-element packets, grid-stride over blockIdx.x / gridDim.x). */
+template <typename T, int VEC> __device__ __forceinline__ unsigned fp8_amax_bits_of(const T* __restrict__ x, size_t n) {
     unsigned m = 0;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        m = max(m, __float_as_uint(to_f(x[i])) & 0x7FFFFFFFu);
-    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < FP8_AMAX_BLOCK / 32; w++) m = max(m, warp_max[w]);
-        atomicMax(amax_bits, m);
+    FOR_PACKETS(i, n) {
+        float v[VEC];
+        load_vec(v, x + i);
+        for (int k = 0; k < VEC; k++) m = max(m, abs_bits(v[k]));
     }
+    return m;
+}
+
+/* The standalone amax, for operands no kernel of ours produces with the amax fused (attention's
+ * output and dq, dk, dv): 16-byte packets, at most AMAX_MAX_BLOCKS blocks. */
+template <typename T, int VEC>
+__global__ void k_fp8_amax(unsigned* __restrict__ amax_bits, const T* __restrict__ x, size_t n) {
+    block_amax_commit(amax_bits, fp8_amax_bits_of<T, VEC>(x, n));
+}
+
+/* The amax of every job of a list: blockIdx.y is the job. */
+template <typename T, int VEC> __global__ void k_fp8_amax_jobs(const Fp8CastJob<T>* __restrict__ jobs) {
+    const Fp8CastJob<T>& j = jobs[blockIdx.y];
+    block_amax_commit(&j.sc->amax_bits, fp8_amax_bits_of<T, VEC>(j.in, (size_t)j.batch * j.R * j.Cc));
 }
 
 __device__ __forceinline__ fp8 fp8_cvt(float x, int fmt) {
     return (fp8)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
 }
 
-/* in: batch blocks [R, Cc]; out_n [R][batch][Cc] and out_t [batch][Cc][R], either may be NULL.
- * Grid (Cc tiles, R tiles, batch), block (FP8_TILE, FP8_TILE_ROWS). */
-template <typename T>
-__global__ void k_fp8_cast(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* sc, const T* __restrict__ in,
-                           int R, int Cc, int fmt) {
-    __shared__ fp8 tile[FP8_TILE][FP8_TILE + 4];
-    int b = blockIdx.z, batch = gridDim.z;
-    int c = blockIdx.x * FP8_TILE + threadIdx.x, r0 = blockIdx.y * FP8_TILE;
-    float amax = __uint_as_float(sc->amax_bits), s = fp8_scale_for_amax(amax, fmt);
-    const T* src = in + (size_t)b * R * Cc;
-    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
-        sc->scale = s;
-        sc->descale = 1.0f / s;
+/* Tile `tile_id` (Cc tiles fastest, then R tiles, then the block b of the batch) of job j, by the
+ * FP8_CAST_THREADS threads of a block. The tile is cast row-wise (8 threads a row of 64,
+ * FP8_ROW_PACKET elements each) into out_n and shared memory, then written transposed from there
+ * (64 threads a row group, one column and FP8_COL_PACKET rows each; a warp reads 32 consecutive
+ * bytes of a tile row, so without bank conflicts). PACKED (Cc a multiple of FP8_ROW_PACKET, R of
+ * FP8_COL_PACKET, pointers 16-byte aligned: fp8_cast_packable): 16-byte loads, 8-byte and
+ * 16-byte stores; else element by element. */
+template <typename T, bool PACKED> __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned tile_id) {
+    __shared__ __align__(16) fp8 tile[FP8_TILE][FP8_TILE + 8]; /* rows of 72 bytes: 8-byte aligned */
+    const int R = j.R, Cc = j.Cc, batch = j.batch, fmt = j.fmt;
+    fp8 *out_n = j.out_n, *out_t = j.out_t;
+    unsigned tiles_c = ceil_div(Cc, FP8_TILE), tiles_r = ceil_div(R, FP8_TILE);
+    int c0 = (int)(tile_id % tiles_c) * FP8_TILE, r0 = (int)(tile_id / tiles_c % tiles_r) * FP8_TILE;
+    int b = (int)(tile_id / tiles_c / tiles_r);
+    float amax = __uint_as_float(j.sc->amax_bits), s = fp8_scale_for_amax(amax, fmt);
+    const T* src = j.in + (size_t)b * R * Cc;
+    if (tile_id == 0 && threadIdx.x == 0) {
+        j.sc->scale = s;
+        j.sc->descale = 1.0f / s;
     }
-    for (int k = threadIdx.y; k < FP8_TILE; k += FP8_TILE_ROWS) {
-        int r = r0 + k;
-        if (r < R && c < Cc) {
-            fp8 q = fp8_cvt(to_f(src[(size_t)r * Cc + c]) * s, fmt);
-            if (out_n) out_n[((size_t)r * batch + b) * Cc + c] = q;
-            tile[k][threadIdx.x] = q;
+    const int per_row = FP8_TILE / FP8_ROW_PACKET;
+    int tc = (threadIdx.x % per_row) * FP8_ROW_PACKET, c = c0 + tc;
+    for (int tr = threadIdx.x / per_row; tr < FP8_TILE; tr += FP8_CAST_THREADS / per_row) {
+        int r = r0 + tr;
+        if (r >= R) break;
+        if constexpr (PACKED) {
+            if (c >= Cc) continue; /* Cc a multiple of the packet: a packet is wholly in or out */
+            float v[FP8_ROW_PACKET];
+            uint2 q;
+            fp8* qb = reinterpret_cast<fp8*>(&q);
+            load_vec(v, src + (size_t)r * Cc + c);
+            for (int k = 0; k < FP8_ROW_PACKET; k++) qb[k] = fp8_cvt(v[k] * s, fmt);
+            if (out_n) *reinterpret_cast<uint2*>(out_n + ((size_t)r * batch + b) * Cc + c) = q;
+            *reinterpret_cast<uint2*>(&tile[tr][tc]) = q;
+        } else {
+            for (int k = 0; k < FP8_ROW_PACKET && c + k < Cc; k++) {
+                fp8 q = fp8_cvt(to_f(src[(size_t)r * Cc + c + k]) * s, fmt);
+                if (out_n) out_n[((size_t)r * batch + b) * Cc + c + k] = q;
+                tile[tr][tc + k] = q;
+            }
         }
     }
     if (!out_t) return;
     __syncthreads();
-    /* transposed: thread x walks rows r0 + x of the tile, its y the columns */
-    for (int k = threadIdx.y; k < FP8_TILE; k += FP8_TILE_ROWS) {
-        int r = r0 + threadIdx.x, cc = blockIdx.x * FP8_TILE + k;
-        if (r < R && cc < Cc) out_t[((size_t)b * Cc + cc) * R + r] = tile[threadIdx.x][k];
+    int col = threadIdx.x % FP8_TILE, tr0 = threadIdx.x / FP8_TILE * FP8_COL_PACKET;
+    int cc = c0 + col, r = r0 + tr0;
+    if (cc >= Cc || r >= R) return;
+    fp8* dst = out_t + ((size_t)b * Cc + cc) * R + r;
+    if constexpr (PACKED) { /* R a multiple of the packet: wholly in */
+        uint4 q;
+        fp8* qb = reinterpret_cast<fp8*>(&q);
+        for (int k = 0; k < FP8_COL_PACKET; k++) qb[k] = tile[tr0 + k][col];
+        *reinterpret_cast<uint4*>(dst) = q;
+    } else {
+        for (int k = 0; k < FP8_COL_PACKET && r + k < R; k++) dst[k] = tile[tr0 + k][col];
     }
 }
 
-/* Casts `batch` blocks [R, Cc] of `in` to `fmt` at their joint current scale into out_n / out_t
- * (layouts at the top of the file); sc receives the scale. */
-template <typename T>
-static void fp8_quantize(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt) {
-    size_t n = (size_t)batch * R * Cc;
-    if (ceil_div(R, FP8_TILE) > 65535u || batch > 65535) {
-        fprintf(stderr, "error: internal: fp8_quantize of %d x [%d, %d] exceeds the cast's grid\n", batch, R, Cc);
-        exit(1);
+static_assert(FP8_CAST_THREADS / FP8_TILE * FP8_COL_PACKET == FP8_TILE, "the transposed pass covers the tile");
+
+/* One cast, a block a tile. */
+template <typename T, bool PACKED> __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast(Fp8CastJob<T> j) {
+    fp8_cast_tile<T, PACKED>(j, blockIdx.x);
+}
+
+/* A list of casts, a block a tile: the block's job is the last whose first_tile is <= blockIdx.x. */
+template <typename T, bool PACKED>
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_jobs(const Fp8CastJob<T>* __restrict__ jobs, int n_jobs) {
+    int lo = 0, hi = n_jobs - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (jobs[mid].first_tile <= blockIdx.x) lo = mid;
+        else hi = mid - 1;
     }
-    CUDA_CHECK(cudaMemsetAsync(&sc->amax_bits, 0, sizeof(unsigned), g_stream));
-    k_fp8_amax<T><<<elementwise_grid(n, FP8_AMAX_BLOCK) < 1024 ? elementwise_grid(n, FP8_AMAX_BLOCK) : 1024,
-                    FP8_AMAX_BLOCK, 0, g_stream>>>(&sc->amax_bits, in, n);
+    fp8_cast_tile<T, PACKED>(jobs[lo], blockIdx.x - jobs[lo].first_tile);
+}
+
+/* Every cast's amax starts at 0: zeroes the amax (and the rest) of `count` consecutive scales. The
+ * engine zeroes all of a micro-batch's at its start, and all the weights' before their casts. */
+static void fp8_zero_scales(Fp8Scale* sc, size_t count) {
+    CUDA_CHECK(cudaMemsetAsync(sc, 0, count * sizeof(Fp8Scale), g_stream));
+}
+
+/* The amax of n values of x into sc (atomicMax: sc's amax zeroed before, fp8_zero_scales). */
+template <typename T> static void fp8_reduce_amax(Fp8Scale* sc, const T* x, size_t n) {
+    bool packed = packable(n, sizeof(T), {x});
+    LAUNCH_PACKED(packed, k_fp8_amax, T, amax_grid(elementwise_grid(n / (packed ? PACK(T) : 1), FP8_AMAX_BLOCK),
+                                                   &sc->amax_bits),
+                  FP8_AMAX_BLOCK, &sc->amax_bits, x, n);
+}
+
+template <typename T> static bool fp8_cast_packable(const Fp8CastJob<T>& j) {
+    return j.Cc % FP8_ROW_PACKET == 0 && j.R % FP8_COL_PACKET == 0 && (uintptr_t)j.out_n % 16 == 0 &&
+           (uintptr_t)j.out_t % 16 == 0 && (uintptr_t)j.in % 16 == 0;
+}
+
+/* The cast of `batch` blocks [R, Cc] of `in` (Fp8CastJob) at the scale of the amax already in sc
+ * (from fp8_reduce_amax or a producer with the amax fused). */
+template <typename T>
+static void fp8_cast(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt) {
+    Fp8CastJob<T> j = {in, out_n, out_t, sc, batch, R, Cc, fmt, 0};
+    unsigned tiles = fp8_cast_tiles(batch, R, Cc);
+    if (fp8_cast_packable(j)) k_fp8_cast<T, true><<<tiles, FP8_CAST_THREADS, 0, g_stream>>>(j);
+    else k_fp8_cast<T, false><<<tiles, FP8_CAST_THREADS, 0, g_stream>>>(j);
     LAUNCH_CHECK();
-    dim3 grid(ceil_div(Cc, FP8_TILE), ceil_div(R, FP8_TILE), batch), block(FP8_TILE, FP8_TILE_ROWS);
-    k_fp8_cast<T><<<grid, block, 0, g_stream>>>(out_n, out_t, sc, in, R, Cc, fmt);
+}
+
+/* A list of casts done by two launches (all the amax, then all the casts): the list on the device
+ * and what launching it needs. */
+template <typename T> struct Fp8CastJobs {
+    Fp8CastJob<T>* dev;
+    int n;
+    unsigned tiles;   /* the cast launch's blocks */
+    size_t max_elems; /* of the largest job: sizes the amax launch */
+    bool packed;      /* every job packable */
+};
+
+/* Lists the jobs host[0..n) (their first_tile filled in here) in dev (room for n, device memory). */
+template <typename T>
+static Fp8CastJobs<T> fp8_jobs_upload(Fp8CastJob<T>* host, int n, Fp8CastJob<T>* dev) {
+    Fp8CastJobs<T> js = {dev, n, 0, 0, true};
+    for (int i = 0; i < n; i++) {
+        size_t elems = (size_t)host[i].batch * host[i].R * host[i].Cc;
+        host[i].first_tile = js.tiles;
+        js.tiles += fp8_cast_tiles(host[i].batch, host[i].R, host[i].Cc);
+        js.max_elems = elems > js.max_elems ? elems : js.max_elems;
+        js.packed = js.packed && fp8_cast_packable(host[i]) && packable(elems, sizeof(T), {host[i].in});
+    }
+    CUDA_CHECK(cudaMemcpy(dev, host, (size_t)n * sizeof(Fp8CastJob<T>), cudaMemcpyHostToDevice));
+    return js;
+}
+
+/* Every job of the list: amax (each job's sc zeroed before), then cast. */
+#define FP8_JOB_AMAX_BLOCKS 128u /* per job: the weights' jobs together fill the GPU many times */
+template <typename T> static void fp8_quantize_jobs(const Fp8CastJobs<T>& js) {
+    unsigned per_job = elementwise_grid(js.max_elems / (js.packed ? PACK(T) : 1), FP8_AMAX_BLOCK);
+    dim3 grid(per_job < FP8_JOB_AMAX_BLOCKS ? per_job : FP8_JOB_AMAX_BLOCKS, js.n);
+    LAUNCH_PACKED(js.packed, k_fp8_amax_jobs, T, grid, FP8_AMAX_BLOCK, js.dev);
+    if (js.packed) k_fp8_cast_jobs<T, true><<<js.tiles, FP8_CAST_THREADS, 0, g_stream>>>(js.dev, js.n);
+    else k_fp8_cast_jobs<T, false><<<js.tiles, FP8_CAST_THREADS, 0, g_stream>>>(js.dev, js.n);
     LAUNCH_CHECK();
 }
 

@@ -10,8 +10,11 @@
  * for both. The second, k_layernorm_bwd_final, adds the chunk partials in a fixed order. Chunks
  * depend only on N and slabs only on C, so the result does not depend on the GPU.
  *
+ * Precision fp8: the forward's output and the backward's dx are FP8 products' operands, so both
+ * kernels can also take their amax (common.cuh's block_amax_commit), saving the cast a full read.
+ *
  * Variants, chosen at compile time (-D; 0, the default, is the code described above; each passes
- * tests/kernel_check.cu, and bench/rowk_bench.cu times them, docs/BENCHMARKS.md log #50-#52):
+ * tests/kernel_check.cu, and bench/rowk_bench.cu times them, docs/BENCHMARKS.md log #50-#52, #56):
  *   LN_FWD_VARIANT 1  the forward holds its row in registers (LN_REG_PACKETS packets a lane at most:
  *                     C <= 1024 in bf16/fp16, 512 in fp32), so x is read once, not three times; the
  *                     same operations in the same order, so the same bits.
@@ -26,7 +29,7 @@
  *   LN_BWD_VARIANT 3  as 1 with the column sums in shared memory as today (k_layernorm_bwd_regs_
  *                     shared_sums): 80 registers instead of 127 at C = 768, so three blocks per
  *                     multiprocessor instead of two; the same bits.
- * Wider rows take the default kernels. */
+ * Wider rows take the default kernels. The variants take the amax as the default kernels do. */
 #ifndef MICROGPT_CUDA_LAYERNORM_CUH
 #define MICROGPT_CUDA_LAYERNORM_CUH
 
@@ -79,15 +82,16 @@ static int ln_slab_cols(int C) {
  * of the row (or of the slab, in the backward). */
 #define LN_ROW_LOOP(c, C) for (int c = lane * VEC; c < (C); c += 32 * VEC)
 
+/* One row of the forward (the row's warp); returns the amax bits of the row's outputs as stored
+ * (lane-local). */
 template <typename T, int VEC>
-__global__ void k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                const T* __restrict__ x, const float* __restrict__ gamma,
-                                const float* __restrict__ beta, int N, int C) {
+__device__ __forceinline__ unsigned ln_fwd_row(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                               const T* __restrict__ x, const float* __restrict__ gamma,
+                                               const float* __restrict__ beta, int row, int C) {
     int lane = threadIdx.x & 31;
-    int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
-    if (row >= N) return; /* whole warps leave together: no block barriers below */
     const T* xr = x + (size_t)row * C;
     float s = 0.0f, v[VEC];
+    unsigned am = 0;
     LN_ROW_LOOP(c, C) {
         load_vec(v, xr + c);
         for (int k = 0; k < VEC; k++) s += v[k];
@@ -105,13 +109,27 @@ __global__ void k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, f
         load_vec(v, xr + c);
         load_vec(g, gamma + c);
         load_vec(b, beta + c);
-        for (int k = 0; k < VEC; k++) v[k] = (v[k] - m) * r * g[k] + b[k];
+        for (int k = 0; k < VEC; k++) {
+            v[k] = (v[k] - m) * r * g[k] + b[k];
+            am = max(am, abs_bits(as_stored<T>(v[k])));
+        }
         store_vec(o + c, v);
     }
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
     }
+    return am;
+}
+
+/* One warp per row; amax_bits (precision fp8, else NULL): the outputs' amax, atomicMax'ed in. */
+template <typename T, int VEC>
+__global__ void k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                const T* __restrict__ x, const float* __restrict__ gamma,
+                                const float* __restrict__ beta, int N, int C, unsigned* amax_bits) {
+    int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
+    unsigned am = row < N ? ln_fwd_row<T, VEC>(out, mean, rstd, x, gamma, beta, row, C) : 0u; /* whole warps */
+    block_amax_commit(amax_bits, am);
 }
 
 #if LN_FWD_VARIANT == 1 || LN_BWD_VARIANT
@@ -141,17 +159,17 @@ static int ln_reg_packets(int C, bool packed, int pack) { return (int)ceil_div(C
 #endif
 
 #if LN_FWD_VARIANT == 1
-/* k_layernorm_fwd with the lane's PACKETS packets of the row loaded once into registers: the same
- * sums in the same order. */
+/* ln_fwd_row with the lane's PACKETS packets of the row loaded once into registers: the same sums
+ * in the same order. */
 template <typename T, int VEC, int PACKETS>
-__global__ void k_layernorm_fwd_regs(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                     const T* __restrict__ x, const float* __restrict__ gamma,
-                                     const float* __restrict__ beta, int N, int C) {
+__device__ __forceinline__ unsigned ln_fwd_row_regs(T* __restrict__ out, float* __restrict__ mean,
+                                                    float* __restrict__ rstd, const T* __restrict__ x,
+                                                    const float* __restrict__ gamma, const float* __restrict__ beta,
+                                                    int row, int C) {
     int lane = threadIdx.x & 31;
-    int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
-    if (row >= N) return;
     const T* xr = x + (size_t)row * C;
     float v[PACKETS][VEC], s = 0.0f;
+    unsigned am = 0;
     LN_REG_LOOP(p, C) load_vec(v[p], xr + ln_reg_col(p));
     LN_REG_LOOP(p, C) for (int k = 0; k < VEC; k++) s += v[p][k];
     float m = warp_sum(s) / C;
@@ -163,13 +181,26 @@ __global__ void k_layernorm_fwd_regs(T* __restrict__ out, float* __restrict__ me
         float g[VEC], b[VEC];
         load_vec(g, gamma + ln_reg_col(p));
         load_vec(b, beta + ln_reg_col(p));
-        for (int k = 0; k < VEC; k++) v[p][k] = (v[p][k] - m) * r * g[k] + b[k];
+        for (int k = 0; k < VEC; k++) {
+            v[p][k] = (v[p][k] - m) * r * g[k] + b[k];
+            am = max(am, abs_bits(as_stored<T>(v[p][k])));
+        }
         store_vec(o + ln_reg_col(p), v[p]);
     }
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
     }
+    return am;
+}
+
+template <typename T, int VEC, int PACKETS>
+__global__ void k_layernorm_fwd_regs(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                     const T* __restrict__ x, const float* __restrict__ gamma,
+                                     const float* __restrict__ beta, int N, int C, unsigned* amax_bits) {
+    int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
+    unsigned am = row < N ? ln_fwd_row_regs<T, VEC, PACKETS>(out, mean, rstd, x, gamma, beta, row, C) : 0u;
+    block_amax_commit(amax_bits, am);
 }
 #endif
 
@@ -197,11 +228,13 @@ __device__ __forceinline__ void ln_bwd_row_means(float* mg, float* mgx, const T*
 /* One row's `width` columns of a slab (every pointer already at the slab's first column):
  * dx += rstd * (g - mean(g) - xhat * mean(g * xhat)), and dout * xhat and dout added into the
  * warp's column sums. A lane touches the same columns in every row, so no other thread touches
- * its sums. */
+ * its sums. Returns the amax bits of the row's dx as stored (lane-local). */
 template <typename T, int VEC>
-__device__ __forceinline__ void ln_bwd_slab_row(T* o, float* dg_sum, float* db_sum, const T* xs, const T* ds,
-                                                const float* gs, float m, float r, float mg, float mgx, int width) {
+__device__ __forceinline__ unsigned ln_bwd_slab_row(T* o, float* dg_sum, float* db_sum, const T* xs, const T* ds,
+                                                    const float* gs, float m, float r, float mg, float mgx,
+                                                    int width) {
     int lane = threadIdx.x & 31;
+    unsigned am = 0;
     LN_ROW_LOOP(j, width) {
         float xv[VEC], dv[VEC], gv[VEC], ov[VEC], ag[VEC], ab[VEC];
         load_vec(xv, xs + j);
@@ -215,11 +248,13 @@ __device__ __forceinline__ void ln_bwd_slab_row(T* o, float* dg_sum, float* db_s
             ov[k] += r * (dv[k] * gv[k] - mg - xhat * mgx);
             ag[k] += dv[k] * xhat;
             ab[k] += dv[k];
+            am = max(am, abs_bits(as_stored<T>(ov[k])));
         }
         store_vec(o + j, ov);
         store_vec(dg_sum + j, ag);
         store_vec(db_sum + j, ab);
     }
+    return am;
 }
 
 /* After the block's barrier: its warps' column sums (col_sums[warp][dgamma, dbeta][column]) added in
@@ -242,12 +277,13 @@ __device__ __forceinline__ void ln_bwd_block_partials(float* partial, const floa
  * r0 + w + LN_WARPS, ... of the chunk: the row's means over all C columns, then dx over the slab's
  * columns, adding dout * xhat and dout into its own per-column sums in shared memory.
  * Then the block adds the warps' sums in warp order and writes partial[chunk][c] (dgamma) and
- * partial[n_chunks + chunk][c] (dbeta) for the slab's columns. dx must not alias dout or x. */
+ * partial[n_chunks + chunk][c] (dbeta) for the slab's columns. dx must not alias dout or x.
+ * amax_bits (precision fp8, else NULL): the amax of dx (after the addition), atomicMax'ed in. */
 template <typename T, int VEC>
 __global__ void k_layernorm_bwd(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
                                 const T* __restrict__ x, const float* __restrict__ gamma,
                                 const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C,
-                                int rows_per_chunk, int slab_cols) {
+                                int rows_per_chunk, int slab_cols, unsigned* amax_bits) {
     __shared__ __align__(16) float col_sums[LN_WARPS][2][LN_SLAB_COLS]; /* [warp][dgamma, dbeta][slab column] */
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int c0 = blockIdx.x * slab_cols, width = min(slab_cols, C - c0);
@@ -256,6 +292,7 @@ __global__ void k_layernorm_bwd(T* __restrict__ dx, float* __restrict__ partial,
     /* each lane clears the columns it will add into, so no barrier is needed before the rows; a
      * warp with no rows (short last chunk) leaves zeros */
     const float zero[VEC] = {};
+    unsigned am = 0;
     LN_ROW_LOOP(j, width) {
         store_vec(col_sums[warp][0] + j, zero);
         store_vec(col_sums[warp][1] + j, zero);
@@ -265,11 +302,12 @@ __global__ void k_layernorm_bwd(T* __restrict__ dx, float* __restrict__ partial,
         const T* dr = dout + (size_t)row * C;
         float m = mean[row], r = rstd[row], mg, mgx;
         ln_bwd_row_means<T, VEC>(&mg, &mgx, xr, dr, gamma, m, r, C);
-        ln_bwd_slab_row<T, VEC>(dx + (size_t)row * C + c0, col_sums[warp][0], col_sums[warp][1], xr + c0, dr + c0,
-                                gamma + c0, m, r, mg, mgx, width);
+        am = max(am, ln_bwd_slab_row<T, VEC>(dx + (size_t)row * C + c0, col_sums[warp][0], col_sums[warp][1],
+                                             xr + c0, dr + c0, gamma + c0, m, r, mg, mgx, width));
     }
     __syncthreads();
     ln_bwd_block_partials(partial, col_sums, chunk, n_chunks, C, c0, width);
+    block_amax_commit_in(amax_bits, am, (unsigned*)col_sums[0][0]); /* its barrier: col_sums is read */
 }
 
 #if LN_BWD_VARIANT
@@ -290,12 +328,13 @@ __device__ __forceinline__ void load_raw(T (&t)[VEC], const T* p) {
  * over the warp's rows are kept in registers (REG_SUMS: 48 more at C = 768 in bf16) or, as in
  * k_layernorm_bwd, in the warp's shared-memory sums (the first row stores 0 + its value, so
  * nothing needs clearing). The same operations in the same order: with the same chunks, the same
- * bits. */
+ * bits. amax_bits as k_layernorm_bwd's. */
 template <typename T, int VEC, int PACKETS, bool REG_SUMS>
 __device__ __forceinline__ void ln_bwd_regs(T* __restrict__ dx, float* __restrict__ partial,
                                             const T* __restrict__ dout, const T* __restrict__ x,
                                             const float* __restrict__ gamma, const float* __restrict__ mean,
-                                            const float* __restrict__ rstd, int N, int C, int rows_per_chunk) {
+                                            const float* __restrict__ rstd, int N, int C, int rows_per_chunk,
+                                            unsigned* amax_bits) {
     __shared__ __align__(16) float col_sums[LN_WARPS][2][LN_SLAB_COLS]; /* [warp][dgamma, dbeta][column] */
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int chunk = blockIdx.x, n_chunks = gridDim.x;
@@ -303,6 +342,7 @@ __device__ __forceinline__ void ln_bwd_regs(T* __restrict__ dx, float* __restric
     float* dg_sum = col_sums[warp][0];
     float* db_sum = col_sums[warp][1];
     float dg[REG_SUMS ? PACKETS : 1][VEC] = {}, db[REG_SUMS ? PACKETS : 1][VEC] = {};
+    unsigned am = 0;
     for (int row = r0 + warp; row < r1; row += LN_WARPS) {
         __align__(16) T xv[PACKETS][VEC], dv[PACKETS][VEC], ov[PACKETS][VEC];
         const T* xr = x + (size_t)row * C;
@@ -342,6 +382,7 @@ __device__ __forceinline__ void ln_bwd_regs(T* __restrict__ dx, float* __restric
                 out[k] = to_f(ov[p][k]) + r * (d * gv[k] - mg - xhat * mgx);
                 ag[k] += d * xhat;
                 ab[k] += d;
+                am = max(am, abs_bits(as_stored<T>(out[k])));
             }
             store_vec(o + c, out);
             if constexpr (REG_SUMS) {
@@ -360,24 +401,26 @@ __device__ __forceinline__ void ln_bwd_regs(T* __restrict__ dx, float* __restric
     }
     __syncthreads();
     ln_bwd_block_partials(partial, col_sums, chunk, n_chunks, C, 0, C);
+    block_amax_commit_in(amax_bits, am, (unsigned*)col_sums[0][0]); /* its barrier: col_sums is read */
 }
 
 #define LN_BWD_REGS_ARGS                                                                                 \
     T *__restrict__ dx, float *__restrict__ partial, const T *__restrict__ dout, const T *__restrict__ x, \
         const float *__restrict__ gamma, const float *__restrict__ mean, const float *__restrict__ rstd, int N, \
-        int C, int rows_per_chunk
+        int C, int rows_per_chunk, unsigned *amax_bits
 
 /* Column sums in registers: at most 128 registers a thread, two blocks per multiprocessor. */
 template <typename T, int VEC, int PACKETS>
 __global__ void __launch_bounds__(32 * LN_WARPS, 2) k_layernorm_bwd_regs(LN_BWD_REGS_ARGS) {
-    ln_bwd_regs<T, VEC, PACKETS, true>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk);
+    ln_bwd_regs<T, VEC, PACKETS, true>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk, amax_bits);
 }
 
 /* Column sums in shared memory: at most 80 registers a thread, three blocks per multiprocessor (at four,
  * 64 registers, the C = 768 kernel spills). */
 template <typename T, int VEC, int PACKETS>
 __global__ void __launch_bounds__(32 * LN_WARPS, 3) k_layernorm_bwd_regs_shared_sums(LN_BWD_REGS_ARGS) {
-    ln_bwd_regs<T, VEC, PACKETS, false>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk);
+    ln_bwd_regs<T, VEC, PACKETS, false>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk,
+                                        amax_bits);
 }
 #endif
 
@@ -408,20 +451,21 @@ __global__ void k_layernorm_bwd_final(float* dgamma, float* dbeta, const float* 
     }
 }
 
+/* amax_bits: precision fp8's amax of out (docs/DESIGN.md §18) is atomicMax'ed in; NULL: none. */
 template <typename T>
 static void layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const float* gamma, const float* beta,
-                          int N, int C) {
+                          int N, int C, unsigned* amax_bits = NULL) {
     bool packed = packable(C, sizeof(T), {out, x}) && packable(C, sizeof(float), {gamma, beta});
 #if LN_FWD_VARIANT == 1
     int packets = ln_reg_packets(C, packed, PACK(T));
     if (packets <= LN_REG_PACKETS) {
         LN_LAUNCH_PACKETS(packed, packets, k_layernorm_fwd_regs, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean,
-                          rstd, x, gamma, beta, N, C);
+                          rstd, x, gamma, beta, N, C, amax_bits);
         return;
     }
 #endif
     LAUNCH_PACKED(packed, k_layernorm_fwd, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean, rstd, x, gamma,
-                  beta, N, C);
+                  beta, N, C, amax_bits);
 }
 
 /* dgamma, dbeta = / += (add) the sums of the n_chunks chunk partials in scratch */
@@ -431,10 +475,12 @@ static void layernorm_bwd_final(float* dgamma, float* dbeta, const float* scratc
     LAUNCH_CHECK();
 }
 
-/* dx += ; dgamma, dbeta = / += by grad_beta (0 or 1); scratch holds layernorm_scratch_floats(C) floats. */
+/* dx += ; dgamma, dbeta = / += by grad_beta (0 or 1); scratch holds layernorm_scratch_floats(C) floats.
+ * amax_bits: precision fp8's amax of dx (after the addition) is atomicMax'ed in; NULL: none. */
 template <typename T>
 static void layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, const T* x, const float* gamma,
-                          const float* mean, const float* rstd, int N, int C, float* scratch, float grad_beta) {
+                          const float* mean, const float* rstd, int N, int C, float* scratch, float grad_beta,
+                          unsigned* amax_bits = NULL) {
     bool packed = packable(C, sizeof(T), {dx, dout, x}) && packable(C, sizeof(float), {gamma});
 #if LN_BWD_VARIANT
     int packets = ln_reg_packets(C, packed, PACK(T));
@@ -442,7 +488,7 @@ static void layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, con
         int rows_per_chunk = ln_rows_per_chunk(N, LN_BWD_REGS_CHUNKS);
         int n_chunks = (int)ceil_div(N, rows_per_chunk);
         LN_LAUNCH_PACKETS(packed, packets, LN_BWD_REGS_KERNEL, T, n_chunks, 32 * LN_WARPS, dx, scratch, dout, x,
-                          gamma, mean, rstd, N, C, rows_per_chunk);
+                          gamma, mean, rstd, N, C, rows_per_chunk, amax_bits);
         layernorm_bwd_final(dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
         return;
     }
@@ -452,7 +498,7 @@ static void layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, con
     int slab_cols = ln_slab_cols(C);
     dim3 grid(ceil_div(C, slab_cols), n_chunks);
     LAUNCH_PACKED(packed, k_layernorm_bwd, T, grid, 32 * LN_WARPS, dx, scratch, dout, x, gamma, mean, rstd, N, C,
-                  rows_per_chunk, slab_cols);
+                  rows_per_chunk, slab_cols, amax_bits);
     layernorm_bwd_final(dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
 }
 

@@ -25,39 +25,57 @@ __device__ __forceinline__ float gelu_grad_f(float x) {
     return 0.5f * (1.0f + th) + 0.5f * x * dth;
 }
 
+/* amax_bits (precision fp8's MLP, whose GELU output is an FP8 product's operand; else NULL): the
+ * output's amax as stored, atomicMax'ed in (common.cuh), saving the cast a full read. */
 template <typename T, int VEC>
-__global__ void k_gelu_fwd(T* __restrict__ out, const T* __restrict__ x, size_t n) {
+__global__ void k_gelu_fwd(T* __restrict__ out, const T* __restrict__ x, size_t n, unsigned* amax_bits) {
+    unsigned am = 0;
     FOR_PACKETS(i, n) {
         float v[VEC];
         load_vec(v, x + i);
-        for (int k = 0; k < VEC; k++) v[k] = gelu_f(v[k]);
+        for (int k = 0; k < VEC; k++) {
+            v[k] = gelu_f(v[k]);
+            am = max(am, abs_bits(as_stored<T>(v[k])));
+        }
         store_vec(out + i, v);
     }
+    block_amax_commit(amax_bits, am);
 }
 
 /* In place: d = d * gelu'(x). d arrives as the gradient of the GELU output and leaves as that of
- * its input; the MLP backward owns d as scratch, so nothing needs accumulating here. */
+ * its input; the MLP backward owns d as scratch, so nothing needs accumulating here. amax_bits:
+ * as in k_gelu_fwd, of the new d. */
 template <typename T, int VEC>
-__global__ void k_gelu_bwd_inplace(T* __restrict__ d, const T* __restrict__ x, size_t n) {
+__global__ void k_gelu_bwd_inplace(T* __restrict__ d, const T* __restrict__ x, size_t n, unsigned* amax_bits) {
+    unsigned am = 0;
     FOR_PACKETS(i, n) {
         float dv[VEC], xv[VEC];
         load_vec(dv, d + i);
         load_vec(xv, x + i);
-        for (int k = 0; k < VEC; k++) dv[k] *= gelu_grad_f(xv[k]);
+        for (int k = 0; k < VEC; k++) {
+            dv[k] *= gelu_grad_f(xv[k]);
+            am = max(am, abs_bits(as_stored<T>(dv[k])));
+        }
         store_vec(d + i, dv);
     }
+    block_amax_commit(amax_bits, am);
+}
+
+/* The grid of an element-wise kernel over n values (packets when `packed`) that may end in an amax. */
+template <typename T> static unsigned gelu_grid(size_t n, bool packed, const unsigned* amax_bits) {
+    return amax_grid(elementwise_grid(n / (packed ? PACK(T) : 1), 256), amax_bits);
 }
 
 template <typename T>
-static void gelu_fwd(T* out, const T* x, size_t n) {
+static void gelu_fwd(T* out, const T* x, size_t n, unsigned* amax_bits = NULL) {
     bool packed = packable(n, sizeof(T), {out, x});
-    LAUNCH_PACKED_ELEMENTWISE(packed, k_gelu_fwd, T, n, out, x, n);
+    LAUNCH_PACKED(packed, k_gelu_fwd, T, gelu_grid<T>(n, packed, amax_bits), 256, out, x, n, amax_bits);
 }
 
 template <typename T>
-static void gelu_bwd_inplace(T* d, const T* x, size_t n) {
+static void gelu_bwd_inplace(T* d, const T* x, size_t n, unsigned* amax_bits = NULL) {
     bool packed = packable(n, sizeof(T), {d, x});
-    LAUNCH_PACKED_ELEMENTWISE(packed, k_gelu_bwd_inplace, T, n, d, x, n);
+    LAUNCH_PACKED(packed, k_gelu_bwd_inplace, T, gelu_grid<T>(n, packed, amax_bits), 256, d, x, n, amax_bits);
 }
 
 /* out [N,C] = residual + gelu(x @ w1) @ w2 (the MLP and the residual join after it); saves

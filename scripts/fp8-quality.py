@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""fp8 against bf16 on real text: the quality runs of docs/ANDREA.md ("fp8 against bf16").
+
+    python3 scripts/fp8-quality.py run MODEL [--out DIR] [--steps 2000] [--engine build/microgpt_cuda]
+    python3 scripts/fp8-quality.py summary DIR... [--out DIR]
+    python3 scripts/fp8-quality.py markdown SUMMARY_JSON [--chart PATH]
+
+run: trains MODEL (12M, 120M or a config path) with the CUDA engine twice, in bf16 and in fp8, from
+the experiment's config with the same seed and data (data/megachat train and validation shards),
+for --steps steps, validating every --eval-every steps on --eval-batches fixed batches. The
+schedule is the shipped one compressed to the shorter run: warmup takes the same fraction of the
+steps as in the config (ANDREA-12M 200 of 20000 -> 20 of 2000; ANDREA-120M 500 of 13000 -> 77),
+then cosine to min_lr at the last step; no polish phase, no samples, no checkpoints. Each run's
+engine records go to DIR/<model>-<precision>.jsonl (<model> the config's name, e.g. ANDREA-12M),
+after a first line {"event": "environment", ...}: commit, date, GPU, driver of the run.
+
+summary: reads every such record file in the DIRs (the two models may come from two invocations)
+and writes DIR/fp8-quality.json (per model: each precision's validation curve, final validation
+loss and median ms/step; the relative difference (fp8 - bf16) / bf16 of the final validation
+losses; pass when its magnitude is at most 1%) and DIR/fp8-quality.svg (the validation curves, one
+panel per model). Exit status 1 unless every model present passes.
+
+markdown: the summary as the table and chart reference docs/ANDREA.md shows.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+
+from bench import engine_command, parse_records      # noqa: E402  (bench/ is not a package)
+from bench_common import (BenchError, experiment_path, load_config, repo_path, shard_paths,  # noqa: E402
+                          train_settings)
+from results import environment                      # noqa: E402
+from microgpt.atomic import atomic_open              # noqa: E402
+from svg_chart import svg_figure                     # noqa: E402  (scripts/, this file's folder)
+
+PRECISIONS = ("bf16", "fp8")
+TOLERANCE = 0.01          # fp8's final validation loss within 1% of bf16's
+TRAIN = "data/megachat/megachat_train_*.bin"
+VAL = "data/megachat/megachat_val_*.bin"
+SUMMARY = "fp8-quality.json"
+CHART = "fp8-quality.svg"
+
+
+# -----------------------------------------------------------------------------
+# the runs
+
+
+def scaled_warmup(t, steps):
+    """The config's warmup at the same fraction of a run of `steps` steps, at least 1."""
+    return max(1, round(steps * t["warmup_steps"] / t["steps"]))
+
+
+def run_overrides(cfg, args, precision):
+    t = train_settings(cfg)
+    return {"train.steps": args.steps, "train.warmup_steps": scaled_warmup(t, args.steps),
+            "train.precision": precision, "data.train": args.data, "data.val": args.val,
+            "eval.every": args.eval_every, "eval.batches": args.eval_batches}
+
+
+def records_path(out, model, precision):
+    return os.path.join(out, f"{model}-{precision}.jsonl")
+
+
+def run(args):
+    cfg = load_config(experiment_path(args.model))
+    model = cfg.get("name", args.model)
+    for pattern, what in ((args.data, "--data"), (args.val, "--val")):
+        if not shard_paths(pattern):
+            raise BenchError(f"no shards match {what} {pattern} (the quality runs need real text: make data)")
+    os.makedirs(args.out, exist_ok=True)
+    env = json.dumps({"event": "environment", **environment()})
+    failed = []
+    for precision in PRECISIONS:
+        cmd = engine_command(cfg, run_overrides(cfg, args, precision), repo_path(args.engine))
+        path = records_path(args.out, model, precision)
+        print(f"{model} {precision}: {' '.join(cmd)}", flush=True)
+        with open(path + ".tmp", "w") as out, open(path + ".stderr", "w") as err:
+            out.write(env + "\n")
+            out.flush()
+            try:
+                rc = subprocess.run(cmd, stdout=out, stderr=err, cwd=REPO, timeout=args.timeout).returncode
+                status = None if rc == 0 else f"exit status {rc}"
+            except subprocess.TimeoutExpired:
+                status = f"timed out after {args.timeout} s"
+        os.replace(path + ".tmp", path)    # kept even when the run failed: its records say how far it got
+        if status:
+            failed.append(f"{model} {precision}: engine {status} (see {path}.stderr)")
+    for line in failed:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+# -----------------------------------------------------------------------------
+# the summary
+
+
+def read_run(path):
+    """One run's figures from its records: where it ran (the environment line), the precision its
+    engine says it trained in (its start record), validation curve,
+    final validation loss (None if the run has none or it is not finite), median ms/step after 10
+    warm-up steps, steps done."""
+    with open(path) as f:
+        records = parse_records(f.read())
+    steps = [r for r in records if "loss" in r and "ms" in r]
+    val = [[r["step"], r["val_loss"]] for r in records if "val_loss" in r]
+    final = val[-1][1] if val else None
+    env = next(({k: v for k, v in r.items() if k != "event"} for r in records if r.get("event") == "environment"), {})
+    start = next((r for r in records if r.get("event") == "start"), {})
+    return {"environment": env, "precision": start.get("precision"), "steps": len(steps), "val": val,
+            "final_val_loss": final if final is not None and math.isfinite(final) else None,
+            "ms_per_step": statistics.median(r["ms"] for r in steps[10:]) if len(steps) > 10 else None}
+
+
+def compare(runs, expected_steps):
+    """PASS/FAIL of one model's two runs: each engine trained in the precision its file names and
+    finished every step, and fp8's final validation loss is within TOLERANCE of bf16's (relative,
+    either side)."""
+    bf16, fp8 = runs.get("bf16"), runs.get("fp8")
+    if bf16 is None or fp8 is None:
+        return {"rel_diff": None, "pass": False, "why": "a run is missing"}
+    wrong = [p for p, r in runs.items() if r["precision"] != p]
+    if wrong:
+        return {"rel_diff": None, "pass": False, "why": f"the {', '.join(wrong)} run's engine did not train in it"}
+    short = [p for p, r in runs.items() if r["steps"] < expected_steps]
+    if short:
+        return {"rel_diff": None, "pass": False, "why": f"{', '.join(short)} stopped before step {expected_steps}"}
+    if bf16["final_val_loss"] is None or fp8["final_val_loss"] is None:
+        return {"rel_diff": None, "pass": False, "why": "no finite final validation loss"}
+    rel = (fp8["final_val_loss"] - bf16["final_val_loss"]) / bf16["final_val_loss"]
+    ok = abs(rel) <= TOLERANCE
+    return {"rel_diff": rel, "pass": ok,
+            "why": f"|{100 * rel:+.2f}%| {'<=' if ok else '>'} {100 * TOLERANCE:g}%"}
+
+
+def summarise(dirs, steps):
+    """{model: {"runs": {precision: read_run}, compare's keys}} over every record file in dirs."""
+    models = {}
+    for d in dirs:
+        for name in sorted(os.listdir(d)):
+            stem, ext = os.path.splitext(name)
+            model, _, precision = stem.rpartition("-")
+            if ext == ".jsonl" and model and precision in PRECISIONS:
+                models.setdefault(model, {"runs": {}})["runs"][precision] = read_run(os.path.join(d, name))
+    for m in models.values():
+        m.update(compare(m["runs"], steps))
+    return models
+
+
+def chart(models, steps):
+    """The SVG of the validation curves: one panel per model, bf16 and fp8 in each."""
+    panels = [(f"{model}: validation loss", "lines",
+               [(precision, [s for s, _ in r["val"]], [v for _, v in r["val"]]) for precision, r in m["runs"].items()])
+              for model, m in sorted(models.items(), key=lambda kv: model_size(kv[0]))]
+    return svg_figure(f"fp8 against bf16: validation loss over {steps} steps, same seed and data", panels)
+
+
+def model_size(name):
+    """'ANDREA-12M' -> 12e6, so panels and rows go small to large; other names after them."""
+    size = name.rsplit("-", 1)[-1]
+    try:
+        return float(size[:-1]) * {"K": 1e3, "M": 1e6, "B": 1e9}[size[-1]]
+    except (KeyError, ValueError, IndexError):
+        return math.inf
+
+
+def summary(args):
+    models = summarise(args.dirs, args.steps)
+    if not models:
+        raise BenchError(f"no <model>-<precision>.jsonl records in {', '.join(args.dirs)}")
+    first = next(iter(models.values()))["runs"]
+    env = next(iter(first.values()))["environment"]    # the models may come from two invocations: the first's
+    doc = {"kind": "fp8_quality", "source": "scripts/fp8-quality.py", **env, "steps": args.steps,
+           "tolerance": TOLERANCE, "chart": CHART, "pass": all(m["pass"] for m in models.values()),
+           "models": models}
+    os.makedirs(args.out, exist_ok=True)
+    with atomic_open(os.path.join(args.out, SUMMARY), "w") as f:
+        json.dump(doc, f, indent=1)
+    with atomic_open(os.path.join(args.out, CHART), "w") as f:
+        f.write(chart(models, args.steps))
+    for model, m in sorted(models.items(), key=lambda kv: model_size(kv[0])):
+        finals = "  ".join(f"{p} {fmt(r['final_val_loss'], '.4f')} ({fmt(r['ms_per_step'], '.2f')} ms/step)"
+                           for p, r in m["runs"].items())
+        print(f"{model}: {finals}  {'PASS' if m['pass'] else 'FAIL'} ({m['why']})")
+    print(f"wrote {os.path.join(args.out, SUMMARY)} and {os.path.join(args.out, CHART)}")
+    return 0 if doc["pass"] else 1
+
+
+# -----------------------------------------------------------------------------
+# the markdown docs/ANDREA.md shows
+
+
+def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(doc, chart_path):
+    lines = [f"{doc['steps']} steps each, same seed and data; {doc.get('gpu') or 'GPU unknown'}, "
+             f"commit {doc.get('commit') or 'unknown'}, {(doc.get('date') or 'date unknown')[:10]}.", "",
+             "| model | bf16 final val loss | fp8 final val loss | fp8 vs bf16 | within 1% | bf16 ms/step | fp8 ms/step |",
+             "|---|---|---|---|---|---|---|"]
+    for model, m in sorted(doc["models"].items(), key=lambda kv: model_size(kv[0])):
+        b, f = m["runs"].get("bf16", {}), m["runs"].get("fp8", {})
+        rel = "-" if m["rel_diff"] is None else f"{100 * m['rel_diff']:+.2f}%"
+        lines.append(f"| {model} | {fmt(b.get('final_val_loss'), '.4f')} | {fmt(f.get('final_val_loss'), '.4f')} "
+                     f"| {rel} | {'yes' if m['pass'] else 'NO (' + m['why'] + ')'} "
+                     f"| {fmt(b.get('ms_per_step'), '.2f')} | {fmt(f.get('ms_per_step'), '.2f')} |")
+    lines += ["", f"![validation loss, bf16 and fp8]({chart_path})", ""]
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="train one model in bf16 and fp8")
+    r.add_argument("model", help="12M, 120M (experiments/ANDREA-<model>-TRAIN.json) or a config path")
+    r.add_argument("--out", default="fp8-quality-out")
+    r.add_argument("--steps", type=int, default=2000)
+    r.add_argument("--eval-every", type=int, default=100)
+    r.add_argument("--eval-batches", type=int, default=20)
+    r.add_argument("--data", default=TRAIN, help=f"train shard glob (default {TRAIN})")
+    r.add_argument("--val", default=VAL, help=f"validation shard glob (default {VAL})")
+    r.add_argument("--engine", default="build/microgpt_cuda")
+    r.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    s = sub.add_parser("summary", help="the summary JSON and the chart of the runs in DIRs")
+    s.add_argument("dirs", nargs="+")
+    s.add_argument("--out", help="where the summary and chart go (default: the first DIR)")
+    s.add_argument("--steps", type=int, default=2000, help="the steps each run must have finished")
+    m = sub.add_parser("markdown", help="the summary as docs/ANDREA.md's table and chart reference")
+    m.add_argument("summary")
+    m.add_argument("--chart", default="fp8-quality.svg", help="the chart's path as the markdown links it")
+    args = p.parse_args(argv)
+    if args.command == "run" and (args.steps < 1 or args.eval_every < 1 or args.eval_batches < 1):
+        raise BenchError("--steps, --eval-every and --eval-batches must be >= 1")
+    if args.command == "summary":
+        args.out = args.out or args.dirs[0]
+    return args
+
+
+def main(argv):
+    try:
+        args = parse_args(argv)
+        if args.command == "run":
+            return run(args)
+        if args.command == "summary":
+            return summary(args)
+        with open(args.summary) as f:
+            print(markdown(json.load(f), args.chart), end="")
+        return 0
+    except (BenchError, OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

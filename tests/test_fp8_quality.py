@@ -1,0 +1,199 @@
+"""scripts/fp8-quality.py, the 2000-step fp8-against-bf16 quality runs, without a GPU: the schedule
+it gives the runs, the pass rule (fp8's final validation loss within 1% of bf16's), the summary and
+chart over the runs of two invocations, the markdown for docs/ANDREA.md, and a whole `run` against
+a stand-in engine; and scripts/svg_chart.py, the SVG writer the chart is drawn with.
+"""
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from engine_util import REPO, python_env
+
+SCRIPT = REPO / "scripts" / "fp8-quality.py"
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+@pytest.fixture(scope="module")
+def quality():
+    sys.path.insert(0, str(REPO / "scripts"))     # where svg_chart is, as when the script runs
+    spec = importlib.util.spec_from_file_location("fp8_quality", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def records(precision, final, steps=2000, every=100, ms=2.0):
+    """An engine's stdout for a run whose validation loss falls linearly to `final`."""
+    lines = [{"event": "environment", "commit": "abc1234", "gpu": "NVIDIA H200", "date": "2026-12-01T16:00:00Z"},
+             {"event": "start", "precision": precision}]
+    for s in range(1, steps + 1):
+        lines.append({"step": s, "loss": 5.0, "ms": ms})
+        if s % every == 0:
+            lines.append({"step": s, "val_loss": final + (steps - s) / steps})
+    return "\n".join(json.dumps(r) for r in lines) + "\n"
+
+
+def write_runs(folder, model, bf16, fp8, **kw):
+    folder.mkdir(parents=True, exist_ok=True)
+    for precision, final in (("bf16", bf16), ("fp8", fp8)):
+        if final is not None:
+            (folder / f"{model}-{precision}.jsonl").write_text(records(precision, final, **kw))
+
+
+def summary_cmd(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), "summary", *map(str, args)], capture_output=True, text=True,
+                          timeout=60, env=python_env())
+
+
+def test_warmup_keeps_the_shipped_fraction_of_the_run(quality):
+    from bench_common import load_config, experiment_path, train_settings
+    t12 = train_settings(load_config(experiment_path("12M")))
+    t120 = train_settings(load_config(experiment_path("120M")))
+    assert quality.scaled_warmup(t12, 2000) == 20          # 200 of 20000
+    assert quality.scaled_warmup(t120, 2000) == 77         # 500 of 13000
+    assert quality.scaled_warmup({"steps": 1000, "warmup_steps": 0}, 10) == 1
+
+
+def test_fp8_passes_within_one_percent_of_bf16_either_way(quality):
+    def run(final, steps=2000, precision=None):
+        return {"final_val_loss": final, "steps": steps, "precision": precision}
+
+    def compare(bf16, fp8=None):
+        runs = {"bf16": dict(bf16, precision="bf16")}
+        if fp8:
+            runs["fp8"] = dict(fp8, precision=fp8["precision"] or "fp8")
+        return quality.compare(runs, 2000)
+
+    assert compare(run(4.0), run(4.0396))["pass"]        # 0.99% worse
+    assert compare(run(4.0), run(3.97))["pass"]
+    worse = compare(run(4.0), run(4.0401))
+    assert not worse["pass"] and worse["rel_diff"] == pytest.approx(0.0401 / 4.0)
+    assert not compare(run(4.0), run(3.95))["pass"]      # 1.25% better: not "within"
+    for fp8, why in ((None, "missing"), (run(4.0, 1999), "fp8 stopped"), (run(None), "no finite"),
+                     (run(4.0, precision="bf16"), "fp8 run's engine did not train in it")):
+        c = compare(run(4.0), fp8)
+        assert not c["pass"] and c["rel_diff"] is None and why in c["why"]
+
+
+def test_a_run_without_a_finite_final_validation_loss_has_none(quality, tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text(records("fp8", 4.0).replace('"val_loss": 4.0}', '"val_loss": NaN}'))
+    r = quality.read_run(str(path))
+    assert r["steps"] == 2000 and r["final_val_loss"] is None and math.isnan(r["val"][-1][1])
+    assert r["environment"]["commit"] == "abc1234" and r["ms_per_step"] == 2.0
+
+
+def test_the_summary_joins_two_invocations_and_draws_both_models(tmp_path):
+    write_runs(tmp_path / "a", "ANDREA-120M", 4.0, 4.02)
+    write_runs(tmp_path / "b", "ANDREA-12M", 5.0, 5.01)
+    out = summary_cmd(tmp_path / "a", tmp_path / "b", "--out", tmp_path / "docs")
+    assert out.returncode == 0, out.stderr
+    assert "ANDREA-12M: bf16 5.0000 (2.00 ms/step)  fp8 5.0100 (2.00 ms/step)  PASS" in out.stdout
+    doc = json.loads((tmp_path / "docs" / "fp8-quality.json").read_text())
+    assert doc["pass"] and doc["steps"] == 2000 and doc["tolerance"] == 0.01 and doc["commit"] == "abc1234"
+    m = doc["models"]["ANDREA-120M"]
+    assert m["rel_diff"] == pytest.approx(0.005) and m["runs"]["fp8"]["val"][0] == [100, pytest.approx(4.02 + 0.95)]
+    assert len(m["runs"]["bf16"]["val"]) == 20
+    root = ET.parse(tmp_path / "docs" / "fp8-quality.svg").getroot()
+    texts = [t.text for t in root.iter(SVG + "text")]
+    assert len(list(root.iter(SVG + "polyline"))) == 4
+    assert texts.index("ANDREA-12M: validation loss") < texts.index("ANDREA-120M: validation loss")  # small first
+    assert texts.count("bf16") == texts.count("fp8") == 2
+
+
+def test_the_summary_fails_when_fp8_is_off_or_nothing_is_there(tmp_path):
+    write_runs(tmp_path / "a", "ANDREA-12M", 5.0, 5.1)
+    out = summary_cmd(tmp_path / "a")
+    assert out.returncode == 1 and "ANDREA-12M" in out.stdout and "FAIL (|+2.00%| > 1%)" in out.stdout
+    assert not json.loads((tmp_path / "a" / "fp8-quality.json").read_text())["pass"]
+    write_runs(tmp_path / "b", "ANDREA-12M", 5.0, 5.0, steps=1500)            # stopped early
+    assert summary_cmd(tmp_path / "b").returncode == 1
+    (tmp_path / "empty").mkdir()
+    out = summary_cmd(tmp_path / "empty")
+    assert out.returncode == 2 and out.stderr.startswith("error: no <model>-<precision>.jsonl")
+
+
+def test_the_markdown_is_the_table_and_the_chart(tmp_path):
+    write_runs(tmp_path, "ANDREA-12M", 5.0, 5.01)
+    write_runs(tmp_path, "ANDREA-120M", 4.0, 4.1, ms=17.0)
+    summary_cmd(tmp_path)
+    out = subprocess.run([sys.executable, str(SCRIPT), "markdown", str(tmp_path / "fp8-quality.json"), "--chart",
+                          "images/fp8-quality.svg"], capture_output=True, text=True, timeout=60, env=python_env())
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "2000 steps each, same seed and data; NVIDIA H200, commit abc1234, 2026-12-01."
+    assert lines[4] == "| ANDREA-12M | 5.0000 | 5.0100 | +0.20% | yes | 2.00 | 2.00 |"
+    assert lines[5] == "| ANDREA-120M | 4.0000 | 4.1000 | +2.50% | NO (|+2.50%| > 1%) | 17.00 | 17.00 |"
+    assert "![validation loss, bf16 and fp8](images/fp8-quality.svg)" in lines
+
+
+STANDIN = """#!/usr/bin/env python3
+import json, sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+steps, every = int(args["--train.steps"]), int(args["--eval.every"])
+with open(sys.argv[0] + "." + args["--train.precision"] + ".flags", "w") as f:
+    json.dump(args, f)
+print(json.dumps({"event": "start", "precision": args["--train.precision"]}))
+for s in range(1, steps + 1):
+    print(json.dumps({"step": s, "loss": 4.0, "ms": 1.0}))
+    if s % every == 0:
+        print(json.dumps({"step": s, "val_loss": 4.0 - s / 1000}))
+"""
+
+
+def test_a_whole_run_trains_both_precisions_from_the_experiment(tmp_path):
+    engine = tmp_path / "engine"
+    engine.write_text(STANDIN)
+    engine.chmod(0o755)
+    from microgpt.shards import write_shard
+    for split in ("train", "val"):
+        write_shard(str(tmp_path / f"t_{split}_000000.bin"), list(range(100)) * 10)
+    out = subprocess.run([sys.executable, str(SCRIPT), "run", "12M", "--out", str(tmp_path / "out"), "--steps", "40",
+                          "--eval-every", "10", "--engine", str(engine), "--data", str(tmp_path / "t_train_*.bin"),
+                          "--val", str(tmp_path / "t_val_*.bin")], capture_output=True, text=True, timeout=120,
+                         env=python_env(ANDREA_COMMIT="feed123"))
+    assert out.returncode == 0, out.stderr
+    for precision in ("bf16", "fp8"):
+        flags = json.loads((tmp_path / f"engine.{precision}.flags").read_text())
+        assert flags["--train.precision"] == precision and flags["--train.seed"] == "1337"
+        assert flags["--train.steps"] == "40" and flags["--train.warmup_steps"] == "1"   # 200/20000 of 40, at least 1
+        assert flags["--eval.every"] == "10" and flags["--eval.batches"] == "20"
+        assert flags["--data.val"] == str(tmp_path / "t_val_*.bin")
+        assert flags["--sample.every"] == "0" and flags["--checkpoint.every"] == "0"
+        assert not any(f.startswith("--polish") for f in flags)
+    summary = summary_cmd(tmp_path / "out", "--steps", "40")
+    assert summary.returncode == 0, summary.stdout + summary.stderr
+    doc = json.loads((tmp_path / "out" / "fp8-quality.json").read_text())
+    assert doc["commit"] == "feed123" and doc["models"]["ANDREA-12M"]["rel_diff"] == 0.0
+
+
+def test_a_run_without_real_text_is_refused(tmp_path):
+    out = subprocess.run([sys.executable, str(SCRIPT), "run", "12M", "--out", str(tmp_path), "--data",
+                          str(tmp_path / "none_*.bin")], capture_output=True, text=True, timeout=60, env=python_env())
+    assert out.returncode == 2 and out.stderr.startswith("error: no shards match --data")
+
+
+def test_svg_figures_are_valid_and_escape_their_text():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from svg_chart import svg_figure
+    svg = svg_figure("a <b> & c", [("p<1>", "lines", [("x&y", [1, 2, 3], [3.0, 2.0, 1.0])]),
+                                   ("flat", "lines", [("z", [1, 2], [1.0, 1.0])])])
+    root = ET.fromstring(svg)
+    texts = [t.text for t in root.iter(SVG + "text")]
+    assert "a <b> & c" in texts and "p<1>" in texts and "x&y" in texts
+    [first, second] = root.iter(SVG + "polyline")
+    points = [tuple(map(float, p.split(","))) for p in first.get("points").split()]
+    assert points[0][1] < points[-1][1] and points[0][0] < points[-1][0]   # falls left to right (SVG y grows down)
+    assert len(second.get("points").split()) == 2                         # a flat series still draws
+
+
+def test_the_gpu_check_names_the_quality_stages(tmp_path):
+    out = subprocess.run(["bash", str(REPO / "scripts" / "fp8-check.sh"), "nosuch"], capture_output=True, text=True,
+                         timeout=60, env=python_env(OUT=str(tmp_path)))
+    assert out.returncode == 2 and "unknown stage 'nosuch'" in out.stderr
+    assert "quality2000_12M quality2000_120M" in out.stderr
