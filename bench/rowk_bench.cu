@@ -77,7 +77,7 @@ struct Hash {
 static char g_variant[128];
 
 static void report(const Model& m, const char* kernel, float us, double bytes, const Hash& bits) {
-    printf("rowk  %-5s %-14s %-34s %9.1f us %8.0f GB/s  bits %016llx\n", m.name, kernel, g_variant, us,
+    printf("rowk  %-5s %-14s %-42s %9.1f us %8.0f GB/s  bits %016llx\n", m.name, kernel, g_variant, us,
            bytes / (us * 1e-6) / 1e9, (unsigned long long)bits.h);
     fflush(stdout);
 }
@@ -182,8 +182,8 @@ template <typename T> static void bench_update(const Model& m) {
 }
 
 int main() {
-    snprintf(g_variant, sizeof g_variant, "ln_fwd=%d,ln_bwd=%d,loss=%d,norm=%d", LN_FWD_VARIANT, LN_BWD_VARIANT,
-             LOSS_ROWS_VARIANT, NORM_VARIANT);
+    snprintf(g_variant, sizeof g_variant, "ln_fwd=%d,ln_bwd=%d,final=%d,loss=%d,norm=%d", LN_FWD_VARIANT,
+             LN_BWD_VARIANT, LN_FINAL_COLS, LOSS_ROWS_VARIANT, NORM_VARIANT);
     CUDA_CHECK(cudaStreamCreate(&g_stream));
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));

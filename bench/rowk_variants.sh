@@ -24,6 +24,7 @@ VARIANTS=(
     "ln_bwd1|-DLN_BWD_VARIANT=1"
     "ln_bwd2|-DLN_BWD_VARIANT=2"
     "ln_bwd3|-DLN_BWD_VARIANT=3"
+    "ln_final8|-DLN_FINAL_COLS=8"
     "loss1|-DLOSS_ROWS_VARIANT=1"
     "loss2|-DLOSS_ROWS_VARIANT=2"
     "norm1|-DNORM_VARIANT=1"

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "bench" / "rowk_variants.sh"
 
 # rowk_bench's line format: "rowk  %-5s %-14s %-34s %9.1f us %8.0f GB/s  bits %016llx"
-BASE_LOG = """rowk_bench: NVIDIA H200, ln_fwd=0,ln_bwd=0,loss=0,norm=0, median of 20 launches
+BASE_LOG = """rowk_bench: NVIDIA H200, ln_fwd=0,ln_bwd=0,final=32,loss=0,norm=0, median of 20 launches
 rowk  120M  ln_fwd         ln_fwd=0,ln_bwd=0,loss=0,norm=0          10.8 us     2336 GB/s  bits 00000000000000aa
 rowk  120M  loss_rows      ln_fwd=0,ln_bwd=0,loss=0,norm=0         500.0 us     3297 GB/s  bits 00000000000000bb
 """

@@ -14,7 +14,7 @@
  * kernels can also take their amax (common.cuh's block_amax_commit), saving the cast a full read.
  *
  * Variants, chosen at compile time (-D; 0, the default, is the code described above; each passes
- * tests/kernel_check.cu, and bench/rowk_bench.cu times them, docs/BENCHMARKS.md log #50-#52, #56):
+ * tests/kernel_check.cu, and bench/rowk_bench.cu times them, docs/BENCHMARKS.md log #50-#52, #56, #58):
  *   LN_FWD_VARIANT 1  the forward holds its row in registers (LN_REG_PACKETS packets a lane at most:
  *                     C <= 1024 in bf16/fp16, 512 in fp32), so x is read once, not three times; the
  *                     same operations in the same order, so the same bits.
@@ -29,6 +29,9 @@
  *   LN_BWD_VARIANT 3  as 1 with the column sums in shared memory as today (k_layernorm_bwd_regs_
  *                     shared_sums): 80 registers instead of 127 at C = 768, so three blocks per
  *                     multiprocessor instead of two; the same bits.
+ *   LN_FINAL_COLS 8   the final sum with 8 columns a block instead of 32: four times the blocks (96
+ *                     at C = 768, 24 at 192, against 24 and 6 on 132 SMs); each column's sum keeps
+ *                     its order (LN_FINAL_GROUPS sets it), so the same bits.
  * Wider rows take the default kernels. The variants take the amax as the default kernels do. */
 #ifndef MICROGPT_CUDA_LAYERNORM_CUH
 #define MICROGPT_CUDA_LAYERNORM_CUH
@@ -40,7 +43,9 @@
 #define LN_MAX_CHUNKS 512  /* row chunks for dgamma/dbeta partials: 512 blocks (4 per SM) for 120M */
 #define LN_SLAB_COLS 768   /* widest column slab of the backward: LN_WARPS x 2 sums per column fill the
                               48 KB of shared memory a block gets without cudaFuncSetAttribute */
+#ifndef LN_FINAL_COLS
 #define LN_FINAL_COLS 32   /* columns per block in the final sum ... */
+#endif
 #define LN_FINAL_GROUPS 32 /* ... and the groups of chunks each column's sum is split into */
 
 #ifndef LN_FWD_VARIANT
