@@ -24,6 +24,7 @@ VARIANTS=(
     "ln_bwd1|-DLN_BWD_VARIANT=1"
     "ln_bwd2|-DLN_BWD_VARIANT=2"
     "ln_bwd3|-DLN_BWD_VARIANT=3"
+    "ln_bwd4|-DLN_BWD_VARIANT=4"
     "ln_final8|-DLN_FINAL_COLS=8"
     "loss1|-DLOSS_ROWS_VARIANT=1"
     "loss2|-DLOSS_ROWS_VARIANT=2"
@@ -69,17 +70,18 @@ pids=()
 for v in "${selected[@]}"; do
     name=${v%%|*} defs=${v#*|}
     mkdir -p "$OUT/$name"
-    # shellcheck disable=SC2086
-    $NVCC $FLAGS $defs -o "$OUT/$name/kernel_check" tests/kernel_check.cu $LIBS >"$OUT/$name/build_kernel_check.log" 2>&1 &
-    pids+=("$!:$name/kernel_check")
-    # shellcheck disable=SC2086
-    $NVCC $FLAGS $defs -o "$OUT/$name/rowk_bench" bench/rowk_bench.cu $LIBS >"$OUT/$name/build_rowk_bench.log" 2>&1 &
-    pids+=("$!:$name/rowk_bench")
+    for src in tests/kernel_check.cu bench/rowk_bench.cu; do
+        bin=$(basename "$src" .cu)
+        # shellcheck disable=SC2086
+        $NVCC $FLAGS $defs -o "$OUT/$name/$bin" "$src" $LIBS >"$OUT/$name/build_$bin.log" 2>&1 &
+        pids+=("$!:$name:$bin")
+    done
 done
 for p in "${pids[@]}"; do
-    if ! wait "${p%%:*}"; then
-        echo "FAIL build $OUT/${p#*:} (log: $OUT/${p#*:}.log)"
-        rm -f "$OUT/${p#*:}"
+    IFS=: read -r pid name bin <<<"$p"
+    if ! wait "$pid"; then
+        echo "FAIL build $OUT/$name/$bin (log: $OUT/$name/build_$bin.log)"
+        rm -f "$OUT/$name/$bin"
         status=1
     fi
 done
@@ -101,7 +103,8 @@ for p in "${pids[@]}"; do
         echo "   $name: $(tail -n1 "$OUT/$name/kernel_check.log")"
     else
         echo "FAIL kernel_check $name (log: $OUT/$name/kernel_check.log):"
-        { grep '^FAIL' "$OUT/$name/kernel_check.log" | head -n 5; tail -n 1 "$OUT/$name/kernel_check.log"; } | sed 's/^/   /'
+        log="$OUT/$name/kernel_check.log"
+        { grep '^FAIL' "$log" | head -n 5; tail -n 1 "$log"; } | sed 's/^/   /'
         status=1
     fi
 done

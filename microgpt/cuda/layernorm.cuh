@@ -14,7 +14,8 @@
  * kernels can also take their amax (common.cuh's block_amax_commit), saving the cast a full read.
  *
  * Variants, chosen at compile time (-D; 0, the default, is the code described above; each passes
- * tests/kernel_check.cu, and bench/rowk_bench.cu times them, docs/BENCHMARKS.md log #50-#52, #56, #58):
+ * tests/kernel_check.cu, bench/rowk_bench.cu times them; docs/BENCHMARKS.md log #50-#52, #56, #58,
+ * #59):
  *   LN_FWD_VARIANT 1  the forward holds its row in registers (LN_REG_PACKETS packets a lane at most:
  *                     C <= 1024 in bf16/fp16, 512 in fp32), so x is read once, not three times; the
  *                     same operations in the same order, so the same bits.
@@ -28,7 +29,11 @@
  *                     different but fixed order), dx's bits unchanged.
  *   LN_BWD_VARIANT 3  as 1 with the column sums in shared memory as today (k_layernorm_bwd_regs_
  *                     shared_sums): 80 registers instead of 127 at C = 768, so three blocks per
- *                     multiprocessor instead of two; the same bits.
+ *                     multiprocessor instead of two; the same bits. (At four blocks, 64 registers,
+ *                     the C = 768 kernel spills.)
+ *   LN_BWD_VARIANT 4  as 3 with 256 chunks (as 2): 512 blocks at three per multiprocessor leave a
+ *                     second wave of 116 blocks on 132 SMs, 256 blocks are one wave; dgamma/dbeta
+ *                     other bits, dx the same.
  *   LN_FINAL_COLS 8   the final sum with 8 columns a block instead of 32: four times the blocks (96
  *                     at C = 768, 24 at 192, against 24 and 6 on 132 SMs); each column's sum keeps
  *                     its order (LN_FINAL_GROUPS sets it), so the same bits.
@@ -66,12 +71,17 @@
 #elif LN_BWD_VARIANT == 3
 #define LN_BWD_REGS_KERNEL k_layernorm_bwd_regs_shared_sums
 #define LN_BWD_REGS_CHUNKS LN_MAX_CHUNKS
+#elif LN_BWD_VARIANT == 4
+#define LN_BWD_REGS_KERNEL k_layernorm_bwd_regs_shared_sums
+#define LN_BWD_REGS_CHUNKS 256
 #endif
 
 /* Scratch floats layernorm_bwd needs for width C. */
 static size_t layernorm_scratch_floats(int C) { return (size_t)2 * LN_MAX_CHUNKS * C; }
 
-static int ln_rows_per_chunk(int N, int max_chunks) { return (int)ceil_div((size_t)N, N < max_chunks ? (size_t)N : max_chunks); }
+static int ln_rows_per_chunk(int N, int max_chunks) {
+    return (int)ceil_div((size_t)N, N < max_chunks ? (size_t)N : max_chunks);
+}
 
 /* Columns per slab of the backward: all C if they fit, else the fewest slabs that do, of equal
  * width rounded up to the longest packet so that every slab starts on a packet boundary (the last
@@ -420,8 +430,7 @@ __global__ void __launch_bounds__(32 * LN_WARPS, 2) k_layernorm_bwd_regs(LN_BWD_
     ln_bwd_regs<T, VEC, PACKETS, true>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk, amax_bits);
 }
 
-/* Column sums in shared memory: at most 80 registers a thread, three blocks per multiprocessor (at four,
- * 64 registers, the C = 768 kernel spills). */
+/* Column sums in shared memory: at most 80 registers a thread, three blocks per multiprocessor. */
 template <typename T, int VEC, int PACKETS>
 __global__ void __launch_bounds__(32 * LN_WARPS, 3) k_layernorm_bwd_regs_shared_sums(LN_BWD_REGS_ARGS) {
     ln_bwd_regs<T, VEC, PACKETS, false>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk,
