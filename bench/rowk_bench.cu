@@ -1,8 +1,9 @@
 /* rowk_bench.cu: the row and element-wise kernels of a training step at the shapes of ANDREA-120M
  * and ANDREA-12M (bf16), on random inputs, each timed alone as the engine launches it: LayerNorm
- * forward, LayerNorm backward (dx and the dgamma/dbeta partials, then their final sum), the loss
- * rows of a step (softmax, loss and dlogits in place, chunk by chunk as the engine's 512 MiB logits
- * chunks), AdamW over every parameter, and the gradient norm (partials and final sum). A
+ * forward, LayerNorm backward (dx and the dgamma/dbeta partials, then their final sum), both also
+ * as precision fp8 runs them (taking their output's amax), the loss rows of a step (softmax, loss
+ * and dlogits in place, chunk by chunk as the engine's 512 MiB logits chunks), AdamW over every
+ * parameter, and the gradient norm (partials and final sum). A
  * measurement tool for the compile-time variants of microgpt/cuda/layernorm.cuh, loss.cuh and
  * optimizer.cuh (built once per set of -D flags by bench/rowk_variants.sh, which compares them);
  * not part of the engine or the tests (tests/kernel_check.cu checks the variants' values).
@@ -90,6 +91,7 @@ template <typename T> static void bench_layernorm(const Model& m) {
     float *mean = device_buffer<float>(m.N), *rstd = device_buffer<float>(m.N);
     float *dgamma = device_buffer<float>(m.C), *dbeta = device_buffer<float>(m.C);
     float* scratch = device_buffer<float>(layernorm_scratch_floats(m.C));
+    unsigned* amax = device_buffer<unsigned>(1);
 
     auto fwd = [&]() { layernorm_fwd<T>(out, mean, rstd, x, gamma, beta, m.N, m.C); };
     fwd();
@@ -98,6 +100,13 @@ template <typename T> static void bench_layernorm(const Model& m) {
     hf.add(mean, m.N * 4);
     hf.add(rstd, m.N * 4);
     report(m, "ln_fwd", time_median_us(fwd, REPS), 2.0 * nc * es + 8.0 * m.N, hf);
+    /* precision fp8's form: the same launch also takes the outputs' amax */
+    CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(unsigned), g_stream));
+    auto fwd_amax = [&]() { layernorm_fwd<T>(out, mean, rstd, x, gamma, beta, m.N, m.C, amax); };
+    fwd_amax();
+    Hash hfa;
+    hfa.add(amax, sizeof(unsigned));
+    report(m, "ln_fwd_amax", time_median_us(fwd_amax, REPS), 2.0 * nc * es + 8.0 * m.N, hfa);
 
     /* dx accumulates (+=) from zero for the hash; later launches keep adding, which costs the same */
     CUDA_CHECK(cudaMemsetAsync(dx, 0, nc * es, g_stream));
@@ -111,8 +120,17 @@ template <typename T> static void bench_layernorm(const Model& m) {
     double bytes = 4.0 * nc * es + 8.0 * m.N;
     report(m, "ln_bwd", us, bytes, hdx);
     report(m, "ln_bwd_dgamma", us, bytes, hdg); /* the same launch; its dgamma/dbeta bits */
+    CUDA_CHECK(cudaMemsetAsync(dx, 0, nc * es, g_stream));
+    CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(unsigned), g_stream));
+    auto bwd_amax = [&]() {
+        layernorm_bwd<T>(dx, dgamma, dbeta, dout, x, gamma, mean, rstd, m.N, m.C, scratch, 0.0f, amax);
+    };
+    bwd_amax();
+    Hash hba;
+    hba.add(amax, sizeof(unsigned));
+    report(m, "ln_bwd_amax", time_median_us(bwd_amax, REPS), bytes, hba);
     for (void* p : {(void*)x, (void*)out, (void*)dout, (void*)dx, (void*)gamma, (void*)beta, (void*)mean,
-                    (void*)rstd, (void*)dgamma, (void*)dbeta, (void*)scratch})
+                    (void*)rstd, (void*)dgamma, (void*)dbeta, (void*)scratch, (void*)amax})
         CUDA_CHECK(cudaFree(p));
 }
 
