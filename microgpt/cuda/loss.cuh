@@ -56,19 +56,19 @@ static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C,
     gemm(n, Vp, C, mat(x, C), mat_t(wte, C), mat(logits, Vp));
 }
 
-/* One block per row: lse over the real columns, loss = lse - logit[target]; with dscale (device
- * float, nullable), also overwrites the row with dlogits = (exp(logit - lse) - [j == target]) *
- * dscale on real columns and 0 on padded ones. Rows are whole packets when VEC > 1. */
+/* One row's softmax, loss and gradient (the block's threads, VEC-element packets): lse over the
+ * real columns from `src`, losses[row] = lse - target_logit (thread 0's, read from l before the row
+ * is overwritten); with dscale (device float, nullable), also overwrites l with dlogits =
+ * (exp(logit - lse) - [j == target]) * dscale on real columns and 0 on padded ones. src is l itself
+ * (k_loss_rows) or the row's copy in shared memory (the variants below). Rows are whole packets
+ * when VEC > 1. */
 template <typename T, int VEC>
-__global__ void __launch_bounds__(LOSS_THREADS)
-k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
-            const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
-    int row = blockIdx.x, target = targets[row];
-    T* l = logits + (size_t)row * Vp;
-    float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f; /* read before the row is overwritten */
+__device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __restrict__ lse, T* l, const T* src,
+                                         int row, int target, float target_logit, int V, int Vp,
+                                         const float* __restrict__ dscale) {
     float mx = -INFINITY, s = 0.0f, v[VEC];
     for (int j = threadIdx.x * VEC; j < V; j += LOSS_THREADS * VEC) {
-        load_vec(v, l + j);
+        load_vec(v, src + j);
         if (j + VEC > V) /* the one packet that reaches into the padding */
             for (int k = 0; k < VEC; k++)
                 if (j + k >= V) v[k] = -INFINITY;
@@ -90,13 +90,24 @@ k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__
     if (!dscale) return;
     float ds = *dscale;
     for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
-        load_vec(v, l + j);
+        load_vec(v, src + j);
         for (int k = 0; k < VEC; k++) v[k] = (__expf(v[k] - row_lse) - (j + k == target ? 1.0f : 0.0f)) * ds;
         if (j + VEC > V) /* padded columns */
             for (int k = 0; k < VEC; k++)
                 if (j + k >= V) v[k] = 0.0f;
         store_vec(l + j, v);
     }
+}
+
+/* One block per row, both passes over the row in memory (the second from L2). */
+template <typename T, int VEC>
+__global__ void __launch_bounds__(LOSS_THREADS)
+k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
+            const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
+    int row = blockIdx.x, target = targets[row];
+    T* l = logits + (size_t)row * Vp;
+    float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f;
+    loss_row<T, VEC>(losses, lse, l, l, row, target, target_logit, V, Vp, dscale);
 }
 
 #if LOSS_ROWS_VARIANT
@@ -109,46 +120,6 @@ __device__ __forceinline__ void loss_row_copy(T* row_s, const T* l, int Vp) {
         else row_s[j] = l[j];
     }
     __pipeline_commit();
-}
-
-/* k_loss_rows' two passes over a row the thread's copy of which (loss_row_copy) has landed in
- * row_s: the same operations in the same order, reading row_s instead of l; dlogits go to l.
- * target_logit: thread 0's, read from l before any thread can write it. */
-template <typename T, int VEC>
-__device__ __forceinline__ void loss_row_from_shared(float* losses, float* lse, T* l, const T* row_s, int row,
-                                                     int target, float target_logit, int V, int Vp,
-                                                     const float* dscale) {
-    float mx = -INFINITY, s = 0.0f, v[VEC];
-    for (int j = threadIdx.x * VEC; j < V; j += LOSS_THREADS * VEC) {
-        load_vec(v, row_s + j);
-        if (j + VEC > V)
-            for (int k = 0; k < VEC; k++)
-                if (j + k >= V) v[k] = -INFINITY;
-        float pm = v[0];
-        for (int k = 1; k < VEC; k++) pm = fmaxf(pm, v[k]);
-        if (pm > mx) {
-            s *= __expf(mx - pm);
-            mx = pm;
-        }
-        for (int k = 0; k < VEC; k++) s += __expf(v[k] - mx);
-    }
-    float row_mx = block_max(mx);
-    s = block_sum(mx == -INFINITY ? 0.0f : s * __expf(mx - row_mx));
-    float row_lse = row_mx + logf(s);
-    if (threadIdx.x == 0) {
-        lse[row] = row_lse;
-        losses[row] = row_lse - target_logit;
-    }
-    if (!dscale) return;
-    float ds = *dscale;
-    for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
-        load_vec(v, row_s + j);
-        for (int k = 0; k < VEC; k++) v[k] = (__expf(v[k] - row_lse) - (j + k == target ? 1.0f : 0.0f)) * ds;
-        if (j + VEC > V)
-            for (int k = 0; k < VEC; k++)
-                if (j + k >= V) v[k] = 0.0f;
-        store_vec(l + j, v);
-    }
 }
 #endif
 
@@ -165,7 +136,7 @@ k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __res
     float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f;
     loss_row_copy<T, VEC>(row_s, l, Vp);
     __pipeline_wait_prior(0);
-    loss_row_from_shared<T, VEC>(losses, lse, l, row_s, row, target, target_logit, V, Vp, dscale);
+    loss_row<T, VEC>(losses, lse, l, row_s, row, target, target_logit, V, Vp, dscale);
 }
 #define LOSS_ROWS_SHARED_BUFFERS 1 /* row buffers a block */
 #define LOSS_ROWS_SHARED_PER_SM 2  /* blocks a multiprocessor must hold */
@@ -190,7 +161,7 @@ k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __res
         if (next < n) loss_row_copy<T, VEC>(bufs + (b ^ 1) * Vp, logits + (size_t)next * Vp, Vp);
         else __pipeline_commit();
         __pipeline_wait_prior(1); /* this row's group has landed */
-        loss_row_from_shared<T, VEC>(losses, lse, l, bufs + b * Vp, row, target, target_logit, V, Vp, dscale);
+        loss_row<T, VEC>(losses, lse, l, bufs + b * Vp, row, target, target_logit, V, Vp, dscale);
     }
 }
 #define LOSS_ROWS_SHARED_BUFFERS 2
