@@ -14,9 +14,11 @@
  *
  * One line per kernel and model: the variant macros, the median time of 20 launches (kernel_timer),
  * the bytes a launch must move at least (each input read once, each output written once; the
- * dgamma/dbeta and norm partials are not counted) over that time, and a hash of the outputs of one
+ * dgamma/dbeta and norm partials are not counted) over that time, a hash of the outputs of one
  * launch from the same inputs, so that the runs of two variants show whether their results are
- * the same bits. Inputs come from a fixed counter-based hash, the same in every build. */
+ * the same bits, and the time it takes in one micro-batch's step (25 LayerNorm launches each way
+ * at 120M, 13 at 12M; the norm and AdamW once per update). Inputs come from a fixed counter-based
+ * hash, the same in every build. */
 #include "../microgpt/cuda/layernorm.cuh"
 #include "../microgpt/cuda/loss.cuh"
 #include "../microgpt/cuda/optimizer.cuh"
@@ -77,13 +79,17 @@ struct Hash {
 
 static char g_variant[128];
 
-static void report(const Model& m, const char* kernel, float us, double bytes, const Hash& bits) {
-    printf("rowk  %-5s %-14s %-42s %9.1f us %8.0f GB/s  bits %016llx\n", m.name, kernel, g_variant, us,
-           bytes / (us * 1e-6) / 1e9, (unsigned long long)bits.h);
+/* One line: the time of one launch (sequence), its rate, its bits, and its time in a training step,
+ * where it runs `per_step` times (the step of one micro-batch). */
+static void report(const Model& m, const char* kernel, float us, double bytes, const Hash& bits, int per_step) {
+    printf("rowk  %-5s %-14s %-42s %9.1f us %8.0f GB/s  bits %016llx  step %9.1f us\n", m.name, kernel,
+           g_variant, us, bytes / (us * 1e-6) / 1e9, (unsigned long long)bits.h, us * per_step);
     fflush(stdout);
 }
 
+/* LayerNorm launches a step: two a layer and the final one, each way */
 template <typename T> static void bench_layernorm(const Model& m) {
+    int per_step = 2 * m.L + 1;
     size_t nc = (size_t)m.N * m.C, es = sizeof(T);
     T *x = random_buffer<T>(nc, 2.0f, 0.3f), *out = device_buffer<T>(nc), *dout = random_buffer<T>(nc, 1.0f);
     T* dx = device_buffer<T>(nc);
@@ -99,14 +105,14 @@ template <typename T> static void bench_layernorm(const Model& m) {
     hf.add(out, nc * es);
     hf.add(mean, m.N * 4);
     hf.add(rstd, m.N * 4);
-    report(m, "ln_fwd", time_median_us(fwd, REPS), 2.0 * nc * es + 8.0 * m.N, hf);
+    report(m, "ln_fwd", time_median_us(fwd, REPS), 2.0 * nc * es + 8.0 * m.N, hf, per_step);
     /* precision fp8's form: the same launch also takes the outputs' amax */
     CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(unsigned), g_stream));
     auto fwd_amax = [&]() { layernorm_fwd<T>(out, mean, rstd, x, gamma, beta, m.N, m.C, amax); };
     fwd_amax();
     Hash hfa;
     hfa.add(amax, sizeof(unsigned));
-    report(m, "ln_fwd_amax", time_median_us(fwd_amax, REPS), 2.0 * nc * es + 8.0 * m.N, hfa);
+    report(m, "ln_fwd_amax", time_median_us(fwd_amax, REPS), 2.0 * nc * es + 8.0 * m.N, hfa, per_step);
 
     /* dx accumulates (+=) from zero for the hash; later launches keep adding, which costs the same */
     CUDA_CHECK(cudaMemsetAsync(dx, 0, nc * es, g_stream));
@@ -118,8 +124,8 @@ template <typename T> static void bench_layernorm(const Model& m) {
     hdg.add(dbeta, m.C * 4);
     float us = time_median_us(bwd, REPS);
     double bytes = 4.0 * nc * es + 8.0 * m.N;
-    report(m, "ln_bwd", us, bytes, hdx);
-    report(m, "ln_bwd_dgamma", us, bytes, hdg); /* the same launch; its dgamma/dbeta bits */
+    report(m, "ln_bwd", us, bytes, hdx, per_step);
+    report(m, "ln_bwd_dgamma", us, bytes, hdg, 0); /* the same launches; their dgamma/dbeta bits */
     CUDA_CHECK(cudaMemsetAsync(dx, 0, nc * es, g_stream));
     CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(unsigned), g_stream));
     auto bwd_amax = [&]() {
@@ -128,7 +134,7 @@ template <typename T> static void bench_layernorm(const Model& m) {
     bwd_amax();
     Hash hba;
     hba.add(amax, sizeof(unsigned));
-    report(m, "ln_bwd_amax", time_median_us(bwd_amax, REPS), bytes, hba);
+    report(m, "ln_bwd_amax", time_median_us(bwd_amax, REPS), bytes, hba, per_step);
     for (void* p : {(void*)x, (void*)out, (void*)dout, (void*)dx, (void*)gamma, (void*)beta, (void*)mean,
                     (void*)rstd, (void*)dgamma, (void*)dbeta, (void*)scratch, (void*)amax})
         CUDA_CHECK(cudaFree(p));
@@ -159,8 +165,9 @@ template <typename T> static void bench_loss(const Model& m) {
     h.add(losses, m.N * 4);
     h.add(lse, m.N * 4);
     h.add(logits, rows * sizeof(T)); /* the last chunk's dlogits (over the first chunk's, beyond its rows) */
-    report(m, "loss_rows", time_median_us(step, REPS), 2.0 * m.N * m.Vp * sizeof(T), h);
-    for (void* p : {(void*)logits, (void*)targets, (void*)losses, (void*)lse, (void*)dscale}) CUDA_CHECK(cudaFree(p));
+    report(m, "loss_rows", time_median_us(step, REPS), 2.0 * m.N * m.Vp * sizeof(T), h, 1);
+    for (void* p : {(void*)logits, (void*)targets, (void*)losses, (void*)lse, (void*)dscale})
+        CUDA_CHECK(cudaFree(p));
 }
 
 /* The update over every parameter: the norm (partials, final), then AdamW with the 16-bit copy. */
@@ -185,7 +192,7 @@ template <typename T> static void bench_update(const Model& m) {
     norm_launches();
     Hash hn;
     hn.add(norm, 4);
-    report(m, "grad_norm", time_median_us(norm_launches, REPS), 4.0 * P, hn);
+    report(m, "grad_norm", time_median_us(norm_launches, REPS), 4.0 * P, hn, 1);
 
     /* the moments move a little every launch; the work does not depend on their values */
     auto update = [&]() { adamw<T>(p, g, mo, v, low, P, 0.9f, 0.95f, 1e-8f, 0.1f, bits, d_ctl, norm); };
@@ -193,7 +200,7 @@ template <typename T> static void bench_update(const Model& m) {
     Hash ha;
     ha.add(p, P * 4);
     ha.add(low, P * sizeof(T));
-    report(m, "adamw", time_median_us(update, REPS), (4.0 + 3 * 8.0 + sizeof(T)) * P, ha);
+    report(m, "adamw", time_median_us(update, REPS), (4.0 + 3 * 8.0 + sizeof(T)) * P, ha, 1);
     for (void* q : {(void*)p, (void*)g, (void*)mo, (void*)v, (void*)low, (void*)bits, (void*)partial, (void*)norm,
                     (void*)unscale, (void*)d_ctl})
         CUDA_CHECK(cudaFree(q));

@@ -1,6 +1,7 @@
 """The comparison table of bench/rowk_variants.sh: reads each variant's rowk_bench log
 (build/rowk/<variant>/bench.log) and prints, per model and kernel, every variant's time and rate,
-its change against the variant `base` (the default code), and whether its outputs are base's bits.
+its change against the variant `base` (the default code), in % of a launch and in µs of a training
+step, and whether its outputs are base's bits.
 
     python3 bench/rowk_summary.py build/rowk base ln_fwd1 ...
 """
@@ -9,13 +10,13 @@ import sys
 
 
 def parse_log(text):
-    """{(model, kernel): (us, gb_per_s, bits)} from the `rowk` lines of one rowk_bench log."""
+    """{(model, kernel): (us, gb_per_s, bits, step_us)} from the `rowk` lines of one rowk_bench log."""
     rows = {}
     for line in text.splitlines():
         f = line.split()
-        # rowk MODEL KERNEL VARIANT US us GBS GB/s bits HASH
-        if len(f) == 10 and f[0] == "rowk" and f[5] == "us" and f[7] == "GB/s" and f[8] == "bits":
-            rows[(f[1], f[2])] = (float(f[4]), float(f[6]), f[9])
+        # rowk MODEL KERNEL VARIANT US us GBS GB/s bits HASH step STEP_US us
+        if len(f) == 13 and f[0] == "rowk" and (f[5], f[7], f[8], f[10]) == ("us", "GB/s", "bits", "step"):
+            rows[(f[1], f[2])] = (float(f[4]), float(f[6]), f[9], float(f[11]))
     return rows
 
 
@@ -33,11 +34,13 @@ def table(logs):
             if key not in logs[name]:
                 cells.append("-")
                 continue
-            us, gbs, bits = logs[name][key]
+            us, gbs, bits, step = logs[name][key]
             cell = f"{us:.1f} µs, {gbs / 1000:.2f} TB/s"
             if name != "base" and key in base:
-                b_us, _, b_bits = base[key]
+                b_us, _, b_bits, b_step = base[key]
                 cell += f", {100.0 * (us - b_us) / b_us:+.1f}%"
+                if step or b_step:
+                    cell += f" ({step - b_step:+.0f} µs a step)"
                 if bits != b_bits:
                     cell += ", other bits"
             cells.append(cell)

@@ -16,29 +16,35 @@ from rowk_summary import parse_log, table
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "bench" / "rowk_variants.sh"
 
-# rowk_bench's line format: "rowk  %-5s %-14s %-34s %9.1f us %8.0f GB/s  bits %016llx"
-BASE_LOG = """rowk_bench: NVIDIA H200, ln_fwd=0,ln_bwd=0,final=32,loss=0,norm=0, median of 20 launches
-rowk  120M  ln_fwd         ln_fwd=0,ln_bwd=0,loss=0,norm=0          10.8 us     2336 GB/s  bits 00000000000000aa
-rowk  120M  loss_rows      ln_fwd=0,ln_bwd=0,loss=0,norm=0         500.0 us     3297 GB/s  bits 00000000000000bb
-"""
-VARIANT_LOG = """rowk  120M  ln_fwd         ln_fwd=1,ln_bwd=0,loss=0,norm=0           8.1 us     3115 GB/s  bits 00000000000000aa
-rowk  120M  loss_rows      ln_fwd=1,ln_bwd=0,loss=0,norm=0         550.0 us     2997 GB/s  bits 00000000000000cc
-"""
+# rowk_bench's report(): the same printf format
+
+
+def line(kernel, variant, us, gbs, bits, step):
+    return "rowk  %-5s %-14s %-42s %9.1f us %8.0f GB/s  bits %016x  step %9.1f us" % (
+        "120M", kernel, variant, us, gbs, bits, step)
+
+
+BASE_LOG = "\n".join(["rowk_bench: NVIDIA H200, ln_fwd=0,ln_bwd=0,final=32,loss=0,norm=0, median of 20 launches",
+                      line("ln_fwd", "ln_fwd=0,ln_bwd=0,final=32,loss=0,norm=0", 10.8, 2336, 0xaa, 270.0),
+                      line("loss_rows", "ln_fwd=0,ln_bwd=0,final=32,loss=0,norm=0", 500.0, 3297, 0xbb, 500.0)])
+VARIANT_LOG = "\n".join([line("ln_fwd", "ln_fwd=1,ln_bwd=0,final=32,loss=0,norm=0", 8.1, 3115, 0xaa, 202.5),
+                         line("loss_rows", "ln_fwd=1,ln_bwd=0,final=32,loss=0,norm=0", 550.0, 2997, 0xcc, 550.0)])
 
 
 def test_parse_log_reads_every_kernel_line_and_nothing_else():
     rows = parse_log(BASE_LOG)
-    assert rows == {("120M", "ln_fwd"): (10.8, 2336.0, "00000000000000aa"),
-                    ("120M", "loss_rows"): (500.0, 3297.0, "00000000000000bb")}
+    assert rows == {("120M", "ln_fwd"): (10.8, 2336.0, "00000000000000aa", 270.0),
+                    ("120M", "loss_rows"): (500.0, 3297.0, "00000000000000bb", 500.0)}
 
 
 def test_table_gives_the_change_against_base_and_flags_other_bits():
     out = table({"base": parse_log(BASE_LOG), "v1": parse_log(VARIANT_LOG)}).splitlines()
     assert out[0] == "| model | kernel | base | v1 |"
-    ln = next(line for line in out if "ln_fwd" in line)
-    assert "10.8 µs, 2.34 TB/s" in ln and "8.1 µs, 3.12 TB/s, -25.0%" in ln and "other bits" not in ln
-    loss = next(line for line in out if "loss_rows" in line)
-    assert "550.0 µs, 3.00 TB/s, +10.0%, other bits" in loss
+    ln = next(row for row in out if "ln_fwd" in row)
+    assert "10.8 µs, 2.34 TB/s" in ln and "8.1 µs, 3.12 TB/s, -25.0% (-68 µs a step)" in ln
+    assert "other bits" not in ln
+    loss = next(row for row in out if "loss_rows" in row)
+    assert "550.0 µs, 3.00 TB/s, +10.0% (+50 µs a step), other bits" in loss
 
 
 def test_table_marks_a_kernel_a_variant_did_not_report():
