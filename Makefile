@@ -9,6 +9,10 @@ LDLIBS    = -lm
 NVCC     ?= nvcc
 NVCCFLAGS = -O3 -std=c++17 -Xcompiler -fopenmp,-ffp-contract=off,-Wall
 NVLDLIBS  = -lcublas -lcublasLt -lgomp -lm
+# Compile-time kernel variants for A/B runs, e.g. make KERNEL_VARIANTS="-DLN_BWD_VARIANT=1" (each
+# header of microgpt/cuda/ lists its own; bench/rowk_variants.sh compares them). make does not
+# track flags: run `make clean` before building with other variants.
+NVCCFLAGS += $(KERNEL_VARIANTS)
 PYTHON   ?= python3
 
 HOST_HEADERS := $(wildcard microgpt/host/*.h)
@@ -56,24 +60,22 @@ build/microgpt_cpu: microgpt/microgpt_cpu.c $(HOST_HEADERS) $(CPU_HEADERS) | bui
 
 build/microgpt_cuda: microgpt/microgpt_cuda.cu $(HOST_HEADERS) $(CUDA_HEADERS) $(CPU_HEADERS) | build
 	@test -n "$(HAVE_NVCC)" || { echo "error: $(NVCC) not found on PATH (install the CUDA toolkit, 12 or 13)"; exit 1; }
-	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) $(ATTN_FLAGS) -o $@ microgpt/microgpt_cuda.cu $(NVLDLIBS)
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ microgpt/microgpt_cuda.cu $(NVLDLIBS)
 
 # GPU-vs-CPU check of every kernel pair (tests/kernel_check.cu); run by tests/test_gpu.py
 kernel-check: build/kernel_check
 
-# Flash-attention variants (microgpt/cuda/attention.cuh, its -D macros): ATTN_FLAGS reaches the
-# engine, kernel_check and attn_bench (`make -B build/microgpt_cuda ATTN_FLAGS=...` times a variant
-# in whole training steps); ATTN_SUFFIX names a variant's pair of binaries
-# (build/kernel_check$(ATTN_SUFFIX), build/attn_bench$(ATTN_SUFFIX)); bench/attn-variants.sh builds all.
-ATTN_FLAGS  ?=
+# Flash-attention variants (microgpt/cuda/attention.cuh, its -D macros, through KERNEL_VARIANTS):
+# ATTN_SUFFIX names a variant's pair of binaries (build/kernel_check$(ATTN_SUFFIX),
+# build/attn_bench$(ATTN_SUFFIX)); bench/attn-variants.sh builds and compares them all.
 ATTN_SUFFIX ?=
 
 build/kernel_check$(ATTN_SUFFIX): tests/kernel_check.cu $(CUDA_HEADERS) $(CPU_HEADERS) | build
-	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) $(ATTN_FLAGS) -o $@ tests/kernel_check.cu $(NVLDLIBS)
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ tests/kernel_check.cu $(NVLDLIBS)
 
 # flash-attention kernel times (bench/attn_bench.cu); a measurement tool, not part of `make`
 build/attn_bench$(ATTN_SUFFIX): bench/attn_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
-	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) $(ATTN_FLAGS) -o $@ bench/attn_bench.cu $(NVLDLIBS)
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/attn_bench.cu $(NVLDLIBS)
 
 build:
 	mkdir -p build

@@ -5,7 +5,7 @@
 #   OUT=/some/dir bench/attn-variants.sh [NAME...]     (OUT defaults to ./attn-out; no NAME: all)
 #
 # Per variant NAME: build/kernel_check_NAME and build/attn_bench_NAME (built in parallel, the
-# Makefile's ATTN_FLAGS / ATTN_SUFFIX), then `kernel_check_NAME --only attn` (the attention pair
+# Makefile's KERNEL_VARIANTS / ATTN_SUFFIX), then `kernel_check_NAME --only attn` (the attention pair
 # at every checked shape, fp32/bf16/fp16, one fixed seed for all variants) and attn_bench_NAME.
 # Logs in $OUT/build-NAME.log, $OUT/check-NAME.log, $OUT/bench-NAME.log; at the end a table, one
 # row per variant: µs per kernel launch (one layer) of each model, the flash kernels' µs per training
@@ -48,7 +48,7 @@ pids=()
 for v in "${VARIANTS[@]}"; do
     name=${v%%|*} flags=${v#*|}
     # -B: a variant's binaries are rebuilt even when an older build of other flags is newer than the sources
-    make -B ATTN_SUFFIX="_$name" ATTN_FLAGS="$flags" "build/kernel_check_$name" "build/attn_bench_$name" \
+    make -B ATTN_SUFFIX="_$name" KERNEL_VARIANTS="$flags" "build/kernel_check_$name" "build/attn_bench_$name" \
         >"$OUT/build-$name.log" 2>&1 &
     pids+=($!)
 done

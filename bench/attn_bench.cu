@@ -5,7 +5,8 @@
  * tool for the kernel variants of attention.cuh (its -D macros; docs/BENCHMARKS.md, log #40 on),
  * not part of the engine or the tests: build/kernel_check checks the same variant's results.
  *
- *   build: make build/attn_bench ATTN_FLAGS="-DFA_FWD_WARPS=8"   (no ATTN_FLAGS: the default kernels)
+ *   build: make build/attn_bench                  (the default kernels; a variant:
+ *          make -B build/attn_bench KERNEL_VARIANTS="-DFA_FWD_WARPS=8")
  *   run:   build/attn_bench
  *   all variants, checked and timed side by side: bench/attn-variants.sh
  *

@@ -11,7 +11,33 @@
  * depend only on N and slabs only on C, so the result does not depend on the GPU.
  *
  * Precision fp8: the forward's output and the backward's dx are FP8 products' operands, so both
- * kernels can also take their amax (common.cuh's block_amax_commit), saving the cast a full read. */
+ * kernels can also take their amax (common.cuh's block_amax_commit), saving the cast a full read.
+ *
+ * Variants, chosen at compile time (-D; 0, the default, is the code described above; each passes
+ * tests/kernel_check.cu, bench/rowk_bench.cu times them; docs/BENCHMARKS.md log #50-#52, #56, #58,
+ * #59):
+ *   LN_FWD_VARIANT 1  the forward holds its row in registers (LN_REG_PACKETS packets a lane at most:
+ *                     C <= 1024 in bf16/fp16, 512 in fp32), so x is read once, not three times; the
+ *                     same operations in the same order, so the same bits.
+ *   LN_BWD_VARIANT 1  the backward holds each row's x, dout and dx in registers (as stored, 16-bit)
+ *                     and each lane's dgamma/dbeta column sums in registers across the warp's rows,
+ *                     one read of each input and no shared-memory sums until the block's end; same
+ *                     chunks and order as today, so the same bits (C <= LN_SLAB_COLS and at most
+ *                     LN_REG_PACKETS packets a lane, else the default kernel).
+ *   LN_BWD_VARIANT 2  as 1 with at most LN_BWD_REGS_CHUNKS (256) chunks: twice the rows a warp,
+ *                     half the partial sums to write and add; other bits for dgamma/dbeta (a
+ *                     different but fixed order), dx's bits unchanged.
+ *   LN_BWD_VARIANT 3  as 1 with the column sums in shared memory as today (k_layernorm_bwd_regs_
+ *                     shared_sums): 80 registers instead of 127 at C = 768, so three blocks per
+ *                     multiprocessor instead of two; the same bits. (At four blocks, 64 registers,
+ *                     the C = 768 kernel spills.)
+ *   LN_BWD_VARIANT 4  as 3 with 256 chunks (as 2): 512 blocks at three per multiprocessor leave a
+ *                     second wave of 116 blocks on 132 SMs, 256 blocks are one wave; dgamma/dbeta
+ *                     other bits, dx the same.
+ *   LN_FINAL_COLS 8   the final sum with 8 columns a block instead of 32: four times the blocks (96
+ *                     at C = 768, 24 at 192, against 24 and 6 on 132 SMs); each column's sum keeps
+ *                     its order (LN_FINAL_GROUPS sets it), so the same bits.
+ * Wider rows take the default kernels. The variants take the amax as the default kernels do. */
 #ifndef MICROGPT_CUDA_LAYERNORM_CUH
 #define MICROGPT_CUDA_LAYERNORM_CUH
 
@@ -22,13 +48,40 @@
 #define LN_MAX_CHUNKS 512  /* row chunks for dgamma/dbeta partials: 512 blocks (4 per SM) for 120M */
 #define LN_SLAB_COLS 768   /* widest column slab of the backward: LN_WARPS x 2 sums per column fill the
                               48 KB of shared memory a block gets without cudaFuncSetAttribute */
+#ifndef LN_FINAL_COLS
 #define LN_FINAL_COLS 32   /* columns per block in the final sum ... */
+#endif
 #define LN_FINAL_GROUPS 32 /* ... and the groups of chunks each column's sum is split into */
+
+#ifndef LN_FWD_VARIANT
+#define LN_FWD_VARIANT 0
+#endif
+#ifndef LN_BWD_VARIANT
+#define LN_BWD_VARIANT 0
+#endif
+#if LN_FWD_VARIANT || LN_BWD_VARIANT
+#define LN_REG_PACKETS 4 /* packets of a row a lane holds in registers at most */
+#endif
+#if LN_BWD_VARIANT == 1
+#define LN_BWD_REGS_KERNEL k_layernorm_bwd_regs
+#define LN_BWD_REGS_CHUNKS LN_MAX_CHUNKS
+#elif LN_BWD_VARIANT == 2
+#define LN_BWD_REGS_KERNEL k_layernorm_bwd_regs
+#define LN_BWD_REGS_CHUNKS 256 /* 32 rows a chunk (4 a warp) at N = 8192 */
+#elif LN_BWD_VARIANT == 3
+#define LN_BWD_REGS_KERNEL k_layernorm_bwd_regs_shared_sums
+#define LN_BWD_REGS_CHUNKS LN_MAX_CHUNKS
+#elif LN_BWD_VARIANT == 4
+#define LN_BWD_REGS_KERNEL k_layernorm_bwd_regs_shared_sums
+#define LN_BWD_REGS_CHUNKS 256
+#endif
 
 /* Scratch floats layernorm_bwd needs for width C. */
 static size_t layernorm_scratch_floats(int C) { return (size_t)2 * LN_MAX_CHUNKS * C; }
 
-static int ln_rows_per_chunk(int N) { return (int)ceil_div((size_t)N, N < LN_MAX_CHUNKS ? (size_t)N : LN_MAX_CHUNKS); }
+static int ln_rows_per_chunk(int N, int max_chunks) {
+    return (int)ceil_div((size_t)N, N < max_chunks ? (size_t)N : max_chunks);
+}
 
 /* Columns per slab of the backward: all C if they fit, else the fewest slabs that do, of equal
  * width rounded up to the longest packet so that every slab starts on a packet boundary (the last
@@ -94,6 +147,78 @@ __global__ void k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, f
     block_amax_commit(amax_bits, am);
 }
 
+#if LN_FWD_VARIANT == 1 || LN_BWD_VARIANT
+/* Packet p of a lane's part of a row starts at column ln_reg_col(p); the lane holds it where that
+ * is < C. The same columns as LN_ROW_LOOP, in the same order. */
+#define ln_reg_col(p) ((lane + 32 * (p)) * VEC)
+#define LN_REG_LOOP(p, C) _Pragma("unroll") for (int p = 0; p < PACKETS; p++) if (ln_reg_col(p) < (C))
+
+/* kernel<T, VEC, packets> for packets 1 .. LN_REG_PACKETS, VEC = PACK(T) when packed, else 1, on
+ * g_stream, checked. */
+#define LN_LAUNCH_PACKETS_VEC(VEC, packets, kernel, T, grid, block, ...)                              \
+    switch (packets) {                                                                              \
+    case 1: kernel<T, VEC, 1><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break;               \
+    case 2: kernel<T, VEC, 2><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break;               \
+    case 3: kernel<T, VEC, 3><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break;               \
+    default: kernel<T, VEC, LN_REG_PACKETS><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break; \
+    }
+#define LN_LAUNCH_PACKETS(packed, packets, kernel, T, grid, block, ...)                              \
+    do {                                                                                            \
+        if (packed) LN_LAUNCH_PACKETS_VEC(PACK(T), packets, kernel, T, grid, block, __VA_ARGS__)    \
+        else LN_LAUNCH_PACKETS_VEC(1, packets, kernel, T, grid, block, __VA_ARGS__)                 \
+        LAUNCH_CHECK();                                                                             \
+    } while (0)
+
+/* Packets a lane holds of a row of C columns; above LN_REG_PACKETS the row is too wide. */
+static int ln_reg_packets(int C, bool packed, int pack) { return (int)ceil_div(C, 32 * (packed ? pack : 1)); }
+#endif
+
+#if LN_FWD_VARIANT == 1
+/* ln_fwd_row with the lane's PACKETS packets of the row loaded once into registers: the same sums
+ * in the same order. */
+template <typename T, int VEC, int PACKETS>
+__device__ __forceinline__ unsigned ln_fwd_row_regs(T* __restrict__ out, float* __restrict__ mean,
+                                                    float* __restrict__ rstd, const T* __restrict__ x,
+                                                    const float* __restrict__ gamma, const float* __restrict__ beta,
+                                                    int row, int C) {
+    int lane = threadIdx.x & 31;
+    const T* xr = x + (size_t)row * C;
+    float v[PACKETS][VEC], s = 0.0f;
+    unsigned am = 0;
+    LN_REG_LOOP(p, C) load_vec(v[p], xr + ln_reg_col(p));
+    LN_REG_LOOP(p, C) for (int k = 0; k < VEC; k++) s += v[p][k];
+    float m = warp_sum(s) / C;
+    float s2 = 0.0f;
+    LN_REG_LOOP(p, C) for (int k = 0; k < VEC; k++) s2 += (v[p][k] - m) * (v[p][k] - m);
+    float r = 1.0f / sqrtf(warp_sum(s2) / C + LN_EPS);
+    T* o = out + (size_t)row * C;
+    LN_REG_LOOP(p, C) {
+        float g[VEC], b[VEC];
+        load_vec(g, gamma + ln_reg_col(p));
+        load_vec(b, beta + ln_reg_col(p));
+        for (int k = 0; k < VEC; k++) {
+            v[p][k] = (v[p][k] - m) * r * g[k] + b[k];
+            am = max(am, abs_bits(as_stored<T>(v[p][k])));
+        }
+        store_vec(o + ln_reg_col(p), v[p]);
+    }
+    if (lane == 0) {
+        mean[row] = m;
+        rstd[row] = r;
+    }
+    return am;
+}
+
+template <typename T, int VEC, int PACKETS>
+__global__ void k_layernorm_fwd_regs(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                     const T* __restrict__ x, const float* __restrict__ gamma,
+                                     const float* __restrict__ beta, int N, int C, unsigned* amax_bits) {
+    int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
+    unsigned am = row < N ? ln_fwd_row_regs<T, VEC, PACKETS>(out, mean, rstd, x, gamma, beta, row, C) : 0u;
+    block_amax_commit(amax_bits, am);
+}
+#endif
+
 /* The means over a row of g = dout * gamma and of g * xhat (xhat = (x - mean) * rstd), which every
  * column's dx needs; every lane of the row's warp gets both. */
 template <typename T, int VEC>
@@ -147,6 +272,22 @@ __device__ __forceinline__ unsigned ln_bwd_slab_row(T* o, float* dg_sum, float* 
     return am;
 }
 
+/* After the block's barrier: its warps' column sums (col_sums[warp][dgamma, dbeta][column]) added in
+ * warp order into the chunk's partial dgamma, partial[chunk][c], and dbeta, partial[n_chunks +
+ * chunk][c], for the slab's columns c = c0 .. c0 + width - 1. */
+__device__ __forceinline__ void ln_bwd_block_partials(float* partial, const float (*col_sums)[2][LN_SLAB_COLS],
+                                                      int chunk, int n_chunks, int C, int c0, int width) {
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+        float sg = 0.0f, sb = 0.0f;
+        for (int w = 0; w < LN_WARPS; w++) {
+            sg += col_sums[w][0][j];
+            sb += col_sums[w][1][j];
+        }
+        partial[(size_t)chunk * C + c0 + j] = sg;
+        partial[(size_t)(n_chunks + chunk) * C + c0 + j] = sb;
+    }
+}
+
 /* grid (column slabs, row chunks), LN_WARPS warps a block. Warp w takes rows r0 + w,
  * r0 + w + LN_WARPS, ... of the chunk: the row's means over all C columns, then dx over the slab's
  * columns, adding dout * xhat and dout into its own per-column sums in shared memory.
@@ -180,17 +321,122 @@ __global__ void k_layernorm_bwd(T* __restrict__ dx, float* __restrict__ partial,
                                              xr + c0, dr + c0, gamma + c0, m, r, mg, mgx, width));
     }
     __syncthreads();
-    for (int j = threadIdx.x; j < width; j += blockDim.x) {
-        float sg = 0.0f, sb = 0.0f;
-        for (int w = 0; w < LN_WARPS; w++) {
-            sg += col_sums[w][0][j];
-            sb += col_sums[w][1][j];
-        }
-        partial[(size_t)chunk * C + c0 + j] = sg;
-        partial[(size_t)(n_chunks + chunk) * C + c0 + j] = sb;
-    }
+    ln_bwd_block_partials(partial, col_sums, chunk, n_chunks, C, c0, width);
     block_amax_commit_in(amax_bits, am, (unsigned*)col_sums[0][0]); /* its barrier: col_sums is read */
 }
+
+#if LN_BWD_VARIANT
+/* VEC elements at p, kept as stored (16-bit rows take half the registers of fp32 copies). */
+template <int VEC, typename T>
+__device__ __forceinline__ void load_raw(T (&t)[VEC], const T* p) {
+    if constexpr (VEC % PACK(T) == 0) {
+#pragma unroll
+        for (int q = 0; q < VEC / PACK(T); q++) reinterpret_cast<int4*>(t)[q] = reinterpret_cast<const int4*>(p)[q];
+    } else {
+#pragma unroll
+        for (int k = 0; k < VEC; k++) t[k] = p[k];
+    }
+}
+
+/* k_layernorm_bwd for rows of one slab (C <= LN_SLAB_COLS), grid (n_chunks), with a lane's packets
+ * of x, dout and dx loaded once into registers (as stored). Its columns' dout * xhat and dout sums
+ * over the warp's rows are kept in registers (REG_SUMS: 48 more at C = 768 in bf16) or, as in
+ * k_layernorm_bwd, in the warp's shared-memory sums (the first row stores 0 + its value, so
+ * nothing needs clearing). The same operations in the same order: with the same chunks, the same
+ * bits. amax_bits as k_layernorm_bwd's. */
+template <typename T, int VEC, int PACKETS, bool REG_SUMS>
+__device__ __forceinline__ void ln_bwd_regs(T* __restrict__ dx, float* __restrict__ partial,
+                                            const T* __restrict__ dout, const T* __restrict__ x,
+                                            const float* __restrict__ gamma, const float* __restrict__ mean,
+                                            const float* __restrict__ rstd, int N, int C, int rows_per_chunk,
+                                            unsigned* amax_bits) {
+    __shared__ __align__(16) float col_sums[LN_WARPS][2][LN_SLAB_COLS]; /* [warp][dgamma, dbeta][column] */
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int chunk = blockIdx.x, n_chunks = gridDim.x;
+    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float* dg_sum = col_sums[warp][0];
+    float* db_sum = col_sums[warp][1];
+    float dg[REG_SUMS ? PACKETS : 1][VEC] = {}, db[REG_SUMS ? PACKETS : 1][VEC] = {};
+    unsigned am = 0;
+    for (int row = r0 + warp; row < r1; row += LN_WARPS) {
+        __align__(16) T xv[PACKETS][VEC], dv[PACKETS][VEC], ov[PACKETS][VEC];
+        const T* xr = x + (size_t)row * C;
+        const T* dr = dout + (size_t)row * C;
+        T* o = dx + (size_t)row * C;
+        LN_REG_LOOP(p, C) {
+            load_raw(xv[p], xr + ln_reg_col(p));
+            load_raw(dv[p], dr + ln_reg_col(p));
+            load_raw(ov[p], o + ln_reg_col(p));
+        }
+        float m = mean[row], r = rstd[row], sg = 0.0f, sgx = 0.0f;
+        LN_REG_LOOP(p, C) {
+            float gv[VEC];
+            load_vec(gv, gamma + ln_reg_col(p));
+            for (int k = 0; k < VEC; k++) {
+                float g = to_f(dv[p][k]) * gv[k];
+                sg += g;
+                sgx += g * ((to_f(xv[p][k]) - m) * r);
+            }
+        }
+        float mg = warp_sum(sg) / C, mgx = warp_sum(sgx) / C;
+        bool first = row == r0 + warp;
+        LN_REG_LOOP(p, C) {
+            int c = ln_reg_col(p);
+            float gv[VEC], out[VEC], ag[VEC], ab[VEC];
+            load_vec(gv, gamma + c);
+            if constexpr (REG_SUMS) {
+                for (int k = 0; k < VEC; k++) ag[k] = dg[p][k], ab[k] = db[p][k];
+            } else if (first) {
+                for (int k = 0; k < VEC; k++) ag[k] = ab[k] = 0.0f;
+            } else {
+                load_vec(ag, dg_sum + c);
+                load_vec(ab, db_sum + c);
+            }
+            for (int k = 0; k < VEC; k++) {
+                float d = to_f(dv[p][k]), xhat = (to_f(xv[p][k]) - m) * r;
+                out[k] = to_f(ov[p][k]) + r * (d * gv[k] - mg - xhat * mgx);
+                ag[k] += d * xhat;
+                ab[k] += d;
+                am = max(am, abs_bits(as_stored<T>(out[k])));
+            }
+            store_vec(o + c, out);
+            if constexpr (REG_SUMS) {
+                for (int k = 0; k < VEC; k++) dg[p][k] = ag[k], db[p][k] = ab[k];
+            } else {
+                store_vec(dg_sum + c, ag);
+                store_vec(db_sum + c, ab);
+            }
+        }
+    }
+    if (REG_SUMS || r0 + warp >= r1) { /* the register sums, or a warp without rows: zeros */
+        LN_REG_LOOP(p, C) {
+            store_vec(dg_sum + ln_reg_col(p), dg[REG_SUMS ? p : 0]);
+            store_vec(db_sum + ln_reg_col(p), db[REG_SUMS ? p : 0]);
+        }
+    }
+    __syncthreads();
+    ln_bwd_block_partials(partial, col_sums, chunk, n_chunks, C, 0, C);
+    block_amax_commit_in(amax_bits, am, (unsigned*)col_sums[0][0]); /* its barrier: col_sums is read */
+}
+
+#define LN_BWD_REGS_ARGS                                                                                 \
+    T *__restrict__ dx, float *__restrict__ partial, const T *__restrict__ dout, const T *__restrict__ x, \
+        const float *__restrict__ gamma, const float *__restrict__ mean, const float *__restrict__ rstd, int N, \
+        int C, int rows_per_chunk, unsigned *amax_bits
+
+/* Column sums in registers: at most 128 registers a thread, two blocks per multiprocessor. */
+template <typename T, int VEC, int PACKETS>
+__global__ void __launch_bounds__(32 * LN_WARPS, 2) k_layernorm_bwd_regs(LN_BWD_REGS_ARGS) {
+    ln_bwd_regs<T, VEC, PACKETS, true>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk, amax_bits);
+}
+
+/* Column sums in shared memory: at most 80 registers a thread, three blocks per multiprocessor. */
+template <typename T, int VEC, int PACKETS>
+__global__ void __launch_bounds__(32 * LN_WARPS, 3) k_layernorm_bwd_regs_shared_sums(LN_BWD_REGS_ARGS) {
+    ln_bwd_regs<T, VEC, PACKETS, false>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk,
+                                        amax_bits);
+}
+#endif
 
 /* Block (LN_FINAL_COLS columns) x (LN_FINAL_GROUPS groups): group k of a column sums chunks k,
  * k + LN_FINAL_GROUPS, ... in order, then group 0 adds the group sums in group order and writes
@@ -224,8 +470,23 @@ template <typename T>
 static void layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const float* gamma, const float* beta,
                           int N, int C, unsigned* amax_bits = NULL) {
     bool packed = packable(C, sizeof(T), {out, x}) && packable(C, sizeof(float), {gamma, beta});
+#if LN_FWD_VARIANT == 1
+    int packets = ln_reg_packets(C, packed, PACK(T));
+    if (packets <= LN_REG_PACKETS) {
+        LN_LAUNCH_PACKETS(packed, packets, k_layernorm_fwd_regs, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean,
+                          rstd, x, gamma, beta, N, C, amax_bits);
+        return;
+    }
+#endif
     LAUNCH_PACKED(packed, k_layernorm_fwd, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean, rstd, x, gamma,
                   beta, N, C, amax_bits);
+}
+
+/* dgamma, dbeta = / += (add) the sums of the n_chunks chunk partials in scratch */
+static void layernorm_bwd_final(float* dgamma, float* dbeta, const float* scratch, int C, int n_chunks, bool add) {
+    k_layernorm_bwd_final<<<ceil_div(C, LN_FINAL_COLS), LN_FINAL_COLS * LN_FINAL_GROUPS, 0, g_stream>>>(
+        dgamma, dbeta, scratch, C, n_chunks, add);
+    LAUNCH_CHECK();
 }
 
 /* dx += ; dgamma, dbeta = / += by grad_beta (0 or 1); scratch holds layernorm_scratch_floats(C) floats.
@@ -235,15 +496,24 @@ static void layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, con
                           const float* mean, const float* rstd, int N, int C, float* scratch, float grad_beta,
                           unsigned* amax_bits = NULL) {
     bool packed = packable(C, sizeof(T), {dx, dout, x}) && packable(C, sizeof(float), {gamma});
-    int rows_per_chunk = ln_rows_per_chunk(N);
+#if LN_BWD_VARIANT
+    int packets = ln_reg_packets(C, packed, PACK(T));
+    if (C <= LN_SLAB_COLS && packets <= LN_REG_PACKETS) {
+        int rows_per_chunk = ln_rows_per_chunk(N, LN_BWD_REGS_CHUNKS);
+        int n_chunks = (int)ceil_div(N, rows_per_chunk);
+        LN_LAUNCH_PACKETS(packed, packets, LN_BWD_REGS_KERNEL, T, n_chunks, 32 * LN_WARPS, dx, scratch, dout, x,
+                          gamma, mean, rstd, N, C, rows_per_chunk, amax_bits);
+        layernorm_bwd_final(dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
+        return;
+    }
+#endif
+    int rows_per_chunk = ln_rows_per_chunk(N, LN_MAX_CHUNKS);
     int n_chunks = (int)ceil_div(N, rows_per_chunk);
     int slab_cols = ln_slab_cols(C);
     dim3 grid(ceil_div(C, slab_cols), n_chunks);
     LAUNCH_PACKED(packed, k_layernorm_bwd, T, grid, 32 * LN_WARPS, dx, scratch, dout, x, gamma, mean, rstd, N, C,
                   rows_per_chunk, slab_cols, amax_bits);
-    k_layernorm_bwd_final<<<ceil_div(C, LN_FINAL_COLS), LN_FINAL_COLS * LN_FINAL_GROUPS, 0, g_stream>>>(
-        dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
-    LAUNCH_CHECK();
+    layernorm_bwd_final(dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
 }
 
 #endif
