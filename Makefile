@@ -65,9 +65,9 @@ build/microgpt_cuda: microgpt/microgpt_cuda.cu $(HOST_HEADERS) $(CUDA_HEADERS) $
 # GPU-vs-CPU check of every kernel pair (tests/kernel_check.cu); run by tests/test_gpu.py
 kernel-check: build/kernel_check
 
-# Flash-attention variants (microgpt/cuda/attention.cuh, its -D macros, through KERNEL_VARIANTS):
-# ATTN_SUFFIX names a variant's pair of binaries (build/kernel_check$(ATTN_SUFFIX),
-# build/attn_bench$(ATTN_SUFFIX)); bench/attn-variants.sh builds and compares them all.
+# A/B builds of the flash-attention kernels (microgpt/cuda/attention.cuh built with other -D flags,
+# through KERNEL_VARIANTS): ATTN_SUFFIX names a build's pair of binaries (build/kernel_check$(ATTN_SUFFIX),
+# build/attn_bench$(ATTN_SUFFIX)); bench/attn-variants.sh builds and compares them.
 ATTN_SUFFIX ?=
 
 build/kernel_check$(ATTN_SUFFIX): tests/kernel_check.cu $(CUDA_HEADERS) $(CPU_HEADERS) | build

@@ -1,59 +1,52 @@
 #!/usr/bin/env bash
-# attn-variants.sh: every flash-attention variant of microgpt/cuda/attention.cuh (its -D macros,
-# docs/BENCHMARKS.md log #40 on) built side by side, checked and timed, for the GPU machine:
+# attn-variants.sh: the flash-attention kernels (microgpt/cuda/attention.cuh) built with other -D
+# flags, checked and timed beside the default build, for the GPU machine: an A/B of a new idea put
+# behind a compile-time macro (docs/BENCHMARKS.md, log #40 on):
 #
-#   OUT=/some/dir bench/attn-variants.sh [NAME...]     (OUT defaults to ./attn-out; no NAME: all)
+#   OUT=/some/dir bench/attn-variants.sh NAME=FLAGS...    (OUT defaults to ./attn-out)
+#   e.g. bench/attn-variants.sh "wide=-DFA_NEW_IDEA=1" "wide2=-DFA_NEW_IDEA=2 -DFA_OTHER=1"
 #
-# Per variant NAME: build/kernel_check_NAME and build/attn_bench_NAME (built in parallel, the
-# Makefile's KERNEL_VARIANTS / ATTN_SUFFIX), then `kernel_check_NAME --only attn` (the attention pair
-# at every checked shape, fp32/bf16/fp16, one fixed seed for all variants) and attn_bench_NAME.
-# Logs in $OUT/build-NAME.log, $OUT/check-NAME.log, $OUT/bench-NAME.log; at the end a table, one
-# row per variant: µs per kernel launch (one layer) of each model, the flash kernels' µs per training
-# step, and the variant's check result (also in $OUT/summary.txt). A variant whose check fails is
-# timed all the same and marked FAILED.
-# Exit status 1 if any build or check failed. About 2-3 minutes on an H200 host (16 cores).
+# The build `default` (no flags) always comes first. Per build NAME: build/kernel_check_NAME and
+# build/attn_bench_NAME (built in parallel, the Makefile's KERNEL_VARIANTS / ATTN_SUFFIX), then
+# `kernel_check_NAME --only attn` (the attention pair at every checked shape, fp32/bf16/fp16, one
+# fixed seed for all builds) and attn_bench_NAME. Logs in $OUT/build-NAME.log, $OUT/check-NAME.log,
+# $OUT/bench-NAME.log; at the end a table, one row per build: µs per kernel launch (one layer) of
+# each model, the flash kernels' µs per training step, and the build's check result (also in
+# $OUT/summary.txt). A build whose check fails is timed all the same and marked FAILED.
+# Exit status 1 if any build or check failed, 2 on bad arguments. About a minute per build on an
+# H200 host (16 cores).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
+
+BUILDS=("default|")
+for arg in "$@"; do
+    name=${arg%%=*} flags=${arg#*=}
+    if [ "$name" = "$arg" ] || ! [[ $name =~ ^[A-Za-z0-9_]+$ ]] || [ "$name" = default ]; then
+        echo "error: expected NAME=FLAGS (NAME of letters, digits, _; not 'default'), got '$arg'" >&2
+        exit 2
+    fi
+    for b in "${BUILDS[@]}"; do
+        if [ "${b%%|*}" = "$name" ]; then
+            echo "error: build name '$name' given twice" >&2
+            exit 2
+        fi
+    done
+    BUILDS+=("$name|$flags")
+done
 OUT=${OUT:-./attn-out}
 mkdir -p "$OUT"
 
-# name|nvcc flags (the first is the default kernels)
-ALL_VARIANTS=(
-    "default|"
-    "fwd_warps8|-DFA_FWD_WARPS=8"
-    "fwd_warps2|-DFA_FWD_WARPS=2"
-    "fwd_pipeline|-DFA_FWD_PIPELINE=1 -DFA_FWD_SM_WARPS=12"
-    "grid_lpt|-DFA_GRID_LPT=1"
-    "dkv_warps2|-DFA_DKV_WARPS=2"
-    "dkv_blocks4|-DFA_MIN_BLOCKS_DKV=4"
-    "dkv_cols16|-DFA_DKV_COLS64=16"
-    "dkv_blocks4_cols16|-DFA_MIN_BLOCKS_DKV=4 -DFA_DKV_COLS64=16"
-    "dkv_pipeline|-DFA_DKV_PIPELINE=1 -DFA_DKV_COLS64=16"
-    "ds_fragments|-DFA_DS_FRAGMENTS=1"
-    "combined_12m|-DFA_FWD_WARPS=2 -DFA_DKV_WARPS=2 -DFA_GRID_LPT=1"
-    "combined|-DFA_FWD_PIPELINE=1 -DFA_FWD_SM_WARPS=12 -DFA_GRID_LPT=1 -DFA_MIN_BLOCKS_DKV=4 -DFA_DKV_COLS64=16 -DFA_DS_FRAGMENTS=1"
-)
-VARIANTS=()
-for v in "${ALL_VARIANTS[@]}"; do
-    if [ $# -eq 0 ]; then VARIANTS+=("$v"); continue; fi
-    for want in "$@"; do [ "${v%%|*}" = "$want" ] && VARIANTS+=("$v"); done
-done
-if [ ${#VARIANTS[@]} -eq 0 ]; then
-    echo "error: no variant named $* (known: $(printf '%s ' "${ALL_VARIANTS[@]%%|*}"))" >&2
-    exit 2
-fi
-
 rc=0
 pids=()
-for v in "${VARIANTS[@]}"; do
-    name=${v%%|*} flags=${v#*|}
-    # -B: a variant's binaries are rebuilt even when an older build of other flags is newer than the sources
+for b in "${BUILDS[@]}"; do
+    name=${b%%|*} flags=${b#*|}
+    # -B: a build's binaries are remade even when an older build of other flags is newer than the sources
     make -B ATTN_SUFFIX="_$name" KERNEL_VARIANTS="$flags" "build/kernel_check_$name" "build/attn_bench_$name" \
         >"$OUT/build-$name.log" 2>&1 &
     pids+=($!)
 done
 for i in "${!pids[@]}"; do
-    name=${VARIANTS[$i]%%|*}
+    name=${BUILDS[$i]%%|*}
     if ! wait "${pids[$i]}"; then
         echo "!! build of $name failed: $OUT/build-$name.log"
         tail -5 "$OUT/build-$name.log"
@@ -62,13 +55,13 @@ for i in "${!pids[@]}"; do
 done
 
 declare -A check
-for v in "${VARIANTS[@]}"; do
-    name=${v%%|*}
+for b in "${BUILDS[@]}"; do
+    name=${b%%|*}
     if [ ! -x "build/attn_bench_$name" ] || [ ! -x "build/kernel_check_$name" ]; then
         check[$name]="NOT BUILT"
         continue
     fi
-    echo "== $name (${v#*|})"
+    echo "== $name (${b#*|})"
     if timeout 120 "build/kernel_check_$name" --only attn --seed 12345 >"$OUT/check-$name.log" 2>&1; then
         check[$name]=ok
     else
@@ -82,19 +75,19 @@ done
 
 {
     printf '\nµs per launch (one layer); step = (forward + backward) x layers (12 at 120M, 6 at 12M)\n'
-    printf '%-20s' variant
+    printf '%-20s' build
     for model in 120M 12M; do printf ' %8s' "$model:fwd" delta dk_dv dq bwd step; done
     printf '  %s\n' "kernel_check --only attn"
-    for v in "${VARIANTS[@]}"; do
-        name=${v%%|*}
+    for b in "${BUILDS[@]}"; do
+        name=${b%%|*}
         printf '%-20s' "$name"
         for model in 120M 12M; do
             for kernel in forward delta dk_dv dq backward; do
-                us=$(awk -v m="$model" -v k="$kernel" '$3 == m && $4 == k { print $5 }' \
+                us=$(awk -v m="$model" -v k="$kernel" '$2 == m && $3 == k { print $4 }' \
                     "$OUT/bench-$name.log" 2>/dev/null)
                 printf ' %8s' "${us:--}"
             done
-            step=$(awk -v m="$model" '$3 == m && ($4 == "forward" || $4 == "backward") { s += $9; n++ }
+            step=$(awk -v m="$model" '$2 == m && ($3 == "forward" || $3 == "backward") { s += $8; n++ }
                                       END { if (n) printf "%.0f", s }' "$OUT/bench-$name.log" 2>/dev/null)
             printf ' %8s' "${step:--}"
         done

@@ -2,42 +2,19 @@
  * attention shapes of ANDREA-120M (B 8, T 1024, H 12, head size 64) and ANDREA-12M (B 8, T 512,
  * H 6, head size 32): forward, the backward's delta, dK/dV and dQ kernels, and the whole backward,
  * each the median of 50 launches (bench/kernel_timer.cuh) on random q, k, v, dout. A measurement
- * tool for the kernel variants of attention.cuh (its -D macros; docs/BENCHMARKS.md, log #40 on),
- * not part of the engine or the tests: build/kernel_check checks the same variant's results.
+ * tool for changes to those kernels (docs/BENCHMARKS.md, log #40 on), not part of the engine or
+ * the tests: build/kernel_check checks the same build's results.
  *
- *   build: make build/attn_bench                  (the default kernels; a variant:
- *          make -B build/attn_bench KERNEL_VARIANTS="-DFA_FWD_WARPS=8")
+ *   build: make build/attn_bench       (a candidate behind a -D macro of attention.cuh:
+ *          make -B build/attn_bench KERNEL_VARIANTS="-DNAME=1")
  *   run:   build/attn_bench
- *   all variants, checked and timed side by side: bench/attn-variants.sh
+ *   builds of other -D flags, checked and timed side by side: bench/attn-variants.sh
  *
- * One line per kernel and model: the variant (the attention.cuh macros that differ from their
- * defaults), µs per launch (one layer), TFLOP/s of the causal half (the diagonal tiles' masked
- * half not counted; delta moves bytes only: GB/s), and µs per training step (× layers). */
+ * One line per kernel and model: µs per launch (one layer), TFLOP/s of the causal half (the
+ * diagonal tiles' masked half not counted; delta moves bytes only: GB/s), and µs per training step
+ * (× layers). */
 #include "kernel_timer.cuh"
 #include "../microgpt/cuda/attention.cuh"
-
-#include <string>
-
-/* The variant's name: the macros that differ from attention.cuh's defaults, or "default". */
-static std::string variant_name(void) {
-    std::string n;
-    auto add = [&](bool differs, const char* what, int value) {
-        if (!differs) return;
-        char b[48];
-        snprintf(b, sizeof b, "%s%s=%d", n.empty() ? "" : ",", what, value);
-        n += b;
-    };
-    add(FA_FWD_WARPS != 4, "fwd_warps", FA_FWD_WARPS);
-    add(FA_FWD_PIPELINE != 0, "fwd_pipeline", FA_FWD_PIPELINE);
-    add(FA_FWD_SM_WARPS != 16, "fwd_sm_warps", FA_FWD_SM_WARPS);
-    add(FA_GRID_LPT != 0, "grid_lpt", FA_GRID_LPT);
-    add(FA_DKV_WARPS != 4, "dkv_warps", FA_DKV_WARPS);
-    add(FA_DKV_PIPELINE != 0, "dkv_pipeline", FA_DKV_PIPELINE);
-    add(FA_MIN_BLOCKS_DKV != 3, "dkv_blocks", FA_MIN_BLOCKS_DKV);
-    add(FA_DKV_COLS64 != 32, "dkv_cols64", FA_DKV_COLS64);
-    add(FA_DS_FRAGMENTS != 0, "ds_fragments", FA_DS_FRAGMENTS);
-    return n.empty() ? "default" : n;
-}
 
 /* x[i] uniform in [-lim, lim) from a hash of (seed, i): the same inputs in every run and variant. */
 __global__ void k_fill_uniform(bf16* x, size_t n, unsigned seed, float lim) {
@@ -75,9 +52,8 @@ template <int D> static void bench_model(const char* model, int B, int T_, int C
 
     /* one product over the causal half: 2 * pairs * D FLOP (pairs = key <= query) */
     double product = 2.0 * B * H * ((double)T_ * (T_ + 1) / 2) * D;
-    std::string name = variant_name();
     auto line = [&](const char* kernel, float us, double work, const char* unit) {
-        printf("attn_bench %-40s %-5s %-8s %9.1f us %8.1f %s %9.1f us/step\n", name.c_str(), model, kernel, us,
+        printf("attn_bench %-5s %-8s %9.1f us %8.1f %s %9.1f us/step\n", model, kernel, us,
                work / (us * 1e-6) / 1e12 * (unit[0] == 'G' ? 1e3 : 1.0), unit, us * layers);
     };
     const int reps = 50;
@@ -103,7 +79,7 @@ template <int D> static void bench_model(const char* model, int B, int T_, int C
 
 int main(int argc, char** argv) {
     if (argc > 1) {
-        fprintf(stderr, "error: attn_bench takes no arguments (variants are compile-time: see its header)\n");
+        fprintf(stderr, "error: attn_bench takes no arguments (candidates are compile-time: see its header)\n");
         return 2;
     }
     CUDA_CHECK(cudaStreamCreate(&g_stream));

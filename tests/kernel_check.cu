@@ -282,8 +282,8 @@ static const Shape SHAPES[] = {
 };
 
 /* Extra attention-only shapes: in bf16/fp16, head sizes 16, 32 and 64 take the flash kernels
- * (SHAPES covers 32), and T here spans several 64-row tiles with a partial last one, and several
- * 128-row forward blocks (the FA_FWD_WARPS=8 variant) with a last one partial past half. */
+ * (SHAPES covers 32), and T here spans several 64-row tiles with a partial last one (filled from
+ * 2 to 44 rows, so also past half a tile: blocks of other sizes, bench/attn-variants.sh). */
 static const Shape ATTN_SHAPES[] = {
     {2, 130, 128, 2, 0, 0, 0, 0},
     {1, 77, 64, 4, 0, 0, 0, 0},
