@@ -9,10 +9,6 @@ LDLIBS    = -lm
 NVCC     ?= nvcc
 NVCCFLAGS = -O3 -std=c++17 -Xcompiler -fopenmp,-ffp-contract=off,-Wall
 NVLDLIBS  = -lcublas -lcublasLt -lgomp -lm
-# Compile-time kernel variants for A/B runs, e.g. make KERNEL_VARIANTS="-DLN_BWD_VARIANT=1" (each
-# header of microgpt/cuda/ lists its own; bench/rowk_variants.sh compares them). make does not
-# track flags: run `make clean` before building with other variants.
-NVCCFLAGS += $(KERNEL_VARIANTS)
 PYTHON   ?= python3
 
 HOST_HEADERS := $(wildcard microgpt/host/*.h)
@@ -47,7 +43,7 @@ ifneq ($(CUDA_SOURCE),)
 endif
 endif
 
-.PHONY: all cpu cuda kernel-check test data clean
+.PHONY: all cpu cuda kernel-check rowk-bench test data clean
 
 all: $(ALL)
 
@@ -67,6 +63,12 @@ kernel-check: build/kernel_check
 
 build/kernel_check: tests/kernel_check.cu $(CUDA_HEADERS) $(CPU_HEADERS) | build
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ tests/kernel_check.cu $(NVLDLIBS)
+
+# Timing of the row and element-wise kernels alone (bench/rowk_bench.cu; a tool, run by people)
+rowk-bench: build/rowk_bench
+
+build/rowk_bench: bench/rowk_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/rowk_bench.cu $(NVLDLIBS)
 
 build:
 	mkdir -p build
