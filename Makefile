@@ -9,6 +9,10 @@ LDLIBS    = -lm
 NVCC     ?= nvcc
 NVCCFLAGS = -O3 -std=c++17 -Xcompiler -fopenmp,-ffp-contract=off,-Wall
 NVLDLIBS  = -lcublas -lcublasLt -lgomp -lm
+# Compile-time kernel variants for A/B runs, e.g. make KERNEL_VARIANTS="-DFA_FWD_WARPS=8" (the
+# flash-attention variants of microgpt/cuda/attention.cuh; bench/attn-variants.sh compares them).
+# make does not track flags: run `make clean` before building with other variants.
+NVCCFLAGS += $(KERNEL_VARIANTS)
 PYTHON   ?= python3
 
 HOST_HEADERS := $(wildcard microgpt/host/*.h)
@@ -61,8 +65,17 @@ build/microgpt_cuda: microgpt/microgpt_cuda.cu $(HOST_HEADERS) $(CUDA_HEADERS) $
 # GPU-vs-CPU check of every kernel pair (tests/kernel_check.cu); run by tests/test_gpu.py
 kernel-check: build/kernel_check
 
-build/kernel_check: tests/kernel_check.cu $(CUDA_HEADERS) $(CPU_HEADERS) | build
+# Flash-attention variants (microgpt/cuda/attention.cuh, its -D macros, through KERNEL_VARIANTS):
+# ATTN_SUFFIX names a variant's pair of binaries (build/kernel_check$(ATTN_SUFFIX),
+# build/attn_bench$(ATTN_SUFFIX)); bench/attn-variants.sh builds and compares them all.
+ATTN_SUFFIX ?=
+
+build/kernel_check$(ATTN_SUFFIX): tests/kernel_check.cu $(CUDA_HEADERS) $(CPU_HEADERS) | build
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ tests/kernel_check.cu $(NVLDLIBS)
+
+# flash-attention kernel times (bench/attn_bench.cu); a measurement tool, not part of `make`
+build/attn_bench$(ATTN_SUFFIX): bench/attn_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/attn_bench.cu $(NVLDLIBS)
 
 # Timing of the row and element-wise kernels alone (bench/rowk_bench.cu; a tool, run by people)
 rowk-bench: build/rowk_bench

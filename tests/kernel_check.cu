@@ -282,10 +282,13 @@ static const Shape SHAPES[] = {
 };
 
 /* Extra attention-only shapes: in bf16/fp16, head sizes 16, 32 and 64 take the flash kernels
- * (SHAPES covers 32), and T here spans several 64-row tiles with a partial last one. */
+ * (SHAPES covers 32), and T here spans several 64-row tiles with a partial last one, and several
+ * 128-row forward blocks (the FA_FWD_WARPS=8 variant) with a last one partial past half. */
 static const Shape ATTN_SHAPES[] = {
     {2, 130, 128, 2, 0, 0, 0, 0},
     {1, 77, 64, 4, 0, 0, 0, 0},
+    {1, 300, 64, 1, 0, 0, 0, 0},
+    {1, 200, 96, 3, 0, 0, 0, 0},
 };
 
 static std::string shape_str(const Shape& s) {
@@ -1170,6 +1173,16 @@ static void run_fp8(void) {
     fp8_plans_clear();
 }
 
+/* The attention pair at every shape (alone with --only attn). */
+template <typename T> static void run_attn(void) {
+    auto one = [](const Shape& s) {
+        set_ctx(TypeInfo<T>::name(), "attn", shape_str(s).c_str());
+        test_attn<T>(s, tol_for<T>());
+    };
+    for (const Shape& s : SHAPES) one(s);
+    for (const Shape& s : ATTN_SHAPES) one(s);
+}
+
 template <typename T> static void run_precision(void) {
     const char* prec = TypeInfo<T>::name();
     Tol tol = tol_for<T>();
@@ -1183,8 +1196,6 @@ template <typename T> static void run_precision(void) {
         test_layernorm<T>(s, tol);
         set_ctx(prec, "attn_qkv", sh.c_str());
         test_attn_qkv<T>(s, tol);
-        set_ctx(prec, "attn", sh.c_str());
-        test_attn<T>(s, tol);
         for (int fuse = 1; fuse >= 0; fuse--) { /* the fused products, then the unfused path */
             g_gemm_fuse = fuse;
             set_ctx(prec, fuse ? "attn_out" : "attn_out unfused", sh.c_str());
@@ -1216,10 +1227,7 @@ template <typename T> static void run_precision(void) {
     }
     set_ctx(prec, "cuBLASLt", "all shapes");
     check_fused_taken(fused_before);
-    for (const Shape& s : ATTN_SHAPES) {
-        set_ctx(prec, "attn", shape_str(s).c_str());
-        test_attn<T>(s, tol);
-    }
+    run_attn<T>();
     {
         /* C above EMBED_BWD_THREADS and B·T above EMBED_LIST: the embedding backward's column
          * groups, and tokens repeated across its position tiles and list segments */
@@ -1251,17 +1259,32 @@ template <typename T> static void run_precision(void) {
 int main(int argc, char** argv) {
     uint64_t seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 20);
     const char* prec = "all";
+    bool only_attn = false; /* --only attn: the attention pair alone (the flash variants' check) */
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--prec") && i + 1 < argc) prec = argv[++i];
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
+            if (strcmp(argv[++i], "attn")) {
+                fprintf(stderr, "error: --only takes attn, not '%s'\n", argv[i]);
+                return 2;
+            }
+            only_attn = true;
+        }
         else {
-            fprintf(stderr, "error: unknown argument '%s' (usage: kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all])\n", argv[i]);
+            fprintf(stderr,
+                    "error: unknown argument '%s' (usage: kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all] "
+                    "[--only attn])\n",
+                    argv[i]);
             return 2;
         }
     }
     if (strcmp(prec, "all") && strcmp(prec, "fp32") && strcmp(prec, "bf16") && strcmp(prec, "fp16") &&
         strcmp(prec, "fp8")) {
         fprintf(stderr, "error: --prec must be fp32, bf16, fp16, fp8 or all, not '%s'\n", prec);
+        return 2;
+    }
+    if (only_attn && !strcmp(prec, "fp8")) {
+        fprintf(stderr, "error: --only attn has no fp8 checks (use --prec fp32, bf16, fp16 or all)\n");
         return 2;
     }
     int n_dev = 0;
@@ -1278,14 +1301,20 @@ int main(int argc, char** argv) {
     g_allocs.clear(); /* the workspace lives for the whole run */
     cublas_init(ws, CUBLAS_WORKSPACE_BYTES);
 
-    set_ctx("fp32", "grad_norm", "n=1000003");
-    test_grad_norm(1000003);
-    set_ctx("fp32", "grad_norm", "n=1000004");
-    test_grad_norm(1000004);
-    if (!strcmp(prec, "all") || !strcmp(prec, "fp32")) run_precision<float>();
-    if (!strcmp(prec, "all") || !strcmp(prec, "bf16")) run_precision<bf16>();
-    if (!strcmp(prec, "all") || !strcmp(prec, "fp16")) run_precision<fp16>();
-    if (!strcmp(prec, "all") || !strcmp(prec, "fp8")) {
+    if (only_attn) {
+        if (!strcmp(prec, "all") || !strcmp(prec, "fp32")) run_attn<float>();
+        if (!strcmp(prec, "all") || !strcmp(prec, "bf16")) run_attn<bf16>();
+        if (!strcmp(prec, "all") || !strcmp(prec, "fp16")) run_attn<fp16>();
+    } else {
+        set_ctx("fp32", "grad_norm", "n=1000003");
+        test_grad_norm(1000003);
+        set_ctx("fp32", "grad_norm", "n=1000004");
+        test_grad_norm(1000004);
+        if (!strcmp(prec, "all") || !strcmp(prec, "fp32")) run_precision<float>();
+        if (!strcmp(prec, "all") || !strcmp(prec, "bf16")) run_precision<bf16>();
+        if (!strcmp(prec, "all") || !strcmp(prec, "fp16")) run_precision<fp16>();
+    }
+    if (!only_attn && (!strcmp(prec, "all") || !strcmp(prec, "fp8"))) {
         if (p.major * 10 + p.minor >= 89) run_fp8();
         else if (!strcmp(prec, "fp8")) report(false, "fp8", "needs compute capability 8.9 or newer");
         else printf("kernel_check: no fp8 checks on cc %d.%d (FP8 tensor cores need 8.9)\n", p.major, p.minor);

@@ -28,6 +28,7 @@ The engines are compared on tiny configurations with small vocabularies, in seco
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -105,6 +106,30 @@ def test_kernel_check(kernel_check_binary):
     failed = [l for l in res.stdout.splitlines() if l.startswith("FAIL")]
     assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
     assert "checks, 0 failed" in res.stdout.splitlines()[-1]
+
+
+def test_kernel_check_attention_only(kernel_check_binary):
+    """`--only attn` (bench/attn-variants.sh checks each flash variant with it): the attention pair
+    alone, at every shape, passing; an unknown --only value is one error line and exit status 2."""
+    res = subprocess.run([str(kernel_check_binary), "--only", "attn"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    m = re.search(r"kernel_check: (\d+) checks, 0 failed", res.stdout.splitlines()[-1])
+    assert m and int(m.group(1)) > 0, res.stdout[-2000:]
+    bad = subprocess.run([str(kernel_check_binary), "--only", "mlp"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --only takes attn"), bad.stderr
+
+
+def test_attn_bench_prints_every_kernel(cuda_binary):
+    """bench/attn_bench.cu, the flash kernels' microbenchmark (bench/attn-variants.sh runs one per
+    variant): one line per model and kernel, each naming the variant, with a positive time."""
+    made = subprocess.run(["make", "build/attn_bench"], cwd=eu.REPO, capture_output=True, text=True, timeout=900)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    res = subprocess.run([str(eu.BUILD / "attn_bench")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = [line.split() for line in res.stdout.splitlines()]
+    want = [(m, k) for m in ("120M", "12M") for k in ("forward", "delta", "dk_dv", "dq", "backward")]
+    assert [(r[2], r[3]) for r in rows] == want, res.stdout
+    assert all(r[0] == "attn_bench" and r[1] == "default" and float(r[4]) > 0 for r in rows), res.stdout
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -208,18 +208,121 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
  * Scores run in base 2: s2 = (q·k) * scale * log2(e), so 2^x (fa_exp2), the scale folded into a fused
  * multiply-add with the subtracted max or lse. */
 
-#define FA_TILE 64 /* rows per block and per staged tile */
+#define FA_TILE 64 /* rows per block (dK/dV, dQ) and per staged tile */
 #define FA_WARPS 4
 #define FA_THREADS (32 * FA_WARPS)
-/* Blocks per multiprocessor that ptxas must fit in registers (65536 / (128 threads x blocks)):
- * the forward fits 4 (127 registers on sm_90, no spills), the dK/dV kernel 3 (168); the dQ
- * kernel (one product per tile pair) needs no bound. */
-#define FA_MIN_BLOCKS_FWD 4
+
+/* Variants for the speed experiments of docs/BENCHMARKS.md (optimisation log #40 on), each chosen
+ * at compile time (nvcc -D...; the defaults are the measured code, bench/attn-variants.sh builds
+ * and times every one) and each checked by build/kernel_check like the default:
+ *   FA_FWD_WARPS=8      forward blocks of 8 warps, 128 query rows sharing each staged K/V tile
+ *                       (half the tile loads per FLOP; 2 blocks of 8 warps per multiprocessor
+ *                       instead of 4 of 4, so the same 16 warps).
+ *   FA_FWD_WARPS=2      forward blocks of 2 warps, 32 query rows: twice the blocks, half the
+ *                       longest block's work (ANDREA-12M's forward is one wave of unequal blocks),
+ *                       twice the tile loads per FLOP (and at head size 64, shared memory allows
+ *                       only 6 blocks, 12 warps, per multiprocessor).
+ *   FA_FWD_PIPELINE=1   the forward computes the scores of key tile kt + 1 while it takes the
+ *                       softmax of tile kt (the same operations in the same order per tile, so the
+ *                       same bits; 32 more score registers: with FA_FWD_SM_WARPS=12, 3 blocks of
+ *                       4 warps per multiprocessor at 168 registers, no spill).
+ *   FA_FWD_SM_WARPS=N   the forward's warps per multiprocessor that ptxas must fit in registers
+ *                       (default 16: 128 registers).
+ *   FA_GRID_LPT=1       every flash kernel's grid walks the tiles in the slow dimension, so the
+ *                       heaviest tile of every head starts before any lighter one (longest job
+ *                       first over the whole grid; the default is heaviest first within a head).
+ *   FA_DKV_WARPS=2      dK/dV blocks of 2 warps, 32 keys (half a key tile; they store their
+ *                       halves of the dS tiles): twice the blocks, the longest half as long, as
+ *                       FA_FWD_WARPS=2 for the forward; twice the query-tile loads per FLOP.
+ *   FA_DKV_PIPELINE=1   the dK/dV kernel issues the score products of its next step of queries
+ *                       before the exponentials and products of the current one (two sets of
+ *                       scores: with FA_DKV_COLS64=16 the registers of today's halves; smaller
+ *                       heads in halves); the same operations in the same order, the same bits.
+ *   FA_MIN_BLOCKS_DKV=4 the dK/dV kernel held to 128 registers (4 blocks, 16 warps per
+ *                       multiprocessor instead of 12), accepting what ptxas spills (counted in
+ *                       blocks of 4 warps: twice as many blocks with FA_DKV_WARPS=2).
+ *   FA_DS_FRAGMENTS=1   the dS tiles stored in the dQ kernel's A-fragment order (the dK/dV kernel
+ *                       transposes its staged rows with ldmatrix), so the dQ kernel loads them
+ *                       straight into registers, a tile ahead, 512 contiguous bytes per warp
+ *                       load, and stages only K in shared memory (half of it); the same values
+ *                       and products, the same bits.
+ *   FA_DKV_COLS64=16    the dK/dV kernel at head size 64 in quarter tiles of 16 queries (fewer
+ *                       score registers; the same products in the same order, so the same bits). */
+#ifndef FA_FWD_WARPS
+#define FA_FWD_WARPS 4
+#endif
+#if FA_FWD_WARPS != 2 && FA_FWD_WARPS != 4 && FA_FWD_WARPS != 8
+#error "FA_FWD_WARPS must be 2, 4 or 8"
+#endif
+#ifndef FA_FWD_PIPELINE
+#define FA_FWD_PIPELINE 0
+#endif
+#ifndef FA_FWD_SM_WARPS
+#define FA_FWD_SM_WARPS 16
+#endif
+#ifndef FA_GRID_LPT
+#define FA_GRID_LPT 0
+#endif
+#ifndef FA_MIN_BLOCKS_DKV
 #define FA_MIN_BLOCKS_DKV 3
+#endif
+#ifndef FA_DKV_WARPS
+#define FA_DKV_WARPS 4
+#endif
+#if FA_DKV_WARPS != 2 && FA_DKV_WARPS != 4
+#error "FA_DKV_WARPS must be 2 or 4"
+#endif
+#ifndef FA_DKV_PIPELINE
+#define FA_DKV_PIPELINE 0
+#endif
+#ifndef FA_DS_FRAGMENTS
+#define FA_DS_FRAGMENTS 0
+#endif
+#ifndef FA_DKV_COLS64
+#define FA_DKV_COLS64 32
+#endif
+#if FA_DKV_COLS64 != 16 && FA_DKV_COLS64 != 32 && FA_DKV_COLS64 != 64
+#error "FA_DKV_COLS64 must be 16, 32 or 64"
+#endif
+#define FA_FWD_ROWS (16 * FA_FWD_WARPS) /* query rows per forward block */
+#define FA_FWD_THREADS (32 * FA_FWD_WARPS)
+#define FA_DKV_ROWS (16 * FA_DKV_WARPS) /* keys per dK/dV block */
+#define FA_DKV_THREADS (32 * FA_DKV_WARPS)
+/* Blocks per multiprocessor that ptxas must fit in registers (65536 / (threads x blocks)): the
+ * forward fits 16 warps (128 registers on sm_90, no spills; FA_FWD_SM_WARPS), the dK/dV kernel 3
+ * blocks (168; FA_MIN_BLOCKS_DKV); the dQ kernel (one product per tile pair) needs no bound
+ * (80 registers). */
+#define FA_MIN_BLOCKS_FWD (FA_FWD_SM_WARPS / FA_FWD_WARPS)
+/* dQ with FA_DS_FRAGMENTS: 6 blocks (80 registers, no spill; unbounded, ptxas takes 136 for the
+ * fragments prefetched a tile ahead). The default keeps no bound: an explicit 1 is not the same
+ * to ptxas (106 registers instead of 80). */
+#if FA_DS_FRAGMENTS
+#define FA_DQ_BOUNDS __launch_bounds__(FA_THREADS, 6)
+#else
+#define FA_DQ_BOUNDS __launch_bounds__(FA_THREADS)
+#endif
 /* Queries per step of the dK/dV kernel: at D = 64 a staged tile's 64 queries in two halves of 32
  * (half the score registers, the same products in the same order; at 168 registers whole tiles
  * spill 48 bytes, halves none: ptxas -v, sm_90); smaller heads fit whole tiles. */
-template <int D> struct FaBwd { static constexpr int COLS = D == 64 ? 32 : FA_TILE; };
+template <int D> struct FaBwd {
+    static constexpr int COLS = D == 64 ? FA_DKV_COLS64 : FA_DKV_PIPELINE ? FA_TILE / 2 : FA_TILE;
+};
+
+/* A flash block's work: its tile index (before each kernel maps it heaviest first), its head
+ * b*H + h, and the counts of both; fa_grid is the matching launch grid. */
+struct FaBlock {
+    int tile, bh, n_tiles, n_bh;
+};
+__device__ __forceinline__ FaBlock fa_block(void) {
+#if FA_GRID_LPT
+    return {(int)blockIdx.y, (int)blockIdx.x, (int)gridDim.y, (int)gridDim.x};
+#else
+    return {(int)blockIdx.x, (int)blockIdx.y, (int)gridDim.x, (int)gridDim.y};
+#endif
+}
+static dim3 fa_grid(int n_tiles, int n_bh) {
+    return FA_GRID_LPT ? dim3(n_bh, n_tiles) : dim3(n_tiles, n_bh);
+}
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
 
@@ -297,10 +400,10 @@ template <int pending> __device__ __forceinline__ void fa_cp_wait(void) {
 
 /* Starts copying rows [r0, r0 + 64) of one head (src: the sequence's row 0 at the head's first
  * column, row stride C) into a staged tile; rows at or past T become zero. Whole block. */
-template <typename T, int D>
+template <typename T, int D, int THREADS = FA_THREADS>
 __device__ __forceinline__ void fa_load_rows(T* dst, const T* src, int r0, int T_, int C) {
     constexpr int VEC = 16 / sizeof(T), PER_ROW = D / VEC;
-    for (int e = threadIdx.x; e < FA_TILE * PER_ROW; e += FA_THREADS) {
+    for (int e = threadIdx.x; e < FA_TILE * PER_ROW; e += THREADS) {
         int r = e / PER_ROW, c = (e % PER_ROW) * VEC;
         bool ok = r0 + r < T_;
         fa_cp_async16(dst + r * Fa<D>::LD + c, ok ? src + (size_t)(r0 + r) * C + c : src, ok ? 16 : 0);
@@ -308,10 +411,10 @@ __device__ __forceinline__ void fa_load_rows(T* dst, const T* src, int r0, int T
 }
 
 /* Starts copying key/value tile kt (rows kt*64 ..) of one head into the staged buffers ks, vs. */
-template <typename T, int D>
+template <typename T, int D, int THREADS = FA_THREADS>
 __device__ __forceinline__ void fa_load_kv(T* ks, T* vs, const T* k, const T* v, int kt, int T_, int C) {
-    fa_load_rows<T, D>(ks, k, kt * FA_TILE, T_, C);
-    fa_load_rows<T, D>(vs, v, kt * FA_TILE, T_, C);
+    fa_load_rows<T, D, THREADS>(ks, k, kt * FA_TILE, T_, C);
+    fa_load_rows<T, D, THREADS>(vs, v, kt * FA_TILE, T_, C);
 }
 
 /* A fragments of the 16 rows of a staged tile starting at `rows`, for every k step of D. */
@@ -399,6 +502,21 @@ __device__ __forceinline__ void fa_store_rows16(T* dst, const T* staged) {
     }
 }
 
+/* With FA_DS_FRAGMENTS: a warp's 16 staged dS^T rows (row stride LD; keys 16 kk .. of the tile)
+ * as the dQ kernel's A fragments of k step kk: for query group i (dQ warp i), transposed ldmatrix
+ * gives each lane its 4 registers, stored as one 16-byte packet at ((i * 4 + kk) * 32 + lane) of
+ * the 64×64 tile, so that a dQ warp loads a fragment as 512 contiguous bytes. */
+template <typename T>
+__device__ __forceinline__ void fa_store_ds_fragments(T* tile, const T* staged, int kk) {
+    int lane = threadIdx.x & 31, mi = lane >> 3;
+    const T* p = staged + (8 * (mi >> 1) + (lane & 7)) * Fa<FA_TILE>::LD + 8 * (mi & 1);
+    for (int i = 0; i < FA_TILE / 16; i++) {
+        unsigned r[4];
+        fa_ldsm_x4_trans(r, p + 16 * i);
+        ((uint4*)tile)[(i * (FA_TILE / 16) + kk) * 32 + lane] = make_uint4(r[0], r[1], r[2], r[3]);
+    }
+}
+
 /* The causal mask of a diagonal tile pair (query tile == key tile), the only tile pair where any
  * key follows a query: scores s in the C-fragment layout above, row base_row + g + 8h, column
  * 8j + 2t + e (tile-relative), become -inf where the key index exceeds the query index. Rows are
@@ -434,63 +552,114 @@ __device__ __forceinline__ float fa_quad_max(float x) {
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
-/* Forward: block (query tile, b*H + h); the heaviest (last) query tiles are scheduled first. Warp
- * w owns query rows q0 + 16w .. +15; each lane holds rows g and g+8 of them (index h = 0, 1). Every
- * processed key tile holds a key <= each of the tile's rows (tiles run up to the diagonal), so the
- * running max is finite from the first tile on. */
+/* The forward's scores of one warp's 16 query rows (first row0) against the staged key tile of
+ * keys key0 .., masked where that tile reaches past the warp's first row (the diagonal). */
 template <typename T, int D>
-__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
+__device__ __forceinline__ void fa_fwd_scores(float (*s)[4], const unsigned (*qa)[4], const T* ktile, int key0,
+                                              int row0) {
+    fa_scores<T, D>(s, qa, ktile);
+    if (key0 + FA_TILE - 1 > row0) fa_mask_diagonal<false>(s, row0 - key0);
+}
+
+/* One key tile of the forward's online softmax for a warp: running max m and sum l (per row half
+ * h), the output accumulators o rescaled, then o += P V with P = 2^(s sl2 - m) (s becomes P). */
+template <typename T, int D>
+__device__ __forceinline__ void fa_fwd_tile(float (*o)[4], float* m, float* l, float (*s)[4], const T* vtile,
+                                            float sl2) {
+    for (int h = 0; h < 2; h++) {
+        /* the max of the raw scores, scaled once: scaling by sl2 > 0 and rounding keep the order,
+         * so this is the max of the scaled scores */
+        float mx = -INFINITY;
+        for (int j = 0; j < FA_TILE / 8; j++) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+        float m_new = fmaxf(m[h], fa_quad_max(mx) * sl2);
+        float alpha = fa_exp2(m[h] - m_new), sum = 0.0f;
+        for (int j = 0; j < FA_TILE / 8; j++)
+            for (int e = 0; e < 2; e++) {
+                float p = fa_exp2(fmaf(s[j][2 * h + e], sl2, -m_new));
+                s[j][2 * h + e] = p;
+                sum += p;
+            }
+        l[h] = l[h] * alpha + sum;
+        m[h] = m_new;
+        for (int n = 0; n < Fa<D>::ND; n++) {
+            o[n][2 * h] *= alpha;
+            o[n][2 * h + 1] *= alpha;
+        }
+    }
+    fa_accumulate<T, D>(o, s, vtile);
+}
+
+/* Forward: block (query block of FA_FWD_ROWS rows, b*H + h); the heaviest (last) query blocks are
+ * scheduled first. Warp w owns query rows q0 + 16w .. +15; each lane holds rows g and g+8 of them
+ * (index h = 0, 1). The block walks the key tiles up to its last row; a warp skips a tile whose
+ * keys all follow its rows (only with 128-row blocks) and masks one that reaches past its first row
+ * (the diagonal). Key tile 0 holds a key <= every row, so the running max is finite from then on. */
+template <typename T, int D>
+__global__ void __launch_bounds__(FA_FWD_THREADS, FA_MIN_BLOCKS_FWD)
     k_attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2) {
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
     __shared__ __align__(16) T vs[2][FA_TILE * Fa<D>::LD];
     int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H;
-    int q0 = qt * FA_TILE, row0 = q0 + warp * 16;
+    FaBlock blk = fa_block();
+    int qt = blk.n_tiles - 1 - blk.tile, bh = blk.bh, b = bh / H, hd = bh % H;
+    int q0 = qt * FA_FWD_ROWS, row0 = q0 + warp * 16;
+    int last_kt = (min(q0 + FA_FWD_ROWS, T_) - 1) / FA_TILE;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
 
+    /* q staged through the second k buffer (64 rows, 32 of them used by a 2-warp block) and, with
+     * 128-row blocks, the second v buffer */
+    T* q_stage[2] = {ks[1], vs[1]};
     unsigned qa[Fa<D>::KD][4];
-    fa_load_rows<T, D>(ks[1], q + base, q0, T_, C); /* q staged through the second k buffer */
-    fa_load_kv<T, D>(ks[0], vs[0], k + base, v + base, 0, T_, C);
+    for (int r = 0; r < FA_FWD_ROWS; r += FA_TILE)
+        fa_load_rows<T, D, FA_FWD_THREADS>(q_stage[r / FA_TILE], q + base, q0 + r, T_, C);
+    fa_load_kv<T, D, FA_FWD_THREADS>(ks[0], vs[0], k + base, v + base, 0, T_, C);
     fa_cp_commit();
     fa_cp_wait<0>();
     __syncthreads();
-    fa_load_a<T, D>(qa, ks[1] + warp * 16 * Fa<D>::LD);
-    __syncthreads(); /* everyone has its q before ks[1] takes the next tile */
+    fa_load_a<T, D>(qa, q_stage[warp / (FA_TILE / 16)] + warp % (FA_TILE / 16) * 16 * Fa<D>::LD);
+    __syncthreads(); /* everyone has its q before ks[1], vs[1] take the next tile */
     float o[Fa<D>::ND][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* running max (base 2), this lane's sum */
 
-    for (int kt = 0; kt <= qt; kt++) {
+#if FA_FWD_PIPELINE
+    /* each step computes the scores of tile kt + 1 while it takes the softmax of tile kt: the
+     * products and the exponentials are independent, so the warp's instruction stream has both.
+     * Step kt reads K tile kt + 1 (buffer (kt + 1) & 1) and V tile kt (kt & 1), and fetches K tile
+     * kt + 2 and V tile kt + 1 into the buffers the previous step finished with. */
+    if (last_kt > 0) fa_load_rows<T, D, FA_FWD_THREADS>(ks[1], k + base, FA_TILE, T_, C);
+    fa_cp_commit();
+    float s_even[FA_TILE / 8][4], s_odd[FA_TILE / 8][4]; /* the scores of the even and odd tiles */
+    fa_fwd_scores<T, D>(s_even, qa, ks[0], 0, row0);
+    auto step = [&](int kt, float (*s)[4], float (*s_next)[4]) {
         int cur = kt & 1;
-        if (kt < qt) fa_load_kv<T, D>(ks[cur ^ 1], vs[cur ^ 1], k + base, v + base, kt + 1, T_, C);
+        fa_cp_wait<0>(); /* K tile kt + 1 and V tile kt have landed (this thread's part) ... */
+        __syncthreads(); /* ... and everyone's, and everyone is done with K tile kt and V tile kt - 1 */
+        if (kt + 2 <= last_kt) fa_load_rows<T, D, FA_FWD_THREADS>(ks[cur], k + base, (kt + 2) * FA_TILE, T_, C);
+        if (kt + 1 <= last_kt) fa_load_rows<T, D, FA_FWD_THREADS>(vs[cur ^ 1], v + base, (kt + 1) * FA_TILE, T_, C);
+        fa_cp_commit();
+        if (kt < last_kt && (kt + 1) * FA_TILE <= row0 + 15)
+            fa_fwd_scores<T, D>(s_next, qa, ks[cur ^ 1], (kt + 1) * FA_TILE, row0);
+        if (kt * FA_TILE <= row0 + 15) fa_fwd_tile<T, D>(o, m, l, s, vs[cur], sl2);
+    };
+    for (int kt = 0; kt <= last_kt; kt += 2) { /* two steps, so that the score arrays swap roles */
+        step(kt, s_even, s_odd);
+        if (kt + 1 <= last_kt) step(kt + 1, s_odd, s_even);
+    }
+#else
+    for (int kt = 0; kt <= last_kt; kt++) {
+        int cur = kt & 1, key0 = kt * FA_TILE;
+        if (kt < last_kt) fa_load_kv<T, D, FA_FWD_THREADS>(ks[cur ^ 1], vs[cur ^ 1], k + base, v + base, kt + 1, T_, C);
         fa_cp_commit();
         fa_cp_wait<1>(); /* tile kt has landed (this thread's part) ... */
         __syncthreads(); /* ... and everyone's */
-        float s[FA_TILE / 8][4];
-        fa_scores<T, D>(s, qa, ks[cur]);
-        if (kt == qt) fa_mask_diagonal<false>(s, warp * 16);
-        for (int h = 0; h < 2; h++) {
-            /* the max of the raw scores, scaled once: scaling by sl2 > 0 and rounding keep the order,
-             * so this is the max of the scaled scores */
-            float mx = -INFINITY;
-            for (int j = 0; j < FA_TILE / 8; j++) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
-            float m_new = fmaxf(m[h], fa_quad_max(mx) * sl2);
-            float alpha = fa_exp2(m[h] - m_new), sum = 0.0f;
-            for (int j = 0; j < FA_TILE / 8; j++)
-                for (int e = 0; e < 2; e++) {
-                    float p = fa_exp2(fmaf(s[j][2 * h + e], sl2, -m_new));
-                    s[j][2 * h + e] = p;
-                    sum += p;
-                }
-            l[h] = l[h] * alpha + sum;
-            m[h] = m_new;
-            for (int n = 0; n < Fa<D>::ND; n++) {
-                o[n][2 * h] *= alpha;
-                o[n][2 * h + 1] *= alpha;
-            }
+        if (key0 <= row0 + 15) { /* some key of the tile precedes some row of the warp */
+            float s[FA_TILE / 8][4];
+            fa_fwd_scores<T, D>(s, qa, ks[cur], key0, row0);
+            fa_fwd_tile<T, D>(o, m, l, s, vs[cur], sl2);
         }
-        fa_accumulate<T, D>(o, s, vs[cur]);
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
+#endif
 
     for (int h = 0; h < 2; h++) {
         int i = row0 + g + 8 * h;
@@ -506,31 +675,34 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
     }
 }
 
-/* dK, dV: block (key tile, b*H + h); warp w owns keys kv0 + 16w .. +15 (lane: keys g, g+8) and
- * accumulates their dK, dV rows in registers over the query tiles from the diagonal on. Works on
+/* dK, dV: block (FA_DKV_ROWS keys from kv0, b*H + h), within key tile kt; warp w owns keys
+ * kv0 + 16w .. +15 (lane: keys g, g+8), rows sub + 16w of the tile, and accumulates their dK, dV
+ * rows in registers over the query tiles from the diagonal on. Works on
  * transposed blocks (rows = keys, columns = queries): S^T = K Q^T, dP^T = V dO^T, then
  * dV += P^T dO, dK += dS^T Q; and stores each dS^T tile for the dQ kernel (fa_ds_tile). */
 template <typename T, int D>
-__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
+__global__ void __launch_bounds__(FA_DKV_THREADS, FA_MIN_BLOCKS_DKV * FA_WARPS / FA_DKV_WARPS)
     k_attn_bwd_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q,
                    const T* k, const T* v, int T_, int C, int H, float scale, float sl2) {
     /* double-buffered: query tile qt in [(qt - kt) & 1], with its lse (base 2) and delta */
     __shared__ __align__(16) T qs[2][FA_TILE * Fa<D>::LD];
     __shared__ __align__(16) T dos[2][FA_TILE * Fa<D>::LD];
     __shared__ float lse2s[2][FA_TILE], dls[2][FA_TILE];
-    __shared__ __align__(16) T ds_stages[FA_WARPS][16 * Fa<FA_TILE>::LD]; /* per warp: its dS^T rows */
+    __shared__ __align__(16) T ds_stages[FA_DKV_WARPS][16 * Fa<FA_TILE>::LD]; /* per warp: its dS^T rows */
     constexpr int COLS = FaBwd<D>::COLS;
     int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    int kt = blockIdx.x, bh = blockIdx.y, b = bh / H, hd = bh % H, n_tiles = gridDim.x;
-    int kv0 = kt * FA_TILE, row0 = kv0 + warp * 16;
+    FaBlock blk = fa_block();
+    int bh = blk.bh, b = bh / H, hd = bh % H, n_tiles = (T_ + FA_TILE - 1) / FA_TILE;
+    int kv0 = blk.tile * FA_DKV_ROWS, kt = kv0 / FA_TILE, row0 = kv0 + warp * 16;
+    int sub = kv0 % FA_TILE + warp * 16; /* the warp's first row within key tile kt */
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
     T* ds_stage = ds_stages[warp];
     /* starts loading query tile qt into buffer `buf` */
     auto load_queries = [&](int qt, int buf) {
         int q0 = qt * FA_TILE;
-        fa_load_rows<T, D>(qs[buf], q + base, q0, T_, C);
-        fa_load_rows<T, D>(dos[buf], dout + base, q0, T_, C);
-        for (int c = threadIdx.x; c < FA_TILE; c += FA_THREADS) {
+        fa_load_rows<T, D, FA_DKV_THREADS>(qs[buf], q + base, q0, T_, C);
+        fa_load_rows<T, D, FA_DKV_THREADS>(dos[buf], dout + base, q0, T_, C);
+        for (int c = threadIdx.x; c < FA_TILE; c += FA_DKV_THREADS) {
             bool ok = q0 + c < T_;
             lse2s[buf][c] = ok ? lse[(size_t)bh * T_ + q0 + c] * FA_LOG2E : 0.0f;
             dls[buf][c] = ok ? delta[(size_t)bh * T_ + q0 + c] : 0.0f;
@@ -538,13 +710,14 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     };
 
     unsigned ka[Fa<D>::KD][4], va[Fa<D>::KD][4];
-    fa_load_kv<T, D>(qs[1], dos[1], k + base, v + base, kt, T_, C); /* k and v staged through the second buffers */
+    /* k and v staged through the second buffers */
+    fa_load_kv<T, D, FA_DKV_THREADS>(qs[1], dos[1], k + base, v + base, kt, T_, C);
     load_queries(kt, 0);
     fa_cp_commit();
     fa_cp_wait<0>();
     __syncthreads();
-    fa_load_a<T, D>(ka, qs[1] + warp * 16 * Fa<D>::LD);
-    fa_load_a<T, D>(va, dos[1] + warp * 16 * Fa<D>::LD);
+    fa_load_a<T, D>(ka, qs[1] + sub * Fa<D>::LD);
+    fa_load_a<T, D>(va, dos[1] + sub * Fa<D>::LD);
     __syncthreads(); /* everyone has its k, v before the second buffers take the next tile */
     float dk_acc[Fa<D>::ND][4] = {}, dv_acc[Fa<D>::ND][4] = {};
 
@@ -554,15 +727,18 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
         fa_cp_commit();
         fa_cp_wait<1>(); /* tile qt has landed (this thread's part) ... */
         __syncthreads(); /* ... and everyone's */
-        for (int c0 = 0; c0 < FA_TILE; c0 += COLS) { /* the tile's queries, COLS at a time */
+        /* the tile's queries, COLS at a time: S^T and dP^T of queries c0 .. c0 + COLS - 1 ... */
+        auto scores = [&](float (*p)[4], float (*ds)[4], int c0) {
+            fa_scores<T, D, COLS>(p, ka, qs[cur] + c0 * Fa<D>::LD);
+            fa_scores<T, D, COLS>(ds, va, dos[cur] + c0 * Fa<D>::LD);
+            if (qt == kt) fa_mask_diagonal<true, COLS>(p, sub, c0);
+        };
+        /* ... then P, dS and their products, and dS staged */
+        auto accumulate = [&](float (*p)[4], float (*ds)[4], int c0) {
             const T* qh = qs[cur] + c0 * Fa<D>::LD;
             const T* doh = dos[cur] + c0 * Fa<D>::LD;
             const float* lse2c = lse2s[cur] + c0;
             const float* dlc = dls[cur] + c0;
-            float p[COLS / 8][4], ds[COLS / 8][4];
-            fa_scores<T, D, COLS>(p, ka, qh);
-            fa_scores<T, D, COLS>(ds, va, doh);
-            if (qt == kt) fa_mask_diagonal<true, COLS>(p, warp * 16, c0);
             /* queries past T (a partial last tile) were loaded as zero rows of q and dout with lse
              * and delta 0: their P is 1 but their dP and dout rows are 0, so they add nothing */
             for (int j = 0; j < COLS / 8; j++)
@@ -581,9 +757,29 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
                 for (int h = 0; h < 2; h++)
                     *(unsigned*)(ds_stage + (g + 8 * h) * Fa<FA_TILE>::LD + c0 + 8 * j + 2 * t) =
                         fa_pack<T>(ds[j][2 * h], ds[j][2 * h + 1]);
+        };
+#if FA_DKV_PIPELINE
+        /* the products of step c + 1 issued before the exponentials of step c (two sets of scores) */
+        float p[2][COLS / 8][4], ds[2][COLS / 8][4];
+        scores(p[0], ds[0], 0);
+#pragma unroll
+        for (int c = 0; c < FA_TILE / COLS; c++) {
+            if (c + 1 < FA_TILE / COLS) scores(p[(c + 1) & 1], ds[(c + 1) & 1], (c + 1) * COLS);
+            accumulate(p[c & 1], ds[c & 1], c * COLS);
         }
+#else
+        for (int c0 = 0; c0 < FA_TILE; c0 += COLS) {
+            float p[COLS / 8][4], ds[COLS / 8][4];
+            scores(p, ds, c0);
+            accumulate(p, ds, c0);
+        }
+#endif
         __syncwarp();
-        fa_store_rows16(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles) + (size_t)warp * 16 * FA_TILE, ds_stage);
+#if FA_DS_FRAGMENTS
+        fa_store_ds_fragments(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles), ds_stage, sub / 16);
+#else
+        fa_store_rows16(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles) + (size_t)sub * FA_TILE, ds_stage);
+#endif
         __syncthreads(); /* everyone is done with buffer cur before it takes tile qt + 2 */
     }
 
@@ -593,31 +789,61 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
 
 /* dQ: block (query tile, b*H + h); warp w owns query rows q0 + 16w .. +15 and accumulates
  * dQ = scale · dS K over the key tiles up to the diagonal, from the dS^T tiles the dK/dV kernel
- * stored (staged, then read as A fragments through transposed ldmatrix). Masked and past-T
- * entries of those tiles are 0 or meet zero rows of K, so whole tiles are used. */
+ * stored (staged, then read as A fragments through transposed ldmatrix; with FA_DS_FRAGMENTS,
+ * loaded as A fragments straight into registers, a tile ahead). Masked and past-T entries of
+ * those tiles are 0 or meet zero rows of K, so whole tiles are used. */
 template <typename T, int D>
-__global__ void __launch_bounds__(FA_THREADS)
+__global__ void FA_DQ_BOUNDS
     k_attn_bwd_dq(T* dq, const T* ds_tiles, const T* k, int T_, int C, int H, float scale) {
-    __shared__ __align__(16) T dss[2][FA_TILE * Fa<FA_TILE>::LD]; /* double-buffered: tile kt in [kt & 1] */
-    __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, mi = lane >> 3;
+    __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     /* heads in the reverse of the dK/dV kernel's order: the first blocks read the tiles written
      * last, the likeliest still in L2 */
-    int qt = gridDim.x - 1 - blockIdx.x, bh = gridDim.y - 1 - blockIdx.y, b = bh / H, hd = bh % H;
+    FaBlock blk = fa_block();
+    int qt = blk.n_tiles - 1 - blk.tile, bh = blk.n_bh - 1 - blk.bh, b = bh / H, hd = bh % H;
     int row0 = qt * FA_TILE + warp * 16;
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
-    const T* ds_row = ds_tiles + fa_ds_tile(bh, qt, 0, gridDim.x); /* tiles (qt, 0 .. qt), consecutive */
+    const T* ds_row = ds_tiles + fa_ds_tile(bh, qt, 0, blk.n_tiles); /* tiles (qt, 0 .. qt), consecutive */
+    float dq_acc[Fa<D>::ND][4] = {};
+#if FA_DS_FRAGMENTS
+    /* this warp's A fragments of dS tile kt, one 16-byte load per lane and k step */
+    auto load_fragments = [&](unsigned (*a)[4], int kt) {
+        const uint4* p = (const uint4*)(ds_row + (size_t)kt * FA_TILE * FA_TILE) + warp * (FA_TILE / 16) * 32 + lane;
+        for (int kk = 0; kk < FA_TILE / 16; kk++) {
+            uint4 v = p[kk * 32];
+            a[kk][0] = v.x, a[kk][1] = v.y, a[kk][2] = v.z, a[kk][3] = v.w;
+        }
+    };
+    unsigned a_next[FA_TILE / 16][4];
+    fa_load_rows<T, D>(ks[0], k + base, 0, T_, C);
+    fa_cp_commit();
+    load_fragments(a_next, 0);
+    for (int kt = 0; kt <= qt; kt++) {
+        int cur = kt & 1;
+        unsigned a[FA_TILE / 16][4];
+        memcpy(a, a_next, sizeof a);
+        if (kt < qt) {
+            fa_load_rows<T, D>(ks[cur ^ 1], k + base, (kt + 1) * FA_TILE, T_, C);
+            load_fragments(a_next, kt + 1);
+        }
+        fa_cp_commit();
+        fa_cp_wait<1>(); /* K tile kt has landed (this thread's part) ... */
+        __syncthreads(); /* ... and everyone's */
+        for (int kk = 0; kk < FA_TILE / 16; kk++) fa_accumulate_step<T, D>(dq_acc, a[kk], ks[cur], kk);
+        __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
+    }
+#else
+    __shared__ __align__(16) T dss[2][FA_TILE * Fa<FA_TILE>::LD]; /* double-buffered as ks */
     auto load_tiles = [&](int kt, int buf) {
         fa_load_rows<T, FA_TILE>(dss[buf], ds_row + (size_t)kt * FA_TILE * FA_TILE, 0, FA_TILE, FA_TILE);
         fa_load_rows<T, D>(ks[buf], k + base, kt * FA_TILE, T_, C);
     };
     /* lane 8i + r addresses row r of matrix i of an A fragment (queries 16w + 8(i & 1) .., keys
      * 8(i >> 1) ..); stored [key][query], so the transposed load gives the [query][key] order */
-    int a_off = (8 * (mi >> 1) + (lane & 7)) * Fa<FA_TILE>::LD + warp * 16 + 8 * (mi & 1);
+    int mi = lane >> 3, a_off = (8 * (mi >> 1) + (lane & 7)) * Fa<FA_TILE>::LD + warp * 16 + 8 * (mi & 1);
 
     load_tiles(0, 0);
     fa_cp_commit();
-    float dq_acc[Fa<D>::ND][4] = {};
     for (int kt = 0; kt <= qt; kt++) {
         int cur = kt & 1;
         if (kt < qt) load_tiles(kt + 1, cur ^ 1);
@@ -631,6 +857,7 @@ __global__ void __launch_bounds__(FA_THREADS)
         }
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
+#endif
     fa_store_out<T, D>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
 }
 
@@ -670,28 +897,47 @@ static void fa_check_aligned(const void* a, const void* b, const void* c, const 
 template <typename T, int D>
 static void attn_fwd_flash(T* out, float* lse, const T* q, const T* k, const T* v, int B, int T_, int C, int H) {
     float sl2 = FA_LOG2E / sqrtf((float)D);
-    dim3 grid(ceil_div(T_, FA_TILE), B * H);
     fa_check_aligned(out, q, k, v);
-    k_attn_fwd<T, D><<<grid, FA_THREADS, 0, g_stream>>>(out, lse, q, k, v, T_, C, H, sl2);
+    k_attn_fwd<T, D><<<fa_grid(ceil_div(T_, FA_FWD_ROWS), B * H), FA_FWD_THREADS, 0, g_stream>>>(out, lse, q, k, v,
+                                                                                                  T_, C, H, sl2);
+    LAUNCH_CHECK();
+}
+
+/* The backward's three launches, in order (attn_bwd_flash; bench/attn_bench.cu times each). */
+template <typename T, int D>
+static void attn_bwd_flash_delta(float* delta, const T* dout, const T* out, int B, int T_, int C, int H) {
+    int N = B * T_;
+    k_attn_bwd_delta<T, D><<<ceil_div(N, FA_DELTA_WARPS), 32 * FA_DELTA_WARPS, 0, g_stream>>>(delta, dout, out,
+                                                                                                  N, T_, C, H);
+    LAUNCH_CHECK();
+}
+template <typename T, int D>
+static void attn_bwd_flash_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta,
+                               const T* q, const T* k, const T* v, int B, int T_, int C, int H) {
+    float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
+    /* whole key tiles, so every row of every dS tile is written (rows past T meet zero rows of K in
+     * the dQ kernel, but must be finite) */
+    unsigned n_blocks = ceil_div(T_, FA_TILE) * (FA_TILE / FA_DKV_ROWS);
+    k_attn_bwd_dkv<T, D><<<fa_grid(n_blocks, B * H), FA_DKV_THREADS, 0, g_stream>>>(
+        dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C, H, scale, sl2);
+    LAUNCH_CHECK();
+}
+template <typename T, int D>
+static void attn_bwd_flash_dq(T* dq, const T* ds_tiles, const T* k, int B, int T_, int C, int H) {
+    float scale = 1.0f / sqrtf((float)D);
+    k_attn_bwd_dq<T, D><<<fa_grid(ceil_div(T_, FA_TILE), B * H), FA_THREADS, 0, g_stream>>>(dq, ds_tiles, k, T_, C,
+                                                                                             H, scale);
     LAUNCH_CHECK();
 }
 
 template <typename T, int D>
 static void attn_bwd_flash(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q, const T* k,
                            const T* v, int B, int T_, int C, int H, float* delta, T* ds_tiles) {
-    float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
-    int N = B * T_;
     fa_check_aligned(dout, q, k, v);
     fa_check_aligned(dq, dk, dv, out);
-    k_attn_bwd_delta<T, D><<<ceil_div(N, FA_DELTA_WARPS), 32 * FA_DELTA_WARPS, 0, g_stream>>>(delta, dout, out,
-                                                                                                  N, T_, C, H);
-    LAUNCH_CHECK();
-    dim3 grid(ceil_div(T_, FA_TILE), B * H);
-    k_attn_bwd_dkv<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C,
-                                                            H, scale, sl2);
-    LAUNCH_CHECK();
-    k_attn_bwd_dq<T, D><<<grid, FA_THREADS, 0, g_stream>>>(dq, ds_tiles, k, T_, C, H, scale);
-    LAUNCH_CHECK();
+    attn_bwd_flash_delta<T, D>(delta, dout, out, B, T_, C, H);
+    attn_bwd_flash_dkv<T, D>(dk, dv, ds_tiles, dout, lse, delta, q, k, v, B, T_, C, H);
+    attn_bwd_flash_dq<T, D>(dq, ds_tiles, k, B, T_, C, H);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
