@@ -9,9 +9,9 @@ LDLIBS    = -lm
 NVCC     ?= nvcc
 NVCCFLAGS = -O3 -std=c++17 -Xcompiler -fopenmp,-ffp-contract=off,-Wall
 NVLDLIBS  = -lcublas -lcublasLt -lgomp -lm
-# Compile-time kernel variants for A/B runs, e.g. make KERNEL_VARIANTS="-DLN_BWD_VARIANT=1" (each
-# header of microgpt/cuda/ lists its own; bench/rowk_variants.sh compares them). make does not
-# track flags: run `make clean` before building with other variants.
+# Compile-time candidates for A/B runs, e.g. make KERNEL_VARIANTS="-DNEW_IDEA=1" (a -D macro a
+# change adds beside the current code; bench/attn-variants.sh compares flash-attention builds).
+# make does not track flags: run `make clean` before building with other flags.
 NVCCFLAGS += $(KERNEL_VARIANTS)
 PYTHON   ?= python3
 
@@ -47,7 +47,7 @@ ifneq ($(CUDA_SOURCE),)
 endif
 endif
 
-.PHONY: all cpu cuda kernel-check test data clean
+.PHONY: all cpu cuda kernel-check rowk-bench test data clean
 
 all: $(ALL)
 
@@ -76,6 +76,12 @@ build/kernel_check$(ATTN_SUFFIX): tests/kernel_check.cu $(CUDA_HEADERS) $(CPU_HE
 # flash-attention kernel times (bench/attn_bench.cu); a measurement tool, not part of `make`
 build/attn_bench$(ATTN_SUFFIX): bench/attn_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/attn_bench.cu $(NVLDLIBS)
+
+# Timing of the row and element-wise kernels alone (bench/rowk_bench.cu; a tool, run by people)
+rowk-bench: build/rowk_bench
+
+build/rowk_bench: bench/rowk_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/rowk_bench.cu $(NVLDLIBS)
 
 build:
 	mkdir -p build

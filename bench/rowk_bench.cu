@@ -3,19 +3,18 @@
  * forward, LayerNorm backward (dx and the dgamma/dbeta partials, then their final sum), both also
  * as precision fp8 runs them (taking their output's amax), the loss rows of a step (softmax, loss
  * and dlogits in place, chunk by chunk as the engine's 512 MiB logits chunks), AdamW over every
- * parameter, and the gradient norm (partials and final sum). A
- * measurement tool for the compile-time variants of microgpt/cuda/layernorm.cuh, loss.cuh and
- * optimizer.cuh (built once per set of -D flags by bench/rowk_variants.sh, which compares them);
- * not part of the engine or the tests (tests/kernel_check.cu checks the variants' values).
+ * parameter, and the gradient norm (partials and final sum). A measurement tool for changes to
+ * microgpt/cuda/layernorm.cuh, loss.cuh and optimizer.cuh; not part of the engine or the tests
+ * (tests/kernel_check.cu checks the kernels' values).
  *
- *   build: nvcc -O3 -std=c++17 -arch=native [-DLN_FWD_VARIANT=1 ...] -o build/rowk_bench \
- *               bench/rowk_bench.cu -lcublas -lcublasLt
- *   run:   build/rowk_bench
+ *   build:   make rowk-bench       (build/rowk_bench, with the engine's flags)
+ *   run:     build/rowk_bench > after.log
+ *   compare: python3 bench/rowk_summary.py before=before.log after=after.log   (a run per build,
+ *            e.g. one per commit: the table of each kernel's change, bench/rowk_summary.py)
  *
- * One line per kernel and model: the variant macros, the median time of 20 launches (kernel_timer),
- * the bytes a launch must move at least (each input read once, each output written once; the
+ * One line per kernel and model: the median time of 20 launches (kernel_timer), the bytes a launch must move at least (each input read once, each output written once; the
  * dgamma/dbeta and norm partials are not counted) over that time, a hash of the outputs of one
- * launch from the same inputs, so that the runs of two variants show whether their results are
+ * launch from the same inputs, so that the runs of two builds show whether their results are
  * the same bits, and the time it takes in one micro-batch's step (25 LayerNorm launches each way
  * at 120M, 13 at 12M; the norm and AdamW once per update). Inputs come from a fixed counter-based
  * hash, the same in every build. */
@@ -77,13 +76,11 @@ struct Hash {
     }
 };
 
-static char g_variant[128];
-
 /* One line: the time of one launch (sequence), its rate, its bits, and its time in a training step,
  * where it runs `per_step` times (the step of one micro-batch). */
 static void report(const Model& m, const char* kernel, float us, double bytes, const Hash& bits, int per_step) {
-    printf("rowk  %-5s %-14s %-42s %9.1f us %8.0f GB/s  bits %016llx  step %9.1f us\n", m.name, kernel,
-           g_variant, us, bytes / (us * 1e-6) / 1e9, (unsigned long long)bits.h, us * per_step);
+    printf("rowk  %-5s %-14s %9.1f us %8.0f GB/s  bits %016llx  step %9.1f us\n", m.name, kernel, us,
+           bytes / (us * 1e-6) / 1e9, (unsigned long long)bits.h, us * per_step);
     fflush(stdout);
 }
 
@@ -207,12 +204,10 @@ template <typename T> static void bench_update(const Model& m) {
 }
 
 int main() {
-    snprintf(g_variant, sizeof g_variant, "ln_fwd=%d,ln_bwd=%d,final=%d,loss=%d,norm=%d", LN_FWD_VARIANT,
-             LN_BWD_VARIANT, LN_FINAL_COLS, LOSS_ROWS_VARIANT, NORM_VARIANT);
     CUDA_CHECK(cudaStreamCreate(&g_stream));
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    printf("rowk_bench: %s, %s, median of %d launches\n", prop.name, g_variant, REPS);
+    printf("rowk_bench: %s, median of %d launches\n", prop.name, REPS);
     /* the engine's logits chunk: 512 MiB of bf16 rows, a multiple of 128 rows, at most N */
     const Model models[] = {
         {"120M", 8192, 768, 12, 1024, 3072, 50259, 50304, 5248},

@@ -1,11 +1,9 @@
-"""The comparison table of bench/rowk_variants.sh: reads each variant's rowk_bench log
-(build/rowk/<variant>/bench.log) and prints, per model and kernel, every variant's time and rate,
-its change against the variant `base` (the default code), in % of a launch and in µs of a training
-step, and whether its outputs are base's bits.
+"""Compares runs of bench/rowk_bench.cu (one log per build, e.g. one per commit): prints, per model
+and kernel, every run's time and rate, its change against the first run (the base), in % of a
+launch and in µs of a training step, and whether its outputs are the base's bits.
 
-    python3 bench/rowk_summary.py build/rowk base ln_fwd1 ...
+    python3 bench/rowk_summary.py before=before.log after=after.log ...
 """
-import os
 import sys
 
 
@@ -14,19 +12,19 @@ def parse_log(text):
     rows = {}
     for line in text.splitlines():
         f = line.split()
-        # rowk MODEL KERNEL VARIANT US us GBS GB/s bits HASH step STEP_US us
-        if len(f) == 13 and f[0] == "rowk" and (f[5], f[7], f[8], f[10]) == ("us", "GB/s", "bits", "step"):
-            rows[(f[1], f[2])] = (float(f[4]), float(f[6]), f[9], float(f[11]))
+        # rowk MODEL KERNEL US us GBS GB/s bits HASH step STEP_US us
+        if len(f) == 12 and f[0] == "rowk" and (f[4], f[6], f[7], f[9]) == ("us", "GB/s", "bits", "step"):
+            rows[(f[1], f[2])] = (float(f[3]), float(f[5]), f[8], float(f[10]))
     return rows
 
 
 def table(logs):
-    """Markdown table of {variant: parsed log} (insertion order: columns; base first if present)."""
+    """Markdown table of {run name: parsed log} (insertion order: columns; the first is the base)."""
     names = list(logs)
     keys = []
     for rows in logs.values():
         keys += [k for k in rows if k not in keys]
-    base = logs.get("base", {})
+    base = logs[names[0]]
     out = ["| model | kernel | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for key in keys:
         cells = []
@@ -36,7 +34,7 @@ def table(logs):
                 continue
             us, gbs, bits, step = logs[name][key]
             cell = f"{us:.1f} µs, {gbs / 1000:.2f} TB/s"
-            if name != "base" and key in base:
+            if name != names[0] and key in base:
                 b_us, _, b_bits, b_step = base[key]
                 cell += f", {100.0 * (us - b_us) / b_us:+.1f}%"
                 if step or b_step:
@@ -49,18 +47,21 @@ def table(logs):
 
 
 def main(argv):
-    if len(argv) < 3:
-        print("usage: rowk_summary.py OUT_DIR VARIANT...", file=sys.stderr)
+    runs = [a.partition("=") for a in argv[1:]]
+    if len(runs) < 2 or any(not name or not path for name, _, path in runs):
+        print("usage: rowk_summary.py NAME=LOG NAME=LOG... (the first is the base)", file=sys.stderr)
         return 2
     logs = {}
-    for name in argv[2:]:
-        path = os.path.join(argv[1], name, "bench.log")
-        if os.path.exists(path):
+    for name, _, path in runs:
+        try:
             with open(path) as f:
                 logs[name] = parse_log(f.read())
-    if not any(logs.values()):
-        print(f"error: no rowk_bench results under {argv[1]} for {' '.join(argv[2:])}", file=sys.stderr)
-        return 1
+        except OSError as e:
+            print(f"error: cannot read {path}: {e.strerror}", file=sys.stderr)
+            return 1
+        if not logs[name]:
+            print(f"error: no rowk_bench results in {path}", file=sys.stderr)
+            return 1
     print(table(logs))
     return 0
 

@@ -351,7 +351,12 @@ static void check_amax(const char* what, const unsigned* d_amax, const Vec& stor
 }
 
 template <typename T> static void test_layernorm(const Shape& s, Tol tol) {
-    /* more rows than LN_MAX_CHUNKS in the larger shapes, so chunks hold several rows */
+    /* more rows than LN_REGS_CHUNKS and LN_MAX_CHUNKS in the larger shapes, so chunks hold several
+     * rows (and some warps none). The GPU sums dgamma/dbeta in chunks of rows, then the chunks'
+     * partials in groups (layernorm.cuh), not row after row as the CPU does: a different
+     * summation order only, which is what the product/reduction tolerance allows for. Rows up to
+     * LN_SLAB_COLS take the register kernel where a lane holds them, wider ones the slab kernel
+     * (run_precision's shapes cover both). */
     int N = s.B * s.T * 4 + 1, C = s.C;
     Vec x = rounded<T>(randn((size_t)N * C, 1.0f, 0.3f));
     Vec gamma = randn(C, 0.2f, 1.0f), beta = randn(C, 0.2f);
@@ -1230,8 +1235,17 @@ template <typename T> static void run_precision(void) {
         set_ctx(prec, "embed", shape_str(wide).c_str());
         test_embed<T>(wide, tol);
     }
-    /* rows wider than LN_SLAB_COLS: the LayerNorm backward's column slabs, in packets (1600: three
-     * slabs of 536, 536, 528) and element by element (1001) */
+    /* rows up to LN_SLAB_COLS of several packets a lane (SHAPES' rows are one): the LayerNorm
+     * backward's register kernel with 2 to LN_REG_PACKETS packets, some lanes one fewer (392), in
+     * packets (768: 3 in 16 bits; 392: 2 in 16 bits, 4 in fp32) and element by element (100: 4 in
+     * 16 bits; 70: 3) */
+    for (int C : {768, 392, 100, 70}) {
+        Shape rows = {2, 40, C, 4, 0, 0, 0, 0};
+        set_ctx(prec, "layernorm", shape_str(rows).c_str());
+        test_layernorm<T>(rows, tol);
+    }
+    /* rows wider than LN_SLAB_COLS: the LayerNorm backward's slab kernel, its column slabs in
+     * packets (1600: three slabs of 536, 536, 528) and element by element (1001) */
     for (Shape wide : {Shape{1, 7, 1600, 4, 0, 0, 0, 0}, Shape{1, 5, 1001, 7, 0, 0, 0, 0}}) {
         set_ctx(prec, "layernorm", shape_str(wide).c_str());
         test_layernorm<T>(wide, tol);

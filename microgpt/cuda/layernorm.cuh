@@ -2,42 +2,27 @@
  * layernorm_forward / layernorm_backward. gamma/beta are the fp32 master parameters; mean and rstd
  * [N] (fp32) are saved by the forward for the backward.
  *
- * Forward and dx: one warp per row, moving 16-byte packets where the width allows (common.cuh).
- * The backward is two kernels, without atomics. The first, k_layernorm_bwd, owns a chunk of rows
- * and a slab of columns (all C of them up to LN_SLAB_COLS): while its warps compute dx, each also
- * sums dout * xhat and dout per column over its rows in shared memory, and the block adds its
- * warps' sums in warp order into the chunk's partial dgamma/dbeta; so one kernel reads dout and x
- * for both. The second, k_layernorm_bwd_final, adds the chunk partials in a fixed order. Chunks
- * depend only on N and slabs only on C, so the result does not depend on the GPU.
+ * Forward: one warp per row, moving 16-byte packets where the width allows (common.cuh).
+ *
+ * The backward is two kernels, without atomics. The first computes dx and the chunk partials of
+ * dgamma/dbeta, a chunk of rows a block; the second, k_layernorm_bwd_final, adds the chunk partials
+ * in a fixed order. Chunks depend only on N (and slabs only on C), so the result does not depend
+ * on the GPU. The first kernel depends on the row width:
+ *   - rows a warp holds in registers (C <= LN_SLAB_COLS and at most LN_REG_PACKETS packets a lane:
+ *     ANDREA's models in 16 bits): k_layernorm_bwd_regs, at most LN_REGS_CHUNKS chunks. A warp
+ *     loads each of its rows' x, dout and dx once (as stored) and keeps its lanes' dgamma/dbeta
+ *     column sums in registers across its rows; only at the end do the warps' sums meet in shared
+ *     memory, added in warp order. Against k_layernorm_bwd's shared-memory sums and 512 chunks:
+ *     28.0 -> 21.4 us a launch at ANDREA-120M on an H200 (docs/BENCHMARKS.md log #52, with the
+ *     ideas tried and dropped: #50, #51, #56, #58, #59);
+ *   - wider rows: k_layernorm_bwd, a chunk of rows and a slab of columns (all C of them up to
+ *     LN_SLAB_COLS) a block, at most LN_MAX_CHUNKS chunks: while its warps compute dx, each sums
+ *     dout * xhat and dout per column over its rows in shared memory, and the block adds its
+ *     warps' sums in warp order into the chunk's partial; so one kernel reads dout and x for both.
+ * dx is the same either way; dgamma/dbeta are sums grouped by chunk, fixed for a shape.
  *
  * Precision fp8: the forward's output and the backward's dx are FP8 products' operands, so both
- * kernels can also take their amax (common.cuh's block_amax_commit), saving the cast a full read.
- *
- * Variants, chosen at compile time (-D; 0, the default, is the code described above; each passes
- * tests/kernel_check.cu, bench/rowk_bench.cu times them; docs/BENCHMARKS.md log #50-#52, #56, #58,
- * #59):
- *   LN_FWD_VARIANT 1  the forward holds its row in registers (LN_REG_PACKETS packets a lane at most:
- *                     C <= 1024 in bf16/fp16, 512 in fp32), so x is read once, not three times; the
- *                     same operations in the same order, so the same bits.
- *   LN_BWD_VARIANT 1  the backward holds each row's x, dout and dx in registers (as stored, 16-bit)
- *                     and each lane's dgamma/dbeta column sums in registers across the warp's rows,
- *                     one read of each input and no shared-memory sums until the block's end; same
- *                     chunks and order as today, so the same bits (C <= LN_SLAB_COLS and at most
- *                     LN_REG_PACKETS packets a lane, else the default kernel).
- *   LN_BWD_VARIANT 2  as 1 with at most LN_BWD_REGS_CHUNKS (256) chunks: twice the rows a warp,
- *                     half the partial sums to write and add; other bits for dgamma/dbeta (a
- *                     different but fixed order), dx's bits unchanged.
- *   LN_BWD_VARIANT 3  as 1 with the column sums in shared memory as today (k_layernorm_bwd_regs_
- *                     shared_sums): 80 registers instead of 127 at C = 768, so three blocks per
- *                     multiprocessor instead of two; the same bits. (At four blocks, 64 registers,
- *                     the C = 768 kernel spills.)
- *   LN_BWD_VARIANT 4  as 3 with 256 chunks (as 2): 512 blocks at three per multiprocessor leave a
- *                     second wave of 116 blocks on 132 SMs, 256 blocks are one wave; dgamma/dbeta
- *                     other bits, dx the same.
- *   LN_FINAL_COLS 8   the final sum with 8 columns a block instead of 32: four times the blocks (96
- *                     at C = 768, 24 at 192, against 24 and 6 on 132 SMs); each column's sum keeps
- *                     its order (LN_FINAL_GROUPS sets it), so the same bits.
- * Wider rows take the default kernels. The variants take the amax as the default kernels do. */
+ * kernels can also take their amax (common.cuh's block_amax_commit), saving the cast a full read. */
 #ifndef MICROGPT_CUDA_LAYERNORM_CUH
 #define MICROGPT_CUDA_LAYERNORM_CUH
 
@@ -45,38 +30,16 @@
 
 #define LN_EPS 1e-5f
 #define LN_WARPS 8         /* warps per block in the row kernels */
-#define LN_MAX_CHUNKS 512  /* row chunks for dgamma/dbeta partials: 512 blocks (4 per SM) for 120M */
+#define LN_MAX_CHUNKS 512  /* row chunks of k_layernorm_bwd (wide rows), and of the scratch */
 #define LN_SLAB_COLS 768   /* widest column slab of the backward: LN_WARPS x 2 sums per column fill the
                               48 KB of shared memory a block gets without cudaFuncSetAttribute */
-#ifndef LN_FINAL_COLS
 #define LN_FINAL_COLS 32   /* columns per block in the final sum ... */
-#endif
 #define LN_FINAL_GROUPS 32 /* ... and the groups of chunks each column's sum is split into */
 
-#ifndef LN_FWD_VARIANT
-#define LN_FWD_VARIANT 0
-#endif
-#ifndef LN_BWD_VARIANT
-#define LN_BWD_VARIANT 0
-#endif
-#if LN_FWD_VARIANT || LN_BWD_VARIANT
-#define LN_REG_PACKETS 4 /* packets of a row a lane holds in registers at most */
-#endif
-#if LN_BWD_VARIANT == 1
-#define LN_BWD_REGS_KERNEL k_layernorm_bwd_regs
-#define LN_BWD_REGS_CHUNKS LN_MAX_CHUNKS
-#elif LN_BWD_VARIANT == 2
-#define LN_BWD_REGS_KERNEL k_layernorm_bwd_regs
-#define LN_BWD_REGS_CHUNKS 256 /* 32 rows a chunk (4 a warp) at N = 8192 */
-#elif LN_BWD_VARIANT == 3
-#define LN_BWD_REGS_KERNEL k_layernorm_bwd_regs_shared_sums
-#define LN_BWD_REGS_CHUNKS LN_MAX_CHUNKS
-#elif LN_BWD_VARIANT == 4
-#define LN_BWD_REGS_KERNEL k_layernorm_bwd_regs_shared_sums
-#define LN_BWD_REGS_CHUNKS 256
-#endif
+#define LN_REGS_CHUNKS 256 /* row chunks of k_layernorm_bwd_regs: 32 rows a chunk (4 a warp) at N = 8192 */
+#define LN_REG_PACKETS 4   /* packets of a row a lane holds in registers at most */
 
-/* Scratch floats layernorm_bwd needs for width C. */
+/* Scratch floats layernorm_bwd needs for width C (LN_REGS_CHUNKS <= LN_MAX_CHUNKS). */
 static size_t layernorm_scratch_floats(int C) { return (size_t)2 * LN_MAX_CHUNKS * C; }
 
 static int ln_rows_per_chunk(int N, int max_chunks) {
@@ -146,78 +109,6 @@ __global__ void k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, f
     unsigned am = row < N ? ln_fwd_row<T, VEC>(out, mean, rstd, x, gamma, beta, row, C) : 0u; /* whole warps */
     block_amax_commit(amax_bits, am);
 }
-
-#if LN_FWD_VARIANT == 1 || LN_BWD_VARIANT
-/* Packet p of a lane's part of a row starts at column ln_reg_col(p); the lane holds it where that
- * is < C. The same columns as LN_ROW_LOOP, in the same order. */
-#define ln_reg_col(p) ((lane + 32 * (p)) * VEC)
-#define LN_REG_LOOP(p, C) _Pragma("unroll") for (int p = 0; p < PACKETS; p++) if (ln_reg_col(p) < (C))
-
-/* kernel<T, VEC, packets> for packets 1 .. LN_REG_PACKETS, VEC = PACK(T) when packed, else 1, on
- * g_stream, checked. */
-#define LN_LAUNCH_PACKETS_VEC(VEC, packets, kernel, T, grid, block, ...)                              \
-    switch (packets) {                                                                              \
-    case 1: kernel<T, VEC, 1><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break;               \
-    case 2: kernel<T, VEC, 2><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break;               \
-    case 3: kernel<T, VEC, 3><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break;               \
-    default: kernel<T, VEC, LN_REG_PACKETS><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break; \
-    }
-#define LN_LAUNCH_PACKETS(packed, packets, kernel, T, grid, block, ...)                              \
-    do {                                                                                            \
-        if (packed) LN_LAUNCH_PACKETS_VEC(PACK(T), packets, kernel, T, grid, block, __VA_ARGS__)    \
-        else LN_LAUNCH_PACKETS_VEC(1, packets, kernel, T, grid, block, __VA_ARGS__)                 \
-        LAUNCH_CHECK();                                                                             \
-    } while (0)
-
-/* Packets a lane holds of a row of C columns; above LN_REG_PACKETS the row is too wide. */
-static int ln_reg_packets(int C, bool packed, int pack) { return (int)ceil_div(C, 32 * (packed ? pack : 1)); }
-#endif
-
-#if LN_FWD_VARIANT == 1
-/* ln_fwd_row with the lane's PACKETS packets of the row loaded once into registers: the same sums
- * in the same order. */
-template <typename T, int VEC, int PACKETS>
-__device__ __forceinline__ unsigned ln_fwd_row_regs(T* __restrict__ out, float* __restrict__ mean,
-                                                    float* __restrict__ rstd, const T* __restrict__ x,
-                                                    const float* __restrict__ gamma, const float* __restrict__ beta,
-                                                    int row, int C) {
-    int lane = threadIdx.x & 31;
-    const T* xr = x + (size_t)row * C;
-    float v[PACKETS][VEC], s = 0.0f;
-    unsigned am = 0;
-    LN_REG_LOOP(p, C) load_vec(v[p], xr + ln_reg_col(p));
-    LN_REG_LOOP(p, C) for (int k = 0; k < VEC; k++) s += v[p][k];
-    float m = warp_sum(s) / C;
-    float s2 = 0.0f;
-    LN_REG_LOOP(p, C) for (int k = 0; k < VEC; k++) s2 += (v[p][k] - m) * (v[p][k] - m);
-    float r = 1.0f / sqrtf(warp_sum(s2) / C + LN_EPS);
-    T* o = out + (size_t)row * C;
-    LN_REG_LOOP(p, C) {
-        float g[VEC], b[VEC];
-        load_vec(g, gamma + ln_reg_col(p));
-        load_vec(b, beta + ln_reg_col(p));
-        for (int k = 0; k < VEC; k++) {
-            v[p][k] = (v[p][k] - m) * r * g[k] + b[k];
-            am = max(am, abs_bits(as_stored<T>(v[p][k])));
-        }
-        store_vec(o + ln_reg_col(p), v[p]);
-    }
-    if (lane == 0) {
-        mean[row] = m;
-        rstd[row] = r;
-    }
-    return am;
-}
-
-template <typename T, int VEC, int PACKETS>
-__global__ void k_layernorm_fwd_regs(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                     const T* __restrict__ x, const float* __restrict__ gamma,
-                                     const float* __restrict__ beta, int N, int C, unsigned* amax_bits) {
-    int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
-    unsigned am = row < N ? ln_fwd_row_regs<T, VEC, PACKETS>(out, mean, rstd, x, gamma, beta, row, C) : 0u;
-    block_amax_commit(amax_bits, am);
-}
-#endif
 
 /* The means over a row of g = dout * gamma and of g * xhat (xhat = (x - mean) * rstd), which every
  * column's dx needs; every lane of the row's warp gets both. */
@@ -325,7 +216,30 @@ __global__ void k_layernorm_bwd(T* __restrict__ dx, float* __restrict__ partial,
     block_amax_commit_in(amax_bits, am, (unsigned*)col_sums[0][0]); /* its barrier: col_sums is read */
 }
 
-#if LN_BWD_VARIANT
+/* Packet p of a lane's part of a row starts at column ln_reg_col(p); the lane holds it where that
+ * is < C. The same columns as LN_ROW_LOOP, in the same order. */
+#define ln_reg_col(p) ((lane + 32 * (p)) * VEC)
+#define LN_REG_LOOP(p, C) _Pragma("unroll") for (int p = 0; p < PACKETS; p++) if (ln_reg_col(p) < (C))
+
+/* kernel<T, VEC, packets> for packets 1 .. LN_REG_PACKETS, VEC = PACK(T) when packed, else 1, on
+ * g_stream, checked. */
+#define LN_LAUNCH_PACKETS_VEC(VEC, packets, kernel, T, grid, block, ...)                              \
+    switch (packets) {                                                                              \
+    case 1: kernel<T, VEC, 1><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break;               \
+    case 2: kernel<T, VEC, 2><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break;               \
+    case 3: kernel<T, VEC, 3><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break;               \
+    default: kernel<T, VEC, LN_REG_PACKETS><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break; \
+    }
+#define LN_LAUNCH_PACKETS(packed, packets, kernel, T, grid, block, ...)                              \
+    do {                                                                                            \
+        if (packed) LN_LAUNCH_PACKETS_VEC(PACK(T), packets, kernel, T, grid, block, __VA_ARGS__)    \
+        else LN_LAUNCH_PACKETS_VEC(1, packets, kernel, T, grid, block, __VA_ARGS__)                 \
+        LAUNCH_CHECK();                                                                             \
+    } while (0)
+
+/* Packets a lane holds of a row of C columns; above LN_REG_PACKETS the row is too wide. */
+static int ln_reg_packets(int C, bool packed, int pack) { return (int)ceil_div(C, 32 * (packed ? pack : 1)); }
+
 /* VEC elements at p, kept as stored (16-bit rows take half the registers of fp32 copies). */
 template <int VEC, typename T>
 __device__ __forceinline__ void load_raw(T (&t)[VEC], const T* p) {
@@ -338,25 +252,24 @@ __device__ __forceinline__ void load_raw(T (&t)[VEC], const T* p) {
     }
 }
 
-/* k_layernorm_bwd for rows of one slab (C <= LN_SLAB_COLS), grid (n_chunks), with a lane's packets
- * of x, dout and dx loaded once into registers (as stored). Its columns' dout * xhat and dout sums
- * over the warp's rows are kept in registers (REG_SUMS: 48 more at C = 768 in bf16) or, as in
- * k_layernorm_bwd, in the warp's shared-memory sums (the first row stores 0 + its value, so
- * nothing needs clearing). The same operations in the same order: with the same chunks, the same
- * bits. amax_bits as k_layernorm_bwd's. */
-template <typename T, int VEC, int PACKETS, bool REG_SUMS>
-__device__ __forceinline__ void ln_bwd_regs(T* __restrict__ dx, float* __restrict__ partial,
-                                            const T* __restrict__ dout, const T* __restrict__ x,
-                                            const float* __restrict__ gamma, const float* __restrict__ mean,
-                                            const float* __restrict__ rstd, int N, int C, int rows_per_chunk,
-                                            unsigned* amax_bits) {
+/* k_layernorm_bwd for rows of one slab (C <= LN_SLAB_COLS) a warp holds in registers, grid
+ * (n_chunks), LN_WARPS warps a block, __launch_bounds__ for two blocks per multiprocessor (at most
+ * 128 registers a thread). Warp w takes rows r0 + w, r0 + w + LN_WARPS, ... of the chunk, each
+ * lane loading its PACKETS packets of the row's x, dout and dx once (as stored); the lane's
+ * columns' dout * xhat and dout sums over the warp's rows stay in registers (a warp without rows
+ * keeps zeros). Then the warps' sums go to shared memory and the block adds them in warp order, as
+ * k_layernorm_bwd does. dx's operations are k_layernorm_bwd's, in the same order: the same dx.
+ * amax_bits as k_layernorm_bwd's. */
+template <typename T, int VEC, int PACKETS>
+__global__ void __launch_bounds__(32 * LN_WARPS, 2)
+k_layernorm_bwd_regs(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
+                     const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ mean,
+                     const float* __restrict__ rstd, int N, int C, int rows_per_chunk, unsigned* amax_bits) {
     __shared__ __align__(16) float col_sums[LN_WARPS][2][LN_SLAB_COLS]; /* [warp][dgamma, dbeta][column] */
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int chunk = blockIdx.x, n_chunks = gridDim.x;
     int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
-    float* dg_sum = col_sums[warp][0];
-    float* db_sum = col_sums[warp][1];
-    float dg[REG_SUMS ? PACKETS : 1][VEC] = {}, db[REG_SUMS ? PACKETS : 1][VEC] = {};
+    float dg[PACKETS][VEC] = {}, db[PACKETS][VEC] = {};
     unsigned am = 0;
     for (int row = r0 + warp; row < r1; row += LN_WARPS) {
         __align__(16) T xv[PACKETS][VEC], dv[PACKETS][VEC], ov[PACKETS][VEC];
@@ -379,64 +292,28 @@ __device__ __forceinline__ void ln_bwd_regs(T* __restrict__ dx, float* __restric
             }
         }
         float mg = warp_sum(sg) / C, mgx = warp_sum(sgx) / C;
-        bool first = row == r0 + warp;
         LN_REG_LOOP(p, C) {
-            int c = ln_reg_col(p);
-            float gv[VEC], out[VEC], ag[VEC], ab[VEC];
-            load_vec(gv, gamma + c);
-            if constexpr (REG_SUMS) {
-                for (int k = 0; k < VEC; k++) ag[k] = dg[p][k], ab[k] = db[p][k];
-            } else if (first) {
-                for (int k = 0; k < VEC; k++) ag[k] = ab[k] = 0.0f;
-            } else {
-                load_vec(ag, dg_sum + c);
-                load_vec(ab, db_sum + c);
-            }
+            float gv[VEC], out[VEC];
+            load_vec(gv, gamma + ln_reg_col(p));
             for (int k = 0; k < VEC; k++) {
                 float d = to_f(dv[p][k]), xhat = (to_f(xv[p][k]) - m) * r;
                 out[k] = to_f(ov[p][k]) + r * (d * gv[k] - mg - xhat * mgx);
-                ag[k] += d * xhat;
-                ab[k] += d;
+                dg[p][k] += d * xhat;
+                db[p][k] += d;
                 am = max(am, abs_bits(as_stored<T>(out[k])));
             }
-            store_vec(o + c, out);
-            if constexpr (REG_SUMS) {
-                for (int k = 0; k < VEC; k++) dg[p][k] = ag[k], db[p][k] = ab[k];
-            } else {
-                store_vec(dg_sum + c, ag);
-                store_vec(db_sum + c, ab);
-            }
+            store_vec(o + ln_reg_col(p), out);
         }
     }
-    if (REG_SUMS || r0 + warp >= r1) { /* the register sums, or a warp without rows: zeros */
-        LN_REG_LOOP(p, C) {
-            store_vec(dg_sum + ln_reg_col(p), dg[REG_SUMS ? p : 0]);
-            store_vec(db_sum + ln_reg_col(p), db[REG_SUMS ? p : 0]);
-        }
+    LN_REG_LOOP(p, C) {
+        store_vec(col_sums[warp][0] + ln_reg_col(p), dg[p]);
+        store_vec(col_sums[warp][1] + ln_reg_col(p), db[p]);
     }
     __syncthreads();
     ln_bwd_block_partials(partial, col_sums, chunk, n_chunks, C, 0, C);
     block_amax_commit_in(amax_bits, am, (unsigned*)col_sums[0][0]); /* its barrier: col_sums is read */
 }
 
-#define LN_BWD_REGS_ARGS                                                                                 \
-    T *__restrict__ dx, float *__restrict__ partial, const T *__restrict__ dout, const T *__restrict__ x, \
-        const float *__restrict__ gamma, const float *__restrict__ mean, const float *__restrict__ rstd, int N, \
-        int C, int rows_per_chunk, unsigned *amax_bits
-
-/* Column sums in registers: at most 128 registers a thread, two blocks per multiprocessor. */
-template <typename T, int VEC, int PACKETS>
-__global__ void __launch_bounds__(32 * LN_WARPS, 2) k_layernorm_bwd_regs(LN_BWD_REGS_ARGS) {
-    ln_bwd_regs<T, VEC, PACKETS, true>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk, amax_bits);
-}
-
-/* Column sums in shared memory: at most 80 registers a thread, three blocks per multiprocessor. */
-template <typename T, int VEC, int PACKETS>
-__global__ void __launch_bounds__(32 * LN_WARPS, 3) k_layernorm_bwd_regs_shared_sums(LN_BWD_REGS_ARGS) {
-    ln_bwd_regs<T, VEC, PACKETS, false>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk,
-                                        amax_bits);
-}
-#endif
 
 /* Block (LN_FINAL_COLS columns) x (LN_FINAL_GROUPS groups): group k of a column sums chunks k,
  * k + LN_FINAL_GROUPS, ... in order, then group 0 adds the group sums in group order and writes
@@ -470,14 +347,6 @@ template <typename T>
 static void layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const float* gamma, const float* beta,
                           int N, int C, unsigned* amax_bits = NULL) {
     bool packed = packable(C, sizeof(T), {out, x}) && packable(C, sizeof(float), {gamma, beta});
-#if LN_FWD_VARIANT == 1
-    int packets = ln_reg_packets(C, packed, PACK(T));
-    if (packets <= LN_REG_PACKETS) {
-        LN_LAUNCH_PACKETS(packed, packets, k_layernorm_fwd_regs, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean,
-                          rstd, x, gamma, beta, N, C, amax_bits);
-        return;
-    }
-#endif
     LAUNCH_PACKED(packed, k_layernorm_fwd, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean, rstd, x, gamma,
                   beta, N, C, amax_bits);
 }
@@ -496,17 +365,15 @@ static void layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, con
                           const float* mean, const float* rstd, int N, int C, float* scratch, float grad_beta,
                           unsigned* amax_bits = NULL) {
     bool packed = packable(C, sizeof(T), {dx, dout, x}) && packable(C, sizeof(float), {gamma});
-#if LN_BWD_VARIANT
     int packets = ln_reg_packets(C, packed, PACK(T));
-    if (C <= LN_SLAB_COLS && packets <= LN_REG_PACKETS) {
-        int rows_per_chunk = ln_rows_per_chunk(N, LN_BWD_REGS_CHUNKS);
+    if (C <= LN_SLAB_COLS && packets <= LN_REG_PACKETS) { /* the row in registers */
+        int rows_per_chunk = ln_rows_per_chunk(N, LN_REGS_CHUNKS);
         int n_chunks = (int)ceil_div(N, rows_per_chunk);
-        LN_LAUNCH_PACKETS(packed, packets, LN_BWD_REGS_KERNEL, T, n_chunks, 32 * LN_WARPS, dx, scratch, dout, x,
+        LN_LAUNCH_PACKETS(packed, packets, k_layernorm_bwd_regs, T, n_chunks, 32 * LN_WARPS, dx, scratch, dout, x,
                           gamma, mean, rstd, N, C, rows_per_chunk, amax_bits);
         layernorm_bwd_final(dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
         return;
     }
-#endif
     int rows_per_chunk = ln_rows_per_chunk(N, LN_MAX_CHUNKS);
     int n_chunks = (int)ceil_div(N, rows_per_chunk);
     int slab_cols = ln_slab_cols(C);

@@ -19,35 +19,13 @@
  * the logits with their gradient dlogits = (softmax - onehot) * dscale, ready for the two products.
  * A block of LOSS_THREADS per row keeps the rows in flight small enough (2 blocks per
  * multiprocessor) that the second pass reads from L2. dscale is read from device memory (it carries
- * the fp16 loss scale) so a captured graph of the step stays fixed.
- *
- * Variants, chosen at compile time (-D; 0, the default, is the code described above; each passes
- * tests/kernel_check.cu, bench/rowk_bench.cu times them, docs/BENCHMARKS.md log #53, #57):
- *   LOSS_ROWS_VARIANT 1  k_loss_rows_shared: the block first copies its row into shared memory
- *                        (cp.async, 16-byte packets, no registers in between; 98 KiB for a bf16 row
- *                        of 50304), then runs both passes from there: memory sees one read and one
- *                        write of the logits, neither pass waits on L2, and every thread has its
- *                        whole share of the row in flight at once. The same operations in the same
- *                        order, so the same bits. Taken where two rows fit a multiprocessor's
- *                        shared memory (so two blocks run per multiprocessor, as today), else the
- *                        default kernel.
- *   LOSS_ROWS_VARIANT 2  as 1, with one block per multiprocessor walking rows with two row buffers
- *                        (196 KiB): the next row's copy is in flight while the block computes the
- *                        current one, so memory is never idle while a block waits. The same bits
- *                        (a row's values do not depend on the block that takes it). */
+ * the fp16 loss scale) so a captured graph of the step stays fixed. */
 #ifndef MICROGPT_CUDA_LOSS_CUH
 #define MICROGPT_CUDA_LOSS_CUH
 
 #include "matmul.cuh"
 
 #define LOSS_THREADS 1024
-
-#ifndef LOSS_ROWS_VARIANT
-#define LOSS_ROWS_VARIANT 0
-#endif
-#if LOSS_ROWS_VARIANT
-#include <cuda_pipeline.h>
-#endif
 
 /* logits [n, Vp] = x [n, C] @ wte^T, wte [Vp, C]; L is T (training, evaluation) or float (the
  * sampler's logits of one position). */
@@ -56,19 +34,19 @@ static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C,
     gemm(n, Vp, C, mat(x, C), mat_t(wte, C), mat(logits, Vp));
 }
 
-/* One row's softmax, loss and gradient (the block's threads, VEC-element packets): lse over the
- * real columns from `src`, losses[row] = lse - target_logit (thread 0's, read from l before the row
- * is overwritten); with dscale (device float, nullable), also overwrites l with dlogits =
- * (exp(logit - lse) - [j == target]) * dscale on real columns and 0 on padded ones. src is l itself
- * (k_loss_rows) or the row's copy in shared memory (the variants below). Rows are whole packets
- * when VEC > 1. */
+/* One block per row: lse over the real columns, loss = lse - logit[target]; with dscale (device
+ * float, nullable), also overwrites the row with dlogits = (exp(logit - lse) - [j == target]) *
+ * dscale on real columns and 0 on padded ones. Rows are whole packets when VEC > 1. */
 template <typename T, int VEC>
-__device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __restrict__ lse, T* l, const T* src,
-                                         int row, int target, float target_logit, int V, int Vp,
-                                         const float* __restrict__ dscale) {
+__global__ void __launch_bounds__(LOSS_THREADS)
+k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
+            const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
+    int row = blockIdx.x, target = targets[row];
+    T* l = logits + (size_t)row * Vp;
+    float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f; /* read before the row is overwritten */
     float mx = -INFINITY, s = 0.0f, v[VEC];
     for (int j = threadIdx.x * VEC; j < V; j += LOSS_THREADS * VEC) {
-        load_vec(v, src + j);
+        load_vec(v, l + j);
         if (j + VEC > V) /* the one packet that reaches into the padding */
             for (int k = 0; k < VEC; k++)
                 if (j + k >= V) v[k] = -INFINITY;
@@ -90,7 +68,7 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
     if (!dscale) return;
     float ds = *dscale;
     for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
-        load_vec(v, src + j);
+        load_vec(v, l + j);
         for (int k = 0; k < VEC; k++) v[k] = (__expf(v[k] - row_lse) - (j + k == target ? 1.0f : 0.0f)) * ds;
         if (j + VEC > V) /* padded columns */
             for (int k = 0; k < VEC; k++)
@@ -99,119 +77,9 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
     }
 }
 
-/* One block per row, both passes over the row in memory (the second from L2). */
-template <typename T, int VEC>
-__global__ void __launch_bounds__(LOSS_THREADS)
-k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
-            const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
-    int row = blockIdx.x, target = targets[row];
-    T* l = logits + (size_t)row * Vp;
-    float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f;
-    loss_row<T, VEC>(losses, lse, l, l, row, target, target_logit, V, Vp, dscale);
-}
-
-#if LOSS_ROWS_VARIANT
-/* This thread's packets of a row of Vp (those it reads later) into shared memory by cp.async (VEC
- * whole 16-byte packets), else element by element; then one commit (the thread's copy group). */
-template <typename T, int VEC>
-__device__ __forceinline__ void loss_row_copy(T* row_s, const T* l, int Vp) {
-    for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
-        if constexpr (VEC * sizeof(T) == 16) __pipeline_memcpy_async(row_s + j, l + j, 16);
-        else row_s[j] = l[j];
-    }
-    __pipeline_commit();
-}
-#endif
-
-#if LOSS_ROWS_VARIANT == 1
-/* Variant 1: a block per row, its row in Vp elements of dynamic shared memory. */
-template <typename T, int VEC>
-__global__ void __launch_bounds__(LOSS_THREADS)
-k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
-                   const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
-    extern __shared__ __align__(16) unsigned char loss_row_bytes[];
-    T* row_s = reinterpret_cast<T*>(loss_row_bytes);
-    int row = blockIdx.x, target = targets[row];
-    T* l = logits + (size_t)row * Vp;
-    float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f;
-    loss_row_copy<T, VEC>(row_s, l, Vp);
-    __pipeline_wait_prior(0);
-    loss_row<T, VEC>(losses, lse, l, row_s, row, target, target_logit, V, Vp, dscale);
-}
-#define LOSS_ROWS_SHARED_BUFFERS 1 /* row buffers a block */
-#define LOSS_ROWS_SHARED_PER_SM 2  /* blocks a multiprocessor must hold */
-#elif LOSS_ROWS_VARIANT == 2
-/* Variant 2: one block per multiprocessor walks rows blockIdx.x, + gridDim.x, ... with two row
- * buffers (2 Vp elements of dynamic shared memory): the copy of its next row is in flight while it
- * computes the current one. Each row's values do not depend on which block takes it. */
-template <typename T, int VEC>
-__global__ void __launch_bounds__(LOSS_THREADS)
-k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
-                   const int* __restrict__ targets, int n, int V, int Vp, const float* __restrict__ dscale) {
-    extern __shared__ __align__(16) unsigned char loss_row_bytes[];
-    T* bufs = reinterpret_cast<T*>(loss_row_bytes); /* buffer b at bufs + b * Vp */
-    int row = blockIdx.x, b = 0;
-    if (row < n) loss_row_copy<T, VEC>(bufs, logits + (size_t)row * Vp, Vp);
-    for (; row < n; row += gridDim.x, b ^= 1) {
-        int next = row + gridDim.x, target = targets[row];
-        T* l = logits + (size_t)row * Vp;
-        float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f;
-        /* a thread overwrites only its own packets of buffer b ^ 1, which it finished reading in
-         * the previous row; the next row's copy is one more group (empty after the last row) */
-        if (next < n) loss_row_copy<T, VEC>(bufs + (b ^ 1) * Vp, logits + (size_t)next * Vp, Vp);
-        else __pipeline_commit();
-        __pipeline_wait_prior(1); /* this row's group has landed */
-        loss_row<T, VEC>(losses, lse, l, bufs + b * Vp, row, target, target_logit, V, Vp, dscale);
-    }
-}
-#define LOSS_ROWS_SHARED_BUFFERS 2
-#define LOSS_ROWS_SHARED_PER_SM 1
-#endif
-
-#if LOSS_ROWS_VARIANT
-/* Launches k_loss_rows_shared<T, VEC> if LOSS_ROWS_SHARED_PER_SM blocks of its shared memory fit a
- * multiprocessor of this GPU (raising the kernel's limit above the default 48 KB once); returns
- * false, having launched nothing, if not. Either kernel gives the same bits. */
-template <typename T, int VEC>
-static bool loss_rows_shared(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
-                             const float* dscale) {
-    static int per_sm = -1, per_block = 0, n_sm = 0;
-    size_t bytes = (size_t)LOSS_ROWS_SHARED_BUFFERS * Vp * sizeof(T);
-    if (per_sm < 0) {
-        int dev;
-        CUDA_CHECK(cudaGetDevice(&dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
-        CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_shared<T, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        per_block));
-        CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_shared<T, VEC>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                        cudaSharedmemCarveoutMaxShared));
-    }
-    /* 1 KB a block is the runtime's own, plus block_reduce's partials */
-    if (bytes > (size_t)per_block || LOSS_ROWS_SHARED_PER_SM * (bytes + 2048) > (size_t)per_sm) return false;
-#if LOSS_ROWS_VARIANT == 1
-    k_loss_rows_shared<T, VEC><<<n, LOSS_THREADS, bytes, g_stream>>>(losses, lse, logits, targets, V, Vp, dscale);
-#else
-    /* at least two rows a block, so that every launch, kernel_check's small ones too, swaps buffers */
-    unsigned blocks = ceil_div(n, 2) < (unsigned)n_sm ? ceil_div(n, 2) : (unsigned)n_sm;
-    k_loss_rows_shared<T, VEC><<<blocks, LOSS_THREADS, bytes, g_stream>>>(losses, lse, logits, targets, n, V, Vp,
-                                                                         dscale);
-#endif
-    LAUNCH_CHECK();
-    return true;
-}
-#endif
-
 template <typename T>
 static void loss_rows(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
                       const float* dscale) {
-#if LOSS_ROWS_VARIANT
-    bool packed = packable(Vp, sizeof(T), {logits});
-    if (packed ? loss_rows_shared<T, PACK(T)>(losses, lse, logits, targets, n, V, Vp, dscale)
-               : loss_rows_shared<T, 1>(losses, lse, logits, targets, n, V, Vp, dscale))
-        return;
-#endif
     LAUNCH_PACKED(packable(Vp, sizeof(T), {logits}), k_loss_rows, T, n, LOSS_THREADS, losses, lse, logits,
                   targets, V, Vp, dscale);
 }

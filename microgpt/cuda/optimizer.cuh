@@ -10,17 +10,7 @@
  * device, and the AdamW kernel reads it, with the step's learning rate, bias corrections, gradient
  * multiplier and clip threshold (UpdateCtl), from device memory. It derives the clip factor itself
  * and, when told to, skips the update on a non-finite norm (fp16 overflow). So the whole update
- * has fixed kernel arguments and can be captured once in a CUDA graph.
- *
- * Variant, chosen at compile time (-D; 0, the default, is the code described above; it passes
- * tests/kernel_check.cu, bench/rowk_bench.cu times it, docs/BENCHMARKS.md log #54):
- *   NORM_VARIANT 1  k_grad_norm_partial_ahead: each thread loads NORM_AHEAD of its grid-stride
- *                   packets before adding any, so the one wave of NORM_BLOCKS blocks keeps four
- *                   times the bytes in flight; the same additions in the same order, so the same
- *                   bits. (Folding the norm into a kernel that already reads the gradients is not
- *                   possible with the engine's launch order: AdamW, the only other reader, needs
- *                   the norm before its first update, and the products that write the gradients
- *                   are cuBLAS's.) */
+ * has fixed kernel arguments and can be captured once in a CUDA graph. */
 #ifndef MICROGPT_CUDA_OPTIMIZER_CUH
 #define MICROGPT_CUDA_OPTIMIZER_CUH
 
@@ -28,13 +18,6 @@
 
 #define NORM_BLOCKS 1024
 #define NORM_THREADS 256
-
-#ifndef NORM_VARIANT
-#define NORM_VARIANT 0
-#endif
-#if NORM_VARIANT == 1
-#define NORM_AHEAD 4 /* packets a thread loads before adding them */
-#endif
 
 /* Per-step values of the update, in device memory (see the top of this file). */
 struct UpdateCtl {
@@ -69,33 +52,6 @@ __global__ void k_grad_norm_partial(float* partial, const float* __restrict__ g,
     s = block_sum(s);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
-
-#if NORM_VARIANT == 1
-/* k_grad_norm_partial with NORM_AHEAD packets (i, i + stride, ...) loaded before they are added,
- * in the same order; the last fewer than NORM_AHEAD packets one by one. */
-template <typename T, int VEC>
-__global__ void k_grad_norm_partial_ahead(float* partial, const float* __restrict__ g, size_t n,
-                                          const float* unscale) {
-    float s = 0.0f, u = unscale ? *unscale : 1.0f;
-    size_t stride = (size_t)gridDim.x * blockDim.x * VEC;
-    size_t i = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) * VEC;
-    for (; i + (NORM_AHEAD - 1) * stride < n; i += NORM_AHEAD * stride) {
-        float x[NORM_AHEAD][VEC];
-#pragma unroll
-        for (int q = 0; q < NORM_AHEAD; q++) load_vec(x[q], g + i + q * stride);
-#pragma unroll
-        for (int q = 0; q < NORM_AHEAD; q++)
-            for (int k = 0; k < VEC; k++) s += (x[q][k] * u) * (x[q][k] * u);
-    }
-    for (; i < n; i += stride) {
-        float x[VEC];
-        load_vec(x, g + i);
-        for (int k = 0; k < VEC; k++) s += (x[k] * u) * (x[k] * u);
-    }
-    s = block_sum(s);
-    if (threadIdx.x == 0) partial[blockIdx.x] = s;
-}
-#endif
 
 /* One block of NORM_BLOCKS threads: out[0] = sqrt(sum of partials). */
 __global__ void k_grad_norm_final(float* out, const float* partial) {
@@ -162,13 +118,8 @@ __global__ void k_convert(T* out, const float* in, size_t n) {
 
 /* partial: NORM_BLOCKS floats of scratch; unscale: nullable device float (see the kernel) */
 static void grad_norm_partial(float* partial, const float* g, size_t n, const float* unscale) {
-#if NORM_VARIANT == 1
-    LAUNCH_PACKED(packable(n, sizeof(float), {g}), k_grad_norm_partial_ahead, float, NORM_BLOCKS, NORM_THREADS,
-                  partial, g, n, unscale);
-#else
     LAUNCH_PACKED(packable(n, sizeof(float), {g}), k_grad_norm_partial, float, NORM_BLOCKS, NORM_THREADS, partial,
                   g, n, unscale);
-#endif
 }
 
 /* out: one device float, the L2 norm of everything grad_norm_partial summed */
