@@ -22,7 +22,7 @@
 #                fails if fp8 is not finite or its last validation loss is more than 3% above bf16's
 # Stages run only when named (the 2000-step quality runs of docs/ANDREA.md, real text required:
 # data/megachat train and validation shards), each about 1 (12M) and 2 (120M) minutes on an H200:
-#   quality2000_12M, quality2000_120M   scripts/fp8-quality.py: the model trained 2000 steps in bf16
+#   quality2000_12M, quality2000_120M   bench/fp8_quality.py: the model trained 2000 steps in bf16
 #                and in fp8, same seed and data, validation every 100 steps (20 batches), records in
 #                $OUT/quality2000/; then the summary of every model there ($OUT/quality2000/
 #                fp8-quality.json: final validation losses, relative difference, PASS when within 1%)
@@ -164,8 +164,8 @@ EOF
 
 # quality2000 MODEL LIMIT_SECONDS: both runs of one model, then the summary of all models so far
 quality2000() {
-    PYTHONPATH=. run_cmd "$2" "$PY" scripts/fp8-quality.py run "$1" --out "$OUT/quality2000" || return 1
-    PYTHONPATH=. run_cmd 60 "$PY" scripts/fp8-quality.py summary "$OUT/quality2000"
+    PYTHONPATH=. run_cmd "$2" "$PY" bench/fp8_quality.py run "$1" --out "$OUT/quality2000" || return 1
+    PYTHONPATH=. run_cmd 60 "$PY" bench/fp8_quality.py summary "$OUT/quality2000"
 }
 
 stage_quality2000_12M() { quality2000 12M 300; }

@@ -16,7 +16,7 @@ import math
 import os
 import sys
 
-from svg_chart import colour, svg_figure
+from microgpt.svg_chart import colour, svg_figure
 
 def figures(doc):
     """What to draw, independent of the backend: [(file stem, title, panels)], a panel being

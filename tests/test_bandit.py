@@ -459,7 +459,7 @@ def test_experiment_scripts_run_and_draw(sources, tmp_path):
     assert doc["runs"]["static-natural"]["prior"] == [0.5, 0.5]  # both sources hold 16384 train tokens
     assert (out / "bandit-bandit.json").exists()
     plot = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "plot-bandit.py"), str(out), "--svg"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=eu.python_env())
     assert plot.returncode == 0, plot.stderr
     import xml.etree.ElementTree as ET
     for stem in ("bandit-val-loss", "bandit-val-by-source", "bandit-mixture"):

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """fp8 against bf16 on real text: the quality runs of docs/ANDREA.md ("fp8 against bf16").
 
-    python3 scripts/fp8-quality.py run MODEL [--out DIR] [--steps 2000] [--engine build/microgpt_cuda]
-    python3 scripts/fp8-quality.py summary DIR... [--out DIR]
-    python3 scripts/fp8-quality.py markdown SUMMARY_JSON [--chart PATH]
+    python3 bench/fp8_quality.py run MODEL [--out DIR] [--steps 2000] [--engine build/microgpt_cuda]
+    python3 bench/fp8_quality.py summary DIR... [--out DIR]
+    python3 bench/fp8_quality.py markdown SUMMARY_JSON [--chart PATH]
 
 run: trains MODEL (12M, 120M or a config path) with the CUDA engine twice, in bf16 and in fp8, from
 the experiment's config with the same seed and data (data/megachat train and validation shards),
@@ -31,14 +31,13 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "bench"))
 
-from bench import engine_command, parse_records      # noqa: E402  (bench/ is not a package)
-from bench_common import (BenchError, experiment_path, load_config, repo_path, shard_paths,  # noqa: E402
+from bench import engine_command, parse_records      # bench/, this file's folder
+from bench_common import (BenchError, experiment_path, load_config, repo_path, shard_paths,
                           train_settings)
-from results import environment                      # noqa: E402
-from microgpt.atomic import atomic_open              # noqa: E402
-from svg_chart import svg_figure                     # noqa: E402  (scripts/, this file's folder)
+from results import environment
+from microgpt.atomic import atomic_open
+from microgpt.svg_chart import svg_figure
 
 PRECISIONS = ("bf16", "fp8")
 TOLERANCE = 0.01          # fp8's final validation loss within 1% of bf16's
@@ -176,7 +175,7 @@ def summary(args):
         raise BenchError(f"no <model>-<precision>.jsonl records in {', '.join(args.dirs)}")
     first = next(iter(models.values()))["runs"]
     env = next(iter(first.values()))["environment"]    # the models may come from two invocations: the first's
-    doc = {"kind": "fp8_quality", "source": "scripts/fp8-quality.py", **env, "steps": args.steps,
+    doc = {"kind": "fp8_quality", "source": "bench/fp8_quality.py", **env, "steps": args.steps,
            "tolerance": TOLERANCE, "chart": CHART, "pass": all(m["pass"] for m in models.values()),
            "models": models}
     os.makedirs(args.out, exist_ok=True)

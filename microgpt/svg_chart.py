@@ -1,5 +1,5 @@
 """Line and stacked-area charts as plain SVG, for the scripts that draw figures for the docs
-(scripts/plot-bandit.py, scripts/fp8-quality.py): nothing beyond Python is needed to draw them.
+(scripts/plot-bandit.py, bench/fp8_quality.py): nothing beyond Python is needed to draw them.
 
 A figure is a title and panels; a panel is (title, kind "lines"|"stack", [(label, xs, ys)]), laid
 out up to three a row, each with its series' labels beside it.

@@ -1,9 +1,8 @@
-"""scripts/fp8-quality.py, the 2000-step fp8-against-bf16 quality runs, without a GPU: the schedule
+"""bench/fp8_quality.py, the 2000-step fp8-against-bf16 quality runs, without a GPU: the schedule
 it gives the runs, the pass rule (fp8's final validation loss within 1% of bf16's), the summary and
 chart over the runs of two invocations, the markdown for docs/ANDREA.md, and a whole `run` against
-a stand-in engine; and scripts/svg_chart.py, the SVG writer the chart is drawn with.
+a stand-in engine; and microgpt/svg_chart.py, the SVG writer the chart is drawn with.
 """
-import importlib.util
 import json
 import math
 import subprocess
@@ -14,17 +13,14 @@ import pytest
 
 from engine_util import REPO, python_env
 
-SCRIPT = REPO / "scripts" / "fp8-quality.py"
+SCRIPT = REPO / "bench" / "fp8_quality.py"
 SVG = "{http://www.w3.org/2000/svg}"
 
 
 @pytest.fixture(scope="module")
 def quality():
-    sys.path.insert(0, str(REPO / "scripts"))     # where svg_chart is, as when the script runs
-    spec = importlib.util.spec_from_file_location("fp8_quality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import fp8_quality
+    return fp8_quality
 
 
 def records(precision, final, steps=2000, every=100, ms=2.0):
@@ -179,8 +175,7 @@ def test_a_run_without_real_text_is_refused(tmp_path):
 
 
 def test_svg_figures_are_valid_and_escape_their_text():
-    sys.path.insert(0, str(REPO / "scripts"))
-    from svg_chart import svg_figure
+    from microgpt.svg_chart import svg_figure
     svg = svg_figure("a <b> & c", [("p<1>", "lines", [("x&y", [1, 2, 3], [3.0, 2.0, 1.0])]),
                                    ("flat", "lines", [("z", [1, 2], [1.0, 1.0])])])
     root = ET.fromstring(svg)
