@@ -4,7 +4,7 @@
  *
  * Everything is fp32, except that with train.precision fp8 the four linear products of each layer
  * (QKV, attention output, MLP up and down) read FP8-emulated operands: each operand is cast to
- * E4M3 (weights, activations) or E5M2 (activation gradients) with its per-tensor current scale and
+ * E4M3 (weights, activations; activation gradients in FP8_GRAD_FMT, cpu/fp8.h) with its per-tensor current scale and
  * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
  * reference for the GPU's FP8 products (docs/DESIGN.md §18). Every other precision computes fp32
  * (and says so). Every buffer is allocated once in engine_setup, sized for B·T positions;
@@ -197,10 +197,10 @@ static const float* operand(float* scratch, const float* x, size_t n, int fmt) {
     return scratch;
 }
 
-/* The products' operands: activations and weights E4M3, activation gradients E5M2. */
+/* The products' operands: activations and weights E4M3, activation gradients FP8_GRAD_FMT. */
 static const float* act_operand(const float* x, size_t n) { return operand(E.fq_act, x, n, FP8_E4M3); }
 static const float* weight_operand(const float* w, size_t n) { return operand(E.fq_weight, w, n, FP8_E4M3); }
-static const float* grad_operand(const float* g, size_t n) { return operand(E.fq_grad, g, n, FP8_E5M2); }
+static const float* grad_operand(const float* g, size_t n) { return operand(E.fq_grad, g, n, FP8_GRAD_FMT); }
 
 /* Forward over B sequences of T tokens up to the final LayerNorm (E.lnf). */
 static void forward_trunk(const int* tokens, int B, int T) {

@@ -19,7 +19,7 @@
  *         is not skipped doubles it.
  *   fp8   as bf16, except the four linear products of each layer (QKV, attention output, MLP up
  *         and down): FP8 tensor-core products (cuda/fp8.cuh) of operands cast per tensor at their
- *         current scale, E4M3 weights and activations, E5M2 activation gradients, fp32
+ *         current scale, E4M3 weights, activations and activation gradients, fp32
  *         accumulation, bf16 activations and fp32 weight gradients out. The classifier stays bf16.
  *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18.
  *
@@ -410,11 +410,11 @@ static void fp8_linear_bwd(T* dx, float* dw, const T* dout, int l, int t, int k,
                            int batch, float grad_beta, bool amax_fused) {
     Fp8Scale *gs = g8_scale(l, k), *xs = x8_scale(l, k);
     if (!amax_fused) fp8_reduce_amax(gs, dout, (size_t)batch * N * out_dim);
-    fp8_cast(E.g8, E.g8t, gs, dout, batch, N, out_dim, FP8_E5M2);
+    fp8_cast(E.g8, E.g8t, gs, dout, batch, N, out_dim, FP8_GRAD_FMT);
     fp8_gemm<float>(in, out_dim, N, fp8_mat(x8t(l, k), FP8_E4M3, xs),
-                    fp8_mat(E.g8t, FP8_E5M2, gs, (long long)out_dim * N), dw, NULL, grad_beta, batch,
+                    fp8_mat(E.g8t, FP8_GRAD_FMT, gs, (long long)out_dim * N), dw, NULL, grad_beta, batch,
                     (long long)in * out_dim);
-    fp8_gemm<T>(N, in, batch * out_dim, fp8_mat(E.g8, FP8_E5M2, gs), w8_dx(l, t, k), dx, NULL, 0.0f);
+    fp8_gemm<T>(N, in, batch * out_dim, fp8_mat(E.g8, FP8_GRAD_FMT, gs), w8_dx(l, t, k), dx, NULL, 0.0f);
 }
 
 /* The fp8 forward of layer l's sub-layers around attention (the LayerNorms and attention as in

@@ -34,6 +34,11 @@ enum { FP8_E4M3 = 0, FP8_E5M2 = 1 };
 
 #define FP8_E4M3_MAX 448.0f
 #define FP8_E5M2_MAX 57344.0f
+/* The format of the activation gradients in the FP8 products, in both engines (docs/DESIGN.md §18);
+ * -DFP8_GRAD_FMT=FP8_E4M3 builds the alternative the choice was measured against. */
+#ifndef FP8_GRAD_FMT
+#define FP8_GRAD_FMT FP8_E4M3
+#endif
 #define FP8_SCALE_EXP_LIMIT 126 /* scales 2^-126 .. 2^126: the scale and its inverse stay normal fp32 */
 
 /* Mantissa bits, exponent bias and largest finite code (positive) of a format. */
