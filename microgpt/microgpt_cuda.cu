@@ -474,9 +474,10 @@ static void forward(int B, int Tn, bool fp8) {
                          fp8 ? x8_amax(l, FP8_W_QKV) : NULL);
         if (fp8) fp8_qkv_fwd<T>(a, l, N);
         else attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
-        attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B, Tn, C, H,
-                    attn_scratch<T>());
-        if (fp8) fp8_linear_fwd<T>(a.xmid, a.atty, l, T_WO, FP8_W_O, N, C, C, a.x, false);
+        /* precision fp8: the flash kernels take the amax of atty, W_O's input (cuBLAS path: the cast) */
+        bool atty_amax = attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B,
+                                     Tn, C, H, attn_scratch<T>(), fp8 ? x8_amax(l, FP8_W_O) : NULL);
+        if (fp8) fp8_linear_fwd<T>(a.xmid, a.atty, l, T_WO, FP8_W_O, N, C, C, a.x, atty_amax);
         else attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
         layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C,
                          fp8 ? x8_amax(l, FP8_W_1) : NULL);
@@ -536,9 +537,10 @@ static void backward(void) {
         /* attention branch: dres is now the gradient at xmid */
         if (E.use_fp8) fp8_linear_bwd<T>((T*)E.datty, gl(l, T_WO), dres, l, T_WO, FP8_W_O, N, C, C, 1, gb, true);
         else attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
-        attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
-                    a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
-        if (E.use_fp8) fp8_linear_bwd<T>(dln, gl(l, T_WQ), dqkv, l, T_WQ, FP8_W_QKV, N, C, C, 3, gb, false);
+        /* precision fp8: dq, dk, dv's amax as attn_fwd's (one tensor to the QKV backward's cast) */
+        bool dqkv_amax = attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv,
+                                     a.qkv + nc, a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>(), g8_amax(l, FP8_W_QKV));
+        if (E.use_fp8) fp8_linear_bwd<T>(dln, gl(l, T_WQ), dqkv, l, T_WQ, FP8_W_QKV, N, C, C, 3, gb, dqkv_amax);
         else attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
         layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
                          a.ln1_rstd, N, C, E.ln_partial, gb, l > 0 ? g8_amax(l - 1, FP8_W_2) : NULL);

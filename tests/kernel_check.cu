@@ -491,8 +491,17 @@ template <typename T> static void test_attn(const Shape& s, Tol tol) {
     sc.delta = poisoned<float>(attn_delta_elems(half, B, Tn, C, H));
     sc.ds = poisoned<T>(attn_ds_elems(half, B, Tn, C, H));
     attn_fwd<T>(d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
-    check("out", download(d_out, nc), out_c, tol.fused);
+    Vec out_g = download(d_out, nc);
+    check("out", out_g, out_c, tol.fused);
     check("lse", download(d_lse, (size_t)B * H * Tn), lse_c, tol_for<float>().prod);
+    /* precision fp8's amax fused (flash path; the cuBLAS path says it did not): the same outputs, and
+     * the amax of them as stored */
+    T* d_out_amax = poisoned<T>(nc);
+    unsigned* d_amax = amax_slot();
+    if (attn_fwd<T>(d_out_amax, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc, d_amax)) {
+        check_same("out+amax", {out_g}, {download(d_out_amax, nc)});
+        check_amax("amax", d_amax, out_g);
+    }
 
     Vec dout = rounded<T>(randn(nc, 1.0f));
     Vec dq_inc(nc, 0.0f), dk_inc(nc, 0.0f), dv_inc(nc, 0.0f);
@@ -500,18 +509,27 @@ template <typename T> static void test_attn(const Shape& s, Tol tol) {
                        B, Tn, C, H);
     /* dq, dk, dv are overwritten: poisoned before each launch */
     T *d_dout = upload<T>(dout), *d_dq = poisoned<T>(nc), *d_dk = poisoned<T>(nc), *d_dv = poisoned<T>(nc);
-    auto gpu = [&]() {
+    bool fused = false;
+    auto gpu = [&](unsigned* amax) {
         poison(d_dq, nc);
         poison(d_dk, nc);
         poison(d_dv, nc);
-        attn_bwd<T>(d_dq, d_dk, d_dv, d_dout, d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
+        fused = attn_bwd<T>(d_dq, d_dk, d_dv, d_dout, d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc, amax);
         return std::vector<Vec>{download(d_dq, nc), download(d_dk, nc), download(d_dv, nc)};
     };
-    std::vector<Vec> r1 = gpu(), r2 = gpu();
+    unsigned* d_dqkv_amax = amax_slot(); /* the third run with precision fp8's amax fused */
+    std::vector<Vec> r1 = gpu(NULL), r2 = gpu(NULL), r3 = gpu(d_dqkv_amax);
     check("dq", r1[0], dq_inc, tol.fused);
     check("dk", r1[1], dk_inc, tol.fused);
     check("dv", r1[2], dv_inc, tol.fused);
     check_same("determ", r1, r2);
+    if (fused) { /* the same outputs, and the amax of dq, dk and dv together as stored */
+        check_same("dqkv+amax", r1, r3);
+        Vec dqkv = r3[0];
+        dqkv.insert(dqkv.end(), r3[1].begin(), r3[1].end());
+        dqkv.insert(dqkv.end(), r3[2].begin(), r3[2].end());
+        check_amax("dqkv amax", d_dqkv_amax, dqkv);
+    }
     dfree_all();
 }
 

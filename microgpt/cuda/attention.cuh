@@ -388,19 +388,32 @@ __device__ __forceinline__ void fa_accumulate(float (*acc)[4], const float (*p)[
     }
 }
 
+/* The lane-local amax bits (common.cuh) of two values as stored, with AMAX (precision fp8's fused
+ * amax); without it nothing, so the kernels without the amax are the same code as before. */
+template <typename T, bool AMAX> __device__ __forceinline__ unsigned fa_amax2(unsigned am, T y0, T y1) {
+    if constexpr (AMAX) return max(am, max(abs_bits(to_f(y0)), abs_bits(to_f(y1))));
+    return am;
+}
+
 /* y[row][col] = s * acc for the warp's 16 rows (y at the warp's first row and the head's first
- * column); rows from n_valid on are past T and skipped. */
-template <typename T, int D>
-__device__ __forceinline__ void fa_store_out(T* y, const float (*acc)[4], float s, int n_valid, int C) {
+ * column); rows from n_valid on are past T and skipped. Returns the lane's amax bits of what it
+ * stored with AMAX, else 0. */
+template <typename T, int D, bool AMAX>
+__device__ __forceinline__ unsigned fa_store_out(T* y, const float (*acc)[4], float s, int n_valid, int C) {
     int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    unsigned am = 0;
     for (int n = 0; n < Fa<D>::ND; n++)
         for (int h = 0; h < 2; h++) {
             int r = g + 8 * h;
             if (r >= n_valid) continue;
             T* p = y + (size_t)r * C + 8 * n + 2 * t;
-            p[0] = from_f<T>(s * acc[n][2 * h]);
-            p[1] = from_f<T>(s * acc[n][2 * h + 1]);
+            T y0 = from_f<T>(s * acc[n][2 * h]);
+            p[0] = y0;
+            T y1 = from_f<T>(s * acc[n][2 * h + 1]);
+            p[1] = y1;
+            am = fa_amax2<T, AMAX>(am, y0, y1);
         }
+    return am;
 }
 
 /* dst[16][64] (row stride 64, contiguous) = a warp's 16 staged rows of 64 (row stride LD), in
@@ -480,10 +493,13 @@ __device__ __forceinline__ void fa_fwd_tile(float (*o)[4], float* m, float* l, f
 /* Forward: block (query tile, b*H + h); the heaviest (last) query tiles are scheduled first. Warp w
  * owns query rows q0 + 16w .. +15; each lane holds rows g and g+8 of them (index h = 0, 1). The
  * block walks the key tiles up to its own (the diagonal, masked). Key tile 0 holds a key <= every
- * row, so the running max is finite from then on. */
-template <typename T, int D>
+ * row, so the running max is finite from then on. AMAX (precision fp8, whose W_O product casts
+ * out): out's amax as stored into *amax_bits (common.cuh's block_amax_commit_in); without it,
+ * amax_bits is unused. */
+template <typename T, int D, bool AMAX>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
-    k_attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2) {
+    k_attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2,
+               unsigned* amax_bits) {
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
     __shared__ __align__(16) T vs[2][FA_TILE * Fa<D>::LD];
     int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -516,28 +532,37 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
 
+    unsigned am = 0;
     for (int h = 0; h < 2; h++) {
         int i = row0 + g + 8 * h;
         float lt = fa_quad_sum(l[h]), inv = 1.0f / lt;
         if (i < T_) {
             T* p = out + base + (size_t)i * C + 2 * t;
             for (int n = 0; n < Fa<D>::ND; n++) {
-                p[8 * n] = from_f<T>(o[n][2 * h] * inv);
-                p[8 * n + 1] = from_f<T>(o[n][2 * h + 1] * inv);
+                T y0 = from_f<T>(o[n][2 * h] * inv);
+                p[8 * n] = y0;
+                T y1 = from_f<T>(o[n][2 * h + 1] * inv);
+                p[8 * n + 1] = y1;
+                am = fa_amax2<T, AMAX>(am, y0, y1);
             }
             if (t == 0) lse[(size_t)bh * T_ + i] = m[h] * FA_LN2 + logf(lt);
         }
     }
+    /* the tiles are done with (the loop's last barrier): ks lends the block's partial maxima */
+    if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)ks[0]);
 }
 
 /* dK, dV: block (key tile, b*H + h); warp w owns keys kv0 + 16w .. +15 (lane: keys g, g+8) and
  * accumulates their dK, dV rows in registers over the query tiles from the diagonal on. Works on
  * transposed blocks (rows = keys, columns = queries): S^T = K Q^T, dP^T = V dO^T, then
- * dV += P^T dO, dK += dS^T Q; and stores each dS^T tile for the dQ kernel (fa_ds_tile). */
-template <typename T, int D>
+ * dV += P^T dO, dK += dS^T Q; and stores each dS^T tile for the dQ kernel (fa_ds_tile). AMAX
+ * (precision fp8, whose QKV backward casts dq, dk, dv as one tensor): the amax of the dk and dv it
+ * stores into *amax_bits, as k_attn_fwd's; one register until the stores, the only work after
+ * the loop, so the loop's registers are untouched. */
+template <typename T, int D, bool AMAX>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     k_attn_bwd_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q,
-                   const T* k, const T* v, int T_, int C, int H, float scale, float sl2) {
+                   const T* k, const T* v, int T_, int C, int H, float scale, float sl2, unsigned* amax_bits) {
     /* double-buffered: query tile qt in [(qt - kt) & 1], with its lse (base 2) and delta */
     __shared__ __align__(16) T qs[2][FA_TILE * Fa<D>::LD];
     __shared__ __align__(16) T dos[2][FA_TILE * Fa<D>::LD];
@@ -622,17 +647,20 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
         __syncthreads(); /* everyone is done with buffer cur before it takes tile qt + 2 */
     }
 
-    fa_store_out<T, D>(dv + base + (size_t)row0 * C, dv_acc, 1.0f, T_ - row0, C);
-    fa_store_out<T, D>(dk + base + (size_t)row0 * C, dk_acc, scale, T_ - row0, C);
+    unsigned am = fa_store_out<T, D, AMAX>(dv + base + (size_t)row0 * C, dv_acc, 1.0f, T_ - row0, C);
+    am = max(am, fa_store_out<T, D, AMAX>(dk + base + (size_t)row0 * C, dk_acc, scale, T_ - row0, C));
+    /* the staged tiles are done with (the loop's last barrier): lse2s lends the partial maxima */
+    if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)lse2s[0]);
 }
 
 /* dQ: block (query tile, b*H + h); warp w owns query rows q0 + 16w .. +15 and accumulates
  * dQ = scale · dS K over the key tiles up to the diagonal, from the dS^T tiles the dK/dV kernel
  * stored (staged, then read as A fragments through transposed ldmatrix). Masked and past-T
- * entries of those tiles are 0 or meet zero rows of K, so whole tiles are used. */
-template <typename T, int D>
+ * entries of those tiles are 0 or meet zero rows of K, so whole tiles are used. AMAX: the amax of
+ * the dq it stores into *amax_bits (the slot of k_attn_bwd_dkv's dk, dv), as k_attn_fwd's. */
+template <typename T, int D, bool AMAX>
 __global__ void __launch_bounds__(FA_THREADS)
-    k_attn_bwd_dq(T* dq, const T* ds_tiles, const T* k, int T_, int C, int H, float scale) {
+    k_attn_bwd_dq(T* dq, const T* ds_tiles, const T* k, int T_, int C, int H, float scale, unsigned* amax_bits) {
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     /* heads in the reverse of the dK/dV kernel's order: the first blocks read the tiles written
@@ -667,7 +695,9 @@ __global__ void __launch_bounds__(FA_THREADS)
         }
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
-    fa_store_out<T, D>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
+    unsigned am = fa_store_out<T, D, AMAX>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
+    /* the staged tiles are done with (the loop's last barrier): ks lends the partial maxima */
+    if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)ks[0]);
 }
 
 #define FA_DELTA_WARPS 4 /* positions per block of the delta kernel */
@@ -703,13 +733,23 @@ static void fa_check_aligned(const void* a, const void* b, const void* c, const 
     }
 }
 
+/* A flash kernel over (tile, head) blocks, instantiated with precision fp8's fused amax where
+ * amax_bits is not NULL and without it (the kernel's code without the amax) where it is. */
+#define FA_LAUNCH(kernel, T, D, T_, n_bh, amax_bits, ...)                                               \
+    do {                                                                                                \
+        dim3 fa_launch_grid = fa_grid(ceil_div(T_, FA_TILE), n_bh);                                     \
+        if (amax_bits) kernel<T, D, true><<<fa_launch_grid, FA_THREADS, 0, g_stream>>>(__VA_ARGS__, amax_bits); \
+        else kernel<T, D, false><<<fa_launch_grid, FA_THREADS, 0, g_stream>>>(__VA_ARGS__, (unsigned*)NULL); \
+        LAUNCH_CHECK();                                                                                 \
+    } while (0)
+
+/* amax_bits (precision fp8, else NULL): out's amax as stored, atomicMax'ed in (docs/DESIGN.md §18). */
 template <typename T, int D>
-static void attn_fwd_flash(T* out, float* lse, const T* q, const T* k, const T* v, int B, int T_, int C, int H) {
+static void attn_fwd_flash(T* out, float* lse, const T* q, const T* k, const T* v, int B, int T_, int C, int H,
+                           unsigned* amax_bits = NULL) {
     float sl2 = FA_LOG2E / sqrtf((float)D);
     fa_check_aligned(out, q, k, v);
-    k_attn_fwd<T, D><<<fa_grid(ceil_div(T_, FA_TILE), B * H), FA_THREADS, 0, g_stream>>>(out, lse, q, k, v,
-                                                                                                  T_, C, H, sl2);
-    LAUNCH_CHECK();
+    FA_LAUNCH(k_attn_fwd, T, D, T_, B * H, amax_bits, out, lse, q, k, v, T_, C, H, sl2);
 }
 
 /* The backward's three launches, in order (attn_bwd_flash; bench/attn_bench.cu times each). */
@@ -720,32 +760,35 @@ static void attn_bwd_flash_delta(float* delta, const T* dout, const T* out, int 
                                                                                                   N, T_, C, H);
     LAUNCH_CHECK();
 }
+/* amax_bits (precision fp8, else NULL) of these two: the amax of what they store, atomicMax'ed in. */
 template <typename T, int D>
 static void attn_bwd_flash_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta,
-                               const T* q, const T* k, const T* v, int B, int T_, int C, int H) {
+                               const T* q, const T* k, const T* v, int B, int T_, int C, int H,
+                               unsigned* amax_bits = NULL) {
     float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
     /* whole key tiles, so every row of every dS tile is written (rows past T meet zero rows of K in
      * the dQ kernel, but must be finite) */
-    k_attn_bwd_dkv<T, D><<<fa_grid(ceil_div(T_, FA_TILE), B * H), FA_THREADS, 0, g_stream>>>(
-        dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C, H, scale, sl2);
-    LAUNCH_CHECK();
+    FA_LAUNCH(k_attn_bwd_dkv, T, D, T_, B * H, amax_bits, dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C, H,
+              scale, sl2);
 }
 template <typename T, int D>
-static void attn_bwd_flash_dq(T* dq, const T* ds_tiles, const T* k, int B, int T_, int C, int H) {
+static void attn_bwd_flash_dq(T* dq, const T* ds_tiles, const T* k, int B, int T_, int C, int H,
+                              unsigned* amax_bits = NULL) {
     float scale = 1.0f / sqrtf((float)D);
-    k_attn_bwd_dq<T, D><<<fa_grid(ceil_div(T_, FA_TILE), B * H), FA_THREADS, 0, g_stream>>>(dq, ds_tiles, k, T_, C,
-                                                                                             H, scale);
-    LAUNCH_CHECK();
+    FA_LAUNCH(k_attn_bwd_dq, T, D, T_, B * H, amax_bits, dq, ds_tiles, k, T_, C, H, scale);
 }
 
+/* amax_bits (precision fp8, else NULL): the amax of dq, dk and dv together (the QKV backward casts
+ * them as one tensor), atomicMax'ed in. */
 template <typename T, int D>
 static void attn_bwd_flash(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q, const T* k,
-                           const T* v, int B, int T_, int C, int H, float* delta, T* ds_tiles) {
+                           const T* v, int B, int T_, int C, int H, float* delta, T* ds_tiles,
+                           unsigned* amax_bits = NULL) {
     fa_check_aligned(dout, q, k, v);
     fa_check_aligned(dq, dk, dv, out);
     attn_bwd_flash_delta<T, D>(delta, dout, out, B, T_, C, H);
-    attn_bwd_flash_dkv<T, D>(dk, dv, ds_tiles, dout, lse, delta, q, k, v, B, T_, C, H);
-    attn_bwd_flash_dq<T, D>(dq, ds_tiles, k, B, T_, C, H);
+    attn_bwd_flash_dkv<T, D>(dk, dv, ds_tiles, dout, lse, delta, q, k, v, B, T_, C, H, amax_bits);
+    attn_bwd_flash_dq<T, D>(dq, ds_tiles, k, B, T_, C, H, amax_bits);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -756,36 +799,47 @@ template <typename T> struct FaType { static constexpr bool ok = false; };
 template <> struct FaType<bf16> { static constexpr bool ok = true; };
 template <> struct FaType<fp16> { static constexpr bool ok = true; };
 
-/* out [B*T, C] = attention(q, k, v); lse [B, H, T] saved for the backward. */
+/* out [B*T, C] = attention(q, k, v); lse [B, H, T] saved for the backward. amax_bits (precision
+ * fp8, else NULL): the flash path atomicMax's out's amax in (docs/DESIGN.md §18); returns whether it
+ * did (the cuBLAS path leaves the amax to the cast). */
 template <typename T>
-static void attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, int B, int T_, int C, int H,
-                     AttnScratch<T> sc) {
+static bool attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, int B, int T_, int C, int H,
+                     AttnScratch<T> sc, unsigned* amax_bits = NULL) {
     if constexpr (FaType<T>::ok) {
         if (attn_flash_ok<T>(C, H)) {
             switch (C / H) {
-            case 16: attn_fwd_flash<T, 16>(out, lse, q, k, v, B, T_, C, H); return;
-            case 32: attn_fwd_flash<T, 32>(out, lse, q, k, v, B, T_, C, H); return;
-            case 64: attn_fwd_flash<T, 64>(out, lse, q, k, v, B, T_, C, H); return;
+            case 16: attn_fwd_flash<T, 16>(out, lse, q, k, v, B, T_, C, H, amax_bits); return true;
+            case 32: attn_fwd_flash<T, 32>(out, lse, q, k, v, B, T_, C, H, amax_bits); return true;
+            case 64: attn_fwd_flash<T, 64>(out, lse, q, k, v, B, T_, C, H, amax_bits); return true;
             }
         }
     }
     attn_fwd_cublas<T>(out, lse, q, k, v, B, T_, C, H, sc);
+    return false;
 }
 
-/* dq, dk, dv = from dout (overwritten); reads the forward's out (flash path: delta), q, k, v and the saved lse. */
+/* dq, dk, dv = from dout (overwritten); reads the forward's out (flash path: delta), q, k, v and the saved lse.
+ * amax_bits: as attn_fwd's, for dq, dk and dv together (one tensor to the QKV backward's cast). */
 template <typename T>
-static void attn_bwd(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q, const T* k,
-                     const T* v, int B, int T_, int C, int H, AttnScratch<T> sc) {
+static bool attn_bwd(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q, const T* k,
+                     const T* v, int B, int T_, int C, int H, AttnScratch<T> sc, unsigned* amax_bits = NULL) {
     if constexpr (FaType<T>::ok) {
         if (attn_flash_ok<T>(C, H)) {
             switch (C / H) {
-            case 16: attn_bwd_flash<T, 16>(dq, dk, dv, dout, out, lse, q, k, v, B, T_, C, H, sc.delta, sc.ds); return;
-            case 32: attn_bwd_flash<T, 32>(dq, dk, dv, dout, out, lse, q, k, v, B, T_, C, H, sc.delta, sc.ds); return;
-            case 64: attn_bwd_flash<T, 64>(dq, dk, dv, dout, out, lse, q, k, v, B, T_, C, H, sc.delta, sc.ds); return;
+            case 16:
+                attn_bwd_flash<T, 16>(dq, dk, dv, dout, out, lse, q, k, v, B, T_, C, H, sc.delta, sc.ds, amax_bits);
+                return true;
+            case 32:
+                attn_bwd_flash<T, 32>(dq, dk, dv, dout, out, lse, q, k, v, B, T_, C, H, sc.delta, sc.ds, amax_bits);
+                return true;
+            case 64:
+                attn_bwd_flash<T, 64>(dq, dk, dv, dout, out, lse, q, k, v, B, T_, C, H, sc.delta, sc.ds, amax_bits);
+                return true;
             }
         }
     }
     attn_bwd_cublas<T>(dq, dk, dv, dout, lse, q, k, v, B, T_, C, H, sc);
+    return false;
 }
 
 /* ---------------------------------------------------------------------------------------------- */

@@ -5,9 +5,9 @@
  * (cpu/fp8.h's fp8_scale_for_amax, a power of two), casts x * scale with the hardware's
  * round-to-nearest-even, saturating conversion, and writes the inverse scale where the product
  * reads it. The amax comes from k_fp8_amax (fp8_reduce_amax) or, where one of the engine's kernels
- * produces the operand (LayerNorm, GELU: common.cuh's block_amax_commit), from that kernel, saving
- * a full read. Every cast has its own Fp8Scale, whose amax is zeroed before (fp8_zero_scales, one
- * memset for many). The weights' casts (all layers) run as one list: one amax launch, one cast
+ * produces the operand (LayerNorm, GELU, flash attention: common.cuh's block_amax_commit), from
+ * that kernel, saving a full read. Every cast has its own Fp8Scale, whose amax is zeroed before
+ * (fp8_zero_scales, one memset for many). The weights' casts (all layers) run as one list: one amax launch, one cast
  * launch (fp8_quantize_jobs). Current scaling: every cast uses the amax of the tensor
  * it casts, so no scale state outlives a step and resume needs nothing beyond the weights.
  *
@@ -82,8 +82,9 @@ template <typename T, int VEC> __device__ __forceinline__ unsigned fp8_amax_bits
     return m;
 }
 
-/* The standalone amax, for operands no kernel of ours produces with the amax fused (attention's
- * output and dq, dk, dv): 16-byte packets, at most AMAX_MAX_BLOCKS blocks. */
+/* The standalone amax, for operands no kernel of ours produces with the amax fused (the weights;
+ * attention's output and dq, dk, dv on its cuBLAS path): 16-byte packets, at most AMAX_MAX_BLOCKS
+ * blocks. */
 template <typename T, int VEC>
 __global__ void k_fp8_amax(unsigned* __restrict__ amax_bits, const T* __restrict__ x, size_t n) {
     block_amax_commit(amax_bits, fp8_amax_bits_of<T, VEC>(x, n));
