@@ -273,6 +273,24 @@ def test_a_damaged_results_file_is_refused(tmp_path):
             results.read_records(str(tmp_path / "r.jsonl"))
 
 
+def test_showing_a_malformed_record_is_one_error_line(tmp_path, capsys):
+    good = results.read_records(results.RESULTS_FILE)
+    last_train = [r for r in good if r["kind"] == "train"][-1]
+    c = dict(last_train["comparisons"][0], targets={"ms/step <= 1": [True]})   # a target without its detail
+    for bad in (dict(last_train, comparisons=[c]), dict(last_train, runs=[{"model": "12M"}]), {"kind": "train"}):
+        (tmp_path / "r.jsonl").write_text(json.dumps(bad) + "\n")
+        assert results.main(["--file", str(tmp_path / "r.jsonl")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {tmp_path / 'r.jsonl'}: the chosen train record cannot be shown (")
+        assert err.count("\n") == 1
+    assert results.main(["--file", str(tmp_path / "r.jsonl"), "20"]) == 1     # a record without a date
+    assert capsys.readouterr().err.startswith("error: no record in")
+    (tmp_path / "r.jsonl").write_text(json.dumps(dict(last_train, comparisons=[
+        dict(last_train["comparisons"][0], targets={"ms/step <= engine bf16": [None, "no engine bf16 row"]})])))
+    assert results.main(["--file", str(tmp_path / "r.jsonl")]) == 0
+    assert "ms/step <= engine bf16: not measured (no engine bf16 row)" in capsys.readouterr().out
+
+
 def test_the_commit_comes_from_the_environment_when_set(monkeypatch):
     monkeypatch.setenv("ANDREA_COMMIT", "abc1234")
     monkeypatch.delenv("ANDREA_DIRTY", raising=False)
