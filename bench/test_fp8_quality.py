@@ -285,3 +285,10 @@ def test_the_gpu_check_names_the_quality_stages(tmp_path):
                          timeout=60, env=python_env(OUT=str(tmp_path)))
     assert out.returncode == 2 and "unknown stage 'nosuch'" in out.stderr
     assert "quality2000_12M quality2000_120M" in out.stderr
+
+
+@pytest.mark.parametrize("stage", ["sanitizer timing", "quality2000", "", "stage_build"])
+def test_the_gpu_check_takes_only_whole_stage_names(tmp_path, stage):
+    out = subprocess.run(["bash", str(REPO / "scripts" / "fp8-check.sh"), stage], capture_output=True, text=True,
+                         timeout=60, env=python_env(OUT=str(tmp_path)))
+    assert out.returncode == 2 and f"error: unknown stage '{stage}'" in out.stderr
