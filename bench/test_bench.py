@@ -77,6 +77,18 @@ def test_unknown_modes_and_precisions_are_refused():
     assert bench.parse_args(["--no-record"]).results is None
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--precisions", "fp8,bf16,fp8"], "--precisions names 'fp8' twice"),
+    (["--models", "12M,12M"], "--models names '12M' twice"),
+    (["--torch-fp8-modes", "eager,eager"], "--torch-fp8-modes names 'eager' twice"),
+    (["--tol", "nan"], "--tol must be a positive number"), (["--tol", "-1"], "--tol must be a positive number"),
+    (["--tol", "inf"], "--tol must be a positive number"), (["--timeout", "0"], "--timeout, --autotune-timeout"),
+    (["--matmul-reps", "0"], "--timeout, --autotune-timeout")])
+def test_repeated_entries_and_values_that_cannot_work_are_refused(argv, message):
+    with pytest.raises(BenchError, match=message):
+        bench.parse_args(argv)
+
+
 def test_run_all_refuses_an_unknown_stage(tmp_path):
     out = subprocess.run(["bash", os.path.join(HERE, "run-all.sh"), "nosuch"], capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, OUT=str(tmp_path), ANDREA_COMMIT="x"))
