@@ -12,13 +12,17 @@ schedule is the shipped one compressed to the shorter run: warmup takes the same
 steps as in the config (ANDREA-12M 200 of 20000 -> 20 of 2000; ANDREA-120M 500 of 13000 -> 77),
 then cosine to min_lr at the last step; no polish phase, no samples, no checkpoints. Each run's
 engine records go to DIR/<model>-<precision>.jsonl (<model> the config's name, e.g. ANDREA-12M),
-after a first line {"event": "environment", ...}: commit, date, GPU, driver of the run.
+after a first line {"event": "environment", ...}: commit, date, GPU, driver of the run. The name
+must be a plain file name (letters, digits, ._-), else the run is refused before it starts.
 
 summary: reads every such record file in the DIRs (the two models may come from two invocations)
 and writes DIR/fp8-quality.json (per model: each precision's validation curve, final validation
 loss and median ms/step; the relative difference (fp8 - bf16) / bf16 of the final validation
 losses; pass when its magnitude is at most 1%) and DIR/fp8-quality.svg (the validation curves, one
-panel per model). Exit status 1 unless every model present passes.
+panel per model). Records that are not JSON objects or whose step is not an integer are left out, a
+step time that is not a finite number is left out of the median, a validation loss that is not one
+stays in the curve as null (the line leaves it out); a step recorded twice counts once; one file name in two DIRs is refused. Exit status 1 unless every
+model present passes, 2 on bad input.
 
 markdown: the summary as the table and chart reference docs/ANDREA.md shows.
 """
