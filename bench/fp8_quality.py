@@ -21,10 +21,10 @@ loss and median ms/step; the relative difference (fp8 - bf16) / bf16 of the fina
 losses; pass when its magnitude is at most 1%) and DIR/fp8-quality.svg (the validation curves, one
 panel per model). Records that are not JSON objects or whose step is not an integer are left out, a
 step time that is not a finite number is left out of the median, a validation loss that is not one
-stays in the curve as null (the line leaves it out); a step recorded twice counts once; one file name in two DIRs is refused. Exit status 1 unless every
-model present passes, 2 on bad input.
+stays in the curve as null (the line leaves it out); a step recorded twice counts once; one file
+name in two DIRs is refused. Exit status 1 unless every model present passes, 2 on bad input.
 
-markdown: the summary as the table and chart reference docs/ANDREA.md shows.
+markdown: the summary as the table and chart reference docs/ANDREA.md shows, names escaped.
 """
 import argparse
 import json
@@ -115,6 +115,13 @@ def finite(x):
     return x if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
 
 
+def environment_fields(record):
+    """The environment line's fields the summary carries: text, flags and nulls only, and none that
+    would stand for the summary's own kind or source."""
+    return {k: v for k, v in record.items()
+            if k not in ("event", "kind", "source") and (v is None or isinstance(v, (str, bool)))}
+
+
 def read_run(path):
     """One run's figures from its records: where it ran (the environment line), the precision its
     engine says it trained in (its start record), validation curve (a loss that is not finite as
@@ -126,7 +133,7 @@ def read_run(path):
     steps = [r for r in records if "step" in r and "loss" in r and "ms" in r]
     ms = [m for m in (finite(r["ms"]) for r in steps[10:]) if m is not None]
     val = [[r["step"], finite(r["val_loss"])] for r in records if "step" in r and "val_loss" in r]
-    env = next(({k: v for k, v in r.items() if k != "event"} for r in records if r.get("event") == "environment"), {})
+    env = next((environment_fields(r) for r in records if r.get("event") == "environment"), {})
     start = next((r for r in records if r.get("event") == "start"), {})
     return {"environment": env, "precision": start.get("precision"), "steps": len({r["step"] for r in steps}),
             "val": val, "final_val_loss": val[-1][1] if val else None,
@@ -224,11 +231,19 @@ def md_text(text):
     return re.sub(r"([\\`*_\[\]<>&|!#])", r"\\\1", " ".join(str(text).splitlines()))
 
 
+def md_link(path):
+    """A link destination: as it is, or in <...> where a space or parenthesis would end it."""
+    if any(c in path for c in "<>\n"):
+        raise BenchError(f"--chart {path!r}: a link cannot hold '<', '>' or a line break")
+    return f"<{path}>" if any(c in path for c in " ()") else path
+
+
 def markdown(doc, chart_path):
     if not isinstance(doc, dict) or doc.get("kind") != "fp8_quality" or not isinstance(doc.get("models"), dict):
         raise BenchError("not an fp8 quality summary (bench/fp8_quality.py summary writes one)")
-    lines = [f"{doc['steps']} steps each, same seed and data; {doc.get('gpu') or 'GPU unknown'}, "
-             f"commit {doc.get('commit') or 'unknown'}, {(doc.get('date') or 'date unknown')[:10]}.", "",
+    gpu, commit, date = (md_text(doc.get(k) or "") for k in ("gpu", "commit", "date"))
+    lines = [f"{doc['steps']} steps each, same seed and data; {gpu or 'GPU unknown'}, "
+             f"commit {commit or 'unknown'}, {date[:10] or 'date unknown'}.", "",
              "| model | bf16 final val loss | fp8 final val loss | fp8 vs bf16 | within 1% | bf16 ms/step | fp8 ms/step |",
              "|---|---|---|---|---|---|---|"]
     for model, m in sorted(doc["models"].items(), key=lambda kv: model_size(kv[0])):
@@ -237,7 +252,7 @@ def markdown(doc, chart_path):
         lines.append(f"| {md_text(model)} | {fmt(b.get('final_val_loss'), '.4f')} | {fmt(f.get('final_val_loss'), '.4f')} "
                      f"| {rel} | {'yes' if m['pass'] else 'NO (' + md_text(m['why']) + ')'} "
                      f"| {fmt(b.get('ms_per_step'), '.2f')} | {fmt(f.get('ms_per_step'), '.2f')} |")
-    lines += ["", f"![validation loss, bf16 and fp8]({chart_path})", ""]
+    lines += ["", f"![validation loss, bf16 and fp8]({md_link(chart_path)})", ""]
     return "\n".join(lines)
 
 

@@ -194,6 +194,29 @@ def test_the_markdown_escapes_names_and_refuses_other_json(tmp_path):
         assert out.returncode == 2 and out.stderr.startswith("error: not an fp8 quality summary"), out.stderr
 
 
+def test_the_environment_line_cannot_rename_the_summary_or_break_the_markdown(tmp_path):
+    write_runs(tmp_path, "ANDREA-12M", 5.0, 5.0)
+    for f in tmp_path.glob("*.jsonl"):
+        env = ('{"event": "environment", "kind": "other", "source": "x", "date": 20261201, "gpu": ["H"], '
+               '"commit": "<c1>"}')
+        f.write_text(env + "\n" + f.read_text().split("\n", 1)[1])
+    assert summary_cmd(tmp_path).returncode == 0
+    doc = json.loads((tmp_path / "fp8-quality.json").read_text())
+    assert doc["kind"] == "fp8_quality" and doc["source"] == "bench/fp8_quality.py" and doc["commit"] == "<c1>"
+    assert "date" not in doc and "gpu" not in doc
+
+    def md(*chart):
+        return subprocess.run([sys.executable, str(SCRIPT), "markdown", str(tmp_path / "fp8-quality.json"), *chart],
+                              capture_output=True, text=True, timeout=60, env=python_env())
+    out = md("--chart", "my charts/fp8 (1).svg")
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert first == r"2000 steps each, same seed and data; GPU unknown, commit \<c1\>, date unknown."
+    assert "![validation loss, bf16 and fp8](<my charts/fp8 (1).svg>)" in out.stdout
+    out = md("--chart", "a>b.svg")
+    assert out.returncode == 2 and out.stderr.startswith("error: --chart 'a>b.svg': a link cannot hold")
+
+
 @pytest.mark.parametrize("name", ["../escaped", "/tmp/abs", ".hidden", "a b", "<b>", 12])
 def test_a_run_refuses_a_config_name_that_is_not_a_file_name(tmp_path, name):
     cfg = json.loads((REPO / "experiments" / "ANDREA-12M-TRAIN.json").read_text())
