@@ -128,7 +128,7 @@ def read_run(path):
     None), final validation loss (None if the run has none or it is not finite), median ms/step
     after 10 warm-up steps, steps done (distinct step numbers: a record repeated counts once).
     Records without an integer step are skipped."""
-    with open(path) as f:
+    with open(path, errors="replace") as f:     # a damaged byte spoils its line only
         records = [r for r in parse_records(f.read()) if "step" not in r or type(r["step"]) is int]
     steps = [r for r in records if "step" in r and "loss" in r and "ms" in r]
     ms = [m for m in (finite(r["ms"]) for r in steps[10:]) if m is not None]
@@ -282,6 +282,9 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.command == "run" and min(args.steps, args.eval_every, args.eval_batches, args.timeout) < 1:
         raise BenchError("--steps, --eval-every, --eval-batches and --timeout must be >= 1")
+    if args.command == "run" and args.eval_every > args.steps:
+        raise BenchError(f"--eval-every {args.eval_every} > --steps {args.steps}: the runs would have no validation "
+                         "loss to compare")
     if args.command == "summary":
         if args.steps < 1:
             raise BenchError("--steps must be >= 1")

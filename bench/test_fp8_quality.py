@@ -159,6 +159,8 @@ def test_damaged_records_are_skipped_and_repeated_steps_count_once(quality, tmp_
             '{"step": 20, "loss": 1, "ms": "slow"}', '{"step": 21, "loss": 1, "ms": 1e999}',
             '{"step": 30, "val_loss": "low"}', '{"step": 30, "val_loss": -1e999}']
     path.write_text("\n".join(lines[:50] + junk + lines[50:] + lines[2:]) + '\n{"step": 1001, "loss": 4.0, "ms"')
+    with open(path, "ab") as f:
+        f.write(b'\n{"step": 1002, "loss": 4.0, "ms": 1\xff}\n')    # not UTF-8: that line is left out
     r = quality.read_run(str(path))
     assert r["steps"] == 1000 and r["ms_per_step"] == 2.0 and r["final_val_loss"] == 4.0
     assert [30, None] in r["val"] and [7, None] not in r["val"]
@@ -228,10 +230,12 @@ def test_a_run_refuses_a_config_name_that_is_not_a_file_name(tmp_path, name):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
 
 
-def test_a_run_refuses_a_timeout_below_one(tmp_path):
-    out = subprocess.run([sys.executable, str(SCRIPT), "run", "12M", "--out", str(tmp_path), "--timeout", "0"],
-                         capture_output=True, text=True, timeout=60, env=python_env())
-    assert out.returncode == 2 and "--timeout must be >= 1" in out.stderr
+def test_a_run_refuses_a_timeout_below_one_and_no_validation(tmp_path):
+    for flags, message in ((["--timeout", "0"], "--timeout must be >= 1"),
+                           (["--steps", "50", "--eval-every", "100"], "--eval-every 100 > --steps 50")):
+        out = subprocess.run([sys.executable, str(SCRIPT), "run", "12M", "--out", str(tmp_path / "o"), *flags],
+                             capture_output=True, text=True, timeout=60, env=python_env())
+        assert out.returncode == 2 and message in out.stderr and not (tmp_path / "o").exists()
 
 
 STANDIN = """#!/usr/bin/env python3
