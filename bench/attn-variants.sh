@@ -13,8 +13,8 @@
 # $OUT/bench-NAME.log; at the end a table, one row per build: µs per kernel launch (one layer) of
 # each model, the flash kernels' µs per training step, and the build's check result (also in
 # $OUT/summary.txt). A build whose check fails is timed all the same and marked FAILED.
-# Exit status 1 if any build or check failed, 2 on bad arguments. About a minute per build on an
-# H200 host (16 cores).
+# FLAGS are -DMACRO[=VALUE] and -UMACRO words only. Exit status 1 if any build or check failed, 2 on
+# bad arguments. About a minute per build on an H200 host (16 cores).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 
@@ -25,6 +25,16 @@ for arg in "$@"; do
         echo "error: expected NAME=FLAGS (NAME of letters, digits, _; not 'default'), got '$arg'" >&2
         exit 2
     fi
+    # FLAGS reach make's command line and so the recipe's shell: only -D/-U macro words pass, never
+    # a ';', '$(...)', quote or other compiler option
+    read -r -d "" -a words <<<"$flags"    # -d "": a newline splits words too, never ends them
+    for word in "${words[@]}"; do
+        if ! [[ $word =~ ^-[DU][A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?$ ]]; then
+            echo "error: FLAGS of '$name' must be -DMACRO[=VALUE] or -UMACRO words" \
+                "(VALUE of letters, digits, _.+-), got '$word'" >&2
+            exit 2
+        fi
+    done
     for b in "${BUILDS[@]}"; do
         if [ "${b%%|*}" = "$name" ]; then
             echo "error: build name '$name' given twice" >&2

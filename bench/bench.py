@@ -21,6 +21,7 @@ otherwise, 2 for bad input.
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -598,6 +599,15 @@ def parse_args(argv):
             raise BenchError(f"unknown PyTorch mode '{mode}' ({', '.join(TORCH_MODES)})")
     if not args.models or not args.precisions or not args.torch_modes or not args.torch_fp8_modes:
         raise BenchError("--models, --precisions, --torch-modes and --torch-fp8-modes need at least one entry each")
+    for flag, values in (("--models", args.models), ("--precisions", args.precisions),
+                         ("--torch-modes", args.torch_modes), ("--torch-fp8-modes", args.torch_fp8_modes)):
+        twice = [v for i, v in enumerate(values) if v in values[:i]]
+        if twice:   # an engine row twice would run twice and share one comparison
+            raise BenchError(f"{flag} names '{twice[0]}' twice")
+    if not (0 < args.tol < math.inf):
+        raise BenchError(f"--tol must be a positive number, got {args.tol}")
+    if min(args.timeout, args.autotune_timeout, args.matmul_n, args.matmul_reps) < 1:
+        raise BenchError("--timeout, --autotune-timeout, --matmul-n and --matmul-reps must be >= 1")
     if args.warmup < 0 or args.last < 1 or args.steps <= max(args.warmup, args.last - 1):
         raise BenchError("need --steps > --warmup and >= --last")
     args.engine = repo_path(args.engine)

@@ -12,20 +12,25 @@ schedule is the shipped one compressed to the shorter run: warmup takes the same
 steps as in the config (ANDREA-12M 200 of 20000 -> 20 of 2000; ANDREA-120M 500 of 13000 -> 77),
 then cosine to min_lr at the last step; no polish phase, no samples, no checkpoints. Each run's
 engine records go to DIR/<model>-<precision>.jsonl (<model> the config's name, e.g. ANDREA-12M),
-after a first line {"event": "environment", ...}: commit, date, GPU, driver of the run.
+after a first line {"event": "environment", ...}: commit, date, GPU, driver of the run. The name
+must be a plain file name (letters, digits, ._-), else the run is refused before it starts.
 
 summary: reads every such record file in the DIRs (the two models may come from two invocations)
 and writes DIR/fp8-quality.json (per model: each precision's validation curve, final validation
 loss and median ms/step; the relative difference (fp8 - bf16) / bf16 of the final validation
 losses; pass when its magnitude is at most 1%) and DIR/fp8-quality.svg (the validation curves, one
-panel per model). Exit status 1 unless every model present passes.
+panel per model). Records that are not JSON objects or whose step is not an integer are left out, a
+step time that is not a finite number is left out of the median, a validation loss that is not one
+stays in the curve as null (the line leaves it out); a step recorded twice counts once; one file
+name in two DIRs is refused. Exit status 1 unless every model present passes, 2 on bad input.
 
-markdown: the summary as the table and chart reference docs/ANDREA.md shows.
+markdown: the summary as the table and chart reference docs/ANDREA.md shows, names escaped.
 """
 import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -45,6 +50,7 @@ TRAIN = "data/megachat/megachat_train_*.bin"
 VAL = "data/megachat/megachat_val_*.bin"
 SUMMARY = "fp8-quality.json"
 CHART = "fp8-quality.svg"
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")    # a record file's stem: never a path or markup
 
 
 # -----------------------------------------------------------------------------
@@ -70,6 +76,9 @@ def records_path(out, model, precision):
 def run(args):
     cfg = load_config(experiment_path(args.model))
     model = cfg.get("name", args.model)
+    if not isinstance(model, str) or not MODEL_NAME.fullmatch(model):
+        raise BenchError(f"the config's name {model!r} cannot name a record file "
+                         "(letters, digits and ._- only, not first)")
     for pattern, what in ((args.data, "--data"), (args.val, "--val")):
         if not shard_paths(pattern):
             raise BenchError(f"no shards match {what} {pattern} (the quality runs need real text: make data)")
@@ -100,21 +109,35 @@ def run(args):
 # the summary
 
 
+def finite(x):
+    """x if it is a finite number, else None (the engine writes null for a NaN loss; a damaged file
+    may hold anything)."""
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def environment_fields(record):
+    """The environment line's fields the summary carries: text, flags and nulls only, and none that
+    would stand for the summary's own kind or source."""
+    return {k: v for k, v in record.items()
+            if k not in ("event", "kind", "source") and (v is None or isinstance(v, (str, bool)))}
+
+
 def read_run(path):
     """One run's figures from its records: where it ran (the environment line), the precision its
-    engine says it trained in (its start record), validation curve,
-    final validation loss (None if the run has none or it is not finite), median ms/step after 10
-    warm-up steps, steps done."""
-    with open(path) as f:
-        records = parse_records(f.read())
-    steps = [r for r in records if "loss" in r and "ms" in r]
-    val = [[r["step"], r["val_loss"]] for r in records if "val_loss" in r]
-    final = val[-1][1] if val else None
-    env = next(({k: v for k, v in r.items() if k != "event"} for r in records if r.get("event") == "environment"), {})
+    engine says it trained in (its start record), validation curve (a loss that is not finite as
+    None), final validation loss (None if the run has none or it is not finite), median ms/step
+    after 10 warm-up steps, steps done (distinct step numbers: a record repeated counts once).
+    Records without an integer step are skipped."""
+    with open(path, errors="replace") as f:     # a damaged byte spoils its line only
+        records = [r for r in parse_records(f.read()) if "step" not in r or type(r["step"]) is int]
+    steps = [r for r in records if "step" in r and "loss" in r and "ms" in r]
+    ms = [m for m in (finite(r["ms"]) for r in steps[10:]) if m is not None]
+    val = [[r["step"], finite(r["val_loss"])] for r in records if "step" in r and "val_loss" in r]
+    env = next((environment_fields(r) for r in records if r.get("event") == "environment"), {})
     start = next((r for r in records if r.get("event") == "start"), {})
-    return {"environment": env, "precision": start.get("precision"), "steps": len(steps), "val": val,
-            "final_val_loss": final if final is not None and math.isfinite(final) else None,
-            "ms_per_step": statistics.median(r["ms"] for r in steps[10:]) if len(steps) > 10 else None}
+    return {"environment": env, "precision": start.get("precision"), "steps": len({r["step"] for r in steps}),
+            "val": val, "final_val_loss": val[-1][1] if val else None,
+            "ms_per_step": statistics.median(ms) if ms else None}
 
 
 def compare(runs, expected_steps):
@@ -140,12 +163,15 @@ def compare(runs, expected_steps):
 
 def summarise(dirs, steps):
     """{model: {"runs": {precision: read_run}, compare's keys}} over every record file in dirs."""
-    models = {}
+    models, seen = {}, {}
     for d in dirs:
         for name in sorted(os.listdir(d)):
             stem, ext = os.path.splitext(name)
             model, _, precision = stem.rpartition("-")
             if ext == ".jsonl" and model and precision in PRECISIONS:
+                if name in seen:
+                    raise BenchError(f"{name} is in both {seen[name]} and {d}: which run counts?")
+                seen[name] = d
                 models.setdefault(model, {"runs": {}})["runs"][precision] = read_run(os.path.join(d, name))
     for m in models.values():
         m.update(compare(m["runs"], steps))
@@ -180,7 +206,7 @@ def summary(args):
            "models": models}
     os.makedirs(args.out, exist_ok=True)
     with atomic_open(os.path.join(args.out, SUMMARY), "w") as f:
-        json.dump(doc, f, indent=1)
+        json.dump(doc, f, indent=1, allow_nan=False)    # strict JSON: read_run keeps no NaN
     with atomic_open(os.path.join(args.out, CHART), "w") as f:
         f.write(chart(models, args.steps))
     for model, m in sorted(models.items(), key=lambda kv: model_size(kv[0])):
@@ -199,18 +225,34 @@ def fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
+def md_text(text):
+    """Text as a markdown table cell shows it: markup characters backslash-escaped (a '|' would
+    end the cell, a '<' open HTML), line breaks as spaces."""
+    return re.sub(r"([\\`*_\[\]<>&|!#])", r"\\\1", " ".join(str(text).splitlines()))
+
+
+def md_link(path):
+    """A link destination: as it is, or in <...> where a space or parenthesis would end it."""
+    if any(c in path for c in "<>\n"):
+        raise BenchError(f"--chart {path!r}: a link cannot hold '<', '>' or a line break")
+    return f"<{path}>" if any(c in path for c in " ()") else path
+
+
 def markdown(doc, chart_path):
-    lines = [f"{doc['steps']} steps each, same seed and data; {doc.get('gpu') or 'GPU unknown'}, "
-             f"commit {doc.get('commit') or 'unknown'}, {(doc.get('date') or 'date unknown')[:10]}.", "",
+    if not isinstance(doc, dict) or doc.get("kind") != "fp8_quality" or not isinstance(doc.get("models"), dict):
+        raise BenchError("not an fp8 quality summary (bench/fp8_quality.py summary writes one)")
+    gpu, commit, date = (md_text(doc.get(k) or "") for k in ("gpu", "commit", "date"))
+    lines = [f"{doc['steps']} steps each, same seed and data; {gpu or 'GPU unknown'}, "
+             f"commit {commit or 'unknown'}, {date[:10] or 'date unknown'}.", "",
              "| model | bf16 final val loss | fp8 final val loss | fp8 vs bf16 | within 1% | bf16 ms/step | fp8 ms/step |",
              "|---|---|---|---|---|---|---|"]
     for model, m in sorted(doc["models"].items(), key=lambda kv: model_size(kv[0])):
         b, f = m["runs"].get("bf16", {}), m["runs"].get("fp8", {})
         rel = "-" if m["rel_diff"] is None else f"{100 * m['rel_diff']:+.2f}%"
-        lines.append(f"| {model} | {fmt(b.get('final_val_loss'), '.4f')} | {fmt(f.get('final_val_loss'), '.4f')} "
-                     f"| {rel} | {'yes' if m['pass'] else 'NO (' + m['why'] + ')'} "
+        lines.append(f"| {md_text(model)} | {fmt(b.get('final_val_loss'), '.4f')} | {fmt(f.get('final_val_loss'), '.4f')} "
+                     f"| {rel} | {'yes' if m['pass'] else 'NO (' + md_text(m['why']) + ')'} "
                      f"| {fmt(b.get('ms_per_step'), '.2f')} | {fmt(f.get('ms_per_step'), '.2f')} |")
-    lines += ["", f"![validation loss, bf16 and fp8]({chart_path})", ""]
+    lines += ["", f"![validation loss, bf16 and fp8]({md_link(chart_path)})", ""]
     return "\n".join(lines)
 
 
@@ -238,9 +280,14 @@ def parse_args(argv):
     m.add_argument("summary")
     m.add_argument("--chart", default="fp8-quality.svg", help="the chart's path as the markdown links it")
     args = p.parse_args(argv)
-    if args.command == "run" and (args.steps < 1 or args.eval_every < 1 or args.eval_batches < 1):
-        raise BenchError("--steps, --eval-every and --eval-batches must be >= 1")
+    if args.command == "run" and min(args.steps, args.eval_every, args.eval_batches, args.timeout) < 1:
+        raise BenchError("--steps, --eval-every, --eval-batches and --timeout must be >= 1")
+    if args.command == "run" and args.eval_every > args.steps:
+        raise BenchError(f"--eval-every {args.eval_every} > --steps {args.steps}: the runs would have no validation "
+                         "loss to compare")
     if args.command == "summary":
+        if args.steps < 1:
+            raise BenchError("--steps must be >= 1")
         args.out = args.out or args.dirs[0]
     return args
 

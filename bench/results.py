@@ -112,12 +112,18 @@ def main(argv):
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    chosen = [r for r in records if str(r.get("commit")).startswith(args.prefix) or r["date"].startswith(args.prefix)]
+    chosen = [r for r in records if any(str(r.get(k)).startswith(args.prefix) for k in ("commit", "date"))]
     shown = 0
     for kind, render in (("train", bench.markdown), ("decode", decode_bench.markdown)):
         last = [r for r in chosen if r.get("kind") == kind][-1:]
         for r in last:
-            print(render(r))
+            try:
+                text = render(r)
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:   # a hand-edited line
+                print(f"error: {args.file}: the chosen {kind} record cannot be shown ({type(e).__name__}: {e})",
+                      file=sys.stderr)
+                return 2
+            print(text)
             if r.get("note"):
                 print(r["note"] + "\n")
             shown += 1

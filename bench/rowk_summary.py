@@ -4,17 +4,27 @@ launch and in µs of a training step, and whether its outputs are the base's bit
 
     python3 bench/rowk_summary.py before=before.log after=after.log ...
 """
+import math
+import re
 import sys
+
+RUN_NAME = re.compile(r"[A-Za-z0-9._+-]+")    # a table column's heading: no '|' or markup
 
 
 def parse_log(text):
-    """{(model, kernel): (us, gb_per_s, bits, step_us)} from the `rowk` lines of one rowk_bench log."""
+    """{(model, kernel): (us, gb_per_s, bits, step_us)} from the `rowk` lines of one rowk_bench log;
+    a line whose figures are not positive finite numbers (a damaged log) is left out."""
     rows = {}
     for line in text.splitlines():
         f = line.split()
         # rowk MODEL KERNEL US us GBS GB/s bits HASH step STEP_US us
         if len(f) == 12 and f[0] == "rowk" and (f[4], f[6], f[7], f[9]) == ("us", "GB/s", "bits", "step"):
-            rows[(f[1], f[2])] = (float(f[3]), float(f[5]), f[8], float(f[10]))
+            try:
+                us, gbs, step = float(f[3]), float(f[5]), float(f[10])
+            except ValueError:
+                continue
+            if 0 < us < math.inf and 0 <= gbs < math.inf and 0 <= step < math.inf:
+                rows[(f[1], f[2])] = (us, gbs, f[8], step)
     return rows
 
 
@@ -50,6 +60,11 @@ def main(argv):
     runs = [a.partition("=") for a in argv[1:]]
     if len(runs) < 2 or any(not name or not path for name, _, path in runs):
         print("usage: rowk_summary.py NAME=LOG NAME=LOG... (the first is the base)", file=sys.stderr)
+        return 2
+    names = [name for name, _, _ in runs]
+    bad = [n for n in names if not RUN_NAME.fullmatch(n)] + [n for i, n in enumerate(names) if n in names[:i]]
+    if bad:
+        print(f"error: run name '{bad[0]}' given twice or not of letters, digits and ._+-", file=sys.stderr)
         return 2
     logs = {}
     for name, _, path in runs:

@@ -21,3 +21,27 @@ def test_script_refuses_malformed_builds_before_building(tmp_path, args, message
     assert res.returncode == 2
     assert res.stderr.startswith(message), res.stderr
     assert not out.exists() and res.stdout == ""
+
+
+@pytest.mark.parametrize("flags", ["-DX=1; touch {pwn}", "-DX=1\n; touch {pwn}", "$(shell touch {pwn})",
+                                   "-DX=`touch {pwn}`", "-DX='a b'", "-DX=1 -o {pwn}", "-D*"])
+def test_flags_other_than_macro_words_never_reach_make(tmp_path, flags):
+    pwn = tmp_path / "pwn"
+    res = subprocess.run(["bash", str(SCRIPT), "x=" + flags.format(pwn=pwn)], capture_output=True, text=True,
+                         timeout=60, env={"OUT": str(tmp_path / "out"), "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 2 and res.stderr.startswith("error: FLAGS of 'x' must be -DMACRO"), res.stderr
+    assert not pwn.exists() and not (tmp_path / "out").exists()
+
+
+def test_macro_words_reach_make_as_one_variable(tmp_path):
+    """A stand-in make records its arguments and fails: every build is then NOT BUILT (exit 1)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "make").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" >> {tmp_path}/make.args\nexit 1\n')
+    (bin_dir / "make").chmod(0o755)
+    res = subprocess.run(["bash", str(SCRIPT), "two=-DFA_A=1  -UFA_B\t-DFA_C=v1.5+x"], capture_output=True,
+                         text=True, timeout=60, env={"OUT": str(tmp_path / "out"), "PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert res.returncode == 1, res.stderr
+    made = (tmp_path / "make.args").read_text().splitlines()
+    assert "KERNEL_VARIANTS=-DFA_A=1  -UFA_B\t-DFA_C=v1.5+x" in made and "KERNEL_VARIANTS=" in made
+    assert "NOT BUILT" in (tmp_path / "out" / "summary.txt").read_text()

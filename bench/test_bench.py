@@ -77,6 +77,18 @@ def test_unknown_modes_and_precisions_are_refused():
     assert bench.parse_args(["--no-record"]).results is None
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--precisions", "fp8,bf16,fp8"], "--precisions names 'fp8' twice"),
+    (["--models", "12M,12M"], "--models names '12M' twice"),
+    (["--torch-fp8-modes", "eager,eager"], "--torch-fp8-modes names 'eager' twice"),
+    (["--tol", "nan"], "--tol must be a positive number"), (["--tol", "-1"], "--tol must be a positive number"),
+    (["--tol", "inf"], "--tol must be a positive number"), (["--timeout", "0"], "--timeout, --autotune-timeout"),
+    (["--matmul-reps", "0"], "--timeout, --autotune-timeout")])
+def test_repeated_entries_and_values_that_cannot_work_are_refused(argv, message):
+    with pytest.raises(BenchError, match=message):
+        bench.parse_args(argv)
+
+
 def test_run_all_refuses_an_unknown_stage(tmp_path):
     out = subprocess.run(["bash", os.path.join(HERE, "run-all.sh"), "nosuch"], capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, OUT=str(tmp_path), ANDREA_COMMIT="x"))
@@ -271,6 +283,24 @@ def test_a_damaged_results_file_is_refused(tmp_path):
         (tmp_path / "r.jsonl").write_text(text)
         with pytest.raises(ValueError, match="r.jsonl:"):
             results.read_records(str(tmp_path / "r.jsonl"))
+
+
+def test_showing_a_malformed_record_is_one_error_line(tmp_path, capsys):
+    good = results.read_records(results.RESULTS_FILE)
+    last_train = [r for r in good if r["kind"] == "train"][-1]
+    c = dict(last_train["comparisons"][0], targets={"ms/step <= 1": [True]})   # a target without its detail
+    for bad in (dict(last_train, comparisons=[c]), dict(last_train, runs=[{"model": "12M"}]), {"kind": "train"}):
+        (tmp_path / "r.jsonl").write_text(json.dumps(bad) + "\n")
+        assert results.main(["--file", str(tmp_path / "r.jsonl")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {tmp_path / 'r.jsonl'}: the chosen train record cannot be shown (")
+        assert err.count("\n") == 1
+    assert results.main(["--file", str(tmp_path / "r.jsonl"), "20"]) == 1     # a record without a date
+    assert capsys.readouterr().err.startswith("error: no record in")
+    (tmp_path / "r.jsonl").write_text(json.dumps(dict(last_train, comparisons=[
+        dict(last_train["comparisons"][0], targets={"ms/step <= engine bf16": [None, "no engine bf16 row"]})])))
+    assert results.main(["--file", str(tmp_path / "r.jsonl")]) == 0
+    assert "ms/step <= engine bf16: not measured (no engine bf16 row)" in capsys.readouterr().out
 
 
 def test_the_commit_comes_from_the_environment_when_set(monkeypatch):

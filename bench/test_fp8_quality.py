@@ -80,7 +80,7 @@ def test_a_run_without_a_finite_final_validation_loss_has_none(quality, tmp_path
     path = tmp_path / "r.jsonl"
     path.write_text(records("fp8", 4.0).replace('"val_loss": 4.0}', '"val_loss": NaN}'))
     r = quality.read_run(str(path))
-    assert r["steps"] == 2000 and r["final_val_loss"] is None and math.isnan(r["val"][-1][1])
+    assert r["steps"] == 2000 and r["final_val_loss"] is None and r["val"][-1][1] is None
     assert r["environment"]["commit"] == "abc1234" and r["ms_per_step"] == 2.0
 
 
@@ -124,8 +124,118 @@ def test_the_markdown_is_the_table_and_the_chart(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[0] == "2000 steps each, same seed and data; NVIDIA H200, commit abc1234, 2026-12-01."
     assert lines[4] == "| ANDREA-12M | 5.0000 | 5.0100 | +0.20% | yes | 2.00 | 2.00 |"
-    assert lines[5] == "| ANDREA-120M | 4.0000 | 4.1000 | +2.50% | NO (|+2.50%| > 1%) | 17.00 | 17.00 |"
+    assert lines[5] == r"| ANDREA-120M | 4.0000 | 4.1000 | +2.50% | NO (\|+2.50%\| \> 1%) | 17.00 | 17.00 |"
     assert "![validation loss, bf16 and fp8](images/fp8-quality.svg)" in lines
+
+
+def strict_json(path):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_a_diverged_run_fails_and_its_curve_ends_where_its_losses_stop(tmp_path):
+    """The engine writes null for a NaN validation loss: the summary still draws the chart (the
+    line leaves those points out), writes strict JSON and fails the model."""
+    write_runs(tmp_path, "ANDREA-12M", 5.0, None)
+    lines = records("fp8", 5.0).splitlines()
+    for i, line in enumerate(lines):
+        r = json.loads(line)
+        if "val_loss" in r and r["step"] >= 1500:
+            lines[i] = f'{{"step": {r["step"]}, "val_loss": {"NaN" if r["step"] == 1500 else "null"}}}'
+    (tmp_path / "ANDREA-12M-fp8.jsonl").write_text("\n".join(lines) + "\n")
+    out = summary_cmd(tmp_path)
+    assert out.returncode == 1 and "FAIL (no finite final validation loss)" in out.stdout, out.stderr
+    doc = strict_json(tmp_path / "fp8-quality.json")
+    assert doc["models"]["ANDREA-12M"]["runs"]["fp8"]["val"][-1] == [2000, None]
+    [bf16_line, fp8_line] = ET.parse(tmp_path / "fp8-quality.svg").getroot().iter(SVG + "polyline")
+    assert len(bf16_line.get("points").split()) == 20 and len(fp8_line.get("points").split()) == 14
+
+
+def test_damaged_records_are_skipped_and_repeated_steps_count_once(quality, tmp_path):
+    path = tmp_path / "r.jsonl"
+    lines = records("fp8", 4.0, steps=1000).splitlines()
+    junk = ["not json", "[1, 2]", '{"step": "7", "loss": 1, "ms": 1}', '{"step": true, "val_loss": 1}',
+            '{"step": 20, "loss": 1, "ms": "slow"}', '{"step": 21, "loss": 1, "ms": 1e999}',
+            '{"step": 30, "val_loss": "low"}', '{"step": 30, "val_loss": -1e999}']
+    path.write_text("\n".join(lines[:50] + junk + lines[50:] + lines[2:]) + '\n{"step": 1001, "loss": 4.0, "ms"')
+    with open(path, "ab") as f:
+        f.write(b'\n{"step": 1002, "loss": 4.0, "ms": 1\xff}\n')    # not UTF-8: that line is left out
+    r = quality.read_run(str(path))
+    assert r["steps"] == 1000 and r["ms_per_step"] == 2.0 and r["final_val_loss"] == 4.0
+    assert [30, None] in r["val"] and [7, None] not in r["val"]
+    write_runs(tmp_path / "twice", "ANDREA-12M", 5.0, 5.0, steps=1000)
+    for f in (tmp_path / "twice").iterdir():                 # 1000 steps written twice are not 2000
+        f.write_text(f.read_text() + f.read_text())
+    out = summary_cmd(tmp_path / "twice")
+    assert out.returncode == 1 and "stopped before step 2000" in out.stdout
+
+
+def test_the_summary_refuses_a_run_in_two_folders_and_a_step_count_below_one(tmp_path):
+    write_runs(tmp_path / "a", "ANDREA-12M", 5.0, 5.0)
+    write_runs(tmp_path / "b", "ANDREA-12M", 5.0, 5.1)
+    out = summary_cmd(tmp_path / "a", tmp_path / "b", "--out", tmp_path / "docs")
+    assert out.returncode == 2 and out.stderr.startswith("error: ANDREA-12M-bf16.jsonl is in both")
+    assert not (tmp_path / "docs").exists()
+    out = summary_cmd(tmp_path / "a", "--steps", "0")
+    assert out.returncode == 2 and out.stderr == "error: --steps must be >= 1\n"
+
+
+def test_the_markdown_escapes_names_and_refuses_other_json(tmp_path):
+    write_runs(tmp_path, "A|<img src=x>_[l](j)", 5.0, 5.1)
+    summary_cmd(tmp_path)
+    out = subprocess.run([sys.executable, str(SCRIPT), "markdown", str(tmp_path / "fp8-quality.json")],
+                         capture_output=True, text=True, timeout=60, env=python_env())
+    row = out.stdout.splitlines()[4]
+    assert row.startswith("| A\\|\\<img src=x\\>\\_\\[l\\](j) | 5.0000 | 5.1000 | +2.00% | NO (\\|+2.00%\\| \\> 1%) |")
+    assert row.replace("\\|", "").count("|") == 8                                   # seven cells
+    for bad in ('{"kind": "bench"}', "[1]", '{"kind": "fp8_quality", "models": []}'):
+        (tmp_path / "bad.json").write_text(bad)
+        out = subprocess.run([sys.executable, str(SCRIPT), "markdown", str(tmp_path / "bad.json")],
+                             capture_output=True, text=True, timeout=60, env=python_env())
+        assert out.returncode == 2 and out.stderr.startswith("error: not an fp8 quality summary"), out.stderr
+
+
+def test_the_environment_line_cannot_rename_the_summary_or_break_the_markdown(tmp_path):
+    write_runs(tmp_path, "ANDREA-12M", 5.0, 5.0)
+    for f in tmp_path.glob("*.jsonl"):
+        env = ('{"event": "environment", "kind": "other", "source": "x", "date": 20261201, "gpu": ["H"], '
+               '"commit": "<c1>"}')
+        f.write_text(env + "\n" + f.read_text().split("\n", 1)[1])
+    assert summary_cmd(tmp_path).returncode == 0
+    doc = json.loads((tmp_path / "fp8-quality.json").read_text())
+    assert doc["kind"] == "fp8_quality" and doc["source"] == "bench/fp8_quality.py" and doc["commit"] == "<c1>"
+    assert "date" not in doc and "gpu" not in doc
+
+    def md(*chart):
+        return subprocess.run([sys.executable, str(SCRIPT), "markdown", str(tmp_path / "fp8-quality.json"), *chart],
+                              capture_output=True, text=True, timeout=60, env=python_env())
+    out = md("--chart", "my charts/fp8 (1).svg")
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert first == r"2000 steps each, same seed and data; GPU unknown, commit \<c1\>, date unknown."
+    assert "![validation loss, bf16 and fp8](<my charts/fp8 (1).svg>)" in out.stdout
+    out = md("--chart", "a>b.svg")
+    assert out.returncode == 2 and out.stderr.startswith("error: --chart 'a>b.svg': a link cannot hold")
+
+
+@pytest.mark.parametrize("name", ["../escaped", "/tmp/abs", ".hidden", "a b", "<b>", 12])
+def test_a_run_refuses_a_config_name_that_is_not_a_file_name(tmp_path, name):
+    cfg = json.loads((REPO / "experiments" / "ANDREA-12M-TRAIN.json").read_text())
+    cfg["name"] = name
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    out = subprocess.run([sys.executable, str(SCRIPT), "run", str(tmp_path / "c.json"), "--out", str(tmp_path / "o"),
+                          "--engine", "/bin/true"], capture_output=True, text=True, timeout=60, env=python_env())
+    assert out.returncode == 2 and out.stderr.startswith("error: the config's name"), out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]
+
+
+def test_a_run_refuses_a_timeout_below_one_and_no_validation(tmp_path):
+    for flags, message in ((["--timeout", "0"], "--timeout must be >= 1"),
+                           (["--steps", "50", "--eval-every", "100"], "--eval-every 100 > --steps 50")):
+        out = subprocess.run([sys.executable, str(SCRIPT), "run", "12M", "--out", str(tmp_path / "o"), *flags],
+                             capture_output=True, text=True, timeout=60, env=python_env())
+        assert out.returncode == 2 and message in out.stderr and not (tmp_path / "o").exists()
 
 
 STANDIN = """#!/usr/bin/env python3
@@ -187,8 +297,25 @@ def test_svg_figures_are_valid_and_escape_their_text():
     assert len(second.get("points").split()) == 2                         # a flat series still draws
 
 
+def test_svg_lines_leave_out_points_that_are_not_finite_and_text_drops_control_characters():
+    from microgpt.svg_chart import svg_figure
+    svg = svg_figure("t\x1b[31m", [("p\x00", "lines", [("a\x07", [1, 2, 3, 4], [2.0, None, float("nan"), 1.0]),
+                                                       ("b", [1, 2], [float("inf"), None])])])
+    root = ET.fromstring(svg)                                              # XML 1.0 forbids \x1b even escaped
+    assert [t.text for t in root.iter(SVG + "text")][:2] == ["t[31m", "p"]
+    [a, b] = root.iter(SVG + "polyline")
+    assert len(a.get("points").split()) == 2 and b.get("points") == "" and "nan" not in svg
+
+
 def test_the_gpu_check_names_the_quality_stages(tmp_path):
     out = subprocess.run(["bash", str(REPO / "scripts" / "fp8-check.sh"), "nosuch"], capture_output=True, text=True,
                          timeout=60, env=python_env(OUT=str(tmp_path)))
     assert out.returncode == 2 and "unknown stage 'nosuch'" in out.stderr
     assert "quality2000_12M quality2000_120M" in out.stderr
+
+
+@pytest.mark.parametrize("stage", ["sanitizer timing", "quality2000", "", "stage_build"])
+def test_the_gpu_check_takes_only_whole_stage_names(tmp_path, stage):
+    out = subprocess.run(["bash", str(REPO / "scripts" / "fp8-check.sh"), stage], capture_output=True, text=True,
+                         timeout=60, env=python_env(OUT=str(tmp_path)))
+    assert out.returncode == 2 and f"error: unknown stage '{stage}'" in out.stderr

@@ -59,3 +59,18 @@ def test_main_fails_on_a_log_without_results(tmp_path, capsys):
 def test_main_fails_on_a_missing_log(tmp_path, capsys):
     assert main(["rowk_summary.py", f"before={tmp_path / 'none.log'}", f"after={tmp_path / 'none.log'}"]) == 1
     assert capsys.readouterr().err.startswith(f"error: cannot read {tmp_path / 'none.log'}: ")
+
+
+def test_parse_log_leaves_out_damaged_lines():
+    damaged = ["rowk  120M  ln_fwd  abc us 1 GB/s  bits 00  step 1 us", line("ln_bwd", 0.0, 1, 1, 1),
+               "rowk  120M  x  nan us 1 GB/s  bits 00  step 1 us", "rowk  120M  y  1 us inf GB/s  bits 00  step 1 us"]
+    assert parse_log("\n".join(damaged + [line("loss_rows", 5.0, 1, 1, 1)])) == {
+        ("120M", "loss_rows"): (5.0, 1.0, "0000000000000001", 1.0)}
+
+
+def test_main_refuses_a_run_name_twice_or_with_markup(tmp_path, capsys):
+    (tmp_path / "a.log").write_text(BASE_LOG)
+    for names in (("a", "a"), ("a", "b|c"), ("<b>", "a")):
+        args = [f"{n}={tmp_path / 'a.log'}" for n in names]
+        assert main(["rowk_summary.py", *args]) == 2
+        assert capsys.readouterr().err.startswith("error: run name '"), names

@@ -6,6 +6,7 @@ out up to three a row, each with its series' labels beside it.
 """
 import html
 import math
+import re
 
 COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd"]
@@ -15,10 +16,20 @@ def colour(i):
     return COLOURS[i % len(COLOURS)]
 
 
+def svg_text(s):
+    """s as SVG text: markup escaped, and the control characters XML 1.0 forbids even escaped dropped."""
+    return html.escape(re.sub(r"[\x00-\x08\x0b\x0c\x0e-\x1f]", "", str(s)))
+
+
+def is_finite(y):
+    return y is not None and math.isfinite(y)
+
+
 def svg_panel(x0, y0, w, h, name, kind, series):
-    """One panel as SVG elements: axes box, title, min/max labels, the series."""
+    """One panel as SVG elements: axes box, title, min/max labels, the series. A line leaves out
+    its points whose y is None or not finite (a diverged run's losses)."""
     xs_all = [x for _, xs, _ in series for x in xs] or [0, 1]
-    ys_all = [y for _, _, ys in series for y in ys if y is not None] or [0, 1]
+    ys_all = [y for _, _, ys in series for y in ys if is_finite(y)] or [0, 1]
     lo_x, hi_x = min(xs_all), max(xs_all) if max(xs_all) > min(xs_all) else min(xs_all) + 1
     lo_y, hi_y = (0.0, 1.0) if kind == "stack" else (min(ys_all), max(ys_all))
     if hi_y <= lo_y:
@@ -31,7 +42,7 @@ def svg_panel(x0, y0, w, h, name, kind, series):
         return y0 + h - (y - lo_y) / (hi_y - lo_y) * h
 
     parts = [f'<rect x="{x0}" y="{y0}" width="{w}" height="{h}" fill="none" stroke="#999"/>',
-             f'<text x="{x0}" y="{y0 - 6}" font-size="12">{html.escape(name)}</text>',
+             f'<text x="{x0}" y="{y0 - 6}" font-size="12">{svg_text(name)}</text>',
              f'<text x="{x0 - 4}" y="{y0 + 10}" font-size="9" text-anchor="end">{hi_y:.3g}</text>',
              f'<text x="{x0 - 4}" y="{y0 + h}" font-size="9" text-anchor="end">{lo_y:.3g}</text>',
              f'<text x="{x0 + w}" y="{y0 + h + 12}" font-size="9" text-anchor="end">step {hi_x:g}</text>']
@@ -45,10 +56,10 @@ def svg_panel(x0, y0, w, h, name, kind, series):
             parts.append(f'<polygon fill="{colour(i)}" points="' + " ".join(f"{a:.1f},{b:.1f}" for a, b in pts) + '"/>')
             base = top
         else:
-            pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys))
+            pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys) if is_finite(y))
             parts.append(f'<polyline fill="none" stroke="{colour(i)}" stroke-width="1.5" points="{pts}"/>')
         parts.append(f'<text x="{x0 + w + 6}" y="{y0 + 12 + 12 * i}" font-size="9" fill="{colour(i)}">'
-                     f'{html.escape(label)}</text>')
+                     f'{svg_text(label)}</text>')
     return parts
 
 
@@ -60,7 +71,7 @@ def svg_figure(title, panels):
     width, height = 60 + cols * (pw + gap_x), 60 + rows * (ph + gap_y)
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
              f'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>',
-             f'<text x="20" y="24" font-size="15">{html.escape(title)}</text>']
+             f'<text x="20" y="24" font-size="15">{svg_text(title)}</text>']
     for k, (name, kind, series) in enumerate(panels):
         x0, y0 = 60 + (k % cols) * (pw + gap_x), 60 + (k // cols) * (ph + gap_y)
         parts += svg_panel(x0, y0, pw, ph, name, kind, series)

@@ -71,11 +71,12 @@ run_stages() {
     shift 2
     stages=("$@")
     [ ${#stages[@]} -eq 0 ] && stages=("${all[@]}")
+    local st k
     for st in "${stages[@]}"; do
-        case " ${known[*]} " in
-            *" $st "*) ;;
-            *) echo "error: unknown stage '$st' (stages: ${known[*]})" >&2; exit 2 ;;
-        esac
+        # a whole word of the list: 'timing casts' as one argument is no stage
+        for k in "${known[@]}"; do [ "$k" = "$st" ] && continue 2; done
+        echo "error: unknown stage '$st' (stages: ${known[*]})" >&2
+        exit 2
     done
     for st in "${stages[@]}"; do
         if [ "$st" != build ] && [ ! -x build/microgpt_cuda ]; then

@@ -196,6 +196,18 @@ def test_cpu_engine_trains_fp8_emulated_and_says_so(cpu_binary, random_shards):
     assert all(abs(a - b) <= 0.05 * b for a, b in zip(losses8, losses32)), list(zip(losses8, losses32))
 
 
+@pytest.mark.parametrize("shape", [{"model.d_model": 40, "model.n_head": 4},     # d_model 40, d_ff 160
+                                   {"model.d_ff": 120}, {"model.seq_len": 15}])   # B·T = 60
+def test_cpu_engine_refuses_fp8_shapes_the_gpu_cannot_contract(cpu_binary, random_shards, shape):
+    """The rule is the GPU's (FP8 products contract over multiples of 16); the emulation takes the
+    same configs, so a run the CPU engine accepts is one the GPU engine can train."""
+    res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{**FP8_RUN, **shape, "eval.every": 0,
+                                                                         "sample.every": 0}))
+    assert res.rc == 2 and res.steps == [], res.describe()
+    assert len(res.errors) == 1 and "fp8" in res.errors[0] and "multiples of 16" in res.errors[0], res.stderr
+    run_ok(cpu_binary, tiny_args(random_shards.train, **{**shape, "train.steps": 2}))   # fp32 takes them
+
+
 def test_cpu_engine_resumes_fp8_exactly(cpu_binary, random_shards, tmp_path):
     args = tiny_args(random_shards.train, random_shards.val, **FP8_RUN)
     _, ckpt = eu.check_exact_resume_after_sigterm(cpu_binary, args, FP8_RUN["train.steps"], tmp_path)

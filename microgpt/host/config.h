@@ -656,6 +656,13 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
     /* layer functions count elements of one activation tensor in int */
     if ((double)c->train.batch_size * c->model.seq_len * (c->model.d_ff > c->model.d_model ? c->model.d_ff : c->model.d_model) > INT_MAX)
         die_input("train.batch_size * model.seq_len * model.d_ff is too large (at most %d elements per activation)", INT_MAX);
+    /* FP8 products contract over d_model, d_ff and the B·T rows; generation runs without them
+     * (docs/DESIGN.md §18). Both engines refuse alike: the CPU engine emulates the GPU's fp8. */
+    if (strcmp(c->train.precision, "fp8") == 0 && !c->generate.enabled &&
+        (c->model.d_model % 16 || c->model.d_ff % 16 || ((long long)c->train.batch_size * c->model.seq_len) % 16))
+        die_input("train.precision fp8 needs model.d_model, model.d_ff and train.batch_size x model.seq_len to be "
+                  "multiples of 16 (FP8 products contract over them); got %d, %d and %lld", c->model.d_model,
+                  c->model.d_ff, (long long)c->train.batch_size * c->model.seq_len);
     if (c->train.min_lr > c->train.lr) die_input("train.min_lr (%g) is above train.lr (%g)", c->train.min_lr, c->train.lr);
     if (c->train.warmup_steps > c->train.steps)
         die_input("train.warmup_steps (%d) is more than train.steps (%d)", c->train.warmup_steps, c->train.steps);
