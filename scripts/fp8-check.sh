@@ -103,20 +103,13 @@ sys.exit(1 if bad else 0)
 EOF
 }
 
-timing_run() {
-    local name=$1 prec=$2
-    shift 2
-    run_cmd 180 build/microgpt_cuda --name "$name" "$@" "${VOCAB[@]}" --train.steps 60 --train.warmup_steps 10 \
-        --train.precision "$prec" --data.train "$DATA/big_*.bin" > "$DATA/$name.jsonl"
-}
-
 stage_timing() {
     local rc=0
     make_shard big 50257 3000000 || return 1
-    timing_run 12M-bf16 bf16 "${M12[@]}" || rc=1
-    timing_run 12M-fp8 fp8 "${M12[@]}" || rc=1
-    timing_run 120M-bf16 bf16 "${M120[@]}" || rc=1
-    timing_run 120M-fp8 fp8 "${M120[@]}" || rc=1
+    timing_run 60 12M-bf16 bf16 "${M12[@]}" || rc=1
+    timing_run 60 12M-fp8 fp8 "${M12[@]}" || rc=1
+    timing_run 60 120M-bf16 bf16 "${M120[@]}" || rc=1
+    timing_run 60 120M-fp8 fp8 "${M120[@]}" || rc=1
     summarise "$OUT/timing.json" 12M-bf16 12M-fp8 120M-bf16 120M-fp8 || rc=1
     return "$rc"
 }

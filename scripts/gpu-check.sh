@@ -93,25 +93,16 @@ stage_sanitizer() {
 }
 
 
-# timing_run NAME PRECISION SHAPE-ARGS...: 30 steps; the step records go to $DATA/NAME.jsonl.
-timing_run() {
-    local name=$1 prec=$2
-    shift 2
-    run_cmd 240 build/microgpt_cuda --name "$name" "$@" --model.vocab_size 50259 --model.padded_vocab_size 50304 \
-        --train.batch_size 8 --train.steps 30 --train.warmup_steps 5 --train.precision "$prec" \
-        --data.train "$DATA/big_*.bin" > "$DATA/$name.jsonl"
-}
-
 stage_timing() {
     local rc=0
     make_shard big 50257 3000000 || return 1
-    timing_run 12M-bf16 bf16 "${M12[@]}" || rc=1
-    timing_run 12M-fp32 fp32 "${M12[@]}" || rc=1
-    timing_run 120M-bf16 bf16 "${M120[@]}" || rc=1
-    timing_run 120M-fp16 fp16 "${M120[@]}" || rc=1
-    timing_run 120M-fp32 fp32 "${M120[@]}" || rc=1
-    timing_run 12M-tf32 tf32 "${M12[@]}" || rc=1
-    timing_run 120M-tf32 tf32 "${M120[@]}" || rc=1
+    timing_run 30 12M-bf16 bf16 "${M12[@]}" || rc=1
+    timing_run 30 12M-fp32 fp32 "${M12[@]}" || rc=1
+    timing_run 30 120M-bf16 bf16 "${M120[@]}" || rc=1
+    timing_run 30 120M-fp16 fp16 "${M120[@]}" || rc=1
+    timing_run 30 120M-fp32 fp32 "${M120[@]}" || rc=1
+    timing_run 30 12M-tf32 tf32 "${M12[@]}" || rc=1
+    timing_run 30 120M-tf32 tf32 "${M120[@]}" || rc=1
     cp "$DATA"/*.jsonl "$OUT/" 2>/dev/null
     "$PY" - "$DATA" "$OUT/timing.json" <<'EOF' || rc=1
 import json, statistics, sys
