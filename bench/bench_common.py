@@ -15,7 +15,9 @@ import os
 
 from microgpt import config, engines
 
-REPO = engines.ROOT
+# The checkout this bench/ belongs to (not wherever `pip install -e` last pointed the package): its
+# engines, configs and results file are the ones measured and recorded.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_ENGINE = engines.ENGINES["cpu"]
 
 
