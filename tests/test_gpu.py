@@ -119,6 +119,23 @@ def test_kernel_check_attention_only(kernel_check_binary):
     assert bad.returncode == 2 and bad.stderr.startswith("error: --only takes attn"), bad.stderr
 
 
+def test_kernel_check_wgmma_forward(cuda_binary):
+    """The Hopper attention forward (-DFA_FWD_WGMMA=1, microgpt/cuda/attention.cuh), built as
+    bench/attn-variants.sh builds it: `--only attn` passes at every shape, and its path line, one per
+    16-bit type, passes: on a compute capability 9.0 GPU the wgmma kernel is the one that ran (the
+    Makefile builds sm_90a), elsewhere the mma.sync one."""
+    if OVERRIDE_KERNEL_CHECK:
+        pytest.skip("ANDREA_KERNEL_CHECK names another kernel_check build")
+    binary = eu.BUILD / "kernel_check_wgmma"
+    made = subprocess.run(["make", "-B", "ATTN_SUFFIX=_wgmma", "KERNEL_VARIANTS=-DFA_FWD_WGMMA=1", str(binary.relative_to(eu.REPO))],
+                          cwd=eu.REPO, capture_output=True, text=True, timeout=900)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    res = subprocess.run([str(binary), "--only", "attn"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    paths = [line for line in res.stdout.splitlines() if " forward kernel " in line]
+    assert len(paths) == 2 and all(line.startswith("PASS") for line in paths), "\n".join(paths) or res.stdout[-2000:]
+
+
 def test_attn_bench_prints_every_kernel(cuda_binary):
     """bench/attn_bench.cu, the flash kernels' microbenchmark (bench/attn-variants.sh runs one per
     build): one line per model and kernel, with a positive time."""

@@ -583,18 +583,19 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
  *              accumulator and register-A fragments are, warp by warp, mma.m16n8k16's C and A
  *              fragments, so fa_softmax_tile, fa_mask_diagonal and fa_fwd_store apply unchanged),
  *              B = the V tile from shared memory read N-major (the transpose bit), 4 steps of keys.
- * The products run asynchronously: each key tile issues its S and the previous tile's P V together,
- * waits for S alone, and runs the softmax while P V is still in the tensor cores (FlashAttention-3's
- * overlap inside one warpgroup); O is rescaled once that product is done.
+ * The products run asynchronously: the step of key tile kt issues S_kt and P_kt-1 V_kt-1 together,
+ * waits for S_kt alone, and runs its softmax while P V is still in the tensor cores
+ * (FlashAttention-3's overlap inside one warpgroup); O is rescaled and P_kt rounded once that
+ * product is done. The other blocks on the multiprocessor (4, as k_attn_fwd) fill the rest.
  *
  * Shared memory: the Q tile and double-buffered K and V tiles, each 64 rows of D T (2D bytes, no
  * padding) in the layout the descriptors name: 16-byte chunk c of row r stored at chunk c ^ (the
  * row's bits), i.e. byte address bits [4, 7) XOR [7, 10) ("128-byte swizzle", D = 64: 128-byte
  * rows) or [4, 6) XOR [7, 9) ("64-byte swizzle", D = 32: 64-byte rows), tiles 1024-byte aligned so
- * the pattern starts on each. K and V tiles load in separate cp.async groups: K of tile kt + 1 as
- * soon as S of tile kt - 1 is done, V of tile kt + 1 once P V of tile kt - 1 is, so each has a whole
- * tile of work to land in. cp.async writes through the generic proxy and wgmma reads through the
- * async proxy: each thread fences (fence.proxy.async) after its copies land, before the barrier. */
+ * the pattern starts on each. Step kt loads K_kt+1 and V_kt (cp.async), read by step kt + 1: one
+ * barrier per step, and a whole step for the copies to land. cp.async writes through the generic
+ * proxy and wgmma reads through the async proxy: each thread fences (fence.proxy.async) after its
+ * copies land, before the barrier. */
 #ifndef FA_FWD_WGMMA
 #define FA_FWD_WGMMA 0
 #endif
@@ -652,6 +653,13 @@ template <int pending> __device__ __forceinline__ void fa_wg_wait(void) {
 template <int N> __device__ __forceinline__ void fa_wg_hold(float (*x)[4]) {
     for (int j = 0; j < N; j++)
         for (int e = 0; e < 4; e++) asm volatile("" : "+f"(x[j][e])::"memory");
+}
+/* Ends the basic block once x is computed. ptxas (13.0) schedules a wgmma wait at the top of its
+ * block, ahead of independent work: without this, a tile's softmax would wait for the P V product
+ * it is meant to overlap (seen in the SASS). The branch is never taken (x, a sum of exponentials,
+ * is never this NaN pattern) and would only sleep 0 ns. */
+__device__ __forceinline__ void fa_wg_block_end(float x) {
+    if (__float_as_uint(x) == 0xFFFFFFFFu) __nanosleep(0);
 }
 /* The copies this thread waited for, made visible to the tensor cores' reads: then a barrier. */
 __device__ __forceinline__ void fa_wg_publish(void) {
@@ -752,17 +760,15 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
     const T *kh = k + base, *vh = v + base;
 
-    /* groups: {Q, K0, V0}, {K1}, {V1}; then each step kt commits {K_kt+1} and {V_kt+1} (empty past
-     * the diagonal), so at a step's start the newest group is V_kt and all older have landed */
+    /* cp.async groups: {Q, K0}, {K1, V0}, then step kt commits {K_kt+1, V_kt}: what step kt + 1
+     * reads (S_kt+1 and P_kt V_kt), into the buffers of K_kt-1 and V_kt-2, done with by then */
     fa_wg_load_rows<T, D>(tiles, q + base, q0, T_, C);
     fa_wg_load_rows<T, D>(tiles + k_tile(0), kh, 0, T_, C);
-    fa_wg_load_rows<T, D>(tiles + v_tile(0), vh, 0, T_, C);
     fa_cp_commit();
     if (qt > 0) fa_wg_load_rows<T, D>(tiles + k_tile(1), kh, FA_TILE, T_, C);
+    fa_wg_load_rows<T, D>(tiles + v_tile(0), vh, 0, T_, C);
     fa_cp_commit();
-    if (qt > 0) fa_wg_load_rows<T, D>(tiles + v_tile(1), vh, FA_TILE, T_, C);
-    fa_cp_commit();
-    fa_cp_wait<2>();
+    fa_cp_wait<1>();
     fa_wg_publish();
 
     float s[FA_TILE / 8][4], o[Fa<D>::ND][4] = {}, alpha[2];
@@ -777,27 +783,24 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
     fa_wg_pack_p<T>(p, s);
 
     for (int kt = 1; kt <= qt; kt++) {
-        fa_cp_wait<1>(); /* K_kt and V_kt-1 have landed (this thread's part) ... */
-        fa_wg_publish(); /* ... and everyone's; everyone's S_kt-1 is done, so K_kt+1 takes its buffer */
+        fa_cp_wait<0>(); /* K_kt and V_kt-1 have landed (this thread's part) ... */
+        fa_wg_publish(); /* ... and everyone's; everyone is done with S_kt-1 and P V_kt-2 */
         if (kt < qt) fa_wg_load_rows<T, D>(tiles + k_tile(kt + 1), kh, (kt + 1) * FA_TILE, T_, C);
+        fa_wg_load_rows<T, D>(tiles + v_tile(kt), vh, kt * FA_TILE, T_, C);
         fa_cp_commit();
         fa_wg_fence(); /* o and p were written by ordinary instructions */
         fa_wg_scores<T, D>(s, q_addr, q_addr + k_tile(kt));
         fa_wg_accumulate<T, D>(o, p, q_addr + v_tile(kt - 1));
-        fa_wg_wait<1>(); /* S_kt is done; P_kt-1 V_kt-1 may run on */
+        fa_wg_wait<1>(); /* S_kt is done; P_kt-1 V_kt-1 runs on beside the softmax */
         fa_wg_hold<FA_TILE / 8>(s);
         if (kt == qt) fa_mask_diagonal<false>(s, warp * 16);
         fa_softmax_tile(s, m, l, alpha, sl2);
-        fa_wg_hold<FA_TILE / 8>(s); /* the softmax stays before the wait, beside the product */
-        asm volatile("" : "+f"(l[0]), "+f"(l[1]), "+f"(alpha[0]), "+f"(alpha[1])::"memory");
-        fa_wg_wait<0>(); /* P_kt-1 V_kt-1 is done: its A registers take P_kt (written while the
-                          * product reads them, ptxas would serialise the products: C7513) */
+        fa_wg_block_end(l[0]);
+        fa_wg_wait<0>();
         fa_wg_hold<Fa<D>::ND>(o);
         fa_rescale<D>(o, alpha);
-        fa_wg_pack_p<T>(p, s);
-        __syncthreads(); /* everyone's P V_kt-1 is done: V_kt+1 takes its buffer */
-        if (kt < qt) fa_wg_load_rows<T, D>(tiles + v_tile(kt + 1), vh, (kt + 1) * FA_TILE, T_, C);
-        fa_cp_commit();
+        fa_wg_pack_p<T>(p, s); /* only now: P V_kt-1 read these registers (else ptxas serialises the
+                                * products, C7513) */
     }
     fa_cp_wait<0>(); /* V of the diagonal tile */
     fa_wg_publish();
