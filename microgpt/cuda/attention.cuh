@@ -462,10 +462,21 @@ __device__ __forceinline__ float fa_quad_max(float x) {
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
+/* o *= a on row half h (C-fragment order: entries 0, 1 on row g, 2, 3 on row g + 8). */
+template <int D> __device__ __forceinline__ void fa_rescale_rows(float (*o)[4], float a, int h) {
+    for (int n = 0; n < Fa<D>::ND; n++) {
+        o[n][2 * h] *= a;
+        o[n][2 * h + 1] *= a;
+    }
+}
+
 /* The online softmax of one key tile for a warp's rows (h: row g or g + 8): the running max m and
  * sum l updated, the scores s replaced by P = 2^(s sl2 - m), and alpha[h] = 2^(m_old - m_new), the
- * factor that rescales what was accumulated under the old max. */
-__device__ __forceinline__ void fa_softmax_tile(float (*s)[4], float* m, float* l, float* alpha, float sl2) {
+ * factor that rescales what was accumulated under the old max; the accumulators o (C-fragment
+ * order, D wide) rescaled by it here unless o is NULL. */
+template <int D>
+__device__ __forceinline__ void fa_softmax_tile(float (*s)[4], float* m, float* l, float* alpha, float sl2,
+                                                float (*o)[4]) {
     for (int h = 0; h < 2; h++) {
         /* the max of the raw scores, scaled once: scaling by sl2 > 0 and rounding keep the order,
          * so this is the max of the scaled scores */
@@ -481,13 +492,8 @@ __device__ __forceinline__ void fa_softmax_tile(float (*s)[4], float* m, float* 
             }
         l[h] = l[h] * alpha[h] + sum;
         m[h] = m_new;
+        if (o) fa_rescale_rows<D>(o, alpha[h], h);
     }
-}
-
-/* o *= alpha by rows (accumulators in C-fragment order: entries 0, 1 on row g, 2, 3 on row g + 8). */
-template <int D> __device__ __forceinline__ void fa_rescale(float (*o)[4], const float* alpha) {
-    for (int n = 0; n < Fa<D>::ND; n++)
-        for (int e = 0; e < 4; e++) o[n][e] *= alpha[e >> 1];
 }
 
 /* One key tile of the forward for a warp: the online softmax, then o += P V (s becomes P). */
@@ -495,24 +501,24 @@ template <typename T, int D>
 __device__ __forceinline__ void fa_fwd_tile(float (*o)[4], float* m, float* l, float (*s)[4], const T* vtile,
                                             float sl2) {
     float alpha[2];
-    fa_softmax_tile(s, m, l, alpha, sl2);
-    fa_rescale<D>(o, alpha);
+    fa_softmax_tile<D>(s, m, l, alpha, sl2, o);
     fa_accumulate<T, D>(o, s, vtile);
 }
 
-/* The forward's end for a warp's 16 rows from row0 (out and lse at the head's first column and
- * row 0): out = o / l rounded to T, lse = the natural log-sum-exp of each row's scores; rows at or
- * past T are skipped. Returns the lane's amax bits of what it stored with AMAX, else 0. */
+/* The forward's end for a warp's 16 rows from row0 (out's row 0 of the head at out + base, its lse
+ * at lse + lse_row0): out = o / l rounded to T, lse = the natural log-sum-exp of each row's scores;
+ * rows at or past T are skipped. Returns the lane's amax bits of what it stored with AMAX, else 0. */
 template <typename T, int D, bool AMAX>
-__device__ __forceinline__ unsigned fa_fwd_store(T* out, float* lse, const float (*o)[4], const float* m,
-                                                 const float* l, int row0, int T_, int C) {
+__device__ __forceinline__ unsigned fa_fwd_store(T* out, size_t base, float* lse, size_t lse_row0,
+                                                 const float (*o)[4], const float* m, const float* l, int row0,
+                                                 int T_, int C) {
     int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
     unsigned am = 0;
     for (int h = 0; h < 2; h++) {
         int i = row0 + g + 8 * h;
         float lt = fa_quad_sum(l[h]), inv = 1.0f / lt;
         if (i < T_) {
-            T* p = out + (size_t)i * C + 2 * t;
+            T* p = out + base + (size_t)i * C + 2 * t;
             for (int n = 0; n < Fa<D>::ND; n++) {
                 T y0 = from_f<T>(o[n][2 * h] * inv);
                 p[8 * n] = y0;
@@ -520,7 +526,7 @@ __device__ __forceinline__ unsigned fa_fwd_store(T* out, float* lse, const float
                 p[8 * n + 1] = y1;
                 am = fa_amax2<T, AMAX>(am, y0, y1);
             }
-            if (t == 0) lse[i] = m[h] * FA_LN2 + logf(lt);
+            if (t == 0) lse[lse_row0 + i] = m[h] * FA_LN2 + logf(lt);
         }
     }
     return am;
@@ -568,7 +574,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
 
-    unsigned am = fa_fwd_store<T, D, AMAX>(out + base, lse + (size_t)bh * T_, o, m, l, row0, T_, C);
+    unsigned am = fa_fwd_store<T, D, AMAX>(out, base, lse, (size_t)bh * T_, o, m, l, row0, T_, C);
     /* the tiles are done with (the loop's last barrier): ks lends the block's partial maxima */
     if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)ks[0]);
 }
@@ -779,7 +785,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
     fa_wg_wait<0>();
     fa_wg_hold<FA_TILE / 8>(s);
     if (qt == 0) fa_mask_diagonal<false>(s, warp * 16);
-    fa_softmax_tile(s, m, l, alpha, sl2); /* o is 0: nothing to rescale */
+    fa_softmax_tile<D>(s, m, l, alpha, sl2, NULL); /* o is 0: nothing to rescale */
     fa_wg_pack_p<T>(p, s);
 
     for (int kt = 1; kt <= qt; kt++) {
@@ -794,11 +800,11 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
         fa_wg_wait<1>(); /* S_kt is done; P_kt-1 V_kt-1 runs on beside the softmax */
         fa_wg_hold<FA_TILE / 8>(s);
         if (kt == qt) fa_mask_diagonal<false>(s, warp * 16);
-        fa_softmax_tile(s, m, l, alpha, sl2);
+        fa_softmax_tile<D>(s, m, l, alpha, sl2, NULL); /* o is still being accumulated */
         fa_wg_block_end(l[0]);
         fa_wg_wait<0>();
         fa_wg_hold<Fa<D>::ND>(o);
-        fa_rescale<D>(o, alpha);
+        for (int h = 0; h < 2; h++) fa_rescale_rows<D>(o, alpha[h], h);
         fa_wg_pack_p<T>(p, s); /* only now: P V_kt-1 read these registers (else ptxas serialises the
                                 * products, C7513) */
     }
@@ -809,7 +815,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
     fa_wg_wait<0>();
     fa_wg_hold<Fa<D>::ND>(o);
 
-    unsigned am = fa_fwd_store<T, D, AMAX>(out + base, lse + (size_t)bh * T_, o, m, l, row0, T_, C);
+    unsigned am = fa_fwd_store<T, D, AMAX>(out, base, lse, (size_t)bh * T_, o, m, l, row0, T_, C);
     /* the products are done with the tiles: the Q tile lends the block's partial maxima */
     if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)tiles);
 #else
