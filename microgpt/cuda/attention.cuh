@@ -4,9 +4,10 @@
  *                     consecutive [N,C] blocks). The k_attn_qkv_fwd/bwd pair is this product.
  *   attn_fwd/bwd      causal softmax(q k^T / sqrt(hs)) v per head, hs = C / H; head h owns columns
  *                     [h*hs, (h+1)*hs) of q, k, v and out, as the CPU's attention_forward/backward.
- *                     Kernels: k_attn_fwd, and k_attn_bwd_delta + k_attn_bwd_dkv + k_attn_bwd_dq
- *                     (flash path); k_attn_softmax_fwd, k_attn_probs, k_attn_softmax_bwd between
- *                     products (cuBLAS path).
+ *                     Kernels: k_attn_fwd (k_attn_fwd_wgmma on Hopper with -DFA_FWD_WGMMA=1),
+ *                     and k_attn_bwd_delta + k_attn_bwd_dkv + k_attn_bwd_dq (flash path);
+ *                     k_attn_softmax_fwd, k_attn_probs, k_attn_softmax_bwd between products
+ *                     (cuBLAS path).
  *   attn_out_fwd/bwd  out = residual + y @ W_O (the residual join after the sub-layer, in the
  *                     product's epilogue where cuBLASLt has one, matmul.cuh). The k_attn_out_fwd/bwd
  *                     pair is this product.
@@ -745,8 +746,8 @@ template <typename T> __device__ __forceinline__ void fa_wg_pack_p(unsigned (*p)
 }
 
 /* The kernel: as k_attn_fwd (block, rows, masking, outputs), on wgmma. Key tile kt's step issues
- * S_kt and P_{kt-1} V_{kt-1}, then P_kt from S_kt while that product runs. Compiled for sm_90a
- * only; elsewhere the body is a trap that the host never launches (fa_fwd_wgmma_ok). */
+ * S_kt and P_kt-1 V_kt-1, then runs the softmax of S_kt while that product runs. Compiled for
+ * sm_90a only; elsewhere the body is a trap that the host never launches (fa_fwd_wgmma_ok). */
 template <typename T, int D, bool AMAX>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
     k_attn_fwd_wgmma(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2,
