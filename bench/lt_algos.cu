@@ -24,8 +24,9 @@
  *
  * Output: one line per product (the rest of the output starts with '#'):
  *   LTPROBE-ENV gpu="..." cc=9.0 sms=132 driver=... cublaslt=... cudart=... date=... workspace=...
- *   LTPROBE model=120M prec=bf16 product=mlp_fwd key=<lt_key_name> offers=N rule_us=.. best_us=..
- *           gain_pct=.. repeat=1 diff=.. ws=<best's workspace bytes> rule=<config> best=<config>
+ *   LTPROBE model=120M prec=bf16 product=mlp_fwd key=<lt_key_name> calls=<launches a step> offers=N
+ *           rule_us=.. best_us=.. gain_pct=.. repeat=1 diff=.. ws=<best's workspace bytes>
+ *           rule=<config> best=<config>
  * where a config is algo_id:tile:stages:splitk:reduction:swizzle:custom:inner_shape:cluster_shape
  * (cublasLtMatmulAlgoConfigGetAttribute's values; lt_table.h's fields in that order). */
 #include "../microgpt/cuda/attention.cuh"
@@ -102,6 +103,7 @@ struct Product {
     bool has_c;  /* C is an input of its own (the residual join); else C is D */
     bool has_aux;
     std::string label;
+    int calls; /* launches in the model's one-layer pass (the classifier's: in its whole step) */
 };
 
 static std::vector<Product> g_products;
@@ -109,10 +111,15 @@ static std::vector<std::string> g_names_seen; /* a product probed once, whatever
 static const char* g_label = "";
 
 static void watch(LtPlan* p, const Gemm& g, const void* C, const void* aux) {
+    for (Product& pr : g_products) /* this model's: count every launch under the first call's label */
+        if (pr.p->name == std::string(p->name)) {
+            pr.calls++;
+            return;
+        }
     for (const std::string& n : g_names_seen)
         if (n == p->name) return;
     g_names_seen.push_back(p->name);
-    Product pr = {p, g, C != g.D.p && g.beta != 0.0f, aux != NULL, g_label};
+    Product pr = {p, g, C != g.D.p && g.beta != 0.0f, aux != NULL, g_label, 1};
     g_products.push_back(pr);
 }
 
@@ -233,6 +240,7 @@ static std::vector<float> output_of(const Product& pr, const Operands& o, const 
 
 static const char* g_model = "";
 static const char* g_prec = "";
+static int g_layers = 1; /* of the model: a layer's products run this many times a step */
 
 static void probe(const Product& pr) {
     size_t l2 = 0;
@@ -293,9 +301,10 @@ static void probe(const Product& pr) {
         maxref = fmax(maxref, fabs(ref[i]));
         maxdiff = fmax(maxdiff, fabs((double)x1[i] - ref[i]));
     }
-    printf("LTPROBE model=%s prec=%s product=%s key=%s offers=%d rule_us=%.2f best_us=%.2f gain_pct=%.1f repeat=%d "
-           "diff=%.3g ws=%zu rule=%s best=%s\n",
-           g_model, g_prec, pr.label.c_str(), pr.p->name, found, rule_us, fast_us,
+    int calls = pr.label == "classifier" ? pr.calls : pr.calls * g_layers;
+    printf("LTPROBE model=%s prec=%s product=%s key=%s calls=%d offers=%d rule_us=%.2f best_us=%.2f gain_pct=%.1f "
+           "repeat=%d diff=%.3g ws=%zu rule=%s best=%s\n",
+           g_model, g_prec, pr.label.c_str(), pr.p->name, calls, found, rule_us, fast_us,
            100.0 * (rule_us - fast_us) / rule_us, repeat ? 1 : 0, maxref > 0 ? maxdiff / maxref : maxdiff,
            res[best].workspaceSize, config_str(rule).c_str(), config_str(fast_cfg).c_str());
     fflush(stdout);
@@ -311,8 +320,8 @@ static void probe_products(void) {
 /* ---------------------------------------------------------------------------------------------- */
 /* A model's step, product by product (N positions, width C, MLP width F, vocabulary V padded to Vp) */
 
-static void bf16_step(const char* model, int N, int C, int F, int V, int Vp) {
-    g_model = model, g_prec = "bf16";
+static void bf16_step(const char* model, int layers, int N, int C, int F, int V, int Vp) {
+    g_model = model, g_prec = "bf16", g_layers = layers;
     bf16 *x = dev_random<bf16>((size_t)N * C), *res = dev_random<bf16>((size_t)N * C);
     bf16 *out = dev_random<bf16>((size_t)N * C), *dout = dev_random<bf16>((size_t)N * C);
     bf16 *dx = dev_random<bf16>((size_t)N * C), *qkv = dev_random<bf16>(3 * (size_t)N * C);
@@ -372,8 +381,8 @@ static void fp8_bwd_products(const Fp8Step& s, int in, int out_dim, int batch) {
     fp8_gemm<bf16>(N, in, batch * out_dim, fp8_mat(g8, FP8_GRAD_FMT, s.sc), fp8_mat(w8, FP8_E4M3, s.sc), dx, NULL, 0.0f);
 }
 
-static void fp8_step(const char* model, int N, int C, int F) {
-    g_model = model, g_prec = "fp8";
+static void fp8_step(const char* model, int layers, int N, int C, int F) {
+    g_model = model, g_prec = "fp8", g_layers = layers;
     Fp8Scale one = {1.0f, 1.0f, 0}, *sc;
     CUDA_CHECK(cudaMalloc(&sc, sizeof *sc)); /* 256-byte aligned: FP8_SCALE_ALIGN holds */
     CUDA_CHECK(cudaMemcpy(sc, &one, sizeof one, cudaMemcpyHostToDevice));
@@ -430,10 +439,10 @@ int main() {
            "reps=%d rounds=%d\n",
            prop.name, prop.major, prop.minor, prop.multiProcessorCount, driver_version().c_str(), cublasLtGetVersion(),
            rt, date, (size_t)CUBLAS_WORKSPACE_BYTES, PROBE_OFFERS, PROBE_REPS, PROBE_ROUNDS);
-    bf16_step("120M", 8 * 1024, 768, 3072, 50259, 50304);
-    fp8_step("120M", 8 * 1024, 768, 3072);
-    bf16_step("12M", 8 * 512, 192, 768, 50259, 50304);
-    fp8_step("12M", 8 * 512, 192, 768);
+    bf16_step("120M", 12, 8 * 1024, 768, 3072, 50259, 50304);
+    fp8_step("120M", 12, 8 * 1024, 768, 3072);
+    bf16_step("12M", 6, 8 * 512, 192, 768, 50259, 50304);
+    fp8_step("12M", 6, 8 * 512, 192, 768);
     cublas_shutdown();
     fp8_plans_clear();
     CUDA_CHECK(cudaFree(ws));

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from lt_table import main, parse, why_left_out
+from lt_table import main, parse, savings, why_left_out
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_DIR = os.path.join(ROOT, "microgpt", "cuda")
@@ -15,9 +15,10 @@ ENV = ('LTPROBE-ENV gpu="NVIDIA H200" cc=9.0 sms=132 driver=580.95.05 cublaslt=1
 
 
 def probe_line(key, rule_us, best_us, rule="66:20:16:1:0:0:0:0:2", best="66:33:16:1:0:1:0:0:2", repeat=1,
-               diff=0.0021, ws=0, product="classifier", model="120M", prec="bf16"):
+               diff=0.0021, ws=0, product="classifier", model="120M", prec="bf16", calls=1):
     """lt_algos.cu's printf format for one product."""
-    return (f"LTPROBE model={model} prec={prec} product={product} key={key} offers=37 rule_us={rule_us:.2f} "
+    return (f"LTPROBE model={model} prec={prec} product={product} key={key} calls={calls} offers=37 "
+            f"rule_us={rule_us:.2f} "
             f"best_us={best_us:.2f} gain_pct={100 * (rule_us - best_us) / rule_us:.1f} repeat={repeat} "
             f"diff={diff:.3g} ws={ws} rule={rule} best={best}")
 
@@ -30,7 +31,8 @@ SAMPLE = "\n".join([
     ENV,
     "# " + LOGITS + " offer  0 66:209:16:1:0:0:0:0:2 520.61 us",
     probe_line(LOGITS, 520.6, 438.1),
-    probe_line(DW1_12M, 15.7, 10.0, rule="66:20:16:3:2:0:0:0:2", best="66:20:16:1:0:0:0:0:2", model="12M"),
+    probe_line(DW1_12M, 15.7, 10.0, rule="66:20:16:3:2:0:0:0:2", best="66:20:16:1:0:0:0:0:2", model="12M",
+               product="mlp_bwd", calls=6),
     probe_line(QKV, 16.5, 16.2),                                                # 1.8 %: noise
     probe_line("bf16.bf16.bf16.gelu_aux.nn.8192x3072x768.ld768.3072.3072", 60.3, 60.3,
                best="66:20:16:1:0:0:0:0:2"),                                     # the rule's own
@@ -90,9 +92,19 @@ def generate(tmp_path, text=SAMPLE):
     return out
 
 
+def test_savings_sum_the_kept_gains_times_launches_a_step():
+    env, products = parse(SAMPLE)
+    got = savings(env, products, 3.0)
+    assert got[("120M", "bf16")] == pytest.approx(520.6 - 438.1)  # the other 120M bf16 products are left out
+    assert got[("12M", "bf16")] == pytest.approx((15.7 - 10.0) * 6)
+    assert got[("120M", "fp8")] == 0.0
+
+
 def test_the_header_says_where_it_was_measured_and_carries_each_probe_line(tmp_path, capsys):
     text = generate(tmp_path).read_text()
-    assert "2 of 8 products in the table" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "2 of 8 products in the table" in printed and "12M bf16: 34 µs of product time a step saved" in printed
+    assert " *   120M bf16: 82 µs" in text
     assert "NVIDIA H200 (132 multiprocessors), NVIDIA driver 580.95.05, cuBLASLt 130100" in text
     assert "2026-12-01T18:55:00Z" in text and "from lt.txt" in text
     assert "#define LT_TABLE_SM_COUNT 132" in text and "#define LT_TABLE_CUBLASLT_VERSION 130100" in text

@@ -336,7 +336,7 @@ enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU, GEMM_PLAIN };
 #define LT_FIXED_TABLE 0
 #endif
 #if LT_FIXED_TABLE
-#ifndef LT_TABLE_HEADER /* another table for a test: -DLT_TABLE_HEADER='"path.h"' */
+#ifndef LT_TABLE_HEADER /* another table: -DLT_TABLE_HEADER='"path.h"' -Imicrogpt/cuda (for its lt_table.h) */
 #define LT_TABLE_HEADER "lt_table_sm90.h"
 #endif
 #include LT_TABLE_HEADER
