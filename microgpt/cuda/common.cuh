@@ -592,13 +592,13 @@ static bool lt_fixed_algo(const LtPlan* p, cublasLtMatmulAlgo_t* algo) {
 #endif
 }
 
-/* p's algorithm from its descriptors: the rule (over the heuristic's first LT_CANDIDATES offers;
- * rule_key NULL: the first offer), then the fixed table where it applies. Returns the heuristic's
- * status; p->ok says whether an algorithm exists. */
+/* p's algorithm from its descriptors: the rule (lt_choose over the heuristic's first LT_CANDIDATES
+ * offers; rule_key NULL: the heuristic's first offer, asked for alone), then the fixed table where
+ * it applies. Returns the heuristic's status; p->ok says whether an algorithm exists. */
 static cublasStatus_t lt_plan_algo(LtPlan* p, const LtKey* rule_key) {
     cublasLtMatmulHeuristicResult_t res[LT_CANDIDATES];
     int found = 0;
-    cublasStatus_t st = lt_heuristic(p, LT_CANDIDATES, res, &found);
+    cublasStatus_t st = lt_heuristic(p, rule_key ? LT_CANDIDATES : 1, res, &found);
     p->ok = st == CUBLAS_STATUS_SUCCESS && found > 0;
     p->fixed = false;
     if (!p->ok) return st;
