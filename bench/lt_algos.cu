@@ -406,18 +406,19 @@ static void fp8_step(const char* model, int layers, int N, int C, int F) {
     probe_products();
 }
 
-/* The NVIDIA driver's version from /proc (Linux), or "unknown". */
+/* The NVIDIA driver's version: the first word of /proc/driver/nvidia/version's first line that is
+ * digits and dots ("NVRM version: NVIDIA UNIX [Open] Kernel Module [for x86_64]  580.95.05 ..."),
+ * or "unknown". */
 static std::string driver_version(void) {
-    char line[512] = {0}, ver[64] = "unknown";
+    char line[512] = {0};
     FILE* f = fopen("/proc/driver/nvidia/version", "r");
-    if (f) {
-        if (fgets(line, sizeof line, f)) {
-            const char* m = strstr(line, "Kernel Module");
-            if (m && sscanf(m + strlen("Kernel Module"), "%63s", ver) != 1) strcpy(ver, "unknown");
-        }
-        fclose(f);
-    }
-    return ver;
+    if (!f) return "unknown";
+    bool got = fgets(line, sizeof line, f) != NULL;
+    fclose(f);
+    if (!got) return "unknown";
+    for (char* w = strtok(line, " \t\n"); w; w = strtok(NULL, " \t\n"))
+        if (strchr(w, '.') && strspn(w, "0123456789.") == strlen(w)) return w;
+    return "unknown";
 }
 
 int main() {

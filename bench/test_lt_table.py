@@ -97,7 +97,7 @@ def test_savings_sum_the_kept_gains_times_launches_a_step():
     got = savings(env, products, 3.0)
     assert got[("120M", "bf16")] == pytest.approx(520.6 - 438.1)  # the other 120M bf16 products are left out
     assert got[("12M", "bf16")] == pytest.approx((15.7 - 10.0) * 6)
-    assert got[("120M", "fp8")] == 0.0
+    assert got[("120M", "fp8")] == pytest.approx(520.6 - 438.1)  # its classifier is the bf16 one
 
 
 def test_the_header_says_where_it_was_measured_and_carries_each_probe_line(tmp_path, capsys):
