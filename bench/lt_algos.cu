@@ -5,7 +5,7 @@
  * this output); never part of the engine or the tests: nothing here chooses at run time.
  *
  *   build: make build/lt_algos       (with the engine's flags; never with -DLT_FIXED_TABLE=1)
- *   run:   build/lt_algos > lt.txt   (about two minutes on an H200)
+ *   run:   build/lt_algos > lt.txt   (both models; `build/lt_algos 12M`: one; a few minutes on an H200)
  *
  * The products are the engine's own: the probe calls the engine's layer functions (attn_qkv_fwd,
  * attn_out_fwd, mlp_fwd, mlp_bwd, attn_out_bwd, attn_qkv_bwd, loss_fwd_bwd over the engine's
@@ -421,7 +421,12 @@ static std::string driver_version(void) {
     return "unknown";
 }
 
-int main() {
+int main(int argc, char** argv) {
+    const char* only = argc > 1 ? argv[1] : NULL; /* one model: 120M or 12M */
+    if (argc > 2 || (only && strcmp(only, "120M") && strcmp(only, "12M"))) {
+        fprintf(stderr, "error: usage: %s [120M|12M]\n", argv[0]);
+        return 2;
+    }
     CUDA_CHECK(cudaStreamCreate(&g_stream));
     void* ws;
     CUDA_CHECK(cudaMalloc(&ws, CUBLAS_WORKSPACE_BYTES));
@@ -440,10 +445,14 @@ int main() {
            "reps=%d rounds=%d\n",
            prop.name, prop.major, prop.minor, prop.multiProcessorCount, driver_version().c_str(), cublasLtGetVersion(),
            rt, date, (size_t)CUBLAS_WORKSPACE_BYTES, PROBE_OFFERS, PROBE_REPS, PROBE_ROUNDS);
-    bf16_step("120M", 12, 8 * 1024, 768, 3072, 50259, 50304);
-    fp8_step("120M", 12, 8 * 1024, 768, 3072);
-    bf16_step("12M", 6, 8 * 512, 192, 768, 50259, 50304);
-    fp8_step("12M", 6, 8 * 512, 192, 768);
+    if (!only || !strcmp(only, "120M")) {
+        bf16_step("120M", 12, 8 * 1024, 768, 3072, 50259, 50304);
+        fp8_step("120M", 12, 8 * 1024, 768, 3072);
+    }
+    if (!only || !strcmp(only, "12M")) {
+        bf16_step("12M", 6, 8 * 512, 192, 768, 50259, 50304);
+        fp8_step("12M", 6, 8 * 512, 192, 768);
+    }
     cublas_shutdown();
     fp8_plans_clear();
     CUDA_CHECK(cudaFree(ws));
