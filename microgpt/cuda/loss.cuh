@@ -41,6 +41,7 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(LOSS_THREADS)
 k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
             const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
+    await_previous_kernel();
     int row = blockIdx.x, target = targets[row];
     T* l = logits + (size_t)row * Vp;
     float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f; /* read before the row is overwritten */
@@ -110,6 +111,7 @@ static void loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logit
  * order (the step's loss, formed on the device so only one float comes back). */
 #define LOSS_MEAN_THREADS 1024
 __global__ void k_loss_mean(float* out, const float* losses, int n) {
+    await_previous_kernel();
     __shared__ double warp_part[LOSS_MEAN_THREADS / 32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     double s = 0.0;
@@ -124,8 +126,7 @@ __global__ void k_loss_mean(float* out, const float* losses, int n) {
 }
 
 static void loss_mean(float* out, const float* losses, int n) {
-    k_loss_mean<<<1, LOSS_MEAN_THREADS, 0, g_stream>>>(out, losses, n);
-    LAUNCH_CHECK();
+    launch_kernel(k_loss_mean, 1, LOSS_MEAN_THREADS, out, losses, n);
 }
 
 #endif
