@@ -88,7 +88,9 @@ static cudaStream_t g_stream = 0; /* the one stream of all work; see the top of 
  * capture turns this into a programmatic edge of the graph). What makes that safe is
  * await_previous_kernel, the first statement of every engine kernel: griddepcontrol.wait returns
  * once the previous kernel has completed and its writes are visible, so no kernel touches global
- * memory before its predecessor is done, whatever it reads or writes. Every kernel launched this
+ * memory before its predecessor is done, whatever it reads or writes. (No kernel has a prologue
+ * worth running before the wait: index math and shared-memory declarations cost nanoseconds, while
+ * "first statement" is a rule tests/test_cuda_launches.py checks by reading.) Every kernel launched this
  * way must wait (one that did not could complete before its predecessor, and then its successor's
  * wait would not cover the predecessor's writes); the kernels launched with <<<>>> outside the
  * engine (kernel_check's and bench's own) are ordinary launches and need not.
@@ -120,16 +122,28 @@ __device__ __forceinline__ void await_previous_kernel(void) {
 #endif
 }
 
-/* Whether launches carry the programmatic attribute: a USE_PDL build on a 9.0+ device (asked once). */
+/* Never launched: the code the device runs for it was compiled for the architecture every kernel's
+ * was (one set of -gencode options), which pdl_enabled reads. */
+__global__ void k_pdl_probe(void) {
+    await_previous_kernel();
+}
+
+/* Whether launches carry the programmatic attribute (asked once): a USE_PDL build, on a 9.0+ device,
+ * running code compiled for 9.0+. The last is not implied by the device: PTX of an older
+ * architecture, JIT-compiled for this one, has no wait in its kernels, and launched
+ * programmatically they would race. */
 static bool pdl_enabled(void) {
     static int on = -1;
     if (on < 0) {
         int dev, major = 0;
+        cudaFuncAttributes probe;
+        probe.ptxVersion = 0;
         if (USE_PDL) {
             CUDA_CHECK(cudaGetDevice(&dev));
             CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+            CUDA_CHECK(cudaFuncGetAttributes(&probe, k_pdl_probe));
         }
-        on = major >= 9;
+        on = major >= 9 && probe.ptxVersion >= 90;
     }
     return on;
 }
