@@ -427,6 +427,41 @@ __device__ __forceinline__ void fa_store_rows16(T* dst, const T* staged) {
     }
 }
 
+/* Compile-time variant of the backward (make KERNEL_VARIANTS=-DFA_DS_FRAGMENTS=1; 0, the default,
+ * is the code described at the kernels; docs/BENCHMARKS.md log #66, bench/attn-variants.sh):
+ *   FA_DS_FRAGMENTS=1  the dS tiles stored in the dQ kernel's A-fragment order: the dK/dV kernel
+ *                      reads its staged dS^T rows back with transposed ldmatrix and stores 16-byte
+ *                      packets (fa_store_ds_fragments), so the dQ kernel loads each fragment
+ *                      straight into registers, a tile ahead, as 512 contiguous bytes per warp
+ *                      load, and stages only K in shared memory (half of it). The same dS values
+ *                      in another order, the same products in the same order: the same bits. */
+#ifndef FA_DS_FRAGMENTS
+#define FA_DS_FRAGMENTS 0
+#endif
+/* The dQ kernel's bound: with FA_DS_FRAGMENTS 6 blocks per multiprocessor (at most 85 registers;
+ * unbounded, ptxas holds the prefetched fragments in 136), else none (see FA_MIN_BLOCKS_DKV). */
+#if FA_DS_FRAGMENTS
+#define FA_DQ_BOUNDS __launch_bounds__(FA_THREADS, 6)
+#else
+#define FA_DQ_BOUNDS __launch_bounds__(FA_THREADS)
+#endif
+
+/* With FA_DS_FRAGMENTS: a warp's 16 staged dS^T rows (row stride LD; keys 16 kk .. of the tile)
+ * as the dQ kernel's A fragments of k step kk: for query group i (dQ warp i), transposed ldmatrix
+ * gives each lane its 4 registers (as the default dQ kernel's load from a staged tile), stored as
+ * one 16-byte packet at ((i * 4 + kk) * 32 + lane) of the 64x64 tile, so that a dQ warp loads a
+ * fragment as 512 contiguous bytes. */
+template <typename T>
+__device__ __forceinline__ void fa_store_ds_fragments(T* tile, const T* staged, int kk) {
+    int lane = threadIdx.x & 31, mi = lane >> 3;
+    const T* p = staged + (8 * (mi >> 1) + (lane & 7)) * Fa<FA_TILE>::LD + 8 * (mi & 1);
+    for (int i = 0; i < FA_TILE / 16; i++) {
+        unsigned r[4];
+        fa_ldsm_x4_trans(r, p + 16 * i);
+        ((uint4*)tile)[(i * (FA_TILE / 16) + kk) * 32 + lane] = make_uint4(r[0], r[1], r[2], r[3]);
+    }
+}
+
 /* The causal mask of a diagonal tile pair (query tile == key tile), the only tile pair where any
  * key follows a query: scores s in the C-fragment layout above, row base_row + g + 8h, column
  * 8j + 2t + e (tile-relative), become -inf where the key index exceeds the query index. Rows are
@@ -645,7 +680,11 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
             accumulate(p, ds, c0);
         }
         __syncwarp();
+#if FA_DS_FRAGMENTS
+        fa_store_ds_fragments(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles), ds_stage, warp);
+#else
         fa_store_rows16(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles) + (size_t)sub * FA_TILE, ds_stage);
+#endif
         __syncthreads(); /* everyone is done with buffer cur before it takes tile qt + 2 */
     }
 
@@ -657,11 +696,12 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
 
 /* dQ: block (query tile, b*H + h); warp w owns query rows q0 + 16w .. +15 and accumulates
  * dQ = scale · dS K over the key tiles up to the diagonal, from the dS^T tiles the dK/dV kernel
- * stored (staged, then read as A fragments through transposed ldmatrix). Masked and past-T
- * entries of those tiles are 0 or meet zero rows of K, so whole tiles are used. AMAX: the amax of
- * the dq it stores into *amax_bits (the slot of k_attn_bwd_dkv's dk, dv), as k_attn_fwd's. */
+ * stored (staged, then read as A fragments through transposed ldmatrix; with FA_DS_FRAGMENTS,
+ * loaded as A fragments straight into registers, a tile ahead). Masked and past-T entries of those
+ * tiles are 0 or meet zero rows of K, so whole tiles are used. AMAX: the amax of the dq it stores
+ * into *amax_bits (the slot of k_attn_bwd_dkv's dk, dv), as k_attn_fwd's. */
 template <typename T, int D, bool AMAX>
-__global__ void __launch_bounds__(FA_THREADS)
+__global__ void FA_DQ_BOUNDS
     k_attn_bwd_dq(T* dq, const T* ds_tiles, const T* k, int T_, int C, int H, float scale, unsigned* amax_bits) {
     await_previous_kernel();
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
@@ -674,6 +714,34 @@ __global__ void __launch_bounds__(FA_THREADS)
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
     const T* ds_row = ds_tiles + fa_ds_tile(bh, qt, 0, blk.n_tiles); /* tiles (qt, 0 .. qt), consecutive */
     float dq_acc[Fa<D>::ND][4] = {};
+#if FA_DS_FRAGMENTS
+    /* this warp's A fragments of dS tile kt, one 16-byte load per lane and k step */
+    auto load_fragments = [&](unsigned (*a)[4], int kt) {
+        const uint4* p = (const uint4*)(ds_row + (size_t)kt * FA_TILE * FA_TILE) + warp * (FA_TILE / 16) * 32 + lane;
+        for (int kk = 0; kk < FA_TILE / 16; kk++) {
+            uint4 v = p[kk * 32];
+            a[kk][0] = v.x, a[kk][1] = v.y, a[kk][2] = v.z, a[kk][3] = v.w;
+        }
+    };
+    unsigned a_next[FA_TILE / 16][4];
+    fa_load_rows<T, D>(ks[0], k + base, 0, T_, C);
+    fa_cp_commit();
+    load_fragments(a_next, 0);
+    for (int kt = 0; kt <= qt; kt++) {
+        int cur = kt & 1;
+        unsigned a[FA_TILE / 16][4];
+        memcpy(a, a_next, sizeof a);
+        if (kt < qt) {
+            fa_load_rows<T, D>(ks[cur ^ 1], k + base, (kt + 1) * FA_TILE, T_, C);
+            load_fragments(a_next, kt + 1);
+        }
+        fa_cp_commit();
+        fa_cp_wait<1>(); /* K tile kt has landed (this thread's part) ... */
+        __syncthreads(); /* ... and everyone's */
+        for (int kk = 0; kk < FA_TILE / 16; kk++) fa_accumulate_step<T, D>(dq_acc, a[kk], ks[cur], kk);
+        __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
+    }
+#else
     __shared__ __align__(16) T dss[2][FA_TILE * Fa<FA_TILE>::LD]; /* double-buffered as ks */
     auto load_tiles = [&](int kt, int buf) {
         fa_load_rows<T, FA_TILE>(dss[buf], ds_row + (size_t)kt * FA_TILE * FA_TILE, 0, FA_TILE, FA_TILE);
@@ -698,6 +766,7 @@ __global__ void __launch_bounds__(FA_THREADS)
         }
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
+#endif
     unsigned am = fa_store_out<T, D, AMAX>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
     /* the staged tiles are done with (the loop's last barrier): ks lends the partial maxima */
     if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)ks[0]);

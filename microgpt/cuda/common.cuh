@@ -80,7 +80,8 @@ static int sync_launches(void) {
 static cudaStream_t g_stream = 0; /* the one stream of all work; see the top of this file */
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Launches. Every engine kernel goes through launch_kernel, on g_stream, its status checked.
+/* Launches. Every engine kernel goes through launch_kernel (launch_kernel_with_shared where it has
+ * dynamic shared memory), on g_stream, its status checked.
  *
  * Programmatic dependent launch (build with -DUSE_PDL=1; compute capability 9.0+; docs/DESIGN.md
  * §9): the launch carries cudaLaunchAttributeProgrammaticStreamSerialization, so the kernel's
@@ -148,20 +149,28 @@ static bool pdl_enabled(void) {
     return on;
 }
 
-/* kernel<<<grid, block, 0, g_stream>>>(args...), programmatic where pdl_enabled(), checked. */
+/* kernel<<<grid, block, shared_bytes, g_stream>>>(args...), programmatic where pdl_enabled(), checked. */
 template <typename... Params, typename... Args>
-static void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, Args&&... args) {
+static void launch_kernel_with_shared(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+                                      Args&&... args) {
     cudaLaunchAttribute programmatic;
     programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     programmatic.val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
+    cfg.dynamicSmemBytes = shared_bytes;
     cfg.stream = g_stream;
     cfg.attrs = &programmatic;
     cfg.numAttrs = pdl_enabled() ? 1 : 0;
     CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+/* The same without dynamic shared memory: every kernel but one variant's. */
+template <typename... Params, typename... Args>
+static void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, Args&&... args) {
+    launch_kernel_with_shared(kernel, grid, block, 0, std::forward<Args>(args)...);
 }
 
 static inline __host__ __device__ unsigned ceil_div(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
