@@ -79,7 +79,7 @@ build/attn_bench$(VARIANT_SUFFIX): bench/attn_bench.cu bench/kernel_timer.cuh $(
 # Timing of the row and element-wise kernels alone (bench/rowk_bench.cu; a tool, run by people)
 rowk-bench: build/rowk_bench
 
-build/rowk_bench: bench/rowk_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
+build/rowk_bench$(VARIANT_SUFFIX): bench/rowk_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/rowk_bench.cu $(NVLDLIBS)
 
 # cuBLASLt's offers against the engine's rule for every product of a step (bench/lt_algos.cu; a
