@@ -87,11 +87,13 @@ template <typename T, int VEC> __device__ __forceinline__ unsigned fp8_amax_bits
  * blocks. */
 template <typename T, int VEC>
 __global__ void k_fp8_amax(unsigned* __restrict__ amax_bits, const T* __restrict__ x, size_t n) {
+    await_previous_kernel();
     block_amax_commit(amax_bits, fp8_amax_bits_of<T, VEC>(x, n));
 }
 
 /* The amax of every job of a list: blockIdx.y is the job. */
 template <typename T, int VEC> __global__ void k_fp8_amax_jobs(const Fp8CastJob<T>* __restrict__ jobs) {
+    await_previous_kernel();
     const Fp8CastJob<T>& j = jobs[blockIdx.y];
     block_amax_commit(&j.sc->amax_bits, fp8_amax_bits_of<T, VEC>(j.in, (size_t)j.batch * j.R * j.Cc));
 }
@@ -162,12 +164,14 @@ static_assert(FP8_CAST_THREADS / FP8_TILE * FP8_COL_PACKET == FP8_TILE, "the tra
 
 /* One cast, a block a tile. */
 template <typename T, bool PACKED> __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast(Fp8CastJob<T> j) {
+    await_previous_kernel();
     fp8_cast_tile<T, PACKED>(j, blockIdx.x);
 }
 
 /* A list of casts, a block a tile: the block's job is the last whose first_tile is <= blockIdx.x. */
 template <typename T, bool PACKED>
 __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_jobs(const Fp8CastJob<T>* __restrict__ jobs, int n_jobs) {
+    await_previous_kernel();
     int lo = 0, hi = n_jobs - 1;
     while (lo < hi) {
         int mid = (lo + hi + 1) / 2;
@@ -202,9 +206,8 @@ template <typename T>
 static void fp8_cast(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt) {
     Fp8CastJob<T> j = {in, out_n, out_t, sc, batch, R, Cc, fmt, 0};
     unsigned tiles = fp8_cast_tiles(batch, R, Cc);
-    if (fp8_cast_packable(j)) k_fp8_cast<T, true><<<tiles, FP8_CAST_THREADS, 0, g_stream>>>(j);
-    else k_fp8_cast<T, false><<<tiles, FP8_CAST_THREADS, 0, g_stream>>>(j);
-    LAUNCH_CHECK();
+    if (fp8_cast_packable(j)) launch_kernel(k_fp8_cast<T, true>, tiles, FP8_CAST_THREADS, j);
+    else launch_kernel(k_fp8_cast<T, false>, tiles, FP8_CAST_THREADS, j);
 }
 
 /* A list of casts done by two launches (all the amax, then all the casts): the list on the device
@@ -238,9 +241,8 @@ template <typename T> static void fp8_quantize_jobs(const Fp8CastJobs<T>& js) {
     unsigned per_job = elementwise_grid(js.max_elems / (js.packed ? PACK(T) : 1), FP8_AMAX_BLOCK);
     dim3 grid(per_job < FP8_JOB_AMAX_BLOCKS ? per_job : FP8_JOB_AMAX_BLOCKS, js.n);
     LAUNCH_PACKED(js.packed, k_fp8_amax_jobs, T, grid, FP8_AMAX_BLOCK, js.dev);
-    if (js.packed) k_fp8_cast_jobs<T, true><<<js.tiles, FP8_CAST_THREADS, 0, g_stream>>>(js.dev, js.n);
-    else k_fp8_cast_jobs<T, false><<<js.tiles, FP8_CAST_THREADS, 0, g_stream>>>(js.dev, js.n);
-    LAUNCH_CHECK();
+    if (js.packed) launch_kernel(k_fp8_cast_jobs<T, true>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
+    else launch_kernel(k_fp8_cast_jobs<T, false>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -272,8 +274,9 @@ static void fp8_plans_clear(void) {
     g_fp8_n_plans = 0;
 }
 
-/* Descriptors and the heuristic's first algorithm for `key`; no algorithm is an error (the shape
- * checks of engine_setup should have refused the config first). */
+/* Descriptors and the algorithm for `key`: the heuristic's first offer, or the fixed table's
+ * (common.cuh); no algorithm is an error (the shape checks of engine_setup should have refused the
+ * config first). */
 static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
     cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
     cudaDataType_t dt = (cudaDataType_t)key->d_type;
@@ -285,10 +288,13 @@ static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
     lt->a = lt_layout(fp8_dtype(key->b_fmt), key->N, key->K, key->K, key->batch, key->stride_b);
     lt->b = lt_layout(fp8_dtype(key->a_fmt), key->M, key->K, key->K, key->batch, key->stride_a);
     lt->d = lt_layout(dt, key->M, key->N, key->N, key->batch, key->stride_d);
-    cublasLtMatmulHeuristicResult_t res;
-    int found = 0;
-    cublasStatus_t st = lt_heuristic(lt, key->align_b, key->align_a, key->align_c, key->align_d, 1, &res, &found);
-    if (st != CUBLAS_STATUS_SUCCESS || found < 1) {
+    lt->align[0] = key->align_b, lt->align[1] = key->align_a, lt->align[2] = key->align_c, lt->align[3] = key->align_d;
+    /* in gemm's terms: A [M,K] as it is, B^T [N,K] read transposed; D plain or the residual join
+     * (the same descriptors: one plan serves both) */
+    lt_key_name(lt->name, fp8_dtype(key->a_fmt), fp8_dtype(key->b_fmt), dt, "fp8", false, true, key->M, key->N, key->K,
+                key->K, key->K, key->N, key->batch, key->stride_a, key->stride_b, key->stride_d);
+    cublasStatus_t st = lt_plan_algo(lt, NULL);
+    if (!lt->ok) {
         fprintf(stderr,
                 "error: cuBLASLt has no FP8 algorithm for D[%d,%d] (%s) = A[%d,%d] (%s) B[%d,%d] (%s), batch %d "
                 "(status %d); FP8 products need K a multiple of 16 and 16-byte aligned operands\n",
@@ -296,8 +302,6 @@ static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
                 key->K, key->N, key->b_fmt ? "e5m2" : "e4m3", key->batch, (int)st);
         exit(1);
     }
-    lt->algo = res.algo;
-    lt->ok = true;
 }
 
 static Fp8GemmPlan* fp8_plan(const Fp8GemmKey* key) {
@@ -343,6 +347,12 @@ static void fp8_gemm(int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD* D, const TD* 
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_descale, sizeof a_descale);
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_descale, sizeof b_descale);
     float alpha = 1.0f;
+    if (g_lt_watch) {
+        Mat a = {A.p, fp8_dtype(A.fmt), K, A.stride, false}, b = {Bt.p, fp8_dtype(Bt.fmt), K, Bt.stride, true};
+        Mat d = {D, TypeInfo<TD>::dtype, N, stride_d, false};
+        Gemm g = {M, N, K, batch, a, b, d, alpha, beta};
+        g_lt_watch(p, g, C ? (const void*)C : D, NULL);
+    }
     CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &alpha, Bt.p, p->a, A.p, p->b, &beta, C ? (const void*)C : D,
                                 p->d, D, p->d, &p->algo, g_gemm_workspace, g_gemm_workspace_bytes, g_stream));
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());

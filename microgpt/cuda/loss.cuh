@@ -43,6 +43,15 @@
 #include "matmul.cuh"
 
 #define LOSS_THREADS 1024
+#define LOGITS_CHUNK_BYTES ((size_t)512 << 20) /* budget for one chunk of logits (then their gradient) */
+
+/* Logits rows per chunk of the N positions, rows of Vp elements of elem_bytes each: as many as
+ * LOGITS_CHUNK_BYTES holds, whole 128-row tiles for the products, at most N. */
+static int loss_chunk_rows(int Vp, size_t elem_bytes, int N) {
+    size_t rows = LOGITS_CHUNK_BYTES / ((size_t)Vp * elem_bytes);
+    if (rows > 128) rows -= rows % 128;
+    return (int)(rows < 1 ? 1 : rows > (size_t)N ? (size_t)N : rows);
+}
 
 #ifndef LOSS_ROWS_VARIANT
 #define LOSS_ROWS_VARIANT 0
@@ -107,6 +116,7 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(LOSS_THREADS)
 k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
             const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
+    await_previous_kernel();
     int row = blockIdx.x, target = targets[row];
     T* l = logits + (size_t)row * Vp;
     float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f; /* read before the row is overwritten */
@@ -143,6 +153,7 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(LOSS_THREADS, LOSS_ROWS_SHARED_PER_SM)
 k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
                    const int* __restrict__ targets, int n, int V, int Vp, const float* __restrict__ dscale) {
+    await_previous_kernel();
     extern __shared__ __align__(16) unsigned char loss_row_bytes[];
     T* row_s = reinterpret_cast<T*>(loss_row_bytes);
     int row = blockIdx.x, target = targets[row];
@@ -162,6 +173,7 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(LOSS_THREADS, LOSS_ROWS_SHARED_PER_SM)
 k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
                    const int* __restrict__ targets, int n, int V, int Vp, const float* __restrict__ dscale) {
+    await_previous_kernel();
     extern __shared__ __align__(16) unsigned char loss_row_bytes[];
     T* bufs = reinterpret_cast<T*>(loss_row_bytes); /* buffer b at bufs + b * Vp */
     int row = blockIdx.x, b = 0;
@@ -237,9 +249,8 @@ static bool loss_rows_shared(float* losses, float* lse, T* logits, const int* ta
     /* at least two rows a block, so that every launch, kernel_check's small ones too, swaps buffers */
     unsigned blocks = ceil_div(n, 2) < (unsigned)n_sm ? ceil_div(n, 2) : (unsigned)n_sm;
 #endif
-    k_loss_rows_shared<T, VEC><<<blocks, LOSS_THREADS, bytes, g_stream>>>(losses, lse, logits, targets, n, V, Vp,
-                                                                         dscale);
-    LAUNCH_CHECK();
+    launch_kernel_with_shared(k_loss_rows_shared<T, VEC>, blocks, LOSS_THREADS, bytes, losses, lse, logits, targets, n,
+                              V, Vp, dscale);
     return true;
 }
 
@@ -291,6 +302,7 @@ static void loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logit
  * order (the step's loss, formed on the device so only one float comes back). */
 #define LOSS_MEAN_THREADS 1024
 __global__ void k_loss_mean(float* out, const float* losses, int n) {
+    await_previous_kernel();
     __shared__ double warp_part[LOSS_MEAN_THREADS / 32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     double s = 0.0;
@@ -305,8 +317,7 @@ __global__ void k_loss_mean(float* out, const float* losses, int n) {
 }
 
 static void loss_mean(float* out, const float* losses, int n) {
-    k_loss_mean<<<1, LOSS_MEAN_THREADS, 0, g_stream>>>(out, losses, n);
-    LAUNCH_CHECK();
+    launch_kernel(k_loss_mean, 1, LOSS_MEAN_THREADS, out, losses, n);
 }
 
 #endif
