@@ -83,6 +83,15 @@ def cuda_binary():
     return eu.CUDA_BINARY
 
 
+def build_variant(suffix, flags, *binaries):
+    """Builds the build/ binaries named (each ending in `suffix`) with the compile-time candidate
+    `flags` (the Makefile's VARIANT_SUFFIX and KERNEL_VARIANTS), beside the default build."""
+    targets = [str(b.relative_to(eu.REPO)) for b in binaries]
+    made = subprocess.run(["make", "-B", "-j2", f"VARIANT_SUFFIX={suffix}", f"KERNEL_VARIANTS={flags}", *targets],
+                          cwd=eu.REPO, capture_output=True, text=True, timeout=900)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def kernel_check_binary(cuda_binary):
     """build/kernel_check: `make kernel-check`, or the equivalent nvcc line where the Makefile has no
@@ -130,9 +139,7 @@ def test_kernel_check_wgmma_forward(cuda_binary):
     if OVERRIDE_KERNEL_CHECK:
         pytest.skip("ANDREA_KERNEL_CHECK names another kernel_check build")
     binary = eu.BUILD / "kernel_check_wgmma"
-    made = subprocess.run(["make", "-B", "ATTN_SUFFIX=_wgmma", "KERNEL_VARIANTS=-DFA_FWD_WGMMA=1", str(binary.relative_to(eu.REPO))],
-                          cwd=eu.REPO, capture_output=True, text=True, timeout=900)
-    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    build_variant("_wgmma", "-DFA_FWD_WGMMA=1", binary)
     res = subprocess.run([str(binary), "--only", "attn"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     paths = [line for line in res.stdout.splitlines() if " forward kernel " in line]
@@ -323,10 +330,7 @@ def pdl_build(cuda_binary):
     if OVERRIDE_ENGINE:
         pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the USE_PDL variant is built from source")
     engine, check = eu.BUILD / "microgpt_cuda_pdl", eu.BUILD / "kernel_check_pdl"
-    targets = [str(engine.relative_to(eu.REPO)), str(check.relative_to(eu.REPO))]
-    made = subprocess.run(["make", "-B", "-j2", "VARIANT_SUFFIX=_pdl", "KERNEL_VARIANTS=-DUSE_PDL=1", *targets],
-                          cwd=eu.REPO, capture_output=True, text=True, timeout=900)
-    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    build_variant("_pdl", "-DUSE_PDL=1", engine, check)
     return engine, check
 
 
