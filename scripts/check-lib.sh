@@ -50,11 +50,12 @@ M120=(--model.n_layer 12 --model.d_model 768 --model.n_head 12 --model.d_ff 3072
 
 # timing_run STEPS NAME PRECISION SHAPE-ARGS...: STEPS training steps of the CUDA engine on the random
 # tokens of make_shard's "big" shard, at the shape given with ANDREA's vocabulary and batch 8, a
-# sixth of them warmup; the step records go to $DATA/NAME.jsonl.
+# sixth of them warmup; the step records go to $DATA/NAME.jsonl. $ENGINE: the engine binary
+# (default build/microgpt_cuda; bench/engine-ab.sh times other builds).
 timing_run() {
     local steps=$1 name=$2 prec=$3
     shift 3
-    run_cmd 240 build/microgpt_cuda --name "$name" "$@" --model.vocab_size 50259 --model.padded_vocab_size 50304 \
+    run_cmd 240 "${ENGINE:-build/microgpt_cuda}" --name "$name" "$@" --model.vocab_size 50259 --model.padded_vocab_size 50304 \
         --train.batch_size 8 --train.steps "$steps" --train.warmup_steps $((steps / 6)) --train.precision "$prec" \
         --data.train "$DATA/big_*.bin" > "$DATA/$name.jsonl"
 }
@@ -102,4 +103,36 @@ run_stages() {
         printf '%s\n' "${RESULTS[@]}"
     } | tee -a "$OUT/summary.log"
     exit "$FAILED"
+}
+
+# parse_builds NAME=FLAGS...: the A/B scripts' builds (bench/attn-variants.sh, bench/engine-ab.sh) into
+# the arrays BUILD_NAMES and BUILD_FLAGS; exits 2 with one error line on a malformed one. FLAGS reach
+# make's command line and so a recipe's shell: only -DMACRO[=VALUE] and -UMACRO words pass, never a
+# ';', '$(...)', quote or other compiler option. `default` is the name of the build without flags.
+parse_builds() {
+    local arg name flags word n
+    local -a words
+    BUILD_NAMES=() BUILD_FLAGS=()
+    for arg in "$@"; do
+        name=${arg%%=*} flags=${arg#*=}
+        if [ "$name" = "$arg" ] || ! [[ $name =~ ^[A-Za-z0-9_]+$ ]] || [ "$name" = default ]; then
+            echo "error: expected NAME=FLAGS (NAME of letters, digits, _; not 'default'), got '$arg'" >&2
+            exit 2
+        fi
+        read -r -d "" -a words <<<"$flags"    # -d "": a newline splits words too, never ends them
+        for word in "${words[@]}"; do
+            if ! [[ $word =~ ^-[DU][A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?$ ]]; then
+                echo "error: FLAGS of '$name' must be -DMACRO[=VALUE] or -UMACRO words" \
+                    "(VALUE of letters, digits, _.+-), got '$word'" >&2
+                exit 2
+            fi
+        done
+        for n in "${BUILD_NAMES[@]}"; do
+            if [ "$n" = "$name" ]; then
+                echo "error: build name '$name' given twice" >&2
+                exit 2
+            fi
+        done
+        BUILD_NAMES+=("$name") BUILD_FLAGS+=("$flags")
+    done
 }
