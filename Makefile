@@ -17,7 +17,7 @@ PYTHON   ?= python3
 
 HOST_HEADERS := $(wildcard microgpt/host/*.h)
 CPU_HEADERS  := $(wildcard microgpt/cpu/*.h)
-CUDA_HEADERS := $(wildcard microgpt/cuda/*.cuh)
+CUDA_HEADERS := $(wildcard microgpt/cuda/*.cuh microgpt/cuda/*.h)
 CUDA_SOURCE  := $(wildcard microgpt/microgpt_cuda.cu)
 HAVE_NVCC    := $(shell command -v $(NVCC) 2>/dev/null)
 # NCCL (multi-GPU data parallelism, docs/DESIGN.md §17) where its header is found beside nvcc's or in
@@ -82,6 +82,11 @@ rowk-bench: build/rowk_bench
 
 build/rowk_bench: bench/rowk_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/rowk_bench.cu $(NVLDLIBS)
+
+# cuBLASLt's offers against the engine's rule for every product of a step (bench/lt_algos.cu; a
+# tool, run by people: its output is what bench/lt_table.py makes the fixed table from)
+build/lt_algos: bench/lt_algos.cu bench/kernel_timer.cuh $(CUDA_HEADERS) $(CPU_HEADERS) | build
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/lt_algos.cu $(NVLDLIBS)
 
 build:
 	mkdir -p build

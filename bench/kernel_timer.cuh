@@ -31,4 +31,41 @@ template <typename F> static float time_median_us(F launch, int reps = 20, int w
     return us[reps / 2];
 }
 
+/* A kernel that holds the GPU for `cycles` clock cycles (one thread). */
+__global__ void k_hold(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+}
+
+/* The same median over launches queued back to back, as in a captured step: `warmup` calls, then
+ * k_hold keeps the GPU busy while the host queues `reps` calls with an event between each two, so
+ * the GPU never waits for the host and no launch latency is counted; launch i's time is the span
+ * between events i and i + 1. For launches of a few µs, whose host cost is close to their own. */
+template <typename F> static float time_median_queued_us(F launch, int reps = 20, int warmup = 3) {
+    std::vector<cudaEvent_t> ev(reps + 1);
+    for (cudaEvent_t& e : ev) CUDA_CHECK(cudaEventCreate(&e));
+    for (int i = 0; i < warmup; i++) launch();
+    int dev, khz;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev));
+    k_hold<<<1, 1, 0, g_stream>>>((long long)khz * (1 + reps / 5)); /* 1 ms + 0.2 ms a launch queued */
+    CUDA_CHECK(cudaGetLastError());
+    CUDA_CHECK(cudaEventRecord(ev[0], g_stream));
+    for (int i = 0; i < reps; i++) {
+        launch();
+        CUDA_CHECK(cudaEventRecord(ev[i + 1], g_stream));
+    }
+    CUDA_CHECK(cudaEventSynchronize(ev[reps]));
+    std::vector<float> us(reps);
+    for (int i = 0; i < reps; i++) {
+        float ms;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+        us[i] = ms * 1000.0f;
+    }
+    for (cudaEvent_t& e : ev) CUDA_CHECK(cudaEventDestroy(e));
+    std::sort(us.begin(), us.end());
+    return us[reps / 2];
+}
+
 #endif

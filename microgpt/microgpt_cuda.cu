@@ -92,7 +92,6 @@ typedef struct {
 #define LOSS_SCALE_DEFAULT 65536.0f  /* 2^16: fp16's usual starting scale */
 #define LOSS_SCALE_MAX 16777216.0f   /* 2^24 */
 #define LOSS_SCALE_GROW_EVERY 1000
-#define LOGITS_CHUNK_BYTES ((size_t)512 << 20) /* budget for one chunk of logits (then their gradient) */
 
 /* Memory groups of the plan, in the order printed and emitted. */
 enum { G_PARAMS, G_GRADS, G_ADAM, G_WEIGHTS_LOWP, G_ACTIVATIONS, G_ACT_GRADS, G_SCRATCH, G_KV_CACHE, G_CUBLAS,
@@ -865,13 +864,8 @@ static size_t engine_setup(const Config* cfg) {
     if (layer_offset(&E.layout, 0, T_WK) != layer_offset(&E.layout, 0, T_WQ) + (size_t)E.C * E.C ||
         layer_offset(&E.layout, 0, T_WV) != layer_offset(&E.layout, 0, T_WK) + (size_t)E.C * E.C)
         die_io("internal: W_Q, W_K, W_V are not consecutive in the parameter layout");
-    {
-        size_t row_bytes = (size_t)E.Vp * E.es;
-        size_t rows = LOGITS_CHUNK_BYTES / row_bytes;
-        if (rows > 128) rows -= rows % 128; /* whole tiles for the products */
-        E.chunk = (int)(rows < 1 ? 1 : rows > (size_t)E.N ? (size_t)E.N : rows);
-        if (cfg->generate.enabled) E.chunk = 1; /* no loss: the prefill's one row of logits */
-    }
+    E.chunk = loss_chunk_rows(E.Vp, E.es, E.N);
+    if (cfg->generate.enabled) E.chunk = 1; /* no loss: the prefill's one row of logits */
     E.loss_scale = E.prec == PREC_FP16 ? LOSS_SCALE_DEFAULT : 1.0f;
 
     {

@@ -136,6 +136,36 @@ def test_attn_bench_prints_every_kernel(cuda_binary):
     assert all(r[0] == "attn_bench" and float(r[3]) > 0 for r in rows), res.stdout
 
 
+def test_lt_algos_probes_every_product_of_a_step_in_the_generators_format(cuda_binary, tmp_path):
+    """bench/lt_algos.cu at ANDREA-12M: a line per product of the step, bf16 and fp8, learnt from the
+    engine's own calls (launches a step counted), that bench/lt_table.py reads and makes a table of."""
+    import lt_table
+    made = subprocess.run(["make", "build/lt_algos"], cwd=eu.REPO, capture_output=True, text=True, timeout=900)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    res = subprocess.run([str(eu.BUILD / "lt_algos"), "12M"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    if " cc=9.0 " not in res.stdout:
+        pytest.skip("the fixed table is for compute capability 9.0 (the generator refuses others)")
+    env, products = lt_table.parse(res.stdout)
+    assert env["sms"] > 0 and env["cublaslt"] > 0
+    calls = {(p["prec"], p["key"]): p["calls"] for p in products}
+    # the products of one layer run 6 times a step; dx = dout W^T (N x C x C) by W_O's backward and
+    # the three of QKV's: 24; the classifier's, one chunk of 4096 rows, once
+    assert calls[("bf16", "bf16.bf16.bf16.plain.nt.4096x192x192.ld192.192.192")] == 24
+    assert calls[("bf16", "bf16.bf16.bf16.plain.nt.4096x50304x192.ld192.192.50304")] == 1
+    assert calls[("bf16", "bf16.bf16.fp32.plain.tn.50304x192x4096.ld50304.192.192")] == 1
+    assert calls[("bf16", "bf16.bf16.fp32.plain.tn.192x768x4096.ld192.768.768")] == 6
+    assert {p["product"] for p in products if p["prec"] == "bf16"} == {
+        "qkv_fwd", "wo_fwd", "mlp_fwd", "classifier", "mlp_bwd", "wo_bwd", "qkv_bwd"}
+    # fp8: W_O's forward and its dx share one key, as W_1's forward and W_2's dx do
+    assert calls[("fp8", "e4m3.e4m3.bf16.fp8.nt.4096x192x192.ld192.192.192")] == 12
+    assert calls[("fp8", "e4m3.e4m3.bf16.fp8.nt.4096x768x192.ld192.192.768")] == 12
+    assert len([p for p in products if p["prec"] == "fp8"]) == 9
+    assert all(p["offers"] >= 1 and p["rule_us"] > 0 and p["best_us"] > 0 for p in products)
+    (tmp_path / "lt.txt").write_text(res.stdout)
+    assert lt_table.main([str(tmp_path / "lt.txt"), "-o", str(tmp_path / "table.h")]) == 0
+
+
 # ---------------------------------------------------------------------------------------------------
 # the whole model against the CPU engine
 

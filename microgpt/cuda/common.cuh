@@ -317,13 +317,30 @@ static void cublas_shutdown(void) {
  * that a 16-bit output big enough for LT_FILL_WAVES waves of 128×128 tiles on this GPU takes the
  * first 128×128 offer: for the large 16-bit products the heuristic's first offer is often a tile
  * shape that runs slower than its 128×128 one. The offers and their speeds were probed with
- * bench/lt_algos.cu; the figures are in docs/BENCHMARKS.md. */
+ * bench/lt_algos.cu; the figures are in docs/BENCHMARKS.md.
+ *
+ * Built with -DLT_FIXED_TABLE=1, a product named in the fixed table (lt_table.h, lt_table_sm90.h:
+ * measured offline by bench/lt_algos.cu on an H200) runs the table's configuration instead, on a
+ * GPU of compute capability 9.0 with the table's multiprocessor count and cuBLASLt version, when
+ * cuBLASLt accepts it for the problem (cublasLtMatmulAlgoCheck), its workspace fits the engine's
+ * and the operands' alignments meet its minimums; anything else keeps the rule. The table is data
+ * fixed at build time, so the choice is still the same on every run (docs/DESIGN.md §3.5). */
 
 enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU, GEMM_PLAIN };
 #define GEMM_N_FUSED GEMM_PLAIN /* the fused epilogues come first */
 
 #define LT_CANDIDATES 8
 #define LT_FILL_WAVES 2
+
+#ifndef LT_FIXED_TABLE
+#define LT_FIXED_TABLE 0
+#endif
+#if LT_FIXED_TABLE
+#ifndef LT_TABLE_HEADER /* another table: -DLT_TABLE_HEADER='"path.h"' -Imicrogpt/cuda (for its lt_table.h) */
+#define LT_TABLE_HEADER "lt_table_sm90.h"
+#endif
+#include LT_TABLE_HEADER
+#endif
 
 /* One operand of a product, as it lies in memory: row-major, `ld` elements from one row to the
  * next, `stride` elements from one matrix of a batch to the next (0: the same matrix for every
@@ -369,6 +386,8 @@ struct LtKey {
     unsigned align_a, align_b, align_c, align_d, align_aux;
 };
 
+#define LT_NAME_MAX 128
+
 /* A problem's descriptors and algorithm, made once (descriptor creation and the heuristic cost
  * microseconds of host time; the captured step does not pay them, uncaptured calls would). */
 struct LtPlan {
@@ -376,7 +395,11 @@ struct LtPlan {
     bool ok; /* an algorithm exists */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t a, b, d;
-    cublasLtMatmulAlgo_t algo;
+    unsigned align[4];           /* of cuBLASLt's A, B, C, D (our B, A, C, D), in bytes */
+    char name[LT_NAME_MAX];      /* lt_key_name: the fixed table's key */
+    cublasLtMatmulAlgo_t rule;   /* the rule's choice */
+    cublasLtMatmulAlgo_t algo;   /* what runs: the fixed table's where it applies, else the rule's */
+    bool fixed;                  /* algo is the table's */
 };
 
 #define LT_MAX_PLANS 256
@@ -452,19 +475,137 @@ static int lt_choose(const LtKey* key, const cublasLtMatmulHeuristicResult_t* re
 }
 
 /* The heuristic's first offers (up to n, *found of them) for the descriptors of p, with the fixed
- * workspace and the operands' alignments in cuBLASLt's order (its A, B, C, D). */
-static cublasStatus_t lt_heuristic(const LtPlan* p, unsigned align_a, unsigned align_b, unsigned align_c,
-                                   unsigned align_d, int n, cublasLtMatmulHeuristicResult_t* res, int* found) {
+ * workspace and the operands' alignments p->align. */
+static cublasStatus_t lt_heuristic(const LtPlan* p, int n, cublasLtMatmulHeuristicResult_t* res, int* found) {
     cublasLtMatmulPreference_t pref;
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     uint64_t ws = g_gemm_workspace_bytes;
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a);
-    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
-    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
-    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
+    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, p->align[0]);
+    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, p->align[1]);
+    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, p->align[2]);
+    lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, p->align[3]);
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g_cublaslt, p->desc, p->a, p->b, p->d, p->d, pref, n, res, found);
     CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+    return st;
+}
+
+static const char* lt_type_name(cudaDataType_t t) {
+    switch (t) {
+    case CUDA_R_32F: return "fp32";
+    case CUDA_R_16BF: return "bf16";
+    case CUDA_R_16F: return "fp16";
+    case CUDA_R_8F_E4M3: return "e4m3";
+    case CUDA_R_8F_E5M2: return "e5m2";
+    default: return "type?";
+    }
+}
+
+static const char* const g_gemm_epilogue_names[GEMM_PLAIN + 1] = {"residual", "gelu_aux", "dgelu", "plain"};
+
+/* The name of a product in the fixed table (lt_table.h), one token: the types of A, B and D, the
+ * epilogue, whether A and B are transposed, M x N x K, the leading dimensions of A, B, D, and, for
+ * a batch, its size and the three strides. For example bf16.bf16.bf16.gelu_aux.nn.8192x3072x768.ld768.3072.3072 */
+static void lt_key_name(char* out, cudaDataType_t a, cudaDataType_t b, cudaDataType_t d, const char* epilogue, bool ta,
+                        bool tb, int M, int N, int K, int lda, int ldb, int ldd, int batch, long long sa, long long sb,
+                        long long sd) {
+    int n = snprintf(out, LT_NAME_MAX, "%s.%s.%s.%s.%c%c.%dx%dx%d.ld%d.%d.%d", lt_type_name(a), lt_type_name(b),
+                     lt_type_name(d), epilogue, ta ? 't' : 'n', tb ? 't' : 'n', M, N, K, lda, ldb, ldd);
+    if (batch > 1 && n > 0 && n < LT_NAME_MAX)
+        snprintf(out + n, LT_NAME_MAX - n, ".b%d.s%lld.%lld.%lld", batch, sa, sb, sd);
+}
+
+/* Whether the fixed table was measured on a GPU like this one, with this cuBLASLt (asked once). */
+static bool lt_table_applies(void) {
+#if LT_FIXED_TABLE
+    static int applies = -1;
+    if (applies < 0) {
+        int dev, major, minor;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+        applies = major == 9 && minor == 0 && lt_sm_count() == LT_TABLE_SM_COUNT &&
+                  cublasLtGetVersion() == (size_t)LT_TABLE_CUBLASLT_VERSION;
+    }
+    return applies == 1;
+#else
+    return false;
+#endif
+}
+
+static bool lt_config_set(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAttributes_t attr, const void* v,
+                          size_t n) {
+    return cublasLtMatmulAlgoConfigSetAttribute(algo, attr, v, n) == CUBLAS_STATUS_SUCCESS;
+}
+
+/* The table's algorithm for p (by its name) rebuilt into *algo: true when the table has one that
+ * cuBLASLt accepts for p's descriptors, with a workspace that fits the engine's and alignment
+ * minimums that p's operands meet; false leaves *algo alone. */
+static bool lt_fixed_algo(const LtPlan* p, cublasLtMatmulAlgo_t* algo) {
+#if LT_FIXED_TABLE
+    if (!lt_table_applies()) return false;
+    const LtTableEntry* e = lt_table_find(g_lt_table, p->name);
+    if (!e) return false;
+    cublasComputeType_t compute;
+    cudaDataType_t scale, type[4]; /* cuBLASLt's A, B, C (= D's layout), D */
+    size_t got;
+    CUBLAS_CHECK(cublasLtMatmulDescGetAttribute(p->desc, CUBLASLT_MATMUL_DESC_COMPUTE_TYPE, &compute, sizeof compute, &got));
+    CUBLAS_CHECK(cublasLtMatmulDescGetAttribute(p->desc, CUBLASLT_MATMUL_DESC_SCALE_TYPE, &scale, sizeof scale, &got));
+    const cublasLtMatrixLayout_t layouts[4] = {p->a, p->b, p->d, p->d};
+    for (int i = 0; i < 4; i++)
+        CUBLAS_CHECK(cublasLtMatrixLayoutGetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_TYPE, &type[i], sizeof type[i], &got));
+    cublasLtMatmulAlgo_t a;
+    if (cublasLtMatmulAlgoInit(g_cublaslt, compute, scale, type[0], type[1], type[2], type[3], e->algo_id, &a) !=
+        CUBLAS_STATUS_SUCCESS)
+        return false;
+    uint32_t tile = e->tile, stages = e->stages, reduction = e->reduction, swizzle = e->swizzle, custom = e->custom;
+    int32_t splitk = e->splitk;
+    uint16_t inner = (uint16_t)e->inner_shape, cluster = (uint16_t)e->cluster_shape;
+    if (!lt_config_set(&a, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof tile) ||
+        !lt_config_set(&a, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof stages) ||
+        !lt_config_set(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk) ||
+        !lt_config_set(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction, sizeof reduction) ||
+        !lt_config_set(&a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swizzle, sizeof swizzle) ||
+        !lt_config_set(&a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &custom, sizeof custom) ||
+        !lt_config_set(&a, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, &inner, sizeof inner) ||
+        !lt_config_set(&a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof cluster))
+        return false;
+    cublasLtMatmulHeuristicResult_t check;
+    if (cublasLtMatmulAlgoCheck(g_cublaslt, p->desc, p->a, p->b, p->d, p->d, &a, &check) != CUBLAS_STATUS_SUCCESS ||
+        check.workspaceSize > g_gemm_workspace_bytes)
+        return false;
+    static const cublasLtMatmulAlgoCapAttributes_t min_align[4] = {
+        CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_A_BYTES, CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_C_BYTES, CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4; i++) {
+        uint32_t need = 0;
+        if (cublasLtMatmulAlgoCapGetAttribute(&a, min_align[i], &need, sizeof need, &got) != CUBLAS_STATUS_SUCCESS ||
+            p->align[i] < need)
+            return false;
+    }
+    *algo = a;
+    return true;
+#else
+    (void)p;
+    (void)algo;
+    return false;
+#endif
+}
+
+/* p's algorithm from its descriptors: the rule (lt_choose over the heuristic's first LT_CANDIDATES
+ * offers; rule_key NULL: the heuristic's first offer, asked for alone), then the fixed table where
+ * it applies. Returns the heuristic's status; p->ok says whether an algorithm exists. */
+static cublasStatus_t lt_plan_algo(LtPlan* p, const LtKey* rule_key) {
+    cublasLtMatmulHeuristicResult_t res[LT_CANDIDATES];
+    int found = 0;
+    cublasStatus_t st = lt_heuristic(p, rule_key ? LT_CANDIDATES : 1, res, &found);
+    p->ok = st == CUBLAS_STATUS_SUCCESS && found > 0;
+    p->fixed = false;
+    if (!p->ok) return st;
+    p->rule = res[rule_key ? lt_choose(rule_key, res, found) : 0].algo;
+    p->algo = p->rule;
+    p->fixed = lt_fixed_algo(p, &p->algo);
+    if (p->fixed) fprintf(stderr, "note: cuBLASLt product %s runs the fixed table's algorithm\n", p->name);
     return st;
 }
 
@@ -489,13 +630,11 @@ static void lt_plan_make(LtPlan* p, const LtKey* key, const void* aux) {
     p->a = lt_layout(ab, key->tb ? key->N : key->K, key->tb ? key->K : key->N, key->ldb, key->batch, key->stride_b);
     p->b = lt_layout(ab, key->ta ? key->K : key->M, key->ta ? key->M : key->K, key->lda, key->batch, key->stride_a);
     p->d = lt_layout(dt, key->M, key->N, key->ldd, key->batch, key->stride_d);
-
-    cublasLtMatmulHeuristicResult_t res[LT_CANDIDATES];
-    int found = 0;
-    cublasStatus_t st = lt_heuristic(p, key->align_b, key->align_a, key->align_c, key->align_d, LT_CANDIDATES, res, &found);
+    p->align[0] = key->align_b, p->align[1] = key->align_a, p->align[2] = key->align_c, p->align[3] = key->align_d;
+    lt_key_name(p->name, ab, ab, dt, g_gemm_epilogue_names[key->epilogue], key->ta, key->tb, key->M, key->N, key->K,
+                key->lda, key->ldb, key->ldd, key->batch, key->stride_a, key->stride_b, key->stride_d);
+    cublasStatus_t st = lt_plan_algo(p, key);
     if (st != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(st);
-    p->ok = st == CUBLAS_STATUS_SUCCESS && found > 0;
-    if (p->ok) p->algo = res[lt_choose(key, res, found)].algo;
 }
 
 static LtPlan* lt_plan(const LtKey* key, const void* aux) {
@@ -506,6 +645,10 @@ static LtPlan* lt_plan(const LtKey* key, const void* aux) {
     lt_plan_make(p, key, aux);
     return p;
 }
+
+/* Called, when set, with every cuBLASLt product before it runs (its plan, operands and C): how
+ * bench/lt_algos.cu learns the engine's products from the engine's own calls. NULL in the engine. */
+static void (*g_lt_watch)(LtPlan* p, const Gemm& g, const void* C, const void* aux) = NULL;
 
 /* D = epilogue(alpha op(A) op(B) + beta C) through cuBLASLt, as at the top of this section (C, when
  * beta != 0, has D's layout; it may be D itself). Returns false, having done nothing, when
@@ -521,6 +664,7 @@ static bool lt_matmul(const Gemm& g, GemmEpilogue epilogue, const void* C, const
     key.align_c = lt_alignment(C), key.align_aux = aux ? lt_alignment(aux) : 0;
     LtPlan* p = lt_plan(&key, aux);
     if (!p->ok) return false;
+    if (g_lt_watch) g_lt_watch(p, g, C, aux);
     if (aux) lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);
     CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &g.alpha, g.B.p, p->a, g.A.p, p->b, &g.beta, C, p->d,
                                 (void*)g.D.p, p->d, &p->algo, g_gemm_workspace, g_gemm_workspace_bytes, g_stream));

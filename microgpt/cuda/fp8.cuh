@@ -272,8 +272,9 @@ static void fp8_plans_clear(void) {
     g_fp8_n_plans = 0;
 }
 
-/* Descriptors and the heuristic's first algorithm for `key`; no algorithm is an error (the shape
- * checks of engine_setup should have refused the config first). */
+/* Descriptors and the algorithm for `key`: the heuristic's first offer, or the fixed table's
+ * (common.cuh); no algorithm is an error (the shape checks of engine_setup should have refused the
+ * config first). */
 static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
     cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
     cudaDataType_t dt = (cudaDataType_t)key->d_type;
@@ -285,10 +286,13 @@ static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
     lt->a = lt_layout(fp8_dtype(key->b_fmt), key->N, key->K, key->K, key->batch, key->stride_b);
     lt->b = lt_layout(fp8_dtype(key->a_fmt), key->M, key->K, key->K, key->batch, key->stride_a);
     lt->d = lt_layout(dt, key->M, key->N, key->N, key->batch, key->stride_d);
-    cublasLtMatmulHeuristicResult_t res;
-    int found = 0;
-    cublasStatus_t st = lt_heuristic(lt, key->align_b, key->align_a, key->align_c, key->align_d, 1, &res, &found);
-    if (st != CUBLAS_STATUS_SUCCESS || found < 1) {
+    lt->align[0] = key->align_b, lt->align[1] = key->align_a, lt->align[2] = key->align_c, lt->align[3] = key->align_d;
+    /* in gemm's terms: A [M,K] as it is, B^T [N,K] read transposed; D plain or the residual join
+     * (the same descriptors: one plan serves both) */
+    lt_key_name(lt->name, fp8_dtype(key->a_fmt), fp8_dtype(key->b_fmt), dt, "fp8", false, true, key->M, key->N, key->K,
+                key->K, key->K, key->N, key->batch, key->stride_a, key->stride_b, key->stride_d);
+    cublasStatus_t st = lt_plan_algo(lt, NULL);
+    if (!lt->ok) {
         fprintf(stderr,
                 "error: cuBLASLt has no FP8 algorithm for D[%d,%d] (%s) = A[%d,%d] (%s) B[%d,%d] (%s), batch %d "
                 "(status %d); FP8 products need K a multiple of 16 and 16-byte aligned operands\n",
@@ -296,8 +300,6 @@ static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
                 key->K, key->N, key->b_fmt ? "e5m2" : "e4m3", key->batch, (int)st);
         exit(1);
     }
-    lt->algo = res.algo;
-    lt->ok = true;
 }
 
 static Fp8GemmPlan* fp8_plan(const Fp8GemmKey* key) {
@@ -343,6 +345,12 @@ static void fp8_gemm(int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD* D, const TD* 
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_descale, sizeof a_descale);
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_descale, sizeof b_descale);
     float alpha = 1.0f;
+    if (g_lt_watch) {
+        Mat a = {A.p, fp8_dtype(A.fmt), K, A.stride, false}, b = {Bt.p, fp8_dtype(Bt.fmt), K, Bt.stride, true};
+        Mat d = {D, TypeInfo<TD>::dtype, N, stride_d, false};
+        Gemm g = {M, N, K, batch, a, b, d, alpha, beta};
+        g_lt_watch(p, g, C ? (const void*)C : D, NULL);
+    }
     CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &alpha, Bt.p, p->a, A.p, p->b, &beta, C ? (const void*)C : D,
                                 p->d, D, p->d, &p->algo, g_gemm_workspace, g_gemm_workspace_bytes, g_stream));
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());

@@ -43,6 +43,15 @@
 #include "matmul.cuh"
 
 #define LOSS_THREADS 1024
+#define LOGITS_CHUNK_BYTES ((size_t)512 << 20) /* budget for one chunk of logits (then their gradient) */
+
+/* Logits rows per chunk of the N positions, rows of Vp elements of elem_bytes each: as many as
+ * LOGITS_CHUNK_BYTES holds, whole 128-row tiles for the products, at most N. */
+static int loss_chunk_rows(int Vp, size_t elem_bytes, int N) {
+    size_t rows = LOGITS_CHUNK_BYTES / ((size_t)Vp * elem_bytes);
+    if (rows > 128) rows -= rows % 128;
+    return (int)(rows < 1 ? 1 : rows > (size_t)N ? (size_t)N : rows);
+}
 
 #ifndef LOSS_ROWS_VARIANT
 #define LOSS_ROWS_VARIANT 0
