@@ -11,8 +11,12 @@ NVCCFLAGS = -O3 -std=c++17 -Xcompiler -fopenmp,-ffp-contract=off,-Wall
 NVLDLIBS  = -lcublas -lcublasLt -lgomp -lm
 # Compile-time candidates for A/B runs, e.g. make KERNEL_VARIANTS="-DNEW_IDEA=1" (a -D macro a
 # change adds beside the current code; bench/attn-variants.sh compares flash-attention builds).
-# make does not track flags: run `make clean` before building with other flags.
+# make does not track flags: run `make clean` before building with other flags, or build the
+# variant's binaries beside the default ones under other names: VARIANT_SUFFIX names them
+# (build/microgpt_cuda$(VARIANT_SUFFIX), build/kernel_check$(VARIANT_SUFFIX), build/attn_bench$(VARIANT_SUFFIX);
+# make -B, as flags are not tracked). bench/attn-variants.sh and bench/pdl-ab.sh build variants so.
 NVCCFLAGS += $(KERNEL_VARIANTS)
+VARIANT_SUFFIX ?=
 PYTHON   ?= python3
 
 HOST_HEADERS := $(wildcard microgpt/host/*.h)
@@ -58,29 +62,24 @@ cuda: build/microgpt_cuda
 build/microgpt_cpu: microgpt/microgpt_cpu.c $(HOST_HEADERS) $(CPU_HEADERS) | build
 	$(CC) $(CFLAGS) -o $@ microgpt/microgpt_cpu.c $(LDLIBS)
 
-build/microgpt_cuda: microgpt/microgpt_cuda.cu $(HOST_HEADERS) $(CUDA_HEADERS) $(CPU_HEADERS) | build
+build/microgpt_cuda$(VARIANT_SUFFIX): microgpt/microgpt_cuda.cu $(HOST_HEADERS) $(CUDA_HEADERS) $(CPU_HEADERS) | build
 	@test -n "$(HAVE_NVCC)" || { echo "error: $(NVCC) not found on PATH (install the CUDA toolkit, 12 or 13)"; exit 1; }
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ microgpt/microgpt_cuda.cu $(NVLDLIBS)
 
 # GPU-vs-CPU check of every kernel pair (tests/kernel_check.cu); run by tests/test_gpu.py
 kernel-check: build/kernel_check
 
-# A/B builds of the flash-attention kernels (microgpt/cuda/attention.cuh built with other -D flags,
-# through KERNEL_VARIANTS): ATTN_SUFFIX names a build's pair of binaries (build/kernel_check$(ATTN_SUFFIX),
-# build/attn_bench$(ATTN_SUFFIX)); bench/attn-variants.sh builds and compares them.
-ATTN_SUFFIX ?=
-
-build/kernel_check$(ATTN_SUFFIX): tests/kernel_check.cu $(CUDA_HEADERS) $(CPU_HEADERS) | build
+build/kernel_check$(VARIANT_SUFFIX): tests/kernel_check.cu $(CUDA_HEADERS) $(CPU_HEADERS) | build
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ tests/kernel_check.cu $(NVLDLIBS)
 
 # flash-attention kernel times (bench/attn_bench.cu); a measurement tool, not part of `make`
-build/attn_bench$(ATTN_SUFFIX): bench/attn_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
+build/attn_bench$(VARIANT_SUFFIX): bench/attn_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/attn_bench.cu $(NVLDLIBS)
 
 # Timing of the row and element-wise kernels alone (bench/rowk_bench.cu; a tool, run by people)
 rowk-bench: build/rowk_bench
 
-build/rowk_bench: bench/rowk_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
+build/rowk_bench$(VARIANT_SUFFIX): bench/rowk_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/rowk_bench.cu $(NVLDLIBS)
 
 # cuBLASLt's offers against the engine's rule for every product of a step (bench/lt_algos.cu; a

@@ -7,7 +7,7 @@
 #   e.g. bench/attn-variants.sh "wide=-DFA_NEW_IDEA=1" "wide2=-DFA_NEW_IDEA=2 -DFA_OTHER=1"
 #
 # The build `default` (no flags) always comes first. Per build NAME: build/kernel_check_NAME and
-# build/attn_bench_NAME (built in parallel, the Makefile's KERNEL_VARIANTS / ATTN_SUFFIX), then
+# build/attn_bench_NAME (built in parallel, the Makefile's KERNEL_VARIANTS / VARIANT_SUFFIX), then
 # `kernel_check_NAME --only attn` (the attention pair at every checked shape, fp32/bf16/fp16, one
 # fixed seed for all builds) and attn_bench_NAME. Logs in $OUT/build-NAME.log, $OUT/check-NAME.log,
 # $OUT/bench-NAME.log; at the end a table, one row per build: µs per kernel launch (one layer) of
@@ -31,7 +31,7 @@ pids=()
 for b in "${BUILDS[@]}"; do
     name=${b%%|*} flags=${b#*|}
     # -B: a build's binaries are remade even when an older build of other flags is newer than the sources
-    make -B ATTN_SUFFIX="_$name" KERNEL_VARIANTS="$flags" "build/kernel_check_$name" "build/attn_bench_$name" \
+    make -B VARIANT_SUFFIX="_$name" KERNEL_VARIANTS="$flags" "build/kernel_check_$name" "build/attn_bench_$name" \
         >"$OUT/build-$name.log" 2>&1 &
     pids+=($!)
 done

@@ -885,6 +885,10 @@ static size_t engine_setup(const Config* cfg) {
         if (E.prec == PREC_BF16 && p.major < 8) die_input("train.precision bf16 needs compute capability 8.0 or newer");
     }
     CUDA_CHECK(cudaSetDevice(dist_device())); /* LOCAL_RANK's GPU (docs/DESIGN.md §17) */
+    if (USE_PDL) /* a -DUSE_PDL=1 build says whether this GPU takes it (docs/DESIGN.md §9) */
+        info("kernel launches: %s", pdl_enabled() ? "programmatic dependent launch"
+                                                  : "ordinary (programmatic dependent launch needs a GPU of compute "
+                                                    "capability 9.0 and kernels compiled for it)");
     CUDA_CHECK(cudaFree(0)); /* create the context now, so the free-memory figure below accounts for it */
     CUDA_CHECK(cudaStreamCreate(&g_stream));
     CUBLAS_CHECK(cublasCreate(&g_cublas));

@@ -48,16 +48,40 @@ M12=(--model.n_layer 6 --model.d_model 192 --model.n_head 6 --model.d_ff 768 --m
 # shellcheck disable=SC2034
 M120=(--model.n_layer 12 --model.d_model 768 --model.n_head 12 --model.d_ff 3072 --model.seq_len 1024)
 
-# timing_run STEPS NAME PRECISION SHAPE-ARGS...: STEPS training steps of the CUDA engine on the random
-# tokens of make_shard's "big" shard, at the shape given with ANDREA's vocabulary and batch 8, a
-# sixth of them warmup; the step records go to $DATA/NAME.jsonl. $ENGINE: the engine binary
-# (default build/microgpt_cuda; bench/engine-ab.sh times other builds).
+# timing_run STEPS NAME PRECISION SHAPE-ARGS...: STEPS training steps of the CUDA engine ($ENGINE_BIN,
+# default build/microgpt_cuda) on the random tokens of make_shard's "big" shard, at the shape given
+# with ANDREA's vocabulary and batch 8, a sixth of them warmup; the step records go to $DATA/NAME.jsonl.
 timing_run() {
     local steps=$1 name=$2 prec=$3
     shift 3
-    run_cmd 240 "${ENGINE:-build/microgpt_cuda}" --name "$name" "$@" --model.vocab_size 50259 --model.padded_vocab_size 50304 \
+    run_cmd 240 "${ENGINE_BIN:-build/microgpt_cuda}" --name "$name" "$@" --model.vocab_size 50259 --model.padded_vocab_size 50304 \
         --train.batch_size 8 --train.steps "$steps" --train.warmup_steps $((steps / 6)) --train.precision "$prec" \
         --data.train "$DATA/big_*.bin" > "$DATA/$name.jsonl"
+}
+
+# Median ms/step (after 10 warm-up steps) and the loss of the runs NAME... ($DATA/NAME.jsonl) into $1.
+summarise() {
+    "$PY" - "$DATA" "$@" <<'EOF'
+import json, math, statistics, sys
+from pathlib import Path
+data, out, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+rows, bad = [], []
+for name in names:
+    recs = [json.loads(l) for l in (data / f"{name}.jsonl").read_text().splitlines() if l.startswith("{")]
+    steps = [r for r in recs if "loss" in r and "event" not in r]
+    vals = [{"step": r["step"], "val_loss": r["val_loss"]} for r in recs if "val_loss" in r]
+    ms = [r["ms"] for r in steps[10:]]
+    row = {"run": name, "steps": len(steps), "ms_per_step_median": round(statistics.median(ms), 3) if ms else None,
+           "first_loss": steps[0]["loss"] if steps else None, "last_loss": steps[-1]["loss"] if steps else None,
+           "val": vals}
+    rows.append(row)
+    if not steps or not all(math.isfinite(r["loss"]) for r in steps):
+        bad.append(name)
+    print(f"{name:14s} {row['steps']:4d} steps  {row['ms_per_step_median']} ms/step  loss {row['first_loss']} -> "
+          f"{row['last_loss']}  val {[v['val_loss'] for v in vals]}")
+Path(out).write_text(json.dumps(rows, indent=1))
+sys.exit(1 if bad else 0)
+EOF
 }
 
 gpu_arch() { nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .'; }

@@ -78,31 +78,6 @@ stage_sanitizer() {
 
 VOCAB=(--model.vocab_size 50259 --model.padded_vocab_size 50304 --train.batch_size 8)
 
-# Median ms/step (after 10 warm-up steps) and the loss of the runs NAME... ($DATA/NAME.jsonl) into $1.
-summarise() {
-    "$PY" - "$DATA" "$@" <<'EOF'
-import json, math, statistics, sys
-from pathlib import Path
-data, out, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-rows, bad = [], []
-for name in names:
-    recs = [json.loads(l) for l in (data / f"{name}.jsonl").read_text().splitlines() if l.startswith("{")]
-    steps = [r for r in recs if "loss" in r and "event" not in r]
-    vals = [{"step": r["step"], "val_loss": r["val_loss"]} for r in recs if "val_loss" in r]
-    ms = [r["ms"] for r in steps[10:]]
-    row = {"run": name, "steps": len(steps), "ms_per_step_median": round(statistics.median(ms), 3) if ms else None,
-           "first_loss": steps[0]["loss"] if steps else None, "last_loss": steps[-1]["loss"] if steps else None,
-           "val": vals}
-    rows.append(row)
-    if not steps or not all(math.isfinite(r["loss"]) for r in steps):
-        bad.append(name)
-    print(f"{name:14s} {row['steps']:4d} steps  {row['ms_per_step_median']} ms/step  loss {row['first_loss']} -> "
-          f"{row['last_loss']}  val {[v['val_loss'] for v in vals]}")
-Path(out).write_text(json.dumps(rows, indent=1))
-sys.exit(1 if bad else 0)
-EOF
-}
-
 stage_timing() {
     local rc=0
     make_shard big 50257 3000000 || return 1

@@ -1357,11 +1357,15 @@ int main(int argc, char** argv) {
     }
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)\n", p.name, p.major, p.minor,
-           (unsigned long long)seed, (unsigned long long)seed);
+    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s\n", p.name, p.major, p.minor,
+           (unsigned long long)seed, (unsigned long long)seed,
+           pdl_enabled() ? ", programmatic dependent launch" : "");
     g_state = seed;
     void* ws = dalloc(CUBLAS_WORKSPACE_BYTES);
     g_allocs.clear(); /* the workspace lives for the whole run */
+    /* a stream of its own, as the engine's: the launches are the engine's, programmatic ones included
+     * (a blocking stream, so the legacy stream's copies and kernels here stay in order with it) */
+    CUDA_CHECK(cudaStreamCreate(&g_stream));
     cublas_init(ws, CUBLAS_WORKSPACE_BYTES);
 
     if (only_attn) {
@@ -1384,6 +1388,7 @@ int main(int argc, char** argv) {
     }
 
     cublas_shutdown();
+    CUDA_CHECK(cudaStreamDestroy(g_stream));
     CUDA_CHECK(cudaFree(ws));
     printf("kernel_check: %d checks, %d failed (seed %llu)\n", g_checks, g_failed, (unsigned long long)seed);
     return g_failed ? 1 : 0;

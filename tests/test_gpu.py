@@ -16,6 +16,9 @@ What is compared, and how tightly (relative, normwise per tensor):
   * exact resume after SIGTERM in bf16, fp16 and fp8 (fp32 resume, SIGUSR1 and device memory are
     also run on the GPU by tests/test_engine.py through its `engine` fixture), fp16 overflow
     handling, the memory plan, and the refusal of shapes FP8 products cannot contract;
+  * the engine built with -DUSE_PDL=1 (programmatic dependent launch, docs/DESIGN.md §9): its
+    kernel_check, and its records and checkpoint bit for bit against the default build's, as graphs,
+    launch by launch and synchronised after every launch;
   * precision fp8 against the CPU engine's fp8 emulation (docs/DESIGN.md §18): loss within 2e-2, and
     each gradient tensor within 5e-2 + 3x that tensor's fp8 noise (its CPU fp8 vs CPU fp32 distance,
     measured 0.07-0.11 for the linear weights of these shapes), at most 0.5. The emulation casts the
@@ -317,6 +320,53 @@ def test_same_bits_as_the_baseline_build(cuda_binary, random_shards, tmp_path, p
     assert len([k for k in runs["tested"][0] if k[0] == "train"]) == 4
     assert runs["tested"][0] == runs["baseline"][0], "records differ from the baseline build's"
     assert runs["tested"][1] == runs["baseline"][1], "checkpoint differs from the baseline build's"
+
+
+@pytest.fixture(scope="module")
+def pdl_build(cuda_binary):
+    """The engine and kernel_check built with -DUSE_PDL=1 (programmatic dependent launch, docs/DESIGN.md
+    §9) beside the default ones: build/microgpt_cuda_pdl, build/kernel_check_pdl."""
+    if OVERRIDE_ENGINE:
+        pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the USE_PDL variant is built from source")
+    engine, check = eu.BUILD / "microgpt_cuda_pdl", eu.BUILD / "kernel_check_pdl"
+    targets = [str(engine.relative_to(eu.REPO)), str(check.relative_to(eu.REPO))]
+    made = subprocess.run(["make", "-B", "-j2", "VARIANT_SUFFIX=_pdl", "KERNEL_VARIANTS=-DUSE_PDL=1", *targets],
+                          cwd=eu.REPO, capture_output=True, text=True, timeout=900)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    return engine, check
+
+
+def test_pdl_build_passes_kernel_check(pdl_build):
+    """kernel_check launches through the engine's launch helper: with USE_PDL on a 9.0+ GPU every kernel
+    is a programmatic launch, and every check must still pass."""
+    res = subprocess.run([str(pdl_build[1])], capture_output=True, text=True, timeout=600)
+    failed = [l for l in res.stdout.splitlines() if l.startswith("FAIL")]
+    assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
+    banner = res.stdout.splitlines()[0]
+    major = int(re.search(r"\(cc (\d+)\.\d+\)", banner).group(1))
+    assert (", programmatic dependent launch" in banner) == (major >= 9), banner
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_pdl_build_gives_the_same_bits_as_the_default_build(cuda_binary, pdl_build, random_shards, tmp_path,
+                                                            precision):
+    """Programmatic dependent launch changes when kernels start, never what they compute: the USE_PDL
+    engine's records and checkpoint, as replayed graphs (programmatic edges), launch by launch (a
+    programmatic stream) and synchronised after every launch, must equal the default build's, bit for
+    bit. Training, validation and sampling (prefill and the decode graphs) all run."""
+    args = tiny_args(random_shards.train, random_shards.val, **{
+        **FP8_SHAPES["odd"], "train.precision": precision, "train.steps": 4, "train.grad_accum": 2, "train.lr": 3e-3,
+        "train.warmup_steps": 2, "eval.every": 2, "eval.batches": 2, "sample.every": 4, "sample.tokens": 5,
+        "sample.prompt": ["1,2"]})
+    ref_ckpt = tmp_path / "default.ckpt"
+    ref = run_ok(cuda_binary, args + ["--checkpoint", ref_ckpt])
+    assert len([k for k in eu.exact_records(ref) if k[0] == "train"]) == 4
+    for mode, env in (("graph", {}), ("eager", {"ANDREA_NO_GRAPH": "1"}), ("sync", {"ANDREA_CUDA_SYNC": "1"})):
+        ckpt = tmp_path / f"pdl-{mode}.ckpt"
+        res = run_ok(pdl_build[0], args + ["--checkpoint", ckpt], env=env)
+        assert "kernel launches: " in res.stderr, res.stderr[-2000:]
+        assert eu.exact_records(res) == eu.exact_records(ref), f"USE_PDL {mode} run differs from the default build's"
+        assert ckpt.read_bytes() == ref_ckpt.read_bytes(), f"USE_PDL {mode} run's checkpoint differs"
 
 
 def test_memory_plan_and_constant_device_memory(cuda_binary, random_shards):

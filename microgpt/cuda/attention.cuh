@@ -88,6 +88,7 @@ static void attn_qkv_bwd(T* dx, float* dw_qkv, const T* dqkv, const T* x, const 
 /* P = softmax(S) per row; lse[row] = log sum_j<=i exp(S[row, j]). */
 template <typename T>
 __global__ void k_attn_softmax_fwd(T* P, float* lse, const float* S, int n_rows, int T_) {
+    await_previous_kernel();
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
     if (row >= n_rows) return;
@@ -107,6 +108,7 @@ __global__ void k_attn_softmax_fwd(T* P, float* lse, const float* S, int n_rows,
 /* The backward's P: the same expf(s - lse) from the same S and the saved lse, so identical bits. */
 template <typename T>
 __global__ void k_attn_probs(T* P, const float* lse, const float* S, int n_rows, int T_) {
+    await_previous_kernel();
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
     if (row >= n_rows) return;
@@ -122,6 +124,7 @@ __global__ void k_attn_probs(T* P, const float* lse, const float* S, int n_rows,
  * written, and P itself is never read here. */
 template <typename T>
 __global__ void k_attn_softmax_bwd(T* dS, const float* dP, const float* lse, const float* S, int n_rows, int T_) {
+    await_previous_kernel();
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
     if (row >= n_rows) return;
@@ -156,9 +159,8 @@ static void attn_fwd_cublas(T* out, float* lse, const T* q, const T* k, const T*
     for (int b = 0; b < B; b++) {
         size_t off = (size_t)b * T_ * C;
         attn_scores(sc.S, q + off, k + off, T_, C, H);
-        k_attn_softmax_fwd<T><<<ceil_div(n_rows, ATTN_WARPS), 32 * ATTN_WARPS, 0, g_stream>>>(
-            sc.P, lse + (size_t)b * n_rows, sc.S, n_rows, T_);
-        LAUNCH_CHECK();
+        launch_kernel(k_attn_softmax_fwd<T>, ceil_div(n_rows, ATTN_WARPS), 32 * ATTN_WARPS, sc.P,
+                      lse + (size_t)b * n_rows, sc.S, n_rows, T_);
         /* out_h = P_h v_h */
         gemm(T_, hs, T_, mat(sc.P, T_, (long long)T_ * T_), mat(v + off, C, hs), mat(out + off, C, hs), 1.0f, 0.0f, H);
     }
@@ -175,15 +177,13 @@ static void attn_bwd_cublas(T* dq, T* dk, T* dv, const T* dout, const float* lse
         size_t off = (size_t)b * T_ * C;
         const float* lse_b = lse + (size_t)b * n_rows;
         attn_scores(sc.S, q + off, k + off, T_, C, H);
-        k_attn_probs<T><<<grid, 32 * ATTN_WARPS, 0, g_stream>>>(sc.P, lse_b, sc.S, n_rows, T_);
-        LAUNCH_CHECK();
+        launch_kernel(k_attn_probs<T>, grid, 32 * ATTN_WARPS, sc.P, lse_b, sc.S, n_rows, T_);
         /* dP_h = dout_h v_h^T (fp32) */
         gemm(T_, T_, hs, mat(dout + off, C, hs), mat_t(v + off, C, hs), mat(sc.dP, T_, tt), 1.0f, 0.0f, H);
         /* dv_h = P_h^T dout_h */
         gemm(T_, hs, T_, mat_t(sc.P, T_, tt), mat(dout + off, C, hs), mat(dv + off, C, hs), 1.0f, 0.0f, H);
         /* dS into the P buffer (P is no longer needed) */
-        k_attn_softmax_bwd<T><<<grid, 32 * ATTN_WARPS, 0, g_stream>>>(sc.P, sc.dP, lse_b, sc.S, n_rows, T_);
-        LAUNCH_CHECK();
+        launch_kernel(k_attn_softmax_bwd<T>, grid, 32 * ATTN_WARPS, sc.P, sc.dP, lse_b, sc.S, n_rows, T_);
         /* scores were scale * q k^T: dq_h = scale dS_h k_h ; dk_h = scale dS_h^T q_h */
         gemm(T_, hs, T_, mat(sc.P, T_, tt), mat(k + off, C, hs), mat(dq + off, C, hs), scale, 0.0f, H);
         gemm(T_, hs, T_, mat_t(sc.P, T_, tt), mat(q + off, C, hs), mat(dk + off, C, hs), scale, 0.0f, H);
@@ -537,6 +537,7 @@ template <typename T, int D, bool AMAX>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
     k_attn_fwd(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2,
                unsigned* amax_bits) {
+    await_previous_kernel();
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
     __shared__ __align__(16) T vs[2][FA_TILE * Fa<D>::LD];
     int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -600,6 +601,7 @@ template <typename T, int D, bool AMAX>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     k_attn_bwd_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q,
                    const T* k, const T* v, int T_, int C, int H, float scale, float sl2, unsigned* amax_bits) {
+    await_previous_kernel();
     /* double-buffered: query tile qt in [(qt - kt) & 1], with its lse (base 2) and delta */
     __shared__ __align__(16) T qs[2][FA_TILE * Fa<D>::LD];
     __shared__ __align__(16) T dos[2][FA_TILE * Fa<D>::LD];
@@ -703,6 +705,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
 template <typename T, int D, bool AMAX>
 __global__ void FA_DQ_BOUNDS
     k_attn_bwd_dq(T* dq, const T* ds_tiles, const T* k, int T_, int C, int H, float scale, unsigned* amax_bits) {
+    await_previous_kernel();
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     /* heads in the reverse of the dK/dV kernel's order: the first blocks read the tiles written
@@ -778,6 +781,7 @@ __global__ void FA_DQ_BOUNDS
  * packets add their sums (xor shuffles: a fixed order). */
 template <typename T, int D>
 __global__ void k_attn_bwd_delta(float* delta, const T* dout, const T* out, int N, int T_, int C, int H) {
+    await_previous_kernel();
     constexpr int VEC = PACK(T), LANES_PER_HEAD = D / VEC;
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return; /* the whole warp */
@@ -806,12 +810,11 @@ static void fa_check_aligned(const void* a, const void* b, const void* c, const 
 
 /* A flash kernel over (tile, head) blocks, instantiated with precision fp8's fused amax where
  * amax_bits is not NULL and without it (the kernel's code without the amax) where it is. */
-#define FA_LAUNCH(kernel, T, D, T_, n_bh, amax_bits, ...)                                               \
-    do {                                                                                                \
-        dim3 fa_launch_grid = fa_grid(ceil_div(T_, FA_TILE), n_bh);                                     \
-        if (amax_bits) kernel<T, D, true><<<fa_launch_grid, FA_THREADS, 0, g_stream>>>(__VA_ARGS__, amax_bits); \
-        else kernel<T, D, false><<<fa_launch_grid, FA_THREADS, 0, g_stream>>>(__VA_ARGS__, (unsigned*)NULL); \
-        LAUNCH_CHECK();                                                                                 \
+#define FA_LAUNCH(kernel, T, D, T_, n_bh, amax_bits, ...)                                                     \
+    do {                                                                                                      \
+        dim3 fa_launch_grid = fa_grid(ceil_div(T_, FA_TILE), n_bh);                                           \
+        if (amax_bits) launch_kernel(kernel<T, D, true>, fa_launch_grid, FA_THREADS, __VA_ARGS__, amax_bits); \
+        else launch_kernel(kernel<T, D, false>, fa_launch_grid, FA_THREADS, __VA_ARGS__, (unsigned*)NULL);    \
     } while (0)
 
 /* amax_bits (precision fp8, else NULL): out's amax as stored, atomicMax'ed in (docs/DESIGN.md §18). */
@@ -827,9 +830,8 @@ static void attn_fwd_flash(T* out, float* lse, const T* q, const T* k, const T* 
 template <typename T, int D>
 static void attn_bwd_flash_delta(float* delta, const T* dout, const T* out, int B, int T_, int C, int H) {
     int N = B * T_;
-    k_attn_bwd_delta<T, D><<<ceil_div(N, FA_DELTA_WARPS), 32 * FA_DELTA_WARPS, 0, g_stream>>>(delta, dout, out,
-                                                                                                  N, T_, C, H);
-    LAUNCH_CHECK();
+    launch_kernel(k_attn_bwd_delta<T, D>, ceil_div(N, FA_DELTA_WARPS), 32 * FA_DELTA_WARPS, delta, dout, out, N,
+                  T_, C, H);
 }
 /* amax_bits (precision fp8, else NULL) of these two: the amax of what they store, atomicMax'ed in. */
 template <typename T, int D>

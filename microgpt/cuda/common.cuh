@@ -9,7 +9,8 @@
  * All work runs in order on one stream, g_stream (every launch passes it, and cuBLAS is bound to
  * it), so there is no cross-stream synchronisation to get wrong. The engine creates g_stream so
  * that it can capture a whole step in a CUDA graph (the legacy default stream cannot be captured);
- * left 0, as kernel_check leaves it, it is the legacy default stream.
+ * left 0 it is the legacy default stream. (The one exception, in builds with SIDE_STREAM_WGRAD=1:
+ * the backward's weight gradients on a second stream, ordered by events; side_stream.cuh.)
  *
  * Activation type T is float (fp32), __nv_bfloat16 (bf16) or __half (fp16). Whatever T is, every
  * kernel computes in fp32 and rounds once on store; parameter gradients are always fp32.
@@ -26,6 +27,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <initializer_list>
+#include <utility>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -75,6 +77,102 @@ static int sync_launches(void) {
         CUDA_CHECK(cudaGetLastError());                                \
         if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());      \
     } while (0)
+
+static cudaStream_t g_stream = 0; /* the one stream of all work; see the top of this file */
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Launches. Every engine kernel goes through launch_kernel (launch_kernel_with_shared where it has
+ * dynamic shared memory), on g_stream, its status checked.
+ *
+ * Programmatic dependent launch (build with -DUSE_PDL=1; compute capability 9.0+; docs/DESIGN.md
+ * §9): the launch carries cudaLaunchAttributeProgrammaticStreamSerialization, so the kernel's
+ * blocks may be scheduled while the kernel before it on the stream is still finishing (stream
+ * capture turns this into a programmatic edge of the graph). What makes that safe is
+ * await_previous_kernel, the first statement of every engine kernel: griddepcontrol.wait returns
+ * once the previous kernel has completed and its writes are visible, so no kernel touches global
+ * memory before its predecessor is done, whatever it reads or writes. (No kernel has a prologue
+ * worth running before the wait: index math and shared-memory declarations cost nanoseconds, while
+ * "first statement" is a rule tests/test_cuda_launches.py checks by reading.) Every kernel launched this
+ * way must wait (one that did not could complete before its predecessor, and then its successor's
+ * wait would not cover the predecessor's writes); the kernels launched with <<<>>> outside the
+ * engine (kernel_check's and bench's own) are ordinary launches and need not.
+ *
+ * Right after its wait a kernel lets its dependents launch (griddepcontrol.launch_dependents;
+ * -DPDL_TRIGGER=0 leaves it out): the next kernel's blocks then take the SM slots this kernel's
+ * last wave frees, instead of waiting for every block to exit. It cannot slow this kernel: the
+ * trigger counts only once every block of this grid has run it, so all of this grid's blocks are
+ * already resident, and the next kernel's blocks park in their own wait. Nor can it run ahead
+ * further: the next kernel's trigger comes after its wait, so at most one kernel is early.
+ *
+ * Without USE_PDL, or below 9.0, the launch has no attribute and the wait is compiled out: the
+ * launches are those of <<<>>>. cuBLAS and cuBLASLt launch their own kernels without the attribute
+ * (cuBLASLt 13.0 has no setting for it), so a product starts only when the kernel before it has
+ * completed; a kernel after a product waits for it as after any kernel. */
+#ifndef USE_PDL
+#define USE_PDL 0
+#endif
+#ifndef PDL_TRIGGER
+#define PDL_TRIGGER 1
+#endif
+
+__device__ __forceinline__ void await_previous_kernel(void) {
+#if USE_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#if PDL_TRIGGER
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#endif
+}
+
+/* Never launched: the code the device runs for it was compiled for the architecture every kernel's
+ * was (one set of -gencode options), which pdl_enabled reads. */
+__global__ void k_pdl_probe(void) {
+    await_previous_kernel();
+}
+
+/* Whether launches carry the programmatic attribute (asked once): a USE_PDL build, on a 9.0+ device,
+ * running code compiled for 9.0+. The last is not implied by the device: PTX of an older
+ * architecture, JIT-compiled for this one, has no wait in its kernels, and launched
+ * programmatically they would race. */
+static bool pdl_enabled(void) {
+    static int on = -1;
+    if (on < 0) {
+        int dev, major = 0;
+        cudaFuncAttributes probe;
+        probe.ptxVersion = 0;
+        if (USE_PDL) {
+            CUDA_CHECK(cudaGetDevice(&dev));
+            CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+            CUDA_CHECK(cudaFuncGetAttributes(&probe, k_pdl_probe));
+        }
+        on = major >= 9 && probe.ptxVersion >= 90;
+    }
+    return on;
+}
+
+/* kernel<<<grid, block, shared_bytes, g_stream>>>(args...), programmatic where pdl_enabled(), checked. */
+template <typename... Params, typename... Args>
+static void launch_kernel_with_shared(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+                                      Args&&... args) {
+    cudaLaunchAttribute programmatic;
+    programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    programmatic.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = shared_bytes;
+    cfg.stream = g_stream;
+    cfg.attrs = &programmatic;
+    cfg.numAttrs = pdl_enabled() ? 1 : 0;
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+    if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+/* The same without dynamic shared memory: every kernel but one variant's. */
+template <typename... Params, typename... Args>
+static void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, Args&&... args) {
+    launch_kernel_with_shared(kernel, grid, block, 0, std::forward<Args>(args)...);
+}
 
 static inline __host__ __device__ unsigned ceil_div(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
 
@@ -166,10 +264,9 @@ static inline bool packable(size_t len, size_t elem, std::initializer_list<const
 
 /* Launches kernel<T, PACK(T)> when `packed` holds, else kernel<T, 1>, on g_stream, and checks it. */
 #define LAUNCH_PACKED(packed, kernel, T, grid, block, ...)                                  \
-    do {                                                                                   \
-        if (packed) kernel<T, PACK(T)><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__);     \
-        else kernel<T, 1><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__);                  \
-        LAUNCH_CHECK();                                                                    \
+    do {                                                                                    \
+        if (packed) launch_kernel(kernel<T, PACK(T)>, (grid), (block), __VA_ARGS__);        \
+        else launch_kernel(kernel<T, 1>, (grid), (block), __VA_ARGS__);                     \
     } while (0)
 
 /* The same for an element-wise kernel over n elements, FOR_PACKETS inside: 256-thread blocks. */
@@ -261,7 +358,6 @@ static cublasLtHandle_t g_cublaslt = NULL;
 static void* g_gemm_workspace = NULL; /* shared by both libraries: all work is on one stream */
 static size_t g_gemm_workspace_bytes = 0;
 static cublasComputeType_t g_lt_compute = CUBLAS_COMPUTE_32F;
-static cudaStream_t g_stream = 0; /* the one stream of all work; see the top of this file */
 
 static void cublas_init(void* workspace, size_t bytes) {
     if (!g_cublas) CUBLAS_CHECK(cublasCreate(&g_cublas));

@@ -37,6 +37,7 @@ enum { DECODE_PLAIN, DECODE_GELU, DECODE_RESIDUAL };
 template <typename T>
 __global__ void k_decode_embed(T* out, const int* tokens, const int* positions, const float* wte,
                                     const float* wpe, int n, int C) {
+    await_previous_kernel();
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < (size_t)n * C;
          e += (size_t)gridDim.x * blockDim.x) {
         int i = (int)(e / C), c = (int)(e % C);
@@ -66,6 +67,7 @@ template <typename T, int VEC, int ROWS>
 __global__ void __launch_bounds__(32 * DECODE_K_WARPS)
 k_decode_matmul(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ residual,
                 int n, int in, int out_dim, int epilogue) {
+    await_previous_kernel();
     constexpr int BC = 4 * VEC; /* the block's columns */
     __shared__ float part[DECODE_K_WARPS][ROWS][BC];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, col_lane = lane & 3;
@@ -135,16 +137,15 @@ template <typename T>
 static void decode_matmul(T* out, const T* x, const T* w, const T* residual, int n, int in, int out_dim,
                             int epilogue, int n_mats = 1) {
     bool packed = packable(out_dim, sizeof(T), {w});
-#define DECODE_MATMUL(R)                                                                             \
-    do {                                                                                             \
-        dim3 grid(ceil_div(out_dim, 4 * (packed ? PACK(T) : 1)), ceil_div(n, R), n_mats);           \
-        if (packed)                                                                                  \
-            k_decode_matmul<T, PACK(T), R><<<grid, 32 * DECODE_K_WARPS, 0, g_stream>>>(              \
-                out, x, w, residual, n, in, out_dim, epilogue);                                      \
-        else                                                                                         \
-            k_decode_matmul<T, 1, R><<<grid, 32 * DECODE_K_WARPS, 0, g_stream>>>(out, x, w, residual, n, \
-                                                                                  in, out_dim, epilogue); \
-        LAUNCH_CHECK();                                                                              \
+#define DECODE_MATMUL(R)                                                                                     \
+    do {                                                                                                     \
+        dim3 grid(ceil_div(out_dim, 4 * (packed ? PACK(T) : 1)), ceil_div(n, R), n_mats);                    \
+        if (packed)                                                                                          \
+            launch_kernel(k_decode_matmul<T, PACK(T), R>, grid, 32 * DECODE_K_WARPS, out, x, w, residual, n, \
+                          in, out_dim, epilogue);                                                            \
+        else                                                                                                 \
+            launch_kernel(k_decode_matmul<T, 1, R>, grid, 32 * DECODE_K_WARPS, out, x, w, residual, n, in,   \
+                          out_dim, epilogue);                                                                \
     } while (0)
     DECODE_BY_ROWS(n, DECODE_MATMUL);
 #undef DECODE_MATMUL
@@ -154,6 +155,7 @@ static void decode_matmul(T* out, const T* x, const T* w, const T* residual, int
 template <typename T>
 __global__ void k_decode_kv_append(T* kcache, T* vcache, const T* k, const T* v, const int* slots,
                                         const int* positions, int n, int T_, int C) {
+    await_previous_kernel();
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < (size_t)n * C;
          e += (size_t)gridDim.x * blockDim.x) {
         int i = (int)(e / C), c = (int)(e % C);
@@ -167,9 +169,8 @@ template <typename T>
 static void decode_kv_append(T* kcache, T* vcache, const T* k, const T* v, const int* slots, const int* positions,
                                int n, int T_, int C) {
     size_t total = (size_t)n * C;
-    k_decode_kv_append<T><<<elementwise_grid(total, 256), 256, 0, g_stream>>>(kcache, vcache, k, v, slots,
-                                                                                    positions, n, T_, C);
-    LAUNCH_CHECK();
+    launch_kernel(k_decode_kv_append<T>, elementwise_grid(total, 256), 256, kcache, vcache, k, v, slots, positions,
+                  n, T_, C);
 }
 
 /* One block per (sequence i, head h): the query q[i] (head h's columns) against the cached keys of
@@ -185,6 +186,7 @@ __global__ void __launch_bounds__(DECODE_ATT_THREADS)
 k_decode_attention(T* __restrict__ out, float* __restrict__ scores, const T* __restrict__ q,
                    const T* __restrict__ kcache, const T* __restrict__ vcache, const int* slots, const int* positions,
                    int T_, int C, int H) {
+    await_previous_kernel();
     __shared__ float part[DECODE_ATT_THREADS * VEC];
     int i = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, hs = C / H, pos = positions[i];
     float scale = 1.0f / sqrtf((float)hs), m = -INFINITY, sum = 0.0f;
@@ -258,6 +260,7 @@ static void decode_attention(T* out, float* scores, const T* q, const T* kcache,
 template <typename T, int VEC, int ROWS>
 __global__ void __launch_bounds__(32 * DECODE_LOGIT_WARPS)
 k_decode_logits(float* __restrict__ logits, const T* __restrict__ x, const T* __restrict__ wte, int n, int C, int V) {
+    await_previous_kernel();
     int lane = threadIdx.x & 31, v = blockIdx.x * DECODE_LOGIT_WARPS + (threadIdx.x >> 5);
     int r0 = blockIdx.y * ROWS, rows = n - r0 < ROWS ? n - r0 : ROWS;
     float acc[ROWS];
@@ -297,14 +300,13 @@ k_decode_logits(float* __restrict__ logits, const T* __restrict__ x, const T* __
 template <typename T>
 static void decode_logits(float* logits, const T* x, const T* wte, int n, int C, int V) {
     bool packed = packable(C, sizeof(T), {x, wte});
-#define DECODE_LOGITS(R)                                                                                   \
-    do {                                                                                                   \
-        dim3 grid(ceil_div(V, DECODE_LOGIT_WARPS), ceil_div(n, R));                                       \
-        if (packed)                                                                                        \
-            k_decode_logits<T, PACK(T), R><<<grid, 32 * DECODE_LOGIT_WARPS, 0, g_stream>>>(logits, x, wte, n, C, V); \
-        else                                                                                               \
-            k_decode_logits<T, 1, R><<<grid, 32 * DECODE_LOGIT_WARPS, 0, g_stream>>>(logits, x, wte, n, C, V);       \
-        LAUNCH_CHECK();                                                                                    \
+#define DECODE_LOGITS(R)                                                                                           \
+    do {                                                                                                           \
+        dim3 grid(ceil_div(V, DECODE_LOGIT_WARPS), ceil_div(n, R));                                                \
+        if (packed)                                                                                                \
+            launch_kernel(k_decode_logits<T, PACK(T), R>, grid, 32 * DECODE_LOGIT_WARPS, logits, x, wte, n, C, V); \
+        else                                                                                                       \
+            launch_kernel(k_decode_logits<T, 1, R>, grid, 32 * DECODE_LOGIT_WARPS, logits, x, wte, n, C, V);       \
     } while (0)
     DECODE_BY_ROWS(n, DECODE_LOGITS);
 #undef DECODE_LOGITS
@@ -314,9 +316,7 @@ template <typename T>
 static void decode_embed(T* out, const int* tokens, const int* positions, const float* wte, const float* wpe,
                            int n, int C) {
     size_t total = (size_t)n * C;
-    k_decode_embed<T><<<elementwise_grid(total, 256), 256, 0, g_stream>>>(out, tokens, positions, wte, wpe, n,
-                                                                                C);
-    LAUNCH_CHECK();
+    launch_kernel(k_decode_embed<T>, elementwise_grid(total, 256), 256, out, tokens, positions, wte, wpe, n, C);
 }
 
 #endif

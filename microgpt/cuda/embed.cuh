@@ -28,6 +28,7 @@
 
 template <typename T>
 __global__ void k_embed_fwd(T* out, const int* tokens, const float* wte, const float* wpe, int N, int T_, int C) {
+    await_previous_kernel();
     size_t n_total = (size_t)N * C;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_total; i += (size_t)gridDim.x * blockDim.x) {
         int n = (int)(i / C), c = (int)(i % C);
@@ -65,6 +66,7 @@ __device__ void embed_add_listed_rows(float* row, const T* dout, const int* list
 
 /* first[tokens[i]] = min over positions i holding the token (first: INT_MAX-like beforehand). */
 __global__ void k_embed_first_position(int* first, const int* tokens, int N) {
+    await_previous_kernel();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < N; i += gridDim.x * blockDim.x)
         atomicMin(&first[tokens[i]], i);
 }
@@ -75,6 +77,7 @@ __global__ void k_embed_first_position(int* first, const int* tokens, int N) {
  * the listed rows into the token's dwte row, which no other block writes. */
 template <typename T>
 __global__ void k_embed_bwd_wte(float* dwte, const T* dout, const int* tokens, const int* first, int N, int C) {
+    await_previous_kernel();
     __shared__ int list[EMBED_LIST];
     __shared__ unsigned match[EMBED_WARPS];
     int i = blockIdx.x, tok = tokens[i];
@@ -107,6 +110,7 @@ __global__ void k_embed_bwd_wte(float* dwte, const T* dout, const int* tokens, c
 /* One thread per (t, c); writes (add 0) or adds (add 1) the sum. */
 template <typename T>
 __global__ void k_embed_bwd_wpe(float* dwpe, const T* dout, int B, int T_, int C, int add) {
+    await_previous_kernel();
     size_t n_total = (size_t)T_ * C;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_total; i += (size_t)gridDim.x * blockDim.x) {
         float s = 0.0f;
@@ -119,8 +123,7 @@ __global__ void k_embed_bwd_wpe(float* dwpe, const T* dout, int B, int T_, int C
 template <typename T>
 static void embed_fwd(T* out, const int* tokens, const float* wte, const float* wpe, int B, int T_, int C) {
     size_t n = (size_t)B * T_ * C;
-    k_embed_fwd<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(out, tokens, wte, wpe, B * T_, T_, C);
-    LAUNCH_CHECK();
+    launch_kernel(k_embed_fwd<T>, elementwise_grid(n, 256), 256, out, tokens, wte, wpe, B * T_, T_, C);
 }
 
 /* dwte += (always: the classifier's product writes it first, loss.cuh) and dwpe = / += by
@@ -131,13 +134,10 @@ static void embed_bwd(float* dwte, float* dwpe, const T* dout, const int* tokens
                       int C, float grad_beta) {
     int N = B * T_;
     CUDA_CHECK(cudaMemsetAsync(first, 0x7f, (size_t)V * sizeof(int), g_stream)); /* 0x7f7f7f7f > any position */
-    k_embed_first_position<<<ceil_div(N, 256), 256, 0, g_stream>>>(first, tokens, N);
-    LAUNCH_CHECK();
-    k_embed_bwd_wte<T><<<N, EMBED_BWD_THREADS, 0, g_stream>>>(dwte, dout, tokens, first, N, C);
-    LAUNCH_CHECK();
+    launch_kernel(k_embed_first_position, ceil_div(N, 256), 256, first, tokens, N);
+    launch_kernel(k_embed_bwd_wte<T>, N, EMBED_BWD_THREADS, dwte, dout, tokens, first, N, C);
     size_t n = (size_t)T_ * C;
-    k_embed_bwd_wpe<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(dwpe, dout, B, T_, C, grad_beta != 0.0f);
-    LAUNCH_CHECK();
+    launch_kernel(k_embed_bwd_wpe<T>, elementwise_grid(n, 256), 256, dwpe, dout, B, T_, C, grad_beta != 0.0f);
 }
 
 #endif

@@ -87,11 +87,13 @@ template <typename T, int VEC> __device__ __forceinline__ unsigned fp8_amax_bits
  * blocks. */
 template <typename T, int VEC>
 __global__ void k_fp8_amax(unsigned* __restrict__ amax_bits, const T* __restrict__ x, size_t n) {
+    await_previous_kernel();
     block_amax_commit(amax_bits, fp8_amax_bits_of<T, VEC>(x, n));
 }
 
 /* The amax of every job of a list: blockIdx.y is the job. */
 template <typename T, int VEC> __global__ void k_fp8_amax_jobs(const Fp8CastJob<T>* __restrict__ jobs) {
+    await_previous_kernel();
     const Fp8CastJob<T>& j = jobs[blockIdx.y];
     block_amax_commit(&j.sc->amax_bits, fp8_amax_bits_of<T, VEC>(j.in, (size_t)j.batch * j.R * j.Cc));
 }
@@ -162,12 +164,14 @@ static_assert(FP8_CAST_THREADS / FP8_TILE * FP8_COL_PACKET == FP8_TILE, "the tra
 
 /* One cast, a block a tile. */
 template <typename T, bool PACKED> __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast(Fp8CastJob<T> j) {
+    await_previous_kernel();
     fp8_cast_tile<T, PACKED>(j, blockIdx.x);
 }
 
 /* A list of casts, a block a tile: the block's job is the last whose first_tile is <= blockIdx.x. */
 template <typename T, bool PACKED>
 __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_jobs(const Fp8CastJob<T>* __restrict__ jobs, int n_jobs) {
+    await_previous_kernel();
     int lo = 0, hi = n_jobs - 1;
     while (lo < hi) {
         int mid = (lo + hi + 1) / 2;
@@ -202,9 +206,8 @@ template <typename T>
 static void fp8_cast(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt) {
     Fp8CastJob<T> j = {in, out_n, out_t, sc, batch, R, Cc, fmt, 0};
     unsigned tiles = fp8_cast_tiles(batch, R, Cc);
-    if (fp8_cast_packable(j)) k_fp8_cast<T, true><<<tiles, FP8_CAST_THREADS, 0, g_stream>>>(j);
-    else k_fp8_cast<T, false><<<tiles, FP8_CAST_THREADS, 0, g_stream>>>(j);
-    LAUNCH_CHECK();
+    if (fp8_cast_packable(j)) launch_kernel(k_fp8_cast<T, true>, tiles, FP8_CAST_THREADS, j);
+    else launch_kernel(k_fp8_cast<T, false>, tiles, FP8_CAST_THREADS, j);
 }
 
 /* A list of casts done by two launches (all the amax, then all the casts): the list on the device
@@ -238,9 +241,8 @@ template <typename T> static void fp8_quantize_jobs(const Fp8CastJobs<T>& js) {
     unsigned per_job = elementwise_grid(js.max_elems / (js.packed ? PACK(T) : 1), FP8_AMAX_BLOCK);
     dim3 grid(per_job < FP8_JOB_AMAX_BLOCKS ? per_job : FP8_JOB_AMAX_BLOCKS, js.n);
     LAUNCH_PACKED(js.packed, k_fp8_amax_jobs, T, grid, FP8_AMAX_BLOCK, js.dev);
-    if (js.packed) k_fp8_cast_jobs<T, true><<<js.tiles, FP8_CAST_THREADS, 0, g_stream>>>(js.dev, js.n);
-    else k_fp8_cast_jobs<T, false><<<js.tiles, FP8_CAST_THREADS, 0, g_stream>>>(js.dev, js.n);
-    LAUNCH_CHECK();
+    if (js.packed) launch_kernel(k_fp8_cast_jobs<T, true>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
+    else launch_kernel(k_fp8_cast_jobs<T, false>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

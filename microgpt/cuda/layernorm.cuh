@@ -105,6 +105,7 @@ template <typename T, int VEC>
 __global__ void k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
                                 const T* __restrict__ x, const float* __restrict__ gamma,
                                 const float* __restrict__ beta, int N, int C, unsigned* amax_bits) {
+    await_previous_kernel();
     int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     unsigned am = row < N ? ln_fwd_row<T, VEC>(out, mean, rstd, x, gamma, beta, row, C) : 0u; /* whole warps */
     block_amax_commit(amax_bits, am);
@@ -190,6 +191,7 @@ __global__ void k_layernorm_bwd(T* __restrict__ dx, float* __restrict__ partial,
                                 const T* __restrict__ x, const float* __restrict__ gamma,
                                 const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C,
                                 int rows_per_chunk, int slab_cols, unsigned* amax_bits) {
+    await_previous_kernel();
     __shared__ __align__(16) float col_sums[LN_WARPS][2][LN_SLAB_COLS]; /* [warp][dgamma, dbeta][slab column] */
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int c0 = blockIdx.x * slab_cols, width = min(slab_cols, C - c0);
@@ -224,17 +226,16 @@ __global__ void k_layernorm_bwd(T* __restrict__ dx, float* __restrict__ partial,
 /* kernel<T, VEC, packets> for packets 1 .. LN_REG_PACKETS, VEC = PACK(T) when packed, else 1, on
  * g_stream, checked. */
 #define LN_LAUNCH_PACKETS_VEC(VEC, packets, kernel, T, grid, block, ...)                              \
-    switch (packets) {                                                                              \
-    case 1: kernel<T, VEC, 1><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break;               \
-    case 2: kernel<T, VEC, 2><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break;               \
-    case 3: kernel<T, VEC, 3><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break;               \
-    default: kernel<T, VEC, LN_REG_PACKETS><<<(grid), (block), 0, g_stream>>>(__VA_ARGS__); break; \
+    switch (packets) {                                                                                \
+    case 1: launch_kernel(kernel<T, VEC, 1>, (grid), (block), __VA_ARGS__); break;                    \
+    case 2: launch_kernel(kernel<T, VEC, 2>, (grid), (block), __VA_ARGS__); break;                    \
+    case 3: launch_kernel(kernel<T, VEC, 3>, (grid), (block), __VA_ARGS__); break;                    \
+    default: launch_kernel(kernel<T, VEC, LN_REG_PACKETS>, (grid), (block), __VA_ARGS__); break;      \
     }
 #define LN_LAUNCH_PACKETS(packed, packets, kernel, T, grid, block, ...)                              \
-    do {                                                                                            \
-        if (packed) LN_LAUNCH_PACKETS_VEC(PACK(T), packets, kernel, T, grid, block, __VA_ARGS__)    \
-        else LN_LAUNCH_PACKETS_VEC(1, packets, kernel, T, grid, block, __VA_ARGS__)                 \
-        LAUNCH_CHECK();                                                                             \
+    do {                                                                                             \
+        if (packed) LN_LAUNCH_PACKETS_VEC(PACK(T), packets, kernel, T, grid, block, __VA_ARGS__)     \
+        else LN_LAUNCH_PACKETS_VEC(1, packets, kernel, T, grid, block, __VA_ARGS__)                  \
     } while (0)
 
 /* Packets a lane holds of a row of C columns; above LN_REG_PACKETS the row is too wide. */
@@ -265,6 +266,7 @@ __global__ void __launch_bounds__(32 * LN_WARPS, 2)
 k_layernorm_bwd_regs(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
                      const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ mean,
                      const float* __restrict__ rstd, int N, int C, int rows_per_chunk, unsigned* amax_bits) {
+    await_previous_kernel();
     __shared__ __align__(16) float col_sums[LN_WARPS][2][LN_SLAB_COLS]; /* [warp][dgamma, dbeta][column] */
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int chunk = blockIdx.x, n_chunks = gridDim.x;
@@ -320,6 +322,7 @@ k_layernorm_bwd_regs(T* __restrict__ dx, float* __restrict__ partial, const T* _
  * (add 0: whatever dgamma/dbeta held is not read) or adds (add 1) the result. */
 __global__ void k_layernorm_bwd_final(float* dgamma, float* dbeta, const float* partial, int C, int n_chunks,
                                       int add) {
+    await_previous_kernel();
     __shared__ float sg_part[LN_FINAL_GROUPS][LN_FINAL_COLS], sb_part[LN_FINAL_GROUPS][LN_FINAL_COLS];
     int col = threadIdx.x % LN_FINAL_COLS, grp = threadIdx.x / LN_FINAL_COLS;
     int c = blockIdx.x * LN_FINAL_COLS + col;
@@ -353,9 +356,8 @@ static void layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const fl
 
 /* dgamma, dbeta = / += (add) the sums of the n_chunks chunk partials in scratch */
 static void layernorm_bwd_final(float* dgamma, float* dbeta, const float* scratch, int C, int n_chunks, bool add) {
-    k_layernorm_bwd_final<<<ceil_div(C, LN_FINAL_COLS), LN_FINAL_COLS * LN_FINAL_GROUPS, 0, g_stream>>>(
-        dgamma, dbeta, scratch, C, n_chunks, add);
-    LAUNCH_CHECK();
+    launch_kernel(k_layernorm_bwd_final, ceil_div(C, LN_FINAL_COLS), LN_FINAL_COLS * LN_FINAL_GROUPS, dgamma, dbeta,
+                  scratch, C, n_chunks, add);
 }
 
 /* dx += ; dgamma, dbeta = / += by grad_beta (0 or 1); scratch holds layernorm_scratch_floats(C) floats.

@@ -116,6 +116,7 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(LOSS_THREADS)
 k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
             const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
+    await_previous_kernel();
     int row = blockIdx.x, target = targets[row];
     T* l = logits + (size_t)row * Vp;
     float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f; /* read before the row is overwritten */
@@ -152,6 +153,7 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(LOSS_THREADS, LOSS_ROWS_SHARED_PER_SM)
 k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
                    const int* __restrict__ targets, int n, int V, int Vp, const float* __restrict__ dscale) {
+    await_previous_kernel();
     extern __shared__ __align__(16) unsigned char loss_row_bytes[];
     T* row_s = reinterpret_cast<T*>(loss_row_bytes);
     int row = blockIdx.x, target = targets[row];
@@ -171,6 +173,7 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(LOSS_THREADS, LOSS_ROWS_SHARED_PER_SM)
 k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
                    const int* __restrict__ targets, int n, int V, int Vp, const float* __restrict__ dscale) {
+    await_previous_kernel();
     extern __shared__ __align__(16) unsigned char loss_row_bytes[];
     T* bufs = reinterpret_cast<T*>(loss_row_bytes); /* buffer b at bufs + b * Vp */
     int row = blockIdx.x, b = 0;
@@ -246,9 +249,8 @@ static bool loss_rows_shared(float* losses, float* lse, T* logits, const int* ta
     /* at least two rows a block, so that every launch, kernel_check's small ones too, swaps buffers */
     unsigned blocks = ceil_div(n, 2) < (unsigned)n_sm ? ceil_div(n, 2) : (unsigned)n_sm;
 #endif
-    k_loss_rows_shared<T, VEC><<<blocks, LOSS_THREADS, bytes, g_stream>>>(losses, lse, logits, targets, n, V, Vp,
-                                                                         dscale);
-    LAUNCH_CHECK();
+    launch_kernel_with_shared(k_loss_rows_shared<T, VEC>, blocks, LOSS_THREADS, bytes, losses, lse, logits, targets, n,
+                              V, Vp, dscale);
     return true;
 }
 
@@ -301,6 +303,7 @@ static void loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logit
  * order (the step's loss, formed on the device so only one float comes back). */
 #define LOSS_MEAN_THREADS 1024
 __global__ void k_loss_mean(float* out, const float* losses, int n) {
+    await_previous_kernel();
     __shared__ double warp_part[LOSS_MEAN_THREADS / 32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     double s = 0.0;
@@ -315,8 +318,7 @@ __global__ void k_loss_mean(float* out, const float* losses, int n) {
 }
 
 static void loss_mean(float* out, const float* losses, int n) {
-    k_loss_mean<<<1, LOSS_MEAN_THREADS, 0, g_stream>>>(out, losses, n);
-    LAUNCH_CHECK();
+    launch_kernel(k_loss_mean, 1, LOSS_MEAN_THREADS, out, losses, n);
 }
 
 #endif

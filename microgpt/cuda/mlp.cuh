@@ -29,6 +29,7 @@ __device__ __forceinline__ float gelu_grad_f(float x) {
  * output's amax as stored, atomicMax'ed in (common.cuh), saving the cast a full read. */
 template <typename T, int VEC>
 __global__ void k_gelu_fwd(T* __restrict__ out, const T* __restrict__ x, size_t n, unsigned* amax_bits) {
+    await_previous_kernel();
     unsigned am = 0;
     FOR_PACKETS(i, n) {
         float v[VEC];
@@ -47,6 +48,7 @@ __global__ void k_gelu_fwd(T* __restrict__ out, const T* __restrict__ x, size_t 
  * as in k_gelu_fwd, of the new d. */
 template <typename T, int VEC>
 __global__ void k_gelu_bwd_inplace(T* __restrict__ d, const T* __restrict__ x, size_t n, unsigned* amax_bits) {
+    await_previous_kernel();
     unsigned am = 0;
     FOR_PACKETS(i, n) {
         float dv[VEC], xv[VEC];

@@ -43,6 +43,7 @@ static UpdateCtl update_ctl(float lr, int t, float beta1, float beta2, double un
  * float: the type slot LAUNCH_PACKED fills, which sets the packet (VEC 4 or 1). */
 template <typename T, int VEC>
 __global__ void k_grad_norm_partial(float* partial, const float* __restrict__ g, size_t n, const float* unscale) {
+    await_previous_kernel();
     float s = 0.0f, u = unscale ? *unscale : 1.0f;
     FOR_PACKETS(i, n) {
         float x[VEC];
@@ -55,6 +56,7 @@ __global__ void k_grad_norm_partial(float* partial, const float* __restrict__ g,
 
 /* One block of NORM_BLOCKS threads: out[0] = sqrt(sum of partials). */
 __global__ void k_grad_norm_final(float* out, const float* partial) {
+    await_previous_kernel();
     __shared__ double warp_part[NORM_BLOCKS / 32];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     double s = warp_sum_d((double)partial[threadIdx.x]);
@@ -67,6 +69,7 @@ __global__ void k_grad_norm_final(float* out, const float* partial) {
 }
 
 __global__ void k_grad_scale(float* g, size_t n, float s) {
+    await_previous_kernel();
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) g[i] *= s;
 }
 
@@ -84,6 +87,7 @@ __global__ void k_adamw(float* __restrict__ p, const float* __restrict__ g, floa
                         float* __restrict__ v, T* __restrict__ p_low, size_t n, float beta1, float beta2,
                         float eps, float wd, const unsigned* __restrict__ decay_bits, const UpdateCtl* ctl,
                         const float* norm) {
+    await_previous_kernel();
     float nrm = *norm;
     if (ctl->skip_nonfinite && !isfinite(nrm)) return;
     int clip = ctl->clip > 0.0f && nrm > ctl->clip;
@@ -112,6 +116,7 @@ __global__ void k_adamw(float* __restrict__ p, const float* __restrict__ g, floa
 
 template <typename T>
 __global__ void k_convert(T* out, const float* in, size_t n) {
+    await_previous_kernel();
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         out[i] = from_f<T>(in[i]);
 }
@@ -124,16 +129,14 @@ static void grad_norm_partial(float* partial, const float* g, size_t n, const fl
 
 /* out: one device float, the L2 norm of everything grad_norm_partial summed */
 static void grad_norm_final(float* out, const float* partial) {
-    k_grad_norm_final<<<1, NORM_BLOCKS, 0, g_stream>>>(out, partial);
-    LAUNCH_CHECK();
+    launch_kernel(k_grad_norm_final, 1, NORM_BLOCKS, out, partial);
 }
 
 /* g *= s. k_grad_scale is one of the clipping kernels docs/DESIGN.md §3.1 names; the engine itself
  * folds the gradient multiplier and the clip factor into the AdamW pass (one read of g instead of
  * two), so only tests/kernel_check.cu calls it. */
 static void grad_scale(float* g, size_t n, float s) {
-    k_grad_scale<<<elementwise_grid(n, 256), 256, 0, g_stream>>>(g, n, s);
-    LAUNCH_CHECK();
+    launch_kernel(k_grad_scale, elementwise_grid(n, 256), 256, g, n, s);
 }
 
 /* ctl, norm, decay_bits: device pointers (UpdateCtl of this step; the norm from grad_norm_final;
@@ -150,8 +153,7 @@ static void adamw(float* p, const float* g, float* m, float* v, T* p_low, size_t
 
 template <typename T>
 static void convert(T* out, const float* in, size_t n) {
-    k_convert<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(out, in, n);
-    LAUNCH_CHECK();
+    launch_kernel(k_convert<T>, elementwise_grid(n, 256), 256, out, in, n);
 }
 
 #endif

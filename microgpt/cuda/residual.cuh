@@ -14,6 +14,7 @@
 
 template <typename T, int VEC>
 __global__ void k_residual_add(T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, size_t n) {
+    await_previous_kernel();
     FOR_PACKETS(i, n) {
         float av[VEC], bv[VEC];
         load_vec(av, a + i);
@@ -25,6 +26,7 @@ __global__ void k_residual_add(T* __restrict__ out, const T* __restrict__ a, con
 
 template <typename T>
 __global__ void k_residual_add_bwd(T* da, T* db, const T* dout, size_t n) {
+    await_previous_kernel();
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float g = to_f(dout[i]);
         da[i] = from_f<T>(to_f(da[i]) + g);
@@ -42,8 +44,7 @@ static void residual_add(T* out, const T* a, const T* b, size_t n) {
 /* da, db += dout; neither may alias dout. */
 template <typename T>
 static void residual_add_bwd(T* da, T* db, const T* dout, size_t n) {
-    k_residual_add_bwd<T><<<elementwise_grid(n, 256), 256, 0, g_stream>>>(da, db, dout, n);
-    LAUNCH_CHECK();
+    launch_kernel(k_residual_add_bwd<T>, elementwise_grid(n, 256), 256, da, db, dout, n);
 }
 
 #endif
