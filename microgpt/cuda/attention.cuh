@@ -74,7 +74,9 @@ static void attn_qkv_fwd(T* qkv, const T* x, const T* w_qkv, int N, int C) {
 template <typename T>
 static void attn_qkv_bwd(T* dx, float* dw_qkv, const T* dqkv, const T* x, const T* w_qkv, int N, int C,
                          float grad_beta) {
-    gemm(C, C, N, mat_t(x, C), mat(dqkv, C, (long long)N * C), mat(dw_qkv, C, (long long)C * C), 1.0f, grad_beta, 3);
+    side_product(dqkv, [&] { /* as linear_dw */
+        gemm(C, C, N, mat_t(x, C), mat(dqkv, C, (long long)N * C), mat(dw_qkv, C, (long long)C * C), 1.0f, grad_beta, 3);
+    });
     for (int i = 0; i < 3; i++)
         linear_dx(dx, dqkv + (size_t)i * N * C, w_qkv + (size_t)i * C * C, N, C, C, i == 0 ? 0.0f : 1.0f);
 }

@@ -223,10 +223,11 @@ static void loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logit
                          const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
     classifier_logits(logits, x, wte, n, C, Vp);
     loss_rows(losses, lse, logits, targets, n, V, Vp, dscale);
+    /* dwte = dlogits^T @ x + grad_beta * dwte, as linear_dw (the next chunk's logits wait for it);
+     * issued first, so that on the side stream it runs beside dx */
+    side_product(logits, [&] { gemm(Vp, C, n, mat_t(logits, Vp), mat(x, C), mat(dwte, C), 1.0f, grad_beta); });
     /* dx = dlogits @ wte */
     gemm(n, C, Vp, mat(logits, Vp), mat(wte, C), mat(dx, C));
-    /* dwte = dlogits^T @ x + grad_beta * dwte */
-    gemm(Vp, C, n, mat_t(logits, Vp), mat(x, C), mat(dwte, C), 1.0f, grad_beta);
 }
 
 /* One block of LOSS_MEAN_THREADS: out[0] = the mean of losses [n], summed in double in a fixed
