@@ -18,31 +18,11 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 
+# shellcheck source=scripts/check-lib.sh
+. scripts/check-lib.sh
+parse_builds "$@"
 BUILDS=("default|")
-for arg in "$@"; do
-    name=${arg%%=*} flags=${arg#*=}
-    if [ "$name" = "$arg" ] || ! [[ $name =~ ^[A-Za-z0-9_]+$ ]] || [ "$name" = default ]; then
-        echo "error: expected NAME=FLAGS (NAME of letters, digits, _; not 'default'), got '$arg'" >&2
-        exit 2
-    fi
-    # FLAGS reach make's command line and so the recipe's shell: only -D/-U macro words pass, never
-    # a ';', '$(...)', quote or other compiler option
-    read -r -d "" -a words <<<"$flags"    # -d "": a newline splits words too, never ends them
-    for word in "${words[@]}"; do
-        if ! [[ $word =~ ^-[DU][A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?$ ]]; then
-            echo "error: FLAGS of '$name' must be -DMACRO[=VALUE] or -UMACRO words" \
-                "(VALUE of letters, digits, _.+-), got '$word'" >&2
-            exit 2
-        fi
-    done
-    for b in "${BUILDS[@]}"; do
-        if [ "${b%%|*}" = "$name" ]; then
-            echo "error: build name '$name' given twice" >&2
-            exit 2
-        fi
-    done
-    BUILDS+=("$name|$flags")
-done
+for i in "${!BUILD_NAMES[@]}"; do BUILDS+=("${BUILD_NAMES[$i]}|${BUILD_FLAGS[$i]}"); done
 OUT=${OUT:-./attn-out}
 mkdir -p "$OUT"
 

@@ -11,8 +11,8 @@
  *   run:     build/rowk_bench > after.log
  *   compare: python3 bench/rowk_summary.py before=before.log after=after.log   (a run per build,
  *            e.g. one per commit: the table of each kernel's change, bench/rowk_summary.py)
- *   a variant: make -B build/rowk_bench KERNEL_VARIANTS=-DLOSS_ROWS_VARIANT=1 (loss.cuh's list),
- *            one build and run each, compared as above; the header line names the variant
+ *   a variant: make -B VARIANT_SUFFIX=_NAME KERNEL_VARIANTS="-DMACRO=1" build/rowk_bench_NAME, one
+ *            build and run each, compared as above
  *
  * One line per kernel and model: the median time of 20 launches (kernel_timer), the bytes a launch must move at least (each input read once, each output written once; the
  * dgamma/dbeta and norm partials are not counted) over that time, a hash of the outputs of one
@@ -209,7 +209,7 @@ int main() {
     CUDA_CHECK(cudaStreamCreate(&g_stream));
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-    printf("rowk_bench: %s, LOSS_ROWS_VARIANT=%d, median of %d launches\n", prop.name, LOSS_ROWS_VARIANT, REPS);
+    printf("rowk_bench: %s, median of %d launches\n", prop.name, REPS);
     /* the engine's logits chunk: 512 MiB of bf16 rows, a multiple of 128 rows, at most N */
     const Model models[] = {
         {"120M", 8192, 768, 12, 1024, 3072, 50259, 50304, 5248},

@@ -1,5 +1,6 @@
 """bench/lt_table.py: the fixed cuBLASLt table from bench/lt_algos.cu's output (no GPU needed)."""
 import os
+import re
 import shutil
 import subprocess
 
@@ -141,10 +142,24 @@ def test_the_header_compiles_as_c99_and_its_lookup_finds_exactly_the_kept_entrie
     assert out == ["66 33 16 1 0 1 0 0 2", "66 20 16 1 0 0 0 0 2", "none", "none"]
 
 
-def test_the_committed_default_table_is_empty():
+def test_every_committed_entry_is_its_probe_lines_fastest_offer():
+    """Each entry of the committed table passes the generator's rule on the probe line it carries, and
+    holds that line's fastest configuration: nobody edited an entry by hand."""
     with open(os.path.join(CUDA_DIR, "lt_table_sm90.h")) as f:
         text = f.read()
-    assert '{"' not in text and "{NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0}" in text
+    min_gain_pct = float(re.search(r"beat the rule's choice by at least ([0-9.]+) %", text).group(1))
+    sms = re.search(r"#define LT_TABLE_SM_COUNT (\d+)", text).group(1)
+    lt = re.search(r"#define LT_TABLE_CUBLASLT_VERSION (\d+)", text).group(1)
+    probe_lines = re.findall(r"/\* (LTPROBE model=.*?) \*/", text)
+    entries = re.findall(r'\{"([A-Za-z0-9_.]+)", ([0-9, ]+)\}', text)
+    assert len(probe_lines) == len(entries)
+    env_line = (f'LTPROBE-ENV gpu="committed" cc=9.0 sms={sms} driver=0 cublaslt={lt} cudart=0 date=0 '
+                f"workspace=33554432 offers=0 reps=0 rounds=0")
+    env, products = parse("\n".join([env_line] + probe_lines))
+    for p, (key, config) in zip(products, entries):
+        assert p["key"] == key
+        assert why_left_out(p, env, min_gain_pct) is None, key
+        assert tuple(int(v) for v in config.split(",")) == tuple(p["best"]), key
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")

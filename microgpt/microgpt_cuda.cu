@@ -37,7 +37,9 @@
  * Determinism: no float atomics anywhere; fixed-shape reductions; one cuBLAS and one cuBLASLt
  * handle sharing a fixed workspace on one stream, cuBLASLt's algorithms chosen by a fixed rule over
  * its heuristic's offers (common.cuh; not by timing). Two runs of the same config on the same GPU
- * give identical bits.
+ * give identical bits. (Built with SIDE_STREAM_WGRAD=1 the backward's weight gradients run on a
+ * second stream with its own handle and workspace of the same size, ordered by events: the same
+ * kernels on the same data, the same bits; see backward().)
  *
  * Speed: a micro-batch (tokens in, forward, loss, backward, mean loss out) and the update (norm,
  * clip, AdamW, norm out) each run as one CUDA graph, captured at setup and replayed: no per-kernel
@@ -101,7 +103,8 @@ static const char* const GROUP_HELP[N_GROUPS] = {
     "16-bit weight copy for the products",
     "forward values saved for backward", "activation gradients (shared by layers)",
     "attention scores or dS tiles, logits chunk, reductions, tokens, decode step",
-    "keys and values of the sequences being generated", "fixed cuBLAS workspace"};
+    "keys and values of the sequences being generated",
+    "fixed cuBLAS workspace (two with SIDE_STREAM_WGRAD=1)"};
 
 static struct {
     Config cfg;
@@ -168,6 +171,7 @@ static struct {
     int* embed_first; /* [V] the embedding backward's first position of each token */
     StepIO* io;   /* device: per-call inputs and outputs of the graphs */
     void* cublas_ws;
+    void* side_ws; /* SIDE_STREAM_WGRAD=1 and training: the side stream's cuBLAS workspace */
 
     /* host */
     int* tok_host;    /* pinned mirror of tok */
@@ -282,6 +286,7 @@ static void plan_buffers(size_t* used) {
     E.kcache = carve(G_KV_CACHE, L * S * E.T * C * es, used);
     E.vcache = carve(G_KV_CACHE, L * S * E.T * C * es, used);
     E.cublas_ws = carve(G_CUBLAS, CUBLAS_WORKSPACE_BYTES, used);
+    E.side_ws = carve(G_CUBLAS, (SIDE_STREAM_WGRAD ? tr : 0) * CUBLAS_WORKSPACE_BYTES, used);
 }
 
 static void print_plan(const size_t* bytes) {
@@ -409,10 +414,13 @@ static void fp8_linear_bwd(T* dx, float* dw, const T* dout, int l, int t, int k,
                            int batch, float grad_beta, bool amax_fused) {
     Fp8Scale *gs = g8_scale(l, k), *xs = x8_scale(l, k);
     if (!amax_fused) fp8_reduce_amax(gs, dout, (size_t)batch * N * out_dim);
+    side_wait(E.g8t); /* the previous product's weight gradient has read its cast */
     fp8_cast(E.g8, E.g8t, gs, dout, batch, N, out_dim, FP8_GRAD_FMT);
-    fp8_gemm<float>(in, out_dim, N, fp8_mat(x8t(l, k), FP8_E4M3, xs),
-                    fp8_mat(E.g8t, FP8_GRAD_FMT, gs, (long long)out_dim * N), dw, NULL, grad_beta, batch,
-                    (long long)in * out_dim);
+    side_product(E.g8t, [&] {
+        fp8_gemm<float>(in, out_dim, N, fp8_mat(x8t(l, k), FP8_E4M3, xs),
+                        fp8_mat(E.g8t, FP8_GRAD_FMT, gs, (long long)out_dim * N), dw, NULL, grad_beta, batch,
+                        (long long)in * out_dim);
+    });
     fp8_gemm<T>(N, in, batch * out_dim, fp8_mat(E.g8, FP8_GRAD_FMT, gs), w8_dx(l, t, k), dx, NULL, 0.0f);
 }
 
@@ -498,6 +506,7 @@ static void loss_chunks(int N, int train) {
     for (r0 = 0; r0 < N; r0 += E.chunk) {
         int n = N - r0 < E.chunk ? N - r0 : E.chunk;
         const T* x = (const T*)E.lnf + (size_t)r0 * C;
+        side_wait(E.logits); /* the previous chunk's dwte has read its dlogits */
         if (train) /* the first chunk honours the micro-batch's grad_beta, the later ones add */
             loss_fwd_bwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.dln + (size_t)r0 * C, E.grads + E.layout.wte,
                             (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale,
@@ -508,6 +517,35 @@ static void loss_chunks(int N, int train) {
     loss_mean(&E.io->loss, E.losses, N);
 }
 
+/* The backward's two streams (SIDE_STREAM_WGRAD=1, cuda/side_stream.cuh; in the default build the
+ * waits below are no-ops). Every weight-gradient product runs on the side stream, forked after the
+ * work that produced its inputs; what it reads, who overwrites that later on the main stream, and
+ * the wait that orders the two (rows dW_*: the products of every precision but fp8, which read
+ * their casts instead):
+ *
+ *   side-stream product   reads (besides saved forward values     overwritten next by          wait before it
+ *                          and casts, which the backward never
+ *                          writes)
+ *   dwte (classifier)     logits (the chunk's dlogits)            the next chunk's logits      side_wait(E.logits)
+ *   dW_2                  dres                                    LN2 backward (dres +=)       side_wait(dres)
+ *   dW_1                  dh                                      the layer below's dh         side_wait(E.dh)
+ *   dW_O                  dres                                    LN1 backward (dres +=)       side_wait(dres)
+ *   dW_QKV                dqkv                                    the layer below's attn_bwd   side_wait(dqkv)
+ *   fp8: every dW         g8t (the output gradient's cast)        the next product's cast      side_wait(E.g8t)
+ *                                                                 (fp8_linear_bwd)
+ * The side stream runs its products in issue order, so a wait covers its earlier products too.
+ * Each gradient tensor has one writer per micro-batch (matmul.cuh), the side stream's products
+ * write only their own, and the one tensor two writers share, wte (dwte, then the embedding
+ * backward adds), is ordered by side_join before embed_bwd, which also ends the backward with every
+ * product done (the gradient norm and AdamW run after it; a capture ends with the streams joined).
+ * dln, datty and the attention scratch have no side-stream reader. An fp8 weight gradient also reads
+ * its two casts' scales (Fp8Scale: x8_scale, set by the forward's cast; g8_scale, set by its own
+ * cast, issued before the fork); nothing writes them again before the next forward. Waits sit just before the
+ * overwrite, so a product overlaps everything in between; in bf16, dW_1 runs beside the LN2 backward,
+ * W_O's input gradient and attention's backward; dW_O beside attention's backward and the QKV
+ * input gradient; dW_QKV beside the LN1 backward and the layer below's MLP. In fp8 the single g8t
+ * lets a weight gradient overlap only its own input-gradient product (a second g8t would lift
+ * that: not done, the input-gradient product and the weight gradient take about the same time). */
 template <typename T>
 static void backward(void) {
     int B = E.B, Tn = E.T, C = E.C, H = E.H, F = E.F, L = E.L, N = E.N, l;
@@ -526,24 +564,29 @@ static void backward(void) {
     for (l = L - 1; l >= 0; l--) {
         LayerActs<T> a = layer_acts<T>(l);
         /* MLP branch: its output gradient is the stream's, dres */
+        side_wait(E.dh);
         if (E.use_fp8)
             fp8_mlp_bwd<T>(dln, dres, a, l, N, gb);
         else
             mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.h_gelu, wl<T>(l, T_W1), wl<T>(l, T_W2),
                        (T*)E.dh, N, C, F, gb);
+        side_wait(dres);
         layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
                          a.ln2_rstd, N, C, E.ln_partial, gb, g8_amax(l, FP8_W_O));
         /* attention branch: dres is now the gradient at xmid */
         if (E.use_fp8) fp8_linear_bwd<T>((T*)E.datty, gl(l, T_WO), dres, l, T_WO, FP8_W_O, N, C, C, 1, gb, true);
         else attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
         /* precision fp8: dq, dk, dv's amax as attn_fwd's (one tensor to the QKV backward's cast) */
+        side_wait(dqkv);
         bool dqkv_amax = attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv,
                                      a.qkv + nc, a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>(), g8_amax(l, FP8_W_QKV));
         if (E.use_fp8) fp8_linear_bwd<T>(dln, gl(l, T_WQ), dqkv, l, T_WQ, FP8_W_QKV, N, C, C, 3, gb, dqkv_amax);
         else attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
+        side_wait(dres);
         layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
                          a.ln1_rstd, N, C, E.ln_partial, gb, l > 0 ? g8_amax(l - 1, FP8_W_2) : NULL);
     }
+    side_join();
     embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_first, E.V, B, Tn, C, gb);
 }
 
@@ -883,6 +926,7 @@ static size_t engine_setup(const Config* cfg) {
     }
     cublas_init(E.cublas_ws, CUBLAS_WORKSPACE_BYTES);
     if (strcmp(prec, "tf32") == 0) gemm_set_tf32();
+    if (SIDE_STREAM_WGRAD && E.training) side_stream_init(E.side_ws, CUBLAS_WORKSPACE_BYTES);
     if (E.training) warm_up(); /* the device memory of a training run must not grow after its first step */
     return total;
 }
@@ -970,6 +1014,7 @@ static void engine_shutdown(void) {
     int g;
     CUDA_CHECK(cudaDeviceSynchronize());
     fp8_plans_clear();
+    side_stream_shutdown();
     cublas_shutdown();
     for (int i = 0; i < 2; i++)
         if (E.fb_graph[i]) CUDA_CHECK(cudaGraphExecDestroy(E.fb_graph[i]));

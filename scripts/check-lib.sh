@@ -128,3 +128,35 @@ run_stages() {
     } | tee -a "$OUT/summary.log"
     exit "$FAILED"
 }
+
+# parse_builds NAME=FLAGS...: the A/B scripts' builds (bench/attn-variants.sh, bench/engine-ab.sh) into
+# the arrays BUILD_NAMES and BUILD_FLAGS; exits 2 with one error line on a malformed one. FLAGS reach
+# make's command line and so a recipe's shell: only -DMACRO[=VALUE] and -UMACRO words pass, never a
+# ';', '$(...)', quote or other compiler option. `default` is the name of the build without flags.
+parse_builds() {
+    local arg name flags word n
+    local -a words
+    BUILD_NAMES=() BUILD_FLAGS=()
+    for arg in "$@"; do
+        name=${arg%%=*} flags=${arg#*=}
+        if [ "$name" = "$arg" ] || ! [[ $name =~ ^[A-Za-z0-9_]+$ ]] || [ "$name" = default ]; then
+            echo "error: expected NAME=FLAGS (NAME of letters, digits, _; not 'default'), got '$arg'" >&2
+            exit 2
+        fi
+        read -r -d "" -a words <<<"$flags"    # -d "": a newline splits words too, never ends them
+        for word in "${words[@]}"; do
+            if ! [[ $word =~ ^-[DU][A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?$ ]]; then
+                echo "error: FLAGS of '$name' must be -DMACRO[=VALUE] or -UMACRO words" \
+                    "(VALUE of letters, digits, _.+-), got '$word'" >&2
+                exit 2
+            fi
+        done
+        for n in "${BUILD_NAMES[@]}"; do
+            if [ "$n" = "$name" ]; then
+                echo "error: build name '$name' given twice" >&2
+                exit 2
+            fi
+        done
+        BUILD_NAMES+=("$name") BUILD_FLAGS+=("$flags")
+    done
+}

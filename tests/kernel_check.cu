@@ -1219,40 +1219,38 @@ template <typename T> static void run_attn(void) {
     for (const Shape& s : ATTN_SHAPES) one(s);
 }
 
-#if LOSS_ROWS_VARIANT
-/* A build with a loss-row variant (microgpt/cuda/loss.cuh's LOSS_ROWS_VARIANT): the variant's
- * kernel, which must run here, against the default kernel on the same n rows of logits (random,
- * spread as real logits, targets anywhere in the real columns): the same losses, lse and dlogits
- * (padded columns included), bit for bit, in training (dscale) and in evaluation (none). */
-template <typename T> static void test_loss_rows_variant(int n, int V, int Vp) {
+/* The loss rows from shared memory (microgpt/cuda/loss.cuh's k_loss_rows_shared), which must run
+ * here, against those from memory (k_loss_rows) on the same n rows of logits (random, spread as
+ * real logits, targets anywhere in the real columns): the same losses, lse and dlogits (padded
+ * columns included), bit for bit, in training (dscale) and in evaluation (none). test_loss checks
+ * the engine's choice against the CPU layer. */
+template <typename T> static void test_loss_rows_shared(int n, int V, int Vp) {
     Vec logits = rounded<T>(randn((size_t)n * Vp, 3.0f));
     int* d_targets = upload_ints(rand_ints(n, V));
     float* d_dscale = upload<float>(Vec(1, 1.0f / n));
     for (const float* dscale : {(const float*)d_dscale, (const float*)NULL}) {
         std::vector<Vec> out[2];
         bool ran = true;
-        for (int variant = 0; variant < 2; variant++) {
+        for (int shared = 0; shared < 2; shared++) {
             T* d_logits = upload<T>(logits);
             float *d_losses = poisoned<float>(n), *d_lse = poisoned<float>(n);
-            if (variant) ran = loss_rows_variant<T>(d_losses, d_lse, d_logits, d_targets, n, V, Vp, dscale);
-            else loss_rows_default<T>(d_losses, d_lse, d_logits, d_targets, n, V, Vp, dscale);
-            out[variant] = {download(d_losses, n), download(d_lse, n), download(d_logits, (size_t)n * Vp)};
+            if (shared) ran = loss_rows_from_shared<T>(d_losses, d_lse, d_logits, d_targets, n, V, Vp, dscale);
+            else loss_rows_from_memory<T>(d_losses, d_lse, d_logits, d_targets, n, V, Vp, dscale);
+            out[shared] = {download(d_losses, n), download(d_lse, n), download(d_logits, (size_t)n * Vp)};
         }
-        const char* what = dscale ? "variant_bits" : "variant_bits eval";
+        const char* what = dscale ? "shared_bits" : "shared_bits eval";
         if (!ran) {
-            report(false, what, "LOSS_ROWS_VARIANT=%d did not run (does not fit this GPU)", LOSS_ROWS_VARIANT);
+            report(false, what, "the loss rows from shared memory did not run (do not fit this GPU)");
             continue;
         }
         bool same = true;
         for (int i = 0; i < 3; i++)
             same = same && memcmp(out[0][i].data(), out[1][i].data(), out[0][i].size() * sizeof(float)) == 0;
-        report(same, what, same ? "LOSS_ROWS_VARIANT=%d: the default kernel's bits"
-                                : "LOSS_ROWS_VARIANT=%d: bits DIFFER from the default kernel",
-               LOSS_ROWS_VARIANT);
+        report(same, what, same ? "from shared memory: the bits of the rows from memory"
+                                : "from shared memory: bits DIFFER from the rows from memory");
     }
     dfree_all();
 }
-#endif
 
 template <typename T> static void run_precision(void) {
     const char* prec = TypeInfo<T>::name();
@@ -1282,9 +1280,7 @@ template <typename T> static void run_precision(void) {
         test_residual<T>(s, tol);
         set_ctx(prec, "loss", sh.c_str());
         test_loss<T>(s, tol);
-#if LOSS_ROWS_VARIANT
-        test_loss_rows_variant<T>(s.B * s.T, s.V, s.Vp);
-#endif
+        test_loss_rows_shared<T>(s.B * s.T, s.V, s.Vp);
         set_ctx(prec, "decode", sh.c_str());
         test_decode<T>(s, tol);
     }
@@ -1324,13 +1320,11 @@ template <typename T> static void run_precision(void) {
         set_ctx(prec, "layernorm", shape_str(wide).c_str());
         test_layernorm<T>(wide, tol);
     }
-#if LOSS_ROWS_VARIANT
-    if (sizeof(T) == 2) { /* the models' vocabulary in 16 bits (an fp32 row of it fits no variant) */
+    if (sizeof(T) == 2) { /* the models' vocabulary in 16 bits (an fp32 row of it does not fit) */
         Shape vocab = {1, 300, 0, 0, 0, 50259, 50304, 0};
         set_ctx(prec, "loss", shape_str(vocab).c_str());
-        test_loss_rows_variant<T>(vocab.B * vocab.T, vocab.V, vocab.Vp);
+        test_loss_rows_shared<T>(vocab.B * vocab.T, vocab.V, vocab.Vp);
     }
-#endif
     set_ctx(prec, "adamw", "n=10007");
     test_adamw<T>(10007, tol);
     set_ctx(prec, "adamw", "n=10008");

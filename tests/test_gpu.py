@@ -49,9 +49,13 @@ pytestmark = pytest.mark.gpu
 KERNEL_CHECK = eu.BUILD / "kernel_check"
 KERNEL_CHECK_SRC = eu.REPO / "tests" / "kernel_check.cu"
 # ANDREA_CUDA_ENGINE / ANDREA_KERNEL_CHECK: test other builds of the two GPU binaries (for instance
-# builds of the same sources against a CPU emulation of CUDA); no GPU is then required.
+# builds of the same sources against a CPU emulation of CUDA, or a -D variant built with
+# KERNEL_VARIANTS); no GPU is then required. ANDREA_CUDA_BASELINE: a second engine build that the
+# one under test must match bit for bit (a variant that only reorders work, such as
+# SIDE_STREAM_WGRAD=1, against the default build; bench/engine-ab.sh runs it so).
 OVERRIDE_ENGINE = os.environ.get("ANDREA_CUDA_ENGINE")
 OVERRIDE_KERNEL_CHECK = os.environ.get("ANDREA_KERNEL_CHECK")
+BASELINE_ENGINE = os.environ.get("ANDREA_CUDA_BASELINE")
 
 # Two shapes: TINY with a padded vocabulary, and one with odd sizes everywhere (T not a multiple of
 # any tile, head size 16, d_ff not 4·d, rows B·T = 111).
@@ -303,7 +307,7 @@ def test_fp16_overflow_skips_steps_and_lowers_the_scale(cuda_binary, random_shar
     assert all(np.isfinite(r["loss"]) for r in many.steps)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_graphs_give_the_same_bits_as_launch_by_launch(cuda_binary, random_shards, tmp_path, precision):
     """The training step runs as replayed CUDA graphs; ANDREA_NO_GRAPH=1 and ANDREA_CUDA_SYNC=1 run the
     same work launch by launch. Every record and the final checkpoint must be identical: a graph that
@@ -321,6 +325,25 @@ def test_graphs_give_the_same_bits_as_launch_by_launch(cuda_binary, random_shard
     for mode in ("eager", "sync"):
         assert eu.exact_records(runs[mode][0]) == ref, f"{mode} run differs from the graph run"
         assert runs[mode][1] == runs["graph"][1], f"{mode} run's checkpoint differs from the graph run's"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp8"])
+def test_same_bits_as_the_baseline_build(cuda_binary, random_shards, tmp_path, precision):
+    """ANDREA_CUDA_BASELINE set: the engine under test and the baseline build give identical records and
+    checkpoints (grad_accum 2, so both gradient graphs and the accumulation run)."""
+    if not BASELINE_ENGINE:
+        pytest.skip("ANDREA_CUDA_BASELINE not set: no second build to compare with")
+    args = tiny_args(random_shards.train, random_shards.val, **{
+        **FP8_SHAPES["odd"], "train.precision": precision, "train.steps": 4, "train.grad_accum": 2,
+        "train.lr": 3e-3, "train.warmup_steps": 2, "eval.every": 2, "eval.batches": 2, "sample.every": 4,
+        "sample.tokens": 5, "sample.prompt": ["1,2"]})
+    runs = {}
+    for name, binary in (("baseline", BASELINE_ENGINE), ("tested", cuda_binary)):
+        ckpt = tmp_path / f"{name}.ckpt"
+        runs[name] = (eu.exact_records(run_ok(binary, args + ["--checkpoint", ckpt])), ckpt.read_bytes())
+    assert len([k for k in runs["tested"][0] if k[0] == "train"]) == 4
+    assert runs["tested"][0] == runs["baseline"][0], "records differ from the baseline build's"
+    assert runs["tested"][1] == runs["baseline"][1], "checkpoint differs from the baseline build's"
 
 
 @pytest.fixture(scope="module")

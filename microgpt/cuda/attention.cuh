@@ -75,7 +75,9 @@ static void attn_qkv_fwd(T* qkv, const T* x, const T* w_qkv, int N, int C) {
 template <typename T>
 static void attn_qkv_bwd(T* dx, float* dw_qkv, const T* dqkv, const T* x, const T* w_qkv, int N, int C,
                          float grad_beta) {
-    gemm(C, C, N, mat_t(x, C), mat(dqkv, C, (long long)N * C), mat(dw_qkv, C, (long long)C * C), 1.0f, grad_beta, 3);
+    side_product(dqkv, [&] { /* as linear_dw */
+        gemm(C, C, N, mat_t(x, C), mat(dqkv, C, (long long)N * C), mat(dw_qkv, C, (long long)C * C), 1.0f, grad_beta, 3);
+    });
     for (int i = 0; i < 3; i++)
         linear_dx(dx, dqkv + (size_t)i * N * C, w_qkv + (size_t)i * C * C, N, C, C, i == 0 ? 0.0f : 1.0f);
 }
@@ -287,7 +289,7 @@ struct Fa {
 };
 
 /* The backward's dS tiles: per head, the (query tile qt, key tile kt <= qt) pairs of the causal
- * half, each 64×64 of T stored [key][query] (the dK/dV kernel's orientation); pairs in the order
+ * half, each 64×64 of T in the dQ kernel's A-fragment order (fa_store_ds_fragments); pairs in the order
  * (0,0), (1,0), (1,1), (2,0), ..., so a query tile's row of tiles is contiguous. */
 __host__ __device__ __forceinline__ size_t fa_tile_pairs(int n_tiles) { return (size_t)n_tiles * (n_tiles + 1) / 2; }
 /* First element of pair (qt, kt)'s tile of head bh (b*H + h). */
@@ -417,41 +419,16 @@ __device__ __forceinline__ unsigned fa_store_out(T* y, const float (*acc)[4], fl
     return am;
 }
 
-/* dst[16][64] (row stride 64, contiguous) = a warp's 16 staged rows of 64 (row stride LD), in
- * 16-byte stores: each store instruction writes 512 contiguous bytes. */
-template <typename T>
-__device__ __forceinline__ void fa_store_rows16(T* dst, const T* staged) {
-    constexpr int VEC = 16 / sizeof(T), PER_ROW = FA_TILE / VEC;
-    for (int e = threadIdx.x & 31; e < 16 * PER_ROW; e += 32) {
-        int r = e / PER_ROW, c = (e % PER_ROW) * VEC;
-        *(uint4*)(dst + r * FA_TILE + c) = *(const uint4*)(staged + r * Fa<FA_TILE>::LD + c);
-    }
-}
-
-/* Compile-time variant of the backward (make KERNEL_VARIANTS=-DFA_DS_FRAGMENTS=1; 0, the default,
- * is the code described at the kernels; docs/BENCHMARKS.md log #66, bench/attn-variants.sh):
- *   FA_DS_FRAGMENTS=1  the dS tiles stored in the dQ kernel's A-fragment order: the dK/dV kernel
- *                      reads its staged dS^T rows back with transposed ldmatrix and stores 16-byte
- *                      packets (fa_store_ds_fragments), so the dQ kernel loads each fragment
- *                      straight into registers, a tile ahead, as 512 contiguous bytes per warp
- *                      load, and stages only K in shared memory (half of it). The same dS values
- *                      in another order, the same products in the same order: the same bits. */
-#ifndef FA_DS_FRAGMENTS
-#define FA_DS_FRAGMENTS 0
-#endif
-/* The dQ kernel's bound: with FA_DS_FRAGMENTS 6 blocks per multiprocessor (at most 85 registers;
- * unbounded, ptxas holds the prefetched fragments in 136), else none (see FA_MIN_BLOCKS_DKV). */
-#if FA_DS_FRAGMENTS
+/* The dQ kernel's bound: 6 blocks per multiprocessor (at most 85 registers; unbounded, ptxas holds
+ * the prefetched fragments in 136). */
 #define FA_DQ_BOUNDS __launch_bounds__(FA_THREADS, 6)
-#else
-#define FA_DQ_BOUNDS __launch_bounds__(FA_THREADS)
-#endif
 
-/* With FA_DS_FRAGMENTS: a warp's 16 staged dS^T rows (row stride LD; keys 16 kk .. of the tile)
- * as the dQ kernel's A fragments of k step kk: for query group i (dQ warp i), transposed ldmatrix
- * gives each lane its 4 registers (as the default dQ kernel's load from a staged tile), stored as
- * one 16-byte packet at ((i * 4 + kk) * 32 + lane) of the 64x64 tile, so that a dQ warp loads a
- * fragment as 512 contiguous bytes. */
+/* A warp's 16 staged dS^T rows (row stride LD; keys 16 kk .. of the tile) as the dQ kernel's A
+ * fragments of k step kk: for query group i (dQ warp i), transposed ldmatrix gives each lane its 4
+ * registers, stored as one 16-byte packet at ((i * 4 + kk) * 32 + lane) of the 64x64 tile, so that
+ * a dQ warp loads a fragment straight into registers as 512 contiguous bytes, a tile ahead, and
+ * stages only K in shared memory (docs/BENCHMARKS.md log #48, #66: dQ 64.5 -> 58.1 µs a launch at
+ * ANDREA-120M). */
 template <typename T>
 __device__ __forceinline__ void fa_store_ds_fragments(T* tile, const T* staged, int kk) {
     int lane = threadIdx.x & 31, mi = lane >> 3;
@@ -969,11 +946,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
             accumulate(p, ds, c0);
         }
         __syncwarp();
-#if FA_DS_FRAGMENTS
         fa_store_ds_fragments(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles), ds_stage, warp);
-#else
-        fa_store_rows16(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles) + (size_t)sub * FA_TILE, ds_stage);
-#endif
         __syncthreads(); /* everyone is done with buffer cur before it takes tile qt + 2 */
     }
 
@@ -984,9 +957,8 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
 }
 
 /* dQ: block (query tile, b*H + h); warp w owns query rows q0 + 16w .. +15 and accumulates
- * dQ = scale · dS K over the key tiles up to the diagonal, from the dS^T tiles the dK/dV kernel
- * stored (staged, then read as A fragments through transposed ldmatrix; with FA_DS_FRAGMENTS,
- * loaded as A fragments straight into registers, a tile ahead). Masked and past-T entries of those
+ * dQ = scale · dS K over the key tiles up to the diagonal, from the dS tiles the dK/dV kernel
+ * stored in A-fragment order (loaded straight into registers, a tile ahead). Masked and past-T entries of those
  * tiles are 0 or meet zero rows of K, so whole tiles are used. AMAX: the amax of the dq it stores
  * into *amax_bits (the slot of k_attn_bwd_dkv's dk, dv), as k_attn_fwd's. */
 template <typename T, int D, bool AMAX>
@@ -1003,7 +975,6 @@ __global__ void FA_DQ_BOUNDS
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
     const T* ds_row = ds_tiles + fa_ds_tile(bh, qt, 0, blk.n_tiles); /* tiles (qt, 0 .. qt), consecutive */
     float dq_acc[Fa<D>::ND][4] = {};
-#if FA_DS_FRAGMENTS
     /* this warp's A fragments of dS tile kt, one 16-byte load per lane and k step */
     auto load_fragments = [&](unsigned (*a)[4], int kt) {
         const uint4* p = (const uint4*)(ds_row + (size_t)kt * FA_TILE * FA_TILE) + warp * (FA_TILE / 16) * 32 + lane;
@@ -1030,32 +1001,6 @@ __global__ void FA_DQ_BOUNDS
         for (int kk = 0; kk < FA_TILE / 16; kk++) fa_accumulate_step<T, D>(dq_acc, a[kk], ks[cur], kk);
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
-#else
-    __shared__ __align__(16) T dss[2][FA_TILE * Fa<FA_TILE>::LD]; /* double-buffered as ks */
-    auto load_tiles = [&](int kt, int buf) {
-        fa_load_rows<T, FA_TILE>(dss[buf], ds_row + (size_t)kt * FA_TILE * FA_TILE, 0, FA_TILE, FA_TILE);
-        fa_load_rows<T, D>(ks[buf], k + base, kt * FA_TILE, T_, C);
-    };
-    /* lane 8i + r addresses row r of matrix i of an A fragment (queries 16w + 8(i & 1) .., keys
-     * 8(i >> 1) ..); stored [key][query], so the transposed load gives the [query][key] order */
-    int mi = lane >> 3, a_off = (8 * (mi >> 1) + (lane & 7)) * Fa<FA_TILE>::LD + warp * 16 + 8 * (mi & 1);
-
-    load_tiles(0, 0);
-    fa_cp_commit();
-    for (int kt = 0; kt <= qt; kt++) {
-        int cur = kt & 1;
-        if (kt < qt) load_tiles(kt + 1, cur ^ 1);
-        fa_cp_commit();
-        fa_cp_wait<1>(); /* tile kt has landed (this thread's part) ... */
-        __syncthreads(); /* ... and everyone's */
-        for (int kk = 0; kk < FA_TILE / 16; kk++) {
-            unsigned a[4];
-            fa_ldsm_x4_trans(a, dss[cur] + a_off + 16 * kk * Fa<FA_TILE>::LD);
-            fa_accumulate_step<T, D>(dq_acc, a, ks[cur], kk);
-        }
-        __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
-    }
-#endif
     unsigned am = fa_store_out<T, D, AMAX>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
     /* the staged tiles are done with (the loop's last barrier): ks lends the partial maxima */
     if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)ks[0]);

@@ -9,7 +9,8 @@
  * All work runs in order on one stream, g_stream (every launch passes it, and cuBLAS is bound to
  * it), so there is no cross-stream synchronisation to get wrong. The engine creates g_stream so
  * that it can capture a whole step in a CUDA graph (the legacy default stream cannot be captured);
- * left 0 it is the legacy default stream.
+ * left 0 it is the legacy default stream. (The one exception, in builds with SIDE_STREAM_WGRAD=1:
+ * the backward's weight gradients on a second stream, ordered by events; side_stream.cuh.)
  *
  * Activation type T is float (fp32), __nv_bfloat16 (bf16) or __half (fp16). Whatever T is, every
  * kernel computes in fp32 and rounds once on store; parameter gradients are always fp32.

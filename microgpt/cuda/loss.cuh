@@ -17,26 +17,19 @@
  * row keeps a running max and a sum rescaled to it (online softmax, once per 16-byte packet),
  * giving the log-sum-exp (exponentials by the hardware's __expf, ~2 ulp); a second pass overwrites
  * the logits with their gradient dlogits = (softmax - onehot) * dscale, ready for the two products.
- * A block of LOSS_THREADS per row keeps the rows in flight small enough (2 blocks per
- * multiprocessor) that the second pass reads from L2. dscale is read from device memory (it carries
- * the fp16 loss scale) so a captured graph of the step stays fixed.
- *
- * Variants, chosen at compile time (make KERNEL_VARIANTS=-DLOSS_ROWS_VARIANT=N; 0, the default, is
- * the code described above; docs/BENCHMARKS.md log #64, #65). Each runs the same loss_row body in
- * the same order on the same values, so each gives the default's bits (tests/kernel_check.cu
- * compares them with the default kernel's, bench/rowk_bench.cu times them):
- *   LOSS_ROWS_VARIANT 1  k_loss_rows_shared: the block first copies its row into dynamic shared
- *                        memory (cp.async, 16-byte packets, no registers in between; 98 KiB for a
- *                        bf16 row of 50304), then runs both passes from there: memory sees one read
- *                        and one write of the logits, the second pass never waits on L2, and each
- *                        thread has its whole share of the row in flight at once. Two blocks per
- *                        multiprocessor, as the default's.
- *   LOSS_ROWS_VARIANT 2  as 1, with one block per multiprocessor walking rows with two row buffers
- *                        (196 KiB): the next row's copy is in flight while the block computes the
- *                        current one, so memory never idles while a block reduces.
- * Where the row buffers and the kernel's static shared memory do not fit a block's opt-in limit, or
- * the blocks a multiprocessor must hold do not fit it (an fp32 row of 50304 in variant 1), the
- * launcher says so once on stderr and runs the default kernel. */
+ * dscale is read from device memory (it carries the fp16 loss scale) so a captured graph of the
+ * step stays fixed. A block of LOSS_THREADS takes a row, two blocks per multiprocessor:
+ *   k_loss_rows_shared  first copies its row into dynamic shared memory (cp.async, 16-byte packets,
+ *                       no registers in between; 98 KiB for a bf16 row of 50304), then runs both
+ *                       passes from there: memory sees one read and one write of the logits, the
+ *                       second pass never waits on L2, and each thread has its whole share of the
+ *                       row in flight at once. 462 against 505 µs a step at ANDREA-120M, 234
+ *                       against 253 at ANDREA-12M (H200, bench/rowk_bench.cu; docs/BENCHMARKS.md
+ *                       log #64).
+ *   k_loss_rows         both passes over the row in memory (the second from L2): for rows whose
+ *                       copy does not fit two blocks a multiprocessor (an fp32 row of 50304).
+ * Both run the same loss_row body in the same order on the same values: the same bits
+ * (tests/kernel_check.cu compares them). */
 #ifndef MICROGPT_CUDA_LOSS_CUH
 #define MICROGPT_CUDA_LOSS_CUH
 
@@ -53,12 +46,7 @@ static int loss_chunk_rows(int Vp, size_t elem_bytes, int N) {
     return (int)(rows < 1 ? 1 : rows > (size_t)N ? (size_t)N : rows);
 }
 
-#ifndef LOSS_ROWS_VARIANT
-#define LOSS_ROWS_VARIANT 0
-#endif
-#if LOSS_ROWS_VARIANT
 #include <cuda_pipeline.h>
-#endif
 
 /* logits [n, Vp] = x [n, C] @ wte^T, wte [Vp, C]; L is T (training, evaluation) or float (the
  * sampler's logits of one position). */
@@ -71,7 +59,7 @@ static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C,
  * real columns of `src`, losses[row] = lse - target_logit (thread 0's, read from l before the row
  * is overwritten); with dscale (device float, nullable), also overwrites l with dlogits =
  * (exp(logit - lse) - [j == target]) * dscale on real columns and 0 on padded ones. src is l
- * itself (k_loss_rows) or the row's copy in shared memory (the variants). Each thread reads only
+ * itself (k_loss_rows) or the row's copy in shared memory (k_loss_rows_shared). Each thread reads only
  * the packets j = threadIdx.x * VEC + i * LOSS_THREADS * VEC (loss_row_copy copies the same ones).
  * Rows are whole packets when VEC > 1. */
 template <typename T, int VEC>
@@ -111,7 +99,7 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
     }
 }
 
-/* The default: one block per row, both passes over the row in memory (the second from L2). */
+/* One block per row, both passes over the row in memory (the second from L2). */
 template <typename T, int VEC>
 __global__ void __launch_bounds__(LOSS_THREADS)
 k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
@@ -124,13 +112,12 @@ k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__
 }
 
 template <typename T>
-static void loss_rows_default(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
+static void loss_rows_from_memory(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
                               const float* dscale) {
     LAUNCH_PACKED(packable(Vp, sizeof(T), {logits}), k_loss_rows, T, n, LOSS_THREADS, losses, lse, logits,
                   targets, V, Vp, dscale);
 }
 
-#if LOSS_ROWS_VARIANT
 /* This thread's packets of a row of Vp (the ones loss_row reads) into shared memory by cp.async,
  * VEC-element packets of 16 bytes, else element by element; then one commit (the thread's copy
  * group: each thread waits only for its own copies, and reads only them). */
@@ -142,17 +129,13 @@ __device__ __forceinline__ void loss_row_copy(T* row_s, const T* l, int Vp) {
     }
     __pipeline_commit();
 }
-#endif
 
-#if LOSS_ROWS_VARIANT == 1
-#define LOSS_ROWS_SHARED_BUFFERS 1 /* row buffers a block */
-#define LOSS_ROWS_SHARED_PER_SM 2  /* blocks a multiprocessor must hold */
-/* Variant 1: a block per row (n blocks; n is unused, the variants share one launch), its row in Vp
- * elements of dynamic shared memory. */
+#define LOSS_ROWS_SHARED_PER_SM 2 /* blocks of k_loss_rows_shared a multiprocessor must hold */
+/* A block per row, its row in Vp elements of dynamic shared memory. */
 template <typename T, int VEC>
 __global__ void __launch_bounds__(LOSS_THREADS, LOSS_ROWS_SHARED_PER_SM)
 k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
-                   const int* __restrict__ targets, int n, int V, int Vp, const float* __restrict__ dscale) {
+                   const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
     await_previous_kernel();
     extern __shared__ __align__(16) unsigned char loss_row_bytes[];
     T* row_s = reinterpret_cast<T*>(loss_row_bytes);
@@ -163,45 +146,15 @@ k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __res
     __pipeline_wait_prior(0);
     loss_row<T, VEC>(losses, lse, l, row_s, row, target, target_logit, V, Vp, dscale);
 }
-#elif LOSS_ROWS_VARIANT == 2
-#define LOSS_ROWS_SHARED_BUFFERS 2
-#define LOSS_ROWS_SHARED_PER_SM 1
-/* Variant 2: one block per multiprocessor walks rows blockIdx.x, + gridDim.x, ... with two row
- * buffers (2 Vp elements of dynamic shared memory): the copy of its next row is in flight while it
- * computes the current one. A row's values do not depend on the block that takes it. */
-template <typename T, int VEC>
-__global__ void __launch_bounds__(LOSS_THREADS, LOSS_ROWS_SHARED_PER_SM)
-k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
-                   const int* __restrict__ targets, int n, int V, int Vp, const float* __restrict__ dscale) {
-    await_previous_kernel();
-    extern __shared__ __align__(16) unsigned char loss_row_bytes[];
-    T* bufs = reinterpret_cast<T*>(loss_row_bytes); /* buffer b at bufs + b * Vp */
-    int row = blockIdx.x, b = 0;
-    if (row < n) loss_row_copy<T, VEC>(bufs, logits + (size_t)row * Vp, Vp);
-    for (; row < n; row += gridDim.x, b ^= 1) {
-        int next = row + gridDim.x, target = targets[row];
-        T* l = logits + (size_t)row * Vp;
-        float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f;
-        /* a thread overwrites only its own packets of buffer b ^ 1, which it finished reading in
-         * the previous row; the next row's copy is one more group (empty after the last row) */
-        if (next < n) loss_row_copy<T, VEC>(bufs + (b ^ 1) * Vp, logits + (size_t)next * Vp, Vp);
-        else __pipeline_commit();
-        __pipeline_wait_prior(1); /* this row's group has landed */
-        loss_row<T, VEC>(losses, lse, l, bufs + b * Vp, row, target, target_logit, V, Vp, dscale);
-    }
-}
-#endif
-
-#if LOSS_ROWS_VARIANT
-/* Whether k_loss_rows_shared<T, VEC> can run rows of Vp here: its dynamic shared memory (the row
- * buffers) plus its static shared memory (block_reduce's partials) within a block's opt-in limit,
- * and LOSS_ROWS_SHARED_PER_SM blocks of it (registers and shared memory, by the occupancy
- * calculator) on one multiprocessor. Raises the kernel's dynamic limit to exactly the buffers' bytes
- * on the way. Says why not on stderr, once per kernel. */
+/* Whether k_loss_rows_shared<T, VEC> can run rows of `bytes` here: its dynamic shared memory (the
+ * row) plus its static shared memory (block_reduce's partials) within a block's opt-in limit (the
+ * sum of the two may not exceed it: asking for the whole limit as dynamic memory fails), and
+ * LOSS_ROWS_SHARED_PER_SM blocks of it (registers and shared memory, by the occupancy calculator)
+ * on one multiprocessor. Raises the kernel's dynamic limit to exactly the row's bytes on the way. */
 template <typename T, int VEC>
 static bool loss_rows_shared_fits(size_t bytes) {
     static size_t checked_bytes = 0;
-    static bool fits = false, told = false;
+    static bool fits = false;
     if (bytes == checked_bytes) return fits;
     int dev, optin;
     cudaFuncAttributes fa;
@@ -219,13 +172,6 @@ static bool loss_rows_shared_fits(size_t bytes) {
                                                                  bytes));
         fits = blocks >= LOSS_ROWS_SHARED_PER_SM;
     }
-    if (!fits && !told) {
-        fprintf(stderr,
-                "warning: LOSS_ROWS_VARIANT=%d: %zu bytes of row buffers + %zu static need %d block(s) per "
-                "multiprocessor (%d fit; opt-in limit %d bytes a block): the default loss kernel runs instead\n",
-                LOSS_ROWS_VARIANT, bytes, fa.sharedSizeBytes, LOSS_ROWS_SHARED_PER_SM, blocks, optin);
-        told = true;
-    }
     checked_bytes = bytes;
     return fits;
 }
@@ -235,45 +181,30 @@ static bool loss_rows_shared_fits(size_t bytes) {
 template <typename T, int VEC>
 static bool loss_rows_shared(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
                              const float* dscale) {
-    size_t bytes = (size_t)LOSS_ROWS_SHARED_BUFFERS * Vp * sizeof(T);
+    size_t bytes = (size_t)Vp * sizeof(T);
     if (!loss_rows_shared_fits<T, VEC>(bytes)) return false;
-#if LOSS_ROWS_VARIANT == 1
-    unsigned blocks = n;
-#else
-    static int n_sm = 0;
-    if (!n_sm) {
-        int dev;
-        CUDA_CHECK(cudaGetDevice(&dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
-    }
-    /* at least two rows a block, so that every launch, kernel_check's small ones too, swaps buffers */
-    unsigned blocks = ceil_div(n, 2) < (unsigned)n_sm ? ceil_div(n, 2) : (unsigned)n_sm;
-#endif
-    launch_kernel_with_shared(k_loss_rows_shared<T, VEC>, blocks, LOSS_THREADS, bytes, losses, lse, logits, targets, n,
-                              V, Vp, dscale);
+    launch_kernel_with_shared(k_loss_rows_shared<T, VEC>, n, LOSS_THREADS, bytes, losses, lse, logits, targets, V, Vp,
+                              dscale);
     return true;
 }
 
-/* The variant's kernel, in packets where the rows allow; false, having launched nothing, where it
- * does not fit (tests/kernel_check.cu checks that it ran). */
+/* k_loss_rows_shared, in packets where the rows allow; false, having launched nothing, where it
+ * does not fit (tests/kernel_check.cu checks that it ran at the models' vocabulary in 16 bits). */
 template <typename T>
-static bool loss_rows_variant(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
+static bool loss_rows_from_shared(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
                               const float* dscale) {
     return packable(Vp, sizeof(T), {logits})
                ? loss_rows_shared<T, PACK(T)>(losses, lse, logits, targets, n, V, Vp, dscale)
                : loss_rows_shared<T, 1>(losses, lse, logits, targets, n, V, Vp, dscale);
 }
-#endif
 
-/* The loss rows of n rows: the variant's kernel where it runs (LOSS_ROWS_VARIANT), else the
- * default's; the same bits either way. */
+/* The loss rows of n rows: from shared memory where the row fits, else from memory; the same bits
+ * either way. */
 template <typename T>
 static void loss_rows(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
                       const float* dscale) {
-#if LOSS_ROWS_VARIANT
-    if (loss_rows_variant(losses, lse, logits, targets, n, V, Vp, dscale)) return;
-#endif
-    loss_rows_default(losses, lse, logits, targets, n, V, Vp, dscale);
+    if (loss_rows_from_shared(losses, lse, logits, targets, n, V, Vp, dscale)) return;
+    loss_rows_from_memory(losses, lse, logits, targets, n, V, Vp, dscale);
 }
 
 /* Evaluation: per-row losses [n] and lse [n] of rows x [n, C]; logits [n, Vp] is scratch. */
@@ -292,10 +223,11 @@ static void loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logit
                          const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
     classifier_logits(logits, x, wte, n, C, Vp);
     loss_rows(losses, lse, logits, targets, n, V, Vp, dscale);
+    /* dwte = dlogits^T @ x + grad_beta * dwte, as linear_dw (the next chunk's logits wait for it);
+     * issued first, so that on the side stream it runs beside dx */
+    side_product(logits, [&] { gemm(Vp, C, n, mat_t(logits, Vp), mat(x, C), mat(dwte, C), 1.0f, grad_beta); });
     /* dx = dlogits @ wte */
     gemm(n, C, Vp, mat(logits, Vp), mat(wte, C), mat(dx, C));
-    /* dwte = dlogits^T @ x + grad_beta * dwte */
-    gemm(Vp, C, n, mat_t(logits, Vp), mat(x, C), mat(dwte, C), 1.0f, grad_beta);
 }
 
 /* One block of LOSS_MEAN_THREADS: out[0] = the mean of losses [n], summed in double in a fixed

@@ -14,6 +14,7 @@
 #define MICROGPT_CUDA_MATMUL_CUH
 
 #include "common.cuh"
+#include "side_stream.cuh"
 
 /* out = x @ w, or with `residual`, out = residual + x @ w (the residual join in the product's
  * epilogue; out must not alias residual). Overwrites out. */
@@ -34,10 +35,12 @@ static void linear_dx(T* dx, const T* dout, const T* w, int N, int in, int out_d
     gemm(N, in, out_dim, mat(dout, out_dim), mat_t(w, out_dim), mat(dx, in), 1.0f, beta);
 }
 
-/* dw = x^T @ dout + grad_beta * dw   (fp32 gradient; grad_beta 0 or 1, see the contract above) */
+/* dw = x^T @ dout + grad_beta * dw   (fp32 gradient; grad_beta 0 or 1, see the contract above); on
+ * the side stream where there is one (side_stream.cuh: the caller waits for it before it next
+ * overwrites dout). */
 template <typename T>
 static void linear_dw(float* dw, const T* x, const T* dout, int N, int in, int out_dim, float grad_beta) {
-    gemm(in, out_dim, N, mat_t(x, in), mat(dout, out_dim), mat(dw, out_dim), 1.0f, grad_beta);
+    side_product(dout, [&] { gemm(in, out_dim, N, mat_t(x, in), mat(dout, out_dim), mat(dw, out_dim), 1.0f, grad_beta); });
 }
 
 /* The pair's backward: dw = / += by grad_beta (parameter gradients accumulate over micro-batches,

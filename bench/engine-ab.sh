@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# engine-ab.sh: whole training steps of the engine built with other -D flags, checked and timed beside
+# the default build on the GPU machine, in one command: the A/B of a step-level candidate put behind
+# a compile-time macro (docs/DESIGN.md §9; attn-variants.sh does the same for the attention kernels
+# alone). About 3 minutes per build and round on an H200 host (16 cores).
+#
+#   OUT=/some/dir bench/engine-ab.sh NAME=FLAGS...     (OUT defaults to ./engine-ab-out)
+#   e.g. SAME_BITS=1 bench/engine-ab.sh "side=-DSIDE_STREAM_WGRAD=1"
+#
+# Builds the engine and kernel_check per NAME with FLAGS, and `default` without, side by side and in
+# parallel (the Makefile's KERNEL_VARIANTS and VARIANT_SUFFIX): build/microgpt_cuda_NAME,
+# build/kernel_check_NAME. Each build's kernel_check runs in full (a build that fails it is still
+# timed, and marked FAILED). With SAME_BITS=1 (a candidate that must not change a bit), each
+# variant also runs tests/test_gpu.py's bit-equality tests against it (graphs = launch by launch,
+# and records and checkpoints equal to the default build's: ANDREA_CUDA_ENGINE, ANDREA_CUDA_BASELINE;
+# log $OUT/pytest-NAME.log), and losses that differ from the default's below count as a failure.
+# Then ANDREA-12M and ANDREA-120M, bf16 and fp8, 60 steps each on random tokens (scripts/check-lib.sh's
+# timing_run and summarise), every build in turn, ROUNDS times (default 2): interleaved, so that a
+# drift of the GPU's clocks hits every build alike. Logs in $OUT/build-NAME.log,
+# $OUT/check-NAME.log, $OUT/timing.log; each run's median in $OUT/timing.json; at the end a table
+# (also in $OUT/summary.txt): per model and precision, each build's median ms/step in each round,
+# its change against default in µs per step (mean over the rounds), and whether its losses are
+# the default's bit for bit ('=' or 'differ').
+# FLAGS are -DMACRO[=VALUE] and -UMACRO words only. Exit status 1 if a build, check, test or run
+# failed, 2 on bad arguments.
+set -u -o pipefail
+# shellcheck source=scripts/check-lib.sh
+. "$(dirname "$0")/../scripts/check-lib.sh"
+
+parse_builds "$@"
+if [ ${#BUILD_NAMES[@]} -eq 0 ]; then
+    echo "error: no build to compare with the default (NAME=FLAGS...)" >&2
+    exit 2
+fi
+BUILDS=(default "${BUILD_NAMES[@]}")
+declare -A FLAGS=([default]="")
+for i in "${!BUILD_NAMES[@]}"; do FLAGS[${BUILD_NAMES[$i]}]=${BUILD_FLAGS[$i]}; done
+ROUNDS=${ROUNDS:-2}
+if ! [[ $ROUNDS =~ ^[1-9][0-9]?$ ]]; then
+    echo "error: ROUNDS must be a whole number from 1 to 99, got '$ROUNDS'" >&2
+    exit 2
+fi
+SAME_BITS=${SAME_BITS:-0}
+
+check_init engine-ab ./engine-ab-out
+
+rc=0
+pids=()
+for b in "${BUILDS[@]}"; do
+    # no binary of an earlier run may stand in for a failed build; -B: remade even when an older build
+    # of other flags is newer than the sources
+    rm -f "build/microgpt_cuda_$b" "build/kernel_check_$b"
+    make -B VARIANT_SUFFIX="_$b" KERNEL_VARIANTS="${FLAGS[$b]}" "build/microgpt_cuda_$b" "build/kernel_check_$b" \
+        >"$OUT/build-$b.log" 2>&1 &
+    pids+=($!)
+done
+for i in "${!pids[@]}"; do
+    if ! wait "${pids[$i]}"; then
+        echo "!! build of ${BUILDS[$i]} failed: $OUT/build-${BUILDS[$i]}.log"
+        tail -5 "$OUT/build-${BUILDS[$i]}.log"
+        rc=1
+    fi
+done
+
+declare -A check
+timed=()
+for b in "${BUILDS[@]}"; do
+    if [ ! -x "build/microgpt_cuda_$b" ] || [ ! -x "build/kernel_check_$b" ]; then
+        check[$b]="NOT BUILT"
+        continue
+    fi
+    timed+=("$b")
+    if run_cmd 600 "build/kernel_check_$b" >"$OUT/check-$b.log" 2>&1; then check[$b]=ok; else check[$b]=FAILED; rc=1; fi
+    echo "$b: $(head -1 "$OUT/check-$b.log" | cut -c1-160) ... $(tail -1 "$OUT/check-$b.log")"
+    if [ "$SAME_BITS" = 1 ] && [ "$b" != default ] && [ -x build/microgpt_cuda_default ]; then
+        if ANDREA_CUDA_ENGINE="build/microgpt_cuda_$b" ANDREA_CUDA_BASELINE=build/microgpt_cuda_default \
+            run_cmd 600 "$PY" -m pytest -m gpu -q -rA tests/test_gpu.py -k "baseline_build or graphs_give" \
+            >"$OUT/pytest-$b.log" 2>&1; then
+            check[$b]+=", bit tests ok"
+        else
+            check[$b]+=", bit tests FAILED"
+            rc=1
+        fi
+        echo "$b: $(tail -1 "$OUT/pytest-$b.log")"
+    fi
+done
+
+runs=()
+if [ ${#timed[@]} -gt 0 ]; then
+    make_shard big 50257 3000000 || exit 1
+    for round in $(seq 1 "$ROUNDS"); do
+        for model in 12M 120M; do
+            if [ "$model" = 12M ]; then shape=("${M12[@]}"); else shape=("${M120[@]}"); fi
+            for prec in bf16 fp8; do
+                for b in "${timed[@]}"; do
+                    name="$model-$prec-$b-r$round"
+                    ENGINE_BIN="build/microgpt_cuda_$b" timing_run 60 "$name" "$prec" "${shape[@]}" \
+                        >>"$OUT/timing.log" 2>&1 || { echo "!! run $name failed: $OUT/timing.log"; rc=1; }
+                    runs+=("$name")
+                done
+            done
+        done
+    done
+    summarise "$OUT/timing.json" "${runs[@]}" >>"$OUT/timing.log" || rc=1
+fi
+
+checks=()
+for b in "${BUILDS[@]}"; do checks+=("$b=${check[$b]}"); done
+"$PY" - "$OUT/timing.json" "$DATA" "$SAME_BITS" "${checks[@]}" <<'EOF' | tee "$OUT/summary.txt" || rc=1
+import json, statistics, sys
+from pathlib import Path
+path, data, same_bits = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1"
+checks = dict(a.split("=", 1) for a in sys.argv[4:])
+builds = list(checks)
+ms = {}  # (model, precision, build) -> [median ms/step of each round]
+for row in json.loads(path.read_text()) if path.exists() else []:
+    model, prec, build, _ = row["run"].rsplit("-", 3)
+    if row["ms_per_step_median"] is not None:
+        ms.setdefault((model, prec, build), []).append(row["ms_per_step_median"])
+
+def losses(run):
+    f = data / f"{run}.jsonl"
+    recs = [json.loads(l) for l in f.read_text().splitlines() if l.startswith("{")] if f.exists() else []
+    return [r["loss"] for r in recs if "loss" in r and "event" not in r]
+
+differ = False
+print("median ms/step of each round (60 steps, the first 10 left out); change: µs per step against default;")
+print("losses: every round's step losses equal to default's ('=') or not ('differ')")
+print(f"{'run':10s}" + "".join(f"  {b + ' ms':>22s}  {'change':>8s}  {'losses':>6s}" for b in builds))
+for model in ("12M", "120M"):
+    for prec in ("bf16", "fp8"):
+        base = ms.get((model, prec, "default"))
+        line = f"{model + ' ' + prec:10s}"
+        for b in builds:
+            got = ms.get((model, prec, b))
+            rounds = " ".join(f"{v:.3f}" for v in got) if got else "-"
+            change = f"{(statistics.mean(got) - statistics.mean(base)) * 1000:+.0f}" if got and base else "-"
+            same = "-"
+            if got and base and b != "default":
+                pairs = [(losses(f"{model}-{prec}-{b}-r{r}"), losses(f"{model}-{prec}-default-r{r}"))
+                         for r in range(1, len(got) + 1)]
+                same = "=" if all(x and x == y for x, y in pairs) else "differ"
+                differ |= same != "="
+            line += f"  {rounds:>22s}  {change:>8s}  {same:>6s}"
+        print(line)
+print("kernel_check: " + ", ".join(f"{b} {c}" for b, c in checks.items()))
+sys.exit(1 if same_bits and differ else 0)
+EOF
+exit $rc

@@ -1,0 +1,46 @@
+"""bench/engine-ab.sh, the A/B of whole-engine builds: without a GPU, its refusal of malformed arguments
+before it builds anything, and the builds it asks make for (the builds, checks and timings run on the
+GPU machine; bench/test_pdl_ab.py covers pdl-ab.sh, which runs it)."""
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent / "engine-ab.sh"
+
+
+def run(args, tmp_path, path="/usr/bin:/bin", **env):
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60,
+                          env={"OUT": str(tmp_path / "out"), "PATH": path, **env})
+
+
+@pytest.mark.parametrize("args, env, message", [
+    ([], {}, "error: no build to compare with the default"),
+    (["-DX=1"], {}, "error: expected NAME=FLAGS"),
+    (["default=-DX"], {}, "error: expected NAME=FLAGS"),
+    (["x=-DA", "x=-DB"], {}, "error: build name 'x' given twice"),
+    (["x=-DX=1; touch pwn"], {}, "error: FLAGS of 'x' must be -DMACRO"),
+    (["x=-DX=1"], {"ROUNDS": "0"}, "error: ROUNDS must be"),
+])
+def test_script_refuses_malformed_builds_before_building(tmp_path, args, env, message):
+    res = run(args, tmp_path, **env)
+    assert res.returncode == 2
+    assert res.stderr.startswith(message), res.stderr
+    assert not (tmp_path / "out").exists() and res.stdout == ""
+
+
+def test_each_build_reaches_make_with_its_flags(tmp_path):
+    """A stand-in make records its arguments (one file per call: the builds run in parallel) and fails:
+    nothing is timed, and the table says so."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "make").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {tmp_path}/make.$$\nexit 1\n')
+    (bin_dir / "make").chmod(0o755)
+    res = run(["side=-DSIDE_STREAM_WGRAD=1  -UX"], tmp_path, path=f"{bin_dir}:/usr/bin:/bin", SAME_BITS="1")
+    assert res.returncode == 1, res.stdout + res.stderr
+    calls = sorted(p.read_text().splitlines() for p in tmp_path.glob("make.*"))
+    flags = {"default": "", "side": "-DSIDE_STREAM_WGRAD=1  -UX"}
+    assert calls == [["-B", f"VARIANT_SUFFIX=_{b}", f"KERNEL_VARIANTS={flags[b]}", f"build/microgpt_cuda_{b}",
+                      f"build/kernel_check_{b}"] for b in sorted(flags)]
+    assert "kernel_check: default NOT BUILT, side NOT BUILT" in (tmp_path / "out" / "summary.txt").read_text()
+    assert not (tmp_path / "out" / "timing.json").exists()

@@ -1,0 +1,143 @@
+/* side_stream.cuh: the backward's weight-gradient products on a second stream (compile-time variant
+ * SIDE_STREAM_WGRAD=1; 0, the default, runs everything on g_stream as common.cuh describes).
+ *
+ * In a linear layer's backward the input gradient (dX = dY W^T, which the layer below waits for)
+ * and the weight gradient (dW = X^T dY, which only the update reads) are independent, and so are
+ * the classifier's dx and dwte. The small products of a 12M step fill well under one wave of the
+ * GPU each; side by side, two of them share it. side_product runs a weight-gradient product on the
+ * side stream, forked from g_stream by an event, so that the main stream's next products and
+ * kernels run beside it; captured in a CUDA graph, the fork and the joins become the graph's edges
+ * (parallel branches). Each kernel's arithmetic is unchanged (the same products, the same
+ * algorithms: the side stream has its own cuBLAS handle and its own workspace of the same size, so
+ * cuBLASLt's rule sees the same problem), so the bits are the default build's.
+ *
+ * What orders the two streams (the engine's backward places the waits, docs/DESIGN.md §9):
+ *   fork   side_product records an event on g_stream and the side stream waits for it: the
+ *          product starts after everything issued before it, its inputs included (so a layer
+ *          issues its weight gradient before the input gradient it is to run beside).
+ *   reads  after the product, an event on the side stream, kept per buffer the product reads that
+ *          the main stream overwrites later (an activation-gradient scratch buffer).
+ *   wait   side_wait(buffer), issued by the main stream before its next write of that buffer,
+ *          waits for that event: the side-stream readers of the buffer are done.
+ *   join   side_join: the main stream waits for all side-stream work (before the embedding
+ *          backward adds into the classifier's dwte, and so before the end of the backward: the
+ *          gradient norm and AdamW see every product, and a capture ends with the streams joined).
+ * Without a side stream set up (kernel_check, the benches, the default build) side_product runs
+ * the product in place on g_stream and the waits are no-ops. */
+#ifndef MICROGPT_CUDA_SIDE_STREAM_CUH
+#define MICROGPT_CUDA_SIDE_STREAM_CUH
+
+#include "common.cuh"
+
+#ifndef SIDE_STREAM_WGRAD
+#define SIDE_STREAM_WGRAD 0
+#endif
+
+#define SIDE_MAX_BUFFERS 8 /* buffers with a side-stream reader: dres, dh, dqkv, logits, fp8's g8t */
+
+/* One buffer the side stream reads and the main stream overwrites later. */
+struct SideRead {
+    const void* buffer;
+    cudaEvent_t done; /* recorded on the side stream after its last reader so far */
+    bool pending;     /* recorded since the main stream last waited for it */
+};
+
+static struct {
+    cudaStream_t stream; /* 0: no side stream, products run in place */
+    cublasHandle_t cublas;
+    void* workspace;
+    cudaEvent_t fork, joined;
+    bool active; /* side-stream work issued since the last join */
+    SideRead reads[SIDE_MAX_BUFFERS];
+    int n_reads;
+} g_side;
+
+/* The side stream, its cuBLAS handle (bound to it, with its own workspace of `bytes`, the main
+ * one's size, and the main handle's math mode: call after cublas_init and gemm_set_tf32) and its
+ * events. */
+static void side_stream_init(void* workspace, size_t bytes) {
+    cublasMath_t math;
+    CUDA_CHECK(cudaStreamCreate(&g_side.stream));
+    CUBLAS_CHECK(cublasCreate(&g_side.cublas));
+    CUBLAS_CHECK(cublasGetMathMode(g_cublas, &math));
+    CUBLAS_CHECK(cublasSetMathMode(g_side.cublas, math));
+    CUBLAS_CHECK(cublasSetStream(g_side.cublas, g_side.stream));
+    CUBLAS_CHECK(cublasSetWorkspace(g_side.cublas, workspace, bytes));
+    g_side.workspace = workspace;
+    CUDA_CHECK(cudaEventCreateWithFlags(&g_side.fork, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&g_side.joined, cudaEventDisableTiming));
+}
+
+static void side_stream_shutdown(void) {
+    if (!g_side.stream) return;
+    for (int i = 0; i < g_side.n_reads; i++) CUDA_CHECK(cudaEventDestroy(g_side.reads[i].done));
+    CUDA_CHECK(cudaEventDestroy(g_side.fork));
+    CUDA_CHECK(cudaEventDestroy(g_side.joined));
+    CUBLAS_CHECK(cublasDestroy(g_side.cublas));
+    CUDA_CHECK(cudaStreamDestroy(g_side.stream));
+    memset(&g_side, 0, sizeof g_side);
+}
+
+/* The entry of `buffer`, made on first use. */
+static SideRead* side_read(const void* buffer) {
+    for (int i = 0; i < g_side.n_reads; i++)
+        if (g_side.reads[i].buffer == buffer) return &g_side.reads[i];
+    if (g_side.n_reads == SIDE_MAX_BUFFERS)
+        cuda_fail("side_read", "more buffers read on the side stream than SIDE_MAX_BUFFERS", __FILE__, __LINE__);
+    SideRead* r = &g_side.reads[g_side.n_reads++];
+    r->buffer = buffer;
+    r->pending = false;
+    CUDA_CHECK(cudaEventCreateWithFlags(&r->done, cudaEventDisableTiming));
+    return r;
+}
+
+/* Swaps what the products launch on (common.cuh's stream, cuBLAS handle and workspace) with the
+ * side stream's: called twice, it restores them. cuBLASLt's handle takes the stream per call. */
+static void side_swap(void) {
+    cudaStream_t s = g_stream;
+    cublasHandle_t h = g_cublas;
+    void* w = g_gemm_workspace;
+    g_stream = g_side.stream, g_cublas = g_side.cublas, g_gemm_workspace = g_side.workspace;
+    g_side.stream = s, g_side.cublas = h, g_side.workspace = w;
+}
+
+/* Runs `product` (the launches of one weight gradient) on the side stream after everything issued
+ * so far on g_stream; `reads`: the buffer it reads that the main stream overwrites later (the main
+ * stream calls side_wait(reads) first). */
+template <typename Product> static void side_product(const void* reads, Product product) {
+    if (!g_side.stream) {
+        product();
+        return;
+    }
+    CUDA_CHECK(cudaEventRecord(g_side.fork, g_stream));
+    CUDA_CHECK(cudaStreamWaitEvent(g_side.stream, g_side.fork, 0));
+    side_swap();
+    product();
+    side_swap();
+    SideRead* r = side_read(reads);
+    CUDA_CHECK(cudaEventRecord(r->done, g_side.stream));
+    r->pending = true;
+    g_side.active = true;
+}
+
+/* The main stream waits until the side stream's readers of `buffer` so far are done. */
+static void side_wait(const void* buffer) {
+    for (int i = 0; i < g_side.n_reads; i++) {
+        SideRead* r = &g_side.reads[i];
+        if (r->buffer == buffer && r->pending) {
+            CUDA_CHECK(cudaStreamWaitEvent(g_stream, r->done, 0));
+            r->pending = false;
+        }
+    }
+}
+
+/* The main stream waits for all side-stream work issued so far. */
+static void side_join(void) {
+    if (!g_side.active) return; /* nothing forked: no event of this capture to wait for */
+    CUDA_CHECK(cudaEventRecord(g_side.joined, g_side.stream));
+    CUDA_CHECK(cudaStreamWaitEvent(g_stream, g_side.joined, 0));
+    for (int i = 0; i < g_side.n_reads; i++) g_side.reads[i].pending = false;
+    g_side.active = false;
+}
+
+#endif
