@@ -1193,10 +1193,9 @@ static void run_fp8(void) {
     fp8_plans_clear();
 }
 
-#if FA_FWD_WGMMA
-/* The Hopper forward variant (-DFA_FWD_WGMMA=1) must be what the flash shapes below check: on a
- * compute capability 9.0 GPU the loaded image must carry it (the Makefile builds sm_90a), and on
- * any other it must not (its body there is a trap). */
+/* The Hopper forward (k_attn_fwd_wgmma) must be what the flash shapes below check on a compute
+ * capability 9.0 GPU: the loaded image must carry it (the Makefile builds sm_90a), and on any
+ * other it must not (its body there is a trap). */
 template <typename T> static void check_wgmma_path(void) {
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
@@ -1204,7 +1203,6 @@ template <typename T> static void check_wgmma_path(void) {
     set_ctx(TypeInfo<T>::name(), "attn", "forward kernel");
     report(on == hopper, "path", on ? "wgmma (sm_90a) at head sizes 32 and 64" : "mma.sync (no sm_90a image loaded)");
 }
-#endif
 
 /* The attention pair at every shape (alone with --only attn). */
 template <typename T> static void run_attn(void) {
@@ -1212,9 +1210,7 @@ template <typename T> static void run_attn(void) {
         set_ctx(TypeInfo<T>::name(), "attn", shape_str(s).c_str());
         test_attn<T>(s, tol_for<T>());
     };
-#if FA_FWD_WGMMA
     if constexpr (sizeof(T) == 2) check_wgmma_path<T>();
-#endif
     for (const Shape& s : SHAPES) one(s);
     for (const Shape& s : ATTN_SHAPES) one(s);
 }
