@@ -13,6 +13,7 @@ header says where and when the table was measured, carries each entry's probe li
 products left out and why. Written atomically; bad input is one `error:` line and exit status 1.
 """
 import argparse
+import math
 import os
 import re
 import shlex
@@ -61,10 +62,15 @@ def _config(text, lineno):
 
 
 def _number(fields, name, lineno, kind=float):
+    """A field's finite number: a nan or inf time or difference would pass every comparison of the
+    filter (nan > x is false) and put its product in the table."""
     try:
-        return kind(fields[name])
+        value = kind(fields[name])
     except ValueError:
-        raise ProbeError(f"line {lineno}: {name}={fields[name]} is not a number")
+        value = math.nan
+    if not math.isfinite(value):
+        raise ProbeError(f"line {lineno}: {name}={fields[name]} is not a finite number")
+    return value
 
 
 def parse(text):
@@ -191,6 +197,9 @@ def main(argv=None):
     ap.add_argument("--min-gain-pct", type=float, default=3.0,
                     help="least gain over the rule's choice for an entry, %% (default: %(default)s)")
     args = ap.parse_args(argv)
+    if not 0 <= args.min_gain_pct < 100:  # also refuses nan, which every gain would pass
+        print(f"error: --min-gain-pct {args.min_gain_pct:g} is not from 0 up to 100", file=sys.stderr)
+        return 1
     try:
         with open(args.probe_output, encoding="utf-8") as f:
             env, products = parse(f.read())
@@ -201,7 +210,11 @@ def main(argv=None):
         print(f"error: {args.probe_output}: no LTPROBE product lines", file=sys.stderr)
         return 1
     text = header(env, products, args.probe_output, args.min_gain_pct)
-    write_atomic(args.out, text)
+    try:
+        write_atomic(args.out, text)
+    except OSError as e:
+        print(f"error: {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 1
     kept = sum(why_left_out(p, env, args.min_gain_pct) is None for p in products)
     print(f"{args.out}: {kept} of {len(products)} products in the table")
     for (model, prec), us in savings(env, products, args.min_gain_pct).items():

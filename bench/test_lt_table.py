@@ -73,7 +73,11 @@ def test_the_filter_keeps_real_gains_and_says_why_it_leaves_the_rest_out():
     (SAMPLE.replace(ENV + "\n", ""), "no LTPROBE-ENV line"),
     (SAMPLE.replace("cc=9.0", "cc=8.0"), "compute capability 8.0"),
     (SAMPLE.replace("best=66:33:16:1:0:1:0:0:2", "best=66:33:16"), "not 9 integers"),
-    (SAMPLE.replace("rule_us=520.60", "rule_us=fast"), "rule_us=fast is not a number"),
+    (SAMPLE.replace("rule_us=520.60", "rule_us=fast"), "rule_us=fast is not a finite number"),
+    # a nan or inf passes every comparison of the filter: it must not reach the table
+    (SAMPLE.replace("diff=0.0021", "diff=nan", 1), "diff=nan is not a finite number"),
+    (SAMPLE.replace("best_us=438.10", "best_us=-inf"), "best_us=-inf is not a finite number"),
+    (SAMPLE.replace("rule_us=520.60", "rule_us=inf"), "rule_us=inf is not a finite number"),
     (SAMPLE + "\n" + probe_line(LOGITS, 1.0, 0.5), "a second time"),
     (SAMPLE.replace(LOGITS, "a*/b"), "key 'a*/b' has characters"),
 ])
@@ -84,6 +88,25 @@ def test_bad_input_is_one_error_line_and_no_table(tmp_path, capsys, bad, message
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("gain", ["nan", "-1", "100"])
+def test_a_minimum_gain_outside_0_to_100_is_one_error_line_and_no_table(tmp_path, capsys, gain):
+    src, out = tmp_path / "lt.txt", tmp_path / "table.h"
+    src.write_text(SAMPLE)
+    assert main([str(src), "-o", str(out), "--min-gain-pct", gain]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --min-gain-pct") and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_an_output_that_cannot_be_written_is_one_error_line_and_no_file(tmp_path, capsys):
+    src, out = tmp_path / "lt.txt", tmp_path / "missing" / "table.h"
+    src.write_text(SAMPLE)
+    assert main([str(src), "-o", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {out}: ") and len(err.splitlines()) == 1
+    assert not out.parent.exists()
 
 
 def generate(tmp_path, text=SAMPLE):
