@@ -30,7 +30,9 @@ rc=0
 pids=()
 for b in "${BUILDS[@]}"; do
     name=${b%%|*} flags=${b#*|}
-    # -B: a build's binaries are remade even when an older build of other flags is newer than the sources
+    # no binary of an earlier run may stand in for a failed build; -B: a build's binaries are remade
+    # even when an older build of other flags is newer than the sources
+    rm -f "build/kernel_check_$name" "build/attn_bench_$name"
     make -B VARIANT_SUFFIX="_$name" KERNEL_VARIANTS="$flags" "build/kernel_check_$name" "build/attn_bench_$name" \
         >"$OUT/build-$name.log" 2>&1 &
     pids+=($!)

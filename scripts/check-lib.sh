@@ -145,7 +145,7 @@ parse_builds() {
         fi
         read -r -d "" -a words <<<"$flags"    # -d "": a newline splits words too, never ends them
         for word in "${words[@]}"; do
-            if ! [[ $word =~ ^-[DU][A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?$ ]]; then
+            if ! [[ $word =~ ^(-D[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?|-U[A-Za-z_][A-Za-z0-9_]*)$ ]]; then
                 echo "error: FLAGS of '$name' must be -DMACRO[=VALUE] or -UMACRO words" \
                     "(VALUE of letters, digits, _.+-), got '$word'" >&2
                 exit 2
