@@ -385,6 +385,48 @@ def test_pdl_build_gives_the_same_bits_as_the_default_build(cuda_binary, pdl_bui
         assert ckpt.read_bytes() == ref_ckpt.read_bytes(), f"USE_PDL {mode} run's checkpoint differs"
 
 
+# Logits chunks of 32 KiB: 128 rows of bf16 (or 64 of fp32) at the odd shapes' padded vocabulary of 128,
+# so their 144 positions take 2 chunks (3 in fp32), as ANDREA-120M's 8192 take 2.
+SIDE_CHUNK_FLAGS = "-DSIDE_STREAM_WGRAD=1 -DLOGITS_CHUNK_BYTES=32768"
+
+
+@pytest.fixture(scope="module")
+def side_stream_build(cuda_binary):
+    """The engine built with the backward's weight gradients on a second stream (SIDE_STREAM_WGRAD=1,
+    cuda/side_stream.cuh) and small logits chunks: build/microgpt_cuda_sidechunks."""
+    if OVERRIDE_ENGINE:
+        pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the side-stream variant is built from source")
+    engine = eu.BUILD / "microgpt_cuda_sidechunks"
+    build_variant("_sidechunks", SIDE_CHUNK_FLAGS, engine)
+    return engine
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp8"])
+def test_side_stream_graphs_give_the_same_bits_as_synchronised_launches(side_stream_build, random_shards,
+                                                                       tmp_path, precision):
+    """The side stream's products are ordered against the main stream only by events (docs/DESIGN.md
+    §9). ANDREA_CUDA_SYNC=1 synchronises the whole device after every launch and product, so the two
+    streams never overlap there: a missing wait shows as records or a checkpoint of the replayed
+    graphs (and of the unsynchronised launches) that differ from it. grad_accum 2 (the += graph),
+    several logits chunks (each chunk's dwte on the side stream, the next chunk's logits after it, the
+    embedding backward adding into the same wte gradient), validation and sampling between steps."""
+    args = tiny_args(random_shards.train, random_shards.val, **{
+        **FP8_SHAPES["odd"], "train.precision": precision, "train.steps": 5, "train.grad_accum": 2,
+        "train.lr": 3e-3, "train.warmup_steps": 2, "eval.every": 2, "eval.batches": 2, "sample.every": 5,
+        "sample.tokens": 5, "sample.prompt": ["1,2"]})
+    runs = {}
+    for mode, env in (("sync", {"ANDREA_CUDA_SYNC": "1"}), ("graph", {}), ("eager", {"ANDREA_NO_GRAPH": "1"})):
+        ckpt = tmp_path / f"{mode}.ckpt"
+        res = run_ok(side_stream_build, args + ["--checkpoint", ckpt], env=env)
+        chunk = int(re.search(r"logits in chunks of (\d+) rows", res.stderr).group(1))
+        assert chunk < 3 * 48, f"{chunk}-row chunks: the loss ran in one chunk"
+        runs[mode] = (eu.exact_records(res), ckpt.read_bytes())
+    assert len([k for k in runs["sync"][0] if k[0] == "train"]) == 5
+    for mode in ("graph", "eager"):
+        assert runs[mode][0] == runs["sync"][0], f"side-stream {mode} run's records differ from the synchronised run's"
+        assert runs[mode][1] == runs["sync"][1], f"side-stream {mode} run's checkpoint differs"
+
+
 def test_memory_plan_and_constant_device_memory(cuda_binary, random_shards):
     res = run_ok(cuda_binary, tiny_args(random_shards.train, random_shards.val, **{
         **SHAPES["odd"], "train.precision": "bf16", "train.steps": 6, "eval.every": 2, "eval.batches": 2,

@@ -36,7 +36,11 @@
 #include "matmul.cuh"
 
 #define LOSS_THREADS 1024
-#define LOGITS_CHUNK_BYTES ((size_t)512 << 20) /* budget for one chunk of logits (then their gradient) */
+/* Budget for one chunk of logits (then their gradient). A test build sets a small one
+ * (tests/test_gpu.py: a tiny model's loss in several chunks, as ANDREA-120M's runs in two). */
+#ifndef LOGITS_CHUNK_BYTES
+#define LOGITS_CHUNK_BYTES ((size_t)512 << 20)
+#endif
 
 /* Logits rows per chunk of the N positions, rows of Vp elements of elem_bytes each: as many as
  * LOGITS_CHUNK_BYTES holds, whole 128-row tiles for the products, at most N. */
