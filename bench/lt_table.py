@@ -31,6 +31,7 @@ ENV_FIELDS = ("gpu", "cc", "sms", "driver", "cublaslt", "cudart", "date", "works
 PRODUCT_FIELDS = ("model", "prec", "product", "key", "calls", "offers", "rule_us", "best_us", "repeat", "diff", "ws",
                   "rule", "best")
 KEY_RE = re.compile(r"^[A-Za-z0-9_.]+$")
+GPU_RE = re.compile(r"^[A-Za-z0-9 _.()/-]+$")  # a device name that is a C string literal as it stands
 
 
 class ProbeError(ValueError):
@@ -82,6 +83,9 @@ def parse(text):
             if env is not None:
                 raise ProbeError(f"line {lineno}: a second LTPROBE-ENV line (one probe run a file)")
             env = _fields(line, lineno, ENV_FIELDS)
+            if not GPU_RE.match(env["gpu"]):
+                raise ProbeError(f"line {lineno}: gpu '{env['gpu']}' has characters other than letters, digits, "
+                                 "' _.()/-'")
             env["sms"] = _number(env, "sms", lineno, int)
             env["cublaslt"] = _number(env, "cublaslt", lineno, int)
             env["workspace"] = _number(env, "workspace", lineno, int)
@@ -156,7 +160,9 @@ def header(env, products, source, min_gain_pct):
         "",
         '#include "lt_table.h"',
         "",
-        "/* The table applies only on a GPU of this many multiprocessors with this cuBLASLt (cublasLtGetVersion). */",
+        "/* The table applies only on a GPU of this name (cudaDeviceProp.name: an H100 has the H200's compute",
+        " * capability and multiprocessors) and this many multiprocessors, with this cuBLASLt (cublasLtGetVersion). */",
+        f'#define LT_TABLE_GPU_NAME "{env["gpu"]}"',
         f"#define LT_TABLE_SM_COUNT {env['sms']}",
         f"#define LT_TABLE_CUBLASLT_VERSION {env['cublaslt']}",
         "",

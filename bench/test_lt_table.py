@@ -80,6 +80,7 @@ def test_the_filter_keeps_real_gains_and_says_why_it_leaves_the_rest_out():
     (SAMPLE.replace("rule_us=520.60", "rule_us=inf"), "rule_us=inf is not a finite number"),
     (SAMPLE + "\n" + probe_line(LOGITS, 1.0, 0.5), "a second time"),
     (SAMPLE.replace(LOGITS, "a*/b"), "key 'a*/b' has characters"),
+    (SAMPLE.replace('gpu="NVIDIA H200"', 'gpu="H200\\" x"'), "H200\" x' has characters"),
 ])
 def test_bad_input_is_one_error_line_and_no_table(tmp_path, capsys, bad, message):
     src, out = tmp_path / "lt.txt", tmp_path / "table.h"
@@ -132,6 +133,7 @@ def test_the_header_says_where_it_was_measured_and_carries_each_probe_line(tmp_p
     assert "NVIDIA H200 (132 multiprocessors), NVIDIA driver 580.95.05, cuBLASLt 130100" in text
     assert "2026-12-01T18:55:00Z" in text and "from lt.txt" in text
     assert "#define LT_TABLE_SM_COUNT 132" in text and "#define LT_TABLE_CUBLASLT_VERSION 130100" in text
+    assert '#define LT_TABLE_GPU_NAME "NVIDIA H200"' in text  # an H100 has the same cc 9.0 and 132 SMs
     assert f"/* {probe_line(LOGITS, 520.6, 438.1)} */" in text
     assert f'{{"{LOGITS}", 66, 33, 16, 1, 0, 1, 0, 0, 2}},' in text
     assert f"{QKV}: within 3 % of the rule's choice (noise)" in text
@@ -172,6 +174,8 @@ def test_every_committed_entry_is_its_probe_lines_fastest_offer():
         text = f.read()
     min_gain_pct = float(re.search(r"beat the rule's choice by at least ([0-9.]+) %", text).group(1))
     sms = re.search(r"#define LT_TABLE_SM_COUNT (\d+)", text).group(1)
+    measured_on = re.search(r"measured on\n \* (.*?) \(\d+ multiprocessors\)", text).group(1)
+    assert f'#define LT_TABLE_GPU_NAME "{measured_on}"' in text
     lt = re.search(r"#define LT_TABLE_CUBLASLT_VERSION (\d+)", text).group(1)
     probe_lines = re.findall(r"/\* (LTPROBE model=.*?) \*/", text)
     entries = re.findall(r'\{"([A-Za-z0-9_.]+)", ([0-9, ]+)\}', text)

@@ -417,7 +417,7 @@ static void cublas_shutdown(void) {
  *
  * Built with -DLT_FIXED_TABLE=1, a product named in the fixed table (lt_table.h, lt_table_sm90.h:
  * measured offline by bench/lt_algos.cu on an H200) runs the table's configuration instead, on a
- * GPU of compute capability 9.0 with the table's multiprocessor count and cuBLASLt version, when
+ * GPU of compute capability 9.0 with the table's device name, multiprocessor count and cuBLASLt version, when
  * cuBLASLt accepts it for the problem (cublasLtMatmulAlgoCheck), its workspace fits the engine's
  * and the operands' alignments meet its minimums; anything else keeps the rule. The table is data
  * fixed at build time, so the choice is still the same on every run (docs/DESIGN.md §3.5). */
@@ -611,17 +611,17 @@ static void lt_key_name(char* out, cudaDataType_t a, cudaDataType_t b, cudaDataT
         snprintf(out + n, LT_NAME_MAX - n, ".b%d.s%lld.%lld.%lld", batch, sa, sb, sd);
 }
 
-/* Whether the fixed table was measured on a GPU like this one, with this cuBLASLt (asked once). */
+/* Whether the fixed table was measured on a GPU of this model, with this cuBLASLt (asked once). */
 static bool lt_table_applies(void) {
 #if LT_FIXED_TABLE
     static int applies = -1;
     if (applies < 0) {
-        int dev, major, minor;
+        int dev;
+        cudaDeviceProp prop;
         CUDA_CHECK(cudaGetDevice(&dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-        applies = major == 9 && minor == 0 && lt_sm_count() == LT_TABLE_SM_COUNT &&
-                  cublasLtGetVersion() == (size_t)LT_TABLE_CUBLASLT_VERSION;
+        CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+        applies = prop.major == 9 && prop.minor == 0 && strcmp(prop.name, LT_TABLE_GPU_NAME) == 0 &&
+                  lt_sm_count() == LT_TABLE_SM_COUNT && cublasLtGetVersion() == (size_t)LT_TABLE_CUBLASLT_VERSION;
     }
     return applies == 1;
 #else

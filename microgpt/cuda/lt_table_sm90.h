@@ -8,7 +8,9 @@
 
 #include "lt_table.h"
 
-/* The table applies only on a GPU of this many multiprocessors with this cuBLASLt (cublasLtGetVersion). */
+/* The table applies only on a GPU of this name (cudaDeviceProp.name: an H100 has the H200's compute
+ * capability and multiprocessors) and this many multiprocessors, with this cuBLASLt (cublasLtGetVersion). */
+#define LT_TABLE_GPU_NAME "NVIDIA H200"
 #define LT_TABLE_SM_COUNT 132
 #define LT_TABLE_CUBLASLT_VERSION 130100
 
