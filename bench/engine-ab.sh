@@ -41,6 +41,10 @@ if ! [[ $ROUNDS =~ ^[1-9][0-9]?$ ]]; then
     exit 2
 fi
 SAME_BITS=${SAME_BITS:-0}
+if [ "$SAME_BITS" != 0 ] && [ "$SAME_BITS" != 1 ]; then # a typo must not silently skip the bit tests
+    echo "error: SAME_BITS must be 0 or 1, got '$SAME_BITS'" >&2
+    exit 2
+fi
 
 check_init engine-ab ./engine-ab-out
 

@@ -29,6 +29,18 @@ def test_script_refuses_malformed_builds_before_building(tmp_path, args, env, me
     assert not (tmp_path / "out").exists() and res.stdout == ""
 
 
+def test_a_same_bits_other_than_0_or_1_is_refused_before_building(tmp_path):
+    """SAME_BITS=yes would otherwise skip the bit tests silently (a stand-in make that records its
+    calls: none may come)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "make").write_text(f"#!/bin/bash\ntouch {tmp_path}/made\nexit 1\n")
+    (bin_dir / "make").chmod(0o755)
+    res = run(["x=-DX=1"], tmp_path, path=f"{bin_dir}:/usr/bin:/bin", SAME_BITS="yes")
+    assert res.returncode == 2 and res.stderr.startswith("error: SAME_BITS must be 0 or 1"), res.stderr
+    assert not (tmp_path / "made").exists() and not (tmp_path / "out").exists()
+
+
 def test_each_build_reaches_make_with_its_flags(tmp_path):
     """A stand-in make records its arguments (one file per call: the builds run in parallel) and fails:
     nothing is timed, and the table says so."""
