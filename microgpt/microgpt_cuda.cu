@@ -36,10 +36,10 @@
  *
  * Determinism: no float atomics anywhere; fixed-shape reductions; one cuBLAS and one cuBLASLt
  * handle sharing a fixed workspace on one stream, cuBLASLt's algorithms chosen by a fixed rule over
- * its heuristic's offers (common.cuh; not by timing). Two runs of the same config on the same GPU
- * give identical bits. (Where the layers' products are small, side_stream_pays, the backward's
- * weight gradients run on a second stream with its own handle and workspace of the same size,
- * ordered by events: the same kernels on the same data, the same bits; see backward().)
+ * its heuristic's offers or a fixed table (common.cuh; not by timing). Two runs of the same config
+ * on the same GPU give identical bits. (Where the layers' products are small, side_stream_pays, the
+ * backward's weight gradients run on a second stream with its own handle and workspace of the same
+ * size, ordered by events: the same kernels on the same data, the same bits; see backward().)
  *
  * Speed: a micro-batch (tokens in, forward, loss, backward, mean loss out) and the update (norm,
  * clip, AdamW, norm out) each run as one CUDA graph, captured at setup and replayed: no per-kernel
@@ -177,7 +177,7 @@ static struct {
     int* tok_host;    /* pinned mirror of tok */
     StepIO* io_host;  /* pinned mirror of io */
     int use_graphs;   /* 0: ANDREA_CUDA_SYNC / ANDREA_NO_GRAPH, run launch by launch */
-    int use_side_stream; /* training with small products: weight gradients on a side stream (side_stream_pays) */
+    int use_side_stream; /* training, small products (side_stream_pays): weight gradients on a side stream */
     /* fb_graph[0]: the first micro-batch after an update (parameter gradients overwritten, so
      * never zeroed), [1]: the later ones (added); all instantiated by the warm-up */
     cudaGraphExec_t fb_graph[2], update_graph;

@@ -97,16 +97,17 @@ static cudaStream_t g_stream = 0; /* the one stream of all work; see the top of 
  * wait would not cover the predecessor's writes); the kernels launched with <<<>>> outside the
  * engine (kernel_check's and bench's own) are ordinary launches and need not.
  *
- * Right after its wait a kernel lets its dependents launch (griddepcontrol.launch_dependents): the next kernel's blocks then take the SM slots this kernel's
- * last wave frees, instead of waiting for every block to exit. It cannot slow this kernel: the
- * trigger counts only once every block of this grid has run it, so all of this grid's blocks are
- * already resident, and the next kernel's blocks park in their own wait. Nor can it run ahead
- * further: the next kernel's trigger comes after its wait, so at most one kernel is early.
+ * Right after its wait a kernel lets its dependents launch (griddepcontrol.launch_dependents): the
+ * next kernel's blocks then take the SM slots this kernel's last wave frees, instead of waiting for
+ * every block to exit. It cannot slow this kernel: the trigger counts only once every block of this
+ * grid has run it, so all of this grid's blocks are already resident, and the next kernel's blocks
+ * park in their own wait. Nor can it run ahead further: the next kernel's trigger comes after its
+ * wait, so at most one kernel is early.
  *
  * Below 9.0 the launch has no attribute and the wait is compiled out: the launches are those of
- * <<<>>>. cuBLAS and cuBLASLt launch their own kernels without the attribute
- * (cuBLASLt 13.0 has no setting for it), so a product starts only when the kernel before it has
- * completed; a kernel after a product waits for it as after any kernel. */
+ * <<<>>>. cuBLAS and cuBLASLt launch their own kernels without the attribute (cuBLASLt 13.0 has
+ * no setting for it), so a product starts only when the kernel before it has completed; a kernel
+ * after a product waits for it as after any kernel. */
 __device__ __forceinline__ void await_previous_kernel(void) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -120,9 +121,10 @@ __global__ void k_pdl_probe(void) {
     await_previous_kernel();
 }
 
-/* Whether launches carry the programmatic attribute (asked once): on a 9.0+ device, running code compiled for 9.0+. The last is not implied by the device: PTX of an older
- * architecture, JIT-compiled for this one, has no wait in its kernels, and launched
- * programmatically they would race. */
+/* Whether launches carry the programmatic attribute (asked once): on a 9.0+ device, running code
+ * compiled for 9.0+. The last is not implied by the device: PTX of an older architecture,
+ * JIT-compiled for this one, has no wait in its kernels, and launched programmatically they would
+ * race. */
 static bool pdl_enabled(void) {
     static int on = -1;
     if (on < 0) {
@@ -402,10 +404,10 @@ static void cublas_shutdown(void) {
  * bench/lt_algos.cu; the figures are in docs/BENCHMARKS.md.
  *
  * A product named in the fixed table (lt_table.h, lt_table_sm90.h: measured offline by
- * bench/lt_algos.cu on an H200) runs the table's configuration instead, on a
- * GPU of compute capability 9.0 with the table's multiprocessor count and cuBLASLt version, when
- * cuBLASLt accepts it for the problem (cublasLtMatmulAlgoCheck), its workspace fits the engine's
- * and the operands' alignments meet its minimums; anything else keeps the rule. The table is data
+ * bench/lt_algos.cu on an H200) runs the table's configuration instead, on a GPU of compute
+ * capability 9.0 with the table's multiprocessor count and cuBLASLt version, when cuBLASLt accepts
+ * it for the problem (cublasLtMatmulAlgoCheck), its workspace fits the engine's and the operands'
+ * alignments meet its minimums; anything else keeps the rule. The table is data
  * fixed at build time, so the choice is still the same on every run (docs/DESIGN.md §3.5). */
 
 enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU, GEMM_PLAIN };

@@ -5,12 +5,13 @@
  * and the weight gradient (dW = X^T dY, which only the update reads) are independent, and so are
  * the classifier's dx and dwte. The small products of a 12M step fill well under one wave of the
  * GPU each; side by side, two of them share it. Products that fill the GPU gain nothing from a
- * neighbour and lose to the contention (docs/DESIGN.md §9 has the measurements). side_product runs a weight-gradient product on the
- * side stream, forked from g_stream by an event, so that the main stream's next products and
- * kernels run beside it; captured in a CUDA graph, the fork and the joins become the graph's edges
- * (parallel branches). Each kernel's arithmetic is unchanged (the same products, the same
- * algorithms: the side stream has its own cuBLAS handle and its own workspace of the same size, so
- * cuBLASLt's rule sees the same problem), so the bits are those of one stream.
+ * neighbour and lose to the contention (docs/DESIGN.md §9 has the measurements). side_product runs
+ * a weight-gradient product on the side stream, forked from g_stream by an event, so that the main
+ * stream's next products and kernels run beside it; captured in a CUDA graph, the fork and the
+ * joins become the graph's edges (parallel branches). Each kernel's arithmetic is unchanged (the
+ * same products, the same algorithms: the side stream has its own cuBLAS handle and its own
+ * workspace of the same size, so cuBLASLt's rule sees the same problem), so the bits are those of
+ * one stream.
  *
  * What orders the two streams (the engine's backward places the waits, docs/DESIGN.md §9):
  *   fork   side_product records an event on g_stream and the side stream waits for it: the
