@@ -283,9 +283,11 @@ static const Shape SHAPES[] = {
 
 /* Extra attention-only shapes: in bf16/fp16, head sizes 16, 32 and 64 take the flash kernels
  * (SHAPES covers 32), and T here spans several 64-row tiles with a partial last one (filled from
- * 2 to 44 rows, so also past half a tile: blocks of other sizes, bench/attn-variants.sh). */
+ * 2 to 44 rows, so also past half a tile: blocks of other sizes, bench/attn-variants.sh) or whole
+ * tiles only (T = 256). */
 static const Shape ATTN_SHAPES[] = {
     {2, 130, 128, 2, 0, 0, 0, 0},
+    {1, 256, 128, 2, 0, 0, 0, 0},
     {1, 77, 64, 4, 0, 0, 0, 0},
     {1, 300, 64, 1, 0, 0, 0, 0},
     {1, 200, 96, 3, 0, 0, 0, 0},
@@ -1191,12 +1193,24 @@ static void run_fp8(void) {
     fp8_plans_clear();
 }
 
+/* The Hopper forward (k_attn_fwd_wgmma) must be what the flash shapes below check on a compute
+ * capability 9.0 GPU: the loaded image must carry it (the Makefile builds sm_90a), and on any
+ * other it must not (its body there is a trap). */
+template <typename T> static void check_wgmma_path(void) {
+    cudaDeviceProp p;
+    CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
+    bool hopper = p.major == 9 && p.minor == 0, on = fa_fwd_wgmma_ok<T, 32>() && fa_fwd_wgmma_ok<T, 64>();
+    set_ctx(TypeInfo<T>::name(), "attn", "forward kernel");
+    report(on == hopper, "path", on ? "wgmma (sm_90a) at head sizes 32 and 64" : "mma.sync (no sm_90a image loaded)");
+}
+
 /* The attention pair at every shape (alone with --only attn). */
 template <typename T> static void run_attn(void) {
     auto one = [](const Shape& s) {
         set_ctx(TypeInfo<T>::name(), "attn", shape_str(s).c_str());
         test_attn<T>(s, tol_for<T>());
     };
+    if constexpr (sizeof(T) == 2) check_wgmma_path<T>();
     for (const Shape& s : SHAPES) one(s);
     for (const Shape& s : ATTN_SHAPES) one(s);
 }

@@ -132,6 +132,16 @@ def test_kernel_check_attention_only(kernel_check_binary):
     assert bad.returncode == 2 and bad.stderr.startswith("error: --only takes attn"), bad.stderr
 
 
+def test_kernel_check_names_the_attention_forward_that_ran(kernel_check_binary):
+    """`--only attn` reports, once per 16-bit type, which attention forward ran, and passes only if
+    it is the one the GPU should run: the Hopper (wgmma) forward on compute capability 9.0 (the
+    Makefile builds sm_90a), the mma.sync forward elsewhere."""
+    res = subprocess.run([str(kernel_check_binary), "--only", "attn"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    paths = [line for line in res.stdout.splitlines() if " forward kernel " in line]
+    assert len(paths) == 2 and all(line.startswith("PASS") for line in paths), "\n".join(paths) or res.stdout[-2000:]
+
+
 def test_attn_bench_prints_every_kernel(cuda_binary):
     """bench/attn_bench.cu, the flash kernels' microbenchmark (bench/attn-variants.sh runs one per
     build): one line per model and kernel, with a positive time."""

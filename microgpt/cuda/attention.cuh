@@ -4,9 +4,10 @@
  *                     consecutive [N,C] blocks). The k_attn_qkv_fwd/bwd pair is this product.
  *   attn_fwd/bwd      causal softmax(q k^T / sqrt(hs)) v per head, hs = C / H; head h owns columns
  *                     [h*hs, (h+1)*hs) of q, k, v and out, as the CPU's attention_forward/backward.
- *                     Kernels: k_attn_fwd, and k_attn_bwd_delta + k_attn_bwd_dkv + k_attn_bwd_dq
- *                     (flash path); k_attn_softmax_fwd, k_attn_probs, k_attn_softmax_bwd between
- *                     products (cuBLAS path).
+ *                     Kernels: k_attn_fwd (k_attn_fwd_wgmma on Hopper, sm_90a builds),
+ *                     and k_attn_bwd_delta + k_attn_bwd_dkv + k_attn_bwd_dq (flash path);
+ *                     k_attn_softmax_fwd, k_attn_probs, k_attn_softmax_bwd between products
+ *                     (cuBLAS path).
  *   attn_out_fwd/bwd  out = residual + y @ W_O (the residual join after the sub-layer, in the
  *                     product's epilogue where cuBLASLt has one, matmul.cuh). The k_attn_out_fwd/bwd
  *                     pair is this product.
@@ -474,32 +475,74 @@ __device__ __forceinline__ float fa_quad_max(float x) {
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
-/* One key tile of the forward's online softmax for a warp: running max m and sum l (per row half
- * h), the output accumulators o rescaled, then o += P V with P = 2^(s sl2 - m) (s becomes P). */
-template <typename T, int D>
-__device__ __forceinline__ void fa_fwd_tile(float (*o)[4], float* m, float* l, float (*s)[4], const T* vtile,
-                                            float sl2) {
+/* o *= a on row half h (C-fragment order: entries 0, 1 on row g, 2, 3 on row g + 8). */
+template <int D> __device__ __forceinline__ void fa_rescale_rows(float (*o)[4], float a, int h) {
+    for (int n = 0; n < Fa<D>::ND; n++) {
+        o[n][2 * h] *= a;
+        o[n][2 * h + 1] *= a;
+    }
+}
+
+/* The online softmax of one key tile for a warp's rows (h: row g or g + 8): the running max m and
+ * sum l updated, the scores s replaced by P = 2^(s sl2 - m), and alpha[h] = 2^(m_old - m_new), the
+ * factor that rescales what was accumulated under the old max; the accumulators o (C-fragment
+ * order, D wide) rescaled by it here unless o is NULL. */
+template <int D>
+__device__ __forceinline__ void fa_softmax_tile(float (*s)[4], float* m, float* l, float* alpha, float sl2,
+                                                float (*o)[4]) {
     for (int h = 0; h < 2; h++) {
         /* the max of the raw scores, scaled once: scaling by sl2 > 0 and rounding keep the order,
          * so this is the max of the scaled scores */
         float mx = -INFINITY;
         for (int j = 0; j < FA_TILE / 8; j++) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
-        float m_new = fmaxf(m[h], fa_quad_max(mx) * sl2);
-        float alpha = fa_exp2(m[h] - m_new), sum = 0.0f;
+        float m_new = fmaxf(m[h], fa_quad_max(mx) * sl2), sum = 0.0f;
+        alpha[h] = fa_exp2(m[h] - m_new);
         for (int j = 0; j < FA_TILE / 8; j++)
             for (int e = 0; e < 2; e++) {
                 float p = fa_exp2(fmaf(s[j][2 * h + e], sl2, -m_new));
                 s[j][2 * h + e] = p;
                 sum += p;
             }
-        l[h] = l[h] * alpha + sum;
+        l[h] = l[h] * alpha[h] + sum;
         m[h] = m_new;
-        for (int n = 0; n < Fa<D>::ND; n++) {
-            o[n][2 * h] *= alpha;
-            o[n][2 * h + 1] *= alpha;
+        if (o) fa_rescale_rows<D>(o, alpha[h], h);
+    }
+}
+
+/* One key tile of the forward for a warp: the online softmax, then o += P V (s becomes P). */
+template <typename T, int D>
+__device__ __forceinline__ void fa_fwd_tile(float (*o)[4], float* m, float* l, float (*s)[4], const T* vtile,
+                                            float sl2) {
+    float alpha[2];
+    fa_softmax_tile<D>(s, m, l, alpha, sl2, o);
+    fa_accumulate<T, D>(o, s, vtile);
+}
+
+/* The forward's end for a warp's 16 rows from row0 (out's row 0 of the head at out + base, its lse
+ * at lse + lse_row0): out = o / l rounded to T, lse = the natural log-sum-exp of each row's scores;
+ * rows at or past T are skipped. Returns the lane's amax bits of what it stored with AMAX, else 0. */
+template <typename T, int D, bool AMAX>
+__device__ __forceinline__ unsigned fa_fwd_store(T* out, size_t base, float* lse, size_t lse_row0,
+                                                 const float (*o)[4], const float* m, const float* l, int row0,
+                                                 int T_, int C) {
+    int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    unsigned am = 0;
+    for (int h = 0; h < 2; h++) {
+        int i = row0 + g + 8 * h;
+        float lt = fa_quad_sum(l[h]), inv = 1.0f / lt;
+        if (i < T_) {
+            T* p = out + base + (size_t)i * C + 2 * t;
+            for (int n = 0; n < Fa<D>::ND; n++) {
+                T y0 = from_f<T>(o[n][2 * h] * inv);
+                p[8 * n] = y0;
+                T y1 = from_f<T>(o[n][2 * h + 1] * inv);
+                p[8 * n + 1] = y1;
+                am = fa_amax2<T, AMAX>(am, y0, y1);
+            }
+            if (t == 0) lse[lse_row0 + i] = m[h] * FA_LN2 + logf(lt);
         }
     }
-    fa_accumulate<T, D>(o, s, vtile);
+    return am;
 }
 
 /* Forward: block (query tile, b*H + h); the heaviest (last) query tiles are scheduled first. Warp w
@@ -515,7 +558,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
     await_previous_kernel();
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
     __shared__ __align__(16) T vs[2][FA_TILE * Fa<D>::LD];
-    int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    int warp = threadIdx.x >> 5;
     FaBlock blk = fa_block();
     int qt = blk.n_tiles - 1 - blk.tile, bh = blk.bh, b = bh / H, hd = bh % H;
     int q0 = qt * FA_TILE, row0 = q0 + warp * 16;
@@ -545,24 +588,265 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
 
-    unsigned am = 0;
-    for (int h = 0; h < 2; h++) {
-        int i = row0 + g + 8 * h;
-        float lt = fa_quad_sum(l[h]), inv = 1.0f / lt;
-        if (i < T_) {
-            T* p = out + base + (size_t)i * C + 2 * t;
-            for (int n = 0; n < Fa<D>::ND; n++) {
-                T y0 = from_f<T>(o[n][2 * h] * inv);
-                p[8 * n] = y0;
-                T y1 = from_f<T>(o[n][2 * h + 1] * inv);
-                p[8 * n + 1] = y1;
-                am = fa_amax2<T, AMAX>(am, y0, y1);
-            }
-            if (t == 0) lse[(size_t)bh * T_ + i] = m[h] * FA_LN2 + logf(lt);
-        }
-    }
+    unsigned am = fa_fwd_store<T, D, AMAX>(out, base, lse, (size_t)bh * T_, o, m, l, row0, T_, C);
     /* the tiles are done with (the loop's last barrier): ks lends the block's partial maxima */
     if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)ks[0]);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The forward on Hopper's warpgroup products (wgmma, sm_90a; docs/DESIGN.md §9: 76.2 against
+ * k_attn_fwd's 84.3 µs a launch at ANDREA-120M on an H200). Same blocks, grid order and outputs as
+ * k_attn_fwd (where the image has no sm_90a code, k_attn_fwd runs: fa_fwd_wgmma_ok); the
+ * block's 4 warps are one warpgroup and each product covers all 64 query rows:
+ *   S = Q K^T  wgmma m64n64k16, A = the Q tile and B = the K tile from shared memory (both K-major:
+ *              rows of the head dimension), D / 16 steps along the head;
+ *   O += P V   wgmma m64nDk16, A = P from registers (the accumulator of S rounded to T: wgmma's
+ *              accumulator and register-A fragments are, warp by warp, mma.m16n8k16's C and A
+ *              fragments, so fa_softmax_tile, fa_mask_diagonal and fa_fwd_store apply unchanged),
+ *              B = the V tile from shared memory read N-major (the transpose bit), 4 steps of keys.
+ * The products run asynchronously: the step of key tile kt issues S_kt and P_kt-1 V_kt-1 together,
+ * waits for S_kt alone, and runs its softmax while P V is still in the tensor cores
+ * (FlashAttention-3's overlap inside one warpgroup); O is rescaled and P_kt rounded once that
+ * product is done. The other blocks on the multiprocessor (4, as k_attn_fwd) fill the rest.
+ *
+ * Shared memory: the Q tile and double-buffered K and V tiles, each 64 rows of D T (2D bytes, no
+ * padding) in the layout the descriptors name: 16-byte chunk c of row r stored at chunk c ^ (the
+ * row's bits), i.e. byte address bits [4, 7) XOR [7, 10) ("128-byte swizzle", D = 64: 128-byte
+ * rows) or [4, 6) XOR [7, 9) ("64-byte swizzle", D = 32: 64-byte rows), tiles 1024-byte aligned so
+ * the pattern starts on each. Step kt loads K_kt+1 and V_kt (cp.async), read by step kt + 1: one
+ * barrier per step, and a whole step for the copies to land. cp.async writes through the generic
+ * proxy and wgmma reads through the async proxy: each thread fences (fence.proxy.async) after its
+ * copies land, before the barrier. */
+template <int D> struct FaWg {
+    static_assert(D == 32 || D == 64, "the wgmma forward takes head sizes 32 and 64");
+    static constexpr int ROW_BYTES = 2 * D;                          /* one row of a tile: the swizzle width */
+    static constexpr int GROUP_BYTES = 8 * ROW_BYTES;                /* 8 rows: one period of the swizzle */
+    static constexpr int TILE_BYTES = FA_TILE * ROW_BYTES;           /* a multiple of 1024 */
+    static constexpr unsigned SWIZZLE = D == 64 ? 7u : 3u;           /* the row bits XOR'ed into a chunk index */
+    static constexpr unsigned long long MODE = D == 64 ? 1ull : 2ull; /* descriptor bits 62-63: 128 B, 64 B */
+    static constexpr int SMEM = 5 * TILE_BYTES + 1024;               /* q, k[2], v[2]; 1024 to align */
+};
+
+/* Whether T is bf16 (else fp16): the products' input type, spelled in their instruction. */
+template <typename T> struct FaWgBf16 { static constexpr bool value = false; };
+template <> struct FaWgBf16<bf16> { static constexpr bool value = true; };
+
+/* The byte offset in a tile where byte `off` of its row-major form is stored. */
+template <int D> __device__ __forceinline__ unsigned fa_wg_swizzle(unsigned off) {
+    return off ^ (((off >> 7) & FaWg<D>::SWIZZLE) << 4);
+}
+
+/* Starts copying rows [r0, r0 + 64) of one head into a swizzled tile; rows at or past T become zero. */
+template <typename T, int D>
+__device__ __forceinline__ void fa_wg_load_rows(unsigned char* dst, const T* src, int r0, int T_, int C) {
+    constexpr int VEC = 16 / sizeof(T), PER_ROW = FaWg<D>::ROW_BYTES / 16;
+    for (int e = threadIdx.x; e < FA_TILE * PER_ROW; e += FA_THREADS) {
+        int r = e / PER_ROW, c = e % PER_ROW;
+        bool ok = r0 + r < T_;
+        fa_cp_async16(dst + fa_wg_swizzle<D>(r * FaWg<D>::ROW_BYTES + c * 16),
+                      ok ? src + (size_t)(r0 + r) * C + c * VEC : src, ok ? 16 : 0);
+    }
+}
+
+/* A shared-memory matrix descriptor (PTX ISA, wgmma): start address, leading and stride byte
+ * offsets (each >> 4) and the swizzle mode. Rows 8 apart are one stride (SBO) apart. A K-major
+ * operand (Q, K) never crosses a swizzle row within a 16-wide k step, so its leading offset is
+ * unused (1 by convention). The N-major V spans exactly one swizzle width in N, so of its two
+ * offsets only the one between 8-key groups matters; both are set to it. */
+template <int D> __device__ __forceinline__ unsigned long long fa_wg_desc(unsigned addr, unsigned lbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (unsigned long long)(lbo >> 4) << 16 |
+           (unsigned long long)(FaWg<D>::GROUP_BYTES >> 4) << 32 | FaWg<D>::MODE << 62;
+}
+
+__device__ __forceinline__ void fa_wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void fa_wg_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+/* Waits until at most `pending` committed groups of products are still running. */
+template <int pending> __device__ __forceinline__ void fa_wg_wait(void) {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(pending) : "memory");
+}
+/* After a wait: the compiler must not read a product's accumulators before it (it sees them
+ * written when the product is issued). */
+template <int N> __device__ __forceinline__ void fa_wg_hold(float (*x)[4]) {
+    for (int j = 0; j < N; j++)
+        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(x[j][e])::"memory");
+}
+/* Ends the basic block once x is computed. ptxas (13.0) schedules a wgmma wait at the top of its
+ * block, ahead of independent work: without this, a tile's softmax would wait for the P V product
+ * it is meant to overlap (seen in the SASS). The branch is never taken (x, a sum of exponentials,
+ * is never this NaN pattern) and would only sleep 0 ns. */
+__device__ __forceinline__ void fa_wg_block_end(float x) {
+    if (__float_as_uint(x) == 0xFFFFFFFFu) __nanosleep(0);
+}
+/* The copies this thread waited for, made visible to the tensor cores' reads: then a barrier. */
+__device__ __forceinline__ void fa_wg_publish(void) {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+}
+
+#define FA_WG_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define FA_WG_R32 FA_WG_R16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+/* the accumulator operands x[j][e] with constraint F ("+f" read and written, "=f" written) */
+#define FA_WG_F4(x, j, F) F(x[j][0]), F(x[j][1]), F(x[j][2]), F(x[j][3])
+#define FA_WG_F16(x, F) FA_WG_F4(x, 0, F), FA_WG_F4(x, 1, F), FA_WG_F4(x, 2, F), FA_WG_F4(x, 3, F)
+#define FA_WG_F32(x, F) FA_WG_F16(x, F), FA_WG_F4(x, 4, F), FA_WG_F4(x, 5, F), FA_WG_F4(x, 6, F), FA_WG_F4(x, 7, F)
+
+/* s[64][64] = (ACC: s +) A · B^T over one 16-wide k step, A and B K-major in shared memory. The
+ * first step writes s without reading it ("=f", scale-d 0): the values the softmax left in s are no
+ * input of the next tile's product, which would make ptxas serialise the products (C7513). */
+#define FA_WG_SS(AB, F)                                                                                  \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                            \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32" AB " {" FA_WG_R32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+                 : FA_WG_F32(s, F)                                                                      \
+                 : "l"(a), "l"(b), "n"((int)ACC))
+template <typename T, bool ACC>
+__device__ __forceinline__ void fa_wg_ss(float (*s)[4], unsigned long long a, unsigned long long b) {
+    constexpr bool BF16 = FaWgBf16<T>::value;
+    if constexpr (BF16 && ACC) FA_WG_SS(".bf16.bf16", "+f");
+    if constexpr (BF16 && !ACC) FA_WG_SS(".bf16.bf16", "=f");
+    if constexpr (!BF16 && ACC) FA_WG_SS(".f16.f16", "+f");
+    if constexpr (!BF16 && !ACC) FA_WG_SS(".f16.f16", "=f");
+}
+
+/* o[64][D] += A · B over one 16-wide k step, A (4 registers: an A fragment per warp) from
+ * registers, B N-major in shared memory (transpose bit set). */
+#define FA_WG_RS(N, AB, R, F, AB_OPERANDS)                                                                \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32" AB " {" R "}, " AB_OPERANDS ", 1, 1, 1, 1;\n" \
+                 : F(o, "+f")                                                                           \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+#define FA_WG_RS64(AB) FA_WG_RS(64, AB, FA_WG_R32, FA_WG_F32, "{%32, %33, %34, %35}, %36")
+#define FA_WG_RS32(AB) FA_WG_RS(32, AB, FA_WG_R16, FA_WG_F16, "{%16, %17, %18, %19}, %20")
+template <typename T, int D>
+__device__ __forceinline__ void fa_wg_rs(float (*o)[4], const unsigned* a, unsigned long long b) {
+    constexpr bool BF16 = FaWgBf16<T>::value;
+    if constexpr (BF16 && D == 64) FA_WG_RS64(".bf16.bf16");
+    if constexpr (BF16 && D == 32) FA_WG_RS32(".bf16.bf16");
+    if constexpr (!BF16 && D == 64) FA_WG_RS64(".f16.f16");
+    if constexpr (!BF16 && D == 32) FA_WG_RS32(".f16.f16");
+}
+
+/* S = Q K^T for the block's 64 queries and the 64 keys of a K tile (shared addresses of the
+ * tiles), issued and committed as one group. */
+template <typename T, int D> __device__ __forceinline__ void fa_wg_scores(float (*s)[4], unsigned qs, unsigned ks) {
+    fa_wg_ss<T, false>(s, fa_wg_desc<D>(qs, 16), fa_wg_desc<D>(ks, 16));
+    for (int kk = 1; kk < D / 16; kk++) /* 16 T = 32 bytes along the swizzled rows */
+        fa_wg_ss<T, true>(s, fa_wg_desc<D>(qs + 32 * kk, 16), fa_wg_desc<D>(ks + 32 * kk, 16));
+    fa_wg_commit();
+}
+
+/* O += P V for the 64 keys of a V tile, P given as the A fragments of the 4 k steps; one group. */
+template <typename T, int D> __device__ __forceinline__ void fa_wg_accumulate(float (*o)[4], const unsigned (*p)[4],
+                                                                              unsigned vs) {
+    for (int kk = 0; kk < FA_TILE / 16; kk++) /* 16 keys = 2 groups of 8 rows */
+        fa_wg_rs<T, D>(o, p[kk], fa_wg_desc<D>(vs + 2 * kk * FaWg<D>::GROUP_BYTES, FaWg<D>::GROUP_BYTES));
+    fa_wg_commit();
+}
+
+/* P (the scores after fa_softmax_tile) rounded to T as the A fragments of the P V steps: two
+ * neighbouring C fragments are one A fragment. */
+template <typename T> __device__ __forceinline__ void fa_wg_pack_p(unsigned (*p)[4], const float (*s)[4]) {
+    for (int kk = 0; kk < FA_TILE / 16; kk++) {
+        const float* p0 = s[2 * kk];
+        const float* p1 = s[2 * kk + 1];
+        p[kk][0] = fa_pack<T>(p0[0], p0[1]);
+        p[kk][1] = fa_pack<T>(p0[2], p0[3]);
+        p[kk][2] = fa_pack<T>(p1[0], p1[1]);
+        p[kk][3] = fa_pack<T>(p1[2], p1[3]);
+    }
+}
+
+/* The kernel: as k_attn_fwd (block, rows, masking, outputs), on wgmma. Key tile kt's step issues
+ * S_kt and P_kt-1 V_kt-1, then runs the softmax of S_kt while that product runs. Compiled for
+ * sm_90a only; elsewhere the body is a trap that the host never launches (fa_fwd_wgmma_ok). */
+template <typename T, int D, bool AMAX>
+__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
+    k_attn_fwd_wgmma(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2,
+                     unsigned* amax_bits) {
+    await_previous_kernel();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using W = FaWg<D>;
+    __shared__ __align__(1024) unsigned char smem[W::SMEM];
+    unsigned smem_addr = (unsigned)__cvta_generic_to_shared(smem), pad = (1024 - (smem_addr & 1023)) & 1023;
+    unsigned char* tiles = smem + pad; /* [q | k0 | k1 | v0 | v1], each TILE_BYTES */
+    unsigned q_addr = smem_addr + pad;
+    auto k_tile = [&](int kt) { return (1 + (kt & 1)) * W::TILE_BYTES; }; /* byte offsets in tiles */
+    auto v_tile = [&](int kt) { return (3 + (kt & 1)) * W::TILE_BYTES; };
+    int warp = threadIdx.x >> 5;
+    FaBlock blk = fa_block();
+    int qt = blk.n_tiles - 1 - blk.tile, bh = blk.bh, b = bh / H, hd = bh % H;
+    int q0 = qt * FA_TILE, row0 = q0 + warp * 16;
+    size_t base = (size_t)b * T_ * C + (size_t)hd * D;
+    const T *kh = k + base, *vh = v + base;
+
+    /* cp.async groups: {Q, K0}, {K1, V0}, then step kt commits {K_kt+1, V_kt}: what step kt + 1
+     * reads (S_kt+1 and P_kt V_kt), into the buffers of K_kt-1 and V_kt-2, done with by then */
+    fa_wg_load_rows<T, D>(tiles, q + base, q0, T_, C);
+    fa_wg_load_rows<T, D>(tiles + k_tile(0), kh, 0, T_, C);
+    fa_cp_commit();
+    if (qt > 0) fa_wg_load_rows<T, D>(tiles + k_tile(1), kh, FA_TILE, T_, C);
+    fa_wg_load_rows<T, D>(tiles + v_tile(0), vh, 0, T_, C);
+    fa_cp_commit();
+    fa_cp_wait<1>();
+    fa_wg_publish();
+
+    float s[FA_TILE / 8][4], o[Fa<D>::ND][4] = {}, alpha[2];
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* running max (base 2), this lane's sum */
+    unsigned p[FA_TILE / 16][4];                                /* P of the previous tile, T pairs */
+    fa_wg_fence();
+    fa_wg_scores<T, D>(s, q_addr, q_addr + k_tile(0));
+    fa_wg_wait<0>();
+    fa_wg_hold<FA_TILE / 8>(s);
+    if (qt == 0) fa_mask_diagonal<false>(s, warp * 16);
+    fa_softmax_tile<D>(s, m, l, alpha, sl2, NULL); /* o is 0: nothing to rescale */
+    fa_wg_pack_p<T>(p, s);
+
+    for (int kt = 1; kt <= qt; kt++) {
+        fa_cp_wait<0>(); /* K_kt and V_kt-1 have landed (this thread's part) ... */
+        fa_wg_publish(); /* ... and everyone's; everyone is done with S_kt-1 and P V_kt-2 */
+        if (kt < qt) fa_wg_load_rows<T, D>(tiles + k_tile(kt + 1), kh, (kt + 1) * FA_TILE, T_, C);
+        fa_wg_load_rows<T, D>(tiles + v_tile(kt), vh, kt * FA_TILE, T_, C);
+        fa_cp_commit();
+        fa_wg_fence(); /* o and p were written by ordinary instructions */
+        fa_wg_scores<T, D>(s, q_addr, q_addr + k_tile(kt));
+        fa_wg_accumulate<T, D>(o, p, q_addr + v_tile(kt - 1));
+        fa_wg_wait<1>(); /* S_kt is done; P_kt-1 V_kt-1 runs on beside the softmax */
+        fa_wg_hold<FA_TILE / 8>(s);
+        if (kt == qt) fa_mask_diagonal<false>(s, warp * 16);
+        fa_softmax_tile<D>(s, m, l, alpha, sl2, NULL); /* o is still being accumulated */
+        fa_wg_block_end(l[0]);
+        fa_wg_wait<0>();
+        fa_wg_hold<Fa<D>::ND>(o);
+        for (int h = 0; h < 2; h++) fa_rescale_rows<D>(o, alpha[h], h);
+        fa_wg_pack_p<T>(p, s); /* only now: P V_kt-1 read these registers (else ptxas serialises the
+                                * products, C7513) */
+    }
+    fa_cp_wait<0>(); /* V of the diagonal tile */
+    fa_wg_publish();
+    fa_wg_fence();
+    fa_wg_accumulate<T, D>(o, p, q_addr + v_tile(qt));
+    fa_wg_wait<0>();
+    fa_wg_hold<Fa<D>::ND>(o);
+
+    unsigned am = fa_fwd_store<T, D, AMAX>(out, base, lse, (size_t)bh * T_, o, m, l, row0, T_, C);
+    /* the products are done with the tiles: the Q tile lends the block's partial maxima */
+    if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)tiles);
+#else
+    __trap();
+#endif
+}
+
+/* Whether this process launches k_attn_fwd_wgmma<T, D, *>: where the kernel image the CUDA runtime
+ * loaded for this GPU was compiled for sm_90a. Elsewhere (an sm_80/86/89 image, or compute_90 PTX
+ * compiled on load for another GPU) its body is the trap alone, with no shared memory: the loaded
+ * image's static shared memory (cudaFuncGetAttributes, no launch and no stream work, so safe while
+ * a CUDA graph is being captured) tells the two apart. Asked once per instantiation. */
+template <typename T, int D> static bool fa_fwd_wgmma_ok(void) {
+    static int ok = -1;
+    if (ok < 0) {
+        cudaFuncAttributes a;
+        CUDA_CHECK(cudaFuncGetAttributes(&a, k_attn_fwd_wgmma<T, D, false>));
+        ok = a.sharedSizeBytes >= (size_t)FaWg<D>::SMEM;
+    }
+    return ok;
 }
 
 /* dK, dV: block (key tile, b*H + h); warp w owns keys kv0 + 16w .. +15 (lane: keys g, g+8) and
@@ -766,6 +1050,12 @@ static void attn_fwd_flash(T* out, float* lse, const T* q, const T* k, const T* 
                            unsigned* amax_bits = NULL) {
     float sl2 = FA_LOG2E / sqrtf((float)D);
     fa_check_aligned(out, q, k, v);
+    if constexpr (D == 32 || D == 64) {
+        if (fa_fwd_wgmma_ok<T, D>()) {
+            FA_LAUNCH(k_attn_fwd_wgmma, T, D, T_, B * H, amax_bits, out, lse, q, k, v, T_, C, H, sl2);
+            return;
+        }
+    }
     FA_LAUNCH(k_attn_fwd, T, D, T_, B * H, amax_bits, out, lse, q, k, v, T_, C, H, sl2);
 }
 
