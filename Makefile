@@ -14,7 +14,7 @@ NVLDLIBS  = -lcublas -lcublasLt -lgomp -lm
 # make does not track flags: run `make clean` before building with other flags, or build the
 # variant's binaries beside the default ones under other names: VARIANT_SUFFIX names them
 # (build/microgpt_cuda$(VARIANT_SUFFIX), build/kernel_check$(VARIANT_SUFFIX), build/attn_bench$(VARIANT_SUFFIX);
-# make -B, as flags are not tracked). bench/attn-variants.sh and bench/pdl-ab.sh build variants so.
+# make -B, as flags are not tracked). bench/attn-variants.sh and bench/engine-ab.sh build variants so.
 NVCCFLAGS += $(KERNEL_VARIANTS)
 VARIANT_SUFFIX ?=
 PYTHON   ?= python3

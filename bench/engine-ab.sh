@@ -5,7 +5,7 @@
 # alone). About 3 minutes per build and round on an H200 host (16 cores).
 #
 #   OUT=/some/dir bench/engine-ab.sh NAME=FLAGS...     (OUT defaults to ./engine-ab-out)
-#   e.g. SAME_BITS=1 bench/engine-ab.sh "side=-DSIDE_STREAM_WGRAD=1"
+#   e.g. SAME_BITS=1 bench/engine-ab.sh "cand=-DMY_CANDIDATE=1"   (MY_CANDIDATE: the macro under test)
 #
 # Builds the engine and kernel_check per NAME with FLAGS, and `default` without, side by side and in
 # parallel (the Makefile's KERNEL_VARIANTS and VARIANT_SUFFIX): build/microgpt_cuda_NAME,

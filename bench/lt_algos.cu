@@ -4,7 +4,7 @@
  * tool for the fixed algorithm table (microgpt/cuda/lt_table.h; bench/lt_table.py writes it from
  * this output); never part of the engine or the tests: nothing here chooses at run time.
  *
- *   build: make build/lt_algos       (with the engine's flags; never with -DLT_FIXED_TABLE=1)
+ *   build: make build/lt_algos       (with the engine's flags; it times each plan's rule, not the table's)
  *   run:   build/lt_algos > lt.txt   (both models; `build/lt_algos 12M`: one; a few minutes on an H200)
  *
  * The products are the engine's own: the probe calls the engine's layer functions (attn_qkv_fwd,
@@ -37,10 +37,6 @@
 
 #include <string>
 #include <time.h>
-
-#if LT_FIXED_TABLE
-#error "build the probe without the fixed table: it measures the rule against the offers"
-#endif
 
 #define PROBE_OFFERS 64
 #define PROBE_REPS 25

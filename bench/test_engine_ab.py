@@ -1,6 +1,6 @@
 """bench/engine-ab.sh, the A/B of whole-engine builds: without a GPU, its refusal of malformed arguments
 before it builds anything, and the builds it asks make for (the builds, checks and timings run on the
-GPU machine; bench/test_pdl_ab.py covers pdl-ab.sh, which runs it)."""
+GPU machine)."""
 import subprocess
 from pathlib import Path
 
@@ -48,11 +48,11 @@ def test_each_build_reaches_make_with_its_flags(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "make").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {tmp_path}/make.$$\nexit 1\n')
     (bin_dir / "make").chmod(0o755)
-    res = run(["side=-DSIDE_STREAM_WGRAD=1  -UX"], tmp_path, path=f"{bin_dir}:/usr/bin:/bin", SAME_BITS="1")
+    res = run(["cand=-DMY_CANDIDATE=1  -UX"], tmp_path, path=f"{bin_dir}:/usr/bin:/bin", SAME_BITS="1")
     assert res.returncode == 1, res.stdout + res.stderr
     calls = sorted(p.read_text().splitlines() for p in tmp_path.glob("make.*"))
-    flags = {"default": "", "side": "-DSIDE_STREAM_WGRAD=1  -UX"}
+    flags = {"default": "", "cand": "-DMY_CANDIDATE=1  -UX"}
     assert calls == [["-B", f"VARIANT_SUFFIX=_{b}", f"KERNEL_VARIANTS={flags[b]}", f"build/microgpt_cuda_{b}",
                       f"build/kernel_check_{b}"] for b in sorted(flags)]
-    assert "kernel_check: default NOT BUILT, side NOT BUILT" in (tmp_path / "out" / "summary.txt").read_text()
+    assert "kernel_check: default NOT BUILT, cand NOT BUILT" in (tmp_path / "out" / "summary.txt").read_text()
     assert not (tmp_path / "out" / "timing.json").exists()

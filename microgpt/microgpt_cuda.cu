@@ -36,10 +36,10 @@
  *
  * Determinism: no float atomics anywhere; fixed-shape reductions; one cuBLAS and one cuBLASLt
  * handle sharing a fixed workspace on one stream, cuBLASLt's algorithms chosen by a fixed rule over
- * its heuristic's offers (common.cuh; not by timing). Two runs of the same config on the same GPU
- * give identical bits. (Built with SIDE_STREAM_WGRAD=1 the backward's weight gradients run on a
- * second stream with its own handle and workspace of the same size, ordered by events: the same
- * kernels on the same data, the same bits; see backward().)
+ * its heuristic's offers or a fixed table (common.cuh; not by timing). Two runs of the same config
+ * on the same GPU give identical bits. (Where the layers' products are small, side_stream_pays, the
+ * backward's weight gradients run on a second stream with its own handle and workspace of the same
+ * size, ordered by events: the same kernels on the same data, the same bits; see backward().)
  *
  * Speed: a micro-batch (tokens in, forward, loss, backward, mean loss out) and the update (norm,
  * clip, AdamW, norm out) each run as one CUDA graph, captured at setup and replayed: no per-kernel
@@ -104,7 +104,7 @@ static const char* const GROUP_HELP[N_GROUPS] = {
     "forward values saved for backward", "activation gradients (shared by layers)",
     "attention scores or dS tiles, logits chunk, reductions, tokens, decode step",
     "keys and values of the sequences being generated",
-    "fixed cuBLAS workspace (two with SIDE_STREAM_WGRAD=1)"};
+    "fixed cuBLAS workspace (two with the backward's side stream)"};
 
 static struct {
     Config cfg;
@@ -171,12 +171,13 @@ static struct {
     int* embed_first; /* [V] the embedding backward's first position of each token */
     StepIO* io;   /* device: per-call inputs and outputs of the graphs */
     void* cublas_ws;
-    void* side_ws; /* SIDE_STREAM_WGRAD=1 and training: the side stream's cuBLAS workspace */
+    void* side_ws; /* use_side_stream: the side stream's cuBLAS workspace */
 
     /* host */
     int* tok_host;    /* pinned mirror of tok */
     StepIO* io_host;  /* pinned mirror of io */
     int use_graphs;   /* 0: ANDREA_CUDA_SYNC / ANDREA_NO_GRAPH, run launch by launch */
+    int use_side_stream; /* training, small products (side_stream_pays): weight gradients on a side stream */
     /* fb_graph[0]: the first micro-batch after an update (parameter gradients overwritten, so
      * never zeroed), [1]: the later ones (added); all instantiated by the warm-up */
     cudaGraphExec_t fb_graph[2], update_graph;
@@ -286,7 +287,7 @@ static void plan_buffers(size_t* used) {
     E.kcache = carve(G_KV_CACHE, L * S * E.T * C * es, used);
     E.vcache = carve(G_KV_CACHE, L * S * E.T * C * es, used);
     E.cublas_ws = carve(G_CUBLAS, CUBLAS_WORKSPACE_BYTES, used);
-    E.side_ws = carve(G_CUBLAS, (SIDE_STREAM_WGRAD ? tr : 0) * CUBLAS_WORKSPACE_BYTES, used);
+    E.side_ws = carve(G_CUBLAS, (size_t)E.use_side_stream * CUBLAS_WORKSPACE_BYTES, used);
 }
 
 static void print_plan(const size_t* bytes) {
@@ -517,7 +518,7 @@ static void loss_chunks(int N, int train) {
     loss_mean(&E.io->loss, E.losses, N);
 }
 
-/* The backward's two streams (SIDE_STREAM_WGRAD=1, cuda/side_stream.cuh; in the default build the
+/* The backward's two streams (use_side_stream, cuda/side_stream.cuh; without a side stream the
  * waits below are no-ops). Every weight-gradient product runs on the side stream, forked after the
  * work that produced its inputs; what it reads, who overwrites that later on the main stream, and
  * the wait that orders the two (rows dW_*: the products of every precision but fp8, which read
@@ -883,12 +884,16 @@ static size_t engine_setup(const Config* cfg) {
             die_input("train.precision fp8 needs FP8 tensor cores: compute capability 8.9 or newer (this GPU: %d.%d)",
                       p.major, p.minor);
         if (E.prec == PREC_BF16 && p.major < 8) die_input("train.precision bf16 needs compute capability 8.0 or newer");
+        E.use_side_stream = E.training && side_stream_pays(E.N, E.C, p.multiProcessorCount);
+        if (E.training) /* docs/DESIGN.md §9 */
+            info("backward: weight gradients %s (%d multiprocessors)",
+                 E.use_side_stream ? "on a side stream, the products being small" : "in line with the rest",
+                 p.multiProcessorCount);
     }
     CUDA_CHECK(cudaSetDevice(dist_device())); /* LOCAL_RANK's GPU (docs/DESIGN.md §17) */
-    if (USE_PDL) /* a -DUSE_PDL=1 build says whether this GPU takes it (docs/DESIGN.md §9) */
-        info("kernel launches: %s", pdl_enabled() ? "programmatic dependent launch"
-                                                  : "ordinary (programmatic dependent launch needs a GPU of compute "
-                                                    "capability 9.0 and kernels compiled for it)");
+    info("kernel launches: %s", pdl_enabled() ? "programmatic dependent launch" /* docs/DESIGN.md §9 */
+                                              : "ordinary (programmatic dependent launch needs a GPU of compute "
+                                                "capability 9.0 and kernels compiled for it)");
     CUDA_CHECK(cudaFree(0)); /* create the context now, so the free-memory figure below accounts for it */
     CUDA_CHECK(cudaStreamCreate(&g_stream));
     CUBLAS_CHECK(cublasCreate(&g_cublas));
@@ -926,7 +931,7 @@ static size_t engine_setup(const Config* cfg) {
     }
     cublas_init(E.cublas_ws, CUBLAS_WORKSPACE_BYTES);
     if (strcmp(prec, "tf32") == 0) gemm_set_tf32();
-    if (SIDE_STREAM_WGRAD && E.training) side_stream_init(E.side_ws, CUBLAS_WORKSPACE_BYTES);
+    if (E.use_side_stream) side_stream_init(E.side_ws, CUBLAS_WORKSPACE_BYTES);
     if (E.training) warm_up(); /* the device memory of a training run must not grow after its first step */
     return total;
 }

@@ -1,6 +1,6 @@
 """The engine's kernel launches, read from the source (docs/DESIGN.md §9): every engine kernel goes
-through launch_kernel, and every kernel waits for its predecessor before anything else. A -DUSE_PDL=1
-build launches every kernel programmatically, so one kernel without the wait would race with the
+through launch_kernel, and every kernel waits for its predecessor before anything else. On a 9.0+ GPU
+the engine launches every kernel programmatically, so one kernel without the wait would race with the
 kernel before it (and its successor's wait would not cover that kernel's writes); the GPU tests
 would catch it only if the race happened to show."""
 import re

@@ -16,9 +16,9 @@ What is compared, and how tightly (relative, normwise per tensor):
   * exact resume after SIGTERM in bf16, fp16 and fp8 (fp32 resume, SIGUSR1 and device memory are
     also run on the GPU by tests/test_engine.py through its `engine` fixture), fp16 overflow
     handling, the memory plan, and the refusal of shapes FP8 products cannot contract;
-  * the engine built with -DUSE_PDL=1 (programmatic dependent launch, docs/DESIGN.md §9): its
-    kernel_check, and its records and checkpoint bit for bit against the default build's, as graphs,
-    launch by launch and synchronised after every launch;
+  * replayed graphs against launch by launch and synchronised after every launch, bit for bit, with
+    what docs/DESIGN.md §9 makes the engine do on a small model: programmatic dependent launch on a
+    9.0+ GPU (kernel_check's banner says so too) and the weight gradients on the side stream;
   * precision fp8 against the CPU engine's fp8 emulation (docs/DESIGN.md §18): loss within 2e-2, and
     each gradient tensor within 5e-2 + 3x that tensor's fp8 noise (its CPU fp8 vs CPU fp32 distance,
     measured 0.07-0.11 for the linear weights of these shapes), at most 0.5. The emulation casts the
@@ -51,8 +51,8 @@ KERNEL_CHECK_SRC = eu.REPO / "tests" / "kernel_check.cu"
 # ANDREA_CUDA_ENGINE / ANDREA_KERNEL_CHECK: test other builds of the two GPU binaries (for instance
 # builds of the same sources against a CPU emulation of CUDA, or a -D variant built with
 # KERNEL_VARIANTS); no GPU is then required. ANDREA_CUDA_BASELINE: a second engine build that the
-# one under test must match bit for bit (a variant that only reorders work, such as
-# SIDE_STREAM_WGRAD=1, against the default build; bench/engine-ab.sh runs it so).
+# one under test must match bit for bit (a variant that only reorders work against the default build;
+# bench/engine-ab.sh runs it so).
 OVERRIDE_ENGINE = os.environ.get("ANDREA_CUDA_ENGINE")
 OVERRIDE_KERNEL_CHECK = os.environ.get("ANDREA_KERNEL_CHECK")
 BASELINE_ENGINE = os.environ.get("ANDREA_CUDA_BASELINE")
@@ -87,15 +87,6 @@ def cuda_binary():
     return eu.CUDA_BINARY
 
 
-def build_variant(suffix, flags, *binaries):
-    """Builds the build/ binaries named (each ending in `suffix`) with the compile-time candidate
-    `flags` (the Makefile's VARIANT_SUFFIX and KERNEL_VARIANTS), beside the default build."""
-    targets = [str(b.relative_to(eu.REPO)) for b in binaries]
-    made = subprocess.run(["make", "-B", "-j2", f"VARIANT_SUFFIX={suffix}", f"KERNEL_VARIANTS={flags}", *targets],
-                          cwd=eu.REPO, capture_output=True, text=True, timeout=900)
-    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
-
-
 @pytest.fixture(scope="module")
 def kernel_check_binary(cuda_binary):
     """build/kernel_check: `make kernel-check`, or the equivalent nvcc line where the Makefile has no
@@ -117,11 +108,17 @@ def kernel_check_binary(cuda_binary):
 # kernels
 
 def test_kernel_check(kernel_check_binary):
-    """Every kernel pair against its CPU layer, fp32/bf16/fp16, fresh random inputs (seed printed)."""
+    """Every kernel pair against its CPU layer, fp32/bf16/fp16, fresh random inputs (seed printed).
+    kernel_check launches through the engine's launch helper: on a 9.0+ GPU, running the Makefile's
+    build (kernels compiled for the GPU), every kernel is a programmatic dependent launch."""
     res = subprocess.run([str(kernel_check_binary)], capture_output=True, text=True, timeout=600)
     failed = [l for l in res.stdout.splitlines() if l.startswith("FAIL")]
     assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
     assert "checks, 0 failed" in res.stdout.splitlines()[-1]
+    if not OVERRIDE_KERNEL_CHECK:
+        banner = res.stdout.splitlines()[0]
+        major = int(re.search(r"\(cc (\d+)\.\d+\)", banner).group(1))
+        assert (", programmatic dependent launch" in banner) == (major >= 9), banner
 
 
 def test_kernel_check_attention_only(kernel_check_binary):
@@ -302,13 +299,18 @@ def test_fp16_overflow_skips_steps_and_lowers_the_scale(cuda_binary, random_shar
     assert all(np.isfinite(r["loss"]) for r in many.steps)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp8"])
 def test_graphs_give_the_same_bits_as_launch_by_launch(cuda_binary, random_shards, tmp_path, precision):
     """The training step runs as replayed CUDA graphs; ANDREA_NO_GRAPH=1 and ANDREA_CUDA_SYNC=1 run the
     same work launch by launch. Every record and the final checkpoint must be identical: a graph that
-    replayed stale tokens, a stale learning rate or loss scale would differ from step 2 on."""
+    replayed stale tokens, a stale learning rate or loss scale would differ from step 2 on. The model
+    is small enough (B·T·d_model = 111·48, one tile) that the engine runs its weight gradients on the
+    side stream (docs/DESIGN.md §9): as graph branches, as two streams launch by launch, and with every
+    launch synchronised, so a missing wait between the streams shows as a difference; and on a 9.0+
+    GPU its kernels are programmatic dependent launches (edges of the graph, a programmatic stream)."""
+    shape = FP8_SHAPES["odd"] if precision == "fp8" else SHAPES["odd"]
     args = tiny_args(random_shards.train, random_shards.val, **{
-        **SHAPES["odd"], "train.precision": precision, "train.steps": 5, "train.grad_accum": 2, "train.lr": 3e-3,
+        **shape, "train.precision": precision, "train.steps": 5, "train.grad_accum": 2, "train.lr": 3e-3,
         "train.warmup_steps": 2, "eval.every": 2, "eval.batches": 2, "sample.every": 5, "sample.tokens": 5,
         "sample.prompt": ["1,2"]})
     runs = {}
@@ -317,6 +319,12 @@ def test_graphs_give_the_same_bits_as_launch_by_launch(cuda_binary, random_shard
         runs[mode] = (run_ok(cuda_binary, args + ["--checkpoint", ckpt], env=env), ckpt.read_bytes())
     ref = eu.exact_records(runs["graph"][0])
     assert len([k for k in ref if k[0] == "train"]) == 5
+    for mode, (res, _) in runs.items():
+        assert "backward: weight gradients on a side stream" in res.stderr, res.stderr[-2000:]
+        if not OVERRIDE_ENGINE:  # the Makefile's build: kernels compiled for this GPU
+            major = int(re.search(r"compute capability (\d+)\.\d+", res.stderr).group(1))
+            programmatic = "kernel launches: programmatic dependent launch" in res.stderr
+            assert programmatic == (major >= 9), f"{mode}: " + res.stderr[-2000:]
     for mode in ("eager", "sync"):
         assert eu.exact_records(runs[mode][0]) == ref, f"{mode} run differs from the graph run"
         assert runs[mode][1] == runs["graph"][1], f"{mode} run's checkpoint differs from the graph run's"
@@ -341,90 +349,50 @@ def test_same_bits_as_the_baseline_build(cuda_binary, random_shards, tmp_path, p
     assert runs["tested"][1] == runs["baseline"][1], "checkpoint differs from the baseline build's"
 
 
-@pytest.fixture(scope="module")
-def pdl_build(cuda_binary):
-    """The engine and kernel_check built with -DUSE_PDL=1 (programmatic dependent launch, docs/DESIGN.md
-    §9) beside the default ones: build/microgpt_cuda_pdl, build/kernel_check_pdl."""
-    if OVERRIDE_ENGINE:
-        pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the USE_PDL variant is built from source")
-    engine, check = eu.BUILD / "microgpt_cuda_pdl", eu.BUILD / "kernel_check_pdl"
-    build_variant("_pdl", "-DUSE_PDL=1", engine, check)
-    return engine, check
-
-
-def test_pdl_build_passes_kernel_check(pdl_build):
-    """kernel_check launches through the engine's launch helper: with USE_PDL on a 9.0+ GPU every kernel
-    is a programmatic launch, and every check must still pass."""
-    res = subprocess.run([str(pdl_build[1])], capture_output=True, text=True, timeout=600)
-    failed = [l for l in res.stdout.splitlines() if l.startswith("FAIL")]
-    assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
-    banner = res.stdout.splitlines()[0]
-    major = int(re.search(r"\(cc (\d+)\.\d+\)", banner).group(1))
-    assert (", programmatic dependent launch" in banner) == (major >= 9), banner
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_pdl_build_gives_the_same_bits_as_the_default_build(cuda_binary, pdl_build, random_shards, tmp_path,
-                                                            precision):
-    """Programmatic dependent launch changes when kernels start, never what they compute: the USE_PDL
-    engine's records and checkpoint, as replayed graphs (programmatic edges), launch by launch (a
-    programmatic stream) and synchronised after every launch, must equal the default build's, bit for
-    bit. Training, validation and sampling (prefill and the decode graphs) all run."""
-    args = tiny_args(random_shards.train, random_shards.val, **{
-        **FP8_SHAPES["odd"], "train.precision": precision, "train.steps": 4, "train.grad_accum": 2, "train.lr": 3e-3,
-        "train.warmup_steps": 2, "eval.every": 2, "eval.batches": 2, "sample.every": 4, "sample.tokens": 5,
-        "sample.prompt": ["1,2"]})
-    ref_ckpt = tmp_path / "default.ckpt"
-    ref = run_ok(cuda_binary, args + ["--checkpoint", ref_ckpt])
-    assert len([k for k in eu.exact_records(ref) if k[0] == "train"]) == 4
-    for mode, env in (("graph", {}), ("eager", {"ANDREA_NO_GRAPH": "1"}), ("sync", {"ANDREA_CUDA_SYNC": "1"})):
-        ckpt = tmp_path / f"pdl-{mode}.ckpt"
-        res = run_ok(pdl_build[0], args + ["--checkpoint", ckpt], env=env)
-        assert "kernel launches: " in res.stderr, res.stderr[-2000:]
-        assert eu.exact_records(res) == eu.exact_records(ref), f"USE_PDL {mode} run differs from the default build's"
-        assert ckpt.read_bytes() == ref_ckpt.read_bytes(), f"USE_PDL {mode} run's checkpoint differs"
-
-
-# Logits chunks of 32 KiB: 128 rows of bf16 (or 64 of fp32) at the odd shapes' padded vocabulary of 128,
-# so their 144 positions take 2 chunks (3 in fp32), as ANDREA-120M's 8192 take 2.
-SIDE_CHUNK_FLAGS = "-DSIDE_STREAM_WGRAD=1 -DLOGITS_CHUNK_BYTES=32768"
+# Logits chunks of 16 KiB: 64 rows of 16-bit logits (32 of fp32) at the odd shapes' padded vocabulary of
+# 128, so their 111 or 144 positions take 2 or 3 chunks (4 in fp32), as ANDREA-12M's 4096 take 2 in fp32.
+SMALL_CHUNKS_FLAGS = "-DLOGITS_CHUNK_BYTES=16384"
 
 
 @pytest.fixture(scope="module")
-def side_stream_build(cuda_binary):
-    """The engine built with the backward's weight gradients on a second stream (SIDE_STREAM_WGRAD=1,
-    cuda/side_stream.cuh) and small logits chunks: build/microgpt_cuda_sidechunks."""
+def small_chunks_build(cuda_binary):
+    """The engine built with small logits chunks (LOGITS_CHUNK_BYTES, cuda/loss.cuh) beside the default
+    one: build/microgpt_cuda_chunks."""
     if OVERRIDE_ENGINE:
-        pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the side-stream variant is built from source")
-    engine = eu.BUILD / "microgpt_cuda_sidechunks"
-    build_variant("_sidechunks", SIDE_CHUNK_FLAGS, engine)
+        pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the small-chunks variant is built from source")
+    engine = eu.BUILD / "microgpt_cuda_chunks"
+    build_variant("_chunks", SMALL_CHUNKS_FLAGS, engine)
     return engine
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp8"])
-def test_side_stream_graphs_give_the_same_bits_as_synchronised_launches(side_stream_build, random_shards,
-                                                                       tmp_path, precision):
+def test_side_stream_over_several_logits_chunks_gives_the_bits_of_synchronised_launches(
+        small_chunks_build, random_shards, tmp_path, precision):
     """The side stream's products are ordered against the main stream only by events (docs/DESIGN.md
-    §9). ANDREA_CUDA_SYNC=1 synchronises the whole device after every launch and product, so the two
-    streams never overlap there: a missing wait shows as records or a checkpoint of the replayed
-    graphs (and of the unsynchronised launches) that differ from it. grad_accum 2 (the += graph),
-    several logits chunks (each chunk's dwte on the side stream, the next chunk's logits after it, the
-    embedding backward adding into the same wte gradient), validation and sampling between steps."""
+    §9). ANDREA_CUDA_SYNC=1 synchronises the whole device after every launch and product, so there the
+    two streams never overlap: a missing wait shows as records or a checkpoint of the replayed graphs
+    (or of the unsynchronised launches) that differ from it. Here the loss runs in several chunks:
+    each chunk's dwte on the side stream, the next chunk's logits written after it, the later chunks
+    and the embedding backward adding into the same wte gradient; grad_accum 2 (the += graph),
+    validation and sampling between steps."""
+    shape = FP8_SHAPES["odd"] if precision == "fp8" else SHAPES["odd"]
     args = tiny_args(random_shards.train, random_shards.val, **{
-        **FP8_SHAPES["odd"], "train.precision": precision, "train.steps": 5, "train.grad_accum": 2,
-        "train.lr": 3e-3, "train.warmup_steps": 2, "eval.every": 2, "eval.batches": 2, "sample.every": 5,
-        "sample.tokens": 5, "sample.prompt": ["1,2"]})
+        **shape, "train.precision": precision, "train.steps": 5, "train.grad_accum": 2, "train.lr": 3e-3,
+        "train.warmup_steps": 2, "eval.every": 2, "eval.batches": 2, "sample.every": 5, "sample.tokens": 5,
+        "sample.prompt": ["1,2"]})
+    positions = shape["train.batch_size"] * shape["model.seq_len"]
     runs = {}
     for mode, env in (("sync", {"ANDREA_CUDA_SYNC": "1"}), ("graph", {}), ("eager", {"ANDREA_NO_GRAPH": "1"})):
         ckpt = tmp_path / f"{mode}.ckpt"
-        res = run_ok(side_stream_build, args + ["--checkpoint", ckpt], env=env)
+        res = run_ok(small_chunks_build, args + ["--checkpoint", ckpt], env=env)
+        assert "backward: weight gradients on a side stream" in res.stderr, res.stderr[-2000:]
         chunk = int(re.search(r"logits in chunks of (\d+) rows", res.stderr).group(1))
-        assert chunk < 3 * 48, f"{chunk}-row chunks: the loss ran in one chunk"
+        assert chunk < positions, f"{chunk}-row chunks of {positions} positions: the loss ran in one chunk"
         runs[mode] = (eu.exact_records(res), ckpt.read_bytes())
     assert len([k for k in runs["sync"][0] if k[0] == "train"]) == 5
     for mode in ("graph", "eager"):
-        assert runs[mode][0] == runs["sync"][0], f"side-stream {mode} run's records differ from the synchronised run's"
-        assert runs[mode][1] == runs["sync"][1], f"side-stream {mode} run's checkpoint differs"
+        assert runs[mode][0] == runs["sync"][0], f"{mode} run's records differ from the synchronised run's"
+        assert runs[mode][1] == runs["sync"][1], f"{mode} run's checkpoint differs from the synchronised run's"
 
 
 def test_memory_plan_and_constant_device_memory(cuda_binary, random_shards):
@@ -444,6 +412,35 @@ def test_memory_plan_and_constant_device_memory(cuda_binary, random_shards):
     assert [d["step"] for d in dev] == [1, 6], dev
     assert dev[0]["bytes"] == dev[1]["bytes"], f"device memory grew during training: {dev}"
     assert dev[0]["bytes"] >= mem[0]["total_bytes"]
+
+
+# The backward's side stream by its rule (docs/DESIGN.md §9): a model whose input-gradient product
+# ([B·T, d_model], in 128×128 tiles) is under one wave of the GPU's multiprocessors, and one over it
+# on any GPU of up to 256 (4096·1024 / 16384 = 256 tiles).
+SIDE_RULE_SHAPES = {
+    "small": SHAPES["odd"],
+    "wide": {"model.n_layer": 1, "model.d_model": 1024, "model.n_head": 16, "model.d_ff": 1024, "model.seq_len": 256,
+             "train.batch_size": 16},
+}
+CUBLAS_WORKSPACE_BYTES = 32 << 20  # microgpt/cuda/common.cuh's CUBLAS_WORKSPACE_BYTES
+
+
+@pytest.mark.parametrize("shape", sorted(SIDE_RULE_SHAPES))
+def test_side_stream_follows_the_product_size(cuda_binary, random_shards, shape):
+    """The engine says which way its backward runs and why, the rule holds for this GPU's
+    multiprocessor count, and the side stream's cuBLAS workspace is allocated only when it is used."""
+    cfg = {**eu.TINY, **SIDE_RULE_SHAPES[shape]}
+    res = run_ok(cuda_binary, tiny_args(random_shards.train, random_shards.val, **{
+        **SIDE_RULE_SHAPES[shape], "train.precision": "bf16", "train.steps": 2}))
+    m = re.search(r"backward: weight gradients (on a side stream|in line)\D*\((\d+) multiprocessors\)", res.stderr)
+    assert m, res.stderr[-2000:]
+    tiles = -(-cfg["train.batch_size"] * cfg["model.seq_len"] * cfg["model.d_model"] // (128 * 128))
+    side = m.group(1) == "on a side stream"
+    assert side == (tiles < int(m.group(2))), (tiles, m.group(0))
+    if shape == "small":
+        assert side, m.group(0)
+    workspace = res.events("memory")[0]["groups"]["cublas_workspace"]
+    assert workspace == (2 if side else 1) * CUBLAS_WORKSPACE_BYTES, workspace
 
 
 # ---------------------------------------------------------------------------------------------------

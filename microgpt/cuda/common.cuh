@@ -9,8 +9,8 @@
  * All work runs in order on one stream, g_stream (every launch passes it, and cuBLAS is bound to
  * it), so there is no cross-stream synchronisation to get wrong. The engine creates g_stream so
  * that it can capture a whole step in a CUDA graph (the legacy default stream cannot be captured);
- * left 0 it is the legacy default stream. (The one exception, in builds with SIDE_STREAM_WGRAD=1:
- * the backward's weight gradients on a second stream, ordered by events; side_stream.cuh.)
+ * left 0 it is the legacy default stream. (The one exception: where the layers' products are small,
+ * the backward's weight gradients run on a second stream, ordered by events; side_stream.cuh.)
  *
  * Activation type T is float (fp32), __nv_bfloat16 (bf16) or __half (fp16). Whatever T is, every
  * kernel computes in fp32 and rounds once on store; parameter gradients are always fp32.
@@ -84,7 +84,7 @@ static cudaStream_t g_stream = 0; /* the one stream of all work; see the top of 
 /* Launches. Every engine kernel goes through launch_kernel (launch_kernel_with_shared where it has
  * dynamic shared memory), on g_stream, its status checked.
  *
- * Programmatic dependent launch (build with -DUSE_PDL=1; compute capability 9.0+; docs/DESIGN.md
+ * Programmatic dependent launch (compute capability 9.0+, kernels compiled for it; docs/DESIGN.md
  * §9): the launch carries cudaLaunchAttributeProgrammaticStreamSerialization, so the kernel's
  * blocks may be scheduled while the kernel before it on the stream is still finishing (stream
  * capture turns this into a programmatic edge of the graph). What makes that safe is
@@ -97,30 +97,21 @@ static cudaStream_t g_stream = 0; /* the one stream of all work; see the top of 
  * wait would not cover the predecessor's writes); the kernels launched with <<<>>> outside the
  * engine (kernel_check's and bench's own) are ordinary launches and need not.
  *
- * Right after its wait a kernel lets its dependents launch (griddepcontrol.launch_dependents;
- * -DPDL_TRIGGER=0 leaves it out): the next kernel's blocks then take the SM slots this kernel's
- * last wave frees, instead of waiting for every block to exit. It cannot slow this kernel: the
- * trigger counts only once every block of this grid has run it, so all of this grid's blocks are
- * already resident, and the next kernel's blocks park in their own wait. Nor can it run ahead
- * further: the next kernel's trigger comes after its wait, so at most one kernel is early.
+ * Right after its wait a kernel lets its dependents launch (griddepcontrol.launch_dependents): the
+ * next kernel's blocks then take the SM slots this kernel's last wave frees, instead of waiting for
+ * every block to exit. It cannot slow this kernel: the trigger counts only once every block of this
+ * grid has run it, so all of this grid's blocks are already resident, and the next kernel's blocks
+ * park in their own wait. Nor can it run ahead further: the next kernel's trigger comes after its
+ * wait, so at most one kernel is early.
  *
- * Without USE_PDL, or below 9.0, the launch has no attribute and the wait is compiled out: the
- * launches are those of <<<>>>. cuBLAS and cuBLASLt launch their own kernels without the attribute
- * (cuBLASLt 13.0 has no setting for it), so a product starts only when the kernel before it has
- * completed; a kernel after a product waits for it as after any kernel. */
-#ifndef USE_PDL
-#define USE_PDL 0
-#endif
-#ifndef PDL_TRIGGER
-#define PDL_TRIGGER 1
-#endif
-
+ * Below 9.0 the launch has no attribute and the wait is compiled out: the launches are those of
+ * <<<>>>. cuBLAS and cuBLASLt launch their own kernels without the attribute (cuBLASLt 13.0 has
+ * no setting for it), so a product starts only when the kernel before it has completed; a kernel
+ * after a product waits for it as after any kernel. */
 __device__ __forceinline__ void await_previous_kernel(void) {
-#if USE_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#if PDL_TRIGGER
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 #endif
 }
 
@@ -130,21 +121,18 @@ __global__ void k_pdl_probe(void) {
     await_previous_kernel();
 }
 
-/* Whether launches carry the programmatic attribute (asked once): a USE_PDL build, on a 9.0+ device,
- * running code compiled for 9.0+. The last is not implied by the device: PTX of an older
- * architecture, JIT-compiled for this one, has no wait in its kernels, and launched
- * programmatically they would race. */
+/* Whether launches carry the programmatic attribute (asked once): on a 9.0+ device, running code
+ * compiled for 9.0+. The last is not implied by the device: PTX of an older architecture,
+ * JIT-compiled for this one, has no wait in its kernels, and launched programmatically they would
+ * race. */
 static bool pdl_enabled(void) {
     static int on = -1;
     if (on < 0) {
         int dev, major = 0;
         cudaFuncAttributes probe;
-        probe.ptxVersion = 0;
-        if (USE_PDL) {
-            CUDA_CHECK(cudaGetDevice(&dev));
-            CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-            CUDA_CHECK(cudaFuncGetAttributes(&probe, k_pdl_probe));
-        }
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+        CUDA_CHECK(cudaFuncGetAttributes(&probe, k_pdl_probe));
         on = major >= 9 && probe.ptxVersion >= 90;
     }
     return on;
@@ -415,11 +403,11 @@ static void cublas_shutdown(void) {
  * shape that runs slower than its 128×128 one. The offers and their speeds were probed with
  * bench/lt_algos.cu; the figures are in docs/BENCHMARKS.md.
  *
- * Built with -DLT_FIXED_TABLE=1, a product named in the fixed table (lt_table.h, lt_table_sm90.h:
- * measured offline by bench/lt_algos.cu on an H200) runs the table's configuration instead, on a
- * GPU of compute capability 9.0 with the table's device name, multiprocessor count and cuBLASLt version, when
- * cuBLASLt accepts it for the problem (cublasLtMatmulAlgoCheck), its workspace fits the engine's
- * and the operands' alignments meet its minimums; anything else keeps the rule. The table is data
+ * A product named in the fixed table (lt_table.h, lt_table_sm90.h: measured offline by
+ * bench/lt_algos.cu on an H200) runs the table's configuration instead, on a GPU of compute
+ * capability 9.0 with the table's device name, multiprocessor count and cuBLASLt version, when cuBLASLt accepts
+ * it for the problem (cublasLtMatmulAlgoCheck), its workspace fits the engine's and the operands'
+ * alignments meet its minimums; anything else keeps the rule. The table is data
  * fixed at build time, so the choice is still the same on every run (docs/DESIGN.md §3.5). */
 
 enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU, GEMM_PLAIN };
@@ -428,15 +416,10 @@ enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU, GEMM_PLAIN };
 #define LT_CANDIDATES 8
 #define LT_FILL_WAVES 2
 
-#ifndef LT_FIXED_TABLE
-#define LT_FIXED_TABLE 0
-#endif
-#if LT_FIXED_TABLE
 #ifndef LT_TABLE_HEADER /* another table: -DLT_TABLE_HEADER='"path.h"' -Imicrogpt/cuda (for its lt_table.h) */
 #define LT_TABLE_HEADER "lt_table_sm90.h"
 #endif
 #include LT_TABLE_HEADER
-#endif
 
 /* One operand of a product, as it lies in memory: row-major, `ld` elements from one row to the
  * next, `stride` elements from one matrix of a batch to the next (0: the same matrix for every
@@ -613,7 +596,6 @@ static void lt_key_name(char* out, cudaDataType_t a, cudaDataType_t b, cudaDataT
 
 /* Whether the fixed table was measured on a GPU of this model, with this cuBLASLt (asked once). */
 static bool lt_table_applies(void) {
-#if LT_FIXED_TABLE
     static int applies = -1;
     if (applies < 0) {
         int dev;
@@ -624,9 +606,6 @@ static bool lt_table_applies(void) {
                   lt_sm_count() == LT_TABLE_SM_COUNT && cublasLtGetVersion() == (size_t)LT_TABLE_CUBLASLT_VERSION;
     }
     return applies == 1;
-#else
-    return false;
-#endif
 }
 
 static bool lt_config_set(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAttributes_t attr, const void* v,
@@ -638,7 +617,6 @@ static bool lt_config_set(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAt
  * cuBLASLt accepts for p's descriptors, with a workspace that fits the engine's and alignment
  * minimums that p's operands meet; false leaves *algo alone. */
 static bool lt_fixed_algo(const LtPlan* p, cublasLtMatmulAlgo_t* algo) {
-#if LT_FIXED_TABLE
     if (!lt_table_applies()) return false;
     const LtTableEntry* e = lt_table_find(g_lt_table, p->name);
     if (!e) return false;
@@ -681,11 +659,6 @@ static bool lt_fixed_algo(const LtPlan* p, cublasLtMatmulAlgo_t* algo) {
     }
     *algo = a;
     return true;
-#else
-    (void)p;
-    (void)algo;
-    return false;
-#endif
 }
 
 /* p's algorithm from its descriptors: the rule (lt_choose over the heuristic's first LT_CANDIDATES
@@ -700,8 +673,7 @@ static cublasStatus_t lt_plan_algo(LtPlan* p, const LtKey* rule_key) {
     if (!p->ok) return st;
     p->rule = res[rule_key ? lt_choose(rule_key, res, found) : 0].algo;
     p->algo = p->rule;
-    p->fixed = lt_fixed_algo(p, &p->algo);
-    if (p->fixed) fprintf(stderr, "note: cuBLASLt product %s runs the fixed table's algorithm\n", p->name);
+    p->fixed = lt_fixed_algo(p, &p->algo); /* silent: every run on the table's GPU takes it */
     return st;
 }
 

@@ -2,8 +2,8 @@
  * its key (common.cuh's lt_key_name: types, epilogue, transposes, shape, leading dimensions,
  * batch and strides), the full configuration of the algorithm that ran fastest when the table
  * was measured (bench/lt_algos.cu), chosen offline and never by timing at run time. The data
- * lives in a generated header (lt_table_sm90.h, written by bench/lt_table.py), read only in
- * builds with -DLT_FIXED_TABLE=1. C99, so the generator's test compiles it with gcc. */
+ * lives in a generated header (lt_table_sm90.h, written by bench/lt_table.py), included by
+ * common.cuh. C99, so the generator's test compiles it with gcc. */
 #ifndef MICROGPT_CUDA_LT_TABLE_H
 #define MICROGPT_CUDA_LT_TABLE_H
 

@@ -1,15 +1,17 @@
-/* side_stream.cuh: the backward's weight-gradient products on a second stream (compile-time variant
- * SIDE_STREAM_WGRAD=1; 0, the default, runs everything on g_stream as common.cuh describes).
+/* side_stream.cuh: the backward's weight-gradient products on a second stream, where they pay
+ * (side_stream_pays; elsewhere everything runs on g_stream as common.cuh describes).
  *
  * In a linear layer's backward the input gradient (dX = dY W^T, which the layer below waits for)
  * and the weight gradient (dW = X^T dY, which only the update reads) are independent, and so are
  * the classifier's dx and dwte. The small products of a 12M step fill well under one wave of the
- * GPU each; side by side, two of them share it. side_product runs a weight-gradient product on the
- * side stream, forked from g_stream by an event, so that the main stream's next products and
- * kernels run beside it; captured in a CUDA graph, the fork and the joins become the graph's edges
- * (parallel branches). Each kernel's arithmetic is unchanged (the same products, the same
- * algorithms: the side stream has its own cuBLAS handle and its own workspace of the same size, so
- * cuBLASLt's rule sees the same problem), so the bits are the default build's.
+ * GPU each; side by side, two of them share it. Products that fill the GPU gain nothing from a
+ * neighbour and lose to the contention (docs/DESIGN.md §9 has the measurements). side_product runs
+ * a weight-gradient product on the side stream, forked from g_stream by an event, so that the main
+ * stream's next products and kernels run beside it; captured in a CUDA graph, the fork and the
+ * joins become the graph's edges (parallel branches). Each kernel's arithmetic is unchanged (the
+ * same products, the same algorithms: the side stream has its own cuBLAS handle and its own
+ * workspace of the same size, so cuBLASLt's rule sees the same problem), so the bits are those of
+ * one stream.
  *
  * What orders the two streams (the engine's backward places the waits, docs/DESIGN.md §9):
  *   fork   side_product records an event on g_stream and the side stream waits for it: the
@@ -22,17 +24,14 @@
  *   join   side_join: the main stream waits for all side-stream work (before the embedding
  *          backward adds into the classifier's dwte, and so before the end of the backward: the
  *          gradient norm and AdamW see every product, and a capture ends with the streams joined).
- * Without a side stream set up (kernel_check, the benches, the default build) side_product runs
- * the product in place on g_stream and the waits are no-ops. */
+ * Without a side stream set up (kernel_check, the benches, models with large products) side_product
+ * runs the product in place on g_stream and the waits are no-ops. */
 #ifndef MICROGPT_CUDA_SIDE_STREAM_CUH
 #define MICROGPT_CUDA_SIDE_STREAM_CUH
 
 #include "common.cuh"
 
-#ifndef SIDE_STREAM_WGRAD
-#define SIDE_STREAM_WGRAD 0
-#endif
-
+#define SIDE_TILE_ELEMS (128 * 128) /* one output tile of a large product (common.cuh's rule) */
 #define SIDE_MAX_BUFFERS 8 /* buffers with a side-stream reader: dres, dh, dqkv, logits, fp8's g8t */
 
 /* One buffer the side stream reads and the main stream overwrites later. */
@@ -51,6 +50,16 @@ static struct {
     SideRead reads[SIDE_MAX_BUFFERS];
     int n_reads;
 } g_side;
+
+/* Whether the backward's weight gradients run on the side stream: when a layer's input-gradient
+ * product ([rows, d_model] out, rows = B·T) is less than one wave of 128×128 tiles on this GPU's
+ * `sm_count` multiprocessors, so that two products side by side still fit. ANDREA-12M on an H200:
+ * 4096·192 / 16384 = 48 tiles < 132, side stream; ANDREA-120M: 8192·768 / 16384 = 384, none. A
+ * function of the shape and the device alone, so the same on every run. */
+static bool side_stream_pays(long long rows, int d_model, int sm_count) {
+    long long tiles = (rows * d_model + SIDE_TILE_ELEMS - 1) / SIDE_TILE_ELEMS;
+    return tiles < sm_count;
+}
 
 /* The side stream, its cuBLAS handle (bound to it, with its own workspace of `bytes`, the main
  * one's size, and the main handle's math mode: call after cublas_init and gemm_set_tf32) and its
