@@ -405,9 +405,9 @@ static void cublas_shutdown(void) {
  *
  * A product named in the fixed table (lt_table.h, lt_table_sm90.h: measured offline by
  * bench/lt_algos.cu on an H200) runs the table's configuration instead, on a GPU of compute
- * capability 9.0 with the table's device name, multiprocessor count and cuBLASLt version, when cuBLASLt accepts
- * it for the problem (cublasLtMatmulAlgoCheck), its workspace fits the engine's and the operands'
- * alignments meet its minimums; anything else keeps the rule. The table is data
+ * capability 9.0 with the table's device name, multiprocessor count and cuBLASLt version, when
+ * cuBLASLt accepts it for the problem (cublasLtMatmulAlgoCheck), its workspace fits the engine's
+ * and the operands' alignments meet its minimums; anything else keeps the rule. The table is data
  * fixed at build time, so the choice is still the same on every run (docs/DESIGN.md §3.5). */
 
 enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU, GEMM_PLAIN };
