@@ -29,6 +29,7 @@ What is compared, and how tightly (relative, normwise per tensor):
     its bf16 ones (the FP8 path ran).
 The engines are compared on tiny configurations with small vocabularies, in seconds.
 """
+import ctypes
 import json
 import os
 import re
@@ -183,6 +184,42 @@ def test_lt_algos_probes_every_product_of_a_step_in_the_generators_format(cuda_b
     assert all(p["offers"] >= 1 and p["rule_us"] > 0 and p["best_us"] > 0 for p in products)
     (tmp_path / "lt.txt").write_text(res.stdout)
     assert lt_table.main([str(tmp_path / "lt.txt"), "-o", str(tmp_path / "table.h")]) == 0
+
+
+def cublaslt_version(binary):
+    """cublasLtGetVersion() of the libcublasLt that `binary` loads (ldd), or None."""
+    linked = subprocess.run(["ldd", str(binary)], capture_output=True, text=True).stdout
+    m = re.search(r"libcublasLt\.so\S* => (/\S+)", linked)
+    if not m:
+        return None
+    lib = ctypes.CDLL(m.group(1))
+    lib.cublasLtGetVersion.restype = ctypes.c_size_t
+    return lib.cublasLtGetVersion()
+
+
+def test_the_fixed_table_applies_only_on_the_gpu_and_cublaslt_it_was_measured_on(cuda_binary, random_shards,
+                                                                                   tmp_path):
+    """A model with ANDREA-12M's classifier product (4096 rows, d_model 192, padded vocabulary 50304),
+    one of the table's entries: the engine says it runs the table's algorithm exactly when this GPU
+    has the table's name (an H100 has the H200's compute capability and multiprocessor count),
+    compute capability 9.0 and multiprocessor count, and this cuBLASLt is the table's."""
+    header = (eu.REPO / "microgpt" / "cuda" / "lt_table_sm90.h").read_text()
+    key = "bf16.bf16.bf16.plain.nt.4096x50304x192.ld192.192.50304"
+    if f'{{"{key}",' not in header:
+        pytest.skip(f"the committed table has no entry {key}")
+    name = re.search(r'#define LT_TABLE_GPU_NAME "(.*)"', header).group(1)
+    sms = int(re.search(r"#define LT_TABLE_SM_COUNT (\d+)", header).group(1))
+    version = int(re.search(r"#define LT_TABLE_CUBLASLT_VERSION (\d+)", header).group(1))
+    res = run_ok(cuda_binary, tiny_args(random_shards.train, **{
+        "model.n_layer": 1, "model.d_model": 192, "model.n_head": 3, "model.d_ff": 768, "model.seq_len": 512,
+        "model.vocab_size": 50257, "model.padded_vocab_size": 50304, "train.batch_size": 8,
+        "train.precision": "bf16", "dump_grads": tmp_path / "gpu.grads"}))
+    device = re.search(r"device \d+: (.*), compute capability (\d+\.\d+),", res.stderr)
+    got_sms = int(re.search(r"\((\d+) multiprocessors\)", res.stderr).group(1))
+    expected = (device.group(1) == name and device.group(2) == "9.0" and got_sms == sms
+                and cublaslt_version(cuda_binary) == version)
+    applied = f"note: cuBLASLt product {key} runs the fixed table's algorithm" in res.stderr
+    assert applied == expected, (device.groups(), got_sms, cublaslt_version(cuda_binary), res.stderr[-2000:])
 
 
 # ---------------------------------------------------------------------------------------------------
