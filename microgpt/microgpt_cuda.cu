@@ -898,6 +898,10 @@ static size_t engine_setup(const Config* cfg) {
     CUDA_CHECK(cudaStreamCreate(&g_stream));
     CUBLAS_CHECK(cublasCreate(&g_cublas));
     dist_cuda_init();
+    info("cuBLASLt algorithms: %s", lt_table_applies() ? "the fixed table measured on " LT_TABLE_GPU_NAME
+                                                         " (docs/DESIGN.md §9)"
+                                                       : "its heuristic, by the engine's rule (the fixed table is for "
+                                                         LT_TABLE_GPU_NAME " with another cuBLASLt or GPU)");
     E.use_graphs = !sync_launches() && !(getenv("ANDREA_NO_GRAPH") && getenv("ANDREA_NO_GRAPH")[0] == '1');
 
     plan_buffers(used); /* sizes only */

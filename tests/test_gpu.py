@@ -200,7 +200,7 @@ def cublaslt_version(binary):
 def test_the_fixed_table_applies_only_on_the_gpu_and_cublaslt_it_was_measured_on(cuda_binary, random_shards,
                                                                                    tmp_path):
     """A model with ANDREA-12M's classifier product (4096 rows, d_model 192, padded vocabulary 50304),
-    one of the table's entries: the engine says it runs the table's algorithm exactly when this GPU
+    one of the table's entries: the engine says it takes the table's algorithms exactly when this GPU
     has the table's name (an H100 has the H200's compute capability and multiprocessor count),
     compute capability 9.0 and multiprocessor count, and this cuBLASLt is the table's."""
     header = (eu.REPO / "microgpt" / "cuda" / "lt_table_sm90.h").read_text()
@@ -218,7 +218,7 @@ def test_the_fixed_table_applies_only_on_the_gpu_and_cublaslt_it_was_measured_on
     got_sms = int(re.search(r"\((\d+) multiprocessors\)", res.stderr).group(1))
     expected = (device.group(1) == name and device.group(2) == "9.0" and got_sms == sms
                 and cublaslt_version(cuda_binary) == version)
-    applied = f"note: cuBLASLt product {key} runs the fixed table's algorithm" in res.stderr
+    applied = f"cuBLASLt algorithms: the fixed table measured on {name}" in res.stderr
     assert applied == expected, (device.groups(), got_sms, cublaslt_version(cuda_binary), res.stderr[-2000:])
 
 
