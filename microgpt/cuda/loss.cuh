@@ -135,9 +135,17 @@ __device__ __forceinline__ void loss_row_copy(T* row_s, const T* l, int Vp) {
 }
 
 #define LOSS_ROWS_SHARED_PER_SM 2 /* blocks of k_loss_rows_shared a multiprocessor must hold */
+/* Two blocks of LOSS_THREADS fit a multiprocessor of compute capability 8.0 or 9.0 (2048 threads),
+ * not one of 8.6, 8.7 or 8.9 (1536): there the kernel's bound asks for one (ptxas would ignore two,
+ * with a warning), loss_rows_shared_fits finds that two do not fit, and the rows run from memory. */
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || __CUDA_ARCH__ == 890)
+#define LOSS_ROWS_SHARED_BOUND 1
+#else
+#define LOSS_ROWS_SHARED_BOUND LOSS_ROWS_SHARED_PER_SM
+#endif
 /* A block per row, its row in Vp elements of dynamic shared memory. */
 template <typename T, int VEC>
-__global__ void __launch_bounds__(LOSS_THREADS, LOSS_ROWS_SHARED_PER_SM)
+__global__ void __launch_bounds__(LOSS_THREADS, LOSS_ROWS_SHARED_BOUND)
 k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
                    const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
     await_previous_kernel();
