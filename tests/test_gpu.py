@@ -88,6 +88,15 @@ def cuda_binary():
     return eu.CUDA_BINARY
 
 
+def build_variant(suffix, flags, *binaries):
+    """Builds the build/ binaries named (each ending in `suffix`) with the compile-time `flags` (the
+    Makefile's VARIANT_SUFFIX and KERNEL_VARIANTS), beside the default build."""
+    targets = [str(b.relative_to(eu.REPO)) for b in binaries]
+    made = subprocess.run(["make", "-B", "-j2", f"VARIANT_SUFFIX={suffix}", f"KERNEL_VARIANTS={flags}", *targets],
+                          cwd=eu.REPO, capture_output=True, text=True, timeout=900)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def kernel_check_binary(cuda_binary):
     """build/kernel_check: `make kernel-check`, or the equivalent nvcc line where the Makefile has no
