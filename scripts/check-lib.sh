@@ -1,4 +1,5 @@
-# check-lib.sh: what the GPU check scripts share (scripts/gpu-check.sh, scripts/fp8-check.sh); sourced,
+# check-lib.sh: what the GPU check and A/B scripts share (scripts/gpu-check.sh, fp8-check.sh,
+# multi-gpu-check.sh; bench/engine-ab.sh, attn-variants.sh); sourced,
 # never run. A script calls check_init, defines its stage_* functions, then run_stages.
 # shellcheck shell=bash
 

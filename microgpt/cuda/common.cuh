@@ -343,7 +343,7 @@ __device__ __forceinline__ void block_amax_commit(unsigned* amax_bits, unsigned 
 
 static cublasHandle_t g_cublas = NULL;
 static cublasLtHandle_t g_cublaslt = NULL;
-static void* g_gemm_workspace = NULL; /* shared by both libraries: all work is on one stream */
+static void* g_gemm_workspace = NULL; /* shared by both libraries on g_stream (the side stream has its own) */
 static size_t g_gemm_workspace_bytes = 0;
 static cublasComputeType_t g_lt_compute = CUBLAS_COMPUTE_32F;
 
