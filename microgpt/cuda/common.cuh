@@ -16,8 +16,9 @@
  * kernel computes in fp32 and rounds once on store; parameter gradients are always fp32.
  *
  * Determinism: no kernel uses floating-point atomics; every reduction has a fixed shape that
- * depends only on the problem size (never on the GPU), cuBLAS is given one fixed workspace, and
- * cuBLASLt's algorithm follows a fixed rule over its heuristic's offers (never picked by timing). */
+ * depends only on the problem size (never on the GPU), each cuBLAS handle has one fixed workspace,
+ * and cuBLASLt's algorithm follows a fixed rule over its heuristic's offers or the fixed table
+ * (below; never picked by timing). */
 #ifndef MICROGPT_CUDA_COMMON_CUH
 #define MICROGPT_CUDA_COMMON_CUH
 
@@ -78,7 +79,7 @@ static int sync_launches(void) {
         if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());      \
     } while (0)
 
-static cudaStream_t g_stream = 0; /* the one stream of all work; see the top of this file */
+static cudaStream_t g_stream = 0; /* the stream of all work (but the side stream's); see the top of this file */
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Launches. Every engine kernel goes through launch_kernel (launch_kernel_with_shared where it has
