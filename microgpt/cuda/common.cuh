@@ -479,7 +479,6 @@ struct LtPlan {
     char name[LT_NAME_MAX];      /* lt_key_name: the fixed table's key */
     cublasLtMatmulAlgo_t rule;   /* the rule's choice */
     cublasLtMatmulAlgo_t algo;   /* what runs: the fixed table's where it applies, else the rule's */
-    bool fixed;                  /* algo is the table's */
 };
 
 #define LT_MAX_PLANS 256
@@ -670,11 +669,10 @@ static cublasStatus_t lt_plan_algo(LtPlan* p, const LtKey* rule_key) {
     int found = 0;
     cublasStatus_t st = lt_heuristic(p, rule_key ? LT_CANDIDATES : 1, res, &found);
     p->ok = st == CUBLAS_STATUS_SUCCESS && found > 0;
-    p->fixed = false;
     if (!p->ok) return st;
     p->rule = res[rule_key ? lt_choose(rule_key, res, found) : 0].algo;
     p->algo = p->rule;
-    p->fixed = lt_fixed_algo(p, &p->algo); /* silent: every run on the table's GPU takes it */
+    lt_fixed_algo(p, &p->algo); /* leaves the rule's where the table does not apply */
     return st;
 }
 
