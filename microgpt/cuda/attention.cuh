@@ -982,10 +982,17 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
 #ifndef FA_DKV_WGMMA
 #define FA_DKV_WGMMA 0
 #endif
+/* FA_DKV_WGMMA 2: the next query tile's S^T and dP^T are issued before this tile's P^T and dS^T
+ * are computed (FlashAttention-3's backward overlap: the tensor cores always have a product
+ * queued). That needs the next tile in shared memory a step earlier (three Q / dO buffers, tiles
+ * loaded two ahead) and two sets of score registers (about 230 registers: 2 blocks per
+ * multiprocessor instead of 3). */
+#define FA_DKV_PREFETCH (FA_DKV_WGMMA == 2)
 template <int D> struct FaWgDkv {
-    static constexpr int TILES = 6; /* k, v, q[2], dout[2] */
-    static constexpr int DYNAMIC_SMEM = TILES * FaWg<D>::TILE_BYTES + 1024;
-    static constexpr int STATIC_SMEM = 2 * 2 * FA_TILE * (int)sizeof(float); /* lse2s, dls */
+    static constexpr int BUFFERS = FA_DKV_PREFETCH ? 3 : 2; /* query tiles staged at once */
+    static constexpr int DYNAMIC_SMEM = (2 + 2 * BUFFERS) * FaWg<D>::TILE_BYTES + 1024; /* k, v, q[], dout[] */
+    static constexpr int STATIC_SMEM = 2 * BUFFERS * FA_TILE * (int)sizeof(float);      /* lse2s, dls */
+    static constexpr int MIN_BLOCKS = FA_DKV_PREFETCH ? 2 : FA_MIN_BLOCKS_DKV;
 };
 
 /* An 8x8 matrix of 16-bit values held one register per lane (lane 4g + t: row g, columns 2t,
@@ -996,31 +1003,38 @@ __device__ __forceinline__ unsigned fa_transpose8x8(unsigned x) {
     return y;
 }
 
-/* The warp's dS^T A fragments (its 16 keys = k step kk of the dQ kernel; fragment i: queries 16i ..
- * 16i + 15; blocks [0] keys 0-7 x queries 0-7, [1] keys 8-15 x 0-7, [2] keys 0-7 x 8-15, [3]
- * keys 8-15 x 8-15) as the dQ kernel's A fragments of query group i, stored where
- * fa_store_ds_fragments stores them: {queries 0-7 x keys 0-7, 8-15 x 0-7, 0-7 x 8-15, 8-15 x 8-15},
- * each the transpose of one block. */
+/* The warp's dS^T A fragments (its 16 keys = k step `warp` of the dQ kernel; fragment i: queries
+ * 16i .. 16i + 15; blocks [0] keys 0-7 x queries 0-7, [1] keys 8-15 x 0-7, [2] keys 0-7 x 8-15,
+ * [3] keys 8-15 x 8-15) as the dQ kernel's A fragments of query group i, stored where
+ * fa_store_ds_fragments stores them: {queries 0-7 x keys 0-7, 8-15 x 0-7, 0-7 x 8-15, 8-15 x
+ * 8-15}, each the transpose of one block. */
 __device__ __forceinline__ void fa_wg_ds_fragments(uint4* out, const unsigned (*ds)[4]) {
     for (int i = 0; i < FA_TILE / 16; i++)
         out[i] = make_uint4(fa_transpose8x8(ds[i][0]), fa_transpose8x8(ds[i][2]), fa_transpose8x8(ds[i][1]),
                             fa_transpose8x8(ds[i][3]));
 }
+template <typename T> __device__ __forceinline__ void fa_wg_store_ds(T* tile, const unsigned (*ds)[4], int warp) {
+    uint4 frag[FA_TILE / 16];
+    fa_wg_ds_fragments(frag, ds);
+    uint4* p = (uint4*)tile + warp * 32 + (threadIdx.x & 31);
+    for (int i = 0; i < FA_TILE / 16; i++) p[i * (FA_TILE / 16) * 32] = frag[i];
+}
 
 template <typename T, int D, bool AMAX>
-__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
+__global__ void __launch_bounds__(FA_THREADS, FaWgDkv<D>::MIN_BLOCKS)
     k_attn_bwd_dkv_wgmma(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q,
                          const T* k, const T* v, int T_, int C, int H, float scale, float sl2, unsigned* amax_bits) {
     await_previous_kernel();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using W = FaWg<D>;
+    constexpr int NBUF = FaWgDkv<D>::BUFFERS, AHEAD = NBUF - 1; /* query tiles loaded ahead of the step's */
     extern __shared__ __align__(1024) unsigned char fa_dkv_smem[];
-    __shared__ float lse2s[2][FA_TILE], dls[2][FA_TILE]; /* query tile qt's in [(qt - kt) & 1] */
+    __shared__ float lse2s[NBUF][FA_TILE], dls[NBUF][FA_TILE]; /* query tile qt's in [(qt - kt) % NBUF] */
     unsigned smem_addr = (unsigned)__cvta_generic_to_shared(fa_dkv_smem), pad = (1024 - (smem_addr & 1023)) & 1023;
-    unsigned char* tiles = fa_dkv_smem + pad; /* [k | v | q0 | q1 | dout0 | dout1], each TILE_BYTES */
+    unsigned char* tiles = fa_dkv_smem + pad; /* [k | v | q[NBUF] | dout[NBUF]], each TILE_BYTES */
     unsigned k_addr = smem_addr + pad, v_addr = k_addr + W::TILE_BYTES;
     auto q_tile = [&](int buf) { return (2 + buf) * W::TILE_BYTES; }; /* byte offsets in tiles */
-    auto do_tile = [&](int buf) { return (4 + buf) * W::TILE_BYTES; };
+    auto do_tile = [&](int buf) { return (2 + NBUF + buf) * W::TILE_BYTES; };
     int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
     FaBlock blk = fa_block();
     int kt = blk.tile, bh = blk.bh, b = bh / H, hd = bh % H, n_tiles = blk.n_tiles;
@@ -1033,25 +1047,37 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
         fa_load_lse_delta(lse2s[buf], dls[buf], lse, delta, bh, qt * FA_TILE, T_);
         fa_cp_commit();
     };
-
-    fa_wg_load_rows<T, D>(tiles, k + base, kt * FA_TILE, T_, C);
-    fa_wg_load_rows<T, D>(tiles + W::TILE_BYTES, v + base, kt * FA_TILE, T_, C);
-    load_queries(kt, 0);
+    /* S^T and dP^T of the query tile in buffer `buf`, issued as two groups */
+    auto issue_scores = [&](float (*s)[4], float (*dp)[4], int buf) {
+        fa_wg_scores<T, D>(s, k_addr, k_addr + q_tile(buf));
+        fa_wg_scores<T, D>(dp, v_addr, k_addr + do_tile(buf));
+    };
     float dk_acc[Fa<D>::ND][4] = {}, dv_acc[Fa<D>::ND][4] = {};
 
-    for (int qt = kt; qt < n_tiles; qt++) {
-        int cur = (qt - kt) & 1;
-        fa_cp_wait<0>(); /* tile qt has landed (this thread's part) ... */
+    /* Query tile qt's step; s, dp its scores, sn, dpn the next tile's (FA_DKV_PREFETCH: issued here;
+     * else unused). Tile qt + AHEAD's copies start after the step's barrier, into the buffers of
+     * tile qt - 1, whose products every thread waited for at the end of step qt - 1. */
+    auto step = [&](float (*s)[4], float (*dp)[4], float (*sn)[4], float (*dpn)[4], int qt) {
+        int i = qt - kt, cur = i % NBUF;
+        fa_cp_wait<0>(); /* tile qt + AHEAD - 1 has landed (this thread's part) ... */
         fa_wg_publish(); /* ... and everyone's; everyone's products on tile qt - 1 are done */
-        if (qt + 1 < n_tiles) load_queries(qt + 1, cur ^ 1);
+        if (qt + AHEAD < n_tiles) load_queries(qt + AHEAD, (i + AHEAD) % NBUF);
         unsigned q_addr = k_addr + q_tile(cur), do_addr = k_addr + do_tile(cur);
         const float *lse2c = lse2s[cur], *dlc = dls[cur];
-        float s[FA_TILE / 8][4], dp[FA_TILE / 8][4];
         unsigned p[FA_TILE / 16][4], ds[FA_TILE / 16][4]; /* P^T, dS^T rounded to T: A fragments */
-        fa_wg_fence(); /* p and ds were written by ordinary instructions */
-        fa_wg_scores<T, D>(s, k_addr, q_addr);
-        fa_wg_scores<T, D>(dp, v_addr, do_addr);
-        fa_wg_wait<1>(); /* S^T is done; dP^T runs on beside P^T */
+        if constexpr (FA_DKV_PREFETCH) {
+            fa_wg_wait<0>(); /* this tile's S^T and dP^T, issued a step ago, are done */
+            fa_wg_hold<FA_TILE / 8>(sn);
+            fa_wg_hold<FA_TILE / 8>(dpn);
+            memcpy(s, sn, sizeof(float) * FA_TILE / 2); /* sn, dpn: only ever written by the products */
+            memcpy(dp, dpn, sizeof(float) * FA_TILE / 2);
+            fa_wg_fence();
+            if (qt + 1 < n_tiles) issue_scores(sn, dpn, (i + 1) % NBUF); /* run beside this tile's work */
+        } else {
+            fa_wg_fence(); /* p and ds were written by ordinary instructions */
+            issue_scores(s, dp, cur);
+            fa_wg_wait<1>(); /* S^T is done; dP^T runs on beside P^T */
+        }
         fa_wg_hold<FA_TILE / 8>(s);
         if (qt == kt) fa_mask_diagonal<true>(s, sub);
         /* queries past T (a partial last tile) were loaded as zero rows of q and dout with lse and
@@ -1061,19 +1087,33 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
         fa_wg_pack_p<T>(p, s);
         fa_wg_fence();
         fa_wg_accumulate<T, D>(dv_acc, p, do_addr);
-        fa_wg_wait<1>(); /* dP^T is done; dV += P^T dO runs on beside dS^T */
+        if constexpr (!FA_DKV_PREFETCH) fa_wg_wait<1>(); /* dP^T is done; dV += P^T dO runs on beside dS^T */
         fa_wg_hold<FA_TILE / 8>(dp);
         for (int j = 0; j < FA_TILE / 8; j++)
             for (int e = 0; e < 4; e++) dp[j][e] = s[j][e] * (dp[j][e] - dlc[8 * j + 2 * t + (e & 1)]);
         fa_wg_pack_p<T>(ds, dp);
-        uint4 ds_out[FA_TILE / 16];
-        fa_wg_ds_fragments(ds_out, ds);
+        T* ds_tile = ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles);
+        if constexpr (!FA_DKV_PREFETCH) fa_wg_store_ds(ds_tile, ds, warp); /* while dV runs */
         fa_wg_fence();
         fa_wg_accumulate<T, D>(dk_acc, ds, q_addr);
-        uint4* ds_tile = (uint4*)(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles)) + warp * 32 + (threadIdx.x & 31);
-        for (int i = 0; i < FA_TILE / 16; i++) ds_tile[i * (FA_TILE / 16) * 32] = ds_out[i];
         fa_wg_wait<0>(); /* before the next step's barrier: its copies take this step's buffers */
+        /* with the next tile's scores in flight until the wait, the fragments' registers are free only now */
+        if constexpr (FA_DKV_PREFETCH) fa_wg_store_ds(ds_tile, ds, warp);
+    };
+
+    fa_wg_load_rows<T, D>(tiles, k + base, kt * FA_TILE, T_, C);
+    fa_wg_load_rows<T, D>(tiles + W::TILE_BYTES, v + base, kt * FA_TILE, T_, C);
+    load_queries(kt, 0);
+    float s0[FA_TILE / 8][4], dp0[FA_TILE / 8][4], s1[FA_TILE / 8][4], dp1[FA_TILE / 8][4];
+    if constexpr (FA_DKV_PREFETCH) { /* tile kt's scores issued ahead, as each step issues the next's */
+        if (kt + 1 < n_tiles) load_queries(kt + 1, 1);
+        else fa_cp_commit(); /* an empty group: the wait below is for tile kt's */
+        fa_cp_wait<1>();
+        fa_wg_publish();
+        fa_wg_fence();
+        issue_scores(s1, dp1, 0);
     }
+    for (int qt = kt; qt < n_tiles; qt++) step(s0, dp0, s1, dp1, qt);
     fa_wg_hold<Fa<D>::ND>(dk_acc);
     fa_wg_hold<Fa<D>::ND>(dv_acc);
 
