@@ -982,11 +982,13 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
 #ifndef FA_DKV_WGMMA
 #define FA_DKV_WGMMA 0
 #endif
-/* FA_DKV_WGMMA 2: the next query tile's S^T and dP^T are issued before this tile's P^T and dS^T
- * are computed (FlashAttention-3's backward overlap: the tensor cores always have a product
- * queued). That needs the next tile in shared memory a step earlier (three Q / dO buffers, tiles
- * loaded two ahead) and two sets of score registers (about 230 registers: 2 blocks per
- * multiprocessor instead of 3). */
+/* FA_DKV_WGMMA 2 (FA_DKV_PREFETCH): the next query tile's S^T and dP^T are issued before this
+ * tile's P^T and dS^T are computed (FlashAttention-3's backward overlap: the tensor cores always
+ * have a product queued). That needs the next tile in shared memory a step earlier (three Q / dO
+ * buffers, 67 KiB at D = 64, tiles loaded two ahead) and a second set of score registers (242
+ * registers at D = 64, no spills: 2 blocks per multiprocessor instead of 3). The step's scores are
+ * copied out of that set once done, and the set is then written only by the products: with two
+ * sets used in turn, ptxas serialises every product (C7515). */
 #define FA_DKV_PREFETCH (FA_DKV_WGMMA == 2)
 template <int D> struct FaWgDkv {
     static constexpr int BUFFERS = FA_DKV_PREFETCH ? 3 : 2; /* query tiles staged at once */
@@ -1054,9 +1056,10 @@ __global__ void __launch_bounds__(FA_THREADS, FaWgDkv<D>::MIN_BLOCKS)
     };
     float dk_acc[Fa<D>::ND][4] = {}, dv_acc[Fa<D>::ND][4] = {};
 
-    /* Query tile qt's step; s, dp its scores, sn, dpn the next tile's (FA_DKV_PREFETCH: issued here;
-     * else unused). Tile qt + AHEAD's copies start after the step's barrier, into the buffers of
-     * tile qt - 1, whose products every thread waited for at the end of step qt - 1. */
+    /* Query tile qt's step; s, dp its scores, sn, dpn the prefetched ones (FA_DKV_PREFETCH: tile
+     * qt's on entry, tile qt + 1's issued here; else unused). Tile qt + AHEAD's copies start after
+     * the step's barrier, into the buffers of tile qt - 1, whose products every thread waited for
+     * at the end of step qt - 1. */
     auto step = [&](float (*s)[4], float (*dp)[4], float (*sn)[4], float (*dpn)[4], int qt) {
         int i = qt - kt, cur = i % NBUF;
         fa_cp_wait<0>(); /* tile qt + AHEAD - 1 has landed (this thread's part) ... */
