@@ -27,24 +27,7 @@ OUT=${OUT:-./attn-out}
 mkdir -p "$OUT"
 
 rc=0
-pids=()
-for b in "${BUILDS[@]}"; do
-    name=${b%%|*} flags=${b#*|}
-    # no binary of an earlier run may stand in for a failed build; -B: a build's binaries are remade
-    # even when an older build of other flags is newer than the sources
-    rm -f "build/kernel_check_$name" "build/attn_bench_$name"
-    make -B VARIANT_SUFFIX="_$name" KERNEL_VARIANTS="$flags" "build/kernel_check_$name" "build/attn_bench_$name" \
-        >"$OUT/build-$name.log" 2>&1 &
-    pids+=($!)
-done
-for i in "${!pids[@]}"; do
-    name=${BUILDS[$i]%%|*}
-    if ! wait "${pids[$i]}"; then
-        echo "!! build of $name failed: $OUT/build-$name.log"
-        tail -5 "$OUT/build-$name.log"
-        rc=1
-    fi
-done
+build_variants kernel_check attn_bench || rc=1
 
 declare -A check
 for b in "${BUILDS[@]}"; do

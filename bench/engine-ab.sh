@@ -33,8 +33,6 @@ if [ ${#BUILD_NAMES[@]} -eq 0 ]; then
     exit 2
 fi
 BUILDS=(default "${BUILD_NAMES[@]}")
-declare -A FLAGS=([default]="")
-for i in "${!BUILD_NAMES[@]}"; do FLAGS[${BUILD_NAMES[$i]}]=${BUILD_FLAGS[$i]}; done
 ROUNDS=${ROUNDS:-2}
 if ! [[ $ROUNDS =~ ^[1-9][0-9]?$ ]]; then
     echo "error: ROUNDS must be a whole number from 1 to 99, got '$ROUNDS'" >&2
@@ -49,22 +47,7 @@ fi
 check_init engine-ab ./engine-ab-out
 
 rc=0
-pids=()
-for b in "${BUILDS[@]}"; do
-    # no binary of an earlier run may stand in for a failed build; -B: remade even when an older build
-    # of other flags is newer than the sources
-    rm -f "build/microgpt_cuda_$b" "build/kernel_check_$b"
-    make -B VARIANT_SUFFIX="_$b" KERNEL_VARIANTS="${FLAGS[$b]}" "build/microgpt_cuda_$b" "build/kernel_check_$b" \
-        >"$OUT/build-$b.log" 2>&1 &
-    pids+=($!)
-done
-for i in "${!pids[@]}"; do
-    if ! wait "${pids[$i]}"; then
-        echo "!! build of ${BUILDS[$i]} failed: $OUT/build-${BUILDS[$i]}.log"
-        tail -5 "$OUT/build-${BUILDS[$i]}.log"
-        rc=1
-    fi
-done
+build_variants microgpt_cuda kernel_check || rc=1
 
 declare -A check
 timed=()

@@ -1,6 +1,6 @@
 """Running a trained model: the checkpoint a run directory names, the model's shape and weights, the
 engine to use, and the one client of the engines' `--generate` protocol (docs/DESIGN.md §5a, the
-protocol itself in §15). chat.py, evaluate.py, export-hf.py and the export checks use it.
+protocol itself in §16). chat.py, evaluate.py, export-hf.py and the export checks use it.
 
     engine = pick_engine(None)                      # the proxy's choice: GPU when built and visible
     with Generator(engine, resolve_checkpoint("runs/ANDREA-12M")) as gen:

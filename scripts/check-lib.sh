@@ -1,4 +1,5 @@
-# check-lib.sh: what the GPU check scripts share (scripts/gpu-check.sh, scripts/fp8-check.sh); sourced,
+# check-lib.sh: what the GPU check and A/B scripts share (scripts/gpu-check.sh, fp8-check.sh,
+# multi-gpu-check.sh; bench/engine-ab.sh, attn-variants.sh); sourced,
 # never run. A script calls check_init, defines its stage_* functions, then run_stages.
 # shellcheck shell=bash
 
@@ -159,4 +160,30 @@ parse_builds() {
         done
         BUILD_NAMES+=("$name") BUILD_FLAGS+=("$flags")
     done
+}
+
+# build_variants TOOL...: build/TOOL_NAME for the build `default` (no flags) and each build NAME of
+# parse_builds with its FLAGS (the Makefile's VARIANT_SUFFIX and KERNEL_VARIANTS), all in parallel,
+# each build's log in $OUT/build-NAME.log. A build's old binaries are removed first, so that none
+# stands in for a failed build, and made with -B, so that an older build of other flags that is newer
+# than the sources is remade. Returns 1 if any build failed (and says which).
+build_variants() {
+    local names=(default "${BUILD_NAMES[@]}") flags=("" "${BUILD_FLAGS[@]}") pids=() i tool rc=0
+    local -a targets
+    for i in "${!names[@]}"; do
+        targets=()
+        for tool in "$@"; do targets+=("build/${tool}_${names[$i]}"); done
+        rm -f "${targets[@]}"
+        make -B VARIANT_SUFFIX="_${names[$i]}" KERNEL_VARIANTS="${flags[$i]}" "${targets[@]}" \
+            >"$OUT/build-${names[$i]}.log" 2>&1 &
+        pids+=($!)
+    done
+    for i in "${!pids[@]}"; do
+        if ! wait "${pids[$i]}"; then
+            echo "!! build of ${names[$i]} failed: $OUT/build-${names[$i]}.log"
+            tail -5 "$OUT/build-${names[$i]}.log"
+            rc=1
+        fi
+    done
+    return "$rc"
 }

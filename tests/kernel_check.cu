@@ -2,9 +2,9 @@
  * microgpt/cpu/, in fp32, bf16 and fp16, on fresh random inputs and a few awkward shapes; and, on
  * compute capability 8.9+, precision fp8's casts and products (run_fp8, with its own tolerances).
  *
- *   build: make kernel-check    (or: nvcc -O3 -std=c++17 -Xcompiler -fopenmp -o build/kernel_check
- *                                     tests/kernel_check.cu -lcublas -lcublasLt -lgomp -lm)
- *   run:   build/kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all]
+ *   build: make kernel-check    (the engine's architectures: a Hopper build without sm_90a code
+ *                                 fails the check of which attention forward ran)
+ *   run:   build/kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all] [--only attn]
  *
  * How each check works:
  *   - inputs are drawn from a seeded generator (the seed differs per run unless --seed is given,

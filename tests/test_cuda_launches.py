@@ -19,7 +19,7 @@ def kernels(text):
 
 def test_every_kernel_waits_for_its_predecessor_first():
     texts = [path.read_text() for path in SOURCES]
-    found = [kernel for text in texts for kernel in kernels(text)]  # a variant's kernel may be defined twice
+    found = [kernel for text in texts for kernel in kernels(text)]
     declared = sum(len(re.findall(r"^[^*/\n]*__global__ ", text, re.M)) for text in texts)
     assert len(found) == declared > 0, (declared, sorted(found))  # every kernel read, none missed
     late = [(name, first) for name, first in found if first != "await_previous_kernel();"]

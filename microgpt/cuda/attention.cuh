@@ -4,7 +4,8 @@
  *                     consecutive [N,C] blocks). The k_attn_qkv_fwd/bwd pair is this product.
  *   attn_fwd/bwd      causal softmax(q k^T / sqrt(hs)) v per head, hs = C / H; head h owns columns
  *                     [h*hs, (h+1)*hs) of q, k, v and out, as the CPU's attention_forward/backward.
- *                     Kernels: k_attn_fwd (k_attn_fwd_wgmma on Hopper, sm_90a builds),
+ *                     Kernels: k_attn_fwd (k_attn_fwd_wgmma on Hopper, sm_90a builds, head
+ *                     sizes 32 and 64),
  *                     and k_attn_bwd_delta + k_attn_bwd_dkv + k_attn_bwd_dq (flash path);
  *                     k_attn_softmax_fwd, k_attn_probs, k_attn_softmax_bwd between products
  *                     (cuBLAS path).
@@ -17,12 +18,13 @@
  * as exp(s - lse). It has two implementations, chosen by attn_flash_ok() from the type and shape:
  *
  *   flash  (bf16/fp16, hs 16, 32 or 64): fused tiles on tensor cores (mma.sync, fp32
- *          accumulate), online softmax in fp32; the forward keeps nothing T×T. The backward is
- *          flash-attention-2 style but split so that no output needs atomics: a row kernel forms
- *          delta = rowsum(dO ∘ O); one kernel per key block recomputes P from lse, accumulates
- *          dK, dV and stores dS (rounded to T, as it is fed to the products) in 64×64 tiles of
- *          the causal half; one per query block then accumulates dQ = dS K from those tiles, so
- *          S and dP are computed once, not once per side.
+ *          accumulate; Hopper's forward on wgmma, below), online softmax in fp32; the forward
+ *          keeps nothing T×T. The backward is flash-attention-2 style but split so that no
+ *          output needs atomics: a row kernel forms delta = rowsum(dO ∘ O); one kernel per key
+ *          block recomputes P from lse, accumulates dK, dV and stores dS (rounded to T, as it is
+ *          fed to the products) in 64×64 tiles of the causal half, in the dQ kernel's A-fragment
+ *          order; one per query block then accumulates dQ = dS K from those tiles (loaded
+ *          straight into registers), so S and dP are computed once, not once per side.
  *   cuBLAS (fp32, the reference mode compared tightly with the CPU engine, and other head sizes):
  *          scores of one sequence at a time, batched over heads, into fp32 [H, T, T] scratch.
  *

@@ -16,8 +16,9 @@
  * kernel computes in fp32 and rounds once on store; parameter gradients are always fp32.
  *
  * Determinism: no kernel uses floating-point atomics; every reduction has a fixed shape that
- * depends only on the problem size (never on the GPU), cuBLAS is given one fixed workspace, and
- * cuBLASLt's algorithm follows a fixed rule over its heuristic's offers (never picked by timing). */
+ * depends only on the problem size (never on the GPU), each cuBLAS handle has one fixed workspace,
+ * and cuBLASLt's algorithm follows a fixed rule over its heuristic's offers or the fixed table
+ * (below; never picked by timing). */
 #ifndef MICROGPT_CUDA_COMMON_CUH
 #define MICROGPT_CUDA_COMMON_CUH
 
@@ -78,7 +79,7 @@ static int sync_launches(void) {
         if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());      \
     } while (0)
 
-static cudaStream_t g_stream = 0; /* the one stream of all work; see the top of this file */
+static cudaStream_t g_stream = 0; /* the stream of all work (but the side stream's); see the top of this file */
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Launches. Every engine kernel goes through launch_kernel (launch_kernel_with_shared where it has
@@ -343,7 +344,7 @@ __device__ __forceinline__ void block_amax_commit(unsigned* amax_bits, unsigned 
 
 static cublasHandle_t g_cublas = NULL;
 static cublasLtHandle_t g_cublaslt = NULL;
-static void* g_gemm_workspace = NULL; /* shared by both libraries: all work is on one stream */
+static void* g_gemm_workspace = NULL; /* shared by both libraries on g_stream (the side stream has its own) */
 static size_t g_gemm_workspace_bytes = 0;
 static cublasComputeType_t g_lt_compute = CUBLAS_COMPUTE_32F;
 

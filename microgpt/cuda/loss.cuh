@@ -18,7 +18,7 @@
  * giving the log-sum-exp (exponentials by the hardware's __expf, ~2 ulp); a second pass overwrites
  * the logits with their gradient dlogits = (softmax - onehot) * dscale, ready for the two products.
  * dscale is read from device memory (it carries the fp16 loss scale) so a captured graph of the
- * step stays fixed. A block of LOSS_THREADS takes a row, two blocks per multiprocessor:
+ * step stays fixed. A block of LOSS_THREADS takes a row, two blocks per multiprocessor where they fit:
  *   k_loss_rows_shared  first copies its row into dynamic shared memory (cp.async, 16-byte packets,
  *                       no registers in between; 98 KiB for a bf16 row of 50304), then runs both
  *                       passes from there: memory sees one read and one write of the logits, the
@@ -27,7 +27,9 @@
  *                       against 253 at ANDREA-12M (H200, bench/rowk_bench.cu; docs/BENCHMARKS.md
  *                       log #64).
  *   k_loss_rows         both passes over the row in memory (the second from L2): for rows whose
- *                       copy does not fit two blocks a multiprocessor (an fp32 row of 50304).
+ *                       copy does not fit two blocks a multiprocessor (an fp32 row of 50304; any
+ *                       row on compute capability 8.6, 8.7 or 8.9, whose multiprocessors hold
+ *                       1536 threads, not two blocks of 1024).
  * Both run the same loss_row body in the same order on the same values: the same bits
  * (tests/kernel_check.cu compares them). */
 #ifndef MICROGPT_CUDA_LOSS_CUH
