@@ -6,7 +6,8 @@
  *                     [h*hs, (h+1)*hs) of q, k, v and out, as the CPU's attention_forward/backward.
  *                     Kernels: k_attn_fwd (k_attn_fwd_wgmma on Hopper, sm_90a builds, head
  *                     sizes 32 and 64),
- *                     and k_attn_bwd_delta + k_attn_bwd_dkv + k_attn_bwd_dq (flash path);
+ *                     and k_attn_bwd_delta + k_attn_bwd_dkv + k_attn_bwd_dq (flash path;
+ *                     k_attn_bwd_dkv_wgmma on Hopper with the candidate -DFA_DKV_WGMMA);
  *                     k_attn_softmax_fwd, k_attn_probs, k_attn_softmax_bwd between products
  *                     (cuBLAS path).
  *   attn_out_fwd/bwd  out = residual + y @ W_O (the residual join after the sub-layer, in the
@@ -1133,19 +1134,20 @@ __global__ void __launch_bounds__(FA_THREADS, FaWgDkv<D>::MIN_BLOCKS)
 
 /* Whether this process launches k_attn_bwd_dkv_wgmma<T, D, *> (as fa_fwd_wgmma_ok: the sm_90a body
  * alone has static shared memory, lse2s and dls); where it does, both instantiations are allowed
- * their dynamic shared memory (over the default 48 KiB at D = 64), once. */
+ * their dynamic shared memory (over the default 48 KiB at D = 64) and asked for the largest
+ * shared-memory carveout (the blocks of a multiprocessor need 100–160 KiB), once. */
 template <typename T, int D> static bool fa_dkv_wgmma_ok(void) {
     static int ok = -1;
-    if (ok < 0) {
-        ok = fa_sm90a_image(k_attn_bwd_dkv_wgmma<T, D, false>, FaWgDkv<D>::STATIC_SMEM);
-        if (ok) {
-            CUDA_CHECK(cudaFuncSetAttribute(k_attn_bwd_dkv_wgmma<T, D, false>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, FaWgDkv<D>::DYNAMIC_SMEM));
-            CUDA_CHECK(cudaFuncSetAttribute(k_attn_bwd_dkv_wgmma<T, D, true>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, FaWgDkv<D>::DYNAMIC_SMEM));
-        }
+    if (ok >= 0) return ok;
+    ok = fa_sm90a_image(k_attn_bwd_dkv_wgmma<T, D, false>, FaWgDkv<D>::STATIC_SMEM);
+    if (!ok) return false;
+    for (auto kernel : {k_attn_bwd_dkv_wgmma<T, D, false>, k_attn_bwd_dkv_wgmma<T, D, true>}) {
+        CUDA_CHECK(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, FaWgDkv<D>::DYNAMIC_SMEM));
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared));
     }
-    return ok;
+    return true;
 }
 
 /* dQ: block (query tile, b*H + h); warp w owns query rows q0 + 16w .. +15 and accumulates
