@@ -988,7 +988,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
 /* FA_DKV_WGMMA 2 (FA_DKV_PREFETCH): the next query tile's S^T and dP^T are issued before this
  * tile's P^T and dS^T are computed (FlashAttention-3's backward overlap: the tensor cores always
  * have a product queued). That needs the next tile in shared memory a step earlier (three Q / dO
- * buffers, 67 KiB at D = 64, tiles loaded two ahead) and a second set of score registers (242
+ * buffers, 65 KiB at D = 64, tiles loaded two ahead) and a second set of score registers (242
  * registers at D = 64, no spills: 2 blocks per multiprocessor instead of 3). The step's scores are
  * copied out of that set once done, and the set is then written only by the products: with two
  * sets used in turn, ptxas serialises every product (C7515). */
