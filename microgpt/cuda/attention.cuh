@@ -1075,8 +1075,8 @@ __global__ void __launch_bounds__(FA_THREADS, FaWgDkv<D>::MIN_BLOCKS)
             fa_wg_wait<0>(); /* this tile's S^T and dP^T, issued a step ago, are done */
             fa_wg_hold<FA_TILE / 8>(sn);
             fa_wg_hold<FA_TILE / 8>(dpn);
-            memcpy(s, sn, sizeof(float) * FA_TILE / 2); /* sn, dpn: only ever written by the products */
-            memcpy(dp, dpn, sizeof(float) * FA_TILE / 2);
+            memcpy(s, sn, FA_TILE / 8 * 4 * sizeof(float)); /* sn, dpn: only ever written by the products */
+            memcpy(dp, dpn, FA_TILE / 8 * 4 * sizeof(float));
             fa_wg_fence();
             if (qt + 1 < n_tiles) issue_scores(sn, dpn, (i + 1) % NBUF); /* run beside this tile's work */
         } else {
