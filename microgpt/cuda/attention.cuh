@@ -6,7 +6,8 @@
  *                     [h*hs, (h+1)*hs) of q, k, v and out, as the CPU's attention_forward/backward.
  *                     Kernels: k_attn_fwd (k_attn_fwd_wgmma on Hopper, sm_90a builds, head
  *                     sizes 32 and 64),
- *                     and k_attn_bwd_delta + k_attn_bwd_dkv + k_attn_bwd_dq (flash path);
+ *                     and k_attn_bwd_delta + k_attn_bwd_dkv + k_attn_bwd_dq (flash path;
+ *                     k_attn_bwd_dkv_wgmma on Hopper with the candidate -DFA_DKV_WGMMA);
  *                     k_attn_softmax_fwd, k_attn_probs, k_attn_softmax_bwd between products
  *                     (cuBLAS path).
  *   attn_out_fwd/bwd  out = residual + y @ W_O (the residual join after the sub-layer, in the
@@ -841,14 +842,26 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
  * compiled on load for another GPU) its body is the trap alone, with no shared memory: the loaded
  * image's static shared memory (cudaFuncGetAttributes, no launch and no stream work, so safe while
  * a CUDA graph is being captured) tells the two apart. Asked once per instantiation. */
+template <typename Kernel> static bool fa_sm90a_image(Kernel kernel, size_t sm90a_static_bytes) {
+    cudaFuncAttributes a;
+    CUDA_CHECK(cudaFuncGetAttributes(&a, kernel));
+    return a.sharedSizeBytes >= sm90a_static_bytes;
+}
 template <typename T, int D> static bool fa_fwd_wgmma_ok(void) {
     static int ok = -1;
-    if (ok < 0) {
-        cudaFuncAttributes a;
-        CUDA_CHECK(cudaFuncGetAttributes(&a, k_attn_fwd_wgmma<T, D, false>));
-        ok = a.sharedSizeBytes >= (size_t)FaWg<D>::SMEM;
-    }
+    if (ok < 0) ok = fa_sm90a_image(k_attn_fwd_wgmma<T, D, false>, FaWg<D>::SMEM);
     return ok;
+}
+
+/* The dK/dV kernels' per-query values of query tile rows [q0, q0 + 64) of head bh: lse in base 2
+ * and delta, staged in shared memory (ordinary stores: a barrier publishes them); 0 past T. */
+__device__ __forceinline__ void fa_load_lse_delta(float* lse2s, float* dls, const float* lse, const float* delta,
+                                                  int bh, int q0, int T_) {
+    for (int c = threadIdx.x; c < FA_TILE; c += FA_THREADS) {
+        bool ok = q0 + c < T_;
+        lse2s[c] = ok ? lse[(size_t)bh * T_ + q0 + c] * FA_LOG2E : 0.0f;
+        dls[c] = ok ? delta[(size_t)bh * T_ + q0 + c] : 0.0f;
+    }
 }
 
 /* dK, dV: block (key tile, b*H + h); warp w owns keys kv0 + 16w .. +15 (lane: keys g, g+8) and
@@ -877,14 +890,9 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     T* ds_stage = ds_stages[warp];
     /* starts loading query tile qt into buffer `buf` */
     auto load_queries = [&](int qt, int buf) {
-        int q0 = qt * FA_TILE;
-        fa_load_rows<T, D>(qs[buf], q + base, q0, T_, C);
-        fa_load_rows<T, D>(dos[buf], dout + base, q0, T_, C);
-        for (int c = threadIdx.x; c < FA_TILE; c += FA_THREADS) {
-            bool ok = q0 + c < T_;
-            lse2s[buf][c] = ok ? lse[(size_t)bh * T_ + q0 + c] * FA_LOG2E : 0.0f;
-            dls[buf][c] = ok ? delta[(size_t)bh * T_ + q0 + c] : 0.0f;
-        }
+        fa_load_rows<T, D>(qs[buf], q + base, qt * FA_TILE, T_, C);
+        fa_load_rows<T, D>(dos[buf], dout + base, qt * FA_TILE, T_, C);
+        fa_load_lse_delta(lse2s[buf], dls[buf], lse, delta, bh, qt * FA_TILE, T_);
     };
 
     unsigned ka[Fa<D>::KD][4], va[Fa<D>::KD][4];
@@ -951,6 +959,195 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     am = max(am, fa_store_out<T, D, AMAX>(dk + base + (size_t)row0 * C, dk_acc, scale, T_ - row0, C));
     /* the staged tiles are done with (the loop's last barrier): lse2s lends the partial maxima */
     if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)lse2s[0]);
+}
+
+/* The dK/dV kernel on Hopper's warpgroup products, candidate -DFA_DKV_WGMMA=1 (docs/BENCHMARKS.md
+ * log #70; default 0: k_attn_bwd_dkv alone). The same block, outputs and dS tiles as
+ * k_attn_bwd_dkv; the block's 4 warps are one warpgroup and each product covers its 64 keys, on the
+ * forward's primitives (k_attn_fwd_wgmma: tiles, descriptors, wrappers):
+ *   S^T = K Q^T, dP^T = V dO^T   m64n64k16, A = the K / V tile, B = the Q / dO tile, both K-major
+ *                                from shared memory (fa_wg_scores, as the forward's S = Q K^T);
+ *   dV += P^T dO, dK += dS^T Q   m64nDk16, A = P^T / dS^T from registers (accumulators rounded to T),
+ *                                B = the dO / Q tile read N-major (fa_wg_accumulate, as P V).
+ * A query tile's step issues S^T and dP^T as two groups, computes P^T while dP^T runs, issues
+ * dV += P^T dO, computes dS^T while that runs, issues dK += dS^T Q and stores dS while that runs;
+ * the other blocks on the multiprocessor (3, as k_attn_bwd_dkv) fill the rest. The dS tile goes to
+ * memory straight from registers: each 8x8 block of a dS^T A fragment, transposed in the warp
+ * (movmatrix), is the matching block of the dQ kernel's dS A fragment, so the tile holds the bits
+ * fa_store_ds_fragments stores (no staging in shared memory).
+ *
+ * Shared memory: the K and V tiles and double-buffered Q and dO tiles in the forward's swizzled
+ * layout, 6 x 2D x 64 bytes + 1024 to align (49 KiB at D = 64: dynamic, over the static 48 KiB),
+ * plus lse and delta of both query tiles (static). One barrier per step: step qt waits for tile
+ * qt's copies, then starts tile qt + 1's into the buffers of tile qt - 1, whose products every
+ * thread waited for at the end of step qt - 1. Compiled for sm_90a only; elsewhere the body is a
+ * trap that the host never launches (fa_dkv_wgmma_ok). Head size 16 stays on k_attn_bwd_dkv. */
+#ifndef FA_DKV_WGMMA
+#define FA_DKV_WGMMA 0
+#endif
+/* FA_DKV_WGMMA 2 (FA_DKV_PREFETCH): the next query tile's S^T and dP^T are issued before this
+ * tile's P^T and dS^T are computed (FlashAttention-3's backward overlap: the tensor cores always
+ * have a product queued). That needs the next tile in shared memory a step earlier (three Q / dO
+ * buffers, 65 KiB at D = 64, tiles loaded two ahead) and a second set of score registers (242
+ * registers at D = 64, no spills: 2 blocks per multiprocessor instead of 3). The step's scores are
+ * copied out of that set once done, and the set is then written only by the products: with two
+ * sets used in turn, ptxas serialises every product (C7515). */
+#define FA_DKV_PREFETCH (FA_DKV_WGMMA == 2)
+template <int D> struct FaWgDkv {
+    static constexpr int BUFFERS = FA_DKV_PREFETCH ? 3 : 2; /* query tiles staged at once */
+    static constexpr int DYNAMIC_SMEM = (2 + 2 * BUFFERS) * FaWg<D>::TILE_BYTES + 1024; /* k, v, q[], dout[] */
+    static constexpr int STATIC_SMEM = 2 * BUFFERS * FA_TILE * (int)sizeof(float);      /* lse2s, dls */
+    static constexpr int MIN_BLOCKS = FA_DKV_PREFETCH ? 2 : FA_MIN_BLOCKS_DKV;
+};
+
+/* An 8x8 matrix of 16-bit values held one register per lane (lane 4g + t: row g, columns 2t,
+ * 2t + 1), transposed in the same layout. */
+__device__ __forceinline__ unsigned fa_transpose8x8(unsigned x) {
+    unsigned y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+/* The warp's dS^T A fragments (its 16 keys = k step `warp` of the dQ kernel; fragment i: queries
+ * 16i .. 16i + 15; blocks [0] keys 0-7 x queries 0-7, [1] keys 8-15 x 0-7, [2] keys 0-7 x 8-15,
+ * [3] keys 8-15 x 8-15) as the dQ kernel's A fragments of query group i, stored where
+ * fa_store_ds_fragments stores them: {queries 0-7 x keys 0-7, 8-15 x 0-7, 0-7 x 8-15, 8-15 x
+ * 8-15}, each the transpose of one block. */
+__device__ __forceinline__ void fa_wg_ds_fragments(uint4* out, const unsigned (*ds)[4]) {
+    for (int i = 0; i < FA_TILE / 16; i++)
+        out[i] = make_uint4(fa_transpose8x8(ds[i][0]), fa_transpose8x8(ds[i][2]), fa_transpose8x8(ds[i][1]),
+                            fa_transpose8x8(ds[i][3]));
+}
+template <typename T> __device__ __forceinline__ void fa_wg_store_ds(T* tile, const unsigned (*ds)[4], int warp) {
+    uint4 frag[FA_TILE / 16];
+    fa_wg_ds_fragments(frag, ds);
+    uint4* p = (uint4*)tile + warp * 32 + (threadIdx.x & 31);
+    for (int i = 0; i < FA_TILE / 16; i++) p[i * (FA_TILE / 16) * 32] = frag[i];
+}
+
+template <typename T, int D, bool AMAX>
+__global__ void __launch_bounds__(FA_THREADS, FaWgDkv<D>::MIN_BLOCKS)
+    k_attn_bwd_dkv_wgmma(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q,
+                         const T* k, const T* v, int T_, int C, int H, float scale, float sl2, unsigned* amax_bits) {
+    await_previous_kernel();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using W = FaWg<D>;
+    constexpr int NBUF = FaWgDkv<D>::BUFFERS, AHEAD = NBUF - 1; /* query tiles loaded ahead of the step's */
+    extern __shared__ __align__(1024) unsigned char fa_dkv_smem[];
+    __shared__ float lse2s[NBUF][FA_TILE], dls[NBUF][FA_TILE]; /* query tile qt's in [(qt - kt) % NBUF] */
+    unsigned smem_addr = (unsigned)__cvta_generic_to_shared(fa_dkv_smem), pad = (1024 - (smem_addr & 1023)) & 1023;
+    unsigned char* tiles = fa_dkv_smem + pad; /* [k | v | q[NBUF] | dout[NBUF]], each TILE_BYTES */
+    unsigned k_addr = smem_addr + pad, v_addr = k_addr + W::TILE_BYTES;
+    auto q_tile = [&](int buf) { return (2 + buf) * W::TILE_BYTES; }; /* byte offsets in tiles */
+    auto do_tile = [&](int buf) { return (2 + NBUF + buf) * W::TILE_BYTES; };
+    int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
+    FaBlock blk = fa_block();
+    int kt = blk.tile, bh = blk.bh, b = bh / H, hd = bh % H, n_tiles = blk.n_tiles;
+    int sub = warp * 16, row0 = kt * FA_TILE + sub; /* the warp's first key within the tile, and in all */
+    size_t base = (size_t)b * T_ * C + (size_t)hd * D;
+    /* starts loading query tile qt into buffer `buf`: one cp.async group */
+    auto load_queries = [&](int qt, int buf) {
+        fa_wg_load_rows<T, D>(tiles + q_tile(buf), q + base, qt * FA_TILE, T_, C);
+        fa_wg_load_rows<T, D>(tiles + do_tile(buf), dout + base, qt * FA_TILE, T_, C);
+        fa_load_lse_delta(lse2s[buf], dls[buf], lse, delta, bh, qt * FA_TILE, T_);
+        fa_cp_commit();
+    };
+    /* S^T and dP^T of the query tile in buffer `buf`, issued as two groups */
+    auto issue_scores = [&](float (*s)[4], float (*dp)[4], int buf) {
+        fa_wg_scores<T, D>(s, k_addr, k_addr + q_tile(buf));
+        fa_wg_scores<T, D>(dp, v_addr, k_addr + do_tile(buf));
+    };
+    float dk_acc[Fa<D>::ND][4] = {}, dv_acc[Fa<D>::ND][4] = {};
+
+    /* Query tile qt's step; s, dp its scores, sn, dpn the prefetched ones (FA_DKV_PREFETCH: tile
+     * qt's on entry, tile qt + 1's issued here; else unused). Tile qt + AHEAD's copies start after
+     * the step's barrier, into the buffers of tile qt - 1, whose products every thread waited for
+     * at the end of step qt - 1. */
+    auto step = [&](float (*s)[4], float (*dp)[4], float (*sn)[4], float (*dpn)[4], int qt) {
+        int i = qt - kt, cur = i % NBUF;
+        fa_cp_wait<0>(); /* tile qt + AHEAD - 1 has landed (this thread's part) ... */
+        fa_wg_publish(); /* ... and everyone's; everyone's products on tile qt - 1 are done */
+        if (qt + AHEAD < n_tiles) load_queries(qt + AHEAD, (i + AHEAD) % NBUF);
+        unsigned q_addr = k_addr + q_tile(cur), do_addr = k_addr + do_tile(cur);
+        const float *lse2c = lse2s[cur], *dlc = dls[cur];
+        unsigned p[FA_TILE / 16][4], ds[FA_TILE / 16][4]; /* P^T, dS^T rounded to T: A fragments */
+        if constexpr (FA_DKV_PREFETCH) {
+            fa_wg_wait<0>(); /* this tile's S^T and dP^T, issued a step ago, are done */
+            fa_wg_hold<FA_TILE / 8>(sn);
+            fa_wg_hold<FA_TILE / 8>(dpn);
+            memcpy(s, sn, FA_TILE / 8 * 4 * sizeof(float)); /* sn, dpn: only ever written by the products */
+            memcpy(dp, dpn, FA_TILE / 8 * 4 * sizeof(float));
+            fa_wg_fence();
+            if (qt + 1 < n_tiles) issue_scores(sn, dpn, (i + 1) % NBUF); /* run beside this tile's work */
+        } else {
+            fa_wg_fence(); /* p and ds were written by ordinary instructions */
+            issue_scores(s, dp, cur);
+            fa_wg_wait<1>(); /* S^T is done; dP^T runs on beside P^T */
+        }
+        fa_wg_hold<FA_TILE / 8>(s);
+        if (qt == kt) fa_mask_diagonal<true>(s, sub);
+        /* queries past T (a partial last tile) were loaded as zero rows of q and dout with lse and
+         * delta 0: their P is 1 but their dP and dout rows are 0, so they add nothing */
+        for (int j = 0; j < FA_TILE / 8; j++)
+            for (int e = 0; e < 4; e++) s[j][e] = fa_exp2(fmaf(s[j][e], sl2, -lse2c[8 * j + 2 * t + (e & 1)]));
+        fa_wg_pack_p<T>(p, s);
+        fa_wg_fence();
+        fa_wg_accumulate<T, D>(dv_acc, p, do_addr);
+        if constexpr (!FA_DKV_PREFETCH) fa_wg_wait<1>(); /* dP^T is done; dV += P^T dO runs on beside dS^T */
+        fa_wg_hold<FA_TILE / 8>(dp);
+        for (int j = 0; j < FA_TILE / 8; j++)
+            for (int e = 0; e < 4; e++) dp[j][e] = s[j][e] * (dp[j][e] - dlc[8 * j + 2 * t + (e & 1)]);
+        fa_wg_pack_p<T>(ds, dp);
+        T* ds_tile = ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles);
+        if constexpr (!FA_DKV_PREFETCH) fa_wg_store_ds(ds_tile, ds, warp); /* while dV runs */
+        fa_wg_fence();
+        fa_wg_accumulate<T, D>(dk_acc, ds, q_addr);
+        fa_wg_wait<0>(); /* before the next step's barrier: its copies take this step's buffers */
+        /* with the next tile's scores in flight until the wait, the fragments' registers are free only now */
+        if constexpr (FA_DKV_PREFETCH) fa_wg_store_ds(ds_tile, ds, warp);
+    };
+
+    fa_wg_load_rows<T, D>(tiles, k + base, kt * FA_TILE, T_, C);
+    fa_wg_load_rows<T, D>(tiles + W::TILE_BYTES, v + base, kt * FA_TILE, T_, C);
+    load_queries(kt, 0);
+    float s0[FA_TILE / 8][4], dp0[FA_TILE / 8][4], s1[FA_TILE / 8][4], dp1[FA_TILE / 8][4];
+    if constexpr (FA_DKV_PREFETCH) { /* tile kt's scores issued ahead, as each step issues the next's */
+        if (kt + 1 < n_tiles) load_queries(kt + 1, 1);
+        else fa_cp_commit(); /* an empty group: the wait below is for tile kt's */
+        fa_cp_wait<1>();
+        fa_wg_publish();
+        fa_wg_fence();
+        issue_scores(s1, dp1, 0);
+    }
+    for (int qt = kt; qt < n_tiles; qt++) step(s0, dp0, s1, dp1, qt);
+    fa_wg_hold<Fa<D>::ND>(dk_acc);
+    fa_wg_hold<Fa<D>::ND>(dv_acc);
+
+    unsigned am = fa_store_out<T, D, AMAX>(dv + base + (size_t)row0 * C, dv_acc, 1.0f, T_ - row0, C);
+    am = max(am, fa_store_out<T, D, AMAX>(dk + base + (size_t)row0 * C, dk_acc, scale, T_ - row0, C));
+    /* lse2s lends the partial maxima (block_amax_commit_in's leading barrier: all are done with it) */
+    if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)lse2s[0]);
+#else
+    __trap();
+#endif
+}
+
+/* Whether this process launches k_attn_bwd_dkv_wgmma<T, D, *> (as fa_fwd_wgmma_ok: the sm_90a body
+ * alone has static shared memory, lse2s and dls); where it does, both instantiations are allowed
+ * their dynamic shared memory (over the default 48 KiB at D = 64) and asked for the largest
+ * shared-memory carveout (the blocks of a multiprocessor need 100–160 KiB), once. */
+template <typename T, int D> static bool fa_dkv_wgmma_ok(void) {
+    static int ok = -1;
+    if (ok >= 0) return ok;
+    ok = fa_sm90a_image(k_attn_bwd_dkv_wgmma<T, D, false>, FaWgDkv<D>::STATIC_SMEM);
+    if (!ok) return false;
+    for (auto kernel : {k_attn_bwd_dkv_wgmma<T, D, false>, k_attn_bwd_dkv_wgmma<T, D, true>}) {
+        CUDA_CHECK(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, FaWgDkv<D>::DYNAMIC_SMEM));
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared));
+    }
+    return true;
 }
 
 /* dQ: block (query tile, b*H + h); warp w owns query rows q0 + 16w .. +15 and accumulates
@@ -1039,12 +1236,18 @@ static void fa_check_aligned(const void* a, const void* b, const void* c, const 
 
 /* A flash kernel over (tile, head) blocks, instantiated with precision fp8's fused amax where
  * amax_bits is not NULL and without it (the kernel's code without the amax) where it is. */
-#define FA_LAUNCH(kernel, T, D, T_, n_bh, amax_bits, ...)                                                     \
-    do {                                                                                                      \
-        dim3 fa_launch_grid = fa_grid(ceil_div(T_, FA_TILE), n_bh);                                           \
-        if (amax_bits) launch_kernel(kernel<T, D, true>, fa_launch_grid, FA_THREADS, __VA_ARGS__, amax_bits); \
-        else launch_kernel(kernel<T, D, false>, fa_launch_grid, FA_THREADS, __VA_ARGS__, (unsigned*)NULL);    \
+#define FA_LAUNCH_SHARED(kernel, T, D, T_, n_bh, shared_bytes, amax_bits, ...)                                \
+    do {                                                                                                    \
+        dim3 fa_launch_grid = fa_grid(ceil_div(T_, FA_TILE), n_bh);                                         \
+        if (amax_bits)                                                                                      \
+            launch_kernel_with_shared(kernel<T, D, true>, fa_launch_grid, FA_THREADS, shared_bytes,         \
+                                      __VA_ARGS__, amax_bits);                                              \
+        else                                                                                                \
+            launch_kernel_with_shared(kernel<T, D, false>, fa_launch_grid, FA_THREADS, shared_bytes,        \
+                                      __VA_ARGS__, (unsigned*)NULL);                                        \
     } while (0)
+#define FA_LAUNCH(kernel, T, D, T_, n_bh, amax_bits, ...) \
+    FA_LAUNCH_SHARED(kernel, T, D, T_, n_bh, 0, amax_bits, __VA_ARGS__)
 
 /* amax_bits (precision fp8, else NULL): out's amax as stored, atomicMax'ed in (docs/DESIGN.md §18). */
 template <typename T, int D>
@@ -1076,6 +1279,13 @@ static void attn_bwd_flash_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const f
     float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
     /* whole key tiles, so every row of every dS tile is written (rows past T meet zero rows of K in
      * the dQ kernel, but must be finite) */
+    if constexpr (FA_DKV_WGMMA && (D == 32 || D == 64)) {
+        if (fa_dkv_wgmma_ok<T, D>()) {
+            FA_LAUNCH_SHARED(k_attn_bwd_dkv_wgmma, T, D, T_, B * H, FaWgDkv<D>::DYNAMIC_SMEM, amax_bits, dk, dv,
+                             ds_tiles, dout, lse, delta, q, k, v, T_, C, H, scale, sl2);
+            return;
+        }
+    }
     FA_LAUNCH(k_attn_bwd_dkv, T, D, T_, B * H, amax_bits, dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C, H,
               scale, sl2);
 }
