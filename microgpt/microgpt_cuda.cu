@@ -839,6 +839,9 @@ static size_t engine_setup(const Config* cfg) {
     memset(&E, 0, sizeof E);
     E.cfg = *cfg;
     E.use_fp8 = strcmp(prec, "fp8") == 0; /* everything else as bf16 */
+    if (FP8_DELAYED && E.use_fp8 && !cfg->generate.enabled && !cfg->evaluate)
+        die_input("train.precision fp8: this build has FP8_DELAYED, whose delayed scaling the GPU engine does not "
+                  "implement yet (the CPU engine does; docs/DESIGN.md §18)");
     E.prec = strcmp(prec, "bf16") == 0 || E.use_fp8 ? PREC_BF16 : strcmp(prec, "fp16") == 0 ? PREC_FP16 : PREC_FP32; /* or tf32 */
     E.es = E.prec == PREC_FP32 ? 4 : 2;
     E.B = cfg->train.batch_size;
@@ -961,6 +964,11 @@ static void engine_get_state(float* params, float* m, float* v, float* loss_scal
     dist_gather_parts(v, sizeof(float), E.P, DIST_CUDA_UNIT);
     *loss_scale = E.loss_scale;
 }
+
+/* Delayed fp8 scaling is not implemented here (engine_setup refuses it): no histories. */
+static int engine_fp8_history_count(void) { return 0; }
+static void engine_get_fp8_history(Fp8History* h) { (void)h; }
+static void engine_set_fp8_history(const Fp8History* h) { (void)h; }
 
 static float engine_forward_backward(const int* inputs, const int* targets) {
     return FOR_ACT_TYPE(forward_backward_t)(inputs, targets);
