@@ -21,7 +21,8 @@
  *         and down): FP8 tensor-core products (cuda/fp8.cuh) of operands cast per tensor at their
  *         current scale, E4M3 weights, activations and activation gradients, fp32
  *         accumulation, bf16 activations and fp32 weight gradients out. The classifier stays bf16.
- *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18.
+ *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. The candidate
+ *         -DFP8_DELAYED=1 casts ln1 and ln2 at delayed scales (from amax histories) instead.
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
@@ -137,6 +138,11 @@ static struct {
     Fp8CastJobs<float> w8_jobs;
     Fp8Scale* fp8_scales;
     fp8 *a8, *x8t, *g8, *g8t;
+    /* the candidate -DFP8_DELAYED=1 (docs/DESIGN.md §18), training fp8 only: ln1 and ln2 are cast at
+     * delayed scales, from the histories fp8_hist [L][2] (device), which every training forward
+     * extends by their amaxes (k_fp8_history_push) and the checkpoint sidecar keeps */
+    int fp8_delayed;
+    Fp8History* fp8_hist;
 
     /* saved activations, per layer l at offset l * (size of one layer's slice) */
     void *res;   /* [L+1][N][C] residual stream: res[l] = input of layer l, res[L] = final */
@@ -235,6 +241,7 @@ static void plan_buffers(size_t* used) {
         E.x8t = (fp8*)carve(G_ACTIVATIONS, tr * L * N * (3 * C + F), used);
         E.g8 = (fp8*)carve(G_SCRATCH, tr * grad, used);
         E.g8t = (fp8*)carve(G_SCRATCH, tr * grad, used);
+        E.fp8_hist = (Fp8History*)carve(G_SCRATCH, (E.fp8_delayed ? 2 * L : 0) * sizeof(Fp8History), used);
     }
 
     E.res = carve(G_ACTIVATIONS, (L + 1) * nc * es, used);
@@ -391,10 +398,17 @@ static void fp8_quantize_weights(void) {
 /* The input x [N, in] of layer l's product k, cast once: into E.a8 for the forward product and,
  * when training, transposed into x8t(l, k) for the backward's weight gradient (the same codes at
  * the same scale, x8_scale(l, k)). `amax_fused`: x's producer already put its amax there. */
+/* The delayed-scaling history of product k's input in layer l: ln1 (QKV) and ln2 (MLP up) in an
+ * FP8_DELAYED training run; NULL (current scaling) otherwise. */
+static const Fp8History* fp8_history_of(int l, int k) {
+    if (!E.fp8_delayed || (k != FP8_W_QKV && k != FP8_W_1)) return NULL;
+    return E.fp8_hist + 2 * (size_t)l + (k == FP8_W_1);
+}
+
 template <typename T> static Fp8Mat fp8_act(const T* x, int l, int k, int N, int in, bool amax_fused) {
     Fp8Scale* sc = x8_scale(l, k);
     if (!amax_fused) fp8_reduce_amax(sc, x, (size_t)N * in);
-    fp8_cast(E.a8, E.training ? x8t(l, k) : (fp8*)NULL, sc, x, 1, N, in, FP8_E4M3);
+    fp8_cast(E.a8, E.training ? x8t(l, k) : (fp8*)NULL, sc, x, 1, N, in, FP8_E4M3, fp8_history_of(l, k));
     return fp8_mat(E.a8, FP8_E4M3, sc);
 }
 
@@ -632,6 +646,8 @@ template <typename T>
 static void record_forward_backward(void) {
     upload_inputs(2 * (size_t)E.N);
     forward<T>(E.B, E.T, E.use_fp8);
+    if (E.fp8_delayed) /* a training forward extends the histories of ln1 and ln2 by their amaxes */
+        fp8_history_push_all(E.fp8_hist, x8_scale(0, 0), FP8_W_PER_LAYER, FP8_W_QKV, FP8_W_1, 2 * E.L);
     loss_chunks<T>(E.N, 1);
     backward<T>();
     download_output(&E.io->loss, &E.io_host->loss);
@@ -819,6 +835,8 @@ static void warm_up(void) {
         engine_update(0.0f, 1, &E.cfg);
     }
     engine_forward_loss(zeros, zeros);
+    if (E.fp8_delayed) /* the warm-up's forwards recorded amaxes: a run starts with empty histories */
+        CUDA_CHECK(cudaMemset(E.fp8_hist, 0, 2 * (size_t)E.L * sizeof(Fp8History)));
     if (E.slots > 0) { /* the training samples: a prefill and the decode graph of one sequence */
         int slot = 0, pos = 0;
         engine_prefill(slot, zeros, 1, logits);
@@ -839,9 +857,10 @@ static size_t engine_setup(const Config* cfg) {
     memset(&E, 0, sizeof E);
     E.cfg = *cfg;
     E.use_fp8 = strcmp(prec, "fp8") == 0; /* everything else as bf16 */
-    if (FP8_DELAYED && E.use_fp8 && !cfg->generate.enabled && !cfg->evaluate)
-        die_input("train.precision fp8: this build has FP8_DELAYED, whose delayed scaling the GPU engine does not "
-                  "implement yet (the CPU engine does; docs/DESIGN.md §18)");
+    E.fp8_delayed = FP8_DELAYED && E.use_fp8 && !cfg->generate.enabled && !cfg->evaluate;
+    if (E.fp8_delayed && g_dist.world > 1)
+        die_input("fp8 delayed scaling (an FP8_DELAYED build) keeps one scale history per process; it does not "
+                  "run with %d processes yet (docs/DESIGN.md §18)", g_dist.world);
     E.prec = strcmp(prec, "bf16") == 0 || E.use_fp8 ? PREC_BF16 : strcmp(prec, "fp16") == 0 ? PREC_FP16 : PREC_FP32; /* or tf32 */
     E.es = E.prec == PREC_FP32 ? 4 : 2;
     E.B = cfg->train.batch_size;
@@ -965,10 +984,13 @@ static void engine_get_state(float* params, float* m, float* v, float* loss_scal
     *loss_scale = E.loss_scale;
 }
 
-/* Delayed fp8 scaling is not implemented here (engine_setup refuses it): no histories. */
-static int engine_fp8_history_count(void) { return 0; }
-static void engine_get_fp8_history(Fp8History* h) { (void)h; }
-static void engine_set_fp8_history(const Fp8History* h) { (void)h; }
+static int engine_fp8_history_count(void) { return E.fp8_delayed ? 2 * E.L : 0; }
+static void engine_get_fp8_history(Fp8History* h) {
+    if (E.fp8_delayed) CUDA_CHECK(cudaMemcpy(h, E.fp8_hist, 2 * (size_t)E.L * sizeof(Fp8History), cudaMemcpyDeviceToHost));
+}
+static void engine_set_fp8_history(const Fp8History* h) {
+    if (E.fp8_delayed) CUDA_CHECK(cudaMemcpy(E.fp8_hist, h, 2 * (size_t)E.L * sizeof(Fp8History), cudaMemcpyHostToDevice));
+}
 
 static float engine_forward_backward(const int* inputs, const int* targets) {
     return FOR_ACT_TYPE(forward_backward_t)(inputs, targets);

@@ -1041,8 +1041,10 @@ static Fp8CastOut fp8_cast_out(size_t n) {
 }
 
 /* The codes in the layouts asked for (`layouts`: 1 out_n, 2 out_t, 3 both; the other must stay
- * poisoned) and the scale of a cast of batch blocks [R, Cc] of x, against the CPU emulation, exactly. */
-static void check_fp8_cast(const Fp8CastOut& o, const Vec& x, int batch, int R, int Cc, int fmt, int layouts) {
+ * poisoned) and the scale of a cast of batch blocks [R, Cc] of x, against the CPU emulation, exactly.
+ * `hist`: the cast was at that history's delayed scale (cpu/fp8.h), not at x's current one. */
+static void check_fp8_cast(const Fp8CastOut& o, const Vec& x, int batch, int R, int Cc, int fmt, int layouts,
+                           const Fp8History* hist = NULL) {
     size_t n = x.size(), bad_n = 0, bad_t = 0;
     std::vector<unsigned char> gn(n), gt(n);
     Fp8Scale gs;
@@ -1052,6 +1054,7 @@ static void check_fp8_cast(const Fp8CastOut& o, const Vec& x, int batch, int R, 
     CUDA_CHECK(cudaMemcpy(&gs, o.sc, sizeof gs, cudaMemcpyDeviceToHost));
     float amax = fp8_amax(x.data(), n), s = fp8_scale_for_amax(amax, fmt);
     unsigned amax_bits = fp8_float_bits(amax);
+    if (hist && fp8_history_scale(hist) > 0.0f) s = fp8_history_scale(hist);
     for (int b = 0; b < batch; b++)
         for (int r = 0; r < R; r++)
             for (int c = 0; c < Cc; c++) {
@@ -1080,6 +1083,55 @@ template <typename T> static void test_fp8_quantize(int batch, int R, int Cc, in
     fp8_reduce_amax(o.sc, dx, n);
     fp8_cast(layouts & 1 ? o.n : (fp8*)NULL, layouts & 2 ? o.t : (fp8*)NULL, o.sc, dx, batch, R, Cc, fmt);
     check_fp8_cast(o, x, batch, R, Cc, fmt, layouts);
+    dfree_all();
+}
+
+/* Delayed scaling (FP8_DELAYED, docs/DESIGN.md §18): the cast of bf16 [R, C] at the scale of a history
+ * (its amax still the tensor's own) for a history that is empty (current scaling), one whose scale is
+ * below the current one, and one above it (the largest values saturate); then the history push after
+ * a forward against cpu/fp8.h's, for histories empty, part full, full and all-zero amaxes. */
+static void test_fp8_delayed(int R, int C) {
+    const signed char below[3] = {5, 2, 9}, above[2] = {8, 7}; /* x ~ 3 N(0,1): current scale 2^4 or 2^5 */
+    Fp8History hists[3];
+    memset(hists, 0, sizeof hists);
+    memcpy(hists[1].exp, below, sizeof below), hists[1].count = 3;
+    memcpy(hists[2].exp, above, sizeof above), hists[2].count = 2;
+    for (int i = 0; i < 3; i++) {
+        Vec x = fp8_cast_input<bf16>((size_t)R * C, FP8_E4M3, 0);
+        bf16* dx = upload<bf16>(x);
+        Fp8History* dh = (Fp8History*)dalloc(sizeof(Fp8History));
+        CUDA_CHECK(cudaMemcpy(dh, &hists[i], sizeof(Fp8History), cudaMemcpyHostToDevice));
+        Fp8CastOut o = fp8_cast_out((size_t)R * C);
+        fp8_reduce_amax(o.sc, dx, (size_t)R * C);
+        fp8_cast(o.n, o.t, o.sc, dx, 1, R, C, FP8_E4M3, dh);
+        check_fp8_cast(o, x, 1, R, C, FP8_E4M3, 3, &hists[i]);
+        dfree_all();
+    }
+    /* the push: 2 histories a layer, their amaxes at scales[l * stride + k_even / k_odd] */
+    const int layers = 5, stride = 4, k_even = 0, k_odd = 2, n = 2 * layers;
+    std::vector<Fp8History> h(n), want;
+    std::vector<Fp8Scale> sc((size_t)layers * stride);
+    Vec amax = randn(sc.size(), 100.0f);
+    for (size_t i = 0; i < sc.size(); i++) amax[i] = i % 5 == 3 ? 0.0f : fabsf(amax[i]);
+    for (size_t i = 0; i < sc.size(); i++) sc[i].amax_bits = fp8_float_bits(amax[i]);
+    for (int i = 0; i < n; i++) {
+        memset(&h[i], 0, sizeof h[i]);
+        h[i].count = (i * 7) % (FP8_HISTORY_LEN + 1); /* 0 .. full */
+        for (int e = 0; e < h[i].count; e++) h[i].exp[e] = (signed char)(i - e);
+    }
+    want = h;
+    for (int i = 0; i < n; i++)
+        fp8_history_push(&want[i], amax[(size_t)(i / 2) * stride + (i % 2 ? k_odd : k_even)], FP8_E4M3);
+    Fp8History* dh = (Fp8History*)dalloc(n * sizeof(Fp8History));
+    Fp8Scale* dsc = (Fp8Scale*)dalloc(sc.size() * sizeof(Fp8Scale));
+    CUDA_CHECK(cudaMemcpy(dh, h.data(), n * sizeof(Fp8History), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dsc, sc.data(), sc.size() * sizeof(Fp8Scale), cudaMemcpyHostToDevice));
+    fp8_history_push_all(dh, dsc, stride, k_even, k_odd, n);
+    CUDA_CHECK(cudaMemcpy(h.data(), dh, n * sizeof(Fp8History), cudaMemcpyDeviceToHost));
+    int bad = 0;
+    for (int i = 0; i < n; i++)
+        bad += h[i].count != want[i].count || memcmp(h[i].exp, want[i].exp, (size_t)want[i].count) != 0;
+    report(bad == 0, "history push", "%d of %d histories differ from cpu/fp8.h's push", bad, n);
     dfree_all();
 }
 
@@ -1179,6 +1231,10 @@ static void run_fp8(void) {
         set_ctx("fp8", "quantize jobs fp32 odd", fp8_name(fmt));
         test_fp8_quantize_jobs<float>({{1, 37, 36}, {3, 64, 64}, {1, 129, 200}}, fmt);
     }
+    set_ctx("fp8", "delayed scaling", "R=256 C=96 packed");
+    test_fp8_delayed(256, 96);
+    set_ctx("fp8", "delayed scaling", "R=37 C=36 element-wise");
+    test_fp8_delayed(37, 36);
     const int gshapes[][4] = {{64, 96, 128, 1}, {48, 32, 96, 3}, {256, 512, 64, 1}, {16, 48, 16, 1}};
     for (const auto& g : gshapes) {
         snprintf(sh, sizeof sh, "M=%d N=%d K=%d batch=%d", g[0], g[1], g[2], g[3]);

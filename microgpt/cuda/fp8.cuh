@@ -9,7 +9,9 @@
  * that kernel, saving a full read. Every cast has its own Fp8Scale, whose amax is zeroed before
  * (fp8_zero_scales, one memset for many). The weights' casts (all layers) run as one list: one amax launch, one cast
  * launch (fp8_quantize_jobs). Current scaling: every cast uses the amax of the tensor
- * it casts, so no scale state outlives a step and resume needs nothing beyond the weights.
+ * it casts, so no scale state outlives a step and resume needs nothing beyond the weights. The
+ * candidate -DFP8_DELAYED=1 casts the LayerNorm outputs at a delayed scale (Fp8CastJob's hist,
+ * k_fp8_history_push; docs/DESIGN.md §18) instead, whose histories are checkpoint state.
  *
  * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
  * patterns is the order of the values), reduced per block and combined with an integer atomicMax:
@@ -65,6 +67,7 @@ template <typename T> struct Fp8CastJob {
     Fp8Scale* sc;
     int batch, R, Cc, fmt;
     unsigned first_tile; /* in a list: the tiles of the jobs before it (its first block of the cast) */
+    const Fp8History* hist; /* delayed scaling (FP8_DELAYED): the scale from this history, NULL: current */
 };
 
 static unsigned fp8_cast_tiles(int batch, int R, int Cc) {
@@ -117,6 +120,10 @@ template <typename T, bool PACKED> __device__ __forceinline__ void fp8_cast_tile
     int c0 = (int)(tile_id % tiles_c) * FP8_TILE, r0 = (int)(tile_id / tiles_c % tiles_r) * FP8_TILE;
     int b = (int)(tile_id / tiles_c / tiles_r);
     float amax = __uint_as_float(j.sc->amax_bits), s = fp8_scale_for_amax(amax, fmt);
+    if (j.hist) { /* delayed: the history's scale, the current one while it constrains nothing */
+        float d = fp8_history_scale(j.hist);
+        if (d > 0.0f) s = d;
+    }
     const T* src = j.in + (size_t)b * R * Cc;
     if (tile_id == 0 && threadIdx.x == 0) {
         j.sc->scale = s;
@@ -201,13 +208,30 @@ template <typename T> static bool fp8_cast_packable(const Fp8CastJob<T>& j) {
 }
 
 /* The cast of `batch` blocks [R, Cc] of `in` (Fp8CastJob) at the scale of the amax already in sc
- * (from fp8_reduce_amax or a producer with the amax fused). */
+ * (from fp8_reduce_amax or a producer with the amax fused), or of the history `hist` (delayed). */
 template <typename T>
-static void fp8_cast(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt) {
-    Fp8CastJob<T> j = {in, out_n, out_t, sc, batch, R, Cc, fmt, 0};
+static void fp8_cast(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt,
+                     const Fp8History* hist = NULL) {
+    Fp8CastJob<T> j = {in, out_n, out_t, sc, batch, R, Cc, fmt, 0, hist};
     unsigned tiles = fp8_cast_tiles(batch, R, Cc);
     if (fp8_cast_packable(j)) launch_kernel(k_fp8_cast<T, true>, tiles, FP8_CAST_THREADS, j);
     else launch_kernel(k_fp8_cast<T, false>, tiles, FP8_CAST_THREADS, j);
+}
+
+/* Delayed scaling: after a training forward, history i takes the amax of its tensor, which sits in
+ * scales[i / 2 * stride + (i % 2 ? k_odd : k_even)] (the engine's two LayerNorm outputs per layer);
+ * one thread a history, in the CPU engine's code (cpu/fp8.h's fp8_history_push). */
+__global__ void k_fp8_history_push(Fp8History* __restrict__ hist, const Fp8Scale* __restrict__ scales, int stride,
+                                   int k_even, int k_odd, int n) {
+    await_previous_kernel();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const Fp8Scale* sc = scales + (size_t)(i / 2) * stride + (i % 2 ? k_odd : k_even);
+    fp8_history_push(&hist[i], __uint_as_float(sc->amax_bits), FP8_E4M3);
+}
+
+static void fp8_history_push_all(Fp8History* hist, const Fp8Scale* scales, int stride, int k_even, int k_odd, int n) {
+    launch_kernel(k_fp8_history_push, ceil_div(n, 128), 128, hist, scales, stride, k_even, k_odd, n);
 }
 
 /* A list of casts done by two launches (all the amax, then all the casts): the list on the device
