@@ -14,6 +14,7 @@ import engine_util as eu
 from engine_util import run_ok, tiny_args
 from test_fp8 import E4M3, reference_scale
 from test_generate import write_pattern_shard
+from test_gpu import FP8_SHAPES, build_variant, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
 
 HISTORY_LEN = 16
 
@@ -162,3 +163,45 @@ def test_default_build_writes_no_histories(cpu_binary, random_shards, tmp_path):
     run_ok(cpu_binary, tiny_args(random_shards.train, **{**RUN, "train.steps": 2, "train.warmup_steps": 0, "eval.every": 0}) +
            ["--checkpoint", ckpt])
     assert "fp8_history" not in json.loads((tmp_path / "run.ckpt.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------------
+# the GPU engine built with -DFP8_DELAYED=1 (skipped without a GPU)
+
+@pytest.fixture(scope="module")
+def cuda_delayed_binary(cuda_binary):
+    binary = eu.BUILD / "microgpt_cuda_fp8_delayed"
+    build_variant("_fp8_delayed", "-DFP8_DELAYED=1", binary)
+    return binary
+
+
+def gpu_settings():
+    return {**FP8_SHAPES["odd"], "train.lr": 3e-3, "train.warmup_steps": 2, "train.precision": "fp8"}
+
+
+@pytest.mark.gpu
+def test_gpu_delayed_tracks_the_cpu_delayed_emulation(cuda_delayed_binary, delayed_binary, random_shards, tmp_path):
+    """As test_gpu's fp8 tracking test (loss within 3e-2 a step); both keep 2 x n_layer histories of
+    the training forwards (their exponents may differ by one where a bf16 amax and an fp32 one fall
+    on either side of a power of two)."""
+    args = tiny_args(random_shards.train, **{**gpu_settings(), "train.steps": 10})
+    runs = {name: run_ok(b, args + ["--checkpoint", tmp_path / f"{name}.ckpt"])
+            for name, b in (("cpu", delayed_binary), ("gpu", cuda_delayed_binary))}
+    for c, g in zip(runs["cpu"].steps, runs["gpu"].steps):
+        assert abs(g["loss"] - c["loss"]) <= 3e-2 * abs(c["loss"]), (c, g)
+    hists = {name: sidecar_history(tmp_path / f"{name}.ckpt")["exp"] for name in runs}
+    assert [len(h) for h in hists["gpu"]] == [10] * 6 == [len(h) for h in hists["cpu"]]
+    assert all(abs(a - b) <= 1 for hg, hc in zip(hists["gpu"], hists["cpu"]) for a, b in zip(hg, hc)), hists
+
+
+@pytest.mark.gpu
+def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(cuda_delayed_binary, random_shards, tmp_path):
+    args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(), "train.steps": 60,
+                                                                "train.grad_accum": 2, "eval.every": 20,
+                                                                "eval.batches": 2})
+    eu.check_exact_resume_after_sigterm(cuda_delayed_binary, args, 60, tmp_path)
+    eager_ckpt = tmp_path / "eager.ckpt"
+    eager = run_ok(cuda_delayed_binary, args + ["--checkpoint", eager_ckpt], env={"ANDREA_NO_GRAPH": "1"})
+    assert eager_ckpt.read_bytes() == (tmp_path / "ref.ckpt").read_bytes()
+    assert sidecar_history(eager_ckpt) == sidecar_history(tmp_path / "ref.ckpt")
+    assert len(eager.steps) == 60
