@@ -1135,6 +1135,61 @@ static void test_fp8_delayed(int R, int C) {
     dfree_all();
 }
 
+/* Delayed scaling's fused LayerNorm (layernorm_fwd_fp8) against the unfused path it replaces,
+ * layernorm_fwd with the amax fused then fp8_cast at the history's scale (itself checked against
+ * cpu/fp8.h above and the CPU LayerNorm in run_prec): the codes of both layouts, mean, rstd, amax
+ * and scale, bit for bit, for a history below and one above (saturating) the current scale. */
+static void test_fp8_layernorm_fused(int N, int C) {
+    /* outputs xhat * gamma + beta, gamma ~ N(0, 1.5^2): amax about 10 to 25, current scale 2^4 or 2^5 */
+    const signed char below[2] = {3, 6}, above[1] = {7};
+    const signed char* exps[2] = {below, above};
+    const int counts[2] = {2, 1};
+    for (int i = 0; i < 2; i++) {
+        Fp8History h;
+        memset(&h, 0, sizeof h);
+        memcpy(h.exp, exps[i], (size_t)counts[i]), h.count = counts[i];
+        Vec x = rounded<bf16>(randn((size_t)N * C, 2.0f, 0.5f)), g = randn(C, 1.5f), b = randn(C, 0.1f);
+        bf16* dx = upload<bf16>(x);
+        float *dg = upload<float>(g), *db = upload<float>(b);
+        Fp8History* dh = (Fp8History*)dalloc(sizeof h);
+        CUDA_CHECK(cudaMemcpy(dh, &h, sizeof h, cudaMemcpyHostToDevice));
+        Fp8CastOut ref = fp8_cast_out((size_t)N * C), got = fp8_cast_out((size_t)N * C);
+        bf16* ln = (bf16*)dalloc((size_t)N * C * sizeof(bf16));
+        float* stats = (float*)dalloc(4 * (size_t)N * sizeof(float)); /* mean, rstd: reference, fused */
+        CUDA_CHECK(cudaMemset(stats, 0xFF, 4 * (size_t)N * sizeof(float)));
+        layernorm_fwd<bf16>(ln, stats, stats + N, dx, dg, db, N, C, &ref.sc->amax_bits);
+        fp8_cast(ref.n, ref.t, ref.sc, ln, 1, N, C, FP8_E4M3, dh);
+        layernorm_fwd_fp8<bf16>(got.n, got.t, got.sc, dh, stats + 2 * N, stats + 3 * N, dx, dg, db, N, C);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<unsigned char> rn(2 * (size_t)N * C), gn(2 * (size_t)N * C);
+        std::vector<float> st(4 * (size_t)N);
+        Fp8Scale rs, gs;
+        CUDA_CHECK(cudaMemcpy(rn.data(), ref.n, (size_t)N * C, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(rn.data() + (size_t)N * C, ref.t, (size_t)N * C, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(gn.data(), got.n, (size_t)N * C, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(gn.data() + (size_t)N * C, got.t, (size_t)N * C, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(st.data(), stats, st.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(&rs, ref.sc, sizeof rs, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(&gs, got.sc, sizeof gs, cudaMemcpyDeviceToHost));
+        size_t bad_n = 0, bad_t = 0, sat = 0;
+        for (size_t e = 0; e < (size_t)N * C; e++) {
+            bad_n += gn[e] != rn[e];
+            bad_t += gn[(size_t)N * C + e] != rn[(size_t)N * C + e];
+            sat += (rn[e] & 0x7F) == 0x7E;
+        }
+        report(bad_n == 0, "codes", "%zu of %zu differ from layernorm_fwd + fp8_cast", bad_n, (size_t)N * C);
+        report(bad_t == 0, "codes^T", "%zu of %zu differ from layernorm_fwd + fp8_cast", bad_t, (size_t)N * C);
+        report(memcmp(st.data(), st.data() + 2 * N, 2 * (size_t)N * sizeof(float)) == 0, "mean, rstd",
+               "differ from layernorm_fwd's");
+        report(rs.amax_bits == gs.amax_bits && rs.scale == gs.scale && rs.descale == gs.descale &&
+                   gs.scale == fp8_history_scale(&h),
+               "scale", "amax 0x%08x (unfused 0x%08x), scale %g (unfused %g, history %g)", gs.amax_bits, rs.amax_bits,
+               (double)gs.scale, (double)rs.scale, (double)fp8_history_scale(&h));
+        report((i == 1) == (sat > 0), "saturation", "%zu codes at the largest finite value", sat);
+        dfree_all();
+    }
+}
+
 /* A list of casts in two launches (fp8_quantize_jobs, the engine's weights), each job checked as
  * one cast: shapes[i] = {batch, R, Cc}; all packable (the packed kernels) or not (the others). */
 template <typename T> static void test_fp8_quantize_jobs(const std::vector<std::array<int, 3>>& shapes, int fmt) {
@@ -1235,6 +1290,12 @@ static void run_fp8(void) {
     test_fp8_delayed(256, 96);
     set_ctx("fp8", "delayed scaling", "R=37 C=36 element-wise");
     test_fp8_delayed(37, 36);
+    const int ln_shapes[][2] = {{64, 192}, {48, 768}, {32, 36}, {16, 3056}}; /* 36: the element-wise kernel */
+    for (const auto& ls : ln_shapes) {
+        snprintf(sh, sizeof sh, "N=%d C=%d", ls[0], ls[1]);
+        set_ctx("fp8", "delayed layernorm fused", sh);
+        test_fp8_layernorm_fused(ls[0], ls[1]);
+    }
     const int gshapes[][4] = {{64, 96, 128, 1}, {48, 32, 96, 3}, {256, 512, 64, 1}, {16, 48, 16, 1}};
     for (const auto& g : gshapes) {
         snprintf(sh, sizeof sh, "M=%d N=%d K=%d batch=%d", g[0], g[1], g[2], g[3]);

@@ -56,9 +56,9 @@ def run_history(lib, amaxes):
 
 
 def reference_delayed_scale(window):
-    """The current rule on the largest non-zero amax of the window (float64); 0 when there is none."""
-    nonzero = [float(a) for a in window if a != 0]
-    return reference_scale(max(nonzero), E4M3) if nonzero else 0.0
+    """The current rule on the largest amax of the window (float64): 1 (a zero amax's scale) when all
+    are zero, 0 (no delayed scale: current scaling) when the window is empty."""
+    return reference_scale(float(max(window)), E4M3) if len(window) else 0.0
 
 
 def test_delayed_scale_is_the_current_rule_on_the_largest_amax_of_the_last_16(historylib):
@@ -73,11 +73,11 @@ def test_delayed_scale_is_the_current_rule_on_the_largest_amax_of_the_last_16(hi
         assert scales[i] == want, (i, amaxes[max(0, i - HISTORY_LEN):i], scales[i], want)
 
 
-def test_an_empty_or_all_zero_history_leaves_the_scale_to_the_current_rule(historylib):
+def test_an_empty_history_leaves_the_scale_to_the_current_rule_and_zeros_constrain_nothing(historylib):
     scales, last = run_history(historylib, np.zeros(20, np.float32))
-    assert (scales == 0).all() and (last == 127).all() and last.size == HISTORY_LEN
-    scales, _ = run_history(historylib, np.array([0, 0, 3.0], np.float32))
-    assert scales.tolist() == [0, 0, 0, 128.0]  # 3 * 128 = 384 <= 448 < 768
+    assert scales[0] == 0 and (scales[1:] == 1).all() and (last == 127).all() and last.size == HISTORY_LEN
+    scales, _ = run_history(historylib, np.array([0, 0, 3.0, 0], np.float32))
+    assert scales.tolist() == [0, 1, 1, 128.0, 128.0]  # 3 * 128 = 384 <= 448 < 768
 
 
 def test_a_non_finite_amax_caps_the_scale_at_one_for_16_forwards(historylib):

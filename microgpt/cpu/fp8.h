@@ -136,7 +136,7 @@ static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int 
  * write fp8 codes before it knows its amax. The history keeps scale exponents (log2 of
  * fp8_scale_for_amax, oldest first), not amaxes: that rule is monotone, so the smallest exponent is
  * the rule applied to the largest amax, and small integers keep the checkpoint sidecar short.
- * An all-zero tensor records FP8_HISTORY_NONE, which constrains nothing. */
+ * An all-zero tensor records FP8_HISTORY_NONE, which constrains nothing beside other entries. */
 #ifndef FP8_DELAYED
 #define FP8_DELAYED 0
 #endif
@@ -155,13 +155,15 @@ static inline FP8_HD int fp8_history_exponent(float amax, int fmt) {
     return e - 1;
 }
 
-/* The delayed scale: 2^(smallest exponent of the history), or 0 when no entry constrains it (the
- * caller falls back to current scaling). */
+/* The delayed scale: 2^(smallest exponent of the history); 1, the scale of a zero amax, when every
+ * entry is an all-zero tensor's; 0 when the history is empty (a run's first forward: the caller
+ * falls back to current scaling, which the host can tell from its count of training forwards). */
 static inline FP8_HD float fp8_history_scale(const Fp8History* h) {
     int i, k = FP8_HISTORY_NONE;
+    if (h->count == 0) return 0.0f;
     for (i = 0; i < h->count; i++)
         if (h->exp[i] < k) k = h->exp[i];
-    return k == FP8_HISTORY_NONE ? 0.0f : ldexpf(1.0f, k);
+    return k == FP8_HISTORY_NONE ? 1.0f : ldexpf(1.0f, k);
 }
 
 /* Appends the exponent of this forward's amax, dropping the oldest entry of a full history. */

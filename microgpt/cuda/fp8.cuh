@@ -36,6 +36,7 @@
 
 #include "../cpu/fp8.h"
 #include "common.cuh"
+#include "layernorm.cuh"
 
 typedef unsigned char fp8;
 
@@ -232,6 +233,96 @@ __global__ void k_fp8_history_push(Fp8History* __restrict__ hist, const Fp8Scale
 
 static void fp8_history_push_all(Fp8History* hist, const Fp8Scale* scales, int stride, int k_even, int k_odd, int n) {
     launch_kernel(k_fp8_history_push, ceil_div(n, 128), 128, hist, scales, stride, k_even, k_odd, n);
+}
+
+/* Delayed scaling's fused LayerNorm (FP8_DELAYED, docs/DESIGN.md §18): the forward of N rows of x
+ * [N, C] written straight as E4M3 codes at the history's scale, row-major into out_n and
+ * transposed into out_t ([C][N], either may be NULL), with mean and rstd, the amax of the outputs
+ * as stored in T (what the unfused path's cast would have seen, for the history's next entry) and
+ * the scale in sc: bit for bit layernorm_fwd then fp8_cast with the history. A block does
+ * LN_FP8_ROWS rows, a warp a row at a time as k_layernorm_fwd, keeping the codes in shared memory
+ * (LN_FP8_ROWS x C) for the transposed layout: a thread a column, one 16-byte store of
+ * LN_FP8_ROWS codes. Needs N a multiple of LN_FP8_ROWS (fp8's rule) and a history that is not
+ * empty (the caller falls back to the unfused path for a run's first forward). */
+#define LN_FP8_ROWS 16
+#define LN_FP8_MAX_C (48 * 1024 / LN_FP8_ROWS - 16) /* the tile within 48 KB of shared memory */
+template <typename T, int VEC>
+__global__ void __launch_bounds__(32 * LN_WARPS)
+k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* __restrict__ sc,
+                    const Fp8History* __restrict__ hist, float* __restrict__ mean, float* __restrict__ rstd,
+                    const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ beta, int N,
+                    int C) {
+    extern __shared__ __align__(16) fp8 ln_tile[]; /* [LN_FP8_ROWS][C + 16] */
+    await_previous_kernel();
+    const int pitch = C + 16, lane = threadIdx.x & 31, r0 = blockIdx.x * LN_FP8_ROWS;
+    const float s = fp8_history_scale(hist);
+    unsigned am = 0;
+    for (int tr = threadIdx.x >> 5; tr < LN_FP8_ROWS; tr += LN_WARPS) {
+        int row = r0 + tr;
+        const T* xr = x + (size_t)row * C;
+        float m, r, v[VEC], g[VEC], b[VEC];
+        ln_row_stats<T, VEC>(&m, &r, xr, C);
+        LN_ROW_LOOP(c, C) {
+            fp8 q[VEC];
+            load_vec(v, xr + c);
+            load_vec(g, gamma + c);
+            load_vec(b, beta + c);
+            for (int k = 0; k < VEC; k++) {
+                float y = as_stored<T>((v[k] - m) * r * g[k] + b[k]);
+                am = max(am, abs_bits(y));
+                q[k] = fp8_cvt(y * s, FP8_E4M3);
+            }
+            if constexpr (VEC == 8) {
+                uint2 w;
+                memcpy(&w, q, sizeof w);
+                if (out_n) *reinterpret_cast<uint2*>(out_n + (size_t)row * C + c) = w;
+                *reinterpret_cast<uint2*>(ln_tile + tr * pitch + c) = w;
+            } else {
+                for (int k = 0; k < VEC; k++) {
+                    if (out_n) out_n[(size_t)row * C + c + k] = q[k];
+                    ln_tile[tr * pitch + c + k] = q[k];
+                }
+            }
+        }
+        if (lane == 0) {
+            mean[row] = m;
+            rstd[row] = r;
+        }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        sc->scale = s;
+        sc->descale = 1.0f / s;
+    }
+    block_amax_commit(&sc->amax_bits, am); /* its __syncthreads also publishes the tile */
+    if (!out_t) return;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        uint4 w;
+        fp8* wb = reinterpret_cast<fp8*>(&w);
+        for (int k = 0; k < LN_FP8_ROWS; k++) wb[k] = ln_tile[k * pitch + c];
+        *reinterpret_cast<uint4*>(out_t + (size_t)c * N + r0) = w;
+    }
+}
+static_assert(LN_FP8_ROWS * sizeof(fp8) == sizeof(uint4), "a column of the tile is one 16-byte store");
+
+/* Whether layernorm_fwd_fp8 takes a shape (else: layernorm_fwd, then fp8_cast with the history). */
+static bool layernorm_fwd_fp8_fits(int N, int C) { return N % LN_FP8_ROWS == 0 && C <= LN_FP8_MAX_C; }
+
+template <typename T>
+static void layernorm_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8History* hist, float* mean, float* rstd,
+                              const T* x, const float* gamma, const float* beta, int N, int C) {
+    bool packed = PACK(T) == 8 && packable(C, sizeof(T), {x}) && packable(C, sizeof(float), {gamma, beta}) &&
+                  (uintptr_t)out_n % 8 == 0;
+    size_t shared = (size_t)LN_FP8_ROWS * (C + 16);
+    if ((uintptr_t)out_t % 16 != 0 || !layernorm_fwd_fp8_fits(N, C)) {
+        fprintf(stderr, "error: internal: layernorm_fwd_fp8 of N=%d C=%d with out_t %p\n", N, C, (void*)out_t);
+        exit(1);
+    }
+    if (packed)
+        launch_kernel_with_shared(k_layernorm_fwd_fp8<T, PACK(T)>, N / LN_FP8_ROWS, 32 * LN_WARPS, shared, out_n,
+                                  out_t, sc, hist, mean, rstd, x, gamma, beta, N, C);
+    else
+        launch_kernel_with_shared(k_layernorm_fwd_fp8<T, 1>, N / LN_FP8_ROWS, 32 * LN_WARPS, shared, out_n, out_t, sc,
+                                  hist, mean, rstd, x, gamma, beta, N, C);
 }
 
 /* A list of casts done by two launches (all the amax, then all the casts): the list on the device
