@@ -13,7 +13,7 @@ import pytest
 import engine_util as eu
 from engine_util import run_ok, tiny_args
 from test_fp8 import E4M3, reference_scale
-from test_generate import write_pattern_shard
+from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
 from test_gpu import FP8_SHAPES, build_variant, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
 
 HISTORY_LEN = 16
@@ -97,15 +97,6 @@ def delayed_binary():
                            timeout=600)
     assert build.returncode == 0, build.stderr[-3000:]
     return binary
-
-
-@pytest.fixture(scope="module")
-def pattern_shards(tmp_path_factory):
-    """A learnable stream (test_generate's pattern): the loss must fall within a few dozen steps."""
-    d = tmp_path_factory.mktemp("pattern")
-    write_pattern_shard(d / "pattern_train_000000.bin", 8192, seed=1)
-    write_pattern_shard(d / "pattern_val_000000.bin", 2048, seed=2)
-    return d / "pattern_train_*.bin", d / "pattern_val_*.bin"
 
 
 # d_model 48: its LayerNorm outputs' amaxes straddle a power of two (3.5 = 448 / 2^7), so delayed
