@@ -22,7 +22,8 @@
  *         current scale, E4M3 weights, activations and activation gradients, fp32
  *         accumulation, bf16 activations and fp32 weight gradients out. The classifier stays bf16.
  *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. The candidate
- *         -DFP8_DELAYED=1 casts ln1 and ln2 at delayed scales (from amax histories) instead.
+ *         -DFP8_DELAYED=1 casts ln1, ln2 and h_gelu at delayed scales (from amax histories)
+ *         instead, written by their producers (LayerNorm, GELU) as FP8 codes.
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
@@ -138,12 +139,13 @@ static struct {
     Fp8CastJobs<float> w8_jobs;
     Fp8Scale* fp8_scales;
     fp8 *a8, *x8t, *g8, *g8t;
-    /* the candidate -DFP8_DELAYED=1 (docs/DESIGN.md §18), training fp8 only: ln1 and ln2 are cast at
-     * delayed scales, from the histories fp8_hist [L][2] (device), which every training forward
-     * extends by their amaxes (k_fp8_history_push) and the checkpoint sidecar keeps */
+    /* the candidate -DFP8_DELAYED=1 (docs/DESIGN.md §18), training fp8 only: ln1, ln2 and h_gelu are
+     * cast at delayed scales, from the histories fp8_hist [L][FP8_DELAYED_PER_LAYER] (device), which
+     * every training forward extends by their amaxes (k_fp8_history_push) and the checkpoint
+     * sidecar keeps */
     int fp8_delayed;
     Fp8History* fp8_hist;
-    int fp8_hist_filled; /* the histories hold entries: the LayerNorms write ln1/ln2's codes themselves */
+    int fp8_hist_filled; /* the histories hold entries: the producers write the codes themselves */
 
     /* saved activations, per layer l at offset l * (size of one layer's slice) */
     void *res;   /* [L+1][N][C] residual stream: res[l] = input of layer l, res[L] = final */
@@ -242,7 +244,8 @@ static void plan_buffers(size_t* used) {
         E.x8t = (fp8*)carve(G_ACTIVATIONS, tr * L * N * (3 * C + F), used);
         E.g8 = (fp8*)carve(G_SCRATCH, tr * grad, used);
         E.g8t = (fp8*)carve(G_SCRATCH, tr * grad, used);
-        E.fp8_hist = (Fp8History*)carve(G_SCRATCH, (E.fp8_delayed ? 2 * L : 0) * sizeof(Fp8History), used);
+        E.fp8_hist = (Fp8History*)carve(G_SCRATCH, (E.fp8_delayed ? FP8_DELAYED_PER_LAYER * L : 0) * sizeof(Fp8History),
+                                        used);
     }
 
     E.res = carve(G_ACTIVATIONS, (L + 1) * nc * es, used);
@@ -404,12 +407,17 @@ static void fp8_quantize_weights(void) {
  * scale (delayed scaling's fused LayerNorm: E.a8, x8t and x8_scale written). */
 enum { FP8_IN_RAW, FP8_IN_AMAX, FP8_IN_CODES };
 
-/* The delayed-scaling history of product k's input in layer l: ln1 (QKV) and ln2 (MLP up) in an
- * FP8_DELAYED training run; NULL (current scaling) otherwise. */
+/* The delayed-scaling history of product k's input in layer l: ln1 (QKV), ln2 (MLP up) and h_gelu
+ * (MLP down) in an FP8_DELAYED training run; NULL (current scaling) otherwise. */
 static const Fp8History* fp8_history_of(int l, int k) {
-    if (!E.fp8_delayed || (k != FP8_W_QKV && k != FP8_W_1)) return NULL;
-    return E.fp8_hist + 2 * (size_t)l + (k == FP8_W_1);
+    if (!E.fp8_delayed || k == FP8_W_O) return NULL;
+    return E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l +
+           (k == FP8_W_QKV ? DELAYED_LN1 : k == FP8_W_1 ? DELAYED_LN2 : DELAYED_GELU);
 }
+
+/* Delayed scaling with histories that hold entries (all but a run's first micro-batch): the
+ * producers of ln1, ln2 and h_gelu write their products' codes themselves. */
+static bool fp8_producers_write_codes(void) { return E.fp8_delayed && E.fp8_hist_filled; }
 
 template <typename T> static Fp8Mat fp8_act(const T* x, int l, int k, int N, int in, int input) {
     Fp8Scale* sc = x8_scale(l, k);
@@ -459,8 +467,14 @@ template <typename T>
 static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N, int input) {
     int C = E.C, F = E.F;
     fp8_linear_fwd<T>(a.h, a.ln2, l, T_W1, FP8_W_1, N, C, F, NULL, input);
-    gelu_fwd(a.h_gelu, a.h, (size_t)N * F, x8_amax(l, FP8_W_2));
-    fp8_linear_fwd<T>(layer_input<T>(l + 1), a.h_gelu, l, T_W2, FP8_W_2, N, F, C, a.xmid, FP8_IN_AMAX);
+    int gelu_input = FP8_IN_AMAX;
+    if (fp8_producers_write_codes()) { /* the GELU and its cast in one pass, no h_gelu in T */
+        fp8_cast_gelu(E.a8, x8t(l, FP8_W_2), x8_scale(l, FP8_W_2), a.h, N, F, fp8_history_of(l, FP8_W_2));
+        gelu_input = FP8_IN_CODES;
+    } else {
+        gelu_fwd(a.h_gelu, a.h, (size_t)N * F, x8_amax(l, FP8_W_2));
+    }
+    fp8_linear_fwd<T>(layer_input<T>(l + 1), a.h_gelu, l, T_W2, FP8_W_2, N, F, C, a.xmid, gelu_input);
 }
 
 /* dres's amax is in the scale already (the LayerNorm backward that produced it); dh's comes from
@@ -493,7 +507,7 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
 template <typename T>
 static int ln_fwd_for_product(T* out, float* mean, float* rstd, const T* x, int l, int tg, int tb, int k, int N,
                               bool fp8) {
-    if (fp8 && E.fp8_delayed && E.fp8_hist_filled && layernorm_fwd_fp8_fits(N, E.C)) {
+    if (fp8 && fp8_producers_write_codes() && layernorm_fwd_fp8_fits(N, E.C)) {
         layernorm_fwd_fp8<T>(E.a8, x8t(l, k), x8_scale(l, k), fp8_history_of(l, k), mean, rstd, x, wf(l, tg),
                              wf(l, tb), N, E.C);
         return FP8_IN_CODES;
@@ -669,8 +683,9 @@ template <typename T>
 static void record_forward_backward(void) {
     upload_inputs(2 * (size_t)E.N);
     forward<T>(E.B, E.T, E.use_fp8);
-    if (E.fp8_delayed) /* a training forward extends the histories of ln1 and ln2 by their amaxes */
-        fp8_history_push_all(E.fp8_hist, x8_scale(0, 0), FP8_W_PER_LAYER, FP8_W_QKV, FP8_W_1, 2 * E.L);
+    if (E.fp8_delayed) /* a training forward extends the histories of ln1, ln2, h_gelu by their amaxes */
+        fp8_history_push_all(E.fp8_hist, x8_scale(0, 0), FP8_W_PER_LAYER, make_int3(FP8_W_QKV, FP8_W_1, FP8_W_2),
+                             FP8_DELAYED_PER_LAYER * E.L);
     loss_chunks<T>(E.N, 1);
     backward<T>();
     download_output(&E.io->loss, &E.io_host->loss);
@@ -867,7 +882,7 @@ static void warm_up(void) {
     }
     engine_forward_loss(zeros, zeros);
     if (E.fp8_delayed) { /* the warm-up's forwards recorded amaxes: a run starts with empty histories */
-        CUDA_CHECK(cudaMemset(E.fp8_hist, 0, 2 * (size_t)E.L * sizeof(Fp8History)));
+        CUDA_CHECK(cudaMemset(E.fp8_hist, 0, engine_fp8_history_count() * sizeof(Fp8History)));
         E.fp8_hist_filled = 0;
     }
     if (E.slots > 0) { /* the training samples: a prefill and the decode graph of one sequence */
@@ -1017,15 +1032,16 @@ static void engine_get_state(float* params, float* m, float* v, float* loss_scal
     *loss_scale = E.loss_scale;
 }
 
-static int engine_fp8_history_count(void) { return E.fp8_delayed ? 2 * E.L : 0; }
+static int engine_fp8_history_count(void) { return E.fp8_delayed ? FP8_DELAYED_PER_LAYER * E.L : 0; }
 static void engine_get_fp8_history(Fp8History* h) {
-    if (E.fp8_delayed) CUDA_CHECK(cudaMemcpy(h, E.fp8_hist, 2 * (size_t)E.L * sizeof(Fp8History), cudaMemcpyDeviceToHost));
+    if (E.fp8_delayed) CUDA_CHECK(cudaMemcpy(h, E.fp8_hist, engine_fp8_history_count() * sizeof(Fp8History),
+                                             cudaMemcpyDeviceToHost));
 }
 static void engine_set_fp8_history(const Fp8History* h) {
     if (!E.fp8_delayed) return;
-    CUDA_CHECK(cudaMemcpy(E.fp8_hist, h, 2 * (size_t)E.L * sizeof(Fp8History), cudaMemcpyHostToDevice));
-    E.fp8_hist_filled = 1; /* every history is pushed by every training forward: one empty, all empty */
-    for (int i = 0; i < 2 * E.L; i++) E.fp8_hist_filled = E.fp8_hist_filled && h[i].count > 0;
+    CUDA_CHECK(cudaMemcpy(E.fp8_hist, h, engine_fp8_history_count() * sizeof(Fp8History), cudaMemcpyHostToDevice));
+    E.fp8_hist_filled = 1; /* every training forward pushes every history; the fused path needs all */
+    for (int i = 0; i < engine_fp8_history_count(); i++) E.fp8_hist_filled = E.fp8_hist_filled && h[i].count > 0;
 }
 
 static float engine_forward_backward(const int* inputs, const int* targets) {

@@ -1107,8 +1107,10 @@ static void test_fp8_delayed(int R, int C) {
         check_fp8_cast(o, x, 1, R, C, FP8_E4M3, 3, &hists[i]);
         dfree_all();
     }
-    /* the push: 2 histories a layer, their amaxes at scales[l * stride + k_even / k_odd] */
-    const int layers = 5, stride = 4, k_even = 0, k_odd = 2, n = 2 * layers;
+    /* the push: 3 histories a layer (ln1, ln2, h_gelu), their amaxes at scales[l * stride + k.x/y/z] */
+    const int layers = 5, stride = 4, n = FP8_DELAYED_PER_LAYER * layers;
+    const int3 k = make_int3(0, 2, 3);
+    const int k_of[FP8_DELAYED_PER_LAYER] = {k.x, k.y, k.z};
     std::vector<Fp8History> h(n), want;
     std::vector<Fp8Scale> sc((size_t)layers * stride);
     Vec amax = randn(sc.size(), 100.0f);
@@ -1121,12 +1123,13 @@ static void test_fp8_delayed(int R, int C) {
     }
     want = h;
     for (int i = 0; i < n; i++)
-        fp8_history_push(&want[i], amax[(size_t)(i / 2) * stride + (i % 2 ? k_odd : k_even)], FP8_E4M3);
+        fp8_history_push(&want[i], amax[(size_t)(i / FP8_DELAYED_PER_LAYER) * stride + k_of[i % FP8_DELAYED_PER_LAYER]],
+                         FP8_E4M3);
     Fp8History* dh = (Fp8History*)dalloc(n * sizeof(Fp8History));
     Fp8Scale* dsc = (Fp8Scale*)dalloc(sc.size() * sizeof(Fp8Scale));
     CUDA_CHECK(cudaMemcpy(dh, h.data(), n * sizeof(Fp8History), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(dsc, sc.data(), sc.size() * sizeof(Fp8Scale), cudaMemcpyHostToDevice));
-    fp8_history_push_all(dh, dsc, stride, k_even, k_odd, n);
+    fp8_history_push_all(dh, dsc, stride, k, n);
     CUDA_CHECK(cudaMemcpy(h.data(), dh, n * sizeof(Fp8History), cudaMemcpyDeviceToHost));
     int bad = 0;
     for (int i = 0; i < n; i++)
@@ -1181,6 +1184,54 @@ static void test_fp8_layernorm_fused(int N, int C) {
         report(bad_t == 0, "codes^T", "%zu of %zu differ from layernorm_fwd + fp8_cast", bad_t, (size_t)N * C);
         report(memcmp(st.data(), st.data() + 2 * N, 2 * (size_t)N * sizeof(float)) == 0, "mean, rstd",
                "differ from layernorm_fwd's");
+        report(rs.amax_bits == gs.amax_bits && rs.scale == gs.scale && rs.descale == gs.descale &&
+                   gs.scale == fp8_history_scale(&h),
+               "scale", "amax 0x%08x (unfused 0x%08x), scale %g (unfused %g, history %g)", gs.amax_bits, rs.amax_bits,
+               (double)gs.scale, (double)rs.scale, (double)fp8_history_scale(&h));
+        report((i == 1) == (sat > 0), "saturation", "%zu codes at the largest finite value", sat);
+        dfree_all();
+    }
+}
+
+/* Delayed scaling's fused GELU (fp8_cast_gelu) against the unfused path it replaces, gelu_fwd with
+ * the amax fused then fp8_cast at the history's scale: codes of both layouts, amax and scale, bit
+ * for bit, for a history below and one above (saturating) the current scale. */
+static void test_fp8_gelu_fused(int R, int Cc) {
+    /* gelu of h ~ N(0, 3^2): amax about 10 to 15, current scale 2^5 */
+    const signed char below[2] = {2, 4}, above[1] = {8};
+    const signed char* exps[2] = {below, above};
+    const int counts[2] = {2, 1};
+    size_t n = (size_t)R * Cc;
+    for (int i = 0; i < 2; i++) {
+        Fp8History h;
+        memset(&h, 0, sizeof h);
+        memcpy(h.exp, exps[i], (size_t)counts[i]), h.count = counts[i];
+        Vec x = rounded<bf16>(randn(n, 3.0f));
+        bf16* dx = upload<bf16>(x);
+        bf16* dgelu = (bf16*)dalloc(n * sizeof(bf16));
+        Fp8History* dh = (Fp8History*)dalloc(sizeof h);
+        CUDA_CHECK(cudaMemcpy(dh, &h, sizeof h, cudaMemcpyHostToDevice));
+        Fp8CastOut ref = fp8_cast_out(n), got = fp8_cast_out(n);
+        gelu_fwd<bf16>(dgelu, dx, n, &ref.sc->amax_bits);
+        fp8_cast(ref.n, ref.t, ref.sc, dgelu, 1, R, Cc, FP8_E4M3, dh);
+        fp8_cast_gelu<bf16>(got.n, got.t, got.sc, dx, R, Cc, dh);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<unsigned char> rb(2 * n), gb(2 * n);
+        Fp8Scale rs, gs;
+        CUDA_CHECK(cudaMemcpy(rb.data(), ref.n, n, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(rb.data() + n, ref.t, n, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(gb.data(), got.n, n, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(gb.data() + n, got.t, n, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(&rs, ref.sc, sizeof rs, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(&gs, got.sc, sizeof gs, cudaMemcpyDeviceToHost));
+        size_t bad_n = 0, bad_t = 0, sat = 0;
+        for (size_t e = 0; e < n; e++) {
+            bad_n += gb[e] != rb[e];
+            bad_t += gb[n + e] != rb[n + e];
+            sat += (rb[e] & 0x7F) == 0x7E;
+        }
+        report(bad_n == 0, "codes", "%zu of %zu differ from gelu_fwd + fp8_cast", bad_n, n);
+        report(bad_t == 0, "codes^T", "%zu of %zu differ from gelu_fwd + fp8_cast", bad_t, n);
         report(rs.amax_bits == gs.amax_bits && rs.scale == gs.scale && rs.descale == gs.descale &&
                    gs.scale == fp8_history_scale(&h),
                "scale", "amax 0x%08x (unfused 0x%08x), scale %g (unfused %g, history %g)", gs.amax_bits, rs.amax_bits,
@@ -1295,6 +1346,12 @@ static void run_fp8(void) {
         snprintf(sh, sizeof sh, "N=%d C=%d", ls[0], ls[1]);
         set_ctx("fp8", "delayed layernorm fused", sh);
         test_fp8_layernorm_fused(ls[0], ls[1]);
+    }
+    const int gelu_shapes[][2] = {{128, 768}, {80, 200}, {37, 36}}; /* packed; partial tiles; element-wise */
+    for (const auto& gs : gelu_shapes) {
+        snprintf(sh, sizeof sh, "R=%d F=%d", gs[0], gs[1]);
+        set_ctx("fp8", "delayed gelu fused", sh);
+        test_fp8_gelu_fused(gs[0], gs[1]);
     }
     const int gshapes[][4] = {{64, 96, 128, 1}, {48, 32, 96, 3}, {256, 512, 64, 1}, {16, 48, 16, 1}};
     for (const auto& g : gshapes) {

@@ -140,6 +140,9 @@ static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int 
 #ifndef FP8_DELAYED
 #define FP8_DELAYED 0
 #endif
+/* The activations with delayed scales, per layer, in the engines' and the sidecar's order: the
+ * LayerNorm outputs (the QKV and MLP-up inputs) and the GELU output (MLP down's). */
+enum { DELAYED_LN1, DELAYED_LN2, DELAYED_GELU, FP8_DELAYED_PER_LAYER };
 #define FP8_HISTORY_LEN 16
 #define FP8_HISTORY_NONE 127
 typedef struct {

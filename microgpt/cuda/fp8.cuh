@@ -10,8 +10,10 @@
  * (fp8_zero_scales, one memset for many). The weights' casts (all layers) run as one list: one amax launch, one cast
  * launch (fp8_quantize_jobs). Current scaling: every cast uses the amax of the tensor
  * it casts, so no scale state outlives a step and resume needs nothing beyond the weights. The
- * candidate -DFP8_DELAYED=1 casts the LayerNorm outputs at a delayed scale (Fp8CastJob's hist,
- * k_fp8_history_push; docs/DESIGN.md §18) instead, whose histories are checkpoint state.
+ * candidate -DFP8_DELAYED=1 casts the LayerNorm and GELU outputs at a delayed scale (Fp8CastJob's
+ * hist, k_fp8_history_push; docs/DESIGN.md §18) instead, whose histories are checkpoint state;
+ * known beforehand, the scale lets their producers write the codes (k_layernorm_fwd_fp8, the
+ * cast's GELU variant).
  *
  * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
  * patterns is the order of the values), reduced per block and combined with an integer atomicMax:
@@ -37,6 +39,7 @@
 #include "../cpu/fp8.h"
 #include "common.cuh"
 #include "layernorm.cuh"
+#include "mlp.cuh"
 
 typedef unsigned char fp8;
 
@@ -113,7 +116,11 @@ __device__ __forceinline__ fp8 fp8_cvt(float x, int fmt) {
  * bytes of a tile row, so without bank conflicts). PACKED (Cc a multiple of FP8_ROW_PACKET, R of
  * FP8_COL_PACKET, pointers 16-byte aligned: fp8_cast_packable): 16-byte loads, 8-byte and
  * 16-byte stores; else element by element. */
-template <typename T, bool PACKED> __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned tile_id) {
+/* GELU (delayed scaling only, docs/DESIGN.md §18): the tile cast is of gelu(in) as stored in T, as
+ * k_gelu_fwd stores it, and its amax goes to j.sc (block_amax_commit) for the history's next entry:
+ * the GELU and the cast of its output fused, at the history's scale (j.hist, not empty). */
+template <typename T, bool PACKED, bool GELU = false>
+__device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned tile_id) {
     __shared__ __align__(16) fp8 tile[FP8_TILE][FP8_TILE + 8]; /* rows of 72 bytes: 8-byte aligned */
     const int R = j.R, Cc = j.Cc, batch = j.batch, fmt = j.fmt;
     fp8 *out_n = j.out_n, *out_t = j.out_t;
@@ -132,6 +139,7 @@ template <typename T, bool PACKED> __device__ __forceinline__ void fp8_cast_tile
     }
     const int per_row = FP8_TILE / FP8_ROW_PACKET;
     int tc = (threadIdx.x % per_row) * FP8_ROW_PACKET, c = c0 + tc;
+    unsigned am = 0; /* GELU only */
     for (int tr = threadIdx.x / per_row; tr < FP8_TILE; tr += FP8_CAST_THREADS / per_row) {
         int r = r0 + tr;
         if (r >= R) break;
@@ -141,17 +149,29 @@ template <typename T, bool PACKED> __device__ __forceinline__ void fp8_cast_tile
             uint2 q;
             fp8* qb = reinterpret_cast<fp8*>(&q);
             load_vec(v, src + (size_t)r * Cc + c);
-            for (int k = 0; k < FP8_ROW_PACKET; k++) qb[k] = fp8_cvt(v[k] * s, fmt);
+            for (int k = 0; k < FP8_ROW_PACKET; k++) {
+                if constexpr (GELU) {
+                    v[k] = as_stored<T>(gelu_f(v[k]));
+                    am = max(am, abs_bits(v[k]));
+                }
+                qb[k] = fp8_cvt(v[k] * s, fmt);
+            }
             if (out_n) *reinterpret_cast<uint2*>(out_n + ((size_t)r * batch + b) * Cc + c) = q;
             *reinterpret_cast<uint2*>(&tile[tr][tc]) = q;
         } else {
             for (int k = 0; k < FP8_ROW_PACKET && c + k < Cc; k++) {
-                fp8 q = fp8_cvt(to_f(src[(size_t)r * Cc + c + k]) * s, fmt);
+                float x = to_f(src[(size_t)r * Cc + c + k]);
+                if constexpr (GELU) {
+                    x = as_stored<T>(gelu_f(x));
+                    am = max(am, abs_bits(x));
+                }
+                fp8 q = fp8_cvt(x * s, fmt);
                 if (out_n) out_n[((size_t)r * batch + b) * Cc + c + k] = q;
                 tile[tr][tc + k] = q;
             }
         }
     }
+    if constexpr (GELU) block_amax_commit(&j.sc->amax_bits, am); /* every thread gets here */
     if (!out_t) return;
     __syncthreads();
     int col = threadIdx.x % FP8_TILE, tr0 = threadIdx.x / FP8_TILE * FP8_COL_PACKET;
@@ -171,9 +191,10 @@ template <typename T, bool PACKED> __device__ __forceinline__ void fp8_cast_tile
 static_assert(FP8_CAST_THREADS / FP8_TILE * FP8_COL_PACKET == FP8_TILE, "the transposed pass covers the tile");
 
 /* One cast, a block a tile. */
-template <typename T, bool PACKED> __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast(Fp8CastJob<T> j) {
+template <typename T, bool PACKED, bool GELU = false>
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast(Fp8CastJob<T> j) {
     await_previous_kernel();
-    fp8_cast_tile<T, PACKED>(j, blockIdx.x);
+    fp8_cast_tile<T, PACKED, GELU>(j, blockIdx.x);
 }
 
 /* A list of casts, a block a tile: the block's job is the last whose first_tile is <= blockIdx.x. */
@@ -219,20 +240,24 @@ static void fp8_cast(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batc
     else launch_kernel(k_fp8_cast<T, false>, tiles, FP8_CAST_THREADS, j);
 }
 
-/* Delayed scaling: after a training forward, history i takes the amax of its tensor, which sits in
- * scales[i / 2 * stride + (i % 2 ? k_odd : k_even)] (the engine's two LayerNorm outputs per layer);
- * one thread a history, in the CPU engine's code (cpu/fp8.h's fp8_history_push). */
+/* Delayed scaling: after a training forward, history i (of activation i % FP8_DELAYED_PER_LAYER of
+ * layer i / FP8_DELAYED_PER_LAYER) takes the amax of its tensor, which sits in
+ * scales[layer * stride + k.x / k.y / k.z] (ln1, ln2, h_gelu); one thread a history, in the CPU
+ * engine's code (cpu/fp8.h's fp8_history_push). */
 __global__ void k_fp8_history_push(Fp8History* __restrict__ hist, const Fp8Scale* __restrict__ scales, int stride,
-                                   int k_even, int k_odd, int n) {
+                                   int3 k, int n) {
     await_previous_kernel();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const Fp8Scale* sc = scales + (size_t)(i / 2) * stride + (i % 2 ? k_odd : k_even);
+    int which = i % FP8_DELAYED_PER_LAYER;
+    const Fp8Scale* sc = scales + (size_t)(i / FP8_DELAYED_PER_LAYER) * stride +
+                         (which == DELAYED_LN1 ? k.x : which == DELAYED_LN2 ? k.y : k.z);
     fp8_history_push(&hist[i], __uint_as_float(sc->amax_bits), FP8_E4M3);
 }
+static_assert(FP8_DELAYED_PER_LAYER == 3, "k_fp8_history_push knows three activations a layer");
 
-static void fp8_history_push_all(Fp8History* hist, const Fp8Scale* scales, int stride, int k_even, int k_odd, int n) {
-    launch_kernel(k_fp8_history_push, ceil_div(n, 128), 128, hist, scales, stride, k_even, k_odd, n);
+static void fp8_history_push_all(Fp8History* hist, const Fp8Scale* scales, int stride, int3 k, int n) {
+    launch_kernel(k_fp8_history_push, ceil_div(n, 128), 128, hist, scales, stride, k, n);
 }
 
 /* Delayed scaling's fused LayerNorm (FP8_DELAYED, docs/DESIGN.md §18): the forward of N rows of x
@@ -323,6 +348,17 @@ static void layernorm_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8His
     else
         launch_kernel_with_shared(k_layernorm_fwd_fp8<T, 1>, N / LN_FP8_ROWS, 32 * LN_WARPS, shared, out_n, out_t, sc,
                                   hist, mean, rstd, x, gamma, beta, N, C);
+}
+
+/* Delayed scaling's fused GELU: the codes of gelu(h) for h [R, Cc] (as k_gelu_fwd would store it,
+ * then fp8_cast with the history `hist`, which must not be empty), their amax into sc; bit for bit
+ * gelu_fwd with the amax, then fp8_cast. Saves writing and reading back gelu(h) in T. */
+template <typename T>
+static void fp8_cast_gelu(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* h, int R, int Cc, const Fp8History* hist) {
+    Fp8CastJob<T> j = {h, out_n, out_t, sc, 1, R, Cc, FP8_E4M3, 0, hist};
+    unsigned tiles = fp8_cast_tiles(1, R, Cc);
+    if (fp8_cast_packable(j)) launch_kernel(k_fp8_cast<T, true, true>, tiles, FP8_CAST_THREADS, j);
+    else launch_kernel(k_fp8_cast<T, false, true>, tiles, FP8_CAST_THREADS, j);
 }
 
 /* A list of casts done by two launches (all the amax, then all the casts): the list on the device
