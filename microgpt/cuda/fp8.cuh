@@ -127,8 +127,9 @@ __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned t
     unsigned tiles_c = ceil_div(Cc, FP8_TILE), tiles_r = ceil_div(R, FP8_TILE);
     int c0 = (int)(tile_id % tiles_c) * FP8_TILE, r0 = (int)(tile_id / tiles_c % tiles_r) * FP8_TILE;
     int b = (int)(tile_id / tiles_c / tiles_r);
-    float amax = __uint_as_float(j.sc->amax_bits), s = fp8_scale_for_amax(amax, fmt);
-    if (j.hist) { /* delayed: the history's scale, the current one while it constrains nothing */
+    /* a GELU tile's amax is still being reduced (by every block): it reads none */
+    float s = GELU ? 1.0f : fp8_scale_for_amax(__uint_as_float(j.sc->amax_bits), fmt);
+    if (j.hist) { /* delayed: the history's scale; the current one while the history is empty */
         float d = fp8_history_scale(j.hist);
         if (d > 0.0f) s = d;
     }
