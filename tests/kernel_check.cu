@@ -1138,6 +1138,45 @@ static void test_fp8_delayed(int R, int C) {
     dfree_all();
 }
 
+/* A history of `count` exponents, on the host and (*dev) the device. */
+static Fp8History fp8_history_with(const signed char* exps, int count, Fp8History** dev) {
+    Fp8History h;
+    memset(&h, 0, sizeof h);
+    memcpy(h.exp, exps, (size_t)count), h.count = count;
+    *dev = (Fp8History*)dalloc(sizeof h);
+    CUDA_CHECK(cudaMemcpy(*dev, &h, sizeof h, cudaMemcpyHostToDevice));
+    return h;
+}
+
+/* A fused producer's n codes (both layouts), amax and scale (`got`) against those of the unfused
+ * kernel + cast it replaces (`ref`, named `unfused`), bit for bit, at the history h's scale; codes
+ * at the largest finite value where `saturates`, else none. */
+static void check_fp8_fused(const Fp8CastOut& ref, const Fp8CastOut& got, size_t n, const Fp8History& h, bool saturates,
+                            const char* unfused) {
+    std::vector<unsigned char> rb(2 * n), gb(2 * n);
+    Fp8Scale rs, gs;
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(rb.data(), ref.n, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(rb.data() + n, ref.t, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gb.data(), got.n, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gb.data() + n, got.t, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&rs, ref.sc, sizeof rs, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&gs, got.sc, sizeof gs, cudaMemcpyDeviceToHost));
+    size_t bad_n = 0, bad_t = 0, sat = 0;
+    for (size_t e = 0; e < n; e++) {
+        bad_n += gb[e] != rb[e];
+        bad_t += gb[n + e] != rb[n + e];
+        sat += (rb[e] & 0x7F) == 0x7E;
+    }
+    report(bad_n == 0, "codes", "%zu of %zu differ from %s", bad_n, n, unfused);
+    report(bad_t == 0, "codes^T", "%zu of %zu differ from %s", bad_t, n, unfused);
+    report(rs.amax_bits == gs.amax_bits && rs.scale == gs.scale && rs.descale == gs.descale &&
+               gs.scale == fp8_history_scale(&h),
+           "scale", "amax 0x%08x (unfused 0x%08x), scale %g (unfused %g, history %g)", gs.amax_bits, rs.amax_bits,
+           (double)gs.scale, (double)rs.scale, (double)fp8_history_scale(&h));
+    report(saturates == (sat > 0), "saturation", "%zu codes at the largest finite value", sat);
+}
+
 /* Delayed scaling's fused LayerNorm (layernorm_fwd_fp8) against the unfused path it replaces,
  * layernorm_fwd with the amax fused then fp8_cast at the history's scale (itself checked against
  * cpu/fp8.h above and the CPU LayerNorm in run_prec): the codes of both layouts, mean, rstd, amax
@@ -1145,50 +1184,25 @@ static void test_fp8_delayed(int R, int C) {
 static void test_fp8_layernorm_fused(int N, int C) {
     /* outputs xhat * gamma + beta, gamma ~ N(0, 1.5^2): amax about 10 to 25, current scale 2^4 or 2^5 */
     const signed char below[2] = {3, 6}, above[1] = {7};
-    const signed char* exps[2] = {below, above};
-    const int counts[2] = {2, 1};
+    size_t n = (size_t)N * C;
     for (int i = 0; i < 2; i++) {
-        Fp8History h;
-        memset(&h, 0, sizeof h);
-        memcpy(h.exp, exps[i], (size_t)counts[i]), h.count = counts[i];
-        Vec x = rounded<bf16>(randn((size_t)N * C, 2.0f, 0.5f)), g = randn(C, 1.5f), b = randn(C, 0.1f);
+        Fp8History* dh;
+        Fp8History h = i ? fp8_history_with(above, 1, &dh) : fp8_history_with(below, 2, &dh);
+        Vec x = rounded<bf16>(randn(n, 2.0f, 0.5f)), g = randn(C, 1.5f), b = randn(C, 0.1f);
         bf16* dx = upload<bf16>(x);
         float *dg = upload<float>(g), *db = upload<float>(b);
-        Fp8History* dh = (Fp8History*)dalloc(sizeof h);
-        CUDA_CHECK(cudaMemcpy(dh, &h, sizeof h, cudaMemcpyHostToDevice));
-        Fp8CastOut ref = fp8_cast_out((size_t)N * C), got = fp8_cast_out((size_t)N * C);
-        bf16* ln = (bf16*)dalloc((size_t)N * C * sizeof(bf16));
+        Fp8CastOut ref = fp8_cast_out(n), got = fp8_cast_out(n);
+        bf16* ln = (bf16*)dalloc(n * sizeof(bf16));
         float* stats = (float*)dalloc(4 * (size_t)N * sizeof(float)); /* mean, rstd: reference, fused */
         CUDA_CHECK(cudaMemset(stats, 0xFF, 4 * (size_t)N * sizeof(float)));
         layernorm_fwd<bf16>(ln, stats, stats + N, dx, dg, db, N, C, &ref.sc->amax_bits);
         fp8_cast(ref.n, ref.t, ref.sc, ln, 1, N, C, FP8_E4M3, dh);
         layernorm_fwd_fp8<bf16>(got.n, got.t, got.sc, dh, stats + 2 * N, stats + 3 * N, dx, dg, db, N, C);
-        CUDA_CHECK(cudaDeviceSynchronize());
-        std::vector<unsigned char> rn(2 * (size_t)N * C), gn(2 * (size_t)N * C);
+        check_fp8_fused(ref, got, n, h, i == 1, "layernorm_fwd + fp8_cast");
         std::vector<float> st(4 * (size_t)N);
-        Fp8Scale rs, gs;
-        CUDA_CHECK(cudaMemcpy(rn.data(), ref.n, (size_t)N * C, cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(rn.data() + (size_t)N * C, ref.t, (size_t)N * C, cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(gn.data(), got.n, (size_t)N * C, cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(gn.data() + (size_t)N * C, got.t, (size_t)N * C, cudaMemcpyDeviceToHost));
         CUDA_CHECK(cudaMemcpy(st.data(), stats, st.size() * sizeof(float), cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(&rs, ref.sc, sizeof rs, cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(&gs, got.sc, sizeof gs, cudaMemcpyDeviceToHost));
-        size_t bad_n = 0, bad_t = 0, sat = 0;
-        for (size_t e = 0; e < (size_t)N * C; e++) {
-            bad_n += gn[e] != rn[e];
-            bad_t += gn[(size_t)N * C + e] != rn[(size_t)N * C + e];
-            sat += (rn[e] & 0x7F) == 0x7E;
-        }
-        report(bad_n == 0, "codes", "%zu of %zu differ from layernorm_fwd + fp8_cast", bad_n, (size_t)N * C);
-        report(bad_t == 0, "codes^T", "%zu of %zu differ from layernorm_fwd + fp8_cast", bad_t, (size_t)N * C);
         report(memcmp(st.data(), st.data() + 2 * N, 2 * (size_t)N * sizeof(float)) == 0, "mean, rstd",
                "differ from layernorm_fwd's");
-        report(rs.amax_bits == gs.amax_bits && rs.scale == gs.scale && rs.descale == gs.descale &&
-                   gs.scale == fp8_history_scale(&h),
-               "scale", "amax 0x%08x (unfused 0x%08x), scale %g (unfused %g, history %g)", gs.amax_bits, rs.amax_bits,
-               (double)gs.scale, (double)rs.scale, (double)fp8_history_scale(&h));
-        report((i == 1) == (sat > 0), "saturation", "%zu codes at the largest finite value", sat);
         dfree_all();
     }
 }
@@ -1199,44 +1213,18 @@ static void test_fp8_layernorm_fused(int N, int C) {
 static void test_fp8_gelu_fused(int R, int Cc) {
     /* gelu of h ~ N(0, 3^2): amax about 10 to 15, current scale 2^5 */
     const signed char below[2] = {2, 4}, above[1] = {8};
-    const signed char* exps[2] = {below, above};
-    const int counts[2] = {2, 1};
     size_t n = (size_t)R * Cc;
     for (int i = 0; i < 2; i++) {
-        Fp8History h;
-        memset(&h, 0, sizeof h);
-        memcpy(h.exp, exps[i], (size_t)counts[i]), h.count = counts[i];
+        Fp8History* dh;
+        Fp8History h = i ? fp8_history_with(above, 1, &dh) : fp8_history_with(below, 2, &dh);
         Vec x = rounded<bf16>(randn(n, 3.0f));
         bf16* dx = upload<bf16>(x);
         bf16* dgelu = (bf16*)dalloc(n * sizeof(bf16));
-        Fp8History* dh = (Fp8History*)dalloc(sizeof h);
-        CUDA_CHECK(cudaMemcpy(dh, &h, sizeof h, cudaMemcpyHostToDevice));
         Fp8CastOut ref = fp8_cast_out(n), got = fp8_cast_out(n);
         gelu_fwd<bf16>(dgelu, dx, n, &ref.sc->amax_bits);
         fp8_cast(ref.n, ref.t, ref.sc, dgelu, 1, R, Cc, FP8_E4M3, dh);
         fp8_cast_gelu<bf16>(got.n, got.t, got.sc, dx, R, Cc, dh);
-        CUDA_CHECK(cudaDeviceSynchronize());
-        std::vector<unsigned char> rb(2 * n), gb(2 * n);
-        Fp8Scale rs, gs;
-        CUDA_CHECK(cudaMemcpy(rb.data(), ref.n, n, cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(rb.data() + n, ref.t, n, cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(gb.data(), got.n, n, cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(gb.data() + n, got.t, n, cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(&rs, ref.sc, sizeof rs, cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(&gs, got.sc, sizeof gs, cudaMemcpyDeviceToHost));
-        size_t bad_n = 0, bad_t = 0, sat = 0;
-        for (size_t e = 0; e < n; e++) {
-            bad_n += gb[e] != rb[e];
-            bad_t += gb[n + e] != rb[n + e];
-            sat += (rb[e] & 0x7F) == 0x7E;
-        }
-        report(bad_n == 0, "codes", "%zu of %zu differ from gelu_fwd + fp8_cast", bad_n, n);
-        report(bad_t == 0, "codes^T", "%zu of %zu differ from gelu_fwd + fp8_cast", bad_t, n);
-        report(rs.amax_bits == gs.amax_bits && rs.scale == gs.scale && rs.descale == gs.descale &&
-                   gs.scale == fp8_history_scale(&h),
-               "scale", "amax 0x%08x (unfused 0x%08x), scale %g (unfused %g, history %g)", gs.amax_bits, rs.amax_bits,
-               (double)gs.scale, (double)rs.scale, (double)fp8_history_scale(&h));
-        report((i == 1) == (sat > 0), "saturation", "%zu codes at the largest finite value", sat);
+        check_fp8_fused(ref, got, n, h, i == 1, "gelu_fwd + fp8_cast");
         dfree_all();
     }
 }
