@@ -1,7 +1,9 @@
-"""The delayed fp8 scaling candidate (-DFP8_DELAYED=1, docs/DESIGN.md §18) on the CPU engine: the
-history's scale rule (microgpt/cpu/fp8.h) against a float64 reference of "the current rule applied to
-the largest amax of the last 16 training forwards", and a CPU build with the switch that trains,
-keeps its histories in the checkpoint sidecar, and resumes bit-exactly.
+"""The delayed fp8 scaling candidate (-DFP8_DELAYED=1, docs/DESIGN.md §18). The history's scale rule
+(microgpt/cpu/fp8.h) is checked against a float64 reference of "the current rule applied to the
+largest amax of the last 16 training forwards". A CPU build with the switch must train, keep its
+histories in the checkpoint sidecar, resume bit-exactly, and refuse more than one process. On a GPU
+(skipped without one), the GPU build with the switch must track the CPU one and resume exactly, its
+graphs giving the bits of launch by launch. The fused kernels are checked by tests/kernel_check.cu.
 """
 import ctypes
 import json
@@ -12,6 +14,7 @@ import pytest
 
 import engine_util as eu
 from engine_util import run_ok, tiny_args
+from test_distributed import Ranks
 from test_fp8 import E4M3, reference_scale
 from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
 from test_gpu import FP8_SHAPES, build_variant, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
@@ -196,3 +199,11 @@ def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(cuda_delayed_binary,
     assert eager_ckpt.read_bytes() == (tmp_path / "ref.ckpt").read_bytes()
     assert sidecar_history(eager_ckpt) == sidecar_history(tmp_path / "ref.ckpt")
     assert len(eager.steps) == 60
+
+
+def test_delayed_build_refuses_more_than_one_process(delayed_binary, random_shards):
+    """Each rank would keep its own histories (docs/DESIGN.md §18): refused until they are reduced."""
+    argv = tiny_args(random_shards.train, **{**RUN, "train.steps": 2, "train.warmup_steps": 0, "eval.every": 0})
+    rcs, _, errs = Ranks(delayed_binary, argv, 2).finish()
+    assert rcs == [2, 2], errs
+    assert all(e.count("error:") == 1 and "fp8 delayed scaling" in e for e in errs), errs
