@@ -148,7 +148,8 @@ static void save_checkpoint(Run* r, int done, const char* reason) {
     const float* parts[3];
     const char* names[3] = {"weight", "AdamW m", "AdamW v"};
     size_t n = r->layout.n_params, bad;
-    char what[96], bandit_json[CKPT_SIDECAR_MAX / 2], extra[CKPT_SIDECAR_MAX - 512];
+    char what[96], bandit_json[CKPT_SIDECAR_MAX / 2];
+    char extra[CKPT_SIDECAR_MAX - 1024]; /* the sidecar's own members take under 1 KB (checkpoint.h) */
     int k;
     engine_get_state(r->params, r->m, r->v, &r->loss_scale); /* gathers the ranks' AdamW shards (§17) */
     if (g_dist.rank != 0) return;                            /* rank 0 alone checks and writes */
