@@ -6,7 +6,8 @@
  * (QKV, attention output, MLP up and down) read FP8-emulated operands: each operand is cast to
  * E4M3 (weights, activations; activation gradients in FP8_GRAD_FMT, cpu/fp8.h) with its per-tensor current scale and
  * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
- * reference for the GPU's FP8 products (docs/DESIGN.md §18). Every other precision computes fp32
+ * reference for the GPU's FP8 products (docs/DESIGN.md §18); an -DFP8_DELAYED=1 build casts the
+ * LayerNorm outputs ln1, ln2 and the GELU output at delayed scales instead (delayed_operand). Every other precision computes fp32
  * (and says so). Every buffer is allocated once in engine_setup, sized for B·T positions;
  * smaller calls (one prompt of len tokens in engine_prefill) reuse the same buffers. Results are
  * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation
@@ -65,6 +66,13 @@ static struct {
      * the GPU: its decode steps multiply unquantised, and the prefill must give the decode's keys) */
     int fp8, fp8_products;
     float *fq_act, *fq_weight, *fq_grad;
+    /* fp8 in an -DFP8_DELAYED=1 build: the delayed-scaling histories of ln1, ln2 and h_gelu per
+     * layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales the last forward cast them with
+     * (their backward re-casts alike), and whether the current forward extends the histories
+     * (training forwards only) */
+    int fp8_delayed, fp8_record;
+    Fp8History* delayed_hist;
+    float* delayed_scale;
     double* norm_partials;
     size_t n_norm_chunks;
     float* arena;
@@ -139,6 +147,14 @@ static size_t engine_setup(const Config* cfg) {
     n = E.layout.n_params;
     E.shard = dist_part(n, NORM_CHUNK, g_dist.rank, g_dist.world); /* whole chunks: the norm stays exact */
     E.fp8 = strcmp(cfg->train.precision, "fp8") == 0;
+    E.fp8_delayed = FP8_DELAYED && E.fp8 && E.training;
+    if (E.fp8_delayed && g_dist.world > 1)
+        die_input("fp8 delayed scaling (an FP8_DELAYED build) keeps one scale history per process; it does not "
+                  "run with %d processes yet (docs/DESIGN.md §18)", g_dist.world);
+    if (E.fp8_delayed) {
+        E.delayed_hist = (Fp8History*)xcalloc(FP8_DELAYED_PER_LAYER * (size_t)E.L, sizeof(Fp8History), "fp8 histories");
+        E.delayed_scale = (float*)xcalloc(FP8_DELAYED_PER_LAYER * (size_t)E.L, sizeof(float), "fp8 scales");
+    }
     E.layers = (LayerActs*)xcalloc((size_t)E.L, sizeof(LayerActs), "layer table");
     E.arena = NULL;
     E.arena_floats = carve_buffers();
@@ -202,6 +218,31 @@ static const float* act_operand(const float* x, size_t n) { return operand(E.fq_
 static const float* weight_operand(const float* w, size_t n) { return operand(E.fq_weight, w, n, FP8_E4M3); }
 static const float* grad_operand(const float* g, size_t n) { return operand(E.fq_grad, g, n, FP8_GRAD_FMT); }
 
+/* The product operand of activation `which` (DELAYED_LN1, DELAYED_LN2, DELAYED_GELU: cpu/fp8.h)
+ * of layer l. With delayed scaling (docs/DESIGN.md §18) the forward casts it at its history's
+ * scale (its own, current, while the history is empty) and, in training, records its amax; the
+ * backward re-casts it at the forward's scale, which gives the codes the GPU keeps from its
+ * forward. Otherwise act_operand. */
+static const float* delayed_operand(int l, int which, const float* x, size_t n, int forward) {
+    int i = FP8_DELAYED_PER_LAYER * l + which;
+    if (!E.fp8_products || !E.fp8_delayed) return act_operand(x, n);
+    if (forward) {
+        float amax = fp8_amax(x, n), s = fp8_history_scale(&E.delayed_hist[i]);
+        E.delayed_scale[i] = s > 0.0f ? s : fp8_scale_for_amax(amax, FP8_E4M3);
+        if (E.fp8_record) fp8_history_push(&E.delayed_hist[i], amax, FP8_E4M3);
+    }
+    fp8_fake_quantize_at(E.fq_act, x, n, FP8_E4M3, E.delayed_scale[i]);
+    return E.fq_act;
+}
+
+static int engine_fp8_history_count(void) { return E.fp8_delayed ? FP8_DELAYED_PER_LAYER * E.L : 0; }
+static void engine_get_fp8_history(Fp8History* h) {
+    if (E.fp8_delayed) memcpy(h, E.delayed_hist, FP8_DELAYED_PER_LAYER * (size_t)E.L * sizeof(Fp8History));
+}
+static void engine_set_fp8_history(const Fp8History* h) {
+    if (E.fp8_delayed) memcpy(E.delayed_hist, h, FP8_DELAYED_PER_LAYER * (size_t)E.L * sizeof(Fp8History));
+}
+
 /* Forward over B sequences of T tokens up to the final LayerNorm (E.lnf). */
 static void forward_trunk(const int* tokens, int B, int T) {
     int N = B * T, C = E.C, l;
@@ -214,7 +255,7 @@ static void forward_trunk(const int* tokens, int B, int T) {
         size_t nc = (size_t)N * C, nf = (size_t)N * E.F, cc = (size_t)C * C, cf = (size_t)C * E.F;
         layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x, P(LO(l, T_LN1_GAMMA)), P(LO(l, T_LN1_BETA)), N, C);
         /* W_Q, W_K, W_V are consecutive: one tensor (one fp8 scale) for the three products */
-        xa = act_operand(a->ln1, nc);
+        xa = delayed_operand(l, DELAYED_LN1, a->ln1, nc, 1);
         wqkv = weight_operand(P(LO(l, T_WQ)), 3 * cc);
         matmul_forward(a->q, xa, wqkv, N, C, C);
         matmul_forward(a->k, xa, wqkv + cc, N, C, C);
@@ -223,9 +264,9 @@ static void forward_trunk(const int* tokens, int B, int T) {
         matmul_forward(E.branch, act_operand(a->atty, nc), weight_operand(P(LO(l, T_WO)), cc), N, C, C);
         residual_forward(a->xmid, x, E.branch, N * C);
         layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->xmid, P(LO(l, T_LN2_GAMMA)), P(LO(l, T_LN2_BETA)), N, C);
-        matmul_forward(a->h, act_operand(a->ln2, nc), weight_operand(P(LO(l, T_W1)), cf), N, C, E.F);
+        matmul_forward(a->h, delayed_operand(l, DELAYED_LN2, a->ln2, nc, 1), weight_operand(P(LO(l, T_W1)), cf), N, C, E.F);
         gelu_forward(a->h_gelu, a->h, N * E.F);
-        matmul_forward(E.branch, act_operand(a->h_gelu, nf), weight_operand(P(LO(l, T_W2)), cf), N, E.F, C);
+        matmul_forward(E.branch, delayed_operand(l, DELAYED_GELU, a->h_gelu, nf, 1), weight_operand(P(LO(l, T_W2)), cf), N, E.F, C);
         residual_forward(a->xout, a->xmid, E.branch, N * C);
     }
     layernorm_forward(E.lnf, E.lnf_mean, E.lnf_rstd, layer_input(E.L), P(E.layout.lnf_gamma), P(E.layout.lnf_beta), N, C);
@@ -256,12 +297,12 @@ static void backward(const int* targets) {
         zero(dxmid, nc); zero(E.dbranch, nc);
         residual_backward(dxmid, E.dbranch, dres, (int)nc);
         zero(E.dh_gelu, nf);
-        matmul_backward(E.dh_gelu, G(LO(l, T_W2)), grad_operand(E.dbranch, nc), act_operand(a->h_gelu, nf),
+        matmul_backward(E.dh_gelu, G(LO(l, T_W2)), grad_operand(E.dbranch, nc), delayed_operand(l, DELAYED_GELU, a->h_gelu, nf, 0),
                         weight_operand(P(LO(l, T_W2)), cf), N, E.F, C);
         zero(E.dh, nf);
         gelu_backward(E.dh, a->h, E.dh_gelu, (int)nf);
         zero(E.dln, nc);
-        matmul_backward(E.dln, G(LO(l, T_W1)), grad_operand(E.dh, nf), act_operand(a->ln2, nc),
+        matmul_backward(E.dln, G(LO(l, T_W1)), grad_operand(E.dh, nf), delayed_operand(l, DELAYED_LN2, a->ln2, nc, 0),
                         weight_operand(P(LO(l, T_W1)), cf), N, C, E.F);
         layernorm_backward(dxmid, G(LO(l, T_LN2_GAMMA)), G(LO(l, T_LN2_BETA)), E.dln, a->xmid, P(LO(l, T_LN2_GAMMA)),
                            a->ln2_mean, a->ln2_rstd, N, C);
@@ -275,7 +316,7 @@ static void backward(const int* targets) {
         attention_backward(E.dq, E.dk, E.dv, E.datty, a->att, a->q, a->k, a->v, E.B, E.T, C, E.H);
         zero(E.dln, nc);
         {   /* dq, dk, dv (consecutive) are one fp8 tensor, as are W_Q, W_K, W_V */
-            const float *dqkv = grad_operand(E.dq, 3 * nc), *xa = act_operand(a->ln1, nc);
+            const float *dqkv = grad_operand(E.dq, 3 * nc), *xa = delayed_operand(l, DELAYED_LN1, a->ln1, nc, 0);
             const float* wqkv = weight_operand(P(LO(l, T_WQ)), 3 * cc);
             matmul_backward(E.dln, G(LO(l, T_WQ)), dqkv, xa, wqkv, N, C, C);
             matmul_backward(E.dln, G(LO(l, T_WK)), dqkv + nc, xa, wqkv + cc, N, C, C);
@@ -289,7 +330,10 @@ static void backward(const int* targets) {
 }
 
 static float engine_forward_backward(const int* inputs, const int* targets) {
-    float loss = forward_loss(inputs, targets);
+    float loss;
+    E.fp8_record = 1; /* a training forward extends the delayed-scaling histories */
+    loss = forward_loss(inputs, targets);
+    E.fp8_record = 0;
     backward(targets);
     return loss;
 }
@@ -429,6 +473,7 @@ static size_t engine_device_bytes_in_use(void) { return 0; }
 
 static void engine_shutdown(void) {
     free(E.params); free(E.grads); free(E.m); free(E.v); free(E.arena); free(E.norm_partials); free(E.layers);
+    free(E.delayed_hist); free(E.delayed_scale);
     param_layout_free(&E.layout);
     memset(&E, 0, sizeof E);
 }

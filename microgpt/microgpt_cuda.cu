@@ -21,7 +21,9 @@
  *         and down): FP8 tensor-core products (cuda/fp8.cuh) of operands cast per tensor at their
  *         current scale, E4M3 weights, activations and activation gradients, fp32
  *         accumulation, bf16 activations and fp32 weight gradients out. The classifier stays bf16.
- *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18.
+ *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. The candidate
+ *         -DFP8_DELAYED=1 casts ln1, ln2 and h_gelu at delayed scales (from amax histories)
+ *         instead, written by their producers (LayerNorm, GELU) as FP8 codes.
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
@@ -137,6 +139,13 @@ static struct {
     Fp8CastJobs<float> w8_jobs;
     Fp8Scale* fp8_scales;
     fp8 *a8, *x8t, *g8, *g8t;
+    /* the candidate -DFP8_DELAYED=1 (docs/DESIGN.md §18), training fp8 only: ln1, ln2 and h_gelu are
+     * cast at delayed scales, from the histories fp8_hist [L][FP8_DELAYED_PER_LAYER] (device), which
+     * every training forward extends by their amaxes (k_fp8_history_push) and the checkpoint
+     * sidecar keeps */
+    int fp8_delayed;
+    Fp8History* fp8_hist;
+    int fp8_hist_filled; /* the histories hold entries: the producers write the codes themselves */
 
     /* saved activations, per layer l at offset l * (size of one layer's slice) */
     void *res;   /* [L+1][N][C] residual stream: res[l] = input of layer l, res[L] = final */
@@ -235,6 +244,8 @@ static void plan_buffers(size_t* used) {
         E.x8t = (fp8*)carve(G_ACTIVATIONS, tr * L * N * (3 * C + F), used);
         E.g8 = (fp8*)carve(G_SCRATCH, tr * grad, used);
         E.g8t = (fp8*)carve(G_SCRATCH, tr * grad, used);
+        E.fp8_hist = (Fp8History*)carve(G_SCRATCH, (E.fp8_delayed ? FP8_DELAYED_PER_LAYER * L : 0) * sizeof(Fp8History),
+                                        used);
     }
 
     E.res = carve(G_ACTIVATIONS, (L + 1) * nc * es, used);
@@ -390,19 +401,37 @@ static void fp8_quantize_weights(void) {
 
 /* The input x [N, in] of layer l's product k, cast once: into E.a8 for the forward product and,
  * when training, transposed into x8t(l, k) for the backward's weight gradient (the same codes at
- * the same scale, x8_scale(l, k)). `amax_fused`: x's producer already put its amax there. */
-template <typename T> static Fp8Mat fp8_act(const T* x, int l, int k, int N, int in, bool amax_fused) {
+ * the same scale, x8_scale(l, k)). `input`: what x's producer already did (FP8_IN_*). */
+/* What a forward product's input holds when the product starts: only the values (the cast takes their
+ * amax first), the values with their amax (fused into their producer), or already its codes and
+ * scale (delayed scaling's fused LayerNorm: E.a8, x8t and x8_scale written). */
+enum { FP8_IN_RAW, FP8_IN_AMAX, FP8_IN_CODES };
+
+/* The delayed-scaling history of product k's input in layer l: ln1 (QKV), ln2 (MLP up) and h_gelu
+ * (MLP down) in an FP8_DELAYED training run; NULL (current scaling) otherwise. */
+static const Fp8History* fp8_history_of(int l, int k) {
+    if (!E.fp8_delayed || k == FP8_W_O) return NULL;
+    return E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l +
+           (k == FP8_W_QKV ? DELAYED_LN1 : k == FP8_W_1 ? DELAYED_LN2 : DELAYED_GELU);
+}
+
+/* Delayed scaling with histories that hold entries (all but a run's first micro-batch): the
+ * producers of ln1, ln2 and h_gelu write their products' codes themselves. */
+static bool fp8_producers_write_codes(void) { return E.fp8_delayed && E.fp8_hist_filled; }
+
+template <typename T> static Fp8Mat fp8_act(const T* x, int l, int k, int N, int in, int input) {
     Fp8Scale* sc = x8_scale(l, k);
-    if (!amax_fused) fp8_reduce_amax(sc, x, (size_t)N * in);
-    fp8_cast(E.a8, E.training ? x8t(l, k) : (fp8*)NULL, sc, x, 1, N, in, FP8_E4M3);
+    if (input == FP8_IN_CODES) return fp8_mat(E.a8, FP8_E4M3, sc);
+    if (input == FP8_IN_RAW) fp8_reduce_amax(sc, x, (size_t)N * in);
+    fp8_cast(E.a8, E.training ? x8t(l, k) : (fp8*)NULL, sc, x, 1, N, in, FP8_E4M3, fp8_history_of(l, k));
     return fp8_mat(E.a8, FP8_E4M3, sc);
 }
 
 /* out = x @ W (+ residual) for weight tensor t (product k) of layer l. */
 template <typename T>
 static void fp8_linear_fwd(T* out, const T* x, int l, int t, int k, int N, int in, int out_dim, const T* residual,
-                           bool amax_fused) {
-    fp8_gemm<T>(N, out_dim, in, fp8_act(x, l, k, N, in, amax_fused), w8_fwd(l, t, k), out, residual,
+                           int input) {
+    fp8_gemm<T>(N, out_dim, in, fp8_act(x, l, k, N, in, input), w8_fwd(l, t, k), out, residual,
                 residual ? 1.0f : 0.0f);
 }
 
@@ -428,18 +457,24 @@ static void fp8_linear_bwd(T* dx, float* dw, const T* dout, int l, int t, int k,
 /* The fp8 forward of layer l's sub-layers around attention (the LayerNorms and attention as in
  * forward(), which put the amax of ln1 and ln2 in their casts' scales). */
 template <typename T>
-static void fp8_qkv_fwd(const LayerActs<T>& a, int l, int N) {
+static void fp8_qkv_fwd(const LayerActs<T>& a, int l, int N, int input) {
     int C = E.C;
-    fp8_gemm<T>(N, C, C, fp8_act(a.ln1, l, FP8_W_QKV, N, C, true), w8_fwd(l, T_WQ, FP8_W_QKV, (long long)C * C),
+    fp8_gemm<T>(N, C, C, fp8_act(a.ln1, l, FP8_W_QKV, N, C, input), w8_fwd(l, T_WQ, FP8_W_QKV, (long long)C * C),
                 a.qkv, NULL, 0.0f, 3, (long long)N * C);
 }
 
 template <typename T>
-static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N) {
+static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N, int input) {
     int C = E.C, F = E.F;
-    fp8_linear_fwd<T>(a.h, a.ln2, l, T_W1, FP8_W_1, N, C, F, NULL, true);
-    gelu_fwd(a.h_gelu, a.h, (size_t)N * F, x8_amax(l, FP8_W_2));
-    fp8_linear_fwd<T>(layer_input<T>(l + 1), a.h_gelu, l, T_W2, FP8_W_2, N, F, C, a.xmid, true);
+    fp8_linear_fwd<T>(a.h, a.ln2, l, T_W1, FP8_W_1, N, C, F, NULL, input);
+    int gelu_input = FP8_IN_AMAX;
+    if (fp8_producers_write_codes()) { /* the GELU and its cast in one pass, no h_gelu in T */
+        fp8_cast_gelu(E.a8, x8t(l, FP8_W_2), x8_scale(l, FP8_W_2), a.h, N, F, fp8_history_of(l, FP8_W_2));
+        gelu_input = FP8_IN_CODES;
+    } else {
+        gelu_fwd(a.h_gelu, a.h, (size_t)N * F, x8_amax(l, FP8_W_2));
+    }
+    fp8_linear_fwd<T>(layer_input<T>(l + 1), a.h_gelu, l, T_W2, FP8_W_2, N, F, C, a.xmid, gelu_input);
 }
 
 /* dres's amax is in the scale already (the LayerNorm backward that produced it); dh's comes from
@@ -465,6 +500,22 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
     return s;
 }
 
+/* LayerNorm out = LN(x) (gamma, beta: layer l's tensors tg, tb), the input of layer l's product k.
+ * In fp8 its amax goes to the product's cast; with delayed scaling and histories that hold entries
+ * (all but a run's first micro-batch), the LayerNorm writes the product's codes itself (and no
+ * bf16 out: nothing else reads it in fp8). Returns what the product finds (FP8_IN_*). */
+template <typename T>
+static int ln_fwd_for_product(T* out, float* mean, float* rstd, const T* x, int l, int tg, int tb, int k, int N,
+                              bool fp8) {
+    if (fp8 && fp8_producers_write_codes() && layernorm_fwd_fp8_fits(N, E.C)) {
+        layernorm_fwd_fp8<T>(E.a8, x8t(l, k), x8_scale(l, k), fp8_history_of(l, k), mean, rstd, x, wf(l, tg),
+                             wf(l, tb), N, E.C);
+        return FP8_IN_CODES;
+    }
+    layernorm_fwd<T>(out, mean, rstd, x, wf(l, tg), wf(l, tb), N, E.C, fp8 ? x8_amax(l, k) : NULL);
+    return FP8_IN_AMAX;
+}
+
 /* Forward of B sequences of Tn positions (tokens already on the device) up to LNf's output; `fp8`:
  * the linear products in FP8 (precision fp8's training and validation forward). Generation's
  * prefill runs without: its decode steps multiply in bf16 (cuda/decode.cuh), and per-tensor scales
@@ -478,18 +529,18 @@ static void forward(int B, int Tn, bool fp8) {
     embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
     for (l = 0; l < L; l++) {
         LayerActs<T> a = layer_acts<T>(l);
-        layernorm_fwd<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, wf(l, T_LN1_GAMMA), wf(l, T_LN1_BETA), N, C,
-                         fp8 ? x8_amax(l, FP8_W_QKV) : NULL);
-        if (fp8) fp8_qkv_fwd<T>(a, l, N);
+        int in1 = ln_fwd_for_product<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, l, T_LN1_GAMMA, T_LN1_BETA, FP8_W_QKV, N,
+                                        fp8);
+        if (fp8) fp8_qkv_fwd<T>(a, l, N, in1);
         else attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
         /* precision fp8: the flash kernels take the amax of atty, W_O's input (cuBLAS path: the cast) */
         bool atty_amax = attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B,
                                      Tn, C, H, attn_scratch<T>(), fp8 ? x8_amax(l, FP8_W_O) : NULL);
-        if (fp8) fp8_linear_fwd<T>(a.xmid, a.atty, l, T_WO, FP8_W_O, N, C, C, a.x, atty_amax);
+        if (fp8) fp8_linear_fwd<T>(a.xmid, a.atty, l, T_WO, FP8_W_O, N, C, C, a.x, atty_amax ? FP8_IN_AMAX : FP8_IN_RAW);
         else attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
-        layernorm_fwd<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, wf(l, T_LN2_GAMMA), wf(l, T_LN2_BETA), N, C,
-                         fp8 ? x8_amax(l, FP8_W_1) : NULL);
-        if (fp8) fp8_mlp_fwd<T>(a, l, N);
+        int in2 = ln_fwd_for_product<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, l, T_LN2_GAMMA, T_LN2_BETA, FP8_W_1,
+                                        N, fp8);
+        if (fp8) fp8_mlp_fwd<T>(a, l, N, in2);
         else mlp_fwd<T>(layer_input<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
     }
     layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, layer_input<T>(L), E.params + E.layout.lnf_gamma,
@@ -632,6 +683,9 @@ template <typename T>
 static void record_forward_backward(void) {
     upload_inputs(2 * (size_t)E.N);
     forward<T>(E.B, E.T, E.use_fp8);
+    if (E.fp8_delayed) /* a training forward extends the histories of ln1, ln2, h_gelu by their amaxes */
+        fp8_history_push_all(E.fp8_hist, x8_scale(0, 0), FP8_W_PER_LAYER, make_int3(FP8_W_QKV, FP8_W_1, FP8_W_2),
+                             FP8_DELAYED_PER_LAYER * E.L);
     loss_chunks<T>(E.N, 1);
     backward<T>();
     download_output(&E.io->loss, &E.io_host->loss);
@@ -642,7 +696,15 @@ static float forward_backward_t(const int* inputs, const int* targets) {
     stage_batch(inputs, targets);
     E.io_host->dscale = (E.prec == PREC_FP16 ? E.loss_scale : 1.0f) / (float)E.N;
     E.grad_beta = E.grads_pending ? 1.0f : 0.0f;
-    run_graph(&E.fb_graph[E.grads_pending], record_forward_backward<T>);
+    if (E.fp8_delayed && !E.fp8_hist_filled) { /* empty histories: current scaling, not the graphs' fused path */
+        int graphs = E.use_graphs;
+        E.use_graphs = 0;
+        run_graph(&E.fb_graph[E.grads_pending], record_forward_backward<T>);
+        E.use_graphs = graphs;
+        E.fp8_hist_filled = 1;
+    } else {
+        run_graph(&E.fb_graph[E.grads_pending], record_forward_backward<T>);
+    }
     E.grads_pending = 1;
     return E.io_host->loss;
 }
@@ -819,6 +881,10 @@ static void warm_up(void) {
         engine_update(0.0f, 1, &E.cfg);
     }
     engine_forward_loss(zeros, zeros);
+    if (E.fp8_delayed) { /* the warm-up's forwards recorded amaxes: a run starts with empty histories */
+        CUDA_CHECK(cudaMemset(E.fp8_hist, 0, engine_fp8_history_count() * sizeof(Fp8History)));
+        E.fp8_hist_filled = 0;
+    }
     if (E.slots > 0) { /* the training samples: a prefill and the decode graph of one sequence */
         int slot = 0, pos = 0;
         engine_prefill(slot, zeros, 1, logits);
@@ -839,6 +905,10 @@ static size_t engine_setup(const Config* cfg) {
     memset(&E, 0, sizeof E);
     E.cfg = *cfg;
     E.use_fp8 = strcmp(prec, "fp8") == 0; /* everything else as bf16 */
+    E.fp8_delayed = FP8_DELAYED && E.use_fp8 && !cfg->generate.enabled && !cfg->evaluate;
+    if (E.fp8_delayed && g_dist.world > 1)
+        die_input("fp8 delayed scaling (an FP8_DELAYED build) keeps one scale history per process; it does not "
+                  "run with %d processes yet (docs/DESIGN.md §18)", g_dist.world);
     E.prec = strcmp(prec, "bf16") == 0 || E.use_fp8 ? PREC_BF16 : strcmp(prec, "fp16") == 0 ? PREC_FP16 : PREC_FP32; /* or tf32 */
     E.es = E.prec == PREC_FP32 ? 4 : 2;
     E.B = cfg->train.batch_size;
@@ -960,6 +1030,18 @@ static void engine_get_state(float* params, float* m, float* v, float* loss_scal
     dist_gather_parts(m, sizeof(float), E.P, DIST_CUDA_UNIT); /* rank 0 gets the whole state (§17) */
     dist_gather_parts(v, sizeof(float), E.P, DIST_CUDA_UNIT);
     *loss_scale = E.loss_scale;
+}
+
+static int engine_fp8_history_count(void) { return E.fp8_delayed ? FP8_DELAYED_PER_LAYER * E.L : 0; }
+static void engine_get_fp8_history(Fp8History* h) {
+    if (E.fp8_delayed) CUDA_CHECK(cudaMemcpy(h, E.fp8_hist, engine_fp8_history_count() * sizeof(Fp8History),
+                                             cudaMemcpyDeviceToHost));
+}
+static void engine_set_fp8_history(const Fp8History* h) {
+    if (!E.fp8_delayed) return;
+    CUDA_CHECK(cudaMemcpy(E.fp8_hist, h, engine_fp8_history_count() * sizeof(Fp8History), cudaMemcpyHostToDevice));
+    E.fp8_hist_filled = 1; /* every training forward pushes every history; the fused path needs all */
+    for (int i = 0; i < engine_fp8_history_count(); i++) E.fp8_hist_filled = E.fp8_hist_filled && h[i].count > 0;
 }
 
 static float engine_forward_backward(const int* inputs, const int* targets) {

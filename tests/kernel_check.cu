@@ -1041,8 +1041,10 @@ static Fp8CastOut fp8_cast_out(size_t n) {
 }
 
 /* The codes in the layouts asked for (`layouts`: 1 out_n, 2 out_t, 3 both; the other must stay
- * poisoned) and the scale of a cast of batch blocks [R, Cc] of x, against the CPU emulation, exactly. */
-static void check_fp8_cast(const Fp8CastOut& o, const Vec& x, int batch, int R, int Cc, int fmt, int layouts) {
+ * poisoned) and the scale of a cast of batch blocks [R, Cc] of x, against the CPU emulation, exactly.
+ * `hist`: the cast was at that history's delayed scale (cpu/fp8.h), not at x's current one. */
+static void check_fp8_cast(const Fp8CastOut& o, const Vec& x, int batch, int R, int Cc, int fmt, int layouts,
+                           const Fp8History* hist = NULL) {
     size_t n = x.size(), bad_n = 0, bad_t = 0;
     std::vector<unsigned char> gn(n), gt(n);
     Fp8Scale gs;
@@ -1052,6 +1054,7 @@ static void check_fp8_cast(const Fp8CastOut& o, const Vec& x, int batch, int R, 
     CUDA_CHECK(cudaMemcpy(&gs, o.sc, sizeof gs, cudaMemcpyDeviceToHost));
     float amax = fp8_amax(x.data(), n), s = fp8_scale_for_amax(amax, fmt);
     unsigned amax_bits = fp8_float_bits(amax);
+    if (hist && fp8_history_scale(hist) > 0.0f) s = fp8_history_scale(hist);
     for (int b = 0; b < batch; b++)
         for (int r = 0; r < R; r++)
             for (int c = 0; c < Cc; c++) {
@@ -1081,6 +1084,149 @@ template <typename T> static void test_fp8_quantize(int batch, int R, int Cc, in
     fp8_cast(layouts & 1 ? o.n : (fp8*)NULL, layouts & 2 ? o.t : (fp8*)NULL, o.sc, dx, batch, R, Cc, fmt);
     check_fp8_cast(o, x, batch, R, Cc, fmt, layouts);
     dfree_all();
+}
+
+/* Delayed scaling (FP8_DELAYED, docs/DESIGN.md §18): the cast of bf16 [R, C] at the scale of a history
+ * (its amax still the tensor's own) for a history that is empty (current scaling), one whose scale is
+ * below the current one, and one above it (the largest values saturate); then the history push after
+ * a forward against cpu/fp8.h's, for histories empty, part full, full and all-zero amaxes. */
+static void test_fp8_delayed(int R, int C) {
+    const signed char below[3] = {5, 2, 9}, above[2] = {8, 7}; /* x ~ 3 N(0,1): current scale 2^4 or 2^5 */
+    Fp8History hists[3];
+    memset(hists, 0, sizeof hists);
+    memcpy(hists[1].exp, below, sizeof below), hists[1].count = 3;
+    memcpy(hists[2].exp, above, sizeof above), hists[2].count = 2;
+    for (int i = 0; i < 3; i++) {
+        Vec x = fp8_cast_input<bf16>((size_t)R * C, FP8_E4M3, 0);
+        bf16* dx = upload<bf16>(x);
+        Fp8History* dh = (Fp8History*)dalloc(sizeof(Fp8History));
+        CUDA_CHECK(cudaMemcpy(dh, &hists[i], sizeof(Fp8History), cudaMemcpyHostToDevice));
+        Fp8CastOut o = fp8_cast_out((size_t)R * C);
+        fp8_reduce_amax(o.sc, dx, (size_t)R * C);
+        fp8_cast(o.n, o.t, o.sc, dx, 1, R, C, FP8_E4M3, dh);
+        check_fp8_cast(o, x, 1, R, C, FP8_E4M3, 3, &hists[i]);
+        dfree_all();
+    }
+    /* the push: 3 histories a layer (ln1, ln2, h_gelu), their amaxes at scales[l * stride + k.x/y/z] */
+    const int layers = 5, stride = 4, n = FP8_DELAYED_PER_LAYER * layers;
+    const int3 k = make_int3(0, 2, 3);
+    const int k_of[FP8_DELAYED_PER_LAYER] = {k.x, k.y, k.z};
+    std::vector<Fp8History> h(n), want;
+    std::vector<Fp8Scale> sc((size_t)layers * stride);
+    Vec amax = randn(sc.size(), 100.0f);
+    for (size_t i = 0; i < sc.size(); i++) amax[i] = i % 5 == 3 ? 0.0f : fabsf(amax[i]);
+    for (size_t i = 0; i < sc.size(); i++) sc[i].amax_bits = fp8_float_bits(amax[i]);
+    for (int i = 0; i < n; i++) {
+        memset(&h[i], 0, sizeof h[i]);
+        h[i].count = (i * 7) % (FP8_HISTORY_LEN + 1); /* 0 .. full */
+        for (int e = 0; e < h[i].count; e++) h[i].exp[e] = (signed char)(i - e);
+    }
+    want = h;
+    for (int i = 0; i < n; i++)
+        fp8_history_push(&want[i], amax[(size_t)(i / FP8_DELAYED_PER_LAYER) * stride + k_of[i % FP8_DELAYED_PER_LAYER]],
+                         FP8_E4M3);
+    Fp8History* dh = (Fp8History*)dalloc(n * sizeof(Fp8History));
+    Fp8Scale* dsc = (Fp8Scale*)dalloc(sc.size() * sizeof(Fp8Scale));
+    CUDA_CHECK(cudaMemcpy(dh, h.data(), n * sizeof(Fp8History), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dsc, sc.data(), sc.size() * sizeof(Fp8Scale), cudaMemcpyHostToDevice));
+    fp8_history_push_all(dh, dsc, stride, k, n);
+    CUDA_CHECK(cudaMemcpy(h.data(), dh, n * sizeof(Fp8History), cudaMemcpyDeviceToHost));
+    int bad = 0;
+    for (int i = 0; i < n; i++)
+        bad += h[i].count != want[i].count || memcmp(h[i].exp, want[i].exp, (size_t)want[i].count) != 0;
+    report(bad == 0, "history push", "%d of %d histories differ from cpu/fp8.h's push", bad, n);
+    dfree_all();
+}
+
+/* A history of `count` exponents, on the host and (*dev) the device. */
+static Fp8History fp8_history_with(const signed char* exps, int count, Fp8History** dev) {
+    Fp8History h;
+    memset(&h, 0, sizeof h);
+    memcpy(h.exp, exps, (size_t)count), h.count = count;
+    *dev = (Fp8History*)dalloc(sizeof h);
+    CUDA_CHECK(cudaMemcpy(*dev, &h, sizeof h, cudaMemcpyHostToDevice));
+    return h;
+}
+
+/* A fused producer's n codes (both layouts), amax and scale (`got`) against those of the unfused
+ * kernel + cast it replaces (`ref`, named `unfused`), bit for bit, at the history h's scale; codes
+ * at the largest finite value where `saturates`, else none. */
+static void check_fp8_fused(const Fp8CastOut& ref, const Fp8CastOut& got, size_t n, const Fp8History& h, bool saturates,
+                            const char* unfused) {
+    std::vector<unsigned char> rb(2 * n), gb(2 * n);
+    Fp8Scale rs, gs;
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(rb.data(), ref.n, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(rb.data() + n, ref.t, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gb.data(), got.n, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gb.data() + n, got.t, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&rs, ref.sc, sizeof rs, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&gs, got.sc, sizeof gs, cudaMemcpyDeviceToHost));
+    size_t bad_n = 0, bad_t = 0, sat = 0;
+    for (size_t e = 0; e < n; e++) {
+        bad_n += gb[e] != rb[e];
+        bad_t += gb[n + e] != rb[n + e];
+        sat += (rb[e] & 0x7F) == 0x7E;
+    }
+    report(bad_n == 0, "codes", "%zu of %zu differ from %s", bad_n, n, unfused);
+    report(bad_t == 0, "codes^T", "%zu of %zu differ from %s", bad_t, n, unfused);
+    report(rs.amax_bits == gs.amax_bits && rs.scale == gs.scale && rs.descale == gs.descale &&
+               gs.scale == fp8_history_scale(&h),
+           "scale", "amax 0x%08x (unfused 0x%08x), scale %g (unfused %g, history %g)", gs.amax_bits, rs.amax_bits,
+           (double)gs.scale, (double)rs.scale, (double)fp8_history_scale(&h));
+    report(saturates == (sat > 0), "saturation", "%zu codes at the largest finite value", sat);
+}
+
+/* Delayed scaling's fused LayerNorm (layernorm_fwd_fp8) against the unfused path it replaces,
+ * layernorm_fwd with the amax fused then fp8_cast at the history's scale (itself checked against
+ * cpu/fp8.h above and the CPU LayerNorm in run_prec): the codes of both layouts, mean, rstd, amax
+ * and scale, bit for bit, for a history below and one above (saturating) the current scale. */
+static void test_fp8_layernorm_fused(int N, int C) {
+    /* outputs xhat * gamma + beta, gamma ~ N(0, 1.5^2): amax about 10 to 25, current scale 2^4 or 2^5 */
+    const signed char below[2] = {3, 6}, above[1] = {7};
+    size_t n = (size_t)N * C;
+    for (int i = 0; i < 2; i++) {
+        Fp8History* dh;
+        Fp8History h = i ? fp8_history_with(above, 1, &dh) : fp8_history_with(below, 2, &dh);
+        Vec x = rounded<bf16>(randn(n, 2.0f, 0.5f)), g = randn(C, 1.5f), b = randn(C, 0.1f);
+        bf16* dx = upload<bf16>(x);
+        float *dg = upload<float>(g), *db = upload<float>(b);
+        Fp8CastOut ref = fp8_cast_out(n), got = fp8_cast_out(n);
+        bf16* ln = (bf16*)dalloc(n * sizeof(bf16));
+        float* stats = (float*)dalloc(4 * (size_t)N * sizeof(float)); /* mean, rstd: reference, fused */
+        CUDA_CHECK(cudaMemset(stats, 0xFF, 4 * (size_t)N * sizeof(float)));
+        layernorm_fwd<bf16>(ln, stats, stats + N, dx, dg, db, N, C, &ref.sc->amax_bits);
+        fp8_cast(ref.n, ref.t, ref.sc, ln, 1, N, C, FP8_E4M3, dh);
+        layernorm_fwd_fp8<bf16>(got.n, got.t, got.sc, dh, stats + 2 * N, stats + 3 * N, dx, dg, db, N, C);
+        check_fp8_fused(ref, got, n, h, i == 1, "layernorm_fwd + fp8_cast");
+        std::vector<float> st(4 * (size_t)N);
+        CUDA_CHECK(cudaMemcpy(st.data(), stats, st.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        report(memcmp(st.data(), st.data() + 2 * N, 2 * (size_t)N * sizeof(float)) == 0, "mean, rstd",
+               "differ from layernorm_fwd's");
+        dfree_all();
+    }
+}
+
+/* Delayed scaling's fused GELU (fp8_cast_gelu) against the unfused path it replaces, gelu_fwd with
+ * the amax fused then fp8_cast at the history's scale: codes of both layouts, amax and scale, bit
+ * for bit, for a history below and one above (saturating) the current scale. */
+static void test_fp8_gelu_fused(int R, int Cc) {
+    /* gelu of h ~ N(0, 3^2): amax about 10 to 15, current scale 2^5 */
+    const signed char below[2] = {2, 4}, above[1] = {8};
+    size_t n = (size_t)R * Cc;
+    for (int i = 0; i < 2; i++) {
+        Fp8History* dh;
+        Fp8History h = i ? fp8_history_with(above, 1, &dh) : fp8_history_with(below, 2, &dh);
+        Vec x = rounded<bf16>(randn(n, 3.0f));
+        bf16* dx = upload<bf16>(x);
+        bf16* dgelu = (bf16*)dalloc(n * sizeof(bf16));
+        Fp8CastOut ref = fp8_cast_out(n), got = fp8_cast_out(n);
+        gelu_fwd<bf16>(dgelu, dx, n, &ref.sc->amax_bits);
+        fp8_cast(ref.n, ref.t, ref.sc, dgelu, 1, R, Cc, FP8_E4M3, dh);
+        fp8_cast_gelu<bf16>(got.n, got.t, got.sc, dx, R, Cc, dh);
+        check_fp8_fused(ref, got, n, h, i == 1, "gelu_fwd + fp8_cast");
+        dfree_all();
+    }
 }
 
 /* A list of casts in two launches (fp8_quantize_jobs, the engine's weights), each job checked as
@@ -1178,6 +1324,22 @@ static void run_fp8(void) {
                                        {1, 48, 208}, {1, 208, 48}}, fmt);
         set_ctx("fp8", "quantize jobs fp32 odd", fp8_name(fmt));
         test_fp8_quantize_jobs<float>({{1, 37, 36}, {3, 64, 64}, {1, 129, 200}}, fmt);
+    }
+    set_ctx("fp8", "delayed scaling", "R=256 C=96 packed");
+    test_fp8_delayed(256, 96);
+    set_ctx("fp8", "delayed scaling", "R=37 C=36 element-wise");
+    test_fp8_delayed(37, 36);
+    const int ln_shapes[][2] = {{64, 192}, {48, 768}, {32, 36}, {16, 3056}}; /* 36: the element-wise kernel */
+    for (const auto& ls : ln_shapes) {
+        snprintf(sh, sizeof sh, "N=%d C=%d", ls[0], ls[1]);
+        set_ctx("fp8", "delayed layernorm fused", sh);
+        test_fp8_layernorm_fused(ls[0], ls[1]);
+    }
+    const int gelu_shapes[][2] = {{128, 768}, {80, 200}, {37, 36}}; /* packed; partial tiles; element-wise */
+    for (const auto& gs : gelu_shapes) {
+        snprintf(sh, sizeof sh, "R=%d F=%d", gs[0], gs[1]);
+        set_ctx("fp8", "delayed gelu fused", sh);
+        test_fp8_gelu_fused(gs[0], gs[1]);
     }
     const int gshapes[][4] = {{64, 96, 128, 1}, {48, 32, 96, 3}, {256, 512, 64, 1}, {16, 48, 16, 1}};
     for (const auto& g : gshapes) {

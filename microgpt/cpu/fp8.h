@@ -115,14 +115,68 @@ static inline float fp8_amax(const float* x, size_t n) {
     return r;
 }
 
-/* out = the values the fp8 product sees of x [n]: cast with the tensor's current scale, then
- * dequantised (code value / scale). out may be x. Returns the scale. */
-static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int fmt) {
-    float s = fp8_scale_for_amax(fp8_amax(x, n), fmt), inv = 1.0f / s;
+/* out = the values the fp8 product sees of x [n] cast at scale s (a power of two), then dequantised
+ * (code value / s). out may be x. */
+static inline void fp8_fake_quantize_at(float* out, const float* x, size_t n, int fmt, float s) {
+    float inv = 1.0f / s;
     long i, len = (long)n;
     #pragma omp parallel for schedule(static)
     for (i = 0; i < len; i++) out[i] = fp8_to_float(fp8_from_float(x[i] * s, fmt), fmt) * inv;
+}
+
+/* The same at the tensor's current scale. Returns the scale. */
+static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int fmt) {
+    float s = fp8_scale_for_amax(fp8_amax(x, n), fmt);
+    fp8_fake_quantize_at(out, x, n, fmt, s);
     return s;
+}
+
+/* Delayed scaling (the candidate -DFP8_DELAYED=1, docs/DESIGN.md §18): a tensor's scale comes from
+ * the amaxes of its last FP8_HISTORY_LEN training forwards instead of its own, so a producer can
+ * write fp8 codes before it knows its amax. The history keeps scale exponents (log2 of
+ * fp8_scale_for_amax, oldest first), not amaxes: that rule is monotone, so the smallest exponent is
+ * the rule applied to the largest amax, and small integers keep the checkpoint sidecar short.
+ * An all-zero tensor records FP8_HISTORY_NONE, which constrains nothing beside other entries. */
+#ifndef FP8_DELAYED
+#define FP8_DELAYED 0
+#endif
+/* The activations with delayed scales, per layer, in the engines' and the sidecar's order: the
+ * LayerNorm outputs (the QKV and MLP-up inputs) and the GELU output (MLP down's). */
+enum { DELAYED_LN1, DELAYED_LN2, DELAYED_GELU, FP8_DELAYED_PER_LAYER };
+#define FP8_HISTORY_LEN 16
+#define FP8_HISTORY_NONE 127
+typedef struct {
+    signed char exp[FP8_HISTORY_LEN]; /* oldest first; count of them valid */
+    int count;
+} Fp8History;
+
+/* The exponent an amax records: log2 of its current scale; FP8_HISTORY_NONE for 0. */
+static inline FP8_HD int fp8_history_exponent(float amax, int fmt) {
+    int e;
+    if (amax == 0.0f) return FP8_HISTORY_NONE;
+    frexpf(fp8_scale_for_amax(amax, fmt), &e);
+    return e - 1;
+}
+
+/* The delayed scale: 2^(smallest exponent of the history); 1, the scale of a zero amax, when every
+ * entry is an all-zero tensor's; 0 when the history is empty (a run's first forward: the caller
+ * falls back to current scaling, which the host can tell from its count of training forwards). */
+static inline FP8_HD float fp8_history_scale(const Fp8History* h) {
+    int i, k = FP8_HISTORY_NONE;
+    if (h->count == 0) return 0.0f;
+    for (i = 0; i < h->count; i++)
+        if (h->exp[i] < k) k = h->exp[i];
+    return k == FP8_HISTORY_NONE ? 1.0f : ldexpf(1.0f, k);
+}
+
+/* Appends the exponent of this forward's amax, dropping the oldest entry of a full history. */
+static inline FP8_HD void fp8_history_push(Fp8History* h, float amax, int fmt) {
+    int i;
+    if (h->count == FP8_HISTORY_LEN) {
+        for (i = 1; i < FP8_HISTORY_LEN; i++) h->exp[i - 1] = h->exp[i];
+        h->count--;
+    }
+    h->exp[h->count++] = (signed char)fp8_history_exponent(amax, fmt);
 }
 
 #endif

@@ -9,7 +9,11 @@
  * that kernel, saving a full read. Every cast has its own Fp8Scale, whose amax is zeroed before
  * (fp8_zero_scales, one memset for many). The weights' casts (all layers) run as one list: one amax launch, one cast
  * launch (fp8_quantize_jobs). Current scaling: every cast uses the amax of the tensor
- * it casts, so no scale state outlives a step and resume needs nothing beyond the weights.
+ * it casts, so no scale state outlives a step and resume needs nothing beyond the weights. The
+ * candidate -DFP8_DELAYED=1 casts the LayerNorm and GELU outputs at a delayed scale (Fp8CastJob's
+ * hist, k_fp8_history_push; docs/DESIGN.md §18) instead, whose histories are checkpoint state;
+ * known beforehand, the scale lets their producers write the codes (k_layernorm_fwd_fp8, the
+ * cast's GELU variant).
  *
  * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
  * patterns is the order of the values), reduced per block and combined with an integer atomicMax:
@@ -34,6 +38,8 @@
 
 #include "../cpu/fp8.h"
 #include "common.cuh"
+#include "layernorm.cuh"
+#include "mlp.cuh"
 
 typedef unsigned char fp8;
 
@@ -65,6 +71,7 @@ template <typename T> struct Fp8CastJob {
     Fp8Scale* sc;
     int batch, R, Cc, fmt;
     unsigned first_tile; /* in a list: the tiles of the jobs before it (its first block of the cast) */
+    const Fp8History* hist; /* delayed scaling (FP8_DELAYED): the scale from this history, NULL: current */
 };
 
 static unsigned fp8_cast_tiles(int batch, int R, int Cc) {
@@ -109,14 +116,23 @@ __device__ __forceinline__ fp8 fp8_cvt(float x, int fmt) {
  * bytes of a tile row, so without bank conflicts). PACKED (Cc a multiple of FP8_ROW_PACKET, R of
  * FP8_COL_PACKET, pointers 16-byte aligned: fp8_cast_packable): 16-byte loads, 8-byte and
  * 16-byte stores; else element by element. */
-template <typename T, bool PACKED> __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned tile_id) {
+/* GELU (delayed scaling only, docs/DESIGN.md §18): the tile cast is of gelu(in) as stored in T, as
+ * k_gelu_fwd stores it, and its amax goes to j.sc (block_amax_commit) for the history's next entry:
+ * the GELU and the cast of its output fused, at the history's scale (j.hist, not empty). */
+template <typename T, bool PACKED, bool GELU = false>
+__device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned tile_id) {
     __shared__ __align__(16) fp8 tile[FP8_TILE][FP8_TILE + 8]; /* rows of 72 bytes: 8-byte aligned */
     const int R = j.R, Cc = j.Cc, batch = j.batch, fmt = j.fmt;
     fp8 *out_n = j.out_n, *out_t = j.out_t;
     unsigned tiles_c = ceil_div(Cc, FP8_TILE), tiles_r = ceil_div(R, FP8_TILE);
     int c0 = (int)(tile_id % tiles_c) * FP8_TILE, r0 = (int)(tile_id / tiles_c % tiles_r) * FP8_TILE;
     int b = (int)(tile_id / tiles_c / tiles_r);
-    float amax = __uint_as_float(j.sc->amax_bits), s = fp8_scale_for_amax(amax, fmt);
+    /* a GELU tile's amax is still being reduced (by every block): it reads none */
+    float s = GELU ? 1.0f : fp8_scale_for_amax(__uint_as_float(j.sc->amax_bits), fmt);
+    if (j.hist) { /* delayed: the history's scale; the current one while the history is empty */
+        float d = fp8_history_scale(j.hist);
+        if (d > 0.0f) s = d;
+    }
     const T* src = j.in + (size_t)b * R * Cc;
     if (tile_id == 0 && threadIdx.x == 0) {
         j.sc->scale = s;
@@ -124,6 +140,7 @@ template <typename T, bool PACKED> __device__ __forceinline__ void fp8_cast_tile
     }
     const int per_row = FP8_TILE / FP8_ROW_PACKET;
     int tc = (threadIdx.x % per_row) * FP8_ROW_PACKET, c = c0 + tc;
+    unsigned am = 0; /* GELU only */
     for (int tr = threadIdx.x / per_row; tr < FP8_TILE; tr += FP8_CAST_THREADS / per_row) {
         int r = r0 + tr;
         if (r >= R) break;
@@ -133,17 +150,29 @@ template <typename T, bool PACKED> __device__ __forceinline__ void fp8_cast_tile
             uint2 q;
             fp8* qb = reinterpret_cast<fp8*>(&q);
             load_vec(v, src + (size_t)r * Cc + c);
-            for (int k = 0; k < FP8_ROW_PACKET; k++) qb[k] = fp8_cvt(v[k] * s, fmt);
+            for (int k = 0; k < FP8_ROW_PACKET; k++) {
+                if constexpr (GELU) {
+                    v[k] = as_stored<T>(gelu_f(v[k]));
+                    am = max(am, abs_bits(v[k]));
+                }
+                qb[k] = fp8_cvt(v[k] * s, fmt);
+            }
             if (out_n) *reinterpret_cast<uint2*>(out_n + ((size_t)r * batch + b) * Cc + c) = q;
             *reinterpret_cast<uint2*>(&tile[tr][tc]) = q;
         } else {
             for (int k = 0; k < FP8_ROW_PACKET && c + k < Cc; k++) {
-                fp8 q = fp8_cvt(to_f(src[(size_t)r * Cc + c + k]) * s, fmt);
+                float x = to_f(src[(size_t)r * Cc + c + k]);
+                if constexpr (GELU) {
+                    x = as_stored<T>(gelu_f(x));
+                    am = max(am, abs_bits(x));
+                }
+                fp8 q = fp8_cvt(x * s, fmt);
                 if (out_n) out_n[((size_t)r * batch + b) * Cc + c + k] = q;
                 tile[tr][tc + k] = q;
             }
         }
     }
+    if constexpr (GELU) block_amax_commit(&j.sc->amax_bits, am); /* every thread gets here */
     if (!out_t) return;
     __syncthreads();
     int col = threadIdx.x % FP8_TILE, tr0 = threadIdx.x / FP8_TILE * FP8_COL_PACKET;
@@ -163,9 +192,10 @@ template <typename T, bool PACKED> __device__ __forceinline__ void fp8_cast_tile
 static_assert(FP8_CAST_THREADS / FP8_TILE * FP8_COL_PACKET == FP8_TILE, "the transposed pass covers the tile");
 
 /* One cast, a block a tile. */
-template <typename T, bool PACKED> __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast(Fp8CastJob<T> j) {
+template <typename T, bool PACKED, bool GELU = false>
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast(Fp8CastJob<T> j) {
     await_previous_kernel();
-    fp8_cast_tile<T, PACKED>(j, blockIdx.x);
+    fp8_cast_tile<T, PACKED, GELU>(j, blockIdx.x);
 }
 
 /* A list of casts, a block a tile: the block's job is the last whose first_tile is <= blockIdx.x. */
@@ -201,13 +231,135 @@ template <typename T> static bool fp8_cast_packable(const Fp8CastJob<T>& j) {
 }
 
 /* The cast of `batch` blocks [R, Cc] of `in` (Fp8CastJob) at the scale of the amax already in sc
- * (from fp8_reduce_amax or a producer with the amax fused). */
+ * (from fp8_reduce_amax or a producer with the amax fused), or of the history `hist` (delayed). */
 template <typename T>
-static void fp8_cast(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt) {
-    Fp8CastJob<T> j = {in, out_n, out_t, sc, batch, R, Cc, fmt, 0};
+static void fp8_cast(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt,
+                     const Fp8History* hist = NULL) {
+    Fp8CastJob<T> j = {in, out_n, out_t, sc, batch, R, Cc, fmt, 0, hist};
     unsigned tiles = fp8_cast_tiles(batch, R, Cc);
     if (fp8_cast_packable(j)) launch_kernel(k_fp8_cast<T, true>, tiles, FP8_CAST_THREADS, j);
     else launch_kernel(k_fp8_cast<T, false>, tiles, FP8_CAST_THREADS, j);
+}
+
+/* Delayed scaling: after a training forward, history i (of activation i % FP8_DELAYED_PER_LAYER of
+ * layer i / FP8_DELAYED_PER_LAYER) takes the amax of its tensor, which sits in
+ * scales[layer * stride + k.x / k.y / k.z] (ln1, ln2, h_gelu); one thread a history, in the CPU
+ * engine's code (cpu/fp8.h's fp8_history_push). */
+__global__ void k_fp8_history_push(Fp8History* __restrict__ hist, const Fp8Scale* __restrict__ scales, int stride,
+                                   int3 k, int n) {
+    await_previous_kernel();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int which = i % FP8_DELAYED_PER_LAYER;
+    const Fp8Scale* sc = scales + (size_t)(i / FP8_DELAYED_PER_LAYER) * stride +
+                         (which == DELAYED_LN1 ? k.x : which == DELAYED_LN2 ? k.y : k.z);
+    fp8_history_push(&hist[i], __uint_as_float(sc->amax_bits), FP8_E4M3);
+}
+static_assert(FP8_DELAYED_PER_LAYER == 3, "k_fp8_history_push knows three activations a layer");
+
+static void fp8_history_push_all(Fp8History* hist, const Fp8Scale* scales, int stride, int3 k, int n) {
+    launch_kernel(k_fp8_history_push, ceil_div(n, 128), 128, hist, scales, stride, k, n);
+}
+
+/* Delayed scaling's fused LayerNorm (FP8_DELAYED, docs/DESIGN.md §18): the forward of N rows of x
+ * [N, C] written straight as E4M3 codes at the history's scale, row-major into out_n and
+ * transposed into out_t ([C][N], either may be NULL), with mean and rstd, the amax of the outputs
+ * as stored in T (what the unfused path's cast would have seen, for the history's next entry) and
+ * the scale in sc: bit for bit layernorm_fwd then fp8_cast with the history. A block does
+ * LN_FP8_ROWS rows, a warp a row at a time as k_layernorm_fwd, keeping the codes in shared memory
+ * (LN_FP8_ROWS x C) for the transposed layout: a thread a column, one 16-byte store of
+ * LN_FP8_ROWS codes. Needs N a multiple of LN_FP8_ROWS (fp8's rule) and a history that is not
+ * empty (the caller falls back to the unfused path for a run's first forward). */
+#define LN_FP8_ROWS 16
+#define LN_FP8_MAX_C (48 * 1024 / LN_FP8_ROWS - 16) /* the tile within 48 KB of shared memory */
+template <typename T, int VEC>
+__global__ void __launch_bounds__(32 * LN_WARPS)
+k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* __restrict__ sc,
+                    const Fp8History* __restrict__ hist, float* __restrict__ mean, float* __restrict__ rstd,
+                    const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ beta, int N,
+                    int C) {
+    extern __shared__ __align__(16) fp8 ln_tile[]; /* [LN_FP8_ROWS][C + 16] */
+    await_previous_kernel();
+    const int pitch = C + 16, lane = threadIdx.x & 31, r0 = blockIdx.x * LN_FP8_ROWS;
+    const float s = fp8_history_scale(hist);
+    unsigned am = 0;
+    for (int tr = threadIdx.x >> 5; tr < LN_FP8_ROWS; tr += LN_WARPS) {
+        int row = r0 + tr;
+        const T* xr = x + (size_t)row * C;
+        float m, r, v[VEC], g[VEC], b[VEC];
+        ln_row_stats<T, VEC>(&m, &r, xr, C);
+        LN_ROW_LOOP(c, C) {
+            fp8 q[VEC];
+            load_vec(v, xr + c);
+            load_vec(g, gamma + c);
+            load_vec(b, beta + c);
+            for (int k = 0; k < VEC; k++) {
+                float y = as_stored<T>((v[k] - m) * r * g[k] + b[k]);
+                am = max(am, abs_bits(y));
+                q[k] = fp8_cvt(y * s, FP8_E4M3);
+            }
+            if constexpr (VEC == 8) {
+                uint2 w;
+                memcpy(&w, q, sizeof w);
+                if (out_n) *reinterpret_cast<uint2*>(out_n + (size_t)row * C + c) = w;
+                *reinterpret_cast<uint2*>(ln_tile + tr * pitch + c) = w;
+            } else {
+                for (int k = 0; k < VEC; k++) {
+                    if (out_n) out_n[(size_t)row * C + c + k] = q[k];
+                    ln_tile[tr * pitch + c + k] = q[k];
+                }
+            }
+        }
+        if (lane == 0) {
+            mean[row] = m;
+            rstd[row] = r;
+        }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        sc->scale = s;
+        sc->descale = 1.0f / s;
+    }
+    block_amax_commit(&sc->amax_bits, am); /* its __syncthreads also publishes the tile */
+    if (!out_t) return;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        uint4 w;
+        fp8* wb = reinterpret_cast<fp8*>(&w);
+        for (int k = 0; k < LN_FP8_ROWS; k++) wb[k] = ln_tile[k * pitch + c];
+        *reinterpret_cast<uint4*>(out_t + (size_t)c * N + r0) = w;
+    }
+}
+static_assert(LN_FP8_ROWS * sizeof(fp8) == sizeof(uint4), "a column of the tile is one 16-byte store");
+
+/* Whether layernorm_fwd_fp8 takes a shape (else: layernorm_fwd, then fp8_cast with the history). */
+static bool layernorm_fwd_fp8_fits(int N, int C) { return N % LN_FP8_ROWS == 0 && C <= LN_FP8_MAX_C; }
+
+template <typename T>
+static void layernorm_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8History* hist, float* mean, float* rstd,
+                              const T* x, const float* gamma, const float* beta, int N, int C) {
+    bool packed = PACK(T) == 8 && packable(C, sizeof(T), {x}) && packable(C, sizeof(float), {gamma, beta}) &&
+                  (uintptr_t)out_n % 8 == 0;
+    size_t shared = (size_t)LN_FP8_ROWS * (C + 16);
+    if ((uintptr_t)out_t % 16 != 0 || !layernorm_fwd_fp8_fits(N, C)) {
+        fprintf(stderr, "error: internal: layernorm_fwd_fp8 of N=%d C=%d with out_t %p\n", N, C, (void*)out_t);
+        exit(1);
+    }
+    if (packed)
+        launch_kernel_with_shared(k_layernorm_fwd_fp8<T, PACK(T)>, N / LN_FP8_ROWS, 32 * LN_WARPS, shared, out_n,
+                                  out_t, sc, hist, mean, rstd, x, gamma, beta, N, C);
+    else
+        launch_kernel_with_shared(k_layernorm_fwd_fp8<T, 1>, N / LN_FP8_ROWS, 32 * LN_WARPS, shared, out_n, out_t, sc,
+                                  hist, mean, rstd, x, gamma, beta, N, C);
+}
+
+/* Delayed scaling's fused GELU: the codes of gelu(h) for h [R, Cc] (as k_gelu_fwd would store it,
+ * then fp8_cast with the history `hist`, which must not be empty), their amax into sc; bit for bit
+ * gelu_fwd with the amax, then fp8_cast. Saves writing and reading back gelu(h) in T. */
+template <typename T>
+static void fp8_cast_gelu(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* h, int R, int Cc, const Fp8History* hist) {
+    Fp8CastJob<T> j = {h, out_n, out_t, sc, 1, R, Cc, FP8_E4M3, 0, hist};
+    unsigned tiles = fp8_cast_tiles(1, R, Cc);
+    if (fp8_cast_packable(j)) launch_kernel(k_fp8_cast<T, true, true>, tiles, FP8_CAST_THREADS, j);
+    else launch_kernel(k_fp8_cast<T, false, true>, tiles, FP8_CAST_THREADS, j);
 }
 
 /* A list of casts done by two launches (all the amax, then all the casts): the list on the device

@@ -60,16 +60,11 @@ static int ln_slab_cols(int C) {
  * of the row (or of the slab, in the backward). */
 #define LN_ROW_LOOP(c, C) for (int c = lane * VEC; c < (C); c += 32 * VEC)
 
-/* One row of the forward (the row's warp); returns the amax bits of the row's outputs as stored
- * (lane-local). */
+/* The mean and rstd of row xr (the row's warp; every lane gets both). */
 template <typename T, int VEC>
-__device__ __forceinline__ unsigned ln_fwd_row(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                               const T* __restrict__ x, const float* __restrict__ gamma,
-                                               const float* __restrict__ beta, int row, int C) {
+__device__ __forceinline__ void ln_row_stats(float* mean, float* rstd, const T* __restrict__ xr, int C) {
     int lane = threadIdx.x & 31;
-    const T* xr = x + (size_t)row * C;
     float s = 0.0f, v[VEC];
-    unsigned am = 0;
     LN_ROW_LOOP(c, C) {
         load_vec(v, xr + c);
         for (int k = 0; k < VEC; k++) s += v[k];
@@ -80,7 +75,21 @@ __device__ __forceinline__ unsigned ln_fwd_row(T* __restrict__ out, float* __res
         load_vec(v, xr + c);
         for (int k = 0; k < VEC; k++) s2 += (v[k] - m) * (v[k] - m);
     }
-    float r = 1.0f / sqrtf(warp_sum(s2) / C + LN_EPS);
+    *mean = m;
+    *rstd = 1.0f / sqrtf(warp_sum(s2) / C + LN_EPS);
+}
+
+/* One row of the forward (the row's warp); returns the amax bits of the row's outputs as stored
+ * (lane-local). */
+template <typename T, int VEC>
+__device__ __forceinline__ unsigned ln_fwd_row(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                               const T* __restrict__ x, const float* __restrict__ gamma,
+                                               const float* __restrict__ beta, int row, int C) {
+    int lane = threadIdx.x & 31;
+    const T* xr = x + (size_t)row * C;
+    float m, r, v[VEC];
+    unsigned am = 0;
+    ln_row_stats<T, VEC>(&m, &r, xr, C);
     T* o = out + (size_t)row * C;
     LN_ROW_LOOP(c, C) {
         float g[VEC], b[VEC];

@@ -25,7 +25,7 @@
 #include <unistd.h>
 
 #define CKPT_HEADER_BYTES 8
-#define CKPT_SIDECAR_MAX 8192
+#define CKPT_SIDECAR_MAX 32768 /* base ~0.4 KB, bandit state, fp8 scale histories (fp8_history.h) */
 
 static size_t ckpt_expected_bytes(size_t n_params) { return CKPT_HEADER_BYTES + 3 * 4 * n_params; }
 

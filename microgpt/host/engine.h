@@ -4,6 +4,7 @@
 #ifndef MICROGPT_HOST_ENGINE_H
 #define MICROGPT_HOST_ENGINE_H
 
+#include "../cpu/fp8.h"
 #include "config.h"
 #include "params.h"
 
@@ -28,6 +29,12 @@ static size_t engine_setup(const Config* cfg);
  * m and v are NULL in --generate and --evaluate (weights only). */
 static void engine_set_state(const float* params, const float* m, const float* v, float loss_scale);
 static void engine_get_state(float* params, float* m, float* v, float* loss_scale);
+/* The amax histories of delayed fp8 scaling (docs/DESIGN.md §18), layer-major: how many the engine
+ * keeps (0 unless it trains fp8 in an -DFP8_DELAYED=1 build), a copy of them, and their restore
+ * (from the checkpoint's sidecar; each training forward then extends them). */
+static int engine_fp8_history_count(void);
+static void engine_get_fp8_history(Fp8History* h);
+static void engine_set_fp8_history(const Fp8History* h);
 /* One micro-batch of B·T tokens: forward + backward, grads += ; returns the mean loss. */
 static float engine_forward_backward(const int* inputs, const int* targets);
 /* Validation: forward only, no gradients; returns the mean loss over B·T positions. */

@@ -11,6 +11,7 @@
 #include "data.h"
 #include "dist.h"
 #include "engine.h"
+#include "fp8_history.h"
 #include "generate.h"
 #include "mixture.h"
 #include "output.h"
@@ -148,6 +149,7 @@ static void save_checkpoint(Run* r, int done, const char* reason) {
     const char* names[3] = {"weight", "AdamW m", "AdamW v"};
     size_t n = r->layout.n_params, bad;
     char what[96], bandit_json[CKPT_SIDECAR_MAX / 2];
+    char extra[CKPT_SIDECAR_MAX - 1024]; /* the sidecar's own members take under 1 KB (checkpoint.h) */
     int k;
     engine_get_state(r->params, r->m, r->v, &r->loss_scale); /* gathers the ranks' AdamW shards (§17) */
     if (g_dist.rank != 0) return;                            /* rank 0 alone checks and writes */
@@ -158,7 +160,15 @@ static void save_checkpoint(Run* r, int done, const char* reason) {
             stop_diverged(r, done, what);
         }
     mixture_sidecar_json(&r->mix, &r->cfg, bandit_json, sizeof bandit_json);
-    ckpt_write(r->cfg.checkpoint.path, done, r->params, r->m, r->v, n, r->loss_scale, &r->cfg, bandit_json);
+    {
+        int nh = engine_fp8_history_count();
+        Fp8History* h = (Fp8History*)xcalloc(nh ? (size_t)nh : 1, sizeof(Fp8History), "fp8 histories");
+        size_t len = (size_t)snprintf(extra, sizeof extra, "%s", bandit_json);
+        engine_get_fp8_history(h);
+        fp8_history_sidecar_json(h, nh, extra + len, sizeof extra - len);
+        free(h);
+    }
+    ckpt_write(r->cfg.checkpoint.path, done, r->params, r->m, r->v, n, r->loss_scale, &r->cfg, extra);
     r->saved_step = done;
     emit_checkpoint(done, r->cfg.checkpoint.path, reason);
 }
@@ -319,6 +329,13 @@ static void run_start(Run* r) {
         r->loss_scale = 0.0f; /* engine default */
     }
     engine_set_state(r->params, r->m, r->v, r->loss_scale);
+    if (c->resume) {
+        int nh = engine_fp8_history_count();
+        Fp8History* h = (Fp8History*)xcalloc(nh ? (size_t)nh : 1, sizeof(Fp8History), "fp8 histories");
+        fp8_history_resume(c->checkpoint.path, h, nh);
+        if (nh) engine_set_fp8_history(h);
+        free(h);
+    }
     if (strcmp(engine_compute_precision(c), c->train.precision) != 0)
         info("note: the %s engine computes in %s (train.precision %s was asked for)", engine_name(),
              engine_compute_precision(c), c->train.precision);

@@ -1,0 +1,71 @@
+/* fp8_history.h: the amax histories of delayed fp8 scaling (the candidate -DFP8_DELAYED=1,
+ * docs/DESIGN.md §18) in the checkpoint sidecar. They are training state: a run resumed without them
+ * casts its next forwards at other scales, so they travel with the checkpoint to keep resume
+ * bit-exact. One sidecar member, ",\"fp8_history\":{\"len\":16,\"exp\":[[...],...]}", one array per
+ * history (layer-major, the engine's order), oldest exponent first. */
+#ifndef MICROGPT_HOST_FP8_HISTORY_H
+#define MICROGPT_HOST_FP8_HISTORY_H
+
+#include "../cpu/fp8.h"
+#include "checkpoint.h"
+
+/* The sidecar member for the n histories h (n = 0: ""). */
+static void fp8_history_sidecar_json(const Fp8History* h, int n, char* out, size_t cap) {
+    size_t len = 0;
+    int t, i;
+    out[0] = '\0';
+    if (n == 0) return;
+    len += (size_t)snprintf(out, cap, ",\"fp8_history\":{\"len\":%d,\"exp\":[", FP8_HISTORY_LEN);
+    for (t = 0; t < n; t++) {
+        len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "%s[", t ? "," : "");
+        for (i = 0; i < h[t].count; i++)
+            len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "%s%d", i ? "," : "", h[t].exp[i]);
+        len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "]");
+    }
+    if (len < cap) len += (size_t)snprintf(out + len, cap - len, "]}");
+    if (len >= cap) die_io("internal: the fp8 histories do not fit the sidecar buffer");
+}
+
+/* Parses the member of `text` into the n histories h. Returns 1 when it holds n well-formed
+ * histories of this build's length, else 0 (h then undefined). */
+static int fp8_history_parse(const char* text, Fp8History* h, int n) {
+    const char* p = strstr(text, "\"fp8_history\":");
+    double len;
+    char* end;
+    int t;
+    if (!p || !json_find_number(p, "len", &len) || len != FP8_HISTORY_LEN || !(p = strstr(p, "\"exp\":[")))
+        return 0;
+    p += strlen("\"exp\":[");
+    for (t = 0; t < n; t++) {
+        if (t && *p++ != ',') return 0;
+        if (*p++ != '[') return 0;
+        for (h[t].count = 0; *p != ']';) {
+            long e = strtol(p, &end, 10);
+            if (end == p || h[t].count == FP8_HISTORY_LEN || e < -FP8_SCALE_EXP_LIMIT ||
+                (e > FP8_SCALE_EXP_LIMIT && e != FP8_HISTORY_NONE))
+                return 0;
+            h[t].exp[h[t].count++] = (signed char)e;
+            p = end;
+            if (*p == ',') p++;
+            else if (*p != ']') return 0;
+        }
+        p++;
+    }
+    return *p == ']';
+}
+
+/* Restores the n histories from the sidecar of the checkpoint being resumed. A sidecar without them
+ * (a checkpoint of current scaling, or written before they existed) or with another shape leaves
+ * them empty, with a warning: the first forward then scales by its own amax. */
+static void fp8_history_resume(const char* ckpt_path, Fp8History* h, int n) {
+    char side[CFG_PATH_MAX + 8], text[CKPT_SIDECAR_MAX];
+    int t;
+    if (n == 0) return;
+    snprintf(side, sizeof side, "%s.json", ckpt_path);
+    if (sidecar_load(side, text, sizeof text) && fp8_history_parse(text, h, n)) return;
+    for (t = 0; t < n; t++) h[t].count = 0;
+    warn("checkpoint sidecar %s holds no fp8 scale history for %d tensors of length %d: delayed scaling starts "
+         "afresh (the resumed run is not bit-identical to an uninterrupted one)", side, n, FP8_HISTORY_LEN);
+}
+
+#endif
