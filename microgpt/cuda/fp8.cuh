@@ -271,7 +271,8 @@ static void fp8_history_push_all(Fp8History* hist, const Fp8Scale* scales, int s
  * LN_FP8_ROWS codes. Needs N a multiple of LN_FP8_ROWS (fp8's rule) and a history that is not
  * empty (the caller falls back to the unfused path for a run's first forward). */
 #define LN_FP8_ROWS 16
-#define LN_FP8_MAX_C (48 * 1024 / LN_FP8_ROWS - 16) /* the tile within 48 KB of shared memory */
+#define LN_FP8_STATIC_SMEM 1024 /* kept for the kernel's static shared memory (block_amax_commit's 128 B) */
+#define LN_FP8_MAX_C ((48 * 1024 - LN_FP8_STATIC_SMEM) / LN_FP8_ROWS - 16) /* dynamic + static within 48 KB */
 template <typename T, int VEC>
 __global__ void __launch_bounds__(32 * LN_WARPS)
 k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* __restrict__ sc,
