@@ -1,7 +1,7 @@
 /* fp8_history.h: the amax histories of delayed fp8 scaling (docs/DESIGN.md §18) in the checkpoint
- * sidecar, and across the ranks of a data-parallel run (§17). They are training state: a run resumed without them
- * casts its next forwards at other scales, so they travel with the checkpoint to keep resume
- * bit-exact. One sidecar member, ",\"fp8_history\":{\"len\":16,\"exp\":[[...],...]}", one array per
+ * sidecar, and across the ranks of a data-parallel run (§17). They are training state: a run
+ * resumed without them casts its next forwards at other scales, so they travel with the checkpoint
+ * to keep resume bit-exact. One sidecar member, ",\"fp8_history\":{\"len\":16,\"exp\":[[...],...]}", one array per
  * history (layer-major, the engine's order), oldest exponent first. */
 #ifndef MICROGPT_HOST_FP8_HISTORY_H
 #define MICROGPT_HOST_FP8_HISTORY_H
