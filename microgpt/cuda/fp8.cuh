@@ -278,8 +278,8 @@ k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* 
                     const Fp8History* __restrict__ hist, float* __restrict__ mean, float* __restrict__ rstd,
                     const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ beta, int N,
                     int C) {
-    extern __shared__ __align__(16) fp8 ln_tile[]; /* [LN_FP8_ROWS][C + 16] */
     await_previous_kernel();
+    extern __shared__ __align__(16) fp8 ln_tile[]; /* [LN_FP8_ROWS][C + 16] */
     const int pitch = C + 16, lane = threadIdx.x & 31, r0 = blockIdx.x * LN_FP8_ROWS;
     const float s = fp8_history_scale(hist);
     unsigned am = 0;
