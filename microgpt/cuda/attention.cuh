@@ -907,8 +907,8 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     float dk_acc[Fa<D>::ND][4] = {}, dv_acc[Fa<D>::ND][4] = {};
 
     for (int qt = kt; qt < n_tiles; qt++) {
-        int i = qt - kt, cur = i % 2;
-        if (qt + 1 < n_tiles) load_queries(qt + 1, (i + 1) % 2);
+        int cur = (qt - kt) & 1;
+        if (qt + 1 < n_tiles) load_queries(qt + 1, cur ^ 1);
         fa_cp_commit();
         fa_cp_wait<1>(); /* tile qt has landed (this thread's part) ... */
         __syncthreads(); /* ... and everyone's */
