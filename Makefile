@@ -35,7 +35,7 @@ endif
 # GPU architecture: the local GPU's if nvidia-smi answers (e.g. "9.0" -> 90), else a fat binary for
 # Ampere, Ada and Hopper plus compute_90 PTX that newer GPUs JIT-compile. Override: make GPU_ARCH=86
 # Hopper (90) is built as sm_90a, the target with its warpgroup instructions (wgmma: the
-# attention forward on Hopper); sm_90a code runs on compute capability 9.0 only, and other
+# attention forward and dK/dV on Hopper); sm_90a code runs on compute capability 9.0 only, and other
 # GPUs take the PTX or their own code (docs/DESIGN.md §9). nvcc 13.0 needs the -gencode form here:
 # -arch=sm_90a also runs a plain sm_90 pass.
 GPU_ARCH ?= $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .')

@@ -1356,22 +1356,20 @@ static void run_fp8(void) {
     fp8_plans_clear();
 }
 
-/* The Hopper forward (k_attn_fwd_wgmma; and with -DFA_DKV_WGMMA=1 the dK/dV kernel
- * k_attn_bwd_dkv_wgmma) must be what the flash shapes below check on a compute
- * capability 9.0 GPU: the loaded image must carry it (the Makefile builds sm_90a), and on any
- * other it must not (its body there is a trap). */
+/* The Hopper kernels (the forward k_attn_fwd_wgmma and the dK/dV kernel k_attn_bwd_dkv_wgmma) must
+ * be what the flash shapes below check on a compute capability 9.0 GPU: the loaded image must
+ * carry them (the Makefile builds sm_90a), and on any other it must not (their bodies there are a
+ * trap). One path line per kernel, so a build that silently fell back to mma.sync fails here. */
 template <typename T> static void check_wgmma_path(void) {
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-    bool hopper = p.major == 9 && p.minor == 0, on = fa_fwd_wgmma_ok<T, 32>() && fa_fwd_wgmma_ok<T, 64>();
-    set_ctx(TypeInfo<T>::name(), "attn", "forward kernel");
-    report(on == hopper, "path", on ? "wgmma (sm_90a) at head sizes 32 and 64" : "mma.sync (no sm_90a image loaded)");
-#if FA_DKV_WGMMA
-    /* the candidate dK/dV kernel (k_attn_bwd_dkv_wgmma), under the same rule in its build */
-    bool dkv = fa_dkv_wgmma_ok<T, 32>() && fa_dkv_wgmma_ok<T, 64>();
-    set_ctx(TypeInfo<T>::name(), "attn", "dK/dV kernel");
-    report(dkv == hopper, "path", dkv ? "wgmma (sm_90a) at head sizes 32 and 64" : "mma.sync (no sm_90a image loaded)");
-#endif
+    bool hopper = p.major == 9 && p.minor == 0;
+    auto report_path = [&](const char* kernel, bool on) {
+        set_ctx(TypeInfo<T>::name(), "attn", kernel);
+        report(on == hopper, "path", on ? "wgmma (sm_90a) at head sizes 32 and 64" : "mma.sync (no sm_90a image loaded)");
+    };
+    report_path("forward kernel", fa_fwd_wgmma_ok<T, 32>() && fa_fwd_wgmma_ok<T, 64>());
+    report_path("dK/dV kernel", fa_dkv_wgmma_ok<T, 32>() && fa_dkv_wgmma_ok<T, 64>());
 }
 
 /* The attention pair at every shape (alone with --only attn). */

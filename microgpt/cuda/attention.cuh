@@ -7,7 +7,7 @@
  *                     Kernels: k_attn_fwd (k_attn_fwd_wgmma on Hopper, sm_90a builds, head
  *                     sizes 32 and 64),
  *                     and k_attn_bwd_delta + k_attn_bwd_dkv + k_attn_bwd_dq (flash path;
- *                     k_attn_bwd_dkv_wgmma on Hopper with the candidate -DFA_DKV_WGMMA);
+ *                     k_attn_bwd_dkv_wgmma on Hopper, sm_90a builds, head sizes 32 and 64);
  *                     k_attn_softmax_fwd, k_attn_probs, k_attn_softmax_bwd between products
  *                     (cuBLAS path).
  *   attn_out_fwd/bwd  out = residual + y @ W_O (the residual join after the sub-layer, in the
@@ -19,7 +19,7 @@
  * as exp(s - lse). It has two implementations, chosen by attn_flash_ok() from the type and shape:
  *
  *   flash  (bf16/fp16, hs 16, 32 or 64): fused tiles on tensor cores (mma.sync, fp32
- *          accumulate; Hopper's forward on wgmma, below), online softmax in fp32; the forward
+ *          accumulate; Hopper's forward and dK/dV on wgmma, below), online softmax in fp32; the forward
  *          keeps nothing T×T. The backward is flash-attention-2 style but split so that no
  *          output needs atomics: a row kernel forms delta = rowsum(dO ∘ O); one kernel per key
  *          block recomputes P from lse, accumulates dK, dV and stores dS (rounded to T, as it is
@@ -961,10 +961,11 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)lse2s[0]);
 }
 
-/* The dK/dV kernel on Hopper's warpgroup products, candidate -DFA_DKV_WGMMA=1 (docs/BENCHMARKS.md
- * log #70; default 0: k_attn_bwd_dkv alone). The same block, outputs and dS tiles as
- * k_attn_bwd_dkv; the block's 4 warps are one warpgroup and each product covers its 64 keys, on the
- * forward's primitives (k_attn_fwd_wgmma: tiles, descriptors, wrappers):
+/* The dK/dV kernel on Hopper's warpgroup products (wgmma, sm_90a; docs/DESIGN.md §9: 141 against
+ * k_attn_bwd_dkv's 169 µs a launch at ANDREA-120M on an H200). The same block, outputs and dS tiles
+ * as k_attn_bwd_dkv (where the image has no sm_90a code, k_attn_bwd_dkv runs: fa_dkv_wgmma_ok); the
+ * block's 4 warps are one warpgroup and each product covers its 64 keys, on the forward's
+ * primitives (k_attn_fwd_wgmma: tiles, descriptors, wrappers):
  *   S^T = K Q^T, dP^T = V dO^T   m64n64k16, A = the K / V tile, B = the Q / dO tile, both K-major
  *                                from shared memory (fa_wg_scores, as the forward's S = Q K^T);
  *   dV += P^T dO, dK += dS^T Q   m64nDk16, A = P^T / dS^T from registers (accumulators rounded to T),
@@ -981,23 +982,13 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
  * plus lse and delta of both query tiles (static). One barrier per step: step qt waits for tile
  * qt's copies, then starts tile qt + 1's into the buffers of tile qt - 1, whose products every
  * thread waited for at the end of step qt - 1. Compiled for sm_90a only; elsewhere the body is a
- * trap that the host never launches (fa_dkv_wgmma_ok). Head size 16 stays on k_attn_bwd_dkv. */
-#ifndef FA_DKV_WGMMA
-#define FA_DKV_WGMMA 0
-#endif
-/* FA_DKV_WGMMA 2 (FA_DKV_PREFETCH): the next query tile's S^T and dP^T are issued before this
- * tile's P^T and dS^T are computed (FlashAttention-3's backward overlap: the tensor cores always
- * have a product queued). That needs the next tile in shared memory a step earlier (three Q / dO
- * buffers, 65 KiB at D = 64, tiles loaded two ahead) and a second set of score registers (242
- * registers at D = 64, no spills: 2 blocks per multiprocessor instead of 3). The step's scores are
- * copied out of that set once done, and the set is then written only by the products: with two
- * sets used in turn, ptxas serialises every product (C7515). */
-#define FA_DKV_PREFETCH (FA_DKV_WGMMA == 2)
+ * trap that the host never launches (fa_dkv_wgmma_ok). Head size 16 stays on k_attn_bwd_dkv.
+ * Issuing the next tile's S^T and dP^T a step ahead (FlashAttention-3's overlap: three query
+ * buffers, a second score register set, 2 blocks a multiprocessor) was measured and gained nothing
+ * (docs/DESIGN.md §9), so the issue of those products is not what bounds this kernel. */
 template <int D> struct FaWgDkv {
-    static constexpr int BUFFERS = FA_DKV_PREFETCH ? 3 : 2; /* query tiles staged at once */
-    static constexpr int DYNAMIC_SMEM = (2 + 2 * BUFFERS) * FaWg<D>::TILE_BYTES + 1024; /* k, v, q[], dout[] */
-    static constexpr int STATIC_SMEM = 2 * BUFFERS * FA_TILE * (int)sizeof(float);      /* lse2s, dls */
-    static constexpr int MIN_BLOCKS = FA_DKV_PREFETCH ? 2 : FA_MIN_BLOCKS_DKV;
+    static constexpr int DYNAMIC_SMEM = 6 * FaWg<D>::TILE_BYTES + 1024;     /* k, v, q[2], dout[2] */
+    static constexpr int STATIC_SMEM = 2 * 2 * FA_TILE * (int)sizeof(float); /* lse2s, dls */
 };
 
 /* An 8x8 matrix of 16-bit values held one register per lane (lane 4g + t: row g, columns 2t,
@@ -1026,20 +1017,19 @@ template <typename T> __device__ __forceinline__ void fa_wg_store_ds(T* tile, co
 }
 
 template <typename T, int D, bool AMAX>
-__global__ void __launch_bounds__(FA_THREADS, FaWgDkv<D>::MIN_BLOCKS)
+__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     k_attn_bwd_dkv_wgmma(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q,
                          const T* k, const T* v, int T_, int C, int H, float scale, float sl2, unsigned* amax_bits) {
     await_previous_kernel();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using W = FaWg<D>;
-    constexpr int NBUF = FaWgDkv<D>::BUFFERS, AHEAD = NBUF - 1; /* query tiles loaded ahead of the step's */
     extern __shared__ __align__(1024) unsigned char fa_dkv_smem[];
-    __shared__ float lse2s[NBUF][FA_TILE], dls[NBUF][FA_TILE]; /* query tile qt's in [(qt - kt) % NBUF] */
+    __shared__ float lse2s[2][FA_TILE], dls[2][FA_TILE]; /* query tile qt's in [(qt - kt) % 2] */
     unsigned smem_addr = (unsigned)__cvta_generic_to_shared(fa_dkv_smem), pad = (1024 - (smem_addr & 1023)) & 1023;
-    unsigned char* tiles = fa_dkv_smem + pad; /* [k | v | q[NBUF] | dout[NBUF]], each TILE_BYTES */
+    unsigned char* tiles = fa_dkv_smem + pad; /* [k | v | q0 | q1 | dout0 | dout1], each TILE_BYTES */
     unsigned k_addr = smem_addr + pad, v_addr = k_addr + W::TILE_BYTES;
     auto q_tile = [&](int buf) { return (2 + buf) * W::TILE_BYTES; }; /* byte offsets in tiles */
-    auto do_tile = [&](int buf) { return (2 + NBUF + buf) * W::TILE_BYTES; };
+    auto do_tile = [&](int buf) { return (4 + buf) * W::TILE_BYTES; };
     int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
     FaBlock blk = fa_block();
     int kt = blk.tile, bh = blk.bh, b = bh / H, hd = bh % H, n_tiles = blk.n_tiles;
@@ -1052,38 +1042,21 @@ __global__ void __launch_bounds__(FA_THREADS, FaWgDkv<D>::MIN_BLOCKS)
         fa_load_lse_delta(lse2s[buf], dls[buf], lse, delta, bh, qt * FA_TILE, T_);
         fa_cp_commit();
     };
-    /* S^T and dP^T of the query tile in buffer `buf`, issued as two groups */
-    auto issue_scores = [&](float (*s)[4], float (*dp)[4], int buf) {
-        fa_wg_scores<T, D>(s, k_addr, k_addr + q_tile(buf));
-        fa_wg_scores<T, D>(dp, v_addr, k_addr + do_tile(buf));
-    };
     float dk_acc[Fa<D>::ND][4] = {}, dv_acc[Fa<D>::ND][4] = {};
 
-    /* Query tile qt's step; s, dp its scores, sn, dpn the prefetched ones (FA_DKV_PREFETCH: tile
-     * qt's on entry, tile qt + 1's issued here; else unused). Tile qt + AHEAD's copies start after
-     * the step's barrier, into the buffers of tile qt - 1, whose products every thread waited for
-     * at the end of step qt - 1. */
-    auto step = [&](float (*s)[4], float (*dp)[4], float (*sn)[4], float (*dpn)[4], int qt) {
-        int i = qt - kt, cur = i % NBUF;
-        fa_cp_wait<0>(); /* tile qt + AHEAD - 1 has landed (this thread's part) ... */
+    /* query tile qt's step (one barrier, above), s and dp its scores */
+    auto step = [&](float (*s)[4], float (*dp)[4], int qt) {
+        int i = qt - kt, cur = i % 2;
+        fa_cp_wait<0>(); /* tile qt has landed (this thread's part) ... */
         fa_wg_publish(); /* ... and everyone's; everyone's products on tile qt - 1 are done */
-        if (qt + AHEAD < n_tiles) load_queries(qt + AHEAD, (i + AHEAD) % NBUF);
+        if (qt + 1 < n_tiles) load_queries(qt + 1, (i + 1) % 2);
         unsigned q_addr = k_addr + q_tile(cur), do_addr = k_addr + do_tile(cur);
         const float *lse2c = lse2s[cur], *dlc = dls[cur];
         unsigned p[FA_TILE / 16][4], ds[FA_TILE / 16][4]; /* P^T, dS^T rounded to T: A fragments */
-        if constexpr (FA_DKV_PREFETCH) {
-            fa_wg_wait<0>(); /* this tile's S^T and dP^T, issued a step ago, are done */
-            fa_wg_hold<FA_TILE / 8>(sn);
-            fa_wg_hold<FA_TILE / 8>(dpn);
-            memcpy(s, sn, FA_TILE / 8 * 4 * sizeof(float)); /* sn, dpn: only ever written by the products */
-            memcpy(dp, dpn, FA_TILE / 8 * 4 * sizeof(float));
-            fa_wg_fence();
-            if (qt + 1 < n_tiles) issue_scores(sn, dpn, (i + 1) % NBUF); /* run beside this tile's work */
-        } else {
-            fa_wg_fence(); /* p and ds were written by ordinary instructions */
-            issue_scores(s, dp, cur);
-            fa_wg_wait<1>(); /* S^T is done; dP^T runs on beside P^T */
-        }
+        fa_wg_fence(); /* p and ds were written by ordinary instructions */
+        fa_wg_scores<T, D>(s, k_addr, q_addr); /* S^T and dP^T, issued as two groups */
+        fa_wg_scores<T, D>(dp, v_addr, do_addr);
+        fa_wg_wait<1>(); /* S^T is done; dP^T runs on beside P^T */
         fa_wg_hold<FA_TILE / 8>(s);
         if (qt == kt) fa_mask_diagonal<true>(s, sub);
         /* queries past T (a partial last tile) were loaded as zero rows of q and dout with lse and
@@ -1093,33 +1066,22 @@ __global__ void __launch_bounds__(FA_THREADS, FaWgDkv<D>::MIN_BLOCKS)
         fa_wg_pack_p<T>(p, s);
         fa_wg_fence();
         fa_wg_accumulate<T, D>(dv_acc, p, do_addr);
-        if constexpr (!FA_DKV_PREFETCH) fa_wg_wait<1>(); /* dP^T is done; dV += P^T dO runs on beside dS^T */
+        fa_wg_wait<1>(); /* dP^T is done; dV += P^T dO runs on beside dS^T */
         fa_wg_hold<FA_TILE / 8>(dp);
         for (int j = 0; j < FA_TILE / 8; j++)
             for (int e = 0; e < 4; e++) dp[j][e] = s[j][e] * (dp[j][e] - dlc[8 * j + 2 * t + (e & 1)]);
         fa_wg_pack_p<T>(ds, dp);
-        T* ds_tile = ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles);
-        if constexpr (!FA_DKV_PREFETCH) fa_wg_store_ds(ds_tile, ds, warp); /* while dV runs */
+        fa_wg_store_ds(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles), ds, warp); /* while dV runs */
         fa_wg_fence();
         fa_wg_accumulate<T, D>(dk_acc, ds, q_addr);
         fa_wg_wait<0>(); /* before the next step's barrier: its copies take this step's buffers */
-        /* with the next tile's scores in flight until the wait, the fragments' registers are free only now */
-        if constexpr (FA_DKV_PREFETCH) fa_wg_store_ds(ds_tile, ds, warp);
     };
 
     fa_wg_load_rows<T, D>(tiles, k + base, kt * FA_TILE, T_, C);
     fa_wg_load_rows<T, D>(tiles + W::TILE_BYTES, v + base, kt * FA_TILE, T_, C);
     load_queries(kt, 0);
-    float s0[FA_TILE / 8][4], dp0[FA_TILE / 8][4], s1[FA_TILE / 8][4], dp1[FA_TILE / 8][4];
-    if constexpr (FA_DKV_PREFETCH) { /* tile kt's scores issued ahead, as each step issues the next's */
-        if (kt + 1 < n_tiles) load_queries(kt + 1, 1);
-        else fa_cp_commit(); /* an empty group: the wait below is for tile kt's */
-        fa_cp_wait<1>();
-        fa_wg_publish();
-        fa_wg_fence();
-        issue_scores(s1, dp1, 0);
-    }
-    for (int qt = kt; qt < n_tiles; qt++) step(s0, dp0, s1, dp1, qt);
+    float s[FA_TILE / 8][4], dp[FA_TILE / 8][4];
+    for (int qt = kt; qt < n_tiles; qt++) step(s, dp, qt);
     fa_wg_hold<Fa<D>::ND>(dk_acc);
     fa_wg_hold<Fa<D>::ND>(dv_acc);
 
@@ -1135,7 +1097,7 @@ __global__ void __launch_bounds__(FA_THREADS, FaWgDkv<D>::MIN_BLOCKS)
 /* Whether this process launches k_attn_bwd_dkv_wgmma<T, D, *> (as fa_fwd_wgmma_ok: the sm_90a body
  * alone has static shared memory, lse2s and dls); where it does, both instantiations are allowed
  * their dynamic shared memory (over the default 48 KiB at D = 64) and asked for the largest
- * shared-memory carveout (the blocks of a multiprocessor need 100–160 KiB), once. */
+ * shared-memory carveout (3 blocks a multiprocessor need up to 150 KiB), once. */
 template <typename T, int D> static bool fa_dkv_wgmma_ok(void) {
     static int ok = -1;
     if (ok >= 0) return ok;
@@ -1279,7 +1241,7 @@ static void attn_bwd_flash_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const f
     float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
     /* whole key tiles, so every row of every dS tile is written (rows past T meet zero rows of K in
      * the dQ kernel, but must be finite) */
-    if constexpr (FA_DKV_WGMMA && (D == 32 || D == 64)) {
+    if constexpr (D == 32 || D == 64) {
         if (fa_dkv_wgmma_ok<T, D>()) {
             FA_LAUNCH_SHARED(k_attn_bwd_dkv_wgmma, T, D, T_, B * H, FaWgDkv<D>::DYNAMIC_SMEM, amax_bits, dk, dv,
                              ds_tiles, dout, lse, delta, q, k, v, T_, C, H, scale, sl2);
