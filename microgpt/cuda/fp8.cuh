@@ -12,7 +12,8 @@
  * In training, the LayerNorm and GELU outputs are cast at a delayed scale instead (Fp8CastJob's
  * hist, k_fp8_history_push; docs/DESIGN.md §18), whose histories are checkpoint state; known
  * beforehand, the scale lets their producers write the codes (k_layernorm_fwd_fp8, the cast's
- * GELU variant).
+ * GELU variant; under the candidate -DFP8_DGELU_FUSED=1 also MLP up's output gradient, by the
+ * cast's GELU-backward variant).
  *
  * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
  * patterns is the order of the values), reduced per block and combined with an integer atomicMax:
@@ -236,14 +237,15 @@ template <typename T> static bool fp8_cast_packable(const Fp8CastJob<T>& j) {
            (uintptr_t)j.out_t % 16 == 0 && (uintptr_t)j.in % 16 == 0 && (uintptr_t)j.aux % 16 == 0;
 }
 
-/* The cast of `batch` blocks [R, Cc] of `in` (Fp8CastJob) at the scale of the amax already in sc
- * (from fp8_reduce_amax or a producer with the amax fused), or of the history `hist` (delayed). */
+/* One cast job in one launch, on the packed kernel where it can. */
 template <typename T, int EPI = FP8_EPI_NONE> static void fp8_cast_launch(const Fp8CastJob<T>& j) {
     unsigned tiles = fp8_cast_tiles(j.batch, j.R, j.Cc);
     if (fp8_cast_packable(j)) launch_kernel(k_fp8_cast<T, true, EPI>, tiles, FP8_CAST_THREADS, j);
     else launch_kernel(k_fp8_cast<T, false, EPI>, tiles, FP8_CAST_THREADS, j);
 }
 
+/* The cast of `batch` blocks [R, Cc] of `in` (Fp8CastJob) at the scale of the amax already in sc
+ * (from fp8_reduce_amax or a producer with the amax fused), or of the history `hist` (delayed). */
 template <typename T>
 static void fp8_cast(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt,
                      const Fp8History* hist = NULL) {
