@@ -4,8 +4,10 @@ largest amax of the last 16 training forwards". The CPU engine training fp8 must
 histories in the checkpoint sidecar, resume bit-exactly, warn when resuming a checkpoint without
 them, and on two processes share one set of histories that resumes both exactly (§17). On a GPU
 (skipped without one), the GPU engine must track the CPU one and resume exactly, its graphs giving
-the bits of launch by launch. The fused kernels are checked by tests/kernel_check.cu; two GPUs by
-tests/test_distributed.py.
+the bits of launch by launch. The same for the candidate -DFP8_DGELU_FUSED=1 (dh's delayed scale,
+a fourth history a layer; its builds made here, as test_gpu's build_variant does), and each build
+resumes the other's checkpoints with a warning. The fused kernels are checked by
+tests/kernel_check.cu; two GPUs by tests/test_distributed.py.
 """
 import ctypes
 import json
@@ -200,23 +202,35 @@ def gpu_settings():
     return {**FP8_SHAPES["odd"], "train.lr": 3e-3, "train.warmup_steps": 2, "train.precision": "fp8"}
 
 
+def engines(build, request):
+    """The (CPU, GPU) engines of a build: the default one or the candidate FP8_DGELU_FUSED's (built
+    here), and its histories a layer."""
+    if build == "default":
+        return request.getfixturevalue("cpu_binary"), request.getfixturevalue("cuda_binary"), 3
+    return request.getfixturevalue("cpu_dgelu_binary"), request.getfixturevalue("cuda_dgelu_binary"), 4
+
+
 @pytest.mark.gpu
-def test_gpu_delayed_tracks_the_cpu_delayed_emulation(cuda_binary, cpu_binary, random_shards, tmp_path):
-    """As test_gpu's fp8 tracking test (loss within 3e-2 a step); both keep 3 x n_layer histories of
-    the training forwards (their exponents may differ by one where a bf16 amax and an fp32 one fall
-    on either side of a power of two)."""
+@pytest.mark.parametrize("build", ["default", "dgelu"])
+def test_gpu_delayed_tracks_the_cpu_delayed_emulation(build, request, random_shards, tmp_path):
+    """As test_gpu's fp8 tracking test (loss within 3e-2 a step); both keep 3 (dgelu: 4) x n_layer
+    histories of the training micro-batches (their exponents may differ by one where a bf16 amax and
+    an fp32 one fall on either side of a power of two)."""
+    cpu_binary, cuda_binary, per_layer = engines(build, request)
     args = tiny_args(random_shards.train, **{**gpu_settings(), "train.steps": 10})
     runs = {name: run_ok(b, args + ["--checkpoint", tmp_path / f"{name}.ckpt"])
             for name, b in (("cpu", cpu_binary), ("gpu", cuda_binary))}
     for c, g in zip(runs["cpu"].steps, runs["gpu"].steps):
         assert abs(g["loss"] - c["loss"]) <= 3e-2 * abs(c["loss"]), (c, g)
     hists = {name: sidecar_history(tmp_path / f"{name}.ckpt")["exp"] for name in runs}
-    assert [len(h) for h in hists["gpu"]] == [10] * 9 == [len(h) for h in hists["cpu"]]
+    assert [len(h) for h in hists["gpu"]] == [10] * 3 * per_layer == [len(h) for h in hists["cpu"]]
     assert all(abs(a - b) <= 1 for hg, hc in zip(hists["gpu"], hists["cpu"]) for a, b in zip(hg, hc)), hists
 
 
 @pytest.mark.gpu
-def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(cuda_binary, random_shards, tmp_path):
+@pytest.mark.parametrize("build", ["default", "dgelu"])
+def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(build, request, random_shards, tmp_path):
+    _, cuda_binary, _ = engines(build, request)
     args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(), "train.steps": 60,
                                                                 "train.grad_accum": 2, "eval.every": 20,
                                                                 "eval.batches": 2})
@@ -291,28 +305,3 @@ def test_dgelu_resumes_the_default_builds_histories_with_a_warning_and_back(cpu_
         assert "no fp8 scale history" in res.stderr and len(res.steps) == 4, res.stderr
         exps = sidecar_history(ckpt)["exp"]
         assert len(exps) == count * eu.TINY["model.n_layer"] and all(len(h) == 4 for h in exps), exps
-
-
-@pytest.mark.gpu
-def test_gpu_dgelu_tracks_the_cpu_dgelu_emulation(cuda_dgelu_binary, cpu_dgelu_binary, random_shards, tmp_path):
-    """As test_gpu_delayed_tracks_the_cpu_delayed_emulation, with dh's history too (4 a layer)."""
-    args = tiny_args(random_shards.train, **{**gpu_settings(), "train.steps": 10})
-    runs = {name: run_ok(b, args + ["--checkpoint", tmp_path / f"{name}.ckpt"])
-            for name, b in (("cpu", cpu_dgelu_binary), ("gpu", cuda_dgelu_binary))}
-    for c, g in zip(runs["cpu"].steps, runs["gpu"].steps):
-        assert abs(g["loss"] - c["loss"]) <= 3e-2 * abs(c["loss"]), (c, g)
-    hists = {name: sidecar_history(tmp_path / f"{name}.ckpt")["exp"] for name in runs}
-    assert [len(h) for h in hists["gpu"]] == [10] * 12 == [len(h) for h in hists["cpu"]]
-    assert all(abs(a - b) <= 1 for hg, hc in zip(hists["gpu"], hists["cpu"]) for a, b in zip(hg, hc)), hists
-
-
-@pytest.mark.gpu
-def test_gpu_dgelu_resumes_exactly_and_graphs_equal_eager(cuda_dgelu_binary, random_shards, tmp_path):
-    args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(), "train.steps": 40,
-                                                                "train.grad_accum": 2, "eval.every": 20,
-                                                                "eval.batches": 2})
-    eu.check_exact_resume_after_sigterm(cuda_dgelu_binary, args, 40, tmp_path)
-    eager_ckpt = tmp_path / "eager.ckpt"
-    run_ok(cuda_dgelu_binary, args + ["--checkpoint", eager_ckpt], env={"ANDREA_NO_GRAPH": "1"})
-    assert eager_ckpt.read_bytes() == (tmp_path / "ref.ckpt").read_bytes()
-    assert sidecar_history(eager_ckpt) == sidecar_history(tmp_path / "ref.ckpt")
