@@ -403,9 +403,10 @@ static void fp8_quantize_weights(void) {
 /* The input x [N, in] of layer l's product k, cast once: into E.a8 for the forward product and,
  * when training, transposed into x8t(l, k) for the backward's weight gradient (the same codes at
  * the same scale, x8_scale(l, k)). `input`: what x's producer already did (FP8_IN_*). */
-/* What a forward product's input holds when the product starts: only the values (the cast takes their
+/* What a product's operand holds when the product starts: only the values (the cast takes their
  * amax first), the values with their amax (fused into their producer), or already its codes and
- * scale (delayed scaling's fused LayerNorm: E.a8, x8t and x8_scale written). */
+ * scale (delayed scaling's fused producers: the LayerNorm, E.a8, x8t and x8_scale written; under
+ * FP8_DGELU_FUSED the GELU backward, E.g8, E.g8t and g8_scale). */
 enum { FP8_IN_RAW, FP8_IN_AMAX, FP8_IN_CODES };
 
 /* The delayed-scaling history of product k's input in layer l: ln1 (QKV), ln2 (MLP up) and h_gelu
