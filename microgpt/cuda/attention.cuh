@@ -1095,8 +1095,8 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     int kt = blk.tile, bh = blk.bh, b = bh / H, hd = bh % H, n_tiles = blk.n_tiles;
     int sub = warp * 16, row0 = kt * FA_TILE + sub; /* the warp's first key within the tile, and in all */
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
-    /* starts loading query tile qt into buffer `buf`: one cp.async group */
     const FaWgCopy<T, D> copy; /* FA_DKV_ASYNC: this thread's chunks of a tile */
+    /* starts loading query tile qt into buffer `buf`: one cp.async group */
     auto load_queries = [&](int qt, int buf) {
         if constexpr (FA_DKV_ASYNC) {
             copy.load(tiles + q_tile(buf), q + base, qt * FA_TILE, T_, C);
