@@ -68,10 +68,6 @@ cuda: build/microgpt_cuda
 build/microgpt_cpu: microgpt/microgpt_cpu.c $(HOST_HEADERS) $(CPU_HEADERS) | build
 	$(CC) $(CFLAGS) -o $@ microgpt/microgpt_cpu.c $(LDLIBS)
 
-# The CPU engine of the delayed fp8 scaling candidate (docs/DESIGN.md §18; tests/test_fp8_delayed.py)
-build/microgpt_cpu_fp8_delayed: microgpt/microgpt_cpu.c $(HOST_HEADERS) $(CPU_HEADERS) | build
-	$(CC) $(CFLAGS) -DFP8_DELAYED=1 -o $@ microgpt/microgpt_cpu.c $(LDLIBS)
-
 build/microgpt_cuda$(VARIANT_SUFFIX): microgpt/microgpt_cuda.cu $(HOST_HEADERS) $(CUDA_HEADERS) $(CPU_HEADERS) | build
 	@test -n "$(HAVE_NVCC)" || { echo "error: $(NVCC) not found on PATH (install the CUDA toolkit, 12 or 13)"; exit 1; }
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ microgpt/microgpt_cuda.cu $(NVLDLIBS)

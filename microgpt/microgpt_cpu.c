@@ -6,8 +6,8 @@
  * (QKV, attention output, MLP up and down) read FP8-emulated operands: each operand is cast to
  * E4M3 (weights, activations; activation gradients in FP8_GRAD_FMT, cpu/fp8.h) with its per-tensor current scale and
  * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
- * reference for the GPU's FP8 products (docs/DESIGN.md §18); an -DFP8_DELAYED=1 build casts the
- * LayerNorm outputs ln1, ln2 and the GELU output at delayed scales instead (delayed_operand). Every other precision computes fp32
+ * reference for the GPU's FP8 products (docs/DESIGN.md §18); in training, the LayerNorm outputs
+ * ln1, ln2 and the GELU output are cast at delayed scales instead (delayed_operand). Every other precision computes fp32
  * (and says so). Every buffer is allocated once in engine_setup, sized for B·T positions;
  * smaller calls (one prompt of len tokens in engine_prefill) reuse the same buffers. Results are
  * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation
@@ -66,7 +66,7 @@ static struct {
      * the GPU: its decode steps multiply unquantised, and the prefill must give the decode's keys) */
     int fp8, fp8_products;
     float *fq_act, *fq_weight, *fq_grad;
-    /* fp8 in an -DFP8_DELAYED=1 build: the delayed-scaling histories of ln1, ln2 and h_gelu per
+    /* fp8 training: the delayed-scaling histories of ln1, ln2 and h_gelu per
      * layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales the last forward cast them with
      * (their backward re-casts alike), and whether the current forward extends the histories
      * (training forwards only) */
@@ -147,10 +147,7 @@ static size_t engine_setup(const Config* cfg) {
     n = E.layout.n_params;
     E.shard = dist_part(n, NORM_CHUNK, g_dist.rank, g_dist.world); /* whole chunks: the norm stays exact */
     E.fp8 = strcmp(cfg->train.precision, "fp8") == 0;
-    E.fp8_delayed = FP8_DELAYED && E.fp8 && E.training;
-    if (E.fp8_delayed && g_dist.world > 1)
-        die_input("fp8 delayed scaling (an FP8_DELAYED build) keeps one scale history per process; it does not "
-                  "run with %d processes yet (docs/DESIGN.md §18)", g_dist.world);
+    E.fp8_delayed = E.fp8 && E.training;
     if (E.fp8_delayed) {
         E.delayed_hist = (Fp8History*)xcalloc(FP8_DELAYED_PER_LAYER * (size_t)E.L, sizeof(Fp8History), "fp8 histories");
         E.delayed_scale = (float*)xcalloc(FP8_DELAYED_PER_LAYER * (size_t)E.L, sizeof(float), "fp8 scales");

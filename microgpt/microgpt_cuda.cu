@@ -21,9 +21,9 @@
  *         and down): FP8 tensor-core products (cuda/fp8.cuh) of operands cast per tensor at their
  *         current scale, E4M3 weights, activations and activation gradients, fp32
  *         accumulation, bf16 activations and fp32 weight gradients out. The classifier stays bf16.
- *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. The candidate
- *         -DFP8_DELAYED=1 casts ln1, ln2 and h_gelu at delayed scales (from amax histories)
- *         instead, written by their producers (LayerNorm, GELU) as FP8 codes.
+ *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. In training, ln1, ln2 and
+ *         h_gelu are cast at delayed scales (from amax histories) instead, written by their
+ *         producers (LayerNorm, GELU) as FP8 codes.
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
@@ -139,7 +139,7 @@ static struct {
     Fp8CastJobs<float> w8_jobs;
     Fp8Scale* fp8_scales;
     fp8 *a8, *x8t, *g8, *g8t;
-    /* the candidate -DFP8_DELAYED=1 (docs/DESIGN.md §18), training fp8 only: ln1, ln2 and h_gelu are
+    /* delayed scaling (docs/DESIGN.md §18), training fp8 only: ln1, ln2 and h_gelu are
      * cast at delayed scales, from the histories fp8_hist [L][FP8_DELAYED_PER_LAYER] (device), which
      * every training forward extends by their amaxes (k_fp8_history_push) and the checkpoint
      * sidecar keeps */
@@ -408,7 +408,7 @@ static void fp8_quantize_weights(void) {
 enum { FP8_IN_RAW, FP8_IN_AMAX, FP8_IN_CODES };
 
 /* The delayed-scaling history of product k's input in layer l: ln1 (QKV), ln2 (MLP up) and h_gelu
- * (MLP down) in an FP8_DELAYED training run; NULL (current scaling) otherwise. */
+ * (MLP down) in an fp8 training run; NULL (current scaling) otherwise. */
 static const Fp8History* fp8_history_of(int l, int k) {
     if (!E.fp8_delayed || k == FP8_W_O) return NULL;
     return E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l +
@@ -905,10 +905,7 @@ static size_t engine_setup(const Config* cfg) {
     memset(&E, 0, sizeof E);
     E.cfg = *cfg;
     E.use_fp8 = strcmp(prec, "fp8") == 0; /* everything else as bf16 */
-    E.fp8_delayed = FP8_DELAYED && E.use_fp8 && !cfg->generate.enabled && !cfg->evaluate;
-    if (E.fp8_delayed && g_dist.world > 1)
-        die_input("fp8 delayed scaling (an FP8_DELAYED build) keeps one scale history per process; it does not "
-                  "run with %d processes yet (docs/DESIGN.md §18)", g_dist.world);
+    E.fp8_delayed = E.use_fp8 && !cfg->generate.enabled && !cfg->evaluate;
     E.prec = strcmp(prec, "bf16") == 0 || E.use_fp8 ? PREC_BF16 : strcmp(prec, "fp16") == 0 ? PREC_FP16 : PREC_FP32; /* or tf32 */
     E.es = E.prec == PREC_FP32 ? 4 : 2;
     E.B = cfg->train.batch_size;

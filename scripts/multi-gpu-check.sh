@@ -6,7 +6,7 @@
 #
 #   build    make (the CUDA engine links NCCL: the log shows -DANDREA_NCCL)
 #   pytest   tests/test_distributed.py -m gpu (2 GPUs: N vs 1 with N x accumulation, exact resume
-#            after SIGTERM, a killed rank) and the CPU tests of the same file
+#            after SIGTERM in fp32 and in fp8, a killed rank) and the CPU tests of the same file
 #   scaling  ANDREA-120M shape, bf16, random tokens, 30 steps per run, on 1 and N = 2, 4, 8 GPUs (as
 #            many as there are): the engine, then PyTorch DDP (bench/torch_gpt.py under torchrun) on
 #            the same model and per-GPU batch; tokens/s (median of steps 11-30) and scaling

@@ -1086,7 +1086,7 @@ template <typename T> static void test_fp8_quantize(int batch, int R, int Cc, in
     dfree_all();
 }
 
-/* Delayed scaling (FP8_DELAYED, docs/DESIGN.md §18): the cast of bf16 [R, C] at the scale of a history
+/* Delayed scaling (docs/DESIGN.md §18): the cast of bf16 [R, C] at the scale of a history
  * (its amax still the tensor's own) for a history that is empty (current scaling), one whose scale is
  * below the current one, and one above it (the largest values saturate); then the history push after
  * a forward against cpu/fp8.h's, for histories empty, part full, full and all-zero amaxes. */

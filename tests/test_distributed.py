@@ -8,6 +8,7 @@ weights, same windows, losses summed in the same global order) and its gradient 
 for bit; after a few steps losses agree within REL_TOL and the state within STATE_TOL (measured:
 about 1e-7 and 1e-6). Two runs on the same number of ranks are bit-identical.
 """
+import json
 import os
 import signal
 import socket
@@ -277,20 +278,29 @@ def test_two_gpus_match_one_gpu_with_twice_the_accumulation(two_gpus, shards, tm
 
 
 @pytest.mark.gpu
-def test_two_gpus_resume_exactly_after_sigterm(two_gpus, shards, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+def test_two_gpus_resume_exactly_after_sigterm(two_gpus, shards, tmp_path, precision):
+    """fp8: the delayed-scaling histories are shared by the ranks after every step, so rank 0's
+    sidecar resumes both (docs/DESIGN.md §18)."""
     steps = 10
-    rcs, _, errs = Ranks(two_gpus, args(shards, tmp_path / "full.ckpt", steps=steps), 2, GPU_ENV).finish(300)
+    rcs, _, errs = Ranks(two_gpus, args(shards, tmp_path / "full.ckpt", steps=steps, train_precision=precision), 2,
+                         GPU_ENV).finish(300)
     assert rcs == [0, 0], errs
     ckpt = tmp_path / "stopped.ckpt"
-    ranks = Ranks(two_gpus, args(shards, ckpt, steps=steps), 2, GPU_ENV)
+    ranks = Ranks(two_gpus, args(shards, ckpt, steps=steps, train_precision=precision), 2, GPU_ENV)
     ranks.wait_rank0_step(3, timeout=300)
     for p in ranks.procs:
         p.send_signal(signal.SIGTERM)
     rcs, _, errs = ranks.finish(timeout=300)
     assert rcs == [0, 0], errs
-    rcs, _, errs = Ranks(two_gpus, args(shards, ckpt, steps=steps, resume=True), 2, GPU_ENV).finish(300)
+    rcs, _, errs = Ranks(two_gpus, args(shards, ckpt, steps=steps, resume=True, train_precision=precision), 2,
+                         GPU_ENV).finish(300)
     assert rcs == [0, 0], errs
+    assert not any("no fp8 scale history" in e for e in errs), errs
     assert ckpt.read_bytes() == (tmp_path / "full.ckpt").read_bytes()
+    sidecars = [json.loads((tmp_path / name).read_text()) for name in ("stopped.ckpt.json", "full.ckpt.json")]
+    assert sidecars[0].get("fp8_history") == sidecars[1].get("fp8_history")
+    assert ("fp8_history" in sidecars[0]) == (precision == "fp8")
 
 
 @pytest.mark.gpu

@@ -131,16 +131,14 @@ static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int 
     return s;
 }
 
-/* Delayed scaling (the candidate -DFP8_DELAYED=1, docs/DESIGN.md §18): a tensor's scale comes from
- * the amaxes of its last FP8_HISTORY_LEN training forwards instead of its own, so a producer can
- * write fp8 codes before it knows its amax. The history keeps scale exponents (log2 of
+/* Delayed scaling (fp8 training's ln1, ln2 and h_gelu, docs/DESIGN.md §18): a tensor's scale
+ * comes from the amaxes of its last FP8_HISTORY_LEN training forwards instead of its own, so a
+ * producer can write fp8 codes before it knows its amax. The history keeps scale exponents (log2 of
  * fp8_scale_for_amax, oldest first), not amaxes: that rule is monotone, so the smallest exponent is
  * the rule applied to the largest amax, and small integers keep the checkpoint sidecar short.
- * An all-zero tensor records FP8_HISTORY_NONE, which constrains nothing beside other entries. */
-#ifndef FP8_DELAYED
-#define FP8_DELAYED 0
-#endif
-/* The activations with delayed scales, per layer, in the engines' and the sidecar's order: the
+ * An all-zero tensor records FP8_HISTORY_NONE, which constrains nothing beside other entries.
+ *
+ * The activations with delayed scales, per layer, in the engines' and the sidecar's order: the
  * LayerNorm outputs (the QKV and MLP-up inputs) and the GELU output (MLP down's). */
 enum { DELAYED_LN1, DELAYED_LN2, DELAYED_GELU, FP8_DELAYED_PER_LAYER };
 #define FP8_HISTORY_LEN 16

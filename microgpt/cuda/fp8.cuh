@@ -8,12 +8,11 @@
  * produces the operand (LayerNorm, GELU, flash attention: common.cuh's block_amax_commit), from
  * that kernel, saving a full read. Every cast has its own Fp8Scale, whose amax is zeroed before
  * (fp8_zero_scales, one memset for many). The weights' casts (all layers) run as one list: one amax launch, one cast
- * launch (fp8_quantize_jobs). Current scaling: every cast uses the amax of the tensor
- * it casts, so no scale state outlives a step and resume needs nothing beyond the weights. The
- * candidate -DFP8_DELAYED=1 casts the LayerNorm and GELU outputs at a delayed scale (Fp8CastJob's
- * hist, k_fp8_history_push; docs/DESIGN.md §18) instead, whose histories are checkpoint state;
- * known beforehand, the scale lets their producers write the codes (k_layernorm_fwd_fp8, the
- * cast's GELU variant).
+ * launch (fp8_quantize_jobs). Current scaling: such a cast uses the amax of the tensor it casts.
+ * In training, the LayerNorm and GELU outputs are cast at a delayed scale instead (Fp8CastJob's
+ * hist, k_fp8_history_push; docs/DESIGN.md §18), whose histories are checkpoint state; known
+ * beforehand, the scale lets their producers write the codes (k_layernorm_fwd_fp8, the cast's
+ * GELU variant).
  *
  * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
  * patterns is the order of the values), reduced per block and combined with an integer atomicMax:
@@ -71,7 +70,7 @@ template <typename T> struct Fp8CastJob {
     Fp8Scale* sc;
     int batch, R, Cc, fmt;
     unsigned first_tile; /* in a list: the tiles of the jobs before it (its first block of the cast) */
-    const Fp8History* hist; /* delayed scaling (FP8_DELAYED): the scale from this history, NULL: current */
+    const Fp8History* hist; /* delayed scaling: the scale from this history, NULL: current */
 };
 
 static unsigned fp8_cast_tiles(int batch, int R, int Cc) {
@@ -261,7 +260,7 @@ static void fp8_history_push_all(Fp8History* hist, const Fp8Scale* scales, int s
     launch_kernel(k_fp8_history_push, ceil_div(n, 128), 128, hist, scales, stride, k, n);
 }
 
-/* Delayed scaling's fused LayerNorm (FP8_DELAYED, docs/DESIGN.md §18): the forward of N rows of x
+/* Delayed scaling's fused LayerNorm (docs/DESIGN.md §18): the forward of N rows of x
  * [N, C] written straight as E4M3 codes at the history's scale, row-major into out_n and
  * transposed into out_t ([C][N], either may be NULL), with mean and rstd, the amax of the outputs
  * as stored in T (what the unfused path's cast would have seen, for the history's next entry) and
@@ -279,8 +278,8 @@ k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* 
                     const Fp8History* __restrict__ hist, float* __restrict__ mean, float* __restrict__ rstd,
                     const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ beta, int N,
                     int C) {
-    extern __shared__ __align__(16) fp8 ln_tile[]; /* [LN_FP8_ROWS][C + 16] */
     await_previous_kernel();
+    extern __shared__ __align__(16) fp8 ln_tile[]; /* [LN_FP8_ROWS][C + 16] */
     const int pitch = C + 16, lane = threadIdx.x & 31, r0 = blockIdx.x * LN_FP8_ROWS;
     const float s = fp8_history_scale(hist);
     unsigned am = 0;

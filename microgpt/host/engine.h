@@ -30,7 +30,7 @@ static size_t engine_setup(const Config* cfg);
 static void engine_set_state(const float* params, const float* m, const float* v, float loss_scale);
 static void engine_get_state(float* params, float* m, float* v, float* loss_scale);
 /* The amax histories of delayed fp8 scaling (docs/DESIGN.md §18), layer-major: how many the engine
- * keeps (0 unless it trains fp8 in an -DFP8_DELAYED=1 build), a copy of them, and their restore
+ * keeps (0 unless it trains in fp8), a copy of them, and their restore
  * (from the checkpoint's sidecar; each training forward then extends them). */
 static int engine_fp8_history_count(void);
 static void engine_get_fp8_history(Fp8History* h);

@@ -1,13 +1,14 @@
-/* fp8_history.h: the amax histories of delayed fp8 scaling (the candidate -DFP8_DELAYED=1,
- * docs/DESIGN.md §18) in the checkpoint sidecar. They are training state: a run resumed without them
- * casts its next forwards at other scales, so they travel with the checkpoint to keep resume
- * bit-exact. One sidecar member, ",\"fp8_history\":{\"len\":16,\"exp\":[[...],...]}", one array per
+/* fp8_history.h: the amax histories of delayed fp8 scaling (docs/DESIGN.md §18) in the checkpoint
+ * sidecar, and across the ranks of a data-parallel run (§17). They are training state: a run
+ * resumed without them casts its next forwards at other scales, so they travel with the checkpoint
+ * to keep resume bit-exact. One sidecar member, ",\"fp8_history\":{\"len\":16,\"exp\":[[...],...]}", one array per
  * history (layer-major, the engine's order), oldest exponent first. */
 #ifndef MICROGPT_HOST_FP8_HISTORY_H
 #define MICROGPT_HOST_FP8_HISTORY_H
 
 #include "../cpu/fp8.h"
 #include "checkpoint.h"
+#include "dist.h"
 
 /* The sidecar member for the n histories h (n = 0: ""). */
 static void fp8_history_sidecar_json(const Fp8History* h, int n, char* out, size_t cap) {
@@ -52,6 +53,29 @@ static int fp8_history_parse(const char* text, Fp8History* h, int n) {
         p++;
     }
     return *p == ']';
+}
+
+/* dist (§17): the n histories of every rank become one, entry by entry the smallest exponent (the
+ * largest amax) over the ranks, on every rank. Called after every step: each rank pushes the same
+ * number of entries (its micro-batches), so the entries line up, and then every rank holds rank 0's
+ * histories, the ones its checkpoint keeps. A minimum of integers: the same in any order. */
+static void fp8_history_min_over_ranks(Fp8History* h, int n) {
+    size_t bytes = (size_t)n * sizeof(Fp8History);
+    Fp8History* all;
+    int r, t, i;
+    if (g_dist.world == 1 || n == 0) return;
+    all = (Fp8History*)dist_scratch((size_t)g_dist.world * bytes);
+    dist_gather(h, bytes, all);
+    if (g_dist.rank == 0)
+        for (r = 1; r < g_dist.world; r++)
+            for (t = 0; t < n; t++) {
+                const Fp8History* o = &all[(size_t)r * n + t];
+                if (o->count != h[t].count)
+                    die_io("internal: rank %d keeps %d entries of fp8 history %d, rank 0 %d", r, o->count, t, h[t].count);
+                for (i = 0; i < h[t].count; i++)
+                    if (o->exp[i] < h[t].exp[i]) h[t].exp[i] = o->exp[i];
+            }
+    dist_broadcast(h, bytes);
 }
 
 /* Restores the n histories from the sidecar of the checkpoint being resumed. A sidecar without them

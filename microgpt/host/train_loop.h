@@ -144,6 +144,27 @@ static size_t first_non_finite(const float* x, size_t n) {
     return i;
 }
 
+/* A copy of the engine's delayed-fp8 histories (*n of them, 0 unless it trains fp8); free() it. */
+static Fp8History* engine_fp8_history_copy(int* n) {
+    Fp8History* h;
+    *n = engine_fp8_history_count();
+    h = (Fp8History*)xcalloc(*n ? (size_t)*n : 1, sizeof(Fp8History), "fp8 histories");
+    engine_get_fp8_history(h);
+    return h;
+}
+
+/* dist (§17): after a step every rank holds the same fp8 histories, so that rank 0's checkpoint
+ * resumes every rank exactly (docs/DESIGN.md §18). One rank: nothing to do. */
+static void agree_fp8_histories(void) {
+    int n;
+    Fp8History* h;
+    if (g_dist.world == 1 || engine_fp8_history_count() == 0) return;
+    h = engine_fp8_history_copy(&n);
+    fp8_history_min_over_ranks(h, n);
+    engine_set_fp8_history(h);
+    free(h);
+}
+
 static void save_checkpoint(Run* r, int done, const char* reason) {
     const float* parts[3];
     const char* names[3] = {"weight", "AdamW m", "AdamW v"};
@@ -161,10 +182,9 @@ static void save_checkpoint(Run* r, int done, const char* reason) {
         }
     mixture_sidecar_json(&r->mix, &r->cfg, bandit_json, sizeof bandit_json);
     {
-        int nh = engine_fp8_history_count();
-        Fp8History* h = (Fp8History*)xcalloc(nh ? (size_t)nh : 1, sizeof(Fp8History), "fp8 histories");
+        int nh;
+        Fp8History* h = engine_fp8_history_copy(&nh);
         size_t len = (size_t)snprintf(extra, sizeof extra, "%s", bandit_json);
-        engine_get_fp8_history(h);
         fp8_history_sidecar_json(h, nh, extra + len, sizeof extra - len);
         free(h);
     }
@@ -299,6 +319,7 @@ static double run_step(Run* r, int s, UpdateResult* res, double lr) {
         fill_step_batch(r, s, g_dist.rank * accum + j);
         r->micro_losses[j] = engine_forward_backward(r->inputs, r->targets);
     }
+    agree_fp8_histories();
     *res = engine_update((float)lr, s + 1, c);
     return dist_sum_in_rank_order(r->micro_losses, accum) / (accum * g_dist.world);
 }
