@@ -991,6 +991,65 @@ template <int D> struct FaWgDkv {
     static constexpr int STATIC_SMEM = 2 * 2 * FA_TILE * (int)sizeof(float); /* lse2s, dls */
 };
 
+/* Candidate -DFA_DKV_ASYNC=1 (docs/BENCHMARKS.md log #72; default 0: the step as above). Nothing in
+ * a step waits on a global load or on address arithmetic before its products are issued:
+ *   - lse and delta come by cp.async (4 bytes a thread, in the tile's copy group) instead of a
+ *     load, scale and store that held warps 0-1, and so the whole warpgroup's S^T issue, for a
+ *     global round trip every step; lse is stored as it is and scaled by log2(e) where used
+ *     (the same rounded product as before, so the same bits);
+ *   - the next tile's copies start after S^T and dP^T are issued, beside them, not before;
+ *   - each thread's 16-byte chunks of a tile are fixed for the block (FaWgCopy): per tile, a pointer
+ *     and a bound check a chunk instead of fa_wg_load_rows' generic loop (~130 instructions a tile
+ *     a warp in the SASS, two tiles a step);
+ *   - the diagonal tile, always the block's first, is a step of its own, so the others carry no
+ *     mask (60 predicated instructions a step).
+ * The products, their operands and their order are unchanged: dK, dV and the dS tiles are bit for
+ * bit those of the default step. */
+#ifndef FA_DKV_ASYNC
+#define FA_DKV_ASYNC 0
+#endif
+
+/* A thread's share of copying a swizzled tile (as fa_wg_load_rows), fixed for the block: 16-byte
+ * chunk `col` of rows row, row + ROW_STEP, ... Chunk i lands 2048 i bytes (ROW_STEP rows) after
+ * chunk 0: the swizzle permutes within 1024 bytes, so adding whole 1024s commutes with it. */
+template <typename T, int D> struct FaWgCopy {
+    static constexpr int PER_ROW = FaWg<D>::ROW_BYTES / 16, ROW_STEP = FA_THREADS / PER_ROW;
+    static constexpr int CHUNKS = FA_TILE / ROW_STEP, STEP_BYTES = ROW_STEP * FaWg<D>::ROW_BYTES;
+    static_assert(STEP_BYTES % 1024 == 0, "a thread's chunks must be whole swizzle periods apart");
+    int row, col;  /* first row; first element of the chunk in a row */
+    unsigned dst;  /* byte offset of chunk 0 in a tile */
+    __device__ __forceinline__ FaWgCopy(void) {
+        unsigned e = threadIdx.x, c = e % PER_ROW;
+        row = (int)(e / PER_ROW), col = (int)(c * (16 / sizeof(T)));
+        dst = fa_wg_swizzle<D>(row * FaWg<D>::ROW_BYTES + c * 16);
+    }
+    /* starts copying rows [r0, r0 + 64) of one head (src: its row 0, row stride C); rows at or past
+     * T become zero */
+    __device__ __forceinline__ void load(unsigned char* tile, const T* src, int r0, int T_, int C) const {
+        const T* p = src + (size_t)(r0 + row) * C + col;
+        for (int i = 0; i < CHUNKS; i++) {
+            bool ok = r0 + row + i * ROW_STEP < T_;
+            fa_cp_async16(tile + dst + i * STEP_BYTES, ok ? p + (size_t)i * ROW_STEP * C : src, ok ? 16 : 0);
+        }
+    }
+};
+
+/* Asynchronous 4-byte copy global -> shared (src_bytes 0: write zeros, read nothing). */
+__device__ __forceinline__ void fa_cp_async4(void* dst, const void* src, int src_bytes) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+/* Starts copying lse (as stored, natural log) and delta of query tile rows [q0, q0 + 64) of head bh
+ * into lses, dls: one value a thread; 0 past T, as fa_load_lse_delta. */
+__device__ __forceinline__ void fa_cp_lse_delta(float* lses, float* dls, const float* lse, const float* delta,
+                                                int bh, int q0, int T_) {
+    static_assert(FA_THREADS == 2 * FA_TILE, "one value a thread");
+    int c = threadIdx.x % FA_TILE;
+    bool is_lse = threadIdx.x < FA_TILE, ok = q0 + c < T_;
+    const float* src = is_lse ? lse : delta;
+    fa_cp_async4((is_lse ? lses : dls) + c, ok ? src + (size_t)bh * T_ + q0 + c : src, ok ? 4 : 0);
+}
+
 /* An 8x8 matrix of 16-bit values held one register per lane (lane 4g + t: row g, columns 2t,
  * 2t + 1), transposed in the same layout. */
 __device__ __forceinline__ unsigned fa_transpose8x8(unsigned x) {
@@ -1024,7 +1083,8 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using W = FaWg<D>;
     extern __shared__ __align__(1024) unsigned char fa_dkv_smem[];
-    __shared__ float lse2s[2][FA_TILE], dls[2][FA_TILE]; /* query tile qt's in [(qt - kt) % 2] */
+    /* query tile qt's in [(qt - kt) % 2]; FA_DKV_ASYNC: lse2s holds lse as stored (scaled where used) */
+    __shared__ float lse2s[2][FA_TILE], dls[2][FA_TILE];
     unsigned smem_addr = (unsigned)__cvta_generic_to_shared(fa_dkv_smem), pad = (1024 - (smem_addr & 1023)) & 1023;
     unsigned char* tiles = fa_dkv_smem + pad; /* [k | v | q0 | q1 | dout0 | dout1], each TILE_BYTES */
     unsigned k_addr = smem_addr + pad, v_addr = k_addr + W::TILE_BYTES;
@@ -1035,34 +1095,44 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     int kt = blk.tile, bh = blk.bh, b = bh / H, hd = bh % H, n_tiles = blk.n_tiles;
     int sub = warp * 16, row0 = kt * FA_TILE + sub; /* the warp's first key within the tile, and in all */
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
+    const FaWgCopy<T, D> copy; /* FA_DKV_ASYNC: this thread's chunks of a tile */
     /* starts loading query tile qt into buffer `buf`: one cp.async group */
     auto load_queries = [&](int qt, int buf) {
-        fa_wg_load_rows<T, D>(tiles + q_tile(buf), q + base, qt * FA_TILE, T_, C);
-        fa_wg_load_rows<T, D>(tiles + do_tile(buf), dout + base, qt * FA_TILE, T_, C);
-        fa_load_lse_delta(lse2s[buf], dls[buf], lse, delta, bh, qt * FA_TILE, T_);
+        if constexpr (FA_DKV_ASYNC) {
+            copy.load(tiles + q_tile(buf), q + base, qt * FA_TILE, T_, C);
+            copy.load(tiles + do_tile(buf), dout + base, qt * FA_TILE, T_, C);
+            fa_cp_lse_delta(lse2s[buf], dls[buf], lse, delta, bh, qt * FA_TILE, T_);
+        } else {
+            fa_wg_load_rows<T, D>(tiles + q_tile(buf), q + base, qt * FA_TILE, T_, C);
+            fa_wg_load_rows<T, D>(tiles + do_tile(buf), dout + base, qt * FA_TILE, T_, C);
+            fa_load_lse_delta(lse2s[buf], dls[buf], lse, delta, bh, qt * FA_TILE, T_);
+        }
         fa_cp_commit();
     };
     float dk_acc[Fa<D>::ND][4] = {}, dv_acc[Fa<D>::ND][4] = {};
 
-    /* query tile qt's step (one barrier, above), s and dp its scores */
-    auto step = [&](float (*s)[4], float (*dp)[4], int qt) {
+    /* query tile qt's step (one barrier, above), s and dp its scores; diagonal: qt == kt */
+    auto step = [&](float (*s)[4], float (*dp)[4], int qt, bool diagonal) {
         int i = qt - kt, cur = i % 2;
         fa_cp_wait<0>(); /* tile qt has landed (this thread's part) ... */
         fa_wg_publish(); /* ... and everyone's; everyone's products on tile qt - 1 are done */
-        if (qt + 1 < n_tiles) load_queries(qt + 1, (i + 1) % 2);
+        if (!FA_DKV_ASYNC && qt + 1 < n_tiles) load_queries(qt + 1, (i + 1) % 2);
         unsigned q_addr = k_addr + q_tile(cur), do_addr = k_addr + do_tile(cur);
         const float *lse2c = lse2s[cur], *dlc = dls[cur];
+        /* lse of query col in base 2 */
+        auto lse2 = [&](int col) { return FA_DKV_ASYNC ? lse2c[col] * FA_LOG2E : lse2c[col]; };
         unsigned p[FA_TILE / 16][4], ds[FA_TILE / 16][4]; /* P^T, dS^T rounded to T: A fragments */
         fa_wg_fence(); /* p and ds were written by ordinary instructions */
         fa_wg_scores<T, D>(s, k_addr, q_addr); /* S^T and dP^T, issued as two groups */
         fa_wg_scores<T, D>(dp, v_addr, do_addr);
+        if (FA_DKV_ASYNC && qt + 1 < n_tiles) load_queries(qt + 1, (i + 1) % 2); /* beside S^T, dP^T */
         fa_wg_wait<1>(); /* S^T is done; dP^T runs on beside P^T */
         fa_wg_hold<FA_TILE / 8>(s);
-        if (qt == kt) fa_mask_diagonal<true>(s, sub);
+        if (diagonal) fa_mask_diagonal<true>(s, sub);
         /* queries past T (a partial last tile) were loaded as zero rows of q and dout with lse and
          * delta 0: their P is 1 but their dP and dout rows are 0, so they add nothing */
         for (int j = 0; j < FA_TILE / 8; j++)
-            for (int e = 0; e < 4; e++) s[j][e] = fa_exp2(fmaf(s[j][e], sl2, -lse2c[8 * j + 2 * t + (e & 1)]));
+            for (int e = 0; e < 4; e++) s[j][e] = fa_exp2(fmaf(s[j][e], sl2, -lse2(8 * j + 2 * t + (e & 1))));
         fa_wg_pack_p<T>(p, s);
         fa_wg_fence();
         fa_wg_accumulate<T, D>(dv_acc, p, do_addr);
@@ -1081,7 +1151,12 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     fa_wg_load_rows<T, D>(tiles + W::TILE_BYTES, v + base, kt * FA_TILE, T_, C);
     load_queries(kt, 0);
     float s[FA_TILE / 8][4], dp[FA_TILE / 8][4];
-    for (int qt = kt; qt < n_tiles; qt++) step(s, dp, qt);
+    if constexpr (FA_DKV_ASYNC) { /* the diagonal first, then no step tests for it */
+        step(s, dp, kt, true);
+        for (int qt = kt + 1; qt < n_tiles; qt++) step(s, dp, qt, false);
+    } else {
+        for (int qt = kt; qt < n_tiles; qt++) step(s, dp, qt, qt == kt);
+    }
     fa_wg_hold<Fa<D>::ND>(dk_acc);
     fa_wg_hold<Fa<D>::ND>(dv_acc);
 
