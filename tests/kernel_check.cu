@@ -1401,9 +1401,6 @@ template <typename T> static void check_wgmma_path(void) {
     };
     report_path("forward kernel", fa_fwd_wgmma_ok<T, 32>() && fa_fwd_wgmma_ok<T, 64>());
     report_path("dK/dV kernel", fa_dkv_wgmma_ok<T, 32>() && fa_dkv_wgmma_ok<T, 64>());
-    /* a build of the candidate step -DFA_DKV_ASYNC=1 says so: it is what the shapes below check */
-    if (FA_DKV_ASYNC)
-        report_path("dK/dV kernel, candidate FA_DKV_ASYNC step", fa_dkv_wgmma_ok<T, 32>() && fa_dkv_wgmma_ok<T, 64>());
 }
 
 /* The attention pair at every shape (alone with --only attn). */

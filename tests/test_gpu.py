@@ -393,57 +393,6 @@ def test_same_bits_as_the_baseline_build(cuda_binary, random_shards, tmp_path, p
     assert runs["tested"][1] == runs["baseline"][1], "checkpoint differs from the baseline build's"
 
 
-# The candidate dK/dV step (microgpt/cuda/attention.cuh, docs/BENCHMARKS.md log #72): the same products
-# in the same order as the default step, only its copies and their order changed.
-DKV_ASYNC_FLAGS = "-DFA_DKV_ASYNC=1"
-# Head sizes 32 and 64 (the wgmma dK/dV kernel's) with T = 112: a whole query tile and a partial one,
-# whose rows past T the copies fill with zeros; sizes multiples of 16, so fp8 runs them too.
-DKV_SHAPES = {
-    f"hs{128 // heads}": {"model.n_layer": 2, "model.d_model": 128, "model.n_head": heads, "model.d_ff": 256,
-                          "model.seq_len": 112, "train.batch_size": 2}
-    for heads in (4, 2)
-}
-
-
-@pytest.fixture(scope="module")
-def dkv_async_builds(cuda_binary):
-    """build/kernel_check_async and build/microgpt_cuda_async: the candidate step, beside the default build."""
-    if OVERRIDE_ENGINE or OVERRIDE_KERNEL_CHECK:
-        pytest.skip("prebuilt binaries named; the candidate is built from source")
-    check, engine = eu.BUILD / "kernel_check_async", eu.BUILD / "microgpt_cuda_async"
-    build_variant("_async", DKV_ASYNC_FLAGS, check, engine)
-    return check, engine
-
-
-def test_dkv_async_candidate_passes_the_attention_checks_and_says_it_ran(dkv_async_builds):
-    """The candidate's kernel_check --only attn passes at every shape, and its path line (once per
-    16-bit type) says the candidate step is the dK/dV kernel that ran: on compute capability 9.0 the
-    wgmma kernel, so that the checks above were the candidate's."""
-    res = subprocess.run([str(dkv_async_builds[0]), "--only", "attn"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
-    assert "checks, 0 failed" in res.stdout.splitlines()[-1]
-    paths = [line for line in res.stdout.splitlines() if "candidate FA_DKV_ASYNC step" in line]
-    assert len(paths) == 2 and all(line.startswith("PASS") for line in paths), "\n".join(paths) or res.stdout[-2000:]
-
-
-@pytest.mark.parametrize("shape", sorted(DKV_SHAPES))
-@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp8"])
-def test_dkv_async_candidate_gives_the_default_builds_bits(dkv_async_builds, cuda_binary, random_shards, tmp_path,
-                                                             shape, precision):
-    """The candidate engine's records and checkpoint equal the default build's bit for bit (the same
-    dK, dV and dS tiles), with validation and grad_accum 2."""
-    args = tiny_args(random_shards.train, random_shards.val, **{
-        **DKV_SHAPES[shape], "train.precision": precision, "train.steps": 3, "train.grad_accum": 2,
-        "train.lr": 3e-3, "eval.every": 3, "eval.batches": 2})
-    runs = {}
-    for name, binary in (("default", cuda_binary), ("candidate", dkv_async_builds[1])):
-        ckpt = tmp_path / f"{name}.ckpt"
-        runs[name] = (eu.exact_records(run_ok(binary, args + ["--checkpoint", ckpt])), ckpt.read_bytes())
-    assert len([k for k in runs["candidate"][0] if k[0] == "train"]) == 3
-    assert runs["candidate"][0] == runs["default"][0], "records differ from the default build's"
-    assert runs["candidate"][1] == runs["default"][1], "checkpoint differs from the default build's"
-
-
 # Logits chunks of 16 KiB: 64 rows of 16-bit logits (32 of fp32) at the odd shapes' padded vocabulary of
 # 128, so their 111 or 144 positions take 2 or 3 chunks (4 in fp32), as ANDREA-12M's 4096 take 2 in fp32.
 SMALL_CHUNKS_FLAGS = "-DLOGITS_CHUNK_BYTES=16384"

@@ -961,7 +961,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)lse2s[0]);
 }
 
-/* The dK/dV kernel on Hopper's warpgroup products (wgmma, sm_90a; docs/DESIGN.md §9: 141 against
+/* The dK/dV kernel on Hopper's warpgroup products (wgmma, sm_90a; docs/DESIGN.md §9: 117.5 against
  * k_attn_bwd_dkv's 169 µs a launch at ANDREA-120M on an H200). The same block, outputs and dS tiles
  * as k_attn_bwd_dkv (where the image has no sm_90a code, k_attn_bwd_dkv runs: fa_dkv_wgmma_ok); the
  * block's 4 warps are one warpgroup and each product covers its 64 keys, on the forward's
@@ -980,34 +980,27 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
  * Shared memory: the K and V tiles and double-buffered Q and dO tiles in the forward's swizzled
  * layout, 6 x 2D x 64 bytes + 1024 to align (49 KiB at D = 64: dynamic, over the static 48 KiB),
  * plus lse and delta of both query tiles (static). One barrier per step: step qt waits for tile
- * qt's copies, then starts tile qt + 1's into the buffers of tile qt - 1, whose products every
- * thread waited for at the end of step qt - 1. Compiled for sm_90a only; elsewhere the body is a
- * trap that the host never launches (fa_dkv_wgmma_ok). Head size 16 stays on k_attn_bwd_dkv.
- * Issuing the next tile's S^T and dP^T a step ahead (FlashAttention-3's overlap: three query
- * buffers, a second score register set, 2 blocks a multiprocessor) was measured and gained nothing
- * (docs/DESIGN.md §9), so the issue of those products is not what bounds this kernel. */
+ * qt's copies, issues S^T and dP^T, then starts tile qt + 1's copies beside them into the buffers
+ * of tile qt - 1, whose products every thread waited for at the end of step qt - 1. Nothing but
+ * that barrier comes before a step's products (docs/DESIGN.md §9: 141 -> 117.5 µs a launch at
+ * ANDREA-120M, docs/BENCHMARKS.md log #72), because a step that first copied the next tile held
+ * the warpgroup's products for ~470 instructions and a global round trip:
+ *   - lse and delta come by cp.async in the tile's copy group (fa_cp_lse_delta), not by a load,
+ *     scale and store that two warps, and so the whole warpgroup, waited for; lse is kept as
+ *     stored and scaled by log2(e) where used (the same rounded product);
+ *   - each thread's 16-byte chunks of a tile are fixed for the block (FaWgCopy): a pointer and a
+ *     bound check a chunk, not fa_wg_load_rows' generic loop (~130 instructions a tile a warp);
+ *   - the diagonal tile, always the block's first, is a step of its own, so no other step carries
+ *     the mask.
+ * Compiled for sm_90a only; elsewhere the body is a trap that the host never launches
+ * (fa_dkv_wgmma_ok). Head size 16 stays on k_attn_bwd_dkv. Issuing the next tile's S^T and dP^T a
+ * step ahead (FlashAttention-3's overlap: three query buffers, a second score register set, 2
+ * blocks a multiprocessor) was measured and gained nothing (docs/DESIGN.md §9), so the issue of
+ * those products is not what bounds this kernel. */
 template <int D> struct FaWgDkv {
     static constexpr int DYNAMIC_SMEM = 6 * FaWg<D>::TILE_BYTES + 1024;     /* k, v, q[2], dout[2] */
-    static constexpr int STATIC_SMEM = 2 * 2 * FA_TILE * (int)sizeof(float); /* lse2s, dls */
+    static constexpr int STATIC_SMEM = 2 * 2 * FA_TILE * (int)sizeof(float); /* lses, dls */
 };
-
-/* Candidate -DFA_DKV_ASYNC=1 (docs/BENCHMARKS.md log #72; default 0: the step as above). Nothing in
- * a step waits on a global load or on address arithmetic before its products are issued:
- *   - lse and delta come by cp.async (4 bytes a thread, in the tile's copy group) instead of a
- *     load, scale and store that held warps 0-1, and so the whole warpgroup's S^T issue, for a
- *     global round trip every step; lse is stored as it is and scaled by log2(e) where used
- *     (the same rounded product as before, so the same bits);
- *   - the next tile's copies start after S^T and dP^T are issued, beside them, not before;
- *   - each thread's 16-byte chunks of a tile are fixed for the block (FaWgCopy): per tile, a pointer
- *     and a bound check a chunk instead of fa_wg_load_rows' generic loop (~130 instructions a tile
- *     a warp in the SASS, two tiles a step);
- *   - the diagonal tile, always the block's first, is a step of its own, so the others carry no
- *     mask (60 predicated instructions a step).
- * The products, their operands and their order are unchanged: dK, dV and the dS tiles are bit for
- * bit those of the default step. */
-#ifndef FA_DKV_ASYNC
-#define FA_DKV_ASYNC 0
-#endif
 
 /* A thread's share of copying a swizzled tile (as fa_wg_load_rows), fixed for the block: 16-byte
  * chunk `col` of rows row, row + ROW_STEP, ... Chunk i lands 2048 i bytes (ROW_STEP rows) after
@@ -1083,8 +1076,8 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using W = FaWg<D>;
     extern __shared__ __align__(1024) unsigned char fa_dkv_smem[];
-    /* query tile qt's in [(qt - kt) % 2]; FA_DKV_ASYNC: lse2s holds lse as stored (scaled where used) */
-    __shared__ float lse2s[2][FA_TILE], dls[2][FA_TILE];
+    /* query tile qt's in [(qt - kt) % 2]; lse as stored (natural log, scaled where used) */
+    __shared__ float lses[2][FA_TILE], dls[2][FA_TILE];
     unsigned smem_addr = (unsigned)__cvta_generic_to_shared(fa_dkv_smem), pad = (1024 - (smem_addr & 1023)) & 1023;
     unsigned char* tiles = fa_dkv_smem + pad; /* [k | v | q0 | q1 | dout0 | dout1], each TILE_BYTES */
     unsigned k_addr = smem_addr + pad, v_addr = k_addr + W::TILE_BYTES;
@@ -1095,18 +1088,12 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     int kt = blk.tile, bh = blk.bh, b = bh / H, hd = bh % H, n_tiles = blk.n_tiles;
     int sub = warp * 16, row0 = kt * FA_TILE + sub; /* the warp's first key within the tile, and in all */
     size_t base = (size_t)b * T_ * C + (size_t)hd * D;
-    const FaWgCopy<T, D> copy; /* FA_DKV_ASYNC: this thread's chunks of a tile */
+    const FaWgCopy<T, D> copy; /* this thread's chunks of a tile */
     /* starts loading query tile qt into buffer `buf`: one cp.async group */
     auto load_queries = [&](int qt, int buf) {
-        if constexpr (FA_DKV_ASYNC) {
-            copy.load(tiles + q_tile(buf), q + base, qt * FA_TILE, T_, C);
-            copy.load(tiles + do_tile(buf), dout + base, qt * FA_TILE, T_, C);
-            fa_cp_lse_delta(lse2s[buf], dls[buf], lse, delta, bh, qt * FA_TILE, T_);
-        } else {
-            fa_wg_load_rows<T, D>(tiles + q_tile(buf), q + base, qt * FA_TILE, T_, C);
-            fa_wg_load_rows<T, D>(tiles + do_tile(buf), dout + base, qt * FA_TILE, T_, C);
-            fa_load_lse_delta(lse2s[buf], dls[buf], lse, delta, bh, qt * FA_TILE, T_);
-        }
+        copy.load(tiles + q_tile(buf), q + base, qt * FA_TILE, T_, C);
+        copy.load(tiles + do_tile(buf), dout + base, qt * FA_TILE, T_, C);
+        fa_cp_lse_delta(lses[buf], dls[buf], lse, delta, bh, qt * FA_TILE, T_);
         fa_cp_commit();
     };
     float dk_acc[Fa<D>::ND][4] = {}, dv_acc[Fa<D>::ND][4] = {};
@@ -1116,16 +1103,15 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
         int i = qt - kt, cur = i % 2;
         fa_cp_wait<0>(); /* tile qt has landed (this thread's part) ... */
         fa_wg_publish(); /* ... and everyone's; everyone's products on tile qt - 1 are done */
-        if (!FA_DKV_ASYNC && qt + 1 < n_tiles) load_queries(qt + 1, (i + 1) % 2);
         unsigned q_addr = k_addr + q_tile(cur), do_addr = k_addr + do_tile(cur);
-        const float *lse2c = lse2s[cur], *dlc = dls[cur];
-        /* lse of query col in base 2 */
-        auto lse2 = [&](int col) { return FA_DKV_ASYNC ? lse2c[col] * FA_LOG2E : lse2c[col]; };
+        const float *lsec = lses[cur], *dlc = dls[cur];
+        /* lse of query col in base 2 (as fa_load_lse_delta's product) */
+        auto lse2 = [&](int col) { return lsec[col] * FA_LOG2E; };
         unsigned p[FA_TILE / 16][4], ds[FA_TILE / 16][4]; /* P^T, dS^T rounded to T: A fragments */
         fa_wg_fence(); /* p and ds were written by ordinary instructions */
         fa_wg_scores<T, D>(s, k_addr, q_addr); /* S^T and dP^T, issued as two groups */
         fa_wg_scores<T, D>(dp, v_addr, do_addr);
-        if (FA_DKV_ASYNC && qt + 1 < n_tiles) load_queries(qt + 1, (i + 1) % 2); /* beside S^T, dP^T */
+        if (qt + 1 < n_tiles) load_queries(qt + 1, (i + 1) % 2); /* beside S^T, dP^T */
         fa_wg_wait<1>(); /* S^T is done; dP^T runs on beside P^T */
         fa_wg_hold<FA_TILE / 8>(s);
         if (diagonal) fa_mask_diagonal<true>(s, sub);
@@ -1151,26 +1137,22 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     fa_wg_load_rows<T, D>(tiles + W::TILE_BYTES, v + base, kt * FA_TILE, T_, C);
     load_queries(kt, 0);
     float s[FA_TILE / 8][4], dp[FA_TILE / 8][4];
-    if constexpr (FA_DKV_ASYNC) { /* the diagonal first, then no step tests for it */
-        step(s, dp, kt, true);
-        for (int qt = kt + 1; qt < n_tiles; qt++) step(s, dp, qt, false);
-    } else {
-        for (int qt = kt; qt < n_tiles; qt++) step(s, dp, qt, qt == kt);
-    }
+    step(s, dp, kt, true); /* the diagonal first, then no step tests for it */
+    for (int qt = kt + 1; qt < n_tiles; qt++) step(s, dp, qt, false);
     fa_wg_hold<Fa<D>::ND>(dk_acc);
     fa_wg_hold<Fa<D>::ND>(dv_acc);
 
     unsigned am = fa_store_out<T, D, AMAX>(dv + base + (size_t)row0 * C, dv_acc, 1.0f, T_ - row0, C);
     am = max(am, fa_store_out<T, D, AMAX>(dk + base + (size_t)row0 * C, dk_acc, scale, T_ - row0, C));
-    /* lse2s lends the partial maxima (block_amax_commit_in's leading barrier: all are done with it) */
-    if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)lse2s[0]);
+    /* lses lends the partial maxima (block_amax_commit_in's leading barrier: all are done with it) */
+    if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)lses[0]);
 #else
     __trap();
 #endif
 }
 
 /* Whether this process launches k_attn_bwd_dkv_wgmma<T, D, *> (as fa_fwd_wgmma_ok: the sm_90a body
- * alone has static shared memory, lse2s and dls); where it does, both instantiations are allowed
+ * alone has static shared memory, lses and dls); where it does, both instantiations are allowed
  * their dynamic shared memory (over the default 48 KiB at D = 64) and asked for the largest
  * shared-memory carveout (3 blocks a multiprocessor need up to 150 KiB), once. */
 template <typename T, int D> static bool fa_dkv_wgmma_ok(void) {
