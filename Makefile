@@ -65,8 +65,10 @@ cpu: build/microgpt_cpu
 
 cuda: build/microgpt_cuda
 
-build/microgpt_cpu: microgpt/microgpt_cpu.c $(HOST_HEADERS) $(CPU_HEADERS) | build
-	$(CC) $(CFLAGS) -o $@ microgpt/microgpt_cpu.c $(LDLIBS)
+# KERNEL_VARIANTS (-D macros) reach the CPU engine too: a candidate that changes what is computed
+# (fp8's scaling) has its CPU reference build/microgpt_cpu$(VARIANT_SUFFIX)
+build/microgpt_cpu$(VARIANT_SUFFIX): microgpt/microgpt_cpu.c $(HOST_HEADERS) $(CPU_HEADERS) | build
+	$(CC) $(CFLAGS) $(KERNEL_VARIANTS) -o $@ microgpt/microgpt_cpu.c $(LDLIBS)
 
 build/microgpt_cuda$(VARIANT_SUFFIX): microgpt/microgpt_cuda.cu $(HOST_HEADERS) $(CUDA_HEADERS) $(CPU_HEADERS) | build
 	@test -n "$(HAVE_NVCC)" || { echo "error: $(NVCC) not found on PATH (install the CUDA toolkit, 12 or 13)"; exit 1; }

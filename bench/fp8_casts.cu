@@ -65,6 +65,14 @@ static void bench(const char* model, int N, int C, int F, int L) {
         time_median_us([&] { fp8_cast(q_n, q_t, sc, hg, 1, N, F, FP8_E4M3); }), 4.0 * nf);
     row(model, "fp8_cast grad n+t", sh_3nc,
         time_median_us([&] { fp8_cast(q_n, q_t, sc, x, 3, N, C, FP8_GRAD_FMT); }), 12.0 * nc);
+    /* delayed scaling's fused producers, at a history's scale (2^10: values ~0.0115 stay in range) */
+    Fp8History hist_host = {{10}, 1};
+    Fp8History* hist = (Fp8History*)dmalloc(sizeof hist_host);
+    CUDA_CHECK(cudaMemcpy(hist, &hist_host, sizeof hist_host, cudaMemcpyHostToDevice));
+    row(model, "fp8_cast_gelu n+t (delayed)", sh_nf,
+        time_median_us([&] { fp8_cast_gelu(q_n, q_t, sc, h, N, F, hist); }), 4.0 * nf);
+    row(model, "fp8_cast_dgelu n+t (delayed)", sh_nf,
+        time_median_us([&] { fp8_cast_dgelu(q_n, q_t, sc, hg, h, N, F, FP8_GRAD_FMT, hist); }), 6.0 * nf);
     row(model, "zero_scales (one memset)", "", time_median_us([&] { fp8_zero_scales(sc, 4 * L); }), 0.0);
 
     /* the weights of L layers (fp32 masters) as the engine lists them: amax, then both layouts */

@@ -7,7 +7,8 @@
  * E4M3 (weights, activations; activation gradients in FP8_GRAD_FMT, cpu/fp8.h) with its per-tensor current scale and
  * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
  * reference for the GPU's FP8 products (docs/DESIGN.md §18); in training, the LayerNorm outputs
- * ln1, ln2 and the GELU output are cast at delayed scales instead (delayed_operand). Every other precision computes fp32
+ * ln1, ln2 and the GELU output (and, under -DFP8_DGELU_FUSED=1, MLP up's output gradient dh) are
+ * cast at delayed scales instead (delayed_operand). Every other precision computes fp32
  * (and says so). Every buffer is allocated once in engine_setup, sized for B·T positions;
  * smaller calls (one prompt of len tokens in engine_prefill) reuse the same buffers. Results are
  * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation
@@ -66,10 +67,10 @@ static struct {
      * the GPU: its decode steps multiply unquantised, and the prefill must give the decode's keys) */
     int fp8, fp8_products;
     float *fq_act, *fq_weight, *fq_grad;
-    /* fp8 training: the delayed-scaling histories of ln1, ln2 and h_gelu per
-     * layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales the last forward cast them with
-     * (their backward re-casts alike), and whether the current forward extends the histories
-     * (training forwards only) */
+    /* fp8 training: the delayed-scaling histories of ln1, ln2 and h_gelu (and dh under
+     * FP8_DGELU_FUSED) per layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
+     * cast with (the backward re-casts the activations alike), and whether the current micro-batch
+     * extends the histories (training micro-batches only) */
     int fp8_delayed, fp8_record;
     Fp8History* delayed_hist;
     float* delayed_scale;
@@ -215,21 +216,34 @@ static const float* act_operand(const float* x, size_t n) { return operand(E.fq_
 static const float* weight_operand(const float* w, size_t n) { return operand(E.fq_weight, w, n, FP8_E4M3); }
 static const float* grad_operand(const float* g, size_t n) { return operand(E.fq_grad, g, n, FP8_GRAD_FMT); }
 
-/* The product operand of activation `which` (DELAYED_LN1, DELAYED_LN2, DELAYED_GELU: cpu/fp8.h)
- * of layer l. With delayed scaling (docs/DESIGN.md §18) the forward casts it at its history's
- * scale (its own, current, while the history is empty) and, in training, records its amax; the
- * backward re-casts it at the forward's scale, which gives the codes the GPU keeps from its
- * forward. Otherwise act_operand. */
-static const float* delayed_operand(int l, int which, const float* x, size_t n, int forward) {
-    int i = FP8_DELAYED_PER_LAYER * l + which;
-    if (!E.fp8_products || !E.fp8_delayed) return act_operand(x, n);
-    if (forward) {
+/* The product operand of tensor `which` (DELAYED_*: cpu/fp8.h) of layer l. With delayed scaling
+ * (docs/DESIGN.md §18) the first cast of a training step's tensor (`first`: the forward's of an
+ * activation, the backward's of dh) is at its history's scale (its own, current, while the history
+ * is empty) and, in training, records its amax; the backward re-casts an activation at the
+ * forward's scale, which gives the codes the GPU keeps from its forward. Otherwise act_operand
+ * (grad_operand for dh). */
+static const float* delayed_operand(int l, int which, const float* x, size_t n, int first) {
+    int i = FP8_DELAYED_PER_LAYER * l + which, fmt = fp8_delayed_fmt(which);
+    float* scratch = which >= FP8_DELAYED_FORWARD ? E.fq_grad : E.fq_act; /* the backward's: gradients */
+    if (!E.fp8_products || !E.fp8_delayed) return operand(scratch, x, n, fmt);
+    if (first) {
         float amax = fp8_amax(x, n), s = fp8_history_scale(&E.delayed_hist[i]);
-        E.delayed_scale[i] = s > 0.0f ? s : fp8_scale_for_amax(amax, FP8_E4M3);
-        if (E.fp8_record) fp8_history_push(&E.delayed_hist[i], amax, FP8_E4M3);
+        E.delayed_scale[i] = s > 0.0f ? s : fp8_scale_for_amax(amax, fmt);
+        if (E.fp8_record) fp8_history_push(&E.delayed_hist[i], amax, fmt);
     }
-    fp8_fake_quantize_at(E.fq_act, x, n, FP8_E4M3, E.delayed_scale[i]);
-    return E.fq_act;
+    fp8_fake_quantize_at(scratch, x, n, fmt, E.delayed_scale[i]);
+    return scratch;
+}
+
+/* MLP up's output gradient dh of layer l: with -DFP8_DGELU_FUSED=1 at a delayed scale (its
+ * history, recorded by the backward), else at its current one. */
+static const float* dh_operand(int l, const float* dh, size_t n) {
+#if FP8_DGELU_FUSED
+    return delayed_operand(l, DELAYED_DGELU, dh, n, 1);
+#else
+    (void)l;
+    return grad_operand(dh, n);
+#endif
 }
 
 static int engine_fp8_history_count(void) { return E.fp8_delayed ? FP8_DELAYED_PER_LAYER * E.L : 0; }
@@ -299,7 +313,7 @@ static void backward(const int* targets) {
         zero(E.dh, nf);
         gelu_backward(E.dh, a->h, E.dh_gelu, (int)nf);
         zero(E.dln, nc);
-        matmul_backward(E.dln, G(LO(l, T_W1)), grad_operand(E.dh, nf), delayed_operand(l, DELAYED_LN2, a->ln2, nc, 0),
+        matmul_backward(E.dln, G(LO(l, T_W1)), dh_operand(l, E.dh, nf), delayed_operand(l, DELAYED_LN2, a->ln2, nc, 0),
                         weight_operand(P(LO(l, T_W1)), cf), N, C, E.F);
         layernorm_backward(dxmid, G(LO(l, T_LN2_GAMMA)), G(LO(l, T_LN2_BETA)), E.dln, a->xmid, P(LO(l, T_LN2_GAMMA)),
                            a->ln2_mean, a->ln2_rstd, N, C);
@@ -328,10 +342,10 @@ static void backward(const int* targets) {
 
 static float engine_forward_backward(const int* inputs, const int* targets) {
     float loss;
-    E.fp8_record = 1; /* a training forward extends the delayed-scaling histories */
+    E.fp8_record = 1; /* a training micro-batch extends the delayed-scaling histories */
     loss = forward_loss(inputs, targets);
-    E.fp8_record = 0;
     backward(targets);
+    E.fp8_record = 0;
     return loss;
 }
 

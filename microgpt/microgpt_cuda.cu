@@ -23,7 +23,8 @@
  *         accumulation, bf16 activations and fp32 weight gradients out. The classifier stays bf16.
  *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. In training, ln1, ln2 and
  *         h_gelu are cast at delayed scales (from amax histories) instead, written by their
- *         producers (LayerNorm, GELU) as FP8 codes.
+ *         producers (LayerNorm, GELU) as FP8 codes; so is MLP up's output gradient dh, by the
+ *         GELU backward, under the candidate -DFP8_DGELU_FUSED=1.
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
@@ -139,10 +140,10 @@ static struct {
     Fp8CastJobs<float> w8_jobs;
     Fp8Scale* fp8_scales;
     fp8 *a8, *x8t, *g8, *g8t;
-    /* delayed scaling (docs/DESIGN.md §18), training fp8 only: ln1, ln2 and h_gelu are
-     * cast at delayed scales, from the histories fp8_hist [L][FP8_DELAYED_PER_LAYER] (device), which
-     * every training forward extends by their amaxes (k_fp8_history_push) and the checkpoint
-     * sidecar keeps */
+    /* delayed scaling (docs/DESIGN.md §18), training fp8 only: ln1, ln2 and h_gelu (and dh under
+     * FP8_DGELU_FUSED) are cast at delayed scales, from the histories fp8_hist
+     * [L][FP8_DELAYED_PER_LAYER] (device), which every training micro-batch extends by their amaxes
+     * (k_fp8_history_push) and the checkpoint sidecar keeps */
     int fp8_delayed;
     Fp8History* fp8_hist;
     int fp8_hist_filled; /* the histories hold entries: the producers write the codes themselves */
@@ -402,9 +403,10 @@ static void fp8_quantize_weights(void) {
 /* The input x [N, in] of layer l's product k, cast once: into E.a8 for the forward product and,
  * when training, transposed into x8t(l, k) for the backward's weight gradient (the same codes at
  * the same scale, x8_scale(l, k)). `input`: what x's producer already did (FP8_IN_*). */
-/* What a forward product's input holds when the product starts: only the values (the cast takes their
+/* What a product's operand holds when the product starts: only the values (the cast takes their
  * amax first), the values with their amax (fused into their producer), or already its codes and
- * scale (delayed scaling's fused LayerNorm: E.a8, x8t and x8_scale written). */
+ * scale (delayed scaling's fused producers: the LayerNorm, E.a8, x8t and x8_scale written; under
+ * FP8_DGELU_FUSED the GELU backward, E.g8, E.g8t and g8_scale). */
 enum { FP8_IN_RAW, FP8_IN_AMAX, FP8_IN_CODES };
 
 /* The delayed-scaling history of product k's input in layer l: ln1 (QKV), ln2 (MLP up) and h_gelu
@@ -415,9 +417,33 @@ static const Fp8History* fp8_history_of(int l, int k) {
            (k == FP8_W_QKV ? DELAYED_LN1 : k == FP8_W_1 ? DELAYED_LN2 : DELAYED_GELU);
 }
 
+/* The delayed-scaling history of layer l's dh (MLP up's output gradient) under the candidate
+ * FP8_DGELU_FUSED in an fp8 training run; NULL (current scaling) otherwise. */
+static const Fp8History* fp8_dgelu_history(int l) {
+#if FP8_DGELU_FUSED
+    if (E.fp8_delayed) return E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l + DELAYED_DGELU;
+#endif
+    (void)l;
+    return NULL;
+}
+
 /* Delayed scaling with histories that hold entries (all but a run's first micro-batch): the
- * producers of ln1, ln2 and h_gelu write their products' codes themselves. */
+ * producers of ln1, ln2 and h_gelu (and dh, FP8_DGELU_FUSED) write their products' codes themselves. */
 static bool fp8_producers_write_codes(void) { return E.fp8_delayed && E.fp8_hist_filled; }
+
+/* Where the delayed tensors' amaxes sit (k_fp8_history_push): the casts' scales of their products. */
+static Fp8DelayedScales fp8_delayed_scales(void) {
+    Fp8DelayedScales w;
+    w.scales = E.fp8_scales;
+    w.stride = FP8_W_PER_LAYER;
+    w.at[DELAYED_LN1] = (int)(x8_scale(0, FP8_W_QKV) - E.fp8_scales);
+    w.at[DELAYED_LN2] = (int)(x8_scale(0, FP8_W_1) - E.fp8_scales);
+    w.at[DELAYED_GELU] = (int)(x8_scale(0, FP8_W_2) - E.fp8_scales);
+#if FP8_DGELU_FUSED
+    w.at[DELAYED_DGELU] = (int)(g8_scale(0, FP8_W_1) - E.fp8_scales);
+#endif
+    return w;
+}
 
 template <typename T> static Fp8Mat fp8_act(const T* x, int l, int k, int N, int in, int input) {
     Fp8Scale* sc = x8_scale(l, k);
@@ -435,17 +461,25 @@ static void fp8_linear_fwd(T* out, const T* x, int l, int t, int k, int N, int i
                 residual ? 1.0f : 0.0f);
 }
 
+/* Before a gradient's cast writes E.g8 and E.g8t: the previous product's weight gradient (on the
+ * side stream) has read its cast. */
+static void fp8_wait_grad_codes(void) { side_wait(E.g8t); }
+
 /* The backward of a product whose output gradient dout is `batch` blocks [N, out_dim] (QKV: 3):
  * dw (/ += by grad_beta) = x^T dout_i per block (x as the forward cast it, x8t), dx = sum_i dout_i
  * @ W_i^T (one product, K = batch * out_dim, over the side-by-side layouts of cuda/fp8.cuh).
- * `amax_fused`: dout's producer already put its amax in g8_scale(l, k). */
+ * `input` (FP8_IN_*): what dout's producer already did: nothing, its amax in g8_scale(l, k), or its
+ * codes in E.g8 and E.g8t (then it waited for E.g8t's reader, fp8_wait_grad_codes). `hist`: dout's
+ * delayed-scaling history (NULL: current scaling). */
 template <typename T>
 static void fp8_linear_bwd(T* dx, float* dw, const T* dout, int l, int t, int k, int N, int in, int out_dim,
-                           int batch, float grad_beta, bool amax_fused) {
+                           int batch, float grad_beta, int input, const Fp8History* hist = NULL) {
     Fp8Scale *gs = g8_scale(l, k), *xs = x8_scale(l, k);
-    if (!amax_fused) fp8_reduce_amax(gs, dout, (size_t)batch * N * out_dim);
-    side_wait(E.g8t); /* the previous product's weight gradient has read its cast */
-    fp8_cast(E.g8, E.g8t, gs, dout, batch, N, out_dim, FP8_GRAD_FMT);
+    if (input == FP8_IN_RAW) fp8_reduce_amax(gs, dout, (size_t)batch * N * out_dim);
+    if (input != FP8_IN_CODES) {
+        fp8_wait_grad_codes();
+        fp8_cast(E.g8, E.g8t, gs, dout, batch, N, out_dim, FP8_GRAD_FMT, hist);
+    }
     side_product(E.g8t, [&] {
         fp8_gemm<float>(in, out_dim, N, fp8_mat(x8t(l, k), FP8_E4M3, xs),
                         fp8_mat(E.g8t, FP8_GRAD_FMT, gs, (long long)out_dim * N), dw, NULL, grad_beta, batch,
@@ -478,13 +512,21 @@ static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N, int input) {
 }
 
 /* dres's amax is in the scale already (the LayerNorm backward that produced it); dh's comes from
- * the GELU backward. */
+ * the GELU backward, which under FP8_DGELU_FUSED with histories that hold entries writes dh's
+ * codes itself, at dh's delayed scale (fp8_cast_dgelu: no dh in T). */
 template <typename T>
 static void fp8_mlp_bwd(T* dln, const T* dres, const LayerActs<T>& a, int l, int N, float gb) {
-    int C = E.C, F = E.F;
-    fp8_linear_bwd<T>((T*)E.dh, gl(l, T_W2), dres, l, T_W2, FP8_W_2, N, F, C, 1, gb, true);
-    gelu_bwd_inplace((T*)E.dh, a.h, (size_t)N * F, g8_amax(l, FP8_W_1));
-    fp8_linear_bwd<T>(dln, gl(l, T_W1), (const T*)E.dh, l, T_W1, FP8_W_1, N, C, F, 1, gb, true);
+    int C = E.C, F = E.F, dh_input = FP8_IN_AMAX;
+    const Fp8History* dh_hist = fp8_dgelu_history(l);
+    fp8_linear_bwd<T>((T*)E.dh, gl(l, T_W2), dres, l, T_W2, FP8_W_2, N, F, C, 1, gb, FP8_IN_AMAX);
+    if (dh_hist && fp8_producers_write_codes()) {
+        fp8_wait_grad_codes();
+        fp8_cast_dgelu(E.g8, E.g8t, g8_scale(l, FP8_W_1), (const T*)E.dh, a.h, N, F, FP8_GRAD_FMT, dh_hist);
+        dh_input = FP8_IN_CODES;
+    } else {
+        gelu_bwd_inplace((T*)E.dh, a.h, (size_t)N * F, g8_amax(l, FP8_W_1));
+    }
+    fp8_linear_bwd<T>(dln, gl(l, T_W1), (const T*)E.dh, l, T_W1, FP8_W_1, N, C, F, 1, gb, dh_input, dh_hist);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -583,8 +625,8 @@ static void loss_chunks(int N, int train) {
  *   dW_1                  dh                                      the layer below's dh         side_wait(E.dh)
  *   dW_O                  dres                                    LN1 backward (dres +=)       side_wait(dres)
  *   dW_QKV                dqkv                                    the layer below's attn_bwd   side_wait(dqkv)
- *   fp8: every dW         g8t (the output gradient's cast)        the next product's cast      side_wait(E.g8t)
- *                                                                 (fp8_linear_bwd)
+ *   fp8: every dW         g8t (the output gradient's cast)        the next product's cast      fp8_wait_grad_codes
+ *                                                                 (fp8_linear_bwd; fp8_cast_dgelu)  (side_wait(E.g8t))
  * The side stream runs its products in issue order, so a wait covers its earlier products too.
  * Each gradient tensor has one writer per micro-batch (matmul.cuh), the side stream's products
  * write only their own, and the one tensor two writers share, wte (dwte, then the embedding
@@ -626,13 +668,16 @@ static void backward(void) {
         layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
                          a.ln2_rstd, N, C, E.ln_partial, gb, g8_amax(l, FP8_W_O));
         /* attention branch: dres is now the gradient at xmid */
-        if (E.use_fp8) fp8_linear_bwd<T>((T*)E.datty, gl(l, T_WO), dres, l, T_WO, FP8_W_O, N, C, C, 1, gb, true);
+        if (E.use_fp8)
+            fp8_linear_bwd<T>((T*)E.datty, gl(l, T_WO), dres, l, T_WO, FP8_W_O, N, C, C, 1, gb, FP8_IN_AMAX);
         else attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
         /* precision fp8: dq, dk, dv's amax as attn_fwd's (one tensor to the QKV backward's cast) */
         side_wait(dqkv);
         bool dqkv_amax = attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv,
                                      a.qkv + nc, a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>(), g8_amax(l, FP8_W_QKV));
-        if (E.use_fp8) fp8_linear_bwd<T>(dln, gl(l, T_WQ), dqkv, l, T_WQ, FP8_W_QKV, N, C, C, 3, gb, dqkv_amax);
+        if (E.use_fp8)
+            fp8_linear_bwd<T>(dln, gl(l, T_WQ), dqkv, l, T_WQ, FP8_W_QKV, N, C, C, 3, gb,
+                              dqkv_amax ? FP8_IN_AMAX : FP8_IN_RAW);
         else attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
         side_wait(dres);
         layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
@@ -684,10 +729,12 @@ static void record_forward_backward(void) {
     upload_inputs(2 * (size_t)E.N);
     forward<T>(E.B, E.T, E.use_fp8);
     if (E.fp8_delayed) /* a training forward extends the histories of ln1, ln2, h_gelu by their amaxes */
-        fp8_history_push_all(E.fp8_hist, x8_scale(0, 0), FP8_W_PER_LAYER, make_int3(FP8_W_QKV, FP8_W_1, FP8_W_2),
-                             FP8_DELAYED_PER_LAYER * E.L);
+        fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), 0, FP8_DELAYED_FORWARD, E.L);
     loss_chunks<T>(E.N, 1);
     backward<T>();
+    if (E.fp8_delayed && FP8_DELAYED_PER_LAYER > FP8_DELAYED_FORWARD) /* and its backward dh's (FP8_DGELU_FUSED) */
+        fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), FP8_DELAYED_FORWARD,
+                             FP8_DELAYED_PER_LAYER - FP8_DELAYED_FORWARD, E.L);
     download_output(&E.io->loss, &E.io_host->loss);
 }
 
@@ -1037,7 +1084,7 @@ static void engine_get_fp8_history(Fp8History* h) {
 static void engine_set_fp8_history(const Fp8History* h) {
     if (!E.fp8_delayed) return;
     CUDA_CHECK(cudaMemcpy(E.fp8_hist, h, engine_fp8_history_count() * sizeof(Fp8History), cudaMemcpyHostToDevice));
-    E.fp8_hist_filled = 1; /* every training forward pushes every history; the fused path needs all */
+    E.fp8_hist_filled = 1; /* every training micro-batch pushes every history; the fused path needs all */
     for (int i = 0; i < engine_fp8_history_count(); i++) E.fp8_hist_filled = E.fp8_hist_filled && h[i].count > 0;
 }
 

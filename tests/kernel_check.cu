@@ -1107,10 +1107,10 @@ static void test_fp8_delayed(int R, int C) {
         check_fp8_cast(o, x, 1, R, C, FP8_E4M3, 3, &hists[i]);
         dfree_all();
     }
-    /* the push: 3 histories a layer (ln1, ln2, h_gelu), their amaxes at scales[l * stride + k.x/y/z] */
+    /* the push: FP8_DELAYED_PER_LAYER histories a layer (ln1, ln2, h_gelu; dh with FP8_DGELU_FUSED),
+     * their amaxes at scales[l * stride + at[which]]; the forward's, then the backward's, as the engine */
     const int layers = 5, stride = 4, n = FP8_DELAYED_PER_LAYER * layers;
-    const int3 k = make_int3(0, 2, 3);
-    const int k_of[FP8_DELAYED_PER_LAYER] = {k.x, k.y, k.z};
+    const int at[4] = {0, 2, 3, 1};
     std::vector<Fp8History> h(n), want;
     std::vector<Fp8Scale> sc((size_t)layers * stride);
     Vec amax = randn(sc.size(), 100.0f);
@@ -1123,13 +1123,18 @@ static void test_fp8_delayed(int R, int C) {
     }
     want = h;
     for (int i = 0; i < n; i++)
-        fp8_history_push(&want[i], amax[(size_t)(i / FP8_DELAYED_PER_LAYER) * stride + k_of[i % FP8_DELAYED_PER_LAYER]],
-                         FP8_E4M3);
+        fp8_history_push(&want[i], amax[(size_t)(i / FP8_DELAYED_PER_LAYER) * stride + at[i % FP8_DELAYED_PER_LAYER]],
+                         fp8_delayed_fmt(i % FP8_DELAYED_PER_LAYER));
     Fp8History* dh = (Fp8History*)dalloc(n * sizeof(Fp8History));
     Fp8Scale* dsc = (Fp8Scale*)dalloc(sc.size() * sizeof(Fp8Scale));
     CUDA_CHECK(cudaMemcpy(dh, h.data(), n * sizeof(Fp8History), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(dsc, sc.data(), sc.size() * sizeof(Fp8Scale), cudaMemcpyHostToDevice));
-    fp8_history_push_all(dh, dsc, stride, k, n);
+    Fp8DelayedScales where;
+    where.scales = dsc, where.stride = stride;
+    for (int w = 0; w < FP8_DELAYED_PER_LAYER; w++) where.at[w] = at[w];
+    fp8_history_push_all(dh, where, 0, FP8_DELAYED_FORWARD, layers);
+    if (FP8_DELAYED_PER_LAYER > FP8_DELAYED_FORWARD)
+        fp8_history_push_all(dh, where, FP8_DELAYED_FORWARD, FP8_DELAYED_PER_LAYER - FP8_DELAYED_FORWARD, layers);
     CUDA_CHECK(cudaMemcpy(h.data(), dh, n * sizeof(Fp8History), cudaMemcpyDeviceToHost));
     int bad = 0;
     for (int i = 0; i < n; i++)
@@ -1148,11 +1153,11 @@ static Fp8History fp8_history_with(const signed char* exps, int count, Fp8Histor
     return h;
 }
 
-/* A fused producer's n codes (both layouts), amax and scale (`got`) against those of the unfused
- * kernel + cast it replaces (`ref`, named `unfused`), bit for bit, at the history h's scale; codes
- * at the largest finite value where `saturates`, else none. */
+/* A fused producer's n codes (both layouts, format fmt), amax and scale (`got`) against those of
+ * the unfused kernel + cast it replaces (`ref`, named `unfused`), bit for bit, at the history h's
+ * scale; codes at the largest finite value where `saturates`, else none. */
 static void check_fp8_fused(const Fp8CastOut& ref, const Fp8CastOut& got, size_t n, const Fp8History& h, bool saturates,
-                            const char* unfused) {
+                            const char* unfused, int fmt = FP8_E4M3) {
     std::vector<unsigned char> rb(2 * n), gb(2 * n);
     Fp8Scale rs, gs;
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -1166,7 +1171,7 @@ static void check_fp8_fused(const Fp8CastOut& ref, const Fp8CastOut& got, size_t
     for (size_t e = 0; e < n; e++) {
         bad_n += gb[e] != rb[e];
         bad_t += gb[n + e] != rb[n + e];
-        sat += (rb[e] & 0x7F) == 0x7E;
+        sat += (rb[e] & 0x7F) == fp8_max_code(fmt);
     }
     report(bad_n == 0, "codes", "%zu of %zu differ from %s", bad_n, n, unfused);
     report(bad_t == 0, "codes^T", "%zu of %zu differ from %s", bad_t, n, unfused);
@@ -1225,6 +1230,30 @@ static void test_fp8_gelu_fused(int R, int Cc) {
         fp8_cast(ref.n, ref.t, ref.sc, dgelu, 1, R, Cc, FP8_E4M3, dh);
         fp8_cast_gelu<bf16>(got.n, got.t, got.sc, dx, R, Cc, dh);
         check_fp8_fused(ref, got, n, h, i == 1, "gelu_fwd + fp8_cast");
+        dfree_all();
+    }
+}
+
+/* Delayed scaling's fused GELU backward (fp8_cast_dgelu, the candidate -DFP8_DGELU_FUSED=1; the
+ * kernel is built in every build) against the unfused path it replaces, gelu_bwd_inplace with the
+ * amax fused then fp8_cast at the history's scale, in the gradients' format: codes of both layouts,
+ * amax and scale, bit for bit, for a history below and one above (saturating) the current scale. */
+static void test_fp8_dgelu_fused(int R, int Cc) {
+    /* dout ~ N(0, 1e-3^2), h ~ N(0, 3^2): gelu'(h) within [-0.13, 1.13], amax of dh about 4e-3 to
+     * 6e-3, current scale 2^16 (E4M3) or 2^23 (E5M2) */
+    const int fmt = FP8_GRAD_FMT, cur = fmt == FP8_E4M3 ? 16 : 23;
+    const signed char below[2] = {(signed char)(cur - 1), (signed char)(cur - 3)}, above[1] = {(signed char)(cur + 3)};
+    size_t n = (size_t)R * Cc;
+    for (int i = 0; i < 2; i++) {
+        Fp8History* dh;
+        Fp8History h = i ? fp8_history_with(above, 1, &dh) : fp8_history_with(below, 2, &dh);
+        Vec g = rounded<bf16>(randn(n, 1e-3f)), x = rounded<bf16>(randn(n, 3.0f));
+        bf16 *dg = upload<bf16>(g), *dx = upload<bf16>(x), *dref = upload<bf16>(g);
+        Fp8CastOut ref = fp8_cast_out(n), got = fp8_cast_out(n);
+        gelu_bwd_inplace<bf16>(dref, dx, n, &ref.sc->amax_bits);
+        fp8_cast(ref.n, ref.t, ref.sc, dref, 1, R, Cc, fmt, dh);
+        fp8_cast_dgelu<bf16>(got.n, got.t, got.sc, dg, dx, R, Cc, fmt, dh);
+        check_fp8_fused(ref, got, n, h, i == 1, "gelu_bwd_inplace + fp8_cast", fmt);
         dfree_all();
     }
 }
@@ -1341,6 +1370,8 @@ static void run_fp8(void) {
         snprintf(sh, sizeof sh, "R=%d F=%d", gs[0], gs[1]);
         set_ctx("fp8", "delayed gelu fused", sh);
         test_fp8_gelu_fused(gs[0], gs[1]);
+        set_ctx("fp8", "delayed dgelu fused", sh);
+        test_fp8_dgelu_fused(gs[0], gs[1]);
     }
     const int gshapes[][4] = {{64, 96, 128, 1}, {48, 32, 96, 3}, {256, 512, 64, 1}, {16, 48, 16, 1}};
     for (const auto& g : gshapes) {

@@ -12,7 +12,8 @@
  * In training, the LayerNorm and GELU outputs are cast at a delayed scale instead (Fp8CastJob's
  * hist, k_fp8_history_push; docs/DESIGN.md §18), whose histories are checkpoint state; known
  * beforehand, the scale lets their producers write the codes (k_layernorm_fwd_fp8, the cast's
- * GELU variant).
+ * GELU variant; under the candidate -DFP8_DGELU_FUSED=1 also MLP up's output gradient, by the
+ * cast's GELU-backward variant).
  *
  * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
  * patterns is the order of the values), reduced per block and combined with an integer atomicMax:
@@ -71,7 +72,14 @@ template <typename T> struct Fp8CastJob {
     int batch, R, Cc, fmt;
     unsigned first_tile; /* in a list: the tiles of the jobs before it (its first block of the cast) */
     const Fp8History* hist; /* delayed scaling: the scale from this history, NULL: current */
+    const T* aux;           /* FP8_EPI_DGELU only: the GELU's input h, of in's shape */
 };
+
+/* What the cast computes of each value before casting it (fp8_cast_tile): the value itself, or
+ * (delayed scaling only, docs/DESIGN.md §18) as stored in T, with its amax to j.sc, gelu(in) (the
+ * GELU forward, as k_gelu_fwd stores it) or in * gelu'(aux) (the GELU backward, as
+ * k_gelu_bwd_inplace stores it: in the gradient of the GELU's output, aux its input h). */
+enum { FP8_EPI_NONE, FP8_EPI_GELU, FP8_EPI_DGELU };
 
 static unsigned fp8_cast_tiles(int batch, int R, int Cc) {
     return ceil_div(Cc, FP8_TILE) * ceil_div(R, FP8_TILE) * (unsigned)batch;
@@ -115,10 +123,17 @@ __device__ __forceinline__ fp8 fp8_cvt(float x, int fmt) {
  * bytes of a tile row, so without bank conflicts). PACKED (Cc a multiple of FP8_ROW_PACKET, R of
  * FP8_COL_PACKET, pointers 16-byte aligned: fp8_cast_packable): 16-byte loads, 8-byte and
  * 16-byte stores; else element by element. */
-/* GELU (delayed scaling only, docs/DESIGN.md §18): the tile cast is of gelu(in) as stored in T, as
- * k_gelu_fwd stores it, and its amax goes to j.sc (block_amax_commit) for the history's next entry:
- * the GELU and the cast of its output fused, at the history's scale (j.hist, not empty). */
-template <typename T, bool PACKED, bool GELU = false>
+/* EPI (FP8_EPI_*) other than NONE: the tile cast is of the epilogue's values as stored in T, and
+ * their amax goes to j.sc (block_amax_commit) for the history's next entry: the GELU (forward or
+ * backward) and the cast of its output fused, at the history's scale (j.hist, not empty). */
+template <typename T, int EPI> __device__ __forceinline__ float fp8_cast_epilogue(float v, float aux, unsigned* am) {
+    if constexpr (EPI == FP8_EPI_NONE) return v;
+    float y = as_stored<T>(EPI == FP8_EPI_GELU ? gelu_f(v) : v * gelu_grad_f(aux));
+    *am = max(*am, abs_bits(y));
+    return y;
+}
+
+template <typename T, bool PACKED, int EPI = FP8_EPI_NONE>
 __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned tile_id) {
     __shared__ __align__(16) fp8 tile[FP8_TILE][FP8_TILE + 8]; /* rows of 72 bytes: 8-byte aligned */
     const int R = j.R, Cc = j.Cc, batch = j.batch, fmt = j.fmt;
@@ -126,52 +141,45 @@ __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned t
     unsigned tiles_c = ceil_div(Cc, FP8_TILE), tiles_r = ceil_div(R, FP8_TILE);
     int c0 = (int)(tile_id % tiles_c) * FP8_TILE, r0 = (int)(tile_id / tiles_c % tiles_r) * FP8_TILE;
     int b = (int)(tile_id / tiles_c / tiles_r);
-    /* a GELU tile's amax is still being reduced (by every block): it reads none */
-    float s = GELU ? 1.0f : fp8_scale_for_amax(__uint_as_float(j.sc->amax_bits), fmt);
+    /* an epilogue's amax is still being reduced (by every block): it reads none */
+    float s = EPI != FP8_EPI_NONE ? 1.0f : fp8_scale_for_amax(__uint_as_float(j.sc->amax_bits), fmt);
     if (j.hist) { /* delayed: the history's scale; the current one while the history is empty */
         float d = fp8_history_scale(j.hist);
         if (d > 0.0f) s = d;
     }
     const T* src = j.in + (size_t)b * R * Cc;
+    const T* aux = EPI == FP8_EPI_DGELU ? j.aux + (size_t)b * R * Cc : NULL;
     if (tile_id == 0 && threadIdx.x == 0) {
         j.sc->scale = s;
         j.sc->descale = 1.0f / s;
     }
     const int per_row = FP8_TILE / FP8_ROW_PACKET;
     int tc = (threadIdx.x % per_row) * FP8_ROW_PACKET, c = c0 + tc;
-    unsigned am = 0; /* GELU only */
+    unsigned am = 0; /* epilogues only */
     for (int tr = threadIdx.x / per_row; tr < FP8_TILE; tr += FP8_CAST_THREADS / per_row) {
         int r = r0 + tr;
         if (r >= R) break;
         if constexpr (PACKED) {
             if (c >= Cc) continue; /* Cc a multiple of the packet: a packet is wholly in or out */
-            float v[FP8_ROW_PACKET];
+            float v[FP8_ROW_PACKET], x[FP8_ROW_PACKET] = {};
             uint2 q;
             fp8* qb = reinterpret_cast<fp8*>(&q);
             load_vec(v, src + (size_t)r * Cc + c);
-            for (int k = 0; k < FP8_ROW_PACKET; k++) {
-                if constexpr (GELU) {
-                    v[k] = as_stored<T>(gelu_f(v[k]));
-                    am = max(am, abs_bits(v[k]));
-                }
-                qb[k] = fp8_cvt(v[k] * s, fmt);
-            }
+            if constexpr (EPI == FP8_EPI_DGELU) load_vec(x, aux + (size_t)r * Cc + c);
+            for (int k = 0; k < FP8_ROW_PACKET; k++) qb[k] = fp8_cvt(fp8_cast_epilogue<T, EPI>(v[k], x[k], &am) * s, fmt);
             if (out_n) *reinterpret_cast<uint2*>(out_n + ((size_t)r * batch + b) * Cc + c) = q;
             *reinterpret_cast<uint2*>(&tile[tr][tc]) = q;
         } else {
             for (int k = 0; k < FP8_ROW_PACKET && c + k < Cc; k++) {
-                float x = to_f(src[(size_t)r * Cc + c + k]);
-                if constexpr (GELU) {
-                    x = as_stored<T>(gelu_f(x));
-                    am = max(am, abs_bits(x));
-                }
+                size_t e = (size_t)r * Cc + c + k;
+                float x = fp8_cast_epilogue<T, EPI>(to_f(src[e]), EPI == FP8_EPI_DGELU ? to_f(aux[e]) : 0.0f, &am);
                 fp8 q = fp8_cvt(x * s, fmt);
                 if (out_n) out_n[((size_t)r * batch + b) * Cc + c + k] = q;
                 tile[tr][tc + k] = q;
             }
         }
     }
-    if constexpr (GELU) block_amax_commit(&j.sc->amax_bits, am); /* every thread gets here */
+    if constexpr (EPI != FP8_EPI_NONE) block_amax_commit(&j.sc->amax_bits, am); /* every thread gets here */
     if (!out_t) return;
     __syncthreads();
     int col = threadIdx.x % FP8_TILE, tr0 = threadIdx.x / FP8_TILE * FP8_COL_PACKET;
@@ -191,10 +199,10 @@ __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned t
 static_assert(FP8_CAST_THREADS / FP8_TILE * FP8_COL_PACKET == FP8_TILE, "the transposed pass covers the tile");
 
 /* One cast, a block a tile. */
-template <typename T, bool PACKED, bool GELU = false>
+template <typename T, bool PACKED, int EPI = FP8_EPI_NONE>
 __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast(Fp8CastJob<T> j) {
     await_previous_kernel();
-    fp8_cast_tile<T, PACKED, GELU>(j, blockIdx.x);
+    fp8_cast_tile<T, PACKED, EPI>(j, blockIdx.x);
 }
 
 /* A list of casts, a block a tile: the block's job is the last whose first_tile is <= blockIdx.x. */
@@ -226,7 +234,14 @@ template <typename T> static void fp8_reduce_amax(Fp8Scale* sc, const T* x, size
 
 template <typename T> static bool fp8_cast_packable(const Fp8CastJob<T>& j) {
     return j.Cc % FP8_ROW_PACKET == 0 && j.R % FP8_COL_PACKET == 0 && (uintptr_t)j.out_n % 16 == 0 &&
-           (uintptr_t)j.out_t % 16 == 0 && (uintptr_t)j.in % 16 == 0;
+           (uintptr_t)j.out_t % 16 == 0 && (uintptr_t)j.in % 16 == 0 && (uintptr_t)j.aux % 16 == 0;
+}
+
+/* One cast job in one launch, on the packed kernel where it can. */
+template <typename T, int EPI = FP8_EPI_NONE> static void fp8_cast_launch(const Fp8CastJob<T>& j) {
+    unsigned tiles = fp8_cast_tiles(j.batch, j.R, j.Cc);
+    if (fp8_cast_packable(j)) launch_kernel(k_fp8_cast<T, true, EPI>, tiles, FP8_CAST_THREADS, j);
+    else launch_kernel(k_fp8_cast<T, false, EPI>, tiles, FP8_CAST_THREADS, j);
 }
 
 /* The cast of `batch` blocks [R, Cc] of `in` (Fp8CastJob) at the scale of the amax already in sc
@@ -234,30 +249,34 @@ template <typename T> static bool fp8_cast_packable(const Fp8CastJob<T>& j) {
 template <typename T>
 static void fp8_cast(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* in, int batch, int R, int Cc, int fmt,
                      const Fp8History* hist = NULL) {
-    Fp8CastJob<T> j = {in, out_n, out_t, sc, batch, R, Cc, fmt, 0, hist};
-    unsigned tiles = fp8_cast_tiles(batch, R, Cc);
-    if (fp8_cast_packable(j)) launch_kernel(k_fp8_cast<T, true>, tiles, FP8_CAST_THREADS, j);
-    else launch_kernel(k_fp8_cast<T, false>, tiles, FP8_CAST_THREADS, j);
+    Fp8CastJob<T> j = {in, out_n, out_t, sc, batch, R, Cc, fmt, 0, hist, NULL};
+    fp8_cast_launch(j);
 }
 
-/* Delayed scaling: after a training forward, history i (of activation i % FP8_DELAYED_PER_LAYER of
- * layer i / FP8_DELAYED_PER_LAYER) takes the amax of its tensor, which sits in
- * scales[layer * stride + k.x / k.y / k.z] (ln1, ln2, h_gelu); one thread a history, in the CPU
- * engine's code (cpu/fp8.h's fp8_history_push). */
-__global__ void k_fp8_history_push(Fp8History* __restrict__ hist, const Fp8Scale* __restrict__ scales, int stride,
-                                   int3 k, int n) {
+/* Where the amax of each delayed tensor (DELAYED_*, cpu/fp8.h) sits: scales[l * stride + at[which]]
+ * for layer l. */
+struct Fp8DelayedScales {
+    const Fp8Scale* scales;
+    int stride, at[FP8_DELAYED_PER_LAYER];
+};
+
+/* Delayed scaling: history hist[l * FP8_DELAYED_PER_LAYER + which] of every layer l < layers and
+ * tensor which in [first, first + count) takes the amax of its tensor (after a training forward:
+ * the activations; after the backward: dh); one thread a history, in the CPU engine's code
+ * (cpu/fp8.h's fp8_history_push). */
+__global__ void k_fp8_history_push(Fp8History* __restrict__ hist, Fp8DelayedScales where, int first, int count,
+                                   int layers) {
     await_previous_kernel();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    int which = i % FP8_DELAYED_PER_LAYER;
-    const Fp8Scale* sc = scales + (size_t)(i / FP8_DELAYED_PER_LAYER) * stride +
-                         (which == DELAYED_LN1 ? k.x : which == DELAYED_LN2 ? k.y : k.z);
-    fp8_history_push(&hist[i], __uint_as_float(sc->amax_bits), FP8_E4M3);
+    if (i >= layers * count) return;
+    int l = i / count, which = first + i % count;
+    const Fp8Scale* sc = where.scales + (size_t)l * where.stride + where.at[which];
+    fp8_history_push(&hist[(size_t)l * FP8_DELAYED_PER_LAYER + which], __uint_as_float(sc->amax_bits),
+                     fp8_delayed_fmt(which));
 }
-static_assert(FP8_DELAYED_PER_LAYER == 3, "k_fp8_history_push knows three activations a layer");
 
-static void fp8_history_push_all(Fp8History* hist, const Fp8Scale* scales, int stride, int3 k, int n) {
-    launch_kernel(k_fp8_history_push, ceil_div(n, 128), 128, hist, scales, stride, k, n);
+static void fp8_history_push_all(Fp8History* hist, const Fp8DelayedScales& where, int first, int count, int layers) {
+    launch_kernel(k_fp8_history_push, ceil_div(layers * count, 128), 128, hist, where, first, count, layers);
 }
 
 /* Delayed scaling's fused LayerNorm (docs/DESIGN.md §18): the forward of N rows of x
@@ -356,10 +375,19 @@ static void layernorm_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8His
  * gelu_fwd with the amax, then fp8_cast. Saves writing and reading back gelu(h) in T. */
 template <typename T>
 static void fp8_cast_gelu(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* h, int R, int Cc, const Fp8History* hist) {
-    Fp8CastJob<T> j = {h, out_n, out_t, sc, 1, R, Cc, FP8_E4M3, 0, hist};
-    unsigned tiles = fp8_cast_tiles(1, R, Cc);
-    if (fp8_cast_packable(j)) launch_kernel(k_fp8_cast<T, true, true>, tiles, FP8_CAST_THREADS, j);
-    else launch_kernel(k_fp8_cast<T, false, true>, tiles, FP8_CAST_THREADS, j);
+    Fp8CastJob<T> j = {h, out_n, out_t, sc, 1, R, Cc, FP8_E4M3, 0, hist, NULL};
+    fp8_cast_launch<T, FP8_EPI_GELU>(j);
+}
+
+/* Delayed scaling's fused GELU backward (candidate -DFP8_DGELU_FUSED=1): the codes, in format fmt,
+ * of dh = dout * gelu'(h) for dout, h [R, Cc] (as k_gelu_bwd_inplace would store dh, then fp8_cast
+ * with the history `hist`, which must not be empty), their amax into sc; bit for bit
+ * gelu_bwd_inplace with the amax, then fp8_cast. Saves writing and reading back dh in T. */
+template <typename T>
+static void fp8_cast_dgelu(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* dout, const T* h, int R, int Cc, int fmt,
+                           const Fp8History* hist) {
+    Fp8CastJob<T> j = {dout, out_n, out_t, sc, 1, R, Cc, fmt, 0, hist, h};
+    fp8_cast_launch<T, FP8_EPI_DGELU>(j);
 }
 
 /* A list of casts done by two launches (all the amax, then all the casts): the list on the device
