@@ -8,7 +8,9 @@
  * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
  * reference for the GPU's FP8 products (docs/DESIGN.md §18); in training, the LayerNorm outputs
  * ln1, ln2 and the GELU output (and, under -DFP8_DGELU_FUSED=1, MLP up's output gradient dh) are
- * cast at delayed scales instead (delayed_operand). Every other precision computes fp32
+ * cast at delayed scales instead (delayed_operand); under the candidate -DFP8_CLASSIFIER=1 the
+ * classifier's products read FP8-emulated operands too (classifier_x, classifier_wte, classifier_bwd).
+ * Every other precision computes fp32
  * (and says so). Every buffer is allocated once in engine_setup, sized for B·T positions;
  * smaller calls (one prompt of len tokens in engine_prefill) reuse the same buffers. Results are
  * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation
@@ -122,9 +124,10 @@ static size_t carve_buffers(void) {
     E.dq = take(&cur, gnc); E.dk = take(&cur, gnc); E.dv = take(&cur, gnc); /* consecutive: one fp8 tensor */
     E.dh_gelu = take(&cur, gnf); E.dh = take(&cur, gnf);
     if (E.fp8) {
-        size_t cc3 = 3 * (size_t)E.C * E.C, cf = (size_t)E.C * E.F;
+        size_t cc3 = 3 * (size_t)E.C * E.C, cf = (size_t)E.C * E.F, wte = FP8_CLASSIFIER ? (size_t)E.Vp * E.C : 0;
+        size_t w = cc3 > cf ? cc3 : cf;
         E.fq_act = take(&cur, nf > nc ? nf : nc);
-        E.fq_weight = take(&cur, cc3 > cf ? cc3 : cf);
+        E.fq_weight = take(&cur, w > wte ? w : wte);
         E.fq_grad = take(&cur, gnf > 3 * gnc ? gnf : 3 * gnc);
     }
     E.kcache = take(&cur, kv); E.vcache = take(&cur, kv);
@@ -283,10 +286,33 @@ static void forward_trunk(const int* tokens, int B, int T) {
     layernorm_forward(E.lnf, E.lnf_mean, E.lnf_rstd, layer_input(E.L), P(E.layout.lnf_gamma), P(E.layout.lnf_beta), N, C);
 }
 
+/* The classifier's operands: under the candidate -DFP8_CLASSIFIER=1 with fp8 products, LNf's output
+ * and wte cast to E4M3 at their current scales (cpu/fp8.h), as the GPU casts them once a forward
+ * and reads them in all three of its products; otherwise themselves. */
+static int fp8_classifier(void) { return FP8_CLASSIFIER && E.fp8_products; }
+static const float* classifier_x(void) {
+    size_t nc = (size_t)E.B * E.T * E.C;
+    return fp8_classifier() ? act_operand(E.lnf, nc) : E.lnf;
+}
+static const float* classifier_wte(void) {
+    return fp8_classifier() ? weight_operand(P(E.layout.wte), (size_t)E.Vp * E.C) : P(E.layout.wte);
+}
+
 static float forward_loss(const int* inputs, const int* targets) {
     E.fp8_products = E.fp8;
     forward_trunk(inputs, E.B, E.T);
-    return classifier_forward(E.probs, E.lnf, P(E.layout.wte), targets, E.B * E.T, E.C, E.V, E.Vp);
+    return classifier_forward(E.probs, classifier_x(), classifier_wte(), targets, E.B * E.T, E.C, E.V, E.Vp);
+}
+
+/* The classifier backward: dlogits from the probabilities, in place; with the FP8 classifier cast
+ * to FP8_GRAD_FMT at its current scale as one tensor (the GPU casts each chunk of its logits at
+ * the chunk's own scale: the same one unless the chunks' amaxes lie on either side of a scale
+ * step); then its two products into dln and dwte. */
+static void classifier_bwd(const int* targets) {
+    int N = E.B * E.T;
+    classifier_dlogits(E.probs, targets, N, E.V, E.Vp);
+    if (fp8_classifier()) fp8_fake_quantize(E.probs, E.probs, (size_t)N * E.Vp, FP8_GRAD_FMT);
+    classifier_backward_products(E.dln, G(E.layout.wte), E.probs, classifier_x(), classifier_wte(), N, E.C, E.V, E.Vp);
 }
 
 static void zero(float* p, size_t n) { memset(p, 0, n * sizeof(float)); }
@@ -297,7 +323,7 @@ static void backward(const int* targets) {
     size_t nc = (size_t)N * C, nf = (size_t)N * E.F, cc = (size_t)C * C, cf = (size_t)C * E.F;
     float *dres = E.dres_a, *dxmid = E.dres_b;
     zero(E.dln, nc);
-    classifier_backward(E.dln, G(E.layout.wte), E.probs, E.lnf, P(E.layout.wte), targets, N, C, E.V, E.Vp);
+    classifier_bwd(targets);
     zero(dres, nc);
     layernorm_backward(dres, G(E.layout.lnf_gamma), G(E.layout.lnf_beta), E.dln, layer_input(E.L),
                        P(E.layout.lnf_gamma), E.lnf_mean, E.lnf_rstd, N, C);

@@ -39,6 +39,13 @@ enum { FP8_E4M3 = 0, FP8_E5M2 = 1 };
 #ifndef FP8_GRAD_FMT
 #define FP8_GRAD_FMT FP8_E4M3
 #endif
+/* The candidate -DFP8_CLASSIFIER=1 (docs/DESIGN.md §18): the tied classifier's three products
+ * (logits = lnf @ wte^T, d(lnf) = dlogits @ wte, d(wte) = dlogits^T @ lnf) in FP8 too, in both
+ * engines: wte and LNf's output E4M3, dlogits FP8_GRAD_FMT, each at its current scale. Default 0:
+ * the classifier in the activation type (bf16 on the GPU, fp32 on the CPU). */
+#ifndef FP8_CLASSIFIER
+#define FP8_CLASSIFIER 0
+#endif
 #define FP8_SCALE_EXP_LIMIT 126 /* scales 2^-126 .. 2^126: the scale and its inverse stay normal fp32 */
 
 /* Mantissa bits, exponent bias and largest finite code (positive) of a format. */

@@ -4,6 +4,7 @@
 #ifndef MICROGPT_HOST_CONFIG_H
 #define MICROGPT_HOST_CONFIG_H
 
+#include "../cpu/fp8.h"
 #include "output.h"
 #include <ctype.h>
 #include <errno.h>
@@ -663,6 +664,12 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
         die_input("train.precision fp8 needs model.d_model, model.d_ff and train.batch_size x model.seq_len to be "
                   "multiples of 16 (FP8 products contract over them); got %d, %d and %lld", c->model.d_model,
                   c->model.d_ff, (long long)c->train.batch_size * c->model.seq_len);
+    /* the candidate FP8_CLASSIFIER: the classifier's input-gradient product contracts over the
+     * padded vocabulary too */
+    if (FP8_CLASSIFIER && strcmp(c->train.precision, "fp8") == 0 && !c->generate.enabled &&
+        c->model.padded_vocab_size % 16)
+        die_input("train.precision fp8 with the FP8 classifier needs model.padded_vocab_size to be a multiple of 16 "
+                  "(its product contracts over it); got %d", c->model.padded_vocab_size);
     if (c->train.min_lr > c->train.lr) die_input("train.min_lr (%g) is above train.lr (%g)", c->train.min_lr, c->train.lr);
     if (c->train.warmup_steps > c->train.steps)
         die_input("train.warmup_steps (%d) is more than train.steps (%d)", c->train.warmup_steps, c->train.steps);
