@@ -1323,6 +1323,108 @@ template <typename TD> static void test_fp8_gemm(int M, int N, int K, int batch,
     dfree_all();
 }
 
+/* The candidate FP8_CLASSIFIER's classifier (cuda/fp8.cuh), chunk by chunk as the engine runs it,
+ * for x [N, C] in T and wte [Vp, C] in fp32 (the masters the weights' cast reads): the casts of x
+ * (fp8_cast_classifier_input: row-major, and transposed chunk by chunk) and of each chunk's dlogits
+ * exactly against cpu/fp8.h's of the same values (x; the GPU's 16-bit dlogits, read back after each
+ * chunk); dx and dwte against the fp32 products of those codes' values (tolerances of the FP8
+ * product checks above: only the order of the fp32 sums differs, and dx's rounding to T); the loss
+ * against the CPU classifier on the cast x and wte (tol.loss: the logits are rounded to T);
+ * evaluation's row losses identical to training's; padded rows of dwte untouched; two runs the
+ * same bits. */
+template <typename T> static void test_loss_fp8(int N, int C, int V, int Vp, int chunk) {
+    Tol tol = tol_for<T>();
+    int chunks = (N + chunk - 1) / chunk;
+    Vec x = rounded<T>(randn((size_t)N * C, 1.0f)), wte = randn((size_t)Vp * C, 0.3f);
+    std::vector<int> targets = rand_ints(N, V);
+    Vec xq(x.size()), wq(wte.size()), probs((size_t)N * Vp);
+    float xs = fp8_fake_quantize(xq.data(), x.data(), x.size(), FP8_E4M3);
+    fp8_fake_quantize(wq.data(), wte.data(), wte.size(), FP8_E4M3);
+    float loss_c = classifier_forward(probs.data(), xq.data(), wq.data(), targets.data(), N, C, V, Vp);
+    Vec dx_fp32((size_t)N * C, 0.0f), dwte_fp32(wte.size(), 0.0f); /* unquantised dlogits: sizes the prefill */
+    classifier_backward(dx_fp32.data(), dwte_fp32.data(), probs.data(), xq.data(), wq.data(), targets.data(), N, C, V, Vp);
+    Vec dwte0 = prefill_like<float>(dwte_fp32);
+
+    T* d_x = upload<T>(x);
+    float* d_wte = upload<float>(wte);
+    int* d_targets = upload_ints(targets);
+    Fp8Scale* sc = (Fp8Scale*)dalloc((2 + chunks) * sizeof(Fp8Scale)); /* x's, wte's, each chunk's dlogits' */
+    fp8 *x8 = (fp8*)dalloc((size_t)N * C), *x8t = (fp8*)dalloc((size_t)N * C);
+    fp8 *w8 = (fp8*)dalloc(wte.size()), *w8t = (fp8*)dalloc(wte.size());
+    fp8 *g8 = (fp8*)dalloc((size_t)chunk * Vp), *g8t = (fp8*)dalloc((size_t)chunk * Vp);
+    T *d_logits = poisoned<T>((size_t)chunk * Vp), *d_dx = poisoned<T>((size_t)N * C);
+    float *d_dwte = upload<float>(dwte0), *d_losses = poisoned<float>(N), *d_lse = poisoned<float>(N);
+    float* d_dscale = upload<float>(Vec(1, 1.0f / N));
+    CUDA_CHECK(cudaMemset(sc, 0, 2 * sizeof(Fp8Scale)));
+    fp8_reduce_amax(&sc[0], d_x, x.size());
+    fp8_cast_classifier_input(x8, x8t, &sc[0], d_x, N, C, chunk);
+    fp8_reduce_amax(&sc[1], d_wte, wte.size());
+    fp8_cast(w8, w8t, &sc[1], (const float*)d_wte, 1, Vp, C, FP8_E4M3);
+    {   /* x's codes: row-major, and chunk r0's [C][n] at r0 * C */
+        std::vector<unsigned char> gn((size_t)N * C), gt((size_t)N * C);
+        CUDA_CHECK(cudaMemcpy(gn.data(), x8, gn.size(), cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(gt.data(), x8t, gt.size(), cudaMemcpyDeviceToHost));
+        size_t bad = 0;
+        for (int r = 0; r < N; r++) {
+            int r0 = r / chunk * chunk, n = N - r0 < chunk ? N - r0 : chunk;
+            for (int c = 0; c < C; c++) {
+                unsigned char want = fp8_from_float(x[(size_t)r * C + c] * xs, FP8_E4M3);
+                bad += (gn[(size_t)r * C + c] != want) + (gt[(size_t)r0 * C + (size_t)c * n + (r - r0)] != want);
+            }
+        }
+        report(bad == 0, "x codes", "%zu of %d row-major and chunked transposed codes differ from the CPU emulation",
+               bad, 2 * N * C);
+    }
+    auto ops = [&](int r0, int ch) {
+        Fp8ClassifierOps c;
+        c.x = fp8_mat(x8 + (size_t)r0 * C, FP8_E4M3, &sc[0]);
+        c.wte = fp8_mat(w8, FP8_E4M3, &sc[1]);
+        c.x_t = x8t + (size_t)r0 * C, c.wte_t = w8t, c.g = g8, c.g_t = g8t, c.g_sc = &sc[2 + ch];
+        return c;
+    };
+    for (float gb : GRAD_BETAS) {
+        Vec dx_inc((size_t)N * C, 0.0f), dwte_inc(wte.size(), 0.0f);
+        auto gpu = [&](bool emulate) {
+            poison(d_dx, (size_t)N * C);
+            init_grad(d_dwte, dwte0, gb);
+            CUDA_CHECK(cudaMemset(&sc[2], 0, chunks * sizeof(Fp8Scale)));
+            for (int r0 = 0, ch = 0; r0 < N; r0 += chunk, ch++) {
+                int n = N - r0 < chunk ? N - r0 : chunk;
+                loss_fwd_bwd_fp8<T>(d_losses + r0, d_lse + r0, d_dx + (size_t)r0 * C, d_dwte, d_logits, ops(r0, ch),
+                                    d_targets + r0, n, C, V, Vp, d_dscale, r0 == 0 ? gb : 1.0f);
+                if (!emulate) continue;
+                Vec dl = download(d_logits, (size_t)n * Vp), dlq(dl.size());
+                Fp8CastOut o = {g8, g8t, &sc[2 + ch]};
+                check_fp8_cast(o, dl, 1, n, Vp, FP8_GRAD_FMT, 3);
+                fp8_fake_quantize(dlq.data(), dl.data(), dl.size(), FP8_GRAD_FMT);
+                classifier_backward_products(dx_inc.data() + (size_t)r0 * C, dwte_inc.data(), dlq.data(),
+                                             xq.data() + (size_t)r0 * C, wq.data(), n, C, V, Vp);
+            }
+            return std::vector<Vec>{download(d_losses, N), download(d_dx, (size_t)N * C), download(d_dwte, wte.size())};
+        };
+        std::vector<Vec> r1 = gpu(true), r2 = gpu(false);
+        double sum = 0.0;
+        for (float l : r1[0]) sum += l;
+        check_scalar("loss", sum / N, loss_c, tol.loss);
+        check("dx", r1[1], dx_inc, 6e-3);
+        check_grad("dwte", r1[2], dwte_inc, dwte0, gb, 2e-3);
+        {   /* padded rows: exactly the prefill (gb 1) or zero (gb 0) */
+            bool same = true;
+            for (size_t i = (size_t)V * C; i < wte.size(); i++) same = same && r1[2][i] == (gb != 0.0f ? dwte0[i] : 0.0f);
+            report(same, "dwte_pad", same ? "padded rows: no gradient" : "padded rows CHANGED");
+        }
+        check_same("determ", r1, r2);
+        if (gb != GRAD_BETAS[0]) continue;
+        float* d_eval = poisoned<float>(N);
+        for (int r0 = 0, ch = 0; r0 < N; r0 += chunk, ch++)
+            loss_fwd_fp8<T>(d_eval + r0, d_lse + r0, d_logits, ops(r0, ch), d_targets + r0,
+                            N - r0 < chunk ? N - r0 : chunk, C, V, Vp);
+        bool same = memcmp(download(d_eval, N).data(), r1[0].data(), N * sizeof(float)) == 0;
+        report(same, "eval_loss", same ? "evaluation row losses identical to training's" : "evaluation row losses DIFFER");
+    }
+    dfree_all();
+}
+
 static void run_fp8(void) {
     char sh[96];
     for (int fmt = FP8_E4M3; fmt <= FP8_E5M2; fmt++) {
@@ -1383,6 +1485,14 @@ static void run_fp8(void) {
         set_ctx("fp8", "gemm fp32 out", sh);
         test_fp8_gemm<float>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 0.0f);
         test_fp8_gemm<float>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 1.0f);
+    }
+    /* the FP8 classifier (candidate FP8_CLASSIFIER): one chunk; chunks of 64, 64 and 16 rows; a vocabulary
+     * of 1024 in two chunks of 128 */
+    const int cls_shapes[][5] = {{64, 48, 100, 128, 64}, {144, 48, 100, 128, 64}, {256, 192, 1000, 1024, 128}};
+    for (const auto& c : cls_shapes) {
+        snprintf(sh, sizeof sh, "N=%d C=%d V=%d/%d chunk=%d %s", c[0], c[1], c[2], c[3], c[4], fp8_name(FP8_GRAD_FMT));
+        set_ctx("fp8", "classifier bf16", sh);
+        test_loss_fp8<bf16>(c[0], c[1], c[2], c[3], c[4]);
     }
     fp8_plans_clear();
 }

@@ -39,7 +39,9 @@
 #include "../cpu/fp8.h"
 #include "common.cuh"
 #include "layernorm.cuh"
+#include "loss.cuh"
 #include "mlp.cuh"
+#include "side_stream.cuh"
 
 typedef unsigned char fp8;
 
@@ -536,6 +538,58 @@ static void fp8_gemm(int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD* D, const TD* 
     CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &alpha, Bt.p, p->a, A.p, p->b, &beta, C ? (const void*)C : D,
                                 p->d, D, p->d, &p->algo, g_gemm_workspace, g_gemm_workspace_bytes, g_stream));
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The candidate -DFP8_CLASSIFIER=1 (docs/DESIGN.md §18): the tied classifier's three products in
+ * FP8, around the same loss rows as loss.cuh's loss_fwd / loss_fwd_bwd. Its operands for one chunk
+ * of n rows: LNf's output x [n, C] for the logits and x^T [C, n] for dwte (E4M3, cast once a forward
+ * at LNf's current scale, its amax fused into the LayerNorm); wte [Vp, C] for the logits and
+ * wte^T [C, Vp] for dx (E4M3, cast with the layers' weights); dlogits' codes [n, Vp] for dx and
+ * [Vp, n] for dwte (FP8_GRAD_FMT, cast here from the loss rows' 16-bit dlogits at the chunk's
+ * current scale, g_sc, whose amax the caller zeroed). */
+struct Fp8ClassifierOps {
+    Fp8Mat x, wte;          /* the logits product's operands */
+    const fp8 *x_t, *wte_t; /* at x's and wte's scales */
+    fp8 *g, *g_t;
+    Fp8Scale* g_sc;
+};
+
+/* LNf's output x [N, C] cast for the FP8 classifier at the current scale of the amax in sc (the
+ * LayerNorm's): row-major into out_n and, when out_t is not NULL (training), transposed chunk by
+ * chunk of the logits (the `chunk` rows from r0: [C][n] at out_t + r0 * C, dwte's x_t). */
+template <typename T>
+static void fp8_cast_classifier_input(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* x, int N, int C, int chunk) {
+    if (!out_t) chunk = N;
+    for (int r0 = 0; r0 < N; r0 += chunk) {
+        size_t at = (size_t)r0 * C;
+        fp8_cast(out_n + at, out_t ? out_t + at : NULL, sc, x + at, 1, N - r0 < chunk ? N - r0 : chunk, C, FP8_E4M3);
+    }
+}
+
+/* Evaluation: the chunk's row losses and lse; logits [n, Vp] is scratch. */
+template <typename T>
+static void loss_fwd_fp8(float* losses, float* lse, T* logits, const Fp8ClassifierOps& c, const int* targets, int n,
+                         int C, int V, int Vp) {
+    fp8_gemm<T>(n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
+    loss_rows(losses, lse, logits, targets, n, V, Vp, (const float*)NULL);
+}
+
+/* Training: as loss_fwd_fp8, then dlogits' cast, dwte (/ += by grad_beta) = dlogits^T @ x on the
+ * side stream (it reads g_t: the caller waits for it, side_wait(c.g_t), before the next chunk's
+ * cast) and dx = dlogits @ wte. */
+template <typename T>
+static void loss_fwd_bwd_fp8(float* losses, float* lse, T* dx, float* dwte, T* logits, const Fp8ClassifierOps& c,
+                             const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
+    fp8_gemm<T>(n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
+    loss_rows(losses, lse, logits, targets, n, V, Vp, dscale);
+    fp8_reduce_amax(c.g_sc, (const T*)logits, (size_t)n * Vp);
+    fp8_cast(c.g, c.g_t, c.g_sc, (const T*)logits, 1, n, Vp, FP8_GRAD_FMT);
+    side_product(c.g_t, [&] {
+        fp8_gemm<float>(Vp, C, n, fp8_mat(c.g_t, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.x_t, FP8_E4M3, c.x.sc), dwte, NULL,
+                        grad_beta);
+    });
+    fp8_gemm<T>(n, C, Vp, fp8_mat(c.g, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.wte_t, FP8_E4M3, c.wte.sc), dx, NULL, 0.0f);
 }
 
 #endif
