@@ -307,11 +307,15 @@ static float forward_loss(const int* inputs, const int* targets) {
 /* The classifier backward: dlogits from the probabilities, in place; with the FP8 classifier cast
  * to FP8_GRAD_FMT at its current scale as one tensor (the GPU casts each chunk of its logits at
  * the chunk's own scale: the same one unless the chunks' amaxes lie on either side of a scale
- * step); then its two products into dln and dwte. */
+ * step), at level 2 at the static scale of its bound (cpu/fp8.h); then its two products into dln
+ * and dwte. */
 static void classifier_bwd(const int* targets) {
     int N = E.B * E.T;
     classifier_dlogits(E.probs, targets, N, E.V, E.Vp);
-    if (fp8_classifier()) fp8_fake_quantize(E.probs, E.probs, (size_t)N * E.Vp, FP8_GRAD_FMT);
+    if (fp8_classifier() && FP8_CLASSIFIER >= 2)
+        fp8_fake_quantize_at(E.probs, E.probs, (size_t)N * E.Vp, FP8_GRAD_FMT, fp8_dlogits_scale(1.0f / N));
+    else if (fp8_classifier())
+        fp8_fake_quantize(E.probs, E.probs, (size_t)N * E.Vp, FP8_GRAD_FMT);
     classifier_backward_products(E.dln, G(E.layout.wte), E.probs, classifier_x(), classifier_wte(), N, E.C, E.V, E.Vp);
 }
 

@@ -654,7 +654,8 @@ static void loss_chunks(int N, int train) {
         side_wait(fp8 ? (const void*)E.dl8t : E.logits); /* the previous chunk's dwte has read its dlogits */
         if (fp8 && train)
             loss_fwd_bwd_fp8<T>(E.losses + r0, E.loss_lse + r0, dx, E.grads + E.layout.wte, (T*)E.logits,
-                                fp8_cls_ops(r0, r0 / E.chunk), targets + r0, n, C, E.V, E.Vp, &E.io->dscale, gb);
+                                fp8_cls_ops(r0, r0 / E.chunk), targets + r0, n, C, E.V, E.Vp, &E.io->dscale, gb,
+                                FP8_CLASSIFIER >= 2);
         else if (fp8)
             loss_fwd_fp8<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, fp8_cls_ops(r0, r0 / E.chunk), targets + r0,
                             n, C, E.V, E.Vp);

@@ -41,8 +41,10 @@ enum { FP8_E4M3 = 0, FP8_E5M2 = 1 };
 #endif
 /* The candidate -DFP8_CLASSIFIER=1 (docs/DESIGN.md §18): the tied classifier's three products
  * (logits = lnf @ wte^T, d(lnf) = dlogits @ wte, d(wte) = dlogits^T @ lnf) in FP8 too, in both
- * engines: wte and LNf's output E4M3, dlogits FP8_GRAD_FMT, each at its current scale. Default 0:
- * the classifier in the activation type (bf16 on the GPU, fp32 on the CPU). */
+ * engines: wte and LNf's output E4M3, dlogits FP8_GRAD_FMT, each at its current scale. Level 2
+ * (-DFP8_CLASSIFIER=2): dlogits at the static scale fp8_dlogits_scale instead, so that the GPU's
+ * loss rows write its codes themselves. Default 0: the classifier in the activation type (bf16 on
+ * the GPU, fp32 on the CPU). */
 #ifndef FP8_CLASSIFIER
 #define FP8_CLASSIFIER 0
 #endif
@@ -108,6 +110,14 @@ static inline FP8_HD float fp8_scale_for_amax(float amax, int fmt) {
     if (k < -FP8_SCALE_EXP_LIMIT) k = -FP8_SCALE_EXP_LIMIT;
     return ldexpf(1.0f, k);
 }
+
+/* FP8_CLASSIFIER=2's scale of dlogits = (softmax - onehot) * dscale: every |softmax - onehot| is at
+ * most 1, so no dlogit exceeds |dscale| (1/N), and the scale of that bound is known before the
+ * logits are: it never saturates (but for an exponential rounded above 1) and equals the current
+ * scale unless no |dlogit| reaches 7/8 of the bound (N a power of two; between 1/2 and 1 of it
+ * otherwise), i.e. every row puts more than 7/8 of its probability on its target; then it is one
+ * binade coarser. No history, nothing to checkpoint. */
+static inline FP8_HD float fp8_dlogits_scale(float dscale) { return fp8_scale_for_amax(fabsf(dscale), FP8_GRAD_FMT); }
 
 /* Largest |x| of n values as the GPU reduces it: the maximum of the fp32 bit patterns of |x|, so
  * a NaN (whose pattern is above infinity's) makes the result NaN. Order-free, hence deterministic. */
