@@ -1,12 +1,15 @@
 """The candidate -DFP8_CLASSIFIER=1 (docs/DESIGN.md §18): the tied classifier's three products in FP8
-(wte and LNf's output E4M3, dlogits FP8_GRAD_FMT, each at its current scale), in both engines; its
-builds made here, as test_gpu's build_variant does. The CPU engine under the macro must train, stay
+(wte and LNf's output E4M3, dlogits FP8_GRAD_FMT, each at its current scale), in both engines; level 2
+(-DFP8_CLASSIFIER=2) takes dlogits' static scale instead, its codes written by the GPU's loss rows.
+Both levels' builds are made here, as test_gpu's build_variant does. Either level's CPU engine must train, stay
 near the default build's losses but not give its weights (the switch does something), give the
 default build's bits in every other precision (the switch touches fp8 only), resume exactly, and
 refuse a padded vocabulary its products cannot contract over. On a GPU (skipped without one) the GPU
 engine must track the CPU emulation, resume exactly, and give the bits of synchronised launches with
 its graphs and unsynchronised launches, also over several logits chunks (each chunk's dwte on the
-side stream). Its kernels are checked by tests/kernel_check.cu ("classifier bf16" under --prec fp8).
+side stream). While some row's target probability is below 1/8 the static scale is the current one,
+so early in training level 2 gives level 1's bits, in each engine. Its kernels are checked by
+tests/kernel_check.cu ("classifier bf16" and "loss rows fp8 fused" under --prec fp8).
 """
 import re
 
@@ -19,30 +22,38 @@ from test_fp8_delayed import RUN, gpu_settings
 from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
 from test_gpu import FP8_SHAPES, build_variant, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
 
-CLS_FLAGS = "-DFP8_CLASSIFIER=1"
+# the builds' suffixes by level (the Makefile's VARIANT_SUFFIX)
+SUFFIX = {1: "_cls", 2: "_cls2"}
 # logits chunks of 16 KiB (test_gpu's SMALL_CHUNKS_FLAGS): the odd shape's 144 positions in 3 chunks
-CLS_CHUNKS_FLAGS = CLS_FLAGS + " -DLOGITS_CHUNK_BYTES=16384"
+SMALL_CHUNKS_FLAGS = "-DLOGITS_CHUNK_BYTES=16384"
 
 
-@pytest.fixture(scope="module")
-def cpu_cls_binary(cpu_binary):
-    binary = eu.BUILD / "microgpt_cpu_cls"
-    build_variant("_cls", CLS_FLAGS, binary)
+def cls_build(engine, level, extra_flags="", extra_suffix=""):
+    """build/microgpt_<engine><suffix>: the engine at FP8_CLASSIFIER=level, built here."""
+    suffix = SUFFIX[level] + extra_suffix
+    binary = eu.BUILD / f"microgpt_{engine}{suffix}"
+    build_variant(suffix, f"-DFP8_CLASSIFIER={level} {extra_flags}".strip(), binary)
     return binary
 
 
-@pytest.fixture(scope="module")
-def cuda_cls_binary(cuda_binary):
-    binary = eu.BUILD / "microgpt_cuda_cls"
-    build_variant("_cls", CLS_FLAGS, binary)
-    return binary
+@pytest.fixture(scope="module", params=[1, 2], ids=["level1", "level2"])
+def level(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def cuda_cls_chunks_binary(cuda_binary):
-    binary = eu.BUILD / "microgpt_cuda_clschunks"
-    build_variant("_clschunks", CLS_CHUNKS_FLAGS, binary)
-    return binary
+def cpu_cls_binary(cpu_binary, level):
+    return cls_build("cpu", level)
+
+
+@pytest.fixture(scope="module")
+def cuda_cls_binary(cuda_binary, level):
+    return cls_build("cuda", level)
+
+
+@pytest.fixture(scope="module")
+def cuda_cls_chunks_binary(cuda_binary, level):
+    return cls_build("cuda", level, SMALL_CHUNKS_FLAGS, "chunks")
 
 
 def test_cls_cpu_trains_near_the_default_build_but_not_to_its_weights(cpu_binary, cpu_cls_binary, pattern_shards,
@@ -77,6 +88,18 @@ def test_cls_cpu_resumes_exactly_through_sigterm(cpu_cls_binary, random_shards, 
     eu.check_exact_resume_after_sigterm(cpu_cls_binary, args, RUN["train.steps"], tmp_path)
 
 
+def test_cls_level2_gives_level1s_bits_while_the_static_scale_is_the_current_one(cpu_binary, random_shards,
+                                                                                  tmp_path):
+    """Random tokens: no row is confident (every target probability far below 1/8), so dlogits' bound
+    scale is its current one and level 2's CPU emulation gives level 1's checkpoint."""
+    args = tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 8})
+    ckpts = []
+    for level in (1, 2):
+        ckpts.append(tmp_path / f"level{level}.ckpt")
+        run_ok(cls_build("cpu", level), args + ["--checkpoint", ckpts[-1]])
+    assert ckpts[0].read_bytes() == ckpts[1].read_bytes()
+
+
 def test_cls_refuses_a_padded_vocabulary_its_products_cannot_contract_over(cpu_binary, cpu_cls_binary,
                                                                             random_shards):
     args = tiny_args(random_shards.train, **{**RUN, "train.steps": 2, "train.warmup_steps": 0, "eval.every": 0,
@@ -109,6 +132,24 @@ def test_gpu_cls_resumes_exactly_and_graphs_equal_eager(cuda_cls_binary, random_
     eager_ckpt = tmp_path / "eager.ckpt"
     run_ok(cuda_cls_binary, args + ["--checkpoint", eager_ckpt], env={"ANDREA_NO_GRAPH": "1"})
     assert eager_ckpt.read_bytes() == (tmp_path / "ref.ckpt").read_bytes()
+
+
+@pytest.mark.gpu
+def test_gpu_cls_level2_gives_level1s_bits_while_the_static_scale_is_the_current_one(cuda_binary, random_shards,
+                                                                                      tmp_path):
+    """As the CPU test: the fused loss rows' codes and transpose are level 1's loss rows + amax + cast
+    whenever the scales agree, so the whole run's records and checkpoint match. 128 positions: with
+    B·T a power of two the scales agree while some |dlogit| reaches 7/8 of the bound 1/(B·T) (the
+    odd shape's 144 would need 0.98 of it)."""
+    args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(), "train.steps": 8,
+                                                                "train.batch_size": 4, "model.seq_len": 32,
+                                                                "eval.every": 4, "eval.batches": 2})
+    runs = []
+    for level in (1, 2):
+        ckpt = tmp_path / f"level{level}.ckpt"
+        runs.append((eu.exact_records(run_ok(cls_build("cuda", level), args + ["--checkpoint", ckpt])),
+                     ckpt.read_bytes()))
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.gpu
