@@ -11,8 +11,6 @@ side stream). While some row's target probability is below 1/8 the static scale 
 so early in training level 2 gives level 1's bits, in each engine. Its kernels are checked by
 tests/kernel_check.cu ("classifier bf16" and "loss rows fp8 fused" under --prec fp8).
 """
-import re
-
 import numpy as np
 import pytest
 
@@ -20,7 +18,7 @@ import engine_util as eu
 from engine_util import run_ok, tiny_args
 from test_fp8_delayed import RUN, gpu_settings
 from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
-from test_gpu import FP8_SHAPES, build_variant, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
+from test_gpu import build_variant, check_side_stream_over_chunks, cuda_binary  # noqa: F401 (a fixture)
 
 # the builds' suffixes by level (the Makefile's VARIANT_SUFFIX)
 SUFFIX = {1: "_cls", 2: "_cls2"}
@@ -156,22 +154,6 @@ def test_gpu_cls_level2_gives_level1s_bits_while_the_static_scale_is_the_current
 def test_gpu_cls_over_several_chunks_gives_the_bits_of_synchronised_launches(cuda_cls_chunks_binary, random_shards,
                                                                              tmp_path):
     """As test_gpu's side-stream test over several logits chunks, for the FP8 classifier: each chunk's
-    dwte reads its dlogits' codes on the side stream, the next chunk's cast overwrites them after
+    dwte reads its dlogits' codes on the side stream, the next chunk's codes overwrite them after
     side_wait; a missing wait shows as records or a checkpoint that differ from ANDREA_CUDA_SYNC's."""
-    shape = FP8_SHAPES["odd"]
-    args = tiny_args(random_shards.train, random_shards.val, **{
-        **shape, "train.precision": "fp8", "train.steps": 5, "train.grad_accum": 2, "train.lr": 3e-3,
-        "train.warmup_steps": 2, "eval.every": 2, "eval.batches": 2, "sample.every": 5, "sample.tokens": 5,
-        "sample.prompt": ["1,2"]})
-    positions = shape["train.batch_size"] * shape["model.seq_len"]
-    runs = {}
-    for mode, env in (("sync", {"ANDREA_CUDA_SYNC": "1"}), ("graph", {}), ("eager", {"ANDREA_NO_GRAPH": "1"})):
-        ckpt = tmp_path / f"{mode}.ckpt"
-        res = run_ok(cuda_cls_chunks_binary, args + ["--checkpoint", ckpt], env=env)
-        assert "backward: weight gradients on a side stream" in res.stderr, res.stderr[-2000:]
-        chunk = int(re.search(r"logits in chunks of (\d+) rows", res.stderr).group(1))
-        assert chunk < positions and chunk % 16 == 0, f"{chunk}-row chunks of {positions} positions"
-        runs[mode] = (eu.exact_records(res), ckpt.read_bytes())
-    for mode in ("graph", "eager"):
-        assert runs[mode][0] == runs["sync"][0], f"{mode} run's records differ from the synchronised run's"
-        assert runs[mode][1] == runs["sync"][1], f"{mode} run's checkpoint differs from the synchronised run's"
+    check_side_stream_over_chunks(cuda_cls_chunks_binary, random_shards, tmp_path, "fp8")

@@ -419,6 +419,12 @@ def test_side_stream_over_several_logits_chunks_gives_the_bits_of_synchronised_l
     each chunk's dwte on the side stream, the next chunk's logits written after it, the later chunks
     and the embedding backward adding into the same wte gradient; grad_accum 2 (the += graph),
     validation and sampling between steps."""
+    check_side_stream_over_chunks(small_chunks_build, random_shards, tmp_path, precision)
+
+
+def check_side_stream_over_chunks(engine, random_shards, tmp_path, precision):
+    """The body of the test above for an engine built with small logits chunks (also
+    tests/test_fp8_classifier.py's)."""
     shape = FP8_SHAPES["odd"] if precision == "fp8" else SHAPES["odd"]
     args = tiny_args(random_shards.train, random_shards.val, **{
         **shape, "train.precision": precision, "train.steps": 5, "train.grad_accum": 2, "train.lr": 3e-3,
@@ -428,7 +434,7 @@ def test_side_stream_over_several_logits_chunks_gives_the_bits_of_synchronised_l
     runs = {}
     for mode, env in (("sync", {"ANDREA_CUDA_SYNC": "1"}), ("graph", {}), ("eager", {"ANDREA_NO_GRAPH": "1"})):
         ckpt = tmp_path / f"{mode}.ckpt"
-        res = run_ok(small_chunks_build, args + ["--checkpoint", ckpt], env=env)
+        res = run_ok(engine, args + ["--checkpoint", ckpt], env=env)
         assert "backward: weight gradients on a side stream" in res.stderr, res.stderr[-2000:]
         chunk = int(re.search(r"logits in chunks of (\d+) rows", res.stderr).group(1))
         assert chunk < positions, f"{chunk}-row chunks of {positions} positions: the loss ran in one chunk"
