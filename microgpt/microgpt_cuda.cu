@@ -221,6 +221,10 @@ static const char* engine_compute_precision(const Config* cfg) { return cfg->tra
 static int loss_chunk_count(void) { return (E.N + E.chunk - 1) / E.chunk; }
 static int fp8_cls_scale_count(void) { return FP8_CLASSIFIER ? 2 + loss_chunk_count() : 0; }
 
+/* precision fp8: how many casts the weights' list holds (fp8_list_weight_casts): the layers' and,
+ * under FP8_CLASSIFIER, wte's. */
+static size_t fp8_weight_cast_count(void) { return (size_t)FP8_W_PER_LAYER * E.L + (FP8_CLASSIFIER ? 1 : 0); }
+
 /* ---------------------------------------------------------------------------------------------- */
 /* The memory plan. plan_buffers walks every buffer once; with bases NULL it only sums the sizes
  * per group, with real bases it hands out the pointers. One walk, so the plan and the allocation
@@ -248,11 +252,10 @@ static void plan_buffers(size_t* used) {
         size_t act = N * (F > C ? F : C), grad = N * (F > 3 * C ? F : 3 * C);
         E.w8_fwd = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
         E.w8_dx = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
-        size_t cls = FP8_CLASSIFIER, dl = cls * tr * E.chunk * (size_t)E.Vp;
+        size_t cls = FP8_CLASSIFIER ? 1 : 0, dl = cls * tr * E.chunk * (size_t)E.Vp;
         E.fp8_scales = (Fp8Scale*)carve(G_SCRATCH, (3 * FP8_W_PER_LAYER * L + fp8_cls_scale_count()) * sizeof(Fp8Scale),
                                         used);
-        E.w8_job_list = (Fp8CastJob<float>*)carve(G_SCRATCH, (FP8_W_PER_LAYER * L + cls) * sizeof(Fp8CastJob<float>),
-                                                  used);
+        E.w8_job_list = (Fp8CastJob<float>*)carve(G_SCRATCH, fp8_weight_cast_count() * sizeof(Fp8CastJob<float>), used);
         E.a8 = (fp8*)carve(G_SCRATCH, act, used);
         E.x8t = (fp8*)carve(G_ACTIVATIONS, tr * L * N * (3 * C + F), used);
         E.g8 = (fp8*)carve(G_SCRATCH, tr * grad, used);
@@ -404,8 +407,7 @@ static void fp8_list_weight_casts(void) {
     int C = E.C, F = E.F, n = 0;
     const int batch[FP8_W_PER_LAYER] = {3, 1, 1, 1}, rows[FP8_W_PER_LAYER] = {C, C, C, F};
     const int cols[FP8_W_PER_LAYER] = {C, C, F, C};
-    Fp8CastJob<float>* jobs =
-        (Fp8CastJob<float>*)xcalloc((size_t)FP8_W_PER_LAYER * E.L + FP8_CLASSIFIER, sizeof *jobs, "fp8 casts");
+    Fp8CastJob<float>* jobs = (Fp8CastJob<float>*)xcalloc(fp8_weight_cast_count(), sizeof *jobs, "fp8 casts");
     for (int l = 0; l < E.L; l++)
         for (int k = 0; k < FP8_W_PER_LAYER; k++) {
             size_t off = layer_offset(&E.layout, l, tensor[k]);
@@ -678,7 +680,7 @@ static void loss_chunks(int N, int train) {
  *                          and casts, which the backward never
  *                          writes)
  *   dwte (classifier)     logits (the chunk's dlogits)            the next chunk's logits      side_wait(E.logits)
- *   FP8_CLASSIFIER: dwte  dl8t (the chunk's dlogits' cast)        the next chunk's cast        side_wait(E.dl8t)
+ *   FP8_CLASSIFIER: dwte  dl8t (the chunk's dlogits' codes)       the next chunk's codes       side_wait(E.dl8t)
  *   dW_2                  dres                                    LN2 backward (dres +=)       side_wait(dres)
  *   dW_1                  dh                                      the layer below's dh         side_wait(E.dh)
  *   dW_O                  dres                                    LN1 backward (dres +=)       side_wait(dres)
