@@ -24,7 +24,8 @@
  *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. In training, ln1, ln2 and
  *         h_gelu are cast at delayed scales (from amax histories) instead, written by their
  *         producers (LayerNorm, GELU) as FP8 codes; so is MLP up's output gradient dh, by the
- *         GELU backward, under the candidate -DFP8_DGELU_FUSED=1.
+ *         GELU backward, under the candidate -DFP8_DGELU_FUSED=1. The candidate
+ *         -DFP8_CLASSIFIER=1|2 runs the classifier's three products in FP8 too (loss_chunks).
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
