@@ -131,7 +131,8 @@ static struct {
     /* precision fp8 only (else NULL): fp8 copies of the linear layers' weights at their parameter
      * offsets, in the layouts of cuda/fp8.cuh (w8_fwd: W^T for the forward, w8_dx: W for the
      * input gradient); the scales of every cast ([L][FP8_W_PER_LAYER] each of the weights', the
-     * products' inputs' and their output gradients', in that order); the cast input of the forward
+     * products' inputs' and their output gradients', in that order; FP8_CLASSIFIER's too: w8_scale);
+     * the cast input of the forward
      * product in flight (a8); the cast inputs kept transposed for the weight gradients (x8t, per
      * layer: ln1, atty, ln2 [N][C] each, h_gelu [N][F], written by the forward's casts); the cast
      * output gradient of the backward product in flight (g8, g8t) */
@@ -217,8 +218,8 @@ static struct {
 static const char* engine_name(void) { return "cuda"; }
 static const char* engine_compute_precision(const Config* cfg) { return cfg->train.precision; }
 
-/* The logits chunks of a micro-batch; the scales of the candidate FP8_CLASSIFIER's casts (after the
- * layers' in E.fp8_scales: LNf's output's, each chunk's dlogits', wte's), none without it. */
+/* The logits chunks of a micro-batch; how many scales the candidate FP8_CLASSIFIER's casts add to
+ * E.fp8_scales (wte's, LNf output's, each chunk's dlogits'), none without it. */
 static int loss_chunk_count(void) { return (E.N + E.chunk - 1) / E.chunk; }
 static int fp8_cls_scale_count(void) { return FP8_CLASSIFIER ? 2 + loss_chunk_count() : 0; }
 
@@ -374,18 +375,20 @@ static float* gl(int l, int t) { return E.grads + layer_offset(&E.layout, l, t);
 /* ---------------------------------------------------------------------------------------------- */
 /* Precision fp8: the layers' linear products on FP8 operands (cuda/fp8.cuh) */
 
-/* The scales of layer l's product k: its weight's, its input's, its output gradient's. */
+/* The scales of layer l's product k: its weight's, its input's, its output gradient's. The weights'
+ * casts' scales come first, all of them (fp8_weight_cast_count: FP8_CLASSIFIER's wte last), then
+ * the inputs', the output gradients', and FP8_CLASSIFIER's LNf output's and dlogits'. */
 static Fp8Scale* w8_scale(int l, int k) { return E.fp8_scales + (size_t)l * FP8_W_PER_LAYER + k; }
-static Fp8Scale* x8_scale(int l, int k) { return w8_scale(l, k) + (size_t)FP8_W_PER_LAYER * E.L; }
-static Fp8Scale* g8_scale(int l, int k) { return w8_scale(l, k) + 2 * (size_t)FP8_W_PER_LAYER * E.L; }
+static Fp8Scale* x8_scale(int l, int k) { return w8_scale(l, k) + fp8_weight_cast_count(); }
+static Fp8Scale* g8_scale(int l, int k) { return x8_scale(l, k) + (size_t)FP8_W_PER_LAYER * E.L; }
 /* Where a producer with the amax fused (LayerNorm, GELU) puts it: a cast's scale; NULL off fp8. */
 static unsigned* x8_amax(int l, int k) { return E.use_fp8 ? &x8_scale(l, k)->amax_bits : NULL; }
 static unsigned* g8_amax(int l, int k) { return E.use_fp8 ? &g8_scale(l, k)->amax_bits : NULL; }
 /* The candidate FP8_CLASSIFIER's scales (fp8_cls_scale_count), and whether a forward with fp8
  * products runs the classifier's in FP8 too. */
+static Fp8Scale* cls_w_scale(void) { return w8_scale(0, 0) + (size_t)FP8_W_PER_LAYER * E.L; }
 static Fp8Scale* cls_x_scale(void) { return g8_scale(0, 0) + (size_t)FP8_W_PER_LAYER * E.L; }
 static Fp8Scale* cls_g_scale(int chunk) { return cls_x_scale() + 1 + chunk; }
-static Fp8Scale* cls_w_scale(void) { return cls_g_scale(loss_chunk_count()); }
 static bool fp8_classifier(bool fp8) { return FP8_CLASSIFIER && fp8; }
 
 /* Layer l's input of product k, cast and transposed [in][N] by the forward (E.x8t). */
@@ -425,12 +428,10 @@ static void fp8_list_weight_casts(void) {
     free(jobs);
 }
 
-/* The fp8 weights from the fp32 masters (after every update, like the 16-bit copy): one memset
- * (FP8_CLASSIFIER: two, wte's scale sits after the activations'), one amax launch and one cast
- * launch for all of them. */
+/* The fp8 weights from the fp32 masters (after every update, like the 16-bit copy): one memset,
+ * one amax launch and one cast launch for all of them. */
 static void fp8_quantize_weights(void) {
-    fp8_zero_scales(w8_scale(0, 0), (size_t)FP8_W_PER_LAYER * E.L);
-    if (FP8_CLASSIFIER) fp8_zero_scales(cls_w_scale(), 1);
+    fp8_zero_scales(w8_scale(0, 0), fp8_weight_cast_count());
     fp8_quantize_jobs(E.w8_jobs);
 }
 
