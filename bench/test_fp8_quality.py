@@ -278,6 +278,27 @@ def test_a_whole_run_trains_both_precisions_from_the_experiment(tmp_path):
     assert doc["commit"] == "feed123" and doc["models"]["ANDREA-12M"]["rel_diff"] == 0.0
 
 
+def test_one_precision_runs_alone_and_joins_the_other_from_an_earlier_folder(tmp_path):
+    engine = tmp_path / "engine"
+    engine.write_text(STANDIN)
+    engine.chmod(0o755)
+    from microgpt.shards import write_shard
+    for split in ("train", "val"):
+        write_shard(str(tmp_path / f"t_{split}_000000.bin"), list(range(100)) * 10)
+    shards = ["--data", str(tmp_path / "t_train_*.bin"), "--val", str(tmp_path / "t_val_*.bin")]
+    for precision in ("bf16", "fp8"):
+        out = subprocess.run([sys.executable, str(SCRIPT), "run", "12M", "--out", str(tmp_path / precision), "--steps",
+                              "40", "--eval-every", "10", "--engine", str(engine), "--precision", precision, *shards],
+                             capture_output=True, text=True, timeout=120, env=python_env())
+        assert out.returncode == 0, out.stderr
+        assert [p.name for p in (tmp_path / precision).glob("*.jsonl")] == [f"ANDREA-12M-{precision}.jsonl"]
+    summary = summary_cmd(tmp_path / "bf16", tmp_path / "fp8", "--steps", "40")
+    assert summary.returncode == 0, summary.stdout + summary.stderr
+    bad = subprocess.run([sys.executable, str(SCRIPT), "run", "12M", "--precision", "fp16", *shards],
+                         capture_output=True, text=True, timeout=60, env=python_env())
+    assert bad.returncode == 2 and "--precision" in bad.stderr
+
+
 def test_a_run_without_real_text_is_refused(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), "run", "12M", "--out", str(tmp_path), "--data",
                           str(tmp_path / "none_*.bin")], capture_output=True, text=True, timeout=60, env=python_env())

@@ -152,6 +152,57 @@ def test_resume_without_histories_warns_and_starts_them_afresh(cpu_binary, patte
     assert [r["loss"] for r in res.steps] != [r["loss"] for r in kept.steps], "the histories changed nothing"
 
 
+def _member(**edit):
+    def damage(meta):
+        meta["fp8_history"].update(edit)
+    return damage
+
+
+def _entry(value):
+    def damage(meta):
+        meta["fp8_history"]["exp"][1][0] = value
+    return damage
+
+
+HISTORY_DAMAGE = {"exponent_out_of_range": _entry(500), "entry_not_a_number": _entry("x"),
+                  "entry_a_fraction": _entry(1.5), "longer_than_its_len": _member(len=2),
+                  "len_zero": _member(len=0), "len_not_a_number": _member(len="x"),
+                  "exp_not_a_list": _member(exp=3)}
+
+
+@pytest.mark.parametrize("damage", sorted(HISTORY_DAMAGE))
+def test_a_damaged_history_member_refuses_the_resume(cpu_binary, random_shards, tmp_path, damage):
+    """The checksum covers the checkpoint, not its sidecar: a history member that is there but not
+    well-formed is damage, not age (as a crc32c that is no number). One error line naming the
+    checkpoint and the member, exit status 2, no step run, nothing changed beside it."""
+    ckpt = tmp_path / "run.ckpt"
+    run_ok(cpu_binary, tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 4}) + ["--checkpoint", ckpt])
+    side = tmp_path / "run.ckpt.json"
+    meta = json.loads(side.read_text())
+    HISTORY_DAMAGE[damage](meta)
+    side.write_text(json.dumps(meta, separators=(",", ":")))
+    before = {f.name: f.read_bytes() for f in tmp_path.iterdir()}
+    res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 8}) +
+                        ["--checkpoint", ckpt, "--resume"])
+    assert res.rc == 2, res.describe()
+    assert len(res.errors) == 1 and str(ckpt) in res.errors[0] and "fp8_history" in res.errors[0], res.describe()
+    assert res.steps == [], res.describe()
+    assert {f.name: f.read_bytes() for f in tmp_path.iterdir()} == before
+
+
+def test_histories_of_another_shape_resume_with_the_warning(cpu_binary, random_shards, tmp_path):
+    """A well-formed member of another count (another build's) is not damage: the warning, then the
+    run resumes with fresh histories."""
+    ckpt = tmp_path / "run.ckpt"
+    run_ok(cpu_binary, tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 4}) + ["--checkpoint", ckpt])
+    side = tmp_path / "run.ckpt.json"
+    meta = json.loads(side.read_text())
+    meta["fp8_history"]["exp"].append([1, 2])
+    side.write_text(json.dumps(meta, separators=(",", ":")))
+    res = run_ok(cpu_binary, tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 6}) + ["--checkpoint", ckpt, "--resume"])
+    assert "no fp8 scale history" in res.stderr and [r["step"] for r in res.steps] == [5, 6], res.describe()
+
+
 def test_a_bf16_run_writes_no_histories(cpu_binary, random_shards, tmp_path):
     ckpt = tmp_path / "run.ckpt"
     run_ok(cpu_binary, tiny_args(random_shards.train, **{**RUN, "train.steps": 2, "train.warmup_steps": 0,

@@ -27,32 +27,39 @@ static void fp8_history_sidecar_json(const Fp8History* h, int n, char* out, size
     if (len >= cap) die_io("internal: the fp8 histories do not fit the sidecar buffer");
 }
 
-/* Parses the member of `text` into the n histories h. Returns 1 when it holds n well-formed
- * histories of this build's length, else 0 (h then undefined). */
+/* What a sidecar holds of the histories: no member (a checkpoint of current scaling, or written
+ * before they existed), another shape (a build with another count or length: well-formed, but not
+ * this build's), this build's n histories, or a member that is not well-formed (damage). */
+enum { FP8_HISTORY_ABSENT, FP8_HISTORY_OTHER_SHAPE, FP8_HISTORY_FOUND, FP8_HISTORY_DAMAGED };
+
+/* Parses the member of `text`; the histories go to h (n of them) only when FP8_HISTORY_FOUND. */
 static int fp8_history_parse(const char* text, Fp8History* h, int n) {
     const char* p = strstr(text, "\"fp8_history\":");
     double len;
     char* end;
-    int t;
-    if (!p || !json_find_number(p, "len", &len) || len != FP8_HISTORY_LEN || !(p = strstr(p, "\"exp\":[")))
-        return 0;
+    int t, count;
+    if (!p) return FP8_HISTORY_ABSENT;
+    if (!json_find_number(p, "len", &len) || !(len >= 1) || len != floor(len) ||
+        !(p = strstr(p, "\"exp\":[")))
+        return FP8_HISTORY_DAMAGED;
     p += strlen("\"exp\":[");
-    for (t = 0; t < n; t++) {
-        if (t && *p++ != ',') return 0;
-        if (*p++ != '[') return 0;
-        for (h[t].count = 0; *p != ']';) {
+    for (t = 0; *p != ']'; t++) {
+        if (t && *p++ != ',') return FP8_HISTORY_DAMAGED;
+        if (*p++ != '[') return FP8_HISTORY_DAMAGED;
+        for (count = 0; *p != ']'; count++) {
             long e = strtol(p, &end, 10);
-            if (end == p || h[t].count == FP8_HISTORY_LEN || e < -FP8_SCALE_EXP_LIMIT ||
+            if (end == p || count >= len || e < -FP8_SCALE_EXP_LIMIT ||
                 (e > FP8_SCALE_EXP_LIMIT && e != FP8_HISTORY_NONE))
-                return 0;
-            h[t].exp[h[t].count++] = (signed char)e;
+                return FP8_HISTORY_DAMAGED;
+            if (t < n && count < FP8_HISTORY_LEN) h[t].exp[count] = (signed char)e;
             p = end;
-            if (*p == ',') p++;
-            else if (*p != ']') return 0;
+            if (*p == ',' && *++p == ']') return FP8_HISTORY_DAMAGED; /* "1,]" */
+            else if (*p != ']' && (*p < '0' || *p > '9') && *p != '-') return FP8_HISTORY_DAMAGED;
         }
+        if (t < n) h[t].count = count < FP8_HISTORY_LEN ? count : FP8_HISTORY_LEN;
         p++;
     }
-    return *p == ']';
+    return t == n && len == FP8_HISTORY_LEN ? FP8_HISTORY_FOUND : FP8_HISTORY_OTHER_SHAPE;
 }
 
 /* dist (§17): the n histories of every rank become one, entry by entry the smallest exponent (the
@@ -79,14 +86,20 @@ static void fp8_history_min_over_ranks(Fp8History* h, int n) {
 }
 
 /* Restores the n histories from the sidecar of the checkpoint being resumed. A sidecar without them
- * (a checkpoint of current scaling, or written before they existed) or with another shape leaves
- * them empty, with a warning: the first forward then scales by its own amax. */
+ * or with another shape leaves them empty, with a warning: the first forward then scales by its own
+ * amax. A member that is there but not well-formed refuses the resume (one error, nothing changed). */
 static void fp8_history_resume(const char* ckpt_path, Fp8History* h, int n) {
     char side[CFG_PATH_MAX + 8], text[CKPT_SIDECAR_MAX];
     int t;
     if (n == 0) return;
     snprintf(side, sizeof side, "%s.json", ckpt_path);
-    if (sidecar_load(side, text, sizeof text) && fp8_history_parse(text, h, n)) return;
+    int found = sidecar_load(side, text, sizeof text) ? fp8_history_parse(text, h, n) : FP8_HISTORY_ABSENT;
+    if (found == FP8_HISTORY_FOUND) return;
+    if (found == FP8_HISTORY_DAMAGED) { /* present but not well-formed: damage, not age (as the crc32c) */
+        CkptFiles f;
+        ckpt_files(ckpt_path, &f);
+        ckpt_refuse_damaged(&f, "has a sidecar whose fp8_history member is not well-formed (damaged or edited)");
+    }
     for (t = 0; t < n; t++) h[t].count = 0;
     warn("checkpoint sidecar %s holds no fp8 scale history for %d tensors of length %d: delayed scaling starts "
          "afresh (the resumed run is not bit-identical to an uninterrupted one)", side, n, FP8_HISTORY_LEN);

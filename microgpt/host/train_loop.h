@@ -351,8 +351,8 @@ static void run_start(Run* r) {
     }
     engine_set_state(r->params, r->m, r->v, r->loss_scale);
     if (c->resume) {
-        int nh = engine_fp8_history_count();
-        Fp8History* h = (Fp8History*)xcalloc(nh ? (size_t)nh : 1, sizeof(Fp8History), "fp8 histories");
+        int nh;
+        Fp8History* h = engine_fp8_history_copy(&nh);
         fp8_history_resume(c->checkpoint.path, h, nh);
         if (nh) engine_set_fp8_history(h);
         free(h);
