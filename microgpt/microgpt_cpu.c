@@ -8,10 +8,9 @@
  * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
  * reference for the GPU's FP8 products (docs/DESIGN.md §18); in training, the LayerNorm outputs
  * ln1, ln2 and the GELU output (and, under -DFP8_DGELU_FUSED=1, MLP up's output gradient dh) are
- * cast at delayed scales instead (delayed_operand); under the candidate -DFP8_CLASSIFIER=1 the
- * classifier's products read FP8-emulated operands too (classifier_x, classifier_wte, classifier_bwd).
- * Every other precision computes fp32
- * (and says so). Every buffer is allocated once in engine_setup, sized for B·T positions;
+ * cast at delayed scales instead (delayed_operand); where the FP8 classifier pays (d_model 512 and
+ * up, cpu/fp8.h's fp8_classifier_pays) the classifier's products read FP8-emulated operands too
+ * (classifier_x, classifier_wte, classifier_bwd). Every other precision computes fp32 (and says so). Every buffer is allocated once in engine_setup, sized for B·T positions;
  * smaller calls (one prompt of len tokens in engine_prefill) reuse the same buffers. Results are
  * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation
  * orders, and the gradient norm is summed in fixed chunks).
@@ -67,7 +66,7 @@ static struct {
     /* fp8 only: the dequantised operands of the product being computed (else empty); fp8_products:
      * the current forward/backward uses them (training and validation; generation does not, as on
      * the GPU: its decode steps multiply unquantised, and the prefill must give the decode's keys) */
-    int fp8, fp8_products;
+    int fp8, fp8_products, fp8_classifier; /* fp8_classifier: config_fp8_classifier */
     float *fq_act, *fq_weight, *fq_grad;
     /* fp8 training: the delayed-scaling histories of ln1, ln2 and h_gelu (and dh under
      * FP8_DGELU_FUSED) per layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
@@ -124,7 +123,7 @@ static size_t carve_buffers(void) {
     E.dq = take(&cur, gnc); E.dk = take(&cur, gnc); E.dv = take(&cur, gnc); /* consecutive: one fp8 tensor */
     E.dh_gelu = take(&cur, gnf); E.dh = take(&cur, gnf);
     if (E.fp8) {
-        size_t cc3 = 3 * (size_t)E.C * E.C, cf = (size_t)E.C * E.F, wte = FP8_CLASSIFIER ? (size_t)E.Vp * E.C : 0;
+        size_t cc3 = 3 * (size_t)E.C * E.C, cf = (size_t)E.C * E.F, wte = E.fp8_classifier ? (size_t)E.Vp * E.C : 0;
         size_t w = cc3 > cf ? cc3 : cf;
         E.fq_act = take(&cur, nf > nc ? nf : nc);
         E.fq_weight = take(&cur, w > wte ? w : wte);
@@ -152,6 +151,8 @@ static size_t engine_setup(const Config* cfg) {
     E.shard = dist_part(n, NORM_CHUNK, g_dist.rank, g_dist.world); /* whole chunks: the norm stays exact */
     E.fp8 = strcmp(cfg->train.precision, "fp8") == 0;
     E.fp8_delayed = E.fp8 && E.training;
+    E.fp8_classifier = config_fp8_classifier(cfg);
+    info_fp8_classifier(cfg, "fp32");
     if (E.fp8_delayed) {
         E.delayed_hist = (Fp8History*)xcalloc(FP8_DELAYED_PER_LAYER * (size_t)E.L, sizeof(Fp8History), "fp8 histories");
         E.delayed_scale = (float*)xcalloc(FP8_DELAYED_PER_LAYER * (size_t)E.L, sizeof(float), "fp8 scales");
@@ -286,10 +287,10 @@ static void forward_trunk(const int* tokens, int B, int T) {
     layernorm_forward(E.lnf, E.lnf_mean, E.lnf_rstd, layer_input(E.L), P(E.layout.lnf_gamma), P(E.layout.lnf_beta), N, C);
 }
 
-/* The classifier's operands: under the candidate -DFP8_CLASSIFIER=1 with fp8 products, LNf's output
- * and wte cast to E4M3 at their current scales (cpu/fp8.h), as the GPU casts them once a forward
- * and reads them in all three of its products; otherwise themselves. */
-static int fp8_classifier(void) { return FP8_CLASSIFIER && E.fp8_products; }
+/* The classifier's operands: with the FP8 classifier and fp8 products, LNf's output and wte cast to
+ * E4M3 at their current scales (cpu/fp8.h), as the GPU casts them once a forward and reads them in
+ * all three of its products; otherwise themselves. */
+static int fp8_classifier(void) { return E.fp8_classifier && E.fp8_products; }
 static const float* classifier_x(void) {
     size_t nc = (size_t)E.B * E.T * E.C;
     return fp8_classifier() ? act_operand(E.lnf, nc) : E.lnf;
@@ -305,17 +306,13 @@ static float forward_loss(const int* inputs, const int* targets) {
 }
 
 /* The classifier backward: dlogits from the probabilities, in place; with the FP8 classifier cast
- * to FP8_GRAD_FMT at its current scale as one tensor (the GPU casts each chunk of its logits at
- * the chunk's own scale: the same one unless the chunks' amaxes lie on either side of a scale
- * step), at level 2 at the static scale of its bound (cpu/fp8.h); then its two products into dln
- * and dwte. */
+ * to FP8_GRAD_FMT at the static scale of its bound (cpu/fp8.h's fp8_dlogits_scale, the GPU's loss
+ * rows' for every chunk); then its two products into dln and dwte. */
 static void classifier_bwd(const int* targets) {
     int N = E.B * E.T;
     classifier_dlogits(E.probs, targets, N, E.V, E.Vp);
-    if (fp8_classifier() && FP8_CLASSIFIER >= 2)
+    if (fp8_classifier())
         fp8_fake_quantize_at(E.probs, E.probs, (size_t)N * E.Vp, FP8_GRAD_FMT, fp8_dlogits_scale(1.0f / N));
-    else if (fp8_classifier())
-        fp8_fake_quantize(E.probs, E.probs, (size_t)N * E.Vp, FP8_GRAD_FMT);
     classifier_backward_products(E.dln, G(E.layout.wte), E.probs, classifier_x(), classifier_wte(), N, E.C, E.V, E.Vp);
 }
 

@@ -1323,10 +1323,10 @@ template <typename TD> static void test_fp8_gemm(int M, int N, int K, int batch,
     dfree_all();
 }
 
-/* FP8_CLASSIFIER=2's loss rows (LossStoreFp8, from shared memory and from memory) and the codes'
- * transpose (k_fp8_transpose), bit for bit against level 1's path: the loss rows in T, then
- * fp8_cast with the bound |dscale| as the amax (the static scale, fp8_dlogits_scale): the same row
- * losses and lse, codes in both layouts, scale; and the logits left as they were. */
+/* The FP8 classifier's loss rows (LossStoreFp8, from shared memory and from memory) and the codes'
+ * transpose (k_fp8_transpose), bit for bit against the loss rows in T, then fp8_cast with the bound
+ * |dscale| as the amax (the static scale, fp8_dlogits_scale): the same row losses and lse, codes in
+ * both layouts, scale; and the logits left as they were. */
 template <typename T> static void test_loss_rows_fp8_fused(int n, int V, int Vp) {
     Vec logits = rounded<T>(randn((size_t)n * Vp, 3.0f));
     size_t nv = (size_t)n * Vp;
@@ -1376,18 +1376,17 @@ template <typename T> static void test_loss_rows_fp8_fused(int n, int V, int Vp)
     dfree_all();
 }
 
-/* The candidate FP8_CLASSIFIER's classifier (cuda/fp8.cuh), chunk by chunk as the engine runs it,
- * at level 1 or (`fused`) 2, for x [N, C] in T and wte [Vp, C] in fp32 (the masters the weights'
- * cast reads): the casts of x (fp8_cast_classifier_input: row-major, and transposed chunk by chunk)
- * exactly against cpu/fp8.h's; each chunk's dlogits codes read back: level 1's exactly against
- * cpu/fp8.h's cast of the GPU's 16-bit dlogits, level 2's at the static scale, their transpose
- * exactly (the codes themselves: "loss rows fp8 fused"); dx and dwte against the fp32 products of
+/* The FP8 classifier (cuda/fp8.cuh), chunk by chunk as the engine runs it, for x [N, C] in T and
+ * wte [Vp, C] in fp32 (the masters the weights' cast reads): the casts of x
+ * (fp8_cast_classifier_input: row-major, and transposed chunk by chunk) exactly against
+ * cpu/fp8.h's; each chunk's dlogits codes read back: the static scale, their transpose exactly (the
+ * codes themselves: "loss rows fp8 fused"); dx and dwte against the fp32 products of
  * the codes' values (tolerances of the FP8 product checks above: only the order of the fp32 sums
  * differs, and dx's rounding to T); the loss
  * against the CPU classifier on the cast x and wte (tol.loss: the logits are rounded to T);
  * evaluation's row losses identical to training's; padded rows of dwte untouched; two runs the
  * same bits. */
-template <typename T> static void test_loss_fp8(int N, int C, int V, int Vp, int chunk, bool fused) {
+template <typename T> static void test_loss_fp8(int N, int C, int V, int Vp, int chunk) {
     Tol tol = tol_for<T>();
     int chunks = (N + chunk - 1) / chunk;
     Vec x = rounded<T>(randn((size_t)N * C, 1.0f)), wte = randn((size_t)Vp * C, 0.3f);
@@ -1446,7 +1445,7 @@ template <typename T> static void test_loss_fp8(int N, int C, int V, int Vp, int
             for (int r0 = 0, ch = 0; r0 < N; r0 += chunk, ch++) {
                 int n = N - r0 < chunk ? N - r0 : chunk;
                 loss_fwd_bwd_fp8<T>(d_losses + r0, d_lse + r0, d_dx + (size_t)r0 * C, d_dwte, d_logits, ops(r0, ch),
-                                    d_targets + r0, n, C, V, Vp, d_dscale, r0 == 0 ? gb : 1.0f, fused);
+                                    d_targets + r0, n, C, V, Vp, d_dscale, r0 == 0 ? gb : 1.0f);
                 if (!emulate) continue;
                 size_t nv = (size_t)n * Vp;
                 std::vector<unsigned char> gn(nv), gt(nv);
@@ -1454,18 +1453,13 @@ template <typename T> static void test_loss_fp8(int N, int C, int V, int Vp, int
                 CUDA_CHECK(cudaMemcpy(gn.data(), g8, nv, cudaMemcpyDeviceToHost));
                 CUDA_CHECK(cudaMemcpy(gt.data(), g8t, nv, cudaMemcpyDeviceToHost));
                 CUDA_CHECK(cudaMemcpy(&gs, &sc[2 + ch], sizeof gs, cudaMemcpyDeviceToHost));
-                if (!fused) {
-                    Fp8CastOut o = {g8, g8t, &sc[2 + ch]};
-                    check_fp8_cast(o, download(d_logits, nv), 1, n, Vp, FP8_GRAD_FMT, 3);
-                } else {
-                    size_t bad = 0;
-                    for (int r = 0; r < n; r++)
-                        for (int v = 0; v < Vp; v++) bad += gt[(size_t)v * n + r] != gn[(size_t)r * Vp + v];
-                    float s = fp8_dlogits_scale(1.0f / N);
-                    report(bad == 0 && gs.scale == s && gs.descale == 1.0f / s, "dlogits codes",
-                           "%zu of %zu transposed codes differ; scale %g (static %g)", bad, nv, (double)gs.scale,
-                           (double)s);
-                }
+                size_t bad = 0;
+                for (int r = 0; r < n; r++)
+                    for (int v = 0; v < Vp; v++) bad += gt[(size_t)v * n + r] != gn[(size_t)r * Vp + v];
+                float s = fp8_dlogits_scale(1.0f / N);
+                report(bad == 0 && gs.scale == s && gs.descale == 1.0f / s, "dlogits codes",
+                       "%zu of %zu transposed codes differ; scale %g (static %g)", bad, nv, (double)gs.scale,
+                       (double)s);
                 Vec dlq(nv);
                 for (size_t i = 0; i < nv; i++) dlq[i] = fp8_to_float(gn[i], FP8_GRAD_FMT) * gs.descale;
                 classifier_backward_products(dx_inc.data() + (size_t)r0 * C, dwte_inc.data(), dlq.data(),
@@ -1557,16 +1551,15 @@ static void run_fp8(void) {
         test_fp8_gemm<float>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 0.0f);
         test_fp8_gemm<float>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 1.0f);
     }
-    /* the FP8 classifier (candidate FP8_CLASSIFIER): one chunk; chunks of 64, 64 and 16 rows; a vocabulary
-     * of 1024 in two chunks of 128 */
-    const int cls_shapes[][5] = {{64, 48, 100, 128, 64}, {144, 48, 100, 128, 64}, {256, 192, 1000, 1024, 128}};
-    for (const auto& c : cls_shapes)
-        for (int level = 1; level <= 2; level++) {
-            snprintf(sh, sizeof sh, "N=%d C=%d V=%d/%d chunk=%d %s level %d", c[0], c[1], c[2], c[3], c[4],
-                     fp8_name(FP8_GRAD_FMT), level);
-            set_ctx("fp8", "classifier bf16", sh);
-            test_loss_fp8<bf16>(c[0], c[1], c[2], c[3], c[4], level == 2);
-        }
+    /* the FP8 classifier, called directly (the engines run it from d_model 512, fp8_classifier_pays):
+     * one chunk; chunks of 64, 64 and 16 rows; a vocabulary of 1024 in two chunks of 128; d_model 512 */
+    const int cls_shapes[][5] = {{64, 48, 100, 128, 64}, {144, 48, 100, 128, 64}, {256, 192, 1000, 1024, 128},
+                                 {128, 512, 1000, 1024, 64}};
+    for (const auto& c : cls_shapes) {
+        snprintf(sh, sizeof sh, "N=%d C=%d V=%d/%d chunk=%d %s", c[0], c[1], c[2], c[3], c[4], fp8_name(FP8_GRAD_FMT));
+        set_ctx("fp8", "classifier bf16", sh);
+        test_loss_fp8<bf16>(c[0], c[1], c[2], c[3], c[4]);
+    }
     /* the fused loss rows: a small vocabulary; the models' (50257 padded to 50304, from shared memory
      * on an H200) */
     const int rows_shapes[][3] = {{48, 100, 128}, {32, 50257, 50304}};

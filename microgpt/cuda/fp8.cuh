@@ -541,14 +541,14 @@ static void fp8_gemm(int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD* D, const TD* 
 }
 
 /* ---------------------------------------------------------------------------------------------- */
-/* The candidate -DFP8_CLASSIFIER=1 (docs/DESIGN.md §18): the tied classifier's three products in
- * FP8, around the same loss rows as loss.cuh's loss_fwd / loss_fwd_bwd. Its operands for one chunk
- * of n rows: LNf's output x [n, C] for the logits and x^T [C, n] for dwte (E4M3, cast once a forward
- * at LNf's current scale, its amax fused into the LayerNorm); wte [Vp, C] for the logits and
- * wte^T [C, Vp] for dx (E4M3, cast with the layers' weights); dlogits' codes [n, Vp] for dx and
- * [Vp, n] for dwte (FP8_GRAD_FMT, made by loss_fwd_bwd_fp8 at the scale g_sc, whose amax the caller
- * zeroed: level 1 casts the loss rows' 16-bit dlogits at the chunk's current scale, level 2 has the
- * loss rows write the codes at a static scale). */
+/* The FP8 classifier (docs/DESIGN.md §18; where it pays, cpu/fp8.h's fp8_classifier_pays): the
+ * tied classifier's three products in FP8, around the same loss rows as loss.cuh's loss_fwd /
+ * loss_fwd_bwd. Its operands for one chunk of n rows: LNf's output x [n, C] for the logits and x^T
+ * [C, n] for dwte (E4M3, cast once a forward at LNf's current scale, its amax fused into the
+ * LayerNorm); wte [Vp, C] for the logits and wte^T [C, Vp] for dx (E4M3, cast with the layers'
+ * weights); dlogits' codes [n, Vp] for dx and [Vp, n] for dwte (FP8_GRAD_FMT at the static scale
+ * fp8_dlogits_scale, written to g_sc: the loss rows write the row-major codes themselves,
+ * loss_fwd_bwd_fp8). */
 struct Fp8ClassifierOps {
     Fp8Mat x, wte;          /* the logits product's operands */
     const fp8 *x_t, *wte_t; /* at x's and wte's scales */
@@ -568,10 +568,10 @@ static void fp8_cast_classifier_input(fp8* out_n, fp8* out_t, Fp8Scale* sc, cons
     }
 }
 
-/* FP8_CLASSIFIER=2: the loss rows (loss.cuh's Store) write dlogits' codes [n, Vp] row-major in
- * FP8_GRAD_FMT instead of T over the logits: each value as it would be stored in T (what level 1's
- * cast reads), at the static scale fp8_dlogits_scale(ds) (cpu/fp8.h), which the first packet of
- * row 0 writes to sc. Bit for bit the loss rows, then fp8_cast with the bound |ds| as the amax. */
+/* The FP8 classifier's loss rows (loss.cuh's Store) write dlogits' codes [n, Vp] row-major in
+ * FP8_GRAD_FMT instead of T over the logits: each value as it would be stored in T, at the static
+ * scale fp8_dlogits_scale(ds) (cpu/fp8.h), which the first packet of row 0 writes to sc. Bit for bit
+ * the loss rows in T, then fp8_cast with the bound |ds| as the amax (tests/kernel_check.cu). */
 struct LossStoreFp8 {
     fp8* codes;
     Fp8Scale* sc;
@@ -597,7 +597,7 @@ struct LossStoreFp8 {
     }
 };
 
-/* FP8_CLASSIFIER=2: out [Cc][R] = the codes in [R][Cc] transposed, a 64 x 64 tile a block through
+/* The FP8 classifier's dlogits for dwte: out [Cc][R] = the codes in [R][Cc] transposed, a 64 x 64 tile a block through
  * shared memory: 16-byte loads of its rows, 16-byte stores of its columns (R and Cc multiples of
  * 16, both pointers 16-byte aligned: fp8_transpose checks). */
 __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_transpose(fp8* __restrict__ out, const fp8* __restrict__ in,
@@ -641,22 +641,14 @@ static void loss_fwd_fp8(float* losses, float* lse, T* logits, const Fp8Classifi
 
 /* Training: as loss_fwd_fp8, then dlogits' codes, dwte (/ += by grad_beta) = dlogits^T @ x on the
  * side stream (it reads g_t: the caller waits for it, side_wait(c.g_t), before the next chunk's
- * codes) and dx = dlogits @ wte. The codes: the loss rows write dlogits in T over the logits, then
- * their amax and cast (level 1, current scaling); or, `fused` (level 2), the loss rows write the
- * row-major codes themselves (LossStoreFp8) and a transpose the other layout. */
+ * codes) and dx = dlogits @ wte. The loss rows write the row-major codes themselves (LossStoreFp8),
+ * a transpose the other layout. */
 template <typename T>
 static void loss_fwd_bwd_fp8(float* losses, float* lse, T* dx, float* dwte, T* logits, const Fp8ClassifierOps& c,
-                             const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta,
-                             bool fused) {
+                             const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
     fp8_gemm<T>(n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
-    if (fused) {
-        loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreFp8{c.g, c.g_sc, Vp});
-        fp8_transpose(c.g_t, c.g, n, Vp);
-    } else {
-        loss_rows(losses, lse, logits, targets, n, V, Vp, dscale);
-        fp8_reduce_amax(c.g_sc, (const T*)logits, (size_t)n * Vp);
-        fp8_cast(c.g, c.g_t, c.g_sc, (const T*)logits, 1, n, Vp, FP8_GRAD_FMT);
-    }
+    loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreFp8{c.g, c.g_sc, Vp});
+    fp8_transpose(c.g_t, c.g, n, Vp);
     side_product(c.g_t, [&] {
         fp8_gemm<float>(Vp, C, n, fp8_mat(c.g_t, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.x_t, FP8_E4M3, c.x.sc), dwte, NULL,
                         grad_beta);

@@ -62,8 +62,8 @@ static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C,
 }
 
 /* What a row's second pass does with its gradient's packets (v: the VEC values from column j of
- * row `row`; ds: *dscale): by default overwrites the logits l with them in T. The candidate
- * FP8_CLASSIFIER=2 stores their FP8 codes elsewhere instead (cuda/fp8.cuh's LossStoreFp8). */
+ * row `row`; ds: *dscale): by default overwrites the logits l with them in T. The
+ * FP8 classifier stores their FP8 codes elsewhere instead (cuda/fp8.cuh's LossStoreFp8). */
 struct LossStoreInPlace {
     template <typename T, int VEC>
     __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float ds) const {
