@@ -422,10 +422,10 @@ def test_side_stream_over_several_logits_chunks_gives_the_bits_of_synchronised_l
     check_side_stream_over_chunks(small_chunks_build, random_shards, tmp_path, precision)
 
 
-def check_side_stream_over_chunks(engine, random_shards, tmp_path, precision):
-    """The body of the test above for an engine built with small logits chunks (also
-    tests/test_fp8_classifier.py's)."""
-    shape = FP8_SHAPES["odd"] if precision == "fp8" else SHAPES["odd"]
+def check_side_stream_over_chunks(engine, random_shards, tmp_path, precision, shape=None):
+    """The body of the test above for an engine built with small logits chunks, at the odd shape of
+    the precision or at `shape` (tests/test_fp8_classifier.py's)."""
+    shape = shape or (FP8_SHAPES["odd"] if precision == "fp8" else SHAPES["odd"])
     args = tiny_args(random_shards.train, random_shards.val, **{
         **shape, "train.precision": precision, "train.steps": 5, "train.grad_accum": 2, "train.lr": 3e-3,
         "train.warmup_steps": 2, "eval.every": 2, "eval.batches": 2, "sample.every": 5, "sample.tokens": 5,
