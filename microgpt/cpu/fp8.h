@@ -158,23 +158,16 @@ static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int 
  *
  * The tensors with delayed scales, per layer, in the engines' and the sidecar's order: the
  * LayerNorm outputs (the QKV and MLP-up inputs) and the GELU output (MLP down's), which a training
- * forward records (the first FP8_DELAYED_FORWARD); with the candidate -DFP8_DGELU_FUSED=1 also the
- * MLP hidden gradient dh (MLP up's output gradient, in FP8_GRAD_FMT), which the backward records,
- * so that the GELU backward can write its codes (docs/DESIGN.md §18). */
-#ifndef FP8_DGELU_FUSED
-#define FP8_DGELU_FUSED 0
-#endif
+ * forward records (the first FP8_DELAYED_FORWARD); then the MLP hidden gradient dh (MLP up's output
+ * gradient, in FP8_GRAD_FMT), which the backward records, so that the GELU backward can write its
+ * codes (docs/DESIGN.md §18). */
 enum {
     DELAYED_LN1,
     DELAYED_LN2,
     DELAYED_GELU,
     FP8_DELAYED_FORWARD,
-#if FP8_DGELU_FUSED
     DELAYED_DGELU = FP8_DELAYED_FORWARD,
     FP8_DELAYED_PER_LAYER
-#else
-    FP8_DELAYED_PER_LAYER = FP8_DELAYED_FORWARD
-#endif
 };
 #define FP8_HISTORY_LEN 16
 #define FP8_HISTORY_NONE 127
@@ -185,11 +178,7 @@ typedef struct {
 
 /* The format of delayed tensor `which`: the gradient dh's FP8_GRAD_FMT, else E4M3. */
 static inline FP8_HD int fp8_delayed_fmt(int which) {
-#if FP8_DGELU_FUSED
-    if (which == DELAYED_DGELU) return FP8_GRAD_FMT;
-#endif
-    (void)which;
-    return FP8_E4M3;
+    return which == DELAYED_DGELU ? FP8_GRAD_FMT : FP8_E4M3;
 }
 
 /* The exponent an amax records: log2 of its current scale; FP8_HISTORY_NONE for 0. */
