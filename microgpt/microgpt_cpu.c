@@ -148,7 +148,7 @@ static size_t engine_setup(const Config* cfg) {
     n = E.layout.n_params;
     E.shard = dist_part(n, NORM_CHUNK, g_dist.rank, g_dist.world); /* whole chunks: the norm stays exact */
     E.fp8 = strcmp(cfg->train.precision, "fp8") == 0;
-    E.fp8_delayed = E.fp8 && E.training;
+    E.fp8_delayed = config_keeps_fp8_histories(cfg);
     if (E.fp8_delayed) {
         E.delayed_hist = (Fp8History*)xcalloc(FP8_DELAYED_PER_LAYER * (size_t)E.L, sizeof(Fp8History), "fp8 histories");
         E.delayed_scale = (float*)xcalloc(FP8_DELAYED_PER_LAYER * (size_t)E.L, sizeof(float), "fp8 scales");

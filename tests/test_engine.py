@@ -743,9 +743,18 @@ def _sidecar_checksum_not_a_number(path):
     path.with_name(path.name + ".json").write_text(json.dumps(side))
 
 
+def _sidecar_too_long(path):
+    """A sidecar longer than any the engine writes (32 KB) was read in part: the members past the
+    cut were lost without a word."""
+    side = read_sidecar(path)
+    side["note"] = "x" * 40000
+    path.with_name(path.name + ".json").write_text(json.dumps(side))
+
+
 INTEGRITY_DAMAGE = {"bit_in_v": _flip_bit_in_v, "garbage_weights": _garbage_weights, "step_49": _set_step(49),
                     "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step,
-                    "sidecar_checksum_not_a_number": _sidecar_checksum_not_a_number}
+                    "sidecar_checksum_not_a_number": _sidecar_checksum_not_a_number,
+                    "sidecar_too_long": _sidecar_too_long}
 
 
 @pytest.mark.parametrize("damage", sorted(INTEGRITY_DAMAGE))

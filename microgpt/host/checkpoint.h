@@ -331,6 +331,12 @@ static void ckpt_refuse_damaged(const CkptFiles* f, const char* what) {
     die_input("checkpoint %s %s; it is left as it is (there is no previous checkpoint %s)", f->ckpt, what, f->prev);
 }
 
+/* p past any JSON whitespace. */
+static const char* json_skip_space(const char* p) {
+    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+    return p;
+}
+
 /* Tiny JSON lookup for the sidecar: the number after "key": anywhere in text (sidecar keys are
  * unique, so no nesting logic is needed). Returns 1 if found. */
 static int json_find_number(const char* text, const char* key, double* out) {
@@ -340,8 +346,7 @@ static int json_find_number(const char* text, const char* key, double* out) {
     snprintf(pat, sizeof pat, "\"%s\"", key);
     p = strstr(text, pat);
     if (!p) return 0;
-    p += strlen(pat);
-    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+    p = json_skip_space(p + strlen(pat));
     if (*p++ != ':') return 0;
     *out = strtod(p, &end);
     return end != p;
@@ -361,14 +366,26 @@ static int json_find_string(const char* text, const char* key, char* out, size_t
     return 1;
 }
 
-/* Reads the sidecar `side` into text (at most cap - 1 bytes, NUL-terminated); 0 when there is none. */
-static int sidecar_load(const char* side, char* text, size_t cap) {
+/* Reads the sidecar of the checkpoint `path` (PATH.json) into text (NUL-terminated); 0 when there
+ * is none. One longer than cap - 1 bytes was not written by this program (ckpt_write's fits
+ * CKPT_SIDECAR_MAX): read in part, it would lose the members past the cut without a word, so the
+ * checkpoint is refused as damaged. */
+static int sidecar_load(const char* path, char* text, size_t cap) {
     size_t len = 0;
     ssize_t got;
     struct stat st;
     int fd;
-    if (!file_exists(side)) return 0;
-    fd = open_regular_or_die(side, "checkpoint sidecar", &st);
+    CkptFiles f;
+    ckpt_files(path, &f);
+    if (!file_exists(f.side)) return 0;
+    fd = open_regular_or_die(f.side, "checkpoint sidecar", &st);
+    if ((unsigned long long)st.st_size > cap - 1) {
+        char what[2 * CFG_PATH_MAX];
+        close(fd);
+        snprintf(what, sizeof what, "has a sidecar %s of %lld bytes, longer than any this program writes (damaged or "
+                 "edited)", f.side, (long long)st.st_size);
+        ckpt_refuse_damaged(&f, what);
+    }
     while (len + 1 < cap && ((got = read(fd, text + len, cap - 1 - len)) > 0 || (got < 0 && errno == EINTR)))
         if (got > 0) len += (size_t)got;
     close(fd);
@@ -421,7 +438,7 @@ static int ckpt_check(const char* path, size_t n_params) {
                  (long long)st.st_size, ckpt_expected_bytes(n_params), n_params);
         ckpt_refuse_damaged(&f, what);
     }
-    if (!sidecar_load(f.side, sidecar, sizeof sidecar)) {
+    if (!sidecar_load(path, sidecar, sizeof sidecar)) {
         warn("checkpoint sidecar %s is missing: %s is loaded unverified (no checksum) and the loss scale starts "
              "from its default", f.side, path);
         if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
@@ -472,7 +489,7 @@ static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
     int i;
     struct { const char* key; int value; } fp[10];
     snprintf(side, sizeof side, "%s.json", path);
-    if (!sidecar_load(side, text, sizeof text)) return 0.0f;
+    if (!sidecar_load(path, text, sizeof text)) return 0.0f;
     if (!json_find_number(text, "step", &x) || (int)x != ckpt_step) {
         warn("checkpoint sidecar %s does not belong to step %d of %s; ignoring it", side, ckpt_step, path);
         return 0.0f;
