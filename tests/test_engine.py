@@ -821,6 +821,19 @@ def test_checkpoint_without_checksum_resumes_with_a_warning(engine, random_shard
     assert "unverified" in res.stderr and [r["step"] for r in res.steps] == [3], res.describe()
 
 
+@pytest.mark.parametrize("seed", [1e300, 7.5, -3])
+def test_a_fingerprint_of_another_run_is_reported_as_it_is(engine, random_shards, tmp_path, seed):
+    """The sidecar has no checksum: a fingerprint number no int holds was converted to int (undefined
+    for 1e300, a wrong figure for 7.5) before it was compared and reported."""
+    ckpt = tmp_path / "run.ckpt"
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
+    side = read_sidecar(ckpt)
+    side["fingerprint"]["seed"] = seed
+    (tmp_path / "run.ckpt.json").write_text(json.dumps(side))
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt, "resume": True}))
+    assert f"the checkpoint was written with {seed:.12g}\n" in res.stderr, res.describe()
+
+
 def test_previous_slot_is_the_checkpoint_before_the_newest(engine, random_shards, tmp_path):
     """Each checkpoint write keeps the one it replaces as PATH.prev, a whole checkpoint (with its own
     sidecar) that resumes exactly; a fresh run refuses to start over either slot."""

@@ -490,7 +490,7 @@ static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
     struct { const char* key; int value; } fp[10];
     snprintf(side, sizeof side, "%s.json", path);
     if (!sidecar_load(path, text, sizeof text)) return 0.0f;
-    if (!json_find_number(text, "step", &x) || (int)x != ckpt_step) {
+    if (!json_find_number(text, "step", &x) || x != (double)ckpt_step) {
         warn("checkpoint sidecar %s does not belong to step %d of %s; ignoring it", side, ckpt_step, path);
         return 0.0f;
     }
@@ -511,8 +511,8 @@ static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
     fp[8].key = "batch_size"; fp[8].value = c->train.batch_size;
     fp[9].key = "grad_accum"; fp[9].value = c->train.grad_accum;
     for (i = 0; i < (int)(sizeof fp / sizeof fp[0]); i++)
-        if (json_find_number(text, fp[i].key, &x) && (int)x != fp[i].value)
-            warn("resuming with %s = %d, the checkpoint was written with %d", fp[i].key, fp[i].value, (int)x);
+        if (json_find_number(text, fp[i].key, &x) && x != (double)fp[i].value) /* as a double: (int)1e300 is undefined */
+            warn("resuming with %s = %d, the checkpoint was written with %.12g", fp[i].key, fp[i].value, x);
     {
         /* A loss scale belongs to the precision whose run produced it (non-fp16 runs record 1):
          * resuming in another precision starts from the engine's default scale. */
