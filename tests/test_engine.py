@@ -751,10 +751,18 @@ def _sidecar_too_long(path):
     path.with_name(path.name + ".json").write_text(json.dumps(side))
 
 
+def _nul_hides_the_checksum(path):
+    """A NUL byte before "crc32c" hid it from the C readers: the flipped bit was loaded unverified,
+    as a checkpoint written before checksums."""
+    _flip_bit_in_v(path)
+    side = path.with_name(path.name + ".json")
+    side.write_bytes(side.read_bytes().replace(b'"crc32c"', b'\0"crc32c"'))
+
+
 INTEGRITY_DAMAGE = {"bit_in_v": _flip_bit_in_v, "garbage_weights": _garbage_weights, "step_49": _set_step(49),
                     "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step,
                     "sidecar_checksum_not_a_number": _sidecar_checksum_not_a_number,
-                    "sidecar_too_long": _sidecar_too_long}
+                    "sidecar_too_long": _sidecar_too_long, "nul_hides_the_checksum": _nul_hides_the_checksum}
 
 
 @pytest.mark.parametrize("damage", sorted(INTEGRITY_DAMAGE))

@@ -367,20 +367,21 @@ static int json_find_string(const char* text, const char* key, char* out, size_t
 }
 
 /* Reads the sidecar of the checkpoint `path` (PATH.json) into text (NUL-terminated); 0 when there
- * is none. One longer than cap - 1 bytes was not written by this program (ckpt_write's fits
- * CKPT_SIDECAR_MAX): read in part, it would lose the members past the cut without a word, so the
- * checkpoint is refused as damaged. */
+ * is none. The readers look its members up as C strings, so a sidecar they would see only in part
+ * is refused as damaged: one longer than cap - 1 bytes (ckpt_write's fits CKPT_SIDECAR_MAX) or
+ * holding a NUL byte would hide the members past the cut or the NUL without a word (a hidden
+ * crc32c reads as a checkpoint written before checksums). */
 static int sidecar_load(const char* path, char* text, size_t cap) {
     size_t len = 0;
     ssize_t got;
     struct stat st;
     int fd;
     CkptFiles f;
+    char what[2 * CFG_PATH_MAX];
     ckpt_files(path, &f);
     if (!file_exists(f.side)) return 0;
     fd = open_regular_or_die(f.side, "checkpoint sidecar", &st);
     if ((unsigned long long)st.st_size > cap - 1) {
-        char what[2 * CFG_PATH_MAX];
         close(fd);
         snprintf(what, sizeof what, "has a sidecar %s of %lld bytes, longer than any this program writes (damaged or "
                  "edited)", f.side, (long long)st.st_size);
@@ -390,6 +391,10 @@ static int sidecar_load(const char* path, char* text, size_t cap) {
         if (got > 0) len += (size_t)got;
     close(fd);
     text[len] = '\0';
+    if (strlen(text) != len) {
+        snprintf(what, sizeof what, "has a sidecar %s holding a NUL byte (damaged)", f.side);
+        ckpt_refuse_damaged(&f, what);
+    }
     return 1;
 }
 
