@@ -39,6 +39,16 @@ enum { FP8_E4M3 = 0, FP8_E5M2 = 1 };
 #ifndef FP8_GRAD_FMT
 #define FP8_GRAD_FMT FP8_E4M3
 #endif
+/* Whether precision fp8 runs the tied classifier's three products (logits = lnf @ wte^T,
+ * d(lnf) = dlogits @ wte, d(wte) = dlogits^T @ lnf) in FP8 too (docs/DESIGN.md §18): wte and LNf's
+ * output E4M3 at their current scales, dlogits FP8_GRAD_FMT at the static scale fp8_dlogits_scale;
+ * else the classifier stays in the activation type (bf16 on the GPU, fp32 on the CPU). Its extra
+ * passes (wte's cast, dlogits' transpose) cost ~N·Vp, the products' saving ~N·Vp·d_model: measured
+ * on an H200 they break even near d_model 500 (ANDREA-12M, 192: +0.30 ms a step; ANDREA-120M, 768:
+ * -0.53 ms). A function of the shape alone, one rule for both engines (the CPU engine stays the
+ * GPU's reference) and for config_validate. */
+#define FP8_CLASSIFIER_MIN_D_MODEL 512
+static inline int fp8_classifier_pays(int d_model) { return d_model >= FP8_CLASSIFIER_MIN_D_MODEL; }
 #define FP8_SCALE_EXP_LIMIT 126 /* scales 2^-126 .. 2^126: the scale and its inverse stay normal fp32 */
 
 /* Mantissa bits, exponent bias and largest finite code (positive) of a format. */
@@ -102,6 +112,14 @@ static inline FP8_HD float fp8_scale_for_amax(float amax, int fmt) {
     return ldexpf(1.0f, k);
 }
 
+/* The FP8 classifier's scale of dlogits = (softmax - onehot) * dscale: every |softmax - onehot| is at
+ * most 1, so no dlogit exceeds |dscale| (1/N), and the scale of that bound is known before the
+ * logits are: it never saturates (but for an exponential rounded above 1) and equals the current
+ * scale unless no |dlogit| reaches 7/8 of the bound (N a power of two; between 1/2 and 1 of it
+ * otherwise), i.e. every row puts more than 7/8 of its probability on its target; then it is one
+ * binade coarser. No history, nothing to checkpoint. */
+static inline FP8_HD float fp8_dlogits_scale(float dscale) { return fp8_scale_for_amax(fabsf(dscale), FP8_GRAD_FMT); }
+
 /* Largest |x| of n values as the GPU reduces it: the maximum of the fp32 bit patterns of |x|, so
  * a NaN (whose pattern is above infinity's) makes the result NaN. Order-free, hence deterministic. */
 static inline float fp8_amax(const float* x, size_t n) {
@@ -140,23 +158,16 @@ static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int 
  *
  * The tensors with delayed scales, per layer, in the engines' and the sidecar's order: the
  * LayerNorm outputs (the QKV and MLP-up inputs) and the GELU output (MLP down's), which a training
- * forward records (the first FP8_DELAYED_FORWARD); with the candidate -DFP8_DGELU_FUSED=1 also the
- * MLP hidden gradient dh (MLP up's output gradient, in FP8_GRAD_FMT), which the backward records,
- * so that the GELU backward can write its codes (docs/DESIGN.md §18). */
-#ifndef FP8_DGELU_FUSED
-#define FP8_DGELU_FUSED 0
-#endif
+ * forward records (the first FP8_DELAYED_FORWARD); then the MLP hidden gradient dh (MLP up's output
+ * gradient, in FP8_GRAD_FMT), which the backward records, so that the GELU backward can write its
+ * codes (docs/DESIGN.md §18). */
 enum {
     DELAYED_LN1,
     DELAYED_LN2,
     DELAYED_GELU,
     FP8_DELAYED_FORWARD,
-#if FP8_DGELU_FUSED
     DELAYED_DGELU = FP8_DELAYED_FORWARD,
     FP8_DELAYED_PER_LAYER
-#else
-    FP8_DELAYED_PER_LAYER = FP8_DELAYED_FORWARD
-#endif
 };
 #define FP8_HISTORY_LEN 16
 #define FP8_HISTORY_NONE 127
@@ -167,11 +178,7 @@ typedef struct {
 
 /* The format of delayed tensor `which`: the gradient dh's FP8_GRAD_FMT, else E4M3. */
 static inline FP8_HD int fp8_delayed_fmt(int which) {
-#if FP8_DGELU_FUSED
-    if (which == DELAYED_DGELU) return FP8_GRAD_FMT;
-#endif
-    (void)which;
-    return FP8_E4M3;
+    return which == DELAYED_DGELU ? FP8_GRAD_FMT : FP8_E4M3;
 }
 
 /* The exponent an amax records: log2 of its current scale; FP8_HISTORY_NONE for 0. */

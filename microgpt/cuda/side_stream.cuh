@@ -31,7 +31,7 @@
 
 #include "common.cuh"
 
-#define SIDE_MAX_BUFFERS 8 /* buffers with a side-stream reader: dres, dh, dqkv, logits, fp8's g8t */
+#define SIDE_MAX_BUFFERS 8 /* buffers with a side-stream reader: dres, dh, dqkv, logits, fp8's g8t (and dl8t) */
 
 /* One buffer the side stream reads and the main stream overwrites later. */
 struct SideRead {
