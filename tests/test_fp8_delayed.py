@@ -240,6 +240,45 @@ def test_histories_of_another_shape_resume_with_the_warning(cpu_binary, random_s
     assert "no fp8 scale history" in res.stderr and [r["step"] for r in res.steps] == [5, 6], res.describe()
 
 
+# a model of many thin layers: their histories, not the weights, are what grows
+DEEP = {"model.d_model": 16, "model.n_head": 1, "train.batch_size": 1, "train.warmup_steps": 0, "eval.every": 0,
+        "train.precision": "fp8"}
+
+
+def test_more_layers_than_the_sidecar_holds_histories_for_are_refused_before_training(cpu_binary, random_shards, tmp_path):
+    """The sidecar holds at most CKPT_SIDECAR_MAX bytes (checkpoint.h) and an fp8 run's histories grow
+    with its layers: a run whose histories could outgrow it is refused at start (one error line
+    naming the most layers, exit 2, nothing run or written), not at its first checkpoint after the
+    training. That most is honest: its checkpoint, rewritten with every entry as long as an entry
+    gets, resumes, and the checkpoint the resumed run writes from those histories is read again.
+    Without a checkpoint, or in bf16, the deeper model trains."""
+    def argv(layers, ckpt, **more):
+        return tiny_args(random_shards.train, **{**DEEP, "model.n_layer": layers, "train.steps": 1, **more}) + \
+            (["--checkpoint", ckpt] if ckpt else [])
+
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    res = eu.run_engine(cpu_binary, argv(1024, deep / "run.ckpt"))
+    assert res.rc == 2 and len(res.errors) == 1 and "model.n_layer 1024" in res.errors[0], res.describe()
+    assert res.steps == [] and res.events("memory") == [] and list(deep.iterdir()) == []
+    most = int(res.errors[0].split("at most ")[1].split(" layers")[0])
+    refused = eu.run_engine(cpu_binary, argv(most + 1, deep / "run.ckpt"))
+    assert refused.rc == 2 and f"at most {most} layers" in refused.errors[0], refused.describe()
+    assert [len(run_ok(cpu_binary, argv(most + 1, None, **extra)).steps) for extra in
+            ({}, {"train.precision": "bf16", "checkpoint": deep / "bf16.ckpt"})] == [1, 1]
+
+    ckpt = tmp_path / "most.ckpt"
+    run_ok(cpu_binary, argv(most, ckpt))
+    side = tmp_path / "most.ckpt.json"
+    meta = json.loads(side.read_text())
+    meta["fp8_history"]["exp"] = [[-126] * HISTORY_LEN for _ in meta["fp8_history"]["exp"]]
+    side.write_text(json.dumps(meta, separators=(",", ":")))
+    for steps in (2, 3):
+        res = run_ok(cpu_binary, argv(most, ckpt, **{"train.steps": steps}) + ["--resume"])
+        assert [r["step"] for r in res.steps] == [steps] and "fp8 scale history" not in res.stderr, res.describe()
+    assert [h[:HISTORY_LEN - 2] for h in sidecar_history(ckpt)["exp"]] == [[-126] * (HISTORY_LEN - 2)] * (4 * most)
+
+
 def test_a_bf16_run_writes_no_histories(cpu_binary, random_shards, tmp_path):
     ckpt = tmp_path / "run.ckpt"
     run_ok(cpu_binary, tiny_args(random_shards.train, **{**RUN, "train.steps": 2, "train.warmup_steps": 0,

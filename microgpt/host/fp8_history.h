@@ -27,6 +27,15 @@ static void fp8_history_sidecar_json(const Fp8History* h, int n, char* out, size
     if (len >= cap) die_io("internal: the fp8 histories do not fit the sidecar buffer");
 }
 
+/* The longest member fp8_history_sidecar_json writes for n histories: every entry as wide as an
+ * exponent is written ("-126", -FP8_SCALE_EXP_LIMIT). */
+static size_t fp8_history_member_max(int n) {
+    size_t head = (size_t)snprintf(NULL, 0, ",\"fp8_history\":{\"len\":%d,\"exp\":[", FP8_HISTORY_LEN);
+    size_t entry = (size_t)snprintf(NULL, 0, "%d", -FP8_SCALE_EXP_LIMIT);
+    size_t history = 2 + FP8_HISTORY_LEN * entry + (FP8_HISTORY_LEN - 1); /* "[e,...,e]" */
+    return n == 0 ? 0 : head + (size_t)n * history + (size_t)(n - 1) + 2;
+}
+
 /* What a sidecar holds of the histories: no member (a checkpoint of current scaling, or written
  * before they existed), another length (a build with another FP8_HISTORY_LEN: well-formed, but not
  * this build's), histories of this length, or a member that is not well-formed (damage). */

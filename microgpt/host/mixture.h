@@ -176,6 +176,10 @@ static void bandit_learn(Mixture* m, const Config* c, BanditRound* b) {
 
 static void put_double(char* buf, size_t cap, double x) { snprintf(buf, cap, isfinite(x) ? "%.17g" : "null", x); }
 
+/* The longest state mixture_sidecar_json writes: CFG_MAX_SOURCES sources, every number as wide as
+ * put_double writes one (sign, 17 digits, point, "e-308": 24 characters), the rest under 128. */
+#define MIXTURE_SIDECAR_MAX (128 + (2 + 2 * CFG_MAX_SOURCES) * (24 + 1))
+
 /* The sidecar members of the bandit state, ",\"bandit\":{...}", or "" without a bandit. */
 static void mixture_sidecar_json(const Mixture* m, const Config* c, char* out, size_t cap) {
     char x[40];

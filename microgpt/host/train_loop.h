@@ -156,12 +156,15 @@ static void agree_fp8_histories(Run* r) {
     engine_set_fp8_history(r->fp8_hist);
 }
 
+/* The sidecar's members beyond its own (which take under 1 KB, checkpoint.h): the bandit state,
+ * then the fp8 histories (validate_sidecar_room). */
+#define SIDECAR_EXTRA_MAX (CKPT_SIDECAR_MAX - 1024)
+
 static void save_checkpoint(Run* r, int done, const char* reason) {
     const float* parts[3];
     const char* names[3] = {"weight", "AdamW m", "AdamW v"};
     size_t n = r->layout.n_params, bad, len;
-    char what[96], bandit_json[CKPT_SIDECAR_MAX / 2];
-    char extra[CKPT_SIDECAR_MAX - 1024]; /* the sidecar's own members take under 1 KB (checkpoint.h) */
+    char what[96], bandit_json[MIXTURE_SIDECAR_MAX], extra[SIDECAR_EXTRA_MAX];
     int k;
     engine_get_state(r->params, r->m, r->v, &r->loss_scale); /* gathers the ranks' AdamW shards (§17) */
     if (g_dist.rank != 0) return;                            /* rank 0 alone checks and writes */
@@ -203,6 +206,20 @@ static void fill_step_batch(Run* r, int s, int g) {
 /* ---------------------------------------------------------------------------------------------- */
 /* Start-up */
 
+/* A run that checkpoints fp8 training keeps FP8_DELAYED_PER_LAYER histories a layer in the
+ * sidecar (docs/DESIGN.md §18), which holds at most CKPT_SIDECAR_MAX bytes: a model with more
+ * layers than their longest writing fits is refused here, not at its first checkpoint. */
+static void validate_sidecar_room(const Config* c) {
+    size_t room = SIDECAR_EXTRA_MAX - MIXTURE_SIDECAR_MAX;
+    int most = c->model.n_layer;
+    if (!c->checkpoint.path[0] || !config_keeps_fp8_histories(c)) return;
+    while (most > 0 && fp8_history_member_max(FP8_DELAYED_PER_LAYER * most) >= room) most--;
+    if (most < c->model.n_layer)
+        die_input("train.precision fp8 with --checkpoint takes at most %d layers (model.n_layer %d): the checkpoint "
+                  "sidecar (at most %d bytes) keeps %d fp8 scale histories a layer", most, c->model.n_layer,
+                  CKPT_SIDECAR_MAX, FP8_DELAYED_PER_LAYER);
+}
+
 /* Everything that can be wrong with the input is found here, before any large allocation. */
 static void run_validate_inputs(Run* r, int argc, char** argv) {
     Config* c = &r->cfg;
@@ -217,6 +234,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     }
     if (r->layout.n_params > 2147483647u)
         die_input("the model has %zu parameters; the checkpoint format holds at most 2^31-1", r->layout.n_params);
+    validate_sidecar_room(c);
     mixture_open(&r->mix, c);
     if (c->data.val[0]) dataset_open(&r->val, c->data.val, "data.val", V, T);
     if (c->polish.enabled) dataset_open(&r->polish, c->polish.train, "polish.train", V, T);
