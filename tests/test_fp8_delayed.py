@@ -227,6 +227,25 @@ def test_a_sidecar_rewritten_with_json_whitespace_resumes_exactly(cpu_binary, ra
     assert sidecar_history(tmp_path / "run.ckpt") == sidecar_history(tmp_path / "pretty.ckpt")
 
 
+def test_a_sidecar_rewritten_with_json_whitespace_keeps_its_precision(cpu_binary, random_shards, tmp_path):
+    """The sidecar's precision, read as a string, takes JSON whitespace as its numbers do: --evaluate
+    of an fp8 checkpoint whose sidecar a tool re-indented runs fp8 as from the original (the same
+    loss, bit for bit), and a resume in another precision is told so."""
+    args = tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 4})
+    for name in ("run", "pretty"):
+        run_ok(cpu_binary, args + ["--checkpoint", tmp_path / f"{name}.ckpt"])
+    side = tmp_path / "pretty.ckpt.json"
+    side.write_text(json.dumps(json.loads(side.read_text()), indent=1))
+    assert '"precision": "fp8"' in side.read_text()
+    evals = [run_ok(cpu_binary, ["--evaluate", "--checkpoint", tmp_path / f"{name}.ckpt", "--data.val",
+                                 random_shards.val, "--eval.batches", "2"]) for name in ("run", "pretty")]
+    assert [e.lines for e in evals] == [evals[0].lines] * 2 and "classifier:" in evals[1].stderr, evals[1].describe()
+    res = run_ok(cpu_binary, tiny_args(random_shards.train, random_shards.val,
+                                       **{**RUN, "train.steps": 5, "train.precision": "fp32"}) +
+                 ["--checkpoint", tmp_path / "pretty.ckpt", "--resume"])
+    assert "resuming in precision fp32, the checkpoint was written in fp8" in res.stderr, res.describe()
+
+
 def test_histories_of_another_shape_resume_with_the_warning(cpu_binary, random_shards, tmp_path):
     """A well-formed member of another count (another build's) is not damage: the warning, then the
     run resumes with fresh histories."""

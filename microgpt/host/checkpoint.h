@@ -352,16 +352,19 @@ static int json_find_number(const char* text, const char* key, double* out) {
     return end != p;
 }
 
-/* The string after "key": in text, without its quotes (at most cap - 1 bytes, no escapes: the
- * sidecar's strings are precision names), into out. Returns 1 if found. */
+/* The string after "key": in text (JSON whitespace around the colon, as json_find_number), without
+ * its quotes (at most cap - 1 bytes, no escapes: the sidecar's strings are precision names), into
+ * out. Returns 1 if found. */
 static int json_find_string(const char* text, const char* key, char* out, size_t cap) {
     char pat[64];
     const char* p;
     size_t k = 0;
-    snprintf(pat, sizeof pat, "\"%s\":\"", key);
+    snprintf(pat, sizeof pat, "\"%s\"", key);
     p = strstr(text, pat);
     if (!p) return 0;
-    for (p += strlen(pat); p[k] && p[k] != '"' && k + 1 < cap; k++) out[k] = p[k];
+    p = json_skip_space(p + strlen(pat));
+    if (*p++ != ':' || *(p = json_skip_space(p)) != '"') return 0;
+    for (p++; p[k] && p[k] != '"' && k + 1 < cap; k++) out[k] = p[k];
     out[k] = '\0';
     return 1;
 }
