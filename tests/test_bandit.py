@@ -275,12 +275,13 @@ def test_a_bandit_state_no_run_leaves_starts_the_bandit_afresh(cpu_binary, sourc
 
 
 def test_a_re_indented_sidecar_resumes_the_bandit_exactly(cpu_binary, sources, tmp_path):
-    """JSON whitespace anywhere in the member (a tool re-indented the sidecar) reads the same state."""
+    """JSON whitespace anywhere in the member (a tool re-indented the sidecar, spaces around its
+    colons) reads the same state."""
     args = mixture_args(sources, 4, **{"bandit.every": 2, "bandit.eta": 0.5})
     for name in ("plain", "pretty"):
         eu.run_ok(cpu_binary, args + ["--checkpoint", tmp_path / f"{name}.ckpt"])
     pretty = tmp_path / "pretty.ckpt.json"
-    pretty.write_text(json.dumps(json.loads(pretty.read_text()), indent=1))
+    pretty.write_text(json.dumps(json.loads(pretty.read_text()), indent=1, separators=(" ,", " : ")))
     more = mixture_args(sources, 8, resume=True, **{"bandit.every": 2, "bandit.eta": 0.5})
     runs = [eu.run_ok(cpu_binary, more + ["--checkpoint", tmp_path / f"{name}.ckpt"]) for name in ("plain", "pretty")]
     assert "bandit starts afresh" not in runs[1].stderr, runs[1].describe()

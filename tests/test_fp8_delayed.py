@@ -235,8 +235,8 @@ def test_a_sidecar_rewritten_with_json_whitespace_keeps_its_precision(cpu_binary
     for name in ("run", "pretty"):
         run_ok(cpu_binary, args + ["--checkpoint", tmp_path / f"{name}.ckpt"])
     side = tmp_path / "pretty.ckpt.json"
-    side.write_text(json.dumps(json.loads(side.read_text()), indent=1))
-    assert '"precision": "fp8"' in side.read_text()
+    side.write_text(json.dumps(json.loads(side.read_text()), indent=1, separators=(" ,", " : ")))
+    assert '"precision" : "fp8"' in side.read_text()
     evals = [run_ok(cpu_binary, ["--evaluate", "--checkpoint", tmp_path / f"{name}.ckpt", "--data.val",
                                  random_shards.val, "--eval.batches", "2"]) for name in ("run", "pretty")]
     assert [e.lines for e in evals] == [evals[0].lines] * 2 and "classifier:" in evals[1].stderr, evals[1].describe()

@@ -238,7 +238,7 @@ static void mixture_resume(Mixture* m, const Config* c, const char* ckpt_path) {
     int n, i, finite_p;
     if (!c->bandit.enabled) return;
     snprintf(side, sizeof side, "%s.json", ckpt_path);
-    if (!sidecar_load(ckpt_path, text, sizeof text) || !strstr(text, "\"bandit\":")) {
+    if (!sidecar_load(ckpt_path, text, sizeof text) || !strstr(text, "\"bandit\"")) {
         warn("checkpoint %s holds no bandit state: the bandit starts afresh from the prior weights", ckpt_path);
         return;
     }
