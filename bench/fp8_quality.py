@@ -21,7 +21,9 @@ invocation of the same commit's bf16 path (the summary joins the two folders).
 summary: reads every such record file in the DIRs (the two models may come from two invocations)
 and writes DIR/fp8-quality.json (per model: each precision's validation curve, final validation
 loss and median ms/step; the relative difference (fp8 - bf16) / bf16 of the final validation
-losses; pass when its magnitude is at most 1%) and DIR/fp8-quality.svg (the validation curves, one
+losses; pass when its magnitude is at most 1% and the two runs are a comparison: each scheduled for
+--steps steps (the engine's start record), one model on batches of one size, validated at the
+same steps) and DIR/fp8-quality.svg (the validation curves, one
 panel per model). Records that are not JSON objects or whose step is not an integer are left out, a
 step time that is not a finite number is left out of the median, a validation loss that is not one
 stays in the curve as null (the line leaves it out); a step recorded twice counts once; one file
@@ -134,7 +136,8 @@ def read_run(path):
     engine says it trained in (its start record), validation curve (a loss that is not finite as
     None), final validation loss (None if the run has none or it is not finite), median ms/step
     after 10 warm-up steps, steps done (distinct step numbers: a record repeated counts once).
-    Records without an integer step are skipped."""
+    Records without an integer step are skipped. What the start record says of the run's schedule
+    (train.steps) and shape (parameters, tokens a step) is kept for compare."""
     with open(path, errors="replace") as f:     # a damaged byte spoils its line only
         records = [r for r in parse_records(f.read()) if "step" not in r or type(r["step"]) is int]
     steps = [r for r in records if "step" in r and "loss" in r and "ms" in r]
@@ -143,14 +146,16 @@ def read_run(path):
     env = next((environment_fields(r) for r in records if r.get("event") == "environment"), {})
     start = next((r for r in records if r.get("event") == "start"), {})
     return {"environment": env, "precision": start.get("precision"), "steps": len({r["step"] for r in steps}),
+            "scheduled_steps": start.get("steps"), "shape": [start.get("n_params"), start.get("tokens_per_step")],
             "val": val, "final_val_loss": val[-1][1] if val else None,
             "ms_per_step": statistics.median(ms) if ms else None}
 
 
 def compare(runs, expected_steps):
     """PASS/FAIL of one model's two runs: each engine trained in the precision its file names and
-    finished every step, and fp8's final validation loss is within TOLERANCE of bf16's (relative,
-    either side)."""
+    finished every step of a schedule of expected_steps, the two trained one model on batches of one
+    size and validated at the same steps (they may come from two invocations: run --precision), and
+    fp8's final validation loss is within TOLERANCE of bf16's (relative, either side)."""
     bf16, fp8 = runs.get("bf16"), runs.get("fp8")
     if bf16 is None or fp8 is None:
         return {"rel_diff": None, "pass": False, "why": "a run is missing"}
@@ -160,6 +165,14 @@ def compare(runs, expected_steps):
     short = [p for p, r in runs.items() if r["steps"] < expected_steps]
     if short:
         return {"rel_diff": None, "pass": False, "why": f"{', '.join(short)} stopped before step {expected_steps}"}
+    for p, r in runs.items():
+        if r["scheduled_steps"] != expected_steps:
+            return {"rel_diff": None, "pass": False,
+                    "why": f"the {p} run was scheduled for {r['scheduled_steps']} steps, not {expected_steps}"}
+    if bf16["shape"] != fp8["shape"]:
+        return {"rel_diff": None, "pass": False, "why": "the runs trained other models or batches"}
+    if [s for s, _ in bf16["val"]] != [s for s, _ in fp8["val"]]:
+        return {"rel_diff": None, "pass": False, "why": "the runs validated at other steps"}
     if bf16["final_val_loss"] is None or fp8["final_val_loss"] is None:
         return {"rel_diff": None, "pass": False, "why": "no finite final validation loss"}
     rel = (fp8["final_val_loss"] - bf16["final_val_loss"]) / bf16["final_val_loss"]

@@ -24,10 +24,10 @@ def quality():
     return fp8_quality
 
 
-def records(precision, final, steps=2000, every=100, ms=2.0):
+def records(precision, final, steps=2000, every=100, ms=2.0, n_params=1000):
     """An engine's stdout for a run whose validation loss falls linearly to `final`."""
     lines = [{"event": "environment", "commit": "abc1234", "gpu": "NVIDIA H200", "date": "2026-12-01T16:00:00Z"},
-             {"event": "start", "precision": precision}]
+             {"event": "start", "n_params": n_params, "steps": steps, "precision": precision, "tokens_per_step": 4096}]
     for s in range(1, steps + 1):
         lines.append({"step": s, "loss": 5.0, "ms": ms})
         if s % every == 0:
@@ -40,6 +40,21 @@ def write_runs(folder, model, bf16, fp8, **kw):
     for precision, final in (("bf16", bf16), ("fp8", fp8)):
         if final is not None:
             (folder / f"{model}-{precision}.jsonl").write_text(records(precision, final, **kw))
+
+
+@pytest.mark.parametrize("bf16, why", [({"steps": 4000}, "scheduled for 4000 steps, not 2000"),
+                                       ({"n_params": 2000}, "other models or batches"),
+                                       ({"every": 200}, "validated at other steps")])
+def test_the_summary_compares_only_runs_of_one_schedule_model_and_validation(tmp_path, bf16, why):
+    """The two precisions of a model may come from two folders (run --precision): runs of another
+    length (another learning-rate schedule, a final loss at another step), another model or batch,
+    or validated at other steps are no comparison, however close their final losses."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "ANDREA-12M-bf16.jsonl").write_text(records("bf16", 5.0, **bf16))
+    write_runs(tmp_path / "b", "ANDREA-12M", None, 5.01)
+    out = summary_cmd(tmp_path / "a", tmp_path / "b")
+    assert out.returncode == 1 and "FAIL (" in out.stdout and why in out.stdout, out.stdout + out.stderr
+    assert json.loads((tmp_path / "a" / "fp8-quality.json").read_text())["models"]["ANDREA-12M"]["rel_diff"] is None
 
 
 def summary_cmd(*args):
@@ -58,7 +73,8 @@ def test_warmup_keeps_the_shipped_fraction_of_the_run(quality):
 
 def test_fp8_passes_within_one_percent_of_bf16_either_way(quality):
     def run(final, steps=2000, precision=None):
-        return {"final_val_loss": final, "steps": steps, "precision": precision}
+        return {"final_val_loss": final, "steps": steps, "precision": precision, "scheduled_steps": 2000,
+                "shape": [1000, 4096], "val": [[2000, final]]}
 
     def compare(bf16, fp8=None):
         runs = {"bf16": dict(bf16, precision="bf16")}
@@ -310,7 +326,7 @@ args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 steps, every = int(args["--train.steps"]), int(args["--eval.every"])
 with open(sys.argv[0] + "." + args["--train.precision"] + ".flags", "w") as f:
     json.dump(args, f)
-print(json.dumps({"event": "start", "precision": args["--train.precision"]}))
+print(json.dumps({"event": "start", "steps": steps, "precision": args["--train.precision"]}))
 for s in range(1, steps + 1):
     print(json.dumps({"step": s, "loss": 4.0, "ms": 1.0}))
     if s % every == 0:
