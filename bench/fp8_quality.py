@@ -24,7 +24,8 @@ loss and median ms/step; the relative difference (fp8 - bf16) / bf16 of the fina
 losses; pass when its magnitude is at most 1% and the two runs are a comparison: each scheduled for
 --steps steps (the engine's start record), one model on batches of one size, validated at the
 same steps) and DIR/fp8-quality.svg (the validation curves, one
-panel per model). Records that are not JSON objects or whose step is not an integer are left out, a
+panel per model), with the runs' environment (a field they disagree on, as a commit when fp8 ran
+apart from bf16, gives each run's value, named by its run). Records that are not JSON objects or whose step is not an integer are left out, a
 step time that is not a finite number is left out of the median, a validation loss that is not one
 stays in the curve as null (the line leaves it out); a step recorded twice counts once; one file
 name in two DIRs is refused (one DIR named twice counts once), as is a record file that is not a
@@ -231,12 +232,25 @@ def model_size(name):
         return math.inf
 
 
+def joined_environment(models):
+    """The summary's environment: each field as the runs recorded it; where they differ (the runs come
+    from several invocations: run --precision, or one model at a time), every value named by its
+    runs, so that a candidate's fp8 result is not credited to the commit of the bf16 run beside it."""
+    values = {}
+    for model, m in sorted(models.items(), key=lambda kv: model_size(kv[0])):
+        for precision, r in m["runs"].items():
+            for key, value in r["environment"].items():
+                values.setdefault(key, {}).setdefault(value, []).append(f"{model} {precision}")
+    return {key: next(iter(runs)) if len(runs) == 1 else
+            ", ".join(f"{value} ({', '.join(names)})" for value, names in runs.items())
+            for key, runs in values.items()}
+
+
 def summary(args):
     models = summarise(args.dirs, args.steps)
     if not models:
         raise BenchError(f"no <model>-<precision>.jsonl records in {', '.join(args.dirs)}")
-    first = next(iter(models.values()))["runs"]
-    env = next(iter(first.values()))["environment"]    # the models may come from two invocations: the first's
+    env = joined_environment(models)
     doc = {"kind": "fp8_quality", "source": "bench/fp8_quality.py", **env, "steps": args.steps,
            "tolerance": TOLERANCE, "chart": CHART, "pass": all(m["pass"] for m in models.values()),
            "models": models}
