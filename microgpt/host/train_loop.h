@@ -212,7 +212,7 @@ static void fill_step_batch(Run* r, int s, int g) {
 static void validate_sidecar_room(const Config* c) {
     size_t room = SIDECAR_EXTRA_MAX - MIXTURE_SIDECAR_MAX;
     int most = c->model.n_layer;
-    if (!c->checkpoint.path[0] || !config_keeps_fp8_histories(c)) return;
+    if (!c->checkpoint.path[0] || c->dump_grads[0] || !config_keeps_fp8_histories(c)) return; /* writes none */
     while (most > 0 && fp8_history_member_max(FP8_DELAYED_PER_LAYER * most) >= room) most--;
     if (most < c->model.n_layer)
         die_input("train.precision fp8 with --checkpoint takes at most %d layers (model.n_layer %d): the checkpoint "
