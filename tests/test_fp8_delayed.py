@@ -298,6 +298,16 @@ def test_more_layers_than_the_sidecar_holds_histories_for_are_refused_before_tra
     assert [h[:HISTORY_LEN - 2] for h in sidecar_history(ckpt)["exp"]] == [[-126] * (HISTORY_LEN - 2)] * (4 * most)
 
 
+def test_both_engines_refuse_the_deep_fp8_run_before_they_start(engine, random_shards, tmp_path):
+    """The limit is the host's (train_loop.h), found before either engine sets up: the CUDA engine
+    refuses as the CPU one, with the same line (on a GPU machine)."""
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{**DEEP, "model.n_layer": 1024,
+                                                                          "train.steps": 1}) +
+                        ["--checkpoint", tmp_path / "run.ckpt"])
+    assert res.rc == 2 and len(res.errors) == 1 and "model.n_layer 1024" in res.errors[0], res.describe()
+    assert res.records == [] and list(tmp_path.iterdir()) == []
+
+
 def test_a_bf16_run_writes_no_histories(cpu_binary, random_shards, tmp_path):
     ckpt = tmp_path / "run.ckpt"
     run_ok(cpu_binary, tiny_args(random_shards.train, **{**RUN, "train.steps": 2, "train.warmup_steps": 0,
