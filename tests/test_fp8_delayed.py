@@ -246,14 +246,19 @@ def test_a_sidecar_rewritten_with_json_whitespace_keeps_its_precision(cpu_binary
     assert "resuming in precision fp32, the checkpoint was written in fp8" in res.stderr, res.describe()
 
 
-def test_histories_of_another_shape_resume_with_the_warning(cpu_binary, random_shards, tmp_path):
-    """A well-formed member of another count (another build's) is not damage: the warning, then the
-    run resumes with fresh histories."""
+OTHER_SHAPES = {"one_more": lambda exp: exp + [[1, 2]],
+                "three_a_layer": lambda exp: [h for i, h in enumerate(exp) if i % 4 != 3]}  # before dh's
+
+
+@pytest.mark.parametrize("shape", sorted(OTHER_SHAPES))
+def test_histories_of_another_shape_resume_with_the_warning(cpu_binary, random_shards, tmp_path, shape):
+    """A well-formed member of another count (another build's: one from before dh's history keeps
+    three a layer) is not damage: the warning, then the run resumes with fresh histories."""
     ckpt = tmp_path / "run.ckpt"
     run_ok(cpu_binary, tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 4}) + ["--checkpoint", ckpt])
     side = tmp_path / "run.ckpt.json"
     meta = json.loads(side.read_text())
-    meta["fp8_history"]["exp"].append([1, 2])
+    meta["fp8_history"]["exp"] = OTHER_SHAPES[shape](meta["fp8_history"]["exp"])
     side.write_text(json.dumps(meta, separators=(",", ":")))
     res = run_ok(cpu_binary, tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 6}) + ["--checkpoint", ckpt, "--resume"])
     assert "no fp8 scale history" in res.stderr and [r["step"] for r in res.steps] == [5, 6], res.describe()
