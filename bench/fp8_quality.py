@@ -288,6 +288,13 @@ def md_link(path):
     return f"<{path}>" if any(c in path for c in " ()") else path
 
 
+def run_days(date):
+    """The day of the summary's date, cut before escaping (a cut escape escapes the ","); the days of
+    the runs where they ran on several (joined_environment named each run's date)."""
+    days = list(dict.fromkeys(re.findall(r"\d{4}-\d{2}-\d{2}", date)))
+    return ", ".join(days) if len(days) > 1 else date[:10]
+
+
 def summary_figure(x, what):
     """x of a summary read back: None or a finite number, else the summary is not one `summary` wrote."""
     if x is not None and finite(x) is None:
@@ -315,7 +322,7 @@ def markdown(doc, chart_path):
         raise BenchError(f"the summary's steps is {doc.get('steps')!r}, not an integer")
     models = {model: summary_model(model, m) for model, m in doc["models"].items()}
     gpu, commit = (md_text(doc.get(k) or "") for k in ("gpu", "commit"))
-    date = md_text(str(doc.get("date") or "")[:10])    # the day, cut before escaping (a cut escape escapes the ",")
+    date = md_text(run_days(str(doc.get("date") or "")))
     lines = [f"{doc['steps']} steps each, same seed and data; {gpu or 'GPU unknown'}, "
              f"commit {commit or 'unknown'}, {date or 'date unknown'}.", "",
              "| model | bf16 final val loss | fp8 final val loss | fp8 vs bf16 | within 1% | bf16 ms/step | fp8 ms/step |",

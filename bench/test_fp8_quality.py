@@ -296,15 +296,16 @@ def test_runs_of_two_commits_name_both_in_the_summary_and_its_markdown(tmp_path)
     """run --precision fp8 joined to an earlier bf16 folder: the summary's commit is not the first
     folder's alone (that would credit the candidate's result to the baseline's commit) but each
     run's, named by its run; a field the runs agree on stays as it is."""
-    for precision, folder, commit in (("bf16", "a", "base111"), ("fp8", "b", "cand222")):
+    for precision, folder, commit, day in (("bf16", "a", "base111", "01"), ("fp8", "b", "cand222", "02")):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / f"ANDREA-12M-{precision}.jsonl").write_text(
-            records(precision, 5.0).replace('"abc1234"', f'"{commit}"'))
+            records(precision, 5.0).replace('"abc1234"', f'"{commit}"').replace("2026-12-01", f"2026-12-{day}"))
     assert summary_cmd(tmp_path / "a", tmp_path / "b").returncode == 0
     doc = json.loads((tmp_path / "a" / "fp8-quality.json").read_text())
     assert doc["commit"] == "base111 (ANDREA-12M bf16), cand222 (ANDREA-12M fp8)" and doc["gpu"] == "NVIDIA H200"
     out = markdown_of(tmp_path / "a", doc)
-    assert out.returncode == 0 and "commit base111 (ANDREA-12M bf16), cand222 (ANDREA-12M fp8)," in out.stdout
+    assert out.returncode == 0 and out.stdout.splitlines()[0].endswith(
+        "commit base111 (ANDREA-12M bf16), cand222 (ANDREA-12M fp8), 2026-12-01, 2026-12-02."), out.stdout
 
 
 def test_the_markdown_cuts_the_date_before_escaping_it(tmp_path):
