@@ -6,7 +6,9 @@ them, and on two processes share one set of histories that resumes both exactly 
 (skipped without one), the GPU engine must track the CPU one and resume exactly, its graphs giving
 the bits of launch by launch. The same for the candidate -DFP8_DGELU_FUSED=1 (dh's delayed scale,
 a fourth history a layer; its builds made here, as test_gpu's build_variant does), and each build
-resumes the other's checkpoints with a warning. The fused kernels are checked by
+resumes the other's checkpoints with a warning; and for the candidate -DFP8_DRES_FUSED=1 (the
+delayed scales of W_2's and W_O's output gradients, the residual gradients, two more histories a
+layer). The fused kernels are checked by
 tests/kernel_check.cu; two GPUs by tests/test_distributed.py.
 """
 import ctypes
@@ -25,6 +27,9 @@ from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable t
 from test_gpu import FP8_SHAPES, build_variant, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
 
 HISTORY_LEN = 16
+# the histories a layer of each build: ln1, ln2, GELU; dgelu: and dh; dres: and W_2's and W_O's
+# output gradients (the last two of a layer)
+PER_LAYER = {"default": 3, "dgelu": 4, "dres": 5}
 
 WRAPPER = r"""
 #include <stddef.h>
@@ -211,14 +216,19 @@ def test_a_bf16_run_writes_no_histories(cpu_binary, random_shards, tmp_path):
     assert "fp8_history" not in json.loads((tmp_path / "run.ckpt.json").read_text())
 
 
-@pytest.mark.parametrize("build", ["default", "dgelu"])
+def binary_fixture(engine, build):
+    """The fixture name of an engine's ("cpu", "cuda") binary of a build."""
+    return f"{engine}_binary" if build == "default" else f"{engine}_{build}_binary"
+
+
+@pytest.mark.parametrize("build", ["default", "dgelu", "dres"])
 def test_two_ranks_hold_one_set_of_histories_and_resume_exactly(build, request, random_shards, tmp_path):
     """dist (§17): after every step both ranks hold, entry by entry, the histories' largest amax over
     the ranks, so rank 0's sidecar resumes both. Rank 1 sees other windows than rank 0, so had it
     kept its own histories, resuming it from rank 0's would cast at other scales and the checkpoint
-    would differ from the uninterrupted run's. Also for the candidate FP8_DGELU_FUSED's histories
-    (dh's too, pushed by the backward)."""
-    cpu_binary = request.getfixturevalue("cpu_binary" if build == "default" else "cpu_dgelu_binary")
+    would differ from the uninterrupted run's. Also for the candidates' histories (FP8_DGELU_FUSED's
+    dh, FP8_DRES_FUSED's residual gradients: pushed by the backward)."""
+    cpu_binary = request.getfixturevalue(binary_fixture("cpu", build))
     steps = 16
 
     def argv(ckpt):
@@ -254,17 +264,16 @@ def gpu_settings():
 
 
 def engines(build, request):
-    """The (CPU, GPU) engines of a build: the default one or the candidate FP8_DGELU_FUSED's (built
-    here), and its histories a layer."""
-    if build == "default":
-        return request.getfixturevalue("cpu_binary"), request.getfixturevalue("cuda_binary"), 3
-    return request.getfixturevalue("cpu_dgelu_binary"), request.getfixturevalue("cuda_dgelu_binary"), 4
+    """The (CPU, GPU) engines of a build: the default one or a candidate's (built here), and its
+    histories a layer."""
+    return (request.getfixturevalue(binary_fixture("cpu", build)),
+            request.getfixturevalue(binary_fixture("cuda", build)), PER_LAYER[build])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", ["default", "dgelu"])
+@pytest.mark.parametrize("build", ["default", "dgelu", "dres"])
 def test_gpu_delayed_tracks_the_cpu_delayed_emulation(build, request, random_shards, tmp_path):
-    """As test_gpu's fp8 tracking test (loss within 3e-2 a step); both keep 3 (dgelu: 4) x n_layer
+    """As test_gpu's fp8 tracking test (loss within 3e-2 a step); both keep PER_LAYER[build] x n_layer
     histories of the training micro-batches (their exponents may differ by one where a bf16 amax and
     an fp32 one fall on either side of a power of two)."""
     cpu_binary, cuda_binary, per_layer = engines(build, request)
@@ -279,7 +288,7 @@ def test_gpu_delayed_tracks_the_cpu_delayed_emulation(build, request, random_sha
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", ["default", "dgelu"])
+@pytest.mark.parametrize("build", ["default", "dgelu", "dres"])
 def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(build, request, random_shards, tmp_path):
     _, cuda_binary, _ = engines(build, request)
     args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(), "train.steps": 60,
@@ -356,3 +365,56 @@ def test_dgelu_resumes_the_default_builds_histories_with_a_warning_and_back(cpu_
         assert "no fp8 scale history" in res.stderr and len(res.steps) == 4, res.stderr
         exps = sidecar_history(ckpt)["exp"]
         assert len(exps) == count * eu.TINY["model.n_layer"] and all(len(h) == 4 for h in exps), exps
+
+
+# ---------------------------------------------------------------------------------------------------
+# the candidate -DFP8_DRES_FUSED=1: the residual gradients that are W_2's and W_O's output gradients
+# at delayed scales too, recorded by the backward (the last two histories of a layer), their codes
+# written by the GPU's LayerNorm backwards that produce them
+
+DRES_FLAGS = "-DFP8_DRES_FUSED=1"
+
+
+@pytest.fixture(scope="module")
+def cpu_dres_binary(cpu_binary):
+    binary = eu.BUILD / "microgpt_cpu_dres"
+    build_variant("_dres", DRES_FLAGS, binary)
+    return binary
+
+
+@pytest.fixture(scope="module")
+def cuda_dres_binary(cuda_binary):
+    binary = eu.BUILD / "microgpt_cuda_dres"
+    build_variant("_dres", DRES_FLAGS, binary)
+    return binary
+
+
+def test_dres_cpu_trains_and_keeps_two_more_histories_a_layer(cpu_binary, cpu_dres_binary, pattern_shards, tmp_path):
+    """Against the default build: the same losses within 5 %, but not the same weights (the
+    negative control that the residual gradients' delayed scales are in effect: they differ from
+    the current ones at some steps, which moves the codes of the smallest values)."""
+    ckpt, default_ckpt = tmp_path / "run.ckpt", tmp_path / "default.ckpt"
+    args = tiny_args(*pattern_shards, **{**RUN, "train.steps": 12})
+    dres = run_ok(cpu_dres_binary, args + ["--checkpoint", ckpt])
+    default = run_ok(cpu_binary, args + ["--checkpoint", default_ckpt])
+    losses = [r["loss"] for r in dres.steps]
+    assert all(np.isfinite(losses)) and len(losses) == 12
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
+    assert all(abs(a - r["loss"]) <= 0.05 * r["loss"] for a, r in zip(losses, default.steps))
+    assert ckpt.read_bytes() != default_ckpt.read_bytes(), "the residual gradients' delayed scales changed nothing"
+    hist = sidecar_history(ckpt)
+    n_layer, per_layer = eu.TINY["model.n_layer"], PER_LAYER["dres"]
+    assert hist["len"] == HISTORY_LEN and len(hist["exp"]) == per_layer * n_layer
+    # one entry a training micro-batch each, the residual gradients' from the backward
+    assert all(len(h) == 12 and all(-126 <= e <= 127 for e in h) for h in hist["exp"]), hist
+    dres_exps = [e for l in range(n_layer) for h in hist["exp"][per_layer * l + PER_LAYER["default"]:per_layer * (l + 1)]
+                 for e in h]
+    acts = [e for l in range(n_layer) for h in hist["exp"][per_layer * l:per_layer * l + 3] for e in h]
+    assert min(dres_exps) > max(acts), (dres_exps, "gradients are far smaller than activations")
+
+
+def test_dres_cpu_resumes_exactly_through_the_sidecar(cpu_dres_binary, random_shards, tmp_path):
+    args = tiny_args(random_shards.train, random_shards.val, **RUN)
+    _, ckpt = eu.check_exact_resume_after_sigterm(cpu_dres_binary, args, RUN["train.steps"], tmp_path)
+    exps = sidecar_history(ckpt)["exp"]
+    assert len(exps) == PER_LAYER["dres"] * eu.TINY["model.n_layer"] and all(len(h) == HISTORY_LEN for h in exps)
