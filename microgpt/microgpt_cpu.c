@@ -7,9 +7,9 @@
  * E4M3 (weights, activations; activation gradients in FP8_GRAD_FMT, cpu/fp8.h) with its per-tensor current scale and
  * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
  * reference for the GPU's FP8 products (docs/DESIGN.md §18); in training, the LayerNorm outputs
- * ln1, ln2 and the GELU output (and, under -DFP8_DGELU_FUSED=1, MLP up's output gradient dh; under
- * -DFP8_DRES_FUSED=1, the residual gradients that are W_2's and W_O's output gradients) are
- * cast at delayed scales instead (delayed_operand). Every other precision computes fp32
+ * ln1, ln2, the GELU output and MLP up's output gradient dh (and, under -DFP8_DRES_FUSED=1, the
+ * residual gradients that are W_2's and W_O's output gradients) are cast at delayed scales instead
+ * (delayed_operand). Every other precision computes fp32
  * (and says so). Every buffer is allocated once in engine_setup, sized for B·T positions;
  * smaller calls (one prompt of len tokens in engine_prefill) reuse the same buffers. Results are
  * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation
@@ -68,8 +68,8 @@ static struct {
      * the GPU: its decode steps multiply unquantised, and the prefill must give the decode's keys) */
     int fp8, fp8_products;
     float *fq_act, *fq_weight, *fq_grad;
-    /* fp8 training: the delayed-scaling histories of ln1, ln2 and h_gelu (and dh under
-     * FP8_DGELU_FUSED, W_2's and W_O's output gradients under FP8_DRES_FUSED) per layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
+    /* fp8 training: the delayed-scaling histories of ln1, ln2, h_gelu and dh (and W_2's and W_O's
+     * output gradients under FP8_DRES_FUSED) per layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
      * cast with (the backward re-casts the activations alike), and whether the current micro-batch
      * extends the histories (training micro-batches only) */
     int fp8_delayed, fp8_record;
@@ -222,7 +222,7 @@ static const float* grad_operand(const float* g, size_t n) { return operand(E.fq
  * activation, the backward's of dh) is at its history's scale (its own, current, while the history
  * is empty) and, in training, records its amax; the backward re-casts an activation at the
  * forward's scale, which gives the codes the GPU keeps from its forward. Otherwise act_operand
- * (grad_operand for dh). */
+ * (grad_operand for a gradient). */
 static const float* delayed_operand(int l, int which, const float* x, size_t n, int first) {
     int i = FP8_DELAYED_PER_LAYER * l + which, fmt = fp8_delayed_fmt(which);
     float* scratch = which >= FP8_DELAYED_FORWARD ? E.fq_grad : E.fq_act; /* the backward's: gradients */
@@ -234,17 +234,6 @@ static const float* delayed_operand(int l, int which, const float* x, size_t n, 
     }
     fp8_fake_quantize_at(scratch, x, n, fmt, E.delayed_scale[i]);
     return scratch;
-}
-
-/* MLP up's output gradient dh of layer l: with -DFP8_DGELU_FUSED=1 at a delayed scale (its
- * history, recorded by the backward), else at its current one. */
-static const float* dh_operand(int l, const float* dh, size_t n) {
-#if FP8_DGELU_FUSED
-    return delayed_operand(l, DELAYED_DGELU, dh, n, 1);
-#else
-    (void)l;
-    return grad_operand(dh, n);
-#endif
 }
 
 /* The residual gradient g that is layer l's W_2 output gradient (at the layer's output) or, with
@@ -327,8 +316,8 @@ static void backward(const int* targets) {
         zero(E.dh, nf);
         gelu_backward(E.dh, a->h, E.dh_gelu, (int)nf);
         zero(E.dln, nc);
-        matmul_backward(E.dln, G(LO(l, T_W1)), dh_operand(l, E.dh, nf), delayed_operand(l, DELAYED_LN2, a->ln2, nc, 0),
-                        weight_operand(P(LO(l, T_W1)), cf), N, C, E.F);
+        matmul_backward(E.dln, G(LO(l, T_W1)), delayed_operand(l, DELAYED_DGELU, E.dh, nf, 1),
+                        delayed_operand(l, DELAYED_LN2, a->ln2, nc, 0), weight_operand(P(LO(l, T_W1)), cf), N, C, E.F);
         layernorm_backward(dxmid, G(LO(l, T_LN2_GAMMA)), G(LO(l, T_LN2_BETA)), E.dln, a->xmid, P(LO(l, T_LN2_GAMMA)),
                            a->ln2_mean, a->ln2_rstd, N, C);
         /* xmid = x + W_O·attn(LN1(x)); dxmid holds d(xmid); dres becomes d(x) */

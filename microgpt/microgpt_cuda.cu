@@ -24,9 +24,8 @@
  *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. In training, ln1, ln2 and
  *         h_gelu are cast at delayed scales (from amax histories) instead, written by their
  *         producers (LayerNorm, GELU) as FP8 codes; so is MLP up's output gradient dh, by the
- *         GELU backward, under the candidate -DFP8_DGELU_FUSED=1, and the residual gradients that
- *         are W_2's and W_O's output gradients, by the LayerNorm backwards that add into them,
- *         under the candidate -DFP8_DRES_FUSED=1.
+ *         GELU backward, and, under the candidate -DFP8_DRES_FUSED=1, the residual gradients that
+ *         are W_2's and W_O's output gradients, by the LayerNorm backwards that add into them.
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
@@ -142,8 +141,8 @@ static struct {
     Fp8CastJobs<float> w8_jobs;
     Fp8Scale* fp8_scales;
     fp8 *a8, *x8t, *g8, *g8t;
-    /* delayed scaling (docs/DESIGN.md §18), training fp8 only: ln1, ln2 and h_gelu (and dh under
-     * FP8_DGELU_FUSED, W_2's and W_O's output gradients under FP8_DRES_FUSED) are cast at delayed scales, from the histories fp8_hist
+    /* delayed scaling (docs/DESIGN.md §18), training fp8 only: ln1, ln2, h_gelu and dh (and W_2's
+     * and W_O's output gradients under FP8_DRES_FUSED) are cast at delayed scales, from the histories fp8_hist
      * [L][FP8_DELAYED_PER_LAYER] (device), which every training micro-batch extends by their amaxes
      * (k_fp8_history_push) and the checkpoint sidecar keeps */
     int fp8_delayed;
@@ -407,9 +406,8 @@ static void fp8_quantize_weights(void) {
  * the same scale, x8_scale(l, k)). `input`: what x's producer already did (FP8_IN_*). */
 /* What a product's operand holds when the product starts: only the values (the cast takes their
  * amax first), the values with their amax (fused into their producer), or already its codes and
- * scale (delayed scaling's fused producers: the LayerNorm, E.a8, x8t and x8_scale written; under
- * FP8_DGELU_FUSED the GELU backward, under FP8_DRES_FUSED the LayerNorm backward, E.g8, E.g8t and
- * g8_scale). */
+ * scale (delayed scaling's fused producers: the LayerNorm, E.a8, x8t and x8_scale written; the
+ * GELU backward, and under FP8_DRES_FUSED the LayerNorm backward, E.g8, E.g8t and g8_scale). */
 enum { FP8_IN_RAW, FP8_IN_AMAX, FP8_IN_CODES };
 
 /* The delayed-scaling history of product k's input in layer l: ln1 (QKV), ln2 (MLP up) and h_gelu
@@ -420,14 +418,10 @@ static const Fp8History* fp8_history_of(int l, int k) {
            (k == FP8_W_QKV ? DELAYED_LN1 : k == FP8_W_1 ? DELAYED_LN2 : DELAYED_GELU);
 }
 
-/* The delayed-scaling history of layer l's dh (MLP up's output gradient) under the candidate
- * FP8_DGELU_FUSED in an fp8 training run; NULL (current scaling) otherwise. */
+/* The delayed-scaling history of layer l's dh (MLP up's output gradient) in an fp8 training run;
+ * NULL (current scaling) otherwise. */
 static const Fp8History* fp8_dgelu_history(int l) {
-#if FP8_DGELU_FUSED
-    if (E.fp8_delayed) return E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l + DELAYED_DGELU;
-#endif
-    (void)l;
-    return NULL;
+    return E.fp8_delayed ? E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l + DELAYED_DGELU : NULL;
 }
 
 /* The delayed-scaling history of the residual gradient that is layer l's product k's output
@@ -443,8 +437,8 @@ static const Fp8History* fp8_dres_history(int l, int k) {
 }
 
 /* Delayed scaling with histories that hold entries (all but a run's first micro-batch): the
- * producers of ln1, ln2 and h_gelu (and dh, FP8_DGELU_FUSED; W_2's and W_O's output gradients,
- * FP8_DRES_FUSED) write their products' codes themselves. */
+ * producers of ln1, ln2, h_gelu and dh (and W_2's and W_O's output gradients, FP8_DRES_FUSED)
+ * write their products' codes themselves. */
 static bool fp8_producers_write_codes(void) { return E.fp8_delayed && E.fp8_hist_filled; }
 
 /* Where the delayed tensors' amaxes sit (k_fp8_history_push): the casts' scales of their products. */
@@ -455,9 +449,7 @@ static Fp8DelayedScales fp8_delayed_scales(void) {
     w.at[DELAYED_LN1] = (int)(x8_scale(0, FP8_W_QKV) - E.fp8_scales);
     w.at[DELAYED_LN2] = (int)(x8_scale(0, FP8_W_1) - E.fp8_scales);
     w.at[DELAYED_GELU] = (int)(x8_scale(0, FP8_W_2) - E.fp8_scales);
-#if FP8_DGELU_FUSED
     w.at[DELAYED_DGELU] = (int)(g8_scale(0, FP8_W_1) - E.fp8_scales);
-#endif
 #if FP8_DRES_FUSED
     w.at[DELAYED_DRES_W2] = (int)(g8_scale(0, FP8_W_2) - E.fp8_scales);
     w.at[DELAYED_DRES_WO] = (int)(g8_scale(0, FP8_W_O) - E.fp8_scales);
@@ -532,9 +524,8 @@ static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N, int input) {
 }
 
 /* dres is what the LayerNorm backward that produced it left (dres_input, FP8_IN_*: its amax, or
- * under FP8_DRES_FUSED its codes); dh's comes from the GELU backward, which under FP8_DGELU_FUSED
- * with histories that hold entries writes dh's codes itself, at dh's delayed scale
- * (fp8_cast_dgelu: no dh in T). */
+ * under FP8_DRES_FUSED its codes); dh's comes from the GELU backward, which with histories that
+ * hold entries writes dh's codes itself, at dh's delayed scale (fp8_cast_dgelu: no dh in T). */
 template <typename T>
 static void fp8_mlp_bwd(T* dln, const T* dres, int dres_input, const LayerActs<T>& a, int l, int N, float gb) {
     int C = E.C, F = E.F, dh_input = FP8_IN_AMAX;
@@ -779,7 +770,7 @@ static void record_forward_backward(void) {
         fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), 0, FP8_DELAYED_FORWARD, E.L);
     loss_chunks<T>(E.N, 1);
     backward<T>();
-    if (E.fp8_delayed && FP8_DELAYED_PER_LAYER > FP8_DELAYED_FORWARD) /* and its backward's gradients' (candidates) */
+    if (E.fp8_delayed) /* and its backward's gradients' (dh; FP8_DRES_FUSED: W_2's and W_O's) */
         fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), FP8_DELAYED_FORWARD,
                              FP8_DELAYED_PER_LAYER - FP8_DELAYED_FORWARD, E.L);
     download_output(&E.io->loss, &E.io_host->loss);

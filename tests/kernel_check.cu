@@ -1107,8 +1107,8 @@ static void test_fp8_delayed(int R, int C) {
         check_fp8_cast(o, x, 1, R, C, FP8_E4M3, 3, &hists[i]);
         dfree_all();
     }
-    /* the push: FP8_DELAYED_PER_LAYER histories a layer (ln1, ln2, h_gelu; dh with FP8_DGELU_FUSED;
-     * W_2's and W_O's output gradients with FP8_DRES_FUSED),
+    /* the push: FP8_DELAYED_PER_LAYER histories a layer (ln1, ln2, h_gelu; dh; W_2's and W_O's
+     * output gradients with FP8_DRES_FUSED),
      * their amaxes at scales[l * stride + at[which]]; the forward's, then the backward's, as the engine */
     const int layers = 5, stride = 8, n = FP8_DELAYED_PER_LAYER * layers;
     const int at[6] = {0, 2, 3, 1, 7, 5};
@@ -1236,9 +1236,8 @@ static void test_fp8_gelu_fused(int R, int Cc) {
     }
 }
 
-/* Delayed scaling's fused GELU backward (fp8_cast_dgelu, the candidate -DFP8_DGELU_FUSED=1; the
- * kernel is built in every build) against the unfused path it replaces, gelu_bwd_inplace with the
- * amax fused then fp8_cast at the history's scale, in the gradients' format: codes of both layouts,
+/* Delayed scaling's fused GELU backward (fp8_cast_dgelu) against the unfused path it replaces
+ * (a run's first micro-batch), gelu_bwd_inplace with the amax fused then fp8_cast at the history's scale, in the gradients' format: codes of both layouts,
  * amax and scale, bit for bit, for a history below and one above (saturating) the current scale. */
 static void test_fp8_dgelu_fused(int R, int Cc) {
     /* dout ~ N(0, 1e-3^2), h ~ N(0, 3^2): gelu'(h) within [-0.13, 1.13], amax of dh about 4e-3 to

@@ -1,14 +1,12 @@
-"""Delayed fp8 scaling of ln1, ln2 and the GELU output (docs/DESIGN.md §18). The history's scale rule
+"""Delayed fp8 scaling of ln1, ln2, the GELU output and MLP up's output gradient dh (docs/DESIGN.md §18). The history's scale rule
 (microgpt/cpu/fp8.h) is checked against a float64 reference of "the current rule applied to the
 largest amax of the last 16 training forwards". The CPU engine training fp8 must train, keep its
 histories in the checkpoint sidecar, resume bit-exactly, warn when resuming a checkpoint without
 them, and on two processes share one set of histories that resumes both exactly (§17). On a GPU
 (skipped without one), the GPU engine must track the CPU one and resume exactly, its graphs giving
-the bits of launch by launch. The same for the candidate -DFP8_DGELU_FUSED=1 (dh's delayed scale,
-a fourth history a layer; its builds made here, as test_gpu's build_variant does), and each build
-resumes the other's checkpoints with a warning; and for the candidate -DFP8_DRES_FUSED=1 (the
-delayed scales of W_2's and W_O's output gradients, the residual gradients, two more histories a
-layer). The fused kernels are checked by
+the bits of launch by launch. The same for the candidate -DFP8_DRES_FUSED=1 (the delayed scales of
+W_2's and W_O's output gradients, the residual gradients: two more histories a layer; its builds
+made here, as test_gpu's build_variant does). The fused kernels are checked by
 tests/kernel_check.cu; two GPUs by tests/test_distributed.py.
 """
 import ctypes
@@ -27,9 +25,9 @@ from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable t
 from test_gpu import FP8_SHAPES, build_variant, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
 
 HISTORY_LEN = 16
-# the histories a layer of each build: ln1, ln2, GELU; dgelu: and dh; dres: and W_2's and W_O's
-# output gradients (the last two of a layer)
-PER_LAYER = {"default": 3, "dgelu": 4, "dres": 5}
+# the histories a layer of each build: ln1, ln2, GELU, dh; dres: and W_2's and W_O's output
+# gradients (the last two of a layer)
+PER_LAYER = {"default": 4, "dres": 6}
 
 WRAPPER = r"""
 #include <stddef.h>
@@ -124,9 +122,14 @@ def test_fp8_training_keeps_histories_of_training_forwards_only(cpu_binary, patt
     assert delayed.events("start")[0]["compute_precision"] == "fp8"
     assert all(abs(a - r["loss"]) <= 0.05 * r["loss"] for a, r in zip(losses, fp32.steps))
     hist = sidecar_history(ckpt)
-    assert hist["len"] == HISTORY_LEN and len(hist["exp"]) == 3 * eu.TINY["model.n_layer"]  # ln1, ln2, GELU
-    # 12 training forwards; the 2 x 2 validation forwards read the scales but record nothing
+    n_layer = eu.TINY["model.n_layer"]
+    assert hist["len"] == HISTORY_LEN and len(hist["exp"]) == 4 * n_layer  # ln1, ln2, GELU, dh a layer
+    # 12 training micro-batches (dh's entries from their backwards); the 2 x 2 validation forwards
+    # read the scales but record nothing
     assert all(len(h) == 12 and all(-126 <= e <= 127 for e in h) for h in hist["exp"]), hist
+    dh = [hist["exp"][4 * l + 3] for l in range(n_layer)]
+    acts = [e for l in range(n_layer) for h in hist["exp"][4 * l:4 * l + 3] for e in h]
+    assert min(e for h in dh for e in h) > max(acts), (dh, "gradients are far smaller than activations")
 
 
 def test_fp8_resumes_exactly_through_the_sidecar(cpu_binary, random_shards, tmp_path):
@@ -221,13 +224,13 @@ def binary_fixture(engine, build):
     return f"{engine}_binary" if build == "default" else f"{engine}_{build}_binary"
 
 
-@pytest.mark.parametrize("build", ["default", "dgelu", "dres"])
+@pytest.mark.parametrize("build", ["default", "dres"])
 def test_two_ranks_hold_one_set_of_histories_and_resume_exactly(build, request, random_shards, tmp_path):
     """dist (§17): after every step both ranks hold, entry by entry, the histories' largest amax over
     the ranks, so rank 0's sidecar resumes both. Rank 1 sees other windows than rank 0, so had it
     kept its own histories, resuming it from rank 0's would cast at other scales and the checkpoint
-    would differ from the uninterrupted run's. Also for the candidates' histories (FP8_DGELU_FUSED's
-    dh, FP8_DRES_FUSED's residual gradients: pushed by the backward)."""
+    would differ from the uninterrupted run's; dh's histories, pushed by the backward, too, and the
+    candidate FP8_DRES_FUSED's residual gradients'."""
     cpu_binary = request.getfixturevalue(binary_fixture("cpu", build))
     steps = 16
 
@@ -271,7 +274,7 @@ def engines(build, request):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", ["default", "dgelu", "dres"])
+@pytest.mark.parametrize("build", ["default", "dres"])
 def test_gpu_delayed_tracks_the_cpu_delayed_emulation(build, request, random_shards, tmp_path):
     """As test_gpu's fp8 tracking test (loss within 3e-2 a step); both keep PER_LAYER[build] x n_layer
     histories of the training micro-batches (their exponents may differ by one where a bf16 amax and
@@ -283,12 +286,13 @@ def test_gpu_delayed_tracks_the_cpu_delayed_emulation(build, request, random_sha
     for c, g in zip(runs["cpu"].steps, runs["gpu"].steps):
         assert abs(g["loss"] - c["loss"]) <= 3e-2 * abs(c["loss"]), (c, g)
     hists = {name: sidecar_history(tmp_path / f"{name}.ckpt")["exp"] for name in runs}
-    assert [len(h) for h in hists["gpu"]] == [10] * 3 * per_layer == [len(h) for h in hists["cpu"]]
+    want = [10] * per_layer * gpu_settings()["model.n_layer"]
+    assert [len(h) for h in hists["gpu"]] == want == [len(h) for h in hists["cpu"]]
     assert all(abs(a - b) <= 1 for hg, hc in zip(hists["gpu"], hists["cpu"]) for a, b in zip(hg, hc)), hists
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", ["default", "dgelu", "dres"])
+@pytest.mark.parametrize("build", ["default", "dres"])
 def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(build, request, random_shards, tmp_path):
     _, cuda_binary, _ = engines(build, request)
     args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(), "train.steps": 60,
@@ -300,71 +304,6 @@ def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(build, request, rand
     assert eager_ckpt.read_bytes() == (tmp_path / "ref.ckpt").read_bytes()
     assert sidecar_history(eager_ckpt) == sidecar_history(tmp_path / "ref.ckpt")
     assert len(eager.steps) == 60
-
-
-# ---------------------------------------------------------------------------------------------------
-# the candidate -DFP8_DGELU_FUSED=1: dh (MLP up's output gradient) at a delayed scale too, recorded
-# by the backward (a fourth history a layer), its codes written by the GPU's GELU backward
-
-DGELU_FLAGS = "-DFP8_DGELU_FUSED=1"
-
-
-@pytest.fixture(scope="module")
-def cpu_dgelu_binary(cpu_binary):
-    binary = eu.BUILD / "microgpt_cpu_dgelu"
-    build_variant("_dgelu", DGELU_FLAGS, binary)
-    return binary
-
-
-@pytest.fixture(scope="module")
-def cuda_dgelu_binary(cuda_binary):
-    binary = eu.BUILD / "microgpt_cuda_dgelu"
-    build_variant("_dgelu", DGELU_FLAGS, binary)
-    return binary
-
-
-def test_dgelu_cpu_trains_and_keeps_four_histories_a_layer(cpu_binary, cpu_dgelu_binary, pattern_shards, tmp_path):
-    """Against the default build: the same losses within 5 %, but not the same weights (the
-    negative control that dh's delayed scale is in effect: it differs from dh's current one at some
-    steps, which moves the codes of dh's smallest values, those in E4M3's subnormal range)."""
-    ckpt, default_ckpt = tmp_path / "run.ckpt", tmp_path / "default.ckpt"
-    args = tiny_args(*pattern_shards, **{**RUN, "train.steps": 12})
-    dgelu = run_ok(cpu_dgelu_binary, args + ["--checkpoint", ckpt])
-    default = run_ok(cpu_binary, args + ["--checkpoint", default_ckpt])
-    losses = [r["loss"] for r in dgelu.steps]
-    assert all(np.isfinite(losses)) and len(losses) == 12
-    assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
-    assert all(abs(a - r["loss"]) <= 0.05 * r["loss"] for a, r in zip(losses, default.steps))
-    assert ckpt.read_bytes() != default_ckpt.read_bytes(), "dh's delayed scale changed nothing"
-    hist = sidecar_history(ckpt)
-    n_layer = eu.TINY["model.n_layer"]
-    assert hist["len"] == HISTORY_LEN and len(hist["exp"]) == 4 * n_layer  # ln1, ln2, GELU, dh a layer
-    # one entry a training micro-batch each, dh's from the backward
-    assert all(len(h) == 12 and all(-126 <= e <= 127 for e in h) for h in hist["exp"]), hist
-    dh = [hist["exp"][4 * l + 3] for l in range(n_layer)]
-    acts = [e for l in range(n_layer) for h in hist["exp"][4 * l:4 * l + 3] for e in h]
-    assert min(e for h in dh for e in h) > max(acts), (dh, "gradients are far smaller than activations")
-
-
-def test_dgelu_cpu_resumes_exactly_through_the_sidecar(cpu_dgelu_binary, random_shards, tmp_path):
-    args = tiny_args(random_shards.train, random_shards.val, **RUN)
-    _, ckpt = eu.check_exact_resume_after_sigterm(cpu_dgelu_binary, args, RUN["train.steps"], tmp_path)
-    exps = sidecar_history(ckpt)["exp"]
-    assert len(exps) == 4 * eu.TINY["model.n_layer"] and all(len(h) == HISTORY_LEN for h in exps)
-
-
-def test_dgelu_resumes_the_default_builds_histories_with_a_warning_and_back(cpu_binary, cpu_dgelu_binary,
-                                                                            pattern_shards, tmp_path):
-    """The histories' count differs between the builds (3 or 4 a layer): each resumes the other's
-    checkpoint with the warning of a checkpoint without histories, and starts them afresh."""
-    more = tiny_args(*pattern_shards, **{**RUN, "train.steps": 8})
-    for writer, reader, count in ((cpu_binary, cpu_dgelu_binary, 4), (cpu_dgelu_binary, cpu_binary, 3)):
-        ckpt = tmp_path / f"{writer.name}.ckpt"
-        run_ok(writer, tiny_args(*pattern_shards, **{**RUN, "train.steps": 4}) + ["--checkpoint", ckpt])
-        res = run_ok(reader, more + ["--checkpoint", ckpt, "--resume"])
-        assert "no fp8 scale history" in res.stderr and len(res.steps) == 4, res.stderr
-        exps = sidecar_history(ckpt)["exp"]
-        assert len(exps) == count * eu.TINY["model.n_layer"] and all(len(h) == 4 for h in exps), exps
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -409,7 +348,7 @@ def test_dres_cpu_trains_and_keeps_two_more_histories_a_layer(cpu_binary, cpu_dr
     assert all(len(h) == 12 and all(-126 <= e <= 127 for e in h) for h in hist["exp"]), hist
     dres_exps = [e for l in range(n_layer) for h in hist["exp"][per_layer * l + PER_LAYER["default"]:per_layer * (l + 1)]
                  for e in h]
-    acts = [e for l in range(n_layer) for h in hist["exp"][per_layer * l:per_layer * l + 3] for e in h]
+    acts = [e for l in range(n_layer) for h in hist["exp"][per_layer * l:per_layer * l + 3] for e in h]  # ln1, ln2, GELU
     assert min(dres_exps) > max(acts), (dres_exps, "gradients are far smaller than activations")
 
 

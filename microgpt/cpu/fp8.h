@@ -140,16 +140,13 @@ static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int 
  *
  * The tensors with delayed scales, per layer, in the engines' and the sidecar's order: the
  * LayerNorm outputs (the QKV and MLP-up inputs) and the GELU output (MLP down's), which a training
- * forward records (the first FP8_DELAYED_FORWARD); with the candidate -DFP8_DGELU_FUSED=1 also the
- * MLP hidden gradient dh (MLP up's output gradient, in FP8_GRAD_FMT), which the backward records,
- * so that the GELU backward can write its codes; with the candidate -DFP8_DRES_FUSED=1 also the
+ * forward records (the first FP8_DELAYED_FORWARD); then the MLP hidden gradient dh (MLP up's output
+ * gradient, in FP8_GRAD_FMT), which the backward records, so that the GELU backward can write its
+ * codes; with the candidate -DFP8_DRES_FUSED=1 also the
  * residual gradients that are W_2's output gradient (at the layer's output) and W_O's (after the
  * attention), in FP8_GRAD_FMT, recorded by the backward, so that the LayerNorm backwards that
  * produce them can write their codes (docs/DESIGN.md §18). Every tensor the backward records is a
  * gradient: from FP8_DELAYED_FORWARD on. */
-#ifndef FP8_DGELU_FUSED
-#define FP8_DGELU_FUSED 0
-#endif
 #ifndef FP8_DRES_FUSED
 #define FP8_DRES_FUSED 0
 #endif
@@ -157,15 +154,13 @@ enum {
     DELAYED_LN1,
     DELAYED_LN2,
     DELAYED_GELU,
-#if FP8_DGELU_FUSED
-    DELAYED_DGELU,
-#endif
+    FP8_DELAYED_FORWARD,
+    DELAYED_DGELU = FP8_DELAYED_FORWARD,
 #if FP8_DRES_FUSED
     DELAYED_DRES_W2,
     DELAYED_DRES_WO,
 #endif
-    FP8_DELAYED_PER_LAYER,
-    FP8_DELAYED_FORWARD = DELAYED_GELU + 1
+    FP8_DELAYED_PER_LAYER
 };
 #define FP8_HISTORY_LEN 16
 #define FP8_HISTORY_NONE 127

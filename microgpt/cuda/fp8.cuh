@@ -12,8 +12,7 @@
  * In training, the LayerNorm and GELU outputs are cast at a delayed scale instead (Fp8CastJob's
  * hist, k_fp8_history_push; docs/DESIGN.md §18), whose histories are checkpoint state; known
  * beforehand, the scale lets their producers write the codes (k_layernorm_fwd_fp8, the cast's
- * GELU variant; under the candidate -DFP8_DGELU_FUSED=1 also MLP up's output gradient, by the
- * cast's GELU-backward variant).
+ * GELU variant; MLP up's output gradient dh, by the cast's GELU-backward variant).
  *
  * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
  * patterns is the order of the values), reduced per block and combined with an integer atomicMax:
@@ -479,7 +478,7 @@ static void fp8_cast_gelu(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* h, int 
     fp8_cast_launch<T, FP8_EPI_GELU>(j);
 }
 
-/* Delayed scaling's fused GELU backward (candidate -DFP8_DGELU_FUSED=1): the codes, in format fmt,
+/* Delayed scaling's fused GELU backward: the codes, in format fmt,
  * of dh = dout * gelu'(h) for dout, h [R, Cc] (as k_gelu_bwd_inplace would store dh, then fp8_cast
  * with the history `hist`, which must not be empty), their amax into sc; bit for bit
  * gelu_bwd_inplace with the amax, then fp8_cast. Saves writing and reading back dh in T. */
