@@ -2,7 +2,8 @@
  * (docs/DESIGN.md §18) at the activation shapes of ANDREA-120M (B·T = 8192, d 768, d_ff 3072) and
  * ANDREA-12M (B·T = 4096, d 192, d_ff 768), bf16, on this GPU: median µs of 20 launches
  * (kernel_timer.cuh) and the bytes each moves over that time, against the GPU's memory bandwidth.
- * A measurement tool, not part of the engine or the tests.
+ * Also the FP8 classifier's passes at the vocabulary (bench_classifier). A measurement tool, not
+ * part of the engine or the tests.
  *
  *   build: nvcc -O3 -std=c++17 -arch=native -o build/fp8_casts bench/fp8_casts.cu -lcublas -lcublasLt
  *   run:   build/fp8_casts        (one line per kernel: model, kernel, shape, µs, GB/s)
@@ -25,6 +26,42 @@ static void* dmalloc(size_t bytes) {
 
 static void row(const char* model, const char* kernel, const char* shape, float us, double bytes) {
     printf("%-5s %-34s %-18s %9.1f us %8.0f GB/s\n", model, kernel, shape, us, bytes / (us * 1e3));
+}
+
+/* The FP8 classifier's extra passes (docs/DESIGN.md §18) at the models' vocabulary, one logits chunk
+ * as the engine sizes it: wte's cast (once a step) and LNf output's (once a forward); the loss rows
+ * writing dlogits' codes and their transpose, beside the bf16 classifier's loss rows. At both
+ * models' shapes, though the engines run it from d_model 512 only (fp8_classifier_pays): the
+ * passes over the logits cost the same at either d_model, the products' saving grows with it. */
+static void bench_classifier(const char* model, int N, int C) {
+    const int V = 50257, Vp = 50304, n = loss_chunk_rows(Vp, sizeof(bf16), N);
+    size_t nv = (size_t)n * Vp, wc = (size_t)Vp * C, nc = (size_t)N * C;
+    bf16 *logits = (bf16*)dmalloc(nv * 2), *lnf = (bf16*)dmalloc(nc * 2);
+    float *w = (float*)dmalloc(wc * 4), *losses = (float*)dmalloc(n * 4), *lse = (float*)dmalloc(n * 4);
+    float* dscale = (float*)dmalloc(4);
+    int* targets = (int*)dmalloc((size_t)n * 4);
+    fp8 *q_n = (fp8*)dmalloc(nv > wc ? nv : wc), *q_t = (fp8*)dmalloc(nv > wc ? nv : wc);
+    Fp8Scale* sc = (Fp8Scale*)dmalloc(sizeof(Fp8Scale));
+    float ds = 1.0f / N;
+    CUDA_CHECK(cudaMemset(targets, 0, (size_t)n * 4));
+    CUDA_CHECK(cudaMemcpy(dscale, &ds, 4, cudaMemcpyHostToDevice));
+    char sh_v[32], sh_w[32], sh_x[32];
+    snprintf(sh_v, sizeof sh_v, "%dx%d", n, Vp);
+    snprintf(sh_w, sizeof sh_w, "%dx%d", Vp, C);
+    snprintf(sh_x, sizeof sh_x, "%dx%d", N, C);
+    row(model, "cls: wte amax + cast e4m3 n+t", sh_w, time_median_us([&] {
+            fp8_reduce_amax(sc, w, wc);
+            fp8_cast(q_n, q_t, sc, (const float*)w, 1, Vp, C, FP8_E4M3);
+        }), 10.0 * wc);
+    row(model, "cls: LNf out cast n+t (chunked)", sh_x,
+        time_median_us([&] { fp8_cast_classifier_input(q_n, q_t, sc, (const bf16*)lnf, N, C, n); }), 4.0 * nc);
+    row(model, "bf16 loss_rows (bf16 dlogits)", sh_v,
+        time_median_us([&] { loss_rows(losses, lse, logits, targets, n, V, Vp, dscale); }), 4.0 * nv);
+    row(model, "cls: loss_rows writing codes", sh_v, time_median_us([&] {
+            loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreFp8{q_n, sc, Vp});
+        }), 3.0 * nv);
+    row(model, "cls: fp8_transpose dlogits", sh_v, time_median_us([&] { fp8_transpose(q_t, q_n, n, Vp); }),
+        2.0 * nv);
 }
 
 static void bench(const char* model, int N, int C, int F, int L) {
@@ -95,6 +132,7 @@ static void bench(const char* model, int N, int C, int F, int L) {
     snprintf(sh_w, sizeof sh_w, "%d layers", L);
     row(model, "fp8_quantize_jobs (weights)", sh_w, time_median_us([&] { fp8_quantize_jobs(js); }),
         (4.0 + 4.0 + 2.0) * per_layer * L);
+    bench_classifier(model, N, C);
     CUDA_CHECK(cudaDeviceSynchronize());
     for (void* b : g_buffers) CUDA_CHECK(cudaFree(b));
     g_buffers.clear();

@@ -9,8 +9,10 @@
  * reference for the GPU's FP8 products (docs/DESIGN.md §18); in training, the LayerNorm outputs
  * ln1, ln2, the GELU output and MLP up's output gradient dh (and, under -DFP8_DRES_FUSED=1, the
  * residual gradients that are W_2's and W_O's output gradients) are cast at delayed scales instead
- * (delayed_operand). Every other precision computes fp32
- * (and says so). Every buffer is allocated once in engine_setup, sized for B·T positions;
+ * (delayed_operand); where the FP8 classifier pays (d_model 512 and up, cpu/fp8.h's
+ * fp8_classifier_pays) the classifier's products read FP8-emulated operands too (classifier_x,
+ * classifier_wte, classifier_bwd). Every other precision computes fp32 (and says so). Every buffer
+ * is allocated once in engine_setup, sized for B·T positions;
  * smaller calls (one prompt of len tokens in engine_prefill) reuse the same buffers. Results are
  * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation
  * orders, and the gradient norm is summed in fixed chunks).
@@ -66,7 +68,7 @@ static struct {
     /* fp8 only: the dequantised operands of the product being computed (else empty); fp8_products:
      * the current forward/backward uses them (training and validation; generation does not, as on
      * the GPU: its decode steps multiply unquantised, and the prefill must give the decode's keys) */
-    int fp8, fp8_products;
+    int fp8, fp8_products, fp8_classifier; /* fp8_classifier: config_fp8_classifier */
     float *fq_act, *fq_weight, *fq_grad;
     /* fp8 training: the delayed-scaling histories of ln1, ln2, h_gelu and dh (and W_2's and W_O's
      * output gradients under FP8_DRES_FUSED) per layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
@@ -123,9 +125,10 @@ static size_t carve_buffers(void) {
     E.dq = take(&cur, gnc); E.dk = take(&cur, gnc); E.dv = take(&cur, gnc); /* consecutive: one fp8 tensor */
     E.dh_gelu = take(&cur, gnf); E.dh = take(&cur, gnf);
     if (E.fp8) {
-        size_t cc3 = 3 * (size_t)E.C * E.C, cf = (size_t)E.C * E.F;
+        size_t cc3 = 3 * (size_t)E.C * E.C, cf = (size_t)E.C * E.F, wte = E.fp8_classifier ? (size_t)E.Vp * E.C : 0;
+        size_t w = cc3 > cf ? cc3 : cf;
         E.fq_act = take(&cur, nf > nc ? nf : nc);
-        E.fq_weight = take(&cur, cc3 > cf ? cc3 : cf);
+        E.fq_weight = take(&cur, w > wte ? w : wte);
         E.fq_grad = take(&cur, gnf > 3 * gnc ? gnf : 3 * gnc);
     }
     E.kcache = take(&cur, kv); E.vcache = take(&cur, kv);
@@ -150,6 +153,8 @@ static size_t engine_setup(const Config* cfg) {
     E.shard = dist_part(n, NORM_CHUNK, g_dist.rank, g_dist.world); /* whole chunks: the norm stays exact */
     E.fp8 = strcmp(cfg->train.precision, "fp8") == 0;
     E.fp8_delayed = E.fp8 && E.training;
+    E.fp8_classifier = config_fp8_classifier(cfg);
+    info_fp8_classifier(cfg, "fp32");
     if (E.fp8_delayed) {
         E.delayed_hist = (Fp8History*)xcalloc(FP8_DELAYED_PER_LAYER * (size_t)E.L, sizeof(Fp8History), "fp8 histories");
         E.delayed_scale = (float*)xcalloc(FP8_DELAYED_PER_LAYER * (size_t)E.L, sizeof(float), "fp8 scales");
@@ -285,10 +290,33 @@ static void forward_trunk(const int* tokens, int B, int T) {
     layernorm_forward(E.lnf, E.lnf_mean, E.lnf_rstd, layer_input(E.L), P(E.layout.lnf_gamma), P(E.layout.lnf_beta), N, C);
 }
 
+/* The classifier's operands: with the FP8 classifier and fp8 products, LNf's output and wte cast to
+ * E4M3 at their current scales (cpu/fp8.h), as the GPU casts them once a forward and reads them in
+ * all three of its products; otherwise themselves. */
+static int fp8_classifier(void) { return E.fp8_classifier && E.fp8_products; }
+static const float* classifier_x(void) {
+    size_t nc = (size_t)E.B * E.T * E.C;
+    return fp8_classifier() ? act_operand(E.lnf, nc) : E.lnf;
+}
+static const float* classifier_wte(void) {
+    return fp8_classifier() ? weight_operand(P(E.layout.wte), (size_t)E.Vp * E.C) : P(E.layout.wte);
+}
+
 static float forward_loss(const int* inputs, const int* targets) {
     E.fp8_products = E.fp8;
     forward_trunk(inputs, E.B, E.T);
-    return classifier_forward(E.probs, E.lnf, P(E.layout.wte), targets, E.B * E.T, E.C, E.V, E.Vp);
+    return classifier_forward(E.probs, classifier_x(), classifier_wte(), targets, E.B * E.T, E.C, E.V, E.Vp);
+}
+
+/* The classifier backward: dlogits from the probabilities, in place; with the FP8 classifier cast
+ * to FP8_GRAD_FMT at the static scale of its bound (cpu/fp8.h's fp8_dlogits_scale, the GPU's loss
+ * rows' for every chunk); then its two products into dln and dwte. */
+static void classifier_bwd(const int* targets) {
+    int N = E.B * E.T;
+    classifier_dlogits(E.probs, targets, N, E.V, E.Vp);
+    if (fp8_classifier())
+        fp8_fake_quantize_at(E.probs, E.probs, (size_t)N * E.Vp, FP8_GRAD_FMT, fp8_dlogits_scale(1.0f / N));
+    classifier_backward_products(E.dln, G(E.layout.wte), E.probs, classifier_x(), classifier_wte(), N, E.C, E.V, E.Vp);
 }
 
 static void zero(float* p, size_t n) { memset(p, 0, n * sizeof(float)); }
@@ -299,7 +327,7 @@ static void backward(const int* targets) {
     size_t nc = (size_t)N * C, nf = (size_t)N * E.F, cc = (size_t)C * C, cf = (size_t)C * E.F;
     float *dres = E.dres_a, *dxmid = E.dres_b;
     zero(E.dln, nc);
-    classifier_backward(E.dln, G(E.layout.wte), E.probs, E.lnf, P(E.layout.wte), targets, N, C, E.V, E.Vp);
+    classifier_bwd(targets);
     zero(dres, nc);
     layernorm_backward(dres, G(E.layout.lnf_gamma), G(E.layout.lnf_beta), E.dln, layer_input(E.L),
                        P(E.layout.lnf_gamma), E.lnf_mean, E.lnf_rstd, N, C);

@@ -20,7 +20,9 @@
  *   fp8   as bf16, except the four linear products of each layer (QKV, attention output, MLP up
  *         and down): FP8 tensor-core products (cuda/fp8.cuh) of operands cast per tensor at their
  *         current scale, E4M3 weights, activations and activation gradients, fp32
- *         accumulation, bf16 activations and fp32 weight gradients out. The classifier stays bf16.
+ *         accumulation, bf16 activations and fp32 weight gradients out. The classifier's three
+ *         products run in FP8 too where that pays (d_model 512 and up: config_fp8_classifier,
+ *         loss_chunks), else in bf16.
  *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. In training, ln1, ln2 and
  *         h_gelu are cast at delayed scales (from amax histories) instead, written by their
  *         producers (LayerNorm, GELU) as FP8 codes; so is MLP up's output gradient dh, by the
@@ -131,18 +133,23 @@ static struct {
     /* precision fp8 only (else NULL): fp8 copies of the linear layers' weights at their parameter
      * offsets, in the layouts of cuda/fp8.cuh (w8_fwd: W^T for the forward, w8_dx: W for the
      * input gradient); the scales of every cast ([L][FP8_W_PER_LAYER] each of the weights', the
-     * products' inputs' and their output gradients', in that order); the cast input of the forward
-     * product in flight (a8); the cast inputs kept transposed for the weight gradients (x8t, per
+     * products' inputs' and their output gradients', in that order; the FP8 classifier's too:
+     * w8_scale); the cast input of the forward product in flight (a8); the cast inputs kept transposed for the weight gradients (x8t, per
      * layer: ln1, atty, ln2 [N][C] each, h_gelu [N][F], written by the forward's casts); the cast
      * output gradient of the backward product in flight (g8, g8t) */
-    int use_fp8;
+    int use_fp8, use_fp8_classifier; /* use_fp8_classifier: config_fp8_classifier */
     fp8 *w8_fwd, *w8_dx;
     Fp8CastJob<float>* w8_job_list; /* the weights' casts (device), w8_jobs the list */
     Fp8CastJobs<float> w8_jobs;
     Fp8Scale* fp8_scales;
     fp8 *a8, *x8t, *g8, *g8t;
+    /* the FP8 classifier only (else NULL): LNf's output cast transposed, chunk by chunk of the
+     * logits (chunk r0's [C][n] at r0 * C; its row-major codes go to a8, which no product reads
+     * again until the next forward), and one chunk's dlogits codes [chunk][Vp] and [Vp][chunk] */
+    fp8 *lnf8t, *dl8, *dl8t;
     /* delayed scaling (docs/DESIGN.md §18), training fp8 only: ln1, ln2, h_gelu and dh (and W_2's
-     * and W_O's output gradients under FP8_DRES_FUSED) are cast at delayed scales, from the histories fp8_hist
+     * and W_O's output gradients under FP8_DRES_FUSED) are cast at delayed scales, from the
+     * histories fp8_hist
      * [L][FP8_DELAYED_PER_LAYER] (device), which every training micro-batch extends by their amaxes
      * (k_fp8_history_push) and the checkpoint sidecar keeps */
     int fp8_delayed;
@@ -213,6 +220,15 @@ static struct {
 static const char* engine_name(void) { return "cuda"; }
 static const char* engine_compute_precision(const Config* cfg) { return cfg->train.precision; }
 
+/* The logits chunks of a micro-batch; how many scales the FP8 classifier's casts add to
+ * E.fp8_scales (wte's, LNf output's, each chunk's dlogits'), none without it. */
+static int loss_chunk_count(void) { return (E.N + E.chunk - 1) / E.chunk; }
+static int fp8_cls_scale_count(void) { return E.use_fp8_classifier ? 2 + loss_chunk_count() : 0; }
+
+/* precision fp8: how many casts the weights' list holds (fp8_list_weight_casts): the layers' and,
+ * with the FP8 classifier, wte's. */
+static size_t fp8_weight_cast_count(void) { return (size_t)FP8_W_PER_LAYER * E.L + (E.use_fp8_classifier ? 1 : 0); }
+
 /* ---------------------------------------------------------------------------------------------- */
 /* The memory plan. plan_buffers walks every buffer once; with bases NULL it only sums the sizes
  * per group, with real bases it hands out the pointers. One walk, so the plan and the allocation
@@ -240,14 +256,19 @@ static void plan_buffers(size_t* used) {
         size_t act = N * (F > C ? F : C), grad = N * (F > 3 * C ? F : 3 * C);
         E.w8_fwd = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
         E.w8_dx = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
-        E.fp8_scales = (Fp8Scale*)carve(G_SCRATCH, 3 * FP8_W_PER_LAYER * L * sizeof(Fp8Scale), used);
-        E.w8_job_list = (Fp8CastJob<float>*)carve(G_SCRATCH, FP8_W_PER_LAYER * L * sizeof(Fp8CastJob<float>), used);
+        size_t cls = E.use_fp8_classifier ? 1 : 0, dl = cls * tr * E.chunk * (size_t)E.Vp;
+        E.fp8_scales = (Fp8Scale*)carve(G_SCRATCH, (3 * FP8_W_PER_LAYER * L + fp8_cls_scale_count()) * sizeof(Fp8Scale),
+                                        used);
+        E.w8_job_list = (Fp8CastJob<float>*)carve(G_SCRATCH, fp8_weight_cast_count() * sizeof(Fp8CastJob<float>), used);
         E.a8 = (fp8*)carve(G_SCRATCH, act, used);
         E.x8t = (fp8*)carve(G_ACTIVATIONS, tr * L * N * (3 * C + F), used);
         E.g8 = (fp8*)carve(G_SCRATCH, tr * grad, used);
         E.g8t = (fp8*)carve(G_SCRATCH, tr * grad, used);
         E.fp8_hist = (Fp8History*)carve(G_SCRATCH, (E.fp8_delayed ? FP8_DELAYED_PER_LAYER * L : 0) * sizeof(Fp8History),
                                         used);
+        E.lnf8t = (fp8*)carve(G_ACTIVATIONS, cls * tr * nc, used);
+        E.dl8 = (fp8*)carve(G_SCRATCH, dl, used);
+        E.dl8t = (fp8*)carve(G_SCRATCH, dl, used);
     }
 
     E.res = carve(G_ACTIVATIONS, (L + 1) * nc * es, used);
@@ -356,13 +377,21 @@ static float* gl(int l, int t) { return E.grads + layer_offset(&E.layout, l, t);
 /* ---------------------------------------------------------------------------------------------- */
 /* Precision fp8: the layers' linear products on FP8 operands (cuda/fp8.cuh) */
 
-/* The scales of layer l's product k: its weight's, its input's, its output gradient's. */
+/* The scales of layer l's product k: its weight's, its input's, its output gradient's. The weights'
+ * casts' scales come first, all of them (fp8_weight_cast_count: the FP8 classifier's wte last),
+ * then the inputs', the output gradients', and the FP8 classifier's LNf output's and dlogits'. */
 static Fp8Scale* w8_scale(int l, int k) { return E.fp8_scales + (size_t)l * FP8_W_PER_LAYER + k; }
-static Fp8Scale* x8_scale(int l, int k) { return w8_scale(l, k) + (size_t)FP8_W_PER_LAYER * E.L; }
-static Fp8Scale* g8_scale(int l, int k) { return w8_scale(l, k) + 2 * (size_t)FP8_W_PER_LAYER * E.L; }
+static Fp8Scale* x8_scale(int l, int k) { return w8_scale(l, k) + fp8_weight_cast_count(); }
+static Fp8Scale* g8_scale(int l, int k) { return x8_scale(l, k) + (size_t)FP8_W_PER_LAYER * E.L; }
 /* Where a producer with the amax fused (LayerNorm, GELU) puts it: a cast's scale; NULL off fp8. */
 static unsigned* x8_amax(int l, int k) { return E.use_fp8 ? &x8_scale(l, k)->amax_bits : NULL; }
 static unsigned* g8_amax(int l, int k) { return E.use_fp8 ? &g8_scale(l, k)->amax_bits : NULL; }
+/* The FP8 classifier's scales (fp8_cls_scale_count), and whether a forward with fp8 products runs
+ * the classifier's in FP8 too. */
+static Fp8Scale* cls_w_scale(void) { return w8_scale(0, 0) + (size_t)FP8_W_PER_LAYER * E.L; }
+static Fp8Scale* cls_x_scale(void) { return g8_scale(0, 0) + (size_t)FP8_W_PER_LAYER * E.L; }
+static Fp8Scale* cls_g_scale(int chunk) { return cls_x_scale() + 1 + chunk; }
+static bool fp8_classifier(bool fp8) { return E.use_fp8_classifier && fp8; }
 
 /* Layer l's input of product k, cast and transposed [in][N] by the forward (E.x8t). */
 static fp8* x8t(int l, int k) {
@@ -376,13 +405,15 @@ static Fp8Mat w8_fwd(int l, int t, int k, long long stride = 0) {
 static Fp8Mat w8_dx(int l, int t, int k) { return fp8_mat(E.w8_dx + layer_offset(&E.layout, l, t), FP8_E4M3, w8_scale(l, k)); }
 
 /* The casts of the fp8 weights from the fp32 masters, listed once (engine_setup): per layer W_Q,
- * W_K, W_V as one cast of 3 blocks [C, C], then W_O [C, C], W_1 [C, F], W_2 [F, C]. */
+ * W_K, W_V as one cast of 3 blocks [C, C], then W_O [C, C], W_1 [C, F], W_2 [F, C]; with the FP8
+ * classifier also wte [Vp, C] (the logits read it as it is, in w8_dx; dx its
+ * transpose, in w8_fwd). */
 static void fp8_list_weight_casts(void) {
     static const int tensor[FP8_W_PER_LAYER] = {T_WQ, T_WO, T_W1, T_W2};
     int C = E.C, F = E.F, n = 0;
     const int batch[FP8_W_PER_LAYER] = {3, 1, 1, 1}, rows[FP8_W_PER_LAYER] = {C, C, C, F};
     const int cols[FP8_W_PER_LAYER] = {C, C, F, C};
-    Fp8CastJob<float>* jobs = (Fp8CastJob<float>*)xcalloc((size_t)FP8_W_PER_LAYER * E.L, sizeof *jobs, "fp8 casts");
+    Fp8CastJob<float>* jobs = (Fp8CastJob<float>*)xcalloc(fp8_weight_cast_count(), sizeof *jobs, "fp8 casts");
     for (int l = 0; l < E.L; l++)
         for (int k = 0; k < FP8_W_PER_LAYER; k++) {
             size_t off = layer_offset(&E.layout, l, tensor[k]);
@@ -390,6 +421,11 @@ static void fp8_list_weight_casts(void) {
                                    rows[k], cols[k], FP8_E4M3, 0};
             jobs[n++] = j;
         }
+    if (E.use_fp8_classifier) {
+        size_t off = E.layout.wte;
+        Fp8CastJob<float> j = {E.params + off, E.w8_dx + off, E.w8_fwd + off, cls_w_scale(), 1, E.Vp, C, FP8_E4M3, 0};
+        jobs[n++] = j;
+    }
     E.w8_jobs = fp8_jobs_upload(jobs, n, E.w8_job_list);
     free(jobs);
 }
@@ -397,7 +433,7 @@ static void fp8_list_weight_casts(void) {
 /* The fp8 weights from the fp32 masters (after every update, like the 16-bit copy): one memset,
  * one amax launch and one cast launch for all of them. */
 static void fp8_quantize_weights(void) {
-    fp8_zero_scales(w8_scale(0, 0), (size_t)FP8_W_PER_LAYER * E.L);
+    fp8_zero_scales(w8_scale(0, 0), fp8_weight_cast_count());
     fp8_quantize_jobs(E.w8_jobs);
 }
 
@@ -555,6 +591,19 @@ template <typename T> static AttnScratch<T> attn_scratch(void) {
     return s;
 }
 
+/* The FP8 classifier's operands for the chunk of n rows from r0, the `chunk`-th (cuda/fp8.cuh). */
+static Fp8ClassifierOps fp8_cls_ops(int r0, int chunk) {
+    size_t at = (size_t)r0 * E.C, wte = E.layout.wte;
+    Fp8ClassifierOps c;
+    c.x = fp8_mat(E.a8 + at, FP8_E4M3, cls_x_scale());
+    c.wte = fp8_mat(E.w8_dx + wte, FP8_E4M3, cls_w_scale());
+    c.x_t = E.lnf8t ? E.lnf8t + at : NULL;
+    c.wte_t = E.w8_fwd + wte;
+    c.g = E.dl8, c.g_t = E.dl8t;
+    c.g_sc = cls_g_scale(chunk);
+    return c;
+}
+
 /* LayerNorm out = LN(x) (gamma, beta: layer l's tensors tg, tb), the input of layer l's product k.
  * In fp8 its amax goes to the product's cast; with delayed scaling and histories that hold entries
  * (all but a run's first micro-batch), the LayerNorm writes the product's codes itself (and no
@@ -580,7 +629,8 @@ template <typename T>
 static void forward(int B, int Tn, bool fp8) {
     int C = E.C, H = E.H, F = E.F, L = E.L, N = B * Tn, l;
     /* every amax of the activations' and gradients' casts that this micro-batch takes starts at 0 */
-    if (fp8) fp8_zero_scales(x8_scale(0, 0), 2 * (size_t)FP8_W_PER_LAYER * L);
+    if (fp8) /* the FP8 classifier's too: LNf's output's and the dlogits' (cls_x_scale, cls_g_scale) */
+        fp8_zero_scales(x8_scale(0, 0), 2 * (size_t)FP8_W_PER_LAYER * L + (E.use_fp8_classifier ? 1 + loss_chunk_count() : 0));
     embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
     for (l = 0; l < L; l++) {
         LayerActs<T> a = layer_acts<T>(l);
@@ -599,7 +649,9 @@ static void forward(int B, int Tn, bool fp8) {
         else mlp_fwd<T>(layer_input<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
     }
     layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, layer_input<T>(L), E.params + E.layout.lnf_gamma,
-                     E.params + E.layout.lnf_beta, N, C);
+                     E.params + E.layout.lnf_beta, N, C, fp8_classifier(fp8) ? &cls_x_scale()->amax_bits : NULL);
+    if (fp8_classifier(fp8)) /* LNf's output cast once a forward for the FP8 classifier's logits chunks */
+        fp8_cast_classifier_input<T>(E.a8, E.training ? E.lnf8t : NULL, cls_x_scale(), (const T*)E.lnf, N, C, E.chunk);
 }
 
 /* LayerNorm backward: dres += the gradient through LN(x) of its output's gradient dout, dgamma and
@@ -626,20 +678,30 @@ static int ln_bwd_for_product(T* dres, float* dgamma, float* dbeta, const T* dou
 
 /* Loss over the N positions, chunk by chunk, and its mean into io->loss; with `train`, also the
  * classifier backward (weighted by io->dscale), which writes the gradient of LNf's output into dln
- * and adds into dwte. */
+ * and adds into dwte. With the FP8 classifier (config_fp8_classifier) in an fp8 forward, the
+ * classifier's products are FP8 (cuda/fp8.cuh's loss_fwd_fp8, loss_fwd_bwd_fp8), as the forward
+ * cast LNf's output for them. */
 template <typename T>
 static void loss_chunks(int N, int train) {
     int C = E.C, r0;
     const T* wte = (const T*)E.wlow + E.layout.wte;
     const int* targets = E.tok + E.N;
+    bool fp8 = fp8_classifier(E.use_fp8);
     for (r0 = 0; r0 < N; r0 += E.chunk) {
         int n = N - r0 < E.chunk ? N - r0 : E.chunk;
         const T* x = (const T*)E.lnf + (size_t)r0 * C;
-        side_wait(E.logits); /* the previous chunk's dwte has read its dlogits */
-        if (train) /* the first chunk honours the micro-batch's grad_beta, the later ones add */
-            loss_fwd_bwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.dln + (size_t)r0 * C, E.grads + E.layout.wte,
-                            (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale,
-                            r0 == 0 ? E.grad_beta : 1.0f);
+        T* dx = (T*)E.dln + (size_t)r0 * C;
+        float gb = r0 == 0 ? E.grad_beta : 1.0f; /* the first chunk honours the micro-batch's, the later ones add */
+        side_wait(fp8 ? (const void*)E.dl8t : E.logits); /* the previous chunk's dwte has read its dlogits */
+        if (fp8 && train)
+            loss_fwd_bwd_fp8<T>(E.losses + r0, E.loss_lse + r0, dx, E.grads + E.layout.wte, (T*)E.logits,
+                                fp8_cls_ops(r0, r0 / E.chunk), targets + r0, n, C, E.V, E.Vp, &E.io->dscale, gb);
+        else if (fp8)
+            loss_fwd_fp8<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, fp8_cls_ops(r0, r0 / E.chunk), targets + r0,
+                            n, C, E.V, E.Vp);
+        else if (train)
+            loss_fwd_bwd<T>(E.losses + r0, E.loss_lse + r0, dx, E.grads + E.layout.wte, (T*)E.logits, x, wte,
+                            targets + r0, n, C, E.V, E.Vp, &E.io->dscale, gb);
         else
             loss_fwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp);
     }
@@ -656,6 +718,7 @@ static void loss_chunks(int N, int train) {
  *                          and casts, which the backward never
  *                          writes)
  *   dwte (classifier)     logits (the chunk's dlogits)            the next chunk's logits      side_wait(E.logits)
+ *   FP8 classifier: dwte  dl8t (the chunk's dlogits' codes)       the next chunk's codes       side_wait(E.dl8t)
  *   dW_2                  dres                                    LN2 backward (dres +=)       side_wait(dres)
  *   dW_1                  dh                                      the layer below's dh         side_wait(E.dh)
  *   dW_O                  dres                                    LN1 backward (dres +=)       side_wait(dres)
@@ -991,6 +1054,7 @@ static size_t engine_setup(const Config* cfg) {
     E.cfg = *cfg;
     E.use_fp8 = strcmp(prec, "fp8") == 0; /* everything else as bf16 */
     E.fp8_delayed = E.use_fp8 && !cfg->generate.enabled && !cfg->evaluate;
+    E.use_fp8_classifier = config_fp8_classifier(cfg);
     E.prec = strcmp(prec, "bf16") == 0 || E.use_fp8 ? PREC_BF16 : strcmp(prec, "fp16") == 0 ? PREC_FP16 : PREC_FP32; /* or tf32 */
     E.es = E.prec == PREC_FP32 ? 4 : 2;
     E.B = cfg->train.batch_size;
@@ -1018,6 +1082,8 @@ static size_t engine_setup(const Config* cfg) {
         layer_offset(&E.layout, 0, T_WV) != layer_offset(&E.layout, 0, T_WK) + (size_t)E.C * E.C)
         die_io("internal: W_Q, W_K, W_V are not consecutive in the parameter layout");
     E.chunk = loss_chunk_rows(E.Vp, E.es, E.N);
+    if (E.use_fp8_classifier && E.chunk % 16) /* dwte's FP8 product contracts over a chunk's rows */
+        E.chunk = E.chunk < 16 ? 16 : E.chunk - E.chunk % 16; /* N is a multiple of 16 (config_validate) */
     if (cfg->generate.enabled) E.chunk = 1; /* no loss: the prefill's one row of logits */
     E.loss_scale = E.prec == PREC_FP16 ? LOSS_SCALE_DEFAULT : 1.0f;
 
@@ -1041,6 +1107,7 @@ static size_t engine_setup(const Config* cfg) {
             info("backward: weight gradients %s (%d multiprocessors)",
                  E.use_side_stream ? "on a side stream, the products being small" : "in line with the rest",
                  p.multiProcessorCount);
+        info_fp8_classifier(cfg, "bf16");
     }
     CUDA_CHECK(cudaSetDevice(dist_device())); /* LOCAL_RANK's GPU (docs/DESIGN.md §17) */
     info("kernel launches: %s", pdl_enabled() ? "programmatic dependent launch" /* docs/DESIGN.md §9 */

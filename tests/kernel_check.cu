@@ -1384,6 +1384,173 @@ template <typename TD> static void test_fp8_gemm(int M, int N, int K, int batch,
     dfree_all();
 }
 
+/* The FP8 classifier's loss rows (LossStoreFp8, from shared memory and from memory) and the codes'
+ * transpose (k_fp8_transpose), bit for bit against the loss rows in T, then fp8_cast with the bound
+ * |dscale| as the amax (the static scale, fp8_dlogits_scale): the same row losses and lse, codes in
+ * both layouts, scale; and the logits left as they were. */
+template <typename T> static void test_loss_rows_fp8_fused(int n, int V, int Vp) {
+    Vec logits = rounded<T>(randn((size_t)n * Vp, 3.0f));
+    size_t nv = (size_t)n * Vp;
+    float ds = 1.0f / 8192.0f * 3.0f; /* not a power of two: the bound's scale leaves headroom */
+    int* d_targets = upload_ints(rand_ints(n, V));
+    float* d_dscale = upload<float>(Vec(1, ds));
+    Fp8CastOut ref = fp8_cast_out(nv);
+    unsigned bound = fp8_float_bits(ds);
+    T* d_ref = upload<T>(logits);
+    float *ref_losses = poisoned<float>(n), *ref_lse = poisoned<float>(n);
+    loss_rows_from_memory<T>(ref_losses, ref_lse, d_ref, d_targets, n, V, Vp, d_dscale);
+    CUDA_CHECK(cudaMemcpy(&ref.sc->amax_bits, &bound, sizeof bound, cudaMemcpyHostToDevice));
+    fp8_cast(ref.n, ref.t, ref.sc, (const T*)d_ref, 1, n, Vp, FP8_GRAD_FMT);
+    std::vector<unsigned char> want_n(nv), want_t(nv);
+    Fp8Scale want_sc;
+    CUDA_CHECK(cudaMemcpy(want_n.data(), ref.n, nv, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(want_t.data(), ref.t, nv, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&want_sc, ref.sc, sizeof want_sc, cudaMemcpyDeviceToHost));
+    Vec want_losses = download(ref_losses, n), want_lse = download(ref_lse, n);
+    for (int shared = 0; shared < 2; shared++) {
+        Fp8CastOut got = fp8_cast_out(nv);
+        T* d_logits = upload<T>(logits);
+        float *losses = poisoned<float>(n), *lse = poisoned<float>(n);
+        LossStoreFp8 st = {got.n, got.sc, Vp};
+        bool ran = true;
+        if (shared) ran = loss_rows_from_shared<T>(losses, lse, d_logits, d_targets, n, V, Vp, d_dscale, st);
+        else loss_rows_from_memory<T>(losses, lse, d_logits, d_targets, n, V, Vp, d_dscale, st);
+        fp8_transpose(got.t, got.n, n, Vp);
+        const char* what = shared ? "fused from shared" : "fused from memory";
+        if (!ran) {
+            report(false, what, "the loss rows from shared memory did not run (do not fit this GPU)");
+            continue;
+        }
+        std::vector<unsigned char> gn(nv), gt(nv);
+        Fp8Scale gs;
+        CUDA_CHECK(cudaMemcpy(gn.data(), got.n, nv, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(gt.data(), got.t, nv, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(&gs, got.sc, sizeof gs, cudaMemcpyDeviceToHost));
+        Vec l = download(losses, n), e = download(lse, n), kept = download(d_logits, nv);
+        bool same = gn == want_n && gt == want_t && gs.scale == want_sc.scale && gs.descale == want_sc.descale &&
+                    gs.scale == fp8_dlogits_scale(ds) && !memcmp(l.data(), want_losses.data(), n * sizeof(float)) &&
+                    !memcmp(e.data(), want_lse.data(), n * sizeof(float)) &&
+                    !memcmp(kept.data(), logits.data(), nv * sizeof(float));
+        report(same, what, same ? "codes (both layouts), scale, losses, lse: the bits of loss rows + fp8_cast"
+                                : "bits DIFFER from loss rows + fp8_cast (or the logits were overwritten)");
+    }
+    dfree_all();
+}
+
+/* The FP8 classifier (cuda/fp8.cuh), chunk by chunk as the engine runs it, for x [N, C] in T and
+ * wte [Vp, C] in fp32 (the masters the weights' cast reads): the casts of x
+ * (fp8_cast_classifier_input: row-major, and transposed chunk by chunk) exactly against
+ * cpu/fp8.h's; each chunk's dlogits codes read back: the static scale, their transpose exactly (the
+ * codes themselves: "loss rows fp8 fused"); dx and dwte against the fp32 products of
+ * the codes' values (tolerances of the FP8 product checks above: only the order of the fp32 sums
+ * differs, and dx's rounding to T); the loss
+ * against the CPU classifier on the cast x and wte (tol.loss: the logits are rounded to T);
+ * evaluation's row losses identical to training's; padded rows of dwte untouched; two runs the
+ * same bits. */
+template <typename T> static void test_loss_fp8(int N, int C, int V, int Vp, int chunk) {
+    Tol tol = tol_for<T>();
+    int chunks = (N + chunk - 1) / chunk;
+    Vec x = rounded<T>(randn((size_t)N * C, 1.0f)), wte = randn((size_t)Vp * C, 0.3f);
+    std::vector<int> targets = rand_ints(N, V);
+    Vec xq(x.size()), wq(wte.size()), probs((size_t)N * Vp);
+    float xs = fp8_fake_quantize(xq.data(), x.data(), x.size(), FP8_E4M3);
+    fp8_fake_quantize(wq.data(), wte.data(), wte.size(), FP8_E4M3);
+    float loss_c = classifier_forward(probs.data(), xq.data(), wq.data(), targets.data(), N, C, V, Vp);
+    Vec dx_fp32((size_t)N * C, 0.0f), dwte_fp32(wte.size(), 0.0f); /* unquantised dlogits: sizes the prefill */
+    classifier_backward(dx_fp32.data(), dwte_fp32.data(), probs.data(), xq.data(), wq.data(), targets.data(), N, C, V, Vp);
+    Vec dwte0 = prefill_like<float>(dwte_fp32);
+
+    T* d_x = upload<T>(x);
+    float* d_wte = upload<float>(wte);
+    int* d_targets = upload_ints(targets);
+    Fp8Scale* sc = (Fp8Scale*)dalloc((2 + chunks) * sizeof(Fp8Scale)); /* x's, wte's, each chunk's dlogits' */
+    fp8 *x8 = (fp8*)dalloc((size_t)N * C), *x8t = (fp8*)dalloc((size_t)N * C);
+    fp8 *w8 = (fp8*)dalloc(wte.size()), *w8t = (fp8*)dalloc(wte.size());
+    fp8 *g8 = (fp8*)dalloc((size_t)chunk * Vp), *g8t = (fp8*)dalloc((size_t)chunk * Vp);
+    T *d_logits = poisoned<T>((size_t)chunk * Vp), *d_dx = poisoned<T>((size_t)N * C);
+    float *d_dwte = upload<float>(dwte0), *d_losses = poisoned<float>(N), *d_lse = poisoned<float>(N);
+    float* d_dscale = upload<float>(Vec(1, 1.0f / N));
+    CUDA_CHECK(cudaMemset(sc, 0, 2 * sizeof(Fp8Scale)));
+    fp8_reduce_amax(&sc[0], d_x, x.size());
+    fp8_cast_classifier_input(x8, x8t, &sc[0], d_x, N, C, chunk);
+    fp8_reduce_amax(&sc[1], d_wte, wte.size());
+    fp8_cast(w8, w8t, &sc[1], (const float*)d_wte, 1, Vp, C, FP8_E4M3);
+    {   /* x's codes: row-major, and chunk r0's [C][n] at r0 * C */
+        std::vector<unsigned char> gn((size_t)N * C), gt((size_t)N * C);
+        CUDA_CHECK(cudaMemcpy(gn.data(), x8, gn.size(), cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(gt.data(), x8t, gt.size(), cudaMemcpyDeviceToHost));
+        size_t bad = 0;
+        for (int r = 0; r < N; r++) {
+            int r0 = r / chunk * chunk, n = N - r0 < chunk ? N - r0 : chunk;
+            for (int c = 0; c < C; c++) {
+                unsigned char want = fp8_from_float(x[(size_t)r * C + c] * xs, FP8_E4M3);
+                bad += (gn[(size_t)r * C + c] != want) + (gt[(size_t)r0 * C + (size_t)c * n + (r - r0)] != want);
+            }
+        }
+        report(bad == 0, "x codes", "%zu of %d row-major and chunked transposed codes differ from the CPU emulation",
+               bad, 2 * N * C);
+    }
+    auto ops = [&](int r0, int ch) {
+        Fp8ClassifierOps c;
+        c.x = fp8_mat(x8 + (size_t)r0 * C, FP8_E4M3, &sc[0]);
+        c.wte = fp8_mat(w8, FP8_E4M3, &sc[1]);
+        c.x_t = x8t + (size_t)r0 * C, c.wte_t = w8t, c.g = g8, c.g_t = g8t, c.g_sc = &sc[2 + ch];
+        return c;
+    };
+    for (float gb : GRAD_BETAS) {
+        Vec dx_inc((size_t)N * C, 0.0f), dwte_inc(wte.size(), 0.0f);
+        auto gpu = [&](bool emulate) {
+            poison(d_dx, (size_t)N * C);
+            init_grad(d_dwte, dwte0, gb);
+            CUDA_CHECK(cudaMemset(&sc[2], 0, chunks * sizeof(Fp8Scale)));
+            for (int r0 = 0, ch = 0; r0 < N; r0 += chunk, ch++) {
+                int n = N - r0 < chunk ? N - r0 : chunk;
+                loss_fwd_bwd_fp8<T>(d_losses + r0, d_lse + r0, d_dx + (size_t)r0 * C, d_dwte, d_logits, ops(r0, ch),
+                                    d_targets + r0, n, C, V, Vp, d_dscale, r0 == 0 ? gb : 1.0f);
+                if (!emulate) continue;
+                size_t nv = (size_t)n * Vp;
+                std::vector<unsigned char> gn(nv), gt(nv);
+                Fp8Scale gs;
+                CUDA_CHECK(cudaMemcpy(gn.data(), g8, nv, cudaMemcpyDeviceToHost));
+                CUDA_CHECK(cudaMemcpy(gt.data(), g8t, nv, cudaMemcpyDeviceToHost));
+                CUDA_CHECK(cudaMemcpy(&gs, &sc[2 + ch], sizeof gs, cudaMemcpyDeviceToHost));
+                size_t bad = 0;
+                for (int r = 0; r < n; r++)
+                    for (int v = 0; v < Vp; v++) bad += gt[(size_t)v * n + r] != gn[(size_t)r * Vp + v];
+                float s = fp8_dlogits_scale(1.0f / N);
+                report(bad == 0 && gs.scale == s && gs.descale == 1.0f / s, "dlogits codes",
+                       "%zu of %zu transposed codes differ; scale %g (static %g)", bad, nv, (double)gs.scale,
+                       (double)s);
+                Vec dlq(nv);
+                for (size_t i = 0; i < nv; i++) dlq[i] = fp8_to_float(gn[i], FP8_GRAD_FMT) * gs.descale;
+                classifier_backward_products(dx_inc.data() + (size_t)r0 * C, dwte_inc.data(), dlq.data(),
+                                             xq.data() + (size_t)r0 * C, wq.data(), n, C, V, Vp);
+            }
+            return std::vector<Vec>{download(d_losses, N), download(d_dx, (size_t)N * C), download(d_dwte, wte.size())};
+        };
+        std::vector<Vec> r1 = gpu(true), r2 = gpu(false);
+        double sum = 0.0;
+        for (float l : r1[0]) sum += l;
+        check_scalar("loss", sum / N, loss_c, tol.loss);
+        check("dx", r1[1], dx_inc, 6e-3);
+        check_grad("dwte", r1[2], dwte_inc, dwte0, gb, 2e-3);
+        {   /* padded rows: exactly the prefill (gb 1) or zero (gb 0) */
+            bool same = true;
+            for (size_t i = (size_t)V * C; i < wte.size(); i++) same = same && r1[2][i] == (gb != 0.0f ? dwte0[i] : 0.0f);
+            report(same, "dwte_pad", same ? "padded rows: no gradient" : "padded rows CHANGED");
+        }
+        check_same("determ", r1, r2);
+        if (gb != GRAD_BETAS[0]) continue;
+        float* d_eval = poisoned<float>(N);
+        for (int r0 = 0, ch = 0; r0 < N; r0 += chunk, ch++)
+            loss_fwd_fp8<T>(d_eval + r0, d_lse + r0, d_logits, ops(r0, ch), d_targets + r0,
+                            N - r0 < chunk ? N - r0 : chunk, C, V, Vp);
+        bool same = memcmp(download(d_eval, N).data(), r1[0].data(), N * sizeof(float)) == 0;
+        report(same, "eval_loss", same ? "evaluation row losses identical to training's" : "evaluation row losses DIFFER");
+    }
+    dfree_all();
+}
+
 static void run_fp8(void) {
     char sh[96];
     for (int fmt = FP8_E4M3; fmt <= FP8_E5M2; fmt++) {
@@ -1455,6 +1622,23 @@ static void run_fp8(void) {
         set_ctx("fp8", "gemm fp32 out", sh);
         test_fp8_gemm<float>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 0.0f);
         test_fp8_gemm<float>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 1.0f);
+    }
+    /* the FP8 classifier, called directly (the engines run it from d_model 512, fp8_classifier_pays):
+     * one chunk; chunks of 64, 64 and 16 rows; a vocabulary of 1024 in two chunks of 128; d_model 512 */
+    const int cls_shapes[][5] = {{64, 48, 100, 128, 64}, {144, 48, 100, 128, 64}, {256, 192, 1000, 1024, 128},
+                                 {128, 512, 1000, 1024, 64}};
+    for (const auto& c : cls_shapes) {
+        snprintf(sh, sizeof sh, "N=%d C=%d V=%d/%d chunk=%d %s", c[0], c[1], c[2], c[3], c[4], fp8_name(FP8_GRAD_FMT));
+        set_ctx("fp8", "classifier bf16", sh);
+        test_loss_fp8<bf16>(c[0], c[1], c[2], c[3], c[4]);
+    }
+    /* the fused loss rows: a small vocabulary; the models' (50257 padded to 50304, from shared memory
+     * on an H200) */
+    const int rows_shapes[][3] = {{48, 100, 128}, {32, 50257, 50304}};
+    for (const auto& r : rows_shapes) {
+        snprintf(sh, sizeof sh, "n=%d V=%d/%d %s", r[0], r[1], r[2], fp8_name(FP8_GRAD_FMT));
+        set_ctx("fp8", "loss rows fp8 fused bf16", sh);
+        test_loss_rows_fp8_fused<bf16>(r[0], r[1], r[2]);
     }
     fp8_plans_clear();
 }

@@ -114,8 +114,8 @@ int main(int argc, char** argv) {
         float *dx = lf("dx", (size_t)N * C), *dwte = lf("dwte", (size_t)Vp * C);
         float* probs = (float*)malloc((size_t)N * Vp * sizeof(float));
         float loss = classifier_forward(probs, x, wte, targets, N, C, V, Vp);
+        save("loss", &loss, 1); save("probs", probs, (size_t)N * Vp); /* the backward overwrites them */
         classifier_backward(dx, dwte, probs, x, wte, targets, N, C, V, Vp);
-        save("loss", &loss, 1); save("probs", probs, (size_t)N * Vp);
         save("dx", dx, (size_t)N * C); save("dwte", dwte, (size_t)Vp * C);
     } else if (!strcmp(layer, "adamw")) {      /* n t; hyper-parameters in hyper.bin */
         int n = a[0], t = a[1];

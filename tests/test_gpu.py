@@ -419,7 +419,13 @@ def test_side_stream_over_several_logits_chunks_gives_the_bits_of_synchronised_l
     each chunk's dwte on the side stream, the next chunk's logits written after it, the later chunks
     and the embedding backward adding into the same wte gradient; grad_accum 2 (the += graph),
     validation and sampling between steps."""
-    shape = FP8_SHAPES["odd"] if precision == "fp8" else SHAPES["odd"]
+    check_side_stream_over_chunks(small_chunks_build, random_shards, tmp_path, precision)
+
+
+def check_side_stream_over_chunks(engine, random_shards, tmp_path, precision, shape=None):
+    """The body of the test above for an engine built with small logits chunks, at the odd shape of
+    the precision or at `shape` (tests/test_fp8_classifier.py's)."""
+    shape = shape or (FP8_SHAPES["odd"] if precision == "fp8" else SHAPES["odd"])
     args = tiny_args(random_shards.train, random_shards.val, **{
         **shape, "train.precision": precision, "train.steps": 5, "train.grad_accum": 2, "train.lr": 3e-3,
         "train.warmup_steps": 2, "eval.every": 2, "eval.batches": 2, "sample.every": 5, "sample.tokens": 5,
@@ -428,7 +434,7 @@ def test_side_stream_over_several_logits_chunks_gives_the_bits_of_synchronised_l
     runs = {}
     for mode, env in (("sync", {"ANDREA_CUDA_SYNC": "1"}), ("graph", {}), ("eager", {"ANDREA_NO_GRAPH": "1"})):
         ckpt = tmp_path / f"{mode}.ckpt"
-        res = run_ok(small_chunks_build, args + ["--checkpoint", ckpt], env=env)
+        res = run_ok(engine, args + ["--checkpoint", ckpt], env=env)
         assert "backward: weight gradients on a side stream" in res.stderr, res.stderr[-2000:]
         chunk = int(re.search(r"logits in chunks of (\d+) rows", res.stderr).group(1))
         assert chunk < positions, f"{chunk}-row chunks of {positions} positions: the loss ran in one chunk"

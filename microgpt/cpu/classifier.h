@@ -1,6 +1,7 @@
 /* Tied output layer and loss: logits = x[N,C] @ wte[Vp,C]^T, softmax and cross-entropy over the
- * first V (real) columns only. probs [N,Vp] is saved for backward with padded columns set to 0.
- * The loss is the mean over the N positions, so backward uses dloss = 1/N per position. */
+ * first V (real) columns only. probs [N,Vp] is saved for backward with padded columns set to 0;
+ * the backward overwrites it with dlogits. The loss is the mean over the N positions, so backward
+ * uses dloss = 1/N per position. */
 #ifndef MICROGPT_CPU_CLASSIFIER_H
 #define MICROGPT_CPU_CLASSIFIER_H
 
@@ -53,19 +54,28 @@ static inline float classifier_forward(float* probs, const float* x, const float
     return (float)(total / N);
 }
 
-static inline void classifier_backward(float* dx, float* dwte, const float* probs, const float* x,
-                                const float* wte, const int* targets, int N, int C, int V, int Vp) {
+/* dlogits [N,Vp] = (probs - onehot(target)) / N on real columns, 0 on padded ones; in place (the
+ * probabilities are not needed after). */
+static inline void classifier_dlogits(float* probs, const int* targets, int N, int V, int Vp) {
     float dloss = 1.0f / N;
-    /* dlogits[n,v] = (p[n,v] - [v == target]) / N for real columns; padded columns get nothing */
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        float* p = probs + (size_t)n * Vp;
+        for (int v = 0; v < V; v++) p[v] = (p[v] - (v == targets[n] ? 1.0f : 0.0f)) * dloss;
+        for (int v = V; v < Vp; v++) p[v] = 0.0f;
+    }
+}
+
+/* The two products of the classifier backward from dlogits [N,Vp] (real columns read): dx += dlogits @ wte,
+ * dwte[:V] += dlogits^T @ x. */
+static inline void classifier_backward_products(float* dx, float* dwte, const float* dlogits, const float* x,
+                                                const float* wte, int N, int C, int V, int Vp) {
     /* dx[n,:] += sum_v dlogits[n,v] * wte[v,:]   (rows independent) */
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
-        const float* p = probs + (size_t)n * Vp;
+        const float* g = dlogits + (size_t)n * Vp;
         float* o = dx + (size_t)n * C;
-        for (int v = 0; v < V; v++) {
-            float g = (p[v] - (v == targets[n] ? 1.0f : 0.0f)) * dloss;
-            axpy_f32(o, g, wte + (size_t)v * C, C);
-        }
+        for (int v = 0; v < V; v++) axpy_f32(o, g[v], wte + (size_t)v * C, C);
     }
     /* dwte[v,:] += sum_n dlogits[n,v] * x[n,:]   (threads own tiles of real rows; n in order) */
     int ntiles = (V + CLASSIFIER_ROWS - 1) / CLASSIFIER_ROWS;
@@ -74,14 +84,19 @@ static inline void classifier_backward(float* dx, float* dwte, const float* prob
         int v0 = tile * CLASSIFIER_ROWS;
         int rows = v0 + CLASSIFIER_ROWS <= V ? CLASSIFIER_ROWS : V - v0;
         for (int n = 0; n < N; n++) {
-            const float* p = probs + (size_t)n * Vp + v0;
+            const float* g = dlogits + (size_t)n * Vp + v0;
             const float* xn = x + (size_t)n * C;
-            for (int r = 0; r < rows; r++) {
-                float g = (p[r] - (v0 + r == targets[n] ? 1.0f : 0.0f)) * dloss;
-                axpy_f32(dwte + (size_t)(v0 + r) * C, g, xn, C);
-            }
+            for (int r = 0; r < rows; r++) axpy_f32(dwte + (size_t)(v0 + r) * C, g[r], xn, C);
         }
     }
+}
+
+/* The classifier backward: probs [N,Vp] (from classifier_forward) becomes dlogits, then dx and dwte
+ * take its products. */
+static inline void classifier_backward(float* dx, float* dwte, float* probs, const float* x, const float* wte,
+                                       const int* targets, int N, int C, int V, int Vp) {
+    classifier_dlogits(probs, targets, N, V, Vp);
+    classifier_backward_products(dx, dwte, probs, x, wte, N, C, V, Vp);
 }
 
 #endif

@@ -39,6 +39,16 @@ enum { FP8_E4M3 = 0, FP8_E5M2 = 1 };
 #ifndef FP8_GRAD_FMT
 #define FP8_GRAD_FMT FP8_E4M3
 #endif
+/* Whether precision fp8 runs the tied classifier's three products (logits = lnf @ wte^T,
+ * d(lnf) = dlogits @ wte, d(wte) = dlogits^T @ lnf) in FP8 too (docs/DESIGN.md §18): wte and LNf's
+ * output E4M3 at their current scales, dlogits FP8_GRAD_FMT at the static scale fp8_dlogits_scale;
+ * else the classifier stays in the activation type (bf16 on the GPU, fp32 on the CPU). Its extra
+ * passes (wte's cast, dlogits' transpose) cost ~N·Vp, the products' saving ~N·Vp·d_model: measured
+ * on an H200 they break even near d_model 500 (ANDREA-12M, 192: +0.30 ms a step; ANDREA-120M, 768:
+ * -0.53 ms). A function of the shape alone, one rule for both engines (the CPU engine stays the
+ * GPU's reference) and for config_validate. */
+#define FP8_CLASSIFIER_MIN_D_MODEL 512
+static inline int fp8_classifier_pays(int d_model) { return d_model >= FP8_CLASSIFIER_MIN_D_MODEL; }
 #define FP8_SCALE_EXP_LIMIT 126 /* scales 2^-126 .. 2^126: the scale and its inverse stay normal fp32 */
 
 /* Mantissa bits, exponent bias and largest finite code (positive) of a format. */
@@ -101,6 +111,14 @@ static inline FP8_HD float fp8_scale_for_amax(float amax, int fmt) {
     if (k < -FP8_SCALE_EXP_LIMIT) k = -FP8_SCALE_EXP_LIMIT;
     return ldexpf(1.0f, k);
 }
+
+/* The FP8 classifier's scale of dlogits = (softmax - onehot) * dscale: every |softmax - onehot| is at
+ * most 1, so no dlogit exceeds |dscale| (1/N), and the scale of that bound is known before the
+ * logits are: it never saturates (but for an exponential rounded above 1) and equals the current
+ * scale unless no |dlogit| reaches 7/8 of the bound (N a power of two; between 1/2 and 1 of it
+ * otherwise), i.e. every row puts more than 7/8 of its probability on its target; then it is one
+ * binade coarser. No history, nothing to checkpoint. */
+static inline FP8_HD float fp8_dlogits_scale(float dscale) { return fp8_scale_for_amax(fabsf(dscale), FP8_GRAD_FMT); }
 
 /* Largest |x| of n values as the GPU reduces it: the maximum of the fp32 bit patterns of |x|, so
  * a NaN (whose pattern is above infinity's) makes the result NaN. Order-free, hence deterministic. */

@@ -38,7 +38,9 @@
 #include "../cpu/fp8.h"
 #include "common.cuh"
 #include "layernorm.cuh"
+#include "loss.cuh"
 #include "mlp.cuh"
+#include "side_stream.cuh"
 
 typedef unsigned char fp8;
 
@@ -635,6 +637,122 @@ static void fp8_gemm(int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD* D, const TD* 
     CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &alpha, Bt.p, p->a, A.p, p->b, &beta, C ? (const void*)C : D,
                                 p->d, D, p->d, &p->algo, g_gemm_workspace, g_gemm_workspace_bytes, g_stream));
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The FP8 classifier (docs/DESIGN.md §18; where it pays, cpu/fp8.h's fp8_classifier_pays): the
+ * tied classifier's three products in FP8, around the same loss rows as loss.cuh's loss_fwd /
+ * loss_fwd_bwd. Its operands for one chunk of n rows: LNf's output x [n, C] for the logits and x^T
+ * [C, n] for dwte (E4M3, cast once a forward at LNf's current scale, its amax fused into the
+ * LayerNorm); wte [Vp, C] for the logits and wte^T [C, Vp] for dx (E4M3, cast with the layers'
+ * weights); dlogits' codes [n, Vp] for dx and [Vp, n] for dwte (FP8_GRAD_FMT at the static scale
+ * fp8_dlogits_scale, written to g_sc: the loss rows write the row-major codes themselves,
+ * loss_fwd_bwd_fp8). */
+struct Fp8ClassifierOps {
+    Fp8Mat x, wte;          /* the logits product's operands */
+    const fp8 *x_t, *wte_t; /* at x's and wte's scales */
+    fp8 *g, *g_t;
+    Fp8Scale* g_sc;
+};
+
+/* LNf's output x [N, C] cast for the FP8 classifier at the current scale of the amax in sc (the
+ * LayerNorm's): row-major into out_n and, when out_t is not NULL (training), transposed chunk by
+ * chunk of the logits (the `chunk` rows from r0: [C][n] at out_t + r0 * C, dwte's x_t). */
+template <typename T>
+static void fp8_cast_classifier_input(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* x, int N, int C, int chunk) {
+    if (!out_t) chunk = N;
+    for (int r0 = 0; r0 < N; r0 += chunk) {
+        size_t at = (size_t)r0 * C;
+        fp8_cast(out_n + at, out_t ? out_t + at : NULL, sc, x + at, 1, N - r0 < chunk ? N - r0 : chunk, C, FP8_E4M3);
+    }
+}
+
+/* The FP8 classifier's loss rows (loss.cuh's Store) write dlogits' codes [n, Vp] row-major in
+ * FP8_GRAD_FMT instead of T over the logits: each value as it would be stored in T, at the static
+ * scale fp8_dlogits_scale(ds) (cpu/fp8.h), which the first packet of row 0 writes to sc. Bit for bit
+ * the loss rows in T, then fp8_cast with the bound |ds| as the amax (tests/kernel_check.cu). */
+struct LossStoreFp8 {
+    fp8* codes;
+    Fp8Scale* sc;
+    int Vp;
+    template <typename T, int VEC>
+    __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float ds) const {
+        float s = fp8_dlogits_scale(ds);
+        fp8 q[VEC];
+        fp8* dst = codes + (size_t)row * Vp + j;
+        (void)l;
+        for (int k = 0; k < VEC; k++) q[k] = fp8_cvt(as_stored<T>(v[k]) * s, FP8_GRAD_FMT);
+        if constexpr (VEC == 8) {
+            uint2 w;
+            memcpy(&w, q, sizeof w);
+            *reinterpret_cast<uint2*>(dst) = w; /* Vp and j multiples of 8 (the packed kernels) */
+        } else {
+            for (int k = 0; k < VEC; k++) dst[k] = q[k];
+        }
+        if (row == 0 && j == 0) {
+            sc->scale = s;
+            sc->descale = 1.0f / s;
+        }
+    }
+};
+
+/* The FP8 classifier's dlogits for dwte: out [Cc][R] = the codes in [R][Cc] transposed, a 64 x 64 tile a block through
+ * shared memory: 16-byte loads of its rows, 16-byte stores of its columns (R and Cc multiples of
+ * 16, both pointers 16-byte aligned: fp8_transpose checks). */
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_transpose(fp8* __restrict__ out, const fp8* __restrict__ in,
+                                                                    int R, int Cc) {
+    await_previous_kernel();
+    __shared__ __align__(16) fp8 tile[FP8_TILE][FP8_TILE + 16]; /* rows of 80 bytes: 16-byte aligned */
+    const int per_row = FP8_TILE / 16;
+    unsigned tiles_c = ceil_div(Cc, FP8_TILE);
+    int c0 = (int)(blockIdx.x % tiles_c) * FP8_TILE, r0 = (int)(blockIdx.x / tiles_c) * FP8_TILE;
+    for (int i = threadIdx.x; i < FP8_TILE * per_row; i += FP8_CAST_THREADS) {
+        int tr = i / per_row, tc = i % per_row * 16;
+        if (r0 + tr < R && c0 + tc < Cc)
+            *reinterpret_cast<uint4*>(&tile[tr][tc]) =
+                *reinterpret_cast<const uint4*>(in + (size_t)(r0 + tr) * Cc + c0 + tc);
+    }
+    __syncthreads();
+    int col = threadIdx.x % FP8_TILE, k0 = threadIdx.x / FP8_TILE * FP8_COL_PACKET;
+    if (c0 + col >= Cc || r0 + k0 >= R) return;
+    uint4 q;
+    fp8* qb = reinterpret_cast<fp8*>(&q);
+    for (int k = 0; k < FP8_COL_PACKET; k++) qb[k] = tile[k0 + k][col];
+    *reinterpret_cast<uint4*>(out + (size_t)(c0 + col) * R + r0 + k0) = q;
+}
+static_assert(FP8_COL_PACKET == 16, "a transposed packet is one 16-byte store");
+
+static void fp8_transpose(fp8* out, const fp8* in, int R, int Cc) {
+    if (R % 16 || Cc % 16 || (uintptr_t)out % 16 || (uintptr_t)in % 16) {
+        fprintf(stderr, "error: internal: fp8_transpose of [%d, %d] codes (multiples of 16, 16-byte aligned)\n", R, Cc);
+        exit(1);
+    }
+    launch_kernel(k_fp8_transpose, fp8_cast_tiles(1, R, Cc), FP8_CAST_THREADS, out, in, R, Cc);
+}
+
+/* Evaluation: the chunk's row losses and lse; logits [n, Vp] is scratch. */
+template <typename T>
+static void loss_fwd_fp8(float* losses, float* lse, T* logits, const Fp8ClassifierOps& c, const int* targets, int n,
+                         int C, int V, int Vp) {
+    fp8_gemm<T>(n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
+    loss_rows(losses, lse, logits, targets, n, V, Vp, (const float*)NULL);
+}
+
+/* Training: as loss_fwd_fp8, then dlogits' codes, dwte (/ += by grad_beta) = dlogits^T @ x on the
+ * side stream (it reads g_t: the caller waits for it, side_wait(c.g_t), before the next chunk's
+ * codes) and dx = dlogits @ wte. The loss rows write the row-major codes themselves (LossStoreFp8),
+ * a transpose the other layout. */
+template <typename T>
+static void loss_fwd_bwd_fp8(float* losses, float* lse, T* dx, float* dwte, T* logits, const Fp8ClassifierOps& c,
+                             const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
+    fp8_gemm<T>(n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
+    loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreFp8{c.g, c.g_sc, Vp});
+    fp8_transpose(c.g_t, c.g, n, Vp);
+    side_product(c.g_t, [&] {
+        fp8_gemm<float>(Vp, C, n, fp8_mat(c.g_t, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.x_t, FP8_E4M3, c.x.sc), dwte, NULL,
+                        grad_beta);
+    });
+    fp8_gemm<T>(n, C, Vp, fp8_mat(c.g, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.wte_t, FP8_E4M3, c.wte.sc), dx, NULL, 0.0f);
 }
 
 #endif

@@ -61,17 +61,28 @@ static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C,
     gemm(n, Vp, C, mat(x, C), mat_t(wte, C), mat(logits, Vp));
 }
 
+/* What a row's second pass does with its gradient's packets (v: the VEC values from column j of
+ * row `row`; ds: *dscale): by default overwrites the logits l with them in T. The
+ * FP8 classifier stores their FP8 codes elsewhere instead (cuda/fp8.cuh's LossStoreFp8). */
+struct LossStoreInPlace {
+    template <typename T, int VEC>
+    __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float ds) const {
+        (void)row, (void)ds;
+        store_vec(l + j, v);
+    }
+};
+
 /* One row's softmax, loss and gradient (the block's threads, VEC-element packets): lse over the
  * real columns of `src`, losses[row] = lse - target_logit (thread 0's, read from l before the row
- * is overwritten); with dscale (device float, nullable), also overwrites l with dlogits =
- * (exp(logit - lse) - [j == target]) * dscale on real columns and 0 on padded ones. src is l
+ * is overwritten); with dscale (device float, nullable), also stores dlogits = (exp(logit - lse)
+ * - [j == target]) * dscale on real columns and 0 on padded ones by `st` (over l). src is l
  * itself (k_loss_rows) or the row's copy in shared memory (k_loss_rows_shared). Each thread reads only
  * the packets j = threadIdx.x * VEC + i * LOSS_THREADS * VEC (loss_row_copy copies the same ones).
  * Rows are whole packets when VEC > 1. */
-template <typename T, int VEC>
+template <typename T, int VEC, typename Store>
 __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __restrict__ lse, T* l, const T* src,
                                          int row, int target, float target_logit, int V, int Vp,
-                                         const float* __restrict__ dscale) {
+                                         const float* __restrict__ dscale, const Store& st) {
     float mx = -INFINITY, s = 0.0f, v[VEC];
     for (int j = threadIdx.x * VEC; j < V; j += LOSS_THREADS * VEC) {
         load_vec(v, src + j);
@@ -101,27 +112,28 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
         if (j + VEC > V) /* padded columns */
             for (int k = 0; k < VEC; k++)
                 if (j + k >= V) v[k] = 0.0f;
-        store_vec(l + j, v);
+        st.template store<T, VEC>(l, row, j, v, ds);
     }
 }
 
 /* One block per row, both passes over the row in memory (the second from L2). */
-template <typename T, int VEC>
+template <typename T, int VEC, typename Store>
 __global__ void __launch_bounds__(LOSS_THREADS)
 k_loss_rows(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
-            const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
+            const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale, Store st) {
     await_previous_kernel();
     int row = blockIdx.x, target = targets[row];
     T* l = logits + (size_t)row * Vp;
     float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f; /* read before the row is overwritten */
-    loss_row<T, VEC>(losses, lse, l, l, row, target, target_logit, V, Vp, dscale);
+    loss_row<T, VEC>(losses, lse, l, l, row, target, target_logit, V, Vp, dscale, st);
 }
 
-template <typename T>
+template <typename T, typename Store = LossStoreInPlace>
 static void loss_rows_from_memory(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
-                              const float* dscale) {
-    LAUNCH_PACKED(packable(Vp, sizeof(T), {logits}), k_loss_rows, T, n, LOSS_THREADS, losses, lse, logits,
-                  targets, V, Vp, dscale);
+                                  const float* dscale, Store st = Store()) {
+    if (packable(Vp, sizeof(T), {logits}))
+        launch_kernel(k_loss_rows<T, PACK(T), Store>, n, LOSS_THREADS, losses, lse, logits, targets, V, Vp, dscale, st);
+    else launch_kernel(k_loss_rows<T, 1, Store>, n, LOSS_THREADS, losses, lse, logits, targets, V, Vp, dscale, st);
 }
 
 /* This thread's packets of a row of Vp (the ones loss_row reads) into shared memory by cp.async,
@@ -146,10 +158,10 @@ __device__ __forceinline__ void loss_row_copy(T* row_s, const T* l, int Vp) {
 #define LOSS_ROWS_SHARED_BOUND LOSS_ROWS_SHARED_PER_SM
 #endif
 /* A block per row, its row in Vp elements of dynamic shared memory. */
-template <typename T, int VEC>
+template <typename T, int VEC, typename Store>
 __global__ void __launch_bounds__(LOSS_THREADS, LOSS_ROWS_SHARED_BOUND)
 k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
-                   const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale) {
+                   const int* __restrict__ targets, int V, int Vp, const float* __restrict__ dscale, Store st) {
     await_previous_kernel();
     extern __shared__ __align__(16) unsigned char loss_row_bytes[];
     T* row_s = reinterpret_cast<T*>(loss_row_bytes);
@@ -158,14 +170,14 @@ k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __res
     float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f;
     loss_row_copy<T, VEC>(row_s, l, Vp);
     __pipeline_wait_prior(0);
-    loss_row<T, VEC>(losses, lse, l, row_s, row, target, target_logit, V, Vp, dscale);
+    loss_row<T, VEC>(losses, lse, l, row_s, row, target, target_logit, V, Vp, dscale, st);
 }
-/* Whether k_loss_rows_shared<T, VEC> can run rows of `bytes` here: its dynamic shared memory (the
+/* Whether k_loss_rows_shared<T, VEC, Store> can run rows of `bytes` here: its dynamic shared memory (the
  * row) plus its static shared memory (block_reduce's partials) within a block's opt-in limit (the
  * sum of the two may not exceed it: asking for the whole limit as dynamic memory fails), and
  * LOSS_ROWS_SHARED_PER_SM blocks of it (registers and shared memory, by the occupancy calculator)
  * on one multiprocessor. Raises the kernel's dynamic limit to exactly the row's bytes on the way. */
-template <typename T, int VEC>
+template <typename T, int VEC, typename Store>
 static bool loss_rows_shared_fits(size_t bytes) {
     static size_t checked_bytes = 0;
     static bool fits = false;
@@ -174,15 +186,15 @@ static bool loss_rows_shared_fits(size_t bytes) {
     cudaFuncAttributes fa;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    CUDA_CHECK(cudaFuncGetAttributes(&fa, k_loss_rows_shared<T, VEC>));
+    CUDA_CHECK(cudaFuncGetAttributes(&fa, k_loss_rows_shared<T, VEC, Store>));
     int blocks = 0;
     fits = bytes + fa.sharedSizeBytes <= (size_t)optin;
     if (fits) {
-        CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_shared<T, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_shared<T, VEC, Store>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)bytes));
-        CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_shared<T, VEC>, cudaFuncAttributePreferredSharedMemoryCarveout,
+        CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_shared<T, VEC, Store>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                         cudaSharedmemCarveoutMaxShared));
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k_loss_rows_shared<T, VEC>, LOSS_THREADS,
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k_loss_rows_shared<T, VEC, Store>, LOSS_THREADS,
                                                                  bytes));
         fits = blocks >= LOSS_ROWS_SHARED_PER_SM;
     }
@@ -190,35 +202,35 @@ static bool loss_rows_shared_fits(size_t bytes) {
     return fits;
 }
 
-/* Launches k_loss_rows_shared<T, VEC> if it fits (loss_rows_shared_fits); returns false, having
+/* Launches k_loss_rows_shared<T, VEC, Store> if it fits (loss_rows_shared_fits); returns false, having
  * launched nothing, if not. */
-template <typename T, int VEC>
+template <typename T, int VEC, typename Store>
 static bool loss_rows_shared(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
-                             const float* dscale) {
+                             const float* dscale, Store st) {
     size_t bytes = (size_t)Vp * sizeof(T);
-    if (!loss_rows_shared_fits<T, VEC>(bytes)) return false;
-    launch_kernel_with_shared(k_loss_rows_shared<T, VEC>, n, LOSS_THREADS, bytes, losses, lse, logits, targets, V, Vp,
-                              dscale);
+    if (!loss_rows_shared_fits<T, VEC, Store>(bytes)) return false;
+    launch_kernel_with_shared(k_loss_rows_shared<T, VEC, Store>, n, LOSS_THREADS, bytes, losses, lse, logits, targets,
+                              V, Vp, dscale, st);
     return true;
 }
 
 /* k_loss_rows_shared, in packets where the rows allow; false, having launched nothing, where it
  * does not fit (tests/kernel_check.cu checks that it ran at the models' vocabulary in 16 bits). */
-template <typename T>
+template <typename T, typename Store = LossStoreInPlace>
 static bool loss_rows_from_shared(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
-                              const float* dscale) {
+                                  const float* dscale, Store st = Store()) {
     return packable(Vp, sizeof(T), {logits})
-               ? loss_rows_shared<T, PACK(T)>(losses, lse, logits, targets, n, V, Vp, dscale)
-               : loss_rows_shared<T, 1>(losses, lse, logits, targets, n, V, Vp, dscale);
+               ? loss_rows_shared<T, PACK(T), Store>(losses, lse, logits, targets, n, V, Vp, dscale, st)
+               : loss_rows_shared<T, 1, Store>(losses, lse, logits, targets, n, V, Vp, dscale, st);
 }
 
 /* The loss rows of n rows: from shared memory where the row fits, else from memory; the same bits
  * either way. */
-template <typename T>
+template <typename T, typename Store = LossStoreInPlace>
 static void loss_rows(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
-                      const float* dscale) {
-    if (loss_rows_from_shared(losses, lse, logits, targets, n, V, Vp, dscale)) return;
-    loss_rows_from_memory(losses, lse, logits, targets, n, V, Vp, dscale);
+                      const float* dscale, Store st = Store()) {
+    if (loss_rows_from_shared(losses, lse, logits, targets, n, V, Vp, dscale, st)) return;
+    loss_rows_from_memory(losses, lse, logits, targets, n, V, Vp, dscale, st);
 }
 
 /* Evaluation: per-row losses [n] and lse [n] of rows x [n, C]; logits [n, Vp] is scratch. */

@@ -32,7 +32,7 @@
 #include "common.cuh"
 
 #define SIDE_TILE_ELEMS (128 * 128) /* one output tile of a large product (common.cuh's rule) */
-#define SIDE_MAX_BUFFERS 8 /* buffers with a side-stream reader: dres, dh, dqkv, logits, fp8's g8t */
+#define SIDE_MAX_BUFFERS 8 /* buffers with a side-stream reader: dres, dh, dqkv, logits, fp8's g8t (and dl8t) */
 
 /* One buffer the side stream reads and the main stream overwrites later. */
 struct SideRead {

@@ -4,6 +4,7 @@
 #ifndef MICROGPT_HOST_CONFIG_H
 #define MICROGPT_HOST_CONFIG_H
 
+#include "../cpu/fp8.h"
 #include "output.h"
 #include <ctype.h>
 #include <errno.h>
@@ -628,6 +629,23 @@ static void config_validate_sources(const Config* c) {
         die_input("bandit.every needs --data.val: the bandit's probes measure the loss on it");
 }
 
+/* Whether the engines run the classifier's products in FP8: precision fp8 where it pays
+ * (cpu/fp8.h's fp8_classifier_pays); generation's products are never FP8. */
+static int config_fp8_classifier(const Config* c) {
+    return strcmp(c->train.precision, "fp8") == 0 && !c->generate.enabled && fp8_classifier_pays(c->model.d_model);
+}
+
+/* Precision fp8: which classifier the engine runs (config_fp8_classifier; else its products in
+ * `dtype`), one startup info line (docs/DESIGN.md §18). */
+static void info_fp8_classifier(const Config* c, const char* dtype) {
+    if (strcmp(c->train.precision, "fp8") != 0 || c->generate.enabled) return;
+    if (config_fp8_classifier(c))
+        info("classifier: FP8 products (model.d_model %d >= %d)", c->model.d_model, FP8_CLASSIFIER_MIN_D_MODEL);
+    else
+        info("classifier: %s products (model.d_model %d; FP8 pays from %d up)", dtype, c->model.d_model,
+             FP8_CLASSIFIER_MIN_D_MODEL);
+}
+
 static void config_validate(const Config* c, const int* seen, const Flag* f, int n) {
     int i;
     if (c->generate.enabled || c->evaluate) {
@@ -663,6 +681,12 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
         die_input("train.precision fp8 needs model.d_model, model.d_ff and train.batch_size x model.seq_len to be "
                   "multiples of 16 (FP8 products contract over them); got %d, %d and %lld", c->model.d_model,
                   c->model.d_ff, (long long)c->train.batch_size * c->model.seq_len);
+    /* the FP8 classifier (fp8_classifier_pays): its input-gradient product contracts over the
+     * padded vocabulary too */
+    if (config_fp8_classifier(c) && c->model.padded_vocab_size % 16)
+        die_input("train.precision fp8 with the FP8 classifier (model.d_model >= %d) needs model.padded_vocab_size to "
+                  "be a multiple of 16 (its product contracts over it); got %d", FP8_CLASSIFIER_MIN_D_MODEL,
+                  c->model.padded_vocab_size);
     if (c->train.min_lr > c->train.lr) die_input("train.min_lr (%g) is above train.lr (%g)", c->train.min_lr, c->train.lr);
     if (c->train.warmup_steps > c->train.steps)
         die_input("train.warmup_steps (%d) is more than train.steps (%d)", c->train.warmup_steps, c->train.steps);

@@ -1,0 +1,134 @@
+"""The FP8 classifier (docs/DESIGN.md §18): in precision fp8, from model.d_model 512 up
+(cpu/fp8.h's fp8_classifier_pays), the tied classifier's three products run in FP8 too (wte and
+LNf's output E4M3 at their current scales, dlogits FP8_GRAD_FMT at the static scale of their bound
+1/(B·T), written by the GPU's loss rows), in both engines; below 512 the classifier stays in the
+activation type. A one-layer model of d_model 512 (small vocabulary and sequence, so the CPU runs it
+in seconds) on each side of the rule: each engine says which classifier it runs, the padded
+vocabulary the FP8 products contract over is refused only where they run, the CPU engine trains
+near fp32 and resumes exactly. On a GPU (skipped without one) the GPU engine must track the CPU
+emulation, resume exactly, and give the bits of synchronised launches with its graphs and
+unsynchronised launches, also over several logits chunks (each chunk's dwte on the side stream).
+Its kernels are checked by tests/kernel_check.cu ("classifier bf16" and "loss rows fp8 fused" under
+--prec fp8).
+"""
+import re
+
+import numpy as np
+import pytest
+
+import engine_util as eu
+from engine_util import run_ok, tiny_args
+from test_fp8_delayed import RUN
+from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
+from test_gpu import check_side_stream_over_chunks, cuda_binary, small_chunks_build  # noqa: F401 (fixtures)
+
+# cpu/fp8.h's FP8_CLASSIFIER_MIN_D_MODEL: the FP8 classifier at 512, not at 496 (both multiples of
+# 16, as FP8 products need; 8 heads of 64, and 31 of 16)
+WIDTHS = {"fp8 classifier": {"model.d_model": 512, "model.n_head": 8},
+          "bf16 classifier": {"model.d_model": 496, "model.n_head": 31}}
+# one layer, a small vocabulary (the pattern shards' 60 in 64) and 64 positions (4 x 16)
+CLS_SHAPE = {"model.n_layer": 1, "model.d_ff": 512, "model.seq_len": 16, "model.padded_vocab_size": 64,
+             "train.batch_size": 4}
+CLS_RUN = {**RUN, **CLS_SHAPE, **WIDTHS["fp8 classifier"]}
+SHORT = {"train.steps": 2, "train.warmup_steps": 0, "eval.every": 0}  # a run that only starts
+CLASSIFIER_LINE = re.compile(r"classifier: (FP8|bf16|fp32) products")
+
+
+def classifier_named(res):
+    """The classifier the engine says it runs (its one startup info line), None if it says none."""
+    found = CLASSIFIER_LINE.findall(res.stderr)
+    assert len(found) <= 1, res.stderr[-2000:]
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize("width", sorted(WIDTHS))
+def test_cpu_engine_runs_the_fp8_classifier_from_d_model_512(cpu_binary, random_shards, width):
+    """The rule at its edge: the engine names the FP8 classifier at 512 and its fp32 one at 496; a
+    padded vocabulary of 72 (not a multiple of 16, which the FP8 input-gradient product contracts
+    over) is refused with one error line where the FP8 classifier runs and trained on where not."""
+    fp8 = width == "fp8 classifier"
+    args = tiny_args(random_shards.train, **{**CLS_RUN, **WIDTHS[width], **SHORT})
+    assert classifier_named(run_ok(cpu_binary, args)) == ("FP8" if fp8 else "fp32")
+    res = eu.run_engine(cpu_binary, args + ["--model.padded_vocab_size", "72"])
+    if fp8:
+        assert res.rc != 0 and len(res.errors) == 1 and "multiple of 16" in res.errors[0], res.stderr
+    else:
+        assert res.rc == 0 and len(res.steps) == 2, res.describe()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_other_precisions_name_no_classifier(cpu_binary, random_shards, precision):
+    res = run_ok(cpu_binary, tiny_args(random_shards.train, **{**CLS_RUN, **SHORT, "train.precision": precision}))
+    assert classifier_named(res) is None
+
+
+def test_cpu_fp8_classifier_trains_near_fp32(cpu_binary, pattern_shards, tmp_path):
+    """Losses finite and falling, within 5 % of the fp32 run's a step (the layers' FP8 tolerance of
+    tests/test_fp8.py), and not equal to them; validation finite."""
+    args = tiny_args(*pattern_shards, **{**CLS_RUN, "train.steps": 12})
+    fp8 = run_ok(cpu_binary, args)
+    fp32 = run_ok(cpu_binary, args + ["--train.precision", "fp32"])
+    assert classifier_named(fp8) == "FP8"
+    losses = [r["loss"] for r in fp8.steps]
+    assert all(np.isfinite(losses)) and len(losses) == 12
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
+    assert all(abs(a - r["loss"]) <= 0.05 * r["loss"] for a, r in zip(losses, fp32.steps))
+    assert [r["loss"] for r in fp32.steps] != losses, "fp8 computed exactly what fp32 computes"
+    vals = [r["val_loss"] for r in fp8.vals]
+    assert vals and all(np.isfinite(vals)), fp8.records
+
+
+def test_cpu_fp8_classifier_resumes_exactly_through_sigterm(cpu_binary, random_shards, tmp_path):
+    args = tiny_args(random_shards.train, random_shards.val, **CLS_RUN)
+    eu.check_exact_resume_after_sigterm(cpu_binary, args, CLS_RUN["train.steps"], tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the GPU engine (skipped without a GPU)
+
+# the GPU's shape: as the CPU's, but a vocabulary of 100 in 128 and 144 positions (3 x 48)
+GPU_RUN = {**CLS_RUN, "model.vocab_size": 100, "model.padded_vocab_size": 128, "model.seq_len": 48,
+           "train.batch_size": 3, "train.warmup_steps": 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", sorted(WIDTHS))
+def test_gpu_engine_runs_the_fp8_classifier_from_d_model_512(cuda_binary, random_shards, width):
+    """The GPU's rule is the CPU's (the CPU engine stays its reference)."""
+    res = run_ok(cuda_binary, tiny_args(random_shards.train, **{**GPU_RUN, **WIDTHS[width], **SHORT}))
+    assert classifier_named(res) == ("FP8" if width == "fp8 classifier" else "bf16")
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_classifier_tracks_the_cpu_emulation(cpu_binary, cuda_binary, random_shards):
+    """As test_fp8_delayed's tracking test: the loss within 3e-2 of the CPU emulation's a step (the
+    GPU's logits are bf16, its dlogits' codes from bf16 values; the CPU's fp32)."""
+    args = tiny_args(random_shards.train, **{**GPU_RUN, "train.steps": 10})
+    runs = {name: run_ok(b, args) for name, b in (("cpu", cpu_binary), ("gpu", cuda_binary))}
+    assert classifier_named(runs["gpu"]) == classifier_named(runs["cpu"]) == "FP8"
+    assert len(runs["gpu"].steps) == 10
+    for c, g in zip(runs["cpu"].steps, runs["gpu"].steps):
+        assert abs(g["loss"] - c["loss"]) <= 3e-2 * abs(c["loss"]), (c, g)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_classifier_resumes_exactly_and_graphs_equal_eager(cuda_binary, random_shards, tmp_path):
+    args = tiny_args(random_shards.train, random_shards.val, **{**GPU_RUN, "train.steps": 60,
+                                                                "train.grad_accum": 2, "eval.every": 20,
+                                                                "eval.batches": 2})
+    eu.check_exact_resume_after_sigterm(cuda_binary, args, 60, tmp_path)
+    eager_ckpt = tmp_path / "eager.ckpt"
+    run_ok(cuda_binary, args + ["--checkpoint", eager_ckpt], env={"ANDREA_NO_GRAPH": "1"})
+    assert eager_ckpt.read_bytes() == (tmp_path / "ref.ckpt").read_bytes()
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_classifier_over_several_chunks_gives_the_bits_of_synchronised_launches(
+        small_chunks_build, random_shards, tmp_path):
+    """As test_gpu's side-stream test over several logits chunks, for the FP8 classifier: each chunk's
+    dwte reads its dlogits' codes on the side stream, the next chunk's codes overwrite them after
+    side_wait; a missing wait shows as records or a checkpoint that differ from ANDREA_CUDA_SYNC's.
+    The small-chunks build's 16 KiB chunks: 64 rows of the 128-column bf16 logits, 3 for 144
+    positions (the chunk rounded to a multiple of 16 for dwte's FP8 product)."""
+    check_side_stream_over_chunks(small_chunks_build, random_shards, tmp_path, "fp8",
+                                  {k: v for k, v in GPU_RUN.items() if k.startswith(("model.", "train.batch"))})
