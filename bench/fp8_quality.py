@@ -25,9 +25,13 @@ losses; pass when its magnitude is at most 1%) and DIR/fp8-quality.svg (the vali
 panel per model). Records that are not JSON objects or whose step is not an integer are left out, a
 step time that is not a finite number is left out of the median, a validation loss that is not one
 stays in the curve as null (the line leaves it out); a step recorded twice counts once; one file
-name in two DIRs is refused. Exit status 1 unless every model present passes, 2 on bad input.
+name in two DIRs is refused (one DIR named twice counts once), as is a record file that is not a
+regular file (a pipe would block the read); a file whose model is not printable text (bytes that
+are no UTF-8, a line break) is no record and is passed over. Exit status 1 unless every model present passes, 2 on bad input.
 
-markdown: the summary as the table and chart reference docs/ANDREA.md shows, names escaped.
+markdown: the summary as the table and chart reference docs/ANDREA.md shows, names escaped; a
+summary that `summary` would not write (a figure that is no finite number, steps no integer) is
+refused.
 """
 import argparse
 import json
@@ -92,7 +96,8 @@ def run(args):
         cmd = engine_command(cfg, run_overrides(cfg, args, precision), repo_path(args.engine))
         path = records_path(args.out, model, precision)
         print(f"{model} {precision}: {' '.join(cmd)}", flush=True)
-        with open(path + ".tmp", "w") as out, open(path + ".stderr", "w") as err:
+        # the records replace the file when the run ends, even a failed one: they say how far it got
+        with atomic_open(path, "w") as out, open(path + ".stderr", "w") as err:
             out.write(env + "\n")
             out.flush()
             try:
@@ -100,7 +105,6 @@ def run(args):
                 status = None if rc == 0 else f"exit status {rc}"
             except subprocess.TimeoutExpired:
                 status = f"timed out after {args.timeout} s"
-        os.replace(path + ".tmp", path)    # kept even when the run failed: its records say how far it got
         if status:
             failed.append(f"{model} {precision}: engine {status} (see {path}.stderr)")
     for line in failed:
@@ -164,18 +168,34 @@ def compare(runs, expected_steps):
             "why": f"|{100 * rel:+.2f}%| {'<=' if ok else '>'} {100 * TOLERANCE:g}%"}
 
 
+def record_files(d):
+    """(model, precision, path) of the record files in folder d: <model>-<precision>.jsonl, the model
+    printable text (a name of bytes that are no UTF-8, or with a line break, is no record `run` wrote
+    and could be neither printed nor drawn). One that is not a regular file (a folder, a pipe, a link
+    to a device) is refused: reading it could block or never end."""
+    for name in sorted(os.listdir(d)):
+        stem, ext = os.path.splitext(name)
+        model, _, precision = stem.rpartition("-")
+        if ext == ".jsonl" and model and model.isprintable() and precision in PRECISIONS:
+            path = os.path.join(d, name)
+            if not os.path.isfile(path):
+                raise BenchError(f"{path} is not a regular file")
+            yield model, precision, path
+
+
 def summarise(dirs, steps):
-    """{model: {"runs": {precision: read_run}, compare's keys}} over every record file in dirs."""
-    models, seen = {}, {}
+    """{model: {"runs": {precision: read_run}, compare's keys}} over every record file in dirs (a
+    folder named twice, under any spelling, counts once)."""
+    models, seen, folders = {}, {}, {}
     for d in dirs:
-        for name in sorted(os.listdir(d)):
-            stem, ext = os.path.splitext(name)
-            model, _, precision = stem.rpartition("-")
-            if ext == ".jsonl" and model and precision in PRECISIONS:
-                if name in seen:
-                    raise BenchError(f"{name} is in both {seen[name]} and {d}: which run counts?")
-                seen[name] = d
-                models.setdefault(model, {"runs": {}})["runs"][precision] = read_run(os.path.join(d, name))
+        folders.setdefault(os.path.realpath(d), d)
+    for d in folders.values():
+        for model, precision, path in record_files(d):
+            name = os.path.basename(path)
+            if name in seen:
+                raise BenchError(f"{name} is in both {seen[name]} and {d}: which run counts?")
+            seen[name] = d
+            models.setdefault(model, {"runs": {}})["runs"][precision] = read_run(path)
     for m in models.values():
         m.update(compare(m["runs"], steps))
     return models
@@ -241,19 +261,43 @@ def md_link(path):
     return f"<{path}>" if any(c in path for c in " ()") else path
 
 
+def summary_figure(x, what):
+    """x of a summary read back: None or a finite number, else the summary is not one `summary` wrote."""
+    if x is not None and finite(x) is None:
+        raise BenchError(f"the summary's {what} is {x!r}, not a finite number (not one bench/fp8_quality.py wrote)")
+    return x
+
+
+def summary_model(model, m):
+    """One model's entry of a summary read back, checked: its runs (dicts by precision), rel_diff and
+    pass; what `summary` would not write is refused."""
+    if (not isinstance(m, dict) or not isinstance(m.get("runs"), dict) or
+            not all(isinstance(r, dict) for r in m["runs"].values()) or not isinstance(m.get("pass"), bool)):
+        raise BenchError(f"the summary's model {model!r} is not one bench/fp8_quality.py wrote")
+    for p, r in m["runs"].items():
+        for key in ("final_val_loss", "ms_per_step"):
+            summary_figure(r.get(key), f"{model} {p} {key}")
+    summary_figure(m.get("rel_diff"), f"{model} rel_diff")
+    return m
+
+
 def markdown(doc, chart_path):
     if not isinstance(doc, dict) or doc.get("kind") != "fp8_quality" or not isinstance(doc.get("models"), dict):
         raise BenchError("not an fp8 quality summary (bench/fp8_quality.py summary writes one)")
-    gpu, commit, date = (md_text(doc.get(k) or "") for k in ("gpu", "commit", "date"))
+    if type(doc.get("steps")) is not int:
+        raise BenchError(f"the summary's steps is {doc.get('steps')!r}, not an integer")
+    models = {model: summary_model(model, m) for model, m in doc["models"].items()}
+    gpu, commit = (md_text(doc.get(k) or "") for k in ("gpu", "commit"))
+    date = md_text(str(doc.get("date") or "")[:10])    # the day, cut before escaping (a cut escape escapes the ",")
     lines = [f"{doc['steps']} steps each, same seed and data; {gpu or 'GPU unknown'}, "
-             f"commit {commit or 'unknown'}, {date[:10] or 'date unknown'}.", "",
+             f"commit {commit or 'unknown'}, {date or 'date unknown'}.", "",
              "| model | bf16 final val loss | fp8 final val loss | fp8 vs bf16 | within 1% | bf16 ms/step | fp8 ms/step |",
              "|---|---|---|---|---|---|---|"]
-    for model, m in sorted(doc["models"].items(), key=lambda kv: model_size(kv[0])):
+    for model, m in sorted(models.items(), key=lambda kv: model_size(kv[0])):
         b, f = m["runs"].get("bf16", {}), m["runs"].get("fp8", {})
-        rel = "-" if m["rel_diff"] is None else f"{100 * m['rel_diff']:+.2f}%"
+        rel = "-" if m.get("rel_diff") is None else f"{100 * m['rel_diff']:+.2f}%"
         lines.append(f"| {md_text(model)} | {fmt(b.get('final_val_loss'), '.4f')} | {fmt(f.get('final_val_loss'), '.4f')} "
-                     f"| {rel} | {'yes' if m['pass'] else 'NO (' + md_text(m['why']) + ')'} "
+                     f"| {rel} | {'yes' if m['pass'] else 'NO (' + md_text(m.get('why', '')) + ')'} "
                      f"| {fmt(b.get('ms_per_step'), '.2f')} | {fmt(f.get('ms_per_step'), '.2f')} |")
     lines += ["", f"![validation loss, bf16 and fp8]({md_link(chart_path)})", ""]
     return "\n".join(lines)

@@ -5,6 +5,7 @@ a stand-in engine; and microgpt/svg_chart.py, the SVG writer the chart is drawn 
 """
 import json
 import math
+import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -217,6 +218,71 @@ def test_the_environment_line_cannot_rename_the_summary_or_break_the_markdown(tm
     assert "![validation loss, bf16 and fp8](<my charts/fp8 (1).svg>)" in out.stdout
     out = md("--chart", "a>b.svg")
     assert out.returncode == 2 and out.stderr.startswith("error: --chart 'a>b.svg': a link cannot hold")
+
+
+def test_one_folder_named_twice_counts_once_and_a_pipe_is_refused(tmp_path):
+    write_runs(tmp_path / "a", "ANDREA-12M", 5.0, 5.01)
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    out = summary_cmd(tmp_path / "a", f"{tmp_path / 'a'}/", tmp_path / "link")
+    assert out.returncode == 0, out.stderr
+    assert list(json.loads((tmp_path / "a" / "fp8-quality.json").read_text())["models"]) == ["ANDREA-12M"]
+    os.mkfifo(tmp_path / "a" / "ANDREA-120M-fp8.jsonl")    # reading it would wait for a writer for ever
+    out = summary_cmd(tmp_path / "a")
+    assert out.returncode == 2 and out.stderr == f"error: {tmp_path / 'a' / 'ANDREA-120M-fp8.jsonl'} is not a regular file\n"
+
+
+def test_a_record_file_whose_name_is_no_text_is_passed_over(tmp_path):
+    """Bytes that are no UTF-8 (or a line break) in a model name could be neither printed nor drawn:
+    such a file is no record `run` wrote, and the others are summarised."""
+    write_runs(tmp_path, "ANDREA-12M", 5.0, 5.01)
+    for stem in (b"ANDREA-\xff", b"A\nB"):
+        (tmp_path / (stem + b"-bf16.jsonl").decode(errors="surrogateescape")).write_text(records("bf16", 5.0))
+    out = summary_cmd(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert list(json.loads((tmp_path / "fp8-quality.json").read_text())["models"]) == ["ANDREA-12M"]
+
+
+def markdown_of(tmp_path, doc):
+    (tmp_path / "doc.json").write_text(json.dumps(doc))
+    return subprocess.run([sys.executable, str(SCRIPT), "markdown", str(tmp_path / "doc.json")],
+                          capture_output=True, text=True, timeout=60, env=python_env())
+
+
+def _edit(model=None, run=None, **top):
+    def edit(doc):
+        entry = doc["models"]["ANDREA-12M"]
+        entry["runs"]["fp8"].update(run or {})
+        entry.update(model or {})
+        doc.update(top)
+    return edit
+
+
+SUMMARY_DAMAGE = {"model_not_an_object": lambda doc: doc["models"].update({"ANDREA-12M": 1}),
+                  "runs_not_an_object": _edit(model={"runs": [1]}), "pass_not_a_flag": _edit(model={"pass": "yes"}),
+                  "rel_diff_text": _edit(model={"rel_diff": "x"}), "loss_a_list": _edit(run={"final_val_loss": [1]}),
+                  "ms_not_finite": _edit(run={"ms_per_step": 1e400}), "steps_markup": _edit(steps="<b>2000</b>")}
+
+
+@pytest.mark.parametrize("damage", sorted(SUMMARY_DAMAGE))
+def test_the_markdown_refuses_a_summary_the_summary_would_not_write(tmp_path, damage):
+    """A hand-edited summary gets one error line (no traceback, no markup passed through)."""
+    write_runs(tmp_path, "ANDREA-12M", 5.0, 5.01)
+    assert summary_cmd(tmp_path).returncode == 0
+    doc = json.loads((tmp_path / "fp8-quality.json").read_text())
+    assert markdown_of(tmp_path, doc).returncode == 0
+    SUMMARY_DAMAGE[damage](doc)
+    out = markdown_of(tmp_path, doc)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.startswith("error: the summary's"), out.stderr
+    assert len(out.stderr.splitlines()) == 1, out.stderr
+
+
+def test_the_markdown_cuts_the_date_before_escaping_it(tmp_path):
+    write_runs(tmp_path, "ANDREA-12M", 5.0, 5.01)
+    assert summary_cmd(tmp_path).returncode == 0
+    doc = json.loads((tmp_path / "fp8-quality.json").read_text())
+    doc["date"] = "123456789<ignored"
+    out = markdown_of(tmp_path, doc)
+    assert out.returncode == 0 and out.stdout.splitlines()[0].endswith(r", 123456789\<."), out.stdout
 
 
 @pytest.mark.parametrize("name", ["../escaped", "/tmp/abs", ".hidden", "a b", "<b>", 12])

@@ -152,7 +152,7 @@ static size_t engine_setup(const Config* cfg) {
     n = E.layout.n_params;
     E.shard = dist_part(n, NORM_CHUNK, g_dist.rank, g_dist.world); /* whole chunks: the norm stays exact */
     E.fp8 = strcmp(cfg->train.precision, "fp8") == 0;
-    E.fp8_delayed = E.fp8 && E.training;
+    E.fp8_delayed = config_keeps_fp8_histories(cfg);
     E.fp8_classifier = config_fp8_classifier(cfg);
     info_fp8_classifier(cfg, "fp32");
     if (E.fp8_delayed) {

@@ -1053,7 +1053,7 @@ static size_t engine_setup(const Config* cfg) {
     memset(&E, 0, sizeof E);
     E.cfg = *cfg;
     E.use_fp8 = strcmp(prec, "fp8") == 0; /* everything else as bf16 */
-    E.fp8_delayed = E.use_fp8 && !cfg->generate.enabled && !cfg->evaluate;
+    E.fp8_delayed = config_keeps_fp8_histories(cfg);
     E.use_fp8_classifier = config_fp8_classifier(cfg);
     E.prec = strcmp(prec, "bf16") == 0 || E.use_fp8 ? PREC_BF16 : strcmp(prec, "fp16") == 0 ? PREC_FP16 : PREC_FP32; /* or tf32 */
     E.es = E.prec == PREC_FP32 ? 4 : 2;

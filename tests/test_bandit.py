@@ -243,6 +243,50 @@ def test_resuming_a_run_without_bandit_state_starts_it_afresh(cpu_binary, source
     assert res.events("bandit")[0]["step"] == 6 and read_sidecar(ckpt)["bandit"]["rounds"] == 2
 
 
+def _bandit_edit(**edit):
+    def damage(side):
+        side["bandit"].update(edit)
+    return damage
+
+
+BANDIT_DAMAGE = {"gain_nan": _bandit_edit(gain=[float("nan"), 0.0]), "gain_infinite": _bandit_edit(gain=[1e400, 0.0]),
+                 "gain_text": _bandit_edit(gain=["x", 0.0]), "gain_not_a_list": _bandit_edit(gain=3),
+                 "rounds_negative": _bandit_edit(rounds=-1), "rounds_huge": _bandit_edit(rounds=1e300),
+                 "variance_negative": _bandit_edit(reward_var=-1.0), "mean_nan": _bandit_edit(reward_mean=float("nan")),
+                 "gains_overflow": _bandit_edit(gain=[1.7e308, -1.7e308])}
+
+
+@pytest.mark.parametrize("damage", sorted(BANDIT_DAMAGE))
+def test_a_bandit_state_no_run_leaves_starts_the_bandit_afresh(cpu_binary, sources, tmp_path, damage):
+    """The sidecar has no checksum: a bandit state with numbers no run leaves (probabilities that are
+    no numbers would draw the sources by accident) is reported, and the bandit starts afresh from
+    the prior, as a fresh run's does."""
+    ckpt = tmp_path / "c.ckpt"
+    args = mixture_args(sources, 4, checkpoint=ckpt, **{"bandit.every": 2, "bandit.eta": 2.0})
+    fresh = eu.run_ok(cpu_binary, args)
+    side = read_sidecar(ckpt)
+    BANDIT_DAMAGE[damage](side)
+    (tmp_path / "c.ckpt.json").write_text(json.dumps(side))
+    res = eu.run_ok(cpu_binary, mixture_args(sources, 8, checkpoint=ckpt, resume=True,
+                                             **{"bandit.every": 2, "bandit.eta": 2.0}))
+    assert "is not well-formed" in res.stderr or "probabilities that are no numbers" in res.stderr, res.describe()
+    assert res.events("start")[0]["p"] == fresh.events("start")[0]["p"], res.describe()
+    assert all(np.isfinite(e["p"]).all() for e in res.events("bandit")) and read_sidecar(ckpt)["bandit"]["rounds"] == 2
+
+
+def test_a_re_indented_sidecar_resumes_the_bandit_exactly(cpu_binary, sources, tmp_path):
+    """JSON whitespace anywhere in the member (a tool re-indented the sidecar) reads the same state."""
+    args = mixture_args(sources, 4, **{"bandit.every": 2, "bandit.eta": 0.5})
+    for name in ("plain", "pretty"):
+        eu.run_ok(cpu_binary, args + ["--checkpoint", tmp_path / f"{name}.ckpt"])
+    pretty = tmp_path / "pretty.ckpt.json"
+    pretty.write_text(json.dumps(json.loads(pretty.read_text()), indent=1))
+    more = mixture_args(sources, 8, resume=True, **{"bandit.every": 2, "bandit.eta": 0.5})
+    runs = [eu.run_ok(cpu_binary, more + ["--checkpoint", tmp_path / f"{name}.ckpt"]) for name in ("plain", "pretty")]
+    assert "bandit starts afresh" not in runs[1].stderr, runs[1].describe()
+    assert eu.exact_records(runs[0]) == eu.exact_records(runs[1])
+
+
 # ---------------------------------------------------------------------------------------------------
 # Bad configs: one clear error naming the key
 

@@ -743,9 +743,26 @@ def _sidecar_checksum_not_a_number(path):
     path.with_name(path.name + ".json").write_text(json.dumps(side))
 
 
+def _sidecar_too_long(path):
+    """A sidecar longer than any the engine writes (32 KB) was read in part: the members past the
+    cut were lost without a word."""
+    side = read_sidecar(path)
+    side["note"] = "x" * 40000
+    path.with_name(path.name + ".json").write_text(json.dumps(side))
+
+
+def _nul_hides_the_checksum(path):
+    """A NUL byte before "crc32c" hid it from the C readers: the flipped bit was loaded unverified,
+    as a checkpoint written before checksums."""
+    _flip_bit_in_v(path)
+    side = path.with_name(path.name + ".json")
+    side.write_bytes(side.read_bytes().replace(b'"crc32c"', b'\0"crc32c"'))
+
+
 INTEGRITY_DAMAGE = {"bit_in_v": _flip_bit_in_v, "garbage_weights": _garbage_weights, "step_49": _set_step(49),
                     "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step,
-                    "sidecar_checksum_not_a_number": _sidecar_checksum_not_a_number}
+                    "sidecar_checksum_not_a_number": _sidecar_checksum_not_a_number,
+                    "sidecar_too_long": _sidecar_too_long, "nul_hides_the_checksum": _nul_hides_the_checksum}
 
 
 @pytest.mark.parametrize("damage", sorted(INTEGRITY_DAMAGE))
@@ -810,6 +827,19 @@ def test_checkpoint_without_checksum_resumes_with_a_warning(engine, random_shard
         (tmp_path / "run.ckpt.json").write_text(json.dumps(side))
     res = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt, "resume": True}))
     assert "unverified" in res.stderr and [r["step"] for r in res.steps] == [3], res.describe()
+
+
+@pytest.mark.parametrize("seed", [1e300, 7.5, -3])
+def test_a_fingerprint_of_another_run_is_reported_as_it_is(engine, random_shards, tmp_path, seed):
+    """The sidecar has no checksum: a fingerprint number no int holds was converted to int (undefined
+    for 1e300, a wrong figure for 7.5) before it was compared and reported."""
+    ckpt = tmp_path / "run.ckpt"
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
+    side = read_sidecar(ckpt)
+    side["fingerprint"]["seed"] = seed
+    (tmp_path / "run.ckpt.json").write_text(json.dumps(side))
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt, "resume": True}))
+    assert f"the checkpoint was written with {seed:.12g}\n" in res.stderr, res.describe()
 
 
 def test_previous_slot_is_the_checkpoint_before_the_newest(engine, random_shards, tmp_path):

@@ -103,7 +103,7 @@ def test_gpu_engine_runs_the_fp8_classifier_from_d_model_512(cuda_binary, random
 def test_gpu_fp8_classifier_tracks_the_cpu_emulation(cpu_binary, cuda_binary, random_shards):
     """As test_fp8_delayed's tracking test: the loss within 3e-2 of the CPU emulation's a step (the
     GPU's logits are bf16, its dlogits' codes from bf16 values; the CPU's fp32)."""
-    args = tiny_args(random_shards.train, **{**GPU_RUN, "train.steps": 10})
+    args = tiny_args(random_shards.train, random_shards.val, **{**GPU_RUN, "train.steps": 10})
     runs = {name: run_ok(b, args) for name, b in (("cpu", cpu_binary), ("gpu", cuda_binary))}
     assert classifier_named(runs["gpu"]) == classifier_named(runs["cpu"]) == "FP8"
     assert len(runs["gpu"].steps) == 10

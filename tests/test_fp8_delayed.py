@@ -20,6 +20,7 @@ import pytest
 import engine_util as eu
 from engine_util import run_ok, tiny_args
 from test_distributed import Ranks
+from test_engine import alloc_counter  # noqa: F401 (a fixture: the LD_PRELOAD allocation counter)
 from test_fp8 import E4M3, reference_scale
 from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
 from test_gpu import FP8_SHAPES, build_variant, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
@@ -182,7 +183,8 @@ HISTORY_DAMAGE = {"exponent_out_of_range": _entry(500), "entry_not_a_number": _e
 def test_a_damaged_history_member_refuses_the_resume(cpu_binary, random_shards, tmp_path, damage):
     """The checksum covers the checkpoint, not its sidecar: a history member that is there but not
     well-formed is damage, not age (as a crc32c that is no number). One error line naming the
-    checkpoint and the member, exit status 2, no step run, nothing changed beside it."""
+    checkpoint and the member, exit status 2, no step run, nothing changed beside it; refused with
+    the checkpoint's own checks, before the engine allocates anything (no start or memory event)."""
     ckpt = tmp_path / "run.ckpt"
     run_ok(cpu_binary, tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 4}) + ["--checkpoint", ckpt])
     side = tmp_path / "run.ckpt.json"
@@ -194,8 +196,40 @@ def test_a_damaged_history_member_refuses_the_resume(cpu_binary, random_shards, 
                         ["--checkpoint", ckpt, "--resume"])
     assert res.rc == 2, res.describe()
     assert len(res.errors) == 1 and str(ckpt) in res.errors[0] and "fp8_history" in res.errors[0], res.describe()
-    assert res.steps == [], res.describe()
+    assert res.steps == [] and res.events("start") == [] and res.events("memory") == [], res.describe()
     assert {f.name: f.read_bytes() for f in tmp_path.iterdir()} == before
+
+
+def test_a_bf16_resume_of_an_fp8_checkpoint_reads_no_histories(cpu_binary, random_shards, tmp_path):
+    """Only a run that keeps histories reads them: resuming in bf16 takes no notice of the member,
+    damaged or not (the next checkpoint, a bf16 one, writes none)."""
+    ckpt = tmp_path / "run.ckpt"
+    run_ok(cpu_binary, tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 4}) + ["--checkpoint", ckpt])
+    side = tmp_path / "run.ckpt.json"
+    meta = json.loads(side.read_text())
+    HISTORY_DAMAGE["exponent_out_of_range"](meta)
+    side.write_text(json.dumps(meta, separators=(",", ":")))
+    res = run_ok(cpu_binary, tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 6,
+                                                                                  "train.precision": "bf16"}) +
+                 ["--checkpoint", ckpt, "--resume"])
+    assert [r["step"] for r in res.steps] == [5, 6] and "history" not in res.stderr, res.describe()
+    assert "fp8_history" not in json.loads(side.read_text())
+
+
+def test_a_sidecar_rewritten_with_json_whitespace_resumes_exactly(cpu_binary, random_shards, tmp_path):
+    """The sidecar is JSON: one a tool rewrote with indentation and spaces is read as the engine
+    wrote it (the same histories, so the same losses as from the original)."""
+    args = tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 4})
+    for name in ("run", "pretty"):
+        run_ok(cpu_binary, args + ["--checkpoint", tmp_path / f"{name}.ckpt"])
+    side = tmp_path / "pretty.ckpt.json"
+    side.write_text(json.dumps(json.loads(side.read_text()), indent=1))
+    assert '"exp": [' in side.read_text()
+    more = tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 8})
+    runs = [run_ok(cpu_binary, more + ["--checkpoint", tmp_path / f"{name}.ckpt", "--resume"]) for name in ("run", "pretty")]
+    assert all("fp8 scale history" not in r.stderr for r in runs), runs[1].describe()
+    assert [r["loss"] for r in runs[0].steps] == [r["loss"] for r in runs[1].steps]
+    assert sidecar_history(tmp_path / "run.ckpt") == sidecar_history(tmp_path / "pretty.ckpt")
 
 
 def test_histories_of_another_shape_resume_with_the_warning(cpu_binary, random_shards, tmp_path):
@@ -217,6 +251,21 @@ def test_a_bf16_run_writes_no_histories(cpu_binary, random_shards, tmp_path):
                                                          "eval.every": 0, "train.precision": "bf16"}) +
            ["--checkpoint", ckpt])
     assert "fp8_history" not in json.loads((tmp_path / "run.ckpt.json").read_text())
+
+
+def test_two_ranks_agree_on_the_histories_without_allocating_in_the_loop(cpu_binary, random_shards, alloc_counter):
+    """The agreement after every step (dist, §17) copies the histories through a buffer allocated at
+    start, as every other buffer of the loop (tests/test_engine.py's shim and thread count)."""
+    argv = tiny_args(random_shards.train, **{**RUN, "train.steps": 6, "eval.every": 0, "train.grad_accum": 2})
+    ranks = Ranks(cpu_binary, argv, 2, extra_env={"LD_PRELOAD": str(alloc_counter), "OMP_NUM_THREADS": "2"})
+    outs = [p.communicate(timeout=60) for p in ranks.procs]
+    assert [p.returncode for p in ranks.procs] == [0, 0], [e for _, e in outs]
+    lines = outs[0][0].splitlines()    # rank 0's: the other ranks' stdout is /dev/null
+    assert any(l.startswith("ALLOC ") for l in lines), "the shim reported nothing: is it loaded?"
+    first = next(i for i, l in enumerate(lines) if l.startswith('{"step"'))
+    last = next(i for i, l in enumerate(lines) if l.startswith('{"event":"exit"'))
+    in_loop = [l for l in lines[first:last] if "ALLOC" in l]
+    assert not in_loop, f"{len(in_loop)} allocations inside the training loop, e.g. {in_loop[:5]}"
 
 
 def binary_fixture(engine, build):

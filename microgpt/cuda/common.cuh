@@ -416,6 +416,9 @@ enum GemmEpilogue { GEMM_RESIDUAL, GEMM_GELU_AUX, GEMM_DGELU, GEMM_PLAIN };
 
 #define LT_CANDIDATES 8
 #define LT_FILL_WAVES 2
+/* The side of the output tile a large product runs in (CUBLASLT_MATMUL_TILE_128x128, the rule
+ * above): what lt_choose, side_stream_pays and the loss's chunks count in. */
+#define GEMM_TILE 128
 
 #ifndef LT_TABLE_HEADER /* another table: -DLT_TABLE_HEADER='"path.h"' -Imicrogpt/cuda (for its lt_table.h) */
 #define LT_TABLE_HEADER "lt_table_sm90.h"
@@ -541,7 +544,8 @@ static int lt_sm_count(void) {
 /* The rule at the top of this section, over the heuristic's offers res[0 .. n). */
 static int lt_choose(const LtKey* key, const cublasLtMatmulHeuristicResult_t* res, int n) {
     bool out16 = key->d_type == CUDA_R_16BF || key->d_type == CUDA_R_16F;
-    long long tiles = (long long)((key->M + 127) / 128) * ((key->N + 127) / 128) * key->batch;
+    long long tiles = (long long)((key->M + GEMM_TILE - 1) / GEMM_TILE) * ((key->N + GEMM_TILE - 1) / GEMM_TILE) *
+                      key->batch;
     if (!out16 || tiles < (long long)LT_FILL_WAVES * lt_sm_count()) return 0;
     for (int i = 0; i < n; i++) {
         int tile = 0;

@@ -45,10 +45,10 @@
 #endif
 
 /* Logits rows per chunk of the N positions, rows of Vp elements of elem_bytes each: as many as
- * LOGITS_CHUNK_BYTES holds, whole 128-row tiles for the products, at most N. */
+ * LOGITS_CHUNK_BYTES holds, whole GEMM_TILE-row tiles for the products, at most N. */
 static int loss_chunk_rows(int Vp, size_t elem_bytes, int N) {
     size_t rows = LOGITS_CHUNK_BYTES / ((size_t)Vp * elem_bytes);
-    if (rows > 128) rows -= rows % 128;
+    if (rows > GEMM_TILE) rows -= rows % GEMM_TILE;
     return (int)(rows < 1 ? 1 : rows > (size_t)N ? (size_t)N : rows);
 }
 

@@ -31,7 +31,6 @@
 
 #include "common.cuh"
 
-#define SIDE_TILE_ELEMS (128 * 128) /* one output tile of a large product (common.cuh's rule) */
 #define SIDE_MAX_BUFFERS 8 /* buffers with a side-stream reader: dres, dh, dqkv, logits, fp8's g8t (and dl8t) */
 
 /* One buffer the side stream reads and the main stream overwrites later. */
@@ -57,7 +56,8 @@ static struct {
  * 4096·192 / 16384 = 48 tiles < 132, side stream; ANDREA-120M: 8192·768 / 16384 = 384, none. A
  * function of the shape and the device alone, so the same on every run. */
 static bool side_stream_pays(long long rows, int d_model, int sm_count) {
-    long long tiles = (rows * d_model + SIDE_TILE_ELEMS - 1) / SIDE_TILE_ELEMS;
+    long long tile_elems = (long long)GEMM_TILE * GEMM_TILE;
+    long long tiles = (rows * d_model + tile_elems - 1) / tile_elems;
     return tiles < sm_count;
 }
 

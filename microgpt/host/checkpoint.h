@@ -331,6 +331,12 @@ static void ckpt_refuse_damaged(const CkptFiles* f, const char* what) {
     die_input("checkpoint %s %s; it is left as it is (there is no previous checkpoint %s)", f->ckpt, what, f->prev);
 }
 
+/* p past any JSON whitespace. */
+static const char* json_skip_space(const char* p) {
+    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+    return p;
+}
+
 /* Tiny JSON lookup for the sidecar: the number after "key": anywhere in text (sidecar keys are
  * unique, so no nesting logic is needed). Returns 1 if found. */
 static int json_find_number(const char* text, const char* key, double* out) {
@@ -340,8 +346,7 @@ static int json_find_number(const char* text, const char* key, double* out) {
     snprintf(pat, sizeof pat, "\"%s\"", key);
     p = strstr(text, pat);
     if (!p) return 0;
-    p += strlen(pat);
-    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+    p = json_skip_space(p + strlen(pat));
     if (*p++ != ':') return 0;
     *out = strtod(p, &end);
     return end != p;
@@ -361,18 +366,35 @@ static int json_find_string(const char* text, const char* key, char* out, size_t
     return 1;
 }
 
-/* Reads the sidecar `side` into text (at most cap - 1 bytes, NUL-terminated); 0 when there is none. */
-static int sidecar_load(const char* side, char* text, size_t cap) {
+/* Reads the sidecar of the checkpoint `path` (PATH.json) into text (NUL-terminated); 0 when there
+ * is none. The readers look its members up as C strings, so a sidecar they would see only in part
+ * is refused as damaged: one longer than cap - 1 bytes (ckpt_write's fits CKPT_SIDECAR_MAX) or
+ * holding a NUL byte would hide the members past the cut or the NUL without a word (a hidden
+ * crc32c reads as a checkpoint written before checksums). */
+static int sidecar_load(const char* path, char* text, size_t cap) {
     size_t len = 0;
     ssize_t got;
     struct stat st;
     int fd;
-    if (!file_exists(side)) return 0;
-    fd = open_regular_or_die(side, "checkpoint sidecar", &st);
+    CkptFiles f;
+    char what[2 * CFG_PATH_MAX];
+    ckpt_files(path, &f);
+    if (!file_exists(f.side)) return 0;
+    fd = open_regular_or_die(f.side, "checkpoint sidecar", &st);
+    if ((unsigned long long)st.st_size > cap - 1) {
+        close(fd);
+        snprintf(what, sizeof what, "has a sidecar %s of %lld bytes, longer than any this program writes (damaged or "
+                 "edited)", f.side, (long long)st.st_size);
+        ckpt_refuse_damaged(&f, what);
+    }
     while (len + 1 < cap && ((got = read(fd, text + len, cap - 1 - len)) > 0 || (got < 0 && errno == EINTR)))
         if (got > 0) len += (size_t)got;
     close(fd);
     text[len] = '\0';
+    if (strlen(text) != len) {
+        snprintf(what, sizeof what, "has a sidecar %s holding a NUL byte (damaged)", f.side);
+        ckpt_refuse_damaged(&f, what);
+    }
     return 1;
 }
 
@@ -421,7 +443,7 @@ static int ckpt_check(const char* path, size_t n_params) {
                  (long long)st.st_size, ckpt_expected_bytes(n_params), n_params);
         ckpt_refuse_damaged(&f, what);
     }
-    if (!sidecar_load(f.side, sidecar, sizeof sidecar)) {
+    if (!sidecar_load(path, sidecar, sizeof sidecar)) {
         warn("checkpoint sidecar %s is missing: %s is loaded unverified (no checksum) and the loss scale starts "
              "from its default", f.side, path);
         if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
@@ -472,8 +494,8 @@ static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
     int i;
     struct { const char* key; int value; } fp[10];
     snprintf(side, sizeof side, "%s.json", path);
-    if (!sidecar_load(side, text, sizeof text)) return 0.0f;
-    if (!json_find_number(text, "step", &x) || (int)x != ckpt_step) {
+    if (!sidecar_load(path, text, sizeof text)) return 0.0f;
+    if (!json_find_number(text, "step", &x) || x != (double)ckpt_step) {
         warn("checkpoint sidecar %s does not belong to step %d of %s; ignoring it", side, ckpt_step, path);
         return 0.0f;
     }
@@ -494,8 +516,8 @@ static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
     fp[8].key = "batch_size"; fp[8].value = c->train.batch_size;
     fp[9].key = "grad_accum"; fp[9].value = c->train.grad_accum;
     for (i = 0; i < (int)(sizeof fp / sizeof fp[0]); i++)
-        if (json_find_number(text, fp[i].key, &x) && (int)x != fp[i].value)
-            warn("resuming with %s = %d, the checkpoint was written with %d", fp[i].key, fp[i].value, (int)x);
+        if (json_find_number(text, fp[i].key, &x) && x != (double)fp[i].value) /* as a double: (int)1e300 is undefined */
+            warn("resuming with %s = %d, the checkpoint was written with %.12g", fp[i].key, fp[i].value, x);
     {
         /* A loss scale belongs to the precision whose run produced it (non-fp16 runs record 1):
          * resuming in another precision starts from the engine's default scale. */

@@ -716,6 +716,13 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
 
 static int config_is_fp16(const Config* c) { return strcmp(c->train.precision, "fp16") == 0; }
 
+/* Whether the engine keeps the amax histories of delayed fp8 scaling (docs/DESIGN.md §18): when it
+ * trains in fp8 (--generate and --evaluate train nothing: their casts scale by the current amax).
+ * Both engines set up by it, and a resumed run reads its checkpoint's histories by it before they do. */
+static int config_keeps_fp8_histories(const Config* c) {
+    return strcmp(c->train.precision, "fp8") == 0 && !c->generate.enabled && !c->evaluate;
+}
+
 /* KV-cache slots an engine allocates (docs/DESIGN.md §5a): one per request decoded together in
  * --generate, one for the training samples, none otherwise. */
 static int config_kv_slots(const Config* c) {

@@ -28,38 +28,43 @@ static void fp8_history_sidecar_json(const Fp8History* h, int n, char* out, size
 }
 
 /* What a sidecar holds of the histories: no member (a checkpoint of current scaling, or written
- * before they existed), another shape (a build with another count or length: well-formed, but not
- * this build's), this build's n histories, or a member that is not well-formed (damage). */
+ * before they existed), another length (a build with another FP8_HISTORY_LEN: well-formed, but not
+ * this build's), histories of this length, or a member that is not well-formed (damage). */
 enum { FP8_HISTORY_ABSENT, FP8_HISTORY_OTHER_SHAPE, FP8_HISTORY_FOUND, FP8_HISTORY_DAMAGED };
 
-/* Parses the member of `text`; the histories go to h (n of them) only when FP8_HISTORY_FOUND. */
-static int fp8_history_parse(const char* text, Fp8History* h, int n) {
-    const char* p = strstr(text, "\"fp8_history\":");
+/* Parses the member of `text` (any JSON whitespace between its tokens): *n is its count of
+ * histories, the first `cap` of which go to h (h may be NULL with cap 0: a check alone). */
+static int fp8_history_parse(const char* text, Fp8History* h, int cap, int* n) {
+    const char* p = strstr(text, "\"fp8_history\"");
     double len;
     char* end;
     int t, count;
+    *n = 0;
     if (!p) return FP8_HISTORY_ABSENT;
-    if (!json_find_number(p, "len", &len) || !(len >= 1) || len != floor(len) ||
-        !(p = strstr(p, "\"exp\":[")))
+    if (!json_find_number(p, "len", &len) || !(len >= 1) || len != floor(len) || !(p = strstr(p, "\"exp\"")))
         return FP8_HISTORY_DAMAGED;
-    p += strlen("\"exp\":[");
-    for (t = 0; *p != ']'; t++) {
+    p = json_skip_space(p + strlen("\"exp\""));
+    if (*p++ != ':' || *(p = json_skip_space(p)) != '[') return FP8_HISTORY_DAMAGED;
+    for (p++, t = 0; *(p = json_skip_space(p)) != ']'; t++) {
         if (t && *p++ != ',') return FP8_HISTORY_DAMAGED;
-        if (*p++ != '[') return FP8_HISTORY_DAMAGED;
-        for (count = 0; *p != ']'; count++) {
-            long e = strtol(p, &end, 10);
+        if (*(p = json_skip_space(p)) != '[') return FP8_HISTORY_DAMAGED;
+        for (p++, count = 0; *(p = json_skip_space(p)) != ']'; count++) {
+            long e;
+            if (count && *p++ != ',') return FP8_HISTORY_DAMAGED;
+            p = json_skip_space(p);
+            if (*p != '-' && (*p < '0' || *p > '9')) return FP8_HISTORY_DAMAGED; /* strtol would take "+1", " 1" */
+            e = strtol(p, &end, 10);
             if (end == p || count >= len || e < -FP8_SCALE_EXP_LIMIT ||
                 (e > FP8_SCALE_EXP_LIMIT && e != FP8_HISTORY_NONE))
                 return FP8_HISTORY_DAMAGED;
-            if (t < n && count < FP8_HISTORY_LEN) h[t].exp[count] = (signed char)e;
+            if (t < cap && count < FP8_HISTORY_LEN) h[t].exp[count] = (signed char)e;
             p = end;
-            if (*p == ',' && *++p == ']') return FP8_HISTORY_DAMAGED; /* "1,]" */
-            else if (*p != ']' && (*p < '0' || *p > '9') && *p != '-') return FP8_HISTORY_DAMAGED;
         }
-        if (t < n) h[t].count = count < FP8_HISTORY_LEN ? count : FP8_HISTORY_LEN;
+        if (t < cap) h[t].count = count < FP8_HISTORY_LEN ? count : FP8_HISTORY_LEN;
         p++;
     }
-    return t == n && len == FP8_HISTORY_LEN ? FP8_HISTORY_FOUND : FP8_HISTORY_OTHER_SHAPE;
+    *n = t;
+    return len == FP8_HISTORY_LEN ? FP8_HISTORY_FOUND : FP8_HISTORY_OTHER_SHAPE;
 }
 
 /* dist (§17): the n histories of every rank become one, entry by entry the smallest exponent (the
@@ -85,24 +90,44 @@ static void fp8_history_min_over_ranks(Fp8History* h, int n) {
     dist_broadcast(h, bytes);
 }
 
-/* Restores the n histories from the sidecar of the checkpoint being resumed. A sidecar without them
- * or with another shape leaves them empty, with a warning: the first forward then scales by its own
- * amax. A member that is there but not well-formed refuses the resume (one error, nothing changed). */
-static void fp8_history_resume(const char* ckpt_path, Fp8History* h, int n) {
-    char side[CFG_PATH_MAX + 8], text[CKPT_SIDECAR_MAX];
-    int t;
-    if (n == 0) return;
-    snprintf(side, sizeof side, "%s.json", ckpt_path);
-    int found = sidecar_load(side, text, sizeof text) ? fp8_history_parse(text, h, n) : FP8_HISTORY_ABSENT;
-    if (found == FP8_HISTORY_FOUND) return;
-    if (found == FP8_HISTORY_DAMAGED) { /* present but not well-formed: damage, not age (as the crc32c) */
+/* The histories a resumed run found in its checkpoint's sidecar. */
+typedef struct {
+    int state;     /* FP8_HISTORY_ABSENT, _OTHER_SHAPE or _FOUND: a damaged member was refused */
+    int n;         /* histories in the member */
+    Fp8History* h; /* [n] when FP8_HISTORY_FOUND, else NULL; free() it */
+} Fp8HistoryMember;
+
+/* Reads the member of the sidecar of the checkpoint being resumed, with the checkpoint's own
+ * checks, before any large allocation: a member that is there but not well-formed refuses the
+ * resume (one error, nothing changed: damage, not age, as the crc32c). Its shape is checked only
+ * after the engine is set up (fp8_history_resumed): how many histories the engine keeps
+ * (FP8_DELAYED_PER_LAYER a layer, which a build's macros change) is the engine's to say. */
+static void fp8_history_read(const char* ckpt_path, Fp8HistoryMember* m) {
+    char text[CKPT_SIDECAR_MAX];
+    m->state = FP8_HISTORY_ABSENT;
+    m->n = 0;
+    m->h = NULL;
+    if (!sidecar_load(ckpt_path, text, sizeof text)) return;
+    m->state = fp8_history_parse(text, NULL, 0, &m->n);
+    if (m->state == FP8_HISTORY_DAMAGED) {
         CkptFiles f;
         ckpt_files(ckpt_path, &f);
         ckpt_refuse_damaged(&f, "has a sidecar whose fp8_history member is not well-formed (damaged or edited)");
     }
-    for (t = 0; t < n; t++) h[t].count = 0;
-    warn("checkpoint sidecar %s holds no fp8 scale history for %d tensors of length %d: delayed scaling starts "
-         "afresh (the resumed run is not bit-identical to an uninterrupted one)", side, n, FP8_HISTORY_LEN);
+    if (m->state == FP8_HISTORY_FOUND) {
+        m->h = (Fp8History*)xcalloc(m->n ? (size_t)m->n : 1, sizeof(Fp8History), "the checkpoint's fp8 histories");
+        fp8_history_parse(text, m->h, m->n, &m->n);
+    }
+}
+
+/* The member's histories for an engine that keeps n (layer-major), or NULL with a warning when the
+ * sidecar has none of this shape (none, or another build's count or length): the engine's
+ * histories stay empty and the first forward scales by its own amax. */
+static const Fp8History* fp8_history_resumed(const Fp8HistoryMember* m, const char* ckpt_path, int n) {
+    if (m->state == FP8_HISTORY_FOUND && m->n == n) return m->h;
+    warn("checkpoint sidecar %s.json holds no fp8 scale history for %d tensors of length %d: delayed scaling starts "
+         "afresh (the resumed run is not bit-identical to an uninterrupted one)", ckpt_path, n, FP8_HISTORY_LEN);
+    return NULL;
 }
 
 #endif

@@ -175,7 +175,7 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv) {
     double x;
     args[n++] = argv[0];
     snprintf(side, sizeof side, "%s.json", path ? path : "");
-    if (path && sidecar_load(side, text, sizeof text)) {
+    if (path && sidecar_load(path, text, sizeof text)) {
         for (i = 0; i < N_KEYS; i++)
             if (json_find_number(text, keys[i][1], &x)) {
                 snprintf(flags[i], sizeof flags[i], "--%s", keys[i][0]);

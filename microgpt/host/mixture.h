@@ -199,43 +199,54 @@ static void mixture_sidecar_json(const Mixture* m, const Config* c, char* out, s
     if (len + 2 >= cap) die_io("internal: the bandit state does not fit the sidecar buffer");
 }
 
-/* The numbers of the JSON array after "key": in text, at most max; returns how many, -1 if absent. */
+/* The finite numbers of the JSON array after "key": in text (any JSON whitespace between its
+ * tokens), at most max; returns how many, -1 if absent, not such an array, or longer. */
 static int json_find_array(const char* text, const char* key, double* out, int max) {
     char pat[64];
     const char* p;
     char* end;
     int n = 0;
-    snprintf(pat, sizeof pat, "\"%s\":[", key);
+    snprintf(pat, sizeof pat, "\"%s\"", key);
     if (!(p = strstr(text, pat))) return -1;
-    p += strlen(pat);
-    while (*p != ']') {
-        double x = strtod(p, &end);
-        if (end == p || n == max) return -1;
-        out[n++] = x;
+    p = json_skip_space(p + strlen(pat));
+    if (*p++ != ':' || *(p = json_skip_space(p)) != '[') return -1;
+    for (p++; *(p = json_skip_space(p)) != ']'; n++) {
+        double x;
+        if (n && *p++ != ',') return -1;
+        p = json_skip_space(p);
+        x = strtod(p, &end);
+        if (end == p || n == max || !isfinite(x)) return -1; /* strtod takes "nan" and "inf": JSON has neither */
+        out[n] = x;
         p = end;
-        if (*p == ',') p++;
-        else if (*p != ']') return -1;
     }
     return n;
 }
 
 /* Restores the bandit state from the sidecar of the checkpoint being resumed. A sidecar without it
- * (the checkpoint of a run without a bandit) or with another number of sources starts the bandit
- * afresh, with a warning. */
+ * (the checkpoint of a run without a bandit), with another number of sources, or with a state no
+ * run leaves (a gain, mean or variance that is no finite number, a negative variance, a count of
+ * rounds that is no int, gains whose probabilities overflow; the sidecar has no checksum) starts
+ * the bandit afresh, with a warning: drawing from probabilities that are no numbers would pick
+ * the sources by accident. */
 static void mixture_resume(Mixture* m, const Config* c, const char* ckpt_path) {
     char side[CFG_PATH_MAX + 8], text[CKPT_SIDECAR_MAX];
     double x, gain[CFG_MAX_SOURCES], mean, var;
-    int n, i;
+    int n, i, finite_p;
     if (!c->bandit.enabled) return;
     snprintf(side, sizeof side, "%s.json", ckpt_path);
-    if (!sidecar_load(side, text, sizeof text) || !strstr(text, "\"bandit\":")) {
+    if (!sidecar_load(ckpt_path, text, sizeof text) || !strstr(text, "\"bandit\":")) {
         warn("checkpoint %s holds no bandit state: the bandit starts afresh from the prior weights", ckpt_path);
         return;
     }
     n = json_find_array(text, "gain", gain, CFG_MAX_SOURCES);
-    if (n != m->n || !json_find_number(text, "rounds", &x) || !json_find_number(text, "reward_mean", &mean) ||
-        !json_find_number(text, "reward_var", &var)) {
+    if (n >= 0 && n != m->n) {
         warn("the bandit state in %s does not fit %d data sources: the bandit starts afresh", side, m->n);
+        return;
+    }
+    if (n < 0 || !json_find_number(text, "rounds", &x) || !(x >= 0 && x <= INT_MAX && x == floor(x)) ||
+        !json_find_number(text, "reward_mean", &mean) || !isfinite(mean) ||
+        !json_find_number(text, "reward_var", &var) || !(var >= 0 && var <= DBL_MAX)) {
+        warn("the bandit state in %s is not well-formed (damaged or edited): the bandit starts afresh", side);
         return;
     }
     for (i = 0; i < n; i++) m->gain[i] = gain[i];
@@ -243,6 +254,12 @@ static void mixture_resume(Mixture* m, const Config* c, const char* ckpt_path) {
     m->reward_var = var;
     m->rounds = (int)x;
     mixture_update_p(m, c);
+    for (i = 0, finite_p = 1; i < m->n; i++) finite_p = finite_p && isfinite(m->p[i]);
+    if (!finite_p) {
+        warn("the bandit state in %s gives probabilities that are no numbers (damaged or edited): the bandit "
+             "starts afresh", side);
+        mixture_reset_bandit(m, c);
+    }
 }
 
 /* ---------------------------------------------------------------------------------------------- */

@@ -37,6 +37,9 @@ typedef struct {
     int* sample_tokens;              /* [sample.tokens] */
     float* logits;                   /* [vocab_size] */
     Sampler sampler;
+    Fp8HistoryMember resumed_fp8;    /* the checkpoint's fp8 histories (resume, fp8 training) */
+    Fp8History* fp8_hist;            /* a copy of the engine's fp8 histories [n_fp8_hist] (§18) */
+    int n_fp8_hist;                  /* engine_fp8_history_count(): 0 unless it trains in fp8 */
 } Run;
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -144,31 +147,19 @@ static size_t first_non_finite(const float* x, size_t n) {
     return i;
 }
 
-/* A copy of the engine's delayed-fp8 histories (*n of them, 0 unless it trains fp8); free() it. */
-static Fp8History* engine_fp8_history_copy(int* n) {
-    Fp8History* h;
-    *n = engine_fp8_history_count();
-    h = (Fp8History*)xcalloc(*n ? (size_t)*n : 1, sizeof(Fp8History), "fp8 histories");
-    engine_get_fp8_history(h);
-    return h;
-}
-
 /* dist (§17): after a step every rank holds the same fp8 histories, so that rank 0's checkpoint
  * resumes every rank exactly (docs/DESIGN.md §18). One rank: nothing to do. */
-static void agree_fp8_histories(void) {
-    int n;
-    Fp8History* h;
-    if (g_dist.world == 1 || engine_fp8_history_count() == 0) return;
-    h = engine_fp8_history_copy(&n);
-    fp8_history_min_over_ranks(h, n);
-    engine_set_fp8_history(h);
-    free(h);
+static void agree_fp8_histories(Run* r) {
+    if (g_dist.world == 1 || r->n_fp8_hist == 0) return;
+    engine_get_fp8_history(r->fp8_hist);
+    fp8_history_min_over_ranks(r->fp8_hist, r->n_fp8_hist);
+    engine_set_fp8_history(r->fp8_hist);
 }
 
 static void save_checkpoint(Run* r, int done, const char* reason) {
     const float* parts[3];
     const char* names[3] = {"weight", "AdamW m", "AdamW v"};
-    size_t n = r->layout.n_params, bad;
+    size_t n = r->layout.n_params, bad, len;
     char what[96], bandit_json[CKPT_SIDECAR_MAX / 2];
     char extra[CKPT_SIDECAR_MAX - 1024]; /* the sidecar's own members take under 1 KB (checkpoint.h) */
     int k;
@@ -181,13 +172,9 @@ static void save_checkpoint(Run* r, int done, const char* reason) {
             stop_diverged(r, done, what);
         }
     mixture_sidecar_json(&r->mix, &r->cfg, bandit_json, sizeof bandit_json);
-    {
-        int nh;
-        Fp8History* h = engine_fp8_history_copy(&nh);
-        size_t len = (size_t)snprintf(extra, sizeof extra, "%s", bandit_json);
-        fp8_history_sidecar_json(h, nh, extra + len, sizeof extra - len);
-        free(h);
-    }
+    engine_get_fp8_history(r->fp8_hist);
+    len = (size_t)snprintf(extra, sizeof extra, "%s", bandit_json);
+    fp8_history_sidecar_json(r->fp8_hist, r->n_fp8_hist, extra + len, sizeof extra - len);
     ckpt_write(r->cfg.checkpoint.path, done, r->params, r->m, r->v, n, r->loss_scale, &r->cfg, extra);
     r->saved_step = done;
     emit_checkpoint(done, r->cfg.checkpoint.path, reason);
@@ -239,6 +226,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     if (c->resume) {
         r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params);
         mixture_resume(&r->mix, c, c->checkpoint.path); /* before the start event, which reports p */
+        if (config_keeps_fp8_histories(c)) fp8_history_read(c->checkpoint.path, &r->resumed_fp8);
     }
 }
 
@@ -260,6 +248,7 @@ static void run_allocate(Run* r) {
 static void run_free(Run* r) {
     free(r->params); free(r->m); free(r->v); free(r->inputs); free(r->targets); free(r->arms);
     free(r->sample_tokens); free(r->logits); free(r->micro_losses);
+    free(r->fp8_hist); free(r->resumed_fp8.h);
     sampler_free(&r->sampler);
     free(r->cfg.sample.prompt_tokens);
     mixture_close(&r->mix);
@@ -319,7 +308,7 @@ static double run_step(Run* r, int s, UpdateResult* res, double lr) {
         fill_step_batch(r, s, g_dist.rank * accum + j);
         r->micro_losses[j] = engine_forward_backward(r->inputs, r->targets);
     }
-    agree_fp8_histories();
+    agree_fp8_histories(r);
     *res = engine_update((float)lr, s + 1, c);
     return dist_sum_in_rank_order(r->micro_losses, accum) / (accum * g_dist.world);
 }
@@ -341,6 +330,8 @@ static void run_start(Run* r) {
     emit_start(r);
     run_allocate(r);
     engine_setup(c);
+    r->n_fp8_hist = engine_fp8_history_count();
+    r->fp8_hist = (Fp8History*)xcalloc(r->n_fp8_hist ? (size_t)r->n_fp8_hist : 1, sizeof(Fp8History), "fp8 histories");
     if (c->resume) {
         ckpt_load(c->checkpoint.path, r->layout.n_params, r->params, r->m, r->v);
         r->loss_scale = sidecar_read(c->checkpoint.path, r->start_step, c);
@@ -350,12 +341,9 @@ static void run_start(Run* r) {
         r->loss_scale = 0.0f; /* engine default */
     }
     engine_set_state(r->params, r->m, r->v, r->loss_scale);
-    if (c->resume) {
-        int nh;
-        Fp8History* h = engine_fp8_history_copy(&nh);
-        fp8_history_resume(c->checkpoint.path, h, nh);
-        if (nh) engine_set_fp8_history(h);
-        free(h);
+    if (c->resume && r->n_fp8_hist > 0) {
+        const Fp8History* h = fp8_history_resumed(&r->resumed_fp8, c->checkpoint.path, r->n_fp8_hist);
+        if (h) engine_set_fp8_history(h);
     }
     if (strcmp(engine_compute_precision(c), c->train.precision) != 0)
         info("note: the %s engine computes in %s (train.precision %s was asked for)", engine_name(),
