@@ -7,7 +7,8 @@
  * E4M3 (weights, activations; activation gradients in FP8_GRAD_FMT, cpu/fp8.h) with its per-tensor current scale and
  * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
  * reference for the GPU's FP8 products (docs/DESIGN.md §18); in training, the LayerNorm outputs
- * ln1, ln2, the GELU output and MLP up's output gradient dh are cast at delayed scales instead
+ * ln1, ln2, the GELU output and MLP up's output gradient dh (and, under -DFP8_DRES_FUSED=1, the
+ * residual gradients that are W_2's and W_O's output gradients) are cast at delayed scales instead
  * (delayed_operand); where the FP8 classifier pays (d_model 512 and up, cpu/fp8.h's
  * fp8_classifier_pays) the classifier's products read FP8-emulated operands too (classifier_x,
  * classifier_wte, classifier_bwd). Every other precision computes fp32 (and says so). Every buffer
@@ -69,7 +70,8 @@ static struct {
      * the GPU: its decode steps multiply unquantised, and the prefill must give the decode's keys) */
     int fp8, fp8_products, fp8_classifier; /* fp8_classifier: config_fp8_classifier */
     float *fq_act, *fq_weight, *fq_grad;
-    /* fp8 training: the delayed-scaling histories of ln1, ln2, h_gelu and dh per layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
+    /* fp8 training: the delayed-scaling histories of ln1, ln2, h_gelu and dh (and W_2's and W_O's
+     * output gradients under FP8_DRES_FUSED) per layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
      * cast with (the backward re-casts the activations alike), and whether the current micro-batch
      * extends the histories (training micro-batches only) */
     int fp8_delayed, fp8_record;
@@ -239,6 +241,18 @@ static const float* delayed_operand(int l, int which, const float* x, size_t n, 
     return scratch;
 }
 
+/* The residual gradient g that is layer l's W_2 output gradient (at the layer's output) or, with
+ * `after_attention`, W_O's: with -DFP8_DRES_FUSED=1 at a delayed scale (its history, recorded by
+ * the backward), else at its current one. */
+static const float* dres_operand(int l, int after_attention, const float* g, size_t n) {
+#if FP8_DRES_FUSED
+    return delayed_operand(l, after_attention ? DELAYED_DRES_WO : DELAYED_DRES_W2, g, n, 1);
+#else
+    (void)l, (void)after_attention;
+    return grad_operand(g, n);
+#endif
+}
+
 static int engine_fp8_history_count(void) { return E.fp8_delayed ? FP8_DELAYED_PER_LAYER * E.L : 0; }
 static void engine_get_fp8_history(Fp8History* h) {
     if (E.fp8_delayed) memcpy(h, E.delayed_hist, FP8_DELAYED_PER_LAYER * (size_t)E.L * sizeof(Fp8History));
@@ -324,7 +338,8 @@ static void backward(const int* targets) {
         zero(dxmid, nc); zero(E.dbranch, nc);
         residual_backward(dxmid, E.dbranch, dres, (int)nc);
         zero(E.dh_gelu, nf);
-        matmul_backward(E.dh_gelu, G(LO(l, T_W2)), grad_operand(E.dbranch, nc), delayed_operand(l, DELAYED_GELU, a->h_gelu, nf, 0),
+        matmul_backward(E.dh_gelu, G(LO(l, T_W2)), dres_operand(l, 0, E.dbranch, nc),
+                        delayed_operand(l, DELAYED_GELU, a->h_gelu, nf, 0),
                         weight_operand(P(LO(l, T_W2)), cf), N, E.F, C);
         zero(E.dh, nf);
         gelu_backward(E.dh, a->h, E.dh_gelu, (int)nf);
@@ -337,7 +352,7 @@ static void backward(const int* targets) {
         zero(dres, nc); zero(E.dbranch, nc);
         residual_backward(dres, E.dbranch, dxmid, (int)nc);
         zero(E.datty, nc);
-        matmul_backward(E.datty, G(LO(l, T_WO)), grad_operand(E.dbranch, nc), act_operand(a->atty, nc),
+        matmul_backward(E.datty, G(LO(l, T_WO)), dres_operand(l, 1, E.dbranch, nc), act_operand(a->atty, nc),
                         weight_operand(P(LO(l, T_WO)), cc), N, C, C);
         zero(E.dq, nc); zero(E.dk, nc); zero(E.dv, nc);
         attention_backward(E.dq, E.dk, E.dv, E.datty, a->att, a->q, a->k, a->v, E.B, E.T, C, E.H);

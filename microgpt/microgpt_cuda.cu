@@ -26,7 +26,8 @@
  *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. In training, ln1, ln2 and
  *         h_gelu are cast at delayed scales (from amax histories) instead, written by their
  *         producers (LayerNorm, GELU) as FP8 codes; so is MLP up's output gradient dh, by the
- *         GELU backward.
+ *         GELU backward, and, under the candidate -DFP8_DRES_FUSED=1, the residual gradients that
+ *         are W_2's and W_O's output gradients, by the LayerNorm backwards that add into them.
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
@@ -146,8 +147,9 @@ static struct {
      * logits (chunk r0's [C][n] at r0 * C; its row-major codes go to a8, which no product reads
      * again until the next forward), and one chunk's dlogits codes [chunk][Vp] and [Vp][chunk] */
     fp8 *lnf8t, *dl8, *dl8t;
-    /* delayed scaling (docs/DESIGN.md §18), training fp8 only: ln1, ln2, h_gelu and dh are cast
-     * at delayed scales, from the histories fp8_hist
+    /* delayed scaling (docs/DESIGN.md §18), training fp8 only: ln1, ln2, h_gelu and dh (and W_2's
+     * and W_O's output gradients under FP8_DRES_FUSED) are cast at delayed scales, from the
+     * histories fp8_hist
      * [L][FP8_DELAYED_PER_LAYER] (device), which every training micro-batch extends by their amaxes
      * (k_fp8_history_push) and the checkpoint sidecar keeps */
     int fp8_delayed;
@@ -441,7 +443,7 @@ static void fp8_quantize_weights(void) {
 /* What a product's operand holds when the product starts: only the values (the cast takes their
  * amax first), the values with their amax (fused into their producer), or already its codes and
  * scale (delayed scaling's fused producers: the LayerNorm, E.a8, x8t and x8_scale written; the
- * GELU backward, E.g8, E.g8t and g8_scale). */
+ * GELU backward, and under FP8_DRES_FUSED the LayerNorm backward, E.g8, E.g8t and g8_scale). */
 enum { FP8_IN_RAW, FP8_IN_AMAX, FP8_IN_CODES };
 
 /* The delayed-scaling history of product k's input in layer l: ln1 (QKV), ln2 (MLP up) and h_gelu
@@ -458,8 +460,21 @@ static const Fp8History* fp8_dgelu_history(int l) {
     return E.fp8_delayed ? E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l + DELAYED_DGELU : NULL;
 }
 
+/* The delayed-scaling history of the residual gradient that is layer l's product k's output
+ * gradient (W_2: at the layer's output; W_O: after the attention) under the candidate
+ * FP8_DRES_FUSED in an fp8 training run; NULL (current scaling) otherwise. */
+static const Fp8History* fp8_dres_history(int l, int k) {
+#if FP8_DRES_FUSED
+    if (E.fp8_delayed && (k == FP8_W_2 || k == FP8_W_O))
+        return E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l + (k == FP8_W_2 ? DELAYED_DRES_W2 : DELAYED_DRES_WO);
+#endif
+    (void)l, (void)k;
+    return NULL;
+}
+
 /* Delayed scaling with histories that hold entries (all but a run's first micro-batch): the
- * producers of ln1, ln2, h_gelu and dh write their products' codes themselves. */
+ * producers of ln1, ln2, h_gelu and dh (and W_2's and W_O's output gradients, FP8_DRES_FUSED)
+ * write their products' codes themselves. */
 static bool fp8_producers_write_codes(void) { return E.fp8_delayed && E.fp8_hist_filled; }
 
 /* Where the delayed tensors' amaxes sit (k_fp8_history_push): the casts' scales of their products. */
@@ -471,6 +486,10 @@ static Fp8DelayedScales fp8_delayed_scales(void) {
     w.at[DELAYED_LN2] = (int)(x8_scale(0, FP8_W_1) - E.fp8_scales);
     w.at[DELAYED_GELU] = (int)(x8_scale(0, FP8_W_2) - E.fp8_scales);
     w.at[DELAYED_DGELU] = (int)(g8_scale(0, FP8_W_1) - E.fp8_scales);
+#if FP8_DRES_FUSED
+    w.at[DELAYED_DRES_W2] = (int)(g8_scale(0, FP8_W_2) - E.fp8_scales);
+    w.at[DELAYED_DRES_WO] = (int)(g8_scale(0, FP8_W_O) - E.fp8_scales);
+#endif
     return w;
 }
 
@@ -540,14 +559,15 @@ static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N, int input) {
     fp8_linear_fwd<T>(layer_input<T>(l + 1), a.h_gelu, l, T_W2, FP8_W_2, N, F, C, a.xmid, gelu_input);
 }
 
-/* dres's amax is in the scale already (the LayerNorm backward that produced it); dh's comes from
- * the GELU backward, which with histories that hold entries writes dh's
- * codes itself, at dh's delayed scale (fp8_cast_dgelu: no dh in T). */
+/* dres is what the LayerNorm backward that produced it left (dres_input, FP8_IN_*: its amax, or
+ * under FP8_DRES_FUSED its codes); dh's comes from the GELU backward, which with histories that
+ * hold entries writes dh's codes itself, at dh's delayed scale (fp8_cast_dgelu: no dh in T). */
 template <typename T>
-static void fp8_mlp_bwd(T* dln, const T* dres, const LayerActs<T>& a, int l, int N, float gb) {
+static void fp8_mlp_bwd(T* dln, const T* dres, int dres_input, const LayerActs<T>& a, int l, int N, float gb) {
     int C = E.C, F = E.F, dh_input = FP8_IN_AMAX;
     const Fp8History* dh_hist = fp8_dgelu_history(l);
-    fp8_linear_bwd<T>((T*)E.dh, gl(l, T_W2), dres, l, T_W2, FP8_W_2, N, F, C, 1, gb, FP8_IN_AMAX);
+    fp8_linear_bwd<T>((T*)E.dh, gl(l, T_W2), dres, l, T_W2, FP8_W_2, N, F, C, 1, gb, dres_input,
+                      fp8_dres_history(l, FP8_W_2));
     if (dh_hist && fp8_producers_write_codes()) {
         fp8_wait_grad_codes();
         fp8_cast_dgelu(E.g8, E.g8t, g8_scale(l, FP8_W_1), (const T*)E.dh, a.h, N, F, FP8_GRAD_FMT, dh_hist);
@@ -634,6 +654,28 @@ static void forward(int B, int Tn, bool fp8) {
         fp8_cast_classifier_input<T>(E.a8, E.training ? E.lnf8t : NULL, cls_x_scale(), (const T*)E.lnf, N, C, E.chunk);
 }
 
+/* LayerNorm backward: dres += the gradient through LN(x) of its output's gradient dout, dgamma and
+ * dbeta by grad_beta. In fp8, dres is then the output gradient of layer l's product k (W_2 of the
+ * layer below, or W_O; l < 0: no product, the embedding's): its amax goes to that product's cast;
+ * under FP8_DRES_FUSED with histories that hold entries, the LayerNorm backward writes the
+ * product's codes itself (E.g8, E.g8t, after their side-stream reader: fp8_wait_grad_codes).
+ * Returns what the product finds (FP8_IN_*). */
+template <typename T>
+static int ln_bwd_for_product(T* dres, float* dgamma, float* dbeta, const T* dout, const T* x, const float* gamma,
+                              const float* mean, const float* rstd, int l, int k) {
+    int N = E.N, C = E.C;
+    const Fp8History* hist = l >= 0 ? fp8_dres_history(l, k) : NULL;
+    if (hist && fp8_producers_write_codes() && layernorm_bwd_fp8_fits(dres, dout, x, gamma, N, C)) {
+        fp8_wait_grad_codes();
+        layernorm_bwd_fp8<T>(E.g8, E.g8t, g8_scale(l, k), hist, FP8_GRAD_FMT, dres, dgamma, dbeta, dout, x, gamma,
+                             mean, rstd, N, C, E.ln_partial, E.grad_beta);
+        return FP8_IN_CODES;
+    }
+    layernorm_bwd<T>(dres, dgamma, dbeta, dout, x, gamma, mean, rstd, N, C, E.ln_partial, E.grad_beta,
+                     l >= 0 ? g8_amax(l, k) : NULL);
+    return FP8_IN_AMAX;
+}
+
 /* Loss over the N positions, chunk by chunk, and its mean into io->loss; with `train`, also the
  * classifier backward (weighted by io->dscale), which writes the gradient of LNf's output into dln
  * and adds into dwte. With the FP8 classifier (config_fp8_classifier) in an fp8 forward, the
@@ -682,7 +724,9 @@ static void loss_chunks(int N, int train) {
  *   dW_O                  dres                                    LN1 backward (dres +=)       side_wait(dres)
  *   dW_QKV                dqkv                                    the layer below's attn_bwd   side_wait(dqkv)
  *   fp8: every dW         g8t (the output gradient's cast)        the next product's cast      fp8_wait_grad_codes
- *                                                                 (fp8_linear_bwd; fp8_cast_dgelu)  (side_wait(E.g8t))
+ *                                                                 (fp8_linear_bwd; fp8_cast_dgelu;  (side_wait(E.g8t))
+ *                                                                 FP8_DRES_FUSED: the LN2 and LN1
+ *                                                                 backwards, layernorm_bwd_fp8)
  * The side stream runs its products in issue order, so a wait covers its earlier products too.
  * Each gradient tensor has one writer per micro-batch (matmul.cuh), the side stream's products
  * write only their own, and the one tensor two writers share, wte (dwte, then the embedding
@@ -707,25 +751,26 @@ static void backward(void) {
     /* dln holds d(LNf output) from loss_chunks */
     CUDA_CHECK(cudaMemsetAsync(dres, 0, nc * es, g_stream));
     /* precision fp8: each LayerNorm backward's dres is the next product's output gradient (W_2 of the
-     * layer below, W_O of its own), so it takes that cast's amax */
-    layernorm_bwd<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln, layer_input<T>(L),
-                     E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd, N, C, E.ln_partial, gb,
-                     g8_amax(L - 1, FP8_W_2));
+     * layer below, W_O of its own): ln_bwd_for_product */
+    int dres_in = ln_bwd_for_product<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln,
+                                        layer_input<T>(L), E.params + E.layout.lnf_gamma, E.lnf_mean, E.lnf_rstd,
+                                        L - 1, FP8_W_2);
     for (l = L - 1; l >= 0; l--) {
         LayerActs<T> a = layer_acts<T>(l);
         /* MLP branch: its output gradient is the stream's, dres */
         side_wait(E.dh);
         if (E.use_fp8)
-            fp8_mlp_bwd<T>(dln, dres, a, l, N, gb);
+            fp8_mlp_bwd<T>(dln, dres, dres_in, a, l, N, gb);
         else
             mlp_bwd<T>(dln, gl(l, T_W1), gl(l, T_W2), dres, a.ln2, a.h, a.h_gelu, wl<T>(l, T_W1), wl<T>(l, T_W2),
                        (T*)E.dh, N, C, F, gb);
         side_wait(dres);
-        layernorm_bwd<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA), a.ln2_mean,
-                         a.ln2_rstd, N, C, E.ln_partial, gb, g8_amax(l, FP8_W_O));
+        dres_in = ln_bwd_for_product<T>(dres, gl(l, T_LN2_GAMMA), gl(l, T_LN2_BETA), dln, a.xmid, wf(l, T_LN2_GAMMA),
+                                        a.ln2_mean, a.ln2_rstd, l, FP8_W_O);
         /* attention branch: dres is now the gradient at xmid */
         if (E.use_fp8)
-            fp8_linear_bwd<T>((T*)E.datty, gl(l, T_WO), dres, l, T_WO, FP8_W_O, N, C, C, 1, gb, FP8_IN_AMAX);
+            fp8_linear_bwd<T>((T*)E.datty, gl(l, T_WO), dres, l, T_WO, FP8_W_O, N, C, C, 1, gb, dres_in,
+                              fp8_dres_history(l, FP8_W_O));
         else attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
         /* precision fp8: dq, dk, dv's amax as attn_fwd's (one tensor to the QKV backward's cast) */
         side_wait(dqkv);
@@ -736,8 +781,8 @@ static void backward(void) {
                               dqkv_amax ? FP8_IN_AMAX : FP8_IN_RAW);
         else attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
         side_wait(dres);
-        layernorm_bwd<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA), a.ln1_mean,
-                         a.ln1_rstd, N, C, E.ln_partial, gb, l > 0 ? g8_amax(l - 1, FP8_W_2) : NULL);
+        dres_in = ln_bwd_for_product<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA),
+                                        a.ln1_mean, a.ln1_rstd, l - 1, FP8_W_2);
     }
     side_join();
     embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_first, E.V, B, Tn, C, gb);
@@ -788,7 +833,7 @@ static void record_forward_backward(void) {
         fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), 0, FP8_DELAYED_FORWARD, E.L);
     loss_chunks<T>(E.N, 1);
     backward<T>();
-    if (E.fp8_delayed) /* and its backward dh's */
+    if (E.fp8_delayed) /* and its backward's gradients' (dh; FP8_DRES_FUSED: W_2's and W_O's) */
         fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), FP8_DELAYED_FORWARD,
                              FP8_DELAYED_PER_LAYER - FP8_DELAYED_FORWARD, E.L);
     download_output(&E.io->loss, &E.io_host->loss);

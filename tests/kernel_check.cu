@@ -1107,10 +1107,12 @@ static void test_fp8_delayed(int R, int C) {
         check_fp8_cast(o, x, 1, R, C, FP8_E4M3, 3, &hists[i]);
         dfree_all();
     }
-    /* the push: FP8_DELAYED_PER_LAYER histories a layer (ln1, ln2, h_gelu; dh),
+    /* the push: FP8_DELAYED_PER_LAYER histories a layer (ln1, ln2, h_gelu; dh; W_2's and W_O's
+     * output gradients with FP8_DRES_FUSED),
      * their amaxes at scales[l * stride + at[which]]; the forward's, then the backward's, as the engine */
-    const int layers = 5, stride = 4, n = FP8_DELAYED_PER_LAYER * layers;
-    const int at[4] = {0, 2, 3, 1};
+    const int layers = 5, stride = 8, n = FP8_DELAYED_PER_LAYER * layers;
+    const int at[6] = {0, 2, 3, 1, 7, 5};
+    static_assert(FP8_DELAYED_PER_LAYER <= 6, "a scale for every history a layer");
     std::vector<Fp8History> h(n), want;
     std::vector<Fp8Scale> sc((size_t)layers * stride);
     Vec amax = randn(sc.size(), 100.0f);
@@ -1255,6 +1257,66 @@ static void test_fp8_dgelu_fused(int R, int Cc) {
         check_fp8_fused(ref, got, n, h, i == 1, "gelu_bwd_inplace + fp8_cast", fmt);
         dfree_all();
     }
+}
+
+/* Delayed scaling's fused LayerNorm backward (layernorm_bwd_fp8, the candidate -DFP8_DRES_FUSED=1;
+ * built in every build) of bf16 rows [N, C], adding into dx (the residual gradient) and writing or
+ * adding dgamma, dbeta by grad_beta: dx, dgamma, dbeta those of the CPU layer (as test_layernorm)
+ * and the bits of layernorm_bwd's, the unfused path; the codes of both layouts, amax and scale
+ * those of the CPU emulation's cast (cpu/fp8.h) of that dx at the history's scale, exactly, for a
+ * history below dx's current scale and one above it (saturating). Every shape the register kernel
+ * takes must fit the fused one. */
+static void test_fp8_layernorm_bwd_fused(int N, int C) {
+    const int fmt = FP8_GRAD_FMT;
+    const Tol tol = tol_for<bf16>();
+    size_t n = (size_t)N * C;
+    Vec x = rounded<bf16>(randn(n, 1.0f, 0.3f)), dout = rounded<bf16>(randn(n, 1.0f));
+    Vec gamma = randn(C, 0.2f, 1.0f), beta = randn(C, 0.2f), ln(n), mean(N), rstd(N);
+    layernorm_forward(ln.data(), mean.data(), rstd.data(), x.data(), gamma.data(), beta.data(), N, C);
+    Vec dx_inc(n, 0.0f), dg_inc(C, 0.0f), db_inc(C, 0.0f);
+    layernorm_backward(dx_inc.data(), dg_inc.data(), db_inc.data(), dout.data(), x.data(), gamma.data(), mean.data(),
+                       rstd.data(), N, C);
+    Vec dx0 = prefill_like<bf16>(dx_inc), dg0 = prefill_like<float>(dg_inc), db0 = prefill_like<float>(db_inc);
+    bf16 *d_x = upload<bf16>(x), *d_dout = upload<bf16>(dout), *d_dx = upload<bf16>(dx0);
+    float *d_gamma = upload<float>(gamma), *d_mean = upload<float>(mean), *d_rstd = upload<float>(rstd);
+    float *d_dg = upload<float>(dg0), *d_db = upload<float>(db0), *d_scratch = poisoned<float>(layernorm_scratch_floats(C));
+    bool regs = ln_bwd_regs_plan(d_dx, d_dout, d_x, d_gamma, N, C).packets > 0;
+    bool fits = layernorm_bwd_fp8_fits(d_dx, d_dout, d_x, d_gamma, N, C);
+    report(fits && regs, "fits", "the fused kernel takes the shape: %d, the register kernel: %d", fits, regs);
+    if (!fits) {
+        dfree_all();
+        return;
+    }
+    for (float gb : GRAD_BETAS) {
+        /* fp8 != NULL: the fused kernel writing the codes there at the history's scale */
+        auto gpu = [&](const Fp8CastOut* fp8, const Fp8History* hist) {
+            upload_into(d_dx, dx0);
+            init_grad(d_dg, dg0, gb);
+            init_grad(d_db, db0, gb);
+            if (fp8)
+                layernorm_bwd_fp8<bf16>(fp8->n, fp8->t, fp8->sc, hist, fmt, d_dx, d_dg, d_db, d_dout, d_x, d_gamma,
+                                        d_mean, d_rstd, N, C, d_scratch, gb);
+            else
+                layernorm_bwd<bf16>(d_dx, d_dg, d_db, d_dout, d_x, d_gamma, d_mean, d_rstd, N, C, d_scratch, gb);
+            return std::vector<Vec>{download(d_dx, n), download(d_dg, C), download(d_db, C)};
+        };
+        std::vector<Vec> plain = gpu(NULL, NULL);
+        check("dx", plain[0], plus(dx0, dx_inc), tol.prod, &dx0);
+        check_grad("dgamma", plain[1], dg_inc, dg0, gb, tol.prod);
+        check_grad("dbeta", plain[2], db_inc, db0, gb, tol.prod);
+        int cur = fp8_history_exponent(fp8_amax(plain[0].data(), n), fmt);
+        const signed char below[2] = {(signed char)(cur - 1), (signed char)(cur - 3)};
+        const signed char above[1] = {(signed char)(cur + 3)};
+        for (int i = 0; i < 2; i++) {
+            Fp8History* dh;
+            Fp8History h = i ? fp8_history_with(above, 1, &dh) : fp8_history_with(below, 2, &dh);
+            Fp8CastOut o = fp8_cast_out(n);
+            check_same(i ? "dx, dgamma, dbeta (history above)" : "dx, dgamma, dbeta (history below)", gpu(&o, dh),
+                       plain);
+            check_fp8_cast(o, plain[0], 1, N, C, fmt, 3, &h);
+        }
+    }
+    dfree_all();
 }
 
 /* A list of casts in two launches (fp8_quantize_jobs, the engine's weights), each job checked as
@@ -1538,6 +1600,17 @@ static void run_fp8(void) {
         test_fp8_gelu_fused(gs[0], gs[1]);
         set_ctx("fp8", "delayed dgelu fused", sh);
         test_fp8_dgelu_fused(gs[0], gs[1]);
+    }
+    /* the fused LayerNorm backward at every shape test_layernorm checks the register kernel at (its
+     * rows N = B·T·4 + 1: chunks of odd row counts, the transposed codes byte by byte), and at
+     * ANDREA-120M's and -12M's (chunks of 32 and 16 rows: 16-byte stores) */
+    std::vector<std::array<int, 2>> lnb_shapes = {{8192, 768}, {4096, 192}};
+    for (const Shape& s : SHAPES) lnb_shapes.push_back({s.B * s.T * 4 + 1, s.C});
+    for (int C : {768, 392, 100, 70}) lnb_shapes.push_back({2 * 40 * 4 + 1, C});
+    for (const auto& ls : lnb_shapes) {
+        snprintf(sh, sizeof sh, "N=%d C=%d", ls[0], ls[1]);
+        set_ctx("fp8", "delayed layernorm backward fused", sh);
+        test_fp8_layernorm_bwd_fused(ls[0], ls[1]);
     }
     const int gshapes[][4] = {{64, 96, 128, 1}, {48, 32, 96, 3}, {256, 512, 64, 1}, {16, 48, 16, 1}};
     for (const auto& g : gshapes) {

@@ -160,13 +160,24 @@ static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int 
  * LayerNorm outputs (the QKV and MLP-up inputs) and the GELU output (MLP down's), which a training
  * forward records (the first FP8_DELAYED_FORWARD); then the MLP hidden gradient dh (MLP up's output
  * gradient, in FP8_GRAD_FMT), which the backward records, so that the GELU backward can write its
- * codes (docs/DESIGN.md §18). */
+ * codes; with the candidate -DFP8_DRES_FUSED=1 also the
+ * residual gradients that are W_2's output gradient (at the layer's output) and W_O's (after the
+ * attention), in FP8_GRAD_FMT, recorded by the backward, so that the LayerNorm backwards that
+ * produce them can write their codes (docs/DESIGN.md §18). Every tensor the backward records is a
+ * gradient: from FP8_DELAYED_FORWARD on. */
+#ifndef FP8_DRES_FUSED
+#define FP8_DRES_FUSED 0
+#endif
 enum {
     DELAYED_LN1,
     DELAYED_LN2,
     DELAYED_GELU,
     FP8_DELAYED_FORWARD,
     DELAYED_DGELU = FP8_DELAYED_FORWARD,
+#if FP8_DRES_FUSED
+    DELAYED_DRES_W2,
+    DELAYED_DRES_WO,
+#endif
     FP8_DELAYED_PER_LAYER
 };
 #define FP8_HISTORY_LEN 16
@@ -176,10 +187,8 @@ typedef struct {
     int count;
 } Fp8History;
 
-/* The format of delayed tensor `which`: the gradient dh's FP8_GRAD_FMT, else E4M3. */
-static inline FP8_HD int fp8_delayed_fmt(int which) {
-    return which == DELAYED_DGELU ? FP8_GRAD_FMT : FP8_E4M3;
-}
+/* The format of delayed tensor `which`: the gradients' FP8_GRAD_FMT, the activations' E4M3. */
+static inline FP8_HD int fp8_delayed_fmt(int which) { return which >= FP8_DELAYED_FORWARD ? FP8_GRAD_FMT : FP8_E4M3; }
 
 /* The exponent an amax records: log2 of its current scale; FP8_HISTORY_NONE for 0. */
 static inline FP8_HD int fp8_history_exponent(float amax, int fmt) {

@@ -371,6 +371,106 @@ static void layernorm_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8His
                                   hist, mean, rstd, x, gamma, beta, N, C);
 }
 
+/* Delayed scaling's fused LayerNorm backward (candidate -DFP8_DRES_FUSED=1, docs/DESIGN.md §18; built
+ * in every build): layernorm_bwd's register kernel, which adds into the residual gradient dx, also
+ * writes the new dx's codes (format fmt, at the history's scale, as stored in T) row-major into
+ * out_n [N][C] and transposed into out_t [C][N], their amax and the scale into sc: bit for bit
+ * layernorm_bwd with the amax, then fp8_cast with the history. A block keeps its chunk's codes
+ * (rows_per_chunk x C, rows LN_BWD_TILE_PITCH(C) bytes apart) in the shared memory of its column
+ * sums, unused until its rows are done, and writes them transposed from there: a thread a column
+ * and 16 rows, one 16-byte store, where the chunk's rows come in sixteens (else byte by byte). */
+#define LN_BWD_TILE_BYTES (sizeof(float) * LN_WARPS * 2 * LN_SLAB_COLS) /* the column sums' memory */
+#define LN_BWD_TILE_PITCH(C) ((C) + 16)
+struct LnBwdCodes {
+    static constexpr bool codes = true;
+    fp8 *out_n, *out_t;
+    Fp8Scale* sc;
+    const Fp8History* hist; /* not empty */
+    int fmt;
+    float s; /* the history's scale, set by begin() */
+
+    __device__ __forceinline__ void begin() { s = fp8_history_scale(hist); }
+
+    template <typename T, int VEC>
+    __device__ __forceinline__ void row(const float (&v)[VEC], int r, int tr, int c, int C, void* shared) const {
+        fp8 q[VEC];
+        fp8* t = (fp8*)shared + (size_t)tr * LN_BWD_TILE_PITCH(C) + c;
+        for (int k = 0; k < VEC; k++) q[k] = fp8_cvt(as_stored<T>(v[k]) * s, fmt);
+        if constexpr (VEC == 8) {
+            uint2 w;
+            memcpy(&w, q, sizeof w);
+            *reinterpret_cast<uint2*>(out_n + (size_t)r * C + c) = w;
+            *reinterpret_cast<uint2*>(t) = w;
+        } else {
+            for (int k = 0; k < VEC; k++) {
+                out_n[(size_t)r * C + c + k] = q[k];
+                t[k] = q[k];
+            }
+        }
+    }
+
+    __device__ __forceinline__ void finish(const void* shared, int r0, int r1, int N, int C) const {
+        const fp8* tile = (const fp8*)shared;
+        const int pitch = LN_BWD_TILE_PITCH(C), n = r1 - r0;
+        if (blockIdx.x == 0 && threadIdx.x == 0) {
+            sc->scale = s;
+            sc->descale = 1.0f / s;
+        }
+        if ((r0 | n | N) % 16 == 0) { /* whole 16-byte stores (out_t 16-byte aligned: the host checks) */
+            const int groups = n / 16; /* neighbouring threads: the same column's neighbouring groups */
+            for (int i = threadIdx.x; i < groups * C; i += blockDim.x) {
+                int g = i % groups, c = i / groups;
+                uint4 w;
+                fp8* wb = reinterpret_cast<fp8*>(&w);
+                for (int k = 0; k < 16; k++) wb[k] = tile[(g * 16 + k) * pitch + c];
+                *reinterpret_cast<uint4*>(out_t + (size_t)c * N + r0 + g * 16) = w;
+            }
+        } else {
+            for (int i = threadIdx.x; i < n * C; i += blockDim.x) {
+                int k = i % n, c = i / n;
+                out_t[(size_t)c * N + r0 + k] = tile[k * pitch + c];
+            }
+        }
+    }
+};
+
+template <typename T, int VEC, int PACKETS>
+__global__ void __launch_bounds__(32 * LN_WARPS, 2)
+k_layernorm_bwd_fp8(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
+                    const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ mean,
+                    const float* __restrict__ rstd, int N, int C, int rows_per_chunk, LnBwdCodes codes) {
+    await_previous_kernel();
+    ln_bwd_regs_body<T, VEC, PACKETS>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk,
+                                      &codes.sc->amax_bits, codes);
+}
+
+/* Whether layernorm_bwd_fp8 takes these operands (else: layernorm_bwd with the amax, then fp8_cast
+ * with the history): rows the register kernel holds, a chunk's codes within the tile. */
+template <typename T>
+static bool layernorm_bwd_fp8_fits(const T* dx, const T* dout, const T* x, const float* gamma, int N, int C) {
+    LnBwdRegs rp = ln_bwd_regs_plan(dx, dout, x, gamma, N, C);
+    return rp.packets > 0 && (size_t)rp.rows_per_chunk * LN_BWD_TILE_PITCH(C) <= LN_BWD_TILE_BYTES;
+}
+
+/* layernorm_bwd (dx +=, dgamma and dbeta by grad_beta) with dx's codes, as above; `hist` must not be
+ * empty. */
+template <typename T>
+static void layernorm_bwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8History* hist, int fmt, T* dx,
+                              float* dgamma, float* dbeta, const T* dout, const T* x, const float* gamma,
+                              const float* mean, const float* rstd, int N, int C, float* scratch, float grad_beta) {
+    LnBwdRegs rp = ln_bwd_regs_plan(dx, dout, x, gamma, N, C);
+    if (!layernorm_bwd_fp8_fits(dx, dout, x, gamma, N, C) || (uintptr_t)out_n % 16 != 0 ||
+        (uintptr_t)out_t % 16 != 0) {
+        fprintf(stderr, "error: internal: layernorm_bwd_fp8 of N=%d C=%d with out_n %p, out_t %p\n", N, C,
+                (void*)out_n, (void*)out_t);
+        exit(1);
+    }
+    LnBwdCodes codes = {out_n, out_t, sc, hist, fmt, 0.0f};
+    LN_LAUNCH_PACKETS(rp.packed, rp.packets, k_layernorm_bwd_fp8, T, rp.n_chunks, 32 * LN_WARPS, dx, scratch, dout,
+                      x, gamma, mean, rstd, N, C, rp.rows_per_chunk, codes);
+    layernorm_bwd_final(dgamma, dbeta, scratch, C, rp.n_chunks, grad_beta != 0.0f);
+}
+
 /* Delayed scaling's fused GELU: the codes of gelu(h) for h [R, Cc] (as k_gelu_fwd would store it,
  * then fp8_cast with the history `hist`, which must not be empty), their amax into sc; bit for bit
  * gelu_fwd with the amax, then fp8_cast. Saves writing and reading back gelu(h) in T. */

@@ -262,6 +262,16 @@ __device__ __forceinline__ void load_raw(T (&t)[VEC], const T* p) {
     }
 }
 
+/* What the register kernel does beside dx: nothing more (LnBwdPlain), or (precision fp8's delayed
+ * scaling, cuda/fp8.cuh's LnBwdCodes) dx's FP8 codes in both layouts: `codes` says which. A codes
+ * epilogue's begin() runs first in every thread, row() takes each packet of a row's dx as computed
+ * (tr: the row within the block's chunk; shared: the block's column-sum memory, unused while the
+ * rows run), and finish() the block's rows r0 .. r1 after a barrier, before the column sums take
+ * the shared memory back. */
+struct LnBwdPlain {
+    static constexpr bool codes = false;
+};
+
 /* k_layernorm_bwd for rows of one slab (C <= LN_SLAB_COLS) a warp holds in registers, grid
  * (n_chunks), LN_WARPS warps a block, __launch_bounds__ for two blocks per multiprocessor (at most
  * 128 registers a thread). Warp w takes rows r0 + w, r0 + w + LN_WARPS, ... of the chunk, each
@@ -270,18 +280,19 @@ __device__ __forceinline__ void load_raw(T (&t)[VEC], const T* p) {
  * keeps zeros). Then the warps' sums go to shared memory and the block adds them in warp order, as
  * k_layernorm_bwd does. dx's operations are k_layernorm_bwd's, in the same order: the same dx.
  * amax_bits as k_layernorm_bwd's. */
-template <typename T, int VEC, int PACKETS>
-__global__ void __launch_bounds__(32 * LN_WARPS, 2)
-k_layernorm_bwd_regs(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
-                     const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ mean,
-                     const float* __restrict__ rstd, int N, int C, int rows_per_chunk, unsigned* amax_bits) {
-    await_previous_kernel();
+template <typename T, int VEC, int PACKETS, typename Epi>
+__device__ __forceinline__ void ln_bwd_regs_body(T* __restrict__ dx, float* __restrict__ partial,
+                                                 const T* __restrict__ dout, const T* __restrict__ x,
+                                                 const float* __restrict__ gamma, const float* __restrict__ mean,
+                                                 const float* __restrict__ rstd, int N, int C, int rows_per_chunk,
+                                                 unsigned* amax_bits, Epi epi) {
     __shared__ __align__(16) float col_sums[LN_WARPS][2][LN_SLAB_COLS]; /* [warp][dgamma, dbeta][column] */
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int chunk = blockIdx.x, n_chunks = gridDim.x;
     int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
     float dg[PACKETS][VEC] = {}, db[PACKETS][VEC] = {};
     unsigned am = 0;
+    if constexpr (Epi::codes) epi.begin();
     for (int row = r0 + warp; row < r1; row += LN_WARPS) {
         __align__(16) T xv[PACKETS][VEC], dv[PACKETS][VEC], ov[PACKETS][VEC];
         const T* xr = x + (size_t)row * C;
@@ -314,7 +325,13 @@ k_layernorm_bwd_regs(T* __restrict__ dx, float* __restrict__ partial, const T* _
                 am = max(am, abs_bits(as_stored<T>(out[k])));
             }
             store_vec(o + ln_reg_col(p), out);
+            if constexpr (Epi::codes) epi.template row<T, VEC>(out, row, row - r0, ln_reg_col(p), C, col_sums);
         }
+    }
+    if constexpr (Epi::codes) {
+        __syncthreads();
+        epi.finish(col_sums, r0, r1, N, C);
+        __syncthreads();
     }
     LN_REG_LOOP(p, C) {
         store_vec(col_sums[warp][0] + ln_reg_col(p), dg[p]);
@@ -325,6 +342,15 @@ k_layernorm_bwd_regs(T* __restrict__ dx, float* __restrict__ partial, const T* _
     block_amax_commit_in(amax_bits, am, (unsigned*)col_sums[0][0]); /* its barrier: col_sums is read */
 }
 
+template <typename T, int VEC, int PACKETS>
+__global__ void __launch_bounds__(32 * LN_WARPS, 2)
+k_layernorm_bwd_regs(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
+                     const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ mean,
+                     const float* __restrict__ rstd, int N, int C, int rows_per_chunk, unsigned* amax_bits) {
+    await_previous_kernel();
+    ln_bwd_regs_body<T, VEC, PACKETS>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk, amax_bits,
+                                      LnBwdPlain());
+}
 
 /* Block (LN_FINAL_COLS columns) x (LN_FINAL_GROUPS groups): group k of a column sums chunks k,
  * k + LN_FINAL_GROUPS, ... in order, then group 0 adds the group sums in group order and writes
@@ -369,27 +395,41 @@ static void layernorm_bwd_final(float* dgamma, float* dbeta, const float* scratc
                   scratch, C, n_chunks, add);
 }
 
+/* The register kernel's launch for these operands: packed or not, the packets a lane holds (0: the
+ * rows do not fit, the slab kernel takes them), rows a chunk, chunks. */
+struct LnBwdRegs {
+    bool packed;
+    int packets, rows_per_chunk, n_chunks;
+};
+template <typename T>
+static LnBwdRegs ln_bwd_regs_plan(const T* dx, const T* dout, const T* x, const float* gamma, int N, int C) {
+    LnBwdRegs p;
+    p.packed = packable(C, sizeof(T), {dx, dout, x}) && packable(C, sizeof(float), {gamma});
+    p.packets = ln_reg_packets(C, p.packed, PACK(T));
+    if (C > LN_SLAB_COLS || p.packets > LN_REG_PACKETS) p.packets = 0;
+    p.rows_per_chunk = ln_rows_per_chunk(N, LN_REGS_CHUNKS);
+    p.n_chunks = (int)ceil_div(N, p.rows_per_chunk);
+    return p;
+}
+
 /* dx += ; dgamma, dbeta = / += by grad_beta (0 or 1); scratch holds layernorm_scratch_floats(C) floats.
  * amax_bits: precision fp8's amax of dx (after the addition) is atomicMax'ed in; NULL: none. */
 template <typename T>
 static void layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, const T* x, const float* gamma,
                           const float* mean, const float* rstd, int N, int C, float* scratch, float grad_beta,
                           unsigned* amax_bits = NULL) {
-    bool packed = packable(C, sizeof(T), {dx, dout, x}) && packable(C, sizeof(float), {gamma});
-    int packets = ln_reg_packets(C, packed, PACK(T));
-    if (C <= LN_SLAB_COLS && packets <= LN_REG_PACKETS) { /* the row in registers */
-        int rows_per_chunk = ln_rows_per_chunk(N, LN_REGS_CHUNKS);
-        int n_chunks = (int)ceil_div(N, rows_per_chunk);
-        LN_LAUNCH_PACKETS(packed, packets, k_layernorm_bwd_regs, T, n_chunks, 32 * LN_WARPS, dx, scratch, dout, x,
-                          gamma, mean, rstd, N, C, rows_per_chunk, amax_bits);
-        layernorm_bwd_final(dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
+    LnBwdRegs rp = ln_bwd_regs_plan(dx, dout, x, gamma, N, C);
+    if (rp.packets) { /* the row in registers */
+        LN_LAUNCH_PACKETS(rp.packed, rp.packets, k_layernorm_bwd_regs, T, rp.n_chunks, 32 * LN_WARPS, dx, scratch,
+                          dout, x, gamma, mean, rstd, N, C, rp.rows_per_chunk, amax_bits);
+        layernorm_bwd_final(dgamma, dbeta, scratch, C, rp.n_chunks, grad_beta != 0.0f);
         return;
     }
     int rows_per_chunk = ln_rows_per_chunk(N, LN_MAX_CHUNKS);
     int n_chunks = (int)ceil_div(N, rows_per_chunk);
     int slab_cols = ln_slab_cols(C);
     dim3 grid(ceil_div(C, slab_cols), n_chunks);
-    LAUNCH_PACKED(packed, k_layernorm_bwd, T, grid, 32 * LN_WARPS, dx, scratch, dout, x, gamma, mean, rstd, N, C,
+    LAUNCH_PACKED(rp.packed, k_layernorm_bwd, T, grid, 32 * LN_WARPS, dx, scratch, dout, x, gamma, mean, rstd, N, C,
                   rows_per_chunk, slab_cols, amax_bits);
     layernorm_bwd_final(dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
 }
