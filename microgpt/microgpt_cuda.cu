@@ -1052,10 +1052,15 @@ static size_t engine_setup(const Config* cfg) {
     int g, n_dev = 0;
     memset(&E, 0, sizeof E);
     E.cfg = *cfg;
-    E.use_fp8 = strcmp(prec, "fp8") == 0; /* everything else as bf16 */
+    /* fp8: the FP8 products, everything else as bf16; generation multiplies in bf16 alone (docs/DESIGN.md
+     * §18), so it is the bf16 engine and needs no FP8 tensor cores (a checkpoint trained in fp8 chats
+     * on any GPU) */
+    E.use_fp8 = strcmp(prec, "fp8") == 0 && !cfg->generate.enabled;
     E.fp8_delayed = config_keeps_fp8_histories(cfg);
     E.use_fp8_classifier = config_fp8_classifier(cfg);
-    E.prec = strcmp(prec, "bf16") == 0 || E.use_fp8 ? PREC_BF16 : strcmp(prec, "fp16") == 0 ? PREC_FP16 : PREC_FP32; /* or tf32 */
+    E.prec = strcmp(prec, "bf16") == 0 || strcmp(prec, "fp8") == 0 ? PREC_BF16
+             : strcmp(prec, "fp16") == 0                          ? PREC_FP16
+                                                                  : PREC_FP32; /* or tf32 */
     E.es = E.prec == PREC_FP32 ? 4 : 2;
     E.B = cfg->train.batch_size;
     E.T = cfg->model.seq_len;
