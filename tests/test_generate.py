@@ -387,6 +387,24 @@ def test_gpu_generation_is_batch_independent_and_tracks_the_cpu(cuda_binary, cpu
         assert len(gpu.tokens(i)) == T - len(p) and all(0 <= t < V for t in gpu.tokens(i))
 
 
+def test_cpu_generation_in_fp8_is_the_fp32_engines(cpu_binary, trained):  # noqa: F811
+    """As on the GPU (next test): the CPU engine generates an fp8 checkpoint in its own precision."""
+    line = [{"id": "alone", **SAMPLED, "logits": True}]
+    fp8, fp32 = (serve(cpu_binary, trained["ckpt"], line, "--train.precision", p) for p in ("fp8", "fp32"))
+    assert fp8.tokens("alone") == fp32.tokens("alone") and len(fp8.tokens("alone")) == 12
+    assert fp8.logits_text("alone") == fp32.logits_text("alone")
+
+
+@pytest.mark.gpu
+def test_gpu_generation_in_fp8_is_the_bf16_engines(cuda_binary, trained):  # noqa: F811
+    """Generation multiplies in bf16 alone (docs/DESIGN.md §18): asked for fp8 it gives bf16's
+    tokens and logits bit for bit, and so needs no FP8 tensor cores."""
+    line = [{"id": "alone", **SAMPLED, "logits": True}]
+    fp8, bf16 = (serve(cuda_binary, trained["ckpt"], line, "--train.precision", p) for p in ("fp8", "bf16"))
+    assert fp8.tokens("alone") == bf16.tokens("alone") and len(fp8.tokens("alone")) == 12
+    assert fp8.logits_text("alone") == bf16.logits_text("alone")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_gpu_evaluate_equals_its_training_loops_val_loss(cuda_binary, random_shards, tmp_path,  # noqa: F811
