@@ -8,7 +8,8 @@
  * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
  * reference for the GPU's FP8 products (docs/DESIGN.md §18); in training, the LayerNorm outputs
  * ln1, ln2, the GELU output and MLP up's output gradient dh (and, under -DFP8_DRES_FUSED=1, the
- * residual gradients that are W_2's and W_O's output gradients) are cast at delayed scales instead
+ * residual gradients that are W_2's and W_O's output gradients; under -DFP8_DQKV_FUSED=1, QKV's
+ * output gradient dqkv) are cast at delayed scales instead
  * (delayed_operand); where the FP8 classifier pays (d_model 512 and up, cpu/fp8.h's
  * fp8_classifier_pays) the classifier's products read FP8-emulated operands too (classifier_x,
  * classifier_wte, classifier_bwd). Every other precision computes fp32 (and says so). Every buffer
@@ -71,7 +72,7 @@ static struct {
     int fp8, fp8_products, fp8_classifier; /* fp8_classifier: config_fp8_classifier */
     float *fq_act, *fq_weight, *fq_grad;
     /* fp8 training: the delayed-scaling histories of ln1, ln2, h_gelu and dh (and W_2's and W_O's
-     * output gradients under FP8_DRES_FUSED) per layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
+     * output gradients under FP8_DRES_FUSED, dqkv under FP8_DQKV_FUSED) per layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
      * cast with (the backward re-casts the activations alike), and whether the current micro-batch
      * extends the histories (training micro-batches only) */
     int fp8_delayed, fp8_record;
@@ -253,6 +254,18 @@ static const float* dres_operand(int l, int after_attention, const float* g, siz
 #endif
 }
 
+/* QKV's output gradient dq, dk, dv (consecutive, n values each: one fp8 tensor) of layer l: with
+ * -DFP8_DQKV_FUSED=1 at a delayed scale (its history, recorded by the backward), else at its current
+ * one. */
+static const float* dqkv_operand(int l, const float* dqkv, size_t n) {
+#if FP8_DQKV_FUSED
+    return delayed_operand(l, DELAYED_DQKV, dqkv, 3 * n, 1);
+#else
+    (void)l;
+    return grad_operand(dqkv, 3 * n);
+#endif
+}
+
 static int engine_fp8_history_count(void) { return E.fp8_delayed ? FP8_DELAYED_PER_LAYER * E.L : 0; }
 static void engine_get_fp8_history(Fp8History* h) {
     if (E.fp8_delayed) memcpy(h, E.delayed_hist, FP8_DELAYED_PER_LAYER * (size_t)E.L * sizeof(Fp8History));
@@ -358,7 +371,7 @@ static void backward(const int* targets) {
         attention_backward(E.dq, E.dk, E.dv, E.datty, a->att, a->q, a->k, a->v, E.B, E.T, C, E.H);
         zero(E.dln, nc);
         {   /* dq, dk, dv (consecutive) are one fp8 tensor, as are W_Q, W_K, W_V */
-            const float *dqkv = grad_operand(E.dq, 3 * nc), *xa = delayed_operand(l, DELAYED_LN1, a->ln1, nc, 0);
+            const float *dqkv = dqkv_operand(l, E.dq, nc), *xa = delayed_operand(l, DELAYED_LN1, a->ln1, nc, 0);
             const float* wqkv = weight_operand(P(LO(l, T_WQ)), 3 * cc);
             matmul_backward(E.dln, G(LO(l, T_WQ)), dqkv, xa, wqkv, N, C, C);
             matmul_backward(E.dln, G(LO(l, T_WK)), dqkv + nc, xa, wqkv + cc, N, C, C);

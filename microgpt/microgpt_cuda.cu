@@ -27,7 +27,9 @@
  *         h_gelu are cast at delayed scales (from amax histories) instead, written by their
  *         producers (LayerNorm, GELU) as FP8 codes; so is MLP up's output gradient dh, by the
  *         GELU backward, and, under the candidate -DFP8_DRES_FUSED=1, the residual gradients that
- *         are W_2's and W_O's output gradients, by the LayerNorm backwards that add into them.
+ *         are W_2's and W_O's output gradients, by the LayerNorm backwards that add into them;
+ *         under the candidate -DFP8_DQKV_FUSED=1, QKV's output gradient dqkv, by the flash
+ *         attention backward (Hopper's kernels).
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
@@ -148,7 +150,8 @@ static struct {
      * again until the next forward), and one chunk's dlogits codes [chunk][Vp] and [Vp][chunk] */
     fp8 *lnf8t, *dl8, *dl8t;
     /* delayed scaling (docs/DESIGN.md §18), training fp8 only: ln1, ln2, h_gelu and dh (and W_2's
-     * and W_O's output gradients under FP8_DRES_FUSED) are cast at delayed scales, from the
+     * and W_O's output gradients under FP8_DRES_FUSED, dqkv under FP8_DQKV_FUSED) are cast at
+     * delayed scales, from the
      * histories fp8_hist
      * [L][FP8_DELAYED_PER_LAYER] (device), which every training micro-batch extends by their amaxes
      * (k_fp8_history_push) and the checkpoint sidecar keeps */
@@ -443,7 +446,8 @@ static void fp8_quantize_weights(void) {
 /* What a product's operand holds when the product starts: only the values (the cast takes their
  * amax first), the values with their amax (fused into their producer), or already its codes and
  * scale (delayed scaling's fused producers: the LayerNorm, E.a8, x8t and x8_scale written; the
- * GELU backward, and under FP8_DRES_FUSED the LayerNorm backward, E.g8, E.g8t and g8_scale). */
+ * GELU backward, under FP8_DRES_FUSED the LayerNorm backward and under FP8_DQKV_FUSED the flash
+ * attention backward, E.g8, E.g8t and g8_scale). */
 enum { FP8_IN_RAW, FP8_IN_AMAX, FP8_IN_CODES };
 
 /* The delayed-scaling history of product k's input in layer l: ln1 (QKV), ln2 (MLP up) and h_gelu
@@ -472,9 +476,19 @@ static const Fp8History* fp8_dres_history(int l, int k) {
     return NULL;
 }
 
+/* The delayed-scaling history of layer l's dqkv (QKV's output gradient: dq, dk, dv as one tensor)
+ * under the candidate FP8_DQKV_FUSED in an fp8 training run; NULL (current scaling) otherwise. */
+static const Fp8History* fp8_dqkv_history(int l) {
+#if FP8_DQKV_FUSED
+    if (E.fp8_delayed) return E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l + DELAYED_DQKV;
+#endif
+    (void)l;
+    return NULL;
+}
+
 /* Delayed scaling with histories that hold entries (all but a run's first micro-batch): the
- * producers of ln1, ln2, h_gelu and dh (and W_2's and W_O's output gradients, FP8_DRES_FUSED)
- * write their products' codes themselves. */
+ * producers of ln1, ln2, h_gelu and dh (and W_2's and W_O's output gradients, FP8_DRES_FUSED;
+ * dqkv, FP8_DQKV_FUSED) write their products' codes themselves. */
 static bool fp8_producers_write_codes(void) { return E.fp8_delayed && E.fp8_hist_filled; }
 
 /* Where the delayed tensors' amaxes sit (k_fp8_history_push): the casts' scales of their products. */
@@ -489,6 +503,9 @@ static Fp8DelayedScales fp8_delayed_scales(void) {
 #if FP8_DRES_FUSED
     w.at[DELAYED_DRES_W2] = (int)(g8_scale(0, FP8_W_2) - E.fp8_scales);
     w.at[DELAYED_DRES_WO] = (int)(g8_scale(0, FP8_W_O) - E.fp8_scales);
+#endif
+#if FP8_DQKV_FUSED
+    w.at[DELAYED_DQKV] = (int)(g8_scale(0, FP8_W_QKV) - E.fp8_scales);
 #endif
     return w;
 }
@@ -676,6 +693,30 @@ static int ln_bwd_for_product(T* dres, float* dgamma, float* dbeta, const T* dou
     return FP8_IN_AMAX;
 }
 
+/* Attention backward of layer l: dq, dk, dv (E.dqkv) from the gradient of its output, E.datty. In
+ * fp8, dqkv is the QKV product's output gradient: its amax goes to that product's cast (where the
+ * flash path fuses it); under FP8_DQKV_FUSED with histories that hold entries, the flash backward
+ * writes the product's codes instead of dqkv (E.g8, E.g8t, after their side-stream reader:
+ * fp8_wait_grad_codes) where attn_bwd_fp8_fits, else the product casts at the delayed scale.
+ * Returns what the product finds (FP8_IN_*). */
+template <typename T>
+static int attn_bwd_for_product(const LayerActs<T>& a, int l) {
+    int B = E.B, Tn = E.T, C = E.C, H = E.H;
+    size_t nc = (size_t)E.N * C;
+    T* dqkv = (T*)E.dqkv;
+    const Fp8History* hist = fp8_dqkv_history(l);
+    if (hist && fp8_producers_write_codes() && attn_bwd_fp8_fits<T>(C, H)) {
+        fp8_wait_grad_codes();
+        attn_bwd_fp8<T>(E.g8, E.g8t, g8_scale(l, FP8_W_QKV), hist, FP8_GRAD_FMT, (const T*)E.datty, a.atty,
+                        a.att_lse, a.qkv, a.qkv + nc, a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
+        return FP8_IN_CODES;
+    }
+    /* precision fp8: dq, dk, dv's amax as attn_fwd's (one tensor to the QKV backward's cast) */
+    bool amax = attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv, a.qkv + nc,
+                            a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>(), g8_amax(l, FP8_W_QKV));
+    return amax ? FP8_IN_AMAX : FP8_IN_RAW;
+}
+
 /* Loss over the N positions, chunk by chunk, and its mean into io->loss; with `train`, also the
  * classifier backward (weighted by io->dscale), which writes the gradient of LNf's output into dln
  * and adds into dwte. With the FP8 classifier (config_fp8_classifier) in an fp8 forward, the
@@ -726,7 +767,8 @@ static void loss_chunks(int N, int train) {
  *   fp8: every dW         g8t (the output gradient's cast)        the next product's cast      fp8_wait_grad_codes
  *                                                                 (fp8_linear_bwd; fp8_cast_dgelu;  (side_wait(E.g8t))
  *                                                                 FP8_DRES_FUSED: the LN2 and LN1
- *                                                                 backwards, layernorm_bwd_fp8)
+ *                                                                 backwards, layernorm_bwd_fp8;
+ *                                                                 FP8_DQKV_FUSED: attn_bwd_fp8)
  * The side stream runs its products in issue order, so a wait covers its earlier products too.
  * Each gradient tensor has one writer per micro-batch (matmul.cuh), the side stream's products
  * write only their own, and the one tensor two writers share, wte (dwte, then the embedding
@@ -742,7 +784,7 @@ static void loss_chunks(int N, int train) {
  * that: not done, the input-gradient product and the weight gradient take about the same time). */
 template <typename T>
 static void backward(void) {
-    int B = E.B, Tn = E.T, C = E.C, H = E.H, F = E.F, L = E.L, N = E.N, l;
+    int B = E.B, Tn = E.T, C = E.C, F = E.F, L = E.L, N = E.N, l;
     size_t nc = (size_t)N * C, es = E.es;
     float gb = E.grad_beta;
     T* dres = (T*)E.dres;
@@ -772,13 +814,11 @@ static void backward(void) {
             fp8_linear_bwd<T>((T*)E.datty, gl(l, T_WO), dres, l, T_WO, FP8_W_O, N, C, C, 1, gb, dres_in,
                               fp8_dres_history(l, FP8_W_O));
         else attn_out_bwd<T>((T*)E.datty, gl(l, T_WO), dres, a.atty, wl<T>(l, T_WO), N, C, gb);
-        /* precision fp8: dq, dk, dv's amax as attn_fwd's (one tensor to the QKV backward's cast) */
         side_wait(dqkv);
-        bool dqkv_amax = attn_bwd<T>(dqkv, dqkv + nc, dqkv + 2 * nc, (T*)E.datty, a.atty, a.att_lse, a.qkv,
-                                     a.qkv + nc, a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>(), g8_amax(l, FP8_W_QKV));
+        int dqkv_in = attn_bwd_for_product<T>(a, l);
         if (E.use_fp8)
-            fp8_linear_bwd<T>(dln, gl(l, T_WQ), dqkv, l, T_WQ, FP8_W_QKV, N, C, C, 3, gb,
-                              dqkv_amax ? FP8_IN_AMAX : FP8_IN_RAW);
+            fp8_linear_bwd<T>(dln, gl(l, T_WQ), dqkv, l, T_WQ, FP8_W_QKV, N, C, C, 3, gb, dqkv_in,
+                              fp8_dqkv_history(l));
         else attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
         side_wait(dres);
         dres_in = ln_bwd_for_product<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA),
@@ -833,7 +873,7 @@ static void record_forward_backward(void) {
         fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), 0, FP8_DELAYED_FORWARD, E.L);
     loss_chunks<T>(E.N, 1);
     backward<T>();
-    if (E.fp8_delayed) /* and its backward's gradients' (dh; FP8_DRES_FUSED: W_2's and W_O's) */
+    if (E.fp8_delayed) /* and its backward's gradients' (dh; FP8_DRES_FUSED: W_2's and W_O's; FP8_DQKV_FUSED: dqkv) */
         fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), FP8_DELAYED_FORWARD,
                              FP8_DELAYED_PER_LAYER - FP8_DELAYED_FORWARD, E.L);
     download_output(&E.io->loss, &E.io_host->loss);

@@ -163,10 +163,15 @@ static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int 
  * codes; with the candidate -DFP8_DRES_FUSED=1 also the
  * residual gradients that are W_2's output gradient (at the layer's output) and W_O's (after the
  * attention), in FP8_GRAD_FMT, recorded by the backward, so that the LayerNorm backwards that
- * produce them can write their codes (docs/DESIGN.md §18). Every tensor the backward records is a
- * gradient: from FP8_DELAYED_FORWARD on. */
+ * produce them can write their codes; with the candidate -DFP8_DQKV_FUSED=1 also QKV's output
+ * gradient dqkv (dq, dk, dv as one tensor, in FP8_GRAD_FMT), recorded by the backward, so that the
+ * flash attention backward can write its codes (docs/DESIGN.md §18). Every tensor the backward
+ * records is a gradient: from FP8_DELAYED_FORWARD on. */
 #ifndef FP8_DRES_FUSED
 #define FP8_DRES_FUSED 0
+#endif
+#ifndef FP8_DQKV_FUSED
+#define FP8_DQKV_FUSED 0
 #endif
 enum {
     DELAYED_LN1,
@@ -177,6 +182,9 @@ enum {
 #if FP8_DRES_FUSED
     DELAYED_DRES_W2,
     DELAYED_DRES_WO,
+#endif
+#if FP8_DQKV_FUSED
+    DELAYED_DQKV,
 #endif
     FP8_DELAYED_PER_LAYER
 };

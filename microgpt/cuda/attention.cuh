@@ -1068,14 +1068,22 @@ template <typename T> __device__ __forceinline__ void fa_wg_store_ds(T* tile, co
     for (int i = 0; i < FA_TILE / 16; i++) p[i * (FA_TILE / 16) * 32] = frag[i];
 }
 
-template <typename T, int D, bool AMAX>
-__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
-    k_attn_bwd_dkv_wgmma(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q,
-                         const T* k, const T* v, int T_, int C, int H, float scale, float sl2, unsigned* amax_bits) {
-    await_previous_kernel();
+/* What a flash backward kernel does with its accumulated dK, dV or dQ rows: store them in T (with
+ * AMAX their amax, FaBwdPlain), or (precision fp8's delayed scaling, cuda/fp8.cuh's FaBwdCodes)
+ * write their FP8 codes in both layouts of the QKV backward's operand instead: `epi` says which.
+ * A codes epilogue's stage() takes the warp's 16 rows into a shared tile of the block's 64 rows,
+ * write() (after a barrier) the tile to memory, finish() the amax and the scale. */
+struct FaBwdPlain {
+    static constexpr bool codes = false;
+};
+
+template <typename T, int D, bool AMAX, typename Epi>
+__device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse,
+                                                      const float* delta, const T* q, const T* k, const T* v, int T_,
+                                                      int C, int H, float scale, float sl2, unsigned* amax_bits,
+                                                      unsigned char* fa_dkv_smem, Epi epi) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using W = FaWg<D>;
-    extern __shared__ __align__(1024) unsigned char fa_dkv_smem[];
     /* query tile qt's in [(qt - kt) % 2]; lse as stored (natural log, scaled where used) */
     __shared__ float lses[2][FA_TILE], dls[2][FA_TILE];
     unsigned smem_addr = (unsigned)__cvta_generic_to_shared(fa_dkv_smem), pad = (1024 - (smem_addr & 1023)) & 1023;
@@ -1142,13 +1150,36 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     fa_wg_hold<Fa<D>::ND>(dk_acc);
     fa_wg_hold<Fa<D>::ND>(dv_acc);
 
-    unsigned am = fa_store_out<T, D, AMAX>(dv + base + (size_t)row0 * C, dv_acc, 1.0f, T_ - row0, C);
-    am = max(am, fa_store_out<T, D, AMAX>(dk + base + (size_t)row0 * C, dk_acc, scale, T_ - row0, C));
-    /* lses lends the partial maxima (block_amax_commit_in's leading barrier: all are done with it) */
-    if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)lses[0]);
+    if constexpr (Epi::codes) { /* the tiles are free once every warp's products are done */
+        __syncthreads();
+        unsigned char *dk_codes = tiles, *dv_codes = tiles + Epi::template tile_bytes<D>();
+        unsigned am = epi.template stage<T, D>(dv_codes, dv_acc, 1.0f, T_ - row0);
+        am = max(am, epi.template stage<T, D>(dk_codes, dk_acc, scale, T_ - row0));
+        __syncthreads();
+        epi.template write<D>(dk_codes, 1, b, kt, hd, T_, C);
+        epi.template write<D>(dv_codes, 2, b, kt, hd, T_, C);
+        epi.finish(am, (unsigned*)lses[0], true);
+    } else {
+        unsigned am = fa_store_out<T, D, AMAX>(dv + base + (size_t)row0 * C, dv_acc, 1.0f, T_ - row0, C);
+        am = max(am, fa_store_out<T, D, AMAX>(dk + base + (size_t)row0 * C, dk_acc, scale, T_ - row0, C));
+        /* lses lends the partial maxima (block_amax_commit_in's leading barrier: all are done with it) */
+        if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)lses[0]);
+    }
 #else
     __trap();
 #endif
+}
+
+template <typename T, int D, bool AMAX>
+__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
+    k_attn_bwd_dkv_wgmma(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q,
+                         const T* k, const T* v, int T_, int C, int H, float scale, float sl2, unsigned* amax_bits) {
+    await_previous_kernel();
+    /* declared in each kernel, not in the body: an extern's alignment there would align every
+     * kernel's dynamic shared memory */
+    extern __shared__ __align__(1024) unsigned char fa_dkv_smem[];
+    fa_bwd_dkv_wgmma_body<T, D, AMAX>(dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C, H, scale, sl2, amax_bits,
+                                      fa_dkv_smem, FaBwdPlain());
 }
 
 /* Whether this process launches k_attn_bwd_dkv_wgmma<T, D, *> (as fa_fwd_wgmma_ok: the sm_90a body
@@ -1174,10 +1205,9 @@ template <typename T, int D> static bool fa_dkv_wgmma_ok(void) {
  * stored in A-fragment order (loaded straight into registers, a tile ahead). Masked and past-T entries of those
  * tiles are 0 or meet zero rows of K, so whole tiles are used. AMAX: the amax of the dq it stores
  * into *amax_bits (the slot of k_attn_bwd_dkv's dk, dv), as k_attn_fwd's. */
-template <typename T, int D, bool AMAX>
-__global__ void FA_DQ_BOUNDS
-    k_attn_bwd_dq(T* dq, const T* ds_tiles, const T* k, int T_, int C, int H, float scale, unsigned* amax_bits) {
-    await_previous_kernel();
+template <typename T, int D, bool AMAX, typename Epi>
+__device__ __forceinline__ void fa_bwd_dq_body(T* dq, const T* ds_tiles, const T* k, int T_, int C, int H, float scale,
+                                               unsigned* amax_bits, Epi epi) {
     __shared__ __align__(16) T ks[2][FA_TILE * Fa<D>::LD]; /* double-buffered: tile kt in [kt & 1] */
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     /* heads in the reverse of the dK/dV kernel's order: the first blocks read the tiles written
@@ -1214,9 +1244,25 @@ __global__ void FA_DQ_BOUNDS
         for (int kk = 0; kk < FA_TILE / 16; kk++) fa_accumulate_step<T, D>(dq_acc, a[kk], ks[cur], kk);
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
-    unsigned am = fa_store_out<T, D, AMAX>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
-    /* the staged tiles are done with (the loop's last barrier): ks lends the partial maxima */
-    if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)ks[0]);
+    if constexpr (Epi::codes) { /* the staged tiles are done with (the loop's last barrier) */
+        static_assert(Epi::template tile_bytes<D>() <= sizeof ks[0], "the codes fit a staged tile");
+        unsigned char* dq_codes = (unsigned char*)ks[0];
+        unsigned am = epi.template stage<T, D>(dq_codes, dq_acc, scale, T_ - row0);
+        __syncthreads();
+        epi.template write<D>(dq_codes, 0, b, qt, hd, T_, C);
+        epi.finish(am, (unsigned*)ks[1], false);
+    } else {
+        unsigned am = fa_store_out<T, D, AMAX>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
+        /* the staged tiles are done with (the loop's last barrier): ks lends the partial maxima */
+        if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)ks[0]);
+    }
+}
+
+template <typename T, int D, bool AMAX>
+__global__ void FA_DQ_BOUNDS
+    k_attn_bwd_dq(T* dq, const T* ds_tiles, const T* k, int T_, int C, int H, float scale, unsigned* amax_bits) {
+    await_previous_kernel();
+    fa_bwd_dq_body<T, D, AMAX>(dq, ds_tiles, k, T_, C, H, scale, amax_bits, FaBwdPlain());
 }
 
 #define FA_DELTA_WARPS 4 /* positions per block of the delta kernel */

@@ -36,6 +36,7 @@
 #include <cuda_fp8.h>
 
 #include "../cpu/fp8.h"
+#include "attention.cuh"
 #include "common.cuh"
 #include "layernorm.cuh"
 #include "loss.cuh"
@@ -489,6 +490,161 @@ static void fp8_cast_dgelu(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* dout, 
                            const Fp8History* hist) {
     Fp8CastJob<T> j = {dout, out_n, out_t, sc, 1, R, Cc, fmt, 0, hist, h};
     fp8_cast_launch<T, FP8_EPI_DGELU>(j);
+}
+
+/* Delayed scaling's fused flash-attention backward (candidate -DFP8_DQKV_FUSED=1, docs/DESIGN.md §18;
+ * built in every build): the dK/dV kernel (Hopper's, k_attn_bwd_dkv_wgmma) and the dQ kernel write,
+ * instead of dq, dk, dv in T, the codes of the QKV backward's output gradient (format fmt, at the
+ * history's scale, of the values as they would be stored in T) in the cast's layouts of the three
+ * blocks (fp8_cast, batch 3): row-major out_n [N][3][C] and transposed out_t [3][C][N], with their
+ * amax and the scale in sc: bit for bit attn_bwd with the amax, then fp8_cast with the history. A
+ * block's 64 rows x D columns of codes go through a shared tile (rows FA_CODES_PITCH bytes apart):
+ * out_n a 16-byte store per row chunk, out_t a thread a column and 16 rows (one 16-byte store where
+ * the 16 rows are whole and aligned, else byte by byte), so a column's 64-row run is contiguous. */
+struct FaBwdCodes {
+    static constexpr bool codes = true;
+    fp8 *out_n, *out_t;
+    Fp8Scale* sc;
+    const Fp8History* hist; /* not empty */
+    int fmt, N;
+
+    template <int D> __host__ __device__ static constexpr int pitch(void) { return D + 16; }
+    template <int D> __host__ __device__ static constexpr int tile_bytes(void) { return FA_TILE * pitch<D>(); }
+
+    /* The warp's 16 rows (rows 16 warp .. of the tile) of mul * acc, rounded to T as fa_store_out
+     * stores them, as codes into `tile`; rows from n_valid on (past T) count for no amax. Returns
+     * the lane's amax bits. */
+    template <typename T, int D>
+    __device__ __forceinline__ unsigned stage(unsigned char* tile, const float (*acc)[4], float mul,
+                                              int n_valid) const {
+        int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3, sub = (threadIdx.x >> 5) * 16;
+        float s = fp8_history_scale(hist);
+        unsigned am = 0;
+        for (int n = 0; n < Fa<D>::ND; n++)
+            for (int h = 0; h < 2; h++) {
+                int r = g + 8 * h;
+                float y0 = as_stored<T>(mul * acc[n][2 * h]), y1 = as_stored<T>(mul * acc[n][2 * h + 1]);
+                if (r < n_valid) am = max(am, max(abs_bits(y0), abs_bits(y1)));
+                fp8 q[2] = {fp8_cvt(y0 * s, fmt), fp8_cvt(y1 * s, fmt)};
+                memcpy(tile + (sub + r) * pitch<D>() + 8 * n + 2 * t, q, sizeof q);
+            }
+        return am;
+    }
+
+    /* The block's tile of block `which` (0 dq, 1 dk, 2 dv): rows tile * 64 .. of sequence b, head
+     * hd's columns. */
+    template <int D>
+    __device__ __forceinline__ void write(const unsigned char* codes, int which, int b, int tile, int hd, int T_,
+                                          int C) const {
+        constexpr int CHUNKS = D / 16, GROUPS = FA_TILE / 16;
+        int n_valid = min(FA_TILE, T_ - tile * FA_TILE), col0 = hd * D;
+        size_t pos0 = (size_t)b * T_ + (size_t)tile * FA_TILE;
+        for (int i = threadIdx.x; i < FA_TILE * CHUNKS; i += FA_THREADS) {
+            int r = i / CHUNKS, c = i % CHUNKS * 16;
+            if (r < n_valid)
+                *reinterpret_cast<uint4*>(out_n + ((pos0 + r) * 3 + which) * C + col0 + c) =
+                    *reinterpret_cast<const uint4*>(codes + r * pitch<D>() + c);
+        }
+        for (int i = threadIdx.x; i < D * GROUPS; i += FA_THREADS) { /* neighbouring threads: one column */
+            int r0 = i % GROUPS * 16, c = i / GROUPS;
+            fp8* dst = out_t + ((size_t)which * C + col0 + c) * N + pos0 + r0;
+            if (r0 + 16 <= n_valid && (uintptr_t)dst % 16 == 0) {
+                uint4 w;
+                fp8* wb = reinterpret_cast<fp8*>(&w);
+                for (int k = 0; k < 16; k++) wb[k] = codes[(r0 + k) * pitch<D>() + c];
+                *reinterpret_cast<uint4*>(dst) = w;
+            } else {
+                for (int k = 0; k < 16 && r0 + k < n_valid; k++) dst[k] = codes[(r0 + k) * pitch<D>() + c];
+            }
+        }
+    }
+
+    /* The block's amax into sc (partial: 32 unsigned of shared memory lent, as block_amax_commit_in);
+     * `scale_writer`: the kernel whose first block writes the scale. */
+    __device__ __forceinline__ void finish(unsigned am, unsigned* partial, bool scale_writer) const {
+        if (scale_writer && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+            float s = fp8_history_scale(hist);
+            sc->scale = s;
+            sc->descale = 1.0f / s;
+        }
+        block_amax_commit_in(&sc->amax_bits, am, partial);
+    }
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
+    k_attn_bwd_dkv_wgmma_fp8(T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q, const T* k,
+                             const T* v, int T_, int C, int H, float scale, float sl2, FaBwdCodes codes) {
+    await_previous_kernel();
+    extern __shared__ __align__(1024) unsigned char fa_dkv_smem[]; /* as k_attn_bwd_dkv_wgmma's */
+    fa_bwd_dkv_wgmma_body<T, D, false>((T*)NULL, (T*)NULL, ds_tiles, dout, lse, delta, q, k, v, T_, C, H, scale, sl2,
+                                       (unsigned*)NULL, fa_dkv_smem, codes);
+}
+
+template <typename T, int D>
+__global__ void FA_DQ_BOUNDS k_attn_bwd_dq_fp8(const T* ds_tiles, const T* k, int T_, int C, int H, float scale,
+                                               FaBwdCodes codes) {
+    await_previous_kernel();
+    fa_bwd_dq_body<T, D, false>((T*)NULL, ds_tiles, k, T_, C, H, scale, (unsigned*)NULL, codes);
+}
+
+/* Whether this process launches k_attn_bwd_dkv_wgmma_fp8<T, D> (as fa_dkv_wgmma_ok, whose
+ * attributes it sets alike, once). */
+template <typename T, int D> static bool fa_dkv_wgmma_fp8_ok(void) {
+    static int ok = -1;
+    if (ok >= 0) return ok;
+    ok = fa_sm90a_image(k_attn_bwd_dkv_wgmma_fp8<T, D>, FaWgDkv<D>::STATIC_SMEM);
+    if (!ok) return false;
+    CUDA_CHECK(cudaFuncSetAttribute(k_attn_bwd_dkv_wgmma_fp8<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    FaWgDkv<D>::DYNAMIC_SMEM));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attn_bwd_dkv_wgmma_fp8<T, D>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    cudaSharedmemCarveoutMaxShared));
+    return true;
+}
+
+/* Whether attn_bwd_fp8 takes attention of this shape on this GPU: the flash path with Hopper's
+ * dK/dV kernel (head sizes 32 and 64, an sm_90a image). Elsewhere (sm_89's k_attn_bwd_dkv, head
+ * size 16, the cuBLAS path): attn_bwd with the amax, then fp8_cast with the history. */
+template <typename T> static bool attn_bwd_fp8_fits(int C, int H) {
+    if constexpr (FaType<T>::ok) {
+        if (attn_flash_ok<T>(C, H)) {
+            if (C / H == 32) return fa_dkv_wgmma_fp8_ok<T, 32>();
+            if (C / H == 64) return fa_dkv_wgmma_fp8_ok<T, 64>();
+        }
+    }
+    return false;
+}
+
+template <typename T, int D>
+static void attn_bwd_fp8_flash(const FaBwdCodes& codes, const T* dout, const T* out, const float* lse, const T* q,
+                               const T* k, const T* v, int B, int T_, int C, int H, float* delta, T* ds_tiles) {
+    float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
+    dim3 grid = fa_grid(ceil_div(T_, FA_TILE), B * H);
+    fa_check_aligned(dout, q, k, v);
+    fa_check_aligned(out, codes.out_n, codes.out_t, ds_tiles);
+    attn_bwd_flash_delta<T, D>(delta, dout, out, B, T_, C, H);
+    launch_kernel_with_shared(k_attn_bwd_dkv_wgmma_fp8<T, D>, grid, FA_THREADS, FaWgDkv<D>::DYNAMIC_SMEM, ds_tiles,
+                              dout, lse, delta, q, k, v, T_, C, H, scale, sl2, codes);
+    launch_kernel(k_attn_bwd_dq_fp8<T, D>, grid, FA_THREADS, (const T*)ds_tiles, k, T_, C, H, scale, codes);
+}
+
+/* The flash attention backward writing dqkv's codes (FaBwdCodes) where attn_bwd_fp8_fits, with
+ * attn_bwd's operands (dout not overwritten); `hist` must not be empty. */
+template <typename T>
+static void attn_bwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8History* hist, int fmt, const T* dout,
+                         const T* out, const float* lse, const T* q, const T* k, const T* v, int B, int T_, int C,
+                         int H, AttnScratch<T> scratch) {
+    if constexpr (FaType<T>::ok) {
+        FaBwdCodes codes = {out_n, out_t, sc, hist, fmt, B * T_};
+        if (attn_bwd_fp8_fits<T>(C, H)) {
+            if (C / H == 32)
+                return attn_bwd_fp8_flash<T, 32>(codes, dout, out, lse, q, k, v, B, T_, C, H, scratch.delta,
+                                                 scratch.ds);
+            return attn_bwd_fp8_flash<T, 64>(codes, dout, out, lse, q, k, v, B, T_, C, H, scratch.delta, scratch.ds);
+        }
+    }
+    fprintf(stderr, "error: internal: attn_bwd_fp8 of C=%d H=%d\n", C, H);
+    exit(1);
 }
 
 /* A list of casts done by two launches (all the amax, then all the casts): the list on the device
