@@ -1108,11 +1108,11 @@ static void test_fp8_delayed(int R, int C) {
         dfree_all();
     }
     /* the push: FP8_DELAYED_PER_LAYER histories a layer (ln1, ln2, h_gelu; dh; W_2's and W_O's
-     * output gradients with FP8_DRES_FUSED),
+     * output gradients with FP8_DRES_FUSED; dqkv with FP8_DQKV_FUSED),
      * their amaxes at scales[l * stride + at[which]]; the forward's, then the backward's, as the engine */
     const int layers = 5, stride = 8, n = FP8_DELAYED_PER_LAYER * layers;
-    const int at[6] = {0, 2, 3, 1, 7, 5};
-    static_assert(FP8_DELAYED_PER_LAYER <= 6, "a scale for every history a layer");
+    const int at[7] = {0, 2, 3, 1, 7, 5, 6};
+    static_assert(FP8_DELAYED_PER_LAYER <= 7, "a scale for every history a layer");
     std::vector<Fp8History> h(n), want;
     std::vector<Fp8Scale> sc((size_t)layers * stride);
     Vec amax = randn(sc.size(), 100.0f);
@@ -1314,6 +1314,63 @@ static void test_fp8_layernorm_bwd_fused(int N, int C) {
             check_same(i ? "dx, dgamma, dbeta (history above)" : "dx, dgamma, dbeta (history below)", gpu(&o, dh),
                        plain);
             check_fp8_cast(o, plain[0], 1, N, C, fmt, 3, &h);
+        }
+    }
+    dfree_all();
+}
+
+/* Delayed scaling's fused flash-attention backward (attn_bwd_fp8, the candidate -DFP8_DQKV_FUSED=1;
+ * built in every build) of bf16 attention of shape s: where attn_bwd_fp8_fits (Hopper's kernels,
+ * head sizes 32 and 64), its codes of dq, dk, dv as one tensor (both layouts), amax and scale
+ * against the unfused path it replaces, attn_bwd with the amax fused then fp8_cast at the history's
+ * scale, bit for bit, and against the CPU emulation's cast (cpu/fp8.h) of the dq, dk, dv attn_bwd
+ * stored, exactly, for a history below their current scale and one above it (saturating); elsewhere
+ * the engine's fallback, that unfused path, against the emulation. A path line says which kernels
+ * wrote the codes: on a compute capability 9.0 GPU the fused ones at head sizes 32 and 64. */
+static void test_fp8_attn_bwd_fused(const Shape& s) {
+    const int fmt = FP8_GRAD_FMT;
+    int B = s.B, Tn = s.T, C = s.C, H = s.H, N = B * Tn, hs = C / H;
+    size_t nc = (size_t)N * C, tt = attn_scratch_elems(true, B, Tn, C, H);
+    bf16 *d_q = upload<bf16>(rounded<bf16>(randn(nc, 1.0f))), *d_k = upload<bf16>(rounded<bf16>(randn(nc, 1.0f)));
+    bf16 *d_v = upload<bf16>(rounded<bf16>(randn(nc, 1.0f))), *d_dout = upload<bf16>(rounded<bf16>(randn(nc, 1e-2f)));
+    bf16 *d_out = poisoned<bf16>(nc), *d_dqkv = poisoned<bf16>(3 * nc);
+    float* d_lse = poisoned<float>((size_t)B * H * Tn);
+    AttnScratch<bf16> sc;
+    sc.S = poisoned<float>(tt);
+    sc.dP = poisoned<float>(tt);
+    sc.P = poisoned<bf16>(tt);
+    sc.delta = poisoned<float>(attn_delta_elems(true, B, Tn, C, H));
+    sc.ds = poisoned<bf16>(attn_ds_elems(true, B, Tn, C, H));
+    attn_fwd<bf16>(d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
+    cudaDeviceProp p;
+    CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
+    bool fits = attn_bwd_fp8_fits<bf16>(C, H);
+    bool want = p.major == 9 && p.minor == 0 && attn_flash_ok<bf16>(C, H) && (hs == 32 || hs == 64);
+    report(fits == want, "path",
+           fits ? "k_attn_bwd_dkv_wgmma_fp8 + k_attn_bwd_dq_fp8 write the codes"
+                : "unfused: attn_bwd, then fp8_cast at the delayed scale");
+    for (int i = 0; i < 2; i++) {
+        Fp8CastOut ref = fp8_cast_out(3 * nc);
+        bool amax = attn_bwd<bf16>(d_dqkv, d_dqkv + nc, d_dqkv + 2 * nc, d_dout, d_out, d_lse, d_q, d_k, d_v, B, Tn, C,
+                                   H, sc, &ref.sc->amax_bits);
+        if (!amax) fp8_reduce_amax(ref.sc, d_dqkv, 3 * nc);
+        Vec dqkv = download(d_dqkv, 3 * nc);
+        int cur = fp8_history_exponent(fp8_amax(dqkv.data(), dqkv.size()), fmt);
+        const signed char below[2] = {(signed char)(cur - 1), (signed char)(cur - 3)};
+        const signed char above[1] = {(signed char)(cur + 3)};
+        Fp8History* dh;
+        Fp8History h = i ? fp8_history_with(above, 1, &dh) : fp8_history_with(below, 2, &dh);
+        fp8_cast(ref.n, ref.t, ref.sc, d_dqkv, 3, N, C, fmt, dh);
+        set_ctx("fp8", i ? "delayed attention backward fused (history above)"
+                         : "delayed attention backward fused (history below)",
+                shape_str(s).c_str());
+        if (fits) {
+            Fp8CastOut got = fp8_cast_out(3 * nc);
+            attn_bwd_fp8<bf16>(got.n, got.t, got.sc, dh, fmt, d_dout, d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
+            check_fp8_fused(ref, got, 3 * nc, h, i == 1, "attn_bwd + fp8_cast", fmt);
+            check_fp8_cast(got, dqkv, 3, N, C, fmt, 3, &h);
+        } else {
+            check_fp8_cast(ref, dqkv, 3, N, C, fmt, 3, &h);
         }
     }
     dfree_all();
@@ -1611,6 +1668,16 @@ static void run_fp8(void) {
         snprintf(sh, sizeof sh, "N=%d C=%d", ls[0], ls[1]);
         set_ctx("fp8", "delayed layernorm backward fused", sh);
         test_fp8_layernorm_bwd_fused(ls[0], ls[1]);
+    }
+    /* the fused attention backward at every attention shape test_attn checks, and at ANDREA-12M's
+     * (hs 32) and -120M's (hs 64) head sizes with whole tiles */
+    std::vector<Shape> attn_shapes(std::begin(SHAPES), std::end(SHAPES));
+    attn_shapes.insert(attn_shapes.end(), std::begin(ATTN_SHAPES), std::end(ATTN_SHAPES));
+    attn_shapes.push_back({4, 256, 192, 6, 0, 0, 0, 0});
+    attn_shapes.push_back({2, 512, 768, 12, 0, 0, 0, 0});
+    for (const Shape& as : attn_shapes) {
+        set_ctx("fp8", "delayed attention backward fused", shape_str(as).c_str());
+        test_fp8_attn_bwd_fused(as);
     }
     const int gshapes[][4] = {{64, 96, 128, 1}, {48, 32, 96, 3}, {256, 512, 64, 1}, {16, 48, 16, 1}};
     for (const auto& g : gshapes) {

@@ -4,10 +4,11 @@ largest amax of the last 16 training forwards". The CPU engine training fp8 must
 histories in the checkpoint sidecar, resume bit-exactly, warn when resuming a checkpoint without
 them, and on two processes share one set of histories that resumes both exactly (§17). On a GPU
 (skipped without one), the GPU engine must track the CPU one and resume exactly, its graphs giving
-the bits of launch by launch. The same for the candidate -DFP8_DRES_FUSED=1 (the delayed scales of
-W_2's and W_O's output gradients, the residual gradients: two more histories a layer; its builds
-made here, as test_gpu's build_variant does). The fused kernels are checked by
-tests/kernel_check.cu; two GPUs by tests/test_distributed.py.
+the bits of launch by launch. The same for the candidates -DFP8_DRES_FUSED=1 (the delayed scales of
+W_2's and W_O's output gradients, the residual gradients: two more histories a layer) and
+-DFP8_DQKV_FUSED=1 (QKV's output gradient dqkv: one more), alone and together (their builds made
+here, as test_gpu's build_variant does). The fused kernels are checked by tests/kernel_check.cu; two
+GPUs by tests/test_distributed.py.
 """
 import ctypes
 import json
@@ -27,8 +28,8 @@ from test_gpu import FP8_SHAPES, build_variant, cuda_binary  # noqa: F401 (cuda_
 
 HISTORY_LEN = 16
 # the histories a layer of each build: ln1, ln2, GELU, dh; dres: and W_2's and W_O's output
-# gradients (the last two of a layer)
-PER_LAYER = {"default": 4, "dres": 6}
+# gradients; dqkv: and QKV's output gradient; both: all seven (the candidates' after dh's)
+PER_LAYER = {"default": 4, "dres": 6, "dqkv": 5, "both": 7}
 
 WRAPPER = r"""
 #include <stddef.h>
@@ -346,13 +347,13 @@ def binary_fixture(engine, build):
     return f"{engine}_binary" if build == "default" else f"{engine}_{build}_binary"
 
 
-@pytest.mark.parametrize("build", ["default", "dres"])
+@pytest.mark.parametrize("build", ["default", "dres", "both"])
 def test_two_ranks_hold_one_set_of_histories_and_resume_exactly(build, request, random_shards, tmp_path):
     """dist (§17): after every step both ranks hold, entry by entry, the histories' largest amax over
     the ranks, so rank 0's sidecar resumes both. Rank 1 sees other windows than rank 0, so had it
     kept its own histories, resuming it from rank 0's would cast at other scales and the checkpoint
     would differ from the uninterrupted run's; dh's histories, pushed by the backward, too, and the
-    candidate FP8_DRES_FUSED's residual gradients'."""
+    candidates' FP8_DRES_FUSED's residual gradients' and FP8_DQKV_FUSED's dqkv's."""
     cpu_binary = request.getfixturevalue(binary_fixture("cpu", build))
     steps = 16
 
@@ -384,8 +385,12 @@ def test_two_ranks_hold_one_set_of_histories_and_resume_exactly(build, request, 
 # ---------------------------------------------------------------------------------------------------
 # the GPU engine (skipped without a GPU)
 
-def gpu_settings():
-    return {**FP8_SHAPES["odd"], "train.lr": 3e-3, "train.warmup_steps": 2, "train.precision": "fp8"}
+def gpu_settings(build="default"):
+    """FP8_SHAPES' odd model; for FP8_DQKV_FUSED's builds with head size 32 (2 heads of d_model 64),
+    which the fused attention backward takes (at 16, the odd model's, the unfused cast would run;
+    seq_len 48: a partial tile)."""
+    heads = {"model.d_model": 64, "model.n_head": 2} if build in ("dqkv", "both") else {}
+    return {**FP8_SHAPES["odd"], **heads, "train.lr": 3e-3, "train.warmup_steps": 2, "train.precision": "fp8"}
 
 
 def engines(build, request):
@@ -396,28 +401,28 @@ def engines(build, request):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", ["default", "dres"])
+@pytest.mark.parametrize("build", ["default", "dres", "dqkv", "both"])
 def test_gpu_delayed_tracks_the_cpu_delayed_emulation(build, request, random_shards, tmp_path):
     """As test_gpu's fp8 tracking test (loss within 3e-2 a step); both keep PER_LAYER[build] x n_layer
     histories of the training micro-batches (their exponents may differ by one where a bf16 amax and
     an fp32 one fall on either side of a power of two)."""
     cpu_binary, cuda_binary, per_layer = engines(build, request)
-    args = tiny_args(random_shards.train, **{**gpu_settings(), "train.steps": 10})
+    args = tiny_args(random_shards.train, **{**gpu_settings(build), "train.steps": 10})
     runs = {name: run_ok(b, args + ["--checkpoint", tmp_path / f"{name}.ckpt"])
             for name, b in (("cpu", cpu_binary), ("gpu", cuda_binary))}
     for c, g in zip(runs["cpu"].steps, runs["gpu"].steps):
         assert abs(g["loss"] - c["loss"]) <= 3e-2 * abs(c["loss"]), (c, g)
     hists = {name: sidecar_history(tmp_path / f"{name}.ckpt")["exp"] for name in runs}
-    want = [10] * per_layer * gpu_settings()["model.n_layer"]
+    want = [10] * per_layer * gpu_settings(build)["model.n_layer"]
     assert [len(h) for h in hists["gpu"]] == want == [len(h) for h in hists["cpu"]]
     assert all(abs(a - b) <= 1 for hg, hc in zip(hists["gpu"], hists["cpu"]) for a, b in zip(hg, hc)), hists
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", ["default", "dres"])
+@pytest.mark.parametrize("build", ["default", "dres", "dqkv", "both"])
 def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(build, request, random_shards, tmp_path):
     _, cuda_binary, _ = engines(build, request)
-    args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(), "train.steps": 60,
+    args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(build), "train.steps": 60,
                                                                 "train.grad_accum": 2, "eval.every": 20,
                                                                 "eval.batches": 2})
     eu.check_exact_resume_after_sigterm(cuda_binary, args, 60, tmp_path)
@@ -429,53 +434,82 @@ def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(build, request, rand
 
 
 # ---------------------------------------------------------------------------------------------------
-# the candidate -DFP8_DRES_FUSED=1: the residual gradients that are W_2's and W_O's output gradients
-# at delayed scales too, recorded by the backward (the last two histories of a layer), their codes
-# written by the GPU's LayerNorm backwards that produce them
+# the candidates -DFP8_DRES_FUSED=1 (the residual gradients that are W_2's and W_O's output gradients
+# at delayed scales too, their codes written by the GPU's LayerNorm backwards that produce them) and
+# -DFP8_DQKV_FUSED=1 (QKV's output gradient dqkv, its codes written by the GPU's flash attention
+# backward), alone and together: their histories recorded by the backward, after dh's in a layer
 
-DRES_FLAGS = "-DFP8_DRES_FUSED=1"
+CANDIDATE_FLAGS = {"dres": "-DFP8_DRES_FUSED=1", "dqkv": "-DFP8_DQKV_FUSED=1",
+                   "both": "-DFP8_DRES_FUSED=1 -DFP8_DQKV_FUSED=1"}
+
+
+def candidate_binary(engine, build):
+    binary = eu.BUILD / f"microgpt_{engine}_{build}"
+    build_variant(f"_{build}", CANDIDATE_FLAGS[build], binary)
+    return binary
 
 
 @pytest.fixture(scope="module")
 def cpu_dres_binary(cpu_binary):
-    binary = eu.BUILD / "microgpt_cpu_dres"
-    build_variant("_dres", DRES_FLAGS, binary)
-    return binary
+    return candidate_binary("cpu", "dres")
 
 
 @pytest.fixture(scope="module")
 def cuda_dres_binary(cuda_binary):
-    binary = eu.BUILD / "microgpt_cuda_dres"
-    build_variant("_dres", DRES_FLAGS, binary)
-    return binary
+    return candidate_binary("cuda", "dres")
 
 
-def test_dres_cpu_trains_and_keeps_two_more_histories_a_layer(cpu_binary, cpu_dres_binary, pattern_shards, tmp_path):
+@pytest.fixture(scope="module")
+def cpu_dqkv_binary(cpu_binary):
+    return candidate_binary("cpu", "dqkv")
+
+
+@pytest.fixture(scope="module")
+def cuda_dqkv_binary(cuda_binary):
+    return candidate_binary("cuda", "dqkv")
+
+
+@pytest.fixture(scope="module")
+def cpu_both_binary(cpu_binary):
+    return candidate_binary("cpu", "both")
+
+
+@pytest.fixture(scope="module")
+def cuda_both_binary(cuda_binary):
+    return candidate_binary("cuda", "both")
+
+
+@pytest.mark.parametrize("build", sorted(CANDIDATE_FLAGS))
+def test_candidate_cpu_trains_and_keeps_more_histories_a_layer(build, request, cpu_binary, pattern_shards, tmp_path):
     """Against the default build: the same losses within 5 %, but not the same weights (the
-    negative control that the residual gradients' delayed scales are in effect: they differ from
-    the current ones at some steps, which moves the codes of the smallest values)."""
+    negative control that the candidate's delayed scales are in effect: they differ from the
+    current ones at some steps, which moves the codes of the smallest values)."""
+    cpu_candidate = request.getfixturevalue(binary_fixture("cpu", build))
     ckpt, default_ckpt = tmp_path / "run.ckpt", tmp_path / "default.ckpt"
     args = tiny_args(*pattern_shards, **{**RUN, "train.steps": 12})
-    dres = run_ok(cpu_dres_binary, args + ["--checkpoint", ckpt])
+    run = run_ok(cpu_candidate, args + ["--checkpoint", ckpt])
     default = run_ok(cpu_binary, args + ["--checkpoint", default_ckpt])
-    losses = [r["loss"] for r in dres.steps]
+    losses = [r["loss"] for r in run.steps]
     assert all(np.isfinite(losses)) and len(losses) == 12
     assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
     assert all(abs(a - r["loss"]) <= 0.05 * r["loss"] for a, r in zip(losses, default.steps))
-    assert ckpt.read_bytes() != default_ckpt.read_bytes(), "the residual gradients' delayed scales changed nothing"
+    assert ckpt.read_bytes() != default_ckpt.read_bytes(), f"{build}'s delayed scales changed nothing"
     hist = sidecar_history(ckpt)
-    n_layer, per_layer = eu.TINY["model.n_layer"], PER_LAYER["dres"]
+    n_layer, per_layer = eu.TINY["model.n_layer"], PER_LAYER[build]
     assert hist["len"] == HISTORY_LEN and len(hist["exp"]) == per_layer * n_layer
-    # one entry a training micro-batch each, the residual gradients' from the backward
+    # one entry a training micro-batch each, the candidate's gradients' from the backward
     assert all(len(h) == 12 and all(-126 <= e <= 127 for e in h) for h in hist["exp"]), hist
-    dres_exps = [e for l in range(n_layer) for h in hist["exp"][per_layer * l + PER_LAYER["default"]:per_layer * (l + 1)]
-                 for e in h]
+    grads = [e for l in range(n_layer) for h in hist["exp"][per_layer * l + PER_LAYER["default"]:per_layer * (l + 1)]
+             for e in h]
     acts = [e for l in range(n_layer) for h in hist["exp"][per_layer * l:per_layer * l + 3] for e in h]  # ln1, ln2, GELU
-    assert min(dres_exps) > max(acts), (dres_exps, "gradients are far smaller than activations")
+    assert len(grads) == 12 * n_layer * (per_layer - PER_LAYER["default"])
+    assert min(grads) > max(acts), (grads, "gradients are far smaller than activations")
 
 
-def test_dres_cpu_resumes_exactly_through_the_sidecar(cpu_dres_binary, random_shards, tmp_path):
+@pytest.mark.parametrize("build", sorted(CANDIDATE_FLAGS))
+def test_candidate_cpu_resumes_exactly_through_the_sidecar(build, request, random_shards, tmp_path):
+    cpu_candidate = request.getfixturevalue(binary_fixture("cpu", build))
     args = tiny_args(random_shards.train, random_shards.val, **RUN)
-    _, ckpt = eu.check_exact_resume_after_sigterm(cpu_dres_binary, args, RUN["train.steps"], tmp_path)
+    _, ckpt = eu.check_exact_resume_after_sigterm(cpu_candidate, args, RUN["train.steps"], tmp_path)
     exps = sidecar_history(ckpt)["exp"]
-    assert len(exps) == PER_LAYER["dres"] * eu.TINY["model.n_layer"] and all(len(h) == HISTORY_LEN for h in exps)
+    assert len(exps) == PER_LAYER[build] * eu.TINY["model.n_layer"] and all(len(h) == HISTORY_LEN for h in exps)
