@@ -350,17 +350,22 @@ for s in range(1, steps + 1):
 """
 
 
-def test_a_whole_run_trains_both_precisions_from_the_experiment(tmp_path):
+def standin_engine(tmp_path):
+    """The stand-in engine and real-text shards of a whole run in tmp_path: (engine, shard flags)."""
     engine = tmp_path / "engine"
     engine.write_text(STANDIN)
     engine.chmod(0o755)
     from microgpt.shards import write_shard
     for split in ("train", "val"):
         write_shard(str(tmp_path / f"t_{split}_000000.bin"), list(range(100)) * 10)
+    return engine, ["--data", str(tmp_path / "t_train_*.bin"), "--val", str(tmp_path / "t_val_*.bin")]
+
+
+def test_a_whole_run_trains_both_precisions_from_the_experiment(tmp_path):
+    engine, shards = standin_engine(tmp_path)
     out = subprocess.run([sys.executable, str(SCRIPT), "run", "12M", "--out", str(tmp_path / "out"), "--steps", "40",
-                          "--eval-every", "10", "--engine", str(engine), "--data", str(tmp_path / "t_train_*.bin"),
-                          "--val", str(tmp_path / "t_val_*.bin")], capture_output=True, text=True, timeout=120,
-                         env=python_env(ANDREA_COMMIT="feed123"))
+                          "--eval-every", "10", "--engine", str(engine), *shards], capture_output=True, text=True,
+                         timeout=120, env=python_env(ANDREA_COMMIT="feed123"))
     assert out.returncode == 0, out.stderr
     for precision in ("bf16", "fp8"):
         flags = json.loads((tmp_path / f"engine.{precision}.flags").read_text())
@@ -377,13 +382,7 @@ def test_a_whole_run_trains_both_precisions_from_the_experiment(tmp_path):
 
 
 def test_one_precision_runs_alone_and_joins_the_other_from_an_earlier_folder(tmp_path):
-    engine = tmp_path / "engine"
-    engine.write_text(STANDIN)
-    engine.chmod(0o755)
-    from microgpt.shards import write_shard
-    for split in ("train", "val"):
-        write_shard(str(tmp_path / f"t_{split}_000000.bin"), list(range(100)) * 10)
-    shards = ["--data", str(tmp_path / "t_train_*.bin"), "--val", str(tmp_path / "t_val_*.bin")]
+    engine, shards = standin_engine(tmp_path)
     for precision in ("bf16", "fp8"):
         out = subprocess.run([sys.executable, str(SCRIPT), "run", "12M", "--out", str(tmp_path / precision), "--steps",
                               "40", "--eval-every", "10", "--engine", str(engine), "--precision", precision, *shards],
