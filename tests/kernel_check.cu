@@ -459,10 +459,22 @@ template <typename T> static void test_attn_qkv(const Shape& s, Tol tol) {
     dfree_all();
 }
 
+/* Attention's scratch for either path (attn_fwd, attn_bwd), poisoned. */
+template <typename T> static AttnScratch<T> attn_scratch_poisoned(int B, int Tn, int C, int H) {
+    bool half = sizeof(T) == 2;
+    size_t tt = attn_scratch_elems(half, B, Tn, C, H);
+    AttnScratch<T> sc;
+    sc.S = poisoned<float>(tt);
+    sc.dP = poisoned<float>(tt);
+    sc.P = poisoned<T>(tt);
+    sc.delta = poisoned<float>(attn_delta_elems(half, B, Tn, C, H));
+    sc.ds = poisoned<T>(attn_ds_elems(half, B, Tn, C, H));
+    return sc;
+}
+
 template <typename T> static void test_attn(const Shape& s, Tol tol) {
     int B = s.B, Tn = s.T, C = s.C, H = s.H, hs = C / H, N = B * Tn;
-    bool half = sizeof(T) == 2;
-    size_t nc = (size_t)N * C, tt = attn_scratch_elems(half, B, Tn, C, H);
+    size_t nc = (size_t)N * C;
     Vec q = rounded<T>(randn(nc, 1.0f)), k = rounded<T>(randn(nc, 1.0f)), v = rounded<T>(randn(nc, 1.0f));
     Vec out_c(nc), att((size_t)B * H * Tn * Tn);
     attention_forward(out_c.data(), att.data(), q.data(), k.data(), v.data(), B, Tn, C, H);
@@ -486,12 +498,7 @@ template <typename T> static void test_attn(const Shape& s, Tol tol) {
             }
     T *d_q = upload<T>(q), *d_k = upload<T>(k), *d_v = upload<T>(v), *d_out = poisoned<T>(nc);
     float* d_lse = poisoned<float>((size_t)B * H * Tn);
-    AttnScratch<T> sc;
-    sc.S = poisoned<float>(tt);
-    sc.dP = poisoned<float>(tt);
-    sc.P = poisoned<T>(tt);
-    sc.delta = poisoned<float>(attn_delta_elems(half, B, Tn, C, H));
-    sc.ds = poisoned<T>(attn_ds_elems(half, B, Tn, C, H));
+    AttnScratch<T> sc = attn_scratch_poisoned<T>(B, Tn, C, H);
     attn_fwd<T>(d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
     Vec out_g = download(d_out, nc);
     check("out", out_g, out_c, tol.fused);
@@ -1330,17 +1337,12 @@ static void test_fp8_layernorm_bwd_fused(int N, int C) {
 static void test_fp8_attn_bwd_fused(const Shape& s) {
     const int fmt = FP8_GRAD_FMT;
     int B = s.B, Tn = s.T, C = s.C, H = s.H, N = B * Tn, hs = C / H;
-    size_t nc = (size_t)N * C, tt = attn_scratch_elems(true, B, Tn, C, H);
+    size_t nc = (size_t)N * C;
     bf16 *d_q = upload<bf16>(rounded<bf16>(randn(nc, 1.0f))), *d_k = upload<bf16>(rounded<bf16>(randn(nc, 1.0f)));
     bf16 *d_v = upload<bf16>(rounded<bf16>(randn(nc, 1.0f))), *d_dout = upload<bf16>(rounded<bf16>(randn(nc, 1e-2f)));
     bf16 *d_out = poisoned<bf16>(nc), *d_dqkv = poisoned<bf16>(3 * nc);
     float* d_lse = poisoned<float>((size_t)B * H * Tn);
-    AttnScratch<bf16> sc;
-    sc.S = poisoned<float>(tt);
-    sc.dP = poisoned<float>(tt);
-    sc.P = poisoned<bf16>(tt);
-    sc.delta = poisoned<float>(attn_delta_elems(true, B, Tn, C, H));
-    sc.ds = poisoned<bf16>(attn_ds_elems(true, B, Tn, C, H));
+    AttnScratch<bf16> sc = attn_scratch_poisoned<bf16>(B, Tn, C, H);
     attn_fwd<bf16>(d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));

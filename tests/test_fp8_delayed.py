@@ -449,34 +449,19 @@ def candidate_binary(engine, build):
     return binary
 
 
-@pytest.fixture(scope="module")
-def cpu_dres_binary(cpu_binary):
-    return candidate_binary("cpu", "dres")
+def candidate_fixture(engine, build):
+    """The module fixture binary_fixture(engine, build): the candidate's binary, after the default
+    one's fixture (which skips the GPU engine's without a GPU)."""
+    @pytest.fixture(scope="module", name=binary_fixture(engine, build))
+    def fixture(request):
+        request.getfixturevalue(binary_fixture(engine, "default"))
+        return candidate_binary(engine, build)
+    return fixture
 
 
-@pytest.fixture(scope="module")
-def cuda_dres_binary(cuda_binary):
-    return candidate_binary("cuda", "dres")
-
-
-@pytest.fixture(scope="module")
-def cpu_dqkv_binary(cpu_binary):
-    return candidate_binary("cpu", "dqkv")
-
-
-@pytest.fixture(scope="module")
-def cuda_dqkv_binary(cuda_binary):
-    return candidate_binary("cuda", "dqkv")
-
-
-@pytest.fixture(scope="module")
-def cpu_both_binary(cpu_binary):
-    return candidate_binary("cpu", "both")
-
-
-@pytest.fixture(scope="module")
-def cuda_both_binary(cuda_binary):
-    return candidate_binary("cuda", "both")
+for _build in CANDIDATE_FLAGS:
+    for _engine in ("cpu", "cuda"):
+        globals()[binary_fixture(_engine, _build)] = candidate_fixture(_engine, _build)
 
 
 @pytest.mark.parametrize("build", sorted(CANDIDATE_FLAGS))
