@@ -12,7 +12,9 @@
  * In training, the LayerNorm and GELU outputs are cast at a delayed scale instead (Fp8CastJob's
  * hist, k_fp8_history_push; docs/DESIGN.md §18), whose histories are checkpoint state; known
  * beforehand, the scale lets their producers write the codes (k_layernorm_fwd_fp8, the cast's
- * GELU variant; MLP up's output gradient dh, by the cast's GELU-backward variant).
+ * GELU variant; MLP up's output gradient dh, by the cast's GELU-backward variant; under the
+ * candidate -DFP8_DQKV_FUSED=1, QKV's output gradient dqkv, by the flash attention backward:
+ * attn_bwd_fp8).
  *
  * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
  * patterns is the order of the values), reduced per block and combined with an integer atomicMax:
@@ -498,7 +500,7 @@ static void fp8_cast_dgelu(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* dout, 
  * history's scale, of the values as they would be stored in T) in the cast's layouts of the three
  * blocks (fp8_cast, batch 3): row-major out_n [N][3][C] and transposed out_t [3][C][N], with their
  * amax and the scale in sc: bit for bit attn_bwd with the amax, then fp8_cast with the history. A
- * block's 64 rows x D columns of codes go through a shared tile (rows FA_CODES_PITCH bytes apart):
+ * block's 64 rows x D columns of codes go through a shared tile (rows pitch<D>() bytes apart):
  * out_n a 16-byte store per row chunk, out_t a thread a column and 16 rows (one 16-byte store where
  * the 16 rows are whole and aligned, else byte by byte), so a column's 64-row run is contiguous. */
 struct FaBwdCodes {
