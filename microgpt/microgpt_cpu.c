@@ -218,10 +218,12 @@ static const float* operand(float* scratch, const float* x, size_t n, int fmt) {
     return scratch;
 }
 
-/* The products' operands: activations and weights E4M3, activation gradients FP8_GRAD_FMT. */
+/* The products' operands: activations and weights E4M3, activation gradients FP8_GRAD_FMT (inline:
+ * a build of both candidates, FP8_DRES_FUSED and FP8_DQKV_FUSED, casts no gradient at its current
+ * scale, and an unused static inline function is no warning). */
 static const float* act_operand(const float* x, size_t n) { return operand(E.fq_act, x, n, FP8_E4M3); }
 static const float* weight_operand(const float* w, size_t n) { return operand(E.fq_weight, w, n, FP8_E4M3); }
-static const float* grad_operand(const float* g, size_t n) { return operand(E.fq_grad, g, n, FP8_GRAD_FMT); }
+static inline const float* grad_operand(const float* g, size_t n) { return operand(E.fq_grad, g, n, FP8_GRAD_FMT); }
 
 /* The product operand of tensor `which` (DELAYED_*: cpu/fp8.h) of layer l. With delayed scaling
  * (docs/DESIGN.md §18) the first cast of a training step's tensor (`first`: the forward's of an
