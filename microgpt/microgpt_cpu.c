@@ -7,7 +7,8 @@
  * E4M3 (weights, activations; activation gradients in FP8_GRAD_FMT, cpu/fp8.h) with its per-tensor current scale and
  * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
  * reference for the GPU's FP8 products (docs/DESIGN.md §18); in training, the LayerNorm outputs
- * ln1, ln2, the GELU output and MLP up's output gradient dh (and, under -DFP8_DRES_FUSED=1, the
+ * ln1, ln2, the GELU output and MLP up's output gradient dh (and, under -DFP8_ATT_FUSED=1, the
+ * attention output att; under -DFP8_DRES_FUSED=1, the
  * residual gradients that are W_2's and W_O's output gradients; under -DFP8_DQKV_FUSED=1, QKV's
  * output gradient dqkv) are cast at delayed scales instead
  * (delayed_operand); where the FP8 classifier pays (d_model 512 and up, cpu/fp8.h's
@@ -71,8 +72,8 @@ static struct {
      * the GPU: its decode steps multiply unquantised, and the prefill must give the decode's keys) */
     int fp8, fp8_products, fp8_classifier; /* fp8_classifier: config_fp8_classifier */
     float *fq_act, *fq_weight, *fq_grad;
-    /* fp8 training: the delayed-scaling histories of ln1, ln2, h_gelu and dh (and W_2's and W_O's
-     * output gradients under FP8_DRES_FUSED, dqkv under FP8_DQKV_FUSED) per layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
+    /* fp8 training: the delayed-scaling histories of ln1, ln2, h_gelu and dh (and att under
+     * FP8_ATT_FUSED, W_2's and W_O's output gradients under FP8_DRES_FUSED, dqkv under FP8_DQKV_FUSED) per layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
      * cast with (the backward re-casts the activations alike), and whether the current micro-batch
      * extends the histories (training micro-batches only) */
     int fp8_delayed, fp8_record;
@@ -244,6 +245,18 @@ static const float* delayed_operand(int l, int which, const float* x, size_t n, 
     return scratch;
 }
 
+/* Layer l's attention output att, W_O's input (`first`: the forward's cast, else the backward's
+ * re-cast): with -DFP8_ATT_FUSED=1 at a delayed scale (its history, recorded by the forward), else
+ * at its current one. */
+static const float* att_operand(int l, const float* att, size_t n, int first) {
+#if FP8_ATT_FUSED
+    return delayed_operand(l, DELAYED_ATT, att, n, first);
+#else
+    (void)l, (void)first;
+    return act_operand(att, n);
+#endif
+}
+
 /* The residual gradient g that is layer l's W_2 output gradient (at the layer's output) or, with
  * `after_attention`, W_O's: with -DFP8_DRES_FUSED=1 at a delayed scale (its history, recorded by
  * the backward), else at its current one. */
@@ -294,7 +307,7 @@ static void forward_trunk(const int* tokens, int B, int T) {
         matmul_forward(a->k, xa, wqkv + cc, N, C, C);
         matmul_forward(a->v, xa, wqkv + 2 * cc, N, C, C);
         attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, C, E.H);
-        matmul_forward(E.branch, act_operand(a->atty, nc), weight_operand(P(LO(l, T_WO)), cc), N, C, C);
+        matmul_forward(E.branch, att_operand(l, a->atty, nc, 1), weight_operand(P(LO(l, T_WO)), cc), N, C, C);
         residual_forward(a->xmid, x, E.branch, N * C);
         layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->xmid, P(LO(l, T_LN2_GAMMA)), P(LO(l, T_LN2_BETA)), N, C);
         matmul_forward(a->h, delayed_operand(l, DELAYED_LN2, a->ln2, nc, 1), weight_operand(P(LO(l, T_W1)), cf), N, C, E.F);
@@ -367,8 +380,8 @@ static void backward(const int* targets) {
         zero(dres, nc); zero(E.dbranch, nc);
         residual_backward(dres, E.dbranch, dxmid, (int)nc);
         zero(E.datty, nc);
-        matmul_backward(E.datty, G(LO(l, T_WO)), dres_operand(l, 1, E.dbranch, nc), act_operand(a->atty, nc),
-                        weight_operand(P(LO(l, T_WO)), cc), N, C, C);
+        matmul_backward(E.datty, G(LO(l, T_WO)), dres_operand(l, 1, E.dbranch, nc),
+                        att_operand(l, a->atty, nc, 0), weight_operand(P(LO(l, T_WO)), cc), N, C, C);
         zero(E.dq, nc); zero(E.dk, nc); zero(E.dv, nc);
         attention_backward(E.dq, E.dk, E.dv, E.datty, a->att, a->q, a->k, a->v, E.B, E.T, C, E.H);
         zero(E.dln, nc);

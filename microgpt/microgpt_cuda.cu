@@ -29,7 +29,8 @@
  *         GELU backward, and, under the candidate -DFP8_DRES_FUSED=1, the residual gradients that
  *         are W_2's and W_O's output gradients, by the LayerNorm backwards that add into them;
  *         under the candidate -DFP8_DQKV_FUSED=1, QKV's output gradient dqkv, by the flash
- *         attention backward (Hopper's kernels).
+ *         attention backward (Hopper's kernels); under the candidate -DFP8_ATT_FUSED=1, the
+ *         attention output att, by the flash attention forward (Hopper's kernel).
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
@@ -149,8 +150,9 @@ static struct {
      * logits (chunk r0's [C][n] at r0 * C; its row-major codes go to a8, which no product reads
      * again until the next forward), and one chunk's dlogits codes [chunk][Vp] and [Vp][chunk] */
     fp8 *lnf8t, *dl8, *dl8t;
-    /* delayed scaling (docs/DESIGN.md §18), training fp8 only: ln1, ln2, h_gelu and dh (and W_2's
-     * and W_O's output gradients under FP8_DRES_FUSED, dqkv under FP8_DQKV_FUSED) are cast at
+    /* delayed scaling (docs/DESIGN.md §18), training fp8 only: ln1, ln2, h_gelu and dh (and att
+     * under FP8_ATT_FUSED, W_2's and W_O's output gradients under FP8_DRES_FUSED, dqkv under
+     * FP8_DQKV_FUSED) are cast at
      * delayed scales, from the
      * histories fp8_hist
      * [L][FP8_DELAYED_PER_LAYER] (device), which every training micro-batch extends by their amaxes
@@ -445,15 +447,22 @@ static void fp8_quantize_weights(void) {
  * the same scale, x8_scale(l, k)). `input`: what x's producer already did (FP8_IN_*). */
 /* What a product's operand holds when the product starts: only the values (the cast takes their
  * amax first), the values with their amax (fused into their producer), or already its codes and
- * scale (delayed scaling's fused producers: the LayerNorm, E.a8, x8t and x8_scale written; the
+ * scale (delayed scaling's fused producers: the LayerNorm and, under FP8_ATT_FUSED, the flash
+ * attention forward, E.a8, x8t and x8_scale written; the
  * GELU backward, under FP8_DRES_FUSED the LayerNorm backward and under FP8_DQKV_FUSED the flash
  * attention backward, E.g8, E.g8t and g8_scale). */
 enum { FP8_IN_RAW, FP8_IN_AMAX, FP8_IN_CODES };
 
 /* The delayed-scaling history of product k's input in layer l: ln1 (QKV), ln2 (MLP up) and h_gelu
- * (MLP down) in an fp8 training run; NULL (current scaling) otherwise. */
+ * (MLP down), and att (W_O) under the candidate FP8_ATT_FUSED, in an fp8 training run; NULL
+ * (current scaling) otherwise. */
 static const Fp8History* fp8_history_of(int l, int k) {
-    if (!E.fp8_delayed || k == FP8_W_O) return NULL;
+    if (!E.fp8_delayed) return NULL;
+#if FP8_ATT_FUSED
+    if (k == FP8_W_O) return E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l + DELAYED_ATT;
+#else
+    if (k == FP8_W_O) return NULL;
+#endif
     return E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l +
            (k == FP8_W_QKV ? DELAYED_LN1 : k == FP8_W_1 ? DELAYED_LN2 : DELAYED_GELU);
 }
@@ -487,8 +496,8 @@ static const Fp8History* fp8_dqkv_history(int l) {
 }
 
 /* Delayed scaling with histories that hold entries (all but a run's first micro-batch): the
- * producers of ln1, ln2, h_gelu and dh (and W_2's and W_O's output gradients, FP8_DRES_FUSED;
- * dqkv, FP8_DQKV_FUSED) write their products' codes themselves. */
+ * producers of ln1, ln2, h_gelu and dh (and att, FP8_ATT_FUSED; W_2's and W_O's output gradients,
+ * FP8_DRES_FUSED; dqkv, FP8_DQKV_FUSED) write their products' codes themselves. */
 static bool fp8_producers_write_codes(void) { return E.fp8_delayed && E.fp8_hist_filled; }
 
 /* Where the delayed tensors' amaxes sit (k_fp8_history_push): the casts' scales of their products. */
@@ -499,6 +508,9 @@ static Fp8DelayedScales fp8_delayed_scales(void) {
     w.at[DELAYED_LN1] = (int)(x8_scale(0, FP8_W_QKV) - E.fp8_scales);
     w.at[DELAYED_LN2] = (int)(x8_scale(0, FP8_W_1) - E.fp8_scales);
     w.at[DELAYED_GELU] = (int)(x8_scale(0, FP8_W_2) - E.fp8_scales);
+#if FP8_ATT_FUSED
+    w.at[DELAYED_ATT] = (int)(x8_scale(0, FP8_W_O) - E.fp8_scales);
+#endif
     w.at[DELAYED_DGELU] = (int)(g8_scale(0, FP8_W_1) - E.fp8_scales);
 #if FP8_DRES_FUSED
     w.at[DELAYED_DRES_W2] = (int)(g8_scale(0, FP8_W_2) - E.fp8_scales);
@@ -637,6 +649,27 @@ static int ln_fwd_for_product(T* out, float* mean, float* rstd, const T* x, int 
     return FP8_IN_AMAX;
 }
 
+/* Layer l's attention forward: out (a.atty) and lse from a.qkv. In fp8, out is W_O's input: its amax
+ * goes to that product's cast (where the flash path fuses it); under FP8_ATT_FUSED with histories
+ * that hold entries, the flash forward also writes the product's codes (E.a8, x8t) where
+ * attn_fwd_fp8_fits, else the product casts at the delayed scale. out in T is written either way:
+ * the backward's delta reads it. Returns what the product finds (FP8_IN_*). */
+template <typename T>
+static int attn_fwd_for_product(const LayerActs<T>& a, int l, int B, int Tn, bool fp8) {
+    int C = E.C, H = E.H;
+    size_t nc = (size_t)B * Tn * C;
+    const Fp8History* hist = fp8 ? fp8_history_of(l, FP8_W_O) : NULL;
+    if (hist && fp8_producers_write_codes() && attn_fwd_fp8_fits<T>(C, H)) {
+        attn_fwd_fp8<T>(E.a8, x8t(l, FP8_W_O), x8_scale(l, FP8_W_O), hist, a.atty, a.att_lse, a.qkv, a.qkv + nc,
+                        a.qkv + 2 * nc, B, Tn, C, H);
+        return FP8_IN_CODES;
+    }
+    /* precision fp8: the flash kernels take the amax of atty, W_O's input (cuBLAS path: the cast) */
+    bool amax = attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + nc, a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>(),
+                            fp8 ? x8_amax(l, FP8_W_O) : NULL);
+    return amax ? FP8_IN_AMAX : FP8_IN_RAW;
+}
+
 /* Forward of B sequences of Tn positions (tokens already on the device) up to LNf's output; `fp8`:
  * the linear products in FP8 (precision fp8's training and validation forward). Generation's
  * prefill runs without: its decode steps multiply in bf16 (cuda/decode.cuh), and per-tensor scales
@@ -644,7 +677,7 @@ static int ln_fwd_for_product(T* out, float* mean, float* rstd, const T* x, int 
  * bf16 weights and the prefill's keys and values are the decode's. */
 template <typename T>
 static void forward(int B, int Tn, bool fp8) {
-    int C = E.C, H = E.H, F = E.F, L = E.L, N = B * Tn, l;
+    int C = E.C, F = E.F, L = E.L, N = B * Tn, l;
     /* every amax of the activations' and gradients' casts that this micro-batch takes starts at 0 */
     if (fp8) /* the FP8 classifier's too: LNf's output's and the dlogits' (cls_x_scale, cls_g_scale) */
         fp8_zero_scales(x8_scale(0, 0), 2 * (size_t)FP8_W_PER_LAYER * L + (E.use_fp8_classifier ? 1 + loss_chunk_count() : 0));
@@ -655,10 +688,8 @@ static void forward(int B, int Tn, bool fp8) {
                                         fp8);
         if (fp8) fp8_qkv_fwd<T>(a, l, N, in1);
         else attn_qkv_fwd<T>(a.qkv, a.ln1, wl<T>(l, T_WQ), N, C);
-        /* precision fp8: the flash kernels take the amax of atty, W_O's input (cuBLAS path: the cast) */
-        bool atty_amax = attn_fwd<T>(a.atty, a.att_lse, a.qkv, a.qkv + (size_t)N * C, a.qkv + 2 * (size_t)N * C, B,
-                                     Tn, C, H, attn_scratch<T>(), fp8 ? x8_amax(l, FP8_W_O) : NULL);
-        if (fp8) fp8_linear_fwd<T>(a.xmid, a.atty, l, T_WO, FP8_W_O, N, C, C, a.x, atty_amax ? FP8_IN_AMAX : FP8_IN_RAW);
+        int in_o = attn_fwd_for_product<T>(a, l, B, Tn, fp8);
+        if (fp8) fp8_linear_fwd<T>(a.xmid, a.atty, l, T_WO, FP8_W_O, N, C, C, a.x, in_o);
         else attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
         int in2 = ln_fwd_for_product<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, l, T_LN2_GAMMA, T_LN2_BETA, FP8_W_1,
                                         N, fp8);
@@ -869,7 +900,7 @@ template <typename T>
 static void record_forward_backward(void) {
     upload_inputs(2 * (size_t)E.N);
     forward<T>(E.B, E.T, E.use_fp8);
-    if (E.fp8_delayed) /* a training forward extends the histories of ln1, ln2, h_gelu by their amaxes */
+    if (E.fp8_delayed) /* a training forward extends the histories of ln1, ln2, h_gelu (FP8_ATT_FUSED: att) */
         fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), 0, FP8_DELAYED_FORWARD, E.L);
     loss_chunks<T>(E.N, 1);
     backward<T>();

@@ -157,8 +157,9 @@ static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int 
  * An all-zero tensor records FP8_HISTORY_NONE, which constrains nothing beside other entries.
  *
  * The tensors with delayed scales, per layer, in the engines' and the sidecar's order: the
- * LayerNorm outputs (the QKV and MLP-up inputs) and the GELU output (MLP down's), which a training
- * forward records (the first FP8_DELAYED_FORWARD); then the MLP hidden gradient dh (MLP up's output
+ * LayerNorm outputs (the QKV and MLP-up inputs) and the GELU output (MLP down's), and with the
+ * candidate -DFP8_ATT_FUSED=1 the attention output att (W_O's input), so that the flash attention
+ * forward can write its codes, which a training forward records (the first FP8_DELAYED_FORWARD); then the MLP hidden gradient dh (MLP up's output
  * gradient, in FP8_GRAD_FMT), which the backward records, so that the GELU backward can write its
  * codes; with the candidate -DFP8_DRES_FUSED=1 also the
  * residual gradients that are W_2's output gradient (at the layer's output) and W_O's (after the
@@ -167,6 +168,9 @@ static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int 
  * gradient dqkv (dq, dk, dv as one tensor, in FP8_GRAD_FMT), recorded by the backward, so that the
  * flash attention backward can write its codes (docs/DESIGN.md §18). Every tensor the backward
  * records is a gradient: from FP8_DELAYED_FORWARD on. */
+#ifndef FP8_ATT_FUSED
+#define FP8_ATT_FUSED 0
+#endif
 #ifndef FP8_DRES_FUSED
 #define FP8_DRES_FUSED 0
 #endif
@@ -177,6 +181,9 @@ enum {
     DELAYED_LN1,
     DELAYED_LN2,
     DELAYED_GELU,
+#if FP8_ATT_FUSED
+    DELAYED_ATT,
+#endif
     FP8_DELAYED_FORWARD,
     DELAYED_DGELU = FP8_DELAYED_FORWARD,
 #if FP8_DRES_FUSED

@@ -757,14 +757,24 @@ template <typename T> __device__ __forceinline__ void fa_wg_pack_p(unsigned (*p)
     }
 }
 
+/* What a flash kernel does with the rows it accumulated: store them in T (with AMAX their amax:
+ * FaBwdPlain, the name of the backward's that came first), or (precision fp8's delayed scaling,
+ * cuda/fp8.cuh's FaBwdCodes) also or instead write their FP8 codes in both layouts of a product's
+ * operand: `epi` says which (the backward's kernels below, and the forward's: the candidate
+ * -DFP8_ATT_FUSED=1, k_attn_fwd_wgmma_fp8, writes out in T, which the backward's delta reads, and
+ * its codes for W_O's product). A codes epilogue's stage() takes the warp's 16 rows into a shared
+ * tile of the block's 64 rows, write() (after a barrier) the tile to memory, finish() the amax and
+ * the scale. */
+struct FaBwdPlain {
+    static constexpr bool codes = false;
+};
+
 /* The kernel: as k_attn_fwd (block, rows, masking, outputs), on wgmma. Key tile kt's step issues
  * S_kt and P_kt-1 V_kt-1, then runs the softmax of S_kt while that product runs. Compiled for
  * sm_90a only; elsewhere the body is a trap that the host never launches (fa_fwd_wgmma_ok). */
-template <typename T, int D, bool AMAX>
-__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
-    k_attn_fwd_wgmma(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2,
-                     unsigned* amax_bits) {
-    await_previous_kernel();
+template <typename T, int D, bool AMAX, typename Epi>
+__device__ __forceinline__ void fa_fwd_wgmma_body(T* out, float* lse, const T* q, const T* k, const T* v, int T_,
+                                                  int C, int H, float sl2, unsigned* amax_bits, Epi epi) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using W = FaWg<D>;
     __shared__ __align__(1024) unsigned char smem[W::SMEM];
@@ -830,11 +840,32 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
     fa_wg_hold<Fa<D>::ND>(o);
 
     unsigned am = fa_fwd_store<T, D, AMAX>(out, base, lse, (size_t)bh * T_, o, m, l, row0, T_, C);
-    /* the products are done with the tiles: the Q tile lends the block's partial maxima */
-    if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)tiles);
+    if constexpr (Epi::codes) { /* out's rows again, as fa_fwd_store rounds them, as codes */
+        static_assert(Epi::template tile_bytes<D>() <= W::TILE_BYTES, "the codes fit the Q tile");
+        for (int h = 0; h < 2; h++) {
+            float inv = 1.0f / fa_quad_sum(l[h]);
+            for (int n = 0; n < Fa<D>::ND; n++) o[n][2 * h] *= inv, o[n][2 * h + 1] *= inv;
+        }
+        __syncthreads(); /* every warp's products are done with the tiles */
+        am = epi.template stage<T, D>(tiles, o, 1.0f, T_ - row0);
+        __syncthreads();
+        epi.template write<D, 1>(tiles, 0, b, qt, hd, T_, C);
+        epi.finish(am, (unsigned*)(tiles + W::TILE_BYTES), true); /* K tile 0 lends the partial maxima */
+    } else {
+        /* the products are done with the tiles: the Q tile lends the block's partial maxima */
+        if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)tiles);
+    }
 #else
     __trap();
 #endif
+}
+
+template <typename T, int D, bool AMAX>
+__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
+    k_attn_fwd_wgmma(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2,
+                     unsigned* amax_bits) {
+    await_previous_kernel();
+    fa_fwd_wgmma_body<T, D, AMAX>(out, lse, q, k, v, T_, C, H, sl2, amax_bits, FaBwdPlain());
 }
 
 /* Whether this process launches k_attn_fwd_wgmma<T, D, *>: where the kernel image the CUDA runtime
@@ -1068,15 +1099,8 @@ template <typename T> __device__ __forceinline__ void fa_wg_store_ds(T* tile, co
     for (int i = 0; i < FA_TILE / 16; i++) p[i * (FA_TILE / 16) * 32] = frag[i];
 }
 
-/* What a flash backward kernel does with its accumulated dK, dV or dQ rows: store them in T (with
- * AMAX their amax, FaBwdPlain), or (precision fp8's delayed scaling, cuda/fp8.cuh's FaBwdCodes)
- * write their FP8 codes in both layouts of the QKV backward's operand instead: `epi` says which.
- * A codes epilogue's stage() takes the warp's 16 rows into a shared tile of the block's 64 rows,
- * write() (after a barrier) the tile to memory, finish() the amax and the scale. */
-struct FaBwdPlain {
-    static constexpr bool codes = false;
-};
-
+/* The backward's kernels' epilogues (FaBwdPlain, FaBwdCodes: above, at fa_fwd_wgmma_body): dK, dV
+ * or dQ rows stored in T, or instead their codes for the QKV backward's product. */
 template <typename T, int D, bool AMAX, typename Epi>
 __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse,
                                                       const float* delta, const T* q, const T* k, const T* v, int T_,

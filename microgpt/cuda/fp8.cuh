@@ -14,7 +14,8 @@
  * beforehand, the scale lets their producers write the codes (k_layernorm_fwd_fp8, the cast's
  * GELU variant; MLP up's output gradient dh, by the cast's GELU-backward variant; under the
  * candidate -DFP8_DQKV_FUSED=1, QKV's output gradient dqkv, by the flash attention backward:
- * attn_bwd_fp8).
+ * attn_bwd_fp8; under the candidate -DFP8_ATT_FUSED=1, the attention output att, by the flash
+ * attention forward: attn_fwd_fp8).
  *
  * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
  * patterns is the order of the values), reduced per block and combined with an integer atomicMax:
@@ -533,9 +534,9 @@ struct FaBwdCodes {
         return am;
     }
 
-    /* The block's tile of block `which` (0 dq, 1 dk, 2 dv): rows tile * 64 .. of sequence b, head
-     * hd's columns. */
-    template <int D>
+    /* The block's tile of block `which` of BATCH (dqkv's 3: 0 dq, 1 dk, 2 dv; the forward's att: one):
+     * rows tile * 64 .. of sequence b, head hd's columns. */
+    template <int D, int BATCH = 3>
     __device__ __forceinline__ void write(const unsigned char* codes, int which, int b, int tile, int hd, int T_,
                                           int C) const {
         constexpr int CHUNKS = D / 16, GROUPS = FA_TILE / 16;
@@ -544,7 +545,7 @@ struct FaBwdCodes {
         for (int i = threadIdx.x; i < FA_TILE * CHUNKS; i += FA_THREADS) {
             int r = i / CHUNKS, c = i % CHUNKS * 16;
             if (r < n_valid)
-                *reinterpret_cast<uint4*>(out_n + ((pos0 + r) * 3 + which) * C + col0 + c) =
+                *reinterpret_cast<uint4*>(out_n + ((pos0 + r) * BATCH + which) * C + col0 + c) =
                     *reinterpret_cast<const uint4*>(codes + r * pitch<D>() + c);
         }
         for (int i = threadIdx.x; i < D * GROUPS; i += FA_THREADS) { /* neighbouring threads: one column */
@@ -646,6 +647,66 @@ static void attn_bwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8History*
         }
     }
     fprintf(stderr, "error: internal: attn_bwd_fp8 of C=%d H=%d\n", C, H);
+    exit(1);
+}
+
+/* Delayed scaling's fused flash-attention forward (candidate -DFP8_ATT_FUSED=1, docs/DESIGN.md §18;
+ * built in every build): Hopper's forward kernel (k_attn_fwd_wgmma) writes out and lse in T as
+ * always (the backward's delta reads out) and besides, through FaBwdCodes with one block, the E4M3
+ * codes of out as stored in T at the history's scale, row-major out_n [N][C] and transposed out_t
+ * [C][N], their amax and the scale in sc: bit for bit attn_fwd with the amax, then fp8_cast with
+ * the history (W_O's forward product and weight gradient read them). */
+template <typename T, int D>
+__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
+    k_attn_fwd_wgmma_fp8(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2,
+                         FaBwdCodes codes) {
+    await_previous_kernel();
+    fa_fwd_wgmma_body<T, D, false>(out, lse, q, k, v, T_, C, H, sl2, (unsigned*)NULL, codes);
+}
+
+/* Whether this process launches k_attn_fwd_wgmma_fp8<T, D> (as fa_fwd_wgmma_ok). */
+template <typename T, int D> static bool fa_fwd_wgmma_fp8_ok(void) {
+    static int ok = -1;
+    if (ok < 0) ok = fa_sm90a_image(k_attn_fwd_wgmma_fp8<T, D>, FaWg<D>::SMEM);
+    return ok;
+}
+
+/* Whether attn_fwd_fp8 takes attention of this shape on this GPU: the flash path with Hopper's
+ * forward kernel (head sizes 32 and 64, an sm_90a image). Elsewhere (sm_89's k_attn_fwd, head size
+ * 16, the cuBLAS path): attn_fwd with the amax, then fp8_cast with the history. */
+template <typename T> static bool attn_fwd_fp8_fits(int C, int H) {
+    if constexpr (FaType<T>::ok) {
+        if (attn_flash_ok<T>(C, H)) {
+            if (C / H == 32) return fa_fwd_wgmma_fp8_ok<T, 32>();
+            if (C / H == 64) return fa_fwd_wgmma_fp8_ok<T, 64>();
+        }
+    }
+    return false;
+}
+
+template <typename T, int D>
+static void attn_fwd_fp8_flash(const FaBwdCodes& codes, T* out, float* lse, const T* q, const T* k, const T* v, int B,
+                               int T_, int C, int H) {
+    float sl2 = FA_LOG2E / sqrtf((float)D); /* as attn_fwd_flash's */
+    fa_check_aligned(out, q, k, v);
+    fa_check_aligned(codes.out_n, codes.out_t, out, q);
+    launch_kernel(k_attn_fwd_wgmma_fp8<T, D>, fa_grid(ceil_div(T_, FA_TILE), B * H), FA_THREADS, out, lse, q, k, v,
+                  T_, C, H, sl2, codes);
+}
+
+/* The flash attention forward writing out, lse and out's E4M3 codes (FaBwdCodes) where
+ * attn_fwd_fp8_fits, with attn_fwd's operands; `hist` must not be empty. */
+template <typename T>
+static void attn_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8History* hist, T* out, float* lse,
+                         const T* q, const T* k, const T* v, int B, int T_, int C, int H) {
+    if constexpr (FaType<T>::ok) {
+        FaBwdCodes codes = {out_n, out_t, sc, hist, FP8_E4M3, B * T_};
+        if (attn_fwd_fp8_fits<T>(C, H)) {
+            if (C / H == 32) return attn_fwd_fp8_flash<T, 32>(codes, out, lse, q, k, v, B, T_, C, H);
+            return attn_fwd_fp8_flash<T, 64>(codes, out, lse, q, k, v, B, T_, C, H);
+        }
+    }
+    fprintf(stderr, "error: internal: attn_fwd_fp8 of C=%d H=%d\n", C, H);
     exit(1);
 }
 
