@@ -1114,12 +1114,12 @@ static void test_fp8_delayed(int R, int C) {
         check_fp8_cast(o, x, 1, R, C, FP8_E4M3, 3, &hists[i]);
         dfree_all();
     }
-    /* the push: FP8_DELAYED_PER_LAYER histories a layer (ln1, ln2, h_gelu; dh; W_2's and W_O's
-     * output gradients with FP8_DRES_FUSED; dqkv with FP8_DQKV_FUSED),
+    /* the push: FP8_DELAYED_PER_LAYER histories a layer (ln1, ln2, h_gelu, att with FP8_ATT_FUSED;
+     * dh; W_2's and W_O's output gradients with FP8_DRES_FUSED; dqkv with FP8_DQKV_FUSED),
      * their amaxes at scales[l * stride + at[which]]; the forward's, then the backward's, as the engine */
     const int layers = 5, stride = 8, n = FP8_DELAYED_PER_LAYER * layers;
-    const int at[7] = {0, 2, 3, 1, 7, 5, 6};
-    static_assert(FP8_DELAYED_PER_LAYER <= 7, "a scale for every history a layer");
+    const int at[8] = {0, 2, 3, 1, 7, 5, 6, 4};
+    static_assert(FP8_DELAYED_PER_LAYER <= 8, "a scale for every history a layer");
     std::vector<Fp8History> h(n), want;
     std::vector<Fp8Scale> sc((size_t)layers * stride);
     Vec amax = randn(sc.size(), 100.0f);
@@ -1373,6 +1373,55 @@ static void test_fp8_attn_bwd_fused(const Shape& s) {
             check_fp8_cast(got, dqkv, 3, N, C, fmt, 3, &h);
         } else {
             check_fp8_cast(ref, dqkv, 3, N, C, fmt, 3, &h);
+        }
+    }
+    dfree_all();
+}
+
+/* Delayed scaling's fused flash-attention forward (attn_fwd_fp8, the candidate -DFP8_ATT_FUSED=1;
+ * built in every build) of bf16 attention of shape s: where attn_fwd_fp8_fits (Hopper's kernel, head
+ * sizes 32 and 64), its out and lse against attn_fwd's, and its codes of out (both layouts), amax
+ * and scale against the unfused path it replaces, attn_fwd with the amax fused then fp8_cast at the
+ * history's scale, bit for bit, and against the CPU emulation's cast (cpu/fp8.h) of the out attn_fwd
+ * stored, exactly, for a history below the current scale and one above it (saturating); elsewhere
+ * the engine's fallback, that unfused path, against the emulation. A path line says which kernel
+ * wrote the codes: on a compute capability 9.0 GPU the fused one at head sizes 32 and 64. */
+static void test_fp8_attn_fwd_fused(const Shape& s) {
+    int B = s.B, Tn = s.T, C = s.C, H = s.H, N = B * Tn, hs = C / H;
+    size_t nc = (size_t)N * C, n_lse = (size_t)B * H * Tn;
+    bf16 *d_q = upload<bf16>(rounded<bf16>(randn(nc, 1.0f))), *d_k = upload<bf16>(rounded<bf16>(randn(nc, 1.0f)));
+    bf16* d_v = upload<bf16>(rounded<bf16>(randn(nc, 1.0f)));
+    bf16 *d_out = poisoned<bf16>(nc), *d_out_fused = poisoned<bf16>(nc);
+    float *d_lse = poisoned<float>(n_lse), *d_lse_fused = poisoned<float>(n_lse);
+    AttnScratch<bf16> sc = attn_scratch_poisoned<bf16>(B, Tn, C, H);
+    cudaDeviceProp p;
+    CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
+    bool fits = attn_fwd_fp8_fits<bf16>(C, H);
+    bool want = p.major == 9 && p.minor == 0 && attn_flash_ok<bf16>(C, H) && (hs == 32 || hs == 64);
+    report(fits == want, "path",
+           fits ? "k_attn_fwd_wgmma_fp8 writes the codes" : "unfused: attn_fwd, then fp8_cast at the delayed scale");
+    for (int i = 0; i < 2; i++) {
+        Fp8CastOut ref = fp8_cast_out(nc);
+        bool amax = attn_fwd<bf16>(d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc, &ref.sc->amax_bits);
+        if (!amax) fp8_reduce_amax(ref.sc, d_out, nc);
+        Vec out = download(d_out, nc), lse = download(d_lse, n_lse);
+        int cur = fp8_history_exponent(fp8_amax(out.data(), out.size()), FP8_E4M3);
+        const signed char below[2] = {(signed char)(cur - 1), (signed char)(cur - 3)};
+        const signed char above[1] = {(signed char)(cur + 3)};
+        Fp8History* dh;
+        Fp8History h = i ? fp8_history_with(above, 1, &dh) : fp8_history_with(below, 2, &dh);
+        fp8_cast(ref.n, ref.t, ref.sc, d_out, 1, N, C, FP8_E4M3, dh);
+        set_ctx("fp8", i ? "delayed attention forward fused (history above)"
+                         : "delayed attention forward fused (history below)",
+                shape_str(s).c_str());
+        if (fits) {
+            Fp8CastOut got = fp8_cast_out(nc);
+            attn_fwd_fp8<bf16>(got.n, got.t, got.sc, dh, d_out_fused, d_lse_fused, d_q, d_k, d_v, B, Tn, C, H);
+            check_same("out, lse", {download(d_out_fused, nc), download(d_lse_fused, n_lse)}, {out, lse});
+            check_fp8_fused(ref, got, nc, h, i == 1, "attn_fwd + fp8_cast");
+            check_fp8_cast(got, out, 1, N, C, FP8_E4M3, 3, &h);
+        } else {
+            check_fp8_cast(ref, out, 1, N, C, FP8_E4M3, 3, &h);
         }
     }
     dfree_all();
@@ -1671,7 +1720,7 @@ static void run_fp8(void) {
         set_ctx("fp8", "delayed layernorm backward fused", sh);
         test_fp8_layernorm_bwd_fused(ls[0], ls[1]);
     }
-    /* the fused attention backward at every attention shape test_attn checks, and at ANDREA-12M's
+    /* the fused attention backward and forward at every attention shape test_attn checks, and at ANDREA-12M's
      * (hs 32) and -120M's (hs 64) head sizes with whole tiles */
     std::vector<Shape> attn_shapes(std::begin(SHAPES), std::end(SHAPES));
     attn_shapes.insert(attn_shapes.end(), std::begin(ATTN_SHAPES), std::end(ATTN_SHAPES));
@@ -1680,6 +1729,10 @@ static void run_fp8(void) {
     for (const Shape& as : attn_shapes) {
         set_ctx("fp8", "delayed attention backward fused", shape_str(as).c_str());
         test_fp8_attn_bwd_fused(as);
+    }
+    for (const Shape& as : attn_shapes) { /* the fused attention forward at the same shapes */
+        set_ctx("fp8", "delayed attention forward fused", shape_str(as).c_str());
+        test_fp8_attn_fwd_fused(as);
     }
     const int gshapes[][4] = {{64, 96, 128, 1}, {48, 32, 96, 3}, {256, 512, 64, 1}, {16, 48, 16, 1}};
     for (const auto& g : gshapes) {

@@ -6,8 +6,9 @@ them, and on two processes share one set of histories that resumes both exactly 
 (skipped without one), the GPU engine must track the CPU one and resume exactly, its graphs giving
 the bits of launch by launch. The same for the candidates -DFP8_DRES_FUSED=1 (the delayed scales of
 W_2's and W_O's output gradients, the residual gradients: two more histories a layer) and
--DFP8_DQKV_FUSED=1 (QKV's output gradient dqkv: one more), alone and together (their builds made
-here, as test_gpu's build_variant does). The fused kernels are checked by tests/kernel_check.cu; two
+-DFP8_DQKV_FUSED=1 (QKV's output gradient dqkv: one more), alone and together, and -DFP8_ATT_FUSED=1
+(the attention output att, W_O's input: one more, a forward one), alone and with both others (their
+builds made here, as test_gpu's build_variant does). The fused kernels are checked by tests/kernel_check.cu; two
 GPUs by tests/test_distributed.py.
 """
 import ctypes
@@ -28,8 +29,11 @@ from test_gpu import FP8_SHAPES, build_variant, cuda_binary  # noqa: F401 (cuda_
 
 HISTORY_LEN = 16
 # the histories a layer of each build: ln1, ln2, GELU, dh; dres: and W_2's and W_O's output
-# gradients; dqkv: and QKV's output gradient; both: all seven (the candidates' after dh's)
-PER_LAYER = {"default": 4, "dres": 6, "dqkv": 5, "both": 7}
+# gradients; dqkv: and QKV's output gradient; both: all seven (the candidates' after dh's); att: and
+# the attention output's, a forward history (after GELU's, before dh's); all3: all eight
+PER_LAYER = {"default": 4, "dres": 6, "dqkv": 5, "both": 7, "att": 5, "all3": 8}
+# the forward's histories a layer (the first of a layer's): ln1, ln2, GELU, and att's in att's builds
+FORWARD_PER_LAYER = {"att": 4, "all3": 4}
 
 WRAPPER = r"""
 #include <stddef.h>
@@ -386,10 +390,10 @@ def test_two_ranks_hold_one_set_of_histories_and_resume_exactly(build, request, 
 # the GPU engine (skipped without a GPU)
 
 def gpu_settings(build="default"):
-    """FP8_SHAPES' odd model; for FP8_DQKV_FUSED's builds with head size 32 (2 heads of d_model 64),
-    which the fused attention backward takes (at 16, the odd model's, the unfused cast would run;
-    seq_len 48: a partial tile)."""
-    heads = {"model.d_model": 64, "model.n_head": 2} if build in ("dqkv", "both") else {}
+    """FP8_SHAPES' odd model; for FP8_DQKV_FUSED's and FP8_ATT_FUSED's builds with head size 32 (2
+    heads of d_model 64), which the fused attention backward and forward take (at 16, the odd model's,
+    the unfused cast would run; seq_len 48: a partial tile)."""
+    heads = {"model.d_model": 64, "model.n_head": 2} if build in ("dqkv", "both", "att", "all3") else {}
     return {**FP8_SHAPES["odd"], **heads, "train.lr": 3e-3, "train.warmup_steps": 2, "train.precision": "fp8"}
 
 
@@ -401,7 +405,7 @@ def engines(build, request):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", ["default", "dres", "dqkv", "both"])
+@pytest.mark.parametrize("build", ["default", "dres", "dqkv", "both", "att", "all3"])
 def test_gpu_delayed_tracks_the_cpu_delayed_emulation(build, request, random_shards, tmp_path):
     """As test_gpu's fp8 tracking test (loss within 3e-2 a step); both keep PER_LAYER[build] x n_layer
     histories of the training micro-batches (their exponents may differ by one where a bf16 amax and
@@ -419,7 +423,7 @@ def test_gpu_delayed_tracks_the_cpu_delayed_emulation(build, request, random_sha
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", ["default", "dres", "dqkv", "both"])
+@pytest.mark.parametrize("build", ["default", "dres", "dqkv", "both", "att", "all3"])
 def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(build, request, random_shards, tmp_path):
     _, cuda_binary, _ = engines(build, request)
     args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(build), "train.steps": 60,
@@ -437,10 +441,13 @@ def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(build, request, rand
 # the candidates -DFP8_DRES_FUSED=1 (the residual gradients that are W_2's and W_O's output gradients
 # at delayed scales too, their codes written by the GPU's LayerNorm backwards that produce them) and
 # -DFP8_DQKV_FUSED=1 (QKV's output gradient dqkv, its codes written by the GPU's flash attention
-# backward), alone and together: their histories recorded by the backward, after dh's in a layer
+# backward), alone and together: their histories recorded by the backward, after dh's in a layer;
+# -DFP8_ATT_FUSED=1 (the attention output att, its codes written by the GPU's flash attention
+# forward), alone and with both: its history recorded by the forward, after GELU's in a layer
 
 CANDIDATE_FLAGS = {"dres": "-DFP8_DRES_FUSED=1", "dqkv": "-DFP8_DQKV_FUSED=1",
-                   "both": "-DFP8_DRES_FUSED=1 -DFP8_DQKV_FUSED=1"}
+                   "both": "-DFP8_DRES_FUSED=1 -DFP8_DQKV_FUSED=1", "att": "-DFP8_ATT_FUSED=1",
+                   "all3": "-DFP8_ATT_FUSED=1 -DFP8_DQKV_FUSED=1 -DFP8_DRES_FUSED=1"}
 
 
 def candidate_binary(engine, build):
@@ -481,14 +488,16 @@ def test_candidate_cpu_trains_and_keeps_more_histories_a_layer(build, request, c
     assert ckpt.read_bytes() != default_ckpt.read_bytes(), f"{build}'s delayed scales changed nothing"
     hist = sidecar_history(ckpt)
     n_layer, per_layer = eu.TINY["model.n_layer"], PER_LAYER[build]
+    forward = FORWARD_PER_LAYER.get(build, 3)
     assert hist["len"] == HISTORY_LEN and len(hist["exp"]) == per_layer * n_layer
-    # one entry a training micro-batch each, the candidate's gradients' from the backward
+    # one entry a training micro-batch each, the candidate's forward's (att) and gradients' alike
     assert all(len(h) == 12 and all(-126 <= e <= 127 for e in h) for h in hist["exp"]), hist
-    grads = [e for l in range(n_layer) for h in hist["exp"][per_layer * l + PER_LAYER["default"]:per_layer * (l + 1)]
+    # the candidate's gradients' (after dh's) and the forward's (ln1, ln2, GELU and att's)
+    grads = [e for l in range(n_layer) for h in hist["exp"][per_layer * l + forward + 1:per_layer * (l + 1)]
              for e in h]
-    acts = [e for l in range(n_layer) for h in hist["exp"][per_layer * l:per_layer * l + 3] for e in h]  # ln1, ln2, GELU
-    assert len(grads) == 12 * n_layer * (per_layer - PER_LAYER["default"])
-    assert min(grads) > max(acts), (grads, "gradients are far smaller than activations")
+    acts = [e for l in range(n_layer) for h in hist["exp"][per_layer * l:per_layer * l + forward] for e in h]
+    assert len(grads) == 12 * n_layer * (per_layer - forward - 1)
+    assert not grads or min(grads) > max(acts), (grads, "gradients are far smaller than activations")
 
 
 @pytest.mark.parametrize("build", sorted(CANDIDATE_FLAGS))
