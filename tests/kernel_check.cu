@@ -1326,6 +1326,19 @@ static void test_fp8_layernorm_bwd_fused(int N, int C) {
     dfree_all();
 }
 
+/* History case i of a fused attention kernel's check (0: two entries below the current scale of the
+ * values x, 1: one above it, saturating; on the host, and *dev the device) and the unfused path's
+ * cast of x (d_x: `batch` blocks [R, Cc], its amax already in ref.sc) at its scale into ref. */
+static Fp8History fp8_unfused_at_history(int i, const Vec& x, const bf16* d_x, int batch, int R, int Cc, int fmt,
+                                         const Fp8CastOut& ref, Fp8History** dev) {
+    int cur = fp8_history_exponent(fp8_amax(x.data(), x.size()), fmt);
+    const signed char below[2] = {(signed char)(cur - 1), (signed char)(cur - 3)};
+    const signed char above[1] = {(signed char)(cur + 3)};
+    Fp8History h = i ? fp8_history_with(above, 1, dev) : fp8_history_with(below, 2, dev);
+    fp8_cast(ref.n, ref.t, ref.sc, d_x, batch, R, Cc, fmt, *dev);
+    return h;
+}
+
 /* Delayed scaling's fused flash-attention backward (attn_bwd_fp8, the candidate -DFP8_DQKV_FUSED=1;
  * built in every build) of bf16 attention of shape s: where attn_bwd_fp8_fits (Hopper's kernels,
  * head sizes 32 and 64), its codes of dq, dk, dv as one tensor (both layouts), amax and scale
@@ -1357,12 +1370,8 @@ static void test_fp8_attn_bwd_fused(const Shape& s) {
                                    H, sc, &ref.sc->amax_bits);
         if (!amax) fp8_reduce_amax(ref.sc, d_dqkv, 3 * nc);
         Vec dqkv = download(d_dqkv, 3 * nc);
-        int cur = fp8_history_exponent(fp8_amax(dqkv.data(), dqkv.size()), fmt);
-        const signed char below[2] = {(signed char)(cur - 1), (signed char)(cur - 3)};
-        const signed char above[1] = {(signed char)(cur + 3)};
         Fp8History* dh;
-        Fp8History h = i ? fp8_history_with(above, 1, &dh) : fp8_history_with(below, 2, &dh);
-        fp8_cast(ref.n, ref.t, ref.sc, d_dqkv, 3, N, C, fmt, dh);
+        Fp8History h = fp8_unfused_at_history(i, dqkv, d_dqkv, 3, N, C, fmt, ref, &dh);
         set_ctx("fp8", i ? "delayed attention backward fused (history above)"
                          : "delayed attention backward fused (history below)",
                 shape_str(s).c_str());
@@ -1405,12 +1414,8 @@ static void test_fp8_attn_fwd_fused(const Shape& s) {
         bool amax = attn_fwd<bf16>(d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc, &ref.sc->amax_bits);
         if (!amax) fp8_reduce_amax(ref.sc, d_out, nc);
         Vec out = download(d_out, nc), lse = download(d_lse, n_lse);
-        int cur = fp8_history_exponent(fp8_amax(out.data(), out.size()), FP8_E4M3);
-        const signed char below[2] = {(signed char)(cur - 1), (signed char)(cur - 3)};
-        const signed char above[1] = {(signed char)(cur + 3)};
         Fp8History* dh;
-        Fp8History h = i ? fp8_history_with(above, 1, &dh) : fp8_history_with(below, 2, &dh);
-        fp8_cast(ref.n, ref.t, ref.sc, d_out, 1, N, C, FP8_E4M3, dh);
+        Fp8History h = fp8_unfused_at_history(i, out, d_out, 1, N, C, FP8_E4M3, ref, &dh);
         set_ctx("fp8", i ? "delayed attention forward fused (history above)"
                          : "delayed attention forward fused (history below)",
                 shape_str(s).c_str());
