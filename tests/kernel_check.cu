@@ -1326,16 +1326,18 @@ static void test_fp8_layernorm_bwd_fused(int N, int C) {
     dfree_all();
 }
 
-/* History case i of a fused attention kernel's check (0: two entries below the current scale of the
- * values x, 1: one above it, saturating; on the host, and *dev the device) and the unfused path's
- * cast of x (d_x: `batch` blocks [R, Cc], its amax already in ref.sc) at its scale into ref. */
-static Fp8History fp8_unfused_at_history(int i, const Vec& x, const bf16* d_x, int batch, int R, int Cc, int fmt,
-                                         const Fp8CastOut& ref, Fp8History** dev) {
+/* History case i of the check `what` of a fused attention kernel at shape s (0: two entries below
+ * the current scale of the values x, 1: one above it, saturating; on the host, and *dev the
+ * device), the unfused path's cast of x (d_x: `batch` blocks [R, Cc], its amax already in ref.sc)
+ * at its scale into ref, and the context of the checks that follow. */
+static Fp8History fp8_unfused_at_history(int i, const char* what, const Shape& s, const Vec& x, const bf16* d_x,
+                                         int batch, int R, int Cc, int fmt, const Fp8CastOut& ref, Fp8History** dev) {
     int cur = fp8_history_exponent(fp8_amax(x.data(), x.size()), fmt);
     const signed char below[2] = {(signed char)(cur - 1), (signed char)(cur - 3)};
     const signed char above[1] = {(signed char)(cur + 3)};
     Fp8History h = i ? fp8_history_with(above, 1, dev) : fp8_history_with(below, 2, dev);
     fp8_cast(ref.n, ref.t, ref.sc, d_x, batch, R, Cc, fmt, *dev);
+    set_ctx("fp8", (std::string(what) + (i ? " (history above)" : " (history below)")).c_str(), shape_str(s).c_str());
     return h;
 }
 
@@ -1371,10 +1373,8 @@ static void test_fp8_attn_bwd_fused(const Shape& s) {
         if (!amax) fp8_reduce_amax(ref.sc, d_dqkv, 3 * nc);
         Vec dqkv = download(d_dqkv, 3 * nc);
         Fp8History* dh;
-        Fp8History h = fp8_unfused_at_history(i, dqkv, d_dqkv, 3, N, C, fmt, ref, &dh);
-        set_ctx("fp8", i ? "delayed attention backward fused (history above)"
-                         : "delayed attention backward fused (history below)",
-                shape_str(s).c_str());
+        Fp8History h =
+            fp8_unfused_at_history(i, "delayed attention backward fused", s, dqkv, d_dqkv, 3, N, C, fmt, ref, &dh);
         if (fits) {
             Fp8CastOut got = fp8_cast_out(3 * nc);
             attn_bwd_fp8<bf16>(got.n, got.t, got.sc, dh, fmt, d_dout, d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
@@ -1415,10 +1415,8 @@ static void test_fp8_attn_fwd_fused(const Shape& s) {
         if (!amax) fp8_reduce_amax(ref.sc, d_out, nc);
         Vec out = download(d_out, nc), lse = download(d_lse, n_lse);
         Fp8History* dh;
-        Fp8History h = fp8_unfused_at_history(i, out, d_out, 1, N, C, FP8_E4M3, ref, &dh);
-        set_ctx("fp8", i ? "delayed attention forward fused (history above)"
-                         : "delayed attention forward fused (history below)",
-                shape_str(s).c_str());
+        Fp8History h =
+            fp8_unfused_at_history(i, "delayed attention forward fused", s, out, d_out, 1, N, C, FP8_E4M3, ref, &dh);
         if (fits) {
             Fp8CastOut got = fp8_cast_out(nc);
             attn_fwd_fp8<bf16>(got.n, got.t, got.sc, dh, d_out_fused, d_lse_fused, d_q, d_k, d_v, B, Tn, C, H);
