@@ -225,10 +225,10 @@ static struct {
 static const char* engine_name(void) { return "cuda"; }
 static const char* engine_compute_precision(const Config* cfg) { return cfg->train.precision; }
 
-/* The logits chunks of a micro-batch; how many scales the FP8 classifier's casts add to
- * E.fp8_scales (wte's, LNf output's, each chunk's dlogits'), none without it. */
+/* The logits chunks of a micro-batch; how many activation scales the FP8 classifier's casts add to
+ * E.fp8_scales (LNf output's, each chunk's dlogits'; wte's is among the weights'), none without it. */
 static int loss_chunk_count(void) { return (E.N + E.chunk - 1) / E.chunk; }
-static int fp8_cls_scale_count(void) { return E.use_fp8_classifier ? 2 + loss_chunk_count() : 0; }
+static int fp8_cls_act_scale_count(void) { return E.use_fp8_classifier ? 1 + loss_chunk_count() : 0; }
 
 /* precision fp8: how many casts the weights' list holds (fp8_list_weight_casts): the layers' and,
  * with the FP8 classifier, wte's. */
@@ -262,8 +262,8 @@ static void plan_buffers(size_t* used) {
         E.w8_fwd = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
         E.w8_dx = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
         size_t cls = E.use_fp8_classifier ? 1 : 0, dl = cls * tr * E.chunk * (size_t)E.Vp;
-        E.fp8_scales = (Fp8Scale*)carve(G_SCRATCH, (3 * FP8_W_PER_LAYER * L + fp8_cls_scale_count()) * sizeof(Fp8Scale),
-                                        used);
+        size_t scales = fp8_weight_cast_count() + 2 * FP8_W_PER_LAYER * L + fp8_cls_act_scale_count();
+        E.fp8_scales = (Fp8Scale*)carve(G_SCRATCH, scales * sizeof(Fp8Scale), used);
         E.w8_job_list = (Fp8CastJob<float>*)carve(G_SCRATCH, fp8_weight_cast_count() * sizeof(Fp8CastJob<float>), used);
         E.a8 = (fp8*)carve(G_SCRATCH, act, used);
         E.x8t = (fp8*)carve(G_ACTIVATIONS, tr * L * N * (3 * C + F), used);
@@ -391,7 +391,7 @@ static Fp8Scale* g8_scale(int l, int k) { return x8_scale(l, k) + (size_t)FP8_W_
 /* Where a producer with the amax fused (LayerNorm, GELU) puts it: a cast's scale; NULL off fp8. */
 static unsigned* x8_amax(int l, int k) { return E.use_fp8 ? &x8_scale(l, k)->amax_bits : NULL; }
 static unsigned* g8_amax(int l, int k) { return E.use_fp8 ? &g8_scale(l, k)->amax_bits : NULL; }
-/* The FP8 classifier's scales (fp8_cls_scale_count), and whether a forward with fp8 products runs
+/* The FP8 classifier's scales (wte's, then fp8_cls_act_scale_count), and whether a forward with fp8 products runs
  * the classifier's in FP8 too. */
 static Fp8Scale* cls_w_scale(void) { return w8_scale(0, 0) + (size_t)FP8_W_PER_LAYER * E.L; }
 static Fp8Scale* cls_x_scale(void) { return g8_scale(0, 0) + (size_t)FP8_W_PER_LAYER * E.L; }
@@ -680,7 +680,7 @@ static void forward(int B, int Tn, bool fp8) {
     int C = E.C, F = E.F, L = E.L, N = B * Tn, l;
     /* every amax of the activations' and gradients' casts that this micro-batch takes starts at 0 */
     if (fp8) /* the FP8 classifier's too: LNf's output's and the dlogits' (cls_x_scale, cls_g_scale) */
-        fp8_zero_scales(x8_scale(0, 0), 2 * (size_t)FP8_W_PER_LAYER * L + (E.use_fp8_classifier ? 1 + loss_chunk_count() : 0));
+        fp8_zero_scales(x8_scale(0, 0), 2 * (size_t)FP8_W_PER_LAYER * L + fp8_cls_act_scale_count());
     embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
     for (l = 0; l < L; l++) {
         LayerActs<T> a = layer_acts<T>(l);
