@@ -31,7 +31,9 @@
 
 #include "common.cuh"
 
-#define SIDE_MAX_BUFFERS 8 /* buffers with a side-stream reader: dres, dh, dqkv, logits, fp8's g8t (and dl8t) */
+/* buffers with a side-stream reader: dres, dh, dqkv, logits; fp8's g8t (two with FP8_G8T_DOUBLE)
+ * and the FP8 classifier's dl8t */
+#define SIDE_MAX_BUFFERS 8
 
 /* One buffer the side stream reads and the main stream overwrites later. */
 struct SideRead {
