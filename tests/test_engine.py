@@ -744,10 +744,10 @@ def _sidecar_checksum_not_a_number(path):
 
 
 def _sidecar_too_long(path):
-    """A sidecar longer than any the engine writes (32 KB) was read in part: the members past the
-    cut were lost without a word."""
+    """A sidecar longer than any the engine writes for the model, re-indented or not (checkpoint.h's
+    sidecar_read_max), was read in part: the members past the cut were lost without a word."""
     side = read_sidecar(path)
-    side["note"] = "x" * 40000
+    side["note"] = "x" * (1 << 20)
     path.with_name(path.name + ".json").write_text(json.dumps(side))
 
 
