@@ -147,7 +147,7 @@ def _read_json_file(root, path, kind):
     expected kind (dict or list), else an empty one."""
     try:
         with os.fdopen(_open_inside(root, path), "rb") as f:
-            value = json.loads(f.read())
+            value = parse_json(f.read())
     except (OSError, ValueError, RecursionError):
         return kind()
     return value if isinstance(value, kind) else kind()

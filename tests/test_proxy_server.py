@@ -387,3 +387,15 @@ def test_files_linked_from_outside_the_served_directory_are_not_served(served_di
     assert all("outside" not in r.text and '"step":5' not in r.text for r in answers), [r.text for r in answers]
     assert get(server, "api/state?run=alpha/alpha").json()["name"] == "alpha"
 
+
+def test_a_state_file_holding_nan_is_served_as_empty(served_dir):
+    """Python's json reads NaN and Infinity, JSON.parse does not: a state or samples file holding
+    one (a hand edit) was served as it was, an answer the dashboard could not parse. Such a file
+    is served as empty, as one of the wrong type is."""
+    server, root = served_dir
+    (root / "alpha" / "alpha.state.json").write_text('{"name": "alpha", "loss": NaN}')
+    (root / "alpha" / "alpha.samples.json").write_text('[{"step": Infinity, "prompt": "A", "text": "b"}]')
+    time.sleep(0.3)  # past run_view.REFRESH_SECONDS
+    for what, empty in (("state", {}), ("samples", [])):
+        r = get(server, f"api/{what}?run=alpha/alpha")
+        assert json.loads(r.text, parse_constant=lambda c: pytest.fail(f"{c} served")) == empty
