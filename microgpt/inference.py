@@ -109,7 +109,11 @@ class Generator:
         rid = self.next_id
         self.next_id += 1
         try:
-            self.proc.stdin.write(json.dumps({**request, "id": rid}) + "\n")
+            line = json.dumps({**request, "id": rid}, allow_nan=False)
+        except ValueError:  # NaN or infinity: Python writes them as tokens no JSON reader takes
+            raise InferenceError(f"the request is not JSON (a number in it is not finite): {request}") from None
+        try:
+            self.proc.stdin.write(line + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise self._failure("stopped before taking the request") from None
@@ -121,7 +125,9 @@ class Generator:
                 record = json.loads(line)
             except ValueError:
                 continue  # not a protocol line
-            if not isinstance(record, dict) or record.get("id") != rid:
+            # id null: the engine could not read a line, not even its id. Requests run one at a
+            # time, so that line was this request's.
+            if not isinstance(record, dict) or record.get("id", rid) not in (rid, None):
                 continue
             if "error" in record:
                 raise InferenceError(f"the engine refused the request: {record['error']}")
