@@ -45,11 +45,20 @@ def read_model_shape(ckpt):
     """The model's shape ({n_layer, d_model, ...} and the checkpoint's "step") from the sidecar's
     fingerprint: the engines read the model flags from there too."""
     sidecar = read_sidecar(ckpt)
-    try:
-        shape = {key: int(sidecar["fingerprint"][key]) for key in MODEL_FLAGS}
-    except (TypeError, KeyError, ValueError):
+    fingerprint = sidecar.get("fingerprint") if sidecar else None
+    if not isinstance(fingerprint, dict):
         raise InferenceError(f"{ckpt}.json: the checkpoint's sidecar is missing or does not give the "
-                             "model's shape (its \"fingerprint\")") from None
+                             "model's shape (its \"fingerprint\")")
+    shape = {}
+    for key in MODEL_FLAGS:
+        value = fingerprint.get(key)
+        # what the engine takes (it prints the number with %.0f): a whole number, positive; the
+        # sidecar has no checksum, and json reads 1e400 as infinity
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < 2 ** 31 \
+                or value != int(value):
+            raise InferenceError(f"{ckpt}.json: the model's {key} in the sidecar's fingerprint is {value!r}, "
+                                 "not a positive integer (damaged or edited)")
+        shape[key] = int(value)
     return {**shape, "step": sidecar.get("step")}
 
 
