@@ -13,8 +13,6 @@ import os
 import subprocess
 import threading
 
-import numpy as np
-
 from microgpt.checkpoint import CheckpointError, read_checkpoint, read_sidecar, split_params
 from microgpt.engines import ENGINES, EngineChoiceError, EngineQueryError, param_layout, select_engine
 from microgpt.run_dir import RunFiles
@@ -64,7 +62,7 @@ def read_model_shape(ckpt):
 
 def verify_checkpoint(ckpt):
     """The engines' own checks of a checkpoint (header, size, the sidecar's step, the CRC-32C of
-    every byte: docs/DESIGN.md §15), made by the CPU engine, which every machine builds: set up
+    every byte, values that are no number: docs/DESIGN.md §15), made by the CPU engine, which every machine builds: set up
     for generation and given no request, it checks, loads and exits. Raises InferenceError with
     the engine's error line."""
     try:
@@ -80,20 +78,13 @@ def verify_checkpoint(ckpt):
 
 def read_model_params(ckpt):
     """(model shape, {tensor name: float32 array}) of a checkpoint's weights, laid out as the engine
-    says (`--layout-json` of the CPU engine, which every machine builds). What is read elsewhere
-    than in an engine is checked as an engine checks it first (verify_checkpoint), and a weight
-    that is no number is refused: an intact file can still hold one (made by hand), never one a
-    run wrote."""
+    says (`--layout-json` of the CPU engine, which every machine builds), checked first as an
+    engine checks a checkpoint it loads (verify_checkpoint)."""
     shape = read_model_shape(ckpt)
     verify_checkpoint(ckpt)
     try:
         layout = param_layout(ENGINES["cpu"], [a for k in MODEL_FLAGS for a in (f"--model.{k}", str(shape[k]))])
-        params = read_checkpoint(ckpt).params
-        bad = np.flatnonzero(~np.isfinite(params))
-        if bad.size:
-            raise InferenceError(f"{ckpt}: weight {bad[0]} of {params.size} is not a finite number (damaged or "
-                                 f"edited; {bad.size} such weights)")
-        return shape, split_params(params, layout)
+        return shape, split_params(read_checkpoint(ckpt).params, layout)
     except (CheckpointError, EngineQueryError) as e:
         raise InferenceError(str(e)) from None
 

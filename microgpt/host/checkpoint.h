@@ -439,25 +439,69 @@ static char* sidecar_load(const char* path, size_t n_layer) {
     return text;
 }
 
-/* CRC-32C of the whole file, streamed through the static buffer. */
-static uint32_t ckpt_file_crc(const char* path) {
-    uint32_t crc = 0;
+/* Index of the first non-finite value of x[0 .. n), or n. */
+static size_t first_non_finite(const float* x, size_t n) {
+    size_t i = 0;
+    while (i < n && isfinite(x[i])) i++;
+    return i;
+}
+
+/* One pass over a checkpoint file (of the size ckpt_check found), streamed through the static
+ * buffer: the CRC-32C of all its bytes, and the index in [weights | m | v] of its first value that
+ * is no finite number (the count of its values when there is none). Every read but the last fills
+ * the buffer, whose size is a multiple of 4, as the header's is: no float straddles two reads. */
+typedef struct {
+    uint32_t crc;
+    size_t first_non_finite;
+} CkptScan;
+
+static CkptScan ckpt_scan(const char* path) {
+    CkptScan s = {0, 0};
+    size_t len, offset = 0, values = 0, bad;
+    int done = 0;
     ssize_t got;
     struct stat st;
     int fd = open_regular_or_die(path, "checkpoint", &st);
-    while ((got = read(fd, ckpt_io_buf, sizeof ckpt_io_buf)) != 0) {
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0) die_input("reading checkpoint %s failed: %s", path, strerror(errno));
-        crc = crc32c_update(crc, ckpt_io_buf, (size_t)got);
+    s.first_non_finite = (size_t)-1;
+    while (!done) {
+        for (len = 0; len < sizeof ckpt_io_buf; len += (size_t)got) {
+            got = read(fd, ckpt_io_buf + len, sizeof ckpt_io_buf - len);
+            if (got < 0 && errno == EINTR) { got = 0; continue; }
+            if (got < 0) die_input("reading checkpoint %s failed: %s", path, strerror(errno));
+            if (got == 0) { done = 1; break; }
+        }
+        s.crc = crc32c_update(s.crc, ckpt_io_buf, len);
+        {
+            size_t skip = offset < CKPT_HEADER_BYTES ? CKPT_HEADER_BYTES - offset : 0; /* the header is no value */
+            size_t n = len > skip ? (len - skip) / 4 : 0;
+            const float* x = (const float*)(const void*)(ckpt_io_buf + skip);
+            if (s.first_non_finite == (size_t)-1 && (bad = first_non_finite(x, n)) < n) s.first_non_finite = values + bad;
+            values += n;
+        }
+        offset += len;
     }
     close(fd);
-    return crc;
+    if (s.first_non_finite == (size_t)-1) s.first_non_finite = values;
+    return s;
+}
+
+/* A value that is no finite number in a file that is otherwise intact: no run writes one (a save
+ * refuses non-finite state), so the file was made or edited by hand; loaded, it would make every
+ * step, or every generated token, silently wrong. */
+static void ckpt_refuse_non_finite(const CkptFiles* f, const CkptScan* s, size_t n) {
+    const char* names[3] = {"weight", "AdamW m value", "AdamW v value"};
+    char what[160];
+    size_t i = s->first_non_finite;
+    if (i >= 3 * n) return;
+    snprintf(what, sizeof what, "holds %s %zu of %zu, which is not a finite number (no run writes one: edited?)",
+             names[i / n], i % n, n);
+    ckpt_refuse_damaged(f, what);
 }
 
 /* Validates a checkpoint before it is resumed and before any large allocation: header and size
  * against the config's n_params, the sidecar's step, and the CRC-32C of every byte against the
- * sidecar's. Returns the step. Dies with one error line on any mismatch; the files are left as
- * they are. A checkpoint without a checksum (no sidecar, or one written before sidecars held
+ * sidecar's, then its values (ckpt_refuse_non_finite). Returns the step. Dies with one error line
+ * on any mismatch; the files are left as they are. A checkpoint without a checksum (no sidecar, or one written before sidecars held
  * "crc32c") is loaded with a warning. n_layer: the model's, which bounds its sidecar. */
 static int ckpt_check(const char* path, size_t n_params, int n_layer) {
     CkptFiles f;
@@ -465,7 +509,7 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer) {
     int32_t header[2];
     char what[2 * CFG_PATH_MAX], *sidecar;
     double x;
-    uint32_t crc;
+    CkptScan scan;
     int fd, header_ok;
     ckpt_files(path, &f);
     if (!file_exists(path)) die_input("checkpoint %s does not exist (drop --resume to start a fresh run)", path);
@@ -484,9 +528,11 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer) {
                  (long long)st.st_size, ckpt_expected_bytes(n_params), n_params);
         ckpt_refuse_damaged(&f, what);
     }
+    scan = ckpt_scan(path);
     if (!(sidecar = sidecar_load(path, (size_t)n_layer))) {
         warn("checkpoint sidecar %s is missing: %s is loaded unverified (no checksum) and the loss scale starts "
              "from its default", f.side, path);
+        ckpt_refuse_non_finite(&f, &scan, n_params);
         if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
         return header[0];
     }
@@ -504,12 +550,13 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer) {
         }
         warn("checkpoint sidecar %s holds no checksum (written before checkpoints carried one): %s is loaded "
              "unverified", f.side, path);
-    } else if ((double)(crc = ckpt_file_crc(path)) != x) {
+    } else if ((double)scan.crc != x) {
         snprintf(what, sizeof what, "fails its integrity check: its bytes have CRC-32C %lu, its sidecar %s records "
-                 "%.12g (damaged on disk or edited)", (unsigned long)crc, f.side, x);
+                 "%.12g (damaged on disk or edited)", (unsigned long)scan.crc, f.side, x);
         ckpt_refuse_damaged(&f, what);
     }
     free(sidecar);
+    ckpt_refuse_non_finite(&f, &scan, n_params);
     if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
     return header[0];
 }

@@ -140,13 +140,6 @@ static void stop_diverged(const Run* r, int done, const char* what) {
              "(a lower train.lr, or train.grad_clip, may help)", done, what, kept);
 }
 
-/* Index of the first non-finite value of x[0 .. n), or n. */
-static size_t first_non_finite(const float* x, size_t n) {
-    size_t i = 0;
-    while (i < n && isfinite(x[i])) i++;
-    return i;
-}
-
 /* dist (§17): after a step every rank holds the same fp8 histories, so that rank 0's checkpoint
  * resumes every rank exactly (docs/DESIGN.md §18). One rank: nothing to do. */
 static void agree_fp8_histories(Run* r) {
