@@ -105,3 +105,12 @@ def test_a_sidecar_padded_past_what_the_model_can_have_is_refused(cpu_binary, ra
     assert res.rc == 2 and len(res.errors) == 1 and "longer than any this program writes" in res.errors[0], \
         res.describe()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_sidecar_nested_too_deeply_reads_as_none(tmp_path):
+    """read_sidecar took a sidecar nested too deeply for Python's json as a RecursionError, a
+    traceback in chat.py, evaluate.py and export-hf.py: it is a sidecar that is no JSON object."""
+    ckpt = tmp_path / "c.ckpt"
+    write_checkpoint(ckpt, 1, np.zeros(3), np.zeros(3), np.zeros(3))
+    (tmp_path / "c.ckpt.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert read_checkpoint(ckpt).sidecar is None
