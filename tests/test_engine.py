@@ -772,7 +772,16 @@ def _non_finite_resealed(value, vector):
     return damage
 
 
-INTEGRITY_DAMAGE = {"nan_weight": _non_finite_resealed(np.nan, 0), "inf_in_v": _non_finite_resealed(np.inf, 2),
+def _sidecar_cut_before_the_checksum(path):
+    """A sidecar cut short (it is no JSON object then) before "crc32c" read as one written before
+    checksums: the flipped bit was loaded with a warning, unverified."""
+    _flip_bit_in_v(path)
+    side = path.with_name(path.name + ".json")
+    text = side.read_text()
+    side.write_text(text[:text.index('"crc32c"')])
+
+
+INTEGRITY_DAMAGE = {"sidecar_cut": _sidecar_cut_before_the_checksum, "nan_weight": _non_finite_resealed(np.nan, 0), "inf_in_v": _non_finite_resealed(np.inf, 2),
                     "bit_in_v": _flip_bit_in_v, "garbage_weights": _garbage_weights, "step_49": _set_step(49),
                     "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step,
                     "sidecar_checksum_not_a_number": _sidecar_checksum_not_a_number,

@@ -404,11 +404,20 @@ static int json_find_string(const char* text, const char* key, char* out, size_t
     return 1;
 }
 
+/* Whether text is "{...}" give or take JSON whitespace: every sidecar a writer made is, and one cut
+ * short is not, whatever members the cut took with it (a missing crc32c would read as a checkpoint
+ * written before checksums). */
+static int sidecar_is_an_object(const char* text) {
+    const char* end = text + strlen(text);
+    while (end > text && (end[-1] == ' ' || end[-1] == '\t' || end[-1] == '\n' || end[-1] == '\r')) end--;
+    return *json_skip_space(text) == '{' && end > text && end[-1] == '}';
+}
+
 /* The sidecar of the checkpoint `path` (PATH.json) of a model of n_layer layers, NUL-terminated and
  * allocated (free() it); NULL when there is none. The readers look its members up as C strings, so
  * a sidecar they would see only in part is refused as damaged: one longer than sidecar_read_max
- * (a sidecar that size is no re-indented one the writer made) or holding a NUL byte would hide the
- * members past the cut or the NUL without a word (a hidden crc32c reads as a checkpoint written
+ * (a sidecar that size is no re-indented one the writer made), holding a NUL byte or cut short
+ * would hide the members past the cut or the NUL without a word (a hidden crc32c reads as a checkpoint written
  * before checksums). */
 static char* sidecar_load(const char* path, size_t n_layer) {
     size_t len = 0, cap;
@@ -434,6 +443,10 @@ static char* sidecar_load(const char* path, size_t n_layer) {
     text[len] = '\0';
     if (strlen(text) != len) {
         snprintf(what, sizeof what, "has a sidecar %s holding a NUL byte (damaged)", f.side);
+        ckpt_refuse_damaged(&f, what);
+    }
+    if (!sidecar_is_an_object(text)) {
+        snprintf(what, sizeof what, "has a sidecar %s that is no whole JSON object (cut short or damaged)", f.side);
         ckpt_refuse_damaged(&f, what);
     }
     return text;
