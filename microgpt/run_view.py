@@ -7,6 +7,7 @@ their files change. Nothing is ever written, except the dashboard token (proxy_s
 """
 import json
 import os
+import stat
 import sys
 import threading
 import time
@@ -32,13 +33,19 @@ def inside(root, rel):
 
 
 def _open_inside(root, path):
-    """os.open(path) read-only, where path, links followed, stays under root: FileNotFoundError
-    otherwise (a link out of the served directory is served as no file). The real path is what
-    is opened, so a link swapped after the check is not followed."""
+    """os.open(path) read-only, where path, links followed, stays under root and is a regular file:
+    FileNotFoundError otherwise (a link out of the served directory, or a FIFO, whose open would
+    wait for a writer for ever, is served as no file). The real path is what is opened, so a link
+    swapped after the check is not followed."""
     real = inside(root, path)
     if real is None:
         raise FileNotFoundError(path)
-    return os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FileNotFoundError(path)
+    os.set_blocking(fd, True)
+    return fd
 
 
 class LogFollower:

@@ -399,3 +399,18 @@ def test_a_state_file_holding_nan_is_served_as_empty(served_dir):
     for what, empty in (("state", {}), ("samples", [])):
         r = get(server, f"api/{what}?run=alpha/alpha")
         assert json.loads(r.text, parse_constant=lambda c: pytest.fail(f"{c} served")) == empty
+
+
+def test_a_fifo_in_the_served_directory_does_not_hang_the_server(served_dir):
+    """Opening a FIFO for reading waits for a writer: a state file or loss log that was one (made by
+    anyone who can write in the directory) held the request, and the run's lock, for ever. Only
+    regular files are read: the FIFO is served as no file."""
+    server, root = served_dir
+    os.unlink(root / "alpha" / "alpha.state.json")
+    os.mkfifo(root / "alpha" / "alpha.state.json")
+    (root / "gamma").mkdir()
+    os.mkfifo(root / "gamma" / "gamma.loss.json")
+    time.sleep(run_view.SCAN_SECONDS + 0.1)
+    assert get(server, "api/state?run=alpha/alpha").json() == {}
+    assert get(server, "api/records?run=gamma/gamma").json()["records"] == []
+    assert get(server, "api/state?run=beta/beta").json()["name"] == "beta"
