@@ -7,10 +7,9 @@
  * E4M3 (weights, activations; activation gradients in FP8_GRAD_FMT, cpu/fp8.h) with its per-tensor current scale and
  * dequantised exactly as the GPU engine casts it (cpu/fp8.h), then multiplied in fp32 — the
  * reference for the GPU's FP8 products (docs/DESIGN.md §18); in training, the LayerNorm outputs
- * ln1, ln2, the GELU output and MLP up's output gradient dh (and, under -DFP8_ATT_FUSED=1, the
- * attention output att; under -DFP8_DRES_FUSED=1, the
- * residual gradients that are W_2's and W_O's output gradients; under -DFP8_DQKV_FUSED=1, QKV's
- * output gradient dqkv) are cast at delayed scales instead
+ * ln1, ln2, the GELU output, the attention output att, MLP up's output gradient dh, the residual
+ * gradients that are W_2's and W_O's output gradients and QKV's output gradient dqkv are cast at
+ * delayed scales instead
  * (delayed_operand); where the FP8 classifier pays (d_model 512 and up, cpu/fp8.h's
  * fp8_classifier_pays) the classifier's products read FP8-emulated operands too (classifier_x,
  * classifier_wte, classifier_bwd). Every other precision computes fp32 (and says so). Every buffer
@@ -72,8 +71,8 @@ static struct {
      * the GPU: its decode steps multiply unquantised, and the prefill must give the decode's keys) */
     int fp8, fp8_products, fp8_classifier; /* fp8_classifier: config_fp8_classifier */
     float *fq_act, *fq_weight, *fq_grad;
-    /* fp8 training: the delayed-scaling histories of ln1, ln2, h_gelu and dh (and att under
-     * FP8_ATT_FUSED, W_2's and W_O's output gradients under FP8_DRES_FUSED, dqkv under FP8_DQKV_FUSED) per layer ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
+    /* fp8 training: the delayed-scaling histories of cpu/fp8.h's DELAYED_* tensors per layer
+     * ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
      * cast with (the backward re-casts the activations alike), and whether the current micro-batch
      * extends the histories (training micro-batches only) */
     int fp8_delayed, fp8_record;
@@ -219,19 +218,17 @@ static const float* operand(float* scratch, const float* x, size_t n, int fmt) {
     return scratch;
 }
 
-/* The products' operands: activations and weights E4M3, activation gradients FP8_GRAD_FMT (inline:
- * a build of both candidates, FP8_DRES_FUSED and FP8_DQKV_FUSED, casts no gradient at its current
- * scale, and an unused static inline function is no warning). */
+/* The products' operands at their current scales: activations and weights E4M3 (a gradient's is
+ * always a delayed tensor's, delayed_operand). */
 static const float* act_operand(const float* x, size_t n) { return operand(E.fq_act, x, n, FP8_E4M3); }
 static const float* weight_operand(const float* w, size_t n) { return operand(E.fq_weight, w, n, FP8_E4M3); }
-static inline const float* grad_operand(const float* g, size_t n) { return operand(E.fq_grad, g, n, FP8_GRAD_FMT); }
 
 /* The product operand of tensor `which` (DELAYED_*: cpu/fp8.h) of layer l. With delayed scaling
  * (docs/DESIGN.md §18) the first cast of a training step's tensor (`first`: the forward's of an
- * activation, the backward's of dh) is at its history's scale (its own, current, while the history
- * is empty) and, in training, records its amax; the backward re-casts an activation at the
- * forward's scale, which gives the codes the GPU keeps from its forward. Otherwise act_operand
- * (grad_operand for a gradient). */
+ * activation, the backward's of a gradient) is at its history's scale (its own, current, while the
+ * history is empty) and, in training, records its amax; the backward re-casts an activation at the
+ * forward's scale, which gives the codes the GPU keeps from its forward. Without histories
+ * (--evaluate) at the tensor's current scale. */
 static const float* delayed_operand(int l, int which, const float* x, size_t n, int first) {
     int i = FP8_DELAYED_PER_LAYER * l + which, fmt = fp8_delayed_fmt(which);
     float* scratch = which >= FP8_DELAYED_FORWARD ? E.fq_grad : E.fq_act; /* the backward's: gradients */
@@ -243,42 +240,6 @@ static const float* delayed_operand(int l, int which, const float* x, size_t n, 
     }
     fp8_fake_quantize_at(scratch, x, n, fmt, E.delayed_scale[i]);
     return scratch;
-}
-
-/* Layer l's attention output att, W_O's input (`first`: the forward's cast, else the backward's
- * re-cast): with -DFP8_ATT_FUSED=1 at a delayed scale (its history, recorded by the forward), else
- * at its current one. */
-static const float* att_operand(int l, const float* att, size_t n, int first) {
-#if FP8_ATT_FUSED
-    return delayed_operand(l, DELAYED_ATT, att, n, first);
-#else
-    (void)l, (void)first;
-    return act_operand(att, n);
-#endif
-}
-
-/* The residual gradient g that is layer l's W_2 output gradient (at the layer's output) or, with
- * `after_attention`, W_O's: with -DFP8_DRES_FUSED=1 at a delayed scale (its history, recorded by
- * the backward), else at its current one. */
-static const float* dres_operand(int l, int after_attention, const float* g, size_t n) {
-#if FP8_DRES_FUSED
-    return delayed_operand(l, after_attention ? DELAYED_DRES_WO : DELAYED_DRES_W2, g, n, 1);
-#else
-    (void)l, (void)after_attention;
-    return grad_operand(g, n);
-#endif
-}
-
-/* QKV's output gradient dq, dk, dv (consecutive, n values each: one fp8 tensor) of layer l: with
- * -DFP8_DQKV_FUSED=1 at a delayed scale (its history, recorded by the backward), else at its current
- * one. */
-static const float* dqkv_operand(int l, const float* dqkv, size_t n) {
-#if FP8_DQKV_FUSED
-    return delayed_operand(l, DELAYED_DQKV, dqkv, 3 * n, 1);
-#else
-    (void)l;
-    return grad_operand(dqkv, 3 * n);
-#endif
 }
 
 static int engine_fp8_history_count(void) { return E.fp8_delayed ? FP8_DELAYED_PER_LAYER * E.L : 0; }
@@ -307,7 +268,7 @@ static void forward_trunk(const int* tokens, int B, int T) {
         matmul_forward(a->k, xa, wqkv + cc, N, C, C);
         matmul_forward(a->v, xa, wqkv + 2 * cc, N, C, C);
         attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, C, E.H);
-        matmul_forward(E.branch, att_operand(l, a->atty, nc, 1), weight_operand(P(LO(l, T_WO)), cc), N, C, C);
+        matmul_forward(E.branch, delayed_operand(l, DELAYED_ATT, a->atty, nc, 1), weight_operand(P(LO(l, T_WO)), cc), N, C, C);
         residual_forward(a->xmid, x, E.branch, N * C);
         layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->xmid, P(LO(l, T_LN2_GAMMA)), P(LO(l, T_LN2_BETA)), N, C);
         matmul_forward(a->h, delayed_operand(l, DELAYED_LN2, a->ln2, nc, 1), weight_operand(P(LO(l, T_W1)), cf), N, C, E.F);
@@ -366,7 +327,7 @@ static void backward(const int* targets) {
         zero(dxmid, nc); zero(E.dbranch, nc);
         residual_backward(dxmid, E.dbranch, dres, (int)nc);
         zero(E.dh_gelu, nf);
-        matmul_backward(E.dh_gelu, G(LO(l, T_W2)), dres_operand(l, 0, E.dbranch, nc),
+        matmul_backward(E.dh_gelu, G(LO(l, T_W2)), delayed_operand(l, DELAYED_DRES_W2, E.dbranch, nc, 1),
                         delayed_operand(l, DELAYED_GELU, a->h_gelu, nf, 0),
                         weight_operand(P(LO(l, T_W2)), cf), N, E.F, C);
         zero(E.dh, nf);
@@ -380,13 +341,13 @@ static void backward(const int* targets) {
         zero(dres, nc); zero(E.dbranch, nc);
         residual_backward(dres, E.dbranch, dxmid, (int)nc);
         zero(E.datty, nc);
-        matmul_backward(E.datty, G(LO(l, T_WO)), dres_operand(l, 1, E.dbranch, nc),
-                        att_operand(l, a->atty, nc, 0), weight_operand(P(LO(l, T_WO)), cc), N, C, C);
+        matmul_backward(E.datty, G(LO(l, T_WO)), delayed_operand(l, DELAYED_DRES_WO, E.dbranch, nc, 1),
+                        delayed_operand(l, DELAYED_ATT, a->atty, nc, 0), weight_operand(P(LO(l, T_WO)), cc), N, C, C);
         zero(E.dq, nc); zero(E.dk, nc); zero(E.dv, nc);
         attention_backward(E.dq, E.dk, E.dv, E.datty, a->att, a->q, a->k, a->v, E.B, E.T, C, E.H);
         zero(E.dln, nc);
         {   /* dq, dk, dv (consecutive) are one fp8 tensor, as are W_Q, W_K, W_V */
-            const float *dqkv = dqkv_operand(l, E.dq, nc), *xa = delayed_operand(l, DELAYED_LN1, a->ln1, nc, 0);
+            const float *dqkv = delayed_operand(l, DELAYED_DQKV, E.dq, 3 * nc, 1), *xa = delayed_operand(l, DELAYED_LN1, a->ln1, nc, 0);
             const float* wqkv = weight_operand(P(LO(l, T_WQ)), 3 * cc);
             matmul_backward(E.dln, G(LO(l, T_WQ)), dqkv, xa, wqkv, N, C, C);
             matmul_backward(E.dln, G(LO(l, T_WK)), dqkv + nc, xa, wqkv + cc, N, C, C);

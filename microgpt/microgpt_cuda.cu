@@ -25,12 +25,11 @@
  *         loss_chunks), else in bf16.
  *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. In training, ln1, ln2 and
  *         h_gelu are cast at delayed scales (from amax histories) instead, written by their
- *         producers (LayerNorm, GELU) as FP8 codes; so is MLP up's output gradient dh, by the
- *         GELU backward, and, under the candidate -DFP8_DRES_FUSED=1, the residual gradients that
- *         are W_2's and W_O's output gradients, by the LayerNorm backwards that add into them;
- *         under the candidate -DFP8_DQKV_FUSED=1, QKV's output gradient dqkv, by the flash
- *         attention backward (Hopper's kernels); under the candidate -DFP8_ATT_FUSED=1, the
- *         attention output att, by the flash attention forward (Hopper's kernel).
+ *         producers (LayerNorm, GELU) as FP8 codes; so are the attention output att, by the
+ *         flash attention forward (Hopper's kernel), MLP up's output gradient dh, by the GELU
+ *         backward, the residual gradients that are W_2's and W_O's output gradients, by the
+ *         LayerNorm backwards that add into them, and QKV's output gradient dqkv, by the flash
+ *         attention backward (Hopper's kernels).
  *
  * Memory: engine_setup sizes every buffer from the config, prints the plan, checks it fits, and
  * allocates once; nothing is allocated afterwards. Activation buffers are sized for B·T positions
@@ -150,11 +149,9 @@ static struct {
      * logits (chunk r0's [C][n] at r0 * C; its row-major codes go to a8, which no product reads
      * again until the next forward), and one chunk's dlogits codes [chunk][Vp] and [Vp][chunk] */
     fp8 *lnf8t, *dl8, *dl8t;
-    /* delayed scaling (docs/DESIGN.md §18), training fp8 only: ln1, ln2, h_gelu and dh (and att
-     * under FP8_ATT_FUSED, W_2's and W_O's output gradients under FP8_DRES_FUSED, dqkv under
-     * FP8_DQKV_FUSED) are cast at
-     * delayed scales, from the
-     * histories fp8_hist
+    /* delayed scaling (docs/DESIGN.md §18), training fp8 only: cpu/fp8.h's DELAYED_* tensors (ln1,
+     * ln2, h_gelu, att, dh, W_2's and W_O's output gradients, dqkv) are cast at delayed scales,
+     * from the histories fp8_hist
      * [L][FP8_DELAYED_PER_LAYER] (device), which every training micro-batch extends by their amaxes
      * (k_fp8_history_push) and the checkpoint sidecar keeps */
     int fp8_delayed;
@@ -447,57 +444,32 @@ static void fp8_quantize_weights(void) {
  * the same scale, x8_scale(l, k)). `input`: what x's producer already did (FP8_IN_*). */
 /* What a product's operand holds when the product starts: only the values (the cast takes their
  * amax first), the values with their amax (fused into their producer), or already its codes and
- * scale (delayed scaling's fused producers: the LayerNorm and, under FP8_ATT_FUSED, the flash
- * attention forward, E.a8, x8t and x8_scale written; the
- * GELU backward, under FP8_DRES_FUSED the LayerNorm backward and under FP8_DQKV_FUSED the flash
+ * scale (delayed scaling's fused producers: the LayerNorm, the GELU and the flash attention
+ * forward, E.a8, x8t and x8_scale written; the GELU backward, the LayerNorm backward and the flash
  * attention backward, E.g8, E.g8t and g8_scale). */
 enum { FP8_IN_RAW, FP8_IN_AMAX, FP8_IN_CODES };
 
-/* The delayed-scaling history of product k's input in layer l: ln1 (QKV), ln2 (MLP up) and h_gelu
- * (MLP down), and att (W_O) under the candidate FP8_ATT_FUSED, in an fp8 training run; NULL
- * (current scaling) otherwise. */
-static const Fp8History* fp8_history_of(int l, int k) {
-    if (!E.fp8_delayed) return NULL;
-#if FP8_ATT_FUSED
-    if (k == FP8_W_O) return E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l + DELAYED_ATT;
-#else
-    if (k == FP8_W_O) return NULL;
-#endif
-    return E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l +
-           (k == FP8_W_QKV ? DELAYED_LN1 : k == FP8_W_1 ? DELAYED_LN2 : DELAYED_GELU);
+/* The delayed-scaling history of layer l's tensor `which` (DELAYED_*: cpu/fp8.h) in an fp8
+ * training run; NULL (current scaling) otherwise. */
+static const Fp8History* fp8_delayed_history(int l, int which) {
+    return E.fp8_delayed ? E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l + which : NULL;
 }
 
-/* The delayed-scaling history of layer l's dh (MLP up's output gradient) in an fp8 training run;
- * NULL (current scaling) otherwise. */
-static const Fp8History* fp8_dgelu_history(int l) {
-    return E.fp8_delayed ? E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l + DELAYED_DGELU : NULL;
+/* The delayed-scaling history of product k's input in layer l: ln1 (QKV), att (W_O), ln2 (MLP up)
+ * or h_gelu (MLP down). */
+static const Fp8History* fp8_history_of(int l, int k) {
+    return fp8_delayed_history(l, k == FP8_W_QKV ? DELAYED_LN1 : k == FP8_W_O ? DELAYED_ATT
+                                  : k == FP8_W_1 ? DELAYED_LN2 : DELAYED_GELU);
 }
 
 /* The delayed-scaling history of the residual gradient that is layer l's product k's output
- * gradient (W_2: at the layer's output; W_O: after the attention) under the candidate
- * FP8_DRES_FUSED in an fp8 training run; NULL (current scaling) otherwise. */
+ * gradient (W_2: at the layer's output; W_O: after the attention). */
 static const Fp8History* fp8_dres_history(int l, int k) {
-#if FP8_DRES_FUSED
-    if (E.fp8_delayed && (k == FP8_W_2 || k == FP8_W_O))
-        return E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l + (k == FP8_W_2 ? DELAYED_DRES_W2 : DELAYED_DRES_WO);
-#endif
-    (void)l, (void)k;
-    return NULL;
-}
-
-/* The delayed-scaling history of layer l's dqkv (QKV's output gradient: dq, dk, dv as one tensor)
- * under the candidate FP8_DQKV_FUSED in an fp8 training run; NULL (current scaling) otherwise. */
-static const Fp8History* fp8_dqkv_history(int l) {
-#if FP8_DQKV_FUSED
-    if (E.fp8_delayed) return E.fp8_hist + FP8_DELAYED_PER_LAYER * (size_t)l + DELAYED_DQKV;
-#endif
-    (void)l;
-    return NULL;
+    return fp8_delayed_history(l, k == FP8_W_2 ? DELAYED_DRES_W2 : DELAYED_DRES_WO);
 }
 
 /* Delayed scaling with histories that hold entries (all but a run's first micro-batch): the
- * producers of ln1, ln2, h_gelu and dh (and att, FP8_ATT_FUSED; W_2's and W_O's output gradients,
- * FP8_DRES_FUSED; dqkv, FP8_DQKV_FUSED) write their products' codes themselves. */
+ * producers of the delayed tensors (cpu/fp8.h's DELAYED_*) write their products' codes themselves. */
 static bool fp8_producers_write_codes(void) { return E.fp8_delayed && E.fp8_hist_filled; }
 
 /* Where the delayed tensors' amaxes sit (k_fp8_history_push): the casts' scales of their products. */
@@ -508,17 +480,11 @@ static Fp8DelayedScales fp8_delayed_scales(void) {
     w.at[DELAYED_LN1] = (int)(x8_scale(0, FP8_W_QKV) - E.fp8_scales);
     w.at[DELAYED_LN2] = (int)(x8_scale(0, FP8_W_1) - E.fp8_scales);
     w.at[DELAYED_GELU] = (int)(x8_scale(0, FP8_W_2) - E.fp8_scales);
-#if FP8_ATT_FUSED
     w.at[DELAYED_ATT] = (int)(x8_scale(0, FP8_W_O) - E.fp8_scales);
-#endif
     w.at[DELAYED_DGELU] = (int)(g8_scale(0, FP8_W_1) - E.fp8_scales);
-#if FP8_DRES_FUSED
     w.at[DELAYED_DRES_W2] = (int)(g8_scale(0, FP8_W_2) - E.fp8_scales);
     w.at[DELAYED_DRES_WO] = (int)(g8_scale(0, FP8_W_O) - E.fp8_scales);
-#endif
-#if FP8_DQKV_FUSED
     w.at[DELAYED_DQKV] = (int)(g8_scale(0, FP8_W_QKV) - E.fp8_scales);
-#endif
     return w;
 }
 
@@ -588,13 +554,13 @@ static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N, int input) {
     fp8_linear_fwd<T>(layer_input<T>(l + 1), a.h_gelu, l, T_W2, FP8_W_2, N, F, C, a.xmid, gelu_input);
 }
 
-/* dres is what the LayerNorm backward that produced it left (dres_input, FP8_IN_*: its amax, or
- * under FP8_DRES_FUSED its codes); dh's comes from the GELU backward, which with histories that
+/* dres is what the LayerNorm backward that produced it left (dres_input, FP8_IN_*: its amax or its
+ * codes); dh's comes from the GELU backward, which with histories that
  * hold entries writes dh's codes itself, at dh's delayed scale (fp8_cast_dgelu: no dh in T). */
 template <typename T>
 static void fp8_mlp_bwd(T* dln, const T* dres, int dres_input, const LayerActs<T>& a, int l, int N, float gb) {
     int C = E.C, F = E.F, dh_input = FP8_IN_AMAX;
-    const Fp8History* dh_hist = fp8_dgelu_history(l);
+    const Fp8History* dh_hist = fp8_delayed_history(l, DELAYED_DGELU);
     fp8_linear_bwd<T>((T*)E.dh, gl(l, T_W2), dres, l, T_W2, FP8_W_2, N, F, C, 1, gb, dres_input,
                       fp8_dres_history(l, FP8_W_2));
     if (dh_hist && fp8_producers_write_codes()) {
@@ -650,8 +616,7 @@ static int ln_fwd_for_product(T* out, float* mean, float* rstd, const T* x, int 
 }
 
 /* Layer l's attention forward: out (a.atty) and lse from a.qkv. In fp8, out is W_O's input: its amax
- * goes to that product's cast (where the flash path fuses it); under FP8_ATT_FUSED with histories
- * that hold entries, the flash forward also writes the product's codes (E.a8, x8t) where
+ * goes to that product's cast (where the flash path fuses it); with histories that hold entries, the flash forward also writes the product's codes (E.a8, x8t) where
  * attn_fwd_fp8_fits, else the product casts at the delayed scale. out in T is written either way:
  * the backward's delta reads it. Returns what the product finds (FP8_IN_*). */
 template <typename T>
@@ -705,7 +670,7 @@ static void forward(int B, int Tn, bool fp8) {
 /* LayerNorm backward: dres += the gradient through LN(x) of its output's gradient dout, dgamma and
  * dbeta by grad_beta. In fp8, dres is then the output gradient of layer l's product k (W_2 of the
  * layer below, or W_O; l < 0: no product, the embedding's): its amax goes to that product's cast;
- * under FP8_DRES_FUSED with histories that hold entries, the LayerNorm backward writes the
+ * with histories that hold entries, the LayerNorm backward writes the
  * product's codes itself (E.g8, E.g8t, after their side-stream reader: fp8_wait_grad_codes).
  * Returns what the product finds (FP8_IN_*). */
 template <typename T>
@@ -726,7 +691,7 @@ static int ln_bwd_for_product(T* dres, float* dgamma, float* dbeta, const T* dou
 
 /* Attention backward of layer l: dq, dk, dv (E.dqkv) from the gradient of its output, E.datty. In
  * fp8, dqkv is the QKV product's output gradient: its amax goes to that product's cast (where the
- * flash path fuses it); under FP8_DQKV_FUSED with histories that hold entries, the flash backward
+ * flash path fuses it); with histories that hold entries, the flash backward
  * writes the product's codes instead of dqkv (E.g8, E.g8t, after their side-stream reader:
  * fp8_wait_grad_codes) where attn_bwd_fp8_fits, else the product casts at the delayed scale.
  * Returns what the product finds (FP8_IN_*). */
@@ -735,7 +700,7 @@ static int attn_bwd_for_product(const LayerActs<T>& a, int l) {
     int B = E.B, Tn = E.T, C = E.C, H = E.H;
     size_t nc = (size_t)E.N * C;
     T* dqkv = (T*)E.dqkv;
-    const Fp8History* hist = fp8_dqkv_history(l);
+    const Fp8History* hist = fp8_delayed_history(l, DELAYED_DQKV);
     if (hist && fp8_producers_write_codes() && attn_bwd_fp8_fits<T>(C, H)) {
         fp8_wait_grad_codes();
         attn_bwd_fp8<T>(E.g8, E.g8t, g8_scale(l, FP8_W_QKV), hist, FP8_GRAD_FMT, (const T*)E.datty, a.atty,
@@ -797,9 +762,8 @@ static void loss_chunks(int N, int train) {
  *   dW_QKV                dqkv                                    the layer below's attn_bwd   side_wait(dqkv)
  *   fp8: every dW         g8t (the output gradient's cast)        the next product's cast      fp8_wait_grad_codes
  *                                                                 (fp8_linear_bwd; fp8_cast_dgelu;  (side_wait(E.g8t))
- *                                                                 FP8_DRES_FUSED: the LN2 and LN1
- *                                                                 backwards, layernorm_bwd_fp8;
- *                                                                 FP8_DQKV_FUSED: attn_bwd_fp8)
+ *                                                                 the LN2 and LN1 backwards,
+ *                                                                 layernorm_bwd_fp8; attn_bwd_fp8)
  * The side stream runs its products in issue order, so a wait covers its earlier products too.
  * Each gradient tensor has one writer per micro-batch (matmul.cuh), the side stream's products
  * write only their own, and the one tensor two writers share, wte (dwte, then the embedding
@@ -849,7 +813,7 @@ static void backward(void) {
         int dqkv_in = attn_bwd_for_product<T>(a, l);
         if (E.use_fp8)
             fp8_linear_bwd<T>(dln, gl(l, T_WQ), dqkv, l, T_WQ, FP8_W_QKV, N, C, C, 3, gb, dqkv_in,
-                              fp8_dqkv_history(l));
+                              fp8_delayed_history(l, DELAYED_DQKV));
         else attn_qkv_bwd<T>(dln, gl(l, T_WQ), dqkv, a.ln1, wl<T>(l, T_WQ), N, C, gb);
         side_wait(dres);
         dres_in = ln_bwd_for_product<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA),
@@ -900,11 +864,11 @@ template <typename T>
 static void record_forward_backward(void) {
     upload_inputs(2 * (size_t)E.N);
     forward<T>(E.B, E.T, E.use_fp8);
-    if (E.fp8_delayed) /* a training forward extends the histories of ln1, ln2, h_gelu (FP8_ATT_FUSED: att) */
+    if (E.fp8_delayed) /* a training forward extends the histories of ln1, ln2, h_gelu, att */
         fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), 0, FP8_DELAYED_FORWARD, E.L);
     loss_chunks<T>(E.N, 1);
     backward<T>();
-    if (E.fp8_delayed) /* and its backward's gradients' (dh; FP8_DRES_FUSED: W_2's and W_O's; FP8_DQKV_FUSED: dqkv) */
+    if (E.fp8_delayed) /* and its backward's gradients' (dh, W_2's and W_O's, dqkv) */
         fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), FP8_DELAYED_FORWARD,
                              FP8_DELAYED_PER_LAYER - FP8_DELAYED_FORWARD, E.L);
     download_output(&E.io->loss, &E.io_host->loss);

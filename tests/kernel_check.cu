@@ -1114,8 +1114,8 @@ static void test_fp8_delayed(int R, int C) {
         check_fp8_cast(o, x, 1, R, C, FP8_E4M3, 3, &hists[i]);
         dfree_all();
     }
-    /* the push: FP8_DELAYED_PER_LAYER histories a layer (ln1, ln2, h_gelu, att with FP8_ATT_FUSED;
-     * dh; W_2's and W_O's output gradients with FP8_DRES_FUSED; dqkv with FP8_DQKV_FUSED),
+    /* the push: FP8_DELAYED_PER_LAYER histories a layer (ln1, ln2, h_gelu, att; dh, W_2's and
+     * W_O's output gradients, dqkv),
      * their amaxes at scales[l * stride + at[which]]; the forward's, then the backward's, as the engine */
     const int layers = 5, stride = 8, n = FP8_DELAYED_PER_LAYER * layers;
     const int at[8] = {0, 2, 3, 1, 7, 5, 6, 4};
@@ -1266,8 +1266,7 @@ static void test_fp8_dgelu_fused(int R, int Cc) {
     }
 }
 
-/* Delayed scaling's fused LayerNorm backward (layernorm_bwd_fp8, the candidate -DFP8_DRES_FUSED=1;
- * built in every build) of bf16 rows [N, C], adding into dx (the residual gradient) and writing or
+/* Delayed scaling's fused LayerNorm backward (layernorm_bwd_fp8) of bf16 rows [N, C], adding into dx (the residual gradient) and writing or
  * adding dgamma, dbeta by grad_beta: dx, dgamma, dbeta those of the CPU layer (as test_layernorm)
  * and the bits of layernorm_bwd's, the unfused path; the codes of both layouts, amax and scale
  * those of the CPU emulation's cast (cpu/fp8.h) of that dx at the history's scale, exactly, for a
@@ -1341,8 +1340,7 @@ static Fp8History fp8_unfused_at_history(int i, const char* what, const Shape& s
     return h;
 }
 
-/* Delayed scaling's fused flash-attention backward (attn_bwd_fp8, the candidate -DFP8_DQKV_FUSED=1;
- * built in every build) of bf16 attention of shape s: where attn_bwd_fp8_fits (Hopper's kernels,
+/* Delayed scaling's fused flash-attention backward (attn_bwd_fp8) of bf16 attention of shape s: where attn_bwd_fp8_fits (Hopper's kernels,
  * head sizes 32 and 64), its codes of dq, dk, dv as one tensor (both layouts), amax and scale
  * against the unfused path it replaces, attn_bwd with the amax fused then fp8_cast at the history's
  * scale, bit for bit, and against the CPU emulation's cast (cpu/fp8.h) of the dq, dk, dv attn_bwd
@@ -1387,8 +1385,7 @@ static void test_fp8_attn_bwd_fused(const Shape& s) {
     dfree_all();
 }
 
-/* Delayed scaling's fused flash-attention forward (attn_fwd_fp8, the candidate -DFP8_ATT_FUSED=1;
- * built in every build) of bf16 attention of shape s: where attn_fwd_fp8_fits (Hopper's kernel, head
+/* Delayed scaling's fused flash-attention forward (attn_fwd_fp8) of bf16 attention of shape s: where attn_fwd_fp8_fits (Hopper's kernel, head
  * sizes 32 and 64), its out and lse against attn_fwd's, and its codes of out (both layouts), amax
  * and scale against the unfused path it replaces, attn_fwd with the amax fused then fp8_cast at the
  * history's scale, bit for bit, and against the CPU emulation's cast (cpu/fp8.h) of the out attn_fwd

@@ -1,15 +1,14 @@
-"""Delayed fp8 scaling of ln1, ln2, the GELU output and MLP up's output gradient dh (docs/DESIGN.md §18). The history's scale rule
+"""Delayed fp8 scaling (docs/DESIGN.md §18) of ln1, ln2, the GELU output and the attention output att
+(the forward's histories), MLP up's output gradient dh, the residual gradients that are W_2's and
+W_O's output gradients and QKV's output gradient dqkv (the backward's). The history's scale rule
 (microgpt/cpu/fp8.h) is checked against a float64 reference of "the current rule applied to the
 largest amax of the last 16 training forwards". The CPU engine training fp8 must train, keep its
 histories in the checkpoint sidecar, resume bit-exactly, warn when resuming a checkpoint without
 them, and on two processes share one set of histories that resumes both exactly (§17). On a GPU
 (skipped without one), the GPU engine must track the CPU one and resume exactly, its graphs giving
-the bits of launch by launch. The same for the candidates -DFP8_DRES_FUSED=1 (the delayed scales of
-W_2's and W_O's output gradients, the residual gradients: two more histories a layer) and
--DFP8_DQKV_FUSED=1 (QKV's output gradient dqkv: one more), alone and together, and -DFP8_ATT_FUSED=1
-(the attention output att, W_O's input: one more, a forward one), alone and with both others (their
-builds made here, as test_gpu's build_variant does). The fused kernels are checked by tests/kernel_check.cu; two
-GPUs by tests/test_distributed.py.
+the bits of launch by launch, with the fused attention kernels (head size 32) and with the
+fallback that casts at the delayed scale (head size 16). The fused kernels are checked by
+tests/kernel_check.cu; two GPUs by tests/test_distributed.py.
 """
 import ctypes
 import json
@@ -25,15 +24,13 @@ from test_distributed import Ranks
 from test_engine import alloc_counter  # noqa: F401 (a fixture: the LD_PRELOAD allocation counter)
 from test_fp8 import E4M3, reference_scale
 from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
-from test_gpu import FP8_SHAPES, build_variant, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
+from test_gpu import FP8_SHAPES, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
 
 HISTORY_LEN = 16
-# the histories a layer of each build: ln1, ln2, GELU, dh; dres: and W_2's and W_O's output
-# gradients; dqkv: and QKV's output gradient; both: all seven (the candidates' after dh's); att: and
-# the attention output's, a forward history (after GELU's, before dh's); all3: all eight
-PER_LAYER = {"default": 4, "dres": 6, "dqkv": 5, "both": 7, "att": 5, "all3": 8}
-# the forward's histories a layer (the first of a layer's): ln1, ln2, GELU, and att's in att's builds
-FORWARD_PER_LAYER = {"att": 4, "all3": 4}
+# the histories a layer: the forward's ln1, ln2, GELU, att, then the backward's dh, W_2's and W_O's
+# output gradients, dqkv (cpu/fp8.h's DELAYED_*)
+PER_LAYER = 8
+FORWARD_PER_LAYER = 4
 
 WRAPPER = r"""
 #include <stddef.h>
@@ -129,13 +126,14 @@ def test_fp8_training_keeps_histories_of_training_forwards_only(cpu_binary, patt
     assert all(abs(a - r["loss"]) <= 0.05 * r["loss"] for a, r in zip(losses, fp32.steps))
     hist = sidecar_history(ckpt)
     n_layer = eu.TINY["model.n_layer"]
-    assert hist["len"] == HISTORY_LEN and len(hist["exp"]) == 4 * n_layer  # ln1, ln2, GELU, dh a layer
-    # 12 training micro-batches (dh's entries from their backwards); the 2 x 2 validation forwards
-    # read the scales but record nothing
+    assert hist["len"] == HISTORY_LEN and len(hist["exp"]) == PER_LAYER * n_layer
+    # 12 training micro-batches (the gradients' entries from their backwards); the 2 x 2 validation
+    # forwards read the scales but record nothing
     assert all(len(h) == 12 and all(-126 <= e <= 127 for e in h) for h in hist["exp"]), hist
-    dh = [hist["exp"][4 * l + 3] for l in range(n_layer)]
-    acts = [e for l in range(n_layer) for h in hist["exp"][4 * l:4 * l + 3] for e in h]
-    assert min(e for h in dh for e in h) > max(acts), (dh, "gradients are far smaller than activations")
+    layers = [hist["exp"][PER_LAYER * l:PER_LAYER * (l + 1)] for l in range(n_layer)]
+    grads = [e for h in layers for g in h[FORWARD_PER_LAYER:] for e in g]
+    acts = [e for h in layers for a in h[:FORWARD_PER_LAYER] for e in a]
+    assert min(grads) > max(acts), (grads, "gradients are far smaller than activations")
 
 
 def test_fp8_resumes_exactly_through_the_sidecar(cpu_binary, random_shards, tmp_path):
@@ -256,14 +254,15 @@ def test_a_sidecar_rewritten_with_json_whitespace_keeps_its_precision(cpu_binary
     assert "resuming in precision fp32, the checkpoint was written in fp8" in res.stderr, res.describe()
 
 
+# four a layer: a checkpoint's from before the histories of att and of the residual gradients and dqkv
 OTHER_SHAPES = {"one_more": lambda exp: exp + [[1, 2]],
-                "three_a_layer": lambda exp: [h for i, h in enumerate(exp) if i % 4 != 3]}  # before dh's
+                "four_a_layer": lambda exp: [h for i, h in enumerate(exp) if i % PER_LAYER in (0, 1, 2, 4)]}
 
 
 @pytest.mark.parametrize("shape", sorted(OTHER_SHAPES))
 def test_histories_of_another_shape_resume_with_the_warning(cpu_binary, random_shards, tmp_path, shape):
-    """A well-formed member of another count (another build's: one from before dh's history keeps
-    three a layer) is not damage: the warning, then the run resumes with fresh histories."""
+    """A well-formed member of another count (an older build's: one from before att's, the residual
+    gradients' and dqkv's histories keeps four a layer) is not damage: the warning, then the run resumes with fresh histories."""
     ckpt = tmp_path / "run.ckpt"
     run_ok(cpu_binary, tiny_args(random_shards.train, random_shards.val, **{**RUN, "train.steps": 4}) + ["--checkpoint", ckpt])
     side = tmp_path / "run.ckpt.json"
@@ -310,7 +309,7 @@ def test_more_layers_than_the_sidecar_holds_histories_for_are_refused_before_tra
     for steps in (2, 3):
         res = run_ok(cpu_binary, argv(most, ckpt, **{"train.steps": steps}) + ["--resume"])
         assert [r["step"] for r in res.steps] == [steps] and "fp8 scale history" not in res.stderr, res.describe()
-    assert [h[:HISTORY_LEN - 2] for h in sidecar_history(ckpt)["exp"]] == [[-126] * (HISTORY_LEN - 2)] * (4 * most)
+    assert [h[:HISTORY_LEN - 2] for h in sidecar_history(ckpt)["exp"]] == [[-126] * (HISTORY_LEN - 2)] * (PER_LAYER * most)
 
 
 def test_both_engines_refuse_the_deep_fp8_run_before_they_start(engine, random_shards, tmp_path):
@@ -346,19 +345,11 @@ def test_two_ranks_agree_on_the_histories_without_allocating_in_the_loop(cpu_bin
     assert not in_loop, f"{len(in_loop)} allocations inside the training loop, e.g. {in_loop[:5]}"
 
 
-def binary_fixture(engine, build):
-    """The fixture name of an engine's ("cpu", "cuda") binary of a build."""
-    return f"{engine}_binary" if build == "default" else f"{engine}_{build}_binary"
-
-
-@pytest.mark.parametrize("build", ["default", "dres", "both"])
-def test_two_ranks_hold_one_set_of_histories_and_resume_exactly(build, request, random_shards, tmp_path):
+def test_two_ranks_hold_one_set_of_histories_and_resume_exactly(cpu_binary, random_shards, tmp_path):
     """dist (§17): after every step both ranks hold, entry by entry, the histories' largest amax over
     the ranks, so rank 0's sidecar resumes both. Rank 1 sees other windows than rank 0, so had it
     kept its own histories, resuming it from rank 0's would cast at other scales and the checkpoint
-    would differ from the uninterrupted run's; dh's histories, pushed by the backward, too, and the
-    candidates' FP8_DRES_FUSED's residual gradients' and FP8_DQKV_FUSED's dqkv's."""
-    cpu_binary = request.getfixturevalue(binary_fixture("cpu", build))
+    would differ from the uninterrupted run's; the gradients' histories, pushed by the backward, too."""
     steps = 16
 
     def argv(ckpt):
@@ -389,44 +380,38 @@ def test_two_ranks_hold_one_set_of_histories_and_resume_exactly(build, request, 
 # ---------------------------------------------------------------------------------------------------
 # the GPU engine (skipped without a GPU)
 
-def gpu_settings(build="default"):
-    """FP8_SHAPES' odd model; for FP8_DQKV_FUSED's and FP8_ATT_FUSED's builds with head size 32 (2
-    heads of d_model 64), which the fused attention backward and forward take (at 16, the odd model's,
-    the unfused cast would run; seq_len 48: a partial tile)."""
-    heads = {"model.d_model": 64, "model.n_head": 2} if build in ("dqkv", "both", "att", "all3") else {}
-    return {**FP8_SHAPES["odd"], **heads, "train.lr": 3e-3, "train.warmup_steps": 2, "train.precision": "fp8"}
+# head size 16 (FP8_SHAPES' odd model): the fallback, the flash kernels then the cast at the delayed
+# scale; head size 32 (2 heads of d_model 64): Hopper's fused attention forward and backward, which
+# write att's and dqkv's codes (seq_len 48: a partial tile)
+GPU_HEADS = {"fallback": {}, "fused_attention": {"model.d_model": 64, "model.n_head": 2}}
 
 
-def engines(build, request):
-    """The (CPU, GPU) engines of a build: the default one or a candidate's (built here), and its
-    histories a layer."""
-    return (request.getfixturevalue(binary_fixture("cpu", build)),
-            request.getfixturevalue(binary_fixture("cuda", build)), PER_LAYER[build])
+def gpu_settings(heads):
+    return {**FP8_SHAPES["odd"], **GPU_HEADS[heads], "train.lr": 3e-3, "train.warmup_steps": 2,
+            "train.precision": "fp8"}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", ["default", "dres", "dqkv", "both", "att", "all3"])
-def test_gpu_delayed_tracks_the_cpu_delayed_emulation(build, request, random_shards, tmp_path):
-    """As test_gpu's fp8 tracking test (loss within 3e-2 a step); both keep PER_LAYER[build] x n_layer
+@pytest.mark.parametrize("heads", sorted(GPU_HEADS))
+def test_gpu_delayed_tracks_the_cpu_delayed_emulation(heads, cpu_binary, cuda_binary, random_shards, tmp_path):
+    """As test_gpu's fp8 tracking test (loss within 3e-2 a step); both keep PER_LAYER x n_layer
     histories of the training micro-batches (their exponents may differ by one where a bf16 amax and
     an fp32 one fall on either side of a power of two)."""
-    cpu_binary, cuda_binary, per_layer = engines(build, request)
-    args = tiny_args(random_shards.train, **{**gpu_settings(build), "train.steps": 10})
+    args = tiny_args(random_shards.train, **{**gpu_settings(heads), "train.steps": 10})
     runs = {name: run_ok(b, args + ["--checkpoint", tmp_path / f"{name}.ckpt"])
             for name, b in (("cpu", cpu_binary), ("gpu", cuda_binary))}
     for c, g in zip(runs["cpu"].steps, runs["gpu"].steps):
         assert abs(g["loss"] - c["loss"]) <= 3e-2 * abs(c["loss"]), (c, g)
     hists = {name: sidecar_history(tmp_path / f"{name}.ckpt")["exp"] for name in runs}
-    want = [10] * per_layer * gpu_settings(build)["model.n_layer"]
+    want = [10] * PER_LAYER * gpu_settings(heads)["model.n_layer"]
     assert [len(h) for h in hists["gpu"]] == want == [len(h) for h in hists["cpu"]]
     assert all(abs(a - b) <= 1 for hg, hc in zip(hists["gpu"], hists["cpu"]) for a, b in zip(hg, hc)), hists
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", ["default", "dres", "dqkv", "both", "att", "all3"])
-def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(build, request, random_shards, tmp_path):
-    _, cuda_binary, _ = engines(build, request)
-    args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(build), "train.steps": 60,
+@pytest.mark.parametrize("heads", sorted(GPU_HEADS))
+def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(heads, cuda_binary, random_shards, tmp_path):
+    args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(heads), "train.steps": 60,
                                                                 "train.grad_accum": 2, "eval.every": 20,
                                                                 "eval.batches": 2})
     eu.check_exact_resume_after_sigterm(cuda_binary, args, 60, tmp_path)
@@ -435,75 +420,3 @@ def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(build, request, rand
     assert eager_ckpt.read_bytes() == (tmp_path / "ref.ckpt").read_bytes()
     assert sidecar_history(eager_ckpt) == sidecar_history(tmp_path / "ref.ckpt")
     assert len(eager.steps) == 60
-
-
-# ---------------------------------------------------------------------------------------------------
-# the candidates -DFP8_DRES_FUSED=1 (the residual gradients that are W_2's and W_O's output gradients
-# at delayed scales too, their codes written by the GPU's LayerNorm backwards that produce them) and
-# -DFP8_DQKV_FUSED=1 (QKV's output gradient dqkv, its codes written by the GPU's flash attention
-# backward), alone and together: their histories recorded by the backward, after dh's in a layer;
-# -DFP8_ATT_FUSED=1 (the attention output att, its codes written by the GPU's flash attention
-# forward), alone and with both: its history recorded by the forward, after GELU's in a layer
-
-CANDIDATE_FLAGS = {"dres": "-DFP8_DRES_FUSED=1", "dqkv": "-DFP8_DQKV_FUSED=1",
-                   "both": "-DFP8_DRES_FUSED=1 -DFP8_DQKV_FUSED=1", "att": "-DFP8_ATT_FUSED=1",
-                   "all3": "-DFP8_ATT_FUSED=1 -DFP8_DQKV_FUSED=1 -DFP8_DRES_FUSED=1"}
-
-
-def candidate_binary(engine, build):
-    binary = eu.BUILD / f"microgpt_{engine}_{build}"
-    build_variant(f"_{build}", CANDIDATE_FLAGS[build], binary)
-    return binary
-
-
-def candidate_fixture(engine, build):
-    """The module fixture binary_fixture(engine, build): the candidate's binary, after the default
-    one's fixture (which skips the GPU engine's without a GPU)."""
-    @pytest.fixture(scope="module", name=binary_fixture(engine, build))
-    def fixture(request):
-        request.getfixturevalue(binary_fixture(engine, "default"))
-        return candidate_binary(engine, build)
-    return fixture
-
-
-for _build in CANDIDATE_FLAGS:
-    for _engine in ("cpu", "cuda"):
-        globals()[binary_fixture(_engine, _build)] = candidate_fixture(_engine, _build)
-
-
-@pytest.mark.parametrize("build", sorted(CANDIDATE_FLAGS))
-def test_candidate_cpu_trains_and_keeps_more_histories_a_layer(build, request, cpu_binary, pattern_shards, tmp_path):
-    """Against the default build: the same losses within 5 %, but not the same weights (the
-    negative control that the candidate's delayed scales are in effect: they differ from the
-    current ones at some steps, which moves the codes of the smallest values)."""
-    cpu_candidate = request.getfixturevalue(binary_fixture("cpu", build))
-    ckpt, default_ckpt = tmp_path / "run.ckpt", tmp_path / "default.ckpt"
-    args = tiny_args(*pattern_shards, **{**RUN, "train.steps": 12})
-    run = run_ok(cpu_candidate, args + ["--checkpoint", ckpt])
-    default = run_ok(cpu_binary, args + ["--checkpoint", default_ckpt])
-    losses = [r["loss"] for r in run.steps]
-    assert all(np.isfinite(losses)) and len(losses) == 12
-    assert np.mean(losses[-3:]) < np.mean(losses[:3]), losses
-    assert all(abs(a - r["loss"]) <= 0.05 * r["loss"] for a, r in zip(losses, default.steps))
-    assert ckpt.read_bytes() != default_ckpt.read_bytes(), f"{build}'s delayed scales changed nothing"
-    hist = sidecar_history(ckpt)
-    n_layer, per_layer = eu.TINY["model.n_layer"], PER_LAYER[build]
-    forward = FORWARD_PER_LAYER.get(build, 3)
-    assert hist["len"] == HISTORY_LEN and len(hist["exp"]) == per_layer * n_layer
-    # one entry a training micro-batch each, the candidate's forward's (att) and gradients' alike
-    assert all(len(h) == 12 and all(-126 <= e <= 127 for e in h) for h in hist["exp"]), hist
-    # the candidate's gradients' (after dh's) and the forward's (ln1, ln2, GELU and att's)
-    grads = [e for l in range(n_layer) for h in hist["exp"][per_layer * l + forward + 1:per_layer * (l + 1)]
-             for e in h]
-    acts = [e for l in range(n_layer) for h in hist["exp"][per_layer * l:per_layer * l + forward] for e in h]
-    assert len(grads) == 12 * n_layer * (per_layer - forward - 1)
-    assert not grads or min(grads) > max(acts), (grads, "gradients are far smaller than activations")
-
-
-@pytest.mark.parametrize("build", sorted(CANDIDATE_FLAGS))
-def test_candidate_cpu_resumes_exactly_through_the_sidecar(build, request, random_shards, tmp_path):
-    cpu_candidate = request.getfixturevalue(binary_fixture("cpu", build))
-    args = tiny_args(random_shards.train, random_shards.val, **RUN)
-    _, ckpt = eu.check_exact_resume_after_sigterm(cpu_candidate, args, RUN["train.steps"], tmp_path)
-    exps = sidecar_history(ckpt)["exp"]
-    assert len(exps) == PER_LAYER[build] * eu.TINY["model.n_layer"] and all(len(h) == HISTORY_LEN for h in exps)

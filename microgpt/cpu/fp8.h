@@ -149,7 +149,7 @@ static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int 
     return s;
 }
 
-/* Delayed scaling (fp8 training's ln1, ln2 and h_gelu, docs/DESIGN.md §18): a tensor's scale
+/* Delayed scaling (fp8 training's layer activations and gradients below, docs/DESIGN.md §18): a tensor's scale
  * comes from the amaxes of its last FP8_HISTORY_LEN training forwards instead of its own, so a
  * producer can write fp8 codes before it knows its amax. The history keeps scale exponents (log2 of
  * fp8_scale_for_amax, oldest first), not amaxes: that rule is monotone, so the smallest exponent is
@@ -157,42 +157,24 @@ static inline float fp8_fake_quantize(float* out, const float* x, size_t n, int 
  * An all-zero tensor records FP8_HISTORY_NONE, which constrains nothing beside other entries.
  *
  * The tensors with delayed scales, per layer, in the engines' and the sidecar's order: the
- * LayerNorm outputs (the QKV and MLP-up inputs) and the GELU output (MLP down's), and with the
- * candidate -DFP8_ATT_FUSED=1 the attention output att (W_O's input), so that the flash attention
- * forward can write its codes, which a training forward records (the first FP8_DELAYED_FORWARD); then the MLP hidden gradient dh (MLP up's output
- * gradient, in FP8_GRAD_FMT), which the backward records, so that the GELU backward can write its
- * codes; with the candidate -DFP8_DRES_FUSED=1 also the
- * residual gradients that are W_2's output gradient (at the layer's output) and W_O's (after the
- * attention), in FP8_GRAD_FMT, recorded by the backward, so that the LayerNorm backwards that
- * produce them can write their codes; with the candidate -DFP8_DQKV_FUSED=1 also QKV's output
- * gradient dqkv (dq, dk, dv as one tensor, in FP8_GRAD_FMT), recorded by the backward, so that the
- * flash attention backward can write its codes (docs/DESIGN.md §18). Every tensor the backward
- * records is a gradient: from FP8_DELAYED_FORWARD on. */
-#ifndef FP8_ATT_FUSED
-#define FP8_ATT_FUSED 0
-#endif
-#ifndef FP8_DRES_FUSED
-#define FP8_DRES_FUSED 0
-#endif
-#ifndef FP8_DQKV_FUSED
-#define FP8_DQKV_FUSED 0
-#endif
+ * LayerNorm outputs (the QKV and MLP-up inputs), the GELU output (MLP down's) and the attention
+ * output att (W_O's input), which a training forward records (the first FP8_DELAYED_FORWARD), so
+ * that the LayerNorm, the GELU and the flash attention forward can write their codes; then the
+ * gradients, in FP8_GRAD_FMT, which the backward records: the MLP hidden gradient dh (MLP up's
+ * output gradient), so that the GELU backward can write its codes; the residual gradients that are
+ * W_2's output gradient (at the layer's output) and W_O's (after the attention), so that the
+ * LayerNorm backwards that produce them can; and QKV's output gradient dqkv (dq, dk, dv as one
+ * tensor), so that the flash attention backward can (docs/DESIGN.md §18). */
 enum {
     DELAYED_LN1,
     DELAYED_LN2,
     DELAYED_GELU,
-#if FP8_ATT_FUSED
     DELAYED_ATT,
-#endif
     FP8_DELAYED_FORWARD,
     DELAYED_DGELU = FP8_DELAYED_FORWARD,
-#if FP8_DRES_FUSED
     DELAYED_DRES_W2,
     DELAYED_DRES_WO,
-#endif
-#if FP8_DQKV_FUSED
     DELAYED_DQKV,
-#endif
     FP8_DELAYED_PER_LAYER
 };
 #define FP8_HISTORY_LEN 16

@@ -760,8 +760,8 @@ template <typename T> __device__ __forceinline__ void fa_wg_pack_p(unsigned (*p)
 /* What a flash kernel does with the rows it accumulated: store them in T (with AMAX their amax:
  * FaBwdPlain, the name of the backward's that came first), or (precision fp8's delayed scaling,
  * cuda/fp8.cuh's FaBwdCodes) also or instead write their FP8 codes in both layouts of a product's
- * operand: `epi` says which (the backward's kernels below, and the forward's: the candidate
- * -DFP8_ATT_FUSED=1, k_attn_fwd_wgmma_fp8, writes out in T, which the backward's delta reads, and
+ * operand: `epi` says which (the backward's kernels below, and the forward's:
+ * k_attn_fwd_wgmma_fp8 writes out in T, which the backward's delta reads, and
  * its codes for W_O's product). A codes epilogue's stage() takes the warp's 16 rows into a shared
  * tile of the block's 64 rows, write() (after a barrier) the tile to memory, finish() the amax and
  * the scale. */

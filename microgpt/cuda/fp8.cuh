@@ -9,13 +9,13 @@
  * that kernel, saving a full read. Every cast has its own Fp8Scale, whose amax is zeroed before
  * (fp8_zero_scales, one memset for many). The weights' casts (all layers) run as one list: one amax launch, one cast
  * launch (fp8_quantize_jobs). Current scaling: such a cast uses the amax of the tensor it casts.
- * In training, the LayerNorm and GELU outputs are cast at a delayed scale instead (Fp8CastJob's
- * hist, k_fp8_history_push; docs/DESIGN.md §18), whose histories are checkpoint state; known
- * beforehand, the scale lets their producers write the codes (k_layernorm_fwd_fp8, the cast's
- * GELU variant; MLP up's output gradient dh, by the cast's GELU-backward variant; under the
- * candidate -DFP8_DQKV_FUSED=1, QKV's output gradient dqkv, by the flash attention backward:
- * attn_bwd_fp8; under the candidate -DFP8_ATT_FUSED=1, the attention output att, by the flash
- * attention forward: attn_fwd_fp8).
+ * In training, the layers' activations and activation gradients are cast at a delayed scale
+ * instead (Fp8CastJob's hist, k_fp8_history_push; docs/DESIGN.md §18), whose histories are
+ * checkpoint state; known beforehand, the scale lets their producers write the codes (the
+ * LayerNorm outputs, k_layernorm_fwd_fp8; the GELU output, the cast's GELU variant; the attention
+ * output att, the flash attention forward: attn_fwd_fp8; MLP up's output gradient dh, the cast's
+ * GELU-backward variant; the residual gradients, the LayerNorm backward: layernorm_bwd_fp8; QKV's
+ * output gradient dqkv, the flash attention backward: attn_bwd_fp8).
  *
  * The amax is the maximum of the fp32 bit patterns of |x| (for non-negative floats the order of the
  * patterns is the order of the values), reduced per block and combined with an integer atomicMax:
@@ -375,8 +375,7 @@ static void layernorm_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8His
                                   hist, mean, rstd, x, gamma, beta, N, C);
 }
 
-/* Delayed scaling's fused LayerNorm backward (candidate -DFP8_DRES_FUSED=1, docs/DESIGN.md §18; built
- * in every build): layernorm_bwd's register kernel, which adds into the residual gradient dx, also
+/* Delayed scaling's fused LayerNorm backward (docs/DESIGN.md §18): layernorm_bwd's register kernel, which adds into the residual gradient dx, also
  * writes the new dx's codes (format fmt, at the history's scale, as stored in T) row-major into
  * out_n [N][C] and transposed into out_t [C][N], their amax and the scale into sc: bit for bit
  * layernorm_bwd with the amax, then fp8_cast with the history. A block keeps its chunk's codes
@@ -495,8 +494,7 @@ static void fp8_cast_dgelu(fp8* out_n, fp8* out_t, Fp8Scale* sc, const T* dout, 
     fp8_cast_launch<T, FP8_EPI_DGELU>(j);
 }
 
-/* Delayed scaling's fused flash-attention backward (candidate -DFP8_DQKV_FUSED=1, docs/DESIGN.md §18;
- * built in every build): the dK/dV kernel (Hopper's, k_attn_bwd_dkv_wgmma) and the dQ kernel write,
+/* Delayed scaling's fused flash-attention backward (docs/DESIGN.md §18): the dK/dV kernel (Hopper's, k_attn_bwd_dkv_wgmma) and the dQ kernel write,
  * instead of dq, dk, dv in T, the codes of the QKV backward's output gradient (format fmt, at the
  * history's scale, of the values as they would be stored in T) in the cast's layouts of the three
  * blocks (fp8_cast, batch 3): row-major out_n [N][3][C] and transposed out_t [3][C][N], with their
@@ -650,8 +648,7 @@ static void attn_bwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8History*
     exit(1);
 }
 
-/* Delayed scaling's fused flash-attention forward (candidate -DFP8_ATT_FUSED=1, docs/DESIGN.md §18;
- * built in every build): Hopper's forward kernel (k_attn_fwd_wgmma) writes out and lse in T as
+/* Delayed scaling's fused flash-attention forward (docs/DESIGN.md §18): Hopper's forward kernel (k_attn_fwd_wgmma) writes out and lse in T as
  * always (the backward's delta reads out) and besides, through FaBwdCodes with one block, the E4M3
  * codes of out as stored in T at the history's scale, row-major out_n [N][C] and transposed out_t
  * [C][N], their amax and the scale in sc: bit for bit attn_fwd with the amax, then fp8_cast with
