@@ -18,6 +18,7 @@ Turn n of a session samples with seed --seed + n, so a session replays exactly w
 import argparse
 import codecs
 import json
+import math
 import sys
 
 from microgpt import tokenizer
@@ -198,8 +199,12 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.json and args.prompt is None:
         p.error("--json needs --prompt")
-    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1 or args.max_tokens < 1:
-        p.error("need --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1 and --max-tokens >= 1")
+    if not 0 <= args.temperature < math.inf:  # so also not NaN, for which every comparison is false
+        p.error("--temperature must be a finite number >= 0")
+    if not 0 < args.top_p <= 1:
+        p.error("--top-p must be in (0, 1]")
+    if args.top_k < 0 or args.max_tokens < 1:
+        p.error("need --top-k >= 0 and --max-tokens >= 1")
     return args
 
 

@@ -66,7 +66,7 @@ def read_sidecar(path):
     try:
         with open(f"{path}.json") as f:
             side = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply for json
         return None
     return side if isinstance(side, dict) else None
 

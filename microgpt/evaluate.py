@@ -46,10 +46,9 @@ def tokenize_file(path):
                 if not line.strip():
                     continue
                 try:
-                    turns = tokenizer.parse_conversation(json.loads(line))
-                except ValueError as e:  # json.JSONDecodeError is a ValueError too
-                    reason = "invalid JSON" if isinstance(e, json.JSONDecodeError) else str(e)
-                    skipped[reason] = skipped.get(reason, 0) + 1
+                    turns = tokenizer.parse_conversation_line(line)
+                except ValueError as e:
+                    skipped[str(e)] = skipped.get(str(e), 0) + 1
                     continue
                 ids += tokenizer.encode_conversation(turns)
                 documents += 1

@@ -43,18 +43,45 @@ def read_model_shape(ckpt):
     """The model's shape ({n_layer, d_model, ...} and the checkpoint's "step") from the sidecar's
     fingerprint: the engines read the model flags from there too."""
     sidecar = read_sidecar(ckpt)
-    try:
-        shape = {key: int(sidecar["fingerprint"][key]) for key in MODEL_FLAGS}
-    except (TypeError, KeyError, ValueError):
+    fingerprint = sidecar.get("fingerprint") if sidecar else None
+    if not isinstance(fingerprint, dict):
         raise InferenceError(f"{ckpt}.json: the checkpoint's sidecar is missing or does not give the "
-                             "model's shape (its \"fingerprint\")") from None
+                             "model's shape (its \"fingerprint\")")
+    shape = {}
+    for key in MODEL_FLAGS:
+        value = fingerprint.get(key)
+        # what the engine takes (it prints the number with %.0f): a whole number, positive; the
+        # sidecar has no checksum, and json reads 1e400 as infinity
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < 2 ** 31 \
+                or value != int(value):
+            raise InferenceError(f"{ckpt}.json: the model's {key} in the sidecar's fingerprint is {value!r}, "
+                                 "not a positive integer (damaged or edited)")
+        shape[key] = int(value)
     return {**shape, "step": sidecar.get("step")}
+
+
+def verify_checkpoint(ckpt):
+    """The engines' own checks of a checkpoint (header, size, the sidecar's step, the CRC-32C of
+    every byte, values that are no number: docs/DESIGN.md §15), made by the CPU engine, which every machine builds: set up
+    for generation and given no request, it checks, loads and exits. Raises InferenceError with
+    the engine's error line."""
+    try:
+        res = subprocess.run([ENGINES["cpu"], "--generate", "--checkpoint", ckpt], stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True)
+    except OSError as e:
+        raise InferenceError(f"cannot start {ENGINES['cpu']}: {e.strerror or e}") from None
+    if res.returncode != 0:
+        errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+        detail = errors[-1][len("error:"):].strip() if errors else res.stderr.strip()[-500:]
+        raise InferenceError(detail)
 
 
 def read_model_params(ckpt):
     """(model shape, {tensor name: float32 array}) of a checkpoint's weights, laid out as the engine
-    says (`--layout-json` of the CPU engine, which every machine builds)."""
+    says (`--layout-json` of the CPU engine, which every machine builds), checked first as an
+    engine checks a checkpoint it loads (verify_checkpoint)."""
     shape = read_model_shape(ckpt)
+    verify_checkpoint(ckpt)
     try:
         layout = param_layout(ENGINES["cpu"], [a for k in MODEL_FLAGS for a in (f"--model.{k}", str(shape[k]))])
         return shape, split_params(read_checkpoint(ckpt).params, layout)
@@ -109,7 +136,11 @@ class Generator:
         rid = self.next_id
         self.next_id += 1
         try:
-            self.proc.stdin.write(json.dumps({**request, "id": rid}) + "\n")
+            line = json.dumps({**request, "id": rid}, allow_nan=False)
+        except ValueError:  # NaN or infinity: Python writes them as tokens no JSON reader takes
+            raise InferenceError(f"the request is not JSON (a number in it is not finite): {request}") from None
+        try:
+            self.proc.stdin.write(line + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise self._failure("stopped before taking the request") from None
@@ -121,7 +152,9 @@ class Generator:
                 record = json.loads(line)
             except ValueError:
                 continue  # not a protocol line
-            if not isinstance(record, dict) or record.get("id") != rid:
+            # id null: the engine could not read a line, not even its id. Requests run one at a
+            # time, so that line was this request's.
+            if not isinstance(record, dict) or record.get("id", rid) not in (rid, None):
                 continue
             if "error" in record:
                 raise InferenceError(f"the engine refused the request: {record['error']}")

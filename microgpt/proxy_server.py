@@ -47,7 +47,7 @@ from flask import Flask, Response, abort, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
-from microgpt.run_view import RunDirectory
+from microgpt.run_view import RunDirectory, inside
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DASHBOARD = os.path.join(os.path.dirname(HERE), "scripts", "live-loss-dashboard.html")
@@ -234,7 +234,7 @@ def create_app(served, bind_host, token):
 
     @app.get("/files/<path:rel>")
     def run_file(rel):
-        path = _inside(served.root, rel)
+        path = inside(served.root, rel)
         if path is None or not path.endswith(".json") or not os.path.isfile(path):
             abort(404)
         return send_file(path, mimetype="application/json")
@@ -289,16 +289,6 @@ def _int_arg(name, default):
     if not _is_index(value):
         abort(400, f"{name} must be a non-negative integer")
     return int(value)
-
-
-def _inside(root, rel):
-    """The real path of rel under root, or None if it leaves root (.., absolute, symlink) or cannot
-    be a path at all (a NUL byte)."""
-    if "\0" in rel:
-        return None
-    root = os.path.realpath(root)
-    path = os.path.realpath(os.path.join(root, rel))
-    return path if os.path.commonpath([root, path]) == root and path != root else None
 
 
 def _records_message(log, first, limit):

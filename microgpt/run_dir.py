@@ -16,6 +16,7 @@ import time
 
 from microgpt.atomic import atomic_open, fsync_dir, write_json_atomic
 from microgpt.checkpoint import checkpoint_step
+from microgpt.loss_log import parse_json
 
 STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
 
@@ -32,7 +33,7 @@ def read_json(path, default):
     try:
         with open(path) as f:
             return json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply for json
         return default
 
 
@@ -146,7 +147,7 @@ class RunState:
         writes (hand-edited, damaged) is moved aside to PATH.damaged, never silently dropped."""
         try:
             with open(path, "rb") as f:
-                value = json.loads(f.read())
+                value = parse_json(f.read())  # as the dashboard will read it: no NaN
             if valid(value):
                 return value
             why = f"not {what}"

@@ -7,6 +7,7 @@ their files change. Nothing is ever written, except the dashboard token (proxy_s
 """
 import json
 import os
+import stat
 import sys
 import threading
 import time
@@ -21,6 +22,32 @@ SCAN_DEPTH = 2  # DIR/<name>.loss.json or DIR/<run>/<name>.loss.json
 READ_BYTES = 1 << 22  # a log is indexed this much at a time (records are a few hundred bytes)
 
 
+def inside(root, rel):
+    """The real path of rel under root, or None if it leaves root (.., absolute, symlink) or cannot
+    be a path at all (a NUL byte)."""
+    if "\0" in rel:
+        return None
+    root = os.path.realpath(root)
+    path = os.path.realpath(os.path.join(root, rel))
+    return path if os.path.commonpath([root, path]) == root and path != root else None
+
+
+def _open_inside(root, path):
+    """os.open(path) read-only, where path, links followed, stays under root and is a regular file:
+    FileNotFoundError otherwise (a link out of the served directory, or a FIFO, whose open would
+    wait for a writer for ever, is served as no file). The real path is what is opened, so a link
+    swapped after the check is not followed."""
+    real = inside(root, path)
+    if real is None:
+        raise FileNotFoundError(path)
+    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FileNotFoundError(path)
+    os.set_blocking(fd, True)
+    return fd
+
+
 class LogFollower:
     """A loss log written by someone else (microgpt/loss_log.py's layout), indexed by complete
     lines as it grows. It keeps what LossLog.read_json reads (starts, end, fd, lock), so records
@@ -28,22 +55,28 @@ class LogFollower:
 
     read_json = LossLog.read_json
 
-    def __init__(self, path):
-        self.path = path
+    def __init__(self, path, root):
+        self.path, self.root = path, root
         self.lock = threading.Lock()
         self.fd = None
-        self.ident = None  # (device, inode): a log replaced by a repair is indexed again
+        self._forget()
 
-    def _reopen(self):
-        if self.fd is not None:
-            os.close(self.fd)
-        self.fd = os.open(self.path, os.O_RDONLY)
-        st = os.fstat(self.fd)
-        self.ident = (st.st_dev, st.st_ino)
+    def _forget(self):
+        """No log indexed (none opened yet, or the one opened is gone or replaced)."""
+        self.ident = None  # (device, inode): a log replaced by a repair is indexed again
         self.starts = array("q")  # byte offset where each record's line starts
         self.end = 0  # offset just after the last indexed record's "}"
         self.scanned = 0  # offset of the first byte not yet indexed
         self.damaged = None  # what is wrong with the record at self.scanned, if anything
+
+    def _reopen(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self._forget()
+        self.fd = _open_inside(self.root, self.path)
+        st = os.fstat(self.fd)
+        self.ident = (st.st_dev, st.st_ino)
 
     def refresh(self):
         try:
@@ -116,11 +149,12 @@ def _whole_records(records):
     return len(records)
 
 
-def _read_json_file(path, kind):
-    """A JSON file's value if it is of the expected kind (dict or list), else an empty one."""
+def _read_json_file(root, path, kind):
+    """A JSON file's value under root if it is JSON as a browser reads it (parse_json) and of the
+    expected kind (dict or list), else an empty one."""
     try:
-        with open(path) as f:
-            value = json.load(f)
+        with os.fdopen(_open_inside(root, path), "rb") as f:
+            value = parse_json(f.read())
     except (OSError, ValueError, RecursionError):
         return kind()
     return value if isinstance(value, kind) else kind()
@@ -137,11 +171,11 @@ def _checked(attr):
 class RunView:
     """One run on disk: state, samples and log, with the counters the live stream watches."""
 
-    def __init__(self, loss_path):
-        self.dir = os.path.dirname(loss_path)
+    def __init__(self, loss_path, root):
+        self.dir, self.root = os.path.dirname(loss_path), root
         self.name = os.path.basename(loss_path)[:-len(LOSS_SUFFIX)]
         base = os.path.join(self.dir, self.name)
-        self._log = LogFollower(loss_path)
+        self._log = LogFollower(loss_path, root)
         self._files = {"state": (base + ".state.json", dict), "samples": (base + ".samples.json", list)}
         self._seen = {}  # file -> (inode, size, mtime) when last read
         self._state, self._samples = {}, []
@@ -163,7 +197,7 @@ class RunView:
                     sig = None
                 if sig != self._seen.get(key):
                     self._seen[key] = sig
-                    setattr(self, f"_{key}", _read_json_file(path, kind))
+                    setattr(self, f"_{key}", _read_json_file(self.root, path, kind))
                     setattr(self, f"_{key}_version", getattr(self, f"_{key}_version") + 1)
             self._log.refresh()
 
@@ -194,11 +228,11 @@ class RunDirectory:
                 depth = os.path.relpath(d, self.root).count(os.sep) + (d != self.root)
                 dirs[:] = sorted(x for x in dirs if x != "archive" and depth + 1 < SCAN_DEPTH)
                 for n in sorted(names):
-                    if n.endswith(LOSS_SUFFIX) and len(n) > len(LOSS_SUFFIX):
-                        path = os.path.join(d, n)
+                    path = os.path.join(d, n)
+                    if n.endswith(LOSS_SUFFIX) and len(n) > len(LOSS_SUFFIX) and inside(self.root, path):
                         run_id = os.path.relpath(path, self.root)[:-len(LOSS_SUFFIX)]
                         if run_id not in self._runs:
-                            self._runs[run_id] = RunView(path)
+                            self._runs[run_id] = RunView(path, self.root)
 
     def listing(self):
         self._scan()

@@ -167,6 +167,22 @@ def parse_conversation(record, cuts=None):
     return out
 
 
+def parse_conversation_line(line, cuts=None):
+    """One JSON line (str, or bytes as read from a file) -> parse_conversation's turns. Raises
+    ValueError with a short reason (a counter key) for a line that holds none: besides
+    parse_conversation's, invalid UTF-8, invalid JSON (also an integer of over 4300 digits, which
+    Python's json refuses) and JSON nested too deeply for it."""
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError:
+        raise ValueError("invalid UTF-8") from None
+    except ValueError:  # json.JSONDecodeError, or the digits limit of int()
+        raise ValueError("invalid JSON") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    return parse_conversation(record, cuts)
+
+
 def turn_problem(turn, role_key, text_key):
     """Why a turn cannot be rendered, or None."""
     if not isinstance(turn, dict):

@@ -194,13 +194,7 @@ def chat_doc(payload):
     if payload is None:
         return f"record over {MAX_RECORD_BYTES >> 20} MB", None, None, None
     try:
-        turns = tokenizer.parse_conversation(json.loads(payload), cuts)
-    except UnicodeDecodeError:
-        return "invalid UTF-8", None, None, None
-    except json.JSONDecodeError:
-        return "invalid JSON", None, None, None
-    except RecursionError:
-        return "JSON nested too deeply", None, None, None
+        turns = tokenizer.parse_conversation_line(payload, cuts)
     except ValueError as e:
         return str(e), None, None, None
     return None, next(iter(cuts), None), tokenizer.render_chatml(turns), tokenizer.encode_conversation(turns)

@@ -203,3 +203,49 @@ def test_a_refused_request_is_an_error_and_the_engine_carries_on(random_model, c
             gen.run({"prompt": [cfg.vocab_size], "max_tokens": 1})
         done, _ = gen.run({"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
     assert done["tokens"] == reference_greedy(cfg, flat, PROMPT, 3, STOPS)
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan")])
+def test_a_sampling_setting_that_is_no_finite_number_is_one_error(random_model, cpu_binary, flag, value):
+    """--temperature nan passed the range check (every comparison with NaN is false) and went to the
+    engine as the non-JSON token NaN; the engine's answer to a line it cannot read has no id, which
+    the client skipped: the chat waited for ever."""
+    run_dir, _, _ = random_model
+    res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--prompt", "hi",
+                          flag, value], capture_output=True, text=True, timeout=60, env=eu.python_env())
+    errors = [l for l in res.stderr.splitlines() if "error:" in l]  # argparse's "chat.py: error: ..."
+    assert res.returncode == 2 and len(errors) == 1 and flag in errors[0], res.stderr
+
+
+def test_a_request_the_engine_cannot_read_is_an_error_not_a_wait(random_model, cpu_binary):
+    """The Generator sends only JSON (no NaN), and an answer without an id (the engine could not
+    read the line, so not even its id) ends the request it was sent for: requests run one at a time."""
+    run_dir, cfg, flat = random_model
+    with Generator(str(cpu_binary), str(run_dir / f"{run_dir.name}.ckpt")) as gen:
+        with pytest.raises(InferenceError, match="not JSON"):
+            gen.run({"prompt": PROMPT, "max_tokens": 1, "temperature": float("nan")})
+        gen.proc.stdin.write("{not json\n")  # as another client's garbage would arrive
+        gen.proc.stdin.flush()
+        with pytest.raises(InferenceError, match="not a request line"):
+            gen.run({"prompt": PROMPT, "max_tokens": 1, "temperature": 0})
+        done, _ = gen.run({"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+    assert done["tokens"] == reference_greedy(cfg, flat, PROMPT, 3, STOPS)
+
+
+@pytest.mark.parametrize("seq_len", ["1e400", "-4", "0", "1.5", "true", '"64"', "null"])
+def test_a_sidecar_shape_that_is_no_positive_integer_is_one_error(random_model, tmp_path, seq_len):
+    """The tools read the model's shape from the sidecar (which has no checksum): a seq_len of 1e400
+    (infinity to Python's json) was an OverflowError traceback, 1.5 was read as 1 where the engine
+    reads 2, -4 gave a message about a -4-token context. Each is one error naming the sidecar."""
+    run_dir, _, _ = random_model
+    ckpt = tmp_path / "m.ckpt"
+    ckpt.write_bytes((run_dir / f"{run_dir.name}.ckpt").read_bytes())
+    text = (run_dir / f"{run_dir.name}.ckpt.json").read_text()
+    side = json.loads(text)
+    side["fingerprint"]["seq_len"] = "SEQ_LEN"
+    (tmp_path / "m.ckpt.json").write_text(json.dumps(side).replace('"SEQ_LEN"', seq_len))
+    res = subprocess.run([sys.executable, str(CHAT), str(ckpt), "--engine", "cpu", "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=60, env=eu.python_env())
+    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and "m.ckpt.json" in errors[0] and "seq_len" in errors[0], \
+        res.stderr

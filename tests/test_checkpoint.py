@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import engine_util as eu
-from engine_util import TINY, tiny_args
+from engine_util import TINY, run_ok, tiny_args
 
 from microgpt.checkpoint import (CheckpointError, checkpoint_step, read_checkpoint, read_header,
                                  split_params, write_checkpoint)
@@ -64,3 +64,53 @@ def test_split_params_refuses_a_vector_of_another_model():
     assert split_params(np.arange(3.0), layout)["a"].tolist() == [0.0, 1.0, 2.0]
     with pytest.raises(CheckpointError, match="4 values, but the layout has 3"):
         split_params(np.arange(4.0), layout)
+
+
+# a model of many thin layers in fp8: its sidecar is mostly the per-layer fp8 scale histories
+DEEP_FP8 = {"model.n_layer": 40, "model.d_model": 16, "model.n_head": 1, "train.batch_size": 1,
+            "train.warmup_steps": 0, "eval.every": 0, "train.precision": "fp8", "train.schedule": "constant"}
+
+
+def test_a_deep_fp8_sidecar_re_indented_resumes_exactly(cpu_binary, random_shards, tmp_path):
+    """The readers' limit on a sidecar follows the model (docs/DESIGN.md §15): a 40-layer fp8 run's
+    sidecar, re-indented by json.dump(indent=4) to several times the 32 KB the writer's buffer holds,
+    resumes, and to the same losses and checkpoint as the untouched one."""
+    args = tiny_args(random_shards.train, **{**DEEP_FP8, "train.steps": 16})  # histories full: 16 forwards
+    for name in ("run", "pretty"):
+        run_ok(cpu_binary, args + ["--checkpoint", tmp_path / f"{name}.ckpt"])
+    side = tmp_path / "pretty.ckpt.json"
+    with open(side) as f:
+        meta = json.load(f)
+    with open(side, "w") as f:
+        json.dump(meta, f, indent=4)
+    assert side.stat().st_size > 32768 and len(meta["fp8_history"]["exp"]) >= 4 * 40
+    more = tiny_args(random_shards.train, **{**DEEP_FP8, "train.steps": 18})
+    runs = [run_ok(cpu_binary, more + ["--checkpoint", tmp_path / f"{name}.ckpt", "--resume"])
+            for name in ("run", "pretty")]
+    assert "fp8 scale history" not in runs[1].stderr, runs[1].describe()
+    assert eu.exact_records(runs[0]) == eu.exact_records(runs[1]) and [r["step"] for r in runs[1].steps] == [17, 18]
+    assert (tmp_path / "run.ckpt").read_bytes() == (tmp_path / "pretty.ckpt").read_bytes()
+
+
+def test_a_sidecar_padded_past_what_the_model_can_have_is_refused(cpu_binary, random_shards, tmp_path):
+    """Whitespace is taken up to a bound derived from the model, not without end: a deep model's
+    sidecar padded to 4 MB is one error line, exit 2, the files left as they are."""
+    ckpt = tmp_path / "run.ckpt"
+    run_ok(cpu_binary, tiny_args(random_shards.train, **{**DEEP_FP8, "train.steps": 2}) + ["--checkpoint", ckpt])
+    side = tmp_path / "run.ckpt.json"
+    side.write_text(side.read_text().replace(",", "," + " " * 4096, 1000))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{**DEEP_FP8, "train.steps": 4}) +
+                        ["--checkpoint", ckpt, "--resume"])
+    assert res.rc == 2 and len(res.errors) == 1 and "longer than any this program writes" in res.errors[0], \
+        res.describe()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_sidecar_nested_too_deeply_reads_as_none(tmp_path):
+    """read_sidecar took a sidecar nested too deeply for Python's json as a RecursionError, a
+    traceback in chat.py, evaluate.py and export-hf.py: it is a sidecar that is no JSON object."""
+    ckpt = tmp_path / "c.ckpt"
+    write_checkpoint(ckpt, 1, np.zeros(3), np.zeros(3), np.zeros(3))
+    (tmp_path / "c.ckpt.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert read_checkpoint(ckpt).sidecar is None

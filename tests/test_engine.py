@@ -744,10 +744,10 @@ def _sidecar_checksum_not_a_number(path):
 
 
 def _sidecar_too_long(path):
-    """A sidecar longer than any the engine writes (32 KB) was read in part: the members past the
-    cut were lost without a word."""
+    """A sidecar longer than any the engine writes for the model, re-indented or not (checkpoint.h's
+    sidecar_read_max), was read in part: the members past the cut were lost without a word."""
     side = read_sidecar(path)
-    side["note"] = "x" * 40000
+    side["note"] = "x" * (1 << 20)
     path.with_name(path.name + ".json").write_text(json.dumps(side))
 
 
@@ -759,7 +759,30 @@ def _nul_hides_the_checksum(path):
     side.write_bytes(side.read_bytes().replace(b'"crc32c"', b'\0"crc32c"'))
 
 
-INTEGRITY_DAMAGE = {"bit_in_v": _flip_bit_in_v, "garbage_weights": _garbage_weights, "step_49": _set_step(49),
+def _non_finite_resealed(value, vector):
+    """An intact file (its checksum agrees) holding a value no run writes (the engine refuses to
+    save one): NaN weights were loaded, and the run, or a chat, went on with them."""
+    def damage(path):
+        raw = bytearray(path.read_bytes())
+        n = read_checkpoint(path).n_params
+        at = 8 + 4 * (vector * n + n // 3)
+        raw[at:at + 4] = np.array([value], dtype="<f4").tobytes()
+        path.write_bytes(bytes(raw))
+        eu.reseal_checkpoint(path)
+    return damage
+
+
+def _sidecar_cut_before_the_checksum(path):
+    """A sidecar cut short (it is no JSON object then) before "crc32c" read as one written before
+    checksums: the flipped bit was loaded with a warning, unverified."""
+    _flip_bit_in_v(path)
+    side = path.with_name(path.name + ".json")
+    text = side.read_text()
+    side.write_text(text[:text.index('"crc32c"')])
+
+
+INTEGRITY_DAMAGE = {"sidecar_cut": _sidecar_cut_before_the_checksum, "nan_weight": _non_finite_resealed(np.nan, 0), "inf_in_v": _non_finite_resealed(np.inf, 2),
+                    "bit_in_v": _flip_bit_in_v, "garbage_weights": _garbage_weights, "step_49": _set_step(49),
                     "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step,
                     "sidecar_checksum_not_a_number": _sidecar_checksum_not_a_number,
                     "sidecar_too_long": _sidecar_too_long, "nul_hides_the_checksum": _nul_hides_the_checksum}
@@ -927,21 +950,23 @@ def test_a_crash_at_any_rename_leaves_a_whole_checkpoint(engine, random_shards, 
 
 
 def _crafted_state(path, where, value):
-    """Put `value` into the checkpoint's weights ("params") or Adam's v ("v") and reseal it: an intact
-    file holding a state that cannot train on."""
+    """Put `value` into every one of the checkpoint's weights ("params") or Adam's m ("m") and reseal
+    it: an intact file holding a state that cannot train on."""
     c = read_checkpoint(path)
     state = {name: np.array(getattr(c, name)) for name in ("params", "m", "v")}  # writable copies
-    state[where][c.n_params // 2] = value
+    state[where][:] = value
     write_checkpoint(path, c.step, state["params"], state["m"], state["v"])
     eu.reseal_checkpoint(path)
 
 
-@pytest.mark.parametrize("where,value,words", [("params", np.nan, "loss nan"), ("v", np.inf, "AdamW v")],
-                         ids=["nan_weight", "inf_in_adam_v"])
+# the largest finite floats: a checkpoint holding a value that is no number is refused as damage
+# (nan_weight, inf_in_v in INTEGRITY_DAMAGE), these load and then overflow
+@pytest.mark.parametrize("where,value,words", [("params", 3e38, "loss "), ("m", 3e38, "weight")],
+                         ids=["huge_weight", "huge_adam_m"])
 def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(engine, random_shards, tmp_path, where, value,
                                                                        words):
-    """A non-finite loss (from a NaN weight), or a non-finite state at checkpoint time (an infinite v
-    leaves the loss finite), ends the run: the step record, one error line, an exit event
+    """A non-finite loss (from a huge weight), or a non-finite state at checkpoint time (a huge m
+    leaves the loss finite and overflows the weight it updates), ends the run: the step record, one error line, an exit event
     "diverged", exit code 3, and both checkpoint slots exactly as they were."""
     ckpt = tmp_path / "run.ckpt"
     two_slots(engine, random_shards, ckpt)

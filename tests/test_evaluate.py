@@ -80,3 +80,16 @@ def test_refusals(trained_model, cpu_binary, tmp_path):
         res, _ = evaluate(*args)
         lines = [l for l in res.stderr.splitlines() if "error:" in l]
         assert res.returncode == 2 and len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_hostile_jsonl_lines_are_skipped_and_counted(trained_model, cpu_binary, tmp_path):
+    """Lines prep-megachat.py skips and counts (nested too deeply for Python's json, an integer of
+    over 4300 digits) were a RecursionError or a ValueError traceback here: the same lines are
+    skipped and counted under the pipeline's reasons, and the rest is scored."""
+    records = trained_model.conversations[:4]
+    path = tmp_path / "chats.jsonl"
+    lines = ["[" * 100_000 + "]" * 100_000, '{"n": ' + "1" * 5000 + "}"] + [json.dumps(r) for r in records]
+    path.write_text("\n".join(lines) + "\n")
+    res, out = evaluate(trained_model.ckpt, path)
+    assert res.returncode == 0, res.stderr
+    assert out["documents"] == 4 and out["skipped"] == {"JSON nested too deeply": 1, "invalid JSON": 1}

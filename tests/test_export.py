@@ -11,6 +11,7 @@ the directory offline and its logits and greedy tokens match the engine's.
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -277,3 +278,34 @@ def test_transformers_loads_it_offline_and_matches_the_engine(hf_dir, trained_mo
                                rtol=0, atol=ENGINE_LOGITS_ATOL)
     assert greedy == engine_greedy(cpu_binary, trained_model.ckpt, PROMPT, 8)
     assert tok.decode(PROMPT) == tokenizer.decode(PROMPT)
+
+
+def _flip_a_weight_bit(ckpt):
+    raw = bytearray(ckpt.read_bytes())
+    raw[8 + 4 * 1000 + 2] ^= 0x10  # a mantissa bit of weight 1000: still a finite number
+    ckpt.write_bytes(bytes(raw))
+
+
+def _nan_weight_resealed(ckpt):
+    raw = bytearray(ckpt.read_bytes())
+    raw[8 + 4 * 1000:8 + 4 * 1001] = np.array([np.nan], dtype="<f4").tobytes()
+    ckpt.write_bytes(bytes(raw))
+    eu.reseal_checkpoint(ckpt)  # intact as a file: only the value is wrong
+
+
+@pytest.mark.parametrize("damage,message", [(_flip_a_weight_bit, "integrity check"),
+                                            (_nan_weight_resealed, "not a finite number")])
+def test_a_damaged_checkpoint_is_not_exported(trained_model, tmp_path, damage, message):
+    """The export read the checkpoint's bytes without the engines' checks: a checkpoint damaged on
+    disk (a flipped bit, which its CRC-32C catches) or holding a weight that is no number was
+    exported as if whole, a model silently wrong. Now: one error line, exit 2, nothing written."""
+    ckpt = tmp_path / "copy.ckpt"
+    shutil.copy(trained_model.ckpt, ckpt)
+    shutil.copy(f"{trained_model.ckpt}.json", f"{ckpt}.json")
+    damage(ckpt)
+    for fmt in ("hf", "llmc"):
+        out = tmp_path / f"out-{fmt}"
+        res = export(ckpt, out, "--format", fmt)
+        errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+        assert res.returncode == 2 and len(errors) == 1 and message in errors[0], res.stderr
+        assert not out.exists()

@@ -212,6 +212,10 @@ def test_a_proxy_failure_logs_the_records_up_to_the_engine_checkpoint(exp, cpu_b
     (".samples.json", '{"step": 1}', "not a list of samples"),
     (".samples.json", "[1, 2]", "not a list of samples"),
     (".samples.json", "{", "not valid JSON"),
+    # Python's json takes NaN and Infinity, JSON.parse does not: kept, they made the dashboard's
+    # /api/state and /api/samples answers unreadable
+    (".state.json", '{"name": "x", "eta_s": NaN}', "not valid JSON"),
+    (".samples.json", '[{"step": Infinity, "prompt": "A", "text": "b"}]', "not valid JSON"),
 ])
 def test_run_files_of_the_wrong_type_are_moved_aside(exp, cpu_binary, suffix, content, what):
     exp.run_dir.mkdir()

@@ -319,7 +319,7 @@ def test_the_log_follower_serves_only_complete_records(tmp_path, monkeypatch):
     path = tmp_path / "x.loss.json"
     log = LossLog(str(path))
     log.append([{"step": i, "loss": 1.0 / i, "note": "é" * (i % 5)} for i in range(1, 40)])
-    follower = run_view.LogFollower(str(path))
+    follower = run_view.LogFollower(str(path), str(tmp_path))
     follower.refresh()
     whole = json.loads(path.read_bytes())
     assert len(follower) == 39 and json.loads(follower.read_json(0, 100)[0]) == whole
@@ -362,3 +362,55 @@ def test_serve_dir_from_the_command_line(tmp_path):
         res = subprocess.run([sys.executable, str(PROXY), *args], capture_output=True, text=True,
                              env=proxy_env(), timeout=60)
         assert res.returncode == 2 and "error:" in res.stderr and "Traceback" not in res.stderr, args
+
+
+def test_files_linked_from_outside_the_served_directory_are_not_served(served_dir, tmp_path):
+    """A run's state, samples or loss log that is a symbolic link to a file outside the served
+    directory was served through /api/state, /api/samples and /api/records (only /files/ checked
+    where a path leads): nothing outside the directory is served, whatever the links say."""
+    server, root = served_dir
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.json").write_text(json.dumps({"secret": "outside"}))
+    (outside / "secrets.json").write_text(json.dumps([{"step": 1, "prompt": "s", "text": "outside"}]))
+    make_run(outside, "far", 5)
+    evil = root / "evil"
+    make_run(root, "evil", 2)
+    for name, target in (("state", outside / "secret.json"), ("samples", outside / "secrets.json"),
+                         ("loss", outside / "far" / "far.loss.json")):
+        os.unlink(evil / f"evil.{name}.json")
+        os.symlink(target, evil / f"evil.{name}.json")
+    os.symlink(outside / "far" / "far.loss.json", root / "linked.loss.json")
+    time.sleep(run_view.SCAN_SECONDS + 0.1)
+    answers = [get(server, f"api/{what}?run={run}") for what in ("state", "samples", "records")
+               for run in ("evil/evil", "linked")]
+    assert all("outside" not in r.text and '"step":5' not in r.text for r in answers), [r.text for r in answers]
+    assert get(server, "api/state?run=alpha/alpha").json()["name"] == "alpha"
+
+
+def test_a_state_file_holding_nan_is_served_as_empty(served_dir):
+    """Python's json reads NaN and Infinity, JSON.parse does not: a state or samples file holding
+    one (a hand edit) was served as it was, an answer the dashboard could not parse. Such a file
+    is served as empty, as one of the wrong type is."""
+    server, root = served_dir
+    (root / "alpha" / "alpha.state.json").write_text('{"name": "alpha", "loss": NaN}')
+    (root / "alpha" / "alpha.samples.json").write_text('[{"step": Infinity, "prompt": "A", "text": "b"}]')
+    time.sleep(0.3)  # past run_view.REFRESH_SECONDS
+    for what, empty in (("state", {}), ("samples", [])):
+        r = get(server, f"api/{what}?run=alpha/alpha")
+        assert json.loads(r.text, parse_constant=lambda c: pytest.fail(f"{c} served")) == empty
+
+
+def test_a_fifo_in_the_served_directory_does_not_hang_the_server(served_dir):
+    """Opening a FIFO for reading waits for a writer: a state file or loss log that was one (made by
+    anyone who can write in the directory) held the request, and the run's lock, for ever. Only
+    regular files are read: the FIFO is served as no file."""
+    server, root = served_dir
+    os.unlink(root / "alpha" / "alpha.state.json")
+    os.mkfifo(root / "alpha" / "alpha.state.json")
+    (root / "gamma").mkdir()
+    os.mkfifo(root / "gamma" / "gamma.loss.json")
+    time.sleep(run_view.SCAN_SECONDS + 0.1)
+    assert get(server, "api/state?run=alpha/alpha").json() == {}
+    assert get(server, "api/records?run=gamma/gamma").json()["records"] == []
+    assert get(server, "api/state?run=beta/beta").json()["name"] == "beta"

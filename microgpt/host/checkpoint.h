@@ -25,7 +25,42 @@
 #include <unistd.h>
 
 #define CKPT_HEADER_BYTES 8
-#define CKPT_SIDECAR_MAX 32768 /* base ~0.4 KB, bandit state, fp8 scale histories (fp8_history.h) */
+#define CKPT_SIDECAR_MAX 32768 /* the writer's buffer: a run whose longest sidecar outgrows it is refused at start */
+#define CKPT_SIDECAR_OWN_MAX 1024 /* sidecar_text's own members (~0.4 KB) */
+
+/* The longest state mixture_sidecar_json (mixture.h) writes: CFG_MAX_SOURCES sources, every number
+ * as wide as put_double writes one (sign, 17 digits, point, "e-308": 24 characters), the rest
+ * under 128. */
+#define MIXTURE_SIDECAR_MAX (128 + (2 + 2 * CFG_MAX_SOURCES) * (24 + 1))
+
+/* A reader takes a sidecar up to this many times the longest one the writer makes for the model:
+ * a valid sidecar re-indented by hand or by a tool (json.dump(indent=4) turns a 5-byte fp8 history
+ * entry "-126," into a 22-byte line) is still read, an absurd one is refused as damage. */
+#define SIDECAR_SPACE_FACTOR 16
+
+/* The longest member fp8_history_sidecar_json (fp8_history.h) writes for n histories: every entry
+ * as wide as an exponent is written ("-126", -FP8_SCALE_EXP_LIMIT). */
+static size_t fp8_history_member_max(size_t n) {
+    size_t head = (size_t)snprintf(NULL, 0, ",\"fp8_history\":{\"len\":%d,\"exp\":[", FP8_HISTORY_LEN);
+    size_t entry = (size_t)snprintf(NULL, 0, "%d", -FP8_SCALE_EXP_LIMIT);
+    size_t history = 2 + FP8_HISTORY_LEN * entry + (FP8_HISTORY_LEN - 1); /* "[e,...,e]" */
+    return n == 0 ? 0 : head + n * history + (n - 1) + 2;
+}
+
+/* The longest sidecar a run of n_layer layers writes: its own members, the bandit state and the fp8
+ * histories (FP8_DELAYED_PER_LAYER a layer), each at its longest. The one place for the fact:
+ * train_loop.h refuses a run whose sidecar could outgrow CKPT_SIDECAR_MAX, the readers take
+ * SIDECAR_SPACE_FACTOR times it (sidecar_load). */
+static size_t sidecar_longest(size_t n_layer) {
+    return CKPT_SIDECAR_OWN_MAX + MIXTURE_SIDECAR_MAX + fp8_history_member_max(FP8_DELAYED_PER_LAYER * n_layer);
+}
+
+/* The most bytes a reader takes in the sidecar of a model of n_layer layers (CFG_MAX_LAYERS when the
+ * sidecar is read to learn the model): no writer writes more than CKPT_SIDECAR_MAX. */
+static size_t sidecar_read_max(size_t n_layer) {
+    size_t longest = sidecar_longest(n_layer);
+    return SIDECAR_SPACE_FACTOR * (longest < CKPT_SIDECAR_MAX ? longest : CKPT_SIDECAR_MAX);
+}
 
 static size_t ckpt_expected_bytes(size_t n_params) { return CKPT_HEADER_BYTES + 3 * 4 * n_params; }
 
@@ -369,27 +404,39 @@ static int json_find_string(const char* text, const char* key, char* out, size_t
     return 1;
 }
 
-/* Reads the sidecar of the checkpoint `path` (PATH.json) into text (NUL-terminated); 0 when there
- * is none. The readers look its members up as C strings, so a sidecar they would see only in part
- * is refused as damaged: one longer than cap - 1 bytes (ckpt_write's fits CKPT_SIDECAR_MAX) or
- * holding a NUL byte would hide the members past the cut or the NUL without a word (a hidden
- * crc32c reads as a checkpoint written before checksums). */
-static int sidecar_load(const char* path, char* text, size_t cap) {
-    size_t len = 0;
+/* Whether text is "{...}" give or take JSON whitespace: every sidecar a writer made is, and one cut
+ * short is not, whatever members the cut took with it (a missing crc32c would read as a checkpoint
+ * written before checksums). */
+static int sidecar_is_an_object(const char* text) {
+    const char* end = text + strlen(text);
+    while (end > text && (end[-1] == ' ' || end[-1] == '\t' || end[-1] == '\n' || end[-1] == '\r')) end--;
+    return *json_skip_space(text) == '{' && end > text && end[-1] == '}';
+}
+
+/* The sidecar of the checkpoint `path` (PATH.json) of a model of n_layer layers, NUL-terminated and
+ * allocated (free() it); NULL when there is none. The readers look its members up as C strings, so
+ * a sidecar they would see only in part is refused as damaged: one longer than sidecar_read_max
+ * (a sidecar that size is no re-indented one the writer made), holding a NUL byte or cut short
+ * would hide the members past the cut or the NUL without a word (a hidden crc32c reads as a checkpoint written
+ * before checksums). */
+static char* sidecar_load(const char* path, size_t n_layer) {
+    size_t len = 0, cap;
     ssize_t got;
     struct stat st;
     int fd;
     CkptFiles f;
-    char what[2 * CFG_PATH_MAX];
+    char what[2 * CFG_PATH_MAX], *text;
     ckpt_files(path, &f);
-    if (!file_exists(f.side)) return 0;
+    if (!file_exists(f.side)) return NULL;
     fd = open_regular_or_die(f.side, "checkpoint sidecar", &st);
-    if ((unsigned long long)st.st_size > cap - 1) {
+    if ((unsigned long long)st.st_size > sidecar_read_max(n_layer)) {
         close(fd);
-        snprintf(what, sizeof what, "has a sidecar %s of %lld bytes, longer than any this program writes (damaged or "
-                 "edited)", f.side, (long long)st.st_size);
+        snprintf(what, sizeof what, "has a sidecar %s of %lld bytes, longer than any this program writes for %zu "
+                 "layers, re-indented or not (damaged or edited)", f.side, (long long)st.st_size, n_layer);
         ckpt_refuse_damaged(&f, what);
     }
+    cap = (size_t)st.st_size + 1;
+    text = (char*)xmalloc(cap, "the checkpoint sidecar");
     while (len + 1 < cap && ((got = read(fd, text + len, cap - 1 - len)) > 0 || (got < 0 && errno == EINTR)))
         if (got > 0) len += (size_t)got;
     close(fd);
@@ -398,36 +445,84 @@ static int sidecar_load(const char* path, char* text, size_t cap) {
         snprintf(what, sizeof what, "has a sidecar %s holding a NUL byte (damaged)", f.side);
         ckpt_refuse_damaged(&f, what);
     }
-    return 1;
+    if (!sidecar_is_an_object(text)) {
+        snprintf(what, sizeof what, "has a sidecar %s that is no whole JSON object (cut short or damaged)", f.side);
+        ckpt_refuse_damaged(&f, what);
+    }
+    return text;
 }
 
-/* CRC-32C of the whole file, streamed through the static buffer. */
-static uint32_t ckpt_file_crc(const char* path) {
-    uint32_t crc = 0;
+/* Index of the first non-finite value of x[0 .. n), or n. */
+static size_t first_non_finite(const float* x, size_t n) {
+    size_t i = 0;
+    while (i < n && isfinite(x[i])) i++;
+    return i;
+}
+
+/* One pass over a checkpoint file (of the size ckpt_check found), streamed through the static
+ * buffer: the CRC-32C of all its bytes, and the index in [weights | m | v] of its first value that
+ * is no finite number (the count of its values when there is none). Every read but the last fills
+ * the buffer, whose size is a multiple of 4, as the header's is: no float straddles two reads. */
+typedef struct {
+    uint32_t crc;
+    size_t first_non_finite;
+} CkptScan;
+
+static CkptScan ckpt_scan(const char* path) {
+    CkptScan s = {0, 0};
+    size_t len, offset = 0, values = 0, bad;
+    int done = 0;
     ssize_t got;
     struct stat st;
     int fd = open_regular_or_die(path, "checkpoint", &st);
-    while ((got = read(fd, ckpt_io_buf, sizeof ckpt_io_buf)) != 0) {
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0) die_input("reading checkpoint %s failed: %s", path, strerror(errno));
-        crc = crc32c_update(crc, ckpt_io_buf, (size_t)got);
+    s.first_non_finite = (size_t)-1;
+    while (!done) {
+        for (len = 0; len < sizeof ckpt_io_buf; len += (size_t)got) {
+            got = read(fd, ckpt_io_buf + len, sizeof ckpt_io_buf - len);
+            if (got < 0 && errno == EINTR) { got = 0; continue; }
+            if (got < 0) die_input("reading checkpoint %s failed: %s", path, strerror(errno));
+            if (got == 0) { done = 1; break; }
+        }
+        s.crc = crc32c_update(s.crc, ckpt_io_buf, len);
+        {
+            size_t skip = offset < CKPT_HEADER_BYTES ? CKPT_HEADER_BYTES - offset : 0; /* the header is no value */
+            size_t n = len > skip ? (len - skip) / 4 : 0;
+            const float* x = (const float*)(const void*)(ckpt_io_buf + skip);
+            if (s.first_non_finite == (size_t)-1 && (bad = first_non_finite(x, n)) < n) s.first_non_finite = values + bad;
+            values += n;
+        }
+        offset += len;
     }
     close(fd);
-    return crc;
+    if (s.first_non_finite == (size_t)-1) s.first_non_finite = values;
+    return s;
+}
+
+/* A value that is no finite number in a file that is otherwise intact: no run writes one (a save
+ * refuses non-finite state), so the file was made or edited by hand; loaded, it would make every
+ * step, or every generated token, silently wrong. */
+static void ckpt_refuse_non_finite(const CkptFiles* f, const CkptScan* s, size_t n) {
+    const char* names[3] = {"weight", "AdamW m value", "AdamW v value"};
+    char what[160];
+    size_t i = s->first_non_finite;
+    if (i >= 3 * n) return;
+    snprintf(what, sizeof what, "holds %s %zu of %zu, which is not a finite number (no run writes one: edited?)",
+             names[i / n], i % n, n);
+    ckpt_refuse_damaged(f, what);
 }
 
 /* Validates a checkpoint before it is resumed and before any large allocation: header and size
  * against the config's n_params, the sidecar's step, and the CRC-32C of every byte against the
- * sidecar's. Returns the step. Dies with one error line on any mismatch; the files are left as
- * they are. A checkpoint without a checksum (no sidecar, or one written before sidecars held
- * "crc32c") is loaded with a warning. */
-static int ckpt_check(const char* path, size_t n_params) {
+ * sidecar's, then its values (ckpt_refuse_non_finite). Returns the step. Dies with one error line
+ * on any mismatch; the files are left as they are. A checkpoint without a checksum (no sidecar, or one written before sidecars held
+ * "crc32c") is loaded with a warning. n_layer: the model's, which bounds its sidecar. */
+static int ckpt_check(const char* path, size_t n_params, int n_layer) {
     CkptFiles f;
     struct stat st;
     int32_t header[2];
-    char what[2 * CFG_PATH_MAX], sidecar[CKPT_SIDECAR_MAX];
+    char what[2 * CFG_PATH_MAX], *sidecar;
     double x;
-    uint32_t crc;
+    CkptScan scan;
     int fd, header_ok;
     ckpt_files(path, &f);
     if (!file_exists(path)) die_input("checkpoint %s does not exist (drop --resume to start a fresh run)", path);
@@ -446,9 +541,11 @@ static int ckpt_check(const char* path, size_t n_params) {
                  (long long)st.st_size, ckpt_expected_bytes(n_params), n_params);
         ckpt_refuse_damaged(&f, what);
     }
-    if (!sidecar_load(path, sidecar, sizeof sidecar)) {
+    scan = ckpt_scan(path);
+    if (!(sidecar = sidecar_load(path, (size_t)n_layer))) {
         warn("checkpoint sidecar %s is missing: %s is loaded unverified (no checksum) and the loss scale starts "
              "from its default", f.side, path);
+        ckpt_refuse_non_finite(&f, &scan, n_params);
         if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
         return header[0];
     }
@@ -466,11 +563,13 @@ static int ckpt_check(const char* path, size_t n_params) {
         }
         warn("checkpoint sidecar %s holds no checksum (written before checkpoints carried one): %s is loaded "
              "unverified", f.side, path);
-    } else if ((double)(crc = ckpt_file_crc(path)) != x) {
+    } else if ((double)scan.crc != x) {
         snprintf(what, sizeof what, "fails its integrity check: its bytes have CRC-32C %lu, its sidecar %s records "
-                 "%.12g (damaged on disk or edited)", (unsigned long)crc, f.side, x);
+                 "%.12g (damaged on disk or edited)", (unsigned long)scan.crc, f.side, x);
         ckpt_refuse_damaged(&f, what);
     }
+    free(sidecar);
+    ckpt_refuse_non_finite(&f, &scan, n_params);
     if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
     return header[0];
 }
@@ -491,15 +590,16 @@ static void ckpt_load(const char* path, size_t n, float* params, float* m, float
  * (0: engine default, also when there is no sidecar: ckpt_check warned). Fingerprint differences
  * (e.g. resuming a bf16 run in fp32) are reported and allowed. */
 static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
-    char side[CFG_PATH_MAX + 8], text[CKPT_SIDECAR_MAX];
+    char side[CFG_PATH_MAX + 8], *text;
     double x;
     float loss_scale = 0.0f;
     int i;
     struct { const char* key; int value; } fp[10];
     snprintf(side, sizeof side, "%s.json", path);
-    if (!sidecar_load(path, text, sizeof text)) return 0.0f;
+    if (!(text = sidecar_load(path, (size_t)c->model.n_layer))) return 0.0f;
     if (!json_find_number(text, "step", &x) || x != (double)ckpt_step) {
         warn("checkpoint sidecar %s does not belong to step %d of %s; ignoring it", side, ckpt_step, path);
+        free(text);
         return 0.0f;
     }
     /* The sidecar's bytes carry no checksum: a loss scale of inf would make an fp16 run skip every
@@ -531,6 +631,7 @@ static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
             loss_scale = 0.0f;
         }
     }
+    free(text);
     return loss_scale;
 }
 

@@ -13,6 +13,7 @@
 #define CFG_PATH_MAX 1024
 #define CFG_MAX_PROMPTS 64
 #define CFG_MAX_SOURCES 32
+#define CFG_MAX_LAYERS 1024
 #define CFG_NAME_MAX 64
 
 /* One data source of a mixture (docs/FIREHOSE-BANDIT.md): --data.sources.N.{name,train,val,weight}. */
@@ -137,7 +138,7 @@ static int config_flags(Config* c, Flag* f) {
         f[n - 1].items = CFG_MAX_SOURCES; f[n - 1].stride = sizeof(SourceConfig);                \
     } while (0)
     FLAG("name", F_STR, c->name, sizeof c->name, "run", 0, NULL, 0, 0, "run name (reported only)");
-    FLAG("model.n_layer", F_INT, &c->model.n_layer, 0, NULL, 1, NULL, 1, 1024, "transformer layers");
+    FLAG("model.n_layer", F_INT, &c->model.n_layer, 0, NULL, 1, NULL, 1, CFG_MAX_LAYERS, "transformer layers");
     FLAG("model.d_model", F_INT, &c->model.d_model, 0, NULL, 1, NULL, 1, 65536, "embedding width");
     FLAG("model.n_head", F_INT, &c->model.n_head, 0, NULL, 1, NULL, 1, 65536, "attention heads (must divide d_model)");
     FLAG("model.d_ff", F_INT, &c->model.d_ff, 0, NULL, 0, NULL, 1, 1 << 20, "MLP width (default 4*d_model)");

@@ -27,28 +27,30 @@ static void fp8_history_sidecar_json(const Fp8History* h, int n, char* out, size
     if (len >= cap) die_io("internal: the fp8 histories do not fit the sidecar buffer");
 }
 
-/* The longest member fp8_history_sidecar_json writes for n histories: every entry as wide as an
- * exponent is written ("-126", -FP8_SCALE_EXP_LIMIT). */
-static size_t fp8_history_member_max(int n) {
-    size_t head = (size_t)snprintf(NULL, 0, ",\"fp8_history\":{\"len\":%d,\"exp\":[", FP8_HISTORY_LEN);
-    size_t entry = (size_t)snprintf(NULL, 0, "%d", -FP8_SCALE_EXP_LIMIT);
-    size_t history = 2 + FP8_HISTORY_LEN * entry + (FP8_HISTORY_LEN - 1); /* "[e,...,e]" */
-    return n == 0 ? 0 : head + (size_t)n * history + (size_t)(n - 1) + 2;
-}
-
 /* What a sidecar holds of the histories: no member (a checkpoint of current scaling, or written
  * before they existed), another length (a build with another FP8_HISTORY_LEN: well-formed, but not
  * this build's), histories of this length, or a member that is not well-formed (damage). */
 enum { FP8_HISTORY_ABSENT, FP8_HISTORY_OTHER_SHAPE, FP8_HISTORY_FOUND, FP8_HISTORY_DAMAGED };
 
-/* Parses the member of `text` (any JSON whitespace between its tokens): *n is its count of
- * histories, the first `cap` of which go to h (h may be NULL with cap 0: a check alone). */
-static int fp8_history_parse(const char* text, Fp8History* h, int cap, int* n) {
+/* One more history at h[t] of an array of *cap, which grows (doubling) to hold it. */
+static Fp8History* fp8_history_grow(Fp8History* h, int t, int* cap) {
+    if (t < *cap) return h;
+    *cap = *cap ? 2 * *cap : 64;
+    if (!(h = (Fp8History*)realloc(h, (size_t)*cap * sizeof(Fp8History))))
+        die_io("out of memory for the checkpoint's fp8 histories");
+    return h;
+}
+
+/* Parses the member of `text` (any JSON whitespace between its tokens) in one pass: its histories
+ * into *h (allocated as they come; NULL when there are none; free() it whatever is returned),
+ * their count into *n. */
+static int fp8_history_parse(const char* text, Fp8History** h, int* n) {
     const char* p = strstr(text, "\"fp8_history\"");
     double len;
     char* end;
-    int t, count;
+    int t, count, cap = 0;
     *n = 0;
+    *h = NULL;
     if (!p) return FP8_HISTORY_ABSENT;
     if (!json_find_number(p, "len", &len) || !(len >= 1) || len != floor(len) || !(p = strstr(p, "\"exp\"")))
         return FP8_HISTORY_DAMAGED;
@@ -57,6 +59,7 @@ static int fp8_history_parse(const char* text, Fp8History* h, int cap, int* n) {
     for (p++, t = 0; *(p = json_skip_space(p)) != ']'; t++) {
         if (t && *p++ != ',') return FP8_HISTORY_DAMAGED;
         if (*(p = json_skip_space(p)) != '[') return FP8_HISTORY_DAMAGED;
+        *h = fp8_history_grow(*h, t, &cap);
         for (p++, count = 0; *(p = json_skip_space(p)) != ']'; count++) {
             long e;
             if (count && *p++ != ',') return FP8_HISTORY_DAMAGED;
@@ -66,10 +69,10 @@ static int fp8_history_parse(const char* text, Fp8History* h, int cap, int* n) {
             if (end == p || count >= len || e < -FP8_SCALE_EXP_LIMIT ||
                 (e > FP8_SCALE_EXP_LIMIT && e != FP8_HISTORY_NONE))
                 return FP8_HISTORY_DAMAGED;
-            if (t < cap && count < FP8_HISTORY_LEN) h[t].exp[count] = (signed char)e;
+            if (count < FP8_HISTORY_LEN) (*h)[t].exp[count] = (signed char)e;
             p = end;
         }
-        if (t < cap) h[t].count = count < FP8_HISTORY_LEN ? count : FP8_HISTORY_LEN;
+        (*h)[t].count = count < FP8_HISTORY_LEN ? count : FP8_HISTORY_LEN;
         p++;
     }
     *n = t;
@@ -111,21 +114,22 @@ typedef struct {
  * resume (one error, nothing changed: damage, not age, as the crc32c). Its shape is checked only
  * after the engine is set up (fp8_history_resumed): how many histories the engine keeps
  * (FP8_DELAYED_PER_LAYER a layer, which a build's macros change) is the engine's to say. */
-static void fp8_history_read(const char* ckpt_path, Fp8HistoryMember* m) {
-    char text[CKPT_SIDECAR_MAX];
+static void fp8_history_read(const char* ckpt_path, int n_layer, Fp8HistoryMember* m) {
+    char* text = sidecar_load(ckpt_path, (size_t)n_layer);
     m->state = FP8_HISTORY_ABSENT;
     m->n = 0;
     m->h = NULL;
-    if (!sidecar_load(ckpt_path, text, sizeof text)) return;
-    m->state = fp8_history_parse(text, NULL, 0, &m->n);
+    if (!text) return;
+    m->state = fp8_history_parse(text, &m->h, &m->n);
+    free(text);
     if (m->state == FP8_HISTORY_DAMAGED) {
         CkptFiles f;
         ckpt_files(ckpt_path, &f);
         ckpt_refuse_damaged(&f, "has a sidecar whose fp8_history member is not well-formed (damaged or edited)");
     }
-    if (m->state == FP8_HISTORY_FOUND) {
-        m->h = (Fp8History*)xcalloc(m->n ? (size_t)m->n : 1, sizeof(Fp8History), "the checkpoint's fp8 histories");
-        fp8_history_parse(text, m->h, m->n, &m->n);
+    if (m->state != FP8_HISTORY_FOUND) {
+        free(m->h);
+        m->h = NULL;
     }
 }
 

@@ -168,14 +168,14 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv) {
         {"train.batch_size", "batch_size"}};
     enum { N_KEYS = sizeof keys / sizeof keys[0] };
     static char values[N_KEYS + 1][40], flags[N_KEYS + 1][40];
-    char text[CKPT_SIDECAR_MAX], side[CFG_PATH_MAX + 8];
+    char *text = NULL, side[CFG_PATH_MAX + 8];
     const char* path = argv_value(argc, argv, "--checkpoint");
     char** args = (char**)xmalloc((size_t)(argc + 2 * N_KEYS + 2) * sizeof(char*), "command line");
     int n = 0, i;
     double x;
     args[n++] = argv[0];
     snprintf(side, sizeof side, "%s.json", path ? path : "");
-    if (path && sidecar_load(path, text, sizeof text)) {
+    if (path && (text = sidecar_load(path, CFG_MAX_LAYERS))) { /* the model, so its layers, is yet to learn */
         for (i = 0; i < N_KEYS; i++)
             if (json_find_number(text, keys[i][1], &x)) {
                 snprintf(flags[i], sizeof flags[i], "--%s", keys[i][0]);
@@ -194,6 +194,7 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv) {
     for (i = 1; i < argc; i++) args[n++] = argv[i];
     config_parse(c, n, args);
     free(args);
+    free(text);
     if (!file_exists(c->checkpoint.path)) die_input("checkpoint %s does not exist", c->checkpoint.path);
 }
 
@@ -668,7 +669,7 @@ static int generate_main(int argc, char** argv) {
     int step;
     config_parse_for_checkpoint(c, argc, argv);
     param_layout_init(&layout, c);
-    step = ckpt_check(c->checkpoint.path, layout.n_params); /* before any large allocation */
+    step = ckpt_check(c->checkpoint.path, layout.n_params, c->model.n_layer); /* before any large allocation */
     c->train.batch_size = 1; /* the prefill's forward buffers: one window */
     g_quiet_events = 1;      /* stdout is the protocol's; the memory plan goes to stderr */
     engine_setup(c);

@@ -176,10 +176,6 @@ static void bandit_learn(Mixture* m, const Config* c, BanditRound* b) {
 
 static void put_double(char* buf, size_t cap, double x) { snprintf(buf, cap, isfinite(x) ? "%.17g" : "null", x); }
 
-/* The longest state mixture_sidecar_json writes: CFG_MAX_SOURCES sources, every number as wide as
- * put_double writes one (sign, 17 digits, point, "e-308": 24 characters), the rest under 128. */
-#define MIXTURE_SIDECAR_MAX (128 + (2 + 2 * CFG_MAX_SOURCES) * (24 + 1))
-
 /* The sidecar members of the bandit state, ",\"bandit\":{...}", or "" without a bandit. */
 static void mixture_sidecar_json(const Mixture* m, const Config* c, char* out, size_t cap) {
     char x[40];
@@ -226,22 +222,16 @@ static int json_find_array(const char* text, const char* key, double* out, int m
     return n;
 }
 
-/* Restores the bandit state from the sidecar of the checkpoint being resumed. A sidecar without it
+/* Restores the bandit state from `text`, the sidecar `side` of the checkpoint being resumed
+ * (mixture_resume). A sidecar without it
  * (the checkpoint of a run without a bandit), with another number of sources, or with a state no
  * run leaves (a gain, mean or variance that is no finite number, a negative variance, a count of
  * rounds that is no int, gains whose probabilities overflow; the sidecar has no checksum) starts
  * the bandit afresh, with a warning: drawing from probabilities that are no numbers would pick
  * the sources by accident. */
-static void mixture_resume(Mixture* m, const Config* c, const char* ckpt_path) {
-    char side[CFG_PATH_MAX + 8], text[CKPT_SIDECAR_MAX];
+static void mixture_restore(Mixture* m, const Config* c, const char* side, const char* text) {
     double x, gain[CFG_MAX_SOURCES], mean, var;
     int n, i, finite_p;
-    if (!c->bandit.enabled) return;
-    snprintf(side, sizeof side, "%s.json", ckpt_path);
-    if (!sidecar_load(ckpt_path, text, sizeof text) || !strstr(text, "\"bandit\"")) {
-        warn("checkpoint %s holds no bandit state: the bandit starts afresh from the prior weights", ckpt_path);
-        return;
-    }
     n = json_find_array(text, "gain", gain, CFG_MAX_SOURCES);
     if (n >= 0 && n != m->n) {
         warn("the bandit state in %s does not fit %d data sources: the bandit starts afresh", side, m->n);
@@ -264,6 +254,16 @@ static void mixture_resume(Mixture* m, const Config* c, const char* ckpt_path) {
              "starts afresh", side);
         mixture_reset_bandit(m, c);
     }
+}
+
+static void mixture_resume(Mixture* m, const Config* c, const char* ckpt_path) {
+    char side[CFG_PATH_MAX + 8], *text;
+    if (!c->bandit.enabled) return;
+    snprintf(side, sizeof side, "%s.json", ckpt_path);
+    text = sidecar_load(ckpt_path, (size_t)c->model.n_layer);
+    if (text && strstr(text, "\"bandit\"")) mixture_restore(m, c, side, text);
+    else warn("checkpoint %s holds no bandit state: the bandit starts afresh from the prior weights", ckpt_path);
+    free(text);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

@@ -140,13 +140,6 @@ static void stop_diverged(const Run* r, int done, const char* what) {
              "(a lower train.lr, or train.grad_clip, may help)", done, what, kept);
 }
 
-/* Index of the first non-finite value of x[0 .. n), or n. */
-static size_t first_non_finite(const float* x, size_t n) {
-    size_t i = 0;
-    while (i < n && isfinite(x[i])) i++;
-    return i;
-}
-
 /* dist (§17): after a step every rank holds the same fp8 histories, so that rank 0's checkpoint
  * resumes every rank exactly (docs/DESIGN.md §18). One rank: nothing to do. */
 static void agree_fp8_histories(Run* r) {
@@ -156,9 +149,9 @@ static void agree_fp8_histories(Run* r) {
     engine_set_fp8_history(r->fp8_hist);
 }
 
-/* The sidecar's members beyond its own (which take under 1 KB, checkpoint.h): the bandit state,
- * then the fp8 histories (validate_sidecar_room). */
-#define SIDECAR_EXTRA_MAX (CKPT_SIDECAR_MAX - 1024)
+/* The sidecar's members beyond its own (checkpoint.h): the bandit state, then the fp8 histories
+ * (validate_sidecar_room). */
+#define SIDECAR_EXTRA_MAX (CKPT_SIDECAR_MAX - CKPT_SIDECAR_OWN_MAX)
 
 static void save_checkpoint(Run* r, int done, const char* reason) {
     const float* parts[3];
@@ -210,10 +203,9 @@ static void fill_step_batch(Run* r, int s, int g) {
  * sidecar (docs/DESIGN.md §18), which holds at most CKPT_SIDECAR_MAX bytes: a model with more
  * layers than their longest writing fits is refused here, not at its first checkpoint. */
 static void validate_sidecar_room(const Config* c) {
-    size_t room = SIDECAR_EXTRA_MAX - MIXTURE_SIDECAR_MAX;
     int most = c->model.n_layer;
     if (!c->checkpoint.path[0] || c->dump_grads[0] || !config_keeps_fp8_histories(c)) return; /* writes none */
-    while (most > 0 && fp8_history_member_max(FP8_DELAYED_PER_LAYER * most) >= room) most--;
+    while (most > 0 && sidecar_longest((size_t)most) >= CKPT_SIDECAR_MAX) most--;
     if (most < c->model.n_layer)
         die_input("train.precision fp8 with --checkpoint takes at most %d layers (model.n_layer %d): the checkpoint "
                   "sidecar (at most %d bytes) keeps %d fp8 scale histories a layer", most, c->model.n_layer,
@@ -242,9 +234,9 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     r->saved_step = -1;
     if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0], r->layout.n_params);
     if (c->resume) {
-        r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params);
+        r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer);
         mixture_resume(&r->mix, c, c->checkpoint.path); /* before the start event, which reports p */
-        if (config_keeps_fp8_histories(c)) fp8_history_read(c->checkpoint.path, &r->resumed_fp8);
+        if (config_keeps_fp8_histories(c)) fp8_history_read(c->checkpoint.path, c->model.n_layer, &r->resumed_fp8);
     }
 }
 
@@ -531,7 +523,7 @@ static int evaluate_main(int argc, char** argv) {
     char b[32];
     config_parse_for_checkpoint(c, argc, argv);
     param_layout_init(&r->layout, c);
-    ckpt_check(c->checkpoint.path, r->layout.n_params); /* before any large allocation */
+    ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer); /* before any large allocation */
     if (c->eval.batches == 0) c->train.batch_size = 1;
     dataset_open(&r->val, c->data.val, "data.val", c->model.vocab_size, c->model.seq_len);
     r->inputs = (int*)xmalloc((size_t)c->train.batch_size * c->model.seq_len * sizeof(int), "batch inputs");
