@@ -1685,7 +1685,8 @@ static void run_fp8(void) {
                     test_fp8_quantize<bf16>(s[0], s[1], s[2], fmt, 0, 2);
                 }
             }
-        /* the weights' list: W_QKV (3 blocks), W_O, W_1, W_2 of two layers; then one with a column
+        /* the weights' list: W_QKV (3 blocks), W_O, W_1, W_2 of two layers and a job of partial wide
+         * tiles (FP8_CAST_WIDE's 64 x 128: 208 x 392); then one with a column
          * count that is not a multiple of 8 (so every job takes the element-wise kernels) */
         set_ctx("fp8", "quantize jobs fp32", fp8_name(fmt));
         test_fp8_quantize_jobs<float>({{3, 48, 48}, {1, 48, 48}, {1, 48, 208}, {1, 208, 48}, {3, 48, 48}, {1, 48, 48},
