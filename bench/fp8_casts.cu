@@ -8,7 +8,14 @@
  *   build: nvcc -O3 -std=c++17 -arch=native -o build/fp8_casts bench/fp8_casts.cu -lcublas -lcublasLt
  *   run:   build/fp8_casts        (one line per kernel: model, kernel, shape, µs, GB/s)
  *
- * The inputs are a constant bf16 pattern: the kernels' times do not depend on the values. */
+ * The inputs are a constant bf16 pattern: the kernels' times do not depend on the values.
+ *
+ * Built with -DFP8_CAST_WIDE=1 (the wide cast kernels, fp8.cuh), the casts above take the wide
+ * kernels, and a last section times the present packed kernels (k_fp8_cast, k_fp8_cast_jobs) and
+ * the wide ones side by side, queued back to back as in a captured step, on random inputs, and
+ * checks that both write the same bytes (codes of both layouts, amax, scale, descale):
+ *
+ *   nvcc -O3 -std=c++17 -arch=native -DFP8_CAST_WIDE=1 -o build/fp8_casts_cw bench/fp8_casts.cu -lcublas -lcublasLt */
 #include "../microgpt/cuda/fp8.cuh"
 #include "../microgpt/cuda/layernorm.cuh"
 #include "../microgpt/cuda/mlp.cuh"
@@ -138,11 +145,189 @@ static void bench(const char* model, int N, int C, int F, int L) {
     g_buffers.clear();
 }
 
+#if FP8_CAST_WIDE
+/* Random values of mixed magnitudes (2^-6 to 2^5) and signs: the byte comparison sees every code. */
+template <typename T> __global__ void k_fill_random(T* x, size_t n, unsigned seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned u = (unsigned)i * 2654435761u ^ seed;
+        u ^= u >> 15, u *= 2246822519u, u ^= u >> 13, u *= 3266489917u, u ^= u >> 16;
+        float v = ((float)(u & 0xFFFF) / 32768.0f - 1.0f) * exp2f((float)((int)(u >> 16) % 12 - 6));
+        x[i] = from_f<T>(v);
+    }
+}
+
+template <typename T> static T* random_buffer(size_t n, unsigned seed) {
+    T* x = (T*)dmalloc(n * sizeof(T));
+    k_fill_random<T><<<1024, 256, 0, g_stream>>>(x, n, seed);
+    CUDA_CHECK(cudaGetLastError());
+    return x;
+}
+
+/* One cast's outputs: the codes of both layouts and its scale. */
+struct CastOut {
+    fp8 *n, *t;
+    Fp8Scale* sc;
+    size_t bytes;
+};
+
+static CastOut cast_out(size_t bytes) {
+    CastOut o = {(fp8*)dmalloc(bytes), (fp8*)dmalloc(bytes), (Fp8Scale*)dmalloc(64 * sizeof(Fp8Scale)), bytes};
+    return o;
+}
+
+/* Poisoned codes, the scales' amax as `amax` holds it (a plain cast reads it; an epilogue's starts at 0). */
+static void cast_out_reset(const CastOut& o, const Fp8Scale* amax, int scales) {
+    CUDA_CHECK(cudaMemsetAsync(o.n, 0xAB, o.bytes, g_stream));
+    CUDA_CHECK(cudaMemsetAsync(o.t, 0xAB, o.bytes, g_stream));
+    CUDA_CHECK(cudaMemcpyAsync(o.sc, amax, scales * sizeof(Fp8Scale), cudaMemcpyDeviceToDevice, g_stream));
+}
+
+static bool same_bytes(const CastOut& a, const CastOut& b, int scales) {
+    std::vector<unsigned char> ha(a.bytes), hb(b.bytes);
+    bool same = true;
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const void* pairs[3][2] = {{a.n, b.n}, {a.t, b.t}, {a.sc, b.sc}};
+    size_t sizes[3] = {a.bytes, a.bytes, scales * sizeof(Fp8Scale)};
+    for (int k = 0; k < 3; k++) {
+        CUDA_CHECK(cudaMemcpy(ha.data(), pairs[k][0], sizes[k], cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(hb.data(), pairs[k][1], sizes[k], cudaMemcpyDeviceToHost));
+        same = same && !memcmp(ha.data(), hb.data(), sizes[k]);
+    }
+    return same;
+}
+
+static int g_wide_differs = 0;
+
+/* The present packed kernel (k_fp8_cast) and the wide one (fp8_cast_launch) on job j: the byte
+ * check, then both times and the speed-up. `amax` holds the scales' amax the cast starts from. */
+template <typename T, int EPI>
+static void compare_cast(const char* model, const char* kernel, const char* shape, Fp8CastJob<T> j,
+                         const Fp8Scale* amax, double bytes) {
+    size_t codes = (size_t)j.batch * j.R * j.Cc;
+    CastOut present = cast_out(codes), wide = cast_out(codes);
+    auto launch_present = [&](const CastOut& o) {
+        Fp8CastJob<T> k = j;
+        k.out_n = o.n, k.out_t = o.t, k.sc = o.sc;
+        launch_kernel(k_fp8_cast<T, true, EPI>, fp8_cast_tiles(k.batch, k.R, k.Cc), FP8_CAST_THREADS, k);
+    };
+    auto launch_wide = [&](const CastOut& o) {
+        Fp8CastJob<T> k = j;
+        k.out_n = o.n, k.out_t = o.t, k.sc = o.sc;
+        fp8_cast_launch<T, EPI>(k);
+    };
+    if (!fp8_cast_packable(j)) {
+        fprintf(stderr, "error: %s %s is not packable\n", kernel, shape);
+        exit(1);
+    }
+    cast_out_reset(present, amax, 1);
+    cast_out_reset(wide, amax, 1);
+    launch_present(present);
+    launch_wide(wide);
+    bool same = same_bytes(present, wide, 1);
+    g_wide_differs += !same;
+    float t0 = time_median_queued_us([&] { launch_present(present); });
+    float t1 = time_median_queued_us([&] { launch_wide(wide); });
+    printf("%-5s %-28s %-14s present %7.1f us %5.0f GB/s  wide %7.1f us %5.0f GB/s  x%.2f  %s\n", model, kernel,
+           shape, t0, bytes / (t0 * 1e3), t1, bytes / (t1 * 1e3), t0 / t1, same ? "same bytes" : "BYTES DIFFER");
+}
+
+/* The weights' list (as bench's) on the present k_fp8_cast_jobs and the wide one (fp8_quantize_jobs). */
+static void compare_jobs(const char* model, int C, int F, int L, const Fp8Scale* amax) {
+    size_t per_layer = 4 * (size_t)C * C + 2 * (size_t)C * F;
+    float* w = random_buffer<float>(per_layer * L, 7);
+    CastOut present = cast_out(per_layer * L), wide = cast_out(per_layer * L);
+    std::vector<Fp8CastJob<float>> jp, jw;
+    for (int l = 0; l < L; l++) {
+        size_t o = per_layer * l;
+        const int batch[4] = {3, 1, 1, 1}, rows[4] = {C, C, C, F}, cols[4] = {C, C, F, C};
+        for (int k = 0; k < 4; k++) {
+            Fp8CastJob<float> j = {w + o, present.n + o, present.t + o, present.sc + 4 * l + k, batch[k], rows[k],
+                                   cols[k], FP8_E4M3, 0};
+            jp.push_back(j);
+            j.out_n = wide.n + o, j.out_t = wide.t + o, j.sc = wide.sc + 4 * l + k;
+            jw.push_back(j);
+            o += (size_t)batch[k] * rows[k] * cols[k];
+        }
+    }
+    unsigned tiles = 0;
+    for (Fp8CastJob<float>& j : jp) { /* the present kernel's tiles */
+        j.first_tile = tiles;
+        tiles += fp8_cast_tiles(j.batch, j.R, j.Cc);
+    }
+    Fp8CastJob<float>* dev_p = (Fp8CastJob<float>*)dmalloc(jp.size() * sizeof(Fp8CastJob<float>));
+    Fp8CastJob<float>* dev_w = (Fp8CastJob<float>*)dmalloc(jw.size() * sizeof(Fp8CastJob<float>));
+    CUDA_CHECK(cudaMemcpy(dev_p, jp.data(), jp.size() * sizeof(Fp8CastJob<float>), cudaMemcpyHostToDevice));
+    Fp8CastJobs<float> js = fp8_jobs_upload(jw.data(), (int)jw.size(), dev_w);
+    int n_jobs = (int)jp.size();
+    auto launch_present = [&] { launch_kernel(k_fp8_cast_jobs<float, true>, tiles, FP8_CAST_THREADS, dev_p, n_jobs); };
+    auto launch_wide = [&] { launch_kernel(k_fp8_cast_jobs_wide<float>, js.tiles, FP8_CAST_THREADS, dev_w, n_jobs); };
+    cast_out_reset(present, amax, 4 * L);
+    cast_out_reset(wide, amax, 4 * L);
+    launch_present();
+    launch_wide();
+    bool same = js.packed && same_bytes(present, wide, 4 * L);
+    g_wide_differs += !same;
+    float t0 = time_median_queued_us(launch_present), t1 = time_median_queued_us(launch_wide);
+    double bytes = (4.0 + 2.0) * per_layer * L;
+    char sh[32];
+    snprintf(sh, sizeof sh, "%d layers", L);
+    printf("%-5s %-28s %-14s present %7.1f us %5.0f GB/s  wide %7.1f us %5.0f GB/s  x%.2f  %s\n", model,
+           "cast jobs (weights, no amax)", sh, t0, bytes / (t0 * 1e3), t1, bytes / (t1 * 1e3), t0 / t1,
+           same ? "same bytes" : "BYTES DIFFER");
+}
+
+/* The present and the wide packed casts side by side at the model's shapes, and at one shape of
+ * partial wide tiles (R = 1008 = 15.75 x 64, Cc = 776 = 6.06 x 128). */
+static void compare_wide(const char* model, int N, int C, int F, int L) {
+    size_t nf = (size_t)N * F, nc3 = 3 * (size_t)N * C;
+    bf16 *x = random_buffer<bf16>(nf > nc3 ? nf : nc3, 1), *h = random_buffer<bf16>(nf, 2);
+    /* a plain cast's amax: 2^5 bounds the inputs; the epilogues' start at 0 */
+    Fp8Scale amax_host[64] = {};
+    for (Fp8Scale& a : amax_host) a.amax_bits = fp8_float_bits(32.0f);
+    Fp8Scale *amax = (Fp8Scale*)dmalloc(sizeof amax_host), *zero = (Fp8Scale*)dmalloc(sizeof amax_host);
+    CUDA_CHECK(cudaMemcpy(amax, amax_host, sizeof amax_host, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemset(zero, 0, sizeof amax_host));
+    Fp8History hist_host = {{3, 4, 2}, 3};
+    Fp8History* hist = (Fp8History*)dmalloc(sizeof hist_host);
+    CUDA_CHECK(cudaMemcpy(hist, &hist_host, sizeof hist_host, cudaMemcpyHostToDevice));
+    const int shapes[][3] = {{1, N, F}, {1, N, C}, {3, N, C}, {1, 1008, 776}};
+    for (const auto& s : shapes) {
+        char sh[32];
+        size_t n = (size_t)s[0] * s[1] * s[2];
+        if (s[0] > 1) snprintf(sh, sizeof sh, "%dx%dx%d", s[0], s[1], s[2]);
+        else snprintf(sh, sizeof sh, "%dx%d", s[1], s[2]);
+        Fp8CastJob<bf16> j = {x, NULL, NULL, NULL, s[0], s[1], s[2], FP8_E4M3, 0, NULL, NULL};
+        compare_cast<bf16, FP8_EPI_NONE>(model, "fp8_cast e4m3 n+t", sh, j, amax, 3.0 * n);
+        if (s[0] > 1) {
+            j.fmt = FP8_GRAD_FMT, j.hist = hist;
+            compare_cast<bf16, FP8_EPI_NONE>(model, "fp8_cast grad n+t (delayed)", sh, j, amax, 3.0 * n);
+            continue;
+        }
+        j.hist = hist;
+        compare_cast<bf16, FP8_EPI_GELU>(model, "fp8_cast_gelu n+t", sh, j, zero, 3.0 * n);
+        j.in = x, j.aux = h, j.fmt = FP8_GRAD_FMT;
+        compare_cast<bf16, FP8_EPI_DGELU>(model, "fp8_cast_dgelu n+t", sh, j, zero, 5.0 * n);
+    }
+    compare_jobs(model, C, F, L, amax);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    for (void* b : g_buffers) CUDA_CHECK(cudaFree(b));
+    g_buffers.clear();
+}
+#endif
+
 int main(void) {
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
     printf("%s: bytes moved / median time; the GPU's memory bandwidth is the bound\n", p.name);
     bench("120M", 8192, 768, 3072, 12);
     bench("12M", 4096, 192, 768, 6);
+#if FP8_CAST_WIDE
+    printf("\npresent packed cast kernels and the wide ones (FP8_CAST_WIDE), queued: median us, GB/s moved\n");
+    compare_wide("120M", 8192, 768, 3072, 12);
+    compare_wide("12M", 4096, 192, 768, 6);
+    printf("%s\n", g_wide_differs ? "error: the wide kernels' bytes DIFFER from the present ones" : "all bytes the same");
+    return g_wide_differs ? 1 : 0;
+#else
     return 0;
+#endif
 }

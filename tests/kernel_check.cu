@@ -1664,9 +1664,12 @@ static void run_fp8(void) {
     for (int fmt = FP8_E4M3; fmt <= FP8_E5M2; fmt++) {
         set_ctx("fp8", "conversion", fp8_name(fmt));
         test_fp8_conversion(fmt);
-        /* packed: {1, 64, 48} (one partial tile), {2, 80, 200} (partial tiles both ways), {1, 256, 1024};
+        /* packed: {1, 64, 48} (one partial tile), {2, 80, 200} (partial tiles both ways), {1, 256, 1024},
+         * {3, 208, 392} (the wide kernel's 64 x 128 tiles, FP8_CAST_WIDE: a last tile row of 16 rows
+         * and a last tile column of one packet), {1, 16, 8} (one packet of each pass);
          * element by element: {3, 37, 80}, {1, 129, 33}, {1, 96, 36} (rows fit, columns do not) */
-        const int shapes[][3] = {{1, 64, 48}, {3, 37, 80}, {1, 129, 33}, {1, 256, 1024}, {2, 80, 200}, {1, 96, 36}};
+        const int shapes[][3] = {{1, 64, 48},  {3, 37, 80},   {1, 129, 33}, {1, 256, 1024},
+                                 {2, 80, 200}, {1, 96, 36},   {3, 208, 392}, {1, 16, 8}};
         for (const auto& s : shapes)
             for (int special = 0; special < 3; special++) {
                 snprintf(sh, sizeof sh, "%s batch=%d R=%d C=%d%s", fp8_name(fmt), s[0], s[1], s[2],
@@ -1682,11 +1685,12 @@ static void run_fp8(void) {
                     test_fp8_quantize<bf16>(s[0], s[1], s[2], fmt, 0, 2);
                 }
             }
-        /* the weights' list: W_QKV (3 blocks), W_O, W_1, W_2 of two layers; then one with a column
+        /* the weights' list: W_QKV (3 blocks), W_O, W_1, W_2 of two layers and a job of partial wide
+         * tiles (FP8_CAST_WIDE's 64 x 128: 208 x 392); then one with a column
          * count that is not a multiple of 8 (so every job takes the element-wise kernels) */
         set_ctx("fp8", "quantize jobs fp32", fp8_name(fmt));
         test_fp8_quantize_jobs<float>({{3, 48, 48}, {1, 48, 48}, {1, 48, 208}, {1, 208, 48}, {3, 48, 48}, {1, 48, 48},
-                                       {1, 48, 208}, {1, 208, 48}}, fmt);
+                                       {1, 48, 208}, {1, 208, 48}, {1, 208, 392}}, fmt);
         set_ctx("fp8", "quantize jobs fp32 odd", fp8_name(fmt));
         test_fp8_quantize_jobs<float>({{1, 37, 36}, {3, 64, 64}, {1, 129, 200}}, fmt);
     }
@@ -1701,7 +1705,8 @@ static void run_fp8(void) {
         set_ctx("fp8", "delayed layernorm fused", sh);
         test_fp8_layernorm_fused(ls[0], ls[1]);
     }
-    const int gelu_shapes[][2] = {{128, 768}, {80, 200}, {37, 36}}; /* packed; partial tiles; element-wise */
+    /* packed; partial tiles (of 64 x 64 and of FP8_CAST_WIDE's 64 x 128, 208 x 392); element-wise */
+    const int gelu_shapes[][2] = {{128, 768}, {80, 200}, {208, 392}, {37, 36}};
     for (const auto& gs : gelu_shapes) {
         snprintf(sh, sizeof sh, "R=%d F=%d", gs[0], gs[1]);
         set_ctx("fp8", "delayed gelu fused", sh);

@@ -210,18 +210,150 @@ __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast(Fp8CastJob<T> j) 
     fp8_cast_tile<T, PACKED, EPI>(j, blockIdx.x);
 }
 
-/* A list of casts, a block a tile: the block's job is the last whose first_tile is <= blockIdx.x. */
-template <typename T, bool PACKED>
-__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_jobs(const Fp8CastJob<T>* __restrict__ jobs, int n_jobs) {
-    await_previous_kernel();
+/* The block's job in a list of casts, a block a tile: the last whose first_tile is <= blockIdx.x. */
+template <typename T> __device__ __forceinline__ int fp8_job_of_block(const Fp8CastJob<T>* __restrict__ jobs, int n_jobs) {
     int lo = 0, hi = n_jobs - 1;
     while (lo < hi) {
         int mid = (lo + hi + 1) / 2;
         if (jobs[mid].first_tile <= blockIdx.x) lo = mid;
         else hi = mid - 1;
     }
+    return lo;
+}
+
+/* A list of casts, a block a tile (fp8_job_of_block). */
+template <typename T, bool PACKED>
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_jobs(const Fp8CastJob<T>* __restrict__ jobs, int n_jobs) {
+    await_previous_kernel();
+    int lo = fp8_job_of_block(jobs, n_jobs);
     fp8_cast_tile<T, PACKED>(jobs[lo], blockIdx.x - jobs[lo].first_tile);
 }
+
+#ifndef FP8_CAST_WIDE
+#define FP8_CAST_WIDE 0
+#endif
+#if FP8_CAST_WIDE
+/* The wide cast (candidate, make KERNEL_VARIANTS=-DFP8_CAST_WIDE=1): the packed casts in tiles of
+ * FP8_WIDE_R x FP8_WIDE_C, the same codes, amax and scale as fp8_cast_tile. A thread issues all
+ * its FP8_WIDE_LOADS row packets (and the GELU backward's aux packets) before it uses one, so a
+ * block has 16 KB (bf16) in flight where fp8_cast_tile had one packet a thread between stores; the
+ * history's scale is read while they arrive, and half as many blocks read it. The codes go to
+ * shared memory as 4-byte words in rows FP8_WIDE_PITCH bytes apart: a warp's two rows fall on
+ * disjoint banks there, and so do the two row groups (16 rows apart, 16 banks apart) a warp reads
+ * back for the transposed pass, whose lanes l and l + 16 write the two 16-byte halves of one
+ * column's 32-byte sector. The epilogues' amax reduction supplies the barrier that publishes the
+ * tile. The unpacked casts keep fp8_cast_tile. */
+#define FP8_WIDE_R 64
+#define FP8_WIDE_C 128
+#define FP8_WIDE_PITCH (FP8_WIDE_C + 4)
+#define FP8_WIDE_PER_ROW (FP8_WIDE_C / FP8_ROW_PACKET)              /* threads a tile row */
+#define FP8_WIDE_ROW_STEP (FP8_CAST_THREADS / FP8_WIDE_PER_ROW)     /* rows a pass */
+#define FP8_WIDE_LOADS (FP8_WIDE_R / FP8_WIDE_ROW_STEP)             /* row packets a thread */
+#define FP8_WIDE_COL_WARPS (FP8_WIDE_C / 16)                        /* transposed: 16 columns a warp */
+#define FP8_WIDE_COL_UNITS (FP8_WIDE_C * FP8_WIDE_R / FP8_COL_PACKET / FP8_CAST_THREADS) /* stores a thread */
+static_assert(FP8_WIDE_R % FP8_WIDE_ROW_STEP == 0, "the row passes cover the tile");
+static_assert(FP8_WIDE_COL_UNITS * FP8_CAST_THREADS / 32 == FP8_WIDE_COL_WARPS * FP8_WIDE_R / (2 * FP8_COL_PACKET),
+              "the transposed pass covers the tile, two row groups a warp");
+static_assert(FP8_WIDE_PITCH % 4 == 0 && FP8_WIDE_PITCH * FP8_COL_PACKET / 4 % 32 == 16,
+              "rows of whole words; row groups 16 banks apart");
+
+static unsigned fp8_cast_wide_tiles(int batch, int R, int Cc) {
+    return ceil_div(Cc, FP8_WIDE_C) * ceil_div(R, FP8_WIDE_R) * (unsigned)batch;
+}
+
+/* A row packet (FP8_ROW_PACKET elements of T) as loaded: raw 16-byte words, converted at use. */
+template <typename T> struct Fp8RowPacket {
+    int4 raw[FP8_ROW_PACKET * sizeof(T) / 16];
+};
+
+template <typename T> __device__ __forceinline__ void fp8_packet_load(Fp8RowPacket<T>& p, const T* src) {
+#pragma unroll
+    for (int q = 0; q < (int)(FP8_ROW_PACKET * sizeof(T) / 16); q++) p.raw[q] = reinterpret_cast<const int4*>(src)[q];
+}
+
+template <typename T> __device__ __forceinline__ float fp8_packet_at(const Fp8RowPacket<T>& p, int k) {
+    return to_f(reinterpret_cast<const T*>(p.raw)[k]);
+}
+
+template <typename T, int EPI = FP8_EPI_NONE>
+__device__ __forceinline__ void fp8_cast_tile_wide(const Fp8CastJob<T>& j, unsigned tile_id) {
+    __shared__ __align__(16) fp8 tile[FP8_WIDE_R * FP8_WIDE_PITCH];
+    const int R = j.R, Cc = j.Cc, batch = j.batch, fmt = j.fmt;
+    unsigned tiles_c = ceil_div(Cc, FP8_WIDE_C), tiles_r = ceil_div(R, FP8_WIDE_R);
+    int c0 = (int)(tile_id % tiles_c) * FP8_WIDE_C, r0 = (int)(tile_id / tiles_c % tiles_r) * FP8_WIDE_R;
+    int b = (int)(tile_id / tiles_c / tiles_r);
+    const T* src = j.in + (size_t)b * R * Cc;
+    const T* aux = EPI == FP8_EPI_DGELU ? j.aux + (size_t)b * R * Cc : NULL;
+    int tc = (threadIdx.x % FP8_WIDE_PER_ROW) * FP8_ROW_PACKET, tr0 = threadIdx.x / FP8_WIDE_PER_ROW;
+    int c = c0 + tc;
+    Fp8RowPacket<T> v[FP8_WIDE_LOADS] = {}, x[EPI == FP8_EPI_DGELU ? FP8_WIDE_LOADS : 1] = {};
+#pragma unroll
+    for (int i = 0; i < FP8_WIDE_LOADS; i++) { /* Cc a multiple of the packet: a packet is wholly in or out */
+        int r = r0 + tr0 + i * FP8_WIDE_ROW_STEP;
+        if (c >= Cc || r >= R) continue;
+        fp8_packet_load(v[i], src + (size_t)r * Cc + c);
+        if constexpr (EPI == FP8_EPI_DGELU) fp8_packet_load(x[i], aux + (size_t)r * Cc + c);
+    }
+    /* an epilogue's amax is still being reduced (by every block): it reads none */
+    float s = EPI != FP8_EPI_NONE ? 1.0f : fp8_scale_for_amax(__uint_as_float(j.sc->amax_bits), fmt);
+    if (j.hist) { /* delayed: the history's scale; the current one while the history is empty */
+        float d = fp8_history_scale(j.hist);
+        if (d > 0.0f) s = d;
+    }
+    if (tile_id == 0 && threadIdx.x == 0) {
+        j.sc->scale = s;
+        j.sc->descale = 1.0f / s;
+    }
+    unsigned am = 0; /* epilogues only */
+#pragma unroll
+    for (int i = 0; i < FP8_WIDE_LOADS; i++) {
+        int tr = tr0 + i * FP8_WIDE_ROW_STEP, r = r0 + tr;
+        if (c >= Cc || r >= R) continue;
+        uint2 q;
+        fp8* qb = reinterpret_cast<fp8*>(&q);
+#pragma unroll
+        for (int k = 0; k < FP8_ROW_PACKET; k++) {
+            float xk = EPI == FP8_EPI_DGELU ? fp8_packet_at(x[EPI == FP8_EPI_DGELU ? i : 0], k) : 0.0f;
+            qb[k] = fp8_cvt(fp8_cast_epilogue<T, EPI>(fp8_packet_at(v[i], k), xk, &am) * s, fmt);
+        }
+        if (j.out_n) *reinterpret_cast<uint2*>(j.out_n + ((size_t)r * batch + b) * Cc + c) = q;
+        unsigned* t = reinterpret_cast<unsigned*>(tile + tr * FP8_WIDE_PITCH + tc);
+        t[0] = q.x;
+        t[1] = q.y;
+    }
+    if constexpr (EPI != FP8_EPI_NONE) block_amax_commit(&j.sc->amax_bits, am); /* its barriers publish the tile */
+    if (!j.out_t) return;
+    if constexpr (EPI == FP8_EPI_NONE) __syncthreads();
+#pragma unroll
+    for (int i = 0; i < FP8_WIDE_COL_UNITS; i++) {
+        int u = threadIdx.x + i * FP8_CAST_THREADS, lane = u % 32, warp = u / 32;
+        int col = warp % FP8_WIDE_COL_WARPS * 16 + lane % 16;
+        int tr = (warp / FP8_WIDE_COL_WARPS * 2 + lane / 16) * FP8_COL_PACKET;
+        int cc = c0 + col, r = r0 + tr;
+        if (cc >= Cc || r >= R) continue; /* R a multiple of the packet: wholly in */
+        uint4 q;
+        fp8* qb = reinterpret_cast<fp8*>(&q);
+#pragma unroll
+        for (int k = 0; k < FP8_COL_PACKET; k++) qb[k] = tile[(tr + k) * FP8_WIDE_PITCH + col];
+        *reinterpret_cast<uint4*>(j.out_t + ((size_t)b * Cc + cc) * R + r) = q;
+    }
+}
+
+/* One packed cast, a block a wide tile. */
+template <typename T, int EPI = FP8_EPI_NONE>
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_wide(Fp8CastJob<T> j) {
+    await_previous_kernel();
+    fp8_cast_tile_wide<T, EPI>(j, blockIdx.x);
+}
+
+/* A list of packed casts, a block a wide tile (fp8_job_of_block; first_tile counts wide tiles). */
+template <typename T>
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_jobs_wide(const Fp8CastJob<T>* __restrict__ jobs, int n_jobs) {
+    await_previous_kernel();
+    int lo = fp8_job_of_block(jobs, n_jobs);
+    fp8_cast_tile_wide<T>(jobs[lo], blockIdx.x - jobs[lo].first_tile);
+}
+#endif
 
 /* Every cast's amax starts at 0: zeroes the amax (and the rest) of `count` consecutive scales. The
  * engine zeroes all of a micro-batch's at its start, and all the weights' before their casts. */
@@ -242,10 +374,23 @@ template <typename T> static bool fp8_cast_packable(const Fp8CastJob<T>& j) {
            (uintptr_t)j.out_t % 16 == 0 && (uintptr_t)j.in % 16 == 0 && (uintptr_t)j.aux % 16 == 0;
 }
 
+/* The blocks (tiles) of job j's cast on the packed kernel (`packed`) or the element-wise one. */
+template <typename T> static unsigned fp8_cast_blocks(const Fp8CastJob<T>& j, bool packed) {
+#if FP8_CAST_WIDE
+    if (packed) return fp8_cast_wide_tiles(j.batch, j.R, j.Cc);
+#endif
+    (void)packed;
+    return fp8_cast_tiles(j.batch, j.R, j.Cc);
+}
+
 /* One cast job in one launch, on the packed kernel where it can. */
 template <typename T, int EPI = FP8_EPI_NONE> static void fp8_cast_launch(const Fp8CastJob<T>& j) {
-    unsigned tiles = fp8_cast_tiles(j.batch, j.R, j.Cc);
-    if (fp8_cast_packable(j)) launch_kernel(k_fp8_cast<T, true, EPI>, tiles, FP8_CAST_THREADS, j);
+    bool packed = fp8_cast_packable(j);
+    unsigned tiles = fp8_cast_blocks(j, packed);
+#if FP8_CAST_WIDE
+    if (packed) return launch_kernel(k_fp8_cast_wide<T, EPI>, tiles, FP8_CAST_THREADS, j);
+#endif
+    if (packed) launch_kernel(k_fp8_cast<T, true, EPI>, tiles, FP8_CAST_THREADS, j);
     else launch_kernel(k_fp8_cast<T, false, EPI>, tiles, FP8_CAST_THREADS, j);
 }
 
@@ -723,10 +868,12 @@ static Fp8CastJobs<T> fp8_jobs_upload(Fp8CastJob<T>* host, int n, Fp8CastJob<T>*
     Fp8CastJobs<T> js = {dev, n, 0, 0, true};
     for (int i = 0; i < n; i++) {
         size_t elems = (size_t)host[i].batch * host[i].R * host[i].Cc;
-        host[i].first_tile = js.tiles;
-        js.tiles += fp8_cast_tiles(host[i].batch, host[i].R, host[i].Cc);
         js.max_elems = elems > js.max_elems ? elems : js.max_elems;
         js.packed = js.packed && fp8_cast_packable(host[i]) && packable(elems, sizeof(T), {host[i].in});
+    }
+    for (int i = 0; i < n; i++) { /* the tiles of the kernel the list takes */
+        host[i].first_tile = js.tiles;
+        js.tiles += fp8_cast_blocks(host[i], js.packed);
     }
     CUDA_CHECK(cudaMemcpy(dev, host, (size_t)n * sizeof(Fp8CastJob<T>), cudaMemcpyHostToDevice));
     return js;
@@ -738,6 +885,9 @@ template <typename T> static void fp8_quantize_jobs(const Fp8CastJobs<T>& js) {
     unsigned per_job = elementwise_grid(js.max_elems / (js.packed ? PACK(T) : 1), FP8_AMAX_BLOCK);
     dim3 grid(per_job < FP8_JOB_AMAX_BLOCKS ? per_job : FP8_JOB_AMAX_BLOCKS, js.n);
     LAUNCH_PACKED(js.packed, k_fp8_amax_jobs, T, grid, FP8_AMAX_BLOCK, js.dev);
+#if FP8_CAST_WIDE
+    if (js.packed) return launch_kernel(k_fp8_cast_jobs_wide<T>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
+#endif
     if (js.packed) launch_kernel(k_fp8_cast_jobs<T, true>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
     else launch_kernel(k_fp8_cast_jobs<T, false>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
 }
