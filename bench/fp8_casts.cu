@@ -15,7 +15,15 @@
  * the wide ones side by side, queued back to back as in a captured step, on random inputs, and
  * checks that both write the same bytes (codes of both layouts, amax, scale, descale):
  *
- *   nvcc -O3 -std=c++17 -arch=native -DFP8_CAST_WIDE=1 -o build/fp8_casts_cw bench/fp8_casts.cu -lcublas -lcublasLt */
+ *   nvcc -O3 -std=c++17 -arch=native -DFP8_CAST_WIDE=1 -o build/fp8_casts_cw bench/fp8_casts.cu -lcublas -lcublasLt
+ *
+ * Built with -DFP8_LN_WIDE=1 (the wide fused LayerNorm kernels, fp8.cuh), a section times the
+ * present fused LayerNorm forward and backward (k_layernorm_fwd_fp8, k_layernorm_bwd_fp8, without
+ * the final dgamma/dbeta sum, which is the same kernel in both) against the wide ones at both models'
+ * shapes, queued, on random inputs, and checks that both write the same bytes (codes of both
+ * layouts, amax, scale, descale, mean and rstd; dx and the chunk partials); exit 1 if any differ:
+ *
+ *   nvcc -O3 -std=c++17 -arch=native -DFP8_LN_WIDE=1 -o build/fp8_casts_lw bench/fp8_casts.cu -lcublas -lcublasLt */
 #include "../microgpt/cuda/fp8.cuh"
 #include "../microgpt/cuda/layernorm.cuh"
 #include "../microgpt/cuda/mlp.cuh"
@@ -145,7 +153,7 @@ static void bench(const char* model, int N, int C, int F, int L) {
     g_buffers.clear();
 }
 
-#if FP8_CAST_WIDE
+#if FP8_CAST_WIDE || FP8_LN_WIDE
 /* Random values of mixed magnitudes (2^-6 to 2^5) and signs: the byte comparison sees every code. */
 template <typename T> __global__ void k_fill_random(T* x, size_t n, unsigned seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -163,6 +171,17 @@ template <typename T> static T* random_buffer(size_t n, unsigned seed) {
     return x;
 }
 
+/* Whether `bytes` bytes at a and at b (device memory) are the same, after all queued work. */
+static bool same_device_bytes(const void* a, const void* b, size_t bytes) {
+    std::vector<unsigned char> ha(bytes), hb(bytes);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(ha.data(), a, bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(hb.data(), b, bytes, cudaMemcpyDeviceToHost));
+    return !memcmp(ha.data(), hb.data(), bytes);
+}
+#endif
+
+#if FP8_CAST_WIDE
 /* One cast's outputs: the codes of both layouts and its scale. */
 struct CastOut {
     fp8 *n, *t;
@@ -183,17 +202,8 @@ static void cast_out_reset(const CastOut& o, const Fp8Scale* amax, int scales) {
 }
 
 static bool same_bytes(const CastOut& a, const CastOut& b, int scales) {
-    std::vector<unsigned char> ha(a.bytes), hb(b.bytes);
-    bool same = true;
-    CUDA_CHECK(cudaDeviceSynchronize());
-    const void* pairs[3][2] = {{a.n, b.n}, {a.t, b.t}, {a.sc, b.sc}};
-    size_t sizes[3] = {a.bytes, a.bytes, scales * sizeof(Fp8Scale)};
-    for (int k = 0; k < 3; k++) {
-        CUDA_CHECK(cudaMemcpy(ha.data(), pairs[k][0], sizes[k], cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(hb.data(), pairs[k][1], sizes[k], cudaMemcpyDeviceToHost));
-        same = same && !memcmp(ha.data(), hb.data(), sizes[k]);
-    }
-    return same;
+    return same_device_bytes(a.n, b.n, a.bytes) && same_device_bytes(a.t, b.t, a.bytes) &&
+           same_device_bytes(a.sc, b.sc, scales * sizeof(Fp8Scale));
 }
 
 static int g_wide_differs = 0;
@@ -315,19 +325,128 @@ static void compare_wide(const char* model, int N, int C, int F, int L) {
 }
 #endif
 
+#if FP8_LN_WIDE
+static int g_ln_differs = 0;
+
+/* A fused LayerNorm's outputs, poisoned by ln_out_reset: codes of both layouts, the scale (amax
+ * from 0), and `f` floats (mean and rstd, or the chunk partials) and `t` bytes of T (the
+ * backward's dx, reset to `t_init`). */
+struct LnOut {
+    fp8 *n, *t;
+    Fp8Scale* sc;
+    float* f;
+    void* dx;
+    size_t codes, floats, dx_bytes;
+};
+
+static LnOut ln_out(size_t codes, size_t floats, size_t dx_bytes) {
+    LnOut o = {(fp8*)dmalloc(codes), (fp8*)dmalloc(codes), (Fp8Scale*)dmalloc(sizeof(Fp8Scale)),
+               (float*)dmalloc(floats * 4), dx_bytes ? dmalloc(dx_bytes) : NULL, codes, floats, dx_bytes};
+    return o;
+}
+
+static void ln_out_reset(const LnOut& o, const void* dx_init) {
+    CUDA_CHECK(cudaMemsetAsync(o.n, 0xAB, o.codes, g_stream));
+    CUDA_CHECK(cudaMemsetAsync(o.t, 0xAB, o.codes, g_stream));
+    CUDA_CHECK(cudaMemsetAsync(o.sc, 0, sizeof(Fp8Scale), g_stream));
+    CUDA_CHECK(cudaMemsetAsync(o.f, 0xFF, o.floats * 4, g_stream));
+    if (o.dx) CUDA_CHECK(cudaMemcpyAsync(o.dx, dx_init, o.dx_bytes, cudaMemcpyDeviceToDevice, g_stream));
+}
+
+static bool ln_same(const LnOut& a, const LnOut& b) {
+    return same_device_bytes(a.n, b.n, a.codes) && same_device_bytes(a.t, b.t, a.codes) &&
+           same_device_bytes(a.sc, b.sc, sizeof(Fp8Scale)) && same_device_bytes(a.f, b.f, a.floats * 4) &&
+           (!a.dx || same_device_bytes(a.dx, b.dx, a.dx_bytes));
+}
+
+/* Present (launch(o, false)) against wide (launch(o, true)): the bytes once from poisoned outputs,
+ * then both times queued and the speed-up. */
+template <typename F>
+static void compare_ln_kernel(const char* model, const char* kernel, const char* shape, const LnOut& present,
+                              const LnOut& wide, const void* dx_init, double bytes, F launch) {
+    ln_out_reset(present, dx_init);
+    ln_out_reset(wide, dx_init);
+    launch(present, false);
+    launch(wide, true);
+    bool same = ln_same(present, wide);
+    g_ln_differs += !same;
+    float t0 = time_median_queued_us([&] { launch(present, false); });
+    float t1 = time_median_queued_us([&] { launch(wide, true); });
+    printf("%-5s %-28s %-14s present %7.1f us %5.0f GB/s  wide %7.1f us %5.0f GB/s  x%.2f  %s\n", model, kernel,
+           shape, t0, bytes / (t0 * 1e3), t1, bytes / (t1 * 1e3), t0 / t1, same ? "same bytes" : "BYTES DIFFER");
+}
+
+/* The fused LayerNorm forward and backward (delayed scaling) of N rows of C, present and wide
+ * (FP8_LN_WIDE), on random bf16 rows, gamma, beta and gradients; mean and rstd from the forward. */
+static void compare_ln(const char* model, int N, int C) {
+    size_t nc = (size_t)N * C;
+    bf16 *x = random_buffer<bf16>(nc, 11), *dout = random_buffer<bf16>(nc, 12), *dres = random_buffer<bf16>(nc, 13);
+    float *gamma = random_buffer<float>(C, 14), *beta = random_buffer<float>(C, 15);
+    Fp8History hist_host = {{1, 2, 0}, 3};
+    Fp8History* hist = (Fp8History*)dmalloc(sizeof hist_host);
+    CUDA_CHECK(cudaMemcpy(hist, &hist_host, sizeof hist_host, cudaMemcpyHostToDevice));
+    char sh[32];
+    snprintf(sh, sizeof sh, "%dx%d", N, C);
+    if (!layernorm_fwd_fp8_wide_packets<bf16>(N, C, true)) {
+        fprintf(stderr, "error: layernorm_fwd_fp8 %s is not the wide kernel's\n", sh);
+        exit(1);
+    }
+    LnOut fp = ln_out(nc, 2 * (size_t)N, 0), fw = ln_out(nc, 2 * (size_t)N, 0);
+    compare_ln_kernel(model, "layernorm_fwd_fp8", sh, fp, fw, NULL, 4.0 * nc + 8.0 * N, [&](const LnOut& o, bool w) {
+        if (w) layernorm_fwd_fp8<bf16>(o.n, o.t, o.sc, hist, o.f, o.f + N, x, gamma, beta, N, C);
+        else
+            launch_kernel_with_shared(k_layernorm_fwd_fp8<bf16, PACK(bf16)>, N / LN_FP8_ROWS, 32 * LN_WARPS,
+                                      (size_t)LN_FP8_ROWS * (C + 16), o.n, o.t, o.sc, hist, o.f, o.f + N, x, gamma,
+                                      beta, N, C);
+    });
+    const float *mean = fp.f, *rstd = fp.f + N; /* the present forward's, as the engine saves them */
+    LnBwdRegs rp = ln_bwd_regs_plan(dres, dout, x, gamma, N, C);
+    if (!layernorm_bwd_fp8_fits(dres, dout, x, gamma, N, C) || !rp.packed) {
+        fprintf(stderr, "error: layernorm_bwd_fp8 %s is not the packed fused kernel's\n", sh);
+        exit(1);
+    }
+    size_t partials = 2 * (size_t)rp.n_chunks * C;
+    LnOut bp = ln_out(nc, partials, nc * sizeof(bf16)), bw = ln_out(nc, partials, nc * sizeof(bf16));
+    compare_ln_kernel(model, "layernorm_bwd_fp8 (no final)", sh, bp, bw, dres, 10.0 * nc + 4.0 * partials,
+                      [&](const LnOut& o, bool w) {
+                          LnBwdCodes codes = {o.n, o.t, o.sc, hist, FP8_GRAD_FMT, 0.0f};
+                          LnBwdCodesWide wide = {codes};
+                          if (w)
+                              LN_LAUNCH_PACKETS(true, rp.packets, k_layernorm_bwd_fp8_wide, bf16, rp.n_chunks,
+                                                32 * LN_WARPS, (bf16*)o.dx, o.f, dout, x, gamma, mean, rstd, N, C,
+                                                rp.rows_per_chunk, wide);
+                          else
+                              LN_LAUNCH_PACKETS(true, rp.packets, k_layernorm_bwd_fp8, bf16, rp.n_chunks,
+                                                32 * LN_WARPS, (bf16*)o.dx, o.f, dout, x, gamma, mean, rstd, N, C,
+                                                rp.rows_per_chunk, codes);
+                      });
+    CUDA_CHECK(cudaDeviceSynchronize());
+    for (void* b : g_buffers) CUDA_CHECK(cudaFree(b));
+    g_buffers.clear();
+}
+#endif
+
 int main(void) {
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
     printf("%s: bytes moved / median time; the GPU's memory bandwidth is the bound\n", p.name);
     bench("120M", 8192, 768, 3072, 12);
     bench("12M", 4096, 192, 768, 6);
+    int differs = 0;
 #if FP8_CAST_WIDE
     printf("\npresent packed cast kernels and the wide ones (FP8_CAST_WIDE), queued: median us, GB/s moved\n");
     compare_wide("120M", 8192, 768, 3072, 12);
     compare_wide("12M", 4096, 192, 768, 6);
     printf("%s\n", g_wide_differs ? "error: the wide kernels' bytes DIFFER from the present ones" : "all bytes the same");
-    return g_wide_differs ? 1 : 0;
-#else
-    return 0;
+    differs += g_wide_differs;
 #endif
+#if FP8_LN_WIDE
+    printf("\npresent fused LayerNorm kernels and the wide ones (FP8_LN_WIDE), queued: median us, GB/s moved\n");
+    compare_ln("120M", 8192, 768);
+    compare_ln("12M", 4096, 192);
+    printf("%s\n", g_ln_differs ? "error: the wide LayerNorm kernels' bytes DIFFER from the present ones"
+                                 : "all LayerNorm bytes the same");
+    differs += g_ln_differs;
+#endif
+    return differs ? 1 : 0;
 }

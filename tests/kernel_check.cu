@@ -1196,6 +1196,12 @@ static void check_fp8_fused(const Fp8CastOut& ref, const Fp8CastOut& got, size_t
  * cpu/fp8.h above and the CPU LayerNorm in run_prec): the codes of both layouts, mean, rstd, amax
  * and scale, bit for bit, for a history below and one above (saturating) the current scale. */
 static void test_fp8_layernorm_fused(int N, int C) {
+#if FP8_LN_WIDE
+    /* the wide kernel takes packed rows (C a multiple of 8) of at most 4 packets a lane, N a multiple of 32 */
+    bool wide = C % 8 == 0 && C <= 4 * 32 * 8 && N % 32 == 0;
+    bool takes = layernorm_fwd_fp8_wide_packets<bf16>(N, C, C % 8 == 0) > 0;
+    report(takes == wide, "wide kernel", "takes the shape: %d, expected %d", takes, wide);
+#endif
     /* outputs xhat * gamma + beta, gamma ~ N(0, 1.5^2): amax about 10 to 25, current scale 2^4 or 2^5 */
     const signed char below[2] = {3, 6}, above[1] = {7};
     size_t n = (size_t)N * C;
@@ -1698,8 +1704,12 @@ static void run_fp8(void) {
     test_fp8_delayed(256, 96);
     set_ctx("fp8", "delayed scaling", "R=37 C=36 element-wise");
     test_fp8_delayed(37, 36);
-    /* 36: the element-wise kernel; LN_FP8_MAX_C: the widest row the fused kernel takes */
-    const int ln_shapes[][2] = {{64, 192}, {48, 768}, {32, 36}, {16, LN_FP8_MAX_C}};
+    /* 36: the element-wise kernel; LN_FP8_MAX_C: the widest row the fused kernel takes; ANDREA-120M's
+     * and -12M's; for the wide candidate (FP8_LN_WIDE): 1 to 4 packets a lane, whole (1024) and
+     * partial (1000, 520, 200: a last group of 8 columns in the transposed pass), and the shapes it
+     * leaves to the present kernel (N = 48 not a multiple of 32, C = 1032 over 4 packets) */
+    const int ln_shapes[][2] = {{64, 192}, {48, 768}, {32, 36}, {16, LN_FP8_MAX_C}, {8192, 768}, {4096, 192},
+                                {96, 1024}, {64, 1000}, {96, 520}, {32, 200}, {64, 1032}};
     for (const auto& ls : ln_shapes) {
         snprintf(sh, sizeof sh, "N=%d C=%d", ls[0], ls[1]);
         set_ctx("fp8", "delayed layernorm fused", sh);

@@ -499,8 +499,105 @@ k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* 
 }
 static_assert(LN_FP8_ROWS * sizeof(fp8) == sizeof(uint4), "a column of the tile is one 16-byte store");
 
+#ifndef FP8_LN_WIDE
+#define FP8_LN_WIDE 0
+#endif
+#if FP8_LN_WIDE
+/* The wide fused LayerNorm (candidate, make KERNEL_VARIANTS=-DFP8_LN_WIDE=1): k_layernorm_fwd_fp8's
+ * outputs, bit for bit, for packed rows a warp holds in registers (ln_reg_packets <= LN_REG_PACKETS)
+ * and N a multiple of LN_WIDE_ROWS. k_layernorm_fwd_fp8 reads a row three times (ln_row_stats'
+ * two passes, then the output's), each pass's loads one packet at a time, and a warp's second row
+ * only after its first is written; here a warp issues the loads of all its LN_WIDE_ROWS / LN_WARPS
+ * rows (as stored) before it uses one, and the mean, variance and outputs come from those
+ * registers with ln_row_stats' and the forward's operations in their order. A block's 32 rows make
+ * a column's codes one whole 32-byte sector of out_t, written by lanes l and l + 16 together (the
+ * present kernel's 16-byte halves of a sector come from two blocks). Codes go to shared memory as
+ * 4-byte words in rows LN_WIDE_PITCH bytes apart (fp8_cast_tile_wide's pitch rule: the two row
+ * groups a warp reads back fall on disjoint banks). */
+#define LN_WIDE_ROWS 32
+#define LN_WIDE_ROWS_A_WARP (LN_WIDE_ROWS / LN_WARPS)
+#define LN_WIDE_PITCH(VEC, PACKETS) (32 * (VEC) * (PACKETS) + 4)
+static_assert(LN_WIDE_ROWS == 2 * sizeof(uint4), "a column of the tile is two 16-byte stores, one sector");
+static_assert(LN_WIDE_PITCH(8, 1) % 8 == 4, "row groups 16 rows apart fall 16 banks apart");
+
+template <typename T, int VEC, int PACKETS>
+__global__ void __launch_bounds__(32 * LN_WARPS, 2)
+k_layernorm_fwd_fp8_wide(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* __restrict__ sc,
+                         const Fp8History* __restrict__ hist, float* __restrict__ mean, float* __restrict__ rstd,
+                         const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ beta,
+                         int N, int C) {
+    await_previous_kernel();
+    constexpr int pitch = LN_WIDE_PITCH(VEC, PACKETS);
+    __shared__ __align__(16) fp8 tile[LN_WIDE_ROWS * pitch];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r0 = blockIdx.x * LN_WIDE_ROWS;
+    __align__(16) T xv[LN_WIDE_ROWS_A_WARP][PACKETS][VEC]; /* row warp + i * LN_WARPS of the block */
+#pragma unroll
+    for (int i = 0; i < LN_WIDE_ROWS_A_WARP; i++) {
+        const T* xr = x + (size_t)(r0 + warp + i * LN_WARPS) * C;
+        LN_REG_LOOP(p, C) load_raw(xv[i][p], xr + ln_reg_col(p));
+    }
+    const float s = fp8_history_scale(hist);
+    unsigned am = 0;
+#pragma unroll
+    for (int i = 0; i < LN_WIDE_ROWS_A_WARP; i++) {
+        const int tr = warp + i * LN_WARPS, row = r0 + tr;
+        float sum = 0.0f, sum2 = 0.0f; /* ln_row_stats' sums, in its order */
+        LN_REG_LOOP(p, C) for (int k = 0; k < VEC; k++) sum += to_f(xv[i][p][k]);
+        const float m = warp_sum(sum) / C;
+        LN_REG_LOOP(p, C) for (int k = 0; k < VEC; k++) sum2 += (to_f(xv[i][p][k]) - m) * (to_f(xv[i][p][k]) - m);
+        const float r = 1.0f / sqrtf(warp_sum(sum2) / C + LN_EPS);
+        LN_REG_LOOP(p, C) {
+            const int c = ln_reg_col(p);
+            float g[VEC], b[VEC];
+            __align__(8) fp8 q[VEC];
+            load_vec(g, gamma + c);
+            load_vec(b, beta + c);
+            for (int k = 0; k < VEC; k++) {
+                float y = as_stored<T>((to_f(xv[i][p][k]) - m) * r * g[k] + b[k]);
+                am = max(am, abs_bits(y));
+                q[k] = fp8_cvt(y * s, FP8_E4M3);
+            }
+            const uint2 w = *reinterpret_cast<const uint2*>(q);
+            if (out_n) *reinterpret_cast<uint2*>(out_n + (size_t)row * C + c) = w;
+            unsigned* t = reinterpret_cast<unsigned*>(tile + tr * pitch + c);
+            t[0] = w.x;
+            t[1] = w.y;
+        }
+        if (lane == 0) {
+            mean[row] = m;
+            rstd[row] = r;
+        }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        sc->scale = s;
+        sc->descale = 1.0f / s;
+    }
+    block_amax_commit(&sc->amax_bits, am); /* its __syncthreads also publishes the tile */
+    if (!out_t) return;
+    /* unit u: lane l < 16 of a warp's units the first 16 rows of column 16 * (u / 32) + l, lane l + 16
+     * the last 16 */
+    for (int u = threadIdx.x; u < 2 * C; u += blockDim.x) {
+        const int col = u / 32 * 16 + u % 16, half = u / 16 % 2;
+        if (col >= C) continue;
+        uint4 w;
+        fp8* wb = reinterpret_cast<fp8*>(&w);
+#pragma unroll
+        for (int k = 0; k < 16; k++) wb[k] = tile[(half * 16 + k) * pitch + col];
+        *reinterpret_cast<uint4*>(out_t + (size_t)col * N + r0 + half * 16) = w;
+    }
+}
+#endif
+
 /* Whether layernorm_fwd_fp8 takes a shape (else: layernorm_fwd, then fp8_cast with the history). */
 static bool layernorm_fwd_fp8_fits(int N, int C) { return N % LN_FP8_ROWS == 0 && C <= LN_FP8_MAX_C; }
+#if FP8_LN_WIDE
+/* The packets a lane holds in k_layernorm_fwd_fp8_wide for N rows of C (packed: the operands take
+ * 16-byte packets); 0: that shape is k_layernorm_fwd_fp8's. */
+template <typename T> static int layernorm_fwd_fp8_wide_packets(int N, int C, bool packed) {
+    int packets = ln_reg_packets(C, packed, PACK(T));
+    return PACK(T) == 8 && packed && N % LN_WIDE_ROWS == 0 && packets <= LN_REG_PACKETS ? packets : 0;
+}
+#endif
 
 template <typename T>
 static void layernorm_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8History* hist, float* mean, float* rstd,
@@ -512,6 +609,14 @@ static void layernorm_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8His
         fprintf(stderr, "error: internal: layernorm_fwd_fp8 of N=%d C=%d with out_t %p\n", N, C, (void*)out_t);
         exit(1);
     }
+#if FP8_LN_WIDE
+    if constexpr (PACK(T) == 8) /* the wide kernel's packets are 8 codes, one uint2 */
+        if (int packets = layernorm_fwd_fp8_wide_packets<T>(N, C, packed)) {
+            LN_LAUNCH_PACKETS_VEC(PACK(T), packets, k_layernorm_fwd_fp8_wide, T, N / LN_WIDE_ROWS, 32 * LN_WARPS,
+                                  out_n, out_t, sc, hist, mean, rstd, x, gamma, beta, N, C);
+            return;
+        }
+#endif
     if (packed)
         launch_kernel_with_shared(k_layernorm_fwd_fp8<T, PACK(T)>, N / LN_FP8_ROWS, 32 * LN_WARPS, shared, out_n,
                                   out_t, sc, hist, mean, rstd, x, gamma, beta, N, C);
@@ -530,7 +635,7 @@ static void layernorm_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8His
 #define LN_BWD_TILE_BYTES (sizeof(float) * LN_WARPS * 2 * LN_SLAB_COLS) /* the column sums' memory */
 #define LN_BWD_TILE_PITCH(C) ((C) + 16)
 struct LnBwdCodes {
-    static constexpr bool codes = true;
+    static constexpr bool codes = true, prefetch = false;
     fp8 *out_n, *out_t;
     Fp8Scale* sc;
     const Fp8History* hist; /* not empty */
@@ -592,6 +697,28 @@ k_layernorm_bwd_fp8(T* __restrict__ dx, float* __restrict__ partial, const T* __
                                       &codes.sc->amax_bits, codes);
 }
 
+#if FP8_LN_WIDE
+/* The wide candidate's LayerNorm backward (-DFP8_LN_WIDE=1): k_layernorm_bwd_fp8 with each warp
+ * asking L2 for its next row's x, dout and dx (prefetch_l2) before it loads and computes the
+ * present one, so that the next row's DRAM reads overlap this row's means, dx, stores and codes
+ * instead of starting after them (a warp's 4 rows at ANDREA-120M ran one DRAM round trip each). The
+ * same operations in the same order: the same bytes. The rows a warp takes and their order are
+ * fixed by the chunk partials' summation order, so a warp cannot hold more rows at once. */
+struct LnBwdCodesWide : LnBwdCodes {
+    static constexpr bool prefetch = true;
+};
+
+template <typename T, int VEC, int PACKETS>
+__global__ void __launch_bounds__(32 * LN_WARPS, 2)
+k_layernorm_bwd_fp8_wide(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
+                         const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ mean,
+                         const float* __restrict__ rstd, int N, int C, int rows_per_chunk, LnBwdCodesWide codes) {
+    await_previous_kernel();
+    ln_bwd_regs_body<T, VEC, PACKETS>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk,
+                                      &codes.sc->amax_bits, codes);
+}
+#endif
+
 /* Whether layernorm_bwd_fp8 takes these operands (else: layernorm_bwd with the amax, then fp8_cast
  * with the history): rows the register kernel holds, a chunk's codes within the tile. */
 template <typename T>
@@ -614,8 +741,14 @@ static void layernorm_bwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8His
         exit(1);
     }
     LnBwdCodes codes = {out_n, out_t, sc, hist, fmt, 0.0f};
+#if FP8_LN_WIDE
+    LnBwdCodesWide wide = {codes};
+    LN_LAUNCH_PACKETS(rp.packed, rp.packets, k_layernorm_bwd_fp8_wide, T, rp.n_chunks, 32 * LN_WARPS, dx, scratch,
+                      dout, x, gamma, mean, rstd, N, C, rp.rows_per_chunk, wide);
+#else
     LN_LAUNCH_PACKETS(rp.packed, rp.packets, k_layernorm_bwd_fp8, T, rp.n_chunks, 32 * LN_WARPS, dx, scratch, dout,
                       x, gamma, mean, rstd, N, C, rp.rows_per_chunk, codes);
+#endif
     layernorm_bwd_final(dgamma, dbeta, scratch, C, rp.n_chunks, grad_beta != 0.0f);
 }
 
