@@ -506,10 +506,11 @@ static_assert(LN_FP8_ROWS * sizeof(fp8) == sizeof(uint4), "a column of the tile 
 /* The wide fused LayerNorm (candidate, make KERNEL_VARIANTS=-DFP8_LN_WIDE=1): k_layernorm_fwd_fp8's
  * outputs, bit for bit, for packed rows a warp holds in registers (ln_reg_packets <= LN_REG_PACKETS)
  * and N a multiple of LN_WIDE_ROWS. k_layernorm_fwd_fp8 reads a row three times (ln_row_stats'
- * two passes, then the output's), each pass's loads one packet at a time, and a warp's second row
- * only after its first is written; here a warp issues the loads of all its LN_WIDE_ROWS / LN_WARPS
- * rows (as stored) before it uses one, and the mean, variance and outputs come from those
- * registers with ln_row_stats' and the forward's operations in their order. A block's 32 rows make
+ * two passes, then the output's: one DRAM round trip, then two dependent L1 ones), and a warp's
+ * second row only after its first is written; here a warp issues the loads of all its
+ * LN_WIDE_ROWS / LN_WARPS rows (as stored) before it uses one, and the mean, variance and outputs
+ * come from those registers with ln_row_stats' and the forward's operations in their order, two
+ * codes a conversion instruction (fp8_cvt2, the same rounding as fp8_cvt). A block's 32 rows make
  * a column's codes one whole 32-byte sector of out_t, written by lanes l and l + 16 together (the
  * present kernel's 16-byte halves of a sector come from two blocks). Codes go to shared memory as
  * 4-byte words in rows LN_WIDE_PITCH bytes apart (fp8_cast_tile_wide's pitch rule: the two row
@@ -519,6 +520,11 @@ static_assert(LN_FP8_ROWS * sizeof(fp8) == sizeof(uint4), "a column of the tile 
 #define LN_WIDE_PITCH(VEC, PACKETS) (32 * (VEC) * (PACKETS) + 4)
 static_assert(LN_WIDE_ROWS == 2 * sizeof(uint4), "a column of the tile is two 16-byte stores, one sector");
 static_assert(LN_WIDE_PITCH(8, 1) % 8 == 4, "row groups 16 rows apart fall 16 banks apart");
+
+/* fp8_cvt of lo and of hi, in one conversion instruction (lo in the low byte). */
+__device__ __forceinline__ unsigned short fp8_cvt2(float lo, float hi, int fmt) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+}
 
 template <typename T, int VEC, int PACKETS>
 __global__ void __launch_bounds__(32 * LN_WARPS, 2)
@@ -548,15 +554,15 @@ k_layernorm_fwd_fp8_wide(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Sc
         const float r = 1.0f / sqrtf(warp_sum(sum2) / C + LN_EPS);
         LN_REG_LOOP(p, C) {
             const int c = ln_reg_col(p);
-            float g[VEC], b[VEC];
-            __align__(8) fp8 q[VEC];
+            float g[VEC], b[VEC], y[VEC];
+            __align__(8) unsigned short q[VEC / 2]; /* codes k and k + 1 */
             load_vec(g, gamma + c);
             load_vec(b, beta + c);
             for (int k = 0; k < VEC; k++) {
-                float y = as_stored<T>((to_f(xv[i][p][k]) - m) * r * g[k] + b[k]);
-                am = max(am, abs_bits(y));
-                q[k] = fp8_cvt(y * s, FP8_E4M3);
+                y[k] = as_stored<T>((to_f(xv[i][p][k]) - m) * r * g[k] + b[k]);
+                am = max(am, abs_bits(y[k]));
             }
+            for (int k = 0; k < VEC; k += 2) q[k / 2] = fp8_cvt2(y[k] * s, y[k + 1] * s, FP8_E4M3);
             const uint2 w = *reinterpret_cast<const uint2*>(q);
             if (out_n) *reinterpret_cast<uint2*>(out_n + (size_t)row * C + c) = w;
             unsigned* t = reinterpret_cast<unsigned*>(tile + tr * pitch + c);
