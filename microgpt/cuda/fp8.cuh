@@ -439,6 +439,15 @@ static void fp8_history_push_all(Fp8History* hist, const Fp8DelayedScales& where
  * LN_FP8_ROWS codes. Needs N a multiple of LN_FP8_ROWS (fp8's rule) and a history that is not
  * empty (the caller falls back to the unfused path for a run's first forward). */
 #define LN_FP8_ROWS 16
+/* The fused LayerNorm's scale s and its inverse where the product reads them (one thread), and
+ * the block's amax of its outputs as stored, am (every thread calls it; block_amax_commit). */
+__device__ __forceinline__ void ln_fp8_commit_scale(Fp8Scale* sc, float s, unsigned am) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        sc->scale = s;
+        sc->descale = 1.0f / s;
+    }
+    block_amax_commit(&sc->amax_bits, am);
+}
 #define LN_FP8_STATIC_SMEM 1024 /* kept for the kernel's static shared memory (block_amax_commit's 128 B) */
 #define LN_FP8_MAX_C ((48 * 1024 - LN_FP8_STATIC_SMEM) / LN_FP8_ROWS - 16) /* dynamic + static within 48 KB */
 template <typename T, int VEC>
@@ -484,11 +493,7 @@ k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* 
             rstd[row] = r;
         }
     }
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        sc->scale = s;
-        sc->descale = 1.0f / s;
-    }
-    block_amax_commit(&sc->amax_bits, am); /* its __syncthreads also publishes the tile */
+    ln_fp8_commit_scale(sc, s, am); /* its __syncthreads also publishes the tile */
     if (!out_t) return;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         uint4 w;
@@ -552,6 +557,10 @@ k_layernorm_fwd_fp8_wide(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Sc
         const float m = warp_sum(sum) / C;
         LN_REG_LOOP(p, C) for (int k = 0; k < VEC; k++) sum2 += (to_f(xv[i][p][k]) - m) * (to_f(xv[i][p][k]) - m);
         const float r = 1.0f / sqrtf(warp_sum(sum2) / C + LN_EPS);
+        if (lane == 0) {
+            mean[row] = m;
+            rstd[row] = r;
+        }
         LN_REG_LOOP(p, C) {
             const int c = ln_reg_col(p);
             float g[VEC], b[VEC], y[VEC];
@@ -569,16 +578,8 @@ k_layernorm_fwd_fp8_wide(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Sc
             t[0] = w.x;
             t[1] = w.y;
         }
-        if (lane == 0) {
-            mean[row] = m;
-            rstd[row] = r;
-        }
     }
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        sc->scale = s;
-        sc->descale = 1.0f / s;
-    }
-    block_amax_commit(&sc->amax_bits, am); /* its __syncthreads also publishes the tile */
+    ln_fp8_commit_scale(sc, s, am); /* its __syncthreads also publishes the tile */
     if (!out_t) return;
     /* unit u: lane l < 16 of a warp's units the first 16 rows of column 16 * (u / 32) + l, lane l + 16
      * the last 16 */
