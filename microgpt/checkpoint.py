@@ -18,6 +18,9 @@ import numpy as np
 from microgpt.atomic import atomic_open
 
 HEADER_BYTES = 8
+# The longest sidecar an engine reads (docs/DESIGN.md §15: 16 × its 32 KB writer buffer); a longer
+# file is no sidecar of ours, and reading it whole could take all memory.
+SIDECAR_READ_MAX = 16 * 32768
 
 
 class CheckpointError(ValueError):
@@ -62,10 +65,14 @@ def checkpoint_step(path):
 
 
 def read_sidecar(path):
-    """The sidecar PATH.json as a dict, or None where it is missing or not a JSON object."""
+    """The sidecar PATH.json as a dict, or None where it is missing, longer than SIDECAR_READ_MAX
+    or not a JSON object."""
     try:
-        with open(f"{path}.json") as f:
-            side = json.load(f)
+        with open(f"{path}.json", "rb") as f:
+            text = f.read(SIDECAR_READ_MAX + 1)
+        if len(text) > SIDECAR_READ_MAX:
+            return None
+        side = json.loads(text)
     except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply for json
         return None
     return side if isinstance(side, dict) else None

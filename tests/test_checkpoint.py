@@ -9,8 +9,8 @@ import pytest
 import engine_util as eu
 from engine_util import TINY, run_ok, tiny_args
 
-from microgpt.checkpoint import (CheckpointError, checkpoint_step, read_checkpoint, read_header,
-                                 split_params, write_checkpoint)
+from microgpt.checkpoint import (SIDECAR_READ_MAX, CheckpointError, checkpoint_step, read_checkpoint,
+                                 read_header, split_params, write_checkpoint)
 
 
 def test_engine_checkpoint_reads_as_named_tensors(cpu_binary, random_shards, tmp_path):
@@ -114,3 +114,15 @@ def test_a_sidecar_nested_too_deeply_reads_as_none(tmp_path):
     write_checkpoint(ckpt, 1, np.zeros(3), np.zeros(3), np.zeros(3))
     (tmp_path / "c.ckpt.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
     assert read_checkpoint(ckpt).sidecar is None
+
+
+def test_a_sidecar_longer_than_any_engine_reads_is_none(tmp_path):
+    """read_sidecar read any length whole (a 10 GB file named like a sidecar took all memory in
+    chat.py or export): past the engines' own limit it is no sidecar of ours."""
+    ckpt = tmp_path / "c.ckpt"
+    write_checkpoint(ckpt, 1, np.zeros(3), np.zeros(3), np.zeros(3))
+    side = tmp_path / "c.ckpt.json"
+    side.write_text('{"a": 1}' + " " * (SIDECAR_READ_MAX - 8))
+    assert read_checkpoint(ckpt).sidecar == {"a": 1}   # at the limit: read
+    side.write_text('{"a": 1}' + " " * (SIDECAR_READ_MAX - 7))
+    assert read_checkpoint(ckpt).sidecar is None       # one byte past it: none
