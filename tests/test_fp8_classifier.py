@@ -7,9 +7,10 @@ in seconds) on each side of the rule: each engine says which classifier it runs,
 vocabulary the FP8 products contract over is refused only where they run, the CPU engine trains
 near fp32 and resumes exactly. On a GPU (skipped without one) the GPU engine must track the CPU
 emulation, resume exactly, and give the bits of synchronised launches with its graphs and
-unsynchronised launches, also over several logits chunks (each chunk's dwte on the side stream).
-Its kernels are checked by tests/kernel_check.cu ("classifier bf16" and "loss rows fp8 fused" under
---prec fp8).
+unsynchronised launches, also over several logits chunks (each chunk's dwte on the side stream), and
+its build with the wide transpose of the dlogits codes must give the default build's bits. Its
+kernels are checked by tests/kernel_check.cu ("classifier bf16", "loss rows fp8 fused" and
+"transpose codes" under --prec fp8).
 """
 import re
 
