@@ -1107,7 +1107,8 @@ static_assert(FP8_COL_PACKET == 16, "a transposed packet is one 16-byte store");
 #define FP8_TW_ROW_STEP (FP8_CAST_THREADS / FP8_TW_CHUNKS)              /* rows a load pass */
 #define FP8_TW_LOADS (FP8_TW_TILE / FP8_TW_ROW_STEP)                    /* row loads a thread */
 static_assert(FP8_TW_LOADS * FP8_TW_ROW_STEP == FP8_TW_TILE, "the load passes cover the tile");
-static_assert(FP8_CAST_THREADS == FP8_TW_TILE / 4 * FP8_TW_CHUNKS, "the transposed pass: 4 columns x 16 rows a thread");
+static_assert(FP8_CAST_THREADS == FP8_TW_TILE / 4 * FP8_TW_CHUNKS,
+              "the transposed pass: 4 columns x 16 rows a thread");
 static_assert(FP8_TW_CHUNKS == 8 && FP8_CAST_THREADS / 32 * 4 == FP8_TW_TILE / 4,
               "a warp: 4 column groups x 8 row groups; the swizzle spans the 8 chunks of a row");
 
@@ -1145,7 +1146,8 @@ __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_transpose_wide(fp8* __
         tile[tr][q ^ tr / 16 % 8] = v[i];
     }
     __syncthreads();
-    int lane = threadIdx.x % 32, seg = lane % 8, group = threadIdx.x / 32 * 4 + lane / 8; /* rows 16 seg.., columns 4 group.. */
+    /* this thread's rows 16 seg .. 16 seg + 15 and columns 4 group .. 4 group + 3 of the tile */
+    int lane = threadIdx.x % 32, seg = lane % 8, group = threadIdx.x / 32 * 4 + lane / 8;
     int r = r0 + seg * 16, c = c0 + group * 4;
     if (r >= R || c >= Cc) return; /* a row group of 16 and (Cc a multiple of 16) 4 columns: wholly in or out */
     const unsigned* words = reinterpret_cast<const unsigned*>(tile);
@@ -1164,7 +1166,8 @@ __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_transpose_wide(fp8* __
     }
 #pragma unroll
     for (int j = 0; j < 4; j++)
-        *reinterpret_cast<uint4*>(out + (size_t)(c + j) * R + r) = make_uint4(col[j][0], col[j][1], col[j][2], col[j][3]);
+        *reinterpret_cast<uint4*>(out + (size_t)(c + j) * R + r) =
+            make_uint4(col[j][0], col[j][1], col[j][2], col[j][3]);
 }
 #endif
 
