@@ -23,7 +23,15 @@
  * shapes, queued, on random inputs, and checks that both write the same bytes (codes of both
  * layouts, amax, scale, descale, mean and rstd; dx and the chunk partials); exit 1 if any differ:
  *
- *   nvcc -O3 -std=c++17 -arch=native -DFP8_LN_WIDE=1 -o build/fp8_casts_lw bench/fp8_casts.cu -lcublas -lcublasLt */
+ *   nvcc -O3 -std=c++17 -arch=native -DFP8_LN_WIDE=1 -o build/fp8_casts_lw bench/fp8_casts.cu -lcublas -lcublasLt
+ *
+ * Built with -DFP8_TRANSPOSE_WIDE=1 (the wide transpose, fp8.cuh), fp8_transpose takes
+ * k_fp8_transpose_wide, and a last section times the present k_fp8_transpose and the wide one
+ * (its tiles down the columns of tiles, as fp8_transpose launches it, and across the rows, as
+ * k_fp8_transpose) side by side, queued, on random codes at the FP8 classifier's dlogits shapes,
+ * and checks that all write the same bytes; the exit status is 1 if any differ:
+ *
+ *   nvcc -O3 -std=c++17 -arch=native -DFP8_TRANSPOSE_WIDE=1 -o build/fp8_casts_tw bench/fp8_casts.cu -lcublas -lcublasLt */
 #include "../microgpt/cuda/fp8.cuh"
 #include "../microgpt/cuda/layernorm.cuh"
 #include "../microgpt/cuda/mlp.cuh"
@@ -153,7 +161,7 @@ static void bench(const char* model, int N, int C, int F, int L) {
     g_buffers.clear();
 }
 
-#if FP8_CAST_WIDE || FP8_LN_WIDE
+#if FP8_CAST_WIDE || FP8_TRANSPOSE_WIDE || FP8_LN_WIDE
 /* Random values of mixed magnitudes (2^-6 to 2^5) and signs: the byte comparison sees every code. */
 template <typename T> __global__ void k_fill_random(T* x, size_t n, unsigned seed) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -170,7 +178,9 @@ template <typename T> static T* random_buffer(size_t n, unsigned seed) {
     CUDA_CHECK(cudaGetLastError());
     return x;
 }
+#endif
 
+#if FP8_CAST_WIDE || FP8_LN_WIDE
 /* Whether `bytes` bytes at a and at b (device memory) are the same, after all queued work. */
 static bool same_device_bytes(const void* a, const void* b, size_t bytes) {
     std::vector<unsigned char> ha(bytes), hb(bytes);
@@ -426,6 +436,55 @@ static void compare_ln(const char* model, int N, int C) {
 }
 #endif
 
+#if FP8_TRANSPOSE_WIDE
+/* Whether the transpose `launch` writes into out (poisoned before) the bytes of `want`. */
+template <typename F> static bool transpose_same(F launch, fp8* out, const std::vector<unsigned char>& want) {
+    std::vector<unsigned char> got(want.size());
+    CUDA_CHECK(cudaMemsetAsync(out, 0xAB, want.size(), g_stream));
+    launch();
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(got.data(), out, got.size(), cudaMemcpyDeviceToHost));
+    return got == want;
+}
+
+/* The present k_fp8_transpose and the wide one, tiles down (fp8_transpose's) and across, on random
+ * codes [R, Cc] (the bytes of random floats): times, GB/s moved (read and write), and the byte
+ * check against the present kernel's output. Returns how many of the two differ. */
+static int compare_transpose(const char* model, int R, int Cc) {
+    size_t n = (size_t)R * Cc;
+    const fp8* in = (const fp8*)random_buffer<float>(n / 4, 11);
+    fp8 *present = (fp8*)dmalloc(n), *wide = (fp8*)dmalloc(n);
+    auto launch_present = [&] {
+        launch_kernel(k_fp8_transpose, fp8_cast_tiles(1, R, Cc), FP8_CAST_THREADS, present, in, R, Cc);
+    };
+    auto launch_down = [&] {
+        launch_kernel(k_fp8_transpose_wide<true>, fp8_transpose_wide_tiles(R, Cc), FP8_CAST_THREADS, wide, in, R, Cc);
+    };
+    auto launch_across = [&] {
+        launch_kernel(k_fp8_transpose_wide<false>, fp8_transpose_wide_tiles(R, Cc), FP8_CAST_THREADS, wide, in, R, Cc);
+    };
+    std::vector<unsigned char> want(n);
+    CUDA_CHECK(cudaMemsetAsync(present, 0xAB, n, g_stream));
+    launch_present();
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(want.data(), present, n, cudaMemcpyDeviceToHost));
+    bool same[2] = {transpose_same(launch_down, wide, want), transpose_same(launch_across, wide, want)};
+    float t0 = time_median_queued_us(launch_present);
+    float t[2] = {time_median_queued_us(launch_down), time_median_queued_us(launch_across)};
+    const char* order[2] = {"wide, tiles down (engine)", "wide, tiles across"};
+    char sh[32];
+    snprintf(sh, sizeof sh, "%dx%d", R, Cc);
+    for (int k = 0; k < 2; k++)
+        printf("%-5s %-26s %-12s present %7.1f us %5.0f GB/s  wide %7.1f us %5.0f GB/s  x%.2f  %s\n", model, order[k],
+               sh, t0, 2.0 * n / (t0 * 1e3), t[k], 2.0 * n / (t[k] * 1e3), t0 / t[k],
+               same[k] ? "same bytes" : "BYTES DIFFER");
+    CUDA_CHECK(cudaDeviceSynchronize());
+    for (void* b : g_buffers) CUDA_CHECK(cudaFree(b));
+    g_buffers.clear();
+    return !same[0] + !same[1];
+}
+#endif
+
 int main(void) {
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
@@ -447,6 +506,15 @@ int main(void) {
     printf("%s\n", g_ln_differs ? "error: the wide LayerNorm kernels' bytes DIFFER from the present ones"
                                  : "all LayerNorm bytes the same");
     differs += g_ln_differs;
+#endif
+#if FP8_TRANSPOSE_WIDE
+    /* the dlogits codes of a logits chunk: ANDREA-120M's (B·T 8192: two chunks of 4096 rows) and
+     * -12M's (one of 4096); all 8192 rows in one; 1040 rows: a last tile row of 16 */
+    printf("\npresent fp8_transpose and the wide one (FP8_TRANSPOSE_WIDE), queued: median us, GB/s moved\n");
+    int t_differs = compare_transpose("120M", 4096, 50304) + compare_transpose("120M", 8192, 50304) +
+                    compare_transpose("12M", 4096, 50304) + compare_transpose("odd", 1040, 50304);
+    printf("%s\n", t_differs ? "error: the wide transpose's bytes DIFFER from the present one's" : "all bytes the same");
+    differs += t_differs;
 #endif
     return differs ? 1 : 0;
 }

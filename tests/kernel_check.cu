@@ -1498,6 +1498,31 @@ template <typename TD> static void test_fp8_gemm(int M, int N, int K, int batch,
     dfree_all();
 }
 
+/* fp8_transpose (the FP8 classifier's dlogits codes for dwte; k_fp8_transpose, or
+ * k_fp8_transpose_wide in a FP8_TRANSPOSE_WIDE build) of random bytes [R, Cc] against the CPU's
+ * transpose, byte for byte, into an output poisoned twice (0x00, then 0xFF: a byte left unwritten
+ * differs from one of them) with guard bytes after it that must stay poisoned. */
+static void test_fp8_transpose(int R, int Cc) {
+    const size_t n = (size_t)R * Cc, guard = 256;
+    std::vector<unsigned char> in(n), want(n + guard), got(n + guard);
+    for (unsigned char& b : in) b = (unsigned char)(next_u64() >> 56);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < Cc; c++) want[(size_t)c * R + r] = in[(size_t)r * Cc + c];
+    fp8 *d_in = (fp8*)dalloc(n), *d_out = (fp8*)dalloc(n + guard);
+    CUDA_CHECK(cudaMemcpy(d_in, in.data(), n, cudaMemcpyHostToDevice));
+    size_t bad = 0;
+    for (int poison_byte : {0x00, 0xFF}) {
+        CUDA_CHECK(cudaMemset(d_out, poison_byte, n + guard));
+        fp8_transpose(d_out, d_in, R, Cc);
+        CUDA_CHECK(cudaMemcpy(got.data(), d_out, n + guard, cudaMemcpyDeviceToHost));
+        memset(want.data() + n, poison_byte, guard);
+        for (size_t i = 0; i < n + guard; i++) bad += got[i] != want[i];
+    }
+    report(bad == 0, FP8_TRANSPOSE_WIDE ? "wide" : "64x64",
+           "%zu of %zu bytes (two poisons, and guards) differ from the CPU transpose", bad, 2 * (n + guard));
+    dfree_all();
+}
+
 /* The FP8 classifier's loss rows (LossStoreFp8, from shared memory and from memory) and the codes'
  * transpose (k_fp8_transpose), bit for bit against the loss rows in T, then fp8_cast with the bound
  * |dscale| as the amax (the static scale, fp8_dlogits_scale): the same row losses and lse, codes in
@@ -1768,6 +1793,15 @@ static void run_fp8(void) {
         snprintf(sh, sizeof sh, "N=%d C=%d V=%d/%d chunk=%d %s", c[0], c[1], c[2], c[3], c[4], fp8_name(FP8_GRAD_FMT));
         set_ctx("fp8", "classifier bf16", sh);
         test_loss_fp8<bf16>(c[0], c[1], c[2], c[3], c[4]);
+    }
+    /* the dlogits codes' transpose: one packet each way; partial tiles both ways (of 64 x 64 and of
+     * FP8_TRANSPOSE_WIDE's 128 x 128); the padded vocabulary at 1040 rows (8 wide tiles and 16 rows)
+     * and at ANDREA-12M's and -120M's logits chunk of 4096 rows */
+    const int tshapes[][2] = {{16, 16}, {144, 400}, {208, 48}, {1040, 50304}, {4096, 50304}};
+    for (const auto& t : tshapes) {
+        snprintf(sh, sizeof sh, "R=%d C=%d", t[0], t[1]);
+        set_ctx("fp8", "transpose codes", sh);
+        test_fp8_transpose(t[0], t[1]);
     }
     /* the fused loss rows: a small vocabulary; the models' (50257 padded to 50304, from shared memory
      * on an H200) */

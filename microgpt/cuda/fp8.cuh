@@ -1228,12 +1228,99 @@ __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_transpose(fp8* __restr
 }
 static_assert(FP8_COL_PACKET == 16, "a transposed packet is one 16-byte store");
 
+#ifndef FP8_TRANSPOSE_WIDE
+#define FP8_TRANSPOSE_WIDE 0
+#endif
+#if FP8_TRANSPOSE_WIDE
+/* The wide transpose (candidate, make KERNEL_VARIANTS=-DFP8_TRANSPOSE_WIDE=1): the same bytes as
+ * k_fp8_transpose, in tiles of FP8_TW_TILE x FP8_TW_TILE codes (16 KB) a block. A thread issues its
+ * FP8_TW_LOADS 16-byte row loads (a warp: 4 whole 128-byte rows) before it stores one to shared
+ * memory, where 16-byte chunk q of tile row r sits at q ^ (r / 16 % 8): a quarter warp's row
+ * stores and the transposed pass's word reads fall on disjoint banks. The transposed pass: a thread
+ * 4 columns x 16 rows (16 word reads, a 4 x 4 byte transpose in registers per 4 rows), a warp 4
+ * column groups x all 8 row groups of the tile, so each of its 4 column stores writes 4 whole
+ * 128-byte lines. ROWS_FASTEST: consecutive blocks take the tiles down a column of tiles (they
+ * complete rows of out, and read runs of rows of in, together); else across a row of tiles, as
+ * k_fp8_transpose. */
+#define FP8_TW_TILE 128
+#define FP8_TW_CHUNKS (FP8_TW_TILE / 16)                                /* 16-byte chunks a tile row */
+#define FP8_TW_ROW_STEP (FP8_CAST_THREADS / FP8_TW_CHUNKS)              /* rows a load pass */
+#define FP8_TW_LOADS (FP8_TW_TILE / FP8_TW_ROW_STEP)                    /* row loads a thread */
+static_assert(FP8_TW_LOADS * FP8_TW_ROW_STEP == FP8_TW_TILE, "the load passes cover the tile");
+static_assert(FP8_CAST_THREADS == FP8_TW_TILE / 4 * FP8_TW_CHUNKS,
+              "the transposed pass: 4 columns x 16 rows a thread");
+static_assert(FP8_TW_CHUNKS == 8 && FP8_CAST_THREADS / 32 * 4 == FP8_TW_TILE / 4,
+              "a warp: 4 column groups x 8 row groups; the swizzle spans the 8 chunks of a row");
+
+static unsigned fp8_transpose_wide_tiles(int R, int Cc) {
+    return ceil_div(R, FP8_TW_TILE) * ceil_div(Cc, FP8_TW_TILE);
+}
+
+/* Columns j of 4 rows' words a[0..3] (byte j of a word: column j): col[j] holds rows 0..3 of column j. */
+__device__ __forceinline__ void fp8_transpose4x4(unsigned (&col)[4], const unsigned (&a)[4]) {
+    unsigned t0 = __byte_perm(a[0], a[1], 0x5140), t1 = __byte_perm(a[0], a[1], 0x7362); /* rows 0,1 interleaved */
+    unsigned t2 = __byte_perm(a[2], a[3], 0x5140), t3 = __byte_perm(a[2], a[3], 0x7362); /* rows 2,3 interleaved */
+    col[0] = __byte_perm(t0, t2, 0x5410), col[1] = __byte_perm(t0, t2, 0x7632);
+    col[2] = __byte_perm(t1, t3, 0x5410), col[3] = __byte_perm(t1, t3, 0x7632);
+}
+
+template <bool ROWS_FASTEST>
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_transpose_wide(fp8* __restrict__ out,
+                                                                         const fp8* __restrict__ in, int R, int Cc) {
+    await_previous_kernel();
+    __shared__ uint4 tile[FP8_TW_TILE][FP8_TW_CHUNKS];
+    unsigned tiles_r = ceil_div(R, FP8_TW_TILE), tiles_c = ceil_div(Cc, FP8_TW_TILE);
+    unsigned tile_r = ROWS_FASTEST ? blockIdx.x % tiles_r : blockIdx.x / tiles_c;
+    unsigned tile_c = ROWS_FASTEST ? blockIdx.x / tiles_r : blockIdx.x % tiles_c;
+    int r0 = (int)tile_r * FP8_TW_TILE, c0 = (int)tile_c * FP8_TW_TILE;
+    int q = threadIdx.x % FP8_TW_CHUNKS, tr0 = threadIdx.x / FP8_TW_CHUNKS;
+    uint4 v[FP8_TW_LOADS] = {}; /* rows past R: zeros, never read back */
+#pragma unroll
+    for (int i = 0; i < FP8_TW_LOADS; i++) { /* R and Cc multiples of 16: a chunk is wholly in or out */
+        int r = r0 + tr0 + i * FP8_TW_ROW_STEP, c = c0 + q * 16;
+        if (r < R && c < Cc) v[i] = *reinterpret_cast<const uint4*>(in + (size_t)r * Cc + c);
+    }
+#pragma unroll
+    for (int i = 0; i < FP8_TW_LOADS; i++) {
+        int tr = tr0 + i * FP8_TW_ROW_STEP;
+        tile[tr][q ^ tr / 16 % 8] = v[i];
+    }
+    __syncthreads();
+    /* this thread's rows 16 seg .. 16 seg + 15 and columns 4 group .. 4 group + 3 of the tile */
+    int lane = threadIdx.x % 32, seg = lane % 8, group = threadIdx.x / 32 * 4 + lane / 8;
+    int r = r0 + seg * 16, c = c0 + group * 4;
+    if (r >= R || c >= Cc) return; /* a row group of 16 and (Cc a multiple of 16) 4 columns: wholly in or out */
+    const unsigned* words = reinterpret_cast<const unsigned*>(tile);
+    unsigned col[4][4]; /* column j, rows 4m .. 4m + 3 */
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        unsigned a[4], t[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int tr = seg * 16 + m * 4 + k; /* its chunk's swizzle is seg */
+            a[k] = words[tr * FP8_TW_TILE / 4 + (group / 4 ^ seg) * 4 + group % 4];
+        }
+        fp8_transpose4x4(t, a);
+#pragma unroll
+        for (int j = 0; j < 4; j++) col[j][m] = t[j];
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        *reinterpret_cast<uint4*>(out + (size_t)(c + j) * R + r) =
+            make_uint4(col[j][0], col[j][1], col[j][2], col[j][3]);
+}
+#endif
+
 static void fp8_transpose(fp8* out, const fp8* in, int R, int Cc) {
     if (R % 16 || Cc % 16 || (uintptr_t)out % 16 || (uintptr_t)in % 16) {
         fprintf(stderr, "error: internal: fp8_transpose of [%d, %d] codes (multiples of 16, 16-byte aligned)\n", R, Cc);
         exit(1);
     }
+#if FP8_TRANSPOSE_WIDE
+    launch_kernel(k_fp8_transpose_wide<true>, fp8_transpose_wide_tiles(R, Cc), FP8_CAST_THREADS, out, in, R, Cc);
+#else
     launch_kernel(k_fp8_transpose, fp8_cast_tiles(1, R, Cc), FP8_CAST_THREADS, out, in, R, Cc);
+#endif
 }
 
 /* Evaluation: the chunk's row losses and lse; logits [n, Vp] is scratch. */
