@@ -18,9 +18,9 @@ import numpy as np
 from microgpt.atomic import atomic_open
 
 HEADER_BYTES = 8
-# The longest sidecar an engine reads (docs/DESIGN.md §15: 16 × its 32 KB writer buffer); a longer
+# The longest sidecar an engine reads (docs/DESIGN.md §15: 16 × its 64 KB writer buffer); a longer
 # file is no sidecar of ours, and reading it whole could take all memory.
-SIDECAR_READ_MAX = 16 * 32768
+SIDECAR_READ_MAX = 16 * 65536
 
 
 class CheckpointError(ValueError):

@@ -25,7 +25,7 @@
 #include <unistd.h>
 
 #define CKPT_HEADER_BYTES 8
-#define CKPT_SIDECAR_MAX 32768 /* the writer's buffer: a run whose longest sidecar outgrows it is refused at start */
+#define CKPT_SIDECAR_MAX 65536 /* the writer's buffer: a run whose longest sidecar outgrows it is refused at start */
 #define CKPT_SIDECAR_OWN_MAX 1024 /* sidecar_text's own members (~0.4 KB) */
 
 /* The longest state mixture_sidecar_json (mixture.h) writes: CFG_MAX_SOURCES sources, every number
