@@ -43,8 +43,34 @@ def write_bytes_atomic(path, data):
         f.write(data)
 
 
-def write_json_atomic(path, obj):
+def json_text(obj):
     """obj as indented JSON with a final newline (readable with cat, diffable)."""
+    return json.dumps(obj, indent=1) + "\n"
+
+
+def write_json_atomic(path, obj):
     with atomic_open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
+        f.write(json_text(obj))
+
+
+def write_files_atomic(directory, files):
+    """Several files {name: bytes} in `directory` as one change: every temp file is written and
+    fsynced before the first rename, so a failure while writing (a full disk) leaves the directory as
+    it was; only a crash between the renames can leave some files new and some old."""
+    temps = []
+    try:
+        for name, data in files.items():
+            tmp = os.path.join(directory, f"{name}.tmp{os.getpid()}")
+            temps.append(tmp)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        for (name, _), tmp in zip(files.items(), temps):
+            os.replace(tmp, os.path.join(directory, name))
+    except BaseException:
+        for tmp in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+        raise
+    fsync_dir(directory)

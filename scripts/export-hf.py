@@ -27,7 +27,9 @@ tensors in its order, nn.Linear [out, in] layout, zero biases, the padded wte ro
 pads them), and OUT_DIR/tokenizer.bin, llm.c's decoding table (magic 20240328, version 2) with the
 ChatML specials. llm.c hard-codes a 4 x d_model MLP, so only models with d_ff = 4 d_model export.
 
-Each file is written atomically; other files in OUT_DIR are left alone.
+The files are written as one change (microgpt/atomic.py: all written and synced before any replaces
+its namesake), so a failure such as a full disk leaves OUT_DIR as it was; other files in it are
+left alone.
 """
 import argparse
 import os
@@ -37,7 +39,7 @@ import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
 from microgpt import tokenizer
-from microgpt.atomic import write_bytes_atomic, write_json_atomic
+from microgpt.atomic import json_text, write_files_atomic
 from microgpt.inference import InferenceError, read_model_params, resolve_checkpoint
 
 # microgpt/cpu/layernorm.h and microgpt/cuda/layernorm.cuh: LayerNorm's epsilon (test_export checks
@@ -207,26 +209,24 @@ def llmc_tokenizer_bytes(vocab_size):
 
 # ---------------------------------------------------------------------------------------------------
 
-def export_hf(shape, params, out_dir):
-    write_bytes_atomic(os.path.join(out_dir, "model.safetensors"),  # "pt": what transformers accepts
-                       safetensors_bytes(hf_tensors(shape, params), metadata={"format": "pt"}))
-    write_json_atomic(os.path.join(out_dir, "config.json"), hf_config(shape))
-    write_json_atomic(os.path.join(out_dir, "generation_config.json"),
-                      {"bos_token_id": tokenizer.EOT, "eos_token_id": tokenizer.IM_END,
-                       "pad_token_id": tokenizer.EOT})
+def hf_files(shape, params):
+    """{file name: bytes} of the transformers GPT-2 directory."""
     vocab, merges = bpe_vocab_and_merges()
-    write_json_atomic(os.path.join(out_dir, "vocab.json"), vocab)
-    write_bytes_atomic(os.path.join(out_dir, "merges.txt"),
-                       ("#version: 0.2\n" + "\n".join(merges) + "\n").encode("utf-8"))
-    write_json_atomic(os.path.join(out_dir, "tokenizer.json"), tokenizer_json(vocab, merges))
     config, specials_map = tokenizer_config(shape["seq_len"])
-    write_json_atomic(os.path.join(out_dir, "tokenizer_config.json"), config)
-    write_json_atomic(os.path.join(out_dir, "special_tokens_map.json"), specials_map)
+    jsons = {"config.json": hf_config(shape),
+             "generation_config.json": {"bos_token_id": tokenizer.EOT, "eos_token_id": tokenizer.IM_END,
+                                        "pad_token_id": tokenizer.EOT},
+             "vocab.json": vocab, "tokenizer.json": tokenizer_json(vocab, merges),
+             "tokenizer_config.json": config, "special_tokens_map.json": specials_map}
+    return {"model.safetensors":  # "pt": what transformers accepts
+            safetensors_bytes(hf_tensors(shape, params), metadata={"format": "pt"}),
+            "merges.txt": ("#version: 0.2\n" + "\n".join(merges) + "\n").encode("utf-8"),
+            **{name: json_text(obj).encode("utf-8") for name, obj in jsons.items()}}
 
 
-def export_llmc(shape, params, out_dir):
-    write_bytes_atomic(os.path.join(out_dir, "model.bin"), llmc_model_bytes(shape, params))
-    write_bytes_atomic(os.path.join(out_dir, "tokenizer.bin"), llmc_tokenizer_bytes(shape["vocab_size"]))
+def llmc_files(shape, params):
+    """{file name: bytes} of llm.c's model and tokenizer files."""
+    return {"model.bin": llmc_model_bytes(shape, params), "tokenizer.bin": llmc_tokenizer_bytes(shape["vocab_size"])}
 
 
 def parse_args(argv):
@@ -248,7 +248,7 @@ def main(argv):
             raise InferenceError(f"the model's vocabulary has {shape['vocab_size']} tokens, not the "
                                  f"{tokenizer.VOCAB_SIZE} of r50k_base + ChatML the tokenizer files describe")
         os.makedirs(args.out_dir, exist_ok=True)
-        (export_hf if args.format == "hf" else export_llmc)(shape, params, args.out_dir)
+        write_files_atomic(args.out_dir, (hf_files if args.format == "hf" else llmc_files)(shape, params))
     except (InferenceError, tokenizer.TokenizerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

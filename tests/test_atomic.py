@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from microgpt.atomic import atomic_open, write_bytes_atomic, write_json_atomic
+from microgpt.atomic import atomic_open, write_bytes_atomic, write_files_atomic, write_json_atomic
 
 
 def test_writes_replace_the_file(tmp_path):
@@ -35,3 +35,28 @@ def test_unserialisable_json_keeps_the_old_file(tmp_path):
     with pytest.raises(TypeError):  # json.dump fails part way, after "{" is written
         write_json_atomic(path, {"ok": 1, "bad": object()})
     assert json.loads(path.read_text()) == [1] and os.listdir(tmp_path) == ["a.json"]
+
+
+def test_several_files_change_together_or_not_at_all(tmp_path, monkeypatch):
+    """An export of several files that failed on its last one (a full disk) left the earlier ones
+    new and the rest old: write_files_atomic replaces none until every file is written."""
+    (tmp_path / "a.bin").write_bytes(b"old a")
+    (tmp_path / "b.bin").write_bytes(b"old b")
+    (tmp_path / "other").write_bytes(b"not ours")
+    real_fsync, synced = os.fsync, []
+
+    def full_disk_on_the_second(fd):
+        synced.append(fd)
+        if len(synced) == 2:
+            raise OSError(28, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk_on_the_second)
+    with pytest.raises(OSError, match="No space"):
+        write_files_atomic(tmp_path, {"a.bin": b"new a", "b.bin": b"new b"})
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == \
+        {"a.bin": b"old a", "b.bin": b"old b", "other": b"not ours"}
+    write_files_atomic(tmp_path, {"a.bin": b"new a", "b.bin": b"new b"})
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == \
+        {"a.bin": b"new a", "b.bin": b"new b", "other": b"not ours"}
