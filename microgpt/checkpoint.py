@@ -11,6 +11,7 @@ the sidecar PATH.json holds what the engine needs beyond that (loss scale, finge
 """
 import json
 import os
+import stat
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,10 +66,14 @@ def checkpoint_step(path):
 
 
 def read_sidecar(path):
-    """The sidecar PATH.json as a dict, or None where it is missing, longer than SIDECAR_READ_MAX
-    or not a JSON object."""
+    """The sidecar PATH.json as a dict, or None where it is missing, no regular file, longer than
+    SIDECAR_READ_MAX or not a JSON object."""
     try:
-        with open(f"{path}.json", "rb") as f:
+        fd = os.open(f"{path}.json", os.O_RDONLY | os.O_NONBLOCK)  # a FIFO's open would wait for a writer
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            os.set_blocking(fd, True)
             text = f.read(SIDECAR_READ_MAX + 1)
         if len(text) > SIDECAR_READ_MAX:
             return None

@@ -72,7 +72,8 @@ class RunFiles:
     def refuse_special_files(self):
         """Every file of the run that exists must be a regular file: the proxy's open() of a FIFO
         would wait for ever, and a log that is /dev/null would swallow every record."""
-        for path in (self.loss, self.state, self.samples, self.lock, self.ckpt, self.ckpt + ".prev"):
+        for path in (self.loss, self.state, self.samples, self.lock, self.ckpt, self.ckpt + ".json", self.ckpt + ".prev",
+                     self.ckpt + ".prev.json"):
             try:
                 mode = os.stat(path).st_mode
             except OSError:  # missing (it is made), or a symlink loop (replaced when written)

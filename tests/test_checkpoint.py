@@ -2,6 +2,8 @@
 the bytes as the engine writes them, memory-mapped; the sidecar; named tensors by the engine's layout;
 one clear error for anything that is not a whole checkpoint."""
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -126,3 +128,24 @@ def test_a_sidecar_longer_than_any_engine_reads_is_none(tmp_path):
     assert read_checkpoint(ckpt).sidecar == {"a": 1}   # at the limit: read
     side.write_text('{"a": 1}' + " " * (SIDECAR_READ_MAX - 7))
     assert read_checkpoint(ckpt).sidecar is None       # one byte past it: none
+
+
+def test_a_sidecar_that_is_a_fifo_reads_as_none_without_waiting(tmp_path):
+    """Opening a FIFO for reading waits for a writer: chat.py, evaluate.py and export waited for
+    ever on a sidecar that was one."""
+    ckpt = tmp_path / "c.ckpt"
+    write_checkpoint(ckpt, 1, np.zeros(3), np.zeros(3), np.zeros(3))
+    os.mkfifo(tmp_path / "c.ckpt.json")
+
+    class Waited(Exception):  # no OSError: read_sidecar would take that for a missing file
+        pass
+
+    def waited(*_):
+        raise Waited("read_sidecar waited on the FIFO")
+    previous = signal.signal(signal.SIGALRM, waited)
+    signal.alarm(10)
+    try:
+        assert read_checkpoint(ckpt).sidecar is None
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

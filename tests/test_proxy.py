@@ -576,6 +576,7 @@ def finished_run(exp, cpu_binary):
 @pytest.mark.parametrize("suffix, kind, words", [
     (".loss.json", "fifo", "is a FIFO"), (".state.json", "fifo", "is a FIFO"),  # open() waited for ever
     (".samples.json", "fifo", "is a FIFO"), (".ckpt", "fifo", "is a FIFO"),
+    (".ckpt.json", "fifo", "is a FIFO"), (".ckpt.prev.json", "fifo", "is a FIFO"),  # the sidecars too
     (".loss.json", "devnull", "is a device"),  # every record went nowhere, exit 0
     (".ckpt.prev", "dir", "is a directory")])
 def test_a_run_file_that_is_not_a_regular_file_is_refused(exp, cpu_binary, finished_run, suffix, kind, words):
