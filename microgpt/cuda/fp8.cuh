@@ -37,6 +37,7 @@
 #define MICROGPT_CUDA_FP8_CUH
 
 #include <cuda_fp8.h>
+#include <type_traits> /* std::integral_constant: attn_fp8_fits */
 
 #include "../cpu/fp8.h"
 #include "attention.cuh"
@@ -888,17 +889,24 @@ template <typename T, int D> static bool fa_dkv_wgmma_fp8_ok(void) {
     return true;
 }
 
+/* Whether a fused fp8 attention kernel takes attention of this shape: the flash path at a head size
+ * of Hopper's kernels (32, 64) whose sm_90a image `image_ok(std::integral_constant<int, D>)` says
+ * this GPU runs. The call sits under FaType<T>::ok, so no float instantiation of a kernel is made. */
+template <typename T, typename ImageOk> static bool attn_fp8_fits(int C, int H, ImageOk image_ok) {
+    if constexpr (FaType<T>::ok) {
+        if (attn_flash_ok<T>(C, H)) {
+            if (C / H == 32) return image_ok(std::integral_constant<int, 32>{});
+            if (C / H == 64) return image_ok(std::integral_constant<int, 64>{});
+        }
+    }
+    return false;
+}
+
 /* Whether attn_bwd_fp8 takes attention of this shape on this GPU: the flash path with Hopper's
  * dK/dV kernel (head sizes 32 and 64, an sm_90a image). Elsewhere (sm_89's k_attn_bwd_dkv, head
  * size 16, the cuBLAS path): attn_bwd with the amax, then fp8_cast with the history. */
 template <typename T> static bool attn_bwd_fp8_fits(int C, int H) {
-    if constexpr (FaType<T>::ok) {
-        if (attn_flash_ok<T>(C, H)) {
-            if (C / H == 32) return fa_dkv_wgmma_fp8_ok<T, 32>();
-            if (C / H == 64) return fa_dkv_wgmma_fp8_ok<T, 64>();
-        }
-    }
-    return false;
+    return attn_fp8_fits<T>(C, H, [](auto d) { return fa_dkv_wgmma_fp8_ok<T, decltype(d)::value>(); });
 }
 
 template <typename T, int D>
@@ -957,13 +965,7 @@ template <typename T, int D> static bool fa_fwd_wgmma_fp8_ok(void) {
  * forward kernel (head sizes 32 and 64, an sm_90a image). Elsewhere (sm_89's k_attn_fwd, head size
  * 16, the cuBLAS path): attn_fwd with the amax, then fp8_cast with the history. */
 template <typename T> static bool attn_fwd_fp8_fits(int C, int H) {
-    if constexpr (FaType<T>::ok) {
-        if (attn_flash_ok<T>(C, H)) {
-            if (C / H == 32) return fa_fwd_wgmma_fp8_ok<T, 32>();
-            if (C / H == 64) return fa_fwd_wgmma_fp8_ok<T, 64>();
-        }
-    }
-    return false;
+    return attn_fp8_fits<T>(C, H, [](auto d) { return fa_fwd_wgmma_fp8_ok<T, decltype(d)::value>(); });
 }
 
 template <typename T, int D>
