@@ -61,10 +61,21 @@ static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C,
     gemm(n, Vp, C, mat(x, C), mat_t(wte, C), mat(logits, Vp));
 }
 
+/* FP8_LOSS_PACKED (candidate, make KERNEL_VARIANTS=-DFP8_LOSS_PACKED=1): the FP8 classifier's loss
+ * rows write dlogits' codes with cuda/fp8.cuh's LossStoreFp8Packed, which takes what it derives from
+ * ds (the codes' scale) once a row from its row_arg, rather than once a packet. */
+#ifndef FP8_LOSS_PACKED
+#define FP8_LOSS_PACKED 0
+#endif
+
 /* What a row's second pass does with its gradient's packets (v: the VEC values from column j of
- * row `row`; ds: *dscale): by default overwrites the logits l with them in T. The
- * FP8 classifier stores their FP8 codes elsewhere instead (cuda/fp8.cuh's LossStoreFp8). */
+ * row `row`; ds: *dscale, or in a FP8_LOSS_PACKED build the store's row_arg(*dscale)): by default
+ * overwrites the logits l with them in T. The FP8 classifier stores their FP8 codes elsewhere
+ * instead (cuda/fp8.cuh's LossStoreFp8). */
 struct LossStoreInPlace {
+#if FP8_LOSS_PACKED
+    __device__ __forceinline__ float row_arg(float ds) const { return ds; }
+#endif
     template <typename T, int VEC>
     __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float ds) const {
         (void)row, (void)ds;
@@ -106,13 +117,18 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
     }
     if (!dscale) return;
     float ds = *dscale;
+#if FP8_LOSS_PACKED
+    const float st_arg = st.row_arg(ds);
+#else
+    const float st_arg = ds;
+#endif
     for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
         load_vec(v, src + j);
         for (int k = 0; k < VEC; k++) v[k] = (__expf(v[k] - row_lse) - (j + k == target ? 1.0f : 0.0f)) * ds;
         if (j + VEC > V) /* padded columns */
             for (int k = 0; k < VEC; k++)
                 if (j + k >= V) v[k] = 0.0f;
-        st.template store<T, VEC>(l, row, j, v, ds);
+        st.template store<T, VEC>(l, row, j, v, st_arg);
     }
 }
 
