@@ -1186,6 +1186,9 @@ struct LossStoreFp8 {
 #if FP8_LOSS_PACKED
     __device__ __forceinline__ float row_arg(float ds) const { return ds; }
 #endif
+#if FP8_LOSS_LEAN
+    static constexpr bool lean_grad = false;
+#endif
     template <typename T, int VEC>
     __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float ds) const {
         float s = fp8_dlogits_scale(ds);
@@ -1228,6 +1231,9 @@ struct LossStoreFp8Packed {
     Fp8Scale* sc;
     int Vp;
     __device__ __forceinline__ float row_arg(float ds) const { return fp8_dlogits_scale(ds); }
+#if FP8_LOSS_LEAN
+    static constexpr bool lean_grad = true; /* loss.cuh's loss_grad_lean: the same codes */
+#endif
     template <typename T, int VEC>
     __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float s) const {
         fp8* dst = codes + (size_t)row * Vp + j;
