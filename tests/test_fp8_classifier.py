@@ -165,10 +165,14 @@ def test_gpu_wide_transpose_gives_the_default_builds_bits(cuda_binary, random_sh
 
 
 @pytest.mark.gpu
-def test_gpu_packed_loss_store_gives_the_default_builds_bits(cuda_binary, random_shards, tmp_path):
+@pytest.mark.parametrize("suffix, flags, name", [
+    ("_lp", "-DFP8_LOSS_PACKED=1", "packed loss store"),
+    ("_lpl", "-DFP8_LOSS_PACKED=1 -DFP8_LOSS_LEAN=1", "lean packed loss store")])
+def test_gpu_packed_loss_store_gives_the_default_builds_bits(cuda_binary, random_shards, tmp_path, suffix, flags,
+                                                             name):
     """-DFP8_LOSS_PACKED=1 (docs/BENCHMARKS.md #83) writes the FP8 classifier's dlogits codes in the
-    loss rows with the codes' scale taken once a row and the conversions two values at a time: the
-    same bits as the default's store (kernel_check compares both with the loss rows in T, then
-    fp8_cast), so the same records (losses) and checkpoint (dwte through the codes, every weight)."""
-    check_variant_gives_the_default_builds_bits(cuda_binary, random_shards, tmp_path, "_lp",
-                                                "-DFP8_LOSS_PACKED=1", "packed loss store")
+    loss rows with the codes' scale taken once a row and the conversions two values at a time, and
+    with -DFP8_LOSS_LEAN=1 (#84) also computes their gradient in fewer instructions: the same bits
+    as the default's store (kernel_check compares each with the loss rows in T, then fp8_cast), so
+    the same records (losses) and checkpoint (dwte through the codes, every weight)."""
+    check_variant_gives_the_default_builds_bits(cuda_binary, random_shards, tmp_path, suffix, flags, name)
