@@ -1183,12 +1183,6 @@ struct LossStoreFp8 {
     fp8* codes;
     Fp8Scale* sc;
     int Vp;
-#if FP8_LOSS_PACKED
-    __device__ __forceinline__ float row_arg(float ds) const { return ds; }
-#endif
-#if FP8_LOSS_LEAN
-    static constexpr bool lean_grad = false;
-#endif
     template <typename T, int VEC>
     __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float ds) const {
         float s = fp8_dlogits_scale(ds);
@@ -1223,17 +1217,13 @@ template <typename T> __device__ __forceinline__ float2 as_stored2(float x, floa
  * compiler does not hoist fp8_dlogits_scale's frexpf / ldexpf out of the row loop: ~40 instructions
  * a packet) and rounds each value to T and casts it alone: a scalar F2F.BF16 (the quarter-rate
  * conversion unit) and an E4M3 conversion per value, then byte packing. Here the scale comes once a row
- * (row_arg), and a pair of values takes one packed T conversion (as_stored2, the same rounding as
+ * (loss_store_row_arg), and a pair of values takes one packed T conversion (as_stored2, the same rounding as
  * as_stored) and one FP8 conversion (fp8_cvt2, as fp8_cvt's), whose 16-bit results make the
  * 8-byte store with no byte shuffling. */
 struct LossStoreFp8Packed {
     fp8* codes;
     Fp8Scale* sc;
     int Vp;
-    __device__ __forceinline__ float row_arg(float ds) const { return fp8_dlogits_scale(ds); }
-#if FP8_LOSS_LEAN
-    static constexpr bool lean_grad = true; /* loss.cuh's loss_grad_lean: the same codes */
-#endif
     template <typename T, int VEC>
     __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float s) const {
         fp8* dst = codes + (size_t)row * Vp + j;
@@ -1256,6 +1246,14 @@ struct LossStoreFp8Packed {
         }
     }
 };
+/* Its store()'s s: the codes' scale, derived from ds once a row (loss.cuh's loss_row). */
+__device__ __forceinline__ float loss_store_row_arg(const LossStoreFp8Packed&, float ds) {
+    return fp8_dlogits_scale(ds);
+}
+#if FP8_LOSS_LEAN
+/* loss.cuh's loss_grad_lean: the same codes */
+template <> struct LossStoreLean<LossStoreFp8Packed> : std::true_type {};
+#endif
 typedef LossStoreFp8Packed LossStoreDlogits; /* the store loss_fwd_bwd_fp8 runs */
 #else
 typedef LossStoreFp8 LossStoreDlogits;

@@ -63,12 +63,12 @@ static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C,
 
 /* FP8_LOSS_PACKED (candidate, make KERNEL_VARIANTS=-DFP8_LOSS_PACKED=1): the FP8 classifier's loss
  * rows write dlogits' codes with cuda/fp8.cuh's LossStoreFp8Packed, which takes what it derives from
- * ds (the codes' scale) once a row from its row_arg, rather than once a packet. */
+ * ds (the codes' scale) once a row (loss_store_row_arg), rather than once a packet. */
 #ifndef FP8_LOSS_PACKED
 #define FP8_LOSS_PACKED 0
 #endif
 /* FP8_LOSS_LEAN (candidate, with FP8_LOSS_PACKED: make KERNEL_VARIANTS="-DFP8_LOSS_PACKED=1
- * -DFP8_LOSS_LEAN=1"): for a store whose lean_grad is true (LossStoreFp8Packed), the second pass
+ * -DFP8_LOSS_LEAN=1"): for a store that LossStoreLean names (LossStoreFp8Packed), the second pass
  * computes the gradient in fewer instructions with the same codes (loss_grad_lean). */
 #ifndef FP8_LOSS_LEAN
 #define FP8_LOSS_LEAN 0
@@ -76,18 +76,20 @@ static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C,
 #if FP8_LOSS_LEAN && !FP8_LOSS_PACKED
 #error "FP8_LOSS_LEAN needs FP8_LOSS_PACKED (its store, LossStoreFp8Packed, is the lean one)"
 #endif
+#if FP8_LOSS_PACKED
+#include <type_traits>
+/* What a store's store() takes for ds, derived once a row: ds itself, unless the store's type has
+ * its own overload (LossStoreFp8Packed's: the codes' scale). */
+template <typename Store> __device__ __forceinline__ float loss_store_row_arg(const Store&, float ds) { return ds; }
+/* Whether a store takes loss_grad_lean's gradient (FP8_LOSS_LEAN): no, unless specialised. */
+template <typename Store> struct LossStoreLean : std::false_type {};
+#endif
 
 /* What a row's second pass does with its gradient's packets (v: the VEC values from column j of
- * row `row`; ds: *dscale, or in a FP8_LOSS_PACKED build the store's row_arg(*dscale)): by default
+ * row `row`; ds: *dscale, or in a FP8_LOSS_PACKED build loss_store_row_arg(st, *dscale)): by default
  * overwrites the logits l with them in T. The FP8 classifier stores their FP8 codes elsewhere
  * instead (cuda/fp8.cuh's LossStoreFp8). */
 struct LossStoreInPlace {
-#if FP8_LOSS_PACKED
-    __device__ __forceinline__ float row_arg(float ds) const { return ds; }
-#endif
-#if FP8_LOSS_LEAN
-    static constexpr bool lean_grad = false;
-#endif
     template <typename T, int VEC>
     __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float ds) const {
         (void)row, (void)ds;
@@ -159,14 +161,14 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
     if (!dscale) return;
     float ds = *dscale;
 #if FP8_LOSS_PACKED
-    const float st_arg = st.row_arg(ds);
+    const float st_arg = loss_store_row_arg(st, ds);
 #else
     const float st_arg = ds;
 #endif
     for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
         load_vec(v, src + j);
 #if FP8_LOSS_LEAN
-        if constexpr (Store::lean_grad) loss_grad_lean(v, j, target, row_lse, ds);
+        if constexpr (LossStoreLean<Store>::value) loss_grad_lean(v, j, target, row_lse, ds);
         else
 #endif
         for (int k = 0; k < VEC; k++) v[k] = (__expf(v[k] - row_lse) - (j + k == target ? 1.0f : 0.0f)) * ds;
