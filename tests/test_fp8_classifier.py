@@ -136,34 +136,6 @@ def test_gpu_fp8_classifier_over_several_chunks_gives_the_bits_of_synchronised_l
                                   {k: v for k, v in GPU_RUN.items() if k.startswith(("model.", "train.batch"))})
 
 
-def check_variant_gives_the_default_builds_bits(cuda_binary, random_shards, tmp_path, suffix, flag, name):
-    """The engine built with the compile-time `flag` (suffix: its binary's) trains the FP8 classifier
-    to the default build's records and checkpoint, bit for bit; 144 rows: a partial tile."""
-    if OVERRIDE_ENGINE:
-        pytest.skip(f"ANDREA_CUDA_ENGINE names one prebuilt engine; the {flag} variant is built from source")
-    engine = eu.BUILD / f"microgpt_cuda{suffix}"
-    build_variant(suffix, flag, engine)
-    args = tiny_args(random_shards.train, random_shards.val, **{**GPU_RUN, "train.steps": 6, "train.grad_accum": 2})
-    runs = {}
-    for run, binary in (("default", cuda_binary), (name, engine)):
-        ckpt = tmp_path / f"{run}.ckpt"
-        res = run_ok(binary, args + ["--checkpoint", ckpt])
-        assert classifier_named(res) == "FP8"
-        runs[run] = (eu.exact_records(res), ckpt.read_bytes())
-    assert len([k for k in runs[name][0] if k[0] == "train"]) == 6
-    assert runs[name][0] == runs["default"][0], f"the {name} build's records differ from the default build's"
-    assert runs[name][1] == runs["default"][1], f"the {name} build's checkpoint differs from the default build's"
-
-
-@pytest.mark.gpu
-def test_gpu_wide_transpose_gives_the_default_builds_bits(cuda_binary, random_shards, tmp_path):
-    """-DFP8_TRANSPOSE_WIDE=1 (docs/BENCHMARKS.md #81) transposes the dlogits codes for dwte in
-    128 x 128 tiles: the same bytes as the default's 64 x 64 tiles (kernel_check compares both with
-    the CPU's transpose), so the same records and checkpoint."""
-    check_variant_gives_the_default_builds_bits(cuda_binary, random_shards, tmp_path, "_tw",
-                                                "-DFP8_TRANSPOSE_WIDE=1", "wide transpose")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("suffix, flags, name", [
     ("_lp", "-DFP8_LOSS_PACKED=1", "packed loss store"),
@@ -174,5 +146,18 @@ def test_gpu_packed_loss_store_gives_the_default_builds_bits(cuda_binary, random
     loss rows with the codes' scale taken once a row and the conversions two values at a time, and
     with -DFP8_LOSS_LEAN=1 (#84) also computes their gradient in fewer instructions: the same bits
     as the default's store (kernel_check compares each with the loss rows in T, then fp8_cast), so
-    the same records (losses) and checkpoint (dwte through the codes, every weight)."""
-    check_variant_gives_the_default_builds_bits(cuda_binary, random_shards, tmp_path, suffix, flags, name)
+    the same records (losses) and checkpoint (dwte through the codes, every weight); 144 rows."""
+    if OVERRIDE_ENGINE:
+        pytest.skip(f"ANDREA_CUDA_ENGINE names one prebuilt engine; the {flags} variant is built from source")
+    engine = eu.BUILD / f"microgpt_cuda{suffix}"
+    build_variant(suffix, flags, engine)
+    args = tiny_args(random_shards.train, random_shards.val, **{**GPU_RUN, "train.steps": 6, "train.grad_accum": 2})
+    runs = {}
+    for run, binary in (("default", cuda_binary), (name, engine)):
+        ckpt = tmp_path / f"{run}.ckpt"
+        res = run_ok(binary, args + ["--checkpoint", ckpt])
+        assert classifier_named(res) == "FP8"
+        runs[run] = (eu.exact_records(res), ckpt.read_bytes())
+    assert len([k for k in runs[name][0] if k[0] == "train"]) == 6
+    assert runs[name][0] == runs["default"][0], f"the {name} build's records differ from the default build's"
+    assert runs[name][1] == runs["default"][1], f"the {name} build's checkpoint differs from the default build's"
