@@ -1056,11 +1056,8 @@ template <typename T> __device__ __forceinline__ float2 as_stored2(float x, floa
  * conversion unit) and an E4M3 conversion per value, then byte packing. Here the scale comes once a row
  * (loss_store_row_arg), and a pair of values takes one packed T conversion (as_stored2, the same rounding as
  * as_stored) and one FP8 conversion (fp8_cvt2, as fp8_cvt's), whose 16-bit results make the
- * 8-byte store with no byte shuffling. */
-struct LossStoreFp8Packed {
-    fp8* codes;
-    Fp8Scale* sc;
-    int Vp;
+ * 8-byte store with no byte shuffling. Its fields are LossStoreFp8's; its store() replaces that one. */
+struct LossStoreFp8Packed : LossStoreFp8 {
     template <typename T, int VEC>
     __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float s) const {
         fp8* dst = codes + (size_t)row * Vp + j;
