@@ -1007,36 +1007,6 @@ static void fp8_cast_classifier_input(fp8* out_n, fp8* out_t, Fp8Scale* sc, cons
     }
 }
 
-/* The FP8 classifier's loss rows (loss.cuh's Store) write dlogits' codes [n, Vp] row-major in
- * FP8_GRAD_FMT instead of T over the logits: each value as it would be stored in T, at the static
- * scale fp8_dlogits_scale(ds) (cpu/fp8.h), which the first packet of row 0 writes to sc. Bit for bit
- * the loss rows in T, then fp8_cast with the bound |ds| as the amax (tests/kernel_check.cu). */
-struct LossStoreFp8 {
-    fp8* codes;
-    Fp8Scale* sc;
-    int Vp;
-    template <typename T, int VEC>
-    __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float ds) const {
-        float s = fp8_dlogits_scale(ds);
-        fp8 q[VEC];
-        fp8* dst = codes + (size_t)row * Vp + j;
-        (void)l;
-        for (int k = 0; k < VEC; k++) q[k] = fp8_cvt(as_stored<T>(v[k]) * s, FP8_GRAD_FMT);
-        if constexpr (VEC == 8) {
-            uint2 w;
-            memcpy(&w, q, sizeof w);
-            *reinterpret_cast<uint2*>(dst) = w; /* Vp and j multiples of 8 (the packed kernels) */
-        } else {
-            for (int k = 0; k < VEC; k++) dst[k] = q[k];
-        }
-        if (row == 0 && j == 0) {
-            sc->scale = s;
-            sc->descale = 1.0f / s;
-        }
-    }
-};
-
-#if FP8_LOSS_PACKED
 /* fp8_cvt of lo and of hi, in one conversion instruction (lo in the low byte). */
 __device__ __forceinline__ unsigned short fp8_cvt2(float lo, float hi, int fmt) {
     return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
@@ -1049,15 +1019,25 @@ template <typename T> __device__ __forceinline__ float2 as_stored2(float x, floa
     else return make_float2(x, y);
 }
 
-/* The packed store (candidate, FP8_LOSS_PACKED, loss.cuh): LossStoreFp8's codes and scale, bit for bit,
- * in fewer instructions a packet. LossStoreFp8 derives the scale from ds in every packet (the
- * compiler does not hoist fp8_dlogits_scale's frexpf / ldexpf out of the row loop: ~40 instructions
- * a packet) and rounds each value to T and casts it alone: a scalar F2F.BF16 (the quarter-rate
- * conversion unit) and an E4M3 conversion per value, then byte packing. Here the scale comes once a row
- * (loss_store_row_arg), and a pair of values takes one packed T conversion (as_stored2, the same rounding as
- * as_stored) and one FP8 conversion (fp8_cvt2, as fp8_cvt's), whose 16-bit results make the
- * 8-byte store with no byte shuffling. Its fields are LossStoreFp8's; its store() replaces that one. */
-struct LossStoreFp8Packed : LossStoreFp8 {
+/* Where the codes go. A base of LossStoreFp8's rather than its own fields: nvcc schedules the loss
+ * rows' instructions differently for the flat struct, and with this one they are, byte for byte,
+ * those of the build #83 and #84 were measured with. */
+struct LossStoreFp8Out {
+    fp8* codes;
+    Fp8Scale* sc;
+    int Vp;
+};
+
+/* The FP8 classifier's loss rows (loss.cuh's Store) write dlogits' codes [n, Vp] row-major in
+ * FP8_GRAD_FMT instead of T over the logits: each value as it would be stored in T, at the static
+ * scale s = fp8_dlogits_scale(ds) (cpu/fp8.h), which the first packet of row 0 writes to sc. Bit for
+ * bit the loss rows in T, then fp8_cast with the bound |ds| as the amax (tests/kernel_check.cu). In
+ * few instructions a packet (docs/BENCHMARKS.md #83: the loss rows 1.2x faster): s comes once a row
+ * (loss_store_row_arg; the compiler does not hoist fp8_dlogits_scale's frexpf / ldexpf out of the
+ * row loop), and a pair of values takes one packed T conversion (as_stored2, the same rounding as
+ * as_stored) and one FP8 conversion (fp8_cvt2, as fp8_cvt's), whose 16-bit results make the 8-byte
+ * store with no byte shuffling. */
+struct LossStoreFp8 : LossStoreFp8Out {
     template <typename T, int VEC>
     __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float s) const {
         fp8* dst = codes + (size_t)row * Vp + j;
@@ -1081,17 +1061,9 @@ struct LossStoreFp8Packed : LossStoreFp8 {
     }
 };
 /* Its store()'s s: the codes' scale, derived from ds once a row (loss.cuh's loss_row). */
-__device__ __forceinline__ float loss_store_row_arg(const LossStoreFp8Packed&, float ds) {
-    return fp8_dlogits_scale(ds);
-}
-#if FP8_LOSS_LEAN
-/* loss.cuh's loss_grad_lean: the same codes */
-template <> struct LossStoreLean<LossStoreFp8Packed> : std::true_type {};
-#endif
-typedef LossStoreFp8Packed LossStoreDlogits; /* the store loss_fwd_bwd_fp8 runs */
-#else
-typedef LossStoreFp8 LossStoreDlogits;
-#endif
+__device__ __forceinline__ float loss_store_row_arg(const LossStoreFp8&, float ds) { return fp8_dlogits_scale(ds); }
+/* loss.cuh's loss_grad_lean: the same codes (docs/BENCHMARKS.md #84) */
+template <> struct LossStoreLean<LossStoreFp8> : std::true_type {};
 
 static_assert(FP8_COL_PACKET == 16, "a transposed packet is one 16-byte store");
 
@@ -1195,7 +1167,7 @@ template <typename T>
 static void loss_fwd_bwd_fp8(float* losses, float* lse, T* dx, float* dwte, T* logits, const Fp8ClassifierOps& c,
                              const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
     fp8_gemm<T>(n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
-    loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreDlogits{c.g, c.g_sc, Vp});
+    loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreFp8{c.g, c.g_sc, Vp});
     fp8_transpose(c.g_t, c.g, n, Vp);
     side_product(c.g_t, [&] {
         fp8_gemm<float>(Vp, C, n, fp8_mat(c.g_t, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.x_t, FP8_E4M3, c.x.sc), dwte, NULL,
