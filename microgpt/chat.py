@@ -15,13 +15,13 @@ stays), /exit or end of input (Ctrl-D) quits, Ctrl-C quits at any time.
 
 Turn n of a session samples with seed --seed + n, so a session replays exactly with the same inputs.
 """
-import argparse
 import codecs
 import json
 import math
 import sys
 
 from microgpt import tokenizer
+from microgpt.cli import ArgumentParser
 from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 
@@ -180,7 +180,7 @@ def interactive(gen, conv, args):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Chat with a trained model (ChatML).")
+    p = ArgumentParser(description="Chat with a trained model (ChatML).")
     p.add_argument("model", metavar="RUN_DIR_OR_CHECKPOINT",
                    help="a run directory (runs/<name>/, its <name>.ckpt) or a checkpoint file")
     p.add_argument("--system", help="system prompt")

@@ -18,7 +18,6 @@ Output, one JSON object on stdout:
     {"loss": 4.19, "perplexity": 66.0, "tokens": 81920, "batches": 20, "checkpoint": ..., "step": ...,
      "data": ..., "engine": "cpu"|"cuda"[, "documents": n, "skipped": {reason: n}]}
 """
-import argparse
 import glob
 import json
 import math
@@ -28,6 +27,7 @@ import sys
 import tempfile
 
 from microgpt import tokenizer
+from microgpt.cli import ArgumentParser
 from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 from microgpt.shards import write_shard
@@ -105,7 +105,7 @@ def evaluate(engine, model, data, batches):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Loss and perplexity of a trained model, as JSON.")
+    p = ArgumentParser(description="Loss and perplexity of a trained model, as JSON.")
     p.add_argument("model", metavar="RUN_DIR_OR_CHECKPOINT",
                    help="a run directory (runs/<name>/, its <name>.ckpt) or a checkpoint file")
     p.add_argument("data", metavar="FILE_OR_GLOB",

@@ -10,7 +10,6 @@ The run directory (default runs/<name>/ under the repository root) is described 
 engine's supervision and signals in supervisor.py, the config in config.py. See docs/PROXY.md for
 the user's view and the server's endpoints.
 """
-import argparse
 import os
 import signal
 import sys
@@ -32,6 +31,7 @@ if __name__ == "__main__":
     hold_signals()
 
 from microgpt.checkpoint import CheckpointError, checkpoint_step
+from microgpt.cli import ArgumentParser, fail
 from microgpt.config import ConfigError, load_config, resolve_path, tokenize_prompts
 from microgpt.engines import ENGINES, ROOT, EngineChoiceError, engine_flags, is_built, select_engine
 from microgpt.loss_log import LossLogError
@@ -45,7 +45,7 @@ LINGER_SECONDS = 0.6  # a few live-stream polls (proxy_server.POLL_SECONDS) afte
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Train with an engine, log the run and serve its "
+    p = ArgumentParser(description="Train with an engine, log the run and serve its "
                                             "live dashboard (see docs/PROXY.md).")
     p.add_argument("config", nargs="?", help="experiment JSON, e.g. experiments/ANDREA-12M-TRAIN.json")
     p.add_argument("--serve", metavar="DIR", help="train nothing: show every run under DIR (a run "
@@ -77,11 +77,6 @@ def parse_args(argv):
     if (args.config is None) == (args.serve is None):
         p.error("give an experiment config to train, or --serve DIR to look at runs")
     return args
-
-
-def fail(msg, code=2):
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(code)
 
 
 def pick_engine(args):

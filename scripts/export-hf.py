@@ -31,7 +31,6 @@ The files are written as one change (microgpt/atomic.py: all written and synced 
 its namesake), so a failure such as a full disk leaves OUT_DIR as it was; other files in it are
 left alone.
 """
-import argparse
 import os
 import sys
 
@@ -40,6 +39,7 @@ from safetensors.numpy import save as safetensors_bytes
 
 from microgpt import tokenizer
 from microgpt.atomic import json_text, write_files_atomic
+from microgpt.cli import ArgumentParser
 from microgpt.inference import InferenceError, read_model_params, resolve_checkpoint
 
 # microgpt/cpu/layernorm.h and microgpt/cuda/layernorm.cuh: LayerNorm's epsilon (test_export checks
@@ -230,7 +230,7 @@ def llmc_files(shape, params):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Export a trained model as a transformers GPT-2 directory "
+    p = ArgumentParser(description="Export a trained model as a transformers GPT-2 directory "
                                             "or an llm.c model file.")
     p.add_argument("model", metavar="RUN_DIR_OR_CHECKPOINT",
                    help="a run directory (runs/<name>/, its <name>.ckpt) or a checkpoint file")
