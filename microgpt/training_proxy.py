@@ -46,7 +46,7 @@ LINGER_SECONDS = 0.6  # a few live-stream polls (proxy_server.POLL_SECONDS) afte
 
 def parse_args(argv):
     p = ArgumentParser(description="Train with an engine, log the run and serve its "
-                                            "live dashboard (see docs/PROXY.md).")
+                       "live dashboard (see docs/PROXY.md).")
     p.add_argument("config", nargs="?", help="experiment JSON, e.g. experiments/ANDREA-12M-TRAIN.json")
     p.add_argument("--serve", metavar="DIR", help="train nothing: show every run under DIR (a run "
                    "directory or a directory of them) on one dashboard, read-only, until Ctrl-C")

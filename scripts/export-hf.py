@@ -231,7 +231,7 @@ def llmc_files(shape, params):
 
 def parse_args(argv):
     p = ArgumentParser(description="Export a trained model as a transformers GPT-2 directory "
-                                            "or an llm.c model file.")
+                       "or an llm.c model file.")
     p.add_argument("model", metavar="RUN_DIR_OR_CHECKPOINT",
                    help="a run directory (runs/<name>/, its <name>.ckpt) or a checkpoint file")
     p.add_argument("out_dir", metavar="OUT_DIR", help="created if missing")
