@@ -28,6 +28,7 @@ import tempfile
 
 from microgpt import tokenizer
 from microgpt.cli import ArgumentParser
+from microgpt.engines import ENGINE_TEXT
 from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 from microgpt.shards import write_shard
@@ -61,7 +62,7 @@ def run_evaluate(engine, ckpt, shard_glob, batches):
     """ENGINE --evaluate -> its {"loss", "tokens", "batches"} record."""
     cmd = [engine, "--evaluate", "--checkpoint", ckpt, "--data.val", shard_glob, "--eval.batches", str(batches)]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        res = subprocess.run(cmd, capture_output=True, **ENGINE_TEXT)
     except OSError as e:
         raise InferenceError(f"cannot start {engine}: {e.strerror or e}") from None
     if res.returncode != 0:

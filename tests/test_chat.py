@@ -9,6 +9,8 @@ newlines whatever it is asked), and a copy of it whose <|im_end|> embedding is m
 argmax a few tokens into a reply.
 """
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +88,19 @@ def chat(model, *args, stdin=None):
     return subprocess.run([sys.executable, str(CHAT), str(model), "--engine", "cpu", "--temperature", "0",
                            "--max-tokens", str(MAX_TOKENS), *args],
                           input=stdin, capture_output=True, text=True, timeout=300, env=eu.python_env())
+
+
+def test_a_checkpoint_path_that_is_no_utf8_chats(random_model, cpu_binary, tmp_path):
+    """The engine's start-up line on stderr names the checkpoint by its bytes; the chat's reader of
+    that stream decoded it strictly, and a directory name that is no UTF-8 (legal on Linux) killed
+    it with a UnicodeDecodeError traceback."""
+    run_dir, _, _ = random_model
+    odd = tmp_path / os.fsdecode(b"m\xff")
+    shutil.copytree(run_dir, odd)
+    ckpt = f"{run_dir.name}.ckpt"
+    replies = [chat(d / ckpt, "--prompt", "Hi", "--json") for d in (run_dir, odd)]
+    assert replies[1].returncode == 0 and "Traceback" not in replies[1].stderr, replies[1].stderr
+    assert json.loads(replies[1].stdout)["tokens"] == json.loads(replies[0].stdout)["tokens"]
 
 
 def test_one_shot_json_is_the_reference_greedy_reply(random_model, cpu_binary):

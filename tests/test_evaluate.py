@@ -5,6 +5,7 @@ reference's mean loss over those windows (fp32 engine, its loss summed in double
 """
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -67,6 +68,20 @@ def test_jsonl_conversations_render_as_the_pipeline_does(trained_model, cpu_bina
     assert out["documents"] == 4 and out["skipped"] == {"invalid JSON": 1, "no user/assistant exchange": 1}
     assert out["batches"] == windows
     assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
+
+
+def test_an_engine_error_naming_a_path_that_is_no_utf8_is_one_error_line(trained_model, cpu_binary, tmp_path):
+    """A directory name of bytes that are no UTF-8 (legal on Linux) comes back in the engine's error
+    line about a bad shard as those bytes: evaluate.py decoded the engine's stderr strictly and died
+    in a UnicodeDecodeError traceback."""
+    d = tmp_path / os.fsdecode(b"d\xff")
+    d.mkdir()
+    (d / "bad_000000.bin").write_bytes(b"\0" * 100)
+    res, _ = evaluate(trained_model.ckpt, d / "bad_*.bin")
+    lines = res.stderr.splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: the engine could not evaluate"), \
+        res.stderr
+    assert "bad_000000.bin" in lines[0]
 
 
 def test_refusals(trained_model, cpu_binary, tmp_path):
