@@ -17,7 +17,6 @@ Turn n of a session samples with seed --seed + n, so a session replays exactly w
 """
 import codecs
 import json
-import math
 import sys
 
 from microgpt import tokenizer
@@ -26,6 +25,12 @@ from microgpt.inference import (Generator, InferenceError, pick_engine, read_mod
                                 resolve_checkpoint)
 
 COMMANDS = "/reset clears the conversation, /exit quits"
+
+# The generation protocol's limits (docs/DESIGN.md §16), checked here so that an error names chat's
+# flag, not the engine's request field.
+INT_MAX = 2**31 - 1       # top_k, max_tokens
+TEMPERATURE_MAX = 1e30
+SEED_MAX = 2**52          # turn n samples with seed + n; the engine takes seeds up to 2^53
 
 
 def turn_tokens(role, content):
@@ -199,12 +204,16 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.json and args.prompt is None:
         p.error("--json needs --prompt")
-    if not 0 <= args.temperature < math.inf:  # so also not NaN, for which every comparison is false
-        p.error("--temperature must be a finite number >= 0")
+    if not 0 <= args.temperature <= TEMPERATURE_MAX:  # so also not NaN, for which every comparison is false
+        p.error(f"--temperature must be a number in [0, {TEMPERATURE_MAX:g}]")
     if not 0 < args.top_p <= 1:
         p.error("--top-p must be in (0, 1]")
-    if args.top_k < 0 or args.max_tokens < 1:
-        p.error("need --top-k >= 0 and --max-tokens >= 1")
+    if not 0 <= args.top_k <= INT_MAX:
+        p.error(f"--top-k must be in [0, {INT_MAX}]")
+    if not 1 <= args.max_tokens <= INT_MAX:
+        p.error(f"--max-tokens must be in [1, {INT_MAX}]")
+    if not 0 <= args.seed <= SEED_MAX:
+        p.error("--seed must be in [0, 2^52]")
     return args
 
 

@@ -220,16 +220,20 @@ def test_a_refused_request_is_an_error_and_the_engine_carries_on(random_model, c
     assert done["tokens"] == reference_greedy(cfg, flat, PROMPT, 3, STOPS)
 
 
-@pytest.mark.parametrize("flag,value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan")])
-def test_a_sampling_setting_that_is_no_finite_number_is_one_error(random_model, cpu_binary, flag, value):
+@pytest.mark.parametrize("flag,value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan"),
+                                        ("--temperature", "1e31"), ("--seed", "-1"), ("--seed", str(2**52 + 1)),
+                                        ("--top-k", str(2**31)), ("--max-tokens", str(2**31))])
+def test_a_sampling_setting_out_of_range_is_one_error_naming_the_flag(random_model, cpu_binary, flag, value):
     """--temperature nan passed the range check (every comparison with NaN is false) and went to the
     engine as the non-JSON token NaN; the engine's answer to a line it cannot read has no id, which
-    the client skipped: the chat waited for ever."""
+    the client skipped: the chat waited for ever. A value the engine refuses (a temperature above
+    1e30, a seed outside [0, 2^53], a top_k or max_tokens past 2^31 - 1) was the engine's message
+    about its request's field ("temperature must be a number >= 0" for 1e31): chat names its flag."""
     run_dir, _, _ = random_model
     res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--prompt", "hi",
                           flag, value], capture_output=True, text=True, timeout=60, env=eu.python_env())
     assert res.returncode == 2 and res.stderr.startswith("error: ") and len(res.stderr.splitlines()) == 1, res.stderr
-    assert flag in res.stderr
+    assert flag in res.stderr and "engine" not in res.stderr
 
 
 def test_a_request_the_engine_cannot_read_is_an_error_not_a_wait(random_model, cpu_binary):
