@@ -29,6 +29,7 @@ import tempfile
 from microgpt import tokenizer
 from microgpt.cli import ArgumentParser
 from microgpt.engines import ENGINE_TEXT
+from microgpt.files import open_regular
 from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 from microgpt.shards import write_shard
@@ -39,7 +40,7 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 def tokenize_file(path):
     """A .txt or .jsonl file -> (token ids, documents, {malformed reason: count})."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(open_regular(path), encoding="utf-8", errors="replace") as f:
             if path.endswith(".txt"):
                 return tokenizer.encode(f.read()) + [tokenizer.EOT], 1, {}
             ids, documents, skipped = [], 0, {}

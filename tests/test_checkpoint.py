@@ -46,10 +46,11 @@ def test_write_then_read_round_trips(tmp_path):
 
 @pytest.mark.parametrize("make, words", [
     (lambda p: p.mkdir(), "is a directory"),
+    (lambda p: os.mkfifo(p), "is a FIFO"),  # its open waited for a writer for ever
     (lambda p: p.write_bytes(b"\x01\x00"), "shorter than its header"),
     (lambda p: p.write_bytes(np.array([3, 2], "<i4").tobytes() + b"\0" * 23), "needs 32"),
     (lambda p: p.write_bytes(np.array([3, -1], "<i4").tobytes()), "-1 parameters"),
-], ids=["directory", "short", "size", "negative"])
+], ids=["directory", "fifo", "short", "size", "negative"])
 def test_what_is_not_a_checkpoint_is_one_clear_error(tmp_path, make, words):
     path = tmp_path / "bad.ckpt"
     make(path)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import engine_util as eu
 import reference as ref
@@ -82,6 +83,15 @@ def test_an_engine_error_naming_a_path_that_is_no_utf8_is_one_error_line(trained
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: the engine could not evaluate"), \
         res.stderr
     assert "bad_000000.bin" in lines[0]
+
+
+@pytest.mark.parametrize("name", ["text.txt", "chats.jsonl"])
+def test_a_fifo_as_the_text_is_one_error_not_a_hang(trained_model, cpu_binary, tmp_path, name):
+    """A FIFO named like a .txt or .jsonl file: evaluate.py's open waited for a writer for ever."""
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    res, _ = evaluate(trained_model.ckpt, fifo)
+    assert res.returncode == 2 and res.stderr == f"error: {fifo}: a FIFO, not a regular file\n", res.stderr
 
 
 def test_refusals(trained_model, cpu_binary, tmp_path):
