@@ -236,7 +236,10 @@ def parse_args(argv):
                    help="a run directory (runs/<name>/, its <name>.ckpt) or a checkpoint file")
     p.add_argument("out_dir", metavar="OUT_DIR", help="created if missing")
     p.add_argument("--format", choices=("hf", "llmc"), default="hf")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.out_dir:
+        p.error("OUT_DIR is empty")
+    return args
 
 
 def main(argv):
@@ -247,6 +250,8 @@ def main(argv):
         if shape["vocab_size"] != tokenizer.VOCAB_SIZE:
             raise InferenceError(f"the model's vocabulary has {shape['vocab_size']} tokens, not the "
                                  f"{tokenizer.VOCAB_SIZE} of r50k_base + ChatML the tokenizer files describe")
+        if os.path.lexists(args.out_dir) and not os.path.isdir(args.out_dir):  # makedirs: "File exists"
+            raise InferenceError(f"{args.out_dir} exists and is no directory")
         os.makedirs(args.out_dir, exist_ok=True)
         write_files_atomic(args.out_dir, (hf_files if args.format == "hf" else llmc_files)(shape, params))
     except (InferenceError, tokenizer.TokenizerUnavailable) as e:
