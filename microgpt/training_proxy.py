@@ -10,6 +10,7 @@ The run directory (default runs/<name>/ under the repository root) is described 
 engine's supervision and signals in supervisor.py, the config in config.py. See docs/PROXY.md for
 the user's view and the server's endpoints.
 """
+import math
 import os
 import signal
 import sys
@@ -74,6 +75,10 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.ranks < 1:
         p.error("--ranks must be at least 1")
+    if args.port is not None and not 0 <= args.port <= 65535:
+        p.error("--port must be in [0, 65535]")
+    if args.progress_every is not None and not 0 <= args.progress_every < math.inf:  # also not NaN
+        p.error("--progress-every must be a finite number of seconds >= 0")
     if (args.config is None) == (args.serve is None):
         p.error("give an experiment config to train, or --serve DIR to look at runs")
     return args

@@ -939,3 +939,27 @@ def test_records_endpoint_pages_through_the_log(served):
     with requests.get(url + "api/stream?from=0", headers={**auth, "Last-Event-ID": "\u00b2"}, stream=True,
                       timeout=30) as resp:  # not an index: ignored, the stream starts at "from"
         assert resp.status_code == 200
+
+
+@pytest.mark.parametrize("make, words", [(os.mkfifo, "a FIFO"), (os.mkdir, "a directory")])
+def test_a_config_that_is_no_regular_file_is_one_plain_error(tmp_path, cpu_binary, make, words):
+    """The refusal of a FIFO or directory as the config read 'not valid JSON: cannot read it: ...',
+    the reader's message wrapped in the parser's."""
+    path = tmp_path / "exp.json"
+    make(path)
+    res = subprocess.run([sys.executable, str(PROXY), str(path), "--engine-binary", str(cpu_binary), "--no-server"],
+                         capture_output=True, text=True, env=proxy_env(), timeout=60)
+    assert res.returncode == 2 and res.stderr.splitlines() == [f"error: {path}: cannot read it: {words}, not a "
+                                                               "regular file"], res.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--port", "-1"), ("--port", "65536"), ("--progress-every", "nan"),
+                                         ("--progress-every", "-1"), ("--progress-every", "inf")])
+def test_a_proxy_flag_out_of_range_is_one_error_line(exp, cpu_binary, flag, value):
+    """--port 65536 reached bind(), whose OverflowError was a traceback after the engine had been
+    chosen; --progress-every nan or -1 was taken as an interval."""
+    res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=2, train={"warmup_steps": 0})), "--engine-binary", str(cpu_binary),
+                          "--run-dir", str(exp.run_dir), flag, value], capture_output=True, text=True,
+                         env=proxy_env(), timeout=60)
+    assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+    assert res.stderr.startswith(f"error: {flag} must be") and not exp.run_dir.exists(), res.stderr
