@@ -21,6 +21,7 @@ import sys
 
 from microgpt import tokenizer
 from microgpt.cli import ArgumentParser
+from microgpt.engines import ENGINE_INT_MAX
 from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 
@@ -28,9 +29,8 @@ COMMANDS = "/reset clears the conversation, /exit quits"
 
 # The generation protocol's limits (docs/DESIGN.md §16), checked here so that an error names chat's
 # flag, not the engine's request field.
-INT_MAX = 2**31 - 1       # top_k, max_tokens
 TEMPERATURE_MAX = 1e30
-SEED_MAX = 2**52          # turn n samples with seed + n; the engine takes seeds up to 2^53
+SEED_MAX = 2**52  # turn n samples with seed + n; the engine takes seeds up to 2^53
 
 
 def turn_tokens(role, content):
@@ -208,10 +208,10 @@ def parse_args(argv):
         p.error(f"--temperature must be a number in [0, {TEMPERATURE_MAX:g}]")
     if not 0 < args.top_p <= 1:
         p.error("--top-p must be in (0, 1]")
-    if not 0 <= args.top_k <= INT_MAX:
-        p.error(f"--top-k must be in [0, {INT_MAX}]")
-    if not 1 <= args.max_tokens <= INT_MAX:
-        p.error(f"--max-tokens must be in [1, {INT_MAX}]")
+    if not 0 <= args.top_k <= ENGINE_INT_MAX:
+        p.error(f"--top-k must be in [0, {ENGINE_INT_MAX}]")
+    if not 1 <= args.max_tokens <= ENGINE_INT_MAX:
+        p.error(f"--max-tokens must be in [1, {ENGINE_INT_MAX}]")
     if not 0 <= args.seed <= SEED_MAX:
         p.error("--seed must be in [0, 2^52]")
     return args

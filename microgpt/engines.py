@@ -63,6 +63,10 @@ def select_engine(requested):
     return engine
 
 
+# The largest integer an engine takes as a flag's value or a --generate request's field (BIG in
+# microgpt/host/config.h, INT_MAX in generate.h).
+ENGINE_INT_MAX = 2**31 - 1
+
 # How the tools read an engine's stdout and stderr: as UTF-8, a byte that is none (a path's, as the
 # file system spells it, in an error line) replaced, so it is never a UnicodeDecodeError traceback.
 ENGINE_TEXT = {"text": True, "encoding": "utf-8", "errors": "replace"}

@@ -28,7 +28,7 @@ import tempfile
 
 from microgpt import tokenizer
 from microgpt.cli import ArgumentParser
-from microgpt.engines import ENGINE_TEXT
+from microgpt.engines import ENGINE_INT_MAX, ENGINE_TEXT
 from microgpt.files import open_regular
 from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,
                                 resolve_checkpoint)
@@ -118,8 +118,8 @@ def parse_args(argv):
     p.add_argument("--engine", choices=("cuda", "cpu"),
                    help="default: the GPU engine when built and a GPU is visible, else the CPU engine")
     args = p.parse_args(argv)
-    if args.batches < 0:
-        p.error("--batches must be >= 0")
+    if not 0 <= args.batches <= ENGINE_INT_MAX:
+        p.error(f"--batches must be in [0, {ENGINE_INT_MAX}]")
     return args
 
 

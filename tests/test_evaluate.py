@@ -100,7 +100,8 @@ def test_refusals(trained_model, cpu_binary, tmp_path):
     cases = [((trained_model.ckpt, short), "needs at least one window"),
              ((trained_model.ckpt, tmp_path / "nothing_*.bin"), "no shard matches"),
              ((tmp_path / "missing.ckpt", trained_model.val), "no such checkpoint"),
-             ((trained_model.ckpt, trained_model.val, "--batches", "-1"), "--batches")]
+             ((trained_model.ckpt, trained_model.val, "--batches", "-1"), "--batches"),
+             ((trained_model.ckpt, trained_model.val, "--batches", str(2**31)), "--batches must be")]  # not --eval.batches
     for args, message in cases:
         res, _ = evaluate(*args)
         lines = [l for l in res.stderr.splitlines() if "error:" in l]
