@@ -81,13 +81,6 @@ enum { PREC_FP32, PREC_BF16, PREC_FP16 };
  * three casts, hence three scales: its weight's, its input's, its output gradient's. */
 enum { FP8_W_QKV, FP8_W_O, FP8_W_1, FP8_W_2, FP8_W_PER_LAYER };
 
-/* precision fp8 with the side stream: 1 gives the backward two buffers of the output gradient's
- * transposed codes, used by turns (fp8_wait_grad_codes), so that a weight gradient overlaps the
- * next product's producer and input gradient as in bf16; 0, one buffer (docs/BENCHMARKS.md #79). */
-#ifndef FP8_G8T_DOUBLE
-#define FP8_G8T_DOUBLE 0
-#endif
-
 /* The instance of function template `fn` for the run's activation type: the one place where the
  * precision picks a type (fp32 and tf32 both run on float). Every `fn` instance has the same
  * signature, so the result is one function pointer whatever the type. */
@@ -152,9 +145,6 @@ static struct {
     Fp8CastJobs<float> w8_jobs;
     Fp8Scale* fp8_scales;
     fp8 *a8, *x8t, *g8, *g8t;
-#if FP8_G8T_DOUBLE
-    fp8* g8t_turns[2]; /* g8t is one of these (fp8_wait_grad_codes); [1] empty without the side stream */
-#endif
     /* the FP8 classifier only (else NULL): LNf's output cast transposed, chunk by chunk of the
      * logits (chunk r0's [C][n] at r0 * C; its row-major codes go to a8, which no product reads
      * again until the next forward), and one chunk's dlogits codes [chunk][Vp] and [Vp][chunk] */
@@ -276,10 +266,6 @@ static void plan_buffers(size_t* used) {
         E.x8t = (fp8*)carve(G_ACTIVATIONS, tr * L * N * (3 * C + F), used);
         E.g8 = (fp8*)carve(G_SCRATCH, tr * grad, used);
         E.g8t = (fp8*)carve(G_SCRATCH, tr * grad, used);
-#if FP8_G8T_DOUBLE /* the second only where a weight gradient can still be reading the first */
-        E.g8t_turns[0] = E.g8t;
-        E.g8t_turns[1] = (fp8*)carve(G_SCRATCH, (size_t)E.use_side_stream * tr * grad, used);
-#endif
         E.fp8_hist = (Fp8History*)carve(G_SCRATCH, (E.fp8_delayed ? FP8_DELAYED_PER_LAYER * L : 0) * sizeof(Fp8History),
                                         used);
         E.lnf8t = (fp8*)carve(G_ACTIVATIONS, cls * tr * nc, used);
@@ -519,12 +505,9 @@ static void fp8_linear_fwd(T* out, const T* x, int l, int t, int k, int N, int i
 }
 
 /* Before a gradient's cast writes E.g8 and E.g8t: the previous product's weight gradient (on the
- * side stream) has read its cast. With FP8_G8T_DOUBLE and the side stream, E.g8t first turns to
- * the other buffer, whose reader is the weight gradient before the previous one. */
+ * side stream) has read its cast. (Two g8t buffers taken by turns, so that a weight gradient
+ * overlapped more, gained nothing: docs/BENCHMARKS.md #79.) */
 static void fp8_wait_grad_codes(void) {
-#if FP8_G8T_DOUBLE
-    if (E.use_side_stream) E.g8t = E.g8t_turns[E.g8t == E.g8t_turns[0] ? 1 : 0];
-#endif
     side_wait(E.g8t);
 }
 
@@ -783,9 +766,7 @@ static void loss_chunks(int N, int train) {
  *   fp8: every dW         g8t (the output gradient's cast)        the next product's cast      fp8_wait_grad_codes
  *                                                                 (fp8_linear_bwd; fp8_cast_dgelu;  (side_wait(E.g8t))
  *                                                                 the LN2 and LN1 backwards,
- *                                                                 layernorm_bwd_fp8; attn_bwd_fp8);
- *                                                                 FP8_G8T_DOUBLE: the cast after
- *                                                                 next (g8t by turns)
+ *                                                                 layernorm_bwd_fp8; attn_bwd_fp8)
  * The side stream runs its products in issue order, so a wait covers its earlier products too.
  * Each gradient tensor has one writer per micro-batch (matmul.cuh), the side stream's products
  * write only their own, and the one tensor two writers share, wte (dwte, then the embedding
@@ -798,14 +779,7 @@ static void loss_chunks(int N, int train) {
  * W_O's input gradient and attention's backward; dW_O beside attention's backward and the QKV
  * input gradient; dW_QKV beside the LN1 backward and the layer below's MLP. In fp8 the single g8t
  * lets a weight gradient overlap only its own input-gradient product: the next product's producer
- * (its cast, or the GELU, LayerNorm or attention backward that writes its codes) waits for it.
- * With FP8_G8T_DOUBLE (and the side stream) the products take g8t_turns[0] and [1] by turns, each
- * producer taking the other buffer than the product before (fp8_wait_grad_codes; every backward
- * starts at the same turn, and 4·L products keep the turns of every layer alike): a producer waits
- * only for the weight gradient before the previous one, so dW_2 runs beside the GELU backward and
- * W_1's input gradient, dW_1 beside the LN2 backward and W_O's, dW_O beside the attention backward
- * and QKV's, dW_QKV beside the LN1 backward and the layer below's W_2 input gradient, as in bf16.
- * g8, read only by the input-gradient product on the main stream, stays one buffer. */
+ * (its cast, or the GELU, LayerNorm or attention backward that writes its codes) waits for it. */
 template <typename T>
 static void backward(void) {
     int B = E.B, Tn = E.T, C = E.C, F = E.F, L = E.L, N = E.N, l;
@@ -816,9 +790,6 @@ static void backward(void) {
     T* dqkv = (T*)E.dqkv;
     /* dln holds d(LNf output) from loss_chunks */
     CUDA_CHECK(cudaMemsetAsync(dres, 0, nc * es, g_stream));
-#if FP8_G8T_DOUBLE
-    E.g8t = E.g8t_turns[0]; /* every backward takes the same turns, whatever the one before took */
-#endif
     /* precision fp8: each LayerNorm backward's dres is the next product's output gradient (W_2 of the
      * layer below, W_O of its own): ln_bwd_for_product */
     int dres_in = ln_bwd_for_product<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln,

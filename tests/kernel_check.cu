@@ -1196,12 +1196,6 @@ static void check_fp8_fused(const Fp8CastOut& ref, const Fp8CastOut& got, size_t
  * cpu/fp8.h above and the CPU LayerNorm in run_prec): the codes of both layouts, mean, rstd, amax
  * and scale, bit for bit, for a history below and one above (saturating) the current scale. */
 static void test_fp8_layernorm_fused(int N, int C) {
-#if FP8_LN_WIDE
-    /* the wide kernel takes packed rows (C a multiple of 8) of at most 4 packets a lane, N a multiple of 32 */
-    bool wide = C % 8 == 0 && C <= 4 * 32 * 8 && N % 32 == 0;
-    bool takes = layernorm_fwd_fp8_wide_packets<bf16>(N, C, C % 8 == 0) > 0;
-    report(takes == wide, "wide kernel", "takes the shape: %d, expected %d", takes, wide);
-#endif
     /* outputs xhat * gamma + beta, gamma ~ N(0, 1.5^2): amax about 10 to 25, current scale 2^4 or 2^5 */
     const signed char below[2] = {3, 6}, above[1] = {7};
     size_t n = (size_t)N * C;
@@ -1498,10 +1492,10 @@ template <typename TD> static void test_fp8_gemm(int M, int N, int K, int batch,
     dfree_all();
 }
 
-/* fp8_transpose (the FP8 classifier's dlogits codes for dwte; k_fp8_transpose, or
- * k_fp8_transpose_wide in a FP8_TRANSPOSE_WIDE build) of random bytes [R, Cc] against the CPU's
- * transpose, byte for byte, into an output poisoned twice (0x00, then 0xFF: a byte left unwritten
- * differs from one of them) with guard bytes after it that must stay poisoned. */
+/* fp8_transpose (the FP8 classifier's dlogits codes for dwte; k_fp8_transpose) of random bytes
+ * [R, Cc] against the CPU's transpose, byte for byte, into an output poisoned twice (0x00, then
+ * 0xFF: a byte left unwritten differs from one of them) with guard bytes after it that must stay
+ * poisoned. */
 static void test_fp8_transpose(int R, int Cc) {
     const size_t n = (size_t)R * Cc, guard = 256;
     std::vector<unsigned char> in(n), want(n + guard), got(n + guard);
@@ -1518,7 +1512,7 @@ static void test_fp8_transpose(int R, int Cc) {
         memset(want.data() + n, poison_byte, guard);
         for (size_t i = 0; i < n + guard; i++) bad += got[i] != want[i];
     }
-    report(bad == 0, FP8_TRANSPOSE_WIDE ? "wide" : "64x64",
+    report(bad == 0, "128x128",
            "%zu of %zu bytes (two poisons, and guards) differ from the CPU transpose", bad, 2 * (n + guard));
     dfree_all();
 }
@@ -1696,7 +1690,7 @@ static void run_fp8(void) {
         set_ctx("fp8", "conversion", fp8_name(fmt));
         test_fp8_conversion(fmt);
         /* packed: {1, 64, 48} (one partial tile), {2, 80, 200} (partial tiles both ways), {1, 256, 1024},
-         * {3, 208, 392} (the wide kernel's 64 x 128 tiles, FP8_CAST_WIDE: a last tile row of 16 rows
+         * {3, 208, 392} (the packed kernel's 64 x 128 tiles: a last tile row of 16 rows
          * and a last tile column of one packet), {1, 16, 8} (one packet of each pass);
          * element by element: {3, 37, 80}, {1, 129, 33}, {1, 96, 36} (rows fit, columns do not) */
         const int shapes[][3] = {{1, 64, 48},  {3, 37, 80},   {1, 129, 33}, {1, 256, 1024},
@@ -1716,9 +1710,9 @@ static void run_fp8(void) {
                     test_fp8_quantize<bf16>(s[0], s[1], s[2], fmt, 0, 2);
                 }
             }
-        /* the weights' list: W_QKV (3 blocks), W_O, W_1, W_2 of two layers and a job of partial wide
-         * tiles (FP8_CAST_WIDE's 64 x 128: 208 x 392); then one with a column
-         * count that is not a multiple of 8 (so every job takes the element-wise kernels) */
+        /* the weights' list: W_QKV (3 blocks), W_O, W_1, W_2 of two layers and a job of partial
+         * tiles (of 64 x 128: 208 x 392); then one with a column count that is not a multiple of 8
+         * (so every job takes the element-wise kernels) */
         set_ctx("fp8", "quantize jobs fp32", fp8_name(fmt));
         test_fp8_quantize_jobs<float>({{3, 48, 48}, {1, 48, 48}, {1, 48, 208}, {1, 208, 48}, {3, 48, 48}, {1, 48, 48},
                                        {1, 48, 208}, {1, 208, 48}, {1, 208, 392}}, fmt);
@@ -1730,9 +1724,7 @@ static void run_fp8(void) {
     set_ctx("fp8", "delayed scaling", "R=37 C=36 element-wise");
     test_fp8_delayed(37, 36);
     /* 36: the element-wise kernel; LN_FP8_MAX_C: the widest row the fused kernel takes; ANDREA-120M's
-     * and -12M's; for the wide candidate (FP8_LN_WIDE): 1 to 4 packets a lane, whole (1024) and
-     * partial (1000, 520, 200: a last group of 8 columns in the transposed pass), and the shapes it
-     * leaves to the present kernel (N = 48 not a multiple of 32, C = 1032 over 4 packets) */
+     * and -12M's; whole (1024) and partial (1000, 520, 200) groups of 16-byte column stores */
     const int ln_shapes[][2] = {{64, 192}, {48, 768}, {32, 36}, {16, LN_FP8_MAX_C}, {8192, 768}, {4096, 192},
                                 {96, 1024}, {64, 1000}, {96, 520}, {32, 200}, {64, 1032}};
     for (const auto& ls : ln_shapes) {
@@ -1740,7 +1732,7 @@ static void run_fp8(void) {
         set_ctx("fp8", "delayed layernorm fused", sh);
         test_fp8_layernorm_fused(ls[0], ls[1]);
     }
-    /* packed; partial tiles (of 64 x 64 and of FP8_CAST_WIDE's 64 x 128, 208 x 392); element-wise */
+    /* packed; partial tiles (of 64 x 128: 80 x 200, 208 x 392); element-wise */
     const int gelu_shapes[][2] = {{128, 768}, {80, 200}, {208, 392}, {37, 36}};
     for (const auto& gs : gelu_shapes) {
         snprintf(sh, sizeof sh, "R=%d F=%d", gs[0], gs[1]);
@@ -1794,8 +1786,8 @@ static void run_fp8(void) {
         set_ctx("fp8", "classifier bf16", sh);
         test_loss_fp8<bf16>(c[0], c[1], c[2], c[3], c[4]);
     }
-    /* the dlogits codes' transpose: one packet each way; partial tiles both ways (of 64 x 64 and of
-     * FP8_TRANSPOSE_WIDE's 128 x 128); the padded vocabulary at 1040 rows (8 wide tiles and 16 rows)
+    /* the dlogits codes' transpose: one packet each way; partial tiles both ways (of 128 x 128);
+     * the padded vocabulary at 1040 rows (8 whole tiles and 16 rows)
      * and at ANDREA-12M's and -120M's logits chunk of 4096 rows */
     const int tshapes[][2] = {{16, 16}, {144, 400}, {208, 48}, {1040, 50304}, {4096, 50304}};
     for (const auto& t : tshapes) {

@@ -21,7 +21,7 @@ import engine_util as eu
 from engine_util import run_ok, tiny_args
 from test_fp8_delayed import RUN
 from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
-from test_gpu import OVERRIDE_ENGINE, build_variant, check_side_stream_over_chunks
+from test_gpu import check_side_stream_over_chunks
 from test_gpu import cuda_binary, small_chunks_build  # noqa: F401 (fixtures)
 
 # cpu/fp8.h's FP8_CLASSIFIER_MIN_D_MODEL: the FP8 classifier at 512, not at 496 (both multiples of
@@ -134,24 +134,3 @@ def test_gpu_fp8_classifier_over_several_chunks_gives_the_bits_of_synchronised_l
     positions (the chunk rounded to a multiple of 16 for dwte's FP8 product)."""
     check_side_stream_over_chunks(small_chunks_build, random_shards, tmp_path, "fp8",
                                   {k: v for k, v in GPU_RUN.items() if k.startswith(("model.", "train.batch"))})
-
-
-@pytest.mark.gpu
-def test_gpu_wide_transpose_gives_the_default_builds_bits(cuda_binary, random_shards, tmp_path):
-    """-DFP8_TRANSPOSE_WIDE=1 (docs/BENCHMARKS.md #81) transposes the dlogits codes for dwte in
-    128 x 128 tiles: the same bytes as the default's 64 x 64 tiles (kernel_check compares both with
-    the CPU's transpose), so the same records and checkpoint; 144 rows: a partial tile."""
-    if OVERRIDE_ENGINE:
-        pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the FP8_TRANSPOSE_WIDE variant is built from source")
-    engine = eu.BUILD / "microgpt_cuda_tw"
-    build_variant("_tw", "-DFP8_TRANSPOSE_WIDE=1", engine)
-    args = tiny_args(random_shards.train, random_shards.val, **{**GPU_RUN, "train.steps": 6, "train.grad_accum": 2})
-    runs = {}
-    for name, binary in (("default", cuda_binary), ("wide", engine)):
-        ckpt = tmp_path / f"{name}.ckpt"
-        res = run_ok(binary, args + ["--checkpoint", ckpt])
-        assert classifier_named(res) == "FP8"
-        runs[name] = (eu.exact_records(res), ckpt.read_bytes())
-    assert len([k for k in runs["wide"][0] if k[0] == "train"]) == 6
-    assert runs["wide"][0] == runs["default"][0], "the wide transpose's records differ from the default build's"
-    assert runs["wide"][1] == runs["default"][1], "the wide transpose's checkpoint differs from the default build's"

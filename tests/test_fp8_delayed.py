@@ -24,7 +24,7 @@ from test_distributed import Ranks
 from test_engine import alloc_counter  # noqa: F401 (a fixture: the LD_PRELOAD allocation counter)
 from test_fp8 import E4M3, reference_scale
 from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
-from test_gpu import FP8_SHAPES, OVERRIDE_ENGINE, build_variant, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
+from test_gpu import FP8_SHAPES, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
 
 HISTORY_LEN = 16
 # the histories a layer: the forward's ln1, ln2, GELU, att, then the backward's dh, W_2's and W_O's
@@ -420,27 +420,3 @@ def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(heads, cuda_binary, 
     assert eager_ckpt.read_bytes() == (tmp_path / "ref.ckpt").read_bytes()
     assert sidecar_history(eager_ckpt) == sidecar_history(tmp_path / "ref.ckpt")
     assert len(eager.steps) == 60
-
-
-@pytest.mark.gpu
-def test_gpu_wide_layernorm_gives_the_default_builds_bits(cuda_binary, random_shards, tmp_path):
-    """-DFP8_LN_WIDE=1 (docs/BENCHMARKS.md #82) writes the fused LayerNorm forward's codes from
-    32-row blocks with the rows in registers and prefetches the backward's next rows: the same bytes
-    as the default kernels (kernel_check compares both with the unfused path and the CPU's cast), so
-    the same records and checkpoint. N = 2 x 64 = 128 rows, a multiple of 32, of d_model 64: the
-    wide forward takes ln1 and ln2 once the histories hold entries."""
-    if OVERRIDE_ENGINE:
-        pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the FP8_LN_WIDE variant is built from source")
-    engine = eu.BUILD / "microgpt_cuda_lw"
-    build_variant("_lw", "-DFP8_LN_WIDE=1", engine)
-    args = tiny_args(random_shards.train, random_shards.val,
-                     **{**gpu_settings("fused_attention"), "model.seq_len": 64, "train.batch_size": 2,
-                        "train.steps": 6, "train.grad_accum": 2, "eval.every": 3, "eval.batches": 2})
-    runs = {}
-    for name, binary in (("default", cuda_binary), ("wide", engine)):
-        ckpt = tmp_path / f"{name}.ckpt"
-        res = run_ok(binary, args + ["--checkpoint", ckpt])
-        runs[name] = (eu.exact_records(res), ckpt.read_bytes())
-    assert len([k for k in runs["wide"][0] if k[0] == "train"]) == 6
-    assert runs["wide"][0] == runs["default"][0], "the wide LayerNorm's records differ from the default build's"
-    assert runs["wide"][1] == runs["default"][1], "the wide LayerNorm's checkpoint differs from the default build's"

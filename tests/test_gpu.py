@@ -445,39 +445,6 @@ def check_side_stream_over_chunks(engine, random_shards, tmp_path, precision, sh
         assert runs[mode][1] == runs["sync"][1], f"{mode} run's checkpoint differs from the synchronised run's"
 
 
-def test_fp8_two_gradient_code_buffers_give_the_bits_of_one(cuda_binary, random_shards, tmp_path):
-    """-DFP8_G8T_DOUBLE=1 (docs/BENCHMARKS.md #79) gives the fp8 backward's weight gradients two buffers
-    of the output gradient's transposed codes, taken by turns, so that each runs on beside the next
-    producer and input gradient on the main stream. Only buffers and waits change: the variant must
-    give the default build's records and checkpoint, as replayed graphs, launch by launch and with
-    every launch synchronised (where the streams never overlap, so a missing wait shows against it),
-    and allocate the second buffer (N·max(d_ff, 3·d_model) bytes) in the memory plan's scratch."""
-    if OVERRIDE_ENGINE:
-        pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the FP8_G8T_DOUBLE variant is built from source")
-    engine = eu.BUILD / "microgpt_cuda_g8t"
-    build_variant("_g8t", "-DFP8_G8T_DOUBLE=1", engine)
-    shape = FP8_SHAPES["odd"]
-    args = tiny_args(random_shards.train, random_shards.val, **{
-        **shape, "train.precision": "fp8", "train.steps": 5, "train.grad_accum": 2, "train.lr": 3e-3,
-        "train.warmup_steps": 2, "eval.every": 2, "eval.batches": 2, "sample.every": 5, "sample.tokens": 5,
-        "sample.prompt": ["1,2"]})
-    runs, scratch = {}, {}
-    for name, binary, env in (("default", cuda_binary, {}), ("graph", engine, {}),
-                              ("eager", engine, {"ANDREA_NO_GRAPH": "1"}), ("sync", engine, {"ANDREA_CUDA_SYNC": "1"})):
-        ckpt = tmp_path / f"{name}.ckpt"
-        res = run_ok(binary, args + ["--checkpoint", ckpt], env=env)
-        assert "backward: weight gradients on a side stream" in res.stderr, res.stderr[-2000:]
-        runs[name] = (eu.exact_records(res), ckpt.read_bytes())
-        scratch[name] = res.events("memory")[0]["groups"]["scratch"]
-    assert len([k for k in runs["default"][0] if k[0] == "train"]) == 5
-    for name in ("graph", "eager", "sync"):
-        assert runs[name][0] == runs["default"][0], f"the variant's {name} run's records differ from the default's"
-        assert runs[name][1] == runs["default"][1], f"the variant's {name} run's checkpoint differs from the default's"
-    rows = shape["train.batch_size"] * shape["model.seq_len"]
-    second = rows * max(shape["model.d_ff"], 3 * shape["model.d_model"])
-    assert scratch["graph"] - scratch["default"] == (second + 255) // 256 * 256, scratch
-
-
 def test_memory_plan_and_constant_device_memory(cuda_binary, random_shards):
     res = run_ok(cuda_binary, tiny_args(random_shards.train, random_shards.val, **{
         **SHAPES["odd"], "train.precision": "bf16", "train.steps": 6, "eval.every": 2, "eval.batches": 2,

@@ -62,7 +62,7 @@ struct __align__(16) Fp8Scale {
 #define FP8_SCALE_ALIGN 16
 
 #define FP8_AMAX_BLOCK 256
-#define FP8_TILE 64        /* the cast's tile: 64 x 64 elements through shared memory */
+#define FP8_TILE 64        /* the unpacked cast's tile: 64 x 64 elements through shared memory */
 #define FP8_CAST_THREADS 256
 #define FP8_ROW_PACKET 8   /* elements of a row a thread casts at once: one 16-byte load of bf16, one
                               8-byte store of codes */
@@ -87,7 +87,7 @@ template <typename T> struct Fp8CastJob {
  * k_gelu_bwd_inplace stores it: in the gradient of the GELU's output, aux its input h). */
 enum { FP8_EPI_NONE, FP8_EPI_GELU, FP8_EPI_DGELU };
 
-static unsigned fp8_cast_tiles(int batch, int R, int Cc) {
+static unsigned fp8_cast_unpacked_tiles(int batch, int R, int Cc) {
     return ceil_div(Cc, FP8_TILE) * ceil_div(R, FP8_TILE) * (unsigned)batch;
 }
 
@@ -122,13 +122,6 @@ __device__ __forceinline__ fp8 fp8_cvt(float x, int fmt) {
     return (fp8)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
 }
 
-/* Tile `tile_id` (Cc tiles fastest, then R tiles, then the block b of the batch) of job j, by the
- * FP8_CAST_THREADS threads of a block. The tile is cast row-wise (8 threads a row of 64,
- * FP8_ROW_PACKET elements each) into out_n and shared memory, then written transposed from there
- * (64 threads a row group, one column and FP8_COL_PACKET rows each; a warp reads 32 consecutive
- * bytes of a tile row, so without bank conflicts). PACKED (Cc a multiple of FP8_ROW_PACKET, R of
- * FP8_COL_PACKET, pointers 16-byte aligned: fp8_cast_packable): 16-byte loads, 8-byte and
- * 16-byte stores; else element by element. */
 /* EPI (FP8_EPI_*) other than NONE: the tile cast is of the epilogue's values as stored in T, and
  * their amax goes to j.sc (block_amax_commit) for the history's next entry: the GELU (forward or
  * backward) and the cast of its output fused, at the history's scale (j.hist, not empty). */
@@ -139,8 +132,13 @@ template <typename T, int EPI> __device__ __forceinline__ float fp8_cast_epilogu
     return y;
 }
 
-template <typename T, bool PACKED, int EPI = FP8_EPI_NONE>
-__device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned tile_id) {
+/* Tile `tile_id` (Cc tiles fastest, then R tiles, then the block b of the batch) of job j, by the
+ * FP8_CAST_THREADS threads of a block, element by element: the shapes and pointers the packed cast
+ * (fp8_cast_tile, below) does not take (fp8_cast_packable). The tile is cast row-wise (8 threads a
+ * row of 64, FP8_ROW_PACKET elements each) into out_n and shared memory, then written transposed
+ * from there (64 threads a row group, one column and up to FP8_COL_PACKET rows each). */
+template <typename T, int EPI = FP8_EPI_NONE>
+__device__ __forceinline__ void fp8_cast_tile_unpacked(const Fp8CastJob<T>& j, unsigned tile_id) {
     __shared__ __align__(16) fp8 tile[FP8_TILE][FP8_TILE + 8]; /* rows of 72 bytes: 8-byte aligned */
     const int R = j.R, Cc = j.Cc, batch = j.batch, fmt = j.fmt;
     fp8 *out_n = j.out_n, *out_t = j.out_t;
@@ -165,24 +163,12 @@ __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned t
     for (int tr = threadIdx.x / per_row; tr < FP8_TILE; tr += FP8_CAST_THREADS / per_row) {
         int r = r0 + tr;
         if (r >= R) break;
-        if constexpr (PACKED) {
-            if (c >= Cc) continue; /* Cc a multiple of the packet: a packet is wholly in or out */
-            float v[FP8_ROW_PACKET], x[FP8_ROW_PACKET] = {};
-            uint2 q;
-            fp8* qb = reinterpret_cast<fp8*>(&q);
-            load_vec(v, src + (size_t)r * Cc + c);
-            if constexpr (EPI == FP8_EPI_DGELU) load_vec(x, aux + (size_t)r * Cc + c);
-            for (int k = 0; k < FP8_ROW_PACKET; k++) qb[k] = fp8_cvt(fp8_cast_epilogue<T, EPI>(v[k], x[k], &am) * s, fmt);
-            if (out_n) *reinterpret_cast<uint2*>(out_n + ((size_t)r * batch + b) * Cc + c) = q;
-            *reinterpret_cast<uint2*>(&tile[tr][tc]) = q;
-        } else {
-            for (int k = 0; k < FP8_ROW_PACKET && c + k < Cc; k++) {
-                size_t e = (size_t)r * Cc + c + k;
-                float x = fp8_cast_epilogue<T, EPI>(to_f(src[e]), EPI == FP8_EPI_DGELU ? to_f(aux[e]) : 0.0f, &am);
-                fp8 q = fp8_cvt(x * s, fmt);
-                if (out_n) out_n[((size_t)r * batch + b) * Cc + c + k] = q;
-                tile[tr][tc + k] = q;
-            }
+        for (int k = 0; k < FP8_ROW_PACKET && c + k < Cc; k++) {
+            size_t e = (size_t)r * Cc + c + k;
+            float x = fp8_cast_epilogue<T, EPI>(to_f(src[e]), EPI == FP8_EPI_DGELU ? to_f(aux[e]) : 0.0f, &am);
+            fp8 q = fp8_cvt(x * s, fmt);
+            if (out_n) out_n[((size_t)r * batch + b) * Cc + c + k] = q;
+            tile[tr][tc + k] = q;
         }
     }
     if constexpr (EPI != FP8_EPI_NONE) block_amax_commit(&j.sc->amax_bits, am); /* every thread gets here */
@@ -192,23 +178,16 @@ __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned t
     int cc = c0 + col, r = r0 + tr0;
     if (cc >= Cc || r >= R) return;
     fp8* dst = out_t + ((size_t)b * Cc + cc) * R + r;
-    if constexpr (PACKED) { /* R a multiple of the packet: wholly in */
-        uint4 q;
-        fp8* qb = reinterpret_cast<fp8*>(&q);
-        for (int k = 0; k < FP8_COL_PACKET; k++) qb[k] = tile[tr0 + k][col];
-        *reinterpret_cast<uint4*>(dst) = q;
-    } else {
-        for (int k = 0; k < FP8_COL_PACKET && r + k < R; k++) dst[k] = tile[tr0 + k][col];
-    }
+    for (int k = 0; k < FP8_COL_PACKET && r + k < R; k++) dst[k] = tile[tr0 + k][col];
 }
 
 static_assert(FP8_CAST_THREADS / FP8_TILE * FP8_COL_PACKET == FP8_TILE, "the transposed pass covers the tile");
 
-/* One cast, a block a tile. */
-template <typename T, bool PACKED, int EPI = FP8_EPI_NONE>
-__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast(Fp8CastJob<T> j) {
+/* One unpacked cast, a block a tile. */
+template <typename T, int EPI = FP8_EPI_NONE>
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_unpacked(Fp8CastJob<T> j) {
     await_previous_kernel();
-    fp8_cast_tile<T, PACKED, EPI>(j, blockIdx.x);
+    fp8_cast_tile_unpacked<T, EPI>(j, blockIdx.x);
 }
 
 /* The block's job in a list of casts, a block a tile: the last whose first_tile is <= blockIdx.x. */
@@ -222,44 +201,41 @@ template <typename T> __device__ __forceinline__ int fp8_job_of_block(const Fp8C
     return lo;
 }
 
-/* A list of casts, a block a tile (fp8_job_of_block). */
-template <typename T, bool PACKED>
-__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_jobs(const Fp8CastJob<T>* __restrict__ jobs, int n_jobs) {
+/* A list of unpacked casts, a block a tile (fp8_job_of_block). */
+template <typename T>
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_jobs_unpacked(const Fp8CastJob<T>* __restrict__ jobs,
+                                                                            int n_jobs) {
     await_previous_kernel();
     int lo = fp8_job_of_block(jobs, n_jobs);
-    fp8_cast_tile<T, PACKED>(jobs[lo], blockIdx.x - jobs[lo].first_tile);
+    fp8_cast_tile_unpacked<T>(jobs[lo], blockIdx.x - jobs[lo].first_tile);
 }
 
-#ifndef FP8_CAST_WIDE
-#define FP8_CAST_WIDE 0
-#endif
-#if FP8_CAST_WIDE
-/* The wide cast (candidate, make KERNEL_VARIANTS=-DFP8_CAST_WIDE=1): the packed casts in tiles of
- * FP8_WIDE_R x FP8_WIDE_C, the same codes, amax and scale as fp8_cast_tile. A thread issues all
- * its FP8_WIDE_LOADS row packets (and the GELU backward's aux packets) before it uses one, so a
- * block has 16 KB (bf16) in flight where fp8_cast_tile had one packet a thread between stores; the
- * history's scale is read while they arrive, and half as many blocks read it. The codes go to
- * shared memory as 4-byte words in rows FP8_WIDE_PITCH bytes apart: a warp's two rows fall on
- * disjoint banks there, and so do the two row groups (16 rows apart, 16 banks apart) a warp reads
- * back for the transposed pass, whose lanes l and l + 16 write the two 16-byte halves of one
- * column's 32-byte sector. The epilogues' amax reduction supplies the barrier that publishes the
- * tile. The unpacked casts keep fp8_cast_tile. */
-#define FP8_WIDE_R 64
-#define FP8_WIDE_C 128
-#define FP8_WIDE_PITCH (FP8_WIDE_C + 4)
-#define FP8_WIDE_PER_ROW (FP8_WIDE_C / FP8_ROW_PACKET)              /* threads a tile row */
-#define FP8_WIDE_ROW_STEP (FP8_CAST_THREADS / FP8_WIDE_PER_ROW)     /* rows a pass */
-#define FP8_WIDE_LOADS (FP8_WIDE_R / FP8_WIDE_ROW_STEP)             /* row packets a thread */
-#define FP8_WIDE_COL_WARPS (FP8_WIDE_C / 16)                        /* transposed: 16 columns a warp */
-#define FP8_WIDE_COL_UNITS (FP8_WIDE_C * FP8_WIDE_R / FP8_COL_PACKET / FP8_CAST_THREADS) /* stores a thread */
-static_assert(FP8_WIDE_R % FP8_WIDE_ROW_STEP == 0, "the row passes cover the tile");
-static_assert(FP8_WIDE_COL_UNITS * FP8_CAST_THREADS / 32 == FP8_WIDE_COL_WARPS * FP8_WIDE_R / (2 * FP8_COL_PACKET),
+/* The packed cast (Cc a multiple of FP8_ROW_PACKET, R of FP8_COL_PACKET, pointers 16-byte aligned:
+ * fp8_cast_packable), in tiles of FP8_PACKED_R x FP8_PACKED_C: the same codes, amax and scale as
+ * fp8_cast_tile_unpacked's. A thread issues all its FP8_PACKED_LOADS row packets (and the GELU
+ * backward's aux packets) before it uses one, so a block has 16 KB (bf16) in flight (64 x 64 tiles
+ * with a packet a thread between stores moved 1.3x slower, docs/BENCHMARKS.md #80); the history's
+ * scale is read while they arrive. The codes go to shared memory as 4-byte words in rows
+ * FP8_PACKED_PITCH bytes apart: a warp's two rows fall on disjoint banks there, and so do the two
+ * row groups (16 rows apart, 16 banks apart) a warp reads back for the transposed pass, whose lanes
+ * l and l + 16 write the two 16-byte halves of one column's 32-byte sector. The epilogues' amax
+ * reduction supplies the barrier that publishes the tile. */
+#define FP8_PACKED_R 64
+#define FP8_PACKED_C 128
+#define FP8_PACKED_PITCH (FP8_PACKED_C + 4)
+#define FP8_PACKED_PER_ROW (FP8_PACKED_C / FP8_ROW_PACKET)        /* threads a tile row */
+#define FP8_PACKED_ROW_STEP (FP8_CAST_THREADS / FP8_PACKED_PER_ROW) /* rows a pass */
+#define FP8_PACKED_LOADS (FP8_PACKED_R / FP8_PACKED_ROW_STEP)     /* row packets a thread */
+#define FP8_PACKED_COL_WARPS (FP8_PACKED_C / 16)                  /* transposed: 16 columns a warp */
+#define FP8_PACKED_COL_UNITS (FP8_PACKED_C * FP8_PACKED_R / FP8_COL_PACKET / FP8_CAST_THREADS) /* stores a thread */
+static_assert(FP8_PACKED_R % FP8_PACKED_ROW_STEP == 0, "the row passes cover the tile");
+static_assert(FP8_PACKED_COL_UNITS * FP8_CAST_THREADS / 32 == FP8_PACKED_COL_WARPS * FP8_PACKED_R / (2 * FP8_COL_PACKET),
               "the transposed pass covers the tile, two row groups a warp");
-static_assert(FP8_WIDE_PITCH % 4 == 0 && FP8_WIDE_PITCH * FP8_COL_PACKET / 4 % 32 == 16,
+static_assert(FP8_PACKED_PITCH % 4 == 0 && FP8_PACKED_PITCH * FP8_COL_PACKET / 4 % 32 == 16,
               "rows of whole words; row groups 16 banks apart");
 
-static unsigned fp8_cast_wide_tiles(int batch, int R, int Cc) {
-    return ceil_div(Cc, FP8_WIDE_C) * ceil_div(R, FP8_WIDE_R) * (unsigned)batch;
+static unsigned fp8_cast_tiles(int batch, int R, int Cc) {
+    return ceil_div(Cc, FP8_PACKED_C) * ceil_div(R, FP8_PACKED_R) * (unsigned)batch;
 }
 
 /* A row packet (FP8_ROW_PACKET elements of T) as loaded: raw 16-byte words, converted at use. */
@@ -277,20 +253,20 @@ template <typename T> __device__ __forceinline__ float fp8_packet_at(const Fp8Ro
 }
 
 template <typename T, int EPI = FP8_EPI_NONE>
-__device__ __forceinline__ void fp8_cast_tile_wide(const Fp8CastJob<T>& j, unsigned tile_id) {
-    __shared__ __align__(16) fp8 tile[FP8_WIDE_R * FP8_WIDE_PITCH];
+__device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned tile_id) {
+    __shared__ __align__(16) fp8 tile[FP8_PACKED_R * FP8_PACKED_PITCH];
     const int R = j.R, Cc = j.Cc, batch = j.batch, fmt = j.fmt;
-    unsigned tiles_c = ceil_div(Cc, FP8_WIDE_C), tiles_r = ceil_div(R, FP8_WIDE_R);
-    int c0 = (int)(tile_id % tiles_c) * FP8_WIDE_C, r0 = (int)(tile_id / tiles_c % tiles_r) * FP8_WIDE_R;
+    unsigned tiles_c = ceil_div(Cc, FP8_PACKED_C), tiles_r = ceil_div(R, FP8_PACKED_R);
+    int c0 = (int)(tile_id % tiles_c) * FP8_PACKED_C, r0 = (int)(tile_id / tiles_c % tiles_r) * FP8_PACKED_R;
     int b = (int)(tile_id / tiles_c / tiles_r);
     const T* src = j.in + (size_t)b * R * Cc;
     const T* aux = EPI == FP8_EPI_DGELU ? j.aux + (size_t)b * R * Cc : NULL;
-    int tc = (threadIdx.x % FP8_WIDE_PER_ROW) * FP8_ROW_PACKET, tr0 = threadIdx.x / FP8_WIDE_PER_ROW;
+    int tc = (threadIdx.x % FP8_PACKED_PER_ROW) * FP8_ROW_PACKET, tr0 = threadIdx.x / FP8_PACKED_PER_ROW;
     int c = c0 + tc;
-    Fp8RowPacket<T> v[FP8_WIDE_LOADS] = {}, x[EPI == FP8_EPI_DGELU ? FP8_WIDE_LOADS : 1] = {};
+    Fp8RowPacket<T> v[FP8_PACKED_LOADS] = {}, x[EPI == FP8_EPI_DGELU ? FP8_PACKED_LOADS : 1] = {};
 #pragma unroll
-    for (int i = 0; i < FP8_WIDE_LOADS; i++) { /* Cc a multiple of the packet: a packet is wholly in or out */
-        int r = r0 + tr0 + i * FP8_WIDE_ROW_STEP;
+    for (int i = 0; i < FP8_PACKED_LOADS; i++) { /* Cc a multiple of the packet: a packet is wholly in or out */
+        int r = r0 + tr0 + i * FP8_PACKED_ROW_STEP;
         if (c >= Cc || r >= R) continue;
         fp8_packet_load(v[i], src + (size_t)r * Cc + c);
         if constexpr (EPI == FP8_EPI_DGELU) fp8_packet_load(x[i], aux + (size_t)r * Cc + c);
@@ -307,8 +283,8 @@ __device__ __forceinline__ void fp8_cast_tile_wide(const Fp8CastJob<T>& j, unsig
     }
     unsigned am = 0; /* epilogues only */
 #pragma unroll
-    for (int i = 0; i < FP8_WIDE_LOADS; i++) {
-        int tr = tr0 + i * FP8_WIDE_ROW_STEP, r = r0 + tr;
+    for (int i = 0; i < FP8_PACKED_LOADS; i++) {
+        int tr = tr0 + i * FP8_PACKED_ROW_STEP, r = r0 + tr;
         if (c >= Cc || r >= R) continue;
         uint2 q;
         fp8* qb = reinterpret_cast<fp8*>(&q);
@@ -318,7 +294,7 @@ __device__ __forceinline__ void fp8_cast_tile_wide(const Fp8CastJob<T>& j, unsig
             qb[k] = fp8_cvt(fp8_cast_epilogue<T, EPI>(fp8_packet_at(v[i], k), xk, &am) * s, fmt);
         }
         if (j.out_n) *reinterpret_cast<uint2*>(j.out_n + ((size_t)r * batch + b) * Cc + c) = q;
-        unsigned* t = reinterpret_cast<unsigned*>(tile + tr * FP8_WIDE_PITCH + tc);
+        unsigned* t = reinterpret_cast<unsigned*>(tile + tr * FP8_PACKED_PITCH + tc);
         t[0] = q.x;
         t[1] = q.y;
     }
@@ -326,35 +302,34 @@ __device__ __forceinline__ void fp8_cast_tile_wide(const Fp8CastJob<T>& j, unsig
     if (!j.out_t) return;
     if constexpr (EPI == FP8_EPI_NONE) __syncthreads();
 #pragma unroll
-    for (int i = 0; i < FP8_WIDE_COL_UNITS; i++) {
+    for (int i = 0; i < FP8_PACKED_COL_UNITS; i++) {
         int u = threadIdx.x + i * FP8_CAST_THREADS, lane = u % 32, warp = u / 32;
-        int col = warp % FP8_WIDE_COL_WARPS * 16 + lane % 16;
-        int tr = (warp / FP8_WIDE_COL_WARPS * 2 + lane / 16) * FP8_COL_PACKET;
+        int col = warp % FP8_PACKED_COL_WARPS * 16 + lane % 16;
+        int tr = (warp / FP8_PACKED_COL_WARPS * 2 + lane / 16) * FP8_COL_PACKET;
         int cc = c0 + col, r = r0 + tr;
         if (cc >= Cc || r >= R) continue; /* R a multiple of the packet: wholly in */
         uint4 q;
         fp8* qb = reinterpret_cast<fp8*>(&q);
 #pragma unroll
-        for (int k = 0; k < FP8_COL_PACKET; k++) qb[k] = tile[(tr + k) * FP8_WIDE_PITCH + col];
+        for (int k = 0; k < FP8_COL_PACKET; k++) qb[k] = tile[(tr + k) * FP8_PACKED_PITCH + col];
         *reinterpret_cast<uint4*>(j.out_t + ((size_t)b * Cc + cc) * R + r) = q;
     }
 }
 
-/* One packed cast, a block a wide tile. */
+/* One packed cast, a block a tile. */
 template <typename T, int EPI = FP8_EPI_NONE>
-__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_wide(Fp8CastJob<T> j) {
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast(Fp8CastJob<T> j) {
     await_previous_kernel();
-    fp8_cast_tile_wide<T, EPI>(j, blockIdx.x);
+    fp8_cast_tile<T, EPI>(j, blockIdx.x);
 }
 
-/* A list of packed casts, a block a wide tile (fp8_job_of_block; first_tile counts wide tiles). */
+/* A list of packed casts, a block a tile (fp8_job_of_block). */
 template <typename T>
-__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_jobs_wide(const Fp8CastJob<T>* __restrict__ jobs, int n_jobs) {
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_jobs(const Fp8CastJob<T>* __restrict__ jobs, int n_jobs) {
     await_previous_kernel();
     int lo = fp8_job_of_block(jobs, n_jobs);
-    fp8_cast_tile_wide<T>(jobs[lo], blockIdx.x - jobs[lo].first_tile);
+    fp8_cast_tile<T>(jobs[lo], blockIdx.x - jobs[lo].first_tile);
 }
-#endif
 
 /* Every cast's amax starts at 0: zeroes the amax (and the rest) of `count` consecutive scales. The
  * engine zeroes all of a micro-batch's at its start, and all the weights' before their casts. */
@@ -377,22 +352,15 @@ template <typename T> static bool fp8_cast_packable(const Fp8CastJob<T>& j) {
 
 /* The blocks (tiles) of job j's cast on the packed kernel (`packed`) or the element-wise one. */
 template <typename T> static unsigned fp8_cast_blocks(const Fp8CastJob<T>& j, bool packed) {
-#if FP8_CAST_WIDE
-    if (packed) return fp8_cast_wide_tiles(j.batch, j.R, j.Cc);
-#endif
-    (void)packed;
-    return fp8_cast_tiles(j.batch, j.R, j.Cc);
+    return packed ? fp8_cast_tiles(j.batch, j.R, j.Cc) : fp8_cast_unpacked_tiles(j.batch, j.R, j.Cc);
 }
 
 /* One cast job in one launch, on the packed kernel where it can. */
 template <typename T, int EPI = FP8_EPI_NONE> static void fp8_cast_launch(const Fp8CastJob<T>& j) {
     bool packed = fp8_cast_packable(j);
     unsigned tiles = fp8_cast_blocks(j, packed);
-#if FP8_CAST_WIDE
-    if (packed) return launch_kernel(k_fp8_cast_wide<T, EPI>, tiles, FP8_CAST_THREADS, j);
-#endif
-    if (packed) launch_kernel(k_fp8_cast<T, true, EPI>, tiles, FP8_CAST_THREADS, j);
-    else launch_kernel(k_fp8_cast<T, false, EPI>, tiles, FP8_CAST_THREADS, j);
+    if (packed) launch_kernel(k_fp8_cast<T, EPI>, tiles, FP8_CAST_THREADS, j);
+    else launch_kernel(k_fp8_cast_unpacked<T, EPI>, tiles, FP8_CAST_THREADS, j);
 }
 
 /* The cast of `batch` blocks [R, Cc] of `in` (Fp8CastJob) at the scale of the amax already in sc
@@ -505,107 +473,9 @@ k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* 
 }
 static_assert(LN_FP8_ROWS * sizeof(fp8) == sizeof(uint4), "a column of the tile is one 16-byte store");
 
-#ifndef FP8_LN_WIDE
-#define FP8_LN_WIDE 0
-#endif
-#if FP8_LN_WIDE
-/* The wide fused LayerNorm (candidate, make KERNEL_VARIANTS=-DFP8_LN_WIDE=1): k_layernorm_fwd_fp8's
- * outputs, bit for bit, for packed rows a warp holds in registers (ln_reg_packets <= LN_REG_PACKETS)
- * and N a multiple of LN_WIDE_ROWS. k_layernorm_fwd_fp8 reads a row three times (ln_row_stats'
- * two passes, then the output's: one DRAM round trip, then two dependent L1 ones), and a warp's
- * second row only after its first is written; here a warp issues the loads of all its
- * LN_WIDE_ROWS / LN_WARPS rows (as stored) before it uses one, and the mean, variance and outputs
- * come from those registers with ln_row_stats' and the forward's operations in their order, two
- * codes a conversion instruction (fp8_cvt2, the same rounding as fp8_cvt). A block's 32 rows make
- * a column's codes one whole 32-byte sector of out_t, written by lanes l and l + 16 together (the
- * present kernel's 16-byte halves of a sector come from two blocks). Codes go to shared memory as
- * 4-byte words in rows LN_WIDE_PITCH bytes apart (fp8_cast_tile_wide's pitch rule: the two row
- * groups a warp reads back fall on disjoint banks). */
-#define LN_WIDE_ROWS 32
-#define LN_WIDE_ROWS_A_WARP (LN_WIDE_ROWS / LN_WARPS)
-#define LN_WIDE_PITCH(VEC, PACKETS) (32 * (VEC) * (PACKETS) + 4)
-static_assert(LN_WIDE_ROWS == 2 * sizeof(uint4), "a column of the tile is two 16-byte stores, one sector");
-static_assert(LN_WIDE_PITCH(8, 1) % 8 == 4, "row groups 16 rows apart fall 16 banks apart");
-
-/* fp8_cvt of lo and of hi, in one conversion instruction (lo in the low byte). */
-__device__ __forceinline__ unsigned short fp8_cvt2(float lo, float hi, int fmt) {
-    return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
-}
-
-template <typename T, int VEC, int PACKETS>
-__global__ void __launch_bounds__(32 * LN_WARPS, 2)
-k_layernorm_fwd_fp8_wide(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* __restrict__ sc,
-                         const Fp8History* __restrict__ hist, float* __restrict__ mean, float* __restrict__ rstd,
-                         const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ beta,
-                         int N, int C) {
-    await_previous_kernel();
-    constexpr int pitch = LN_WIDE_PITCH(VEC, PACKETS);
-    __shared__ __align__(16) fp8 tile[LN_WIDE_ROWS * pitch];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r0 = blockIdx.x * LN_WIDE_ROWS;
-    __align__(16) T xv[LN_WIDE_ROWS_A_WARP][PACKETS][VEC]; /* row warp + i * LN_WARPS of the block */
-#pragma unroll
-    for (int i = 0; i < LN_WIDE_ROWS_A_WARP; i++) {
-        const T* xr = x + (size_t)(r0 + warp + i * LN_WARPS) * C;
-        LN_REG_LOOP(p, C) load_raw(xv[i][p], xr + ln_reg_col(p));
-    }
-    const float s = fp8_history_scale(hist);
-    unsigned am = 0;
-#pragma unroll
-    for (int i = 0; i < LN_WIDE_ROWS_A_WARP; i++) {
-        const int tr = warp + i * LN_WARPS, row = r0 + tr;
-        float sum = 0.0f, sum2 = 0.0f; /* ln_row_stats' sums, in its order */
-        LN_REG_LOOP(p, C) for (int k = 0; k < VEC; k++) sum += to_f(xv[i][p][k]);
-        const float m = warp_sum(sum) / C;
-        LN_REG_LOOP(p, C) for (int k = 0; k < VEC; k++) sum2 += (to_f(xv[i][p][k]) - m) * (to_f(xv[i][p][k]) - m);
-        const float r = 1.0f / sqrtf(warp_sum(sum2) / C + LN_EPS);
-        if (lane == 0) {
-            mean[row] = m;
-            rstd[row] = r;
-        }
-        LN_REG_LOOP(p, C) {
-            const int c = ln_reg_col(p);
-            float g[VEC], b[VEC], y[VEC];
-            __align__(8) unsigned short q[VEC / 2]; /* codes k and k + 1 */
-            load_vec(g, gamma + c);
-            load_vec(b, beta + c);
-            for (int k = 0; k < VEC; k++) {
-                y[k] = as_stored<T>((to_f(xv[i][p][k]) - m) * r * g[k] + b[k]);
-                am = max(am, abs_bits(y[k]));
-            }
-            for (int k = 0; k < VEC; k += 2) q[k / 2] = fp8_cvt2(y[k] * s, y[k + 1] * s, FP8_E4M3);
-            const uint2 w = *reinterpret_cast<const uint2*>(q);
-            if (out_n) *reinterpret_cast<uint2*>(out_n + (size_t)row * C + c) = w;
-            unsigned* t = reinterpret_cast<unsigned*>(tile + tr * pitch + c);
-            t[0] = w.x;
-            t[1] = w.y;
-        }
-    }
-    ln_fp8_commit_scale(sc, s, am); /* its __syncthreads also publishes the tile */
-    if (!out_t) return;
-    /* unit u: lane l < 16 of a warp's units the first 16 rows of column 16 * (u / 32) + l, lane l + 16
-     * the last 16 */
-    for (int u = threadIdx.x; u < 2 * C; u += blockDim.x) {
-        const int col = u / 32 * 16 + u % 16, half = u / 16 % 2;
-        if (col >= C) continue;
-        uint4 w;
-        fp8* wb = reinterpret_cast<fp8*>(&w);
-#pragma unroll
-        for (int k = 0; k < 16; k++) wb[k] = tile[(half * 16 + k) * pitch + col];
-        *reinterpret_cast<uint4*>(out_t + (size_t)col * N + r0 + half * 16) = w;
-    }
-}
-#endif
 
 /* Whether layernorm_fwd_fp8 takes a shape (else: layernorm_fwd, then fp8_cast with the history). */
 static bool layernorm_fwd_fp8_fits(int N, int C) { return N % LN_FP8_ROWS == 0 && C <= LN_FP8_MAX_C; }
-#if FP8_LN_WIDE
-/* The packets a lane holds in k_layernorm_fwd_fp8_wide for N rows of C (packed: the operands take
- * 16-byte packets); 0: that shape is k_layernorm_fwd_fp8's. */
-template <typename T> static int layernorm_fwd_fp8_wide_packets(int N, int C, bool packed) {
-    int packets = ln_reg_packets(C, packed, PACK(T));
-    return PACK(T) == 8 && packed && N % LN_WIDE_ROWS == 0 && packets <= LN_REG_PACKETS ? packets : 0;
-}
-#endif
 
 template <typename T>
 static void layernorm_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8History* hist, float* mean, float* rstd,
@@ -617,14 +487,6 @@ static void layernorm_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8His
         fprintf(stderr, "error: internal: layernorm_fwd_fp8 of N=%d C=%d with out_t %p\n", N, C, (void*)out_t);
         exit(1);
     }
-#if FP8_LN_WIDE
-    if constexpr (PACK(T) == 8) /* the wide kernel's packets are 8 codes, one uint2 */
-        if (int packets = layernorm_fwd_fp8_wide_packets<T>(N, C, packed)) {
-            LN_LAUNCH_PACKETS_VEC(PACK(T), packets, k_layernorm_fwd_fp8_wide, T, N / LN_WIDE_ROWS, 32 * LN_WARPS,
-                                  out_n, out_t, sc, hist, mean, rstd, x, gamma, beta, N, C);
-            return;
-        }
-#endif
     if (packed)
         launch_kernel_with_shared(k_layernorm_fwd_fp8<T, PACK(T)>, N / LN_FP8_ROWS, 32 * LN_WARPS, shared, out_n,
                                   out_t, sc, hist, mean, rstd, x, gamma, beta, N, C);
@@ -705,27 +567,6 @@ k_layernorm_bwd_fp8(T* __restrict__ dx, float* __restrict__ partial, const T* __
                                       &codes.sc->amax_bits, codes);
 }
 
-#if FP8_LN_WIDE
-/* The wide candidate's LayerNorm backward (-DFP8_LN_WIDE=1): k_layernorm_bwd_fp8 with each warp
- * asking L2 for its next row's x, dout and dx (prefetch_l2) before it loads and computes the
- * present one, so that the next row's DRAM reads overlap this row's means, dx, stores and codes
- * instead of starting after them (a warp's 4 rows at ANDREA-120M ran one DRAM round trip each). The
- * same operations in the same order: the same bytes. The rows a warp takes and their order are
- * fixed by the chunk partials' summation order, so a warp cannot hold more rows at once. */
-struct LnBwdCodesWide : LnBwdCodes {
-    static constexpr bool prefetch = true;
-};
-
-template <typename T, int VEC, int PACKETS>
-__global__ void __launch_bounds__(32 * LN_WARPS, 2)
-k_layernorm_bwd_fp8_wide(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
-                         const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ mean,
-                         const float* __restrict__ rstd, int N, int C, int rows_per_chunk, LnBwdCodesWide codes) {
-    await_previous_kernel();
-    ln_bwd_regs_body<T, VEC, PACKETS>(dx, partial, dout, x, gamma, mean, rstd, N, C, rows_per_chunk,
-                                      &codes.sc->amax_bits, codes);
-}
-#endif
 
 /* Whether layernorm_bwd_fp8 takes these operands (else: layernorm_bwd with the amax, then fp8_cast
  * with the history): rows the register kernel holds, a chunk's codes within the tile. */
@@ -749,14 +590,8 @@ static void layernorm_bwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8His
         exit(1);
     }
     LnBwdCodes codes = {out_n, out_t, sc, hist, fmt, 0.0f};
-#if FP8_LN_WIDE
-    LnBwdCodesWide wide = {codes};
-    LN_LAUNCH_PACKETS(rp.packed, rp.packets, k_layernorm_bwd_fp8_wide, T, rp.n_chunks, 32 * LN_WARPS, dx, scratch,
-                      dout, x, gamma, mean, rstd, N, C, rp.rows_per_chunk, wide);
-#else
     LN_LAUNCH_PACKETS(rp.packed, rp.packets, k_layernorm_bwd_fp8, T, rp.n_chunks, 32 * LN_WARPS, dx, scratch, dout,
                       x, gamma, mean, rstd, N, C, rp.rows_per_chunk, codes);
-#endif
     layernorm_bwd_final(dgamma, dbeta, scratch, C, rp.n_chunks, grad_beta != 0.0f);
 }
 
@@ -1027,11 +862,8 @@ template <typename T> static void fp8_quantize_jobs(const Fp8CastJobs<T>& js) {
     unsigned per_job = elementwise_grid(js.max_elems / (js.packed ? PACK(T) : 1), FP8_AMAX_BLOCK);
     dim3 grid(per_job < FP8_JOB_AMAX_BLOCKS ? per_job : FP8_JOB_AMAX_BLOCKS, js.n);
     LAUNCH_PACKED(js.packed, k_fp8_amax_jobs, T, grid, FP8_AMAX_BLOCK, js.dev);
-#if FP8_CAST_WIDE
-    if (js.packed) return launch_kernel(k_fp8_cast_jobs_wide<T>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
-#endif
-    if (js.packed) launch_kernel(k_fp8_cast_jobs<T, true>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
-    else launch_kernel(k_fp8_cast_jobs<T, false>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
+    if (js.packed) launch_kernel(k_fp8_cast_jobs<T>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
+    else launch_kernel(k_fp8_cast_jobs_unpacked<T>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -1204,58 +1036,30 @@ struct LossStoreFp8 {
     }
 };
 
-/* The FP8 classifier's dlogits for dwte: out [Cc][R] = the codes in [R][Cc] transposed, a 64 x 64 tile a block through
- * shared memory: 16-byte loads of its rows, 16-byte stores of its columns (R and Cc multiples of
- * 16, both pointers 16-byte aligned: fp8_transpose checks). */
-__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_transpose(fp8* __restrict__ out, const fp8* __restrict__ in,
-                                                                    int R, int Cc) {
-    await_previous_kernel();
-    __shared__ __align__(16) fp8 tile[FP8_TILE][FP8_TILE + 16]; /* rows of 80 bytes: 16-byte aligned */
-    const int per_row = FP8_TILE / 16;
-    unsigned tiles_c = ceil_div(Cc, FP8_TILE);
-    int c0 = (int)(blockIdx.x % tiles_c) * FP8_TILE, r0 = (int)(blockIdx.x / tiles_c) * FP8_TILE;
-    for (int i = threadIdx.x; i < FP8_TILE * per_row; i += FP8_CAST_THREADS) {
-        int tr = i / per_row, tc = i % per_row * 16;
-        if (r0 + tr < R && c0 + tc < Cc)
-            *reinterpret_cast<uint4*>(&tile[tr][tc]) =
-                *reinterpret_cast<const uint4*>(in + (size_t)(r0 + tr) * Cc + c0 + tc);
-    }
-    __syncthreads();
-    int col = threadIdx.x % FP8_TILE, k0 = threadIdx.x / FP8_TILE * FP8_COL_PACKET;
-    if (c0 + col >= Cc || r0 + k0 >= R) return;
-    uint4 q;
-    fp8* qb = reinterpret_cast<fp8*>(&q);
-    for (int k = 0; k < FP8_COL_PACKET; k++) qb[k] = tile[k0 + k][col];
-    *reinterpret_cast<uint4*>(out + (size_t)(c0 + col) * R + r0 + k0) = q;
-}
 static_assert(FP8_COL_PACKET == 16, "a transposed packet is one 16-byte store");
 
-#ifndef FP8_TRANSPOSE_WIDE
-#define FP8_TRANSPOSE_WIDE 0
-#endif
-#if FP8_TRANSPOSE_WIDE
-/* The wide transpose (candidate, make KERNEL_VARIANTS=-DFP8_TRANSPOSE_WIDE=1): the same bytes as
- * k_fp8_transpose, in tiles of FP8_TW_TILE x FP8_TW_TILE codes (16 KB) a block. A thread issues its
- * FP8_TW_LOADS 16-byte row loads (a warp: 4 whole 128-byte rows) before it stores one to shared
+/* The FP8 classifier's dlogits for dwte: out [Cc][R] = the codes in [R][Cc] transposed (R and Cc
+ * multiples of 16, both pointers 16-byte aligned: fp8_transpose checks), in tiles of FP8_TP_TILE x
+ * FP8_TP_TILE codes (16 KB) a block (twice the rate of 64 x 64 tiles, docs/BENCHMARKS.md #81). A thread issues its
+ * FP8_TP_LOADS 16-byte row loads (a warp: 4 whole 128-byte rows) before it stores one to shared
  * memory, where 16-byte chunk q of tile row r sits at q ^ (r / 16 % 8): a quarter warp's row
  * stores and the transposed pass's word reads fall on disjoint banks. The transposed pass: a thread
  * 4 columns x 16 rows (16 word reads, a 4 x 4 byte transpose in registers per 4 rows), a warp 4
  * column groups x all 8 row groups of the tile, so each of its 4 column stores writes 4 whole
- * 128-byte lines. ROWS_FASTEST: consecutive blocks take the tiles down a column of tiles (they
- * complete rows of out, and read runs of rows of in, together); else across a row of tiles, as
- * k_fp8_transpose. */
-#define FP8_TW_TILE 128
-#define FP8_TW_CHUNKS (FP8_TW_TILE / 16)                                /* 16-byte chunks a tile row */
-#define FP8_TW_ROW_STEP (FP8_CAST_THREADS / FP8_TW_CHUNKS)              /* rows a load pass */
-#define FP8_TW_LOADS (FP8_TW_TILE / FP8_TW_ROW_STEP)                    /* row loads a thread */
-static_assert(FP8_TW_LOADS * FP8_TW_ROW_STEP == FP8_TW_TILE, "the load passes cover the tile");
-static_assert(FP8_CAST_THREADS == FP8_TW_TILE / 4 * FP8_TW_CHUNKS,
+ * 128-byte lines. Consecutive blocks take the tiles down a column of tiles: they complete rows of
+ * out, and read runs of rows of in, together (6 % faster than across a row of tiles). */
+#define FP8_TP_TILE 128
+#define FP8_TP_CHUNKS (FP8_TP_TILE / 16)                                /* 16-byte chunks a tile row */
+#define FP8_TP_ROW_STEP (FP8_CAST_THREADS / FP8_TP_CHUNKS)              /* rows a load pass */
+#define FP8_TP_LOADS (FP8_TP_TILE / FP8_TP_ROW_STEP)                    /* row loads a thread */
+static_assert(FP8_TP_LOADS * FP8_TP_ROW_STEP == FP8_TP_TILE, "the load passes cover the tile");
+static_assert(FP8_CAST_THREADS == FP8_TP_TILE / 4 * FP8_TP_CHUNKS,
               "the transposed pass: 4 columns x 16 rows a thread");
-static_assert(FP8_TW_CHUNKS == 8 && FP8_CAST_THREADS / 32 * 4 == FP8_TW_TILE / 4,
+static_assert(FP8_TP_CHUNKS == 8 && FP8_CAST_THREADS / 32 * 4 == FP8_TP_TILE / 4,
               "a warp: 4 column groups x 8 row groups; the swizzle spans the 8 chunks of a row");
 
-static unsigned fp8_transpose_wide_tiles(int R, int Cc) {
-    return ceil_div(R, FP8_TW_TILE) * ceil_div(Cc, FP8_TW_TILE);
+static unsigned fp8_transpose_tiles(int R, int Cc) {
+    return ceil_div(R, FP8_TP_TILE) * ceil_div(Cc, FP8_TP_TILE);
 }
 
 /* Columns j of 4 rows' words a[0..3] (byte j of a word: column j): col[j] holds rows 0..3 of column j. */
@@ -1266,25 +1070,23 @@ __device__ __forceinline__ void fp8_transpose4x4(unsigned (&col)[4], const unsig
     col[2] = __byte_perm(t1, t3, 0x5410), col[3] = __byte_perm(t1, t3, 0x7632);
 }
 
-template <bool ROWS_FASTEST>
-__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_transpose_wide(fp8* __restrict__ out,
-                                                                         const fp8* __restrict__ in, int R, int Cc) {
+__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_transpose(fp8* __restrict__ out, const fp8* __restrict__ in,
+                                                                    int R, int Cc) {
     await_previous_kernel();
-    __shared__ uint4 tile[FP8_TW_TILE][FP8_TW_CHUNKS];
-    unsigned tiles_r = ceil_div(R, FP8_TW_TILE), tiles_c = ceil_div(Cc, FP8_TW_TILE);
-    unsigned tile_r = ROWS_FASTEST ? blockIdx.x % tiles_r : blockIdx.x / tiles_c;
-    unsigned tile_c = ROWS_FASTEST ? blockIdx.x / tiles_r : blockIdx.x % tiles_c;
-    int r0 = (int)tile_r * FP8_TW_TILE, c0 = (int)tile_c * FP8_TW_TILE;
-    int q = threadIdx.x % FP8_TW_CHUNKS, tr0 = threadIdx.x / FP8_TW_CHUNKS;
-    uint4 v[FP8_TW_LOADS] = {}; /* rows past R: zeros, never read back */
+    __shared__ uint4 tile[FP8_TP_TILE][FP8_TP_CHUNKS];
+    unsigned tiles_r = ceil_div(R, FP8_TP_TILE);
+    unsigned tile_r = blockIdx.x % tiles_r, tile_c = blockIdx.x / tiles_r;
+    int r0 = (int)tile_r * FP8_TP_TILE, c0 = (int)tile_c * FP8_TP_TILE;
+    int q = threadIdx.x % FP8_TP_CHUNKS, tr0 = threadIdx.x / FP8_TP_CHUNKS;
+    uint4 v[FP8_TP_LOADS] = {}; /* rows past R: zeros, never read back */
 #pragma unroll
-    for (int i = 0; i < FP8_TW_LOADS; i++) { /* R and Cc multiples of 16: a chunk is wholly in or out */
-        int r = r0 + tr0 + i * FP8_TW_ROW_STEP, c = c0 + q * 16;
+    for (int i = 0; i < FP8_TP_LOADS; i++) { /* R and Cc multiples of 16: a chunk is wholly in or out */
+        int r = r0 + tr0 + i * FP8_TP_ROW_STEP, c = c0 + q * 16;
         if (r < R && c < Cc) v[i] = *reinterpret_cast<const uint4*>(in + (size_t)r * Cc + c);
     }
 #pragma unroll
-    for (int i = 0; i < FP8_TW_LOADS; i++) {
-        int tr = tr0 + i * FP8_TW_ROW_STEP;
+    for (int i = 0; i < FP8_TP_LOADS; i++) {
+        int tr = tr0 + i * FP8_TP_ROW_STEP;
         tile[tr][q ^ tr / 16 % 8] = v[i];
     }
     __syncthreads();
@@ -1300,7 +1102,7 @@ __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_transpose_wide(fp8* __
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             int tr = seg * 16 + m * 4 + k; /* its chunk's swizzle is seg */
-            a[k] = words[tr * FP8_TW_TILE / 4 + (group / 4 ^ seg) * 4 + group % 4];
+            a[k] = words[tr * FP8_TP_TILE / 4 + (group / 4 ^ seg) * 4 + group % 4];
         }
         fp8_transpose4x4(t, a);
 #pragma unroll
@@ -1311,18 +1113,13 @@ __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_transpose_wide(fp8* __
         *reinterpret_cast<uint4*>(out + (size_t)(c + j) * R + r) =
             make_uint4(col[j][0], col[j][1], col[j][2], col[j][3]);
 }
-#endif
 
 static void fp8_transpose(fp8* out, const fp8* in, int R, int Cc) {
     if (R % 16 || Cc % 16 || (uintptr_t)out % 16 || (uintptr_t)in % 16) {
         fprintf(stderr, "error: internal: fp8_transpose of [%d, %d] codes (multiples of 16, 16-byte aligned)\n", R, Cc);
         exit(1);
     }
-#if FP8_TRANSPOSE_WIDE
-    launch_kernel(k_fp8_transpose_wide<true>, fp8_transpose_wide_tiles(R, Cc), FP8_CAST_THREADS, out, in, R, Cc);
-#else
-    launch_kernel(k_fp8_transpose, fp8_cast_tiles(1, R, Cc), FP8_CAST_THREADS, out, in, R, Cc);
-#endif
+    launch_kernel(k_fp8_transpose, fp8_transpose_tiles(R, Cc), FP8_CAST_THREADS, out, in, R, Cc);
 }
 
 /* Evaluation: the chunk's row losses and lse; logits [n, Vp] is scratch. */

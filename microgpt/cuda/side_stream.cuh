@@ -31,8 +31,8 @@
 
 #include "common.cuh"
 
-/* buffers with a side-stream reader: dres, dh, dqkv, logits; fp8's g8t (two with FP8_G8T_DOUBLE)
- * and the FP8 classifier's dl8t */
+/* buffers with a side-stream reader: dres, dh, dqkv, logits; fp8's g8t and the FP8 classifier's
+ * dl8t */
 #define SIDE_MAX_BUFFERS 8
 
 /* One buffer the side stream reads and the main stream overwrites later. */
