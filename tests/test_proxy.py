@@ -254,14 +254,14 @@ def test_bad_config_is_one_clear_error_naming_the_key(exp, cpu_binary, change, m
 
 def test_missing_engine_is_a_clear_error(exp):
     res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=5)), "--engine-binary",
-                          str(exp.root / "nope")], capture_output=True, text=True, timeout=60)
+                          str(exp.root / "nope")], capture_output=True, text=True, env=proxy_env(), timeout=60)
     assert res.returncode == 2 and "not found or not executable" in res.stderr
 
 
 def test_engine_without_a_flag_table_is_a_clear_error(exp):
     """An engine that cannot answer --flags-json (an old build, a wrong binary): one line, rebuild."""
     res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=5)), "--engine-binary",
-                          "/bin/true"], capture_output=True, text=True, timeout=60)
+                          "/bin/true"], capture_output=True, text=True, env=proxy_env(), timeout=60)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "--flags-json" in lines[0], res.stderr
     assert "make" in lines[0]
