@@ -42,6 +42,9 @@ from microgpt.supervisor import Run, Supervisor, summarize
 from microgpt.terminal import say, terminal
 
 DEFAULT_PORT = 8765
+# The most engine processes the proxy starts, all on this machine (one per GPU): far above any
+# machine's GPUs, yet a typo's 10^8 is refused before an environment is built for each.
+RANKS_MAX = 1024
 LINGER_SECONDS = 0.6  # a few live-stream polls (proxy_server.POLL_SECONDS) after the run ends
 
 
@@ -73,8 +76,8 @@ def parse_args(argv):
                    help="keep the dashboard up after the engine exits (or for a finished run), "
                         "until Ctrl-C")
     args = p.parse_args(argv)
-    if args.ranks < 1:
-        p.error("--ranks must be at least 1")
+    if not 1 <= args.ranks <= RANKS_MAX:
+        p.error(f"--ranks must be in [1, {RANKS_MAX}]")
     if args.port is not None and not 0 <= args.port <= 65535:
         p.error("--port must be in [0, 65535]")
     if args.progress_every is not None and not 0 <= args.progress_every < math.inf:  # also not NaN
@@ -109,6 +112,8 @@ def open_run(args):
     for line in run_passes_warnings(cfg, resolve_path, {key: flag["default"] for key, flag in flags.items()}):
         print(line, file=sys.stderr, flush=True)
     run_dir = args.run_dir or os.path.join(ROOT, "runs", cfg["name"])
+    if os.path.lexists(run_dir) and not os.path.isdir(run_dir):  # making it: "[Errno 17] File exists"
+        fail(f"--run-dir {run_dir} exists and is no directory")
     try:
         return Run(cfg, flags, args.config, run_dir, engine, prompt_ids)
     except (RunBusyError, LossLogError, OSError) as e:

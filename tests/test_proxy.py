@@ -963,3 +963,24 @@ def test_a_proxy_flag_out_of_range_is_one_error_line(exp, cpu_binary, flag, valu
                          env=proxy_env(), timeout=60)
     assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
     assert res.stderr.startswith(f"error: {flag} must be") and not exp.run_dir.exists(), res.stderr
+
+
+@pytest.mark.parametrize("make", [lambda p: p.write_text("x"), os.mkfifo], ids=["file", "fifo"])
+def test_a_run_dir_that_is_no_directory_is_one_clear_error(exp, cpu_binary, make):
+    """A file or FIFO as --run-dir was the error line "[Errno 17] File exists: '...'"."""
+    path = exp.root / "not-a-dir"
+    make(path)
+    res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=2, train={"warmup_steps": 0})),
+                          "--engine-binary", str(cpu_binary), "--run-dir", str(path), "--no-server"],
+                         capture_output=True, text=True, env=proxy_env(), timeout=60)
+    assert res.returncode == 2 and res.stderr == f"error: --run-dir {path} exists and is no directory\n", res.stderr
+
+
+def test_more_ranks_than_the_proxy_starts_is_one_error_line(exp, cpu_binary):
+    """--ranks 99999999 built an environment for every rank before starting any: the proxy took
+    all the machine's memory and was killed (exit 137), a typo away."""
+    res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=2, train={"warmup_steps": 0})),
+                          "--engine-binary", str(cpu_binary), "--run-dir", str(exp.run_dir), "--no-server",
+                          "--ranks", "99999999"], capture_output=True, text=True, env=proxy_env(), timeout=60)
+    assert res.returncode == 2 and res.stderr == "error: --ranks must be in [1, 1024] (see --help)\n", res.stderr
+    assert not exp.run_dir.exists()
