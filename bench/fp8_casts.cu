@@ -8,7 +8,17 @@
  *   build: nvcc -O3 -std=c++17 -arch=native -o build/fp8_casts bench/fp8_casts.cu -lcublas -lcublasLt
  *   run:   build/fp8_casts        (one line per kernel: model, kernel, shape, µs, GB/s)
  *
- * The inputs are a constant bf16 pattern: the kernels' times do not depend on the values. */
+ * The inputs are a constant bf16 pattern: the kernels' times do not depend on the values.
+ *
+ * Built with -DFP8_LOSS_PACKED=1 (the FP8 classifier's loss rows with the packed store, loss.cuh and
+ * fp8.cuh; with -DFP8_LOSS_LEAN=1 also its lean gradient), a last section times the loss rows with
+ * the present store (LossStoreFp8) and the packed one (LossStoreFp8Packed) side by side, queued, on
+ * random logits at the logits chunks' shapes, and checks that both write the same bytes (codes,
+ * scale, row losses, lse); the exit status is 1 if any differ:
+ *
+ *   nvcc -O3 -std=c++17 -arch=native -DFP8_LOSS_PACKED=1 -o build/fp8_casts_lp bench/fp8_casts.cu -lcublas -lcublasLt
+ *   nvcc -O3 -std=c++17 -arch=native -DFP8_LOSS_PACKED=1 -DFP8_LOSS_LEAN=1 -o build/fp8_casts_lpl \
+ *        bench/fp8_casts.cu -lcublas -lcublasLt */
 #include "../microgpt/cuda/fp8.cuh"
 #include "../microgpt/cuda/layernorm.cuh"
 #include "../microgpt/cuda/mlp.cuh"
@@ -138,11 +148,88 @@ static void bench(const char* model, int N, int C, int F, int L) {
     g_buffers.clear();
 }
 
+#if FP8_LOSS_PACKED
+/* Random values of mixed magnitudes (2^-6 to 2^5) and signs: the byte comparison sees every code. */
+template <typename T> __global__ void k_fill_random(T* x, size_t n, unsigned seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned u = (unsigned)i * 2654435761u ^ seed;
+        u ^= u >> 15, u *= 2246822519u, u ^= u >> 13, u *= 3266489917u, u ^= u >> 16;
+        float v = ((float)(u & 0xFFFF) / 32768.0f - 1.0f) * exp2f((float)((int)(u >> 16) % 12 - 6));
+        x[i] = from_f<T>(v);
+    }
+}
+
+template <typename T> static T* random_buffer(size_t n, unsigned seed) {
+    T* x = (T*)dmalloc(n * sizeof(T));
+    k_fill_random<T><<<1024, 256, 0, g_stream>>>(x, n, seed);
+    CUDA_CHECK(cudaGetLastError());
+    return x;
+}
+
+/* Whether `bytes` bytes at a and at b (device memory) are the same, after all queued work. */
+static bool same_device_bytes(const void* a, const void* b, size_t bytes) {
+    std::vector<unsigned char> ha(bytes), hb(bytes);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(ha.data(), a, bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(hb.data(), b, bytes, cudaMemcpyDeviceToHost));
+    return !memcmp(ha.data(), hb.data(), bytes);
+}
+
+/* The FP8 classifier's loss rows with the present store (LossStoreFp8) and the packed one
+ * (LossStoreFp8Packed) on n random logits rows of the padded vocabulary: times, GB/s moved (the
+ * bf16 logits read, the codes written), and whether both write the same codes, scale, losses and
+ * lse. Returns 1 if they differ. */
+static int compare_loss_store(const char* model, int n) {
+    const int V = 50257, Vp = 50304;
+    size_t nv = (size_t)n * Vp;
+    bf16* logits = random_buffer<bf16>(nv, 13);
+    float ds = 1.0f / 8192.0f, *dscale = (float*)dmalloc(4);
+    std::vector<int> t(n);
+    for (int i = 0; i < n; i++) t[i] = (int)((unsigned)i * 7919u % V);
+    int* targets = (int*)dmalloc((size_t)n * 4);
+    CUDA_CHECK(cudaMemcpy(targets, t.data(), (size_t)n * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dscale, &ds, 4, cudaMemcpyHostToDevice));
+    fp8 *codes_p = (fp8*)dmalloc(nv), *codes_k = (fp8*)dmalloc(nv);
+    float *out_p = (float*)dmalloc(2 * (size_t)n * 4), *out_k = (float*)dmalloc(2 * (size_t)n * 4);
+    Fp8Scale *sc_p = (Fp8Scale*)dmalloc(sizeof(Fp8Scale)), *sc_k = (Fp8Scale*)dmalloc(sizeof(Fp8Scale));
+    auto launch_present = [&] {
+        loss_rows(out_p, out_p + n, logits, targets, n, V, Vp, dscale, LossStoreFp8{codes_p, sc_p, Vp});
+    };
+    auto launch_packed = [&] {
+        loss_rows(out_k, out_k + n, logits, targets, n, V, Vp, dscale, LossStoreFp8Packed{codes_k, sc_k, Vp});
+    };
+    launch_present();
+    launch_packed();
+    bool same = same_device_bytes(codes_p, codes_k, nv) && same_device_bytes(out_p, out_k, 2 * (size_t)n * 4) &&
+                same_device_bytes(sc_p, sc_k, 2 * sizeof(float)); /* descale and scale */
+    float t0 = time_median_queued_us(launch_present), t1 = time_median_queued_us(launch_packed);
+    char sh[32];
+    snprintf(sh, sizeof sh, "%dx%d", n, Vp);
+    printf("%-5s %-12s present %7.1f us %5.0f GB/s  packed %7.1f us %5.0f GB/s  x%.2f  %s\n", model, sh, t0,
+           3.0 * nv / (t0 * 1e3), t1, 3.0 * nv / (t1 * 1e3), t0 / t1, same ? "same bytes" : "BYTES DIFFER");
+    CUDA_CHECK(cudaDeviceSynchronize());
+    for (void* b : g_buffers) CUDA_CHECK(cudaFree(b));
+    g_buffers.clear();
+    return !same;
+}
+#endif
+
 int main(void) {
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
     printf("%s: bytes moved / median time; the GPU's memory bandwidth is the bound\n", p.name);
     bench("120M", 8192, 768, 3072, 12);
     bench("12M", 4096, 192, 768, 6);
-    return 0;
+    int differs = 0;
+#if FP8_LOSS_PACKED
+    /* a logits chunk's rows as loss_chunk_rows sizes them: ANDREA-120M's two (5248 and 2944 of
+     * B·T 8192), -12M's one (4096; its engine runs the FP8 classifier from d_model 512 only) */
+    printf("\nthe FP8 classifier's loss rows, present store and packed (FP8_LOSS_PACKED%s), queued: median us, "
+           "GB/s moved\n", FP8_LOSS_LEAN ? ", FP8_LOSS_LEAN" : "");
+    differs += compare_loss_store("120M", loss_chunk_rows(50304, sizeof(bf16), 8192)) +
+               compare_loss_store("120M", 8192 - loss_chunk_rows(50304, sizeof(bf16), 8192)) +
+               compare_loss_store("12M", loss_chunk_rows(50304, sizeof(bf16), 4096));
+    printf("%s\n", differs ? "error: the packed store's bytes DIFFER from the present one's" : "all bytes the same");
+#endif
+    return differs ? 1 : 0;
 }

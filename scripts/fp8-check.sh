@@ -12,7 +12,8 @@
 #   pytest       tests/test_gpu.py (all of it: fp8 against the CPU engine's fp8 emulation, exact fp8
 #                resume after SIGTERM, graphs = launch by launch, refusals; and every older GPU test)
 #                and tests/test_fp8.py (the CPU emulation)
-#   sanitizer    compute-sanitizer memcheck of a tiny fp8 run, uncaptured and as CUDA graphs
+#   sanitizer    compute-sanitizer memcheck of a tiny fp8 run, uncaptured and as CUDA graphs, and racecheck;
+#                both again at head size 64 and d_model 512 (fused attention, FP8 classifier)
 #   timing       ANDREA-12M and ANDREA-120M, fp8 and bf16, 60 steps each on random tokens: median
 #                ms/step in $OUT/timing.json
 #   casts        bench/fp8_casts.cu: µs and GB/s of each cast, amax and amax-fused kernel at the
@@ -73,6 +74,13 @@ stage_sanitizer() {
         "${args[@]}" || rc=1
     run_cmd 180 "$cs" --tool memcheck --error-exitcode 1 build/microgpt_cuda "${args[@]}" || rc=1
     run_cmd 120 "$cs" --tool racecheck --error-exitcode 1 build/microgpt_cuda "${args[@]}" || rc=1
+    # the tiny model's head size 8 and d_model 32 take attention's cuBLAS path and the bf16
+    # classifier: once more at head size 64 and d_model 512, the fused flash kernels writing codes
+    # and the FP8 classifier (its loss rows' codes and their transpose)
+    local wide=("${args[@]}" --model.n_layer 1 --model.d_model 512 --model.n_head 8 --model.d_ff 1024
+                --model.seq_len 64 --train.batch_size 2)
+    ANDREA_CUDA_SYNC=1 run_cmd 240 "$cs" --tool memcheck --error-exitcode 1 build/microgpt_cuda "${wide[@]}" || rc=1
+    run_cmd 180 "$cs" --tool racecheck --error-exitcode 1 build/microgpt_cuda "${wide[@]}" || rc=1
     return "$rc"
 }
 

@@ -1517,12 +1517,14 @@ static void test_fp8_transpose(int R, int Cc) {
     dfree_all();
 }
 
-/* The FP8 classifier's loss rows (LossStoreFp8, from shared memory and from memory) and the codes'
- * transpose (k_fp8_transpose), bit for bit against the loss rows in T, then fp8_cast with the bound
- * |dscale| as the amax (the static scale, fp8_dlogits_scale): the same row losses and lse, codes in
- * both layouts, scale; and the logits left as they were. */
-template <typename T> static void test_loss_rows_fp8_fused(int n, int V, int Vp) {
-    Vec logits = rounded<T>(randn((size_t)n * Vp, 3.0f));
+/* The FP8 classifier's loss rows (Store: LossStoreFp8, or in a FP8_LOSS_PACKED build also
+ * LossStoreFp8Packed; from shared memory and from memory) and the codes' transpose
+ * (k_fp8_transpose), bit for bit against the loss rows in T, then fp8_cast with the bound |dscale|
+ * as the amax (the static scale, fp8_dlogits_scale): the same row losses and lse, codes in both
+ * layouts, scale; and the logits left as they were. Logits of standard deviation `spread`. */
+template <typename T, typename Store>
+static void test_loss_rows_fp8_fused(int n, int V, int Vp, float spread, const char* store) {
+    Vec logits = rounded<T>(randn((size_t)n * Vp, spread));
     size_t nv = (size_t)n * Vp;
     float ds = 1.0f / 8192.0f * 3.0f; /* not a power of two: the bound's scale leaves headroom */
     int* d_targets = upload_ints(rand_ints(n, V));
@@ -1544,12 +1546,13 @@ template <typename T> static void test_loss_rows_fp8_fused(int n, int V, int Vp)
         Fp8CastOut got = fp8_cast_out(nv);
         T* d_logits = upload<T>(logits);
         float *losses = poisoned<float>(n), *lse = poisoned<float>(n);
-        LossStoreFp8 st = {got.n, got.sc, Vp};
+        Store st = {got.n, got.sc, Vp};
         bool ran = true;
         if (shared) ran = loss_rows_from_shared<T>(losses, lse, d_logits, d_targets, n, V, Vp, d_dscale, st);
         else loss_rows_from_memory<T>(losses, lse, d_logits, d_targets, n, V, Vp, d_dscale, st);
         fp8_transpose(got.t, got.n, n, Vp);
-        const char* what = shared ? "fused from shared" : "fused from memory";
+        char what[64];
+        snprintf(what, sizeof what, "%s from %s", store, shared ? "shared" : "memory");
         if (!ran) {
             report(false, what, "the loss rows from shared memory did not run (do not fit this GPU)");
             continue;
@@ -1796,12 +1799,17 @@ static void run_fp8(void) {
         test_fp8_transpose(t[0], t[1]);
     }
     /* the fused loss rows: a small vocabulary; the models' (50257 padded to 50304, from shared memory
-     * on an H200) */
-    const int rows_shapes[][3] = {{48, 100, 128}, {32, 50257, 50304}};
+     * on an H200); logits spread so wide (sd 60) that most exponentials of the gradient fall below
+     * 2^-126, where FP8_LOSS_LEAN's flush to 0 must give the codes of the default's subnormals */
+    const int rows_shapes[][4] = {{48, 100, 128, 3}, {32, 50257, 50304, 3}, {16, 50257, 50304, 60}};
     for (const auto& r : rows_shapes) {
-        snprintf(sh, sizeof sh, "n=%d V=%d/%d %s", r[0], r[1], r[2], fp8_name(FP8_GRAD_FMT));
+        snprintf(sh, sizeof sh, "n=%d V=%d/%d sd %d %s", r[0], r[1], r[2], r[3], fp8_name(FP8_GRAD_FMT));
         set_ctx("fp8", "loss rows fp8 fused bf16", sh);
-        test_loss_rows_fp8_fused<bf16>(r[0], r[1], r[2]);
+        test_loss_rows_fp8_fused<bf16, LossStoreFp8>(r[0], r[1], r[2], (float)r[3], "fused");
+#if FP8_LOSS_PACKED
+        test_loss_rows_fp8_fused<bf16, LossStoreFp8Packed>(r[0], r[1], r[2], (float)r[3],
+                                                           FP8_LOSS_LEAN ? "fused packed lean" : "fused packed");
+#endif
     }
     fp8_plans_clear();
 }

@@ -21,7 +21,7 @@ import engine_util as eu
 from engine_util import run_ok, tiny_args
 from test_fp8_delayed import RUN
 from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
-from test_gpu import check_side_stream_over_chunks
+from test_gpu import OVERRIDE_ENGINE, build_variant, check_side_stream_over_chunks
 from test_gpu import cuda_binary, small_chunks_build  # noqa: F401 (fixtures)
 
 # cpu/fp8.h's FP8_CLASSIFIER_MIN_D_MODEL: the FP8 classifier at 512, not at 496 (both multiples of
@@ -134,3 +134,30 @@ def test_gpu_fp8_classifier_over_several_chunks_gives_the_bits_of_synchronised_l
     positions (the chunk rounded to a multiple of 16 for dwte's FP8 product)."""
     check_side_stream_over_chunks(small_chunks_build, random_shards, tmp_path, "fp8",
                                   {k: v for k, v in GPU_RUN.items() if k.startswith(("model.", "train.batch"))})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("suffix, flags, name", [
+    ("_lp", "-DFP8_LOSS_PACKED=1", "packed loss store"),
+    ("_lpl", "-DFP8_LOSS_PACKED=1 -DFP8_LOSS_LEAN=1", "lean packed loss store")])
+def test_gpu_packed_loss_store_gives_the_default_builds_bits(cuda_binary, random_shards, tmp_path, suffix, flags,
+                                                             name):
+    """-DFP8_LOSS_PACKED=1 (docs/BENCHMARKS.md #83) writes the FP8 classifier's dlogits codes in the
+    loss rows with the codes' scale taken once a row and the conversions two values at a time, and
+    with -DFP8_LOSS_LEAN=1 (#84) also computes their gradient in fewer instructions: the same bits
+    as the default's store (kernel_check compares each with the loss rows in T, then fp8_cast), so
+    the same records (losses) and checkpoint (dwte through the codes, every weight); 144 rows."""
+    if OVERRIDE_ENGINE:
+        pytest.skip(f"ANDREA_CUDA_ENGINE names one prebuilt engine; the {flags} variant is built from source")
+    engine = eu.BUILD / f"microgpt_cuda{suffix}"
+    build_variant(suffix, flags, engine)
+    args = tiny_args(random_shards.train, random_shards.val, **{**GPU_RUN, "train.steps": 6, "train.grad_accum": 2})
+    runs = {}
+    for run, binary in (("default", cuda_binary), (name, engine)):
+        ckpt = tmp_path / f"{run}.ckpt"
+        res = run_ok(binary, args + ["--checkpoint", ckpt])
+        assert classifier_named(res) == "FP8"
+        runs[run] = (eu.exact_records(res), ckpt.read_bytes())
+    assert len([k for k in runs[name][0] if k[0] == "train"]) == 6
+    assert runs[name][0] == runs["default"][0], f"the {name} build's records differ from the default build's"
+    assert runs[name][1] == runs["default"][1], f"the {name} build's checkpoint differs from the default build's"

@@ -37,7 +37,7 @@
 #define MICROGPT_CUDA_FP8_CUH
 
 #include <cuda_fp8.h>
-#include <type_traits> /* std::integral_constant: attn_fp8_fits */
+#include <type_traits> /* std::integral_constant: attn_fp8_fits; std::is_same: as_stored2 */
 
 #include "../cpu/fp8.h"
 #include "attention.cuh"
@@ -1036,6 +1036,63 @@ struct LossStoreFp8 {
     }
 };
 
+#if FP8_LOSS_PACKED
+/* fp8_cvt of lo and of hi, in one conversion instruction (lo in the low byte). */
+__device__ __forceinline__ unsigned short fp8_cvt2(float lo, float hi, int fmt) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+/* x and y as stored in T (as_stored of each), the pair in one conversion instruction. */
+template <typename T> __device__ __forceinline__ float2 as_stored2(float x, float y) {
+    if constexpr (std::is_same<T, bf16>::value) return __bfloat1622float2(__floats2bfloat162_rn(x, y));
+    else if constexpr (std::is_same<T, fp16>::value) return __half22float2(__floats2half2_rn(x, y));
+    else return make_float2(x, y);
+}
+
+/* The packed store (candidate, FP8_LOSS_PACKED, loss.cuh): LossStoreFp8's codes and scale, bit for bit,
+ * in fewer instructions a packet. LossStoreFp8 derives the scale from ds in every packet (the
+ * compiler does not hoist fp8_dlogits_scale's frexpf / ldexpf out of the row loop: ~40 instructions
+ * a packet) and rounds each value to T and casts it alone: a scalar F2F.BF16 (the quarter-rate
+ * conversion unit) and an E4M3 conversion per value, then byte packing. Here the scale comes once a row
+ * (loss_store_row_arg), and a pair of values takes one packed T conversion (as_stored2, the same rounding as
+ * as_stored) and one FP8 conversion (fp8_cvt2, as fp8_cvt's), whose 16-bit results make the
+ * 8-byte store with no byte shuffling. Its fields are LossStoreFp8's; its store() replaces that one. */
+struct LossStoreFp8Packed : LossStoreFp8 {
+    template <typename T, int VEC>
+    __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float s) const {
+        fp8* dst = codes + (size_t)row * Vp + j;
+        (void)l;
+        if constexpr (VEC == 8) {
+            unsigned short q[VEC / 2];
+            for (int k = 0; k < VEC; k += 2) {
+                float2 y = as_stored2<T>(v[k], v[k + 1]);
+                q[k / 2] = fp8_cvt2(y.x * s, y.y * s, FP8_GRAD_FMT);
+            }
+            uint2 w;
+            memcpy(&w, q, sizeof w);
+            *reinterpret_cast<uint2*>(dst) = w; /* Vp and j multiples of 8 (the packed kernels) */
+        } else {
+            for (int k = 0; k < VEC; k++) dst[k] = fp8_cvt(as_stored<T>(v[k]) * s, FP8_GRAD_FMT);
+        }
+        if (row == 0 && j == 0) {
+            sc->scale = s;
+            sc->descale = 1.0f / s;
+        }
+    }
+};
+/* Its store()'s s: the codes' scale, derived from ds once a row (loss.cuh's loss_row). */
+__device__ __forceinline__ float loss_store_row_arg(const LossStoreFp8Packed&, float ds) {
+    return fp8_dlogits_scale(ds);
+}
+#if FP8_LOSS_LEAN
+/* loss.cuh's loss_grad_lean: the same codes */
+template <> struct LossStoreLean<LossStoreFp8Packed> : std::true_type {};
+#endif
+typedef LossStoreFp8Packed LossStoreDlogits; /* the store loss_fwd_bwd_fp8 runs */
+#else
+typedef LossStoreFp8 LossStoreDlogits;
+#endif
+
 static_assert(FP8_COL_PACKET == 16, "a transposed packet is one 16-byte store");
 
 /* The FP8 classifier's dlogits for dwte: out [Cc][R] = the codes in [R][Cc] transposed (R and Cc
@@ -1138,7 +1195,7 @@ template <typename T>
 static void loss_fwd_bwd_fp8(float* losses, float* lse, T* dx, float* dwte, T* logits, const Fp8ClassifierOps& c,
                              const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
     fp8_gemm<T>(n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
-    loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreFp8{c.g, c.g_sc, Vp});
+    loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreDlogits{c.g, c.g_sc, Vp});
     fp8_transpose(c.g_t, c.g, n, Vp);
     side_product(c.g_t, [&] {
         fp8_gemm<float>(Vp, C, n, fp8_mat(c.g_t, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.x_t, FP8_E4M3, c.x.sc), dwte, NULL,

@@ -61,9 +61,34 @@ static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C,
     gemm(n, Vp, C, mat(x, C), mat_t(wte, C), mat(logits, Vp));
 }
 
+/* FP8_LOSS_PACKED (candidate, make KERNEL_VARIANTS=-DFP8_LOSS_PACKED=1): the FP8 classifier's loss
+ * rows write dlogits' codes with cuda/fp8.cuh's LossStoreFp8Packed, which takes what it derives from
+ * ds (the codes' scale) once a row (loss_store_row_arg), rather than once a packet. */
+#ifndef FP8_LOSS_PACKED
+#define FP8_LOSS_PACKED 0
+#endif
+/* FP8_LOSS_LEAN (candidate, with FP8_LOSS_PACKED: make KERNEL_VARIANTS="-DFP8_LOSS_PACKED=1
+ * -DFP8_LOSS_LEAN=1"): for a store that LossStoreLean names (LossStoreFp8Packed), the second pass
+ * computes the gradient in fewer instructions with the same codes (loss_grad_lean). */
+#ifndef FP8_LOSS_LEAN
+#define FP8_LOSS_LEAN 0
+#endif
+#if FP8_LOSS_LEAN && !FP8_LOSS_PACKED
+#error "FP8_LOSS_LEAN needs FP8_LOSS_PACKED (its store, LossStoreFp8Packed, is the lean one)"
+#endif
+#if FP8_LOSS_PACKED
+#include <type_traits>
+/* What a store's store() takes for ds, derived once a row: ds itself, unless the store's type has
+ * its own overload (LossStoreFp8Packed's: the codes' scale). */
+template <typename Store> __device__ __forceinline__ float loss_store_row_arg(const Store&, float ds) { return ds; }
+/* Whether a store takes loss_grad_lean's gradient (FP8_LOSS_LEAN): no, unless specialised. */
+template <typename Store> struct LossStoreLean : std::false_type {};
+#endif
+
 /* What a row's second pass does with its gradient's packets (v: the VEC values from column j of
- * row `row`; ds: *dscale): by default overwrites the logits l with them in T. The
- * FP8 classifier stores their FP8 codes elsewhere instead (cuda/fp8.cuh's LossStoreFp8). */
+ * row `row`; ds: *dscale, or in a FP8_LOSS_PACKED build loss_store_row_arg(st, *dscale)): by default
+ * overwrites the logits l with them in T. The FP8 classifier stores their FP8 codes elsewhere
+ * instead (cuda/fp8.cuh's LossStoreFp8). */
 struct LossStoreInPlace {
     template <typename T, int VEC>
     __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float ds) const {
@@ -71,6 +96,35 @@ struct LossStoreInPlace {
         store_vec(l + j, v);
     }
 };
+
+#if FP8_LOSS_LEAN
+/* exp(x) as __expf computes it (ex2.approx of x times log2 e rounded to fp32), but with results below
+ * 2^-126 flushed to 0 (ex2.approx.ftz): the same bits for every other x, two to three instructions fewer. */
+__device__ __forceinline__ float exp_ftz(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x * 1.4426950216293334961f));
+    return r;
+}
+
+/* The lean second pass's gradient of a packet v (column j), for LossStoreFp8Packed's codes: as
+ * loss_row's (exp(v - lse) - [j == target]) * ds, with
+ *  - exp_ftz for __expf: an exponential below 2^-126 becomes 0, whose code is that of the value it
+ *    replaces: both are ±0 after the scale (|ds| * fp8_dlogits_scale(ds) is at most the format's largest
+ *    finite value, < 2^16, so the value is below 2^-110, far under half the least subnormal code,
+ *    2^-10 in E4M3 and 2^-17 in E5M2; 0 * ds keeps ds's sign, as the tiny product does), and the
+ *    target's exp - 1 stays -1 (1 - 2^-126 rounds to 1); for every finite ds (at ±infinity, 0 * ds
+ *    is NaN where the tiny value gives ±infinity: the engine's ds is 1/N);
+ *  - the one-hot subtracted only in the packet that holds the target, elsewhere nothing: exp - 0
+ *    is exp (exp is +0 or more, or NaN, which both forms carry). */
+template <int VEC> __device__ __forceinline__ void loss_grad_lean(float (&v)[VEC], int j, int target, float row_lse,
+                                                                  float ds) {
+    for (int k = 0; k < VEC; k++) v[k] = exp_ftz(v[k] - row_lse);
+    if ((unsigned)(target - j) < (unsigned)VEC)
+        for (int k = 0; k < VEC; k++)
+            if (j + k == target) v[k] -= 1.0f;
+    for (int k = 0; k < VEC; k++) v[k] *= ds;
+}
+#endif
 
 /* One row's softmax, loss and gradient (the block's threads, VEC-element packets): lse over the
  * real columns of `src`, losses[row] = lse - target_logit (thread 0's, read from l before the row
@@ -106,13 +160,22 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
     }
     if (!dscale) return;
     float ds = *dscale;
+#if FP8_LOSS_PACKED
+    const float st_arg = loss_store_row_arg(st, ds);
+#else
+    const float st_arg = ds;
+#endif
     for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
         load_vec(v, src + j);
+#if FP8_LOSS_LEAN
+        if constexpr (LossStoreLean<Store>::value) loss_grad_lean(v, j, target, row_lse, ds);
+        else
+#endif
         for (int k = 0; k < VEC; k++) v[k] = (__expf(v[k] - row_lse) - (j + k == target ? 1.0f : 0.0f)) * ds;
         if (j + VEC > V) /* padded columns */
             for (int k = 0; k < VEC; k++)
                 if (j + k >= V) v[k] = 0.0f;
-        st.template store<T, VEC>(l, row, j, v, ds);
+        st.template store<T, VEC>(l, row, j, v, st_arg);
     }
 }
 
