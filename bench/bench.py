@@ -19,7 +19,6 @@ bench/results.jsonl. Method and columns: docs/BENCHMARKS.md. A failing run is re
 the others still run. Exit status: 0 when every run finished and every loss check passed, 1
 otherwise, 2 for bad input.
 """
-import argparse
 import json
 import math
 import os
@@ -34,6 +33,7 @@ import numpy as np
 
 from bench_common import (REPO, BenchError, config_flags, experiment_path, flag_args, load_config, model_shape,
                           repo_path, shard_paths, train_settings)
+from microgpt.cli import ArgumentParser
 from microgpt.shards import write_shard
 from results import RESULTS_FILE, append_record, environment, smi_query
 
@@ -559,7 +559,7 @@ def results_record(args, matmul, runs, comparisons):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="engine vs PyTorch, same GPU, same run (docs/BENCHMARKS.md)")
+    p = ArgumentParser(description="engine vs PyTorch, same GPU, same run (docs/BENCHMARKS.md)")
     p.add_argument("--models", default="12M,120M",
                    help="comma-separated: 12M means experiments/ANDREA-12M-TRAIN.json; a .json path is a config")
     p.add_argument("--precisions", default="bf16", help="engine precisions, comma-separated (fp32, tf32, bf16, "

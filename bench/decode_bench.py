@@ -35,6 +35,7 @@ import numpy as np
 
 from bench import choose_data, engine_command, fmt, markdown_table, plain_table, run_overrides
 from bench_common import REPO, BenchError, experiment_path, load_config, model_shape, repo_path
+from microgpt.cli import ArgumentParser
 from microgpt.inference import Generator, InferenceError
 from results import RESULTS_FILE, append_record, environment
 
@@ -314,7 +315,7 @@ def results_record(args, rows, hf_versions):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="engine --generate vs transformers generate (docs/BENCHMARKS.md)")
+    p = ArgumentParser(description="engine --generate vs transformers generate (docs/BENCHMARKS.md)")
     p.add_argument("--models", default="12M,120M", help="12M, 120M (shipped experiments) or config paths")
     p.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     p.add_argument("--prompt-tokens", type=int, default=128)

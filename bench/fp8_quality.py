@@ -36,7 +36,6 @@ markdown: the summary as the table and chart reference docs/ANDREA.md shows, nam
 summary that `summary` would not write (a figure that is no finite number, steps no integer) is
 refused.
 """
-import argparse
 import json
 import math
 import os
@@ -52,6 +51,7 @@ from bench_common import (BenchError, experiment_path, load_config, repo_path, s
                           train_settings)
 from results import environment
 from microgpt.atomic import atomic_open
+from microgpt.cli import ArgumentParser
 from microgpt.svg_chart import svg_figure
 
 PRECISIONS = ("bf16", "fp8")
@@ -341,7 +341,7 @@ def markdown(doc, chart_path):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train one model in bf16 and fp8")
     r.add_argument("model", help="12M, 120M (experiments/ANDREA-<model>-TRAIN.json) or a config path")

@@ -9,7 +9,6 @@ For each batch size: one warm-up `generate`, then --reps timed ones, each exactl
 batch size: {"batch", "tokens_per_s" (median), "tokens_per_s_reps", "tokens" (the first sequence's
 new tokens)}.
 """
-import argparse
 import json
 import statistics
 import sys
@@ -17,6 +16,8 @@ import time
 
 import torch
 from transformers import AutoModelForCausalLM
+
+from microgpt.cli import ArgumentParser
 
 
 def timed_generate(model, ids, new_tokens):
@@ -36,7 +37,7 @@ def timed_generate(model, ids, new_tokens):
 
 
 def main(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model_dir")
     p.add_argument("--prompts", required=True)
     p.add_argument("--new-tokens", type=int, default=256)

@@ -12,13 +12,14 @@ atomics-based; the header's cublasLtReductionScheme_t) and a workspace within th
 header says where and when the table was measured, carries each entry's probe line, and lists the
 products left out and why. Written atomically; bad input is one `error:` line and exit status 1.
 """
-import argparse
 import math
 import os
 import re
 import shlex
 import sys
 import tempfile
+
+from microgpt.cli import ArgumentParser
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "microgpt", "cuda", "lt_table_sm90.h")
 CONFIG_FIELDS = ("algo_id", "tile", "stages", "splitk", "reduction", "swizzle", "custom", "inner_shape",
@@ -197,7 +198,7 @@ def write_atomic(path, text):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("probe_output", help="the output of build/lt_algos")
     ap.add_argument("-o", "--out", default=DEFAULT_OUT, help="the header to write (default: %(default)s)")
     ap.add_argument("--min-gain-pct", type=float, default=3.0,

@@ -8,12 +8,13 @@ One n×n×n bf16 product (torch.matmul, fp32 accumulation, cuBLAS's choice of ke
 The inputs are random normal values: zeroed inputs draw less power and run faster than a real
 product does. A rate measured in the same run as the step times is the ceiling those steps had.
 """
-import argparse
 import json
 import statistics
 import sys
 
 import torch
+
+from microgpt.cli import ArgumentParser
 
 
 def product_seconds(n, reps, warmup=5):
@@ -35,7 +36,7 @@ def product_seconds(n, reps, warmup=5):
 
 
 def main(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=8192, help="product size n (n×n by n×n)")
     p.add_argument("--reps", type=int, default=30, help="timed launches")
     args = p.parse_args(argv)

@@ -9,7 +9,6 @@ last of each whose commit or date starts with the prefix).
 
 No torch here: the drivers import this where torch may be missing.
 """
-import argparse
 import datetime
 import json
 import os
@@ -19,6 +18,7 @@ import sys
 
 from bench_common import REPO
 from microgpt.atomic import atomic_open
+from microgpt.cli import ArgumentParser
 
 RESULTS_FILE = os.path.join(REPO, "bench", "results.jsonl")
 
@@ -101,7 +101,7 @@ def read_records(path):
 
 
 def main(argv):
-    p = argparse.ArgumentParser(description="show recorded benchmark runs as markdown")
+    p = ArgumentParser(description="show recorded benchmark runs as markdown")
     p.add_argument("prefix", nargs="?", default="", help="a commit or date prefix (default: the last runs)")
     p.add_argument("--file", default=RESULTS_FILE)
     args = p.parse_args(argv)

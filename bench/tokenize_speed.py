@@ -14,7 +14,6 @@ count k, best of --repeats:
              JSON parsing, rendering, hashing, tokenizing, writing the mixed and per-source shards.
 It prints tokens/s of each and the pipeline's ratio to both (its target: at least 0.90).
 """
-import argparse
 import glob
 import importlib.util
 import json
@@ -25,6 +24,7 @@ import tempfile
 import time
 
 from microgpt import tokenizer
+from microgpt.cli import ArgumentParser
 from microgpt.progress import Progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,7 +101,7 @@ def best_times(repeats, fns):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=float, default=40)
     ap.add_argument("--workers", default=f"1,2,{os.cpu_count()}")
     ap.add_argument("--repeats", type=int, default=3)

@@ -27,7 +27,6 @@ step records {"step","loss","lr","grad_norm","ms","tokens_per_s","tokens"}, {"st
     python3 bench/torch_gpt.py [12M|120M|CONFIG] [--precision bf16|fp8|fp32] [--compile MODE] [--steps N]
                                [--data GLOB] [--val GLOB] [--device cuda|cpu] [--model.n_layer N ...]
 """
-import argparse
 import contextlib
 import json
 import sys
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 import engine_rng
 from bench_common import (BenchError, experiment_path, load_config, lr_at, model_shape, param_shapes, shard_paths,
                           train_settings)
+from microgpt.cli import ArgumentParser
 from microgpt.shards import ShardError, read_shard
 
 # -----------------------------------------------------------------------------
@@ -356,7 +356,7 @@ def apply_overrides(cfg, pairs):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("config", nargs="?", default="12M", help="12M, 120M (shipped experiments) or a config path")
     p.add_argument("--precision", choices=("bf16", "fp8", "fp32"), default="bf16")
     p.add_argument("--steps", type=int, help="override train.steps")

@@ -15,17 +15,22 @@ stays), /exit or end of input (Ctrl-D) quits, Ctrl-C quits at any time.
 
 Turn n of a session samples with seed --seed + n, so a session replays exactly with the same inputs.
 """
-import argparse
 import codecs
 import json
-import math
 import sys
 
 from microgpt import tokenizer
+from microgpt.cli import ArgumentParser
+from microgpt.engines import ENGINE_INT_MAX
 from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 
 COMMANDS = "/reset clears the conversation, /exit quits"
+
+# The generation protocol's limits (docs/DESIGN.md §16), checked here so that an error names chat's
+# flag, not the engine's request field.
+TEMPERATURE_MAX = 1e30
+SEED_MAX = 2**52  # turn n samples with seed + n; the engine takes seeds up to 2^53
 
 
 def turn_tokens(role, content):
@@ -180,7 +185,7 @@ def interactive(gen, conv, args):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Chat with a trained model (ChatML).")
+    p = ArgumentParser(description="Chat with a trained model (ChatML).")
     p.add_argument("model", metavar="RUN_DIR_OR_CHECKPOINT",
                    help="a run directory (runs/<name>/, its <name>.ckpt) or a checkpoint file")
     p.add_argument("--system", help="system prompt")
@@ -199,12 +204,16 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.json and args.prompt is None:
         p.error("--json needs --prompt")
-    if not 0 <= args.temperature < math.inf:  # so also not NaN, for which every comparison is false
-        p.error("--temperature must be a finite number >= 0")
+    if not 0 <= args.temperature <= TEMPERATURE_MAX:  # so also not NaN, for which every comparison is false
+        p.error(f"--temperature must be a number in [0, {TEMPERATURE_MAX:g}]")
     if not 0 < args.top_p <= 1:
         p.error("--top-p must be in (0, 1]")
-    if args.top_k < 0 or args.max_tokens < 1:
-        p.error("need --top-k >= 0 and --max-tokens >= 1")
+    if not 0 <= args.top_k <= ENGINE_INT_MAX:
+        p.error(f"--top-k must be in [0, {ENGINE_INT_MAX}]")
+    if not 1 <= args.max_tokens <= ENGINE_INT_MAX:
+        p.error(f"--max-tokens must be in [1, {ENGINE_INT_MAX}]")
+    if not 0 <= args.seed <= SEED_MAX:
+        p.error("--seed must be in [0, 2^52]")
     return args
 
 

@@ -11,12 +11,12 @@ the sidecar PATH.json holds what the engine needs beyond that (loss scale, finge
 """
 import json
 import os
-import stat
 from dataclasses import dataclass
 
 import numpy as np
 
 from microgpt.atomic import atomic_open
+from microgpt.files import NotRegularFile, open_regular
 
 HEADER_BYTES = 8
 # The longest sidecar an engine reads (docs/DESIGN.md §15: 16 × its 64 KB writer buffer); a longer
@@ -41,12 +41,12 @@ class Checkpoint:
 
 def read_header(path):
     """(step, n_params) of a checkpoint; CheckpointError if it is not a whole checkpoint file."""
-    if os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path} is a directory, not a file")
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             head = f.read(HEADER_BYTES)
             size = os.fstat(f.fileno()).st_size
+    except NotRegularFile as e:
+        raise CheckpointError(f"checkpoint {path} is {e.strerror}") from None
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
     if len(head) < HEADER_BYTES:
@@ -69,11 +69,7 @@ def read_sidecar(path):
     """The sidecar PATH.json as a dict, or None where it is missing, no regular file, longer than
     SIDECAR_READ_MAX or not a JSON object."""
     try:
-        fd = os.open(f"{path}.json", os.O_RDONLY | os.O_NONBLOCK)  # a FIFO's open would wait for a writer
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            os.set_blocking(fd, True)
+        with os.fdopen(open_regular(f"{path}.json"), "rb") as f:
             text = f.read(SIDECAR_READ_MAX + 1)
         if len(text) > SIDECAR_READ_MAX:
             return None

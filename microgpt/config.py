@@ -13,9 +13,9 @@ keys of which a config gives exactly one (`data.train` or `data.sources`)."""
 import json
 import os
 import re
-import stat
 
 from microgpt.engines import ROOT
+from microgpt.files import open_regular
 
 OWN_KEYS = {  # key: (type, required)
     "name": ("str", True),          # names the run directory and files; passed as --name
@@ -42,9 +42,7 @@ class ConfigError(ValueError):
 def read_config(path):
     """The JSON document at path (any JSON: validate_config says whether it is a config)."""
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open forever
-            raise ConfigError("cannot read it: not a regular file")
-        with open(path) as f:
+        with open(open_regular(path)) as f:
             return json.load(f)
     except OSError as e:
         raise ConfigError(f"cannot read it: {e.strerror}") from None

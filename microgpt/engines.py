@@ -63,10 +63,19 @@ def select_engine(requested):
     return engine
 
 
+# The largest integer an engine takes as a flag's value or a --generate request's field (BIG in
+# microgpt/host/config.h, INT_MAX in generate.h).
+ENGINE_INT_MAX = 2**31 - 1
+
+# How the tools read an engine's stdout and stderr: as UTF-8, a byte that is none (a path's, as the
+# file system spells it, in an error line) replaced, so it is never a UnicodeDecodeError traceback.
+ENGINE_TEXT = {"text": True, "encoding": "utf-8", "errors": "replace"}
+
+
 def query(engine, args):
     """Run `ENGINE ARGS` (a question answered with one JSON document on stdout) -> the document."""
     try:
-        res = subprocess.run([engine, *args], capture_output=True, text=True, timeout=60)
+        res = subprocess.run([engine, *args], capture_output=True, timeout=60, **ENGINE_TEXT)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise EngineQueryError(f"cannot run {engine} ({getattr(e, 'strerror', None) or e}); "
                                "build it with `make`") from None

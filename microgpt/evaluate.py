@@ -18,7 +18,6 @@ Output, one JSON object on stdout:
     {"loss": 4.19, "perplexity": 66.0, "tokens": 81920, "batches": 20, "checkpoint": ..., "step": ...,
      "data": ..., "engine": "cpu"|"cuda"[, "documents": n, "skipped": {reason: n}]}
 """
-import argparse
 import glob
 import json
 import math
@@ -28,6 +27,9 @@ import sys
 import tempfile
 
 from microgpt import tokenizer
+from microgpt.cli import ArgumentParser
+from microgpt.engines import ENGINE_INT_MAX, ENGINE_TEXT
+from microgpt.files import open_regular
 from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 from microgpt.shards import write_shard
@@ -38,7 +40,7 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 def tokenize_file(path):
     """A .txt or .jsonl file -> (token ids, documents, {malformed reason: count})."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(open_regular(path), encoding="utf-8", errors="replace") as f:
             if path.endswith(".txt"):
                 return tokenizer.encode(f.read()) + [tokenizer.EOT], 1, {}
             ids, documents, skipped = [], 0, {}
@@ -61,7 +63,7 @@ def run_evaluate(engine, ckpt, shard_glob, batches):
     """ENGINE --evaluate -> its {"loss", "tokens", "batches"} record."""
     cmd = [engine, "--evaluate", "--checkpoint", ckpt, "--data.val", shard_glob, "--eval.batches", str(batches)]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        res = subprocess.run(cmd, capture_output=True, **ENGINE_TEXT)
     except OSError as e:
         raise InferenceError(f"cannot start {engine}: {e.strerror or e}") from None
     if res.returncode != 0:
@@ -105,7 +107,7 @@ def evaluate(engine, model, data, batches):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Loss and perplexity of a trained model, as JSON.")
+    p = ArgumentParser(description="Loss and perplexity of a trained model, as JSON.")
     p.add_argument("model", metavar="RUN_DIR_OR_CHECKPOINT",
                    help="a run directory (runs/<name>/, its <name>.ckpt) or a checkpoint file")
     p.add_argument("data", metavar="FILE_OR_GLOB",
@@ -116,8 +118,8 @@ def parse_args(argv):
     p.add_argument("--engine", choices=("cuda", "cpu"),
                    help="default: the GPU engine when built and a GPU is visible, else the CPU engine")
     args = p.parse_args(argv)
-    if args.batches < 0:
-        p.error("--batches must be >= 0")
+    if not 0 <= args.batches <= ENGINE_INT_MAX:
+        p.error(f"--batches must be in [0, {ENGINE_INT_MAX}]")
     return args
 
 

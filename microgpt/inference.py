@@ -14,7 +14,7 @@ import subprocess
 import threading
 
 from microgpt.checkpoint import CheckpointError, read_checkpoint, read_sidecar, split_params
-from microgpt.engines import ENGINES, EngineChoiceError, EngineQueryError, param_layout, select_engine
+from microgpt.engines import ENGINE_TEXT, ENGINES, EngineChoiceError, EngineQueryError, param_layout, select_engine
 from microgpt.run_dir import RunFiles
 
 STDERR_TAIL_LINES = 20  # the engine's last messages, shown when it fails
@@ -67,7 +67,7 @@ def verify_checkpoint(ckpt):
     the engine's error line."""
     try:
         res = subprocess.run([ENGINES["cpu"], "--generate", "--checkpoint", ckpt], stdin=subprocess.DEVNULL,
-                             capture_output=True, text=True)
+                             capture_output=True, **ENGINE_TEXT)
     except OSError as e:
         raise InferenceError(f"cannot start {ENGINES['cpu']}: {e.strerror or e}") from None
     if res.returncode != 0:
@@ -110,7 +110,7 @@ class Generator:
         self.args = [engine, "--generate", "--checkpoint", ckpt, *extra_args]
         try:
             self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True, encoding="utf-8", bufsize=1)
+                                         stderr=subprocess.PIPE, bufsize=1, **ENGINE_TEXT)
         except OSError as e:
             raise InferenceError(f"cannot start {engine}: {e.strerror or e}") from None
         self.stderr_tail = collections.deque(maxlen=STDERR_TAIL_LINES)

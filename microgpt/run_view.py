@@ -7,12 +7,12 @@ their files change. Nothing is ever written, except the dashboard token (proxy_s
 """
 import json
 import os
-import stat
 import sys
 import threading
 import time
 from array import array
 
+from microgpt.files import NotRegularFile, open_regular
 from microgpt.loss_log import LossLog, parse_json
 
 LOSS_SUFFIX = ".loss.json"
@@ -40,12 +40,10 @@ def _open_inside(root, path):
     real = inside(root, path)
     if real is None:
         raise FileNotFoundError(path)
-    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise FileNotFoundError(path)
-    os.set_blocking(fd, True)
-    return fd
+    try:
+        return open_regular(real, os.O_NOFOLLOW)
+    except NotRegularFile:
+        raise FileNotFoundError(path) from None
 
 
 class LogFollower:

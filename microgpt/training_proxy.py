@@ -10,7 +10,7 @@ The run directory (default runs/<name>/ under the repository root) is described 
 engine's supervision and signals in supervisor.py, the config in config.py. See docs/PROXY.md for
 the user's view and the server's endpoints.
 """
-import argparse
+import math
 import os
 import signal
 import sys
@@ -32,6 +32,7 @@ if __name__ == "__main__":
     hold_signals()
 
 from microgpt.checkpoint import CheckpointError, checkpoint_step
+from microgpt.cli import ArgumentParser, fail
 from microgpt.config import ConfigError, load_config, resolve_path, tokenize_prompts
 from microgpt.engines import ENGINES, ROOT, EngineChoiceError, engine_flags, is_built, select_engine
 from microgpt.loss_log import LossLogError
@@ -41,12 +42,15 @@ from microgpt.supervisor import Run, Supervisor, summarize
 from microgpt.terminal import say, terminal
 
 DEFAULT_PORT = 8765
+# The most engine processes the proxy starts, all on this machine (one per GPU): far above any
+# machine's GPUs, yet a typo's 10^8 is refused before an environment is built for each.
+RANKS_MAX = 1024
 LINGER_SECONDS = 0.6  # a few live-stream polls (proxy_server.POLL_SECONDS) after the run ends
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Train with an engine, log the run and serve its "
-                                            "live dashboard (see docs/PROXY.md).")
+    p = ArgumentParser(description="Train with an engine, log the run and serve its "
+                       "live dashboard (see docs/PROXY.md).")
     p.add_argument("config", nargs="?", help="experiment JSON, e.g. experiments/ANDREA-12M-TRAIN.json")
     p.add_argument("--serve", metavar="DIR", help="train nothing: show every run under DIR (a run "
                    "directory or a directory of them) on one dashboard, read-only, until Ctrl-C")
@@ -72,16 +76,15 @@ def parse_args(argv):
                    help="keep the dashboard up after the engine exits (or for a finished run), "
                         "until Ctrl-C")
     args = p.parse_args(argv)
-    if args.ranks < 1:
-        p.error("--ranks must be at least 1")
+    if not 1 <= args.ranks <= RANKS_MAX:
+        p.error(f"--ranks must be in [1, {RANKS_MAX}]")
+    if args.port is not None and not 0 <= args.port <= 65535:
+        p.error("--port must be in [0, 65535]")
+    if args.progress_every is not None and not 0 <= args.progress_every < math.inf:  # also not NaN
+        p.error("--progress-every must be a finite number of seconds >= 0")
     if (args.config is None) == (args.serve is None):
         p.error("give an experiment config to train, or --serve DIR to look at runs")
     return args
-
-
-def fail(msg, code=2):
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(code)
 
 
 def pick_engine(args):
@@ -109,6 +112,8 @@ def open_run(args):
     for line in run_passes_warnings(cfg, resolve_path, {key: flag["default"] for key, flag in flags.items()}):
         print(line, file=sys.stderr, flush=True)
     run_dir = args.run_dir or os.path.join(ROOT, "runs", cfg["name"])
+    if os.path.lexists(run_dir) and not os.path.isdir(run_dir):  # making it: "[Errno 17] File exists"
+        fail(f"--run-dir {run_dir} exists and is no directory")
     try:
         return Run(cfg, flags, args.config, run_dir, engine, prompt_ids)
     except (RunBusyError, LossLogError, OSError) as e:

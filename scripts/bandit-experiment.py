@@ -18,7 +18,6 @@ each source really got per window of steps, the median ms/step (a step's time in
 and the training time (evaluations included); DIR/bandit-experiment.json
 holds all three and the final comparison. scripts/plot-bandit.py draws them.
 """
-import argparse
 import glob
 import json
 import os
@@ -29,6 +28,7 @@ import tempfile
 import time
 
 from microgpt.atomic import atomic_open
+from microgpt.cli import ArgumentParser
 from microgpt.engines import ROOT
 from microgpt.shards import glob_tokens
 
@@ -128,7 +128,7 @@ def write_json(path, doc):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON results (default $OUT)")
     ap.add_argument("--steps", type=int, default=6000, help="steps of every run (default 6000)")
     ap.add_argument("--eval-every", type=int, default=250, help="evaluate every N steps (default 250)")

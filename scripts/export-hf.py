@@ -31,7 +31,6 @@ The files are written as one change (microgpt/atomic.py: all written and synced 
 its namesake), so a failure such as a full disk leaves OUT_DIR as it was; other files in it are
 left alone.
 """
-import argparse
 import os
 import sys
 
@@ -40,6 +39,7 @@ from safetensors.numpy import save as safetensors_bytes
 
 from microgpt import tokenizer
 from microgpt.atomic import json_text, write_files_atomic
+from microgpt.cli import ArgumentParser
 from microgpt.inference import InferenceError, read_model_params, resolve_checkpoint
 
 # microgpt/cpu/layernorm.h and microgpt/cuda/layernorm.cuh: LayerNorm's epsilon (test_export checks
@@ -230,13 +230,16 @@ def llmc_files(shape, params):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description="Export a trained model as a transformers GPT-2 directory "
-                                            "or an llm.c model file.")
+    p = ArgumentParser(description="Export a trained model as a transformers GPT-2 directory "
+                       "or an llm.c model file.")
     p.add_argument("model", metavar="RUN_DIR_OR_CHECKPOINT",
                    help="a run directory (runs/<name>/, its <name>.ckpt) or a checkpoint file")
     p.add_argument("out_dir", metavar="OUT_DIR", help="created if missing")
     p.add_argument("--format", choices=("hf", "llmc"), default="hf")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.out_dir:
+        p.error("OUT_DIR is empty")
+    return args
 
 
 def main(argv):
@@ -247,6 +250,8 @@ def main(argv):
         if shape["vocab_size"] != tokenizer.VOCAB_SIZE:
             raise InferenceError(f"the model's vocabulary has {shape['vocab_size']} tokens, not the "
                                  f"{tokenizer.VOCAB_SIZE} of r50k_base + ChatML the tokenizer files describe")
+        if os.path.lexists(args.out_dir) and not os.path.isdir(args.out_dir):  # makedirs: "File exists"
+            raise InferenceError(f"{args.out_dir} exists and is no directory")
         os.makedirs(args.out_dir, exist_ok=True)
         write_files_atomic(args.out_dir, (hf_files if args.format == "hf" else llmc_files)(shape, params))
     except (InferenceError, tokenizer.TokenizerUnavailable) as e:

@@ -16,7 +16,6 @@ present are skipped; a source is extracted into a temporary folder and renamed i
     python scripts/fetch-assets.py                      # everything
     python scripts/fetch-assets.py --only tokenizer     # a subset (names: --help)
 """
-import argparse
 import fnmatch
 import glob
 import gzip
@@ -30,6 +29,7 @@ import tarfile
 import zipfile
 
 from microgpt.atomic import write_bytes_atomic
+from microgpt.cli import ArgumentParser
 from microgpt.progress import Progress
 from microgpt.tokenizer import ASSET_PATH, ASSET_SHA256  # where the tokenizer reads it
 
@@ -331,7 +331,7 @@ ASSETS = {"tokenizer": fetch_tokenizer, "shakespeare": fetch_shakespeare, "chitc
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=",".join(ASSETS),
                     help=f"comma-separated subset of: {', '.join(ASSETS)} (default: all)")
     ap.add_argument("--keep-going", action="store_true",

@@ -15,7 +15,6 @@ Prints one JSON object per check and a summary; exits 1 if the logits differ by 
 or the tokenizer files do not give the engine's prompt ids, 0 otherwise. Needs torch and
 transformers (and a GPU for --device cuda).
 """
-import argparse
 import json
 import os
 import subprocess
@@ -25,6 +24,7 @@ import tempfile
 import numpy as np
 
 from microgpt import tokenizer
+from microgpt.cli import ArgumentParser
 from microgpt.inference import Generator, pick_engine, resolve_checkpoint
 
 CONVERSATIONS = [
@@ -43,7 +43,7 @@ def report(record):
 
 
 def main(argv):
-    p = argparse.ArgumentParser(description="Export a run and compare transformers with the engine.")
+    p = ArgumentParser(description="Export a run and compare transformers with the engine.")
     p.add_argument("model", metavar="RUN_DIR_OR_CHECKPOINT")
     p.add_argument("--out", help="export directory (default: a temporary one)")
     p.add_argument("--engine", choices=("cuda", "cpu"), default="cuda")

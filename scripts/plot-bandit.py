@@ -10,12 +10,12 @@
 DIR holds bandit-experiment.json; the figures go beside it. PNG through matplotlib where it is
 installed, else (or with --svg) plain SVG written here, so the figures need nothing beyond Python.
 """
-import argparse
 import json
 import math
 import os
 import sys
 
+from microgpt.cli import ArgumentParser
 from microgpt.svg_chart import colour, svg_figure
 
 def figures(doc):
@@ -84,7 +84,7 @@ def plot_svg(figs, out_dir):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("dir", help="folder with bandit-experiment.json")
     ap.add_argument("--svg", action="store_true", help="SVG even where matplotlib is installed")
     args = ap.parse_args()

@@ -51,6 +51,7 @@ import numpy as np
 
 from microgpt import tokenizer
 from microgpt.atomic import fsync_dir, write_json_atomic
+from microgpt.cli import ArgumentParser, fail
 from microgpt.progress import Progress
 from microgpt.shards import HEADER_BYTES, ShardError, ShardStream, read_header, read_shard
 
@@ -69,11 +70,6 @@ class BuildError(RuntimeError):
     """A build that cannot produce a usable set; nothing is installed."""
 
 
-def die(msg):
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
 # ---------------------------------------------------------------- sources
 
 class Source:
@@ -90,10 +86,10 @@ class Source:
             except ValueError:
                 pass  # a ':' that belongs to the path
         if not math.isfinite(self.weight) or self.weight < 0:
-            die(f"--{kind} {spec}: weight must be a finite number >= 0")
+            fail(f"--{kind} {spec}: weight must be a finite number >= 0")
         self.name = name or os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
-            die(f"--{kind} {spec}: source name {self.name!r} may hold letters, digits, '-', '_' and '.' "
+            fail(f"--{kind} {spec}: source name {self.name!r} may hold letters, digits, '-', '_' and '.' "
                 "only (write NAME=PATH)")
         exts = (".jsonl", ".ndjson") if kind == "chat" else (".txt",)
         if os.path.isdir(path):
@@ -101,11 +97,11 @@ class Source:
         elif os.path.isfile(path):
             self.files = [path]
         else:
-            die(f"--{kind} {path}: no such file or folder")
+            fail(f"--{kind} {path}: no such file or folder")
         if not self.files:
-            die(f"--{kind} {path}: no *{exts[0]} files")
+            fail(f"--{kind} {path}: no *{exts[0]} files")
         if kind == "chat" and any(not f.endswith(exts) for f in self.files):
-            die(f"--chat {path}: expected JSON lines (.jsonl); convert json/parquet "
+            fail(f"--chat {path}: expected JSON lines (.jsonl); convert json/parquet "
                 "copies with scripts/pull-hermes3.py --from-file")
         self.path = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
         self.bytes = sum(os.path.getsize(f) for f in self.files)
@@ -493,7 +489,7 @@ class AddSource(argparse.Action):
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.set_defaults(sources=None)
     ap.add_argument("--chat", action=AddSource, metavar="[NAME=]PATH[:WEIGHT]", help="conversation source")
     ap.add_argument("--text", action=AddSource, metavar="[NAME=]PATH[:WEIGHT]", help="plain-text source")
@@ -537,7 +533,7 @@ def main(argv):
     sources = [Source(kind, spec) for kind, spec in args.sources]
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
-        die(f"two sources are named {max(names, key=names.count)!r}; name one with NAME=PATH")
+        fail(f"two sources are named {max(names, key=names.count)!r}; name one with NAME=PATH")
     out_dir = os.path.abspath(args.out_dir)
     fingerprint = {"format": FORMAT, "sources": [s.fingerprint() for s in sources],
                    "val_permille": args.val_permille, "shard_tokens": args.shard_tokens,

@@ -16,7 +16,6 @@ done, so a second run takes seconds.
 
     python scripts/prepare-data.py [--source auto|hermes|chitchat] [--max-records N]
 """
-import argparse
 import importlib.util
 import json
 import os
@@ -24,6 +23,7 @@ import subprocess
 import sys
 
 from microgpt.atomic import atomic_open
+from microgpt.cli import ArgumentParser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,7 +107,7 @@ def banner(lines):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--source", choices=("auto", "hermes", "chitchat"), default="auto",
                     help="auto: Hermes-3 when reachable, else chitchat + Shakespeare (default)")
     ap.add_argument("--max-records", type=int, default=DEFAULT_MAX_RECORDS,

@@ -15,7 +15,6 @@ re-run with the same source (a changed --from-file starts over). A finished pull
 
 Exit status: 0 done; 1 the hub is unreachable / the download failed (re-run to resume); 2 bad usage.
 """
-import argparse
 import collections
 import itertools
 import json
@@ -23,6 +22,7 @@ import os
 import sys
 
 from microgpt.atomic import write_json_atomic
+from microgpt.cli import ArgumentParser
 from microgpt.tokenizer import parse_conversation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -195,7 +195,7 @@ def pull(records, out_path, progress, progress_path, max_records):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--from-file", help="local .json/.jsonl/.parquet copy instead of the hub")
     ap.add_argument("--out", default=os.path.join(ROOT, "data", "raw", "hermes3", "hermes3.jsonl"),
                     help="output JSON-lines file (default: data/raw/hermes3/hermes3.jsonl)")

@@ -9,6 +9,8 @@ newlines whatever it is asked), and a copy of it whose <|im_end|> embedding is m
 argmax a few tokens into a reply.
 """
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +88,19 @@ def chat(model, *args, stdin=None):
     return subprocess.run([sys.executable, str(CHAT), str(model), "--engine", "cpu", "--temperature", "0",
                            "--max-tokens", str(MAX_TOKENS), *args],
                           input=stdin, capture_output=True, text=True, timeout=300, env=eu.python_env())
+
+
+def test_a_checkpoint_path_that_is_no_utf8_chats(random_model, cpu_binary, tmp_path):
+    """The engine's start-up line on stderr names the checkpoint by its bytes; the chat's reader of
+    that stream decoded it strictly, and a directory name that is no UTF-8 (legal on Linux) killed
+    it with a UnicodeDecodeError traceback."""
+    run_dir, _, _ = random_model
+    odd = tmp_path / os.fsdecode(b"m\xff")
+    shutil.copytree(run_dir, odd)
+    ckpt = f"{run_dir.name}.ckpt"
+    replies = [chat(d / ckpt, "--prompt", "Hi", "--json") for d in (run_dir, odd)]
+    assert replies[1].returncode == 0 and "Traceback" not in replies[1].stderr, replies[1].stderr
+    assert json.loads(replies[1].stdout)["tokens"] == json.loads(replies[0].stdout)["tokens"]
 
 
 def test_one_shot_json_is_the_reference_greedy_reply(random_model, cpu_binary):
@@ -205,16 +220,20 @@ def test_a_refused_request_is_an_error_and_the_engine_carries_on(random_model, c
     assert done["tokens"] == reference_greedy(cfg, flat, PROMPT, 3, STOPS)
 
 
-@pytest.mark.parametrize("flag,value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan")])
-def test_a_sampling_setting_that_is_no_finite_number_is_one_error(random_model, cpu_binary, flag, value):
+@pytest.mark.parametrize("flag,value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan"),
+                                        ("--temperature", "1e31"), ("--seed", "-1"), ("--seed", str(2**52 + 1)),
+                                        ("--top-k", str(2**31)), ("--max-tokens", str(2**31))])
+def test_a_sampling_setting_out_of_range_is_one_error_naming_the_flag(random_model, cpu_binary, flag, value):
     """--temperature nan passed the range check (every comparison with NaN is false) and went to the
     engine as the non-JSON token NaN; the engine's answer to a line it cannot read has no id, which
-    the client skipped: the chat waited for ever."""
+    the client skipped: the chat waited for ever. A value the engine refuses (a temperature above
+    1e30, a seed outside [0, 2^53], a top_k or max_tokens past 2^31 - 1) was the engine's message
+    about its request's field ("temperature must be a number >= 0" for 1e31): chat names its flag."""
     run_dir, _, _ = random_model
     res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--prompt", "hi",
                           flag, value], capture_output=True, text=True, timeout=60, env=eu.python_env())
-    errors = [l for l in res.stderr.splitlines() if "error:" in l]  # argparse's "chat.py: error: ..."
-    assert res.returncode == 2 and len(errors) == 1 and flag in errors[0], res.stderr
+    assert res.returncode == 2 and res.stderr.startswith("error: ") and len(res.stderr.splitlines()) == 1, res.stderr
+    assert flag in res.stderr and "engine" not in res.stderr
 
 
 def test_a_request_the_engine_cannot_read_is_an_error_not_a_wait(random_model, cpu_binary):

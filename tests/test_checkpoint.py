@@ -3,6 +3,7 @@ the bytes as the engine writes them, memory-mapped; the sidecar; named tensors b
 one clear error for anything that is not a whole checkpoint."""
 import json
 import os
+import shutil
 import signal
 
 import numpy as np
@@ -45,10 +46,11 @@ def test_write_then_read_round_trips(tmp_path):
 
 @pytest.mark.parametrize("make, words", [
     (lambda p: p.mkdir(), "is a directory"),
+    (lambda p: os.mkfifo(p), "is a FIFO"),  # its open waited for a writer for ever
     (lambda p: p.write_bytes(b"\x01\x00"), "shorter than its header"),
     (lambda p: p.write_bytes(np.array([3, 2], "<i4").tobytes() + b"\0" * 23), "needs 32"),
     (lambda p: p.write_bytes(np.array([3, -1], "<i4").tobytes()), "-1 parameters"),
-], ids=["directory", "short", "size", "negative"])
+], ids=["directory", "fifo", "short", "size", "negative"])
 def test_what_is_not_a_checkpoint_is_one_clear_error(tmp_path, make, words):
     path = tmp_path / "bad.ckpt"
     make(path)
@@ -149,3 +151,26 @@ def test_a_sidecar_that_is_a_fifo_reads_as_none_without_waiting(tmp_path):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def sidecar_opens(binary, args, side, tmp_path):
+    """How many times a run of the engine opens `side`, counted by strace; the run must succeed."""
+    trace = tmp_path / "trace.txt"
+    res = eu.run_engine("strace", ["-f", "-qq", "-e", "trace=open,openat", "-o", str(trace), str(binary)] + args)
+    assert res.rc == 0, res.describe()
+    return sum(f'"{side}"' in line and "ENOENT" not in line for line in trace.read_text().splitlines())
+
+
+@pytest.mark.skipif(not shutil.which("strace"), reason="strace is not installed")
+def test_the_sidecar_is_read_once_at_start_up(engine, random_shards, tmp_path):
+    """docs/DESIGN.md §15: the integrity check, the loss scale and the fp8 histories of a resume, and
+    the model flags and the integrity check of --evaluate, all take the one copy read at start-up,
+    so every reader sees the bytes the check verified (the CPU engine read it 3 and 2 times)."""
+    settings = {**DEEP_FP8, "model.n_layer": 2} if engine.name == "cpu" else {"train.precision": "bf16"}
+    ckpt, side = tmp_path / "c.ckpt", tmp_path / "c.ckpt.json"
+    run_ok(engine.binary, tiny_args(random_shards.train, **settings, **{"train.steps": 2}, checkpoint=ckpt))
+    resume = tiny_args(random_shards.train, **settings, **{"train.steps": 3}, checkpoint=ckpt, resume=True)
+    assert sidecar_opens(engine.binary, resume, side, tmp_path) == 1
+    evaluate = ["--evaluate", "--checkpoint", str(ckpt), "--data.val", str(random_shards.train),
+                "--eval.batches", "1"]
+    assert sidecar_opens(engine.binary, evaluate, side, tmp_path) == 1

@@ -1103,3 +1103,15 @@ def test_polish_boundary_checkpoint(engine, random_shards, tmp_path):
     expected = eu.exact_records(ref)
     assert all(expected[key] == text for key, text in eu.exact_records(resumed).items())
     assert boundary.read_bytes() == ref_ckpt.read_bytes()
+
+
+def test_every_json_line_is_utf8_whatever_bytes_a_name_holds(cpu_binary, random_shards):
+    """--name (or a path in an event) is argv's bytes, which need not be UTF-8: the start event
+    carried them raw, a JSON line no strict reader can decode. A byte that starts no well-formed
+    UTF-8 sequence is written as \\ufffd; well-formed characters pass unchanged."""
+    name = "é✓😀".encode() + b"\xff\xc0\xaf\xed\xa0\x80\xf4\x90\x80\x80x\xe2\x82"
+    args = [os.fsencode(a) for a in tiny_args(random_shards.train, **{"train.steps": 1})]
+    res = subprocess.run([os.fsencode(cpu_binary), *args, b"--name", name], capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    start = json.loads(res.stdout.splitlines()[0].decode("utf-8"))  # strict: raises on a stray byte
+    assert start["event"] == "start" and start["name"] == "é✓😀" + "\ufffd" * 10 + "x" + "\ufffd" * 2

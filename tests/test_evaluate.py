@@ -5,10 +5,12 @@ reference's mean loss over those windows (fp32 engine, its loss summed in double
 """
 import json
 import math
+import os
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import engine_util as eu
 import reference as ref
@@ -69,13 +71,37 @@ def test_jsonl_conversations_render_as_the_pipeline_does(trained_model, cpu_bina
     assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
 
 
+def test_an_engine_error_naming_a_path_that_is_no_utf8_is_one_error_line(trained_model, cpu_binary, tmp_path):
+    """A directory name of bytes that are no UTF-8 (legal on Linux) comes back in the engine's error
+    line about a bad shard as those bytes: evaluate.py decoded the engine's stderr strictly and died
+    in a UnicodeDecodeError traceback."""
+    d = tmp_path / os.fsdecode(b"d\xff")
+    d.mkdir()
+    (d / "bad_000000.bin").write_bytes(b"\0" * 100)
+    res, _ = evaluate(trained_model.ckpt, d / "bad_*.bin")
+    lines = res.stderr.splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: the engine could not evaluate"), \
+        res.stderr
+    assert "bad_000000.bin" in lines[0]
+
+
+@pytest.mark.parametrize("name", ["text.txt", "chats.jsonl"])
+def test_a_fifo_as_the_text_is_one_error_not_a_hang(trained_model, cpu_binary, tmp_path, name):
+    """A FIFO named like a .txt or .jsonl file: evaluate.py's open waited for a writer for ever."""
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    res, _ = evaluate(trained_model.ckpt, fifo)
+    assert res.returncode == 2 and res.stderr == f"error: {fifo}: a FIFO, not a regular file\n", res.stderr
+
+
 def test_refusals(trained_model, cpu_binary, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Too short to fill a window.")
     cases = [((trained_model.ckpt, short), "needs at least one window"),
              ((trained_model.ckpt, tmp_path / "nothing_*.bin"), "no shard matches"),
              ((tmp_path / "missing.ckpt", trained_model.val), "no such checkpoint"),
-             ((trained_model.ckpt, trained_model.val, "--batches", "-1"), "--batches")]
+             ((trained_model.ckpt, trained_model.val, "--batches", "-1"), "--batches"),
+             ((trained_model.ckpt, trained_model.val, "--batches", str(2**31)), "--batches must be")]  # not --eval.batches
     for args, message in cases:
         res, _ = evaluate(*args)
         lines = [l for l in res.stderr.splitlines() if "error:" in l]

@@ -10,6 +10,7 @@ the directory offline and its logits and greedy tokens match the engine's.
 """
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -309,3 +310,20 @@ def test_a_damaged_checkpoint_is_not_exported(trained_model, tmp_path, damage, m
         errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
         assert res.returncode == 2 and len(errors) == 1 and message in errors[0], res.stderr
         assert not out.exists()
+
+
+@pytest.mark.parametrize("make", [lambda p: p.write_text("x"), os.mkfifo, lambda p: p.symlink_to(p.parent / "gone")],
+                         ids=["file", "fifo", "dangling-link"])
+def test_an_out_dir_that_is_no_directory_is_one_clear_error(trained_model, tmp_path, make):
+    """A file, FIFO or dangling link where OUT_DIR belongs was the error line 'OUT: File exists',
+    which does not say what is wrong; it is left as it was."""
+    out = tmp_path / "out"
+    make(out)
+    res = export(trained_model.ckpt, out)
+    assert res.returncode == 2 and res.stderr == f"error: {out} exists and is no directory\n", res.stderr
+    assert os.path.lexists(out) and not out.is_dir()
+
+
+def test_an_empty_out_dir_is_one_clear_error(trained_model):
+    res = export(trained_model.ckpt, "")
+    assert res.returncode == 2 and res.stderr == "error: OUT_DIR is empty (see --help)\n", res.stderr

@@ -254,14 +254,14 @@ def test_bad_config_is_one_clear_error_naming_the_key(exp, cpu_binary, change, m
 
 def test_missing_engine_is_a_clear_error(exp):
     res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=5)), "--engine-binary",
-                          str(exp.root / "nope")], capture_output=True, text=True, timeout=60)
+                          str(exp.root / "nope")], capture_output=True, text=True, env=proxy_env(), timeout=60)
     assert res.returncode == 2 and "not found or not executable" in res.stderr
 
 
 def test_engine_without_a_flag_table_is_a_clear_error(exp):
     """An engine that cannot answer --flags-json (an old build, a wrong binary): one line, rebuild."""
     res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=5)), "--engine-binary",
-                          "/bin/true"], capture_output=True, text=True, timeout=60)
+                          "/bin/true"], capture_output=True, text=True, env=proxy_env(), timeout=60)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "--flags-json" in lines[0], res.stderr
     assert "make" in lines[0]
@@ -939,3 +939,48 @@ def test_records_endpoint_pages_through_the_log(served):
     with requests.get(url + "api/stream?from=0", headers={**auth, "Last-Event-ID": "\u00b2"}, stream=True,
                       timeout=30) as resp:  # not an index: ignored, the stream starts at "from"
         assert resp.status_code == 200
+
+
+@pytest.mark.parametrize("make, words", [(os.mkfifo, "a FIFO"), (os.mkdir, "a directory")])
+def test_a_config_that_is_no_regular_file_is_one_plain_error(tmp_path, cpu_binary, make, words):
+    """The refusal of a FIFO or directory as the config read 'not valid JSON: cannot read it: ...',
+    the reader's message wrapped in the parser's."""
+    path = tmp_path / "exp.json"
+    make(path)
+    res = subprocess.run([sys.executable, str(PROXY), str(path), "--engine-binary", str(cpu_binary), "--no-server"],
+                         capture_output=True, text=True, env=proxy_env(), timeout=60)
+    assert res.returncode == 2 and res.stderr.splitlines() == [f"error: {path}: cannot read it: {words}, not a "
+                                                               "regular file"], res.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--port", "-1"), ("--port", "65536"), ("--progress-every", "nan"),
+                                         ("--progress-every", "-1"), ("--progress-every", "inf")])
+def test_a_proxy_flag_out_of_range_is_one_error_line(exp, cpu_binary, flag, value):
+    """--port 65536 reached bind(), whose OverflowError was a traceback after the engine had been
+    chosen; --progress-every nan or -1 was taken as an interval."""
+    res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=2, train={"warmup_steps": 0})), "--engine-binary", str(cpu_binary),
+                          "--run-dir", str(exp.run_dir), flag, value], capture_output=True, text=True,
+                         env=proxy_env(), timeout=60)
+    assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+    assert res.stderr.startswith(f"error: {flag} must be") and not exp.run_dir.exists(), res.stderr
+
+
+@pytest.mark.parametrize("make", [lambda p: p.write_text("x"), os.mkfifo], ids=["file", "fifo"])
+def test_a_run_dir_that_is_no_directory_is_one_clear_error(exp, cpu_binary, make):
+    """A file or FIFO as --run-dir was the error line "[Errno 17] File exists: '...'"."""
+    path = exp.root / "not-a-dir"
+    make(path)
+    res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=2, train={"warmup_steps": 0})),
+                          "--engine-binary", str(cpu_binary), "--run-dir", str(path), "--no-server"],
+                         capture_output=True, text=True, env=proxy_env(), timeout=60)
+    assert res.returncode == 2 and res.stderr == f"error: --run-dir {path} exists and is no directory\n", res.stderr
+
+
+def test_more_ranks_than_the_proxy_starts_is_one_error_line(exp, cpu_binary):
+    """--ranks 99999999 built an environment for every rank before starting any: the proxy took
+    all the machine's memory and was killed (exit 137), a typo away."""
+    res = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=2, train={"warmup_steps": 0})),
+                          "--engine-binary", str(cpu_binary), "--run-dir", str(exp.run_dir), "--no-server",
+                          "--ranks", "99999999"], capture_output=True, text=True, env=proxy_env(), timeout=60)
+    assert res.returncode == 2 and res.stderr == "error: --ranks must be in [1, 1024] (see --help)\n", res.stderr
+    assert not exp.run_dir.exists()

@@ -413,13 +413,31 @@ static int sidecar_is_an_object(const char* text) {
     return *json_skip_space(text) == '{' && end > text && end[-1] == '}';
 }
 
-/* The sidecar of the checkpoint `path` (PATH.json) of a model of n_layer layers, NUL-terminated and
- * allocated (free() it); NULL when there is none. The readers look its members up as C strings, so
- * a sidecar they would see only in part is refused as damaged: one longer than sidecar_read_max
- * (a sidecar that size is no re-indented one the writer made), holding a NUL byte or cut short
- * would hide the members past the cut or the NUL without a word (a hidden crc32c reads as a checkpoint written
- * before checksums). */
-static char* sidecar_load(const char* path, size_t n_layer) {
+/* A checkpoint's sidecar, read from disk once at start-up (sidecar_load) and handed to each of its
+ * readers (ckpt_check, sidecar_loss_scale, mixture_resume, fp8_history_read): they all see the
+ * bytes ckpt_check verified, however the file changes meanwhile. */
+typedef struct {
+    int loaded;   /* whether sidecar_load has run */
+    char* text;   /* NUL-terminated, a whole JSON object; NULL: the checkpoint has no sidecar */
+    size_t bytes; /* strlen(text) */
+} Sidecar;
+
+/* A sidecar of `bytes` bytes is no re-indented one the writer made for n_layer layers: refused. */
+static void sidecar_refuse_longer(const CkptFiles* f, unsigned long long bytes, size_t n_layer) {
+    char what[2 * CFG_PATH_MAX];
+    if (bytes <= sidecar_read_max(n_layer)) return;
+    snprintf(what, sizeof what, "has a sidecar %s of %llu bytes, longer than any this program writes for %zu "
+             "layers, re-indented or not (damaged or edited)", f->side, bytes, n_layer);
+    ckpt_refuse_damaged(f, what);
+}
+
+/* Reads the sidecar of the checkpoint `path` (PATH.json) of a model of n_layer layers into *s
+ * (text NULL when there is none; sidecar_free it). The readers look its members up as C strings,
+ * so a sidecar they would see only in part is refused as damaged: one longer than sidecar_read_max
+ * (never more is read or allocated), holding a NUL byte or cut short would hide the members past
+ * the cut or the NUL without a word (a hidden crc32c reads as a checkpoint written before
+ * checksums). */
+static void sidecar_load(const char* path, size_t n_layer, Sidecar* s) {
     size_t len = 0, cap;
     ssize_t got;
     struct stat st;
@@ -427,14 +445,12 @@ static char* sidecar_load(const char* path, size_t n_layer) {
     CkptFiles f;
     char what[2 * CFG_PATH_MAX], *text;
     ckpt_files(path, &f);
-    if (!file_exists(f.side)) return NULL;
+    s->loaded = 1;
+    s->text = NULL;
+    s->bytes = 0;
+    if (!file_exists(f.side)) return;
     fd = open_regular_or_die(f.side, "checkpoint sidecar", &st);
-    if ((unsigned long long)st.st_size > sidecar_read_max(n_layer)) {
-        close(fd);
-        snprintf(what, sizeof what, "has a sidecar %s of %lld bytes, longer than any this program writes for %zu "
-                 "layers, re-indented or not (damaged or edited)", f.side, (long long)st.st_size, n_layer);
-        ckpt_refuse_damaged(&f, what);
-    }
+    sidecar_refuse_longer(&f, (unsigned long long)st.st_size, n_layer);
     cap = (size_t)st.st_size + 1;
     text = (char*)xmalloc(cap, "the checkpoint sidecar");
     while (len + 1 < cap && ((got = read(fd, text + len, cap - 1 - len)) > 0 || (got < 0 && errno == EINTR)))
@@ -449,7 +465,13 @@ static char* sidecar_load(const char* path, size_t n_layer) {
         snprintf(what, sizeof what, "has a sidecar %s that is no whole JSON object (cut short or damaged)", f.side);
         ckpt_refuse_damaged(&f, what);
     }
-    return text;
+    s->text = text;
+    s->bytes = len;
+}
+
+static void sidecar_free(Sidecar* s) {
+    free(s->text);
+    s->text = NULL;
 }
 
 /* Index of the first non-finite value of x[0 .. n), or n. */
@@ -514,13 +536,16 @@ static void ckpt_refuse_non_finite(const CkptFiles* f, const CkptScan* s, size_t
 /* Validates a checkpoint before it is resumed and before any large allocation: header and size
  * against the config's n_params, the sidecar's step, and the CRC-32C of every byte against the
  * sidecar's, then its values (ckpt_refuse_non_finite). Returns the step. Dies with one error line
- * on any mismatch; the files are left as they are. A checkpoint without a checksum (no sidecar, or one written before sidecars held
- * "crc32c") is loaded with a warning. n_layer: the model's, which bounds its sidecar. */
-static int ckpt_check(const char* path, size_t n_params, int n_layer) {
+ * on any mismatch; the files are left as they are. A checkpoint without a checksum (no sidecar, or
+ * one written before sidecars held "crc32c") is loaded with a warning. n_layer: the model's, which
+ * bounds its sidecar. `side`: the sidecar, loaded already (--generate and --evaluate read it to
+ * learn the model) or read here, after the checkpoint's own checks; the later readers take it. */
+static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* side) {
     CkptFiles f;
     struct stat st;
     int32_t header[2];
-    char what[2 * CFG_PATH_MAX], *sidecar;
+    char what[2 * CFG_PATH_MAX];
+    const char* sidecar;
     double x;
     CkptScan scan;
     int fd, header_ok;
@@ -542,7 +567,9 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer) {
         ckpt_refuse_damaged(&f, what);
     }
     scan = ckpt_scan(path);
-    if (!(sidecar = sidecar_load(path, (size_t)n_layer))) {
+    if (side->loaded) sidecar_refuse_longer(&f, side->bytes, (size_t)n_layer);
+    else sidecar_load(path, (size_t)n_layer, side);
+    if (!(sidecar = side->text)) {
         warn("checkpoint sidecar %s is missing: %s is loaded unverified (no checksum) and the loss scale starts "
              "from its default", f.side, path);
         ckpt_refuse_non_finite(&f, &scan, n_params);
@@ -568,7 +595,6 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer) {
                  "%.12g (damaged on disk or edited)", (unsigned long)scan.crc, f.side, x);
         ckpt_refuse_damaged(&f, what);
     }
-    free(sidecar);
     ckpt_refuse_non_finite(&f, &scan, n_params);
     if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
     return header[0];
@@ -586,20 +612,20 @@ static void ckpt_load(const char* path, size_t n, float* params, float* m, float
     if (!ok) die_input("reading checkpoint %s failed (changed while reading?)", path);
 }
 
-/* Reads PATH.json of a checkpoint that ckpt_check accepted. Returns the loss scale to resume with
+/* The loss scale to resume with from the sidecar of the checkpoint `path` that ckpt_check accepted
  * (0: engine default, also when there is no sidecar: ckpt_check warned). Fingerprint differences
  * (e.g. resuming a bf16 run in fp32) are reported and allowed. */
-static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
-    char side[CFG_PATH_MAX + 8], *text;
+static float sidecar_loss_scale(const char* path, int ckpt_step, const Config* c, const Sidecar* sidecar) {
+    char side[CFG_PATH_MAX + 8];
+    const char* text = sidecar->text;
     double x;
     float loss_scale = 0.0f;
     int i;
     struct { const char* key; int value; } fp[10];
     snprintf(side, sizeof side, "%s.json", path);
-    if (!(text = sidecar_load(path, (size_t)c->model.n_layer))) return 0.0f;
+    if (!text) return 0.0f;
     if (!json_find_number(text, "step", &x) || x != (double)ckpt_step) {
         warn("checkpoint sidecar %s does not belong to step %d of %s; ignoring it", side, ckpt_step, path);
-        free(text);
         return 0.0f;
     }
     /* The sidecar's bytes carry no checksum: a loss scale of inf would make an fp16 run skip every
@@ -631,7 +657,6 @@ static float sidecar_read(const char* path, int ckpt_step, const Config* c) {
             loss_scale = 0.0f;
         }
     }
-    free(text);
     return loss_scale;
 }
 

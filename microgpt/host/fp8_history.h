@@ -109,19 +109,17 @@ typedef struct {
     Fp8History* h; /* [n] when FP8_HISTORY_FOUND, else NULL; free() it */
 } Fp8HistoryMember;
 
-/* Reads the member of the sidecar of the checkpoint being resumed, with the checkpoint's own
- * checks, before any large allocation: a member that is there but not well-formed refuses the
- * resume (one error, nothing changed: damage, not age, as the crc32c). Its shape is checked only
- * after the engine is set up (fp8_history_resumed): how many histories the engine keeps
- * (FP8_DELAYED_PER_LAYER a layer, which a build's macros change) is the engine's to say. */
-static void fp8_history_read(const char* ckpt_path, int n_layer, Fp8HistoryMember* m) {
-    char* text = sidecar_load(ckpt_path, (size_t)n_layer);
+/* Reads the member of `side`, the sidecar of the checkpoint `ckpt_path` being resumed, which
+ * ckpt_check accepted, before any large allocation: a member that is there but not well-formed
+ * refuses the resume (one error, nothing changed: damage, not age, as the crc32c). Its shape is
+ * checked only after the engine is set up (fp8_history_resumed): how many histories the engine
+ * keeps (FP8_DELAYED_PER_LAYER a layer, which a build's macros change) is the engine's to say. */
+static void fp8_history_read(const char* ckpt_path, const Sidecar* side, Fp8HistoryMember* m) {
     m->state = FP8_HISTORY_ABSENT;
     m->n = 0;
     m->h = NULL;
-    if (!text) return;
-    m->state = fp8_history_parse(text, &m->h, &m->n);
-    free(text);
+    if (!side->text) return;
+    m->state = fp8_history_parse(side->text, &m->h, &m->n);
     if (m->state == FP8_HISTORY_DAMAGED) {
         CkptFiles f;
         ckpt_files(ckpt_path, &f);

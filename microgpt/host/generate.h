@@ -147,20 +147,23 @@ static int id_in(int id, const int* ids, int n) {
 /* ---------------------------------------------------------------------------------------------- */
 /* Model flags from the checkpoint's sidecar */
 
+/* The value of the last `flag` on the command line, the one config_parse takes, or NULL. */
 static const char* argv_value(int argc, char** argv, const char* flag) {
     size_t len = strlen(flag);
+    const char* value = NULL;
     int i;
     for (i = 1; i < argc; i++) {
-        if (strcmp(argv[i], flag) == 0 && i + 1 < argc) return argv[i + 1];
-        if (strncmp(argv[i], flag, len) == 0 && argv[i][len] == '=') return argv[i] + len + 1;
+        if (strcmp(argv[i], flag) == 0 && i + 1 < argc) value = argv[++i];
+        else if (strncmp(argv[i], flag, len) == 0 && argv[i][len] == '=') value = argv[i] + len + 1;
     }
-    return NULL;
+    return value;
 }
 
-/* --generate / --evaluate: the sidecar of --checkpoint supplies the model shape and the seed, batch
- * size and precision the model was trained with; flags on the command line come after them, so
- * they win. Then the usual parse and validation (config_parse). */
-static void config_parse_for_checkpoint(Config* c, int argc, char** argv) {
+/* --generate / --evaluate: the sidecar of --checkpoint, read into *side (once: ckpt_check takes
+ * it), supplies the model shape and the seed, batch size and precision the model was trained with;
+ * flags on the command line come after them, so they win. Then the usual parse and validation
+ * (config_parse). */
+static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sidecar* side) {
     static const char* const keys[][2] = {
         {"model.n_layer", "n_layer"}, {"model.d_model", "d_model"}, {"model.n_head", "n_head"},
         {"model.d_ff", "d_ff"}, {"model.seq_len", "seq_len"}, {"model.vocab_size", "vocab_size"},
@@ -168,14 +171,16 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv) {
         {"train.batch_size", "batch_size"}};
     enum { N_KEYS = sizeof keys / sizeof keys[0] };
     static char values[N_KEYS + 1][40], flags[N_KEYS + 1][40];
-    char *text = NULL, side[CFG_PATH_MAX + 8];
+    char side_path[CFG_PATH_MAX + 8];
+    const char* text;
     const char* path = argv_value(argc, argv, "--checkpoint");
     char** args = (char**)xmalloc((size_t)(argc + 2 * N_KEYS + 2) * sizeof(char*), "command line");
     int n = 0, i;
     double x;
     args[n++] = argv[0];
-    snprintf(side, sizeof side, "%s.json", path ? path : "");
-    if (path && (text = sidecar_load(path, CFG_MAX_LAYERS))) { /* the model, so its layers, is yet to learn */
+    snprintf(side_path, sizeof side_path, "%s.json", path ? path : "");
+    if (path) sidecar_load(path, CFG_MAX_LAYERS, side); /* the model, so its layers, is yet to learn */
+    if ((text = side->text)) {
         for (i = 0; i < N_KEYS; i++)
             if (json_find_number(text, keys[i][1], &x)) {
                 snprintf(flags[i], sizeof flags[i], "--%s", keys[i][0]);
@@ -189,12 +194,15 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv) {
             args[n++] = values[N_KEYS];
         }
     } else if (path) {
-        info("note: %s cannot be read; the model flags must be given", side);
+        info("note: %s cannot be read; the model flags must be given", side_path);
     }
     for (i = 1; i < argc; i++) args[n++] = argv[i];
     config_parse(c, n, args);
     free(args);
-    free(text);
+    if (path && strcmp(path, c->checkpoint.path) != 0) { /* a flag's value that reads as --checkpoint */
+        sidecar_free(side);
+        side->loaded = 0; /* ckpt_check reads the checkpoint's own */
+    }
     if (!file_exists(c->checkpoint.path)) die_input("checkpoint %s does not exist", c->checkpoint.path);
 }
 
@@ -663,13 +671,15 @@ static int generate_main(int argc, char** argv) {
     static Config cfg; /* static: Config holds paths */
     Config* c = &cfg;
     ParamLayout layout;
+    Sidecar side = {0, NULL, 0};
     Server server;
     char* line = NULL;
     size_t cap = 0;
     int step;
-    config_parse_for_checkpoint(c, argc, argv);
+    config_parse_for_checkpoint(c, argc, argv, &side);
     param_layout_init(&layout, c);
-    step = ckpt_check(c->checkpoint.path, layout.n_params, c->model.n_layer); /* before any large allocation */
+    step = ckpt_check(c->checkpoint.path, layout.n_params, c->model.n_layer, &side); /* before any large allocation */
+    sidecar_free(&side);
     c->train.batch_size = 1; /* the prefill's forward buffers: one window */
     g_quiet_events = 1;      /* stdout is the protocol's; the memory plan goes to stderr */
     engine_setup(c);

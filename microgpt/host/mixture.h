@@ -256,14 +256,13 @@ static void mixture_restore(Mixture* m, const Config* c, const char* side, const
     }
 }
 
-static void mixture_resume(Mixture* m, const Config* c, const char* ckpt_path) {
-    char side[CFG_PATH_MAX + 8], *text;
+/* The bandit state from `sidecar`, that of the checkpoint `ckpt_path` being resumed. */
+static void mixture_resume(Mixture* m, const Config* c, const char* ckpt_path, const Sidecar* sidecar) {
+    char side[CFG_PATH_MAX + 8];
     if (!c->bandit.enabled) return;
     snprintf(side, sizeof side, "%s.json", ckpt_path);
-    text = sidecar_load(ckpt_path, (size_t)c->model.n_layer);
-    if (text && strstr(text, "\"bandit\"")) mixture_restore(m, c, side, text);
+    if (sidecar->text && strstr(sidecar->text, "\"bandit\"")) mixture_restore(m, c, side, sidecar->text);
     else warn("checkpoint %s holds no bandit state: the bandit starts afresh from the prior weights", ckpt_path);
-    free(text);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

@@ -75,16 +75,43 @@ static const char* json_num(char* buf, size_t cap, double x) {
     return buf;
 }
 
-/* JSON string body escaping for the few strings we print (names, paths). */
+/* The length (1 to 4) of the well-formed UTF-8 sequence at s, or 0 where the bytes are none
+ * (RFC 3629: no overlong form, no surrogate, nothing past U+10FFFF). Reads no byte past a NUL. */
+static int utf8_sequence_length(const unsigned char* s) {
+    unsigned char lo = 0x80, hi = 0xBF; /* the range of the second byte */
+    int n, i;
+    if (s[0] < 0x80) return 1;
+    if (s[0] >= 0xC2 && s[0] <= 0xDF) n = 2;
+    else if (s[0] >= 0xE0 && s[0] <= 0xEF) n = 3;
+    else if (s[0] >= 0xF0 && s[0] <= 0xF4) n = 4;
+    else return 0;
+    if (s[0] == 0xE0) lo = 0xA0;      /* overlong */
+    else if (s[0] == 0xED) hi = 0x9F; /* surrogates */
+    else if (s[0] == 0xF0) lo = 0x90; /* overlong */
+    else if (s[0] == 0xF4) hi = 0x8F; /* past U+10FFFF */
+    if (s[1] < lo || s[1] > hi) return 0;
+    for (i = 2; i < n; i++)
+        if (s[i] < 0x80 || s[i] > 0xBF) return 0;
+    return n;
+}
+
+/* s as a JSON string (the few we print: names, paths, messages). s is bytes from argv or a file name, not always UTF-8: a byte that starts no
+ * well-formed sequence is written as U+FFFD, so every line the engine prints is valid JSON text. */
 static void json_put_string(FILE* f, const char* s) {
+    const unsigned char* p = (const unsigned char*)s;
+    int len;
     fputc('"', f);
-    for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+    for (; *p; p += len) {
+        unsigned char c = *p;
+        len = utf8_sequence_length(p);
+        if (len == 0) {
+            fputs("\\ufffd", f);
+            len = 1;
+        } else if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
         else if (c == '\n') fputs("\\n", f);
         else if (c == '\t') fputs("\\t", f);
         else if (c < 0x20) fprintf(f, "\\u%04x", c);
-        else fputc(c, f);
+        else fwrite(p, 1, (size_t)len, f);
     }
     fputc('"', f);
 }

@@ -37,6 +37,7 @@ typedef struct {
     int* sample_tokens;              /* [sample.tokens] */
     float* logits;                   /* [vocab_size] */
     Sampler sampler;
+    Sidecar sidecar;                 /* the checkpoint's, read once at start-up (resume, evaluate) */
     Fp8HistoryMember resumed_fp8;    /* the checkpoint's fp8 histories (resume, fp8 training) */
     Fp8History* fp8_hist;            /* a copy of the engine's fp8 histories [n_fp8_hist] (§18) */
     int n_fp8_hist;                  /* engine_fp8_history_count(): 0 unless it trains in fp8 */
@@ -234,9 +235,10 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     r->saved_step = -1;
     if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0], r->layout.n_params);
     if (c->resume) {
-        r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer);
-        mixture_resume(&r->mix, c, c->checkpoint.path); /* before the start event, which reports p */
-        if (config_keeps_fp8_histories(c)) fp8_history_read(c->checkpoint.path, c->model.n_layer, &r->resumed_fp8);
+        r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer,
+                                                   &r->sidecar);
+        mixture_resume(&r->mix, c, c->checkpoint.path, &r->sidecar); /* before the start event, which reports p */
+        if (config_keeps_fp8_histories(c)) fp8_history_read(c->checkpoint.path, &r->sidecar, &r->resumed_fp8);
     }
 }
 
@@ -259,6 +261,7 @@ static void run_free(Run* r) {
     free(r->params); free(r->m); free(r->v); free(r->inputs); free(r->targets); free(r->arms);
     free(r->sample_tokens); free(r->logits); free(r->micro_losses);
     free(r->fp8_hist); free(r->resumed_fp8.h);
+    sidecar_free(&r->sidecar);
     sampler_free(&r->sampler);
     free(r->cfg.sample.prompt_tokens);
     mixture_close(&r->mix);
@@ -344,7 +347,7 @@ static void run_start(Run* r) {
     r->fp8_hist = (Fp8History*)xcalloc(r->n_fp8_hist ? (size_t)r->n_fp8_hist : 1, sizeof(Fp8History), "fp8 histories");
     if (c->resume) {
         ckpt_load(c->checkpoint.path, r->layout.n_params, r->params, r->m, r->v);
-        r->loss_scale = sidecar_read(c->checkpoint.path, r->start_step, c);
+        r->loss_scale = sidecar_loss_scale(c->checkpoint.path, r->start_step, c, &r->sidecar);
         info("resumed from %s at step %d", c->checkpoint.path, r->start_step);
     } else {
         params_init(r->params, &r->layout, c);
@@ -521,9 +524,9 @@ static int evaluate_main(int argc, char** argv) {
     uint64_t batches;
     double loss;
     char b[32];
-    config_parse_for_checkpoint(c, argc, argv);
+    config_parse_for_checkpoint(c, argc, argv, &r->sidecar);
     param_layout_init(&r->layout, c);
-    ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer); /* before any large allocation */
+    ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer, &r->sidecar); /* before any large allocation */
     if (c->eval.batches == 0) c->train.batch_size = 1;
     dataset_open(&r->val, c->data.val, "data.val", c->model.vocab_size, c->model.seq_len);
     r->inputs = (int*)xmalloc((size_t)c->train.batch_size * c->model.seq_len * sizeof(int), "batch inputs");
