@@ -37,7 +37,7 @@
 #define MICROGPT_CUDA_FP8_CUH
 
 #include <cuda_fp8.h>
-#include <type_traits> /* std::integral_constant: attn_fp8_fits; std::is_same: as_stored2 */
+#include <type_traits> /* std::integral_constant: attn_fp8_fits */
 
 #include "../cpu/fp8.h"
 #include "attention.cuh"
@@ -127,23 +127,14 @@ __device__ __forceinline__ unsigned short fp8_cvt2(float lo, float hi, int fmt) 
     return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
 }
 
-/* x and y as stored in T (as_stored of each), the pair in one conversion instruction. */
-template <typename T> __device__ __forceinline__ float2 as_stored2(float x, float y) {
-    if constexpr (std::is_same<T, bf16>::value) return __bfloat1622float2(__floats2bfloat162_rn(x, y));
-    else if constexpr (std::is_same<T, fp16>::value) return __half22float2(__floats2half2_rn(x, y));
-    else return make_float2(x, y);
-}
-
 /* FP8_CVT_PAIRS (candidate, make KERNEL_VARIANTS=-DFP8_CVT_PAIRS=1; docs/BENCHMARKS.md #85): the
  * kernels that turn a packet of values into codes (the packed cast and its GELU epilogues, the fused
  * LayerNorm forward and backward, the fused attention backward) convert them in pairs, as the FP8
  * classifier's loss rows do: one packed conversion to T (as_stored2) and one FP8 conversion
  * (fp8_cvt2) a pair, where value by value each takes a scalar F2F.BF16 (the quarter-rate
  * conversion unit) and an FP8 conversion whose byte is then shuffled into place. The same rounding,
- * so the same codes, amax and scale (kernel_check, tests/test_fp8_delayed.py). */
-#ifndef FP8_CVT_PAIRS
-#define FP8_CVT_PAIRS 0
-#endif
+ * so the same codes, amax and scale (kernel_check, tests/test_fp8_delayed.py). The macro's default
+ * is set in common.cuh, where layernorm.cuh's backward reads it too. */
 
 /* EPI (FP8_EPI_*) other than NONE: the tile cast is of the epilogue's values as stored in T, and
  * their amax goes to j.sc (block_amax_commit) for the history's next entry: the GELU (forward or
@@ -575,10 +566,9 @@ struct LnBwdCodes {
     __device__ __forceinline__ void row(const float (&v)[VEC], int r, int tr, int c, int C, void* shared) const {
         fp8 q[VEC];
         fp8* t = (fp8*)shared + (size_t)tr * LN_BWD_TILE_PITCH(C) + c;
-        if constexpr (FP8_CVT_PAIRS && VEC % 2 == 0) {
+        if constexpr (FP8_CVT_PAIRS && VEC % 2 == 0) { /* v as stored already (ln_bwd_regs_body) */
             for (int k = 0; k < VEC; k += 2) {
-                float2 y = as_stored2<T>(v[k], v[k + 1]);
-                unsigned short q2 = fp8_cvt2(y.x * s, y.y * s, fmt);
+                unsigned short q2 = fp8_cvt2(v[k] * s, v[k + 1] * s, fmt);
                 memcpy(q + k, &q2, sizeof q2);
             }
         } else {
