@@ -129,8 +129,8 @@ __device__ __forceinline__ unsigned short fp8_cvt2(float lo, float hi, int fmt) 
 
 /* FP8_CVT_PAIRS (candidate, make KERNEL_VARIANTS=-DFP8_CVT_PAIRS=1; docs/BENCHMARKS.md #85): the
  * kernels that turn a packet of values into codes (the packed cast and its GELU epilogues, the fused
- * LayerNorm forward and backward, the fused attention backward) convert them in pairs, as the FP8
- * classifier's loss rows do: one packed conversion to T (as_stored2) and one FP8 conversion
+ * LayerNorm forward and backward, attention's fused forward and backward) convert them in pairs, as
+ * the FP8 classifier's loss rows do: one packed conversion to T (as_stored2) and one FP8 conversion
  * (fp8_cvt2) a pair, where value by value each takes a scalar F2F.BF16 (the quarter-rate
  * conversion unit) and an FP8 conversion whose byte is then shuffled into place. The same rounding,
  * so the same codes, amax and scale (kernel_check, tests/test_fp8_delayed.py). The macro's default

@@ -271,8 +271,8 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
  * `prefetch` (fp8.cuh's wide candidate) asks L2 for a warp's next row while it computes one. A codes
  * epilogue's begin() runs first in every thread, row() takes each packet of a row's dx as computed
  * (as stored in T in a FP8_CVT_PAIRS build; tr: the row within the block's chunk; shared: the
- * block's column-sum memory, unused while the rows run), and finish() the block's rows r0 .. r1 after a barrier, before the column sums take
- * the shared memory back. */
+ * block's column-sum memory, unused while the rows run), and finish() the block's rows r0 .. r1
+ * after a barrier, before the column sums take the shared memory back. */
 struct LnBwdPlain {
     static constexpr bool codes = false, prefetch = false;
 };
