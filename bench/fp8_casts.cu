@@ -98,9 +98,11 @@ static void bench(const char* model, int N, int C, int F, int L) {
             layernorm_bwd(out, dg, db, x + nc, x, gamma, mean, rstd, N, C, scratch, 0.0f, amax);
         }), 8.0 * nc);
     row(model, "gelu_fwd", sh_nf, time_median_us([&] { gelu_fwd(hg, h, nf); }), 4.0 * nf);
-    row(model, "gelu_fwd + amax", sh_nf, time_median_us([&] { gelu_fwd(hg, h, nf, amax); }), 4.0 * nf);
+    row(model, "gelu_fwd + amax", sh_nf, time_median_us([&] { gelu_fwd<bf16, FP8_GELU_TANH>(hg, h, nf, amax); }), 4.0 * nf);
     row(model, "gelu_bwd_inplace", sh_nf, time_median_us([&] { gelu_bwd_inplace(hg, h, nf); }), 6.0 * nf);
-    row(model, "gelu_bwd_inplace + amax", sh_nf, time_median_us([&] { gelu_bwd_inplace(hg, h, nf, amax); }),
+    row(model, "gelu_bwd_inplace + amax", sh_nf, time_median_us([&] {
+        gelu_bwd_inplace<bf16, FP8_GELU_TANH>(hg, h, nf, amax);
+    }),
         6.0 * nf);
     row(model, "fp8_reduce_amax", sh_nc, time_median_us([&] { fp8_reduce_amax(sc, x, nc); }), 2.0 * nc);
     row(model, "fp8_reduce_amax", sh_3nc, time_median_us([&] { fp8_reduce_amax(sc, x, 3 * nc); }), 6.0 * nc);

@@ -552,7 +552,7 @@ static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N, int input) {
         fp8_cast_gelu(E.a8, x8t(l, FP8_W_2), x8_scale(l, FP8_W_2), a.h, N, F, fp8_history_of(l, FP8_W_2));
         gelu_input = FP8_IN_CODES;
     } else {
-        gelu_fwd(a.h_gelu, a.h, (size_t)N * F, x8_amax(l, FP8_W_2));
+        gelu_fwd<T, FP8_GELU_TANH>(a.h_gelu, a.h, (size_t)N * F, x8_amax(l, FP8_W_2));
     }
     fp8_linear_fwd<T>(layer_input<T>(l + 1), a.h_gelu, l, T_W2, FP8_W_2, N, F, C, a.xmid, gelu_input);
 }
@@ -571,7 +571,7 @@ static void fp8_mlp_bwd(T* dln, const T* dres, int dres_input, const LayerActs<T
         fp8_cast_dgelu(E.g8, E.g8t, g8_scale(l, FP8_W_1), (const T*)E.dh, a.h, N, F, FP8_GRAD_FMT, dh_hist);
         dh_input = FP8_IN_CODES;
     } else {
-        gelu_bwd_inplace((T*)E.dh, a.h, (size_t)N * F, g8_amax(l, FP8_W_1));
+        gelu_bwd_inplace<T, FP8_GELU_TANH>((T*)E.dh, a.h, (size_t)N * F, g8_amax(l, FP8_W_1));
     }
     fp8_linear_bwd<T>(dln, gl(l, T_W1), (const T*)E.dh, l, T_W1, FP8_W_1, N, C, F, 1, gb, dh_input, dh_hist);
 }

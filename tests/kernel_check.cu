@@ -1235,7 +1235,7 @@ static void test_fp8_gelu_fused(int R, int Cc) {
         bf16* dx = upload<bf16>(x);
         bf16* dgelu = (bf16*)dalloc(n * sizeof(bf16));
         Fp8CastOut ref = fp8_cast_out(n), got = fp8_cast_out(n);
-        gelu_fwd<bf16>(dgelu, dx, n, &ref.sc->amax_bits);
+        gelu_fwd<bf16, FP8_GELU_TANH>(dgelu, dx, n, &ref.sc->amax_bits);
         fp8_cast(ref.n, ref.t, ref.sc, dgelu, 1, R, Cc, FP8_E4M3, dh);
         fp8_cast_gelu<bf16>(got.n, got.t, got.sc, dx, R, Cc, dh);
         check_fp8_fused(ref, got, n, h, i == 1, "gelu_fwd + fp8_cast");
@@ -1258,7 +1258,7 @@ static void test_fp8_dgelu_fused(int R, int Cc) {
         Vec g = rounded<bf16>(randn(n, 1e-3f)), x = rounded<bf16>(randn(n, 3.0f));
         bf16 *dg = upload<bf16>(g), *dx = upload<bf16>(x), *dref = upload<bf16>(g);
         Fp8CastOut ref = fp8_cast_out(n), got = fp8_cast_out(n);
-        gelu_bwd_inplace<bf16>(dref, dx, n, &ref.sc->amax_bits);
+        gelu_bwd_inplace<bf16, FP8_GELU_TANH>(dref, dx, n, &ref.sc->amax_bits);
         fp8_cast(ref.n, ref.t, ref.sc, dref, 1, R, Cc, fmt, dh);
         fp8_cast_dgelu<bf16>(got.n, got.t, got.sc, dg, dx, R, Cc, fmt, dh);
         check_fp8_fused(ref, got, n, h, i == 1, "gelu_bwd_inplace + fp8_cast", fmt);

@@ -136,11 +136,23 @@ __device__ __forceinline__ unsigned short fp8_cvt2(float lo, float hi, int fmt) 
  * so the same codes, amax and scale (kernel_check, tests/test_fp8_delayed.py). The macro's default
  * is set in common.cuh, where layernorm.cuh's backward reads it too. */
 
+/* FP8_GELU_FAST_TANH (candidate, make KERNEL_VARIANTS=-DFP8_GELU_FAST_TANH=1; docs/BENCHMARKS.md
+ * #87): precision fp8's GELU and its gradient take their tanh from the hardware's approximation
+ * (mlp.cuh's GELU_TANH_APPROX: one MUFU.TANH where tanhf is ~20 instructions) in the fused casts'
+ * epilogues and in the unfused path they must equal bit for bit (gelu_fwd / gelu_bwd_inplace with
+ * FP8_GELU_TANH: a run's first micro-batch). Other precisions' GELU keeps tanhf. It changes bits:
+ * the CPU engine's emulation keeps glibc's tanhf, within the GPU-vs-CPU fp8 tolerances
+ * (docs/DESIGN.md §18). */
+#ifndef FP8_GELU_FAST_TANH
+#define FP8_GELU_FAST_TANH 0
+#endif
+constexpr int FP8_GELU_TANH = FP8_GELU_FAST_TANH ? GELU_TANH_APPROX : GELU_TANH_ACCURATE;
+
 /* EPI (FP8_EPI_*) other than NONE: the tile cast is of the epilogue's values as stored in T, and
  * their amax goes to j.sc (block_amax_commit) for the history's next entry: the GELU (forward or
  * backward) and the cast of its output fused, at the history's scale (j.hist, not empty). */
 template <int EPI> __device__ __forceinline__ float fp8_epilogue_value(float v, float aux) {
-    return EPI == FP8_EPI_GELU ? gelu_f(v) : v * gelu_grad_f(aux);
+    return EPI == FP8_EPI_GELU ? gelu_f<FP8_GELU_TANH>(v) : v * gelu_grad_f<FP8_GELU_TANH>(aux);
 }
 template <typename T, int EPI> __device__ __forceinline__ float fp8_cast_epilogue(float v, float aux, unsigned* am) {
     if constexpr (EPI == FP8_EPI_NONE) return v;

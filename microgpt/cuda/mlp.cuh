@@ -15,27 +15,45 @@
 #define GELU_SCALE_F 0.7978845608028654f /* sqrt(2/pi) */
 #define GELU_CUBIC_F 0.044715f
 
-__device__ __forceinline__ float gelu_f(float x) {
-    return 0.5f * x * (1.0f + tanhf(GELU_SCALE_F * (x + GELU_CUBIC_F * x * x * x)));
+/* The GELU's tanh: CUDA's accurate tanhf (GELU_TANH_ACCURATE: every precision's GELU, a few ulps
+ * from the CPU engine's glibc tanhf) or the hardware's approximation (GELU_TANH_APPROX: one
+ * tanh.approx.f32, MUFU.TANH, sm_75 and up; PTX ISA: relative error at most 2^-11), which precision
+ * fp8 takes in a -DFP8_GELU_FAST_TANH=1 build (fp8.cuh's FP8_GELU_TANH). */
+enum { GELU_TANH_ACCURATE, GELU_TANH_APPROX };
+
+template <int TANH> __device__ __forceinline__ float gelu_tanh(float u) {
+    if constexpr (TANH == GELU_TANH_APPROX) {
+        float t;
+        asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(u));
+        return t;
+    } else {
+        return tanhf(u);
+    }
 }
 
-__device__ __forceinline__ float gelu_grad_f(float x) {
-    float th = tanhf(GELU_SCALE_F * (x + GELU_CUBIC_F * x * x * x));
+template <int TANH = GELU_TANH_ACCURATE> __device__ __forceinline__ float gelu_f(float x) {
+    return 0.5f * x * (1.0f + gelu_tanh<TANH>(GELU_SCALE_F * (x + GELU_CUBIC_F * x * x * x)));
+}
+
+template <int TANH = GELU_TANH_ACCURATE> __device__ __forceinline__ float gelu_grad_f(float x) {
+    float th = gelu_tanh<TANH>(GELU_SCALE_F * (x + GELU_CUBIC_F * x * x * x));
     float dth = (1.0f - th * th) * GELU_SCALE_F * (1.0f + 3.0f * GELU_CUBIC_F * x * x);
     return 0.5f * (1.0f + th) + 0.5f * x * dth;
 }
 
 /* amax_bits (precision fp8's MLP, whose GELU output is an FP8 product's operand; else NULL): the
- * output's amax as stored, atomicMax'ed in (common.cuh), saving the cast a full read. */
-template <typename T, int VEC>
-__global__ void k_gelu_fwd(T* __restrict__ out, const T* __restrict__ x, size_t n, unsigned* amax_bits) {
+ * output's amax as stored, atomicMax'ed in (common.cuh), saving the cast a full read. TANH: the
+ * GELU's tanh (gelu_tanh); the kernel of each form is below. */
+template <int TANH, typename T, int VEC>
+__device__ __forceinline__ void gelu_fwd_packets(T* __restrict__ out, const T* __restrict__ x, size_t n,
+                                                 unsigned* amax_bits) {
     await_previous_kernel();
     unsigned am = 0;
     FOR_PACKETS(i, n) {
         float v[VEC];
         load_vec(v, x + i);
         for (int k = 0; k < VEC; k++) {
-            v[k] = gelu_f(v[k]);
+            v[k] = gelu_f<TANH>(v[k]);
             am = max(am, abs_bits(as_stored<T>(v[k])));
         }
         store_vec(out + i, v);
@@ -45,9 +63,10 @@ __global__ void k_gelu_fwd(T* __restrict__ out, const T* __restrict__ x, size_t 
 
 /* In place: d = d * gelu'(x). d arrives as the gradient of the GELU output and leaves as that of
  * its input; the MLP backward owns d as scratch, so nothing needs accumulating here. amax_bits:
- * as in k_gelu_fwd, of the new d. */
-template <typename T, int VEC>
-__global__ void k_gelu_bwd_inplace(T* __restrict__ d, const T* __restrict__ x, size_t n, unsigned* amax_bits) {
+ * as in gelu_fwd_packets, of the new d. */
+template <int TANH, typename T, int VEC>
+__device__ __forceinline__ void gelu_bwd_packets(T* __restrict__ d, const T* __restrict__ x, size_t n,
+                                                 unsigned* amax_bits) {
     await_previous_kernel();
     unsigned am = 0;
     FOR_PACKETS(i, n) {
@@ -55,7 +74,7 @@ __global__ void k_gelu_bwd_inplace(T* __restrict__ d, const T* __restrict__ x, s
         load_vec(dv, d + i);
         load_vec(xv, x + i);
         for (int k = 0; k < VEC; k++) {
-            dv[k] *= gelu_grad_f(xv[k]);
+            dv[k] *= gelu_grad_f<TANH>(xv[k]);
             am = max(am, abs_bits(as_stored<T>(dv[k])));
         }
         store_vec(d + i, dv);
@@ -63,21 +82,48 @@ __global__ void k_gelu_bwd_inplace(T* __restrict__ d, const T* __restrict__ x, s
     block_amax_commit(amax_bits, am);
 }
 
+template <typename T, int VEC>
+__global__ void k_gelu_fwd(T* __restrict__ out, const T* __restrict__ x, size_t n, unsigned* amax_bits) {
+    gelu_fwd_packets<GELU_TANH_ACCURATE, T, VEC>(out, x, n, amax_bits);
+}
+
+template <typename T, int VEC>
+__global__ void k_gelu_bwd_inplace(T* __restrict__ d, const T* __restrict__ x, size_t n, unsigned* amax_bits) {
+    gelu_bwd_packets<GELU_TANH_ACCURATE, T, VEC>(d, x, n, amax_bits);
+}
+
+/* The approximate tanh's kernels (fp8 only: FP8_GELU_TANH), apart so that the accurate ones keep
+ * their names and code. */
+template <typename T, int VEC>
+__global__ void k_gelu_fwd_fast_tanh(T* __restrict__ out, const T* __restrict__ x, size_t n, unsigned* amax_bits) {
+    gelu_fwd_packets<GELU_TANH_APPROX, T, VEC>(out, x, n, amax_bits);
+}
+
+template <typename T, int VEC>
+__global__ void k_gelu_bwd_inplace_fast_tanh(T* __restrict__ d, const T* __restrict__ x, size_t n,
+                                             unsigned* amax_bits) {
+    gelu_bwd_packets<GELU_TANH_APPROX, T, VEC>(d, x, n, amax_bits);
+}
+
 /* The grid of an element-wise kernel over n values (packets when `packed`) that may end in an amax. */
 template <typename T> static unsigned gelu_grid(size_t n, bool packed, const unsigned* amax_bits) {
     return amax_grid(elementwise_grid(n / (packed ? PACK(T) : 1), 256), amax_bits);
 }
 
-template <typename T>
+template <typename T, int TANH = GELU_TANH_ACCURATE>
 static void gelu_fwd(T* out, const T* x, size_t n, unsigned* amax_bits = NULL) {
     bool packed = packable(n, sizeof(T), {out, x});
-    LAUNCH_PACKED(packed, k_gelu_fwd, T, gelu_grid<T>(n, packed, amax_bits), 256, out, x, n, amax_bits);
+    unsigned grid = gelu_grid<T>(n, packed, amax_bits);
+    if constexpr (TANH == GELU_TANH_APPROX) LAUNCH_PACKED(packed, k_gelu_fwd_fast_tanh, T, grid, 256, out, x, n, amax_bits);
+    else LAUNCH_PACKED(packed, k_gelu_fwd, T, grid, 256, out, x, n, amax_bits);
 }
 
-template <typename T>
+template <typename T, int TANH = GELU_TANH_ACCURATE>
 static void gelu_bwd_inplace(T* d, const T* x, size_t n, unsigned* amax_bits = NULL) {
     bool packed = packable(n, sizeof(T), {d, x});
-    LAUNCH_PACKED(packed, k_gelu_bwd_inplace, T, gelu_grid<T>(n, packed, amax_bits), 256, d, x, n, amax_bits);
+    unsigned grid = gelu_grid<T>(n, packed, amax_bits);
+    if constexpr (TANH == GELU_TANH_APPROX) LAUNCH_PACKED(packed, k_gelu_bwd_inplace_fast_tanh, T, grid, 256, d, x, n, amax_bits);
+    else LAUNCH_PACKED(packed, k_gelu_bwd_inplace, T, grid, 256, d, x, n, amax_bits);
 }
 
 /* out [N,C] = residual + gelu(x @ w1) @ w2 (the MLP and the residual join after it); saves
