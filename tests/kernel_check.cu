@@ -1266,6 +1266,85 @@ static void test_fp8_dgelu_fused(int R, int Cc) {
     }
 }
 
+/* The GELU with the hardware's tanh (GELU_TANH_APPROX: precision fp8's in a -DFP8_GELU_FAST_TANH=1
+ * build, docs/BENCHMARKS.md #87), checked in every build. (1) A dense sweep of h over [-10, 10] in
+ * fp32: gelu and gelu' against float64 within the PTX ISA's bound on tanh.approx.f32 (relative
+ * error at most 2^-11) carried through the formulas, plus fp32 rounding (which alone bounds the
+ * accurate kernels here). (2) Values as they occur (bf16 h ~ N(0, 3^2), dout ~ N(0, 1e-3^2), as the
+ * fused casts' checks): the E4M3 codes of the outputs at the scale of their amax, approximate
+ * against accurate, must move (normwise, dequantised) by less than half of what the cast itself
+ * moves the values: the margin docs/DESIGN.md §18 gives the GPU-vs-CPU fp8 tolerances, which the
+ * CPU emulation's glibc tanhf then still meets. Prints the errors and the fractions of bf16 outputs
+ * and codes that differ. */
+static void test_gelu_fast_tanh(void) {
+    const double eps = 1.0 / 2048.0, S = 0.7978845608028654, Cc = 0.044715;
+    const size_t n = (size_t)1 << 21;
+    Vec x(n), ones(n, 1.0f);
+    for (size_t i = 0; i < n; i++) x[i] = (float)(-10.0 + 20.0 * (double)i / (double)(n - 1));
+    float *dx = upload<float>(x), *out = poisoned<float>(n), *dg = upload<float>(ones);
+    for (int approx = 0; approx < 2; approx++) {
+        if (approx) {
+            gelu_fwd<float, GELU_TANH_APPROX>(out, dx, n);
+            gelu_bwd_inplace<float, GELU_TANH_APPROX>(dg, dx, n);
+        } else {
+            gelu_fwd<float>(out, dx, n);
+            gelu_bwd_inplace<float>(dg, dx, n);
+        }
+        Vec g = download(out, n), d = download(dg, n);
+        upload_into(dg, ones);
+        double worst[2] = {0, 0}, max_abs[2] = {0, 0}, max_rel[2] = {0, 0};
+        for (size_t i = 0; i < n; i++) {
+            double h = x[i], t = tanh(S * (h + Cc * h * h * h)), k = S * (1.0 + 3.0 * Cc * h * h);
+            double ref[2] = {0.5 * h * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * k};
+            double slack[2] = {1e-6 * (1.0 + fabs(h)), 2e-6 * (1.0 + fabs(h) * (1.0 + 3.0 * Cc * h * h))};
+            double bound[2] = {slack[0] + approx * 0.5 * fabs(h) * eps * fabs(t),
+                               slack[1] + approx * eps * fabs(t) * (0.5 + fabs(h) * k * (fabs(t) + eps))};
+            double got[2] = {g[i], d[i]};
+            for (int w = 0; w < 2; w++) {
+                double e = fabs(got[w] - ref[w]);
+                worst[w] = std::max(worst[w], e / bound[w]);
+                max_abs[w] = std::max(max_abs[w], e);
+                if (fabs(ref[w]) >= 1e-2) max_rel[w] = std::max(max_rel[w], e / fabs(ref[w]));
+            }
+        }
+        const char* names[2][2] = {{"gelu", "gelu'"}, {"gelu~", "gelu'~"}};
+        for (int w = 0; w < 2; w++)
+            report(worst[w] <= 1.0, names[approx][w], "[-10,10] max abs %.2e, rel %.2e (|ref| >= 1e-2); err/bound %.3f",
+                   max_abs[w], max_rel[w], worst[w]);
+    }
+    dfree_all();
+    const size_t m = (size_t)1 << 22;
+    Vec h = rounded<bf16>(randn(m, 3.0f)), dout = rounded<bf16>(randn(m, 1e-3f));
+    bf16 *d_h = upload<bf16>(h), *y[2] = {poisoned<bf16>(m), poisoned<bf16>(m)};
+    bf16* dh[2] = {upload<bf16>(dout), upload<bf16>(dout)};
+    gelu_fwd<bf16>(y[0], d_h, m);
+    gelu_fwd<bf16, GELU_TANH_APPROX>(y[1], d_h, m);
+    gelu_bwd_inplace<bf16>(dh[0], d_h, m);
+    gelu_bwd_inplace<bf16, GELU_TANH_APPROX>(dh[1], d_h, m);
+    const char* what[2] = {"gelu~ codes", "dh~ codes"};
+    for (int w = 0; w < 2; w++) {
+        const int fmt = w ? FP8_GRAD_FMT : FP8_E4M3;
+        Vec acc = download(w ? dh[0] : y[0], m), apx = download(w ? dh[1] : y[1], m);
+        float s = fp8_scale_for_amax(fp8_amax(acc.data(), m), fmt);
+        double moved = 0, noise = 0, norm = 0;
+        size_t vals_differ = 0, codes_differ = 0;
+        for (size_t i = 0; i < m; i++) {
+            unsigned char ca = fp8_from_float(acc[i] * s, fmt), cb = fp8_from_float(apx[i] * s, fmt);
+            double qa = fp8_to_float(ca, fmt) / s, qb = fp8_to_float(cb, fmt) / s;
+            vals_differ += acc[i] != apx[i];
+            codes_differ += ca != cb;
+            moved += (qb - qa) * (qb - qa);
+            noise += (qa - acc[i]) * (qa - acc[i]);
+            norm += (double)acc[i] * acc[i];
+        }
+        double rel_moved = sqrt(moved / norm), rel_noise = sqrt(noise / norm);
+        report(rel_moved <= 0.5 * rel_noise, what[w],
+               "moved %.2e (cast's noise %.2e); differ: bf16 %.3f%%, codes %.3f%% (scale 2^%d)", rel_moved, rel_noise,
+               100.0 * vals_differ / m, 100.0 * codes_differ / m, (int)log2f(s));
+    }
+    dfree_all();
+}
+
 /* Delayed scaling's fused LayerNorm backward (layernorm_bwd_fp8) of bf16 rows [N, C], adding into dx (the residual gradient) and writing or
  * adding dgamma, dbeta by grad_beta: dx, dgamma, dbeta those of the CPU layer (as test_layernorm)
  * and the bits of layernorm_bwd's, the unfused path; the codes of both layouts, amax and scale
@@ -1743,6 +1822,8 @@ static void run_fp8(void) {
         set_ctx("fp8", "delayed dgelu fused", sh);
         test_fp8_dgelu_fused(gs[0], gs[1]);
     }
+    set_ctx("fp8", "gelu fast tanh", "h in [-10, 10]; 2^22 as they occur");
+    test_gelu_fast_tanh();
     /* the fused LayerNorm backward at every shape test_layernorm checks the register kernel at (its
      * rows N = B·T·4 + 1: chunks of odd row counts, the transposed codes byte by byte), and at
      * ANDREA-120M's and -12M's (chunks of 32 and 16 rows: 16-byte stores) */
@@ -1986,10 +2067,11 @@ int main(int argc, char** argv) {
     }
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s%s\n", p.name, p.major, p.minor,
-           (unsigned long long)seed, (unsigned long long)seed,
+    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s%s%s\n", p.name, p.major,
+           p.minor, (unsigned long long)seed, (unsigned long long)seed,
            pdl_enabled() ? ", programmatic dependent launch" : "",
-           FP8_CVT_PAIRS ? ", codes converted in pairs (FP8_CVT_PAIRS)" : "");
+           FP8_CVT_PAIRS ? ", codes converted in pairs (FP8_CVT_PAIRS)" : "",
+           FP8_GELU_FAST_TANH ? ", fp8's GELU on tanh.approx.f32 (FP8_GELU_FAST_TANH)" : "");
     g_state = seed;
     void* ws = dalloc(CUBLAS_WORKSPACE_BYTES);
     g_allocs.clear(); /* the workspace lives for the whole run */
