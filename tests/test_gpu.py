@@ -501,9 +501,13 @@ def test_fp8_gradients_match_cpu_fp8_emulation(cuda_binary, cpu_binary, random_s
     """Loss and every gradient tensor of one micro-batch, GPU fp8 against the CPU engine's fp8 (see the
     module docstring for the tolerances); and the GPU's fp8 must differ from its bf16 (the FP8 path
     ran)."""
+    check_fp8_gradients_match_cpu(cuda_binary, cpu_binary, random_shards, tmp_path, shape)
+
+
+def check_fp8_gradients_match_cpu(engine, cpu_binary, random_shards, tmp_path, shape):
     dumps = {}
     for name, binary, precision in (("cpu8", cpu_binary, "fp8"), ("cpu32", cpu_binary, "fp32"),
-                                    ("gpu8", cuda_binary, "fp8"), ("gpu16", cuda_binary, "bf16")):
+                                    ("gpu8", engine, "fp8"), ("gpu16", engine, "bf16")):
         path = tmp_path / f"{name}.grads"
         res = run_ok(binary, tiny_args(random_shards.train, **{**FP8_SHAPES[shape], "train.precision": precision,
                                                                 "dump_grads": path}))
