@@ -43,11 +43,10 @@ template <int TANH = GELU_TANH_ACCURATE> __device__ __forceinline__ float gelu_g
 
 /* amax_bits (precision fp8's MLP, whose GELU output is an FP8 product's operand; else NULL): the
  * output's amax as stored, atomicMax'ed in (common.cuh), saving the cast a full read. TANH: the
- * GELU's tanh (gelu_tanh); the kernel of each form is below. */
+ * GELU's tanh (gelu_tanh); the kernel of each form is below (each waits for its predecessor first). */
 template <int TANH, typename T, int VEC>
 __device__ __forceinline__ void gelu_fwd_packets(T* __restrict__ out, const T* __restrict__ x, size_t n,
                                                  unsigned* amax_bits) {
-    await_previous_kernel();
     unsigned am = 0;
     FOR_PACKETS(i, n) {
         float v[VEC];
@@ -67,7 +66,6 @@ __device__ __forceinline__ void gelu_fwd_packets(T* __restrict__ out, const T* _
 template <int TANH, typename T, int VEC>
 __device__ __forceinline__ void gelu_bwd_packets(T* __restrict__ d, const T* __restrict__ x, size_t n,
                                                  unsigned* amax_bits) {
-    await_previous_kernel();
     unsigned am = 0;
     FOR_PACKETS(i, n) {
         float dv[VEC], xv[VEC];
@@ -84,11 +82,13 @@ __device__ __forceinline__ void gelu_bwd_packets(T* __restrict__ d, const T* __r
 
 template <typename T, int VEC>
 __global__ void k_gelu_fwd(T* __restrict__ out, const T* __restrict__ x, size_t n, unsigned* amax_bits) {
+    await_previous_kernel();
     gelu_fwd_packets<GELU_TANH_ACCURATE, T, VEC>(out, x, n, amax_bits);
 }
 
 template <typename T, int VEC>
 __global__ void k_gelu_bwd_inplace(T* __restrict__ d, const T* __restrict__ x, size_t n, unsigned* amax_bits) {
+    await_previous_kernel();
     gelu_bwd_packets<GELU_TANH_ACCURATE, T, VEC>(d, x, n, amax_bits);
 }
 
@@ -96,12 +96,14 @@ __global__ void k_gelu_bwd_inplace(T* __restrict__ d, const T* __restrict__ x, s
  * their names and code. */
 template <typename T, int VEC>
 __global__ void k_gelu_fwd_fast_tanh(T* __restrict__ out, const T* __restrict__ x, size_t n, unsigned* amax_bits) {
+    await_previous_kernel();
     gelu_fwd_packets<GELU_TANH_APPROX, T, VEC>(out, x, n, amax_bits);
 }
 
 template <typename T, int VEC>
 __global__ void k_gelu_bwd_inplace_fast_tanh(T* __restrict__ d, const T* __restrict__ x, size_t n,
                                              unsigned* amax_bits) {
+    await_previous_kernel();
     gelu_bwd_packets<GELU_TANH_APPROX, T, VEC>(d, x, n, amax_bits);
 }
 
