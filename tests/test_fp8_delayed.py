@@ -438,11 +438,25 @@ def check_resumes_exactly_and_graphs_equal_eager(engine, heads, random_shards, t
 def pairs_build(cuda_binary):
     """build/microgpt_cuda_pairs and build/kernel_check_pairs: -DFP8_CVT_PAIRS=1 (docs/BENCHMARKS.md
     #85), the kernels that write codes converting pairs of values."""
+    return built_variant("_pairs", "FP8_CVT_PAIRS")
+
+
+def built_variant(suffix, macro):
+    """build/microgpt_cuda<suffix> and build/kernel_check<suffix>, built with -D<macro>=1."""
     if OVERRIDE_ENGINE:
-        pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the FP8_CVT_PAIRS variant is built from source")
-    engine, check = eu.BUILD / "microgpt_cuda_pairs", eu.BUILD / "kernel_check_pairs"
-    build_variant("_pairs", "-DFP8_CVT_PAIRS=1", engine, check)
+        pytest.skip(f"ANDREA_CUDA_ENGINE names one prebuilt engine; the {macro} variant is built from source")
+    engine, check = eu.BUILD / f"microgpt_cuda{suffix}", eu.BUILD / f"kernel_check{suffix}"
+    build_variant(suffix, f"-D{macro}=1", engine, check)
     return engine, check
+
+
+def check_variant_kernel_check(check, macro):
+    """The variant's kernel_check passes every check, and its banner names the switch."""
+    res = subprocess.run([str(check)], capture_output=True, text=True, timeout=600)
+    failed = [l for l in res.stdout.splitlines() if l.startswith("FAIL")]
+    assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
+    assert "checks, 0 failed" in res.stdout.splitlines()[-1]
+    assert f"({macro})" in res.stdout.splitlines()[0]
 
 
 @pytest.mark.gpu
@@ -450,11 +464,7 @@ def test_gpu_cvt_pairs_build_passes_kernel_check(pairs_build):
     """The pairs build's kernel_check: every fused kernel that writes codes (the GELU casts, the
     LayerNorms, attention's) bit for bit against the unfused path and the CPU emulation, as the
     default build's; its banner names the switch."""
-    res = subprocess.run([str(pairs_build[1])], capture_output=True, text=True, timeout=600)
-    failed = [l for l in res.stdout.splitlines() if l.startswith("FAIL")]
-    assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
-    assert "checks, 0 failed" in res.stdout.splitlines()[-1]
-    assert "(FP8_CVT_PAIRS)" in res.stdout.splitlines()[0]
+    check_variant_kernel_check(pairs_build[1], "FP8_CVT_PAIRS")
 
 
 @pytest.mark.gpu
@@ -481,22 +491,14 @@ def test_gpu_cvt_pairs_gives_the_default_builds_bits(heads, pairs_build, cuda_bi
 def fast_tanh_build(cuda_binary):
     """build/microgpt_cuda_tanh and build/kernel_check_tanh: -DFP8_GELU_FAST_TANH=1 (docs/BENCHMARKS.md
     #87), fp8's GELU and its gradient on tanh.approx.f32."""
-    if OVERRIDE_ENGINE:
-        pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the FP8_GELU_FAST_TANH variant is built from source")
-    engine, check = eu.BUILD / "microgpt_cuda_tanh", eu.BUILD / "kernel_check_tanh"
-    build_variant("_tanh", "-DFP8_GELU_FAST_TANH=1", engine, check)
-    return engine, check
+    return built_variant("_tanh", "FP8_GELU_FAST_TANH")
 
 
 @pytest.mark.gpu
 def test_gpu_fast_tanh_build_passes_kernel_check(fast_tanh_build):
     """The variant's kernel_check: the fused GELU casts bit for bit against the unfused path (both on
     the approximate tanh) and the CPU emulation's cast of its values; its banner names the switch."""
-    res = subprocess.run([str(fast_tanh_build[1])], capture_output=True, text=True, timeout=600)
-    failed = [l for l in res.stdout.splitlines() if l.startswith("FAIL")]
-    assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
-    assert "checks, 0 failed" in res.stdout.splitlines()[-1]
-    assert "(FP8_GELU_FAST_TANH)" in res.stdout.splitlines()[0]
+    check_variant_kernel_check(fast_tanh_build[1], "FP8_GELU_FAST_TANH")
 
 
 @pytest.mark.gpu
