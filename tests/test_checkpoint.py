@@ -209,3 +209,22 @@ def test_a_sidecar_that_is_not_well_formed_json_is_refused(engine, random_shards
         assert res.rc == 2 and len(res.errors) == 1, res.describe()
         assert "no well-formed JSON object" in res.errors[0] and res.steps == [], res.describe()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("link", ["to_nothing", "to_itself"])
+def test_a_sidecar_that_is_a_broken_link_is_refused(engine, random_shards, tmp_path, link):
+    """A sidecar replaced by a symbolic link that leads nowhere (or round in a loop) read as no
+    sidecar at all: the checkpoint was resumed, or evaluated, unverified, with a warning. Only a
+    sidecar that is not there is missing; this one is refused, one error line, exit 2."""
+    ckpt, side = tmp_path / "c.ckpt", tmp_path / "c.ckpt.json"
+    run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=ckpt))
+    side.unlink()
+    side.symlink_to(tmp_path / "nowhere.json" if link == "to_nothing" else side)
+    resume = tiny_args(random_shards.train, **{"train.steps": 3}, checkpoint=ckpt, resume=True)
+    evaluate = ["--evaluate", "--checkpoint", str(ckpt), "--data.val", str(random_shards.train),
+                "--eval.batches", "1", *tiny_args(random_shards.train)]
+    for args in (resume, evaluate):
+        res = eu.run_engine(engine.binary, args)
+        assert res.rc == 2 and len(res.errors) == 1, res.describe()
+        assert str(side) in res.errors[0] and "unverified" not in res.stderr, res.describe()
+    assert side.is_symlink() and ckpt.read_bytes() and not (tmp_path / "c.ckpt.prev").exists()
