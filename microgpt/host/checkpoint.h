@@ -533,7 +533,9 @@ static void sidecar_load(const char* path, size_t n_layer, Sidecar* s) {
     s->loaded = 1;
     s->text = NULL;
     s->bytes = 0;
-    if (!file_exists(f.side)) return;
+    /* Only a sidecar that is not there is missing: a link to nothing, or round a loop, is refused
+     * by the open (stat would call it missing, and the checkpoint would load unverified). */
+    if (lstat(f.side, &st) != 0 && errno == ENOENT) return;
     fd = open_regular_or_die(f.side, "checkpoint sidecar", &st);
     sidecar_refuse_longer(&f, (unsigned long long)st.st_size, n_layer);
     cap = (size_t)st.st_size + 1;
