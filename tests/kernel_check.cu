@@ -1986,9 +1986,10 @@ int main(int argc, char** argv) {
     }
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s\n", p.name, p.major, p.minor,
+    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s%s\n", p.name, p.major, p.minor,
            (unsigned long long)seed, (unsigned long long)seed,
-           pdl_enabled() ? ", programmatic dependent launch" : "");
+           pdl_enabled() ? ", programmatic dependent launch" : "",
+           FP8_CVT_PAIRS ? ", codes converted in pairs (FP8_CVT_PAIRS)" : "");
     g_state = seed;
     void* ws = dalloc(CUBLAS_WORKSPACE_BYTES);
     g_allocs.clear(); /* the workspace lives for the whole run */

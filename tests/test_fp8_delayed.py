@@ -7,7 +7,8 @@ histories in the checkpoint sidecar, resume bit-exactly, warn when resuming a ch
 them, and on two processes share one set of histories that resumes both exactly (§17). On a GPU
 (skipped without one), the GPU engine must track the CPU one and resume exactly, its graphs giving
 the bits of launch by launch, with the fused attention kernels (head size 32) and with the
-fallback that casts at the delayed scale (head size 16). The fused kernels are checked by
+fallback that casts at the delayed scale (head size 16); a build converting the codes in pairs
+(-DFP8_CVT_PAIRS=1) must give the default build's bits. The fused kernels are checked by
 tests/kernel_check.cu; two GPUs by tests/test_distributed.py.
 """
 import ctypes
@@ -24,7 +25,7 @@ from test_distributed import Ranks
 from test_engine import alloc_counter  # noqa: F401 (a fixture: the LD_PRELOAD allocation counter)
 from test_fp8 import E4M3, reference_scale
 from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
-from test_gpu import FP8_SHAPES, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
+from test_gpu import FP8_SHAPES, OVERRIDE_ENGINE, build_variant, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
 
 HISTORY_LEN = 16
 # the histories a layer: the forward's ln1, ln2, GELU, att, then the backward's dh, W_2's and W_O's
@@ -420,3 +421,46 @@ def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(heads, cuda_binary, 
     assert eager_ckpt.read_bytes() == (tmp_path / "ref.ckpt").read_bytes()
     assert sidecar_history(eager_ckpt) == sidecar_history(tmp_path / "ref.ckpt")
     assert len(eager.steps) == 60
+
+
+@pytest.fixture(scope="module")
+def pairs_build(cuda_binary):
+    """build/microgpt_cuda_pairs and build/kernel_check_pairs: -DFP8_CVT_PAIRS=1 (docs/BENCHMARKS.md
+    #85), the kernels that write codes converting pairs of values."""
+    if OVERRIDE_ENGINE:
+        pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the FP8_CVT_PAIRS variant is built from source")
+    engine, check = eu.BUILD / "microgpt_cuda_pairs", eu.BUILD / "kernel_check_pairs"
+    build_variant("_pairs", "-DFP8_CVT_PAIRS=1", engine, check)
+    return engine, check
+
+
+@pytest.mark.gpu
+def test_gpu_cvt_pairs_build_passes_kernel_check(pairs_build):
+    """The pairs build's kernel_check: every fused kernel that writes codes (the GELU casts, the
+    LayerNorms, attention's) bit for bit against the unfused path and the CPU emulation, as the
+    default build's; its banner names the switch."""
+    res = subprocess.run([str(pairs_build[1])], capture_output=True, text=True, timeout=600)
+    failed = [l for l in res.stdout.splitlines() if l.startswith("FAIL")]
+    assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
+    assert "checks, 0 failed" in res.stdout.splitlines()[-1]
+    assert "(FP8_CVT_PAIRS)" in res.stdout.splitlines()[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", sorted(GPU_HEADS))
+def test_gpu_cvt_pairs_gives_the_default_builds_bits(heads, pairs_build, cuda_binary, random_shards, tmp_path):
+    """Delayed fp8 training, with the fused attention kernels and with the fallback, on the odd
+    shapes (d_ff 112, 144 rows: partial cast tiles): the pairs build's records, checkpoint and
+    histories are the default build's, byte for byte."""
+    args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(heads), "train.steps": 8,
+                                                                "train.grad_accum": 2, "eval.every": 4,
+                                                                "eval.batches": 2})
+    runs = {}
+    for name, binary in (("default", cuda_binary), ("pairs", pairs_build[0])):
+        ckpt = tmp_path / f"{name}.ckpt"
+        res = run_ok(binary, args + ["--checkpoint", ckpt])
+        runs[name] = (eu.exact_records(res), ckpt.read_bytes(), sidecar_history(ckpt))
+    assert len([k for k in runs["pairs"][0] if k[0] == "train"]) == 8
+    assert runs["pairs"][0] == runs["default"][0], "the pairs build's records differ from the default build's"
+    assert runs["pairs"][1] == runs["default"][1], "the pairs build's checkpoint differs from the default build's"
+    assert runs["pairs"][2] == runs["default"][2], "the pairs build's histories (its amaxes) differ from the default's"

@@ -28,6 +28,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <initializer_list>
+#include <type_traits> /* std::is_same: as_stored2 */
 #include <utility>
 #include <math.h>
 #include <stdint.h>
@@ -303,6 +304,16 @@ __device__ __forceinline__ float block_max(float x) { return block_reduce<warp_m
  * of the values, and a NaN's pattern is above infinity's. */
 template <typename T> __device__ __forceinline__ float as_stored(float x) { return to_f(from_f<T>(x)); }
 __device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7FFFFFFFu; }
+/* x and y as stored in T (as_stored of each), the pair in one conversion instruction. */
+template <typename T> __device__ __forceinline__ float2 as_stored2(float x, float y) {
+    if constexpr (std::is_same<T, bf16>::value) return __bfloat1622float2(__floats2bfloat162_rn(x, y));
+    else if constexpr (std::is_same<T, fp16>::value) return __half22float2(__floats2half2_rn(x, y));
+    else return make_float2(x, y);
+}
+/* fp8.cuh's candidate switch (the codes' conversions in pairs), here for layernorm.cuh's amax */
+#ifndef FP8_CVT_PAIRS
+#define FP8_CVT_PAIRS 0
+#endif
 
 /* Blocks of a kernel that ends in block_amax_commit: enough to fill the GPU, few enough that the
  * atomics on the one address stay cheap. */

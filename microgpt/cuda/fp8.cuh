@@ -37,7 +37,7 @@
 #define MICROGPT_CUDA_FP8_CUH
 
 #include <cuda_fp8.h>
-#include <type_traits> /* std::integral_constant: attn_fp8_fits; std::is_same: as_stored2 */
+#include <type_traits> /* std::integral_constant: attn_fp8_fits */
 
 #include "../cpu/fp8.h"
 #include "attention.cuh"
@@ -122,13 +122,38 @@ __device__ __forceinline__ fp8 fp8_cvt(float x, int fmt) {
     return (fp8)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
 }
 
+/* fp8_cvt of lo and of hi, in one conversion instruction (lo in the low byte). */
+__device__ __forceinline__ unsigned short fp8_cvt2(float lo, float hi, int fmt) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+/* FP8_CVT_PAIRS (candidate, make KERNEL_VARIANTS=-DFP8_CVT_PAIRS=1; docs/BENCHMARKS.md #85): the
+ * kernels that turn a packet of values into codes (the packed cast and its GELU epilogues, the fused
+ * LayerNorm forward and backward, attention's fused forward and backward) convert them in pairs, as
+ * the FP8 classifier's loss rows do: one packed conversion to T (as_stored2) and one FP8 conversion
+ * (fp8_cvt2) a pair, where value by value each takes a scalar F2F.BF16 (the quarter-rate
+ * conversion unit) and an FP8 conversion whose byte is then shuffled into place. The same rounding,
+ * so the same codes, amax and scale (kernel_check, tests/test_fp8_delayed.py). The macro's default
+ * is set in common.cuh, where layernorm.cuh's backward reads it too. */
+
 /* EPI (FP8_EPI_*) other than NONE: the tile cast is of the epilogue's values as stored in T, and
  * their amax goes to j.sc (block_amax_commit) for the history's next entry: the GELU (forward or
  * backward) and the cast of its output fused, at the history's scale (j.hist, not empty). */
+template <int EPI> __device__ __forceinline__ float fp8_epilogue_value(float v, float aux) {
+    return EPI == FP8_EPI_GELU ? gelu_f(v) : v * gelu_grad_f(aux);
+}
 template <typename T, int EPI> __device__ __forceinline__ float fp8_cast_epilogue(float v, float aux, unsigned* am) {
     if constexpr (EPI == FP8_EPI_NONE) return v;
-    float y = as_stored<T>(EPI == FP8_EPI_GELU ? gelu_f(v) : v * gelu_grad_f(aux));
+    float y = as_stored<T>(fp8_epilogue_value<EPI>(v, aux));
     *am = max(*am, abs_bits(y));
+    return y;
+}
+/* fp8_cast_epilogue of the pair v0, v1 (aux a0, a1), as stored in T by one conversion (as_stored2). */
+template <typename T, int EPI>
+__device__ __forceinline__ float2 fp8_cast_epilogue2(float v0, float v1, float a0, float a1, unsigned* am) {
+    if constexpr (EPI == FP8_EPI_NONE) return make_float2(v0, v1);
+    float2 y = as_stored2<T>(fp8_epilogue_value<EPI>(v0, a0), fp8_epilogue_value<EPI>(v1, a1));
+    *am = max(*am, max(abs_bits(y.x), abs_bits(y.y)));
     return y;
 }
 
@@ -252,7 +277,8 @@ template <typename T> __device__ __forceinline__ float fp8_packet_at(const Fp8Ro
     return to_f(reinterpret_cast<const T*>(p.raw)[k]);
 }
 
-template <typename T, int EPI = FP8_EPI_NONE>
+/* PAIRS: each pair of a packet in one conversion to T and one to codes (FP8_CVT_PAIRS, above). */
+template <typename T, int EPI = FP8_EPI_NONE, bool PAIRS = FP8_CVT_PAIRS>
 __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned tile_id) {
     __shared__ __align__(16) fp8 tile[FP8_PACKED_R * FP8_PACKED_PITCH];
     const int R = j.R, Cc = j.Cc, batch = j.batch, fmt = j.fmt;
@@ -288,10 +314,23 @@ __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned t
         if (c >= Cc || r >= R) continue;
         uint2 q;
         fp8* qb = reinterpret_cast<fp8*>(&q);
+        if constexpr (PAIRS) {
+            unsigned short qp[FP8_ROW_PACKET / 2];
 #pragma unroll
-        for (int k = 0; k < FP8_ROW_PACKET; k++) {
-            float xk = EPI == FP8_EPI_DGELU ? fp8_packet_at(x[EPI == FP8_EPI_DGELU ? i : 0], k) : 0.0f;
-            qb[k] = fp8_cvt(fp8_cast_epilogue<T, EPI>(fp8_packet_at(v[i], k), xk, &am) * s, fmt);
+            for (int k = 0; k < FP8_ROW_PACKET; k += 2) {
+                const Fp8RowPacket<T>& xi = x[EPI == FP8_EPI_DGELU ? i : 0];
+                float x0 = EPI == FP8_EPI_DGELU ? fp8_packet_at(xi, k) : 0.0f;
+                float x1 = EPI == FP8_EPI_DGELU ? fp8_packet_at(xi, k + 1) : 0.0f;
+                float2 y = fp8_cast_epilogue2<T, EPI>(fp8_packet_at(v[i], k), fp8_packet_at(v[i], k + 1), x0, x1, &am);
+                qp[k / 2] = fp8_cvt2(y.x * s, y.y * s, fmt);
+            }
+            memcpy(&q, qp, sizeof q);
+        } else {
+#pragma unroll
+            for (int k = 0; k < FP8_ROW_PACKET; k++) {
+                float xk = EPI == FP8_EPI_DGELU ? fp8_packet_at(x[EPI == FP8_EPI_DGELU ? i : 0], k) : 0.0f;
+                qb[k] = fp8_cvt(fp8_cast_epilogue<T, EPI>(fp8_packet_at(v[i], k), xk, &am) * s, fmt);
+            }
         }
         if (j.out_n) *reinterpret_cast<uint2*>(j.out_n + ((size_t)r * batch + b) * Cc + c) = q;
         unsigned* t = reinterpret_cast<unsigned*>(tile + tr * FP8_PACKED_PITCH + tc);
@@ -440,10 +479,19 @@ k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* 
             load_vec(v, xr + c);
             load_vec(g, gamma + c);
             load_vec(b, beta + c);
-            for (int k = 0; k < VEC; k++) {
-                float y = as_stored<T>((v[k] - m) * r * g[k] + b[k]);
-                am = max(am, abs_bits(y));
-                q[k] = fp8_cvt(y * s, FP8_E4M3);
+            if constexpr (FP8_CVT_PAIRS && VEC % 2 == 0) {
+                for (int k = 0; k < VEC; k += 2) {
+                    float2 y = as_stored2<T>((v[k] - m) * r * g[k] + b[k], (v[k + 1] - m) * r * g[k + 1] + b[k + 1]);
+                    am = max(am, max(abs_bits(y.x), abs_bits(y.y)));
+                    unsigned short q2 = fp8_cvt2(y.x * s, y.y * s, FP8_E4M3);
+                    memcpy(q + k, &q2, sizeof q2);
+                }
+            } else {
+                for (int k = 0; k < VEC; k++) {
+                    float y = as_stored<T>((v[k] - m) * r * g[k] + b[k]);
+                    am = max(am, abs_bits(y));
+                    q[k] = fp8_cvt(y * s, FP8_E4M3);
+                }
             }
             if constexpr (VEC == 8) {
                 uint2 w;
@@ -518,7 +566,14 @@ struct LnBwdCodes {
     __device__ __forceinline__ void row(const float (&v)[VEC], int r, int tr, int c, int C, void* shared) const {
         fp8 q[VEC];
         fp8* t = (fp8*)shared + (size_t)tr * LN_BWD_TILE_PITCH(C) + c;
-        for (int k = 0; k < VEC; k++) q[k] = fp8_cvt(as_stored<T>(v[k]) * s, fmt);
+        if constexpr (FP8_CVT_PAIRS && VEC % 2 == 0) { /* v as stored already (ln_bwd_regs_body) */
+            for (int k = 0; k < VEC; k += 2) {
+                unsigned short q2 = fp8_cvt2(v[k] * s, v[k + 1] * s, fmt);
+                memcpy(q + k, &q2, sizeof q2);
+            }
+        } else {
+            for (int k = 0; k < VEC; k++) q[k] = fp8_cvt(as_stored<T>(v[k]) * s, fmt);
+        }
         if constexpr (VEC == 8) {
             uint2 w;
             memcpy(&w, q, sizeof w);
@@ -645,10 +700,17 @@ struct FaBwdCodes {
         for (int n = 0; n < Fa<D>::ND; n++)
             for (int h = 0; h < 2; h++) {
                 int r = g + 8 * h;
-                float y0 = as_stored<T>(mul * acc[n][2 * h]), y1 = as_stored<T>(mul * acc[n][2 * h + 1]);
-                if (r < n_valid) am = max(am, max(abs_bits(y0), abs_bits(y1)));
-                fp8 q[2] = {fp8_cvt(y0 * s, fmt), fp8_cvt(y1 * s, fmt)};
-                memcpy(tile + (sub + r) * pitch<D>() + 8 * n + 2 * t, q, sizeof q);
+                if constexpr (FP8_CVT_PAIRS) {
+                    float2 y = as_stored2<T>(mul * acc[n][2 * h], mul * acc[n][2 * h + 1]);
+                    if (r < n_valid) am = max(am, max(abs_bits(y.x), abs_bits(y.y)));
+                    unsigned short q = fp8_cvt2(y.x * s, y.y * s, fmt);
+                    memcpy(tile + (sub + r) * pitch<D>() + 8 * n + 2 * t, &q, sizeof q);
+                } else {
+                    float y0 = as_stored<T>(mul * acc[n][2 * h]), y1 = as_stored<T>(mul * acc[n][2 * h + 1]);
+                    if (r < n_valid) am = max(am, max(abs_bits(y0), abs_bits(y1)));
+                    fp8 q[2] = {fp8_cvt(y0 * s, fmt), fp8_cvt(y1 * s, fmt)};
+                    memcpy(tile + (sub + r) * pitch<D>() + 8 * n + 2 * t, q, sizeof q);
+                }
             }
         return am;
     }
@@ -1005,18 +1067,6 @@ static void fp8_cast_classifier_input(fp8* out_n, fp8* out_t, Fp8Scale* sc, cons
         size_t at = (size_t)r0 * C;
         fp8_cast(out_n + at, out_t ? out_t + at : NULL, sc, x + at, 1, N - r0 < chunk ? N - r0 : chunk, C, FP8_E4M3);
     }
-}
-
-/* fp8_cvt of lo and of hi, in one conversion instruction (lo in the low byte). */
-__device__ __forceinline__ unsigned short fp8_cvt2(float lo, float hi, int fmt) {
-    return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
-}
-
-/* x and y as stored in T (as_stored of each), the pair in one conversion instruction. */
-template <typename T> __device__ __forceinline__ float2 as_stored2(float x, float y) {
-    if constexpr (std::is_same<T, bf16>::value) return __bfloat1622float2(__floats2bfloat162_rn(x, y));
-    else if constexpr (std::is_same<T, fp16>::value) return __half22float2(__floats2half2_rn(x, y));
-    else return make_float2(x, y);
 }
 
 /* Where the codes go. A base of LossStoreFp8's rather than its own fields: nvcc schedules the loss

@@ -270,9 +270,9 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
  * scaling, cuda/fp8.cuh's LnBwdCodes) dx's FP8 codes in both layouts: `codes` says which;
  * `prefetch` (fp8.cuh's wide candidate) asks L2 for a warp's next row while it computes one. A codes
  * epilogue's begin() runs first in every thread, row() takes each packet of a row's dx as computed
- * (tr: the row within the block's chunk; shared: the block's column-sum memory, unused while the
- * rows run), and finish() the block's rows r0 .. r1 after a barrier, before the column sums take
- * the shared memory back. */
+ * (as stored in T in a FP8_CVT_PAIRS build; tr: the row within the block's chunk; shared: the
+ * block's column-sum memory, unused while the rows run), and finish() the block's rows r0 .. r1
+ * after a barrier, before the column sums take the shared memory back. */
 struct LnBwdPlain {
     static constexpr bool codes = false, prefetch = false;
 };
@@ -298,6 +298,9 @@ __device__ __forceinline__ void ln_bwd_regs_body(T* __restrict__ dx, float* __re
     float dg[PACKETS][VEC] = {}, db[PACKETS][VEC] = {};
     unsigned am = 0;
     if constexpr (Epi::codes) epi.begin();
+    /* FP8_CVT_PAIRS (fp8.cuh), with codes: out rounded to T in pairs, for the amax, the store (the
+     * same bits: its values are T's already) and the codes (which then take them as they are) */
+    constexpr bool ln_bwd_pairs = FP8_CVT_PAIRS && Epi::codes && VEC % 2 == 0;
     for (int row = r0 + warp; row < r1; row += LN_WARPS) {
         __align__(16) T xv[PACKETS][VEC], dv[PACKETS][VEC], ov[PACKETS][VEC];
         const T* xr = x + (size_t)row * C;
@@ -336,8 +339,15 @@ __device__ __forceinline__ void ln_bwd_regs_body(T* __restrict__ dx, float* __re
                 out[k] = to_f(ov[p][k]) + r * (d * gv[k] - mg - xhat * mgx);
                 dg[p][k] += d * xhat;
                 db[p][k] += d;
-                am = max(am, abs_bits(as_stored<T>(out[k])));
+                if constexpr (!ln_bwd_pairs) am = max(am, abs_bits(as_stored<T>(out[k])));
             }
+            if constexpr (ln_bwd_pairs)
+                for (int k = 0; k < VEC; k += 2) {
+                    float2 y = as_stored2<T>(out[k], out[k + 1]);
+                    out[k] = y.x;
+                    out[k + 1] = y.y;
+                    am = max(am, max(abs_bits(y.x), abs_bits(y.y)));
+                }
             store_vec(o + ln_reg_col(p), out);
             if constexpr (Epi::codes) epi.template row<T, VEC>(out, row, row - r0, ln_reg_col(p), C, col_sums);
         }
