@@ -455,20 +455,37 @@ static const char* json_skip_scalar(const char* p) {
     return p;
 }
 
-/* p past an object member's name and its colon, from p (JSON whitespace allowed), or NULL. */
+/* Every member name a sidecar holds (sidecar_text, mixture_sidecar_json in mixture.h,
+ * fp8_history_sidecar_json in fp8_history.h; a writer that adds a member adds its name here). The
+ * readers find members by name, so a name with a bit flipped would hide its member without a word:
+ * "crc33c" would read as a sidecar written before checksums. */
+static const char* const sidecar_names[] = {
+    "step", "n_params", "crc32c", "loss_scale", "fingerprint", "n_layer", "d_model", "n_head", "d_ff", "seq_len",
+    "vocab_size", "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision",
+    "bandit", "rounds", "reward_mean", "reward_var", "gain", "p", "fp8_history", "len", "exp"};
+
+/* p past an object member's name, one of sidecar_names, and its colon, from p (JSON whitespace
+ * allowed), or NULL. */
 static const char* json_skip_name(const char* p) {
-    if (*(p = json_skip_space(p)) != '"' || !(p = json_skip_string(p))) return NULL;
+    const char* name = json_skip_space(p);
+    size_t i, len;
+    if (*name != '"' || !(p = json_skip_string(name))) return NULL;
+    len = (size_t)(p - name) - 2;
+    for (i = 0; i < sizeof sidecar_names / sizeof sidecar_names[0]; i++)
+        if (strlen(sidecar_names[i]) == len && memcmp(sidecar_names[i], name + 1, len) == 0) break;
+    if (i == sizeof sidecar_names / sizeof sidecar_names[0]) return NULL;
     p = json_skip_space(p);
     return *p == ':' ? p + 1 : NULL;
 }
 
 /* Whether text is one JSON object (RFC 8259, UTF-8; nested at most SIDECAR_DEPTH_MAX deep, without
- * recursion) and JSON whitespace around it: every sidecar a writer made is, re-indented or not. The
+ * recursion; every member name one of sidecar_names) and JSON whitespace around it: every sidecar a
+ * writer made is, re-indented or not. The
  * readers look members up by name, so a sidecar cut short after any member, even one ending in "}"
  * ("fingerprint", "bandit"), or with a byte flipped in its syntax would otherwise be read as far as
  * its names are found, the members past the damage lost without a word (a lost crc32c reads as a
  * checkpoint written before checksums, lost fp8 histories as a checkpoint written before them). */
-static int json_is_one_object(const char* text) {
+static int sidecar_is_well_formed(const char* text) {
     char closing[SIDECAR_DEPTH_MAX]; /* what closes each open object or array, outermost first */
     int depth = 0;
     const char* p = json_skip_space(text);
@@ -548,9 +565,9 @@ static void sidecar_load(const char* path, size_t n_layer, Sidecar* s) {
         snprintf(what, sizeof what, "has a sidecar %s holding a NUL byte (damaged)", f.side);
         ckpt_refuse_damaged(&f, what);
     }
-    if (!json_is_one_object(text)) {
-        snprintf(what, sizeof what, "has a sidecar %s that is no well-formed JSON object (cut short or damaged)",
-                 f.side);
+    if (!sidecar_is_well_formed(text)) {
+        snprintf(what, sizeof what, "has a sidecar %s that is no well-formed JSON object of the members a sidecar "
+                 "holds (cut short, damaged or edited)", f.side);
         ckpt_refuse_damaged(&f, what);
     }
     s->text = text;
