@@ -183,6 +183,14 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
     if ((text = side->text)) {
         for (i = 0; i < N_KEYS; i++)
             if (json_find_number(text, keys[i][1], &x)) {
+                if (!(x == floor(x) && fabs(x) <= INT_MAX)) { /* "%.0f" would round 4.5 to 4, print inf */
+                    CkptFiles f;
+                    char what[CFG_PATH_MAX + 128];
+                    ckpt_files(path, &f);
+                    snprintf(what, sizeof what, "has a sidecar %s whose %s, %.17g, is no int (damaged or edited)",
+                             side_path, keys[i][1], x);
+                    ckpt_refuse_damaged(&f, what);
+                }
                 snprintf(flags[i], sizeof flags[i], "--%s", keys[i][0]);
                 snprintf(values[i], sizeof values[i], "%.0f", x);
                 args[n++] = flags[i];
