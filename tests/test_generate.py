@@ -331,6 +331,16 @@ def test_a_model_flag_in_the_sidecar_that_is_no_int_is_refused(cpu_binary, train
     assert f"{ckpt}.json" in res.errors[0] and key in res.errors[0] and "--model" not in res.errors[0], res.errors
 
 
+def test_a_checkpoint_path_too_long_is_the_flag_error_not_a_sidecar_one(cpu_binary, tmp_path):
+    """The sidecar is read before the flags are checked: a --checkpoint longer than a path may be
+    was cut to the buffer, and the cut name (no PATH.json; another file, even) was opened. The
+    flag's own error comes first, as for every other flag."""
+    res = eu.run_engine(cpu_binary, ["--evaluate", "--checkpoint", f"{tmp_path}/{'a' * 5000}.ckpt",
+                                     "--data.val", "x"])
+    assert res.rc == 2 and len(res.errors) == 1, res.describe()
+    assert res.errors[0].startswith("error: --checkpoint: value is longer than"), res.errors
+
+
 # ---------------------------------------------------------------------------------------------------
 # training samples stop at <|im_end|>
 
