@@ -47,7 +47,7 @@ from flask import Flask, Response, abort, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
-from microgpt.run_view import RunDirectory, inside
+from microgpt.run_view import RunDirectory, open_inside
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DASHBOARD = os.path.join(os.path.dirname(HERE), "scripts", "live-loss-dashboard.html")
@@ -234,10 +234,15 @@ def create_app(served, bind_host, token):
 
     @app.get("/files/<path:rel>")
     def run_file(rel):
-        path = inside(served.root, rel)
-        if path is None or not path.endswith(".json") or not os.path.isfile(path):
+        # opened once, where the check found it (open_inside): a file swapped for a link or a FIFO
+        # after a check by name would be served from outside, or hold the request for ever
+        if not rel.endswith(".json"):
             abort(404)
-        return send_file(path, mimetype="application/json")
+        try:
+            fd = open_inside(served.root, rel)
+        except OSError:
+            abort(404)
+        return send_file(os.fdopen(fd, "rb"), mimetype="application/json")
 
     def control(action, sig):
         if not served.controllable:

@@ -32,7 +32,7 @@ def inside(root, rel):
     return path if os.path.commonpath([root, path]) == root and path != root else None
 
 
-def _open_inside(root, path):
+def open_inside(root, path):
     """os.open(path) read-only, where path, links followed, stays under root and is a regular file:
     FileNotFoundError otherwise (a link out of the served directory, or a FIFO, whose open would
     wait for a writer for ever, is served as no file). The real path is what is opened, so a link
@@ -72,7 +72,7 @@ class LogFollower:
             os.close(self.fd)
             self.fd = None
         self._forget()
-        self.fd = _open_inside(self.root, self.path)
+        self.fd = open_inside(self.root, self.path)
         st = os.fstat(self.fd)
         self.ident = (st.st_dev, st.st_ino)
 
@@ -151,7 +151,7 @@ def _read_json_file(root, path, kind):
     """A JSON file's value under root if it is JSON as a browser reads it (parse_json) and of the
     expected kind (dict or list), else an empty one."""
     try:
-        with os.fdopen(_open_inside(root, path), "rb") as f:
+        with os.fdopen(open_inside(root, path), "rb") as f:
             value = parse_json(f.read())
     except (OSError, ValueError, RecursionError):
         return kind()

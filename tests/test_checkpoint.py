@@ -174,3 +174,62 @@ def test_the_sidecar_is_read_once_at_start_up(engine, random_shards, tmp_path):
     evaluate = ["--evaluate", "--checkpoint", str(ckpt), "--data.val", str(random_shards.train),
                 "--eval.batches", "1"]
     assert sidecar_opens(engine.binary, evaluate, side, tmp_path) == 1
+
+
+def _cut_after_the_fingerprint(side):
+    return side[:side.index(b"}") + 1]  # ends in "}", the bandit and fp8 histories cut off
+
+
+SIDECAR_DAMAGE = {
+    "cut_after_the_fingerprint": _cut_after_the_fingerprint,
+    "comma_flipped": lambda side: side.replace(b",", b"\xac", 1),  # one bit, 0x2c -> 0xac
+    "one_brace_too_many": lambda side: side.rstrip() + b"}",
+    "invalid_utf8": lambda side: side.replace(b'"precision":"', b'"precision":"\xff'),
+    "nested_too_deeply": lambda side: side.replace(b'"step"', b'"x":' + b"[" * 65 + b"]" * 65 + b',"step"'),
+    "step_with_a_leading_zero": lambda side: side.replace(b'"step":', b'"step":0'),
+    # a bit flipped in a name: "crc33c" read as a sidecar written before checksums (loaded unverified,
+    # a warning), "seee" as no seed (--evaluate took the default seed's batches)
+    "checksum_name_flipped": lambda side: side.replace(b'"crc32c"', b'"crc33c"'),
+    "seed_name_flipped": lambda side: side.replace(b'"seed"', b'"seee"'),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(SIDECAR_DAMAGE))
+def test_a_damaged_sidecar_is_refused(engine, random_shards, tmp_path, damage):
+    """docs/DESIGN.md §15: the readers find the sidecar's members by name, so a sidecar cut short
+    after a member that ends in "}" or with a bit flipped in its syntax read as far as the names were
+    found: the members past the damage were lost with a warning at most (the fp8 histories), or
+    without one; so was a member whose name had a bit flipped. Resume and --evaluate refuse it,
+    one error line, exit 2, files untouched."""
+    settings = {**DEEP_FP8, "model.n_layer": 2} if engine.name == "cpu" else {"train.precision": "bf16"}
+    ckpt, side = tmp_path / "c.ckpt", tmp_path / "c.ckpt.json"
+    run_ok(engine.binary, tiny_args(random_shards.train, **settings, **{"train.steps": 2}, checkpoint=ckpt))
+    side.write_bytes(SIDECAR_DAMAGE[damage](side.read_bytes()))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    resume = tiny_args(random_shards.train, **settings, **{"train.steps": 3}, checkpoint=ckpt, resume=True)
+    evaluate = ["--evaluate", "--checkpoint", str(ckpt), "--data.val", str(random_shards.train),
+                "--eval.batches", "1"]
+    for args in (resume, evaluate):
+        res = eu.run_engine(engine.binary, args)
+        assert res.rc == 2 and len(res.errors) == 1, res.describe()
+        assert "no well-formed JSON object" in res.errors[0] and res.steps == [], res.describe()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("link", ["to_nothing", "to_itself"])
+def test_a_sidecar_that_is_a_broken_link_is_refused(engine, random_shards, tmp_path, link):
+    """A sidecar replaced by a symbolic link that leads nowhere (or round in a loop) read as no
+    sidecar at all: the checkpoint was resumed, or evaluated, unverified, with a warning. Only a
+    sidecar that is not there is missing; this one is refused, one error line, exit 2."""
+    ckpt, side = tmp_path / "c.ckpt", tmp_path / "c.ckpt.json"
+    run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=ckpt))
+    side.unlink()
+    side.symlink_to(tmp_path / "nowhere.json" if link == "to_nothing" else side)
+    resume = tiny_args(random_shards.train, **{"train.steps": 3}, checkpoint=ckpt, resume=True)
+    evaluate = ["--evaluate", "--checkpoint", str(ckpt), "--data.val", str(random_shards.train),
+                "--eval.batches", "1", *tiny_args(random_shards.train)]
+    for args in (resume, evaluate):
+        res = eu.run_engine(engine.binary, args)
+        assert res.rc == 2 and len(res.errors) == 1, res.describe()
+        assert str(side) in res.errors[0] and "unverified" not in res.stderr, res.describe()
+    assert side.is_symlink() and ckpt.read_bytes() and not (tmp_path / "c.ckpt.prev").exists()

@@ -312,6 +312,35 @@ def test_model_flags_come_from_the_sidecar_and_bad_setups_are_refused(cpu_binary
     assert res.rc == 2 and "--checkpoint" in res.errors[0], res.describe()
 
 
+@pytest.mark.parametrize("key, value", [("seed", "1337.5"), ("n_layer", "1e400"), ("batch_size", "NaN"),
+                                        ("n_head", "4.5")])
+def test_a_model_flag_in_the_sidecar_that_is_no_int_is_refused(cpu_binary, trained, pattern_shards, tmp_path,
+                                                                key, value):
+    """--evaluate took a sidecar's seed of 1337.5 as 1338 ("%.0f") and drew other batches without a
+    word; 1e400 or NaN was refused as the flag "--model.n_layer: 'inf'", which the command line never
+    gave. A value no run writes is the sidecar's damage: one error line naming it, exit 2."""
+    ckpt = tmp_path / "tiny.ckpt"
+    ckpt.write_bytes(Path(trained["ckpt"]).read_bytes())
+    side = Path(f"{trained['ckpt']}.json").read_text()
+    old = f'"{key}":{json.loads(side)["fingerprint"][key]}'
+    assert old in side
+    Path(f"{ckpt}.json").write_text(side.replace(old, f'"{key}":{value}'))
+    res = eu.run_engine(cpu_binary, ["--evaluate", "--checkpoint", ckpt, "--data.val", pattern_shards[1],
+                                     "--eval.batches", "1"])
+    assert res.rc == 2 and len(res.errors) == 1, res.describe()
+    assert f"{ckpt}.json" in res.errors[0] and key in res.errors[0] and "--model" not in res.errors[0], res.errors
+
+
+def test_a_checkpoint_path_too_long_is_the_flag_error_not_a_sidecar_one(cpu_binary, tmp_path):
+    """The sidecar is read before the flags are checked: a --checkpoint longer than a path may be
+    was cut to the buffer, and the cut name (no PATH.json; another file, even) was opened. The
+    flag's own error comes first, as for every other flag."""
+    res = eu.run_engine(cpu_binary, ["--evaluate", "--checkpoint", f"{tmp_path}/{'a' * 5000}.ckpt",
+                                     "--data.val", "x"])
+    assert res.rc == 2 and len(res.errors) == 1, res.describe()
+    assert res.errors[0].startswith("error: --checkpoint: value is longer than"), res.errors
+
+
 # ---------------------------------------------------------------------------------------------------
 # training samples stop at <|im_end|>
 

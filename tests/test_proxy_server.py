@@ -414,3 +414,25 @@ def test_a_fifo_in_the_served_directory_does_not_hang_the_server(served_dir):
     assert get(server, "api/state?run=alpha/alpha").json() == {}
     assert get(server, "api/records?run=gamma/gamma").json()["records"] == []
     assert get(server, "api/state?run=beta/beta").json()["name"] == "beta"
+
+
+def test_a_file_swapped_for_a_link_after_the_check_is_not_served(served_dir, tmp_path, monkeypatch):
+    """/files/ checked where a path leads, then opened the path again by name: a file swapped for a
+    link out of the served directory between the two (by anyone who can write in it) was served,
+    and one swapped for a FIFO held the request for ever. What is checked is what is opened now."""
+    server, root = served_dir
+    (tmp_path / "secret.json").write_text(json.dumps({"secret": "outside"}))
+    target = root / "alpha" / "alpha.state.json"
+    real_realpath = os.path.realpath
+
+    def swap_after_the_check(path, *args, **kw):
+        real = real_realpath(path, *args, **kw)
+        if real == str(target) and not os.path.islink(target):  # the check has looked: swap now
+            os.unlink(target)
+            os.symlink(tmp_path / "secret.json", target)
+        return real
+
+    monkeypatch.setattr(os.path, "realpath", swap_after_the_check)
+    r = get(server, "files/alpha/alpha.state.json")
+    assert os.path.islink(target), "the check never looked at the file"
+    assert r.status_code == 404 and "outside" not in r.text, r.text

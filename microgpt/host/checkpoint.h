@@ -404,13 +404,115 @@ static int json_find_string(const char* text, const char* key, char* out, size_t
     return 1;
 }
 
-/* Whether text is "{...}" give or take JSON whitespace: every sidecar a writer made is, and one cut
- * short is not, whatever members the cut took with it (a missing crc32c would read as a checkpoint
- * written before checksums). */
-static int sidecar_is_an_object(const char* text) {
-    const char* end = text + strlen(text);
-    while (end > text && (end[-1] == ' ' || end[-1] == '\t' || end[-1] == '\n' || end[-1] == '\r')) end--;
-    return *json_skip_space(text) == '{' && end > text && end[-1] == '}';
+/* Sidecars nest 4 deep (an fp8 history inside "exp" inside "fp8_history"); deeper is no sidecar. */
+#define SIDECAR_DEPTH_MAX 64
+
+/* p past the JSON string that starts at p (its opening quote), or NULL if it is none. */
+static const char* json_skip_string(const char* p) {
+    int k;
+    for (p++; *p != '"';) {
+        if ((unsigned char)*p < 0x20) return NULL; /* a control character, or the text's end */
+        if (*p == '\\' && p[1] == 'u') {
+            for (k = 2; k < 6; k++)
+                if (!isxdigit((unsigned char)p[k])) return NULL;
+            p += 6;
+        } else if (*p == '\\') {
+            if (!p[1] || !strchr("\"\\/bfnrt", p[1])) return NULL;
+            p += 2;
+        } else if ((k = utf8_sequence_length((const unsigned char*)p)) > 0) {
+            p += k;
+        } else {
+            return NULL;
+        }
+    }
+    return p + 1;
+}
+
+static const char* json_skip_digits(const char* p) {
+    const char* start = p;
+    while (*p >= '0' && *p <= '9') p++;
+    return p > start ? p : NULL;
+}
+
+/* p past the JSON number, string or literal that starts at p, or NULL if there is none. NaN,
+ * Infinity and -Infinity are taken as Python's json takes them (json.dump writes a float inf so),
+ * for the readers to judge (a loss_scale of Infinity is reported and replaced). */
+static const char* json_skip_scalar(const char* p) {
+    static const char* const literals[] = {"true", "false", "null", "NaN", "Infinity", "-Infinity"};
+    size_t i;
+    for (i = 0; i < sizeof literals / sizeof literals[0]; i++)
+        if (strncmp(p, literals[i], strlen(literals[i])) == 0) return p + strlen(literals[i]);
+    if (*p == '"') return json_skip_string(p);
+    if (*p == '-') p++;
+    if (*p == '0') p++;
+    else if (!(p = json_skip_digits(p))) return NULL;
+    if (*p == '.' && !(p = json_skip_digits(p + 1))) return NULL;
+    if (*p == 'e' || *p == 'E') {
+        p++;
+        if (*p == '+' || *p == '-') p++;
+        if (!(p = json_skip_digits(p))) return NULL;
+    }
+    return p;
+}
+
+/* Every member name a sidecar holds (sidecar_text, mixture_sidecar_json in mixture.h,
+ * fp8_history_sidecar_json in fp8_history.h; a writer that adds a member adds its name here). The
+ * readers find members by name, so a name with a bit flipped would hide its member without a word:
+ * "crc33c" would read as a sidecar written before checksums. */
+static const char* const sidecar_names[] = {
+    "step", "n_params", "crc32c", "loss_scale", "fingerprint", "n_layer", "d_model", "n_head", "d_ff", "seq_len",
+    "vocab_size", "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision",
+    "bandit", "rounds", "reward_mean", "reward_var", "gain", "p", "fp8_history", "len", "exp"};
+
+/* p past an object member's name, one of sidecar_names, and its colon, from p (JSON whitespace
+ * allowed), or NULL. */
+static const char* json_skip_name(const char* p) {
+    const char* name = json_skip_space(p);
+    size_t i, len;
+    if (*name != '"' || !(p = json_skip_string(name))) return NULL;
+    len = (size_t)(p - name) - 2;
+    for (i = 0; i < sizeof sidecar_names / sizeof sidecar_names[0]; i++)
+        if (strlen(sidecar_names[i]) == len && memcmp(sidecar_names[i], name + 1, len) == 0) break;
+    if (i == sizeof sidecar_names / sizeof sidecar_names[0]) return NULL;
+    p = json_skip_space(p);
+    return *p == ':' ? p + 1 : NULL;
+}
+
+/* Whether text is one JSON object (RFC 8259, UTF-8; nested at most SIDECAR_DEPTH_MAX deep, without
+ * recursion; every member name one of sidecar_names) and JSON whitespace around it: every sidecar a
+ * writer made is, re-indented or not. The
+ * readers look members up by name, so a sidecar cut short after any member, even one ending in "}"
+ * ("fingerprint", "bandit"), or with a byte flipped in its syntax would otherwise be read as far as
+ * its names are found, the members past the damage lost without a word (a lost crc32c reads as a
+ * checkpoint written before checksums, lost fp8 histories as a checkpoint written before them). */
+static int sidecar_is_well_formed(const char* text) {
+    char closing[SIDECAR_DEPTH_MAX]; /* what closes each open object or array, outermost first */
+    int depth = 0;
+    const char* p = json_skip_space(text);
+    if (*p != '{') return 0;
+    while (p) { /* p: where a value starts */
+        p = json_skip_space(p);
+        if (*p == '{' || *p == '[') {
+            if (depth == SIDECAR_DEPTH_MAX) return 0;
+            closing[depth++] = *p == '{' ? '}' : ']';
+            p = json_skip_space(p + 1);
+            if (*p != closing[depth - 1]) { /* not empty: its first value, after a name in an object */
+                if (closing[depth - 1] == '}' && !(p = json_skip_name(p))) return 0;
+                continue;
+            }
+        } else if (!(p = json_skip_scalar(p))) {
+            return 0;
+        }
+        while (depth > 0 && *(p = json_skip_space(p)) == closing[depth - 1]) { /* the containers it ends */
+            depth--;
+            p++;
+        }
+        p = json_skip_space(p);
+        if (depth == 0) return *p == '\0';
+        if (*p != ',') return 0;
+        p = closing[depth - 1] == '}' ? json_skip_name(p + 1) : p + 1;
+    }
+    return 0;
 }
 
 /* A checkpoint's sidecar, read from disk once at start-up (sidecar_load) and handed to each of its
@@ -448,7 +550,9 @@ static void sidecar_load(const char* path, size_t n_layer, Sidecar* s) {
     s->loaded = 1;
     s->text = NULL;
     s->bytes = 0;
-    if (!file_exists(f.side)) return;
+    /* Only a sidecar that is not there is missing: a link to nothing, or round a loop, is refused
+     * by the open (stat would call it missing, and the checkpoint would load unverified). */
+    if (lstat(f.side, &st) != 0 && errno == ENOENT) return;
     fd = open_regular_or_die(f.side, "checkpoint sidecar", &st);
     sidecar_refuse_longer(&f, (unsigned long long)st.st_size, n_layer);
     cap = (size_t)st.st_size + 1;
@@ -461,8 +565,9 @@ static void sidecar_load(const char* path, size_t n_layer, Sidecar* s) {
         snprintf(what, sizeof what, "has a sidecar %s holding a NUL byte (damaged)", f.side);
         ckpt_refuse_damaged(&f, what);
     }
-    if (!sidecar_is_an_object(text)) {
-        snprintf(what, sizeof what, "has a sidecar %s that is no whole JSON object (cut short or damaged)", f.side);
+    if (!sidecar_is_well_formed(text)) {
+        snprintf(what, sizeof what, "has a sidecar %s that is no well-formed JSON object of the members a sidecar "
+                 "holds (cut short, damaged or edited)", f.side);
         ckpt_refuse_damaged(&f, what);
     }
     s->text = text;

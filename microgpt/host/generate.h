@@ -179,10 +179,20 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
     double x;
     args[n++] = argv[0];
     snprintf(side_path, sizeof side_path, "%s.json", path ? path : "");
-    if (path) sidecar_load(path, CFG_MAX_LAYERS, side); /* the model, so its layers, is yet to learn */
+    /* the model, so its layers, is yet to learn; a path too long is config_parse's error (a cut
+     * one would name another file) */
+    if (path && strlen(path) < CFG_PATH_MAX) sidecar_load(path, CFG_MAX_LAYERS, side);
     if ((text = side->text)) {
         for (i = 0; i < N_KEYS; i++)
             if (json_find_number(text, keys[i][1], &x)) {
+                if (!(x == floor(x) && fabs(x) <= INT_MAX)) { /* "%.0f" would round 4.5 to 4, print inf */
+                    CkptFiles f;
+                    char what[CFG_PATH_MAX + 128];
+                    ckpt_files(path, &f);
+                    snprintf(what, sizeof what, "has a sidecar %s whose %s, %.17g, is no int (damaged or edited)",
+                             side_path, keys[i][1], x);
+                    ckpt_refuse_damaged(&f, what);
+                }
                 snprintf(flags[i], sizeof flags[i], "--%s", keys[i][0]);
                 snprintf(values[i], sizeof values[i], "%.0f", x);
                 args[n++] = flags[i];
@@ -193,7 +203,7 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
             args[n++] = flags[N_KEYS];
             args[n++] = values[N_KEYS];
         }
-    } else if (path) {
+    } else if (side->loaded) {
         info("note: %s cannot be read; the model flags must be given", side_path);
     }
     for (i = 1; i < argc; i++) args[n++] = argv[i];
