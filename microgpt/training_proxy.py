@@ -191,5 +191,16 @@ def serve_until_signal(message):
         pass
 
 
+def imported_checkout():
+    """The checkout this script is in, or None when Python imported that checkout's microgpt package.
+    Another checkout installed with `pip install -e` would otherwise be imported instead: its engine
+    would train and its runs/ receive the run."""
+    here = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    return None if os.path.realpath(ROOT) == here else here
+
+
 if __name__ == "__main__":
+    if (here := imported_checkout()) is not None:
+        fail(f"this proxy is in {here}, but Python imports the microgpt package of {ROOT}: run "
+             f"`pip install -e .` in {here} (or this command in {ROOT})")
     sys.exit(main(sys.argv[1:]))

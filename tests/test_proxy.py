@@ -4,6 +4,7 @@ Plus unit tests of the loss log (torn tails, supersession) and of the config →
 import http.client
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -984,3 +985,19 @@ def test_more_ranks_than_the_proxy_starts_is_one_error_line(exp, cpu_binary):
                           "--ranks", "99999999"], capture_output=True, text=True, env=proxy_env(), timeout=60)
     assert res.returncode == 2 and res.stderr == "error: --ranks must be in [1, 1024] (see --help)\n", res.stderr
     assert not exp.run_dir.exists()
+
+
+def test_a_proxy_of_another_checkout_refuses_the_installed_package(tmp_path):
+    """A proxy script run from a checkout whose microgpt package is not the one Python imports (another
+    checkout installed with pip install -e) would start that checkout's engine and write its runs
+    there: one error line instead, nothing written."""
+    other = tmp_path / "other-checkout"
+    (other / "microgpt").mkdir(parents=True)
+    shutil.copy(PROXY, other / "microgpt" / "training_proxy.py")
+    res = subprocess.run([sys.executable, str(other / "microgpt" / "training_proxy.py"), "config.json"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 2, res
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: this proxy is in ") and str(other) in lines[0], res.stderr
+    assert not (other / "runs").exists() and not (tmp_path / "runs").exists()
