@@ -16,6 +16,7 @@ import time
 
 from microgpt.atomic import atomic_open, fsync_dir, write_json_atomic
 from microgpt.checkpoint import checkpoint_step
+from microgpt.files import file_kind
 from microgpt.loss_log import parse_json
 
 STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
@@ -79,9 +80,7 @@ class RunFiles:
             except OSError:  # missing (it is made), or a symlink loop (replaced when written)
                 continue
             if not stat.S_ISREG(mode):
-                kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                        else "a socket" if stat.S_ISSOCK(mode) else "a device")
-                raise RunFileError(f"{path} is {kind}, not a regular file; move it away")
+                raise RunFileError(f"{path} is {file_kind(mode)}, not a regular file; move it away")
 
     def archive_dir(self, step):
         return os.path.join(self.dir, "archive", f"step_{step}")
