@@ -565,7 +565,7 @@ static void layernorm_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8His
 #define LN_BWD_TILE_BYTES (sizeof(float) * LN_WARPS * 2 * LN_SLAB_COLS) /* the column sums' memory */
 #define LN_BWD_TILE_PITCH(C) ((C) + 16)
 struct LnBwdCodes {
-    static constexpr bool codes = true, prefetch = false;
+    static constexpr bool codes = true;
     fp8 *out_n, *out_t;
     Fp8Scale* sc;
     const Fp8History* hist; /* not empty */

@@ -262,19 +262,14 @@ __device__ __forceinline__ void load_raw(T (&t)[VEC], const T* p) {
     }
 }
 
-/* Asks the L2 cache for the line holding p (the load's data comes later, from L2): no register
- * waits for it. */
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 /* What the register kernel does beside dx: nothing more (LnBwdPlain), or (precision fp8's delayed
- * scaling, cuda/fp8.cuh's LnBwdCodes) dx's FP8 codes in both layouts: `codes` says which;
- * `prefetch` (fp8.cuh's wide candidate) asks L2 for a warp's next row while it computes one. A codes
+ * scaling, cuda/fp8.cuh's LnBwdCodes) dx's FP8 codes in both layouts: `codes` says which. A codes
  * epilogue's begin() runs first in every thread, row() takes each packet of a row's dx as computed
  * (as stored in T in a FP8_CVT_PAIRS build; tr: the row within the block's chunk; shared: the
  * block's column-sum memory, unused while the rows run), and finish() the block's rows r0 .. r1
  * after a barrier, before the column sums take the shared memory back. */
 struct LnBwdPlain {
-    static constexpr bool codes = false, prefetch = false;
+    static constexpr bool codes = false;
 };
 
 /* k_layernorm_bwd for rows of one slab (C <= LN_SLAB_COLS) a warp holds in registers, grid
@@ -306,15 +301,6 @@ __device__ __forceinline__ void ln_bwd_regs_body(T* __restrict__ dx, float* __re
         const T* xr = x + (size_t)row * C;
         const T* dr = dout + (size_t)row * C;
         T* o = dx + (size_t)row * C;
-        if constexpr (Epi::prefetch)
-            if (row + LN_WARPS < r1) {
-                const size_t next = (size_t)LN_WARPS * C;
-                LN_REG_LOOP(p, C) {
-                    prefetch_l2(xr + next + ln_reg_col(p));
-                    prefetch_l2(dr + next + ln_reg_col(p));
-                    prefetch_l2(o + next + ln_reg_col(p));
-                }
-            }
         LN_REG_LOOP(p, C) {
             load_raw(xv[p], xr + ln_reg_col(p));
             load_raw(dv[p], dr + ln_reg_col(p));
