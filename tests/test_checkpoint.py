@@ -216,6 +216,36 @@ def test_a_damaged_sidecar_is_refused(engine, random_shards, tmp_path, damage):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+# a member given twice: in its own object (Python's json took the last, the engines the first) and
+# in another object (the engines look a name up anywhere in the text, so took the one nested first)
+SIDECAR_TWICE = {
+    "step_twice": lambda side: side.replace(b'"step":', b'"step":1,"step":', 1),
+    "step_in_the_fingerprint": lambda side: side.replace(b'"fingerprint":{', b'"fingerprint":{"step":1,', 1),
+}
+
+
+@pytest.mark.parametrize("twice", sorted(SIDECAR_TWICE))
+def test_a_sidecar_naming_a_member_twice_is_refused(engine, random_shards, tmp_path, twice):
+    """docs/DESIGN.md §15: a sidecar that names a member twice means one thing to the engines and
+    another to Python's json; resume and --evaluate refuse it, one error line naming the member,
+    exit 2, files untouched. The Python reader, which reads by object, takes a name given twice in
+    one object for no sidecar."""
+    ckpt, side = tmp_path / "c.ckpt", tmp_path / "c.ckpt.json"
+    run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=ckpt))
+    side.write_bytes(SIDECAR_TWICE[twice](side.read_bytes()))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    resume = tiny_args(random_shards.train, **{"train.steps": 3}, checkpoint=ckpt, resume=True)
+    evaluate = ["--evaluate", "--checkpoint", str(ckpt), "--data.val", str(random_shards.train),
+                "--eval.batches", "1"]
+    for args in (resume, evaluate):
+        res = eu.run_engine(engine.binary, args)
+        assert res.rc == 2 and len(res.errors) == 1, res.describe()
+        assert 'names the member "step" twice' in res.errors[0] and res.steps == [], res.describe()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    python_reads = read_checkpoint(ckpt).sidecar  # by object: a name in two objects is no ambiguity
+    assert python_reads is None if twice == "step_twice" else python_reads["step"] == 2
+
+
 @pytest.mark.parametrize("link", ["to_nothing", "to_itself"])
 def test_a_sidecar_that_is_a_broken_link_is_refused(engine, random_shards, tmp_path, link):
     """A sidecar replaced by a symbolic link that leads nowhere (or round in a loop) read as no
