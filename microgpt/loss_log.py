@@ -34,7 +34,7 @@ from array import array
 import numpy as np
 
 from microgpt.atomic import write_bytes_atomic
-from microgpt.files import unique_keys
+from microgpt.files import DuplicateKeyError, unique_keys
 
 LIVE_FLAG_OFFSET = len(b'{"live":')  # the byte that becomes "0" when the record is superseded
 EMPTY = b"[\n]"
@@ -125,6 +125,8 @@ def repair(path):
         return f"{path}: empty file, started a new log"
     try:
         records = parse_json(data)
+    except DuplicateKeyError as e:  # raised where the record closes, before any torn tail is reached
+        raise LossLogError(f"{path}: {e}, so which one is meant is ambiguous; fix or move it") from None
     except ValueError:
         records = None
     if records is not None:
