@@ -3,6 +3,7 @@ the bytes as the engine writes them, memory-mapped; the sidecar; named tensors b
 one clear error for anything that is not a whole checkpoint."""
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -214,6 +215,38 @@ def test_a_damaged_sidecar_is_refused(engine, random_shards, tmp_path, damage):
         assert res.rc == 2 and len(res.errors) == 1, res.describe()
         assert "no well-formed JSON object" in res.errors[0] and res.steps == [], res.describe()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def c_sidecar_names():
+    """The list `sidecar_names` of microgpt/host/checkpoint.h, as its source spells it."""
+    source = (eu.REPO / "microgpt" / "host" / "checkpoint.h").read_text()
+    return re.findall(r'"([^"]*)"', re.search(r"sidecar_names\[\] = \{(.*?)\};", source, re.S).group(1))
+
+
+def member_names(value):
+    """Every member name of every object in a parsed JSON value."""
+    if isinstance(value, dict):
+        return set(value).union(*map(member_names, value.values()))
+    if isinstance(value, list):
+        return set().union(*map(member_names, value))
+    return set()
+
+
+def test_sidecar_names_are_the_names_the_writers_write(cpu_binary, random_shards, tmp_path):
+    """docs/DESIGN.md §15: the readers refuse a sidecar naming a member that is not in the hand-kept
+    list `sidecar_names`, so a writer's new member missing there would make every resume refuse
+    its own checkpoint, and a name listed that no writer writes would let one added by hand pass.
+    A sidecar with every member (fp8 histories and the bandit's state) names exactly the list,
+    each name once in the list."""
+    ckpt = tmp_path / "c.ckpt"
+    one_source = {"data.train": None, "data.sources.0.name": "only", "data.sources.0.train": random_shards.train}
+    settings = {**DEEP_FP8, **one_source, "model.n_layer": 2, "train.steps": 2, "bandit.every": 1}
+    run_ok(cpu_binary, tiny_args("x", random_shards.val, **settings, checkpoint=ckpt))
+    names = c_sidecar_names()
+    assert len(set(names)) == len(names) and "fp8_history" in names, names
+    side = read_checkpoint(ckpt).sidecar
+    assert "bandit" in side and "fp8_history" in side, side
+    assert member_names(side) == set(names)
 
 
 # a member given twice: in its own object (Python's json took the last, the engines the first) and
