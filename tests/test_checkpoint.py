@@ -195,17 +195,38 @@ SIDECAR_DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("damage", sorted(SIDECAR_DAMAGE))
+# a member given twice: in its own object (Python's json took the last, the engines the first) and
+# in another object (the engines look a name up anywhere in the text, so took the one nested first)
+SIDECAR_TWICE = {
+    "step_twice": lambda side: side.replace(b'"step":', b'"step":1,"step":', 1),
+    "step_in_the_fingerprint": lambda side: side.replace(b'"fingerprint":{', b'"fingerprint":{"step":1,', 1),
+}
+
+
+def test_python_reads_a_sidecar_naming_a_member_twice_in_one_object_as_none(tmp_path):
+    """Python's json reads by object: a name given twice in one object is ambiguous (no sidecar),
+    the same name in two objects is not (the engines refuse both: test_a_damaged_sidecar_is_refused)."""
+    ckpt = tmp_path / "c.ckpt"
+    write_checkpoint(ckpt, 2, np.zeros(3), np.zeros(3), np.zeros(3))
+    side = b'{"step":2,"fingerprint":{"seed":1}}'
+    nested = {"step": 2, "fingerprint": {"step": 1, "seed": 1}}
+    for twice, python_reads in (("step_twice", None), ("step_in_the_fingerprint", nested)):
+        (tmp_path / "c.ckpt.json").write_bytes(SIDECAR_TWICE[twice](side))
+        assert read_checkpoint(ckpt).sidecar == python_reads
+
+
+@pytest.mark.parametrize("damage", sorted({**SIDECAR_DAMAGE, **SIDECAR_TWICE}))
 def test_a_damaged_sidecar_is_refused(engine, random_shards, tmp_path, damage):
     """docs/DESIGN.md §15: the readers find the sidecar's members by name, so a sidecar cut short
     after a member that ends in "}" or with a bit flipped in its syntax read as far as the names were
     found: the members past the damage were lost with a warning at most (the fp8 histories), or
-    without one; so was a member whose name had a bit flipped. Resume and --evaluate refuse it,
-    one error line, exit 2, files untouched."""
+    without one; so was a member whose name had a bit flipped. A member named twice was read as its
+    first occurrence anywhere, where Python's json takes an object's last. Resume and --evaluate
+    refuse it, one error line, exit 2, files untouched."""
     settings = {**DEEP_FP8, "model.n_layer": 2} if engine.name == "cpu" else {"train.precision": "bf16"}
     ckpt, side = tmp_path / "c.ckpt", tmp_path / "c.ckpt.json"
     run_ok(engine.binary, tiny_args(random_shards.train, **settings, **{"train.steps": 2}, checkpoint=ckpt))
-    side.write_bytes(SIDECAR_DAMAGE[damage](side.read_bytes()))
+    side.write_bytes({**SIDECAR_DAMAGE, **SIDECAR_TWICE}[damage](side.read_bytes()))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     resume = tiny_args(random_shards.train, **settings, **{"train.steps": 3}, checkpoint=ckpt, resume=True)
     evaluate = ["--evaluate", "--checkpoint", str(ckpt), "--data.val", str(random_shards.train),
@@ -213,7 +234,8 @@ def test_a_damaged_sidecar_is_refused(engine, random_shards, tmp_path, damage):
     for args in (resume, evaluate):
         res = eu.run_engine(engine.binary, args)
         assert res.rc == 2 and len(res.errors) == 1, res.describe()
-        assert "no well-formed JSON object" in res.errors[0] and res.steps == [], res.describe()
+        words = 'names the member "step" twice' if damage in SIDECAR_TWICE else "no well-formed JSON object"
+        assert words in res.errors[0] and res.steps == [], res.describe()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
@@ -247,36 +269,6 @@ def test_sidecar_names_are_the_names_the_writers_write(cpu_binary, random_shards
     side = read_checkpoint(ckpt).sidecar
     assert "bandit" in side and "fp8_history" in side, side
     assert member_names(side) == set(names)
-
-
-# a member given twice: in its own object (Python's json took the last, the engines the first) and
-# in another object (the engines look a name up anywhere in the text, so took the one nested first)
-SIDECAR_TWICE = {
-    "step_twice": lambda side: side.replace(b'"step":', b'"step":1,"step":', 1),
-    "step_in_the_fingerprint": lambda side: side.replace(b'"fingerprint":{', b'"fingerprint":{"step":1,', 1),
-}
-
-
-@pytest.mark.parametrize("twice", sorted(SIDECAR_TWICE))
-def test_a_sidecar_naming_a_member_twice_is_refused(engine, random_shards, tmp_path, twice):
-    """docs/DESIGN.md §15: a sidecar that names a member twice means one thing to the engines and
-    another to Python's json; resume and --evaluate refuse it, one error line naming the member,
-    exit 2, files untouched. The Python reader, which reads by object, takes a name given twice in
-    one object for no sidecar."""
-    ckpt, side = tmp_path / "c.ckpt", tmp_path / "c.ckpt.json"
-    run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=ckpt))
-    side.write_bytes(SIDECAR_TWICE[twice](side.read_bytes()))
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    resume = tiny_args(random_shards.train, **{"train.steps": 3}, checkpoint=ckpt, resume=True)
-    evaluate = ["--evaluate", "--checkpoint", str(ckpt), "--data.val", str(random_shards.train),
-                "--eval.batches", "1"]
-    for args in (resume, evaluate):
-        res = eu.run_engine(engine.binary, args)
-        assert res.rc == 2 and len(res.errors) == 1, res.describe()
-        assert 'names the member "step" twice' in res.errors[0] and res.steps == [], res.describe()
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
-    python_reads = read_checkpoint(ckpt).sidecar  # by object: a name in two objects is no ambiguity
-    assert python_reads is None if twice == "step_twice" else python_reads["step"] == 2
 
 
 @pytest.mark.parametrize("link", ["to_nothing", "to_itself"])
