@@ -146,6 +146,9 @@ static struct {
 #if FP8_AMAX_IN_ADAMW
     AmaxRange* w8_amax_ranges; /* the casts' inputs as parameter ranges, for AdamW's amax (device) */
 #endif
+#if FP8_LAZY_LOWP_WEIGHTS
+    int lowp_stale; /* an update left the fp8 weights' part of wlow behind: refresh_stale_lowp_weights */
+#endif
     Fp8Scale* fp8_scales;
     fp8 *a8, *x8t, *g8, *g8t;
     /* the FP8 classifier only (else NULL): LNf's output cast transposed, chunk by chunk of the
@@ -944,12 +947,26 @@ template <typename T> static T* kv_slot(void* cache, int l, int slot) {
     return (T*)cache + (((size_t)l * E.slots + slot) * E.T) * E.C;
 }
 
+#if FP8_LAZY_LOWP_WEIGHTS
+/* Before generation reads the 16-bit copy of the weights: the copy from the masters if an update
+ * left the fp8 weights' part of it behind (adamw_all). The same values AdamW would have stored. */
+template <typename T>
+static void refresh_stale_lowp_weights(void) {
+    if constexpr (sizeof(T) == 2)
+        if (E.lowp_stale) convert<T>((T*)E.wlow, E.params, E.P);
+    E.lowp_stale = 0;
+}
+#endif
+
 /* The prompt is padded with token 0 to the full T and run at the one shape (1, T) of the training
  * forward: attention is causal, so positions < len see exactly what they would without the
  * padding, and every call runs the same kernels (all of them loaded by the warm-up). Then the
  * keys and values of positions < len go to the slot, and the logits of position len-1 out. */
 template <typename T>
 static void prefill_t(int slot, const int* tokens, int len, float* logits) {
+#if FP8_LAZY_LOWP_WEIGHTS
+    refresh_stale_lowp_weights<T>();
+#endif
     size_t nc = (size_t)E.T * E.C; /* the forward's N = T rows */
     memcpy(E.tok_host, tokens, (size_t)len * sizeof(int));
     memset(E.tok_host + len, 0, (size_t)(E.T - len) * sizeof(int));
@@ -998,6 +1015,9 @@ static void record_decode(void) {
 
 template <typename T>
 static void decode_t(int n, const int* slots, const int* tokens, const int* positions, float* logits) {
+#if FP8_LAZY_LOWP_WEIGHTS
+    refresh_stale_lowp_weights<T>();
+#endif
     memcpy(E.dec_io_host, slots, (size_t)n * sizeof(int));
     memcpy(E.dec_io_host + E.slots, tokens, (size_t)n * sizeof(int));
     memcpy(E.dec_io_host + 2 * E.slots, positions, (size_t)n * sizeof(int));
@@ -1013,7 +1033,9 @@ static void decode_t(int n, const int* slots, const int* tokens, const int* posi
 /* Update */
 
 /* AdamW over every parameter in one launch; which decay, the mask says (upload_decay_bits).
- * FP8_AMAX_IN_ADAMW: in fp8 the same launch also takes the fp8 weights' amax (E.w8_amax_ranges). */
+ * FP8_AMAX_IN_ADAMW: in fp8 the same launch also takes the fp8 weights' amax (E.w8_amax_ranges);
+ * FP8_LAZY_LOWP_WEIGHTS: and leaves their 16-bit copy, which only generation reads in fp8 training
+ * (docs/DESIGN.md §18), to refresh_stale_lowp_weights. */
 template <typename T>
 static void adamw_all(const Config* cfg) {
     T* p_low = E.prec == PREC_FP32 ? (T*)NULL : (T*)E.wlow;
@@ -1021,7 +1043,7 @@ static void adamw_all(const Config* cfg) {
     if (E.use_fp8) {
         adamw_amax<T>(E.params, E.grads, E.m, E.v, p_low, E.P, cfg->train.beta1, cfg->train.beta2, cfg->train.eps,
                       cfg->train.weight_decay, E.decay_bits, &E.io->uctl, &E.io->norm, E.w8_amax_ranges,
-                      (int)fp8_weight_cast_count());
+                      (int)fp8_weight_cast_count(), FP8_LAZY_LOWP_WEIGHTS);
         return;
     }
 #endif
@@ -1050,7 +1072,11 @@ template <typename T>
 static void refresh_lowp_weights_t(void) {
     if constexpr (sizeof(T) == 2) convert<T>((T*)E.wlow, E.params, E.P);
     if (E.use_fp8) fp8_quantize_weights();
+#if FP8_LAZY_LOWP_WEIGHTS
+    E.lowp_stale = 0;
+#endif
 }
+
 
 /* The update, as recorded into update_graph: the norm of the unscaled gradients, AdamW (which
  * clips, and skips on a non-finite norm in fp16, by itself), the norm back. The gradients are not
@@ -1315,6 +1341,9 @@ static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     E.io_host->uctl = update_ctl(lr, t, cfg->train.beta1, cfg->train.beta2, unscale, cfg->train.grad_clip, is_fp16);
     if (g_dist.world > 1) FOR_ACT_TYPE(update_sharded)(); /* ZeRO-1 over NCCL (§17) */
     else run_graph(&E.update_graph, FOR_ACT_TYPE(record_update));
+#if FP8_LAZY_LOWP_WEIGHTS
+    if (g_dist.world == 1 && E.use_fp8) E.lowp_stale = 1; /* adamw_all left the fp8 weights' 16-bit copy */
+#endif
     E.grads_pending = 0; /* also after a skipped fp16 step: its non-finite gradients are overwritten */
     r.grad_norm = E.io_host->norm;
     r.skipped = is_fp16 && !isfinite(r.grad_norm);

@@ -1535,8 +1535,9 @@ template <typename T> static void test_fp8_quantize_jobs(const std::vector<std::
  * end inside blocks (a block spans 256 packets) and inside packets, abut, leave gaps, hold one
  * element or only zeros, and have a weight 1000 times larger just outside them. Then a skipped
  * update (fp16's non-finite norm: weights and moments unchanged, the amax of the weights as they
- * are) and the kernel on a grid of 3 blocks (the grid-stride loop the launcher takes for more than
- * 65535 x 8 blocks). n: a multiple of 8 (16-byte packets) or odd (element by element). */
+ * are), the kernel on a grid of 3 blocks (the grid-stride loop the launcher takes for more than
+ * 65535 x 8 blocks), and lazy_low (FP8_LAZY_LOWP_WEIGHTS). n: a multiple of 8 (16-byte packets) or
+ * odd (element by element). */
 static void test_adamw_amax(size_t n) {
     Vec p = randn(n, 1.0f), g = randn(n, 0.1f), m = randn(n, 0.01f), v = randn(n, 0.01f);
     for (float& x : v) x = x * x;
@@ -1595,13 +1596,13 @@ static void test_adamw_amax(size_t n) {
     adamw<bf16>(p0, d_g, m0, v0, low0, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
     std::vector<Vec> want{download(p0, n), download(m0, n), download(v0, n), download(low0, n)};
     CUDA_CHECK(cudaMemset(d_sc, 0, 2 * nr * sizeof(Fp8Scale)));
-    adamw_amax<bf16>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm, d_ranges, (int)nr);
+    adamw_amax<bf16>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm, d_ranges, (int)nr, 0);
     same_state("update", want);
     check_ranges("amax");
     /* skipped: the state as it was, the amax of the weights as they are */
     set_ctl(1, INFINITY);
     CUDA_CHECK(cudaMemset(d_sc, 0, 2 * nr * sizeof(Fp8Scale)));
-    adamw_amax<bf16>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm, d_ranges, (int)nr);
+    adamw_amax<bf16>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm, d_ranges, (int)nr, 0);
     same_state("skip", want);
     check_ranges("skip_amax");
     /* 3 blocks, each several spans of the grid-stride loop */
@@ -1613,12 +1614,34 @@ static void test_adamw_amax(size_t n) {
     CUDA_CHECK(cudaMemset(d_sc, 0, 2 * nr * sizeof(Fp8Scale)));
     if (packable(n, sizeof(bf16), {d_p, d_g, d_m, d_v, d_low}))
         launch_kernel(k_adamw_amax<bf16, PACK(bf16)>, 3, 256, d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits,
-                      d_ctl, d_norm, d_ranges, (int)nr);
+                      d_ctl, d_norm, d_ranges, (int)nr, 0);
     else
         launch_kernel(k_adamw_amax<bf16, 1>, 3, 256, d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl,
-                      d_norm, d_ranges, (int)nr);
+                      d_norm, d_ranges, (int)nr, 0);
     same_state("strided", want);
     check_ranges("strided_amax");
+    /* lazy_low (FP8_LAZY_LOWP_WEIGHTS): p_low untouched (still poisoned) where a packet lies wholly in
+     * a range, adamw's elsewhere (packets across a boundary included); the rest as before */
+    upload_into(d_p, p);
+    upload_into(d_m, m);
+    upload_into(d_v, v);
+    poison(d_low, n);
+    Vec poison_values = download(d_low, n);
+    CUDA_CHECK(cudaMemset(d_sc, 0, 2 * nr * sizeof(Fp8Scale)));
+    adamw_amax<bf16>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm, d_ranges, (int)nr, 1);
+    size_t vec = packable(n, sizeof(bf16), {d_p, d_g, d_m, d_v, d_low}) ? PACK(bf16) : 1, left = 0;
+    std::vector<Vec> lazy_want = want;
+    for (size_t e = 0; e < n; e++) {
+        size_t first = e / vec * vec;
+        for (const auto& sp : spans)
+            if (sp[0] <= first && first + vec <= sp[1]) {
+                lazy_want[3][e] = poison_values[e];
+                left++;
+            }
+    }
+    same_state("lazy_low", lazy_want);
+    report(left > n / 2, "lazy_left", "%zu of %zu 16-bit weights left unwritten", left, n);
+    check_ranges("lazy_amax");
     dfree_all();
 }
 
@@ -2166,12 +2189,13 @@ int main(int argc, char** argv) {
     }
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s%s%s%s\n", p.name, p.major,
+    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s%s%s%s%s\n", p.name, p.major,
            p.minor, (unsigned long long)seed, (unsigned long long)seed,
            pdl_enabled() ? ", programmatic dependent launch" : "",
            FP8_CVT_PAIRS ? ", codes converted in pairs (FP8_CVT_PAIRS)" : "",
            FP8_GELU_FAST_TANH ? ", fp8's GELU on tanh.approx.f32 (FP8_GELU_FAST_TANH)" : "",
-           FP8_AMAX_IN_ADAMW ? ", the fp8 weights' amax in AdamW (FP8_AMAX_IN_ADAMW)" : "");
+           FP8_AMAX_IN_ADAMW ? ", the fp8 weights' amax in AdamW (FP8_AMAX_IN_ADAMW)" : "",
+           FP8_LAZY_LOWP_WEIGHTS ? ", their 16-bit copy left to generation (FP8_LAZY_LOWP_WEIGHTS)" : "");
     g_state = seed;
     void* ws = dalloc(CUBLAS_WORKSPACE_BYTES);
     g_allocs.clear(); /* the workspace lives for the whole run */

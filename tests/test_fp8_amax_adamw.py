@@ -1,12 +1,14 @@
-"""The candidate -DFP8_AMAX_IN_ADAMW=1 (docs/DESIGN.md §18): precision fp8's update takes the fp8
-weights' amax inside AdamW, from the new fp32 masters it holds, instead of a separate amax launch
-before their cast. The cast then reads the same values at the same amax, so the build must give the
-default build's bits: its fp8 training records (train, validation and sample records), checkpoint
-and delayed-scaling histories equal the default build's byte for byte, with the layers' weights
-alone (the fallback attention and the fused one) and with the FP8 classifier's wte among them; it
-resumes exactly after SIGTERM and its graphs give the bits of launch by launch. Its kernel_check
-(which checks AdamW's amax against the standalone amax in every build) passes. GPU only (skipped
-without one).
+"""The candidates -DFP8_AMAX_IN_ADAMW=1 and, with it, -DFP8_LAZY_LOWP_WEIGHTS=1 (docs/DESIGN.md §18):
+precision fp8's update takes the fp8 weights' amax inside AdamW, from the new fp32 masters it holds,
+instead of a separate amax launch before their cast; the second also leaves the fp8 weights' 16-bit
+copy, which only generation reads in fp8 training, to be converted before generation. The cast reads
+the same values at the same amax, and generation the same 16-bit values, so each build must give
+the default build's bits: its fp8 training records (train, validation and sample records, the
+samples generated after updates), checkpoint and delayed-scaling histories equal the default
+build's byte for byte, with the layers' weights alone (the fallback attention and the fused one)
+and with the FP8 classifier's wte among them; it resumes exactly after SIGTERM and its graphs give
+the bits of launch by launch. Its kernel_check (which checks AdamW's amax against the standalone
+amax in every build) passes. GPU only (skipped without one).
 """
 import subprocess
 
@@ -17,7 +19,8 @@ from engine_util import run_ok, tiny_args
 from test_fp8_delayed import sidecar_history
 from test_gpu import FP8_SHAPES, OVERRIDE_ENGINE, build_variant, cuda_binary  # noqa: F401 (a fixture)
 
-MACRO = "FP8_AMAX_IN_ADAMW"
+# suffix: the -D macros set to 1 (the last one named in kernel_check's banner)
+VARIANTS = {"_adamamax": ["FP8_AMAX_IN_ADAMW"], "_lazy": ["FP8_AMAX_IN_ADAMW", "FP8_LAZY_LOWP_WEIGHTS"]}
 
 # the weights' list as the engine has it: 3 layers with the fallback attention (head size 16, d_ff
 # 112) or the fused one (head size 32); one layer of d_model 512, whose FP8 classifier puts wte
@@ -34,14 +37,16 @@ def run_settings(model, steps):
             "train.steps": steps, "train.grad_accum": 2, "eval.every": 4, "eval.batches": 2}
 
 
-@pytest.fixture(scope="module")
-def amax_build(cuda_binary):
-    """build/microgpt_cuda_adamamax and build/kernel_check_adamamax, built with -DFP8_AMAX_IN_ADAMW=1."""
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def amax_build(request, cuda_binary):
+    """build/microgpt_cuda<suffix> and build/kernel_check<suffix>, built with the variant's macros,
+    and the macros."""
+    suffix, macros = request.param, VARIANTS[request.param]
     if OVERRIDE_ENGINE:
-        pytest.skip(f"ANDREA_CUDA_ENGINE names one prebuilt engine; the {MACRO} variant is built from source")
-    engine, check = eu.BUILD / "microgpt_cuda_adamamax", eu.BUILD / "kernel_check_adamamax"
-    build_variant("_adamamax", f"-D{MACRO}=1", engine, check)
-    return engine, check
+        pytest.skip(f"ANDREA_CUDA_ENGINE names one prebuilt engine; the {macros} variant is built from source")
+    engine, check = eu.BUILD / f"microgpt_cuda{suffix}", eu.BUILD / f"kernel_check{suffix}"
+    build_variant(suffix, " ".join(f"-D{m}=1" for m in macros), engine, check)
+    return engine, check, macros
 
 
 @pytest.mark.gpu
@@ -51,7 +56,7 @@ def test_gpu_amax_in_adamw_build_passes_kernel_check(amax_build):
     failed = [l for l in lines if l.startswith("FAIL")]
     assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
     assert "checks, 0 failed" in lines[-1]
-    assert f"({MACRO})" in lines[0]
+    assert all(f"({m})" in lines[0] for m in amax_build[2]), lines[0]
     assert any(l.startswith("PASS") and "adamw amax" in l for l in lines), "no adamw amax check ran"
 
 

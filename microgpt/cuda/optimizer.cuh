@@ -122,6 +122,15 @@ __global__ void k_adamw(float* __restrict__ p, const float* __restrict__ g, floa
 #ifndef FP8_AMAX_IN_ADAMW
 #define FP8_AMAX_IN_ADAMW 0
 #endif
+/* FP8_LAZY_LOWP_WEIGHTS (candidate, with FP8_AMAX_IN_ADAMW; docs/DESIGN.md §18): nor does that
+ * AdamW write the 16-bit copy of the fp8 weights, which in fp8 training only generation reads; the
+ * engine converts the copy before generation after an update instead (refresh_stale_lowp_weights). */
+#ifndef FP8_LAZY_LOWP_WEIGHTS
+#define FP8_LAZY_LOWP_WEIGHTS 0
+#endif
+#if FP8_LAZY_LOWP_WEIGHTS && !FP8_AMAX_IN_ADAMW
+#error "FP8_LAZY_LOWP_WEIGHTS=1 needs FP8_AMAX_IN_ADAMW=1 (its AdamW kernel)"
+#endif
 
 /* k_adamw's update of the VEC parameters at i, leaving the new weights in pv; lr, c1, c2, u:
  * UpdateCtl's; clip: scale the gradient by clip_s. k_adamw keeps its own copy of these lines, so
@@ -175,12 +184,14 @@ __device__ __forceinline__ int amax_range_after(const AmaxRange* __restrict__ ra
  * block walks its span of blockDim.x packets, and for every range the span meets, folds the amax of
  * the values its threads hold in that range and commits it once (block_amax_commit). A skipped
  * update (a non-finite norm in fp16) leaves the weights as they are and takes their amax, so the
- * cast after it finds the scales it would find after a separate amax pass. */
+ * cast after it finds the scales it would find after a separate amax pass. lazy_low
+ * (FP8_LAZY_LOWP_WEIGHTS): p_low is not written where a packet lies wholly in a range. */
 template <typename T, int VEC>
 __global__ void k_adamw_amax(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
                              float* __restrict__ v, T* __restrict__ p_low, size_t n, float beta1, float beta2,
                              float eps, float wd, const unsigned* __restrict__ decay_bits, const UpdateCtl* ctl,
-                             const float* norm, const AmaxRange* __restrict__ ranges, int n_ranges) {
+                             const float* norm, const AmaxRange* __restrict__ ranges, int n_ranges,
+                             int lazy_low) {
     await_previous_kernel();
     float nrm = *norm;
     bool skip = ctl->skip_nonfinite && !isfinite(nrm);
@@ -190,12 +201,15 @@ __global__ void k_adamw_amax(float* __restrict__ p, const float* __restrict__ g,
     size_t span = (size_t)blockDim.x * VEC;
     for (size_t base = blockIdx.x * span; base < n; base += (size_t)gridDim.x * span) {
         size_t i = base + threadIdx.x * VEC, end = base + span < n ? base + span : n;
+        int first = amax_range_after(ranges, n_ranges, base); /* of the ranges the span meets */
+        T* low = p_low;
+        for (int r = first; lazy_low && r < n_ranges && ranges[r].lo < end; r++)
+            if (ranges[r].lo <= i && i + VEC <= ranges[r].hi) low = NULL;
         float pv[VEC];
         if (i < n && skip) load_vec(pv, p + i);
         else if (i < n)
-            adamw_packet<T, VEC>(pv, i, p, g, m, v, p_low, beta1, beta2, eps, wd, decay_bits, lr, c1, c2, u, clip,
-                                 clip_s);
-        for (int r = amax_range_after(ranges, n_ranges, base); r < n_ranges && ranges[r].lo < end; r++) {
+            adamw_packet<T, VEC>(pv, i, p, g, m, v, low, beta1, beta2, eps, wd, decay_bits, lr, c1, c2, u, clip, clip_s);
+        for (int r = first; r < n_ranges && ranges[r].lo < end; r++) {
             size_t lo = ranges[r].lo, hi = ranges[r].hi;
             bool whole = lo <= i && i + VEC <= hi; /* the packet lies in the range (so i < n) */
             unsigned a = 0;
@@ -244,15 +258,16 @@ static void adamw(float* p, const float* g, float* m, float* v, T* p_low, size_t
 }
 
 /* adamw, with the amax of the new weights of each of ranges[0..n_ranges) (device memory, sorted,
- * disjoint: AmaxRange) into its amax_bits, which must be 0 before (FP8_AMAX_IN_ADAMW). The same
- * grid and packets as adamw. */
+ * disjoint: AmaxRange) into its amax_bits, which must be 0 before (FP8_AMAX_IN_ADAMW); lazy_low:
+ * p_low left alone where a packet lies wholly in a range (FP8_LAZY_LOWP_WEIGHTS). The same grid
+ * and packets as adamw. */
 template <typename T>
 static void adamw_amax(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float beta1, float beta2,
                        float eps, float wd, const unsigned* decay_bits, const UpdateCtl* ctl, const float* norm,
-                       const AmaxRange* ranges, int n_ranges) {
+                       const AmaxRange* ranges, int n_ranges, int lazy_low) {
     bool packed = packable(n, sizeof(T), {p, g, m, v, p_low});
     LAUNCH_PACKED_ELEMENTWISE(packed, k_adamw_amax, T, n, p, g, m, v, p_low, n, beta1, beta2, eps, wd, decay_bits, ctl,
-                              norm, ranges, n_ranges);
+                              norm, ranges, n_ranges, lazy_low);
 }
 
 template <typename T>
