@@ -432,7 +432,8 @@ static void fp8_list_weight_amax_ranges(const Fp8CastJob<float>* jobs, int n) {
     }
     qsort(r, (size_t)n, sizeof *r, amax_range_order);
     for (int i = 0; i < n; i++)
-        if ((i > 0 && r[i].lo < r[i - 1].hi) || r[i].hi > E.P) die_io("internal: the fp8 weights' ranges overlap");
+        if ((i > 0 && r[i].lo < r[i - 1].hi) || r[i].hi > E.P)
+            die_io("internal: the fp8 weights' ranges overlap or pass the last parameter");
     CUDA_CHECK(cudaMemcpy(E.w8_amax_ranges, r, (size_t)n * sizeof *r, cudaMemcpyHostToDevice));
     free(r);
 }
@@ -1076,7 +1077,6 @@ static void refresh_lowp_weights_t(void) {
     E.lowp_stale = 0;
 #endif
 }
-
 
 /* The update, as recorded into update_graph: the norm of the unscaled gradients, AdamW (which
  * clips, and skips on a non-finite norm in fp16, by itself), the norm back. The gradients are not
