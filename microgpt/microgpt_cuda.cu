@@ -767,6 +767,9 @@ static void loss_chunks(int N, int train) {
  *                                                                 (fp8_linear_bwd; fp8_cast_dgelu;  (side_wait(E.g8t))
  *                                                                 the LN2 and LN1 backwards,
  *                                                                 layernorm_bwd_fp8; attn_bwd_fp8)
+ *   LN_FINAL_SIDE (a      ln_partial (the chunk partials)         the next LayerNorm backward  side_wait(ln_partial)
+ *   candidate): a Layer-                                                                        (layernorm_bwd_
+ *   Norm's final sums                                                                           scratch_free)
  * The side stream runs its products in issue order, so a wait covers its earlier products too.
  * Each gradient tensor has one writer per micro-batch (matmul.cuh), the side stream's products
  * write only their own, and the one tensor two writers share, wte (dwte, then the embedding
