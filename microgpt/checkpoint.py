@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from microgpt.atomic import atomic_open
-from microgpt.files import NotRegularFile, open_regular
+from microgpt.files import NotRegularFile, open_regular, unique_keys
 
 HEADER_BYTES = 8
 # The longest sidecar an engine reads (docs/DESIGN.md §15: 16 × its 64 KB writer buffer); a longer
@@ -67,13 +67,13 @@ def checkpoint_step(path):
 
 def read_sidecar(path):
     """The sidecar PATH.json as a dict, or None where it is missing, no regular file, longer than
-    SIDECAR_READ_MAX or not a JSON object."""
+    SIDECAR_READ_MAX or not a JSON object (one naming a key twice is none either)."""
     try:
         with os.fdopen(open_regular(f"{path}.json"), "rb") as f:
             text = f.read(SIDECAR_READ_MAX + 1)
         if len(text) > SIDECAR_READ_MAX:
             return None
-        side = json.loads(text)
+        side = json.loads(text, object_pairs_hook=unique_keys)
     except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply for json
         return None
     return side if isinstance(side, dict) else None

@@ -15,7 +15,7 @@ import os
 import re
 
 from microgpt.engines import ROOT
-from microgpt.files import open_regular
+from microgpt.files import DuplicateKeyError, open_regular, unique_keys
 
 OWN_KEYS = {  # key: (type, required)
     "name": ("str", True),          # names the run directory and files; passed as --name
@@ -43,9 +43,11 @@ def read_config(path):
     """The JSON document at path (any JSON: validate_config says whether it is a config)."""
     try:
         with open(open_regular(path)) as f:
-            return json.load(f)
+            return json.load(f, object_pairs_hook=unique_keys)
     except OSError as e:
         raise ConfigError(f"cannot read it: {e.strerror}") from None
+    except DuplicateKeyError as e:
+        raise ConfigError(f"{e}; which one is meant is ambiguous (give it once)") from None
     except ValueError as e:
         raise ConfigError(f"not valid JSON: {e}") from None
     except RecursionError:

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from microgpt.files import unique_keys
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINES = {"cuda": os.path.join(ROOT, "build", "microgpt_cuda"),
            "cpu": os.path.join(ROOT, "build", "microgpt_cpu")}
@@ -83,7 +85,7 @@ def query(engine, args):
         last = [ln for ln in res.stderr.splitlines() if ln.strip()][-1:] or [f"exit code {res.returncode}"]
         raise EngineQueryError(last[0].removeprefix("error: "))
     try:
-        return json.loads(res.stdout)
+        return json.loads(res.stdout, object_pairs_hook=unique_keys)
     except ValueError as e:
         raise EngineQueryError(f"{engine} {' '.join(args)} did not print JSON ({e})") from None
 

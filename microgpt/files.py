@@ -1,7 +1,9 @@
 """Opening input files so that nothing can hang a tool, as microgpt/host/files.h does for the
 engines: a FIFO, device or directory given where a file belongs is refused at once, where a plain
-open() of a FIFO would wait for a writer for ever."""
+open() of a FIFO would wait for a writer for ever. And reading JSON so that every reader takes a
+file the same way: an object that names a key twice is refused (unique_keys)."""
 import errno
+import json
 import os
 import stat
 
@@ -27,3 +29,19 @@ def open_regular(path, flags=0):
         raise NotRegularFile(errno.EINVAL, f"{file_kind(mode)}, not a regular file", path)
     os.set_blocking(fd, True)
     return fd
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object that names a key twice (unique_keys)."""
+
+
+def unique_keys(pairs):
+    """object_pairs_hook for json.load/json.loads: the object, or DuplicateKeyError where it names a
+    key twice. Python's json keeps the last of them, the engines' readers the first; refused, a file
+    edited by hand means one thing to every reader (docs/DESIGN.md §15)."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise DuplicateKeyError(f"the key {json.dumps(twice)} appears twice in one object")
+    return obj

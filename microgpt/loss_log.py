@@ -34,6 +34,7 @@ from array import array
 import numpy as np
 
 from microgpt.atomic import write_bytes_atomic
+from microgpt.files import DuplicateKeyError, unique_keys
 
 LIVE_FLAG_OFFSET = len(b'{"live":')  # the byte that becomes "0" when the record is superseded
 EMPTY = b"[\n]"
@@ -50,8 +51,9 @@ def _refuse_constant(name):
 
 def parse_json(text):
     """JSON as a browser's JSON.parse reads it: Python's json also takes NaN and Infinity, which
-    would make a record that the dashboard (and any JSON reader) cannot parse look whole."""
-    return json.loads(text, parse_constant=_refuse_constant)
+    would make a record that the dashboard (and any JSON reader) cannot parse look whole. A key
+    named twice in one object is refused too: the browser keeps the last, an engine the first."""
+    return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=unique_keys)
 
 
 def encode_record(rec):
@@ -123,6 +125,8 @@ def repair(path):
         return f"{path}: empty file, started a new log"
     try:
         records = parse_json(data)
+    except DuplicateKeyError as e:  # raised where the record closes, before any torn tail is reached
+        raise LossLogError(f"{path}: {e}, so which one is meant is ambiguous; fix or move it") from None
     except ValueError:
         records = None
     if records is not None:

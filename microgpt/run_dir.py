@@ -16,7 +16,7 @@ import time
 
 from microgpt.atomic import atomic_open, fsync_dir, write_json_atomic
 from microgpt.checkpoint import checkpoint_step
-from microgpt.files import file_kind
+from microgpt.files import DuplicateKeyError, file_kind, unique_keys
 from microgpt.loss_log import parse_json
 
 STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
@@ -33,7 +33,7 @@ class RunFileError(OSError):
 def read_json(path, default):
     try:
         with open(path) as f:
-            return json.load(f)
+            return json.load(f, object_pairs_hook=unique_keys)
     except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply for json
         return default
 
@@ -153,6 +153,8 @@ class RunState:
             why = f"not {what}"
         except FileNotFoundError:
             return empty
+        except DuplicateKeyError as e:
+            why = f"ambiguous: {e}"
         except (ValueError, RecursionError):
             why = "not valid JSON"
         os.replace(path, path + ".damaged")

@@ -26,6 +26,8 @@ import sys
 import numpy as np
 import tiktoken
 
+from microgpt.files import DuplicateKeyError, unique_keys
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSET_PATH = os.path.join(ROOT, "data", "assets", "r50k_base.tiktoken")
 ASSET_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -170,12 +172,14 @@ def parse_conversation(record, cuts=None):
 def parse_conversation_line(line, cuts=None):
     """One JSON line (str, or bytes as read from a file) -> parse_conversation's turns. Raises
     ValueError with a short reason (a counter key) for a line that holds none: besides
-    parse_conversation's, invalid UTF-8, invalid JSON (also an integer of over 4300 digits, which
+    parse_conversation's, invalid UTF-8, a key named twice in one object, invalid JSON (also an integer of over 4300 digits, which
     Python's json refuses) and JSON nested too deeply for it."""
     try:
-        record = json.loads(line)
+        record = json.loads(line, object_pairs_hook=unique_keys)
     except UnicodeDecodeError:
         raise ValueError("invalid UTF-8") from None
+    except DuplicateKeyError:
+        raise ValueError("a key twice in one object") from None
     except ValueError:  # json.JSONDecodeError, or the digits limit of int()
         raise ValueError("invalid JSON") from None
     except RecursionError:

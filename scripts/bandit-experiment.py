@@ -29,7 +29,9 @@ import time
 
 from microgpt.atomic import atomic_open
 from microgpt.cli import ArgumentParser
+from microgpt.config import ConfigError, read_config
 from microgpt.engines import ROOT
+from microgpt.files import unique_keys
 from microgpt.shards import glob_tokens
 
 EXPERIMENT = os.path.join(ROOT, "experiments", "ANDREA-12M-BANDIT.json")
@@ -86,7 +88,7 @@ def train(cfg, work, engine):
     if res.returncode != 0:
         sys.exit(f"error: the run {cfg['name']} failed (exit status {res.returncode}); see above")
     with open(os.path.join(run_dir, cfg["name"] + ".loss.json")) as f:
-        return [r for r in json.load(f) if r.get("live", 1)], time.time() - t0
+        return [r for r in json.load(f, object_pairs_hook=unique_keys) if r.get("live", 1)], time.time() - t0
 
 
 def arm_shares(steps, n_sources, windows):
@@ -150,8 +152,10 @@ def main():
     if len(sources) < 2:
         sys.exit(f"error: {args.sources_dir} holds {len(sources)} source folder(s) with shards; the experiment needs "
                  "at least 2 (run `make data`)")
-    with open(args.experiment) as f:
-        base = json.load(f)
+    try:
+        base = read_config(args.experiment)
+    except ConfigError as e:
+        sys.exit(f"error: config {args.experiment}: {e}")
     os.makedirs(args.out, exist_ok=True)
     configs, tokens = run_configs(base, sources, args.steps, args.eval_every)
     print(f"{len(sources)} sources: " + ", ".join(f"{n} ({t:,} train tokens)" for n, t in tokens.items()))

@@ -16,6 +16,7 @@ import os
 import sys
 
 from microgpt.cli import ArgumentParser
+from microgpt.files import unique_keys
 from microgpt.svg_chart import colour, svg_figure
 
 def figures(doc):
@@ -89,7 +90,7 @@ def main():
     ap.add_argument("--svg", action="store_true", help="SVG even where matplotlib is installed")
     args = ap.parse_args()
     with open(os.path.join(args.dir, "bandit-experiment.json")) as f:
-        figs = figures(json.load(f))
+        figs = figures(json.load(f, object_pairs_hook=unique_keys))
     try:
         if args.svg:
             raise ImportError

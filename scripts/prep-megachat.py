@@ -52,6 +52,7 @@ import numpy as np
 from microgpt import tokenizer
 from microgpt.atomic import fsync_dir, write_json_atomic
 from microgpt.cli import ArgumentParser, fail
+from microgpt.files import unique_keys
 from microgpt.progress import Progress
 from microgpt.shards import HEADER_BYTES, ShardError, ShardStream, read_header, read_shard
 
@@ -440,8 +441,8 @@ def fsync_tree(root):
 def up_to_date(manifest_path, fingerprint):
     try:
         with open(manifest_path) as f:
-            manifest = json.load(f)
-    except (OSError, json.JSONDecodeError):
+            manifest = json.load(f, object_pairs_hook=unique_keys)
+    except (OSError, ValueError):
         return None
     if manifest.get("fingerprint") != fingerprint:
         return None

@@ -24,6 +24,7 @@ import sys
 
 from microgpt.atomic import atomic_open
 from microgpt.cli import ArgumentParser
+from microgpt.files import unique_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,7 +65,7 @@ def convert_chitchat(src, dst):
     the first turn is the `human`, the other the `gpt`; a turn's messages are joined by newlines.
     Conversations without a reply (one turn, about 3,150 of 7,168) teach no exchange and are skipped."""
     with open(src, encoding="utf-8") as f:
-        data = json.load(f)
+        data = json.load(f, object_pairs_hook=unique_keys)
     written = skipped = 0
     with atomic_open(dst, "w") as out:
         for key, conv in data.items():

@@ -23,6 +23,7 @@ import sys
 
 from microgpt.atomic import write_json_atomic
 from microgpt.cli import ArgumentParser
+from microgpt.files import DuplicateKeyError, unique_keys
 from microgpt.tokenizer import parse_conversation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +46,9 @@ def iter_json_lines(path):
         for line in f:
             if line.strip():
                 try:
-                    yield json.loads(line)
+                    yield json.loads(line, object_pairs_hook=unique_keys)
+                except DuplicateKeyError:
+                    yield ValueError("a key twice in one object")
                 except json.JSONDecodeError:
                     yield ValueError("invalid JSON")
 
@@ -74,8 +77,9 @@ def iter_local_file(path):
 def iter_json_array(path, block=1 << 20):
     """The elements of a JSON array file, one at a time, holding one element plus one block of text
     in memory (a .json download of a whole data set can be gigabytes). An element that does not
-    parse yields a ValueError and the rest of the file is not read (its structure is lost)."""
-    decoder = json.JSONDecoder()
+    parse, or names a key twice in one object, yields a ValueError and the rest of the file is not
+    read (its structure is lost)."""
+    decoder = json.JSONDecoder(object_pairs_hook=unique_keys)
     with open(path, encoding="utf-8", errors="surrogateescape") as f:
         buf, pos, started = "", 0, False
 
@@ -99,6 +103,9 @@ def iter_json_array(path, block=1 << 20):
             else:
                 try:
                     element, pos = decoder.raw_decode(buf, pos)
+                except DuplicateKeyError:
+                    yield ValueError("a key twice in one object")
+                    return
                 except json.JSONDecodeError:  # cut by the block end, or really invalid
                     if len(buf) - pos > MAX_RECORD_CHARS or not refill():
                         yield ValueError("invalid JSON")
@@ -129,8 +136,8 @@ def load_progress(path, source):
     """Saved progress for the same source, else a fresh start."""
     try:
         with open(path) as f:
-            saved = json.load(f)
-    except (OSError, json.JSONDecodeError):
+            saved = json.load(f, object_pairs_hook=unique_keys)
+    except (OSError, ValueError):
         return fresh_progress(source)
     return saved if saved.get("source") == source else fresh_progress(source)
 

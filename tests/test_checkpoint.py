@@ -3,6 +3,7 @@ the bytes as the engine writes them, memory-mapped; the sidecar; named tensors b
 one clear error for anything that is not a whole checkpoint."""
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -194,17 +195,38 @@ SIDECAR_DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("damage", sorted(SIDECAR_DAMAGE))
+# a member given twice: in its own object (Python's json took the last, the engines the first) and
+# in another object (the engines look a name up anywhere in the text, so took the one nested first)
+SIDECAR_TWICE = {
+    "step_twice": lambda side: side.replace(b'"step":', b'"step":1,"step":', 1),
+    "step_in_the_fingerprint": lambda side: side.replace(b'"fingerprint":{', b'"fingerprint":{"step":1,', 1),
+}
+
+
+def test_python_reads_a_sidecar_naming_a_member_twice_in_one_object_as_none(tmp_path):
+    """Python's json reads by object: a name given twice in one object is ambiguous (no sidecar),
+    the same name in two objects is not (the engines refuse both: test_a_damaged_sidecar_is_refused)."""
+    ckpt = tmp_path / "c.ckpt"
+    write_checkpoint(ckpt, 2, np.zeros(3), np.zeros(3), np.zeros(3))
+    side = b'{"step":2,"fingerprint":{"seed":1}}'
+    nested = {"step": 2, "fingerprint": {"step": 1, "seed": 1}}
+    for twice, python_reads in (("step_twice", None), ("step_in_the_fingerprint", nested)):
+        (tmp_path / "c.ckpt.json").write_bytes(SIDECAR_TWICE[twice](side))
+        assert read_checkpoint(ckpt).sidecar == python_reads
+
+
+@pytest.mark.parametrize("damage", sorted({**SIDECAR_DAMAGE, **SIDECAR_TWICE}))
 def test_a_damaged_sidecar_is_refused(engine, random_shards, tmp_path, damage):
     """docs/DESIGN.md §15: the readers find the sidecar's members by name, so a sidecar cut short
     after a member that ends in "}" or with a bit flipped in its syntax read as far as the names were
     found: the members past the damage were lost with a warning at most (the fp8 histories), or
-    without one; so was a member whose name had a bit flipped. Resume and --evaluate refuse it,
-    one error line, exit 2, files untouched."""
+    without one; so was a member whose name had a bit flipped. A member named twice was read as its
+    first occurrence anywhere, where Python's json takes an object's last. Resume and --evaluate
+    refuse it, one error line, exit 2, files untouched."""
     settings = {**DEEP_FP8, "model.n_layer": 2} if engine.name == "cpu" else {"train.precision": "bf16"}
     ckpt, side = tmp_path / "c.ckpt", tmp_path / "c.ckpt.json"
     run_ok(engine.binary, tiny_args(random_shards.train, **settings, **{"train.steps": 2}, checkpoint=ckpt))
-    side.write_bytes(SIDECAR_DAMAGE[damage](side.read_bytes()))
+    side.write_bytes({**SIDECAR_DAMAGE, **SIDECAR_TWICE}[damage](side.read_bytes()))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     resume = tiny_args(random_shards.train, **settings, **{"train.steps": 3}, checkpoint=ckpt, resume=True)
     evaluate = ["--evaluate", "--checkpoint", str(ckpt), "--data.val", str(random_shards.train),
@@ -212,8 +234,41 @@ def test_a_damaged_sidecar_is_refused(engine, random_shards, tmp_path, damage):
     for args in (resume, evaluate):
         res = eu.run_engine(engine.binary, args)
         assert res.rc == 2 and len(res.errors) == 1, res.describe()
-        assert "no well-formed JSON object" in res.errors[0] and res.steps == [], res.describe()
+        words = 'names the member "step" twice' if damage in SIDECAR_TWICE else "no well-formed JSON object"
+        assert words in res.errors[0] and res.steps == [], res.describe()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def c_sidecar_names():
+    """The list `sidecar_names` of microgpt/host/checkpoint.h, as its source spells it."""
+    source = (eu.REPO / "microgpt" / "host" / "checkpoint.h").read_text()
+    return re.findall(r'"([^"]*)"', re.search(r"sidecar_names\[\] = \{(.*?)\};", source, re.S).group(1))
+
+
+def member_names(value):
+    """Every member name of every object in a parsed JSON value."""
+    if isinstance(value, dict):
+        return set(value).union(*map(member_names, value.values()))
+    if isinstance(value, list):
+        return set().union(*map(member_names, value))
+    return set()
+
+
+def test_sidecar_names_are_the_names_the_writers_write(cpu_binary, random_shards, tmp_path):
+    """docs/DESIGN.md §15: the readers refuse a sidecar naming a member that is not in the hand-kept
+    list `sidecar_names`, so a writer's new member missing there would make every resume refuse
+    its own checkpoint, and a name listed that no writer writes would let one added by hand pass.
+    A sidecar with every member (fp8 histories and the bandit's state) names exactly the list,
+    each name once in the list."""
+    ckpt = tmp_path / "c.ckpt"
+    one_source = {"data.train": None, "data.sources.0.name": "only", "data.sources.0.train": random_shards.train}
+    settings = {**DEEP_FP8, **one_source, "model.n_layer": 2, "train.steps": 2, "bandit.every": 1}
+    run_ok(cpu_binary, tiny_args("x", random_shards.val, **settings, checkpoint=ckpt))
+    names = c_sidecar_names()
+    assert len(set(names)) == len(names) and "fp8_history" in names, names
+    side = read_checkpoint(ckpt).sidecar
+    assert "bandit" in side and "fp8_history" in side, side
+    assert member_names(side) == set(names)
 
 
 @pytest.mark.parametrize("link", ["to_nothing", "to_itself"])

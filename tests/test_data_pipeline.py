@@ -129,12 +129,14 @@ BAD_LINES = [
     json.dumps({"conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]}),
     json.dumps({"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "y"}]}),
     json.dumps({"conversations": [{"from": "human", "value": "no reply"}]}),
+    # a key twice: a conversation to a reader that keeps the first, none to Python's json (the last)
+    '{"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}], "conversations": []}',
 ]
 
 
 @pytest.fixture
 def with_bad_records(chitchat, tmp_path):
-    """50 real records, the five malformed ones interleaved, and one OpenAI-style record."""
+    """50 real records, the six malformed ones interleaved, and one OpenAI-style record."""
     good = chitchat["jsonl"].read_text().splitlines()[:50]
     openai = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
     lines = good[:10] + BAD_LINES[:3] + good[10:] + [openai] + BAD_LINES[3:]
@@ -147,8 +149,9 @@ def with_bad_records(chitchat, tmp_path):
 def test_pull_counts_malformed_records_and_goes_on(with_bad_records, tmp_path):
     out = tmp_path / "out.jsonl"
     res = ok(run_script("pull-hermes3", "--from-file", with_bad_records, "--out", out))
-    assert "56 records read, 51 conversations written" in res.stderr
-    assert "5 malformed" in res.stderr and "1 invalid JSON" in res.stderr and "1 unknown role" in res.stderr
+    assert "57 records read, 51 conversations written" in res.stderr
+    assert "6 malformed" in res.stderr and "1 invalid JSON" in res.stderr and "1 unknown role" in res.stderr
+    assert "1 a key twice in one object" in res.stderr
     assert len(out.read_text().splitlines()) == 51
 
 
@@ -156,7 +159,8 @@ def test_prep_counts_malformed_records_and_goes_on(with_bad_records, tmp_path):
     res = prep(tmp_path / "out", "--chat", with_bad_records, extra=("--min-shard-tokens", 100, "--val-permille", 200))
     manifest = json.loads((tmp_path / "out" / "megachat.manifest.json").read_text())
     src = manifest["sources"][0]
-    assert sum(src["skipped"].values()) == 5 and src["skipped"]["invalid JSON"] == 1
+    assert sum(src["skipped"].values()) == 6 and src["skipped"]["invalid JSON"] == 1
+    assert src["skipped"]["a key twice in one object"] == 1
     assert src["docs"]["train"] + src["docs"]["val"] == 51
     assert "skipped: 1 x unknown role" in res.stdout
 

@@ -280,6 +280,7 @@ BAD = [
     ("no prompt", {"id": "np"}, "np"),
     ("prompt longer than the window", {"id": "long", "prompt": [1] * (T + 1)}, "long"),
     ("misspelt key", {"id": "k", "prompt": [1], "max_token": 3}, "k"),
+    ("key twice", '{"id": "d", "prompt": [1], "max_tokens": 2, "max_tokens": 3}', "d"),
     ("negative temperature", {"id": "t", "prompt": [1], "temperature": -1}, "t"),
     ("top_p of zero", {"id": "p", "prompt": [1], "top_p": 0}, "p"),
     ("fractional max_tokens", {"id": "m", "prompt": [1], "max_tokens": 2.5}, "m"),
@@ -296,6 +297,7 @@ def test_bad_requests_get_one_error_each_and_the_engine_carries_on(cpu_binary, t
     errors = served.errors()
     assert [e["id"] for e in errors] == [rid for _, _, rid in BAD] + ["bad in batch"], errors
     assert all(isinstance(e["error"], str) and e["error"] for e in errors)
+    assert next(e["error"] for e in errors if e["id"] == "d") == 'the key "max_tokens" appears twice'
     assert len(served.tokens("good in batch")) == 2 and len(served.tokens("last")) == 2
 
 

@@ -114,6 +114,20 @@ def test_loss_log_refuses_a_record_no_browser_can_parse(tmp_path, constant):
         assert path.read_bytes() == damaged  # nothing was cut
 
 
+@pytest.mark.parametrize("step", [2, 5])
+def test_loss_log_refuses_a_record_naming_a_key_twice(tmp_path, step):
+    """Python's json keeps the last of a key given twice, other readers may keep the first: a
+    record that names one twice, in the middle or the last, is refused, never cut or taken."""
+    path = tmp_path / "x.loss.json"
+    data = write_log(path, 5)
+    damaged = data.replace(b'"step":%d,' % step, b'"step":%d,"step":9,' % step)
+    assert damaged != data
+    path.write_bytes(damaged)
+    with pytest.raises(loss_log.LossLogError, match='the key "step" appears twice'):
+        loss_log.LossLog(str(path))
+    assert path.read_bytes() == damaged  # nothing was cut
+
+
 def test_loss_log_refuses_to_erase_a_torn_file_in_another_layout(tmp_path):
     path = tmp_path / "x.loss.json"
     pretty = json.dumps([{"step": i, "loss": 1.0 / i} for i in range(1, 4)], indent=2).encode()

@@ -216,6 +216,8 @@ def test_a_proxy_failure_logs_the_records_up_to_the_engine_checkpoint(exp, cpu_b
     # /api/state and /api/samples answers unreadable
     (".state.json", '{"name": "x", "eta_s": NaN}', "not valid JSON"),
     (".samples.json", '[{"step": Infinity, "prompt": "A", "text": "b"}]', "not valid JSON"),
+    # a key twice: Python's json took the last, other readers may take the first
+    (".state.json", '{"name": "x", "name": "y"}', 'ambiguous: the key "name" appears twice'),
 ])
 def test_run_files_of_the_wrong_type_are_moved_aside(exp, cpu_binary, suffix, content, what):
     exp.run_dir.mkdir()
@@ -240,6 +242,17 @@ def test_a_config_nested_too_deeply_is_one_error(exp, cpu_binary):
     path.write_text("[" * 100000 + "]" * 100000)
     p, rc = run_to_end(path, exp.run_dir, cpu_binary, "--no-server")
     one_error(p, rc, "nested too deeply")
+
+
+def test_a_config_naming_a_key_twice_is_one_error(exp, cpu_binary):
+    """docs/DESIGN.md §4: Python's json kept the last of a key given twice; which one the writer
+    meant is unknown, so the config is refused and no run starts."""
+    path = exp.root / "twice.json"
+    path.write_text(exp.config(steps=5).read_text().replace('"train": {', '"train": {"steps": 7, ', 1))
+    assert '"steps": 7' in path.read_text()
+    p, rc = run_to_end(path, exp.run_dir, cpu_binary, "--no-server")
+    one_error(p, rc, 'the key "steps" appears twice in one object')
+    assert not exp.run_dir.exists()
 
 
 def test_a_fifo_as_config_is_refused_not_waited_on(exp, cpu_binary):

@@ -463,32 +463,43 @@ static const char* const sidecar_names[] = {
     "step", "n_params", "crc32c", "loss_scale", "fingerprint", "n_layer", "d_model", "n_head", "d_ff", "seq_len",
     "vocab_size", "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision",
     "bandit", "rounds", "reward_mean", "reward_var", "gain", "p", "fp8_history", "len", "exp"};
+#define SIDECAR_N_NAMES (sizeof sidecar_names / sizeof sidecar_names[0])
 
-/* p past an object member's name, one of sidecar_names, and its colon, from p (JSON whitespace
- * allowed), or NULL. */
-static const char* json_skip_name(const char* p) {
+/* p past an object member's name, one of sidecar_names and not yet seen[], and its colon, from p
+ * (JSON whitespace allowed), or NULL; *twice: the name, where it was seen before. Each name is
+ * written once in the whole sidecar and the readers take its first occurrence anywhere in the text
+ * (json_find_number), where Python's json takes an object's last: a name given twice would mean
+ * one thing to the engine and another to the tools. */
+static const char* json_skip_name(const char* p, unsigned char* seen, const char** twice) {
     const char* name = json_skip_space(p);
     size_t i, len;
     if (*name != '"' || !(p = json_skip_string(name))) return NULL;
     len = (size_t)(p - name) - 2;
-    for (i = 0; i < sizeof sidecar_names / sizeof sidecar_names[0]; i++)
+    for (i = 0; i < SIDECAR_N_NAMES; i++)
         if (strlen(sidecar_names[i]) == len && memcmp(sidecar_names[i], name + 1, len) == 0) break;
-    if (i == sizeof sidecar_names / sizeof sidecar_names[0]) return NULL;
+    if (i == SIDECAR_N_NAMES) return NULL;
+    if (seen[i]++) {
+        *twice = sidecar_names[i];
+        return NULL;
+    }
     p = json_skip_space(p);
     return *p == ':' ? p + 1 : NULL;
 }
 
 /* Whether text is one JSON object (RFC 8259, UTF-8; nested at most SIDECAR_DEPTH_MAX deep, without
- * recursion; every member name one of sidecar_names) and JSON whitespace around it: every sidecar a
- * writer made is, re-indented or not. The
+ * recursion; every member name one of sidecar_names, each at most once in the whole text) and JSON
+ * whitespace around it: every sidecar a writer made is, re-indented or not; *twice: the name given
+ * twice, where that is what is wrong (NULL otherwise). The
  * readers look members up by name, so a sidecar cut short after any member, even one ending in "}"
  * ("fingerprint", "bandit"), or with a byte flipped in its syntax would otherwise be read as far as
  * its names are found, the members past the damage lost without a word (a lost crc32c reads as a
  * checkpoint written before checksums, lost fp8 histories as a checkpoint written before them). */
-static int sidecar_is_well_formed(const char* text) {
+static int sidecar_is_well_formed(const char* text, const char** twice) {
     char closing[SIDECAR_DEPTH_MAX]; /* what closes each open object or array, outermost first */
+    unsigned char seen[SIDECAR_N_NAMES] = {0};
     int depth = 0;
     const char* p = json_skip_space(text);
+    *twice = NULL;
     if (*p != '{') return 0;
     while (p) { /* p: where a value starts */
         p = json_skip_space(p);
@@ -497,7 +508,7 @@ static int sidecar_is_well_formed(const char* text) {
             closing[depth++] = *p == '{' ? '}' : ']';
             p = json_skip_space(p + 1);
             if (*p != closing[depth - 1]) { /* not empty: its first value, after a name in an object */
-                if (closing[depth - 1] == '}' && !(p = json_skip_name(p))) return 0;
+                if (closing[depth - 1] == '}' && !(p = json_skip_name(p, seen, twice))) return 0;
                 continue;
             }
         } else if (!(p = json_skip_scalar(p))) {
@@ -510,7 +521,7 @@ static int sidecar_is_well_formed(const char* text) {
         p = json_skip_space(p);
         if (depth == 0) return *p == '\0';
         if (*p != ',') return 0;
-        p = closing[depth - 1] == '}' ? json_skip_name(p + 1) : p + 1;
+        p = closing[depth - 1] == '}' ? json_skip_name(p + 1, seen, twice) : p + 1;
     }
     return 0;
 }
@@ -546,6 +557,7 @@ static void sidecar_load(const char* path, size_t n_layer, Sidecar* s) {
     int fd;
     CkptFiles f;
     char what[2 * CFG_PATH_MAX], *text;
+    const char* twice;
     ckpt_files(path, &f);
     s->loaded = 1;
     s->text = NULL;
@@ -565,9 +577,13 @@ static void sidecar_load(const char* path, size_t n_layer, Sidecar* s) {
         snprintf(what, sizeof what, "has a sidecar %s holding a NUL byte (damaged)", f.side);
         ckpt_refuse_damaged(&f, what);
     }
-    if (!sidecar_is_well_formed(text)) {
-        snprintf(what, sizeof what, "has a sidecar %s that is no well-formed JSON object of the members a sidecar "
-                 "holds (cut short, damaged or edited)", f.side);
+    if (!sidecar_is_well_formed(text, &twice)) {
+        if (twice)
+            snprintf(what, sizeof what, "has a sidecar %s that names the member \"%s\" twice (edited or damaged; "
+                     "which one is meant is ambiguous)", f.side, twice);
+        else
+            snprintf(what, sizeof what, "has a sidecar %s that is no well-formed JSON object of the members a "
+                     "sidecar holds (cut short, damaged or edited)", f.side);
         ckpt_refuse_damaged(&f, what);
     }
     s->text = text;

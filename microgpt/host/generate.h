@@ -386,10 +386,17 @@ static int js_id_list(JsonIn* j, Request* r, const char* key, int V, int* ids, i
     }
 }
 
+/* Keys a request's object remembers to find one given twice; more keys than this are either given
+ * twice or unknown, errors already. */
+#define GEN_KEYS_MAX 16
+
 /* One request object; returns 0 on a syntax error (j->syntax_error), else 1 with r->error set
- * when a field is wrong. Unknown keys are errors: a misspelt key must not be silently ignored. */
+ * when a field is wrong. Unknown keys are errors: a misspelt key must not be silently ignored. So
+ * is a key given twice: JSON readers disagree on which value counts (Python's json keeps the last,
+ * the engines' sidecar reader the first), so which one the client meant is unknown. */
 static int parse_request(JsonIn* j, Request* r, const Config* c) {
-    int T = c->model.seq_len, V = c->model.vocab_size;
+    int T = c->model.seq_len, V = c->model.vocab_size, n_keys = 0;
+    char keys[GEN_KEYS_MAX][32];
     strcpy(r->id, "null");
     r->n_prompt = -1;
     r->max_tokens = 64;
@@ -411,12 +418,16 @@ static int parse_request(JsonIn* j, Request* r, const Config* c) {
     for (;;) {
         char key[32];
         double x = 0.0;
-        int ok = 1;
+        int ok = 1, k;
         js_ws(j);
         if (!js_string(j, key, sizeof key)) return 0;
         js_ws(j);
         if (*j->p++ != ':') return js_fail(j, "expected ':'");
         js_ws(j);
+        k = 0;
+        while (k < n_keys && strcmp(keys[k], key) != 0) k++;
+        if (k < n_keys && !r->error[0]) snprintf(r->error, sizeof r->error, "the key \"%.40s\" appears twice", key);
+        else if (k == n_keys && n_keys < GEN_KEYS_MAX) strcpy(keys[n_keys++], key);
         if (strcmp(key, "id") == 0) {
             const char* start = j->p;
             if (*j->p == '[' || *j->p == '{') {
