@@ -1,8 +1,8 @@
 """Three compile-time candidates for ANDREA-12M's fp8 step (docs/BENCHMARKS.md #88–#90), each of
 which must leave every bit as the default build's: the fused LayerNorm forward at a row a warp
-(-DFP8_LN_FWD_WARPS=16), the delayed-scaling histories pushed by one launch after the backward
-(-DFP8_HISTORY_PUSH_ONCE=1), and the LayerNorm backward's final sums on the side stream behind the
-next weight gradient (-DLN_FINAL_SIDE=1). One build with all three (build/microgpt_cuda_fp8small,
+where its blocks stay one wave (-DFP8_LN_FWD_WARPS=16), the delayed-scaling histories pushed by one
+launch after the backward (-DFP8_HISTORY_PUSH_ONCE=1), and the LayerNorm backward's final sums on
+the side stream behind the next weight gradient (-DLN_FINAL_SIDE=1). One build with all three (build/microgpt_cuda_fp8small,
 build/kernel_check_fp8small) must pass kernel_check and give the default build's records,
 checkpoints and histories byte for byte, in fp8 (both attention paths) and bf16, with gradient
 accumulation, on models small enough to run the side stream, graphs and launch by launch alike.
@@ -32,9 +32,10 @@ def small_build(cuda_binary):
 
 @pytest.mark.gpu
 def test_gpu_fp8small_build_passes_kernel_check(small_build):
-    """Every check of the build's kernel_check (the fused LayerNorm forward at 16 warps bit for bit
-    against layernorm_fwd + fp8_cast at the models' shapes; the LayerNorm backward's final sums, run
-    at once there without a side stream), and its banner names the LayerNorm switches."""
+    """Every check of the build's kernel_check (the fused LayerNorm forward bit for bit against
+    layernorm_fwd + fp8_cast, at 16 warps a block at ANDREA-12M's shape and the small ones, at 8 at
+    ANDREA-120M's; the LayerNorm backward's final sums, run at once there without a side stream),
+    and its banner names the LayerNorm switches."""
     res = subprocess.run([str(small_build[1])], capture_output=True, text=True, timeout=600)
     failed = [l for l in res.stdout.splitlines() if l.startswith("FAIL")]
     assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
