@@ -8,15 +8,7 @@
  *   build: nvcc -O3 -std=c++17 -arch=native -o build/fp8_casts bench/fp8_casts.cu -lcublas -lcublasLt
  *   run:   build/fp8_casts        (one line per kernel: model, kernel, shape, µs, GB/s)
  *
- * The inputs are a constant bf16 pattern: the kernels' times do not depend on the values.
- *
- * Built with -DFP8_CVT_PAIRS=1 (fp8.cuh: the codes' conversions in pairs), a last section times the
- * packed cast with conversions value by value (present) and in pairs side by side, queued, on random
- * values at both models' shapes (the plain cast, the GELU and its backward fused), and checks that
- * both write the same bytes (codes of both layouts, amax, scale); exit 1 if any differ. The fused
- * LayerNorms' rows above, from a build with the switch and one without, give theirs:
- *
- *   nvcc -O3 -std=c++17 -arch=native -DFP8_CVT_PAIRS=1 -o build/fp8_casts_pairs bench/fp8_casts.cu -lcublas -lcublasLt */
+ * The inputs are a constant bf16 pattern: the kernels' times do not depend on the values. */
 #include "../microgpt/cuda/fp8.cuh"
 #include "../microgpt/cuda/layernorm.cuh"
 #include "../microgpt/cuda/mlp.cuh"
@@ -155,137 +147,11 @@ static void bench(const char* model, int N, int C, int F, int L) {
     g_buffers.clear();
 }
 
-#if FP8_CVT_PAIRS
-/* Random values of mixed magnitudes (2^-6 to 2^5) and signs: the byte comparison sees every code. */
-template <typename T> __global__ void k_fill_random(T* x, size_t n, unsigned seed) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned u = (unsigned)i * 2654435761u ^ seed;
-        u ^= u >> 15, u *= 2246822519u, u ^= u >> 13, u *= 3266489917u, u ^= u >> 16;
-        float v = ((float)(u & 0xFFFF) / 32768.0f - 1.0f) * exp2f((float)((int)(u >> 16) % 12 - 6));
-        x[i] = from_f<T>(v);
-    }
-}
-
-template <typename T> static T* random_buffer(size_t n, unsigned seed) {
-    T* x = (T*)dmalloc(n * sizeof(T));
-    k_fill_random<T><<<1024, 256, 0, g_stream>>>(x, n, seed);
-    CUDA_CHECK(cudaGetLastError());
-    return x;
-}
-
-/* Whether `bytes` bytes at a and at b (device memory) are the same, after all queued work. */
-static bool same_device_bytes(const void* a, const void* b, size_t bytes) {
-    std::vector<unsigned char> ha(bytes), hb(bytes);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    CUDA_CHECK(cudaMemcpy(ha.data(), a, bytes, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(hb.data(), b, bytes, cudaMemcpyDeviceToHost));
-    return !memcmp(ha.data(), hb.data(), bytes);
-}
-
-/* The packed cast (k_fp8_cast's body) with the conversions value by value (PAIRS false) or in pairs. */
-template <typename T, int EPI, bool PAIRS>
-__global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_pairs_or_not(Fp8CastJob<T> j) {
-    await_previous_kernel();
-    fp8_cast_tile<T, EPI, PAIRS>(j, blockIdx.x);
-}
-
-/* One cast's outputs: the codes of both layouts and its scale. */
-struct CastOut {
-    fp8 *n, *t;
-    Fp8Scale* sc;
-    size_t bytes;
-};
-
-static CastOut cast_out(size_t bytes) {
-    CastOut o = {(fp8*)dmalloc(bytes), (fp8*)dmalloc(bytes), (Fp8Scale*)dmalloc(sizeof(Fp8Scale)), bytes};
-    return o;
-}
-
-/* Poisoned codes, the scale's amax as `amax` holds it (a plain cast reads it; an epilogue's starts at 0). */
-static void cast_out_reset(const CastOut& o, const Fp8Scale* amax) {
-    CUDA_CHECK(cudaMemsetAsync(o.n, 0xAB, o.bytes, g_stream));
-    CUDA_CHECK(cudaMemsetAsync(o.t, 0xAB, o.bytes, g_stream));
-    CUDA_CHECK(cudaMemcpyAsync(o.sc, amax, sizeof(Fp8Scale), cudaMemcpyDeviceToDevice, g_stream));
-}
-
-static int g_pairs_differ = 0;
-
-/* Job j's packed cast value by value and in pairs: the byte check (codes, amax, scale), then both
- * times and the speed-up. `amax` holds the amax the cast starts from; `bytes`: moved a launch. */
-template <typename T, int EPI>
-static void compare_pairs(const char* model, const char* kernel, const char* shape, Fp8CastJob<T> j,
-                          const Fp8Scale* amax, double bytes) {
-    size_t codes = (size_t)j.batch * j.R * j.Cc;
-    CastOut present = cast_out(codes), pairs = cast_out(codes);
-    if (!fp8_cast_packable(j)) {
-        fprintf(stderr, "error: %s %s is not packable\n", kernel, shape);
-        exit(1);
-    }
-    auto launch = [&](const CastOut& o, auto kernel_fn) {
-        Fp8CastJob<T> k = j;
-        k.out_n = o.n, k.out_t = o.t, k.sc = o.sc;
-        launch_kernel(kernel_fn, fp8_cast_tiles(k.batch, k.R, k.Cc), FP8_CAST_THREADS, k);
-    };
-    auto launch_present = [&] { launch(present, k_fp8_cast_pairs_or_not<T, EPI, false>); };
-    auto launch_pairs = [&] { launch(pairs, k_fp8_cast_pairs_or_not<T, EPI, true>); };
-    cast_out_reset(present, amax);
-    cast_out_reset(pairs, amax);
-    launch_present();
-    launch_pairs();
-    bool same = same_device_bytes(present.n, pairs.n, codes) && same_device_bytes(present.t, pairs.t, codes) &&
-                same_device_bytes(present.sc, pairs.sc, sizeof(Fp8Scale));
-    g_pairs_differ += !same;
-    float t0 = time_median_queued_us(launch_present), t1 = time_median_queued_us(launch_pairs);
-    printf("%-5s %-28s %-14s present %7.1f us %5.0f GB/s  pairs %7.1f us %5.0f GB/s  x%.2f  %s\n", model, kernel,
-           shape, t0, bytes / (t0 * 1e3), t1, bytes / (t1 * 1e3), t0 / t1, same ? "same bytes" : "BYTES DIFFER");
-}
-
-/* The packed casts value by value and in pairs at the model's shapes: the MLP's [N, F] (the GELU
- * and its backward fused, the plain cast) and [N, C] (the plain cast, and delayed as a gradient). */
-static void compare_cvt_pairs(const char* model, int N, int C, int F) {
-    size_t nf = (size_t)N * F;
-    bf16 *x = random_buffer<bf16>(nf, 1), *h = random_buffer<bf16>(nf, 2);
-    /* a plain cast's amax: 2^5 bounds the inputs; the epilogues' start at 0 */
-    Fp8Scale amax_host = {}, *amax = (Fp8Scale*)dmalloc(sizeof amax_host), *zero = (Fp8Scale*)dmalloc(sizeof amax_host);
-    amax_host.amax_bits = fp8_float_bits(32.0f);
-    CUDA_CHECK(cudaMemcpy(amax, &amax_host, sizeof amax_host, cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemset(zero, 0, sizeof amax_host));
-    Fp8History hist_host = {{3, 4, 2}, 3};
-    Fp8History* hist = (Fp8History*)dmalloc(sizeof hist_host);
-    CUDA_CHECK(cudaMemcpy(hist, &hist_host, sizeof hist_host, cudaMemcpyHostToDevice));
-    for (int cols : {F, C}) {
-        char sh[32];
-        size_t n = (size_t)N * cols;
-        snprintf(sh, sizeof sh, "%dx%d", N, cols);
-        Fp8CastJob<bf16> j = {x, NULL, NULL, NULL, 1, N, cols, FP8_E4M3, 0, NULL, NULL};
-        compare_pairs<bf16, FP8_EPI_NONE>(model, "fp8_cast e4m3 n+t", sh, j, amax, 4.0 * n);
-        j.fmt = FP8_GRAD_FMT, j.hist = hist;
-        compare_pairs<bf16, FP8_EPI_NONE>(model, "fp8_cast grad n+t (delayed)", sh, j, amax, 4.0 * n);
-        if (cols != F) continue;
-        j.fmt = FP8_E4M3;
-        compare_pairs<bf16, FP8_EPI_GELU>(model, "fp8_cast_gelu n+t (delayed)", sh, j, zero, 4.0 * n);
-        j.aux = h, j.fmt = FP8_GRAD_FMT;
-        compare_pairs<bf16, FP8_EPI_DGELU>(model, "fp8_cast_dgelu n+t (delayed)", sh, j, zero, 6.0 * n);
-    }
-    CUDA_CHECK(cudaDeviceSynchronize());
-    for (void* b : g_buffers) CUDA_CHECK(cudaFree(b));
-    g_buffers.clear();
-}
-#endif
-
 int main(void) {
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
     printf("%s: bytes moved / median time; the GPU's memory bandwidth is the bound\n", p.name);
     bench("120M", 8192, 768, 3072, 12);
     bench("12M", 4096, 192, 768, 6);
-#if FP8_CVT_PAIRS
-    printf("\npacked casts converting value by value (present) and in pairs (FP8_CVT_PAIRS), queued: median us, "
-           "GB/s moved\n");
-    compare_cvt_pairs("120M", 8192, 768, 3072);
-    compare_cvt_pairs("12M", 4096, 192, 768);
-    printf("%s\n", g_pairs_differ ? "error: the pairs' bytes DIFFER from the present casts'" : "all bytes the same");
-    return g_pairs_differ ? 1 : 0;
-#endif
     return 0;
 }

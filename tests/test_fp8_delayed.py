@@ -5,13 +5,11 @@ W_O's output gradients and QKV's output gradient dqkv (the backward's). The hist
 largest amax of the last 16 training forwards". The CPU engine training fp8 must train, keep its
 histories in the checkpoint sidecar, resume bit-exactly, warn when resuming a checkpoint without
 them, and on two processes share one set of histories that resumes both exactly (§17). On a GPU
-(skipped without one), the GPU engine must track the CPU one and resume exactly, its graphs giving
-the bits of launch by launch, with the fused attention kernels (head size 32) and with the
-fallback that casts at the delayed scale (head size 16); a build converting the codes in pairs
-(-DFP8_CVT_PAIRS=1) must give the default build's bits; a build computing fp8's GELU with the
-hardware's tanh (-DFP8_GELU_FAST_TANH=1) changes bits, so it must pass kernel_check, track the CPU
-emulation (which keeps glibc's tanhf) within the same tolerances, and resume exactly. The fused
-kernels are checked by tests/kernel_check.cu; two GPUs by tests/test_distributed.py.
+(skipped without one), the GPU engine must track the CPU one (whose GELU keeps glibc's tanhf where
+the GPU's fp8 GELU takes the hardware's approximation) and resume exactly, its graphs giving the
+bits of launch by launch, with the fused attention kernels (head size 32) and with the fallback
+that casts at the delayed scale (head size 16). The fused kernels are checked by
+tests/kernel_check.cu; two GPUs by tests/test_distributed.py.
 """
 import ctypes
 import json
@@ -27,8 +25,7 @@ from test_distributed import Ranks
 from test_engine import alloc_counter  # noqa: F401 (a fixture: the LD_PRELOAD allocation counter)
 from test_fp8 import E4M3, reference_scale
 from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
-from test_gpu import (FP8_SHAPES, OVERRIDE_ENGINE, build_variant, check_fp8_gradients_match_cpu,  # noqa: F401
-                      cuda_binary)  # (cuda_binary: a fixture)
+from test_gpu import FP8_SHAPES, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
 
 HISTORY_LEN = 16
 # the histories a layer: the forward's ln1, ln2, GELU, att, then the backward's dh, W_2's and W_O's
@@ -401,13 +398,9 @@ def test_gpu_delayed_tracks_the_cpu_delayed_emulation(heads, cpu_binary, cuda_bi
     """As test_gpu's fp8 tracking test (loss within 3e-2 a step); both keep PER_LAYER x n_layer
     histories of the training micro-batches (their exponents may differ by one where a bf16 amax and
     an fp32 one fall on either side of a power of two)."""
-    check_tracks_the_cpu_emulation(cuda_binary, cpu_binary, heads, random_shards, tmp_path)
-
-
-def check_tracks_the_cpu_emulation(engine, cpu_binary, heads, random_shards, tmp_path):
     args = tiny_args(random_shards.train, **{**gpu_settings(heads), "train.steps": 10})
     runs = {name: run_ok(b, args + ["--checkpoint", tmp_path / f"{name}.ckpt"])
-            for name, b in (("cpu", cpu_binary), ("gpu", engine))}
+            for name, b in (("cpu", cpu_binary), ("gpu", cuda_binary))}
     for c, g in zip(runs["cpu"].steps, runs["gpu"].steps):
         assert abs(g["loss"] - c["loss"]) <= 3e-2 * abs(c["loss"]), (c, g)
     hists = {name: sidecar_history(tmp_path / f"{name}.ckpt")["exp"] for name in runs}
@@ -419,103 +412,12 @@ def check_tracks_the_cpu_emulation(engine, cpu_binary, heads, random_shards, tmp
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", sorted(GPU_HEADS))
 def test_gpu_delayed_resumes_exactly_and_graphs_equal_eager(heads, cuda_binary, random_shards, tmp_path):
-    check_resumes_exactly_and_graphs_equal_eager(cuda_binary, heads, random_shards, tmp_path)
-
-
-def check_resumes_exactly_and_graphs_equal_eager(engine, heads, random_shards, tmp_path):
     args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(heads), "train.steps": 60,
                                                                 "train.grad_accum": 2, "eval.every": 20,
                                                                 "eval.batches": 2})
-    eu.check_exact_resume_after_sigterm(engine, args, 60, tmp_path)
+    eu.check_exact_resume_after_sigterm(cuda_binary, args, 60, tmp_path)
     eager_ckpt = tmp_path / "eager.ckpt"
-    eager = run_ok(engine, args + ["--checkpoint", eager_ckpt], env={"ANDREA_NO_GRAPH": "1"})
+    eager = run_ok(cuda_binary, args + ["--checkpoint", eager_ckpt], env={"ANDREA_NO_GRAPH": "1"})
     assert eager_ckpt.read_bytes() == (tmp_path / "ref.ckpt").read_bytes()
     assert sidecar_history(eager_ckpt) == sidecar_history(tmp_path / "ref.ckpt")
     assert len(eager.steps) == 60
-
-
-@pytest.fixture(scope="module")
-def pairs_build(cuda_binary):
-    """build/microgpt_cuda_pairs and build/kernel_check_pairs: -DFP8_CVT_PAIRS=1 (docs/BENCHMARKS.md
-    #85), the kernels that write codes converting pairs of values."""
-    return built_variant("_pairs", "FP8_CVT_PAIRS")
-
-
-def built_variant(suffix, macro):
-    """build/microgpt_cuda<suffix> and build/kernel_check<suffix>, built with -D<macro>=1."""
-    if OVERRIDE_ENGINE:
-        pytest.skip(f"ANDREA_CUDA_ENGINE names one prebuilt engine; the {macro} variant is built from source")
-    engine, check = eu.BUILD / f"microgpt_cuda{suffix}", eu.BUILD / f"kernel_check{suffix}"
-    build_variant(suffix, f"-D{macro}=1", engine, check)
-    return engine, check
-
-
-def check_variant_kernel_check(check, macro):
-    """The variant's kernel_check passes every check, and its banner names the switch."""
-    res = subprocess.run([str(check)], capture_output=True, text=True, timeout=600)
-    failed = [l for l in res.stdout.splitlines() if l.startswith("FAIL")]
-    assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
-    assert "checks, 0 failed" in res.stdout.splitlines()[-1]
-    assert f"({macro})" in res.stdout.splitlines()[0]
-
-
-@pytest.mark.gpu
-def test_gpu_cvt_pairs_build_passes_kernel_check(pairs_build):
-    """The pairs build's kernel_check: every fused kernel that writes codes (the GELU casts, the
-    LayerNorms, attention's) bit for bit against the unfused path and the CPU emulation, as the
-    default build's; its banner names the switch."""
-    check_variant_kernel_check(pairs_build[1], "FP8_CVT_PAIRS")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", sorted(GPU_HEADS))
-def test_gpu_cvt_pairs_gives_the_default_builds_bits(heads, pairs_build, cuda_binary, random_shards, tmp_path):
-    """Delayed fp8 training, with the fused attention kernels and with the fallback, on the odd
-    shapes (d_ff 112, 144 rows: partial cast tiles): the pairs build's records, checkpoint and
-    histories are the default build's, byte for byte."""
-    args = tiny_args(random_shards.train, random_shards.val, **{**gpu_settings(heads), "train.steps": 8,
-                                                                "train.grad_accum": 2, "eval.every": 4,
-                                                                "eval.batches": 2})
-    runs = {}
-    for name, binary in (("default", cuda_binary), ("pairs", pairs_build[0])):
-        ckpt = tmp_path / f"{name}.ckpt"
-        res = run_ok(binary, args + ["--checkpoint", ckpt])
-        runs[name] = (eu.exact_records(res), ckpt.read_bytes(), sidecar_history(ckpt))
-    assert len([k for k in runs["pairs"][0] if k[0] == "train"]) == 8
-    assert runs["pairs"][0] == runs["default"][0], "the pairs build's records differ from the default build's"
-    assert runs["pairs"][1] == runs["default"][1], "the pairs build's checkpoint differs from the default build's"
-    assert runs["pairs"][2] == runs["default"][2], "the pairs build's histories (its amaxes) differ from the default's"
-
-
-@pytest.fixture(scope="module")
-def fast_tanh_build(cuda_binary):
-    """build/microgpt_cuda_tanh and build/kernel_check_tanh: -DFP8_GELU_FAST_TANH=1 (docs/BENCHMARKS.md
-    #87), fp8's GELU and its gradient on tanh.approx.f32."""
-    return built_variant("_tanh", "FP8_GELU_FAST_TANH")
-
-
-@pytest.mark.gpu
-def test_gpu_fast_tanh_build_passes_kernel_check(fast_tanh_build):
-    """The variant's kernel_check: the fused GELU casts bit for bit against the unfused path (both on
-    the approximate tanh) and the CPU emulation's cast of its values; its banner names the switch."""
-    check_variant_kernel_check(fast_tanh_build[1], "FP8_GELU_FAST_TANH")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", sorted(GPU_HEADS))
-def test_gpu_fast_tanh_tracks_the_cpu_emulation_and_changes_bits(heads, fast_tanh_build, cuda_binary, cpu_binary,
-                                                                 random_shards, tmp_path):
-    """The variant against the CPU engine (glibc's tanhf) with the default build's tolerances; and its
-    checkpoint differs from the default build's (the approximate tanh ran)."""
-    check_tracks_the_cpu_emulation(fast_tanh_build[0], cpu_binary, heads, random_shards, tmp_path)
-    if heads == "fallback":  # one micro-batch: the unfused GELU at the current scales (the first's path)
-        check_fp8_gradients_match_cpu(fast_tanh_build[0], cpu_binary, random_shards, tmp_path, "odd")
-    args = tiny_args(random_shards.train, **{**gpu_settings(heads), "train.steps": 10})
-    run_ok(cuda_binary, args + ["--checkpoint", tmp_path / "default.ckpt"])
-    assert (tmp_path / "default.ckpt").read_bytes() != (tmp_path / "gpu.ckpt").read_bytes()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", sorted(GPU_HEADS))
-def test_gpu_fast_tanh_resumes_exactly_and_graphs_equal_eager(heads, fast_tanh_build, random_shards, tmp_path):
-    check_resumes_exactly_and_graphs_equal_eager(fast_tanh_build[0], heads, random_shards, tmp_path)

@@ -24,7 +24,9 @@ What is compared, and how tightly (relative, normwise per tensor):
     measured 0.07-0.11 for the linear weights of these shapes), at most 0.5. The emulation casts the
     CPU's fp32 activations where the GPU casts bf16 ones, so some fp8 codes differ by one step, and
     each difference moves the values cast after it: over a few layers the two fp8 runs drift apart
-    by about fp8's own rounding noise (two independent roundings: ~1.4x it). A wrong layout,
+    by about fp8's own rounding noise (two independent roundings: ~1.4x it). The GPU's fp8 GELU
+    takes the hardware's approximate tanh where the emulation keeps glibc's tanhf: it moves the
+    codes by far less than that noise (kernel_check's "gelu fast tanh" lines). A wrong layout,
     transposition or scale gives errors of order 1. The GPU's fp8 gradients must also differ from
     its bf16 ones (the FP8 path ran).
 The engines are compared on tiny configurations with small vocabularies, in seconds.
@@ -501,13 +503,9 @@ def test_fp8_gradients_match_cpu_fp8_emulation(cuda_binary, cpu_binary, random_s
     """Loss and every gradient tensor of one micro-batch, GPU fp8 against the CPU engine's fp8 (see the
     module docstring for the tolerances); and the GPU's fp8 must differ from its bf16 (the FP8 path
     ran)."""
-    check_fp8_gradients_match_cpu(cuda_binary, cpu_binary, random_shards, tmp_path, shape)
-
-
-def check_fp8_gradients_match_cpu(engine, cpu_binary, random_shards, tmp_path, shape):
     dumps = {}
     for name, binary, precision in (("cpu8", cpu_binary, "fp8"), ("cpu32", cpu_binary, "fp32"),
-                                    ("gpu8", engine, "fp8"), ("gpu16", engine, "bf16")):
+                                    ("gpu8", cuda_binary, "fp8"), ("gpu16", cuda_binary, "bf16")):
         path = tmp_path / f"{name}.grads"
         res = run_ok(binary, tiny_args(random_shards.train, **{**FP8_SHAPES[shape], "train.precision": precision,
                                                                 "dump_grads": path}))

@@ -310,10 +310,6 @@ template <typename T> __device__ __forceinline__ float2 as_stored2(float x, floa
     else if constexpr (std::is_same<T, fp16>::value) return __half22float2(__floats2half2_rn(x, y));
     else return make_float2(x, y);
 }
-/* fp8.cuh's candidate switch (the codes' conversions in pairs), here for layernorm.cuh's amax */
-#ifndef FP8_CVT_PAIRS
-#define FP8_CVT_PAIRS 0
-#endif
 
 /* Blocks of a kernel that ends in block_amax_commit: enough to fill the GPU, few enough that the
  * atomics on the one address stay cheap. */

@@ -127,26 +127,26 @@ __device__ __forceinline__ unsigned short fp8_cvt2(float lo, float hi, int fmt) 
     return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, fmt == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
 }
 
-/* FP8_CVT_PAIRS (candidate, make KERNEL_VARIANTS=-DFP8_CVT_PAIRS=1; docs/BENCHMARKS.md #85): the
- * kernels that turn a packet of values into codes (the packed cast and its GELU epilogues, the fused
- * LayerNorm forward and backward, attention's fused forward and backward) convert them in pairs, as
- * the FP8 classifier's loss rows do: one packed conversion to T (as_stored2) and one FP8 conversion
- * (fp8_cvt2) a pair, where value by value each takes a scalar F2F.BF16 (the quarter-rate
- * conversion unit) and an FP8 conversion whose byte is then shuffled into place. The same rounding,
- * so the same codes, amax and scale (kernel_check, tests/test_fp8_delayed.py). The macro's default
- * is set in common.cuh, where layernorm.cuh's backward reads it too. */
+/* The kernels that turn a packet of values into codes (the packed cast and its GELU epilogues, the
+ * fused LayerNorm forward and backward, attention's fused forward and backward, the FP8 classifier's
+ * loss rows) convert them in pairs: one packed conversion to T (as_stored2: one F2FP.BF16 PACK_AB)
+ * and one FP8 conversion (fp8_cvt2) a pair, whose 16-bit results fill the store with no byte
+ * shuffling, where value by value each would take a scalar F2F.BF16 (the quarter-rate conversion
+ * unit) and an FP8 conversion whose byte is then shuffled into place. The same rounding, so the same
+ * codes, amax and scale (kernel_check), in fewer instructions: docs/BENCHMARKS.md #85 (the loss rows:
+ * #83) has the counts and the times. The kernels of one value a packet (VEC 1, the unpacked cast)
+ * convert one by one. */
 
-/* FP8_GELU_FAST_TANH (candidate, make KERNEL_VARIANTS=-DFP8_GELU_FAST_TANH=1; docs/BENCHMARKS.md
- * #87): precision fp8's GELU and its gradient take their tanh from the hardware's approximation
- * (mlp.cuh's GELU_TANH_APPROX: one MUFU.TANH where tanhf is ~20 instructions) in the fused casts'
- * epilogues and in the unfused path they must equal bit for bit (gelu_fwd / gelu_bwd_inplace with
- * FP8_GELU_TANH: a run's first micro-batch). Other precisions' GELU keeps tanhf. It changes bits:
- * the CPU engine's emulation keeps glibc's tanhf, within the GPU-vs-CPU fp8 tolerances
- * (docs/DESIGN.md §18). */
-#ifndef FP8_GELU_FAST_TANH
-#define FP8_GELU_FAST_TANH 0
-#endif
-constexpr int FP8_GELU_TANH = FP8_GELU_FAST_TANH ? GELU_TANH_APPROX : GELU_TANH_ACCURATE;
+/* Precision fp8's GELU and its gradient take their tanh from the hardware's approximation (mlp.cuh's
+ * GELU_TANH_APPROX: one MUFU.TANH where tanhf is ~20 instructions, and the GELU casts are bound by
+ * instructions: docs/BENCHMARKS.md #87 has the counts, the times and the quality runs), in the fused
+ * casts' epilogues and in the unfused path they must equal bit for bit (gelu_fwd / gelu_bwd_inplace
+ * with FP8_GELU_TANH: a run's first micro-batch). Its error moves the codes by far less than the
+ * cast's own rounding does (kernel_check's "gelu fast tanh" lines measure both), so fp8 may take it
+ * where the other precisions, which round only to T, keep tanhf. The CPU engine's emulation keeps
+ * glibc's tanhf (the hardware's approximation is undocumented bit for bit: no exact mirror) and stays
+ * within the GPU-vs-CPU fp8 tolerances (docs/DESIGN.md §18). */
+constexpr int FP8_GELU_TANH = GELU_TANH_APPROX;
 
 /* EPI (FP8_EPI_*) other than NONE: the tile cast is of the epilogue's values as stored in T, and
  * their amax goes to j.sc (block_amax_commit) for the history's next entry: the GELU (forward or
@@ -289,8 +289,8 @@ template <typename T> __device__ __forceinline__ float fp8_packet_at(const Fp8Ro
     return to_f(reinterpret_cast<const T*>(p.raw)[k]);
 }
 
-/* PAIRS: each pair of a packet in one conversion to T and one to codes (FP8_CVT_PAIRS, above). */
-template <typename T, int EPI = FP8_EPI_NONE, bool PAIRS = FP8_CVT_PAIRS>
+/* Each pair of a packet in one conversion to T and one to codes (fp8_cvt2, above). */
+template <typename T, int EPI = FP8_EPI_NONE>
 __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned tile_id) {
     __shared__ __align__(16) fp8 tile[FP8_PACKED_R * FP8_PACKED_PITCH];
     const int R = j.R, Cc = j.Cc, batch = j.batch, fmt = j.fmt;
@@ -325,25 +325,16 @@ __device__ __forceinline__ void fp8_cast_tile(const Fp8CastJob<T>& j, unsigned t
         int tr = tr0 + i * FP8_PACKED_ROW_STEP, r = r0 + tr;
         if (c >= Cc || r >= R) continue;
         uint2 q;
-        fp8* qb = reinterpret_cast<fp8*>(&q);
-        if constexpr (PAIRS) {
-            unsigned short qp[FP8_ROW_PACKET / 2];
+        unsigned short qp[FP8_ROW_PACKET / 2];
 #pragma unroll
-            for (int k = 0; k < FP8_ROW_PACKET; k += 2) {
-                const Fp8RowPacket<T>& xi = x[EPI == FP8_EPI_DGELU ? i : 0];
-                float x0 = EPI == FP8_EPI_DGELU ? fp8_packet_at(xi, k) : 0.0f;
-                float x1 = EPI == FP8_EPI_DGELU ? fp8_packet_at(xi, k + 1) : 0.0f;
-                float2 y = fp8_cast_epilogue2<T, EPI>(fp8_packet_at(v[i], k), fp8_packet_at(v[i], k + 1), x0, x1, &am);
-                qp[k / 2] = fp8_cvt2(y.x * s, y.y * s, fmt);
-            }
-            memcpy(&q, qp, sizeof q);
-        } else {
-#pragma unroll
-            for (int k = 0; k < FP8_ROW_PACKET; k++) {
-                float xk = EPI == FP8_EPI_DGELU ? fp8_packet_at(x[EPI == FP8_EPI_DGELU ? i : 0], k) : 0.0f;
-                qb[k] = fp8_cvt(fp8_cast_epilogue<T, EPI>(fp8_packet_at(v[i], k), xk, &am) * s, fmt);
-            }
+        for (int k = 0; k < FP8_ROW_PACKET; k += 2) {
+            const Fp8RowPacket<T>& xi = x[EPI == FP8_EPI_DGELU ? i : 0];
+            float x0 = EPI == FP8_EPI_DGELU ? fp8_packet_at(xi, k) : 0.0f;
+            float x1 = EPI == FP8_EPI_DGELU ? fp8_packet_at(xi, k + 1) : 0.0f;
+            float2 y = fp8_cast_epilogue2<T, EPI>(fp8_packet_at(v[i], k), fp8_packet_at(v[i], k + 1), x0, x1, &am);
+            qp[k / 2] = fp8_cvt2(y.x * s, y.y * s, fmt);
         }
+        memcpy(&q, qp, sizeof q);
         if (j.out_n) *reinterpret_cast<uint2*>(j.out_n + ((size_t)r * batch + b) * Cc + c) = q;
         unsigned* t = reinterpret_cast<unsigned*>(tile + tr * FP8_PACKED_PITCH + tc);
         t[0] = q.x;
@@ -506,7 +497,7 @@ k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* 
             load_vec(v, xr + c);
             load_vec(g, gamma + c);
             load_vec(b, beta + c);
-            if constexpr (FP8_CVT_PAIRS && VEC % 2 == 0) {
+            if constexpr (VEC % 2 == 0) {
                 for (int k = 0; k < VEC; k += 2) {
                     float2 y = as_stored2<T>((v[k] - m) * r * g[k] + b[k], (v[k + 1] - m) * r * g[k + 1] + b[k + 1]);
                     am = max(am, max(abs_bits(y.x), abs_bits(y.y)));
@@ -607,7 +598,7 @@ struct LnBwdCodes {
     __device__ __forceinline__ void row(const float (&v)[VEC], int r, int tr, int c, int C, void* shared) const {
         fp8 q[VEC];
         fp8* t = (fp8*)shared + (size_t)tr * LN_BWD_TILE_PITCH(C) + c;
-        if constexpr (FP8_CVT_PAIRS && VEC % 2 == 0) { /* v as stored already (ln_bwd_regs_body) */
+        if constexpr (VEC % 2 == 0) { /* v as stored already (ln_bwd_regs_body) */
             for (int k = 0; k < VEC; k += 2) {
                 unsigned short q2 = fp8_cvt2(v[k] * s, v[k + 1] * s, fmt);
                 memcpy(q + k, &q2, sizeof q2);
@@ -742,17 +733,10 @@ struct FaBwdCodes {
         for (int n = 0; n < Fa<D>::ND; n++)
             for (int h = 0; h < 2; h++) {
                 int r = g + 8 * h;
-                if constexpr (FP8_CVT_PAIRS) {
-                    float2 y = as_stored2<T>(mul * acc[n][2 * h], mul * acc[n][2 * h + 1]);
-                    if (r < n_valid) am = max(am, max(abs_bits(y.x), abs_bits(y.y)));
-                    unsigned short q = fp8_cvt2(y.x * s, y.y * s, fmt);
-                    memcpy(tile + (sub + r) * pitch<D>() + 8 * n + 2 * t, &q, sizeof q);
-                } else {
-                    float y0 = as_stored<T>(mul * acc[n][2 * h]), y1 = as_stored<T>(mul * acc[n][2 * h + 1]);
-                    if (r < n_valid) am = max(am, max(abs_bits(y0), abs_bits(y1)));
-                    fp8 q[2] = {fp8_cvt(y0 * s, fmt), fp8_cvt(y1 * s, fmt)};
-                    memcpy(tile + (sub + r) * pitch<D>() + 8 * n + 2 * t, q, sizeof q);
-                }
+                float2 y = as_stored2<T>(mul * acc[n][2 * h], mul * acc[n][2 * h + 1]);
+                if (r < n_valid) am = max(am, max(abs_bits(y.x), abs_bits(y.y)));
+                unsigned short q = fp8_cvt2(y.x * s, y.y * s, fmt);
+                memcpy(tile + (sub + r) * pitch<D>() + 8 * n + 2 * t, &q, sizeof q);
             }
         return am;
     }

@@ -266,7 +266,7 @@ __device__ __forceinline__ void load_raw(T (&t)[VEC], const T* p) {
 /* What the register kernel does beside dx: nothing more (LnBwdPlain), or (precision fp8's delayed
  * scaling, cuda/fp8.cuh's LnBwdCodes) dx's FP8 codes in both layouts: `codes` says which. A codes
  * epilogue's begin() runs first in every thread, row() takes each packet of a row's dx as computed
- * (as stored in T in a FP8_CVT_PAIRS build; tr: the row within the block's chunk; shared: the
+ * (as stored in T where VEC is even; tr: the row within the block's chunk; shared: the
  * block's column-sum memory, unused while the rows run), and finish() the block's rows r0 .. r1
  * after a barrier, before the column sums take the shared memory back. */
 struct LnBwdPlain {
@@ -294,9 +294,9 @@ __device__ __forceinline__ void ln_bwd_regs_body(T* __restrict__ dx, float* __re
     float dg[PACKETS][VEC] = {}, db[PACKETS][VEC] = {};
     unsigned am = 0;
     if constexpr (Epi::codes) epi.begin();
-    /* FP8_CVT_PAIRS (fp8.cuh), with codes: out rounded to T in pairs, for the amax, the store (the
-     * same bits: its values are T's already) and the codes (which then take them as they are) */
-    constexpr bool ln_bwd_pairs = FP8_CVT_PAIRS && Epi::codes && VEC % 2 == 0;
+    /* With codes, converted in pairs (fp8.cuh): out rounded to T in pairs, for the amax, the store
+     * (the same bits: its values are T's already) and the codes (which then take them as they are) */
+    constexpr bool ln_bwd_pairs = Epi::codes && VEC % 2 == 0;
     for (int row = r0 + warp; row < r1; row += LN_WARPS) {
         __align__(16) T xv[PACKETS][VEC], dv[PACKETS][VEC], ov[PACKETS][VEC];
         const T* xr = x + (size_t)row * C;

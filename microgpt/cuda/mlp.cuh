@@ -15,10 +15,10 @@
 #define GELU_SCALE_F 0.7978845608028654f /* sqrt(2/pi) */
 #define GELU_CUBIC_F 0.044715f
 
-/* The GELU's tanh: CUDA's accurate tanhf (GELU_TANH_ACCURATE: every precision's GELU, a few ulps
- * from the CPU engine's glibc tanhf) or the hardware's approximation (GELU_TANH_APPROX: one
- * tanh.approx.f32, MUFU.TANH, sm_75 and up; PTX ISA: relative error at most 2^-11), which precision
- * fp8 takes in a -DFP8_GELU_FAST_TANH=1 build (fp8.cuh's FP8_GELU_TANH). */
+/* The GELU's tanh: for precision fp8 the hardware's approximation (GELU_TANH_APPROX: one
+ * tanh.approx.f32, MUFU.TANH, sm_75 and up; PTX ISA: relative error at most 2^-11; fp8.cuh's
+ * FP8_GELU_TANH says why), for every other precision and for generation (decode.cuh) CUDA's
+ * accurate tanhf (GELU_TANH_ACCURATE: a few ulps from the CPU engine's glibc tanhf). */
 enum { GELU_TANH_ACCURATE, GELU_TANH_APPROX };
 
 template <int TANH> __device__ __forceinline__ float gelu_tanh(float u) {
@@ -92,8 +92,7 @@ __global__ void k_gelu_bwd_inplace(T* __restrict__ d, const T* __restrict__ x, s
     gelu_bwd_packets<GELU_TANH_ACCURATE, T, VEC>(d, x, n, amax_bits);
 }
 
-/* The approximate tanh's kernels (fp8 only: FP8_GELU_TANH), apart so that the accurate ones keep
- * their names and code. */
+/* The approximate tanh's kernels (precision fp8's: FP8_GELU_TANH). */
 template <typename T, int VEC>
 __global__ void k_gelu_fwd_fast_tanh(T* __restrict__ out, const T* __restrict__ x, size_t n, unsigned* amax_bits) {
     await_previous_kernel();
