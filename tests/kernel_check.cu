@@ -2188,9 +2188,11 @@ int main(int argc, char** argv) {
     }
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s%s%s\n", p.name, p.major,
+    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s%s%s%s%s\n", p.name, p.major,
            p.minor, (unsigned long long)seed, (unsigned long long)seed,
            pdl_enabled() ? ", programmatic dependent launch" : "",
+           FP8_LN_FWD_WARPS != LN_WARPS ? ", the fused LayerNorm forward's warps a block set (FP8_LN_FWD_WARPS)" : "",
+           LN_FINAL_SIDE ? ", LayerNorm final sums behind the next weight gradient (LN_FINAL_SIDE)" : "",
            FP8_AMAX_IN_ADAMW ? ", the fp8 weights' amax in AdamW (FP8_AMAX_IN_ADAMW)" : "",
            FP8_LAZY_LOWP_WEIGHTS ? ", their 16-bit copy left to generation (FP8_LAZY_LOWP_WEIGHTS)" : "");
     g_state = seed;
