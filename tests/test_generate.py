@@ -301,6 +301,25 @@ def test_bad_requests_get_one_error_each_and_the_engine_carries_on(cpu_binary, t
     assert len(served.tokens("good in batch")) == 2 and len(served.tokens("last")) == 2
 
 
+def test_a_request_line_that_is_no_json_text_gets_an_error_not_an_echo(cpu_binary, trained):
+    """An id is echoed as written: a string with a bad escape or invalid UTF-8 made every reply to
+    it no JSON line, and a NUL byte hid the rest of its line. Each is one error line; every line
+    printed is UTF-8 JSON; the next request is served."""
+    bad = [b'{"id": "\\q", "prompt": [1]}', b'{"id": "\\u12", "prompt": [1]}',
+           b'{"id": "\xff\xfe", "prompt": [1]}', b'{"id": "\xed\xa0\x80", "prompt": [1]}',
+           b'{"id": "a", "prompt": [1]}\0{"prompt": [2]}']
+    good = [b'{"id": "\\u00e9\\n", "prompt": [1], "max_tokens": 1}', b'{"id": "\xc3\xa9", "prompt": [1], "max_tokens": 1}']
+    proc = subprocess.run([str(cpu_binary), "--generate", "--checkpoint", str(trained["ckpt"])],
+                          input=b"\n".join(bad + good) + b"\n", capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line.decode("utf-8")) for line in proc.stdout.splitlines()]
+    errors = [r for r in records if "error" in r]
+    assert [e["id"] for e in errors] == [None] * len(bad), records
+    assert all("malformed string" in e["error"] for e in errors[:-1])
+    assert errors[-1]["error"] == "not a request line (a NUL byte at byte 26)"
+    assert [r["id"] for r in records if r.get("done")] == ["\u00e9\n", "\u00e9"]
+
+
 def test_model_flags_come_from_the_sidecar_and_bad_setups_are_refused(cpu_binary, trained, tmp_path):
     # the sidecar gave the shape: a contradicting flag is refused by the checkpoint's size
     res = eu.run_engine(cpu_binary, ["--generate", "--checkpoint", trained["ckpt"], "--model.d_model", "64"])

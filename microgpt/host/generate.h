@@ -262,21 +262,22 @@ static int js_fail(JsonIn* j, const char* why) {
     return 0;
 }
 
-/* A JSON string starting at j->p; its content (escapes kept as written) into out when out != NULL. */
+/* A JSON string starting at j->p (RFC 8259: escapes, UTF-8; json_skip_string); its content
+ * (escapes kept as written, at most cap - 1 bytes) into out when out != NULL. An id is echoed as
+ * written, so a string that is no JSON string would make the reply no JSON line. */
 static int js_string(JsonIn* j, char* out, size_t cap) {
-    size_t n = 0;
+    const char* end;
+    size_t n;
     if (*j->p != '"') return js_fail(j, "expected a string");
-    for (j->p++; *j->p != '"'; j->p++) {
-        if (!*j->p || (unsigned char)*j->p < 0x20) return js_fail(j, "unterminated string");
-        if (*j->p == '\\') {
-            if (!j->p[1]) return js_fail(j, "unterminated string");
-            if (out && n + 1 < cap) out[n++] = *j->p;
-            j->p++;
-        }
-        if (out && n + 1 < cap) out[n++] = *j->p;
+    if (!(end = json_skip_string(j->p)))
+        return js_fail(j, "a malformed string (a bad escape, a control character, invalid UTF-8 or no closing quote)");
+    if (out) {
+        n = (size_t)(end - j->p) - 2;
+        if (n > cap - 1) n = cap - 1;
+        memcpy(out, j->p + 1, n);
+        out[n] = '\0';
     }
-    j->p++;
-    if (out) out[n] = '\0';
+    j->p = end;
     return 1;
 }
 
@@ -626,9 +627,15 @@ static void serve_batch(Server* s, int n) {
  * a batch larger than max_batch, is one error event (id null, or a lone request's id when it was
  * read before the fault); a bad request in a batch is an error event of its own and the others
  * are served. */
-static void serve_line(Server* s, const char* line) {
+static void serve_line(Server* s, const char* line, size_t len) {
     JsonIn j;
     int n = 0, i, batch;
+    if (strlen(line) != len) { /* read as a C string, the bytes past it would be dropped unseen */
+        char msg[80];
+        snprintf(msg, sizeof msg, "not a request line (a NUL byte at byte %d)", (int)strlen(line));
+        emit_gen_error("null", msg);
+        return;
+    }
     j.p = line;
     j.syntax_error = NULL;
     js_ws(&j);
@@ -696,6 +703,7 @@ static int generate_main(int argc, char** argv) {
     Server server;
     char* line = NULL;
     size_t cap = 0;
+    ssize_t len;
     int step;
     config_parse_for_checkpoint(c, argc, argv, &side);
     param_layout_init(&layout, c);
@@ -708,7 +716,7 @@ static int generate_main(int argc, char** argv) {
     info("%s engine, %s (computing in %s): %s at step %d; reading requests on stdin", engine_name(),
          c->train.precision, engine_compute_precision(c), c->checkpoint.path, step);
     server_init(&server, c);
-    while (getline(&line, &cap, stdin) >= 0) serve_line(&server, line);
+    while ((len = getline(&line, &cap, stdin)) >= 0) serve_line(&server, line, (size_t)len);
     free(line);
     server_free(&server);
     engine_shutdown();
