@@ -52,8 +52,13 @@ def _refuse_constant(name):
 def parse_json(text):
     """JSON as a browser's JSON.parse reads it: Python's json also takes NaN and Infinity, which
     would make a record that the dashboard (and any JSON reader) cannot parse look whole. A key
-    named twice in one object is refused too: the browser keeps the last, an engine the first."""
-    return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=unique_keys)
+    named twice in one object is refused too: the browser keeps the last, an engine the first.
+    Every fault is a ValueError, JSON nested too deeply for Python's json too (a RecursionError
+    otherwise, which the readers' ValueError handlers would let through as a traceback)."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=unique_keys)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def encode_record(rec):
@@ -115,7 +120,8 @@ def repair(path):
 
     Only the tail can be torn (the writer never touches earlier bytes except single flag bytes), so
     walk back from the end to the last line that holds a complete record, cut the file right after
-    that record's "}" and close the array. A valid array in another layout (e.g. pretty-printed by
+    that record's "}" and close the array; a last line that is no record with the log's closing
+    after it whole was damaged, not torn (_written_whole), and is refused. A valid array in another layout (e.g. pretty-printed by
     hand) is rewritten once into ours. Anything else is refused rather than cut, because cutting it
     would destroy someone's data."""
     with open(path, "rb") as f:
@@ -161,8 +167,20 @@ def repair(path):
         raise LossLogError(f"{path}: line {bad} is not a complete record, and a crash only tears "
                            "the end of the log: the damage is not at the end; fix the line or move "
                            "the file away (the run then starts a new log)") from None
+    if _written_whole(data[keep:]):
+        line_no = data.count(b"\n", 0, keep) + 2  # the line after the last complete record
+        raise LossLogError(f"{path}: line {line_no} is not a complete record, but the log's closing "
+                           "\"]\" follows it whole, so no crash tore it: it was damaged or edited; fix "
+                           "the line or move the file away (the run then starts a new log)")
     _truncate_and_close(path, keep)
     return f"{path}: repaired a torn tail (cut {len(data) - keep} bytes)"
+
+
+def _written_whole(tail):
+    """Whether the bytes after the last complete record are no torn write: an append writes
+    ',\n' + records + '\n]' over the old closing '\n]', so a torn one ends before its closing or
+    holds the NUL bytes a file system leaves for blocks it never wrote. Records hold no newline."""
+    return tail.rstrip(b" \t\r\n").endswith(b"\n]") and b"\0" not in tail
 
 
 def _truncate_and_close(path, size):

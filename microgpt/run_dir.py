@@ -155,7 +155,7 @@ class RunState:
             return empty
         except DuplicateKeyError as e:
             why = f"ambiguous: {e}"
-        except (ValueError, RecursionError):
+        except ValueError:
             why = "not valid JSON"
         os.replace(path, path + ".damaged")
         self.messages.append(f"warning: {path} was {why}; moved it to {path}.damaged and started anew")

@@ -153,7 +153,7 @@ def _read_json_file(root, path, kind):
     try:
         with os.fdopen(open_inside(root, path), "rb") as f:
             value = parse_json(f.read())
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError):
         return kind()
     return value if isinstance(value, kind) else kind()
 
