@@ -11,6 +11,7 @@ A list of objects (`data.sources`) is published as one flag per field of its ite
 --data.sources.i.train, and errors name it `data.sources[i].train`. A flag with `"one_of"` names
 keys of which a config gives exactly one (`data.train` or `data.sources`)."""
 import json
+import math
 import os
 import re
 
@@ -109,6 +110,8 @@ def _check_value(dotted, kind, value, flag):
         raise ConfigError(f'"{dotted}" must be {TYPE_WORDS[kind]}, not {json.dumps(value)}')
     if isinstance(value, str) and "\0" in value:  # no command-line argument can hold one
         raise ConfigError(f'"{dotted}" must not contain a NUL character')
+    if isinstance(value, float) and math.isnan(value):  # Python's json reads NaN; no range holds it
+        raise ConfigError(f'"{dotted}" must be a number, not NaN')
     if not flag:
         return
     if flag["choices"] and value not in flag["choices"]:

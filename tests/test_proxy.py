@@ -270,6 +270,11 @@ def test_every_dotted_engine_flag_is_a_config_key(flags):
     ({"train": {"steps": 2.5}}, '"train.steps" must be an integer'),
     ({"train": {"steps": 5, "schedule": "linear"}}, '"train.schedule" must be one of cosine, wsd'),
     ({"train": {"steps": 5, "beta1": 1.5}}, '"train.beta1" must be at most 0.999999, not 1.5'),
+    # Python's json reads NaN, and every range check passes it: the engine refused it after launch
+    ({"train": {"steps": 5, "lr": float("nan")}}, '"train.lr" must be a number, not NaN'),
+    ({"data": {"sources": [{"train": "a", "weight": float("nan")}]}},
+     '"data.sources[0].weight" must be a number, not NaN'),
+    ({"train": {"steps": 5, "weight_decay": float("inf")}}, '"train.weight_decay" must be at most 1e+30, not Infinity'),
     ({"train": {"steps": 0}}, '"train.steps" must be at least 1, not 0'),
     ({"data": {"train": 7}}, '"data.train" must be a glob pattern, not 7'),
     ({"model": {"d_model": 32, "n_head": 2, "seq_len": 32}}, 'missing key "model.n_layer"'),
