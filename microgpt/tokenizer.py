@@ -169,13 +169,12 @@ def parse_conversation(record, cuts=None):
     return out
 
 
-def parse_conversation_line(line, cuts=None):
-    """One JSON line (str, or bytes as read from a file) -> parse_conversation's turns. Raises
-    ValueError with a short reason (a counter key) for a line that holds none: besides
-    parse_conversation's, invalid UTF-8, a key named twice in one object, invalid JSON (also an integer of over 4300 digits, which
-    Python's json refuses) and JSON nested too deeply for it."""
+def parse_json_line(line):
+    """One JSON line (str, or bytes as read from a file) -> its value. Raises ValueError with a
+    short reason (a counter key): invalid UTF-8, a key named twice in one object, invalid JSON (also
+    an integer of over 4300 digits, which Python's json refuses) and JSON nested too deeply for it."""
     try:
-        record = json.loads(line, object_pairs_hook=unique_keys)
+        return json.loads(line, object_pairs_hook=unique_keys)
     except UnicodeDecodeError:
         raise ValueError("invalid UTF-8") from None
     except DuplicateKeyError:
@@ -184,7 +183,13 @@ def parse_conversation_line(line, cuts=None):
         raise ValueError("invalid JSON") from None
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
-    return parse_conversation(record, cuts)
+
+
+def parse_conversation_line(line, cuts=None):
+    """One JSON line (str, or bytes as read from a file) -> parse_conversation's turns. Raises
+    ValueError with a short reason (a counter key) for a line that holds none: parse_json_line's
+    and parse_conversation's."""
+    return parse_conversation(parse_json_line(line), cuts)
 
 
 def turn_problem(turn, role_key, text_key):

@@ -24,7 +24,7 @@ import sys
 from microgpt.atomic import write_json_atomic
 from microgpt.cli import ArgumentParser
 from microgpt.files import DuplicateKeyError, unique_keys
-from microgpt.tokenizer import parse_conversation
+from microgpt.tokenizer import parse_conversation, parse_json_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,16 +41,16 @@ class PullError(RuntimeError):
 # ---------------------------------------------------------------- reading records
 
 def iter_json_lines(path):
-    """Yield parsed records of a JSON-lines file; a line that is not JSON yields its error instead."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+    """Yield parsed records of a JSON-lines file; a line that holds none yields its error instead,
+    for the reasons prep-megachat.py counts (tokenizer.parse_json_line: invalid UTF-8 too, and JSON
+    nested too deeply, which was a RecursionError that ended the pull, and every re-run of it)."""
+    with open(path, "rb") as f:
         for line in f:
             if line.strip():
                 try:
-                    yield json.loads(line, object_pairs_hook=unique_keys)
-                except DuplicateKeyError:
-                    yield ValueError("a key twice in one object")
-                except json.JSONDecodeError:
-                    yield ValueError("invalid JSON")
+                    yield parse_json_line(line)
+                except ValueError as e:
+                    yield e
 
 
 def iter_local_file(path):
@@ -111,6 +111,12 @@ def iter_json_array(path, block=1 << 20):
                         yield ValueError("invalid JSON")
                         return
                     continue
+                except ValueError:  # the digits limit of int(): no block end cuts a number so long
+                    yield ValueError("invalid JSON")
+                    return
+                except RecursionError:
+                    yield ValueError("JSON nested too deeply")
+                    return
                 yield element
 
 

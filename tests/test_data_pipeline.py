@@ -155,6 +155,30 @@ def test_pull_counts_malformed_records_and_goes_on(with_bad_records, tmp_path):
     assert len(out.read_text().splitlines()) == 51
 
 
+HOSTILE_LINES = [b"[" * 100000 + b"]" * 100000, b'{"n": ' + b"7" * 5000 + b"}",
+                 b'{"conversations": [{"from": "human", "value": "\xff"}, {"from": "gpt", "value": "b"}]}']
+
+
+def test_pull_counts_hostile_records_as_prep_does_and_goes_on(chitchat, tmp_path):
+    """JSON nested too deeply for Python's json and an integer of over 4300 digits ended the pull
+    with an error, at the same record on every re-run; invalid UTF-8 was written on as U+FFFD. Each
+    is now a malformed record, counted as prep-megachat.py counts it; in a .json array too."""
+    good = chitchat["jsonl"].read_bytes().splitlines()[:2]
+    path, out = tmp_path / "hostile.jsonl", tmp_path / "out.jsonl"
+    path.write_bytes(b"\n".join([good[0], *HOSTILE_LINES, good[1]]) + b"\n")
+    res = ok(run_script("pull-hermes3", "--from-file", path, "--out", out))
+    assert ("5 records read, 2 conversations written" in res.stderr and "3 malformed (1 JSON nested too deeply, "
+            "1 invalid JSON, 1 invalid UTF-8)" in res.stderr), res.stderr
+    assert [tok.parse_conversation_line(x) for x in out.read_bytes().splitlines()] == \
+           [tok.parse_conversation_line(g) for g in good]
+    for hostile, reason in zip(HOSTILE_LINES[:2], ["JSON nested too deeply", "invalid JSON"]):
+        array, out = tmp_path / "hostile.json", tmp_path / "array.jsonl"  # the rest of an array is lost
+        array.write_bytes(b"[" + b",".join([good[0], hostile, good[1]]) + b"]")
+        out.unlink(missing_ok=True)
+        res = ok(run_script("pull-hermes3", "--from-file", array, "--out", out))
+        assert f"2 records read, 1 conversations written to {out}, 1 malformed (1 {reason})" in res.stderr, res.stderr
+
+
 def test_prep_counts_malformed_records_and_goes_on(with_bad_records, tmp_path):
     res = prep(tmp_path / "out", "--chat", with_bad_records, extra=("--min-shard-tokens", 100, "--val-permille", 200))
     manifest = json.loads((tmp_path / "out" / "megachat.manifest.json").read_text())
