@@ -442,9 +442,9 @@ def up_to_date(manifest_path, fingerprint):
     try:
         with open(manifest_path) as f:
             manifest = json.load(f, object_pairs_hook=unique_keys)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply for json
         return None
-    if manifest.get("fingerprint") != fingerprint:
+    if not isinstance(manifest, dict) or manifest.get("fingerprint") != fingerprint:
         return None
     base = os.path.dirname(manifest_path)
     shards = [s for key in ("shards",) for s in manifest.get(key, [])]

@@ -143,9 +143,9 @@ def load_progress(path, source):
     try:
         with open(path) as f:
             saved = json.load(f, object_pairs_hook=unique_keys)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply for json
         return fresh_progress(source)
-    return saved if saved.get("source") == source else fresh_progress(source)
+    return saved if isinstance(saved, dict) and saved.get("source") == source else fresh_progress(source)
 
 
 def fresh_progress(source):

@@ -276,6 +276,29 @@ def test_rerun_is_idempotent(pulled, tmp_path):
     assert shard_bytes(tmp_path) == before
 
 
+@pytest.mark.parametrize("manifest", [b"[1]", b"[" * 100000 + b"]" * 100000], ids=["array", "deep"])
+def test_a_manifest_no_object_is_rebuilt_not_a_traceback(with_bad_records, tmp_path, manifest):
+    """A manifest edited into an array (AttributeError) or nested too deeply for Python's json
+    (RecursionError) was a traceback; like any manifest that is not current, the set is rebuilt."""
+    extra, out = ("--min-shard-tokens", 100), tmp_path / "out"
+    prep(out, "--chat", with_bad_records, extra=extra)
+    before = shard_bytes(out)
+    (out / "megachat.manifest.json").write_bytes(manifest)
+    res = prep(out, "--chat", with_bad_records, extra=extra)
+    assert "up to date" not in res.stderr and shard_bytes(out) == before
+    assert json.loads((out / "megachat.manifest.json").read_text())["name"] == "megachat"
+
+
+def test_a_progress_file_no_object_starts_the_pull_over(with_bad_records, tmp_path):
+    out = tmp_path / "out.jsonl"
+    ok(run_script("pull-hermes3", "--from-file", with_bad_records, "--out", out))
+    pulled = out.read_bytes()
+    for progress in (b"[1]", b"[" * 100000 + b"]" * 100000):
+        (tmp_path / "out.jsonl.progress.json").write_bytes(progress)
+        res = ok(run_script("pull-hermes3", "--from-file", with_bad_records, "--out", out))
+        assert "57 records read, 51 conversations written" in res.stderr and out.read_bytes() == pulled
+
+
 def test_shards_are_cut_at_shard_tokens(pulled, megachat, tmp_path):
     out, _ = megachat
     prep(tmp_path, "--chat", pulled, extra=("--val-permille", 100, "--shard-tokens", 40_000))
