@@ -30,7 +30,7 @@ COMMANDS = "/reset clears the conversation, /exit quits"
 # The generation protocol's limits (docs/DESIGN.md §16), checked here so that an error names chat's
 # flag, not the engine's request field.
 TEMPERATURE_MAX = 1e30
-SEED_MAX = 2**52  # turn n samples with seed + n; the engine takes seeds up to 2^53
+SEED_MAX = 2**52  # turn n samples with seed + n; the engine takes seeds below 2^53
 
 
 def turn_tokens(role, content):

@@ -227,7 +227,7 @@ def test_a_sampling_setting_out_of_range_is_one_error_naming_the_flag(random_mod
     """--temperature nan passed the range check (every comparison with NaN is false) and went to the
     engine as the non-JSON token NaN; the engine's answer to a line it cannot read has no id, which
     the client skipped: the chat waited for ever. A value the engine refuses (a temperature above
-    1e30, a seed outside [0, 2^53], a top_k or max_tokens past 2^31 - 1) was the engine's message
+    1e30, a seed outside [0, 2^53 - 1], a top_k or max_tokens past 2^31 - 1) was the engine's message
     about its request's field ("temperature must be a number >= 0" for 1e31): chat names its flag."""
     run_dir, _, _ = random_model
     res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--prompt", "hi",

@@ -284,6 +284,8 @@ BAD = [
     ("negative temperature", {"id": "t", "prompt": [1], "temperature": -1}, "t"),
     ("top_p of zero", {"id": "p", "prompt": [1], "top_p": 0}, "p"),
     ("fractional max_tokens", {"id": "m", "prompt": [1], "max_tokens": 2.5}, "m"),
+    # Python's json reads 2^53 + 1 exactly, a double as 2^53: refused, not drawn with another seed
+    ("seed past 2^53", {"id": "big seed", "prompt": [1], "seed": 2**53 + 1}, "big seed"),
     ("stop id out of vocabulary", {"id": "s", "prompt": [1], "stop": [V]}, "s"),
     ("object id", {"id": {"a": 1}, "prompt": [1]}, None),
 ]

@@ -453,7 +453,8 @@ static int parse_request(JsonIn* j, Request* r, const Config* c) {
             ok = js_int_field(j, r, key, 0, INT_MAX, &x);
             r->top_k = (int)x;
         } else if (strcmp(key, "seed") == 0) {
-            ok = js_int_field(j, r, key, 0, 9007199254740992.0, &x);
+            /* below 2^53, where a double holds every integer: 2^53 + 1 would read as 2^53 */
+            ok = js_int_field(j, r, key, 0, 9007199254740991.0, &x);
             r->seed = (uint64_t)x;
         } else if (strcmp(key, "temperature") == 0) {
             ok = js_number(j, &r->temperature);
