@@ -114,6 +114,9 @@ def _check_value(dotted, kind, value, flag):
         raise ConfigError(f'"{dotted}" must be a number, not NaN')
     if not flag:
         return
+    if isinstance(value, str) and not _is_utf8_text(value):  # the engine's argument could not hold it
+        raise ConfigError(f'"{dotted}" holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape), which is '
+                          'no text')
     if flag["choices"] and value not in flag["choices"]:
         raise ConfigError(f'"{dotted}" must be one of {", ".join(flag["choices"])}, '
                           f'not {json.dumps(value)}')
@@ -121,6 +124,14 @@ def _check_value(dotted, kind, value, flag):
         raise ConfigError(f'"{dotted}" must be at least {flag["min"]}, not {json.dumps(value)}')
     if flag["max"] is not None and value > flag["max"]:
         raise ConfigError(f'"{dotted}" must be at most {flag["max"]}, not {json.dumps(value)}')
+
+
+def _is_utf8_text(text):
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_list(dotted, items, fields):

@@ -287,6 +287,9 @@ def test_every_dotted_engine_flag_is_a_config_key(flags):
     ({"name": 3}, '"name" must be a string'),
     # a NUL cannot be in a command-line argument: it was "proxy failed: ValueError" and exit 1
     ({"data": {"train": "a\u0000b"}}, '"data.train" must not contain a NUL character'),
+    # valid JSON, but no text: launching the engine was "proxy failed: UnicodeEncodeError", the
+    # run directory left behind
+    ({"data": {"train": "a\ud800b"}}, '"data.train" holds a lone UTF-16 surrogate'),
 ])
 def test_bad_config_is_one_clear_error_naming_the_key(exp, cpu_binary, change, message):
     """Validated before anything is launched or created: exit 2, one line, the key named."""
