@@ -114,34 +114,31 @@ def test_loss_log_refuses_a_record_no_browser_can_parse(tmp_path, constant):
         assert path.read_bytes() == damaged  # nothing was cut
 
 
-DEEP = b"[" * 100000 + b"]" * 100000  # deeper than Python's json can parse (RecursionError)
-
-
-@pytest.mark.parametrize("damage", [
-    lambda data: data.replace(b'"val_loss":3.25', b'"val_loss":NaN'),
-    lambda data: data.replace(b'"val_loss":3.25}', b'"val_loss":3.25#'),
-    lambda data: data.replace(b'"val_loss":3.25', b'"val_loss":3.25x') + b"\n",
-    lambda data: data.replace(b'"val_loss":3.25', b'"val_loss":' + DEEP),
-], ids=["nan", "byte", "byte-newline", "deep"])
-def test_loss_log_refuses_a_damaged_last_record_that_no_crash_tore(tmp_path, damage):
-    """A torn append ends before the log's closing "]" (or holds a file system's NUL bytes): a
-    last record damaged with the closing whole after it was edited, and was cut as torn, lost."""
-    path = tmp_path / "x.loss.json"
-    damaged = damage(write_log(path, 5))
+def assert_refused_untouched(path, damaged, words):
     path.write_bytes(damaged)
-    with pytest.raises(loss_log.LossLogError, match="line 7 is not a complete record.*no crash tore it"):
+    with pytest.raises(loss_log.LossLogError, match=words):
         loss_log.LossLog(str(path))
     assert path.read_bytes() == damaged  # nothing was cut
 
 
-def test_loss_log_refuses_a_record_nested_too_deeply_with_one_error(tmp_path):
-    """Python's json raised RecursionError, past every ValueError handler: a traceback."""
+DEEP = b"[" * 100000 + b"]" * 100000  # deeper than Python's json can parse (RecursionError)
+UNTORN = "line 7 is not a complete record.*no crash tore it"
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda data: data.replace(b'"val_loss":3.25', b'"val_loss":NaN'), UNTORN),
+    (lambda data: data.replace(b'"val_loss":3.25}', b'"val_loss":3.25#'), UNTORN),
+    (lambda data: data.replace(b'"val_loss":3.25', b'"val_loss":3.25x') + b"\n", UNTORN),
+    (lambda data: data.replace(b'"val_loss":3.25', b'"val_loss":' + DEEP), UNTORN),
+    (lambda data: data.replace(b'"step":2,', b'"step":2,"x":' + DEEP + b","),
+     "line 3 is not a complete record.*not at the end"),
+], ids=["nan-last", "byte-last", "byte-last-newline", "deep-last", "deep-middle"])
+def test_loss_log_refuses_damage_it_cut_as_torn_or_crashed_on(tmp_path, damage, words):
+    """A torn append ends before the log's closing "]" (or holds a file system's NUL bytes): a last
+    record damaged with the closing whole after it was edited, and was cut as torn, lost. A record
+    nested too deeply for Python's json was a RecursionError, past every ValueError handler."""
     path = tmp_path / "x.loss.json"
-    damaged = write_log(path, 5).replace(b'"step":2,', b'"step":2,"x":' + DEEP + b",")
-    path.write_bytes(damaged)
-    with pytest.raises(loss_log.LossLogError, match="line 3 is not a complete record.*not at the end"):
-        loss_log.LossLog(str(path))
-    assert path.read_bytes() == damaged
+    assert_refused_untouched(path, damage(write_log(path, 5)), words)
     with pytest.raises(ValueError, match="nested too deeply"):
         loss_log.parse_json(DEEP)
 
@@ -154,10 +151,7 @@ def test_loss_log_refuses_a_record_naming_a_key_twice(tmp_path, step):
     data = write_log(path, 5)
     damaged = data.replace(b'"step":%d,' % step, b'"step":%d,"step":9,' % step)
     assert damaged != data
-    path.write_bytes(damaged)
-    with pytest.raises(loss_log.LossLogError, match='the key "step" appears twice'):
-        loss_log.LossLog(str(path))
-    assert path.read_bytes() == damaged  # nothing was cut
+    assert_refused_untouched(path, damaged, 'the key "step" appears twice')
 
 
 def test_loss_log_refuses_to_erase_a_torn_file_in_another_layout(tmp_path):
