@@ -17,7 +17,7 @@ import requests
 from proxy_util import (NAME, PROXY, REPO, Proxy, ProxyFixtureDir, live_train, live_val,
                         proxy_env, run_to_end)
 
-from microgpt import config, engines, failure, loss_log, run_dir, supervisor
+from microgpt import config, engines, failure, loss_log, run_dir, run_view, supervisor
 from microgpt.checkpoint import checkpoint_step
 
 PROMPTS = ["A", "B"]  # GPT-2 ids 32 and 33: inside the tiny vocabulary
@@ -139,8 +139,13 @@ def test_loss_log_refuses_damage_it_cut_as_torn_or_crashed_on(tmp_path, damage, 
     nested too deeply for Python's json was a RecursionError, past every ValueError handler."""
     path = tmp_path / "x.loss.json"
     assert_refused_untouched(path, damage(write_log(path, 5)), words)
+
+
+def test_json_nested_too_deeply_is_a_value_error_to_the_log_readers():
+    """--serve's reader of a run's log (run_view) let the RecursionError through too."""
     with pytest.raises(ValueError, match="nested too deeply"):
         loss_log.parse_json(DEEP)
+    assert run_view._whole_records([b'{"live":1}', b'{"live":1,"x":' + DEEP + b"}", b'{"live":1}']) == 1
 
 
 @pytest.mark.parametrize("step", [2, 5])
