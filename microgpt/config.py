@@ -43,7 +43,7 @@ class ConfigError(ValueError):
 def read_config(path):
     """The JSON document at path (any JSON: validate_config says whether it is a config)."""
     try:
-        with open(open_regular(path)) as f:
+        with open(open_regular(path), encoding="utf-8") as f:  # JSON's, whatever the locale's
             return json.load(f, object_pairs_hook=unique_keys)
     except OSError as e:
         raise ConfigError(f"cannot read it: {e.strerror}") from None

@@ -235,6 +235,18 @@ def test_engine_args_are_the_dotted_keys(flags):
     assert args[-1] == "--resume"
 
 
+def test_a_config_is_read_as_utf8_whatever_the_locale(tmp_path):
+    """JSON is UTF-8 (RFC 8259): under an ASCII locale a config holding "é" was "not valid JSON",
+    under a Latin-1 one its strings were read as other text."""
+    path = tmp_path / "e.json"
+    path.write_bytes('{"name": "x", "description": "café"}'.encode())
+    env = {**proxy_env(), "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    res = subprocess.run([sys.executable, "-c", "import sys; from microgpt.config import read_config; "
+                          "print(ascii(read_config(sys.argv[1])['description']))", str(path)],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == ascii("café"), res.stderr
+
+
 def test_every_dotted_engine_flag_is_a_config_key(flags):
     """The config's keys come from the engine's table, not a copy: a config that sets every dotted
     flag (but the token-id prompts) validates, and each becomes exactly its own flag."""
