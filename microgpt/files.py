@@ -1,7 +1,8 @@
 """Opening input files so that nothing can hang a tool, as microgpt/host/files.h does for the
 engines: a FIFO, device or directory given where a file belongs is refused at once, where a plain
-open() of a FIFO would wait for a writer for ever. And reading JSON so that every reader takes a
-file the same way: an object that names a key twice is refused (unique_keys)."""
+open() of a FIFO would wait for a writer for ever. Reading lines in bounded memory (bounded_lines).
+And reading JSON so that every reader takes a file the same way: an object that names a key twice
+is refused (unique_keys)."""
 import errno
 import json
 import os
@@ -29,6 +30,24 @@ def open_regular(path, flags=0):
         raise NotRegularFile(errno.EINVAL, f"{file_kind(mode)}, not a regular file", path)
     os.set_blocking(fd, True)
     return fd
+
+
+def bounded_lines(f, max_bytes):
+    """The lines of a binary file f as (line, nbytes); a line over max_bytes is read in pieces,
+    never whole, and yielded as (None, nbytes): one huge line (a whole JSON array saved as JSON
+    lines) cannot take all memory."""
+    while True:
+        line = f.readline(max_bytes)
+        if not line:
+            return
+        nbytes = len(line)
+        if nbytes == max_bytes and not line.endswith(b"\n"):
+            while line and not line.endswith(b"\n"):
+                line = f.readline(max_bytes)
+                nbytes += len(line)
+            yield None, nbytes
+        else:
+            yield line, nbytes
 
 
 class DuplicateKeyError(ValueError):

@@ -52,7 +52,7 @@ import numpy as np
 from microgpt import tokenizer
 from microgpt.atomic import fsync_dir, write_json_atomic
 from microgpt.cli import ArgumentParser, fail
-from microgpt.files import unique_keys
+from microgpt.files import bounded_lines, unique_keys
 from microgpt.progress import Progress
 from microgpt.shards import HEADER_BYTES, ShardError, ShardStream, read_header, read_shard
 
@@ -132,17 +132,8 @@ class Source:
 def json_lines(f):
     """The records of a JSON-lines file as (line, "doc", nbytes); a line over MAX_RECORD_BYTES is
     read in pieces, never whole, and yielded as None (counted as too long)."""
-    while True:
-        line = f.readline(MAX_RECORD_BYTES)
-        if not line:
-            return
-        nbytes = len(line)
-        if len(line) == MAX_RECORD_BYTES and not line.endswith(b"\n"):
-            while line and not line.endswith(b"\n"):
-                line = f.readline(MAX_RECORD_BYTES)
-                nbytes += len(line)
-            yield None, "doc", nbytes
-        elif line.strip():
+    for line, nbytes in bounded_lines(f, MAX_RECORD_BYTES):
+        if line is None or line.strip():
             yield line, "doc", nbytes
 
 

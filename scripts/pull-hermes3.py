@@ -23,7 +23,7 @@ import sys
 
 from microgpt.atomic import write_json_atomic
 from microgpt.cli import ArgumentParser
-from microgpt.files import DuplicateKeyError, unique_keys
+from microgpt.files import DuplicateKeyError, bounded_lines, unique_keys
 from microgpt.tokenizer import parse_conversation, parse_json_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ID = "NousResearch/Hermes-3-Dataset"
 SHAREGPT_NAMES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
 SAVE_EVERY = 1000  # records between progress saves
-MAX_RECORD_CHARS = 32 << 20  # one array element larger than this is not read (memory stays bounded)
+MAX_RECORD_CHARS = 32 << 20  # a line or array element longer is not read whole (memory stays bounded)
 
 
 class PullError(RuntimeError):
@@ -43,10 +43,13 @@ class PullError(RuntimeError):
 def iter_json_lines(path):
     """Yield parsed records of a JSON-lines file; a line that holds none yields its error instead,
     for the reasons prep-megachat.py counts (tokenizer.parse_json_line: invalid UTF-8 too, and JSON
-    nested too deeply, which was a RecursionError that ended the pull, and every re-run of it)."""
+    nested too deeply, which was a RecursionError that ended the pull, and every re-run of it); a
+    line over MAX_RECORD_CHARS bytes is not read whole (memory stays bounded)."""
     with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
+        for line, _ in bounded_lines(f, MAX_RECORD_CHARS):
+            if line is None:
+                yield ValueError(f"record over {MAX_RECORD_CHARS >> 20} MB")
+            elif line.strip():
                 try:
                     yield parse_json_line(line)
                 except ValueError as e:

@@ -156,19 +156,21 @@ def test_pull_counts_malformed_records_and_goes_on(with_bad_records, tmp_path):
 
 
 HOSTILE_LINES = [b"[" * 100000 + b"]" * 100000, b'{"n": ' + b"7" * 5000 + b"}",
-                 b'{"conversations": [{"from": "human", "value": "\xff"}, {"from": "gpt", "value": "b"}]}']
+                 b'{"conversations": [{"from": "human", "value": "\xff"}, {"from": "gpt", "value": "b"}]}',
+                 b'{"n": "' + b"x" * (32 << 20) + b'"}']  # one line over 32 MB: not read whole
 
 
 def test_pull_counts_hostile_records_as_prep_does_and_goes_on(chitchat, tmp_path):
     """JSON nested too deeply for Python's json and an integer of over 4300 digits ended the pull
-    with an error, at the same record on every re-run; invalid UTF-8 was written on as U+FFFD. Each
-    is now a malformed record, counted as prep-megachat.py counts it; in a .json array too."""
+    with an error, at the same record on every re-run; invalid UTF-8 was written on as U+FFFD; a
+    line of any length was read whole. Each is now a malformed record, counted as prep-megachat.py
+    counts it; in a .json array too."""
     good = chitchat["jsonl"].read_bytes().splitlines()[:2]
     path, out = tmp_path / "hostile.jsonl", tmp_path / "out.jsonl"
     path.write_bytes(b"\n".join([good[0], *HOSTILE_LINES, good[1]]) + b"\n")
     res = ok(run_script("pull-hermes3", "--from-file", path, "--out", out))
-    assert ("5 records read, 2 conversations written" in res.stderr and "3 malformed (1 JSON nested too deeply, "
-            "1 invalid JSON, 1 invalid UTF-8)" in res.stderr), res.stderr
+    assert ("6 records read, 2 conversations written" in res.stderr and "4 malformed (1 JSON nested too deeply, "
+            "1 invalid JSON, 1 invalid UTF-8, 1 record over 32 MB)" in res.stderr), res.stderr
     assert [tok.parse_conversation_line(x) for x in out.read_bytes().splitlines()] == \
            [tok.parse_conversation_line(g) for g in good]
     for hostile, reason in zip(HOSTILE_LINES[:2], ["JSON nested too deeply", "invalid JSON"]):
