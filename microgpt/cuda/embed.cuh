@@ -130,39 +130,48 @@ __global__ void k_embed_positions(int* pos, int N) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < N; i += gridDim.x * blockDim.x) pos[i] = i;
 }
 
-/* How many of the n ascending values from v on are below bound: the length of the prefix below
- * it, counted EMBED_BWD_THREADS values at a time (whole block, the same result in every thread). */
-__device__ int embed_count_below(const int* v, int n, int bound) {
+/* A segment's list in the sorted pairs: how many entries from q0 on hold token tok at a position
+ * below bound (a prefix: tokens ascend, and each token's positions), counted EMBED_BWD_THREADS
+ * entries at a time; *more: whether the entry after them holds tok too. Whole block, the same
+ * results in every thread. */
+__device__ int embed_count_segment(const int* sorted_tok, const int* sorted_pos, int q0, int N, int tok, int bound,
+                                   bool* more) {
     int count = 0;
     for (;;) {
-        int q = count + threadIdx.x;
-        int below = __syncthreads_count(q < n && v[q] < bound);
-        count += below;
-        if (below < EMBED_BWD_THREADS) return count;
+        int q = q0 + count + threadIdx.x;
+        bool same = false, listed = false;
+        if (q < N) { /* both loads in flight at once */
+            int t = sorted_tok[q], position = sorted_pos[q];
+            same = t == tok;
+            listed = same && position < bound;
+        }
+        int n = __syncthreads_count(listed);
+        count += n;
+        if (n < EMBED_BWD_THREADS) { /* the entry after the prefix is in this tile (or past N) */
+            *more = __syncthreads_or(same && !listed);
+            return count;
+        }
     }
 }
 
-/* One block per sorted index s (EMBED_BWD_THREADS threads); sorted_tok ascending, sorted_pos
+/* One block per sorted entry s (EMBED_BWD_THREADS threads); sorted_tok ascending, sorted_pos
  * ascending within each token's run. Only the block at a run's start works: its token's first
- * position i = sorted_pos[s]; it takes the run's positions in k_embed_bwd_wte's segments
- * [i + k EMBED_LIST, i + (k + 1) EMBED_LIST), each segment's list straight from the run (the
- * same entries in the same order), and adds the listed rows into the token's dwte row. */
+ * position i = sorted_pos[s]. It takes the run's positions in k_embed_bwd_wte's segments
+ * [i + k EMBED_LIST, i + (k + 1) EMBED_LIST), each non-empty segment's list straight from the run
+ * (the same entries in the same order), and adds the listed rows into the token's dwte row. */
 template <typename T>
 __global__ void k_embed_bwd_wte_sorted(float* dwte, const T* dout, const int* sorted_tok, const int* sorted_pos, int N,
                                        int C) {
     await_previous_kernel();
-    int s = blockIdx.x, tok = sorted_tok[s];
+    int s = blockIdx.x, tok = sorted_tok[s], i = sorted_pos[s];
     if (s > 0 && sorted_tok[s - 1] == tok) return; /* not the run's start (block-uniform) */
-    /* the run is sorted_pos[s, s + n_run): the tokens from s on equal to tok, a prefix */
-    int n_run = embed_count_below(sorted_tok + s, N - s, tok + 1);
-    const int* run = sorted_pos + s;
     float* row = dwte + (size_t)tok * C;
-    int i = run[0];
-    for (int p = 0; p < n_run;) {
-        int seg = i + (run[p] - i) / EMBED_LIST * EMBED_LIST; /* the segment holding run[p] */
-        int n = embed_count_below(run + p, n_run - p, seg + EMBED_LIST);
-        embed_add_listed_rows(row, dout, run + p, n, C);
-        p += n;
+    bool more = true;
+    for (int q = s, seg = i; more;) {
+        int n = embed_count_segment(sorted_tok, sorted_pos, q, N, tok, seg + EMBED_LIST, &more); /* >= 1 */
+        embed_add_listed_rows(row, dout, sorted_pos + q, n, C); /* ends with a barrier */
+        q += n;
+        if (more) seg = i + (sorted_pos[q] - i) / EMBED_LIST * EMBED_LIST; /* the segment holding entry q */
     }
 }
 
