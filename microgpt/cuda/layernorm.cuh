@@ -27,6 +27,7 @@
 #define MICROGPT_CUDA_LAYERNORM_CUH
 
 #include "common.cuh"
+#include "side_stream.cuh"
 
 #define LN_EPS 1e-5f
 #define LN_WARPS 8         /* warps per block in the row kernels */
@@ -405,6 +406,26 @@ static void layernorm_bwd_final(float* dgamma, float* dbeta, const float* scratc
                   scratch, C, n_chunks, add);
 }
 
+/* A backward's final sums: at once, or with LN_FINAL_SIDE (side_stream.cuh) on the side stream
+ * behind the next weight gradient, the next backward waiting for them before it writes scratch
+ * (layernorm_bwd_scratch_free). */
+static void layernorm_bwd_final_issue(float* dgamma, float* dbeta, const float* scratch, int C, int n_chunks,
+                                      bool add) {
+#if LN_FINAL_SIDE
+    side_after_next_product(scratch, [=] { layernorm_bwd_final(dgamma, dbeta, scratch, C, n_chunks, add); });
+#else
+    layernorm_bwd_final(dgamma, dbeta, scratch, C, n_chunks, add);
+#endif
+}
+
+static void layernorm_bwd_scratch_free(const float* scratch) {
+#if LN_FINAL_SIDE
+    side_wait(scratch);
+#else
+    (void)scratch;
+#endif
+}
+
 /* The register kernel's launch for these operands: packed or not, the packets a lane holds (0: the
  * rows do not fit, the slab kernel takes them), rows a chunk, chunks. */
 struct LnBwdRegs {
@@ -429,10 +450,11 @@ static void layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, con
                           const float* mean, const float* rstd, int N, int C, float* scratch, float grad_beta,
                           unsigned* amax_bits = NULL) {
     LnBwdRegs rp = ln_bwd_regs_plan(dx, dout, x, gamma, N, C);
+    layernorm_bwd_scratch_free(scratch);
     if (rp.packets) { /* the row in registers */
         LN_LAUNCH_PACKETS(rp.packed, rp.packets, k_layernorm_bwd_regs, T, rp.n_chunks, 32 * LN_WARPS, dx, scratch,
                           dout, x, gamma, mean, rstd, N, C, rp.rows_per_chunk, amax_bits);
-        layernorm_bwd_final(dgamma, dbeta, scratch, C, rp.n_chunks, grad_beta != 0.0f);
+        layernorm_bwd_final_issue(dgamma, dbeta, scratch, C, rp.n_chunks, grad_beta != 0.0f);
         return;
     }
     int rows_per_chunk = ln_rows_per_chunk(N, LN_MAX_CHUNKS);
@@ -441,7 +463,7 @@ static void layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, con
     dim3 grid(ceil_div(C, slab_cols), n_chunks);
     LAUNCH_PACKED(rp.packed, k_layernorm_bwd, T, grid, 32 * LN_WARPS, dx, scratch, dout, x, gamma, mean, rstd, N, C,
                   rows_per_chunk, slab_cols, amax_bits);
-    layernorm_bwd_final(dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
+    layernorm_bwd_final_issue(dgamma, dbeta, scratch, C, n_chunks, grad_beta != 0.0f);
 }
 
 #endif
