@@ -1537,6 +1537,122 @@ template <typename T> static void test_fp8_quantize_jobs(const std::vector<std::
     dfree_all();
 }
 
+/* AdamW with the fp8 weights' amax folded in (adamw_amax, FP8_AMAX_IN_ADAMW): the update bit for bit
+ * adamw's, and each range's amax the bits of the standalone amax (fp8_reduce_amax, the weights'
+ * amax launch's reduction) and of cpu/fp8.h's amax of the weights it stored. The ranges start and
+ * end inside blocks (a block spans 256 packets) and inside packets, abut, leave gaps, hold one
+ * element or only zeros, and have a weight 1000 times larger just outside them. Then a skipped
+ * update (fp16's non-finite norm: weights and moments unchanged, the amax of the weights as they
+ * are), the kernel on a grid of 3 blocks (the grid-stride loop the launcher takes for more than
+ * 65535 x 8 blocks), and lazy_low (FP8_LAZY_LOWP_WEIGHTS). n: a multiple of 8 (16-byte packets) or
+ * odd (element by element). */
+static void test_adamw_amax(size_t n) {
+    Vec p = randn(n, 1.0f), g = randn(n, 0.1f), m = randn(n, 0.01f), v = randn(n, 0.01f);
+    for (float& x : v) x = x * x;
+    std::vector<std::array<size_t, 2>> spans = {{n / 40 + 3, n / 7},      {n / 7, n / 7 + 5},         {n / 7 + 9, n / 7 + 10},
+                                                {n / 3 + 1, 2 * n / 3 - 1}, {2 * n / 3 + 7, 2 * n / 3 + 700},
+                                                {n - n / 9 - 5, n}};
+    for (size_t i = spans[4][0]; i < spans[4][1]; i++) p[i] = g[i] = m[i] = v[i] = 0.0f; /* stays 0: amax 0 */
+    p[spans[3][0] - 1] = p[spans[3][1]] = 1000.0f;
+    float lr = 1e-3f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;
+    std::vector<unsigned> bits(adamw_decay_words(n), 0x5555AAAAu);
+    unsigned* d_bits = (unsigned*)dalloc(bits.size() * sizeof(unsigned));
+    CUDA_CHECK(cudaMemcpy(d_bits, bits.data(), bits.size() * sizeof(unsigned), cudaMemcpyHostToDevice));
+    UpdateCtl* d_ctl = (UpdateCtl*)dalloc(sizeof(UpdateCtl));
+    float* d_norm = (float*)dalloc(sizeof(float));
+    auto set_ctl = [&](int skip, float norm) {
+        UpdateCtl c = update_ctl(lr, 7, b1, b2, 0.5, 1.0f, skip); /* the norm 2 clips */
+        CUDA_CHECK(cudaMemcpy(d_ctl, &c, sizeof c, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(d_norm, &norm, sizeof norm, cudaMemcpyHostToDevice));
+    };
+    size_t nr = spans.size();
+    Fp8Scale* d_sc = (Fp8Scale*)dalloc(2 * nr * sizeof(Fp8Scale)); /* [0, nr): fused, [nr, 2 nr): standalone */
+    std::vector<AmaxRange> ranges(nr);
+    for (size_t r = 0; r < nr; r++) ranges[r] = {spans[r][0], spans[r][1], &d_sc[r].amax_bits};
+    AmaxRange* d_ranges = (AmaxRange*)dalloc(nr * sizeof(AmaxRange));
+    CUDA_CHECK(cudaMemcpy(d_ranges, ranges.data(), nr * sizeof(AmaxRange), cudaMemcpyHostToDevice));
+    float *p0 = upload<float>(p), *d_g = upload<float>(g), *m0 = upload<float>(m), *v0 = upload<float>(v);
+    bf16* low0 = poisoned<bf16>(n);
+    float *d_p = upload<float>(p), *d_m = upload<float>(m), *d_v = upload<float>(v);
+    bf16* d_low = poisoned<bf16>(n);
+    /* the update's bits, each range's amax against the standalone amax and the CPU's */
+    auto check_ranges = [&](const char* what) {
+        Vec stored = download(d_p, n);
+        bool same = true;
+        for (size_t r = 0; r < nr; r++) {
+            size_t lo = spans[r][0], len = spans[r][1] - lo;
+            fp8_reduce_amax(d_sc + nr + r, d_p + lo, len);
+            unsigned fused = 0, alone = 0, cpu = fp8_float_bits(fp8_amax(stored.data() + lo, len));
+            CUDA_CHECK(cudaMemcpy(&fused, &d_sc[r].amax_bits, sizeof fused, cudaMemcpyDeviceToHost));
+            CUDA_CHECK(cudaMemcpy(&alone, &d_sc[nr + r].amax_bits, sizeof alone, cudaMemcpyDeviceToHost));
+            if (fused != alone || fused != cpu) {
+                report(false, what, "range %zu [%zu, %zu): 0x%08x, standalone 0x%08x, cpu 0x%08x", r, lo, lo + len,
+                       fused, alone, cpu);
+                same = false;
+            }
+        }
+        if (same) report(true, what, "%zu ranges: the standalone amax's bits", nr);
+    };
+    auto same_state = [&](const char* what, const std::vector<Vec>& want) {
+        std::vector<Vec> got{download(d_p, n), download(d_m, n), download(d_v, n), download(d_low, n)};
+        bool same = true;
+        for (size_t k = 0; k < want.size(); k++)
+            same = same && memcmp(got[k].data(), want[k].data(), n * sizeof(float)) == 0;
+        report(same, what, same ? "p, m, v, p_low bitwise adamw's" : "p, m, v or p_low DIFFER from adamw's");
+    };
+    set_ctl(0, 2.0f);
+    adamw<bf16>(p0, d_g, m0, v0, low0, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm);
+    std::vector<Vec> want{download(p0, n), download(m0, n), download(v0, n), download(low0, n)};
+    CUDA_CHECK(cudaMemset(d_sc, 0, 2 * nr * sizeof(Fp8Scale)));
+    adamw_amax<bf16>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm, d_ranges, (int)nr, 0);
+    same_state("update", want);
+    check_ranges("amax");
+    /* skipped: the state as it was, the amax of the weights as they are */
+    set_ctl(1, INFINITY);
+    CUDA_CHECK(cudaMemset(d_sc, 0, 2 * nr * sizeof(Fp8Scale)));
+    adamw_amax<bf16>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm, d_ranges, (int)nr, 0);
+    same_state("skip", want);
+    check_ranges("skip_amax");
+    /* 3 blocks, each several spans of the grid-stride loop */
+    upload_into(d_p, p);
+    upload_into(d_m, m);
+    upload_into(d_v, v);
+    poison(d_low, n);
+    set_ctl(0, 2.0f);
+    CUDA_CHECK(cudaMemset(d_sc, 0, 2 * nr * sizeof(Fp8Scale)));
+    if (packable(n, sizeof(bf16), {d_p, d_g, d_m, d_v, d_low}))
+        launch_kernel(k_adamw_amax<bf16, PACK(bf16)>, 3, 256, d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits,
+                      d_ctl, d_norm, d_ranges, (int)nr, 0);
+    else
+        launch_kernel(k_adamw_amax<bf16, 1>, 3, 256, d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl,
+                      d_norm, d_ranges, (int)nr, 0);
+    same_state("strided", want);
+    check_ranges("strided_amax");
+    /* lazy_low (FP8_LAZY_LOWP_WEIGHTS): p_low untouched (still poisoned) where a packet lies wholly in
+     * a range, adamw's elsewhere (packets across a boundary included); the rest as before */
+    upload_into(d_p, p);
+    upload_into(d_m, m);
+    upload_into(d_v, v);
+    poison(d_low, n);
+    Vec poison_values = download(d_low, n);
+    CUDA_CHECK(cudaMemset(d_sc, 0, 2 * nr * sizeof(Fp8Scale)));
+    adamw_amax<bf16>(d_p, d_g, d_m, d_v, d_low, n, b1, b2, eps, wd, d_bits, d_ctl, d_norm, d_ranges, (int)nr, 1);
+    size_t vec = packable(n, sizeof(bf16), {d_p, d_g, d_m, d_v, d_low}) ? PACK(bf16) : 1, left = 0;
+    std::vector<Vec> lazy_want = want;
+    for (size_t e = 0; e < n; e++) {
+        size_t first = e / vec * vec;
+        for (const auto& sp : spans)
+            if (sp[0] <= first && first + vec <= sp[1]) {
+                lazy_want[3][e] = poison_values[e];
+                left++;
+            }
+    }
+    same_state("lazy_low", lazy_want);
+    report(left > n / 2, "lazy_left", "%zu of %zu 16-bit weights left unwritten", left, n);
+    check_ranges("lazy_amax");
+    dfree_all();
+}
+
 /* Random fp8 codes of n normal values of size `scale` (cast by the CPU emulation) and their values. */
 static std::vector<unsigned char> fp8_random_codes(size_t n, int fmt, Vec* values) {
     std::vector<unsigned char> q(n);
@@ -1809,6 +1925,11 @@ static void run_fp8(void) {
         set_ctx("fp8", "quantize jobs fp32 odd", fp8_name(fmt));
         test_fp8_quantize_jobs<float>({{1, 37, 36}, {3, 64, 64}, {1, 129, 200}}, fmt);
     }
+    /* packed: 12500 packets, 49 blocks; element by element: 118 blocks */
+    set_ctx("fp8", "adamw amax", "n=100000 packed");
+    test_adamw_amax(100000);
+    set_ctx("fp8", "adamw amax", "n=30011 element-wise");
+    test_adamw_amax(30011);
     set_ctx("fp8", "delayed scaling", "R=256 C=96 packed");
     test_fp8_delayed(256, 96);
     set_ctx("fp8", "delayed scaling", "R=37 C=36 element-wise");
@@ -2087,11 +2208,13 @@ int main(int argc, char** argv) {
     }
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s%s%s%s\n", p.name, p.major,
+    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s%s%s%s%s%s\n", p.name, p.major,
            p.minor, (unsigned long long)seed, (unsigned long long)seed,
            pdl_enabled() ? ", programmatic dependent launch" : "",
            FP8_LN_FWD_WARPS != LN_WARPS ? ", the fused LayerNorm forward's warps a block set (FP8_LN_FWD_WARPS)" : "",
            LN_FINAL_SIDE ? ", LayerNorm final sums behind the next weight gradient (LN_FINAL_SIDE)" : "",
+           FP8_AMAX_IN_ADAMW ? ", the fp8 weights' amax in AdamW (FP8_AMAX_IN_ADAMW)" : "",
+           FP8_LAZY_LOWP_WEIGHTS ? ", their 16-bit copy left to generation (FP8_LAZY_LOWP_WEIGHTS)" : "",
            EMBED_SORTED_LISTS ? ", the embedding backward from sorted lists (EMBED_SORTED_LISTS)" : "");
     g_state = seed;
     void* ws = dalloc(CUBLAS_WORKSPACE_BYTES);

@@ -1,4 +1,4 @@
-"""The compile-time candidate -DEMBED_SORTED_LISTS=1 (docs/BENCHMARKS.md #91): the token embedding's
+"""The compile-time candidate -DEMBED_SORTED_LISTS=1 (docs/BENCHMARKS.md #93): the token embedding's
 backward from a stable sort of (token, position) pairs instead of each token's scan of the later
 positions, which must leave every bit as the default build's. Its build (build/microgpt_cuda_embsort,
 build/kernel_check_embsort) must pass kernel_check, whose `sorted=scan` lines compare its dwte with

@@ -8,7 +8,9 @@
  * produces the operand (LayerNorm, GELU, flash attention: common.cuh's block_amax_commit), from
  * that kernel, saving a full read. Every cast has its own Fp8Scale, whose amax is zeroed before
  * (fp8_zero_scales, one memset for many). The weights' casts (all layers) run as one list: one amax launch, one cast
- * launch (fp8_quantize_jobs). Current scaling: such a cast uses the amax of the tensor it casts.
+ * launch (fp8_quantize_jobs; the candidate FP8_AMAX_IN_ADAMW takes the amax after an update in
+ * AdamW instead, optimizer.cuh, and launches only the cast, fp8_cast_jobs). Current scaling: such a
+ * cast uses the amax of the tensor it casts.
  * In training, the layers' activations and activation gradients are cast at a delayed scale
  * instead (Fp8CastJob's hist, k_fp8_history_push; docs/DESIGN.md §18), whose histories are
  * checkpoint state; known beforehand, the scale lets their producers write the codes (the
@@ -944,14 +946,19 @@ static Fp8CastJobs<T> fp8_jobs_upload(Fp8CastJob<T>* host, int n, Fp8CastJob<T>*
     return js;
 }
 
+/* Every job of the list cast at the amax already in its sc (one launch). */
+template <typename T> static void fp8_cast_jobs(const Fp8CastJobs<T>& js) {
+    if (js.packed) launch_kernel(k_fp8_cast_jobs<T>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
+    else launch_kernel(k_fp8_cast_jobs_unpacked<T>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
+}
+
 /* Every job of the list: amax (each job's sc zeroed before), then cast. */
 #define FP8_JOB_AMAX_BLOCKS 128u /* per job: the weights' jobs together fill the GPU many times */
 template <typename T> static void fp8_quantize_jobs(const Fp8CastJobs<T>& js) {
     unsigned per_job = elementwise_grid(js.max_elems / (js.packed ? PACK(T) : 1), FP8_AMAX_BLOCK);
     dim3 grid(per_job < FP8_JOB_AMAX_BLOCKS ? per_job : FP8_JOB_AMAX_BLOCKS, js.n);
     LAUNCH_PACKED(js.packed, k_fp8_amax_jobs, T, grid, FP8_AMAX_BLOCK, js.dev);
-    if (js.packed) launch_kernel(k_fp8_cast_jobs<T>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
-    else launch_kernel(k_fp8_cast_jobs_unpacked<T>, js.tiles, FP8_CAST_THREADS, js.dev, js.n);
+    fp8_cast_jobs(js);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

@@ -114,6 +114,114 @@ __global__ void k_adamw(float* __restrict__ p, const float* __restrict__ g, floa
     }
 }
 
+/* FP8_AMAX_IN_ADAMW (candidate, make KERNEL_VARIANTS=-DFP8_AMAX_IN_ADAMW=1; docs/DESIGN.md §18):
+ * precision fp8's update takes the amax of each fp8 weight's new fp32 master values in AdamW, which
+ * holds them in registers, instead of a separate launch that reads the masters once more before
+ * their cast. The cast reads the values AdamW stored, so the amax, the scale and the codes are
+ * the same bit for bit. */
+#ifndef FP8_AMAX_IN_ADAMW
+#define FP8_AMAX_IN_ADAMW 0
+#endif
+/* FP8_LAZY_LOWP_WEIGHTS (candidate, with FP8_AMAX_IN_ADAMW; docs/DESIGN.md §18): nor does that
+ * AdamW write the 16-bit copy of the fp8 weights, which in fp8 training only generation reads; the
+ * engine converts the copy before generation after an update instead (refresh_stale_lowp_weights). */
+#ifndef FP8_LAZY_LOWP_WEIGHTS
+#define FP8_LAZY_LOWP_WEIGHTS 0
+#endif
+#if FP8_LAZY_LOWP_WEIGHTS && !FP8_AMAX_IN_ADAMW
+#error "FP8_LAZY_LOWP_WEIGHTS=1 needs FP8_AMAX_IN_ADAMW=1 (its AdamW kernel)"
+#endif
+
+/* k_adamw's update of the VEC parameters at i, leaving the new weights in pv; lr, c1, c2, u:
+ * UpdateCtl's; clip: scale the gradient by clip_s. k_adamw keeps its own copy of these lines, so
+ * that its machine code stays what it was while this is a candidate (inlined here, the compiler
+ * arranges the loop differently); kernel_check ("adamw amax") asserts the two agree bit for bit. */
+template <typename T, int VEC>
+__device__ __forceinline__ void adamw_packet(float (&pv)[VEC], size_t i, float* __restrict__ p,
+                                             const float* __restrict__ g, float* __restrict__ m,
+                                             float* __restrict__ v, T* __restrict__ p_low, float beta1, float beta2,
+                                             float eps, float wd, const unsigned* __restrict__ decay_bits, float lr,
+                                             float c1, float c2, float u, int clip, float clip_s) {
+    float gv[VEC], mv[VEC], vv[VEC];
+    load_vec(gv, g + i);
+    load_vec(mv, m + i);
+    load_vec(vv, v + i);
+    load_vec(pv, p + i);
+    unsigned bits = decay_bits[i / 32] >> (i % 32);
+    for (int k = 0; k < VEC; k++) {
+        float gi = gv[k] * u, wdk = (bits >> k) & 1u ? wd : 0.0f;
+        if (clip) gi *= clip_s;
+        mv[k] = beta1 * mv[k] + (1.0f - beta1) * gi;
+        vv[k] = beta2 * vv[k] + (1.0f - beta2) * gi * gi;
+        pv[k] -= lr * ((mv[k] / c1) / (sqrtf(vv[k] / c2) + eps) + wdk * pv[k]);
+    }
+    store_vec(m + i, mv);
+    store_vec(v + i, vv);
+    store_vec(p + i, pv);
+    if (p_low) store_vec(p_low + i, pv);
+}
+
+/* Parameters [lo, hi) whose amax (cuda/fp8.cuh: the maximum of the fp32 bit patterns of |x|) goes
+ * to *amax_bits: one fp8 weight cast's input. A list of them is sorted by lo and disjoint, and
+ * every hi is at most the parameter count. */
+struct AmaxRange {
+    size_t lo, hi;
+    unsigned* amax_bits;
+};
+
+/* The first range of the list that ends after parameter i (n_ranges if none). */
+__device__ __forceinline__ int amax_range_after(const AmaxRange* __restrict__ ranges, int n_ranges, size_t i) {
+    int lo = 0, hi = n_ranges;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (ranges[mid].hi > i) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
+/* k_adamw, and the amax of the new weights of every range into its amax_bits (zeroed before): each
+ * block walks its span of blockDim.x packets, and for every range the span meets, folds the amax of
+ * the values its threads hold in that range and commits it once (block_amax_commit). A skipped
+ * update (a non-finite norm in fp16) leaves the weights as they are and takes their amax, so the
+ * cast after it finds the scales it would find after a separate amax pass. lazy_low
+ * (FP8_LAZY_LOWP_WEIGHTS): p_low is not written where a packet lies wholly in a range. Bounded to
+ * 4 blocks of 256 threads a multiprocessor, k_adamw's occupancy (ptxas, sm_90a, bf16 packed: 59
+ * registers, no spills; unbounded 66, which leaves 3). */
+template <typename T, int VEC>
+__global__ void __launch_bounds__(256, 4) k_adamw_amax(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                             float* __restrict__ v, T* __restrict__ p_low, size_t n, float beta1, float beta2,
+                             float eps, float wd, const unsigned* __restrict__ decay_bits, const UpdateCtl* ctl,
+                             const float* norm, const AmaxRange* __restrict__ ranges, int n_ranges,
+                             int lazy_low) {
+    await_previous_kernel();
+    float nrm = *norm;
+    bool skip = ctl->skip_nonfinite && !isfinite(nrm);
+    int clip = ctl->clip > 0.0f && nrm > ctl->clip;
+    float clip_s = clip ? (float)((double)ctl->clip / (double)nrm) : 1.0f;
+    float lr = ctl->lr, c1 = ctl->c1, c2 = ctl->c2, u = ctl->unscale;
+    size_t span = (size_t)blockDim.x * VEC;
+    for (size_t base = blockIdx.x * span; base < n; base += (size_t)gridDim.x * span) {
+        size_t i = base + threadIdx.x * VEC, end = base + span < n ? base + span : n;
+        int first = amax_range_after(ranges, n_ranges, base); /* of the ranges the span meets */
+        T* low = p_low;
+        for (int r = first; lazy_low && r < n_ranges && ranges[r].lo < end; r++)
+            if (ranges[r].lo <= i && i + VEC <= ranges[r].hi) low = NULL;
+        float pv[VEC];
+        if (i < n && skip) load_vec(pv, p + i);
+        else if (i < n)
+            adamw_packet<T, VEC>(pv, i, p, g, m, v, low, beta1, beta2, eps, wd, decay_bits, lr, c1, c2, u, clip, clip_s);
+        for (int r = first; r < n_ranges && ranges[r].lo < end; r++) {
+            size_t lo = ranges[r].lo, hi = ranges[r].hi;
+            bool whole = lo <= i && i + VEC <= hi; /* the packet lies in the range (so i < n) */
+            unsigned a = 0;
+            for (int k = 0; k < VEC; k++)
+                if (whole || (i + k >= lo && i + k < hi)) a = max(a, abs_bits(pv[k]));
+            block_amax_commit(ranges[r].amax_bits, a); /* block-uniform: every thread walks the same ranges */
+        }
+    }
+}
+
 template <typename T>
 __global__ void k_convert(T* out, const float* in, size_t n) {
     await_previous_kernel();
@@ -149,6 +257,19 @@ static void adamw(float* p, const float* g, float* m, float* v, T* p_low, size_t
     bool packed = packable(n, sizeof(T), {p, g, m, v, p_low});
     LAUNCH_PACKED_ELEMENTWISE(packed, k_adamw, T, n, p, g, m, v, p_low, n, beta1, beta2, eps, wd, decay_bits, ctl,
                               norm);
+}
+
+/* adamw, with the amax of the new weights of each of ranges[0..n_ranges) (device memory, sorted,
+ * disjoint: AmaxRange) into its amax_bits, which must be 0 before (FP8_AMAX_IN_ADAMW); lazy_low:
+ * p_low left alone where a packet lies wholly in a range (FP8_LAZY_LOWP_WEIGHTS). The same grid
+ * and packets as adamw. */
+template <typename T>
+static void adamw_amax(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float beta1, float beta2,
+                       float eps, float wd, const unsigned* decay_bits, const UpdateCtl* ctl, const float* norm,
+                       const AmaxRange* ranges, int n_ranges, int lazy_low) {
+    bool packed = packable(n, sizeof(T), {p, g, m, v, p_low});
+    LAUNCH_PACKED_ELEMENTWISE(packed, k_adamw_amax, T, n, p, g, m, v, p_low, n, beta1, beta2, eps, wd, decay_bits, ctl,
+                              norm, ranges, n_ranges, lazy_low);
 }
 
 template <typename T>
