@@ -3,8 +3,9 @@
  * forward, LayerNorm backward (dx and the dgamma/dbeta partials, then their final sum), both also
  * as precision fp8 runs them (taking their output's amax), the loss rows of a step (softmax, loss
  * and dlogits in place, chunk by chunk as the engine's 512 MiB logits chunks), AdamW over every
- * parameter, and the gradient norm (partials and final sum). A measurement tool for changes to
- * microgpt/cuda/layernorm.cuh, loss.cuh and optimizer.cuh; not part of the engine or the tests
+ * parameter, the gradient norm (partials and final sum), and the embedding backward (on uniform
+ * and on text-like tokens). A measurement tool for changes to microgpt/cuda/layernorm.cuh,
+ * loss.cuh, optimizer.cuh and embed.cuh; not part of the engine or the tests
  * (tests/kernel_check.cu checks the kernels' values).
  *
  *   build:   make rowk-bench       (build/rowk_bench, with the engine's flags)
@@ -20,6 +21,7 @@
  * the same bits, and the time it takes in one micro-batch's step (25 LayerNorm launches each way
  * at 120M, 13 at 12M; the norm and AdamW once per update). Inputs come from a fixed counter-based
  * hash, the same in every build. */
+#include "../microgpt/cuda/embed.cuh"
 #include "../microgpt/cuda/layernorm.cuh"
 #include "../microgpt/cuda/loss.cuh"
 #include "../microgpt/cuda/optimizer.cuh"
@@ -169,6 +171,41 @@ template <typename T> static void bench_loss(const Model& m) {
         CUDA_CHECK(cudaFree(p));
 }
 
+/* The embedding backward (dwte += and dwpe =) of a step, on tokens drawn uniformly from the
+ * vocabulary (zipf 0: the timing runs' random shards) or log-uniformly (zipf 1: P(token k) ~ 1/(k+1),
+ * as word frequencies in text go: a few tokens hold hundreds of positions). Bytes: dout read once,
+ * each touched dwte row read and written, dwpe written. Later launches keep adding into dwte: the
+ * same work. */
+template <typename T> static void bench_embed_bwd(const Model& m, int zipf) {
+    std::vector<int> t(m.N);
+    std::vector<char> seen(m.V, 0);
+    size_t distinct = 0;
+    for (int i = 0; i < m.N; i++) {
+        uint64_t z = (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 31)) * 0xBF58476D1CE4E5B9ull;
+        double u = (double)(z >> 11) / 9007199254740992.0; /* [0, 1) */
+        t[i] = zipf ? (int)(exp(u * log((double)m.V))) - 1 : (int)(u * m.V);
+        distinct += !seen[t[i]];
+        seen[t[i]] = 1;
+    }
+    int* tokens = device_buffer<int>(m.N);
+    CUDA_CHECK(cudaMemcpy(tokens, t.data(), m.N * sizeof(int), cudaMemcpyHostToDevice));
+    size_t nc = (size_t)m.N * m.C;
+    T* dout = random_buffer<T>(nc, 1.0f);
+    float *dwte = device_buffer<float>((size_t)m.Vp * m.C), *dwpe = device_buffer<float>((size_t)m.T * m.C);
+    CUDA_CHECK(cudaMemsetAsync(dwte, 0, (size_t)m.Vp * m.C * 4, g_stream));
+    char* scratch = device_buffer<char>(embed_bwd_scratch_bytes(m.V, m.N));
+    int B = m.N / m.T;
+    auto bwd = [&]() { embed_bwd<T>(dwte, dwpe, dout, tokens, scratch, m.V, B, m.T, m.C, 0.0f); };
+    bwd();
+    Hash h;
+    h.add(dwte, (size_t)m.Vp * m.C * 4);
+    h.add(dwpe, (size_t)m.T * m.C * 4);
+    double bytes = (double)nc * sizeof(T) + 8.0 * distinct * m.C + 4.0 * m.T * m.C;
+    report(m, zipf ? "embed_bwd_zipf" : "embed_bwd", time_median_us(bwd, REPS), bytes, h, 1);
+    for (void* p : {(void*)tokens, (void*)dout, (void*)dwte, (void*)dwpe, (void*)scratch}) CUDA_CHECK(cudaFree(p));
+}
+
 /* The update over every parameter: the norm (partials, final), then AdamW with the 16-bit copy. */
 template <typename T> static void bench_update(const Model& m) {
     size_t P = n_params(m);
@@ -219,6 +256,8 @@ int main() {
         bench_layernorm<bf16>(m);
         bench_loss<bf16>(m);
         bench_update<bf16>(m);
+        bench_embed_bwd<bf16>(m, 0);
+        bench_embed_bwd<bf16>(m, 1);
     }
     CUDA_CHECK(cudaStreamDestroy(g_stream));
     return 0;

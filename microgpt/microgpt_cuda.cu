@@ -194,7 +194,7 @@ static struct {
     float* ln_partial;
     float* norm_partial;
     int* tok;     /* device: inputs [N] | targets [N] */
-    int* embed_first; /* [V] the embedding backward's first position of each token */
+    void* embed_scratch; /* the embedding backward's (embed_bwd_scratch_bytes) */
     StepIO* io;   /* device: per-call inputs and outputs of the graphs */
     void* cublas_ws;
     void* side_ws; /* use_side_stream: the side stream's cuBLAS workspace */
@@ -316,7 +316,7 @@ static void plan_buffers(size_t* used) {
     E.ln_partial = (float*)carve(G_SCRATCH, layernorm_scratch_floats(E.C) * 4, used);
     E.norm_partial = (float*)carve(G_SCRATCH, NORM_BLOCKS * 4, used);
     E.tok = (int*)carve(G_SCRATCH, 2 * N * 4, used);
-    E.embed_first = (int*)carve(G_SCRATCH, (size_t)E.V * 4, used);
+    E.embed_scratch = carve(G_SCRATCH, embed_bwd_scratch_bytes(E.V, E.N), used);
     E.io = (StepIO*)carve(G_SCRATCH, sizeof(StepIO), used);
     E.dec_x = carve(G_SCRATCH, S * C * es, used);
     E.dec_res1 = carve(G_SCRATCH, S * C * es, used);
@@ -862,7 +862,7 @@ static void backward(void) {
                                         a.ln1_mean, a.ln1_rstd, l - 1, FP8_W_2);
     }
     side_join();
-    embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_first, E.V, B, Tn, C, gb);
+    embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_scratch, E.V, B, Tn, C, gb);
 }
 
 /* Runs `record` (the device work of one call, everything on g_stream) as a CUDA graph: captured

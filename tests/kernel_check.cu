@@ -302,10 +302,11 @@ static std::string shape_str(const Shape& s) {
 /* ---------------------------------------------------------------------------------------------- */
 /* The tests. Each draws its inputs, computes the CPU reference, runs the GPU pair, compares. */
 
-template <typename T> static void test_embed(const Shape& s, Tol tol) {
+/* tokens from the first token_range of the vocabulary (by default a quarter: many repeats, so dwte
+ * rows sum several positions; 1: one token everywhere) */
+template <typename T> static void test_embed(const Shape& s, Tol tol, int token_range = 0) {
     int N = s.B * s.T, C = s.C;
-    /* tokens from a quarter of the vocabulary: many repeats, so dwte rows sum several positions */
-    std::vector<int> tokens = rand_ints(N, s.V / 4 > 1 ? s.V / 4 : 2);
+    std::vector<int> tokens = rand_ints(N, token_range > 0 ? token_range : s.V / 4 > 1 ? s.V / 4 : 2);
     Vec wte = randn((size_t)s.Vp * C, 0.5f), wpe = randn((size_t)s.T * C, 0.5f);
     Vec out_c((size_t)N * C);
     embed_forward(out_c.data(), tokens.data(), wte.data(), wpe.data(), s.B, s.T, C);
@@ -321,18 +322,26 @@ template <typename T> static void test_embed(const Shape& s, Tol tol) {
     Vec dwte0 = prefill_like<float>(dwte_inc), dwpe0 = prefill_like<float>(dwpe_inc);
     T* d_dout = upload<T>(dout);
     float *d_dwte = upload<float>(dwte0), *d_dwpe = upload<float>(dwpe0);
-    int* d_first = poisoned<int>(s.V);
+    int* d_scratch = poisoned<int>(ceil_div(embed_bwd_scratch_bytes(s.V, N), sizeof(int)));
     for (float gb : GRAD_BETAS) { /* dwte always adds (the classifier wrote it first); dwpe by gb */
         auto gpu = [&]() {
             upload_into(d_dwte, dwte0);
             init_grad(d_dwpe, dwpe0, gb);
-            embed_bwd<T>(d_dwte, d_dwpe, d_dout, d_tok, d_first, s.V, s.B, s.T, C, gb);
+            embed_bwd<T>(d_dwte, d_dwpe, d_dout, d_tok, d_scratch, s.V, s.B, s.T, C, gb);
             return std::vector<Vec>{download(d_dwte, wte.size()), download(d_dwpe, wpe.size())};
         };
         std::vector<Vec> r1 = gpu(), r2 = gpu();
         check("dwte", r1[0], plus(dwte0, dwte_inc), tol.prod, &dwte0);
         check_grad("dwpe", r1[1], dwpe_inc, dwpe0, gb, tol.prod);
         check_same("determ", r1, r2);
+#if EMBED_SORTED_LISTS
+        /* the candidate's promise: every bit of the scanning kernel's dwte (docs/DESIGN.md §9) */
+        upload_into(d_dwte, dwte0);
+        embed_bwd_wte_scan<T>(d_dwte, d_dout, d_tok, poisoned<int>(s.V), s.V, N, C);
+        Vec scan = download(d_dwte, wte.size());
+        bool same = memcmp(scan.data(), r1[0].data(), scan.size() * sizeof(float)) == 0;
+        report(same, "sorted=scan", same ? "dwte bitwise identical to the scanning kernel's" : "dwte DIFFERENT bits");
+#endif
     }
     dfree_all();
 }
@@ -2123,6 +2132,17 @@ template <typename T> static void run_precision(void) {
         Shape wide = {3, 800, 300, 4, 8, 17, 17, 8};
         set_ctx(prec, "embed", shape_str(wide).c_str());
         test_embed<T>(wide, tol);
+        /* one token everywhere, B·T not a multiple of the block and above 2 EMBED_LIST: one list of
+         * several segments, the last one partial; then two tokens */
+        Shape one = {3, 1531, 72, 4, 8, 5, 5, 8};
+        for (int range : {1, 2}) {
+            set_ctx(prec, range == 1 ? "embed one token" : "embed two tokens", shape_str(one).c_str());
+            test_embed<T>(one, tol, range);
+        }
+        /* a GPT-2 vocabulary and ANDREA-120M's B·T, tokens from all of it: every key bit sorted */
+        Shape vocab = {8, 1024, 64, 4, 8, 50304, 50304, 8};
+        set_ctx(prec, "embed", shape_str(vocab).c_str());
+        test_embed<T>(vocab, tol, vocab.V);
     }
     /* rows up to LN_SLAB_COLS of several packets a lane (SHAPES' rows are one): the LayerNorm
      * backward's register kernel with 2 to LN_REG_PACKETS packets, some lanes one fewer (392), in
@@ -2188,13 +2208,14 @@ int main(int argc, char** argv) {
     }
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s%s%s%s%s\n", p.name, p.major,
+    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s%s%s%s%s%s\n", p.name, p.major,
            p.minor, (unsigned long long)seed, (unsigned long long)seed,
            pdl_enabled() ? ", programmatic dependent launch" : "",
            FP8_LN_FWD_WARPS != LN_WARPS ? ", the fused LayerNorm forward's warps a block set (FP8_LN_FWD_WARPS)" : "",
            LN_FINAL_SIDE ? ", LayerNorm final sums behind the next weight gradient (LN_FINAL_SIDE)" : "",
            FP8_AMAX_IN_ADAMW ? ", the fp8 weights' amax in AdamW (FP8_AMAX_IN_ADAMW)" : "",
-           FP8_LAZY_LOWP_WEIGHTS ? ", their 16-bit copy left to generation (FP8_LAZY_LOWP_WEIGHTS)" : "");
+           FP8_LAZY_LOWP_WEIGHTS ? ", their 16-bit copy left to generation (FP8_LAZY_LOWP_WEIGHTS)" : "",
+           EMBED_SORTED_LISTS ? ", the embedding backward from sorted lists (EMBED_SORTED_LISTS)" : "");
     g_state = seed;
     void* ws = dalloc(CUBLAS_WORKSPACE_BYTES);
     g_allocs.clear(); /* the workspace lives for the whole run */

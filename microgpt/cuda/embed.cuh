@@ -12,13 +12,29 @@
  * make a frequent token (hundreds of positions in real text) one long chain of dependent loads.
  * dwpe[t] has one term per sequence, summed in b order.
  *
+ * EMBED_SORTED_LISTS=1 (a speed candidate, docs/DESIGN.md §9; off by default) finds the same
+ * lists without the owner's scan of every later position (O(positions x distinct tokens)): a
+ * stable radix sort of (token, position) pairs (CUB's, deterministic) gives each token's positions
+ * in one ascending run; the block at the run's start (the token's first position, as above) cuts
+ * the run into the same EMBED_LIST-position segments and sums them with the same
+ * embed_add_listed_rows: the same additions in the same order, the same bits.
+ *
  * Kernels: k_embed_fwd; the backward (k_embed_bwd) is k_embed_first_position, then
- * k_embed_bwd_wte and k_embed_bwd_wpe. The engine calls embed_fwd / embed_bwd.
+ * k_embed_bwd_wte and k_embed_bwd_wpe (with EMBED_SORTED_LISTS: k_embed_positions, the sort,
+ * k_embed_bwd_wte_sorted and k_embed_bwd_wpe). The engine calls embed_fwd / embed_bwd, with
+ * embed_bwd_scratch_bytes of scratch.
  */
 #ifndef MICROGPT_CUDA_EMBED_CUH
 #define MICROGPT_CUDA_EMBED_CUH
 
 #include "common.cuh"
+
+#ifndef EMBED_SORTED_LISTS
+#define EMBED_SORTED_LISTS 0
+#endif
+#if EMBED_SORTED_LISTS
+#include <cub/device/device_radix_sort.cuh>
+#endif
 
 #define EMBED_BWD_THREADS 256
 #define EMBED_LIST 2048 /* positions per segment of the backward's match list (a multiple of the block) */
@@ -107,6 +123,86 @@ __global__ void k_embed_bwd_wte(float* dwte, const T* dout, const int* tokens, c
     }
 }
 
+#if EMBED_SORTED_LISTS
+/* pos[i] = i: the values the sort carries with the tokens. */
+__global__ void k_embed_positions(int* pos, int N) {
+    await_previous_kernel();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < N; i += gridDim.x * blockDim.x) pos[i] = i;
+}
+
+/* A segment's list in the sorted pairs: how many entries from q0 on hold token tok at a position
+ * below bound (a prefix: tokens ascend, and each token's positions), counted EMBED_BWD_THREADS
+ * entries at a time; *more: whether the entry after them holds tok too. Whole block, the same
+ * results in every thread. */
+__device__ int embed_count_segment(const int* sorted_tok, const int* sorted_pos, int q0, int N, int tok, int bound,
+                                   bool* more) {
+    int count = 0;
+    for (;;) {
+        int q = q0 + count + threadIdx.x;
+        bool same = false, listed = false;
+        if (q < N) { /* both loads in flight at once */
+            int t = sorted_tok[q], position = sorted_pos[q];
+            same = t == tok;
+            listed = same && position < bound;
+        }
+        int n = __syncthreads_count(listed);
+        count += n;
+        if (n < EMBED_BWD_THREADS) { /* the entry after the prefix is in this tile (or past N) */
+            *more = __syncthreads_or(same && !listed);
+            return count;
+        }
+    }
+}
+
+/* One block per sorted entry s (EMBED_BWD_THREADS threads); sorted_tok ascending, sorted_pos
+ * ascending within each token's run. Only the block at a run's start works: its token's first
+ * position i = sorted_pos[s]. It takes the run's positions in k_embed_bwd_wte's segments
+ * [i + k EMBED_LIST, i + (k + 1) EMBED_LIST), each non-empty segment's list straight from the run
+ * (the same entries in the same order), and adds the listed rows into the token's dwte row. */
+template <typename T>
+__global__ void k_embed_bwd_wte_sorted(float* dwte, const T* dout, const int* sorted_tok, const int* sorted_pos, int N,
+                                       int C) {
+    await_previous_kernel();
+    int s = blockIdx.x, tok = sorted_tok[s], i = sorted_pos[s];
+    if (s > 0 && sorted_tok[s - 1] == tok) return; /* not the run's start (block-uniform) */
+    float* row = dwte + (size_t)tok * C;
+    bool more = true;
+    for (int q = s, seg = i; more;) {
+        int n = embed_count_segment(sorted_tok, sorted_pos, q, N, tok, seg + EMBED_LIST, &more); /* >= 1 */
+        embed_add_listed_rows(row, dout, sorted_pos + q, n, C); /* ends with a barrier */
+        q += n;
+        if (more) seg = i + (sorted_pos[q] - i) / EMBED_LIST * EMBED_LIST; /* the segment holding entry q */
+    }
+}
+
+/* Token keys' significant bits: tokens are below V. */
+static int embed_token_bits(int V) {
+    int bits = 1;
+    while (bits < 31 && (1 << bits) < V) bits++;
+    return bits;
+}
+
+/* The sort's layout in the scratch: positions, sorted tokens, sorted positions (N ints each, every
+ * array 256-byte aligned), then CUB's temporary storage (cub_bytes). */
+static size_t embed_ints_bytes(int N) { return ((size_t)N * sizeof(int) + 255) & ~(size_t)255; }
+
+static size_t embed_sort_bytes(int V, int N) {
+    size_t cub_bytes = 0;
+    CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, (const unsigned*)nullptr, (unsigned*)nullptr,
+                                               (const int*)nullptr, (int*)nullptr, N, 0, embed_token_bits(V)));
+    return cub_bytes;
+}
+
+/* The backward's scratch in bytes: the sort's arrays and storage. */
+static size_t embed_bwd_scratch_bytes(int V, int N) { return 3 * embed_ints_bytes(N) + embed_sort_bytes(V, N); }
+#else
+/* The backward's scratch in bytes: each token's first position. */
+static size_t embed_bwd_scratch_bytes(int V, int N) {
+    (void)N;
+    return (size_t)V * sizeof(int);
+}
+#endif
+
 /* One thread per (t, c); writes (add 0) or adds (add 1) the sum. */
 template <typename T>
 __global__ void k_embed_bwd_wpe(float* dwpe, const T* dout, int B, int T_, int C, int add) {
@@ -126,16 +222,47 @@ static void embed_fwd(T* out, const int* tokens, const float* wte, const float* 
     launch_kernel(k_embed_fwd<T>, elementwise_grid(n, 256), 256, out, tokens, wte, wpe, B * T_, T_, C);
 }
 
-/* dwte += (always: the classifier's product writes it first, loss.cuh) and dwpe = / += by
- * grad_beta, from dout [B*T, C]; tokens [B*T] are the batch's input tokens (device), all below V;
- * first is scratch of V ints. */
+/* dwte += the token rows' sums by k_embed_bwd_wte; first is scratch of V ints. */
 template <typename T>
-static void embed_bwd(float* dwte, float* dwpe, const T* dout, const int* tokens, int* first, int V, int B, int T_,
-                      int C, float grad_beta) {
-    int N = B * T_;
+static void embed_bwd_wte_scan(float* dwte, const T* dout, const int* tokens, int* first, int V, int N, int C) {
     CUDA_CHECK(cudaMemsetAsync(first, 0x7f, (size_t)V * sizeof(int), g_stream)); /* 0x7f7f7f7f > any position */
     launch_kernel(k_embed_first_position, ceil_div(N, 256), 256, first, tokens, N);
     launch_kernel(k_embed_bwd_wte<T>, N, EMBED_BWD_THREADS, dwte, dout, tokens, first, N, C);
+}
+
+#if EMBED_SORTED_LISTS
+/* dwte += the token rows' sums by k_embed_bwd_wte_sorted, the same bits as embed_bwd_wte_scan;
+ * scratch holds embed_bwd_scratch_bytes(V, N) bytes (256-byte aligned). Every call is a stream
+ * operation (CUB's sort included), so a CUDA graph can capture it. */
+template <typename T>
+static void embed_bwd_wte_sorted(float* dwte, const T* dout, const int* tokens, void* scratch, int V, int N, int C) {
+    char* at = (char*)scratch;
+    int* pos = (int*)at;
+    int* sorted_tok = (int*)(at + embed_ints_bytes(N));
+    int* sorted_pos = (int*)(at + 2 * embed_ints_bytes(N));
+    size_t cub_bytes = embed_sort_bytes(V, N);
+    launch_kernel(k_embed_positions, ceil_div(N, 256), 256, pos, N);
+    /* stable: each token's positions stay ascending; tokens compared as unsigned (all >= 0) */
+    CUDA_CHECK(cub::DeviceRadixSort::SortPairs(at + 3 * embed_ints_bytes(N), cub_bytes, (const unsigned*)tokens,
+                                               (unsigned*)sorted_tok, pos, sorted_pos, N, 0, embed_token_bits(V),
+                                               g_stream));
+    if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize()); /* as launch_kernel does for its own */
+    launch_kernel(k_embed_bwd_wte_sorted<T>, N, EMBED_BWD_THREADS, dwte, dout, sorted_tok, sorted_pos, N, C);
+}
+#endif
+
+/* dwte += (always: the classifier's product writes it first, loss.cuh) and dwpe = / += by
+ * grad_beta, from dout [B*T, C]; tokens [B*T] are the batch's input tokens (device), all below V;
+ * scratch holds embed_bwd_scratch_bytes(V, B*T) bytes (256-byte aligned). */
+template <typename T>
+static void embed_bwd(float* dwte, float* dwpe, const T* dout, const int* tokens, void* scratch, int V, int B, int T_,
+                      int C, float grad_beta) {
+    int N = B * T_;
+#if EMBED_SORTED_LISTS
+    embed_bwd_wte_sorted<T>(dwte, dout, tokens, scratch, V, N, C);
+#else
+    embed_bwd_wte_scan<T>(dwte, dout, tokens, (int*)scratch, V, N, C);
+#endif
     size_t n = (size_t)T_ * C;
     launch_kernel(k_embed_bwd_wpe<T>, elementwise_grid(n, 256), 256, dwpe, dout, B, T_, C, grad_beta != 0.0f);
 }
