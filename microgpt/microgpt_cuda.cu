@@ -143,12 +143,8 @@ static struct {
     fp8 *w8_fwd, *w8_dx;
     Fp8CastJob<float>* w8_job_list; /* the weights' casts (device), w8_jobs the list */
     Fp8CastJobs<float> w8_jobs;
-#if FP8_AMAX_IN_ADAMW
     AmaxRange* w8_amax_ranges; /* the casts' inputs as parameter ranges, for AdamW's amax (device) */
-#endif
-#if FP8_LAZY_LOWP_WEIGHTS
     int lowp_stale; /* an update left the fp8 weights' part of wlow behind: refresh_stale_lowp_weights */
-#endif
     Fp8Scale* fp8_scales;
     fp8 *a8, *x8t, *g8, *g8t;
     /* the FP8 classifier only (else NULL): LNf's output cast transposed, chunk by chunk of the
@@ -268,9 +264,7 @@ static void plan_buffers(size_t* used) {
         size_t scales = fp8_weight_cast_count() + 2 * FP8_W_PER_LAYER * L + fp8_cls_act_scale_count();
         E.fp8_scales = (Fp8Scale*)carve(G_SCRATCH, scales * sizeof(Fp8Scale), used);
         E.w8_job_list = (Fp8CastJob<float>*)carve(G_SCRATCH, fp8_weight_cast_count() * sizeof(Fp8CastJob<float>), used);
-#if FP8_AMAX_IN_ADAMW
         E.w8_amax_ranges = (AmaxRange*)carve(G_SCRATCH, fp8_weight_cast_count() * sizeof(AmaxRange), used);
-#endif
         E.a8 = (fp8*)carve(G_SCRATCH, act, used);
         E.x8t = (fp8*)carve(G_ACTIVATIONS, tr * L * N * (3 * C + F), used);
         E.g8 = (fp8*)carve(G_SCRATCH, tr * grad, used);
@@ -415,14 +409,13 @@ static Fp8Mat w8_fwd(int l, int t, int k, long long stride = 0) {
 }
 static Fp8Mat w8_dx(int l, int t, int k) { return fp8_mat(E.w8_dx + layer_offset(&E.layout, l, t), FP8_E4M3, w8_scale(l, k)); }
 
-#if FP8_AMAX_IN_ADAMW
 static int amax_range_order(const void* a, const void* b) {
     size_t x = ((const AmaxRange*)a)->lo, y = ((const AmaxRange*)b)->lo;
     return x < y ? -1 : x > y;
 }
 
 /* The inputs of the weights' casts jobs[0..n) as ranges of the parameter vector, sorted (wte, listed
- * last, lies first), onto the device for AdamW's amax (FP8_AMAX_IN_ADAMW). */
+ * last, lies first), onto the device for AdamW's amax (adamw_all). */
 static void fp8_list_weight_amax_ranges(const Fp8CastJob<float>* jobs, int n) {
     AmaxRange* r = (AmaxRange*)xcalloc((size_t)n, sizeof *r, "fp8 amax ranges");
     for (int i = 0; i < n; i++) {
@@ -437,7 +430,6 @@ static void fp8_list_weight_amax_ranges(const Fp8CastJob<float>* jobs, int n) {
     CUDA_CHECK(cudaMemcpy(E.w8_amax_ranges, r, (size_t)n * sizeof *r, cudaMemcpyHostToDevice));
     free(r);
 }
-#endif
 
 /* The casts of the fp8 weights from the fp32 masters, listed once (engine_setup): per layer W_Q,
  * W_K, W_V as one cast of 3 blocks [C, C], then W_O [C, C], W_1 [C, F], W_2 [F, C]; with the FP8
@@ -462,9 +454,7 @@ static void fp8_list_weight_casts(void) {
         jobs[n++] = j;
     }
     E.w8_jobs = fp8_jobs_upload(jobs, n, E.w8_job_list);
-#if FP8_AMAX_IN_ADAMW
     fp8_list_weight_amax_ranges(jobs, n);
-#endif
     free(jobs);
 }
 
@@ -961,7 +951,6 @@ template <typename T> static T* kv_slot(void* cache, int l, int slot) {
     return (T*)cache + (((size_t)l * E.slots + slot) * E.T) * E.C;
 }
 
-#if FP8_LAZY_LOWP_WEIGHTS
 /* Before generation reads the 16-bit copy of the weights: the copy from the masters if an update
  * left the fp8 weights' part of it behind (adamw_all). The same values AdamW would have stored. */
 template <typename T>
@@ -970,7 +959,6 @@ static void refresh_stale_lowp_weights(void) {
         if (E.lowp_stale) convert<T>((T*)E.wlow, E.params, E.P);
     E.lowp_stale = 0;
 }
-#endif
 
 /* The prompt is padded with token 0 to the full T and run at the one shape (1, T) of the training
  * forward: attention is causal, so positions < len see exactly what they would without the
@@ -978,9 +966,7 @@ static void refresh_stale_lowp_weights(void) {
  * keys and values of positions < len go to the slot, and the logits of position len-1 out. */
 template <typename T>
 static void prefill_t(int slot, const int* tokens, int len, float* logits) {
-#if FP8_LAZY_LOWP_WEIGHTS
     refresh_stale_lowp_weights<T>();
-#endif
     size_t nc = (size_t)E.T * E.C; /* the forward's N = T rows */
     memcpy(E.tok_host, tokens, (size_t)len * sizeof(int));
     memset(E.tok_host + len, 0, (size_t)(E.T - len) * sizeof(int));
@@ -1029,9 +1015,7 @@ static void record_decode(void) {
 
 template <typename T>
 static void decode_t(int n, const int* slots, const int* tokens, const int* positions, float* logits) {
-#if FP8_LAZY_LOWP_WEIGHTS
     refresh_stale_lowp_weights<T>();
-#endif
     memcpy(E.dec_io_host, slots, (size_t)n * sizeof(int));
     memcpy(E.dec_io_host + E.slots, tokens, (size_t)n * sizeof(int));
     memcpy(E.dec_io_host + 2 * E.slots, positions, (size_t)n * sizeof(int));
@@ -1046,21 +1030,19 @@ static void decode_t(int n, const int* slots, const int* tokens, const int* posi
 /* ---------------------------------------------------------------------------------------------- */
 /* Update */
 
-/* AdamW over every parameter in one launch; which decay, the mask says (upload_decay_bits).
- * FP8_AMAX_IN_ADAMW: in fp8 the same launch also takes the fp8 weights' amax (E.w8_amax_ranges);
- * FP8_LAZY_LOWP_WEIGHTS: and leaves their 16-bit copy, which only generation reads in fp8 training
- * (docs/DESIGN.md §18), to refresh_stale_lowp_weights. */
+/* AdamW over every parameter in one launch; which decay, the mask says (upload_decay_bits). In
+ * fp8 the same launch also takes the fp8 weights' amax (E.w8_amax_ranges: one read of the masters
+ * fewer, docs/BENCHMARKS.md #91) and leaves their 16-bit copy, which only generation reads in fp8
+ * training (docs/DESIGN.md §18), to refresh_stale_lowp_weights (#92). */
 template <typename T>
 static void adamw_all(const Config* cfg) {
     T* p_low = E.prec == PREC_FP32 ? (T*)NULL : (T*)E.wlow;
-#if FP8_AMAX_IN_ADAMW
     if (E.use_fp8) {
         adamw_amax<T>(E.params, E.grads, E.m, E.v, p_low, E.P, cfg->train.beta1, cfg->train.beta2, cfg->train.eps,
                       cfg->train.weight_decay, E.decay_bits, &E.io->uctl, &E.io->norm, E.w8_amax_ranges,
-                      (int)fp8_weight_cast_count(), FP8_LAZY_LOWP_WEIGHTS);
+                      (int)fp8_weight_cast_count(), 1);
         return;
     }
-#endif
     adamw<T>(E.params, E.grads, E.m, E.v, p_low, E.P, cfg->train.beta1, cfg->train.beta2, cfg->train.eps,
              cfg->train.weight_decay, E.decay_bits, &E.io->uctl, &E.io->norm);
 }
@@ -1086,28 +1068,21 @@ template <typename T>
 static void refresh_lowp_weights_t(void) {
     if constexpr (sizeof(T) == 2) convert<T>((T*)E.wlow, E.params, E.P);
     if (E.use_fp8) fp8_quantize_weights();
-#if FP8_LAZY_LOWP_WEIGHTS
     E.lowp_stale = 0;
-#endif
 }
 
 /* The update, as recorded into update_graph: the norm of the unscaled gradients, AdamW (which
  * clips, and skips on a non-finite norm in fp16, by itself), the norm back. The gradients are not
- * zeroed: the next micro-batch overwrites them (fb_graph[0]). FP8_AMAX_IN_ADAMW: in fp8, AdamW
+ * zeroed: the next micro-batch overwrites them (fb_graph[0]). In fp8, AdamW
  * takes the weights' amax (their scales zeroed before it) and only their cast follows. */
 template <typename T>
 static void record_update(void) {
     upload_inputs(0);
     grad_norm_partial(E.norm_partial, E.grads, E.P, &E.io->uctl.unscale);
     grad_norm_final(&E.io->norm, E.norm_partial);
-#if FP8_AMAX_IN_ADAMW
     if (E.use_fp8) fp8_zero_scales(w8_scale(0, 0), fp8_weight_cast_count()); /* AdamW takes their amax */
     adamw_all<T>(&E.cfg);
     if (E.use_fp8) fp8_cast_jobs(E.w8_jobs);
-#else
-    adamw_all<T>(&E.cfg);
-    if (E.use_fp8) fp8_quantize_weights();
-#endif
     download_output(&E.io->norm, &E.io_host->norm);
 }
 
@@ -1354,9 +1329,7 @@ static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     E.io_host->uctl = update_ctl(lr, t, cfg->train.beta1, cfg->train.beta2, unscale, cfg->train.grad_clip, is_fp16);
     if (g_dist.world > 1) FOR_ACT_TYPE(update_sharded)(); /* ZeRO-1 over NCCL (§17) */
     else run_graph(&E.update_graph, FOR_ACT_TYPE(record_update));
-#if FP8_LAZY_LOWP_WEIGHTS
     if (g_dist.world == 1 && E.use_fp8) E.lowp_stale = 1; /* adamw_all left the fp8 weights' 16-bit copy */
-#endif
     E.grads_pending = 0; /* also after a skipped fp16 step: its non-finite gradients are overwritten */
     r.grad_norm = E.io_host->norm;
     r.skipped = is_fp16 && !isfinite(r.grad_norm);

@@ -334,14 +334,6 @@ template <typename T> static void test_embed(const Shape& s, Tol tol, int token_
         check("dwte", r1[0], plus(dwte0, dwte_inc), tol.prod, &dwte0);
         check_grad("dwpe", r1[1], dwpe_inc, dwpe0, gb, tol.prod);
         check_same("determ", r1, r2);
-#if EMBED_SORTED_LISTS
-        /* the candidate's promise: every bit of the scanning kernel's dwte (docs/DESIGN.md §9) */
-        upload_into(d_dwte, dwte0);
-        embed_bwd_wte_scan<T>(d_dwte, d_dout, d_tok, poisoned<int>(s.V), s.V, N, C);
-        Vec scan = download(d_dwte, wte.size());
-        bool same = memcmp(scan.data(), r1[0].data(), scan.size() * sizeof(float)) == 0;
-        report(same, "sorted=scan", same ? "dwte bitwise identical to the scanning kernel's" : "dwte DIFFERENT bits");
-#endif
     }
     dfree_all();
 }
@@ -1537,15 +1529,15 @@ template <typename T> static void test_fp8_quantize_jobs(const std::vector<std::
     dfree_all();
 }
 
-/* AdamW with the fp8 weights' amax folded in (adamw_amax, FP8_AMAX_IN_ADAMW): the update bit for bit
+/* AdamW with the fp8 weights' amax folded in (adamw_amax, precision fp8's): the update bit for bit
  * adamw's, and each range's amax the bits of the standalone amax (fp8_reduce_amax, the weights'
  * amax launch's reduction) and of cpu/fp8.h's amax of the weights it stored. The ranges start and
  * end inside blocks (a block spans 256 packets) and inside packets, abut, leave gaps, hold one
  * element or only zeros, and have a weight 1000 times larger just outside them. Then a skipped
  * update (fp16's non-finite norm: weights and moments unchanged, the amax of the weights as they
  * are), the kernel on a grid of 3 blocks (the grid-stride loop the launcher takes for more than
- * 65535 x 8 blocks), and lazy_low (FP8_LAZY_LOWP_WEIGHTS). n: a multiple of 8 (16-byte packets) or
- * odd (element by element). */
+ * 65535 x 8 blocks), and lazy_low (the engine's: p_low left to generation). n: a multiple of 8
+ * (16-byte packets) or odd (element by element). */
 static void test_adamw_amax(size_t n) {
     Vec p = randn(n, 1.0f), g = randn(n, 0.1f), m = randn(n, 0.01f), v = randn(n, 0.01f);
     for (float& x : v) x = x * x;
@@ -1628,7 +1620,7 @@ static void test_adamw_amax(size_t n) {
                       d_norm, d_ranges, (int)nr, 0);
     same_state("strided", want);
     check_ranges("strided_amax");
-    /* lazy_low (FP8_LAZY_LOWP_WEIGHTS): p_low untouched (still poisoned) where a packet lies wholly in
+    /* lazy_low: p_low untouched (still poisoned) where a packet lies wholly in
      * a range, adamw's elsewhere (packets across a boundary included); the rest as before */
     upload_into(d_p, p);
     upload_into(d_m, m);
@@ -2128,7 +2120,7 @@ template <typename T> static void run_precision(void) {
     run_attn<T>();
     {
         /* C above EMBED_BWD_THREADS and B·T above EMBED_LIST: the embedding backward's column
-         * groups, and tokens repeated across its position tiles and list segments */
+         * groups, and tokens repeated across its count tiles and list segments */
         Shape wide = {3, 800, 300, 4, 8, 17, 17, 8};
         set_ctx(prec, "embed", shape_str(wide).c_str());
         test_embed<T>(wide, tol);
@@ -2208,14 +2200,11 @@ int main(int argc, char** argv) {
     }
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s%s%s%s%s%s\n", p.name, p.major,
+    printf("kernel_check: device %s (cc %d.%d), seed %llu (replay with --seed %llu)%s%s%s\n", p.name, p.major,
            p.minor, (unsigned long long)seed, (unsigned long long)seed,
            pdl_enabled() ? ", programmatic dependent launch" : "",
            FP8_LN_FWD_WARPS != LN_WARPS ? ", the fused LayerNorm forward's warps a block set (FP8_LN_FWD_WARPS)" : "",
-           LN_FINAL_SIDE ? ", LayerNorm final sums behind the next weight gradient (LN_FINAL_SIDE)" : "",
-           FP8_AMAX_IN_ADAMW ? ", the fp8 weights' amax in AdamW (FP8_AMAX_IN_ADAMW)" : "",
-           FP8_LAZY_LOWP_WEIGHTS ? ", their 16-bit copy left to generation (FP8_LAZY_LOWP_WEIGHTS)" : "",
-           EMBED_SORTED_LISTS ? ", the embedding backward from sorted lists (EMBED_SORTED_LISTS)" : "");
+           LN_FINAL_SIDE ? ", LayerNorm final sums behind the next weight gradient (LN_FINAL_SIDE)" : "");
     g_state = seed;
     void* ws = dalloc(CUBLAS_WORKSPACE_BYTES);
     g_allocs.clear(); /* the workspace lives for the whole run */

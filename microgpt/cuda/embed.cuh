@@ -2,26 +2,21 @@
  * Reads the fp32 master embeddings (sums in fp32, rounds once to T).
  *
  * Backward without floating-point atomics: several positions can hold the same token, so dwte
- * rows are not independent outputs. Each distinct token gets one block, the one of its first
- * position, that adds the gradient rows of all its positions (one sum per EMBED_LIST-position
- * segment, added to the row segment by segment): every dwte row written by exactly one block, and
- * no sort or host work (so a step needs no host round trip and can be captured in a CUDA graph).
- * A token's first position comes from a table filled by integer atomicMin, whose result does not
- * depend on the order the positions arrive in. Within a segment warp w sums the listed rows w,
- * w + 8, ... and the eight warp sums are added in warp order: a fixed summation order that does not
- * make a frequent token (hundreds of positions in real text) one long chain of dependent loads.
- * dwpe[t] has one term per sequence, summed in b order.
+ * rows are not independent outputs. A stable radix sort of (token, position) pairs (CUB's,
+ * deterministic) gives each token's positions in one ascending run; one block per run, the one at
+ * its start (the token's first position), adds the gradient rows of all its positions: every dwte
+ * row written by exactly one block, and no host work (so a step needs no host round trip and can
+ * be captured in a CUDA graph). It cuts the run into segments of EMBED_LIST positions counted from
+ * the token's first position and adds one sum per segment to the row, segment by segment. Within
+ * a segment warp w sums the listed rows w, w + 8, ... and the eight warp sums are added in warp
+ * order: a fixed summation order that does not make a frequent token (hundreds of positions in
+ * real text) one long chain of dependent loads. (Before the sort, each token's first position
+ * listed its segments by scanning every later position, O(positions x distinct tokens), with the
+ * same segments and the same additions: the sort gave the same bits, faster, docs/BENCHMARKS.md
+ * #93.) dwpe[t] has one term per sequence, summed in b order.
  *
- * EMBED_SORTED_LISTS=1 (a speed candidate, docs/DESIGN.md §9; off by default) finds the same
- * lists without the owner's scan of every later position (O(positions x distinct tokens)): a
- * stable radix sort of (token, position) pairs (CUB's, deterministic) gives each token's positions
- * in one ascending run; the block at the run's start (the token's first position, as above) cuts
- * the run into the same EMBED_LIST-position segments and sums them with the same
- * embed_add_listed_rows: the same additions in the same order, the same bits.
- *
- * Kernels: k_embed_fwd; the backward (k_embed_bwd) is k_embed_first_position, then
- * k_embed_bwd_wte and k_embed_bwd_wpe (with EMBED_SORTED_LISTS: k_embed_positions, the sort,
- * k_embed_bwd_wte_sorted and k_embed_bwd_wpe). The engine calls embed_fwd / embed_bwd, with
+ * Kernels: k_embed_fwd; the backward (k_embed_bwd) is k_embed_positions, the sort,
+ * k_embed_bwd_wte_sorted and k_embed_bwd_wpe. The engine calls embed_fwd / embed_bwd, with
  * embed_bwd_scratch_bytes of scratch.
  */
 #ifndef MICROGPT_CUDA_EMBED_CUH
@@ -29,12 +24,7 @@
 
 #include "common.cuh"
 
-#ifndef EMBED_SORTED_LISTS
-#define EMBED_SORTED_LISTS 0
-#endif
-#if EMBED_SORTED_LISTS
 #include <cub/device/device_radix_sort.cuh>
-#endif
 
 #define EMBED_BWD_THREADS 256
 #define EMBED_LIST 2048 /* positions per segment of the backward's match list (a multiple of the block) */
@@ -80,50 +70,6 @@ __device__ void embed_add_listed_rows(float* row, const T* dout, const int* list
     }
 }
 
-/* first[tokens[i]] = min over positions i holding the token (first: INT_MAX-like beforehand). */
-__global__ void k_embed_first_position(int* first, const int* tokens, int N) {
-    await_previous_kernel();
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < N; i += gridDim.x * blockDim.x)
-        atomicMin(&first[tokens[i]], i);
-}
-
-/* One block per position i (EMBED_BWD_THREADS threads). Only the first position of each token
- * works. It walks the positions from i on in segments of EMBED_LIST positions: lists, in position
- * order, those holding the token (a ballot per warp and a prefix count over the warps), then adds
- * the listed rows into the token's dwte row, which no other block writes. */
-template <typename T>
-__global__ void k_embed_bwd_wte(float* dwte, const T* dout, const int* tokens, const int* first, int N, int C) {
-    await_previous_kernel();
-    __shared__ int list[EMBED_LIST];
-    __shared__ unsigned match[EMBED_WARPS];
-    int i = blockIdx.x, tok = tokens[i];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (first[tok] != i) return; /* an earlier position owns this token (block-uniform) */
-    float* row = dwte + (size_t)tok * C;
-    for (int seg = i; seg < N; seg += EMBED_LIST) {
-        int n = 0; /* listed so far in this segment; the same in every thread */
-        for (int j0 = seg; j0 < seg + EMBED_LIST && j0 < N; j0 += EMBED_BWD_THREADS) {
-            int j = j0 + threadIdx.x;
-            bool hit = j < N && tokens[j] == tok;
-            unsigned m = __ballot_sync(0xffffffffu, hit);
-            if (lane == 0) match[warp] = m;
-            __syncthreads();
-            int before = n, total = 0;
-            for (int w = 0; w < EMBED_WARPS; w++) {
-                int c = __popc(match[w]);
-                before += w < warp ? c : 0;
-                total += c;
-            }
-            if (hit) list[before + __popc(m & ((1u << lane) - 1u))] = j;
-            n += total;
-            __syncthreads(); /* match is read and the list entries written before the next tile */
-        }
-        if (n == 0) continue; /* block-uniform */
-        embed_add_listed_rows(row, dout, list, n, C); /* ends with a barrier: the list may be rewritten */
-    }
-}
-
-#if EMBED_SORTED_LISTS
 /* pos[i] = i: the values the sort carries with the tokens. */
 __global__ void k_embed_positions(int* pos, int N) {
     await_previous_kernel();
@@ -156,9 +102,9 @@ __device__ int embed_count_segment(const int* sorted_tok, const int* sorted_pos,
 
 /* One block per sorted entry s (EMBED_BWD_THREADS threads); sorted_tok ascending, sorted_pos
  * ascending within each token's run. Only the block at a run's start works: its token's first
- * position i = sorted_pos[s]. It takes the run's positions in k_embed_bwd_wte's segments
- * [i + k EMBED_LIST, i + (k + 1) EMBED_LIST), each non-empty segment's list straight from the run
- * (the same entries in the same order), and adds the listed rows into the token's dwte row. */
+ * position i = sorted_pos[s]. It takes the run's positions in segments [i + k EMBED_LIST,
+ * i + (k + 1) EMBED_LIST), each non-empty segment's list straight from the run (its positions in
+ * ascending order), and adds the listed rows into the token's dwte row. */
 template <typename T>
 __global__ void k_embed_bwd_wte_sorted(float* dwte, const T* dout, const int* sorted_tok, const int* sorted_pos, int N,
                                        int C) {
@@ -195,13 +141,6 @@ static size_t embed_sort_bytes(int V, int N) {
 
 /* The backward's scratch in bytes: the sort's arrays and storage. */
 static size_t embed_bwd_scratch_bytes(int V, int N) { return 3 * embed_ints_bytes(N) + embed_sort_bytes(V, N); }
-#else
-/* The backward's scratch in bytes: each token's first position. */
-static size_t embed_bwd_scratch_bytes(int V, int N) {
-    (void)N;
-    return (size_t)V * sizeof(int);
-}
-#endif
 
 /* One thread per (t, c); writes (add 0) or adds (add 1) the sum. */
 template <typename T>
@@ -222,18 +161,9 @@ static void embed_fwd(T* out, const int* tokens, const float* wte, const float* 
     launch_kernel(k_embed_fwd<T>, elementwise_grid(n, 256), 256, out, tokens, wte, wpe, B * T_, T_, C);
 }
 
-/* dwte += the token rows' sums by k_embed_bwd_wte; first is scratch of V ints. */
-template <typename T>
-static void embed_bwd_wte_scan(float* dwte, const T* dout, const int* tokens, int* first, int V, int N, int C) {
-    CUDA_CHECK(cudaMemsetAsync(first, 0x7f, (size_t)V * sizeof(int), g_stream)); /* 0x7f7f7f7f > any position */
-    launch_kernel(k_embed_first_position, ceil_div(N, 256), 256, first, tokens, N);
-    launch_kernel(k_embed_bwd_wte<T>, N, EMBED_BWD_THREADS, dwte, dout, tokens, first, N, C);
-}
-
-#if EMBED_SORTED_LISTS
-/* dwte += the token rows' sums by k_embed_bwd_wte_sorted, the same bits as embed_bwd_wte_scan;
- * scratch holds embed_bwd_scratch_bytes(V, N) bytes (256-byte aligned). Every call is a stream
- * operation (CUB's sort included), so a CUDA graph can capture it. */
+/* dwte += the token rows' sums by k_embed_bwd_wte_sorted; scratch holds
+ * embed_bwd_scratch_bytes(V, N) bytes (256-byte aligned). Every call is a stream operation (CUB's
+ * sort included), so a CUDA graph can capture it. */
 template <typename T>
 static void embed_bwd_wte_sorted(float* dwte, const T* dout, const int* tokens, void* scratch, int V, int N, int C) {
     char* at = (char*)scratch;
@@ -249,7 +179,6 @@ static void embed_bwd_wte_sorted(float* dwte, const T* dout, const int* tokens, 
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize()); /* as launch_kernel does for its own */
     launch_kernel(k_embed_bwd_wte_sorted<T>, N, EMBED_BWD_THREADS, dwte, dout, sorted_tok, sorted_pos, N, C);
 }
-#endif
 
 /* dwte += (always: the classifier's product writes it first, loss.cuh) and dwpe = / += by
  * grad_beta, from dout [B*T, C]; tokens [B*T] are the batch's input tokens (device), all below V;
@@ -258,11 +187,7 @@ template <typename T>
 static void embed_bwd(float* dwte, float* dwpe, const T* dout, const int* tokens, void* scratch, int V, int B, int T_,
                       int C, float grad_beta) {
     int N = B * T_;
-#if EMBED_SORTED_LISTS
     embed_bwd_wte_sorted<T>(dwte, dout, tokens, scratch, V, N, C);
-#else
-    embed_bwd_wte_scan<T>(dwte, dout, tokens, (int*)scratch, V, N, C);
-#endif
     size_t n = (size_t)T_ * C;
     launch_kernel(k_embed_bwd_wpe<T>, elementwise_grid(n, 256), 256, dwpe, dout, B, T_, C, grad_beta != 0.0f);
 }

@@ -8,9 +8,9 @@
  * produces the operand (LayerNorm, GELU, flash attention: common.cuh's block_amax_commit), from
  * that kernel, saving a full read. Every cast has its own Fp8Scale, whose amax is zeroed before
  * (fp8_zero_scales, one memset for many). The weights' casts (all layers) run as one list: one amax launch, one cast
- * launch (fp8_quantize_jobs; the candidate FP8_AMAX_IN_ADAMW takes the amax after an update in
- * AdamW instead, optimizer.cuh, and launches only the cast, fp8_cast_jobs). Current scaling: such a
- * cast uses the amax of the tensor it casts.
+ * launch (fp8_quantize_jobs; after a single-process update AdamW takes the amax instead,
+ * optimizer.cuh's k_adamw_amax, and only the cast is launched, fp8_cast_jobs). Current scaling:
+ * such a cast uses the amax of the tensor it casts.
  * In training, the layers' activations and activation gradients are cast at a delayed scale
  * instead (Fp8CastJob's hist, k_fp8_history_push; docs/DESIGN.md §18), whose histories are
  * checkpoint state; known beforehand, the scale lets their producers write the codes (the

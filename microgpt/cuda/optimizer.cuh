@@ -77,65 +77,8 @@ __global__ void k_grad_scale(float* g, size_t n, float s) {
  * decays (the 2-D tensors), so one launch updates every tensor. */
 static size_t adamw_decay_words(size_t n) { return (n + 31) / 32; }
 
-/* As the CPU's adamw_update, on the gradient g * unscale, clipped to norm ctl->clip when the
- * global norm (*norm, of g * unscale) exceeds it, with weight decay wd where decay_bits has the
- * parameter's bit (else 0); p_low (nullable) receives the updated weight rounded to T for the next
- * step's products. A packet's VEC bits lie in one word (VEC divides 32, packets start at multiples
- * of VEC). */
-template <typename T, int VEC>
-__global__ void k_adamw(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                        float* __restrict__ v, T* __restrict__ p_low, size_t n, float beta1, float beta2,
-                        float eps, float wd, const unsigned* __restrict__ decay_bits, const UpdateCtl* ctl,
-                        const float* norm) {
-    await_previous_kernel();
-    float nrm = *norm;
-    if (ctl->skip_nonfinite && !isfinite(nrm)) return;
-    int clip = ctl->clip > 0.0f && nrm > ctl->clip;
-    float clip_s = clip ? (float)((double)ctl->clip / (double)nrm) : 1.0f;
-    float lr = ctl->lr, c1 = ctl->c1, c2 = ctl->c2, u = ctl->unscale;
-    FOR_PACKETS(i, n) {
-        float gv[VEC], mv[VEC], vv[VEC], pv[VEC];
-        load_vec(gv, g + i);
-        load_vec(mv, m + i);
-        load_vec(vv, v + i);
-        load_vec(pv, p + i);
-        unsigned bits = decay_bits[i / 32] >> (i % 32);
-        for (int k = 0; k < VEC; k++) {
-            float gi = gv[k] * u, wdk = (bits >> k) & 1u ? wd : 0.0f;
-            if (clip) gi *= clip_s;
-            mv[k] = beta1 * mv[k] + (1.0f - beta1) * gi;
-            vv[k] = beta2 * vv[k] + (1.0f - beta2) * gi * gi;
-            pv[k] -= lr * ((mv[k] / c1) / (sqrtf(vv[k] / c2) + eps) + wdk * pv[k]);
-        }
-        store_vec(m + i, mv);
-        store_vec(v + i, vv);
-        store_vec(p + i, pv);
-        if (p_low) store_vec(p_low + i, pv);
-    }
-}
-
-/* FP8_AMAX_IN_ADAMW (candidate, make KERNEL_VARIANTS=-DFP8_AMAX_IN_ADAMW=1; docs/DESIGN.md §18):
- * precision fp8's update takes the amax of each fp8 weight's new fp32 master values in AdamW, which
- * holds them in registers, instead of a separate launch that reads the masters once more before
- * their cast. The cast reads the values AdamW stored, so the amax, the scale and the codes are
- * the same bit for bit. */
-#ifndef FP8_AMAX_IN_ADAMW
-#define FP8_AMAX_IN_ADAMW 0
-#endif
-/* FP8_LAZY_LOWP_WEIGHTS (candidate, with FP8_AMAX_IN_ADAMW; docs/DESIGN.md §18): nor does that
- * AdamW write the 16-bit copy of the fp8 weights, which in fp8 training only generation reads; the
- * engine converts the copy before generation after an update instead (refresh_stale_lowp_weights). */
-#ifndef FP8_LAZY_LOWP_WEIGHTS
-#define FP8_LAZY_LOWP_WEIGHTS 0
-#endif
-#if FP8_LAZY_LOWP_WEIGHTS && !FP8_AMAX_IN_ADAMW
-#error "FP8_LAZY_LOWP_WEIGHTS=1 needs FP8_AMAX_IN_ADAMW=1 (its AdamW kernel)"
-#endif
-
-/* k_adamw's update of the VEC parameters at i, leaving the new weights in pv; lr, c1, c2, u:
- * UpdateCtl's; clip: scale the gradient by clip_s. k_adamw keeps its own copy of these lines, so
- * that its machine code stays what it was while this is a candidate (inlined here, the compiler
- * arranges the loop differently); kernel_check ("adamw amax") asserts the two agree bit for bit. */
+/* AdamW's update of the VEC parameters at i (k_adamw's and k_adamw_amax's), leaving the new
+ * weights in pv; lr, c1, c2, u: UpdateCtl's; clip: scale the gradient by clip_s. */
 template <typename T, int VEC>
 __device__ __forceinline__ void adamw_packet(float (&pv)[VEC], size_t i, float* __restrict__ p,
                                              const float* __restrict__ g, float* __restrict__ m,
@@ -161,6 +104,28 @@ __device__ __forceinline__ void adamw_packet(float (&pv)[VEC], size_t i, float* 
     if (p_low) store_vec(p_low + i, pv);
 }
 
+/* As the CPU's adamw_update, on the gradient g * unscale, clipped to norm ctl->clip when the
+ * global norm (*norm, of g * unscale) exceeds it, with weight decay wd where decay_bits has the
+ * parameter's bit (else 0); p_low (nullable) receives the updated weight rounded to T for the next
+ * step's products. A packet's VEC bits lie in one word (VEC divides 32, packets start at multiples
+ * of VEC). */
+template <typename T, int VEC>
+__global__ void k_adamw(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                        float* __restrict__ v, T* __restrict__ p_low, size_t n, float beta1, float beta2,
+                        float eps, float wd, const unsigned* __restrict__ decay_bits, const UpdateCtl* ctl,
+                        const float* norm) {
+    await_previous_kernel();
+    float nrm = *norm;
+    if (ctl->skip_nonfinite && !isfinite(nrm)) return;
+    int clip = ctl->clip > 0.0f && nrm > ctl->clip;
+    float clip_s = clip ? (float)((double)ctl->clip / (double)nrm) : 1.0f;
+    float lr = ctl->lr, c1 = ctl->c1, c2 = ctl->c2, u = ctl->unscale;
+    FOR_PACKETS(i, n) {
+        float pv[VEC];
+        adamw_packet<T, VEC>(pv, i, p, g, m, v, p_low, beta1, beta2, eps, wd, decay_bits, lr, c1, c2, u, clip, clip_s);
+    }
+}
+
 /* Parameters [lo, hi) whose amax (cuda/fp8.cuh: the maximum of the fp32 bit patterns of |x|) goes
  * to *amax_bits: one fp8 weight cast's input. A list of them is sorted by lo and disjoint, and
  * every hi is at most the parameter count. */
@@ -184,8 +149,11 @@ __device__ __forceinline__ int amax_range_after(const AmaxRange* __restrict__ ra
  * block walks its span of blockDim.x packets, and for every range the span meets, folds the amax of
  * the values its threads hold in that range and commits it once (block_amax_commit). A skipped
  * update (a non-finite norm in fp16) leaves the weights as they are and takes their amax, so the
- * cast after it finds the scales it would find after a separate amax pass. lazy_low
- * (FP8_LAZY_LOWP_WEIGHTS): p_low is not written where a packet lies wholly in a range. Bounded to
+ * cast after it finds the scales it would find after a separate amax pass. lazy_low: p_low is not
+ * written where a packet lies wholly in a range (the engine's fp8 update always; kernel_check also
+ * runs 0, the p_low of k_adamw). Precision fp8's update, single-process: the cast then reads the
+ * values AdamW stored, so the amax, the scale and the codes are those of a separate amax pass, one
+ * read of the masters fewer (docs/BENCHMARKS.md #91, #92). Bounded to
  * 4 blocks of 256 threads a multiprocessor, k_adamw's occupancy (ptxas, sm_90a, bf16 packed: 59
  * registers, no spills; unbounded 66, which leaves 3). */
 template <typename T, int VEC>
@@ -260,8 +228,8 @@ static void adamw(float* p, const float* g, float* m, float* v, T* p_low, size_t
 }
 
 /* adamw, with the amax of the new weights of each of ranges[0..n_ranges) (device memory, sorted,
- * disjoint: AmaxRange) into its amax_bits, which must be 0 before (FP8_AMAX_IN_ADAMW); lazy_low:
- * p_low left alone where a packet lies wholly in a range (FP8_LAZY_LOWP_WEIGHTS). The same grid
+ * disjoint: AmaxRange) into its amax_bits, which must be 0 before; lazy_low: p_low left alone
+ * where a packet lies wholly in a range (generation refreshes it, docs/DESIGN.md §18). The same grid
  * and packets as adamw. */
 template <typename T>
 static void adamw_amax(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float beta1, float beta2,
