@@ -20,7 +20,7 @@ import reference as ref
 from engine_util import TINY, tiny_args
 from microgpt.checkpoint import read_checkpoint, write_checkpoint
 from microgpt.tokenizer import IM_END, IM_START, VOCAB_SIZE
-from test_gpu import cuda_binary  # noqa: F401  (the fixture: skips without a GPU or the binary)
+from test_gpu import FP8_SHAPES, cuda_binary  # noqa: F401  (cuda_binary: the fixture; skips without a GPU)
 
 V, T = TINY["model.vocab_size"], TINY["model.seq_len"]
 TRAIN = {"train.steps": 150, "train.lr": 1e-2, "eval.every": 150, "eval.batches": 3}
@@ -455,6 +455,33 @@ def test_gpu_generation_in_fp8_is_the_bf16_engines(cuda_binary, trained):  # noq
     fp8, bf16 = (serve(cuda_binary, trained["ckpt"], line, "--train.precision", p) for p in ("fp8", "bf16"))
     assert fp8.tokens("alone") == bf16.tokens("alone") and len(fp8.tokens("alone")) == 12
     assert fp8.logits_text("alone") == bf16.logits_text("alone")
+
+
+# the fp8 weights alone (3 layers), and with the FP8 classifier (d_model 512) wte among them
+FP8_SAMPLE_MODELS = {"layers": FP8_SHAPES["odd"],
+                     "fp8_classifier": {"model.n_layer": 1, "model.d_model": 512, "model.n_head": 8,
+                                        "model.d_ff": 512, "model.seq_len": 48, "model.vocab_size": 100,
+                                        "model.padded_vocab_size": 128, "train.batch_size": 3}}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", sorted(FP8_SAMPLE_MODELS))
+def test_gpu_fp8_training_samples_read_the_updated_weights(model, cuda_binary, random_shards,  # noqa: F811
+                                                           tmp_path):
+    """In fp8 training the update leaves the bf16 copy of the fp8 weights, which only generation
+    reads, and the engine converts it from the masters before it samples (docs/DESIGN.md §18). So
+    the greedy sample after the last update is --generate's greedy continuation from the checkpoint
+    of that step (which converts the copy at load); a copy left behind (the weights of step 0,
+    8 updates at lr 3e-3 ago, or of any earlier step) gives other tokens."""
+    steps, tokens, ckpt = 8, 24, tmp_path / "fp8.ckpt"
+    res = eu.run_ok(cuda_binary, tiny_args(random_shards.train, random_shards.val, checkpoint=ckpt, **{
+        **FP8_SAMPLE_MODELS[model], "train.precision": "fp8", "train.lr": 3e-3, "train.warmup_steps": 2,
+        "train.steps": steps, "eval.every": steps, "eval.batches": 1, "sample.every": steps,
+        "sample.tokens": tokens, "sample.temperature": 0, "sample.prompt": ["1,2"]}))
+    samples = res.events("sample")
+    assert [s["step"] for s in samples] == [steps] and len(samples[0]["tokens"]) == tokens, samples
+    served = serve(cuda_binary, ckpt, [greedy("after", [1, 2], max_tokens=tokens)])
+    assert served.tokens("after") == samples[0]["tokens"]
 
 
 @pytest.mark.gpu
