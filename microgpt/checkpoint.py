@@ -9,14 +9,13 @@ tests, the benchmark and the tools that evaluate or export a trained model.
 The file is [int32 step][int32 n_params][n_params f32 weights][m][v], little-endian, nothing else;
 the sidecar PATH.json holds what the engine needs beyond that (loss scale, fingerprint).
 """
-import json
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from microgpt.atomic import atomic_open
-from microgpt.files import NotRegularFile, open_regular, unique_keys
+from microgpt.files import NotRegularFile, loads_json, open_regular
 
 HEADER_BYTES = 8
 # The longest sidecar an engine reads (docs/DESIGN.md §15: 16 × its 64 KB writer buffer); a longer
@@ -73,8 +72,8 @@ def read_sidecar(path):
             text = f.read(SIDECAR_READ_MAX + 1)
         if len(text) > SIDECAR_READ_MAX:
             return None
-        side = json.loads(text, object_pairs_hook=unique_keys)
-    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply for json
+        side = loads_json(text)
+    except (OSError, ValueError):
         return None
     return side if isinstance(side, dict) else None
 

@@ -16,7 +16,7 @@ import os
 import re
 
 from microgpt.engines import ROOT
-from microgpt.files import DuplicateKeyError, open_regular, unique_keys
+from microgpt.files import DuplicateKeyError, JsonTooDeep, loads_json, open_regular
 
 OWN_KEYS = {  # key: (type, required)
     "name": ("str", True),          # names the run directory and files; passed as --name
@@ -44,15 +44,15 @@ def read_config(path):
     """The JSON document at path (any JSON: validate_config says whether it is a config)."""
     try:
         with open(open_regular(path), encoding="utf-8") as f:  # JSON's, whatever the locale's
-            return json.load(f, object_pairs_hook=unique_keys)
+            return loads_json(f.read())
     except OSError as e:
         raise ConfigError(f"cannot read it: {e.strerror}") from None
     except DuplicateKeyError as e:
         raise ConfigError(f"{e}; which one is meant is ambiguous (give it once)") from None
+    except JsonTooDeep:
+        raise ConfigError("nested too deeply to be a config (a config is sections of keys)") from None
     except ValueError as e:
         raise ConfigError(f"not valid JSON: {e}") from None
-    except RecursionError:
-        raise ConfigError("nested too deeply to be a config (a config is sections of keys)") from None
 
 
 def load_config(path, flags):

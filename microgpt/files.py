@@ -64,3 +64,27 @@ def unique_keys(pairs):
         twice = next(key for key, _ in pairs if key in seen or seen.add(key))
         raise DuplicateKeyError(f"the key {json.dumps(twice)} appears twice in one object")
     return obj
+
+
+class JsonTooDeep(ValueError):
+    """JSON nested too deeply for Python's json (which raises RecursionError for it)."""
+
+
+def loads_json(text, **kw):
+    """json.loads (kw: its other hooks) with a key named twice refused (unique_keys), and every
+    fault a ValueError: JSON nested too deeply is JsonTooDeep, where json raises a RecursionError
+    that the readers' ValueError handlers would let through as a traceback."""
+    try:
+        return json.loads(text, object_pairs_hook=unique_keys, **kw)
+    except RecursionError:
+        raise JsonTooDeep("JSON nested too deeply") from None
+
+
+def read_json(path, default):
+    """The JSON document at path (UTF-8, as json writes it), or default where it cannot be read or is
+    no JSON loads_json takes: for the files a program writes for itself and rebuilds when damaged."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return loads_json(f.read())
+    except (OSError, ValueError):
+        return default

@@ -34,7 +34,7 @@ from array import array
 import numpy as np
 
 from microgpt.atomic import write_bytes_atomic
-from microgpt.files import DuplicateKeyError, unique_keys
+from microgpt.files import DuplicateKeyError, loads_json
 
 LIVE_FLAG_OFFSET = len(b'{"live":')  # the byte that becomes "0" when the record is superseded
 EMPTY = b"[\n]"
@@ -55,10 +55,7 @@ def parse_json(text):
     named twice in one object is refused too: the browser keeps the last, an engine the first.
     Every fault is a ValueError, JSON nested too deeply for Python's json too (a RecursionError
     otherwise, which the readers' ValueError handlers would let through as a traceback)."""
-    try:
-        return json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=unique_keys)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
+    return loads_json(text, parse_constant=_refuse_constant)
 
 
 def encode_record(rec):

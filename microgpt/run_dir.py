@@ -8,7 +8,6 @@
     archive/step_<s>/               at polish step s: the checkpoint, samples and state of pretraining
 """
 import fcntl
-import json
 import os
 import shutil
 import stat
@@ -16,7 +15,7 @@ import time
 
 from microgpt.atomic import atomic_open, fsync_dir, write_json_atomic
 from microgpt.checkpoint import checkpoint_step
-from microgpt.files import DuplicateKeyError, file_kind, unique_keys
+from microgpt.files import DuplicateKeyError, file_kind, read_json
 from microgpt.loss_log import parse_json
 
 STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
@@ -28,14 +27,6 @@ class RunBusyError(RuntimeError):
 
 class RunFileError(OSError):
     pass
-
-
-def read_json(path, default):
-    try:
-        with open(path) as f:
-            return json.load(f, object_pairs_hook=unique_keys)
-    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply for json
-        return default
 
 
 def lock_run(path):

@@ -26,7 +26,7 @@ import sys
 import numpy as np
 import tiktoken
 
-from microgpt.files import DuplicateKeyError, unique_keys
+from microgpt.files import DuplicateKeyError, JsonTooDeep, loads_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSET_PATH = os.path.join(ROOT, "data", "assets", "r50k_base.tiktoken")
@@ -174,15 +174,15 @@ def parse_json_line(line):
     short reason (a counter key): invalid UTF-8, a key named twice in one object, invalid JSON (also
     an integer of over 4300 digits, which Python's json refuses) and JSON nested too deeply for it."""
     try:
-        return json.loads(line, object_pairs_hook=unique_keys)
+        return loads_json(line)
     except UnicodeDecodeError:
         raise ValueError("invalid UTF-8") from None
     except DuplicateKeyError:
         raise ValueError("a key twice in one object") from None
+    except JsonTooDeep as e:
+        raise ValueError(str(e)) from None
     except ValueError:  # json.JSONDecodeError, or the digits limit of int()
         raise ValueError("invalid JSON") from None
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
 
 
 def parse_conversation_line(line, cuts=None):

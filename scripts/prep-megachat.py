@@ -52,7 +52,7 @@ import numpy as np
 from microgpt import tokenizer
 from microgpt.atomic import fsync_dir, write_json_atomic
 from microgpt.cli import ArgumentParser, fail
-from microgpt.files import bounded_lines, unique_keys
+from microgpt.files import bounded_lines, read_json
 from microgpt.progress import Progress
 from microgpt.shards import HEADER_BYTES, ShardError, ShardStream, read_header, read_shard
 
@@ -430,11 +430,7 @@ def fsync_tree(root):
 
 
 def up_to_date(manifest_path, fingerprint):
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f, object_pairs_hook=unique_keys)
-    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply for json
-        return None
+    manifest = read_json(manifest_path, None)
     if not isinstance(manifest, dict) or manifest.get("fingerprint") != fingerprint:
         return None
     base = os.path.dirname(manifest_path)

@@ -23,7 +23,7 @@ import sys
 
 from microgpt.atomic import write_json_atomic
 from microgpt.cli import ArgumentParser
-from microgpt.files import DuplicateKeyError, bounded_lines, unique_keys
+from microgpt.files import DuplicateKeyError, bounded_lines, read_json, unique_keys
 from microgpt.tokenizer import parse_conversation, parse_json_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,11 +143,7 @@ def iter_hub(skip, timeout):
 
 def load_progress(path, source):
     """Saved progress for the same source, else a fresh start."""
-    try:
-        with open(path) as f:
-            saved = json.load(f, object_pairs_hook=unique_keys)
-    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply for json
-        return fresh_progress(source)
+    saved = read_json(path, None)
     return saved if isinstance(saved, dict) and saved.get("source") == source else fresh_progress(source)
 
 
