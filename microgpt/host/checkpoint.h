@@ -434,15 +434,8 @@ static const char* json_skip_digits(const char* p) {
     return p > start ? p : NULL;
 }
 
-/* p past the JSON number, string or literal that starts at p, or NULL if there is none. NaN,
- * Infinity and -Infinity are taken as Python's json takes them (json.dump writes a float inf so),
- * for the readers to judge (a loss_scale of Infinity is reported and replaced). */
-static const char* json_skip_scalar(const char* p) {
-    static const char* const literals[] = {"true", "false", "null", "NaN", "Infinity", "-Infinity"};
-    size_t i;
-    for (i = 0; i < sizeof literals / sizeof literals[0]; i++)
-        if (strncmp(p, literals[i], strlen(literals[i])) == 0) return p + strlen(literals[i]);
-    if (*p == '"') return json_skip_string(p);
+/* p past the JSON number at p (-?int(.digits)?([eE][+-]?digits)?: no hex, inf or nan), or NULL. */
+static const char* json_skip_number(const char* p) {
     if (*p == '-') p++;
     if (*p == '0') p++;
     else if (!(p = json_skip_digits(p))) return NULL;
@@ -453,6 +446,18 @@ static const char* json_skip_scalar(const char* p) {
         if (!(p = json_skip_digits(p))) return NULL;
     }
     return p;
+}
+
+/* p past the JSON number, string or literal that starts at p, or NULL if there is none. NaN,
+ * Infinity and -Infinity are taken as Python's json takes them (json.dump writes a float inf so),
+ * for the readers to judge (a loss_scale of Infinity is reported and replaced). */
+static const char* json_skip_scalar(const char* p) {
+    static const char* const literals[] = {"true", "false", "null", "NaN", "Infinity", "-Infinity"};
+    size_t i;
+    for (i = 0; i < sizeof literals / sizeof literals[0]; i++)
+        if (strncmp(p, literals[i], strlen(literals[i])) == 0) return p + strlen(literals[i]);
+    if (*p == '"') return json_skip_string(p);
+    return json_skip_number(p);
 }
 
 /* Every member name a sidecar holds (sidecar_text, mixture_sidecar_json in mixture.h,

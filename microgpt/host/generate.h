@@ -281,23 +281,12 @@ static int js_string(JsonIn* j, char* out, size_t cap) {
     return 1;
 }
 
-static int js_digits(const char** q) {
-    const char* start = *q;
-    while (**q >= '0' && **q <= '9') (*q)++;
-    return *q > start;
-}
-
-/* A JSON number (-?int(.digits)?([eE][+-]?digits)?: no hex, inf or nan), converted by strtod. */
+/* A JSON number (json_skip_number's), converted by strtod. */
 static int js_number(JsonIn* j, double* x) {
-    const char* q = j->p;
-    if (*q == '-') q++;
-    if (*q == '0') q++;
-    else if (!js_digits(&q)) return js_fail(j, "expected a number");
-    if (*q == '.' && (q++, !js_digits(&q))) return js_fail(j, "malformed number");
-    if (*q == 'e' || *q == 'E') {
-        q++;
-        if (*q == '+' || *q == '-') q++;
-        if (!js_digits(&q)) return js_fail(j, "malformed number");
+    const char* q = json_skip_number(j->p);
+    if (!q) {
+        const char* d = j->p + (*j->p == '-'); /* no digit after the sign: no number at all */
+        return js_fail(j, *d >= '0' && *d <= '9' ? "malformed number" : "expected a number");
     }
     *x = strtod(j->p, NULL);
     j->p = q;
