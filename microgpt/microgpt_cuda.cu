@@ -1033,7 +1033,7 @@ static void decode_t(int n, const int* slots, const int* tokens, const int* posi
 /* AdamW over every parameter in one launch; which decay, the mask says (upload_decay_bits). In
  * fp8 the same launch also takes the fp8 weights' amax (E.w8_amax_ranges: one read of the masters
  * fewer, docs/BENCHMARKS.md #91) and leaves their 16-bit copy, which only generation reads in fp8
- * training (docs/DESIGN.md §18), to refresh_stale_lowp_weights (#92). */
+ * training (docs/DESIGN.md §18), to refresh_stale_lowp_weights (docs/BENCHMARKS.md #92). */
 template <typename T>
 static void adamw_all(const Config* cfg) {
     T* p_low = E.prec == PREC_FP32 ? (T*)NULL : (T*)E.wlow;
