@@ -87,15 +87,19 @@ def test_loss_log_repairs_nul_bytes_left_by_a_crash(tmp_path):
     assert [r["step"] for r in json.loads(path.read_bytes())] == [1, 2, 3, 3]
 
 
+def assert_refused_untouched(path, damaged, words):
+    path.write_bytes(damaged)
+    with pytest.raises(loss_log.LossLogError, match=words):
+        loss_log.LossLog(str(path))
+    assert path.read_bytes() == damaged  # nothing was cut
+
+
 def test_loss_log_refuses_damage_that_is_not_a_torn_tail(tmp_path):
     path = tmp_path / "x.loss.json"
     data = write_log(path, 5)
     damaged = data.replace(b'"step":2,', b'"step":2#')  # corrupt the middle, keep the tail valid
     assert damaged != data
-    path.write_bytes(damaged)
-    with pytest.raises(loss_log.LossLogError, match="not at the end"):
-        loss_log.LossLog(str(path))
-    assert path.read_bytes() == damaged  # nothing was cut
+    assert_refused_untouched(path, damaged, "not at the end")
 
 
 @pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
@@ -108,17 +112,7 @@ def test_loss_log_refuses_a_record_no_browser_can_parse(tmp_path, constant):
     for damaged in (data.replace(b'"loss":5.0', b'"loss":' + constant),  # in the log's own layout
                     b"[" + data[1:].replace(b'"loss":5.0', b'"loss":' + constant).replace(b"\n", b" ")):
         assert damaged != data
-        path.write_bytes(damaged)
-        with pytest.raises(loss_log.LossLogError):
-            loss_log.LossLog(str(path))
-        assert path.read_bytes() == damaged  # nothing was cut
-
-
-def assert_refused_untouched(path, damaged, words):
-    path.write_bytes(damaged)
-    with pytest.raises(loss_log.LossLogError, match=words):
-        loss_log.LossLog(str(path))
-    assert path.read_bytes() == damaged  # nothing was cut
+        assert_refused_untouched(path, damaged, None)
 
 
 DEEP = b"[" * 100000 + b"]" * 100000  # deeper than Python's json can parse (RecursionError)
