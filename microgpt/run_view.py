@@ -5,6 +5,7 @@ run is followed as its files change, so runs that other proxies are training sho
 loss log is indexed as it grows (only complete lines), the state and samples are re-read when
 their files change. Nothing is ever written, except the dashboard token (proxy_server.load_token).
 """
+import errno
 import json
 import os
 import sys
@@ -44,6 +45,10 @@ def open_inside(root, path):
         return open_regular(real, os.O_NOFOLLOW)
     except NotRegularFile:
         raise FileNotFoundError(path) from None
+    except OSError as e:  # ELOOP: real became a link after the check
+        if e.errno == errno.ELOOP:
+            raise FileNotFoundError(path) from None
+        raise
 
 
 class LogFollower:

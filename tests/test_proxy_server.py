@@ -436,3 +436,14 @@ def test_a_file_swapped_for_a_link_after_the_check_is_not_served(served_dir, tmp
     r = get(server, "files/alpha/alpha.state.json")
     assert os.path.islink(target), "the check never looked at the file"
     assert r.status_code == 404 and "outside" not in r.text, r.text
+
+
+def test_open_inside_takes_a_file_swapped_for_a_link_after_its_check_as_no_file(tmp_path, monkeypatch):
+    """The check (run_view.inside) resolves links; a file swapped for a link between the check and
+    the open (O_NOFOLLOW: ELOOP) is no file, as open_inside promises, for the dashboard's /files/
+    and the loss-log follower alike, not an OSError of another kind."""
+    (tmp_path / "secret").write_text("x")
+    (tmp_path / "log").symlink_to(tmp_path / "secret")
+    monkeypatch.setattr(run_view, "inside", lambda root, path: str(tmp_path / "log"))  # the check ran before
+    with pytest.raises(FileNotFoundError):
+        run_view.open_inside(str(tmp_path), "log")
