@@ -1261,6 +1261,9 @@ static size_t engine_setup(const Config* cfg) {
     cublas_init(E.cublas_ws, CUBLAS_WORKSPACE_BYTES);
     if (strcmp(prec, "tf32") == 0) gemm_set_tf32();
     if (E.use_side_stream) side_stream_init(E.side_ws, CUBLAS_WORKSPACE_BYTES);
+#if FP8_TRANSPOSE_BESIDE
+    if (E.training && fp8_classifier(E.use_fp8)) fp8_transpose_beside_init();
+#endif
     if (E.training) warm_up(); /* the device memory of a training run must not grow after its first step */
     return total;
 }
@@ -1362,6 +1365,9 @@ static void engine_shutdown(void) {
     CUDA_CHECK(cudaDeviceSynchronize());
     fp8_plans_clear();
     side_stream_shutdown();
+#if FP8_TRANSPOSE_BESIDE
+    fp8_transpose_beside_shutdown();
+#endif
     cublas_shutdown();
     for (int i = 0; i < 2; i++)
         if (E.fb_graph[i]) CUDA_CHECK(cudaGraphExecDestroy(E.fb_graph[i]));
