@@ -334,6 +334,15 @@ template <typename T> static void test_embed(const Shape& s, Tol tol, int token_
         check("dwte", r1[0], plus(dwte0, dwte_inc), tol.prod, &dwte0);
         check_grad("dwpe", r1[1], dwpe_inc, dwpe0, gb, tol.prod);
         check_same("determ", r1, r2);
+#if EMBED_WARP_RUNS || EMBED_BLOCK_SORT
+        /* the candidates give the default kernels' bits: the warps' short runs the same additions in
+         * the same order, the block sort the same stable order */
+        embed_default_path = true;
+        std::vector<Vec> dflt = gpu();
+        embed_default_path = false;
+        bool same = memcmp(dflt[0].data(), r1[0].data(), r1[0].size() * sizeof(float)) == 0;
+        report(same, "candidate=default", same ? "dwte bitwise the default kernels'" : "dwte DIFFERS from the default's");
+#endif
     }
     dfree_all();
 }
@@ -2131,6 +2140,11 @@ template <typename T> static void run_precision(void) {
             set_ctx(prec, range == 1 ? "embed one token" : "embed two tokens", shape_str(one).c_str());
             test_embed<T>(one, tol, range);
         }
+        /* rows wider than a short run's pass (EMBED_RUN_COLS columns a lane: 768, then 32 more, a
+         * partial warp), ~6 positions a token: short runs and longer ones side by side */
+        Shape mixed = {2, 300, 800, 4, 8, 100, 128, 8};
+        set_ctx(prec, "embed mixed runs", shape_str(mixed).c_str());
+        test_embed<T>(mixed, tol, mixed.V);
         /* a GPT-2 vocabulary and ANDREA-120M's B·T, tokens from all of it: every key bit sorted */
         Shape vocab = {8, 1024, 64, 4, 8, 50304, 50304, 8};
         set_ctx(prec, "embed", shape_str(vocab).c_str());

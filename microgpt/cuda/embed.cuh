@@ -100,6 +100,76 @@ __device__ int embed_count_segment(const int* sorted_tok, const int* sorted_pos,
     }
 }
 
+#ifndef EMBED_WARP_RUNS
+#define EMBED_WARP_RUNS 0
+#endif
+#if EMBED_WARP_RUNS
+#define EMBED_RUN_COLS 24 /* columns a lane in k_embed_bwd_wte_runs' passes over a row: 768 a warp */
+#define EMBED_RUN_AHEAD 2 /* rows a warp loads before it adds the first of them, in a long run's pass */
+
+/* embed_add_listed_rows for k_embed_bwd_wte_runs' longer runs: the same additions in the same
+ * order (per column: warp w adds rows list[w], list[w + 8], ... to 0 in turn, then thread c adds
+ * the eight warp sums to 0 in warp order and the total to the row), in passes of
+ * 32 x EMBED_RUN_COLS columns (one at 768) where embed_add_listed_rows takes three slabs of 256 one
+ * after the other, and EMBED_RUN_AHEAD rows' loads in flight before they are added: a frequent
+ * token's hundreds of rows take a third as many round trips. */
+template <typename T>
+__device__ void embed_add_listed_rows_wide(float* row, const T* dout, const int* list, int n, int C) {
+    __shared__ float warp_sums[EMBED_WARPS][32 * EMBED_RUN_COLS];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int c0 = 0; c0 < C; c0 += 32 * EMBED_RUN_COLS) {
+        float acc[EMBED_RUN_COLS];
+#pragma unroll
+        for (int k = 0; k < EMBED_RUN_COLS; k++) acc[k] = 0.0f;
+        for (int q = warp; q < n; q += EMBED_RUN_AHEAD * EMBED_WARPS) {
+            float x[EMBED_RUN_AHEAD][EMBED_RUN_COLS];
+#pragma unroll
+            for (int a = 0; a < EMBED_RUN_AHEAD; a++) {
+                int qa = q + a * EMBED_WARPS;
+                const T* src = dout + (size_t)list[qa < n ? qa : q] * C + c0 + lane;
+#pragma unroll
+                for (int k = 0; k < EMBED_RUN_COLS; k++)
+                    x[a][k] = qa < n && c0 + lane + 32 * k < C ? to_f(src[32 * k]) : 0.0f;
+            }
+#pragma unroll
+            for (int a = 0; a < EMBED_RUN_AHEAD; a++)
+                if (q + a * EMBED_WARPS < n)
+#pragma unroll
+                    for (int k = 0; k < EMBED_RUN_COLS; k++)
+                        if (c0 + lane + 32 * k < C) acc[k] += x[a][k];
+        }
+#pragma unroll
+        for (int k = 0; k < EMBED_RUN_COLS; k++) warp_sums[warp][lane + 32 * k] = acc[k];
+        __syncthreads();
+        for (int c = threadIdx.x; c < 32 * EMBED_RUN_COLS && c0 + c < C; c += EMBED_BWD_THREADS) {
+            float s = 0.0f;
+            for (int w = 0; w < EMBED_WARPS; w++) s += warp_sums[w][c];
+            row[c0 + c] += s;
+        }
+        __syncthreads(); /* the sums are read before the next pass overwrites them */
+    }
+}
+#endif
+
+/* The work of the block at a run's start: sorted entry s, its token tok and first position i
+ * (whole block); WIDE: embed_add_listed_rows_wide's passes. */
+template <typename T, bool WIDE = false>
+__device__ void embed_add_run(float* dwte, const T* dout, const int* sorted_tok, const int* sorted_pos, int N, int C,
+                              int s, int tok, int i) {
+    float* row = dwte + (size_t)tok * C;
+    bool more = true;
+    for (int q = s, seg = i; more;) {
+        int n = embed_count_segment(sorted_tok, sorted_pos, q, N, tok, seg + EMBED_LIST, &more); /* >= 1 */
+#if EMBED_WARP_RUNS
+        if constexpr (WIDE) embed_add_listed_rows_wide(row, dout, sorted_pos + q, n, C); /* ends with a barrier */
+        else
+#endif
+        embed_add_listed_rows(row, dout, sorted_pos + q, n, C); /* ends with a barrier */
+        q += n;
+        if (more) seg = i + (sorted_pos[q] - i) / EMBED_LIST * EMBED_LIST; /* the segment holding entry q */
+    }
+}
+
 /* One block per sorted entry s (EMBED_BWD_THREADS threads); sorted_tok ascending, sorted_pos
  * ascending within each token's run. Only the block at a run's start works: its token's first
  * position i = sorted_pos[s]. It takes the run's positions in segments [i + k EMBED_LIST,
@@ -111,15 +181,100 @@ __global__ void k_embed_bwd_wte_sorted(float* dwte, const T* dout, const int* so
     await_previous_kernel();
     int s = blockIdx.x, tok = sorted_tok[s], i = sorted_pos[s];
     if (s > 0 && sorted_tok[s - 1] == tok) return; /* not the run's start (block-uniform) */
-    float* row = dwte + (size_t)tok * C;
-    bool more = true;
-    for (int q = s, seg = i; more;) {
-        int n = embed_count_segment(sorted_tok, sorted_pos, q, N, tok, seg + EMBED_LIST, &more); /* >= 1 */
-        embed_add_listed_rows(row, dout, sorted_pos + q, n, C); /* ends with a barrier */
-        q += n;
-        if (more) seg = i + (sorted_pos[q] - i) / EMBED_LIST * EMBED_LIST; /* the segment holding entry q */
+    embed_add_run(dwte, dout, sorted_tok, sorted_pos, N, C, s, tok, i);
+}
+
+#if EMBED_WARP_RUNS
+/* A candidate (docs/BENCHMARKS.md, the embedding backward's short runs): one warp per sorted entry,
+ * 8 a block. A run of at most EMBED_WARPS positions, all in its first segment (every token on
+ * uniform data, most on text), is added by its start's warp alone: per column the additions
+ * k_embed_bwd_wte_sorted makes in the same order (warp w's sum is 0 + the run's row w, or 0 past
+ * the run; the row gets 0 + the eight in warp order), in one pass over the row (EMBED_RUN_COLS
+ * columns a lane, every row's loads in flight together) with no barrier. The block then runs
+ * k_embed_bwd_wte_sorted's body for its entries that start longer runs, in wider passes
+ * (embed_add_listed_rows_wide). */
+
+template <typename T>
+__global__ void __launch_bounds__(EMBED_BWD_THREADS)
+k_embed_bwd_wte_runs(float* __restrict__ dwte, const T* __restrict__ dout, const int* __restrict__ sorted_tok,
+                     const int* __restrict__ sorted_pos, int N, int C) {
+    await_previous_kernel();
+    __shared__ int long_tok[EMBED_WARPS], long_pos[EMBED_WARPS]; /* a longer run's token and first position, or -1 */
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, s = blockIdx.x * EMBED_WARPS + warp;
+    /* lane l holds entry s - 1 + l (l <= EMBED_WARPS + 1: the one before s, s, and EMBED_WARPS after) */
+    int q = s - 1 + lane, t = -1, p = 0;
+    if (q >= 0 && q < N && lane <= EMBED_WARPS + 1) t = sorted_tok[q], p = sorted_pos[q];
+    int tok = __shfl_sync(0xffffffffu, t, 1), i = __shfl_sync(0xffffffffu, p, 1);
+    bool start = s < N && __shfl_sync(0xffffffffu, t, 0) != tok;
+    unsigned same = __ballot_sync(0xffffffffu, lane >= 1 && t == tok); /* t = -1 matches no token */
+    int n = __ffs(~(same >> 1)) - 1;                                    /* the run's entries from s, up to 9 */
+    int last = __shfl_sync(0xffffffffu, p, n > 0 ? n : 1);               /* its last position seen */
+    bool short_run = start && n <= EMBED_WARPS && last - i < EMBED_LIST;
+    if (lane == 0) long_tok[warp] = start && !short_run ? tok : -1, long_pos[warp] = i;
+    if (short_run) {
+        float* row = dwte + (size_t)tok * C;
+        for (int c0 = 0; c0 < C; c0 += 32 * EMBED_RUN_COLS) {
+            float sum[EMBED_RUN_COLS];
+#pragma unroll
+            for (int k = 0; k < EMBED_RUN_COLS; k++) sum[k] = 0.0f;
+#pragma unroll
+            for (int w = 0; w < EMBED_WARPS; w++) { /* k_embed_bwd_wte_sorted's warp w: row w of the run, or none */
+                const T* src = dout + (size_t)__shfl_sync(0xffffffffu, p, 1 + w) * C + c0 + lane;
+#pragma unroll
+                for (int k = 0; k < EMBED_RUN_COLS; k++) {
+                    float acc = 0.0f;
+                    if (w < n && c0 + lane + 32 * k < C) acc += to_f(src[32 * k]);
+                    sum[k] += acc;
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < EMBED_RUN_COLS; k++)
+                if (c0 + lane + 32 * k < C) row[c0 + lane + 32 * k] += sum[k];
+        }
+    }
+    __syncthreads();
+    for (int w = 0; w < EMBED_WARPS; w++) /* block-uniform */
+        if (long_tok[w] >= 0)
+            embed_add_run<T, true>(dwte, dout, sorted_tok, sorted_pos, N, C, blockIdx.x * EMBED_WARPS + w,
+                                   long_tok[w], long_pos[w]);
+}
+#endif
+
+#ifndef EMBED_BLOCK_SORT
+#define EMBED_BLOCK_SORT 0
+#endif
+#if EMBED_BLOCK_SORT
+#include <cub/block/block_radix_sort.cuh>
+/* A candidate (docs/BENCHMARKS.md, the embedding backward's sort in one block): where the N tokens
+ * fit one block's registers (EMBED_SORT_THREADS x EMBED_SORT_ITEMS), CUB's block radix sort of the
+ * (token, position) pairs in one launch, positions made in the kernel (no k_embed_positions), in
+ * place of the device-wide sort's several launches. Both sorts are stable and the positions are
+ * distinct, so both give the one stable order: the same sorted arrays, the same dwte. */
+#define EMBED_SORT_THREADS 1024
+#define EMBED_SORT_ITEMS 8
+
+/* sorted_tok, sorted_pos [N] = the stable sort of (tokens[i], i) by token, tokens below 2^bits;
+ * one block, N <= EMBED_SORT_THREADS * EMBED_SORT_ITEMS. Entries past N sort last (key 2^bits). */
+__global__ void __launch_bounds__(EMBED_SORT_THREADS)
+k_embed_sort_block(int* __restrict__ sorted_tok, int* __restrict__ sorted_pos, const int* __restrict__ tokens, int N,
+                   int bits) {
+    await_previous_kernel();
+    using Sort = cub::BlockRadixSort<unsigned, EMBED_SORT_THREADS, EMBED_SORT_ITEMS, int>;
+    __shared__ typename Sort::TempStorage temp;
+    unsigned key[EMBED_SORT_ITEMS];
+    int pos[EMBED_SORT_ITEMS];
+    for (int k = 0; k < EMBED_SORT_ITEMS; k++) { /* blocked: thread t holds entries t * ITEMS .. + ITEMS - 1 */
+        int i = threadIdx.x * EMBED_SORT_ITEMS + k;
+        key[k] = i < N ? (unsigned)tokens[i] : 1u << bits;
+        pos[k] = i;
+    }
+    Sort(temp).Sort(key, pos, 0, bits + 1);
+    for (int k = 0; k < EMBED_SORT_ITEMS; k++) {
+        int i = threadIdx.x * EMBED_SORT_ITEMS + k;
+        if (i < N) sorted_tok[i] = (int)key[k], sorted_pos[i] = pos[k];
     }
 }
+#endif
 
 /* Token keys' significant bits: tokens are below V. */
 static int embed_token_bits(int V) {
@@ -161,22 +316,45 @@ static void embed_fwd(T* out, const int* tokens, const float* wte, const float* 
     launch_kernel(k_embed_fwd<T>, elementwise_grid(n, 256), 256, out, tokens, wte, wpe, B * T_, T_, C);
 }
 
+#if EMBED_WARP_RUNS || EMBED_BLOCK_SORT
+/* Set by tests/kernel_check.cu: the default's kernels (the device sort, k_embed_bwd_wte_sorted),
+ * whose bits the candidates must give. */
+static bool embed_default_path = false;
+#endif
+
+/* sorted_tok, sorted_pos [N]: the (token, position) pairs sorted by token, stably (CUB's device-wide
+ * radix sort of positions k_embed_positions writes at pos, its storage at cub_at). */
+static void embed_sort_device(int* sorted_tok, int* sorted_pos, int* pos, void* cub_at, const int* tokens, int V,
+                              int N) {
+    size_t cub_bytes = embed_sort_bytes(V, N);
+    launch_kernel(k_embed_positions, ceil_div(N, 256), 256, pos, N);
+    /* stable: each token's positions stay ascending; tokens compared as unsigned (all >= 0) */
+    CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_at, cub_bytes, (const unsigned*)tokens, (unsigned*)sorted_tok, pos,
+                                               sorted_pos, N, 0, embed_token_bits(V), g_stream));
+    if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize()); /* as launch_kernel does for its own */
+}
+
 /* dwte += the token rows' sums by k_embed_bwd_wte_sorted; scratch holds
  * embed_bwd_scratch_bytes(V, N) bytes (256-byte aligned). Every call is a stream operation (CUB's
  * sort included), so a CUDA graph can capture it. */
 template <typename T>
 static void embed_bwd_wte_sorted(float* dwte, const T* dout, const int* tokens, void* scratch, int V, int N, int C) {
     char* at = (char*)scratch;
-    int* pos = (int*)at;
     int* sorted_tok = (int*)(at + embed_ints_bytes(N));
     int* sorted_pos = (int*)(at + 2 * embed_ints_bytes(N));
-    size_t cub_bytes = embed_sort_bytes(V, N);
-    launch_kernel(k_embed_positions, ceil_div(N, 256), 256, pos, N);
-    /* stable: each token's positions stay ascending; tokens compared as unsigned (all >= 0) */
-    CUDA_CHECK(cub::DeviceRadixSort::SortPairs(at + 3 * embed_ints_bytes(N), cub_bytes, (const unsigned*)tokens,
-                                               (unsigned*)sorted_tok, pos, sorted_pos, N, 0, embed_token_bits(V),
-                                               g_stream));
-    if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize()); /* as launch_kernel does for its own */
+#if EMBED_BLOCK_SORT
+    if (!embed_default_path && N <= EMBED_SORT_THREADS * EMBED_SORT_ITEMS)
+        launch_kernel(k_embed_sort_block, 1, EMBED_SORT_THREADS, sorted_tok, sorted_pos, tokens, N, embed_token_bits(V));
+    else
+#endif
+        embed_sort_device(sorted_tok, sorted_pos, (int*)at, at + 3 * embed_ints_bytes(N), tokens, V, N);
+#if EMBED_WARP_RUNS
+    if (!embed_default_path) {
+        launch_kernel(k_embed_bwd_wte_runs<T>, ceil_div(N, EMBED_WARPS), EMBED_BWD_THREADS, dwte, dout, sorted_tok,
+                      sorted_pos, N, C);
+        return;
+    }
+#endif
     launch_kernel(k_embed_bwd_wte_sorted<T>, N, EMBED_BWD_THREADS, dwte, dout, sorted_tok, sorted_pos, N, C);
 }
 
