@@ -867,7 +867,7 @@ static void run_graph(cudaGraphExec_t* exec, void (*record)(void)) {
             CUDA_CHECK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal));
             record();
             CUDA_CHECK(cudaStreamEndCapture(g_stream, &graph));
-            CUDA_CHECK(cudaGraphInstantiate(exec, graph, 0));
+            CUDA_CHECK(cudaGraphInstantiate(exec, graph, GRAPH_INSTANTIATE_FLAGS));
             CUDA_CHECK(cudaGraphDestroy(graph));
         }
         CUDA_CHECK(cudaGraphLaunch(*exec, g_stream));
@@ -1220,7 +1220,7 @@ static size_t engine_setup(const Config* cfg) {
                                               : "ordinary (programmatic dependent launch needs a GPU of compute "
                                                 "capability 9.0 and kernels compiled for it)");
     CUDA_CHECK(cudaFree(0)); /* create the context now, so the free-memory figure below accounts for it */
-    CUDA_CHECK(cudaStreamCreate(&g_stream));
+    main_stream_create();
     CUBLAS_CHECK(cublasCreate(&g_cublas));
     dist_cuda_init();
     info("cuBLASLt algorithms: %s", lt_table_applies() ? "the fixed table measured on " LT_TABLE_GPU_NAME

@@ -42,6 +42,23 @@
 #include <functional>
 #endif
 
+/* A candidate (docs/BENCHMARKS.md #94): the main stream at the device's greatest priority and the
+ * side stream at its least, kept by the captured graphs (each kernel node takes its stream's
+ * priority at capture; GRAPH_INSTANTIATE_FLAGS makes the graph launch by them). Where a weight
+ * gradient and the main stream's input-gradient product or producer are both ready, the block
+ * scheduler dispatches the main stream's blocks first and the weight gradient's into what is left
+ * (docs/DESIGN.md §9: side by side, two products that each want most multiprocessors do not share
+ * them, so without priorities the weight gradient can delay the step's one chain by what it hides).
+ * Only the order in which ready blocks start changes, not any kernel's arithmetic: the same bits. */
+#ifndef SIDE_STREAM_PRIORITY
+#define SIDE_STREAM_PRIORITY 0
+#endif
+#if SIDE_STREAM_PRIORITY
+#define GRAPH_INSTANTIATE_FLAGS cudaGraphInstantiateFlagUseNodePriority
+#else
+#define GRAPH_INSTANTIATE_FLAGS 0
+#endif
+
 /* buffers with a side-stream reader: dres, dh, dqkv, logits; fp8's g8t and the FP8 classifier's
  * dl8t; with LN_FINAL_SIDE the LayerNorm backward's chunk partials */
 #define SIDE_MAX_BUFFERS 8
@@ -82,12 +99,29 @@ static bool side_stream_pays(long long rows, int d_model, int sm_count) {
     return tiles < sm_count;
 }
 
+/* The main stream, g_stream (with SIDE_STREAM_PRIORITY at the device's greatest priority). */
+static void main_stream_create(void) {
+#if SIDE_STREAM_PRIORITY
+    int least, greatest;
+    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    CUDA_CHECK(cudaStreamCreateWithPriority(&g_stream, cudaStreamDefault, greatest));
+#else
+    CUDA_CHECK(cudaStreamCreate(&g_stream));
+#endif
+}
+
 /* The side stream, its cuBLAS handle (bound to it, with its own workspace of `bytes`, the main
  * one's size, and the main handle's math mode: call after cublas_init and gemm_set_tf32) and its
  * events. */
 static void side_stream_init(void* workspace, size_t bytes) {
     cublasMath_t math;
+#if SIDE_STREAM_PRIORITY
+    int least, greatest;
+    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    CUDA_CHECK(cudaStreamCreateWithPriority(&g_side.stream, cudaStreamDefault, least));
+#else
     CUDA_CHECK(cudaStreamCreate(&g_side.stream));
+#endif
     CUBLAS_CHECK(cublasCreate(&g_side.cublas));
     CUBLAS_CHECK(cublasGetMathMode(g_cublas, &math));
     CUBLAS_CHECK(cublasSetMathMode(g_side.cublas, math));
