@@ -59,9 +59,22 @@
 #define GRAPH_INSTANTIATE_FLAGS 0
 #endif
 
-/* buffers with a side-stream reader: dres, dh, dqkv, logits; fp8's g8t and the FP8 classifier's
- * dl8t; with LN_FINAL_SIDE the LayerNorm backward's chunk partials */
+/* A candidate (docs/BENCHMARKS.md #95), fp8 with the side stream: a buffer of the output
+ * gradient's transposed codes (g8t) per product of a layer (QKV, W_O, W_1, W_2) instead of one, so
+ * that each producer of a product's gradient codes waits for the weight gradient of the same
+ * product of the layer above (a whole layer earlier) instead of the one forked just before it
+ * (microgpt_cuda.cu's fp8_g8t). */
+#ifndef FP8_G8T_PER_PRODUCT
+#define FP8_G8T_PER_PRODUCT 0
+#endif
+
+/* buffers with a side-stream reader: dres, dh, dqkv, logits; fp8's g8t (with FP8_G8T_PER_PRODUCT
+ * four) and the FP8 classifier's dl8t; with LN_FINAL_SIDE the LayerNorm backward's chunk partials */
+#if FP8_G8T_PER_PRODUCT
+#define SIDE_MAX_BUFFERS 11
+#else
 #define SIDE_MAX_BUFFERS 8
+#endif
 
 /* One buffer the side stream reads and the main stream overwrites later. */
 struct SideRead {
