@@ -794,6 +794,15 @@ static void loss_chunks(int N, int train) {
     loss_mean(&E.io->loss, E.losses, N);
 }
 
+/* A candidate (docs/BENCHMARKS.md #96): the embedding backward waits on the side stream only for
+ * the classifier's dwte (the one side-stream product whose tensor it adds to) and the streams join
+ * after it, so that the layers' last weight gradients (layer 0's, and any the side stream still
+ * holds) run beside the embedding backward instead of ahead of it. The same kernels on the same
+ * inputs, each gradient added in the same order: the same bits. */
+#ifndef SIDE_JOIN_AFTER_EMBED
+#define SIDE_JOIN_AFTER_EMBED 0
+#endif
+
 /* The backward's two streams (use_side_stream, cuda/side_stream.cuh; without a side stream the
  * waits below are no-ops). Every weight-gradient product runs on the side stream, forked after the
  * work that produced its inputs; what it reads, who overwrites that later on the main stream, and
@@ -821,7 +830,8 @@ static void loss_chunks(int N, int train) {
  * The side stream runs its products in issue order, so a wait covers its earlier products too.
  * Each gradient tensor has one writer per micro-batch (matmul.cuh), the side stream's products
  * write only their own, and the one tensor two writers share, wte (dwte, then the embedding
- * backward adds), is ordered by side_join before embed_bwd, which also ends the backward with every
+ * backward adds), is ordered by side_join before embed_bwd (SIDE_JOIN_AFTER_EMBED: by the wait for
+ * the last dwte, and side_join after embed_bwd), which also ends the backward with every
  * product done (the gradient norm and AdamW run after it; a capture ends with the streams joined).
  * dln, datty and the attention scratch have no side-stream reader. An fp8 weight gradient also reads
  * its two casts' scales (Fp8Scale: x8_scale, set by the forward's cast; g8_scale, set by its own
@@ -876,8 +886,16 @@ static void backward(void) {
         dres_in = ln_bwd_for_product<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA),
                                         a.ln1_mean, a.ln1_rstd, l - 1, FP8_W_2);
     }
+#if SIDE_JOIN_AFTER_EMBED
+    /* the classifier's dwte products (each chunk's, the last waited for here) have added into wte's
+     * gradient, which the embedding backward adds to; the layers' weight gradients run on beside it */
+    side_wait(fp8_classifier(E.use_fp8) ? (const void*)E.dl8t : E.logits);
+    embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_scratch, E.V, B, Tn, C, gb);
+    side_join();
+#else
     side_join();
     embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_scratch, E.V, B, Tn, C, gb);
+#endif
 }
 
 /* Runs `record` (the device work of one call, everything on g_stream) as a CUDA graph: captured
@@ -1235,9 +1253,11 @@ static size_t engine_setup(const Config* cfg) {
         if (E.prec == PREC_BF16 && p.major < 8) die_input("train.precision bf16 needs compute capability 8.0 or newer");
         E.use_side_stream = E.training && side_stream_pays(E.N, E.C, p.multiProcessorCount);
         if (E.training) /* docs/DESIGN.md §9 */
-            info("backward: weight gradients %s (%d multiprocessors)",
+            info("backward: weight gradients %s (%d multiprocessors)%s%s%s",
                  E.use_side_stream ? "on a side stream, the products being small" : "in line with the rest",
-                 p.multiProcessorCount);
+                 p.multiProcessorCount, SIDE_STREAM_PRIORITY ? ", candidate SIDE_STREAM_PRIORITY" : "",
+                 FP8_G8T_PER_PRODUCT ? ", candidate FP8_G8T_PER_PRODUCT" : "",
+                 SIDE_JOIN_AFTER_EMBED ? ", candidate SIDE_JOIN_AFTER_EMBED" : "");
         info_fp8_classifier(cfg, "bf16");
     }
     CUDA_CHECK(cudaSetDevice(dist_device())); /* LOCAL_RANK's GPU (docs/DESIGN.md §17) */
