@@ -556,6 +556,16 @@ static void fp8_wait_grad_codes(int k) {
     side_wait(fp8_g8t(k));
 }
 
+/* A candidate (docs/BENCHMARKS.md #97), where the side stream runs: each fp8 product's input
+ * gradient (the step's one chain) issued before its weight gradient (side_mark_fork, then
+ * side_product_from_mark), both still forked from the same point, so that the dX's launch comes
+ * first to the block scheduler, in graphs (node creation order) as launch by launch, where today
+ * the dW issued first takes most multiprocessors ahead of it; SIDE_STREAM_PRIORITY's order without
+ * priorities. The same products: the same bits. */
+#ifndef FP8_DX_BEFORE_DW
+#define FP8_DX_BEFORE_DW 0
+#endif
+
 /* The backward of a product whose output gradient dout is `batch` blocks [N, out_dim] (QKV: 3):
  * dw (/ += by grad_beta) = x^T dout_i per block (x as the forward cast it, x8t), dx = sum_i dout_i
  * @ W_i^T (one product, K = batch * out_dim, over the side-by-side layouts of cuda/fp8.cuh).
@@ -572,12 +582,24 @@ static void fp8_linear_bwd(T* dx, float* dw, const T* dout, int l, int t, int k,
         fp8_wait_grad_codes(k);
         fp8_cast(E.g8, g8t, gs, dout, batch, N, out_dim, FP8_GRAD_FMT, hist);
     }
-    side_product(g8t, [&] {
+    auto weight_gradient = [&] {
         fp8_gemm<float>(in, out_dim, N, fp8_mat(x8t(l, k), FP8_E4M3, xs),
                         fp8_mat(g8t, FP8_GRAD_FMT, gs, (long long)out_dim * N), dw, NULL, grad_beta, batch,
                         (long long)in * out_dim);
-    });
-    fp8_gemm<T>(N, in, batch * out_dim, fp8_mat(E.g8, FP8_GRAD_FMT, gs), w8_dx(l, t, k), dx, NULL, 0.0f);
+    };
+    auto input_gradient = [&] {
+        fp8_gemm<T>(N, in, batch * out_dim, fp8_mat(E.g8, FP8_GRAD_FMT, gs), w8_dx(l, t, k), dx, NULL, 0.0f);
+    };
+#if FP8_DX_BEFORE_DW
+    if (E.use_side_stream) { /* the weight gradient forks from the same point, issued after dx */
+        side_mark_fork();
+        input_gradient();
+        side_product_from_mark(g8t, weight_gradient);
+        return;
+    }
+#endif
+    side_product(g8t, weight_gradient);
+    input_gradient();
 }
 
 /* The fp8 forward of layer l's sub-layers around attention (the LayerNorms and attention as in
@@ -1253,11 +1275,12 @@ static size_t engine_setup(const Config* cfg) {
         if (E.prec == PREC_BF16 && p.major < 8) die_input("train.precision bf16 needs compute capability 8.0 or newer");
         E.use_side_stream = E.training && side_stream_pays(E.N, E.C, p.multiProcessorCount);
         if (E.training) /* docs/DESIGN.md §9 */
-            info("backward: weight gradients %s (%d multiprocessors)%s%s%s",
+            info("backward: weight gradients %s (%d multiprocessors)%s%s%s%s",
                  E.use_side_stream ? "on a side stream, the products being small" : "in line with the rest",
                  p.multiProcessorCount, SIDE_STREAM_PRIORITY ? ", candidate SIDE_STREAM_PRIORITY" : "",
                  FP8_G8T_PER_PRODUCT ? ", candidate FP8_G8T_PER_PRODUCT" : "",
-                 SIDE_JOIN_AFTER_EMBED ? ", candidate SIDE_JOIN_AFTER_EMBED" : "");
+                 SIDE_JOIN_AFTER_EMBED ? ", candidate SIDE_JOIN_AFTER_EMBED" : "",
+                 FP8_DX_BEFORE_DW ? ", candidate FP8_DX_BEFORE_DW" : "");
         info_fp8_classifier(cfg, "bf16");
     }
     CUDA_CHECK(cudaSetDevice(dist_device())); /* LOCAL_RANK's GPU (docs/DESIGN.md §17) */

@@ -3,9 +3,10 @@ default build's. Set `fp8small` (docs/BENCHMARKS.md #88–#90): the fused LayerN
 a warp where its blocks stay one wave (-DFP8_LN_FWD_WARPS=16), the delayed-scaling histories pushed
 by one launch after the backward (-DFP8_HISTORY_PUSH_ONCE=1), and the LayerNorm backward's final
 sums on the side stream behind the next weight gradient (-DLN_FINAL_SIDE=1). Set `fp8overlap`
-(#94–#96): the side stream at the lower priority (-DSIDE_STREAM_PRIORITY=1), fp8's transposed
-gradient codes in a buffer per product (-DFP8_G8T_PER_PRODUCT=1), and the streams joined after the
-embedding backward (-DSIDE_JOIN_AFTER_EMBED=1). One build a set (build/microgpt_cuda_SET,
+(#94–#97): the side stream at the lower priority (-DSIDE_STREAM_PRIORITY=1), fp8's transposed
+gradient codes in a buffer per product (-DFP8_G8T_PER_PRODUCT=1), the streams joined after the
+embedding backward (-DSIDE_JOIN_AFTER_EMBED=1), and each fp8 input gradient issued before its
+weight gradient (-DFP8_DX_BEFORE_DW=1). One build a set (build/microgpt_cuda_SET,
 build/kernel_check_SET) must pass kernel_check and give the default build's records, checkpoints
 and histories byte for byte, in fp8 (both attention paths) and bf16, with gradient accumulation,
 on models small enough to run the side stream, graphs and launch by launch alike. GPU only
@@ -22,12 +23,12 @@ from test_gpu import OVERRIDE_ENGINE, build_variant, cuda_binary  # noqa: F401 (
 
 SWITCH_SETS = {
     "fp8small": "-DFP8_LN_FWD_WARPS=16 -DFP8_HISTORY_PUSH_ONCE=1 -DLN_FINAL_SIDE=1",
-    "fp8overlap": "-DSIDE_STREAM_PRIORITY=1 -DFP8_G8T_PER_PRODUCT=1 -DSIDE_JOIN_AFTER_EMBED=1",
+    "fp8overlap": "-DSIDE_STREAM_PRIORITY=1 -DFP8_G8T_PER_PRODUCT=1 -DSIDE_JOIN_AFTER_EMBED=1 -DFP8_DX_BEFORE_DW=1",
 }
 # what each set's build names in its banners: kernel_check's first line, the engine's stderr
 KERNEL_CHECK_BANNER = {"fp8small": ["(FP8_LN_FWD_WARPS)", "(LN_FINAL_SIDE)"], "fp8overlap": []}
 ENGINE_BANNER = {"fp8small": [], "fp8overlap": ["candidate SIDE_STREAM_PRIORITY", "candidate FP8_G8T_PER_PRODUCT",
-                                                "candidate SIDE_JOIN_AFTER_EMBED"]}
+                                                "candidate SIDE_JOIN_AFTER_EMBED", "candidate FP8_DX_BEFORE_DW"]}
 
 
 @pytest.fixture(scope="module", params=sorted(SWITCH_SETS))

@@ -178,15 +178,18 @@ static void side_swap(void) {
     g_side.stream = s, g_side.cublas = h, g_side.workspace = w;
 }
 
-/* Runs `product` (the launches of one weight gradient) on the side stream after everything issued
- * so far on g_stream; `reads`: the buffer it reads that the main stream overwrites later (the main
- * stream calls side_wait(reads) first). */
-template <typename Product> static void side_product(const void* reads, Product product) {
+/* Marks the point of g_stream that the next side_product_from_mark forks from: everything issued
+ * so far. */
+static void side_mark_fork(void) {
+    if (g_side.stream) CUDA_CHECK(cudaEventRecord(g_side.fork, g_stream));
+}
+
+/* side_product forked from the last side_mark_fork, however much g_stream issued since. */
+template <typename Product> static void side_product_from_mark(const void* reads, Product product) {
     if (!g_side.stream) {
         product();
         return;
     }
-    CUDA_CHECK(cudaEventRecord(g_side.fork, g_stream));
     CUDA_CHECK(cudaStreamWaitEvent(g_side.stream, g_side.fork, 0));
     side_swap();
     product();
@@ -198,6 +201,14 @@ template <typename Product> static void side_product(const void* reads, Product 
 #if LN_FINAL_SIDE
     side_issue_next();
 #endif
+}
+
+/* Runs `product` (the launches of one weight gradient) on the side stream after everything issued
+ * so far on g_stream; `reads`: the buffer it reads that the main stream overwrites later (the main
+ * stream calls side_wait(reads) first). */
+template <typename Product> static void side_product(const void* reads, Product product) {
+    side_mark_fork();
+    side_product_from_mark(reads, product);
 }
 
 #if LN_FINAL_SIDE
