@@ -42,7 +42,7 @@ __global__ void k_embed_fwd(T* out, const int* tokens, const float* wte, const f
     }
 }
 
-/* EMBED_ROWS_IN_FLIGHT (docs/BENCHMARKS.md #94): the listed rows a warp loads before it adds the
+/* EMBED_ROWS_IN_FLIGHT (docs/BENCHMARKS.md #98): the listed rows a warp loads before it adds the
  * first of them. dout is in the L2, so a warp's sum is a chain of L2 round trips, one a row; in real
  * text a frequent token (a space: a quarter of the positions of the benchmark's text) has hundreds
  * of rows a warp, and its one block is the kernel's tail. Loading the next rows ahead keeps the
