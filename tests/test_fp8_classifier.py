@@ -140,7 +140,7 @@ def test_gpu_fp8_classifier_over_several_chunks_gives_the_bits_of_synchronised_l
 @pytest.fixture(scope="module")
 def transpose_beside_build(cuda_binary):
     """The small-chunks engine with the dlogits transpose beside dx (-DFP8_TRANSPOSE_BESIDE=1, a
-    candidate: docs/BENCHMARKS.md #94): build/microgpt_cuda_tpbeside."""
+    candidate: docs/BENCHMARKS.md #99): build/microgpt_cuda_tpbeside."""
     if OVERRIDE_ENGINE:
         pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the candidate is built from source")
     engine = eu.BUILD / "microgpt_cuda_tpbeside"

@@ -1238,7 +1238,7 @@ static void fp8_transpose(fp8* out, const fp8* in, int R, int Cc) {
 #define FP8_TRANSPOSE_BESIDE 0
 #endif
 #if FP8_TRANSPOSE_BESIDE
-/* A candidate (docs/BENCHMARKS.md #94, the FP8 classifier's transpose beside dx): the transpose of
+/* A candidate (docs/BENCHMARKS.md #99, the FP8 classifier's transpose beside dx): the transpose of
  * a chunk's dlogits codes on a stream of its own, forked from g_stream after the loss rows, so that
  * it runs beside dx's product (which reads only the row-major codes: a memory-bound pass beside a
  * compute-bound one); g_stream waits for it before dwte's product, the one reader of g_t. With
