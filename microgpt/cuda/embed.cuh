@@ -51,15 +51,16 @@ __global__ void k_embed_fwd(T* out, const int* tokens, const float* wte, const f
 #define EMBED_ROWS_IN_FLIGHT 1
 #endif
 
-/* row[c] += sum of the n listed rows of dout at column c, for every column (whole block, n the
- * same in every thread). Per 256-column slab, lane l of warp w adds columns l, l + 32, ... of
+/* row[c] += sum of the n listed rows of dout [., C] at column c, for every column c_begin <= c <
+ * c_end (whole block, n the same in every thread). Per 256-column slab from c_begin, lane l of warp w adds columns l, l + 32, ... of
  * rows list[w], list[w + 8], ... (each row read as eight coalesced runs), then thread c adds the
  * eight warp sums of column c in warp order. */
 template <typename T>
-__device__ void embed_add_listed_rows(float* row, const T* dout, const int* list, int n, int C) {
+__device__ void embed_add_listed_rows(float* row, const T* dout, const int* list, int n, int C, int c_begin,
+                                      int c_end) {
     __shared__ float warp_sums[EMBED_WARPS][EMBED_SLAB];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int c0 = 0; c0 < C; c0 += EMBED_SLAB) {
+    for (int c0 = c_begin; c0 < c_end; c0 += EMBED_SLAB) {
         float acc[EMBED_LANE_COLS] = {};
 #if EMBED_ROWS_IN_FLIGHT > 1
         for (int q0 = warp; q0 < n; q0 += EMBED_WARPS * EMBED_ROWS_IN_FLIGHT) {
@@ -70,26 +71,26 @@ __device__ void embed_add_listed_rows(float* row, const T* dout, const int* list
                 const T* src = dout + (size_t)list[q < n ? q : q0] * C + c0 + lane;
 #pragma unroll
                 for (int k = 0; k < EMBED_LANE_COLS; k++)
-                    v[r][k] = q < n && c0 + lane + 32 * k < C ? to_f(src[32 * k]) : 0.0f;
+                    v[r][k] = q < n && c0 + lane + 32 * k < c_end ? to_f(src[32 * k]) : 0.0f;
             }
 #pragma unroll
             for (int r = 0; r < EMBED_ROWS_IN_FLIGHT; r++) /* rows q0, q0 + 8, ...: the order of one at a time */
 #pragma unroll
                 for (int k = 0; k < EMBED_LANE_COLS; k++)
-                    if (q0 + r * EMBED_WARPS < n && c0 + lane + 32 * k < C) acc[k] += v[r][k];
+                    if (q0 + r * EMBED_WARPS < n && c0 + lane + 32 * k < c_end) acc[k] += v[r][k];
         }
 #else
         for (int q = warp; q < n; q += EMBED_WARPS) {
             const T* src = dout + (size_t)list[q] * C + c0 + lane;
 #pragma unroll
             for (int k = 0; k < EMBED_LANE_COLS; k++)
-                if (c0 + lane + 32 * k < C) acc[k] += to_f(src[32 * k]);
+                if (c0 + lane + 32 * k < c_end) acc[k] += to_f(src[32 * k]);
         }
 #endif
 #pragma unroll
         for (int k = 0; k < EMBED_LANE_COLS; k++) warp_sums[warp][lane + 32 * k] = acc[k];
         __syncthreads();
-        for (int c = threadIdx.x; c < EMBED_SLAB && c0 + c < C; c += EMBED_BWD_THREADS) {
+        for (int c = threadIdx.x; c < EMBED_SLAB && c0 + c < c_end; c += EMBED_BWD_THREADS) {
             float s = 0.0f;
             for (int w = 0; w < EMBED_WARPS; w++) s += warp_sums[w][c];
             row[c0 + c] += s;
@@ -128,71 +129,16 @@ __device__ int embed_count_segment(const int* sorted_tok, const int* sorted_pos,
     }
 }
 
-#ifndef EMBED_WARP_RUNS
-#define EMBED_WARP_RUNS 0
-#endif
-#if EMBED_WARP_RUNS
-#define EMBED_RUN_COLS 24 /* columns a lane in k_embed_bwd_wte_runs' passes over a row: 768 a warp */
-#define EMBED_RUN_AHEAD 2 /* rows a warp loads before it adds the first of them, in a long run's pass */
-
-/* embed_add_listed_rows for k_embed_bwd_wte_runs' longer runs: the same additions in the same
- * order (per column: warp w adds rows list[w], list[w + 8], ... to 0 in turn, then thread c adds
- * the eight warp sums to 0 in warp order and the total to the row), in passes of
- * 32 x EMBED_RUN_COLS columns (one at 768) where embed_add_listed_rows takes three slabs of 256 one
- * after the other, and EMBED_RUN_AHEAD rows' loads in flight before they are added: a frequent
- * token's hundreds of rows take a third as many round trips. */
+/* The work of the block at a run's start: sorted entry s, its token tok and first position i, for
+ * columns c_begin .. c_end - 1 (whole block). */
 template <typename T>
-__device__ void embed_add_listed_rows_wide(float* row, const T* dout, const int* list, int n, int C) {
-    __shared__ float warp_sums[EMBED_WARPS][32 * EMBED_RUN_COLS];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int c0 = 0; c0 < C; c0 += 32 * EMBED_RUN_COLS) {
-        float acc[EMBED_RUN_COLS];
-#pragma unroll
-        for (int k = 0; k < EMBED_RUN_COLS; k++) acc[k] = 0.0f;
-        for (int q = warp; q < n; q += EMBED_RUN_AHEAD * EMBED_WARPS) {
-            float x[EMBED_RUN_AHEAD][EMBED_RUN_COLS];
-#pragma unroll
-            for (int a = 0; a < EMBED_RUN_AHEAD; a++) {
-                int qa = q + a * EMBED_WARPS;
-                const T* src = dout + (size_t)list[qa < n ? qa : q] * C + c0 + lane;
-#pragma unroll
-                for (int k = 0; k < EMBED_RUN_COLS; k++)
-                    x[a][k] = qa < n && c0 + lane + 32 * k < C ? to_f(src[32 * k]) : 0.0f;
-            }
-#pragma unroll
-            for (int a = 0; a < EMBED_RUN_AHEAD; a++)
-                if (q + a * EMBED_WARPS < n)
-#pragma unroll
-                    for (int k = 0; k < EMBED_RUN_COLS; k++)
-                        if (c0 + lane + 32 * k < C) acc[k] += x[a][k];
-        }
-#pragma unroll
-        for (int k = 0; k < EMBED_RUN_COLS; k++) warp_sums[warp][lane + 32 * k] = acc[k];
-        __syncthreads();
-        for (int c = threadIdx.x; c < 32 * EMBED_RUN_COLS && c0 + c < C; c += EMBED_BWD_THREADS) {
-            float s = 0.0f;
-            for (int w = 0; w < EMBED_WARPS; w++) s += warp_sums[w][c];
-            row[c0 + c] += s;
-        }
-        __syncthreads(); /* the sums are read before the next pass overwrites them */
-    }
-}
-#endif
-
-/* The work of the block at a run's start: sorted entry s, its token tok and first position i
- * (whole block); WIDE: embed_add_listed_rows_wide's passes. */
-template <typename T, bool WIDE = false>
 __device__ void embed_add_run(float* dwte, const T* dout, const int* sorted_tok, const int* sorted_pos, int N, int C,
-                              int s, int tok, int i) {
+                              int s, int tok, int i, int c_begin, int c_end) {
     float* row = dwte + (size_t)tok * C;
     bool more = true;
     for (int q = s, seg = i; more;) {
         int n = embed_count_segment(sorted_tok, sorted_pos, q, N, tok, seg + EMBED_LIST, &more); /* >= 1 */
-#if EMBED_WARP_RUNS
-        if constexpr (WIDE) embed_add_listed_rows_wide(row, dout, sorted_pos + q, n, C); /* ends with a barrier */
-        else
-#endif
-        embed_add_listed_rows(row, dout, sorted_pos + q, n, C); /* ends with a barrier */
+        embed_add_listed_rows(row, dout, sorted_pos + q, n, C, c_begin, c_end); /* ends with a barrier */
         q += n;
         if (more) seg = i + (sorted_pos[q] - i) / EMBED_LIST * EMBED_LIST; /* the segment holding entry q */
     }
@@ -209,18 +155,25 @@ __global__ void k_embed_bwd_wte_sorted(float* dwte, const T* dout, const int* so
     await_previous_kernel();
     int s = blockIdx.x, tok = sorted_tok[s], i = sorted_pos[s];
     if (s > 0 && sorted_tok[s - 1] == tok) return; /* not the run's start (block-uniform) */
-    embed_add_run(dwte, dout, sorted_tok, sorted_pos, N, C, s, tok, i);
+    embed_add_run(dwte, dout, sorted_tok, sorted_pos, N, C, s, tok, i, 0, C);
 }
 
+#ifndef EMBED_WARP_RUNS
+#define EMBED_WARP_RUNS 0
+#endif
 #if EMBED_WARP_RUNS
-/* A candidate (docs/BENCHMARKS.md, the embedding backward's short runs): one warp per sorted entry,
- * 8 a block. A run of at most EMBED_WARPS positions, all in its first segment (every token on
- * uniform data, most on text), is added by its start's warp alone: per column the additions
- * k_embed_bwd_wte_sorted makes in the same order (warp w's sum is 0 + the run's row w, or 0 past
- * the run; the row gets 0 + the eight in warp order), in one pass over the row (EMBED_RUN_COLS
- * columns a lane, every row's loads in flight together) with no barrier. The block then runs
- * k_embed_bwd_wte_sorted's body for its entries that start longer runs, in wider passes
- * (embed_add_listed_rows_wide). */
+/* A candidate (docs/BENCHMARKS.md #100, the embedding backward's runs by warps): one warp per
+ * sorted entry, 8 a block. A run of at most EMBED_WARPS positions, all in its first segment (every
+ * token on uniform data, most on text), is added by its start's warp alone: per column the
+ * additions k_embed_bwd_wte_sorted makes in the same order (warp w's sum is 0 + the run's row w,
+ * or 0 past the run; the row gets 0 + the eight in warp order), in one pass over the row
+ * (EMBED_RUN_COLS columns a lane, every row's loads in flight together) with no barrier. Longer
+ * runs (a frequent token's hundreds of rows on text) are split by columns: block (x, y) adds
+ * columns y EMBED_RUN_GROUP .. (y + 1) EMBED_RUN_GROUP - 1 of the longer runs starting at its
+ * entries, as k_embed_bwd_wte_sorted's body does them (a column's additions never depend on
+ * another's), so the C / EMBED_RUN_GROUP blocks of one such token run side by side. */
+#define EMBED_RUN_COLS 24   /* columns a lane in a short run's pass: 768 a warp */
+#define EMBED_RUN_GROUP 128 /* columns a block of a longer run adds */
 
 template <typename T>
 __global__ void __launch_bounds__(EMBED_BWD_THREADS)
@@ -239,7 +192,7 @@ k_embed_bwd_wte_runs(float* __restrict__ dwte, const T* __restrict__ dout, const
     int last = __shfl_sync(0xffffffffu, p, n > 0 ? n : 1);               /* its last position seen */
     bool short_run = start && n <= EMBED_WARPS && last - i < EMBED_LIST;
     if (lane == 0) long_tok[warp] = start && !short_run ? tok : -1, long_pos[warp] = i;
-    if (short_run) {
+    if (short_run && blockIdx.y == 0) {
         float* row = dwte + (size_t)tok * C;
         for (int c0 = 0; c0 < C; c0 += 32 * EMBED_RUN_COLS) {
             float sum[EMBED_RUN_COLS];
@@ -261,10 +214,11 @@ k_embed_bwd_wte_runs(float* __restrict__ dwte, const T* __restrict__ dout, const
         }
     }
     __syncthreads();
+    int c_begin = blockIdx.y * EMBED_RUN_GROUP, c_end = min(C, c_begin + EMBED_RUN_GROUP);
     for (int w = 0; w < EMBED_WARPS; w++) /* block-uniform */
         if (long_tok[w] >= 0)
-            embed_add_run<T, true>(dwte, dout, sorted_tok, sorted_pos, N, C, blockIdx.x * EMBED_WARPS + w,
-                                   long_tok[w], long_pos[w]);
+            embed_add_run(dwte, dout, sorted_tok, sorted_pos, N, C, blockIdx.x * EMBED_WARPS + w, long_tok[w],
+                          long_pos[w], c_begin, c_end);
 }
 #endif
 
@@ -378,8 +332,8 @@ static void embed_bwd_wte_sorted(float* dwte, const T* dout, const int* tokens, 
         embed_sort_device(sorted_tok, sorted_pos, (int*)at, at + 3 * embed_ints_bytes(N), tokens, V, N);
 #if EMBED_WARP_RUNS
     if (!embed_default_path) {
-        launch_kernel(k_embed_bwd_wte_runs<T>, ceil_div(N, EMBED_WARPS), EMBED_BWD_THREADS, dwte, dout, sorted_tok,
-                      sorted_pos, N, C);
+        launch_kernel(k_embed_bwd_wte_runs<T>, dim3(ceil_div(N, EMBED_WARPS), ceil_div(C, EMBED_RUN_GROUP)),
+                      EMBED_BWD_THREADS, dwte, dout, sorted_tok, sorted_pos, N, C);
         return;
     }
 #endif
