@@ -2141,7 +2141,8 @@ template <typename T> static void run_precision(void) {
             test_embed<T>(one, tol, range);
         }
         /* rows wider than a short run's pass (EMBED_RUN_COLS columns a lane: 768, then 32 more, a
-         * partial warp), ~6 positions a token: short runs and longer ones side by side */
+         * partial warp) and of 7 column groups of a long run (128 columns, the last 32), ~6
+         * positions a token: short runs and longer ones side by side */
         Shape mixed = {2, 300, 800, 4, 8, 100, 128, 8};
         set_ctx(prec, "embed mixed runs", shape_str(mixed).c_str());
         test_embed<T>(mixed, tol, mixed.V);
