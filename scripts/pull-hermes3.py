@@ -23,8 +23,8 @@ import sys
 
 from microgpt.atomic import write_json_atomic
 from microgpt.cli import ArgumentParser
-from microgpt.files import DuplicateKeyError, bounded_lines, read_json, unique_keys
-from microgpt.tokenizer import parse_conversation, parse_json_line
+from microgpt.files import bounded_lines, read_json, unique_keys
+from microgpt.tokenizer import json_fault, parse_conversation, parse_json_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,19 +106,12 @@ def iter_json_array(path, block=1 << 20):
             else:
                 try:
                     element, pos = decoder.raw_decode(buf, pos)
-                except DuplicateKeyError:
-                    yield ValueError("a key twice in one object")
-                    return
-                except json.JSONDecodeError:  # cut by the block end, or really invalid
-                    if len(buf) - pos > MAX_RECORD_CHARS or not refill():
-                        yield ValueError("invalid JSON")
-                        return
-                    continue
-                except ValueError:  # the digits limit of int(): no block end cuts a number so long
-                    yield ValueError("invalid JSON")
-                    return
-                except RecursionError:
-                    yield ValueError("JSON nested too deeply")
+                except (ValueError, RecursionError) as e:
+                    # A JSONDecodeError may be the block end cutting the element: read on. No other
+                    # fault (a key twice, the digits limit of int(), nesting) is cut by a block end.
+                    if isinstance(e, json.JSONDecodeError) and len(buf) - pos <= MAX_RECORD_CHARS and refill():
+                        continue
+                    yield ValueError(json_fault(e))
                     return
                 yield element
 
