@@ -526,7 +526,8 @@ def test_experiment_scripts_run_and_draw(sources, tmp_path):
     ({"name": "x", "train": {"steps": 1}, "data": {"sources": [], "val": "v"}, "eval": []}, '"eval" must be an object'),
     ({"name": "x", "train": {"steps": 1, "warmup_steps": "a"}, "data": {"sources": [], "val": "v"}},
      '"train.warmup_steps"'),
-    ({"name": "x", "train": {"steps": 1}, "data": {"sources": []}}, '"data.val"'),
+    ({"name": "x", "model": {k.split(".")[1]: v for k, v in TINY.items() if k.startswith("model.")},
+      "train": {"steps": 1}, "data": {"sources": []}}, 'missing key "data.val"'),
 ])
 def test_a_bad_experiment_is_one_clear_error(cpu_binary, sources, tmp_path, experiment, words):
     """scripts/bandit-experiment.py read its --experiment as any JSON and indexed into it: a section
