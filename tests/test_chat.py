@@ -179,6 +179,21 @@ def test_message_too_long_for_the_context(random_model, cpu_binary):
     assert res.returncode == 0 and "does not fit" in res.stderr and res.stdout == "> > ", res.stderr
 
 
+def test_typed_bytes_that_are_no_utf8_are_read_as_the_replacement_character(random_model, cpu_binary):
+    """Under a UTF-8 locale other than C's (en_US.UTF-8: Python reads stdin strictly there, as
+    PYTHONIOENCODING=utf-8:strict does) a typed or piped line holding a byte that is no UTF-8 ended
+    the chat in a UnicodeDecodeError traceback. It is read as U+FFFD, which is what an argument
+    that is no UTF-8 (--prompt) becomes too: the same reply as to the line with U+FFFD typed."""
+    run_dir, _, _ = random_model
+    strict = {**eu.python_env(), "PYTHONIOENCODING": "utf-8:strict"}
+    replies = [subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--temperature", "0",
+                               "--max-tokens", str(MAX_TOKENS)], input=b"hi" + bad + b" there\n",
+                              capture_output=True, timeout=300, env=strict)
+               for bad in (b"\xff", "\ufffd".encode())]
+    assert replies[0].returncode == 0 and b"Traceback" not in replies[0].stderr, replies[0].stderr.decode()
+    assert replies[0].stdout == replies[1].stdout and len(replies[0].stdout) > len(b"> > ")
+
+
 @pytest.mark.parametrize("target,message", [("missing.ckpt", "no such checkpoint"), (".", "without a checkpoint")])
 def test_bad_checkpoint(tmp_path, target, message):
     res = subprocess.run([sys.executable, str(CHAT), str(tmp_path / target), "--prompt", "hi"],
