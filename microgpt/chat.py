@@ -149,6 +149,10 @@ def one_shot(gen, conv, args):
 
 
 def interactive(gen, conv, args):
+    # A byte that is no UTF-8 reads as U+FFFD (as it does in --prompt's argument, which the
+    # tokenizer takes so): under most UTF-8 locales Python reads stdin strictly, and one such byte
+    # would end the chat in a traceback.
+    sys.stdin.reconfigure(errors="replace")
     if sys.stdin.isatty():
         import readline  # noqa: F401  (line editing and history for input(); only on a terminal)
     turn = 0
