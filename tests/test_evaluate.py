@@ -71,6 +71,26 @@ def test_jsonl_conversations_render_as_the_pipeline_does(trained_model, cpu_bina
     assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
 
 
+def test_jsonl_lines_are_read_as_the_pipeline_reads_them(trained_model, cpu_binary, tmp_path):
+    """evaluate.py read a .jsonl file as text: a record holding a byte that is no UTF-8 was scored
+    with U+FFFD where prep-megachat.py skips and counts it ("invalid UTF-8"), and a carriage return
+    between a record's tokens (JSON whitespace) cut the record into two lines of invalid JSON where
+    the pipeline reads one record. Lines are now read as the pipeline reads them."""
+    records = trained_model.conversations[:4]
+    lines = [json.dumps(r).encode() for r in records]
+    lines[1] = lines[1].replace(b", ", b",\r", 1)
+    lines[2] = lines[2].replace(b'"value": "', b'"value": "\xff', 1)
+    path = tmp_path / "chats.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    res, out = evaluate(trained_model.ckpt, path)
+    assert res.returncode == 0, res.stderr
+    assert out["documents"] == 3 and out["skipped"] == {"invalid UTF-8": 1}, out
+    ids = [t for r in (records[0], records[1], records[3]) for t in tk.encode_conversation(tk.parse_conversation(r))]
+    expected, windows = reference_window_loss(trained_model.ckpt, ids)
+    assert out["batches"] == windows
+    assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
+
+
 def test_an_engine_error_naming_a_path_that_is_no_utf8_is_one_error_line(trained_model, cpu_binary, tmp_path):
     """A directory name of bytes that are no UTF-8 (legal on Linux) comes back in the engine's error
     line about a bad shard as those bytes: evaluate.py decoded the engine's stderr strictly and died
