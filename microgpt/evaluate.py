@@ -29,7 +29,7 @@ import tempfile
 from microgpt import tokenizer
 from microgpt.cli import ArgumentParser
 from microgpt.engines import ENGINE_INT_MAX, ENGINE_TEXT
-from microgpt.files import open_regular
+from microgpt.files import RECORD_TOO_LONG, open_regular, record_lines
 from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 from microgpt.shards import write_shard
@@ -38,16 +38,19 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
 def tokenize_file(path):
-    """A .txt or .jsonl file -> (token ids, documents, {malformed reason: count})."""
+    """A .txt or .jsonl file -> (token ids, documents, {malformed reason: count}). A .jsonl file's
+    lines are read as the data pipeline reads them (files.record_lines: bytes, cut at newlines only)
+    and skipped for the same reasons (an invalid UTF-8 byte among them)."""
     try:
-        with open(open_regular(path), encoding="utf-8", errors="replace") as f:
-            if path.endswith(".txt"):
+        if path.endswith(".txt"):
+            with open(open_regular(path), encoding="utf-8", errors="replace") as f:
                 return tokenizer.encode(f.read()) + [tokenizer.EOT], 1, {}
+        with open(open_regular(path), "rb") as f:
             ids, documents, skipped = [], 0, {}
-            for line in f:
-                if not line.strip():
-                    continue
+            for line, _ in record_lines(f):
                 try:
+                    if line is None:
+                        raise ValueError(RECORD_TOO_LONG)
                     turns = tokenizer.parse_conversation_line(line)
                 except ValueError as e:
                     skipped[str(e)] = skipped.get(str(e), 0) + 1
