@@ -43,7 +43,8 @@ def tokenize_file(path):
     and skipped for the same reasons (an invalid UTF-8 byte among them)."""
     try:
         if path.endswith(".txt"):
-            with open(open_regular(path), encoding="utf-8", errors="replace") as f:
+            # newline="": the file's own line ends, as the data pipeline reads text
+            with open(open_regular(path), encoding="utf-8", errors="replace", newline="") as f:
                 return tokenizer.encode(f.read()) + [tokenizer.EOT], 1, {}
         with open(open_regular(path), "rb") as f:
             ids, documents, skipped = [], 0, {}
