@@ -203,6 +203,18 @@ def test_bad_checkpoint(tmp_path, target, message):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("run_dir", [False, True])
+def test_a_checkpoint_that_is_a_fifo_is_named_so(tmp_path, run_dir):
+    """A checkpoint path that is a FIFO (or a run directory whose checkpoint is one) was reported as
+    "no such checkpoint file" (or "a directory without a checkpoint"): it is there, and is no file."""
+    (tmp_path / "r").mkdir()
+    fifo = tmp_path / "r" / "r.ckpt"
+    os.mkfifo(fifo)
+    res = subprocess.run([sys.executable, str(CHAT), str(fifo.parent if run_dir else fifo), "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=60, env=eu.python_env())
+    assert res.returncode == 2 and res.stderr == f"error: {fifo}: a FIFO, not a regular file\n", res.stderr
+
+
 def test_streamed_text_holds_back_split_characters(assets):
     """A character whose UTF-8 bytes span tokens prints once whole, never as U+FFFD halves."""
     from microgpt import chat
