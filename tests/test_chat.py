@@ -8,6 +8,7 @@ leads somewhere else and a wrong history shows as a wrong reply; the tiny traine
 newlines whatever it is asked), and a copy of it whose <|im_end|> embedding is made to win the
 argmax a few tokens into a reply.
 """
+import io
 import json
 import os
 import shutil
@@ -226,6 +227,34 @@ def test_streamed_text_holds_back_split_characters(assets):
     pieces = [stream.feed(t) for t in ids] + [stream.finish()]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert stream.feed(tk.IM_END) == "" and stream.feed(tk.EOT) == ""
+
+
+class FakeGenerator:
+    """Answers every request with the given tokens, then {"done"}."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def stream(self, request):
+        yield from ({"token": t} for t in self.tokens)
+        yield {"done": True, "reason": "length", "tokens": self.tokens}
+
+
+class TerminalOut(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_control_characters_of_a_reply_are_shown_not_acted_on_by_a_terminal(assets):
+    """A model's reply is data, but the chat wrote it to the terminal as it came: an ESC the model
+    wrote (here an OSC sequence that retitles the window) was acted on. On a terminal the control
+    characters but newline and tab are shown as \\xNN; piped output and --json keep the text exact."""
+    from microgpt import chat
+    text = "a\x1b]0;pwned\x07b\r\tc\x7f\x9b\n"
+    args = chat.parse_args(["unused", "--temperature", "0"])
+    for out, shown in ((TerminalOut(), "a\\x1b]0;pwned\\x07b\\x0d\tc\\x7f\\x9b\n"), (io.StringIO(), text)):
+        ids, reply_text, _ = chat.reply(FakeGenerator(tk.encode(text)), [1], args, 0, out)
+        assert out.getvalue() == shown and reply_text == text and ids == tk.encode(text)
 
 
 def test_ctrl_c_quits_cleanly(random_model, cpu_binary):
