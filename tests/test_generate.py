@@ -354,6 +354,26 @@ def test_a_model_flag_in_the_sidecar_that_is_no_int_is_refused(cpu_binary, train
     assert f"{ckpt}.json" in res.errors[0] and key in res.errors[0] and "--model" not in res.errors[0], res.errors
 
 
+@pytest.mark.parametrize("key, value", [("seed", '"1337"'), ("batch_size", "null"), ("precision", "5"),
+                                        ("precision", '["fp32"]'), ("n_layer", '"2"')])
+def test_a_sidecar_setting_of_the_wrong_type_is_refused(cpu_binary, trained, pattern_shards, tmp_path, key, value):
+    """--generate and --evaluate looked a sidecar's setting up by its type: a seed, batch size or
+    precision of another type (a string, null, a number, a list) read as missing, so the engine ran
+    with the flag's default without a word (another seed draws other batches, another precision
+    computes otherwise), and a model flag of another type was refused as a missing flag the
+    command line never had to give. Each is the sidecar's damage: one error line naming it, exit 2."""
+    ckpt = tmp_path / "tiny.ckpt"
+    ckpt.write_bytes(Path(trained["ckpt"]).read_bytes())
+    side = Path(f"{trained['ckpt']}.json").read_text()
+    old = f'"{key}":{json.dumps(json.loads(side)["fingerprint"][key])}'
+    assert old in side
+    Path(f"{ckpt}.json").write_text(side.replace(old, f'"{key}":{value}'))
+    res = eu.run_engine(cpu_binary, ["--evaluate", "--checkpoint", ckpt, "--data.val", pattern_shards[1],
+                                     "--eval.batches", "1"])
+    assert res.rc == 2 and len(res.errors) == 1, res.describe()
+    assert f"{ckpt}.json" in res.errors[0] and key in res.errors[0] and "--model" not in res.errors[0], res.errors
+
+
 def test_a_checkpoint_path_too_long_is_the_flag_error_not_a_sidecar_one(cpu_binary, tmp_path):
     """The sidecar is read before the flags are checked: a --checkpoint longer than a path may be
     was cut to the buffer, and the cut name (no PATH.json; another file, even) was opened. The
