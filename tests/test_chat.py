@@ -257,6 +257,22 @@ def test_control_characters_of_a_reply_are_shown_not_acted_on_by_a_terminal(asse
         assert out.getvalue() == shown and reply_text == text and ids == tk.encode(text)
 
 
+def test_a_reader_that_goes_away_ends_the_chat_quietly(random_model, cpu_binary):
+    """`chat.py ... | head -c 100` closes the pipe while the reply streams: the next write was a
+    BrokenPipeError traceback. The chat now ends as a program killed by SIGPIPE would (exit 141),
+    with nothing on stderr; the engine is stopped with it. Here the pipe's reader is gone before
+    the first write."""
+    run_dir, _, _ = random_model
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--prompt", "hi"],
+                             stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300, env=eu.python_env())
+    finally:
+        os.close(write_end)
+    assert res.returncode == 141 and res.stderr == "", res.stderr
+
+
 def test_ctrl_c_quits_cleanly(random_model, cpu_binary):
     run_dir, _, _ = random_model
     proc = subprocess.Popen([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu"], stdin=subprocess.PIPE,
