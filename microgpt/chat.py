@@ -23,7 +23,7 @@ import re
 import sys
 
 from microgpt import tokenizer
-from microgpt.cli import ArgumentParser
+from microgpt.cli import ArgumentParser, stdout_closed
 from microgpt.engines import ENGINE_INT_MAX
 from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
                                 resolve_checkpoint)
@@ -256,6 +256,10 @@ def main(argv):
         if gen:
             gen.kill()
         return 130
+    except BrokenPipeError:  # stdout's reader went away (| head): the engine's writes go nowhere
+        if gen:
+            gen.kill()
+        return stdout_closed()
     finally:
         if gen:
             gen.close()
