@@ -157,6 +157,21 @@ def test_a_fifo_as_the_text_is_one_error_not_a_hang(trained_model, cpu_binary, t
     assert res.returncode == 2 and res.stderr == f"error: {fifo}: a FIFO, not a regular file\n", res.stderr
 
 
+def test_a_reader_gone_before_the_result_is_a_quiet_exit(trained_model, cpu_binary):
+    """`evaluate.py ... | true`: the print of the result to a pipe whose reader is gone was a
+    BrokenPipeError traceback. It now ends as a program killed by SIGPIPE would: exit 141, nothing
+    on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        res = subprocess.run([sys.executable, str(EVALUATE), str(trained_model.ckpt), trained_model.val, "--batches", "1",
+                              "--engine", "cpu"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300,
+                             env=eu.python_env())
+    finally:
+        os.close(write_end)
+    assert res.returncode == 141 and res.stderr == "", res.stderr
+
+
 def test_refusals(trained_model, cpu_binary, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Too short to fill a window.")
