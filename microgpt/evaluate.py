@@ -29,7 +29,7 @@ import tempfile
 import numpy as np
 
 from microgpt import tokenizer
-from microgpt.cli import ArgumentParser
+from microgpt.cli import ArgumentParser, stdout_closed
 from microgpt.engines import ENGINE_INT_MAX, ENGINE_TEXT
 from microgpt.files import RECORD_TOO_LONG, open_regular, record_lines
 from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,
@@ -138,7 +138,10 @@ def main(argv):
     except InferenceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result))
+    try:
+        print(json.dumps(result), flush=True)
+    except BrokenPipeError:  # stdout's reader went away (| true)
+        return stdout_closed()
     return 0
 
 
