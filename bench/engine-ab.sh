@@ -14,8 +14,10 @@
 # variant also runs tests/test_gpu.py's bit-equality tests against it (graphs = launch by launch,
 # and records and checkpoints equal to the default build's: ANDREA_CUDA_ENGINE, ANDREA_CUDA_BASELINE;
 # log $OUT/pytest-NAME.log), and losses that differ from the default's below count as a failure.
-# Then ANDREA-12M and ANDREA-120M, bf16 and fp8, 60 steps each on random tokens (scripts/check-lib.sh's
-# timing_run and summarise), every build in turn, ROUNDS times (default 2): interleaved, so that a
+# Then ANDREA-12M and ANDREA-120M, bf16 and fp8, AB_STEPS steps each (default 60; scripts/check-lib.sh's
+# timing_run and summarise) on random tokens, or on the shards of the glob AB_SHARDS (the benchmark's
+# text: a frequent token's embedding backward and the power a step draws depend on the tokens),
+# every build in turn, ROUNDS times (default 2): interleaved, so that a
 # drift of the GPU's clocks hits every build alike. Logs in $OUT/build-NAME.log,
 # $OUT/check-NAME.log, $OUT/timing.log; each run's median in $OUT/timing.json; at the end a table
 # (also in $OUT/summary.txt): per model and precision, each build's median ms/step in each round,
@@ -36,6 +38,11 @@ BUILDS=(default "${BUILD_NAMES[@]}")
 ROUNDS=${ROUNDS:-2}
 if ! [[ $ROUNDS =~ ^[1-9][0-9]?$ ]]; then
     echo "error: ROUNDS must be a whole number from 1 to 99, got '$ROUNDS'" >&2
+    exit 2
+fi
+AB_STEPS=${AB_STEPS:-60}
+if ! [[ $AB_STEPS =~ ^[1-9][0-9]{1,3}$ ]] || [ "$AB_STEPS" -le 10 ]; then # the median leaves out 10 steps
+    echo "error: AB_STEPS must be a whole number from 11 to 9999, got '$AB_STEPS'" >&2
     exit 2
 fi
 SAME_BITS=${SAME_BITS:-0}
@@ -74,14 +81,18 @@ done
 
 runs=()
 if [ ${#timed[@]} -gt 0 ]; then
-    make_shard big 50257 3000000 || exit 1
+    if [ -n "${AB_SHARDS:-}" ]; then
+        export TIMING_SHARDS=$AB_SHARDS
+    else
+        make_shard big 50257 3000000 || exit 1
+    fi
     for round in $(seq 1 "$ROUNDS"); do
         for model in 12M 120M; do
             if [ "$model" = 12M ]; then shape=("${M12[@]}"); else shape=("${M120[@]}"); fi
             for prec in bf16 fp8; do
                 for b in "${timed[@]}"; do
                     name="$model-$prec-$b-r$round"
-                    ENGINE_BIN="build/microgpt_cuda_$b" timing_run 60 "$name" "$prec" "${shape[@]}" \
+                    ENGINE_BIN="build/microgpt_cuda_$b" timing_run "$AB_STEPS" "$name" "$prec" "${shape[@]}" \
                         >>"$OUT/timing.log" 2>&1 || { echo "!! run $name failed: $OUT/timing.log"; rc=1; }
                     runs+=("$name")
                 done
@@ -93,11 +104,11 @@ fi
 
 checks=()
 for b in "${BUILDS[@]}"; do checks+=("$b=${check[$b]}"); done
-"$PY" - "$OUT/timing.json" "$DATA" "$SAME_BITS" "${checks[@]}" <<'EOF' | tee "$OUT/summary.txt" || rc=1
+"$PY" - "$OUT/timing.json" "$DATA" "$SAME_BITS" "$AB_STEPS" "${checks[@]}" <<'EOF' | tee "$OUT/summary.txt" || rc=1
 import json, statistics, sys
 from pathlib import Path
-path, data, same_bits = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1"
-checks = dict(a.split("=", 1) for a in sys.argv[4:])
+path, data, same_bits, steps = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+checks = dict(a.split("=", 1) for a in sys.argv[5:])
 builds = list(checks)
 ms = {}  # (model, precision, build) -> [median ms/step of each round]
 for row in json.loads(path.read_text()) if path.exists() else []:
@@ -111,7 +122,7 @@ def losses(run):
     return [r["loss"] for r in recs if "loss" in r and "event" not in r]
 
 differ = False
-print("median ms/step of each round (60 steps, the first 10 left out); change: µs per step against default;")
+print(f"median ms/step of each round ({steps} steps, the first 10 left out); change: µs per step against default;")
 print("losses: every round's step losses equal to default's ('=') or not ('differ')")
 print(f"{'run':10s}" + "".join(f"  {b + ' ms':>22s}  {'change':>8s}  {'losses':>6s}" for b in builds))
 for model in ("12M", "120M"):

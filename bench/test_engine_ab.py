@@ -21,6 +21,8 @@ def run(args, tmp_path, path="/usr/bin:/bin", **env):
     (["x=-DA", "x=-DB"], {}, "error: build name 'x' given twice"),
     (["x=-DX=1; touch pwn"], {}, "error: FLAGS of 'x' must be -DMACRO"),
     (["x=-DX=1"], {"ROUNDS": "0"}, "error: ROUNDS must be"),
+    (["x=-DX=1"], {"AB_STEPS": "10"}, "error: AB_STEPS must be"),
+    (["x=-DX=1"], {"AB_STEPS": "60; rm"}, "error: AB_STEPS must be"),
 ])
 def test_script_refuses_malformed_builds_before_building(tmp_path, args, env, message):
     res = run(args, tmp_path, **env)

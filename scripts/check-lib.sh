@@ -50,14 +50,15 @@ M12=(--model.n_layer 6 --model.d_model 192 --model.n_head 6 --model.d_ff 768 --m
 M120=(--model.n_layer 12 --model.d_model 768 --model.n_head 12 --model.d_ff 3072 --model.seq_len 1024)
 
 # timing_run STEPS NAME PRECISION SHAPE-ARGS...: STEPS training steps of the CUDA engine ($ENGINE_BIN,
-# default build/microgpt_cuda) on the random tokens of make_shard's "big" shard, at the shape given
-# with ANDREA's vocabulary and batch 8, a sixth of them warmup; the step records go to $DATA/NAME.jsonl.
+# default build/microgpt_cuda) on the random tokens of make_shard's "big" shard (or the shards of the
+# glob $TIMING_SHARDS), at the shape given with ANDREA's vocabulary and batch 8, a sixth of them
+# warmup; the step records go to $DATA/NAME.jsonl.
 timing_run() {
     local steps=$1 name=$2 prec=$3
     shift 3
     run_cmd 240 "${ENGINE_BIN:-build/microgpt_cuda}" --name "$name" "$@" --model.vocab_size 50259 --model.padded_vocab_size 50304 \
         --train.batch_size 8 --train.steps "$steps" --train.warmup_steps $((steps / 6)) --train.precision "$prec" \
-        --data.train "$DATA/big_*.bin" > "$DATA/$name.jsonl"
+        --data.train "${TIMING_SHARDS:-$DATA/big_*.bin}" > "$DATA/$name.jsonl"
 }
 
 # Median ms/step (after 10 warm-up steps) and the loss of the runs NAME... ($DATA/NAME.jsonl) into $1.

@@ -42,6 +42,15 @@ __global__ void k_embed_fwd(T* out, const int* tokens, const float* wte, const f
     }
 }
 
+/* EMBED_ROWS_IN_FLIGHT (docs/BENCHMARKS.md #98): the listed rows a warp loads before it adds the
+ * first of them. dout is in the L2, so a warp's sum is a chain of L2 round trips, one a row; in real
+ * text a frequent token (a space: a quarter of the positions of the benchmark's text) has hundreds
+ * of rows a warp, and its one block is the kernel's tail. Loading the next rows ahead keeps the
+ * additions and their order, so the bits. 1: a row at a time. */
+#ifndef EMBED_ROWS_IN_FLIGHT
+#define EMBED_ROWS_IN_FLIGHT 1
+#endif
+
 /* row[c] += sum of the n listed rows of dout at column c, for every column (whole block, n the
  * same in every thread). Per 256-column slab, lane l of warp w adds columns l, l + 32, ... of
  * rows list[w], list[w + 8], ... (each row read as eight coalesced runs), then thread c adds the
@@ -52,12 +61,31 @@ __device__ void embed_add_listed_rows(float* row, const T* dout, const int* list
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int c0 = 0; c0 < C; c0 += EMBED_SLAB) {
         float acc[EMBED_LANE_COLS] = {};
+#if EMBED_ROWS_IN_FLIGHT > 1
+        for (int q0 = warp; q0 < n; q0 += EMBED_WARPS * EMBED_ROWS_IN_FLIGHT) {
+            float v[EMBED_ROWS_IN_FLIGHT][EMBED_LANE_COLS];
+#pragma unroll
+            for (int r = 0; r < EMBED_ROWS_IN_FLIGHT; r++) {
+                int q = q0 + r * EMBED_WARPS;
+                const T* src = dout + (size_t)list[q < n ? q : q0] * C + c0 + lane;
+#pragma unroll
+                for (int k = 0; k < EMBED_LANE_COLS; k++)
+                    v[r][k] = q < n && c0 + lane + 32 * k < C ? to_f(src[32 * k]) : 0.0f;
+            }
+#pragma unroll
+            for (int r = 0; r < EMBED_ROWS_IN_FLIGHT; r++) /* rows q0, q0 + 8, ...: the order of one at a time */
+#pragma unroll
+                for (int k = 0; k < EMBED_LANE_COLS; k++)
+                    if (q0 + r * EMBED_WARPS < n && c0 + lane + 32 * k < C) acc[k] += v[r][k];
+        }
+#else
         for (int q = warp; q < n; q += EMBED_WARPS) {
             const T* src = dout + (size_t)list[q] * C + c0 + lane;
 #pragma unroll
             for (int k = 0; k < EMBED_LANE_COLS; k++)
                 if (c0 + lane + 32 * k < C) acc[k] += to_f(src[32 * k]);
         }
+#endif
 #pragma unroll
         for (int k = 0; k < EMBED_LANE_COLS; k++) warp_sums[warp][lane + 32 * k] = acc[k];
         __syncthreads();
