@@ -8,24 +8,28 @@
 The conversation is kept as tokens, rendered as the training data renders it
 (<|im_start|>role\\n...<|im_end|>\\n per turn, microgpt/tokenizer.py), and each reply is generated
 after <|im_start|>assistant\\n until the model writes <|im_end|>. The reply is printed as its tokens
-arrive. One engine process serves the whole conversation. When the next prompt would leave less than
-the reply's room (--max-tokens, at most half of seq_len) in the model's context, the oldest
-exchanges are dropped and a line on stderr says so. Typing /reset starts over (the system prompt
+arrive (on a terminal with its control characters, but newline and tab, shown as \\xNN: a reply is
+data, not commands for the terminal; --json and piped output give the text as it is). One engine
+process serves the whole conversation. When the next prompt would leave less than the reply's room
+(--max-tokens, at most half of seq_len) in the model's context, the oldest exchanges are dropped
+and a line on stderr says so. Typing /reset starts over (the system prompt
 stays), /exit or end of input (Ctrl-D) quits, Ctrl-C quits at any time.
 
 Turn n of a session samples with seed --seed + n, so a session replays exactly with the same inputs.
 """
 import codecs
 import json
+import re
 import sys
 
 from microgpt import tokenizer
-from microgpt.cli import ArgumentParser
+from microgpt.cli import ArgumentParser, stdout_closed
 from microgpt.engines import ENGINE_INT_MAX
 from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 
 COMMANDS = "/reset clears the conversation, /exit quits"
+CONTROL_CHARACTERS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but tab and newline, DEL, C1
 
 # The generation protocol's limits (docs/DESIGN.md §16), checked here so that an error names chat's
 # flag, not the engine's request field.
@@ -97,9 +101,19 @@ class TextStream:
         return self.decoder.decode(b"", final=True)
 
 
+def shown_on_terminal(text):
+    """A model's words as a terminal should show them: data, not commands. Its control characters
+    (C0 but tab and newline, DEL, C1) are written as \\xNN escapes: a terminal acts on them (ESC
+    starts sequences that move the cursor, rewrite the screen or retitle the window; CR returns
+    over the line)."""
+    return CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def reply(gen, prompt_ids, args, turn, out):
-    """Generate one reply, writing its text to `out` as it comes (None: silent).
-    Returns (reply token ids without the stop token, text, done record)."""
+    """Generate one reply, writing its text to `out` as it comes (None: silent; on a terminal its
+    control characters shown, shown_on_terminal). Returns (reply token ids without the stop token,
+    text, done record)."""
+    show = shown_on_terminal if out and out.isatty() else str
     request = {"prompt": prompt_ids, "max_tokens": args.max_tokens, "temperature": args.temperature,
                "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed + turn,
                "stop": [tokenizer.IM_END, tokenizer.EOT]}
@@ -113,13 +127,13 @@ def reply(gen, prompt_ids, args, turn, out):
             piece = stream.feed(token)
             text.append(piece)
             if out and piece:
-                out.write(piece)
+                out.write(show(piece))
                 out.flush()
         if record.get("done"):
             tail = stream.finish()
             text.append(tail)
             if out and tail:
-                out.write(tail)
+                out.write(show(tail))
             return ids, "".join(text), record
 
 
@@ -149,6 +163,10 @@ def one_shot(gen, conv, args):
 
 
 def interactive(gen, conv, args):
+    # A byte that is no UTF-8 reads as U+FFFD (as it does in --prompt's argument, which the
+    # tokenizer takes so): under most UTF-8 locales Python reads stdin strictly, and one such byte
+    # would end the chat in a traceback.
+    sys.stdin.reconfigure(errors="replace")
     if sys.stdin.isatty():
         import readline  # noqa: F401  (line editing and history for input(); only on a terminal)
     turn = 0
@@ -238,6 +256,10 @@ def main(argv):
         if gen:
             gen.kill()
         return 130
+    except BrokenPipeError:  # stdout's reader went away (| head): the engine's writes go nowhere
+        if gen:
+            gen.kill()
+        return stdout_closed()
     finally:
         if gen:
             gen.close()

@@ -2,17 +2,32 @@
 scripts): bad input is one `error: ...` line on stderr and a non-zero exit, as the engines do.
 
 Exit status 2 is a usage error: a flag argparse cannot parse, or a value a tool refuses (argparse's
-own status for the same); --help still prints the full usage, exit 0."""
+own status for the same); --help still prints the full usage, exit 0. Exit status 141, with no
+message, is a tool whose stdout's reader went away (stdout_closed)."""
 import argparse
+import os
+import signal
 import sys
 
 USAGE_ERROR = 2
+STDOUT_CLOSED = 128 + signal.SIGPIPE  # 141: a shell's status for a program that SIGPIPE ended
 
 
 def fail(message, code=USAGE_ERROR):
     """One `error: message` line on stderr, then exit with `code`."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
+
+
+def stdout_closed():
+    """For a tool whose stdout lost its reader mid-output (`chat.py ... | head`, BrokenPipeError):
+    nothing more can be said there, and it is no fault of the input, so no message. Points stdout
+    at /dev/null, so that Python's flush at exit does not fail again; returns the exit status, that
+    of a program SIGPIPE ended (Python ignores the signal and raises instead)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return STDOUT_CLOSED
 
 
 class ArgumentParser(argparse.ArgumentParser):

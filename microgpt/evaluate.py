@@ -26,10 +26,12 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
+
 from microgpt import tokenizer
-from microgpt.cli import ArgumentParser
+from microgpt.cli import ArgumentParser, stdout_closed
 from microgpt.engines import ENGINE_INT_MAX, ENGINE_TEXT
-from microgpt.files import open_regular
+from microgpt.files import RECORD_TOO_LONG, open_regular, record_lines
 from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 from microgpt.shards import write_shard
@@ -38,23 +40,28 @@ TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
 def tokenize_file(path):
-    """A .txt or .jsonl file -> (token ids, documents, {malformed reason: count})."""
+    """A .txt or .jsonl file -> (token ids, a uint16 array: 2 bytes a token, where a list of Python
+    ints takes about 36; documents; {malformed reason: count}). A .jsonl file's lines are read as the
+    data pipeline reads them (files.record_lines: bytes, cut at newlines only) and skipped for the
+    same reasons (an invalid UTF-8 byte among them)."""
+    eot = np.array([tokenizer.EOT], dtype=np.uint16)
     try:
-        with open(open_regular(path), encoding="utf-8", errors="replace") as f:
-            if path.endswith(".txt"):
-                return tokenizer.encode(f.read()) + [tokenizer.EOT], 1, {}
-            ids, documents, skipped = [], 0, {}
-            for line in f:
-                if not line.strip():
-                    continue
+        if path.endswith(".txt"):
+            # newline="": the file's own line ends, as the data pipeline reads text
+            with open(open_regular(path), encoding="utf-8", errors="replace", newline="") as f:
+                return np.concatenate([tokenizer.encode_array(f.read()), eot]), 1, {}
+        with open(open_regular(path), "rb") as f:
+            conversations, skipped = [], {}
+            for line, _ in record_lines(f):
                 try:
+                    if line is None:
+                        raise ValueError(RECORD_TOO_LONG)
                     turns = tokenizer.parse_conversation_line(line)
                 except ValueError as e:
                     skipped[str(e)] = skipped.get(str(e), 0) + 1
                     continue
-                ids += tokenizer.encode_conversation(turns)
-                documents += 1
-            return ids, documents, skipped
+                conversations.append(np.array(tokenizer.encode_conversation(turns), dtype=np.uint16))
+            return np.concatenate(conversations or [eot[:0]]), len(conversations), skipped
     except OSError as e:
         raise InferenceError(f"{path}: {e.strerror}") from None
 
@@ -131,7 +138,10 @@ def main(argv):
     except InferenceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result))
+    try:
+        print(json.dumps(result), flush=True)
+    except BrokenPipeError:  # stdout's reader went away (| true)
+        return stdout_closed()
     return 0
 
 

@@ -1,6 +1,6 @@
 """Opening input files so that nothing can hang a tool, as microgpt/host/files.h does for the
 engines: a FIFO, device or directory given where a file belongs is refused at once, where a plain
-open() of a FIFO would wait for a writer for ever. Reading lines in bounded memory (bounded_lines).
+open() of a FIFO would wait for a writer for ever. Reading JSON lines in bounded memory (record_lines).
 And reading JSON so that every reader takes a file the same way: an object that names a key twice
 is refused (unique_keys)."""
 import errno
@@ -32,21 +32,25 @@ def open_regular(path, flags=0):
     return fd
 
 
-def bounded_lines(f, max_bytes):
-    """The lines of a binary file f as (line, nbytes); a line over max_bytes is read in pieces,
-    never whole, and yielded as (None, nbytes): one huge line (a whole JSON array saved as JSON
-    lines) cannot take all memory."""
+MAX_RECORD_BYTES = 32 << 20  # a longer JSON record is not read whole: memory stays bounded on any input
+RECORD_TOO_LONG = f"record over {MAX_RECORD_BYTES >> 20} MB"  # its reason, as the data tools count it
+
+
+def record_lines(f):
+    """The non-blank lines of a JSON-lines file f (binary) as (line, nbytes), for the data tools
+    (docs/DESIGN.md §7). A line over MAX_RECORD_BYTES is read in pieces, never whole, and yielded as
+    (None, nbytes): one huge line (a whole JSON array saved as JSON lines) cannot take all memory."""
     while True:
-        line = f.readline(max_bytes)
+        line = f.readline(MAX_RECORD_BYTES)
         if not line:
             return
         nbytes = len(line)
-        if nbytes == max_bytes and not line.endswith(b"\n"):
+        if nbytes == MAX_RECORD_BYTES and not line.endswith(b"\n"):
             while line and not line.endswith(b"\n"):
-                line = f.readline(max_bytes)
+                line = f.readline(MAX_RECORD_BYTES)
                 nbytes += len(line)
             yield None, nbytes
-        else:
+        elif line.strip():
             yield line, nbytes
 
 

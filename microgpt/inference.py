@@ -10,11 +10,13 @@ protocol itself in §16). chat.py, evaluate.py, export-hf.py and the export chec
 import collections
 import json
 import os
+import stat
 import subprocess
 import threading
 
 from microgpt.checkpoint import CheckpointError, read_checkpoint, read_sidecar, split_params
 from microgpt.engines import ENGINE_TEXT, ENGINES, EngineChoiceError, EngineQueryError, param_layout, select_engine
+from microgpt.files import file_kind
 from microgpt.run_dir import RunFiles
 
 STDERR_TAIL_LINES = 20  # the engine's last messages, shown when it fails
@@ -27,16 +29,22 @@ class InferenceError(RuntimeError):
 
 def resolve_checkpoint(path):
     """A checkpoint file as given, or a run directory's checkpoint (runs/<name>/<name>.ckpt, named
-    after the directory as the proxy names it). Raises InferenceError when there is none."""
+    after the directory as the proxy names it). Raises InferenceError when there is none, or when
+    it is no regular file (a FIFO: the engine would refuse it too)."""
+    ckpt = path
     if os.path.isdir(path):
         files = RunFiles(path, os.path.basename(os.path.normpath(os.path.abspath(path))))
-        if not os.path.isfile(files.ckpt):
+        ckpt = files.ckpt
+        if not os.path.lexists(ckpt):
             raise InferenceError(f"{path} is a directory without a checkpoint {files.name}.ckpt; give a run "
                                  "directory (runs/<name>/) or a checkpoint file")
-        return files.ckpt
-    if not os.path.isfile(path):
-        raise InferenceError(f"{path}: no such checkpoint file or run directory")
-    return path
+    try:
+        mode = os.stat(ckpt).st_mode
+    except OSError:
+        raise InferenceError(f"{ckpt}: no such checkpoint file or run directory") from None
+    if not stat.S_ISREG(mode):
+        raise InferenceError(f"{ckpt}: {file_kind(mode)}, not a regular file")
+    return ckpt
 
 
 def read_model_shape(ckpt):

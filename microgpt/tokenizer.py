@@ -169,20 +169,27 @@ def parse_conversation(record, cuts=None):
     return out
 
 
+def json_fault(e):
+    """The short reason (a counter key) why one JSON record could not be read, from the ValueError
+    or RecursionError that reading it raised: invalid UTF-8, a key named twice in one object, JSON
+    nested too deeply for Python's json, and invalid JSON (also an integer of over 4300 digits,
+    which Python's json refuses)."""
+    if isinstance(e, UnicodeDecodeError):
+        return "invalid UTF-8"
+    if isinstance(e, DuplicateKeyError):
+        return "a key twice in one object"
+    if isinstance(e, (JsonTooDeep, RecursionError)):
+        return "JSON nested too deeply"
+    return "invalid JSON"  # json.JSONDecodeError, or the digits limit of int()
+
+
 def parse_json_line(line):
     """One JSON line (str, or bytes as read from a file) -> its value. Raises ValueError with a
-    short reason (a counter key): invalid UTF-8, a key named twice in one object, invalid JSON (also
-    an integer of over 4300 digits, which Python's json refuses) and JSON nested too deeply for it."""
+    short reason (json_fault) for a line that holds none."""
     try:
         return loads_json(line)
-    except UnicodeDecodeError:
-        raise ValueError("invalid UTF-8") from None
-    except DuplicateKeyError:
-        raise ValueError("a key twice in one object") from None
-    except JsonTooDeep as e:
-        raise ValueError(str(e)) from None
-    except ValueError:  # json.JSONDecodeError, or the digits limit of int()
-        raise ValueError("invalid JSON") from None
+    except ValueError as e:
+        raise ValueError(json_fault(e)) from None
 
 
 def parse_conversation_line(line, cuts=None):

@@ -10,8 +10,9 @@ equal steps and tokens, through the proxy as a user runs them (docs/FIREHOSE-BAN
     python scripts/bandit-experiment.py --out DIR [--steps 6000] [--engine cuda] [--only SRC,SRC,...]
 
 The sources are the folders data/megachat/sources/SRC/ that `make data` writes (SRC_train_*.bin,
-SRC_val_*.bin); data.val is the mixed validation set. Model, optimiser and bandit settings come from
-experiments/ANDREA-12M-BANDIT.json; sampling, the polish phase and periodic checkpoints are left
+SRC_val_*.bin); data.val is the mixed validation set. Model, optimiser and bandit settings and data.val
+come from experiments/ANDREA-12M-BANDIT.json (--experiment; checked against the engine's flags with
+those folders as its data.sources, which it may leave empty); sampling, the polish phase and periodic checkpoints are left
 out (they cost time and measure nothing here). For each run DIR/bandit-RUN.json holds the validation loss overall and
 per source at every evaluation, the bandit's p after every probe step, the share of micro-batches
 each source really got per window of steps, the median ms/step (a step's time includes its probes)
@@ -29,8 +30,8 @@ import time
 
 from microgpt.atomic import atomic_open
 from microgpt.cli import ArgumentParser
-from microgpt.config import ConfigError, read_config
-from microgpt.engines import ROOT
+from microgpt.config import ConfigError, read_config, validate_config
+from microgpt.engines import ENGINES, ROOT, EngineChoiceError, engine_flags
 from microgpt.files import unique_keys
 from microgpt.shards import glob_tokens
 
@@ -49,6 +50,29 @@ def discover_sources(sources_dir):
         if glob.glob(train):
             out.append({"name": name, "train": train, **({"val": val} if glob.glob(val) else {})})
     return out
+
+
+def read_experiment(path, engine, sources):
+    """The experiment's config, checked against the engine's flags as every run gets it: its data
+    the discovered sources and its data.val, the validation set every run is measured on. A section
+    that is no object or a mistyped key is one error line, not a traceback."""
+    try:
+        flags = engine_flags(ENGINES[engine])
+    except EngineChoiceError as e:
+        sys.exit(f"error: {e}")
+    try:
+        base = read_config(path)
+        data = base.get("data", {}) if isinstance(base, dict) else None
+        if isinstance(data, dict):  # as run_configs makes it
+            validate_config({**base, "data": {"sources": sources, **{k: v for k, v in data.items() if k == "val"}}},
+                            flags)
+        else:
+            validate_config(base, flags)  # it names what is no object
+        if "val" not in data:
+            raise ConfigError('missing key "data.val" (the validation set every run is measured on)')
+    except ConfigError as e:
+        sys.exit(f"error: config {path}: {e}")
+    return base
 
 
 def run_configs(base, sources, steps, eval_every):
@@ -152,10 +176,7 @@ def main():
     if len(sources) < 2:
         sys.exit(f"error: {args.sources_dir} holds {len(sources)} source folder(s) with shards; the experiment needs "
                  "at least 2 (run `make data`)")
-    try:
-        base = read_config(args.experiment)
-    except ConfigError as e:
-        sys.exit(f"error: config {args.experiment}: {e}")
+    base = read_experiment(args.experiment, args.engine, sources)
     os.makedirs(args.out, exist_ok=True)
     configs, tokens = run_configs(base, sources, args.steps, args.eval_every)
     print(f"{len(sources)} sources: " + ", ".join(f"{n} ({t:,} train tokens)" for n, t in tokens.items()))

@@ -52,7 +52,7 @@ import numpy as np
 from microgpt import tokenizer
 from microgpt.atomic import fsync_dir, write_json_atomic
 from microgpt.cli import ArgumentParser, fail
-from microgpt.files import bounded_lines, read_json
+from microgpt.files import RECORD_TOO_LONG, read_json, record_lines
 from microgpt.progress import Progress
 from microgpt.shards import HEADER_BYTES, ShardError, ShardStream, read_header, read_shard
 
@@ -61,7 +61,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORMAT = 2                   # bump when the rendering or splitting changes, so old manifests go stale
 BATCH_DOCS = 256             # documents per task handed to a worker ...
 BATCH_BYTES = 1 << 20        # ... or fewer, once they hold this many bytes of input
-MAX_RECORD_BYTES = 32 << 20  # a longer JSON line is skipped: memory stays bounded on any input
 SPLITS = ("train", "val")
 # B*T+1 of the largest shipped run (ANDREA-120M: 8 x 1024): a window of T+1 tokens for every row.
 DEFAULT_MIN_SHARD_TOKENS = 8 * 1024 + 1
@@ -130,11 +129,10 @@ class Source:
 
 
 def json_lines(f):
-    """The records of a JSON-lines file as (line, "doc", nbytes); a line over MAX_RECORD_BYTES is
-    read in pieces, never whole, and yielded as None (counted as too long)."""
-    for line, nbytes in bounded_lines(f, MAX_RECORD_BYTES):
-        if line is None or line.strip():
-            yield line, "doc", nbytes
+    """The records of a JSON-lines file as (line, "doc", nbytes); a line too long to read whole is
+    None (files.record_lines), counted as too long."""
+    for line, nbytes in record_lines(f):
+        yield line, "doc", nbytes
 
 
 def text_chunks(f, chunk_chars):
@@ -180,7 +178,7 @@ def chat_doc(payload):
     """-> (skip_reason, cut_reason, text, token ids) of one JSON line."""
     cuts = {}
     if payload is None:
-        return f"record over {MAX_RECORD_BYTES >> 20} MB", None, None, None
+        return RECORD_TOO_LONG, None, None, None
     try:
         turns = tokenizer.parse_conversation_line(payload, cuts)
     except ValueError as e:

@@ -23,15 +23,14 @@ import sys
 
 from microgpt.atomic import write_json_atomic
 from microgpt.cli import ArgumentParser
-from microgpt.files import DuplicateKeyError, bounded_lines, read_json, unique_keys
-from microgpt.tokenizer import parse_conversation, parse_json_line
+from microgpt.files import MAX_RECORD_BYTES, RECORD_TOO_LONG, read_json, record_lines, unique_keys
+from microgpt.tokenizer import json_fault, parse_conversation, parse_json_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 REPO_ID = "NousResearch/Hermes-3-Dataset"
 SHAREGPT_NAMES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
 SAVE_EVERY = 1000  # records between progress saves
-MAX_RECORD_CHARS = 32 << 20  # a line or array element longer is not read whole (memory stays bounded)
 
 
 class PullError(RuntimeError):
@@ -44,12 +43,12 @@ def iter_json_lines(path):
     """Yield parsed records of a JSON-lines file; a line that holds none yields its error instead,
     for the reasons prep-megachat.py counts (tokenizer.parse_json_line: invalid UTF-8 too, and JSON
     nested too deeply, which was a RecursionError that ended the pull, and every re-run of it); a
-    line over MAX_RECORD_CHARS bytes is not read whole (memory stays bounded)."""
+    line over MAX_RECORD_BYTES bytes is not read whole (memory stays bounded)."""
     with open(path, "rb") as f:
-        for line, _ in bounded_lines(f, MAX_RECORD_CHARS):
+        for line, _ in record_lines(f):
             if line is None:
-                yield ValueError(f"record over {MAX_RECORD_CHARS >> 20} MB")
-            elif line.strip():
+                yield ValueError(RECORD_TOO_LONG)
+            else:
                 try:
                     yield parse_json_line(line)
                 except ValueError as e:
@@ -106,19 +105,13 @@ def iter_json_array(path, block=1 << 20):
             else:
                 try:
                     element, pos = decoder.raw_decode(buf, pos)
-                except DuplicateKeyError:
-                    yield ValueError("a key twice in one object")
-                    return
-                except json.JSONDecodeError:  # cut by the block end, or really invalid
-                    if len(buf) - pos > MAX_RECORD_CHARS or not refill():
-                        yield ValueError("invalid JSON")
-                        return
-                    continue
-                except ValueError:  # the digits limit of int(): no block end cuts a number so long
-                    yield ValueError("invalid JSON")
-                    return
-                except RecursionError:
-                    yield ValueError("JSON nested too deeply")
+                except (ValueError, RecursionError) as e:
+                    # A JSONDecodeError may be the block end cutting the element: read on, up to
+                    # MAX_RECORD_BYTES characters. No other fault (a key twice, the digits limit of
+                    # int(), nesting) is a block end's doing.
+                    if isinstance(e, json.JSONDecodeError) and len(buf) - pos <= MAX_RECORD_BYTES and refill():
+                        continue
+                    yield ValueError(json_fault(e))
                     return
                 yield element
 

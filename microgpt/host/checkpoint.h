@@ -387,6 +387,16 @@ static int json_find_number(const char* text, const char* key, double* out) {
     return end != p;
 }
 
+/* Whether text names the member key, as json_find_number and json_find_string look it up: one that
+ * neither reads holds a value of another type. */
+static int json_has_member(const char* text, const char* key) {
+    char pat[64];
+    const char* p;
+    snprintf(pat, sizeof pat, "\"%s\"", key);
+    p = strstr(text, pat);
+    return p && *json_skip_space(p + strlen(pat)) == ':';
+}
+
 /* The string after "key": in text (JSON whitespace around the colon, as json_find_number), without
  * its quotes (at most cap - 1 bytes, no escapes: the sidecar's strings are precision names), into
  * out. Returns 1 if found. */

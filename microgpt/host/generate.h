@@ -159,10 +159,20 @@ static const char* argv_value(int argc, char** argv, const char* flag) {
     return value;
 }
 
+/* One error line for --checkpoint path whose sidecar side_path holds a member no run writes so
+ * (`what`: "whose seed is no number"): the sidecar's damage, not a flag the command line gave. */
+static void refuse_sidecar_member(const char* path, const char* side_path, const char* what) {
+    CkptFiles f;
+    char text[CFG_PATH_MAX + 160];
+    ckpt_files(path, &f);
+    snprintf(text, sizeof text, "has a sidecar %s %s (damaged or edited)", side_path, what);
+    ckpt_refuse_damaged(&f, text);
+}
+
 /* --generate / --evaluate: the sidecar of --checkpoint, read into *side (once: ckpt_check takes
- * it), supplies the model shape and the seed, batch size and precision the model was trained with;
- * flags on the command line come after them, so they win. Then the usual parse and validation
- * (config_parse). */
+ * it), supplies the model shape and the seed, batch size and precision the model was trained with
+ * (a member of another type is the sidecar's damage, refused); flags on the command line come after
+ * them, so they win. Then the usual parse and validation (config_parse). */
 static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sidecar* side) {
     static const char* const keys[][2] = {
         {"model.n_layer", "n_layer"}, {"model.d_model", "d_model"}, {"model.n_head", "n_head"},
@@ -171,7 +181,7 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
         {"train.batch_size", "batch_size"}};
     enum { N_KEYS = sizeof keys / sizeof keys[0] };
     static char values[N_KEYS + 1][40], flags[N_KEYS + 1][40];
-    char side_path[CFG_PATH_MAX + 8];
+    char side_path[CFG_PATH_MAX + 8], what[64];
     const char* text;
     const char* path = argv_value(argc, argv, "--checkpoint");
     char** args = (char**)xmalloc((size_t)(argc + 2 * N_KEYS + 2) * sizeof(char*), "command line");
@@ -186,22 +196,23 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
         for (i = 0; i < N_KEYS; i++)
             if (json_find_number(text, keys[i][1], &x)) {
                 if (!(x == floor(x) && fabs(x) <= INT_MAX)) { /* "%.0f" would round 4.5 to 4, print inf */
-                    CkptFiles f;
-                    char what[CFG_PATH_MAX + 128];
-                    ckpt_files(path, &f);
-                    snprintf(what, sizeof what, "has a sidecar %s whose %s, %.17g, is no int (damaged or edited)",
-                             side_path, keys[i][1], x);
-                    ckpt_refuse_damaged(&f, what);
+                    snprintf(what, sizeof what, "whose %s, %.17g, is no int", keys[i][1], x);
+                    refuse_sidecar_member(path, side_path, what);
                 }
                 snprintf(flags[i], sizeof flags[i], "--%s", keys[i][0]);
                 snprintf(values[i], sizeof values[i], "%.0f", x);
                 args[n++] = flags[i];
                 args[n++] = values[i];
+            } else if (json_has_member(text, keys[i][1])) { /* not missing: the flag's default would run */
+                snprintf(what, sizeof what, "whose %s is no number", keys[i][1]);
+                refuse_sidecar_member(path, side_path, what);
             }
         if (json_find_string(text, "precision", values[N_KEYS], sizeof values[N_KEYS])) {
             snprintf(flags[N_KEYS], sizeof flags[N_KEYS], "--train.precision");
             args[n++] = flags[N_KEYS];
             args[n++] = values[N_KEYS];
+        } else if (json_has_member(text, "precision")) {
+            refuse_sidecar_member(path, side_path, "whose precision is no string");
         }
     } else if (side->loaded) {
         info("note: %s cannot be read; the model flags must be given", side_path);
