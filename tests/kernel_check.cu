@@ -334,15 +334,6 @@ template <typename T> static void test_embed(const Shape& s, Tol tol, int token_
         check("dwte", r1[0], plus(dwte0, dwte_inc), tol.prod, &dwte0);
         check_grad("dwpe", r1[1], dwpe_inc, dwpe0, gb, tol.prod);
         check_same("determ", r1, r2);
-#if EMBED_WARP_RUNS || EMBED_BLOCK_SORT
-        /* the candidates give the default kernels' bits: the warps' short runs the same additions in
-         * the same order, the block sort the same stable order */
-        embed_default_path = true;
-        std::vector<Vec> dflt = gpu();
-        embed_default_path = false;
-        bool same = memcmp(dflt[0].data(), r1[0].data(), r1[0].size() * sizeof(float)) == 0;
-        report(same, "candidate=default", same ? "dwte bitwise the default kernels'" : "dwte DIFFERS from the default's");
-#endif
     }
     dfree_all();
 }
@@ -2150,6 +2141,10 @@ template <typename T> static void run_precision(void) {
         Shape vocab = {8, 1024, 64, 4, 8, 50304, 50304, 8};
         set_ctx(prec, "embed", shape_str(vocab).c_str());
         test_embed<T>(vocab, tol, vocab.V);
+        /* B·T above the one-block sort (EMBED_SORT_THREADS x EMBED_SORT_ITEMS): the device-wide sort */
+        Shape many = {3, 2800, 64, 4, 8, 1000, 1024, 8};
+        set_ctx(prec, "embed device sort", shape_str(many).c_str());
+        test_embed<T>(many, tol);
     }
     /* rows up to LN_SLAB_COLS of several packets a lane (SHAPES' rows are one): the LayerNorm
      * backward's register kernel with 2 to LN_REG_PACKETS packets, some lanes one fewer (392), in

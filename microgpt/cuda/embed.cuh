@@ -3,27 +3,31 @@
  *
  * Backward without floating-point atomics: several positions can hold the same token, so dwte
  * rows are not independent outputs. A stable radix sort of (token, position) pairs (CUB's,
- * deterministic) gives each token's positions in one ascending run; one block per run, the one at
- * its start (the token's first position), adds the gradient rows of all its positions: every dwte
- * row written by exactly one block, and no host work (so a step needs no host round trip and can
- * be captured in a CUDA graph). It cuts the run into segments of EMBED_LIST positions counted from
- * the token's first position and adds one sum per segment to the row, segment by segment. Within
- * a segment warp w sums the listed rows w, w + 8, ... and the eight warp sums are added in warp
+ * deterministic: in one block where the batch's positions fit it, else device-wide) gives each
+ * token's positions in one ascending run; the run's start (the token's first position) owns the
+ * token's dwte row: every row written by one owner, and no host work (so a step needs no host
+ * round trip and can be captured in a CUDA graph). Per column the row gets one sum per segment of
+ * EMBED_LIST positions counted from the token's first position, segment by segment; within a
+ * segment warp w sums the listed rows w, w + 8, ... and the eight warp sums are added in warp
  * order: a fixed summation order that does not make a frequent token (hundreds of positions in
- * real text) one long chain of dependent loads. (Before the sort, each token's first position
- * listed its segments by scanning every later position, O(positions x distinct tokens), with the
- * same segments and the same additions: the sort gave the same bits, faster, docs/BENCHMARKS.md
- * #93.) dwpe[t] has one term per sequence, summed in b order.
+ * real text: a space is a quarter of the benchmark's text) one long chain of dependent loads.
+ * A short run (at most 8 positions: most tokens) is added by its start's warp alone in one pass
+ * with every row's loads in flight; a longer one by whole blocks, split by columns so that the
+ * blocks of one frequent token run side by side, each warp loading EMBED_ROWS_AHEAD rows before it
+ * adds them. The same additions in the same order either way (docs/BENCHMARKS.md #93, #98, #100,
+ * #101 measured each step of this against the one before, with the same bits). dwpe[t] has one
+ * term per sequence, summed in b order.
  *
- * Kernels: k_embed_fwd; the backward (k_embed_bwd) is k_embed_positions, the sort,
- * k_embed_bwd_wte_sorted and k_embed_bwd_wpe. The engine calls embed_fwd / embed_bwd, with
- * embed_bwd_scratch_bytes of scratch.
+ * Kernels: k_embed_fwd; the backward (k_embed_bwd) is the sort (k_embed_sort_block, or
+ * k_embed_positions and CUB's device-wide sort), k_embed_bwd_wte_runs and k_embed_bwd_wpe. The
+ * engine calls embed_fwd / embed_bwd, with embed_bwd_scratch_bytes of scratch.
  */
 #ifndef MICROGPT_CUDA_EMBED_CUH
 #define MICROGPT_CUDA_EMBED_CUH
 
 #include "common.cuh"
 
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
 #define EMBED_BWD_THREADS 256
@@ -42,18 +46,15 @@ __global__ void k_embed_fwd(T* out, const int* tokens, const float* wte, const f
     }
 }
 
-/* EMBED_ROWS_IN_FLIGHT (docs/BENCHMARKS.md #98): the listed rows a warp loads before it adds the
- * first of them. dout is in the L2, so a warp's sum is a chain of L2 round trips, one a row; in real
- * text a frequent token (a space: a quarter of the positions of the benchmark's text) has hundreds
- * of rows a warp, and its one block is the kernel's tail. Loading the next rows ahead keeps the
- * additions and their order, so the bits. 1: a row at a time. */
-#ifndef EMBED_ROWS_IN_FLIGHT
-#define EMBED_ROWS_IN_FLIGHT 1
-#endif
+/* The listed rows a warp loads before it adds the first of them (#98): dout is in the L2, so a
+ * warp's sum is a chain of L2 round trips, one a row (the list's entry, then the row) unless the
+ * next rows are on their way. */
+#define EMBED_ROWS_AHEAD 8
 
 /* row[c] += sum of the n listed rows of dout [., C] at column c, for every column c_begin <= c <
- * c_end (whole block, n the same in every thread). Per 256-column slab from c_begin, lane l of warp w adds columns l, l + 32, ... of
- * rows list[w], list[w + 8], ... (each row read as eight coalesced runs), then thread c adds the
+ * c_end (whole block, n the same in every thread). Per 256-column slab from c_begin, lane l of
+ * warp w adds columns l, l + 32, ... of rows list[w], list[w + 8], ... (each row read as eight
+ * coalesced runs, EMBED_ROWS_AHEAD rows loaded before the first is added), then thread c adds the
  * eight warp sums of column c in warp order. */
 template <typename T>
 __device__ void embed_add_listed_rows(float* row, const T* dout, const int* list, int n, int C, int c_begin,
@@ -62,11 +63,10 @@ __device__ void embed_add_listed_rows(float* row, const T* dout, const int* list
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int c0 = c_begin; c0 < c_end; c0 += EMBED_SLAB) {
         float acc[EMBED_LANE_COLS] = {};
-#if EMBED_ROWS_IN_FLIGHT > 1
-        for (int q0 = warp; q0 < n; q0 += EMBED_WARPS * EMBED_ROWS_IN_FLIGHT) {
-            float v[EMBED_ROWS_IN_FLIGHT][EMBED_LANE_COLS];
+        for (int q0 = warp; q0 < n; q0 += EMBED_WARPS * EMBED_ROWS_AHEAD) {
+            float v[EMBED_ROWS_AHEAD][EMBED_LANE_COLS];
 #pragma unroll
-            for (int r = 0; r < EMBED_ROWS_IN_FLIGHT; r++) {
+            for (int r = 0; r < EMBED_ROWS_AHEAD; r++) {
                 int q = q0 + r * EMBED_WARPS;
                 const T* src = dout + (size_t)list[q < n ? q : q0] * C + c0 + lane;
 #pragma unroll
@@ -74,19 +74,11 @@ __device__ void embed_add_listed_rows(float* row, const T* dout, const int* list
                     v[r][k] = q < n && c0 + lane + 32 * k < c_end ? to_f(src[32 * k]) : 0.0f;
             }
 #pragma unroll
-            for (int r = 0; r < EMBED_ROWS_IN_FLIGHT; r++) /* rows q0, q0 + 8, ...: the order of one at a time */
+            for (int r = 0; r < EMBED_ROWS_AHEAD; r++) /* rows q0, q0 + 8, ...: the order of one at a time */
 #pragma unroll
                 for (int k = 0; k < EMBED_LANE_COLS; k++)
                     if (q0 + r * EMBED_WARPS < n && c0 + lane + 32 * k < c_end) acc[k] += v[r][k];
         }
-#else
-        for (int q = warp; q < n; q += EMBED_WARPS) {
-            const T* src = dout + (size_t)list[q] * C + c0 + lane;
-#pragma unroll
-            for (int k = 0; k < EMBED_LANE_COLS; k++)
-                if (c0 + lane + 32 * k < c_end) acc[k] += to_f(src[32 * k]);
-        }
-#endif
 #pragma unroll
         for (int k = 0; k < EMBED_LANE_COLS; k++) warp_sums[warp][lane + 32 * k] = acc[k];
         __syncthreads();
@@ -144,33 +136,15 @@ __device__ void embed_add_run(float* dwte, const T* dout, const int* sorted_tok,
     }
 }
 
-/* One block per sorted entry s (EMBED_BWD_THREADS threads); sorted_tok ascending, sorted_pos
- * ascending within each token's run. Only the block at a run's start works: its token's first
- * position i = sorted_pos[s]. It takes the run's positions in segments [i + k EMBED_LIST,
- * i + (k + 1) EMBED_LIST), each non-empty segment's list straight from the run (its positions in
- * ascending order), and adds the listed rows into the token's dwte row. */
-template <typename T>
-__global__ void k_embed_bwd_wte_sorted(float* dwte, const T* dout, const int* sorted_tok, const int* sorted_pos, int N,
-                                       int C) {
-    await_previous_kernel();
-    int s = blockIdx.x, tok = sorted_tok[s], i = sorted_pos[s];
-    if (s > 0 && sorted_tok[s - 1] == tok) return; /* not the run's start (block-uniform) */
-    embed_add_run(dwte, dout, sorted_tok, sorted_pos, N, C, s, tok, i, 0, C);
-}
-
-#ifndef EMBED_WARP_RUNS
-#define EMBED_WARP_RUNS 0
-#endif
-#if EMBED_WARP_RUNS
-/* A candidate (docs/BENCHMARKS.md #100, the embedding backward's runs by warps): one warp per
- * sorted entry, 8 a block. A run of at most EMBED_WARPS positions, all in its first segment (every
+/* The token rows' sums (docs/BENCHMARKS.md #100): one warp per sorted entry, 8 a block;
+ * sorted_tok ascending, sorted_pos ascending within each token's run. A run of at most EMBED_WARPS positions, all in its first segment (every
  * token on uniform data, most on text), is added by its start's warp alone: per column the
- * additions k_embed_bwd_wte_sorted makes in the same order (warp w's sum is 0 + the run's row w,
+ * additions a block makes of a longer run, in the same order (warp w's sum is 0 + the run's row w,
  * or 0 past the run; the row gets 0 + the eight in warp order), in one pass over the row
  * (EMBED_RUN_COLS columns a lane, every row's loads in flight together) with no barrier. Longer
  * runs (a frequent token's hundreds of rows on text) are split by columns: block (x, y) adds
  * columns y EMBED_RUN_GROUP .. (y + 1) EMBED_RUN_GROUP - 1 of the longer runs starting at its
- * entries, as k_embed_bwd_wte_sorted's body does them (a column's additions never depend on
+ * entries, as embed_add_run does them (a column's additions never depend on
  * another's), so the C / EMBED_RUN_GROUP blocks of one such token run side by side. */
 #define EMBED_RUN_COLS 24   /* columns a lane in a short run's pass: 768 a warp */
 #define EMBED_RUN_GROUP 128 /* columns a block of a longer run adds */
@@ -199,7 +173,7 @@ k_embed_bwd_wte_runs(float* __restrict__ dwte, const T* __restrict__ dout, const
 #pragma unroll
             for (int k = 0; k < EMBED_RUN_COLS; k++) sum[k] = 0.0f;
 #pragma unroll
-            for (int w = 0; w < EMBED_WARPS; w++) { /* k_embed_bwd_wte_sorted's warp w: row w of the run, or none */
+            for (int w = 0; w < EMBED_WARPS; w++) { /* a block's warp w: row w of the run, or none */
                 const T* src = dout + (size_t)__shfl_sync(0xffffffffu, p, 1 + w) * C + c0 + lane;
 #pragma unroll
                 for (int k = 0; k < EMBED_RUN_COLS; k++) {
@@ -220,14 +194,8 @@ k_embed_bwd_wte_runs(float* __restrict__ dwte, const T* __restrict__ dout, const
             embed_add_run(dwte, dout, sorted_tok, sorted_pos, N, C, blockIdx.x * EMBED_WARPS + w, long_tok[w],
                           long_pos[w], c_begin, c_end);
 }
-#endif
 
-#ifndef EMBED_BLOCK_SORT
-#define EMBED_BLOCK_SORT 0
-#endif
-#if EMBED_BLOCK_SORT
-#include <cub/block/block_radix_sort.cuh>
-/* A candidate (docs/BENCHMARKS.md, the embedding backward's sort in one block): where the N tokens
+/* The sort in one block (docs/BENCHMARKS.md #101): where the N tokens
  * fit one block's registers (EMBED_SORT_THREADS x EMBED_SORT_ITEMS), CUB's block radix sort of the
  * (token, position) pairs in one launch, positions made in the kernel (no k_embed_positions), in
  * place of the device-wide sort's several launches. Both sorts are stable and the positions are
@@ -256,7 +224,6 @@ k_embed_sort_block(int* __restrict__ sorted_tok, int* __restrict__ sorted_pos, c
         if (i < N) sorted_tok[i] = (int)key[k], sorted_pos[i] = pos[k];
     }
 }
-#endif
 
 /* Token keys' significant bits: tokens are below V. */
 static int embed_token_bits(int V) {
@@ -298,12 +265,6 @@ static void embed_fwd(T* out, const int* tokens, const float* wte, const float* 
     launch_kernel(k_embed_fwd<T>, elementwise_grid(n, 256), 256, out, tokens, wte, wpe, B * T_, T_, C);
 }
 
-#if EMBED_WARP_RUNS || EMBED_BLOCK_SORT
-/* Set by tests/kernel_check.cu: the default's kernels (the device sort, k_embed_bwd_wte_sorted),
- * whose bits the candidates must give. */
-static bool embed_default_path = false;
-#endif
-
 /* sorted_tok, sorted_pos [N]: the (token, position) pairs sorted by token, stably (CUB's device-wide
  * radix sort of positions k_embed_positions writes at pos, its storage at cub_at). */
 static void embed_sort_device(int* sorted_tok, int* sorted_pos, int* pos, void* cub_at, const int* tokens, int V,
@@ -316,7 +277,7 @@ static void embed_sort_device(int* sorted_tok, int* sorted_pos, int* pos, void* 
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize()); /* as launch_kernel does for its own */
 }
 
-/* dwte += the token rows' sums by k_embed_bwd_wte_sorted; scratch holds
+/* dwte += the token rows' sums by k_embed_bwd_wte_runs; scratch holds
  * embed_bwd_scratch_bytes(V, N) bytes (256-byte aligned). Every call is a stream operation (CUB's
  * sort included), so a CUDA graph can capture it. */
 template <typename T>
@@ -324,20 +285,12 @@ static void embed_bwd_wte_sorted(float* dwte, const T* dout, const int* tokens, 
     char* at = (char*)scratch;
     int* sorted_tok = (int*)(at + embed_ints_bytes(N));
     int* sorted_pos = (int*)(at + 2 * embed_ints_bytes(N));
-#if EMBED_BLOCK_SORT
-    if (!embed_default_path && N <= EMBED_SORT_THREADS * EMBED_SORT_ITEMS)
+    if (N <= EMBED_SORT_THREADS * EMBED_SORT_ITEMS)
         launch_kernel(k_embed_sort_block, 1, EMBED_SORT_THREADS, sorted_tok, sorted_pos, tokens, N, embed_token_bits(V));
     else
-#endif
         embed_sort_device(sorted_tok, sorted_pos, (int*)at, at + 3 * embed_ints_bytes(N), tokens, V, N);
-#if EMBED_WARP_RUNS
-    if (!embed_default_path) {
-        launch_kernel(k_embed_bwd_wte_runs<T>, dim3(ceil_div(N, EMBED_WARPS), ceil_div(C, EMBED_RUN_GROUP)),
-                      EMBED_BWD_THREADS, dwte, dout, sorted_tok, sorted_pos, N, C);
-        return;
-    }
-#endif
-    launch_kernel(k_embed_bwd_wte_sorted<T>, N, EMBED_BWD_THREADS, dwte, dout, sorted_tok, sorted_pos, N, C);
+    launch_kernel(k_embed_bwd_wte_runs<T>, dim3(ceil_div(N, EMBED_WARPS), ceil_div(C, EMBED_RUN_GROUP)),
+                  EMBED_BWD_THREADS, dwte, dout, sorted_tok, sorted_pos, N, C);
 }
 
 /* dwte += (always: the classifier's product writes it first, loss.cuh) and dwpe = / += by
