@@ -147,9 +147,6 @@ static struct {
     int lowp_stale; /* an update left the fp8 weights' part of wlow behind: refresh_stale_lowp_weights */
     Fp8Scale* fp8_scales;
     fp8 *a8, *x8t, *g8, *g8t;
-#if FP8_G8T_PER_PRODUCT
-    fp8* g8t_of[FP8_W_PER_LAYER]; /* product k's g8t (fp8_g8t): [0] is g8t; all g8t without the side stream */
-#endif
     /* the FP8 classifier only (else NULL): LNf's output cast transposed, chunk by chunk of the
      * logits (chunk r0's [C][n] at r0 * C; its row-major codes go to a8, which no product reads
      * again until the next forward), and one chunk's dlogits codes [chunk][Vp] and [Vp][chunk] */
@@ -272,10 +269,6 @@ static void plan_buffers(size_t* used) {
         E.x8t = (fp8*)carve(G_ACTIVATIONS, tr * L * N * (3 * C + F), used);
         E.g8 = (fp8*)carve(G_SCRATCH, tr * grad, used);
         E.g8t = (fp8*)carve(G_SCRATCH, tr * grad, used);
-#if FP8_G8T_PER_PRODUCT /* the others only where a weight gradient can still be reading one */
-        for (int k = 0; k < FP8_W_PER_LAYER; k++)
-            E.g8t_of[k] = k == 0 || !E.use_side_stream ? E.g8t : (fp8*)carve(G_SCRATCH, tr * grad, used);
-#endif
         E.fp8_hist = (Fp8History*)carve(G_SCRATCH, (E.fp8_delayed ? FP8_DELAYED_PER_LAYER * L : 0) * sizeof(Fp8History),
                                         used);
         E.lnf8t = (fp8*)carve(G_ACTIVATIONS, cls * tr * nc, used);
@@ -537,69 +530,34 @@ static void fp8_linear_fwd(T* out, const T* x, int l, int t, int k, int N, int i
                 residual ? 1.0f : 0.0f);
 }
 
-/* The transposed codes of product k's output gradient: E.g8t, or with FP8_G8T_PER_PRODUCT and the
- * side stream a buffer of product k's own. */
-static fp8* fp8_g8t(int k) {
-#if FP8_G8T_PER_PRODUCT
-    return E.g8t_of[k];
-#else
-    (void)k;
-    return E.g8t;
-#endif
-}
-
-/* Before a gradient's cast writes E.g8 and product k's g8t: the weight gradient (on the side
- * stream) that read that g8t last has read it: the previous product's, or with FP8_G8T_PER_PRODUCT
- * product k's of the layer above. (Two g8t buffers taken by turns, so that a weight gradient
+/* Before a gradient's cast writes E.g8 and E.g8t: the previous product's weight gradient (on the
+ * side stream) has read its cast. (Two g8t buffers taken by turns, so that a weight gradient
  * overlapped more, gained nothing: docs/BENCHMARKS.md #79.) */
-static void fp8_wait_grad_codes(int k) {
-    side_wait(fp8_g8t(k));
+static void fp8_wait_grad_codes(void) {
+    side_wait(E.g8t);
 }
-
-/* A candidate (docs/BENCHMARKS.md #97), where the side stream runs: each fp8 product's input
- * gradient (the step's one chain) issued before its weight gradient (side_mark_fork, then
- * side_product_from_mark), both still forked from the same point, so that the dX's launch comes
- * first to the block scheduler, in graphs (node creation order) as launch by launch, where today
- * the dW issued first takes most multiprocessors ahead of it; SIDE_STREAM_PRIORITY's order without
- * priorities. The same products: the same bits. */
-#ifndef FP8_DX_BEFORE_DW
-#define FP8_DX_BEFORE_DW 0
-#endif
 
 /* The backward of a product whose output gradient dout is `batch` blocks [N, out_dim] (QKV: 3):
  * dw (/ += by grad_beta) = x^T dout_i per block (x as the forward cast it, x8t), dx = sum_i dout_i
  * @ W_i^T (one product, K = batch * out_dim, over the side-by-side layouts of cuda/fp8.cuh).
  * `input` (FP8_IN_*): what dout's producer already did: nothing, its amax in g8_scale(l, k), or its
- * codes in E.g8 and fp8_g8t(k) (then it waited for their reader, fp8_wait_grad_codes). `hist`: dout's
+ * codes in E.g8 and E.g8t (then it waited for E.g8t's reader, fp8_wait_grad_codes). `hist`: dout's
  * delayed-scaling history (NULL: current scaling). */
 template <typename T>
 static void fp8_linear_bwd(T* dx, float* dw, const T* dout, int l, int t, int k, int N, int in, int out_dim,
                            int batch, float grad_beta, int input, const Fp8History* hist = NULL) {
     Fp8Scale *gs = g8_scale(l, k), *xs = x8_scale(l, k);
-    fp8* g8t = fp8_g8t(k);
     if (input == FP8_IN_RAW) fp8_reduce_amax(gs, dout, (size_t)batch * N * out_dim);
     if (input != FP8_IN_CODES) {
-        fp8_wait_grad_codes(k);
-        fp8_cast(E.g8, g8t, gs, dout, batch, N, out_dim, FP8_GRAD_FMT, hist);
+        fp8_wait_grad_codes();
+        fp8_cast(E.g8, E.g8t, gs, dout, batch, N, out_dim, FP8_GRAD_FMT, hist);
     }
-    auto weight_gradient = [&] {
+    side_product(E.g8t, [&] {
         fp8_gemm<float>(in, out_dim, N, fp8_mat(x8t(l, k), FP8_E4M3, xs),
-                        fp8_mat(g8t, FP8_GRAD_FMT, gs, (long long)out_dim * N), dw, NULL, grad_beta, batch,
+                        fp8_mat(E.g8t, FP8_GRAD_FMT, gs, (long long)out_dim * N), dw, NULL, grad_beta, batch,
                         (long long)in * out_dim);
-    };
-    auto input_gradient = [&] {
-        fp8_gemm<T>(N, in, batch * out_dim, fp8_mat(E.g8, FP8_GRAD_FMT, gs), w8_dx(l, t, k), dx, NULL, 0.0f);
-    };
-#if FP8_DX_BEFORE_DW
-    if (E.use_side_stream) { /* the weight gradient forks from the same point, issued after dx */
-        side_mark_fork();
-        input_gradient();
-        side_product_from_mark(g8t, weight_gradient);
-        return;
-    }
-#endif
-    side_product(g8t, weight_gradient);
-    input_gradient();
+    });
+    fp8_gemm<T>(N, in, batch * out_dim, fp8_mat(E.g8, FP8_GRAD_FMT, gs), w8_dx(l, t, k), dx, NULL, 0.0f);
 }
 
 /* The fp8 forward of layer l's sub-layers around attention (the LayerNorms and attention as in
@@ -635,8 +593,8 @@ static void fp8_mlp_bwd(T* dln, const T* dres, int dres_input, const LayerActs<T
     fp8_linear_bwd<T>((T*)E.dh, gl(l, T_W2), dres, l, T_W2, FP8_W_2, N, F, C, 1, gb, dres_input,
                       fp8_dres_history(l, FP8_W_2));
     if (dh_hist && fp8_producers_write_codes()) {
-        fp8_wait_grad_codes(FP8_W_1);
-        fp8_cast_dgelu(E.g8, fp8_g8t(FP8_W_1), g8_scale(l, FP8_W_1), (const T*)E.dh, a.h, N, F, FP8_GRAD_FMT, dh_hist);
+        fp8_wait_grad_codes();
+        fp8_cast_dgelu(E.g8, E.g8t, g8_scale(l, FP8_W_1), (const T*)E.dh, a.h, N, F, FP8_GRAD_FMT, dh_hist);
         dh_input = FP8_IN_CODES;
     } else {
         gelu_bwd_inplace<T, FP8_GELU_TANH>((T*)E.dh, a.h, (size_t)N * F, g8_amax(l, FP8_W_1));
@@ -750,8 +708,8 @@ static int ln_bwd_for_product(T* dres, float* dgamma, float* dbeta, const T* dou
     int N = E.N, C = E.C;
     const Fp8History* hist = l >= 0 ? fp8_dres_history(l, k) : NULL;
     if (hist && fp8_producers_write_codes() && layernorm_bwd_fp8_fits(dres, dout, x, gamma, N, C)) {
-        fp8_wait_grad_codes(k);
-        layernorm_bwd_fp8<T>(E.g8, fp8_g8t(k), g8_scale(l, k), hist, FP8_GRAD_FMT, dres, dgamma, dbeta, dout, x, gamma,
+        fp8_wait_grad_codes();
+        layernorm_bwd_fp8<T>(E.g8, E.g8t, g8_scale(l, k), hist, FP8_GRAD_FMT, dres, dgamma, dbeta, dout, x, gamma,
                              mean, rstd, N, C, E.ln_partial, E.grad_beta);
         return FP8_IN_CODES;
     }
@@ -773,8 +731,8 @@ static int attn_bwd_for_product(const LayerActs<T>& a, int l) {
     T* dqkv = (T*)E.dqkv;
     const Fp8History* hist = fp8_delayed_history(l, DELAYED_DQKV);
     if (hist && fp8_producers_write_codes() && attn_bwd_fp8_fits<T>(C, H)) {
-        fp8_wait_grad_codes(FP8_W_QKV);
-        attn_bwd_fp8<T>(E.g8, fp8_g8t(FP8_W_QKV), g8_scale(l, FP8_W_QKV), hist, FP8_GRAD_FMT, (const T*)E.datty, a.atty,
+        fp8_wait_grad_codes();
+        attn_bwd_fp8<T>(E.g8, E.g8t, g8_scale(l, FP8_W_QKV), hist, FP8_GRAD_FMT, (const T*)E.datty, a.atty,
                         a.att_lse, a.qkv, a.qkv + nc, a.qkv + 2 * nc, B, Tn, C, H, attn_scratch<T>());
         return FP8_IN_CODES;
     }
@@ -816,15 +774,6 @@ static void loss_chunks(int N, int train) {
     loss_mean(&E.io->loss, E.losses, N);
 }
 
-/* A candidate (docs/BENCHMARKS.md #96): the embedding backward waits on the side stream only for
- * the classifier's dwte (the one side-stream product whose tensor it adds to) and the streams join
- * after it, so that the layers' last weight gradients (layer 0's, and any the side stream still
- * holds) run beside the embedding backward instead of ahead of it. The same kernels on the same
- * inputs, each gradient added in the same order: the same bits. */
-#ifndef SIDE_JOIN_AFTER_EMBED
-#define SIDE_JOIN_AFTER_EMBED 0
-#endif
-
 /* The backward's two streams (use_side_stream, cuda/side_stream.cuh; without a side stream the
  * waits below are no-ops). Every weight-gradient product runs on the side stream, forked after the
  * work that produced its inputs; what it reads, who overwrites that later on the main stream, and
@@ -841,19 +790,16 @@ static void loss_chunks(int N, int train) {
  *   dW_O                  dres                                    LN1 backward (dres +=)       side_wait(dres)
  *   dW_QKV                dqkv                                    the layer below's attn_bwd   side_wait(dqkv)
  *   fp8: every dW         g8t (the output gradient's cast)        the next product's cast      fp8_wait_grad_codes
- *                                                                 (fp8_linear_bwd; fp8_cast_dgelu;  (side_wait(fp8_g8t))
+ *                                                                 (fp8_linear_bwd; fp8_cast_dgelu;  (side_wait(E.g8t))
  *                                                                 the LN2 and LN1 backwards,
- *                                                                 layernorm_bwd_fp8; attn_bwd_fp8);
- *                                                                 FP8_G8T_PER_PRODUCT: the same
- *                                                                 product's cast, a layer below
+ *                                                                 layernorm_bwd_fp8; attn_bwd_fp8)
  *   LN_FINAL_SIDE (a      ln_partial (the chunk partials)         the next LayerNorm backward  side_wait(ln_partial)
  *   candidate): a Layer-                                                                        (layernorm_bwd_
  *   Norm's final sums                                                                           scratch_free)
  * The side stream runs its products in issue order, so a wait covers its earlier products too.
  * Each gradient tensor has one writer per micro-batch (matmul.cuh), the side stream's products
  * write only their own, and the one tensor two writers share, wte (dwte, then the embedding
- * backward adds), is ordered by side_join before embed_bwd (SIDE_JOIN_AFTER_EMBED: by the wait for
- * the last dwte, and side_join after embed_bwd), which also ends the backward with every
+ * backward adds), is ordered by side_join before embed_bwd, which also ends the backward with every
  * product done (the gradient norm and AdamW run after it; a capture ends with the streams joined).
  * dln, datty and the attention scratch have no side-stream reader. An fp8 weight gradient also reads
  * its two casts' scales (Fp8Scale: x8_scale, set by the forward's cast; g8_scale, set by its own
@@ -862,10 +808,7 @@ static void loss_chunks(int N, int train) {
  * W_O's input gradient and attention's backward; dW_O beside attention's backward and the QKV
  * input gradient; dW_QKV beside the LN1 backward and the layer below's MLP. In fp8 the single g8t
  * lets a weight gradient overlap only its own input-gradient product: the next product's producer
- * (its cast, or the GELU, LayerNorm or attention backward that writes its codes) waits for it.
- * With FP8_G8T_PER_PRODUCT (and the side stream) each product of a layer has its own g8t, so a
- * weight gradient may run on past the rest of its layer's backward; g8, read only by the
- * input-gradient product on the main stream, stays one buffer. */
+ * (its cast, or the GELU, LayerNorm or attention backward that writes its codes) waits for it. */
 template <typename T>
 static void backward(void) {
     int B = E.B, Tn = E.T, C = E.C, F = E.F, L = E.L, N = E.N, l;
@@ -908,16 +851,8 @@ static void backward(void) {
         dres_in = ln_bwd_for_product<T>(dres, gl(l, T_LN1_GAMMA), gl(l, T_LN1_BETA), dln, a.x, wf(l, T_LN1_GAMMA),
                                         a.ln1_mean, a.ln1_rstd, l - 1, FP8_W_2);
     }
-#if SIDE_JOIN_AFTER_EMBED
-    /* the classifier's dwte products (each chunk's, the last waited for here) have added into wte's
-     * gradient, which the embedding backward adds to; the layers' weight gradients run on beside it */
-    side_wait(fp8_classifier(E.use_fp8) ? (const void*)E.dl8t : E.logits);
-    embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_scratch, E.V, B, Tn, C, gb);
-    side_join();
-#else
     side_join();
     embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_scratch, E.V, B, Tn, C, gb);
-#endif
 }
 
 /* Runs `record` (the device work of one call, everything on g_stream) as a CUDA graph: captured
@@ -932,7 +867,7 @@ static void run_graph(cudaGraphExec_t* exec, void (*record)(void)) {
             CUDA_CHECK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal));
             record();
             CUDA_CHECK(cudaStreamEndCapture(g_stream, &graph));
-            CUDA_CHECK(cudaGraphInstantiate(exec, graph, GRAPH_INSTANTIATE_FLAGS));
+            CUDA_CHECK(cudaGraphInstantiate(exec, graph, 0));
             CUDA_CHECK(cudaGraphDestroy(graph));
         }
         CUDA_CHECK(cudaGraphLaunch(*exec, g_stream));
@@ -1275,12 +1210,9 @@ static size_t engine_setup(const Config* cfg) {
         if (E.prec == PREC_BF16 && p.major < 8) die_input("train.precision bf16 needs compute capability 8.0 or newer");
         E.use_side_stream = E.training && side_stream_pays(E.N, E.C, p.multiProcessorCount);
         if (E.training) /* docs/DESIGN.md §9 */
-            info("backward: weight gradients %s (%d multiprocessors)%s%s%s%s",
+            info("backward: weight gradients %s (%d multiprocessors)",
                  E.use_side_stream ? "on a side stream, the products being small" : "in line with the rest",
-                 p.multiProcessorCount, SIDE_STREAM_PRIORITY ? ", candidate SIDE_STREAM_PRIORITY" : "",
-                 FP8_G8T_PER_PRODUCT ? ", candidate FP8_G8T_PER_PRODUCT" : "",
-                 SIDE_JOIN_AFTER_EMBED ? ", candidate SIDE_JOIN_AFTER_EMBED" : "",
-                 FP8_DX_BEFORE_DW ? ", candidate FP8_DX_BEFORE_DW" : "");
+                 p.multiProcessorCount);
         info_fp8_classifier(cfg, "bf16");
     }
     CUDA_CHECK(cudaSetDevice(dist_device())); /* LOCAL_RANK's GPU (docs/DESIGN.md §17) */
@@ -1288,7 +1220,7 @@ static size_t engine_setup(const Config* cfg) {
                                               : "ordinary (programmatic dependent launch needs a GPU of compute "
                                                 "capability 9.0 and kernels compiled for it)");
     CUDA_CHECK(cudaFree(0)); /* create the context now, so the free-memory figure below accounts for it */
-    main_stream_create();
+    CUDA_CHECK(cudaStreamCreate(&g_stream));
     CUBLAS_CHECK(cublasCreate(&g_cublas));
     dist_cuda_init();
     info("cuBLASLt algorithms: %s", lt_table_applies() ? "the fixed table measured on " LT_TABLE_GPU_NAME
@@ -1329,9 +1261,6 @@ static size_t engine_setup(const Config* cfg) {
     cublas_init(E.cublas_ws, CUBLAS_WORKSPACE_BYTES);
     if (strcmp(prec, "tf32") == 0) gemm_set_tf32();
     if (E.use_side_stream) side_stream_init(E.side_ws, CUBLAS_WORKSPACE_BYTES);
-#if FP8_TRANSPOSE_BESIDE
-    if (E.training && fp8_classifier(E.use_fp8)) fp8_transpose_beside_init();
-#endif
     if (E.training) warm_up(); /* the device memory of a training run must not grow after its first step */
     return total;
 }
@@ -1433,9 +1362,6 @@ static void engine_shutdown(void) {
     CUDA_CHECK(cudaDeviceSynchronize());
     fp8_plans_clear();
     side_stream_shutdown();
-#if FP8_TRANSPOSE_BESIDE
-    fp8_transpose_beside_shutdown();
-#endif
     cublas_shutdown();
     for (int i = 0; i < 2; i++)
         if (E.fb_graph[i]) CUDA_CHECK(cudaGraphExecDestroy(E.fb_graph[i]));

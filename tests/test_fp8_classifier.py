@@ -8,8 +8,7 @@ vocabulary the FP8 products contract over is refused only where they run, the CP
 near fp32 and resumes exactly. On a GPU (skipped without one) the GPU engine must track the CPU
 emulation, resume exactly, and give the bits of synchronised launches with its graphs and
 unsynchronised launches, also over several logits chunks (each chunk's dwte on the side stream), and
-its build with the wide transpose of the dlogits codes must give the default build's bits; so
-must, over several chunks, its build with the transpose on a stream of its own beside dx. Its
+its build with the wide transpose of the dlogits codes must give the default build's bits. Its
 kernels are checked by tests/kernel_check.cu ("classifier bf16", "loss rows fp8 fused" and
 "transpose codes" under --prec fp8).
 """
@@ -22,7 +21,7 @@ import engine_util as eu
 from engine_util import run_ok, tiny_args
 from test_fp8_delayed import RUN
 from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
-from test_gpu import OVERRIDE_ENGINE, SMALL_CHUNKS_FLAGS, build_variant, check_side_stream_over_chunks
+from test_gpu import check_side_stream_over_chunks
 from test_gpu import cuda_binary, small_chunks_build  # noqa: F401 (fixtures)
 
 # cpu/fp8.h's FP8_CLASSIFIER_MIN_D_MODEL: the FP8 classifier at 512, not at 496 (both multiples of
@@ -134,25 +133,4 @@ def test_gpu_fp8_classifier_over_several_chunks_gives_the_bits_of_synchronised_l
     The small-chunks build's 16 KiB chunks: 64 rows of the 128-column bf16 logits, 3 for 144
     positions (the chunk rounded to a multiple of 16 for dwte's FP8 product)."""
     check_side_stream_over_chunks(small_chunks_build, random_shards, tmp_path, "fp8",
-                                  {k: v for k, v in GPU_RUN.items() if k.startswith(("model.", "train.batch"))})
-
-
-@pytest.fixture(scope="module")
-def transpose_beside_build(cuda_binary):
-    """The small-chunks engine with the dlogits transpose beside dx (-DFP8_TRANSPOSE_BESIDE=1, a
-    candidate: docs/BENCHMARKS.md #99): build/microgpt_cuda_tpbeside."""
-    if OVERRIDE_ENGINE:
-        pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the candidate is built from source")
-    engine = eu.BUILD / "microgpt_cuda_tpbeside"
-    build_variant("_tpbeside", SMALL_CHUNKS_FLAGS + " -DFP8_TRANSPOSE_BESIDE=1", engine)
-    return engine
-
-
-@pytest.mark.gpu
-def test_gpu_fp8_classifier_transpose_beside_gives_the_bits_of_synchronised_launches(
-        transpose_beside_build, random_shards, tmp_path):
-    """As the test above for the candidate: each chunk's transpose on its own stream, joined before
-    dwte's product on the side stream; a missing fork or join shows as records or a checkpoint that
-    differ from ANDREA_CUDA_SYNC's (which also synchronises after the transpose)."""
-    check_side_stream_over_chunks(transpose_beside_build, random_shards, tmp_path, "fp8",
                                   {k: v for k, v in GPU_RUN.items() if k.startswith(("model.", "train.batch"))})

@@ -1,16 +1,12 @@
-"""Compile-time candidates for ANDREA-12M's fp8 step, each of which must leave every bit as the
-default build's. Set `fp8small` (docs/BENCHMARKS.md #88–#90): the fused LayerNorm forward at a row
-a warp where its blocks stay one wave (-DFP8_LN_FWD_WARPS=16), the delayed-scaling histories pushed
-by one launch after the backward (-DFP8_HISTORY_PUSH_ONCE=1), and the LayerNorm backward's final
-sums on the side stream behind the next weight gradient (-DLN_FINAL_SIDE=1). Set `fp8overlap`
-(#94–#97): the side stream at the lower priority (-DSIDE_STREAM_PRIORITY=1), fp8's transposed
-gradient codes in a buffer per product (-DFP8_G8T_PER_PRODUCT=1), the streams joined after the
-embedding backward (-DSIDE_JOIN_AFTER_EMBED=1), and each fp8 input gradient issued before its
-weight gradient (-DFP8_DX_BEFORE_DW=1). One build a set (build/microgpt_cuda_SET,
-build/kernel_check_SET) must pass kernel_check and give the default build's records, checkpoints
-and histories byte for byte, in fp8 (both attention paths) and bf16, with gradient accumulation,
-on models small enough to run the side stream, graphs and launch by launch alike. GPU only
-(skipped without one); bench/engine-ab.sh times the switches one by one.
+"""Three compile-time candidates for ANDREA-12M's fp8 step (docs/BENCHMARKS.md #88–#90), each of
+which must leave every bit as the default build's: the fused LayerNorm forward at a row a warp
+where its blocks stay one wave (-DFP8_LN_FWD_WARPS=16), the delayed-scaling histories pushed by one
+launch after the backward (-DFP8_HISTORY_PUSH_ONCE=1), and the LayerNorm backward's final sums on
+the side stream behind the next weight gradient (-DLN_FINAL_SIDE=1). One build with all three (build/microgpt_cuda_fp8small,
+build/kernel_check_fp8small) must pass kernel_check and give the default build's records,
+checkpoints and histories byte for byte, in fp8 (both attention paths) and bf16, with gradient
+accumulation, on models small enough to run the side stream, graphs and launch by launch alike.
+GPU only (skipped without one); bench/engine-ab.sh times the switches one by one.
 """
 import subprocess
 
@@ -21,25 +17,17 @@ from engine_util import run_ok, tiny_args
 from test_fp8_delayed import GPU_HEADS, gpu_settings, sidecar_history
 from test_gpu import OVERRIDE_ENGINE, build_variant, cuda_binary  # noqa: F401 (cuda_binary: a fixture)
 
-SWITCH_SETS = {
-    "fp8small": "-DFP8_LN_FWD_WARPS=16 -DFP8_HISTORY_PUSH_ONCE=1 -DLN_FINAL_SIDE=1",
-    "fp8overlap": "-DSIDE_STREAM_PRIORITY=1 -DFP8_G8T_PER_PRODUCT=1 -DSIDE_JOIN_AFTER_EMBED=1 -DFP8_DX_BEFORE_DW=1",
-}
-# what each set's build names in its banners: kernel_check's first line, the engine's stderr
-KERNEL_CHECK_BANNER = {"fp8small": ["(FP8_LN_FWD_WARPS)", "(LN_FINAL_SIDE)"], "fp8overlap": []}
-ENGINE_BANNER = {"fp8small": [], "fp8overlap": ["candidate SIDE_STREAM_PRIORITY", "candidate FP8_G8T_PER_PRODUCT",
-                                                "candidate SIDE_JOIN_AFTER_EMBED", "candidate FP8_DX_BEFORE_DW"]}
+SWITCHES = "-DFP8_LN_FWD_WARPS=16 -DFP8_HISTORY_PUSH_ONCE=1 -DLN_FINAL_SIDE=1"
 
 
-@pytest.fixture(scope="module", params=sorted(SWITCH_SETS))
-def small_build(request, cuda_binary):
-    """(set name, build/microgpt_cuda_SET, build/kernel_check_SET), built with the set's switches."""
+@pytest.fixture(scope="module")
+def small_build(cuda_binary):
+    """build/microgpt_cuda_fp8small and build/kernel_check_fp8small, built with SWITCHES."""
     if OVERRIDE_ENGINE:
         pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the candidates' build is made from source")
-    name = request.param
-    engine, check = eu.BUILD / f"microgpt_cuda_{name}", eu.BUILD / f"kernel_check_{name}"
-    build_variant(f"_{name}", SWITCH_SETS[name], engine, check)
-    return name, engine, check
+    engine, check = eu.BUILD / "microgpt_cuda_fp8small", eu.BUILD / "kernel_check_fp8small"
+    build_variant("_fp8small", SWITCHES, engine, check)
+    return engine, check
 
 
 @pytest.mark.gpu
@@ -48,12 +36,12 @@ def test_gpu_fp8small_build_passes_kernel_check(small_build):
     layernorm_fwd + fp8_cast, at 16 warps a block at ANDREA-12M's shape and the small ones, at 8 at
     ANDREA-120M's; the LayerNorm backward's final sums, run at once there without a side stream),
     and its banner names the LayerNorm switches."""
-    res = subprocess.run([str(small_build[2])], capture_output=True, text=True, timeout=600)
+    res = subprocess.run([str(small_build[1])], capture_output=True, text=True, timeout=600)
     failed = [l for l in res.stdout.splitlines() if l.startswith("FAIL")]
     assert res.returncode == 0 and not failed, "\n".join(failed[:40]) + "\n" + res.stdout[-2000:] + res.stderr[-2000:]
     assert "checks, 0 failed" in res.stdout.splitlines()[-1]
     banner = res.stdout.splitlines()[0]
-    assert all(word in banner for word in KERNEL_CHECK_BANNER[small_build[0]]), banner
+    assert "(FP8_LN_FWD_WARPS)" in banner and "(LN_FINAL_SIDE)" in banner, banner
 
 
 RUNS = {"fp8_" + heads: gpu_settings(heads) for heads in sorted(GPU_HEADS)}
@@ -72,15 +60,13 @@ def test_gpu_fp8small_gives_the_default_builds_bits(run, graphs, small_build, cu
                                                                 "eval.batches": 2})
     env = None if graphs else {"ANDREA_NO_GRAPH": "1"}
     got = {}
-    for name, binary in (("default", cuda_binary), ("candidates", small_build[1])):
+    for name, binary in (("default", cuda_binary), ("fp8small", small_build[0])):
         ckpt = tmp_path / f"{name}.ckpt"
         res = run_ok(binary, args + ["--checkpoint", ckpt], env=env)
         assert "backward: weight gradients on a side stream" in res.stderr, res.stderr[-2000:]
-        if name == "candidates":
-            assert all(word in res.stderr for word in ENGINE_BANNER[small_build[0]]), res.stderr[-2000:]
         hist = sidecar_history(ckpt) if RUNS[run]["train.precision"] == "fp8" else None
         got[name] = (eu.exact_records(res), ckpt.read_bytes(), hist)
-    assert len([k for k in got["candidates"][0] if k[0] == "train"]) == 8
-    assert got["candidates"][0] == got["default"][0], "the candidates' records differ from the default build's"
-    assert got["candidates"][1] == got["default"][1], "the candidates' checkpoint differs from the default build's"
-    assert got["candidates"][2] == got["default"][2], "the candidates' histories differ from the default build's"
+    assert len([k for k in got["fp8small"][0] if k[0] == "train"]) == 8
+    assert got["fp8small"][0] == got["default"][0], "the candidates' records differ from the default build's"
+    assert got["fp8small"][1] == got["default"][1], "the candidates' checkpoint differs from the default build's"
+    assert got["fp8small"][2] == got["default"][2], "the candidates' histories differ from the default build's"

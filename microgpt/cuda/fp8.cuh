@@ -1234,64 +1234,6 @@ static void fp8_transpose(fp8* out, const fp8* in, int R, int Cc) {
     launch_kernel(k_fp8_transpose, fp8_transpose_tiles(R, Cc), FP8_CAST_THREADS, out, in, R, Cc);
 }
 
-#ifndef FP8_TRANSPOSE_BESIDE
-#define FP8_TRANSPOSE_BESIDE 0
-#endif
-#if FP8_TRANSPOSE_BESIDE
-/* A candidate (docs/BENCHMARKS.md #99, the FP8 classifier's transpose beside dx): the transpose of
- * a chunk's dlogits codes on a stream of its own, forked from g_stream after the loss rows, so that
- * it runs beside dx's product (which reads only the row-major codes: a memory-bound pass beside a
- * compute-bound one); g_stream waits for it before dwte's product, the one reader of g_t. With
- * FP8_TRANSPOSE_BESIDE 1 the transpose is issued after dx's product (the product's blocks take the
- * multiprocessors first, the transpose's fill what its last, partial wave leaves: a product's
- * blocks hold a multiprocessor's registers, so the two share none), with 2 before it. The same
- * kernels on the same inputs: the same bits. Without the stream (fp8_transpose_beside_init not
- * called: kernel_check, evaluation) the transpose runs in line. */
-static struct {
-    cudaStream_t stream;
-    cudaEvent_t fork, done;
-} g_fp8_tp;
-
-static void fp8_transpose_beside_init(void) {
-    CUDA_CHECK(cudaStreamCreate(&g_fp8_tp.stream));
-    CUDA_CHECK(cudaEventCreateWithFlags(&g_fp8_tp.fork, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventCreateWithFlags(&g_fp8_tp.done, cudaEventDisableTiming));
-}
-
-static void fp8_transpose_beside_shutdown(void) {
-    if (!g_fp8_tp.stream) return;
-    CUDA_CHECK(cudaEventDestroy(g_fp8_tp.fork));
-    CUDA_CHECK(cudaEventDestroy(g_fp8_tp.done));
-    CUDA_CHECK(cudaStreamDestroy(g_fp8_tp.stream));
-    memset(&g_fp8_tp, 0, sizeof g_fp8_tp);
-}
-
-/* Marks the point in g_stream's work after which fp8_transpose_beside's transpose may run. */
-static void fp8_transpose_beside_fork(void) {
-    if (g_fp8_tp.stream) CUDA_CHECK(cudaEventRecord(g_fp8_tp.fork, g_stream));
-}
-
-/* fp8_transpose on the transpose's stream after the last fp8_transpose_beside_fork; returns at
- * once (fp8_transpose_beside_wait joins it). In line without the stream. */
-static void fp8_transpose_beside(fp8* out, const fp8* in, int R, int Cc) {
-    if (!g_fp8_tp.stream) {
-        fp8_transpose(out, in, R, Cc);
-        return;
-    }
-    CUDA_CHECK(cudaStreamWaitEvent(g_fp8_tp.stream, g_fp8_tp.fork, 0));
-    cudaStream_t main_stream = g_stream;
-    g_stream = g_fp8_tp.stream;
-    fp8_transpose(out, in, R, Cc);
-    g_stream = main_stream;
-    CUDA_CHECK(cudaEventRecord(g_fp8_tp.done, g_fp8_tp.stream));
-}
-
-/* g_stream waits for the last fp8_transpose_beside. */
-static void fp8_transpose_beside_wait(void) {
-    if (g_fp8_tp.stream) CUDA_CHECK(cudaStreamWaitEvent(g_stream, g_fp8_tp.done, 0));
-}
-#endif
-
 /* Evaluation: the chunk's row losses and lse; logits [n, Vp] is scratch. */
 template <typename T>
 static void loss_fwd_fp8(float* losses, float* lse, T* logits, const Fp8ClassifierOps& c, const int* targets, int n,
@@ -1309,24 +1251,12 @@ static void loss_fwd_bwd_fp8(float* losses, float* lse, T* dx, float* dwte, T* l
                              const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
     fp8_gemm<T>(n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
     loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreFp8{c.g, c.g_sc, Vp});
-#if FP8_TRANSPOSE_BESIDE
-    fp8_transpose_beside_fork();
-    if (FP8_TRANSPOSE_BESIDE == 2) fp8_transpose_beside(c.g_t, c.g, n, Vp);
-    fp8_gemm<T>(n, C, Vp, fp8_mat(c.g, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.wte_t, FP8_E4M3, c.wte.sc), dx, NULL, 0.0f);
-    if (FP8_TRANSPOSE_BESIDE != 2) fp8_transpose_beside(c.g_t, c.g, n, Vp);
-    fp8_transpose_beside_wait();
-    side_product(c.g_t, [&] {
-        fp8_gemm<float>(Vp, C, n, fp8_mat(c.g_t, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.x_t, FP8_E4M3, c.x.sc), dwte, NULL,
-                        grad_beta);
-    });
-#else
     fp8_transpose(c.g_t, c.g, n, Vp);
     side_product(c.g_t, [&] {
         fp8_gemm<float>(Vp, C, n, fp8_mat(c.g_t, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.x_t, FP8_E4M3, c.x.sc), dwte, NULL,
                         grad_beta);
     });
     fp8_gemm<T>(n, C, Vp, fp8_mat(c.g, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.wte_t, FP8_E4M3, c.wte.sc), dx, NULL, 0.0f);
-#endif
 }
 
 #endif

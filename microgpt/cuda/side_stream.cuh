@@ -42,39 +42,9 @@
 #include <functional>
 #endif
 
-/* A candidate (docs/BENCHMARKS.md #94): the main stream at the device's greatest priority and the
- * side stream at its least, kept by the captured graphs (each kernel node takes its stream's
- * priority at capture; GRAPH_INSTANTIATE_FLAGS makes the graph launch by them). Where a weight
- * gradient and the main stream's input-gradient product or producer are both ready, the block
- * scheduler dispatches the main stream's blocks first and the weight gradient's into what is left
- * (docs/DESIGN.md §9: side by side, two products that each want most multiprocessors do not share
- * them, so without priorities the weight gradient can delay the step's one chain by what it hides).
- * Only the order in which ready blocks start changes, not any kernel's arithmetic: the same bits. */
-#ifndef SIDE_STREAM_PRIORITY
-#define SIDE_STREAM_PRIORITY 0
-#endif
-#if SIDE_STREAM_PRIORITY
-#define GRAPH_INSTANTIATE_FLAGS cudaGraphInstantiateFlagUseNodePriority
-#else
-#define GRAPH_INSTANTIATE_FLAGS 0
-#endif
-
-/* A candidate (docs/BENCHMARKS.md #95), fp8 with the side stream: a buffer of the output
- * gradient's transposed codes (g8t) per product of a layer (QKV, W_O, W_1, W_2) instead of one, so
- * that each producer of a product's gradient codes waits for the weight gradient of the same
- * product of the layer above (a whole layer earlier) instead of the one forked just before it
- * (microgpt_cuda.cu's fp8_g8t). */
-#ifndef FP8_G8T_PER_PRODUCT
-#define FP8_G8T_PER_PRODUCT 0
-#endif
-
-/* buffers with a side-stream reader: dres, dh, dqkv, logits; fp8's g8t (with FP8_G8T_PER_PRODUCT
- * four) and the FP8 classifier's dl8t; with LN_FINAL_SIDE the LayerNorm backward's chunk partials */
-#if FP8_G8T_PER_PRODUCT
-#define SIDE_MAX_BUFFERS 11
-#else
+/* buffers with a side-stream reader: dres, dh, dqkv, logits; fp8's g8t and the FP8 classifier's
+ * dl8t; with LN_FINAL_SIDE the LayerNorm backward's chunk partials */
 #define SIDE_MAX_BUFFERS 8
-#endif
 
 /* One buffer the side stream reads and the main stream overwrites later. */
 struct SideRead {
@@ -112,29 +82,12 @@ static bool side_stream_pays(long long rows, int d_model, int sm_count) {
     return tiles < sm_count;
 }
 
-/* The main stream, g_stream (with SIDE_STREAM_PRIORITY at the device's greatest priority). */
-static void main_stream_create(void) {
-#if SIDE_STREAM_PRIORITY
-    int least, greatest;
-    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    CUDA_CHECK(cudaStreamCreateWithPriority(&g_stream, cudaStreamDefault, greatest));
-#else
-    CUDA_CHECK(cudaStreamCreate(&g_stream));
-#endif
-}
-
 /* The side stream, its cuBLAS handle (bound to it, with its own workspace of `bytes`, the main
  * one's size, and the main handle's math mode: call after cublas_init and gemm_set_tf32) and its
  * events. */
 static void side_stream_init(void* workspace, size_t bytes) {
     cublasMath_t math;
-#if SIDE_STREAM_PRIORITY
-    int least, greatest;
-    CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    CUDA_CHECK(cudaStreamCreateWithPriority(&g_side.stream, cudaStreamDefault, least));
-#else
     CUDA_CHECK(cudaStreamCreate(&g_side.stream));
-#endif
     CUBLAS_CHECK(cublasCreate(&g_side.cublas));
     CUBLAS_CHECK(cublasGetMathMode(g_cublas, &math));
     CUBLAS_CHECK(cublasSetMathMode(g_side.cublas, math));
@@ -178,18 +131,15 @@ static void side_swap(void) {
     g_side.stream = s, g_side.cublas = h, g_side.workspace = w;
 }
 
-/* Marks the point of g_stream that the next side_product_from_mark forks from: everything issued
- * so far. */
-static void side_mark_fork(void) {
-    if (g_side.stream) CUDA_CHECK(cudaEventRecord(g_side.fork, g_stream));
-}
-
-/* side_product forked from the last side_mark_fork, however much g_stream issued since. */
-template <typename Product> static void side_product_from_mark(const void* reads, Product product) {
+/* Runs `product` (the launches of one weight gradient) on the side stream after everything issued
+ * so far on g_stream; `reads`: the buffer it reads that the main stream overwrites later (the main
+ * stream calls side_wait(reads) first). */
+template <typename Product> static void side_product(const void* reads, Product product) {
     if (!g_side.stream) {
         product();
         return;
     }
+    CUDA_CHECK(cudaEventRecord(g_side.fork, g_stream));
     CUDA_CHECK(cudaStreamWaitEvent(g_side.stream, g_side.fork, 0));
     side_swap();
     product();
@@ -201,14 +151,6 @@ template <typename Product> static void side_product_from_mark(const void* reads
 #if LN_FINAL_SIDE
     side_issue_next();
 #endif
-}
-
-/* Runs `product` (the launches of one weight gradient) on the side stream after everything issued
- * so far on g_stream; `reads`: the buffer it reads that the main stream overwrites later (the main
- * stream calls side_wait(reads) first). */
-template <typename Product> static void side_product(const void* reads, Product product) {
-    side_mark_fork();
-    side_product_from_mark(reads, product);
 }
 
 #if LN_FINAL_SIDE
