@@ -43,6 +43,24 @@ def test_a_same_bits_other_than_0_or_1_is_refused_before_building(tmp_path):
     assert not (tmp_path / "made").exists() and not (tmp_path / "out").exists()
 
 
+def test_an_ab_shards_glob_that_matches_nothing_is_refused_before_building(tmp_path):
+    """AB_SHARDS naming no file (a typo, or data/ not made on the GPU machine) was found out only by
+    the timing runs, after every build and kernel_check (minutes of GPU time), each run failing on
+    its own. It is refused before anything is built; a glob that matches goes on (to the stand-in
+    make, which records its call and fails)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "make").write_text(f"#!/bin/bash\ntouch {tmp_path}/made\nexit 1\n")
+    (bin_dir / "make").chmod(0o755)
+    path = f"{bin_dir}:/usr/bin:/bin"
+    res = run(["x=-DX=1"], tmp_path, path=path, AB_SHARDS=str(tmp_path / "none" / "megachat_train_*.bin"))
+    assert res.returncode == 2 and res.stderr.startswith("error: AB_SHARDS matches no file"), res.stderr
+    assert not (tmp_path / "made").exists() and not (tmp_path / "out").exists()
+    (tmp_path / "megachat_train_000000.bin").write_bytes(b"")
+    res = run(["x=-DX=1"], tmp_path, path=path, AB_SHARDS=str(tmp_path / "megachat_train_*.bin"))
+    assert res.returncode == 1 and (tmp_path / "made").exists(), res.stdout + res.stderr
+
+
 def test_each_build_reaches_make_with_its_flags(tmp_path):
     """A stand-in make records its arguments (one file per call: the builds run in parallel) and fails:
     nothing is timed, and the table says so."""
