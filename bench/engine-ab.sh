@@ -15,9 +15,9 @@
 # and records and checkpoints equal to the default build's: ANDREA_CUDA_ENGINE, ANDREA_CUDA_BASELINE;
 # log $OUT/pytest-NAME.log), and losses that differ from the default's below count as a failure.
 # Then ANDREA-12M and ANDREA-120M, bf16 and fp8, AB_STEPS steps each (default 60; scripts/check-lib.sh's
-# timing_run and summarise) on random tokens, or on the shards of the glob AB_SHARDS (the benchmark's
-# text: a frequent token's embedding backward and the power a step draws depend on the tokens),
-# every build in turn, ROUNDS times (default 2): interleaved, so that a
+# timing_run and summarise) on random tokens, or on the shards of the glob AB_SHARDS, relative to the
+# repository root (the benchmark's text: a frequent token's embedding backward and the power a step
+# draws depend on the tokens), every build in turn, ROUNDS times (default 2): interleaved, so that a
 # drift of the GPU's clocks hits every build alike. Logs in $OUT/build-NAME.log,
 # $OUT/check-NAME.log, $OUT/timing.log; each run's median in $OUT/timing.json; at the end a table
 # (also in $OUT/summary.txt): per model and precision, each build's median ms/step in each round,
@@ -48,6 +48,12 @@ fi
 SAME_BITS=${SAME_BITS:-0}
 if [ "$SAME_BITS" != 0 ] && [ "$SAME_BITS" != 1 ]; then # a typo must not silently skip the bit tests
     echo "error: SAME_BITS must be 0 or 1, got '$SAME_BITS'" >&2
+    exit 2
+fi
+# the timing runs' shards, checked now rather than by every run after the builds (from the repository
+# root, where check_init runs them)
+if [ -n "${AB_SHARDS:-}" ] && ! (cd "$(dirname "$0")/.." && compgen -G "$AB_SHARDS" >/dev/null); then
+    echo "error: AB_SHARDS matches no file: '$AB_SHARDS' (a glob, relative to the repository root)" >&2
     exit 2
 fi
 
