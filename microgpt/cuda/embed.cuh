@@ -11,12 +11,12 @@
  * segment warp w sums the listed rows w, w + 8, ... and the eight warp sums are added in warp
  * order: a fixed summation order that does not make a frequent token (hundreds of positions in
  * real text: a space is a quarter of the benchmark's text) one long chain of dependent loads.
- * A short run (at most 8 positions: most tokens) is added by its start's warp alone in one pass
- * with every row's loads in flight; a longer one by whole blocks, split by columns so that the
- * blocks of one frequent token run side by side, each warp loading EMBED_ROWS_AHEAD rows before it
- * adds them. The same additions in the same order either way (docs/BENCHMARKS.md #93, #98, #100,
- * #101 measured each step of this against the one before, with the same bits). dwpe[t] has one
- * term per sequence, summed in b order.
+ * A short run (at most 8 positions, all in its first segment: most tokens) is added by its start's
+ * warp alone in one pass with every row's loads in flight; a longer one by whole blocks, split by
+ * columns so that the blocks of one frequent token run side by side, each warp loading
+ * EMBED_ROWS_AHEAD rows before it adds them. The same additions in the same order either way
+ * (docs/BENCHMARKS.md #93, #98, #100, #101 measured each step of this against the one before, with
+ * the same bits). dwpe[t] has one term per sequence, summed in b order.
  *
  * Kernels: k_embed_fwd; the backward (k_embed_bwd) is the sort (k_embed_sort_block, or
  * k_embed_positions and CUB's device-wide sort), k_embed_bwd_wte_runs and k_embed_bwd_wpe. The
@@ -31,7 +31,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #define EMBED_BWD_THREADS 256
-#define EMBED_LIST 2048 /* positions per segment of the backward's match list (a multiple of the block) */
+#define EMBED_LIST 2048 /* positions per segment of a token's run in the backward's summation order */
 #define EMBED_WARPS (EMBED_BWD_THREADS / 32)
 #define EMBED_LANE_COLS 8 /* columns per lane in the backward's sum: 256-column slabs */
 #define EMBED_SLAB (32 * EMBED_LANE_COLS)
@@ -46,9 +46,9 @@ __global__ void k_embed_fwd(T* out, const int* tokens, const float* wte, const f
     }
 }
 
-/* The listed rows a warp loads before it adds the first of them (#98): dout is in the L2, so a
- * warp's sum is a chain of L2 round trips, one a row (the list's entry, then the row) unless the
- * next rows are on their way. */
+/* The listed rows a warp loads before it adds the first of them (docs/BENCHMARKS.md #98): dout is
+ * in the L2, so a warp's sum is a chain of L2 round trips, one a row (the list's entry, then the
+ * row) unless the next rows are on their way. */
 #define EMBED_ROWS_AHEAD 8
 
 /* row[c] += sum of the n listed rows of dout [., C] at column c, for every column c_begin <= c <
@@ -121,8 +121,8 @@ __device__ int embed_count_segment(const int* sorted_tok, const int* sorted_pos,
     }
 }
 
-/* The work of the block at a run's start: sorted entry s, its token tok and first position i, for
- * columns c_begin .. c_end - 1 (whole block). */
+/* The work of a block at a run's start for one column group: sorted entry s, its token tok and
+ * first position i, columns c_begin .. c_end - 1 (whole block). */
 template <typename T>
 __device__ void embed_add_run(float* dwte, const T* dout, const int* sorted_tok, const int* sorted_pos, int N, int C,
                               int s, int tok, int i, int c_begin, int c_end) {
@@ -137,14 +137,14 @@ __device__ void embed_add_run(float* dwte, const T* dout, const int* sorted_tok,
 }
 
 /* The token rows' sums (docs/BENCHMARKS.md #100): one warp per sorted entry, 8 a block;
- * sorted_tok ascending, sorted_pos ascending within each token's run. A run of at most EMBED_WARPS positions, all in its first segment (every
- * token on uniform data, most on text), is added by its start's warp alone: per column the
- * additions a block makes of a longer run, in the same order (warp w's sum is 0 + the run's row w,
- * or 0 past the run; the row gets 0 + the eight in warp order), in one pass over the row
- * (EMBED_RUN_COLS columns a lane, every row's loads in flight together) with no barrier. Longer
- * runs (a frequent token's hundreds of rows on text) are split by columns: block (x, y) adds
- * columns y EMBED_RUN_GROUP .. (y + 1) EMBED_RUN_GROUP - 1 of the longer runs starting at its
- * entries, as embed_add_run does them (a column's additions never depend on
+ * sorted_tok ascending, sorted_pos ascending within each token's run. A run of at most EMBED_WARPS
+ * positions, all in its first segment (every token on uniform data, most on text), is added by its
+ * start's warp alone: per column the additions a block makes of a longer run, in the same order
+ * (warp w's sum is 0 + the run's row w, or 0 past the run; the row gets 0 + the eight in warp
+ * order), in one pass over the row (EMBED_RUN_COLS columns a lane, every row's loads in flight
+ * together) with no barrier. Longer runs (a frequent token's hundreds of rows on text) are split by
+ * columns: block (x, y) adds columns y EMBED_RUN_GROUP .. (y + 1) EMBED_RUN_GROUP - 1 of the longer
+ * runs starting at its entries, as embed_add_run does them (a column's additions never depend on
  * another's), so the C / EMBED_RUN_GROUP blocks of one such token run side by side. */
 #define EMBED_RUN_COLS 24   /* columns a lane in a short run's pass: 768 a warp */
 #define EMBED_RUN_GROUP 128 /* columns a block of a longer run adds */
@@ -195,11 +195,11 @@ k_embed_bwd_wte_runs(float* __restrict__ dwte, const T* __restrict__ dout, const
                           long_pos[w], c_begin, c_end);
 }
 
-/* The sort in one block (docs/BENCHMARKS.md #101): where the N tokens
- * fit one block's registers (EMBED_SORT_THREADS x EMBED_SORT_ITEMS), CUB's block radix sort of the
- * (token, position) pairs in one launch, positions made in the kernel (no k_embed_positions), in
- * place of the device-wide sort's several launches. Both sorts are stable and the positions are
- * distinct, so both give the one stable order: the same sorted arrays, the same dwte. */
+/* The sort in one block (docs/BENCHMARKS.md #101): where the N tokens fit one block's registers
+ * (EMBED_SORT_THREADS x EMBED_SORT_ITEMS), CUB's block radix sort of the (token, position) pairs in
+ * one launch, positions made in the kernel (no k_embed_positions), in place of the device-wide
+ * sort's several launches. Both sorts are stable and the positions are distinct, so both give the
+ * one stable order: the same sorted arrays, the same dwte. */
 #define EMBED_SORT_THREADS 1024
 #define EMBED_SORT_ITEMS 8
 
