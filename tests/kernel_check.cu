@@ -2131,8 +2131,8 @@ template <typename T> static void run_precision(void) {
             set_ctx(prec, range == 1 ? "embed one token" : "embed two tokens", shape_str(one).c_str());
             test_embed<T>(one, tol, range);
         }
-        /* rows wider than a short run's pass (EMBED_RUN_COLS columns a lane: 768, then 32 more, a
-         * partial warp) and of 7 column groups of a long run (128 columns, the last 32), ~6
+        /* rows wider than a short run's pass (EMBED_RUN_COLS columns a lane: 768, then a pass of
+         * one column a lane) and of 7 column groups of a long run (128 columns, the last 32), ~6
          * positions a token: short runs and longer ones side by side */
         Shape mixed = {2, 300, 800, 4, 8, 100, 128, 8};
         set_ctx(prec, "embed mixed runs", shape_str(mixed).c_str());
