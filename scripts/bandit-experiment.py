@@ -10,14 +10,15 @@ equal steps and tokens, through the proxy as a user runs them (docs/FIREHOSE-BAN
     python scripts/bandit-experiment.py --out DIR [--steps 6000] [--engine cuda] [--only SRC,SRC,...]
 
 The sources are the folders data/megachat/sources/SRC/ that `make data` writes (SRC_train_*.bin,
-SRC_val_*.bin); data.val is the mixed validation set. Model, optimiser and bandit settings and data.val
-come from experiments/ANDREA-12M-BANDIT.json (--experiment; checked against the engine's flags with
-those folders as its data.sources, which it may leave empty); sampling, the polish phase and periodic checkpoints are left
-out (they cost time and measure nothing here). For each run DIR/bandit-RUN.json holds the validation loss overall and
-per source at every evaluation, the bandit's p after every probe step, the share of micro-batches
-each source really got per window of steps, the median ms/step (a step's time includes its probes)
-and the training time (evaluations included); DIR/bandit-experiment.json
-holds all three and the final comparison. scripts/plot-bandit.py draws them.
+SRC_val_*.bin); data.val is the mixed validation set. Model, optimiser and bandit settings and
+data.val come from experiments/ANDREA-12M-BANDIT.json (--experiment; checked against the engine's
+flags with those folders as its data.sources, which it may leave empty); sampling, the polish phase
+and periodic checkpoints are left out (they cost time and measure nothing here). For each run
+DIR/bandit-RUN.json holds the validation loss overall and per source at every evaluation, the
+bandit's p after every probe step, the share of micro-batches each source really got per window of
+steps, the median ms/step (a step's time includes its probes) and the training time (evaluations
+included); DIR/bandit-experiment.json holds all three and the final comparison.
+scripts/plot-bandit.py draws them.
 """
 import glob
 import json
