@@ -181,6 +181,34 @@ def test_pull_counts_hostile_records_as_prep_does_and_goes_on(chitchat, tmp_path
         assert f"2 records read, 1 conversations written to {out}, 1 malformed (1 {reason})" in res.stderr, res.stderr
 
 
+def test_a_record_is_bounded_by_its_utf8_bytes_in_an_array_as_in_json_lines(monkeypatch, tmp_path):
+    """MAX_RECORD_BYTES bounds a record by its UTF-8 bytes: the JSON-lines reader (files.record_lines)
+    always did, the .json array reader counted characters, so a record of multi-byte characters
+    up to four times the limit was read whole. Both readers now keep and refuse the same records:
+    one of fewer characters than the limit but as many bytes or more is refused, one a byte under
+    is kept (here with the limit made 64 bytes)."""
+    from microgpt import files
+    pull = load_script("pull-hermes3")
+    limit = 64
+    monkeypatch.setattr(files, "MAX_RECORD_BYTES", limit)
+    monkeypatch.setattr(pull, "MAX_RECORD_BYTES", limit)
+    kept = ['"' + "x" * (limit - 3) + '"', '"' + "é" * (limit // 2 - 2) + "x" + '"']  # limit-1 bytes each
+    refused = '"' + "é" * (limit // 2 - 1) + '"'  # limit bytes, 33 characters
+    assert [len(r.encode()) for r in kept + [refused]] == [limit - 1, limit - 1, limit] and len(refused) < limit
+    lines = tmp_path / "records.jsonl"
+    lines.write_text("".join(r + "\n" for r in [kept[0], refused, kept[1]]))
+    with open(lines, "rb") as f:
+        assert [line is not None for line, _ in files.record_lines(f)] == [True, False, True]
+    array = tmp_path / "records.json"
+    array.write_text("[" + ", ".join([kept[0], refused, kept[1]]) + "]")
+    for block in (7, 1 << 20):  # the record read on past block ends, and held whole in one block
+        records = list(pull.iter_json_array(array, block=block))
+        assert records[0] == json.loads(kept[0]), block
+        assert isinstance(records[1], ValueError) and str(records[1]) == files.RECORD_TOO_LONG, (block, records)
+        assert records[2:] in ([], [json.loads(kept[1])]), (block, records)
+    assert list(pull.iter_json_array(array))[2] == json.loads(kept[1])  # known where it ends: read on
+
+
 def test_prep_counts_malformed_records_and_goes_on(with_bad_records, tmp_path):
     res = prep(tmp_path / "out", "--chat", with_bad_records, extra=("--min-shard-tokens", 100, "--val-permille", 200))
     manifest = json.loads((tmp_path / "out" / "megachat.manifest.json").read_text())
