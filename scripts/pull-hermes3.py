@@ -76,11 +76,18 @@ def iter_local_file(path):
         raise PullError(f"{path}: unknown extension {ext!r} (expected .json, .jsonl or .parquet)")
 
 
+def utf8_bytes(text):
+    """The bytes text took in its file (read as UTF-8 with errors="surrogateescape")."""
+    return len(text.encode("utf-8", "surrogateescape"))
+
+
 def iter_json_array(path, block=1 << 20):
     """The elements of a JSON array file, one at a time, holding one element plus one block of text
-    in memory (a .json download of a whole data set can be gigabytes). An element that does not
-    parse, or names a key twice in one object, yields a ValueError and the rest of the file is not
-    read (its structure is lost)."""
+    in memory (a .json download of a whole data set can be gigabytes). An element of
+    MAX_RECORD_BYTES UTF-8 bytes or more yields a ValueError(RECORD_TOO_LONG), as such a line does
+    in a JSON-lines file (files.record_lines). An element that does not parse, names a key twice in
+    one object, or is too long to have been read whole, yields a ValueError and the rest of the file
+    is not read (its structure is lost)."""
     decoder = json.JSONDecoder(object_pairs_hook=unique_keys)
     with open(path, encoding="utf-8", errors="surrogateescape") as f:
         buf, pos, started = "", 0, False
@@ -104,16 +111,24 @@ def iter_json_array(path, block=1 << 20):
                 return
             else:
                 try:
-                    element, pos = decoder.raw_decode(buf, pos)
+                    element, end = decoder.raw_decode(buf, pos)
                 except (ValueError, RecursionError) as e:
-                    # A JSONDecodeError may be the block end cutting the element: read on, up to
-                    # MAX_RECORD_BYTES characters. No other fault (a key twice, the digits limit of
+                    # A JSONDecodeError may be the block end cutting the element: read on while it
+                    # is under MAX_RECORD_BYTES. No other fault (a key twice, the digits limit of
                     # int(), nesting) is a block end's doing.
-                    if isinstance(e, json.JSONDecodeError) and len(buf) - pos <= MAX_RECORD_BYTES and refill():
+                    if not isinstance(e, json.JSONDecodeError):
+                        yield ValueError(json_fault(e))
+                    elif utf8_bytes(buf[pos:]) >= MAX_RECORD_BYTES:
+                        yield ValueError(RECORD_TOO_LONG)
+                    elif refill():
                         continue
-                    yield ValueError(json_fault(e))
+                    else:
+                        yield ValueError(json_fault(e))
                     return
-                yield element
+                # a character is at most 4 bytes: a shorter element needs no encoding to be counted
+                too_long = 4 * (end - pos) >= MAX_RECORD_BYTES and utf8_bytes(buf[pos:end]) >= MAX_RECORD_BYTES
+                pos = end
+                yield ValueError(RECORD_TOO_LONG) if too_long else element
 
 
 def iter_hub(skip, timeout):
