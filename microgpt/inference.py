@@ -29,22 +29,26 @@ class InferenceError(RuntimeError):
 
 def resolve_checkpoint(path):
     """A checkpoint file as given, or a run directory's checkpoint (runs/<name>/<name>.ckpt, named
-    after the directory as the proxy names it). Raises InferenceError when there is none, or when
-    it is no regular file (a FIFO: the engine would refuse it too)."""
-    ckpt = path
+    after the directory as the proxy names it). Raises InferenceError when there is none, when it
+    is no regular file (a FIFO: the engine would refuse it too), or when it cannot be read (its
+    mode, or its directory's: said so, where the sidecar or the engine would say less)."""
+    ckpt, files = path, None
     if os.path.isdir(path):
         files = RunFiles(path, os.path.basename(os.path.normpath(os.path.abspath(path))))
         ckpt = files.ckpt
-        if not os.path.lexists(ckpt):
-            raise InferenceError(f"{path} is a directory without a checkpoint {files.name}.ckpt; give a run "
-                                 "directory (runs/<name>/) or a checkpoint file")
     try:
         mode = os.stat(ckpt).st_mode
-    except OSError:
+        if not stat.S_ISREG(mode):
+            raise InferenceError(f"{ckpt}: {file_kind(mode)}, not a regular file")
+        with open(ckpt, "rb"):
+            return ckpt
+    except (FileNotFoundError, NotADirectoryError):
+        if files and not os.path.islink(ckpt):  # a link to nothing is a checkpoint file that is missing
+            raise InferenceError(f"{path} is a directory without a checkpoint {files.name}.ckpt; give a run "
+                                 "directory (runs/<name>/) or a checkpoint file") from None
         raise InferenceError(f"{ckpt}: no such checkpoint file or run directory") from None
-    if not stat.S_ISREG(mode):
-        raise InferenceError(f"{ckpt}: {file_kind(mode)}, not a regular file")
-    return ckpt
+    except OSError as e:
+        raise InferenceError(f"cannot read checkpoint {ckpt}: {e.strerror or e}") from None
 
 
 def read_model_shape(ckpt):

@@ -118,7 +118,7 @@ def run_denied(how, locked, tool, *args):
 
 
 @pytest.mark.parametrize("tool", ["microgpt/chat.py", "microgpt/evaluate.py", "scripts/export-hf.py"])
-@pytest.mark.parametrize("how,given", [("file", "ckpt"), ("file", "run_dir"), ("dir", "ckpt")])
+@pytest.mark.parametrize("how,given", [("file", "ckpt"), ("file", "run_dir"), ("dir", "ckpt"), ("dir", "run_dir")])
 def test_a_checkpoint_that_cannot_be_read_is_named_so(tool, how, given, cpu_binary, tmp_path):
     """A checkpoint the user may not read (or whose directory they may not search) was reported as
     "no such checkpoint file or run directory": it is there. Each tool that loads a model now says
