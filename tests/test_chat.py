@@ -116,6 +116,27 @@ def test_one_shot_json_is_the_reference_greedy_reply(random_model, cpu_binary):
     assert answer["ms"] > 0
 
 
+def test_closed_standard_input_is_one_error_and_prompt_needs_none(random_model, cpu_binary):
+    """With file descriptor 0 closed (not /dev/null: Python then has no sys.stdin at all) the chat
+    ended in an AttributeError traceback. It is one error line naming --prompt, exit 2; --prompt,
+    which reads no input, answers as it does with one."""
+    run_dir, cfg, flat = random_model
+    args = [sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--temperature", "0",
+            "--max-tokens", str(MAX_TOKENS)]
+
+    def closed_stdin(*extra):
+        return subprocess.run([*args, *extra], preexec_fn=lambda: os.close(0), capture_output=True, text=True,
+                              timeout=300, env=eu.python_env())
+
+    res = closed_stdin()
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.startswith("error: ") and len(res.stderr.splitlines()) == 1 and "--prompt" in res.stderr, \
+        res.stderr
+    res = closed_stdin("--prompt", "Hi there! How are you?", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["tokens"] == reference_greedy(cfg, flat, PROMPT, MAX_TOKENS, STOPS)
+
+
 def test_reply_stops_at_im_end(stopping_model, cpu_binary):
     run_dir, cfg, flat = stopping_model
     expected = reference_greedy(cfg, flat, PROMPT, MAX_TOKENS, STOPS)
