@@ -237,6 +237,10 @@ def parse_args(argv):
 
 def main(argv):
     args = parse_args(argv)
+    if args.prompt is None and sys.stdin is None:  # file descriptor 0 closed: no turns to read
+        print("error: no standard input (file descriptor 0 is closed); give the message with --prompt",
+              file=sys.stderr)
+        return 2
     gen = None
     try:
         ckpt = resolve_checkpoint(args.model)
