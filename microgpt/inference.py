@@ -10,13 +10,12 @@ protocol itself in §16). chat.py, evaluate.py, export-hf.py and the export chec
 import collections
 import json
 import os
-import stat
 import subprocess
 import threading
 
 from microgpt.checkpoint import CheckpointError, read_checkpoint, read_sidecar, split_params
 from microgpt.engines import ENGINE_TEXT, ENGINES, EngineChoiceError, EngineQueryError, param_layout, select_engine
-from microgpt.files import file_kind
+from microgpt.files import NotRegularFile, open_regular
 from microgpt.run_dir import RunFiles
 
 STDERR_TAIL_LINES = 20  # the engine's last messages, shown when it fails
@@ -37,11 +36,10 @@ def resolve_checkpoint(path):
         files = RunFiles(path, os.path.basename(os.path.normpath(os.path.abspath(path))))
         ckpt = files.ckpt
     try:
-        mode = os.stat(ckpt).st_mode
-        if not stat.S_ISREG(mode):
-            raise InferenceError(f"{ckpt}: {file_kind(mode)}, not a regular file")
-        with open(ckpt, "rb"):
-            return ckpt
+        os.close(open_regular(ckpt))
+        return ckpt
+    except NotRegularFile as e:
+        raise InferenceError(f"{ckpt}: {e.strerror}") from None
     except (FileNotFoundError, NotADirectoryError):
         if files and not os.path.islink(ckpt):  # a link to nothing is a checkpoint file that is missing
             raise InferenceError(f"{path} is a directory without a checkpoint {files.name}.ckpt; give a run "
