@@ -211,6 +211,58 @@ def test_rank_environment_errors(cpu_binary, shards, tmp_path):
     assert bad.returncode == 2 and "error: RANK 2 is not below WORLD_SIZE 2" in bad.stderr
 
 
+def test_rank_0_alone_names_the_rank_it_waits_for(cpu_binary, shards, tmp_path):
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "ANDREA_DIST_TIMEOUT_S": "1"}
+    alone = subprocess.run([str(cpu_binary)] + args(shards, tmp_path / "a.ckpt", steps=1), capture_output=True,
+                           text=True, timeout=30, env=env)
+    assert alone.returncode == 1 and "error: rank 0: lost rank 1 (no answer within" in alone.stderr
+    for port in ("0", "70000"):
+        bad = subprocess.run([str(cpu_binary)] + args(shards, tmp_path / "a.ckpt", steps=1), capture_output=True,
+                             text=True, timeout=30, env={**env, "MASTER_PORT": port})
+        assert bad.returncode == 2 and f"error: MASTER_PORT={port} is not a TCP port" in bad.stderr
+
+
+def test_a_rank_refuses_a_master_that_is_not_rank_0(cpu_binary, shards, tmp_path):
+    """Something else listening on MASTER_PORT (here a web server's answer): its bytes are no
+    signal flags, the rank must not take them for a stop and exit 0."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(server.getsockname()[1]), "ANDREA_DIST_TIMEOUT_S": "5"}
+        rank1 = subprocess.Popen([str(cpu_binary)] + args(shards, tmp_path / "w.ckpt", steps=1), env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n" * 8)
+            _, err = rank1.communicate(timeout=30)
+    assert rank1.returncode == 2 and "error: rank 1: MASTER_ADDR:MASTER_PORT" in err and "is not rank 0" in err
+    assert not (tmp_path / "w.ckpt").exists()
+
+
+def test_ranks_started_with_other_flags_are_refused(cpu_binary, shards, tmp_path):
+    """Rank 1 with another model: rank 0 would read its gradients as its own (a wrong step, then
+    garbage read as signal flags) and write that checkpoint. Both refuse instead, writing nothing."""
+    ckpt = tmp_path / "o.ckpt"
+    port = str(free_port())
+    argv = [args(shards, ckpt, steps=3), args(shards, ckpt, steps=3, model_d_model=128)]
+    procs = [subprocess.Popen([str(cpu_binary)] + argv[r], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": str(r),
+                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                              "ANDREA_DIST_TIMEOUT_S": "10"})
+             for r in range(2)]
+    try:
+        errs = [p.communicate(timeout=60)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert "error: rank 0: rank 1 was started with other flags than rank 0" in errs[0]
+    assert "error: rank 1: rank 0 was started with other flags than rank 1" in errs[1]
+    assert not ckpt.exists()
+
+
 # --------------------------------------------------------------------------------------------------
 # the proxy's --ranks
 
