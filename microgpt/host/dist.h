@@ -11,6 +11,7 @@
 #ifndef MICROGPT_HOST_DIST_H
 #define MICROGPT_HOST_DIST_H
 
+#include "crc32c.h"
 #include "output.h"
 #include <arpa/inet.h>
 #include <errno.h>
@@ -25,18 +26,24 @@
 #include <time.h>
 #include <unistd.h>
 
-#define DIST_MAGIC 0x414e4452u /* "ANDR": a connection from something else is refused */
+#define DIST_MAGIC 0x414e4452u /* "ANDR": a connection from or to something else is refused */
 #define DIST_DEFAULT_TIMEOUT_S 600.0
 
 typedef struct {
     int rank, world, local_rank;
     double timeout_s; /* longest wait for a peer (ANDREA_DIST_TIMEOUT_S) */
+    uint32_t argv_crc; /* CRC-32C of the command line: every rank must be started with the same one */
     int* fds;         /* rank 0: fds[r] is rank r's socket (fds[0] unused); others: fds[0] is rank 0's */
     char* scratch;    /* rank 0's receive buffer for reductions, grown once */
     size_t scratch_bytes;
 } Dist;
 
-static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, NULL, NULL, 0};
+static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, 0, NULL, NULL, 0};
+
+/* What each side of a connection says first (rank 0 answers with its own): a peer of another run,
+ * one started with other flags, or another program on the port is refused before any of its bytes
+ * is taken for a gradient or a signal flag. */
+typedef struct { uint32_t magic, rank, world, argv_crc; } DistHello;
 
 /* A part of [0, n) for each rank: rank r takes [r·stride, (r+1)·stride) clipped to n, where the
  * stride is a whole number of units (dist_stride), the same for every rank as NCCL's reduce-scatter
@@ -133,8 +140,9 @@ static struct sockaddr_in dist_master_address(void) {
     struct addrinfo hints, *res = NULL;
     struct sockaddr_in a;
     int rc;
-    if (!host || !*host || port <= 0 || port > 65535)
+    if (!host || !*host || port < 0)
         die_input("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT (rank 0's address and a free TCP port)");
+    if (port == 0 || port > 65535) die_input("MASTER_PORT=%s is not a TCP port (1 to 65535)", getenv("MASTER_PORT"));
     memset(&hints, 0, sizeof hints);
     hints.ai_family = AF_INET;
     hints.ai_socktype = SOCK_STREAM;
@@ -151,27 +159,42 @@ static void dist_set_socket_options(int fd) {
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* small control messages: no Nagle */
 }
 
-/* Rank 0: accept the world-1 others, each announcing (magic, rank, world). */
+static DistHello dist_hello(void) {
+    DistHello h;
+    h.magic = DIST_MAGIC;
+    h.rank = (uint32_t)g_dist.rank;
+    h.world = (uint32_t)g_dist.world;
+    h.argv_crc = g_dist.argv_crc;
+    return h;
+}
+
+/* Rank 0: accept the world-1 others, each announcing its DistHello (and hearing rank 0's first). */
 static void dist_accept_all(struct sockaddr_in a) {
+    DistHello mine = dist_hello();
     int one = 1, n = 0, lfd = socket(AF_INET, SOCK_STREAM, 0);
     if (lfd < 0) die_io("rank 0: socket: %s", strerror(errno));
     setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (bind(lfd, (struct sockaddr*)&a, sizeof a) != 0 || listen(lfd, g_dist.world) != 0)
         die_io("rank 0: cannot listen on MASTER_ADDR:MASTER_PORT (port %d): %s", ntohs(a.sin_port), strerror(errno));
     while (n < g_dist.world - 1) {
-        uint32_t hello[3];
-        int fd;
-        dist_wait(lfd, POLLIN, -1);
+        DistHello h;
+        int fd, missing = 1;
+        while (g_dist.fds[missing] >= 0) missing++;
+        dist_wait(lfd, POLLIN, missing);
         fd = accept(lfd, NULL, NULL);
         if (fd < 0) continue;
         dist_set_socket_options(fd);
-        g_dist.fds[0] = fd; /* dist_recv's socket for peer 0 until the rank is known */
-        dist_recv(0, hello, sizeof hello);
-        if (hello[0] != DIST_MAGIC || (int)hello[2] != g_dist.world || hello[1] == 0 || (int)hello[1] >= g_dist.world ||
-            g_dist.fds[hello[1]] >= 0)
-            die_input("rank 0: a connection announced rank %u of world %u (expected a new rank of %d)", hello[1],
-                      hello[2], g_dist.world);
-        g_dist.fds[hello[1]] = fd;
+        g_dist.fds[0] = fd; /* dist_send's and dist_recv's socket for peer 0 until the rank is known */
+        dist_send(0, &mine, sizeof mine);
+        dist_recv(0, &h, sizeof h);
+        if (h.magic != DIST_MAGIC || (int)h.world != g_dist.world || h.rank == 0 || (int)h.rank >= g_dist.world ||
+            g_dist.fds[h.rank] >= 0)
+            die_input("rank 0: a connection announced rank %u of world %u (expected a new rank of %d)", h.rank,
+                      h.world, g_dist.world);
+        if (h.argv_crc != mine.argv_crc)
+            die_input("rank 0: rank %u was started with other flags than rank 0 (every rank needs the same command line)",
+                      h.rank);
+        g_dist.fds[h.rank] = fd;
         n++;
     }
     g_dist.fds[0] = -1;
@@ -181,7 +204,7 @@ static void dist_accept_all(struct sockaddr_in a) {
 /* Rank r > 0: connect to rank 0, retrying until the timeout (rank 0 may start later). */
 static void dist_connect(struct sockaddr_in a) {
     double deadline = dist_now_s() + g_dist.timeout_s;
-    uint32_t hello[3];
+    DistHello mine = dist_hello(), h;
     for (;;) {
         int fd = socket(AF_INET, SOCK_STREAM, 0);
         if (fd < 0) die_io("rank %d: socket: %s", g_dist.rank, strerror(errno));
@@ -197,12 +220,21 @@ static void dist_connect(struct sockaddr_in a) {
             nanosleep(&pause, NULL);
         }
     }
-    hello[0] = DIST_MAGIC; hello[1] = (uint32_t)g_dist.rank; hello[2] = (uint32_t)g_dist.world;
-    dist_send(0, hello, sizeof hello);
+    dist_send(0, &mine, sizeof mine);
+    dist_recv(0, &h, sizeof h);
+    if (h.magic != DIST_MAGIC || h.rank != 0)
+        die_input("rank %d: MASTER_ADDR:MASTER_PORT (port %d) answers, but is not rank 0 of a run (another program on "
+                  "that port?)", g_dist.rank, ntohs(a.sin_port));
+    if ((int)h.world != g_dist.world)
+        die_input("rank %d: rank 0 has WORLD_SIZE %u, this rank %d", g_dist.rank, h.world, g_dist.world);
+    if (h.argv_crc != mine.argv_crc)
+        die_input("rank %d: rank 0 was started with other flags than rank %d (every rank needs the same command line)",
+                  g_dist.rank, g_dist.rank);
 }
 
-/* Reads the environment; with WORLD_SIZE > 1 connects every rank to rank 0. */
-static void dist_init(void) {
+/* Reads the environment; with WORLD_SIZE > 1 connects every rank to rank 0, each started with
+ * this command line (argv[1..], checked through its CRC). */
+static void dist_init(int argc, char** argv) {
     const char* t = getenv("ANDREA_DIST_TIMEOUT_S");
     int r;
     g_dist.world = env_int("WORLD_SIZE", 1);
@@ -215,6 +247,7 @@ static void dist_init(void) {
         if (!(g_dist.timeout_s > 0)) die_input("ANDREA_DIST_TIMEOUT_S=%s is not a positive number of seconds", t);
     }
     if (g_dist.world == 1) return;
+    for (r = 1; r < argc; r++) g_dist.argv_crc = crc32c_update(g_dist.argv_crc, argv[r], strlen(argv[r]) + 1);
     g_dist.fds = (int*)xmalloc((size_t)g_dist.world * sizeof(int), "rank sockets");
     for (r = 0; r < g_dist.world; r++) g_dist.fds[r] = -1;
     if (g_dist.rank == 0) dist_accept_all(dist_master_address());

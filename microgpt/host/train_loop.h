@@ -439,8 +439,8 @@ static int stop_before_first_step(Run* r, int engine_started) {
 }
 
 /* dist (§17): connect the ranks; only rank 0's events reach stdout. */
-static void dist_start(const Run* r) {
-    dist_init();
+static void dist_start(const Run* r, int argc, char** argv) {
+    dist_init(argc, argv);
     if (g_dist.world == 1) return;
     if (r->cfg.dump_grads[0]) die_input("--dump-grads is one process: unset WORLD_SIZE");
     if (g_dist.rank != 0 && !freopen("/dev/null", "w", stdout)) die_io("rank %d: cannot silence stdout", g_dist.rank);
@@ -463,7 +463,7 @@ static int train_main(int argc, char** argv) {
 
     signals_install();
     run_validate_inputs(r, argc, argv);
-    dist_start(r); /* dist (§17): no-op unless WORLD_SIZE > 1 */
+    dist_start(r, argc, argv); /* dist (§17): no-op unless WORLD_SIZE > 1 */
     if (r->start_step >= r->cfg.train.steps && !r->cfg.dump_grads[0]) {
         emit_start(r);
         info("checkpoint %s is at step %d of %d: the run is already finished", r->cfg.checkpoint.path, r->start_step,
