@@ -292,6 +292,17 @@ def test_proxy_marks_the_run_crashed_when_a_rank_dies(cpu_binary, tmp_path):
     assert state["status"] == "crashed" and "lost rank 1" in state["message"]
 
 
+def test_proxy_with_one_rank_ignores_the_rank_variables_it_inherits(cpu_binary, tmp_path, monkeypatch):
+    """WORLD_SIZE left in the shell (a manual 2-rank test, a job allocation): the proxy starts its
+    ranks itself (--ranks, default 1), so its one engine must not wait for a rank 1 nobody starts."""
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port()), "ANDREA_DIST_TIMEOUT_S": "5"}.items():
+        monkeypatch.setenv(key, value)
+    d = ProxyFixtureDir(tmp_path)
+    p, rc = run_to_end(d.config(steps=12), d.run_dir, cpu_binary, "--no-server", timeout=60)
+    assert rc == 0 and d.state()["status"] == "finished", p.describe()
+
+
 # --------------------------------------------------------------------------------------------------
 # GPUs (NCCL): marked gpu, skipped unless two GPUs and build/microgpt_cuda (scripts/multi-gpu-check.sh)
 
@@ -369,7 +380,10 @@ def test_rank_environments_of_the_proxy(monkeypatch):
     from microgpt.supervisor import rank_environments
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
-    assert rank_environments(1, "build/microgpt_cuda") == [None]  # one rank: the environment as it is
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("ANDREA_DIST_TIMEOUT_S", "9")
+    one = rank_environments(1, "build/microgpt_cuda")  # one rank: the environment less the rank variables
+    assert len(one) == 1 and "WORLD_SIZE" not in one[0] and one[0]["ANDREA_DIST_TIMEOUT_S"] == "9"
     envs = rank_environments(4, "build/microgpt_cuda")
     assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [(str(r), str(r), "4") for r in range(4)]
     assert len({e["MASTER_PORT"] for e in envs}) == 1 and envs[0]["MASTER_ADDR"] == "127.0.0.1"
