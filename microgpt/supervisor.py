@@ -31,6 +31,7 @@ POLL_SECONDS = LossBuffer.FLUSH_SECONDS  # the main loop wakes at least this oft
 ENGINE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}  # the ones the proxy forwards
 PEER_GRACE_SECONDS = 30  # after rank 0 ends, how long the other ranks get to end by themselves
 # NVLink multicast stays off in every process of a multi-GPU run (NCCL, PyTorch, NVSHMEM)
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun's names
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -343,13 +344,15 @@ def _tee_stderr(stream, tail, prefix=""):
 def rank_environments(ranks, engine_path):
     """The environment of each rank (docs/DESIGN.md §17): torchrun's variables, rank 0 listening
     on a free local port, NVLink multicast off, and the CPU engine's OpenMP threads split between
-    the ranks. One rank: the proxy's own environment, untouched."""
+    the ranks. One rank: the proxy's own environment without torchrun's variables (the proxy
+    starts the ranks, so one left in its shell must not make the engine wait for others)."""
+    inherited = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     if ranks == 1:
-        return [None]
+        return [inherited]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    common = {**os.environ, "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    common = {**inherited, "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     for key, value in NO_MULTICAST.items():
         common.setdefault(key, value)
     if "cuda" not in os.path.basename(engine_path) and "OMP_NUM_THREADS" not in os.environ:
