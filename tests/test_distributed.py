@@ -53,12 +53,13 @@ def free_port():
 
 
 class Ranks:
-    """N engine processes of one run, as a launcher starts them."""
+    """N engine processes of one run, as a launcher starts them (ranks 0..started-1 of them: the
+    others never come)."""
 
-    def __init__(self, binary, argv, n, extra_env=None):
+    def __init__(self, binary, argv, n, extra_env=None, started=None):
         port = str(free_port())
         self.procs = []
-        for r in range(n):
+        for r in range(n if started is None else started):
             env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(n), "RANK": str(r),
                    "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(extra_env or {})}
             self.procs.append(subprocess.Popen([str(binary)] + argv, env=env, stdout=subprocess.PIPE,
@@ -221,6 +222,34 @@ def test_rank_0_alone_names_the_rank_it_waits_for(cpu_binary, shards, tmp_path):
         bad = subprocess.run([str(cpu_binary)] + args(shards, tmp_path / "a.ckpt", steps=1), capture_output=True,
                              text=True, timeout=30, env={**env, "MASTER_PORT": port})
         assert bad.returncode == 2 and f"error: MASTER_PORT={port} is not a TCP port" in bad.stderr
+
+
+def test_a_stop_signal_while_the_ranks_connect_ends_every_rank(cpu_binary, shards, tmp_path):
+    """Rank 2 never starts (it crashed at launch): rank 0 waits for it, rank 1 waits for rank 0.
+    A stop signal (the proxy forwards Ctrl-C to all) ends them now, not after ANDREA_DIST_TIMEOUT_S:
+    exit 0, the signal's exit event, nothing saved (nothing was trained)."""
+    ckpt = tmp_path / "c.ckpt"
+    ranks = Ranks(cpu_binary, args(shards, ckpt, steps=3), 3, started=2)
+    assert "rank 1 of 3" in ranks.procs[1].stderr.readline()  # rank 1 is connected
+    for p in ranks.procs:
+        p.send_signal(signal.SIGTERM)
+    try:
+        outs = [p.communicate(timeout=20) for p in ranks.procs]
+    finally:
+        for p in ranks.procs:
+            p.kill()
+    assert [p.returncode for p in ranks.procs] == [0, 0], [e for _, e in outs]
+    assert parse_stdout(outs[0][0])[1][-1] == {"event": "exit", "step": 0, "reason": "signal"}
+    assert not ckpt.exists()
+    alone = subprocess.Popen([str(cpu_binary)] + args(shards, ckpt, steps=3), stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": str(free_port())}, stdout=subprocess.DEVNULL)
+    time.sleep(0.5)  # connecting, again and again, to a rank 0 that is not there
+    alone.send_signal(signal.SIGTERM)
+    try:
+        assert alone.wait(timeout=20) == 0, alone.stderr.read()
+    finally:
+        alone.kill()
 
 
 def test_a_rank_refuses_a_master_that_is_not_rank_0(cpu_binary, shards, tmp_path):
