@@ -6,13 +6,15 @@
  * connects. Collectives go through rank 0 in rank order, so every sum has one fixed order. The CPU
  * engine sends its gradients through it; the CUDA engine only its NCCL id and scalars (the
  * gradients travel through NCCL). Every wait has a timeout; a peer that exits closes its socket and
- * the waiting rank stops at once with one error line naming it.
+ * the waiting rank stops at once with one error line naming it. Until the first step a stop signal
+ * ends the ranks without training (a rank that never comes must not hold them up until the timeout).
  * Compiles as C99 and as C++ (nvcc). */
 #ifndef MICROGPT_HOST_DIST_H
 #define MICROGPT_HOST_DIST_H
 
 #include "crc32c.h"
 #include "output.h"
+#include "signals.h"
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netdb.h>
@@ -33,12 +35,13 @@ typedef struct {
     int rank, world, local_rank;
     double timeout_s; /* longest wait for a peer (ANDREA_DIST_TIMEOUT_S) */
     uint32_t argv_crc; /* CRC-32C of the command line: every rank must be started with the same one */
+    int starting;      /* until the first step: a stop signal then ends the ranks, nothing to save */
     int* fds;         /* rank 0: fds[r] is rank r's socket (fds[0] unused); others: fds[0] is rank 0's */
     char* scratch;    /* rank 0's receive buffer for reductions, grown once */
     size_t scratch_bytes;
 } Dist;
 
-static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, 0, NULL, NULL, 0};
+static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, 0, 1, NULL, NULL, 0};
 
 /* What each side of a connection says first (rank 0 answers with its own): a peer of another run,
  * one started with other flags, or another program on the port is refused before any of its bytes
@@ -84,16 +87,22 @@ static double dist_now_s(void) {
 }
 
 static void dist_lost(int peer, const char* what) {
+    if (g_dist.starting && g_stop_signal && g_dist.rank != 0) { /* rank 0 left on the same signal */
+        info("rank %d: stopped by signal %d before the first step: nothing to save", g_dist.rank, (int)g_stop_signal);
+        exit(0);
+    }
     die_io("rank %d: lost rank %d (%s); the run stops (the last checkpoint is kept)", g_dist.rank, peer, what);
 }
 
-/* Waits until fd is ready for `events`, at most the timeout; a dead or silent peer ends the run. */
-static void dist_wait(int fd, short events, int peer) {
+/* Waits until fd is ready for `events`, at most the timeout; a dead or silent peer ends the run.
+ * `stoppable`: a stop signal ends the wait too; returns 1 then, else 0. */
+static int dist_wait(int fd, short events, int peer, int stoppable) {
     double deadline = dist_now_s() + g_dist.timeout_s;
     for (;;) {
         struct pollfd p;
         double left = deadline - dist_now_s();
         int rc;
+        if (stoppable && g_stop_signal) return 1;
         if (left <= 0) dist_lost(peer, "no answer within ANDREA_DIST_TIMEOUT_S");
         p.fd = fd; p.events = events; p.revents = 0;
         rc = poll(&p, 1, left > 1000.0 ? 1000000 : (int)(left * 1000.0) + 1);
@@ -101,7 +110,7 @@ static void dist_wait(int fd, short events, int peer) {
         if (rc < 0) dist_lost(peer, strerror(errno));
         if (rc > 0) {
             if (p.revents & (POLLERR | POLLNVAL)) dist_lost(peer, "it exited or its connection broke");
-            return; /* readable, writable, or hung up (then recv reads 0: "it exited") */
+            return 0; /* readable, writable, or hung up (then recv reads 0: "it exited") */
         }
     }
 }
@@ -111,7 +120,7 @@ static void dist_send(int peer, const void* buf, size_t bytes) {
     const char* p = (const char*)buf;
     while (bytes > 0) {
         ssize_t k;
-        dist_wait(fd, POLLOUT, peer);
+        dist_wait(fd, POLLOUT, peer, 0);
         k = send(fd, p, bytes, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
         if (k <= 0) dist_lost(peer, "it exited");
@@ -125,7 +134,7 @@ static void dist_recv(int peer, void* buf, size_t bytes) {
     char* p = (char*)buf;
     while (bytes > 0) {
         ssize_t k;
-        dist_wait(fd, POLLIN, peer);
+        dist_wait(fd, POLLIN, peer, 0);
         k = recv(fd, p, bytes, MSG_DONTWAIT);
         if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
         if (k <= 0) dist_lost(peer, "it exited");
@@ -168,8 +177,9 @@ static DistHello dist_hello(void) {
     return h;
 }
 
-/* Rank 0: accept the world-1 others, each announcing its DistHello (and hearing rank 0's first). */
-static void dist_accept_all(struct sockaddr_in a) {
+/* Rank 0: accept the world-1 others, each announcing its DistHello (and hearing rank 0's first).
+ * Returns 1 where a stop signal came first, else 0. */
+static int dist_accept_all(struct sockaddr_in a) {
     DistHello mine = dist_hello();
     int one = 1, n = 0, lfd = socket(AF_INET, SOCK_STREAM, 0);
     if (lfd < 0) die_io("rank 0: socket: %s", strerror(errno));
@@ -180,7 +190,7 @@ static void dist_accept_all(struct sockaddr_in a) {
         DistHello h;
         int fd, missing = 1;
         while (g_dist.fds[missing] >= 0) missing++;
-        dist_wait(lfd, POLLIN, missing);
+        if (dist_wait(lfd, POLLIN, missing, 1)) break;
         fd = accept(lfd, NULL, NULL);
         if (fd < 0) continue;
         dist_set_socket_options(fd);
@@ -199,14 +209,18 @@ static void dist_accept_all(struct sockaddr_in a) {
     }
     g_dist.fds[0] = -1;
     close(lfd);
+    return n < g_dist.world - 1;
 }
 
-/* Rank r > 0: connect to rank 0, retrying until the timeout (rank 0 may start later). */
-static void dist_connect(struct sockaddr_in a) {
+/* Rank r > 0: connect to rank 0, retrying until the timeout (rank 0 may start later). Returns 1
+ * where a stop signal came first, else 0. */
+static int dist_connect(struct sockaddr_in a) {
     double deadline = dist_now_s() + g_dist.timeout_s;
     DistHello mine = dist_hello(), h;
     for (;;) {
-        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        int fd;
+        if (g_stop_signal) return 1;
+        fd = socket(AF_INET, SOCK_STREAM, 0);
         if (fd < 0) die_io("rank %d: socket: %s", g_dist.rank, strerror(errno));
         if (connect(fd, (struct sockaddr*)&a, sizeof a) == 0) {
             dist_set_socket_options(fd);
@@ -230,11 +244,24 @@ static void dist_connect(struct sockaddr_in a) {
     if (h.argv_crc != mine.argv_crc)
         die_input("rank %d: rank 0 was started with other flags than rank %d (every rank needs the same command line)",
                   g_dist.rank, g_dist.rank);
+    return 0;
+}
+
+static void dist_shutdown(void) {
+    int r;
+    if (g_dist.world == 1) return;
+    for (r = 0; r < g_dist.world; r++)
+        if (g_dist.fds[r] >= 0) close(g_dist.fds[r]);
+    free(g_dist.fds);
+    free(g_dist.scratch);
+    g_dist.fds = NULL;
+    g_dist.scratch = NULL;
 }
 
 /* Reads the environment; with WORLD_SIZE > 1 connects every rank to rank 0, each started with
- * this command line (argv[1..], checked through its CRC). */
-static void dist_init(int argc, char** argv) {
+ * this command line (argv[1..], checked through its CRC). Returns 1 where a stop signal came before
+ * the ranks were connected (then nothing is), else 0. */
+static int dist_init(int argc, char** argv) {
     const char* t = getenv("ANDREA_DIST_TIMEOUT_S");
     int r;
     g_dist.world = env_int("WORLD_SIZE", 1);
@@ -246,12 +273,15 @@ static void dist_init(int argc, char** argv) {
         g_dist.timeout_s = atof(t);
         if (!(g_dist.timeout_s > 0)) die_input("ANDREA_DIST_TIMEOUT_S=%s is not a positive number of seconds", t);
     }
-    if (g_dist.world == 1) return;
+    if (g_dist.world == 1) return 0;
     for (r = 1; r < argc; r++) g_dist.argv_crc = crc32c_update(g_dist.argv_crc, argv[r], strlen(argv[r]) + 1);
     g_dist.fds = (int*)xmalloc((size_t)g_dist.world * sizeof(int), "rank sockets");
     for (r = 0; r < g_dist.world; r++) g_dist.fds[r] = -1;
-    if (g_dist.rank == 0) dist_accept_all(dist_master_address());
-    else dist_connect(dist_master_address());
+    if (g_dist.rank == 0 ? dist_accept_all(dist_master_address()) : dist_connect(dist_master_address())) {
+        dist_shutdown();
+        return 1;
+    }
+    return 0;
 }
 
 /* A peer whose connection has closed (it exited), or -1. For waits that are not on a socket (the
@@ -266,17 +296,6 @@ static inline int dist_peer_gone(void) {
         if (recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0) return g_dist.rank == 0 ? r : 0;
     }
     return -1;
-}
-
-static void dist_shutdown(void) {
-    int r;
-    if (g_dist.world == 1) return;
-    for (r = 0; r < g_dist.world; r++)
-        if (g_dist.fds[r] >= 0) close(g_dist.fds[r]);
-    free(g_dist.fds);
-    free(g_dist.scratch);
-    g_dist.fds = NULL;
-    g_dist.scratch = NULL;
 }
 
 static void* dist_scratch(size_t bytes) {
