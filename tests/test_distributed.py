@@ -210,6 +210,11 @@ def test_rank_environment_errors(cpu_binary, shards, tmp_path):
     bad = subprocess.run([str(cpu_binary)] + args(shards, tmp_path / "e.ckpt", steps=1), capture_output=True,
                          text=True, timeout=30, env={**os.environ, "WORLD_SIZE": "2", "RANK": "2"})
     assert bad.returncode == 2 and "error: RANK 2 is not below WORLD_SIZE 2" in bad.stderr
+    for timeout in ("5x", "inf", "0", "nan"):  # a typo was read as far as atof went: 5 s
+        bad = subprocess.run([str(cpu_binary)] + args(shards, tmp_path / "e.ckpt", steps=1), capture_output=True,
+                             text=True, timeout=30, env={**os.environ, "WORLD_SIZE": "2", "RANK": "0",
+                                                         "ANDREA_DIST_TIMEOUT_S": timeout})
+        assert bad.returncode == 2 and f"error: ANDREA_DIST_TIMEOUT_S={timeout} is not a positive" in bad.stderr
 
 
 def test_rank_0_alone_names_the_rank_it_waits_for(cpu_binary, shards, tmp_path):
