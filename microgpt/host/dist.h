@@ -17,6 +17,7 @@
 #include "signals.h"
 #include <arpa/inet.h>
 #include <errno.h>
+#include <math.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -270,8 +271,10 @@ static int dist_init(int argc, char** argv) {
     if (g_dist.world < 1 || g_dist.rank >= g_dist.world)
         die_input("RANK %d is not below WORLD_SIZE %d", g_dist.rank, g_dist.world);
     if (t && *t) {
-        g_dist.timeout_s = atof(t);
-        if (!(g_dist.timeout_s > 0)) die_input("ANDREA_DIST_TIMEOUT_S=%s is not a positive number of seconds", t);
+        char* end;
+        g_dist.timeout_s = strtod(t, &end);
+        if (*end || !(g_dist.timeout_s > 0) || !isfinite(g_dist.timeout_s))
+            die_input("ANDREA_DIST_TIMEOUT_S=%s is not a positive number of seconds", t);
     }
     if (g_dist.world == 1) return 0;
     for (r = 1; r < argc; r++) g_dist.argv_crc = crc32c_update(g_dist.argv_crc, argv[r], strlen(argv[r]) + 1);
