@@ -345,3 +345,13 @@ def test_a_failed_write_leaves_no_trace(trained_model, tmp_path, fmt):
     assert sorted(os.listdir(tmp_path)) == ["kept"] and os.listdir(kept) == ["config.json"]
     assert (kept / "config.json").read_text() == "old"
 
+
+def test_a_directory_where_a_file_belongs_changes_nothing(trained_model, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.bin").write_text("old")
+    (out / "tokenizer.bin").mkdir()
+    res = export(trained_model.ckpt, out, "--format", "llmc")
+    assert res.returncode == 2 and res.stderr == f"error: {out / 'tokenizer.bin'}: Is a directory\n", res.stderr
+    assert (out / "model.bin").read_text() == "old" and sorted(os.listdir(out)) == ["model.bin", "tokenizer.bin"]
+
