@@ -7,6 +7,7 @@ loss log, the shard writer and the data scripts all use it.
         json.dump(obj, f)
 """
 import contextlib
+import errno
 import json
 import os
 
@@ -56,7 +57,12 @@ def write_json_atomic(path, obj):
 def write_files_atomic(directory, files):
     """Several files {name: bytes} in `directory` as one change: every temp file is written and
     fsynced before the first rename, so a failure while writing (a full disk) leaves the directory as
-    it was; only a crash between the renames can leave some files new and some old."""
+    it was; only a crash between the renames can leave some files new and some old. A directory
+    where a file belongs, which no rename replaces, is refused before anything is written."""
+    for name in files:
+        target = os.path.join(directory, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
     temps = []
     try:
         for name, data in files.items():

@@ -276,7 +276,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"error: {args.out_dir}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {e.filename or args.out_dir}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"exported {ckpt} (step {shape['step']}) as {args.format} to {args.out_dir}", file=sys.stderr)
     return 0
