@@ -326,6 +326,21 @@ def test_proxy_marks_the_run_crashed_when_a_rank_dies(cpu_binary, tmp_path):
     assert state["status"] == "crashed" and "lost rank 1" in state["message"]
 
 
+def test_proxy_ends_the_run_when_a_rank_dies_before_connecting(cpu_binary, tmp_path, monkeypatch):
+    """Rank 1 fails at launch: rank 0 would wait for it until ANDREA_DIST_TIMEOUT_S (600 s by
+    default; 120 s here, beyond the test's 60 s); the proxy sees the rank end and stops rank 0, and
+    the run is crashed, naming rank 1."""
+    monkeypatch.setenv("ANDREA_DIST_TIMEOUT_S", "120")
+    engine = tmp_path / "engine.sh"
+    engine.write_text(f'#!/bin/sh\nif [ "$RANK" = 1 ]; then echo "error: no GPU for rank 1" >&2; exit 1; fi\n'
+                      f'exec {cpu_binary} "$@"\n')
+    engine.chmod(0o755)
+    d = ProxyFixtureDir(tmp_path)
+    p, rc = run_to_end(d.config(steps=10**6), d.run_dir, engine, "--ranks", "2", "--no-server", timeout=60)
+    assert rc == 1, p.describe()
+    assert d.state()["status"] == "crashed" and "rank 1 ended with exit code 1" in d.state()["message"]
+
+
 def test_proxy_with_one_rank_ignores_the_rank_variables_it_inherits(cpu_binary, tmp_path, monkeypatch):
     """WORLD_SIZE left in the shell (a manual 2-rank test, a job allocation): the proxy starts its
     ranks itself (--ranks, default 1), so its one engine must not wait for a rank 1 nobody starts."""
