@@ -143,6 +143,7 @@ class Supervisor:
         self.stderr_tail = collections.deque(maxlen=8)
         self.stop_signal = None  # SIGTERM/SIGINT received: the engine was asked to stop
         self.stop_announced = False
+        self.peer_failed = False  # a rank > 0 ended with an error: the others were asked to stop
 
     # -- signals ----------------------------------------------------------------------------------
 
@@ -225,6 +226,7 @@ class Supervisor:
             if line:
                 self.events.handle_line(line)
             self.announce_stop()
+            self.stop_after_a_failed_peer()
             self.run.flush()
             if self.run.state.get("loss") is not None:  # from the first step record on
                 terminal.progress(progress_line(self.run.state))
@@ -238,6 +240,19 @@ class Supervisor:
         code = self.finish(rc)
         self.summarize()
         return code
+
+    def stop_after_a_failed_peer(self):
+        """A rank > 0 that failed is seen by the others through its socket once they are
+        connected, but rank 0 would wait for one that never connected until ANDREA_DIST_TIMEOUT_S
+        (600 s by default): asked to stop, the ranks end now (docs/DESIGN.md §17)."""
+        if self.peer_failed:
+            return
+        for rank, peer in enumerate(self.peers, start=1):
+            if peer.poll() not in (None, 0):
+                self.peer_failed = True
+                say(f"rank {rank} ended before rank 0: asking the other ranks to stop")
+                self.signal_engine(signal.SIGTERM)
+                return
 
     def wait_for_peers(self, rc):
         """Rank 0 has ended: the others end with it (they would wait for it until their timeout
