@@ -203,8 +203,8 @@ static int dist_accept_all(struct sockaddr_in a) {
             die_input("rank 0: a connection announced rank %u of world %u (expected a new rank of %d)", h.rank,
                       h.world, g_dist.world);
         if (h.argv_crc != mine.argv_crc)
-            die_input("rank 0: rank %u was started with other flags than rank 0 (every rank needs the same command line)",
-                      h.rank);
+            die_input("rank 0: rank %u was started with other flags than rank 0 (every rank needs the same command "
+                      "line)", h.rank);
         g_dist.fds[h.rank] = fd;
         n++;
     }
