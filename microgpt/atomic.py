@@ -19,7 +19,7 @@ def atomic_open(path, mode="wb"):
     path = os.fspath(path)
     tmp = f"{path}.tmp{os.getpid()}"  # the pid: two processes never share a temp file
     try:
-        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
+        with open_new(tmp, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -29,6 +29,16 @@ def atomic_open(path, mode="wb"):
             os.remove(tmp)
         raise
     fsync_dir(os.path.dirname(path) or ".")
+
+
+def open_new(tmp, mode="wb"):
+    """A temp file created afresh (mode "w", UTF-8, or "wb"): whatever had its name before (one
+    left by a killed process of the same pid, or a symbolic link planted to make the write go
+    elsewhere) is removed, and O_EXCL refuses one put back meanwhile instead of following it."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    return open(fd, mode, encoding=None if "b" in mode else "utf-8")
 
 
 def fsync_dir(path):
@@ -68,7 +78,7 @@ def write_files_atomic(directory, files):
         for name, data in files.items():
             tmp = os.path.join(directory, f"{name}.tmp{os.getpid()}")
             temps.append(tmp)
-            with open(tmp, "wb") as f:
+            with open_new(tmp) as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
