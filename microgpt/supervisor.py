@@ -148,7 +148,9 @@ class Supervisor:
     # -- signals ----------------------------------------------------------------------------------
 
     def signal_engine(self, sig):
-        for proc in [self.proc] + self.peers:
+        # rank 0 last: before the first step a rank that sees it gone ends cleanly only if its
+        # own stop signal came first (docs/DESIGN.md §17)
+        for proc in self.peers + [self.proc]:
             if proc and proc.poll() is None:
                 try:
                     os.kill(proc.pid, sig)

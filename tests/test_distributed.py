@@ -236,7 +236,7 @@ def test_a_stop_signal_while_the_ranks_connect_ends_every_rank(cpu_binary, shard
     ckpt = tmp_path / "c.ckpt"
     ranks = Ranks(cpu_binary, args(shards, ckpt, steps=3), 3, started=2)
     assert "rank 1 of 3" in ranks.procs[1].stderr.readline()  # rank 1 is connected
-    for p in ranks.procs:
+    for p in reversed(ranks.procs):  # as the proxy sends it: rank 0 last
         p.send_signal(signal.SIGTERM)
     try:
         outs = [p.communicate(timeout=20) for p in ranks.procs]
