@@ -275,6 +275,31 @@ def test_a_rank_refuses_a_master_that_is_not_rank_0(cpu_binary, shards, tmp_path
     assert not (tmp_path / "w.ckpt").exists()
 
 
+def test_rank_0_names_a_connection_that_never_greets(cpu_binary, shards, tmp_path):
+    """Something connects to MASTER_PORT and says nothing: rank 0 reads no greeting from it, and
+    must not say it lost "rank 0", itself."""
+    port = free_port()
+    rank0 = subprocess.Popen([str(cpu_binary)] + args(shards, tmp_path / "g.ckpt", steps=1), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": str(port), "ANDREA_DIST_TIMEOUT_S": "2"})
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                silent = socket.create_connection(("127.0.0.1", port))
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        with silent:
+            _, err = rank0.communicate(timeout=30)
+    finally:
+        rank0.kill()
+    assert rank0.returncode == 1 and "error: rank 0: a connection to MASTER_PORT sent no greeting" in err, err
+    assert "lost rank 0" not in err
+
+
 def test_ranks_started_with_other_flags_are_refused(cpu_binary, shards, tmp_path):
     """Rank 1 with another model: rank 0 would read its gradients as its own (a wrong step, then
     garbage read as signal flags) and write that checkpoint. Both refuse instead, writing nothing."""
