@@ -88,6 +88,8 @@ static double dist_now_s(void) {
 }
 
 static void dist_lost(int peer, const char* what) {
+    if (g_dist.rank == 0 && peer == 0) /* dist_accept_all: a connection that has not said its rank yet */
+        die_io("rank 0: a connection to MASTER_PORT sent no greeting (%s); the run stops", what);
     if (g_dist.starting && g_stop_signal && g_dist.rank != 0) { /* rank 0 left on the same signal */
         info("rank %d: stopped by signal %d before the first step: nothing to save", g_dist.rank, (int)g_stop_signal);
         exit(0);
