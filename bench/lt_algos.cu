@@ -362,7 +362,7 @@ static void fp8_fwd_product(const Fp8Step& s, int in, int out_dim, bool residual
     int N = s.N;
     bf16 *out = dev_random<bf16>((size_t)N * out_dim), *res = residual ? dev_random<bf16>((size_t)N * out_dim) : NULL;
     fp8 *x8 = dev_fp8(FP8_E4M3, (size_t)N * in), *w8 = dev_fp8(FP8_E4M3, (size_t)in * out_dim);
-    fp8_gemm<bf16>(N, out_dim, in, fp8_mat(x8, FP8_E4M3, s.sc), fp8_mat(w8, FP8_E4M3, s.sc), out, res,
+    fp8_gemm<bf16>(FP8_PASS_FORWARD, N, out_dim, in, fp8_mat(x8, FP8_E4M3, s.sc), fp8_mat(w8, FP8_E4M3, s.sc), out, res,
                    residual ? 1.0f : 0.0f);
 }
 
@@ -372,9 +372,11 @@ static void fp8_bwd_products(const Fp8Step& s, int in, int out_dim, int batch) {
     fp8 *g8 = dev_fp8(FP8_GRAD_FMT, (size_t)batch * N * out_dim), *w8 = dev_fp8(FP8_E4M3, (size_t)batch * in * out_dim);
     float* dw = dev_random<float>((size_t)batch * in * out_dim);
     bf16* dx = dev_random<bf16>((size_t)N * in);
-    fp8_gemm<float>(in, out_dim, N, fp8_mat(x8t, FP8_E4M3, s.sc), fp8_mat(g8t, FP8_GRAD_FMT, s.sc, (long long)out_dim * N),
-                    dw, NULL, 0.0f, batch, (long long)in * out_dim);
-    fp8_gemm<bf16>(N, in, batch * out_dim, fp8_mat(g8, FP8_GRAD_FMT, s.sc), fp8_mat(w8, FP8_E4M3, s.sc), dx, NULL, 0.0f);
+    fp8_gemm<float>(FP8_PASS_BACKWARD, in, out_dim, N, fp8_mat(x8t, FP8_E4M3, s.sc),
+                    fp8_mat(g8t, FP8_GRAD_FMT, s.sc, (long long)out_dim * N), dw, NULL, 0.0f, batch,
+                    (long long)in * out_dim);
+    fp8_gemm<bf16>(FP8_PASS_BACKWARD, N, in, batch * out_dim, fp8_mat(g8, FP8_GRAD_FMT, s.sc), fp8_mat(w8, FP8_E4M3, s.sc),
+                   dx, NULL, 0.0f);
 }
 
 static void fp8_step(const char* model, int layers, int N, int C, int F) {
@@ -389,8 +391,8 @@ static void fp8_step(const char* model, int layers, int N, int C, int F) {
         g_label = "fp8_qkv_fwd";
         fp8 *x8 = dev_fp8(FP8_E4M3, (size_t)N * C), *w8 = dev_fp8(FP8_E4M3, 3 * (size_t)C * C);
         bf16* qkv = dev_random<bf16>(3 * (size_t)N * C);
-        fp8_gemm<bf16>(N, C, C, fp8_mat(x8, FP8_E4M3, sc), fp8_mat(w8, FP8_E4M3, sc, (long long)C * C), qkv, NULL, 0.0f,
-                       3, (long long)N * C);
+        fp8_gemm<bf16>(FP8_PASS_FORWARD, N, C, C, fp8_mat(x8, FP8_E4M3, sc), fp8_mat(w8, FP8_E4M3, sc, (long long)C * C),
+                       qkv, NULL, 0.0f, 3, (long long)N * C);
     }
     g_label = "fp8_wo_fwd", fp8_fwd_product(s, C, C, true);
     g_label = "fp8_w1_fwd", fp8_fwd_product(s, C, F, false);

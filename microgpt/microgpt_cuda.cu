@@ -526,7 +526,7 @@ template <typename T> static Fp8Mat fp8_act(const T* x, int l, int k, int N, int
 template <typename T>
 static void fp8_linear_fwd(T* out, const T* x, int l, int t, int k, int N, int in, int out_dim, const T* residual,
                            int input) {
-    fp8_gemm<T>(N, out_dim, in, fp8_act(x, l, k, N, in, input), w8_fwd(l, t, k), out, residual,
+    fp8_gemm<T>(FP8_PASS_FORWARD, N, out_dim, in, fp8_act(x, l, k, N, in, input), w8_fwd(l, t, k), out, residual,
                 residual ? 1.0f : 0.0f);
 }
 
@@ -553,11 +553,12 @@ static void fp8_linear_bwd(T* dx, float* dw, const T* dout, int l, int t, int k,
         fp8_cast(E.g8, E.g8t, gs, dout, batch, N, out_dim, FP8_GRAD_FMT, hist);
     }
     side_product(E.g8t, [&] {
-        fp8_gemm<float>(in, out_dim, N, fp8_mat(x8t(l, k), FP8_E4M3, xs),
+        fp8_gemm<float>(FP8_PASS_BACKWARD, in, out_dim, N, fp8_mat(x8t(l, k), FP8_E4M3, xs),
                         fp8_mat(E.g8t, FP8_GRAD_FMT, gs, (long long)out_dim * N), dw, NULL, grad_beta, batch,
                         (long long)in * out_dim);
     });
-    fp8_gemm<T>(N, in, batch * out_dim, fp8_mat(E.g8, FP8_GRAD_FMT, gs), w8_dx(l, t, k), dx, NULL, 0.0f);
+    fp8_gemm<T>(FP8_PASS_BACKWARD, N, in, batch * out_dim, fp8_mat(E.g8, FP8_GRAD_FMT, gs), w8_dx(l, t, k), dx, NULL,
+                0.0f);
 }
 
 /* The fp8 forward of layer l's sub-layers around attention (the LayerNorms and attention as in
@@ -565,8 +566,8 @@ static void fp8_linear_bwd(T* dx, float* dw, const T* dout, int l, int t, int k,
 template <typename T>
 static void fp8_qkv_fwd(const LayerActs<T>& a, int l, int N, int input) {
     int C = E.C;
-    fp8_gemm<T>(N, C, C, fp8_act(a.ln1, l, FP8_W_QKV, N, C, input), w8_fwd(l, T_WQ, FP8_W_QKV, (long long)C * C),
-                a.qkv, NULL, 0.0f, 3, (long long)N * C);
+    fp8_gemm<T>(FP8_PASS_FORWARD, N, C, C, fp8_act(a.ln1, l, FP8_W_QKV, N, C, input),
+                w8_fwd(l, T_WQ, FP8_W_QKV, (long long)C * C), a.qkv, NULL, 0.0f, 3, (long long)N * C);
 }
 
 template <typename T>

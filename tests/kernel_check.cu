@@ -1656,8 +1656,10 @@ static std::vector<unsigned char> fp8_random_codes(size_t n, int fmt, Vec* value
     return q;
 }
 
-/* D [M,N] = da db A[M,K] Bt[N,K]^T + beta C, batched, against the fp32 product of the values. */
-template <typename TD> static void test_fp8_gemm(int M, int N, int K, int batch, int a_fmt, int b_fmt, float beta) {
+/* D [M,N] = da db A[M,K] Bt[N,K]^T + beta C, batched, against the fp32 product of the values, as a
+ * product of pass `pass` (FP8_FAST_ACCUM accumulates the two differently). */
+template <typename TD>
+static void test_fp8_gemm(Fp8Pass pass, int M, int N, int K, int batch, int a_fmt, int b_fmt, float beta) {
     Vec av, bv;
     std::vector<unsigned char> aq = fp8_random_codes((size_t)M * K, a_fmt, &av);
     std::vector<unsigned char> bq = fp8_random_codes((size_t)batch * N * K, b_fmt, &bv);
@@ -1671,8 +1673,8 @@ template <typename TD> static void test_fp8_gemm(int M, int N, int K, int batch,
     size_t nd = (size_t)batch * M * N;
     Vec prefill = rounded<TD>(randn(nd, 1.0f));
     TD* dd = beta != 0.0f ? upload<TD>(prefill) : poisoned<TD>(nd);
-    fp8_gemm<TD>(M, N, K, fp8_mat(da, a_fmt, sc), fp8_mat(db, b_fmt, sc + 1, (long long)N * K), dd, NULL, beta, batch,
-                 (long long)M * N);
+    fp8_gemm<TD>(pass, M, N, K, fp8_mat(da, a_fmt, sc), fp8_mat(db, b_fmt, sc + 1, (long long)N * K), dd, NULL, beta,
+                 batch, (long long)M * N);
     Vec got = download(dd, nd), want(nd);
     for (int b = 0; b < batch; b++)
         for (int i = 0; i < M; i++)
@@ -1971,16 +1973,19 @@ static void run_fp8(void) {
         set_ctx("fp8", "delayed attention forward fused", shape_str(as).c_str());
         test_fp8_attn_fwd_fused(as);
     }
-    const int gshapes[][4] = {{64, 96, 128, 1}, {48, 32, 96, 3}, {256, 512, 64, 1}, {16, 48, 16, 1}};
+    /* the last two contract as far as ANDREA-120M's products do (d_ff; B·T for a weight gradient),
+     * where an accumulation in fewer bits than fp32 (FP8_FAST_ACCUM) shows */
+    const int gshapes[][4] = {{64, 96, 128, 1},  {48, 32, 96, 3},    {256, 512, 64, 1},
+                              {16, 48, 16, 1},   {128, 64, 3072, 1}, {64, 64, 8192, 1}};
     for (const auto& g : gshapes) {
         snprintf(sh, sizeof sh, "M=%d N=%d K=%d batch=%d", g[0], g[1], g[2], g[3]);
-        set_ctx("fp8", "gemm bf16 out", sh);
-        test_fp8_gemm<bf16>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E4M3, 0.0f);
-        test_fp8_gemm<bf16>(g[0], g[1], g[2], g[3], FP8_E5M2, FP8_E4M3, 0.0f);
-        test_fp8_gemm<bf16>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E4M3, 1.0f);
-        set_ctx("fp8", "gemm fp32 out", sh);
-        test_fp8_gemm<float>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 0.0f);
-        test_fp8_gemm<float>(g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 1.0f);
+        set_ctx("fp8", "gemm bf16 out", sh); /* the forward's products (with its residual join), dx's */
+        test_fp8_gemm<bf16>(FP8_PASS_FORWARD, g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E4M3, 0.0f);
+        test_fp8_gemm<bf16>(FP8_PASS_BACKWARD, g[0], g[1], g[2], g[3], FP8_E5M2, FP8_E4M3, 0.0f);
+        test_fp8_gemm<bf16>(FP8_PASS_FORWARD, g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E4M3, 1.0f);
+        set_ctx("fp8", "gemm fp32 out", sh); /* the weight gradients */
+        test_fp8_gemm<float>(FP8_PASS_BACKWARD, g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 0.0f);
+        test_fp8_gemm<float>(FP8_PASS_BACKWARD, g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 1.0f);
     }
     /* the FP8 classifier, called directly (the engines run it from d_model 512, fp8_classifier_pays):
      * one chunk; chunks of 64, 64 and 16 rows; a vocabulary of 1024 in two chunks of 128; d_model 512 */

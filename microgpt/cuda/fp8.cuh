@@ -970,8 +970,24 @@ template <typename T> static void fp8_quantize_jobs(const Fp8CastJobs<T>& js) {
 
 static cudaDataType_t fp8_dtype(int fmt) { return fmt == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
 
+/* Which pass a product belongs to: FP8_FAST_ACCUM (below) tells them apart. */
+enum Fp8Pass { FP8_PASS_FORWARD, FP8_PASS_BACKWARD };
+
+/* Fast accumulation (docs/DESIGN.md §18, docs/BENCHMARKS.md #104): Hopper's FP8 tensor cores keep a
+ * tile's running sum in fewer bits than fp32, and cuBLASLt adds it into fp32 registers every few
+ * steps of K unless CUBLASLT_MATMUL_DESC_FAST_ACCUM is set (instructions, registers and a
+ * dependency in every tile's main loop). FP8_FAST_ACCUM 1 (the default) sets it for the forward's
+ * products, which contract over d_model or d_ff (the layers' and the FP8 classifier's logits; XLA
+ * and torchao's float8 training choose the same); 2 for every product, the backward's too (its
+ * weight gradients contract over all B·T positions, the classifier's dx over the vocabulary:
+ * ANDREA-120M's 2000-step quality run missed the 1 % budget, +2.1 %); 0 for none. */
+#ifndef FP8_FAST_ACCUM
+#define FP8_FAST_ACCUM 1
+#endif
+
 struct Fp8GemmKey {
     int M, N, K, batch, a_fmt, b_fmt, d_type;
+    int fast_accum; /* FP8_FAST_ACCUM's choice for this product's pass */
     long long stride_a, stride_b, stride_d;
     unsigned align_a, align_b, align_c, align_d;
 };
@@ -999,6 +1015,10 @@ static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
     LtPlan* lt = &p->lt;
     p->key = *key;
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&lt->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    if (key->fast_accum) {
+        int8_t on = 1;
+        lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &on, sizeof on);
+    }
     lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t);
     lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof op_n);
     lt->a = lt_layout(fp8_dtype(key->b_fmt), key->N, key->K, key->K, key->batch, key->stride_b);
@@ -1007,7 +1027,8 @@ static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
     lt->align[0] = key->align_b, lt->align[1] = key->align_a, lt->align[2] = key->align_c, lt->align[3] = key->align_d;
     /* in gemm's terms: A [M,K] as it is, B^T [N,K] read transposed; D plain or the residual join
      * (the same descriptors: one plan serves both) */
-    lt_key_name(lt->name, fp8_dtype(key->a_fmt), fp8_dtype(key->b_fmt), dt, "fp8", false, true, key->M, key->N, key->K,
+    const char* kind = key->fast_accum ? "fp8fa" : "fp8"; /* the fixed table was measured without fast accumulation */
+    lt_key_name(lt->name, fp8_dtype(key->a_fmt), fp8_dtype(key->b_fmt), dt, kind, false, true, key->M, key->N, key->K,
                 key->K, key->K, key->N, key->batch, key->stride_a, key->stride_b, key->stride_d);
     cublasStatus_t st = lt_plan_algo(lt, NULL);
     if (!lt->ok) {
@@ -1042,13 +1063,15 @@ static Fp8Mat fp8_mat(const fp8* p, int fmt, const Fp8Scale* sc, long long strid
     return m;
 }
 
-/* D [M,N] (type TD: bf16 or float) = A [M,K] Bt[N,K]^T + beta C, as at the top of this section. */
+/* D [M,N] (type TD: bf16 or float) = A [M,K] Bt[N,K]^T + beta C, as at the top of this section, a
+ * product of the forward or the backward pass. */
 template <typename TD>
-static void fp8_gemm(int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD* D, const TD* C, float beta, int batch = 1,
-                     long long stride_d = 0) {
+static void fp8_gemm(Fp8Pass pass, int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD* D, const TD* C, float beta,
+                     int batch = 1, long long stride_d = 0) {
     Fp8GemmKey key;
     memset(&key, 0, sizeof key);
     key.M = M, key.N = N, key.K = K, key.batch = batch, key.a_fmt = A.fmt, key.b_fmt = Bt.fmt;
+    key.fast_accum = FP8_FAST_ACCUM >= (pass == FP8_PASS_FORWARD ? 1 : 2);
     key.d_type = TypeInfo<TD>::dtype;
     key.stride_a = A.stride, key.stride_b = Bt.stride, key.stride_d = stride_d;
     key.align_a = lt_alignment(A.p), key.align_b = lt_alignment(Bt.p);
@@ -1238,7 +1261,7 @@ static void fp8_transpose(fp8* out, const fp8* in, int R, int Cc) {
 template <typename T>
 static void loss_fwd_fp8(float* losses, float* lse, T* logits, const Fp8ClassifierOps& c, const int* targets, int n,
                          int C, int V, int Vp) {
-    fp8_gemm<T>(n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
+    fp8_gemm<T>(FP8_PASS_FORWARD, n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
     loss_rows(losses, lse, logits, targets, n, V, Vp, (const float*)NULL);
 }
 
@@ -1249,14 +1272,15 @@ static void loss_fwd_fp8(float* losses, float* lse, T* logits, const Fp8Classifi
 template <typename T>
 static void loss_fwd_bwd_fp8(float* losses, float* lse, T* dx, float* dwte, T* logits, const Fp8ClassifierOps& c,
                              const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
-    fp8_gemm<T>(n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
+    fp8_gemm<T>(FP8_PASS_FORWARD, n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
     loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreFp8{c.g, c.g_sc, Vp});
     fp8_transpose(c.g_t, c.g, n, Vp);
     side_product(c.g_t, [&] {
-        fp8_gemm<float>(Vp, C, n, fp8_mat(c.g_t, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.x_t, FP8_E4M3, c.x.sc), dwte, NULL,
-                        grad_beta);
+        fp8_gemm<float>(FP8_PASS_BACKWARD, Vp, C, n, fp8_mat(c.g_t, FP8_GRAD_FMT, c.g_sc),
+                        fp8_mat(c.x_t, FP8_E4M3, c.x.sc), dwte, NULL, grad_beta);
     });
-    fp8_gemm<T>(n, C, Vp, fp8_mat(c.g, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.wte_t, FP8_E4M3, c.wte.sc), dx, NULL, 0.0f);
+    fp8_gemm<T>(FP8_PASS_BACKWARD, n, C, Vp, fp8_mat(c.g, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.wte_t, FP8_E4M3, c.wte.sc),
+                dx, NULL, 0.0f);
 }
 
 #endif
