@@ -7,6 +7,7 @@ loss log, the shard writer and the data scripts all use it.
         json.dump(obj, f)
 """
 import contextlib
+import errno
 import json
 import os
 
@@ -18,7 +19,7 @@ def atomic_open(path, mode="wb"):
     path = os.fspath(path)
     tmp = f"{path}.tmp{os.getpid()}"  # the pid: two processes never share a temp file
     try:
-        with open(tmp, mode, encoding=None if "b" in mode else "utf-8") as f:
+        with open_new(tmp, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -28,6 +29,16 @@ def atomic_open(path, mode="wb"):
             os.remove(tmp)
         raise
     fsync_dir(os.path.dirname(path) or ".")
+
+
+def open_new(tmp, mode="wb"):
+    """A temp file created afresh (mode "w", UTF-8, or "wb"): whatever had its name before (one
+    left by a killed process of the same pid, or a symbolic link planted to make the write go
+    elsewhere) is removed, and O_EXCL refuses one put back meanwhile instead of following it."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    return open(fd, mode, encoding=None if "b" in mode else "utf-8")
 
 
 def fsync_dir(path):
@@ -56,13 +67,18 @@ def write_json_atomic(path, obj):
 def write_files_atomic(directory, files):
     """Several files {name: bytes} in `directory` as one change: every temp file is written and
     fsynced before the first rename, so a failure while writing (a full disk) leaves the directory as
-    it was; only a crash between the renames can leave some files new and some old."""
+    it was; only a crash between the renames can leave some files new and some old. A directory
+    where a file belongs, which no rename replaces, is refused before anything is written."""
+    for name in files:
+        target = os.path.join(directory, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
     temps = []
     try:
         for name, data in files.items():
             tmp = os.path.join(directory, f"{name}.tmp{os.getpid()}")
             temps.append(tmp)
-            with open(tmp, "wb") as f:
+            with open_new(tmp) as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())

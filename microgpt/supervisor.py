@@ -31,6 +31,7 @@ POLL_SECONDS = LossBuffer.FLUSH_SECONDS  # the main loop wakes at least this oft
 ENGINE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}  # the ones the proxy forwards
 PEER_GRACE_SECONDS = 30  # after rank 0 ends, how long the other ranks get to end by themselves
 # NVLink multicast stays off in every process of a multi-GPU run (NCCL, PyTorch, NVSHMEM)
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun's names
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -142,11 +143,14 @@ class Supervisor:
         self.stderr_tail = collections.deque(maxlen=8)
         self.stop_signal = None  # SIGTERM/SIGINT received: the engine was asked to stop
         self.stop_announced = False
+        self.peer_failed = False  # a rank > 0 ended with an error: the others were asked to stop
 
     # -- signals ----------------------------------------------------------------------------------
 
     def signal_engine(self, sig):
-        for proc in [self.proc] + self.peers:
+        # rank 0 last: before the first step a rank that sees it gone ends cleanly only if its
+        # own stop signal came first (docs/DESIGN.md §17)
+        for proc in self.peers + [self.proc]:
             if proc and proc.poll() is None:
                 try:
                     os.kill(proc.pid, sig)
@@ -224,6 +228,7 @@ class Supervisor:
             if line:
                 self.events.handle_line(line)
             self.announce_stop()
+            self.stop_after_a_failed_peer()
             self.run.flush()
             if self.run.state.get("loss") is not None:  # from the first step record on
                 terminal.progress(progress_line(self.run.state))
@@ -237,6 +242,19 @@ class Supervisor:
         code = self.finish(rc)
         self.summarize()
         return code
+
+    def stop_after_a_failed_peer(self):
+        """A rank > 0 that failed is seen by the others through its socket once they are
+        connected, but rank 0 would wait for one that never connected until ANDREA_DIST_TIMEOUT_S
+        (600 s by default): asked to stop, the ranks end now (docs/DESIGN.md §17)."""
+        if self.peer_failed:
+            return
+        for rank, peer in enumerate(self.peers, start=1):
+            if peer.poll() not in (None, 0):
+                self.peer_failed = True
+                say(f"rank {rank} ended before rank 0: asking the other ranks to stop")
+                self.signal_engine(signal.SIGTERM)
+                return
 
     def wait_for_peers(self, rc):
         """Rank 0 has ended: the others end with it (they would wait for it until their timeout
@@ -343,13 +361,15 @@ def _tee_stderr(stream, tail, prefix=""):
 def rank_environments(ranks, engine_path):
     """The environment of each rank (docs/DESIGN.md §17): torchrun's variables, rank 0 listening
     on a free local port, NVLink multicast off, and the CPU engine's OpenMP threads split between
-    the ranks. One rank: the proxy's own environment, untouched."""
+    the ranks. One rank: the proxy's own environment without torchrun's variables (the proxy
+    starts the ranks, so one left in its shell must not make the engine wait for others)."""
+    inherited = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     if ranks == 1:
-        return [None]
+        return [inherited]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    common = {**os.environ, "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    common = {**inherited, "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     for key, value in NO_MULTICAST.items():
         common.setdefault(key, value)
     if "cuda" not in os.path.basename(engine_path) and "OMP_NUM_THREADS" not in os.environ:

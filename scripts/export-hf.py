@@ -28,9 +28,10 @@ pads them), and OUT_DIR/tokenizer.bin, llm.c's decoding table (magic 20240328, v
 ChatML specials. llm.c hard-codes a 4 x d_model MLP, so only models with d_ff = 4 d_model export.
 
 The files are written as one change (microgpt/atomic.py: all written and synced before any replaces
-its namesake), so a failure such as a full disk leaves OUT_DIR as it was; other files in it are
-left alone.
+its namesake), so a failure such as a full disk leaves OUT_DIR as it was, or absent where the export
+created it; other files in it are left alone.
 """
+import contextlib
 import os
 import sys
 
@@ -229,6 +230,15 @@ def llmc_files(shape, params):
     return {"model.bin": llmc_model_bytes(shape, params), "tokenizer.bin": llmc_tokenizer_bytes(shape["vocab_size"])}
 
 
+def missing_directories(path):
+    """path and those of its parents that do not exist yet, outermost first."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.lexists(path):
+        missing.insert(0, path)
+        path = os.path.dirname(path)
+    return missing
+
+
 def parse_args(argv):
     p = ArgumentParser(description="Export a trained model as a transformers GPT-2 directory "
                        "or an llm.c model file.")
@@ -252,13 +262,21 @@ def main(argv):
                                  f"{tokenizer.VOCAB_SIZE} of r50k_base + ChatML the tokenizer files describe")
         if os.path.lexists(args.out_dir) and not os.path.isdir(args.out_dir):  # makedirs: "File exists"
             raise InferenceError(f"{args.out_dir} exists and is no directory")
+        files = (hf_files if args.format == "hf" else llmc_files)(shape, params)
+        created = missing_directories(args.out_dir)
         os.makedirs(args.out_dir, exist_ok=True)
-        write_files_atomic(args.out_dir, (hf_files if args.format == "hf" else llmc_files)(shape, params))
+        try:
+            write_files_atomic(args.out_dir, files)
+        except BaseException:  # a failed export leaves nothing, not even the directories it made
+            for directory in reversed(created):
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
+            raise
     except (InferenceError, tokenizer.TokenizerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"error: {args.out_dir}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {e.filename or args.out_dir}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"exported {ckpt} (step {shape['step']}) as {args.format} to {args.out_dir}", file=sys.stderr)
     return 0

@@ -60,3 +60,30 @@ def test_several_files_change_together_or_not_at_all(tmp_path, monkeypatch):
     write_files_atomic(tmp_path, {"a.bin": b"new a", "b.bin": b"new b"})
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == \
         {"a.bin": b"new a", "b.bin": b"new b", "other": b"not ours"}
+
+
+def test_a_directory_in_the_way_changes_no_file(tmp_path):
+    """A directory where the second file belongs: os.replace cannot put a file there, and the
+    first file had already been replaced, so the set was half new, half old."""
+    (tmp_path / "a.bin").write_bytes(b"old a")
+    (tmp_path / "b.bin").mkdir()
+    with pytest.raises(IsADirectoryError) as e:
+        write_files_atomic(tmp_path, {"a.bin": b"new a", "b.bin": b"new b"})
+    assert e.value.filename == str(tmp_path / "b.bin")
+    assert (tmp_path / "a.bin").read_bytes() == b"old a" and sorted(os.listdir(tmp_path)) == ["a.bin", "b.bin"]
+
+
+def test_a_link_planted_at_the_temp_name_is_not_written_through(tmp_path):
+    """The temp name is predictable (name.tmpPID): a symbolic link put there beforehand by anyone
+    who may write to the directory made the write truncate and fill the file it points to, outside."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, write in (("a.bin", lambda: write_bytes_atomic(out / "a.bin", b"new a")),
+                        ("b.bin", lambda: write_files_atomic(out, {"b.bin": b"new b"}))):
+        os.symlink(victim, out / f"{name}.tmp{os.getpid()}")
+        write()
+        assert victim.read_bytes() == b"precious" and (out / name).read_bytes() == b"new " + name[:1].encode()
+    assert sorted(os.listdir(out)) == ["a.bin", "b.bin"]
+

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 
 import numpy as np
 import pytest
@@ -288,3 +289,20 @@ def test_a_sidecar_that_is_a_broken_link_is_refused(engine, random_shards, tmp_p
         assert res.rc == 2 and len(res.errors) == 1, res.describe()
         assert str(side) in res.errors[0] and "unverified" not in res.stderr, res.describe()
     assert side.is_symlink() and ckpt.read_bytes() and not (tmp_path / "c.ckpt.prev").exists()
+
+
+def test_a_link_planted_at_the_temp_names_is_not_written_through(cpu_binary, random_shards, tmp_path):
+    """The engine writes PATH.tmpPID and PATH.json.tmpPID (docs/DESIGN.md §15), names anyone who
+    may write to the directory can foresee: links planted there made the checkpoint's bytes land in
+    the files they point to. (The shell's pid is the engine's: exec keeps it.)"""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    ckpt = tmp_path / "c.ckpt"
+    argv = " ".join(f"'{a}'" for a in [str(cpu_binary)] + tiny_args(random_shards.train, checkpoint=ckpt,
+                                                                      **{"train.steps": 2}))
+    res = subprocess.run(["sh", "-c", f'ln -s {victim} {ckpt}.tmp$$ && ln -s {victim} {ckpt}.json.tmp$$ && '
+                          f'exec {argv}'], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert victim.read_bytes() == b"precious" and read_checkpoint(ckpt).step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt", "c.ckpt.json", "victim"]
+

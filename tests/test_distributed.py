@@ -53,12 +53,13 @@ def free_port():
 
 
 class Ranks:
-    """N engine processes of one run, as a launcher starts them."""
+    """N engine processes of one run, as a launcher starts them (ranks 0..started-1 of them: the
+    others never come)."""
 
-    def __init__(self, binary, argv, n, extra_env=None):
+    def __init__(self, binary, argv, n, extra_env=None, started=None):
         port = str(free_port())
         self.procs = []
-        for r in range(n):
+        for r in range(n if started is None else started):
             env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(n), "RANK": str(r),
                    "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **(extra_env or {})}
             self.procs.append(subprocess.Popen([str(binary)] + argv, env=env, stdout=subprocess.PIPE,
@@ -209,6 +210,116 @@ def test_rank_environment_errors(cpu_binary, shards, tmp_path):
     bad = subprocess.run([str(cpu_binary)] + args(shards, tmp_path / "e.ckpt", steps=1), capture_output=True,
                          text=True, timeout=30, env={**os.environ, "WORLD_SIZE": "2", "RANK": "2"})
     assert bad.returncode == 2 and "error: RANK 2 is not below WORLD_SIZE 2" in bad.stderr
+    for timeout in ("5x", "inf", "0", "nan"):  # a typo was read as far as atof went: 5 s
+        bad = subprocess.run([str(cpu_binary)] + args(shards, tmp_path / "e.ckpt", steps=1), capture_output=True,
+                             text=True, timeout=30, env={**os.environ, "WORLD_SIZE": "2", "RANK": "0",
+                                                         "ANDREA_DIST_TIMEOUT_S": timeout})
+        assert bad.returncode == 2 and f"error: ANDREA_DIST_TIMEOUT_S={timeout} is not a positive" in bad.stderr
+
+
+def test_rank_0_alone_names_the_rank_it_waits_for(cpu_binary, shards, tmp_path):
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "ANDREA_DIST_TIMEOUT_S": "1"}
+    alone = subprocess.run([str(cpu_binary)] + args(shards, tmp_path / "a.ckpt", steps=1), capture_output=True,
+                           text=True, timeout=30, env=env)
+    assert alone.returncode == 1 and "error: rank 0: lost rank 1 (no answer within" in alone.stderr
+    for port in ("0", "70000"):
+        bad = subprocess.run([str(cpu_binary)] + args(shards, tmp_path / "a.ckpt", steps=1), capture_output=True,
+                             text=True, timeout=30, env={**env, "MASTER_PORT": port})
+        assert bad.returncode == 2 and f"error: MASTER_PORT={port} is not a TCP port" in bad.stderr
+
+
+def test_a_stop_signal_while_the_ranks_connect_ends_every_rank(cpu_binary, shards, tmp_path):
+    """Rank 2 never starts (it crashed at launch): rank 0 waits for it, rank 1 waits for rank 0.
+    A stop signal (the proxy forwards Ctrl-C to all) ends them now, not after ANDREA_DIST_TIMEOUT_S:
+    exit 0, the signal's exit event, nothing saved (nothing was trained)."""
+    ckpt = tmp_path / "c.ckpt"
+    ranks = Ranks(cpu_binary, args(shards, ckpt, steps=3), 3, started=2)
+    assert "rank 1 of 3" in ranks.procs[1].stderr.readline()  # rank 1 is connected
+    for p in reversed(ranks.procs):  # as the proxy sends it: rank 0 last
+        p.send_signal(signal.SIGTERM)
+    try:
+        outs = [p.communicate(timeout=20) for p in ranks.procs]
+    finally:
+        for p in ranks.procs:
+            p.kill()
+    assert [p.returncode for p in ranks.procs] == [0, 0], [e for _, e in outs]
+    assert parse_stdout(outs[0][0])[1][-1] == {"event": "exit", "step": 0, "reason": "signal"}
+    assert not ckpt.exists()
+    alone = subprocess.Popen([str(cpu_binary)] + args(shards, ckpt, steps=3), stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": str(free_port())}, stdout=subprocess.DEVNULL)
+    time.sleep(0.5)  # connecting, again and again, to a rank 0 that is not there
+    alone.send_signal(signal.SIGTERM)
+    try:
+        assert alone.wait(timeout=20) == 0, alone.stderr.read()
+    finally:
+        alone.kill()
+
+
+def test_a_rank_refuses_a_master_that_is_not_rank_0(cpu_binary, shards, tmp_path):
+    """Something else listening on MASTER_PORT (here a web server's answer): its bytes are no
+    signal flags, the rank must not take them for a stop and exit 0."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(server.getsockname()[1]), "ANDREA_DIST_TIMEOUT_S": "5"}
+        rank1 = subprocess.Popen([str(cpu_binary)] + args(shards, tmp_path / "w.ckpt", steps=1), env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n" * 8)
+            _, err = rank1.communicate(timeout=30)
+    assert rank1.returncode == 2 and "error: rank 1: MASTER_ADDR:MASTER_PORT" in err and "is not rank 0" in err
+    assert not (tmp_path / "w.ckpt").exists()
+
+
+def test_rank_0_names_a_connection_that_never_greets(cpu_binary, shards, tmp_path):
+    """Something connects to MASTER_PORT and says nothing: rank 0 reads no greeting from it, and
+    must not say it lost "rank 0", itself."""
+    port = free_port()
+    rank0 = subprocess.Popen([str(cpu_binary)] + args(shards, tmp_path / "g.ckpt", steps=1), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": str(port), "ANDREA_DIST_TIMEOUT_S": "2"})
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                silent = socket.create_connection(("127.0.0.1", port))
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        with silent:
+            _, err = rank0.communicate(timeout=30)
+    finally:
+        rank0.kill()
+    assert rank0.returncode == 1 and "error: rank 0: a connection to MASTER_PORT sent no greeting" in err, err
+    assert "lost rank 0" not in err
+
+
+def test_ranks_started_with_other_flags_are_refused(cpu_binary, shards, tmp_path):
+    """Rank 1 with another model: rank 0 would read its gradients as its own (a wrong step, then
+    garbage read as signal flags) and write that checkpoint. Both refuse instead, writing nothing."""
+    ckpt = tmp_path / "o.ckpt"
+    port = str(free_port())
+    argv = [args(shards, ckpt, steps=3), args(shards, ckpt, steps=3, model_d_model=128)]
+    procs = [subprocess.Popen([str(cpu_binary)] + argv[r], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": str(r),
+                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                              "ANDREA_DIST_TIMEOUT_S": "10"})
+             for r in range(2)]
+    try:
+        errs = [p.communicate(timeout=60)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert "error: rank 0: rank 1 was started with other flags than rank 0" in errs[0]
+    assert "error: rank 1: rank 0 was started with other flags than rank 1" in errs[1]
+    assert not ckpt.exists()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -238,6 +349,32 @@ def test_proxy_marks_the_run_crashed_when_a_rank_dies(cpu_binary, tmp_path):
     assert p.wait(timeout=30) != 0, p.describe()
     state = d.state()
     assert state["status"] == "crashed" and "lost rank 1" in state["message"]
+
+
+def test_proxy_ends_the_run_when_a_rank_dies_before_connecting(cpu_binary, tmp_path, monkeypatch):
+    """Rank 1 fails at launch: rank 0 would wait for it until ANDREA_DIST_TIMEOUT_S (600 s by
+    default; 120 s here, beyond the test's 60 s); the proxy sees the rank end and stops rank 0, and
+    the run is crashed, naming rank 1."""
+    monkeypatch.setenv("ANDREA_DIST_TIMEOUT_S", "120")
+    engine = tmp_path / "engine.sh"
+    engine.write_text(f'#!/bin/sh\nif [ "$RANK" = 1 ]; then echo "error: no GPU for rank 1" >&2; exit 1; fi\n'
+                      f'exec {cpu_binary} "$@"\n')
+    engine.chmod(0o755)
+    d = ProxyFixtureDir(tmp_path)
+    p, rc = run_to_end(d.config(steps=10**6), d.run_dir, engine, "--ranks", "2", "--no-server", timeout=60)
+    assert rc == 1, p.describe()
+    assert d.state()["status"] == "crashed" and "rank 1 ended with exit code 1" in d.state()["message"]
+
+
+def test_proxy_with_one_rank_ignores_the_rank_variables_it_inherits(cpu_binary, tmp_path, monkeypatch):
+    """WORLD_SIZE left in the shell (a manual 2-rank test, a job allocation): the proxy starts its
+    ranks itself (--ranks, default 1), so its one engine must not wait for a rank 1 nobody starts."""
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port()), "ANDREA_DIST_TIMEOUT_S": "5"}.items():
+        monkeypatch.setenv(key, value)
+    d = ProxyFixtureDir(tmp_path)
+    p, rc = run_to_end(d.config(steps=12), d.run_dir, cpu_binary, "--no-server", timeout=60)
+    assert rc == 0 and d.state()["status"] == "finished", p.describe()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,7 +454,10 @@ def test_rank_environments_of_the_proxy(monkeypatch):
     from microgpt.supervisor import rank_environments
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
-    assert rank_environments(1, "build/microgpt_cuda") == [None]  # one rank: the environment as it is
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("ANDREA_DIST_TIMEOUT_S", "9")
+    one = rank_environments(1, "build/microgpt_cuda")  # one rank: the environment less the rank variables
+    assert len(one) == 1 and "WORLD_SIZE" not in one[0] and one[0]["ANDREA_DIST_TIMEOUT_S"] == "9"
     envs = rank_environments(4, "build/microgpt_cuda")
     assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [(str(r), str(r), "4") for r in range(4)]
     assert len({e["MASTER_PORT"] for e in envs}) == 1 and envs[0]["MASTER_ADDR"] == "127.0.0.1"

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -327,3 +328,30 @@ def test_an_out_dir_that_is_no_directory_is_one_clear_error(trained_model, tmp_p
 def test_an_empty_out_dir_is_one_clear_error(trained_model):
     res = export(trained_model.ckpt, "")
     assert res.returncode == 2 and res.stderr == "error: OUT_DIR is empty (see --help)\n", res.stderr
+
+
+@pytest.mark.parametrize("fmt", ["hf", "llmc"])
+def test_a_failed_write_leaves_no_trace(trained_model, tmp_path, fmt):
+    """A full disk (here a 1 MB file-size limit): the error line, exit 2, an existing OUT_DIR as it
+    was, and no directory the export created (it left OUT_DIR and its missing parents, empty)."""
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # noqa: E731
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "config.json").write_text("old")
+    for out in (kept, tmp_path / "new" / "deeper"):
+        res = subprocess.run([sys.executable, str(EXPORT), str(trained_model.ckpt), str(out), "--format", fmt],
+                             capture_output=True, text=True, timeout=300, env=eu.python_env(), preexec_fn=limit)
+        assert res.returncode == 2 and res.stderr == f"error: {out}: File too large\n", res.stderr
+    assert sorted(os.listdir(tmp_path)) == ["kept"] and os.listdir(kept) == ["config.json"]
+    assert (kept / "config.json").read_text() == "old"
+
+
+def test_a_directory_where_a_file_belongs_changes_nothing(trained_model, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.bin").write_text("old")
+    (out / "tokenizer.bin").mkdir()
+    res = export(trained_model.ckpt, out, "--format", "llmc")
+    assert res.returncode == 2 and res.stderr == f"error: {out / 'tokenizer.bin'}: Is a directory\n", res.stderr
+    assert (out / "model.bin").read_text() == "old" and sorted(os.listdir(out)) == ["model.bin", "tokenizer.bin"]
+

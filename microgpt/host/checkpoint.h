@@ -223,10 +223,13 @@ static int ckpt_keep_previous(const CkptFiles* f) {
 }
 
 /* Writes the parts, in order, to the new file `tmp` and fsyncs it. 0 on success; on failure the
- * file is removed and the error number returned. */
+ * file is removed and the error number returned. The name is foreseeable (PATH.tmpPID): whatever
+ * holds it is removed and the file created with O_EXCL, so a symbolic link planted there is never
+ * written through. */
 static int write_temp(const char* tmp, const void* const* parts, const size_t* bytes, int n_parts) {
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644), ok = 1, e, i;
-    if (fd < 0) return errno;
+    int fd, ok = 1, e, i;
+    unlink(tmp);
+    if ((fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0644)) < 0) return errno;
     for (i = 0; i < n_parts && ok; i++) ok = write_all(fd, parts[i], bytes[i]);
     e = errno;
     if (close_durably(fd) != 0 || !ok) {

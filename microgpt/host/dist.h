@@ -6,14 +6,18 @@
  * connects. Collectives go through rank 0 in rank order, so every sum has one fixed order. The CPU
  * engine sends its gradients through it; the CUDA engine only its NCCL id and scalars (the
  * gradients travel through NCCL). Every wait has a timeout; a peer that exits closes its socket and
- * the waiting rank stops at once with one error line naming it.
+ * the waiting rank stops at once with one error line naming it. Until the first step a stop signal
+ * ends the ranks without training (a rank that never comes must not hold them up until the timeout).
  * Compiles as C99 and as C++ (nvcc). */
 #ifndef MICROGPT_HOST_DIST_H
 #define MICROGPT_HOST_DIST_H
 
+#include "crc32c.h"
 #include "output.h"
+#include "signals.h"
 #include <arpa/inet.h>
 #include <errno.h>
+#include <math.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -25,18 +29,25 @@
 #include <time.h>
 #include <unistd.h>
 
-#define DIST_MAGIC 0x414e4452u /* "ANDR": a connection from something else is refused */
+#define DIST_MAGIC 0x414e4452u /* "ANDR": a connection from or to something else is refused */
 #define DIST_DEFAULT_TIMEOUT_S 600.0
 
 typedef struct {
     int rank, world, local_rank;
     double timeout_s; /* longest wait for a peer (ANDREA_DIST_TIMEOUT_S) */
+    uint32_t argv_crc; /* CRC-32C of the command line: every rank must be started with the same one */
+    int starting;      /* until the first step: a stop signal then ends the ranks, nothing to save */
     int* fds;         /* rank 0: fds[r] is rank r's socket (fds[0] unused); others: fds[0] is rank 0's */
     char* scratch;    /* rank 0's receive buffer for reductions, grown once */
     size_t scratch_bytes;
 } Dist;
 
-static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, NULL, NULL, 0};
+static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, 0, 1, NULL, NULL, 0};
+
+/* What each side of a connection says first (rank 0 answers with its own): a peer of another run,
+ * one started with other flags, or another program on the port is refused before any of its bytes
+ * is taken for a gradient or a signal flag. */
+typedef struct { uint32_t magic, rank, world, argv_crc; } DistHello;
 
 /* A part of [0, n) for each rank: rank r takes [r·stride, (r+1)·stride) clipped to n, where the
  * stride is a whole number of units (dist_stride), the same for every rank as NCCL's reduce-scatter
@@ -77,16 +88,24 @@ static double dist_now_s(void) {
 }
 
 static void dist_lost(int peer, const char* what) {
+    if (g_dist.rank == 0 && peer == 0) /* dist_accept_all: a connection that has not said its rank yet */
+        die_io("rank 0: a connection to MASTER_PORT sent no greeting (%s); the run stops", what);
+    if (g_dist.starting && g_stop_signal && g_dist.rank != 0) { /* rank 0 left on the same signal */
+        info("rank %d: stopped by signal %d before the first step: nothing to save", g_dist.rank, (int)g_stop_signal);
+        exit(0);
+    }
     die_io("rank %d: lost rank %d (%s); the run stops (the last checkpoint is kept)", g_dist.rank, peer, what);
 }
 
-/* Waits until fd is ready for `events`, at most the timeout; a dead or silent peer ends the run. */
-static void dist_wait(int fd, short events, int peer) {
+/* Waits until fd is ready for `events`, at most the timeout; a dead or silent peer ends the run.
+ * `stoppable`: a stop signal ends the wait too; returns 1 then, else 0. */
+static int dist_wait(int fd, short events, int peer, int stoppable) {
     double deadline = dist_now_s() + g_dist.timeout_s;
     for (;;) {
         struct pollfd p;
         double left = deadline - dist_now_s();
         int rc;
+        if (stoppable && g_stop_signal) return 1;
         if (left <= 0) dist_lost(peer, "no answer within ANDREA_DIST_TIMEOUT_S");
         p.fd = fd; p.events = events; p.revents = 0;
         rc = poll(&p, 1, left > 1000.0 ? 1000000 : (int)(left * 1000.0) + 1);
@@ -94,7 +113,7 @@ static void dist_wait(int fd, short events, int peer) {
         if (rc < 0) dist_lost(peer, strerror(errno));
         if (rc > 0) {
             if (p.revents & (POLLERR | POLLNVAL)) dist_lost(peer, "it exited or its connection broke");
-            return; /* readable, writable, or hung up (then recv reads 0: "it exited") */
+            return 0; /* readable, writable, or hung up (then recv reads 0: "it exited") */
         }
     }
 }
@@ -104,7 +123,7 @@ static void dist_send(int peer, const void* buf, size_t bytes) {
     const char* p = (const char*)buf;
     while (bytes > 0) {
         ssize_t k;
-        dist_wait(fd, POLLOUT, peer);
+        dist_wait(fd, POLLOUT, peer, 0);
         k = send(fd, p, bytes, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
         if (k <= 0) dist_lost(peer, "it exited");
@@ -118,7 +137,7 @@ static void dist_recv(int peer, void* buf, size_t bytes) {
     char* p = (char*)buf;
     while (bytes > 0) {
         ssize_t k;
-        dist_wait(fd, POLLIN, peer);
+        dist_wait(fd, POLLIN, peer, 0);
         k = recv(fd, p, bytes, MSG_DONTWAIT);
         if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
         if (k <= 0) dist_lost(peer, "it exited");
@@ -133,8 +152,9 @@ static struct sockaddr_in dist_master_address(void) {
     struct addrinfo hints, *res = NULL;
     struct sockaddr_in a;
     int rc;
-    if (!host || !*host || port <= 0 || port > 65535)
+    if (!host || !*host || port < 0)
         die_input("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT (rank 0's address and a free TCP port)");
+    if (port == 0 || port > 65535) die_input("MASTER_PORT=%s is not a TCP port (1 to 65535)", getenv("MASTER_PORT"));
     memset(&hints, 0, sizeof hints);
     hints.ai_family = AF_INET;
     hints.ai_socktype = SOCK_STREAM;
@@ -151,39 +171,59 @@ static void dist_set_socket_options(int fd) {
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* small control messages: no Nagle */
 }
 
-/* Rank 0: accept the world-1 others, each announcing (magic, rank, world). */
-static void dist_accept_all(struct sockaddr_in a) {
+static DistHello dist_hello(void) {
+    DistHello h;
+    h.magic = DIST_MAGIC;
+    h.rank = (uint32_t)g_dist.rank;
+    h.world = (uint32_t)g_dist.world;
+    h.argv_crc = g_dist.argv_crc;
+    return h;
+}
+
+/* Rank 0: accept the world-1 others, each announcing its DistHello (and hearing rank 0's first).
+ * Returns 1 where a stop signal came first, else 0. */
+static int dist_accept_all(struct sockaddr_in a) {
+    DistHello mine = dist_hello();
     int one = 1, n = 0, lfd = socket(AF_INET, SOCK_STREAM, 0);
     if (lfd < 0) die_io("rank 0: socket: %s", strerror(errno));
     setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (bind(lfd, (struct sockaddr*)&a, sizeof a) != 0 || listen(lfd, g_dist.world) != 0)
         die_io("rank 0: cannot listen on MASTER_ADDR:MASTER_PORT (port %d): %s", ntohs(a.sin_port), strerror(errno));
     while (n < g_dist.world - 1) {
-        uint32_t hello[3];
-        int fd;
-        dist_wait(lfd, POLLIN, -1);
+        DistHello h;
+        int fd, missing = 1;
+        while (g_dist.fds[missing] >= 0) missing++;
+        if (dist_wait(lfd, POLLIN, missing, 1)) break;
         fd = accept(lfd, NULL, NULL);
         if (fd < 0) continue;
         dist_set_socket_options(fd);
-        g_dist.fds[0] = fd; /* dist_recv's socket for peer 0 until the rank is known */
-        dist_recv(0, hello, sizeof hello);
-        if (hello[0] != DIST_MAGIC || (int)hello[2] != g_dist.world || hello[1] == 0 || (int)hello[1] >= g_dist.world ||
-            g_dist.fds[hello[1]] >= 0)
-            die_input("rank 0: a connection announced rank %u of world %u (expected a new rank of %d)", hello[1],
-                      hello[2], g_dist.world);
-        g_dist.fds[hello[1]] = fd;
+        g_dist.fds[0] = fd; /* dist_send's and dist_recv's socket for peer 0 until the rank is known */
+        dist_send(0, &mine, sizeof mine);
+        dist_recv(0, &h, sizeof h);
+        if (h.magic != DIST_MAGIC || (int)h.world != g_dist.world || h.rank == 0 || (int)h.rank >= g_dist.world ||
+            g_dist.fds[h.rank] >= 0)
+            die_input("rank 0: a connection announced rank %u of world %u (expected a new rank of %d)", h.rank,
+                      h.world, g_dist.world);
+        if (h.argv_crc != mine.argv_crc)
+            die_input("rank 0: rank %u was started with other flags than rank 0 (every rank needs the same command "
+                      "line)", h.rank);
+        g_dist.fds[h.rank] = fd;
         n++;
     }
     g_dist.fds[0] = -1;
     close(lfd);
+    return n < g_dist.world - 1;
 }
 
-/* Rank r > 0: connect to rank 0, retrying until the timeout (rank 0 may start later). */
-static void dist_connect(struct sockaddr_in a) {
+/* Rank r > 0: connect to rank 0, retrying until the timeout (rank 0 may start later). Returns 1
+ * where a stop signal came first, else 0. */
+static int dist_connect(struct sockaddr_in a) {
     double deadline = dist_now_s() + g_dist.timeout_s;
-    uint32_t hello[3];
+    DistHello mine = dist_hello(), h;
     for (;;) {
-        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        int fd;
+        if (g_stop_signal) return 1;
+        fd = socket(AF_INET, SOCK_STREAM, 0);
         if (fd < 0) die_io("rank %d: socket: %s", g_dist.rank, strerror(errno));
         if (connect(fd, (struct sockaddr*)&a, sizeof a) == 0) {
             dist_set_socket_options(fd);
@@ -197,12 +237,34 @@ static void dist_connect(struct sockaddr_in a) {
             nanosleep(&pause, NULL);
         }
     }
-    hello[0] = DIST_MAGIC; hello[1] = (uint32_t)g_dist.rank; hello[2] = (uint32_t)g_dist.world;
-    dist_send(0, hello, sizeof hello);
+    dist_send(0, &mine, sizeof mine);
+    dist_recv(0, &h, sizeof h);
+    if (h.magic != DIST_MAGIC || h.rank != 0)
+        die_input("rank %d: MASTER_ADDR:MASTER_PORT (port %d) answers, but is not rank 0 of a run (another program on "
+                  "that port?)", g_dist.rank, ntohs(a.sin_port));
+    if ((int)h.world != g_dist.world)
+        die_input("rank %d: rank 0 has WORLD_SIZE %u, this rank %d", g_dist.rank, h.world, g_dist.world);
+    if (h.argv_crc != mine.argv_crc)
+        die_input("rank %d: rank 0 was started with other flags than rank %d (every rank needs the same command line)",
+                  g_dist.rank, g_dist.rank);
+    return 0;
 }
 
-/* Reads the environment; with WORLD_SIZE > 1 connects every rank to rank 0. */
-static void dist_init(void) {
+static void dist_shutdown(void) {
+    int r;
+    if (g_dist.world == 1) return;
+    for (r = 0; r < g_dist.world; r++)
+        if (g_dist.fds[r] >= 0) close(g_dist.fds[r]);
+    free(g_dist.fds);
+    free(g_dist.scratch);
+    g_dist.fds = NULL;
+    g_dist.scratch = NULL;
+}
+
+/* Reads the environment; with WORLD_SIZE > 1 connects every rank to rank 0, each started with
+ * this command line (argv[1..], checked through its CRC). Returns 1 where a stop signal came before
+ * the ranks were connected (then nothing is), else 0. */
+static int dist_init(int argc, char** argv) {
     const char* t = getenv("ANDREA_DIST_TIMEOUT_S");
     int r;
     g_dist.world = env_int("WORLD_SIZE", 1);
@@ -211,14 +273,20 @@ static void dist_init(void) {
     if (g_dist.world < 1 || g_dist.rank >= g_dist.world)
         die_input("RANK %d is not below WORLD_SIZE %d", g_dist.rank, g_dist.world);
     if (t && *t) {
-        g_dist.timeout_s = atof(t);
-        if (!(g_dist.timeout_s > 0)) die_input("ANDREA_DIST_TIMEOUT_S=%s is not a positive number of seconds", t);
+        char* end;
+        g_dist.timeout_s = strtod(t, &end);
+        if (*end || !(g_dist.timeout_s > 0) || !isfinite(g_dist.timeout_s))
+            die_input("ANDREA_DIST_TIMEOUT_S=%s is not a positive number of seconds", t);
     }
-    if (g_dist.world == 1) return;
+    if (g_dist.world == 1) return 0;
+    for (r = 1; r < argc; r++) g_dist.argv_crc = crc32c_update(g_dist.argv_crc, argv[r], strlen(argv[r]) + 1);
     g_dist.fds = (int*)xmalloc((size_t)g_dist.world * sizeof(int), "rank sockets");
     for (r = 0; r < g_dist.world; r++) g_dist.fds[r] = -1;
-    if (g_dist.rank == 0) dist_accept_all(dist_master_address());
-    else dist_connect(dist_master_address());
+    if (g_dist.rank == 0 ? dist_accept_all(dist_master_address()) : dist_connect(dist_master_address())) {
+        dist_shutdown();
+        return 1;
+    }
+    return 0;
 }
 
 /* A peer whose connection has closed (it exited), or -1. For waits that are not on a socket (the
@@ -233,17 +301,6 @@ static inline int dist_peer_gone(void) {
         if (recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0) return g_dist.rank == 0 ? r : 0;
     }
     return -1;
-}
-
-static void dist_shutdown(void) {
-    int r;
-    if (g_dist.world == 1) return;
-    for (r = 0; r < g_dist.world; r++)
-        if (g_dist.fds[r] >= 0) close(g_dist.fds[r]);
-    free(g_dist.fds);
-    free(g_dist.scratch);
-    g_dist.fds = NULL;
-    g_dist.scratch = NULL;
 }
 
 static void* dist_scratch(size_t bytes) {

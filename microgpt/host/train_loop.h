@@ -438,14 +438,17 @@ static int stop_before_first_step(Run* r, int engine_started) {
     return 0;
 }
 
-/* dist (§17): connect the ranks; only rank 0's events reach stdout. */
-static void dist_start(const Run* r) {
-    dist_init();
-    if (g_dist.world == 1) return;
+/* dist (§17): connect the ranks; only rank 0's events reach stdout. Returns 1 where a stop signal
+ * came before they were connected. */
+static int dist_start(const Run* r, int argc, char** argv) {
+    int stopped = dist_init(argc, argv);
+    if (g_dist.world == 1) return 0;
     if (r->cfg.dump_grads[0]) die_input("--dump-grads is one process: unset WORLD_SIZE");
     if (g_dist.rank != 0 && !freopen("/dev/null", "w", stdout)) die_io("rank %d: cannot silence stdout", g_dist.rank);
+    if (stopped) return 1;
     info("rank %d of %d (local rank %d): %d windows of %d tokens per step in all", g_dist.rank, g_dist.world,
          g_dist.local_rank, g_dist.world * r->cfg.train.grad_accum * r->cfg.train.batch_size, r->cfg.model.seq_len + 1);
+    return 0;
 }
 
 /* A stopping signal seen by any rank (dist, §17): every rank takes the same way out. */
@@ -463,7 +466,10 @@ static int train_main(int argc, char** argv) {
 
     signals_install();
     run_validate_inputs(r, argc, argv);
-    dist_start(r); /* dist (§17): no-op unless WORLD_SIZE > 1 */
+    if (dist_start(r, argc, argv)) { /* dist (§17): no-op unless WORLD_SIZE > 1 */
+        emit_start(r);
+        return stop_before_first_step(r, 0);
+    }
     if (r->start_step >= r->cfg.train.steps && !r->cfg.dump_grads[0]) {
         emit_start(r);
         info("checkpoint %s is at step %d of %d: the run is already finished", r->cfg.checkpoint.path, r->start_step,
@@ -484,6 +490,7 @@ static int train_main(int argc, char** argv) {
         return 0;
     }
     if (agreed_stop()) return stop_before_first_step(r, 1);
+    g_dist.starting = 0; /* from here a stop is agreed after a step and checkpointed (§17) */
     for (s = r->start_step, stop = 0; s < r->cfg.train.steps && !stop; s++) stop = run_one_step(r, s);
     if (s < r->cfg.train.steps) {
         info("stopped by signal %d after step %d", stop, s);
