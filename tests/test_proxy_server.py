@@ -133,6 +133,23 @@ def test_the_token_is_stable_and_owner_only(tmp_path):
     assert len(proxy_server.load_token(str(root))) >= 16 and path.is_dir()
 
 
+def test_a_link_planted_at_the_token_temp_name_is_not_written_through(tmp_path):
+    """The token's temp name is foreseeable (TOKEN.PID.tmp): a link planted there must neither
+    receive the secret nor leave it in a file others can read."""
+    root = tmp_path / "runs"
+    make_run(root, "alpha", 5)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("untouched\n")
+    outside.chmod(0o644)
+    tmp = root / f"{proxy_server.TOKEN_FILE}.{os.getpid()}.tmp"
+    tmp.symlink_to(outside)
+    token = proxy_server.load_token(str(root))
+    assert outside.read_text() == "untouched\n"
+    path = root / proxy_server.TOKEN_FILE
+    assert path.read_text().strip() == token and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert not os.path.lexists(tmp)
+
+
 def test_a_non_loopback_host_warns_and_needs_the_token_everywhere(tmp_path, capsys):
     root = tmp_path / "runs"
     make_run(root, "alpha", 5)
