@@ -31,13 +31,14 @@ def atomic_open(path, mode="wb"):
     fsync_dir(os.path.dirname(path) or ".")
 
 
-def open_new(tmp, mode="wb"):
-    """A temp file created afresh (mode "w", UTF-8, or "wb"): whatever had its name before (one
-    left by a killed process of the same pid, or a symbolic link planted to make the write go
-    elsewhere) is removed, and O_EXCL refuses one put back meanwhile instead of following it."""
+def open_new(tmp, mode="wb", permissions=0o666):
+    """A temp file created afresh (mode "w", UTF-8, or "wb"; permissions before the umask):
+    whatever had its name before (one left by a killed process of the same pid, or a symbolic link
+    planted to make the write go elsewhere) is removed, and O_EXCL refuses one put back meanwhile
+    instead of following it."""
     with contextlib.suppress(FileNotFoundError):
         os.remove(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, permissions)
     return open(fd, mode, encoding=None if "b" in mode else "utf-8")
 
 

@@ -29,6 +29,7 @@ SEND_TIMEOUT_SECONDS is dropped. The
 engine's output is read by the proxy's own threads, which never wait on a client.
 """
 import base64
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -47,6 +48,7 @@ from flask import Flask, Response, abort, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
+from microgpt.atomic import open_new
 from microgpt.run_view import RunDirectory, open_inside
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -113,16 +115,19 @@ def _read_token(path):
 
 def _write_token(path, token):
     """Written whole, owner-only from its first byte, and never over a token another process
-    kept meanwhile (os.link refuses to replace: FileExistsError)."""
+    kept meanwhile (os.link refuses to replace: FileExistsError). The temp name is foreseeable:
+    atomic.open_new removes whatever holds it and creates the file afresh, so a planted link or
+    file never receives the secret."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, (token + "\n").encode())
-        os.fsync(fd)
+        with open_new(tmp, "wb", 0o600) as f:
+            f.write((token + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
         os.link(tmp, path)
     finally:
-        os.close(fd)
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 # ---------------------------------------------------------------------------------------------------
