@@ -375,8 +375,8 @@ static void fp8_bwd_products(const Fp8Step& s, int in, int out_dim, int batch) {
     fp8_gemm<float>(FP8_PASS_BACKWARD, in, out_dim, N, fp8_mat(x8t, FP8_E4M3, s.sc),
                     fp8_mat(g8t, FP8_GRAD_FMT, s.sc, (long long)out_dim * N), dw, NULL, 0.0f, batch,
                     (long long)in * out_dim);
-    fp8_gemm<bf16>(FP8_PASS_BACKWARD, N, in, batch * out_dim, fp8_mat(g8, FP8_GRAD_FMT, s.sc), fp8_mat(w8, FP8_E4M3, s.sc),
-                   dx, NULL, 0.0f);
+    fp8_gemm<bf16>(FP8_PASS_INPUT_GRAD, N, in, batch * out_dim, fp8_mat(g8, FP8_GRAD_FMT, s.sc),
+                   fp8_mat(w8, FP8_E4M3, s.sc), dx, NULL, 0.0f);
 }
 
 static void fp8_step(const char* model, int layers, int N, int C, int F) {

@@ -557,7 +557,7 @@ static void fp8_linear_bwd(T* dx, float* dw, const T* dout, int l, int t, int k,
                         fp8_mat(E.g8t, FP8_GRAD_FMT, gs, (long long)out_dim * N), dw, NULL, grad_beta, batch,
                         (long long)in * out_dim);
     });
-    fp8_gemm<T>(FP8_PASS_BACKWARD, N, in, batch * out_dim, fp8_mat(E.g8, FP8_GRAD_FMT, gs), w8_dx(l, t, k), dx, NULL,
+    fp8_gemm<T>(FP8_PASS_INPUT_GRAD, N, in, batch * out_dim, fp8_mat(E.g8, FP8_GRAD_FMT, gs), w8_dx(l, t, k), dx, NULL,
                 0.0f);
 }
 

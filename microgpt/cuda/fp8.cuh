@@ -970,8 +970,10 @@ template <typename T> static void fp8_quantize_jobs(const Fp8CastJobs<T>& js) {
 
 static cudaDataType_t fp8_dtype(int fmt) { return fmt == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
 
-/* Which pass a product belongs to: FP8_FAST_ACCUM (below) tells them apart. */
-enum Fp8Pass { FP8_PASS_FORWARD, FP8_PASS_BACKWARD };
+/* Which pass a product belongs to, and in the backward whether it contracts as briefly as the
+ * forward's (a layer's input gradient: over 3·d_model, d_model or d_ff) or over B·T positions or
+ * the vocabulary (weight gradients, the classifier's dx): FP8_FAST_ACCUM (below) tells them apart. */
+enum Fp8Pass { FP8_PASS_FORWARD, FP8_PASS_INPUT_GRAD, FP8_PASS_BACKWARD };
 
 /* Fast accumulation (docs/DESIGN.md §18, docs/BENCHMARKS.md #104): Hopper's FP8 tensor cores keep a
  * tile's running sum in fewer bits than fp32, and cuBLASLt adds it into fp32 registers every few
@@ -980,7 +982,8 @@ enum Fp8Pass { FP8_PASS_FORWARD, FP8_PASS_BACKWARD };
  * products, which contract over d_model or d_ff (the layers' and the FP8 classifier's logits; XLA
  * and torchao's float8 training choose the same); 2 for every product, the backward's too (its
  * weight gradients contract over all B·T positions, the classifier's dx over the vocabulary:
- * ANDREA-120M's 2000-step quality run missed the 1 % budget, +2.1 %); 0 for none. */
+ * ANDREA-120M's 2000-step quality run missed the 1 % budget, +2.1 %); 3 for the forward's and the
+ * layers' input gradients (a candidate, docs/BENCHMARKS.md #105); 0 for none. */
 #ifndef FP8_FAST_ACCUM
 #define FP8_FAST_ACCUM 1
 #endif
@@ -1071,7 +1074,8 @@ static void fp8_gemm(Fp8Pass pass, int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD*
     Fp8GemmKey key;
     memset(&key, 0, sizeof key);
     key.M = M, key.N = N, key.K = K, key.batch = batch, key.a_fmt = A.fmt, key.b_fmt = Bt.fmt;
-    key.fast_accum = FP8_FAST_ACCUM >= (pass == FP8_PASS_FORWARD ? 1 : 2);
+    key.fast_accum = FP8_FAST_ACCUM == 2 || (FP8_FAST_ACCUM != 0 && pass == FP8_PASS_FORWARD) ||
+                     (FP8_FAST_ACCUM == 3 && pass == FP8_PASS_INPUT_GRAD);
     key.d_type = TypeInfo<TD>::dtype;
     key.stride_a = A.stride, key.stride_b = Bt.stride, key.stride_d = stride_d;
     key.align_a = lt_alignment(A.p), key.align_b = lt_alignment(Bt.p);
