@@ -129,8 +129,10 @@ def why_left_out(p, env, min_gain_pct):
 
 def savings(env, products, min_gain_pct):
     """{(model, prec): µs of product time a step the table saves, as the probe measured it}: over the
-    kept products, (rule_us - best_us) times the product's launches a step. Precision fp8's step runs
-    the classifier in bf16: the bf16 classifier's products count for both. The probe's products run
+    kept products, (rule_us - best_us) times the product's launches a step. The probe's fp8 step has
+    the bf16 classifier (it probes no FP8 classifier): the bf16 classifier's products count for both,
+    as in the engine below d_model 512; at 120M the engine's fp8 runs the FP8 classifier, which the
+    table's bf16 entries do not reach, so that figure is an upper bound. The probe's products run
     alone, on cold operands; in a step at the power limit the gain has been smaller (log #30)."""
     out = {}
     for p in products:

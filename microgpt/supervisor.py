@@ -30,8 +30,8 @@ from microgpt.run_dir import RunBusyError, RunFiles, RunState, lock_run, roll_ba
 POLL_SECONDS = LossBuffer.FLUSH_SECONDS  # the main loop wakes at least this often to flush
 ENGINE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}  # the ones the proxy forwards
 PEER_GRACE_SECONDS = 30  # after rank 0 ends, how long the other ranks get to end by themselves
-# NVLink multicast stays off in every process of a multi-GPU run (NCCL, PyTorch, NVSHMEM)
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun's names
+# NVLink multicast stays off in every process of a multi-GPU run (NCCL, PyTorch, NVSHMEM)
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

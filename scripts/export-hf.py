@@ -264,8 +264,8 @@ def main(argv):
             raise InferenceError(f"{args.out_dir} exists and is no directory")
         files = (hf_files if args.format == "hf" else llmc_files)(shape, params)
         created = missing_directories(args.out_dir)
-        os.makedirs(args.out_dir, exist_ok=True)
         try:
+            os.makedirs(args.out_dir, exist_ok=True)
             write_files_atomic(args.out_dir, files)
         except BaseException:  # a failed export leaves nothing, not even the directories it made
             for directory in reversed(created):

@@ -1657,7 +1657,7 @@ static std::vector<unsigned char> fp8_random_codes(size_t n, int fmt, Vec* value
 }
 
 /* D [M,N] = da db A[M,K] Bt[N,K]^T + beta C, batched, against the fp32 product of the values, as a
- * product of pass `pass` (FP8_FAST_ACCUM accumulates the two differently). */
+ * product of pass `pass` (FP8_FAST_ACCUM chooses each pass's accumulation). */
 template <typename TD>
 static void test_fp8_gemm(Fp8Pass pass, int M, int N, int K, int batch, int a_fmt, int b_fmt, float beta) {
     Vec av, bv;

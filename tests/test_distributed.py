@@ -257,6 +257,40 @@ def test_a_stop_signal_while_the_ranks_connect_ends_every_rank(cpu_binary, shard
         alone.kill()
 
 
+# poll() that raises SIGTERM just before its first wait (rank 0's for connections): the signal lands
+# after the engine last read its stop flag and before it sleeps, the one moment no EINTR can wake it
+POLL_SIGNAL_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <poll.h>
+#include <signal.h>
+int poll(struct pollfd* fds, nfds_t n, int timeout_ms) {
+    static int raised;
+    int (*real)(struct pollfd*, nfds_t, int) = (int (*)(struct pollfd*, nfds_t, int))dlsym(RTLD_NEXT, "poll");
+    if (!raised) {
+        raised = 1;
+        raise(SIGTERM);
+    }
+    return real(fds, n, timeout_ms);
+}
+"""
+
+
+def test_a_stop_signal_just_before_rank_0_waits_is_not_missed(cpu_binary, shards, tmp_path):
+    """Rank 0 waits for a rank 1 that never comes; SIGTERM arrives between its test of the stop flag
+    and its poll(). The wait must still end at the signal, not ANDREA_DIST_TIMEOUT_S (60 s) later."""
+    shim = tmp_path / "poll_signal.so"
+    (tmp_path / "poll_signal.c").write_text(POLL_SIGNAL_SHIM)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "poll_signal.c"), "-ldl"], check=True)
+    rank0 = subprocess.run([str(cpu_binary)] + args(shards, tmp_path / "p.ckpt", steps=1), capture_output=True,
+                           text=True, timeout=30,
+                           env={**os.environ, "LD_PRELOAD": str(shim), "WORLD_SIZE": "2", "RANK": "0",
+                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                                "ANDREA_DIST_TIMEOUT_S": "60"})
+    assert rank0.returncode == 0 and "stopped by signal 15 before the first step" in rank0.stderr, rank0.stderr
+    assert parse_stdout(rank0.stdout)[1][-1] == {"event": "exit", "step": 0, "reason": "signal"}
+
+
 def test_a_rank_refuses_a_master_that_is_not_rank_0(cpu_binary, shards, tmp_path):
     """Something else listening on MASTER_PORT (here a web server's answer): its bytes are no
     signal flags, the rank must not take them for a stop and exit 0."""

@@ -355,3 +355,12 @@ def test_a_directory_where_a_file_belongs_changes_nothing(trained_model, tmp_pat
     assert res.returncode == 2 and res.stderr == f"error: {out / 'tokenizer.bin'}: Is a directory\n", res.stderr
     assert (out / "model.bin").read_text() == "old" and sorted(os.listdir(out)) == ["model.bin", "tokenizer.bin"]
 
+
+
+def test_an_out_dir_that_cannot_be_made_leaves_no_parent_behind(trained_model, tmp_path):
+    """OUT_DIR's last name is too long for the file system: makedirs has made its missing parents
+    before it fails there, and they are the export's to remove as well."""
+    out = tmp_path / "new" / ("x" * 300)
+    res = export(trained_model.ckpt, out)
+    assert res.returncode == 2 and res.stderr == f"error: {out}: File name too long\n", res.stderr
+    assert os.listdir(tmp_path) == []

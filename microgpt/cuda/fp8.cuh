@@ -32,9 +32,9 @@
  *
  * Formats: weights and activations E4M3; activation gradients FP8_GRAD_FMT (cpu/fp8.h), E4M3 by
  * measurement (docs/DESIGN.md §18: per-tensor scaling leaves E5M2's extra range unused, and its
- * one mantissa bit fewer cost ANDREA-120M 1.5 % of validation loss in 2000 steps). Products accumulate in fp32 (cuBLASLt's default FP8
- * accumulation, without its fast-accumulation mode) and write bf16 activations or fp32 weight
- * gradients. */
+ * one mantissa bit fewer cost ANDREA-120M 1.5 % of validation loss in 2000 steps). Products accumulate in fp32 (the
+ * forward's in cuBLASLt's fast-accumulation mode, the backward's without it: FP8_FAST_ACCUM, below)
+ * and write bf16 activations or fp32 weight gradients. */
 #ifndef MICROGPT_CUDA_FP8_CUH
 #define MICROGPT_CUDA_FP8_CUH
 
@@ -1030,7 +1030,8 @@ static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
     lt->align[0] = key->align_b, lt->align[1] = key->align_a, lt->align[2] = key->align_c, lt->align[3] = key->align_d;
     /* in gemm's terms: A [M,K] as it is, B^T [N,K] read transposed; D plain or the residual join
      * (the same descriptors: one plan serves both) */
-    const char* kind = key->fast_accum ? "fp8fa" : "fp8"; /* the fixed table was measured without fast accumulation */
+    /* a configuration the table measured in one accumulation mode is never taken for the other */
+    const char* kind = key->fast_accum ? "fp8fa" : "fp8";
     lt_key_name(lt->name, fp8_dtype(key->a_fmt), fp8_dtype(key->b_fmt), dt, kind, false, true, key->M, key->N, key->K,
                 key->K, key->K, key->N, key->batch, key->stride_a, key->stride_b, key->stride_d);
     cublasStatus_t st = lt_plan_algo(lt, NULL);

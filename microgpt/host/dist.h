@@ -31,6 +31,9 @@
 
 #define DIST_MAGIC 0x414e4452u /* "ANDR": a connection from or to something else is refused */
 #define DIST_DEFAULT_TIMEOUT_S 600.0
+/* A stoppable wait (dist_wait) polls at most this long at a time: a signal that lands after the
+ * stop flag was read and before poll() starts does not interrupt it, so the flag is read again. */
+#define DIST_STOP_POLL_MS 200
 
 typedef struct {
     int rank, world, local_rank;
@@ -104,12 +107,13 @@ static int dist_wait(int fd, short events, int peer, int stoppable) {
     for (;;) {
         struct pollfd p;
         double left = deadline - dist_now_s();
-        int rc;
+        int rc, ms = left > 1000.0 ? 1000000 : (int)(left * 1000.0) + 1;
         if (stoppable && g_stop_signal) return 1;
         if (left <= 0) dist_lost(peer, "no answer within ANDREA_DIST_TIMEOUT_S");
+        if (stoppable && ms > DIST_STOP_POLL_MS) ms = DIST_STOP_POLL_MS;
         p.fd = fd; p.events = events; p.revents = 0;
-        rc = poll(&p, 1, left > 1000.0 ? 1000000 : (int)(left * 1000.0) + 1);
-        if (rc < 0 && errno == EINTR) continue; /* a signal: its flag is read between steps */
+        rc = poll(&p, 1, ms);
+        if (rc < 0 && errno == EINTR) continue; /* a signal: its flag is read between steps (stoppable: above) */
         if (rc < 0) dist_lost(peer, strerror(errno));
         if (rc > 0) {
             if (p.revents & (POLLERR | POLLNVAL)) dist_lost(peer, "it exited or its connection broke");
