@@ -987,6 +987,9 @@ enum Fp8Pass { FP8_PASS_FORWARD, FP8_PASS_INPUT_GRAD, FP8_PASS_BACKWARD };
 #ifndef FP8_FAST_ACCUM
 #define FP8_FAST_ACCUM 1
 #endif
+#if FP8_FAST_ACCUM < 0 || FP8_FAST_ACCUM > 3
+#error "FP8_FAST_ACCUM is 0 (none), 1 (the forward), 2 (every product) or 3 (the forward and the input gradients)"
+#endif
 
 struct Fp8GemmKey {
     int M, N, K, batch, a_fmt, b_fmt, d_type;
