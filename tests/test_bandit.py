@@ -274,6 +274,24 @@ def test_a_bandit_state_no_run_leaves_starts_the_bandit_afresh(cpu_binary, sourc
     assert all(np.isfinite(e["p"]).all() for e in res.events("bandit")) and read_sidecar(ckpt)["bandit"]["rounds"] == 2
 
 
+def test_resuming_with_the_sources_reordered_starts_the_bandit_afresh(cpu_binary, sources, tmp_path):
+    """The gains belong to sources by name: a resume that lists the same number of sources in
+    another order (or under other names) must not hand one source's gain to another; it warns
+    and starts the bandit afresh from the prior, as for another number of sources
+    (docs/DESIGN.md §19)."""
+    ckpt = tmp_path / "c.ckpt"
+    bandit = {"bandit.every": 1, "bandit.eta": 0.5, "bandit.reward_decay": 0.5}
+    eu.run_ok(cpu_binary, mixture_args(sources, 20, checkpoint=ckpt, **bandit))
+    assert read_sidecar(ckpt)["bandit"]["p"][1] > 0.6  # the state favours "useful", source 1
+    swapped = {"data.sources.0.name": "useful", "data.sources.0.train": sources.useful_train,
+               "data.sources.0.val": sources.val, "data.sources.1.name": "noise",
+               "data.sources.1.train": sources.noise_train, "data.sources.1.val": sources.noise_val}
+    res = eu.run_ok(cpu_binary, mixture_args(sources, 22, checkpoint=ckpt, resume=True, **bandit, **swapped))
+    assert "bandit starts afresh" in res.stderr and "useful" in res.stderr, res.describe()
+    assert res.events("start")[0]["p"] == [0.5, 0.5], res.describe()
+    assert read_sidecar(ckpt)["bandit"]["rounds"] == 2
+
+
 def test_a_re_indented_sidecar_resumes_the_bandit_exactly(cpu_binary, sources, tmp_path):
     """JSON whitespace anywhere in the member (a tool re-indented the sidecar, spaces around its
     colons) reads the same state."""
