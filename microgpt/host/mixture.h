@@ -195,6 +195,9 @@ static void mixture_sidecar_json(const Mixture* m, const Config* c, char* out, s
             len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "%s%s", i ? "," : "", x);
         }
     }
+    len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "],\"sources\":[");
+    for (i = 0; i < m->n; i++) /* the gains belong to sources by name (config-checked: no escapes) */
+        len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "%s\"%s\"", i ? "," : "", m->names[i]);
     if (len < cap) snprintf(out + len, cap - len, "]}");
     if (len + 2 >= cap) die_io("internal: the bandit state does not fit the sidecar buffer");
 }
@@ -222,9 +225,31 @@ static int json_find_array(const char* text, const char* key, double* out, int m
     return n;
 }
 
+/* Whether the JSON array after "key": in text (any JSON whitespace between its tokens) holds
+ * exactly the strings names[0 .. n), in that order, each written without escapes. */
+static int json_array_is_names(const char* text, const char* key, const char* const* names, int n) {
+    char pat[64];
+    const char* p;
+    size_t len;
+    int i;
+    snprintf(pat, sizeof pat, "\"%s\"", key);
+    if (!(p = strstr(text, pat))) return 0;
+    p = json_skip_space(p + strlen(pat));
+    if (*p++ != ':' || *(p = json_skip_space(p)) != '[') return 0;
+    for (p++, i = 0; i < n; i++) {
+        if (i && *(p = json_skip_space(p)) != ',') return 0;
+        p = json_skip_space(i ? p + 1 : p);
+        len = strlen(names[i]);
+        if (*p != '"' || strncmp(p + 1, names[i], len) != 0 || p[1 + len] != '"') return 0;
+        p += len + 2;
+    }
+    return *json_skip_space(p) == ']';
+}
+
 /* Restores the bandit state from `text`, the sidecar `side` of the checkpoint being resumed
  * (mixture_resume). A sidecar without it
- * (the checkpoint of a run without a bandit), with another number of sources, or with a state no
+ * (the checkpoint of a run without a bandit), with another number of sources or other names (or
+ * order: the gains belong to sources by name), or with a state no
  * run leaves (a gain, mean or variance that is no finite number, a negative variance, a count of
  * rounds that is no int, gains whose probabilities overflow; the sidecar has no checksum) starts
  * the bandit afresh, with a warning: drawing from probabilities that are no numbers would pick
@@ -235,6 +260,15 @@ static void mixture_restore(Mixture* m, const Config* c, const char* side, const
     n = json_find_array(text, "gain", gain, CFG_MAX_SOURCES);
     if (n >= 0 && n != m->n) {
         warn("the bandit state in %s does not fit %d data sources: the bandit starts afresh", side, m->n);
+        return;
+    }
+    if (n >= 0 && !json_array_is_names(text, "sources", m->names, m->n)) {
+        char list[CFG_MAX_SOURCES * (CFG_NAME_MAX + 1)];
+        size_t len = 0;
+        for (i = 0; i < m->n; i++)
+            len += (size_t)snprintf(list + len, sizeof list - len, "%s%s", i ? "," : "", m->names[i]);
+        warn("the bandit state in %s is not that of the data sources %s in this order: the bandit starts afresh",
+             side, list);
         return;
     }
     if (n < 0 || !json_find_number(text, "rounds", &x) || !(x >= 0 && x <= INT_MAX && x == floor(x)) ||
