@@ -333,6 +333,18 @@ def test_bad_mixture_flags_are_one_clear_error(cpu_binary, sources, overrides, w
     assert all(w in res.errors[0] for w in words), res.errors
 
 
+@pytest.mark.parametrize("name", ["a\nerror: forged", "a\x1b[2Jb", "a\x01b"], ids=["newline", "escape", "control"])
+def test_a_source_name_with_a_control_character_is_one_error_line(cpu_binary, sources, name):
+    """The error names the offending byte instead of echoing it: a newline in a name must not split
+    the one error line in two (a second, forged "error:" line), nor a terminal escape reach the
+    terminal."""
+    res = eu.run_engine(cpu_binary, mixture_args(sources, 3, **{"data.sources.1.name": name}), timeout=30)
+    lines = res.stderr.strip().splitlines()
+    assert res.rc == 2 and len(lines) == 1 and not res.steps, res.describe()
+    assert "--data.sources.1.name" in lines[0] and "0x%02x" % ord(name[1]) in lines[0], lines
+    assert all(ch.isprintable() for ch in lines[0]), lines
+
+
 @pytest.fixture(scope="module")
 def flags(cpu_binary):
     return engines.engine_flags(str(cpu_binary))
