@@ -616,9 +616,10 @@ static void config_validate_sources(const Config* c) {
         const char* p;
         if (!s->name[0]) die_input("missing required flag --data.sources.%d.name (sources are numbered from 0)", i);
         if (!s->train[0]) die_input("missing required flag --data.sources.%d.train (sources are numbered from 0)", i);
-        for (p = s->name; *p; p++)
+        for (p = s->name; *p; p++) /* the byte, not the name: a newline or escape in it must not reach the error line */
             if (!(isalnum((unsigned char)*p) || *p == '.' || *p == '_' || *p == '-'))
-                die_input("--data.sources.%d.name: '%s' may hold only letters, digits, '.', '_' and '-'", i, s->name);
+                die_input("--data.sources.%d.name: byte 0x%02x at position %d; a name may hold only letters, digits, "
+                          "'.', '_' and '-'", i, (unsigned char)*p, (int)(p - s->name));
         for (j = 0; j < i; j++)
             if (strcmp(c->data.sources[j].name, s->name) == 0)
                 die_input("--data.sources.%d.name: '%s' is already the name of data.sources.%d", i, s->name, j);
