@@ -324,9 +324,10 @@ def test_a_re_indented_sidecar_resumes_the_bandit_exactly(cpu_binary, sources, t
     ({"bandit.gamma": 0.2}, ["--bandit.every"]),
     ({"bandit.every": 0}, ["--bandit.every", "outside"]),
     ({"bandit.every": 2, "data.val": None}, ["bandit.every", "--data.val"]),
+    ({"bandit.every": 2, "bandit.reward_decay": 0}, ["--bandit.reward_decay", "never learn"]),
 ], ids=["negative-weight", "all-zero", "unknown-key", "empty-train-glob", "empty-val-glob", "missing-train",
         "duplicate-name", "bad-name", "too-many", "train-and-sources", "bandit-without-every", "every-0",
-        "bandit-without-val"])
+        "bandit-without-val", "reward-decay-0"])
 def test_bad_mixture_flags_are_one_clear_error(cpu_binary, sources, overrides, words):
     res = eu.run_engine(cpu_binary, mixture_args(sources, 3, **overrides), timeout=30)
     assert res.rc == 2 and len(res.errors) == 1 and not res.steps, res.describe()
