@@ -604,7 +604,7 @@ static int config_all_sources_have_val(const Config* c) {
 }
 
 /* data.train or data.sources, each source whole and named once, weights not all 0; the bandit's
- * needs. */
+ * needs (a validation set, a reward variance). */
 static void config_validate_sources(const Config* c) {
     int i, j;
     double total = 0.0;
@@ -629,6 +629,8 @@ static void config_validate_sources(const Config* c) {
         die_input("--data.sources.N.weight: every weight is 0; at least one source must be trained on");
     if (c->bandit.enabled && !c->data.val[0])
         die_input("bandit.every needs --data.val: the bandit's probes measure the loss on it");
+    if (c->bandit.enabled && c->bandit.reward_decay == 0.0) /* the variance of one reward is 0: every z would be 0 */
+        die_input("--bandit.reward_decay 0 keeps no variance of the rewards: the bandit would never learn (give > 0)");
 }
 
 /* Whether the engines run the classifier's products in FP8: precision fp8 where it pays
