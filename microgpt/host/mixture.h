@@ -176,6 +176,17 @@ static void bandit_learn(Mixture* m, const Config* c, BanditRound* b) {
 
 static void put_double(char* buf, size_t cap, double x) { snprintf(buf, cap, isfinite(x) ? "%.17g" : "null", x); }
 
+/* The CRC-32C of the source names in order, each with its terminating NUL ("ab","c" is not "a","bc"):
+ * the gains belong to sources by name, so a resume must know they are the same sources in the same
+ * order. A number, not the names: a name written as a JSON string could read as a member name
+ * ("step", "crc32c") to the readers that find members by name. */
+static uint32_t mixture_names_crc(const Mixture* m) {
+    uint32_t crc = 0;
+    int i;
+    for (i = 0; i < m->n; i++) crc = crc32c_update(crc, m->names[i], strlen(m->names[i]) + 1);
+    return crc;
+}
+
 /* The sidecar members of the bandit state, ",\"bandit\":{...}", or "" without a bandit. */
 static void mixture_sidecar_json(const Mixture* m, const Config* c, char* out, size_t cap) {
     char x[40];
@@ -195,11 +206,9 @@ static void mixture_sidecar_json(const Mixture* m, const Config* c, char* out, s
             len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "%s%s", i ? "," : "", x);
         }
     }
-    len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "],\"sources\":[");
-    for (i = 0; i < m->n; i++) /* the gains belong to sources by name (config-checked: no escapes) */
-        len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "%s\"%s\"", i ? "," : "", m->names[i]);
-    if (len < cap) snprintf(out + len, cap - len, "]}");
-    if (len + 2 >= cap) die_io("internal: the bandit state does not fit the sidecar buffer");
+    len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "],\"sources_crc32c\":%lu}",
+                            (unsigned long)mixture_names_crc(m));
+    if (len >= cap) die_io("internal: the bandit state does not fit the sidecar buffer");
 }
 
 /* The finite numbers of the JSON array after "key": in text (any JSON whitespace between its
@@ -225,27 +234,6 @@ static int json_find_array(const char* text, const char* key, double* out, int m
     return n;
 }
 
-/* Whether the JSON array after "key": in text (any JSON whitespace between its tokens) holds
- * exactly the strings names[0 .. n), in that order, each written without escapes. */
-static int json_array_is_names(const char* text, const char* key, const char* const* names, int n) {
-    char pat[64];
-    const char* p;
-    size_t len;
-    int i;
-    snprintf(pat, sizeof pat, "\"%s\"", key);
-    if (!(p = strstr(text, pat))) return 0;
-    p = json_skip_space(p + strlen(pat));
-    if (*p++ != ':' || *(p = json_skip_space(p)) != '[') return 0;
-    for (p++, i = 0; i < n; i++) {
-        if (i && *(p = json_skip_space(p)) != ',') return 0;
-        p = json_skip_space(i ? p + 1 : p);
-        len = strlen(names[i]);
-        if (*p != '"' || strncmp(p + 1, names[i], len) != 0 || p[1 + len] != '"') return 0;
-        p += len + 2;
-    }
-    return *json_skip_space(p) == ']';
-}
-
 /* Restores the bandit state from `text`, the sidecar `side` of the checkpoint being resumed
  * (mixture_resume). A sidecar without it
  * (the checkpoint of a run without a bandit), with another number of sources or other names (or
@@ -262,7 +250,7 @@ static void mixture_restore(Mixture* m, const Config* c, const char* side, const
         warn("the bandit state in %s does not fit %d data sources: the bandit starts afresh", side, m->n);
         return;
     }
-    if (n >= 0 && !json_array_is_names(text, "sources", m->names, m->n)) {
+    if (n >= 0 && !(json_find_number(text, "sources_crc32c", &x) && x == (double)mixture_names_crc(m))) {
         char list[CFG_MAX_SOURCES * (CFG_NAME_MAX + 1)];
         size_t len = 0;
         for (i = 0; i < m->n; i++)
