@@ -274,7 +274,8 @@ def test_a_bandit_state_no_run_leaves_starts_the_bandit_afresh(cpu_binary, sourc
     assert all(np.isfinite(e["p"]).all() for e in res.events("bandit")) and read_sidecar(ckpt)["bandit"]["rounds"] == 2
 
 
-def test_resuming_with_the_sources_reordered_starts_the_bandit_afresh(cpu_binary, sources, tmp_path):
+@pytest.mark.parametrize("change", ["reordered", "renamed"])
+def test_resuming_with_the_sources_reordered_starts_the_bandit_afresh(cpu_binary, sources, tmp_path, change):
     """The gains belong to sources by name: a resume that lists the same number of sources in
     another order (or under other names) must not hand one source's gain to another; it warns
     and starts the bandit afresh from the prior, as for another number of sources
@@ -286,8 +287,9 @@ def test_resuming_with_the_sources_reordered_starts_the_bandit_afresh(cpu_binary
     swapped = {"data.sources.0.name": "useful", "data.sources.0.train": sources.useful_train,
                "data.sources.0.val": sources.val, "data.sources.1.name": "noise",
                "data.sources.1.train": sources.noise_train, "data.sources.1.val": sources.noise_val}
-    res = eu.run_ok(cpu_binary, mixture_args(sources, 22, checkpoint=ckpt, resume=True, **bandit, **swapped))
-    assert "bandit starts afresh" in res.stderr and "useful" in res.stderr, res.describe()
+    edit = swapped if change == "reordered" else {"data.sources.1.name": "useful2"}
+    res = eu.run_ok(cpu_binary, mixture_args(sources, 22, checkpoint=ckpt, resume=True, **bandit, **edit))
+    assert "bandit starts afresh" in res.stderr and "noise" in res.stderr, res.describe()
     assert res.events("start")[0]["p"] == [0.5, 0.5], res.describe()
     assert read_sidecar(ckpt)["bandit"]["rounds"] == 2
 
