@@ -348,6 +348,18 @@ def test_a_source_name_with_a_control_character_is_one_error_line(cpu_binary, so
     assert all(ch.isprintable() for ch in lines[0]), lines
 
 
+@pytest.mark.parametrize("overrides", [{"data.sources.1.na\nerror: forged": "x"},
+                                       {"data.sources.1.train": "/nonexistent/a\nerror: forged_*.bin"},
+                                       {"data.sources.1.weight": "1\x1b[2J"}], ids=["flag", "glob", "value"])
+def test_any_error_echoing_a_control_character_stays_one_printable_line(cpu_binary, sources, overrides):
+    """Whatever user text an error quotes (a flag's name, a glob, a value), a newline in it must not
+    split the one error line (a forged second "error:" line), nor an escape reach the terminal."""
+    res = eu.run_engine(cpu_binary, mixture_args(sources, 3, **overrides), timeout=30)
+    lines = res.stderr.strip().splitlines()
+    assert res.rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.describe()
+    assert all(ch.isprintable() for ch in lines[0]) and ("\\x0a" in lines[0] or "\\x1b" in lines[0]), lines
+
+
 @pytest.fixture(scope="module")
 def flags(cpu_binary):
     return engines.engine_flags(str(cpu_binary))
