@@ -274,6 +274,26 @@ def test_a_bandit_state_no_run_leaves_starts_the_bandit_afresh(cpu_binary, sourc
     assert all(np.isfinite(e["p"]).all() for e in res.events("bandit")) and read_sidecar(ckpt)["bandit"]["rounds"] == 2
 
 
+@pytest.mark.parametrize("change", ["reordered", "renamed"])
+def test_resuming_with_the_sources_reordered_starts_the_bandit_afresh(cpu_binary, sources, tmp_path, change):
+    """The gains belong to sources by name: a resume that lists the same number of sources in
+    another order (or under other names) must not hand one source's gain to another; it warns
+    and starts the bandit afresh from the prior, as for another number of sources
+    (docs/DESIGN.md §19)."""
+    ckpt = tmp_path / "c.ckpt"
+    bandit = {"bandit.every": 1, "bandit.eta": 0.5, "bandit.reward_decay": 0.5}
+    eu.run_ok(cpu_binary, mixture_args(sources, 20, checkpoint=ckpt, **bandit))
+    assert read_sidecar(ckpt)["bandit"]["p"][1] > 0.6  # the state favours "useful", source 1
+    swapped = {"data.sources.0.name": "useful", "data.sources.0.train": sources.useful_train,
+               "data.sources.0.val": sources.val, "data.sources.1.name": "noise",
+               "data.sources.1.train": sources.noise_train, "data.sources.1.val": sources.noise_val}
+    edit = swapped if change == "reordered" else {"data.sources.1.name": "useful2"}
+    res = eu.run_ok(cpu_binary, mixture_args(sources, 22, checkpoint=ckpt, resume=True, **bandit, **edit))
+    assert "bandit starts afresh" in res.stderr and "noise" in res.stderr, res.describe()
+    assert res.events("start")[0]["p"] == [0.5, 0.5], res.describe()
+    assert read_sidecar(ckpt)["bandit"]["rounds"] == 2
+
+
 def test_a_re_indented_sidecar_resumes_the_bandit_exactly(cpu_binary, sources, tmp_path):
     """JSON whitespace anywhere in the member (a tool re-indented the sidecar, spaces around its
     colons) reads the same state."""
@@ -306,13 +326,38 @@ def test_a_re_indented_sidecar_resumes_the_bandit_exactly(cpu_binary, sources, t
     ({"bandit.gamma": 0.2}, ["--bandit.every"]),
     ({"bandit.every": 0}, ["--bandit.every", "outside"]),
     ({"bandit.every": 2, "data.val": None}, ["bandit.every", "--data.val"]),
+    ({"bandit.every": 2, "bandit.reward_decay": 0}, ["--bandit.reward_decay", "never learn"]),
 ], ids=["negative-weight", "all-zero", "unknown-key", "empty-train-glob", "empty-val-glob", "missing-train",
         "duplicate-name", "bad-name", "too-many", "train-and-sources", "bandit-without-every", "every-0",
-        "bandit-without-val"])
+        "bandit-without-val", "reward-decay-0"])
 def test_bad_mixture_flags_are_one_clear_error(cpu_binary, sources, overrides, words):
     res = eu.run_engine(cpu_binary, mixture_args(sources, 3, **overrides), timeout=30)
     assert res.rc == 2 and len(res.errors) == 1 and not res.steps, res.describe()
     assert all(w in res.errors[0] for w in words), res.errors
+
+
+@pytest.mark.parametrize("name", ["a\nerror: forged", "a\x1b[2Jb", "a\x01b"], ids=["newline", "escape", "control"])
+def test_a_source_name_with_a_control_character_is_one_error_line(cpu_binary, sources, name):
+    """The error names the offending byte instead of echoing it: a newline in a name must not split
+    the one error line in two (a second, forged "error:" line), nor a terminal escape reach the
+    terminal."""
+    res = eu.run_engine(cpu_binary, mixture_args(sources, 3, **{"data.sources.1.name": name}), timeout=30)
+    lines = res.stderr.strip().splitlines()
+    assert res.rc == 2 and len(lines) == 1 and not res.steps, res.describe()
+    assert "--data.sources.1.name" in lines[0] and "0x%02x" % ord(name[1]) in lines[0], lines
+    assert all(ch.isprintable() for ch in lines[0]), lines
+
+
+@pytest.mark.parametrize("overrides", [{"data.sources.1.na\nerror: forged": "x"},
+                                       {"data.sources.1.train": "/nonexistent/a\nerror: forged_*.bin"},
+                                       {"data.sources.1.weight": "1\x1b[2J"}], ids=["flag", "glob", "value"])
+def test_any_error_echoing_a_control_character_stays_one_printable_line(cpu_binary, sources, overrides):
+    """Whatever user text an error quotes (a flag's name, a glob, a value), a newline in it must not
+    split the one error line (a forged second "error:" line), nor an escape reach the terminal."""
+    res = eu.run_engine(cpu_binary, mixture_args(sources, 3, **overrides), timeout=30)
+    lines = res.stderr.strip().splitlines()
+    assert res.rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.describe()
+    assert all(ch.isprintable() for ch in lines[0]) and ("\\x0a" in lines[0] or "\\x1b" in lines[0]), lines
 
 
 @pytest.fixture(scope="module")

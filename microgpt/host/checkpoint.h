@@ -30,7 +30,7 @@
 
 /* The longest state mixture_sidecar_json (mixture.h) writes: CFG_MAX_SOURCES sources, every number
  * as wide as put_double writes one (sign, 17 digits, point, "e-308": 24 characters), the rest
- * under 128. */
+ * (the names' CRC among it) under 128. */
 #define MIXTURE_SIDECAR_MAX (128 + (2 + 2 * CFG_MAX_SOURCES) * (24 + 1))
 
 /* A reader takes a sidecar up to this many times the longest one the writer makes for the model:
@@ -480,7 +480,7 @@ static const char* json_skip_scalar(const char* p) {
 static const char* const sidecar_names[] = {
     "step", "n_params", "crc32c", "loss_scale", "fingerprint", "n_layer", "d_model", "n_head", "d_ff", "seq_len",
     "vocab_size", "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision",
-    "bandit", "rounds", "reward_mean", "reward_var", "gain", "p", "fp8_history", "len", "exp"};
+    "bandit", "rounds", "reward_mean", "reward_var", "gain", "p", "sources_crc32c", "fp8_history", "len", "exp"};
 #define SIDECAR_N_NAMES (sizeof sidecar_names / sizeof sidecar_names[0])
 
 /* p past an object member's name, one of sidecar_names and not yet seen[], and its colon, from p

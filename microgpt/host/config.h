@@ -604,7 +604,7 @@ static int config_all_sources_have_val(const Config* c) {
 }
 
 /* data.train or data.sources, each source whole and named once, weights not all 0; the bandit's
- * needs. */
+ * needs (a validation set, a reward variance). */
 static void config_validate_sources(const Config* c) {
     int i, j;
     double total = 0.0;
@@ -616,9 +616,10 @@ static void config_validate_sources(const Config* c) {
         const char* p;
         if (!s->name[0]) die_input("missing required flag --data.sources.%d.name (sources are numbered from 0)", i);
         if (!s->train[0]) die_input("missing required flag --data.sources.%d.train (sources are numbered from 0)", i);
-        for (p = s->name; *p; p++)
+        for (p = s->name; *p; p++) /* the byte, not the name: a newline or escape in it must not reach the error line */
             if (!(isalnum((unsigned char)*p) || *p == '.' || *p == '_' || *p == '-'))
-                die_input("--data.sources.%d.name: '%s' may hold only letters, digits, '.', '_' and '-'", i, s->name);
+                die_input("--data.sources.%d.name: byte 0x%02x at position %d; a name may hold only letters, digits, "
+                          "'.', '_' and '-'", i, (unsigned char)*p, (int)(p - s->name));
         for (j = 0; j < i; j++)
             if (strcmp(c->data.sources[j].name, s->name) == 0)
                 die_input("--data.sources.%d.name: '%s' is already the name of data.sources.%d", i, s->name, j);
@@ -628,6 +629,8 @@ static void config_validate_sources(const Config* c) {
         die_input("--data.sources.N.weight: every weight is 0; at least one source must be trained on");
     if (c->bandit.enabled && !c->data.val[0])
         die_input("bandit.every needs --data.val: the bandit's probes measure the loss on it");
+    if (c->bandit.enabled && c->bandit.reward_decay == 0.0) /* the variance of one reward is 0: every z would be 0 */
+        die_input("--bandit.reward_decay 0 keeps no variance of the rewards: the bandit would never learn (give > 0)");
 }
 
 /* Whether the engines run the classifier's products in FP8: precision fp8 where it pays

@@ -176,6 +176,17 @@ static void bandit_learn(Mixture* m, const Config* c, BanditRound* b) {
 
 static void put_double(char* buf, size_t cap, double x) { snprintf(buf, cap, isfinite(x) ? "%.17g" : "null", x); }
 
+/* The CRC-32C of the source names in order, each with its terminating NUL ("ab","c" is not "a","bc"):
+ * the gains belong to sources by name, so a resume must know they are the same sources in the same
+ * order. A number, not the names: a name written as a JSON string could read as a member name
+ * ("step", "crc32c") to the readers that find members by name. */
+static uint32_t mixture_names_crc(const Mixture* m) {
+    uint32_t crc = 0;
+    int i;
+    for (i = 0; i < m->n; i++) crc = crc32c_update(crc, m->names[i], strlen(m->names[i]) + 1);
+    return crc;
+}
+
 /* The sidecar members of the bandit state, ",\"bandit\":{...}", or "" without a bandit. */
 static void mixture_sidecar_json(const Mixture* m, const Config* c, char* out, size_t cap) {
     char x[40];
@@ -195,8 +206,9 @@ static void mixture_sidecar_json(const Mixture* m, const Config* c, char* out, s
             len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "%s%s", i ? "," : "", x);
         }
     }
-    if (len < cap) snprintf(out + len, cap - len, "]}");
-    if (len + 2 >= cap) die_io("internal: the bandit state does not fit the sidecar buffer");
+    len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "],\"sources_crc32c\":%lu}",
+                            (unsigned long)mixture_names_crc(m));
+    if (len >= cap) die_io("internal: the bandit state does not fit the sidecar buffer");
 }
 
 /* The finite numbers of the JSON array after "key": in text (any JSON whitespace between its
@@ -224,7 +236,8 @@ static int json_find_array(const char* text, const char* key, double* out, int m
 
 /* Restores the bandit state from `text`, the sidecar `side` of the checkpoint being resumed
  * (mixture_resume). A sidecar without it
- * (the checkpoint of a run without a bandit), with another number of sources, or with a state no
+ * (the checkpoint of a run without a bandit), with another number of sources or other names (or
+ * order: the gains belong to sources by name), or with a state no
  * run leaves (a gain, mean or variance that is no finite number, a negative variance, a count of
  * rounds that is no int, gains whose probabilities overflow; the sidecar has no checksum) starts
  * the bandit afresh, with a warning: drawing from probabilities that are no numbers would pick
@@ -235,6 +248,15 @@ static void mixture_restore(Mixture* m, const Config* c, const char* side, const
     n = json_find_array(text, "gain", gain, CFG_MAX_SOURCES);
     if (n >= 0 && n != m->n) {
         warn("the bandit state in %s does not fit %d data sources: the bandit starts afresh", side, m->n);
+        return;
+    }
+    if (n >= 0 && !(json_find_number(text, "sources_crc32c", &x) && x == (double)mixture_names_crc(m))) {
+        char list[CFG_MAX_SOURCES * (CFG_NAME_MAX + 1)];
+        size_t len = 0;
+        for (i = 0; i < m->n; i++)
+            len += (size_t)snprintf(list + len, sizeof list - len, "%s%s", i ? "," : "", m->names[i]);
+        warn("the bandit state in %s is not that of the data sources %s in this order: the bandit starts afresh",
+             side, list);
         return;
     }
     if (n < 0 || !json_find_number(text, "rounds", &x) || !(x >= 0 && x <= INT_MAX && x == floor(x)) ||

@@ -19,14 +19,22 @@
 #define EXIT_FAILURE_IO 1 /* the machine failed us (disk full, out of memory) */
 #define EXIT_DIVERGED 3 /* the loss, gradient norm or state went non-finite; nothing of it was saved */
 
-/* One "error: ..." line on stderr, then exit. Used for every fatal condition. */
+/* One "error: ..." line on stderr, then exit. Used for every fatal condition. The message often
+ * quotes user text (a flag, a glob, a value): its control bytes are written as \xNN, so a newline
+ * cannot split the line (a forged second "error:" line) nor an escape sequence reach a terminal. */
 static void die_code(int code, const char* fmt, ...) {
+    char msg[8192];
+    const char* p;
     va_list ap;
     fflush(stdout);
-    fputs("error: ", stderr);
     va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    fputs("error: ", stderr);
+    for (p = msg; *p; p++) {
+        if ((unsigned char)*p < 0x20 || *p == 0x7f) fprintf(stderr, "\\x%02x", (unsigned char)*p);
+        else fputc(*p, stderr);
+    }
     fputc('\n', stderr);
     fflush(stderr);
     exit(code);
