@@ -32,9 +32,9 @@
  *
  * Formats: weights and activations E4M3; activation gradients FP8_GRAD_FMT (cpu/fp8.h), E4M3 by
  * measurement (docs/DESIGN.md §18: per-tensor scaling leaves E5M2's extra range unused, and its
- * one mantissa bit fewer cost ANDREA-120M 1.5 % of validation loss in 2000 steps). Products accumulate in fp32 (the
- * forward's in cuBLASLt's fast-accumulation mode, the backward's without it: FP8_FAST_ACCUM, below)
- * and write bf16 activations or fp32 weight gradients. */
+ * one mantissa bit fewer cost ANDREA-120M 1.5 % of validation loss in 2000 steps). Products
+ * accumulate in fp32 (the forward's in cuBLASLt's fast-accumulation mode, the backward's without
+ * it: FP8_FAST_ACCUM, below) and write bf16 activations or fp32 weight gradients. */
 #ifndef MICROGPT_CUDA_FP8_CUH
 #define MICROGPT_CUDA_FP8_CUH
 
@@ -1071,7 +1071,7 @@ static Fp8Mat fp8_mat(const fp8* p, int fmt, const Fp8Scale* sc, long long strid
 }
 
 /* D [M,N] (type TD: bf16 or float) = A [M,K] Bt[N,K]^T + beta C, as at the top of this section, a
- * product of the forward or the backward pass. */
+ * product of pass `pass` (which sets its accumulation, FP8_FAST_ACCUM). */
 template <typename TD>
 static void fp8_gemm(Fp8Pass pass, int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD* D, const TD* C, float beta,
                      int batch = 1, long long stride_d = 0) {
