@@ -298,13 +298,13 @@ static float forward_loss(const int* inputs, const int* targets) {
 }
 
 /* The classifier backward: dlogits from the probabilities, in place; with the FP8 classifier cast
- * to FP8_GRAD_FMT at the static scale of its bound (cpu/fp8.h's fp8_dlogits_scale, the GPU's loss
+ * to FP8_DLOGITS_FMT at the static scale of its bound (cpu/fp8.h's fp8_dlogits_scale, the GPU's loss
  * rows' for every chunk); then its two products into dln and dwte. */
 static void classifier_bwd(const int* targets) {
     int N = E.B * E.T;
     classifier_dlogits(E.probs, targets, N, E.V, E.Vp);
     if (fp8_classifier())
-        fp8_fake_quantize_at(E.probs, E.probs, (size_t)N * E.Vp, FP8_GRAD_FMT, fp8_dlogits_scale(1.0f / N));
+        fp8_fake_quantize_at(E.probs, E.probs, (size_t)N * E.Vp, FP8_DLOGITS_FMT, fp8_dlogits_scale(1.0f / N));
     classifier_backward_products(E.dln, G(E.layout.wte), E.probs, classifier_x(), classifier_wte(), N, E.C, E.V, E.Vp);
 }
 

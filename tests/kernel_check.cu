@@ -1732,7 +1732,7 @@ template <typename T> static void test_loss_rows_fp8_fused(int n, int V, int Vp,
     float *ref_losses = poisoned<float>(n), *ref_lse = poisoned<float>(n);
     loss_rows_from_memory<T>(ref_losses, ref_lse, d_ref, d_targets, n, V, Vp, d_dscale);
     CUDA_CHECK(cudaMemcpy(&ref.sc->amax_bits, &bound, sizeof bound, cudaMemcpyHostToDevice));
-    fp8_cast(ref.n, ref.t, ref.sc, (const T*)d_ref, 1, n, Vp, FP8_GRAD_FMT);
+    fp8_cast(ref.n, ref.t, ref.sc, (const T*)d_ref, 1, n, Vp, FP8_DLOGITS_FMT);
     std::vector<unsigned char> want_n(nv), want_t(nv);
     Fp8Scale want_sc;
     CUDA_CHECK(cudaMemcpy(want_n.data(), ref.n, nv, cudaMemcpyDeviceToHost));
@@ -1855,7 +1855,7 @@ template <typename T> static void test_loss_fp8(int N, int C, int V, int Vp, int
                        "%zu of %zu transposed codes differ; scale %g (static %g)", bad, nv, (double)gs.scale,
                        (double)s);
                 Vec dlq(nv);
-                for (size_t i = 0; i < nv; i++) dlq[i] = fp8_to_float(gn[i], FP8_GRAD_FMT) * gs.descale;
+                for (size_t i = 0; i < nv; i++) dlq[i] = fp8_to_float(gn[i], FP8_DLOGITS_FMT) * gs.descale;
                 classifier_backward_products(dx_inc.data() + (size_t)r0 * C, dwte_inc.data(), dlq.data(),
                                              xq.data() + (size_t)r0 * C, wq.data(), n, C, V, Vp);
             }
@@ -1992,7 +1992,7 @@ static void run_fp8(void) {
     const int cls_shapes[][5] = {{64, 48, 100, 128, 64}, {144, 48, 100, 128, 64}, {256, 192, 1000, 1024, 128},
                                  {128, 512, 1000, 1024, 64}};
     for (const auto& c : cls_shapes) {
-        snprintf(sh, sizeof sh, "N=%d C=%d V=%d/%d chunk=%d %s", c[0], c[1], c[2], c[3], c[4], fp8_name(FP8_GRAD_FMT));
+        snprintf(sh, sizeof sh, "N=%d C=%d V=%d/%d chunk=%d %s", c[0], c[1], c[2], c[3], c[4], fp8_name(FP8_DLOGITS_FMT));
         set_ctx("fp8", "classifier bf16", sh);
         test_loss_fp8<bf16>(c[0], c[1], c[2], c[3], c[4]);
     }

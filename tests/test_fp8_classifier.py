@@ -1,5 +1,6 @@
-"""The FP8 classifier (docs/DESIGN.md §18): in precision fp8, from model.d_model 512 up
-(cpu/fp8.h's fp8_classifier_pays), the tied classifier's three products run in FP8 too (wte and
+"""The FP8 classifier (docs/DESIGN.md §18): in precision fp8 with train.fp8_classifier auto (off by
+default: it costs validation loss), from model.d_model 512 up (cpu/fp8.h's fp8_classifier_pays), the
+tied classifier's three products run in FP8 too (wte and
 LNf's output E4M3 at their current scales, dlogits FP8_GRAD_FMT at the static scale of their bound
 1/(B·T), written by the GPU's loss rows), in both engines; below 512 the classifier stays in the
 activation type. A one-layer model of d_model 512 (small vocabulary and sequence, so the CPU runs it
@@ -31,7 +32,7 @@ WIDTHS = {"fp8 classifier": {"model.d_model": 512, "model.n_head": 8},
 # one layer, a small vocabulary (the pattern shards' 60 in 64) and 64 positions (4 x 16)
 CLS_SHAPE = {"model.n_layer": 1, "model.d_ff": 512, "model.seq_len": 16, "model.padded_vocab_size": 64,
              "train.batch_size": 4}
-CLS_RUN = {**RUN, **CLS_SHAPE, **WIDTHS["fp8 classifier"]}
+CLS_RUN = {**RUN, **CLS_SHAPE, **WIDTHS["fp8 classifier"], "train.fp8_classifier": "auto"}
 SHORT = {"train.steps": 2, "train.warmup_steps": 0, "eval.every": 0}  # a run that only starts
 CLASSIFIER_LINE = re.compile(r"classifier: (FP8|bf16|fp32) products")
 
@@ -56,6 +57,20 @@ def test_cpu_engine_runs_the_fp8_classifier_from_d_model_512(cpu_binary, random_
         assert res.rc != 0 and len(res.errors) == 1 and "multiple of 16" in res.errors[0], res.stderr
     else:
         assert res.rc == 0 and len(res.steps) == 2, res.describe()
+
+
+def test_the_fp8_classifier_is_off_by_default(cpu_binary, random_shards):
+    """Without train.fp8_classifier (and with it off) d_model 512 keeps the classifier in the
+    activation type, and a padded vocabulary no FP8 product contracts over is trained on; a value
+    other than off or auto is one error line."""
+    base = {k: v for k, v in {**CLS_RUN, **SHORT}.items() if k != "train.fp8_classifier"}
+    for extra in ({}, {"train.fp8_classifier": "off"}):
+        args = tiny_args(random_shards.train, **{**base, **extra})
+        assert classifier_named(run_ok(cpu_binary, args)) == "fp32"
+        res = eu.run_engine(cpu_binary, args + ["--model.padded_vocab_size", "72"])
+        assert res.rc == 0 and len(res.steps) == 2, res.describe()
+    res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{**base, "train.fp8_classifier": "on"}))
+    assert res.rc == 2 and len(res.errors) == 1 and "fp8_classifier" in res.errors[0], res.stderr
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -133,4 +148,4 @@ def test_gpu_fp8_classifier_over_several_chunks_gives_the_bits_of_synchronised_l
     The small-chunks build's 16 KiB chunks: 64 rows of the 128-column bf16 logits, 3 for 144
     positions (the chunk rounded to a multiple of 16 for dwte's FP8 product)."""
     check_side_stream_over_chunks(small_chunks_build, random_shards, tmp_path, "fp8",
-                                  {k: v for k, v in GPU_RUN.items() if k.startswith(("model.", "train.batch"))})
+                                  {k: v for k, v in GPU_RUN.items() if k.startswith(("model.", "train.batch", "train.fp8"))})

@@ -47,7 +47,9 @@ enum { FP8_E4M3 = 0, FP8_E5M2 = 1 };
  * on an H200 they break even near d_model 500 (ANDREA-12M, 192: +0.30 ms a step; ANDREA-120M, 768:
  * -0.53 ms). A function of the shape alone, one rule for both engines (the CPU engine stays the
  * GPU's reference) and for config_validate. */
+#ifndef FP8_CLASSIFIER_MIN_D_MODEL /* a compile-time switch for measurements */
 #define FP8_CLASSIFIER_MIN_D_MODEL 512
+#endif
 static inline int fp8_classifier_pays(int d_model) { return d_model >= FP8_CLASSIFIER_MIN_D_MODEL; }
 #define FP8_SCALE_EXP_LIMIT 126 /* scales 2^-126 .. 2^126: the scale and its inverse stay normal fp32 */
 
@@ -112,13 +114,21 @@ static inline FP8_HD float fp8_scale_for_amax(float amax, int fmt) {
     return ldexpf(1.0f, k);
 }
 
+/* The format of the FP8 classifier's dlogits: FP8_GRAD_FMT unless built with another. At the static
+ * scale below the largest |dlogit| lands at the top of the format and a non-target token's
+ * p/N well under it: E4M3's 2^-9 below its top is a probability near 2e-5, about a token's share of
+ * a 50k vocabulary, so the many small ones end as a few bits or zero; E5M2 reaches 2^-16 below
+ * its top with a mantissa bit fewer (docs/BENCHMARKS.md #106). */
+#ifndef FP8_DLOGITS_FMT
+#define FP8_DLOGITS_FMT FP8_GRAD_FMT
+#endif
 /* The FP8 classifier's scale of dlogits = (softmax - onehot) * dscale: every |softmax - onehot| is at
  * most 1, so no dlogit exceeds |dscale| (1/N), and the scale of that bound is known before the
  * logits are: it never saturates (but for an exponential rounded above 1) and equals the current
  * scale unless no |dlogit| reaches 7/8 of the bound (N a power of two; between 1/2 and 1 of it
  * otherwise), i.e. every row puts more than 7/8 of its probability on its target; then it is one
  * binade coarser. No history, nothing to checkpoint. */
-static inline FP8_HD float fp8_dlogits_scale(float dscale) { return fp8_scale_for_amax(fabsf(dscale), FP8_GRAD_FMT); }
+static inline FP8_HD float fp8_dlogits_scale(float dscale) { return fp8_scale_for_amax(fabsf(dscale), FP8_DLOGITS_FMT); }
 
 /* Largest |x| of n values as the GPU reduces it: the maximum of the fp32 bit patterns of |x|, so
  * a NaN (whose pattern is above infinity's) makes the result NaN. Order-free, hence deterministic. */

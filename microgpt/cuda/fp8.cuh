@@ -978,14 +978,15 @@ enum Fp8Pass { FP8_PASS_FORWARD, FP8_PASS_INPUT_GRAD, FP8_PASS_BACKWARD };
 /* Fast accumulation (docs/DESIGN.md §18, docs/BENCHMARKS.md #104): Hopper's FP8 tensor cores keep a
  * tile's running sum in fewer bits than fp32, and cuBLASLt adds it into fp32 registers every few
  * steps of K unless CUBLASLT_MATMUL_DESC_FAST_ACCUM is set (instructions, registers and a
- * dependency in every tile's main loop). FP8_FAST_ACCUM 1 (the default) sets it for the forward's
- * products, which contract over d_model or d_ff (the layers' and the FP8 classifier's logits; XLA
- * and torchao's float8 training choose the same); 2 for every product, the backward's too (its
- * weight gradients contract over all B·T positions, the classifier's dx over the vocabulary:
- * ANDREA-120M's 2000-step quality run missed the 1 % budget, +2.1 %); 3 for the forward's and the
- * layers' input gradients (a candidate, docs/BENCHMARKS.md #105); 0 for none. */
+ * dependency in every tile's main loop). FP8_FAST_ACCUM 3 (the default, docs/BENCHMARKS.md #105)
+ * sets it for the products that contract as briefly as the forward's: the forward's, over d_model
+ * or d_ff (the layers' and the FP8 classifier's logits; XLA and torchao's float8 training choose
+ * the same), and the layers' input gradients, over 3·d_model, d_model or d_ff; 1 for the forward's
+ * alone; 2 for every product, the weight gradients too, which contract over all B·T positions, and
+ * the classifier's dx, over the vocabulary (ANDREA-120M's 2000-step quality run missed the 1 %
+ * budget, +2.1 %); 0 for none. */
 #ifndef FP8_FAST_ACCUM
-#define FP8_FAST_ACCUM 1
+#define FP8_FAST_ACCUM 3
 #endif
 #if FP8_FAST_ACCUM < 0 || FP8_FAST_ACCUM > 3
 #error "FP8_FAST_ACCUM is 0 (none), 1 (the forward), 2 (every product) or 3 (the forward and the input gradients)"
@@ -1111,7 +1112,7 @@ static void fp8_gemm(Fp8Pass pass, int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD*
  * loss_fwd_bwd. Its operands for one chunk of n rows: LNf's output x [n, C] for the logits and x^T
  * [C, n] for dwte (E4M3, cast once a forward at LNf's current scale, its amax fused into the
  * LayerNorm); wte [Vp, C] for the logits and wte^T [C, Vp] for dx (E4M3, cast with the layers'
- * weights); dlogits' codes [n, Vp] for dx and [Vp, n] for dwte (FP8_GRAD_FMT at the static scale
+ * weights); dlogits' codes [n, Vp] for dx and [Vp, n] for dwte (FP8_DLOGITS_FMT at the static scale
  * fp8_dlogits_scale, written to g_sc: the loss rows write the row-major codes themselves,
  * loss_fwd_bwd_fp8). */
 struct Fp8ClassifierOps {
@@ -1143,7 +1144,7 @@ struct LossStoreFp8Out {
 };
 
 /* The FP8 classifier's loss rows (loss.cuh's Store) write dlogits' codes [n, Vp] row-major in
- * FP8_GRAD_FMT instead of T over the logits: each value as it would be stored in T, at the static
+ * FP8_DLOGITS_FMT instead of T over the logits: each value as it would be stored in T, at the static
  * scale s = fp8_dlogits_scale(ds) (cpu/fp8.h), which the first packet of row 0 writes to sc. Bit for
  * bit the loss rows in T, then fp8_cast with the bound |ds| as the amax (tests/kernel_check.cu). In
  * few instructions a packet (docs/BENCHMARKS.md #83: the loss rows 1.2x faster): s comes once a row
@@ -1160,13 +1161,13 @@ struct LossStoreFp8 : LossStoreFp8Out {
             unsigned short q[VEC / 2];
             for (int k = 0; k < VEC; k += 2) {
                 float2 y = as_stored2<T>(v[k], v[k + 1]);
-                q[k / 2] = fp8_cvt2(y.x * s, y.y * s, FP8_GRAD_FMT);
+                q[k / 2] = fp8_cvt2(y.x * s, y.y * s, FP8_DLOGITS_FMT);
             }
             uint2 w;
             memcpy(&w, q, sizeof w);
             *reinterpret_cast<uint2*>(dst) = w; /* Vp and j multiples of 8 (the packed kernels) */
         } else {
-            for (int k = 0; k < VEC; k++) dst[k] = fp8_cvt(as_stored<T>(v[k]) * s, FP8_GRAD_FMT);
+            for (int k = 0; k < VEC; k++) dst[k] = fp8_cvt(as_stored<T>(v[k]) * s, FP8_DLOGITS_FMT);
         }
         if (row == 0 && j == 0) {
             sc->scale = s;
@@ -1284,10 +1285,10 @@ static void loss_fwd_bwd_fp8(float* losses, float* lse, T* dx, float* dwte, T* l
     loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreFp8{c.g, c.g_sc, Vp});
     fp8_transpose(c.g_t, c.g, n, Vp);
     side_product(c.g_t, [&] {
-        fp8_gemm<float>(FP8_PASS_BACKWARD, Vp, C, n, fp8_mat(c.g_t, FP8_GRAD_FMT, c.g_sc),
+        fp8_gemm<float>(FP8_PASS_BACKWARD, Vp, C, n, fp8_mat(c.g_t, FP8_DLOGITS_FMT, c.g_sc),
                         fp8_mat(c.x_t, FP8_E4M3, c.x.sc), dwte, NULL, grad_beta);
     });
-    fp8_gemm<T>(FP8_PASS_BACKWARD, n, C, Vp, fp8_mat(c.g, FP8_GRAD_FMT, c.g_sc), fp8_mat(c.wte_t, FP8_E4M3, c.wte.sc),
+    fp8_gemm<T>(FP8_PASS_BACKWARD, n, C, Vp, fp8_mat(c.g, FP8_DLOGITS_FMT, c.g_sc), fp8_mat(c.wte_t, FP8_E4M3, c.wte.sc),
                 dx, NULL, 0.0f);
 }
 

@@ -37,6 +37,7 @@ typedef struct {
     struct {
         int batch_size, grad_accum, steps, seed, warmup_steps;
         char precision[8]; /* fp32 | tf32 | bf16 | fp16 | fp8 */
+        char fp8_classifier[8]; /* off | auto: config_fp8_classifier */
         float lr, min_lr, weight_decay, grad_clip, beta1, beta2, eps;
         char schedule[16]; /* cosine | wsd | constant */
         float decay_frac;  /* WSD: fraction of steps spent decaying */
@@ -153,6 +154,9 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("train.warmup_steps", F_INT, &c->train.warmup_steps, 0, "0", 0, NULL, 0, BIG, "linear LR warmup steps");
     FLAG("train.precision", F_STR, c->train.precision, sizeof c->train.precision, "fp32", 0, "fp32|tf32|bf16|fp16|fp8", 0,
          0, "compute precision: tf32 is fp32 with TF32 tensor-core products (the CPU engine always computes fp32)");
+    FLAG("train.fp8_classifier", F_STR, c->train.fp8_classifier, sizeof c->train.fp8_classifier, "off", 0, "off|auto", 0,
+         0, "precision fp8: the tied classifier's products in FP8 too where that pays (auto: model.d_model >= 512; "
+         "faster, at a cost in validation loss) or in bf16 (off)");
     FLAG("train.lr", F_FLOAT, &c->train.lr, 0, "6e-4", 0, NULL, 0, LR_MAX, "peak learning rate");
     FLAG("train.min_lr", F_FLOAT, &c->train.min_lr, 0, "0", 0, NULL, 0, LR_MAX, "final learning rate of the decay");
     FLAG("train.weight_decay", F_FLOAT, &c->train.weight_decay, 0, "0.1", 0, NULL, 0, FBIG, "AdamW decoupled weight decay (2-D tensors only)");
@@ -633,10 +637,12 @@ static void config_validate_sources(const Config* c) {
         die_input("--bandit.reward_decay 0 keeps no variance of the rewards: the bandit would never learn (give > 0)");
 }
 
-/* Whether the engines run the classifier's products in FP8: precision fp8 where it pays
- * (cpu/fp8.h's fp8_classifier_pays); generation's products are never FP8. */
+/* Whether the engines run the classifier's products in FP8: precision fp8 with train.fp8_classifier
+ * auto, where it pays (cpu/fp8.h's fp8_classifier_pays); generation's products are never FP8. Off
+ * by default: it costs validation loss (docs/DESIGN.md §18). */
 static int config_fp8_classifier(const Config* c) {
-    return strcmp(c->train.precision, "fp8") == 0 && !c->generate.enabled && fp8_classifier_pays(c->model.d_model);
+    return strcmp(c->train.precision, "fp8") == 0 && !c->generate.enabled &&
+           strcmp(c->train.fp8_classifier, "auto") == 0 && fp8_classifier_pays(c->model.d_model);
 }
 
 /* Precision fp8: which classifier the engine runs (config_fp8_classifier; else its products in
@@ -645,6 +651,8 @@ static void info_fp8_classifier(const Config* c, const char* dtype) {
     if (strcmp(c->train.precision, "fp8") != 0 || c->generate.enabled) return;
     if (config_fp8_classifier(c))
         info("classifier: FP8 products (model.d_model %d >= %d)", c->model.d_model, FP8_CLASSIFIER_MIN_D_MODEL);
+    else if (strcmp(c->train.fp8_classifier, "off") == 0)
+        info("classifier: %s products (train.fp8_classifier off)", dtype);
     else
         info("classifier: %s products (model.d_model %d; FP8 pays from %d up)", dtype, c->model.d_model,
              FP8_CLASSIFIER_MIN_D_MODEL);
