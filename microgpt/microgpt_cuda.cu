@@ -20,9 +20,8 @@
  *   fp8   as bf16, except the four linear products of each layer (QKV, attention output, MLP up
  *         and down): FP8 tensor-core products (cuda/fp8.cuh) of operands cast per tensor at their
  *         current scale, E4M3 weights, activations and activation gradients, fp32
- *         accumulation (the forward's products and the input gradients in cuBLASLt's
- *         fast-accumulation mode: FP8_FAST_ACCUM), bf16 activations and fp32 weight gradients
- *         out. The classifier's three products run in bf16, or with train.fp8_classifier auto in
+ *         accumulation (the forward's products in cuBLASLt's fast-accumulation mode:
+ *         FP8_FAST_ACCUM), bf16 activations and fp32 weight gradients out. The classifier's three products run in bf16, or with train.fp8_classifier auto in
  *         FP8 too where that pays (d_model 512 and up: config_fp8_classifier, loss_chunks).
  *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. In training, ln1, ln2 and
  *         h_gelu are cast at delayed scales (from amax histories) instead, written by their

@@ -978,15 +978,15 @@ enum Fp8Pass { FP8_PASS_FORWARD, FP8_PASS_INPUT_GRAD, FP8_PASS_BACKWARD };
 /* Fast accumulation (docs/DESIGN.md §18, docs/BENCHMARKS.md #104): Hopper's FP8 tensor cores keep a
  * tile's running sum in fewer bits than fp32, and cuBLASLt adds it into fp32 registers every few
  * steps of K unless CUBLASLT_MATMUL_DESC_FAST_ACCUM is set (instructions, registers and a
- * dependency in every tile's main loop). FP8_FAST_ACCUM 3 (the default, docs/BENCHMARKS.md #105)
- * sets it for the products that contract as briefly as the forward's: the forward's, over d_model
- * or d_ff (the layers' and the FP8 classifier's logits; XLA and torchao's float8 training choose
- * the same), and the layers' input gradients, over 3·d_model, d_model or d_ff; 1 for the forward's
- * alone; 2 for every product, the weight gradients too, which contract over all B·T positions, and
- * the classifier's dx, over the vocabulary (ANDREA-120M's 2000-step quality run missed the 1 %
- * budget, +2.1 %); 0 for none. */
+ * dependency in every tile's main loop). FP8_FAST_ACCUM 1 (the default) sets it for the forward's
+ * products, which contract over d_model or d_ff (the layers' and the FP8 classifier's logits; XLA
+ * and torchao's float8 training choose the same); 3 for those and the layers' input gradients,
+ * which contract over 3·d_model, d_model or d_ff (docs/BENCHMARKS.md #105: 0.22 ms faster at
+ * ANDREA-120M, but its 2000-step quality run ended +1.01 %, outside the 1 % budget); 2 for every
+ * product, the weight gradients too, over all B·T positions, and the classifier's dx, over the
+ * vocabulary (+2.1 %); 0 for none. */
 #ifndef FP8_FAST_ACCUM
-#define FP8_FAST_ACCUM 3
+#define FP8_FAST_ACCUM 1
 #endif
 #if FP8_FAST_ACCUM < 0 || FP8_FAST_ACCUM > 3
 #error "FP8_FAST_ACCUM is 0 (none), 1 (the forward), 2 (every product) or 3 (the forward and the input gradients)"
