@@ -387,8 +387,16 @@ class SetLocation:
 
     def check_out_dir(self):
         """An OUT_DIR that is a real folder (an older layout, or a new empty folder) is taken over
-        only when it holds nothing but this set's files."""
-        if os.path.islink(self.out_dir) or not os.path.exists(self.out_dir):
+        only when it holds nothing but this set's files; one that is a symbolic link only when the
+        link is one a build made (install removes the set it points to)."""
+        if os.path.islink(self.out_dir):
+            target = os.readlink(self.out_dir)
+            if os.sep in target or not target.startswith(f".{self.base}.set-"):
+                raise BuildError(f"--out-dir {self.out_dir} is a symbolic link to {target}, not one this "
+                                 "script made (a build replaces it and removes what it points to); remove "
+                                 "the link, or link the folder above it instead")
+            return
+        if not os.path.exists(self.out_dir):
             return
         if not os.path.isdir(self.out_dir):
             raise BuildError(f"--out-dir {self.out_dir} exists and is not a folder")

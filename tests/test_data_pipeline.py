@@ -761,3 +761,27 @@ def test_parse_conversation_keeps_the_turns_before_a_bad_one():
     with pytest.raises(ValueError, match="lone UTF-16 surrogate"):  # nothing usable before it
         tok.parse_conversation(json.loads('{"messages": [{"role": "user", "content": "\\ud83d"}]}'), cuts)
     assert cuts == {"content is not a string": 1}  # a skipped record is the caller's to count
+
+
+# ---------------------------------------------------------------- hostile file systems
+
+def small_chat(path, n=100):
+    """n short conversations: enough for a SMALL set, tokenized in well under a second."""
+    return jsonl(path, [{"conversations": [{"from": "human", "value": f"question {i}"},
+                                           {"from": "gpt", "value": f"answer {i}"}]} for i in range(n)])
+
+
+def test_an_out_dir_linked_elsewhere_is_refused_not_removed(tmp_path):
+    """An OUT_DIR that is a symbolic link the script did not make (a user's link to a bigger disk)
+    was taken for an old set: the build removed the folder it pointed to, whatever it held. Now it
+    is refused with one error line and the folder is left as it was."""
+    chat = small_chat(tmp_path / "c.jsonl")
+    mine = tmp_path / "elsewhere"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (tmp_path / "out").symlink_to(mine)
+    res = run_script("prep-megachat", "--chat", chat, "--out-dir", tmp_path / "out", *SMALL)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
+    assert "is a symbolic link to" in errors[0]
+    assert (mine / "notes.txt").read_text() == "keep" and os.readlink(tmp_path / "out") == str(mine)
