@@ -52,7 +52,7 @@ import numpy as np
 from microgpt import tokenizer
 from microgpt.atomic import fsync_dir, write_json_atomic
 from microgpt.cli import ArgumentParser, fail
-from microgpt.files import RECORD_TOO_LONG, read_json, record_lines
+from microgpt.files import RECORD_TOO_LONG, open_regular, read_json, record_lines
 from microgpt.progress import Progress
 from microgpt.shards import HEADER_BYTES, ShardError, ShardStream, read_header, read_shard
 
@@ -94,12 +94,17 @@ class Source:
         exts = (".jsonl", ".ndjson") if kind == "chat" else (".txt",)
         if os.path.isdir(path):
             self.files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith(exts))
-        elif os.path.isfile(path):
+        elif os.path.exists(path):  # a FIFO or device too: refused below, by name
             self.files = [path]
         else:
             fail(f"--{kind} {path}: no such file or folder")
         if not self.files:
             fail(f"--{kind} {path}: no *{exts[0]} files")
+        for f in self.files:  # before anything is written: a FIFO would hang the build, a folder fail it
+            try:
+                os.close(open_regular(f))
+            except OSError as e:
+                fail(f"--{kind} {f}: cannot read it ({e.strerror})")
         if kind == "chat" and any(not f.endswith(exts) for f in self.files):
             fail(f"--chat {path}: expected JSON lines (.jsonl); convert json/parquet "
                 "copies with scripts/pull-hermes3.py --from-file")
@@ -121,7 +126,7 @@ class Source:
         "middle" or "last" chunk of a text file ("doc" for one that fits in one chunk). Files are
         read in bytes (the only way to count progress exactly); nothing holds a whole file."""
         for path in self.files:
-            with open(path, "rb") as f:
+            with open(open_regular(path), "rb") as f:
                 if self.kind == "chat":
                     yield from json_lines(f)
                 else:

@@ -785,3 +785,22 @@ def test_an_out_dir_linked_elsewhere_is_refused_not_removed(tmp_path):
     assert res.returncode == 1 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
     assert "is a symbolic link to" in errors[0]
     assert (mine / "notes.txt").read_text() == "keep" and os.readlink(tmp_path / "out") == str(mine)
+
+
+@pytest.mark.parametrize("entry", ["fifo", "folder", "dangling link"])
+def test_an_input_folder_entry_that_is_no_file_is_one_error_not_a_hang(tmp_path, entry):
+    """A FIFO named *.jsonl in an input folder hung the build for ever (open() waits for a writer);
+    a folder so named was reported as an output that "cannot be written", a dangling link was a
+    traceback. Now each is one error line naming it, exit 2, before anything is written."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    small_chat(folder / "a.jsonl")
+    odd = folder / "b.jsonl"
+    {"fifo": lambda: os.mkfifo(odd), "folder": odd.mkdir, "dangling link": lambda: odd.symlink_to(tmp_path / "gone")}[entry]()
+    res = run_script("prep-megachat", "--chat", folder, "--out-dir", tmp_path / "out", *SMALL)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
+    assert f"{odd}: cannot read it" in errors[0] and not (tmp_path / "out").exists()
+    if entry == "fifo":  # named directly, too
+        res = run_script("prep-megachat", "--chat", odd, "--out-dir", tmp_path / "out", *SMALL)
+        assert res.returncode == 2 and "a FIFO, not a regular file" in res.stderr, res.stderr
