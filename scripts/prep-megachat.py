@@ -40,6 +40,7 @@ import errno
 import fcntl
 import glob
 import hashlib
+import io
 import json
 import math
 import os
@@ -352,7 +353,8 @@ def check_mixed(mixed, min_tokens):
 
 
 def shard_list(shards, base):
-    return [{"file": os.path.relpath(p, base), "tokens": n} for p, n in shards]
+    """The manifest's entries; the modification time shows a rerun whether a shard was changed since."""
+    return [{"file": os.path.relpath(p, base), "tokens": n, "mtime_ns": os.stat(p).st_mtime_ns} for p, n in shards]
 
 
 # ---------------------------------------------------------------- the set: build folder, swap, cleanup
@@ -441,16 +443,21 @@ def fsync_tree(root):
 
 
 def up_to_date(manifest_path, fingerprint):
+    """The manifest when it describes a set built from these inputs and options that is as it was
+    built: every shard it lists has the header and modification time it recorded, and the summary
+    can be printed from it. Else None (a rebuild), also for a manifest damaged or edited by hand."""
     manifest = read_json(manifest_path, None)
     if not isinstance(manifest, dict) or manifest.get("fingerprint") != fingerprint:
         return None
     base = os.path.dirname(manifest_path)
-    shards = [s for key in ("shards",) for s in manifest.get(key, [])]
-    shards += [s for src in manifest.get("sources", []) for s in src.get("shards", [])]
-    for shard in shards:
-        path = os.path.join(base, shard["file"])
-        if not os.path.exists(path) or os.path.getsize(path) != HEADER_BYTES + 2 * shard["tokens"]:
-            return None
+    try:
+        for shard in manifest["shards"] + [s for src in manifest["sources"] for s in src["shards"]]:
+            path = os.path.join(base, shard["file"])
+            if read_header(path) != shard["tokens"] or os.stat(path).st_mtime_ns != shard["mtime_ns"]:
+                return None
+        print_summary(manifest, io.StringIO())
+    except (OSError, ValueError, LookupError, TypeError, AttributeError):  # ShardError is a ValueError
+        return None
     return manifest
 
 

@@ -804,3 +804,25 @@ def test_an_input_folder_entry_that_is_no_file_is_one_error_not_a_hang(tmp_path,
     if entry == "fifo":  # named directly, too
         res = run_script("prep-megachat", "--chat", odd, "--out-dir", tmp_path / "out", *SMALL)
         assert res.returncode == 2 and "a FIFO, not a regular file" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("damage", ["tokens edited", "header", "manifest types"])
+def test_a_set_changed_since_its_manifest_is_rebuilt(tmp_path, damage):
+    """A rerun trusted the manifest if each shard had the size it lists: tokens edited in place, or a
+    shard header broken, were left for training to read, and a manifest whose counts were edited
+    into strings was a traceback. Now the shards' headers and modification times are checked too."""
+    chat, out = small_chat(tmp_path / "c.jsonl"), tmp_path / "out"
+    prep(out, "--chat", chat, extra=SMALL)
+    before = shard_bytes(out)
+    shard = out / "megachat_train_000000.bin"
+    if damage == "manifest types":
+        manifest = manifest_of(out)
+        manifest["shards"][0]["tokens"] = "many"
+        (out / "megachat.manifest.json").write_text(json.dumps(manifest))
+    else:
+        with open(shard, "r+b") as f:
+            f.seek(HEADER_BYTES + 2 if damage == "tokens edited" else 0)
+            f.write(b"\0\0")
+    res = prep(out, "--chat", chat, extra=SMALL)
+    assert "up to date" not in res.stderr and shard_bytes(out) == before
+    assert "up to date" in prep(out, "--chat", chat, extra=SMALL).stderr
