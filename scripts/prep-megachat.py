@@ -33,6 +33,7 @@ function of them, whatever the number of workers. Memory stays bounded (a few ba
 flight; shards are streamed to disk).
 """
 import argparse
+import codecs
 import collections
 import concurrent.futures
 import contextlib
@@ -59,7 +60,7 @@ from microgpt.shards import HEADER_BYTES, ShardError, ShardStream, read_header, 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FORMAT = 2                   # bump when the rendering or splitting changes, so old manifests go stale
+FORMAT = 3                   # bump when the rendering or splitting changes, so old manifests go stale
 BATCH_DOCS = 256             # documents per task handed to a worker ...
 BATCH_BYTES = 1 << 20        # ... or fewer, once they hold this many bytes of input
 SPLITS = ("train", "val")
@@ -143,7 +144,9 @@ def json_lines(f):
 
 def text_chunks(f, chunk_chars):
     """(text, nbytes) chunks of about chunk_chars bytes, cut at blank lines (hard cut at 4x for texts
-    without; a line longer than that is cut too). Invalid UTF-8 becomes U+FFFD."""
+    without; a line longer than that is cut too). Invalid UTF-8 becomes U+FFFD; the chunks are
+    decoded as one stream, so a character that a hard cut splits is kept whole in the next chunk."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     buf, size = [], 0
     while True:
         line = f.readline(4 * chunk_chars)
@@ -152,7 +155,7 @@ def text_chunks(f, chunk_chars):
             size += len(line)
         if buf and (not line or (size >= chunk_chars and (not line.strip() or size >= 4 * chunk_chars))):
             data = b"".join(buf)
-            yield data.decode("utf-8", errors="replace"), len(data)
+            yield decoder.decode(data, final=not line), len(data)
             buf, size = [], 0
         if not line:
             return

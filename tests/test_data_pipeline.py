@@ -826,3 +826,18 @@ def test_a_set_changed_since_its_manifest_is_rebuilt(tmp_path, damage):
     res = prep(out, "--chat", chat, extra=SMALL)
     assert "up to date" not in res.stderr and shard_bytes(out) == before
     assert "up to date" in prep(out, "--chat", chat, extra=SMALL).stderr
+
+
+def test_a_character_across_a_hard_cut_of_a_long_line_is_kept(tmp_path):
+    """A text line longer than 4 x --text-chunk-chars is cut into pieces of that many bytes; a
+    character of several UTF-8 bytes across a cut was decoded as two U+FFFD, once per cut (every
+    16 kB of a long line by default). Now the pieces are decoded as one stream."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    works = {f"w{i}.txt": f"{i} " + "é" * 400 + "€ and ü\n" * 3 for i in range(20)}
+    for name, text in works.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    out = tmp_path / "out"
+    prep(out, "--text", folder, extra=(*SMALL, "--text-chunk-chars", 10))
+    docs = decoded_docs(out, "megachat", "train") + decoded_docs(out, "megachat", "val")
+    assert sorted(docs) == sorted(text + EOT_TEXT for text in works.values())
