@@ -119,6 +119,11 @@ def main():
     ap.add_argument("--no-corpus", action="store_true",
                     help="leave the text corpus out (conversations and Shakespeare only: small, for tests)")
     args = ap.parse_args()
+    # pull-hermes3.py's usage errors would read as an unreachable hub below, and the fallback be built
+    if args.max_records <= 0:
+        ap.error("--max-records must be positive")
+    if not args.timeout > 0:  # nan too
+        ap.error("--timeout must be a positive number of seconds")
     megachat_dir = os.path.join(args.data_dir, "megachat")
     polish_dir = os.path.join(args.data_dir, "polish")
     shakespeare_dir = os.path.join(args.data_dir, "shakespeare")

@@ -841,3 +841,17 @@ def test_a_character_across_a_hard_cut_of_a_long_line_is_kept(tmp_path):
     prep(out, "--text", folder, extra=(*SMALL, "--text-chunk-chars", 10))
     docs = decoded_docs(out, "megachat", "train") + decoded_docs(out, "megachat", "val")
     assert sorted(docs) == sorted(text + EOT_TEXT for text in works.values())
+
+
+# ---------------------------------------------------------------- prepare-data: usage and banner
+
+@pytest.mark.parametrize("args", [["--max-records", "0"], ["--max-records", "-5"], ["--timeout", "0"],
+                                  ["--timeout", "nan"]])
+def test_prepare_data_bad_usage_is_an_error_not_the_fallback(args, tmp_path):
+    """--max-records 0 made pull-hermes3 exit with a usage error, which prepare-data took for an
+    unreachable hub: it built the chitchat fallback and exited 0. Now bad values are refused at
+    once, before anything is fetched."""
+    res = run_script("prepare-data", *args, "--no-corpus", "--data-dir", tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("error: ") and args[0] in res.stderr, res.stderr
+    assert "$ " not in res.stderr and os.listdir(tmp_path) == []
+
