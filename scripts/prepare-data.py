@@ -24,7 +24,7 @@ import sys
 
 from microgpt.atomic import atomic_open
 from microgpt.cli import ArgumentParser
-from microgpt.files import unique_keys
+from microgpt.files import read_json, unique_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,7 +142,10 @@ def main():
         print("error: Hermes-3 could not be pulled and --source hermes allows no fallback", file=sys.stderr)
         return 1
     if hermes_ok:
-        used = [f"DATA: conversations = NousResearch/Hermes-3-Dataset (first {args.max_records} records)"]
+        # what the pull holds, which is more than --max-records after an earlier, longer pull
+        pulled = read_json(HERMES + ".progress.json", {})
+        used = [f"DATA: conversations = NousResearch/Hermes-3-Dataset ({pulled.get('written')} conversations "
+                f"of its first {pulled.get('read')} records)"]
         chat = ["--chat", f"hermes3={HERMES}"]
     else:
         why = "by --source chitchat" if args.source == "chitchat" else "Hermes-3 could not be downloaded"

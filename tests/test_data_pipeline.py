@@ -855,3 +855,18 @@ def test_prepare_data_bad_usage_is_an_error_not_the_fallback(args, tmp_path):
     assert res.returncode == 2 and res.stderr.startswith("error: ") and args[0] in res.stderr, res.stderr
     assert "$ " not in res.stderr and os.listdir(tmp_path) == []
 
+
+def test_prepare_data_banner_counts_the_records_the_pull_holds(tmp_path, monkeypatch, capsys):
+    """A pull of 1000 records is not repeated for --max-records 10 ("already has"), and its whole
+    file is tokenized; the banner said "first 10 records". Now it says what the pull holds."""
+    mod = load_script("prepare-data")
+    hermes = tmp_path / "hermes3.jsonl"
+    hermes.write_text("")
+    (tmp_path / "hermes3.jsonl.progress.json").write_text(json.dumps({"read": 1000, "written": 990}))
+    monkeypatch.setattr(mod, "HERMES", str(hermes))
+    monkeypatch.setattr(mod, "script", lambda name, *args: 0)  # every step succeeds, nothing runs
+    monkeypatch.setattr(sys, "argv", ["prepare-data.py", "--max-records", "10", "--no-corpus",
+                                      "--data-dir", str(tmp_path)])
+    assert mod.main() == 0
+    banner = capsys.readouterr().err
+    assert "990 conversations of its first 1000 records" in banner and "first 10 records" not in banner
