@@ -17,6 +17,7 @@ present are skipped; a source is extracted into a temporary folder and renamed i
     python scripts/fetch-assets.py --only tokenizer     # a subset (names: --help)
 """
 import contextlib
+import fcntl
 import fnmatch
 import glob
 import gzip
@@ -302,8 +303,17 @@ def corpus_docs(deb, include, exclude, reader):
 
 
 def fetch_corpus_source(name):
-    packages, include, exclude, reader, _ = CORPUS[name]
+    """Under a lock: a second run at once waits, then finds the source present, instead of taking the
+    first run's temporary folder for a killed run's and removing it."""
     dst = os.path.join(DATA, "raw", name)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    with open(os.path.join(os.path.dirname(dst), f".{name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return extract_corpus_source(name, dst)
+
+
+def extract_corpus_source(name, dst):
+    packages, include, exclude, reader, _ = CORPUS[name]
     if os.path.exists(os.path.join(dst, ".complete")):
         return f"{rel(dst)}/ (present)"
     errors = []

