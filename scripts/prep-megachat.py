@@ -435,7 +435,7 @@ class SetLocation:
 def remove(path):
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
-    else:
+    elif os.path.lexists(path):  # on a read-only file system, removing no file is EROFS, not ENOENT
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             os.remove(path)
 
@@ -577,8 +577,9 @@ def main(argv):
         return 1
     except OSError as e:
         why = "the disk is full" if e.errno == errno.ENOSPC else e.strerror
-        print(f"\nerror: cannot write the {args.name} shards in {os.path.dirname(out_dir)}: {why}"
-              f" ({e.filename or ''}); the previous shards are kept", file=sys.stderr)
+        culprit = f" ({e.filename})" if e.filename else ""
+        print(f"\nerror: cannot write the {args.name} shards in {os.path.dirname(out_dir)}: {why}{culprit}; "
+              "the previous shards are kept", file=sys.stderr)
         remove(where.build_dir)
         return 1
     except BaseException:

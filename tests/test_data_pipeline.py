@@ -923,3 +923,18 @@ def test_a_second_fetch_waits_for_the_first_instead_of_removing_its_work(tmp_pat
         working.rename(raw / "gcide")  # the first run finishes
     out, err = second.communicate(timeout=60)
     assert second.returncode == 0 and "gcide/ (present)" in err, err
+
+
+@pytest.mark.parametrize("fs", ["tiny_tmpfs", "readonly_tmpfs"])
+def test_a_full_or_read_only_file_system_is_one_error(tmp_path, request, fs):
+    """On a read-only file system the error line was followed by a traceback (removing the build
+    folder that was never made fails with EROFS there, not ENOENT); a full disk's error ended in an
+    empty "()". Now each is one error line, exit 1, and nothing but the lock file is left."""
+    mnt = request.getfixturevalue(fs)
+    res = run_script("prep-megachat", "--chat", small_chat(tmp_path / "c.jsonl", 3000), "--out-dir", mnt / "out",
+                     "--min-shard-tokens", 64, "--workers", 1)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
+    why = "the disk is full" if fs == "tiny_tmpfs" else "Read-only file system"
+    assert f"cannot write the megachat shards in {mnt}: {why}" in errors[0] and "()" not in errors[0], errors
+    assert [p.name for p in mnt.iterdir()] == ([".out.lock"] if fs == "tiny_tmpfs" else [])
