@@ -136,8 +136,12 @@ def main():
               "--name", "shakespeare", "--val-permille", "200") != 0:
         return 1
 
-    hermes_ok = args.source != "chitchat" and script(
-        "pull-hermes3.py", "--max-records", str(args.max_records), "--timeout", str(args.timeout)) == 0
+    pull = 1 if args.source == "chitchat" else script(
+        "pull-hermes3.py", "--max-records", str(args.max_records), "--timeout", str(args.timeout))
+    if pull not in (0, 1):  # 1: the hub cannot be reached, which the fallback is for; else a local fault
+        print("error: could not pull Hermes-3 (see above)", file=sys.stderr)
+        return 1
+    hermes_ok = pull == 0
     if args.source == "hermes" and not hermes_ok:
         print("error: Hermes-3 could not be pulled and --source hermes allows no fallback", file=sys.stderr)
         return 1

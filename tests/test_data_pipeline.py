@@ -938,3 +938,18 @@ def test_a_full_or_read_only_file_system_is_one_error(tmp_path, request, fs):
     why = "the disk is full" if fs == "tiny_tmpfs" else "Read-only file system"
     assert f"cannot write the megachat shards in {mnt}: {why}" in errors[0] and "()" not in errors[0], errors
     assert [p.name for p in mnt.iterdir()] == ([".out.lock"] if fs == "tiny_tmpfs" else [])
+
+
+def test_a_pull_onto_a_full_disk_blames_the_disk_and_prepare_data_stops(tmp_path, tiny_tmpfs, monkeypatch):
+    """A full disk while pulling was reported as a fault of the input file (exit 2) or as a failed
+    download (exit 1), which prepare-data took for an unreachable hub: it built the fallback set
+    instead. Now the pull says it cannot write its output (exit 3), and prepare-data stops there."""
+    res = run_script("pull-hermes3", "--from-file", small_chat(tmp_path / "c.jsonl", 3000), "--out", tiny_tmpfs / "h.jsonl")
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 3 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
+    assert errors[0] == f"error: cannot write {tiny_tmpfs / 'h.jsonl'}: No space left on device", errors
+    mod = load_script("prepare-data")
+    monkeypatch.setattr(mod, "script", lambda name, *args: 3 if name == "pull-hermes3.py" else 0)
+    monkeypatch.setattr(mod, "chitchat_source", lambda: pytest.fail("the fallback was built"))
+    monkeypatch.setattr(sys, "argv", ["prepare-data.py", "--no-corpus", "--data-dir", str(tmp_path)])
+    assert mod.main() == 1
