@@ -104,9 +104,13 @@ class Source:
             fail(f"--{kind} {path}: no *{exts[0]} files")
         for f in self.files:  # before anything is written: a FIFO would hang the build, a folder fail it
             try:
-                os.close(open_regular(f))
+                with open(open_regular(f), "rb") as opened:
+                    head = opened.read(1 << 16) if kind == "text" else b""
             except OSError as e:
                 fail(f"--{kind} {f}: cannot read it ({e.strerror})")
+            if b"\0" in head or head.startswith((b"\xff\xfe", b"\xfe\xff")):  # read as UTF-8: noise
+                fail(f"--text {f}: not UTF-8 text (NUL bytes or a UTF-16 byte-order mark: UTF-16 or UTF-32?); "
+                     "convert it, e.g. iconv -f UTF-16 -t UTF-8")
         if kind == "chat" and any(not f.endswith(exts) for f in self.files):
             fail(f"--chat {path}: expected JSON lines (.jsonl); convert json/parquet "
                 "copies with scripts/pull-hermes3.py --from-file")

@@ -953,3 +953,20 @@ def test_a_pull_onto_a_full_disk_blames_the_disk_and_prepare_data_stops(tmp_path
     monkeypatch.setattr(mod, "chitchat_source", lambda: pytest.fail("the fallback was built"))
     monkeypatch.setattr(sys, "argv", ["prepare-data.py", "--no-corpus", "--data-dir", str(tmp_path)])
     assert mod.main() == 1
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_a_text_file_in_utf16_or_utf32_is_refused(tmp_path, encoding):
+    """A text saved as UTF-16 (Windows' "Unicode") was read as UTF-8: every other byte a NUL, and
+    the set trained on that noise without a word. Now a text file whose start holds a NUL byte or a
+    UTF-16 byte-order mark is one error line naming it, exit 2, before anything is written."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for i in range(5):
+        (folder / f"w{i}.txt").write_text(f"work {i}\n\nline\n" * 30)
+    odd = folder / "windows.txt"
+    odd.write_text("Some notes saved on Windows.\n" * 30, encoding=encoding)
+    res = run_script("prep-megachat", "--text", folder, "--out-dir", tmp_path / "out", *SMALL)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and f"--text {odd}: " in errors[0] and "UTF-8" in errors[0], res.stderr
+    assert not (tmp_path / "out").exists()
