@@ -451,14 +451,20 @@ def fsync_tree(root):
 
 def up_to_date(manifest_path, fingerprint):
     """The manifest when it describes a set built from these inputs and options that is as it was
-    built: every shard it lists has the header and modification time it recorded, and the summary
-    can be printed from it. Else None (a rebuild), also for a manifest damaged or edited by hand."""
+    built: it lists every shard there is, each with the header and modification time it recorded,
+    and the summary can be printed from it. Else None (a rebuild), also for a manifest damaged or
+    edited by hand."""
     manifest = read_json(manifest_path, None)
     if not isinstance(manifest, dict) or manifest.get("fingerprint") != fingerprint:
         return None
     base = os.path.dirname(manifest_path)
     try:
-        for shard in manifest["shards"] + [s for src in manifest["sources"] for s in src["shards"]]:
+        listed = manifest["shards"] + [s for src in manifest["sources"] for s in src["shards"]]
+        found = {os.path.relpath(os.path.join(d, f), base) for d, _, files in os.walk(base) for f in files
+                 if f.endswith(".bin")}
+        if found != {shard["file"] for shard in listed}:  # a shard added: a glob of the set reads it too
+            return None
+        for shard in listed:
             path = os.path.join(base, shard["file"])
             if read_header(path) != shard["tokens"] or os.stat(path).st_mtime_ns != shard["mtime_ns"]:
                 return None

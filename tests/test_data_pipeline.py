@@ -806,16 +806,19 @@ def test_an_input_folder_entry_that_is_no_file_is_one_error_not_a_hang(tmp_path,
         assert res.returncode == 2 and "a FIFO, not a regular file" in res.stderr, res.stderr
 
 
-@pytest.mark.parametrize("damage", ["tokens edited", "header", "manifest types"])
+@pytest.mark.parametrize("damage", ["tokens edited", "header", "manifest types", "shard added"])
 def test_a_set_changed_since_its_manifest_is_rebuilt(tmp_path, damage):
     """A rerun trusted the manifest if each shard had the size it lists: tokens edited in place, or a
     shard header broken, were left for training to read, and a manifest whose counts were edited
-    into strings was a traceback. Now the shards' headers and modification times are checked too."""
+    into strings was a traceback; a shard added to the set was read by training too. Now the shards'
+    headers and modification times are checked too, and the set must hold no other shard."""
     chat, out = small_chat(tmp_path / "c.jsonl"), tmp_path / "out"
     prep(out, "--chat", chat, extra=SMALL)
     before = shard_bytes(out)
     shard = out / "megachat_train_000000.bin"
-    if damage == "manifest types":
+    if damage == "shard added":  # the engine's glob would read it too
+        shutil.copy(shard, out / "megachat_train_000001.bin")
+    elif damage == "manifest types":
         manifest = manifest_of(out)
         manifest["shards"][0]["tokens"] = "many"
         (out / "megachat.manifest.json").write_text(json.dumps(manifest))
