@@ -86,9 +86,10 @@ def loads_json(text, **kw):
 
 def read_json(path, default):
     """The JSON document at path (UTF-8, as json writes it), or default where it cannot be read or is
-    no JSON loads_json takes: for the files a program writes for itself and rebuilds when damaged."""
+    no JSON loads_json takes: for the files a program writes for itself and rebuilds when damaged
+    (one that is no regular file too: a FIFO put there would hang a plain open())."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(open_regular(path), encoding="utf-8") as f:
             return loads_json(f.read())
     except (OSError, ValueError):
         return default

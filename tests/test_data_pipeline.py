@@ -973,3 +973,18 @@ def test_a_text_file_in_utf16_or_utf32_is_refused(tmp_path, encoding):
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert res.returncode == 2 and len(errors) == 1 and f"--text {odd}: " in errors[0] and "UTF-8" in errors[0], res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_fifo_where_a_manifest_or_progress_file_belongs_hangs_nothing(tmp_path):
+    """A FIFO where the manifest or the pull's progress file belongs hung the rerun in open() for
+    ever. Now it is a file that cannot be read, as a missing one is: the set is rebuilt (and the
+    FIFO replaced by a manifest), the pull starts over."""
+    chat, out = small_chat(tmp_path / "c.jsonl"), tmp_path / "out"
+    prep(out, "--chat", chat, extra=SMALL)
+    (out / "megachat.manifest.json").unlink()
+    os.mkfifo(out / "megachat.manifest.json")
+    res = prep(out, "--chat", chat, extra=SMALL)
+    assert "up to date" not in res.stderr and manifest_of(out)["name"] == "megachat"
+    os.mkfifo(tmp_path / "h.jsonl.progress.json")
+    res = ok(run_script("pull-hermes3", "--from-file", chat, "--out", tmp_path / "h.jsonl"))
+    assert "100 conversations written" in res.stderr
