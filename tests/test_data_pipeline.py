@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 from engine_util import python_env, run_engine, tiny_args
 
 from microgpt import tokenizer as tok
-from microgpt.shards import HEADER_BYTES, ShardError, read_shard, write_shard
+from microgpt.shards import HEADER_BYTES, ShardError, read_header, read_shard, write_shard
 
 N_CONVERSATIONS = 600  # a slice of chitchat keeps every run of the scripts well under a second or two
 EOT_TEXT = "<|endoftext|>"
@@ -399,6 +399,18 @@ def test_read_shard_rejects_bad_headers(tmp_path):
     for message, path in cases.items():
         with pytest.raises(ShardError, match=message):
             read_shard(path)
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "directory"])
+def test_a_shard_that_is_no_file_is_a_shard_error(tmp_path, kind):
+    """A directory matched by a shard glob was an IsADirectoryError, which the readers that catch
+    ShardError (bench/torch_gpt.py) let through as a traceback; a FIFO was "0 bytes is shorter than
+    the header". Now both are a ShardError that says what the path is, as the engine's error does."""
+    path = tmp_path / "x_000000.bin"
+    os.mkfifo(path) if kind == "FIFO" else path.mkdir()
+    for read in (read_shard, read_header):
+        with pytest.raises(ShardError, match=f"{path}: a {kind}, not a regular file"):
+            read(path)
 
 
 # ---------------------------------------------------------------- the default set-up and the engine
