@@ -15,6 +15,7 @@ MAGIC = 20240520
 VERSION = 1
 HEADER_WORDS = 256
 HEADER_BYTES = HEADER_WORDS * 4
+MAX_TOKENS = 2**31 - 1  # the header's int32 count
 
 
 class ShardError(ValueError):
@@ -22,6 +23,8 @@ class ShardError(ValueError):
 
 
 def header_bytes(ntok):
+    if ntok > MAX_TOKENS:
+        raise ShardError(f"a shard holds at most {MAX_TOKENS} tokens (its header's int32 count), not {ntok}")
     header = np.zeros(HEADER_WORDS, dtype="<i4")
     header[:3] = (MAGIC, VERSION, ntok)
     return header.tobytes()

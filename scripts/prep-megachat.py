@@ -56,7 +56,7 @@ from microgpt.atomic import fsync_dir, write_json_atomic
 from microgpt.cli import ArgumentParser, fail
 from microgpt.files import RECORD_TOO_LONG, open_regular, read_json, record_lines
 from microgpt.progress import Progress
-from microgpt.shards import HEADER_BYTES, ShardError, ShardStream, read_header, read_shard
+from microgpt.shards import MAX_TOKENS, ShardError, ShardStream, read_header, read_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -531,6 +531,9 @@ def parse_args(argv):
         ap.error("--shard-tokens, --min-shard-tokens, --text-chunk-chars and --workers must be positive")
     if args.min_shard_tokens > args.shard_tokens:
         ap.error("--min-shard-tokens must not exceed --shard-tokens")
+    if args.shard_tokens + args.min_shard_tokens - 1 > MAX_TOKENS:  # the most a shard with a merged tail holds
+        ap.error(f"a shard holds at most {MAX_TOKENS} tokens: --shard-tokens plus --min-shard-tokens - 1 "
+                 "must not exceed that")
     if not all(c.isalnum() or c in "-_." for c in args.name):
         ap.error("--name may hold letters, digits, '-', '_' and '.' only")
     return args

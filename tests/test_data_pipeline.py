@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 from engine_util import python_env, run_engine, tiny_args
 
 from microgpt import tokenizer as tok
-from microgpt.shards import HEADER_BYTES, ShardError, read_header, read_shard, write_shard
+from microgpt.shards import HEADER_BYTES, ShardError, header_bytes, read_header, read_shard, write_shard
 
 N_CONVERSATIONS = 600  # a slice of chitchat keeps every run of the scripts well under a second or two
 EOT_TEXT = "<|endoftext|>"
@@ -369,10 +369,19 @@ def test_mixing_with_weights_and_a_text_source(assets, pulled, tmp_path):
     (["--chat", __file__], "expected JSON lines"),
     (["--text", __file__ + ":-1"], "weight must be a finite number >= 0"),
     (["--text", __file__, "--val-permille", "1001"], "--val-permille must be in [0, 1000]"),
+    # a shard's header counts its tokens in an int32: a larger shard was an OverflowError traceback
+    # once 2^31 tokens (4 GB, hours of tokenizing) were written
+    (["--text", __file__, "--shard-tokens", "2147483648"], "at most 2147483647 tokens"),
+    (["--text", __file__, "--shard-tokens", "2147483000", "--min-shard-tokens", "1000"], "at most 2147483647 tokens"),
 ])
 def test_prep_bad_usage(args, message, tmp_path):
     res = run_script("prep-megachat", *args, "--out-dir", tmp_path)
-    assert res.returncode == 2 and message in res.stderr
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+def test_a_header_cannot_promise_more_tokens_than_an_int32_holds():
+    with pytest.raises(ShardError, match="at most 2147483647 tokens"):
+        header_bytes(2**31)
 
 
 # ---------------------------------------------------------------- shard format
