@@ -900,8 +900,9 @@ def test_prepare_data_banner_counts_the_records_the_pull_holds(tmp_path, monkeyp
 
 def start_fetch(data, asset):
     """fetch-assets.py --only asset, with its data/ folder (downloads/ in it) moved to `data`."""
-    code = (f"import sys; sys.path[:0] = [{str(REPO / 'tests')!r}]; from test_data_pipeline import load_script; "
-            f"mod = load_script('fetch-assets'); mod.DATA, mod.DOWNLOADS = {str(data)!r}, {str(data / 'downloads')!r}; "
+    code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('fetch_assets', "
+            f"{str(REPO / 'scripts' / 'fetch-assets.py')!r}); mod = importlib.util.module_from_spec(spec); "
+            f"spec.loader.exec_module(mod); mod.DATA, mod.DOWNLOADS = {str(data)!r}, {str(data / 'downloads')!r}; "
             f"sys.argv[1:] = ['--only', {asset!r}]; sys.exit(mod.main())")
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=python_env())
