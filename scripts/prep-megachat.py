@@ -606,4 +606,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # main removed its build folder: OUT_DIR shows the set it showed
+        print("\nprep-megachat: interrupted; the previous shards are kept", file=sys.stderr)
+        sys.exit(130)

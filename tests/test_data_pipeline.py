@@ -1010,3 +1010,23 @@ def test_a_fifo_where_a_manifest_or_progress_file_belongs_hangs_nothing(tmp_path
     os.mkfifo(tmp_path / "h.jsonl.progress.json")
     res = ok(run_script("pull-hermes3", "--from-file", chat, "--out", tmp_path / "h.jsonl"))
     assert "100 conversations written" in res.stderr
+
+
+def test_ctrl_c_in_a_build_is_one_line_and_keeps_the_previous_set(tmp_path):
+    """Ctrl-C in a build printed a KeyboardInterrupt traceback (pull-hermes3 says "interrupted" and
+    exits 130). Now it says so in one line, exits 130, keeps the previous set and removes its
+    build folder."""
+    import signal
+    import time
+    out, small, big = tmp_path / "out", small_chat(tmp_path / "c.jsonl"), small_chat(tmp_path / "big.jsonl", 100_000)
+    prep(out, "--chat", small, extra=SMALL)
+    before = shard_bytes(out)
+    proc = start_prep(out, "--chat", big, "--workers", 1, *SMALL)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.build-*/*.bin")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err, err
+    assert shard_bytes(out) == before and not list(tmp_path.glob(".out.build-*"))
