@@ -28,8 +28,9 @@ OUT_DIR is a symbolic link to a hidden sibling folder holding one complete set; 
 folder and swaps the link in one rename. Every shard holds at least --min-shard-tokens tokens (what
 llm.c's loader needs: B*T+1), a short tail going into the previous shard; a split too small for one
 shard is refused (the mixed set: an error, nothing written; one source's: left out and said so).
-Re-running with unchanged inputs and options only prints the summary; the bytes written are a pure
-function of them, whatever the number of workers. Memory stays bounded (a few batches of input in
+Re-running with unchanged inputs and options only prints the summary, while the set is as built (the
+shards its manifest lists, no other, with the headers and modification times it records); the bytes
+written are a pure function of inputs and options, whatever the number of workers. Memory stays bounded (a few batches of input in
 flight; shards are streamed to disk).
 """
 import argparse
