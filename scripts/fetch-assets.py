@@ -372,11 +372,15 @@ def main():
     for name in wanted:
         try:
             print(f"fetch-assets: {name}: {ASSETS[name]()}", file=sys.stderr)
+            continue
         except FetchError as e:
-            print(f"error: {name}: {e}", file=sys.stderr)
-            status = 1
-            if not args.keep_going:
-                break
+            fault = str(e)
+        except OSError as e:  # a full disk, an unwritable data/ folder
+            fault = (e.strerror or str(e)) + (f" ({e.filename})" if e.filename else "")
+        print(f"error: {name}: {fault}", file=sys.stderr)
+        status = 1
+        if not args.keep_going:
+            break
     return status
 
 

