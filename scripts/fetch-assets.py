@@ -17,7 +17,6 @@ present are skipped; a source is extracted into a temporary folder and renamed i
     python scripts/fetch-assets.py --only tokenizer     # a subset (names: --help)
 """
 import contextlib
-import fcntl
 import fnmatch
 import glob
 import gzip
@@ -33,6 +32,7 @@ import zlib
 
 from microgpt.atomic import write_bytes_atomic
 from microgpt.cli import ArgumentParser
+from microgpt.files import hold_lock
 from microgpt.progress import Progress
 from microgpt.tokenizer import ASSET_PATH, ASSET_SHA256  # where the tokenizer reads it
 
@@ -307,8 +307,7 @@ def fetch_corpus_source(name):
     first run's temporary folder for a killed run's and removing it."""
     dst = os.path.join(DATA, "raw", name)
     os.makedirs(os.path.dirname(dst), exist_ok=True)
-    with open(os.path.join(os.path.dirname(dst), f".{name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with hold_lock(os.path.join(os.path.dirname(dst), f".{name}.lock")):
         return extract_corpus_source(name, dst)
 
 

@@ -39,7 +39,6 @@ import collections
 import concurrent.futures
 import contextlib
 import errno
-import fcntl
 import glob
 import hashlib
 import io
@@ -55,7 +54,7 @@ import numpy as np
 from microgpt import tokenizer
 from microgpt.atomic import fsync_dir, write_json_atomic
 from microgpt.cli import ArgumentParser, fail
-from microgpt.files import RECORD_TOO_LONG, open_regular, read_json, record_lines
+from microgpt.files import RECORD_TOO_LONG, hold_lock, open_regular, read_json, record_lines
 from microgpt.progress import Progress
 from microgpt.shards import MAX_TOKENS, ShardError, ShardStream, read_header, read_shard
 
@@ -383,8 +382,7 @@ class SetLocation:
     @contextlib.contextmanager
     def locked(self):
         os.makedirs(self.parent, exist_ok=True)
-        with open(self.hidden("lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with hold_lock(self.hidden("lock")):
             yield
 
     def current_target(self):

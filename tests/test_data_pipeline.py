@@ -1053,3 +1053,17 @@ def test_a_full_disk_while_fetching_is_one_error_and_the_others_go_on(tmp_path, 
     assert errors[0].startswith("error: shakespeare: ") and "No space left on device" in errors[0], errors
     assert "fetch-assets: tokenizer: " in err
     assert not (tiny_tmpfs / "raw" / "shakespeare" / ".complete").exists()
+
+
+@pytest.mark.parametrize("planted", ["fifo", "link"])
+def test_a_fifo_or_link_where_the_lock_file_belongs_is_refused(tmp_path, planted):
+    """The set's lock file was opened with a plain open(): a FIFO put in its place hung the build,
+    and a link made it create (or open) the file it points to, outside the output folder. Now either
+    is one error line, exit 1, and nothing is created."""
+    lock, target = tmp_path / ".out.lock", tmp_path / "elsewhere" / "made-by-the-lock"
+    target.parent.mkdir()
+    os.mkfifo(lock) if planted == "fifo" else lock.symlink_to(target)
+    res = run_script("prep-megachat", "--chat", small_chat(tmp_path / "c.jsonl"), "--out-dir", tmp_path / "out", *SMALL)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
+    assert str(lock) in errors[0] and not target.exists() and not (tmp_path / "out").exists()
