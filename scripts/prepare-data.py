@@ -24,7 +24,7 @@ import sys
 
 from microgpt.atomic import atomic_open
 from microgpt.cli import ArgumentParser
-from microgpt.files import unique_keys
+from microgpt.files import read_json, unique_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,6 +119,11 @@ def main():
     ap.add_argument("--no-corpus", action="store_true",
                     help="leave the text corpus out (conversations and Shakespeare only: small, for tests)")
     args = ap.parse_args()
+    # pull-hermes3.py's usage errors would read as an unreachable hub below, and the fallback be built
+    if args.max_records <= 0:
+        ap.error("--max-records must be positive")
+    if not args.timeout > 0:  # nan too
+        ap.error("--timeout must be a positive number of seconds")
     megachat_dir = os.path.join(args.data_dir, "megachat")
     polish_dir = os.path.join(args.data_dir, "polish")
     shakespeare_dir = os.path.join(args.data_dir, "shakespeare")
@@ -131,13 +136,20 @@ def main():
               "--name", "shakespeare", "--val-permille", "200") != 0:
         return 1
 
-    hermes_ok = args.source != "chitchat" and script(
-        "pull-hermes3.py", "--max-records", str(args.max_records), "--timeout", str(args.timeout)) == 0
+    pull = 1 if args.source == "chitchat" else script(
+        "pull-hermes3.py", "--max-records", str(args.max_records), "--timeout", str(args.timeout))
+    if pull not in (0, 1):  # 1: the hub cannot be reached, which the fallback is for; else a local fault
+        print("error: could not pull Hermes-3 (see above)", file=sys.stderr)
+        return 1
+    hermes_ok = pull == 0
     if args.source == "hermes" and not hermes_ok:
         print("error: Hermes-3 could not be pulled and --source hermes allows no fallback", file=sys.stderr)
         return 1
     if hermes_ok:
-        used = [f"DATA: conversations = NousResearch/Hermes-3-Dataset (first {args.max_records} records)"]
+        # what the pull holds, which is more than --max-records after an earlier, longer pull
+        pulled = read_json(HERMES + ".progress.json", {})
+        used = [f"DATA: conversations = NousResearch/Hermes-3-Dataset ({pulled.get('written')} conversations "
+                f"of its first {pulled.get('read')} records)"]
         chat = ["--chat", f"hermes3={HERMES}"]
     else:
         why = "by --source chitchat" if args.source == "chitchat" else "Hermes-3 could not be downloaded"

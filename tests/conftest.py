@@ -185,3 +185,25 @@ def trained_model(cpu_binary, assets, tmp_path_factory):
     assert res.rc == 0 and res.vals, res.describe()
     return TrainedModel(run_dir, ckpt, str(d / "chat_val_*.bin"), float(res.vals[-1]["val_loss"]),
                         TOOLS_MODEL["eval.batches"], records[370:])
+
+
+def mounted_tmpfs(tmp_path, options):
+    """A tmpfs mounted with `options` at tmp_path/mnt, for the test's duration (mounting needs root)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "none", str(mnt)]).returncode:
+        pytest.skip(f"mounting a tmpfs ({options}) needs root")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 64 KiB file system: too small for any test model's checkpoint or shard set."""
+    yield from mounted_tmpfs(tmp_path, "size=64k")
+
+
+@pytest.fixture
+def readonly_tmpfs(tmp_path):
+    """A file system mounted read-only: every write fails with EROFS, also for root."""
+    yield from mounted_tmpfs(tmp_path, "ro,size=64k")
