@@ -35,17 +35,24 @@ def open_regular(path, flags=0):
     return fd
 
 
+def open_lock_file(path, flags=0):
+    """os.open of the regular file at path for a lock, made if missing (O_CREAT), with flags
+    (O_RDWR to write in it): a FIFO is refused rather than waited on, a symbolic link rather than
+    followed (NotRegularFile both)."""
+    try:
+        return open_regular(path, os.O_CREAT | os.O_NOFOLLOW | flags)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise NotRegularFile(errno.ELOOP, "a symbolic link, not a regular file", path) from None
+
+
 @contextlib.contextmanager
 def hold_lock(path):
     """An exclusive flock on the file at path, made if missing, held for the with block: a second
     process waits there. Anything else put in its place is refused, neither waited on (a FIFO) nor
     followed (a symbolic link, which would make or open a file elsewhere): NotRegularFile."""
-    try:
-        fd = open_regular(path, os.O_CREAT | os.O_NOFOLLOW)
-    except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        raise NotRegularFile(errno.ELOOP, "a symbolic link, not a regular file", path) from None
+    fd = open_lock_file(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
