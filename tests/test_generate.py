@@ -9,6 +9,7 @@ fp32 and bf16, the same tokens whatever a request is batched with, and --evaluat
 training loop's val_loss.
 """
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -365,6 +366,63 @@ def test_a_checkpoint_path_too_long_is_the_flag_error_not_a_sidecar_one(cpu_bina
                                      "--data.val", "x"])
     assert res.rc == 2 and len(res.errors) == 1, res.describe()
     assert res.errors[0].startswith("error: --checkpoint: value is longer than"), res.errors
+
+
+
+def answer_to(binary, stdout, args, requests=b"", timeout=60):
+    """An engine run whose stdout is `stdout` (a file object), its stderr's error lines."""
+    proc = subprocess.run([str(binary), *map(str, args)], input=requests, stdout=stdout, stderr=subprocess.PIPE,
+                          timeout=timeout)
+    return proc.returncode, [l for l in proc.stderr.decode().splitlines() if l.startswith("error:")]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_an_answer_that_cannot_be_written_is_one_error_not_exit_0(cpu_binary, trained, pattern_shards):
+    """--generate and --evaluate answer on stdout: one that cannot be written (a full disk) was
+    lost without a word, and the engine exited 0 as if it had answered."""
+    with open("/dev/full", "wb") as full:
+        rc, errors = answer_to(cpu_binary, full, ["--generate", "--checkpoint", trained["ckpt"]],
+                               json.dumps(greedy(1, [1], max_tokens=2)).encode() + b"\n")
+        assert rc == 1 and len(errors) == 1 and "standard output" in errors[0], errors
+        rc, errors = answer_to(cpu_binary, full, ["--evaluate", "--checkpoint", trained["ckpt"], "--data.val",
+                                                  pattern_shards[1], "--eval.batches", "1"])
+        assert rc == 1 and len(errors) == 1 and "standard output" in errors[0], errors
+
+
+@pytest.mark.parametrize("restore_signals", [True, False])
+def test_a_reader_gone_ends_generate_with_one_error(cpu_binary, trained, restore_signals):
+    """A client that stops reading the answers (its stdout pipe closed) but keeps stdin open: the
+    engine died of SIGPIPE without a word, or, where a launcher left SIGPIPE ignored
+    (restore_signals=False), served every request into the closed pipe until stdin's end and exited
+    0. Now: one error line, exit 1, at once."""
+    proc = subprocess.Popen([str(cpu_binary), "--generate", "--checkpoint", str(trained["ckpt"])],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            restore_signals=restore_signals)
+    proc.stdout.close()
+    try:
+        proc.stdin.write((json.dumps(greedy(1, [1], max_tokens=T)) + "\n").encode() * 4)
+        proc.stdin.flush()
+        rc = proc.wait(timeout=60)  # stdin still open: only the failed write may end it
+    finally:
+        proc.kill()
+        proc.stdin.close()
+        stderr = proc.stderr.read().decode()
+        proc.stderr.close()
+    errors = [l for l in stderr.splitlines() if l.startswith("error:")]
+    assert rc == 1 and len(errors) == 1 and "standard output" in errors[0], (rc, stderr)
+
+
+def test_a_request_stream_that_cannot_be_read_is_one_error_not_its_end(cpu_binary, trained, tmp_path):
+    """stdin that fails to read (here a directory: EISDIR) was taken for the end of the requests,
+    exit 0."""
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        proc = subprocess.run([str(cpu_binary), "--generate", "--checkpoint", str(trained["ckpt"])], stdin=fd,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        os.close(fd)
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "standard input" in errors[0], proc.stderr
 
 
 # ---------------------------------------------------------------------------------------------------

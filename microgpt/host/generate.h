@@ -500,13 +500,13 @@ static void emit_gen_error(const char* id, const char* message) {
     gen_line_start(id);
     fputs(",\"error\":", stdout);
     json_put_string(stdout, message);
-    jline_end();
+    answer_line_end();
 }
 
 static void emit_gen_token(const Request* r, int token) {
     gen_line_start(r->id);
     fprintf(stdout, ",\"token\":%d", token);
-    jline_end();
+    answer_line_end();
 }
 
 static void emit_gen_logits(const Request* r, int V) {
@@ -519,7 +519,7 @@ static void emit_gen_logits(const Request* r, int V) {
         fputs(json_num(b, sizeof b, r->logits[v]), stdout);
     }
     fputc(']', stdout);
-    jline_end();
+    answer_line_end();
 }
 
 static void emit_gen_done(const Request* r, double ms) {
@@ -528,7 +528,7 @@ static void emit_gen_done(const Request* r, double ms) {
     fprintf(stdout, ",\"done\":true,\"reason\":\"%s\",\"tokens\":", r->reason);
     emit_int_array(r->out, r->n_out);
     fprintf(stdout, ",\"prompt_tokens\":%d,\"ms\":%s", r->n_prompt, json_num(b, sizeof b, ms));
-    jline_end();
+    answer_line_end();
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -718,6 +718,8 @@ static int generate_main(int argc, char** argv) {
          c->train.precision, engine_compute_precision(c), c->checkpoint.path, step);
     server_init(&server, c);
     while ((len = getline(&line, &cap, stdin)) >= 0) serve_line(&server, line, (size_t)len);
+    if (ferror(stdin)) /* not the end of the requests: a read that failed (stdin a directory, closed) */
+        die_io("cannot read the requests on standard input (%s)", strerror(errno));
     free(line);
     server_free(&server);
     engine_shutdown();
