@@ -252,7 +252,7 @@ def main(argv):
             return one_shot(gen, conv, args)
         print(f"chatting with {ckpt} (step {shape['step']}); {COMMANDS}", file=sys.stderr)
         return interactive(gen, conv, args)
-    except InferenceError as e:
+    except (InferenceError, tokenizer.TokenizerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # at the prompt or mid-reply: stop the engine, no traceback

@@ -135,7 +135,7 @@ def main(argv):
     try:
         engine = pick_engine(args.engine)
         result = evaluate(engine, args.model, args.data, args.batches)
-    except InferenceError as e:
+    except (InferenceError, tokenizer.TokenizerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

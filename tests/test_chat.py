@@ -237,6 +237,26 @@ def test_a_checkpoint_that_is_a_fifo_is_named_so(tmp_path, run_dir):
     assert res.returncode == 2 and res.stderr == f"error: {fifo}: a FIFO, not a regular file\n", res.stderr
 
 
+
+@pytest.mark.parametrize("damage", ["changed", "directory", "fifo"])
+def test_a_damaged_tokenizer_file_is_one_error(random_model, cpu_binary, tmp_path, monkeypatch, capsys, damage):
+    """The BPE file the chat encodes with (data/assets/r50k_base.tiktoken) changed on disk ended the
+    chat in a traceback; one that is a directory too; a FIFO made it wait forever."""
+    bad = tmp_path / "r50k_base.tiktoken"
+    if damage == "changed":
+        bad.write_bytes(b"garbage 0\n")
+    elif damage == "directory":
+        bad.mkdir()
+    else:
+        os.mkfifo(bad)
+    monkeypatch.setattr(tk, "ASSET_PATH", str(bad))
+    monkeypatch.setattr(tk, "_encoding", None)
+    from microgpt import chat
+    assert chat.main([str(random_model[0]), "--prompt", "hi", "--engine", "cpu"]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"error: {bad}") and "fetch-assets.py" in errors[0], errors
+
+
 def test_streamed_text_holds_back_split_characters(assets):
     """A character whose UTF-8 bytes span tokens prints once whole, never as U+FFFD halves."""
     from microgpt import chat

@@ -172,6 +172,24 @@ def test_a_reader_gone_before_the_result_is_a_quiet_exit(trained_model, cpu_bina
     assert res.returncode == 141 and res.stderr == "", res.stderr
 
 
+
+def test_a_damaged_tokenizer_file_is_blamed_not_the_text(trained_model, cpu_binary, tmp_path, monkeypatch, capsys):
+    """A tokenizer file that could not be read (here a directory) was reported as the text file's
+    fault ("notes.txt: Is a directory"); one that changed was a traceback."""
+    text = tmp_path / "notes.txt"
+    text.write_text("hello " * 50)
+    monkeypatch.setattr(tk, "_encoding", None)
+    from microgpt import evaluate as ev
+    for damage in ("directory", "changed"):
+        bad = tmp_path / damage / "r50k_base.tiktoken"
+        bad.parent.mkdir()
+        bad.mkdir() if damage == "directory" else bad.write_bytes(b"garbage 0\n")
+        monkeypatch.setattr(tk, "ASSET_PATH", str(bad))
+        assert ev.main([str(trained_model.ckpt), str(text), "--engine", "cpu"]) == 2
+        errors = capsys.readouterr().err.splitlines()
+        assert len(errors) == 1 and errors[0].startswith(f"error: {bad}") and "fetch-assets.py" in errors[0], errors
+
+
 def test_refusals(trained_model, cpu_binary, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Too short to fill a window.")
