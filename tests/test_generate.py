@@ -304,6 +304,27 @@ def test_bad_requests_get_one_error_each_and_the_engine_carries_on(cpu_binary, t
     assert len(served.tokens("good in batch")) == 2 and len(served.tokens("last")) == 2
 
 
+
+def test_numbers_out_of_range_are_errors_without_undefined_behaviour(cpu_binary, trained, tmp_path):
+    """A number past what its field's C type holds (inf, 1e300, 2^64) was converted to that type
+    before the range check's error was acted on: undefined behaviour in C, which compilers may
+    assume never happens. The engine built with -fsanitize=float-cast-overflow (a second's build at
+    -O0) stops at the first such conversion; served here, every request gets its error."""
+    exe = tmp_path / "microgpt_cpu_fco"
+    build = subprocess.run(["gcc", "-std=c99", "-O0", "-fsanitize=float-cast-overflow", "-fno-sanitize-recover=all",
+                            "-D_POSIX_C_SOURCE=200809L", "-o", str(exe), str(eu.REPO / "microgpt" / "microgpt_cpu.c"),
+                            "-lm"], capture_output=True, text=True, timeout=120)
+    if build.returncode != 0:
+        pytest.skip(f"no float-cast-overflow sanitizer here: {build.stderr[-300:]}")
+    requests = [{"id": "max_tokens", "prompt": [1], "max_tokens": 1e300}, {"id": "top_k", "prompt": [1], "top_k": -1e300},
+                {"id": "seed", "prompt": [1], "seed": 2.0**64}, {"id": "prompt", "prompt": [1e300]},
+                '{"id": "stop", "prompt": [1], "stop": [-1e999]}']
+    served = serve(exe, trained["ckpt"], requests + [greedy("good", [1], max_tokens=1)])
+    assert "runtime error" not in served.stderr, served.stderr
+    assert [e["id"] for e in served.errors()] == ["max_tokens", "top_k", "seed", "prompt", "stop"], served.errors()
+    assert served.tokens("good")
+
+
 def test_a_request_line_that_is_no_json_text_gets_an_error_not_an_echo(cpu_binary, trained):
     """An id is echoed as written: a string with a bad escape or invalid UTF-8 made every reply to
     it no JSON line, and a NUL byte hid the rest of its line. Each is one error line; every line

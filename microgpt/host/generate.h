@@ -348,11 +348,15 @@ static int js_skip(JsonIn* j, int depth) {
     return js_number(j, &x);
 }
 
-/* An integer in [lo, hi] (a JSON number with no fraction); else the request's error. */
+/* An integer in [lo, hi] (a JSON number with no fraction); else the request's error, and *out is
+ * lo: the caller converts it to an int or uint64_t, and a value past the type (1e300, inf) would
+ * make that conversion undefined behaviour even though the request is never served. */
 static int js_int_field(JsonIn* j, Request* r, const char* key, double lo, double hi, double* out) {
     if (!js_number(j, out)) return 0;
-    if (*out != floor(*out) || *out < lo || *out > hi)
+    if (*out != floor(*out) || *out < lo || *out > hi) {
         if (!r->error[0]) snprintf(r->error, sizeof r->error, "%s must be an integer in [%.0f, %.0f]", key, lo, hi);
+        *out = lo;
+    }
     return 1;
 }
 
@@ -374,8 +378,11 @@ static int js_id_list(JsonIn* j, Request* r, const char* key, int V, int* ids, i
         double x;
         js_ws(j);
         if (!js_number(j, &x)) return 0;
-        if ((x != floor(x) || x < 0 || x >= V) && !r->error[0])
-            snprintf(r->error, sizeof r->error, "%s: %.9g is not a token id of this model (0 .. %d)", key, x, V - 1);
+        if (x != floor(x) || x < 0 || x >= V) {
+            if (!r->error[0])
+                snprintf(r->error, sizeof r->error, "%s: %.9g is not a token id of this model (0 .. %d)", key, x, V - 1);
+            x = 0; /* (int)1e300 would be undefined behaviour, as in js_int_field */
+        }
         if (*n < cap) ids[*n] = (int)x;
         (*n)++;
         js_ws(j);
