@@ -446,6 +446,32 @@ def test_a_request_stream_that_cannot_be_read_is_one_error_not_its_end(cpu_binar
     assert proc.returncode == 1 and len(errors) == 1 and "standard input" in errors[0], proc.stderr
 
 
+
+def test_a_request_line_too_long_for_memory_is_one_error_not_the_end(cpu_binary, trained):
+    """A line longer than the memory left (here under a 256 MB address-space limit) made getline fail
+    with ENOMEM, which left no error flag on stdin: read as the end of the requests, exit 0, and the
+    lines after it were never served."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (256 << 20, 256 << 20))
+    proc = subprocess.Popen([str(cpu_binary), "--generate", "--checkpoint", str(trained["ckpt"])], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit)
+    chunk = b"1," * (4 << 20)
+    try:
+        proc.stdin.write(b'{"prompt": [')
+        for _ in range(64):  # 512 MB at most: past the limit
+            proc.stdin.write(chunk)
+    except BrokenPipeError:
+        pass
+    finally:
+        proc.stdin.close()
+    stderr = proc.stderr.read().decode()
+    proc.stderr.close()
+    errors = [l for l in stderr.splitlines() if l.startswith("error:")]
+    assert proc.wait(timeout=60) == 1 and len(errors) == 1 and "standard input" in errors[0], stderr
+
+
 # ---------------------------------------------------------------------------------------------------
 # training samples stop at <|im_end|>
 

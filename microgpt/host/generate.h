@@ -724,8 +724,14 @@ static int generate_main(int argc, char** argv) {
     info("%s engine, %s (computing in %s): %s at step %d; reading requests on stdin", engine_name(),
          c->train.precision, engine_compute_precision(c), c->checkpoint.path, step);
     server_init(&server, c);
-    while ((len = getline(&line, &cap, stdin)) >= 0) serve_line(&server, line, (size_t)len);
-    if (ferror(stdin)) /* not the end of the requests: a read that failed (stdin a directory, closed) */
+    for (;;) {
+        errno = 0; /* getline's ENOMEM (a line longer than memory) sets no error flag on stdin */
+        if ((len = getline(&line, &cap, stdin)) < 0) break;
+        serve_line(&server, line, (size_t)len);
+    }
+    /* not the end of the requests: a read that failed (stdin a directory, closed), or a line that
+     * did not fit in memory */
+    if (ferror(stdin) || errno == ENOMEM)
         die_io("cannot read the requests on standard input (%s)", strerror(errno));
     free(line);
     server_free(&server);
