@@ -10,10 +10,11 @@ The conversation is kept as tokens, rendered as the training data renders it
 after <|im_start|>assistant\\n until the model writes <|im_end|>. The reply is printed as its tokens
 arrive (on a terminal with its control characters, but newline and tab, shown as \\xNN: a reply is
 data, not commands for the terminal; --json and piped output give the text as it is). One engine
-process serves the whole conversation. When the next prompt would leave less than the reply's room
-(--max-tokens, at most half of seq_len) in the model's context, the oldest exchanges are dropped
-and a line on stderr says so. Typing /reset starts over (the system prompt
-stays), /exit or end of input (Ctrl-D) quits, Ctrl-C quits at any time.
+process serves the whole conversation; the first prompt shows once it has loaded the model (a
+damaged checkpoint is one error line before it). When the next prompt would leave less than the
+reply's room (--max-tokens, at most half of seq_len) in the model's context, the oldest exchanges
+are dropped and a line on stderr says so. Typing /reset starts over (the system prompt stays),
+/exit or end of input (Ctrl-D) quits, Ctrl-C quits at any time.
 
 Turn n of a session samples with seed --seed + n, so a session replays exactly with the same inputs.
 """
@@ -250,6 +251,7 @@ def main(argv):
         gen = Generator(engine, ckpt)
         if args.prompt is not None:
             return one_shot(gen, conv, args)
+        gen.ready()
         print(f"chatting with {ckpt} (step {shape['step']}); {COMMANDS}", file=sys.stderr)
         return interactive(gen, conv, args)
     except (InferenceError, tokenizer.TokenizerUnavailable) as e:

@@ -238,6 +238,36 @@ def test_a_checkpoint_that_is_a_fifo_is_named_so(tmp_path, run_dir):
 
 
 
+
+def test_a_damaged_checkpoint_is_reported_before_the_first_message(trained_model, cpu_binary, tmp_path):
+    """A checkpoint that fails the engine's integrity check (one byte flipped) greeted the user with
+    "chatting with ..." and a prompt, and said what was wrong only after a message had been typed
+    (and lost). The chat now waits for the engine to have loaded the model: one error line at
+    once, exit 2, no prompt."""
+    ckpt = tmp_path / trained_model.ckpt.name
+    shutil.copy(trained_model.ckpt, ckpt)
+    shutil.copy(f"{trained_model.ckpt}.json", f"{ckpt}.json")
+    with open(ckpt, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)[0]
+        f.seek(100)
+        f.write(bytes([byte ^ 1]))
+    proc = subprocess.Popen([sys.executable, str(CHAT), str(ckpt), "--engine", "cpu"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=eu.python_env())
+    try:
+        rc = proc.wait(timeout=30)  # stdin stays open: no message is ever typed
+    except subprocess.TimeoutExpired:
+        rc = "waiting for a message"
+    finally:
+        proc.kill()
+        proc.stdin.close()
+        out, err = proc.stdout.read(), proc.stderr.read()
+        proc.stdout.close()
+        proc.stderr.close()
+    errors = [l for l in err.splitlines() if l.startswith("error:")]
+    assert rc == 2 and out == "" and len(errors) == 1 and "integrity" in errors[0], (rc, err)
+
+
 @pytest.mark.parametrize("damage", ["changed", "directory", "fifo"])
 def test_a_damaged_tokenizer_file_is_one_error(random_model, cpu_binary, tmp_path, monkeypatch, capsys, damage):
     """The BPE file the chat encodes with (data/assets/r50k_base.tiktoken) changed on disk ended the
