@@ -246,6 +246,10 @@ def main(argv):
     try:
         ckpt = resolve_checkpoint(args.model)
         shape = read_model_shape(ckpt)
+        if shape["vocab_size"] < tokenizer.VOCAB_SIZE:  # the engine would refuse every prompt, after the greeting
+            raise InferenceError(f"{ckpt}: the model's vocab_size {shape['vocab_size']} holds no ChatML tokens "
+                                 f"(<|im_start|> {tokenizer.IM_START}, <|im_end|> {tokenizer.IM_END}); chat needs "
+                                 f"a model trained with vocab_size {tokenizer.VOCAB_SIZE} or more")
         conv = Conversation(args.system, shape["seq_len"], min(args.max_tokens, shape["seq_len"] // 2))
         engine = pick_engine(args.engine)
         gen = Generator(engine, ckpt)

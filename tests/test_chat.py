@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -266,6 +267,25 @@ def test_a_damaged_checkpoint_is_reported_before_the_first_message(trained_model
         proc.stderr.close()
     errors = [l for l in err.splitlines() if l.startswith("error:")]
     assert rc == 2 and out == "" and len(errors) == 1 and "integrity" in errors[0], (rc, err)
+
+
+
+def test_a_model_without_the_chatml_tokens_is_refused_at_start(random_model, tmp_path):
+    """A model whose vocabulary stops short of <|im_start|> (50257), a GPT-2 sized or a test model,
+    greeted the user and answered the first message with the engine's refusal of token 50257.
+    It is one error line at start, naming the vocabulary."""
+    run_dir = tmp_path / "small"
+    shutil.copytree(random_model[0], run_dir)
+    ckpt = run_dir / f"{random_model[0].name}.ckpt"
+    ckpt.rename(run_dir / "small.ckpt")
+    side = json.loads(Path(f"{ckpt}.json").read_text())
+    side["fingerprint"]["vocab_size"] = tk.EOT + 1
+    Path(f"{run_dir / 'small.ckpt'}.json").write_text(json.dumps(side))
+    res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu"], input="hi\n",
+                         capture_output=True, text=True, timeout=60, env=eu.python_env())
+    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert res.returncode == 2 and res.stdout == "" and res.stderr == errors[0] + "\n", res.stderr
+    assert f"vocab_size {tk.EOT + 1}" in errors[0] and "<|im_start|>" in errors[0], errors
 
 
 @pytest.mark.parametrize("damage", ["changed", "directory", "fifo"])
