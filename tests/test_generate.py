@@ -10,6 +10,7 @@ training loop's val_loss.
 """
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -355,6 +356,29 @@ def test_model_flags_come_from_the_sidecar_and_bad_setups_are_refused(cpu_binary
     assert res.rc == 2 and "--data.val" in res.errors[0], res.describe()
     res = eu.run_engine(cpu_binary, ["--generate"])
     assert res.rc == 2 and "--checkpoint" in res.errors[0], res.describe()
+
+
+
+def test_a_damaged_checkpoint_says_how_to_use_the_previous_one_here(cpu_binary, trained, tmp_path):
+    """A damaged checkpoint with a previous slot is refused by --generate as by training, with the
+    way back to the previous slot; that way ended "then run again with --resume", a flag --generate
+    refuses. Doing what the line says now serves."""
+    ckpt = tmp_path / "m.ckpt"
+    for suffix in ("", ".json"):
+        for slot in ("", ".prev"):
+            shutil.copy(f"{trained['ckpt']}{suffix}", f"{ckpt}{slot}{suffix}")
+    with open(ckpt, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)[0]
+        f.seek(100)
+        f.write(bytes([byte ^ 1]))
+    args = ["--generate", "--checkpoint", ckpt]
+    res = eu.run_engine(cpu_binary, args)
+    assert res.rc == 2 and len(res.errors) == 1 and f"mv {ckpt}.prev {ckpt} &&" in res.errors[0], res.describe()
+    assert "run again with --resume" not in res.errors[0], res.errors[0]
+    os.replace(f"{ckpt}.prev", ckpt)  # what the error line says to do
+    os.replace(f"{ckpt}.prev.json", f"{ckpt}.json")
+    assert eu.run_engine(cpu_binary, args).rc == 0
 
 
 @pytest.mark.parametrize("key, value", [("seed", "1337.5"), ("n_layer", "1e400"), ("batch_size", "NaN"),
