@@ -479,8 +479,10 @@ def test_a_request_line_too_long_for_memory_is_one_error_not_the_end(cpu_binary,
 
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (256 << 20, 256 << 20))
+    # one thread: each OpenMP thread's stack and malloc arena would count against the limit
     proc = subprocess.Popen([str(cpu_binary), "--generate", "--checkpoint", str(trained["ckpt"])], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     chunk = b"1," * (4 << 20)
     try:
         proc.stdin.write(b'{"prompt": [')
