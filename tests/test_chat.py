@@ -11,6 +11,7 @@ argmax a few tokens into a reply.
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -346,6 +347,19 @@ def test_control_characters_of_a_reply_are_shown_not_acted_on_by_a_terminal(asse
     for out, shown in ((TerminalOut(), "a\\x1b]0;pwned\\x07b\\x0d\tc\\x7f\\x9b\n"), (io.StringIO(), text)):
         ids, reply_text, _ = chat.reply(FakeGenerator(tk.encode(text)), [1], args, 0, out)
         assert out.getvalue() == shown and reply_text == text and ids == tk.encode(text)
+
+
+
+def test_a_reply_the_output_encoding_cannot_hold_is_escaped_not_a_traceback(random_model, cpu_binary):
+    """Under a locale whose encoding lacks a character the model wrote (here ASCII: this reply holds
+    U+00F1), writing the reply raised UnicodeEncodeError: a traceback mid-reply. Such a character is
+    written as a backslash escape."""
+    run_dir, _, _ = random_model
+    res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--prompt", "Hello",
+                          "--max-tokens", "60", "--seed", "4", "--temperature", "2", "--top-k", "0"],
+                         capture_output=True, timeout=300, env={**eu.python_env(), "PYTHONIOENCODING": "ascii"})
+    assert res.returncode == 0 and b"Traceback" not in res.stderr, res.stderr.decode()
+    assert re.search(rb"\\(x[0-9a-f]{2}|u[0-9a-f]{4})", res.stdout) and res.stdout.isascii(), res.stdout
 
 
 def test_a_reader_that_goes_away_ends_the_chat_quietly(random_model, cpu_binary):
