@@ -14,8 +14,8 @@ the output's encoding lacks is written as \\uXXXX). One engine process serves th
 conversation; the first prompt shows once it has loaded the model (a damaged checkpoint is one
 error line before it). When the next prompt would leave less than the reply's room (--max-tokens,
 at most half of seq_len) in the model's context, the oldest exchanges are dropped and a line on
-stderr says so. Typing /reset starts over (the system prompt stays),
-/exit or end of input (Ctrl-D) quits, Ctrl-C quits at any time.
+stderr says so. Typing /reset starts over (the system prompt stays), /exit or end of input (Ctrl-D)
+quits, Ctrl-C quits at any time.
 
 Turn n of a session samples with seed --seed + n, so a session replays exactly with the same inputs.
 """
@@ -249,7 +249,7 @@ def main(argv):
     try:
         ckpt = resolve_checkpoint(args.model)
         shape = read_model_shape(ckpt)
-        if shape["vocab_size"] < tokenizer.VOCAB_SIZE:  # the engine would refuse every prompt, after the greeting
+        if shape["vocab_size"] < tokenizer.VOCAB_SIZE:  # else every prompt refused, after the greeting
             raise InferenceError(f"{ckpt}: the model's vocab_size {shape['vocab_size']} holds no ChatML tokens "
                                  f"(<|im_start|> {tokenizer.IM_START}, <|im_end|> {tokenizer.IM_END}); chat needs "
                                  f"a model trained with vocab_size {tokenizer.VOCAB_SIZE} or more")

@@ -317,7 +317,8 @@ def test_numbers_out_of_range_are_errors_without_undefined_behaviour(cpu_binary,
                             "-lm"], capture_output=True, text=True, timeout=120)
     if build.returncode != 0:
         pytest.skip(f"no float-cast-overflow sanitizer here: {build.stderr[-300:]}")
-    requests = [{"id": "max_tokens", "prompt": [1], "max_tokens": 1e300}, {"id": "top_k", "prompt": [1], "top_k": -1e300},
+    requests = [{"id": "max_tokens", "prompt": [1], "max_tokens": 1e300},
+                {"id": "top_k", "prompt": [1], "top_k": -1e300},
                 {"id": "seed", "prompt": [1], "seed": 2.0**64}, {"id": "prompt", "prompt": [1e300]},
                 '{"id": "stop", "prompt": [1], "stop": [-1e999]}']
     served = serve(exe, trained["ckpt"], requests + [greedy("good", [1], max_tokens=1)])
@@ -480,8 +481,8 @@ def test_a_request_line_too_long_for_memory_is_one_error_not_the_end(cpu_binary,
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (256 << 20, 256 << 20))
     # one thread: each OpenMP thread's stack and malloc arena would count against the limit
-    proc = subprocess.Popen([str(cpu_binary), "--generate", "--checkpoint", str(trained["ckpt"])], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit,
+    proc = subprocess.Popen([str(cpu_binary), "--generate", "--checkpoint", str(trained["ckpt"])],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     chunk = b"1," * (4 << 20)
     try:

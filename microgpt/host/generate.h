@@ -380,7 +380,8 @@ static int js_id_list(JsonIn* j, Request* r, const char* key, int V, int* ids, i
         if (!js_number(j, &x)) return 0;
         if (x != floor(x) || x < 0 || x >= V) {
             if (!r->error[0])
-                snprintf(r->error, sizeof r->error, "%s: %.9g is not a token id of this model (0 .. %d)", key, x, V - 1);
+                snprintf(r->error, sizeof r->error, "%s: %.9g is not a token id of this model (0 .. %d)", key, x,
+                         V - 1);
             x = 0; /* (int)1e300 would be undefined behaviour, as in js_int_field */
         }
         if (*n < cap) ids[*n] = (int)x;
