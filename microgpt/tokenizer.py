@@ -26,7 +26,7 @@ import sys
 import numpy as np
 import tiktoken
 
-from microgpt.files import DuplicateKeyError, JsonTooDeep, loads_json
+from microgpt.files import DuplicateKeyError, JsonTooDeep, loads_json, open_regular
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSET_PATH = os.path.join(ROOT, "data", "assets", "r50k_base.tiktoken")
@@ -56,9 +56,15 @@ def _load_ranks(path):
     """Parse a .tiktoken file ('<base64 token> <rank>' per line) after checking its sha256.
 
     tiktoken.load.load_tiktoken_bpe does the same parse but also copies local files into a cache
-    directory; reading it here keeps loading free of side effects."""
-    with open(path, "rb") as f:
-        data = f.read()
+    directory; reading it here keeps loading free of side effects. A path that is no regular file (a
+    FIFO would make the read wait forever) or cannot be read is TokenizerUnavailable, as a changed
+    file is: the tools say so in one line, naming this file, not the input they were reading."""
+    try:
+        with open(open_regular(path), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise TokenizerUnavailable(f"{path}: cannot be read ({e.strerror or e}); delete it and run "
+                                   "`python scripts/fetch-assets.py`") from None
     digest = hashlib.sha256(data).hexdigest()
     if digest != ASSET_SHA256:
         raise TokenizerUnavailable(f"{path}: sha256 {digest} is not r50k_base's {ASSET_SHA256}; "
