@@ -7,6 +7,7 @@ when a GPU is present and build/microgpt_cuda exists, and are skipped otherwise.
 import fcntl
 import functools
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -25,6 +26,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 def pytest_configure(config):
     # Also declared in pytest.ini; repeated here so the marker is known when pytest runs without it.
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU and build/microgpt_cuda (skipped otherwise)")
+    # Tests press Ctrl-C (SIGINT) on Python tools (chat, the data pipeline). A shell without job
+    # control starts a background command with SIGINT ignored, and an ignored signal stays ignored
+    # through exec: those tools would never see it. A handled one is reset to its default at exec.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 from microgpt.engines import gpu_visible  # the proxy's rule for "a GPU is there"
