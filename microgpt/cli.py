@@ -3,7 +3,8 @@ scripts): bad input is one `error: ...` line on stderr and a non-zero exit, as t
 
 Exit status 2 is a usage error: a flag argparse cannot parse, or a value a tool refuses (argparse's
 own status for the same); --help still prints the full usage, exit 0. Exit status 141, with no
-message, is a tool whose stdout's reader went away (stdout_closed)."""
+message, is a tool whose stdout's reader went away (stdout_closed); 130 (INTERRUPTED), with one
+"interrupted" line, is a tool stopped by Ctrl-C."""
 import argparse
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 
 USAGE_ERROR = 2
 STDOUT_CLOSED = 128 + signal.SIGPIPE  # 141: a shell's status for a program that SIGPIPE ended
+INTERRUPTED = 128 + signal.SIGINT  # 130: a shell's status for a program that Ctrl-C (SIGINT) ended
 
 
 def fail(message, code=USAGE_ERROR):

@@ -19,11 +19,12 @@ done, so a second run takes seconds.
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 
 from microgpt.atomic import atomic_open
-from microgpt.cli import ArgumentParser
+from microgpt.cli import INTERRUPTED, ArgumentParser
 from microgpt.files import read_json, unique_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,11 +52,16 @@ DEFAULT_MAX_RECORDS = 250_000
 
 
 def script(name, *args):
-    """Run one of the pipeline scripts as a user would; return its exit status."""
+    """Run one of the pipeline scripts as a user would; return its exit status. A script that Ctrl-C
+    stopped (its "interrupted" line said, exit 130) stops the set-up too, as Ctrl-C here would: its
+    status would otherwise read as a failed step, and the corpus fetch's be passed over."""
     cmd = [sys.executable, os.path.join(ROOT, "scripts", name), *args]
     print("prepare-data: $ " + " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c
                                        for c in cmd[1:]), file=sys.stderr)
-    return subprocess.run(cmd).returncode
+    status = subprocess.run(cmd).returncode
+    if status in (INTERRUPTED, -signal.SIGINT):
+        raise KeyboardInterrupt
+    return status
 
 
 def convert_chitchat(src, dst):
@@ -174,4 +180,8 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the running step has stopped (subprocess.run ends it) and said so
+        print("\nprepare-data: interrupted; re-run to go on (done steps are skipped)", file=sys.stderr)
+        sys.exit(INTERRUPTED)
