@@ -942,6 +942,41 @@ def test_ctrl_c_in_prepare_data_is_one_line_and_starts_no_next_step(tmp_path, ho
     assert (scripts / "ran").read_text() == "fetch-assets.py\n" * (1 if sleep else 2)
 
 
+
+TURN = [{"text": "hi", "sender": "a"}]
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("not JSON", "Expecting"), ("not UTF-8", "utf-8"), ("a key twice", "appears twice"),
+    ("fifo", "a FIFO, not a regular file"), ("directory", "a directory, not a regular file"),
+    ([TURN, TURN], "not a JSON object of conversations"),
+    ({"c1": [TURN, TURN]}, 'conversation "c1"'), ({"c1": {"messages": "hi"}}, 'conversation "c1"'),
+    ({"c1": {"messages": [TURN, "hi"]}}, 'conversation "c1"'),
+    ({"c1": {"messages": [TURN, [{"text": 5, "sender": "b"}]]}}, 'conversation "c1"'),
+    ({"c1": {"messages": [TURN, [{"text": "yo"}]]}}, 'conversation "c1"')])
+def test_a_damaged_chitchat_dataset_is_one_error_naming_it(tmp_path, monkeypatch, capsys, damage, why):
+    """A chitchat dataset.json edited by hand or damaged (not JSON, other types, a FIFO in its
+    place) was a traceback when prepare-data converted it, or a hang on the FIFO. Now it is one
+    error line that names the file and says to delete it (fetch-assets then fetches it again)."""
+    mod = load_script("prepare-data")
+    src = tmp_path / "dataset.json"
+    if damage == "fifo":
+        os.mkfifo(src)
+    elif damage == "directory":
+        src.mkdir()
+    else:
+        src.write_bytes({"not JSON": b"{\"c1\": ", "not UTF-8": b'{"c1": "\xff"}', "a key twice": b'{"c1": {}, "c1": {}}'}
+                        [damage] if isinstance(damage, str) else json.dumps(damage).encode())
+    monkeypatch.setattr(mod, "CHITCHAT_JSON", str(src))
+    monkeypatch.setattr(mod, "CHITCHAT_HERMES", str(tmp_path / "chitchat_hermes.jsonl"))
+    monkeypatch.setattr(mod, "script", lambda name, *args: 1 if name == "pull-hermes3.py" else 0)
+    monkeypatch.setattr(sys, "argv", ["prepare-data.py", "--no-corpus", "--data-dir", str(tmp_path)])
+    assert mod.main() == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {src}: ") and why in errors[0], errors
+    assert "delete it" in errors[0] and sorted(os.listdir(tmp_path)) == ["dataset.json"]
+
+
 # ---------------------------------------------------------------- fetch-assets: damaged downloads
 
 def start_fetch(data, asset, *args):
