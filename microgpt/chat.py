@@ -21,17 +21,15 @@ Turn n of a session samples with seed --seed + n, so a session replays exactly w
 """
 import codecs
 import json
-import re
 import sys
 
 from microgpt import tokenizer
-from microgpt.cli import ArgumentParser, stdout_closed
+from microgpt.cli import ArgumentParser, shown_on_terminal, stdout_closed
 from microgpt.engines import ENGINE_INT_MAX
 from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 
 COMMANDS = "/reset clears the conversation, /exit quits"
-CONTROL_CHARACTERS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but tab and newline, DEL, C1
 
 # The generation protocol's limits (docs/DESIGN.md §16), checked here so that an error names chat's
 # flag, not the engine's request field.
@@ -101,14 +99,6 @@ class TextStream:
 
     def finish(self):
         return self.decoder.decode(b"", final=True)
-
-
-def shown_on_terminal(text):
-    """A model's words as a terminal should show them: data, not commands. Its control characters
-    (C0 but tab and newline, DEL, C1) are written as \\xNN escapes: a terminal acts on them (ESC
-    starts sequences that move the cursor, rewrite the screen or retitle the window; CR returns
-    over the line)."""
-    return CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def reply(gen, prompt_ids, args, turn, out):

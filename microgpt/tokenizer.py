@@ -15,7 +15,9 @@ The ChatML format lives here too, so the data pipeline and the proxy render and 
 Command line (used to check a prompt or to decode a shard):
     python microgpt/tokenizer.py encode "text"        ordinary text -> ids
     python microgpt/tokenizer.py encode-chat "text"   text whose ChatML specials are real specials -> ids
-    python microgpt/tokenizer.py decode 1 2 3         ids -> text
+    python microgpt/tokenizer.py decode 1 2 3         ids -> text (on a terminal its control
+                                                      characters but newline and tab shown as \\xNN,
+                                                      not acted on; piped, the exact text)
 """
 import base64
 import hashlib
@@ -26,6 +28,7 @@ import sys
 import numpy as np
 import tiktoken
 
+from microgpt.cli import shown_on_terminal
 from microgpt.files import DuplicateKeyError, JsonTooDeep, loads_json, open_regular
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -222,7 +225,8 @@ def turn_problem(turn, role_key, text_key):
 
 
 def main(argv):
-    usage = "usage: tokenizer.py encode TEXT | encode-chat TEXT | decode ID..."
+    usage = ("usage: tokenizer.py encode TEXT | encode-chat TEXT | decode ID...\n"
+             "decode shows control characters but newline and tab as \\xNN on a terminal; a pipe gets the text")
     if len(argv) < 2 or argv[0] not in ("encode", "encode-chat", "decode"):
         print(usage, file=sys.stderr)
         return 2
@@ -233,7 +237,8 @@ def main(argv):
             except ValueError:
                 print("error: decode takes integer token ids", file=sys.stderr)
                 return 2
-            sys.stdout.write(decode(ids) + "\n")
+            text = decode(ids) + "\n"
+            sys.stdout.write(shown_on_terminal(text) if sys.stdout.isatty() else text)
         else:
             fn = encode if argv[0] == "encode" else encode_chat
             print(json.dumps(fn(" ".join(argv[1:]))))

@@ -896,6 +896,87 @@ def test_prepare_data_banner_counts_the_records_the_pull_holds(tmp_path, monkeyp
     assert "990 conversations of its first 1000 records" in banner and "first 10 records" not in banner
 
 
+
+# A step of prepare-data's, in a copy of scripts/ (prepare-data runs the scripts beside it): it notes
+# its run in `ran`, then sleeps until Ctrl-C (exit 130), or exits 130 at once when given --keep-going.
+FAKE_STEP = """import os, sys, time
+CORPUS = {}
+if __name__ == "__main__":
+    with open(os.path.join(os.path.dirname(__file__), "ran"), "a") as f:
+        f.write(os.path.basename(__file__) + "\\n")
+    try:
+        if "--keep-going" in sys.argv or "--sleep" not in os.environ.get("FAKE_STEP", ""):
+            sys.exit(130 if "--keep-going" in sys.argv else 0)
+        time.sleep(60)
+    except KeyboardInterrupt:
+        sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "step interrupted"])
+def test_ctrl_c_in_prepare_data_is_one_line_and_starts_no_next_step(tmp_path, how):
+    """Ctrl-C in prepare-data printed a KeyboardInterrupt traceback, and a step that said it was
+    interrupted (exit 130) while prepare-data was not (the corpus fetch, which may fail) was taken
+    for a failed fetch: the next step started. Now either is one "interrupted" line, exit 130, and
+    no further step runs."""
+    import signal
+    import time
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    shutil.copy(REPO / "scripts" / "prepare-data.py", scripts)
+    for name in ("fetch-assets", "prep-megachat", "pull-hermes3"):
+        (scripts / f"{name}.py").write_text(FAKE_STEP)
+    sleep = how == "ctrl-c"
+    proc = subprocess.Popen([sys.executable, str(scripts / "prepare-data.py"), "--data-dir", str(tmp_path / "data")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=python_env(FAKE_STEP="--sleep" if sleep else ""))
+    if sleep:
+        deadline = time.monotonic() + 30
+        while not (scripts / "ran").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the step and prepare-data
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == "prepare-data: interrupted; re-run to go on (done steps are skipped)", err
+    assert (scripts / "ran").read_text() == "fetch-assets.py\n" * (1 if sleep else 2)
+
+
+
+TURN = [{"text": "hi", "sender": "a"}]
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("not JSON", "Expecting"), ("not UTF-8", "utf-8"), ("a key twice", "appears twice"),
+    ("fifo", "a FIFO, not a regular file"), ("directory", "a directory, not a regular file"),
+    ([TURN, TURN], "not a JSON object of conversations"),
+    ({"c1": [TURN, TURN]}, 'conversation "c1"'), ({"c1": {"messages": "hi"}}, 'conversation "c1"'),
+    ({"c1": {"messages": [TURN, "hi"]}}, 'conversation "c1"'),
+    ({"c1": {"messages": [TURN, [{"text": 5, "sender": "b"}]]}}, 'conversation "c1"'),
+    ({"c1": {"messages": [TURN, [{"text": "yo"}]]}}, 'conversation "c1"')])
+def test_a_damaged_chitchat_dataset_is_one_error_naming_it(tmp_path, monkeypatch, capsys, damage, why):
+    """A chitchat dataset.json edited by hand or damaged (not JSON, other types, a FIFO in its
+    place) was a traceback when prepare-data converted it, or a hang on the FIFO. Now it is one
+    error line that names the file and says to delete it (fetch-assets then fetches it again)."""
+    mod = load_script("prepare-data")
+    src = tmp_path / "dataset.json"
+    if damage == "fifo":
+        os.mkfifo(src)
+    elif damage == "directory":
+        src.mkdir()
+    else:
+        src.write_bytes({"not JSON": b"{\"c1\": ", "not UTF-8": b'{"c1": "\xff"}', "a key twice": b'{"c1": {}, "c1": {}}'}
+                        [damage] if isinstance(damage, str) else json.dumps(damage).encode())
+    monkeypatch.setattr(mod, "CHITCHAT_JSON", str(src))
+    monkeypatch.setattr(mod, "CHITCHAT_HERMES", str(tmp_path / "chitchat_hermes.jsonl"))
+    monkeypatch.setattr(mod, "script", lambda name, *args: 1 if name == "pull-hermes3.py" else 0)
+    monkeypatch.setattr(sys, "argv", ["prepare-data.py", "--no-corpus", "--data-dir", str(tmp_path)])
+    assert mod.main() == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {src}: ") and why in errors[0], errors
+    assert "delete it" in errors[0] and sorted(os.listdir(tmp_path)) == ["dataset.json"]
+
+
 # ---------------------------------------------------------------- fetch-assets: damaged downloads
 
 def start_fetch(data, asset, *args):
