@@ -249,11 +249,7 @@ def test_a_damaged_checkpoint_is_reported_before_the_first_message(trained_model
     ckpt = tmp_path / trained_model.ckpt.name
     shutil.copy(trained_model.ckpt, ckpt)
     shutil.copy(f"{trained_model.ckpt}.json", f"{ckpt}.json")
-    with open(ckpt, "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)[0]
-        f.seek(100)
-        f.write(bytes([byte ^ 1]))
+    eu.flip_bit(ckpt, 100)
     proc = subprocess.Popen([sys.executable, str(CHAT), str(ckpt), "--engine", "cpu"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=eu.python_env())
     try:

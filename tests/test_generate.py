@@ -368,11 +368,7 @@ def test_a_damaged_checkpoint_says_how_to_use_the_previous_one_here(cpu_binary, 
     for suffix in ("", ".json"):
         for slot in ("", ".prev"):
             shutil.copy(f"{trained['ckpt']}{suffix}", f"{ckpt}{slot}{suffix}")
-    with open(ckpt, "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)[0]
-        f.seek(100)
-        f.write(bytes([byte ^ 1]))
+    eu.flip_bit(ckpt, 100)
     args = ["--generate", "--checkpoint", ckpt]
     res = eu.run_engine(cpu_binary, args)
     assert res.rc == 2 and len(res.errors) == 1 and f"mv {ckpt}.prev {ckpt} &&" in res.errors[0], res.describe()
