@@ -17,7 +17,8 @@ Command line (used to check a prompt or to decode a shard):
     python microgpt/tokenizer.py encode-chat "text"   text whose ChatML specials are real specials -> ids
     python microgpt/tokenizer.py decode 1 2 3         ids -> text (on a terminal its control
                                                       characters but newline and tab shown as \\xNN,
-                                                      not acted on; piped, the exact text)
+                                                      not acted on; piped, the exact text; a
+                                                      character stdout's encoding lacks as \\uXXXX)
 """
 import base64
 import hashlib
@@ -238,6 +239,7 @@ def main(argv):
                 print("error: decode takes integer token ids", file=sys.stderr)
                 return 2
             text = decode(ids) + "\n"
+            sys.stdout.reconfigure(errors="backslashreplace")  # a character the encoding lacks: \uXXXX
             sys.stdout.write(shown_on_terminal(text) if sys.stdout.isatty() else text)
         else:
             fn = encode if argv[0] == "encode" else encode_chat

@@ -163,3 +163,15 @@ def test_cli_decode_shows_control_characters_on_a_terminal_and_pipes_them_exact(
     assert proc.wait(timeout=60) == 0, proc.stderr.read()
     # the terminal writes each newline as CR LF (its onlcr mode); the CR written is the escape
     assert shown.replace(b"\r\n", b"\n") == "a\\x1b]0;pwned\\x07b\\x0d\tc\\x7f\\x9b\n\n".encode()
+
+
+def test_cli_decode_to_an_encoding_without_a_character_escapes_it(assets):
+    """Decoded text may hold any character; where stdout's encoding lacks one (an ASCII or Latin-1
+    locale) decode ended in a UnicodeEncodeError traceback. It now shows it as \\uXXXX, as chat
+    does, and exits 0."""
+    ids = [str(i) for i in tok.encode("snow ☃ man\n")]
+    cmd = [sys.executable, str(REPO / "microgpt" / "tokenizer.py"), "decode", *ids]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                         env={**python_env(), "PYTHONIOENCODING": "ascii"})
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.stdout == "snow \\u2603 man\n\n"
