@@ -34,6 +34,13 @@ def stdout_closed():
     return STDOUT_CLOSED
 
 
+def interrupted(tool, what):
+    """For a tool stopped by Ctrl-C (KeyboardInterrupt): one line, "TOOL: interrupted; WHAT" (what
+    was kept, how to go on), no traceback; returns the exit status of a program SIGINT ended."""
+    print(f"\n{tool}: interrupted; {what}", file=sys.stderr)
+    return INTERRUPTED
+
+
 def shown_on_terminal(text):
     """Decoded text (a model's words, a tokenizer's output) as a terminal should show it: data, not
     commands. Its control characters (C0 but tab and newline, DEL, C1) are written as \\xNN escapes:

@@ -53,7 +53,7 @@ import numpy as np
 
 from microgpt import tokenizer
 from microgpt.atomic import fsync_dir, write_json_atomic
-from microgpt.cli import ArgumentParser, fail
+from microgpt.cli import ArgumentParser, fail, interrupted
 from microgpt.files import RECORD_TOO_LONG, hold_lock, open_regular, read_json, record_lines
 from microgpt.progress import Progress
 from microgpt.shards import MAX_TOKENS, ShardError, ShardStream, read_header, read_shard
@@ -608,5 +608,4 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except KeyboardInterrupt:  # main removed its build folder: OUT_DIR shows the set it showed
-        print("\nprep-megachat: interrupted; the previous shards are kept", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(interrupted("prep-megachat", "the previous shards are kept"))

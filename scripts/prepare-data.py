@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 from microgpt.atomic import atomic_open
-from microgpt.cli import INTERRUPTED, ArgumentParser
+from microgpt.cli import INTERRUPTED, ArgumentParser, interrupted
 from microgpt.files import loads_json, open_regular, read_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -220,5 +220,4 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:  # the running step has stopped (subprocess.run ends it) and said so
-        print("\nprepare-data: interrupted; re-run to go on (done steps are skipped)", file=sys.stderr)
-        sys.exit(INTERRUPTED)
+        sys.exit(interrupted("prepare-data", "re-run to go on (done steps are skipped)"))

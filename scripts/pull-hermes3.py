@@ -24,7 +24,7 @@ import os
 import sys
 
 from microgpt.atomic import write_json_atomic
-from microgpt.cli import ArgumentParser
+from microgpt.cli import ArgumentParser, interrupted
 from microgpt.files import MAX_RECORD_BYTES, RECORD_TOO_LONG, read_json, record_lines, unique_keys
 from microgpt.tokenizer import json_fault, parse_conversation, parse_json_line
 
@@ -285,9 +285,7 @@ def main():
         print(f"error: {e}", file=sys.stderr)
         return 2 if args.from_file else 1
     except KeyboardInterrupt:
-        print(f"\npull-hermes3: interrupted after {progress['read']} records; re-run to resume",
-              file=sys.stderr)
-        return 130
+        return interrupted("pull-hermes3", f"{progress['read']} records read; re-run to resume")
     except Exception as e:  # network errors from datasets/requests/fsspec come in many types
         if args.from_file:
             print(f"error: {args.from_file}: {type(e).__name__}: {e}", file=sys.stderr)
