@@ -468,33 +468,63 @@ def test_a_request_stream_that_cannot_be_read_is_one_error_not_its_end(cpu_binar
 
 
 
-def test_a_request_line_too_long_for_memory_is_one_error_not_the_end(cpu_binary, trained):
-    """A line longer than the memory left (here under a 256 MB address-space limit) made getline fail
-    with ENOMEM, which left no error flag on stdin: read as the end of the requests, exit 0, and the
-    lines after it were never served."""
+def test_a_request_line_longer_than_any_engine_reads_is_one_error_reply(cpu_binary, trained):
+    """A request line was read whole (getline) before it was judged: a line longer than the memory
+    left (here under a 256 MB address-space limit) ended the engine. A line longer than the most a
+    request line may hold (1 MiB for this model, docs/DESIGN.md §16) is now one error reply, with
+    the id read before the cut, its rest skipped unread into memory; the next line is served."""
     import resource
 
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (256 << 20, 256 << 20))
     # one thread: each OpenMP thread's stack and malloc arena would count against the limit
     proc = subprocess.Popen([str(cpu_binary), "--generate", "--checkpoint", str(trained["ckpt"])],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=limit,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     chunk = b"1," * (4 << 20)
     try:
-        proc.stdin.write(b'{"prompt": [')
-        for _ in range(64):  # 512 MB at most: past the limit
+        proc.stdin.write(b'{"id": "long", "prompt": [')
+        for _ in range(40):  # 320 MB: past the limit
             proc.stdin.write(chunk)
+        proc.stdin.write(b"1]}\n" + json.dumps(greedy("next", [1], max_tokens=1)).encode() + b"\n")
+        proc.stdin.close()
     except BrokenPipeError:  # the engine is gone: what it says is the test
         pass
-    try:
-        proc.stdin.close()
-    except BrokenPipeError:  # the rest of a buffered write
-        pass
-    stderr = proc.stderr.read().decode()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    proc.stdout.close()
     proc.stderr.close()
-    errors = [l for l in stderr.splitlines() if l.startswith("error:")]
-    assert proc.wait(timeout=60) == 1 and len(errors) == 1 and "standard input" in errors[0], stderr
+    assert proc.wait(timeout=60) == 0, err.decode()[-2000:]
+    records = [json.loads(line) for line in out.decode().splitlines()]
+    assert records[0] == {"id": "long", "error": "the request line is longer than 1048576 bytes, the most "
+                          "a request line may hold here; the rest of it was skipped"}, records
+    assert records[-1]["id"] == "next" and records[-1]["done"], records
+
+
+def test_a_request_line_of_the_most_bytes_is_read_one_more_is_not(cpu_binary, trained):
+    """The bound is exact: a line of 1 MiB (the '\\n' not counted) is a request, one byte more is
+    an error reply, whatever the line holds past the cut (here a valid request padded with blanks)."""
+    head = json.dumps(greedy("edge", [1], max_tokens=1))
+    lines = [head + " " * ((1 << 20) - len(head)), head + " " * ((1 << 20) + 1 - len(head)),
+             '["x"' + " " * (1 << 20) + "]"]
+    served = serve(cpu_binary, trained["ckpt"], lines + [greedy("next", [1], max_tokens=1)])
+    assert served.tokens("edge") and [e["id"] for e in served.errors()] == ["edge", None], served.errors()
+    assert all("longer than 1048576 bytes" in e["error"] for e in served.errors())
+    assert served.tokens("next")
+
+
+@pytest.mark.parametrize("rid", ["\\ud800", "\\udfff", "a\\ud800b", "\\ud800\\u0041", "\\udc00\\ud800"])
+def test_an_id_with_a_lone_surrogate_is_refused_not_echoed(cpu_binary, trained, rid):
+    """An id holding a lone UTF-16 surrogate escape ("\\ud800") was echoed as written: JSON text
+    that no UTF-8 reader can turn into a string it can write out (Python's json makes one that
+    cannot be encoded). It names no Unicode text, so the request is refused: one error reply with id
+    null (the id cannot be echoed); a pair, or an escaped backslash before "u", is an id as any."""
+    lines = ['{"id": "%s", "prompt": [1], "max_tokens": 1}' % rid,
+             '{"id": "\\ud83d\\ude00", "prompt": [1], "max_tokens": 1}',
+             '{"id": "\\\\ud800", "prompt": [1], "max_tokens": 1}']
+    served = serve(cpu_binary, trained["ckpt"], lines)
+    assert [e["id"] for e in served.errors()] == [None], served.errors()
+    assert "lone surrogate" in served.errors()[0]["error"], served.errors()
+    assert served.tokens("\U0001F600") and served.tokens("\\ud800")
 
 
 # ---------------------------------------------------------------------------------------------------

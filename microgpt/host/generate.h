@@ -241,9 +241,26 @@ static void load_weights(const Config* c, size_t n_params) {
 #define GEN_ID_MAX 256  /* bytes of an id's JSON text */
 #define GEN_MAX_STOP 64 /* stop ids per request */
 
+/* The most bytes a request line may hold (its '\n' not counted), so that no line is held in
+ * memory whole before it is judged (a client's runaway line would take all of it): what the
+ * longest valid line needs, generously. A request holds at most seq_len prompt ids and
+ * GEN_MAX_STOP stop ids, each GEN_LINE_ID_BYTES at most (its digits, a comma, blanks), and
+ * GEN_LINE_REQUEST_BYTES for the rest (the id, under GEN_ID_MAX, the other keys and their values,
+ * more blanks); a line holds max_batch requests; and never less than GEN_LINE_FLOOR, room for any
+ * formatting a small model's requests come in. docs/DESIGN.md §16. */
+#define GEN_LINE_ID_BYTES 32
+#define GEN_LINE_REQUEST_BYTES 4096
+#define GEN_LINE_FLOOR ((size_t)1 << 20)
+
+static size_t gen_line_max(const Config* c) {
+    size_t request = GEN_LINE_REQUEST_BYTES + ((size_t)c->model.seq_len + GEN_MAX_STOP) * GEN_LINE_ID_BYTES;
+    size_t line = (size_t)c->generate.max_batch * request;
+    return line > GEN_LINE_FLOOR ? line : GEN_LINE_FLOOR;
+}
+
 typedef struct {
     /* as asked */
-    char id[GEN_ID_MAX]; /* the id's JSON text, echoed verbatim; "null" when absent */
+    char id[GEN_ID_MAX]; /* the id's JSON text, echoed verbatim; "null" when absent or refused */
     int* prompt;         /* [seq_len] */
     int n_prompt;
     int max_tokens, top_k, n_stop;
@@ -290,6 +307,41 @@ static int js_string(JsonIn* j, char* out, size_t cap) {
     }
     j->p = end;
     return 1;
+}
+
+/* The value of the 4 hex digits at p (json_skip_string checked them). */
+static unsigned hex4(const char* p) {
+    unsigned u = 0;
+    int k;
+    for (k = 0; k < 4; k++) u = 16 * u + (unsigned)(isdigit((unsigned char)p[k]) ? p[k] - '0' : (p[k] | 0x20) - 'a' + 10);
+    return u;
+}
+
+/* Whether the JSON string at p (a valid one: json_skip_string) holds a \u escape of a UTF-16
+ * surrogate that is not half of a pair (a high one, D800-DBFF, right before a low one,
+ * DC00-DFFF). RFC 8259's grammar lets such a string through, but it names no Unicode text: no
+ * UTF-8 reader can turn it into a string it can write out again. */
+static int json_string_has_lone_surrogate(const char* p) {
+    unsigned u;
+    for (p++; *p != '"';) {
+        if (*p != '\\') {
+            p++; /* a UTF-8 sequence's bytes are never a backslash or a quote */
+            continue;
+        }
+        if (p[1] != 'u') {
+            p += 2;
+            continue;
+        }
+        u = hex4(p + 2);
+        if (u >= 0xDC00 && u <= 0xDFFF) return 1;
+        if (u >= 0xD800 && u <= 0xDBFF) {
+            unsigned low = p[6] == '\\' && p[7] == 'u' ? hex4(p + 8) : 0;
+            if (!(low >= 0xDC00 && low <= 0xDFFF)) return 1;
+            p += 6;
+        }
+        p += 6;
+    }
+    return 0;
 }
 
 /* A JSON number (json_skip_number's), converted by strtod. */
@@ -442,11 +494,18 @@ static int parse_request(JsonIn* j, Request* r, const Config* c) {
             if (*j->p == '[' || *j->p == '{') {
                 if (!r->error[0]) snprintf(r->error, sizeof r->error, "id must be a string, number, boolean or null");
                 ok = js_skip(j, 0);
-            } else if ((ok = js_skip(j, 0)) && (size_t)(j->p - start) < sizeof r->id) {
-                memcpy(r->id, start, (size_t)(j->p - start));
-                r->id[j->p - start] = '\0';
-            } else if (ok && !r->error[0]) {
-                snprintf(r->error, sizeof r->error, "id is longer than %d bytes", GEN_ID_MAX - 1);
+            } else if ((ok = js_skip(j, 0))) {
+                size_t n = (size_t)(j->p - start);
+                if (*start == '"' && json_string_has_lone_surrogate(start)) { /* echoed, no reader could use it */
+                    if (!r->error[0])
+                        snprintf(r->error, sizeof r->error, "id holds a lone surrogate (a \\u escape in "
+                                 "D800-DFFF not in a pair): no Unicode text, so it cannot be echoed");
+                } else if (n >= sizeof r->id) {
+                    if (!r->error[0]) snprintf(r->error, sizeof r->error, "id is longer than %d bytes", GEN_ID_MAX - 1);
+                } else {
+                    memcpy(r->id, start, n);
+                    r->id[n] = '\0';
+                }
             }
         } else if (strcmp(key, "prompt") == 0) {
             ok = js_id_list(j, r, "prompt", V, r->prompt, T, &r->n_prompt);
@@ -550,6 +609,8 @@ typedef struct {
     float *step_logits;      /* [max_batch][V]: row j = the j-th sequence of the last decode step */
     int *slots, *tokens, *positions; /* [max_batch]: one decode step's sequences */
     Sampler sampler;
+    char* line;      /* the request line read last, NUL-terminated: grown as lines need, up to line_max */
+    size_t line_cap, line_max;
 } Server;
 
 static void server_init(Server* s, const Config* c) {
@@ -570,6 +631,9 @@ static void server_init(Server* s, const Config* c) {
     s->tokens = (int*)xmalloc((size_t)s->max_batch * sizeof(int), "decode tokens");
     s->positions = (int*)xmalloc((size_t)s->max_batch * sizeof(int), "decode positions");
     sampler_init(&s->sampler, s->V);
+    s->line_max = gen_line_max(c);
+    s->line_cap = 4096;
+    s->line = (char*)xmalloc(s->line_cap, "request line");
 }
 
 static void server_free(Server* s) {
@@ -580,6 +644,7 @@ static void server_free(Server* s) {
     }
     free(s->req); free(s->prefill_logits); free(s->step_logits); free(s->slots); free(s->tokens); free(s->positions);
     sampler_free(&s->sampler);
+    free(s->line);
 }
 
 /* Draws request r's next token and says whether it ended the request. Draw i of a request uses
@@ -632,14 +697,40 @@ static void serve_batch(Server* s, int n) {
     }
 }
 
+/* The next line of stdin (its '\n' dropped) into s->line, NUL-terminated: at most s->line_max bytes
+ * are kept, the rest of a longer line is read and dropped (*too_long), never held. Returns the
+ * bytes kept, or -1 at the end of the requests or when a read failed (ferror). */
+static ssize_t read_request_line(Server* s, int* too_long) {
+    size_t n = 0;
+    int ch;
+    *too_long = 0;
+    while ((ch = getc_unlocked(stdin)) != EOF && ch != '\n') {
+        if (n == s->line_max) {
+            *too_long = 1;
+            continue;
+        }
+        if (n + 1 == s->line_cap) { /* room for the NUL, always */
+            char* bigger;
+            s->line_cap = s->line_cap <= s->line_max / 2 ? 2 * s->line_cap : s->line_max + 1;
+            if (!(bigger = (char*)realloc(s->line, s->line_cap))) die_io("out of memory for a request line");
+            s->line = bigger;
+        }
+        s->line[n++] = (char)ch;
+    }
+    if (ferror(stdin) || (ch == EOF && n == 0 && !*too_long)) return -1;
+    s->line[n] = '\0';
+    return (ssize_t)n;
+}
+
 /* One stdin line: a request object or an array of them. A line that is not JSON of that form, or
  * a batch larger than max_batch, is one error event (id null, or a lone request's id when it was
  * read before the fault); a bad request in a batch is an error event of its own and the others
- * are served. */
-static void serve_line(Server* s, const char* line, size_t len) {
+ * are served. A line longer than s->line_max (too_long: line is its first line_max bytes) is one
+ * error event too, with the id of a lone request read before the cut. */
+static void serve_line(Server* s, const char* line, size_t len, int too_long) {
     JsonIn j;
     int n = 0, i, batch;
-    if (strlen(line) != len) { /* read as a C string, the bytes past it would be dropped unseen */
+    if (!too_long && strlen(line) != len) { /* read as a C string, the bytes past it would be dropped unseen */
         char msg[80];
         snprintf(msg, sizeof msg, "not a request line (a NUL byte at byte %d)", (int)strlen(line));
         emit_gen_error("null", msg);
@@ -648,7 +739,7 @@ static void serve_line(Server* s, const char* line, size_t len) {
     j.p = line;
     j.syntax_error = NULL;
     js_ws(&j);
-    if (!*j.p) return; /* blank line */
+    if (!*j.p && !too_long) return; /* blank line */
     batch = *j.p == '[';
     strcpy(s->req[0].id, "null");
     if (batch) {
@@ -678,6 +769,13 @@ static void serve_line(Server* s, const char* line, size_t len) {
         }
     } else if (parse_request(&j, &s->req[0], s->cfg)) {
         n = 1;
+    }
+    if (too_long) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "the request line is longer than %zu bytes, the most a request line may hold "
+                 "here; the rest of it was skipped", s->line_max);
+        emit_gen_error(batch ? "null" : s->req[0].id, msg);
+        return;
     }
     js_ws(&j);
     if (!j.syntax_error && *j.p) js_fail(&j, "text after the request");
@@ -710,10 +808,8 @@ static int generate_main(int argc, char** argv) {
     ParamLayout layout;
     Sidecar side = {0, NULL, 0};
     Server server;
-    char* line = NULL;
-    size_t cap = 0;
     ssize_t len;
-    int step;
+    int step, too_long;
     config_parse_for_checkpoint(c, argc, argv, &side);
     param_layout_init(&layout, c);
     step = ckpt_check(c->checkpoint.path, layout.n_params, c->model.n_layer, &side); /* before any large allocation */
@@ -725,16 +821,9 @@ static int generate_main(int argc, char** argv) {
     info("%s engine, %s (computing in %s): %s at step %d; reading requests on stdin", engine_name(),
          c->train.precision, engine_compute_precision(c), c->checkpoint.path, step);
     server_init(&server, c);
-    for (;;) {
-        errno = 0; /* getline's ENOMEM (a line longer than memory) sets no error flag on stdin */
-        if ((len = getline(&line, &cap, stdin)) < 0) break;
-        serve_line(&server, line, (size_t)len);
-    }
-    /* not the end of the requests: a read that failed (stdin a directory, closed), or a line that
-     * did not fit in memory */
-    if (ferror(stdin) || errno == ENOMEM)
-        die_io("cannot read the requests on standard input (%s)", strerror(errno));
-    free(line);
+    while ((len = read_request_line(&server, &too_long)) >= 0) serve_line(&server, server.line, (size_t)len, too_long);
+    /* not the end of the requests: a read that failed (stdin a directory, closed) */
+    if (ferror(stdin)) die_io("cannot read the requests on standard input (%s)", strerror(errno));
     server_free(&server);
     engine_shutdown();
     param_layout_free(&layout);
