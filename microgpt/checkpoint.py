@@ -7,7 +7,8 @@ tests, the benchmark and the tools that evaluate or export a trained model.
     tensors["h0.W_Q"].shape == (d_model, d_model)
 
 The file is [int32 step][int32 n_params][n_params f32 weights][m][v], little-endian, nothing else;
-the sidecar PATH.json holds what the engine needs beyond that (loss scale, fingerprint).
+the sidecar PATH.json holds what the engine needs beyond that (loss scale, fingerprint), the CRC-32C of
+the file's bytes and that of its own values (sidecar_values_crc32c).
 """
 import os
 from dataclasses import dataclass
@@ -21,6 +22,66 @@ HEADER_BYTES = 8
 # The longest sidecar an engine reads (docs/DESIGN.md §15: 16 × its 64 KB writer buffer); a longer
 # file is no sidecar of ours, and reading it whole could take all memory.
 SIDECAR_READ_MAX = 16 * 65536
+
+
+# The sidecar's values that nothing else checks, in the order of the canonical text its
+# "values_crc32c" is taken of (docs/DESIGN.md §15; host/checkpoint.h: sidecar_value_names, the same).
+SIDECAR_VALUE_NAMES = ("n_params", "loss_scale", "n_layer", "d_model", "n_head", "d_ff", "seq_len", "vocab_size",
+                       "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision")
+SIDECAR_STRING_MAX = 31  # the bytes of a string value the engines read (a precision name)
+
+
+def _crc32c_table():
+    table = []
+    for b in range(256):
+        c = b
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        table.append(c)
+    return table
+
+
+CRC32C_TABLE = _crc32c_table()
+
+
+def crc32c(data):
+    """CRC-32C (Castagnoli), the checksum of a checkpoint's bytes and of its sidecar's values; written
+    out bit by bit here, independently of the engines' slicing-by-8 code (host/crc32c.h)."""
+    crc = 0xFFFFFFFF
+    table = CRC32C_TABLE
+    for byte in data:
+        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def _canonical_value(name, value):
+    if isinstance(value, bool) or value is None or isinstance(value, (dict, list)):
+        return f"{name};"  # no number and no string: missing to the engines' readers
+    if isinstance(value, str):
+        return f'{name}="{value[:SIDECAR_STRING_MAX]}";'
+    try:
+        x = float(value)
+    except OverflowError:  # an int past a double: the engines' strtod reads +-inf
+        x = float("inf") if value > 0 else float("-inf")
+    return f"{name}={x:.17g};"  # as C's "%.17g": the same digits, "inf" and "nan" alike
+
+
+def sidecar_values_crc32c(sidecar):
+    """The "values_crc32c" of a sidecar (a dict): the CRC-32C of the canonical text of its values,
+    each of SIDECAR_VALUE_NAMES, top level or in its "fingerprint", as "NAME=%.17g;" for a number,
+    'NAME="TEXT";' for a string, "NAME;" where missing or of another type (docs/DESIGN.md §15)."""
+    fingerprint = sidecar.get("fingerprint")
+    values = {**(fingerprint if isinstance(fingerprint, dict) else {}),
+              **{k: v for k, v in sidecar.items() if k != "fingerprint"}}
+    return crc32c("".join(_canonical_value(name, values.get(name)) for name in SIDECAR_VALUE_NAMES).encode())
+
+
+def sidecar_values_intact(sidecar):
+    """Whether the sidecar's values agree with their own checksum: None where it has none (written
+    before sidecars carried one), as the engines take it with a warning."""
+    if "values_crc32c" not in sidecar:
+        return None
+    return sidecar["values_crc32c"] == sidecar_values_crc32c(sidecar)
 
 
 class CheckpointError(ValueError):

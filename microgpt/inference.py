@@ -13,7 +13,7 @@ import os
 import subprocess
 import threading
 
-from microgpt.checkpoint import CheckpointError, read_checkpoint, read_sidecar, split_params
+from microgpt.checkpoint import CheckpointError, read_checkpoint, read_sidecar, sidecar_values_intact, split_params
 from microgpt.engines import ENGINE_TEXT, ENGINES, EngineChoiceError, EngineQueryError, param_layout, select_engine
 from microgpt.files import NotRegularFile, open_regular
 from microgpt.run_dir import RunFiles
@@ -60,13 +60,16 @@ def read_model_shape(ckpt):
     shape = {}
     for key in MODEL_FLAGS:
         value = fingerprint.get(key)
-        # what the engine takes (it prints the number with %.0f): a whole number, positive; the
-        # sidecar has no checksum, and json reads 1e400 as infinity
+        # what the engine takes (it prints the number with %.0f): a whole number, positive; json
+        # reads 1e400 as infinity, and the sidecar's values may have no checksum of their own
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < 2 ** 31 \
                 or value != int(value):
             raise InferenceError(f"{ckpt}.json: the model's {key} in the sidecar's fingerprint is {value!r}, "
                                  "not a positive integer (damaged or edited)")
         shape[key] = int(value)
+    if sidecar_values_intact(sidecar) is False:  # an edited vocab_size or n_head leaves the file's size as it is
+        raise InferenceError(f"{ckpt}.json: the sidecar's values (model shape, settings) fail their own check, "
+                             "values_crc32c (damaged or edited)")
     return {**shape, "step": sidecar.get("step")}
 
 

@@ -29,7 +29,7 @@ BUILD = REPO / "build"
 CPU_BINARY = BUILD / "microgpt_cpu"
 CUDA_BINARY = BUILD / "microgpt_cuda"
 
-from microgpt.checkpoint import read_sidecar
+from microgpt.checkpoint import crc32c, read_sidecar, sidecar_values_crc32c  # noqa: F401  (crc32c: the tests')
 from microgpt.engines import param_layout
 from microgpt.shards import write_shard  # noqa: F401  (re-exported for tests: the one shard writer)
 
@@ -366,29 +366,6 @@ def rel_err(got, want):
     return float(np.linalg.norm(np.asarray(got) - want) / (den if den > 0 else 1.0))
 
 
-def _crc32c_table():
-    table = []
-    for b in range(256):
-        c = b
-        for _ in range(8):
-            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
-        table.append(c)
-    return table
-
-
-CRC32C_TABLE = _crc32c_table()
-
-
-def crc32c(data):
-    """CRC-32C (Castagnoli), the checksum a checkpoint's sidecar records of the checkpoint's bytes;
-    written out bit by bit here, independently of the engine's slicing-by-8 code."""
-    crc = 0xFFFFFFFF
-    table = CRC32C_TABLE
-    for byte in data:
-        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
 def reseal_checkpoint(ckpt_path):
     """Make the sidecar agree with the checkpoint's current bytes (step and checksum), as if the engine
     had written them: for tests that need a checkpoint that is intact but holds a crafted state."""
@@ -396,7 +373,14 @@ def reseal_checkpoint(ckpt_path):
     side = read_sidecar(ckpt_path)
     side["step"] = int(np.frombuffer(raw, dtype="<i4", count=1)[0])
     side["crc32c"] = crc32c(raw)
-    Path(f"{ckpt_path}.json").write_text(json.dumps(side))
+    Path(f"{ckpt_path}.json").write_text(json.dumps(reseal_values(side)))
+
+
+def reseal_values(side):
+    """side (a sidecar dict) with the checksum of its values made to agree with them, as if the
+    engine had written them: for tests that need a sidecar whose values were crafted."""
+    side["values_crc32c"] = sidecar_values_crc32c(side)
+    return side
 
 
 def read_grad_dump(path):

@@ -277,7 +277,7 @@ def test_a_model_without_the_chatml_tokens_is_refused_at_start(random_model, tmp
     ckpt.rename(run_dir / "small.ckpt")
     side = json.loads(Path(f"{ckpt}.json").read_text())
     side["fingerprint"]["vocab_size"] = tk.EOT + 1
-    Path(f"{run_dir / 'small.ckpt'}.json").write_text(json.dumps(side))
+    Path(f"{run_dir / 'small.ckpt'}.json").write_text(json.dumps(eu.reseal_values(side)))
     res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu"], input="hi\n",
                          capture_output=True, text=True, timeout=60, env=eu.python_env())
     errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]

@@ -15,7 +15,7 @@ import engine_util as eu
 from engine_util import TINY, run_ok, tiny_args
 
 from microgpt.checkpoint import (SIDECAR_READ_MAX, CheckpointError, checkpoint_step, read_checkpoint,
-                                 read_header, split_params, write_checkpoint)
+                                 read_header, read_sidecar, sidecar_values_crc32c, split_params, write_checkpoint)
 
 
 def test_engine_checkpoint_reads_as_named_tensors(cpu_binary, random_shards, tmp_path):
@@ -306,3 +306,64 @@ def test_a_link_planted_at_the_temp_names_is_not_written_through(cpu_binary, ran
     assert victim.read_bytes() == b"precious" and read_checkpoint(ckpt).step == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt", "c.ckpt.json", "victim"]
 
+
+
+def test_the_sidecars_values_carry_their_own_checksum(cpu_binary, random_shards, tmp_path):
+    """The engine's "values_crc32c" is the checksum microgpt/checkpoint.py computes of the sidecar's
+    values (docs/DESIGN.md §15): the C and Python canonical texts agree, also for the sidecar
+    rewritten by Python's json (re-indented: a checksum of the values, not of the bytes)."""
+    ckpt = tmp_path / "c.ckpt"
+    eu.run_ok(cpu_binary, tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=ckpt))
+    side = read_sidecar(ckpt)
+    assert side["values_crc32c"] == sidecar_values_crc32c(side), side
+    (tmp_path / "c.ckpt.json").write_text(json.dumps(side, indent=4))
+    res = eu.run_ok(cpu_binary, ["--generate", "--checkpoint", ckpt])
+    assert "warning" not in res.stderr, res.describe()
+
+
+def _edit_value(side, key, value):
+    (side["fingerprint"] if key in side["fingerprint"] else side)[key] = value
+    return side
+
+
+# Each changes nothing the checkpoint's size or CRC-32C sees: before values_crc32c, --generate ran a
+# model of another vocabulary or head count, a resume took another loss scale, without a word.
+VALUE_EDITS = [("vocab_size", TINY["model.vocab_size"] - 1), ("n_head", 8), ("seed", 1338),
+               ("precision", "bf16"), ("loss_scale", 2.0), ("n_params", 12345)]
+
+
+@pytest.mark.parametrize("key, value", VALUE_EDITS, ids=[k for k, _ in VALUE_EDITS])
+def test_an_edited_sidecar_value_is_refused(engine, random_shards, tmp_path, key, value):
+    """A sidecar value edited (by hand or damage) where the checkpoint's own checks cannot see it is
+    refused by --generate and by --resume as damage: one error line, exit 2, naming the sidecar and
+    the way back to the previous slot; Python's shape reader refuses it too."""
+    from microgpt.inference import InferenceError, read_model_shape
+    ckpt = tmp_path / "c.ckpt"
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint.every": 1},
+                                       checkpoint=ckpt))
+    (tmp_path / "c.ckpt.json").write_text(json.dumps(_edit_value(read_sidecar(ckpt), key, value)))
+    for args in (["--generate", "--checkpoint", ckpt],
+                 tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt, "resume": True})):
+        res = eu.run_engine(engine.binary, args)
+        assert res.rc == 2 and len(res.errors) == 1, res.describe()
+        assert f"{ckpt}.json" in res.errors[0] and "values" in res.errors[0] and f"mv {ckpt}.prev" in res.errors[0], \
+            res.errors
+    with pytest.raises(InferenceError, match="fail their own check"):
+        read_model_shape(str(ckpt))
+
+
+def test_a_sidecar_without_a_checksum_of_its_values_loads_unverified(engine, random_shards, tmp_path):
+    """A sidecar written before sidecars carried values_crc32c is loaded with one warning saying its
+    values are unverified, and resumes exactly as the same sidecar with it."""
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=tmp_path / "a.ckpt"))
+    shutil.copyfile(tmp_path / "a.ckpt", tmp_path / "b.ckpt")
+    side = read_sidecar(tmp_path / "a.ckpt")
+    del side["values_crc32c"]
+    (tmp_path / "b.ckpt.json").write_text(json.dumps(side))
+    runs = [eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 4, "resume": True},
+                                               checkpoint=tmp_path / f"{name}.ckpt")) for name in ("a", "b")]
+    warnings = [l for l in runs[1].stderr.splitlines() if l.startswith("warning:")]
+    assert len(warnings) == 1 and "unverified" in warnings[0] and "values" in warnings[0], runs[1].describe()
+    assert "warning:" not in runs[0].stderr, runs[0].describe()
+    assert eu.exact_records(runs[0]) == eu.exact_records(runs[1])
+    assert (tmp_path / "a.ckpt").read_bytes() == (tmp_path / "b.ckpt").read_bytes()

@@ -808,14 +808,14 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_resumes(engine, rand
 
 @pytest.mark.parametrize("scale", ["Infinity", "NaN", "-1", "0", "1e39", '"x"'])
 def test_a_loss_scale_that_is_no_scale_starts_from_the_default(engine, random_shards, tmp_path, scale):
-    """The checksum covers the checkpoint, not its sidecar: a loss scale of inf in the sidecar was
-    taken as it was, and an fp16 run would then skip every step (inf halved stays inf). Anything but
-    a positive finite float is reported and replaced by the engine's default; the run resumes."""
+    """A sidecar written before values_crc32c has no checksum of its values: a loss scale of inf in it
+    was taken as it was, and an fp16 run would then skip every step (inf halved stays inf). Anything
+    but a positive finite float is reported and replaced by the engine's default; the run resumes."""
     ckpt = tmp_path / "run.ckpt"
     precision = "fp16" if engine.name == "cuda" else "fp32"
     args = tiny_args(random_shards.train, **{"train.steps": 3, "train.precision": precision, "checkpoint": ckpt})
     eu.run_ok(engine.binary, args)
-    side = (tmp_path / "run.ckpt.json").read_text()
+    side = re.sub(r'"values_crc32c":\d+,', "", (tmp_path / "run.ckpt.json").read_text())  # an older sidecar
     (tmp_path / "run.ckpt.json").write_text(re.sub(r'"loss_scale":[^,]*', f'"loss_scale":{scale}', side))
     resumed = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 6, "train.precision": precision,
                                                                        "checkpoint": ckpt, "resume": True}))
@@ -861,13 +861,13 @@ def test_a_warning_quoting_a_control_character_stays_one_printable_line(engine, 
 
 @pytest.mark.parametrize("seed", [1e300, 7.5, -3])
 def test_a_fingerprint_of_another_run_is_reported_as_it_is(engine, random_shards, tmp_path, seed):
-    """The sidecar has no checksum: a fingerprint number no int holds was converted to int (undefined
+    """A fingerprint number no int holds was converted to int (undefined
     for 1e300, a wrong figure for 7.5) before it was compared and reported."""
     ckpt = tmp_path / "run.ckpt"
     eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
     side = read_sidecar(ckpt)
-    side["fingerprint"]["seed"] = seed
-    (tmp_path / "run.ckpt.json").write_text(json.dumps(side))
+    side["fingerprint"]["seed"] = seed  # another run's, its values' checksum with it
+    (tmp_path / "run.ckpt.json").write_text(json.dumps(eu.reseal_values(side)))
     res = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt, "resume": True}))
     assert f"the checkpoint was written with {seed:.12g}\n" in res.stderr, res.describe()
 

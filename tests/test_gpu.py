@@ -320,7 +320,7 @@ def test_fp16_overflow_skips_steps_and_lowers_the_scale(cuda_binary, random_shar
     assert first.steps[0]["loss_scale"] == 65536 and "skipped" not in first.steps[0]
     side = read_sidecar(ckpt)
     side["loss_scale"] = float(2 ** 30)
-    (tmp_path / "run.ckpt.json").write_text(json.dumps(side))
+    (tmp_path / "run.ckpt.json").write_text(json.dumps(eu.reseal_values(side)))
     shutil.copyfile(ckpt, tmp_path / "start.ckpt")
     shutil.copyfile(tmp_path / "run.ckpt.json", tmp_path / "start.ckpt.json")
 

@@ -1,8 +1,8 @@
 /* checkpoint.h: checkpoint files (docs/DESIGN.md §3), exactly
  *   [int32 step][int32 n_params][n_params f32 weights][n_params f32 m][n_params f32 v]
  * little-endian (the host byte order of every machine we target), and the JSON sidecar PATH.json
- * holding what exact resume needs beyond that (loss scale), the CRC-32C of the checkpoint's bytes
- * and a config fingerprint.
+ * holding what exact resume needs beyond that (loss scale), the CRC-32C of the checkpoint's bytes,
+ * a config fingerprint and the CRC-32C of its own values (sidecar_values_crc32c).
  * Two slots: before PATH is replaced, the checkpoint it holds gets a second name, PATH.prev (with
  * PATH.prev.json), so a damaged newest checkpoint never leaves only a bad file.
  * Every file is written to a temporary name, flushed, fsynced and renamed, in an order that keeps
@@ -128,18 +128,63 @@ static void fsync_parent_dir(const char* path) {
     }
 }
 
-/* `extra`: further members of the sidecar object (",\"bandit\":{...}", mixture.h), or "". */
+static int json_find_number(const char* text, const char* key, double* out);
+static int json_find_string(const char* text, const char* key, char* out, size_t cap);
+
+/* The sidecar's values that nothing else checks (step and crc32c are checked against the
+ * checkpoint's bytes), in the order of their canonical text (sidecar_values_crc32c). The Python
+ * reader (microgpt/checkpoint.py: SIDECAR_VALUE_NAMES) names the same, in the same order. */
+static const char* const sidecar_value_names[] = {
+    "n_params", "loss_scale", "n_layer", "d_model", "n_head", "d_ff", "seq_len", "vocab_size",
+    "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision"};
+
+/* The sidecar's "values_crc32c" for its text: the CRC-32C of the canonical text of its values, each
+ * of sidecar_value_names as the readers find it, "NAME=%.17g;" for a number, "NAME=\"TEXT\";" for a
+ * string (json_find_string's bytes), "NAME;" for a member missing or of another type. Of the values,
+ * not of the bytes: a sidecar re-indented or rewritten by Python's json keeps its checksum, an edited
+ * vocab_size or n_head (the checkpoint's size does not change with them) fails it. */
+static uint32_t sidecar_values_crc32c(const char* text) {
+    char item[96], str[32];
+    double x;
+    uint32_t crc = 0;
+    size_t i;
+    for (i = 0; i < sizeof sidecar_value_names / sizeof sidecar_value_names[0]; i++) {
+        const char* name = sidecar_value_names[i];
+        if (json_find_number(text, name, &x)) snprintf(item, sizeof item, "%s=%.17g;", name, x);
+        else if (json_find_string(text, name, str, sizeof str)) snprintf(item, sizeof item, "%s=\"%s\";", name, str);
+        else snprintf(item, sizeof item, "%s;", name);
+        crc = crc32c_update(crc, item, strlen(item));
+    }
+    return crc;
+}
+
+/* text after the string in buf (cap bytes), cut to fit: train_loop.h refuses a run whose longest
+ * sidecar would not fit (sidecar_longest). */
+static void append_text(char* buf, size_t cap, const char* text) {
+    size_t n = strlen(buf), k = strlen(text);
+    if (k > cap - 1 - n) k = cap - 1 - n;
+    memcpy(buf + n, text, k);
+    buf[n + k] = '\0';
+}
+
+/* `extra`: further members of the sidecar object (",\"bandit\":{...}", mixture.h), or "". The
+ * values' checksum is taken of the text it covers, as a reader takes it (sidecar_values_crc32c). */
 static void sidecar_text(char* buf, size_t cap, int step, size_t n_params, uint32_t crc, float loss_scale,
                          const Config* c, const char* extra) {
-    char ls[32];
-    snprintf(buf, cap,
-             "{\"step\":%d,\"n_params\":%zu,\"crc32c\":%lu,\"loss_scale\":%s,\"fingerprint\":{\"n_layer\":%d,"
+    char ls[32], values[CKPT_SIDECAR_OWN_MAX];
+    snprintf(values, sizeof values,
+             "\"n_params\":%zu,\"loss_scale\":%s,\"fingerprint\":{\"n_layer\":%d,"
              "\"d_model\":%d,\"n_head\":%d,\"d_ff\":%d,\"seq_len\":%d,\"vocab_size\":%d,\"padded_vocab_size\":%d,"
-             "\"seed\":%d,\"batch_size\":%d,\"grad_accum\":%d,\"steps\":%d,\"precision\":\"%s\"}%s}\n",
-             step, n_params, (unsigned long)crc, json_num(ls, sizeof ls, loss_scale), c->model.n_layer,
+             "\"seed\":%d,\"batch_size\":%d,\"grad_accum\":%d,\"steps\":%d,\"precision\":\"%s\"}",
+             n_params, json_num(ls, sizeof ls, loss_scale), c->model.n_layer,
              c->model.d_model, c->model.n_head, c->model.d_ff, c->model.seq_len, c->model.vocab_size,
              c->model.padded_vocab_size, c->train.seed, c->train.batch_size, c->train.grad_accum, c->train.steps,
-             c->train.precision, extra);
+             c->train.precision);
+    snprintf(buf, cap, "{\"step\":%d,\"crc32c\":%lu,\"values_crc32c\":%lu,", step, (unsigned long)crc,
+             (unsigned long)sidecar_values_crc32c(values));
+    append_text(buf, cap, values);
+    append_text(buf, cap, extra);
+    append_text(buf, cap, "}\n");
 }
 
 /* Temporary files of a writer that was killed (PATH.tmpPID, PATH.json.tmpPID and those of the
@@ -480,8 +525,8 @@ static const char* json_skip_scalar(const char* p) {
  * readers find members by name, so a name with a bit flipped would hide its member without a word:
  * "crc33c" would read as a sidecar written before checksums. */
 static const char* const sidecar_names[] = {
-    "step", "n_params", "crc32c", "loss_scale", "fingerprint", "n_layer", "d_model", "n_head", "d_ff", "seq_len",
-    "vocab_size", "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision",
+    "step", "n_params", "crc32c", "values_crc32c", "loss_scale", "fingerprint", "n_layer", "d_model", "n_head",
+    "d_ff", "seq_len", "vocab_size", "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision",
     "bandit", "rounds", "reward_mean", "reward_var", "gain", "p", "sources_crc32c", "fp8_history", "len", "exp"};
 #define SIDECAR_N_NAMES (sizeof sidecar_names / sizeof sidecar_names[0])
 
@@ -674,6 +719,29 @@ static void ckpt_refuse_non_finite(const CkptFiles* f, const CkptScan* s, size_t
     ckpt_refuse_damaged(f, what);
 }
 
+/* The sidecar's values against their own checksum (sidecar_values_crc32c): a mismatch is damage,
+ * refused; a sidecar without one that holds the checkpoint's crc32c (written before sidecars
+ * carried both) is taken with a warning (one without crc32c has its own). */
+static void sidecar_check_values(const CkptFiles* f, const char* sidecar) {
+    char what[2 * CFG_PATH_MAX];
+    uint32_t crc = sidecar_values_crc32c(sidecar);
+    double x;
+    if (json_find_number(sidecar, "values_crc32c", &x)) {
+        if (x == (double)crc) return;
+        snprintf(what, sizeof what, "has a sidecar %s whose values (model shape, settings, loss scale) fail their "
+                 "own check: CRC-32C %lu, recorded %.12g (damaged or edited)", f->side, (unsigned long)crc, x);
+        ckpt_refuse_damaged(f, what);
+    }
+    if (json_has_member(sidecar, "values_crc32c")) {
+        snprintf(what, sizeof what, "has a sidecar %s whose values_crc32c is not a number (damaged or edited)",
+                 f->side);
+        ckpt_refuse_damaged(f, what);
+    }
+    if (json_has_member(sidecar, "crc32c"))
+        warn("checkpoint sidecar %s holds no checksum of its own values (written before sidecars carried one): its "
+             "model shape and settings are taken unverified", f->side);
+}
+
 /* Validates a checkpoint before it is resumed and before any large allocation: header and size
  * against the config's n_params, the sidecar's step, and the CRC-32C of every byte against the
  * sidecar's, then its values (ckpt_refuse_non_finite). Returns the step. Dies with one error line
@@ -724,6 +792,7 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* s
                  f.side, header[0], side_step);
         ckpt_refuse_damaged(&f, what);
     }
+    sidecar_check_values(&f, sidecar);
     if (!json_find_number(sidecar, "crc32c", &x)) {
         if (strstr(sidecar, "\"crc32c\"")) { /* a checksum that is there but no number is damage, not age */
             snprintf(what, sizeof what, "has a sidecar %s whose crc32c is not a number (damaged or edited)", f.side);
@@ -769,8 +838,9 @@ static float sidecar_loss_scale(const char* path, int ckpt_step, const Config* c
         warn("checkpoint sidecar %s does not belong to step %d of %s; ignoring it", side, ckpt_step, path);
         return 0.0f;
     }
-    /* The sidecar's bytes carry no checksum: a loss scale of inf would make an fp16 run skip every
-     * step (inf halved stays inf), so only a positive finite float is taken. */
+    /* A sidecar written before values_crc32c carries no checksum of its values: a loss scale of inf
+     * would make an fp16 run skip every step (inf halved stays inf), so only a positive finite
+     * float is taken. */
     if (json_find_number(text, "loss_scale", &x) && x > 0.0 && x <= FLT_MAX) loss_scale = (float)x;
     else if (strstr(text, "\"loss_scale\""))
         warn("checkpoint sidecar %s holds a loss_scale that is not a positive finite number; the loss scale starts "

@@ -313,7 +313,8 @@ static int js_string(JsonIn* j, char* out, size_t cap) {
 static unsigned hex4(const char* p) {
     unsigned u = 0;
     int k;
-    for (k = 0; k < 4; k++) u = 16 * u + (unsigned)(isdigit((unsigned char)p[k]) ? p[k] - '0' : (p[k] | 0x20) - 'a' + 10);
+    for (k = 0; k < 4; k++)
+        u = 16 * u + (unsigned)(isdigit((unsigned char)p[k]) ? p[k] - '0' : (p[k] | 0x20) - 'a' + 10);
     return u;
 }
 

@@ -239,9 +239,9 @@ static int json_find_array(const char* text, const char* key, double* out, int m
  * (the checkpoint of a run without a bandit), with another number of sources or other names (or
  * order: the gains belong to sources by name), or with a state no
  * run leaves (a gain, mean or variance that is no finite number, a negative variance, a count of
- * rounds that is no int, gains whose probabilities overflow; the sidecar has no checksum) starts
- * the bandit afresh, with a warning: drawing from probabilities that are no numbers would pick
- * the sources by accident. */
+ * rounds that is no int, gains whose probabilities overflow; the bandit state has no checksum of
+ * its own) starts the bandit afresh, with a warning: drawing from probabilities that are no
+ * numbers would pick the sources by accident. */
 static void mixture_restore(Mixture* m, const Config* c, const char* side, const char* text) {
     double x, gain[CFG_MAX_SOURCES], mean, var;
     int n, i, finite_p;
