@@ -12,8 +12,15 @@ unsynchronised launches, also over several logits chunks (each chunk's dwte on t
 its build with the wide transpose of the dlogits codes must give the default build's bits. Its
 kernels are checked by tests/kernel_check.cu ("classifier bf16", "loss rows fp8 fused" and
 "transpose codes" under --prec fp8).
+
+The candidate -DFP8_CLASSIFIER_FORWARD_ONLY=1 (cpu/fp8.h, docs/BENCHMARKS.md #108) keeps only the
+logits product in FP8: its CPU build (build/microgpt_cpu_clsfwd) must train near fp32, start from the
+default build's first loss (the same forward) and then leave its losses (another backward), and run
+every other classifier as the default build does; its GPU build must track that CPU build and resume
+exactly.
 """
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -23,6 +30,7 @@ from engine_util import run_ok, tiny_args
 from test_fp8_delayed import RUN
 from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
 from test_gpu import check_side_stream_over_chunks
+from test_gpu import OVERRIDE_ENGINE, SMALL_CHUNKS_FLAGS, build_variant
 from test_gpu import cuda_binary, small_chunks_build  # noqa: F401 (fixtures)
 
 # cpu/fp8.h's FP8_CLASSIFIER_MIN_D_MODEL: the FP8 classifier at 512, not at 496 (both multiples of
@@ -34,6 +42,7 @@ CLS_SHAPE = {"model.n_layer": 1, "model.d_ff": 512, "model.seq_len": 16, "model.
              "train.batch_size": 4}
 CLS_RUN = {**RUN, **CLS_SHAPE, **WIDTHS["fp8 classifier"], "train.fp8_classifier": "auto"}
 SHORT = {"train.steps": 2, "train.warmup_steps": 0, "eval.every": 0}  # a run that only starts
+FORWARD_ONLY = "-DFP8_CLASSIFIER_FORWARD_ONLY=1"  # the candidate's switch (cpu/fp8.h)
 CLASSIFIER_LINE = re.compile(r"classifier: (FP8|bf16|fp32) products")
 
 
@@ -79,12 +88,27 @@ def test_other_precisions_name_no_classifier(cpu_binary, random_shards, precisio
     assert classifier_named(res) is None
 
 
+@pytest.fixture(scope="module")
+def cpu_forward_only_build():
+    """build/microgpt_cpu_clsfwd: the CPU engine built with FORWARD_ONLY beside the default one."""
+    if not (shutil.which("make") and shutil.which("gcc")):
+        pytest.skip("make or gcc missing: the forward-only CPU build is made from source")
+    engine = eu.BUILD / "microgpt_cpu_clsfwd"
+    build_variant("_clsfwd", FORWARD_ONLY, engine)
+    return engine
+
+
 def test_cpu_fp8_classifier_trains_near_fp32(cpu_binary, pattern_shards, tmp_path):
     """Losses finite and falling, within 5 % of the fp32 run's a step (the layers' FP8 tolerance of
     tests/test_fp8.py), and not equal to them; validation finite."""
+    check_trains_near_fp32(cpu_binary, pattern_shards)
+
+
+def check_trains_near_fp32(cpu_engine, pattern_shards):
+    """The test above's body for a CPU build (the default or the forward-only one); its fp8 run."""
     args = tiny_args(*pattern_shards, **{**CLS_RUN, "train.steps": 12})
-    fp8 = run_ok(cpu_binary, args)
-    fp32 = run_ok(cpu_binary, args + ["--train.precision", "fp32"])
+    fp8 = run_ok(cpu_engine, args)
+    fp32 = run_ok(cpu_engine, args + ["--train.precision", "fp32"])
     assert classifier_named(fp8) == "FP8"
     losses = [r["loss"] for r in fp8.steps]
     assert all(np.isfinite(losses)) and len(losses) == 12
@@ -93,6 +117,29 @@ def test_cpu_fp8_classifier_trains_near_fp32(cpu_binary, pattern_shards, tmp_pat
     assert [r["loss"] for r in fp32.steps] != losses, "fp8 computed exactly what fp32 computes"
     vals = [r["val_loss"] for r in fp8.vals]
     assert vals and all(np.isfinite(vals)), fp8.records
+    return fp8
+
+
+def test_cpu_fp8_classifier_forward_only_trains_near_fp32_on_another_backward(
+        cpu_binary, cpu_forward_only_build, pattern_shards):
+    """The forward-only build trains near fp32 as the default build does; its first loss (the
+    forward, FP8 logits in both) is the default build's, its later ones not (the backward of the
+    fp32 classifier, not of FP8 dlogits)."""
+    fwd = [r["loss"] for r in check_trains_near_fp32(cpu_forward_only_build, pattern_shards).steps]
+    default = [r["loss"] for r in run_ok(cpu_binary, tiny_args(*pattern_shards, **{**CLS_RUN, "train.steps": 12})).steps]
+    assert fwd[0] == default[0], (fwd, default)
+    assert fwd[1:] != default[1:], "the forward-only build trained as the default build"
+
+
+@pytest.mark.parametrize("classifier", ["off", "below 512"])
+def test_cpu_forward_only_build_leaves_other_classifiers_alone(cpu_binary, cpu_forward_only_build, random_shards,
+                                                               classifier):
+    """Where the FP8 classifier does not run (off, or d_model below 512) the switch changes no bit."""
+    extra = {"train.fp8_classifier": "off"} if classifier == "off" else WIDTHS["bf16 classifier"]
+    args = tiny_args(random_shards.train, random_shards.val, **{**CLS_RUN, **extra, "train.steps": 3,
+                                                                "eval.every": 3})
+    runs = [run_ok(b, args) for b in (cpu_binary, cpu_forward_only_build)]
+    assert eu.exact_records(runs[0]) == eu.exact_records(runs[1])
 
 
 def test_cpu_fp8_classifier_resumes_exactly_through_sigterm(cpu_binary, random_shards, tmp_path):
@@ -116,12 +163,34 @@ def test_gpu_engine_runs_the_fp8_classifier_from_d_model_512(cuda_binary, random
     assert classifier_named(res) == ("FP8" if width == "fp8 classifier" else "bf16")
 
 
+@pytest.fixture(scope="module")
+def cuda_forward_only_build(cuda_binary):
+    """build/microgpt_cuda_clsfwd_chunks: the GPU engine built with FORWARD_ONLY and test_gpu's small
+    logits chunks (GPU_RUN's 144 positions in 3), so that one build also covers the side stream."""
+    if OVERRIDE_ENGINE:
+        pytest.skip("ANDREA_CUDA_ENGINE names one prebuilt engine; the forward-only build is made from source")
+    engine = eu.BUILD / "microgpt_cuda_clsfwd_chunks"
+    build_variant("_clsfwd_chunks", f"{FORWARD_ONLY} {SMALL_CHUNKS_FLAGS}", engine)
+    return engine
+
+
 @pytest.mark.gpu
 def test_gpu_fp8_classifier_tracks_the_cpu_emulation(cpu_binary, cuda_binary, random_shards):
     """As test_fp8_delayed's tracking test: the loss within 3e-2 of the CPU emulation's a step (the
     GPU's logits are bf16, its dlogits' codes from bf16 values; the CPU's fp32)."""
+    check_gpu_tracks_cpu(cpu_binary, cuda_binary, random_shards)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_classifier_forward_only_tracks_its_cpu_emulation(cpu_forward_only_build, cuda_forward_only_build,
+                                                                  random_shards):
+    """The forward-only builds, GPU against CPU, within the same tolerance (the GPU's dlogits bf16)."""
+    check_gpu_tracks_cpu(cpu_forward_only_build, cuda_forward_only_build, random_shards)
+
+
+def check_gpu_tracks_cpu(cpu_engine, cuda_engine, random_shards):
     args = tiny_args(random_shards.train, random_shards.val, **{**GPU_RUN, "train.steps": 10})
-    runs = {name: run_ok(b, args) for name, b in (("cpu", cpu_binary), ("gpu", cuda_binary))}
+    runs = {name: run_ok(b, args) for name, b in (("cpu", cpu_engine), ("gpu", cuda_engine))}
     assert classifier_named(runs["gpu"]) == classifier_named(runs["cpu"]) == "FP8"
     assert len(runs["gpu"].steps) == 10
     for c, g in zip(runs["cpu"].steps, runs["gpu"].steps):
@@ -130,6 +199,16 @@ def test_gpu_fp8_classifier_tracks_the_cpu_emulation(cpu_binary, cuda_binary, ra
 
 @pytest.mark.gpu
 def test_gpu_fp8_classifier_resumes_exactly_and_graphs_equal_eager(cuda_binary, random_shards, tmp_path):
+    check_resumes_exactly_and_graphs_equal_eager(cuda_binary, random_shards, tmp_path)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_classifier_forward_only_resumes_exactly_and_graphs_equal_eager(cuda_forward_only_build,
+                                                                               random_shards, tmp_path):
+    check_resumes_exactly_and_graphs_equal_eager(cuda_forward_only_build, random_shards, tmp_path)
+
+
+def check_resumes_exactly_and_graphs_equal_eager(cuda_binary, random_shards, tmp_path):
     args = tiny_args(random_shards.train, random_shards.val, **{**GPU_RUN, "train.steps": 60,
                                                                 "train.grad_accum": 2, "eval.every": 20,
                                                                 "eval.batches": 2})
@@ -148,4 +227,13 @@ def test_gpu_fp8_classifier_over_several_chunks_gives_the_bits_of_synchronised_l
     The small-chunks build's 16 KiB chunks: 64 rows of the 128-column bf16 logits, 3 for 144
     positions (the chunk rounded to a multiple of 16 for dwte's FP8 product)."""
     check_side_stream_over_chunks(small_chunks_build, random_shards, tmp_path, "fp8",
+                                  {k: v for k, v in GPU_RUN.items() if k.startswith(("model.", "train.batch", "train.fp8"))})
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_classifier_forward_only_over_several_chunks_gives_the_bits_of_synchronised_launches(
+        cuda_forward_only_build, random_shards, tmp_path):
+    """As the test above for the forward-only build: each chunk's dwte reads its bf16 dlogits (the
+    logits buffer) on the side stream, as the bf16 classifier's does."""
+    check_side_stream_over_chunks(cuda_forward_only_build, random_shards, tmp_path, "fp8",
                                   {k: v for k, v in GPU_RUN.items() if k.startswith(("model.", "train.batch", "train.fp8"))})
