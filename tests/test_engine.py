@@ -852,6 +852,24 @@ def test_checkpoint_without_checksum_resumes_with_a_warning(engine, random_shard
     assert "unverified" in res.stderr and [r["step"] for r in res.steps] == [3], res.describe()
 
 
+def test_a_warning_quoting_a_control_character_stays_one_printable_line(engine, random_shards, tmp_path):
+    """Warnings and notes printed user text as it was: a checkpoint whose name holds a newline split
+    the "unverified" warning in two (the second line forged, here as an "error:" the proxy would
+    take for the engine's), and an escape in it reached the terminal. Every stderr line writes
+    control bytes as \\xNN, as error lines do."""
+    ckpt = tmp_path / "a\nerror: forged\x1b[2J.ckpt"
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
+    os.remove(f"{ckpt}.json")
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt,
+                                                                     "resume": True}))
+    lines = res.stderr.splitlines()
+    warnings = [l for l in lines if l.startswith("warning:")]
+    assert len(warnings) == 1 and "unverified" in warnings[0], res.describe()
+    assert "\\x0a" in warnings[0] and "\\x1b" in warnings[0], warnings
+    assert not res.errors and all(l.isprintable() for l in lines), res.describe()  # the note "resumed from" too
+    assert [r["step"] for r in res.steps] == [3], res.describe()
+
+
 @pytest.mark.parametrize("seed", [1e300, 7.5, -3])
 def test_a_fingerprint_of_another_run_is_reported_as_it_is(engine, random_shards, tmp_path, seed):
     """The sidecar has no checksum: a fingerprint number no int holds was converted to int (undefined

@@ -2,6 +2,8 @@
  * stdout carries one JSON object per line for machines (the proxy parses it), flushed after every
  * line so a reader never sees half a record; stderr carries messages for people.
  * Every bad input ends in exactly one "error: ..." line on stderr and exit code 2 (die_input).
+ * Every stderr line (error, warning, info) is one line whatever user text it quotes: its control
+ * bytes are written as \xNN (put_line).
  * Compiles as C99 and as C++ (nvcc). */
 #ifndef MICROGPT_HOST_OUTPUT_H
 #define MICROGPT_HOST_OUTPUT_H
@@ -19,47 +21,64 @@
 #define EXIT_FAILURE_IO 1 /* the machine failed us (disk full, out of memory) */
 #define EXIT_DIVERGED 3 /* the loss, gradient norm or state went non-finite; nothing of it was saved */
 
-/* One "error: ..." line on stderr, then exit. Used for every fatal condition. The message often
- * quotes user text (a flag, a glob, a value): its control bytes are written as \xNN, so a newline
- * cannot split the line (a forged second "error:" line) nor an escape sequence reach a terminal. */
+/* prefix, then the formatted message, then a newline: one line on stderr, written at once (lines of
+ * ranks sharing a stderr do not mix). Messages quote user text (a flag, a glob, a value, a path):
+ * its control bytes (below 0x20, and 0x7f) are written as \xNN, so a newline in it cannot split the
+ * line (a forged second "error:" line for the proxy, which parses stderr) nor an escape sequence
+ * reach a terminal. UTF-8 passes as it is. A message past 8 KiB is cut and ends in "..." so the cut
+ * shows. */
+static void put_line(const char* prefix, const char* fmt, va_list ap) {
+    static const char hex[] = "0123456789abcdef";
+    char msg[8192], out[16 + 4 * sizeof msg + 4]; /* the prefix, each byte as \xNN at most, "...\n" */
+    const unsigned char* p;
+    size_t k = 0;
+    int n = vsnprintf(msg, sizeof msg, fmt, ap);
+    if (n < 0) snprintf(msg, sizeof msg, "(unprintable message) %s", fmt); /* an encoding error */
+    for (; *prefix && k < 16; prefix++) out[k++] = *prefix;
+    for (p = (const unsigned char*)msg; *p; p++) {
+        if (*p < 0x20 || *p == 0x7f) {
+            out[k++] = '\\';
+            out[k++] = 'x';
+            out[k++] = hex[*p >> 4];
+            out[k++] = hex[*p & 15];
+        } else out[k++] = (char)*p;
+    }
+    if (n >= (int)sizeof msg) {
+        memcpy(out + k, "...", 3);
+        k += 3;
+    }
+    out[k++] = '\n';
+    fwrite(out, 1, k, stderr);
+    fflush(stderr);
+}
+
+/* One "error: ..." line on stderr, then exit. Used for every fatal condition. */
 static void die_code(int code, const char* fmt, ...) {
-    char msg[8192];
-    const char* p;
     va_list ap;
     fflush(stdout);
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    put_line("error: ", fmt, ap);
     va_end(ap);
-    fputs("error: ", stderr);
-    for (p = msg; *p; p++) {
-        if ((unsigned char)*p < 0x20 || *p == 0x7f) fprintf(stderr, "\\x%02x", (unsigned char)*p);
-        else fputc(*p, stderr);
-    }
-    fputc('\n', stderr);
-    fflush(stderr);
     exit(code);
 }
 #define die_input(...) die_code(EXIT_BAD_INPUT, __VA_ARGS__)
 #define die_io(...) die_code(EXIT_FAILURE_IO, __VA_ARGS__)
 
-/* A human-readable line on stderr. */
+/* A line for people on stderr, escaped as put_line says: no format of the engines holds a newline
+ * or tab of its own (the GPU engine's memory plan, a table, is one info() a line). */
 static void info(const char* fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
+    put_line("", fmt, ap);
     va_end(ap);
-    fputc('\n', stderr);
-    fflush(stderr);
 }
 
+/* One "warning: ..." line on stderr: something was off, the run goes on. */
 static void warn(const char* fmt, ...) {
     va_list ap;
-    fputs("warning: ", stderr);
     va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
+    put_line("warning: ", fmt, ap);
     va_end(ap);
-    fputc('\n', stderr);
-    fflush(stderr);
 }
 
 /* malloc that dies with a clear message instead of returning NULL. */
