@@ -16,8 +16,8 @@ kernels are checked by tests/kernel_check.cu ("classifier bf16", "loss rows fp8 
 The candidate -DFP8_CLASSIFIER_FORWARD_ONLY=1 (cpu/fp8.h, docs/BENCHMARKS.md #108) keeps only the
 logits product in FP8: its CPU build (build/microgpt_cpu_clsfwd) must train near fp32, start from the
 default build's first loss (the same forward) and then leave its losses (another backward), and run
-every other classifier as the default build does; its GPU build must track that CPU build and resume
-exactly.
+every other classifier as the default build does; its GPU build (with small logits chunks) must
+track that CPU build, resume exactly and give the bits of synchronised launches.
 """
 import re
 import shutil
