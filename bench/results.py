@@ -18,7 +18,7 @@ import sys
 
 from bench_common import REPO
 from microgpt.atomic import atomic_open
-from microgpt.cli import ArgumentParser
+from microgpt.cli import ArgumentParser, stdout_closed
 
 RESULTS_FILE = os.path.join(REPO, "bench", "results.jsonl")
 
@@ -123,9 +123,13 @@ def main(argv):
                 print(f"error: {args.file}: the chosen {kind} record cannot be shown ({type(e).__name__}: {e})",
                       file=sys.stderr)
                 return 2
-            print(text)
-            if r.get("note"):
-                print(r["note"] + "\n")
+            try:
+                print(text)
+                if r.get("note"):
+                    print(r["note"] + "\n")
+                sys.stdout.flush()
+            except BrokenPipeError:   # `results.py ... | head`: the reader has what it wanted
+                return stdout_closed()
             shown += 1
     if not shown:
         print(f"error: no record in {args.file} matches '{args.prefix}'", file=sys.stderr)

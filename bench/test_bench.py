@@ -409,6 +409,19 @@ def test_recorded_runs_are_shown_as_the_docs_print_them(tmp_path):
     assert missing.returncode == 1 and "no record" in missing.stderr
 
 
+def test_a_reader_gone_is_a_quiet_exit():
+    """`results.py DATE | head -1`: the print to a pipe whose reader is gone was a BrokenPipeError
+    traceback. It now ends as a program killed by SIGPIPE would: exit 141, nothing on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        res = subprocess.run([sys.executable, os.path.join(HERE, "results.py"), "2026-11-29T22:29"], stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=60, env=python_env())
+    finally:
+        os.close(write_end)
+    assert res.returncode == 141 and res.stderr == "", res.stderr
+
+
 def test_a_whole_run_with_fp8_rows_marks_the_fp8_targets(tmp_path):
     """The engine in bf16 and fp8 (the stand-in's fp8 is faster); torchao's row is a PyTorch run of
     its own (an error where torch or torchao is missing), and ANDREA-12M's fp8 target compares the

@@ -9,27 +9,27 @@ The conversation is kept as tokens, rendered as the training data renders it
 (<|im_start|>role\\n...<|im_end|>\\n per turn, microgpt/tokenizer.py), and each reply is generated
 after <|im_start|>assistant\\n until the model writes <|im_end|>. The reply is printed as its tokens
 arrive (on a terminal with its control characters, but newline and tab, shown as \\xNN: a reply is
-data, not commands for the terminal; --json and piped output give the text as it is). One engine
-process serves the whole conversation. When the next prompt would leave less than the reply's room
-(--max-tokens, at most half of seq_len) in the model's context, the oldest exchanges are dropped
-and a line on stderr says so. Typing /reset starts over (the system prompt
-stays), /exit or end of input (Ctrl-D) quits, Ctrl-C quits at any time.
+data, not commands for the terminal; --json and piped output give the text as it is; a character
+the output's encoding lacks is written as \\uXXXX). One engine process serves the whole
+conversation; the first prompt shows once it has loaded the model (a damaged checkpoint is one
+error line before it). When the next prompt would leave less than the reply's room (--max-tokens,
+at most half of seq_len) in the model's context, the oldest exchanges are dropped and a line on
+stderr says so. Typing /reset starts over (the system prompt stays), /exit or end of input (Ctrl-D)
+quits, Ctrl-C quits at any time.
 
 Turn n of a session samples with seed --seed + n, so a session replays exactly with the same inputs.
 """
 import codecs
 import json
-import re
 import sys
 
 from microgpt import tokenizer
-from microgpt.cli import ArgumentParser, stdout_closed
+from microgpt.cli import ArgumentParser, shown_on_terminal, stdout_closed
 from microgpt.engines import ENGINE_INT_MAX
 from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 
 COMMANDS = "/reset clears the conversation, /exit quits"
-CONTROL_CHARACTERS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but tab and newline, DEL, C1
 
 # The generation protocol's limits (docs/DESIGN.md §16), checked here so that an error names chat's
 # flag, not the engine's request field.
@@ -99,14 +99,6 @@ class TextStream:
 
     def finish(self):
         return self.decoder.decode(b"", final=True)
-
-
-def shown_on_terminal(text):
-    """A model's words as a terminal should show them: data, not commands. Its control characters
-    (C0 but tab and newline, DEL, C1) are written as \\xNN escapes: a terminal acts on them (ESC
-    starts sequences that move the cursor, rewrite the screen or retitle the window; CR returns
-    over the line)."""
-    return CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def reply(gen, prompt_ids, args, turn, out):
@@ -237,6 +229,8 @@ def parse_args(argv):
 
 def main(argv):
     args = parse_args(argv)
+    if sys.stdout:  # a model writes any character: one the locale's encoding lacks shows as \uXXXX
+        sys.stdout.reconfigure(errors="backslashreplace")
     if args.prompt is None and sys.stdin is None:  # file descriptor 0 closed: no turns to read
         print("error: no standard input (file descriptor 0 is closed); give the message with --prompt",
               file=sys.stderr)
@@ -245,14 +239,19 @@ def main(argv):
     try:
         ckpt = resolve_checkpoint(args.model)
         shape = read_model_shape(ckpt)
+        if shape["vocab_size"] < tokenizer.VOCAB_SIZE:  # else every prompt refused, after the greeting
+            raise InferenceError(f"{ckpt}: the model's vocab_size {shape['vocab_size']} holds no ChatML tokens "
+                                 f"(<|im_start|> {tokenizer.IM_START}, <|im_end|> {tokenizer.IM_END}); chat needs "
+                                 f"a model trained with vocab_size {tokenizer.VOCAB_SIZE} or more")
         conv = Conversation(args.system, shape["seq_len"], min(args.max_tokens, shape["seq_len"] // 2))
         engine = pick_engine(args.engine)
         gen = Generator(engine, ckpt)
         if args.prompt is not None:
             return one_shot(gen, conv, args)
+        gen.ready()
         print(f"chatting with {ckpt} (step {shape['step']}); {COMMANDS}", file=sys.stderr)
         return interactive(gen, conv, args)
-    except InferenceError as e:
+    except (InferenceError, tokenizer.TokenizerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # at the prompt or mid-reply: stop the engine, no traceback

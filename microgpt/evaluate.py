@@ -17,6 +17,8 @@ window of seq_len + 1 tokens is scored once.
 Output, one JSON object on stdout:
     {"loss": 4.19, "perplexity": 66.0, "tokens": 81920, "batches": 20, "checkpoint": ..., "step": ...,
      "data": ..., "engine": "cpu"|"cuda"[, "documents": n, "skipped": {reason: n}]}
+perplexity is null where e^loss is past the largest double; a loss that is no finite number is an
+error.
 """
 import glob
 import json
@@ -87,6 +89,14 @@ def run_evaluate(engine, ckpt, shard_glob, batches):
     raise InferenceError(f"the engine printed no loss record; stdout: {res.stdout.strip()[-500:]}")
 
 
+def perplexity(loss):
+    """e^loss, or None past the largest double (a loss above about 709.78): JSON has no infinity."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return None
+
+
 def evaluate(engine, model, data, batches):
     """The JSON-ready result for RUN_DIR_OR_CHECKPOINT `model` on FILE_OR_GLOB `data`."""
     ckpt = resolve_checkpoint(model)
@@ -107,8 +117,11 @@ def evaluate(engine, model, data, batches):
                 raise InferenceError(f"{data}: no shard matches (give a shard glob, or a .txt/.jsonl file)")
             shard_glob = data
         record = run_evaluate(engine, ckpt, shard_glob, batches)
+    if record["loss"] is None:  # the engine prints a loss that is no finite number as null
+        raise InferenceError(f"the model's loss on {data} is no finite number: its weights overflow the forward "
+                             "pass (an untrained, diverged or edited checkpoint)")
     loss = float(record["loss"])
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": record["tokens"],
+    return {"loss": loss, "perplexity": perplexity(loss), "tokens": record["tokens"],
             "batches": record["batches"], "checkpoint": ckpt, "step": shape["step"], "data": data,
             "engine": engine_name(engine), **extra}
 
@@ -135,7 +148,7 @@ def main(argv):
     try:
         engine = pick_engine(args.engine)
         result = evaluate(engine, args.model, args.data, args.batches)
-    except InferenceError as e:
+    except (InferenceError, tokenizer.TokenizerUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

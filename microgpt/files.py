@@ -1,9 +1,12 @@
 """Opening input files so that nothing can hang a tool, as microgpt/host/files.h does for the
 engines: a FIFO, device or directory given where a file belongs is refused at once, where a plain
-open() of a FIFO would wait for a writer for ever. Reading JSON lines in bounded memory (record_lines).
+open() of a FIFO would wait for a writer for ever; lock files likewise (hold_lock). Reading JSON lines
+in bounded memory (record_lines).
 And reading JSON so that every reader takes a file the same way: an object that names a key twice
 is refused (unique_keys)."""
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import stat
@@ -23,13 +26,38 @@ def open_regular(path, flags=0):
     """os.open(path, O_RDONLY | flags) of a regular file, its reads blocking as usual; NotRegularFile
     for anything else. O_NONBLOCK makes opening a FIFO return at once; the kind is then read from
     the open descriptor, so a file swapped after a check is not what gets read."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | flags)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | flags, 0o666)  # the permissions: for O_CREAT
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
         raise NotRegularFile(errno.EINVAL, f"{file_kind(mode)}, not a regular file", path)
     os.set_blocking(fd, True)
     return fd
+
+
+def open_lock_file(path, flags=0):
+    """os.open of the regular file at path for a lock, made if missing (O_CREAT), with flags
+    (O_RDWR to write in it): a FIFO is refused rather than waited on, a symbolic link rather than
+    followed (NotRegularFile both)."""
+    try:
+        return open_regular(path, os.O_CREAT | os.O_NOFOLLOW | flags)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise NotRegularFile(errno.ELOOP, "a symbolic link, not a regular file", path) from None
+
+
+@contextlib.contextmanager
+def hold_lock(path):
+    """An exclusive flock on the file at path, made if missing, held for the with block: a second
+    process waits there. Anything else put in its place is refused, neither waited on (a FIFO) nor
+    followed (a symbolic link, which would make or open a file elsewhere): NotRegularFile."""
+    fd = open_lock_file(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 MAX_RECORD_BYTES = 32 << 20  # a longer JSON record is not read whole: memory stays bounded on any input
@@ -86,9 +114,10 @@ def loads_json(text, **kw):
 
 def read_json(path, default):
     """The JSON document at path (UTF-8, as json writes it), or default where it cannot be read or is
-    no JSON loads_json takes: for the files a program writes for itself and rebuilds when damaged."""
+    no JSON loads_json takes: for the files a program writes for itself and rebuilds when damaged
+    (one that is no regular file too: a FIFO put there would hang a plain open())."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(open_regular(path), encoding="utf-8") as f:
             return loads_json(f.read())
     except (OSError, ValueError):
         return default

@@ -181,6 +181,12 @@ class Generator:
             if record.get("done"):
                 return record, logits
 
+    def ready(self):
+        """Returns once the engine has checked and loaded the checkpoint (it answers a prefill of one
+        token, drawing none); raises InferenceError with the engine's error when it could not: a
+        damaged checkpoint is then said before a person types a message, not after."""
+        self.run({"prompt": [0], "max_tokens": 0})
+
     def close(self):
         """End of stdin ends the engine; it exits 0."""
         if self.proc.poll() is None:

@@ -15,7 +15,7 @@ import time
 
 from microgpt.atomic import atomic_open, fsync_dir, write_json_atomic
 from microgpt.checkpoint import checkpoint_step
-from microgpt.files import DuplicateKeyError, file_kind, read_json
+from microgpt.files import DuplicateKeyError, file_kind, open_lock_file, read_json
 from microgpt.loss_log import parse_json
 
 STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
@@ -32,8 +32,10 @@ class RunFileError(OSError):
 def lock_run(path):
     """One proxy per run: a second one would append to the same loss log, "repair" the first one's
     write in progress and launch a second engine on the same checkpoint. The flock lives as long as
-    the returned file stays open (the kernel drops it when the process dies, however it dies)."""
-    f = open(path, "a+")
+    the returned file stays open (the kernel drops it when the process dies, however it dies).
+    A symbolic link planted there is refused, not followed (the pid written below would overwrite
+    whatever it points to), and so is a FIFO (files.open_lock_file: an OSError, one error line)."""
+    f = os.fdopen(open_lock_file(path, os.O_RDWR), "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

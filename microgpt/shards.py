@@ -9,11 +9,13 @@ import os
 import numpy as np
 
 from microgpt.atomic import atomic_open
+from microgpt.files import NotRegularFile, open_regular
 
 MAGIC = 20240520
 VERSION = 1
 HEADER_WORDS = 256
 HEADER_BYTES = HEADER_WORDS * 4
+MAX_TOKENS = 2**31 - 1  # the header's int32 count
 
 
 class ShardError(ValueError):
@@ -21,6 +23,8 @@ class ShardError(ValueError):
 
 
 def header_bytes(ntok):
+    if ntok > MAX_TOKENS:
+        raise ShardError(f"a shard holds at most {MAX_TOKENS} tokens (its header's int32 count), not {ntok}")
     header = np.zeros(HEADER_WORDS, dtype="<i4")
     header[:3] = (MAGIC, VERSION, ntok)
     return header.tobytes()
@@ -77,24 +81,34 @@ class ShardStream:
 
 def read_header(path):
     """The token count a shard's header promises, after checking magic, version and file size."""
-    size = os.path.getsize(path)
-    if size < HEADER_BYTES:
-        raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header")
-    header = np.fromfile(path, dtype="<i4", count=HEADER_WORDS)
-    if header[0] != MAGIC:
-        raise ShardError(f"{path}: bad magic {header[0]} (expected {MAGIC})")
-    if header[1] != VERSION:
-        raise ShardError(f"{path}: unsupported version {header[1]} (expected {VERSION})")
-    ntok = int(header[2])
-    if size != HEADER_BYTES + 2 * ntok:
-        raise ShardError(f"{path}: file is {size} bytes, header promises {HEADER_BYTES + 2 * ntok}")
-    return ntok
+    return read_checked(path, tokens=False)
 
 
 def read_shard(path):
     """Return the tokens of a shard as a uint16 array; ShardError if the file is malformed."""
-    read_header(path)
-    return np.fromfile(path, dtype="<u2", offset=HEADER_BYTES)
+    return read_checked(path, tokens=True)
+
+
+def read_checked(path, tokens):
+    """The header's token count, or with tokens=True the tokens, read from one open of path: a FIFO
+    or directory matched by a glob is refused by name (open_regular), as the engine does."""
+    try:
+        fd = open_regular(path)
+    except NotRegularFile as e:
+        raise ShardError(f"{path}: {e.strerror}") from None
+    with open(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size < HEADER_BYTES:
+            raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header")
+        header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+        if header[0] != MAGIC:
+            raise ShardError(f"{path}: bad magic {header[0]} (expected {MAGIC})")
+        if header[1] != VERSION:
+            raise ShardError(f"{path}: unsupported version {header[1]} (expected {VERSION})")
+        ntok = int(header[2])
+        if size != HEADER_BYTES + 2 * ntok:
+            raise ShardError(f"{path}: file is {size} bytes, header promises {HEADER_BYTES + 2 * ntok}")
+        return np.fromfile(f, dtype="<u2", count=ntok) if tokens else ntok
 
 
 def glob_tokens(pattern):

@@ -15,7 +15,10 @@ The ChatML format lives here too, so the data pipeline and the proxy render and 
 Command line (used to check a prompt or to decode a shard):
     python microgpt/tokenizer.py encode "text"        ordinary text -> ids
     python microgpt/tokenizer.py encode-chat "text"   text whose ChatML specials are real specials -> ids
-    python microgpt/tokenizer.py decode 1 2 3         ids -> text
+    python microgpt/tokenizer.py decode 1 2 3         ids -> text (on a terminal its control
+                                                      characters but newline and tab shown as \\xNN,
+                                                      not acted on; piped, the exact text; a
+                                                      character stdout's encoding lacks as \\uXXXX)
 """
 import base64
 import hashlib
@@ -26,7 +29,8 @@ import sys
 import numpy as np
 import tiktoken
 
-from microgpt.files import DuplicateKeyError, JsonTooDeep, loads_json
+from microgpt.cli import shown_on_terminal
+from microgpt.files import DuplicateKeyError, JsonTooDeep, loads_json, open_regular
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSET_PATH = os.path.join(ROOT, "data", "assets", "r50k_base.tiktoken")
@@ -56,9 +60,15 @@ def _load_ranks(path):
     """Parse a .tiktoken file ('<base64 token> <rank>' per line) after checking its sha256.
 
     tiktoken.load.load_tiktoken_bpe does the same parse but also copies local files into a cache
-    directory; reading it here keeps loading free of side effects."""
-    with open(path, "rb") as f:
-        data = f.read()
+    directory; reading it here keeps loading free of side effects. A path that is no regular file (a
+    FIFO would make the read wait forever) or cannot be read is TokenizerUnavailable, as a changed
+    file is: the tools say so in one line, naming this file, not the input they were reading."""
+    try:
+        with open(open_regular(path), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise TokenizerUnavailable(f"{path}: cannot be read ({e.strerror or e}); delete it and run "
+                                   "`python scripts/fetch-assets.py`") from None
     digest = hashlib.sha256(data).hexdigest()
     if digest != ASSET_SHA256:
         raise TokenizerUnavailable(f"{path}: sha256 {digest} is not r50k_base's {ASSET_SHA256}; "
@@ -216,7 +226,8 @@ def turn_problem(turn, role_key, text_key):
 
 
 def main(argv):
-    usage = "usage: tokenizer.py encode TEXT | encode-chat TEXT | decode ID..."
+    usage = ("usage: tokenizer.py encode TEXT | encode-chat TEXT | decode ID...\n"
+             "decode shows control characters but newline and tab as \\xNN on a terminal; a pipe gets the text")
     if len(argv) < 2 or argv[0] not in ("encode", "encode-chat", "decode"):
         print(usage, file=sys.stderr)
         return 2
@@ -227,7 +238,9 @@ def main(argv):
             except ValueError:
                 print("error: decode takes integer token ids", file=sys.stderr)
                 return 2
-            sys.stdout.write(decode(ids) + "\n")
+            text = decode(ids) + "\n"
+            sys.stdout.reconfigure(errors="backslashreplace")  # a character the encoding lacks: \uXXXX
+            sys.stdout.write(shown_on_terminal(text) if sys.stdout.isatty() else text)
         else:
             fn = encode if argv[0] == "encode" else encode_chat
             print(json.dumps(fn(" ".join(argv[1:]))))

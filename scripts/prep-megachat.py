@@ -28,18 +28,20 @@ OUT_DIR is a symbolic link to a hidden sibling folder holding one complete set; 
 folder and swaps the link in one rename. Every shard holds at least --min-shard-tokens tokens (what
 llm.c's loader needs: B*T+1), a short tail going into the previous shard; a split too small for one
 shard is refused (the mixed set: an error, nothing written; one source's: left out and said so).
-Re-running with unchanged inputs and options only prints the summary; the bytes written are a pure
-function of them, whatever the number of workers. Memory stays bounded (a few batches of input in
+Re-running with unchanged inputs and options only prints the summary, while the set is as built (the
+shards its manifest lists, no other, with the headers and modification times it records); the bytes
+written are a pure function of inputs and options, whatever the number of workers. Memory stays bounded (a few batches of input in
 flight; shards are streamed to disk).
 """
 import argparse
+import codecs
 import collections
 import concurrent.futures
 import contextlib
 import errno
-import fcntl
 import glob
 import hashlib
+import io
 import json
 import math
 import os
@@ -51,14 +53,14 @@ import numpy as np
 
 from microgpt import tokenizer
 from microgpt.atomic import fsync_dir, write_json_atomic
-from microgpt.cli import ArgumentParser, fail
-from microgpt.files import RECORD_TOO_LONG, read_json, record_lines
+from microgpt.cli import ArgumentParser, fail, interrupted
+from microgpt.files import RECORD_TOO_LONG, hold_lock, open_regular, read_json, record_lines
 from microgpt.progress import Progress
-from microgpt.shards import HEADER_BYTES, ShardError, ShardStream, read_header, read_shard
+from microgpt.shards import MAX_TOKENS, ShardError, ShardStream, read_header, read_shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FORMAT = 2                   # bump when the rendering or splitting changes, so old manifests go stale
+FORMAT = 3                   # bump when the rendering or splitting changes, so old manifests go stale
 BATCH_DOCS = 256             # documents per task handed to a worker ...
 BATCH_BYTES = 1 << 20        # ... or fewer, once they hold this many bytes of input
 SPLITS = ("train", "val")
@@ -94,12 +96,21 @@ class Source:
         exts = (".jsonl", ".ndjson") if kind == "chat" else (".txt",)
         if os.path.isdir(path):
             self.files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith(exts))
-        elif os.path.isfile(path):
+        elif os.path.exists(path):  # a FIFO or device too: refused below, by name
             self.files = [path]
         else:
             fail(f"--{kind} {path}: no such file or folder")
         if not self.files:
             fail(f"--{kind} {path}: no *{exts[0]} files")
+        for f in self.files:  # before anything is written: a FIFO would hang the build, a folder fail it
+            try:
+                with open(open_regular(f), "rb") as opened:
+                    head = opened.read(1 << 16) if kind == "text" else b""
+            except OSError as e:
+                fail(f"--{kind} {f}: cannot read it ({e.strerror})")
+            if b"\0" in head or head.startswith((b"\xff\xfe", b"\xfe\xff")):  # read as UTF-8: noise
+                fail(f"--text {f}: not UTF-8 text (NUL bytes or a UTF-16 byte-order mark: UTF-16 or UTF-32?); "
+                     "convert it, e.g. iconv -f UTF-16 -t UTF-8")
         if kind == "chat" and any(not f.endswith(exts) for f in self.files):
             fail(f"--chat {path}: expected JSON lines (.jsonl); convert json/parquet "
                 "copies with scripts/pull-hermes3.py --from-file")
@@ -121,7 +132,7 @@ class Source:
         "middle" or "last" chunk of a text file ("doc" for one that fits in one chunk). Files are
         read in bytes (the only way to count progress exactly); nothing holds a whole file."""
         for path in self.files:
-            with open(path, "rb") as f:
+            with open(open_regular(path), "rb") as f:
                 if self.kind == "chat":
                     yield from json_lines(f)
                 else:
@@ -137,7 +148,9 @@ def json_lines(f):
 
 def text_chunks(f, chunk_chars):
     """(text, nbytes) chunks of about chunk_chars bytes, cut at blank lines (hard cut at 4x for texts
-    without; a line longer than that is cut too). Invalid UTF-8 becomes U+FFFD."""
+    without; a line longer than that is cut too). Invalid UTF-8 becomes U+FFFD; the chunks are
+    decoded as one stream, so a character that a hard cut splits is kept whole in the next chunk."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     buf, size = [], 0
     while True:
         line = f.readline(4 * chunk_chars)
@@ -146,7 +159,7 @@ def text_chunks(f, chunk_chars):
             size += len(line)
         if buf and (not line or (size >= chunk_chars and (not line.strip() or size >= 4 * chunk_chars))):
             data = b"".join(buf)
-            yield data.decode("utf-8", errors="replace"), len(data)
+            yield decoder.decode(data, final=not line), len(data)
             buf, size = [], 0
         if not line:
             return
@@ -347,7 +360,8 @@ def check_mixed(mixed, min_tokens):
 
 
 def shard_list(shards, base):
-    return [{"file": os.path.relpath(p, base), "tokens": n} for p, n in shards]
+    """The manifest's entries; the modification time shows a rerun whether a shard was changed since."""
+    return [{"file": os.path.relpath(p, base), "tokens": n, "mtime_ns": os.stat(p).st_mtime_ns} for p, n in shards]
 
 
 # ---------------------------------------------------------------- the set: build folder, swap, cleanup
@@ -368,8 +382,7 @@ class SetLocation:
     @contextlib.contextmanager
     def locked(self):
         os.makedirs(self.parent, exist_ok=True)
-        with open(self.hidden("lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with hold_lock(self.hidden("lock")):
             yield
 
     def current_target(self):
@@ -387,8 +400,16 @@ class SetLocation:
 
     def check_out_dir(self):
         """An OUT_DIR that is a real folder (an older layout, or a new empty folder) is taken over
-        only when it holds nothing but this set's files."""
-        if os.path.islink(self.out_dir) or not os.path.exists(self.out_dir):
+        only when it holds nothing but this set's files; one that is a symbolic link only when the
+        link is one a build made (install removes the set it points to)."""
+        if os.path.islink(self.out_dir):
+            target = os.readlink(self.out_dir)
+            if os.sep in target or not target.startswith(f".{self.base}.set-"):
+                raise BuildError(f"--out-dir {self.out_dir} is a symbolic link to {target}, not one this "
+                                 "script made (a build replaces it and removes what it points to); remove "
+                                 "the link, or link the folder above it instead")
+            return
+        if not os.path.exists(self.out_dir):
             return
         if not os.path.isdir(self.out_dir):
             raise BuildError(f"--out-dir {self.out_dir} exists and is not a folder")
@@ -417,7 +438,7 @@ class SetLocation:
 def remove(path):
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
-    else:
+    elif os.path.lexists(path):  # on a read-only file system, removing no file is EROFS, not ENOENT
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             os.remove(path)
 
@@ -428,16 +449,27 @@ def fsync_tree(root):
 
 
 def up_to_date(manifest_path, fingerprint):
+    """The manifest when it describes a set built from these inputs and options that is as it was
+    built: it lists every shard there is, each with the header and modification time it recorded,
+    and the summary can be printed from it. Else None (a rebuild), also for a manifest damaged or
+    edited by hand."""
     manifest = read_json(manifest_path, None)
     if not isinstance(manifest, dict) or manifest.get("fingerprint") != fingerprint:
         return None
     base = os.path.dirname(manifest_path)
-    shards = [s for key in ("shards",) for s in manifest.get(key, [])]
-    shards += [s for src in manifest.get("sources", []) for s in src.get("shards", [])]
-    for shard in shards:
-        path = os.path.join(base, shard["file"])
-        if not os.path.exists(path) or os.path.getsize(path) != HEADER_BYTES + 2 * shard["tokens"]:
+    try:
+        listed = manifest["shards"] + [s for src in manifest["sources"] for s in src["shards"]]
+        found = {os.path.relpath(os.path.join(d, f), base) for d, _, files in os.walk(base) for f in files
+                 if f.endswith(".bin")}
+        if found != {shard["file"] for shard in listed}:  # a shard added: a glob of the set reads it too
             return None
+        for shard in listed:
+            path = os.path.join(base, shard["file"])
+            if read_header(path) != shard["tokens"] or os.stat(path).st_mtime_ns != shard["mtime_ns"]:
+                return None
+        print_summary(manifest, io.StringIO())
+    except (OSError, ValueError, LookupError, TypeError, AttributeError):  # ShardError is a ValueError
+        return None
     return manifest
 
 
@@ -498,6 +530,9 @@ def parse_args(argv):
         ap.error("--shard-tokens, --min-shard-tokens, --text-chunk-chars and --workers must be positive")
     if args.min_shard_tokens > args.shard_tokens:
         ap.error("--min-shard-tokens must not exceed --shard-tokens")
+    if args.shard_tokens + args.min_shard_tokens - 1 > MAX_TOKENS:  # the most a shard with a merged tail holds
+        ap.error(f"a shard holds at most {MAX_TOKENS} tokens: --shard-tokens plus --min-shard-tokens - 1 "
+                 "must not exceed that")
     if not all(c.isalnum() or c in "-_." for c in args.name):
         ap.error("--name may hold letters, digits, '-', '_' and '.' only")
     return args
@@ -554,8 +589,9 @@ def main(argv):
         return 1
     except OSError as e:
         why = "the disk is full" if e.errno == errno.ENOSPC else e.strerror
-        print(f"\nerror: cannot write the {args.name} shards in {os.path.dirname(out_dir)}: {why}"
-              f" ({e.filename or ''}); the previous shards are kept", file=sys.stderr)
+        culprit = f" ({e.filename})" if e.filename else ""
+        print(f"\nerror: cannot write the {args.name} shards in {os.path.dirname(out_dir)}: {why}{culprit}; "
+              "the previous shards are kept", file=sys.stderr)
         remove(where.build_dir)
         return 1
     except BaseException:
@@ -569,4 +605,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:  # main removed its build folder: OUT_DIR shows the set it showed
+        sys.exit(interrupted("prep-megachat", "the previous shards are kept"))

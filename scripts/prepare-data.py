@@ -19,12 +19,13 @@ done, so a second run takes seconds.
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 
 from microgpt.atomic import atomic_open
-from microgpt.cli import ArgumentParser
-from microgpt.files import unique_keys
+from microgpt.cli import INTERRUPTED, ArgumentParser, interrupted
+from microgpt.files import loads_json, open_regular, read_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,11 +52,50 @@ DEFAULT_MAX_RECORDS = 250_000
 
 
 def script(name, *args):
-    """Run one of the pipeline scripts as a user would; return its exit status."""
+    """Run one of the pipeline scripts as a user would; return its exit status. A script that Ctrl-C
+    stopped (its "interrupted" line said, exit 130) stops the set-up too, as Ctrl-C here would: its
+    status would otherwise read as a failed step, and the corpus fetch's be passed over."""
     cmd = [sys.executable, os.path.join(ROOT, "scripts", name), *args]
     print("prepare-data: $ " + " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c
                                        for c in cmd[1:]), file=sys.stderr)
-    return subprocess.run(cmd).returncode
+    status = subprocess.run(cmd).returncode
+    if status in (INTERRUPTED, -signal.SIGINT):
+        raise KeyboardInterrupt
+    return status
+
+
+class ChitchatError(Exception):
+    """chitchat-dataset's dataset.json cannot be read or is not its shape: one line naming it."""
+
+
+def is_turn(turn):
+    """A turn of dataset.json: a list of messages, each with a string sender and text."""
+    return isinstance(turn, list) and all(
+        isinstance(m, dict) and isinstance(m.get("sender"), str) and isinstance(m.get("text"), str) for m in turn)
+
+
+def read_chitchat(src):
+    """dataset.json's conversations, {key: [turn, ...]}; ChitchatError where the file is damaged or
+    edited by hand (fetch-assets fetches it only when missing, so every run would meet it again)."""
+    def fault(why):
+        return ChitchatError(f"{src}: {why}; delete it and re-run to fetch it again")
+    try:
+        with open(open_regular(src), encoding="utf-8") as f:  # a FIFO is refused, not waited on
+            data = loads_json(f.read())
+    except OSError as e:
+        raise fault(e.strerror) from None
+    except ValueError as e:  # not JSON, not UTF-8, a key twice
+        raise fault(e) from None
+    if not isinstance(data, dict):
+        raise fault("not a JSON object of conversations")
+    conversations = {}
+    for key, conv in data.items():
+        turns = conv.get("messages", []) if isinstance(conv, dict) else None
+        if not isinstance(turns, list) or not all(map(is_turn, turns)):
+            raise fault(f"conversation {json.dumps(key)} is not {{\"messages\": [turn, ...]}}, "
+                        "each turn a list of {\"sender\", \"text\"} strings")
+        conversations[key] = turns
+    return conversations
 
 
 def convert_chitchat(src, dst):
@@ -64,12 +104,11 @@ def convert_chitchat(src, dst):
     Each conversation is a list of turns, each turn a list of messages by one sender. The sender of
     the first turn is the `human`, the other the `gpt`; a turn's messages are joined by newlines.
     Conversations without a reply (one turn, about 3,150 of 7,168) teach no exchange and are skipped."""
-    with open(src, encoding="utf-8") as f:
-        data = json.load(f, object_pairs_hook=unique_keys)
+    data = read_chitchat(src)
     written = skipped = 0
     with atomic_open(dst, "w") as out:
         for key, conv in data.items():
-            turns = [t for t in conv.get("messages", []) if t]
+            turns = [t for t in conv if t]
             if len(turns) < 2:
                 skipped += 1
                 continue
@@ -119,6 +158,11 @@ def main():
     ap.add_argument("--no-corpus", action="store_true",
                     help="leave the text corpus out (conversations and Shakespeare only: small, for tests)")
     args = ap.parse_args()
+    # pull-hermes3.py's usage errors would read as an unreachable hub below, and the fallback be built
+    if args.max_records <= 0:
+        ap.error("--max-records must be positive")
+    if not args.timeout > 0:  # nan too
+        ap.error("--timeout must be a positive number of seconds")
     megachat_dir = os.path.join(args.data_dir, "megachat")
     polish_dir = os.path.join(args.data_dir, "polish")
     shakespeare_dir = os.path.join(args.data_dir, "shakespeare")
@@ -131,20 +175,31 @@ def main():
               "--name", "shakespeare", "--val-permille", "200") != 0:
         return 1
 
-    hermes_ok = args.source != "chitchat" and script(
-        "pull-hermes3.py", "--max-records", str(args.max_records), "--timeout", str(args.timeout)) == 0
+    pull = 1 if args.source == "chitchat" else script(
+        "pull-hermes3.py", "--max-records", str(args.max_records), "--timeout", str(args.timeout))
+    if pull not in (0, 1):  # 1: the hub cannot be reached, which the fallback is for; else a local fault
+        print("error: could not pull Hermes-3 (see above)", file=sys.stderr)
+        return 1
+    hermes_ok = pull == 0
     if args.source == "hermes" and not hermes_ok:
         print("error: Hermes-3 could not be pulled and --source hermes allows no fallback", file=sys.stderr)
         return 1
     if hermes_ok:
-        used = [f"DATA: conversations = NousResearch/Hermes-3-Dataset (first {args.max_records} records)"]
+        # what the pull holds, which is more than --max-records after an earlier, longer pull
+        pulled = read_json(HERMES + ".progress.json", {})
+        used = [f"DATA: conversations = NousResearch/Hermes-3-Dataset ({pulled.get('written')} conversations "
+                f"of its first {pulled.get('read')} records)"]
         chat = ["--chat", f"hermes3={HERMES}"]
     else:
         why = "by --source chitchat" if args.source == "chitchat" else "Hermes-3 could not be downloaded"
         used = [f"DATA: conversations = FALLBACK ({why}):",
                 "      chitchat-dataset 0.9.0 (PyPI, MIT); re-run when the Hugging Face hub is reachable",
                 "      to use Hermes-3"]
-        chat = ["--chat", f"chitchat={chitchat_source()}"]
+        try:
+            chat = ["--chat", f"chitchat={chitchat_source()}"]
+        except ChitchatError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     text = [arg for name in corpus for arg in ("--text", os.path.join(RAW, name))]
     used.append("      text corpus: Shakespeare" + "".join(f", {n}" for n in corpus) + " (licences: docs/ANDREA.md)")
     if missing:
@@ -162,4 +217,7 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the running step has stopped (subprocess.run ends it) and said so
+        sys.exit(interrupted("prepare-data", "re-run to go on (done steps are skipped)"))

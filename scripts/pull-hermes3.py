@@ -13,16 +13,18 @@ Resuming: progress (records read, bytes written) is saved beside the output in O
 an interrupted pull (network error, Ctrl-C, a smaller --max-records) continues where it stopped when
 re-run with the same source (a changed --from-file starts over). A finished pull is not repeated.
 
-Exit status: 0 done; 1 the hub is unreachable / the download failed (re-run to resume); 2 bad usage.
+Exit status: 0 done; 1 the hub is unreachable / the download failed (re-run to resume); 2 bad usage;
+3 the output cannot be written (a full disk: no other source of conversations helps).
 """
 import collections
+import contextlib
 import itertools
 import json
 import os
 import sys
 
 from microgpt.atomic import write_json_atomic
-from microgpt.cli import ArgumentParser
+from microgpt.cli import ArgumentParser, interrupted
 from microgpt.files import MAX_RECORD_BYTES, RECORD_TOO_LONG, read_json, record_lines, unique_keys
 from microgpt.tokenizer import json_fault, parse_conversation, parse_json_line
 
@@ -35,6 +37,20 @@ SAVE_EVERY = 1000  # records between progress saves
 
 class PullError(RuntimeError):
     pass
+
+
+class OutputError(PullError):
+    """The output or its progress file cannot be written."""
+
+
+@contextlib.contextmanager
+def writing(path):
+    """OSErrors of writing `path` as an OutputError: told apart from those of reading the records
+    (requests' network errors are OSErrors too)."""
+    try:
+        yield
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {e.strerror}") from None
 
 
 # ---------------------------------------------------------------- reading records
@@ -177,41 +193,50 @@ def pull(records, out_path, progress, progress_path, max_records):
     """Append normalized records to out_path until the source or max_records runs out."""
     malformed = collections.Counter(progress["malformed"])
     bar = progress_bar(max_records, progress["read"])
-    with open(out_path, "r+b" if os.path.exists(out_path) else "wb") as out:
+    with writing(out_path):
+        out = open(out_path, "r+b" if os.path.exists(out_path) else "wb")
         out.truncate(progress["bytes"])  # drop a torn tail written after the last save
         out.seek(progress["bytes"])
 
-        def save():
+    def save():
+        with writing(out_path):
             out.flush()
-            progress.update(bytes=out.tell(), malformed=dict(malformed))
+        progress.update(bytes=out.tell(), malformed=dict(malformed))
+        with writing(progress_path):
             write_json_atomic(progress_path, progress)
 
-        try:
-            while max_records is None or progress["read"] < max_records:
-                record = next(records, StopIteration)
-                if record is StopIteration:
-                    progress["exhausted"] = True
-                    break
-                progress["read"] += 1
-                try:
-                    if isinstance(record, Exception):
-                        raise record
-                    cuts = {}
-                    turns = parse_conversation(record, cuts)
-                    malformed.update(f"cut: {reason}" for reason in cuts)
-                    line = json.dumps(to_sharegpt(turns), ensure_ascii=False)
+    try:
+        while max_records is None or progress["read"] < max_records:
+            record = next(records, StopIteration)
+            if record is StopIteration:
+                progress["exhausted"] = True
+                break
+            progress["read"] += 1
+            try:
+                if isinstance(record, Exception):
+                    raise record
+                cuts = {}
+                turns = parse_conversation(record, cuts)
+                malformed.update(f"cut: {reason}" for reason in cuts)
+                line = json.dumps(to_sharegpt(turns), ensure_ascii=False)
+                with writing(out_path):
                     out.write(line.encode("utf-8") + b"\n")
-                    progress["written"] += 1
-                except ValueError as e:
-                    malformed[str(e)] += 1
-                if bar is not None:
-                    bar.update(1)
-                if progress["read"] % SAVE_EVERY == 0:
-                    save()
-        finally:
-            save()
+                progress["written"] += 1
+            except ValueError as e:
+                malformed[str(e)] += 1
             if bar is not None:
-                bar.close()
+                bar.update(1)
+            if progress["read"] % SAVE_EVERY == 0:
+                save()
+    finally:
+        if bar is not None:
+            bar.close()
+        try:
+            save()
+        finally:
+            # save() flushed what there was; after a failed write, close() would only fail again
+            with contextlib.suppress(OSError):
+                out.close()
 
 
 def main():
@@ -253,13 +278,14 @@ def main():
         else:
             records = iter_hub(progress["read"], args.timeout)
         pull(records, args.out, progress, progress_path, args.max_records)
+    except OutputError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 3
     except PullError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if args.from_file else 1
     except KeyboardInterrupt:
-        print(f"\npull-hermes3: interrupted after {progress['read']} records; re-run to resume",
-              file=sys.stderr)
-        return 130
+        return interrupted("pull-hermes3", f"{progress['read']} records read; re-run to resume")
     except Exception as e:  # network errors from datasets/requests/fsspec come in many types
         if args.from_file:
             print(f"error: {args.from_file}: {type(e).__name__}: {e}", file=sys.stderr)

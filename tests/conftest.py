@@ -7,6 +7,7 @@ when a GPU is present and build/microgpt_cuda exists, and are skipped otherwise.
 import fcntl
 import functools
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -25,6 +26,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 def pytest_configure(config):
     # Also declared in pytest.ini; repeated here so the marker is known when pytest runs without it.
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU and build/microgpt_cuda (skipped otherwise)")
+    # Tests press Ctrl-C (SIGINT) on Python tools (chat, the data pipeline). A shell without job
+    # control starts a background command with SIGINT ignored, and an ignored signal stays ignored
+    # through exec: those tools would never see it. A handled one is reset to its default at exec.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 from microgpt.engines import gpu_visible  # the proxy's rule for "a GPU is there"
@@ -185,3 +191,25 @@ def trained_model(cpu_binary, assets, tmp_path_factory):
     assert res.rc == 0 and res.vals, res.describe()
     return TrainedModel(run_dir, ckpt, str(d / "chat_val_*.bin"), float(res.vals[-1]["val_loss"]),
                         TOOLS_MODEL["eval.batches"], records[370:])
+
+
+def mounted_tmpfs(tmp_path, options):
+    """A tmpfs mounted with `options` at tmp_path/mnt, for the test's duration (mounting needs root)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "none", str(mnt)]).returncode:
+        pytest.skip(f"mounting a tmpfs ({options}) needs root")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 64 KiB file system: too small for any test model's checkpoint or shard set."""
+    yield from mounted_tmpfs(tmp_path, "size=64k")
+
+
+@pytest.fixture
+def readonly_tmpfs(tmp_path):
+    """A file system mounted read-only: every write fails with EROFS, also for root."""
+    yield from mounted_tmpfs(tmp_path, "ro,size=64k")

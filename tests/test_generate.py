@@ -9,6 +9,8 @@ fp32 and bf16, the same tokens whatever a request is batched with, and --evaluat
 training loop's val_loss.
 """
 import json
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -303,6 +305,28 @@ def test_bad_requests_get_one_error_each_and_the_engine_carries_on(cpu_binary, t
     assert len(served.tokens("good in batch")) == 2 and len(served.tokens("last")) == 2
 
 
+
+def test_numbers_out_of_range_are_errors_without_undefined_behaviour(cpu_binary, trained, tmp_path):
+    """A number past what its field's C type holds (inf, 1e300, 2^64) was converted to that type
+    before the range check's error was acted on: undefined behaviour in C, which compilers may
+    assume never happens. The engine built with -fsanitize=float-cast-overflow (a second's build at
+    -O0) stops at the first such conversion; served here, every request gets its error."""
+    exe = tmp_path / "microgpt_cpu_fco"
+    build = subprocess.run(["gcc", "-std=c99", "-O0", "-fsanitize=float-cast-overflow", "-fno-sanitize-recover=all",
+                            "-D_POSIX_C_SOURCE=200809L", "-o", str(exe), str(eu.REPO / "microgpt" / "microgpt_cpu.c"),
+                            "-lm"], capture_output=True, text=True, timeout=120)
+    if build.returncode != 0:
+        pytest.skip(f"no float-cast-overflow sanitizer here: {build.stderr[-300:]}")
+    requests = [{"id": "max_tokens", "prompt": [1], "max_tokens": 1e300},
+                {"id": "top_k", "prompt": [1], "top_k": -1e300},
+                {"id": "seed", "prompt": [1], "seed": 2.0**64}, {"id": "prompt", "prompt": [1e300]},
+                '{"id": "stop", "prompt": [1], "stop": [-1e999]}']
+    served = serve(exe, trained["ckpt"], requests + [greedy("good", [1], max_tokens=1)])
+    assert "runtime error" not in served.stderr, served.stderr
+    assert [e["id"] for e in served.errors()] == ["max_tokens", "top_k", "seed", "prompt", "stop"], served.errors()
+    assert served.tokens("good")
+
+
 def test_a_request_line_that_is_no_json_text_gets_an_error_not_an_echo(cpu_binary, trained):
     """An id is echoed as written: a string with a bad escape or invalid UTF-8 made every reply to
     it no JSON line, and a NUL byte hid the rest of its line. Each is one error line; every line
@@ -335,6 +359,25 @@ def test_model_flags_come_from_the_sidecar_and_bad_setups_are_refused(cpu_binary
     assert res.rc == 2 and "--checkpoint" in res.errors[0], res.describe()
 
 
+
+def test_a_damaged_checkpoint_says_how_to_use_the_previous_one_here(cpu_binary, trained, tmp_path):
+    """A damaged checkpoint with a previous slot is refused by --generate as by training, with the
+    way back to the previous slot; that way ended "then run again with --resume", a flag --generate
+    refuses. Doing what the line says now serves."""
+    ckpt = tmp_path / "m.ckpt"
+    for suffix in ("", ".json"):
+        for slot in ("", ".prev"):
+            shutil.copy(f"{trained['ckpt']}{suffix}", f"{ckpt}{slot}{suffix}")
+    eu.flip_bit(ckpt, 100)
+    args = ["--generate", "--checkpoint", ckpt]
+    res = eu.run_engine(cpu_binary, args)
+    assert res.rc == 2 and len(res.errors) == 1 and f"mv {ckpt}.prev {ckpt} &&" in res.errors[0], res.describe()
+    assert "run again with --resume" not in res.errors[0], res.errors[0]
+    os.replace(f"{ckpt}.prev", ckpt)  # what the error line says to do
+    os.replace(f"{ckpt}.prev.json", f"{ckpt}.json")
+    assert eu.run_engine(cpu_binary, args).rc == 0
+
+
 @pytest.mark.parametrize("key, value", [("seed", "1337.5"), ("n_layer", "1e400"), ("batch_size", "NaN"),
                                         ("n_head", "4.5"), ("seed", '"1337"'), ("batch_size", "null"),
                                         ("precision", "5"), ("precision", '["fp32"]'), ("n_layer", '"2"')])
@@ -365,6 +408,93 @@ def test_a_checkpoint_path_too_long_is_the_flag_error_not_a_sidecar_one(cpu_bina
                                      "--data.val", "x"])
     assert res.rc == 2 and len(res.errors) == 1, res.describe()
     assert res.errors[0].startswith("error: --checkpoint: value is longer than"), res.errors
+
+
+
+def answer_to(binary, stdout, args, requests=b"", timeout=60):
+    """An engine run whose stdout is `stdout` (a file object), its stderr's error lines."""
+    proc = subprocess.run([str(binary), *map(str, args)], input=requests, stdout=stdout, stderr=subprocess.PIPE,
+                          timeout=timeout)
+    return proc.returncode, [l for l in proc.stderr.decode().splitlines() if l.startswith("error:")]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_an_answer_that_cannot_be_written_is_one_error_not_exit_0(cpu_binary, trained, pattern_shards):
+    """--generate and --evaluate answer on stdout: one that cannot be written (a full disk) was
+    lost without a word, and the engine exited 0 as if it had answered."""
+    with open("/dev/full", "wb") as full:
+        rc, errors = answer_to(cpu_binary, full, ["--generate", "--checkpoint", trained["ckpt"]],
+                               json.dumps(greedy(1, [1], max_tokens=2)).encode() + b"\n")
+        assert rc == 1 and len(errors) == 1 and "standard output" in errors[0], errors
+        rc, errors = answer_to(cpu_binary, full, ["--evaluate", "--checkpoint", trained["ckpt"], "--data.val",
+                                                  pattern_shards[1], "--eval.batches", "1"])
+        assert rc == 1 and len(errors) == 1 and "standard output" in errors[0], errors
+
+
+@pytest.mark.parametrize("restore_signals", [True, False])
+def test_a_reader_gone_ends_generate_with_one_error(cpu_binary, trained, restore_signals):
+    """A client that stops reading the answers (its stdout pipe closed) but keeps stdin open: the
+    engine died of SIGPIPE without a word, or, where a launcher left SIGPIPE ignored
+    (restore_signals=False), served every request into the closed pipe until stdin's end and exited
+    0. Now: one error line, exit 1, at once."""
+    proc = subprocess.Popen([str(cpu_binary), "--generate", "--checkpoint", str(trained["ckpt"])],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            restore_signals=restore_signals)
+    proc.stdout.close()
+    try:
+        proc.stdin.write((json.dumps(greedy(1, [1], max_tokens=T)) + "\n").encode() * 4)
+        proc.stdin.flush()
+        rc = proc.wait(timeout=60)  # stdin still open: only the failed write may end it
+    finally:
+        proc.kill()
+        proc.stdin.close()
+        stderr = proc.stderr.read().decode()
+        proc.stderr.close()
+    errors = [l for l in stderr.splitlines() if l.startswith("error:")]
+    assert rc == 1 and len(errors) == 1 and "standard output" in errors[0], (rc, stderr)
+
+
+def test_a_request_stream_that_cannot_be_read_is_one_error_not_its_end(cpu_binary, trained, tmp_path):
+    """stdin that fails to read (here a directory: EISDIR) was taken for the end of the requests,
+    exit 0."""
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        proc = subprocess.run([str(cpu_binary), "--generate", "--checkpoint", str(trained["ckpt"])], stdin=fd,
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        os.close(fd)
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "standard input" in errors[0], proc.stderr
+
+
+
+def test_a_request_line_too_long_for_memory_is_one_error_not_the_end(cpu_binary, trained):
+    """A line longer than the memory left (here under a 256 MB address-space limit) made getline fail
+    with ENOMEM, which left no error flag on stdin: read as the end of the requests, exit 0, and the
+    lines after it were never served."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (256 << 20, 256 << 20))
+    # one thread: each OpenMP thread's stack and malloc arena would count against the limit
+    proc = subprocess.Popen([str(cpu_binary), "--generate", "--checkpoint", str(trained["ckpt"])],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    chunk = b"1," * (4 << 20)
+    try:
+        proc.stdin.write(b'{"prompt": [')
+        for _ in range(64):  # 512 MB at most: past the limit
+            proc.stdin.write(chunk)
+    except BrokenPipeError:  # the engine is gone: what it says is the test
+        pass
+    try:
+        proc.stdin.close()
+    except BrokenPipeError:  # the rest of a buffered write
+        pass
+    stderr = proc.stderr.read().decode()
+    proc.stderr.close()
+    errors = [l for l in stderr.splitlines() if l.startswith("error:")]
+    assert proc.wait(timeout=60) == 1 and len(errors) == 1 and "standard input" in errors[0], stderr
 
 
 # ---------------------------------------------------------------------------------------------------

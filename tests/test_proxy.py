@@ -682,6 +682,28 @@ def test_a_second_proxy_on_a_running_run_is_refused(exp, cpu_binary):
     assert p.stop() == 0, p.describe()
 
 
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_lock_file_that_is_no_regular_file_is_refused(exp, cpu_binary, tmp_path, planted):
+    """The run's lock file is opened, truncated and given the proxy's pid: a symbolic link planted
+    there would have that written into a file outside the run directory, a FIFO would be waited
+    on. Either is one error line, exit 2, with nothing written anywhere and no engine started."""
+    cfg = exp.config(steps=20)
+    exp.run_dir.mkdir(parents=True, exist_ok=True)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me\n")
+    lock = exp.path(".lock")
+    if planted == "symlink":
+        lock.symlink_to(outside)
+    else:
+        os.mkfifo(lock)
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server", timeout=30)
+    assert rc == 2, p.describe()
+    errors = [line for line in "".join(p.err).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and ".lock" in errors[0], p.describe()
+    assert outside.read_text() == "keep me\n"
+    assert not exp.path(".loss.json").exists() and not exp.path(".ckpt").exists()
+
+
 def test_engine_killed_outright_is_crashed_and_rerun_resumes(exp, cpu_binary):
     cfg = exp.config(steps=10**6, checkpoint={"every": 0})
     p = Proxy.start(cfg, exp.run_dir, cpu_binary)

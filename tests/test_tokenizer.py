@@ -135,3 +135,43 @@ def test_cli(assets):
     assert res.returncode == 0 and res.stdout == "<|im_start|>user\nhi<|im_end|>\n"
     res = run_cli("decode", "12", "x")
     assert res.returncode == 2 and res.stderr.startswith("error:")
+
+
+def test_cli_decode_shows_control_characters_on_a_terminal_and_pipes_them_exact(assets):
+    """`decode` wrote the control characters of what it decoded to the terminal, which acted on
+    them (here an OSC sequence that retitles the window, a CR over the line). On a terminal they are
+    now shown as \\xNN, as chat shows a reply (newline and tab kept); a pipe still gets the text."""
+    import os
+    text = "a\x1b]0;pwned\x07b\r\tc\x7f\x9b\n"
+    ids = [str(i) for i in tok.encode(text)]
+    cmd = [sys.executable, str(REPO / "microgpt" / "tokenizer.py"), "decode", *ids]
+    piped = subprocess.run(cmd, capture_output=True, timeout=60, env=python_env())  # bytes: CR kept
+    assert piped.returncode == 0 and piped.stdout == (text + "\n").encode(), piped.stderr
+    controller, terminal = os.openpty()
+    proc = subprocess.Popen(cmd, stdout=terminal, stderr=subprocess.PIPE, env=python_env())
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO: the terminal's last writer is gone
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(controller)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    # the terminal writes each newline as CR LF (its onlcr mode); the CR written is the escape
+    assert shown.replace(b"\r\n", b"\n") == "a\\x1b]0;pwned\\x07b\\x0d\tc\\x7f\\x9b\n\n".encode()
+
+
+def test_cli_decode_to_an_encoding_without_a_character_escapes_it(assets):
+    """Decoded text may hold any character; where stdout's encoding lacks one (an ASCII or Latin-1
+    locale) decode ended in a UnicodeEncodeError traceback. It now shows it as \\uXXXX, as chat
+    does, and exits 0."""
+    ids = [str(i) for i in tok.encode("snow ☃ man\n")]
+    cmd = [sys.executable, str(REPO / "microgpt" / "tokenizer.py"), "decode", *ids]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                         env={**python_env(), "PYTHONIOENCODING": "ascii"})
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.stdout == "snow \\u2603 man\n\n"

@@ -359,13 +359,15 @@ static int ckpt_header_step(const char* path) {
 }
 
 /* One error line for a damaged checkpoint: what is wrong, that nothing was changed, and how to
- * resume from the previous slot where there is one. */
+ * go back to the previous slot where there is one. The same words serve training (which then
+ * resumes with --resume) and --generate / --evaluate (which refuse --resume: the same command
+ * again). */
 static void ckpt_refuse_damaged(const CkptFiles* f, const char* what) {
     int prev_step = file_exists(f->prev) ? ckpt_header_step(f->prev) : -1;
     if (prev_step >= 0)
-        die_input("checkpoint %s %s; it is left as it is. The previous checkpoint %s (step %d) is kept: to resume from "
-                  "it, run mv %s %s && mv %s %s, then run again with --resume", f->ckpt, what, f->prev, prev_step,
-                  f->prev, f->ckpt, f->prev_side, f->side);
+        die_input("checkpoint %s %s; it is left as it is. The previous checkpoint %s (step %d) is kept: to go back to "
+                  "it, run mv %s %s && mv %s %s, then run again (training: with --resume)", f->ckpt, what, f->prev,
+                  prev_step, f->prev, f->ckpt, f->prev_side, f->side);
     die_input("checkpoint %s %s; it is left as it is (there is no previous checkpoint %s)", f->ckpt, what, f->prev);
 }
 

@@ -348,11 +348,15 @@ static int js_skip(JsonIn* j, int depth) {
     return js_number(j, &x);
 }
 
-/* An integer in [lo, hi] (a JSON number with no fraction); else the request's error. */
+/* An integer in [lo, hi] (a JSON number with no fraction); else the request's error, and *out is
+ * lo: the caller converts it to an int or uint64_t, and a value past the type (1e300, inf) would
+ * make that conversion undefined behaviour even though the request is never served. */
 static int js_int_field(JsonIn* j, Request* r, const char* key, double lo, double hi, double* out) {
     if (!js_number(j, out)) return 0;
-    if (*out != floor(*out) || *out < lo || *out > hi)
+    if (*out != floor(*out) || *out < lo || *out > hi) {
         if (!r->error[0]) snprintf(r->error, sizeof r->error, "%s must be an integer in [%.0f, %.0f]", key, lo, hi);
+        *out = lo;
+    }
     return 1;
 }
 
@@ -374,8 +378,12 @@ static int js_id_list(JsonIn* j, Request* r, const char* key, int V, int* ids, i
         double x;
         js_ws(j);
         if (!js_number(j, &x)) return 0;
-        if ((x != floor(x) || x < 0 || x >= V) && !r->error[0])
-            snprintf(r->error, sizeof r->error, "%s: %.9g is not a token id of this model (0 .. %d)", key, x, V - 1);
+        if (x != floor(x) || x < 0 || x >= V) {
+            if (!r->error[0])
+                snprintf(r->error, sizeof r->error, "%s: %.9g is not a token id of this model (0 .. %d)", key, x,
+                         V - 1);
+            x = 0; /* (int)1e300 would be undefined behaviour, as in js_int_field */
+        }
         if (*n < cap) ids[*n] = (int)x;
         (*n)++;
         js_ws(j);
@@ -500,13 +508,13 @@ static void emit_gen_error(const char* id, const char* message) {
     gen_line_start(id);
     fputs(",\"error\":", stdout);
     json_put_string(stdout, message);
-    jline_end();
+    answer_line_end();
 }
 
 static void emit_gen_token(const Request* r, int token) {
     gen_line_start(r->id);
     fprintf(stdout, ",\"token\":%d", token);
-    jline_end();
+    answer_line_end();
 }
 
 static void emit_gen_logits(const Request* r, int V) {
@@ -519,7 +527,7 @@ static void emit_gen_logits(const Request* r, int V) {
         fputs(json_num(b, sizeof b, r->logits[v]), stdout);
     }
     fputc(']', stdout);
-    jline_end();
+    answer_line_end();
 }
 
 static void emit_gen_done(const Request* r, double ms) {
@@ -528,7 +536,7 @@ static void emit_gen_done(const Request* r, double ms) {
     fprintf(stdout, ",\"done\":true,\"reason\":\"%s\",\"tokens\":", r->reason);
     emit_int_array(r->out, r->n_out);
     fprintf(stdout, ",\"prompt_tokens\":%d,\"ms\":%s", r->n_prompt, json_num(b, sizeof b, ms));
-    jline_end();
+    answer_line_end();
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -717,7 +725,15 @@ static int generate_main(int argc, char** argv) {
     info("%s engine, %s (computing in %s): %s at step %d; reading requests on stdin", engine_name(),
          c->train.precision, engine_compute_precision(c), c->checkpoint.path, step);
     server_init(&server, c);
-    while ((len = getline(&line, &cap, stdin)) >= 0) serve_line(&server, line, (size_t)len);
+    for (;;) {
+        errno = 0; /* getline's ENOMEM (a line longer than memory) sets no error flag on stdin */
+        if ((len = getline(&line, &cap, stdin)) < 0) break;
+        serve_line(&server, line, (size_t)len);
+    }
+    /* not the end of the requests: a read that failed (stdin a directory, closed), or a line that
+     * did not fit in memory */
+    if (ferror(stdin) || errno == ENOMEM)
+        die_io("cannot read the requests on standard input (%s)", strerror(errno));
     free(line);
     server_free(&server);
     engine_shutdown();

@@ -11,6 +11,7 @@
 #ifndef _POSIX_C_SOURCE
 #define _POSIX_C_SOURCE 200809L
 #endif
+#include <errno.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -147,6 +148,15 @@ static void json_put_string(FILE* f, const char* s) {
 static void jline_end(void) {
     fputs("}\n", stdout);
     fflush(stdout);
+}
+
+/* The end of a line of --generate's or --evaluate's answer (docs/DESIGN.md §16), where stdout is
+ * the answer: one that could not be written (a full disk; the reader gone, EPIPE, with SIGPIPE
+ * ignored in these modes for it) ends the engine with one error line. Going on would compute
+ * answers nobody gets and exit 0 as if they had been given. */
+static void answer_line_end(void) {
+    jline_end();
+    if (ferror(stdout)) die_io("cannot write the answer to standard output (%s)", strerror(errno));
 }
 
 /* --generate keeps stdout for its own protocol (docs/DESIGN.md §5a): no events there. */

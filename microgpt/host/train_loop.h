@@ -553,7 +553,7 @@ static int evaluate_main(int argc, char** argv) {
     fprintf(stdout, "{\"loss\":%s,\"tokens\":%llu,\"batches\":%llu", json_num(b, sizeof b, loss),
             (unsigned long long)(batches * (uint64_t)c->train.batch_size * (uint64_t)c->model.seq_len),
             (unsigned long long)batches);
-    jline_end();
+    answer_line_end();
     engine_shutdown();
     run_free(r);
     return 0;
@@ -564,7 +564,10 @@ static int engine_main(int argc, char** argv) {
     int i;
     for (i = 1; i < argc; i++) {
         int generate = strcmp(argv[i], "--generate") == 0, evaluate = strcmp(argv[i], "--evaluate") == 0;
-        if (generate || evaluate) signals_unblock();
+        if (generate || evaluate) {
+            signals_unblock();
+            signal(SIGPIPE, SIG_IGN); /* a reader gone is a failed write, one error line (answer_line_end) */
+        }
         if (generate) return generate_main(argc, argv);
         if (evaluate) return evaluate_main(argc, argv);
     }
