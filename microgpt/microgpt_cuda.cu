@@ -427,6 +427,7 @@ static void fp8_list_weight_amax_ranges(const Fp8CastJob<float>* jobs, int n) {
         r[i].lo = (size_t)(jobs[i].in - E.params);
         r[i].hi = r[i].lo + (size_t)jobs[i].batch * jobs[i].R * jobs[i].Cc;
         r[i].amax_bits = &jobs[i].sc->amax_bits;
+        r[i].keep_low = jobs[i].in == E.params + E.layout.wte && !fp8_cls_bwd(); /* the bf16 backward reads it */
     }
     qsort(r, (size_t)n, sizeof *r, amax_range_order);
     for (int i = 0; i < n; i++)
