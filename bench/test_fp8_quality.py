@@ -401,14 +401,14 @@ def test_engine_args_reach_every_run_after_the_configs_flags(tmp_path):
     """--engine-arg: a candidate's runtime setting (the FP8 classifier's) in both runs' commands."""
     engine, shards = standin_engine(tmp_path)
     out = subprocess.run([sys.executable, str(SCRIPT), "run", "12M", "--out", str(tmp_path / "out"), "--steps", "20",
-                          "--eval-every", "10", "--engine", str(engine), "--engine-arg=--train.fp8_classifier=auto",
+                          "--eval-every", "10", "--engine", str(engine), "--engine-arg=--train.fp8_classifier=all",
                           "--engine-arg=--eval.batches=3", *shards],
                          capture_output=True, text=True, timeout=120, env=python_env())
     assert out.returncode == 0, out.stderr
     for precision in ("bf16", "fp8"):
         flags = json.loads((tmp_path / f"engine.{precision}.flags").read_text())
-        assert flags["--train.fp8_classifier"] == "auto" and flags["--eval.batches"] == "3"   # the last one given
-        assert "--train.fp8_classifier=auto --eval.batches=3\n" in out.stdout
+        assert flags["--train.fp8_classifier"] == "all" and flags["--eval.batches"] == "3"   # the last one given
+        assert "--train.fp8_classifier=all --eval.batches=3\n" in out.stdout
 
 
 def test_a_run_without_real_text_is_refused(tmp_path):

@@ -21,8 +21,9 @@
  *         and down): FP8 tensor-core products (cuda/fp8.cuh) of operands cast per tensor at their
  *         current scale, E4M3 weights, activations and activation gradients, fp32
  *         accumulation (the forward's products in cuBLASLt's fast-accumulation mode:
- *         FP8_FAST_ACCUM), bf16 activations and fp32 weight gradients out. The classifier's three products run in bf16, or with train.fp8_classifier auto in
- *         FP8 too where that pays (d_model 512 and up: config_fp8_classifier, loss_chunks).
+ *         FP8_FAST_ACCUM), bf16 activations and fp32 weight gradients out. Where that pays (d_model 512 and up:
+ *         config_fp8_classifier, loss_chunks) the classifier's logits product runs in FP8 too (its backward
+ *         in bf16), or with train.fp8_classifier all its three products; else all three in bf16.
  *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. In training, ln1, ln2 and
  *         h_gelu are cast at delayed scales (from amax histories) instead, written by their
  *         producers (LayerNorm, GELU) as FP8 codes; so are the attention output att, by the
@@ -139,7 +140,8 @@ static struct {
      * w8_scale); the cast input of the forward product in flight (a8); the cast inputs kept transposed for the weight gradients (x8t, per
      * layer: ln1, atty, ln2 [N][C] each, h_gelu [N][F], written by the forward's casts); the cast
      * output gradient of the backward product in flight (g8, g8t) */
-    int use_fp8, use_fp8_classifier; /* use_fp8_classifier: config_fp8_classifier */
+    int use_fp8, use_fp8_classifier; /* use_fp8_classifier: config_fp8_classifier's logits or all */
+    int fp8_classifier_all;          /* config_fp8_classifier's all: its backward's products too */
     fp8 *w8_fwd, *w8_dx;
     Fp8CastJob<float>* w8_job_list; /* the weights' casts (device), w8_jobs the list */
     Fp8CastJobs<float> w8_jobs;
@@ -233,10 +235,10 @@ static int fp8_cls_act_scale_count(void) { return E.use_fp8_classifier ? 1 + los
  * with the FP8 classifier, wte's. */
 static size_t fp8_weight_cast_count(void) { return (size_t)FP8_W_PER_LAYER * E.L + (E.use_fp8_classifier ? 1 : 0); }
 
-/* Whether the FP8 classifier's backward products are FP8 too (not with FP8_CLASSIFIER_FORWARD_ONLY,
- * cpu/fp8.h): what LNf's transposed codes, wte's and the dlogits' codes are made for. The
- * dlogits' scales stay in fp8_cls_act_scale_count either way (a few bytes). */
-static bool fp8_cls_bwd(void) { return E.use_fp8_classifier && !FP8_CLASSIFIER_FORWARD_ONLY; }
+/* Whether the FP8 classifier's backward products are FP8 too (train.fp8_classifier all): what LNf's
+ * transposed codes, wte's and the dlogits' codes are made for. The dlogits' scales stay in
+ * fp8_cls_act_scale_count either way (a few bytes). */
+static bool fp8_cls_bwd(void) { return E.use_fp8_classifier && E.fp8_classifier_all; }
 
 /* ---------------------------------------------------------------------------------------------- */
 /* The memory plan. plan_buffers walks every buffer once; with bases NULL it only sums the sizes
@@ -755,7 +757,7 @@ static int attn_bwd_for_product(const LayerActs<T>& a, int l) {
  * classifier backward (weighted by io->dscale), which writes the gradient of LNf's output into dln
  * and adds into dwte. With the FP8 classifier (config_fp8_classifier) in an fp8 forward, the
  * classifier's products are FP8 (cuda/fp8.cuh's loss_fwd_fp8, loss_fwd_bwd_fp8), as the forward
- * cast LNf's output for them; with FP8_CLASSIFIER_FORWARD_ONLY only the logits' (loss_fwd_fp8_bwd). */
+ * cast LNf's output for them: all three (fp8_cls_bwd) or the logits' alone (loss_fwd_fp8_bwd). */
 template <typename T>
 static void loss_chunks(int N, int train) {
     int C = E.C, r0;
@@ -771,12 +773,10 @@ static void loss_chunks(int N, int train) {
         if (fp8_bwd && train)
             loss_fwd_bwd_fp8<T>(E.losses + r0, E.loss_lse + r0, dx, E.grads + E.layout.wte, (T*)E.logits,
                                 fp8_cls_ops(r0, r0 / E.chunk), targets + r0, n, C, E.V, E.Vp, &E.io->dscale, gb);
-#if FP8_CLASSIFIER_FORWARD_ONLY
         else if (fp8 && train)
             loss_fwd_fp8_bwd<T>(E.losses + r0, E.loss_lse + r0, dx, E.grads + E.layout.wte, (T*)E.logits,
                                 fp8_cls_ops(r0, r0 / E.chunk), x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale,
                                 gb);
-#endif
         else if (fp8)
             loss_fwd_fp8<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, fp8_cls_ops(r0, r0 / E.chunk), targets + r0,
                             n, C, E.V, E.Vp);
@@ -1173,7 +1173,8 @@ static size_t engine_setup(const Config* cfg) {
      * on any GPU) */
     E.use_fp8 = strcmp(prec, "fp8") == 0 && !cfg->generate.enabled;
     E.fp8_delayed = config_keeps_fp8_histories(cfg);
-    E.use_fp8_classifier = config_fp8_classifier(cfg);
+    E.use_fp8_classifier = config_fp8_classifier(cfg) != FP8_CLASSIFIER_NONE;
+    E.fp8_classifier_all = config_fp8_classifier(cfg) == FP8_CLASSIFIER_ALL;
     E.prec = strcmp(prec, "bf16") == 0 || strcmp(prec, "fp8") == 0 ? PREC_BF16
              : strcmp(prec, "fp16") == 0                          ? PREC_FP16
                                                                   : PREC_FP32; /* or tf32 */

@@ -51,12 +51,6 @@ enum { FP8_E4M3 = 0, FP8_E5M2 = 1 };
 #define FP8_CLASSIFIER_MIN_D_MODEL 512
 #endif
 static inline int fp8_classifier_pays(int d_model) { return d_model >= FP8_CLASSIFIER_MIN_D_MODEL; }
-/* A candidate (docs/BENCHMARKS.md #108): 1 keeps only the FP8 classifier's logits product in FP8;
- * its dlogits, dx and dwte are the bf16 classifier's (fp32 on the CPU), from LNf's output and wte
- * unquantised, since the quality the FP8 classifier loses grows with training (the backward's). */
-#ifndef FP8_CLASSIFIER_FORWARD_ONLY
-#define FP8_CLASSIFIER_FORWARD_ONLY 0
-#endif
 #define FP8_SCALE_EXP_LIMIT 126 /* scales 2^-126 .. 2^126: the scale and its inverse stay normal fp32 */
 
 /* Mantissa bits, exponent bias and largest finite code (positive) of a format. */

@@ -281,7 +281,7 @@ static void loss_fwd(float* losses, float* lse, T* logits, const T* x, const T* 
 }
 
 /* loss_fwd_bwd (below) once the logits are in `logits` (also after the FP8 classifier's logits
- * product with FP8_CLASSIFIER_FORWARD_ONLY, cuda/fp8.cuh): the loss rows, which leave dlogits
+ * product with train.fp8_classifier logits, cuda/fp8.cuh): the loss rows, which leave dlogits
  * there, then the classifier's two backward products. */
 template <typename T>
 static void loss_bwd_from_logits(float* losses, float* lse, T* dx, float* dwte, T* logits, const T* x, const T* wte,

@@ -132,7 +132,7 @@ __global__ void k_adamw(float* __restrict__ p, const float* __restrict__ g, floa
  * to *amax_bits: one fp8 weight cast's input. A list of them is sorted by lo and disjoint, and
  * every hi is at most the parameter count. keep_low: the range's 16-bit copy is still written
  * under k_adamw_amax's lazy_low, because training reads it (wte's, with the FP8 classifier's
- * logits alone in FP8: its backward is bf16's, cpu/fp8.h's FP8_CLASSIFIER_FORWARD_ONLY). */
+ * logits alone in FP8: its backward is bf16's, train.fp8_classifier logits). */
 struct AmaxRange {
     size_t lo, hi;
     unsigned* amax_bits;
