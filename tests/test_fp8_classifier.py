@@ -190,3 +190,28 @@ def test_gpu_fp8_classifier_over_several_chunks_gives_the_bits_of_synchronised_l
     check_side_stream_over_chunks(small_chunks_build, random_shards, tmp_path, "fp8",
                                   {k: v for k, v in gpu_run(mode).items()
                                    if k.startswith(("model.", "train.batch", "train.fp8"))})
+
+
+def test_cpu_resume_says_when_the_classifier_mode_changes(cpu_binary, random_shards, tmp_path):
+    """The sidecar records train.fp8_classifier: resuming an fp8 run in another mode warns once and
+    goes on; in the same mode it says nothing; a sidecar written before the mode was recorded warns
+    that it cannot tell (its run had off or all); below d_model 512, where no mode changes a bit,
+    nothing is said."""
+    def run(ckpt, mode, steps, width="fp8 classifier"):
+        args = tiny_args(random_shards.train, checkpoint=ckpt, **in_mode(mode, **WIDTHS[width], **{
+            "train.steps": steps, "train.warmup_steps": 0, "eval.every": 0}))
+        res = run_ok(cpu_binary, args + (["--resume"] if ckpt.exists() else []))
+        return [w for w in res.stderr.splitlines() if w.startswith("warning:") and "fp8_classifier" in w]
+
+    ckpt = tmp_path / "c.ckpt"
+    assert run(ckpt, "off", 2) == []
+    changed = run(ckpt, "logits", 3)
+    assert len(changed) == 1 and "logits" in changed[0] and "written with off" in changed[0], changed
+    assert run(ckpt, "logits", 4) == []
+    side = ckpt.with_name(ckpt.name + ".json")
+    side.write_text(side.read_text().replace(',"fp8_classifier":"logits"', ""))
+    old = run(ckpt, "logits", 5)
+    assert len(old) == 1 and "does not say" in old[0], old
+    narrow = tmp_path / "narrow.ckpt"
+    assert run(narrow, "off", 2, width="bf16 classifier") == []
+    assert run(narrow, "all", 3, width="bf16 classifier") == []

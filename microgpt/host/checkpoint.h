@@ -135,11 +135,12 @@ static void sidecar_text(char* buf, size_t cap, int step, size_t n_params, uint3
     snprintf(buf, cap,
              "{\"step\":%d,\"n_params\":%zu,\"crc32c\":%lu,\"loss_scale\":%s,\"fingerprint\":{\"n_layer\":%d,"
              "\"d_model\":%d,\"n_head\":%d,\"d_ff\":%d,\"seq_len\":%d,\"vocab_size\":%d,\"padded_vocab_size\":%d,"
-             "\"seed\":%d,\"batch_size\":%d,\"grad_accum\":%d,\"steps\":%d,\"precision\":\"%s\"}%s}\n",
+             "\"seed\":%d,\"batch_size\":%d,\"grad_accum\":%d,\"steps\":%d,\"precision\":\"%s\","
+             "\"fp8_classifier\":\"%s\"}%s}\n",
              step, n_params, (unsigned long)crc, json_num(ls, sizeof ls, loss_scale), c->model.n_layer,
              c->model.d_model, c->model.n_head, c->model.d_ff, c->model.seq_len, c->model.vocab_size,
              c->model.padded_vocab_size, c->train.seed, c->train.batch_size, c->train.grad_accum, c->train.steps,
-             c->train.precision, extra);
+             c->train.precision, c->train.fp8_classifier, extra);
 }
 
 /* Temporary files of a writer that was killed (PATH.tmpPID, PATH.json.tmpPID and those of the
@@ -475,13 +476,28 @@ static const char* json_skip_scalar(const char* p) {
     return json_skip_number(p);
 }
 
+/* In fp8 on both sides, where the FP8 classifier pays: a run that resumes with another
+ * train.fp8_classifier than it was written with continues in another classifier arithmetic
+ * (docs/DESIGN.md §18), so it says so; a sidecar
+ * without the member was written before it was recorded, when fp8 ran its classifier in bf16 by
+ * default (off) or on request all in FP8 (then named auto). */
+static void sidecar_check_fp8_classifier(const char* text, const Config* c) {
+    char saved[16];
+    if (!json_find_string(text, "fp8_classifier", saved, sizeof saved))
+        warn("resuming with train.fp8_classifier %s; the checkpoint does not say which classifier it was trained "
+             "with (written before that was recorded: off or all)", c->train.fp8_classifier);
+    else if (strcmp(saved, c->train.fp8_classifier) != 0)
+        warn("resuming with train.fp8_classifier %s, the checkpoint was written with %s", c->train.fp8_classifier,
+             saved);
+}
+
 /* Every member name a sidecar holds (sidecar_text, mixture_sidecar_json in mixture.h,
  * fp8_history_sidecar_json in fp8_history.h; a writer that adds a member adds its name here). The
  * readers find members by name, so a name with a bit flipped would hide its member without a word:
  * "crc33c" would read as a sidecar written before checksums. */
 static const char* const sidecar_names[] = {
     "step", "n_params", "crc32c", "loss_scale", "fingerprint", "n_layer", "d_model", "n_head", "d_ff", "seq_len",
-    "vocab_size", "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision",
+    "vocab_size", "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision", "fp8_classifier",
     "bandit", "rounds", "reward_mean", "reward_var", "gain", "p", "sources_crc32c", "fp8_history", "len", "exp"};
 #define SIDECAR_N_NAMES (sizeof sidecar_names / sizeof sidecar_names[0])
 
@@ -792,10 +808,13 @@ static float sidecar_loss_scale(const char* path, int ckpt_step, const Config* c
         /* A loss scale belongs to the precision whose run produced it (non-fp16 runs record 1):
          * resuming in another precision starts from the engine's default scale. */
         char saved[16];
-        if (json_find_string(text, "precision", saved, sizeof saved) && strcmp(saved, c->train.precision) != 0) {
+        int found = json_find_string(text, "precision", saved, sizeof saved);
+        if (found && strcmp(saved, c->train.precision) != 0) {
             warn("resuming in precision %s, the checkpoint was written in %s; the loss scale starts from its default",
                  c->train.precision, saved);
             loss_scale = 0.0f;
+        } else if (found && strcmp(saved, "fp8") == 0 && fp8_classifier_pays(c->model.d_model)) {
+            sidecar_check_fp8_classifier(text, c);
         }
     }
     return loss_scale;
