@@ -2,7 +2,7 @@
 """fp8 against bf16 on real text: the quality runs of docs/ANDREA.md ("fp8 against bf16").
 
     python3 bench/fp8_quality.py run MODEL [--out DIR] [--steps 2000] [--engine build/microgpt_cuda]
-                                           [--precision bf16|fp8]
+                                           [--precision bf16|fp8] [--engine-arg=ARG ...]
     python3 bench/fp8_quality.py summary DIR... [--out DIR]
     python3 bench/fp8_quality.py markdown SUMMARY_JSON [--chart PATH]
 
@@ -16,7 +16,10 @@ engine records go to DIR/<model>-<precision>.jsonl (<model> the config's name, e
 after a first line {"event": "environment", ...}: commit, date, GPU, driver of the run. The name
 must be a plain file name (letters, digits, ._-), else the run is refused before it starts.
 --precision runs one of the two: an fp8 candidate's run against the bf16 records of an earlier
-invocation of the same commit's bf16 path (the summary joins the two folders).
+invocation of the same commit's bf16 path (the summary joins the two folders). --engine-arg ARG
+(repeatable) adds ARG to each run's engine command, after the config's flags: a runtime setting of a
+candidate, e.g. --engine-arg=--train.fp8_classifier=all (one word with `=`: argparse takes an ARG
+that starts with -- for an option of its own).
 
 summary: reads every such record file in the DIRs (the two models may come from two invocations)
 and writes DIR/fp8-quality.json (per model: each precision's validation curve, final validation
@@ -96,7 +99,7 @@ def run(args):
     env = json.dumps({"event": "environment", **environment()})
     failed = []
     for precision in (args.precision,) if args.precision else PRECISIONS:
-        cmd = engine_command(cfg, run_overrides(cfg, args, precision), repo_path(args.engine))
+        cmd = engine_command(cfg, run_overrides(cfg, args, precision), repo_path(args.engine)) + args.engine_arg
         path = records_path(args.out, model, precision)
         print(f"{model} {precision}: {' '.join(cmd)}", flush=True)
         # the records replace the file when the run ends, even a failed one: they say how far it got
@@ -354,6 +357,8 @@ def parse_args(argv):
     r.add_argument("--engine", default="build/microgpt_cuda")
     r.add_argument("--timeout", type=int, default=600, help="seconds per run")
     r.add_argument("--precision", choices=PRECISIONS, help="run only this one (default: both)")
+    r.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                   help="one more engine argument for every run, e.g. --engine-arg=--train.fp8_classifier=all")
     s = sub.add_parser("summary", help="the summary JSON and the chart of the runs in DIRs")
     s.add_argument("dirs", nargs="+")
     s.add_argument("--out", help="where the summary and chart go (default: the first DIR)")

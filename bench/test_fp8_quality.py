@@ -338,7 +338,8 @@ def test_a_run_refuses_a_timeout_below_one_and_no_validation(tmp_path):
 
 STANDIN = """#!/usr/bin/env python3
 import json, sys
-args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+argv = [p for a in sys.argv[1:] for p in (a.split("=", 1) if a.startswith("--") else [a])]
+args = dict(zip(argv[0::2], argv[1::2]))
 steps, every = int(args["--train.steps"]), int(args["--eval.every"])
 with open(sys.argv[0] + "." + args["--train.precision"] + ".flags", "w") as f:
     json.dump(args, f)
@@ -394,6 +395,20 @@ def test_one_precision_runs_alone_and_joins_the_other_from_an_earlier_folder(tmp
     bad = subprocess.run([sys.executable, str(SCRIPT), "run", "12M", "--precision", "fp16", *shards],
                          capture_output=True, text=True, timeout=60, env=python_env())
     assert bad.returncode == 2 and "--precision" in bad.stderr
+
+
+def test_engine_args_reach_every_run_after_the_configs_flags(tmp_path):
+    """--engine-arg: a candidate's runtime setting (the FP8 classifier's) in both runs' commands."""
+    engine, shards = standin_engine(tmp_path)
+    out = subprocess.run([sys.executable, str(SCRIPT), "run", "12M", "--out", str(tmp_path / "out"), "--steps", "20",
+                          "--eval-every", "10", "--engine", str(engine), "--engine-arg=--train.fp8_classifier=all",
+                          "--engine-arg=--eval.batches=3", *shards],
+                         capture_output=True, text=True, timeout=120, env=python_env())
+    assert out.returncode == 0, out.stderr
+    for precision in ("bf16", "fp8"):
+        flags = json.loads((tmp_path / f"engine.{precision}.flags").read_text())
+        assert flags["--train.fp8_classifier"] == "all" and flags["--eval.batches"] == "3"   # the last one given
+        assert "--train.fp8_classifier=all --eval.batches=3\n" in out.stdout
 
 
 def test_a_run_without_real_text_is_refused(tmp_path):

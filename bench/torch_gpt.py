@@ -14,9 +14,9 @@ counter-based generator, bench/engine_rng.py), optimizer, schedule and clipping 
     --precision fp8    bf16 with the blocks' linear layers (QKV, attention output, MLP up and down)
                        trained in float8 by torchao (convert_to_float8_training, tensorwise scaling:
                        E4M3 weights and activations, E5M2 gradients, a dynamic scale per tensor), the
-                       classifier in bf16 (as the engine's fp8 mode by default; with
-                       train.fp8_classifier auto it runs FP8 from d_model 512, docs/DESIGN.md
-                       §18); --compile as for bf16.
+                       classifier in bf16 (the engine's fp8 mode runs the classifier's logits
+                       product in FP8 from d_model 512 by default, all three with
+                       train.fp8_classifier all, docs/DESIGN.md §18); --compile as for bf16.
                        torchao is imported as it is installed (not in requirements.txt: it needs a
                        CUDA torch); where it is missing this precision stops with one error line.
     --precision fp32   eager fp32 with TF32 matmuls allowed, fused AdamW
@@ -251,8 +251,8 @@ def train_step(model, opt, batches, lr, grad_clip, autocast):
 def float8_training(model):
     """torchao's float8 training on every nn.Linear of the model (the blocks' four products; the
     classifier is F.linear on the tied embedding, so it stays bf16, as torchao's documentation
-    advises for the last layer, and as the engine's fp8 mode keeps it unless train.fp8_classifier
-    is auto). Tensorwise recipe: each operand cast with a dynamic per-tensor scale from its amax,
+    advises for the last layer; the engine's fp8 mode runs its logits product in FP8 from d_model
+    512). Tensorwise recipe: each operand cast with a dynamic per-tensor scale from its amax,
     E4M3 forward, E5M2 gradients. Returns torchao's version."""
     try:
         import torchao

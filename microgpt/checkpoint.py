@@ -27,7 +27,8 @@ SIDECAR_READ_MAX = 16 * 65536
 # The sidecar's values that nothing else checks, in the order of the canonical text its
 # "values_crc32c" is taken of (docs/DESIGN.md §15; host/checkpoint.h: sidecar_value_names, the same).
 SIDECAR_VALUE_NAMES = ("n_params", "loss_scale", "n_layer", "d_model", "n_head", "d_ff", "seq_len", "vocab_size",
-                       "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision")
+                       "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision",
+                       "fp8_classifier")
 SIDECAR_STRING_MAX = 31  # the bytes of a string value the engines read (a precision name)
 
 

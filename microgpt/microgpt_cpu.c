@@ -10,9 +10,9 @@
  * ln1, ln2, the GELU output, the attention output att, MLP up's output gradient dh, the residual
  * gradients that are W_2's and W_O's output gradients and QKV's output gradient dqkv are cast at
  * delayed scales instead
- * (delayed_operand); with train.fp8_classifier auto, where the FP8 classifier pays (d_model 512
- * and up, cpu/fp8.h's fp8_classifier_pays) the classifier's products read FP8-emulated operands
- * too (classifier_x, classifier_wte, classifier_bwd). Every other precision computes fp32 (and says so). Every buffer
+ * (delayed_operand); where the FP8 classifier pays (d_model 512 and up, cpu/fp8.h's
+ * fp8_classifier_pays) the classifier's logits product, or with train.fp8_classifier all its three,
+ * read FP8-emulated operands too (classifier_x, classifier_wte, classifier_bwd). Every other precision computes fp32 (and says so). Every buffer
  * is allocated once in engine_setup, sized for B·T positions;
  * smaller calls (one prompt of len tokens in engine_prefill) reuse the same buffers. Results are
  * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation
@@ -69,7 +69,7 @@ static struct {
     /* fp8 only: the dequantised operands of the product being computed (else empty); fp8_products:
      * the current forward/backward uses them (training and validation; generation does not, as on
      * the GPU: its decode steps multiply unquantised, and the prefill must give the decode's keys) */
-    int fp8, fp8_products, fp8_classifier; /* fp8_classifier: config_fp8_classifier */
+    int fp8, fp8_products, fp8_classifier; /* fp8_classifier: config_fp8_classifier's FP8_CLASSIFIER_* */
     float *fq_act, *fq_weight, *fq_grad;
     /* fp8 training: the delayed-scaling histories of cpu/fp8.h's DELAYED_* tensors per layer
      * ([FP8_DELAYED_PER_LAYER·l + DELAYED_*]), the scales they were last
@@ -279,33 +279,35 @@ static void forward_trunk(const int* tokens, int B, int T) {
     layernorm_forward(E.lnf, E.lnf_mean, E.lnf_rstd, layer_input(E.L), P(E.layout.lnf_gamma), P(E.layout.lnf_beta), N, C);
 }
 
-/* The classifier's operands: with the FP8 classifier and fp8 products, LNf's output and wte cast to
+/* The classifier's operands: for the FP8 classifier's products (`fp8`), LNf's output and wte cast to
  * E4M3 at their current scales (cpu/fp8.h), as the GPU casts them once a forward and reads them in
- * all three of its products; otherwise themselves. */
-static int fp8_classifier(void) { return E.fp8_classifier && E.fp8_products; }
-static const float* classifier_x(void) {
+ * its products (the logits' alone, or all three: config_fp8_classifier); otherwise themselves. */
+static int fp8_classifier(void) { return E.fp8_classifier != FP8_CLASSIFIER_NONE && E.fp8_products; }
+static const float* classifier_x(int fp8) {
     size_t nc = (size_t)E.B * E.T * E.C;
-    return fp8_classifier() ? act_operand(E.lnf, nc) : E.lnf;
+    return fp8 ? act_operand(E.lnf, nc) : E.lnf;
 }
-static const float* classifier_wte(void) {
-    return fp8_classifier() ? weight_operand(P(E.layout.wte), (size_t)E.Vp * E.C) : P(E.layout.wte);
+static const float* classifier_wte(int fp8) {
+    return fp8 ? weight_operand(P(E.layout.wte), (size_t)E.Vp * E.C) : P(E.layout.wte);
 }
 
 static float forward_loss(const int* inputs, const int* targets) {
     E.fp8_products = E.fp8;
     forward_trunk(inputs, E.B, E.T);
-    return classifier_forward(E.probs, classifier_x(), classifier_wte(), targets, E.B * E.T, E.C, E.V, E.Vp);
+    return classifier_forward(E.probs, classifier_x(fp8_classifier()), classifier_wte(fp8_classifier()), targets,
+                              E.B * E.T, E.C, E.V, E.Vp);
 }
 
 /* The classifier backward: dlogits from the probabilities, in place; with the FP8 classifier cast
  * to FP8_DLOGITS_FMT at the static scale of its bound (cpu/fp8.h's fp8_dlogits_scale, the GPU's loss
- * rows' for every chunk); then its two products into dln and dwte. */
+ * rows' for every chunk); then its two products into dln and dwte. With the logits' product alone
+ * in FP8 (FP8_CLASSIFIER_LOGITS) the fp32 classifier's backward follows the FP8 logits. */
 static void classifier_bwd(const int* targets) {
-    int N = E.B * E.T;
+    int N = E.B * E.T, fp8 = fp8_classifier() && E.fp8_classifier == FP8_CLASSIFIER_ALL;
     classifier_dlogits(E.probs, targets, N, E.V, E.Vp);
-    if (fp8_classifier())
-        fp8_fake_quantize_at(E.probs, E.probs, (size_t)N * E.Vp, FP8_DLOGITS_FMT, fp8_dlogits_scale(1.0f / N));
-    classifier_backward_products(E.dln, G(E.layout.wte), E.probs, classifier_x(), classifier_wte(), N, E.C, E.V, E.Vp);
+    if (fp8) fp8_fake_quantize_at(E.probs, E.probs, (size_t)N * E.Vp, FP8_DLOGITS_FMT, fp8_dlogits_scale(1.0f / N));
+    classifier_backward_products(E.dln, G(E.layout.wte), E.probs, classifier_x(fp8), classifier_wte(fp8), N, E.C, E.V,
+                                 E.Vp);
 }
 
 static void zero(float* p, size_t n) { memset(p, 0, n * sizeof(float)); }

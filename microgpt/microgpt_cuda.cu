@@ -21,8 +21,9 @@
  *         and down): FP8 tensor-core products (cuda/fp8.cuh) of operands cast per tensor at their
  *         current scale, E4M3 weights, activations and activation gradients, fp32
  *         accumulation (the forward's products in cuBLASLt's fast-accumulation mode:
- *         FP8_FAST_ACCUM), bf16 activations and fp32 weight gradients out. The classifier's three products run in bf16, or with train.fp8_classifier auto in
- *         FP8 too where that pays (d_model 512 and up: config_fp8_classifier, loss_chunks).
+ *         FP8_FAST_ACCUM), bf16 activations and fp32 weight gradients out. Where that pays (d_model 512 and up:
+ *         config_fp8_classifier, loss_chunks) the classifier's logits product runs in FP8 too (its backward
+ *         in bf16), or with train.fp8_classifier all its three products; else all three in bf16.
  *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. In training, ln1, ln2 and
  *         h_gelu are cast at delayed scales (from amax histories) instead, written by their
  *         producers (LayerNorm, GELU) as FP8 codes; so are the attention output att, by the
@@ -139,7 +140,8 @@ static struct {
      * w8_scale); the cast input of the forward product in flight (a8); the cast inputs kept transposed for the weight gradients (x8t, per
      * layer: ln1, atty, ln2 [N][C] each, h_gelu [N][F], written by the forward's casts); the cast
      * output gradient of the backward product in flight (g8, g8t) */
-    int use_fp8, use_fp8_classifier; /* use_fp8_classifier: config_fp8_classifier */
+    int use_fp8, use_fp8_classifier; /* use_fp8_classifier: config_fp8_classifier's logits or all */
+    int fp8_classifier_all;          /* config_fp8_classifier's all: its backward's products too */
     fp8 *w8_fwd, *w8_dx;
     Fp8CastJob<float>* w8_job_list; /* the weights' casts (device), w8_jobs the list */
     Fp8CastJobs<float> w8_jobs;
@@ -233,6 +235,11 @@ static int fp8_cls_act_scale_count(void) { return E.use_fp8_classifier ? 1 + los
  * with the FP8 classifier, wte's. */
 static size_t fp8_weight_cast_count(void) { return (size_t)FP8_W_PER_LAYER * E.L + (E.use_fp8_classifier ? 1 : 0); }
 
+/* Whether the FP8 classifier's backward products are FP8 too (train.fp8_classifier all): what LNf's
+ * transposed codes, wte's and the dlogits' codes are made for. The dlogits' scales stay in
+ * fp8_cls_act_scale_count either way (a few bytes). */
+static bool fp8_cls_bwd(void) { return E.use_fp8_classifier && E.fp8_classifier_all; }
+
 /* ---------------------------------------------------------------------------------------------- */
 /* The memory plan. plan_buffers walks every buffer once; with bases NULL it only sums the sizes
  * per group, with real bases it hands out the pointers. One walk, so the plan and the allocation
@@ -260,7 +267,7 @@ static void plan_buffers(size_t* used) {
         size_t act = N * (F > C ? F : C), grad = N * (F > 3 * C ? F : 3 * C);
         E.w8_fwd = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
         E.w8_dx = (fp8*)carve(G_WEIGHTS_LOWP, P, used);
-        size_t cls = E.use_fp8_classifier ? 1 : 0, dl = cls * tr * E.chunk * (size_t)E.Vp;
+        size_t cls = fp8_cls_bwd() ? 1 : 0, dl = cls * tr * E.chunk * (size_t)E.Vp;
         size_t scales = fp8_weight_cast_count() + 2 * FP8_W_PER_LAYER * L + fp8_cls_act_scale_count();
         E.fp8_scales = (Fp8Scale*)carve(G_SCRATCH, scales * sizeof(Fp8Scale), used);
         E.w8_job_list = (Fp8CastJob<float>*)carve(G_SCRATCH, fp8_weight_cast_count() * sizeof(Fp8CastJob<float>), used);
@@ -422,6 +429,7 @@ static void fp8_list_weight_amax_ranges(const Fp8CastJob<float>* jobs, int n) {
         r[i].lo = (size_t)(jobs[i].in - E.params);
         r[i].hi = r[i].lo + (size_t)jobs[i].batch * jobs[i].R * jobs[i].Cc;
         r[i].amax_bits = &jobs[i].sc->amax_bits;
+        r[i].keep_low = jobs[i].in == E.params + E.layout.wte && !fp8_cls_bwd(); /* the bf16 backward reads it */
     }
     qsort(r, (size_t)n, sizeof *r, amax_range_order);
     for (int i = 0; i < n; i++)
@@ -450,7 +458,8 @@ static void fp8_list_weight_casts(void) {
         }
     if (E.use_fp8_classifier) {
         size_t off = E.layout.wte;
-        Fp8CastJob<float> j = {E.params + off, E.w8_dx + off, E.w8_fwd + off, cls_w_scale(), 1, E.Vp, C, FP8_E4M3, 0};
+        Fp8CastJob<float> j = {E.params + off, E.w8_dx + off, fp8_cls_bwd() ? E.w8_fwd + off : NULL, cls_w_scale(), 1,
+                               E.Vp, C, FP8_E4M3, 0};
         jobs[n++] = j;
     }
     E.w8_jobs = fp8_jobs_upload(jobs, n, E.w8_job_list);
@@ -694,7 +703,8 @@ static void forward(int B, int Tn, bool fp8) {
     layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, layer_input<T>(L), E.params + E.layout.lnf_gamma,
                      E.params + E.layout.lnf_beta, N, C, fp8_classifier(fp8) ? &cls_x_scale()->amax_bits : NULL);
     if (fp8_classifier(fp8)) /* LNf's output cast once a forward for the FP8 classifier's logits chunks */
-        fp8_cast_classifier_input<T>(E.a8, E.training ? E.lnf8t : NULL, cls_x_scale(), (const T*)E.lnf, N, C, E.chunk);
+        fp8_cast_classifier_input<T>(E.a8, E.training && fp8_cls_bwd() ? E.lnf8t : NULL, cls_x_scale(),
+                                     (const T*)E.lnf, N, C, E.chunk);
 }
 
 /* LayerNorm backward: dres += the gradient through LN(x) of its output's gradient dout, dgamma and
@@ -747,22 +757,26 @@ static int attn_bwd_for_product(const LayerActs<T>& a, int l) {
  * classifier backward (weighted by io->dscale), which writes the gradient of LNf's output into dln
  * and adds into dwte. With the FP8 classifier (config_fp8_classifier) in an fp8 forward, the
  * classifier's products are FP8 (cuda/fp8.cuh's loss_fwd_fp8, loss_fwd_bwd_fp8), as the forward
- * cast LNf's output for them. */
+ * cast LNf's output for them: all three (fp8_cls_bwd) or the logits' alone (loss_fwd_fp8_bwd). */
 template <typename T>
 static void loss_chunks(int N, int train) {
     int C = E.C, r0;
     const T* wte = (const T*)E.wlow + E.layout.wte;
     const int* targets = E.tok + E.N;
-    bool fp8 = fp8_classifier(E.use_fp8);
+    bool fp8 = fp8_classifier(E.use_fp8), fp8_bwd = fp8 && fp8_cls_bwd();
     for (r0 = 0; r0 < N; r0 += E.chunk) {
         int n = N - r0 < E.chunk ? N - r0 : E.chunk;
         const T* x = (const T*)E.lnf + (size_t)r0 * C;
         T* dx = (T*)E.dln + (size_t)r0 * C;
         float gb = r0 == 0 ? E.grad_beta : 1.0f; /* the first chunk honours the micro-batch's, the later ones add */
-        side_wait(fp8 ? (const void*)E.dl8t : E.logits); /* the previous chunk's dwte has read its dlogits */
-        if (fp8 && train)
+        side_wait(fp8_bwd ? (const void*)E.dl8t : E.logits); /* the previous chunk's dwte has read its dlogits */
+        if (fp8_bwd && train)
             loss_fwd_bwd_fp8<T>(E.losses + r0, E.loss_lse + r0, dx, E.grads + E.layout.wte, (T*)E.logits,
                                 fp8_cls_ops(r0, r0 / E.chunk), targets + r0, n, C, E.V, E.Vp, &E.io->dscale, gb);
+        else if (fp8 && train)
+            loss_fwd_fp8_bwd<T>(E.losses + r0, E.loss_lse + r0, dx, E.grads + E.layout.wte, (T*)E.logits,
+                                fp8_cls_ops(r0, r0 / E.chunk), x, wte, targets + r0, n, C, E.V, E.Vp, &E.io->dscale,
+                                gb);
         else if (fp8)
             loss_fwd_fp8<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, fp8_cls_ops(r0, r0 / E.chunk), targets + r0,
                             n, C, E.V, E.Vp);
@@ -1159,7 +1173,8 @@ static size_t engine_setup(const Config* cfg) {
      * on any GPU) */
     E.use_fp8 = strcmp(prec, "fp8") == 0 && !cfg->generate.enabled;
     E.fp8_delayed = config_keeps_fp8_histories(cfg);
-    E.use_fp8_classifier = config_fp8_classifier(cfg);
+    E.use_fp8_classifier = config_fp8_classifier(cfg) != FP8_CLASSIFIER_NONE;
+    E.fp8_classifier_all = config_fp8_classifier(cfg) == FP8_CLASSIFIER_ALL;
     E.prec = strcmp(prec, "bf16") == 0 || strcmp(prec, "fp8") == 0 ? PREC_BF16
              : strcmp(prec, "fp16") == 0                          ? PREC_FP16
                                                                   : PREC_FP32; /* or tf32 */
@@ -1189,7 +1204,7 @@ static size_t engine_setup(const Config* cfg) {
         layer_offset(&E.layout, 0, T_WV) != layer_offset(&E.layout, 0, T_WK) + (size_t)E.C * E.C)
         die_io("internal: W_Q, W_K, W_V are not consecutive in the parameter layout");
     E.chunk = loss_chunk_rows(E.Vp, E.es, E.N);
-    if (E.use_fp8_classifier && E.chunk % 16) /* dwte's FP8 product contracts over a chunk's rows */
+    if (fp8_cls_bwd() && E.chunk % 16) /* dwte's FP8 product contracts over a chunk's rows */
         E.chunk = E.chunk < 16 ? 16 : E.chunk - E.chunk % 16; /* N is a multiple of 16 (config_validate) */
     if (cfg->generate.enabled) E.chunk = 1; /* no loss: the prefill's one row of logits */
     E.loss_scale = E.prec == PREC_FP16 ? LOSS_SCALE_DEFAULT : 1.0f;

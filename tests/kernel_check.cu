@@ -1560,7 +1560,7 @@ static void test_adamw_amax(size_t n) {
     size_t nr = spans.size();
     Fp8Scale* d_sc = (Fp8Scale*)dalloc(2 * nr * sizeof(Fp8Scale)); /* [0, nr): fused, [nr, 2 nr): standalone */
     std::vector<AmaxRange> ranges(nr);
-    for (size_t r = 0; r < nr; r++) ranges[r] = {spans[r][0], spans[r][1], &d_sc[r].amax_bits};
+    for (size_t r = 0; r < nr; r++) ranges[r] = {spans[r][0], spans[r][1], &d_sc[r].amax_bits, 0};
     AmaxRange* d_ranges = (AmaxRange*)dalloc(nr * sizeof(AmaxRange));
     CUDA_CHECK(cudaMemcpy(d_ranges, ranges.data(), nr * sizeof(AmaxRange), cudaMemcpyHostToDevice));
     float *p0 = upload<float>(p), *d_g = upload<float>(g), *m0 = upload<float>(m), *v0 = upload<float>(v);
@@ -1620,8 +1620,12 @@ static void test_adamw_amax(size_t n) {
                       d_norm, d_ranges, (int)nr, 0);
     same_state("strided", want);
     check_ranges("strided_amax");
-    /* lazy_low: p_low untouched (still poisoned) where a packet lies wholly in
-     * a range, adamw's elsewhere (packets across a boundary included); the rest as before */
+    /* lazy_low: p_low untouched (still poisoned) where a packet lies wholly in a range, adamw's
+     * elsewhere (packets across a boundary included) and in the range marked keep_low (the
+     * forward-only FP8 classifier's wte); the rest as before */
+    size_t kept = 0;
+    ranges[kept].keep_low = 1;
+    CUDA_CHECK(cudaMemcpy(d_ranges, ranges.data(), nr * sizeof(AmaxRange), cudaMemcpyHostToDevice));
     upload_into(d_p, p);
     upload_into(d_m, m);
     upload_into(d_v, v);
@@ -1633,14 +1637,14 @@ static void test_adamw_amax(size_t n) {
     std::vector<Vec> lazy_want = want;
     for (size_t e = 0; e < n; e++) {
         size_t first = e / vec * vec;
-        for (const auto& sp : spans)
-            if (sp[0] <= first && first + vec <= sp[1]) {
+        for (size_t r = 0; r < nr; r++)
+            if (r != kept && spans[r][0] <= first && first + vec <= spans[r][1]) {
                 lazy_want[3][e] = poison_values[e];
                 left++;
             }
     }
     same_state("lazy_low", lazy_want);
-    report(left > n / 2, "lazy_left", "%zu of %zu 16-bit weights left unwritten", left, n);
+    report(left > n / 3, "lazy_left", "%zu of %zu 16-bit weights left unwritten", left, n);
     check_ranges("lazy_amax");
     dfree_all();
 }

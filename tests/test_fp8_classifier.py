@@ -1,17 +1,17 @@
-"""The FP8 classifier (docs/DESIGN.md §18): in precision fp8 with train.fp8_classifier auto (off by
-default: it costs validation loss), from model.d_model 512 up (cpu/fp8.h's fp8_classifier_pays), the
-tied classifier's three products run in FP8 too (wte and
-LNf's output E4M3 at their current scales, dlogits FP8_GRAD_FMT at the static scale of their bound
-1/(B·T), written by the GPU's loss rows), in both engines; below 512 the classifier stays in the
-activation type. A one-layer model of d_model 512 (small vocabulary and sequence, so the CPU runs it
-in seconds) on each side of the rule: each engine says which classifier it runs, the padded
-vocabulary the FP8 products contract over is refused only where they run, the CPU engine trains
-near fp32 and resumes exactly. On a GPU (skipped without one) the GPU engine must track the CPU
-emulation, resume exactly, and give the bits of synchronised launches with its graphs and
-unsynchronised launches, also over several logits chunks (each chunk's dwte on the side stream), and
-its build with the wide transpose of the dlogits codes must give the default build's bits. Its
-kernels are checked by tests/kernel_check.cu ("classifier bf16", "loss rows fp8 fused" and
-"transpose codes" under --prec fp8).
+"""The FP8 classifier (docs/DESIGN.md §18): in precision fp8, from model.d_model 512 up (cpu/fp8.h's
+fp8_classifier_pays), the tied classifier's logits product runs in FP8 (train.fp8_classifier logits,
+the default: wte and LNf's output E4M3 at their current scales; dlogits, dx and dwte in the activation
+type, fp32 on the CPU), or all three of its products (all: dlogits FP8_GRAD_FMT at the static scale
+of their bound 1/(B·T), written by the GPU's loss rows), in both engines; below 512, or with off, the
+classifier stays in the activation type. A one-layer model of d_model 512 (small vocabulary and
+sequence, so the CPU runs it in seconds) on each side of the rule: each engine says which classifier
+it runs, the padded vocabulary the FP8 products run over is refused only where they run, the CPU
+engine trains near fp32 and resumes exactly in both modes, which share their forward and not their
+backward. On a GPU (skipped without one) the GPU engine must track the CPU emulation, resume
+exactly, and give the bits of synchronised launches with its graphs and unsynchronised launches,
+also over several logits chunks (each chunk's dwte on the side stream), in both modes. Its kernels
+are checked by tests/kernel_check.cu ("classifier bf16", "loss rows fp8 fused" and "transpose codes"
+under --prec fp8).
 """
 import re
 
@@ -32,7 +32,8 @@ WIDTHS = {"fp8 classifier": {"model.d_model": 512, "model.n_head": 8},
 # one layer, a small vocabulary (the pattern shards' 60 in 64) and 64 positions (4 x 16)
 CLS_SHAPE = {"model.n_layer": 1, "model.d_ff": 512, "model.seq_len": 16, "model.padded_vocab_size": 64,
              "train.batch_size": 4}
-CLS_RUN = {**RUN, **CLS_SHAPE, **WIDTHS["fp8 classifier"], "train.fp8_classifier": "auto"}
+CLS_RUN = {**RUN, **CLS_SHAPE, **WIDTHS["fp8 classifier"]}  # train.fp8_classifier: the default, logits
+MODES = ["logits", "all"]  # the values of train.fp8_classifier that run FP8 products
 SHORT = {"train.steps": 2, "train.warmup_steps": 0, "eval.every": 0}  # a run that only starts
 CLASSIFIER_LINE = re.compile(r"classifier: (FP8|bf16|fp32) products")
 
@@ -44,13 +45,19 @@ def classifier_named(res):
     return found[0] if found else None
 
 
+def in_mode(mode, **extra):
+    """CLS_RUN with train.fp8_classifier `mode` and `extra`."""
+    return {**CLS_RUN, "train.fp8_classifier": mode, **extra}
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("width", sorted(WIDTHS))
-def test_cpu_engine_runs_the_fp8_classifier_from_d_model_512(cpu_binary, random_shards, width):
+def test_cpu_engine_runs_the_fp8_classifier_from_d_model_512(cpu_binary, random_shards, width, mode):
     """The rule at its edge: the engine names the FP8 classifier at 512 and its fp32 one at 496; a
-    padded vocabulary of 72 (not a multiple of 16, which the FP8 input-gradient product contracts
-    over) is refused with one error line where the FP8 classifier runs and trained on where not."""
+    padded vocabulary of 72 (not a multiple of 16, a dimension of the FP8 products) is refused with
+    one error line where the FP8 classifier runs and trained on where not."""
     fp8 = width == "fp8 classifier"
-    args = tiny_args(random_shards.train, **{**CLS_RUN, **WIDTHS[width], **SHORT})
+    args = tiny_args(random_shards.train, **in_mode(mode, **WIDTHS[width], **SHORT))
     assert classifier_named(run_ok(cpu_binary, args)) == ("FP8" if fp8 else "fp32")
     res = eu.run_engine(cpu_binary, args + ["--model.padded_vocab_size", "72"])
     if fp8:
@@ -59,18 +66,22 @@ def test_cpu_engine_runs_the_fp8_classifier_from_d_model_512(cpu_binary, random_
         assert res.rc == 0 and len(res.steps) == 2, res.describe()
 
 
-def test_the_fp8_classifier_is_off_by_default(cpu_binary, random_shards):
-    """Without train.fp8_classifier (and with it off) d_model 512 keeps the classifier in the
-    activation type, and a padded vocabulary no FP8 product contracts over is trained on; a value
-    other than off or auto is one error line."""
-    base = {k: v for k, v in {**CLS_RUN, **SHORT}.items() if k != "train.fp8_classifier"}
-    for extra in ({}, {"train.fp8_classifier": "off"}):
-        args = tiny_args(random_shards.train, **{**base, **extra})
-        assert classifier_named(run_ok(cpu_binary, args)) == "fp32"
-        res = eu.run_engine(cpu_binary, args + ["--model.padded_vocab_size", "72"])
-        assert res.rc == 0 and len(res.steps) == 2, res.describe()
-    res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{**base, "train.fp8_classifier": "on"}))
-    assert res.rc == 2 and len(res.errors) == 1 and "fp8_classifier" in res.errors[0], res.stderr
+def test_the_fp8_classifier_runs_the_logits_alone_by_default(cpu_binary, random_shards):
+    """Without train.fp8_classifier the engine runs the logits' product in FP8 and says so (as with
+    logits); with off, d_model 512 keeps the classifier in the activation type and a padded vocabulary
+    no FP8 product runs over is trained on; a value other than off, logits or all is one error line."""
+    for extra in ({}, {"train.fp8_classifier": "logits"}):
+        res = run_ok(cpu_binary, tiny_args(random_shards.train, **{**CLS_RUN, **SHORT, **extra}))
+        assert classifier_named(res) == "FP8" and "FP8 products, the logits'" in res.stderr, res.stderr
+    res = run_ok(cpu_binary, tiny_args(random_shards.train, **in_mode("all", **SHORT)))
+    assert "FP8 products, all three" in res.stderr, res.stderr
+    args = tiny_args(random_shards.train, **in_mode("off", **SHORT))
+    assert classifier_named(run_ok(cpu_binary, args)) == "fp32"
+    res = eu.run_engine(cpu_binary, args + ["--model.padded_vocab_size", "72"])
+    assert res.rc == 0 and len(res.steps) == 2, res.describe()
+    for bad in ("on", "auto"):
+        res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **in_mode(bad, **SHORT)))
+        assert res.rc == 2 and len(res.errors) == 1 and "fp8_classifier" in res.errors[0], res.stderr
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -79,12 +90,18 @@ def test_other_precisions_name_no_classifier(cpu_binary, random_shards, precisio
     assert classifier_named(res) is None
 
 
-def test_cpu_fp8_classifier_trains_near_fp32(cpu_binary, pattern_shards, tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_cpu_fp8_classifier_trains_near_fp32(cpu_binary, pattern_shards, mode):
     """Losses finite and falling, within 5 % of the fp32 run's a step (the layers' FP8 tolerance of
     tests/test_fp8.py), and not equal to them; validation finite."""
-    args = tiny_args(*pattern_shards, **{**CLS_RUN, "train.steps": 12})
-    fp8 = run_ok(cpu_binary, args)
-    fp32 = run_ok(cpu_binary, args + ["--train.precision", "fp32"])
+    check_trains_near_fp32(cpu_binary, pattern_shards, mode)
+
+
+def check_trains_near_fp32(cpu_engine, pattern_shards, mode):
+    """The test above's body for one mode; its fp8 run."""
+    args = tiny_args(*pattern_shards, **in_mode(mode, **{"train.steps": 12}))
+    fp8 = run_ok(cpu_engine, args)
+    fp32 = run_ok(cpu_engine, args + ["--train.precision", "fp32"])
     assert classifier_named(fp8) == "FP8"
     losses = [r["loss"] for r in fp8.steps]
     assert all(np.isfinite(losses)) and len(losses) == 12
@@ -93,10 +110,21 @@ def test_cpu_fp8_classifier_trains_near_fp32(cpu_binary, pattern_shards, tmp_pat
     assert [r["loss"] for r in fp32.steps] != losses, "fp8 computed exactly what fp32 computes"
     vals = [r["val_loss"] for r in fp8.vals]
     assert vals and all(np.isfinite(vals)), fp8.records
+    return fp8
 
 
-def test_cpu_fp8_classifier_resumes_exactly_through_sigterm(cpu_binary, random_shards, tmp_path):
-    args = tiny_args(random_shards.train, random_shards.val, **CLS_RUN)
+def test_cpu_modes_share_the_forward_not_the_backward(cpu_binary, pattern_shards):
+    """logits and all run the same FP8 logits: the first loss (the forward) is the same, the later
+    ones not (the backward of the fp32 classifier against that of FP8 dlogits)."""
+    losses = {mode: [r["loss"] for r in run_ok(cpu_binary, tiny_args(*pattern_shards, **in_mode(
+        mode, **{"train.steps": 12}))).steps] for mode in MODES}
+    assert losses["logits"][0] == losses["all"][0], losses
+    assert losses["logits"][1:] != losses["all"][1:], "the two modes trained alike"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cpu_fp8_classifier_resumes_exactly_through_sigterm(cpu_binary, random_shards, tmp_path, mode):
+    args = tiny_args(random_shards.train, random_shards.val, **in_mode(mode))
     eu.check_exact_resume_after_sigterm(cpu_binary, args, CLS_RUN["train.steps"], tmp_path)
 
 
@@ -108,19 +136,26 @@ GPU_RUN = {**CLS_RUN, "model.vocab_size": 100, "model.padded_vocab_size": 128, "
            "train.batch_size": 3, "train.warmup_steps": 2}
 
 
+def gpu_run(mode, **extra):
+    """GPU_RUN with train.fp8_classifier `mode` and `extra`."""
+    return {**GPU_RUN, "train.fp8_classifier": mode, **extra}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("width", sorted(WIDTHS))
-def test_gpu_engine_runs_the_fp8_classifier_from_d_model_512(cuda_binary, random_shards, width):
+def test_gpu_engine_runs_the_fp8_classifier_from_d_model_512(cuda_binary, random_shards, width, mode):
     """The GPU's rule is the CPU's (the CPU engine stays its reference)."""
-    res = run_ok(cuda_binary, tiny_args(random_shards.train, **{**GPU_RUN, **WIDTHS[width], **SHORT}))
+    res = run_ok(cuda_binary, tiny_args(random_shards.train, **gpu_run(mode, **WIDTHS[width], **SHORT)))
     assert classifier_named(res) == ("FP8" if width == "fp8 classifier" else "bf16")
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_classifier_tracks_the_cpu_emulation(cpu_binary, cuda_binary, random_shards):
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_fp8_classifier_tracks_the_cpu_emulation(cpu_binary, cuda_binary, random_shards, mode):
     """As test_fp8_delayed's tracking test: the loss within 3e-2 of the CPU emulation's a step (the
-    GPU's logits are bf16, its dlogits' codes from bf16 values; the CPU's fp32)."""
-    args = tiny_args(random_shards.train, random_shards.val, **{**GPU_RUN, "train.steps": 10})
+    GPU's logits are bf16, its dlogits bf16 or their codes from bf16 values; the CPU's fp32)."""
+    args = tiny_args(random_shards.train, random_shards.val, **gpu_run(mode, **{"train.steps": 10}))
     runs = {name: run_ok(b, args) for name, b in (("cpu", cpu_binary), ("gpu", cuda_binary))}
     assert classifier_named(runs["gpu"]) == classifier_named(runs["cpu"]) == "FP8"
     assert len(runs["gpu"].steps) == 10
@@ -129,10 +164,13 @@ def test_gpu_fp8_classifier_tracks_the_cpu_emulation(cpu_binary, cuda_binary, ra
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_classifier_resumes_exactly_and_graphs_equal_eager(cuda_binary, random_shards, tmp_path):
-    args = tiny_args(random_shards.train, random_shards.val, **{**GPU_RUN, "train.steps": 60,
-                                                                "train.grad_accum": 2, "eval.every": 20,
-                                                                "eval.batches": 2})
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_fp8_classifier_resumes_exactly_and_graphs_equal_eager(cuda_binary, random_shards, tmp_path, mode):
+    """Resume after SIGTERM gives the uninterrupted run's checkpoint byte for byte (with logits, a
+    stale 16-bit wte, which its backward reads, would show here: resume refreshes it), and so does
+    a run launch by launch (ANDREA_NO_GRAPH)."""
+    args = tiny_args(random_shards.train, random_shards.val, **gpu_run(mode, **{
+        "train.steps": 60, "train.grad_accum": 2, "eval.every": 20, "eval.batches": 2}))
     eu.check_exact_resume_after_sigterm(cuda_binary, args, 60, tmp_path)
     eager_ckpt = tmp_path / "eager.ckpt"
     run_ok(cuda_binary, args + ["--checkpoint", eager_ckpt], env={"ANDREA_NO_GRAPH": "1"})
@@ -140,12 +178,40 @@ def test_gpu_fp8_classifier_resumes_exactly_and_graphs_equal_eager(cuda_binary, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
 def test_gpu_fp8_classifier_over_several_chunks_gives_the_bits_of_synchronised_launches(
-        small_chunks_build, random_shards, tmp_path):
+        small_chunks_build, random_shards, tmp_path, mode):
     """As test_gpu's side-stream test over several logits chunks, for the FP8 classifier: each chunk's
-    dwte reads its dlogits' codes on the side stream, the next chunk's codes overwrite them after
-    side_wait; a missing wait shows as records or a checkpoint that differ from ANDREA_CUDA_SYNC's.
-    The small-chunks build's 16 KiB chunks: 64 rows of the 128-column bf16 logits, 3 for 144
-    positions (the chunk rounded to a multiple of 16 for dwte's FP8 product)."""
+    dwte reads its dlogits (all: their codes; logits: the bf16 logits buffer, as the bf16
+    classifier's) on the side stream, the next chunk's overwrite them after side_wait; a missing wait
+    shows as records or a checkpoint that differ from ANDREA_CUDA_SYNC's. The small-chunks build's
+    16 KiB chunks: 64 rows of the 128-column bf16 logits, 3 for 144 positions (with all the chunk
+    rounded to a multiple of 16 for dwte's FP8 product)."""
     check_side_stream_over_chunks(small_chunks_build, random_shards, tmp_path, "fp8",
-                                  {k: v for k, v in GPU_RUN.items() if k.startswith(("model.", "train.batch", "train.fp8"))})
+                                  {k: v for k, v in gpu_run(mode).items()
+                                   if k.startswith(("model.", "train.batch", "train.fp8"))})
+
+
+def test_cpu_resume_says_when_the_classifier_mode_changes(cpu_binary, random_shards, tmp_path):
+    """The sidecar records train.fp8_classifier: resuming an fp8 run in another mode warns once and
+    goes on; in the same mode it says nothing; a sidecar written before the mode was recorded warns
+    that it cannot tell (its run had off or all); below d_model 512, where no mode changes a bit,
+    nothing is said."""
+    def run(ckpt, mode, steps, width="fp8 classifier"):
+        args = tiny_args(random_shards.train, checkpoint=ckpt, **in_mode(mode, **WIDTHS[width], **{
+            "train.steps": steps, "train.warmup_steps": 0, "eval.every": 0}))
+        res = run_ok(cpu_binary, args + (["--resume"] if ckpt.exists() else []))
+        return [w for w in res.stderr.splitlines() if w.startswith("warning:") and "fp8_classifier" in w]
+
+    ckpt = tmp_path / "c.ckpt"
+    assert run(ckpt, "off", 2) == []
+    changed = run(ckpt, "logits", 3)
+    assert len(changed) == 1 and "logits" in changed[0] and "written with off" in changed[0], changed
+    assert run(ckpt, "logits", 4) == []
+    side = ckpt.with_name(ckpt.name + ".json")
+    side.write_text(side.read_text().replace(',"fp8_classifier":"logits"', ""))
+    old = run(ckpt, "logits", 5)
+    assert len(old) == 1 and "does not say" in old[0], old
+    narrow = tmp_path / "narrow.ckpt"
+    assert run(narrow, "off", 2, width="bf16 classifier") == []
+    assert run(narrow, "all", 3, width="bf16 classifier") == []

@@ -620,11 +620,13 @@ def test_gpu_generation_in_fp8_is_the_bf16_engines(cuda_binary, trained):  # noq
     assert fp8.logits_text("alone") == bf16.logits_text("alone")
 
 
-# the fp8 weights alone (3 layers), and with the FP8 classifier (d_model 512) wte among them
+# the fp8 weights alone (3 layers), and with all three classifier products in FP8 (d_model 512) wte
+# among them (with the default, logits, the update keeps wte's copy: its backward reads it)
 FP8_SAMPLE_MODELS = {"layers": FP8_SHAPES["odd"],
                      "fp8_classifier": {"model.n_layer": 1, "model.d_model": 512, "model.n_head": 8,
                                         "model.d_ff": 512, "model.seq_len": 48, "model.vocab_size": 100,
-                                        "model.padded_vocab_size": 128, "train.batch_size": 3}}
+                                        "model.padded_vocab_size": 128, "train.batch_size": 3,
+                                        "train.fp8_classifier": "all"}}
 
 
 @pytest.mark.gpu

@@ -1274,6 +1274,17 @@ static void loss_fwd_fp8(float* losses, float* lse, T* logits, const Fp8Classifi
     loss_rows(losses, lse, logits, targets, n, V, Vp, (const float*)NULL);
 }
 
+/* Training with only the logits product in FP8 (train.fp8_classifier logits): loss_fwd_fp8's
+ * product, then the rest of loss.cuh's loss_fwd_bwd on LNf's output x [n, C] and wte [Vp, C] in T
+ * (the casts' x_t, wte_t and dlogits' codes are not made). */
+template <typename T>
+static void loss_fwd_fp8_bwd(float* losses, float* lse, T* dx, float* dwte, T* logits, const Fp8ClassifierOps& c,
+                             const T* x, const T* wte, const int* targets, int n, int C, int V, int Vp,
+                             const float* dscale, float grad_beta) {
+    fp8_gemm<T>(FP8_PASS_FORWARD, n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
+    loss_bwd_from_logits(losses, lse, dx, dwte, logits, x, wte, targets, n, C, V, Vp, dscale, grad_beta);
+}
+
 /* Training: as loss_fwd_fp8, then dlogits' codes, dwte (/ += by grad_beta) = dlogits^T @ x on the
  * side stream (it reads g_t: the caller waits for it, side_wait(c.g_t), before the next chunk's
  * codes) and dx = dlogits @ wte. The loss rows write the row-major codes themselves (LossStoreFp8),

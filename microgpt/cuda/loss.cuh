@@ -280,6 +280,21 @@ static void loss_fwd(float* losses, float* lse, T* logits, const T* x, const T* 
     loss_rows(losses, lse, logits, targets, n, V, Vp, (const float*)NULL);
 }
 
+/* loss_fwd_bwd (below) once the logits are in `logits` (also after the FP8 classifier's logits
+ * product with train.fp8_classifier logits, cuda/fp8.cuh): the loss rows, which leave dlogits
+ * there, then the classifier's two backward products. */
+template <typename T>
+static void loss_bwd_from_logits(float* losses, float* lse, T* dx, float* dwte, T* logits, const T* x, const T* wte,
+                                 const int* targets, int n, int C, int V, int Vp, const float* dscale,
+                                 float grad_beta) {
+    loss_rows(losses, lse, logits, targets, n, V, Vp, dscale);
+    /* dwte = dlogits^T @ x + grad_beta * dwte, as linear_dw (the next chunk's logits wait for it);
+     * issued first, so that on the side stream it runs beside dx */
+    side_product(logits, [&] { gemm(Vp, C, n, mat_t(logits, Vp), mat(x, C), mat(dwte, C), 1.0f, grad_beta); });
+    /* dx = dlogits @ wte */
+    gemm(n, C, Vp, mat(logits, Vp), mat(wte, C), mat(dx, C));
+}
+
 /* Training: as loss_fwd; dx [n, C] = and dwte [Vp, C] (fp32) = / += (by grad_beta) the gradient
  * of these n rows, each row's loss weighted by *dscale (device float: 1/rows-in-the-whole-batch for
  * a mean, times the loss scale for fp16). logits [n, Vp] is scratch and ends holding dlogits. */
@@ -287,12 +302,7 @@ template <typename T>
 static void loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logits, const T* x, const T* wte,
                          const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
     classifier_logits(logits, x, wte, n, C, Vp);
-    loss_rows(losses, lse, logits, targets, n, V, Vp, dscale);
-    /* dwte = dlogits^T @ x + grad_beta * dwte, as linear_dw (the next chunk's logits wait for it);
-     * issued first, so that on the side stream it runs beside dx */
-    side_product(logits, [&] { gemm(Vp, C, n, mat_t(logits, Vp), mat(x, C), mat(dwte, C), 1.0f, grad_beta); });
-    /* dx = dlogits @ wte */
-    gemm(n, C, Vp, mat(logits, Vp), mat(wte, C), mat(dx, C));
+    loss_bwd_from_logits(losses, lse, dx, dwte, logits, x, wte, targets, n, C, V, Vp, dscale, grad_beta);
 }
 
 /* One block of LOSS_MEAN_THREADS: out[0] = the mean of losses [n], summed in double in a fixed

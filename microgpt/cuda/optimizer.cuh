@@ -130,10 +130,13 @@ __global__ void k_adamw(float* __restrict__ p, const float* __restrict__ g, floa
 
 /* Parameters [lo, hi) whose amax (cuda/fp8.cuh: the maximum of the fp32 bit patterns of |x|) goes
  * to *amax_bits: one fp8 weight cast's input. A list of them is sorted by lo and disjoint, and
- * every hi is at most the parameter count. */
+ * every hi is at most the parameter count. keep_low: the range's 16-bit copy is still written
+ * under k_adamw_amax's lazy_low, because training reads it (wte's, with the FP8 classifier's
+ * logits alone in FP8: its backward is bf16's, train.fp8_classifier logits). */
 struct AmaxRange {
     size_t lo, hi;
     unsigned* amax_bits;
+    int keep_low;
 };
 
 /* The first range of the list that ends after parameter i (n_ranges if none). */
@@ -152,8 +155,8 @@ __device__ __forceinline__ int amax_range_after(const AmaxRange* __restrict__ ra
  * the values its threads hold in that range and commits it once (block_amax_commit). A skipped
  * update (a non-finite norm in fp16) leaves the weights as they are and takes their amax, so the
  * cast after it finds the scales it would find after a separate amax pass. lazy_low: p_low is not
- * written where a packet lies wholly in a range (the engine's fp8 update always; kernel_check also
- * runs 0, the p_low of k_adamw). Precision fp8's update, single-process: the cast then reads the
+ * written where a packet lies wholly in a range without keep_low (the engine's fp8 update always;
+ * kernel_check also runs 0, the p_low of k_adamw). Precision fp8's update, single-process: the cast then reads the
  * values AdamW stored, so the amax, the scale and the codes are those of a separate amax pass, one
  * read of the masters fewer (docs/BENCHMARKS.md #91, #92). Bounded to
  * 4 blocks of 256 threads a multiprocessor, k_adamw's occupancy (ptxas, sm_90a, bf16 packed: 59
@@ -176,7 +179,7 @@ __global__ void __launch_bounds__(256, 4) k_adamw_amax(float* __restrict__ p, co
         int first = amax_range_after(ranges, n_ranges, base); /* of the ranges the span meets */
         T* low = p_low;
         for (int r = first; lazy_low && r < n_ranges && ranges[r].lo < end; r++)
-            if (ranges[r].lo <= i && i + VEC <= ranges[r].hi) low = NULL;
+            if (!ranges[r].keep_low && ranges[r].lo <= i && i + VEC <= ranges[r].hi) low = NULL;
         float pv[VEC];
         if (i < n && skip) load_vec(pv, p + i);
         else if (i < n)
@@ -231,8 +234,8 @@ static void adamw(float* p, const float* g, float* m, float* v, T* p_low, size_t
 
 /* adamw, with the amax of the new weights of each of ranges[0..n_ranges) (device memory, sorted,
  * disjoint: AmaxRange) into its amax_bits, which must be 0 before; lazy_low: p_low left alone
- * where a packet lies wholly in a range (generation refreshes it, docs/DESIGN.md §18). The same grid
- * and packets as adamw. */
+ * where a packet lies wholly in a range without keep_low (generation refreshes it, docs/DESIGN.md
+ * §18). The same grid and packets as adamw. */
 template <typename T>
 static void adamw_amax(float* p, const float* g, float* m, float* v, T* p_low, size_t n, float beta1, float beta2,
                        float eps, float wd, const unsigned* decay_bits, const UpdateCtl* ctl, const float* norm,

@@ -136,7 +136,7 @@ static int json_find_string(const char* text, const char* key, char* out, size_t
  * reader (microgpt/checkpoint.py: SIDECAR_VALUE_NAMES) names the same, in the same order. */
 static const char* const sidecar_value_names[] = {
     "n_params", "loss_scale", "n_layer", "d_model", "n_head", "d_ff", "seq_len", "vocab_size",
-    "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision"};
+    "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision", "fp8_classifier"};
 
 /* The sidecar's "values_crc32c" for its text: the CRC-32C of the canonical text of its values, each
  * of sidecar_value_names as the readers find it, "NAME=%.17g;" for a number, "NAME=\"TEXT\";" for a
@@ -175,11 +175,12 @@ static void sidecar_text(char* buf, size_t cap, int step, size_t n_params, uint3
     snprintf(values, sizeof values,
              "\"n_params\":%zu,\"loss_scale\":%s,\"fingerprint\":{\"n_layer\":%d,"
              "\"d_model\":%d,\"n_head\":%d,\"d_ff\":%d,\"seq_len\":%d,\"vocab_size\":%d,\"padded_vocab_size\":%d,"
-             "\"seed\":%d,\"batch_size\":%d,\"grad_accum\":%d,\"steps\":%d,\"precision\":\"%s\"}",
+             "\"seed\":%d,\"batch_size\":%d,\"grad_accum\":%d,\"steps\":%d,\"precision\":\"%s\","
+             "\"fp8_classifier\":\"%s\"}",
              n_params, json_num(ls, sizeof ls, loss_scale), c->model.n_layer,
              c->model.d_model, c->model.n_head, c->model.d_ff, c->model.seq_len, c->model.vocab_size,
              c->model.padded_vocab_size, c->train.seed, c->train.batch_size, c->train.grad_accum, c->train.steps,
-             c->train.precision);
+             c->train.precision, c->train.fp8_classifier);
     snprintf(buf, cap, "{\"step\":%d,\"crc32c\":%lu,\"values_crc32c\":%lu,", step, (unsigned long)crc,
              (unsigned long)sidecar_values_crc32c(values));
     append_text(buf, cap, values);
@@ -520,6 +521,21 @@ static const char* json_skip_scalar(const char* p) {
     return json_skip_number(p);
 }
 
+/* In fp8 on both sides, where the FP8 classifier pays: a run that resumes with another
+ * train.fp8_classifier than it was written with continues in another classifier arithmetic
+ * (docs/DESIGN.md §18), so it says so; a sidecar
+ * without the member was written before it was recorded, when fp8 ran its classifier in bf16 by
+ * default (off) or on request all in FP8 (then named auto). */
+static void sidecar_check_fp8_classifier(const char* text, const Config* c) {
+    char saved[16];
+    if (!json_find_string(text, "fp8_classifier", saved, sizeof saved))
+        warn("resuming with train.fp8_classifier %s; the checkpoint does not say which classifier it was trained "
+             "with (written before that was recorded: off or all)", c->train.fp8_classifier);
+    else if (strcmp(saved, c->train.fp8_classifier) != 0)
+        warn("resuming with train.fp8_classifier %s, the checkpoint was written with %s", c->train.fp8_classifier,
+             saved);
+}
+
 /* Every member name a sidecar holds (sidecar_text, mixture_sidecar_json in mixture.h,
  * fp8_history_sidecar_json in fp8_history.h; a writer that adds a member adds its name here). The
  * readers find members by name, so a name with a bit flipped would hide its member without a word:
@@ -527,6 +543,7 @@ static const char* json_skip_scalar(const char* p) {
 static const char* const sidecar_names[] = {
     "step", "n_params", "crc32c", "values_crc32c", "loss_scale", "fingerprint", "n_layer", "d_model", "n_head",
     "d_ff", "seq_len", "vocab_size", "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision",
+    "fp8_classifier",
     "bandit", "rounds", "reward_mean", "reward_var", "gain", "p", "sources_crc32c", "fp8_history", "len", "exp"};
 #define SIDECAR_N_NAMES (sizeof sidecar_names / sizeof sidecar_names[0])
 
@@ -862,10 +879,13 @@ static float sidecar_loss_scale(const char* path, int ckpt_step, const Config* c
         /* A loss scale belongs to the precision whose run produced it (non-fp16 runs record 1):
          * resuming in another precision starts from the engine's default scale. */
         char saved[16];
-        if (json_find_string(text, "precision", saved, sizeof saved) && strcmp(saved, c->train.precision) != 0) {
+        int found = json_find_string(text, "precision", saved, sizeof saved);
+        if (found && strcmp(saved, c->train.precision) != 0) {
             warn("resuming in precision %s, the checkpoint was written in %s; the loss scale starts from its default",
                  c->train.precision, saved);
             loss_scale = 0.0f;
+        } else if (found && strcmp(saved, "fp8") == 0 && fp8_classifier_pays(c->model.d_model)) {
+            sidecar_check_fp8_classifier(text, c);
         }
     }
     return loss_scale;

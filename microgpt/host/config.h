@@ -37,7 +37,7 @@ typedef struct {
     struct {
         int batch_size, grad_accum, steps, seed, warmup_steps;
         char precision[8]; /* fp32 | tf32 | bf16 | fp16 | fp8 */
-        char fp8_classifier[8]; /* off | auto: config_fp8_classifier */
+        char fp8_classifier[8]; /* off | logits | all: config_fp8_classifier */
         float lr, min_lr, weight_decay, grad_clip, beta1, beta2, eps;
         char schedule[16]; /* cosine | wsd | constant */
         float decay_frac;  /* WSD: fraction of steps spent decaying */
@@ -154,9 +154,9 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("train.warmup_steps", F_INT, &c->train.warmup_steps, 0, "0", 0, NULL, 0, BIG, "linear LR warmup steps");
     FLAG("train.precision", F_STR, c->train.precision, sizeof c->train.precision, "fp32", 0, "fp32|tf32|bf16|fp16|fp8", 0,
          0, "compute precision: tf32 is fp32 with TF32 tensor-core products (the CPU engine always computes fp32)");
-    FLAG("train.fp8_classifier", F_STR, c->train.fp8_classifier, sizeof c->train.fp8_classifier, "off", 0, "off|auto", 0,
-         0, "precision fp8: the tied classifier's products in FP8 too where that pays (auto: model.d_model >= 512; "
-         "faster, at a cost in validation loss) or in bf16 (off)");
+    FLAG("train.fp8_classifier", F_STR, c->train.fp8_classifier, sizeof c->train.fp8_classifier, "logits", 0,
+         "off|logits|all", 0, 0, "precision fp8, where that pays (model.d_model >= 512): the tied classifier's logits "
+         "product in FP8 (logits), all three of its products (all: faster, at a cost in validation loss), or none (off)");
     FLAG("train.lr", F_FLOAT, &c->train.lr, 0, "6e-4", 0, NULL, 0, LR_MAX, "peak learning rate");
     FLAG("train.min_lr", F_FLOAT, &c->train.min_lr, 0, "0", 0, NULL, 0, LR_MAX, "final learning rate of the decay");
     FLAG("train.weight_decay", F_FLOAT, &c->train.weight_decay, 0, "0.1", 0, NULL, 0, FBIG, "AdamW decoupled weight decay (2-D tensors only)");
@@ -637,20 +637,28 @@ static void config_validate_sources(const Config* c) {
         die_input("--bandit.reward_decay 0 keeps no variance of the rewards: the bandit would never learn (give > 0)");
 }
 
-/* Whether the engines run the classifier's products in FP8: precision fp8 with train.fp8_classifier
- * auto, where it pays (cpu/fp8.h's fp8_classifier_pays); generation's products are never FP8. Off
- * by default: it costs validation loss (docs/DESIGN.md §18). */
+/* Which of the classifier's products the engines run in FP8 (docs/DESIGN.md §18): in precision fp8,
+ * where that pays (cpu/fp8.h's fp8_classifier_pays), the logits' (train.fp8_classifier logits, the
+ * default: dlogits, dx and dwte stay in the activation type) or all three (all: its backward's FP8
+ * costs validation loss); none otherwise, and never in generation. */
+enum { FP8_CLASSIFIER_NONE, FP8_CLASSIFIER_LOGITS, FP8_CLASSIFIER_ALL };
 static int config_fp8_classifier(const Config* c) {
-    return strcmp(c->train.precision, "fp8") == 0 && !c->generate.enabled &&
-           strcmp(c->train.fp8_classifier, "auto") == 0 && fp8_classifier_pays(c->model.d_model);
+    if (strcmp(c->train.precision, "fp8") != 0 || c->generate.enabled || !fp8_classifier_pays(c->model.d_model))
+        return FP8_CLASSIFIER_NONE;
+    if (strcmp(c->train.fp8_classifier, "all") == 0) return FP8_CLASSIFIER_ALL;
+    return strcmp(c->train.fp8_classifier, "logits") == 0 ? FP8_CLASSIFIER_LOGITS : FP8_CLASSIFIER_NONE;
 }
 
 /* Precision fp8: which classifier the engine runs (config_fp8_classifier; else its products in
  * `dtype`), one startup info line (docs/DESIGN.md §18). */
 static void info_fp8_classifier(const Config* c, const char* dtype) {
     if (strcmp(c->train.precision, "fp8") != 0 || c->generate.enabled) return;
-    if (config_fp8_classifier(c))
-        info("classifier: FP8 products (model.d_model %d >= %d)", c->model.d_model, FP8_CLASSIFIER_MIN_D_MODEL);
+    if (config_fp8_classifier(c) == FP8_CLASSIFIER_ALL)
+        info("classifier: FP8 products, all three (model.d_model %d >= %d)", c->model.d_model,
+             FP8_CLASSIFIER_MIN_D_MODEL);
+    else if (config_fp8_classifier(c) == FP8_CLASSIFIER_LOGITS)
+        info("classifier: FP8 products, the logits' (dx and dwte in %s; model.d_model %d >= %d)", dtype,
+             c->model.d_model, FP8_CLASSIFIER_MIN_D_MODEL);
     else if (strcmp(c->train.fp8_classifier, "off") == 0)
         info("classifier: %s products (train.fp8_classifier off)", dtype);
     else
@@ -693,11 +701,11 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
         die_input("train.precision fp8 needs model.d_model, model.d_ff and train.batch_size x model.seq_len to be "
                   "multiples of 16 (FP8 products contract over them); got %d, %d and %lld", c->model.d_model,
                   c->model.d_ff, (long long)c->train.batch_size * c->model.seq_len);
-    /* the FP8 classifier (fp8_classifier_pays): its input-gradient product contracts over the
-     * padded vocabulary too */
+    /* the FP8 classifier (fp8_classifier_pays): the padded vocabulary is a dimension of its FP8
+     * products (the logits' columns; the input gradient's contraction with train.fp8_classifier all) */
     if (config_fp8_classifier(c) && c->model.padded_vocab_size % 16)
         die_input("train.precision fp8 with the FP8 classifier (model.d_model >= %d) needs model.padded_vocab_size to "
-                  "be a multiple of 16 (its product contracts over it); got %d", FP8_CLASSIFIER_MIN_D_MODEL,
+                  "be a multiple of 16 (a dimension of its FP8 products); got %d", FP8_CLASSIFIER_MIN_D_MODEL,
                   c->model.padded_vocab_size);
     if (c->train.min_lr > c->train.lr) die_input("train.min_lr (%g) is above train.lr (%g)", c->train.min_lr, c->train.lr);
     if (c->train.warmup_steps > c->train.steps)
