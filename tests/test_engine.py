@@ -861,8 +861,8 @@ def test_a_warning_quoting_a_control_character_stays_one_printable_line(engine, 
 
 @pytest.mark.parametrize("seed", [1e300, 7.5, -3])
 def test_a_fingerprint_of_another_run_is_reported_as_it_is(engine, random_shards, tmp_path, seed):
-    """A fingerprint number no int holds was converted to int (undefined
-    for 1e300, a wrong figure for 7.5) before it was compared and reported."""
+    """A fingerprint number no int holds was converted to int (undefined for 1e300, a wrong figure for
+    7.5) before it was compared and reported."""
     ckpt = tmp_path / "run.ckpt"
     eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
     side = read_sidecar(ckpt)
