@@ -40,10 +40,12 @@ static void bench_classifier(const char* model, int N, int C) {
     float *w = (float*)dmalloc(wc * 4), *losses = (float*)dmalloc(n * 4), *lse = (float*)dmalloc(n * 4);
     float* dscale = (float*)dmalloc(4);
     int* targets = (int*)dmalloc((size_t)n * 4);
+    unsigned* salt = (unsigned*)dmalloc(4);
     fp8 *q_n = (fp8*)dmalloc(nv > wc ? nv : wc), *q_t = (fp8*)dmalloc(nv > wc ? nv : wc);
     Fp8Scale* sc = (Fp8Scale*)dmalloc(sizeof(Fp8Scale));
     float ds = 1.0f / N;
     CUDA_CHECK(cudaMemset(targets, 0, (size_t)n * 4));
+    CUDA_CHECK(cudaMemset(salt, 0, 4));
     CUDA_CHECK(cudaMemcpy(dscale, &ds, 4, cudaMemcpyHostToDevice));
     char sh_v[32], sh_w[32], sh_x[32];
     snprintf(sh_v, sizeof sh_v, "%dx%d", n, Vp);
@@ -58,7 +60,7 @@ static void bench_classifier(const char* model, int N, int C) {
     row(model, "bf16 loss_rows (bf16 dlogits)", sh_v,
         time_median_us([&] { loss_rows(losses, lse, logits, targets, n, V, Vp, dscale); }), 4.0 * nv);
     row(model, "cls: loss_rows writing codes", sh_v, time_median_us([&] {
-            loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreFp8{q_n, sc, Vp});
+            loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreFp8{q_n, sc, Vp, salt, 0});
         }), 3.0 * nv);
     row(model, "cls: fp8_transpose dlogits", sh_v, time_median_us([&] { fp8_transpose(q_t, q_n, n, Vp); }),
         2.0 * nv);

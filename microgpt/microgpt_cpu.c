@@ -300,12 +300,15 @@ static float forward_loss(const int* inputs, const int* targets) {
 
 /* The classifier backward: dlogits from the probabilities, in place; with the FP8 classifier cast
  * to FP8_DLOGITS_FMT at the static scale of its bound (cpu/fp8.h's fp8_dlogits_scale, the GPU's loss
- * rows' for every chunk); then its two products into dln and dwte. With the logits' product alone
+ * rows' for every chunk), rounded stochastically with the micro-batch's salt (fp8_dlogits_salt) as
+ * the GPU's loss rows round them; then its two products into dln and dwte. With the logits' product alone
  * in FP8 (FP8_CLASSIFIER_LOGITS) the fp32 classifier's backward follows the FP8 logits. */
 static void classifier_bwd(const int* targets) {
     int N = E.B * E.T, fp8 = fp8_classifier() && E.fp8_classifier == FP8_CLASSIFIER_ALL;
     classifier_dlogits(E.probs, targets, N, E.V, E.Vp);
-    if (fp8) fp8_fake_quantize_at(E.probs, E.probs, (size_t)N * E.Vp, FP8_DLOGITS_FMT, fp8_dlogits_scale(1.0f / N));
+    if (fp8)
+        fp8_fake_quantize_dlogits(E.probs, E.probs, N, E.Vp, 0, fp8_dlogits_salt(targets, N), FP8_DLOGITS_FMT,
+                                  fp8_dlogits_scale(1.0f / N));
     classifier_backward_products(E.dln, G(E.layout.wte), E.probs, classifier_x(fp8), classifier_wte(fp8), N, E.C, E.V,
                                  E.Vp);
 }

@@ -92,6 +92,7 @@ enum { FP8_W_QKV, FP8_W_O, FP8_W_1, FP8_W_2, FP8_W_PER_LAYER };
 typedef struct {
     UpdateCtl uctl; /* engine_update: learning rate, bias corrections, gradient multiplier, clip */
     float dscale;   /* the loss gradient's weight: 1/N, times the loss scale in fp16 */
+    unsigned dlogits_salt; /* the FP8 classifier's: cpu/fp8.h's fp8_dlogits_salt of the targets */
     /* outputs (from offsetof(StepIO, loss) on) */
     float loss; /* mean loss of the last micro-batch */
     float norm; /* gradient norm of the last update */
@@ -635,6 +636,7 @@ static Fp8ClassifierOps fp8_cls_ops(int r0, int chunk) {
     c.wte_t = E.w8_fwd + wte;
     c.g = E.dl8, c.g_t = E.dl8t;
     c.g_sc = cls_g_scale(chunk);
+    c.salt = &E.io->dlogits_salt, c.row0 = r0;
     return c;
 }
 
@@ -935,6 +937,7 @@ template <typename T>
 static float forward_backward_t(const int* inputs, const int* targets) {
     stage_batch(inputs, targets);
     E.io_host->dscale = (E.prec == PREC_FP16 ? E.loss_scale : 1.0f) / (float)E.N;
+    if (fp8_cls_bwd()) E.io_host->dlogits_salt = fp8_dlogits_salt(targets, E.N);
     E.grad_beta = E.grads_pending ? 1.0f : 0.0f;
     if (E.fp8_delayed && !E.fp8_hist_filled) { /* empty histories: current scaling, not the graphs' fused path */
         int graphs = E.use_graphs;

@@ -1721,33 +1721,40 @@ static void test_fp8_transpose(int R, int Cc) {
 
 /* The FP8 classifier's loss rows (LossStoreFp8, with loss_grad_lean's gradient; from shared memory
  * and from memory) and the codes' transpose
- * (k_fp8_transpose), bit for bit against the loss rows in T, then fp8_cast with the bound |dscale|
- * as the amax (the static scale, fp8_dlogits_scale): the same row losses and lse, codes in both
- * layouts, scale; and the logits left as they were. Logits of standard deviation `spread`. */
+ * (k_fp8_transpose), bit for bit against the loss rows in T, then cpu/fp8.h's stochastic rounding
+ * at the static scale of the bound |dscale| (fp8_dlogits_scale) with the bits of each value's row
+ * (from row0 of a micro-batch) and column (fp8_fake_quantize_dlogits' order): the same row
+ * losses and lse, codes in both layouts, scale; and the logits left as they were. Logits of
+ * standard deviation `spread`. */
 template <typename T> static void test_loss_rows_fp8_fused(int n, int V, int Vp, float spread) {
     Vec logits = rounded<T>(randn((size_t)n * Vp, spread));
     size_t nv = (size_t)n * Vp;
     float ds = 1.0f / 8192.0f * 3.0f; /* not a power of two: the bound's scale leaves headroom */
+    unsigned salt = (unsigned)rand_ints(1, 1 << 30)[0] * 4u + 3u;
+    int row0 = 5;
+    float s = fp8_dlogits_scale(ds);
     int* d_targets = upload_ints(rand_ints(n, V));
     float* d_dscale = upload<float>(Vec(1, ds));
-    Fp8CastOut ref = fp8_cast_out(nv);
-    unsigned bound = fp8_float_bits(ds);
+    unsigned* d_salt = (unsigned*)dalloc(sizeof salt);
+    CUDA_CHECK(cudaMemcpy(d_salt, &salt, sizeof salt, cudaMemcpyHostToDevice));
     T* d_ref = upload<T>(logits);
     float *ref_losses = poisoned<float>(n), *ref_lse = poisoned<float>(n);
     loss_rows_from_memory<T>(ref_losses, ref_lse, d_ref, d_targets, n, V, Vp, d_dscale);
-    CUDA_CHECK(cudaMemcpy(&ref.sc->amax_bits, &bound, sizeof bound, cudaMemcpyHostToDevice));
-    fp8_cast(ref.n, ref.t, ref.sc, (const T*)d_ref, 1, n, Vp, FP8_DLOGITS_FMT);
+    Vec dl = download(d_ref, nv), dlq(nv);
+    fp8_fake_quantize_dlogits(dlq.data(), dl.data(), n, Vp, row0, salt, FP8_DLOGITS_FMT, s);
     std::vector<unsigned char> want_n(nv), want_t(nv);
-    Fp8Scale want_sc;
-    CUDA_CHECK(cudaMemcpy(want_n.data(), ref.n, nv, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(want_t.data(), ref.t, nv, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(&want_sc, ref.sc, sizeof want_sc, cudaMemcpyDeviceToHost));
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < Vp; j++) {
+            size_t i = (size_t)r * Vp + j;
+            want_n[i] = fp8_from_float(dlq[i] * s, FP8_DLOGITS_FMT); /* exact: dlq holds code values / s */
+            want_t[(size_t)j * n + r] = want_n[i];
+        }
     Vec want_losses = download(ref_losses, n), want_lse = download(ref_lse, n);
     for (int shared = 0; shared < 2; shared++) {
         Fp8CastOut got = fp8_cast_out(nv);
         T* d_logits = upload<T>(logits);
         float *losses = poisoned<float>(n), *lse = poisoned<float>(n);
-        LossStoreFp8 st = {got.n, got.sc, Vp};
+        LossStoreFp8 st = {got.n, got.sc, Vp, d_salt, row0};
         bool ran = true;
         if (shared) ran = loss_rows_from_shared<T>(losses, lse, d_logits, d_targets, n, V, Vp, d_dscale, st);
         else loss_rows_from_memory<T>(losses, lse, d_logits, d_targets, n, V, Vp, d_dscale, st);
@@ -1764,12 +1771,12 @@ template <typename T> static void test_loss_rows_fp8_fused(int n, int V, int Vp,
         CUDA_CHECK(cudaMemcpy(gt.data(), got.t, nv, cudaMemcpyDeviceToHost));
         CUDA_CHECK(cudaMemcpy(&gs, got.sc, sizeof gs, cudaMemcpyDeviceToHost));
         Vec l = download(losses, n), e = download(lse, n), kept = download(d_logits, nv);
-        bool same = gn == want_n && gt == want_t && gs.scale == want_sc.scale && gs.descale == want_sc.descale &&
-                    gs.scale == fp8_dlogits_scale(ds) && !memcmp(l.data(), want_losses.data(), n * sizeof(float)) &&
+        bool same = gn == want_n && gt == want_t && gs.scale == s && gs.descale == 1.0f / s &&
+                    !memcmp(l.data(), want_losses.data(), n * sizeof(float)) &&
                     !memcmp(e.data(), want_lse.data(), n * sizeof(float)) &&
                     !memcmp(kept.data(), logits.data(), nv * sizeof(float));
-        report(same, what, same ? "codes (both layouts), scale, losses, lse: the bits of loss rows + fp8_cast"
-                                : "bits DIFFER from loss rows + fp8_cast (or the logits were overwritten)");
+        report(same, what, same ? "codes (both layouts), scale, losses, lse: the bits of loss rows + the CPU's rounding"
+                                : "bits DIFFER from loss rows + the CPU's rounding (or the logits were overwritten)");
     }
     dfree_all();
 }
@@ -1807,6 +1814,8 @@ template <typename T> static void test_loss_fp8(int N, int C, int V, int Vp, int
     T *d_logits = poisoned<T>((size_t)chunk * Vp), *d_dx = poisoned<T>((size_t)N * C);
     float *d_dwte = upload<float>(dwte0), *d_losses = poisoned<float>(N), *d_lse = poisoned<float>(N);
     float* d_dscale = upload<float>(Vec(1, 1.0f / N));
+    unsigned* d_salt = (unsigned*)dalloc(sizeof(unsigned));
+    CUDA_CHECK(cudaMemset(d_salt, 0x5A, sizeof(unsigned)));
     CUDA_CHECK(cudaMemset(sc, 0, 2 * sizeof(Fp8Scale)));
     fp8_reduce_amax(&sc[0], d_x, x.size());
     fp8_cast_classifier_input(x8, x8t, &sc[0], d_x, N, C, chunk);
@@ -1832,6 +1841,7 @@ template <typename T> static void test_loss_fp8(int N, int C, int V, int Vp, int
         c.x = fp8_mat(x8 + (size_t)r0 * C, FP8_E4M3, &sc[0]);
         c.wte = fp8_mat(w8, FP8_E4M3, &sc[1]);
         c.x_t = x8t + (size_t)r0 * C, c.wte_t = w8t, c.g = g8, c.g_t = g8t, c.g_sc = &sc[2 + ch];
+        c.salt = d_salt, c.row0 = r0;
         return c;
     };
     for (float gb : GRAD_BETAS) {

@@ -130,6 +130,65 @@ static inline FP8_HD float fp8_scale_for_amax(float amax, int fmt) {
  * binade coarser. No history, nothing to checkpoint. */
 static inline FP8_HD float fp8_dlogits_scale(float dscale) { return fp8_scale_for_amax(fabsf(dscale), FP8_DLOGITS_FMT); }
 
+/* Stochastic rounding of the FP8 classifier's dlogits (docs/DESIGN.md §18). Rounded to nearest,
+ * the many dlogits p/N of unlikely tokens end as zero or a few bits, always the same way, and the
+ * input gradient dx = dlogits @ wte carries that bias into the whole network: 2000 steps of
+ * ANDREA-120M ended 2.5 % above bf16 with dlogits rounded to nearest (in dx alone 2.7 %, in dwte alone
+ * -0.5 %) and 0.1 % with them rounded stochastically (docs/BENCHMARKS.md #109). Rounded
+ * stochastically, a value x between two neighbouring codes lo < hi becomes hi with probability
+ * (x - lo) / (hi - lo), so every code is x on average and the small ones are no longer lost.
+ *
+ * The random bits are a hash of a salt and the value's place, so both engines draw the same ones
+ * and a resumed run the same as an unbroken one: the salt is a hash of the micro-batch's targets
+ * (fp8_dlogits_salt: nothing to checkpoint, new with every batch); a row's key mixes the salt with
+ * the row's index in the micro-batch; a packet of FP8_SR_PACKET neighbouring columns takes one hash of
+ * the key and its index; its k-th value the hash plus k eighths of 2^32 (its threshold offset by k/8:
+ * each uniform, the eight stratified). */
+#define FP8_SR_PACKET 8
+static inline FP8_HD unsigned fp8_mix32(unsigned x) { /* a bijective avalanche of 32 bits */
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
+}
+static inline FP8_HD unsigned fp8_sr_row_key(unsigned salt, int row) { return fp8_mix32(salt ^ ((unsigned)row * 0x85EBCA6Bu)); }
+/* The random bits of value k of the packet of columns FP8_SR_PACKET * packet .. of the row with key row_key. */
+static inline FP8_HD unsigned fp8_sr_packet_bits(unsigned row_key, int packet) {
+    return fp8_mix32(row_key + (unsigned)packet * 0x9E3779B9u);
+}
+static inline FP8_HD unsigned fp8_sr_value_bits(unsigned packet_bits, int k) { return packet_bits + ((unsigned)k << 29); }
+
+/* x rounded stochastically to a value of format fmt's grid with the random bits r, as an fp32
+ * value that fp8_from_float then converts exactly. Above the format's smallest normal 2^(1-bias)
+ * the grid drops the low 23 - mb bits of x's fp32 pattern: adding r's top 23 - mb bits there
+ * and clearing them rounds up with the probability of the dropped fraction (a carry moves into the
+ * exponent: the next binade's first value). Below it the grid is the smallest normal's (its
+ * subnormal codes): x + 2^(1-bias) lies in that binade, rounded there once to fp32 (at
+ * 2^(1-bias-23): a fraction of a code to within 2^-20 in E4M3), then rounded the same way and the
+ * offset taken back off exactly. Saturates as fp8_from_float does; NaN stays NaN. */
+static inline FP8_HD float fp8_round_stochastic(float x, unsigned r, int fmt) {
+    int drop = 23 - fp8_mant_bits(fmt);
+    unsigned sign = fp8_float_bits(x) & 0x80000000u, mask = (1u << drop) - 1u, w;
+    float a = fabsf(x), min_normal = fmt == FP8_E4M3 ? 0x1p-6f : 0x1p-14f;
+    float off = a < min_normal ? min_normal : 0.0f, y;
+    w = fp8_float_bits(a + off);
+    w = (w + (r >> (32 - drop))) & ~mask;
+    memcpy(&y, &w, sizeof y);
+    y -= off;
+    w = fp8_float_bits(y) | sign;
+    memcpy(&y, &w, sizeof y);
+    return y;
+}
+
+/* The salt of a micro-batch's dlogits: a hash of its n targets (order-sensitive). */
+static inline unsigned fp8_dlogits_salt(const int* targets, int n) {
+    unsigned h = 0x6A09E667u;
+    for (int i = 0; i < n; i++) h += fp8_mix32((unsigned)targets[i] ^ ((unsigned)i * 0x9E3779B9u));
+    return fp8_mix32(h ^ (unsigned)n);
+}
+
 /* Largest |x| of n values as the GPU reduces it: the maximum of the fp32 bit patterns of |x|, so
  * a NaN (whose pattern is above infinity's) makes the result NaN. Order-free, hence deterministic. */
 static inline float fp8_amax(const float* x, size_t n) {
@@ -150,6 +209,24 @@ static inline void fp8_fake_quantize_at(float* out, const float* x, size_t n, in
     long i, len = (long)n;
     #pragma omp parallel for schedule(static)
     for (i = 0; i < len; i++) out[i] = fp8_to_float(fp8_from_float(x[i] * s, fmt), fmt) * inv;
+}
+
+/* fp8_fake_quantize_at of the dlogits [n, Vp] of a micro-batch whose rows start at row0, rounded
+ * stochastically with the salt's bits (fp8_round_stochastic), as the GPU's loss rows write them. */
+static inline void fp8_fake_quantize_dlogits(float* out, const float* x, int n, int Vp, int row0, unsigned salt,
+                                             int fmt, float s) {
+    float inv = 1.0f / s;
+    int r;
+    #pragma omp parallel for schedule(static)
+    for (r = 0; r < n; r++) {
+        unsigned key = fp8_sr_row_key(salt, row0 + r), bits = 0;
+        for (int j = 0; j < Vp; j++) {
+            size_t i = (size_t)r * Vp + j;
+            if (j % FP8_SR_PACKET == 0) bits = fp8_sr_packet_bits(key, j / FP8_SR_PACKET);
+            float y = fp8_round_stochastic(x[i] * s, fp8_sr_value_bits(bits, j % FP8_SR_PACKET), fmt);
+            out[i] = fp8_to_float(fp8_from_float(y, fmt), fmt) * inv;
+        }
+    }
 }
 
 /* The same at the tensor's current scale. Returns the scale. */

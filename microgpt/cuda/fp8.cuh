@@ -1114,12 +1114,15 @@ static void fp8_gemm(Fp8Pass pass, int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD*
  * LayerNorm); wte [Vp, C] for the logits and wte^T [C, Vp] for dx (E4M3, cast with the layers'
  * weights); dlogits' codes [n, Vp] for dx and [Vp, n] for dwte (FP8_DLOGITS_FMT at the static scale
  * fp8_dlogits_scale, written to g_sc: the loss rows write the row-major codes themselves,
- * loss_fwd_bwd_fp8). */
+ * loss_fwd_bwd_fp8, rounded stochastically with the micro-batch's salt, the chunk's first row
+ * row0 in the micro-batch). */
 struct Fp8ClassifierOps {
     Fp8Mat x, wte;          /* the logits product's operands */
     const fp8 *x_t, *wte_t; /* at x's and wte's scales */
     fp8 *g, *g_t;
     Fp8Scale* g_sc;
+    const unsigned* salt; /* device: cpu/fp8.h's fp8_dlogits_salt of the micro-batch */
+    int row0;
 };
 
 /* LNf's output x [N, C] cast for the FP8 classifier at the current scale of the amax in sc (the
@@ -1141,42 +1144,61 @@ struct LossStoreFp8Out {
     fp8* codes;
     Fp8Scale* sc;
     int Vp;
+    const unsigned* salt; /* device: the micro-batch's (cpu/fp8.h's fp8_dlogits_salt) */
+    int row0;             /* the block's row 0 in the micro-batch */
+};
+/* What a row's stores take: the codes' scale and the row's random key (cpu/fp8.h's fp8_sr_row_key). */
+struct LossStoreFp8Row {
+    float s;
+    unsigned key;
 };
 
 /* The FP8 classifier's loss rows (loss.cuh's Store) write dlogits' codes [n, Vp] row-major in
  * FP8_DLOGITS_FMT instead of T over the logits: each value as it would be stored in T, at the static
- * scale s = fp8_dlogits_scale(ds) (cpu/fp8.h), which the first packet of row 0 writes to sc. Bit for
- * bit the loss rows in T, then fp8_cast with the bound |ds| as the amax (tests/kernel_check.cu). In
- * few instructions a packet (docs/BENCHMARKS.md #83: the loss rows 1.2x faster): s comes once a row
+ * scale s = fp8_dlogits_scale(ds) (cpu/fp8.h), which the first packet of row 0 writes to sc, rounded
+ * stochastically (cpu/fp8.h's fp8_round_stochastic, with the bits of the value's row and column in
+ * the micro-batch: the CPU engine's, bit for bit; tests/kernel_check.cu). In few instructions a
+ * packet (docs/BENCHMARKS.md #83: the loss rows 1.2x faster): s and the row's key come once a row
  * (loss_store_row_arg; the compiler does not hoist fp8_dlogits_scale's frexpf / ldexpf out of the
- * row loop), and a pair of values takes one packed T conversion (as_stored2, the same rounding as
- * as_stored) and one FP8 conversion (fp8_cvt2, as fp8_cvt's), whose 16-bit results make the 8-byte
- * store with no byte shuffling. */
+ * row loop), a pair of values takes one packed T conversion (as_stored2, the same rounding as
+ * as_stored) and one FP8 conversion (fp8_cvt2, as fp8_cvt's, exact on the rounded values), whose
+ * 16-bit results make the 8-byte store with no byte shuffling. */
 struct LossStoreFp8 : LossStoreFp8Out {
     template <typename T, int VEC>
-    __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], float s) const {
+    __device__ __forceinline__ void store(T* l, int row, int j, const float (&v)[VEC], LossStoreFp8Row a) const {
+        static_assert(FP8_SR_PACKET % VEC == 0, "a packet of the loss rows lies in one packet of random bits");
         fp8* dst = codes + (size_t)row * Vp + j;
+        unsigned bits = fp8_sr_packet_bits(a.key, j / FP8_SR_PACKET);
+        int k0 = j % FP8_SR_PACKET;
         (void)l;
         if constexpr (VEC == 8) {
             unsigned short q[VEC / 2];
             for (int k = 0; k < VEC; k += 2) {
                 float2 y = as_stored2<T>(v[k], v[k + 1]);
-                q[k / 2] = fp8_cvt2(y.x * s, y.y * s, FP8_DLOGITS_FMT);
+                q[k / 2] = fp8_cvt2(fp8_round_stochastic(y.x * a.s, fp8_sr_value_bits(bits, k), FP8_DLOGITS_FMT),
+                                    fp8_round_stochastic(y.y * a.s, fp8_sr_value_bits(bits, k + 1), FP8_DLOGITS_FMT),
+                                    FP8_DLOGITS_FMT);
             }
             uint2 w;
             memcpy(&w, q, sizeof w);
             *reinterpret_cast<uint2*>(dst) = w; /* Vp and j multiples of 8 (the packed kernels) */
         } else {
-            for (int k = 0; k < VEC; k++) dst[k] = fp8_cvt(as_stored<T>(v[k]) * s, FP8_DLOGITS_FMT);
+            for (int k = 0; k < VEC; k++)
+                dst[k] = fp8_cvt(fp8_round_stochastic(as_stored<T>(v[k]) * a.s, fp8_sr_value_bits(bits, k0 + k),
+                                                      FP8_DLOGITS_FMT),
+                                 FP8_DLOGITS_FMT);
         }
         if (row == 0 && j == 0) {
-            sc->scale = s;
-            sc->descale = 1.0f / s;
+            sc->scale = a.s;
+            sc->descale = 1.0f / a.s;
         }
     }
 };
-/* Its store()'s s: the codes' scale, derived from ds once a row (loss.cuh's loss_row). */
-__device__ __forceinline__ float loss_store_row_arg(const LossStoreFp8&, float ds) { return fp8_dlogits_scale(ds); }
+/* Its store()'s row argument: the codes' scale, derived from ds, and the row's key, once a row
+ * (loss.cuh's loss_row). */
+__device__ __forceinline__ LossStoreFp8Row loss_store_row_arg(const LossStoreFp8& st, float ds, int row) {
+    return {fp8_dlogits_scale(ds), fp8_sr_row_key(*st.salt, st.row0 + row)};
+}
 /* loss.cuh's loss_grad_lean: the same codes (docs/BENCHMARKS.md #84) */
 template <> struct LossStoreLean<LossStoreFp8> : std::true_type {};
 
@@ -1293,7 +1315,7 @@ template <typename T>
 static void loss_fwd_bwd_fp8(float* losses, float* lse, T* dx, float* dwte, T* logits, const Fp8ClassifierOps& c,
                              const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
     fp8_gemm<T>(FP8_PASS_FORWARD, n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
-    loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreFp8{c.g, c.g_sc, Vp});
+    loss_rows(losses, lse, logits, targets, n, V, Vp, dscale, LossStoreFp8{c.g, c.g_sc, Vp, c.salt, c.row0});
     fp8_transpose(c.g_t, c.g, n, Vp);
     side_product(c.g_t, [&] {
         fp8_gemm<float>(FP8_PASS_BACKWARD, Vp, C, n, fp8_mat(c.g_t, FP8_DLOGITS_FMT, c.g_sc),

@@ -62,14 +62,18 @@ static void classifier_logits(L* logits, const T* x, const T* wte, int n, int C,
 }
 
 #include <type_traits>
-/* What a store's store() takes for ds, derived once a row: ds itself, unless the store's type has
- * its own overload (cuda/fp8.cuh's LossStoreFp8: the codes' scale). */
-template <typename Store> __device__ __forceinline__ float loss_store_row_arg(const Store&, float ds) { return ds; }
+/* What a store's store() takes for ds, derived once a row (`row`, the block's): ds itself, unless
+ * the store's type has its own overload (cuda/fp8.cuh's LossStoreFp8: the codes' scale and the row's
+ * random key). */
+template <typename Store> __device__ __forceinline__ float loss_store_row_arg(const Store&, float ds, int row) {
+    (void)row;
+    return ds;
+}
 /* Whether a store takes loss_grad_lean's gradient: no, unless specialised (LossStoreFp8). */
 template <typename Store> struct LossStoreLean : std::false_type {};
 
 /* What a row's second pass does with its gradient's packets (v: the VEC values from column j of
- * row `row`; ds: loss_store_row_arg(st, *dscale)): by default
+ * row `row`; ds: loss_store_row_arg(st, *dscale, row)): by default
  * overwrites the logits l with them in T. The FP8 classifier stores their FP8 codes elsewhere
  * instead (cuda/fp8.cuh's LossStoreFp8). */
 struct LossStoreInPlace {
@@ -142,7 +146,7 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
     }
     if (!dscale) return;
     float ds = *dscale;
-    const float st_arg = loss_store_row_arg(st, ds);
+    const auto st_arg = loss_store_row_arg(st, ds, row);
     for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
         load_vec(v, src + j);
         if constexpr (LossStoreLean<Store>::value) loss_grad_lean(v, j, target, row_lse, ds);
