@@ -18,7 +18,7 @@ must be a plain file name (letters, digits, ._-), else the run is refused before
 --precision runs one of the two: an fp8 candidate's run against the bf16 records of an earlier
 invocation of the same commit's bf16 path (the summary joins the two folders). --engine-arg ARG
 (repeatable) adds ARG to each run's engine command, after the config's flags: a runtime setting of a
-candidate, e.g. --engine-arg=--train.fp8_classifier=all (one word with `=`: argparse takes an ARG
+candidate, e.g. --engine-arg=--train.fp8_classifier=logits (one word with `=`: argparse takes an ARG
 that starts with -- for an option of its own).
 
 summary: reads every such record file in the DIRs (the two models may come from two invocations)
@@ -358,7 +358,7 @@ def parse_args(argv):
     r.add_argument("--timeout", type=int, default=600, help="seconds per run")
     r.add_argument("--precision", choices=PRECISIONS, help="run only this one (default: both)")
     r.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
-                   help="one more engine argument for every run, e.g. --engine-arg=--train.fp8_classifier=all")
+                   help="one more engine argument for every run, e.g. --engine-arg=--train.fp8_classifier=logits")
     s = sub.add_parser("summary", help="the summary JSON and the chart of the runs in DIRs")
     s.add_argument("dirs", nargs="+")
     s.add_argument("--out", help="where the summary and chart go (default: the first DIR)")

@@ -14,9 +14,9 @@ counter-based generator, bench/engine_rng.py), optimizer, schedule and clipping 
     --precision fp8    bf16 with the blocks' linear layers (QKV, attention output, MLP up and down)
                        trained in float8 by torchao (convert_to_float8_training, tensorwise scaling:
                        E4M3 weights and activations, E5M2 gradients, a dynamic scale per tensor), the
-                       classifier in bf16 (the engine's fp8 mode runs the classifier's logits
-                       product in FP8 from d_model 512 by default, all three with
-                       train.fp8_classifier all, docs/DESIGN.md §18); --compile as for bf16.
+                       classifier in bf16 (the engine's fp8 mode runs the classifier's three
+                       products in FP8 from d_model 512 by default, the logits' alone with
+                       train.fp8_classifier logits, docs/DESIGN.md §18); --compile as for bf16.
                        torchao is imported as it is installed (not in requirements.txt: it needs a
                        CUDA torch); where it is missing this precision stops with one error line.
     --precision fp32   eager fp32 with TF32 matmuls allowed, fused AdamW

@@ -1,8 +1,9 @@
 """The FP8 classifier (docs/DESIGN.md §18): in precision fp8, from model.d_model 512 up (cpu/fp8.h's
-fp8_classifier_pays), the tied classifier's logits product runs in FP8 (train.fp8_classifier logits,
-the default: wte and LNf's output E4M3 at their current scales; dlogits, dx and dwte in the activation
-type, fp32 on the CPU), or all three of its products (all: dlogits FP8_GRAD_FMT at the static scale
-of their bound 1/(B·T), written by the GPU's loss rows), in both engines; below 512, or with off, the
+fp8_classifier_pays), all three of the tied classifier's products run in FP8 (train.fp8_classifier
+all, the default: wte and LNf's output E4M3 at their current scales, dlogits FP8_GRAD_FMT at the
+static scale of their bound 1/(B·T), rounded stochastically, written by the GPU's loss rows), or its
+logits product alone (logits: dlogits, dx and dwte in the activation type, fp32 on the CPU), in both
+engines; below 512, or with off, the
 classifier stays in the activation type. A one-layer model of d_model 512 (small vocabulary and
 sequence, so the CPU runs it in seconds) on each side of the rule: each engine says which classifier
 it runs, the padded vocabulary the FP8 products run over is refused only where they run, the CPU
@@ -32,7 +33,7 @@ WIDTHS = {"fp8 classifier": {"model.d_model": 512, "model.n_head": 8},
 # one layer, a small vocabulary (the pattern shards' 60 in 64) and 64 positions (4 x 16)
 CLS_SHAPE = {"model.n_layer": 1, "model.d_ff": 512, "model.seq_len": 16, "model.padded_vocab_size": 64,
              "train.batch_size": 4}
-CLS_RUN = {**RUN, **CLS_SHAPE, **WIDTHS["fp8 classifier"]}  # train.fp8_classifier: the default, logits
+CLS_RUN = {**RUN, **CLS_SHAPE, **WIDTHS["fp8 classifier"]}  # train.fp8_classifier: the default, all
 MODES = ["logits", "all"]  # the values of train.fp8_classifier that run FP8 products
 SHORT = {"train.steps": 2, "train.warmup_steps": 0, "eval.every": 0}  # a run that only starts
 CLASSIFIER_LINE = re.compile(r"classifier: (FP8|bf16|fp32) products")
@@ -66,15 +67,16 @@ def test_cpu_engine_runs_the_fp8_classifier_from_d_model_512(cpu_binary, random_
         assert res.rc == 0 and len(res.steps) == 2, res.describe()
 
 
-def test_the_fp8_classifier_runs_the_logits_alone_by_default(cpu_binary, random_shards):
-    """Without train.fp8_classifier the engine runs the logits' product in FP8 and says so (as with
-    logits); with off, d_model 512 keeps the classifier in the activation type and a padded vocabulary
-    no FP8 product runs over is trained on; a value other than off, logits or all is one error line."""
-    for extra in ({}, {"train.fp8_classifier": "logits"}):
+def test_the_fp8_classifier_runs_all_three_products_by_default(cpu_binary, random_shards):
+    """Without train.fp8_classifier the engine runs all three of the classifier's products in FP8 and
+    says so (as with all); with logits, the logits' alone; with off, d_model 512 keeps the classifier
+    in the activation type and a padded vocabulary no FP8 product runs over is trained on; a value
+    other than off, logits or all is one error line."""
+    for extra in ({}, {"train.fp8_classifier": "all"}):
         res = run_ok(cpu_binary, tiny_args(random_shards.train, **{**CLS_RUN, **SHORT, **extra}))
-        assert classifier_named(res) == "FP8" and "FP8 products, the logits'" in res.stderr, res.stderr
-    res = run_ok(cpu_binary, tiny_args(random_shards.train, **in_mode("all", **SHORT)))
-    assert "FP8 products, all three" in res.stderr, res.stderr
+        assert classifier_named(res) == "FP8" and "FP8 products, all three" in res.stderr, res.stderr
+    res = run_ok(cpu_binary, tiny_args(random_shards.train, **in_mode("logits", **SHORT)))
+    assert "FP8 products, the logits'" in res.stderr, res.stderr
     args = tiny_args(random_shards.train, **in_mode("off", **SHORT))
     assert classifier_named(run_ok(cpu_binary, args)) == "fp32"
     res = eu.run_engine(cpu_binary, args + ["--model.padded_vocab_size", "72"])

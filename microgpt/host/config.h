@@ -154,9 +154,10 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("train.warmup_steps", F_INT, &c->train.warmup_steps, 0, "0", 0, NULL, 0, BIG, "linear LR warmup steps");
     FLAG("train.precision", F_STR, c->train.precision, sizeof c->train.precision, "fp32", 0, "fp32|tf32|bf16|fp16|fp8", 0,
          0, "compute precision: tf32 is fp32 with TF32 tensor-core products (the CPU engine always computes fp32)");
-    FLAG("train.fp8_classifier", F_STR, c->train.fp8_classifier, sizeof c->train.fp8_classifier, "logits", 0,
-         "off|logits|all", 0, 0, "precision fp8, where that pays (model.d_model >= 512): the tied classifier's logits "
-         "product in FP8 (logits), all three of its products (all: faster, at a cost in validation loss), or none (off)");
+    FLAG("train.fp8_classifier", F_STR, c->train.fp8_classifier, sizeof c->train.fp8_classifier, "all", 0,
+         "off|logits|all", 0, 0, "precision fp8, where that pays (model.d_model >= 512): all three of the tied "
+         "classifier's products in FP8 (all, dlogits rounded stochastically), the logits product alone (logits), or "
+         "none (off)");
     FLAG("train.lr", F_FLOAT, &c->train.lr, 0, "6e-4", 0, NULL, 0, LR_MAX, "peak learning rate");
     FLAG("train.min_lr", F_FLOAT, &c->train.min_lr, 0, "0", 0, NULL, 0, LR_MAX, "final learning rate of the decay");
     FLAG("train.weight_decay", F_FLOAT, &c->train.weight_decay, 0, "0.1", 0, NULL, 0, FBIG, "AdamW decoupled weight decay (2-D tensors only)");
@@ -638,9 +639,9 @@ static void config_validate_sources(const Config* c) {
 }
 
 /* Which of the classifier's products the engines run in FP8 (docs/DESIGN.md §18): in precision fp8,
- * where that pays (cpu/fp8.h's fp8_classifier_pays), the logits' (train.fp8_classifier logits, the
- * default: dlogits, dx and dwte stay in the activation type) or all three (all: its backward's FP8
- * costs validation loss); none otherwise, and never in generation. */
+ * where that pays (cpu/fp8.h's fp8_classifier_pays), all three (train.fp8_classifier all, the
+ * default: dlogits rounded stochastically) or the logits' alone (logits: dlogits, dx and dwte stay
+ * in the activation type); none otherwise, and never in generation. */
 enum { FP8_CLASSIFIER_NONE, FP8_CLASSIFIER_LOGITS, FP8_CLASSIFIER_ALL };
 static int config_fp8_classifier(const Config* c) {
     if (strcmp(c->train.precision, "fp8") != 0 || c->generate.enabled || !fp8_classifier_pays(c->model.d_model))
