@@ -85,6 +85,16 @@ void cast_all(unsigned char* out, const float* x, size_t n, int fmt) {
 void decode_all(float* out, int fmt) { for (int c = 0; c < 256; c++) out[c] = fp8_to_float((unsigned char)c, fmt); }
 float scale_for_amax(float amax, int fmt) { return fp8_scale_for_amax(amax, fmt); }
 float fake_quantize(float* out, const float* x, size_t n, int fmt) { return fp8_fake_quantize(out, x, n, fmt); }
+void round_stochastic_all(unsigned char* out, const float* x, const unsigned* r, size_t n, int fmt) {
+    for (size_t i = 0; i < n; i++) out[i] = fp8_from_float(fp8_round_stochastic(x[i], r[i], fmt), fmt);
+}
+void fake_quantize_dlogits(float* out, const float* x, int n, int Vp, int row0, unsigned salt, int fmt, float s) {
+    fp8_fake_quantize_dlogits(out, x, n, Vp, row0, salt, fmt, s);
+}
+unsigned dlogits_bits(unsigned salt, int row, int col) {
+    return fp8_sr_value_bits(fp8_sr_packet_bits(fp8_sr_row_key(salt, row), col / FP8_SR_PACKET), col %% FP8_SR_PACKET);
+}
+unsigned dlogits_salt(const int* targets, int n) { return fp8_dlogits_salt(targets, n); }
 """
 
 
@@ -99,6 +109,12 @@ def fp8lib(tmp_path_factory):
     so.scale_for_amax.restype = ctypes.c_float
     so.scale_for_amax.argtypes = [ctypes.c_float, ctypes.c_int]
     so.fake_quantize.restype = ctypes.c_float
+    so.fake_quantize_dlogits.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                         ctypes.c_uint, ctypes.c_int, ctypes.c_float]
+    so.dlogits_bits.restype = ctypes.c_uint
+    so.dlogits_bits.argtypes = [ctypes.c_uint, ctypes.c_int, ctypes.c_int]
+    so.dlogits_salt.restype = ctypes.c_uint
+    so.dlogits_salt.argtypes = [ctypes.c_void_p, ctypes.c_int]
     return so
 
 
@@ -174,6 +190,100 @@ def test_fake_quantize_is_cast_at_the_current_scale_then_dequantised(fp8lib, fmt
     want = code_values(fmt)[reference_cast(x.astype(np.float64) * s, fmt)] / s
     assert np.array_equal(out.astype(np.float64), want)
     assert np.abs(out).max() <= FORMATS[fmt][3] / s and not np.array_equal(out, x)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stochastic rounding (the FP8 classifier's dlogits)
+
+def c_round_stochastic(lib, x, r, fmt):
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    r = np.ascontiguousarray(r, dtype=np.uint32)
+    out = np.empty(x.size, dtype=np.uint8)
+    lib.round_stochastic_all(out.ctypes.data_as(ctypes.c_void_p), x.ctypes.data_as(ctypes.c_void_p),
+                             r.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(x.size), fmt)
+    return out
+
+
+def reference_round_stochastic(x, r, fmt):
+    """The codes of x (float32 array) rounded stochastically with the random words r, from the
+    definition: |x| between neighbouring grid values lo < hi becomes hi when u + (|x| - lo) / (hi - lo)
+    >= 1, u the top 23 - mb bits of r as a fraction; below the smallest normal value m, |x| is first
+    rounded once to fp32 as |x| + m (the one rounding the definition allows); beyond the largest
+    finite value, saturation; NaN -> 0x7F."""
+    _, mb, bias, _ = FORMATS[fmt]
+    drop = 23 - mb
+    vals = code_values(fmt)
+    max_code = int(np.nanargmax(np.where(np.isfinite(vals[:128]), vals[:128], -1)))
+    grid = vals[:max_code + 1]
+    min_normal = 2.0 ** (1 - bias)
+    with np.errstate(invalid="ignore"):  # NaN inputs: their code is set last
+        a = np.abs(x.astype(np.float64))
+        a = np.where(a < min_normal, (np.abs(x) + np.float32(min_normal)).astype(np.float64) - min_normal, a)
+    a_sat = np.minimum(np.where(np.isnan(a), 0.0, a), grid[-1])
+    lo = np.clip(np.searchsorted(grid, a_sat, side="right") - 1, 0, max_code)
+    hi = np.minimum(lo + 1, max_code)
+    frac = np.where(hi > lo, (a_sat - grid[lo]) / np.where(hi > lo, grid[hi] - grid[lo], 1.0), 0.0)
+    u = (r.astype(np.uint64) >> (32 - drop)).astype(np.float64) / 2.0 ** drop
+    code = np.where((frac > 0) & (u + frac >= 1.0), hi, lo).astype(np.uint8)
+    code |= np.where(np.signbit(x), 0x80, 0).astype(np.uint8)
+    return np.where(np.isnan(x), np.uint8(0x7F), code)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_stochastic_rounding_matches_the_float64_reference(fp8lib, fmt):
+    """Every awkward input (all binades, midpoints, subnormals, saturation, specials) with random
+    words, and the words at the edges of a unit (0, all ones, the thresholds), against the
+    definition: the code is one of the two neighbours of x, the upper one exactly when the random
+    fraction reaches the rest of the unit."""
+    rng = np.random.default_rng(23)
+    x = awkward_inputs(fmt, 5)
+    words = [rng.integers(0, 2 ** 32, x.size, dtype=np.uint64).astype(np.uint32),
+             np.zeros(x.size, np.uint32), np.full(x.size, 0xFFFFFFFF, np.uint32)]
+    for r in words:
+        got, want = c_round_stochastic(fp8lib, x, r, fmt), reference_round_stochastic(x, r, fmt)
+        bad = np.flatnonzero(got != want)
+        assert bad.size == 0, [(float(x[i]), int(r[i]), int(got[i]), int(want[i])) for i in bad[:5]]
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_stochastic_rounding_is_unbiased(fp8lib, fmt):
+    """Over all 2^16 values of the random word's top bits, the mean of the rounded values is x to
+    within 2^-16 of a unit (and the one fp32 rounding below the smallest normal): small values
+    below the least subnormal code included, which rounding to nearest makes zero."""
+    _, mb, bias, big = FORMATS[fmt]
+    least = 2.0 ** (1 - bias - mb)
+    xs = [least * 1e-3, least * 0.3, least * 2.5, 2.0 ** (1 - bias) * 0.999, 1.0 + 2.0 ** -(mb + 2),
+          2.0 ** 5 * (1 + 2.0 ** -9), -0.7 * least, big * 0.9]
+    r = (np.arange(2 ** 16, dtype=np.uint32) << 16).astype(np.uint32)
+    vals = code_values(fmt)
+    for x in xs:
+        xf = np.float32(x)
+        mean = vals[c_round_stochastic(fp8lib, np.full(r.size, xf, np.float32), r, fmt)].mean()
+        unit = least if abs(x) < 2.0 ** (1 - bias) else 2.0 ** (np.floor(np.log2(abs(x))) - mb)
+        assert abs(mean - float(xf)) <= unit * 2.0 ** -15, (x, mean)
+
+
+def test_dlogits_rounding_draws_its_bits_from_row_and_column(fp8lib):
+    """fp8_fake_quantize_dlogits is each value rounded stochastically at the scale with the bits of
+    its row (from row0) and column, then dequantised; the bits differ between neighbouring values,
+    rows and salts; the salt changes with any target and with their order."""
+    rng = np.random.default_rng(3)
+    n, vp, row0, salt, s = 3, 40, 7, 0x2545F491, 2.0 ** 21
+    x = (rng.random((n, vp)) * 2.0 ** -21).astype(np.float32)
+    x[:, -3:] = 0.0
+    out = np.empty_like(x)
+    fp8lib.fake_quantize_dlogits(out.ctypes.data, x.ctypes.data, n, vp, row0, salt, E4M3, s)
+    r = np.array([[fp8lib.dlogits_bits(salt, row0 + i, j) for j in range(vp)] for i in range(n)], np.uint32)
+    want = code_values(E4M3)[reference_round_stochastic((x * np.float32(s)).ravel(), r.ravel(), E4M3)] / s
+    assert np.array_equal(out.ravel().astype(np.float64), want) and np.all(out[:, -3:] == 0)
+    assert len(set(r.ravel().tolist())) == r.size
+    assert fp8lib.dlogits_bits(salt + 1, row0, 0) != r[0, 0]
+    t = np.arange(64, dtype=np.int32)
+    salt_of = lambda a: fp8lib.dlogits_salt(np.ascontiguousarray(a, np.int32).ctypes.data, a.size)  # noqa: E731
+    t2, t3 = t.copy(), t.copy()
+    t2[40] += 1
+    t3[[3, 4]] = t3[[4, 3]]
+    assert len({salt_of(t), salt_of(t2), salt_of(t3), salt_of(t[:63])}) == 4
 
 
 # ---------------------------------------------------------------------------------------------------

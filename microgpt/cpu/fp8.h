@@ -167,12 +167,14 @@ static inline FP8_HD unsigned fp8_sr_value_bits(unsigned packet_bits, int k) { r
  * exponent: the next binade's first value). Below it the grid is the smallest normal's (its
  * subnormal codes): x + 2^(1-bias) lies in that binade, rounded there once to fp32 (at
  * 2^(1-bias-23): a fraction of a code to within 2^-20 in E4M3), then rounded the same way and the
- * offset taken back off exactly. Saturates as fp8_from_float does; NaN stays NaN. */
+ * offset taken back off exactly. Beyond the largest finite value fp8_from_float saturates the
+ * result; infinities and NaN are returned as they are (a NaN's payload would carry into the sign). */
 static inline FP8_HD float fp8_round_stochastic(float x, unsigned r, int fmt) {
     int drop = 23 - fp8_mant_bits(fmt);
     unsigned sign = fp8_float_bits(x) & 0x80000000u, mask = (1u << drop) - 1u, w;
     float a = fabsf(x), min_normal = fmt == FP8_E4M3 ? 0x1p-6f : 0x1p-14f;
     float off = a < min_normal ? min_normal : 0.0f, y;
+    if (!(a < INFINITY)) return x;
     w = fp8_float_bits(a + off);
     w = (w + (r >> (32 - drop))) & ~mask;
     memcpy(&y, &w, sizeof y);
