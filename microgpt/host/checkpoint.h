@@ -139,10 +139,11 @@ static const char* const sidecar_value_names[] = {
     "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision", "fp8_classifier"};
 
 /* The sidecar's "values_crc32c" for its text: the CRC-32C of the canonical text of its values, each
- * of sidecar_value_names as the readers find it, "NAME=%.17g;" for a number, "NAME=\"TEXT\";" for a
- * string (json_find_string's bytes), "NAME;" for a member missing or of another type. Of the values,
- * not of the bytes: a sidecar re-indented or rewritten by Python's json keeps its checksum, an edited
- * vocab_size or n_head (the checkpoint's size does not change with them) fails it. */
+ * of sidecar_value_names as the readers find it, "NAME=%.17g;" for a number (-0 as 0: Python's json
+ * reads "-0" as the int 0), "NAME=\"TEXT\";" for a string (json_find_string's bytes), "NAME;" for a
+ * member missing or of another type. Of the values, not of the bytes: a sidecar re-indented or
+ * rewritten by Python's json keeps its checksum, an edited vocab_size or n_head (the checkpoint's
+ * size does not change with them) fails it. */
 static uint32_t sidecar_values_crc32c(const char* text) {
     char item[96], str[32];
     double x;
@@ -150,7 +151,7 @@ static uint32_t sidecar_values_crc32c(const char* text) {
     size_t i;
     for (i = 0; i < sizeof sidecar_value_names / sizeof sidecar_value_names[0]; i++) {
         const char* name = sidecar_value_names[i];
-        if (json_find_number(text, name, &x)) snprintf(item, sizeof item, "%s=%.17g;", name, x);
+        if (json_find_number(text, name, &x)) snprintf(item, sizeof item, "%s=%.17g;", name, x + 0.0);
         else if (json_find_string(text, name, str, sizeof str)) snprintf(item, sizeof item, "%s=\"%s\";", name, str);
         else snprintf(item, sizeof item, "%s;", name);
         crc = crc32c_update(crc, item, strlen(item));
@@ -448,20 +449,80 @@ static int json_has_member(const char* text, const char* key) {
     return p && *json_skip_space(p + strlen(pat)) == ':';
 }
 
-/* The string after "key": in text (JSON whitespace around the colon, as json_find_number), without
- * its quotes (at most cap - 1 bytes, no escapes: the sidecar's strings are precision names), into
- * out. Returns 1 if found. */
+/* The value of the 4 hex digits at p (json_skip_string checked them). */
+static unsigned hex4(const char* p) {
+    unsigned u = 0;
+    int k;
+    for (k = 0; k < 4; k++)
+        u = 16 * u + (unsigned)(isdigit((unsigned char)p[k]) ? p[k] - '0' : (p[k] | 0x20) - 'a' + 10);
+    return u;
+}
+
+/* The UTF-8 bytes of code point u into b (a lone surrogate in the 3-byte form that Python's
+ * "surrogatepass" writes too); returns their count. */
+static int utf8_encode(unsigned u, unsigned char* b) {
+    if (u < 0x80) {
+        b[0] = (unsigned char)u;
+        return 1;
+    }
+    if (u < 0x800) {
+        b[0] = (unsigned char)(0xC0 | u >> 6);
+        b[1] = (unsigned char)(0x80 | (u & 0x3F));
+        return 2;
+    }
+    if (u < 0x10000) {
+        b[0] = (unsigned char)(0xE0 | u >> 12);
+        b[1] = (unsigned char)(0x80 | (u >> 6 & 0x3F));
+        b[2] = (unsigned char)(0x80 | (u & 0x3F));
+        return 3;
+    }
+    b[0] = (unsigned char)(0xF0 | u >> 18);
+    b[1] = (unsigned char)(0x80 | (u >> 12 & 0x3F));
+    b[2] = (unsigned char)(0x80 | (u >> 6 & 0x3F));
+    b[3] = (unsigned char)(0x80 | (u & 0x3F));
+    return 4;
+}
+
+/* The string after "key": in text (JSON whitespace around the colon, as json_find_number; a text
+ * sidecar_is_well_formed took, so its escapes are whole), decoded as JSON decodes it (escapes, a
+ * \u pair as one character), its first cap - 1 bytes of UTF-8, into out. Returns 1 if found; 0
+ * for a string holding U+0000 too, which a C string cannot hold: cut there, "fp32\u0000x" would
+ * read as fp32. Python's reader takes the same bytes (microgpt/checkpoint.py: _canonical_value). */
 static int json_find_string(const char* text, const char* key, char* out, size_t cap) {
     char pat[64];
     const char* p;
+    unsigned char b[4];
     size_t k = 0;
+    int n, i;
     snprintf(pat, sizeof pat, "\"%s\"", key);
     p = strstr(text, pat);
     if (!p) return 0;
     p = json_skip_space(p + strlen(pat));
     if (*p++ != ':' || *(p = json_skip_space(p)) != '"') return 0;
-    for (p++; p[k] && p[k] != '"' && k + 1 < cap; k++) out[k] = p[k];
-    out[k] = '\0';
+    for (p++; *p && *p != '"'; k += (size_t)n) {
+        unsigned u, low;
+        if (*p != '\\') { /* a byte of the text's UTF-8, as it is */
+            b[0] = (unsigned char)*p++;
+            n = 1;
+        } else if (p[1] == 'u') {
+            u = hex4(p + 2);
+            p += 6;
+            if (u >= 0xD800 && u <= 0xDBFF && p[0] == '\\' && p[1] == 'u' && (low = hex4(p + 2)) >= 0xDC00 &&
+                low <= 0xDFFF) {
+                u = 0x10000 + ((u - 0xD800) << 10) + (low - 0xDC00);
+                p += 6;
+            }
+            if (u == 0) return 0;
+            n = utf8_encode(u, b);
+        } else {
+            b[0] = (unsigned char)(p[1] == 'b' ? '\b' : p[1] == 'f' ? '\f' : p[1] == 'n' ? '\n' : p[1] == 'r' ? '\r'
+                                   : p[1] == 't' ? '\t' : p[1]);
+            n = 1;
+            p += 2;
+        }
+        for (i = 0; i < n && k + i + 1 < cap; i++) out[k + i] = (char)b[i];
+    }
+    out[k < cap ? k : cap - 1] = '\0';
     return 1;
 }
 

@@ -309,15 +309,6 @@ static int js_string(JsonIn* j, char* out, size_t cap) {
     return 1;
 }
 
-/* The value of the 4 hex digits at p (json_skip_string checked them). */
-static unsigned hex4(const char* p) {
-    unsigned u = 0;
-    int k;
-    for (k = 0; k < 4; k++)
-        u = 16 * u + (unsigned)(isdigit((unsigned char)p[k]) ? p[k] - '0' : (p[k] | 0x20) - 'a' + 10);
-    return u;
-}
-
 /* Whether the JSON string at p (a valid one: json_skip_string) holds a \u escape of a UTF-16
  * surrogate that is not half of a pair (a high one, D800-DBFF, right before a low one,
  * DC00-DFFF). RFC 8259's grammar lets such a string through, but it names no Unicode text: no
