@@ -380,14 +380,17 @@ def test_a_damaged_checkpoint_says_how_to_use_the_previous_one_here(cpu_binary, 
 
 @pytest.mark.parametrize("key, value", [("seed", "1337.5"), ("n_layer", "1e400"), ("batch_size", "NaN"),
                                         ("n_head", "4.5"), ("seed", '"1337"'), ("batch_size", "null"),
-                                        ("precision", "5"), ("precision", '["fp32"]'), ("n_layer", '"2"')])
+                                        ("precision", "5"), ("precision", '["fp32"]'), ("n_layer", '"2"'),
+                                        ("precision", '"fp3r"'), ("precision", '"FP32"')])
 def test_a_model_flag_in_the_sidecar_that_is_no_int_is_refused(cpu_binary, trained, pattern_shards, tmp_path,
                                                                 key, value):
     """--evaluate took a sidecar's seed of 1337.5 as 1338 ("%.0f") and drew other batches without a
     word; 1e400 or NaN was refused as the flag "--model.n_layer: 'inf'", which the command line never
     gave. A seed, batch size or precision of another type (a string, null, a number, a list) read as
     missing, so the flag's default ran without a word, and a model flag of another type was refused
-    as a missing flag. A value no run writes is the sidecar's damage: one error line naming it, exit 2."""
+    as a missing flag; a precision that is no precision name ("fp3r": a flipped bit) was refused as
+    the flag "--train.precision: 'fp3r'". A value no run writes is the sidecar's damage: one error line
+    naming it, exit 2."""
     ckpt = tmp_path / "tiny.ckpt"
     ckpt.write_bytes(Path(trained["ckpt"]).read_bytes())
     side = Path(f"{trained['ckpt']}.json").read_text()
@@ -397,7 +400,8 @@ def test_a_model_flag_in_the_sidecar_that_is_no_int_is_refused(cpu_binary, train
     res = eu.run_engine(cpu_binary, ["--evaluate", "--checkpoint", ckpt, "--data.val", pattern_shards[1],
                                      "--eval.batches", "1"])
     assert res.rc == 2 and len(res.errors) == 1, res.describe()
-    assert f"{ckpt}.json" in res.errors[0] and key in res.errors[0] and "--model" not in res.errors[0], res.errors
+    assert f"{ckpt}.json" in res.errors[0] and key in res.errors[0], res.errors
+    assert "--model" not in res.errors[0] and "--train" not in res.errors[0], res.errors
 
 
 def test_a_checkpoint_path_too_long_is_the_flag_error_not_a_sidecar_one(cpu_binary, tmp_path):
