@@ -584,12 +584,17 @@ static const char* json_skip_scalar(const char* p) {
 
 /* In fp8 on both sides, where the FP8 classifier pays: a run that resumes with another
  * train.fp8_classifier than it was written with continues in another classifier arithmetic
- * (docs/DESIGN.md §18), so it says so; a sidecar
- * without the member was written before it was recorded, when fp8 ran its classifier in bf16 by
- * default (off) or on request all in FP8 (then named auto). */
+ * (docs/DESIGN.md §18), so it says so; a sidecar without the member was written before it was
+ * recorded, when fp8 ran its classifier in bf16 by default (off) or on request all in FP8 (then
+ * named auto); one whose member is no mode (a number, a name no run writes) says nothing of it. */
 static void sidecar_check_fp8_classifier(const char* text, const Config* c) {
     char saved[16];
-    if (!json_find_string(text, "fp8_classifier", saved, sizeof saved))
+    int found = json_find_string(text, "fp8_classifier", saved, sizeof saved);
+    if ((found && !choice_ok(CFG_FP8_CLASSIFIERS, saved)) || (!found && json_has_member(text, "fp8_classifier")))
+        warn("resuming with train.fp8_classifier %s; the checkpoint's sidecar records an fp8_classifier that is not "
+             "one of %s (damaged or edited?), so which classifier it was trained with is unknown",
+             c->train.fp8_classifier, CFG_FP8_CLASSIFIERS);
+    else if (!found)
         warn("resuming with train.fp8_classifier %s; the checkpoint does not say which classifier it was trained "
              "with (written before that was recorded: off or all)", c->train.fp8_classifier);
     else if (strcmp(saved, c->train.fp8_classifier) != 0)

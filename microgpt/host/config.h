@@ -17,6 +17,8 @@
 #define CFG_NAME_MAX 64
 /* train.precision's values: the flag's choices, and what a checkpoint's sidecar may name (generate.h) */
 #define CFG_PRECISIONS "fp32|tf32|bf16|fp16|fp8"
+/* train.fp8_classifier's values: the flag's choices, and what a sidecar may record (checkpoint.h) */
+#define CFG_FP8_CLASSIFIERS "off|logits|all"
 
 /* One data source of a mixture (docs/FIREHOSE-BANDIT.md): --data.sources.N.{name,train,val,weight}. */
 typedef struct {
@@ -157,7 +159,7 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("train.precision", F_STR, c->train.precision, sizeof c->train.precision, "fp32", 0, CFG_PRECISIONS, 0,
          0, "compute precision: tf32 is fp32 with TF32 tensor-core products (the CPU engine always computes fp32)");
     FLAG("train.fp8_classifier", F_STR, c->train.fp8_classifier, sizeof c->train.fp8_classifier, "logits", 0,
-         "off|logits|all", 0, 0, "precision fp8, where that pays (model.d_model >= 512): the tied classifier's logits "
+         CFG_FP8_CLASSIFIERS, 0, 0, "precision fp8, where that pays (model.d_model >= 512): the tied classifier's logits "
          "product in FP8 (logits), all three of its products (all: faster, at a cost in validation loss), or none (off)");
     FLAG("train.lr", F_FLOAT, &c->train.lr, 0, "6e-4", 0, NULL, 0, LR_MAX, "peak learning rate");
     FLAG("train.min_lr", F_FLOAT, &c->train.min_lr, 0, "0", 0, NULL, 0, LR_MAX, "final learning rate of the decay");
