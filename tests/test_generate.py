@@ -404,6 +404,23 @@ def test_a_model_flag_in_the_sidecar_that_is_no_int_is_refused(cpu_binary, train
     assert "--model" not in res.errors[0] and "--train" not in res.errors[0], res.errors
 
 
+def test_an_error_quoting_bytes_that_are_no_utf8_is_utf8(cpu_binary, trained, tmp_path):
+    """A sidecar's string is decoded as JSON decodes it, a lone surrogate ("\\ud800") to bytes that
+    are no UTF-8, as is a flag's value of bytes no text holds: an error line quoting them was not
+    UTF-8 either (a strict reader of stderr failed on it). They are written as \\xNN."""
+    ckpt = tmp_path / "tiny.ckpt"
+    ckpt.write_bytes(Path(trained["ckpt"]).read_bytes())
+    side = eu.read_sidecar(trained["ckpt"])
+    side["fingerprint"]["precision"] = "fp32\ud800"
+    Path(f"{ckpt}.json").write_text(json.dumps(eu.reseal_values(side)))
+    for args, shown in ((["--generate", "--checkpoint", str(ckpt)], "fp32\\xed\\xa0\\x80"),
+                        (["--generate", "--checkpoint", str(ckpt), "--train.precision", b"fp\xff"], "fp\\xff")):
+        res = subprocess.run([str(cpu_binary)] + args, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+        stderr = res.stderr.decode("utf-8")  # strictly
+        errors = [l for l in stderr.splitlines() if l.startswith("error:")]
+        assert res.returncode == 2 and len(errors) == 1 and shown in errors[0], stderr
+
+
 def test_a_checkpoint_path_too_long_is_the_flag_error_not_a_sidecar_one(cpu_binary, tmp_path):
     """The sidecar is read before the flags are checked: a --checkpoint longer than a path may be
     was cut to the buffer, and the cut name (no PATH.json; another file, even) was opened. The
