@@ -414,7 +414,7 @@ def test_an_error_quoting_bytes_that_are_no_utf8_is_utf8(cpu_binary, trained, tm
     side["fingerprint"]["precision"] = "fp32\ud800"
     Path(f"{ckpt}.json").write_text(json.dumps(eu.reseal_values(side)))
     for args, shown in ((["--generate", "--checkpoint", str(ckpt)], "fp32\\xed\\xa0\\x80"),
-                        (["--generate", "--checkpoint", str(ckpt), "--train.precision", b"fp\xff"], "fp\\xff")):
+                        (["--generate", "--checkpoint", str(trained["ckpt"]), "--train.precision", b"fp\xff"], "fp\\xff")):
         res = subprocess.run([str(cpu_binary)] + args, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
         stderr = res.stderr.decode("utf-8")  # strictly
         errors = [l for l in stderr.splitlines() if l.startswith("error:")]
