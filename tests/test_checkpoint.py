@@ -330,20 +330,24 @@ ODD_SPELLINGS = [('"seed":1337', '"seed":-0'),
                  ('"precision":"fp32"', '"precision":"fp32\\ud800"'),
                  ('"precision":"fp32"', '"precision":"\\ud83d\\ude00 \\"\\\\\\/\\b\\f\\n\\r\\t"'),
                  ('"precision":"fp32"', '"precision":"' + "x" * 30 + '\u00e9"'),
-                 ('"precision":"fp32"', '"precision":"fp32\\u0000x"')]
+                 ('"precision":"fp32"', '"precision":"fp32\\u0000x"'),
+                 # a string that spells a name, before that name's member: a value, no member
+                 ('"n_layer":2', '"fp8_classifier":"seed","n_layer":2', ',"fp8_classifier":"logits"', '')]
 
 
-@pytest.mark.parametrize("old, new", ODD_SPELLINGS, ids=["minus-zero", "escape", "lone-surrogate", "escapes",
-                                                         "cut-in-a-character", "nul"])
-def test_c_and_python_take_the_same_canonical_text_of_any_spelling(cpu_binary, random_shards, tmp_path, old, new):
+@pytest.mark.parametrize("edit", ODD_SPELLINGS, ids=["minus-zero", "escape", "lone-surrogate", "escapes",
+                                                    "cut-in-a-character", "nul", "a-value-spelling-a-name"])
+def test_c_and_python_take_the_same_canonical_text_of_any_spelling(cpu_binary, random_shards, tmp_path, edit):
     """The engine's values_crc32c of a sidecar is Python's for every JSON spelling of its values
     (docs/DESIGN.md §15): a sidecar that passes one reader's check passes the other's."""
     ckpt = tmp_path / "c.ckpt"
     args = tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=ckpt)
     eu.run_ok(cpu_binary, args)
     text = (tmp_path / "c.ckpt.json").read_text()
-    assert old in text
-    text = re.sub(r'"values_crc32c":\d+', '"values_crc32c":0', text.replace(old, new))
+    for old, new in zip(edit[::2], edit[1::2]):  # (old, new, old, new, ...)
+        assert old in text
+        text = text.replace(old, new)
+    text = re.sub(r'"values_crc32c":\d+', '"values_crc32c":0', text)
     (tmp_path / "c.ckpt.json").write_text(text, encoding="utf-8")
     res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{"train.steps": 3, "resume": True},
                                               checkpoint=ckpt))
