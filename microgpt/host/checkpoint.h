@@ -424,30 +424,33 @@ static const char* json_skip_space(const char* p) {
     return p;
 }
 
-/* Tiny JSON lookup for the sidecar: the number after "key": anywhere in text (sidecar keys are
- * unique, so no nesting logic is needed). Returns 1 if found. */
-static int json_find_number(const char* text, const char* key, double* out) {
+/* Tiny JSON lookup for the sidecar: p past the colon of the member "key" anywhere in text (sidecar
+ * names are unique, so no nesting logic is needed), or NULL. The first "key" followed by a colon: a
+ * string value that spells the name ("fp8_classifier":"seed") is no member, and a quote inside a
+ * string is escaped, so no string holds a "key" that is followed by one. */
+static const char* json_find_member(const char* text, const char* key) {
     char pat[64];
     const char* p;
-    char* end;
     snprintf(pat, sizeof pat, "\"%s\"", key);
-    p = strstr(text, pat);
+    for (p = strstr(text, pat); p; p = strstr(p + 1, pat)) {
+        const char* colon = json_skip_space(p + strlen(pat));
+        if (*colon == ':') return colon + 1;
+    }
+    return NULL;
+}
+
+/* The number of the member key in text (json_find_member). Returns 1 if found. */
+static int json_find_number(const char* text, const char* key, double* out) {
+    const char* p = json_find_member(text, key);
+    char* end;
     if (!p) return 0;
-    p = json_skip_space(p + strlen(pat));
-    if (*p++ != ':') return 0;
     *out = strtod(p, &end);
     return end != p;
 }
 
 /* Whether text names the member key, as json_find_number and json_find_string look it up: one that
  * neither reads holds a value of another type. */
-static int json_has_member(const char* text, const char* key) {
-    char pat[64];
-    const char* p;
-    snprintf(pat, sizeof pat, "\"%s\"", key);
-    p = strstr(text, pat);
-    return p && *json_skip_space(p + strlen(pat)) == ':';
-}
+static int json_has_member(const char* text, const char* key) { return json_find_member(text, key) != NULL; }
 
 /* The value of the 4 hex digits at p (json_skip_string checked them). */
 static unsigned hex4(const char* p) {
@@ -483,22 +486,17 @@ static int utf8_encode(unsigned u, unsigned char* b) {
     return 4;
 }
 
-/* The string after "key": in text (JSON whitespace around the colon, as json_find_number; a text
- * sidecar_is_well_formed took, so its escapes are whole), decoded as JSON decodes it (escapes, a
- * \u pair as one character), its first cap - 1 bytes of UTF-8, into out. Returns 1 if found; 0
- * for a string holding U+0000 too, which a C string cannot hold: cut there, "fp32\u0000x" would
- * read as fp32. Python's reader takes the same bytes (microgpt/checkpoint.py: _canonical_value). */
+/* The string of the member key in text (json_find_member; a text sidecar_is_well_formed took, so
+ * its escapes are whole), decoded as JSON decodes it (escapes, a \u pair as one character), its
+ * first cap - 1 bytes of UTF-8, into out. Returns 1 if found; 0 for a string holding U+0000 too,
+ * which a C string cannot hold: cut there, "fp32\u0000x" would read as fp32. Python's reader takes
+ * the same bytes (microgpt/checkpoint.py: _canonical_value). */
 static int json_find_string(const char* text, const char* key, char* out, size_t cap) {
-    char pat[64];
-    const char* p;
+    const char* p = json_find_member(text, key);
     unsigned char b[4];
     size_t k = 0;
     int n, i;
-    snprintf(pat, sizeof pat, "\"%s\"", key);
-    p = strstr(text, pat);
-    if (!p) return 0;
-    p = json_skip_space(p + strlen(pat));
-    if (*p++ != ':' || *(p = json_skip_space(p)) != '"') return 0;
+    if (!p || *(p = json_skip_space(p)) != '"') return 0;
     for (p++; *p && *p != '"'; k += (size_t)n) {
         unsigned u, low;
         if (*p != '\\') { /* a byte of the text's UTF-8, as it is */
@@ -616,7 +614,7 @@ static const char* const sidecar_names[] = {
 /* p past an object member's name, one of sidecar_names and not yet seen[], and its colon, from p
  * (JSON whitespace allowed), or NULL; *twice: the name, where it was seen before. Each name is
  * written once in the whole sidecar and the readers take its first occurrence anywhere in the text
- * (json_find_number), where Python's json takes an object's last: a name given twice would mean
+ * (json_find_member), where Python's json takes an object's last: a name given twice would mean
  * one thing to the engine and another to the tools. */
 static const char* json_skip_name(const char* p, unsigned char* seen, const char** twice) {
     const char* name = json_skip_space(p);
@@ -877,7 +875,7 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* s
     }
     sidecar_check_values(&f, sidecar);
     if (!json_find_number(sidecar, "crc32c", &x)) {
-        if (strstr(sidecar, "\"crc32c\"")) { /* a checksum that is there but no number is damage, not age */
+        if (json_has_member(sidecar, "crc32c")) { /* a checksum that is there but no number is damage, not age */
             snprintf(what, sizeof what, "has a sidecar %s whose crc32c is not a number (damaged or edited)", f.side);
             ckpt_refuse_damaged(&f, what);
         }
@@ -925,7 +923,7 @@ static float sidecar_loss_scale(const char* path, int ckpt_step, const Config* c
      * would make an fp16 run skip every step (inf halved stays inf), so only a positive finite
      * float is taken. */
     if (json_find_number(text, "loss_scale", &x) && x > 0.0 && x <= FLT_MAX) loss_scale = (float)x;
-    else if (strstr(text, "\"loss_scale\""))
+    else if (json_has_member(text, "loss_scale"))
         warn("checkpoint sidecar %s holds a loss_scale that is not a positive finite number; the loss scale starts "
              "from its default", side);
     fp[0].key = "n_layer"; fp[0].value = c->model.n_layer;
