@@ -72,7 +72,7 @@ def _canonical_value(name, value):
 
 def _sidecar_members(sidecar):
     """(name, value) of every member of the sidecar's objects, however deep: the engines look a name
-    up anywhere in the sidecar's text (host/checkpoint.h: json_find_number). A stack, not recursion:
+    up anywhere in the sidecar's text (host/checkpoint.h: json_find_member). A stack, not recursion:
     json takes a sidecar nested deeper than a recursive walk would."""
     stack = [sidecar]
     while stack:
