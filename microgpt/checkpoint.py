@@ -56,33 +56,63 @@ def crc32c(data):
 
 
 def _canonical_value(name, value):
-    if isinstance(value, bool) or value is None or isinstance(value, (dict, list)):
-        return f"{name};"  # no number and no string: missing to the engines' readers
-    if isinstance(value, str):
-        return f'{name}="{value[:SIDECAR_STRING_MAX]}";'
+    """The canonical text of one value (bytes), as host/checkpoint.h's sidecar_values_crc32c writes it
+    from the sidecar's text."""
+    if isinstance(value, bool) or value is None or isinstance(value, (dict, list)) or \
+            (isinstance(value, str) and "\0" in value):  # the engines' string reader takes no U+0000
+        return f"{name};".encode()  # no number and no string: missing to the engines' readers
+    if isinstance(value, str):  # its first bytes of UTF-8, a lone surrogate's as the engines decode it
+        return f'{name}="'.encode() + value.encode("utf-8", "surrogatepass")[:SIDECAR_STRING_MAX] + b'";'
     try:
-        x = float(value)
+        x = float(value) + 0.0  # -0.0 as 0, as json reads "-0": the int 0
     except OverflowError:  # an int past a double: the engines' strtod reads +-inf
         x = float("inf") if value > 0 else float("-inf")
-    return f"{name}={x:.17g};"  # as C's "%.17g": the same digits, "inf" and "nan" alike
+    return f"{name}={x:.17g};".encode()  # as C's "%.17g": the same digits, "inf" and "nan" alike
+
+
+def _sidecar_members(sidecar):
+    """(name, value) of every member of the sidecar's objects, however deep: the engines look a name
+    up anywhere in the sidecar's text (host/checkpoint.h: json_find_member). A stack, not recursion:
+    json takes a sidecar nested deeper than a recursive walk would."""
+    stack = [sidecar]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for name, value in items:
+            if isinstance(node, dict):
+                yield name, value
+            stack.append(value)
+
+
+def sidecar_name_twice(sidecar):
+    """A member name the sidecar (a dict) gives more than once, in any of its objects, or None. The
+    engines refuse such a sidecar (each name once in the whole sidecar, docs/DESIGN.md §15): they
+    would take one occurrence, a reader of the dict may take another."""
+    seen = set()
+    for name, _ in _sidecar_members(sidecar):
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
 
 
 def sidecar_values_crc32c(sidecar):
     """The "values_crc32c" of a sidecar (a dict): the CRC-32C of the canonical text of its values,
-    each of SIDECAR_VALUE_NAMES, top level or in its "fingerprint", as "NAME=%.17g;" for a number,
+    each of SIDECAR_VALUE_NAMES wherever the sidecar holds it, as "NAME=%.17g;" for a number,
     'NAME="TEXT";' for a string, "NAME;" where missing or of another type (docs/DESIGN.md §15)."""
-    fingerprint = sidecar.get("fingerprint")
-    values = {**(fingerprint if isinstance(fingerprint, dict) else {}),
-              **{k: v for k, v in sidecar.items() if k != "fingerprint"}}
-    return crc32c("".join(_canonical_value(name, values.get(name)) for name in SIDECAR_VALUE_NAMES).encode())
+    values = {}
+    for name, value in _sidecar_members(sidecar):
+        values.setdefault(name, value)
+    return crc32c(b"".join(_canonical_value(name, values.get(name)) for name in SIDECAR_VALUE_NAMES))
 
 
 def sidecar_values_intact(sidecar):
     """Whether the sidecar's values agree with their own checksum: None where it has none (written
-    before sidecars carried one), as the engines take it with a warning."""
+    before sidecars carried one), as the engines take it with a warning; False where a name is given
+    twice (sidecar_name_twice), whose value is ambiguous."""
     if "values_crc32c" not in sidecar:
         return None
-    return sidecar["values_crc32c"] == sidecar_values_crc32c(sidecar)
+    return sidecar_name_twice(sidecar) is None and sidecar["values_crc32c"] == sidecar_values_crc32c(sidecar)
 
 
 class CheckpointError(ValueError):

@@ -30,7 +30,7 @@ NAME_MAX_CHARS = 100
 DESCRIPTION_MAX_CHARS = 10_000
 PROMPTS_MAX_CHARS = 65_536  # all prompts together
 ARG_MAX_BYTES = 128 * 1024
-TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "path": "a path",
+TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a non-empty string", "path": "a path",
               "glob": "a glob pattern", "bool": "true or false", "prompts": "a list of strings",
               "list": "a list of objects"}
 ITEM_INDEX = re.compile(r"\.(N|\d+)\.")  # the item index of a list-item flag: data.sources.N.train

@@ -13,7 +13,8 @@ import os
 import subprocess
 import threading
 
-from microgpt.checkpoint import CheckpointError, read_checkpoint, read_sidecar, sidecar_values_intact, split_params
+from microgpt.checkpoint import (CheckpointError, read_checkpoint, read_sidecar, sidecar_name_twice,
+                                 sidecar_values_intact, split_params)
 from microgpt.engines import ENGINE_TEXT, ENGINES, EngineChoiceError, EngineQueryError, param_layout, select_engine
 from microgpt.files import NotRegularFile, open_regular
 from microgpt.run_dir import RunFiles
@@ -57,6 +58,10 @@ def read_model_shape(ckpt):
     if not isinstance(fingerprint, dict):
         raise InferenceError(f"{ckpt}.json: the checkpoint's sidecar is missing or does not give the "
                              "model's shape (its \"fingerprint\")")
+    twice = sidecar_name_twice(sidecar)
+    if twice:  # which one is meant is ambiguous: the engines refuse it, and so do the values' checks
+        raise InferenceError(f"{ckpt}.json: the sidecar names the member \"{twice}\" twice (edited or damaged; "
+                             "which one is meant is ambiguous)")
     shape = {}
     for key in MODEL_FLAGS:
         value = fingerprint.get(key)

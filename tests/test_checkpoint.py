@@ -321,6 +321,71 @@ def test_the_sidecars_values_carry_their_own_checksum(cpu_binary, random_shards,
     assert "warning" not in res.stderr, res.describe()
 
 
+# Spellings of a value that JSON reads as one value (or as no string) where the engine's reader, taking
+# the sidecar's text, and Python's, taking json's dict, once saw two: "-0" is json's int 0, a \u escape
+# a character, a lone surrogate no text Python's UTF-8 encoder would take (a traceback), a
+# string cut at 31 bytes or 31 characters.
+ODD_SPELLINGS = [('"seed":1337', '"seed":-0'),
+                 ('"precision":"fp32"', '"precision":"fp\\u00332"'),
+                 ('"precision":"fp32"', '"precision":"fp32\\ud800"'),
+                 ('"precision":"fp32"', '"precision":"\\ud83d\\ude00 \\"\\\\\\/\\b\\f\\n\\r\\t"'),
+                 ('"precision":"fp32"', '"precision":"' + "x" * 30 + '\u00e9"'),
+                 ('"precision":"fp32"', '"precision":"fp32\\u0000x"'),
+                 # a string that spells a name, before that name's member: a value, no member
+                 ('"n_layer":2', '"fp8_classifier":"seed","n_layer":2', ',"fp8_classifier":"all"', '')]
+
+
+@pytest.mark.parametrize("edit", ODD_SPELLINGS, ids=["minus-zero", "escape", "lone-surrogate", "escapes",
+                                                    "cut-in-a-character", "nul", "a-value-spelling-a-name"])
+def test_c_and_python_take_the_same_canonical_text_of_any_spelling(cpu_binary, random_shards, tmp_path, edit):
+    """The engine's values_crc32c of a sidecar is Python's for every JSON spelling of its values
+    (docs/DESIGN.md §15): a sidecar that passes one reader's check passes the other's."""
+    ckpt = tmp_path / "c.ckpt"
+    args = tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=ckpt)
+    eu.run_ok(cpu_binary, args)
+    text = (tmp_path / "c.ckpt.json").read_text()
+    for old, new in zip(edit[::2], edit[1::2]):  # (old, new, old, new, ...)
+        assert old in text
+        text = text.replace(old, new)
+    text = re.sub(r'"values_crc32c":\d+', '"values_crc32c":0', text)
+    (tmp_path / "c.ckpt.json").write_text(text, encoding="utf-8")
+    res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{"train.steps": 3, "resume": True},
+                                              checkpoint=ckpt))
+    engine_crc = re.search(r"CRC-32C (\d+), recorded 0", res.stderr)
+    assert res.rc == 2 and engine_crc, res.describe()
+    assert int(engine_crc.group(1)) == sidecar_values_crc32c(read_sidecar(ckpt))
+
+
+def test_an_escaped_precision_reads_as_the_precision_it_spells(cpu_binary, random_shards, tmp_path):
+    """JSON's "fp\\u00332" is "fp32": the engine reads a sidecar's strings as JSON does, so a
+    sidecar written by a tool that escapes characters loads as the one the engine wrote."""
+    ckpt = tmp_path / "c.ckpt"
+    eu.run_ok(cpu_binary, tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=ckpt))
+    text = (tmp_path / "c.ckpt.json").read_text().replace('"fp32"', '"fp\\u00332"')
+    assert "u0033" in text
+    (tmp_path / "c.ckpt.json").write_text(text)
+    res = eu.run_ok(cpu_binary, ["--generate", "--checkpoint", ckpt])
+    assert "fp32" in res.stderr and "warning" not in res.stderr, res.describe()
+
+
+def test_python_refuses_a_sidecar_that_gives_a_value_twice(cpu_binary, random_shards, tmp_path):
+    """A value given at the top level and in the fingerprint is one the engine refuses (it takes a
+    name's first occurrence anywhere): Python's shape reader refuses it too, never checking the
+    values against one and reading the model's shape from the other."""
+    from microgpt.inference import InferenceError, read_model_shape
+    ckpt = tmp_path / "c.ckpt"
+    eu.run_ok(cpu_binary, tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=ckpt))
+    side = read_sidecar(ckpt)
+    vocab = side["fingerprint"]["vocab_size"]
+    side = {"vocab_size": vocab, **side}
+    side["fingerprint"]["vocab_size"] = vocab - 1
+    (tmp_path / "c.ckpt.json").write_text(json.dumps(side))
+    res = eu.run_engine(cpu_binary, ["--generate", "--checkpoint", ckpt])
+    assert res.rc == 2 and "vocab_size\" twice" in res.stderr, res.describe()
+    with pytest.raises(InferenceError, match="vocab_size.*twice"):
+        read_model_shape(str(ckpt))
+
+
 def _edit_value(side, key, value):
     (side["fingerprint"] if key in side["fingerprint"] else side)[key] = value
     return side

@@ -14,6 +14,7 @@ also over several logits chunks (each chunk's dwte on the side stream), in both 
 are checked by tests/kernel_check.cu ("classifier bf16", "loss rows fp8 fused" and "transpose codes"
 under --prec fp8).
 """
+import json
 import re
 
 import numpy as np
@@ -218,3 +219,22 @@ def test_cpu_resume_says_when_the_classifier_mode_changes(cpu_binary, random_sha
     narrow = tmp_path / "narrow.ckpt"
     assert run(narrow, "off", 2, width="bf16 classifier") == []
     assert run(narrow, "all", 3, width="bf16 classifier") == []
+
+
+@pytest.mark.parametrize("recorded", [3, None, "bogus"], ids=["number", "null", "no-mode"])
+def test_cpu_resume_says_a_recorded_classifier_mode_is_none(cpu_binary, random_shards, tmp_path, recorded):
+    """A sidecar whose fp8_classifier is there but no mode (a number, null, a name no run writes;
+    its values resealed, so only a crafted one) is said to be so: "written before that was
+    recorded" was untrue of it, "written with bogus" took it for a mode."""
+    def args(steps):
+        return tiny_args(random_shards.train, checkpoint=tmp_path / "c.ckpt", **in_mode("off", **WIDTHS["fp8 classifier"], **{
+            "train.steps": steps, "train.warmup_steps": 0, "eval.every": 0}))
+
+    run_ok(cpu_binary, args(2))
+    side = eu.read_sidecar(tmp_path / "c.ckpt")
+    side["fingerprint"]["fp8_classifier"] = recorded
+    (tmp_path / "c.ckpt.json").write_text(json.dumps(eu.reseal_values(side)))
+    res = run_ok(cpu_binary, args(3) + ["--resume"])
+    warnings = [w for w in res.stderr.splitlines() if w.startswith("warning:")]
+    assert len(warnings) == 1 and "not one of off|logits|all" in warnings[0], res.describe()
+    assert "written before" not in warnings[0] and "written with" not in warnings[0], warnings

@@ -380,14 +380,17 @@ def test_a_damaged_checkpoint_says_how_to_use_the_previous_one_here(cpu_binary, 
 
 @pytest.mark.parametrize("key, value", [("seed", "1337.5"), ("n_layer", "1e400"), ("batch_size", "NaN"),
                                         ("n_head", "4.5"), ("seed", '"1337"'), ("batch_size", "null"),
-                                        ("precision", "5"), ("precision", '["fp32"]'), ("n_layer", '"2"')])
+                                        ("precision", "5"), ("precision", '["fp32"]'), ("n_layer", '"2"'),
+                                        ("precision", '"fp3r"'), ("precision", '"FP32"')])
 def test_a_model_flag_in_the_sidecar_that_is_no_int_is_refused(cpu_binary, trained, pattern_shards, tmp_path,
                                                                 key, value):
     """--evaluate took a sidecar's seed of 1337.5 as 1338 ("%.0f") and drew other batches without a
     word; 1e400 or NaN was refused as the flag "--model.n_layer: 'inf'", which the command line never
     gave. A seed, batch size or precision of another type (a string, null, a number, a list) read as
     missing, so the flag's default ran without a word, and a model flag of another type was refused
-    as a missing flag. A value no run writes is the sidecar's damage: one error line naming it, exit 2."""
+    as a missing flag; a precision that is no precision name ("fp3r": a flipped bit) was refused as
+    the flag "--train.precision: 'fp3r'". A value no run writes is the sidecar's damage: one error line
+    naming it, exit 2."""
     ckpt = tmp_path / "tiny.ckpt"
     ckpt.write_bytes(Path(trained["ckpt"]).read_bytes())
     side = Path(f"{trained['ckpt']}.json").read_text()
@@ -397,7 +400,25 @@ def test_a_model_flag_in_the_sidecar_that_is_no_int_is_refused(cpu_binary, train
     res = eu.run_engine(cpu_binary, ["--evaluate", "--checkpoint", ckpt, "--data.val", pattern_shards[1],
                                      "--eval.batches", "1"])
     assert res.rc == 2 and len(res.errors) == 1, res.describe()
-    assert f"{ckpt}.json" in res.errors[0] and key in res.errors[0] and "--model" not in res.errors[0], res.errors
+    assert f"{ckpt}.json" in res.errors[0] and key in res.errors[0], res.errors
+    assert "--model" not in res.errors[0] and "--train" not in res.errors[0], res.errors
+
+
+def test_an_error_quoting_bytes_that_are_no_utf8_is_utf8(cpu_binary, trained, tmp_path):
+    """A sidecar's string is decoded as JSON decodes it, a lone surrogate ("\\ud800") to bytes that
+    are no UTF-8, as is a flag's value of bytes no text holds: an error line quoting them was not
+    UTF-8 either (a strict reader of stderr failed on it). They are written as \\xNN."""
+    ckpt = tmp_path / "tiny.ckpt"
+    ckpt.write_bytes(Path(trained["ckpt"]).read_bytes())
+    side = eu.read_sidecar(trained["ckpt"])
+    side["fingerprint"]["precision"] = "fp32\ud800"
+    Path(f"{ckpt}.json").write_text(json.dumps(eu.reseal_values(side)))
+    for args, shown in ((["--generate", "--checkpoint", str(ckpt)], "fp32\\xed\\xa0\\x80"),
+                        (["--generate", "--checkpoint", str(trained["ckpt"]), "--train.precision", b"fp\xff"], "fp\\xff")):
+        res = subprocess.run([str(cpu_binary)] + args, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+        stderr = res.stderr.decode("utf-8")  # strictly
+        errors = [l for l in stderr.splitlines() if l.startswith("error:")]
+        assert res.returncode == 2 and len(errors) == 1 and shown in errors[0], stderr
 
 
 def test_a_checkpoint_path_too_long_is_the_flag_error_not_a_sidecar_one(cpu_binary, tmp_path):

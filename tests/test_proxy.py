@@ -289,7 +289,9 @@ def test_every_dotted_engine_flag_is_a_config_key(flags):
     ({"polish": {"start_step": 3, "lr": 0.1}}, 'missing key "polish.train"'),
     ({"resume": True}, 'unknown key "resume"'),  # a flag the proxy sets itself, not a config key
     ({"name": "../evil"}, '"name" must be letters'),
-    ({"name": 3}, '"name" must be a string'),
+    ({"name": 3}, '"name" must be a non-empty string'),
+    # "" is a string: "must be a string, not \"\"" said the opposite of what is wrong
+    ({"train": {"steps": 5, "fp8_classifier": ""}}, '"train.fp8_classifier" must be a non-empty string, not ""'),
     # a NUL cannot be in a command-line argument: it was "proxy failed: ValueError" and exit 1
     ({"data": {"train": "a\u0000b"}}, '"data.train" must not contain a NUL character'),
     # valid JSON, but no text: launching the engine was "proxy failed: UnicodeEncodeError", the

@@ -139,10 +139,11 @@ static const char* const sidecar_value_names[] = {
     "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision", "fp8_classifier"};
 
 /* The sidecar's "values_crc32c" for its text: the CRC-32C of the canonical text of its values, each
- * of sidecar_value_names as the readers find it, "NAME=%.17g;" for a number, "NAME=\"TEXT\";" for a
- * string (json_find_string's bytes), "NAME;" for a member missing or of another type. Of the values,
- * not of the bytes: a sidecar re-indented or rewritten by Python's json keeps its checksum, an edited
- * vocab_size or n_head (the checkpoint's size does not change with them) fails it. */
+ * of sidecar_value_names as the readers find it, "NAME=%.17g;" for a number (-0 as 0: Python's json
+ * reads "-0" as the int 0), "NAME=\"TEXT\";" for a string (json_find_string's bytes), "NAME;" for a
+ * member missing or of another type. Of the values, not of the bytes: a sidecar re-indented or
+ * rewritten by Python's json keeps its checksum, an edited vocab_size or n_head (the checkpoint's
+ * size does not change with them) fails it. */
 static uint32_t sidecar_values_crc32c(const char* text) {
     char item[96], str[32];
     double x;
@@ -150,7 +151,7 @@ static uint32_t sidecar_values_crc32c(const char* text) {
     size_t i;
     for (i = 0; i < sizeof sidecar_value_names / sizeof sidecar_value_names[0]; i++) {
         const char* name = sidecar_value_names[i];
-        if (json_find_number(text, name, &x)) snprintf(item, sizeof item, "%s=%.17g;", name, x);
+        if (json_find_number(text, name, &x)) snprintf(item, sizeof item, "%s=%.17g;", name, x + 0.0);
         else if (json_find_string(text, name, str, sizeof str)) snprintf(item, sizeof item, "%s=\"%s\";", name, str);
         else snprintf(item, sizeof item, "%s;", name);
         crc = crc32c_update(crc, item, strlen(item));
@@ -423,45 +424,103 @@ static const char* json_skip_space(const char* p) {
     return p;
 }
 
-/* Tiny JSON lookup for the sidecar: the number after "key": anywhere in text (sidecar keys are
- * unique, so no nesting logic is needed). Returns 1 if found. */
-static int json_find_number(const char* text, const char* key, double* out) {
+/* Tiny JSON lookup for the sidecar: p past the colon of the member "key" anywhere in text (sidecar
+ * names are unique, so no nesting logic is needed), or NULL. The first "key" followed by a colon: a
+ * string value that spells the name ("fp8_classifier":"seed") is no member, and a quote inside a
+ * string is escaped, so no string holds a "key" that is followed by one. */
+static const char* json_find_member(const char* text, const char* key) {
     char pat[64];
     const char* p;
-    char* end;
     snprintf(pat, sizeof pat, "\"%s\"", key);
-    p = strstr(text, pat);
+    for (p = strstr(text, pat); p; p = strstr(p + 1, pat)) {
+        const char* colon = json_skip_space(p + strlen(pat));
+        if (*colon == ':') return colon + 1;
+    }
+    return NULL;
+}
+
+/* The number of the member key in text (json_find_member). Returns 1 if found. */
+static int json_find_number(const char* text, const char* key, double* out) {
+    const char* p = json_find_member(text, key);
+    char* end;
     if (!p) return 0;
-    p = json_skip_space(p + strlen(pat));
-    if (*p++ != ':') return 0;
     *out = strtod(p, &end);
     return end != p;
 }
 
 /* Whether text names the member key, as json_find_number and json_find_string look it up: one that
  * neither reads holds a value of another type. */
-static int json_has_member(const char* text, const char* key) {
-    char pat[64];
-    const char* p;
-    snprintf(pat, sizeof pat, "\"%s\"", key);
-    p = strstr(text, pat);
-    return p && *json_skip_space(p + strlen(pat)) == ':';
+static int json_has_member(const char* text, const char* key) { return json_find_member(text, key) != NULL; }
+
+/* The value of the 4 hex digits at p (json_skip_string checked them). */
+static unsigned hex4(const char* p) {
+    unsigned u = 0;
+    int k;
+    for (k = 0; k < 4; k++)
+        u = 16 * u + (unsigned)(isdigit((unsigned char)p[k]) ? p[k] - '0' : (p[k] | 0x20) - 'a' + 10);
+    return u;
 }
 
-/* The string after "key": in text (JSON whitespace around the colon, as json_find_number), without
- * its quotes (at most cap - 1 bytes, no escapes: the sidecar's strings are precision names), into
- * out. Returns 1 if found. */
+/* The UTF-8 bytes of code point u into b (a lone surrogate in the 3-byte form that Python's
+ * "surrogatepass" writes too); returns their count. */
+static int utf8_encode(unsigned u, unsigned char* b) {
+    if (u < 0x80) {
+        b[0] = (unsigned char)u;
+        return 1;
+    }
+    if (u < 0x800) {
+        b[0] = (unsigned char)(0xC0 | u >> 6);
+        b[1] = (unsigned char)(0x80 | (u & 0x3F));
+        return 2;
+    }
+    if (u < 0x10000) {
+        b[0] = (unsigned char)(0xE0 | u >> 12);
+        b[1] = (unsigned char)(0x80 | (u >> 6 & 0x3F));
+        b[2] = (unsigned char)(0x80 | (u & 0x3F));
+        return 3;
+    }
+    b[0] = (unsigned char)(0xF0 | u >> 18);
+    b[1] = (unsigned char)(0x80 | (u >> 12 & 0x3F));
+    b[2] = (unsigned char)(0x80 | (u >> 6 & 0x3F));
+    b[3] = (unsigned char)(0x80 | (u & 0x3F));
+    return 4;
+}
+
+/* The string of the member key in text (json_find_member; a text sidecar_is_well_formed took, so
+ * its escapes are whole), decoded as JSON decodes it (escapes, a \u pair as one character), its
+ * first cap - 1 bytes of UTF-8, into out. Returns 1 if found; 0 for a string holding U+0000 too,
+ * which a C string cannot hold: cut there, "fp32\u0000x" would read as fp32. Python's reader takes
+ * the same bytes (microgpt/checkpoint.py: _canonical_value). */
 static int json_find_string(const char* text, const char* key, char* out, size_t cap) {
-    char pat[64];
-    const char* p;
+    const char* p = json_find_member(text, key);
+    unsigned char b[4];
     size_t k = 0;
-    snprintf(pat, sizeof pat, "\"%s\"", key);
-    p = strstr(text, pat);
-    if (!p) return 0;
-    p = json_skip_space(p + strlen(pat));
-    if (*p++ != ':' || *(p = json_skip_space(p)) != '"') return 0;
-    for (p++; p[k] && p[k] != '"' && k + 1 < cap; k++) out[k] = p[k];
-    out[k] = '\0';
+    int n, i;
+    if (!p || *(p = json_skip_space(p)) != '"') return 0;
+    for (p++; *p && *p != '"'; k += (size_t)n) {
+        unsigned u, low;
+        if (*p != '\\') { /* a byte of the text's UTF-8, as it is */
+            b[0] = (unsigned char)*p++;
+            n = 1;
+        } else if (p[1] == 'u') {
+            u = hex4(p + 2);
+            p += 6;
+            if (u >= 0xD800 && u <= 0xDBFF && p[0] == '\\' && p[1] == 'u' && (low = hex4(p + 2)) >= 0xDC00 &&
+                low <= 0xDFFF) {
+                u = 0x10000 + ((u - 0xD800) << 10) + (low - 0xDC00);
+                p += 6;
+            }
+            if (u == 0) return 0;
+            n = utf8_encode(u, b);
+        } else {
+            b[0] = (unsigned char)(p[1] == 'b' ? '\b' : p[1] == 'f' ? '\f' : p[1] == 'n' ? '\n' : p[1] == 'r' ? '\r'
+                                   : p[1] == 't' ? '\t' : p[1]);
+            n = 1;
+            p += 2;
+        }
+        for (i = 0; i < n && k + i + 1 < cap; i++) out[k + i] = (char)b[i];
+    }
+    out[k < cap ? k : cap - 1] = '\0';
     return 1;
 }
 
@@ -523,12 +582,17 @@ static const char* json_skip_scalar(const char* p) {
 
 /* In fp8 on both sides, where the FP8 classifier pays: a run that resumes with another
  * train.fp8_classifier than it was written with continues in another classifier arithmetic
- * (docs/DESIGN.md §18), so it says so; a sidecar
- * without the member was written before it was recorded, when fp8 ran its classifier in bf16 by
- * default (off) or on request all in FP8 (then named auto). */
+ * (docs/DESIGN.md §18), so it says so; a sidecar without the member was written before it was
+ * recorded, when fp8 ran its classifier in bf16 by default (off) or on request all in FP8 (then
+ * named auto); one whose member is no mode (a number, a name no run writes) says nothing of it. */
 static void sidecar_check_fp8_classifier(const char* text, const Config* c) {
     char saved[16];
-    if (!json_find_string(text, "fp8_classifier", saved, sizeof saved))
+    int found = json_find_string(text, "fp8_classifier", saved, sizeof saved);
+    if ((found && !choice_ok(CFG_FP8_CLASSIFIERS, saved)) || (!found && json_has_member(text, "fp8_classifier")))
+        warn("resuming with train.fp8_classifier %s; the checkpoint's sidecar records an fp8_classifier that is not "
+             "one of %s (damaged or edited?), so which classifier it was trained with is unknown",
+             c->train.fp8_classifier, CFG_FP8_CLASSIFIERS);
+    else if (!found)
         warn("resuming with train.fp8_classifier %s; the checkpoint does not say which classifier it was trained "
              "with (written before that was recorded: off or all)", c->train.fp8_classifier);
     else if (strcmp(saved, c->train.fp8_classifier) != 0)
@@ -550,7 +614,7 @@ static const char* const sidecar_names[] = {
 /* p past an object member's name, one of sidecar_names and not yet seen[], and its colon, from p
  * (JSON whitespace allowed), or NULL; *twice: the name, where it was seen before. Each name is
  * written once in the whole sidecar and the readers take its first occurrence anywhere in the text
- * (json_find_number), where Python's json takes an object's last: a name given twice would mean
+ * (json_find_member), where Python's json takes an object's last: a name given twice would mean
  * one thing to the engine and another to the tools. */
 static const char* json_skip_name(const char* p, unsigned char* seen, const char** twice) {
     const char* name = json_skip_space(p);
@@ -811,7 +875,7 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* s
     }
     sidecar_check_values(&f, sidecar);
     if (!json_find_number(sidecar, "crc32c", &x)) {
-        if (strstr(sidecar, "\"crc32c\"")) { /* a checksum that is there but no number is damage, not age */
+        if (json_has_member(sidecar, "crc32c")) { /* a checksum that is there but no number is damage, not age */
             snprintf(what, sizeof what, "has a sidecar %s whose crc32c is not a number (damaged or edited)", f.side);
             ckpt_refuse_damaged(&f, what);
         }
@@ -859,7 +923,7 @@ static float sidecar_loss_scale(const char* path, int ckpt_step, const Config* c
      * would make an fp16 run skip every step (inf halved stays inf), so only a positive finite
      * float is taken. */
     if (json_find_number(text, "loss_scale", &x) && x > 0.0 && x <= FLT_MAX) loss_scale = (float)x;
-    else if (strstr(text, "\"loss_scale\""))
+    else if (json_has_member(text, "loss_scale"))
         warn("checkpoint sidecar %s holds a loss_scale that is not a positive finite number; the loss scale starts "
              "from its default", side);
     fp[0].key = "n_layer"; fp[0].value = c->model.n_layer;

@@ -15,6 +15,10 @@
 #define CFG_MAX_SOURCES 32
 #define CFG_MAX_LAYERS 1024
 #define CFG_NAME_MAX 64
+/* train.precision's values: the flag's choices, and what a checkpoint's sidecar may name (generate.h) */
+#define CFG_PRECISIONS "fp32|tf32|bf16|fp16|fp8"
+/* train.fp8_classifier's values: the flag's choices, and what a sidecar may record (checkpoint.h) */
+#define CFG_FP8_CLASSIFIERS "off|logits|all"
 
 /* One data source of a mixture (docs/FIREHOSE-BANDIT.md): --data.sources.N.{name,train,val,weight}. */
 typedef struct {
@@ -152,10 +156,10 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("train.steps", F_INT, &c->train.steps, 0, NULL, 1, NULL, 1, BIG, "optimizer steps in the whole run");
     FLAG("train.seed", F_INT, &c->train.seed, 0, "1337", 0, NULL, 0, BIG, "seed for init, batches and sampling");
     FLAG("train.warmup_steps", F_INT, &c->train.warmup_steps, 0, "0", 0, NULL, 0, BIG, "linear LR warmup steps");
-    FLAG("train.precision", F_STR, c->train.precision, sizeof c->train.precision, "fp32", 0, "fp32|tf32|bf16|fp16|fp8", 0,
+    FLAG("train.precision", F_STR, c->train.precision, sizeof c->train.precision, "fp32", 0, CFG_PRECISIONS, 0,
          0, "compute precision: tf32 is fp32 with TF32 tensor-core products (the CPU engine always computes fp32)");
     FLAG("train.fp8_classifier", F_STR, c->train.fp8_classifier, sizeof c->train.fp8_classifier, "all", 0,
-         "off|logits|all", 0, 0, "precision fp8, where that pays (model.d_model >= 512): all three of the tied "
+         CFG_FP8_CLASSIFIERS, 0, 0, "precision fp8, where that pays (model.d_model >= 512): all three of the tied "
          "classifier's products in FP8 (all, dlogits rounded stochastically), the logits product alone (logits), or "
          "none (off)");
     FLAG("train.lr", F_FLOAT, &c->train.lr, 0, "6e-4", 0, NULL, 0, LR_MAX, "peak learning rate");

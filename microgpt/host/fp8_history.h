@@ -45,17 +45,16 @@ static Fp8History* fp8_history_grow(Fp8History* h, int t, int* cap) {
  * into *h (allocated as they come; NULL when there are none; free() it whatever is returned),
  * their count into *n. */
 static int fp8_history_parse(const char* text, Fp8History** h, int* n) {
-    const char* p = strstr(text, "\"fp8_history\"");
+    const char* p = json_find_member(text, "fp8_history");
     double len;
     char* end;
     int t, count, cap = 0;
     *n = 0;
     *h = NULL;
     if (!p) return FP8_HISTORY_ABSENT;
-    if (!json_find_number(p, "len", &len) || !(len >= 1) || len != floor(len) || !(p = strstr(p, "\"exp\"")))
+    if (!json_find_number(p, "len", &len) || !(len >= 1) || len != floor(len) || !(p = json_find_member(p, "exp")))
         return FP8_HISTORY_DAMAGED;
-    p = json_skip_space(p + strlen("\"exp\""));
-    if (*p++ != ':' || *(p = json_skip_space(p)) != '[') return FP8_HISTORY_DAMAGED;
+    if (*(p = json_skip_space(p)) != '[') return FP8_HISTORY_DAMAGED;
     for (p++, t = 0; *(p = json_skip_space(p)) != ']'; t++) {
         if (t && *p++ != ',') return FP8_HISTORY_DAMAGED;
         if (*(p = json_skip_space(p)) != '[') return FP8_HISTORY_DAMAGED;

@@ -181,7 +181,7 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
         {"train.batch_size", "batch_size"}};
     enum { N_KEYS = sizeof keys / sizeof keys[0] };
     static char values[N_KEYS + 1][40], flags[N_KEYS + 1][40];
-    char side_path[CFG_PATH_MAX + 8], what[64];
+    char side_path[CFG_PATH_MAX + 8], what[96];
     const char* text;
     const char* path = argv_value(argc, argv, "--checkpoint");
     char** args = (char**)xmalloc((size_t)(argc + 2 * N_KEYS + 2) * sizeof(char*), "command line");
@@ -208,6 +208,11 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
                 refuse_sidecar_member(path, side_path, what);
             }
         if (json_find_string(text, "precision", values[N_KEYS], sizeof values[N_KEYS])) {
+            if (!choice_ok(CFG_PRECISIONS, values[N_KEYS])) { /* not the flag's error: none was given */
+                snprintf(what, sizeof what, "whose precision '%.31s' is not one of %s", values[N_KEYS],
+                         CFG_PRECISIONS);
+                refuse_sidecar_member(path, side_path, what);
+            }
             snprintf(flags[N_KEYS], sizeof flags[N_KEYS], "--train.precision");
             args[n++] = flags[N_KEYS];
             args[n++] = values[N_KEYS];
@@ -307,15 +312,6 @@ static int js_string(JsonIn* j, char* out, size_t cap) {
     }
     j->p = end;
     return 1;
-}
-
-/* The value of the 4 hex digits at p (json_skip_string checked them). */
-static unsigned hex4(const char* p) {
-    unsigned u = 0;
-    int k;
-    for (k = 0; k < 4; k++)
-        u = 16 * u + (unsigned)(isdigit((unsigned char)p[k]) ? p[k] - '0' : (p[k] | 0x20) - 'a' + 10);
-    return u;
 }
 
 /* Whether the JSON string at p (a valid one: json_skip_string) holds a \u escape of a UTF-16

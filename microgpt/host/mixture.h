@@ -214,14 +214,10 @@ static void mixture_sidecar_json(const Mixture* m, const Config* c, char* out, s
 /* The finite numbers of the JSON array after "key": in text (any JSON whitespace between its
  * tokens), at most max; returns how many, -1 if absent, not such an array, or longer. */
 static int json_find_array(const char* text, const char* key, double* out, int max) {
-    char pat[64];
-    const char* p;
+    const char* p = json_find_member(text, key);
     char* end;
     int n = 0;
-    snprintf(pat, sizeof pat, "\"%s\"", key);
-    if (!(p = strstr(text, pat))) return -1;
-    p = json_skip_space(p + strlen(pat));
-    if (*p++ != ':' || *(p = json_skip_space(p)) != '[') return -1;
+    if (!p || *(p = json_skip_space(p)) != '[') return -1;
     for (p++; *(p = json_skip_space(p)) != ']'; n++) {
         double x;
         if (n && *p++ != ',') return -1;
@@ -283,7 +279,7 @@ static void mixture_resume(Mixture* m, const Config* c, const char* ckpt_path, c
     char side[CFG_PATH_MAX + 8];
     if (!c->bandit.enabled) return;
     snprintf(side, sizeof side, "%s.json", ckpt_path);
-    if (sidecar->text && strstr(sidecar->text, "\"bandit\"")) mixture_restore(m, c, side, sidecar->text);
+    if (sidecar->text && json_has_member(sidecar->text, "bandit")) mixture_restore(m, c, side, sidecar->text);
     else warn("checkpoint %s holds no bandit state: the bandit starts afresh from the prior weights", ckpt_path);
 }
 

@@ -2,8 +2,8 @@
  * stdout carries one JSON object per line for machines (the proxy parses it), flushed after every
  * line so a reader never sees half a record; stderr carries messages for people.
  * Every bad input ends in exactly one "error: ..." line on stderr and exit code 2 (die_input).
- * Every stderr line (error, warning, info) is one line whatever user text it quotes: its control
- * bytes are written as \xNN (put_line).
+ * Every stderr line (error, warning, info) is one line of UTF-8 whatever user text it quotes: its
+ * control bytes, and bytes that are no UTF-8, are written as \xNN (put_line).
  * Compiles as C99 and as C++ (nvcc). */
 #ifndef MICROGPT_HOST_OUTPUT_H
 #define MICROGPT_HOST_OUTPUT_H
@@ -22,27 +22,53 @@
 #define EXIT_FAILURE_IO 1 /* the machine failed us (disk full, out of memory) */
 #define EXIT_DIVERGED 3 /* the loss, gradient norm or state went non-finite; nothing of it was saved */
 
+/* The length (1 to 4) of the well-formed UTF-8 sequence at s, or 0 where the bytes are none
+ * (RFC 3629: no overlong form, no surrogate, nothing past U+10FFFF). Reads no byte past a NUL. */
+static int utf8_sequence_length(const unsigned char* s) {
+    unsigned char lo = 0x80, hi = 0xBF; /* the range of the second byte */
+    int n, i;
+    if (s[0] < 0x80) return 1;
+    if (s[0] >= 0xC2 && s[0] <= 0xDF) n = 2;
+    else if (s[0] >= 0xE0 && s[0] <= 0xEF) n = 3;
+    else if (s[0] >= 0xF0 && s[0] <= 0xF4) n = 4;
+    else return 0;
+    if (s[0] == 0xE0) lo = 0xA0;      /* overlong */
+    else if (s[0] == 0xED) hi = 0x9F; /* surrogates */
+    else if (s[0] == 0xF0) lo = 0x90; /* overlong */
+    else if (s[0] == 0xF4) hi = 0x8F; /* past U+10FFFF */
+    if (s[1] < lo || s[1] > hi) return 0;
+    for (i = 2; i < n; i++)
+        if (s[i] < 0x80 || s[i] > 0xBF) return 0;
+    return n;
+}
+
 /* prefix, then the formatted message, then a newline: one line on stderr, written at once (lines of
  * ranks sharing a stderr do not mix). Messages quote user text (a flag, a glob, a value, a path):
  * its control bytes (below 0x20, and 0x7f) are written as \xNN, so a newline in it cannot split the
  * line (a forged second "error:" line for the proxy, which parses stderr) nor an escape sequence
- * reach a terminal. UTF-8 passes as it is. A message past 8 KiB is cut and ends in "..." so the cut
- * shows. */
+ * reach a terminal. UTF-8 passes as it is; a byte that starts no well-formed sequence (a flag's
+ * value of raw bytes, a sidecar string's lone surrogate) is \xNN too, so every line is UTF-8. A
+ * message past 8 KiB is cut and ends in "..." so the cut shows. */
 static void put_line(const char* prefix, const char* fmt, va_list ap) {
     static const char hex[] = "0123456789abcdef";
     char msg[8192], out[16 + 4 * sizeof msg + 4]; /* the prefix, each byte as \xNN at most, "...\n" */
     const unsigned char* p;
     size_t k = 0;
-    int n = vsnprintf(msg, sizeof msg, fmt, ap);
+    int len, n = vsnprintf(msg, sizeof msg, fmt, ap);
     if (n < 0) snprintf(msg, sizeof msg, "(unprintable message) %s", fmt); /* an encoding error */
     for (; *prefix && k < 16; prefix++) out[k++] = *prefix;
-    for (p = (const unsigned char*)msg; *p; p++) {
-        if (*p < 0x20 || *p == 0x7f) {
+    for (p = (const unsigned char*)msg; *p; p += len) {
+        len = utf8_sequence_length(p);
+        if (*p < 0x20 || *p == 0x7f || len == 0) {
             out[k++] = '\\';
             out[k++] = 'x';
             out[k++] = hex[*p >> 4];
             out[k++] = hex[*p & 15];
-        } else out[k++] = (char)*p;
+            len = 1;
+        } else {
+            memcpy(out + k, p, (size_t)len);
+            k += (size_t)len;
+        }
     }
     if (n >= (int)sizeof msg) {
         memcpy(out + k, "...", 3);
@@ -101,26 +127,6 @@ static const char* json_num(char* buf, size_t cap, double x) {
     if (isfinite(x)) snprintf(buf, cap, "%.9g", x);
     else snprintf(buf, cap, "null");
     return buf;
-}
-
-/* The length (1 to 4) of the well-formed UTF-8 sequence at s, or 0 where the bytes are none
- * (RFC 3629: no overlong form, no surrogate, nothing past U+10FFFF). Reads no byte past a NUL. */
-static int utf8_sequence_length(const unsigned char* s) {
-    unsigned char lo = 0x80, hi = 0xBF; /* the range of the second byte */
-    int n, i;
-    if (s[0] < 0x80) return 1;
-    if (s[0] >= 0xC2 && s[0] <= 0xDF) n = 2;
-    else if (s[0] >= 0xE0 && s[0] <= 0xEF) n = 3;
-    else if (s[0] >= 0xF0 && s[0] <= 0xF4) n = 4;
-    else return 0;
-    if (s[0] == 0xE0) lo = 0xA0;      /* overlong */
-    else if (s[0] == 0xED) hi = 0x9F; /* surrogates */
-    else if (s[0] == 0xF0) lo = 0x90; /* overlong */
-    else if (s[0] == 0xF4) hi = 0x8F; /* past U+10FFFF */
-    if (s[1] < lo || s[1] > hi) return 0;
-    for (i = 2; i < n; i++)
-        if (s[i] < 0x80 || s[i] > 0xBF) return 0;
-    return n;
 }
 
 /* s as a JSON string (the few we print: names, paths, messages). s is bytes from argv or a file name, not always UTF-8: a byte that starts no
