@@ -117,8 +117,9 @@ static inline FP8_HD float fp8_scale_for_amax(float amax, int fmt) {
 /* The format of the FP8 classifier's dlogits: FP8_GRAD_FMT unless built with another. At the static
  * scale below the largest |dlogit| lands at the top of the format and a non-target token's
  * p/N well under it: E4M3's 2^-9 below its top is a probability near 2e-5, about a token's share of
- * a 50k vocabulary, so the many small ones end as a few bits or zero; E5M2 reaches 2^-16 below
- * its top with a mantissa bit fewer (docs/BENCHMARKS.md #106). */
+ * a 50k vocabulary, so the many small ones are a few bits or less (rounded stochastically for that,
+ * fp8_round_stochastic); E5M2 reaches 2^-16 below its top with a mantissa bit fewer
+ * (docs/BENCHMARKS.md #106). */
 #ifndef FP8_DLOGITS_FMT
 #define FP8_DLOGITS_FMT FP8_GRAD_FMT
 #endif
