@@ -141,10 +141,10 @@ static inline FP8_HD float fp8_dlogits_scale(float dscale) { return fp8_scale_fo
  *
  * The random bits are a hash of a salt and the value's place, so both engines draw the same ones
  * and a resumed run the same as an unbroken one: the salt is a hash of the micro-batch's targets
- * (fp8_dlogits_salt: nothing to checkpoint, new with every batch); a row's key mixes the salt with
- * the row's index in the micro-batch; a packet of FP8_SR_PACKET neighbouring columns takes one hash of
- * the key and its index; its k-th value the hash plus k eighths of 2^32 (its threshold offset by k/8:
- * each uniform, the eight stratified). */
+ * (fp8_dlogits_salt: nothing to checkpoint, new with every batch of other targets); a row's key
+ * mixes the salt with the row's index in the micro-batch; a packet of FP8_SR_PACKET neighbouring
+ * columns takes one hash of the key and its index; its k-th value the hash plus k eighths of 2^32
+ * (its threshold offset by k/8: each uniform, the eight stratified). */
 #define FP8_SR_PACKET 8
 static inline FP8_HD unsigned fp8_mix32(unsigned x) { /* a bijective avalanche of 32 bits */
     x ^= x >> 16;
