@@ -134,8 +134,9 @@ static inline FP8_HD float fp8_dlogits_scale(float dscale) { return fp8_scale_fo
 /* Stochastic rounding of the FP8 classifier's dlogits (docs/DESIGN.md §18). Rounded to nearest,
  * the many dlogits p/N of unlikely tokens end as zero or a few bits, always the same way, and the
  * input gradient dx = dlogits @ wte carries that bias into the whole network: 2000 steps of
- * ANDREA-120M ended 2.5 % above bf16 with dlogits rounded to nearest (in dx alone 2.7 %, in dwte alone
- * -0.5 %) and 0.1 % with them rounded stochastically (docs/BENCHMARKS.md #109). Rounded
+ * ANDREA-120M in a bf16 build that rounds only dlogits to E4M3 and back ended 2.5 % above bf16
+ * rounded to nearest (in dx alone 2.7 %, in dwte alone -0.5 %) and 0.1 % rounded stochastically;
+ * the FP8 classifier with them rounded stochastically 0.6 % (docs/BENCHMARKS.md #109). Rounded
  * stochastically, a value x between two neighbouring codes lo < hi becomes hi with probability
  * (x - lo) / (hi - lo), so every code is x on average and the small ones are no longer lost.
  *
