@@ -11,8 +11,8 @@
  * gradients that are W_2's and W_O's output gradients and QKV's output gradient dqkv are cast at
  * delayed scales instead
  * (delayed_operand); where the FP8 classifier pays (d_model 512 and up, cpu/fp8.h's
- * fp8_classifier_pays) the classifier's logits product, or with train.fp8_classifier all its three,
- * read FP8-emulated operands too (classifier_x, classifier_wte, classifier_bwd). Every other precision computes fp32 (and says so). Every buffer
+ * fp8_classifier_pays) the classifier's three products, or with train.fp8_classifier logits its
+ * logits product alone, read FP8-emulated operands too (classifier_x, classifier_wte, classifier_bwd). Every other precision computes fp32 (and says so). Every buffer
  * is allocated once in engine_setup, sized for B·T positions;
  * smaller calls (one prompt of len tokens in engine_prefill) reuse the same buffers. Results are
  * bit-identical run to run for a fixed OMP thread count (the layer functions fix their summation

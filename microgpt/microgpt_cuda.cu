@@ -22,8 +22,9 @@
  *         current scale, E4M3 weights, activations and activation gradients, fp32
  *         accumulation (the forward's products in cuBLASLt's fast-accumulation mode:
  *         FP8_FAST_ACCUM), bf16 activations and fp32 weight gradients out. Where that pays (d_model 512 and up:
- *         config_fp8_classifier, loss_chunks) the classifier's logits product runs in FP8 too (its backward
- *         in bf16), or with train.fp8_classifier all its three products; else all three in bf16.
+ *         config_fp8_classifier, loss_chunks) the classifier's three products run in FP8 too (dlogits
+ *         rounded stochastically), or with train.fp8_classifier logits its logits product alone (its
+ *         backward in bf16); else all three in bf16.
  *         Needs compute capability 8.9 or newer. docs/DESIGN.md §18. In training, ln1, ln2 and
  *         h_gelu are cast at delayed scales (from amax histories) instead, written by their
  *         producers (LayerNorm, GELU) as FP8 codes; so are the attention output att, by the

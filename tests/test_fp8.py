@@ -248,8 +248,9 @@ def test_stochastic_rounding_matches_the_float64_reference(fp8lib, fmt):
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_stochastic_rounding_is_unbiased(fp8lib, fmt):
     """Over all 2^16 values of the random word's top bits, the mean of the rounded values is x to
-    within 2^-16 of a unit (and the one fp32 rounding below the smallest normal): small values
-    below the least subnormal code included, which rounding to nearest makes zero."""
+    within 2^-15 of a unit (2^-16 the enumeration's step, and the one fp32 rounding below the
+    smallest normal): small values below the least subnormal code included, which rounding to
+    nearest makes zero."""
     _, mb, bias, big = FORMATS[fmt]
     least = 2.0 ** (1 - bias - mb)
     xs = [least * 1e-3, least * 0.3, least * 2.5, 2.0 ** (1 - bias) * 0.999, 1.0 + 2.0 ** -(mb + 2),

@@ -3,12 +3,11 @@ fp8_classifier_pays), all three of the tied classifier's products run in FP8 (tr
 all, the default: wte and LNf's output E4M3 at their current scales, dlogits FP8_GRAD_FMT at the
 static scale of their bound 1/(B·T), rounded stochastically, written by the GPU's loss rows), or its
 logits product alone (logits: dlogits, dx and dwte in the activation type, fp32 on the CPU), in both
-engines; below 512, or with off, the
-classifier stays in the activation type. A one-layer model of d_model 512 (small vocabulary and
-sequence, so the CPU runs it in seconds) on each side of the rule: each engine says which classifier
-it runs, the padded vocabulary the FP8 products run over is refused only where they run, the CPU
-engine trains near fp32 and resumes exactly in both modes, which share their forward and not their
-backward. On a GPU (skipped without one) the GPU engine must track the CPU emulation, resume
+engines; below 512, or with off, the classifier stays in the activation type. A one-layer model of
+d_model 512 (small vocabulary and sequence, so the CPU runs it in seconds) on each side of the rule:
+each engine says which classifier it runs, the padded vocabulary the FP8 products run over is
+refused only where they run, the CPU engine trains near fp32 and resumes exactly in both modes,
+which share their forward and not their backward. On a GPU (skipped without one) the GPU engine must track the CPU emulation, resume
 exactly, and give the bits of synchronised launches with its graphs and unsynchronised launches,
 also over several logits chunks (each chunk's dwte on the side stream), in both modes. Its kernels
 are checked by tests/kernel_check.cu ("classifier bf16", "loss rows fp8 fused" and "transpose codes"

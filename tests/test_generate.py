@@ -642,7 +642,7 @@ def test_gpu_generation_in_fp8_is_the_bf16_engines(cuda_binary, trained):  # noq
 
 
 # the fp8 weights alone (3 layers), and with all three classifier products in FP8 (d_model 512) wte
-# among them (with the default, logits, the update keeps wte's copy: its backward reads it)
+# among them (with logits the update keeps wte's copy: its backward reads it)
 FP8_SAMPLE_MODELS = {"layers": FP8_SHAPES["odd"],
                      "fp8_classifier": {"model.n_layer": 1, "model.d_model": 512, "model.n_head": 8,
                                         "model.d_ff": 512, "model.seq_len": 48, "model.vocab_size": 100,

@@ -117,8 +117,9 @@ static inline FP8_HD float fp8_scale_for_amax(float amax, int fmt) {
 /* The format of the FP8 classifier's dlogits: FP8_GRAD_FMT unless built with another. At the static
  * scale below the largest |dlogit| lands at the top of the format and a non-target token's
  * p/N well under it: E4M3's 2^-9 below its top is a probability near 2e-5, about a token's share of
- * a 50k vocabulary, so the many small ones end as a few bits or zero; E5M2 reaches 2^-16 below
- * its top with a mantissa bit fewer (docs/BENCHMARKS.md #106). */
+ * a 50k vocabulary, so the many small ones are a few bits or less (rounded stochastically for that,
+ * fp8_round_stochastic); E5M2 reaches 2^-16 below its top with a mantissa bit fewer
+ * (docs/BENCHMARKS.md #106). */
 #ifndef FP8_DLOGITS_FMT
 #define FP8_DLOGITS_FMT FP8_GRAD_FMT
 #endif
@@ -133,17 +134,18 @@ static inline FP8_HD float fp8_dlogits_scale(float dscale) { return fp8_scale_fo
 /* Stochastic rounding of the FP8 classifier's dlogits (docs/DESIGN.md §18). Rounded to nearest,
  * the many dlogits p/N of unlikely tokens end as zero or a few bits, always the same way, and the
  * input gradient dx = dlogits @ wte carries that bias into the whole network: 2000 steps of
- * ANDREA-120M ended 2.5 % above bf16 with dlogits rounded to nearest (in dx alone 2.7 %, in dwte alone
- * -0.5 %) and 0.1 % with them rounded stochastically (docs/BENCHMARKS.md #109). Rounded
+ * ANDREA-120M in a bf16 build that rounds only dlogits to E4M3 and back ended 2.5 % above bf16
+ * rounded to nearest (in dx alone 2.7 %, in dwte alone -0.5 %) and 0.1 % rounded stochastically;
+ * the FP8 classifier with them rounded stochastically 0.6 % (docs/BENCHMARKS.md #109). Rounded
  * stochastically, a value x between two neighbouring codes lo < hi becomes hi with probability
  * (x - lo) / (hi - lo), so every code is x on average and the small ones are no longer lost.
  *
  * The random bits are a hash of a salt and the value's place, so both engines draw the same ones
  * and a resumed run the same as an unbroken one: the salt is a hash of the micro-batch's targets
- * (fp8_dlogits_salt: nothing to checkpoint, new with every batch); a row's key mixes the salt with
- * the row's index in the micro-batch; a packet of FP8_SR_PACKET neighbouring columns takes one hash of
- * the key and its index; its k-th value the hash plus k eighths of 2^32 (its threshold offset by k/8:
- * each uniform, the eight stratified). */
+ * (fp8_dlogits_salt: nothing to checkpoint, new with every batch of other targets); a row's key
+ * mixes the salt with the row's index in the micro-batch; a packet of FP8_SR_PACKET neighbouring
+ * columns takes one hash of the key and its index; its k-th value the hash plus k eighths of 2^32
+ * (its threshold offset by k/8: each uniform, the eight stratified). */
 #define FP8_SR_PACKET 8
 static inline FP8_HD unsigned fp8_mix32(unsigned x) { /* a bijective avalanche of 32 bits */
     x ^= x >> 16;

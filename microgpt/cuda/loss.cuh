@@ -97,8 +97,9 @@ __device__ __forceinline__ float exp_ftz(float x) {
  * loss_row's (exp(v - lse) - [j == target]) * ds, with
  *  - exp_ftz for __expf: an exponential below 2^-126 becomes 0, whose code is that of the value it
  *    replaces: both are ±0 after the scale (|ds| * fp8_dlogits_scale(ds) is at most the format's largest
- *    finite value, < 2^16, so the value is below 2^-110, far under half the least subnormal code,
- *    2^-10 in E4M3 and 2^-17 in E5M2; 0 * ds keeps ds's sign, as the tiny product does), and the
+ *    finite value, < 2^16, so the value is below 2^-110, which the stochastic rounding's fp32 sum
+ *    with the smallest normal, 2^-6 in E4M3 and 2^-14 in E5M2, loses whatever the random bits:
+ *    cpu/fp8.h's fp8_round_stochastic; 0 * ds keeps ds's sign, as the tiny product does), and the
  *    target's exp - 1 stays -1 (1 - 2^-126 rounds to 1); for every finite ds (at ±infinity, 0 * ds
  *    is NaN where the tiny value gives ±infinity: the engine's ds is 1/N);
  *  - the one-hot subtracted only in the packet that holds the target, elsewhere nothing: exp - 0

@@ -584,7 +584,8 @@ static const char* json_skip_scalar(const char* p) {
  * train.fp8_classifier than it was written with continues in another classifier arithmetic
  * (docs/DESIGN.md §18), so it says so; a sidecar without the member was written before it was
  * recorded, when fp8 ran its classifier in bf16 by default (off) or on request all in FP8 (then
- * named auto); one whose member is no mode (a number, a name no run writes) says nothing of it. */
+ * named auto); one whose member is no mode (a number, null, a name no run writes) tells nothing of
+ * it, and the warning says so. */
 static void sidecar_check_fp8_classifier(const char* text, const Config* c) {
     char saved[16];
     int found = json_find_string(text, "fp8_classifier", saved, sizeof saved);
