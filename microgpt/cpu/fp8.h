@@ -147,7 +147,9 @@ static inline FP8_HD float fp8_dlogits_scale(float dscale) { return fp8_scale_fo
  * columns takes one hash of the key and its index; its k-th value the hash plus k eighths of 2^32
  * (its threshold offset by k/8: each uniform, the eight stratified). */
 #define FP8_SR_PACKET 8
-static inline FP8_HD unsigned fp8_mix32(unsigned x) { /* a bijective avalanche of 32 bits */
+/* A bijective avalanche of 32 bits. Not host/rng.h's rng_mix: that one is 64-bit and host-only, and
+ * the loss rows take one of these a packet, where 64-bit multiplies cost several 32-bit ones. */
+static inline FP8_HD unsigned fp8_mix32(unsigned x) {
     x ^= x >> 16;
     x *= 0x7FEB352Du;
     x ^= x >> 15;
