@@ -157,12 +157,16 @@ static inline FP8_HD unsigned fp8_mix32(unsigned x) {
     x ^= x >> 16;
     return x;
 }
-static inline FP8_HD unsigned fp8_sr_row_key(unsigned salt, int row) { return fp8_mix32(salt ^ ((unsigned)row * 0x85EBCA6Bu)); }
+static inline FP8_HD unsigned fp8_sr_row_key(unsigned salt, int row) {
+    return fp8_mix32(salt ^ ((unsigned)row * 0x85EBCA6Bu));
+}
 /* The random bits of value k of the packet of columns FP8_SR_PACKET * packet .. of the row with key row_key. */
 static inline FP8_HD unsigned fp8_sr_packet_bits(unsigned row_key, int packet) {
     return fp8_mix32(row_key + (unsigned)packet * 0x9E3779B9u);
 }
-static inline FP8_HD unsigned fp8_sr_value_bits(unsigned packet_bits, int k) { return packet_bits + ((unsigned)k << 29); }
+static inline FP8_HD unsigned fp8_sr_value_bits(unsigned packet_bits, int k) {
+    return packet_bits + ((unsigned)k << 29);
+}
 
 /* x rounded stochastically to a value of format fmt's grid with the random bits r, as an fp32
  * value that fp8_from_float then converts exactly. Above the format's smallest normal 2^(1-bias)

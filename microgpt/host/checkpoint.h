@@ -461,6 +461,20 @@ static unsigned hex4(const char* p) {
     return u;
 }
 
+/* The code point of the \u escape at p (json_skip_string checked its digits), or of the pair when
+ * it is a high surrogate right before a low one's escape; *len the escapes' length (6 or 12). A
+ * surrogate that is no half of a pair comes back as itself (D800-DFFF). */
+static unsigned json_u_escape(const char* p, int* len) {
+    unsigned u = hex4(p + 2), low;
+    *len = 6;
+    if (u >= 0xD800 && u <= 0xDBFF && p[6] == '\\' && p[7] == 'u' && (low = hex4(p + 8)) >= 0xDC00 &&
+        low <= 0xDFFF) {
+        *len = 12;
+        return 0x10000 + ((u - 0xD800) << 10) + (low - 0xDC00);
+    }
+    return u;
+}
+
 /* The UTF-8 bytes of code point u into b (a lone surrogate in the 3-byte form that Python's
  * "surrogatepass" writes too); returns their count. */
 static int utf8_encode(unsigned u, unsigned char* b) {
@@ -498,18 +512,14 @@ static int json_find_string(const char* text, const char* key, char* out, size_t
     int n, i;
     if (!p || *(p = json_skip_space(p)) != '"') return 0;
     for (p++; *p && *p != '"'; k += (size_t)n) {
-        unsigned u, low;
+        unsigned u;
+        int len;
         if (*p != '\\') { /* a byte of the text's UTF-8, as it is */
             b[0] = (unsigned char)*p++;
             n = 1;
         } else if (p[1] == 'u') {
-            u = hex4(p + 2);
-            p += 6;
-            if (u >= 0xD800 && u <= 0xDBFF && p[0] == '\\' && p[1] == 'u' && (low = hex4(p + 2)) >= 0xDC00 &&
-                low <= 0xDFFF) {
-                u = 0x10000 + ((u - 0xD800) << 10) + (low - 0xDC00);
-                p += 6;
-            }
+            u = json_u_escape(p, &len);
+            p += len;
             if (u == 0) return 0;
             n = utf8_encode(u, b);
         } else {

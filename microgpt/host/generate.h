@@ -320,6 +320,7 @@ static int js_string(JsonIn* j, char* out, size_t cap) {
  * UTF-8 reader can turn it into a string it can write out again. */
 static int json_string_has_lone_surrogate(const char* p) {
     unsigned u;
+    int len;
     for (p++; *p != '"';) {
         if (*p != '\\') {
             p++; /* a UTF-8 sequence's bytes are never a backslash or a quote */
@@ -329,14 +330,9 @@ static int json_string_has_lone_surrogate(const char* p) {
             p += 2;
             continue;
         }
-        u = hex4(p + 2);
-        if (u >= 0xDC00 && u <= 0xDFFF) return 1;
-        if (u >= 0xD800 && u <= 0xDBFF) {
-            unsigned low = p[6] == '\\' && p[7] == 'u' ? hex4(p + 8) : 0;
-            if (!(low >= 0xDC00 && low <= 0xDFFF)) return 1;
-            p += 6;
-        }
-        p += 6;
+        u = json_u_escape(p, &len);
+        if (u >= 0xD800 && u <= 0xDFFF) return 1;
+        p += len;
     }
     return 0;
 }
