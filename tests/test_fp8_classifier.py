@@ -7,12 +7,15 @@ engines; below 512, or with off, the classifier stays in the activation type. A 
 d_model 512 (small vocabulary and sequence, so the CPU runs it in seconds) on each side of the rule:
 each engine says which classifier it runs, the padded vocabulary the FP8 products run over is
 refused only where they run, the CPU engine trains near fp32 and resumes exactly in both modes,
-which share their forward and not their backward. On a GPU (skipped without one) the GPU engine must track the CPU emulation, resume
-exactly, and give the bits of synchronised launches with its graphs and unsynchronised launches,
-also over several logits chunks (each chunk's dwte on the side stream), in both modes. Its kernels
-are checked by tests/kernel_check.cu ("classifier bf16", "loss rows fp8 fused" and "transpose codes"
-under --prec fp8).
+which share their forward and not their backward, and with all rounds dlogits stochastically with
+the bits of its micro-batch's targets and rows (its dwte from a crafted start, predicted). On a GPU
+(skipped without one) the GPU engine must track the CPU emulation, resume exactly, and give the
+bits of synchronised launches with its graphs and unsynchronised launches, also over several logits
+chunks (each chunk's dwte on the side stream), in both modes. Its kernels are checked by
+tests/kernel_check.cu ("classifier bf16", "loss rows fp8 fused" and "transpose codes" under --prec
+fp8).
 """
+import ctypes
 import json
 import re
 
@@ -20,11 +23,16 @@ import numpy as np
 import pytest
 
 import engine_util as eu
+import reference as R
 from engine_util import run_ok, tiny_args
+from test_fp8 import E4M3, code_values, reference_cast, reference_scale
+from test_fp8 import fp8lib  # noqa: F401 (a fixture: cpu/fp8.h through ctypes)
 from test_fp8_delayed import RUN
 from test_generate import pattern_shards  # noqa: F401 (a fixture: a learnable token stream)
 from test_gpu import check_side_stream_over_chunks
 from test_gpu import cuda_binary, small_chunks_build  # noqa: F401 (fixtures)
+
+from microgpt.checkpoint import split_params, write_checkpoint
 
 # cpu/fp8.h's FP8_CLASSIFIER_MIN_D_MODEL: the FP8 classifier at 512, not at 496 (both multiples of
 # 16, as FP8 products need; 8 heads of 64, and 31 of 16)
@@ -122,6 +130,73 @@ def test_cpu_modes_share_the_forward_not_the_backward(cpu_binary, pattern_shards
         mode, **{"train.steps": 12}))).steps] for mode in MODES}
     assert losses["logits"][0] == losses["all"][0], losses
     assert losses["logits"][1:] != losses["all"][1:], "the two modes trained alike"
+
+
+def test_cpu_fp8_classifier_rounds_dlogits_stochastically(cpu_binary, fp8lib, tmp_path):
+    """With train.fp8_classifier all the CPU engine rounds dlogits stochastically with the bits of
+    fp8_dlogits_salt of the micro-batch's targets and of each row's index in it (cpu/fp8.h), as the
+    GPU's loss rows do: its dwte (--dump-grads) is the one that rounding predicts, not the one of
+    rounding to nearest, another salt (that of the inputs, or a constant) or rows offset by one.
+    The prediction is exact but for float32 sums: from a checkpoint with wte and every layer's
+    weights zero, the logits are 0, so every probability is exactly 1/V, the layers pass the
+    embedding through, LNf's output is LayerNorm(wpe), and dwte = fp8(dlogits)^T @ fp8(LNf output).
+    One window of data makes the batch known.
+
+    Tolerance: ||dwte - predicted|| / ||predicted|| <= 1e-6. Measured 8e-9: the engine sums 64
+    products of fp8 values in float32, the prediction in float64 (LNf's output, float32 against
+    float64 before its cast, gave the same codes). Every regression named above, and no rounding at
+    all, measured 1.8e-2 or more, made in the engine or in the prediction alike; the test insists on
+    100 times the tolerance against the latter, so that a shape or data that hid them would fail."""
+    rtol = 1e-6
+    B, T, Vp = CLS_RUN["train.batch_size"], CLS_RUN["model.seq_len"], CLS_RUN["model.padded_vocab_size"]
+    N, V = B * T, eu.TINY_VOCAB
+    rng = np.random.default_rng(5)
+    window = rng.integers(0, V, T + 1)
+    eu.write_shard(tmp_path / "win_000000.bin", window)  # T + 1 tokens: the only window
+    layout = eu.layout_for(CLS_RUN)
+    params = np.zeros(layout["n_params"], np.float32)
+    p = split_params(params, layout)
+    p["wpe"][...] = rng.standard_normal(p["wpe"].shape)
+    for name in p:
+        if name.endswith("gamma"):
+            p[name][...] = 1.0
+    ckpt, dump = tmp_path / "start.ckpt", tmp_path / "grads.bin"
+    write_checkpoint(ckpt, 0, params, np.zeros_like(params), np.zeros_like(params))
+    run_ok(cpu_binary, tiny_args(tmp_path / "win_*.bin", **in_mode("all", **SHORT), checkpoint=ckpt, resume=True,
+                                 dump_grads=dump))
+    loss, grads = eu.read_grad_dump(dump)
+    dwte = split_params(grads, layout)["wte"]
+    assert abs(loss - np.log(V)) < 1e-6, loss
+
+    inputs, targets = (np.tile(w, B).astype(np.int32) for w in (window[:-1], window[1:]))
+    dlogits = np.zeros((N, Vp), np.float32)  # (p - onehot) / N as cpu/classifier.h computes it
+    dlogits[:, :V] = np.float32(1.0 / V)
+    dlogits[np.arange(N), targets] -= np.float32(1.0)
+    dlogits *= np.float32(1.0 / N)
+    lnf = np.tile(R.layernorm_forward(p["wpe"][:T].astype(np.float64), 1.0, 0.0)[0], (B, 1)).astype(np.float32)
+    lnf_q = np.empty_like(lnf)
+    fp8lib.fake_quantize(lnf_q.ctypes.data_as(ctypes.c_void_p), lnf.ctypes.data_as(ctypes.c_void_p),
+                         ctypes.c_size_t(lnf.size), E4M3)
+    s = reference_scale(1.0 / N, E4M3)  # cpu/fp8.h's fp8_dlogits_scale
+
+    def dwte_with(rounded):
+        return rounded[:, :V].astype(np.float64).T @ lnf_q.astype(np.float64)
+
+    def stochastic(row0, salt_of):
+        out = np.empty_like(dlogits)
+        salt = fp8lib.dlogits_salt(salt_of.ctypes.data, salt_of.size)
+        fp8lib.fake_quantize_dlogits(out.ctypes.data, dlogits.ctypes.data, N, Vp, row0, salt, E4M3, s)
+        return out
+
+    err = eu.rel_err(dwte[:V], dwte_with(stochastic(0, targets)))
+    assert err <= rtol, f"dwte differs from the stochastic rounding's by {err:.3g}"
+    assert not dwte[V:].any()
+    wrong = {"rounded to nearest": code_values(E4M3)[reference_cast(dlogits.astype(np.float64) * s, E4M3)] / s,
+             "salted by the inputs": stochastic(0, inputs), "salted by a constant": stochastic(0, targets[:0]),
+             "rows offset by one": stochastic(1, targets)}
+    for what, rounded in wrong.items():
+        err = eu.rel_err(dwte[:V], dwte_with(rounded))
+        assert err > 100 * rtol, f"dwte is also that of dlogits {what} ({err:.3g}): the test sees no difference"
 
 
 @pytest.mark.parametrize("mode", MODES)
