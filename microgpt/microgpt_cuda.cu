@@ -811,9 +811,9 @@ static void loss_chunks(int N, int train) {
  *                                                                 (fp8_linear_bwd; fp8_cast_dgelu;  (side_wait(E.g8t))
  *                                                                 the LN2 and LN1 backwards,
  *                                                                 layernorm_bwd_fp8; attn_bwd_fp8)
- *   LN_FINAL_SIDE (a      ln_partial (the chunk partials)         the next LayerNorm backward  side_wait(ln_partial)
- *   candidate): a Layer-                                                                        (layernorm_bwd_
- *   Norm's final sums                                                                           scratch_free)
+ *   a LayerNorm's final   ln_partial (the chunk partials)         the next LayerNorm backward  side_wait(ln_partial)
+ *   sums (behind the next                                                                      (layernorm_bwd_
+ *   weight gradient)                                                                           scratch_free)
  * The side stream runs its products in issue order, so a wait covers its earlier products too.
  * Each gradient tensor has one writer per micro-batch (matmul.cuh), the side stream's products
  * write only their own, and the one tensor two writers share, wte (dwte, then the embedding
@@ -909,28 +909,20 @@ static void download_output(const float* dev, float* host) {
     CUDA_CHECK(cudaMemcpyAsync(host, dev, sizeof(float), cudaMemcpyDeviceToHost, g_stream));
 }
 
-/* A candidate (docs/BENCHMARKS.md #89): every history pushed by one launch after the backward,
- * instead of the forward's before the classifier (between two launches of the step's one chain)
- * and the backward's after it. The same entries: only the forward's producers read the forward
- * histories, and the backward writes none of the amaxes pushed (x8_scale's: the forward's casts). */
-#ifndef FP8_HISTORY_PUSH_ONCE
-#define FP8_HISTORY_PUSH_ONCE 0
-#endif
-
 /* One training micro-batch, as recorded into fb_graph[grad_beta]. */
 template <typename T>
 static void record_forward_backward(void) {
     upload_inputs(2 * (size_t)E.N);
     forward<T>(E.B, E.T, E.use_fp8);
-    if (E.fp8_delayed && !FP8_HISTORY_PUSH_ONCE) /* a training forward extends the histories of ln1, ln2, h_gelu, att */
-        fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), 0, FP8_DELAYED_FORWARD, E.L);
     loss_chunks<T>(E.N, 1);
     backward<T>();
-    if (E.fp8_delayed && FP8_HISTORY_PUSH_ONCE) /* the forward's and the backward's */
-        fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), 0, FP8_DELAYED_PER_LAYER, E.L);
-    else if (E.fp8_delayed) /* and its backward's gradients' (dh, W_2's and W_O's, dqkv) */
-        fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), FP8_DELAYED_FORWARD,
-                             FP8_DELAYED_PER_LAYER - FP8_DELAYED_FORWARD, E.L);
+    /* every delayed tensor's history extended by this micro-batch's amax, the forward's (ln1, ln2,
+     * h_gelu, att) and the backward's (dh, W_2's and W_O's output gradients, dqkv), by one launch
+     * after the backward rather than the forward's four between LNf and the classifier, on the
+     * step's one chain (docs/BENCHMARKS.md #89): only the forward's producers read the forward
+     * histories, and nothing in the backward writes the amaxes pushed (the forward casts' x8_scale),
+     * so the entries are the same */
+    if (E.fp8_delayed) fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), 0, FP8_DELAYED_PER_LAYER, E.L);
     download_output(&E.io->loss, &E.io_host->loss);
 }
 

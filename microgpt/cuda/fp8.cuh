@@ -452,15 +452,13 @@ static void fp8_history_push_all(Fp8History* hist, const Fp8DelayedScales& where
  * LN_FP8_ROWS codes. Needs N a multiple of LN_FP8_ROWS (fp8's rule) and a history that is not
  * empty (the caller falls back to the unfused path for a run's first forward). */
 #define LN_FP8_ROWS 16
-/* Warps of its block, each taking its rows in turn: LN_WARPS, or with the candidate
- * FP8_LN_FWD_WARPS (docs/BENCHMARKS.md #88: 16, a row a warp as k_layernorm_fwd's) where that keeps
- * the grid one wave (ln_fp8_fwd_warps): twice the warps in flight at ANDREA-12M's 256 blocks, where
- * each of 8 warps takes two rows, of two dependent DRAM round trips each, one after the other. The
- * same rows, operations and tile, so the same bits. */
-#ifndef FP8_LN_FWD_WARPS
-#define FP8_LN_FWD_WARPS LN_WARPS
-#endif
-static_assert(LN_FP8_ROWS % FP8_LN_FWD_WARPS == 0 && LN_FP8_ROWS % LN_WARPS == 0,
+/* Warps of its block, each taking its rows in turn: LN_WARPS, or LN_FP8_FWD_WIDE_WARPS (a row a
+ * warp, as k_layernorm_fwd's) where that keeps the grid one wave (ln_fp8_fwd_warps;
+ * docs/BENCHMARKS.md #88): twice the warps in flight at ANDREA-12M's 256 blocks, where each of 8
+ * warps would take two rows, of two dependent DRAM round trips each, one after the other. The same
+ * rows, operations and tile, so the same bits. */
+#define LN_FP8_FWD_WIDE_WARPS LN_FP8_ROWS
+static_assert(LN_FP8_ROWS % LN_FP8_FWD_WIDE_WARPS == 0 && LN_FP8_ROWS % LN_WARPS == 0,
               "every warp of the fused LayerNorm takes as many rows");
 /* The fused LayerNorm's scale s and its inverse where the product reads them (one thread), and
  * the block's amax of its outputs as stored, am (every thread calls it; block_amax_commit). */
@@ -474,7 +472,7 @@ __device__ __forceinline__ void ln_fp8_commit_scale(Fp8Scale* sc, float s, unsig
 #define LN_FP8_STATIC_SMEM 1024 /* kept for the kernel's static shared memory (block_amax_commit's 128 B) */
 #define LN_FP8_MAX_C ((48 * 1024 - LN_FP8_STATIC_SMEM) / LN_FP8_ROWS - 16) /* dynamic + static within 48 KB */
 template <typename T, int VEC>
-__global__ void __launch_bounds__(32 * FP8_LN_FWD_WARPS)
+__global__ void __launch_bounds__(32 * LN_FP8_FWD_WIDE_WARPS)
 k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* __restrict__ sc,
                     const Fp8History* __restrict__ hist, float* __restrict__ mean, float* __restrict__ rstd,
                     const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ beta, int N,
@@ -483,11 +481,7 @@ k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* 
     extern __shared__ __align__(16) fp8 ln_tile[]; /* [LN_FP8_ROWS][C + 16] */
     const int pitch = C + 16, lane = threadIdx.x & 31, r0 = blockIdx.x * LN_FP8_ROWS;
     const float s = fp8_history_scale(hist);
-#if FP8_LN_FWD_WARPS != LN_WARPS
     const int warps = blockDim.x >> 5; /* ln_fp8_fwd_warps */
-#else
-    const int warps = LN_WARPS;
-#endif
     unsigned am = 0;
     for (int tr = threadIdx.x >> 5; tr < LN_FP8_ROWS; tr += warps) {
         int row = r0 + tr;
@@ -545,17 +539,12 @@ static_assert(LN_FP8_ROWS * sizeof(fp8) == sizeof(uint4), "a column of the tile 
 /* Whether layernorm_fwd_fp8 takes a shape (else: layernorm_fwd, then fp8_cast with the history). */
 static bool layernorm_fwd_fp8_fits(int N, int C) { return N % LN_FP8_ROWS == 0 && C <= LN_FP8_MAX_C; }
 
-/* k_layernorm_fwd_fp8's warps a block for N rows: FP8_LN_FWD_WARPS where its N / LN_FP8_ROWS
+/* k_layernorm_fwd_fp8's warps a block for N rows: LN_FP8_FWD_WIDE_WARPS where its N / LN_FP8_ROWS
  * blocks are at most two a multiprocessor (ANDREA-12M's 256 on an H200's 132; at 40 registers a
  * thread three blocks of 16 warps fit one), else LN_WARPS (ANDREA-120M's 512 would need a second
  * wave). A function of the shape and the device alone. */
 static int ln_fp8_fwd_warps(int N) {
-#if FP8_LN_FWD_WARPS != LN_WARPS
-    if (N / LN_FP8_ROWS <= 2 * lt_sm_count()) return FP8_LN_FWD_WARPS;
-#else
-    (void)N;
-#endif
-    return LN_WARPS;
+    return N / LN_FP8_ROWS <= 2 * lt_sm_count() ? LN_FP8_FWD_WIDE_WARPS : LN_WARPS;
 }
 
 template <typename T>

@@ -406,25 +406,16 @@ static void layernorm_bwd_final(float* dgamma, float* dbeta, const float* scratc
                   scratch, C, n_chunks, add);
 }
 
-/* A backward's final sums: at once, or with LN_FINAL_SIDE (side_stream.cuh) on the side stream
- * behind the next weight gradient, the next backward waiting for them before it writes scratch
+/* A backward's final sums, which only the update reads: on the side stream behind the next weight
+ * gradient where there is one (side_stream.cuh's side_after_next_product, docs/BENCHMARKS.md #90),
+ * else at once; the next backward waits for them before it writes scratch again
  * (layernorm_bwd_scratch_free). */
 static void layernorm_bwd_final_issue(float* dgamma, float* dbeta, const float* scratch, int C, int n_chunks,
                                       bool add) {
-#if LN_FINAL_SIDE
     side_after_next_product(scratch, [=] { layernorm_bwd_final(dgamma, dbeta, scratch, C, n_chunks, add); });
-#else
-    layernorm_bwd_final(dgamma, dbeta, scratch, C, n_chunks, add);
-#endif
 }
 
-static void layernorm_bwd_scratch_free(const float* scratch) {
-#if LN_FINAL_SIDE
-    side_wait(scratch);
-#else
-    (void)scratch;
-#endif
-}
+static void layernorm_bwd_scratch_free(const float* scratch) { side_wait(scratch); }
 
 /* The register kernel's launch for these operands: packed or not, the packets a lane holds (0: the
  * rows do not fit, the slab kernel takes them), rows a chunk, chunks. */

@@ -31,19 +31,10 @@
 
 #include "common.cuh"
 
-/* A candidate (docs/BENCHMARKS.md #90): the LayerNorm backward's final sums (k_layernorm_bwd_final,
- * which only the update reads) on the side stream, right behind the weight gradient that follows
- * their LayerNorm (side_after_next_product), instead of between that LayerNorm and the next
- * product on the main stream. */
-#ifndef LN_FINAL_SIDE
-#define LN_FINAL_SIDE 0
-#endif
-#if LN_FINAL_SIDE
 #include <functional>
-#endif
 
 /* buffers with a side-stream reader: dres, dh, dqkv, logits; fp8's g8t and the FP8 classifier's
- * dl8t; with LN_FINAL_SIDE the LayerNorm backward's chunk partials */
+ * dl8t; the LayerNorm backward's chunk partials (side_after_next_product) */
 #define SIDE_MAX_BUFFERS 8
 
 /* One buffer the side stream reads and the main stream overwrites later. */
@@ -63,13 +54,11 @@ static struct {
     int n_reads;
 } g_side;
 
-#if LN_FINAL_SIDE
 static struct {
     std::function<void()> work; /* side_after_next_product's, not yet issued */
     const void* reads;
 } g_side_next;
 static void side_issue_next(void);
-#endif
 
 /* Whether the backward's weight gradients run on the side stream: when a layer's input-gradient
  * product ([rows, d_model] out, rows = B·T) is less than one wave of 128×128 tiles on this GPU's
@@ -148,12 +137,9 @@ template <typename Product> static void side_product(const void* reads, Product 
     CUDA_CHECK(cudaEventRecord(r->done, g_side.stream));
     r->pending = true;
     g_side.active = true;
-#if LN_FINAL_SIDE
     side_issue_next();
-#endif
 }
 
-#if LN_FINAL_SIDE
 /* Issues side_after_next_product's work, if any, on the side stream. */
 static void side_issue_next(void) {
     if (!g_side_next.work) return;
@@ -165,7 +151,8 @@ static void side_issue_next(void) {
 /* `work`, which the main stream waits for only by a later side_wait(reads), runs on the side
  * stream right behind the next weight gradient (so it delays neither that product nor the main
  * stream's wait for it), or at side_wait(reads) or side_join if one comes first; without a side
- * stream, at once. */
+ * stream, at once. The LayerNorm backward's final sums (layernorm.cuh's layernorm_bwd_final_issue,
+ * docs/BENCHMARKS.md #90) leave the step's one chain this way. */
 static void side_after_next_product(const void* reads, std::function<void()> work) {
     if (!g_side.stream) {
         work();
@@ -175,13 +162,10 @@ static void side_after_next_product(const void* reads, std::function<void()> wor
     g_side_next.work = std::move(work);
     g_side_next.reads = reads;
 }
-#endif
 
 /* The main stream waits until the side stream's readers of `buffer` so far are done. */
 static void side_wait(const void* buffer) {
-#if LN_FINAL_SIDE
     if (g_side_next.work && g_side_next.reads == buffer) side_issue_next();
-#endif
     for (int i = 0; i < g_side.n_reads; i++) {
         SideRead* r = &g_side.reads[i];
         if (r->buffer == buffer && r->pending) {
@@ -193,9 +177,7 @@ static void side_wait(const void* buffer) {
 
 /* The main stream waits for all side-stream work issued so far. */
 static void side_join(void) {
-#if LN_FINAL_SIDE
     side_issue_next();
-#endif
     if (!g_side.active) return; /* nothing forked: no event of this capture to wait for */
     CUDA_CHECK(cudaEventRecord(g_side.joined, g_side.stream));
     CUDA_CHECK(cudaStreamWaitEvent(g_stream, g_side.joined, 0));
