@@ -971,7 +971,8 @@ enum Fp8Pass { FP8_PASS_FORWARD, FP8_PASS_INPUT_GRAD, FP8_PASS_BACKWARD };
  * products, which contract over d_model or d_ff (the layers' and the FP8 classifier's logits; XLA
  * and torchao's float8 training choose the same); 3 for those and the layers' input gradients,
  * which contract over 3·d_model, d_model or d_ff (docs/BENCHMARKS.md #105: 0.22 ms faster at
- * ANDREA-120M, but its 2000-step quality run ended +1.01 %, outside the 1 % budget); 2 for every
+ * ANDREA-120M, but its 2000-step quality run ended +1.01 %, outside the 1 % budget; +0.94 % with
+ * the stochastically rounded FP8 classifier, #112: at the budget's edge); 2 for every
  * product, the weight gradients too, over all B·T positions, and the classifier's dx, over the
  * vocabulary (+2.1 %); 0 for none. */
 #ifndef FP8_FAST_ACCUM
