@@ -922,7 +922,7 @@ static void record_forward_backward(void) {
      * step's one chain (docs/BENCHMARKS.md #89): only the forward's producers read the forward
      * histories, and nothing in the backward writes the amaxes pushed (the forward casts' x8_scale),
      * so the entries are the same */
-    if (E.fp8_delayed) fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), 0, FP8_DELAYED_PER_LAYER, E.L);
+    if (E.fp8_delayed) fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), E.L);
     download_output(&E.io->loss, &E.io_host->loss);
 }
 
