@@ -33,7 +33,8 @@ def test_gpu_small_step_gives_the_baseline_builds_bits(run, graphs, cuda_binary,
     for name, binary in (("baseline", BASELINE_ENGINE), ("tested", cuda_binary)):
         ckpt = tmp_path / f"{name}.ckpt"
         res = run_ok(binary, args + ["--checkpoint", ckpt], env=env)
-        assert "backward: weight gradients on a side stream" in res.stderr, res.stderr[-2000:]
+        # the side stream is what is under test; a baseline without one gives the same bits
+        assert name == "baseline" or "backward: weight gradients on a side stream" in res.stderr, res.stderr[-2000:]
         hist = sidecar_history(ckpt) if RUNS[run]["train.precision"] == "fp8" else None
         got[name] = (eu.exact_records(res), ckpt.read_bytes(), hist)
     assert len([k for k in got["tested"][0] if k[0] == "train"]) == 8
