@@ -4,7 +4,8 @@ of the commit before a change that must not move a bit (docs/BENCHMARKS.md #88â€
 way). Records, checkpoints and delayed-scaling histories must be the baseline's in fp8 (both
 attention paths) and bf16, with gradient accumulation (the second micro-batch adds into the
 gradients the LayerNorm backward's final sums wrote on the side stream) and validation between
-steps, graphs and launch by launch alike. GPU only; skipped without ANDREA_CUDA_BASELINE.
+steps, graphs and launch by launch alike. GPU only; skipped without ANDREA_CUDA_BASELINE
+(bench/engine-ab.sh's SAME_BITS=1 sets it for each variant against the default build).
 """
 import pytest
 
