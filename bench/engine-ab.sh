@@ -11,8 +11,9 @@
 # parallel (the Makefile's KERNEL_VARIANTS and VARIANT_SUFFIX): build/microgpt_cuda_NAME,
 # build/kernel_check_NAME. Each build's kernel_check runs in full (a build that fails it is still
 # timed, and marked FAILED). With SAME_BITS=1 (a candidate that must not change a bit), each
-# variant also runs tests/test_gpu.py's bit-equality tests against it (graphs = launch by launch,
-# and records and checkpoints equal to the default build's: ANDREA_CUDA_ENGINE, ANDREA_CUDA_BASELINE;
+# variant also runs tests/test_gpu.py's and tests/test_fp8_small.py's bit-equality tests against it
+# (graphs = launch by launch, and records, checkpoints and fp8 histories equal to the default
+# build's, on the side stream too: ANDREA_CUDA_ENGINE, ANDREA_CUDA_BASELINE;
 # log $OUT/pytest-NAME.log), and losses that differ from the default's below count as a failure.
 # Then ANDREA-12M and ANDREA-120M, bf16 and fp8, AB_STEPS steps each (default 60; scripts/check-lib.sh's
 # timing_run and summarise) on random tokens, or on the shards of the glob AB_SHARDS, relative to the
@@ -74,7 +75,8 @@ for b in "${BUILDS[@]}"; do
     echo "$b: $(head -1 "$OUT/check-$b.log" | cut -c1-160) ... $(tail -1 "$OUT/check-$b.log")"
     if [ "$SAME_BITS" = 1 ] && [ "$b" != default ] && [ -x build/microgpt_cuda_default ]; then
         if ANDREA_CUDA_ENGINE="build/microgpt_cuda_$b" ANDREA_CUDA_BASELINE=build/microgpt_cuda_default \
-            run_cmd 600 "$PY" -m pytest -m gpu -q -rA tests/test_gpu.py -k "baseline_build or graphs_give" \
+            run_cmd 600 "$PY" -m pytest -m gpu -q -rA tests/test_gpu.py tests/test_fp8_small.py \
+            -k "baseline_build or graphs_give" \
             >"$OUT/pytest-$b.log" 2>&1; then
             check[$b]+=", bit tests ok"
         else

@@ -918,11 +918,12 @@ static void record_forward_backward(void) {
     backward<T>();
     /* every delayed tensor's history extended by this micro-batch's amax, the forward's (ln1, ln2,
      * h_gelu, att) and the backward's (dh, W_2's and W_O's output gradients, dqkv), by one launch
-     * after the backward rather than the forward's four between LNf and the classifier, on the
-     * step's one chain (docs/BENCHMARKS.md #89): only the forward's producers read the forward
-     * histories, and nothing in the backward writes the amaxes pushed (the forward casts' x8_scale),
-     * so the entries are the same */
-    if (E.fp8_delayed) fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), 0, FP8_DELAYED_PER_LAYER, E.L);
+     * after the backward rather than a launch of the forward's four a layer between LNf and the
+     * classifier, on the step's one chain (docs/BENCHMARKS.md #89): only the forward's producers
+     * read the forward histories (validation and the next micro-batch come after this push), and
+     * nothing in the backward writes the amaxes pushed (the forward casts' x8_scale, which the next
+     * forward zeroes), so the entries are the same */
+    if (E.fp8_delayed) fp8_history_push_all(E.fp8_hist, fp8_delayed_scales(), E.L);
     download_output(&E.io->loss, &E.io_host->loss);
 }
 

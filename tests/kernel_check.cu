@@ -1116,8 +1116,8 @@ static void test_fp8_delayed(int R, int C) {
         dfree_all();
     }
     /* the push: FP8_DELAYED_PER_LAYER histories a layer (ln1, ln2, h_gelu, att; dh, W_2's and
-     * W_O's output gradients, dqkv),
-     * their amaxes at scales[l * stride + at[which]]; the forward's, then the backward's, as the engine */
+     * W_O's output gradients, dqkv), their amaxes at scales[l * stride + at[which]]; all of them
+     * by one launch, as the engine after the backward */
     const int layers = 5, stride = 8, n = FP8_DELAYED_PER_LAYER * layers;
     const int at[8] = {0, 2, 3, 1, 7, 5, 6, 4};
     static_assert(FP8_DELAYED_PER_LAYER <= 8, "a scale for every history a layer");
@@ -1142,9 +1142,7 @@ static void test_fp8_delayed(int R, int C) {
     Fp8DelayedScales where;
     where.scales = dsc, where.stride = stride;
     for (int w = 0; w < FP8_DELAYED_PER_LAYER; w++) where.at[w] = at[w];
-    fp8_history_push_all(dh, where, 0, FP8_DELAYED_FORWARD, layers);
-    if (FP8_DELAYED_PER_LAYER > FP8_DELAYED_FORWARD)
-        fp8_history_push_all(dh, where, FP8_DELAYED_FORWARD, FP8_DELAYED_PER_LAYER - FP8_DELAYED_FORWARD, layers);
+    fp8_history_push_all(dh, where, layers);
     CUDA_CHECK(cudaMemcpy(h.data(), dh, n * sizeof(Fp8History), cudaMemcpyDeviceToHost));
     int bad = 0;
     for (int i = 0; i < n; i++)

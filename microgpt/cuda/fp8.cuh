@@ -424,22 +424,20 @@ struct Fp8DelayedScales {
 };
 
 /* Delayed scaling: history hist[l * FP8_DELAYED_PER_LAYER + which] of every layer l < layers and
- * tensor which in [first, first + count) takes the amax of its tensor (after a training forward:
- * the activations; after the backward: dh); one thread a history, in the CPU engine's code
+ * every tensor which takes the amax of its tensor, the activations' and the gradients' at once
+ * (after the backward: docs/DESIGN.md §18); one thread a history, in the CPU engine's code
  * (cpu/fp8.h's fp8_history_push). */
-__global__ void k_fp8_history_push(Fp8History* __restrict__ hist, Fp8DelayedScales where, int first, int count,
-                                   int layers) {
+__global__ void k_fp8_history_push(Fp8History* __restrict__ hist, Fp8DelayedScales where, int layers) {
     await_previous_kernel();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= layers * count) return;
-    int l = i / count, which = first + i % count;
+    if (i >= layers * FP8_DELAYED_PER_LAYER) return;
+    int l = i / FP8_DELAYED_PER_LAYER, which = i % FP8_DELAYED_PER_LAYER;
     const Fp8Scale* sc = where.scales + (size_t)l * where.stride + where.at[which];
-    fp8_history_push(&hist[(size_t)l * FP8_DELAYED_PER_LAYER + which], __uint_as_float(sc->amax_bits),
-                     fp8_delayed_fmt(which));
+    fp8_history_push(&hist[i], __uint_as_float(sc->amax_bits), fp8_delayed_fmt(which));
 }
 
-static void fp8_history_push_all(Fp8History* hist, const Fp8DelayedScales& where, int first, int count, int layers) {
-    launch_kernel(k_fp8_history_push, ceil_div(layers * count, 128), 128, hist, where, first, count, layers);
+static void fp8_history_push_all(Fp8History* hist, const Fp8DelayedScales& where, int layers) {
+    launch_kernel(k_fp8_history_push, ceil_div(layers * FP8_DELAYED_PER_LAYER, 128), 128, hist, where, layers);
 }
 
 /* Delayed scaling's fused LayerNorm (docs/DESIGN.md §18): the forward of N rows of x

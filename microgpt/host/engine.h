@@ -31,7 +31,7 @@ static void engine_set_state(const float* params, const float* m, const float* v
 static void engine_get_state(float* params, float* m, float* v, float* loss_scale);
 /* The amax histories of delayed fp8 scaling (docs/DESIGN.md §18), layer-major: how many the engine
  * keeps (0 unless it trains in fp8), a copy of them, and their restore
- * (from the checkpoint's sidecar; each training forward then extends them). */
+ * (from the checkpoint's sidecar; each training micro-batch then extends them). */
 static int engine_fp8_history_count(void);
 static void engine_get_fp8_history(Fp8History* h);
 static void engine_set_fp8_history(const Fp8History* h);
