@@ -95,6 +95,12 @@ build/rowk_bench$(VARIANT_SUFFIX): bench/rowk_bench.cu bench/kernel_timer.cuh $(
 build/lt_algos: bench/lt_algos.cu bench/kernel_timer.cuh $(CUDA_HEADERS) $(CPU_HEADERS) | build
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/lt_algos.cu $(NVLDLIBS)
 
+# The kernels of a run with their start, end and stream (bench/timeline.c, an injection library
+# that CUDA loads into the engine; bench/timeline.py reads its CSV; a tool, run by people)
+CUPTI_LIB := $(dir $(HAVE_NVCC))../lib64
+build/libtimeline.so: bench/timeline.c | build
+	gcc -O2 -Wall -shared -fPIC -I$(dir $(HAVE_NVCC))../include -o $@ bench/timeline.c -L$(CUPTI_LIB) -L$(dir $(HAVE_NVCC))../lib -lcupti
+
 build:
 	mkdir -p build
 

@@ -1,0 +1,141 @@
+"""The timeline of a training step from bench/timeline.c's CSV: how long the step's kernels ran
+on each stream, how much of them ran side by side, and where the GPU ran nothing at all.
+
+    python3 bench/timeline.py kernels.csv [--steps 5] [--list step.txt]
+
+A step is the stretch from the end of one AdamW launch (k_adamw, a step's last kernel) to the end
+of the next; the summary is over the last --steps whole steps before the run's last one (the
+warm-up and the final checkpoint's work left out). The main stream is the one with the most
+kernels, every other one is a side stream. --list writes the last of those steps kernel by
+kernel (start from the step's beginning, duration, stream, blocks, name) for reading."""
+
+import argparse
+import csv
+import shutil
+import statistics
+import subprocess
+import sys
+
+
+def read_kernels(path):
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    kernels = [{"start": int(r["start_ns"]), "end": int(r["end_ns"]), "stream": int(r["stream"]),
+                "blocks": int(r["blocks"]), "name": r["name"]} for r in rows]
+    kernels.sort(key=lambda k: k["start"])
+    return kernels
+
+
+def short_names(names):
+    """Demangled names without their argument lists (c++filt where the machine has it)."""
+    unique = sorted(set(names))
+    if shutil.which("c++filt"):
+        out = subprocess.run(["c++filt"], input="\n".join(unique), capture_output=True, text=True).stdout
+        demangled = out.splitlines()
+    else:
+        demangled = unique
+    table = {}
+    for raw, full in zip(unique, demangled):
+        name = full.split("(")[0]
+        table[raw] = name[:90]
+    return [table[n] for n in names]
+
+
+def step_windows(kernels):
+    ends = [k["end"] for k in kernels if "adamw" in k["name"]]
+    return list(zip(ends, ends[1:]))
+
+
+def union_length(intervals):
+    total, cur_s, cur_e = 0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def overlap_with(intervals, others):
+    """How long the intervals run while at least one of `others` runs."""
+    merged = []
+    for s, e in sorted(others):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    total = 0
+    for s, e in intervals:
+        for ms, me in merged:
+            if me <= s:
+                continue
+            if ms >= e:
+                break
+            total += min(e, me) - max(s, ms)
+    return total
+
+
+def step_figures(kernels, t0, t1, main):
+    ks = [k for k in kernels if k["start"] >= t0 and k["end"] <= t1]
+    main_iv = [(k["start"], k["end"]) for k in ks if k["stream"] == main]
+    side_iv = [(k["start"], k["end"]) for k in ks if k["stream"] != main]
+    busy = union_length(main_iv + side_iv)
+    main_busy = union_length(main_iv)
+    return {
+        "step_us": (t1 - t0) / 1e3,
+        "kernels": len(ks),
+        "main_kernels": len(main_iv),
+        "side_kernels": len(side_iv),
+        "main_sum_us": sum(e - s for s, e in main_iv) / 1e3,
+        "side_sum_us": sum(e - s for s, e in side_iv) / 1e3,
+        "main_busy_us": main_busy / 1e3,
+        "side_hidden_us": overlap_with(side_iv, main_iv) / 1e3,
+        "side_alone_us": (busy - main_busy) / 1e3,
+        "idle_us": (t1 - t0 - busy) / 1e3,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--list", help="write the last summarised step kernel by kernel to this file")
+    args = ap.parse_args()
+    kernels = read_kernels(args.csv)
+    windows = step_windows(kernels)[:-1][-args.steps:]
+    if not windows:
+        sys.exit(f"error: {args.csv}: fewer than three k_adamw launches, no whole step to summarise")
+    streams = {}
+    for k in kernels:
+        streams[k["stream"]] = streams.get(k["stream"], 0) + 1
+    main_stream = max(streams, key=streams.get)
+    figs = [step_figures(kernels, t0, t1, main_stream) for t0, t1 in windows]
+    print(f"{args.csv}: {len(windows)} steps, main stream {main_stream}; medians, µs a step:")
+    for key in figs[0]:
+        print(f"  {key:15s} {statistics.median(f[key] for f in figs):10.1f}")
+    t0, t1 = windows[-1]
+    last = [k for k in kernels if k["start"] >= t0 and k["end"] <= t1]
+    names = short_names([k["name"] for k in last])
+    per_name = {}
+    for k, n in zip(last, names):
+        per_name.setdefault((n, k["stream"] == main_stream), []).append((k["end"] - k["start"]) / 1e3)
+    print("  by kernel (last step): count, sum µs, stream")
+    for (n, on_main), ds in sorted(per_name.items(), key=lambda kv: -sum(kv[1])):
+        print(f"    {len(ds):4d} {sum(ds):9.1f}  {'main' if on_main else 'side'}  {n}")
+    if args.list:
+        with open(args.list, "w") as f:
+            f.write("start_us,dur_us,gap_us,stream,blocks,name\n")
+            prev_end = {}
+            for k, n in zip(last, names):
+                gap = (k["start"] - prev_end.get(k["stream"], k["start"])) / 1e3
+                prev_end[k["stream"]] = k["end"]
+                f.write(f"{(k['start'] - t0) / 1e3:.2f},{(k['end'] - k['start']) / 1e3:.2f},{gap:.2f},"
+                        f"{'main' if k['stream'] == main_stream else k['stream']},{k['blocks']},{n}\n")
+
+
+if __name__ == "__main__":
+    main()
