@@ -1,4 +1,4 @@
-/* timeline.c: every kernel a CUDA program runs, with its start, end and stream, as CSV, for a
+/* timeline.c: every kernel, memset and copy a CUDA program runs, with its start, end and stream, as CSV, for a
  * timeline of the engine's captured step (which kernels run side by side, where the GPU idles).
  * Nsight Systems would draw this, but the lent GPU machine has no working nsys
  * (docs/BENCHMARKS.md, "Where the time goes"); CUPTI's activity records are what nsys reads.
@@ -36,11 +36,20 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t* b
     (void)ctx, (void)stream, (void)size;
     CUpti_Activity* rec = NULL;
     while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
-        if (rec->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL && rec->kind != CUPTI_ACTIVITY_KIND_KERNEL) continue;
-        const CUpti_ActivityKernel10* k = (const CUpti_ActivityKernel10*)rec;
-        fprintf(g_out, "%llu,%llu,%u,%u,%u,%u,%d,%s\n", (unsigned long long)k->start, (unsigned long long)k->end,
-                k->streamId, k->gridX * k->gridY * k->gridZ, k->blockX * k->blockY * k->blockZ,
-                k->staticSharedMemory + k->dynamicSharedMemory, k->registersPerThread, k->name ? k->name : "?");
+        if (rec->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || rec->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
+            const CUpti_ActivityKernel10* k = (const CUpti_ActivityKernel10*)rec;
+            fprintf(g_out, "%llu,%llu,%u,%u,%u,%u,%d,%s\n", (unsigned long long)k->start, (unsigned long long)k->end,
+                    k->streamId, k->gridX * k->gridY * k->gridZ, k->blockX * k->blockY * k->blockZ,
+                    k->staticSharedMemory + k->dynamicSharedMemory, k->registersPerThread, k->name ? k->name : "?");
+        } else if (rec->kind == CUPTI_ACTIVITY_KIND_MEMSET) { /* bytes in the blocks column */
+            const CUpti_ActivityMemset4* m = (const CUpti_ActivityMemset4*)rec;
+            fprintf(g_out, "%llu,%llu,%u,%llu,0,0,0,[memset]\n", (unsigned long long)m->start,
+                    (unsigned long long)m->end, m->streamId, (unsigned long long)m->bytes);
+        } else if (rec->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
+            const CUpti_ActivityMemcpy6* m = (const CUpti_ActivityMemcpy6*)rec;
+            fprintf(g_out, "%llu,%llu,%u,%llu,0,0,0,[memcpy kind %u]\n", (unsigned long long)m->start,
+                    (unsigned long long)m->end, m->streamId, (unsigned long long)m->bytes, m->copyKind);
+        }
     }
     size_t dropped = 0;
     cuptiActivityGetNumDroppedRecords(ctx, stream, &dropped);
@@ -62,7 +71,9 @@ int InitializeInjection(void) {
     }
     fprintf(g_out, "start_ns,end_ns,stream,blocks,threads,smem,regs,name\n");
     check(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed), "cuptiActivityRegisterCallbacks");
-    check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityEnable");
+    check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityEnable kernels");
+    check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "cuptiActivityEnable memsets");
+    check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "cuptiActivityEnable copies");
     atexit(flush_at_exit);
     return 1;
 }

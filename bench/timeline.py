@@ -79,6 +79,18 @@ def overlap_with(intervals, others):
     return total
 
 
+def exclusive_times(ks):
+    """Each kernel's time (µs) after everything that started before it had ended: what it adds to
+    the step. A kernel launched programmatically (PDL) starts while its predecessor still runs and
+    waits inside, so its own duration overstates its cost."""
+    out, horizon = [], None
+    for k in ks:
+        begin = k["start"] if horizon is None else max(k["start"], horizon)
+        out.append(max(0, k["end"] - begin) / 1e3)
+        horizon = k["end"] if horizon is None else max(horizon, k["end"])
+    return out
+
+
 def step_figures(kernels, t0, t1, main):
     ks = [k for k in kernels if k["start"] >= t0 and k["end"] <= t1]
     main_iv = [(k["start"], k["end"]) for k in ks if k["stream"] == main]
@@ -121,11 +133,12 @@ def main():
     last = [k for k in kernels if k["start"] >= t0 and k["end"] <= t1]
     names = short_names([k["name"] for k in last])
     per_name = {}
-    for k, n in zip(last, names):
-        per_name.setdefault((n, k["stream"] == main_stream), []).append((k["end"] - k["start"]) / 1e3)
-    print("  by kernel (last step): count, sum µs, stream")
-    for (n, on_main), ds in sorted(per_name.items(), key=lambda kv: -sum(kv[1])):
-        print(f"    {len(ds):4d} {sum(ds):9.1f}  {'main' if on_main else 'side'}  {n}")
+    for k, n, excl in zip(last, names, exclusive_times(last)):
+        per_name.setdefault((n, k["stream"] == main_stream), []).append(((k["end"] - k["start"]) / 1e3, excl))
+    print("  by kernel (last step): count, sum µs, exclusive µs, stream")
+    for (n, on_main), ds in sorted(per_name.items(), key=lambda kv: -sum(d[1] for d in kv[1])):
+        print(f"    {len(ds):4d} {sum(d[0] for d in ds):9.1f} {sum(d[1] for d in ds):9.1f}  "
+              f"{'main' if on_main else 'side'}  {n}")
     if args.list:
         with open(args.list, "w") as f:
             f.write("start_us,dur_us,gap_us,stream,blocks,name\n")
