@@ -6,22 +6,30 @@ on each stream, how much of them ran side by side, and where the GPU ran nothing
 A step is the stretch from the end of one AdamW launch (k_adamw, a step's last kernel) to the end
 of the next; the summary is over the last --steps whole steps before the run's last one (the
 warm-up and the final checkpoint's work left out). The main stream is the one with the most
-kernels, every other one is a side stream. --list writes the last of those steps kernel by
+records, every other one a side stream: in a replayed CUDA graph the driver runs the nodes on
+streams of its own, so "side" says only that a record ran on another one than most. --list writes the last of those steps kernel by
 kernel (start from the step's beginning, duration, stream, blocks, name) for reading."""
 
-import argparse
 import csv
 import shutil
 import statistics
 import subprocess
 import sys
 
+from microgpt.cli import ArgumentParser, stdout_closed
+
 
 def read_kernels(path):
+    """bench/timeline.c's records, by start; ValueError names a line it cannot read."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    kernels = [{"start": int(r["start_ns"]), "end": int(r["end_ns"]), "stream": int(r["stream"]),
-                "blocks": int(r["blocks"]), "name": r["name"]} for r in rows]
+    kernels = []
+    for line, r in enumerate(rows, 2):
+        try:
+            kernels.append({"start": int(r["start_ns"]), "end": int(r["end_ns"]), "stream": int(r["stream"]),
+                            "blocks": int(r["blocks"]), "name": r["name"]})
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"line {line} is not a record of bench/timeline.c") from None
     kernels.sort(key=lambda k: k["start"])
     return kernels
 
@@ -111,16 +119,31 @@ def step_figures(kernels, t0, t1, main):
     }
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv):
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--list", help="write the last summarised step kernel by kernel to this file")
-    args = ap.parse_args()
-    kernels = read_kernels(args.csv)
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
+    try:
+        kernels = read_kernels(args.csv)
+    except (OSError, ValueError) as e:
+        print(f"error: {args.csv}: {e}", file=sys.stderr)
+        return 1
     windows = step_windows(kernels)[:-1][-args.steps:]
     if not windows:
-        sys.exit(f"error: {args.csv}: fewer than three k_adamw launches, no whole step to summarise")
+        print(f"error: {args.csv}: fewer than three k_adamw launches, no whole step to summarise", file=sys.stderr)
+        return 1
+    try:
+        summarise(args, kernels, windows)
+    except BrokenPipeError:
+        return stdout_closed()
+    return 0
+
+
+def summarise(args, kernels, windows):
     streams = {}
     for k in kernels:
         streams[k["stream"]] = streams.get(k["stream"], 0) + 1
@@ -151,4 +174,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -33,6 +33,7 @@ TOOLS = {
     "bench/lt_table.py": (["x"], None),
     "bench/hf_decode.py": (["x", "--prompts", "p"], None),
     "bench/matmul_peak.py": ([], None),
+    "bench/timeline.py": (["x"], ["--steps", "0"]),
 }
 NEEDS_TORCH = {"bench/hf_decode.py", "bench/matmul_peak.py"}
 

@@ -489,6 +489,7 @@ struct LtPlan {
     char name[LT_NAME_MAX];      /* lt_key_name: the fixed table's key */
     cublasLtMatmulAlgo_t rule;   /* the rule's choice */
     cublasLtMatmulAlgo_t algo;   /* what runs: the fixed table's where it applies, else the rule's */
+    size_t workspace;            /* the workspace bytes each call passes: lt_call_workspace of algo */
 };
 
 #define LT_MAX_PLANS 256
@@ -672,9 +673,34 @@ static bool lt_fixed_algo(const LtPlan* p, cublasLtMatmulAlgo_t* algo) {
     return true;
 }
 
+/* A workspace request this small is the tile counter of cuBLASLt's persistent Hopper kernels (4
+ * bytes), which it zeroes with a memset before every launch: in the captured step a memset node
+ * between two kernels, ~1.5 us in which nothing runs (docs/BENCHMARKS.md #114: ~110 a step at
+ * ANDREA-120M bf16, 80 in fp8). Given no workspace, cuBLASLt runs the same tiles statically
+ * scheduled (the kernels named "ssched"), each tile's sums as before, without the memset. */
+#define LT_TILE_COUNTER_BYTES 16
+
+/* Whether products run beside other work: set by side_stream_init. Then every product keeps the
+ * counter and its dynamic scheduler: at ANDREA-12M, the shape that runs a side stream (and whose
+ * one product with the counter is the logits'), statically scheduled it measured 4-24 us a step
+ * slower, where ANDREA-120M, on one stream, gained 0.15-0.24 ms (#114). */
+static bool g_lt_products_share_gpu = false;
+
+/* The workspace bytes a product of plan p passes with `algo`: none where the algorithm asks for no
+ * more than the tile counter and products do not share the GPU, else the fixed workspace
+ * (split-K's partial sums, or the counter). */
+static size_t lt_call_workspace(const LtPlan* p, const cublasLtMatmulAlgo_t* algo) {
+    cublasLtMatmulHeuristicResult_t check;
+    if (g_lt_products_share_gpu ||
+        cublasLtMatmulAlgoCheck(g_cublaslt, p->desc, p->a, p->b, p->d, p->d, algo, &check) != CUBLAS_STATUS_SUCCESS)
+        return g_gemm_workspace_bytes;
+    return check.workspaceSize <= LT_TILE_COUNTER_BYTES ? 0 : g_gemm_workspace_bytes;
+}
+
 /* p's algorithm from its descriptors: the rule (lt_choose over the heuristic's first LT_CANDIDATES
  * offers; rule_key NULL: the heuristic's first offer, asked for alone), then the fixed table where
- * it applies. Returns the heuristic's status; p->ok says whether an algorithm exists. */
+ * it applies, and the workspace its calls pass. Returns the heuristic's status; p->ok says
+ * whether an algorithm exists. */
 static cublasStatus_t lt_plan_algo(LtPlan* p, const LtKey* rule_key) {
     cublasLtMatmulHeuristicResult_t res[LT_CANDIDATES];
     int found = 0;
@@ -684,6 +710,7 @@ static cublasStatus_t lt_plan_algo(LtPlan* p, const LtKey* rule_key) {
     p->rule = res[rule_key ? lt_choose(rule_key, res, found) : 0].algo;
     p->algo = p->rule;
     lt_fixed_algo(p, &p->algo); /* leaves the rule's where the table does not apply */
+    p->workspace = lt_call_workspace(p, &p->algo);
     return st;
 }
 
@@ -745,7 +772,7 @@ static bool lt_matmul(const Gemm& g, GemmEpilogue epilogue, const void* C, const
     if (g_lt_watch) g_lt_watch(p, g, C, aux);
     if (aux) lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);
     CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &g.alpha, g.B.p, p->a, g.A.p, p->b, &g.beta, C, p->d,
-                                (void*)g.D.p, p->d, &p->algo, g_gemm_workspace, g_gemm_workspace_bytes, g_stream));
+                                (void*)g.D.p, p->d, &p->algo, g_gemm_workspace, p->workspace, g_stream));
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
     return true;
 }

@@ -1090,7 +1090,7 @@ static void fp8_gemm(Fp8Pass pass, int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD*
         g_lt_watch(p, g, C ? (const void*)C : D, NULL);
     }
     CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &alpha, Bt.p, p->a, A.p, p->b, &beta, C ? (const void*)C : D,
-                                p->d, D, p->d, &p->algo, g_gemm_workspace, g_gemm_workspace_bytes, g_stream));
+                                p->d, D, p->d, &p->algo, g_gemm_workspace, p->workspace, g_stream));
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
 }
 

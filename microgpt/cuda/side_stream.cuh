@@ -83,6 +83,7 @@ static void side_stream_init(void* workspace, size_t bytes) {
     CUBLAS_CHECK(cublasSetStream(g_side.cublas, g_side.stream));
     CUBLAS_CHECK(cublasSetWorkspace(g_side.cublas, workspace, bytes));
     g_side.workspace = workspace;
+    g_lt_products_share_gpu = true; /* set before any product's plan: lt_call_workspace */
     CUDA_CHECK(cudaEventCreateWithFlags(&g_side.fork, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&g_side.joined, cudaEventDisableTiming));
 }
@@ -95,6 +96,7 @@ static void side_stream_shutdown(void) {
     CUBLAS_CHECK(cublasDestroy(g_side.cublas));
     CUDA_CHECK(cudaStreamDestroy(g_side.stream));
     memset(&g_side, 0, sizeof g_side);
+    g_lt_products_share_gpu = false;
 }
 
 /* The entry of `buffer`, made on first use. */
