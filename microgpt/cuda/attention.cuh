@@ -401,6 +401,20 @@ template <typename T, bool AMAX> __device__ __forceinline__ unsigned fa_amax2(un
     return am;
 }
 
+/* lo and hi rounded to T at p and p + 1 as one 4-byte store (p 4-byte aligned: an even column of
+ * a row of even length). A warp's store of C fragments then touches each of its 8 rows' 32-byte
+ * sectors once, where a 2-byte store per value touched them twice (docs/BENCHMARKS.md #119).
+ * Returns am with the pair's amax bits (AMAX). */
+template <typename T, bool AMAX>
+__device__ __forceinline__ unsigned fa_store_pair(T* p, float lo, float hi, unsigned am) {
+    static_assert(sizeof(T) == 2, "the flash kernels store 16-bit pairs");
+    unsigned word = fa_pack<T>(lo, hi);
+    T v[2];
+    memcpy(v, &word, sizeof word);
+    *reinterpret_cast<unsigned*>(p) = word;
+    return fa_amax2<T, AMAX>(am, v[0], v[1]);
+}
+
 /* y[row][col] = s * acc for the warp's 16 rows (y at the warp's first row and the head's first
  * column); rows from n_valid on are past T and skipped. Returns the lane's amax bits of what it
  * stored with AMAX, else 0. */
@@ -411,13 +425,9 @@ __device__ __forceinline__ unsigned fa_store_out(T* y, const float (*acc)[4], fl
     for (int n = 0; n < Fa<D>::ND; n++)
         for (int h = 0; h < 2; h++) {
             int r = g + 8 * h;
-            if (r >= n_valid) continue;
-            T* p = y + (size_t)r * C + 8 * n + 2 * t;
-            T y0 = from_f<T>(s * acc[n][2 * h]);
-            p[0] = y0;
-            T y1 = from_f<T>(s * acc[n][2 * h + 1]);
-            p[1] = y1;
-            am = fa_amax2<T, AMAX>(am, y0, y1);
+            if (r < n_valid)
+                am = fa_store_pair<T, AMAX>(y + (size_t)r * C + 8 * n + 2 * t, s * acc[n][2 * h], s * acc[n][2 * h + 1],
+                                            am);
         }
     return am;
 }
@@ -535,13 +545,8 @@ __device__ __forceinline__ unsigned fa_fwd_store(T* out, size_t base, float* lse
         float lt = fa_quad_sum(l[h]), inv = 1.0f / lt;
         if (i < T_) {
             T* p = out + base + (size_t)i * C + 2 * t;
-            for (int n = 0; n < Fa<D>::ND; n++) {
-                T y0 = from_f<T>(o[n][2 * h] * inv);
-                p[8 * n] = y0;
-                T y1 = from_f<T>(o[n][2 * h + 1] * inv);
-                p[8 * n + 1] = y1;
-                am = fa_amax2<T, AMAX>(am, y0, y1);
-            }
+            for (int n = 0; n < Fa<D>::ND; n++)
+                am = fa_store_pair<T, AMAX>(p + 8 * n, o[n][2 * h] * inv, o[n][2 * h + 1] * inv, am);
             if (t == 0) lse[lse_row0 + i] = m[h] * FA_LN2 + logf(lt);
         }
     }
