@@ -432,6 +432,31 @@ __device__ __forceinline__ unsigned fa_store_out(T* y, const float (*acc)[4], fl
     return am;
 }
 
+/* fa_store_out through `stage`, this warp's 16 rows of Fa<D>::LD T in shared memory (no other warp's,
+ * and free): the pairs go there (rows Fa<D>::LD apart: a store is free of bank conflicts), then each
+ * lane stores 16-byte pieces of whole rows, so a warp writes whole 32-byte sectors where the pairs
+ * wrote halves (docs/BENCHMARKS.md #120). The same values, rounded alike. */
+template <typename T, int D, bool AMAX>
+__device__ __forceinline__ unsigned fa_store_out_staged(T* y, T* stage, const float (*acc)[4], float s, int n_valid,
+                                                        int C) {
+    constexpr int PIECES = D * (int)sizeof(T) / 16; /* 16-byte pieces of a row */
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    unsigned am = 0;
+    for (int n = 0; n < Fa<D>::ND; n++)
+        for (int h = 0; h < 2; h++) {
+            T* p = stage + (g + 8 * h) * Fa<D>::LD + 8 * n + 2 * t;
+            if (g + 8 * h < n_valid) am = fa_store_pair<T, AMAX>(p, s * acc[n][2 * h], s * acc[n][2 * h + 1], am);
+        }
+    __syncwarp();
+    for (int e = lane; e < 16 * PIECES; e += 32) {
+        int r = e / PIECES, c = e % PIECES * (16 / (int)sizeof(T));
+        if (r < n_valid)
+            *reinterpret_cast<uint4*>(y + (size_t)r * C + c) =
+                *reinterpret_cast<const uint4*>(stage + r * Fa<D>::LD + c);
+    }
+    return am;
+}
+
 /* The dQ kernel's bound: 6 blocks per multiprocessor (at most 85 registers; unbounded, ptxas holds
  * the prefetched fragments in 136). */
 #define FA_DQ_BOUNDS __launch_bounds__(FA_THREADS, 6)
@@ -1189,8 +1214,12 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
         epi.template write<D>(dv_codes, 2, b, kt, hd, T_, C);
         epi.finish(am, (unsigned*)lses[0], true);
     } else {
-        unsigned am = fa_store_out<T, D, AMAX>(dv + base + (size_t)row0 * C, dv_acc, 1.0f, T_ - row0, C);
-        am = max(am, fa_store_out<T, D, AMAX>(dk + base + (size_t)row0 * C, dk_acc, scale, T_ - row0, C));
+        __syncthreads(); /* every warp's products are done with the tiles, which stage dV's and dK's rows */
+        T* stage = reinterpret_cast<T*>(tiles) + sub * Fa<D>::LD;
+        static_assert(2 * FA_TILE * Fa<D>::LD * sizeof(T) <= 6 * W::TILE_BYTES, "dV's and dK's rows fit the tiles");
+        unsigned am = fa_store_out_staged<T, D, AMAX>(dv + base + (size_t)row0 * C, stage, dv_acc, 1.0f, T_ - row0, C);
+        am = max(am, fa_store_out_staged<T, D, AMAX>(dk + base + (size_t)row0 * C, stage + FA_TILE * Fa<D>::LD, dk_acc,
+                                                     scale, T_ - row0, C));
         /* lses lends the partial maxima (block_amax_commit_in's leading barrier: all are done with it) */
         if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)lses[0]);
     }
@@ -1281,8 +1310,10 @@ __device__ __forceinline__ void fa_bwd_dq_body(T* dq, const T* ds_tiles, const T
         epi.template write<D>(dq_codes, 0, b, qt, hd, T_, C);
         epi.finish(am, (unsigned*)ks[1], false);
     } else {
-        unsigned am = fa_store_out<T, D, AMAX>(dq + base + (size_t)row0 * C, dq_acc, scale, T_ - row0, C);
-        /* the staged tiles are done with (the loop's last barrier): ks lends the partial maxima */
+        /* the staged tiles are done with (the loop's last barrier): ks[0] stages each warp's rows, then
+         * lends the partial maxima (block_amax_commit_in's leading barrier: every warp has stored) */
+        unsigned am = fa_store_out_staged<T, D, AMAX>(dq + base + (size_t)row0 * C, ks[0] + warp * 16 * Fa<D>::LD,
+                                                      dq_acc, scale, T_ - row0, C);
         if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)ks[0]);
     }
 }
