@@ -433,20 +433,15 @@ __device__ __forceinline__ unsigned fa_store_out(T* y, const float (*acc)[4], fl
 }
 
 /* fa_store_out through `stage`, this warp's 16 rows of Fa<D>::LD T in shared memory (no other warp's,
- * and free): the pairs go there (rows Fa<D>::LD apart: a store is free of bank conflicts), then each
- * lane stores 16-byte pieces of whole rows, so a warp writes whole 32-byte sectors where the pairs
- * wrote halves (docs/BENCHMARKS.md #120). The same values, rounded alike. */
+ * and free): fa_store_out puts the pairs there (rows Fa<D>::LD apart: free of bank conflicts), then
+ * each lane stores 16-byte pieces of whole rows, so a warp writes whole 32-byte sectors where the
+ * pairs wrote halves (docs/BENCHMARKS.md #120). The same values, rounded alike. */
 template <typename T, int D, bool AMAX>
 __device__ __forceinline__ unsigned fa_store_out_staged(T* y, T* stage, const float (*acc)[4], float s, int n_valid,
                                                         int C) {
     constexpr int PIECES = D * (int)sizeof(T) / 16; /* 16-byte pieces of a row */
-    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    unsigned am = 0;
-    for (int n = 0; n < Fa<D>::ND; n++)
-        for (int h = 0; h < 2; h++) {
-            T* p = stage + (g + 8 * h) * Fa<D>::LD + 8 * n + 2 * t;
-            if (g + 8 * h < n_valid) am = fa_store_pair<T, AMAX>(p, s * acc[n][2 * h], s * acc[n][2 * h + 1], am);
-        }
+    int lane = threadIdx.x & 31;
+    unsigned am = fa_store_out<T, D, AMAX>(stage, acc, s, n_valid, Fa<D>::LD);
     __syncwarp();
     for (int e = lane; e < 16 * PIECES; e += 32) {
         int r = e / PIECES, c = e % PIECES * (16 / (int)sizeof(T));
