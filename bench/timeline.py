@@ -8,7 +8,9 @@ of the next; the summary is over the last --steps whole steps before the run's l
 warm-up and the final checkpoint's work left out). The main stream is the one with the most
 records, every other one a side stream: in a replayed CUDA graph the driver runs the nodes on
 streams of its own, so "side" says only that a record ran on another one than most. --list writes the last of those steps kernel by
-kernel (start from the step's beginning, duration, stream, blocks, name) for reading."""
+kernel (start from the step's beginning, duration, stream, blocks, name) for reading. "by part" sums
+the last step's exclusive times over the parts that docs/BENCHMARKS.md's "Where the time goes"
+tables use (PARTS: the first rule a kernel's name matches)."""
 
 import csv
 import shutil
@@ -47,6 +49,28 @@ def short_names(names):
         name = full.split("(")[0]
         table[raw] = name[:90]
     return [table[n] for n in names]
+
+
+# A step's parts, by the first substring of a kernel's name (lower case) that matches; "other" for none.
+PARTS = [
+    ("attention", ("k_attn_",)),
+    ("layernorm", ("layernorm",)),
+    ("loss_rows", ("k_loss_",)),
+    ("adamw_norm", ("adamw", "grad_norm")),
+    ("embedding", ("k_embed",)),
+    ("gelu", ("k_gelu",)),
+    ("fp8_casts", ("k_fp8_",)),
+    ("products", ("nvjet", "xmma", "gemm", "cutlass", "splitkreduce")),
+    ("memsets_copies", ("[memset", "[memcpy")),
+]
+
+
+def part_of(name):
+    low = name.lower()
+    for part, keys in PARTS:
+        if any(k in low for k in keys):
+            return part
+    return "other"
 
 
 def step_windows(kernels):
@@ -162,6 +186,13 @@ def summarise(args, kernels, windows):
     for (n, on_main), ds in sorted(per_name.items(), key=lambda kv: -sum(d[1] for d in kv[1])):
         print(f"    {len(ds):4d} {sum(d[0] for d in ds):9.1f} {sum(d[1] for d in ds):9.1f}  "
               f"{'main' if on_main else 'side'}  {n}")
+    parts = {}
+    for n, excl in zip(names, exclusive_times(last)):
+        total, count = parts.get(part_of(n), (0.0, 0))
+        parts[part_of(n)] = (total + excl, count + 1)
+    print("  by part (last step): exclusive µs, launches")
+    for part, (total, count) in sorted(parts.items(), key=lambda kv: -kv[1][0]):
+        print(f"  part {part:16s} {total:9.1f} {count:5d}")
     if args.list:
         with open(args.list, "w") as f:
             f.write("start_us,dur_us,gap_us,stream,blocks,name\n")

@@ -59,3 +59,21 @@ def test_a_run_without_two_whole_steps_is_refused(tmp_path):
     write_run(tmp_path / "k.csv", steps=2)
     res = run(tmp_path / "k.csv")
     assert res.returncode == 1 and "no whole step" in res.stderr and len(res.stderr.splitlines()) == 1
+
+
+def test_the_last_step_is_summed_by_part(tmp_path):
+    """Parts by name (bench/timeline.py's PARTS): a product, an attention kernel launched inside it, a
+    memset, AdamW; exclusive times as above."""
+    lines = [HEADER]
+    for s in range(3):
+        t = s * 100_000
+        lines += [f"{t},{t + 30_000},7,132,256,0,32,nvjet_sm90_tst_128x128_64x6\n",
+                  f"{t + 20_000},{t + 50_000},7,64,256,0,32,_Z16k_attn_fwd_wgmmav\n",
+                  f"{t + 55_000},{t + 56_000},7,1,1,0,0,[memset]\n",
+                  f"{t + 60_000},{t + 100_000},7,512,256,0,32,_Z7k_adamwv\n"]
+    (tmp_path / "k.csv").write_text("".join(lines))
+    res = run(tmp_path / "k.csv", "--steps", "1")
+    assert res.returncode == 0, res.stderr
+    parts = {line.split()[1]: line.split()[2:] for line in res.stdout.splitlines() if line.startswith("  part ")}
+    assert parts == {"products": ["30.0", "1"], "attention": ["20.0", "1"], "memsets_copies": ["1.0", "1"],
+                     "adamw_norm": ["40.0", "1"]}
