@@ -179,17 +179,19 @@ def summarise(args, kernels, windows):
     t0, t1 = windows[-1]
     last = [k for k in kernels if k["start"] >= t0 and k["end"] <= t1]
     names = short_names([k["name"] for k in last])
+    exclusive = exclusive_times(last)
     per_name = {}
-    for k, n, excl in zip(last, names, exclusive_times(last)):
+    for k, n, excl in zip(last, names, exclusive):
         per_name.setdefault((n, k["stream"] == main_stream), []).append(((k["end"] - k["start"]) / 1e3, excl))
     print("  by kernel (last step): count, sum µs, exclusive µs, stream")
     for (n, on_main), ds in sorted(per_name.items(), key=lambda kv: -sum(d[1] for d in kv[1])):
         print(f"    {len(ds):4d} {sum(d[0] for d in ds):9.1f} {sum(d[1] for d in ds):9.1f}  "
               f"{'main' if on_main else 'side'}  {n}")
     parts = {}
-    for n, excl in zip(names, exclusive_times(last)):
-        total, count = parts.get(part_of(n), (0.0, 0))
-        parts[part_of(n)] = (total + excl, count + 1)
+    for n, excl in zip(names, exclusive):
+        part = part_of(n)
+        total, count = parts.get(part, (0.0, 0))
+        parts[part] = (total + excl, count + 1)
     print("  by part (last step): exclusive µs, launches")
     for part, (total, count) in sorted(parts.items(), key=lambda kv: -kv[1][0]):
         print(f"  part {part:16s} {total:9.1f} {count:5d}")
