@@ -32,6 +32,8 @@ def read_kernels(path):
                             "blocks": int(r["blocks"]), "name": r["name"]})
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"line {line} is not a record of bench/timeline.c") from None
+        if kernels[-1]["end"] < kernels[-1]["start"]:
+            raise ValueError(f"line {line} ends before it starts")
     kernels.sort(key=lambda k: k["start"])
     return kernels
 

@@ -55,6 +55,13 @@ def test_records_it_cannot_read_are_one_error_line(tmp_path):
     assert len(res.stderr.splitlines()) == 1
 
 
+def test_a_record_that_ends_before_it_starts_is_one_error_line(tmp_path):
+    (tmp_path / "bad.csv").write_text(HEADER + "50,40,7,1,1,0,0,k\n")
+    res = run(tmp_path / "bad.csv")
+    assert res.returncode == 1 and res.stderr.startswith("error: ") and "line 2 ends before it starts" in res.stderr
+    assert len(res.stderr.splitlines()) == 1
+
+
 def test_a_run_without_two_whole_steps_is_refused(tmp_path):
     write_run(tmp_path / "k.csv", steps=2)
     res = run(tmp_path / "k.csv")
