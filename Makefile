@@ -90,6 +90,11 @@ rowk-bench: build/rowk_bench
 build/rowk_bench$(VARIANT_SUFFIX): bench/rowk_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/rowk_bench.cu $(NVLDLIBS)
 
+# the GELU backward's product alone, cuBLASLt's against the engine's Hopper kernel
+# (bench/dgelu_bench.cu; a measurement tool, not part of `make`)
+build/dgelu_bench: bench/dgelu_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/dgelu_bench.cu $(NVLDLIBS)
+
 # cuBLASLt's offers against the engine's rule for every product of a step (bench/lt_algos.cu; a
 # tool, run by people: its output is what bench/lt_table.py makes the fixed table from)
 build/lt_algos: bench/lt_algos.cu bench/kernel_timer.cuh $(CUDA_HEADERS) $(CPU_HEADERS) | build

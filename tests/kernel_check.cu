@@ -279,6 +279,7 @@ static const Shape SHAPES[] = {
     {1, 5, 8, 8, 32, 7, 7, 5},
     {4, 33, 96, 3, 384, 300, 320, 50},
     {2, 9, 20, 5, 36, 11, 13, 7}, /* rows of no whole 16-byte packets: the element-by-element kernels */
+    {2, 128, 128, 2, 512, 300, 320, 64}, /* whole 128-row tiles: Hopper's GELU-backward product (mlp.cuh) */
 };
 
 /* Extra attention-only shapes: in bf16/fp16, head sizes 16, 32 and 64 take the flash kernels
@@ -574,6 +575,7 @@ template <typename T> static void test_mlp(const Shape& s, Tol tol) {
         init_grad(d_dw2, dw20, gb);
         /* h and h_gelu are the forward's */
         mlp_bwd<T>(d_dx, d_dw1, d_dw2, d_dout, d_x, d_h, d_h_gelu, d_w1, d_w2, d_dh, N, C, F, gb);
+        check("dh", download(d_dh, nf), dh, tol.fused);
         check("dx", download(d_dx, nc), dx_inc, tol.fused);
         check_grad("dw1", download(d_dw1, w1.size()), dw1_inc, dw10, gb, tol.fused);
         check_grad("dw2", download(d_dw2, w2.size()), dw2_inc, dw20, gb, tol.fused);
@@ -2131,6 +2133,18 @@ template <typename T> static void run_precision(void) {
             set_ctx(prec, "decode", shape_str(d).c_str());
             test_decode<T>(d, tol);
         }
+    }
+    if constexpr (std::is_same<T, bf16>::value) {
+        /* more tiles than two a multiprocessor and more k steps than stages: the blocks of Hopper's
+         * GELU-backward product (mlp.cuh) take several tiles each and its ring wraps */
+        Shape big = {2, 1024, 320, 5, 2304, 300, 320, 0};
+        set_ctx(prec, "mlp", shape_str(big).c_str());
+        long before = g_dgelu_pingpong_runs;
+        test_mlp<T>(big, tol);
+        cudaDeviceProp p;
+        CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
+        bool hopper = p.major == 9 && p.minor == 0, ran = g_dgelu_pingpong_runs > before;
+        report(ran == hopper, "path", ran ? "GELU-backward product: pingpong (sm_90a)" : "GELU-backward product: cuBLASLt");
     }
     set_ctx(prec, "cuBLASLt", "all shapes");
     check_fused_taken(fused_before);
