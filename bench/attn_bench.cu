@@ -16,27 +16,6 @@
 #include "kernel_timer.cuh"
 #include "../microgpt/cuda/attention.cuh"
 
-/* x[i] uniform in [-lim, lim) from a hash of (seed, i): the same inputs in every run and variant. */
-__global__ void k_fill_uniform(bf16* x, size_t n, unsigned seed, float lim) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed * 0x9e3779b9u;
-        h ^= h >> 16;
-        h *= 0x85ebca6bu;
-        h ^= h >> 13;
-        h *= 0xc2b2ae35u;
-        h ^= h >> 16;
-        x[i] = __float2bfloat16(lim * ((float)(h >> 8) * (2.0f / 16777216.0f) - 1.0f));
-    }
-}
-
-static bf16* random_bf16(size_t n, unsigned seed) {
-    bf16* p;
-    CUDA_CHECK(cudaMalloc(&p, n * sizeof(bf16)));
-    k_fill_uniform<<<1024, 256, 0, g_stream>>>(p, n, seed, 1.7f); /* variance ~1, as the checks' randn */
-    LAUNCH_CHECK();
-    return p;
-}
-
 template <int D> static void bench_model(const char* model, int B, int T_, int C, int H, int layers) {
     size_t nc = (size_t)B * T_ * C;
     bf16 *q = random_bf16(nc, 1), *k = random_bf16(nc, 2), *v = random_bf16(nc, 3), *dout = random_bf16(nc, 4);

@@ -11,27 +11,6 @@
 #include "kernel_timer.cuh"
 #include "../microgpt/cuda/mlp.cuh"
 
-/* x[i] uniform in [-lim, lim) from a hash of (seed, i): the same inputs in every run. */
-__global__ void k_fill_uniform(bf16* x, size_t n, unsigned seed, float lim) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed * 0x9e3779b9u;
-        h ^= h >> 16;
-        h *= 0x85ebca6bu;
-        h ^= h >> 13;
-        h *= 0xc2b2ae35u;
-        h ^= h >> 16;
-        x[i] = __float2bfloat16(lim * ((float)(h >> 8) * (2.0f / 16777216.0f) - 1.0f));
-    }
-}
-
-static bf16* random_bf16(size_t n, unsigned seed, float lim) {
-    bf16* p;
-    CUDA_CHECK(cudaMalloc(&p, n * sizeof(bf16)));
-    k_fill_uniform<<<1024, 256, 0, g_stream>>>(p, n, seed, lim);
-    CUDA_CHECK(cudaGetLastError());
-    return p;
-}
-
 /* The largest |a - b| over the output, in ulps of bf16 at max(|a|, |b|) (one ulp: 2^-7 of the
  * value's power of two); infinite where either holds a value that is not finite. */
 static double max_ulps(const bf16* a, const bf16* b, size_t n) {

@@ -1,5 +1,5 @@
 /* kernel_timer.cuh: the time of a launch sequence on g_stream, for the kernel microbenchmarks in
- * bench/ (never for tests: no test times anything). `launch` is called `warmup` times, then `reps`
+ * bench/ (never for tests: no test times anything), and their random inputs (random_bf16). `launch` is called `warmup` times, then `reps`
  * times, each call timed alone between two CUDA events; the median of those times, in µs. The
  * median, not the mean: one slow launch (a clock change, another process) does not move it. */
 #ifndef BENCH_KERNEL_TIMER_CUH
@@ -9,6 +9,28 @@
 #include <vector>
 
 #include "../microgpt/cuda/common.cuh"
+
+/* x[i] uniform in [-lim, lim) from a hash of (seed, i): the same inputs in every run and variant. */
+__global__ void k_fill_uniform(bf16* x, size_t n, unsigned seed, float lim) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned h = (unsigned)i * 2654435761u ^ seed * 0x9e3779b9u;
+        h ^= h >> 16;
+        h *= 0x85ebca6bu;
+        h ^= h >> 13;
+        h *= 0xc2b2ae35u;
+        h ^= h >> 16;
+        x[i] = __float2bfloat16(lim * ((float)(h >> 8) * (2.0f / 16777216.0f) - 1.0f));
+    }
+}
+
+/* n such values on the device (lim 1.7: variance ~1, as kernel_check's randn). */
+static inline bf16* random_bf16(size_t n, unsigned seed, float lim = 1.7f) {
+    bf16* p;
+    CUDA_CHECK(cudaMalloc(&p, n * sizeof(bf16)));
+    k_fill_uniform<<<1024, 256, 0, g_stream>>>(p, n, seed, lim);
+    LAUNCH_CHECK();
+    return p;
+}
 
 template <typename F> static float time_median_us(F launch, int reps = 20, int warmup = 3) {
     cudaEvent_t e0, e1;
