@@ -21,8 +21,10 @@
 
 /* The GELU's tanh: for precision fp8 the hardware's approximation (GELU_TANH_APPROX: one
  * tanh.approx.f32, MUFU.TANH, sm_75 and up; PTX ISA: relative error at most 2^-11; fp8.cuh's
- * FP8_GELU_TANH says why), for every other precision and for generation (decode.cuh) CUDA's
- * accurate tanhf (GELU_TANH_ACCURATE: a few ulps from the CPU engine's glibc tanhf). */
+ * FP8_GELU_TANH says why) and for bf16's GELU-backward product on Hopper (k_gemm_dgelu_pingpong,
+ * below: the accurate tanhf would lengthen the epilogue that bounds it), for every other precision
+ * and for generation (decode.cuh) CUDA's accurate tanhf (GELU_TANH_ACCURATE: a few ulps from the
+ * CPU engine's glibc tanhf). */
 enum { GELU_TANH_ACCURATE, GELU_TANH_APPROX };
 
 template <int TANH> __device__ __forceinline__ float gelu_tanh(float u) {
@@ -298,14 +300,14 @@ __global__ void __launch_bounds__(DGP_THREADS, 1)
 static long g_dgelu_pingpong_runs = 0;
 
 /* k_gemm_dgelu_pingpong's launch where it takes the product (fused products on, bf16, M and N
- * multiples of 128, K of 64, 16-byte aligned rows, a GPU running this image's sm_90a code: the
+ * positive multiples of 128, K of 64, 16-byte aligned rows, a GPU running this image's sm_90a code: the
  * attention forward's test, the same image); false, having launched nothing, where not. One block a multiprocessor, at most
  * one a pair of tiles. */
 template <typename T>
 static bool dgelu_pingpong(T* dh, const T* dout, const T* w, const T* h, int M, int N, int K) {
     if constexpr (!std::is_same<T, bf16>::value) return false;
     else {
-        if (!g_gemm_fuse || M % DGP_TILE || N % DGP_TILE || K % DGP_BK || !packable((size_t)K, sizeof(T), {dh, dout, w, h}) ||
+        if (!g_gemm_fuse || M <= 0 || N <= 0 || K <= 0 || M % DGP_TILE || N % DGP_TILE || K % DGP_BK || !packable((size_t)K, sizeof(T), {dh, dout, w, h}) ||
             !fa_fwd_wgmma_ok<T, 64>())
             return false;
         static int sms = 0;
