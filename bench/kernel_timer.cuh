@@ -1,7 +1,8 @@
 /* kernel_timer.cuh: the time of a launch sequence on g_stream, for the kernel microbenchmarks in
- * bench/ (never for tests: no test times anything), and their random inputs (random_bf16). `launch` is called `warmup` times, then `reps`
- * times, each call timed alone between two CUDA events; the median of those times, in µs. The
- * median, not the mean: one slow launch (a clock change, another process) does not move it. */
+ * bench/ (never for tests: no test times anything), and their random inputs (random_bf16).
+ * `launch` is called `warmup` times, then `reps` times, each call timed alone between two CUDA
+ * events; the median of those times, in µs. The median, not the mean: one slow launch (a clock
+ * change, another process) does not move it. */
 #ifndef BENCH_KERNEL_TIMER_CUH
 #define BENCH_KERNEL_TIMER_CUH
 

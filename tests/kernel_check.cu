@@ -2031,14 +2031,19 @@ static void run_fp8(void) {
     fp8_plans_clear();
 }
 
+/* Whether the GPU is of compute capability 9.0, the one the sm_90a kernels run on. */
+static bool gpu_is_hopper(void) {
+    cudaDeviceProp p;
+    CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
+    return p.major == 9 && p.minor == 0;
+}
+
 /* The Hopper kernels (the forward k_attn_fwd_wgmma and the dK/dV kernel k_attn_bwd_dkv_wgmma) must
  * be what the flash shapes below check on a compute capability 9.0 GPU: the loaded image must
  * carry them (the Makefile builds sm_90a), and on any other it must not (their bodies there are a
  * trap). One path line per kernel, so a build that silently fell back to mma.sync fails here. */
 template <typename T> static void check_wgmma_path(void) {
-    cudaDeviceProp p;
-    CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-    bool hopper = p.major == 9 && p.minor == 0;
+    bool hopper = gpu_is_hopper();
     auto report_path = [&](const char* kernel, bool on) {
         set_ctx(TypeInfo<T>::name(), "attn", kernel);
         report(on == hopper, "path", on ? "wgmma (sm_90a) at head sizes 32 and 64" : "mma.sync (no sm_90a image loaded)");
@@ -2141,10 +2146,8 @@ template <typename T> static void run_precision(void) {
         set_ctx(prec, "mlp", shape_str(big).c_str());
         long before = g_dgelu_pingpong_runs;
         test_mlp<T>(big, tol);
-        cudaDeviceProp p;
-        CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
-        bool hopper = p.major == 9 && p.minor == 0, ran = g_dgelu_pingpong_runs > before;
-        report(ran == hopper, "path", ran ? "GELU-backward product: pingpong (sm_90a)" : "GELU-backward product: cuBLASLt");
+        bool ran = g_dgelu_pingpong_runs > before;
+        report(ran == gpu_is_hopper(), "path", ran ? "GELU-backward product: pingpong (sm_90a)" : "GELU-backward product: cuBLASLt");
     }
     set_ctx(prec, "cuBLASLt", "all shapes");
     check_fused_taken(fused_before);
