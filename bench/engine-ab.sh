@@ -15,7 +15,7 @@
 # (graphs = launch by launch, and records, checkpoints and fp8 histories equal to the default
 # build's, on the side stream too: ANDREA_CUDA_ENGINE, ANDREA_CUDA_BASELINE;
 # log $OUT/pytest-NAME.log), and losses that differ from the default's below count as a failure.
-# Then ANDREA-12M and ANDREA-120M, bf16 and fp8, AB_STEPS steps each (default 60; scripts/check-lib.sh's
+# Then ANDREA-12M and ANDREA-120M (AB_MODELS), bf16 and fp8 (AB_PRECS), AB_STEPS steps each (default 60; scripts/check-lib.sh's
 # timing_run and summarise) on random tokens, or on the shards of the glob AB_SHARDS, relative to the
 # repository root (the benchmark's text: a frequent token's embedding backward and the power a step
 # draws depend on the tokens), every build in turn, ROUNDS times (default 2): interleaved, so that a
@@ -46,6 +46,14 @@ if ! [[ $AB_STEPS =~ ^[1-9][0-9]{1,3}$ ]] || [ "$AB_STEPS" -le 10 ]; then # the 
     echo "error: AB_STEPS must be a whole number from 11 to 9999, got '$AB_STEPS'" >&2
     exit 2
 fi
+AB_MODELS=${AB_MODELS:-12M 120M}
+AB_PRECS=${AB_PRECS:-bf16 fp8}
+for word in $AB_MODELS $AB_PRECS; do # a candidate that touches one model or precision times only those
+    case $word in 12M | 120M | bf16 | fp8) ;; *)
+        echo "error: AB_MODELS takes 12M and 120M, AB_PRECS bf16 and fp8; got '$word'" >&2
+        exit 2 ;;
+    esac
+done
 SAME_BITS=${SAME_BITS:-0}
 if [ "$SAME_BITS" != 0 ] && [ "$SAME_BITS" != 1 ]; then # a typo must not silently skip the bit tests
     echo "error: SAME_BITS must be 0 or 1, got '$SAME_BITS'" >&2
@@ -95,9 +103,9 @@ if [ ${#timed[@]} -gt 0 ]; then
         make_shard big 50257 3000000 || exit 1
     fi
     for round in $(seq 1 "$ROUNDS"); do
-        for model in 12M 120M; do
+        for model in $AB_MODELS; do
             if [ "$model" = 12M ]; then shape=("${M12[@]}"); else shape=("${M120[@]}"); fi
-            for prec in bf16 fp8; do
+            for prec in $AB_PRECS; do
                 for b in "${timed[@]}"; do
                     name="$model-$prec-$b-r$round"
                     ENGINE_BIN="build/microgpt_cuda_$b" timing_run "$AB_STEPS" "$name" "$prec" "${shape[@]}" \
