@@ -76,6 +76,7 @@ static struct {
      * cast with (the backward re-casts the activations alike), and whether the current micro-batch
      * extends the histories (training micro-batches only) */
     int fp8_delayed, fp8_record;
+    float micro_loss; /* the last training micro-batch's mean loss (engine_micro_loss) */
     Fp8History* delayed_hist;
     float* delayed_scale;
     double* norm_partials;
@@ -365,14 +366,14 @@ static void backward(const int* targets) {
     embed_backward(G(E.layout.wte), G(E.layout.wpe), dres, E.tokens, E.B, E.T, C);
 }
 
-static float engine_forward_backward(const int* inputs, const int* targets) {
-    float loss;
+static void engine_forward_backward(const int* inputs, const int* targets) {
     E.fp8_record = 1; /* a training micro-batch extends the delayed-scaling histories */
-    loss = forward_loss(inputs, targets);
+    E.micro_loss = forward_loss(inputs, targets);
     backward(targets);
     E.fp8_record = 0;
-    return loss;
 }
+
+static float engine_micro_loss(void) { return E.micro_loss; }
 
 static float engine_forward_loss(const int* inputs, const int* targets) { return forward_loss(inputs, targets); }
 

@@ -208,6 +208,7 @@ static struct {
      * never zeroed), [1]: the later ones (added); all instantiated by the warm-up */
     cudaGraphExec_t fb_graph[2], update_graph;
     int grads_pending; /* the gradients hold micro-batches not yet used by an update */
+    int micro_batch_queued; /* a micro-batch's graph was queued and not yet waited for (micro_batch_settle) */
     float grad_beta;   /* of the micro-batch being recorded: 0 overwrite, 1 add (matmul.cuh) */
     char* group_base[N_GROUPS];
     size_t group_bytes[N_GROUPS];
@@ -683,12 +684,16 @@ static int attn_fwd_for_product(const LayerActs<T>& a, int l, int B, int Tn, boo
  * of a decode step's few rows could not match the prompt's, so the whole of generation runs on the
  * bf16 weights and the prefill's keys and values are the decode's. */
 template <typename T>
-static void forward(int B, int Tn, bool fp8) {
+static void forward(int B, int Tn, bool fp8, bool training) {
     int C = E.C, F = E.F, L = E.L, N = B * Tn, l;
     /* every amax of the activations' and gradients' casts that this micro-batch takes starts at 0 */
     if (fp8) /* the FP8 classifier's too: LNf's output's and the dlogits' (cls_x_scale, cls_g_scale) */
         fp8_zero_scales(x8_scale(0, 0), 2 * (size_t)FP8_W_PER_LAYER * L + fp8_cls_act_scale_count());
     embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
+    /* training: the embedding backward's sort needs only the tokens, so it runs beside the first
+     * layer rather than on the step's one chain at the end of the backward (docs/DESIGN.md §9);
+     * forked behind a kernel, so the graph's first node still leads straight into the forward */
+    if (training) ahead_run([] { embed_bwd_sort(E.embed_scratch, E.tok, E.V, E.N); });
     for (l = 0; l < L; l++) {
         LayerActs<T> a = layer_acts<T>(l);
         int in1 = ln_fwd_for_product<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, l, T_LN1_GAMMA, T_LN1_BETA, FP8_W_QKV, N,
@@ -817,7 +822,7 @@ static void loss_chunks(int N, int train) {
  * The side stream runs its products in issue order, so a wait covers its earlier products too.
  * Each gradient tensor has one writer per micro-batch (matmul.cuh), the side stream's products
  * write only their own, and the one tensor two writers share, wte (dwte, then the embedding
- * backward adds), is ordered by side_join before embed_bwd, which also ends the backward with every
+ * backward adds), is ordered by side_join before embed_bwd_sorted, which also ends the backward with every
  * product done (the gradient norm and AdamW run after it; a capture ends with the streams joined).
  * dln, datty and the attention scratch have no side-stream reader. An fp8 weight gradient also reads
  * its two casts' scales (Fp8Scale: x8_scale, set by the forward's cast; g8_scale, set by its own
@@ -870,13 +875,14 @@ static void backward(void) {
                                         a.ln1_mean, a.ln1_rstd, l - 1, FP8_W_2);
     }
     side_join();
-    embed_bwd<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.tok, E.embed_scratch, E.V, B, Tn, C, gb);
+    ahead_join(); /* the tokens' sort, forked by forward() after the embedding */
+    embed_bwd_sorted<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.embed_scratch, B, Tn, C, gb);
 }
 
 /* Runs `record` (the device work of one call, everything on g_stream) as a CUDA graph: captured
  * and instantiated the first time (by the warm-up), replayed after; or, with graphs off, launch by
- * launch. Returns when the work is done. */
-static void run_graph(cudaGraphExec_t* exec, void (*record)(void)) {
+ * launch. With `wait`, returns when the work is done; else once it is queued. */
+static void run_graph(cudaGraphExec_t* exec, void (*record)(void), bool wait = true) {
     if (!E.use_graphs) {
         record();
     } else {
@@ -890,7 +896,18 @@ static void run_graph(cudaGraphExec_t* exec, void (*record)(void)) {
         }
         CUDA_CHECK(cudaGraphLaunch(*exec, g_stream));
     }
+    if (wait) CUDA_CHECK(cudaStreamSynchronize(g_stream));
+}
+
+/* A training micro-batch is queued and not waited for (engine_forward_backward), so that the
+ * update's graph follows it on the GPU without a round trip to the host between the two. Whatever
+ * next writes the pinned staging buffers the micro-batch's graph reads (its tokens, its StepIO
+ * fields), or reads the loss it hands back, waits for it first: micro_batch_settle. The update's
+ * own field (uctl) is one the micro-batch's graph does not upload (upload_step_io). */
+static void micro_batch_settle(void) {
+    if (!E.micro_batch_queued) return;
     CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    E.micro_batch_queued = 0;
 }
 
 /* The N inputs and N targets of a batch into the pinned staging buffer (the graphs upload it). */
@@ -899,10 +916,19 @@ static void stage_batch(const int* inputs, const int* targets) {
     memcpy(E.tok_host + E.N, targets, (size_t)E.N * sizeof(int));
 }
 
+/* The StepIO inputs of a forward (`update` 0: dscale and dlogits_salt) or of the update (1: uctl),
+ * from the pinned host copy: disjoint bytes, so the update's graph can be queued while a
+ * micro-batch's upload is still pending. */
+static void upload_step_io(int update) {
+    size_t from = update ? 0 : offsetof(StepIO, dscale), to = update ? offsetof(StepIO, dscale) : STEPIO_IN_BYTES;
+    CUDA_CHECK(cudaMemcpyAsync((char*)E.io + from, (char*)E.io_host + from, to - from, cudaMemcpyHostToDevice,
+                               g_stream));
+}
+
+/* A forward's inputs: its first tok_count staged tokens and its StepIO fields. */
 static void upload_inputs(size_t tok_count) {
-    if (tok_count)
-        CUDA_CHECK(cudaMemcpyAsync(E.tok, E.tok_host, tok_count * sizeof(int), cudaMemcpyHostToDevice, g_stream));
-    CUDA_CHECK(cudaMemcpyAsync(E.io, E.io_host, STEPIO_IN_BYTES, cudaMemcpyHostToDevice, g_stream));
+    CUDA_CHECK(cudaMemcpyAsync(E.tok, E.tok_host, tok_count * sizeof(int), cudaMemcpyHostToDevice, g_stream));
+    upload_step_io(0);
 }
 
 static void download_output(const float* dev, float* host) {
@@ -913,7 +939,7 @@ static void download_output(const float* dev, float* host) {
 template <typename T>
 static void record_forward_backward(void) {
     upload_inputs(2 * (size_t)E.N);
-    forward<T>(E.B, E.T, E.use_fp8);
+    forward<T>(E.B, E.T, E.use_fp8, true);
     loss_chunks<T>(E.N, 1);
     backward<T>();
     /* every delayed tensor's history extended by this micro-batch's amax, the forward's (ln1, ln2,
@@ -928,7 +954,8 @@ static void record_forward_backward(void) {
 }
 
 template <typename T>
-static float forward_backward_t(const int* inputs, const int* targets) {
+static void forward_backward_t(const int* inputs, const int* targets) {
+    micro_batch_settle();
     stage_batch(inputs, targets);
     E.io_host->dscale = (E.prec == PREC_FP16 ? E.loss_scale : 1.0f) / (float)E.N;
     if (fp8_cls_bwd()) E.io_host->dlogits_salt = fp8_dlogits_salt(targets, E.N);
@@ -936,22 +963,23 @@ static float forward_backward_t(const int* inputs, const int* targets) {
     if (E.fp8_delayed && !E.fp8_hist_filled) { /* empty histories: current scaling, not the graphs' fused path */
         int graphs = E.use_graphs;
         E.use_graphs = 0;
-        run_graph(&E.fb_graph[E.grads_pending], record_forward_backward<T>);
+        run_graph(&E.fb_graph[E.grads_pending], record_forward_backward<T>, false);
         E.use_graphs = graphs;
         E.fp8_hist_filled = 1;
     } else {
-        run_graph(&E.fb_graph[E.grads_pending], record_forward_backward<T>);
+        run_graph(&E.fb_graph[E.grads_pending], record_forward_backward<T>, false);
     }
     E.grads_pending = 1;
-    return E.io_host->loss;
+    E.micro_batch_queued = 1;
 }
 
 /* Validation runs uncaptured: it is rare, and its launches are few next to its work. */
 template <typename T>
 static float forward_loss_t(const int* inputs, const int* targets) {
+    micro_batch_settle();
     stage_batch(inputs, targets);
     upload_inputs(2 * (size_t)E.N);
-    forward<T>(E.B, E.T, E.use_fp8);
+    forward<T>(E.B, E.T, E.use_fp8, false);
     loss_chunks<T>(E.N, 0);
     download_output(&E.io->loss, &E.io_host->loss);
     CUDA_CHECK(cudaStreamSynchronize(g_stream));
@@ -978,12 +1006,13 @@ static void refresh_stale_lowp_weights(void) {
  * keys and values of positions < len go to the slot, and the logits of position len-1 out. */
 template <typename T>
 static void prefill_t(int slot, const int* tokens, int len, float* logits) {
+    micro_batch_settle();
     refresh_stale_lowp_weights<T>();
     size_t nc = (size_t)E.T * E.C; /* the forward's N = T rows */
     memcpy(E.tok_host, tokens, (size_t)len * sizeof(int));
     memset(E.tok_host + len, 0, (size_t)(E.T - len) * sizeof(int));
     upload_inputs((size_t)E.T);
-    forward<T>(1, E.T, false);
+    forward<T>(1, E.T, false, false);
     for (int l = 0; l < E.L; l++) {
         const T* qkv = layer_acts<T>(l).qkv;
         size_t bytes = (size_t)len * E.C * sizeof(T);
@@ -1089,7 +1118,7 @@ static void refresh_lowp_weights_t(void) {
  * takes the weights' amax (their scales zeroed before it) and only their cast follows. */
 template <typename T>
 static void record_update(void) {
-    upload_inputs(0);
+    upload_step_io(1);
     grad_norm_partial(E.norm_partial, E.grads, E.P, &E.io->uctl.unscale);
     grad_norm_final(&E.io->norm, E.norm_partial);
     if (E.use_fp8) fp8_zero_scales(w8_scale(0, 0), fp8_weight_cast_count()); /* AdamW takes their amax */
@@ -1106,7 +1135,7 @@ template <typename T>
 static void update_sharded(void) {
     size_t lo = E.shard.lo, n = E.shard.hi - E.shard.lo;
     double square;
-    upload_inputs(0);
+    upload_step_io(1);
     dist_reduce_scatter_grads(E.grads, E.shard_stride);
     grad_norm_partial(E.norm_partial, E.grads + lo, n, &E.io->uctl.unscale);
     grad_norm_final(&E.io->norm, E.norm_partial);
@@ -1274,6 +1303,7 @@ static size_t engine_setup(const Config* cfg) {
     cublas_init(E.cublas_ws, CUBLAS_WORKSPACE_BYTES);
     if (strcmp(prec, "tf32") == 0) gemm_set_tf32();
     if (E.use_side_stream) side_stream_init(E.side_ws, CUBLAS_WORKSPACE_BYTES);
+    if (E.training) ahead_stream_init();
     if (E.training) warm_up(); /* the device memory of a training run must not grow after its first step */
     return total;
 }
@@ -1312,8 +1342,13 @@ static void engine_set_fp8_history(const Fp8History* h) {
     for (int i = 0; i < engine_fp8_history_count(); i++) E.fp8_hist_filled = E.fp8_hist_filled && h[i].count > 0;
 }
 
-static float engine_forward_backward(const int* inputs, const int* targets) {
-    return FOR_ACT_TYPE(forward_backward_t)(inputs, targets);
+static void engine_forward_backward(const int* inputs, const int* targets) {
+    FOR_ACT_TYPE(forward_backward_t)(inputs, targets);
+}
+
+static float engine_micro_loss(void) {
+    micro_batch_settle();
+    return E.io_host->loss;
 }
 
 static float engine_forward_loss(const int* inputs, const int* targets) {
@@ -1342,6 +1377,7 @@ static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     E.io_host->uctl = update_ctl(lr, t, cfg->train.beta1, cfg->train.beta2, unscale, cfg->train.grad_clip, is_fp16);
     if (g_dist.world > 1) FOR_ACT_TYPE(update_sharded)(); /* ZeRO-1 over NCCL (§17) */
     else run_graph(&E.update_graph, FOR_ACT_TYPE(record_update));
+    E.micro_batch_queued = 0; /* both waited for the stream, the micro-batch queued before them included */
     if (g_dist.world == 1 && E.use_fp8) E.lowp_stale = 1; /* adamw_all left the fp8 weights' 16-bit copy */
     E.grads_pending = 0; /* also after a skipped fp16 step: its non-finite gradients are overwritten */
     r.grad_norm = E.io_host->norm;
@@ -1375,6 +1411,7 @@ static void engine_shutdown(void) {
     CUDA_CHECK(cudaDeviceSynchronize());
     fp8_plans_clear();
     side_stream_shutdown();
+    ahead_stream_shutdown();
     cublas_shutdown();
     for (int i = 0; i < 2; i++)
         if (E.fb_graph[i]) CUDA_CHECK(cudaGraphExecDestroy(E.fb_graph[i]));

@@ -18,9 +18,11 @@
  * (docs/BENCHMARKS.md #93, #98, #100, #101 measured each step of this against the one before, with
  * the same bits). dwpe[t] has one term per sequence, summed in b order.
  *
- * Kernels: k_embed_fwd; the backward (k_embed_bwd) is the sort (k_embed_sort_block, or
- * k_embed_positions and CUB's device-wide sort), k_embed_bwd_wte_runs and k_embed_bwd_wpe. The
- * engine calls embed_fwd / embed_bwd, with embed_bwd_scratch_bytes of scratch.
+ * Kernels: k_embed_fwd; the backward is the sort (k_embed_sort_block, or k_embed_positions and
+ * CUB's device-wide sort: embed_bwd_sort), then k_embed_bwd_wte_runs and k_embed_bwd_wpe
+ * (embed_bwd_sorted). The engine calls embed_fwd, and embed_bwd_sort at the start of a micro-batch
+ * (it needs only the tokens) and embed_bwd_sorted at the end of the backward, with
+ * embed_bwd_scratch_bytes of scratch; embed_bwd is the two in turn.
  */
 #ifndef MICROGPT_CUDA_EMBED_CUH
 #define MICROGPT_CUDA_EMBED_CUH
@@ -36,13 +38,19 @@
 #define EMBED_LANE_COLS 8 /* columns per lane in the backward's sum: 256-column slabs */
 #define EMBED_SLAB (32 * EMBED_LANE_COLS)
 
-template <typename T>
+/* VEC elements a thread (common.cuh's packets: PACK(T) where rows and pointers allow, the sum of
+ * each pair of fp32 packets rounded to one packet of T; else 1), a packet never crossing a row. */
+template <typename T, int VEC>
 __global__ void k_embed_fwd(T* out, const int* tokens, const float* wte, const float* wpe, int N, int T_, int C) {
     await_previous_kernel();
-    size_t n_total = (size_t)N * C;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_total; i += (size_t)gridDim.x * blockDim.x) {
+    FOR_PACKETS(i, (size_t)N * C) {
         int n = (int)(i / C), c = (int)(i % C);
-        out[i] = from_f<T>(wte[(size_t)tokens[n] * C + c] + wpe[(size_t)(n % T_) * C + c]);
+        float te[VEC], pe[VEC];
+        load_vec<VEC>(te, wte + (size_t)tokens[n] * C + c);
+        load_vec<VEC>(pe, wpe + (size_t)(n % T_) * C + c);
+#pragma unroll
+        for (int k = 0; k < VEC; k++) te[k] += pe[k];
+        store_vec<VEC>(out + i, te);
     }
 }
 
@@ -262,7 +270,9 @@ __global__ void k_embed_bwd_wpe(float* dwpe, const T* dout, int B, int T_, int C
 template <typename T>
 static void embed_fwd(T* out, const int* tokens, const float* wte, const float* wpe, int B, int T_, int C) {
     size_t n = (size_t)B * T_ * C;
-    launch_kernel(k_embed_fwd<T>, elementwise_grid(n, 256), 256, out, tokens, wte, wpe, B * T_, T_, C);
+    /* whole packets of T per row, and the fp32 rows in whole 16-byte packets too (PACK(T) >= 4) */
+    bool packed = packable(C, sizeof(T), {out}) && packable(C, sizeof(float), {wte, wpe});
+    LAUNCH_PACKED_ELEMENTWISE(packed, k_embed_fwd, T, n, out, tokens, wte, wpe, B * T_, T_, C);
 }
 
 /* sorted_tok, sorted_pos [N]: the (token, position) pairs sorted by token, stably (CUB's device-wide
@@ -277,11 +287,11 @@ static void embed_sort_device(int* sorted_tok, int* sorted_pos, int* pos, void* 
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize()); /* as launch_kernel does for its own */
 }
 
-/* dwte += the token rows' sums by k_embed_bwd_wte_runs; scratch holds
+/* The backward's first half, which reads only the tokens (so the engine runs it beside the forward,
+ * docs/DESIGN.md §9): the (token, position) pairs sorted by token into the scratch, which holds
  * embed_bwd_scratch_bytes(V, N) bytes (256-byte aligned). Every call is a stream operation (CUB's
  * sort included), so a CUDA graph can capture it. */
-template <typename T>
-static void embed_bwd_wte_sorted(float* dwte, const T* dout, const int* tokens, void* scratch, int V, int N, int C) {
+static void embed_bwd_sort(void* scratch, const int* tokens, int V, int N) {
     char* at = (char*)scratch;
     int* sorted_tok = (int*)(at + embed_ints_bytes(N));
     int* sorted_pos = (int*)(at + 2 * embed_ints_bytes(N));
@@ -289,20 +299,30 @@ static void embed_bwd_wte_sorted(float* dwte, const T* dout, const int* tokens, 
         launch_kernel(k_embed_sort_block, 1, EMBED_SORT_THREADS, sorted_tok, sorted_pos, tokens, N, embed_token_bits(V));
     else
         embed_sort_device(sorted_tok, sorted_pos, (int*)at, at + 3 * embed_ints_bytes(N), tokens, V, N);
-    launch_kernel(k_embed_bwd_wte_runs<T>, dim3(ceil_div(N, EMBED_WARPS), ceil_div(C, EMBED_RUN_GROUP)),
-                  EMBED_BWD_THREADS, dwte, dout, sorted_tok, sorted_pos, N, C);
 }
 
-/* dwte += (always: the classifier's product writes it first, loss.cuh) and dwpe = / += by
- * grad_beta, from dout [B*T, C]; tokens [B*T] are the batch's input tokens (device), all below V;
- * scratch holds embed_bwd_scratch_bytes(V, B*T) bytes (256-byte aligned). */
+/* The second half, after embed_bwd_sort of the same tokens into the same scratch: dwte += (always:
+ * the classifier's product writes it first, loss.cuh) the token rows' sums by k_embed_bwd_wte_runs,
+ * and dwpe = / += by grad_beta, from dout [B*T, C]. */
+template <typename T>
+static void embed_bwd_sorted(float* dwte, float* dwpe, const T* dout, const void* scratch, int B, int T_, int C,
+                             float grad_beta) {
+    int N = B * T_;
+    const char* at = (const char*)scratch;
+    const int* sorted_tok = (const int*)(at + embed_ints_bytes(N));
+    const int* sorted_pos = (const int*)(at + 2 * embed_ints_bytes(N));
+    launch_kernel(k_embed_bwd_wte_runs<T>, dim3(ceil_div(N, EMBED_WARPS), ceil_div(C, EMBED_RUN_GROUP)),
+                  EMBED_BWD_THREADS, dwte, dout, sorted_tok, sorted_pos, N, C);
+    size_t n = (size_t)T_ * C;
+    launch_kernel(k_embed_bwd_wpe<T>, elementwise_grid(n, 256), 256, dwpe, dout, B, T_, C, grad_beta != 0.0f);
+}
+
+/* Both halves in turn; tokens [B*T] are the batch's input tokens (device), all below V. */
 template <typename T>
 static void embed_bwd(float* dwte, float* dwpe, const T* dout, const int* tokens, void* scratch, int V, int B, int T_,
                       int C, float grad_beta) {
-    int N = B * T_;
-    embed_bwd_wte_sorted<T>(dwte, dout, tokens, scratch, V, N, C);
-    size_t n = (size_t)T_ * C;
-    launch_kernel(k_embed_bwd_wpe<T>, elementwise_grid(n, 256), 256, dwpe, dout, B, T_, C, grad_beta != 0.0f);
+    embed_bwd_sort(scratch, tokens, V, B * T_);
+    embed_bwd_sorted<T>(dwte, dwpe, dout, scratch, B, T_, C, grad_beta);
 }
 
 #endif

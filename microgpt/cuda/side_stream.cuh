@@ -187,4 +187,55 @@ static void side_join(void) {
     g_side.active = false;
 }
 
+/* ---------------------------------------------------------------------------------------------- */
+/* The ahead stream: work that reads only a micro-batch's inputs (the embedding backward's sort of
+ * the tokens, embed.cuh), forked from g_stream once they are uploaded so that it runs beside the
+ * forward instead of on the step's one chain at the end of the backward, and joined right before
+ * its result is read. Set up for every training run (ahead_stream_init; the products' side stream
+ * above only where it pays); without it, ahead_run runs the work in place. The same kernels on the
+ * same data: the same bits. */
+static struct {
+    cudaStream_t stream; /* 0: none, work runs in place */
+    cudaEvent_t fork, done;
+    bool pending; /* forked work the main stream has not joined yet */
+} g_ahead;
+
+static void ahead_stream_init(void) {
+    CUDA_CHECK(cudaStreamCreate(&g_ahead.stream));
+    CUDA_CHECK(cudaEventCreateWithFlags(&g_ahead.fork, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&g_ahead.done, cudaEventDisableTiming));
+}
+
+static void ahead_stream_shutdown(void) {
+    if (!g_ahead.stream) return;
+    CUDA_CHECK(cudaEventDestroy(g_ahead.fork));
+    CUDA_CHECK(cudaEventDestroy(g_ahead.done));
+    CUDA_CHECK(cudaStreamDestroy(g_ahead.stream));
+    memset(&g_ahead, 0, sizeof g_ahead);
+}
+
+/* Runs `work` (launches on g_stream, which it sees as the ahead stream) after everything issued so
+ * far on g_stream, beside what g_stream does next; ahead_join before anything reads its results. */
+template <typename Work> static void ahead_run(Work work) {
+    if (!g_ahead.stream) {
+        work();
+        return;
+    }
+    cudaStream_t main_stream = g_stream;
+    CUDA_CHECK(cudaEventRecord(g_ahead.fork, main_stream));
+    CUDA_CHECK(cudaStreamWaitEvent(g_ahead.stream, g_ahead.fork, 0));
+    g_stream = g_ahead.stream;
+    work();
+    g_stream = main_stream;
+    CUDA_CHECK(cudaEventRecord(g_ahead.done, g_ahead.stream));
+    g_ahead.pending = true;
+}
+
+/* The main stream waits for the work ahead_run forked (a capture must join it before it ends). */
+static void ahead_join(void) {
+    if (!g_ahead.pending) return;
+    CUDA_CHECK(cudaStreamWaitEvent(g_stream, g_ahead.done, 0));
+    g_ahead.pending = false;
+}
+
 #endif

@@ -35,8 +35,12 @@ static void engine_get_state(float* params, float* m, float* v, float* loss_scal
 static int engine_fp8_history_count(void);
 static void engine_get_fp8_history(Fp8History* h);
 static void engine_set_fp8_history(const Fp8History* h);
-/* One micro-batch of B·T tokens: forward + backward, grads += ; returns the mean loss. */
-static float engine_forward_backward(const int* inputs, const int* targets);
+/* One micro-batch of B·T tokens: forward + backward, grads += . The GPU engine only queues it, so
+ * that the update can follow without a round trip to the host; its mean loss is
+ * engine_micro_loss()'s. */
+static void engine_forward_backward(const int* inputs, const int* targets);
+/* The mean loss of the last micro-batch (waiting for it to finish). */
+static float engine_micro_loss(void);
 /* Validation: forward only, no gradients; returns the mean loss over B·T positions. */
 static float engine_forward_loss(const int* inputs, const int* targets);
 /* Generation with the KV cache (docs/DESIGN.md §5a). Logits are fp32 over the real vocabulary.

@@ -296,7 +296,8 @@ static int run_dump_grads(Run* r) {
     FILE* f;
     draw_step_arms(r, 0);
     fill_step_batch(r, 0, 0);
-    loss = engine_forward_backward(r->inputs, r->targets);
+    engine_forward_backward(r->inputs, r->targets);
+    loss = engine_micro_loss();
     engine_get_grads(grads);
     f = fopen(c->dump_grads, "wb");
     if (!f) die_io("cannot create %s: %s", c->dump_grads, strerror(errno));
@@ -319,10 +320,12 @@ static double run_step(Run* r, int s, UpdateResult* res, double lr) {
     draw_step_arms(r, s);
     for (j = 0; j < accum; j++) {
         fill_step_batch(r, s, g_dist.rank * accum + j);
-        r->micro_losses[j] = engine_forward_backward(r->inputs, r->targets);
+        engine_forward_backward(r->inputs, r->targets);
+        if (j < accum - 1) r->micro_losses[j] = engine_micro_loss();
     }
     agree_fp8_histories(r);
-    *res = engine_update((float)lr, s + 1, c);
+    *res = engine_update((float)lr, s + 1, c); /* queued right behind the last micro-batch */
+    r->micro_losses[accum - 1] = engine_micro_loss();
     return dist_sum_in_rank_order(r->micro_losses, accum) / (accum * g_dist.world);
 }
 
