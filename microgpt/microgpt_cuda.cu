@@ -921,19 +921,17 @@ static void stage_batch(const int* inputs, const int* targets) {
  * micro-batch's upload is still pending. */
 static void upload_step_io(int update) {
     size_t from = update ? 0 : offsetof(StepIO, dscale), to = update ? offsetof(StepIO, dscale) : STEPIO_IN_BYTES;
-    CUDA_CHECK(cudaMemcpyAsync((char*)E.io + from, (char*)E.io_host + from, to - from, cudaMemcpyHostToDevice,
-                               g_stream));
+    copy_words((char*)E.io + from, (char*)E.io_host + from, to - from);
 }
 
-/* A forward's inputs: its first tok_count staged tokens and its StepIO fields. */
+/* A forward's inputs: its first tok_count staged tokens and its StepIO fields. Uploads and
+ * downloads are kernels reading and writing the pinned buffers (common.cuh's copy_words). */
 static void upload_inputs(size_t tok_count) {
-    CUDA_CHECK(cudaMemcpyAsync(E.tok, E.tok_host, tok_count * sizeof(int), cudaMemcpyHostToDevice, g_stream));
+    copy_words(E.tok, E.tok_host, tok_count * sizeof(int));
     upload_step_io(0);
 }
 
-static void download_output(const float* dev, float* host) {
-    CUDA_CHECK(cudaMemcpyAsync(host, dev, sizeof(float), cudaMemcpyDeviceToHost, g_stream));
-}
+static void download_output(const float* dev, float* host) { copy_words(host, dev, sizeof(float)); }
 
 /* One training micro-batch, as recorded into fb_graph[grad_beta]. */
 template <typename T>
@@ -1291,6 +1289,9 @@ static size_t engine_setup(const Config* cfg) {
     plan_buffers(used); /* now with the bases: the pointers */
     if (E.training) upload_decay_bits();
     if (E.use_fp8) fp8_list_weight_casts();
+    int unified = 0; /* kernels read and write the pinned buffers by their host addresses (copy_words) */
+    CUDA_CHECK(cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, dist_device()));
+    if (!unified) die_io("the CUDA engine needs a GPU with unified addressing (a 64-bit process on a GPU of compute capability 2.0 or later)");
     CUDA_CHECK(cudaMallocHost((void**)&E.tok_host, 2 * (size_t)E.N * sizeof(int)));
     CUDA_CHECK(cudaMallocHost((void**)&E.io_host, sizeof(StepIO)));
     memset(E.io_host, 0, sizeof(StepIO));

@@ -760,6 +760,25 @@ template <typename T> static void test_adamw(size_t n, Tol tol) {
 }
 
 /* n: odd (element by element) or a multiple of 4 (16-byte packets) */
+/* copy_words (common.cuh), the engine's uploads and downloads: n random words from pinned host
+ * memory to a poisoned device buffer and back into poisoned pinned memory, read and written by the
+ * kernel through their host addresses; exact. */
+static void test_copy_words(int n) {
+    unsigned *src, *back, *dev;
+    CUDA_CHECK(cudaMallocHost((void**)&src, n * sizeof(unsigned)));
+    CUDA_CHECK(cudaMallocHost((void**)&back, n * sizeof(unsigned)));
+    for (int i = 0; i < n; i++) src[i] = (unsigned)next_u64(), back[i] = 0xFFFFFFFFu;
+    dev = poisoned<unsigned>(n);
+    copy_words(dev, src, n * sizeof(unsigned));
+    copy_words(back, dev, n * sizeof(unsigned));
+    CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    int bad = 0;
+    for (int i = 0; i < n; i++) bad += back[i] != src[i];
+    report(bad == 0, "copy_words", "%d of %d words wrong after host -> device -> host", bad, n);
+    CUDA_CHECK(cudaFreeHost(src));
+    CUDA_CHECK(cudaFreeHost(back));
+}
+
 static void test_grad_norm(size_t n) {
     Vec g = randn(n, 0.01f);
     double s = 0.0;
@@ -2259,6 +2278,12 @@ int main(int argc, char** argv) {
         if (!strcmp(prec, "all") || !strcmp(prec, "bf16")) run_attn<bf16>();
         if (!strcmp(prec, "all") || !strcmp(prec, "fp16")) run_attn<fp16>();
     } else {
+        for (int n : {1, 3, 16411}) {
+            char what[32];
+            snprintf(what, sizeof what, "n=%d", n);
+            set_ctx("u32", "copy_words", what);
+            test_copy_words(n);
+        }
         set_ctx("fp32", "grad_norm", "n=1000003");
         test_grad_norm(1000003);
         set_ctx("fp32", "grad_norm", "n=1000004");
