@@ -57,7 +57,9 @@
  * micro-batch of a step's (its parameter gradients overwrite the buffer, so the gradients are never
  * zeroed) and the later ones' (they add). Whatever changes
  * between replays (tokens, learning rate, bias corrections, loss scale) is copied from pinned host
- * memory by the graph's first nodes; the one float each returns (loss, norm) is its last node.
+ * memory by the graph's first kernel (copy_words: no copy-engine node); the one float each returns
+ * (loss, norm) is written back by its last. The micro-batch's graph is queued and not waited for,
+ * so the update's follows it without a host round trip (micro_batch_settle).
  * ANDREA_CUDA_SYNC=1 (synchronise after every launch) and ANDREA_NO_GRAPH=1 run the same work
  * uncaptured, launch by launch.
  *
