@@ -4,8 +4,9 @@
 
 Input: `ncu --metrics gpu__time_duration.sum --csv` of an uncaptured engine run of one training step
 (scripts/gpu-check.sh profile). The step is located from the end of the log: its update starts at the
-last k_grad_norm_partial and ends with the last k_adamw; its micro-batch is everything from
-the last k_embed_fwd before that update. Prints, per file, the kernels of the step grouped by
+last k_grad_norm_partial (with the upload k_copy_words right before it) and ends with the last
+k_adamw; its micro-batch is everything from the last k_embed_fwd before that update (with the
+micro-batch's two uploads before it, its loss download at its end). Prints, per file, the kernels of the step grouped by
 name, with launch count, total microseconds and share of the step, biggest first.
 """
 import csv
@@ -32,10 +33,18 @@ def last_index(rows, needle, before=None):
     raise SystemExit(f"no kernel named *{needle}* in the profile: not an engine training step")
 
 
+COPY = "k_copy_words"  # the graphs' uploads and downloads (microgpt/cuda/common.cuh's copy_words)
+
+
 def step_slices(rows):
     adamw = last_index(rows, "k_adamw")
     update = last_index(rows, "k_grad_norm_partial", adamw)
+    if update > 0 and COPY in rows[update - 1][0]:  # the update's upload (the micro-batch's download before it)
+        update -= 1
     fb = last_index(rows, "k_embed_fwd", update)
+    for _ in range(2):  # the micro-batch's two uploads (tokens, step inputs), not the update's download before them
+        if fb > 0 and COPY in rows[fb - 1][0]:
+            fb -= 1
     return rows[fb:update], rows[update:adamw + 1]
 
 

@@ -23,23 +23,26 @@ def csv_text(kernels):
     return "\n".join(lines) + "\n"
 
 
-# warm-up micro-batch and update, then the real step, then an evaluation forward
-STEP = [("k_embed_fwd", 5_000), ("k_layernorm_fwd", 1_000), ("k_loss_rows", 2_000_000),
-        ("k_layernorm_fwd", 1_500), ("k_grad_norm_partial", 3_000), ("k_adamw", 10_000),
+# warm-up micro-batch and update, then the real step, then an evaluation forward; every graph's
+# uploads and downloads are k_copy_words launches (the micro-batch's two uploads and its loss, the
+# update's upload and its norm)
+COPY = ("k_copy_words(unsigned int *, const unsigned int *, int)", 1_000)
+STEP = [COPY, COPY, ("k_embed_fwd", 5_000), ("k_layernorm_fwd", 1_000), ("k_loss_rows", 2_000_000),
+        ("k_layernorm_fwd", 1_500), COPY, COPY, ("k_grad_norm_partial", 3_000), ("k_adamw", 10_000),
         ("k_adamw", 20_000)]
-LOG = ([("k_embed_fwd", 9), ("k_loss_rows", 9), ("k_grad_norm_partial", 9), ("k_adamw", 9)]
-       + STEP + [("k_embed_fwd", 7), ("k_layernorm_fwd", 7)])
+LOG = ([COPY, COPY, ("k_embed_fwd", 9), ("k_loss_rows", 9), COPY, COPY, ("k_grad_norm_partial", 9),
+        ("k_adamw", 9), COPY] + STEP + [COPY, COPY, COPY, ("k_embed_fwd", 7), ("k_layernorm_fwd", 7)])
 
 
 def test_the_last_training_step_is_found_and_summed(tmp_path):
     path = tmp_path / "p.csv"
     path.write_text(csv_text(LOG))
     fb, update = kernel_profile.step_slices(kernel_profile.kernel_rows(str(path)))
-    assert [n for n, _ in fb] == [n for n, _ in STEP[:4]]
-    assert [d for _, d in update] == [3_000, 10_000, 20_000]  # "1,234" thousands separators parsed
+    assert [n for n, _ in fb] == [n for n, _ in STEP[:7]]  # not the update's download before it
+    assert [d for _, d in update] == [1_000, 3_000, 10_000, 20_000]  # "1,234" thousands separators parsed
     out = subprocess.run([sys.executable, os.path.join(HERE, "kernel_profile.py"), str(path)],
                          capture_output=True, text=True, check=True).stdout
-    assert "7 kernels, 2040.5 us of kernel time per step (micro-batch 2007.5 us, update 33.0 us)" in out
+    assert "11 kernels, 2044.5 us of kernel time per step (micro-batch 2010.5 us, update 34.0 us)" in out
     first = out.splitlines()[1]
     assert "k_loss_rows" in first and "2000.0 us" in first  # biggest first
     assert "    2.5 us   0.1 %     2x  k_layernorm_fwd" in out  # grouped by name

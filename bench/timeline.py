@@ -63,7 +63,7 @@ PARTS = [
     ("gelu", ("k_gelu",)),
     ("fp8_casts", ("k_fp8_",)),
     ("products", ("nvjet", "xmma", "gemm", "cutlass", "splitkreduce")),
-    ("memsets_copies", ("[memset", "[memcpy")),
+    ("memsets_copies", ("[memset", "[memcpy", "k_copy_words")),
 ]
 
 

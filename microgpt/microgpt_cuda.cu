@@ -211,6 +211,7 @@ static struct {
     cudaGraphExec_t fb_graph[2], update_graph;
     int grads_pending; /* the gradients hold micro-batches not yet used by an update */
     int micro_batch_queued; /* a micro-batch's graph was queued and not yet waited for (micro_batch_settle) */
+    float micro_loss;       /* the last waited-for micro-batch's mean loss (engine_micro_loss) */
     float grad_beta;   /* of the micro-batch being recorded: 0 overwrite, 1 add (matmul.cuh) */
     char* group_base[N_GROUPS];
     size_t group_bytes[N_GROUPS];
@@ -906,10 +907,15 @@ static void run_graph(cudaGraphExec_t* exec, void (*record)(void), bool wait = t
  * next writes the pinned staging buffers the micro-batch's graph reads (its tokens, its StepIO
  * fields), or reads the loss it hands back, waits for it first: micro_batch_settle. The update's
  * own field (uctl) is one the micro-batch's graph does not upload (upload_step_io). */
-static void micro_batch_settle(void) {
+static void micro_batch_done(void) { /* after a wait that covered the queued micro-batch */
     if (!E.micro_batch_queued) return;
-    CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    E.micro_loss = E.io_host->loss; /* before a validation forward downloads its own loss there */
     E.micro_batch_queued = 0;
+}
+
+static void micro_batch_settle(void) {
+    if (E.micro_batch_queued) CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    micro_batch_done();
 }
 
 /* The N inputs and N targets of a batch into the pinned staging buffer (the graphs upload it). */
@@ -1135,6 +1141,7 @@ template <typename T>
 static void update_sharded(void) {
     size_t lo = E.shard.lo, n = E.shard.hi - E.shard.lo;
     double square;
+    micro_batch_settle(); /* the collectives' progress timeout (dist.cuh) must not time the micro-batch */
     upload_step_io(1);
     dist_reduce_scatter_grads(E.grads, E.shard_stride);
     grad_norm_partial(E.norm_partial, E.grads + lo, n, &E.io->uctl.unscale);
@@ -1351,7 +1358,7 @@ static void engine_forward_backward(const int* inputs, const int* targets) {
 
 static float engine_micro_loss(void) {
     micro_batch_settle();
-    return E.io_host->loss;
+    return E.micro_loss;
 }
 
 static float engine_forward_loss(const int* inputs, const int* targets) {
@@ -1380,7 +1387,7 @@ static UpdateResult engine_update(float lr, int t, const Config* cfg) {
     E.io_host->uctl = update_ctl(lr, t, cfg->train.beta1, cfg->train.beta2, unscale, cfg->train.grad_clip, is_fp16);
     if (g_dist.world > 1) FOR_ACT_TYPE(update_sharded)(); /* ZeRO-1 over NCCL (§17) */
     else run_graph(&E.update_graph, FOR_ACT_TYPE(record_update));
-    E.micro_batch_queued = 0; /* both waited for the stream, the micro-batch queued before them included */
+    micro_batch_done(); /* both waited for the stream, the micro-batch queued before them included */
     if (g_dist.world == 1 && E.use_fp8) E.lowp_stale = 1; /* adamw_all left the fp8 weights' 16-bit copy */
     E.grads_pending = 0; /* also after a skipped fp16 step: its non-finite gradients are overwritten */
     r.grad_norm = E.io_host->norm;

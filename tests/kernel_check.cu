@@ -759,7 +759,6 @@ template <typename T> static void test_adamw(size_t n, Tol tol) {
     dfree_all();
 }
 
-/* n: odd (element by element) or a multiple of 4 (16-byte packets) */
 /* copy_words (common.cuh), the engine's uploads and downloads: n random words from pinned host
  * memory to a poisoned device buffer and back into poisoned pinned memory, read and written by the
  * kernel through their host addresses; exact. */
@@ -779,6 +778,7 @@ static void test_copy_words(int n) {
     CUDA_CHECK(cudaFreeHost(back));
 }
 
+/* n: odd (element by element) or a multiple of 4 (16-byte packets) */
 static void test_grad_norm(size_t n) {
     Vec g = randn(n, 0.01f);
     double s = 0.0;

@@ -215,7 +215,8 @@ static void ahead_stream_shutdown(void) {
 }
 
 /* Runs `work` (launches on g_stream, which it sees as the ahead stream) after everything issued so
- * far on g_stream, beside what g_stream does next; ahead_join before anything reads its results. */
+ * far on g_stream, beside what g_stream does next; ahead_join before anything reads its results.
+ * Kernels and CUB calls only: unlike side_product it does not swap the cuBLAS handle. */
 template <typename Work> static void ahead_run(Work work) {
     if (!g_ahead.stream) {
         work();
