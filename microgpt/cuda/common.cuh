@@ -166,6 +166,14 @@ static void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, Args
 
 static inline __host__ __device__ unsigned ceil_div(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
 
+/* Grid size for element-wise kernels over n elements with grid-stride loops: enough blocks to fill
+ * any current GPU, never so many that the count overflows. */
+static inline unsigned elementwise_grid(size_t n, int block) {
+    size_t g = (n + (size_t)block - 1) / (size_t)block;
+    if (g > 65535u * 8u) g = 65535u * 8u;
+    return (unsigned)(g ? g : 1);
+}
+
 /* dst[i] = src[i] for n 32-bit words, where either side may be pinned host memory (cudaMallocHost's,
  * which kernels address directly through the unified address space): what the engine's graphs
  * upload and hand back on each replay, as a kernel rather than a copy-engine node, so that a step
@@ -178,16 +186,8 @@ __global__ void k_copy_words(unsigned* dst, const unsigned* src, int n) {
 /* `bytes` (a multiple of 4) from src to dst by k_copy_words, on g_stream. */
 static void copy_words(void* dst, const void* src, size_t bytes) {
     if (bytes % 4) cuda_fail("copy_words", "not a whole number of 32-bit words", __FILE__, __LINE__);
-    int n = (int)(bytes / 4), grid = (int)ceil_div((size_t)n, 256);
-    launch_kernel(k_copy_words, grid < 64 ? (grid ? grid : 1) : 64, 256, (unsigned*)dst, (const unsigned*)src, n);
-}
-
-/* Grid size for element-wise kernels over n elements with grid-stride loops: enough blocks to fill
- * any current GPU, never so many that the count overflows. */
-static inline unsigned elementwise_grid(size_t n, int block) {
-    size_t g = (n + (size_t)block - 1) / (size_t)block;
-    if (g > 65535u * 8u) g = 65535u * 8u;
-    return (unsigned)(g ? g : 1);
+    int n = (int)(bytes / 4);
+    launch_kernel(k_copy_words, elementwise_grid(n, 256), 256, (unsigned*)dst, (const unsigned*)src, n);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
