@@ -343,7 +343,7 @@ static void bf16_step(const char* model, int layers, int N, int C, int F, int V,
         int n = N - r0 < chunk ? N - r0 : chunk;
         g_label = "classifier";
         loss_fwd_bwd<bf16>(losses + r0, lse + r0, dx + (size_t)r0 * C, dwte, logits, x + (size_t)r0 * C, wte,
-                           targets + r0, n, C, V, Vp, dscale, r0 == 0 ? 0.0f : 1.0f);
+                           targets + r0, n, C, V, Vp, dscale, r0 == 0 ? 0.0f : 1.0f, (float*)NULL);
     }
     g_label = "mlp_bwd", mlp_bwd<bf16>(dx, dw1, dw2, dout, x, h, h_gelu, w1, w2, dh, N, C, F, 0.0f);
     g_label = "wo_bwd", attn_out_bwd<bf16>(dx, dw_o, dout, x, w_o, N, C, 0.0f);

@@ -193,6 +193,7 @@ static struct {
     void* att_ds;                         /* dS tiles of the causal half, flash attention only (else empty) */
     void* logits;   /* [chunk][Vp] logits, then their gradient; at least Vp floats (a prefill's row) */
     float *losses, *loss_lse; /* [N] */
+    float* loss_part;         /* the fused classifier backward's partials (classifier_grad.cuh), or empty */
     float* ln_partial;
     float* norm_partial;
     int* tok;     /* device: inputs [N] | targets [N] */
@@ -245,6 +246,11 @@ static size_t fp8_weight_cast_count(void) { return (size_t)FP8_W_PER_LAYER * E.L
  * transposed codes, wte's and the dlogits' codes are made for. The dlogits' scales stay in
  * fp8_cls_act_scale_count either way (a few bytes). */
 static bool fp8_cls_bwd(void) { return E.use_fp8_classifier && E.fp8_classifier_all; }
+
+/* Whether training takes the classifier backward of classifier_grad.cuh (its partials need scratch). */
+static bool classifier_fused(void) {
+    return E.training && E.prec == PREC_BF16 && classifier_grad_fused_ok<bf16>(E.C, E.Vp);
+}
 
 /* ---------------------------------------------------------------------------------------------- */
 /* The memory plan. plan_buffers walks every buffer once; with bases NULL it only sums the sizes
@@ -320,6 +326,7 @@ static void plan_buffers(size_t* used) {
     E.logits = carve(G_SCRATCH, (size_t)E.Vp * (E.chunk * es > 4 ? E.chunk * es : 4), used);
     E.losses = (float*)carve(G_SCRATCH, N * 4, used);
     E.loss_lse = (float*)carve(G_SCRATCH, N * 4, used);
+    E.loss_part = classifier_fused() ? (float*)carve(G_SCRATCH, classifier_grad_scratch_floats(E.chunk, E.C) * 4, used) : NULL;
     E.ln_partial = (float*)carve(G_SCRATCH, layernorm_scratch_floats(E.C) * 4, used);
     E.norm_partial = (float*)carve(G_SCRATCH, NORM_BLOCKS * 4, used);
     E.tok = (int*)carve(G_SCRATCH, 2 * N * 4, used);
@@ -793,7 +800,7 @@ static void loss_chunks(int N, int train) {
                             n, C, E.V, E.Vp);
         else if (train)
             loss_fwd_bwd<T>(E.losses + r0, E.loss_lse + r0, dx, E.grads + E.layout.wte, (T*)E.logits, x, wte,
-                            targets + r0, n, C, E.V, E.Vp, &E.io->dscale, gb);
+                            targets + r0, n, C, E.V, E.Vp, &E.io->dscale, gb, E.loss_part);
         else
             loss_fwd<T>(E.losses + r0, E.loss_lse + r0, (T*)E.logits, x, wte, targets + r0, n, C, E.V, E.Vp);
     }
@@ -1279,6 +1286,10 @@ static size_t engine_setup(const Config* cfg) {
     E.use_graphs = !sync_launches() && !(getenv("ANDREA_NO_GRAPH") && getenv("ANDREA_NO_GRAPH")[0] == '1');
 
     plan_buffers(used); /* sizes only */
+    if (E.training)
+        info("classifier backward: %s", classifier_fused()
+                                            ? "the softmax folded into its products (classifier_grad.cuh)"
+                                            : "the loss rows, then two products");
     print_plan(used);
     emit_memory(GROUP_NAMES, used, N_GROUPS);
     for (g = 0; g < N_GROUPS; g++) total += used[g];

@@ -66,6 +66,10 @@ SHAPES = {
     "tiny": {"model.padded_vocab_size": 128},
     "odd": {"model.n_layer": 3, "model.d_model": 48, "model.n_head": 3, "model.d_ff": 100, "model.seq_len": 37,
             "model.vocab_size": 100, "model.padded_vocab_size": 128, "train.batch_size": 3},
+    # d_model 64, 128 positions, 256 padded rows: in bf16 on Hopper, the fused classifier backward
+    # (cuda/classifier_grad.cuh; 200 words: the last vocabulary tile masked, a block of padded rows)
+    "cls": {"model.n_layer": 1, "model.d_model": 64, "model.n_head": 2, "model.d_ff": 128, "model.seq_len": 64,
+            "model.vocab_size": 200, "model.padded_vocab_size": 256, "train.batch_size": 2},
 }
 GRAD_TOL = {"fp32": 1e-4, "tf32": 2e-2, "bf16": 5e-2, "fp16": 2e-2, "fp8": 5e-2}
 FP8_GRAD_TOL_NOISE, FP8_GRAD_TOL_MAX = 3.0, 0.5  # fp8: 5e-2 + 3 x the tensor's fp8 noise, at most 0.5
@@ -305,6 +309,17 @@ def test_exact_resume_after_sigterm(cuda_binary, random_shards, tmp_path, precis
     args = tiny_args(random_shards.train, random_shards.val, **{**RESUME, "train.precision": precision})
     ref_ckpt, ckpt = eu.check_exact_resume_after_sigterm(cuda_binary, args, RESUME["train.steps"], tmp_path)
     assert read_sidecar(ckpt)["loss_scale"] == read_sidecar(ref_ckpt)["loss_scale"]
+
+
+def test_exact_resume_through_the_fused_classifier_backward(cuda_binary, random_shards, tmp_path):
+    """bf16 at a shape the fused classifier backward takes on Hopper (elsewhere the loss rows':
+    the engine says which), resumed exactly through SIGTERM."""
+    settings = {**RESUME, **SHAPES["cls"], "train.precision": "bf16"}
+    res = run_ok(cuda_binary, tiny_args(random_shards.train, random_shards.val, **{**settings, "train.steps": 1}))
+    fused = "classifier backward: the softmax folded into its products" in res.stderr
+    assert fused == ("compute capability 9.0" in res.stderr), res.stderr[-2000:]
+    args = tiny_args(random_shards.train, random_shards.val, **settings)
+    eu.check_exact_resume_after_sigterm(cuda_binary, args, RESUME["train.steps"], tmp_path)
 
 
 def test_fp16_overflow_skips_steps_and_lowers_the_scale(cuda_binary, random_shards, tmp_path):

@@ -1292,7 +1292,8 @@ static void loss_fwd_fp8_bwd(float* losses, float* lse, T* dx, float* dwte, T* l
                              const T* x, const T* wte, const int* targets, int n, int C, int V, int Vp,
                              const float* dscale, float grad_beta) {
     fp8_gemm<T>(FP8_PASS_FORWARD, n, Vp, C, c.x, c.wte, logits, NULL, 0.0f);
-    loss_bwd_from_logits(losses, lse, dx, dwte, logits, x, wte, targets, n, C, V, Vp, dscale, grad_beta);
+    loss_bwd_from_logits(losses, lse, dx, dwte, logits, x, wte, targets, n, C, V, Vp, dscale, grad_beta,
+                         (float*)NULL); /* the loss rows' path (no scratch for the fused one) */
 }
 
 /* Training: as loss_fwd_fp8, then dlogits' codes, dwte (/ += by grad_beta) = dlogits^T @ x on the

@@ -35,6 +35,7 @@
 #ifndef MICROGPT_CUDA_LOSS_CUH
 #define MICROGPT_CUDA_LOSS_CUH
 
+#include "classifier_grad.cuh"
 #include "matmul.cuh"
 
 #define LOSS_THREADS 1024
@@ -286,12 +287,15 @@ static void loss_fwd(float* losses, float* lse, T* logits, const T* x, const T* 
 }
 
 /* loss_fwd_bwd (below) once the logits are in `logits` (also after the FP8 classifier's logits
- * product with train.fp8_classifier logits, cuda/fp8.cuh): the loss rows, which leave dlogits
- * there, then the classifier's two backward products. */
+ * product with train.fp8_classifier logits, cuda/fp8.cuh): where it applies, the fused backward of
+ * classifier_grad.cuh (scratch: its partials, or NULL), which leaves the logits as they are; else the
+ * loss rows, which leave dlogits there, then the classifier's two backward products. */
 template <typename T>
 static void loss_bwd_from_logits(float* losses, float* lse, T* dx, float* dwte, T* logits, const T* x, const T* wte,
                                  const int* targets, int n, int C, int V, int Vp, const float* dscale,
-                                 float grad_beta) {
+                                 float grad_beta, float* scratch) {
+    if (classifier_grad_fused(losses, lse, dx, dwte, logits, x, wte, targets, n, C, V, Vp, dscale, grad_beta, scratch))
+        return;
     loss_rows(losses, lse, logits, targets, n, V, Vp, dscale);
     /* dwte = dlogits^T @ x + grad_beta * dwte, as linear_dw (the next chunk's logits wait for it);
      * issued first, so that on the side stream it runs beside dx */
@@ -302,12 +306,14 @@ static void loss_bwd_from_logits(float* losses, float* lse, T* dx, float* dwte, 
 
 /* Training: as loss_fwd; dx [n, C] = and dwte [Vp, C] (fp32) = / += (by grad_beta) the gradient
  * of these n rows, each row's loss weighted by *dscale (device float: 1/rows-in-the-whole-batch for
- * a mean, times the loss scale for fp16). logits [n, Vp] is scratch and ends holding dlogits. */
+ * a mean, times the loss scale for fp16). logits [n, Vp] is scratch (it ends holding dlogits, or the
+ * logits after the fused backward); scratch: the fused backward's (classifier_grad.cuh), or NULL. */
 template <typename T>
 static void loss_fwd_bwd(float* losses, float* lse, T* dx, float* dwte, T* logits, const T* x, const T* wte,
-                         const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta) {
+                         const int* targets, int n, int C, int V, int Vp, const float* dscale, float grad_beta,
+                         float* scratch) {
     classifier_logits(logits, x, wte, n, C, Vp);
-    loss_bwd_from_logits(losses, lse, dx, dwte, logits, x, wte, targets, n, C, V, Vp, dscale, grad_beta);
+    loss_bwd_from_logits(losses, lse, dx, dwte, logits, x, wte, targets, n, C, V, Vp, dscale, grad_beta, scratch);
 }
 
 /* One block of LOSS_MEAN_THREADS: out[0] = the mean of losses [n], summed in double in a fixed

@@ -48,6 +48,13 @@ __device__ __forceinline__ void tma_load(unsigned dst, const CUtensorMap* map, i
         "l"((unsigned long long)map), "r"(x), "r"(y), "r"(bar)
         : "memory");
 }
+/* Starts copying `bytes` (a multiple of 16) from global src to shared dst, both 16-byte aligned,
+ * as one bulk copy; its bytes count on the mbarrier at bar. */
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
 /* Starts storing shared memory at src into the box at column x, row y of the tensor map. The
  * thread's stores since its last tma_store_commit form one group; tma_store_wait_read waits until
  * every committed group has read its shared memory, tma_store_wait until every one has written. */
