@@ -315,7 +315,7 @@ def test_exact_resume_through_the_fused_classifier_backward(cuda_binary, random_
     """bf16 at a shape the fused classifier backward takes on Hopper (elsewhere the loss rows':
     the engine says which), resumed exactly through SIGTERM."""
     settings = {**RESUME, **SHAPES["cls"], "train.precision": "bf16"}
-    res = run_ok(cuda_binary, tiny_args(random_shards.train, random_shards.val, **{**settings, "train.steps": 1}))
+    res = run_ok(cuda_binary, tiny_args(random_shards.train, random_shards.val, **{**settings, "train.steps": 3}))
     fused = "classifier backward: the softmax folded into its products" in res.stderr
     assert fused == ("compute capability 9.0" in res.stderr), res.stderr[-2000:]
     args = tiny_args(random_shards.train, random_shards.val, **settings)
