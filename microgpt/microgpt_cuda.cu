@@ -247,9 +247,11 @@ static size_t fp8_weight_cast_count(void) { return (size_t)FP8_W_PER_LAYER * E.L
  * fp8_cls_act_scale_count either way (a few bytes). */
 static bool fp8_cls_bwd(void) { return E.use_fp8_classifier && E.fp8_classifier_all; }
 
-/* Whether training takes the classifier backward of classifier_grad.cuh (its partials need scratch). */
+/* Whether training takes the classifier backward of classifier_grad.cuh (its partials need scratch):
+ * in every chunk of the step (whole 128-row blocks) or in none. */
 static bool classifier_fused(void) {
-    return E.training && E.prec == PREC_BF16 && classifier_grad_fused_ok<bf16>(E.C, E.Vp);
+    return E.training && E.prec == PREC_BF16 && E.N % CG_ROWS == 0 && E.chunk % CG_ROWS == 0 &&
+           classifier_grad_fused_ok<bf16>(E.C, E.Vp);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

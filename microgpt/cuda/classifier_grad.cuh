@@ -377,17 +377,16 @@ static void classifier_grad_launch(float* losses, float* lse, bf16* dx, float* d
 
 /* The fused classifier backward from the logits of n rows (loss.cuh's loss_bwd_from_logits, whose
  * outputs it writes: losses, lse, dx, dwte); false, having launched nothing, where it does not apply
- * (classifier_grad_fused_ok, n a multiple of 128, lse and targets 16-byte aligned for the bulk
- * copies, scratch). scratch: classifier_grad_scratch_floats. */
+ * (classifier_grad_fused_ok, n a multiple of 128, the operands the TMA reads 16-byte aligned,
+ * scratch). scratch: classifier_grad_scratch_floats. */
 template <typename T>
 static bool classifier_grad_fused(float* losses, float* lse, T* dx, float* dwte, const T* logits, const T* x,
                                   const T* wte, const int* targets, int n, int C, int V, int Vp, const float* dscale,
                                   float grad_beta, float* scratch) {
     if constexpr (!std::is_same<T, bf16>::value) return false;
     else {
-        if (!scratch || n <= 0 || n % CG_ROWS || ((uintptr_t)lse | (uintptr_t)targets) % 16 ||
-            !classifier_grad_fused_ok<T>(C, Vp))
-            return false;
+        uintptr_t bases = (uintptr_t)lse | (uintptr_t)targets | (uintptr_t)logits | (uintptr_t)x | (uintptr_t)wte;
+        if (!scratch || n <= 0 || n % CG_ROWS || bases % 16 || !classifier_grad_fused_ok<T>(C, Vp)) return false;
         g_classifier_grad_runs++;
         switch (C / 64) {
         case 1: classifier_grad_launch<1>(losses, lse, dx, dwte, logits, x, wte, targets, n, V, Vp, dscale, grad_beta, scratch); break;
