@@ -443,9 +443,26 @@ def test_side_stream_over_several_logits_chunks_gives_the_bits_of_synchronised_l
     check_side_stream_over_chunks(small_chunks_build, random_shards, tmp_path, precision)
 
 
+# A GPT-2 vocabulary and 8192 positions at d_model 64: the default engine's logits in two chunks
+# (5248 and 2944 rows, whole 128-row blocks), each with the fused classifier backward on Hopper
+# (cuda/classifier_grad.cuh), its dwte on the side stream
+FUSED_CHUNKS = {"model.n_layer": 1, "model.d_model": 64, "model.n_head": 2, "model.d_ff": 128, "model.seq_len": 512,
+                "model.vocab_size": 50257, "model.padded_vocab_size": 50304, "train.batch_size": 16}
+
+
+def test_side_stream_over_the_fused_classifier_chunks_gives_the_bits_of_synchronised_launches(
+        cuda_binary, random_shards, tmp_path):
+    """As the test above, through the fused classifier backward (on a GPU of compute capability 9.0;
+    elsewhere through the loss rows, and the engine says which)."""
+    stderr = check_side_stream_over_chunks(cuda_binary, random_shards, tmp_path, "bf16", FUSED_CHUNKS)
+    fused = "classifier backward: the softmax folded into its products" in stderr
+    assert fused == ("compute capability 9.0" in stderr), stderr[-2000:]
+
+
 def check_side_stream_over_chunks(engine, random_shards, tmp_path, precision, shape=None):
     """The body of the test above for an engine built with small logits chunks, at the odd shape of
-    the precision or at `shape` (tests/test_fp8_classifier.py's)."""
+    the precision or at `shape` (tests/test_fp8_classifier.py's). Returns the synchronised run's
+    standard error."""
     shape = shape or (FP8_SHAPES["odd"] if precision == "fp8" else SHAPES["odd"])
     args = tiny_args(random_shards.train, random_shards.val, **{
         **shape, "train.precision": precision, "train.steps": 5, "train.grad_accum": 2, "train.lr": 3e-3,
@@ -460,10 +477,13 @@ def check_side_stream_over_chunks(engine, random_shards, tmp_path, precision, sh
         chunk = int(re.search(r"logits in chunks of (\d+) rows", res.stderr).group(1))
         assert chunk < positions, f"{chunk}-row chunks of {positions} positions: the loss ran in one chunk"
         runs[mode] = (eu.exact_records(res), ckpt.read_bytes())
+        if mode == "sync":
+            stderr = res.stderr
     assert len([k for k in runs["sync"][0] if k[0] == "train"]) == 5
     for mode in ("graph", "eager"):
         assert runs[mode][0] == runs["sync"][0], f"{mode} run's records differ from the synchronised run's"
         assert runs[mode][1] == runs["sync"][1], f"{mode} run's checkpoint differs from the synchronised run's"
+    return stderr
 
 
 def test_memory_plan_and_constant_device_memory(cuda_binary, random_shards):

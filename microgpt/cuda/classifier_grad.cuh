@@ -1,5 +1,6 @@
 /* classifier_grad.cuh: the classifier's backward with the softmax folded into its two products, on
- * Hopper (sm_90a, bf16, d_model 64, 128 or 192: ANDREA-12M's classifier). loss.cuh's
+ * Hopper (sm_90a, bf16, d_model 64, 128 or 192: ANDREA-12M's classifier, in precision bf16 and in
+ * fp8, whose classifier is bf16 below d_model 512). loss.cuh's
  * loss_bwd_from_logits takes it where it applies; elsewhere the loss rows overwrite the logits with
  * dlogits = (softmax - onehot) * dscale and two cuBLAS products read them.
  *
