@@ -4,6 +4,8 @@
  * Roles (docs/DESIGN.md §3.1): loss_fwd (evaluation) and loss_fwd_bwd (training) run the
  * classifier products around one kernel, k_loss_rows, which is the k_loss_fwd / k_loss_bwd pair
  * in one pass (the backward half runs when it is given dscale); k_loss_mean forms the mean.
+ * Where classifier_grad.cuh applies (Hopper, bf16, d_model up to 192), training's backward is
+ * instead its two products with the softmax folded in, and the logits stay as they are.
  *
  * The engine runs these on chunks of rows so that the logits of a whole batch need not exist at
  * once. Logits are stored in T, the activation type (fp32, or bf16/fp16 rounded from the fp32
