@@ -278,10 +278,13 @@ __device__ __forceinline__ void fa_ldsm_x4(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
-__device__ __forceinline__ void fa_ldsm_x4_trans(unsigned* r, const void* p) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+/* (transposed, by the lane's row address in the shared window: classifier_grad.cuh's TMA tiles) */
+__device__ __forceinline__ void fa_ldsm_x4_trans(unsigned* r, unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void fa_ldsm_x4_trans(unsigned* r, const void* p) {
+    fa_ldsm_x4_trans(r, (unsigned)__cvta_generic_to_shared(p));
 }
 
 template <int D>

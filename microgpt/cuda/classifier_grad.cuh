@@ -62,13 +62,6 @@ template <int NS> struct Cg {
     static constexpr int SMEM = CG_STAGES * (STAGE_BYTES + CG_ROW_VALUES_BYTES) + 1024 + 2 * CG_STAGES * 8;
 };
 
-/* ldmatrix.x4.trans from a shared address (fa_ldsm_x4_trans takes a generic pointer). */
-__device__ __forceinline__ void cg_ldsm_x4_trans(unsigned* r, unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
 /* Two bf16 of one register as floats (the lower address in lo). */
 __device__ __forceinline__ void cg_unpack(unsigned w, float& lo, float& hi) {
     lo = __uint_as_float(w << 16);
@@ -112,7 +105,7 @@ __device__ __forceinline__ void cg_dwte_tile(float (*s)[4], unsigned a, unsigned
     for (int kk = 0; kk < 4; kk++) {
         unsigned r[4];
         int row = 16 * kk + 8 * (mi >> 1) + i8, chunk = 2 * warp + (mi & 1); /* this lane's row address */
-        cg_ldsm_x4_trans(r, a + row * 128 + ((chunk ^ i8) << 4));
+        fa_ldsm_x4_trans(r, a + row * 128 + ((chunk ^ i8) << 4));
 #pragma unroll
         for (int ph = 0; ph < 2; ph++) { /* positions 16 kk + 8 ph + 2 t, + 1 */
             unsigned at = 4 * (16 * kk + 8 * ph + 2 * t);
@@ -389,11 +382,10 @@ static bool classifier_grad_fused(float* losses, float* lse, T* dx, float* dwte,
         uintptr_t bases = (uintptr_t)lse | (uintptr_t)targets | (uintptr_t)logits | (uintptr_t)x | (uintptr_t)wte;
         if (!scratch || n <= 0 || n % CG_ROWS || bases % 16 || !classifier_grad_fused_ok<T>(C, Vp)) return false;
         g_classifier_grad_runs++;
-        switch (C / 64) {
-        case 1: classifier_grad_launch<1>(losses, lse, dx, dwte, logits, x, wte, targets, n, V, Vp, dscale, grad_beta, scratch); break;
-        case 2: classifier_grad_launch<2>(losses, lse, dx, dwte, logits, x, wte, targets, n, V, Vp, dscale, grad_beta, scratch); break;
-        default: classifier_grad_launch<3>(losses, lse, dx, dwte, logits, x, wte, targets, n, V, Vp, dscale, grad_beta, scratch); break;
-        }
+        auto launch = C == 64    ? classifier_grad_launch<1>
+                      : C == 128 ? classifier_grad_launch<2>
+                                 : classifier_grad_launch<3>;
+        launch(losses, lse, dx, dwte, logits, x, wte, targets, n, V, Vp, dscale, grad_beta, scratch);
         return true;
     }
 }
