@@ -95,6 +95,11 @@ build/rowk_bench$(VARIANT_SUFFIX): bench/rowk_bench.cu bench/kernel_timer.cuh $(
 build/dgelu_bench: bench/dgelu_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
 	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/dgelu_bench.cu $(NVLDLIBS)
 
+# the classifier's logits product and fused backward alone, against their floors
+# (bench/classifier_bench.cu; a measurement tool, not part of `make`)
+build/classifier_bench: bench/classifier_bench.cu bench/kernel_timer.cuh $(CUDA_HEADERS) | build
+	$(NVCC) $(NVCCFLAGS) $(NVCC_ARCH) -o $@ bench/classifier_bench.cu $(NVLDLIBS)
+
 # cuBLASLt's offers against the engine's rule for every product of a step (bench/lt_algos.cu; a
 # tool, run by people: its output is what bench/lt_table.py makes the fixed table from)
 build/lt_algos: bench/lt_algos.cu bench/kernel_timer.cuh $(CUDA_HEADERS) $(CPU_HEADERS) | build

@@ -347,10 +347,10 @@ template <int NS> static void classifier_grad_set_smem(void) {
     done = true;
 }
 
+/* dx's half: its shares, then the combine (losses, lse, dx). */
 template <int NS>
-static void classifier_grad_launch(float* losses, float* lse, bf16* dx, float* dwte, const bf16* logits,
-                                   const bf16* x, const bf16* wte, const int* targets, int n, int V, int Vp,
-                                   const float* dscale, float grad_beta, float* scratch) {
+static void classifier_dx_launch(float* losses, float* lse, bf16* dx, const bf16* logits, const bf16* wte,
+                                 const int* targets, int n, int V, int Vp, const float* dscale, float* scratch) {
     constexpr int C = 64 * NS;
     classifier_grad_set_smem<NS>();
     int shares = classifier_grad_shares(n, V), n_vt = (V + CG_BK - 1) / CG_BK;
@@ -360,13 +360,26 @@ static void classifier_grad_launch(float* losses, float* lse, bf16* dx, float* d
                               part_l, (const float*)NULL, (const int*)NULL, (const float*)NULL, n, V, n_vt, 0.0f);
     launch_kernel(k_classifier_dx_combine, n, C, losses, lse, dx, (const float*)part_o, (const float*)part_m,
                   (const float*)part_l, logits, wte, targets, dscale, n, Vp, shares);
-    /* dwte on the side stream, beside the layers' backward (it needs the combine's lse) */
-    side_product(logits, [&] {
-        launch_kernel_with_shared(k_classifier_grad<CG_DWTE, NS>, dim3(Vp / CG_ROWS), CG_THREADS, Cg<NS>::SMEM,
-                                  tma_map_bf16(logits, n, Vp, CG_BK), tma_map_bf16(x, n, C, CG_BK), dwte,
-                                  (float*)NULL, (float*)NULL, (const float*)lse, targets, dscale, n, V, n_vt,
-                                  grad_beta);
-    });
+}
+
+/* dwte's half (it reads the lse that dx's half wrote). */
+template <int NS>
+static void classifier_dwte_launch(float* dwte, const float* lse, const bf16* logits, const bf16* x, const int* targets,
+                                   int n, int V, int Vp, const float* dscale, float grad_beta) {
+    constexpr int C = 64 * NS;
+    classifier_grad_set_smem<NS>();
+    launch_kernel_with_shared(k_classifier_grad<CG_DWTE, NS>, dim3(Vp / CG_ROWS), CG_THREADS, Cg<NS>::SMEM,
+                              tma_map_bf16(logits, n, Vp, CG_BK), tma_map_bf16(x, n, C, CG_BK), dwte, (float*)NULL,
+                              (float*)NULL, lse, targets, dscale, n, V, (V + CG_BK - 1) / CG_BK, grad_beta);
+}
+
+template <int NS>
+static void classifier_grad_launch(float* losses, float* lse, bf16* dx, float* dwte, const bf16* logits,
+                                   const bf16* x, const bf16* wte, const int* targets, int n, int V, int Vp,
+                                   const float* dscale, float grad_beta, float* scratch) {
+    classifier_dx_launch<NS>(losses, lse, dx, logits, wte, targets, n, V, Vp, dscale, scratch);
+    /* dwte on the side stream, beside the layers' backward */
+    side_product(logits, [&] { classifier_dwte_launch<NS>(dwte, lse, logits, x, targets, n, V, Vp, dscale, grad_beta); });
 }
 
 /* The fused classifier backward from the logits of n rows (loss.cuh's loss_bwd_from_logits, whose
