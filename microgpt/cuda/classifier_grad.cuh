@@ -20,18 +20,24 @@
  *   dwte k_classifier_grad<CG_DWTE>: dwte = dlogits^T @ x (+ grad_beta dwte), each block 128 rows of
  *        the vocabulary over all n positions; its A operand, dlogits^T, is made in registers from
  *        the logits tile (read transposed by ldmatrix) with the lse the combine wrote:
- *        bf16((2^(logit log2 e - lse log2 e) - [v == target]) dscale), 0 on padded rows, as the
- *        loss rows' dlogits.
+ *        bf16(2^(logit log2 e - lse log2 e) dscale - [v == target] dscale) (one fma), 0 on padded
+ *        rows, as the loss rows' dlogits.
  *
  * Both are one kernel: a producer thread loads by TMA, per k step of 64, the A tile (the logits:
  * 128 rows x 64 columns, or for dwte 64 positions x 128 vocabulary rows), NS = C / 64 slabs of B
  * (64 rows x 64 columns of wte or x, read N-major by the products: the transpose bit) and, for
  * dwte, the 64 positions' lse and targets (bulk copies) into a ring of CG_STAGES stages; two
- * consumer warpgroups take 64 rows each of every stage. A consumer issues
- * the products of step i - 1 (wgmma m64n64k16, A from registers) and makes step i's operand while
- * they run (FlashAttention-3's overlap; the other warpgroup fills the gaps), then hands stage i - 1
- * back. The shares and the combine's order are fixed by the shape and the GPU's multiprocessor
- * count: the results do not depend on timing.
+ * consumer warpgroups take 64 rows each of every stage. A consumer waits for stage i, issues the
+ * products of step i - 1 (one wgmma m64n(C)k16 per 16 of k, A from registers) and makes step i's
+ * operand while they run (FlashAttention-3's overlap; the other warpgroup fills the gaps), then
+ * waits for the products and hands stage i - 1 back. That overlap holds only while no branch
+ * separates the products' issue from the operand's arithmetic and all of that arithmetic comes
+ * before the wait: ptxas puts a wgmma wait at the top of a basic block and sinks arithmetic to its
+ * first use (the SASS of 63c9004 had the exponentials wait for the products they should overlap,
+ * log #138-#140). So the stage's mbarrier wait comes before the issue, the vocabulary mask is in
+ * a share's last step only (its own copy of the step), and the operand is held (fa_wg_hold) before
+ * the wait. The shares and the combine's order are fixed by the shape and the GPU's
+ * multiprocessor count: the results do not depend on timing.
  *
  * Numerics against the loss rows' path: dx's A operand is the unnormalised exponentials rounded to
  * bf16 (values in (0, 1]) where that path rounds dlogits; the one-hot term is subtracted in fp32
@@ -71,6 +77,7 @@ __device__ __forceinline__ void cg_unpack(unsigned w, float& lo, float& hi) {
 /* dx's step: the warp's 16 rows of the stage's logits tile a (this warpgroup's 64 rows, 128-byte
  * rows, chunk c of row r at c ^ (r % 8)) in C-fragment order, columns at or past V (from the
  * tile's first column col0) at -infinity; then the online softmax (base 2) of the tile. */
+template <bool MASK>
 __device__ __forceinline__ void cg_dx_tile(float (*s)[4], float* m, float* l, float* alpha, unsigned a, int warp,
                                            int lane, int col0, int V) {
     int g = lane >> 2, t = lane & 3;
@@ -84,7 +91,7 @@ __device__ __forceinline__ void cg_dx_tile(float (*s)[4], float* m, float* l, fl
                          : "r"(a + (16 * warp + g + 8 * hh) * 128 + ((j ^ g) << 4) + 4 * t));
             cg_unpack(w, s[j][2 * hh], s[j][2 * hh + 1]);
         }
-    if (col0 + CG_BK > V)
+    if (MASK && col0 + CG_BK > V)
 #pragma unroll
         for (int j = 0; j < 8; j++)
 #pragma unroll
@@ -115,17 +122,34 @@ __device__ __forceinline__ void cg_dwte_tile(float (*s)[4], unsigned a, unsigned
             asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(tg.x), "=r"(tg.y) : "r"(rv + 4 * CG_BK + at));
             lse2.x *= FA_LOG2E, lse2.y *= FA_LOG2E;
 #pragma unroll
-            for (int vh = 0; vh < 2; vh++) { /* rows v, v + 8 */
+            for (int vh = 0; vh < 2; vh++) { /* rows v, v + 8; a padded row's scale is 0 */
                 int q = 2 * ph + vh, v = v0w + g + 8 * vh;
-                float x[2];
+                float x[2], dsv = v < V ? ds : 0.0f;
                 cg_unpack(r[q], x[0], x[1]);
-                x[0] = fa_exp2(fmaf(x[0], FA_LOG2E, -lse2.x)) - (tg.x == v ? 1.0f : 0.0f);
-                x[1] = fa_exp2(fmaf(x[1], FA_LOG2E, -lse2.y)) - (tg.y == v ? 1.0f : 0.0f);
-                s[2 * kk + ph][2 * vh] = v < V ? x[0] * ds : 0.0f;
-                s[2 * kk + ph][2 * vh + 1] = v < V ? x[1] * ds : 0.0f;
+                s[2 * kk + ph][2 * vh] = fmaf(fa_exp2(fmaf(x[0], FA_LOG2E, -lse2.x)), dsv, tg.x == v ? -dsv : 0.0f);
+                s[2 * kk + ph][2 * vh + 1] = fmaf(fa_exp2(fmaf(x[1], FA_LOG2E, -lse2.y)), dsv, tg.y == v ? -dsv : 0.0f);
             }
         }
     }
+}
+
+/* o[64][64 NS] += A B over one 16-wide k step as one instruction (m64n64k16, m64n128k16 or
+ * m64n192k16), A from registers, B N-major in shared memory: NS slabs of 64 columns, CG_SLAB_BYTES
+ * apart (the descriptor's leading offset). One instruction rather than NS reads A's registers once
+ * for all of B's columns. */
+#define CG_R64 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define CG_R96 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define CG_WG_RS(N, R, A, ...)                                                                      \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" R "}, " A ", 1, 1, 1, 1;\n" \
+                 : __VA_ARGS__                                                                           \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+template <int NS> __device__ __forceinline__ void cg_wg_rs(float (*o)[4], const unsigned* a, unsigned long long b) {
+    if constexpr (NS == 1) fa_wg_rs<bf16, 64>(o, a, b);
+    if constexpr (NS == 2)
+        CG_WG_RS(128, CG_R64, "{%64, %65, %66, %67}, %68", FA_WG_F32((o), "+f"), FA_WG_F32((o + 8), "+f"));
+    if constexpr (NS == 3)
+        CG_WG_RS(192, CG_R96, "{%96, %97, %98, %99}, %100", FA_WG_F32((o), "+f"), FA_WG_F32((o + 8), "+f"),
+                 FA_WG_F32((o + 16), "+f"));
 }
 
 /* o[64][64 NS] += P B over one k step of 64: P as the A fragments of its 4 k steps, B the stage's
@@ -133,11 +157,7 @@ __device__ __forceinline__ void cg_dwte_tile(float (*s)[4], unsigned a, unsigned
 template <int NS> __device__ __forceinline__ void cg_products(float (*o)[4], const unsigned (*p)[4], unsigned b) {
 #pragma unroll
     for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-        for (int q = 0; q < NS; q++)
-            fa_wg_rs<bf16, 64>(o + 8 * q, p[kk],
-                               fa_wg_desc<64>(b + q * CG_SLAB_BYTES + 2 * kk * FaWg<64>::GROUP_BYTES,
-                                              FaWg<64>::GROUP_BYTES));
+        cg_wg_rs<NS>(o, p[kk], fa_wg_desc<64>(b + 2 * kk * FaWg<64>::GROUP_BYTES, NS == 1 ? FaWg<64>::GROUP_BYTES : CG_SLAB_BYTES));
     fa_wg_commit();
 }
 
@@ -186,10 +206,9 @@ __device__ __forceinline__ void cg_consume(const CgBlock<NS>& k, float* __restri
     unsigned p[4][4];
     float ds = MODE == CG_DWTE ? *dscale : 0.0f;
     /* step i's operand into s (dx: and alpha, the factor that rescales o to its running max) */
-    auto operand = [&](int i) {
+    auto operand = [&](int i, auto mask) {
         unsigned a = k.stage(i) + c * (CG_A_BYTES / 2);
-        mbar_wait(k.full(i), k.parity(i));
-        if constexpr (MODE == CG_DX) cg_dx_tile(s, m, l, alpha, a, w, lane, CG_BK * (k.k0 + i), V);
+        if constexpr (MODE == CG_DX) cg_dx_tile<decltype(mask)::value>(s, m, l, alpha, a, w, lane, CG_BK * (k.k0 + i), V);
         else cg_dwte_tile(s, a, k.row_values(i), ds, w, lane, k.row0 + 64 * c + 16 * w, V);
     };
     /* step i - 1's products (i = 1 .. n_k) */
@@ -197,11 +216,14 @@ __device__ __forceinline__ void cg_consume(const CgBlock<NS>& k, float* __restri
         fa_wg_fence(); /* o and p were written by ordinary instructions */
         cg_products<NS>(o, p, k.stage(i - 1) + CG_A_BYTES);
     };
-    operand(0);
+    mbar_wait(k.full(0), k.parity(0));
+    operand(0, std::true_type());
     fa_wg_pack_p<bf16>(p, s); /* o is 0: nothing to rescale */
-    for (int i = 1; i < k.n_k; i++) {
+    auto step = [&](int i, auto mask) {
+        mbar_wait(k.full(i), k.parity(i)); /* before the products: no branch between them and operand(i) */
         issue(i);
-        operand(i); /* beside step i - 1's products */
+        operand(i, mask); /* beside step i - 1's products */
+        fa_wg_hold<8>(s); /* all of it: else ptxas sinks its last operations past the wait */
         fa_wg_block_end(s[0][0]);
         fa_wg_wait<0>();
         fa_wg_hold<8 * NS>(o);
@@ -210,7 +232,9 @@ __device__ __forceinline__ void cg_consume(const CgBlock<NS>& k, float* __restri
             if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f))
                 for (int h = 0; h < 2; h++) fa_rescale_rows<C>(o, alpha[h], h);
         fa_wg_pack_p<bf16>(p, s); /* only now: the products of step i - 1 read these registers */
-    }
+    };
+    for (int i = 1; i < k.n_k - 1; i++) step(i, std::false_type());
+    if (k.n_k > 1) step(k.n_k - 1, std::true_type()); /* only a share's last tile can pass V */
     issue(k.n_k);
     fa_wg_wait<0>();
     fa_wg_hold<8 * NS>(o);
