@@ -248,11 +248,11 @@ static size_t fp8_weight_cast_count(void) { return (size_t)FP8_W_PER_LAYER * E.L
 static bool fp8_cls_bwd(void) { return E.use_fp8_classifier && E.fp8_classifier_all; }
 
 /* Whether training takes the classifier backward of classifier_grad.cuh (its partials need scratch):
- * in every chunk of the step (whole 128-row blocks) or in none; in bf16, and in fp8 where its
+ * in every chunk of the step (rows a multiple of CG_ALIGN) or in none; in bf16, and in fp8 where its
  * classifier is bf16 (not the FP8 classifier, whose products are its own). */
 static bool classifier_fused(void) {
-    return E.training && E.prec == PREC_BF16 && !(E.use_fp8 && E.use_fp8_classifier) && E.N % CG_ROWS == 0 &&
-           E.chunk % CG_ROWS == 0 && classifier_grad_fused_ok<bf16>(E.C, E.Vp);
+    return E.training && E.prec == PREC_BF16 && !(E.use_fp8 && E.use_fp8_classifier) && E.N % CG_ALIGN == 0 &&
+           E.chunk % CG_ALIGN == 0 && classifier_grad_fused_ok<bf16>(E.C, E.Vp);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

@@ -11,23 +11,26 @@
  *
  *   dx   k_classifier_grad<CG_DX>: dx = dlogits @ wte = dscale (softmax @ wte - wte[target]), with
  *        the softmax's normaliser found on the way, as a flash-attention forward finds its own: the
- *        logits are S, wte is V. Each block takes 128 rows and a share of the vocabulary (split so
+ *        logits are S, wte is V. Each block takes 192 rows and a share of the vocabulary (split so
  *        the blocks fill the GPU), keeps per row a running max m and a sum of exponentials l (base
  *        2) and accumulates o = sum of 2^(logit log2 e - m) wte[v] over its share; the products'
  *        A operand is that tile of exponentials, rounded to bf16 in registers. Its partials (o, m,
  *        l per row and share) go to scratch, and k_classifier_dx_combine joins the shares of a row
  *        in a fixed order: lse, the row's loss, and dx = dscale (o / l - wte[target]).
- *   dwte k_classifier_grad<CG_DWTE>: dwte = dlogits^T @ x (+ grad_beta dwte), each block 128 rows of
+ *   dwte k_classifier_grad<CG_DWTE>: dwte = dlogits^T @ x (+ grad_beta dwte), each block 192 rows of
  *        the vocabulary over all n positions; its A operand, dlogits^T, is made in registers from
  *        the logits tile (read transposed by ldmatrix) with the lse the combine wrote:
  *        bf16(2^(logit log2 e - lse log2 e) dscale - [v == target] dscale) (one fma), 0 on padded
  *        rows, as the loss rows' dlogits.
  *
  * Both are one kernel: a producer thread loads by TMA, per k step of 64, the A tile (the logits:
- * 128 rows x 64 columns, or for dwte 64 positions x 128 vocabulary rows), NS = C / 64 slabs of B
+ * 192 rows x 64 columns, or for dwte 64 positions x 192 vocabulary rows), NS = C / 64 slabs of B
  * (64 rows x 64 columns of wte or x, read N-major by the products: the transpose bit) and, for
- * dwte, the 64 positions' lse and targets (bulk copies) into a ring of CG_STAGES stages; two
- * consumer warpgroups take 64 rows each of every stage. A consumer waits for stage i, issues the
+ * dwte, the 64 positions' lse and targets (bulk copies) into a ring of CG_STAGES stages; three
+ * consumer warpgroups take 64 rows each of every stage (a block's last rows may pass n or Vp:
+ * the TMA reads zeros there and nothing is written). Three rather than two, with the producer's
+ * warpgroup giving its registers to them (setmaxnreg), because each warpgroup's step is a chain
+ * of dependent operations that two warps a scheduler hid poorly (log #144). A consumer waits for stage i, issues the
  * products of step i - 1 (one wgmma m64n(C)k16 per 16 of k, A from registers) and makes step i's
  * operand while they run (FlashAttention-3's overlap; the other warpgroup fills the gaps), then
  * waits for the products and hands stage i - 1 back. That overlap holds only while no branch
@@ -50,18 +53,27 @@
 
 #include <type_traits>
 
-#define CG_ROWS 128   /* a block's output rows: two consumer warpgroups of 64 */
-#define CG_BK 64      /* a k step: one swizzled 128-byte row of bf16 */
+#define CG_WG 3                       /* consumer warpgroups, 64 output rows each */
+#define CG_ROWS (64 * CG_WG)          /* a block's output rows */
+#define CG_ALIGN 128                  /* n and Vp are multiples of this (else the loss rows' path) */
+#define CG_THREADS (128 * (CG_WG + 1)) /* the consumers, then the producer's warpgroup */
+#define CG_BK 64                      /* a k step: one swizzled 128-byte row of bf16 */
 #define CG_STAGES 4
-#define CG_THREADS 288 /* the two consumer warpgroups, then the producer's warp */
 #define CG_MAX_SLABS 3 /* d_model up to 192: 32 accumulators a slab and thread (four slabs leave
                         * ptxas too few registers to overlap dwte's products, C7512) */
-#define CG_A_BYTES (CG_ROWS * CG_BK * 2)
+#define CG_WG_A_BYTES (64 * CG_BK * 2) /* a consumer warpgroup's part of a stage's A tile */
+#define CG_A_BYTES (CG_WG * CG_WG_A_BYTES)
 #define CG_SLAB_BYTES (CG_BK * 64 * 2)
 
 enum { CG_DX, CG_DWTE };
 
 #define CG_ROW_VALUES_BYTES (2 * CG_BK * 4) /* dwte: a k step's lse and targets, 64 of each */
+
+/* Registers a thread: the producer's warpgroup gives all but CG_PRODUCER_REGS of its share to the
+ * consumers (setmaxnreg), which need ~160 for the accumulators (96 at C = 192), a tile's values and
+ * its operand: 128 (65536 / CG_THREADS) would spill. 24 + 3 x 160 <= 4 x 128. */
+#define CG_PRODUCER_REGS 24
+#define CG_CONSUMER_REGS 160
 
 template <int NS> struct Cg {
     static constexpr int STAGE_BYTES = CG_A_BYTES + NS * CG_SLAB_BYTES;
@@ -174,7 +186,7 @@ template <int NS> struct CgBlock {
 };
 
 /* The producer (one thread): step i's A tile, B's NS slabs and (dwte) the positions' lse and
- * targets into its stage, once the 8 consumer warps have handed the stage back (empty). */
+ * targets into its stage, once the 4 CG_WG consumer warps have handed the stage back (empty). */
 template <int MODE, int NS>
 __device__ __forceinline__ void cg_produce(const CgBlock<NS>& k, const CUtensorMap* a_map, const CUtensorMap* b_map,
                                            const float* lse, const int* targets) {
@@ -185,7 +197,7 @@ __device__ __forceinline__ void cg_produce(const CgBlock<NS>& k, const CUtensorM
         mbar_arrive_expect_bytes(k.full(i), Cg<NS>::STAGE_BYTES + (MODE == CG_DWTE ? CG_ROW_VALUES_BYTES : 0));
         if constexpr (MODE == CG_DX) tma_load(a, a_map, CG_BK * kt, k.row0, k.full(i));
         else
-            for (int h = 0; h < 2; h++) tma_load(a + h * CG_A_BYTES / 2, a_map, k.row0 + 64 * h, CG_BK * kt, k.full(i));
+            for (int h = 0; h < CG_WG; h++) tma_load(a + h * CG_WG_A_BYTES, a_map, k.row0 + 64 * h, CG_BK * kt, k.full(i));
         for (int q = 0; q < NS; q++) tma_load(b + q * CG_SLAB_BYTES, b_map, 64 * q, CG_BK * kt, k.full(i));
         if constexpr (MODE == CG_DWTE) {
             bulk_load(k.row_values(i), lse + CG_BK * kt, CG_BK * 4, k.full(i));
@@ -198,8 +210,8 @@ __device__ __forceinline__ void cg_produce(const CgBlock<NS>& k, const CUtensorM
  * its rows' results (dx: partials at share blockIdx.y; dwte: + grad_beta out). */
 template <int MODE, int NS>
 __device__ __forceinline__ void cg_consume(const CgBlock<NS>& k, float* __restrict__ out, float* __restrict__ part_m,
-                                           float* __restrict__ part_l, const float* __restrict__ dscale, int n, int V,
-                                           float grad_beta, int c, int w, int lane) {
+                                           float* __restrict__ part_l, const float* __restrict__ dscale, int n, int n_out,
+                                           int V, float grad_beta, int c, int w, int lane) {
     constexpr int C = 64 * NS;
     int g = lane >> 2, t = lane & 3;
     float o[8 * NS][4] = {}, s[8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2];
@@ -207,7 +219,7 @@ __device__ __forceinline__ void cg_consume(const CgBlock<NS>& k, float* __restri
     float ds = MODE == CG_DWTE ? *dscale : 0.0f;
     /* step i's operand into s (dx: and alpha, the factor that rescales o to its running max) */
     auto operand = [&](int i, auto mask) {
-        unsigned a = k.stage(i) + c * (CG_A_BYTES / 2);
+        unsigned a = k.stage(i) + c * CG_WG_A_BYTES;
         if constexpr (MODE == CG_DX) cg_dx_tile<decltype(mask)::value>(s, m, l, alpha, a, w, lane, CG_BK * (k.k0 + i), V);
         else cg_dwte_tile(s, a, k.row_values(i), ds, w, lane, k.row0 + 64 * c + 16 * w, V);
     };
@@ -244,11 +256,13 @@ __device__ __forceinline__ void cg_consume(const CgBlock<NS>& k, float* __restri
         int row = k.row0 + 64 * c + 16 * w + g + 8 * hh;
         float* dst;
         if constexpr (MODE == CG_DX) {
-            size_t at = (size_t)blockIdx.y * n + row;
             float lsum = fa_quad_sum(l[hh]);
+            if (row >= n) continue; /* past n in the last row block: whole warpgroups (n % CG_ALIGN == 0) */
+            size_t at = (size_t)blockIdx.y * n + row;
             if (t == 0) part_m[at] = m[hh], part_l[at] = lsum;
             dst = out + at * C;
         } else {
+            if (row >= n_out) continue; /* past Vp in dwte's last block */
             dst = out + (size_t)row * C;
         }
 #pragma unroll
@@ -264,18 +278,19 @@ __device__ __forceinline__ void cg_consume(const CgBlock<NS>& k, float* __restri
     }
 }
 
-/* MODE CG_DX: block (row block, share) of the n rows: a_map the logits in boxes of 64 x 128 rows,
+/* MODE CG_DX: block (row block, share) of the n rows: a_map the logits in boxes of 64 x 192 rows,
  * b_map wte in boxes of 64 x 64; writes its partials at share blockIdx.y of part_o [S][n][C],
  * part_m, part_l [S][n]. Its share: vocabulary tiles [y n_vt / S, (y + 1) n_vt / S) of n_vt =
  * ceil(V / 64).
- * MODE CG_DWTE: block v0 = 128 blockIdx.x of the Vp vocabulary rows: a_map the logits in boxes of
- * 64 x 64 rows, b_map x in boxes of 64 x 64; out = dwte [Vp][C] (+ grad_beta out). */
+ * MODE CG_DWTE: block v0 = 192 blockIdx.x of the Vp vocabulary rows: a_map the logits in boxes of
+ * 64 x 64 rows, b_map x in boxes of 64 x 64; out = dwte [Vp][C] (+ grad_beta out).
+ * n_out: the rows out holds (dwte: Vp; dx: n), past which a block writes nothing. */
 template <int MODE, int NS>
 __global__ void __launch_bounds__(CG_THREADS, 1)
     k_classifier_grad(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                       float* __restrict__ out, float* __restrict__ part_m, float* __restrict__ part_l,
                       const float* __restrict__ lse, const int* __restrict__ targets,
-                      const float* __restrict__ dscale, int n, int V, int n_vt, float grad_beta) {
+                      const float* __restrict__ dscale, int n, int n_out, int V, int n_vt, float grad_beta) {
     await_previous_kernel();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(1024) unsigned char cg_smem[];
@@ -294,16 +309,18 @@ __global__ void __launch_bounds__(CG_THREADS, 1)
     if (threadIdx.x == 0) {
         for (int s = 0; s < CG_STAGES; s++) {
             mbar_init(k.full(s), 1);  /* the producer's arrival; the TMA's bytes complete it */
-            mbar_init(k.empty(s), 8); /* lane 0 of each consumer warp */
+            mbar_init(k.empty(s), 4 * CG_WG); /* lane 0 of each consumer warp */
         }
         mbar_init_fence();
     }
     __syncthreads();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp == 8) {
-        if (lane == 0) cg_produce<MODE, NS>(k, &a_map, &b_map, lse, targets);
+    if (warp >= 4 * CG_WG) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(CG_PRODUCER_REGS) : "memory");
+        if (warp == 4 * CG_WG && lane == 0) cg_produce<MODE, NS>(k, &a_map, &b_map, lse, targets);
     } else {
-        cg_consume<MODE, NS>(k, out, part_m, part_l, dscale, n, V, grad_beta, warp >> 2, warp & 3, lane);
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CG_CONSUMER_REGS) : "memory");
+        cg_consume<MODE, NS>(k, out, part_m, part_l, dscale, n, n_out, V, grad_beta, warp >> 2, warp & 3, lane);
     }
 #else
     __trap();
@@ -340,18 +357,18 @@ __global__ void k_classifier_dx_combine(float* __restrict__ losses, float* __res
  * running this image's sm_90a code (the attention forward's test, the same image). */
 template <typename T> static bool classifier_grad_fused_ok(int C, int Vp) {
     return std::is_same<T, bf16>::value && g_gemm_fuse && C > 0 && C % 64 == 0 && C / 64 <= CG_MAX_SLABS &&
-           Vp % CG_ROWS == 0 && fa_fwd_wgmma_ok<bf16, 64>();
+           Vp % CG_ALIGN == 0 && fa_fwd_wgmma_ok<bf16, 64>();
 }
 
-/* dx's shares of the vocabulary for n rows: as many as fill the multiprocessors with the n / 128
- * row blocks, at most one a vocabulary tile. */
+/* dx's shares of the vocabulary for n rows: as many as fill the multiprocessors with the
+ * ceil(n / CG_ROWS) row blocks, at most one a vocabulary tile. */
 static int classifier_grad_shares(int n, int V) {
-    int blocks = n / CG_ROWS, n_vt = (V + CG_BK - 1) / CG_BK, shares = lt_sm_count() / blocks;
+    int blocks = (n + CG_ROWS - 1) / CG_ROWS, n_vt = (V + CG_BK - 1) / CG_BK, shares = lt_sm_count() / blocks;
     return shares < 1 ? 1 : shares > n_vt ? n_vt : shares;
 }
 
 /* Scratch floats the fused backward needs for chunks of up to n_max rows of d_model C: dx's
- * partials, shares x rows x (C + 2) (shares x rows is at most max(multiprocessors x 128, rows)). */
+ * partials, shares x rows x (C + 2) (shares x rows is at most max(multiprocessors x CG_ROWS, rows)). */
 static size_t classifier_grad_scratch_floats(int n_max, int C) {
     size_t rows = (size_t)lt_sm_count() * CG_ROWS;
     return (rows > (size_t)n_max ? rows : (size_t)n_max) * (C + 2);
@@ -379,9 +396,9 @@ static void classifier_dx_launch(float* losses, float* lse, bf16* dx, const bf16
     classifier_grad_set_smem<NS>();
     int shares = classifier_grad_shares(n, V), n_vt = (V + CG_BK - 1) / CG_BK;
     float *part_o = scratch, *part_m = part_o + (size_t)shares * n * C, *part_l = part_m + (size_t)shares * n;
-    launch_kernel_with_shared(k_classifier_grad<CG_DX, NS>, dim3(n / CG_ROWS, shares), CG_THREADS, Cg<NS>::SMEM,
-                              tma_map_bf16(logits, n, Vp, CG_ROWS), tma_map_bf16(wte, Vp, C, CG_BK), part_o, part_m,
-                              part_l, (const float*)NULL, (const int*)NULL, (const float*)NULL, n, V, n_vt, 0.0f);
+    launch_kernel_with_shared(k_classifier_grad<CG_DX, NS>, dim3((n + CG_ROWS - 1) / CG_ROWS, shares), CG_THREADS,
+                              Cg<NS>::SMEM, tma_map_bf16(logits, n, Vp, CG_ROWS), tma_map_bf16(wte, Vp, C, CG_BK), part_o, part_m,
+                              part_l, (const float*)NULL, (const int*)NULL, (const float*)NULL, n, n, V, n_vt, 0.0f);
     launch_kernel(k_classifier_dx_combine, n, C, losses, lse, dx, (const float*)part_o, (const float*)part_m,
                   (const float*)part_l, logits, wte, targets, dscale, n, Vp, shares);
 }
@@ -392,9 +409,10 @@ static void classifier_dwte_launch(float* dwte, const float* lse, const bf16* lo
                                    int n, int V, int Vp, const float* dscale, float grad_beta) {
     constexpr int C = 64 * NS;
     classifier_grad_set_smem<NS>();
-    launch_kernel_with_shared(k_classifier_grad<CG_DWTE, NS>, dim3(Vp / CG_ROWS), CG_THREADS, Cg<NS>::SMEM,
+    launch_kernel_with_shared(k_classifier_grad<CG_DWTE, NS>, dim3((Vp + CG_ROWS - 1) / CG_ROWS), CG_THREADS,
+                              Cg<NS>::SMEM,
                               tma_map_bf16(logits, n, Vp, CG_BK), tma_map_bf16(x, n, C, CG_BK), dwte, (float*)NULL,
-                              (float*)NULL, lse, targets, dscale, n, V, (V + CG_BK - 1) / CG_BK, grad_beta);
+                              (float*)NULL, lse, targets, dscale, n, Vp, V, (V + CG_BK - 1) / CG_BK, grad_beta);
 }
 
 template <int NS>
@@ -408,7 +426,7 @@ static void classifier_grad_launch(float* losses, float* lse, bf16* dx, float* d
 
 /* The fused classifier backward from the logits of n rows (loss.cuh's loss_bwd_from_logits, whose
  * outputs it writes: losses, lse, dx, dwte); false, having launched nothing, where it does not apply
- * (classifier_grad_fused_ok, n a multiple of 128, the operands the TMA reads 16-byte aligned,
+ * (classifier_grad_fused_ok, n a multiple of CG_ALIGN, the operands the TMA reads 16-byte aligned,
  * scratch). scratch: classifier_grad_scratch_floats. */
 template <typename T>
 static bool classifier_grad_fused(float* losses, float* lse, T* dx, float* dwte, const T* logits, const T* x,
@@ -417,7 +435,7 @@ static bool classifier_grad_fused(float* losses, float* lse, T* dx, float* dwte,
     if constexpr (!std::is_same<T, bf16>::value) return false;
     else {
         uintptr_t bases = (uintptr_t)lse | (uintptr_t)targets | (uintptr_t)logits | (uintptr_t)x | (uintptr_t)wte;
-        if (!scratch || n <= 0 || n % CG_ROWS || bases % 16 || !classifier_grad_fused_ok<T>(C, Vp)) return false;
+        if (!scratch || n <= 0 || n % CG_ALIGN || bases % 16 || !classifier_grad_fused_ok<T>(C, Vp)) return false;
         g_classifier_grad_runs++;
         auto launch = C == 64    ? classifier_grad_launch<1>
                       : C == 128 ? classifier_grad_launch<2>
