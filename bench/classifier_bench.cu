@@ -4,7 +4,10 @@
  * combine, dwte), each the median of 50 launches queued back to back (bench/kernel_timer.cuh), with
  * what each would take at the GPU's bf16 product rate and at its memory bandwidth (the kernels'
  * floors: docs/BENCHMARKS.md, "What the missed targets still need"). A measurement tool, not part of
- * the engine or the tests: build/kernel_check checks these kernels against the CPU engine.
+ * the engine or the tests: build/kernel_check checks these kernels against the CPU engine. The
+ * memory floor counts the logits' bytes only: dx's partials (~19 MB written and read back) and
+ * dwte's fp32 output (39 MB) would add 5-10 %. dwte runs here alone, on the main stream; the
+ * engine runs it on its side stream.
  *
  *   build: make build/classifier_bench
  *   run:   build/classifier_bench [product TFLOP/s]   (default 780: the H200's measured bf16 rate)

@@ -2182,12 +2182,16 @@ template <typename T> static void run_precision(void) {
         /* the fused classifier backward (classifier_grad.cuh) on Hopper, and the loss rows' path on
          * the same shapes: d_model 64, 128 and 192 (one to three slabs; 256, four, is the loss
          * rows' even with fused products on), vocabularies not a multiple of 64 (the last tile
-         * masked) with padded rows (1152: a whole block of them), one and two chunks, from one
-         * vocabulary tile a share to several rounds of its ring (on 132 multiprocessors; 4096 rows:
-         * ANDREA-12M's 32 row blocks, 4 shares of 11 or 12 tiles, at d_model 128 and 192) */
+         * masked) with padded rows (1152: a whole 192-row block of them), Vp not a multiple of 192
+         * (1024: dwte's last block half past Vp, at every d_model), 256 rows (dx's second row block
+         * two thirds past n), one and two chunks, from one vocabulary tile a share to several rounds
+         * of its ring (on 132 multiprocessors; 4096 rows: ANDREA-12M's 22 row blocks, 6 shares of
+         * 7 or 8 tiles at V 3000, of exactly 2 at V 750) */
         for (Shape cls : {Shape{2, 128, 192, 3, 0, 1000, 1152, 128}, Shape{2, 128, 128, 2, 0, 1000, 1024, 256},
+                          Shape{2, 128, 64, 1, 0, 1000, 1024, 256}, Shape{2, 128, 192, 3, 0, 1000, 1024, 256},
                           Shape{2, 128, 256, 4, 0, 1000, 1024, 256}, Shape{4, 1024, 64, 1, 0, 3000, 3072, 2048},
-                          Shape{4, 1024, 128, 2, 0, 3000, 3072, 4096}, Shape{4, 1024, 192, 3, 0, 3000, 3072, 4096}}) {
+                          Shape{4, 1024, 64, 1, 0, 750, 768, 4096}, Shape{4, 1024, 128, 2, 0, 3000, 3072, 4096},
+                          Shape{4, 1024, 192, 3, 0, 3000, 3072, 4096}}) {
             for (int fuse = 1; fuse >= 0; fuse--) {
                 g_gemm_fuse = fuse;
                 set_ctx(prec, fuse ? "loss" : "loss unfused", shape_str(cls).c_str());

@@ -32,19 +32,23 @@
  * warpgroup giving its registers to them (setmaxnreg), because each warpgroup's step is a chain
  * of dependent operations that two warps a scheduler hid poorly (log #144). A consumer waits for stage i, issues the
  * products of step i - 1 (one wgmma m64n(C)k16 per 16 of k, A from registers) and makes step i's
- * operand while they run (FlashAttention-3's overlap; the other warpgroup fills the gaps), then
- * waits for the products and hands stage i - 1 back. That overlap holds only while no branch
+ * operand while they run (FlashAttention-3's overlap; the other two warpgroups fill the gaps),
+ * then waits for the products and hands stage i - 1 back. That overlap holds only while no branch
  * separates the products' issue from the operand's arithmetic and all of that arithmetic comes
  * before the wait: ptxas puts a wgmma wait at the top of a basic block and sinks arithmetic to its
  * first use (the SASS of 63c9004 had the exponentials wait for the products they should overlap,
  * log #138-#140). So the stage's mbarrier wait comes before the issue, the vocabulary mask is in
- * a share's last step only (its own copy of the step), and the operand is held (fa_wg_hold) before
- * the wait. The shares and the combine's order are fixed by the shape and the GPU's
+ * a share's last step only (its own copy of the step, where about half the exponentials still
+ * follow the wait: once a share), and the operand is held (fa_wg_hold) before the wait. The shares and the combine's order are fixed by the shape and the GPU's
  * multiprocessor count: the results do not depend on timing.
  *
  * Numerics against the loss rows' path: dx's A operand is the unnormalised exponentials rounded to
- * bf16 (values in (0, 1]) where that path rounds dlogits; the one-hot term is subtracted in fp32
- * after the product. Both are within tests/kernel_check.cu's classifier tolerance (tol.fused). */
+ * bf16 (values in [0, 1]) where that path rounds dlogits; the one-hot term is subtracted in fp32
+ * after the product. Both are within tests/kernel_check.cu's classifier tolerance (tol.fused).
+ * dwte zeroes a padded row by its scale (0 · exp), which holds while the exponential is finite:
+ * only where a padded row's logit (its wte row is never trained) exceeded a position's lse by
+ * more than ~88, far outside the logits a model produces, would 0 · inf make a NaN (the loss
+ * rows' path selects 0 there unconditionally; a select here cost ~4 µs, log #142). */
 #ifndef MICROGPT_CUDA_CLASSIFIER_GRAD_CUH
 #define MICROGPT_CUDA_CLASSIFIER_GRAD_CUH
 
@@ -186,7 +190,7 @@ template <int NS> struct CgBlock {
 };
 
 /* The producer (one thread): step i's A tile, B's NS slabs and (dwte) the positions' lse and
- * targets into its stage, once the 4 CG_WG consumer warps have handed the stage back (empty). */
+ * targets into its stage, once the 4 CG_WG (12) consumer warps have handed the stage back (empty). */
 template <int MODE, int NS>
 __device__ __forceinline__ void cg_produce(const CgBlock<NS>& k, const CUtensorMap* a_map, const CUtensorMap* b_map,
                                            const float* lse, const int* targets) {
@@ -284,7 +288,7 @@ __device__ __forceinline__ void cg_consume(const CgBlock<NS>& k, float* __restri
  * ceil(V / 64).
  * MODE CG_DWTE: block v0 = 192 blockIdx.x of the Vp vocabulary rows: a_map the logits in boxes of
  * 64 x 64 rows, b_map x in boxes of 64 x 64; out = dwte [Vp][C] (+ grad_beta out).
- * n_out: the rows out holds (dwte: Vp; dx: n), past which a block writes nothing. */
+ * n_out: dwte's rows (Vp), past which a block writes nothing (dx's bound is n). */
 template <int MODE, int NS>
 __global__ void __launch_bounds__(CG_THREADS, 1)
     k_classifier_grad(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
