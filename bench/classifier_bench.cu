@@ -29,8 +29,9 @@ __global__ void k_random_targets(int* targets, int n, int V) {
 }
 
 int main(int argc, char** argv) {
-    double tflops = argc > 1 ? atof(argv[1]) : 780.0;
-    if (argc > 2 || !(tflops > 0.0)) {
+    char* end = NULL;
+    double tflops = argc > 1 ? strtod(argv[1], &end) : 780.0;
+    if (argc > 2 || (end && (end == argv[1] || *end)) || !(tflops > 0.0) || !std::isfinite(tflops)) {
         fprintf(stderr, "usage: classifier_bench [bf16 product TFLOP/s, > 0]\n");
         return 2;
     }

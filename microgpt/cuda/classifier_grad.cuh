@@ -27,20 +27,21 @@
  * 192 rows x 64 columns, or for dwte 64 positions x 192 vocabulary rows), NS = C / 64 slabs of B
  * (64 rows x 64 columns of wte or x, read N-major by the products: the transpose bit) and, for
  * dwte, the 64 positions' lse and targets (bulk copies) into a ring of CG_STAGES stages; three
- * consumer warpgroups take 64 rows each of every stage (a block's last rows may pass n or Vp:
- * the TMA reads zeros there and nothing is written). Three rather than two, with the producer's
- * warpgroup giving its registers to them (setmaxnreg), because each warpgroup's step is a chain
- * of dependent operations that two warps a scheduler hid poorly (log #144). A consumer waits for stage i, issues the
- * products of step i - 1 (one wgmma m64n(C)k16 per 16 of k, A from registers) and makes step i's
- * operand while they run (FlashAttention-3's overlap; the other two warpgroups fill the gaps),
- * then waits for the products and hands stage i - 1 back. That overlap holds only while no branch
- * separates the products' issue from the operand's arithmetic and all of that arithmetic comes
- * before the wait: ptxas puts a wgmma wait at the top of a basic block and sinks arithmetic to its
- * first use (the SASS of 63c9004 had the exponentials wait for the products they should overlap,
- * log #138-#140). So the stage's mbarrier wait comes before the issue, the vocabulary mask is in
- * a share's last step only (its own copy of the step, where about half the exponentials still
- * follow the wait: once a share), and the operand is held (fa_wg_hold) before the wait. The shares and the combine's order are fixed by the shape and the GPU's
- * multiprocessor count: the results do not depend on timing.
+ * consumer warpgroups take 64 rows each of every stage (a block's last rows may pass n or Vp: the
+ * TMA reads zeros there and nothing is written). Three rather than two, with the producer's
+ * warpgroup giving its registers to them (setmaxnreg), because each warpgroup's step is a chain of
+ * dependent operations that two warps a scheduler hid poorly (log #144). A consumer waits for stage
+ * i, issues the products of step i - 1 (one wgmma m64n(C)k16 per 16 of k, A from registers) and
+ * makes step i's operand while they run (FlashAttention-3's overlap; the other two warpgroups fill
+ * the gaps), then waits for the products and hands stage i - 1 back. That overlap holds only while
+ * no branch separates the products' issue from the operand's arithmetic and all of that arithmetic
+ * comes before the wait: ptxas puts a wgmma wait at the top of a basic block and sinks arithmetic
+ * to its first use (the SASS of 63c9004 had the exponentials wait for the products they should
+ * overlap, log #138-#140). So the stage's mbarrier wait comes before the issue, the vocabulary mask
+ * is in a share's last step only (its own copy of the step, where about half the exponentials still
+ * follow the wait: once a share), and the operand is held (fa_wg_hold) before the wait. The shares
+ * and the combine's order are fixed by the shape and the GPU's multiprocessor count: the results do
+ * not depend on timing.
  *
  * Numerics against the loss rows' path: dx's A operand is the unnormalised exponentials rounded to
  * bf16 (values in [0, 1]) where that path rounds dlogits; the one-hot term is subtracted in fp32
@@ -173,7 +174,8 @@ template <int NS> __device__ __forceinline__ void cg_wg_rs(float (*o)[4], const 
 template <int NS> __device__ __forceinline__ void cg_products(float (*o)[4], const unsigned (*p)[4], unsigned b) {
 #pragma unroll
     for (int kk = 0; kk < 4; kk++)
-        cg_wg_rs<NS>(o, p[kk], fa_wg_desc<64>(b + 2 * kk * FaWg<64>::GROUP_BYTES, NS == 1 ? FaWg<64>::GROUP_BYTES : CG_SLAB_BYTES));
+        cg_wg_rs<NS>(o, p[kk], fa_wg_desc<64>(b + 2 * kk * FaWg<64>::GROUP_BYTES,
+                                              NS == 1 ? FaWg<64>::GROUP_BYTES : CG_SLAB_BYTES));
     fa_wg_commit();
 }
 
@@ -201,7 +203,8 @@ __device__ __forceinline__ void cg_produce(const CgBlock<NS>& k, const CUtensorM
         mbar_arrive_expect_bytes(k.full(i), Cg<NS>::STAGE_BYTES + (MODE == CG_DWTE ? CG_ROW_VALUES_BYTES : 0));
         if constexpr (MODE == CG_DX) tma_load(a, a_map, CG_BK * kt, k.row0, k.full(i));
         else
-            for (int h = 0; h < CG_WG; h++) tma_load(a + h * CG_WG_A_BYTES, a_map, k.row0 + 64 * h, CG_BK * kt, k.full(i));
+            for (int h = 0; h < CG_WG; h++)
+                tma_load(a + h * CG_WG_A_BYTES, a_map, k.row0 + 64 * h, CG_BK * kt, k.full(i));
         for (int q = 0; q < NS; q++) tma_load(b + q * CG_SLAB_BYTES, b_map, 64 * q, CG_BK * kt, k.full(i));
         if constexpr (MODE == CG_DWTE) {
             bulk_load(k.row_values(i), lse + CG_BK * kt, CG_BK * 4, k.full(i));
@@ -214,8 +217,8 @@ __device__ __forceinline__ void cg_produce(const CgBlock<NS>& k, const CUtensorM
  * its rows' results (dx: partials at share blockIdx.y; dwte: + grad_beta out). */
 template <int MODE, int NS>
 __device__ __forceinline__ void cg_consume(const CgBlock<NS>& k, float* __restrict__ out, float* __restrict__ part_m,
-                                           float* __restrict__ part_l, const float* __restrict__ dscale, int n, int n_out,
-                                           int V, float grad_beta, int c, int w, int lane) {
+                                           float* __restrict__ part_l, const float* __restrict__ dscale, int n,
+                                           int n_out, int V, float grad_beta, int c, int w, int lane) {
     constexpr int C = 64 * NS;
     int g = lane >> 2, t = lane & 3;
     float o[8 * NS][4] = {}, s[8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2];
@@ -224,7 +227,8 @@ __device__ __forceinline__ void cg_consume(const CgBlock<NS>& k, float* __restri
     /* step i's operand into s (dx: and alpha, the factor that rescales o to its running max) */
     auto operand = [&](int i, auto mask) {
         unsigned a = k.stage(i) + c * CG_WG_A_BYTES;
-        if constexpr (MODE == CG_DX) cg_dx_tile<decltype(mask)::value>(s, m, l, alpha, a, w, lane, CG_BK * (k.k0 + i), V);
+        if constexpr (MODE == CG_DX)
+            cg_dx_tile<decltype(mask)::value>(s, m, l, alpha, a, w, lane, CG_BK * (k.k0 + i), V);
         else cg_dwte_tile(s, a, k.row_values(i), ds, w, lane, k.row0 + 64 * c + 16 * w, V);
     };
     /* step i - 1's products (i = 1 .. n_k) */
@@ -401,8 +405,9 @@ static void classifier_dx_launch(float* losses, float* lse, bf16* dx, const bf16
     int shares = classifier_grad_shares(n, V), n_vt = (V + CG_BK - 1) / CG_BK;
     float *part_o = scratch, *part_m = part_o + (size_t)shares * n * C, *part_l = part_m + (size_t)shares * n;
     launch_kernel_with_shared(k_classifier_grad<CG_DX, NS>, dim3((n + CG_ROWS - 1) / CG_ROWS, shares), CG_THREADS,
-                              Cg<NS>::SMEM, tma_map_bf16(logits, n, Vp, CG_ROWS), tma_map_bf16(wte, Vp, C, CG_BK), part_o, part_m,
-                              part_l, (const float*)NULL, (const int*)NULL, (const float*)NULL, n, n, V, n_vt, 0.0f);
+                              Cg<NS>::SMEM, tma_map_bf16(logits, n, Vp, CG_ROWS), tma_map_bf16(wte, Vp, C, CG_BK),
+                              part_o, part_m, part_l, (const float*)NULL, (const int*)NULL, (const float*)NULL, n,
+                              n, V, n_vt, 0.0f);
     launch_kernel(k_classifier_dx_combine, n, C, losses, lse, dx, (const float*)part_o, (const float*)part_m,
                   (const float*)part_l, logits, wte, targets, dscale, n, Vp, shares);
 }
@@ -425,7 +430,8 @@ static void classifier_grad_launch(float* losses, float* lse, bf16* dx, float* d
                                    const float* dscale, float grad_beta, float* scratch) {
     classifier_dx_launch<NS>(losses, lse, dx, logits, wte, targets, n, V, Vp, dscale, scratch);
     /* dwte on the side stream, beside the layers' backward */
-    side_product(logits, [&] { classifier_dwte_launch<NS>(dwte, lse, logits, x, targets, n, V, Vp, dscale, grad_beta); });
+    side_product(logits,
+                 [&] { classifier_dwte_launch<NS>(dwte, lse, logits, x, targets, n, V, Vp, dscale, grad_beta); });
 }
 
 /* The fused classifier backward from the logits of n rows (loss.cuh's loss_bwd_from_logits, whose
