@@ -4,7 +4,7 @@
  *
  *   build: make kernel-check    (the engine's architectures: a Hopper build without sm_90a code
  *                                 fails the check of which attention forward ran)
- *   run:   build/kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all] [--only attn]
+ *   run:   build/kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all] [--only attn|classifier]
  *
  * How each check works:
  *   - inputs are drawn from a seeded generator (the seed differs per run unless --seed is given,
@@ -2125,6 +2125,33 @@ template <typename T> static void test_loss_rows_shared(int n, int V, int Vp) {
     dfree_all();
 }
 
+/* The fused classifier backward (classifier_grad.cuh) on Hopper, and the loss rows' path on the same
+ * shapes (alone with --only classifier: compute-sanitizer's run over classifier_grad.cuh). */
+static void run_classifier(void) {
+    const char* prec = TypeInfo<bf16>::name();
+    Tol tol = tol_for<bf16>();
+    /* d_model 64, 128 and 192 (one to three slabs; 256, four, is the loss
+     * rows' even with fused products on), vocabularies not a multiple of 64 (the last tile
+     * masked) with padded rows (1152: a whole 192-row block of them), Vp not a multiple of 192
+     * (1024: dwte's last block half past Vp, at every d_model), 256 rows (dx's second row block
+     * two thirds past n), one and two chunks, from one vocabulary tile a share to several rounds
+     * of its ring (on 132 multiprocessors; 4096 rows: ANDREA-12M's 22 row blocks, 6 shares of
+     * 7 or 8 tiles at V 3000, of exactly 2 at V 750) */
+    for (Shape cls : {Shape{2, 128, 192, 3, 0, 1000, 1152, 128}, Shape{2, 128, 128, 2, 0, 1000, 1024, 256},
+                      Shape{2, 128, 64, 1, 0, 1000, 1024, 256}, Shape{2, 128, 192, 3, 0, 1000, 1024, 256},
+                      Shape{2, 128, 256, 4, 0, 1000, 1024, 256}, Shape{4, 1024, 64, 1, 0, 3000, 3072, 2048},
+                      Shape{4, 1024, 64, 1, 0, 750, 768, 4096}, Shape{4, 1024, 128, 2, 0, 3000, 3072, 4096},
+                      Shape{4, 1024, 192, 3, 0, 3000, 3072, 4096}}) {
+        for (int fuse = 1; fuse >= 0; fuse--) {
+            g_gemm_fuse = fuse;
+            set_ctx(prec, fuse ? "loss" : "loss unfused", shape_str(cls).c_str());
+            bool ran = test_loss<bf16>(cls, tol), expected = fuse && gpu_is_hopper() && cls.C <= 64 * CG_MAX_SLABS;
+            report(ran == expected, "path", ran ? "classifier backward: fused (sm_90a)" : "classifier backward: loss rows");
+        }
+        g_gemm_fuse = true;
+    }
+}
+
 template <typename T> static void run_precision(void) {
     const char* prec = TypeInfo<T>::name();
     Tol tol = tol_for<T>();
@@ -2178,29 +2205,7 @@ template <typename T> static void run_precision(void) {
         bool ran = g_dgelu_pingpong_runs > before;
         report(ran == gpu_is_hopper(), "path", ran ? "GELU-backward product: pingpong (sm_90a)" : "GELU-backward product: cuBLASLt");
     }
-    if constexpr (std::is_same<T, bf16>::value) {
-        /* the fused classifier backward (classifier_grad.cuh) on Hopper, and the loss rows' path on
-         * the same shapes: d_model 64, 128 and 192 (one to three slabs; 256, four, is the loss
-         * rows' even with fused products on), vocabularies not a multiple of 64 (the last tile
-         * masked) with padded rows (1152: a whole 192-row block of them), Vp not a multiple of 192
-         * (1024: dwte's last block half past Vp, at every d_model), 256 rows (dx's second row block
-         * two thirds past n), one and two chunks, from one vocabulary tile a share to several rounds
-         * of its ring (on 132 multiprocessors; 4096 rows: ANDREA-12M's 22 row blocks, 6 shares of
-         * 7 or 8 tiles at V 3000, of exactly 2 at V 750) */
-        for (Shape cls : {Shape{2, 128, 192, 3, 0, 1000, 1152, 128}, Shape{2, 128, 128, 2, 0, 1000, 1024, 256},
-                          Shape{2, 128, 64, 1, 0, 1000, 1024, 256}, Shape{2, 128, 192, 3, 0, 1000, 1024, 256},
-                          Shape{2, 128, 256, 4, 0, 1000, 1024, 256}, Shape{4, 1024, 64, 1, 0, 3000, 3072, 2048},
-                          Shape{4, 1024, 64, 1, 0, 750, 768, 4096}, Shape{4, 1024, 128, 2, 0, 3000, 3072, 4096},
-                          Shape{4, 1024, 192, 3, 0, 3000, 3072, 4096}}) {
-            for (int fuse = 1; fuse >= 0; fuse--) {
-                g_gemm_fuse = fuse;
-                set_ctx(prec, fuse ? "loss" : "loss unfused", shape_str(cls).c_str());
-                bool ran = test_loss<T>(cls, tol), expected = fuse && gpu_is_hopper() && cls.C <= 64 * CG_MAX_SLABS;
-                report(ran == expected, "path", ran ? "classifier backward: fused (sm_90a)" : "classifier backward: loss rows");
-            }
-            g_gemm_fuse = true;
-        }
-    }
+    if constexpr (std::is_same<T, bf16>::value) run_classifier();
     set_ctx(prec, "cuBLASLt", "all shapes");
     check_fused_taken(fused_before);
     run_attn<T>();
@@ -2217,13 +2222,14 @@ template <typename T> static void run_precision(void) {
             set_ctx(prec, range == 1 ? "embed one token" : "embed two tokens", shape_str(one).c_str());
             test_embed<T>(one, tol, range);
         }
-        /* rows wider than a short run's pass (EMBED_RUN_COLS columns a lane: 768, then a pass of
+        /* rows wider than a short run's pass (EMBED_SLAB columns: three of 256, then a pass of
          * one column a lane) and of 7 column groups of a long run (128 columns, the last 32), ~6
          * positions a token: short runs and longer ones side by side */
         Shape mixed = {2, 300, 800, 4, 8, 100, 128, 8};
         set_ctx(prec, "embed mixed runs", shape_str(mixed).c_str());
         test_embed<T>(mixed, tol, mixed.V);
-        /* a GPT-2 vocabulary and ANDREA-120M's B·T, tokens from all of it: every key bit sorted */
+        /* a GPT-2 vocabulary and ANDREA-120M's B·T, tokens from all of it: every key bit sorted,
+         * and short runs whose positions lie in different segments (EMBED_LIST apart) */
         Shape vocab = {8, 1024, 64, 4, 8, 50304, 50304, 8};
         set_ctx(prec, "embed", shape_str(vocab).c_str());
         test_embed<T>(vocab, tol, vocab.V);
@@ -2261,21 +2267,23 @@ template <typename T> static void run_precision(void) {
 int main(int argc, char** argv) {
     uint64_t seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 20);
     const char* prec = "all";
-    bool only_attn = false; /* --only attn: the attention pair alone (the flash variants' check) */
+    /* --only attn: the attention pair alone (the flash variants' check); --only classifier: the
+     * classifier's loss and backward alone (a short run for compute-sanitizer) */
+    const char* only = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--prec") && i + 1 < argc) prec = argv[++i];
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
-            if (strcmp(argv[++i], "attn")) {
-                fprintf(stderr, "error: --only takes attn, not '%s'\n", argv[i]);
+            only = argv[++i];
+            if (strcmp(only, "attn") && strcmp(only, "classifier")) {
+                fprintf(stderr, "error: --only takes attn or classifier, not '%s'\n", only);
                 return 2;
             }
-            only_attn = true;
         }
         else {
             fprintf(stderr,
                     "error: unknown argument '%s' (usage: kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all] "
-                    "[--only attn])\n",
+                    "[--only attn|classifier])\n",
                     argv[i]);
             return 2;
         }
@@ -2285,8 +2293,12 @@ int main(int argc, char** argv) {
         fprintf(stderr, "error: --prec must be fp32, bf16, fp16, fp8 or all, not '%s'\n", prec);
         return 2;
     }
-    if (only_attn && !strcmp(prec, "fp8")) {
+    if (only && !strcmp(only, "attn") && !strcmp(prec, "fp8")) {
         fprintf(stderr, "error: --only attn has no fp8 checks (use --prec fp32, bf16, fp16 or all)\n");
+        return 2;
+    }
+    if (only && !strcmp(only, "classifier") && strcmp(prec, "bf16") && strcmp(prec, "all")) {
+        fprintf(stderr, "error: --only classifier checks bf16 alone (use --prec bf16 or all)\n");
         return 2;
     }
     int n_dev = 0;
@@ -2306,7 +2318,9 @@ int main(int argc, char** argv) {
     CUDA_CHECK(cudaStreamCreate(&g_stream));
     cublas_init(ws, CUBLAS_WORKSPACE_BYTES);
 
-    if (only_attn) {
+    if (only && !strcmp(only, "classifier")) {
+        run_classifier();
+    } else if (only) {
         if (!strcmp(prec, "all") || !strcmp(prec, "fp32")) run_attn<float>();
         if (!strcmp(prec, "all") || !strcmp(prec, "bf16")) run_attn<bf16>();
         if (!strcmp(prec, "all") || !strcmp(prec, "fp16")) run_attn<fp16>();
@@ -2325,7 +2339,7 @@ int main(int argc, char** argv) {
         if (!strcmp(prec, "all") || !strcmp(prec, "bf16")) run_precision<bf16>();
         if (!strcmp(prec, "all") || !strcmp(prec, "fp16")) run_precision<fp16>();
     }
-    if (!only_attn && (!strcmp(prec, "all") || !strcmp(prec, "fp8"))) {
+    if (!only && (!strcmp(prec, "all") || !strcmp(prec, "fp8"))) {
         if (p.major * 10 + p.minor >= 89) run_fp8();
         else if (!strcmp(prec, "fp8")) report(false, "fp8", "needs compute capability 8.9 or newer");
         else printf("kernel_check: no fp8 checks on cc %d.%d (FP8 tensor cores need 8.9)\n", p.major, p.minor);

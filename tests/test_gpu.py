@@ -143,6 +143,22 @@ def test_kernel_check_attention_only(kernel_check_binary):
     assert bad.returncode == 2 and bad.stderr.startswith("error: --only takes attn"), bad.stderr
 
 
+def test_kernel_check_classifier_only(kernel_check_binary):
+    """`--only classifier` (the sanitizer stage of scripts/gpu-check.sh runs it): the classifier's
+    loss and backward alone, bf16, passing, with a path line per shape and fusion setting; it
+    refuses a precision it has no checks in."""
+    res = subprocess.run([str(kernel_check_binary), "--only", "classifier"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    m = re.search(r"kernel_check: (\d+) checks, 0 failed", res.stdout.splitlines()[-1])
+    assert m and int(m.group(1)) > 0, res.stdout[-2000:]
+    paths = [line for line in res.stdout.splitlines() if "classifier backward:" in line]
+    assert len(paths) == 18 and all(line.startswith("PASS") for line in paths), "\n".join(paths)
+    bad = subprocess.run([str(kernel_check_binary), "--only", "classifier", "--prec", "fp16"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--only classifier checks bf16 alone" in bad.stderr, bad.stderr
+
+
 def test_kernel_check_names_the_attention_kernels_that_ran(kernel_check_binary):
     """`--only attn` reports, once per 16-bit type, which attention forward and which dK/dV kernel
     ran, and passes only if each is the one the GPU should run: the Hopper (wgmma) kernels on

@@ -26,7 +26,7 @@
  * Both are one kernel: a producer thread loads by TMA, per k step of 64, the A tile (the logits:
  * 192 rows x 64 columns, or for dwte 64 positions x 192 vocabulary rows), NS = C / 64 slabs of B
  * (64 rows x 64 columns of wte or x, read N-major by the products: the transpose bit) and, for
- * dwte, the 64 positions' lse and targets (bulk copies) into a ring of CG_STAGES stages; three
+ * dwte, the 64 positions' lse and targets (1-D tensor loads) into a ring of CG_STAGES stages; three
  * consumer warpgroups take 64 rows each of every stage (a block's last rows may pass n or Vp: the
  * TMA reads zeros there and nothing is written). Three rather than two, with the producer's
  * warpgroup giving its registers to them (setmaxnreg), because each warpgroup's step is a chain of
@@ -73,6 +73,18 @@
 enum { CG_DX, CG_DWTE };
 
 #define CG_ROW_VALUES_BYTES (2 * CG_BK * 4) /* dwte: a k step's lse and targets, 64 of each */
+
+/* dwte's row values as the TMA sees them: the n positions' lse and targets in boxes of CG_BK. (As
+ * tensor loads rather than plain bulk copies: compute-sanitizer's racecheck follows the mbarriers
+ * that order tensor loads against the consumers' reads, not those of bulk copies, and reported
+ * every reuse of a stage's row values as a hazard.) dx's launch passes them zeroed, unread. */
+struct CgRowMaps {
+    CUtensorMap lse, targets;
+};
+static CgRowMaps cg_row_maps(const float* lse, const int* targets, int n) {
+    return CgRowMaps{tma_map_words(lse, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, n, CG_BK),
+                     tma_map_words(targets, CU_TENSOR_MAP_DATA_TYPE_INT32, n, CG_BK)};
+}
 
 /* Registers a thread: the producer's warpgroup gives all but CG_PRODUCER_REGS of its share to the
  * consumers (setmaxnreg), which need ~160 for the accumulators (96 at C = 192), a tile's values and
@@ -195,7 +207,7 @@ template <int NS> struct CgBlock {
  * targets into its stage, once the 4 CG_WG (12) consumer warps have handed the stage back (empty). */
 template <int MODE, int NS>
 __device__ __forceinline__ void cg_produce(const CgBlock<NS>& k, const CUtensorMap* a_map, const CUtensorMap* b_map,
-                                           const float* lse, const int* targets) {
+                                           const CgRowMaps* rows) {
     for (int i = 0; i < k.n_k; i++) {
         int kt = k.k0 + i;
         unsigned a = k.stage(i), b = a + CG_A_BYTES;
@@ -207,10 +219,20 @@ __device__ __forceinline__ void cg_produce(const CgBlock<NS>& k, const CUtensorM
                 tma_load(a + h * CG_WG_A_BYTES, a_map, k.row0 + 64 * h, CG_BK * kt, k.full(i));
         for (int q = 0; q < NS; q++) tma_load(b + q * CG_SLAB_BYTES, b_map, 64 * q, CG_BK * kt, k.full(i));
         if constexpr (MODE == CG_DWTE) {
-            bulk_load(k.row_values(i), lse + CG_BK * kt, CG_BK * 4, k.full(i));
-            bulk_load(k.row_values(i) + CG_BK * 4, targets + CG_BK * kt, CG_BK * 4, k.full(i));
+            tma_load_1d(k.row_values(i), &rows->lse, CG_BK * kt, k.full(i));
+            tma_load_1d(k.row_values(i) + CG_BK * 4, &rows->targets, CG_BK * kt, k.full(i));
         }
     }
+}
+
+/* A consumer warp hands a stage back to the producer: one arrival a warp (the barrier counts
+ * 4 CG_WG), after a __syncwarp. An arrival releases only its own thread's earlier accesses, and
+ * every lane read the stage's A tile (and dwte's row values) with ordinary loads: the __syncwarp
+ * orders those reads before lane 0's arrival, so the producer's next TMA write into the stage
+ * cannot pass them (compute-sanitizer's racecheck reports the hazard without it). */
+__device__ __forceinline__ void cg_release(unsigned empty, int lane) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty);
 }
 
 /* A consumer warpgroup (c, its warp w): the products of its 64 rows over the block's k steps, then
@@ -247,7 +269,7 @@ __device__ __forceinline__ void cg_consume(const CgBlock<NS>& k, float* __restri
         fa_wg_block_end(s[0][0]);
         fa_wg_wait<0>();
         fa_wg_hold<8 * NS>(o);
-        if (lane == 0) mbar_arrive(k.empty(i - 1)); /* its tile was read, its products are done */
+        cg_release(k.empty(i - 1), lane); /* its tile was read, its products are done */
         if constexpr (MODE == CG_DX) /* where a row's max rose: rarely, once its first tiles are in */
             if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f))
                 for (int h = 0; h < 2; h++) fa_rescale_rows<C>(o, alpha[h], h);
@@ -258,7 +280,7 @@ __device__ __forceinline__ void cg_consume(const CgBlock<NS>& k, float* __restri
     issue(k.n_k);
     fa_wg_wait<0>();
     fa_wg_hold<8 * NS>(o);
-    if (lane == 0) mbar_arrive(k.empty(k.n_k - 1));
+    cg_release(k.empty(k.n_k - 1), lane);
 
     for (int hh = 0; hh < 2; hh++) {
         int row = k.row0 + 64 * c + 16 * w + g + 8 * hh;
@@ -291,13 +313,14 @@ __device__ __forceinline__ void cg_consume(const CgBlock<NS>& k, float* __restri
  * part_m, part_l [S][n]. Its share: vocabulary tiles [y n_vt / S, (y + 1) n_vt / S) of n_vt =
  * ceil(V / 64).
  * MODE CG_DWTE: block v0 = 192 blockIdx.x of the Vp vocabulary rows: a_map the logits in boxes of
- * 64 x 64 rows, b_map x in boxes of 64 x 64; out = dwte [Vp][C] (+ grad_beta out).
+ * 64 x 64 rows, b_map x in boxes of 64 x 64, rows the positions' lse and targets; out = dwte
+ * [Vp][C] (+ grad_beta out).
  * n_out: dwte's rows (Vp), past which a block writes nothing (dx's bound is n). */
 template <int MODE, int NS>
 __global__ void __launch_bounds__(CG_THREADS, 1)
     k_classifier_grad(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                       float* __restrict__ out, float* __restrict__ part_m, float* __restrict__ part_l,
-                      const float* __restrict__ lse, const int* __restrict__ targets,
+                      const __grid_constant__ CgRowMaps rows,
                       const float* __restrict__ dscale, int n, int n_out, int V, int n_vt, float grad_beta) {
     await_previous_kernel();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -325,7 +348,7 @@ __global__ void __launch_bounds__(CG_THREADS, 1)
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp >= 4 * CG_WG) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(CG_PRODUCER_REGS) : "memory");
-        if (warp == 4 * CG_WG && lane == 0) cg_produce<MODE, NS>(k, &a_map, &b_map, lse, targets);
+        if (warp == 4 * CG_WG && lane == 0) cg_produce<MODE, NS>(k, &a_map, &b_map, &rows);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CG_CONSUMER_REGS) : "memory");
         cg_consume<MODE, NS>(k, out, part_m, part_l, dscale, n, n_out, V, grad_beta, warp >> 2, warp & 3, lane);
@@ -406,8 +429,7 @@ static void classifier_dx_launch(float* losses, float* lse, bf16* dx, const bf16
     float *part_o = scratch, *part_m = part_o + (size_t)shares * n * C, *part_l = part_m + (size_t)shares * n;
     launch_kernel_with_shared(k_classifier_grad<CG_DX, NS>, dim3((n + CG_ROWS - 1) / CG_ROWS, shares), CG_THREADS,
                               Cg<NS>::SMEM, tma_map_bf16(logits, n, Vp, CG_ROWS), tma_map_bf16(wte, Vp, C, CG_BK),
-                              part_o, part_m, part_l, (const float*)NULL, (const int*)NULL, (const float*)NULL, n,
-                              n, V, n_vt, 0.0f);
+                              part_o, part_m, part_l, CgRowMaps{}, (const float*)NULL, n, n, V, n_vt, 0.0f);
     launch_kernel(k_classifier_dx_combine, n, C, losses, lse, dx, (const float*)part_o, (const float*)part_m,
                   (const float*)part_l, logits, wte, targets, dscale, n, Vp, shares);
 }
@@ -421,7 +443,8 @@ static void classifier_dwte_launch(float* dwte, const float* lse, const bf16* lo
     launch_kernel_with_shared(k_classifier_grad<CG_DWTE, NS>, dim3((Vp + CG_ROWS - 1) / CG_ROWS), CG_THREADS,
                               Cg<NS>::SMEM,
                               tma_map_bf16(logits, n, Vp, CG_BK), tma_map_bf16(x, n, C, CG_BK), dwte, (float*)NULL,
-                              (float*)NULL, lse, targets, dscale, n, Vp, V, (V + CG_BK - 1) / CG_BK, grad_beta);
+                              (float*)NULL, cg_row_maps(lse, targets, n), dscale, n, Vp, V, (V + CG_BK - 1) / CG_BK,
+                              grad_beta);
 }
 
 template <int NS>

@@ -48,12 +48,14 @@ __device__ __forceinline__ void tma_load(unsigned dst, const CUtensorMap* map, i
         "l"((unsigned long long)map), "r"(x), "r"(y), "r"(bar)
         : "memory");
 }
-/* Starts copying `bytes` (a multiple of 16) from global src to shared dst, both 16-byte aligned,
- * as one bulk copy; its bytes count on the mbarrier at bar. */
-__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
+/* Starts loading the box at element x of the one-dimensional tensor map into shared memory at dst
+ * (128-byte aligned); its bytes count on the mbarrier at bar. */
+__device__ __forceinline__ void tma_load_1d(unsigned dst, const CUtensorMap* map, int x, unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2}], [%3];\n" ::"r"(
+            dst),
+        "l"((unsigned long long)map), "r"(x), "r"(bar)
+        : "memory");
 }
 /* Starts storing shared memory at src into the box at column x, row y of the tensor map. The
  * thread's stores since its last tma_store_commit form one group; tma_store_wait_read waits until
@@ -74,11 +76,8 @@ __device__ __forceinline__ void fence_shared_for_async(void) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-/* The TMA's view of a row-major [rows][cols] bf16 matrix in boxes of box_rows x 64 columns: 128
- * bytes a row, stored with the 128-byte swizzle, the layout the warpgroup products' descriptors
- * name (attention.cuh, fa_wg_desc<64>). Encoded by the driver's entry point (no libcuda link). The
- * matrix's address must be 16-byte aligned and its rows a multiple of 16 bytes. */
-static CUtensorMap tma_map_bf16(const bf16* p, int rows, int cols, int box_rows) {
+/* The driver's tensor-map encoder, found through the runtime's entry point (no libcuda link). */
+static PFN_cuTensorMapEncodeTiled_v12000 tma_encoder(void) {
     static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
     if (!encode) {
         cudaDriverEntryPointQueryResult found;
@@ -91,12 +90,33 @@ static CUtensorMap tma_map_bf16(const bf16* p, int rows, int cols, int box_rows)
         if (found != cudaDriverEntryPointSuccess || !encode)
             cuda_fail("cudaGetDriverEntryPoint(cuTensorMapEncodeTiled)", "not in this driver", __FILE__, __LINE__);
     }
+    return encode;
+}
+
+/* The TMA's view of a row-major [rows][cols] bf16 matrix in boxes of box_rows x 64 columns: 128
+ * bytes a row, stored with the 128-byte swizzle, the layout the warpgroup products' descriptors
+ * name (attention.cuh, fa_wg_desc<64>). The matrix's address must be 16-byte aligned and its rows
+ * a multiple of 16 bytes. */
+static CUtensorMap tma_map_bf16(const bf16* p, int rows, int cols, int box_rows) {
     CUtensorMap map;
     cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)cols * sizeof(bf16)};
     cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, elem_strides[2] = {1, 1};
-    CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)p, dims, strides, box, elem_strides,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUresult r = tma_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)p, dims, strides, box, elem_strides,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) cuda_fail("cuTensorMapEncodeTiled", "refused the tensor map", __FILE__, __LINE__);
+    return map;
+}
+
+/* The TMA's view of n 32-bit values (type: FLOAT32 or INT32) in boxes of `box` values, unswizzled.
+ * The address must be 16-byte aligned. */
+static CUtensorMap tma_map_words(const void* p, CUtensorMapDataType type, int n, int box) {
+    CUtensorMap map;
+    cuuint64_t dims[1] = {(cuuint64_t)n}, strides[1] = {0}; /* a rank-1 map has no strides */
+    cuuint32_t boxes[1] = {(cuuint32_t)box}, elem_strides[1] = {1};
+    CUresult r = tma_encoder()(&map, type, 1, (void*)p, dims, strides, boxes, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                               CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) cuda_fail("cuTensorMapEncodeTiled", "refused the tensor map", __FILE__, __LINE__);
     return map;
 }
