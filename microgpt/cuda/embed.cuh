@@ -11,12 +11,12 @@
  * segment warp w sums the listed rows w, w + 8, ... and the eight warp sums are added in warp
  * order: a fixed summation order that does not make a frequent token (hundreds of positions in
  * real text: a space is a quarter of the benchmark's text) one long chain of dependent loads.
- * A short run (at most 8 positions, all in its first segment: most tokens) is added by its start's
- * warp alone in one pass with every row's loads in flight; a longer one by whole blocks, split by
+ * A short run (at most 8 positions: most tokens) is added by its start's warp alone, a pass per
+ * segment with every row's loads in flight; a longer one by whole blocks, split by
  * columns so that the blocks of one frequent token run side by side, each warp loading
  * EMBED_ROWS_AHEAD rows before it adds them. The same additions in the same order either way
- * (docs/BENCHMARKS.md #93, #98, #100, #101 measured each step of this against the one before, with
- * the same bits). dwpe[t] has one term per sequence, summed in b order.
+ * (docs/BENCHMARKS.md #93, #98, #100, #101, #147 measured each step of this against the one
+ * before, with the same bits). dwpe[t] has one term per sequence, summed in b order.
  *
  * Kernels: k_embed_fwd; the backward is the sort (k_embed_sort_block, or k_embed_positions and
  * CUB's device-wide sort: embed_bwd_sort), then k_embed_bwd_wte_runs and k_embed_bwd_wpe
@@ -144,18 +144,44 @@ __device__ void embed_add_run(float* dwte, const T* dout, const int* sorted_tok,
     }
 }
 
-/* The token rows' sums (docs/BENCHMARKS.md #100): one warp per sorted entry, 8 a block;
+/* The token rows' sums (docs/BENCHMARKS.md #100, #145): one warp per sorted entry, 8 a block;
  * sorted_tok ascending, sorted_pos ascending within each token's run. A run of at most EMBED_WARPS
- * positions, all in its first segment (every token on uniform data, most on text), is added by its
- * start's warp alone: per column the additions a block makes of a longer run, in the same order
- * (warp w's sum is 0 + the run's row w, or 0 past the run; the row gets 0 + the eight in warp
- * order), in one pass over the row (EMBED_RUN_COLS columns a lane, every row's loads in flight
+ * positions (every token on uniform data, most on text) is added by its start's warp alone, segment
+ * by segment: per column the additions a block makes of a longer run, in the same order (in each
+ * segment, warp w's sum is 0 + the segment's row w, or 0 past its rows; the row gets 0 + the eight
+ * in warp order), in one pass over the row per EMBED_SLAB columns (every row's loads in flight
  * together) with no barrier. Longer runs (a frequent token's hundreds of rows on text) are split by
  * columns: block (x, y) adds columns y EMBED_RUN_GROUP .. (y + 1) EMBED_RUN_GROUP - 1 of the longer
  * runs starting at its entries, as embed_add_run does them (a column's additions never depend on
  * another's), so the C / EMBED_RUN_GROUP blocks of one such token run side by side. */
-#define EMBED_RUN_COLS 24   /* columns a lane in a short run's pass: 768 a warp */
 #define EMBED_RUN_GROUP 128 /* columns a block of a longer run adds */
+
+/* row[c] += the sum of one segment's m rows (m <= EMBED_WARPS) of dout at every column c, added as a
+ * block's warps add them (embed_add_listed_rows): lane l takes columns l, l + 32, ..., EMBED_LANE_COLS
+ * a pass. The rows' positions are p in lanes first .. first + m - 1. Whole warp (first and m the
+ * same in every lane). */
+template <typename T>
+__device__ void embed_add_short_segment(float* row, const T* dout, int p, int first, int m, int C) {
+    int lane = threadIdx.x & 31;
+    for (int c0 = 0; c0 < C; c0 += EMBED_SLAB) {
+        float sum[EMBED_LANE_COLS];
+#pragma unroll
+        for (int k = 0; k < EMBED_LANE_COLS; k++) sum[k] = 0.0f;
+#pragma unroll
+        for (int w = 0; w < EMBED_WARPS; w++) { /* a block's warp w: the segment's row w, or none */
+            const T* src = dout + (size_t)__shfl_sync(0xffffffffu, p, first + (w < m ? w : 0)) * C + c0 + lane;
+#pragma unroll
+            for (int k = 0; k < EMBED_LANE_COLS; k++) {
+                float acc = 0.0f;
+                if (w < m && c0 + lane + 32 * k < C) acc += to_f(src[32 * k]);
+                sum[k] += acc;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < EMBED_LANE_COLS; k++)
+            if (c0 + lane + 32 * k < C) row[c0 + lane + 32 * k] += sum[k];
+    }
+}
 
 template <typename T>
 __global__ void __launch_bounds__(EMBED_BWD_THREADS)
@@ -171,28 +197,18 @@ k_embed_bwd_wte_runs(float* __restrict__ dwte, const T* __restrict__ dout, const
     bool start = s < N && __shfl_sync(0xffffffffu, t, 0) != tok;
     unsigned same = __ballot_sync(0xffffffffu, lane >= 1 && t == tok); /* t = -1 matches no token */
     int n = __ffs(~(same >> 1)) - 1;                                    /* the run's entries from s, up to 9 */
-    int last = __shfl_sync(0xffffffffu, p, n > 0 ? n : 1);               /* its last position seen */
-    bool short_run = start && n <= EMBED_WARPS && last - i < EMBED_LIST;
+    bool short_run = start && n <= EMBED_WARPS;
     if (lane == 0) long_tok[warp] = start && !short_run ? tok : -1, long_pos[warp] = i;
     if (short_run && blockIdx.y == 0) {
         float* row = dwte + (size_t)tok * C;
-        for (int c0 = 0; c0 < C; c0 += 32 * EMBED_RUN_COLS) {
-            float sum[EMBED_RUN_COLS];
-#pragma unroll
-            for (int k = 0; k < EMBED_RUN_COLS; k++) sum[k] = 0.0f;
-#pragma unroll
-            for (int w = 0; w < EMBED_WARPS; w++) { /* a block's warp w: row w of the run, or none */
-                const T* src = dout + (size_t)__shfl_sync(0xffffffffu, p, 1 + w) * C + c0 + lane;
-#pragma unroll
-                for (int k = 0; k < EMBED_RUN_COLS; k++) {
-                    float acc = 0.0f;
-                    if (w < n && c0 + lane + 32 * k < C) acc += to_f(src[32 * k]);
-                    sum[k] += acc;
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < EMBED_RUN_COLS; k++)
-                if (c0 + lane + 32 * k < C) row[c0 + lane + 32 * k] += sum[k];
+        /* segment by segment (EMBED_LIST positions from i), as embed_add_run lists them: the run's
+         * entries are lanes 1 .. n, their segments ascending */
+        int seg = (p - i) / EMBED_LIST;
+        for (int j = 1; j <= n;) {
+            int m = 1, first_seg = __shfl_sync(0xffffffffu, seg, j);
+            while (j + m <= n && __shfl_sync(0xffffffffu, seg, j + m) == first_seg) m++;
+            embed_add_short_segment(row, dout, p, j, m, C);
+            j += m;
         }
     }
     __syncthreads();
