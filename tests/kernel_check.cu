@@ -305,6 +305,31 @@ static std::string shape_str(const Shape& s) {
 
 /* tokens from the first token_range of the vocabulary (by default a quarter: many repeats, so dwte
  * rows sum several positions; 1: one token everywhere) */
+/* dwte0 plus the token rows' sums added exactly as k_embed_bwd_wte_runs adds them (embed.cuh): per
+ * token, segment by segment (EMBED_LIST positions from its first), the segment's row j into warp
+ * j % EMBED_WARPS's sum in order, the EMBED_WARPS sums added in warp order, that total added to
+ * the row. Both of the kernel's paths (one warp for a run of at most EMBED_WARPS positions, blocks
+ * for a longer one) must give these bits. */
+static Vec embed_dwte_in_kernel_order(const Vec& dwte0, const Vec& dout, const std::vector<int>& tokens, int C) {
+    Vec out = dwte0;
+    std::vector<std::vector<int>> positions(dwte0.size() / C);
+    for (size_t n = 0; n < tokens.size(); n++) positions[tokens[n]].push_back((int)n);
+    for (size_t tok = 0; tok < positions.size(); tok++) {
+        const std::vector<int>& ps = positions[tok];
+        for (size_t j0 = 0, j1; j0 < ps.size(); j0 = j1) {
+            int seg = (ps[j0] - ps[0]) / EMBED_LIST;
+            for (j1 = j0; j1 < ps.size() && (ps[j1] - ps[0]) / EMBED_LIST == seg;) j1++;
+            for (int c = 0; c < C; c++) {
+                float warp_sum[EMBED_WARPS] = {}, total = 0.0f;
+                for (size_t j = j0; j < j1; j++) warp_sum[(j - j0) % EMBED_WARPS] += dout[(size_t)ps[j] * C + c];
+                for (int w = 0; w < EMBED_WARPS; w++) total += warp_sum[w];
+                out[tok * C + c] += total;
+            }
+        }
+    }
+    return out;
+}
+
 template <typename T> static void test_embed(const Shape& s, Tol tol, int token_range = 0) {
     int N = s.B * s.T, C = s.C;
     std::vector<int> tokens = rand_ints(N, token_range > 0 ? token_range : s.V / 4 > 1 ? s.V / 4 : 2);
@@ -333,6 +358,9 @@ template <typename T> static void test_embed(const Shape& s, Tol tol, int token_
         };
         std::vector<Vec> r1 = gpu(), r2 = gpu();
         check("dwte", r1[0], plus(dwte0, dwte_inc), tol.prod, &dwte0);
+        bool ordered = !memcmp(r1[0].data(), embed_dwte_in_kernel_order(dwte0, dout, tokens, C).data(),
+                               r1[0].size() * sizeof(float));
+        report(ordered, "dwte_ord", ordered ? "the bits of its fixed summation order" : "DIFFERENT bits from its order");
         check_grad("dwpe", r1[1], dwpe_inc, dwpe0, gb, tol.prod);
         check_same("determ", r1, r2);
     }

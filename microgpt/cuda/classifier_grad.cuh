@@ -226,10 +226,10 @@ __device__ __forceinline__ void cg_produce(const CgBlock<NS>& k, const CUtensorM
 }
 
 /* A consumer warp hands a stage back to the producer: one arrival a warp (the barrier counts
- * 4 CG_WG), after a __syncwarp. An arrival releases only its own thread's earlier accesses, and
- * every lane read the stage's A tile (and dwte's row values) with ordinary loads: the __syncwarp
- * orders those reads before lane 0's arrival, so the producer's next TMA write into the stage
- * cannot pass them (compute-sanitizer's racecheck reports the hazard without it). */
+ * 4 CG_WG), after a __syncwarp. An arrival releases only its own thread's earlier accesses (PTX
+ * memory model), and every lane read the stage's A tile (and dwte's row values) with ordinary
+ * loads: the __syncwarp orders those reads before lane 0's arrival, so the producer's next TMA
+ * write into the stage, after its wait on that arrival, cannot pass them. */
 __device__ __forceinline__ void cg_release(unsigned empty, int lane) {
     __syncwarp();
     if (lane == 0) mbar_arrive(empty);

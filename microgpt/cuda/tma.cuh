@@ -1,7 +1,8 @@
 /* tma.cuh: Hopper's asynchronous bulk copies (sm_90a; PTX ISA "cp.async.bulk.tensor" and
- * "mbarrier"): the Tensor Memory Accelerator copies a box of a matrix between global and shared
- * memory while the threads do other work, and an mbarrier in shared memory says when a load's bytes
- * have landed. The primitives of the warp-specialised products (mlp.cuh's GELU-backward product).
+ * "mbarrier"): the Tensor Memory Accelerator copies a box of a matrix (or of a vector) between
+ * global and shared memory while the threads do other work, and an mbarrier in shared memory says
+ * when a load's bytes have landed. The primitives of the warp-specialised kernels (mlp.cuh's
+ * GELU-backward product, classifier_grad.cuh's classifier backward).
  *
  * An mbarrier counts arrivals (and, for TMA loads, bytes) in phases: a phase completes when its
  * expected arrivals have come and its expected bytes have landed, and the next begins. A thread
