@@ -77,8 +77,11 @@ __device__ __forceinline__ void fence_shared_for_async(void) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-/* The driver's tensor-map encoder, found through the runtime's entry point (no libcuda link). */
-static PFN_cuTensorMapEncodeTiled_v12000 tma_encoder(void) {
+/* A tensor map of `rank` dimensions (dims, strides between them in bytes, box: the driver's
+ * cuTensorMapEncodeTiled, found through the runtime's entry point: no libcuda link); any refusal
+ * is fatal. */
+static CUtensorMap tma_encode(CUtensorMapDataType type, unsigned rank, const void* p, const cuuint64_t* dims,
+                              const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swizzle) {
     static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
     if (!encode) {
         cudaDriverEntryPointQueryResult found;
@@ -91,7 +94,12 @@ static PFN_cuTensorMapEncodeTiled_v12000 tma_encoder(void) {
         if (found != cudaDriverEntryPointSuccess || !encode)
             cuda_fail("cudaGetDriverEntryPoint(cuTensorMapEncodeTiled)", "not in this driver", __FILE__, __LINE__);
     }
-    return encode;
+    CUtensorMap map;
+    cuuint32_t elem_strides[2] = {1, 1};
+    CUresult r = encode(&map, type, rank, (void*)p, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) cuda_fail("cuTensorMapEncodeTiled", "refused the tensor map", __FILE__, __LINE__);
+    return map;
 }
 
 /* The TMA's view of a row-major [rows][cols] bf16 matrix in boxes of box_rows x 64 columns: 128
@@ -99,27 +107,17 @@ static PFN_cuTensorMapEncodeTiled_v12000 tma_encoder(void) {
  * name (attention.cuh, fa_wg_desc<64>). The matrix's address must be 16-byte aligned and its rows
  * a multiple of 16 bytes. */
 static CUtensorMap tma_map_bf16(const bf16* p, int rows, int cols, int box_rows) {
-    CUtensorMap map;
     cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)cols * sizeof(bf16)};
-    cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, elem_strides[2] = {1, 1};
-    CUresult r = tma_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)p, dims, strides, box, elem_strides,
-                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) cuda_fail("cuTensorMapEncodeTiled", "refused the tensor map", __FILE__, __LINE__);
-    return map;
+    cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
+    return tma_encode(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 /* The TMA's view of n 32-bit values (type: FLOAT32 or INT32) in boxes of `box` values, unswizzled.
  * The address must be 16-byte aligned. */
 static CUtensorMap tma_map_words(const void* p, CUtensorMapDataType type, int n, int box) {
-    CUtensorMap map;
     cuuint64_t dims[1] = {(cuuint64_t)n}, strides[1] = {0}; /* a rank-1 map has no strides */
-    cuuint32_t boxes[1] = {(cuuint32_t)box}, elem_strides[1] = {1};
-    CUresult r = tma_encoder()(&map, type, 1, (void*)p, dims, strides, boxes, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                               CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) cuda_fail("cuTensorMapEncodeTiled", "refused the tensor map", __FILE__, __LINE__);
-    return map;
+    cuuint32_t boxes[1] = {(cuuint32_t)box};
+    return tma_encode(type, 1, p, dims, strides, boxes, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 #endif
