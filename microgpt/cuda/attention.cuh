@@ -667,17 +667,32 @@ template <int D> __device__ __forceinline__ unsigned fa_wg_swizzle(unsigned off)
     return off ^ (((off >> 7) & FaWg<D>::SWIZZLE) << 4);
 }
 
-/* Starts copying rows [r0, r0 + 64) of one head into a swizzled tile; rows at or past T become zero. */
-template <typename T, int D>
-__device__ __forceinline__ void fa_wg_load_rows(unsigned char* dst, const T* src, int r0, int T_, int C) {
-    constexpr int VEC = 16 / sizeof(T), PER_ROW = FaWg<D>::ROW_BYTES / 16;
-    for (int e = threadIdx.x; e < FA_TILE * PER_ROW; e += FA_THREADS) {
-        int r = e / PER_ROW, c = e % PER_ROW;
-        bool ok = r0 + r < T_;
-        fa_cp_async16(dst + fa_wg_swizzle<D>(r * FaWg<D>::ROW_BYTES + c * 16),
-                      ok ? src + (size_t)(r0 + r) * C + c * VEC : src, ok ? 16 : 0);
+/* A thread's share of copying rows [r0, r0 + 64) of one head into a swizzled tile, fixed for the
+ * block: 16-byte chunk `col` of rows row, row + ROW_STEP, ... (a pointer and a bound check a chunk,
+ * where a generic loop over the tile's chunks costs ~130 instructions a tile a warp:
+ * docs/BENCHMARKS.md #72). Chunk i lands ROW_STEP rows (a whole number of 1024-byte swizzle
+ * periods) after chunk 0: the swizzle permutes within 1024 bytes, so adding them commutes with it. */
+template <typename T, int D> struct FaWgCopy {
+    static constexpr int PER_ROW = FaWg<D>::ROW_BYTES / 16, ROW_STEP = FA_THREADS / PER_ROW;
+    static constexpr int CHUNKS = FA_TILE / ROW_STEP, STEP_BYTES = ROW_STEP * FaWg<D>::ROW_BYTES;
+    static_assert(STEP_BYTES % 1024 == 0, "a thread's chunks must be whole swizzle periods apart");
+    int row, col;  /* first row; first element of the chunk in a row */
+    unsigned dst;  /* byte offset of chunk 0 in a tile */
+    __device__ __forceinline__ FaWgCopy(void) {
+        unsigned e = threadIdx.x, c = e % PER_ROW;
+        row = (int)(e / PER_ROW), col = (int)(c * (16 / sizeof(T)));
+        dst = fa_wg_swizzle<D>(row * FaWg<D>::ROW_BYTES + c * 16);
     }
-}
+    /* starts copying rows [r0, r0 + 64) of one head (src: its row 0, row stride C); rows at or past
+     * T become zero */
+    __device__ __forceinline__ void load(unsigned char* tile, const T* src, int r0, int T_, int C) const {
+        const T* p = src + (size_t)(r0 + row) * C + col;
+        for (int i = 0; i < CHUNKS; i++) {
+            bool ok = r0 + row + i * ROW_STEP < T_;
+            fa_cp_async16(tile + dst + i * STEP_BYTES, ok ? p + (size_t)i * ROW_STEP * C : src, ok ? 16 : 0);
+        }
+    }
+};
 
 /* A shared-memory matrix descriptor (PTX ISA, wgmma): start address, leading and stride byte
  * offsets (each >> 4) and the swizzle mode. Rows 8 apart are one stride (SBO) apart. A K-major
@@ -820,11 +835,12 @@ __device__ __forceinline__ void fa_fwd_wgmma_body(T* out, float* lse, const T* q
 
     /* cp.async groups: {Q, K0}, {K1, V0}, then step kt commits {K_kt+1, V_kt}: what step kt + 1
      * reads (S_kt+1 and P_kt V_kt), into the buffers of K_kt-1 and V_kt-2, done with by then */
-    fa_wg_load_rows<T, D>(tiles, q + base, q0, T_, C);
-    fa_wg_load_rows<T, D>(tiles + k_tile(0), kh, 0, T_, C);
+    const FaWgCopy<T, D> copy; /* this thread's chunks of a tile */
+    copy.load(tiles, q + base, q0, T_, C);
+    copy.load(tiles + k_tile(0), kh, 0, T_, C);
     fa_cp_commit();
-    if (qt > 0) fa_wg_load_rows<T, D>(tiles + k_tile(1), kh, FA_TILE, T_, C);
-    fa_wg_load_rows<T, D>(tiles + v_tile(0), vh, 0, T_, C);
+    if (qt > 0) copy.load(tiles + k_tile(1), kh, FA_TILE, T_, C);
+    copy.load(tiles + v_tile(0), vh, 0, T_, C);
     fa_cp_commit();
     fa_cp_wait<1>();
     fa_wg_publish();
@@ -843,12 +859,14 @@ __device__ __forceinline__ void fa_fwd_wgmma_body(T* out, float* lse, const T* q
     for (int kt = 1; kt <= qt; kt++) {
         fa_cp_wait<0>(); /* K_kt and V_kt-1 have landed (this thread's part) ... */
         fa_wg_publish(); /* ... and everyone's; everyone is done with S_kt-1 and P V_kt-2 */
-        if (kt < qt) fa_wg_load_rows<T, D>(tiles + k_tile(kt + 1), kh, (kt + 1) * FA_TILE, T_, C);
-        fa_wg_load_rows<T, D>(tiles + v_tile(kt), vh, kt * FA_TILE, T_, C);
-        fa_cp_commit();
-        fa_wg_fence(); /* o and p were written by ordinary instructions */
+        fa_wg_fence();   /* o and p were written by ordinary instructions */
         fa_wg_scores<T, D>(s, q_addr, q_addr + k_tile(kt));
         fa_wg_accumulate<T, D>(o, p, q_addr + v_tile(kt - 1));
+        /* the next copies, beside the products (nothing but the barrier ahead of them: as the dK/dV
+         * kernel, docs/BENCHMARKS.md #72), into buffers neither product reads */
+        if (kt < qt) copy.load(tiles + k_tile(kt + 1), kh, (kt + 1) * FA_TILE, T_, C);
+        copy.load(tiles + v_tile(kt), vh, kt * FA_TILE, T_, C);
+        fa_cp_commit();
         fa_wg_wait<1>(); /* S_kt is done; P_kt-1 V_kt-1 runs on beside the softmax */
         fa_wg_hold<FA_TILE / 8>(s);
         if (kt == qt) fa_mask_diagonal<false>(s, warp * 16);
@@ -1047,8 +1065,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
  *   - lse and delta come by cp.async in the tile's copy group (fa_cp_lse_delta), not by a load,
  *     scale and store that two warps, and so the whole warpgroup, waited for; lse is kept as
  *     stored and scaled by log2(e) where used (the same rounded product);
- *   - each thread's 16-byte chunks of a tile are fixed for the block (FaWgCopy): a pointer and a
- *     bound check a chunk, not fa_wg_load_rows' generic loop (~130 instructions a tile a warp);
+ *   - each thread's 16-byte chunks of a tile are fixed for the block (FaWgCopy);
  *   - the diagonal tile, always the block's first, is a step of its own, so no other step carries
  *     the mask.
  * Compiled for sm_90a only; elsewhere the body is a trap that the host never launches
@@ -1059,31 +1076,6 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
 template <int D> struct FaWgDkv {
     static constexpr int DYNAMIC_SMEM = 6 * FaWg<D>::TILE_BYTES + 1024;     /* k, v, q[2], dout[2] */
     static constexpr int STATIC_SMEM = 2 * 2 * FA_TILE * (int)sizeof(float); /* lses, dls */
-};
-
-/* A thread's share of copying a swizzled tile (as fa_wg_load_rows), fixed for the block: 16-byte
- * chunk `col` of rows row, row + ROW_STEP, ... Chunk i lands 2048 i bytes (ROW_STEP rows) after
- * chunk 0: the swizzle permutes within 1024 bytes, so adding whole 1024s commutes with it. */
-template <typename T, int D> struct FaWgCopy {
-    static constexpr int PER_ROW = FaWg<D>::ROW_BYTES / 16, ROW_STEP = FA_THREADS / PER_ROW;
-    static constexpr int CHUNKS = FA_TILE / ROW_STEP, STEP_BYTES = ROW_STEP * FaWg<D>::ROW_BYTES;
-    static_assert(STEP_BYTES % 1024 == 0, "a thread's chunks must be whole swizzle periods apart");
-    int row, col;  /* first row; first element of the chunk in a row */
-    unsigned dst;  /* byte offset of chunk 0 in a tile */
-    __device__ __forceinline__ FaWgCopy(void) {
-        unsigned e = threadIdx.x, c = e % PER_ROW;
-        row = (int)(e / PER_ROW), col = (int)(c * (16 / sizeof(T)));
-        dst = fa_wg_swizzle<D>(row * FaWg<D>::ROW_BYTES + c * 16);
-    }
-    /* starts copying rows [r0, r0 + 64) of one head (src: its row 0, row stride C); rows at or past
-     * T become zero */
-    __device__ __forceinline__ void load(unsigned char* tile, const T* src, int r0, int T_, int C) const {
-        const T* p = src + (size_t)(r0 + row) * C + col;
-        for (int i = 0; i < CHUNKS; i++) {
-            bool ok = r0 + row + i * ROW_STEP < T_;
-            fa_cp_async16(tile + dst + i * STEP_BYTES, ok ? p + (size_t)i * ROW_STEP * C : src, ok ? 16 : 0);
-        }
-    }
 };
 
 /* Asynchronous 4-byte copy global -> shared (src_bytes 0: write zeros, read nothing). */
@@ -1193,8 +1185,8 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
         fa_wg_wait<0>(); /* before the next step's barrier: its copies take this step's buffers */
     };
 
-    fa_wg_load_rows<T, D>(tiles, k + base, kt * FA_TILE, T_, C);
-    fa_wg_load_rows<T, D>(tiles + W::TILE_BYTES, v + base, kt * FA_TILE, T_, C);
+    copy.load(tiles, k + base, kt * FA_TILE, T_, C);
+    copy.load(tiles + W::TILE_BYTES, v + base, kt * FA_TILE, T_, C);
     load_queries(kt, 0);
     float s[FA_TILE / 8][4], dp[FA_TILE / 8][4];
     step(s, dp, kt, true); /* the diagonal first, then no step tests for it */
