@@ -35,6 +35,7 @@
 #define MICROGPT_CUDA_ATTENTION_CUH
 
 #include "matmul.cuh"
+#include "tma.cuh"
 
 #define ATTN_WARPS 8 /* cuBLAS path: score rows per softmax block, one warp per row */
 
@@ -644,10 +645,14 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
  * padding) in the layout the descriptors name: 16-byte chunk c of row r stored at chunk c ^ (the
  * row's bits), i.e. byte address bits [4, 7) XOR [7, 10) ("128-byte swizzle", D = 64: 128-byte
  * rows) or [4, 6) XOR [7, 9) ("64-byte swizzle", D = 32: 64-byte rows), tiles 1024-byte aligned so
- * the pattern starts on each. Step kt loads K_kt+1 and V_kt (cp.async), read by step kt + 1: one
- * barrier per step, and a whole step for the copies to land. cp.async writes through the generic
- * proxy and wgmma reads through the async proxy: each thread fences (fence.proxy.async) after its
- * copies land, before the barrier. */
+ * the pattern starts on each. The tiles come by the TMA (FaHeadMaps, whose swizzle is this layout;
+ * rows at or past T read as zeros), one thread issuing a step's loads: step kt loads K_kt+1 and
+ * V_kt, read by step kt + 1, into the buffers of K_kt-1 and V_kt-2, after the step's barrier (every
+ * warp is done with those) and its products; a step's loads complete one of two mbarriers, taken
+ * by turns. The TMA writes and wgmma reads through the async proxy: no fence between them, and no
+ * thread computes a copy's addresses (docs/BENCHMARKS.md #148: copies by each thread, even with
+ * their chunks fixed for the block, cost ~40 instructions a warp a step and the generic proxy's
+ * fence, and a generic copy loop ~260). */
 template <int D> struct FaWg {
     static_assert(D == 32 || D == 64, "the wgmma forward takes head sizes 32 and 64");
     static constexpr int ROW_BYTES = 2 * D;                          /* one row of a tile: the swizzle width */
@@ -658,6 +663,34 @@ template <int D> struct FaWg {
     static constexpr int SMEM = 5 * TILE_BYTES + 1024;               /* q, k[2], v[2]; 1024 to align */
 };
 
+/* The TMA's views of q, k and v for the forward: each a [B][T][C] matrix of 16-bit values (C
+ * apart a row) in boxes of one head's D columns x 64 rows of one sequence, stored with FaWg<D>'s
+ * swizzle; rows at or past T read as zeros (each sequence is a plane of the map). Kernel
+ * parameters (__grid_constant__), encoded by the host at each launch (once, when a graph is
+ * captured). */
+struct FaHeadMaps {
+    CUtensorMap q, k, v;
+};
+template <int D> static CUtensorMap fa_head_map(const void* p, int B, int T_, int C) {
+    cuuint64_t dims[3] = {(cuuint64_t)C, (cuuint64_t)T_, (cuuint64_t)B};
+    cuuint64_t strides[2] = {(cuuint64_t)C * 2, (cuuint64_t)T_ * C * 2};
+    cuuint32_t box[3] = {(cuuint32_t)D, FA_TILE, 1};
+    return tma_encode(CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, p, dims, strides, box,
+                      D == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
+}
+template <int D> static FaHeadMaps fa_head_maps(const void* q, const void* k, const void* v, int B, int T_, int C) {
+    return {fa_head_map<D>(q, B, T_, C), fa_head_map<D>(k, B, T_, C), fa_head_map<D>(v, B, T_, C)};
+}
+/* The dK/dV kernel's: q, k, v and dout. */
+struct FaDkvMaps {
+    FaHeadMaps qkv;
+    CUtensorMap dout;
+};
+template <int D>
+static FaDkvMaps fa_dkv_maps(const void* q, const void* k, const void* v, const void* dout, int B, int T_, int C) {
+    return {fa_head_maps<D>(q, k, v, B, T_, C), fa_head_map<D>(dout, B, T_, C)};
+}
+
 /* Whether T is bf16 (else fp16): the products' input type, spelled in their instruction. */
 template <typename T> struct FaWgBf16 { static constexpr bool value = false; };
 template <> struct FaWgBf16<bf16> { static constexpr bool value = true; };
@@ -666,33 +699,6 @@ template <> struct FaWgBf16<bf16> { static constexpr bool value = true; };
 template <int D> __device__ __forceinline__ unsigned fa_wg_swizzle(unsigned off) {
     return off ^ (((off >> 7) & FaWg<D>::SWIZZLE) << 4);
 }
-
-/* A thread's share of copying rows [r0, r0 + 64) of one head into a swizzled tile, fixed for the
- * block: 16-byte chunk `col` of rows row, row + ROW_STEP, ... (a pointer and a bound check a chunk,
- * where a generic loop over the tile's chunks costs ~130 instructions a tile a warp:
- * docs/BENCHMARKS.md #72). Chunk i lands ROW_STEP rows (a whole number of 1024-byte swizzle
- * periods) after chunk 0: the swizzle permutes within 1024 bytes, so adding them commutes with it. */
-template <typename T, int D> struct FaWgCopy {
-    static constexpr int PER_ROW = FaWg<D>::ROW_BYTES / 16, ROW_STEP = FA_THREADS / PER_ROW;
-    static constexpr int CHUNKS = FA_TILE / ROW_STEP, STEP_BYTES = ROW_STEP * FaWg<D>::ROW_BYTES;
-    static_assert(STEP_BYTES % 1024 == 0, "a thread's chunks must be whole swizzle periods apart");
-    int row, col;  /* first row; first element of the chunk in a row */
-    unsigned dst;  /* byte offset of chunk 0 in a tile */
-    __device__ __forceinline__ FaWgCopy(void) {
-        unsigned e = threadIdx.x, c = e % PER_ROW;
-        row = (int)(e / PER_ROW), col = (int)(c * (16 / sizeof(T)));
-        dst = fa_wg_swizzle<D>(row * FaWg<D>::ROW_BYTES + c * 16);
-    }
-    /* starts copying rows [r0, r0 + 64) of one head (src: its row 0, row stride C); rows at or past
-     * T become zero */
-    __device__ __forceinline__ void load(unsigned char* tile, const T* src, int r0, int T_, int C) const {
-        const T* p = src + (size_t)(r0 + row) * C + col;
-        for (int i = 0; i < CHUNKS; i++) {
-            bool ok = r0 + row + i * ROW_STEP < T_;
-            fa_cp_async16(tile + dst + i * STEP_BYTES, ok ? p + (size_t)i * ROW_STEP * C : src, ok ? 16 : 0);
-        }
-    }
-};
 
 /* A shared-memory matrix descriptor (PTX ISA, wgmma): start address, leading and stride byte
  * offsets (each >> 4) and the swizzle mode. Rows 8 apart are one stride (SBO) apart. A K-major
@@ -722,11 +728,6 @@ template <int N> __device__ __forceinline__ void fa_wg_hold(float (*x)[4]) {
  * is never this NaN pattern) and would only sleep 0 ns. */
 __device__ __forceinline__ void fa_wg_block_end(float x) {
     if (__float_as_uint(x) == 0xFFFFFFFFu) __nanosleep(0);
-}
-/* The copies this thread waited for, made visible to the tensor cores' reads: then a barrier. */
-__device__ __forceinline__ void fa_wg_publish(void) {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
 }
 
 #define FA_WG_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
@@ -816,38 +817,47 @@ struct FaBwdPlain {
  * S_kt and P_kt-1 V_kt-1, then runs the softmax of S_kt while that product runs. Compiled for
  * sm_90a only; elsewhere the body is a trap that the host never launches (fa_fwd_wgmma_ok). */
 template <typename T, int D, bool AMAX, typename Epi>
-__device__ __forceinline__ void fa_fwd_wgmma_body(T* out, float* lse, const T* q, const T* k, const T* v, int T_,
-                                                  int C, int H, float sl2, unsigned* amax_bits, Epi epi) {
+__device__ __forceinline__ void fa_fwd_wgmma_body(T* out, float* lse, const FaHeadMaps& maps, int T_, int C, int H,
+                                                  float sl2, unsigned* amax_bits, Epi epi) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using W = FaWg<D>;
     __shared__ __align__(1024) unsigned char smem[W::SMEM];
+    __shared__ __align__(8) unsigned long long loaded[2]; /* mbarriers: load group g completes loaded[g % 2] */
     unsigned smem_addr = (unsigned)__cvta_generic_to_shared(smem), pad = (1024 - (smem_addr & 1023)) & 1023;
     unsigned char* tiles = smem + pad; /* [q | k0 | k1 | v0 | v1], each TILE_BYTES */
-    unsigned q_addr = smem_addr + pad;
+    unsigned q_addr = smem_addr + pad, bar0 = (unsigned)__cvta_generic_to_shared(loaded);
     auto k_tile = [&](int kt) { return (1 + (kt & 1)) * W::TILE_BYTES; }; /* byte offsets in tiles */
     auto v_tile = [&](int kt) { return (3 + (kt & 1)) * W::TILE_BYTES; };
     int warp = threadIdx.x >> 5;
     FaBlock blk = fa_block();
     int qt = blk.n_tiles - 1 - blk.tile, bh = blk.bh, b = bh / H, hd = bh % H;
-    int q0 = qt * FA_TILE, row0 = q0 + warp * 16;
-    size_t base = (size_t)b * T_ * C + (size_t)hd * D;
-    const T *kh = k + base, *vh = v + base;
+    int q0 = qt * FA_TILE, row0 = q0 + warp * 16, col0 = hd * D;
+    size_t base = (size_t)b * T_ * C + (size_t)col0;
 
-    /* cp.async groups: {Q, K0}, {K1, V0}, then step kt commits {K_kt+1, V_kt}: what step kt + 1
-     * reads (S_kt+1 and P_kt V_kt), into the buffers of K_kt-1 and V_kt-2, done with by then */
-    const FaWgCopy<T, D> copy; /* this thread's chunks of a tile */
-    copy.load(tiles, q + base, q0, T_, C);
-    copy.load(tiles + k_tile(0), kh, 0, T_, C);
-    fa_cp_commit();
-    if (qt > 0) copy.load(tiles + k_tile(1), kh, FA_TILE, T_, C);
-    copy.load(tiles + v_tile(0), vh, 0, T_, C);
-    fa_cp_commit();
-    fa_cp_wait<1>();
-    fa_wg_publish();
+    /* load groups (thread 0 issues them): 0 = {Q, K0}, g >= 1 = {K_g (g <= qt), V_g-1}; step kt
+     * (0 .. qt) reads group kt, the last P V group qt + 1; group g's mbarrier is in phase g / 2 */
+    auto issue = [&](int g) {
+        unsigned bar = bar0 + 8 * (g & 1);
+        bool with_k = g <= qt;
+        mbar_arrive_expect_bytes(bar, (1 + with_k) * W::TILE_BYTES); /* Q or V, and K */
+        if (g == 0) tma_load_3d(q_addr, &maps.q, col0, q0, b, bar);
+        if (with_k) tma_load_3d(q_addr + k_tile(g), &maps.k, col0, g * FA_TILE, b, bar);
+        if (g > 0) tma_load_3d(q_addr + v_tile(g - 1), &maps.v, col0, (g - 1) * FA_TILE, b, bar);
+    };
+    auto await_group = [&](int g) { mbar_wait(bar0 + 8 * (g & 1), (g >> 1) & 1); };
+    if (threadIdx.x == 0) {
+        mbar_init(bar0, 1);
+        mbar_init(bar0 + 8, 1);
+        mbar_init_fence();
+        issue(0);
+        issue(1);
+    }
+    __syncthreads(); /* the barriers are initialised before anyone waits on them */
 
     float s[FA_TILE / 8][4], o[Fa<D>::ND][4] = {}, alpha[2];
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* running max (base 2), this lane's sum */
     unsigned p[FA_TILE / 16][4];                                /* P of the previous tile, T pairs */
+    await_group(0);
     fa_wg_fence();
     fa_wg_scores<T, D>(s, q_addr, q_addr + k_tile(0));
     fa_wg_wait<0>();
@@ -857,16 +867,12 @@ __device__ __forceinline__ void fa_fwd_wgmma_body(T* out, float* lse, const T* q
     fa_wg_pack_p<T>(p, s);
 
     for (int kt = 1; kt <= qt; kt++) {
-        fa_cp_wait<0>(); /* K_kt and V_kt-1 have landed (this thread's part) ... */
-        fa_wg_publish(); /* ... and everyone's; everyone is done with S_kt-1 and P V_kt-2 */
+        await_group(kt); /* K_kt and V_kt-1 have landed */
+        __syncthreads(); /* everyone is done with S_kt-1 and P V_kt-2, whose buffers group kt + 1 takes */
         fa_wg_fence();   /* o and p were written by ordinary instructions */
         fa_wg_scores<T, D>(s, q_addr, q_addr + k_tile(kt));
         fa_wg_accumulate<T, D>(o, p, q_addr + v_tile(kt - 1));
-        /* the next copies, beside the products (nothing but the barrier ahead of them: as the dK/dV
-         * kernel, docs/BENCHMARKS.md #72), into buffers neither product reads */
-        if (kt < qt) copy.load(tiles + k_tile(kt + 1), kh, (kt + 1) * FA_TILE, T_, C);
-        copy.load(tiles + v_tile(kt), vh, kt * FA_TILE, T_, C);
-        fa_cp_commit();
+        if (threadIdx.x == 0) issue(kt + 1); /* beside the products, into buffers neither reads */
         fa_wg_wait<1>(); /* S_kt is done; P_kt-1 V_kt-1 runs on beside the softmax */
         fa_wg_hold<FA_TILE / 8>(s);
         if (kt == qt) fa_mask_diagonal<false>(s, warp * 16);
@@ -878,8 +884,7 @@ __device__ __forceinline__ void fa_fwd_wgmma_body(T* out, float* lse, const T* q
         fa_wg_pack_p<T>(p, s); /* only now: P V_kt-1 read these registers (else ptxas serialises the
                                 * products, C7513) */
     }
-    fa_cp_wait<0>(); /* V of the diagonal tile */
-    fa_wg_publish();
+    await_group(qt + 1); /* V of the diagonal tile */
     fa_wg_fence();
     fa_wg_accumulate<T, D>(o, p, q_addr + v_tile(qt));
     fa_wg_wait<0>();
@@ -908,10 +913,10 @@ __device__ __forceinline__ void fa_fwd_wgmma_body(T* out, float* lse, const T* q
 
 template <typename T, int D, bool AMAX>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
-    k_attn_fwd_wgmma(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2,
+    k_attn_fwd_wgmma(T* out, float* lse, const __grid_constant__ FaHeadMaps maps, int T_, int C, int H, float sl2,
                      unsigned* amax_bits) {
     await_previous_kernel();
-    fa_fwd_wgmma_body<T, D, AMAX>(out, lse, q, k, v, T_, C, H, sl2, amax_bits, FaBwdPlain());
+    fa_fwd_wgmma_body<T, D, AMAX>(out, lse, maps, T_, C, H, sl2, amax_bits, FaBwdPlain());
 }
 
 /* Whether this process launches k_attn_fwd_wgmma<T, D, *>: where the kernel image the CUDA runtime
@@ -1065,7 +1070,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
  *   - lse and delta come by cp.async in the tile's copy group (fa_cp_lse_delta), not by a load,
  *     scale and store that two warps, and so the whole warpgroup, waited for; lse is kept as
  *     stored and scaled by log2(e) where used (the same rounded product);
- *   - each thread's 16-byte chunks of a tile are fixed for the block (FaWgCopy);
+ *   - the Q and dO tiles come by the TMA (thread 0 issues them), as the forward's;
  *   - the diagonal tile, always the block's first, is a step of its own, so no other step carries
  *     the mask.
  * Compiled for sm_90a only; elsewhere the body is a trap that the host never launches
@@ -1122,29 +1127,41 @@ template <typename T> __device__ __forceinline__ void fa_wg_store_ds(T* tile, co
 /* The backward's kernels' epilogues (FaBwdPlain, FaBwdCodes: above, at fa_fwd_wgmma_body): dK, dV
  * or dQ rows stored in T, or instead their codes for the QKV backward's product. */
 template <typename T, int D, bool AMAX, typename Epi>
-__device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse,
-                                                      const float* delta, const T* q, const T* k, const T* v, int T_,
-                                                      int C, int H, float scale, float sl2, unsigned* amax_bits,
+__device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles, const FaDkvMaps& maps,
+                                                      const float* lse, const float* delta, int T_, int C, int H,
+                                                      float scale, float sl2, unsigned* amax_bits,
                                                       unsigned char* fa_dkv_smem, Epi epi) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using W = FaWg<D>;
     /* query tile qt's in [(qt - kt) % 2]; lse as stored (natural log, scaled where used) */
     __shared__ float lses[2][FA_TILE], dls[2][FA_TILE];
+    __shared__ __align__(8) unsigned long long loaded[2]; /* mbarriers: query tile qt's loads, loaded[(qt - kt) % 2] */
     unsigned smem_addr = (unsigned)__cvta_generic_to_shared(fa_dkv_smem), pad = (1024 - (smem_addr & 1023)) & 1023;
     unsigned char* tiles = fa_dkv_smem + pad; /* [k | v | q0 | q1 | dout0 | dout1], each TILE_BYTES */
-    unsigned k_addr = smem_addr + pad, v_addr = k_addr + W::TILE_BYTES;
+    unsigned k_addr = smem_addr + pad, v_addr = k_addr + W::TILE_BYTES, bar0 = (unsigned)__cvta_generic_to_shared(loaded);
     auto q_tile = [&](int buf) { return (2 + buf) * W::TILE_BYTES; }; /* byte offsets in tiles */
     auto do_tile = [&](int buf) { return (4 + buf) * W::TILE_BYTES; };
     int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
     FaBlock blk = fa_block();
     int kt = blk.tile, bh = blk.bh, b = bh / H, hd = bh % H, n_tiles = blk.n_tiles;
     int sub = warp * 16, row0 = kt * FA_TILE + sub; /* the warp's first key within the tile, and in all */
-    size_t base = (size_t)b * T_ * C + (size_t)hd * D;
-    const FaWgCopy<T, D> copy; /* this thread's chunks of a tile */
-    /* starts loading query tile qt into buffer `buf`: one cp.async group */
-    auto load_queries = [&](int qt, int buf) {
-        copy.load(tiles + q_tile(buf), q + base, qt * FA_TILE, T_, C);
-        copy.load(tiles + do_tile(buf), dout + base, qt * FA_TILE, T_, C);
+    int col0 = hd * D;
+    size_t base = (size_t)b * T_ * C + (size_t)col0;
+    /* starts loading query tile qt (the i-th, i = qt - kt) into buffer i % 2: its Q and dO tiles by
+     * the TMA (thread 0; the first also K and V) on mbarrier loaded[i % 2], in its phase i / 2, and
+     * lse and delta by cp.async, one group */
+    auto load_queries = [&](int qt) {
+        int i = qt - kt, buf = i % 2;
+        if (threadIdx.x == 0) {
+            unsigned bar = bar0 + 8 * buf;
+            mbar_arrive_expect_bytes(bar, (i == 0 ? 4 : 2) * W::TILE_BYTES);
+            if (i == 0) {
+                tma_load_3d(k_addr, &maps.qkv.k, col0, kt * FA_TILE, b, bar);
+                tma_load_3d(v_addr, &maps.qkv.v, col0, kt * FA_TILE, b, bar);
+            }
+            tma_load_3d(k_addr + q_tile(buf), &maps.qkv.q, col0, qt * FA_TILE, b, bar);
+            tma_load_3d(k_addr + do_tile(buf), &maps.dout, col0, qt * FA_TILE, b, bar);
+        }
         fa_cp_lse_delta(lses[buf], dls[buf], lse, delta, bh, qt * FA_TILE, T_);
         fa_cp_commit();
     };
@@ -1153,8 +1170,10 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
     /* query tile qt's step (one barrier, above), s and dp its scores; diagonal: qt == kt */
     auto step = [&](float (*s)[4], float (*dp)[4], int qt, bool diagonal) {
         int i = qt - kt, cur = i % 2;
-        fa_cp_wait<0>(); /* tile qt has landed (this thread's part) ... */
-        fa_wg_publish(); /* ... and everyone's; everyone's products on tile qt - 1 are done */
+        fa_cp_wait<0>();                       /* lse and delta of tile qt have landed (this thread's) ... */
+        mbar_wait(bar0 + 8 * cur, (i >> 1) & 1); /* ... its tiles too (the TMA's writes and the products'
+                                                  * reads are both async-proxy: no fence) ... */
+        __syncthreads(); /* ... and everyone's; everyone's products on tile qt - 1 are done */
         unsigned q_addr = k_addr + q_tile(cur), do_addr = k_addr + do_tile(cur);
         const float *lsec = lses[cur], *dlc = dls[cur];
         /* lse of query col in base 2 (as fa_load_lse_delta's product) */
@@ -1163,7 +1182,7 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
         fa_wg_fence(); /* p and ds were written by ordinary instructions */
         fa_wg_scores<T, D>(s, k_addr, q_addr); /* S^T and dP^T, issued as two groups */
         fa_wg_scores<T, D>(dp, v_addr, do_addr);
-        if (qt + 1 < n_tiles) load_queries(qt + 1, (i + 1) % 2); /* beside S^T, dP^T */
+        if (qt + 1 < n_tiles) load_queries(qt + 1); /* beside S^T, dP^T */
         fa_wg_wait<1>(); /* S^T is done; dP^T runs on beside P^T */
         fa_wg_hold<FA_TILE / 8>(s);
         if (diagonal) fa_mask_diagonal<true>(s, sub);
@@ -1185,9 +1204,13 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
         fa_wg_wait<0>(); /* before the next step's barrier: its copies take this step's buffers */
     };
 
-    copy.load(tiles, k + base, kt * FA_TILE, T_, C);
-    copy.load(tiles + W::TILE_BYTES, v + base, kt * FA_TILE, T_, C);
-    load_queries(kt, 0);
+    if (threadIdx.x == 0) {
+        mbar_init(bar0, 1);
+        mbar_init(bar0 + 8, 1);
+        mbar_init_fence();
+    }
+    __syncthreads(); /* the barriers are initialised before anyone waits on them */
+    load_queries(kt);
     float s[FA_TILE / 8][4], dp[FA_TILE / 8][4];
     step(s, dp, kt, true); /* the diagonal first, then no step tests for it */
     for (int qt = kt + 1; qt < n_tiles; qt++) step(s, dp, qt, false);
@@ -1220,14 +1243,14 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
 
 template <typename T, int D, bool AMAX>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
-    k_attn_bwd_dkv_wgmma(T* dk, T* dv, T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q,
-                         const T* k, const T* v, int T_, int C, int H, float scale, float sl2, unsigned* amax_bits) {
+    k_attn_bwd_dkv_wgmma(T* dk, T* dv, T* ds_tiles, const __grid_constant__ FaDkvMaps maps, const float* lse,
+                         const float* delta, int T_, int C, int H, float scale, float sl2, unsigned* amax_bits) {
     await_previous_kernel();
     /* declared in each kernel, not in the body: an extern's alignment there would align every
      * kernel's dynamic shared memory */
     extern __shared__ __align__(1024) unsigned char fa_dkv_smem[];
-    fa_bwd_dkv_wgmma_body<T, D, AMAX>(dk, dv, ds_tiles, dout, lse, delta, q, k, v, T_, C, H, scale, sl2, amax_bits,
-                                      fa_dkv_smem, FaBwdPlain());
+    fa_bwd_dkv_wgmma_body<T, D, AMAX>(dk, dv, ds_tiles, maps, lse, delta, T_, C, H, scale, sl2, amax_bits, fa_dkv_smem,
+                                      FaBwdPlain());
 }
 
 /* Whether this process launches k_attn_bwd_dkv_wgmma<T, D, *> (as fa_fwd_wgmma_ok: the sm_90a body
@@ -1372,7 +1395,8 @@ static void attn_fwd_flash(T* out, float* lse, const T* q, const T* k, const T* 
     fa_check_aligned(out, q, k, v);
     if constexpr (D == 32 || D == 64) {
         if (fa_fwd_wgmma_ok<T, D>()) {
-            FA_LAUNCH(k_attn_fwd_wgmma, T, D, T_, B * H, amax_bits, out, lse, q, k, v, T_, C, H, sl2);
+            FA_LAUNCH(k_attn_fwd_wgmma, T, D, T_, B * H, amax_bits, out, lse, fa_head_maps<D>(q, k, v, B, T_, C),
+                      T_, C, H, sl2);
             return;
         }
     }
@@ -1397,7 +1421,7 @@ static void attn_bwd_flash_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const f
     if constexpr (D == 32 || D == 64) {
         if (fa_dkv_wgmma_ok<T, D>()) {
             FA_LAUNCH_SHARED(k_attn_bwd_dkv_wgmma, T, D, T_, B * H, FaWgDkv<D>::DYNAMIC_SMEM, amax_bits, dk, dv,
-                             ds_tiles, dout, lse, delta, q, k, v, T_, C, H, scale, sl2);
+                             ds_tiles, fa_dkv_maps<D>(q, k, v, dout, B, T_, C), lse, delta, T_, C, H, scale, sl2);
             return;
         }
     }

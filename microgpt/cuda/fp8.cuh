@@ -772,11 +772,11 @@ struct FaBwdCodes {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
-    k_attn_bwd_dkv_wgmma_fp8(T* ds_tiles, const T* dout, const float* lse, const float* delta, const T* q, const T* k,
-                             const T* v, int T_, int C, int H, float scale, float sl2, FaBwdCodes codes) {
+    k_attn_bwd_dkv_wgmma_fp8(T* ds_tiles, const __grid_constant__ FaDkvMaps maps, const float* lse, const float* delta,
+                             int T_, int C, int H, float scale, float sl2, FaBwdCodes codes) {
     await_previous_kernel();
     extern __shared__ __align__(1024) unsigned char fa_dkv_smem[]; /* as k_attn_bwd_dkv_wgmma's */
-    fa_bwd_dkv_wgmma_body<T, D, false>((T*)NULL, (T*)NULL, ds_tiles, dout, lse, delta, q, k, v, T_, C, H, scale, sl2,
+    fa_bwd_dkv_wgmma_body<T, D, false>((T*)NULL, (T*)NULL, ds_tiles, maps, lse, delta, T_, C, H, scale, sl2,
                                        (unsigned*)NULL, fa_dkv_smem, codes);
 }
 
@@ -830,7 +830,7 @@ static void attn_bwd_fp8_flash(const FaBwdCodes& codes, const T* dout, const T* 
     fa_check_aligned(out, codes.out_n, codes.out_t, ds_tiles);
     attn_bwd_flash_delta<T, D>(delta, dout, out, B, T_, C, H);
     launch_kernel_with_shared(k_attn_bwd_dkv_wgmma_fp8<T, D>, grid, FA_THREADS, FaWgDkv<D>::DYNAMIC_SMEM, ds_tiles,
-                              dout, lse, delta, q, k, v, T_, C, H, scale, sl2, codes);
+                              fa_dkv_maps<D>(q, k, v, dout, B, T_, C), lse, delta, T_, C, H, scale, sl2, codes);
     launch_kernel(k_attn_bwd_dq_fp8<T, D>, grid, FA_THREADS, (const T*)ds_tiles, k, T_, C, H, scale, codes);
 }
 
@@ -860,10 +860,10 @@ static void attn_bwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8History*
  * the history (W_O's forward product and weight gradient read them). */
 template <typename T, int D>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
-    k_attn_fwd_wgmma_fp8(T* out, float* lse, const T* q, const T* k, const T* v, int T_, int C, int H, float sl2,
+    k_attn_fwd_wgmma_fp8(T* out, float* lse, const __grid_constant__ FaHeadMaps maps, int T_, int C, int H, float sl2,
                          FaBwdCodes codes) {
     await_previous_kernel();
-    fa_fwd_wgmma_body<T, D, false>(out, lse, q, k, v, T_, C, H, sl2, (unsigned*)NULL, codes);
+    fa_fwd_wgmma_body<T, D, false>(out, lse, maps, T_, C, H, sl2, (unsigned*)NULL, codes);
 }
 
 /* Whether this process launches k_attn_fwd_wgmma_fp8<T, D> (as fa_fwd_wgmma_ok). */
@@ -886,8 +886,8 @@ static void attn_fwd_fp8_flash(const FaBwdCodes& codes, T* out, float* lse, cons
     float sl2 = FA_LOG2E / sqrtf((float)D); /* as attn_fwd_flash's */
     fa_check_aligned(out, q, k, v);
     fa_check_aligned(codes.out_n, codes.out_t, out, q);
-    launch_kernel(k_attn_fwd_wgmma_fp8<T, D>, fa_grid(ceil_div(T_, FA_TILE), B * H), FA_THREADS, out, lse, q, k, v,
-                  T_, C, H, sl2, codes);
+    launch_kernel(k_attn_fwd_wgmma_fp8<T, D>, fa_grid(ceil_div(T_, FA_TILE), B * H), FA_THREADS, out, lse,
+                  fa_head_maps<D>(q, k, v, B, T_, C), T_, C, H, sl2, codes);
 }
 
 /* The flash attention forward writing out, lse and out's E4M3 codes (FaBwdCodes) where

@@ -2,7 +2,8 @@
  * "mbarrier"): the Tensor Memory Accelerator copies a box of a matrix (or of a vector) between
  * global and shared memory while the threads do other work, and an mbarrier in shared memory says
  * when a load's bytes have landed. The primitives of the warp-specialised kernels (mlp.cuh's
- * GELU-backward product, classifier_grad.cuh's classifier backward).
+ * GELU-backward product, classifier_grad.cuh's classifier backward) and of the flash attention
+ * forward's tile loads (attention.cuh).
  *
  * An mbarrier counts arrivals (and, for TMA loads, bytes) in phases: a phase completes when its
  * expected arrivals have come and its expected bytes have landed, and the next begins. A thread
@@ -48,6 +49,14 @@ __device__ __forceinline__ void tma_load(unsigned dst, const CUtensorMap* map, i
             dst),
         "l"((unsigned long long)map), "r"(x), "r"(y), "r"(bar)
         : "memory");
+}
+/* Starts loading the box at column x, row y, plane z of the three-dimensional tensor map into
+ * shared memory at dst; its bytes count on the mbarrier at bar. */
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const CUtensorMap* map, int x, int y, int z, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, "
+                 "%4}], [%5];\n" ::"r"(dst),
+                 "l"((unsigned long long)map), "r"(x), "r"(y), "r"(z), "r"(bar)
+                 : "memory");
 }
 /* Starts loading the box at element x of the one-dimensional tensor map into shared memory at dst
  * (128-byte aligned); its bytes count on the mbarrier at bar. */
@@ -95,7 +104,8 @@ static CUtensorMap tma_encode(CUtensorMapDataType type, unsigned rank, const voi
             cuda_fail("cudaGetDriverEntryPoint(cuTensorMapEncodeTiled)", "not in this driver", __FILE__, __LINE__);
     }
     CUtensorMap map;
-    cuuint32_t elem_strides[2] = {1, 1};
+    cuuint32_t elem_strides[3] = {1, 1, 1};
+    if (rank > 3) cuda_fail("tma_encode", "a map of more than three dimensions", __FILE__, __LINE__);
     CUresult r = encode(&map, type, rank, (void*)p, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                         swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) cuda_fail("cuTensorMapEncodeTiled", "refused the tensor map", __FILE__, __LINE__);
