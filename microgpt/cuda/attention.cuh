@@ -321,14 +321,20 @@ template <int pending> __device__ __forceinline__ void fa_cp_wait(void) {
 }
 
 /* Starts copying rows [r0, r0 + 64) of one head (src: the sequence's row 0 at the head's first
- * column, row stride C) into a staged tile; rows at or past T become zero. Whole block. */
+ * column, row stride C) into a staged tile; rows at or past T become zero. Whole block: thread t
+ * copies 16-byte chunk t % PER_ROW of rows t / PER_ROW, + ROW_STEP, ... (a pointer and a bound
+ * check a chunk, not a generic loop's divisions: docs/BENCHMARKS.md #148, #153). */
 template <typename T, int D>
 __device__ __forceinline__ void fa_load_rows(T* dst, const T* src, int r0, int T_, int C) {
-    constexpr int VEC = 16 / sizeof(T), PER_ROW = D / VEC;
-    for (int e = threadIdx.x; e < FA_TILE * PER_ROW; e += FA_THREADS) {
-        int r = e / PER_ROW, c = (e % PER_ROW) * VEC;
-        bool ok = r0 + r < T_;
-        fa_cp_async16(dst + r * Fa<D>::LD + c, ok ? src + (size_t)(r0 + r) * C + c : src, ok ? 16 : 0);
+    constexpr int VEC = 16 / sizeof(T), PER_ROW = D / VEC, ROW_STEP = FA_THREADS / PER_ROW;
+    static_assert(FA_THREADS % PER_ROW == 0 && FA_TILE % ROW_STEP == 0, "whole rows a pass, whole passes a tile");
+    int row = (int)(threadIdx.x / PER_ROW), c = (int)(threadIdx.x % PER_ROW) * VEC;
+    const T* p = src + (size_t)(r0 + row) * C + c;
+    T* d = dst + row * Fa<D>::LD + c;
+#pragma unroll
+    for (int i = 0; i < FA_TILE / ROW_STEP; i++) {
+        bool ok = r0 + row + i * ROW_STEP < T_;
+        fa_cp_async16(d + i * ROW_STEP * Fa<D>::LD, ok ? p + (size_t)i * ROW_STEP * C : src, ok ? 16 : 0);
     }
 }
 
