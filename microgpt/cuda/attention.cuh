@@ -664,7 +664,6 @@ template <int D> struct FaWg {
     static constexpr int ROW_BYTES = 2 * D;                          /* one row of a tile: the swizzle width */
     static constexpr int GROUP_BYTES = 8 * ROW_BYTES;                /* 8 rows: one period of the swizzle */
     static constexpr int TILE_BYTES = FA_TILE * ROW_BYTES;           /* a multiple of 1024 */
-    static constexpr unsigned SWIZZLE = D == 64 ? 7u : 3u;           /* the row bits XOR'ed into a chunk index */
     static constexpr unsigned long long MODE = D == 64 ? 1ull : 2ull; /* descriptor bits 62-63: 128 B, 64 B */
     static constexpr int SMEM = 5 * TILE_BYTES + 1024;               /* q, k[2], v[2]; 1024 to align */
 };
@@ -700,11 +699,6 @@ static FaDkvMaps fa_dkv_maps(const void* q, const void* k, const void* v, const 
 /* Whether T is bf16 (else fp16): the products' input type, spelled in their instruction. */
 template <typename T> struct FaWgBf16 { static constexpr bool value = false; };
 template <> struct FaWgBf16<bf16> { static constexpr bool value = true; };
-
-/* The byte offset in a tile where byte `off` of its row-major form is stored. */
-template <int D> __device__ __forceinline__ unsigned fa_wg_swizzle(unsigned off) {
-    return off ^ (((off >> 7) & FaWg<D>::SWIZZLE) << 4);
-}
 
 /* A shared-memory matrix descriptor (PTX ISA, wgmma): start address, leading and stride byte
  * offsets (each >> 4) and the swizzle mode. Rows 8 apart are one stride (SBO) apart. A K-major
@@ -1076,7 +1070,8 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
  *   - lse and delta come by cp.async in the tile's copy group (fa_cp_lse_delta), not by a load,
  *     scale and store that two warps, and so the whole warpgroup, waited for; lse is kept as
  *     stored and scaled by log2(e) where used (the same rounded product);
- *   - the Q and dO tiles come by the TMA (thread 0 issues them), as the forward's;
+ *   - the Q and dO tiles (and, with the first query tile, K and V) come by the TMA (thread 0
+ *     issues them), as the forward's;
  *   - the diagonal tile, always the block's first, is a step of its own, so no other step carries
  *     the mask.
  * Compiled for sm_90a only; elsewhere the body is a trap that the host never launches
@@ -1086,7 +1081,8 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
  * those products is not what bounds this kernel. */
 template <int D> struct FaWgDkv {
     static constexpr int DYNAMIC_SMEM = 6 * FaWg<D>::TILE_BYTES + 1024;     /* k, v, q[2], dout[2] */
-    static constexpr int STATIC_SMEM = 2 * 2 * FA_TILE * (int)sizeof(float); /* lses, dls */
+    static constexpr int STATIC_SMEM = 2 * 2 * FA_TILE * (int)sizeof(float); /* lses, dls: at least the
+                                                                               * sm_90a body's static bytes */
 };
 
 /* Asynchronous 4-byte copy global -> shared (src_bytes 0: write zeros, read nothing). */
@@ -1260,7 +1256,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
 }
 
 /* Whether this process launches k_attn_bwd_dkv_wgmma<T, D, *> (as fa_fwd_wgmma_ok: the sm_90a body
- * alone has static shared memory, lses and dls); where it does, both instantiations are allowed
+ * alone has static shared memory, lses, dls and the mbarriers); where it does, both instantiations are allowed
  * their dynamic shared memory (over the default 48 KiB at D = 64) and asked for the largest
  * shared-memory carveout (3 blocks a multiprocessor need up to 150 KiB), once. */
 template <typename T, int D> static bool fa_dkv_wgmma_ok(void) {
@@ -1370,7 +1366,8 @@ __global__ void k_attn_bwd_delta(float* delta, const T* dout, const T* out, int 
     }
 }
 
-/* The tiles' uint4 loads need 16-byte aligned tensors (the engine's buffers are 256-aligned). */
+/* The tiles' 16-byte copies and the TMA's tensor maps need 16-byte aligned tensors (the engine's
+ * buffers are 256-aligned): one clear error here rather than a refused map or a misaligned copy. */
 static void fa_check_aligned(const void* a, const void* b, const void* c, const void* d) {
     if (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d) & 15) {
         fprintf(stderr, "error: flash attention needs 16-byte aligned q, k, v, out/dout\n");
@@ -1422,6 +1419,7 @@ static void attn_bwd_flash_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const f
                                const T* q, const T* k, const T* v, int B, int T_, int C, int H,
                                unsigned* amax_bits = NULL) {
     float scale = 1.0f / sqrtf((float)D), sl2 = FA_LOG2E * scale;
+    fa_check_aligned(dout, q, k, v);
     /* whole key tiles, so every row of every dS tile is written (rows past T meet zero rows of K in
      * the dQ kernel, but must be finite) */
     if constexpr (D == 32 || D == 64) {

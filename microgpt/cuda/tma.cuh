@@ -3,7 +3,7 @@
  * global and shared memory while the threads do other work, and an mbarrier in shared memory says
  * when a load's bytes have landed. The primitives of the warp-specialised kernels (mlp.cuh's
  * GELU-backward product, classifier_grad.cuh's classifier backward) and of the flash attention
- * forward's tile loads (attention.cuh).
+ * forward's and dK/dV kernel's tile loads (attention.cuh).
  *
  * An mbarrier counts arrivals (and, for TMA loads, bytes) in phases: a phase completes when its
  * expected arrivals have come and its expected bytes have landed, and the next begins. A thread
