@@ -144,7 +144,7 @@ __device__ void embed_add_run(float* dwte, const T* dout, const int* sorted_tok,
     }
 }
 
-/* The token rows' sums (docs/BENCHMARKS.md #100, #145): one warp per sorted entry, 8 a block;
+/* The token rows' sums (docs/BENCHMARKS.md #100, #147): one warp per sorted entry, 8 a block;
  * sorted_tok ascending, sorted_pos ascending within each token's run. A run of at most EMBED_WARPS
  * positions (every token on uniform data, most on text) is added by its start's warp alone, segment
  * by segment: per column the additions a block makes of a longer run, in the same order (in each
