@@ -171,11 +171,12 @@ template <typename T> static void bench_loss(const Model& m) {
         CUDA_CHECK(cudaFree(p));
 }
 
-/* The embedding backward (dwte += and dwpe =) of a step, on tokens drawn uniformly from the
- * vocabulary (zipf 0: the timing runs' random shards) or log-uniformly (zipf 1: P(token k) ~ 1/(k+1),
- * as word frequencies in text go: a few tokens hold hundreds of positions). Bytes: dout read once,
- * each touched dwte row read and written, dwpe written. Later launches keep adding into dwte: the
- * same work. */
+/* The embedding backward (dwte += and dwpe =) of a step after its sort, on tokens drawn uniformly
+ * from the vocabulary (zipf 0: the timing runs' random shards) or log-uniformly (zipf 1: P(token k)
+ * ~ 1/(k+1), as word frequencies in text go: a few tokens hold hundreds of positions; zipf 2: and a
+ * quarter of the positions one token, as a space is a quarter of the benchmark's text); and the sort
+ * alone, which the engine runs beside the forward. Bytes: dout read once, each touched dwte row read
+ * and written, dwpe written. Later launches keep adding into dwte: the same work. */
 template <typename T> static void bench_embed_bwd(const Model& m, int zipf) {
     std::vector<int> t(m.N);
     std::vector<char> seen(m.V, 0);
@@ -185,6 +186,7 @@ template <typename T> static void bench_embed_bwd(const Model& m, int zipf) {
         z = (z ^ (z >> 31)) * 0xBF58476D1CE4E5B9ull;
         double u = (double)(z >> 11) / 9007199254740992.0; /* [0, 1) */
         t[i] = zipf ? (int)(exp(u * log((double)m.V))) - 1 : (int)(u * m.V);
+        if (zipf == 2 && (z & 3) == 0) t[i] = 220; /* a quarter of the positions one token, as a space in text */
         distinct += !seen[t[i]];
         seen[t[i]] = 1;
     }
@@ -194,15 +196,22 @@ template <typename T> static void bench_embed_bwd(const Model& m, int zipf) {
     T* dout = random_buffer<T>(nc, 1.0f);
     float *dwte = device_buffer<float>((size_t)m.Vp * m.C), *dwpe = device_buffer<float>((size_t)m.T * m.C);
     CUDA_CHECK(cudaMemsetAsync(dwte, 0, (size_t)m.Vp * m.C * 4, g_stream));
-    char* scratch = device_buffer<char>(embed_bwd_scratch_bytes(m.V, m.N));
+    char* scratch = device_buffer<char>(embed_bwd_scratch_bytes(m.V, m.N, m.C));
     int B = m.N / m.T;
-    auto bwd = [&]() { embed_bwd<T>(dwte, dwpe, dout, tokens, scratch, m.V, B, m.T, m.C, 0.0f); };
+    auto sort = [&]() { embed_bwd_sort(scratch, tokens, m.V, m.N, m.C); };
+    auto bwd = [&]() { embed_bwd_sorted<T>(dwte, dwpe, dout, scratch, m.V, B, m.T, m.C, 0.0f); };
+    sort();
+    Hash hs;
+    EmbedScratch sorted = embed_scratch(scratch, m.V, m.N, m.C);
+    hs.add(sorted.sorted_tok, (size_t)m.N * sizeof(int));
+    hs.add(sorted.sorted_pos, (size_t)m.N * sizeof(int));
     bwd();
     Hash h;
     h.add(dwte, (size_t)m.Vp * m.C * 4);
     h.add(dwpe, (size_t)m.T * m.C * 4);
     double bytes = (double)nc * sizeof(T) + 8.0 * distinct * m.C + 4.0 * m.T * m.C;
-    report(m, zipf ? "embed_bwd_zipf" : "embed_bwd", time_median_us(bwd, REPS), bytes, h, 1);
+    if (!zipf) report(m, "embed_sort", time_median_us(sort, REPS), 8.0 * m.N, hs, 1);
+    report(m, zipf == 2 ? "embed_bwd_text" : zipf ? "embed_bwd_zipf" : "embed_bwd", time_median_us(bwd, REPS), bytes, h, 1);
     for (void* p : {(void*)tokens, (void*)dout, (void*)dwte, (void*)dwpe, (void*)scratch}) CUDA_CHECK(cudaFree(p));
 }
 
@@ -258,6 +267,7 @@ int main() {
         bench_update<bf16>(m);
         bench_embed_bwd<bf16>(m, 0);
         bench_embed_bwd<bf16>(m, 1);
+        bench_embed_bwd<bf16>(m, 2);
     }
     CUDA_CHECK(cudaStreamDestroy(g_stream));
     return 0;

@@ -333,7 +333,7 @@ static void plan_buffers(size_t* used) {
     E.ln_partial = (float*)carve(G_SCRATCH, layernorm_scratch_floats(E.C) * 4, used);
     E.norm_partial = (float*)carve(G_SCRATCH, NORM_BLOCKS * 4, used);
     E.tok = (int*)carve(G_SCRATCH, 2 * N * 4, used);
-    E.embed_scratch = carve(G_SCRATCH, embed_bwd_scratch_bytes(E.V, E.N), used);
+    E.embed_scratch = carve(G_SCRATCH, embed_bwd_scratch_bytes(E.V, E.N, E.C), used);
     E.io = (StepIO*)carve(G_SCRATCH, sizeof(StepIO), used);
     E.dec_x = carve(G_SCRATCH, S * C * es, used);
     E.dec_res1 = carve(G_SCRATCH, S * C * es, used);
@@ -706,7 +706,7 @@ static void forward(int B, int Tn, bool fp8, bool training) {
     /* training: the embedding backward's sort needs only the tokens, so it runs beside the first
      * layer rather than on the step's one chain at the end of the backward (docs/DESIGN.md §9);
      * forked behind a kernel, so the graph's first node still leads straight into the forward */
-    if (training) ahead_run([] { embed_bwd_sort(E.embed_scratch, E.tok, E.V, E.N); });
+    if (training) ahead_run([] { embed_bwd_sort(E.embed_scratch, E.tok, E.V, E.N, E.C); });
     for (l = 0; l < L; l++) {
         LayerActs<T> a = layer_acts<T>(l);
         int in1 = ln_fwd_for_product<T>(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, l, T_LN1_GAMMA, T_LN1_BETA, FP8_W_QKV, N,
@@ -889,7 +889,7 @@ static void backward(void) {
     }
     side_join();
     ahead_join(); /* the tokens' sort, forked by forward() after the embedding */
-    embed_bwd_sorted<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.embed_scratch, B, Tn, C, gb);
+    embed_bwd_sorted<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.embed_scratch, E.V, B, Tn, C, gb);
 }
 
 /* Runs `record` (the device work of one call, everything on g_stream) as a CUDA graph: captured

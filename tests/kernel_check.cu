@@ -305,27 +305,31 @@ static std::string shape_str(const Shape& s) {
 
 /* tokens from the first token_range of the vocabulary (by default a quarter: many repeats, so dwte
  * rows sum several positions; 1: one token everywhere) */
-/* dwte0 plus the token rows' sums added exactly as k_embed_bwd_wte_runs adds them (embed.cuh): per
- * token, segment by segment (EMBED_LIST positions from its first), the segment's row j into warp
- * j % EMBED_WARPS's sum in order, the EMBED_WARPS sums added in warp order, that total added to
- * the row. Both of the kernel's paths (one warp for a run of at most EMBED_WARPS positions, blocks
- * for a longer one) must give these bits. */
+/* dwte0 plus the token rows' sums added exactly as k_embed_bwd_chunks and k_embed_bwd_join add them
+ * (embed.cuh): the (token, position) entries in the stable sort's order cut into chunks of
+ * EMBED_CHUNK; per token, each piece of its run a chunk holds summed from 0 in order, the pieces'
+ * sums added in chunk order into one total, which is added to the row. */
 static Vec embed_dwte_in_kernel_order(const Vec& dwte0, const Vec& dout, const std::vector<int>& tokens, int C) {
     Vec out = dwte0;
     std::vector<std::vector<int>> positions(dwte0.size() / C);
     for (size_t n = 0; n < tokens.size(); n++) positions[tokens[n]].push_back((int)n);
+    size_t entry = 0; /* the sorted index of the token's first position */
     for (size_t tok = 0; tok < positions.size(); tok++) {
         const std::vector<int>& ps = positions[tok];
-        for (size_t j0 = 0, j1; j0 < ps.size(); j0 = j1) {
-            int seg = (ps[j0] - ps[0]) / EMBED_LIST;
-            for (j1 = j0; j1 < ps.size() && (ps[j1] - ps[0]) / EMBED_LIST == seg;) j1++;
-            for (int c = 0; c < C; c++) {
-                float warp_sum[EMBED_WARPS] = {}, total = 0.0f;
-                for (size_t j = j0; j < j1; j++) warp_sum[(j - j0) % EMBED_WARPS] += dout[(size_t)ps[j] * C + c];
-                for (int w = 0; w < EMBED_WARPS; w++) total += warp_sum[w];
-                out[tok * C + c] += total;
+        for (int c = 0; c < C && !ps.empty(); c++) {
+            float total = 0.0f, piece = 0.0f;
+            bool first = true;
+            for (size_t j = 0; j < ps.size(); j++) {
+                piece += dout[(size_t)ps[j] * C + c];
+                if (j + 1 == ps.size() || (entry + j + 1) % EMBED_CHUNK == 0) { /* the piece ends */
+                    total = first ? piece : total + piece;
+                    first = false;
+                    piece = 0.0f;
+                }
             }
+            out[tok * C + c] += total;
         }
+        entry += ps.size();
     }
     return out;
 }
@@ -348,7 +352,7 @@ template <typename T> static void test_embed(const Shape& s, Tol tol, int token_
     Vec dwte0 = prefill_like<float>(dwte_inc), dwpe0 = prefill_like<float>(dwpe_inc);
     T* d_dout = upload<T>(dout);
     float *d_dwte = upload<float>(dwte0), *d_dwpe = upload<float>(dwpe0);
-    int* d_scratch = poisoned<int>(ceil_div(embed_bwd_scratch_bytes(s.V, N), sizeof(int)));
+    int* d_scratch = poisoned<int>(ceil_div(embed_bwd_scratch_bytes(s.V, N, C), sizeof(int)));
     for (float gb : GRAD_BETAS) { /* dwte always adds (the classifier wrote it first); dwpe by gb */
         auto gpu = [&]() {
             upload_into(d_dwte, dwte0);
@@ -2238,26 +2242,25 @@ template <typename T> static void run_precision(void) {
     check_fused_taken(fused_before);
     run_attn<T>();
     {
-        /* C above EMBED_BWD_THREADS and B·T above EMBED_LIST: the embedding backward's column
-         * groups, and tokens repeated across its count tiles and list segments */
+        /* C of 300 (unpacked: a column a lane, ten slabs of 32, the last 12 wide) and 2400 positions
+         * of four tokens: runs of hundreds over many chunks, their ends inside chunks */
         Shape wide = {3, 800, 300, 4, 8, 17, 17, 8};
         set_ctx(prec, "embed", shape_str(wide).c_str());
         test_embed<T>(wide, tol);
-        /* one token everywhere, B·T not a multiple of the block and above 2 EMBED_LIST: one list of
-         * several segments, the last one partial; then two tokens */
+        /* one token everywhere, B·T not a multiple of EMBED_CHUNK: one run over every chunk, the last
+         * partial (the join adds hundreds of heads, 32 a ballot); then two tokens */
         Shape one = {3, 1531, 72, 4, 8, 5, 5, 8};
         for (int range : {1, 2}) {
             set_ctx(prec, range == 1 ? "embed one token" : "embed two tokens", shape_str(one).c_str());
             test_embed<T>(one, tol, range);
         }
-        /* rows wider than a short run's pass (EMBED_SLAB columns: three of 256, then a pass of
-         * one column a lane) and of 7 column groups of a long run (128 columns, the last 32), ~6
-         * positions a token: short runs and longer ones side by side */
+        /* rows of four packed slabs (the last 32 columns wide), ~6 positions a token: runs within a
+         * chunk and across its ends side by side */
         Shape mixed = {2, 300, 800, 4, 8, 100, 128, 8};
         set_ctx(prec, "embed mixed runs", shape_str(mixed).c_str());
         test_embed<T>(mixed, tol, mixed.V);
         /* a GPT-2 vocabulary and ANDREA-120M's B·T, tokens from all of it: every key bit sorted,
-         * and short runs whose positions lie in different segments (EMBED_LIST apart) */
+         * nearly every run one position */
         Shape vocab = {8, 1024, 64, 4, 8, 50304, 50304, 8};
         set_ctx(prec, "embed", shape_str(vocab).c_str());
         test_embed<T>(vocab, tol, vocab.V);

@@ -4,24 +4,21 @@
  * Backward without floating-point atomics: several positions can hold the same token, so dwte
  * rows are not independent outputs. A stable radix sort of (token, position) pairs (CUB's,
  * deterministic: in one block where the batch's positions fit it, else device-wide) gives each
- * token's positions in one ascending run; the run's start (the token's first position) owns the
- * token's dwte row: every row written by one owner, and no host work (so a step needs no host
- * round trip and can be captured in a CUDA graph). Per column the row gets one sum per segment of
- * EMBED_LIST positions counted from the token's first position, segment by segment; within a
- * segment warp w sums the listed rows w, w + 8, ... and the eight warp sums are added in warp
- * order: a fixed summation order that does not make a frequent token (hundreds of positions in
- * real text: a space is a quarter of the benchmark's text) one long chain of dependent loads.
- * A short run (at most 8 positions: most tokens) is added by its start's warp alone, a pass per
- * segment with every row's loads in flight; a longer one by whole blocks, split by
- * columns so that the blocks of one frequent token run side by side, each warp loading
- * EMBED_ROWS_AHEAD rows before it adds them. The same additions in the same order either way
- * (docs/BENCHMARKS.md #93, #98, #100, #101, #147 measured each step of this against the one
- * before, with the same bits). dwpe[t] has one term per sequence, summed in b order.
+ * token's positions in one ascending run, and no host work (so a step needs no host round trip and
+ * can be captured in a CUDA graph). The sorted entries are cut into chunks of EMBED_CHUNK, the
+ * chunk boundaries cutting each run into pieces; a warp sums a chunk's pieces, each in entry order
+ * from 0. A run that lies in one chunk (most tokens) is added to its dwte row there; one that
+ * crosses chunk boundaries (a frequent token: a space is a quarter of the benchmark's text) leaves
+ * its pieces' sums as partials, and a second kernel adds them in chunk order into one total, which
+ * goes to the row. So every row gets one addition of a sum in a fixed order, the work is spread
+ * evenly over the chunks whatever the tokens (a frequent token's hundreds of rows are summed by as
+ * many warps side by side), and no row has two writers. dwpe[t] has one term per sequence, summed
+ * in b order.
  *
  * Kernels: k_embed_fwd; the backward is the sort (k_embed_sort_block, or k_embed_positions and
- * CUB's device-wide sort: embed_bwd_sort), then k_embed_bwd_wte_runs and k_embed_bwd_wpe
- * (embed_bwd_sorted). The engine calls embed_fwd, and embed_bwd_sort at the start of a micro-batch
- * (it needs only the tokens) and embed_bwd_sorted at the end of the backward, with
+ * CUB's device-wide sort: embed_bwd_sort), then k_embed_bwd_chunks, k_embed_bwd_join and
+ * k_embed_bwd_wpe (embed_bwd_sorted). The engine calls embed_fwd, and embed_bwd_sort at the start
+ * of a micro-batch (it needs only the tokens) and embed_bwd_sorted at the end of the backward, with
  * embed_bwd_scratch_bytes of scratch; embed_bwd is the two in turn.
  */
 #ifndef MICROGPT_CUDA_EMBED_CUH
@@ -32,11 +29,13 @@
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
-#define EMBED_BWD_THREADS 256
-#define EMBED_LIST 2048 /* positions per segment of a token's run in the backward's summation order */
-#define EMBED_WARPS (EMBED_BWD_THREADS / 32)
-#define EMBED_LANE_COLS 8 /* columns per lane in the backward's sum: 256-column slabs */
-#define EMBED_SLAB (32 * EMBED_LANE_COLS)
+/* The backward's chunks and loads, chosen by measurement (docs/BENCHMARKS.md #154: chunks of 8, 16
+ * and 32 entries, the join 8 or 16 partials ahead, on uniform, log-uniform and text-like tokens) */
+#define EMBED_CHUNK 8       /* sorted entries a chunk: one a lane (at most 32) */
+#define EMBED_BWD_WARPS 8
+#define EMBED_AHEAD 8       /* rows a lane of k_embed_bwd_chunks loads before it adds the first of them */
+#define EMBED_JOIN_AHEAD 16 /* partials a lane of k_embed_bwd_join loads before it adds the first of them */
+static_assert(EMBED_CHUNK <= 32, "a lane holds one entry of its warp's chunk");
 
 /* VEC elements a thread (common.cuh's packets: PACK(T) where rows and pointers allow, the sum of
  * each pair of fp32 packets rounded to one packet of T; else 1), a packet never crossing a row. */
@@ -54,169 +53,127 @@ __global__ void k_embed_fwd(T* out, const int* tokens, const float* wte, const f
     }
 }
 
-/* The listed rows a warp loads before it adds the first of them (docs/BENCHMARKS.md #98): dout is
- * in the L2, so a warp's sum is a chain of L2 round trips, one a row (the list's entry, then the
- * row) unless the next rows are on their way. */
-#define EMBED_ROWS_AHEAD 8
-
-/* row[c] += sum of the n listed rows of dout [., C] at column c, for every column c_begin <= c <
- * c_end (whole block, n the same in every thread). Per 256-column slab from c_begin, lane l of
- * warp w adds columns l, l + 32, ... of rows list[w], list[w + 8], ... (each row read as eight
- * coalesced runs, EMBED_ROWS_AHEAD rows loaded before the first is added), then thread c adds the
- * eight warp sums of column c in warp order. */
-template <typename T>
-__device__ void embed_add_listed_rows(float* row, const T* dout, const int* list, int n, int C, int c_begin,
-                                      int c_end) {
-    __shared__ float warp_sums[EMBED_WARPS][EMBED_SLAB];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int c0 = c_begin; c0 < c_end; c0 += EMBED_SLAB) {
-        float acc[EMBED_LANE_COLS] = {};
-        for (int q0 = warp; q0 < n; q0 += EMBED_WARPS * EMBED_ROWS_AHEAD) {
-            float v[EMBED_ROWS_AHEAD][EMBED_LANE_COLS];
-#pragma unroll
-            for (int r = 0; r < EMBED_ROWS_AHEAD; r++) {
-                int q = q0 + r * EMBED_WARPS;
-                const T* src = dout + (size_t)list[q < n ? q : q0] * C + c0 + lane;
-#pragma unroll
-                for (int k = 0; k < EMBED_LANE_COLS; k++)
-                    v[r][k] = q < n && c0 + lane + 32 * k < c_end ? to_f(src[32 * k]) : 0.0f;
-            }
-#pragma unroll
-            for (int r = 0; r < EMBED_ROWS_AHEAD; r++) /* rows q0, q0 + 8, ...: the order of one at a time */
-#pragma unroll
-                for (int k = 0; k < EMBED_LANE_COLS; k++)
-                    if (q0 + r * EMBED_WARPS < n && c0 + lane + 32 * k < c_end) acc[k] += v[r][k];
-        }
-#pragma unroll
-        for (int k = 0; k < EMBED_LANE_COLS; k++) warp_sums[warp][lane + 32 * k] = acc[k];
-        __syncthreads();
-        for (int c = threadIdx.x; c < EMBED_SLAB && c0 + c < c_end; c += EMBED_BWD_THREADS) {
-            float s = 0.0f;
-            for (int w = 0; w < EMBED_WARPS; w++) s += warp_sums[w][c];
-            row[c0 + c] += s;
-        }
-        __syncthreads(); /* the sums are read before the next slab overwrites them */
-    }
-}
-
 /* pos[i] = i: the values the sort carries with the tokens. */
 __global__ void k_embed_positions(int* pos, int N) {
     await_previous_kernel();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < N; i += gridDim.x * blockDim.x) pos[i] = i;
 }
 
-/* A segment's list in the sorted pairs: how many entries from q0 on hold token tok at a position
- * below bound (a prefix: tokens ascend, and each token's positions), counted EMBED_BWD_THREADS
- * entries at a time; *more: whether the entry after them holds tok too. Whole block, the same
- * results in every thread. */
-__device__ int embed_count_segment(const int* sorted_tok, const int* sorted_pos, int q0, int N, int tok, int bound,
-                                   bool* more) {
-    int count = 0;
-    for (;;) {
-        int q = q0 + count + threadIdx.x;
-        bool same = false, listed = false;
-        if (q < N) { /* both loads in flight at once */
-            int t = sorted_tok[q], position = sorted_pos[q];
-            same = t == tok;
-            listed = same && position < bound;
-        }
-        int n = __syncthreads_count(listed);
-        count += n;
-        if (n < EMBED_BWD_THREADS) { /* the entry after the prefix is in this tile (or past N) */
-            *more = __syncthreads_or(same && !listed);
-            return count;
-        }
-    }
+/* The warp's share of the token sums (k_embed_bwd_chunks, k_embed_bwd_join): chunk `chunk` of the
+ * sorted entries (entries e0 .. e0 + n - 1, n >= 1; n <= 0: no chunk, the warp has nothing to do)
+ * and VEC columns from c of a slab of 32 VEC (cols: they lie in the row). */
+struct EmbedWarp {
+    int chunk, e0, n, c;
+    bool cols;
+};
+template <int VEC> __device__ __forceinline__ EmbedWarp embed_warp(int N, int C) {
+    int lane = threadIdx.x & 31, n_slabs = (int)ceil_div(C, 32 * VEC);
+    int w = blockIdx.x * EMBED_BWD_WARPS + (threadIdx.x >> 5);
+    EmbedWarp ew;
+    ew.chunk = w / n_slabs;
+    ew.e0 = ew.chunk * EMBED_CHUNK;
+    ew.n = min(EMBED_CHUNK, N - ew.e0);
+    ew.c = (w % n_slabs) * 32 * VEC + lane * VEC;
+    ew.cols = ew.c < C; /* VEC > 1 only where C is a multiple of it */
+    return ew;
 }
 
-/* The work of a block at a run's start for one column group: sorted entry s, its token tok and
- * first position i, columns c_begin .. c_end - 1 (whole block). */
-template <typename T>
-__device__ void embed_add_run(float* dwte, const T* dout, const int* sorted_tok, const int* sorted_pos, int N, int C,
-                              int s, int tok, int i, int c_begin, int c_end) {
-    float* row = dwte + (size_t)tok * C;
-    bool more = true;
-    for (int q = s, seg = i; more;) {
-        int n = embed_count_segment(sorted_tok, sorted_pos, q, N, tok, seg + EMBED_LIST, &more); /* >= 1 */
-        embed_add_listed_rows(row, dout, sorted_pos + q, n, C, c_begin, c_end); /* ends with a barrier */
-        q += n;
-        if (more) seg = i + (sorted_pos[q] - i) / EMBED_LIST * EMBED_LIST; /* the segment holding entry q */
-    }
+/* A partial of a run crossing chunk boundaries: chunk k's first piece where the run began in an
+ * earlier chunk (its head, slot 0), else its last piece, which begins the run (its tail, slot 1). */
+template <typename F> __device__ __forceinline__ F* embed_partial(F* partial, int k, int slot, int C) {
+    return partial + ((size_t)k * 2 + slot) * C;
 }
 
-/* The token rows' sums (docs/BENCHMARKS.md #100, #147): one warp per sorted entry, 8 a block;
- * sorted_tok ascending, sorted_pos ascending within each token's run. A run of at most EMBED_WARPS
- * positions (every token on uniform data, most on text) is added by its start's warp alone, segment
- * by segment: per column the additions a block makes of a longer run, in the same order (in each
- * segment, warp w's sum is 0 + the segment's row w, or 0 past its rows; the row gets 0 + the eight
- * in warp order), in one pass over the row per EMBED_SLAB columns (every row's loads in flight
- * together) with no barrier. Longer runs (a frequent token's hundreds of rows on text) are split by
- * columns: block (x, y) adds columns y EMBED_RUN_GROUP .. (y + 1) EMBED_RUN_GROUP - 1 of the longer
- * runs starting at its entries, as embed_add_run does them (a column's additions never depend on
- * another's), so the C / EMBED_RUN_GROUP blocks of one such token run side by side. */
-#define EMBED_RUN_GROUP 128 /* columns a block of a longer run adds */
-
-/* row[c] += the sum of one segment's m rows (m <= EMBED_WARPS) of dout at every column c, added as a
- * block's warps add them (embed_add_listed_rows): lane l takes columns l, l + 32, ..., EMBED_LANE_COLS
- * a pass. The rows' positions are p in lanes first .. first + m - 1. Whole warp (first and m the
- * same in every lane). */
-template <typename T>
-__device__ void embed_add_short_segment(float* row, const T* dout, int p, int first, int m, int C) {
-    int lane = threadIdx.x & 31;
-    for (int c0 = 0; c0 < C; c0 += EMBED_SLAB) {
-        float sum[EMBED_LANE_COLS];
-#pragma unroll
-        for (int k = 0; k < EMBED_LANE_COLS; k++) sum[k] = 0.0f;
-#pragma unroll
-        for (int w = 0; w < EMBED_WARPS; w++) { /* a block's warp w: the segment's row w, or none */
-            const T* src = dout + (size_t)__shfl_sync(0xffffffffu, p, first + (w < m ? w : 0)) * C + c0 + lane;
-#pragma unroll
-            for (int k = 0; k < EMBED_LANE_COLS; k++) {
-                float acc = 0.0f;
-                if (w < m && c0 + lane + 32 * k < C) acc += to_f(src[32 * k]);
-                sum[k] += acc;
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < EMBED_LANE_COLS; k++)
-            if (c0 + lane + 32 * k < C) row[c0 + lane + 32 * k] += sum[k];
-    }
-}
-
-template <typename T>
-__global__ void __launch_bounds__(EMBED_BWD_THREADS)
-k_embed_bwd_wte_runs(float* __restrict__ dwte, const T* __restrict__ dout, const int* __restrict__ sorted_tok,
-                     const int* __restrict__ sorted_pos, int N, int C) {
+/* Each warp a chunk and a column slab: lane l holds entry e0 + l; the warp walks the chunk's entries
+ * in order, adding each entry's dout row (EMBED_AHEAD rows loaded at once) into the piece's sum from
+ * 0; at a piece's last entry it adds the sum into the token's dwte row (loaded with the rows) where
+ * the piece is the whole run, or else stores it as the chunk's head or tail partial. */
+template <typename T, int VEC>
+__global__ void __launch_bounds__(32 * EMBED_BWD_WARPS)
+k_embed_bwd_chunks(float* __restrict__ dwte, float* __restrict__ partial, const T* __restrict__ dout,
+                   const int* __restrict__ sorted_tok, const int* __restrict__ sorted_pos, int N, int C) {
     await_previous_kernel();
-    __shared__ int long_tok[EMBED_WARPS], long_pos[EMBED_WARPS]; /* a longer run's token and first position, or -1 */
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, s = blockIdx.x * EMBED_WARPS + warp;
-    /* lane l holds entry s - 1 + l (l <= EMBED_WARPS + 1: the one before s, s, and EMBED_WARPS after) */
-    int q = s - 1 + lane, t = -1, p = 0;
-    if (q >= 0 && q < N && lane <= EMBED_WARPS + 1) t = sorted_tok[q], p = sorted_pos[q];
-    int tok = __shfl_sync(0xffffffffu, t, 1), i = __shfl_sync(0xffffffffu, p, 1);
-    bool start = s < N && __shfl_sync(0xffffffffu, t, 0) != tok;
-    unsigned same = __ballot_sync(0xffffffffu, lane >= 1 && t == tok); /* t = -1 matches no token */
-    int n = __ffs(~(same >> 1)) - 1;                                    /* the run's entries from s, up to 9 */
-    bool short_run = start && n <= EMBED_WARPS;
-    if (lane == 0) long_tok[warp] = start && !short_run ? tok : -1, long_pos[warp] = i;
-    if (short_run && blockIdx.y == 0) {
-        float* row = dwte + (size_t)tok * C;
-        /* segment by segment (EMBED_LIST positions from i), as embed_add_run lists them: the run's
-         * entries are lanes 1 .. n, their segments ascending */
-        int seg = (p - i) / EMBED_LIST;
-        for (int j = 1; j <= n;) {
-            int m = 1, first_seg = __shfl_sync(0xffffffffu, seg, j);
-            while (j + m <= n && __shfl_sync(0xffffffffu, seg, j + m) == first_seg) m++;
-            embed_add_short_segment(row, dout, p, j, m, C);
-            j += m;
+    EmbedWarp ew = embed_warp<VEC>(N, C);
+    if (ew.n <= 0) return; /* warp-uniform: no barriers below */
+    int lane = threadIdx.x & 31, e_end = ew.e0 + ew.n;
+    int tok = lane < ew.n ? sorted_tok[ew.e0 + lane] : -1, pos = lane < ew.n ? sorted_pos[ew.e0 + lane] : 0;
+    int first_tok = __shfl_sync(0xffffffffu, tok, 0);
+    bool from_prev = ew.e0 > 0 && sorted_tok[ew.e0 - 1] == first_tok; /* the chunk's first piece continues a run */
+    int next_tok = e_end < N ? sorted_tok[e_end] : -1;                /* the run after the chunk's last piece */
+    float acc[VEC] = {};
+    for (int j0 = 0; j0 < ew.n; j0 += EMBED_AHEAD) {
+        float v[EMBED_AHEAD][VEC], row[EMBED_AHEAD][VEC];
+        bool whole[EMBED_AHEAD]; /* entry j0 + r ends a piece that is its token's whole run */
+#pragma unroll
+        for (int r = 0; r < EMBED_AHEAD; r++) {
+            int j = j0 + r, t = __shfl_sync(0xffffffffu, tok, j & 31);
+            int p = __shfl_sync(0xffffffffu, pos, j & 31), t_next = __shfl_sync(0xffffffffu, tok, (j + 1) & 31);
+            bool last = j + 1 == ew.n ? true : t_next != t;
+            whole[r] = j < ew.n && last && !(t == first_tok && from_prev) && !(j + 1 == ew.n && t == next_tok);
+            if (j < ew.n && ew.cols) load_vec(v[r], dout + (size_t)p * C + ew.c);
+            if (whole[r] && ew.cols) load_vec(row[r], dwte + (size_t)t * C + ew.c);
+        }
+#pragma unroll
+        for (int r = 0; r < EMBED_AHEAD; r++) {
+            int j = j0 + r;
+            if (j >= ew.n) break;
+            int t = __shfl_sync(0xffffffffu, tok, j & 31), t_next = __shfl_sync(0xffffffffu, tok, (j + 1) & 31);
+            for (int k = 0; k < VEC; k++) acc[k] += v[r][k];
+            if (j + 1 < ew.n && t_next == t) continue; /* the piece goes on */
+            if (ew.cols) {
+                if (whole[r]) {
+                    for (int k = 0; k < VEC; k++) row[r][k] += acc[k];
+                    store_vec(dwte + (size_t)t * C + ew.c, row[r]);
+                } else {
+                    store_vec(embed_partial(partial, ew.chunk, t == first_tok && from_prev ? 0 : 1, C) + ew.c, acc);
+                }
+            }
+            for (int k = 0; k < VEC; k++) acc[k] = 0.0f;
         }
     }
-    __syncthreads();
-    int c_begin = blockIdx.y * EMBED_RUN_GROUP, c_end = min(C, c_begin + EMBED_RUN_GROUP);
-    for (int w = 0; w < EMBED_WARPS; w++) /* block-uniform */
-        if (long_tok[w] >= 0)
-            embed_add_run(dwte, dout, sorted_tok, sorted_pos, N, C, blockIdx.x * EMBED_WARPS + w, long_tok[w],
-                          long_pos[w], c_begin, c_end);
+}
+
+/* After k_embed_bwd_chunks, the warps of the chunks where a crossing run begins (the chunk's last
+ * piece goes on into the next chunk, and began in this one): total = that tail, then + the heads of
+ * the following chunks in order up to the one where the run ends (EMBED_JOIN_AHEAD at a time; lane l
+ * looks up whether the run goes on past chunk k0 + l); the token's dwte row += total. */
+template <typename T, int VEC>
+__global__ void __launch_bounds__(32 * EMBED_BWD_WARPS)
+k_embed_bwd_join(float* __restrict__ dwte, const float* __restrict__ partial, const int* __restrict__ sorted_tok,
+                 int N, int C) {
+    await_previous_kernel();
+    EmbedWarp ew = embed_warp<VEC>(N, C);
+    int e_end = ew.e0 + ew.n;
+    if (ew.n <= 0 || e_end >= N) return; /* warp-uniform */
+    int tok = sorted_tok[e_end - 1];
+    if (sorted_tok[e_end] != tok) return;                                     /* no run crosses into the next */
+    if (ew.e0 > 0 && sorted_tok[ew.e0] == tok && sorted_tok[ew.e0 - 1] == tok) return; /* it began before */
+    int lane = threadIdx.x & 31;
+    float total[VEC];
+    if (ew.cols) load_vec(total, embed_partial(partial, ew.chunk, 1, C) + ew.c);
+    for (int k0 = ew.chunk + 1;; k0 += 32) {
+        int k = k0 + lane; /* whether the run goes on past chunk k */
+        unsigned goes_on = __ballot_sync(0xffffffffu, (size_t)(k + 1) * EMBED_CHUNK < (size_t)N &&
+                                                           sorted_tok[(size_t)(k + 1) * EMBED_CHUNK] == tok);
+        int heads = goes_on == 0xffffffffu ? 32 : __ffs(~goes_on); /* chunks k0 .. k0 + heads - 1 */
+        for (int h0 = 0; h0 < heads; h0 += EMBED_JOIN_AHEAD) {
+            float v[EMBED_JOIN_AHEAD][VEC];
+#pragma unroll
+            for (int r = 0; r < EMBED_JOIN_AHEAD; r++)
+                if (h0 + r < heads && ew.cols) load_vec(v[r], embed_partial(partial, k0 + h0 + r, 0, C) + ew.c);
+#pragma unroll
+            for (int r = 0; r < EMBED_JOIN_AHEAD; r++)
+                if (h0 + r < heads)
+                    for (int k = 0; k < VEC; k++) total[k] += v[r][k];
+        }
+        if (goes_on != 0xffffffffu) break;
+    }
+    if (ew.cols) {
+        float row[VEC];
+        load_vec(row, dwte + (size_t)tok * C + ew.c);
+        for (int k = 0; k < VEC; k++) row[k] += total[k];
+        store_vec(dwte + (size_t)tok * C + ew.c, row);
+    }
 }
 
 /* The sort in one block (docs/BENCHMARKS.md #101): where the N tokens fit one block's registers
@@ -256,10 +213,6 @@ static int embed_token_bits(int V) {
     return bits;
 }
 
-/* The sort's layout in the scratch: positions, sorted tokens, sorted positions (N ints each, every
- * array 256-byte aligned), then CUB's temporary storage (cub_bytes). */
-static size_t embed_ints_bytes(int N) { return ((size_t)N * sizeof(int) + 255) & ~(size_t)255; }
-
 static size_t embed_sort_bytes(int V, int N) {
     size_t cub_bytes = 0;
     CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, (const unsigned*)nullptr, (unsigned*)nullptr,
@@ -267,8 +220,30 @@ static size_t embed_sort_bytes(int V, int N) {
     return cub_bytes;
 }
 
-/* The backward's scratch in bytes: the sort's arrays and storage. */
-static size_t embed_bwd_scratch_bytes(int V, int N) { return 3 * embed_ints_bytes(N) + embed_sort_bytes(V, N); }
+/* The backward's scratch: positions, sorted tokens, sorted positions (N ints each), the chunks'
+ * partials (a head and a tail of C floats a chunk), CUB's temporary storage; every array 256-byte
+ * aligned. `at` NULL: the offsets from 0, and `bytes` the size. */
+struct EmbedScratch {
+    int *pos, *sorted_tok, *sorted_pos;
+    float* partial;
+    void* cub;
+    size_t bytes;
+};
+static EmbedScratch embed_scratch(void* at, int V, int N, int C) {
+    auto aligned = [](size_t b) { return (b + 255) & ~(size_t)255; };
+    size_t ints = aligned((size_t)N * sizeof(int)), n_chunks = ceil_div(N, EMBED_CHUNK);
+    size_t partial = aligned(n_chunks * 2 * C * sizeof(float));
+    char* base = (char*)at;
+    EmbedScratch s;
+    s.pos = (int*)base;
+    s.sorted_tok = (int*)(base + ints);
+    s.sorted_pos = (int*)(base + 2 * ints);
+    s.partial = (float*)(base + 3 * ints);
+    s.cub = base + 3 * ints + partial;
+    s.bytes = 3 * ints + partial + embed_sort_bytes(V, N);
+    return s;
+}
+static size_t embed_bwd_scratch_bytes(int V, int N, int C) { return embed_scratch(NULL, V, N, C).bytes; }
 
 /* One thread per (t, c); writes (add 0) or adds (add 1) the sum. */
 template <typename T>
@@ -292,43 +267,43 @@ static void embed_fwd(T* out, const int* tokens, const float* wte, const float* 
 }
 
 /* sorted_tok, sorted_pos [N]: the (token, position) pairs sorted by token, stably (CUB's device-wide
- * radix sort of positions k_embed_positions writes at pos, its storage at cub_at). */
-static void embed_sort_device(int* sorted_tok, int* sorted_pos, int* pos, void* cub_at, const int* tokens, int V,
-                              int N) {
+ * radix sort of the positions k_embed_positions writes, with its storage: the scratch's). */
+static void embed_sort_device(const EmbedScratch& s, const int* tokens, int V, int N) {
     size_t cub_bytes = embed_sort_bytes(V, N);
-    launch_kernel(k_embed_positions, ceil_div(N, 256), 256, pos, N);
+    launch_kernel(k_embed_positions, ceil_div(N, 256), 256, s.pos, N);
     /* stable: each token's positions stay ascending; tokens compared as unsigned (all >= 0) */
-    CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_at, cub_bytes, (const unsigned*)tokens, (unsigned*)sorted_tok, pos,
-                                               sorted_pos, N, 0, embed_token_bits(V), g_stream));
+    CUDA_CHECK(cub::DeviceRadixSort::SortPairs(s.cub, cub_bytes, (const unsigned*)tokens, (unsigned*)s.sorted_tok,
+                                               s.pos, s.sorted_pos, N, 0, embed_token_bits(V), g_stream));
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize()); /* as launch_kernel does for its own */
 }
 
 /* The backward's first half, which reads only the tokens (so the engine runs it beside the forward,
  * docs/DESIGN.md §9): the (token, position) pairs sorted by token into the scratch, which holds
- * embed_bwd_scratch_bytes(V, N) bytes (256-byte aligned). Every call is a stream operation (CUB's
+ * embed_bwd_scratch_bytes(V, N, C) bytes (256-byte aligned). Every call is a stream operation (CUB's
  * sort included), so a CUDA graph can capture it. */
-static void embed_bwd_sort(void* scratch, const int* tokens, int V, int N) {
-    char* at = (char*)scratch;
-    int* sorted_tok = (int*)(at + embed_ints_bytes(N));
-    int* sorted_pos = (int*)(at + 2 * embed_ints_bytes(N));
+static void embed_bwd_sort(void* scratch, const int* tokens, int V, int N, int C) {
+    EmbedScratch s = embed_scratch(scratch, V, N, C);
     if (N <= EMBED_SORT_THREADS * EMBED_SORT_ITEMS)
-        launch_kernel(k_embed_sort_block, 1, EMBED_SORT_THREADS, sorted_tok, sorted_pos, tokens, N, embed_token_bits(V));
+        launch_kernel(k_embed_sort_block, 1, EMBED_SORT_THREADS, s.sorted_tok, s.sorted_pos, tokens, N,
+                      embed_token_bits(V));
     else
-        embed_sort_device(sorted_tok, sorted_pos, (int*)at, at + 3 * embed_ints_bytes(N), tokens, V, N);
+        embed_sort_device(s, tokens, V, N);
 }
 
 /* The second half, after embed_bwd_sort of the same tokens into the same scratch: dwte += (always:
- * the classifier's product writes it first, loss.cuh) the token rows' sums by k_embed_bwd_wte_runs,
- * and dwpe = / += by grad_beta, from dout [B*T, C]. */
+ * the classifier's product writes it first, loss.cuh) the token rows' sums by k_embed_bwd_chunks and
+ * k_embed_bwd_join, and dwpe = / += by grad_beta, from dout [B*T, C]. */
 template <typename T>
-static void embed_bwd_sorted(float* dwte, float* dwpe, const T* dout, const void* scratch, int B, int T_, int C,
+static void embed_bwd_sorted(float* dwte, float* dwpe, const T* dout, void* scratch, int V, int B, int T_, int C,
                              float grad_beta) {
     int N = B * T_;
-    const char* at = (const char*)scratch;
-    const int* sorted_tok = (const int*)(at + embed_ints_bytes(N));
-    const int* sorted_pos = (const int*)(at + 2 * embed_ints_bytes(N));
-    launch_kernel(k_embed_bwd_wte_runs<T>, dim3(ceil_div(N, EMBED_WARPS), ceil_div(C, EMBED_RUN_GROUP)),
-                  EMBED_BWD_THREADS, dwte, dout, sorted_tok, sorted_pos, N, C);
+    EmbedScratch s = embed_scratch(scratch, V, N, C);
+    bool packed = packable(C, sizeof(T), {dout}) && packable(C, sizeof(float), {dwte, s.partial});
+    unsigned warps = ceil_div(N, EMBED_CHUNK) * ceil_div(C, 32 * (packed ? PACK(T) : 1));
+    unsigned blocks = ceil_div(warps, EMBED_BWD_WARPS);
+    LAUNCH_PACKED(packed, k_embed_bwd_chunks, T, blocks, 32 * EMBED_BWD_WARPS, dwte, s.partial, dout, s.sorted_tok,
+                  s.sorted_pos, N, C);
+    LAUNCH_PACKED(packed, k_embed_bwd_join, T, blocks, 32 * EMBED_BWD_WARPS, dwte, s.partial, s.sorted_tok, N, C);
     size_t n = (size_t)T_ * C;
     launch_kernel(k_embed_bwd_wpe<T>, elementwise_grid(n, 256), 256, dwpe, dout, B, T_, C, grad_beta != 0.0f);
 }
@@ -337,8 +312,8 @@ static void embed_bwd_sorted(float* dwte, float* dwpe, const T* dout, const void
 template <typename T>
 static void embed_bwd(float* dwte, float* dwpe, const T* dout, const int* tokens, void* scratch, int V, int B, int T_,
                       int C, float grad_beta) {
-    embed_bwd_sort(scratch, tokens, V, B * T_);
-    embed_bwd_sorted<T>(dwte, dwpe, dout, scratch, B, T_, C, grad_beta);
+    embed_bwd_sort(scratch, tokens, V, B * T_, C);
+    embed_bwd_sorted<T>(dwte, dwpe, dout, scratch, V, B, T_, C, grad_beta);
 }
 
 #endif
