@@ -459,11 +459,11 @@ def test_side_stream_over_several_logits_chunks_gives_the_bits_of_synchronised_l
     check_side_stream_over_chunks(small_chunks_build, random_shards, tmp_path, precision)
 
 
-# A GPT-2 vocabulary and 8192 positions at d_model 64: the default engine's logits in two chunks
-# (5248 and 2944 rows, whole 128-row blocks), each with the fused classifier backward on Hopper
+# A GPT-2 vocabulary and 16384 positions at d_model 64: the default engine's logits in two chunks
+# (10624 and 5760 rows, whole 128-row blocks), each with the fused classifier backward on Hopper
 # (cuda/classifier_grad.cuh), its dwte on the side stream
 FUSED_CHUNKS = {"model.n_layer": 1, "model.d_model": 64, "model.n_head": 2, "model.d_ff": 128, "model.seq_len": 512,
-                "model.vocab_size": 50257, "model.padded_vocab_size": 50304, "train.batch_size": 16}
+                "model.vocab_size": 50257, "model.padded_vocab_size": 50304, "train.batch_size": 32}
 
 
 def test_side_stream_over_the_fused_classifier_chunks_gives_the_bits_of_synchronised_launches(

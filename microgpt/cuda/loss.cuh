@@ -41,10 +41,11 @@
 #include "matmul.cuh"
 
 #define LOSS_THREADS 1024
-/* Budget for one chunk of logits (then their gradient). A test build sets a small one
- * (tests/test_gpu.py: a tiny model's loss in several chunks, as ANDREA-120M's runs in two). */
+/* Budget for one chunk of logits (then their gradient): 1 GiB holds ANDREA-120M's 8192 rows of
+ * bf16 logits in one chunk (docs/BENCHMARKS.md #158: fp8 −0.13 ms a step against two chunks of
+ * 512 MiB). A test build sets a small one (tests/test_gpu.py: a tiny model's loss in several chunks). */
 #ifndef LOGITS_CHUNK_BYTES
-#define LOGITS_CHUNK_BYTES ((size_t)512 << 20)
+#define LOGITS_CHUNK_BYTES ((size_t)1 << 30)
 #endif
 
 /* Logits rows per chunk of the N positions, rows of Vp elements of elem_bytes each: as many as
