@@ -4,7 +4,7 @@
  *
  *   build: make kernel-check    (the engine's architectures: a Hopper build without sm_90a code
  *                                 fails the check of which attention forward ran)
- *   run:   build/kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all] [--only attn|classifier]
+ *   run:   build/kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all] [--only attn|classifier|embed]
  *
  * How each check works:
  *   - inputs are drawn from a seeded generator (the seed differs per run unless --seed is given,
@@ -2184,6 +2184,39 @@ static void run_classifier(void) {
     }
 }
 
+/* The embedding pair at the shapes of its paths beyond SHAPES' (alone with --only embed:
+ * compute-sanitizer's run over embed.cuh). */
+template <typename T> static void run_embed(void) {
+    const char* prec = TypeInfo<T>::name();
+    Tol tol = tol_for<T>();
+    /* C of 300 (unpacked: a column a lane, ten slabs of 32, the last 12 wide) and 2400 positions
+     * of four tokens: runs of hundreds over many chunks, their ends inside chunks */
+    Shape wide = {3, 800, 300, 4, 8, 17, 17, 8};
+    set_ctx(prec, "embed", shape_str(wide).c_str());
+    test_embed<T>(wide, tol);
+    /* one token everywhere, B·T not a multiple of EMBED_CHUNK: one run over every chunk, the last
+     * partial (the join adds hundreds of heads, 32 a ballot); then two tokens */
+    Shape one = {3, 1531, 72, 4, 8, 5, 5, 8};
+    for (int range : {1, 2}) {
+        set_ctx(prec, range == 1 ? "embed one token" : "embed two tokens", shape_str(one).c_str());
+        test_embed<T>(one, tol, range);
+    }
+    /* rows of four packed slabs (the last 32 columns wide), ~6 positions a token: runs within a
+     * chunk and across its ends side by side */
+    Shape mixed = {2, 300, 800, 4, 8, 100, 128, 8};
+    set_ctx(prec, "embed mixed runs", shape_str(mixed).c_str());
+    test_embed<T>(mixed, tol, mixed.V);
+    /* a GPT-2 vocabulary and ANDREA-120M's B·T, tokens from all of it: every key bit sorted,
+     * nearly every run one position */
+    Shape vocab = {8, 1024, 64, 4, 8, 50304, 50304, 8};
+    set_ctx(prec, "embed", shape_str(vocab).c_str());
+    test_embed<T>(vocab, tol, vocab.V);
+    /* B·T above the one-block sort (EMBED_SORT_THREADS x EMBED_SORT_ITEMS): the device-wide sort */
+    Shape many = {3, 2800, 64, 4, 8, 1000, 1024, 8};
+    set_ctx(prec, "embed device sort", shape_str(many).c_str());
+    test_embed<T>(many, tol);
+}
+
 template <typename T> static void run_precision(void) {
     const char* prec = TypeInfo<T>::name();
     Tol tol = tol_for<T>();
@@ -2241,34 +2274,7 @@ template <typename T> static void run_precision(void) {
     set_ctx(prec, "cuBLASLt", "all shapes");
     check_fused_taken(fused_before);
     run_attn<T>();
-    {
-        /* C of 300 (unpacked: a column a lane, ten slabs of 32, the last 12 wide) and 2400 positions
-         * of four tokens: runs of hundreds over many chunks, their ends inside chunks */
-        Shape wide = {3, 800, 300, 4, 8, 17, 17, 8};
-        set_ctx(prec, "embed", shape_str(wide).c_str());
-        test_embed<T>(wide, tol);
-        /* one token everywhere, B·T not a multiple of EMBED_CHUNK: one run over every chunk, the last
-         * partial (the join adds hundreds of heads, 32 a ballot); then two tokens */
-        Shape one = {3, 1531, 72, 4, 8, 5, 5, 8};
-        for (int range : {1, 2}) {
-            set_ctx(prec, range == 1 ? "embed one token" : "embed two tokens", shape_str(one).c_str());
-            test_embed<T>(one, tol, range);
-        }
-        /* rows of four packed slabs (the last 32 columns wide), ~6 positions a token: runs within a
-         * chunk and across its ends side by side */
-        Shape mixed = {2, 300, 800, 4, 8, 100, 128, 8};
-        set_ctx(prec, "embed mixed runs", shape_str(mixed).c_str());
-        test_embed<T>(mixed, tol, mixed.V);
-        /* a GPT-2 vocabulary and ANDREA-120M's B·T, tokens from all of it: every key bit sorted,
-         * nearly every run one position */
-        Shape vocab = {8, 1024, 64, 4, 8, 50304, 50304, 8};
-        set_ctx(prec, "embed", shape_str(vocab).c_str());
-        test_embed<T>(vocab, tol, vocab.V);
-        /* B·T above the one-block sort (EMBED_SORT_THREADS x EMBED_SORT_ITEMS): the device-wide sort */
-        Shape many = {3, 2800, 64, 4, 8, 1000, 1024, 8};
-        set_ctx(prec, "embed device sort", shape_str(many).c_str());
-        test_embed<T>(many, tol);
-    }
+    run_embed<T>();
     /* rows up to LN_SLAB_COLS of several packets a lane (SHAPES' rows are one): the LayerNorm
      * backward's register kernel with 2 to LN_REG_PACKETS packets, some lanes one fewer (392), in
      * packets (768: 3 in 16 bits; 392: 2 in 16 bits, 4 in fp32) and element by element (100: 4 in
@@ -2299,22 +2305,23 @@ int main(int argc, char** argv) {
     uint64_t seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 20);
     const char* prec = "all";
     /* --only attn: the attention pair alone (the flash variants' check); --only classifier: the
-     * classifier's loss and backward alone (a short run for compute-sanitizer) */
+     * classifier's loss and backward alone; --only embed: the embedding pair's own shapes (short
+     * runs for compute-sanitizer) */
     const char* only = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--prec") && i + 1 < argc) prec = argv[++i];
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
             only = argv[++i];
-            if (strcmp(only, "attn") && strcmp(only, "classifier")) {
-                fprintf(stderr, "error: --only takes attn or classifier, not '%s'\n", only);
+            if (strcmp(only, "attn") && strcmp(only, "classifier") && strcmp(only, "embed")) {
+                fprintf(stderr, "error: --only takes attn, classifier or embed, not '%s'\n", only);
                 return 2;
             }
         }
         else {
             fprintf(stderr,
                     "error: unknown argument '%s' (usage: kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all] "
-                    "[--only attn|classifier])\n",
+                    "[--only attn|classifier|embed])\n",
                     argv[i]);
             return 2;
         }
@@ -2324,8 +2331,8 @@ int main(int argc, char** argv) {
         fprintf(stderr, "error: --prec must be fp32, bf16, fp16, fp8 or all, not '%s'\n", prec);
         return 2;
     }
-    if (only && !strcmp(only, "attn") && !strcmp(prec, "fp8")) {
-        fprintf(stderr, "error: --only attn has no fp8 checks (use --prec fp32, bf16, fp16 or all)\n");
+    if (only && strcmp(only, "classifier") && !strcmp(prec, "fp8")) {
+        fprintf(stderr, "error: --only %s has no fp8 checks (use --prec fp32, bf16, fp16 or all)\n", only);
         return 2;
     }
     if (only && !strcmp(only, "classifier") && strcmp(prec, "bf16") && strcmp(prec, "all")) {
@@ -2351,6 +2358,10 @@ int main(int argc, char** argv) {
 
     if (only && !strcmp(only, "classifier")) {
         run_classifier();
+    } else if (only && !strcmp(only, "embed")) {
+        if (!strcmp(prec, "all") || !strcmp(prec, "fp32")) run_embed<float>();
+        if (!strcmp(prec, "all") || !strcmp(prec, "bf16")) run_embed<bf16>();
+        if (!strcmp(prec, "all") || !strcmp(prec, "fp16")) run_embed<fp16>();
     } else if (only) {
         if (!strcmp(prec, "all") || !strcmp(prec, "fp32")) run_attn<float>();
         if (!strcmp(prec, "all") || !strcmp(prec, "bf16")) run_attn<bf16>();

@@ -159,6 +159,21 @@ def test_kernel_check_classifier_only(kernel_check_binary):
     assert bad.returncode == 2 and "--only classifier checks bf16 alone" in bad.stderr, bad.stderr
 
 
+def test_kernel_check_embedding_only(kernel_check_binary):
+    """`--only embed` (a short run for compute-sanitizer over embed.cuh): the embedding pair at its
+    own shapes in fp32, bf16 and fp16, passing, the token sums' order bit for bit at each; it
+    refuses fp8, which has no embedding checks of its own."""
+    res = subprocess.run([str(kernel_check_binary), "--only", "embed"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    m = re.search(r"kernel_check: (\d+) checks, 0 failed", res.stdout.splitlines()[-1])
+    assert m and int(m.group(1)) > 0, res.stdout[-2000:]
+    order = [line for line in res.stdout.splitlines() if "dwte_ord" in line]
+    assert len(order) == 3 * 6 * 2 and all(line.startswith("PASS") for line in order), "\n".join(order)
+    bad = subprocess.run([str(kernel_check_binary), "--only", "embed", "--prec", "fp8"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--only embed has no fp8 checks" in bad.stderr, bad.stderr
+
+
 def test_kernel_check_names_the_attention_kernels_that_ran(kernel_check_binary):
     """`--only attn` reports, once per 16-bit type, which attention forward and which dK/dV kernel
     ran, and passes only if each is the one the GPU should run: the Hopper (wgmma) kernels on
