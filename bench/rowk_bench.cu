@@ -199,10 +199,10 @@ template <typename T> static void bench_embed_bwd(const Model& m, int zipf) {
     char* scratch = device_buffer<char>(embed_bwd_scratch_bytes(m.V, m.N, m.C));
     int B = m.N / m.T;
     auto sort = [&]() { embed_bwd_sort(scratch, tokens, m.V, m.N, m.C); };
-    auto bwd = [&]() { embed_bwd_sorted<T>(dwte, dwpe, dout, scratch, m.V, B, m.T, m.C, 0.0f); };
+    auto bwd = [&]() { embed_bwd_sorted<T>(dwte, dwpe, dout, scratch, B, m.T, m.C, 0.0f); };
     sort();
     Hash hs;
-    EmbedScratch sorted = embed_scratch(scratch, m.V, m.N, m.C);
+    EmbedScratch sorted = embed_scratch(scratch, m.N, m.C);
     hs.add(sorted.sorted_tok, (size_t)m.N * sizeof(int));
     hs.add(sorted.sorted_pos, (size_t)m.N * sizeof(int));
     bwd();

@@ -889,7 +889,7 @@ static void backward(void) {
     }
     side_join();
     ahead_join(); /* the tokens' sort, forked by forward() after the embedding */
-    embed_bwd_sorted<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.embed_scratch, E.V, B, Tn, C, gb);
+    embed_bwd_sorted<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.embed_scratch, B, Tn, C, gb);
 }
 
 /* Runs `record` (the device work of one call, everything on g_stream) as a CUDA graph: captured

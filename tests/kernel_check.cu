@@ -303,8 +303,6 @@ static std::string shape_str(const Shape& s) {
 /* ---------------------------------------------------------------------------------------------- */
 /* The tests. Each draws its inputs, computes the CPU reference, runs the GPU pair, compares. */
 
-/* tokens from the first token_range of the vocabulary (by default a quarter: many repeats, so dwte
- * rows sum several positions; 1: one token everywhere) */
 /* dwte0 plus the token rows' sums added exactly as k_embed_bwd_chunks and k_embed_bwd_join add them
  * (embed.cuh): the (token, position) entries in the stable sort's order cut into chunks of
  * EMBED_CHUNK; per token, each piece of its run a chunk holds summed from 0 in order, the pieces'
@@ -334,6 +332,8 @@ static Vec embed_dwte_in_kernel_order(const Vec& dwte0, const Vec& dout, const s
     return out;
 }
 
+/* tokens from the first token_range of the vocabulary (by default a quarter: many repeats, so dwte
+ * rows sum several positions; 1: one token everywhere) */
 template <typename T> static void test_embed(const Shape& s, Tol tol, int token_range = 0) {
     int N = s.B * s.T, C = s.C;
     std::vector<int> tokens = rand_ints(N, token_range > 0 ? token_range : s.V / 4 > 1 ? s.V / 4 : 2);
@@ -2189,9 +2189,9 @@ static void run_classifier(void) {
 template <typename T> static void run_embed(void) {
     const char* prec = TypeInfo<T>::name();
     Tol tol = tol_for<T>();
-    /* C of 300 (unpacked: a column a lane, ten slabs of 32, the last 12 wide) and 2400 positions
-     * of four tokens: runs of hundreds over many chunks, their ends inside chunks */
-    Shape wide = {3, 800, 300, 4, 8, 17, 17, 8};
+    /* C of 302, unpacked in every precision (a column a lane: ten slabs of 32, the last 14 wide),
+     * and 2400 positions of four tokens: runs of hundreds over many chunks, their ends inside chunks */
+    Shape wide = {3, 800, 302, 4, 8, 17, 17, 8};
     set_ctx(prec, "embed", shape_str(wide).c_str());
     test_embed<T>(wide, tol);
     /* one token everywhere, B·T not a multiple of EMBED_CHUNK: one run over every chunk, the last
@@ -2201,8 +2201,9 @@ template <typename T> static void run_embed(void) {
         set_ctx(prec, range == 1 ? "embed one token" : "embed two tokens", shape_str(one).c_str());
         test_embed<T>(one, tol, range);
     }
-    /* rows of four packed slabs (the last 32 columns wide), ~6 positions a token: runs within a
-     * chunk and across its ends side by side */
+    /* rows of several packed slabs (four of 256 columns in 16 bits, seven of 128 in fp32; the last
+     * 32 columns wide either way), ~6 positions a token: runs within a chunk and across its ends
+     * side by side */
     Shape mixed = {2, 300, 800, 4, 8, 100, 128, 8};
     set_ctx(prec, "embed mixed runs", shape_str(mixed).c_str());
     test_embed<T>(mixed, tol, mixed.V);

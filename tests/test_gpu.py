@@ -248,24 +248,18 @@ def cublaslt_version(binary):
 def test_the_fixed_table_applies_only_on_the_gpu_and_cublaslt_it_was_measured_on(cuda_binary, random_shards,
                                                                                    tmp_path):
     """A model with ANDREA-12M's products (4096 rows, d_model 192, d_ff 768, padded vocabulary
-    50304), in the precision of one of them the table holds: the engine says it takes the table's
-    algorithms exactly when this GPU has the table's name (an H100 has the H200's compute capability
-    and multiprocessor count), compute capability 9.0 and multiprocessor count, and this cuBLASLt is
-    the table's."""
+    50304): the engine says it takes the table's algorithms exactly when this GPU has the table's
+    name (an H100 has the H200's compute capability and multiprocessor count), compute capability
+    9.0 and multiprocessor count, and this cuBLASLt is the table's; which of the step's products
+    the table holds (bench/lt_table.py's choice) does not enter that decision."""
     header = (eu.REPO / "microgpt" / "cuda" / "lt_table_sm90.h").read_text()
-    keys = {"bf16.bf16.bf16.plain.nt.4096x50304x192.ld192.192.50304": "bf16",  # the classifier's logits
-            "e4m3.e4m3.bf16.fp8fa.nt.4096x768x192.ld192.192.768": "fp8",  # the MLP's up product
-            "e4m3.e4m3.bf16.fp8fa.nt.4096x192x768.ld768.768.192": "fp8"}  # its down product
-    held = [precision for key, precision in keys.items() if f'{{"{key}",' in header]
-    if not held:
-        pytest.skip(f"the committed table has none of {sorted(keys)}")
     name = re.search(r'#define LT_TABLE_GPU_NAME "(.*)"', header).group(1)
     sms = int(re.search(r"#define LT_TABLE_SM_COUNT (\d+)", header).group(1))
     version = int(re.search(r"#define LT_TABLE_CUBLASLT_VERSION (\d+)", header).group(1))
     res = run_ok(cuda_binary, tiny_args(random_shards.train, **{
         "model.n_layer": 1, "model.d_model": 192, "model.n_head": 3, "model.d_ff": 768, "model.seq_len": 512,
         "model.vocab_size": 50257, "model.padded_vocab_size": 50304, "train.batch_size": 8,
-        "train.precision": held[0], "dump_grads": tmp_path / "gpu.grads"}))
+        "train.precision": "bf16", "dump_grads": tmp_path / "gpu.grads"}))
     device = re.search(r"device \d+: (.*), compute capability (\d+\.\d+),", res.stderr)
     got_sms = int(re.search(r"\((\d+) multiprocessors\)", res.stderr).group(1))
     expected = (device.group(1) == name and device.group(2) == "9.0" and got_sms == sms

@@ -10,10 +10,11 @@
  * from 0. A run that lies in one chunk (most tokens) is added to its dwte row there; one that
  * crosses chunk boundaries (a frequent token: a space is a quarter of the benchmark's text) leaves
  * its pieces' sums as partials, and a second kernel adds them in chunk order into one total, which
- * goes to the row. So every row gets one addition of a sum in a fixed order, the work is spread
- * evenly over the chunks whatever the tokens (a frequent token's hundreds of rows are summed by as
- * many warps side by side), and no row has two writers. dwpe[t] has one term per sequence, summed
- * in b order.
+ * goes to the row. So every row gets one addition of a sum in a fixed order and no row has two
+ * writers; the rows' loads are spread evenly over the chunks' warps whatever the tokens (a frequent
+ * token's hundreds of rows are summed eight to a warp, side by side), and what stays serial is the
+ * join's chain over a crossing run's partials (an eighth of its rows, already summed, loaded
+ * EMBED_JOIN_AHEAD at a time). dwpe[t] has one term per sequence, summed in b order.
  *
  * Kernels: k_embed_fwd; the backward is the sort (k_embed_sort_block, or k_embed_positions and
  * CUB's device-wide sort: embed_bwd_sort), then k_embed_bwd_chunks, k_embed_bwd_join and
@@ -103,23 +104,24 @@ k_embed_bwd_chunks(float* __restrict__ dwte, float* __restrict__ partial, const 
     float acc[VEC] = {};
     for (int j0 = 0; j0 < ew.n; j0 += EMBED_AHEAD) {
         float v[EMBED_AHEAD][VEC], row[EMBED_AHEAD][VEC];
-        bool whole[EMBED_AHEAD]; /* entry j0 + r ends a piece that is its token's whole run */
+        int toks[EMBED_AHEAD];
+        bool ends[EMBED_AHEAD], whole[EMBED_AHEAD]; /* entry j0 + r ends a piece; one that is its token's whole run */
 #pragma unroll
         for (int r = 0; r < EMBED_AHEAD; r++) {
-            int j = j0 + r, t = __shfl_sync(0xffffffffu, tok, j & 31);
-            int p = __shfl_sync(0xffffffffu, pos, j & 31), t_next = __shfl_sync(0xffffffffu, tok, (j + 1) & 31);
-            bool last = j + 1 == ew.n ? true : t_next != t;
-            whole[r] = j < ew.n && last && !(t == first_tok && from_prev) && !(j + 1 == ew.n && t == next_tok);
+            int j = j0 + r, p = __shfl_sync(0xffffffffu, pos, j & 31);
+            int t = __shfl_sync(0xffffffffu, tok, j & 31), t_next = __shfl_sync(0xffffffffu, tok, (j + 1) & 31);
+            toks[r] = t;
+            ends[r] = j < ew.n && (j + 1 == ew.n || t_next != t);
+            whole[r] = ends[r] && !(t == first_tok && from_prev) && !(j + 1 == ew.n && t == next_tok);
             if (j < ew.n && ew.cols) load_vec(v[r], dout + (size_t)p * C + ew.c);
             if (whole[r] && ew.cols) load_vec(row[r], dwte + (size_t)t * C + ew.c);
         }
 #pragma unroll
         for (int r = 0; r < EMBED_AHEAD; r++) {
-            int j = j0 + r;
-            if (j >= ew.n) break;
-            int t = __shfl_sync(0xffffffffu, tok, j & 31), t_next = __shfl_sync(0xffffffffu, tok, (j + 1) & 31);
+            if (j0 + r >= ew.n) break;
             for (int k = 0; k < VEC; k++) acc[k] += v[r][k];
-            if (j + 1 < ew.n && t_next == t) continue; /* the piece goes on */
+            if (!ends[r]) continue; /* the piece goes on */
+            int t = toks[r];
             if (ew.cols) {
                 if (whole[r]) {
                     for (int k = 0; k < VEC; k++) row[r][k] += acc[k];
@@ -221,29 +223,25 @@ static size_t embed_sort_bytes(int V, int N) {
 }
 
 /* The backward's scratch: positions, sorted tokens, sorted positions (N ints each), the chunks'
- * partials (a head and a tail of C floats a chunk), CUB's temporary storage; every array 256-byte
- * aligned. `at` NULL: the offsets from 0, and `bytes` the size. */
+ * partials (a head and a tail of C floats a chunk), then CUB's temporary storage (embed_sort_bytes);
+ * every array 256-byte aligned. */
 struct EmbedScratch {
     int *pos, *sorted_tok, *sorted_pos;
     float* partial;
     void* cub;
-    size_t bytes;
 };
-static EmbedScratch embed_scratch(void* at, int V, int N, int C) {
-    auto aligned = [](size_t b) { return (b + 255) & ~(size_t)255; };
-    size_t ints = aligned((size_t)N * sizeof(int)), n_chunks = ceil_div(N, EMBED_CHUNK);
-    size_t partial = aligned(n_chunks * 2 * C * sizeof(float));
-    char* base = (char*)at;
-    EmbedScratch s;
-    s.pos = (int*)base;
-    s.sorted_tok = (int*)(base + ints);
-    s.sorted_pos = (int*)(base + 2 * ints);
-    s.partial = (float*)(base + 3 * ints);
-    s.cub = base + 3 * ints + partial;
-    s.bytes = 3 * ints + partial + embed_sort_bytes(V, N);
-    return s;
+static size_t embed_aligned(size_t bytes) { return (bytes + 255) & ~(size_t)255; }
+static size_t embed_cub_offset(int N, int C) {
+    return 3 * embed_aligned((size_t)N * sizeof(int)) +
+           embed_aligned((size_t)ceil_div(N, EMBED_CHUNK) * 2 * C * sizeof(float));
 }
-static size_t embed_bwd_scratch_bytes(int V, int N, int C) { return embed_scratch(NULL, V, N, C).bytes; }
+static EmbedScratch embed_scratch(void* at, int N, int C) {
+    char* base = (char*)at;
+    size_t ints = embed_aligned((size_t)N * sizeof(int));
+    return {(int*)base, (int*)(base + ints), (int*)(base + 2 * ints), (float*)(base + 3 * ints),
+            base + embed_cub_offset(N, C)};
+}
+static size_t embed_bwd_scratch_bytes(int V, int N, int C) { return embed_cub_offset(N, C) + embed_sort_bytes(V, N); }
 
 /* One thread per (t, c); writes (add 0) or adds (add 1) the sum. */
 template <typename T>
@@ -282,7 +280,7 @@ static void embed_sort_device(const EmbedScratch& s, const int* tokens, int V, i
  * embed_bwd_scratch_bytes(V, N, C) bytes (256-byte aligned). Every call is a stream operation (CUB's
  * sort included), so a CUDA graph can capture it. */
 static void embed_bwd_sort(void* scratch, const int* tokens, int V, int N, int C) {
-    EmbedScratch s = embed_scratch(scratch, V, N, C);
+    EmbedScratch s = embed_scratch(scratch, N, C);
     if (N <= EMBED_SORT_THREADS * EMBED_SORT_ITEMS)
         launch_kernel(k_embed_sort_block, 1, EMBED_SORT_THREADS, s.sorted_tok, s.sorted_pos, tokens, N,
                       embed_token_bits(V));
@@ -294,10 +292,10 @@ static void embed_bwd_sort(void* scratch, const int* tokens, int V, int N, int C
  * the classifier's product writes it first, loss.cuh) the token rows' sums by k_embed_bwd_chunks and
  * k_embed_bwd_join, and dwpe = / += by grad_beta, from dout [B*T, C]. */
 template <typename T>
-static void embed_bwd_sorted(float* dwte, float* dwpe, const T* dout, void* scratch, int V, int B, int T_, int C,
+static void embed_bwd_sorted(float* dwte, float* dwpe, const T* dout, void* scratch, int B, int T_, int C,
                              float grad_beta) {
     int N = B * T_;
-    EmbedScratch s = embed_scratch(scratch, V, N, C);
+    EmbedScratch s = embed_scratch(scratch, N, C);
     bool packed = packable(C, sizeof(T), {dout}) && packable(C, sizeof(float), {dwte, s.partial});
     unsigned warps = ceil_div(N, EMBED_CHUNK) * ceil_div(C, 32 * (packed ? PACK(T) : 1));
     unsigned blocks = ceil_div(warps, EMBED_BWD_WARPS);
@@ -313,7 +311,7 @@ template <typename T>
 static void embed_bwd(float* dwte, float* dwpe, const T* dout, const int* tokens, void* scratch, int V, int B, int T_,
                       int C, float grad_beta) {
     embed_bwd_sort(scratch, tokens, V, B * T_, C);
-    embed_bwd_sorted<T>(dwte, dwpe, dout, scratch, V, B, T_, C, grad_beta);
+    embed_bwd_sorted<T>(dwte, dwpe, dout, scratch, B, T_, C, grad_beta);
 }
 
 #endif
