@@ -154,9 +154,8 @@ k_embed_bwd_join(float* __restrict__ dwte, const float* __restrict__ partial, co
     float total[VEC];
     if (ew.cols) load_vec(total, embed_partial(partial, ew.chunk, 1, C) + ew.c);
     for (int k0 = ew.chunk + 1;; k0 += 32) {
-        int k = k0 + lane; /* whether the run goes on past chunk k */
-        unsigned goes_on = __ballot_sync(0xffffffffu, (size_t)(k + 1) * EMBED_CHUNK < (size_t)N &&
-                                                           sorted_tok[(size_t)(k + 1) * EMBED_CHUNK] == tok);
+        size_t next = (size_t)(k0 + lane + 1) * EMBED_CHUNK; /* lane l: does the run go on past chunk k0 + l? */
+        unsigned goes_on = __ballot_sync(0xffffffffu, next < (size_t)N && sorted_tok[next] == tok);
         int heads = goes_on == 0xffffffffu ? 32 : __ffs(~goes_on); /* chunks k0 .. k0 + heads - 1 */
         for (int h0 = 0; h0 < heads; h0 += EMBED_JOIN_AHEAD) {
             float v[EMBED_JOIN_AHEAD][VEC];
