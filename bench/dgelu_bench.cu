@@ -1,10 +1,11 @@
 /* dgelu_bench.cu: the GELU backward's product alone, dh = (dout · W_2^T) ⊙ gelu'(h), at the MLP shapes
- * of ANDREA-120M (8192 x 3072 x 768) and ANDREA-12M (4096 x 768 x 192): cuBLASLt's DGELU epilogue
- * (the engine's product off Hopper) against k_gemm_dgelu_pingpong (microgpt/cuda/mlp.cuh, the
- * engine's on Hopper), each the median of 50 launches queued back to back (bench/kernel_timer.cuh),
- * on the same random inputs; then the largest difference between the two outputs, in units of the
- * larger's bf16 ulp. A measurement tool for that kernel (docs/BENCHMARKS.md #123-#124), not part of
- * the engine or the tests: build/kernel_check checks its results against the CPU engine.
+ * of ANDREA-120M (8192 x 3072 x 768) and ANDREA-12M (4096 x 768 x 192): cuBLASLt's plain product of
+ * that shape (no epilogue: the floor), cuBLASLt's DGELU epilogue (the engine's product off Hopper)
+ * and k_gemm_dgelu_pingpong (microgpt/cuda/mlp.cuh, the engine's on Hopper), each the median of 50
+ * launches queued back to back (bench/kernel_timer.cuh), on the same random inputs; then the largest
+ * difference between the two dh, in units of the larger's bf16 ulp. A measurement tool for that
+ * kernel (docs/BENCHMARKS.md #123-#124, #160), not part of the engine or the tests: build/kernel_check
+ * checks its results against the CPU engine.
  *
  *   build: make build/dgelu_bench
  *   run:   build/dgelu_bench */
@@ -33,11 +34,13 @@ static void bench_shape(const char* model, int M, int N, int K) {
     bf16 *h = random_bf16((size_t)M * N, 3, 3.0f), *dh_lt, *dh_pp;
     CUDA_CHECK(cudaMalloc(&dh_lt, (size_t)M * N * sizeof(bf16)));
     CUDA_CHECK(cudaMalloc(&dh_pp, (size_t)M * N * sizeof(bf16)));
-    CUDA_CHECK(cudaMemset(dh_pp, 0xFF, (size_t)M * N * sizeof(bf16))); /* NaN: a tile left unwritten shows */
     double flop = 2.0 * M * N * K;
     auto line = [&](const char* who, float us) {
         printf("dgelu_bench %-5s %-8s %9.1f us %8.1f TFLOP/s\n", model, who, us, flop / (us * 1e-6) / 1e12);
     };
+    /* the plain product of the same shape (no epilogue): the floor a fused epilogue aims at */
+    line("plain", time_median_queued_us([&] { linear_dx(dh_pp, dout, w, M, N, K, 0.0f); }, 50));
+    CUDA_CHECK(cudaMemset(dh_pp, 0xFF, (size_t)M * N * sizeof(bf16))); /* NaN: a tile left unwritten shows */
     line("cublaslt", time_median_queued_us([&] {
              if (!gemm_fused(GEMM_DGELU, M, N, K, mat(dout, K), mat_t(w, K), mat(dh_lt, N), NULL, h)) {
                  fprintf(stderr, "error: cuBLASLt has no DGELU product for %d x %d x %d\n", M, N, K);

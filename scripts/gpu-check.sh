@@ -17,6 +17,7 @@
 #   sanitizer    compute-sanitizer memcheck / racecheck / initcheck / synccheck on a tiny config,
 #                memcheck over kernel_check's odd shapes, and memcheck / racecheck / synccheck over
 #                its classifier shapes (--only classifier: the fused backward's TMA and mbarriers)
+#                and racecheck / synccheck over its GELU-backward product's (--only mlp)
 #   profile      (not in the default set) Nsight Compute's duration of every kernel of one training
 #                step, ANDREA-12M and ANDREA-120M in bf16, uncaptured; $OUT/profile-*.csv, summed per
 #                kernel by bench/kernel_profile.py into $OUT/profile.log (ANDREA-120M also on the real
@@ -60,14 +61,16 @@ stage_pytest_engine() { run_cmd 900 "$PY" -m pytest -m gpu -v -rA tests/test_eng
 TINY_ARGS=(--model.n_layer 2 --model.d_model 32 --model.n_head 4 --model.seq_len 19 --model.vocab_size 61
            --model.padded_vocab_size 64 --model.d_ff 72 --train.batch_size 3 --train.seed 5)
 
-# racecheck over CMD..., passing when the tool ran to its summary and no hazard names one of this
-# repository's kernels (k_*, also as a "[clone k_...]" of a device function it calls): racecheck
-# also reports hazards inside cuBLAS's own Hopper kernels (nvjet_*), whose barrier protocol it does
-# not follow and which are not ours to change. (Its --kernel-name filter would say the same more
-# directly, but CUDA 13.0's sanitizer fails inside kernel_check with it.)
+# racecheck_ours NAME SANITIZER CMD...: racecheck over CMD (log: $OUT/racecheck-NAME.log), passing
+# when the tool ran to its summary and no hazard names one of this repository's kernels (k_*, also
+# as a "[clone k_...]" of a device function it calls): racecheck also reports hazards inside
+# cuBLAS's own Hopper kernels (nvjet_*), whose barrier protocol it does not follow and which are
+# not ours to change. (Its --kernel-name filter would say the same more directly, but CUDA 13.0's
+# sanitizer fails inside kernel_check with it.)
 racecheck_ours() {
-    local cs=$1 log="$OUT/racecheck-ours.log" ours status
-    shift
+    local name=$1 cs=$2 ours status
+    local log="$OUT/racecheck-$name.log"
+    shift 2
     run_cmd 300 "$cs" --tool racecheck --print-limit 0 "$@" > "$log" 2>&1
     status=$?
     grep -E "RACECHECK SUMMARY|checks,|Internal Sanitizer Error" "$log"
@@ -106,7 +109,10 @@ stage_sanitizer() {
     # the fused classifier backward (TMA, mbarriers, wgmma; Hopper) at all its checked shapes (the
     # memcheck above covers them: --prec bf16 runs them too)
     run_cmd 240 "$cs" --tool synccheck --error-exitcode 1 build/kernel_check --only classifier --seed 11 || rc=1
-    racecheck_ours "$cs" build/kernel_check --only classifier --seed 11 || rc=1
+    racecheck_ours classifier "$cs" build/kernel_check --only classifier --seed 11 || rc=1
+    # the GELU-backward product (TMA, mbarriers, wgmma; Hopper) at its two checked shapes
+    run_cmd 120 "$cs" --tool synccheck --error-exitcode 1 build/kernel_check --only mlp --seed 11 || rc=1
+    racecheck_ours mlp "$cs" build/kernel_check --only mlp --seed 11 || rc=1
     unset ANDREA_CUDA_SYNC
     # the runs above are uncaptured (ANDREA_CUDA_SYNC turns the CUDA graphs off): once more with them
     run_cmd 180 "$cs" --tool memcheck --error-exitcode 1 build/microgpt_cuda "${TINY_ARGS[@]}" "${data[@]}" \

@@ -2218,6 +2218,21 @@ template <typename T> static void run_embed(void) {
     test_embed<T>(many, tol);
 }
 
+/* Hopper's GELU-backward product (mlp.cuh) in the MLP pair, bf16: 2048 rows (288 tiles), more than
+ * two a multiprocessor, so the blocks take several tiles each, and 384 rows (54 tiles), fewer blocks
+ * than multiprocessors; both with more k steps than stages, so the ring wraps. Checks which path
+ * ran: off Hopper cuBLASLt's, on Hopper the pingpong kernel's. */
+static void run_mlp_pingpong(void) {
+    Shape many = {2, 1024, 320, 5, 2304, 300, 320, 0}, few = {3, 128, 320, 5, 2304, 300, 320, 0};
+    for (const Shape& d : {many, few}) {
+        set_ctx("bf16", "mlp", shape_str(d).c_str());
+        long before = g_dgelu_pingpong_runs;
+        test_mlp<bf16>(d, tol_for<bf16>());
+        bool ran = g_dgelu_pingpong_runs > before;
+        report(ran == gpu_is_hopper(), "path", ran ? "GELU-backward product: pingpong (sm_90a)" : "GELU-backward product: cuBLASLt");
+    }
+}
+
 template <typename T> static void run_precision(void) {
     const char* prec = TypeInfo<T>::name();
     Tol tol = tol_for<T>();
@@ -2261,16 +2276,7 @@ template <typename T> static void run_precision(void) {
             test_decode<T>(d, tol);
         }
     }
-    if constexpr (std::is_same<T, bf16>::value) {
-        /* more tiles than two a multiprocessor and more k steps than stages: the blocks of Hopper's
-         * GELU-backward product (mlp.cuh) take several tiles each and its ring wraps */
-        Shape big = {2, 1024, 320, 5, 2304, 300, 320, 0};
-        set_ctx(prec, "mlp", shape_str(big).c_str());
-        long before = g_dgelu_pingpong_runs;
-        test_mlp<T>(big, tol);
-        bool ran = g_dgelu_pingpong_runs > before;
-        report(ran == gpu_is_hopper(), "path", ran ? "GELU-backward product: pingpong (sm_90a)" : "GELU-backward product: cuBLASLt");
-    }
+    if constexpr (std::is_same<T, bf16>::value) run_mlp_pingpong();
     if constexpr (std::is_same<T, bf16>::value) run_classifier();
     set_ctx(prec, "cuBLASLt", "all shapes");
     check_fused_taken(fused_before);
@@ -2306,23 +2312,23 @@ int main(int argc, char** argv) {
     uint64_t seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 20);
     const char* prec = "all";
     /* --only attn: the attention pair alone (the flash variants' check); --only classifier: the
-     * classifier's loss and backward alone; --only embed: the embedding pair's own shapes (short
-     * runs for compute-sanitizer) */
+     * classifier's loss and backward alone; --only embed: the embedding pair's own shapes; --only
+     * mlp: the MLP pair on Hopper's GELU-backward product (short runs for compute-sanitizer) */
     const char* only = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--prec") && i + 1 < argc) prec = argv[++i];
         else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
             only = argv[++i];
-            if (strcmp(only, "attn") && strcmp(only, "classifier") && strcmp(only, "embed")) {
-                fprintf(stderr, "error: --only takes attn, classifier or embed, not '%s'\n", only);
+            if (strcmp(only, "attn") && strcmp(only, "classifier") && strcmp(only, "embed") && strcmp(only, "mlp")) {
+                fprintf(stderr, "error: --only takes attn, classifier, embed or mlp, not '%s'\n", only);
                 return 2;
             }
         }
         else {
             fprintf(stderr,
                     "error: unknown argument '%s' (usage: kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all] "
-                    "[--only attn|classifier|embed])\n",
+                    "[--only attn|classifier|embed|mlp])\n",
                     argv[i]);
             return 2;
         }
@@ -2336,8 +2342,8 @@ int main(int argc, char** argv) {
         fprintf(stderr, "error: --only %s has no fp8 checks (use --prec fp32, bf16, fp16 or all)\n", only);
         return 2;
     }
-    if (only && !strcmp(only, "classifier") && strcmp(prec, "bf16") && strcmp(prec, "all")) {
-        fprintf(stderr, "error: --only classifier checks bf16 alone (use --prec bf16 or all)\n");
+    if (only && (!strcmp(only, "classifier") || !strcmp(only, "mlp")) && strcmp(prec, "bf16") && strcmp(prec, "all")) {
+        fprintf(stderr, "error: --only %s checks bf16 alone (use --prec bf16 or all)\n", only);
         return 2;
     }
     int n_dev = 0;
@@ -2359,6 +2365,8 @@ int main(int argc, char** argv) {
 
     if (only && !strcmp(only, "classifier")) {
         run_classifier();
+    } else if (only && !strcmp(only, "mlp")) {
+        run_mlp_pingpong();
     } else if (only && !strcmp(only, "embed")) {
         if (!strcmp(prec, "all") || !strcmp(prec, "fp32")) run_embed<float>();
         if (!strcmp(prec, "all") || !strcmp(prec, "bf16")) run_embed<bf16>();

@@ -139,7 +139,7 @@ def test_kernel_check_attention_only(kernel_check_binary):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     m = re.search(r"kernel_check: (\d+) checks, 0 failed", res.stdout.splitlines()[-1])
     assert m and int(m.group(1)) > 0, res.stdout[-2000:]
-    bad = subprocess.run([str(kernel_check_binary), "--only", "mlp"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([str(kernel_check_binary), "--only", "mlpx"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --only takes attn"), bad.stderr
 
 
@@ -157,6 +157,21 @@ def test_kernel_check_classifier_only(kernel_check_binary):
     bad = subprocess.run([str(kernel_check_binary), "--only", "classifier", "--prec", "fp16"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--only classifier checks bf16 alone" in bad.stderr, bad.stderr
+
+
+def test_kernel_check_mlp_only(kernel_check_binary):
+    """`--only mlp` (a short run for compute-sanitizer over Hopper's GELU-backward product): the MLP
+    pair at its two pingpong shapes, bf16, passing, each with a path line naming the kernel the GPU
+    should run (the pingpong kernel on Hopper, cuBLASLt elsewhere); it refuses another precision."""
+    res = subprocess.run([str(kernel_check_binary), "--only", "mlp"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    m = re.search(r"kernel_check: (\d+) checks, 0 failed", res.stdout.splitlines()[-1])
+    assert m and int(m.group(1)) > 0, res.stdout[-2000:]
+    paths = [line for line in res.stdout.splitlines() if "GELU-backward product:" in line]
+    assert len(paths) == 2 and all(line.startswith("PASS") for line in paths), "\n".join(paths)
+    bad = subprocess.run([str(kernel_check_binary), "--only", "mlp", "--prec", "fp16"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--only mlp checks bf16 alone" in bad.stderr, bad.stderr
 
 
 def test_kernel_check_embedding_only(kernel_check_binary):
