@@ -132,61 +132,58 @@ def test_kernel_check(kernel_check_binary):
         assert (", programmatic dependent launch" in banner) == (major >= 9), banner
 
 
-def test_kernel_check_attention_only(kernel_check_binary):
-    """`--only attn` (bench/attn-variants.sh checks each build with it): the attention pair
-    alone, at every shape, passing; an unknown --only value is one error line and exit status 2."""
-    res = subprocess.run([str(kernel_check_binary), "--only", "attn"], capture_output=True, text=True, timeout=300)
+def run_kernel_check_only(binary, only, marker=None, count=0):
+    """`kernel_check --only ONLY`: exit status 0, a positive count of checks and none failed; where
+    `marker` is given, exactly `count` lines holding it, each a PASS. Returns the run."""
+    res = subprocess.run([str(binary), "--only", only], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     m = re.search(r"kernel_check: (\d+) checks, 0 failed", res.stdout.splitlines()[-1])
     assert m and int(m.group(1)) > 0, res.stdout[-2000:]
-    bad = subprocess.run([str(kernel_check_binary), "--only", "mlpx"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: --only takes attn"), bad.stderr
+    if marker:
+        lines = [line for line in res.stdout.splitlines() if marker in line]
+        assert len(lines) == count and all(line.startswith("PASS") for line in lines), "\n".join(lines)
+    return res
+
+
+def assert_kernel_check_refuses(binary, args, message):
+    """kernel_check ARGS: one error line holding `message` and exit status 2."""
+    bad = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and message in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+
+
+def test_kernel_check_attention_only(kernel_check_binary):
+    """`--only attn` (bench/attn-variants.sh checks each build with it): the attention pair
+    alone, at every shape, passing; an unknown --only value is one error line and exit status 2."""
+    run_kernel_check_only(kernel_check_binary, "attn")
+    assert_kernel_check_refuses(kernel_check_binary, ["--only", "mlpx"], "error: --only takes attn")
 
 
 def test_kernel_check_classifier_only(kernel_check_binary):
     """`--only classifier` (the sanitizer stage of scripts/gpu-check.sh runs it): the classifier's
     loss and backward alone, bf16, passing, with a path line per shape and fusion setting; it
     refuses a precision it has no checks in."""
-    res = subprocess.run([str(kernel_check_binary), "--only", "classifier"], capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    m = re.search(r"kernel_check: (\d+) checks, 0 failed", res.stdout.splitlines()[-1])
-    assert m and int(m.group(1)) > 0, res.stdout[-2000:]
-    paths = [line for line in res.stdout.splitlines() if "classifier backward:" in line]
-    assert len(paths) == 18 and all(line.startswith("PASS") for line in paths), "\n".join(paths)
-    bad = subprocess.run([str(kernel_check_binary), "--only", "classifier", "--prec", "fp16"], capture_output=True,
-                         text=True, timeout=60)
-    assert bad.returncode == 2 and "--only classifier checks bf16 alone" in bad.stderr, bad.stderr
+    run_kernel_check_only(kernel_check_binary, "classifier", "classifier backward:", 18)
+    assert_kernel_check_refuses(kernel_check_binary, ["--only", "classifier", "--prec", "fp16"],
+                                "--only classifier checks bf16 alone")
 
 
 def test_kernel_check_mlp_only(kernel_check_binary):
-    """`--only mlp` (a short run for compute-sanitizer over Hopper's GELU-backward product): the MLP
-    pair at its two pingpong shapes, bf16, passing, each with a path line naming the kernel the GPU
-    should run (the pingpong kernel on Hopper, cuBLASLt elsewhere); it refuses another precision."""
-    res = subprocess.run([str(kernel_check_binary), "--only", "mlp"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    m = re.search(r"kernel_check: (\d+) checks, 0 failed", res.stdout.splitlines()[-1])
-    assert m and int(m.group(1)) > 0, res.stdout[-2000:]
-    paths = [line for line in res.stdout.splitlines() if "GELU-backward product:" in line]
-    assert len(paths) == 2 and all(line.startswith("PASS") for line in paths), "\n".join(paths)
-    bad = subprocess.run([str(kernel_check_binary), "--only", "mlp", "--prec", "fp16"], capture_output=True,
-                         text=True, timeout=60)
-    assert bad.returncode == 2 and "--only mlp checks bf16 alone" in bad.stderr, bad.stderr
+    """`--only mlp` (the sanitizer stage of scripts/gpu-check.sh runs it over Hopper's GELU-backward
+    product): the MLP pair at its two pingpong shapes, bf16, passing, each with a path line naming
+    the kernel the GPU should run (the pingpong kernel on Hopper, cuBLASLt elsewhere); it refuses
+    another precision."""
+    run_kernel_check_only(kernel_check_binary, "mlp", "GELU-backward product:", 2)
+    assert_kernel_check_refuses(kernel_check_binary, ["--only", "mlp", "--prec", "fp16"],
+                                "--only mlp checks bf16 alone")
 
 
 def test_kernel_check_embedding_only(kernel_check_binary):
     """`--only embed` (a short run for compute-sanitizer over embed.cuh): the embedding pair at its
     own shapes in fp32, bf16 and fp16, passing, the token sums' order bit for bit at each; it
     refuses fp8, which has no embedding checks of its own."""
-    res = subprocess.run([str(kernel_check_binary), "--only", "embed"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    m = re.search(r"kernel_check: (\d+) checks, 0 failed", res.stdout.splitlines()[-1])
-    assert m and int(m.group(1)) > 0, res.stdout[-2000:]
-    order = [line for line in res.stdout.splitlines() if "dwte_ord" in line]
-    assert len(order) == 3 * 6 * 2 and all(line.startswith("PASS") for line in order), "\n".join(order)
-    bad = subprocess.run([str(kernel_check_binary), "--only", "embed", "--prec", "fp8"], capture_output=True,
-                         text=True, timeout=60)
-    assert bad.returncode == 2 and "--only embed has no fp8 checks" in bad.stderr, bad.stderr
+    run_kernel_check_only(kernel_check_binary, "embed", "dwte_ord", 3 * 6 * 2)
+    assert_kernel_check_refuses(kernel_check_binary, ["--only", "embed", "--prec", "fp8"],
+                                "--only embed has no fp8 checks")
 
 
 def test_kernel_check_names_the_attention_kernels_that_ran(kernel_check_binary):
