@@ -262,7 +262,7 @@ static bool classifier_fused(void) {
 
 static void* carve(int group, size_t bytes, size_t* used) {
     size_t at = used[group];
-    used[group] += (bytes + 255) & ~(size_t)255; /* 256-byte alignment for every buffer */
+    used[group] += align_256(bytes); /* 256-byte alignment for every buffer */
     return E.group_base[group] ? E.group_base[group] + at : NULL;
 }
 

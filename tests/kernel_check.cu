@@ -4,7 +4,7 @@
  *
  *   build: make kernel-check    (the engine's architectures: a Hopper build without sm_90a code
  *                                 fails the check of which attention forward ran)
- *   run:   build/kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all] [--only attn|classifier|embed]
+ *   run:   build/kernel_check [--seed N] [--prec fp32|bf16|fp16|fp8|all] [--only attn|classifier|embed|mlp]
  *
  * How each check works:
  *   - inputs are drawn from a seeded generator (the seed differs per run unless --seed is given,
@@ -2276,8 +2276,10 @@ template <typename T> static void run_precision(void) {
             test_decode<T>(d, tol);
         }
     }
-    if constexpr (std::is_same<T, bf16>::value) run_mlp_pingpong();
-    if constexpr (std::is_same<T, bf16>::value) run_classifier();
+    if constexpr (std::is_same<T, bf16>::value) {
+        run_mlp_pingpong();
+        run_classifier();
+    }
     set_ctx(prec, "cuBLASLt", "all shapes");
     check_fused_taken(fused_before);
     run_attn<T>();

@@ -166,6 +166,10 @@ static void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, Args
 
 static inline __host__ __device__ unsigned ceil_div(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
 
+/* bytes rounded up to a multiple of 256: the alignment of every device buffer the engine carves out
+ * (microgpt_cuda.cu's memory plan) and of the arrays inside a scratch buffer (embed.cuh). */
+static inline size_t align_256(size_t bytes) { return (bytes + 255) & ~(size_t)255; }
+
 /* Grid size for element-wise kernels over n elements with grid-stride loops: enough blocks to fill
  * any current GPU, never so many that the count overflows. */
 static inline unsigned elementwise_grid(size_t n, int block) {

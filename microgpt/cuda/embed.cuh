@@ -229,14 +229,13 @@ struct EmbedScratch {
     float* partial;
     void* cub;
 };
-static size_t embed_aligned(size_t bytes) { return (bytes + 255) & ~(size_t)255; }
 static size_t embed_cub_offset(int N, int C) {
-    return 3 * embed_aligned((size_t)N * sizeof(int)) +
-           embed_aligned((size_t)ceil_div(N, EMBED_CHUNK) * 2 * C * sizeof(float));
+    return 3 * align_256((size_t)N * sizeof(int)) +
+           align_256((size_t)ceil_div(N, EMBED_CHUNK) * 2 * C * sizeof(float));
 }
 static EmbedScratch embed_scratch(void* at, int N, int C) {
     char* base = (char*)at;
-    size_t ints = embed_aligned((size_t)N * sizeof(int));
+    size_t ints = align_256((size_t)N * sizeof(int));
     return {(int*)base, (int*)(base + ints), (int*)(base + 2 * ints), (float*)(base + 3 * ints),
             base + embed_cub_offset(N, C)};
 }
