@@ -2,7 +2,7 @@
  * and ANDREA-12M (bf16), on random inputs, each timed alone as the engine launches it: LayerNorm
  * forward, LayerNorm backward (dx and the dgamma/dbeta partials, then their final sum), both also
  * as precision fp8 runs them (taking their output's amax), the loss rows of a step (softmax, loss
- * and dlogits in place, chunk by chunk as the engine's 1 GiB logits chunks), AdamW over every
+ * and dlogits in place, chunk by chunk as the engine's logits chunks), AdamW over every
  * parameter, the gradient norm (partials and final sum), and the embedding backward (on uniform
  * and on text-like tokens). A measurement tool for changes to microgpt/cuda/layernorm.cuh,
  * loss.cuh, optimizer.cuh and embed.cuh; not part of the engine or the tests
@@ -31,7 +31,7 @@
 
 struct Model {
     const char* name;
-    int N, C, L, T, F, V, Vp, chunk; /* chunk: logits rows per chunk (the engine's 1 GiB rule) */
+    int N, C, L, T, F, V, Vp;
 };
 
 /* Parameters of the layout (docs/DESIGN.md §2: tied embedding, position embedding, per layer
@@ -141,12 +141,13 @@ template <typename T> static void bench_layernorm(const Model& m) {
         CUDA_CHECK(cudaFree(p));
 }
 
-/* The loss rows of a whole step: the N rows in chunks of m.chunk rows, each chunk's logits
- * overwritten by their gradient, as in the engine's training step (which runs the classifier
- * products between the chunks; here one buffer serves every chunk). Later launches run on the
+/* The loss rows of a whole step: the N rows in the engine's chunks (loss.cuh's loss_chunk_rows),
+ * each chunk's logits overwritten by their gradient, as in the engine's training step (which runs
+ * the classifier products between the chunks; here one buffer serves every chunk). Later launches run on the
  * gradients the previous one left: the same work, whatever the values. */
 template <typename T> static void bench_loss(const Model& m) {
-    size_t rows = (size_t)m.chunk * m.Vp;
+    int chunk = loss_chunk_rows(m.Vp, sizeof(T), m.N);
+    size_t rows = (size_t)chunk * m.Vp;
     T* logits = random_buffer<T>(rows, 4.0f);
     int* targets = device_buffer<int>(m.N);
     std::vector<int> t(m.N);
@@ -156,8 +157,8 @@ template <typename T> static void bench_loss(const Model& m) {
     float ds = 1.0f / m.N;
     CUDA_CHECK(cudaMemcpy(dscale, &ds, sizeof ds, cudaMemcpyHostToDevice));
     auto step = [&]() {
-        for (int r0 = 0; r0 < m.N; r0 += m.chunk) {
-            int n = m.N - r0 < m.chunk ? m.N - r0 : m.chunk;
+        for (int r0 = 0; r0 < m.N; r0 += chunk) {
+            int n = m.N - r0 < chunk ? m.N - r0 : chunk;
             loss_rows<T>(losses + r0, lse + r0, logits, targets + r0, n, m.V, m.Vp, dscale);
         }
     };
@@ -256,10 +257,9 @@ int main() {
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     printf("rowk_bench: %s, median of %d launches\n", prop.name, REPS);
-    /* the engine's logits chunk: 1 GiB of bf16 rows, a multiple of 128 rows, at most N */
     const Model models[] = {
-        {"120M", 8192, 768, 12, 1024, 3072, 50259, 50304, 8192},
-        {"12M", 4096, 192, 6, 512, 768, 50259, 50304, 4096},
+        {"120M", 8192, 768, 12, 1024, 3072, 50259, 50304},
+        {"12M", 4096, 192, 6, 512, 768, 50259, 50304},
     };
     for (const Model& m : models) {
         bench_layernorm<bf16>(m);
