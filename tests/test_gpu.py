@@ -134,7 +134,7 @@ def test_kernel_check(kernel_check_binary):
 
 def run_kernel_check_only(binary, only, marker=None, count=0):
     """`kernel_check --only ONLY`: exit status 0, a positive count of checks and none failed; where
-    `marker` is given, exactly `count` lines holding it, each a PASS. Returns the run."""
+    `marker` is given, exactly `count` lines holding it, each a PASS."""
     res = subprocess.run([str(binary), "--only", only], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     m = re.search(r"kernel_check: (\d+) checks, 0 failed", res.stdout.splitlines()[-1])
@@ -142,7 +142,6 @@ def run_kernel_check_only(binary, only, marker=None, count=0):
     if marker:
         lines = [line for line in res.stdout.splitlines() if marker in line]
         assert len(lines) == count and all(line.startswith("PASS") for line in lines), "\n".join(lines)
-    return res
 
 
 def assert_kernel_check_refuses(binary, args, message):
