@@ -709,6 +709,13 @@ template <int D> __device__ __forceinline__ unsigned long long fa_wg_desc(unsign
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | (unsigned long long)(lbo >> 4) << 16 |
            (unsigned long long)(FaWg<D>::GROUP_BYTES >> 4) << 32 | FaWg<D>::MODE << 62;
 }
+/* The descriptor of the same matrix `bytes` further on (a multiple of 16): the address field is
+ * the low 14 bits (address / 16) and shared memory ends below 256 KiB, so the sum never carries
+ * out of it. One add where building a descriptor takes a mask, a shift and an or: the k steps of
+ * a product derive theirs from one, which keeps the instructions between products few. */
+__device__ __forceinline__ unsigned long long fa_wg_desc_at(unsigned long long desc, unsigned bytes) {
+    return desc + (bytes >> 4);
+}
 
 __device__ __forceinline__ void fa_wg_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void fa_wg_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -774,17 +781,19 @@ __device__ __forceinline__ void fa_wg_rs(float (*o)[4], const unsigned* a, unsig
 /* S = Q K^T for the block's 64 queries and the 64 keys of a K tile (shared addresses of the
  * tiles), issued and committed as one group. */
 template <typename T, int D> __device__ __forceinline__ void fa_wg_scores(float (*s)[4], unsigned qs, unsigned ks) {
-    fa_wg_ss<T, false>(s, fa_wg_desc<D>(qs, 16), fa_wg_desc<D>(ks, 16));
+    const unsigned long long qd = fa_wg_desc<D>(qs, 16), kd = fa_wg_desc<D>(ks, 16);
+    fa_wg_ss<T, false>(s, qd, kd);
     for (int kk = 1; kk < D / 16; kk++) /* 16 T = 32 bytes along the swizzled rows */
-        fa_wg_ss<T, true>(s, fa_wg_desc<D>(qs + 32 * kk, 16), fa_wg_desc<D>(ks + 32 * kk, 16));
+        fa_wg_ss<T, true>(s, fa_wg_desc_at(qd, 32 * kk), fa_wg_desc_at(kd, 32 * kk));
     fa_wg_commit();
 }
 
 /* O += P V for the 64 keys of a V tile, P given as the A fragments of the 4 k steps; one group. */
 template <typename T, int D> __device__ __forceinline__ void fa_wg_accumulate(float (*o)[4], const unsigned (*p)[4],
                                                                               unsigned vs) {
+    const unsigned long long vd = fa_wg_desc<D>(vs, FaWg<D>::GROUP_BYTES);
     for (int kk = 0; kk < FA_TILE / 16; kk++) /* 16 keys = 2 groups of 8 rows */
-        fa_wg_rs<T, D>(o, p[kk], fa_wg_desc<D>(vs + 2 * kk * FaWg<D>::GROUP_BYTES, FaWg<D>::GROUP_BYTES));
+        fa_wg_rs<T, D>(o, p[kk], fa_wg_desc_at(vd, 2 * kk * FaWg<D>::GROUP_BYTES));
     fa_wg_commit();
 }
 

@@ -184,10 +184,9 @@ template <int NS> __device__ __forceinline__ void cg_wg_rs(float (*o)[4], const 
 /* o[64][64 NS] += P B over one k step of 64: P as the A fragments of its 4 k steps, B the stage's
  * NS slabs (64 rows of k x 64 columns each, N-major); one group. */
 template <int NS> __device__ __forceinline__ void cg_products(float (*o)[4], const unsigned (*p)[4], unsigned b) {
+    const unsigned long long bd = fa_wg_desc<64>(b, NS == 1 ? FaWg<64>::GROUP_BYTES : CG_SLAB_BYTES);
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++)
-        cg_wg_rs<NS>(o, p[kk], fa_wg_desc<64>(b + 2 * kk * FaWg<64>::GROUP_BYTES,
-                                              NS == 1 ? FaWg<64>::GROUP_BYTES : CG_SLAB_BYTES));
+    for (int kk = 0; kk < 4; kk++) cg_wg_rs<NS>(o, p[kk], fa_wg_desc_at(bd, 2 * kk * FaWg<64>::GROUP_BYTES));
     fa_wg_commit();
 }
 

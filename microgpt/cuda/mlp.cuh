@@ -211,8 +211,11 @@ __global__ void __launch_bounds__(DGP_THREADS, 1)
     auto h_full = [&](int c) { return bars + 8 * (2 * DGP_STAGES + c); };
     auto h_empty = [&](int c) { return bars + 8 * (2 * DGP_STAGES + 2 + c); };
     auto order = [&](int c) { return bars + 8 * (2 * DGP_STAGES + 4 + c); };
-    /* the block's tiles: i-th at tile index blockIdx.x + i gridDim.x, consumer i % 2's */
-    int wg = threadIdx.x >> 7, n_k = K / DGP_BK, tiles_n = N / DGP_TILE, n_tiles = M / DGP_TILE * tiles_n;
+    /* the block's tiles: i-th at tile index blockIdx.x + i gridDim.x, consumer i % 2's. The warpgroup
+     * by a broadcast, which ptxas knows is the same in every lane: the stages and descriptors derived
+     * from it can then live in uniform registers, where the products read their descriptors */
+    int wg = __shfl_sync(0xFFFFFFFFu, threadIdx.x >> 7, 0), n_k = K / DGP_BK, tiles_n = N / DGP_TILE;
+    int n_tiles = M / DGP_TILE * tiles_n;
     if (threadIdx.x == 0) {
         for (int s = 0; s < DGP_STAGES; s++) {
             mbar_init(full(s), 1);  /* the producer's arrival; the TMA's bytes complete it */
@@ -250,9 +253,13 @@ __global__ void __launch_bounds__(DGP_THREADS, 1)
         }
         return;
     }
-    /* consumer c = wg - 1: the block's tiles i = c, c + 2, ... */
+    /* consumer c = wg - 1: the block's tiles i = c, c + 2, ... Every product's descriptor is an offset
+     * of the ring's (fa_wg_desc_at) in uniform registers (wg, above): building each anew and moving
+     * it there took ~100 of a k step's 130 instructions, issued beside the other consumer's epilogue
+     * (docs/BENCHMARKS.md #165-#166). */
     int c = wg - 1, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     unsigned tile_h = hbuf + c * DGP_H_BYTES;
+    const unsigned long long ring_desc = fa_wg_desc<64>(ring, 16);
     for (int i = c, tile = blockIdx.x + c * gridDim.x; tile < n_tiles; i += 2, tile += 2 * gridDim.x) {
         int m0 = tile / tiles_n * DGP_TILE, n0 = tile % tiles_n * DGP_TILE;
         unsigned step = (unsigned)i * n_k, phase = (step / DGP_STAGES) & 1; /* the tile's place in the ring */
@@ -263,10 +270,11 @@ __global__ void __launch_bounds__(DGP_THREADS, 1)
             mbar_wait(full(s), phase);
             if (kt == n_k - 1 && (threadIdx.x & 127) == 0) mbar_arrive(order(1 - c));
             fa_wg_fence();
-            unsigned a = ring + s * DGP_STAGE_BYTES, b = a + DGP_STAGE_BYTES / 2;
+            unsigned long long a = fa_wg_desc_at(ring_desc, s * DGP_STAGE_BYTES);
+            unsigned long long b = fa_wg_desc_at(a, DGP_STAGE_BYTES / 2);
             for (int kk = 0; kk < DGP_BK / 16; kk++) { /* 16 values = 32 bytes along the swizzled rows */
-                dgp_wgmma(acc[0], fa_wg_desc<64>(a + 32 * kk, 16), fa_wg_desc<64>(b + 32 * kk, 16));
-                dgp_wgmma(acc[1], fa_wg_desc<64>(a + 64 * 128 + 32 * kk, 16), fa_wg_desc<64>(b + 32 * kk, 16));
+                dgp_wgmma(acc[0], fa_wg_desc_at(a, 32 * kk), fa_wg_desc_at(b, 32 * kk));
+                dgp_wgmma(acc[1], fa_wg_desc_at(a, 64 * 128 + 32 * kk), fa_wg_desc_at(b, 32 * kk));
             }
             fa_wg_commit();
             fa_wg_wait<1>(); /* the previous stage's products are done: hand it back */
