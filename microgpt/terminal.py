@@ -2,8 +2,9 @@
 through, a progress line at a steady cadence and a summary at the end.
 
 On a terminal the progress line is one line rewritten in place (every TTY_SECONDS), cleared before
-any other message; otherwise (a log file, a pipe) it is a plain line every PLAIN_SECONDS. The
-proxy's --progress-every sets another interval (0: no progress line)."""
+any other message; otherwise (a log file, a pipe) it is a plain line every PLAIN_SECONDS, left out
+while it would repeat the last one word for word (a step slower than the interval). The proxy's
+--progress-every sets another interval (0: no progress line)."""
 import os
 import sys
 import threading
@@ -20,6 +21,7 @@ class Terminal:
         self.lock = threading.Lock()  # the stderr pass-through runs in its own thread
         self.shown = False  # a progress line is on screen (TTY only)
         self.last_progress = 0.0
+        self.last_plain = None  # the last plain progress line written
         self.interval = TTY_SECONDS if self.tty else PLAIN_SECONDS
 
     def _clear(self):
@@ -51,8 +53,9 @@ class Terminal:
             if self.tty:
                 self.out.write("\r" + line[:max(20, _columns() - 1)] + "\033[K")
                 self.shown = True
-            else:
+            elif line != self.last_plain:
                 self.out.write(f"[proxy] {line}\n")
+                self.last_plain = line
             self.out.flush()
 
     def end_progress(self):

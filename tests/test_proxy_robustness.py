@@ -1,6 +1,7 @@
 """The proxy under damage and faults: a damaged loss log anywhere, a proxy killed with SIGKILL, a full
 disk, stale or damaged run files, hostile inputs (docs/PROXY.md, "When things go wrong")."""
 import errno
+import io
 import json
 import os
 import signal
@@ -336,6 +337,18 @@ def test_progress_line_and_summary_say_what_a_user_needs():
                      "chat with it:  python microgpt/chat.py /r/x",
                      "export it:     python scripts/export-hf.py /r/x OUT_DIR"]
     assert not any("chat" in line for line in terminal.summary(state, 1.0, "/r/x", None))
+
+
+def test_a_plain_progress_line_is_not_repeated_word_for_word():
+    """With steps slower than the interval (ANDREA-12M on the CPU engine: ~35 s a step against 30 s),
+    the log showed each step's line twice, the same training time in both, as if written twice."""
+    out = io.StringIO()
+    term = terminal.Terminal(out=out, err=io.StringIO())
+    term.interval = 1e-9
+    for line in ["step 1/9", "step 1/9", "step 2/9", "step 2/9", "step 1/9"]:
+        time.sleep(1e-3)
+        term.progress(line)
+    assert out.getvalue().splitlines() == ["[proxy] step 1/9", "[proxy] step 2/9", "[proxy] step 1/9"]
 
 
 def test_plain_progress_lines_then_a_summary(exp, cpu_binary):
