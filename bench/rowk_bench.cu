@@ -143,8 +143,8 @@ template <typename T> static void bench_layernorm(const Model& m) {
 
 /* The loss rows of a whole step: the N rows in the engine's chunks (loss.cuh's loss_chunk_rows),
  * each chunk's logits overwritten by their gradient, as in the engine's training step (which runs
- * the classifier products between the chunks; here one buffer serves every chunk). Later launches run on the
- * gradients the previous one left: the same work, whatever the values. */
+ * the classifier products between the chunks; here one buffer serves every chunk). Later launches
+ * run on the gradients the previous one left: the same work, whatever the values. */
 template <typename T> static void bench_loss(const Model& m) {
     int chunk = loss_chunk_rows(m.Vp, sizeof(T), m.N);
     size_t rows = (size_t)chunk * m.Vp;

@@ -254,9 +254,8 @@ __global__ void __launch_bounds__(DGP_THREADS, 1)
         return;
     }
     /* consumer c = wg - 1: the block's tiles i = c, c + 2, ... Every product's descriptor is an offset
-     * of the ring's (fa_wg_desc_at) in uniform registers (wg, above): building each anew and moving
-     * it there took ~100 of a k step's 130 instructions, issued beside the other consumer's epilogue
-     * (docs/BENCHMARKS.md #165-#166). */
+     * of the ring's (fa_wg_desc_at): building each anew took most of a k step's instructions, issued
+     * beside the other consumer's epilogue (docs/BENCHMARKS.md #165-#166). */
     int c = wg - 1, lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     unsigned tile_h = hbuf + c * DGP_H_BYTES;
     const unsigned long long ring_desc = fa_wg_desc<64>(ring, 16);
