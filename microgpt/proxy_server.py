@@ -19,8 +19,10 @@ is bound to anything but loopback, the page needs it too. The token is kept in t
 (TOKEN_FILE, owner-only), so it outlives a launch: a tab left open keeps working after a relaunch.
 
 No wildcard CORS: only a page opened from disk (origin "null", or "file://") is allowed to read,
-and only with the token. The Host header must name this machine (a loopback name, an IP literal, or
-this host's name), so a page cannot reach the server through DNS rebinding.
+and only with the token. A request that names another site's page as its Origin is refused even
+with the token: a token that leaked (a pasted URL) cannot simply be used from a page elsewhere.
+The Host header must name this machine (a loopback name, an IP literal, or this host's name), so
+a page cannot reach the server through DNS rebinding.
 
 Resources are bounded so that no client can slow training: at most MAX_CONNECTIONS connections
 (one thread each), MAX_STREAMS live streams, one message of at most STREAM_CHUNK records buffered
@@ -160,6 +162,8 @@ def create_app(served, bind_host, token):
     def guard():
         if not _host_allowed(request.host, exposed, own_names):
             abort(403, "the Host header must name this machine")
+        if not _origin_allowed(request.headers.get("Origin"), request.host_url):
+            abort(403, "requests from another site's page are refused")
         if request.method == "OPTIONS" or (request.path == "/" and not exposed):
             return  # a CORS preflight; the page itself holds no data and asks for the token
         given = request.headers.get("X-Run-Token") or request.args.get("token", "")
@@ -283,6 +287,14 @@ def _host_allowed(host_header, exposed, own_names):
         return True
     except ValueError:
         return name.lower() in own_names
+
+
+def _origin_allowed(origin, host_url):
+    """No Origin (a same-origin read, curl), this server's own origin (the page it served, whose
+    buttons POST), or a page opened from disk. Browsers name the page behind every cross-site
+    request, so a page elsewhere holding a leaked token is refused; though not from a sandboxed
+    frame, which is origin "null" too, so the token stays the gate."""
+    return origin is None or origin in FILE_ORIGINS or origin == host_url.rstrip("/")
 
 
 INDEX_DIGITS = 18  # any record index fits; int() refuses strings of over 4300 digits

@@ -72,9 +72,15 @@ def test_every_read_needs_the_token(served_dir):
 
 def test_no_wildcard_cors(served_dir):
     server, _ = served_dir
-    for origin in ("http://evil.example", "https://127.0.0.1.evil.example", "http://localhost:1"):
+    # Another site's page is refused even with the token (one that leaked, say in a pasted URL).
+    for origin in ("http://evil.example", "https://127.0.0.1.evil.example", "http://localhost:1",
+                   server.url.replace("http:", "https:").rstrip("/")):
         r = get(server, "api/state?run=alpha/alpha", headers={"Origin": origin})
+        assert r.status_code == 403 and "another site" in r.json()["error"], origin
         assert "Access-Control-Allow-Origin" not in r.headers, origin
+    # The page the server itself served names the server as its Origin (its buttons POST so).
+    own = get(server, "api/state?run=alpha/alpha", headers={"Origin": server.url.rstrip("/")})
+    assert own.status_code == 200 and own.json()["name"] == "alpha"
     # A page opened from disk (origin "null", or "file://") may read, with the token like anyone else.
     for origin in ("null", "file://"):
         r = get(server, "api/state?run=alpha/alpha", headers={"Origin": origin})
@@ -298,6 +304,27 @@ def test_a_client_that_trickles_its_request_is_dropped(served_dir, monkeypatch):
                 dropped = True
     assert dropped, "a client trickling its request head for 4 s was still served (timeout 0.5 s)"
     assert get(server, "api/runs").status_code == 200  # an ordinary request is served as before
+
+
+def test_a_page_elsewhere_cannot_stop_the_run_even_with_the_token(tmp_path, cpu_binary):
+    """A control request that a foreign page sends with the token (no preflight is needed for
+    ?token=) is refused and the run goes on; the same request from the server's own page stops it."""
+    exp = ProxyFixtureDir(tmp_path)
+    p = Proxy.start(exp.config(steps=10**6, checkpoint={"every": 0}), exp.run_dir, cpu_binary)
+    try:
+        url, token = p.url_and_token()
+        p.wait_state(lambda s: s.get("step", 0) >= 2)
+        foreign = requests.post(f"{url}api/stop?token={token}", headers={"Origin": "http://evil.example"},
+                                timeout=10)
+        assert foreign.status_code == 403
+        step = p.state()["step"]
+        p.wait_state(lambda s: s["step"] >= step + 5)
+        assert p.proc.poll() is None and p.state()["status"] == "running"
+        own = requests.post(f"{url}api/stop?token={token}", headers={"Origin": url.rstrip("/")}, timeout=10)
+        assert own.status_code == 202 and p.wait() == 0, p.describe()
+        assert exp.state()["status"] == "stopped"
+    finally:
+        p.kill()
 
 
 def test_clients_that_never_read_do_not_hold_up_training(tmp_path, cpu_binary):
