@@ -3,9 +3,11 @@ bench/results.jsonl, saying what was measured (commit, uncommitted changes, date
 CUDA, torch) beside its figures. docs/BENCHMARKS.md describes the record's fields.
 
     python3 bench/results.py [--file FILE] [COMMIT_OR_DATE_PREFIX]
+    python3 bench/results.py --history [--file FILE] [COMMIT_OR_DATE_PREFIX]
 
 prints, as the markdown docs/BENCHMARKS.md shows, the last training and decoding record (or the
-last of each whose commit or date starts with the prefix).
+last of each whose commit or date starts with the prefix); with --history, one line for each
+training record from the first that matches on: the headline figures of every run so far.
 
 No torch here: the drivers import this where torch may be missing.
 """
@@ -100,10 +102,41 @@ def read_records(path):
     return records
 
 
+HISTORY_MODELS = ("12M", "120M")
+HISTORY_COLUMNS = ["date", "commit", "bf16 matmul TFLOP/s"] + [
+    f"{m} {c}" for m in HISTORY_MODELS for c in ("engine bf16", "engine fp8", "fastest PyTorch bf16")] + [
+    "120M bf16 MFU"]
+
+
+def history_row(record):
+    """One training record's headline: ms/step of each model's engine bf16 and fp8 rows and of its
+    fastest PyTorch bf16 run (mode in brackets), and ANDREA-120M bf16's MFU; "-" where not run."""
+    finished = [r for r in record.get("runs", []) if r.get("ms_per_step")]
+
+    def ms(run):
+        return f"{run['ms_per_step']:.2f}" if run else "-"
+
+    def engine(model, precision):
+        return next((r for r in finished if (r.get("model"), r.get("side"), r.get("precision"))
+                     == (model, "engine", precision)), None)
+
+    row = [str(record.get("date", "-"))[:16], str(record.get("commit", "-")),
+           f"{record['matmul']['tflops']:.0f}" if (record.get("matmul") or {}).get("tflops") else "-"]
+    for model in HISTORY_MODELS:
+        torch = [r for r in finished if (r.get("model"), r.get("side"), r.get("precision")) == (model, "torch", "bf16")]
+        fastest = min(torch, key=lambda r: r["ms_per_step"], default=None)
+        row += [ms(engine(model, "bf16")), ms(engine(model, "fp8")),
+                f"{ms(fastest)} ({fastest.get('mode')})" if fastest else "-"]
+    mfu = (engine("120M", "bf16") or {}).get("mfu")
+    return row + [f"{100 * mfu:.1f}%" if mfu else "-"]
+
+
 def main(argv):
     p = ArgumentParser(description="show recorded benchmark runs as markdown")
     p.add_argument("prefix", nargs="?", default="", help="a commit or date prefix (default: the last runs)")
     p.add_argument("--file", default=RESULTS_FILE)
+    p.add_argument("--history", action="store_true",
+                   help="one line for each training run from the first that matches on")
     args = p.parse_args(argv)
     import bench          # here, not at the top: bench imports this module
     import decode_bench
@@ -113,6 +146,8 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         return 2
     chosen = [r for r in records if any(str(r.get(k)).startswith(args.prefix) for k in ("commit", "date"))]
+    if args.history:
+        return show_history(records, chosen, args)
     shown = 0
     for kind, render in (("train", bench.markdown), ("decode", decode_bench.markdown)):
         last = [r for r in chosen if r.get("kind") == kind][-1:]
@@ -134,6 +169,26 @@ def main(argv):
     if not shown:
         print(f"error: no record in {args.file} matches '{args.prefix}'", file=sys.stderr)
         return 1
+    return 0
+
+
+def show_history(records, chosen, args):
+    train = [r for r in records if r.get("kind") == "train"]
+    first = next((i for i, r in enumerate(train) if r in chosen), None)
+    if first is None:
+        print(f"error: no training record in {args.file} matches '{args.prefix}'", file=sys.stderr)
+        return 1
+    import bench
+    try:
+        rows = [history_row(r) for r in train[first:]]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:   # a hand-edited line
+        print(f"error: {args.file}: a training record cannot be shown ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    try:
+        print(bench.markdown_table(rows, HISTORY_COLUMNS), end="")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return stdout_closed()
     return 0
 
 

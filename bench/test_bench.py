@@ -285,6 +285,34 @@ def test_a_damaged_results_file_is_refused(tmp_path):
             results.read_records(str(tmp_path / "r.jsonl"))
 
 
+def test_the_history_is_one_line_per_training_run_from_the_prefix_on(tmp_path, capsys):
+    def run(model, side, precision, ms, mode=None, mfu=None):
+        return {"model": model, "side": side, "precision": precision, "mode": mode, "ms_per_step": ms, "mfu": mfu}
+    older = {"kind": "train", "date": "2026-01-01T10:00:00Z", "commit": "aaa1111", "runs": [
+        run("12M", "engine", "bf16", 2.0), run("12M", "torch", "bf16", 9.0, "compile")]}
+    newer = {"kind": "train", "date": "2026-01-02T10:00:00Z", "commit": "bbb2222", "matmul": {"tflops": 780.4},
+             "runs": [run("120M", "engine", "bf16", 14.3, mfu=0.5731), run("120M", "engine", "fp8", 11.6),
+                      run("120M", "torch", "bf16", 21.0, "compile"), run("120M", "torch", "bf16", 20.3, "reduce-overhead"),
+                      run("120M", "torch", "fp8", 23.1, "reduce-overhead"),
+                      {"model": "12M", "side": "engine", "precision": "bf16", "error": "out of memory"}]}
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (older, {"kind": "decode", "commit": "ccc"}, newer)) + "\n")
+    assert results.main(["--file", str(path), "--history"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| " + " | ".join(results.HISTORY_COLUMNS) + " |" and len(lines) == 4
+    assert lines[2] == "| 2026-01-01T10:00 | aaa1111 | - | 2.00 | - | 9.00 (compile) | - | - | - | - |"
+    # the fastest PyTorch bf16 mode; a run that failed is not a figure
+    assert lines[3] == ("| 2026-01-02T10:00 | bbb2222 | 780 | - | - | - | 14.30 | 11.60 | 20.30 (reduce-overhead)"
+                        " | 57.3% |")
+    assert results.main(["--file", str(path), "--history", "2026-01-02"]) == 0
+    assert [l.split(" | ")[1] for l in capsys.readouterr().out.splitlines()[2:]] == ["bbb2222"]
+    assert results.main(["--file", str(path), "--history", "ccc"]) == 1   # a decode record only
+    assert capsys.readouterr().err.startswith("error: no training record in")
+    path.write_text(json.dumps(dict(newer, runs=[run("12M", "engine", "bf16", "fast")])) + "\n")
+    assert results.main(["--file", str(path), "--history"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
 def test_showing_a_malformed_record_is_one_error_line(tmp_path, capsys):
     good = results.read_records(results.RESULTS_FILE)
     last_train = [r for r in good if r["kind"] == "train"][-1]
