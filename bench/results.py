@@ -145,9 +145,12 @@ def main(argv):
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    chosen = [r for r in records if any(str(r.get(k)).startswith(args.prefix) for k in ("commit", "date"))]
+    def matches(r):
+        return any(str(r.get(k)).startswith(args.prefix) for k in ("commit", "date"))
+
     if args.history:
-        return show_history(records, chosen, args)
+        return show_history(records, matches, args)
+    chosen = [r for r in records if matches(r)]
     shown = 0
     for kind, render in (("train", bench.markdown), ("decode", decode_bench.markdown)):
         last = [r for r in chosen if r.get("kind") == kind][-1:]
@@ -172,9 +175,9 @@ def main(argv):
     return 0
 
 
-def show_history(records, chosen, args):
+def show_history(records, matches, args):
     train = [r for r in records if r.get("kind") == "train"]
-    first = next((i for i, r in enumerate(train) if r in chosen), None)
+    first = next((i for i, r in enumerate(train) if matches(r)), None)
     if first is None:
         print(f"error: no training record in {args.file} matches '{args.prefix}'", file=sys.stderr)
         return 1
