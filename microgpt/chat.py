@@ -24,7 +24,8 @@ import json
 import sys
 
 from microgpt import tokenizer
-from microgpt.cli import ArgumentParser, shown_on_terminal, stdout_closed
+from microgpt.cli import (IO_ERROR, USAGE_ERROR, ArgumentParser, error, no_stdout, output_failed, say,
+                          shown_on_terminal, stdout_closed)
 from microgpt.engines import ENGINE_INT_MAX
 from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
                                 resolve_checkpoint)
@@ -56,6 +57,10 @@ class Conversation:
         self.seq_len, self.reply_room = seq_len, reply_room
         self.exchanges = []  # [user turn tokens + assistant turn tokens]
         if len(self.system) + len(reply_header()) + self.reply_room > seq_len:
+            if not self.system:  # the model's context is too short for any conversation
+                raise InferenceError(f"the model's {seq_len}-token context has no room for a message and a reply "
+                                     f"(the reply's header takes {len(reply_header())} tokens, its room "
+                                     f"{reply_room}); chat needs a model with a longer seq_len")
             raise InferenceError(f"the system prompt takes {len(self.system)} tokens; with the reply's "
                                  f"room ({reply_room}) it does not fit the model's {seq_len}-token context")
 
@@ -154,6 +159,27 @@ def one_shot(gen, conv, args):
     return 0
 
 
+class StdinFailed(Exception):
+    """A read of standard input that failed (an I/O error, a descriptor open for writing only): no
+    end of input, an error."""
+
+
+def read_line(prompt):
+    """input(prompt), its faults told apart: EOFError at end of input, StdinFailed where the read
+    fails, an OSError (from writing the prompt) where stdout fails. On a terminal input() writes the
+    prompt itself, so that line editing (readline) redraws it."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        prompt = ""
+    try:
+        return input(prompt)
+    except OSError as e:
+        if sys.stdin.isatty() and sys.stdout.isatty():  # input() wrote the prompt: either side's fault
+            raise StdinFailed(f"cannot read the terminal: {e.strerror or e}") from None
+        raise StdinFailed(f"cannot read standard input: {e.strerror or e}") from None
+
+
 def interactive(gen, conv, args):
     # A byte that is no UTF-8 reads as U+FFFD (as it does in --prompt's argument, which the
     # tokenizer takes so): under most UTF-8 locales Python reads stdin strictly, and one such byte
@@ -164,7 +190,7 @@ def interactive(gen, conv, args):
     turn = 0
     while True:
         try:
-            line = input("> ")
+            line = read_line("> ")
         except EOFError:
             print()
             return 0
@@ -229,12 +255,13 @@ def parse_args(argv):
 
 def main(argv):
     args = parse_args(argv)
-    if sys.stdout:  # a model writes any character: one the locale's encoding lacks shows as \uXXXX
-        sys.stdout.reconfigure(errors="backslashreplace")
+    if no_stdout():  # file descriptor 1 closed: the reply would go nowhere, and exit 0 say it went well
+        return USAGE_ERROR
+    sys.stdout.reconfigure(errors="backslashreplace")  # a model writes any character: one the locale's
+    # encoding lacks shows as \uXXXX
     if args.prompt is None and sys.stdin is None:  # file descriptor 0 closed: no turns to read
-        print("error: no standard input (file descriptor 0 is closed); give the message with --prompt",
-              file=sys.stderr)
-        return 2
+        error("no standard input (file descriptor 0 is closed); give the message with --prompt")
+        return USAGE_ERROR
     gen = None
     try:
         ckpt = resolve_checkpoint(args.model)
@@ -245,15 +272,18 @@ def main(argv):
                                  f"a model trained with vocab_size {tokenizer.VOCAB_SIZE} or more")
         conv = Conversation(args.system, shape["seq_len"], min(args.max_tokens, shape["seq_len"] // 2))
         engine = pick_engine(args.engine)
-        gen = Generator(engine, ckpt)
+        gen = Generator(engine, ckpt, warn=say)  # a checkpoint loaded unverified: the engine's warning
         if args.prompt is not None:
             return one_shot(gen, conv, args)
         gen.ready()
-        print(f"chatting with {ckpt} (step {shape['step']}); {COMMANDS}", file=sys.stderr)
+        say(f"chatting with {ckpt} (step {shape['step']}); {COMMANDS}")
         return interactive(gen, conv, args)
     except (InferenceError, tokenizer.TokenizerUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        error(e)
+        return USAGE_ERROR
+    except StdinFailed as e:
+        error(e)
+        return IO_ERROR
     except KeyboardInterrupt:  # at the prompt or mid-reply: stop the engine, no traceback
         print(file=sys.stderr)
         if gen:
@@ -263,6 +293,11 @@ def main(argv):
         if gen:
             gen.kill()
         return stdout_closed()
+    except OSError as e:  # a write to stdout failed (a full disk: > /dev/full; an I/O error): every other
+        # fault below main is an InferenceError, TokenizerUnavailable or StdinFailed by now
+        if gen:
+            gen.kill()
+        return output_failed(e)
     finally:
         if gen:
             gen.close()

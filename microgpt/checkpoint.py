@@ -156,18 +156,42 @@ def checkpoint_step(path):
     return read_header(path)[0]
 
 
-def read_sidecar(path):
-    """The sidecar PATH.json as a dict, or None where it is missing, no regular file, longer than
-    SIDECAR_READ_MAX or not a JSON object (one naming a key twice is none either)."""
+class SidecarError(ValueError):
+    """Why a checkpoint's sidecar could not be read, worded to follow its path: "is missing"."""
+
+
+def load_sidecar(path):
+    """The sidecar PATH.json as a dict; SidecarError saying why not where it is missing, no regular
+    file, unreadable, longer than SIDECAR_READ_MAX or not a JSON object (one naming a key twice is
+    none either)."""
     try:
         with os.fdopen(open_regular(f"{path}.json"), "rb") as f:
             text = f.read(SIDECAR_READ_MAX + 1)
-        if len(text) > SIDECAR_READ_MAX:
-            return None
+    except FileNotFoundError:
+        raise SidecarError("is missing") from None
+    except NotRegularFile as e:
+        raise SidecarError(f"is {e.strerror}") from None
+    except OSError as e:
+        raise SidecarError(f"cannot be read ({e.strerror or e})") from None
+    if len(text) > SIDECAR_READ_MAX:
+        raise SidecarError(f"is longer than the {SIDECAR_READ_MAX} bytes a sidecar can take") from None
+    try:
         side = loads_json(text)
-    except (OSError, ValueError):
+    except ValueError as e:
+        raise SidecarError(f"is no JSON ({e})") from None
+    if not isinstance(side, dict):
+        raise SidecarError("is no JSON object")
+    return side
+
+
+def read_sidecar(path):
+    """The sidecar PATH.json as a dict, or None where it is missing, no regular file, longer than
+    SIDECAR_READ_MAX or not a JSON object (one naming a key twice is none either): load_sidecar's
+    faults."""
+    try:
+        return load_sidecar(path)
+    except SidecarError:
         return None
-    return side if isinstance(side, dict) else None
 
 
 def read_checkpoint(path):

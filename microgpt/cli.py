@@ -2,9 +2,14 @@
 scripts): bad input is one `error: ...` line on stderr and a non-zero exit, as the engines do.
 
 Exit status 2 is a usage error: a flag argparse cannot parse, or a value a tool refuses (argparse's
-own status for the same); --help still prints the full usage, exit 0. Exit status 141, with no
-message, is a tool whose stdout's reader went away (stdout_closed); 130 (INTERRUPTED), with one
-"interrupted" line, is a tool stopped by Ctrl-C."""
+own status for the same); --help still prints the full usage, exit 0. Exit status 1 (IO_ERROR), with
+one error line, is a tool that could not read its standard input or write its result (a full disk,
+an I/O error: output_failed); 141, with no message, is a tool whose stdout's reader went away
+(stdout_closed); 130 (INTERRUPTED), with one "interrupted" line, is a tool stopped by Ctrl-C.
+
+Every line a tool writes on stderr is one line whatever it quotes (a path holding a newline or an
+escape sequence, a byte that is no UTF-8): one_line writes those characters as \\xNN, as the
+engines write theirs (docs/DESIGN.md §3.8)."""
 import argparse
 import os
 import re
@@ -12,15 +17,60 @@ import signal
 import sys
 
 USAGE_ERROR = 2
+IO_ERROR = 1  # as the engines' exit status for a read of stdin or a write of an answer that fails
 STDOUT_CLOSED = 128 + signal.SIGPIPE  # 141: a shell's status for a program that SIGPIPE ended
 INTERRUPTED = 128 + signal.SIGINT  # 130: a shell's status for a program that Ctrl-C (SIGINT) ended
 CONTROL_CHARACTERS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but tab and newline, DEL, C1
+# Every C0 character, DEL, C1, and a byte that is no UTF-8 as Python's surrogateescape holds it (a
+# path's, an argument's: U+DC80..U+DCFF) or any other lone surrogate
+NOT_ONE_LINE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def one_line(text):
+    """text as one line of stderr: control characters (newline and tab too) and the bytes that are
+    no UTF-8 written as \\xNN (another lone surrogate as \\uXXXX), so a path or a message quoted in
+    an error line can neither break it in two nor drive the terminal."""
+    def escape(m):
+        c = ord(m.group())
+        return f"\\x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"\\u{c:04x}" if c > 0xFF else f"\\x{c:02x}"
+    return NOT_ONE_LINE.sub(escape, str(text))
+
+
+def say(line):
+    """One line on stderr (one_line), if there is a stderr to write it to."""
+    if sys.stderr is not None:
+        print(one_line(line), file=sys.stderr, flush=True)
+
+
+def error(message):
+    """One `error: message` line on stderr (one_line)."""
+    say(f"error: {message}")
 
 
 def fail(message, code=USAGE_ERROR):
     """One `error: message` line on stderr, then exit with `code`."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    error(message)
     sys.exit(code)
+
+
+def no_stdout():
+    """For a tool started with file descriptor 1 closed (`TOOL >&-`), where Python has no sys.stdout
+    and print() writes nothing without a word: the result would go nowhere and the exit status say
+    it went well. Returns the usage error's status after one error line, or None where stdout is
+    there."""
+    if sys.stdout is not None:
+        return None
+    error("no standard output (file descriptor 1 is closed): the result would go nowhere")
+    return USAGE_ERROR
+
+
+def output_failed(e):
+    """For a tool whose write to stdout failed (an OSError that is no lost reader: a full disk, an
+    I/O error): one error line, and the exit status the engines give the same fault. stdout is
+    pointed at /dev/null, so that Python's flush at exit does not fail again."""
+    error(f"cannot write to standard output: {e.strerror or e}")
+    stdout_closed()
+    return IO_ERROR
 
 
 def stdout_closed():
@@ -37,7 +87,9 @@ def stdout_closed():
 def interrupted(tool, what):
     """For a tool stopped by Ctrl-C (KeyboardInterrupt): one line, "TOOL: interrupted; WHAT" (what
     was kept, how to go on), no traceback; returns the exit status of a program SIGINT ended."""
-    print(f"\n{tool}: interrupted; {what}", file=sys.stderr)
+    if sys.stderr is not None:
+        print(file=sys.stderr)
+    say(f"{tool}: interrupted; {what}")
     return INTERRUPTED
 
 

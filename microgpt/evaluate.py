@@ -31,14 +31,19 @@ import tempfile
 import numpy as np
 
 from microgpt import tokenizer
-from microgpt.cli import ArgumentParser, stdout_closed
+from microgpt.cli import (USAGE_ERROR, ArgumentParser, error, interrupted, no_stdout, output_failed, say,
+                          stdout_closed)
 from microgpt.engines import ENGINE_INT_MAX, ENGINE_TEXT
 from microgpt.files import RECORD_TOO_LONG, open_regular, record_lines
-from microgpt.inference import (InferenceError, engine_name, pick_engine, read_model_shape,
+from microgpt.inference import (InferenceError, engine_name, engine_warnings, pick_engine, read_model_shape,
                                 resolve_checkpoint)
 from microgpt.shards import write_shard
 
-TEXT_SUFFIXES = (".txt", ".jsonl")
+TEXT_SUFFIXES = (".txt", ".jsonl")  # compared lower-cased: notes.TXT is text too
+
+
+def is_text_file(path):
+    return path.lower().endswith(TEXT_SUFFIXES)
 
 
 def tokenize_file(path):
@@ -48,7 +53,7 @@ def tokenize_file(path):
     same reasons (an invalid UTF-8 byte among them)."""
     eot = np.array([tokenizer.EOT], dtype=np.uint16)
     try:
-        if path.endswith(".txt"):
+        if path.lower().endswith(".txt"):
             # newline="": the file's own line ends, as the data pipeline reads text
             with open(open_regular(path), encoding="utf-8", errors="replace", newline="") as f:
                 return np.concatenate([tokenizer.encode_array(f.read()), eot]), 1, {}
@@ -64,12 +69,16 @@ def tokenize_file(path):
                     continue
                 conversations.append(np.array(tokenizer.encode_conversation(turns), dtype=np.uint16))
             return np.concatenate(conversations or [eot[:0]]), len(conversations), skipped
+    except FileNotFoundError as e:
+        hint = " (a .txt or .jsonl file is read as one file, not as a glob)" if glob.has_magic(path) else ""
+        raise InferenceError(f"{path}: {e.strerror}{hint}") from None
     except OSError as e:
         raise InferenceError(f"{path}: {e.strerror}") from None
 
 
-def run_evaluate(engine, ckpt, shard_glob, batches):
-    """ENGINE --evaluate -> its {"loss", "tokens", "batches"} record."""
+def run_evaluate(engine, ckpt, shard_glob, batches, warn=None):
+    """ENGINE --evaluate -> its {"loss", "tokens", "batches"} record. warn (a function of one line),
+    where given, gets the engine's warning lines (a checkpoint loaded unverified, §15)."""
     cmd = [engine, "--evaluate", "--checkpoint", ckpt, "--data.val", shard_glob, "--eval.batches", str(batches)]
     try:
         res = subprocess.run(cmd, capture_output=True, **ENGINE_TEXT)
@@ -79,6 +88,8 @@ def run_evaluate(engine, ckpt, shard_glob, batches):
         errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
         detail = errors[-1][len("error:"):].strip() if errors else res.stderr.strip()[-500:]
         raise InferenceError(f"the engine could not evaluate (exit code {res.returncode}): {detail}")
+    for line in engine_warnings(res.stderr) if warn else ():
+        warn(line)
     for line in reversed(res.stdout.splitlines()):
         try:
             record = json.loads(line)
@@ -97,15 +108,21 @@ def perplexity(loss):
         return None
 
 
-def evaluate(engine, model, data, batches):
-    """The JSON-ready result for RUN_DIR_OR_CHECKPOINT `model` on FILE_OR_GLOB `data`."""
+def evaluate(engine, model, data, batches, warn=None):
+    """The JSON-ready result for RUN_DIR_OR_CHECKPOINT `model` on FILE_OR_GLOB `data` (warn: the
+    engine's warnings, run_evaluate)."""
     ckpt = resolve_checkpoint(model)
     shape = read_model_shape(ckpt)
     extra = {}
     with tempfile.TemporaryDirectory(prefix="andrea-eval-") as tmp:
-        if data.endswith(TEXT_SUFFIXES):
+        if is_text_file(data):
             ids, documents, skipped = tokenize_file(data)
             window = shape["seq_len"] + 1
+            if not documents and skipped:  # not "0 tokens": the file has records, none of them readable
+                reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(skipped.items()))
+                raise InferenceError(f"{data} holds no conversation to score: every record was skipped as "
+                                     f"malformed ({reasons}); a record is a ShareGPT \"conversations\" or an "
+                                     f"OpenAI \"messages\" object, one a line")
             if len(ids) < window:
                 raise InferenceError(f"{data} has {len(ids)} tokens; scoring needs at least one window "
                                      f"of seq_len + 1 = {window}")
@@ -116,7 +133,7 @@ def evaluate(engine, model, data, batches):
             if not glob.glob(data):
                 raise InferenceError(f"{data}: no shard matches (give a shard glob, or a .txt/.jsonl file)")
             shard_glob = data
-        record = run_evaluate(engine, ckpt, shard_glob, batches)
+        record = run_evaluate(engine, ckpt, shard_glob, batches, warn)
     if record["loss"] is None:  # the engine prints a loss that is no finite number as null
         raise InferenceError(f"the model's loss on {data} is no finite number: its weights overflow the forward "
                              "pass (an untrained, diverged or edited checkpoint)")
@@ -145,16 +162,22 @@ def parse_args(argv):
 
 def main(argv):
     args = parse_args(argv)
+    if no_stdout():  # file descriptor 1 closed: the result would go nowhere, and exit 0 say it went well
+        return USAGE_ERROR
     try:
         engine = pick_engine(args.engine)
-        result = evaluate(engine, args.model, args.data, args.batches)
+        result = evaluate(engine, args.model, args.data, args.batches, warn=say)
     except (InferenceError, tokenizer.TokenizerUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        error(e)
+        return USAGE_ERROR
+    except KeyboardInterrupt:  # the engine (subprocess.run's child) is killed, the temporary shard removed
+        return interrupted("evaluate", "nothing was scored")
     try:
         print(json.dumps(result), flush=True)
     except BrokenPipeError:  # stdout's reader went away (| true)
         return stdout_closed()
+    except OSError as e:  # a full disk (> /dev/full), an I/O error
+        return output_failed(e)
     return 0
 
 

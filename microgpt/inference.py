@@ -13,13 +13,17 @@ import os
 import subprocess
 import threading
 
-from microgpt.checkpoint import (CheckpointError, read_checkpoint, read_sidecar, sidecar_name_twice,
+from microgpt.checkpoint import (CheckpointError, SidecarError, load_sidecar, read_checkpoint, sidecar_name_twice,
                                  sidecar_values_intact, split_params)
 from microgpt.engines import ENGINE_TEXT, ENGINES, EngineChoiceError, EngineQueryError, param_layout, select_engine
 from microgpt.files import NotRegularFile, open_regular
 from microgpt.run_dir import RunFiles
 
 STDERR_TAIL_LINES = 20  # the engine's last messages, shown when it fails
+# The engines' `--generate` start line, their last on stderr before the first request is read
+# (host/generate.h): the warnings about the checkpoint come before it.
+GENERATE_START = "; reading requests on stdin"
+START_WAIT_S = 5  # how long ready() waits for that line once the engine has answered
 MODEL_FLAGS = ("n_layer", "d_model", "n_head", "d_ff", "seq_len", "vocab_size", "padded_vocab_size")
 
 
@@ -53,11 +57,14 @@ def resolve_checkpoint(path):
 def read_model_shape(ckpt):
     """The model's shape ({n_layer, d_model, ...} and the checkpoint's "step") from the sidecar's
     fingerprint: the engines read the model flags from there too."""
-    sidecar = read_sidecar(ckpt)
-    fingerprint = sidecar.get("fingerprint") if sidecar else None
+    try:
+        sidecar = load_sidecar(ckpt)
+    except SidecarError as e:  # the model's shape is read from it, so it cannot be done without
+        raise InferenceError(f"{ckpt}.json: the checkpoint's sidecar (which gives the model's shape) {e}") from None
+    fingerprint = sidecar.get("fingerprint")
     if not isinstance(fingerprint, dict):
-        raise InferenceError(f"{ckpt}.json: the checkpoint's sidecar is missing or does not give the "
-                             "model's shape (its \"fingerprint\")")
+        raise InferenceError(f"{ckpt}.json: the checkpoint's sidecar does not give the model's shape "
+                             "(its \"fingerprint\")")
     twice = sidecar_name_twice(sidecar)
     if twice:  # which one is meant is ambiguous: the engines refuse it, and so do the values' checks
         raise InferenceError(f"{ckpt}.json: the sidecar names the member \"{twice}\" twice (edited or damaged; "
@@ -78,11 +85,17 @@ def read_model_shape(ckpt):
     return {**shape, "step": sidecar.get("step")}
 
 
-def verify_checkpoint(ckpt):
+def engine_warnings(stderr_text):
+    """The `warning: ...` lines of an engine's stderr (a checkpoint loaded unverified, §15)."""
+    return [l for l in stderr_text.splitlines() if l.startswith("warning:")]
+
+
+def verify_checkpoint(ckpt, warn=None):
     """The engines' own checks of a checkpoint (header, size, the sidecar's step, the CRC-32C of
     every byte, values that are no number: docs/DESIGN.md §15), made by the CPU engine, which every machine builds: set up
     for generation and given no request, it checks, loads and exits. Raises InferenceError with
-    the engine's error line."""
+    the engine's error line. warn (a function of one line), where given, gets each of the engine's
+    warning lines: a checkpoint without checksums passes, unverified, and the engine says so."""
     try:
         res = subprocess.run([ENGINES["cpu"], "--generate", "--checkpoint", ckpt], stdin=subprocess.DEVNULL,
                              capture_output=True, **ENGINE_TEXT)
@@ -92,17 +105,38 @@ def verify_checkpoint(ckpt):
         errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
         detail = errors[-1][len("error:"):].strip() if errors else res.stderr.strip()[-500:]
         raise InferenceError(detail)
+    for line in engine_warnings(res.stderr) if warn else ():
+        warn(line)
 
 
-def read_model_params(ckpt):
+def file_identity(st):
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def read_model_params(ckpt, warn=None):
     """(model shape, {tensor name: float32 array}) of a checkpoint's weights, laid out as the engine
     says (`--layout-json` of the CPU engine, which every machine builds), checked first as an
-    engine checks a checkpoint it loads (verify_checkpoint)."""
+    engine checks a checkpoint it loads (verify_checkpoint; warn: its warnings). The weights read
+    are those of the file checked: a checkpoint replaced meanwhile (a run still training writes a
+    new one every checkpoint.every steps, by a rename) is an error, not weights of another step
+    exported under the checked one's step and shape."""
+    try:
+        before = file_identity(os.stat(ckpt))
+    except OSError as e:
+        raise InferenceError(f"cannot read checkpoint {ckpt}: {e.strerror or e}") from None
     shape = read_model_shape(ckpt)
-    verify_checkpoint(ckpt)
+    verify_checkpoint(ckpt, warn)
     try:
         layout = param_layout(ENGINES["cpu"], [a for k in MODEL_FLAGS for a in (f"--model.{k}", str(shape[k]))])
-        return shape, split_params(read_checkpoint(ckpt).params, layout)
+        checkpoint = read_checkpoint(ckpt)
+        try:
+            after = file_identity(os.stat(ckpt))  # the same file from before the check to after its mapping
+        except OSError:
+            after = None
+        if before != after:
+            raise InferenceError(f"checkpoint {ckpt} changed while it was read (a run still writing checkpoints "
+                                 "there?); try again, or stop the run first")
+        return shape, split_params(checkpoint.params, layout)
     except (CheckpointError, EngineQueryError) as e:
         raise InferenceError(str(e)) from None
 
@@ -122,10 +156,14 @@ def engine_name(engine):
 
 class Generator:
     """One engine process in `--generate` mode, kept alive across requests (the chat's turns).
-    Requests run one at a time; stderr is drained in a thread so the engine never blocks on it."""
+    Requests run one at a time; stderr is drained in a thread so the engine never blocks on it.
+    warn (a function of one line), where given, gets each of the engine's warning lines as it
+    comes (a checkpoint loaded unverified, docs/DESIGN.md §15), from the draining thread."""
 
-    def __init__(self, engine, ckpt, extra_args=()):
+    def __init__(self, engine, ckpt, extra_args=(), warn=None):
         self.args = [engine, "--generate", "--checkpoint", ckpt, *extra_args]
+        self.warn = warn
+        self.started = threading.Event()  # the engine's start line was read, or its stderr ended
         try:
             self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, bufsize=1, **ENGINE_TEXT)
@@ -137,8 +175,19 @@ class Generator:
         self.next_id = 0
 
     def _drain_stderr(self):
-        for line in self.proc.stderr:
-            self.stderr_tail.append(line.rstrip("\n"))
+        try:
+            for line in self.proc.stderr:
+                line = line.rstrip("\n")
+                self.stderr_tail.append(line)
+                if self.warn and line.startswith("warning:"):
+                    try:
+                        self.warn(line)
+                    except Exception:  # stderr gone: the warning cannot be said, the engine goes on
+                        pass
+                if GENERATE_START in line:
+                    self.started.set()
+        finally:
+            self.started.set()
 
     def _failure(self, what):
         self.proc.wait()
@@ -192,8 +241,11 @@ class Generator:
     def ready(self):
         """Returns once the engine has checked and loaded the checkpoint (it answers a prefill of one
         token, drawing none); raises InferenceError with the engine's error when it could not: a
-        damaged checkpoint is then said before a person types a message, not after."""
+        damaged checkpoint is then said before a person types a message, not after. Its warnings
+        (warn) have been passed on by then: the engine writes them before its start line, and that
+        before it reads the first request. Returns whether the start line was seen."""
         self.run({"prompt": [0], "max_tokens": 0})
+        return self.started.wait(START_WAIT_S)
 
     def close(self):
         """End of stdin ends the engine; it exits 0."""

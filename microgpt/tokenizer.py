@@ -29,7 +29,7 @@ import sys
 import numpy as np
 import tiktoken
 
-from microgpt.cli import shown_on_terminal
+from microgpt.cli import USAGE_ERROR, error, no_stdout, output_failed, shown_on_terminal, stdout_closed
 from microgpt.files import DuplicateKeyError, JsonTooDeep, loads_json, open_regular
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -231,6 +231,8 @@ def main(argv):
     if len(argv) < 2 or argv[0] not in ("encode", "encode-chat", "decode"):
         print(usage, file=sys.stderr)
         return 2
+    if no_stdout():  # file descriptor 1 closed: the answer would go nowhere, and exit 0 say it went well
+        return USAGE_ERROR
     try:
         if argv[0] == "decode":
             try:
@@ -244,9 +246,14 @@ def main(argv):
         else:
             fn = encode if argv[0] == "encode" else encode_chat
             print(json.dumps(fn(" ".join(argv[1:]))))
+        sys.stdout.flush()
     except TokenizerUnavailable as e:
-        print(f"error: {e}", file=sys.stderr)
+        error(e)
         return 1
+    except BrokenPipeError:  # `... | head -c 10`: its reader went away
+        return stdout_closed()
+    except OSError as e:  # a full disk (> /dev/full), an I/O error
+        return output_failed(e)
     return 0
 
 

@@ -40,7 +40,7 @@ from safetensors.numpy import save as safetensors_bytes
 
 from microgpt import tokenizer
 from microgpt.atomic import json_text, write_files_atomic
-from microgpt.cli import ArgumentParser
+from microgpt.cli import ArgumentParser, error, interrupted, say
 from microgpt.inference import InferenceError, read_model_params, resolve_checkpoint
 
 # microgpt/cpu/layernorm.h and microgpt/cuda/layernorm.cuh: LayerNorm's epsilon (test_export checks
@@ -239,6 +239,22 @@ def missing_directories(path):
     return missing
 
 
+def clobbered_input(out_dir, names, ckpt):
+    """The export's file name in out_dir that is the checkpoint or its sidecar (the same file, a
+    hard link too), or None: `export-hf.py run/model.bin run --format llmc` replaced the checkpoint
+    it read with llm.c's model.bin and said it had exported."""
+    inputs = []
+    for path in (ckpt, f"{ckpt}.json"):
+        with contextlib.suppress(OSError):
+            inputs.append(os.stat(path))
+    for name in names:
+        with contextlib.suppress(OSError):
+            st = os.stat(os.path.join(out_dir, name))
+            if any(os.path.samestat(st, other) for other in inputs):
+                return name
+    return None
+
+
 def parse_args(argv):
     p = ArgumentParser(description="Export a trained model as a transformers GPT-2 directory "
                        "or an llm.c model file.")
@@ -256,13 +272,17 @@ def main(argv):
     args = parse_args(argv)
     try:
         ckpt = resolve_checkpoint(args.model)
-        shape, params = read_model_params(ckpt)
+        shape, params = read_model_params(ckpt, warn=say)  # a checkpoint without checksums: the engine's warning
         if shape["vocab_size"] != tokenizer.VOCAB_SIZE:
             raise InferenceError(f"the model's vocabulary has {shape['vocab_size']} tokens, not the "
                                  f"{tokenizer.VOCAB_SIZE} of r50k_base + ChatML the tokenizer files describe")
         if os.path.lexists(args.out_dir) and not os.path.isdir(args.out_dir):  # makedirs: "File exists"
             raise InferenceError(f"{args.out_dir} exists and is no directory")
         files = (hf_files if args.format == "hf" else llmc_files)(shape, params)
+        clobbered = clobbered_input(args.out_dir, files, ckpt)
+        if clobbered:
+            raise InferenceError(f"{os.path.join(args.out_dir, clobbered)} is the checkpoint being exported (or its "
+                                 "sidecar); the export would replace it: give another OUT_DIR")
         created = missing_directories(args.out_dir)
         try:
             os.makedirs(args.out_dir, exist_ok=True)
@@ -273,12 +293,14 @@ def main(argv):
                     os.rmdir(directory)
             raise
     except (InferenceError, tokenizer.TokenizerUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
+        error(e)
         return 2
     except OSError as e:
-        print(f"error: {e.filename or args.out_dir}: {e.strerror or e}", file=sys.stderr)
+        error(f"{e.filename or args.out_dir}: {e.strerror or e}")
         return 2
-    print(f"exported {ckpt} (step {shape['step']}) as {args.format} to {args.out_dir}", file=sys.stderr)
+    except KeyboardInterrupt:  # the temporary files and the directories the export made are removed
+        return interrupted("export-hf", f"nothing was exported to {args.out_dir}")
+    say(f"exported {ckpt} (step {shape['step']}) as {args.format} to {args.out_dir}")
     return 0
 
 

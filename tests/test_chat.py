@@ -371,14 +371,18 @@ def test_a_reader_that_goes_away_ends_the_chat_quietly(random_model, cpu_binary)
                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300, env=eu.python_env())
     finally:
         os.close(write_end)
-    assert res.returncode == 141 and res.stderr == "", res.stderr
+    said = [l for l in res.stderr.splitlines() if not l.startswith("warning:")]  # the model is loaded unverified
+    assert res.returncode == 141 and said == [], res.stderr
 
 
 def test_ctrl_c_quits_cleanly(random_model, cpu_binary):
     run_dir, _, _ = random_model
     proc = subprocess.Popen([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=eu.python_env())
-    assert "chatting with" in proc.stderr.readline()  # the engine is up, the chat waits for input
+    line = proc.stderr.readline()
+    while line.startswith("warning:"):  # the model is loaded unverified, and the engine says so first
+        line = proc.stderr.readline()
+    assert "chatting with" in line  # the engine is up, the chat waits for input
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err
@@ -441,3 +445,94 @@ def test_a_sidecar_shape_that_is_no_positive_integer_is_one_error(random_model, 
     errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
     assert res.returncode == 2 and len(errors) == 1 and "m.ckpt.json" in errors[0] and "seq_len" in errors[0], \
         res.stderr
+
+
+@pytest.mark.parametrize("mode", [("--prompt", "hi"), ("--prompt", "hi", "--json"), ()],
+                         ids=["prompt", "json", "interactive"])
+def test_no_standard_output_or_a_full_one_is_an_error_not_a_quiet_success(random_model, cpu_binary, mode):
+    """With file descriptor 1 closed (`chat.py ... >&-`) Python has no sys.stdout: --prompt answered
+    into nothing and exited 0, the chat died in a RuntimeError traceback ("input(): lost
+    sys.stdout"). A full disk (/dev/full) was an OSError traceback in every mode. Each is one error
+    line: exit 2 (before the engine starts), exit 1 (as the engines give a failed write)."""
+    run_dir, _, _ = random_model
+    cmd = [sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--max-tokens", "4", *mode]
+    closed = subprocess.run(cmd, input="hi\n", preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE, text=True,
+                            timeout=300, env=eu.python_env())
+    assert closed.returncode == 2 and closed.stderr.startswith("error: no standard output"), closed.stderr
+    with open("/dev/full", "w") as full:
+        res = subprocess.run(cmd, input="hi\n", stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+                             env=eu.python_env())
+    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert res.returncode == 1 and errors == ["error: cannot write to standard output: No space left on device"], \
+        res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_standard_input_that_cannot_be_read_is_an_error(random_model, cpu_binary, tmp_path):
+    """Standard input open for writing only (`chat.py ... 0>file`): the read failed with EBADF, an
+    OSError traceback. It is one error line, exit 1, as the engines treat a failed read of stdin."""
+    run_dir, _, _ = random_model
+    with open(tmp_path / "wo", "w") as write_only:
+        res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu"], stdin=write_only,
+                             capture_output=True, text=True, timeout=300, env=eu.python_env())
+    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert res.returncode == 1 and errors == ["error: cannot read standard input: Bad file descriptor"], res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_the_engines_warning_about_an_unverified_checkpoint_comes_first(random_model, cpu_binary):
+    """The random model's sidecar holds no checksum: the engine loads it with a warning that it is
+    unverified, which the chat drained with the rest of the engine's stderr and never showed. It
+    is shown before the greeting (ready() waits for the engine's start line, which follows its
+    warnings), and in one-shot mode too."""
+    run_dir, _, _ = random_model
+    res = chat(run_dir, stdin="")
+    lines = res.stderr.splitlines()
+    assert res.returncode == 0 and len(lines) == 2, res.stderr
+    assert lines[0].startswith("warning: ") and "unverified" in lines[0] and lines[1].startswith("chatting with"), lines
+    res = chat(run_dir, "--prompt", "hi")
+    assert res.returncode == 0 and [l for l in res.stderr.splitlines() if "unverified" in l], res.stderr
+    with Generator(str(cpu_binary), str(run_dir / f"{run_dir.name}.ckpt")) as gen:
+        assert gen.ready()  # the start line it waits for is still the engines' (inference.GENERATE_START)
+
+
+@pytest.mark.parametrize("sidecar,message", [(None, "is missing"), ("fifo", "is a FIFO, not a regular file"),
+                                             ('{"step":', "is no JSON"), ("[1]", "is no JSON object")])
+def test_a_sidecar_that_cannot_be_read_says_why(random_model, tmp_path, sidecar, message):
+    """Every sidecar that could not be read was "missing or does not give the model's shape": a
+    FIFO, a truncated file, one that is present but no JSON all read as missing."""
+    run_dir, _, _ = random_model
+    ckpt = tmp_path / "m.ckpt"
+    ckpt.write_bytes((run_dir / f"{run_dir.name}.ckpt").read_bytes())
+    side = tmp_path / "m.ckpt.json"
+    if sidecar == "fifo":
+        os.mkfifo(side)
+    elif sidecar is not None:
+        side.write_text(sidecar)
+    res = chat(ckpt, "--prompt", "hi")
+    assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+    expected = f"error: {side}: the checkpoint's sidecar (which gives the model's shape) {message}"
+    assert res.stderr.startswith(expected), res.stderr
+
+
+def test_a_context_too_short_for_any_chat_is_said_so(random_model, tmp_path):
+    """A model whose seq_len cannot hold a message and a reply was refused with "the system prompt
+    takes 0 tokens", with no system prompt given."""
+    run_dir = tmp_path / "short"
+    shutil.copytree(random_model[0], run_dir)
+    (run_dir / f"{random_model[0].name}.ckpt").rename(run_dir / "short.ckpt")
+    side = json.loads((run_dir / f"{random_model[0].name}.ckpt.json").read_text())
+    side["fingerprint"]["seq_len"] = 4
+    (run_dir / "short.ckpt.json").write_text(json.dumps(eu.reseal_values(side)))
+    res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=60, env=eu.python_env())
+    assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+    assert "4-token context has no room for a message and a reply" in res.stderr and "system" not in res.stderr
+
+
+def test_a_path_with_a_newline_is_quoted_on_one_line(tmp_path):
+    """The error line quoted the path as given: a newline in it broke the line in two, an escape
+    sequence drove the terminal."""
+    res = chat(tmp_path / "no\nsuch\x1b[31m")
+    assert res.returncode == 2 and res.stderr == \
+        f"error: {tmp_path}/no\\x0asuch\\x1b[31m: no such checkpoint file or run directory\n", res.stderr

@@ -237,3 +237,71 @@ def test_hostile_jsonl_lines_are_skipped_and_counted(trained_model, cpu_binary, 
     res, out = evaluate(trained_model.ckpt, path)
     assert res.returncode == 0, res.stderr
     assert out["documents"] == 4 and out["skipped"] == {"JSON nested too deeply": 1, "invalid JSON": 1}
+
+
+def test_no_standard_output_or_a_full_one_is_an_error_not_a_quiet_success(trained_model, cpu_binary):
+    """With file descriptor 1 closed (`evaluate.py ... >&-`) Python has no sys.stdout and print()
+    writes nothing: the result went nowhere and the exit status was 0. A full disk (/dev/full) was
+    an OSError traceback. Each is one error line: exit 2 (before any work), exit 1 (as the engines
+    give a failed write)."""
+    cmd = [sys.executable, str(EVALUATE), str(trained_model.ckpt), trained_model.val, "--batches", "1",
+           "--engine", "cpu"]
+    closed = subprocess.run(cmd, preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE, text=True, timeout=300,
+                            env=eu.python_env())
+    assert closed.returncode == 2 and closed.stderr.startswith("error: no standard output"), closed.stderr
+    with open("/dev/full", "w") as full:
+        res = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300, env=eu.python_env())
+    assert res.returncode == 1 and res.stderr == "error: cannot write to standard output: No space left on device\n", \
+        res.stderr
+
+
+def test_a_jsonl_file_of_malformed_records_says_so(trained_model, cpu_binary, tmp_path):
+    """A .jsonl file none of whose records could be read was "has 0 tokens; scoring needs at least
+    one window": true, but it hid that the file had records, every one of them skipped."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text('not json\n{"text": "a record of another format"}\n[1, 2]\n')
+    res, _ = evaluate(trained_model.ckpt, path)
+    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1, res.stderr
+    assert "every record was skipped" in errors[0] and "invalid JSON: 1" in errors[0] and \
+        "no conversations/messages list: 1" in errors[0], errors
+
+
+def test_a_text_file_is_one_file_whatever_the_case_of_its_suffix(trained_model, cpu_binary, tmp_path):
+    """NOTES.TXT went to the engine as a token shard ("bad magic"); a glob like '*.txt' was
+    "No such file or directory" without saying that a text file is not globbed."""
+    lower, upper = tmp_path / "notes.txt", tmp_path / "NOTES.TXT"
+    for path in (lower, upper):
+        path.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    (res, out), (res_upper, out_upper) = evaluate(trained_model.ckpt, lower), evaluate(trained_model.ckpt, upper)
+    assert res.returncode == 0 and res_upper.returncode == 0, res_upper.stderr
+    assert out_upper["loss"] == out["loss"] and out_upper["documents"] == 1
+    res, _ = evaluate(trained_model.ckpt, tmp_path / "*.txt")
+    assert res.returncode == 2 and "not as a glob" in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
+
+
+def test_ctrl_c_is_one_line_not_a_traceback(trained_model, cpu_binary, monkeypatch, capsys):
+    """Ctrl-C while the engine scored was a KeyboardInterrupt traceback."""
+    from microgpt import evaluate as ev
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ev, "run_evaluate", interrupted)
+    assert ev.main([str(trained_model.ckpt), trained_model.val, "--engine", "cpu"]) == 130
+    assert capsys.readouterr().err.strip() == "evaluate: interrupted; nothing was scored"
+
+
+def test_a_checkpoint_without_checksums_is_scored_with_the_engines_warning(trained_model, cpu_binary, tmp_path):
+    """The engine loads a checkpoint whose sidecar holds no checksum with a warning that it is
+    unverified; evaluate.py kept the engine's stderr to itself and printed the loss as of a checked
+    checkpoint."""
+    ckpt = tmp_path / "m.ckpt"
+    ckpt.write_bytes(trained_model.ckpt.read_bytes())
+    side = json.loads(open(f"{trained_model.ckpt}.json").read())
+    del side["crc32c"]
+    (tmp_path / "m.ckpt.json").write_text(json.dumps(side))
+    res, out = evaluate(ckpt, trained_model.val, "--batches", 1)
+    assert res.returncode == 0 and out["loss"] > 0, res.stderr
+    lines = res.stderr.splitlines()
+    assert [l for l in lines if "unverified" in l and l.startswith("warning: ")], res.stderr

@@ -364,3 +364,91 @@ def test_an_out_dir_that_cannot_be_made_leaves_no_parent_behind(trained_model, t
     res = export(trained_model.ckpt, out)
     assert res.returncode == 2 and res.stderr == f"error: {out}: File name too long\n", res.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_an_export_into_the_checkpoints_own_directory_never_replaces_it(trained_model, tmp_path):
+    """A checkpoint named model.bin exported with --format llmc into its own directory: the export
+    renamed llm.c's model.bin over the checkpoint it had just read, left its sidecar describing
+    another file, and said "exported". Now one error line naming the file, exit 2, nothing written."""
+    ckpt = tmp_path / "model.bin"
+    shutil.copy(trained_model.ckpt, ckpt)
+    shutil.copy(f"{trained_model.ckpt}.json", f"{ckpt}.json")
+    before = ckpt.read_bytes()
+    res = export(ckpt, tmp_path, "--format", "llmc")
+    errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and f"{ckpt} is the checkpoint" in errors[0], res.stderr
+    assert ckpt.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["model.bin", "model.bin.json"]
+    other = tmp_path / "elsewhere"  # a hard link to it is the same file under another name
+    other.mkdir()
+    os.link(ckpt, other / "model.bin")
+    res = export(ckpt, other, "--format", "llmc")
+    assert res.returncode == 2 and "is the checkpoint" in res.stderr, res.stderr
+    assert ckpt.read_bytes() == before and os.listdir(other) == ["model.bin"]
+
+
+def test_a_checkpoint_without_checksums_is_exported_with_the_engines_warning(trained_model, tmp_path):
+    """The export checks the checkpoint with the CPU engine, which loads one whose sidecar holds no
+    checksum (written by hand, or before checksums) with a warning that it is unverified; the
+    export swallowed that line and said "exported" as of a checked checkpoint."""
+    ckpt = tmp_path / "m.ckpt"
+    shutil.copy(trained_model.ckpt, ckpt)
+    side = {k: v for k, v in read_sidecar(trained_model.ckpt).items() if k != "crc32c"}
+    (tmp_path / "m.ckpt.json").write_text(json.dumps(side))
+    res = export(ckpt, tmp_path / "out")
+    lines = res.stderr.splitlines()
+    assert res.returncode == 0 and len(lines) == 2, res.stderr
+    assert lines[0].startswith("warning: ") and "unverified" in lines[0] and lines[1].startswith("exported "), lines
+
+
+def test_ctrl_c_during_the_export_is_one_line_and_leaves_nothing(trained_model, tmp_path, monkeypatch, capsys):
+    """Ctrl-C (KeyboardInterrupt) while the files were written was a traceback; the export's own
+    cleanup ran, but the message said nothing of it. Here it comes while the third temp file is made."""
+    from microgpt import atomic
+    module = load_export_module()
+    real_open_new, calls = atomic.open_new, []
+
+    def interrupted_open_new(*args, **kw):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_open_new(*args, **kw)
+
+    monkeypatch.setattr(atomic, "open_new", interrupted_open_new)
+    out = tmp_path / "new" / "out"
+    assert module.main([str(trained_model.ckpt), str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == f"export-hf: interrupted; nothing was exported to {out}" and "Traceback" not in err, err
+    assert len(calls) == 3 and os.listdir(tmp_path) == []
+
+
+def test_a_checkpoint_replaced_while_it_is_exported_is_an_error(trained_model, tmp_path, monkeypatch, capsys):
+    """A run still training renames a new checkpoint into place every checkpoint.every steps. One
+    that arrived after the engine had checked the file and before its weights were read was
+    exported unchecked, under the checked one's step. Here it arrives right after the check."""
+    from microgpt import inference
+    ckpt = tmp_path / "m.ckpt"
+    shutil.copy(trained_model.ckpt, ckpt)
+    shutil.copy(f"{trained_model.ckpt}.json", f"{ckpt}.json")
+    real_verify = inference.verify_checkpoint
+
+    def verify_then_replace(path, warn=None):
+        real_verify(path, warn)
+        shutil.copy(trained_model.ckpt, tmp_path / "next")
+        os.replace(tmp_path / "next", path)  # as the engine writes its next checkpoint: a new file
+
+    monkeypatch.setattr(inference, "verify_checkpoint", verify_then_replace)
+    out = tmp_path / "out"
+    assert load_export_module().main([str(ckpt), str(out)]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: ") and "changed while it was read" in errors[0], errors
+    assert not out.exists()
+
+
+def test_a_path_with_a_newline_or_an_escape_is_quoted_on_one_line(trained_model, tmp_path):
+    """An error line quoted OUT_DIR as it was: a newline in it made two lines, an escape sequence
+    drove the terminal. Both are written as \\xNN, as the engines write theirs (DESIGN §3.8)."""
+    out = tmp_path / "a\nb\x1b[2J"
+    out.write_text("x")
+    res = export(trained_model.ckpt, out)
+    assert res.returncode == 2 and res.stderr == f"error: {tmp_path}/a\\x0ab\\x1b[2J exists and is no directory\n", \
+        res.stderr

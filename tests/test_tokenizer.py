@@ -175,3 +175,26 @@ def test_cli_decode_to_an_encoding_without_a_character_escapes_it(assets):
                          env={**python_env(), "PYTHONIOENCODING": "ascii"})
     assert res.returncode == 0 and res.stderr == "", res.stderr
     assert res.stdout == "snow \\u2603 man\n\n"
+
+
+@pytest.mark.parametrize("command", [("encode", "hi"), ("decode", "40", "12")])
+def test_cli_output_that_goes_nowhere_is_an_error(assets, command):
+    """`tokenizer.py ... >&-` printed into no sys.stdout and exited 0; to /dev/full, and to a pipe
+    whose reader is gone (`| head -c0`), the write was a traceback. Now: one error line, exit 2;
+    one error line, exit 1; nothing said, exit 141 (as a program SIGPIPE ended)."""
+    import os
+    cmd = [sys.executable, str(REPO / "microgpt" / "tokenizer.py"), *command]
+    closed = subprocess.run(cmd, preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE, text=True, timeout=60,
+                            env=python_env())
+    assert closed.returncode == 2 and closed.stderr.startswith("error: no standard output"), closed.stderr
+    with open("/dev/full", "w") as full:
+        res = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=60, env=python_env())
+    assert res.returncode == 1 and res.stderr == "error: cannot write to standard output: No space left on device\n", \
+        res.stderr
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        res = subprocess.run(cmd, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, env=python_env())
+    finally:
+        os.close(write_end)
+    assert res.returncode == 141 and res.stderr == "", res.stderr
