@@ -68,6 +68,14 @@ def encode_record(rec):
     return b'{"live":%d,' % live + body[1:].encode()
 
 
+def _is_record(rec):
+    """A record the proxy can resume from: an object whose step, seg and elapsed, where present, are
+    numbers (it compares the steps, counts launches on from the last seg and times on from an
+    elapsed; a hand-edited "seg": null was a TypeError at start)."""
+    return isinstance(rec, dict) and all(isinstance(rec.get(key, 0), (int, float))
+                                         for key in ("step", "seg", "elapsed"))
+
+
 def _complete_record(line):
     """The record on a line of the log ("{...}" maybe followed by "," or "]"), or None if torn."""
     text = line.strip().rstrip(b",]").strip()
@@ -107,7 +115,7 @@ def _record_starts(data):
             recs = parse_json(batch)
         except ValueError:
             return None
-        if len(recs) != last + 1 - i or not all(isinstance(r, dict) for r in recs):
+        if len(recs) != last + 1 - i or not all(map(_is_record, recs)):
             return None
     return starts
 
@@ -135,6 +143,10 @@ def repair(path):
     if records is not None:
         if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
             raise LossLogError(f"{path}: not a JSON array of records; move it away")
+        bad = next((i for i, r in enumerate(records) if not _is_record(r)), None)
+        if bad is not None:
+            raise LossLogError(f"{path}: record {bad + 1} has a step, seg or elapsed that is no number; "
+                               "fix it or move the file away (the run then starts a new log)")
         lines = [encode_record(r) for r in records]
         write_bytes_atomic(path, b"[\n" + b",\n".join(lines) + b"\n]" if lines else EMPTY)
         return f"{path}: rewrote into the one-record-per-line layout"

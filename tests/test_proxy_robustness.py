@@ -4,6 +4,7 @@ import errno
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,6 +91,26 @@ def test_the_proxy_refuses_a_damaged_log_with_one_line(exp, cpu_binary):
     p, rc = run_to_end(exp.config(steps=40), exp.run_dir, cpu_binary, "--no-server")
     assert rc == 2 and len(error_lines(p)) == 1 and "not at the end" in error_lines(p)[0], p.describe()
     assert "Traceback" not in "".join(p.err)
+    assert path.read_bytes() == damaged and checkpoint_step(exp.path(".ckpt")) == 20
+
+
+@pytest.mark.parametrize("field, value", [("seg", b"null"), ("step", b'"20"'), ("elapsed", b'"x"')])
+def test_a_record_whose_numbers_are_not_numbers_is_refused_with_one_line(exp, cpu_binary, field, value):
+    """A hand-edited last record of valid JSON whose seg, step or elapsed is no number: "seg":null
+    was a TypeError traceback at start, a string step a proxy failure after the engine had trained
+    (and checkpointed) steps whose records superseded nothing."""
+    p, rc = run_to_end(exp.config(steps=20), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    path = exp.path(".loss.json")
+    data = path.read_bytes()
+    last = data.rindex(b'{"live":1,')
+    damaged = data[:last] + re.sub(b'"%s":[^,}]+' % field.encode(), b'"%s":%s' % (field.encode(), value),
+                                   data[last:], count=1)
+    assert damaged != data
+    path.write_bytes(damaged)
+    p, rc = run_to_end(exp.config(steps=40), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 2 and len(error_lines(p)) == 1, p.describe()
+    assert "is no number" in error_lines(p)[0] and "Traceback" not in "".join(p.err), p.describe()
     assert path.read_bytes() == damaged and checkpoint_step(exp.path(".ckpt")) == 20
 
 
