@@ -110,6 +110,13 @@ def roll_back_checkpoint(ckpt):
     fsync_dir(os.path.dirname(ckpt))
 
 
+def _is_state(x):
+    """A state as the proxy writes it: an object whose losses and training time (the summary of a
+    finished run formats them as it finds them) are numbers or null."""
+    return isinstance(x, dict) and all(isinstance(x.get(key), (int, float, type(None)))
+                                       for key in ("loss", "val_loss", "elapsed_s"))
+
+
 def _is_sample(x):
     """A sample as the proxy writes it: an object whose step (steps are compared) is a number."""
     return isinstance(x, dict) and isinstance(x.get("step", 0), (int, float))
@@ -129,7 +136,7 @@ class RunState:
                                  lambda v: isinstance(v, list) and all(map(_is_sample, v)))
         if not os.path.exists(files.samples):
             write_json_atomic(files.samples, [])
-        self.state = self.load(files.state, "a JSON object", {}, lambda v: isinstance(v, dict))
+        self.state = self.load(files.state, "a JSON object of a run's state", {}, _is_state)
         self.state_version = self.samples_version = 0
         self.state_written = 0.0
         self.state_dirty = False

@@ -252,6 +252,23 @@ def test_run_files_of_the_wrong_type_are_moved_aside(exp, cpu_binary, suffix, co
     assert exp.state()["status"] == "finished"
 
 
+@pytest.mark.parametrize("key, value", [("loss", "x"), ("val_loss", [1]), ("elapsed_s", "1m")])
+def test_a_finished_run_whose_state_holds_a_mistyped_value_is_summarized(exp, cpu_binary, key, value):
+    """A finished run's summary is made from .state.json as it was on disk: a loss that is no
+    number was a ValueError traceback ("Unknown format code 'f'"), an elapsed_s a TypeError; exit 1."""
+    cfg = exp.config(steps=12)
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    content = json.dumps({**exp.state(), key: value})
+    exp.path(".state.json").write_text(content)
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0 and "Traceback" not in "".join(p.err), p.describe()
+    said = [line for line in p.out if "damaged" in line]
+    assert len(said) == 1 and "not a JSON object of a run's state" in said[0], p.describe()
+    assert exp.path(".state.json.damaged").read_text() == content
+    assert exp.state()["status"] == "finished"
+
+
 def one_error(p, rc, words):
     errors = error_lines(p)
     assert rc == 2 and len(errors) == 1 and words in errors[0], p.describe()
