@@ -23,10 +23,11 @@ OWN_KEYS = {  # key: (type, required)
     "description": ("str", False),  # free text for people; not passed to the engine
     "sample.prompts": ("prompts", False),  # strings, tokenized into repeated --sample.prompt ids
 }
-# Limits that keep a config something a person wrote: the run's name is part of file names, the
-# state file (rewritten twice a second) carries the config, and the prompts travel on the engine's
+# Limits that keep a config something a person wrote: the run's name is part of file names (of at
+# most 255 bytes, the longest <name>.ckpt.prev.json.tmpPID; so it is counted in bytes), the state
+# file (rewritten twice a second) carries the config, and the prompts travel on the engine's
 # command line, where Linux allows one argument at most 128 KiB.
-NAME_MAX_CHARS = 100
+NAME_MAX_BYTES = 100
 DESCRIPTION_MAX_CHARS = 10_000
 PROMPTS_MAX_CHARS = 65_536  # all prompts together
 ARG_MAX_BYTES = 128 * 1024
@@ -193,9 +194,10 @@ def validate_config(cfg, flags):
             raise ConfigError(f'give one of "{f["one_of"][0]}" and "{f["one_of"][1]}"'
                               + (", not both" if given else f': missing key "{f["one_of"][0]}"'))
     name = cfg["name"]
-    if not all(c.isalnum() or c in "._-" for c in name) or name.startswith(".") or len(name) > NAME_MAX_CHARS:
+    if (not all(c.isalnum() or c in "._-" for c in name) or name.startswith(".")
+            or len(name.encode("utf-8")) > NAME_MAX_BYTES):
         raise ConfigError(f'"name" must be letters, digits, ".", "_" or "-" (it names files; at '
-                          f'most {NAME_MAX_CHARS}), not {_shown(name)}')
+                          f'most {NAME_MAX_BYTES} bytes in UTF-8), not {_shown(name)}')
     _check_length("description", cfg.get("description", ""), DESCRIPTION_MAX_CHARS)
     _check_length("sample.prompts", "".join(cfg.get("sample", {}).get("prompts", [])), PROMPTS_MAX_CHARS)
 

@@ -311,8 +311,11 @@ def test_a_checkpoint_path_that_is_a_directory_is_one_error(exp, cpu_binary):
     ({"description": "x" * 60_000_000}, '"description" has 60000000 characters; at most 10000'),
     ({"sample": {"every": 5, "prompts": ["A" * 200_000]}}, '"sample.prompts" has 200000 characters'),
     ({"sample": {"every": 5, "prompts": ["A B " * 20]}}, '"sample.prompts[0]" is 41 tokens; the model sees at most model.seq_len (32)'),
-    ({"name": "n" * 101}, '"name" must be letters, digits, ".", "_" or "-" (it names files; at most 100)'),
-], ids=["description", "prompt-chars", "prompt-tokens", "name"])
+    ({"name": "n" * 101}, '"name" must be letters, digits, ".", "_" or "-" (it names files; at most 100 bytes'),
+    # 80 characters, but 240 bytes: <name>.loss.json.tmp<pid> was "[Errno 36] File name too long",
+    # with the new run directory and its lock file left behind
+    ({"name": "\u4e2d" * 80}, '"name" must be letters, digits, ".", "_" or "-" (it names files; at most 100 bytes'),
+], ids=["description", "prompt-chars", "prompt-tokens", "name", "name-bytes"])
 def test_oversized_inputs_are_one_clear_error(exp, cpu_binary, sections, words):
     p, rc = run_to_end(exp.config(steps=5, **sections), exp.run_dir, cpu_binary, "--no-server")
     message = one_error(p, rc, words)
