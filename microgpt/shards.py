@@ -31,6 +31,9 @@ def header_bytes(ntok):
 
 
 def check_ids(path, tokens):
+    """Integer ids in [0, 65535]: astype("<u2") would cut 1.7 to 1 and 65536 to 0 without a word."""
+    if tokens.size and tokens.dtype.kind not in "iu":
+        raise ShardError(f"{path}: token ids must be integers, not {tokens.dtype}")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 1 << 16):
         raise ShardError(f"{path}: token ids must lie in [0, 65535]")
 

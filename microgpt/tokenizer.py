@@ -195,9 +195,12 @@ def json_fault(e):
 
 def parse_json_line(line):
     """One JSON line (str, or bytes as read from a file) -> its value. Raises ValueError with a
-    short reason (json_fault) for a line that holds none."""
+    short reason (json_fault) for a line that holds none. Bytes are UTF-8 (a leading byte-order mark
+    is dropped): json.loads would take bytes that begin with a NUL byte, or hold one as the second,
+    for UTF-16 or UTF-32, so the lines of a UTF-16 file after the first were read as text with
+    every character beyond U+00FF garbled, and it passes UTF-8-encoded lone surrogates."""
     try:
-        return loads_json(line)
+        return loads_json(line.decode("utf-8-sig") if isinstance(line, (bytes, bytearray)) else line)
     except ValueError as e:
         raise ValueError(json_fault(e)) from None
 

@@ -12,9 +12,9 @@ Sources, mixed in command-line order (repeatable), each [NAME=]PATH[:WEIGHT]:
   --text   plain text, a file or a folder of *.txt; each file is one document (a work), read in
            chunks of about --text-chunk-chars cut at blank lines, then <|endoftext|>.
 NAME (default: the file or folder name without extension) names the source in the summary and its
-own shard folder. WEIGHT (default 1) scales a source: 2 repeats each train document twice (the
-source is read twice, so a repeat is a whole document), 0.5 keeps a hash-chosen half. Validation
-documents are never repeated.
+own shard folder (letters, digits, '-', '_' and '.', not first). WEIGHT (default 1) scales a source:
+2 repeats each train document twice (the source is read twice, so a repeat is a whole document), 0.5
+keeps a hash-chosen half. Validation documents are never repeated.
 
 Split: a document goes to val when blake2b(its text) mod 1000 < --val-permille (a text file: the
 text of its first chunk), so its split depends on its own content only; every document, train or
@@ -45,6 +45,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -60,7 +61,7 @@ from microgpt.shards import MAX_TOKENS, ShardError, ShardStream, read_header, re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FORMAT = 3                   # bump when the rendering or splitting changes, so old manifests go stale
+FORMAT = 4                   # bump when the rendering or splitting changes, so old manifests go stale
 BATCH_DOCS = 256             # documents per task handed to a worker ...
 BATCH_BYTES = 1 << 20        # ... or fewer, once they hold this many bytes of input
 SPLITS = ("train", "val")
@@ -70,6 +71,16 @@ DEFAULT_MIN_SHARD_TOKENS = 8 * 1024 + 1
 
 class BuildError(RuntimeError):
     """A build that cannot produce a usable set; nothing is installed."""
+
+
+UTF16_32_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\0\0\xfe\xff")  # UTF-32-LE's begins with UTF-16-LE's
+
+
+def valid_name(name):
+    """A source's or a set's name names files and a folder: letters, digits, '-', '_' and '.', not
+    first ('.' and '..' would put a source's own set outside sources/, a leading '.' hide the shards
+    from a glob's '*')."""
+    return bool(name) and not name.startswith(".") and all(c.isalnum() or c in "-_." for c in name)
 
 
 # ---------------------------------------------------------------- sources
@@ -90,9 +101,9 @@ class Source:
         if not math.isfinite(self.weight) or self.weight < 0:
             fail(f"--{kind} {spec}: weight must be a finite number >= 0")
         self.name = name or os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
-        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+        if not valid_name(self.name):
             fail(f"--{kind} {spec}: source name {self.name!r} may hold letters, digits, '-', '_' and '.' "
-                "only (write NAME=PATH)")
+                "only, and not start with '.' (write NAME=PATH)")
         exts = (".jsonl", ".ndjson") if kind == "chat" else (".txt",)
         if os.path.isdir(path):
             self.files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith(exts))
@@ -105,11 +116,13 @@ class Source:
         for f in self.files:  # before anything is written: a FIFO would hang the build, a folder fail it
             try:
                 with open(open_regular(f), "rb") as opened:
-                    head = opened.read(1 << 16) if kind == "text" else b""
+                    head = opened.read(1 << 16)
             except OSError as e:
                 fail(f"--{kind} {f}: cannot read it ({e.strerror})")
-            if b"\0" in head or head.startswith((b"\xff\xfe", b"\xfe\xff")):  # read as UTF-8: noise
-                fail(f"--text {f}: not UTF-8 text (NUL bytes or a UTF-16 byte-order mark: UTF-16 or UTF-32?); "
+            # Read as UTF-8, UTF-16 or UTF-32 is noise. JSON lines hold no NUL byte, but one damaged
+            # line is skipped and counted, not a reason to refuse the file: only its byte-order mark.
+            if (kind == "text" and b"\0" in head) or head.startswith(UTF16_32_BOMS):
+                fail(f"--{kind} {f}: not UTF-8 text (NUL bytes or a UTF-16 or UTF-32 byte-order mark); "
                      "convert it, e.g. iconv -f UTF-16 -t UTF-8")
         if kind == "chat" and any(not f.endswith(exts) for f in self.files):
             fail(f"--chat {path}: expected JSON lines (.jsonl); convert json/parquet "
@@ -149,8 +162,9 @@ def json_lines(f):
 def text_chunks(f, chunk_chars):
     """(text, nbytes) chunks of about chunk_chars bytes, cut at blank lines (hard cut at 4x for texts
     without; a line longer than that is cut too). Invalid UTF-8 becomes U+FFFD; the chunks are
-    decoded as one stream, so a character that a hard cut splits is kept whole in the next chunk."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoded as one stream, so a character that a hard cut splits is kept whole in the next chunk. A
+    UTF-8 byte-order mark that begins the file is no text: dropped (utf-8-sig)."""
+    decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
     buf, size = [], 0
     while True:
         line = f.readline(4 * chunk_chars)
@@ -413,14 +427,14 @@ class SetLocation:
             return
         if not os.path.isdir(self.out_dir):
             raise BuildError(f"--out-dir {self.out_dir} exists and is not a folder")
-        ours = (f"{self.name}_train_", f"{self.name}_val_", f"{self.name}.manifest.json", f".{self.name}.tmp")
-        others = [e for e in os.listdir(self.out_dir) if not e.startswith(ours) and e != "sources"]
+        others = foreign_entries(self.out_dir, self.name)
         if others:
             raise BuildError(f"--out-dir {self.out_dir} holds other files ({others[0]}, ...); give a new "
                              "or empty folder")
 
     def install(self):
         """Make the finished build folder the set OUT_DIR shows, in one rename of a link."""
+        self.check_out_dir()  # again: a folder taken over is removed, and the build took a while
         old = self.current_target()
         final = self.hidden(f"set-{time.time_ns():x}")
         os.rename(self.build_dir, final)
@@ -433,6 +447,35 @@ class SetLocation:
         if old:
             remove(old)
         self.clean_stale()
+
+
+def shard_files(name):
+    """A pattern of the names a set's files (or their temp files) have: NAME_{train,val}_N.bin."""
+    return re.compile(rf"{re.escape(name)}_(train|val)_[0-9]+\.bin(\.tmp[0-9]+)?")
+
+
+def foreign_entries(out_dir, name):
+    """What a real folder at OUT_DIR holds besides a set of this name (an older layout's shards,
+    manifest and temp folder; a copied set's sources/SRC/ shards): install removes the folder with
+    all it holds, so a build takes over only one where this is empty."""
+    ours = shard_files(name)
+    manifest = re.compile(rf"{re.escape(name)}\.manifest\.json(\.tmp[0-9]+)?")
+    others = []
+    for entry in sorted(os.listdir(out_dir)):
+        path = os.path.join(out_dir, entry)
+        if entry == "sources" and os.path.isdir(path) and not os.path.islink(path):
+            for src in sorted(os.listdir(path)):
+                folder = os.path.join(path, src)
+                if not os.path.isdir(folder) or os.path.islink(folder) or not valid_name(src):
+                    others.append(os.path.join(entry, src))
+                else:
+                    own = shard_files(src)
+                    others += [os.path.join(entry, src, f) for f in sorted(os.listdir(folder))
+                               if not own.fullmatch(f) or not os.path.isfile(os.path.join(folder, f))]
+        elif not ((ours.fullmatch(entry) or manifest.fullmatch(entry)) and os.path.isfile(path)
+                  or entry.startswith(f".{name}.tmp")):
+            others.append(entry)
+    return others
 
 
 def remove(path):
@@ -533,8 +576,8 @@ def parse_args(argv):
     if args.shard_tokens + args.min_shard_tokens - 1 > MAX_TOKENS:  # the most a shard with a merged tail holds
         ap.error(f"a shard holds at most {MAX_TOKENS} tokens: --shard-tokens plus --min-shard-tokens - 1 "
                  "must not exceed that")
-    if not all(c.isalnum() or c in "-_." for c in args.name):
-        ap.error("--name may hold letters, digits, '-', '_' and '.' only")
+    if not valid_name(args.name):
+        ap.error("--name may hold letters, digits, '-', '_' and '.' only, and not start with '.'")
     return args
 
 
@@ -570,6 +613,13 @@ def main(argv):
     progress = None
     try:
         with where.locked():
+            # A build of the same set that held the lock while this one waited may have made it.
+            manifest = None if args.force else up_to_date(manifest_path, fingerprint)
+            if manifest is not None:
+                print(f"prep-megachat: {args.name} shards are up to date ({manifest_path}; "
+                      "built by another run meanwhile)", file=sys.stderr)
+                print_summary(manifest)
+                return 0
             where.check_out_dir()
             where.clean_stale()
             os.makedirs(where.build_dir)
@@ -583,7 +633,7 @@ def main(argv):
             write_json_atomic(os.path.join(where.build_dir, f"{args.name}.manifest.json"), manifest)
             fsync_tree(where.build_dir)
             where.install()
-    except (BuildError, ShardError) as e:
+    except (BuildError, ShardError, tokenizer.TokenizerUnavailable) as e:
         print(f"\nerror: {e}" if progress else f"error: {e}", file=sys.stderr)
         remove(where.build_dir)
         return 1

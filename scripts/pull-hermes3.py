@@ -9,15 +9,22 @@ Input records are ShareGPT ({"conversations": [{"from": system|human|gpt, "value
 --out (default data/raw/hermes3/hermes3.jsonl), which is what scripts/prep-megachat.py reads.
 Malformed records are counted by reason and skipped, never fatal.
 
+Lines and .json files are read as UTF-8 (a byte-order mark is dropped); a file that begins with a
+UTF-16 or UTF-32 byte-order mark is refused.
+
 Resuming: progress (records read, bytes written) is saved beside the output in OUT.progress.json;
 an interrupted pull (network error, Ctrl-C, a smaller --max-records) continues where it stopped when
-re-run with the same source (a changed --from-file starts over). A finished pull is not repeated.
+re-run with the same source (a changed --from-file starts over, cutting the output back only once the
+new source has given its first record). A finished pull is not repeated. A pull holds OUT.lock: a
+second pull into the same output waits for the first.
 
 Exit status: 0 done; 1 the hub is unreachable / the download failed (re-run to resume); 2 bad usage;
 3 the output cannot be written (a full disk: no other source of conversations helps).
 """
 import collections
 import contextlib
+import errno
+import fcntl
 import itertools
 import json
 import os
@@ -25,7 +32,8 @@ import sys
 
 from microgpt.atomic import write_json_atomic
 from microgpt.cli import ArgumentParser, interrupted
-from microgpt.files import MAX_RECORD_BYTES, RECORD_TOO_LONG, read_json, record_lines, unique_keys
+from microgpt.files import (MAX_RECORD_BYTES, RECORD_TOO_LONG, file_kind, open_lock_file, read_json, record_lines,
+                            unique_keys)
 from microgpt.tokenizer import json_fault, parse_conversation, parse_json_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +41,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO_ID = "NousResearch/Hermes-3-Dataset"
 SHAREGPT_NAMES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
 SAVE_EVERY = 1000  # records between progress saves
+LOCAL_EXTENSIONS = (".json", ".jsonl", ".ndjson", ".parquet")
+# Read as UTF-8, a UTF-16 or UTF-32 file is noise (and json.loads would guess at each line's encoding)
+UTF16_32_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\0\0\xfe\xff")  # UTF-32-LE's begins with UTF-16-LE's
 
 
 class PullError(RuntimeError):
@@ -49,8 +60,9 @@ def writing(path):
     (requests' network errors are OSErrors too)."""
     try:
         yield
-    except OSError as e:
-        raise OutputError(f"cannot write {path}: {e.strerror}") from None
+    except OSError as e:  # io.UnsupportedOperation (a stream that cannot seek) has no strerror
+        culprit = f" ({e.filename})" if e.filename and os.path.abspath(e.filename) != os.path.abspath(path) else ""
+        raise OutputError(f"cannot write {path}: {e.strerror or e}{culprit}") from None
 
 
 # ---------------------------------------------------------------- reading records
@@ -75,10 +87,15 @@ def iter_local_file(path):
     """Records of a local copy: .jsonl/.ndjson (streamed), .json (an array, streamed element by
     element; or one record; or JSON lines under a .json name), .parquet (by batches)."""
     ext = os.path.splitext(path)[1].lower()
+    if ext in (".json", ".jsonl", ".ndjson"):
+        with open(path, "rb") as f:
+            if f.read(4).startswith(UTF16_32_BOMS):
+                raise PullError(f"{path}: not UTF-8 (a UTF-16 or UTF-32 byte-order mark); convert it, "
+                                "e.g. iconv -f UTF-16 -t UTF-8")
     if ext in (".jsonl", ".ndjson"):
         yield from iter_json_lines(path)
     elif ext == ".json":
-        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:  # -sig: a byte-order mark
             first = f.read(1 << 16).lstrip()[:1]
         if first == "[":
             yield from iter_json_array(path)
@@ -105,7 +122,7 @@ def iter_json_array(path, block=1 << 20):
     one object, or is too long to have been read whole, yields a ValueError and the rest of the file
     is not read (its structure is lost)."""
     decoder = json.JSONDecoder(object_pairs_hook=unique_keys)
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:  # -sig: a byte-order mark is no element
         buf, pos, started = "", 0, False
 
         def refill():
@@ -166,9 +183,17 @@ def iter_hub(skip, timeout):
 # ---------------------------------------------------------------- progress
 
 def load_progress(path, source):
-    """Saved progress for the same source, else a fresh start."""
+    """Saved progress for the same source, else a fresh start (also for a file edited by hand into
+    something no pull writes: a count that is no integer >= 0 would be a traceback at the resume)."""
     saved = read_json(path, None)
-    return saved if isinstance(saved, dict) and saved.get("source") == source else fresh_progress(source)
+    if not isinstance(saved, dict) or saved.get("source") != source:
+        return fresh_progress(source)
+    counts = [saved.get(k) for k in ("read", "written", "bytes")]
+    malformed = saved.get("malformed")
+    if (not all(type(n) is int and n >= 0 for n in counts) or not isinstance(saved.get("exhausted"), bool)
+            or not isinstance(malformed, dict) or not all(type(n) is int for n in malformed.values())):
+        return fresh_progress(source)
+    return saved
 
 
 def fresh_progress(source):
@@ -190,7 +215,11 @@ def to_sharegpt(turns):
 
 
 def pull(records, out_path, progress, progress_path, max_records):
-    """Append normalized records to out_path until the source or max_records runs out."""
+    """Append normalized records to out_path until the source or max_records runs out. The output
+    is cut back to what the progress holds (nothing, for a new source) only once the first record
+    has come: a copy that cannot be read, or a hub that fails at once, leaves the last pull whole."""
+    first = next(records, StopIteration)
+    records = itertools.chain([] if first is StopIteration else [first], records)
     malformed = collections.Counter(progress["malformed"])
     bar = progress_bar(max_records, progress["read"])
     with writing(out_path):
@@ -239,21 +268,27 @@ def pull(records, out_path, progress, progress_path, max_records):
                 out.close()
 
 
-def main():
-    ap = ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--from-file", help="local .json/.jsonl/.parquet copy instead of the hub")
-    ap.add_argument("--out", default=os.path.join(ROOT, "data", "raw", "hermes3", "hermes3.jsonl"),
-                    help="output JSON-lines file (default: data/raw/hermes3/hermes3.jsonl)")
-    ap.add_argument("--max-records", type=int, default=None, help="stop after reading this many records")
-    ap.add_argument("--timeout", type=float, default=10.0, help="network timeout in seconds (default 10)")
-    args = ap.parse_args()
-    if args.max_records is not None and args.max_records <= 0:
-        print("error: --max-records must be positive", file=sys.stderr)
-        return 2
-    if args.from_file and not os.path.isfile(args.from_file):
-        print(f"error: --from-file {args.from_file}: no such file", file=sys.stderr)
-        return 2
+@contextlib.contextmanager
+def locked(path):
+    """An exclusive lock on path (made if missing) for the pull: two pulls into one output would
+    write over each other, each of them truncating it to its own progress. A second one waits, and
+    says so; a FIFO or symbolic link planted there is refused (files.open_lock_file)."""
+    with writing(path):
+        fd = open_lock_file(path)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"pull-hermes3: waiting for another pull into {path.removesuffix('.lock')} to finish",
+                  file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
+
+def pull_locked(args):
+    """The pull, with the output's lock held; returns the exit status."""
     if args.from_file:  # size and mtime in the key: a changed copy is pulled again
         st = os.stat(args.from_file)
         source = f"file:{os.path.abspath(args.from_file)}:{st.st_size}:{st.st_mtime_ns}"
@@ -265,10 +300,14 @@ def main():
     if out_size < progress["bytes"]:  # the output was removed or cut: its progress is void
         progress = fresh_progress(source)
     if progress["exhausted"] or (args.max_records is not None and progress["read"] >= args.max_records):
+        # Lines after those the progress counts: written after the last save of a pull that was
+        # killed, before this run's smaller --max-records; or by another writer. As a resume does.
+        if out_size > progress["bytes"]:
+            with writing(args.out), open(args.out, "r+b") as out:
+                out.truncate(progress["bytes"])
         print(f"pull-hermes3: {args.out} already has {progress['written']} conversations from {source}",
               file=sys.stderr)
         return 0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     try:
         if progress["read"]:
@@ -278,9 +317,9 @@ def main():
         else:
             records = iter_hub(progress["read"], args.timeout)
         pull(records, args.out, progress, progress_path, args.max_records)
-    except OutputError as e:
-        print(f"\nerror: {e}", file=sys.stderr)
-        return 3
+    except OutputError:
+        print(file=sys.stderr)
+        raise
     except PullError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if args.from_file else 1
@@ -302,6 +341,45 @@ def main():
         print("error: no usable conversations", file=sys.stderr)
         return 1
     return 0
+
+
+def main():
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--from-file", help="local .json/.jsonl/.parquet copy instead of the hub")
+    ap.add_argument("--out", default=os.path.join(ROOT, "data", "raw", "hermes3", "hermes3.jsonl"),
+                    help="output JSON-lines file (default: data/raw/hermes3/hermes3.jsonl)")
+    ap.add_argument("--max-records", type=int, default=None, help="stop after reading this many records")
+    ap.add_argument("--timeout", type=float, default=10.0, help="network timeout in seconds (default 10)")
+    args = ap.parse_args()
+    if args.max_records is not None and args.max_records <= 0:
+        print("error: --max-records must be positive", file=sys.stderr)
+        return 2
+    if args.from_file and not os.path.isfile(args.from_file):
+        why = f"{file_kind(os.stat(args.from_file).st_mode)}, not a file" if os.path.exists(args.from_file) \
+            else "no such file"
+        print(f"error: --from-file {args.from_file}: {why}", file=sys.stderr)
+        return 2
+    if args.from_file and os.path.splitext(args.from_file)[1].lower() not in LOCAL_EXTENSIONS:
+        print(f"error: {args.from_file}: unknown extension {os.path.splitext(args.from_file)[1]!r} "
+              "(expected .json, .jsonl or .parquet)", file=sys.stderr)
+        return 2
+    if args.from_file and os.path.exists(args.out) and os.path.samefile(args.from_file, args.out):
+        print(f"error: --from-file {args.from_file} is the --out file: a pull would overwrite what it reads",
+              file=sys.stderr)
+        return 2
+    try:
+        with writing(args.out):
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            if os.path.exists(args.out) and not os.path.isfile(args.out):
+                mode = os.stat(args.out).st_mode
+                raise OSError(errno.EINVAL, f"{file_kind(mode)}, not a regular file")
+        with locked(args.out + ".lock"):
+            return pull_locked(args)
+    except OutputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:  # while waiting for the lock
+        return interrupted("pull-hermes3", "nothing pulled")
 
 
 if __name__ == "__main__":

@@ -1148,3 +1148,232 @@ def test_a_fifo_or_link_where_the_lock_file_belongs_is_refused(tmp_path, planted
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert res.returncode == 1 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr
     assert str(lock) in errors[0] and not target.exists() and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- adversarial pass: encodings, outputs, locks
+
+def errors_of(res):
+    return [line for line in res.stderr.splitlines() if line.startswith("error:")]
+
+
+CJK = {"conversations": [{"from": "human", "value": "中文 question"}, {"from": "gpt", "value": "中文 answer"}]}
+
+
+def test_a_utf16_chat_file_is_refused_or_skipped_never_read_garbled(tmp_path):
+    """json.loads guesses the encoding of bytes: a line that begins with a NUL byte is UTF-16-BE to
+    it. So every line but the first of a UTF-16-LE JSON-lines file (what Windows PowerShell's `>`
+    writes) was read, each character beyond U+00FF garbled ("中文" became "-亇攠"), and pulled and
+    trained on without a word. Now a line is UTF-8 or skipped as invalid, and a file that begins
+    with a UTF-16 or UTF-32 byte-order mark is one error line, exit 2, before anything is written."""
+    text = "".join(json.dumps(CJK, ensure_ascii=False) + "\n" for _ in range(5))
+    bare, marked = tmp_path / "bare.jsonl", tmp_path / "marked.jsonl"
+    bare.write_bytes(text.encode("utf-16-le"))
+    marked.write_bytes(text.encode("utf-16"))  # with its byte-order mark
+    out = tmp_path / "pulled.jsonl"
+    res = run_script("pull-hermes3", "--from-file", bare, "--out", out)
+    assert res.returncode == 1 and "0 conversations written" in res.stderr and out.read_bytes() == b"", res.stderr
+    for script, args in [("pull-hermes3", ["--from-file", marked, "--out", out]),
+                         ("prep-megachat", ["--chat", marked, "--out-dir", tmp_path / "set", *SMALL])]:
+        res = run_script(script, *args)
+        assert res.returncode == 2 and len(errors_of(res)) == 1 and "UTF-16" in errors_of(res)[0], res.stderr
+    assert not (tmp_path / "set").exists()
+    with pytest.raises(ValueError, match="invalid"):
+        tok.parse_json_line(text.splitlines()[1].encode("utf-16-be"))
+    with pytest.raises(ValueError, match="invalid UTF-8"):  # a surrogate in UTF-8 bytes is no UTF-8
+        tok.parse_json_line(b'{"a": "\xed\xa0\xbd"}')
+    assert tok.parse_json_line(b"\xef\xbb\xbf" + json.dumps(CJK).encode() + b"\r\n") == CJK
+
+
+def test_a_json_array_with_a_byte_order_mark_is_read(tmp_path):
+    """A .json array saved with a UTF-8 byte-order mark (Windows tools write one) was not taken for
+    an array: read as JSON lines, it was one malformed record, or one per line when indented, and
+    the pull said "no usable conversations"."""
+    records = [{"conversations": [{"from": "human", "value": f"q {i} é"}, {"from": "gpt", "value": f"a {i}"}]}
+               for i in range(20)]
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(records), encoding="utf-8")
+    ok(run_script("pull-hermes3", "--from-file", plain, "--out", tmp_path / "plain.jsonl"))
+    for indent in (None, 1):
+        marked = tmp_path / f"marked{indent}.json"
+        marked.write_text(json.dumps(records, indent=indent), encoding="utf-8-sig")
+        out = tmp_path / f"marked{indent}.jsonl"
+        res = ok(run_script("pull-hermes3", "--from-file", marked, "--out", out))
+        assert "20 conversations written" in res.stderr and "0 malformed" in res.stderr, res.stderr
+        assert out.read_bytes() == (tmp_path / "plain.jsonl").read_bytes()
+
+
+def test_a_text_files_byte_order_mark_is_no_text(tmp_path):
+    """A text file's UTF-8 byte-order mark (four of linux-doc's documents have one) was tokenized as
+    the document's first character, U+FEFF, and counted in the hash that splits documents: the same
+    work with and without one could land in train and in val. Now it is dropped."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    works = {f"w{i}.txt": f"work {i}\n\n" + "a line of text\n" * 40 for i in range(12)}
+    for i, (name, text) in enumerate(works.items()):
+        (folder / name).write_text(text, encoding="utf-8-sig" if i % 2 else "utf-8")
+    prep(tmp_path / "marked", "--text", folder, extra=SMALL)
+    for name, text in works.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    prep(tmp_path / "plain", "--text", folder, extra=SMALL)
+    assert shard_bytes(tmp_path / "marked") == shard_bytes(tmp_path / "plain")
+    docs = decoded_docs(tmp_path / "plain", "megachat", "train") + decoded_docs(tmp_path / "plain", "megachat", "val")
+    assert sorted(docs) == sorted(text + EOT_TEXT for text in works.values())
+
+
+@pytest.mark.parametrize("new_source", ["unknown extension", "damaged parquet", "the output itself"])
+def test_a_pull_that_cannot_read_its_new_source_keeps_the_last_pull(tmp_path, new_source):
+    """A pull from another source starts over: it cut the output to nothing before reading a record,
+    so a copy that could not be read (a damaged parquet, a .txt name) left no conversations at all,
+    and --from-file naming the --out file emptied the input itself. Now the output is cut only once
+    the new source has given its first record, and reading the output into itself is refused."""
+    out = tmp_path / "h.jsonl"
+    ok(run_script("pull-hermes3", "--from-file", small_chat(tmp_path / "c.jsonl"), "--out", out))
+    before = out.read_bytes()
+    if new_source == "unknown extension":
+        source = tmp_path / "c.txt"
+        shutil.copy(tmp_path / "c.jsonl", source)
+    elif new_source == "damaged parquet":
+        source = tmp_path / "c.parquet"
+        source.write_bytes(b"not a parquet file\n")
+    else:
+        source = out
+    res = run_script("pull-hermes3", "--from-file", source, "--out", out)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(errors_of(res)) == 1, res.stderr
+    assert out.read_bytes() == before
+
+
+def test_two_pulls_into_one_output_take_turns(tmp_path):
+    """Two pulls into one output (two `make data` at once, or a hub pull and a --from-file one) each
+    truncated it to their own progress and wrote on at their own offset: both exited 0, and the file
+    held the second source's records followed by tens of thousands of the first's, which the next run
+    found "already" pulled. Now a pull holds OUT.lock; a second one says it waits, and then runs."""
+    import fcntl
+    import time
+    out, chat = tmp_path / "h.jsonl", small_chat(tmp_path / "c.jsonl")
+    with open(tmp_path / "h.jsonl.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "pull-hermes3.py"), "--from-file", str(chat),
+                                 "--out", str(out)], stderr=subprocess.PIPE, text=True, env=python_env())
+        assert "waiting for another pull" in proc.stderr.readline()
+        time.sleep(0.3)
+        assert proc.poll() is None and not out.exists()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0 and "100 conversations written" in err, err
+    assert len(out.read_text().splitlines()) == 100
+
+
+def test_a_pull_output_that_cannot_be_made_is_one_error(tmp_path):
+    """An --out below a file was a traceback (os.makedirs); an --out that is a FIFO was "cannot write
+    OUT: None"; a --from-file that is a folder was "no such file". Now each is one line that says
+    what is wrong: 3 for an output that cannot be written, 2 for bad usage."""
+    chat = small_chat(tmp_path / "c.jsonl")
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    for args, status, message in [
+            (["--from-file", chat, "--out", chat / "h.jsonl"], 3, f"cannot write {chat / 'h.jsonl'}: "),
+            (["--from-file", chat, "--out", tmp_path / "fifo.jsonl"], 3, "a FIFO, not a regular file"),
+            (["--from-file", tmp_path, "--out", tmp_path / "h.jsonl"], 2, "a directory, not a file")]:
+        res = run_script("pull-hermes3", *args)
+        assert res.returncode == status and "Traceback" not in res.stderr, res.stderr
+        assert len(errors_of(res)) == 1 and message in errors_of(res)[0] and "None" not in res.stderr, res.stderr
+
+
+def test_a_progress_file_edited_by_hand_starts_the_pull_over_and_a_done_pull_drops_a_tail(tmp_path):
+    """A progress file of the same source with a count missing or no integer (edited by hand) was a
+    traceback at every run. Now the pull starts over. A finished pull found the output as it was,
+    even with lines after those its progress counts (another writer's): now they are cut off."""
+    chat, out = small_chat(tmp_path / "c.jsonl"), tmp_path / "h.jsonl"
+    ok(run_script("pull-hermes3", "--from-file", chat, "--out", out))
+    whole = out.read_bytes()
+    progress_path = tmp_path / "h.jsonl.progress.json"
+    saved = json.loads(progress_path.read_text())
+    for edit in [{"bytes": None}, {"read": 3.5}, {"written": -1}, {"malformed": []}]:
+        progress_path.write_text(json.dumps({**saved, **edit}))
+        res = ok(run_script("pull-hermes3", "--from-file", chat, "--out", out))
+        assert "100 conversations written" in res.stderr and out.read_bytes() == whole, res.stderr
+    with open(out, "ab") as f:
+        f.write(whole[:50])
+    res = ok(run_script("pull-hermes3", "--from-file", chat, "--out", out))
+    assert "already has 100 conversations" in res.stderr and out.read_bytes() == whole
+
+
+def test_an_out_dir_folder_is_taken_over_only_when_it_holds_a_set(tmp_path):
+    """A real folder at OUT_DIR was taken over (and removed, with all it held) when its only other
+    entry was a `sources` folder, whatever that held: a project's sources/ with its code went with
+    it. Now sources/ may hold only shard folders, and the folder's files must be a set's."""
+    chat = small_chat(tmp_path / "c.jsonl")
+    out = tmp_path / "project"
+    (out / "sources" / "app").mkdir(parents=True)
+    (out / "sources" / "app" / "main.c").write_text("int main(void) { return 0; }\n")
+    res = run_script("prep-megachat", "--chat", chat, "--out-dir", out, *SMALL)
+    assert res.returncode == 1 and len(errors_of(res)) == 1 and "sources/app/main.c" in errors_of(res)[0], res.stderr
+    assert (out / "sources" / "app" / "main.c").exists() and not out.is_symlink()
+    copied = tmp_path / "copied"  # a set copied with cp -r: a real folder, taken over
+    prep(tmp_path / "set", "--chat", chat, extra=SMALL)
+    shutil.copytree(tmp_path / "set", copied, copy_function=shutil.copy)  # new mtimes: not up to date
+    for kept in ["megachat.manifest.json.bak", "megachat_train_notes.txt"]:
+        (copied / kept).write_text("mine")
+        res = run_script("prep-megachat", "--chat", chat, "--out-dir", copied, *SMALL)
+        assert res.returncode == 1 and kept in errors_of(res)[0], res.stderr
+        (copied / kept).unlink()
+    prep(copied, "--chat", chat, extra=SMALL)
+    assert copied.is_symlink() and shard_bytes(copied) == shard_bytes(tmp_path / "set")
+
+
+@pytest.mark.parametrize("args", [["--chat", "..=C"], ["--chat", ".=C"], ["--chat", "C", "--name", ".hidden"]])
+def test_a_name_that_starts_with_a_dot_is_refused(tmp_path, args):
+    """A source named '..' wrote its own set into OUT_DIR itself (as '.._train_000000.bin'), one named
+    '.' into sources/, and a set named '.x' hid its shards from a glob's '*'. Now such a name is a
+    usage error."""
+    chat = str(small_chat(tmp_path / "c.jsonl"))
+    res = run_script("prep-megachat", *[a.replace("C", chat) if a.endswith("C") else a for a in args],
+                     "--out-dir", tmp_path / "out", *SMALL)
+    assert res.returncode == 2 and "not start with '.'" in res.stderr and not (tmp_path / "out").exists(), res.stderr
+
+
+def test_a_damaged_tokenizer_file_is_one_error_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """prep-megachat loaded the tokenizer inside the build: a damaged (or, offline, missing) BPE
+    file was a TokenizerUnavailable traceback. Now it is the tokenizer's one error line, exit 1, and
+    nothing is written."""
+    damaged = tmp_path / "r50k_base.tiktoken"
+    damaged.write_bytes(b"not the BPE ranks\n")
+    monkeypatch.setattr(tok, "ASSET_PATH", str(damaged))
+    monkeypatch.setattr(tok, "_encoding", None)
+    prep_script = load_script("prep-megachat")
+    out = tmp_path / "out"
+    chat = small_chat(tmp_path / "c.jsonl")
+    status = prep_script.main(["--chat", str(chat), "--out-dir", str(out), *map(str, SMALL)])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert status == 1 and len(errors) == 1 and str(damaged) in errors[0] and "fetch-assets" in errors[0], err
+    assert not out.exists() and not list(tmp_path.glob(".out.build-*"))
+
+
+def test_a_build_that_waited_for_the_lock_finds_the_set_up_to_date(tmp_path):
+    """Two builds of one set at once: the second waited for the lock, then built the same set again.
+    Now it looks again once it holds the lock, and finds the set the first one made up to date."""
+    import fcntl
+    import time
+    chat, out = small_chat(tmp_path / "c.jsonl"), tmp_path / "out"
+    with open(tmp_path / ".out.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        procs = [start_prep(out, "--chat", chat, *SMALL) for _ in range(2)]
+        inode = os.fstat(held.fileno()).st_ino
+        deadline = time.monotonic() + 60
+        def waiting():  # blocked requests on the lock file, as /proc/locks lists them ("-> FLOCK ...")
+            return sum(f":{inode} " in line and "->" in line for line in Path("/proc/locks").read_text().splitlines())
+        while waiting() < 2:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.02)
+    results = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), results
+    assert sum("built by another run meanwhile" in err for _, err in results) == 1, results
+    assert results[0][0] == results[1][0]  # the same summary
+
+
+def test_write_shard_refuses_ids_that_are_no_integers(tmp_path):
+    """write_shard cut float ids to integers (1.7 -> 1) and took booleans without a word."""
+    for ids in ([1.7, 2.2], np.array([True, False])):
+        with pytest.raises(ShardError, match="integers"):
+            write_shard(tmp_path / "s.bin", ids)
+    write_shard(tmp_path / "s.bin", [])
+    assert read_header(tmp_path / "s.bin") == 0
