@@ -25,6 +25,7 @@
  *
  * Build: make cpu   (gcc -std=c99 -O3 -fopenmp -ffp-contract=off) */
 #include "host/train_loop.h"
+#include <sys/sysinfo.h>
 
 #include "cpu/adamw.h"
 #include "cpu/attention.h"
@@ -142,6 +143,20 @@ static size_t carve_buffers(void) {
     return cur;
 }
 
+/* A plan the machine cannot hold ends the run before anything is allocated, one line as on the GPU
+ * (§3.4): each allocation alone may pass the kernel's overcommit check, and the run would then be
+ * killed without a word by the OOM killer once the first step touches them all. `need`: the plan
+ * and the training loop's host copy of the state (weights, and m and v when training). */
+static void check_host_memory(size_t need) {
+    struct sysinfo si;
+    double have;
+    if (sysinfo(&si) != 0) return;
+    have = ((double)si.totalram + (double)si.totalswap) * (double)si.mem_unit;
+    if ((double)need > have)
+        die_io("needs %zu bytes of host memory (%.2f GiB), the machine has %.2f GiB (RAM and swap)", need,
+               need / 1073741824.0, have / 1073741824.0);
+}
+
 static size_t engine_setup(const Config* cfg) {
     size_t n, bytes[5], kv_floats;
     static const char* groups[5] = {"params", "grads", "adam", "activations", "kv_cache"};
@@ -170,6 +185,7 @@ static size_t engine_setup(const Config* cfg) {
     info("memory plan (cpu): params %.1f MB, grads %.1f MB, adam %.1f MB, activations %.1f MB, "
          "kv_cache %.1f MB (%d slots of %d positions), total %.1f MB", bytes[0] / 1e6, bytes[1] / 1e6, bytes[2] / 1e6,
          bytes[3] / 1e6, bytes[4] / 1e6, E.slots, E.T, (bytes[0] + bytes[1] + bytes[2] + bytes[3] + bytes[4]) / 1e6);
+    check_host_memory(bytes[0] + bytes[1] + bytes[2] + bytes[3] + bytes[4] + (E.training ? 3 : 1) * n * 4);
     E.params = (float*)xmalloc(n * sizeof(float), "weights");
     if (E.training) {
         E.grads = (float*)xcalloc(n, sizeof(float), "gradients");

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -327,6 +328,7 @@ def bad_shards(tmp_path_factory):
     shard("wrong_size", good, set_word(2, 4097))  # header promises one more token than the file holds
     shard("token_too_big", np.where(good == 5, eu.TINY_VOCAB, good))  # one id == vocab_size (a padded row)
     shard("short", good[:12])  # fewer than seq_len + 1 tokens
+    shard("negative_count", good, set_word(2, -1))
     return paths
 
 
@@ -357,6 +359,15 @@ BAD_INPUTS = [
     ("prompt_token_too_big", {"sample.every": 1, "sample.prompt": "1,60"}, [], ["prompt"]),
     ("malformed_prompt", {"sample.every": 1, "sample.prompt": "1,x"}, [], ["prompt"]),
     ("resume_without_checkpoint", {}, ["--resume"], ["checkpoint"]),
+    # strtoll and strtod take leading blanks and strtod hexadecimal, where "5 " and "0x10" were refused
+    ("int_leading_blank", {"train.steps": " 5"}, [], ["train.steps"]),
+    ("float_leading_blank", {"train.lr": " 1e-3"}, [], ["train.lr"]),
+    ("hex_float", {"train.lr": "0x1p-10"}, [], ["train.lr"]),
+    ("prompt_id_with_blank", {"sample.every": 1, "sample.prompt": "1, 2"}, [], ["prompt"]),
+    ("prompt_id_with_sign", {"sample.every": 1, "sample.prompt": "1,+2"}, [], ["prompt"]),
+    ("negative_token_count", {"data.train": "@negative_count"}, [], ["token count is -1"]),
+    # a float holds it as 0, which to grad_clip means "off": a tiny clip turned clipping off
+    ("float_underflow", {"train.grad_clip": "1e-50"}, [], ["train.grad_clip"]),
 ]
 
 
@@ -380,6 +391,38 @@ def test_bad_input_is_one_clear_error(engine, random_shards, bad_shards, case_id
     assert any(w.lower() in res.errors[0].lower() for w in words), f"error does not name the problem {words}: {res.errors[0]}"
     assert res.steps == [] and not res.events("memory"), "error came after allocation/training started\n" + res.describe()
     assert res.seconds < 10, f"took {res.seconds:.1f}s: validation must come before the work"
+
+
+@pytest.mark.parametrize("mode", ["--generate", "--evaluate"])
+@pytest.mark.parametrize("flag", ["name", "data.sources.0.name"])
+def test_a_flag_value_that_spells_a_mode_flag_trains(engine, random_shards, mode, flag):
+    """The mode was picked by scanning the command line for "--generate" or "--evaluate" anywhere,
+    a flag's value too: a run named "--generate", or a config's data source so named (a valid
+    source name, which the proxy passes on), went to that mode and stopped with "checkpoint  does
+    not exist"."""
+    settings = {"name": mode} if flag == "name" else {
+        "data.train": None, "data.sources.0.name": mode, "data.sources.0.train": random_shards.train}
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, train_steps=1, **settings))
+    start = res.events("start")[0]
+    assert res.exit_event["reason"] == "finished" and mode in (start["name"], *start.get("sources", [])), res.describe()
+
+
+def test_a_model_beyond_the_machines_memory_is_one_error_line(cpu_binary, random_shards):
+    """Each buffer alone may pass the kernel's overcommit check while all of them together do not
+    fit: the run was then killed by the OOM killer without a word once the first step touched them.
+    The CPU engine compares its memory plan with the machine's RAM and swap first (the GPU engine
+    its device's free memory, §3.4)."""
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    have = sum(int(meminfo[k].split()[0]) * 1024 for k in ("MemTotal", "SwapTotal"))
+    # batch_size x seq_len rows of padded_vocab_size probabilities: twice the machine's RAM and swap
+    vocab = 1 << 20
+    batch = min(1 << 20, 2 * have // (4 * 16 * vocab) + 1)
+    res = eu.run_engine(cpu_binary, tiny_args(random_shards.train, **{
+        "model.n_layer": 1, "model.d_model": 16, "model.n_head": 1, "model.d_ff": 16, "model.seq_len": 16,
+        "model.padded_vocab_size": vocab, "train.batch_size": batch}), preexec_fn=_limit_address_space)
+    assert res.rc == 1 and len(res.errors) == 1, res.describe()
+    assert "of host memory" in res.errors[0] and "the machine has" in res.errors[0], res.describe()
+    assert res.steps == [], res.describe()
 
 
 def test_huge_shape_is_really_too_big(engine, random_shards):
@@ -990,13 +1033,28 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(engine, ran
 
 
 def test_divergence_before_any_checkpoint_says_so_plainly(engine, random_shards, tmp_path):
-    """lr 1 with beta2 0.999999999 diverges in a step or two, before any checkpoint: the message read
+    """lr 1 with weight decay 1e30 diverges in a step or two, before any checkpoint: the message read
     "the last good no checkpoint was written"."""
     res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{
-        "train.steps": 10, "train.lr": 1.0, "train.beta2": 0.999999999, "checkpoint": tmp_path / "run.ckpt"}))
+        "train.steps": 10, "train.lr": 1.0, "train.weight_decay": 1e30, "checkpoint": tmp_path / "run.ckpt"}))
     assert res.rc == 3 and len(res.errors) == 1, res.describe()
     assert "training diverged at step " in res.errors[0] and "; stopped without saving this state, no checkpoint was " \
         "written (a lower train.lr" in res.errors[0], res.errors[0]
+
+
+def test_a_beta2_that_a_float_holds_as_1_is_refused(engine, random_shards):
+    """train.beta2 is held as a float: the published maximum 0.999999999 (and all from 0.99999997)
+    rounded to 1.0f, whose bias correction 1 - beta2^t is 0, so the first update was 0/0 and the run
+    "diverged" (exit 3, "a lower train.lr may help"). The largest accepted beta2 is below 1 as a float
+    and trains."""
+    flags = {f["name"]: f for f in json.loads(subprocess.run([str(engine.binary), "--flags-json"], capture_output=True,
+                                                            text=True, check=True).stdout)["flags"]}
+    top = flags["train.beta2"]["max"]
+    assert np.float32(top) < 1.0
+    ok = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3, "train.beta2": repr(top)}))
+    assert ok.exit_event["reason"] == "finished", ok.describe()
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{"train.beta2": 0.999999999}))
+    assert res.rc == 2 and len(res.errors) == 1 and "train.beta2" in res.errors[0], res.describe()
 
 
 @pytest.mark.parametrize("flag", ["train.lr", "train.min_lr", "polish.lr"])
@@ -1028,6 +1086,10 @@ SPECIAL_FILES = {
     "checkpoint_dir": ({"checkpoint": "@dir", "resume": True}, "directory"),
     "checkpoint_dir_fresh": ({"checkpoint": "@dir"}, "directory"),
     "checkpoint_in_missing_dir": ({"checkpoint": "@missing"}, "does not exist"),
+    # found only after the forward and backward it used to be, and a FIFO blocked the write's open()
+    "dump_grads_fifo": ({"dump_grads": "@fifo"}, "FIFO"),
+    "dump_grads_dir": ({"dump_grads": "@dir"}, "directory"),
+    "dump_grads_in_missing_dir": ({"dump_grads": "@missing"}, "does not exist"),
 }
 
 
@@ -1060,6 +1122,28 @@ def test_a_shard_truncated_while_training_is_one_error_line(engine, tmp_path):
     res = proc.finish()
     assert res.rc == 1, res.describe()
     assert len(res.errors) == 1 and "a data shard truncated or rewritten in place" in res.errors[0], res.describe()
+
+
+def test_a_shard_truncated_while_evaluating_is_one_error_line(cpu_binary, random_shards, tmp_path):
+    """--evaluate maps its validation shards too, but only training installed the SIGBUS handler:
+    one truncated under it killed the engine without a word."""
+    ckpt = tmp_path / "run.ckpt"
+    eu.run_ok(cpu_binary, tiny_args(random_shards.train, train_steps=1, checkpoint=ckpt))
+    eu.write_random_shards(tmp_path, "big", 1, 2_000_000, eu.TINY_VOCAB, 5)
+    shard = tmp_path / "big_000000.bin"
+    proc = subprocess.Popen([str(cpu_binary), "--evaluate", "--checkpoint", str(ckpt), "--data.val", str(shard),
+                             "--eval.batches", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stderr.readline()]  # the memory plan: the shard is mapped, the windows are being read
+        assert lines[0].startswith("memory plan"), lines
+        os.truncate(shard, 1024 + 2 * 100)
+        stdout, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    errors = [l for l in (lines[0] + rest).splitlines() if l.startswith("error:")]
+    assert proc.returncode == 1 and stdout == "", (proc.returncode, stdout, lines, rest)
+    assert len(errors) == 1 and "a data shard truncated or rewritten in place" in errors[0], errors
 
 
 def _term_pending_at_exec():

@@ -346,6 +346,19 @@ def test_a_request_line_that_is_no_json_text_gets_an_error_not_an_echo(cpu_binar
     assert [r["id"] for r in records if r.get("done")] == ["\u00e9\n", "\u00e9"]
 
 
+@pytest.mark.parametrize("line, byte", [('{"id"', 5), ('{"a"', 4), ("[", 1), ('[{"prompt":[1]},', 16)])
+def test_a_line_that_ends_where_a_colon_or_brace_belongs_is_read_no_further(cpu_binary, trained, line, byte):
+    """The reader stepped over the character it expected before checking it, so at a line's end it
+    read on past the NUL: into the bytes a longer line left in the buffer (the error named a byte
+    beyond the line), or one byte past the buffer itself (a line of 4095 bytes, AddressSanitizer's
+    heap-buffer-overflow)."""
+    longer = " " * 100  # a blank line: ignored, its spaces stay in the buffer
+    served = serve(cpu_binary, trained["ckpt"], [longer, line, {"id": 1, "prompt": [1], "max_tokens": 1}])
+    assert [e["error"] for e in served.errors()] == [f"not a request line (" + (
+        "expected ':'" if line.startswith('{"') else "a request must be a JSON object") + f" at byte {byte})"]
+    assert served.done(1)["reason"] == "length"
+
+
 def test_model_flags_come_from_the_sidecar_and_bad_setups_are_refused(cpu_binary, trained, tmp_path):
     # the sidecar gave the shape: a contradicting flag is refused by the checkpoint's size
     res = eu.run_engine(cpu_binary, ["--generate", "--checkpoint", trained["ckpt"], "--model.d_model", "64"])
@@ -401,6 +414,34 @@ def test_a_model_flag_in_the_sidecar_that_is_no_int_is_refused(cpu_binary, train
                                      "--eval.batches", "1"])
     assert res.rc == 2 and len(res.errors) == 1, res.describe()
     assert f"{ckpt}.json" in res.errors[0] and key in res.errors[0], res.errors
+    assert "--model" not in res.errors[0] and "--train" not in res.errors[0], res.errors
+
+
+@pytest.mark.parametrize("mode", ["--generate", "--evaluate"])
+@pytest.mark.parametrize("key, value, sealed, word", [
+    ("d_model", 33, True, "fail their own check"),  # each a valid flag, not together: the values' checksum
+    ("n_layer", 0, True, "n_layer, 0, is outside"),
+    ("n_layer", 0, False, "n_layer, 0, is outside"),  # a sidecar written before values_crc32c
+    ("seed", -1, False, "seed, -1, is outside"),
+    ("batch_size", 0, False, "batch_size, 0, is outside")])
+def test_a_model_flag_in_the_sidecar_that_no_run_writes_is_the_sidecars_damage(cpu_binary, trained, pattern_shards,
+                                                                               tmp_path, mode, key, value, sealed,
+                                                                               word):
+    """A sidecar's value is checked as a flag once it is one: an int out of the flag's range, or a
+    d_model that n_head does not divide, was refused as "--model.n_layer: 0 is outside [1, 1024]" or
+    "model.n_head (4) must divide model.d_model (33)", an error of a flag the command line never gave,
+    without the way back to the previous slot, though the values fail their own checksum."""
+    ckpt = tmp_path / "tiny.ckpt"
+    ckpt.write_bytes(Path(trained["ckpt"]).read_bytes())
+    side = eu.read_sidecar(trained["ckpt"])
+    side["fingerprint"][key] = value
+    if not sealed:
+        del side["values_crc32c"]
+    Path(f"{ckpt}.json").write_text(json.dumps(side))
+    args = [mode, "--checkpoint", ckpt] + (["--data.val", pattern_shards[1]] if mode == "--evaluate" else [])
+    res = eu.run_engine(cpu_binary, args)
+    assert res.rc == 2 and len(res.errors) == 1, res.describe()
+    assert f"{ckpt}.json" in res.errors[0] and word in res.errors[0], res.errors
     assert "--model" not in res.errors[0] and "--train" not in res.errors[0], res.errors
 
 

@@ -811,15 +811,16 @@ static void ckpt_refuse_non_finite(const CkptFiles* f, const CkptScan* s, size_t
     ckpt_refuse_damaged(f, what);
 }
 
-/* The sidecar's values against their own checksum (sidecar_values_crc32c): a mismatch is damage,
- * refused; a sidecar without one that holds the checkpoint's crc32c (written before sidecars
- * carried both) is taken with a warning (one without crc32c has its own). */
-static void sidecar_check_values(const CkptFiles* f, const char* sidecar) {
+/* The sidecar's values against their own checksum (sidecar_values_crc32c): a mismatch, or a
+ * values_crc32c that is no number, is damage, refused. Returns whether the sidecar holds the
+ * checksum. --generate and --evaluate check it before they take model flags from the values
+ * (config_parse_for_checkpoint): a flipped digit there is the sidecar's damage, not a flag's error. */
+static int sidecar_refuse_bad_values(const CkptFiles* f, const char* sidecar) {
     char what[2 * CFG_PATH_MAX];
     uint32_t crc = sidecar_values_crc32c(sidecar);
     double x;
     if (json_find_number(sidecar, "values_crc32c", &x)) {
-        if (x == (double)crc) return;
+        if (x == (double)crc) return 1;
         snprintf(what, sizeof what, "has a sidecar %s whose values (model shape, settings, loss scale) fail their "
                  "own check: CRC-32C %lu, recorded %.12g (damaged or edited)", f->side, (unsigned long)crc, x);
         ckpt_refuse_damaged(f, what);
@@ -829,6 +830,13 @@ static void sidecar_check_values(const CkptFiles* f, const char* sidecar) {
                  f->side);
         ckpt_refuse_damaged(f, what);
     }
+    return 0;
+}
+
+/* sidecar_refuse_bad_values; a sidecar without the checksum that holds the checkpoint's crc32c
+ * (written before sidecars carried both) is taken with a warning (one without crc32c has its own). */
+static void sidecar_check_values(const CkptFiles* f, const char* sidecar) {
+    if (sidecar_refuse_bad_values(f, sidecar)) return;
     if (json_has_member(sidecar, "crc32c"))
         warn("checkpoint sidecar %s holds no checksum of its own values (written before sidecars carried one): its "
              "model shape and settings are taken unverified", f->side);

@@ -167,7 +167,9 @@ static int config_flags(Config* c, Flag* f) {
     FLAG("train.weight_decay", F_FLOAT, &c->train.weight_decay, 0, "0.1", 0, NULL, 0, FBIG, "AdamW decoupled weight decay (2-D tensors only)");
     FLAG("train.grad_clip", F_FLOAT, &c->train.grad_clip, 0, "1.0", 0, NULL, 0, FBIG, "clip global grad L2 norm to this (0: off)");
     FLAG("train.beta1", F_FLOAT, &c->train.beta1, 0, "0.9", 0, NULL, 0, 0.999999, "AdamW beta1");
-    FLAG("train.beta2", F_FLOAT, &c->train.beta2, 0, "0.95", 0, NULL, 0, 0.999999999, "AdamW beta2");
+    /* beta2 is held as a float: 0.99999997 and up round to 1.0f, whose bias correction 1 - beta2^t is 0
+     * (the first step's update 0/0, a divergence); 0.99999994 is the float just below 1 */
+    FLAG("train.beta2", F_FLOAT, &c->train.beta2, 0, "0.95", 0, NULL, 0, 0.99999994, "AdamW beta2");
     FLAG("train.eps", F_FLOAT, &c->train.eps, 0, "1e-8", 0, NULL, 1e-30, 1, "AdamW epsilon");
     FLAG("train.schedule", F_STR, c->train.schedule, sizeof c->train.schedule, "cosine", 0, "cosine|wsd|constant", 0, 0,
          "LR schedule after warmup");
@@ -370,12 +372,21 @@ static void config_print_json(FILE* out, Config* c) {
 /* ---------------------------------------------------------------------------------------------- */
 /* Parsing */
 
+/* Whether a number's text starts as a decimal number does: strtoll and strtod would also take
+ * leading blanks (" 5", while "5 " is refused) and strtod hexadecimal ("0x1p-3", while the integer
+ * flags refuse "0x10"). */
+static int decimal_start(const char* s) {
+    const char* p = s + (*s == '-' || *s == '+');
+    return (isdigit((unsigned char)*p) || (*p == '.' && isdigit((unsigned char)p[1]))) &&
+           !(p[0] == '0' && (p[1] == 'x' || p[1] == 'X'));
+}
+
 static long long parse_int_or_die(const char* flag, const char* s) {
     char* end;
     long long v;
     errno = 0;
     v = strtoll(s, &end, 10);
-    if (errno || end == s || *end) die_input("--%s: '%s' is not an integer", flag, s);
+    if (errno || end == s || *end || !decimal_start(s)) die_input("--%s: '%s' is not an integer", flag, s);
     return v;
 }
 
@@ -385,7 +396,7 @@ static double parse_float_or_die(const char* flag, const char* s) {
     errno = 0;
     v = strtod(s, &end);
     if (errno == ERANGE && fabs(v) > 1.0) die_input("--%s: '%s' is out of range", flag, s);
-    if (end == s || *end || !isfinite(v)) die_input("--%s: '%s' is not a finite number", flag, s);
+    if (end == s || *end || !isfinite(v) || !decimal_start(s)) die_input("--%s: '%s' is not a finite number", flag, s);
     return v;
 }
 
@@ -405,7 +416,7 @@ static int parse_ids(const char* flag, const char* s, int* out) {
         long v;
         errno = 0;
         v = strtol(p, &end, 10);
-        if (errno || end == p || v < 0 || v > INT_MAX || (*end != ',' && *end != '\0'))
+        if (errno || end == p || !isdigit((unsigned char)*p) || v > INT_MAX || (*end != ',' && *end != '\0'))
             die_input("--%s: '%s' is not a comma-separated list of token ids", flag, s);
         out[n++] = (int)v;
         if (*end == '\0') return n;
@@ -460,6 +471,9 @@ static void flag_set(Config* c, const Flag* f, const char* name, int item, const
     case F_FLOAT: {
         double x = parse_float_or_die(name, v);
         if (x < f->min || x > f->max) die_input("--%s: %g is outside [%g, %g]", name, x, f->min, f->max);
+        /* 0 means something of its own to several flags (grad_clip, bandit.eta: off, derived) */
+        if (x != 0.0 && (float)x == 0.0f)
+            die_input("--%s: %g is too small for a float, which would hold it as 0", name, x);
         *(float*)ptr = (float)x;
         break;
     }

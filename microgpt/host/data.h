@@ -47,7 +47,8 @@ static void shard_map(Dataset* ds, int i, const char* path, int vocab_size) {
     header = (const int32_t*)ds->maps[i];
     if (header[0] != SHARD_MAGIC) die_input("shard %s: bad magic %d (expected %d)", path, header[0], SHARD_MAGIC);
     if (header[1] != SHARD_VERSION) die_input("shard %s: unsupported version %d (expected %d)", path, header[1], SHARD_VERSION);
-    if (header[2] < 0 || (size_t)st.st_size != SHARD_HEADER_BYTES + 2 * (size_t)header[2])
+    if (header[2] < 0) die_input("shard %s: the header's token count is %d, negative", path, header[2]);
+    if ((size_t)st.st_size != SHARD_HEADER_BYTES + 2 * (size_t)header[2])
         die_input("shard %s: file is %lld bytes, header promises %lld", path, (long long)st.st_size,
                   (long long)SHARD_HEADER_BYTES + 2LL * header[2]);
     n = (size_t)header[2];

@@ -193,10 +193,21 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
      * one would name another file) */
     if (path && strlen(path) < CFG_PATH_MAX) sidecar_load(path, CFG_MAX_LAYERS, side);
     if ((text = side->text)) {
+        CkptFiles files;
+        static Config scratch; /* the flag table's ranges: nothing is parsed into it */
+        Flag table[CFG_N_FLAGS_MAX];
+        int n_flags = config_flags(&scratch, table), k, item;
         for (i = 0; i < N_KEYS; i++)
             if (json_find_number(text, keys[i][1], &x)) {
                 if (!(x == floor(x) && fabs(x) <= INT_MAX)) { /* "%.0f" would round 4.5 to 4, print inf */
                     snprintf(what, sizeof what, "whose %s, %.17g, is no int", keys[i][1], x);
+                    refuse_sidecar_member(path, side_path, what);
+                }
+                /* outside the flag's range: no run writes one, and config_parse would name a flag never given */
+                k = find_flag(table, n_flags, keys[i][0], strlen(keys[i][0]), &item);
+                if (k >= 0 && (x < table[k].min || x > table[k].max)) {
+                    snprintf(what, sizeof what, "whose %s, %.0f, is outside [%.0f, %.0f]", keys[i][1], x, table[k].min,
+                             table[k].max);
                     refuse_sidecar_member(path, side_path, what);
                 }
                 snprintf(flags[i], sizeof flags[i], "--%s", keys[i][0]);
@@ -219,6 +230,11 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
         } else if (json_has_member(text, "precision")) {
             refuse_sidecar_member(path, side_path, "whose precision is no string");
         }
+        /* then the values' own checksum, before config_parse judges them as flags: an edited value
+         * that is a valid flag alone ("d_model":33 beside "n_head":4) is the sidecar's damage, with
+         * the way back to the previous slot, not the error of a flag the command line never gave */
+        ckpt_files(path, &files);
+        sidecar_refuse_bad_values(&files, text);
     } else if (side->loaded) {
         info("note: %s cannot be read; the model flags must be given", side_path);
     }
@@ -379,7 +395,8 @@ static int js_skip(JsonIn* j, int depth) {
             if (object) {
                 if (!js_string(j, NULL, 0)) return 0;
                 js_ws(j);
-                if (*j->p++ != ':') return js_fail(j, "expected ':'");
+                if (*j->p != ':') return js_fail(j, "expected ':'");
+                j->p++;
             }
             if (!js_skip(j, depth + 1)) return 0;
             js_ws(j);
@@ -462,7 +479,8 @@ static int parse_request(JsonIn* j, Request* r, const Config* c) {
     r->want_logits = 0;
     r->error[0] = '\0';
     js_ws(j);
-    if (*j->p++ != '{') return js_fail(j, "a request must be a JSON object");
+    if (*j->p != '{') return js_fail(j, "a request must be a JSON object"); /* never past the line's end */
+    j->p++;
     js_ws(j);
     if (*j->p == '}') {
         j->p++;
@@ -476,7 +494,8 @@ static int parse_request(JsonIn* j, Request* r, const Config* c) {
         js_ws(j);
         if (!js_string(j, key, sizeof key)) return 0;
         js_ws(j);
-        if (*j->p++ != ':') return js_fail(j, "expected ':'");
+        if (*j->p != ':') return js_fail(j, "expected ':'");
+        j->p++;
         js_ws(j);
         k = 0;
         while (k < n_keys && strcmp(keys[k], key) != 0) k++;

@@ -30,15 +30,25 @@ static void on_usr1_signal(int sig) { (void)sig; g_ckpt_requested = 1; }
 static void on_bus_error(int sig) {
     static const char msg[] =
         "error: bus error: a memory-mapped file changed under the engine, most likely a data shard truncated or "
-        "rewritten in place while training; the last checkpoint is intact, rerun once the data is whole\n";
+        "rewritten in place while the engine read it; the last checkpoint is intact, rerun once the data is whole\n";
     ssize_t ignored = write(2, msg, sizeof msg - 1);
     (void)ignored;
     (void)sig;
     _exit(EXIT_FAILURE_IO);
 }
 
+/* SIGBUS to on_bus_error: training and --evaluate read memory-mapped shards. */
+static void signals_install_bus_error(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sigemptyset(&sa.sa_mask);
+    sa.sa_handler = on_bus_error;
+    sigaction(SIGBUS, &sa, NULL);
+}
+
 /* Unblocks SIGTERM, SIGINT and SIGUSR1, which a launcher may have blocked (a pending one is
- * handled now). --generate and --evaluate call only this: their signals keep the default action. */
+ * handled now). --generate and --evaluate call only this (and --evaluate signals_install_bus_error):
+ * their stop signals keep the default action. */
 static void signals_unblock(void) {
     sigset_t handled;
     sigemptyset(&handled);
@@ -58,8 +68,7 @@ static void signals_install(void) {
     sigaction(SIGINT, &sa, NULL);
     sa.sa_handler = on_usr1_signal;
     sigaction(SIGUSR1, &sa, NULL);
-    sa.sa_handler = on_bus_error;
-    sigaction(SIGBUS, &sa, NULL);
+    signals_install_bus_error();
     signals_unblock(); /* a pending one is handled now, by the handler */
     /* Exceeding a file-size limit must be a write error we report (and survive with the old
      * checkpoint intact), not a silent kill. */

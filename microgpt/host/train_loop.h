@@ -213,6 +213,18 @@ static void validate_sidecar_room(const Config* c) {
                   CKPT_SIDECAR_MAX, FP8_DELAYED_PER_LAYER);
 }
 
+/* --dump-grads PATH: a file to create or replace, in a directory that exists, refused up front
+ * (found only after the forward and backward, it would cost them); a FIFO there would block the
+ * write's open() until some reader came, deaf to SIGTERM. */
+static void dump_grads_check_path(const char* path) {
+    char dir[CFG_PATH_MAX];
+    struct stat st;
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode))
+        die_input("--dump-grads %s is %s, not a regular file", path, file_kind(st.st_mode));
+    parent_dir(path, dir, sizeof dir);
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) die_input("--dump-grads: directory %s does not exist", dir);
+}
+
 /* Everything that can be wrong with the input is found here, before any large allocation. */
 static void run_validate_inputs(Run* r, int argc, char** argv) {
     Config* c = &r->cfg;
@@ -234,6 +246,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     r->start_step = 0;
     r->saved_step = -1;
     if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0], r->layout.n_params);
+    if (c->dump_grads[0]) dump_grads_check_path(c->dump_grads);
     if (c->resume) {
         r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer,
                                                    &r->sidecar);
@@ -293,16 +306,19 @@ static int run_dump_grads(Run* r) {
     size_t n = r->layout.n_params;
     float loss;
     float* grads = (float*)xmalloc(n * sizeof(float), "gradient dump");
-    FILE* f;
+    struct stat st;
+    int fd, ok;
     draw_step_arms(r, 0);
     fill_step_batch(r, 0, 0);
     engine_forward_backward(r->inputs, r->targets);
     loss = engine_micro_loss();
     engine_get_grads(grads);
-    f = fopen(c->dump_grads, "wb");
-    if (!f) die_io("cannot create %s: %s", c->dump_grads, strerror(errno));
-    if (fwrite(&loss, 4, 1, f) != 1 || fwrite(grads, 4, n, f) != n || fclose(f) != 0)
-        die_io("writing %s failed: %s", c->dump_grads, strerror(errno));
+    /* O_NONBLOCK: a FIFO put there since the start fails the open instead of blocking it */
+    fd = open(c->dump_grads, O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK, 0644);
+    if (fd < 0) die_io("cannot create %s: %s", c->dump_grads, strerror(errno));
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) die_io("--dump-grads %s is not a regular file", c->dump_grads);
+    ok = write_all(fd, &loss, sizeof loss) && write_all(fd, grads, n * sizeof(float));
+    if (close(fd) != 0 || !ok) die_io("writing %s failed: %s", c->dump_grads, strerror(errno));
     info("wrote loss %.6f and %zu gradients to %s", loss, n, c->dump_grads);
     free(grads);
     return 0;
@@ -562,19 +578,32 @@ static int evaluate_main(int argc, char** argv) {
     return 0;
 }
 
+/* The mode flag of the command line, "generate" or "evaluate", or NULL (training), found where
+ * config_parse finds flags: a flag's value that spells one (a run named "--generate", --name
+ * --generate) is that flag's value, and the run trains. */
+static const char* command_line_mode(int argc, char** argv) {
+    static Config scratch; /* the table's pointers only: nothing is parsed into it */
+    Flag f[CFG_N_FLAGS_MAX];
+    int n = config_flags(&scratch, f), i, k, item;
+    for (i = 1; i < argc; i++) {
+        const char* a = argv[i];
+        if (strcmp(a, "--generate") == 0 || strcmp(a, "--evaluate") == 0) return a + 2;
+        if (strncmp(a, "--", 2) != 0 || strchr(a, '=')) continue;
+        k = find_flag(f, n, a + 2, strlen(a + 2), &item);
+        if (k >= 0 && f[k].type != F_BOOL) i++; /* its value, whatever it spells */
+    }
+    return NULL;
+}
+
 /* main() of both engines: --generate (generate.h), --evaluate, or training. */
 static int engine_main(int argc, char** argv) {
-    int i;
-    for (i = 1; i < argc; i++) {
-        int generate = strcmp(argv[i], "--generate") == 0, evaluate = strcmp(argv[i], "--evaluate") == 0;
-        if (generate || evaluate) {
-            signals_unblock();
-            signal(SIGPIPE, SIG_IGN); /* a reader gone is a failed write, one error line (answer_line_end) */
-        }
-        if (generate) return generate_main(argc, argv);
-        if (evaluate) return evaluate_main(argc, argv);
-    }
-    return train_main(argc, argv);
+    const char* mode = command_line_mode(argc, argv);
+    if (!mode) return train_main(argc, argv);
+    signals_unblock();
+    signal(SIGPIPE, SIG_IGN); /* a reader gone is a failed write, one error line (answer_line_end) */
+    if (strcmp(mode, "generate") == 0) return generate_main(argc, argv);
+    signals_install_bus_error(); /* a validation shard truncated under the mapping: one line, not a silent death */
+    return evaluate_main(argc, argv);
 }
 
 #endif
