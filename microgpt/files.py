@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import stat
+import sys
 
 
 class NotRegularFile(OSError):
@@ -105,11 +106,16 @@ class JsonTooDeep(ValueError):
 def loads_json(text, **kw):
     """json.loads (kw: its other hooks) with a key named twice refused (unique_keys), and every
     fault a ValueError: JSON nested too deeply is JsonTooDeep, where json raises a RecursionError
-    that the readers' ValueError handlers would let through as a traceback."""
+    that the readers' ValueError handlers would let through as a traceback; an integer too long for
+    int() is said as such, not with Python's advice to raise its limit."""
     try:
         return json.loads(text, object_pairs_hook=unique_keys, **kw)
     except RecursionError:
         raise JsonTooDeep("JSON nested too deeply") from None
+    except ValueError as e:
+        if isinstance(e, json.JSONDecodeError) or "sys.set_int_max_str_digits" not in str(e):
+            raise
+        raise ValueError(f"an integer of more than {sys.get_int_max_str_digits()} digits") from None
 
 
 def read_json(path, default):

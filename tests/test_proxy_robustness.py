@@ -283,6 +283,15 @@ def test_a_config_nested_too_deeply_is_one_error(exp, cpu_binary):
     one_error(p, rc, "nested too deeply")
 
 
+def test_a_config_holding_an_integer_of_thousands_of_digits_is_one_error(exp, cpu_binary):
+    """int() refuses over 4300 digits with advice to raise Python's limit, which was the error line."""
+    path = exp.root / "long.json"
+    path.write_text(exp.config(steps=5).read_text().replace('"train": {', '"train": {"steps": ' + "9" * 5001 + ", ", 1))
+    p, rc = run_to_end(path, exp.run_dir, cpu_binary, "--no-server")
+    line = one_error(p, rc, "an integer of more than 4300 digits")
+    assert "set_int_max_str_digits" not in line
+
+
 def test_a_config_naming_a_key_twice_is_one_error(exp, cpu_binary):
     """docs/DESIGN.md §4: Python's json kept the last of a key given twice; which one the writer
     meant is unknown, so the config is refused and no run starts."""
