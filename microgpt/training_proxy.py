@@ -111,6 +111,9 @@ def open_run(args):
         fail(f"{args.config}: {e}")
     for line in run_passes_warnings(cfg, resolve_path, {key: flag["default"] for key, flag in flags.items()}):
         print(line, file=sys.stderr, flush=True)
+    if args.run_dir == "":  # "$RUN_DIR" unset: the default would take, or resume, another run
+        fail("--run-dir is empty (an unset shell variable?): give a directory, or leave the flag out "
+             "for runs/<name>/")
     run_dir = args.run_dir or os.path.join(ROOT, "runs", cfg["name"])
     if os.path.lexists(run_dir) and not os.path.isdir(run_dir):  # making it: "[Errno 17] File exists"
         fail(f"--run-dir {run_dir} exists and is no directory")

@@ -5,6 +5,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from proxy_util import Proxy, ProxyFixtureDir, live_train, run_to_end
+from proxy_util import REPO, Proxy, ProxyFixtureDir, live_train, run_to_end
 
 from microgpt import engines, loss_log, supervisor, terminal
 from microgpt.checkpoint import checkpoint_step
@@ -290,6 +291,17 @@ def test_a_config_holding_an_integer_of_thousands_of_digits_is_one_error(exp, cp
     p, rc = run_to_end(path, exp.run_dir, cpu_binary, "--no-server")
     line = one_error(p, rc, "an integer of more than 4300 digits")
     assert "set_int_max_str_digits" not in line
+
+
+def test_an_empty_run_dir_is_one_error_not_the_default(exp, cpu_binary):
+    """`--run-dir "$RUN_DIR"` with the variable unset trained, or resumed, runs/<name>/ unasked."""
+    default = REPO / "runs" / "empty-run-dir-test"
+    try:
+        p, rc = run_to_end(exp.config(steps=2, name=default.name), "", cpu_binary, "--no-server")
+        one_error(p, rc, "--run-dir is empty")
+        assert not default.exists()
+    finally:
+        shutil.rmtree(default, ignore_errors=True)
 
 
 def test_a_config_naming_a_key_twice_is_one_error(exp, cpu_binary):
