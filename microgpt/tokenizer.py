@@ -193,6 +193,11 @@ def json_fault(e):
     return "invalid JSON"  # json.JSONDecodeError, or the digits limit of int()
 
 
+# The byte-order marks of UTF-16 and UTF-32 (UTF-32-LE's begins with UTF-16-LE's): a file that
+# begins with one is no UTF-8, and its lines, read as UTF-8, are noise; the data scripts refuse it.
+UTF16_32_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\0\0\xfe\xff")
+
+
 def parse_json_line(line):
     """One JSON line (str, or bytes as read from a file) -> its value. Raises ValueError with a
     short reason (json_fault) for a line that holds none. Bytes are UTF-8 (a leading byte-order mark

@@ -73,9 +73,6 @@ class BuildError(RuntimeError):
     """A build that cannot produce a usable set; nothing is installed."""
 
 
-UTF16_32_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\0\0\xfe\xff")  # UTF-32-LE's begins with UTF-16-LE's
-
-
 def valid_name(name):
     """A source's or a set's name names files and a folder: letters, digits, '-', '_' and '.', not
     first ('.' and '..' would put a source's own set outside sources/, a leading '.' hide the shards
@@ -121,7 +118,7 @@ class Source:
                 fail(f"--{kind} {f}: cannot read it ({e.strerror})")
             # Read as UTF-8, UTF-16 or UTF-32 is noise. JSON lines hold no NUL byte, but one damaged
             # line is skipped and counted, not a reason to refuse the file: only its byte-order mark.
-            if (kind == "text" and b"\0" in head) or head.startswith(UTF16_32_BOMS):
+            if (kind == "text" and b"\0" in head) or head.startswith(tokenizer.UTF16_32_BOMS):
                 fail(f"--{kind} {f}: not UTF-8 text (NUL bytes or a UTF-16 or UTF-32 byte-order mark); "
                      "convert it, e.g. iconv -f UTF-16 -t UTF-8")
         if kind == "chat" and any(not f.endswith(exts) for f in self.files):

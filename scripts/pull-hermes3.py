@@ -34,7 +34,7 @@ from microgpt.atomic import write_json_atomic
 from microgpt.cli import ArgumentParser, interrupted
 from microgpt.files import (MAX_RECORD_BYTES, RECORD_TOO_LONG, file_kind, open_lock_file, read_json, record_lines,
                             unique_keys)
-from microgpt.tokenizer import json_fault, parse_conversation, parse_json_line
+from microgpt.tokenizer import UTF16_32_BOMS, json_fault, parse_conversation, parse_json_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,8 +42,6 @@ REPO_ID = "NousResearch/Hermes-3-Dataset"
 SHAREGPT_NAMES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
 SAVE_EVERY = 1000  # records between progress saves
 LOCAL_EXTENSIONS = (".json", ".jsonl", ".ndjson", ".parquet")
-# Read as UTF-8, a UTF-16 or UTF-32 file is noise (and json.loads would guess at each line's encoding)
-UTF16_32_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\0\0\xfe\xff")  # UTF-32-LE's begins with UTF-16-LE's
 
 
 class PullError(RuntimeError):
