@@ -26,14 +26,20 @@ CONTROL_CHARACTERS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but tab a
 NOT_ONE_LINE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
-def one_line(text):
-    """text as one line of stderr: control characters (newline and tab too) and the bytes that are
-    no UTF-8 written as \\xNN (another lone surrogate as \\uXXXX), so a path or a message quoted in
-    an error line can neither break it in two nor drive the terminal."""
+def _escaped(pattern, text):
+    """text with each character pattern matches written as an escape: \\xNN, also for a byte that is
+    no UTF-8 (surrogateescape's U+DC80..U+DCFF), and \\uXXXX for any other lone surrogate."""
     def escape(m):
         c = ord(m.group())
         return f"\\x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"\\u{c:04x}" if c > 0xFF else f"\\x{c:02x}"
-    return NOT_ONE_LINE.sub(escape, str(text))
+    return pattern.sub(escape, text)
+
+
+def one_line(text):
+    """text as one line of stderr: control characters (newline and tab too) and the bytes that are
+    no UTF-8 escaped (_escaped), so a path or a message quoted in an error line can neither break it
+    in two nor drive the terminal."""
+    return _escaped(NOT_ONE_LINE, str(text))
 
 
 def say(line):
@@ -98,7 +104,7 @@ def shown_on_terminal(text):
     commands. Its control characters (C0 but tab and newline, DEL, C1) are written as \\xNN escapes:
     a terminal acts on them (ESC starts sequences that move the cursor, rewrite the screen or
     retitle the window; CR returns over the line). For a terminal only: a pipe gets the text."""
-    return CONTROL_CHARACTERS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return _escaped(CONTROL_CHARACTERS, text)
 
 
 class ArgumentParser(argparse.ArgumentParser):
