@@ -82,6 +82,9 @@ def parse_args(argv):
         p.error("--port must be in [0, 65535]")
     if args.progress_every is not None and not 0 <= args.progress_every < math.inf:  # also not NaN
         p.error("--progress-every must be a finite number of seconds >= 0")
+    if args.run_dir == "":  # "$RUN_DIR" unset: the default would take, or resume, another run
+        p.error("--run-dir is empty (an unset shell variable?): give a directory, or leave the flag "
+                "out for runs/<name>/")
     if (args.config is None) == (args.serve is None):
         p.error("give an experiment config to train, or --serve DIR to look at runs")
     return args
@@ -111,9 +114,6 @@ def open_run(args):
         fail(f"{args.config}: {e}")
     for line in run_passes_warnings(cfg, resolve_path, {key: flag["default"] for key, flag in flags.items()}):
         print(line, file=sys.stderr, flush=True)
-    if args.run_dir == "":  # "$RUN_DIR" unset: the default would take, or resume, another run
-        fail("--run-dir is empty (an unset shell variable?): give a directory, or leave the flag out "
-             "for runs/<name>/")
     run_dir = args.run_dir or os.path.join(ROOT, "runs", cfg["name"])
     if os.path.lexists(run_dir) and not os.path.isdir(run_dir):  # making it: "[Errno 17] File exists"
         fail(f"--run-dir {run_dir} exists and is no directory")
