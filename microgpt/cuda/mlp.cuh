@@ -42,20 +42,16 @@ template <int TANH = GELU_TANH_ACCURATE> __device__ __forceinline__ float gelu_f
 }
 
 template <int TANH = GELU_TANH_ACCURATE> __device__ __forceinline__ float gelu_grad_f(float x) {
-#if GELU_GRAD_FACTORED
-    /* A candidate (docs/BENCHMARKS.md #167): the same derivative factored on u = x², tanh's argument
-     * x (S + SC u) and its slope S + 3SC u, and 0.5 (1 + t) + 0.5 x (1 - t²) (S + 3SC u) as fused
-     * multiply-adds: 5 FMUL, 5 FFMA and the tanh an element of the GELU-backward product's epilogue
-     * (with its product by dh) where the form below compiles to 9 FMUL, 4 FFMA and an FADD. */
+    /* Factored on u = x²: tanh's argument x (S + SC u), its slope S + 3SC u, and
+     * 0.5 (1 + t) + 0.5 x (1 - t²) (S + 3SC u) as fused multiply-adds, 5 FMUL, 5 FFMA and the tanh an
+     * element of the GELU-backward product's epilogue (with its product by dh) where the unfactored
+     * form took 9 FMUL, 4 FFMA and an FADD: that epilogue bounds the product (docs/BENCHMARKS.md
+     * #167: -2 µs a launch at ANDREA-120M's shape). Its float32 error from the float64 derivative
+     * is the unfactored form's (the tanh's). */
     float u = x * x;
     float t = gelu_tanh<TANH>(x * fmaf(GELU_SCALE_F * GELU_CUBIC_F, u, GELU_SCALE_F));
     float half_x_slope = 0.5f * x * fmaf(3.0f * GELU_SCALE_F * GELU_CUBIC_F, u, GELU_SCALE_F);
     return fmaf(0.5f, t, fmaf(half_x_slope, fmaf(-t, t, 1.0f), 0.5f));
-#else
-    float th = gelu_tanh<TANH>(GELU_SCALE_F * (x + GELU_CUBIC_F * x * x * x));
-    float dth = (1.0f - th * th) * GELU_SCALE_F * (1.0f + 3.0f * GELU_CUBIC_F * x * x);
-    return 0.5f * (1.0f + th) + 0.5f * x * dth;
-#endif
 }
 
 /* amax_bits (precision fp8's MLP, whose GELU output is an FP8 product's operand; else NULL): the
