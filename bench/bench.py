@@ -34,7 +34,7 @@ import numpy as np
 from bench_common import (REPO, BenchError, config_flags, experiment_path, flag_args, load_config, model_shape,
                           repo_path, shard_paths, train_settings)
 from microgpt.cli import ArgumentParser
-from microgpt.shards import write_shard
+from microgpt.shards import glob_tokens, write_shard
 from results import RESULTS_FILE, append_record, environment, smi_query
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -314,6 +314,13 @@ def choose_data(cfg, args, shape):
     return synthetic_data(shape["vocab_size"])
 
 
+def text_of(data):
+    """What a model trained and validated on, for the record: the globs and their tokens (a run on
+    part of a corpus, or on another build of it, is told apart from a run on the whole)."""
+    return {"train": data["train"], "train_tokens": glob_tokens(data["train"]), "real": data["real"],
+            "val": data["val"], "val_tokens": glob_tokens(data["val"]) if data["val"] else None}
+
+
 def loss_check(engine, torch_res, tol, real):
     """PASS when the last-steps mean train loss (and the val loss, when both have one) agree within tol."""
     if not real:
@@ -434,19 +441,19 @@ def run_model(model, args, matmul_tflops):
                                                     args, tokens_per_step, timeout),
                                            side="torch", precision=torch_prec, mode=mode)
     for precision, engine in engines.items():   # after every run: a target may compare two engine rows
-        comparisons.append(compare(model, precision, engine, engines, torch_runs, args, data["real"]))
+        comparisons.append(compare(model, precision, engine, engines, torch_runs, args, data))
     return runs, comparisons
 
 
-def compare(model, precision, engine, engines, torch_runs, args, real):
+def compare(model, precision, engine, engines, torch_runs, args, data):
     """The comparison of one engine row: its ratio to the fastest PyTorch run of its own precision
     (fp8 rows: also to the fastest bf16 one), the loss check against every PyTorch run it is
-    compared with, and its targets."""
+    compared with, its targets, and the text both sides ran on."""
     keys = baselines(precision, args.torch_modes, args.torch_fp8_modes)
     family = [torch_runs[key] for key in keys]
     baseline = fastest(family, keys[0][0])
-    check, diffs = loss_checks(engine, family, args.tol, real)
-    c = {"model": model, "precision": precision, "data": "real" if real else "synthetic",
+    check, diffs = loss_checks(engine, family, args.tol, data["real"])
+    c = {"model": model, "precision": precision, "data": "real" if data["real"] else "synthetic", "text": text_of(data),
          "baseline": baseline and run_label(baseline), "ratio": ratio_to(engine, baseline),
          "loss_check": check, "loss_diffs": diffs, "targets": targets(model, precision, engine, baseline, engines)}
     if precision == "fp8":
@@ -521,8 +528,23 @@ def markdown_table(rows, columns):
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows]) + "\n"
 
 
+def text_line(record):
+    """'Text: 12M, 120M: `glob` (N tokens; validation `glob`, M tokens).' from the comparisons' text
+    (records before it was kept have none: '')."""
+    models = {}
+    for c in record["comparisons"]:
+        t = c.get("text")
+        if t:
+            what = (f"`{t['train']}` ({t['train_tokens']:,} tokens" if t["real"] else
+                    f"random tokens ({t['train_tokens']:,}")
+            what += f"; validation `{t['val']}`, {t['val_tokens']:,} tokens)" if t["val"] else ")"
+            models.setdefault(what, []).append(c["model"])
+    parts = [f"{', '.join(dict.fromkeys(m))}: {what}" for what, m in models.items()]
+    return f"\nText: {'; '.join(parts)}.\n" if parts else ""
+
+
 def markdown(record):
-    return f"### {heading(record)}\n\n" + markdown_table(table_rows(record), COLUMNS)
+    return f"### {heading(record)}\n\n" + markdown_table(table_rows(record), COLUMNS) + text_line(record)
 
 
 def plain_table(rows, columns=COLUMNS):

@@ -424,6 +424,24 @@ def test_a_whole_run_reports_every_row_even_when_a_side_fails(tmp_path):
     assert (tmp_path / "out" / "bench.md").read_text().count("\n| tiny |") == 5
 
 
+def test_the_record_says_which_text_and_how_many_tokens_each_model_ran_on(tmp_path):
+    """A run on part of a corpus (a prefix carried to a machine without network) and a run on the
+    whole must be told apart in the history: each comparison keeps the globs and their tokens, and
+    the table's markdown says them."""
+    out, record = standin_run(tmp_path, "tiny", 8, "--precisions", "bf16", "--torch-modes", "eager")
+    [c] = record["comparisons"]
+    assert c["text"] == {"train": str(tmp_path / "train.bin"), "train_tokens": 1000, "real": True,
+                         "val": None, "val_tokens": None}
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert md.endswith(f"\nText: tiny: `{tmp_path / 'train.bin'}` (1,000 tokens).\n"), md
+    c["text"].update(val="v_*.bin", val_tokens=20000)
+    record["comparisons"].append(dict(c, model="big", precision="fp8"))
+    assert bench.text_line(record).endswith("Text: tiny, big: `%s` (1,000 tokens; validation `v_*.bin`, "
+                                            "20,000 tokens).\n" % (tmp_path / "train.bin"))
+    del record["comparisons"][0]["text"], record["comparisons"][1]["text"]   # records before the field
+    assert bench.text_line(record) == ""
+
+
 def test_recorded_runs_are_shown_as_the_docs_print_them(tmp_path):
     path = tmp_path / "r.jsonl"
     lines = [line for line in open(results.RESULTS_FILE) if '"kind":"train"' in line]
