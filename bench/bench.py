@@ -34,7 +34,7 @@ import numpy as np
 from bench_common import (REPO, BenchError, config_flags, experiment_path, flag_args, load_config, model_shape,
                           repo_path, shard_paths, train_settings)
 from microgpt.cli import ArgumentParser
-from microgpt.shards import glob_tokens, write_shard
+from microgpt.shards import ShardError, glob_tokens, write_shard
 from results import RESULTS_FILE, append_record, environment, smi_query
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -300,25 +300,32 @@ def synthetic_data(vocab_size):
 
 
 def choose_data(cfg, args, shape):
-    """Real text when any can be found (--data, the config's data, known fallbacks), else synthetic."""
+    """Real text when any can be found (--data, the config's data, known fallbacks), else synthetic;
+    with its `text` (with_text), read before any run so that a damaged shard stops the benchmark at
+    once rather than after its runs."""
     if args.data:
         if not shard_paths(args.data):
             raise BenchError(f"no shards match --data {args.data}")
-        return {"train": args.data, "val": args.val or None, "real": True}
+        return with_text({"train": args.data, "val": args.val or None, "real": True})
     candidates = [(cfg.get("data", {}).get("train"), cfg.get("data", {}).get("val"))] + FALLBACK_DATA
     for train, val in candidates:
         if train and shard_paths(train):
-            return {"train": train, "val": val if val and shard_paths(val) else None, "real": True}
+            return with_text({"train": train, "val": val if val and shard_paths(val) else None, "real": True})
     if args.loss_check:
         raise BenchError("the loss check needs real text shards: none found, give --data GLOB")
-    return synthetic_data(shape["vocab_size"])
+    return with_text(synthetic_data(shape["vocab_size"]))
 
 
-def text_of(data):
-    """What a model trained and validated on, for the record: the globs and their tokens (a run on
-    part of a corpus, or on another build of it, is told apart from a run on the whole)."""
-    return {"train": data["train"], "train_tokens": glob_tokens(data["train"]), "real": data["real"],
-            "val": data["val"], "val_tokens": glob_tokens(data["val"]) if data["val"] else None}
+def with_text(data):
+    """data with its `text`, what a model trained and validated on, for the record: the globs and
+    their tokens (a run on part of a corpus, or on another build of it, is told apart from a run
+    on the whole); BenchError for a shard whose header is damaged."""
+    try:
+        text = {"train": data["train"], "train_tokens": glob_tokens(data["train"]), "real": data["real"],
+                "val": data["val"], "val_tokens": glob_tokens(data["val"]) if data["val"] else None}
+    except (OSError, ShardError) as e:
+        raise BenchError(f"cannot read the text's shards: {e}")
+    return dict(data, text=text)
 
 
 def loss_check(engine, torch_res, tol, real):
@@ -453,7 +460,7 @@ def compare(model, precision, engine, engines, torch_runs, args, data):
     family = [torch_runs[key] for key in keys]
     baseline = fastest(family, keys[0][0])
     check, diffs = loss_checks(engine, family, args.tol, data["real"])
-    c = {"model": model, "precision": precision, "data": "real" if data["real"] else "synthetic", "text": text_of(data),
+    c = {"model": model, "precision": precision, "data": "real" if data["real"] else "synthetic", "text": data["text"],
          "baseline": baseline and run_label(baseline), "ratio": ratio_to(engine, baseline),
          "loss_check": check, "loss_diffs": diffs, "targets": targets(model, precision, engine, baseline, engines)}
     if precision == "fp8":

@@ -442,6 +442,30 @@ def test_the_record_says_which_text_and_how_many_tokens_each_model_ran_on(tmp_pa
     assert bench.text_line(record) == ""
 
 
+def test_a_damaged_shard_stops_the_benchmark_before_any_run(tmp_path):
+    """The text's token count is read before the runs: a shard cut short is one error line and exit
+    2 at once, not a traceback after minutes of measurement that leaves no record."""
+    from microgpt.shards import write_shard
+    bad = tmp_path / "bad.bin"
+    write_shard(str(bad), list(range(100)))
+    bad.write_bytes(bad.read_bytes()[:-2])
+    engine, ran = tmp_path / "engine", tmp_path / "engine-ran"
+    engine.write_text(f"#!/bin/sh\ntouch {ran}\n")
+    engine.chmod(0o755)
+    cfg = dict(CFG, name="tiny", model={"n_layer": 1, "d_model": 8, "n_head": 2, "seq_len": 16, "vocab_size": 100})
+    (tmp_path / "tiny.json").write_text(json.dumps(cfg))
+    out = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--models", str(tmp_path / "tiny.json"),
+                          "--data", str(bad), "--precisions", "bf16", "--torch-modes", "eager", "--steps", "30",
+                          "--engine", str(engine), "--device", "cpu", "--out", str(tmp_path / "out"),
+                          "--results", str(tmp_path / "results.jsonl")],
+                         capture_output=True, text=True, timeout=300, env=python_env())
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines()[-1] == (f"error: cannot read the text's shards: {bad}: file is 1222 bytes, "
+                                           "header promises 1224"), out.stderr
+    assert "Traceback" not in out.stderr
+    assert not ran.exists() and not (tmp_path / "results.jsonl").exists()
+
+
 def test_recorded_runs_are_shown_as_the_docs_print_them(tmp_path):
     path = tmp_path / "r.jsonl"
     lines = [line for line in open(results.RESULTS_FILE) if '"kind":"train"' in line]
