@@ -167,6 +167,10 @@ def main():
     args = ap.parse_args()
     if not args.out:
         ap.error("--out DIR (or $OUT) is required")
+    runs = args.runs.split(",")
+    unknown = [run for run in runs if run not in RUNS]
+    if unknown:  # refused before any run: found after the first, it would end hours of training in a traceback
+        ap.error(f"--runs: no run called {unknown[0]!r}; the runs are {', '.join(RUNS)}")
     sources = discover_sources(args.sources_dir)
     if args.only:
         wanted = args.only.split(",")
@@ -183,7 +187,7 @@ def main():
     print(f"{len(sources)} sources: " + ", ".join(f"{n} ({t:,} train tokens)" for n, t in tokens.items()))
     results = {}
     with tempfile.TemporaryDirectory(prefix="andrea-bandit-") as work:
-        for run in args.runs.split(","):
+        for run in runs:
             print(f"=== {run} ({time.strftime('%H:%M:%S', time.gmtime())} UTC)", flush=True)
             records, seconds = train(configs[run], work, args.engine)
             results[run] = summarise(run, configs[run], records, seconds)

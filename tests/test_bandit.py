@@ -564,6 +564,20 @@ def test_experiment_scripts_run_and_draw(sources, tmp_path):
                    list(root.iter("{http://www.w3.org/2000/svg}polygon"))) >= 2, stem
 
 
+def test_an_unknown_run_is_one_clear_error_before_any_run(sources, tmp_path):
+    """scripts/bandit-experiment.py --runs with a name that is no run looked it up only when its turn
+    came: a KeyError traceback, after the runs before it had trained. It is refused up front: one
+    `error:` line naming it, exit 2, nothing run or written."""
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "bandit-experiment.py"), "--out", str(out),
+                          "--engine", "cpu", "--runs", "static-natural,bandt",
+                          "--sources-dir", str(experiment_sources_dir(sources, tmp_path))],
+                         capture_output=True, text=True, env=eu.python_env(), timeout=120)
+    lines = res.stderr.splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "--runs" in lines[0] and "'bandt'" in lines[0], res.stderr
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("experiment, words", [
     ([], "the config must be a JSON object"),
     ({"name": "x", "train": 5}, '"train" must be an object'),
