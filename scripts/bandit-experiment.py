@@ -34,7 +34,7 @@ from microgpt.cli import ArgumentParser
 from microgpt.config import ConfigError, read_config, validate_config
 from microgpt.engines import ENGINES, ROOT, EngineChoiceError, engine_flags
 from microgpt.files import unique_keys
-from microgpt.shards import glob_tokens
+from microgpt.shards import ShardError, glob_tokens
 
 EXPERIMENT = os.path.join(ROOT, "experiments", "ANDREA-12M-BANDIT.json")
 SOURCES_DIR = os.path.join(ROOT, "data", "megachat", "sources")
@@ -85,7 +85,13 @@ def run_configs(base, sources, steps, eval_every):
     common["train"]["warmup_steps"] = min(common["train"].get("warmup_steps", 0), steps // 10)
     common["eval"] = {**common.get("eval", {}), "every": eval_every}
     common["checkpoint"] = {"every": 0}
-    tokens = [glob_tokens(s["train"]) for s in sources]
+    try:  # a damaged shard is one error line before any run, not a traceback
+        tokens = [glob_tokens(s["train"]) for s in sources]
+    except ShardError as e:
+        sys.exit(f"error: {e}")
+    empty = [s["name"] for s, t in zip(sources, tokens) if t == 0]
+    if empty:  # no windows to train on (and static-natural's weights would divide by 0 if all were empty)
+        sys.exit(f"error: the train shards of source {empty[0]} hold no tokens")
     weights = {"bandit": [1.0] * len(sources), "static-uniform": [1.0] * len(sources),
                "static-natural": [t / sum(tokens) for t in tokens]}
     configs = {}
@@ -182,8 +188,8 @@ def main():
         sys.exit(f"error: {args.sources_dir} holds {len(sources)} source folder(s) with shards; the experiment needs "
                  "at least 2 (run `make data`)")
     base = read_experiment(args.experiment, args.engine, sources)
-    os.makedirs(args.out, exist_ok=True)
     configs, tokens = run_configs(base, sources, args.steps, args.eval_every)
+    os.makedirs(args.out, exist_ok=True)
     print(f"{len(sources)} sources: " + ", ".join(f"{n} ({t:,} train tokens)" for n, t in tokens.items()))
     results = {}
     with tempfile.TemporaryDirectory(prefix="andrea-bandit-") as work:

@@ -578,6 +578,29 @@ def test_an_unknown_run_is_one_clear_error_before_any_run(sources, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("damage", ["bad-magic", "no-tokens"])
+def test_a_damaged_source_shard_is_one_clear_error_before_any_run(sources, tmp_path, damage):
+    """scripts/bandit-experiment.py reads every source's token count (the static-natural weights)
+    before the runs: a shard with a damaged header ended it in a ShardError traceback, sources
+    whose shards hold no tokens in a ZeroDivisionError. One `error:` line naming the shard or the
+    source, a non-zero exit, nothing run or written."""
+    src, out = experiment_sources_dir(sources, tmp_path), tmp_path / "out"
+    for name in ("noise", "useful"):
+        shard = src / name / f"{name}_train_000000.bin"
+        if damage == "bad-magic":
+            shard.write_bytes(b"\0" * 4 + shard.read_bytes()[4:])
+        else:
+            eu.write_shard(shard, np.zeros(0, np.uint16))
+    res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "bandit-experiment.py"), "--out", str(out),
+                          "--engine", "cpu", "--sources-dir", str(src)],
+                         capture_output=True, text=True, env=eu.python_env(), timeout=120)
+    lines = res.stderr.splitlines()
+    assert res.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert ("bad magic" in lines[0] and "noise_train_000000.bin" in lines[0]) if damage == "bad-magic" else \
+        "noise hold no tokens" in lines[0], lines
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("experiment, words", [
     ([], "the config must be a JSON object"),
     ({"name": "x", "train": 5}, '"train" must be an object'),
