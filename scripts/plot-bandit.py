@@ -10,13 +10,12 @@
 DIR holds bandit-experiment.json; the figures go beside it. PNG through matplotlib where it is
 installed, else (or with --svg) plain SVG written here, so the figures need nothing beyond Python.
 """
-import json
 import math
 import os
 import sys
 
-from microgpt.cli import ArgumentParser
-from microgpt.files import unique_keys
+from microgpt.cli import ArgumentParser, fail
+from microgpt.files import loads_json, open_regular
 from microgpt.svg_chart import colour, svg_figure
 
 def figures(doc):
@@ -30,8 +29,11 @@ def figures(doc):
                    [v["by_source"][name] for v in r["val"] if name in v["by_source"]]) for run, r in runs.items()]
         if any(xs for _, xs, _ in series):
             by_source.append((name, "lines", series))
-    out = [("bandit-val-loss", "Validation loss (the mixed validation set)", [("val_loss", "lines", overall)]),
-           ("bandit-val-by-source", "Validation loss per source", by_source)]
+    out = []  # a figure only where there is something to draw (runs with eval.every 0 have no evaluations)
+    if any(xs for _, xs, _ in overall):
+        out.append(("bandit-val-loss", "Validation loss (the mixed validation set)", [("val_loss", "lines", overall)]))
+    if by_source:
+        out.append(("bandit-val-by-source", "Validation loss per source", by_source))
     bandit = runs.get("bandit")
     if bandit and bandit["p"]:
         steps = [e["step"] for e in bandit["p"]]
@@ -89,8 +91,16 @@ def main():
     ap.add_argument("dir", help="folder with bandit-experiment.json")
     ap.add_argument("--svg", action="store_true", help="SVG even where matplotlib is installed")
     args = ap.parse_args()
-    with open(os.path.join(args.dir, "bandit-experiment.json")) as f:
-        figs = figures(json.load(f, object_pairs_hook=unique_keys))
+    path = os.path.join(args.dir, "bandit-experiment.json")
+    try:
+        with open(open_regular(path), encoding="utf-8") as f:
+            figs = figures(loads_json(f.read()))
+    except OSError as e:
+        fail(f"cannot read {path}: {e.strerror or e} (scripts/bandit-experiment.py --out DIR writes it)")
+    except (ValueError, KeyError, TypeError):
+        fail(f"{path} is not the results of scripts/bandit-experiment.py")
+    if not figs:
+        fail(f"{path} holds nothing to draw: no evaluations (--eval-every 0) and no bandit run")
     try:
         if args.svg:
             raise ImportError

@@ -601,6 +601,27 @@ def test_a_damaged_source_shard_is_one_clear_error_before_any_run(sources, tmp_p
     assert not out.exists()
 
 
+def test_plot_bandit_without_evaluations_or_results(tmp_path):
+    """scripts/plot-bandit.py on results without evaluations (bandit-experiment.py --eval-every 0)
+    divided by zero laying out a figure with no panels; on a folder without results it ended in a
+    FileNotFoundError traceback. It draws what there is (the bandit's p), and says in one `error:`
+    line what is missing."""
+    plot = lambda d: subprocess.run([sys.executable, str(eu.REPO / "scripts" / "plot-bandit.py"), str(d), "--svg"],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120, env=eu.python_env())
+    p = [{"step": s, "p": [0.5 - s / 100, 0.5 + s / 100]} for s in (1, 2, 3)]
+    runs = {"bandit": {"sources": ["a", "b"], "val": [], "p": p}, "static-uniform": {"sources": ["a", "b"], "val": [], "p": []}}
+    (tmp_path / "bandit-experiment.json").write_text(json.dumps({"sources": ["a", "b"], "runs": runs}))
+    res = plot(tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert sorted(f.name for f in tmp_path.glob("*.svg")) == ["bandit-mixture.svg"]
+    del runs["bandit"]  # results, but nothing to draw: no evaluations and no bandit run
+    (tmp_path / "bandit-experiment.json").write_text(json.dumps({"sources": ["a", "b"], "runs": runs}))
+    for res, words in ((plot(tmp_path), "nothing to draw"), (plot(tmp_path / "nothing-here"), "cannot read")):
+        lines = res.stderr.splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+        assert words in lines[0] and "bandit-experiment.json" in lines[0], lines
+
+
 @pytest.mark.parametrize("experiment, words", [
     ([], "the config must be a JSON object"),
     ({"name": "x", "train": 5}, '"train" must be an object'),
