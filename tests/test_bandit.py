@@ -170,6 +170,51 @@ def test_a_source_of_weight_zero_is_evaluated_never_trained_on(cpu_binary, sourc
     assert set(res.vals[0]["val_loss_by_source"]) == {"noise", "useful"}
 
 
+BANDIT_LEARN_C = r"""
+#include "microgpt/host/mixture.h"
+static void show(const Mixture* m, const BanditRound* b) {
+    printf("%.17g %.17g %.17g %.17g %d %.17g %.17g %.17g\n", m->gain[0], m->gain[1], m->reward_mean, m->reward_var,
+           m->rounds, m->p[0], b->z, b->reward[0]);
+}
+int main(void) {
+    static Config c;
+    static Mixture m;
+    BanditRound b;
+    int r;
+    c.bandit.enabled = 1; c.bandit.gamma = 0.1f; c.bandit.reward_decay = 0.5f;
+    m.n = m.n_active = 2; m.prior[0] = m.prior[1] = 0.5; m.eta = 1.0;
+    mixture_reset_bandit(&m, &c);
+    for (r = 0; r < 6; r++) { /* past the warm-up: rewards count */
+        b.arm = r % 2; b.loss_before = 3.0 - 0.1 * r; b.loss_after = b.loss_before - 0.05 - 0.01 * r;
+        bandit_learn(&m, &c, &b);
+    }
+    show(&m, &b);
+    b.arm = 0; b.loss_before = 2.0; b.loss_after = INFINITY; /* the probe after the step overflowed */
+    bandit_learn(&m, &c, &b);
+    show(&m, &b);
+    return 0;
+}
+"""
+
+
+def test_a_probe_that_overflowed_teaches_the_bandit_nothing(tmp_path):
+    """A probe loss that is no finite number (an overflow of a low-precision forward) says nothing
+    about the source. It was taken as a drop of 0: scored against the typical drop, that is a
+    penalty of up to -3/p for the arm, and it pulled the running mean and variance with it. Now the
+    gains, the statistics and p stay as they were, and the round's z and rewards are 0. The GPU
+    engine's probes are what can overflow, so bandit_learn itself is run here."""
+    src, exe = tmp_path / "bandit_learn.c", tmp_path / "bandit_learn"
+    src.write_text(BANDIT_LEARN_C)
+    build = subprocess.run(["gcc", "-std=c99", "-O2", "-fopenmp", "-D_POSIX_C_SOURCE=200809L", "-I", str(eu.REPO),
+                            "-o", str(exe), str(src), "-lm"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    before, after = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split("\n")[:2]
+    gains_stats_p = lambda line: line.split()[:6]  # noqa: E731  (gain 0 and 1, mean, variance, rounds, p_0)
+    assert float(before.split()[0]) != 0.0  # the bandit had learned: the test covers a state that moves
+    assert gains_stats_p(after) == gains_stats_p(before)
+    assert [float(x) for x in after.split()[6:]] == [0.0, 0.0]
+
+
 def test_no_allocation_in_the_loop_with_the_bandit(cpu_binary, sources, alloc_counter):
     """Drawing sources, probing, learning and per-source evaluation use what was allocated at start
     (the shim and the thread count as in test_engine.py's test of the plain loop)."""

@@ -154,7 +154,12 @@ static void bandit_learn(Mixture* m, const Config* c, BanditRound* b) {
     double d = c->bandit.reward_decay, dev;
     int i;
     b->drop = b->loss_before - b->loss_after;
-    if (!isfinite(b->drop)) b->drop = 0.0; /* a probe that overflowed says nothing about the source */
+    b->z = 0.0;
+    for (i = 0; i < m->n; i++) b->reward[i] = 0.0;
+    /* a probe that overflowed says nothing about the source: no reward, and the statistics stay as
+     * they were (taken as a drop of 0, it scored the arm (0 - mean)/sd, down to -3/p, and dragged
+     * the baseline with it); the event shows the drop as null */
+    if (!isfinite(b->drop)) return;
     dev = b->drop - m->reward_mean;
     if (m->rounds < bandit_warmup_rounds(c) || m->reward_var <= 0.0) b->z = 0.0; /* no scale yet: only measure */
     else b->z = dev / sqrt(m->reward_var);
