@@ -27,7 +27,7 @@ a page cannot reach the server through DNS rebinding.
 Resources are bounded so that no client can slow training: at most MAX_CONNECTIONS connections
 (one thread each), MAX_STREAMS live streams, one message of at most STREAM_CHUNK records buffered
 per stream, and a client that does not take its data, or send a request's head, within
-SEND_TIMEOUT_SECONDS is dropped. The
+SEND_TIMEOUT_SECONDS, or goes on sending for longer after its answer, is dropped. The
 engine's output is read by the proxy's own threads, which never wait on a client.
 """
 import base64
@@ -376,8 +376,9 @@ class _RequestHandler(WSGIRequestHandler):
 
 
 class _HeadDeadlines:
-    """Connections whose request head is still coming, each with the time by which it must have
-    come; one thread, for all of them, drops those that are late."""
+    """Connections whose request head is still coming (or whose answer is sent), each with the time
+    by which it must have come (or the client have stopped sending); one thread, for all of them,
+    drops those that are late."""
 
     def __init__(self):
         self.due, self.lock, self.stopped = {}, threading.Lock(), threading.Event()
@@ -413,6 +414,24 @@ class _BoundedServer(ThreadedWSGIServer):
         super().__init__(*args, **kwargs)
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.heads = _HeadDeadlines()
+        self.app = self._bounded_drain(self.app)
+
+    def _bounded_drain(self, app):
+        """Once a response is sent, werkzeug reads and throws away whatever else the client sends
+        (so that it sees the answer rather than a reset), up to 10 GB, each read within the
+        timeout: a client sending a byte now and then after its request (no token needed: a 403
+        is a response too) kept its connection for ever, and 64 of them shut every dashboard out.
+        So what follows a response must end within the timeout, as a request head must."""
+        def serve(environ, start_response):
+            body = app(environ, start_response)
+            try:
+                for data in body:  # not `yield from`, which would close body too: twice
+                    yield data
+                self.heads.arm(environ["werkzeug.socket"], self.RequestHandlerClass.timeout)
+            finally:
+                if hasattr(body, "close"):
+                    body.close()
+        return serve
 
     def process_request(self, request, client_address):
         if not self.slots.acquire(blocking=False):

@@ -306,6 +306,30 @@ def test_a_client_that_trickles_its_request_is_dropped(served_dir, monkeypatch):
     assert get(server, "api/runs").status_code == 200  # an ordinary request is served as before
 
 
+def test_a_client_that_trickles_bytes_after_its_request_is_dropped(served_dir, monkeypatch):
+    """After a response, werkzeug reads and discards whatever the client sends next, up to 10 GB,
+    each read within the per-receive timeout: a client that kept sending a byte now and then held
+    its connection (one of MAX_CONNECTIONS) for ever, without the token (a 403 is a response too).
+    The client below sends a byte every few milliseconds for 8 timeouts; the server drops it
+    long before."""
+    server, _ = served_dir
+    monkeypatch.setattr(proxy_server._RequestHandler, "timeout", 0.5)
+    port = server.httpd.socket.getsockname()[1]
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"POST /api/stop HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000000\r\n\r\n")
+        dropped = False
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            try:
+                s.sendall(b"x")
+            except OSError:  # the server closed the connection
+                dropped = True
+                break
+            time.sleep(0.002)
+    assert dropped, "a client sending bytes after its request for 4 s was still held (timeout 0.5 s)"
+    assert get(server, "api/runs").status_code == 200  # an ordinary request is served as before
+
+
 def test_a_page_elsewhere_cannot_stop_the_run_even_with_the_token(tmp_path, cpu_binary):
     """A control request that a foreign page sends with the token (no preflight is needed for
     ?token=) is refused and the run goes on; the same request from the server's own page stops it."""
