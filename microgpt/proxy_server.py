@@ -162,7 +162,9 @@ def create_app(served, bind_host, token):
     def guard():
         if not _host_allowed(request.host, exposed, own_names):
             abort(403, "the Host header must name this machine")
-        if not _origin_allowed(request.headers.get("Origin"), request.host_url):
+        # this server's origin as a browser spells it; not request.host_url, which parses the
+        # port: a Host of localhost:99999 was a 500, with a traceback on the proxy's terminal
+        if not _origin_allowed(request.headers.get("Origin"), f"{request.scheme}://{request.host}"):
             abort(403, "requests from another site's page are refused")
         if request.method == "OPTIONS" or (request.path == "/" and not exposed):
             return  # a CORS preflight; the page itself holds no data and asks for the token
@@ -289,12 +291,12 @@ def _host_allowed(host_header, exposed, own_names):
         return name.lower() in own_names
 
 
-def _origin_allowed(origin, host_url):
+def _origin_allowed(origin, own_origin):
     """No Origin (a same-origin read, curl), this server's own origin (the page it served, whose
     buttons POST), or a page opened from disk. Browsers name the page behind every cross-site
     request, so a page elsewhere holding a leaked token is refused; though not from a sandboxed
     frame, which is origin "null" too, so the token stays the gate."""
-    return origin is None or origin in FILE_ORIGINS or origin == host_url.rstrip("/")
+    return origin is None or origin in FILE_ORIGINS or origin == own_origin
 
 
 INDEX_DIGITS = 18  # any record index fits; int() refuses strings of over 4300 digits

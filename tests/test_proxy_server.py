@@ -89,6 +89,17 @@ def test_no_wildcard_cors(served_dir):
                headers={"Origin": "null"}).status_code == 403
 
 
+def test_a_host_port_out_of_range_is_no_server_error(served_dir):
+    """The Origin check built this server's URL by parsing the Host header's port: a port over
+    65535 (any local client, no token needed) was a 500 and a traceback on the proxy's terminal."""
+    server, _ = served_dir
+    for host in ("localhost:99999", "127.0.0.1:65536", "[::1]:99999"):
+        assert get(server, "api/runs", token=False, headers={"Host": host}).status_code == 403, host
+        r = get(server, "api/runs", headers={"Host": host})
+        assert r.status_code == 200 and r.json() == [{"id": "alpha/alpha", "name": "alpha"},
+                                                     {"id": "beta/beta", "name": "beta"}], host
+
+
 def test_the_page_may_run_only_its_own_script(served_dir):
     server, _ = served_dir
     policy = get(server, "").headers["Content-Security-Policy"]
