@@ -464,6 +464,35 @@ def test_marker_labels_never_overlap(browser):
     assert any("config changed" in b[5] for b in boxes)
 
 
+def test_zooming_in_as_far_as_floats_go_does_not_hang_the_page(browser):
+    """Each drag zooms in by the chart's width over the drag's: seven of them and the x range is a
+    few ulps wide, the tick step below the precision of the values, and the tick loop's v += step
+    left v where it was: every redraw froze the tab for half a minute, pushing ticks until no array
+    could hold them ("Invalid array length"), and drew nothing. Drags, as a user makes them, until
+    the range is no range at all; every one is drawn."""
+    browser.get(DASHBOARD.as_uri())
+    spans = browser.execute_script("""
+        dash.synthetic(1000); dash.draw();
+        const c = dash.charts.loss, left = c.canvas.getBoundingClientRect().left, spans = [];
+        const mouse = (type, x) => c.canvas.dispatchEvent(new MouseEvent(type, {clientX: left + x, bubbles: true}));
+        for (let k = 0; k < 9; k++) {
+          const a = c.xFromPx(600), b = c.xFromPx(606);
+          mouse('mousedown', 600); mouse('mouseup', 606);
+          dash.draw();
+          spans.push(b - a);
+        }
+        return spans;""")
+    assert min(spans) <= 1e-13 * 456  # down to a few ulps of the steps around 456, and past it
+    # The same on the time axis, from data: training times where a day is below their precision.
+    assert browser.execute_script("""
+        dash.runs.length = 0;
+        const r = dash.synthetic(0), ulp = 2 ** 21;  // the spacing of doubles near 1e22
+        r.feed([1, 2, 3].map((k) => ({step: k, loss: 3, tokens: k, elapsed: 1e22 + k * ulp, live: 1})));
+        const axis = document.getElementById('xaxis');
+        axis.value = 'elapsed'; axis.onchange(); dash.draw();
+        return dash.runs[0].train.n;""") == 3
+
+
 def test_dashboard_draws_a_million_points_bounded_by_the_width(browser):
     """Every point goes through the per-column reduction, but the path the canvas strokes has a
     bounded number of operations per pixel column, whatever the number of points (counted by
