@@ -278,6 +278,41 @@ def test_a_hostile_run_directory_is_shown_as_text(browser, tmp_path, serve_dir):
 # Several runs
 
 
+def test_a_long_line_from_a_run_never_widens_the_charts(browser):
+    """A crashed run's message in the table of runs (its cells did not wrap), a sample without
+    spaces (an early model repeating "!") or a long path in the config was the minimum width of the
+    page's grid: the page and every chart grew wider than the window, so that the latest steps were
+    off screen. Each stays in its own box now, and the charts fit the window."""
+    crash = ("proxy failed: OSError: [Errno 28] No space left on device (loss_log.py:212); the engine was "
+             "killed (SIGKILL), since the log could not be written; last checkpoint: step 250")
+    browser.get(DASHBOARD.as_uri())
+    cases = {"message": (2, crash, "A sample.", "/data/train.bin"),
+             "names": (3, None, "A sample.", "/data/train.bin"),  # 100 characters each: the table scrolls
+             "sample": (1, None, "!" * 600, "/data/train.bin"),
+             "config": (1, None, "A sample.", "/data/" + "shard" * 80 + ".bin")}
+    for case, (n_runs, message, sample, path) in cases.items():
+        fits = browser.execute_script("""
+            const [n, message, sample, path] = arguments;
+            dash.runs.length = 0;
+            for (let k = 0; k < n; k++) {
+              const r = dash.synthetic(500);
+              r.state = {name: 'ANDREA-12M-pretrain-fineweb-edu-' + k + (n > 2 ? '-'.repeat(67) : ''), status: 'crashed', step: 500, steps: 20000,
+                         message, config: {data: {train: path}}};
+              r.samples = [{step: 500, prompt: 'A', text: sample}];
+            }
+            document.getElementById('configs').open = true;
+            dash.draw();
+            const page = document.documentElement, chart = document.getElementById('lossChart').getBoundingClientRect();
+            const cell = document.querySelector('td.message');  // a message is read whole, not scrolled to
+            return [page.scrollWidth, page.clientWidth, Math.max(chart.right, message ? cell.getBoundingClientRect().right : 0)];""",
+            n_runs, message, sample, path)
+        page_width, window_width, right = fits
+        assert page_width <= window_width and right <= window_width, (case, fits)
+    assert crash in browser.execute_script("document.getElementById('configs').open = false;"
+                                           " dash.runs.forEach(r => { r.state.message = arguments[0]; }); dash.draw();"
+                                           " return document.body.innerText", crash)
+
+
 def test_several_runs_from_a_served_directory(browser, tmp_path, serve_dir):
     runs = tmp_path / "runs"
     make_run(runs, "alpha", 300, state={"name": "alpha", "status": "finished", "steps": 300,
