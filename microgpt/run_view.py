@@ -62,6 +62,7 @@ class LogFollower:
         self.path, self.root = path, root
         self.lock = threading.Lock()
         self.fd = None
+        self.unreadable = False  # said so once
         self._forget()
 
     def _forget(self):
@@ -97,6 +98,11 @@ class LogFollower:
                         break
         except FileNotFoundError:
             return
+        except OSError as e:  # another user's run, owner-only: no records, rather than a 500 a time
+            if not self.unreadable:
+                print(f"warning: {self.path}: cannot read it ({e.strerror or e}); shown without its "
+                      "records", file=sys.stderr, flush=True)
+            self.unreadable = True
 
     def _index(self, data):
         """Index the complete record lines of data (which starts at self.scanned). A record line is

@@ -2,6 +2,7 @@
 wildcard CORS, the Host check beyond loopback, bounded connections and streams, stalled clients
 dropped, a NUL in a path; and `--serve DIR` following runs on disk. Most tests serve a directory of
 runs in this process (microgpt/run_view.py); one runs the real proxy and CPU engine."""
+import errno
 import json
 import os
 import signal
@@ -493,6 +494,32 @@ def test_a_fifo_in_the_served_directory_does_not_hang_the_server(served_dir):
     assert get(server, "api/state?run=alpha/alpha").json() == {}
     assert get(server, "api/records?run=gamma/gamma").json()["records"] == []
     assert get(server, "api/state?run=beta/beta").json()["name"] == "beta"
+
+
+def test_a_log_that_cannot_be_read_is_served_without_records(served_dir, monkeypatch, capsys):
+    """Another user's run in a shared directory, its log owner-only: the PermissionError went up
+    through every request that looked at the run, a 500 and a traceback on the terminal each
+    time (a tab's stream reconnects every few seconds). It is served without records, with one
+    warning; the other runs are served as before. (Permission is simulated: root reads any
+    file.)"""
+    server, root = served_dir
+    log = str(root / "beta" / "beta.loss.json")
+    open_regular = run_view.open_regular
+
+    def refuse_beta(path, flags=0):
+        if path == log:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return open_regular(path, flags)
+
+    monkeypatch.setattr(run_view, "open_regular", refuse_beta)
+    for _ in range(3):
+        r = get(server, "api/records?run=beta/beta")
+        assert r.status_code == 200 and r.json() == {"next": 0, "total": 0, "records": []}
+        time.sleep(run_view.REFRESH_SECONDS + 0.05)  # each request looks at the file again
+    assert get(server, "api/state?run=beta/beta").json()["name"] == "beta"
+    assert get(server, "api/records?run=alpha/alpha").json()["total"] == 300
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if "beta.loss.json" in ln]
+    assert warnings == [f"warning: {log}: cannot read it (Permission denied); shown without its records"]
 
 
 def test_a_file_swapped_for_a_link_after_the_check_is_not_served(served_dir, tmp_path, monkeypatch):
