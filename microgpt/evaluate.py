@@ -8,7 +8,8 @@ FILE_OR_GLOB is
   * a .jsonl file of conversations (ShareGPT or OpenAI records), each rendered in ChatML and closed
     with <|endoftext|> exactly as the data pipeline renders it (microgpt/tokenizer.py); malformed
     records are skipped and counted, as the pipeline does, or
-  * a .txt file, one document: its text, then <|endoftext|>.
+  * a .txt file, one document: its text, then <|endoftext|>; UTF-8, read as the data pipeline
+    reads a text (a byte-order mark is no text, a file in UTF-16 or UTF-32 is refused).
 A file is tokenized into a temporary shard. The engine's `--evaluate` mode scores it: the same code
 and the same windows as the training loop's validation, so `--batches N` on a run's validation
 shards reproduces the val_loss the run reported with eval.batches N. Without --batches every full
@@ -54,9 +55,14 @@ def tokenize_file(path):
     eot = np.array([tokenizer.EOT], dtype=np.uint16)
     try:
         if path.lower().endswith(".txt"):
-            # newline="": the file's own line ends, as the data pipeline reads text
-            with open(open_regular(path), encoding="utf-8", errors="replace", newline="") as f:
-                return np.concatenate([tokenizer.encode_array(f.read()), eot]), 1, {}
+            # as the data pipeline reads a text (prep-megachat.py): UTF-16 or UTF-32 refused, a
+            # UTF-8 byte-order mark no text, the file's own line ends
+            with open(open_regular(path), "rb") as f:
+                if tokenizer.is_utf16_or_32(f.read(tokenizer.TEXT_HEAD_BYTES), plain_text=True):
+                    raise InferenceError(f"{path}: {tokenizer.NOT_UTF8}")
+                f.seek(0)
+                text = f.read().decode("utf-8-sig", errors="replace")
+            return np.concatenate([tokenizer.encode_array(text), eot]), 1, {}
         with open(open_regular(path), "rb") as f:
             conversations, skipped = [], {}
             for line, _ in record_lines(f):

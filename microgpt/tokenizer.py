@@ -196,6 +196,16 @@ def json_fault(e):
 # The byte-order marks of UTF-16 and UTF-32 (UTF-32-LE's begins with UTF-16-LE's): a file that
 # begins with one is no UTF-8, and its lines, read as UTF-8, are noise; the data scripts refuse it.
 UTF16_32_BOMS = (b"\xff\xfe", b"\xfe\xff", b"\0\0\xfe\xff")
+TEXT_HEAD_BYTES = 1 << 16  # how much of a file is looked at to tell: is_utf16_or_32
+NOT_UTF8 = "not UTF-8 text (NUL bytes or a UTF-16 or UTF-32 byte-order mark); convert it, e.g. iconv -f UTF-16 -t UTF-8"
+
+
+def is_utf16_or_32(head, plain_text):
+    """Whether a file whose first TEXT_HEAD_BYTES bytes are head is UTF-16 or UTF-32, not UTF-8: it
+    begins with one of their byte-order marks, or (plain_text) holds a NUL byte, which UTF-16 makes
+    of every other byte of ASCII. JSON lines hold no NUL either, but one damaged line is skipped and
+    counted, not a reason to refuse the file: only the byte-order mark is."""
+    return head.startswith(UTF16_32_BOMS) or (plain_text and b"\0" in head)
 
 
 def parse_json_line(line):

