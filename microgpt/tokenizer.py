@@ -236,11 +236,19 @@ def turn_problem(turn, role_key, text_key):
         return "unknown role"
     if not isinstance(content, str):
         return "content is not a string"
-    try:
-        content.encode("utf-8")
-    except UnicodeEncodeError:  # valid JSON ("\ud83d") but no text: a lone UTF-16 surrogate
+    if has_lone_surrogate(content):
         return "lone UTF-16 surrogate"
     return None
+
+
+def has_lone_surrogate(text):
+    """Whether a str holds a lone UTF-16 surrogate: valid JSON ("\\ud83d") reads as one, but it is
+    no text; no UTF-8 writer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def main(argv):

@@ -26,6 +26,7 @@ import sys
 from microgpt.atomic import atomic_open
 from microgpt.cli import INTERRUPTED, ArgumentParser, interrupted
 from microgpt.files import loads_json, open_regular, read_json
+from microgpt.tokenizer import has_lone_surrogate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,6 +95,9 @@ def read_chitchat(src):
         if not isinstance(turns, list) or not all(map(is_turn, turns)):
             raise fault(f"conversation {json.dumps(key)} is not {{\"messages\": [turn, ...]}}, "
                         "each turn a list of {\"sender\", \"text\"} strings")
+        # valid JSON ("\\ud800") but no text: the converted line could not be written
+        if has_lone_surrogate(key) or any(has_lone_surrogate(m["text"]) for turn in turns for m in turn):
+            raise fault(f"conversation {json.dumps(key)} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape)")
         conversations[key] = turns
     return conversations
 

@@ -953,7 +953,10 @@ TURN = [{"text": "hi", "sender": "a"}]
     ({"c1": [TURN, TURN]}, 'conversation "c1"'), ({"c1": {"messages": "hi"}}, 'conversation "c1"'),
     ({"c1": {"messages": [TURN, "hi"]}}, 'conversation "c1"'),
     ({"c1": {"messages": [TURN, [{"text": 5, "sender": "b"}]]}}, 'conversation "c1"'),
-    ({"c1": {"messages": [TURN, [{"text": "yo"}]]}}, 'conversation "c1"')])
+    ({"c1": {"messages": [TURN, [{"text": "yo"}]]}}, 'conversation "c1"'),
+    # valid JSON ("\\ud800") but no text: converted, it was a UnicodeEncodeError traceback
+    ({"c1": {"messages": [TURN, [{"text": "yo \ud800", "sender": "b"}]]}}, 'conversation "c1" holds a lone'),
+    ({"c\udc00": {"messages": [TURN, [{"text": "yo", "sender": "b"}]]}}, 'conversation "c\\udc00" holds a lone')])
 def test_a_damaged_chitchat_dataset_is_one_error_naming_it(tmp_path, monkeypatch, capsys, damage, why):
     """A chitchat dataset.json edited by hand or damaged (not JSON, other types, a FIFO in its
     place) was a traceback when prepare-data converted it, or a hang on the FIFO. Now it is one
