@@ -56,13 +56,16 @@ class Conversation:
         self.system = turn_tokens("system", system) if system else []
         self.seq_len, self.reply_room = seq_len, reply_room
         self.exchanges = []  # [user turn tokens + assistant turn tokens]
-        if len(self.system) + len(reply_header()) + self.reply_room > seq_len:
+        # the shortest message's turn (an empty one's) too: without room for it every message would be
+        # refused as too long, "say it shorter", whatever its length
+        least = len(turn_tokens("user", "")) + len(reply_header())
+        if len(self.system) + least + self.reply_room > seq_len:
             if not self.system:  # the model's context is too short for any conversation
                 raise InferenceError(f"the model's {seq_len}-token context has no room for a message and a reply "
-                                     f"(the reply's header takes {len(reply_header())} tokens, its room "
-                                     f"{reply_room}); chat needs a model with a longer seq_len")
-            raise InferenceError(f"the system prompt takes {len(self.system)} tokens; with the reply's "
-                                 f"room ({reply_room}) it does not fit the model's {seq_len}-token context")
+                                     f"(the shortest message's turn and the reply's header take {least} tokens, "
+                                     f"the reply's room {reply_room}); chat needs a model with a longer seq_len")
+            raise InferenceError(f"the system prompt takes {len(self.system)} tokens; with a message and the "
+                                 f"reply's room ({reply_room}) it does not fit the model's {seq_len}-token context")
 
     def prompt(self, user_text):
         """Prompt tokens for the next reply and how many old exchanges had to go to fit it.

@@ -530,6 +530,20 @@ def test_a_context_too_short_for_any_chat_is_said_so(random_model, tmp_path):
     assert "4-token context has no room for a message and a reply" in res.stderr and "system" not in res.stderr
 
 
+def test_a_system_prompt_that_leaves_no_room_for_a_message_is_refused_at_start(random_model, cpu_binary):
+    """A system prompt that left room for the reply's header and room but not for the shortest
+    message passed the check at start: the chat greeted, then refused every message ("a" too) with
+    "the message takes 6 tokens; ... say it shorter", and --prompt blamed the message."""
+    run_dir, cfg, _ = random_model
+    room = len(HEADER) + MAX_TOKENS
+    system = next(s for s in ("x " * n for n in range(1, cfg.seq_len))
+                  if cfg.seq_len - len(turn("user", "")) < len(turn("system", s)) + room <= cfg.seq_len)
+    for args in (("--prompt", "a"), ()):
+        res = chat(run_dir, "--system", system, *args, stdin="a\n")
+        errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
+        assert res.returncode == 2 and len(errors) == 1 and "the system prompt takes" in errors[0], res.stderr
+
+
 def test_a_path_with_a_newline_is_quoted_on_one_line(tmp_path):
     """The error line quoted the path as given: a newline in it broke the line in two, an escape
     sequence drove the terminal."""
