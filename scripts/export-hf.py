@@ -19,7 +19,9 @@ AutoModelForCausalLM.from_pretrained(OUT_DIR) and AutoTokenizer.from_pretrained(
                           tiktoken's), with <|endoftext|>, <|im_start|>, <|im_end|> as special tokens
   tokenizer_config.json, special_tokens_map.json
                           with a ChatML chat template: tokenizer.apply_chat_template(messages,
-                          add_generation_prompt=True) gives the prompt chat.py gives the engine
+                          add_generation_prompt=True) gives the prompt chat.py gives the engine,
+                          except that transformers encodes the spelling of a special token inside
+                          a message as that token, where chat.py keeps it as text (README)
 
 --format llmc: OUT_DIR/model.bin, llm.c's GPT-2 model file (header of 256 int32: magic 20240326,
 version 3 = float32, seq_len, vocab_size, n_layer, n_head, d_model, padded_vocab_size; then its
