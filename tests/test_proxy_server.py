@@ -2,7 +2,9 @@
 wildcard CORS, the Host check beyond loopback, bounded connections and streams, stalled clients
 dropped, a NUL in a path; and `--serve DIR` following runs on disk. Most tests serve a directory of
 runs in this process (microgpt/run_view.py); one runs the real proxy and CPU engine."""
+import contextlib
 import errno
+import itertools
 import json
 import os
 import signal
@@ -291,55 +293,57 @@ def test_a_client_that_stops_reading_is_dropped(tmp_path, monkeypatch):
         server.shutdown()
 
 
+@contextlib.contextmanager
+def _connection_with_short_timeout(server, monkeypatch):
+    """A client socket to `server`, whose per-receive timeout is lowered to 0.5 s; afterwards an
+    ordinary request must be served as before."""
+    monkeypatch.setattr(proxy_server._RequestHandler, "timeout", 0.5)
+    port = server.httpd.socket.getsockname()[1]
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        yield s
+    assert get(server, "api/runs").status_code == 200
+
+
+def _dropped_while_sending(s, chunks, pause):
+    """Sends each chunk `pause` seconds after the last; True once the server has closed the
+    connection, False if every chunk went through."""
+    for chunk in chunks:
+        time.sleep(pause)
+        try:
+            s.sendall(chunk)
+        except OSError:
+            return True
+    return False
+
+
 def test_a_client_that_trickles_its_request_is_dropped(served_dir, monkeypatch):
     """Slowloris: a request head sent a line at a time, each line within the per-receive timeout,
     held its connection (one of MAX_CONNECTIONS) for ever; the whole head must come within the
     timeout. The client below trickles for 8 timeouts; the server drops it long before."""
     server, _ = served_dir
-    monkeypatch.setattr(proxy_server._RequestHandler, "timeout", 0.5)
-    port = server.httpd.socket.getsockname()[1]
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+    with _connection_with_short_timeout(server, monkeypatch) as s:
         s.sendall(b"GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-        dropped = False
-        for i in range(40):
-            time.sleep(0.1)
-            try:
-                s.sendall(b"X-Trickle-%d: x\r\n" % i)
-            except OSError:  # the server closed the connection
-                dropped = True
-                break
+        dropped = _dropped_while_sending(s, (b"X-Trickle-%d: x\r\n" % i for i in range(40)), 0.1)
         if not dropped:
             try:
                 s.sendall(b"X-Run-Token: " + server.token.encode() + b"\r\n\r\n")
                 dropped = s.recv(100) == b""
             except OSError:
                 dropped = True
-    assert dropped, "a client trickling its request head for 4 s was still served (timeout 0.5 s)"
-    assert get(server, "api/runs").status_code == 200  # an ordinary request is served as before
+        assert dropped, "a client trickling its request head for 4 s was still served (timeout 0.5 s)"
 
 
 def test_a_client_that_trickles_bytes_after_its_request_is_dropped(served_dir, monkeypatch):
     """After a response, werkzeug reads and discards whatever the client sends next, up to 10 GB,
     each read within the per-receive timeout: a client that kept sending a byte now and then held
     its connection (one of MAX_CONNECTIONS) for ever, without the token (a 403 is a response too).
-    The client below sends a byte every few milliseconds for 8 timeouts; the server drops it
-    long before."""
+    The client below sends a byte every few milliseconds for 8 timeouts and more; the server drops
+    it long before."""
     server, _ = served_dir
-    monkeypatch.setattr(proxy_server._RequestHandler, "timeout", 0.5)
-    port = server.httpd.socket.getsockname()[1]
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+    with _connection_with_short_timeout(server, monkeypatch) as s:
         s.sendall(b"POST /api/stop HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000000\r\n\r\n")
-        dropped = False
-        deadline = time.monotonic() + 4
-        while time.monotonic() < deadline:
-            try:
-                s.sendall(b"x")
-            except OSError:  # the server closed the connection
-                dropped = True
-                break
-            time.sleep(0.002)
-    assert dropped, "a client sending bytes after its request for 4 s was still held (timeout 0.5 s)"
-    assert get(server, "api/runs").status_code == 200  # an ordinary request is served as before
+        dropped = _dropped_while_sending(s, itertools.repeat(b"x", 2000), 0.002)
+        assert dropped, "a client sending bytes after its request for 4 s was still held (timeout 0.5 s)"
 
 
 def test_a_page_elsewhere_cannot_stop_the_run_even_with_the_token(tmp_path, cpu_binary):
