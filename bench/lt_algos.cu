@@ -352,8 +352,8 @@ static void bf16_step(const char* model, int layers, int N, int C, int F, int V,
 }
 
 /* The FP8 products of precision fp8 (microgpt_cuda.cu: fp8_qkv_fwd, fp8_linear_fwd, fp8_linear_bwd),
- * layer by layer, each under its pass's accumulation (FP8_FAST_ACCUM: a key named fp8fa where it is
- * fast); the classifier's are bf16_step's (the FP8 classifier, from d_model 512 up, is not probed). */
+ * layer by layer, each under its pass's accumulation (FP8_FAST_ACCUM, FP8_FAST_INPUT_GRADS_BELOW: a
+ * key named fp8fa where it is fast); the classifier's are bf16_step's (the FP8 classifier, from d_model 512 up, is not probed). */
 struct Fp8Step {
     int N;
     Fp8Scale* sc; /* one scale for every cast: the products read its descale, 1 */
@@ -387,6 +387,7 @@ static void fp8_step(const char* model, int layers, int N, int C, int F) {
     CUDA_CHECK(cudaMemcpy(sc, &one, sizeof one, cudaMemcpyHostToDevice));
     g_allocs.push_back(sc);
     Fp8Step s = {N, sc};
+    g_fp8_fast_input_grads = fp8_fast_input_grads_at(C); /* as the engine sets it */
     printf("# %s fp8: N %d, C %d, F %d, gradients %s\n", model, N, C, F, FP8_GRAD_FMT == FP8_E4M3 ? "e4m3" : "e5m2");
     {
         g_label = "fp8_qkv_fwd";

@@ -1228,6 +1228,7 @@ static size_t engine_setup(const Config* cfg) {
     E.H = cfg->model.n_head;
     E.F = cfg->model.d_ff;
     E.V = cfg->model.vocab_size;
+    g_fp8_fast_input_grads = E.use_fp8 && fp8_fast_input_grads_at(E.C);
     E.Vp = cfg->model.padded_vocab_size;
     E.L = cfg->model.n_layer;
     if ((size_t)E.B * E.T > (size_t)INT_MAX / 4)

@@ -1722,7 +1722,7 @@ static std::vector<unsigned char> fp8_random_codes(size_t n, int fmt, Vec* value
 }
 
 /* D [M,N] = da db A[M,K] Bt[N,K]^T + beta C, batched, against the fp32 product of the values, as a
- * product of pass `pass` (FP8_FAST_ACCUM chooses each pass's accumulation). */
+ * product of pass `pass` (FP8_FAST_ACCUM and g_fp8_fast_input_grads choose its accumulation, fp8_fast_accum). */
 template <typename TD>
 static void test_fp8_gemm(Fp8Pass pass, int M, int N, int K, int batch, int a_fmt, int b_fmt, float beta) {
     Vec av, bv;
@@ -1750,7 +1750,8 @@ static void test_fp8_gemm(Fp8Pass pass, int M, int N, int K, int batch, int a_fm
                 want[o] = (float)(acc * hs[0].descale * hs[1].descale + (beta != 0.0f ? prefill[o] : 0.0));
             }
     char what[64];
-    snprintf(what, sizeof what, "%s x %s%s", fp8_name(a_fmt), fp8_name(b_fmt), beta != 0.0f ? " +=" : "");
+    snprintf(what, sizeof what, "%s x %s%s%s", fp8_name(a_fmt), fp8_name(b_fmt), beta != 0.0f ? " +=" : "",
+             fp8_fast_accum(pass) ? " fast" : "");
     check(what, got, want, sizeof(TD) == 4 ? 2e-3 : 6e-3, beta != 0.0f ? &prefill : NULL);
     dfree_all();
 }
@@ -2057,6 +2058,9 @@ static void run_fp8(void) {
         set_ctx("fp8", "gemm bf16 out", sh); /* the forward's products (with its residual join), dx's */
         test_fp8_gemm<bf16>(FP8_PASS_FORWARD, g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E4M3, 0.0f);
         test_fp8_gemm<bf16>(FP8_PASS_INPUT_GRAD, g[0], g[1], g[2], g[3], FP8_E5M2, FP8_E4M3, 0.0f);
+        g_fp8_fast_input_grads = true; /* as the engine's below FP8_FAST_INPUT_GRADS_BELOW */
+        test_fp8_gemm<bf16>(FP8_PASS_INPUT_GRAD, g[0], g[1], g[2], g[3], FP8_E5M2, FP8_E4M3, 0.0f);
+        g_fp8_fast_input_grads = false;
         test_fp8_gemm<bf16>(FP8_PASS_FORWARD, g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E4M3, 1.0f);
         set_ctx("fp8", "gemm fp32 out", sh); /* the weight gradients */
         test_fp8_gemm<float>(FP8_PASS_BACKWARD, g[0], g[1], g[2], g[3], FP8_E4M3, FP8_E5M2, 0.0f);

@@ -980,6 +980,22 @@ enum Fp8Pass { FP8_PASS_FORWARD, FP8_PASS_INPUT_GRAD, FP8_PASS_BACKWARD };
 #error "FP8_FAST_ACCUM is 0 (none), 1 (the forward), 2 (every product) or 3 (the forward and the input gradients)"
 #endif
 
+/* Below this d_model the layers' input gradients accumulate fast too, as with FP8_FAST_ACCUM 3 (0:
+ * never; docs/BENCHMARKS.md #169): their contractions are a few hundred long there (3·d_model,
+ * d_model or d_ff), and ANDREA-12M's 2000-step quality run with them ended +0.17 % (#112). The
+ * engine sets g_fp8_fast_input_grads from its d_model (fp8_fast_input_grads_at). */
+#ifndef FP8_FAST_INPUT_GRADS_BELOW
+#define FP8_FAST_INPUT_GRADS_BELOW 512
+#endif
+static bool g_fp8_fast_input_grads = false;
+static bool fp8_fast_input_grads_at(int d_model) { return FP8_FAST_ACCUM != 0 && d_model < FP8_FAST_INPUT_GRADS_BELOW; }
+
+/* Whether a product of pass `pass` accumulates fast (FP8_FAST_ACCUM, g_fp8_fast_input_grads). */
+static bool fp8_fast_accum(Fp8Pass pass) {
+    return FP8_FAST_ACCUM == 2 || (FP8_FAST_ACCUM != 0 && pass == FP8_PASS_FORWARD) ||
+           (pass == FP8_PASS_INPUT_GRAD && (FP8_FAST_ACCUM == 3 || g_fp8_fast_input_grads));
+}
+
 struct Fp8GemmKey {
     int M, N, K, batch, a_fmt, b_fmt, d_type;
     int fast_accum; /* FP8_FAST_ACCUM's choice for this product's pass */
@@ -1067,8 +1083,7 @@ static void fp8_gemm(Fp8Pass pass, int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD*
     Fp8GemmKey key;
     memset(&key, 0, sizeof key);
     key.M = M, key.N = N, key.K = K, key.batch = batch, key.a_fmt = A.fmt, key.b_fmt = Bt.fmt;
-    key.fast_accum = FP8_FAST_ACCUM == 2 || (FP8_FAST_ACCUM != 0 && pass == FP8_PASS_FORWARD) ||
-                     (FP8_FAST_ACCUM == 3 && pass == FP8_PASS_INPUT_GRAD);
+    key.fast_accum = fp8_fast_accum(pass);
     key.d_type = TypeInfo<TD>::dtype;
     key.stride_a = A.stride, key.stride_b = Bt.stride, key.stride_d = stride_d;
     key.align_a = lt_alignment(A.p), key.align_b = lt_alignment(Bt.p);
