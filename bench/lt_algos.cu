@@ -352,8 +352,8 @@ static void bf16_step(const char* model, int layers, int N, int C, int F, int V,
 }
 
 /* The FP8 products of precision fp8 (microgpt_cuda.cu: fp8_qkv_fwd, fp8_linear_fwd, fp8_linear_bwd),
- * layer by layer, each under its pass's accumulation (FP8_FAST_ACCUM, FP8_FAST_INPUT_GRADS_BELOW: a
- * key named fp8fa where it is fast); the classifier's are bf16_step's (the FP8 classifier, from d_model 512 up, is not probed). */
+ * layer by layer, each under its pass's accumulation (fp8_fast_accum: a key named fp8fa where it is
+ * fast); the classifier's are bf16_step's (the FP8 classifier, from d_model 512 up, is not probed). */
 struct Fp8Step {
     int N;
     Fp8Scale* sc; /* one scale for every cast: the products read its descale, 1 */

@@ -1722,7 +1722,7 @@ static std::vector<unsigned char> fp8_random_codes(size_t n, int fmt, Vec* value
 }
 
 /* D [M,N] = da db A[M,K] Bt[N,K]^T + beta C, batched, against the fp32 product of the values, as a
- * product of pass `pass` (FP8_FAST_ACCUM and g_fp8_fast_input_grads choose its accumulation, fp8_fast_accum). */
+ * product of pass `pass`, accumulated as fp8_fast_accum(pass) says. */
 template <typename TD>
 static void test_fp8_gemm(Fp8Pass pass, int M, int N, int K, int batch, int a_fmt, int b_fmt, float beta) {
     Vec av, bv;

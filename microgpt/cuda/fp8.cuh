@@ -998,7 +998,7 @@ static bool fp8_fast_accum(Fp8Pass pass) {
 
 struct Fp8GemmKey {
     int M, N, K, batch, a_fmt, b_fmt, d_type;
-    int fast_accum; /* FP8_FAST_ACCUM's choice for this product's pass */
+    int fast_accum; /* fp8_fast_accum's choice for this product's pass */
     long long stride_a, stride_b, stride_d;
     unsigned align_a, align_b, align_c, align_d;
 };
