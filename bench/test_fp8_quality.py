@@ -440,6 +440,15 @@ def test_svg_lines_leave_out_points_that_are_not_finite_and_text_drops_control_c
     assert len(a.get("points").split()) == 2 and b.get("points") == "" and "nan" not in svg
 
 
+def test_svg_axes_of_constant_series_at_any_magnitude_and_points_with_x_not_finite():
+    from microgpt.svg_chart import svg_figure
+    svg = svg_figure("t", [("big y", "lines", [("a", [1, 2, 3], [2e7] * 3)]),        # lo + 1e-9 == lo there
+                           ("big x", "lines", [("b", [1e17] * 3, [1.0, 2.0, 3.0])]),  # lo + 1 == lo there
+                           ("x not finite", "lines", [("c", [1, float("nan"), 3], [1.0, 2.0, 3.0])])])
+    a, b, c = (p.get("points").split() for p in ET.fromstring(svg).iter(SVG + "polyline"))
+    assert len(a) == 3 and len(b) == 3 and len(c) == 2 and "nan" not in svg
+
+
 def test_the_gpu_check_names_the_quality_stages(tmp_path):
     out = subprocess.run(["bash", str(REPO / "scripts" / "fp8-check.sh"), "nosuch"], capture_output=True, text=True,
                          timeout=60, env=python_env(OUT=str(tmp_path)))

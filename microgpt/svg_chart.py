@@ -25,15 +25,20 @@ def is_finite(y):
     return y is not None and math.isfinite(y)
 
 
+def axis_range(values, least_span):
+    """(lo, hi) of values with hi > lo: a constant series gets a span of least_span, or more where
+    its magnitude would swallow that in float arithmetic (lo + 1e-9 == lo at 2e7)."""
+    lo, hi = min(values), max(values)
+    return lo, hi if hi > lo else lo + max(least_span, abs(lo) * 1e-9)
+
+
 def svg_panel(x0, y0, w, h, name, kind, series):
     """One panel as SVG elements: axes box, title, min/max labels, the series. A line leaves out
-    its points whose y is None or not finite (a diverged run's losses)."""
-    xs_all = [x for _, xs, _ in series for x in xs] or [0, 1]
+    its points whose x or y is None or not finite (a diverged run's losses)."""
+    xs_all = [x for _, xs, _ in series for x in xs if is_finite(x)] or [0, 1]
     ys_all = [y for _, _, ys in series for y in ys if is_finite(y)] or [0, 1]
-    lo_x, hi_x = min(xs_all), max(xs_all) if max(xs_all) > min(xs_all) else min(xs_all) + 1
-    lo_y, hi_y = (0.0, 1.0) if kind == "stack" else (min(ys_all), max(ys_all))
-    if hi_y <= lo_y:
-        hi_y = lo_y + 1e-9
+    lo_x, hi_x = axis_range(xs_all, 1)
+    lo_y, hi_y = (0.0, 1.0) if kind == "stack" else axis_range(ys_all, 1e-9)
 
     def px(x):
         return x0 + (x - lo_x) / (hi_x - lo_x) * w
@@ -56,7 +61,7 @@ def svg_panel(x0, y0, w, h, name, kind, series):
             parts.append(f'<polygon fill="{colour(i)}" points="' + " ".join(f"{a:.1f},{b:.1f}" for a, b in pts) + '"/>')
             base = top
         else:
-            pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys) if is_finite(y))
+            pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys) if is_finite(x) and is_finite(y))
             parts.append(f'<polyline fill="none" stroke="{colour(i)}" stroke-width="1.5" points="{pts}"/>')
         parts.append(f'<text x="{x0 + w + 6}" y="{y0 + 12 + 12 * i}" font-size="9" fill="{colour(i)}">'
                      f'{svg_text(label)}</text>')
