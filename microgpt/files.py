@@ -23,11 +23,12 @@ def file_kind(mode):
             else "a socket" if stat.S_ISSOCK(mode) else "a device")
 
 
-def open_regular(path, flags=0):
-    """os.open(path, O_RDONLY | flags) of a regular file, its reads blocking as usual; NotRegularFile
-    for anything else. O_NONBLOCK makes opening a FIFO return at once; the kind is then read from
-    the open descriptor, so a file swapped after a check is not what gets read."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | flags, 0o666)  # the permissions: for O_CREAT
+def open_regular(path, flags=0, dir_fd=None):
+    """os.open(path, O_RDONLY | flags, dir_fd=dir_fd) of a regular file, its reads blocking as
+    usual; NotRegularFile for anything else. O_NONBLOCK makes opening a FIFO return at once; the
+    kind is then read from the open descriptor, so a file swapped after a check is not what gets
+    read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | flags, 0o666, dir_fd=dir_fd)  # the permissions: for O_CREAT
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)

@@ -36,19 +36,29 @@ def inside(root, rel):
 def open_inside(root, path):
     """os.open(path) read-only, where path, links followed, stays under root and is a regular file:
     FileNotFoundError otherwise (a link out of the served directory, or a FIFO, whose open would
-    wait for a writer for ever, is served as no file). The real path is what is opened, so a link
-    swapped after the check is not followed."""
+    wait for a writer for ever, is served as no file). The real path is what is opened, from the
+    root one name at a time with no link followed, so neither the file nor a directory on the way
+    that is swapped for a link after the check leads anywhere."""
     real = inside(root, path)
     if real is None:
         raise FileNotFoundError(path)
+    base = os.path.realpath(root)
+    *dirs, name = os.path.relpath(real, base).split(os.sep)
+    dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        return open_regular(real, os.O_NOFOLLOW)
+        for d in dirs:
+            next_fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+            os.close(dir_fd)
+            dir_fd = next_fd
+        return open_regular(name, os.O_NOFOLLOW, dir_fd=dir_fd)
     except NotRegularFile:
         raise FileNotFoundError(path) from None
-    except OSError as e:  # ELOOP: real became a link after the check
-        if e.errno == errno.ELOOP:
+    except OSError as e:  # ELOOP, ENOTDIR: a name on the way became a link or a file after the check
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
             raise FileNotFoundError(path) from None
         raise
+    finally:
+        os.close(dir_fd)
 
 
 class LogFollower:

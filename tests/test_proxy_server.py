@@ -548,6 +548,34 @@ def test_a_file_swapped_for_a_link_after_the_check_is_not_served(served_dir, tmp
     assert r.status_code == 404 and "outside" not in r.text, r.text
 
 
+def test_open_inside_takes_a_directory_swapped_for_a_link_after_its_check_as_no_file(tmp_path, monkeypatch):
+    """O_NOFOLLOW guards the last name only: a directory on the way swapped for a link out of the
+    served directory between the check and the open (a rename and a symlink, by anyone who can
+    write in it) was followed, and the file at the link's end served. Each name is opened
+    without following a link now."""
+    root, outside = tmp_path / "served", tmp_path / "outside"
+    (root / "run").mkdir(parents=True)
+    (root / "run" / "x.json").write_text("inside")
+    outside.mkdir()
+    (outside / "x.json").write_text("outside")
+    real_inside = run_view.inside
+
+    def swap_after_the_check(r, path):
+        real = real_inside(r, path)
+        os.rename(root / "run", root / "run.real")
+        os.symlink(outside, root / "run")
+        return real
+
+    monkeypatch.setattr(run_view, "inside", swap_after_the_check)
+    with pytest.raises(FileNotFoundError):
+        os.close(run_view.open_inside(str(root), "run/x.json"))
+    monkeypatch.undo()
+    os.unlink(root / "run")
+    os.rename(root / "run.real", root / "run")
+    with os.fdopen(run_view.open_inside(str(root), "run/x.json")) as f:  # the same path, untouched
+        assert f.read() == "inside"
+
+
 def test_open_inside_takes_a_file_swapped_for_a_link_after_its_check_as_no_file(tmp_path, monkeypatch):
     """The check (run_view.inside) resolves links; a file swapped for a link between the check and
     the open (O_NOFOLLOW: ELOOP) is no file, as open_inside promises, for the dashboard's /files/
