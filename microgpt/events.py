@@ -215,8 +215,12 @@ class EventHandler:
         self.run.store.set_state(force=True, checkpoint=ckpt, checkpoint_step=rec.get("step"))
         if self.polish_step is not None and rec.get("reason") == "polish":
             dest = self.run.files.archive_dir(self.polish_step)
-            step = keep_checkpoint(dest, ckpt, os.path.basename(self.run.files.state))
-            say(f"kept the checkpoint of step {step} in {dest}")
+            step = rec.get("step")
+            if keep_checkpoint(dest, ckpt, step, os.path.basename(self.run.files.state)):
+                say(f"kept the checkpoint of step {step} in {dest}")
+            else:
+                say(f"warning: the checkpoint of step {step} was replaced by later ones before it could be "
+                    f"kept; {dest} holds the samples and state of that step without it")
             self.polish_step = None
 
     def on_exit(self, rec):

@@ -14,8 +14,8 @@ import stat
 import time
 
 from microgpt.atomic import atomic_open, fsync_dir, write_json_atomic
-from microgpt.checkpoint import checkpoint_step
-from microgpt.files import DuplicateKeyError, file_kind, open_lock_file, read_json
+from microgpt.checkpoint import HEADER_BYTES, SIDECAR_READ_MAX
+from microgpt.files import DuplicateKeyError, file_kind, open_lock_file, open_regular, read_json
 from microgpt.loss_log import parse_json
 
 STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
@@ -197,16 +197,43 @@ def archive_samples_and_state(run_state, dest):
     run_state.set_samples([])
 
 
-def keep_checkpoint(dest, ckpt, state_name):
-    """Copy the checkpoint into an archive (sidecar first: the checkpoint's presence means the copy
-    is whole) and point the archived state at it; returns the kept checkpoint's step."""
-    for src in (ckpt + ".json", ckpt):
-        if os.path.exists(src):
-            target = os.path.join(dest, os.path.basename(src))
-            with open(src, "rb") as fin, atomic_open(target) as fout:
-                shutil.copyfileobj(fin, fout)
+def _open_slot(path, step):
+    """(sidecar, checkpoint) of the checkpoint slot at path as two open binary files, if both say
+    `step`, else None. Opened once and copied from there, so a slot the engine replaces meanwhile
+    (its next checkpoint is a new file renamed over this one) is still the one copied."""
+    files = []
+    try:
+        for name in (path + ".json", path):
+            files.append(os.fdopen(open_regular(name), "rb"))
+        side, head = parse_json(files[0].read(SIDECAR_READ_MAX)), files[1].read(HEADER_BYTES)
+        if (isinstance(side, dict) and side.get("step") == step and len(head) == HEADER_BYTES
+                and int.from_bytes(head[:4], "little", signed=True) == step):
+            return files
+    except (OSError, ValueError):
+        pass
+    for f in files:
+        f.close()
+    return None
+
+
+def keep_checkpoint(dest, ckpt, step, state_name):
+    """Copy the checkpoint of `step` into an archive (sidecar first: the checkpoint's presence means
+    the copy is whole) and point the archived state at it; returns whether it was kept. The engine
+    goes on training while this copies, and may already have checkpointed again (every step, in a
+    small run): the step's checkpoint is then its previous slot, or gone, and is never taken from a
+    later one."""
+    for slot in (ckpt, ckpt + ".prev"):
+        opened = _open_slot(slot, step)
+        if opened:
+            break
+    else:
+        return False
+    with opened[0] as side, opened[1] as body:
+        for src, target in ((side, ckpt + ".json"), (body, ckpt)):
+            src.seek(0)
+            with atomic_open(os.path.join(dest, os.path.basename(target))) as fout:
+                shutil.copyfileobj(src, fout)
     kept = os.path.join(dest, os.path.basename(ckpt))
     state_path = os.path.join(dest, state_name)
-    step = checkpoint_step(kept)
     write_json_atomic(state_path, {**read_json(state_path, {}), "checkpoint": kept, "checkpoint_step": step})
-    return step
+    return True

@@ -826,13 +826,53 @@ def test_a_rollback_cut_short_at_any_rename_is_finished_by_the_next(tmp_path, mo
     assert got == {"": b"older", ".json": b"older sidecar", ".prev": b"newest", ".prev.json": b"newest sidecar"}
 
 
-def test_polish_archives_pretraining(exp, cpu_binary):
-    cfg = exp.config(steps=300, checkpoint={"every": 0},
+def _slot(path, step, sidecar_step=None):
+    """A checkpoint slot at path: the header of `step`, a body, and a sidecar saying sidecar_step."""
+    path.write_bytes(int(step).to_bytes(4, "little") + (1).to_bytes(4, "little") + b"\0" * 12)
+    (path.parent / (path.name + ".json")).write_text(json.dumps({"step": step if sidecar_step is None
+                                                                 else sidecar_step}))
+
+
+@pytest.mark.parametrize("live, prev, kept_from", [
+    ((30, None), (20, None), ""),       # the engine has not checkpointed again yet
+    ((31, None), (30, None), ".prev"),  # it has, once: the boundary is the previous slot
+    ((32, None), (31, None), None),     # twice: the boundary's checkpoint is gone
+    ((31, 30), (29, None), None),       # mid-write: the new sidecar beside the old checkpoint
+])
+def test_the_polish_archive_keeps_the_boundary_checkpoint_or_none(tmp_path, live, prev, kept_from):
+    """The proxy copies the boundary's checkpoint (step 30) while the engine trains on; with a
+    checkpoint every step, the live slot had already moved on and the archive kept step 31's, or
+    step 32's checkpoint beside step 31's sidecar. It keeps step 30's, from whichever slot holds it
+    whole, or none (and says so)."""
+    ckpt, dest = tmp_path / "t.ckpt", tmp_path / "archive"
+    dest.mkdir()
+    _slot(ckpt, *live)
+    _slot(tmp_path / "t.ckpt.prev", *prev)
+    assert run_dir.keep_checkpoint(str(dest), str(ckpt), 30, "t.state.json") == (kept_from is not None)
+    if kept_from is None:
+        assert sorted(os.listdir(dest)) == []
+        return
+    src = tmp_path / ("t.ckpt" + kept_from)
+    assert (dest / "t.ckpt").read_bytes() == src.read_bytes() and checkpoint_step(dest / "t.ckpt") == 30
+    assert json.loads((dest / "t.ckpt.json").read_text())["step"] == 30
+    assert json.loads((dest / "t.state.json").read_text()) == {"checkpoint": str(dest / "t.ckpt"),
+                                                               "checkpoint_step": 30}
+
+
+@pytest.mark.parametrize("every", [0, 1])
+def test_polish_archives_pretraining(exp, cpu_binary, every):
+    """every 1: the engine checkpoints again right after the boundary, racing the proxy's copy,
+    which keeps step 30's checkpoint (from whichever slot holds it) or none, never a later one."""
+    cfg = exp.config(steps=300, checkpoint={"every": every},
                      sample={"every": 10, "tokens": 4, "prompts": PROMPTS},
                      polish={"start_step": 30, "train": str(exp.val), "lr": 1e-4})
     p, rc = run_to_end(cfg, exp.run_dir, cpu_binary)
     assert rc == 0, p.describe()
     arch = exp.run_dir / "archive" / "step_30"
+    if every and not (arch / f"{NAME}.ckpt").exists():
+        assert "the checkpoint of step 30 was replaced by later ones" in p.describe()
+        assert sorted(os.listdir(arch)) == sorted(f"{NAME}{s}" for s in (".samples.json", ".state.json"))
+        return
     assert sorted(os.listdir(arch)) == sorted(f"{NAME}{s}" for s in (".ckpt", ".ckpt.json",
                                                                      ".samples.json", ".state.json"))
     # The engine's checkpoint at the boundary (reason "polish", before the first polish step): the
