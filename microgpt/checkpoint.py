@@ -156,6 +156,12 @@ def checkpoint_step(path):
     return read_header(path)[0]
 
 
+def sidecar_step(path):
+    """The step the sidecar PATH.json names, or None where there is no readable sidecar."""
+    side = read_sidecar(path)
+    return side.get("step") if side is not None else None
+
+
 class SidecarError(ValueError):
     """Why a checkpoint's sidecar could not be read, worded to follow its path: "is missing"."""
 

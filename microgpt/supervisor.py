@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 
-from microgpt.checkpoint import CheckpointError, checkpoint_step, read_header
+from microgpt.checkpoint import CheckpointError, checkpoint_step, read_header, sidecar_step
 from microgpt.config import engine_args
 from microgpt.events import Clock, EventHandler
 from microgpt.failure import abort
@@ -100,6 +100,8 @@ class Run:
                 (newest, n_newest), (previous, n_previous) = read_header(ckpt), read_header(ckpt + ".prev")
             except CheckpointError:  # a damaged slot: the engine refuses it, with what to do
                 return
+            if sidecar_step(ckpt) != newest or sidecar_step(ckpt + ".prev") != previous:
+                return  # a header its sidecar contradicts (a flipped bit): the engine's to refuse too
             logged = self.store.state.get("checkpoint_step")
             logged = logged if isinstance(logged, int) else 0
             if newest <= logged or previous >= newest or n_previous != n_newest:  # not this run's

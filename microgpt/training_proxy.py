@@ -31,7 +31,7 @@ def hold_signals():
 if __name__ == "__main__":
     hold_signals()
 
-from microgpt.checkpoint import CheckpointError, checkpoint_step
+from microgpt.checkpoint import CheckpointError, checkpoint_step, sidecar_step
 from microgpt.cli import ArgumentParser, fail
 from microgpt.config import ConfigError, load_config, resolve_path, tokenize_prompts
 from microgpt.engines import ENGINES, ROOT, EngineChoiceError, engine_flags, is_built, select_engine
@@ -152,7 +152,8 @@ def main(argv):
     if stop is not None:
         say(f"{signal.Signals(stop).name} before the engine started: nothing launched")
         code = 0
-    elif done is not None and done >= run.steps:
+    elif done is not None and done >= run.steps and sidecar_step(run.files.ckpt) == done:
+        # header and sidecar agree (a damaged header is the engine's to refuse, with its way back)
         run.store.set_state(force=True, status="finished", pid=None, step=done,
                             checkpoint=run.files.ckpt, checkpoint_step=done)
         say(f"{run.name} already finished: checkpoint {run.files.ckpt} is at step {done} of "

@@ -486,6 +486,17 @@ def test_run_finishes_then_says_so(exp, cpu_binary):
     assert not any("dashboard:" in line for line in p.out)
     assert exp.loss() == recs  # nothing was launched, nothing logged
 
+    # a flipped bit in the header's step (40 -> 104) is no finished run: the sidecar says 40, and
+    # the engine, launched, refuses the checkpoint (the proxy had marked the run finished at 104)
+    ckpt = exp.path(".ckpt")
+    good = ckpt.read_bytes()
+    ckpt.write_bytes(bytes([good[0] ^ 0x40]) + good[1:])
+    p, rc = run_to_end(exp.config(steps=80, eval={"every": 10, "batches": 2}), exp.run_dir, cpu_binary, "--no-server")
+    assert rc != 0 and not any("already finished" in line for line in p.out), p.describe()
+    assert (exp.state()["step"], exp.state()["checkpoint_step"]) == (40, 40)  # the state as it was
+    assert ckpt.read_bytes()[1:] == good[1:]  # refused, not rewritten
+    ckpt.write_bytes(good)
+
     # --keep-serving: look at a finished run until Ctrl-C
     p = Proxy.start(cfg, exp.run_dir, cpu_binary, "--keep-serving")
     url, token = p.url_and_token()
