@@ -41,11 +41,26 @@ class ConfigError(ValueError):
     pass
 
 
+class FloatUnderflow(ValueError):
+    pass
+
+
+def float_that_is_not_lost(text):
+    """float(text), where a number that is not 0 must not become 0.0 (1e-400 does, silently: a
+    grad_clip of 1e-400 would switch clipping off, 0's meaning)."""
+    x = float(text)
+    if x == 0.0 and any(c in "123456789" for c in text.lower().split("e")[0]):
+        raise FloatUnderflow(f"{text} is too small for a float, which would hold it as 0")
+    return x
+
+
 def read_config(path):
     """The JSON document at path (any JSON: validate_config says whether it is a config)."""
     try:
         with open(open_regular(path), encoding="utf-8") as f:  # JSON's, whatever the locale's
-            return loads_json(f.read())
+            return loads_json(f.read(), parse_float=float_that_is_not_lost)
+    except FloatUnderflow as e:
+        raise ConfigError(str(e)) from None
     except OSError as e:
         raise ConfigError(f"cannot read it: {e.strerror}") from None
     except DuplicateKeyError as e:

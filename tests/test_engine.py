@@ -368,6 +368,8 @@ BAD_INPUTS = [
     ("negative_token_count", {"data.train": "@negative_count"}, [], ["token count is -1"]),
     # a float holds it as 0, which to grad_clip means "off": a tiny clip turned clipping off
     ("float_underflow", {"train.grad_clip": "1e-50"}, [], ["train.grad_clip"]),
+    # below a double too: strtod gives 0 with ERANGE, which was taken as the value 0
+    ("double_underflow", {"train.grad_clip": "1e-400"}, [], ["train.grad_clip"]),
 ]
 
 

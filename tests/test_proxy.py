@@ -408,6 +408,19 @@ def test_engine_cuda_without_a_usable_gpu_engine_is_an_error(exp, no_gpu_env):
     assert not exp.run_dir.exists()
 
 
+@pytest.mark.parametrize("number", ["1e-400", "-2.5e-330"])
+def test_a_config_number_too_small_for_a_float_is_refused_not_taken_as_0(exp, cpu_binary, number):
+    """Python's json reads 1e-400 as 0.0 without a word, and 0 means "off" to grad_clip: the run
+    trained unclipped. A nonzero number that a float holds as 0 is one clear error."""
+    cfg = exp.config(steps=5)
+    cfg.write_text(cfg.read_text().replace('"train": {', '"train": {"grad_clip": ' + number + ", ", 1))
+    res = subprocess.run([sys.executable, str(PROXY), str(cfg), "--engine-binary", str(cpu_binary),
+                          "--run-dir", str(exp.run_dir)], capture_output=True, text=True,
+                         env=proxy_env(), timeout=60)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert f"{number} is too small for a float" in res.stderr and not exp.run_dir.exists()
+
+
 def test_a_config_the_engine_refuses_leaves_nothing_behind(exp, cpu_binary):
     """A config the proxy accepts but the engine refuses (n_head must divide d_model; a missing
     shard): the engine's own error line reaches the user once, the exit code is the engine's, and
