@@ -5,6 +5,7 @@ Fast tests use the TINY model on random-token shards; one test trains on real Sh
 """
 import json
 import math
+import glob
 import os
 import re
 import resource
@@ -1110,6 +1111,23 @@ def test_special_files_are_refused_up_front(engine, random_shards, tmp_path, fif
     assert res.rc == 2, res.describe()
     assert len(res.errors) == 1 and word in res.errors[0], res.describe()
     assert res.steps == [] and not res.events("memory"), res.describe()
+
+
+@pytest.mark.parametrize("target", ["checkpoint", "sidecar", "previous", "shard"])
+def test_dump_grads_onto_one_of_the_runs_inputs_is_refused_and_leaves_it(engine, random_shards, tmp_path, target):
+    """--dump-grads opens its path with O_TRUNC: given the checkpoint being resumed (or its sidecar,
+    its previous slot, a shard), it replaced the run's only checkpoint with a gradient dump."""
+    ckpt = tmp_path / "run.ckpt"
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint.every": 1}, checkpoint=ckpt))
+    path = {"checkpoint": ckpt, "sidecar": tmp_path / "run.ckpt.json", "previous": tmp_path / "run.ckpt.prev",
+            "shard": Path(glob.glob(random_shards.train)[0])}[target]
+    os.link(path, tmp_path / "alias")  # another name of the same file is the same file
+    before = path.read_bytes()
+    for given in (path, tmp_path / "alias"):
+        res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3}, checkpoint=ckpt,
+                                                     resume=True, dump_grads=given), timeout=20)
+        assert res.rc == 2 and len(res.errors) == 1 and "one of the run's inputs" in res.errors[0], res.describe()
+    assert path.read_bytes() == before
 
 
 def test_a_shard_truncated_while_training_is_one_error_line(engine, tmp_path):

@@ -213,14 +213,44 @@ static void validate_sidecar_room(const Config* c) {
                   CKPT_SIDECAR_MAX, FP8_DELAYED_PER_LAYER);
 }
 
+/* Whether `path` names the file st (the same device and inode, links followed). */
+static int names_file(const char* path, const struct stat* st) {
+    struct stat other;
+    return stat(path, &other) == 0 && other.st_dev == st->st_dev && other.st_ino == st->st_ino;
+}
+
+/* Whether st is one of the run's inputs: a checkpoint slot, its sidecar, a shard. */
+static int is_run_input(const Run* r, const struct stat* st) {
+    const Dataset* sets[CFG_MAX_SOURCES + 2];
+    CkptFiles f;
+    int n = 0, k, i;
+    if (r->cfg.checkpoint.path[0]) {
+        ckpt_files(r->cfg.checkpoint.path, &f);
+        if (names_file(f.ckpt, st) || names_file(f.side, st) || names_file(f.prev, st) || names_file(f.prev_side, st))
+            return 1;
+    }
+    for (k = 0; k < r->mix.n; k++) sets[n++] = &r->mix.train[k];
+    sets[n++] = &r->val;
+    sets[n++] = &r->polish;
+    for (k = 0; k < n; k++)
+        for (i = 0; i < sets[k]->n_shards; i++)
+            if (names_file(sets[k]->paths[i], st)) return 1;
+    return 0;
+}
+
 /* --dump-grads PATH: a file to create or replace, in a directory that exists, refused up front
  * (found only after the forward and backward, it would cost them); a FIFO there would block the
- * write's open() until some reader came, deaf to SIGTERM. */
-static void dump_grads_check_path(const char* path) {
+ * write's open() until some reader came, deaf to SIGTERM. The run's own inputs are refused too:
+ * the dump truncated a checkpoint it was given as its path. */
+static void dump_grads_check_path(const Run* r, const char* path) {
     char dir[CFG_PATH_MAX];
     struct stat st;
-    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode))
-        die_input("--dump-grads %s is %s, not a regular file", path, file_kind(st.st_mode));
+    if (stat(path, &st) == 0) {
+        if (!S_ISREG(st.st_mode)) die_input("--dump-grads %s is %s, not a regular file", path, file_kind(st.st_mode));
+        if (is_run_input(r, &st))
+            die_input("--dump-grads %s is one of the run's inputs (a checkpoint or a shard); it would be overwritten",
+                      path);
+    }
     parent_dir(path, dir, sizeof dir);
     if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) die_input("--dump-grads: directory %s does not exist", dir);
 }
@@ -246,7 +276,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     r->start_step = 0;
     r->saved_step = -1;
     if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0], r->layout.n_params);
-    if (c->dump_grads[0]) dump_grads_check_path(c->dump_grads);
+    if (c->dump_grads[0]) dump_grads_check_path(r, c->dump_grads);
     if (c->resume) {
         r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer,
                                                    &r->sidecar);
