@@ -399,6 +399,10 @@ def test_progress_line_and_summary_say_what_a_user_needs():
                      "chat with it:  python microgpt/chat.py /r/x",
                      "export it:     python scripts/export-hf.py /r/x OUT_DIR"]
     assert not any("chat" in line for line in terminal.summary(state, 1.0, "/r/x", None))
+    # --run-dir r1 for a run named x: chat.py r1 looked for r1/r1.ckpt and failed
+    other = terminal.summary(state, 1.0, "/r/r1", ("/r/r1/x.ckpt", 1200))
+    assert other[-2:] == ["chat with it:  python microgpt/chat.py /r/r1/x.ckpt",
+                          "export it:     python scripts/export-hf.py /r/r1/x.ckpt OUT_DIR"]
 
 
 def test_a_plain_progress_line_is_not_repeated_word_for_word():
@@ -424,8 +428,9 @@ def test_plain_progress_lines_then_a_summary(exp, cpu_binary):
     assert all(" | loss " in line and " tok/s | " in line and "ETA" in line for line in progress), progress
     out = "".join(p.out)
     assert "summary: step 400 of 400" in out and "validation loss" in out
-    assert f"chat with it:  python microgpt/chat.py {exp.run_dir}" in out
-    assert f"export it:     python scripts/export-hf.py {exp.run_dir} OUT_DIR" in out
+    # the run directory is "run", the run "tiny": the tools are given the checkpoint file
+    assert f"chat with it:  python microgpt/chat.py {exp.path('.ckpt')}" in out
+    assert f"export it:     python scripts/export-hf.py {exp.path('.ckpt')} OUT_DIR" in out
 
 
 def test_on_a_terminal_the_progress_line_is_rewritten_in_place(exp, cpu_binary):
