@@ -93,8 +93,8 @@ def _record_starts(data):
     whole record. Every record is checked: the layout (each line '{"live":0|1,...}' and ',' but the
     last) with numpy, then the JSON itself in batches of VALIDATE_LINES lines parsed as one array
     (C-speed, memory bounded by the batch). A million records take seconds."""
-    if not (data.startswith(b"[\n") and data.endswith(b"\n]")):
-        return None
+    if not (data.startswith(b"[\n") and data.endswith(b"\n]")) or b"\r" in data:
+        return None  # a "\r" is a blank to JSON but ends a line of the dashboard's event stream
     buf = np.frombuffer(data, dtype=np.uint8)
     newlines = np.flatnonzero(buf == ord("\n"))  # the first ends "[", the last precedes "]"
     starts, ends = newlines[:-1] + 1, newlines[1:]  # each record's line: [start, end)

@@ -51,6 +51,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 from microgpt.atomic import open_new
+from microgpt.cli import say
 from microgpt.run_view import RunDirectory, open_inside
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -90,8 +91,8 @@ def load_token(directory):
     except FileExistsError:  # another process made one meanwhile: use that one
         token = _read_token(path) or token
     except OSError as e:
-        print(f"warning: cannot keep the dashboard token in {path} ({e.strerror or e}): this "
-              "token lasts as long as this process", file=sys.stderr)
+        say(f"warning: cannot keep the dashboard token in {path} ({e.strerror or e}): this token lasts "
+            "as long as this process")
     return token
 
 
@@ -107,7 +108,7 @@ def _read_token(path):
             token = f.read().strip()
         if len(token) >= 16 and token.replace("-", "").replace("_", "").isalnum():
             return token
-    print(f"warning: {path} was not an owner-only token file; making a new token", file=sys.stderr)
+    say(f"warning: {path} was not an owner-only token file; making a new token")
     try:
         os.unlink(path)
     except OSError:

@@ -8,11 +8,11 @@ their files change. Nothing is ever written, except the dashboard token (proxy_s
 import errno
 import json
 import os
-import sys
 import threading
 import time
 from array import array
 
+from microgpt.cli import say
 from microgpt.files import NotRegularFile, open_regular
 from microgpt.loss_log import LossLog, parse_json
 
@@ -110,39 +110,49 @@ class LogFollower:
             return
         except OSError as e:  # another user's run, owner-only: no records, rather than a 500 a time
             if not self.unreadable:
-                print(f"warning: {self.path}: cannot read it ({e.strerror or e}); shown without its "
-                      "records", file=sys.stderr, flush=True)
+                say(f"warning: {self.path}: cannot read it ({e.strerror or e}); shown without its records")
             self.unreadable = True
 
     def _index(self, data):
         """Index the complete record lines of data (which starts at self.scanned). A record line is
         {"live":...} followed by ",\n" or by "\n]" (the last one); anything shorter is a write
-        still under way, looked at again next time. Records are served as raw bytes, so each is
-        checked to be a JSON object first: one damaged record would make every answer holding
-        it unparseable. The log is indexed up to the record before it, and no further."""
-        pos, found = 0, []  # found: (offset in data, record) of each complete record line
+        still under way, looked at again next time. Records are served as raw bytes, cut where the
+        next one starts less its ",\n" (LossLog.read_json), so each is checked to be a JSON object
+        in exactly that layout first: one damaged record, or two commas, a blank line between
+        records, a "\r" (a blank to JSON, the end of a line to an event stream), would make every
+        answer holding it unparseable. The log is indexed up to the record before it, and no
+        further, with one warning."""
+        pos, found, layout_ok = 0, [], True  # found: (offset in data, record) of each complete record line
         while True:
             nl = data.find(b"\n", pos)
             if nl < 0:
                 break
             line = data[pos:nl]
             if line.startswith(b'{"live":'):
-                record = line.rstrip(b",")
                 last = not line.endswith(b",")
-                if not record.endswith(b"}") or (last and not data.startswith(b"]", nl + 1)):
+                if last and nl + 1 == len(data):  # its "]" (or the append's ",") not there yet
+                    break
+                record = line if last else line[:-1]
+                layout_ok = (record.endswith(b"}") and b"\r" not in record
+                             and (not last or data.startswith(b"]", nl + 1)))
+                if not layout_ok:
                     break
                 found.append((pos, record))
-            elif line not in (b"[", b""):  # "" where an append replaced the closing "\n]"
+            # "[" opens the file; "" is where an append replaced the "\n]" after the last record
+            elif not (line == b"[" and self.scanned + pos == 0
+                      or line == b"" and pos == 0 and self.scanned == self.end + 1):
+                layout_ok = False
                 break
             pos = nl + 1
         whole = _whole_records(record for _, record in found)
         for offset, record in found[:whole]:
             self.starts.append(self.scanned + offset)
             self.end = self.scanned + offset + len(record)
-        if whole < len(found):
+        if whole < len(found) or not layout_ok:
             self.damaged = f"{self.path}: record {len(self.starts) + 1} is damaged; shown up to the one before it"
-            print(f"warning: {self.damaged}", file=sys.stderr, flush=True)
-            pos = found[whole][0]
+            say(f"warning: {self.damaged}")
+            if whole < len(found):
+                pos = found[whole][0]
         self.scanned += pos
 
     def __len__(self):

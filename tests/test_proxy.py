@@ -153,6 +153,19 @@ def test_loss_log_refuses_a_record_naming_a_key_twice(tmp_path, step):
     assert_refused_untouched(path, damaged, 'the key "step" appears twice')
 
 
+def test_a_loss_log_with_a_carriage_return_in_a_record_is_rewritten_into_the_layout(tmp_path):
+    """JSON takes a "\r" as a blank, so the record was indexed whole, and served raw in the live
+    event stream, where "\r" ends a line: the browser's parse of that event failed. Such a log is
+    valid JSON in another layout, rewritten once into ours."""
+    path = tmp_path / "x.loss.json"
+    data = write_log(path, 5)
+    path.write_bytes(data.replace(b'"step":3,', b'"step":3,\r'))
+    log = loss_log.LossLog(str(path))
+    assert log.message.endswith("rewrote into the one-record-per-line layout")
+    assert path.read_bytes() == data and len(log) == 6  # five steps and a validation record
+    log.close()
+
+
 def test_loss_log_refuses_to_erase_a_torn_file_in_another_layout(tmp_path):
     path = tmp_path / "x.loss.json"
     pretty = json.dumps([{"step": i, "loss": 1.0 / i} for i in range(1, 4)], indent=2).encode()
