@@ -21,6 +21,7 @@ REFRESH_SECONDS = 0.2  # files are looked at no more often than this, whatever t
 SCAN_SECONDS = 2.0  # new runs in the directory appear within this
 SCAN_DEPTH = 2  # DIR/<name>.loss.json or DIR/<run>/<name>.loss.json
 READ_BYTES = 1 << 22  # a log is indexed this much at a time (records are a few hundred bytes)
+JSON_FILE_MAX = 1 << 24  # a state or samples file longer than this is none of ours (a 20000-step run's samples: ~100 KB)
 
 
 def inside(root, rel):
@@ -180,10 +181,16 @@ def _whole_records(records):
 
 def _read_json_file(root, path, kind):
     """A JSON file's value under root if it is JSON as a browser reads it (parse_json) and of the
-    expected kind (dict or list), else an empty one."""
+    expected kind (dict or list), else an empty one; also (with a warning) where it is longer than
+    JSON_FILE_MAX: read whole, a huge or sparse file took all memory, then a 500 a request."""
     try:
         with os.fdopen(open_inside(root, path), "rb") as f:
-            value = parse_json(f.read())
+            size = os.fstat(f.fileno()).st_size
+            if size > JSON_FILE_MAX:
+                say(f"warning: {path}: {size} bytes, more than a run's state or samples take "
+                    f"({JSON_FILE_MAX}); shown as empty")
+                return kind()
+            value = parse_json(f.read(JSON_FILE_MAX + 1))
     except (OSError, ValueError):
         return kind()
     return value if isinstance(value, kind) else kind()

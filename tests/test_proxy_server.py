@@ -218,6 +218,22 @@ def test_a_state_file_of_the_wrong_type_is_served_as_empty(served_dir):
     assert get(server, "api/samples?run=alpha/alpha").json() == []
 
 
+def test_a_huge_state_file_is_served_as_empty_with_one_warning(served_dir, capsys):
+    """Read whole, a 4 GB sparse state file took all the server's memory (a MemoryError, a 500 and
+    a traceback), after which the state stayed empty until the file changed."""
+    server, root = served_dir
+    state = root / "alpha" / "alpha.state.json"
+    with open(state, "r+b") as f:
+        f.truncate(4 << 30)
+    time.sleep(run_view.REFRESH_SECONDS + 0.05)
+    for _ in range(2):
+        r = get(server, "api/state?run=alpha/alpha")
+        assert r.status_code == 200 and r.json() == {}
+    assert [ln for ln in capsys.readouterr().err.splitlines() if "alpha.state.json" in ln] == \
+        [f"warning: {state}: {4 << 30} bytes, more than a run's state or samples take ({run_view.JSON_FILE_MAX}); "
+         "shown as empty"]
+
+
 @pytest.mark.parametrize("damage, whole", [(b'"loss":}', 10), (b'"loss":NaN}', 10), (b'"loss":1}{"x":1}', 10),
                                            # valid JSON, each record alone too, but not the layout the
                                            # records are cut by: answers holding them were unparseable
