@@ -156,6 +156,15 @@ def checkpoint_step(path):
     return read_header(path)[0]
 
 
+def whole_checkpoint_step(path):
+    """checkpoint_step, or None where the file is no whole checkpoint either (truncated, say: the
+    engine is the one to refuse it, with the way back to the previous slot)."""
+    try:
+        return checkpoint_step(path)
+    except CheckpointError:
+        return None
+
+
 def sidecar_step(path):
     """The step the sidecar PATH.json names, or None where there is no readable sidecar."""
     side = read_sidecar(path)

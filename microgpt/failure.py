@@ -8,7 +8,7 @@ import sys
 import time
 import traceback
 
-from microgpt.checkpoint import CheckpointError, checkpoint_step
+from microgpt.checkpoint import whole_checkpoint_step
 from microgpt.loss_log import LossBuffer, LossLogError
 
 ABORT_WAIT_SECONDS = 30  # how long the engine gets to checkpoint on SIGTERM
@@ -28,10 +28,7 @@ def abort(sup, exc):
            f"({os.path.basename(where.filename)}:{where.lineno})")
     if sup.proc and sup.proc.poll() is None:
         why += _stop_engine(sup)
-    try:
-        step = checkpoint_step(run.files.ckpt)
-    except CheckpointError:
-        step = None
+    step = whole_checkpoint_step(run.files.ckpt)
     if sup.proc:
         why += "; last checkpoint: " + (f"step {step}" if step is not None else "none")
     try:

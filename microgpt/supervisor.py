@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 
-from microgpt.checkpoint import CheckpointError, checkpoint_step, read_header, sidecar_step
+from microgpt.checkpoint import CheckpointError, read_header, sidecar_step, whole_checkpoint_step
 from microgpt.config import engine_args
 from microgpt.events import Clock, EventHandler
 from microgpt.failure import abort
@@ -196,7 +196,7 @@ class Supervisor:
         kept = {k: run.state[k] for k in ("checkpoint", "checkpoint_step", "archive") if k in run.state}
         run.store.held = True  # written once the engine has started (EventHandler.on_start)
         run.store.state = {**run.base_state(self.proc.pid), **kept}
-        run.store.set_state(step=checkpoint_step(run.files.ckpt) or 0)
+        run.store.set_state(step=whole_checkpoint_step(run.files.ckpt) or 0)
         if self.stop_signal is not None:  # a signal that arrived before the engine existed
             self.signal_engine(self.stop_signal)
 

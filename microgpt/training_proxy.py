@@ -31,7 +31,7 @@ def hold_signals():
 if __name__ == "__main__":
     hold_signals()
 
-from microgpt.checkpoint import CheckpointError, checkpoint_step, sidecar_step
+from microgpt.checkpoint import sidecar_step, whole_checkpoint_step
 from microgpt.cli import ArgumentParser, fail
 from microgpt.config import ConfigError, load_config, resolve_path, tokenize_prompts
 from microgpt.engines import ENGINES, ROOT, EngineChoiceError, engine_flags, is_built, select_engine
@@ -132,10 +132,7 @@ def main(argv):
     if args.progress_every is not None:
         terminal.interval = args.progress_every
     run = open_run(args)
-    try:
-        done = checkpoint_step(run.files.ckpt)
-    except CheckpointError as e:
-        fail(str(e))
+    done = whole_checkpoint_step(run.files.ckpt)
     server = None
     if not args.no_server:
         from microgpt import proxy_server  # flask loads only when the dashboard is served

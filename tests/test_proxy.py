@@ -896,6 +896,24 @@ def test_the_polish_archive_keeps_the_boundary_checkpoint_or_none(tmp_path, live
                                                                "checkpoint_step": 30}
 
 
+@pytest.mark.parametrize("size", [0, 4, 1000])
+def test_a_truncated_newest_checkpoint_is_refused_with_the_way_back(exp, cpu_binary, size):
+    """The proxy read the checkpoint's header itself and refused a truncated one with its own line,
+    without the way back to the previous slot that the engine's refusal gives (README: "The
+    refusal's error line says exactly this"). It is the engine's to refuse now."""
+    cfg = exp.config(steps=40, checkpoint={"every": 10})
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    ckpt = exp.path(".ckpt")
+    with open(ckpt, "r+b") as f:
+        f.truncate(size)
+    before = {q.name: q.read_bytes() for q in exp.run_dir.iterdir() if ".ckpt" in q.name}
+    p, rc = run_to_end(exp.config(steps=80, checkpoint={"every": 10}), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 2, p.describe()
+    assert f"run mv {ckpt}.prev {ckpt} && mv {ckpt}.prev.json {ckpt}.json" in p.describe()
+    assert {q.name: q.read_bytes() for q in exp.run_dir.iterdir() if ".ckpt" in q.name} == before
+
+
 @pytest.mark.parametrize("every", [0, 1])
 def test_polish_archives_pretraining(exp, cpu_binary, every):
     """every 1: the engine checkpoints again right after the boundary, racing the proxy's copy,
