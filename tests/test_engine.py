@@ -816,7 +816,15 @@ def _sidecar_cut_before_the_checksum(path):
     side.write_text(text[:text.index('"crc32c"')])
 
 
-INTEGRITY_DAMAGE = {"sidecar_cut": _sidecar_cut_before_the_checksum, "nan_weight": _non_finite_resealed(np.nan, 0), "inf_in_v": _non_finite_resealed(np.inf, 2),
+def _flip_bit_in_n_params(path):
+    """The header's n_params with a bit flipped: refused as "a different model shape", with no way
+    back, though the file's size and its sidecar were those of this config's model."""
+    raw = bytearray(path.read_bytes())
+    raw[5] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+INTEGRITY_DAMAGE = {"n_params_bit": _flip_bit_in_n_params, "sidecar_cut": _sidecar_cut_before_the_checksum, "nan_weight": _non_finite_resealed(np.nan, 0), "inf_in_v": _non_finite_resealed(np.inf, 2),
                     "bit_in_v": _flip_bit_in_v, "garbage_weights": _garbage_weights, "step_49": _set_step(49),
                     "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step,
                     "sidecar_checksum_not_a_number": _sidecar_checksum_not_a_number,

@@ -867,6 +867,13 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* s
         snprintf(what, sizeof what, "is truncated: %lld bytes, shorter than its 8-byte header", (long long)st.st_size);
         ckpt_refuse_damaged(&f, what);
     }
+    /* a header that disagrees with the file's own size, where the size is the config's: a damaged
+     * header (a flipped bit), whose way back is the previous slot, not another model's checkpoint */
+    if ((header[1] < 0 || (size_t)header[1] != n_params) && (size_t)st.st_size == ckpt_expected_bytes(n_params)) {
+        snprintf(what, sizeof what, "has n_params %d in its header, where its size is that of this config's %zu "
+                 "(a damaged header)", header[1], n_params);
+        ckpt_refuse_damaged(&f, what);
+    }
     if (header[1] < 0 || (size_t)header[1] != n_params)
         die_input("checkpoint %s has n_params %d but this config needs %zu (different model shape?); "
                   "refusing to load or overwrite it", path, header[1], n_params);
