@@ -143,7 +143,9 @@ def read_header(path):
     if len(head) < HEADER_BYTES:
         raise CheckpointError(f"checkpoint {path} has {size} bytes, shorter than its header")
     step, n = (int(x) for x in np.frombuffer(head, dtype="<i4"))
-    if n < 0 or step < 0 or size != HEADER_BYTES + 12 * n:
+    if step < 0:
+        raise CheckpointError(f"checkpoint {path}: its header's step is {step}, negative (a damaged header)")
+    if n < 0 or size != HEADER_BYTES + 12 * n:
         raise CheckpointError(f"checkpoint {path}: {size} bytes, but its header (step {step}, "
                               f"{n} parameters) needs {HEADER_BYTES + 12 * max(n, 0)}")
     return step, n

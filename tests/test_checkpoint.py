@@ -52,7 +52,9 @@ def test_write_then_read_round_trips(tmp_path):
     (lambda p: p.write_bytes(b"\x01\x00"), "shorter than its header"),
     (lambda p: p.write_bytes(np.array([3, 2], "<i4").tobytes() + b"\0" * 23), "needs 32"),
     (lambda p: p.write_bytes(np.array([3, -1], "<i4").tobytes()), "-1 parameters"),
-], ids=["directory", "fifo", "short", "size", "negative"])
+    # the sign bit of the step flipped: it said "32 bytes, but its header ... needs 32"
+    (lambda p: p.write_bytes(np.array([-2**31 + 3, 2], "<i4").tobytes() + b"\0" * 24), "negative"),
+], ids=["directory", "fifo", "short", "size", "negative", "negative_step"])
 def test_what_is_not_a_checkpoint_is_one_clear_error(tmp_path, make, words):
     path = tmp_path / "bad.ckpt"
     make(path)
