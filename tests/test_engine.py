@@ -945,6 +945,12 @@ def test_previous_slot_is_the_checkpoint_before_the_newest(engine, random_shards
     os.remove(ckpt)  # only PATH.prev left: still an earlier run that a fresh start must not clobber
     fresh = eu.run_engine(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt))
     assert fresh.rc == 2 and len(fresh.errors) == 1 and "run.ckpt.prev" in fresh.errors[0], fresh.describe()
+    # the way back it names (it said "pass --resume", which finds no checkpoint there) resumes
+    assert f"mv {ckpt}.prev {ckpt} && mv {ckpt}.prev.json {ckpt}.json" in fresh.errors[0], fresh.errors[0]
+    os.replace(f"{ckpt}.prev", ckpt)
+    os.replace(f"{ckpt}.prev.json", f"{ckpt}.json")
+    again = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt, resume=True))
+    assert [r["step"] for r in again.steps] == [7]
 
 
 @pytest.fixture(scope="session")

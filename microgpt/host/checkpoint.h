@@ -390,9 +390,10 @@ static void ckpt_check_paths(const char* path, int fresh, size_t n_params) {
     ckpt_check_writable(path, dir, n_params);
     if (fresh && file_exists(f.ckpt))
         die_input("checkpoint %s already exists; pass --resume to continue that run, or remove it to start over", path);
-    if (fresh && file_exists(f.prev))
-        die_input("previous checkpoint %s of an earlier run exists; pass --resume to continue that run, or remove "
-                  "it to start over", f.prev);
+    if (fresh && file_exists(f.prev)) /* the newest slot is gone: --resume alone would find nothing */
+        die_input("previous checkpoint %s of an earlier run exists (and no %s); to continue that run from it, run "
+                  "mv %s %s && mv %s %s, then run again (training: with --resume), or remove it to start over",
+                  f.prev, f.ckpt, f.prev, f.ckpt, f.prev_side, f.side);
 }
 
 /* Step in the header of the checkpoint `path`, or -1 when it cannot be read. */
