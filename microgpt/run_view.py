@@ -21,7 +21,7 @@ REFRESH_SECONDS = 0.2  # files are looked at no more often than this, whatever t
 SCAN_SECONDS = 2.0  # new runs in the directory appear within this
 SCAN_DEPTH = 2  # DIR/<name>.loss.json or DIR/<run>/<name>.loss.json
 READ_BYTES = 1 << 22  # a log is indexed this much at a time (records are a few hundred bytes)
-JSON_FILE_MAX = 1 << 24  # a state or samples file longer than this is none of ours (a 20000-step run's samples: ~100 KB)
+JSON_FILE_MAX = 1 << 24  # a longer state or samples file is none of ours (a 20000-step run's samples: ~100 KB)
 
 
 def inside(root, rel):

@@ -824,7 +824,8 @@ def _flip_bit_in_n_params(path):
     path.write_bytes(bytes(raw))
 
 
-INTEGRITY_DAMAGE = {"n_params_bit": _flip_bit_in_n_params, "sidecar_cut": _sidecar_cut_before_the_checksum, "nan_weight": _non_finite_resealed(np.nan, 0), "inf_in_v": _non_finite_resealed(np.inf, 2),
+INTEGRITY_DAMAGE = {"n_params_bit": _flip_bit_in_n_params,
+                    "sidecar_cut": _sidecar_cut_before_the_checksum, "nan_weight": _non_finite_resealed(np.nan, 0), "inf_in_v": _non_finite_resealed(np.inf, 2),
                     "bit_in_v": _flip_bit_in_v, "garbage_weights": _garbage_weights, "step_49": _set_step(49),
                     "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step,
                     "sidecar_checksum_not_a_number": _sidecar_checksum_not_a_number,
@@ -1132,7 +1133,8 @@ def test_dump_grads_onto_one_of_the_runs_inputs_is_refused_and_leaves_it(engine,
     """--dump-grads opens its path with O_TRUNC: given the checkpoint being resumed (or its sidecar,
     its previous slot, a shard), it replaced the run's only checkpoint with a gradient dump."""
     ckpt = tmp_path / "run.ckpt"
-    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint.every": 1}, checkpoint=ckpt))
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint.every": 1},
+                                       checkpoint=ckpt))
     path = {"checkpoint": ckpt, "sidecar": tmp_path / "run.ckpt.json", "previous": tmp_path / "run.ckpt.prev",
             "shard": Path(glob.glob(random_shards.train)[0])}[target]
     os.link(path, tmp_path / "alias")  # another name of the same file is the same file

@@ -397,7 +397,8 @@ static double parse_float_or_die(const char* flag, const char* s) {
     v = strtod(s, &end);
     if (errno == ERANGE && fabs(v) > 1.0) die_input("--%s: '%s' is out of range", flag, s);
     /* underflow: strtod gives 0 for a number that is not (0 means "off" to several flags) */
-    if (errno == ERANGE && v == 0.0) die_input("--%s: '%s' is too small for a double, which would hold it as 0", flag, s);
+    if (errno == ERANGE && v == 0.0)
+        die_input("--%s: '%s' is too small for a double, which would hold it as 0", flag, s);
     if (end == s || *end || !isfinite(v) || !decimal_start(s)) die_input("--%s: '%s' is not a finite number", flag, s);
     return v;
 }
