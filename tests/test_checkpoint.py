@@ -306,7 +306,7 @@ def test_a_link_planted_at_the_temp_names_is_not_written_through(cpu_binary, ran
                           f'exec {argv}'], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert victim.read_bytes() == b"precious" and read_checkpoint(ckpt).step == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt", "c.ckpt.json", "victim"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt", "c.ckpt.json", "c.ckpt.lock", "victim"]
 
 
 

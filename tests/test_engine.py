@@ -178,7 +178,8 @@ def test_checkpoint_layout_and_first_adamw_step(engine, random_shards, tmp_path)
 
     side = read_sidecar(ckpt)
     assert side["step"] == 1 and side["n_params"] == n and "loss_scale" in side and isinstance(side["fingerprint"], dict)
-    assert files_beside(ckpt) == sorted(["one.ckpt", "one.ckpt.json", "grads.bin"]), "temporary files left behind"
+    assert files_beside(ckpt) == sorted(["one.ckpt", "one.ckpt.json", "one.ckpt.lock", "grads.bin"]), \
+        "temporary files left behind"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -739,7 +740,7 @@ def test_sidecar_holds_the_crc32c_of_the_checkpoint_bytes(engine, random_shards,
         side = read_sidecar(path)
         assert side["step"] == read_checkpoint(path).step
         assert side["crc32c"] == eu.crc32c(path.read_bytes()), path
-    assert files_beside(ckpt) == ["run.ckpt", "run.ckpt.json", "run.ckpt.prev", "run.ckpt.prev.json"]
+    assert files_beside(ckpt) == ["run.ckpt", "run.ckpt.json", "run.ckpt.lock", "run.ckpt.prev", "run.ckpt.prev.json"]
 
 
 def _flip_bit_in_v(path):
@@ -969,8 +970,8 @@ def test_previous_slot_without_hard_links_is_a_copy(engine, random_shards, tmp_p
     eu.run_ok(engine.binary, args + ["--checkpoint", linked])
     res = eu.run_ok(engine.binary, args + ["--checkpoint", copied], env={"LD_PRELOAD": str(no_hard_links)})
     assert "no_hard_links: link refused" in res.stderr, "the shim was not loaded: " + res.describe()
-    assert files_beside(copied) == files_beside(linked) == ["run.ckpt", "run.ckpt.json", "run.ckpt.prev",
-                                                            "run.ckpt.prev.json"]
+    assert files_beside(copied) == files_beside(linked) == ["run.ckpt", "run.ckpt.json", "run.ckpt.lock",
+                                                            "run.ckpt.prev", "run.ckpt.prev.json"]
     for name in files_beside(linked):
         assert (copied.parent / name).read_bytes() == (linked.parent / name).read_bytes(), name
     assert read_checkpoint(f"{copied}.prev").step == 2
@@ -1128,6 +1129,31 @@ def test_special_files_are_refused_up_front(engine, random_shards, tmp_path, fif
     assert res.steps == [] and not res.events("memory"), res.describe()
 
 
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+def test_a_second_engine_on_a_checkpoint_in_use_is_refused(engine, random_shards, tmp_path, resume):
+    """Two engines given one --checkpoint (without the proxy, whose run directory is locked) both
+    trained, each replacing the other's checkpoints, and one run's work was lost without a word.
+    The second is refused up front (PATH.lock, flock'ed); the first trains on undisturbed."""
+    ckpt = tmp_path / "run.ckpt"
+    if resume:
+        eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=ckpt))
+    # fresh: no checkpoint before the stop, so the second finds none there and only the lock tells
+    args = tiny_args(random_shards.train, **{"train.steps": 10**6, "checkpoint.every": int(resume)}, checkpoint=ckpt,
+                     resume=resume)
+    first = eu.start_engine(engine.binary, args)
+    first.wait_for(eu.is_step_record(4 if resume else 2))
+    second = eu.run_engine(engine.binary, args, timeout=20)
+    assert second.rc == 2 and len(second.errors) == 1, second.describe()
+    assert f"checkpoint {ckpt} is in use: another engine holds {ckpt}.lock" in second.errors[0]
+    first.proc.send_signal(signal.SIGTERM)
+    res = first.finish()
+    assert res.rc == 0 and res.exit_event["reason"] == "signal", res.describe()
+    assert read_checkpoint(ckpt).step == res.exit_event["step"]
+    again = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": res.exit_event["step"] + 1},
+                                               checkpoint=ckpt, resume=True))  # the lock went with the first
+    assert [r["step"] for r in again.steps] == [res.exit_event["step"] + 1]
+
+
 @pytest.mark.parametrize("target", ["checkpoint", "sidecar", "previous", "shard"])
 def test_dump_grads_onto_one_of_the_runs_inputs_is_refused_and_leaves_it(engine, random_shards, tmp_path, target):
     """--dump-grads opens its path with O_TRUNC: given the checkpoint being resumed (or its sidecar,
@@ -1204,7 +1230,8 @@ def test_sigterm_before_the_first_step(engine, random_shards, tmp_path, resume):
     assert res.rc == 0, res.describe()
     assert res.exit_event == {"event": "exit", "step": start, "reason": "signal"}, res.describe()
     assert res.steps == [] and not res.events("checkpoint") and res.errors == [], res.describe()
-    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
+    after = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    assert after == {**before, "run.ckpt.lock": b""}  # the checkpoint's lock (ckpt_lock), empty
 
 
 def test_polish_boundary_checkpoint(engine, random_shards, tmp_path):

@@ -20,6 +20,7 @@
 #include <float.h>
 #include <signal.h>
 #include <stdint.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -68,6 +69,7 @@ static size_t ckpt_expected_bytes(size_t n_params) { return CKPT_HEADER_BYTES + 
  * sidecar. */
 typedef struct {
     char ckpt[CFG_PATH_MAX], side[CFG_PATH_MAX + 8], prev[CFG_PATH_MAX + 8], prev_side[CFG_PATH_MAX + 16];
+    char lock[CFG_PATH_MAX + 8]; /* ckpt_lock's */
 } CkptFiles;
 
 static void ckpt_files(const char* path, CkptFiles* f) {
@@ -75,6 +77,7 @@ static void ckpt_files(const char* path, CkptFiles* f) {
     snprintf(f->side, sizeof f->side, "%s.json", path);
     snprintf(f->prev, sizeof f->prev, "%s.prev", path);
     snprintf(f->prev_side, sizeof f->prev_side, "%s.prev.json", path);
+    snprintf(f->lock, sizeof f->lock, "%s.lock", path);
 }
 
 /* Bounce buffer for streaming a checkpoint (checksum, copy): static, so no allocation happens
@@ -394,6 +397,24 @@ static void ckpt_check_paths(const char* path, int fresh, size_t n_params) {
         die_input("previous checkpoint %s of an earlier run exists (and no %s); to continue that run from it, run "
                   "mv %s %s && mv %s %s, then run again (training: with --resume), or remove it to start over",
                   f.prev, f.ckpt, f.prev, f.ckpt, f.prev_side, f.side);
+}
+
+/* One engine writes a checkpoint path at a time: PATH.lock (made if missing, and left: removing it
+ * would race a starting engine) is flock'ed for the life of the process, which the kernel releases
+ * however it ends. A second engine given the same path (without the proxy, whose run directory has
+ * its own lock) would otherwise train on beside the first, each replacing the other's checkpoints. */
+static void ckpt_lock(const char* path) {
+    CkptFiles f;
+    int fd;
+    ckpt_files(path, &f);
+    fd = open(f.lock, O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+    if (fd < 0) die_io("cannot open checkpoint lock %s: %s", f.lock, strerror(errno));
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        if (errno == EWOULDBLOCK)
+            die_input("checkpoint %s is in use: another engine holds %s (one engine a checkpoint path)", path, f.lock);
+        die_io("cannot lock checkpoint lock %s: %s", f.lock, strerror(errno));
+    }
+    /* fd stays open: the lock lasts as long as this process */
 }
 
 /* Step in the header of the checkpoint `path`, or -1 when it cannot be read. */

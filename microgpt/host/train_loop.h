@@ -515,6 +515,10 @@ static int train_main(int argc, char** argv) {
 
     signals_install();
     run_validate_inputs(r, argc, argv);
+    /* rank 0 alone writes checkpoints (§17); locked once the inputs are found good, so a refused
+     * start leaves nothing behind */
+    if (r->cfg.checkpoint.path[0] && !r->cfg.dump_grads[0] && env_int("RANK", 0) == 0)
+        ckpt_lock(r->cfg.checkpoint.path);
     if (dist_start(r, argc, argv)) { /* dist (§17): no-op unless WORLD_SIZE > 1 */
         emit_start(r);
         return stop_before_first_step(r, 0);
