@@ -38,7 +38,7 @@ def resolve_checkpoint(path):
     mode, or its directory's: said so, where the sidecar or the engine would say less)."""
     ckpt, files = path, None
     if os.path.isdir(path):
-        files = RunFiles(path, os.path.basename(os.path.normpath(os.path.abspath(path))))
+        files = RunFiles.named_after(path)
         ckpt = files.ckpt
     try:
         os.close(open_regular(ckpt))

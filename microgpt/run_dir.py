@@ -63,6 +63,12 @@ class RunFiles:
         self.state = base + ".state.json"
         self.lock = base + ".lock"
 
+    @classmethod
+    def named_after(cls, run_dir):
+        """The files of run_dir as the tools that take a run directory find them: the run named
+        after the directory (runs/<name>/<name>.ckpt, as the proxy lays a run out by default)."""
+        return cls(run_dir, os.path.basename(os.path.normpath(os.path.abspath(run_dir))))
+
     def refuse_special_files(self):
         """Every file of the run that exists must be a regular file: the proxy's open() of a FIFO
         would wait for ever, and a log that is /dev/null would swallow every record."""

@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+from microgpt.run_dir import RunFiles
+
 TTY_SECONDS = 1.0
 PLAIN_SECONDS = 30.0
 
@@ -121,10 +123,9 @@ def summary(state, launch_seconds, run_dir, checkpoint):
         lines.append(", ".join(losses))
     if checkpoint is not None:
         lines.append(f"checkpoint {shown_path(checkpoint[0])} (step {checkpoint[1]})")
-        # the tools find a run directory's checkpoint by the directory's name (runs/<name>/): one
-        # named otherwise (--run-dir) is given by its checkpoint file
-        named = os.path.basename(os.path.normpath(os.path.abspath(run_dir))) + ".ckpt"
-        run = shown_path(run_dir if named == os.path.basename(checkpoint[0]) else checkpoint[0])
+        # a run directory where the tools find this checkpoint in it, else the checkpoint file
+        found = RunFiles.named_after(run_dir).ckpt == os.path.abspath(checkpoint[0])
+        run = shown_path(run_dir if found else checkpoint[0])
         lines.append(f"chat with it:  python microgpt/chat.py {run}")
         lines.append(f"export it:     python scripts/export-hf.py {run} OUT_DIR")
     return lines
