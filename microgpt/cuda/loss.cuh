@@ -117,6 +117,25 @@ template <int VEC> __device__ __forceinline__ void loss_grad_lean(float (&v)[VEC
     for (int k = 0; k < VEC; k++) v[k] *= ds;
 }
 
+/* A candidate, off until measured (docs/BENCHMARKS.md #172): -DLOSS_LEAN_ROWS=1 gives every store
+ * the lean second pass (loss_grad_lean), not only the FP8 classifier's, and the first pass's
+ * exponentials exp_ftz. By the sm_90a SASS (nvcc 13) that takes the bf16 rows' loop from 118 to 89
+ * instructions a packet in the first pass and from 138 to 110 in the second; the rows are bound by
+ * instructions more than by bytes (#83). The bits it may change: the first pass's sum never
+ * (a flushed exponential or rescale factor is below 2^-110, and every partial sum it could reach is
+ * absorbed whole once the row maximum's term, 1, is added: the sum of a packet is at least 1); the
+ * second pass's only where exp(logit - lse) is below 2^-126, whose gradient times dscale is then 0
+ * in place of a denormal: 0 in fp16 for any dscale, and in bf16 for dscale <= 2^-8 (a mean over 256
+ * positions or more), so in practice a different value only among fp32's logits. */
+#ifndef LOSS_LEAN_ROWS
+#define LOSS_LEAN_ROWS 0
+#endif
+#if LOSS_LEAN_ROWS
+#define LOSS_EXP exp_ftz
+#else
+#define LOSS_EXP __expf
+#endif
+
 /* One row's softmax, loss and gradient (the block's threads, VEC-element packets): lse over the
  * real columns of `src`, losses[row] = lse - target_logit (thread 0's, read from l before the row
  * is overwritten); with dscale (device float, nullable), also stores dlogits = (exp(logit - lse)
@@ -137,13 +156,13 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
         float pm = v[0];
         for (int k = 1; k < VEC; k++) pm = fmaxf(pm, v[k]);
         if (pm > mx) { /* rescale the sum to the new max (first packet: 0 * exp(-inf) = 0) */
-            s *= __expf(mx - pm);
+            s *= LOSS_EXP(mx - pm);
             mx = pm;
         }
-        for (int k = 0; k < VEC; k++) s += __expf(v[k] - mx);
+        for (int k = 0; k < VEC; k++) s += LOSS_EXP(v[k] - mx);
     }
     float row_mx = block_max(mx);
-    s = block_sum(mx == -INFINITY ? 0.0f : s * __expf(mx - row_mx)); /* ends with every read of l done */
+    s = block_sum(mx == -INFINITY ? 0.0f : s * LOSS_EXP(mx - row_mx)); /* ends with every read of l done */
     float row_lse = row_mx + logf(s);
     if (threadIdx.x == 0) {
         lse[row] = row_lse;
@@ -154,7 +173,7 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
     const auto st_arg = loss_store_row_arg(st, ds, row);
     for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
         load_vec(v, src + j);
-        if constexpr (LossStoreLean<Store>::value) loss_grad_lean(v, j, target, row_lse, ds);
+        if constexpr (LOSS_LEAN_ROWS || LossStoreLean<Store>::value) loss_grad_lean(v, j, target, row_lse, ds);
         else
         for (int k = 0; k < VEC; k++) v[k] = (__expf(v[k] - row_lse) - (j + k == target ? 1.0f : 0.0f)) * ds;
         if (j + VEC > V) /* padded columns */
