@@ -239,6 +239,72 @@ k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __res
     __pipeline_wait_prior(0);
     loss_row<T, VEC>(losses, lse, l, row_s, row, target, target_logit, V, Vp, dscale, st);
 }
+/* A candidate, off until measured (docs/BENCHMARKS.md #173; #57 was this idea, never measured: its
+ * launch asked for the whole opt-in limit as dynamic memory): -DLOSS_ROWS_PIPELINED=1 runs the rows
+ * that fit two row buffers in one block a multiprocessor, which walks rows blockIdx.x, + gridDim.x,
+ * ..., the copy of its next row in flight while it runs the current one, where
+ * k_loss_rows_shared's two blocks a multiprocessor each copy, then compute, then store. Each
+ * thread copies and reads only its own packets (loss_row_copy), and its reads of a buffer are done
+ * before it issues the copy of the next-but-one row there: no barrier guards the buffers. The
+ * same loss_row on the same values: the same bits. */
+#ifndef LOSS_ROWS_PIPELINED
+#define LOSS_ROWS_PIPELINED 0
+#endif
+template <typename T, int VEC, typename Store>
+__global__ void __launch_bounds__(LOSS_THREADS, 1)
+k_loss_rows_pipelined(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
+                      const int* __restrict__ targets, int n, int V, int Vp, const float* __restrict__ dscale,
+                      Store st) {
+    await_previous_kernel();
+    extern __shared__ __align__(16) unsigned char loss_row_bytes[];
+    T* rows_s = reinterpret_cast<T*>(loss_row_bytes); /* two rows of Vp */
+    int row = blockIdx.x;
+    loss_row_copy<T, VEC>(rows_s, logits + (size_t)row * Vp, Vp);
+    for (int i = 0; row < n; row += gridDim.x, i++) {
+        int next = row + gridDim.x;
+        if (next < n) loss_row_copy<T, VEC>(rows_s + (size_t)((i + 1) & 1) * Vp, logits + (size_t)next * Vp, Vp);
+        else __pipeline_commit(); /* an empty group: the wait below still leaves only the newest pending */
+        __pipeline_wait_prior(1);
+        int target = targets[row];
+        T* l = logits + (size_t)row * Vp;
+        float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f;
+        loss_row<T, VEC>(losses, lse, l, rows_s + (size_t)(i & 1) * Vp, row, target, target_logit, V, Vp, dscale, st);
+    }
+}
+
+/* Launches k_loss_rows_pipelined<T, VEC, Store> where two rows of `bytes` and its static shared
+ * memory fit a block's opt-in limit and one block a multiprocessor; false, having launched nothing,
+ * if not. */
+template <typename T, int VEC, typename Store>
+static bool loss_rows_pipelined(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
+                                const float* dscale, Store st) {
+    static size_t checked_bytes = 0;
+    static bool fits = false;
+    static int sms = 0;
+    size_t bytes = 2 * (size_t)Vp * sizeof(T);
+    if (bytes != checked_bytes) {
+        int dev, optin, blocks = 0;
+        cudaFuncAttributes fa;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+        CUDA_CHECK(cudaFuncGetAttributes(&fa, k_loss_rows_pipelined<T, VEC, Store>));
+        fits = bytes + fa.sharedSizeBytes <= (size_t)optin;
+        if (fits) {
+            CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_pipelined<T, VEC, Store>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+            CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k_loss_rows_pipelined<T, VEC, Store>,
+                                                                     LOSS_THREADS, bytes));
+            fits = blocks >= 1;
+        }
+        checked_bytes = bytes;
+    }
+    if (!fits || n <= 0) return false;
+    launch_kernel_with_shared(k_loss_rows_pipelined<T, VEC, Store>, n < sms ? n : sms, LOSS_THREADS, bytes, losses,
+                              lse, logits, targets, n, V, Vp, dscale, st);
+    return true;
+}
+
 /* Whether k_loss_rows_shared<T, VEC, Store> can run rows of `bytes` here: its dynamic shared memory (the
  * row) plus its static shared memory (block_reduce's partials) within a block's opt-in limit (the
  * sum of the two may not exceed it: asking for the whole limit as dynamic memory fails), and
@@ -275,6 +341,8 @@ template <typename T, int VEC, typename Store>
 static bool loss_rows_shared(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
                              const float* dscale, Store st) {
     size_t bytes = (size_t)Vp * sizeof(T);
+    if constexpr (LOSS_ROWS_PIPELINED)
+        if (loss_rows_pipelined<T, VEC, Store>(losses, lse, logits, targets, n, V, Vp, dscale, st)) return true;
     if (!loss_rows_shared_fits<T, VEC, Store>(bytes)) return false;
     launch_kernel_with_shared(k_loss_rows_shared<T, VEC, Store>, n, LOSS_THREADS, bytes, losses, lse, logits, targets,
                               V, Vp, dscale, st);
