@@ -218,7 +218,7 @@ __device__ __forceinline__ void loss_row_copy(T* row_s, const T* l, int Vp) {
 #define LOSS_ROWS_SHARED_PER_SM 2 /* blocks of k_loss_rows_shared a multiprocessor must hold */
 /* Two blocks of LOSS_THREADS fit a multiprocessor of compute capability 8.0 or 9.0 (2048 threads),
  * not one of 8.6, 8.7 or 8.9 (1536): there the kernel's bound asks for one (ptxas would ignore two,
- * with a warning), loss_rows_shared_fits finds that two do not fit, and the rows run from memory. */
+ * with a warning), loss_rows_kernel_fits finds that two do not fit, and the rows run from memory. */
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || __CUDA_ARCH__ == 890)
 #define LOSS_ROWS_SHARED_BOUND 1
 #else
@@ -272,46 +272,12 @@ k_loss_rows_pipelined(float* __restrict__ losses, float* __restrict__ lse, T* __
     }
 }
 
-/* Launches k_loss_rows_pipelined<T, VEC, Store> where two rows of `bytes` and its static shared
- * memory fit a block's opt-in limit and one block a multiprocessor; false, having launched nothing,
- * if not. */
-template <typename T, int VEC, typename Store>
-static bool loss_rows_pipelined(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
-                                const float* dscale, Store st) {
-    static size_t checked_bytes = 0;
-    static bool fits = false;
-    static int sms = 0;
-    size_t bytes = 2 * (size_t)Vp * sizeof(T);
-    if (bytes != checked_bytes) {
-        int dev, optin, blocks = 0;
-        cudaFuncAttributes fa;
-        CUDA_CHECK(cudaGetDevice(&dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-        CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-        CUDA_CHECK(cudaFuncGetAttributes(&fa, k_loss_rows_pipelined<T, VEC, Store>));
-        fits = bytes + fa.sharedSizeBytes <= (size_t)optin;
-        if (fits) {
-            CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_pipelined<T, VEC, Store>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-            CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k_loss_rows_pipelined<T, VEC, Store>,
-                                                                     LOSS_THREADS, bytes));
-            fits = blocks >= 1;
-        }
-        checked_bytes = bytes;
-    }
-    if (!fits || n <= 0) return false;
-    launch_kernel_with_shared(k_loss_rows_pipelined<T, VEC, Store>, n < sms ? n : sms, LOSS_THREADS, bytes, losses,
-                              lse, logits, targets, n, V, Vp, dscale, st);
-    return true;
-}
-
-/* Whether k_loss_rows_shared<T, VEC, Store> can run rows of `bytes` here: its dynamic shared memory (the
- * row) plus its static shared memory (block_reduce's partials) within a block's opt-in limit (the
- * sum of the two may not exceed it: asking for the whole limit as dynamic memory fails), and
- * LOSS_ROWS_SHARED_PER_SM blocks of it (registers and shared memory, by the occupancy calculator)
- * on one multiprocessor. Raises the kernel's dynamic limit to exactly the row's bytes on the way. */
-template <typename T, int VEC, typename Store>
-static bool loss_rows_shared_fits(size_t bytes) {
+/* Whether Kernel, a loss-rows kernel of LOSS_THREADS threads, can run with `bytes` of dynamic shared
+ * memory here: those plus its static shared memory (block_reduce's partials) within a block's
+ * opt-in limit (the sum of the two may not exceed it: asking for the whole limit as dynamic memory
+ * fails), and `per_sm` blocks of it (registers and shared memory, by the occupancy calculator) on
+ * one multiprocessor. Raises the kernel's dynamic limit to exactly `bytes` on the way. */
+template <auto Kernel> static bool loss_rows_kernel_fits(size_t bytes, int per_sm) {
     static size_t checked_bytes = 0;
     static bool fits = false;
     if (bytes == checked_bytes) return fits;
@@ -319,31 +285,45 @@ static bool loss_rows_shared_fits(size_t bytes) {
     cudaFuncAttributes fa;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    CUDA_CHECK(cudaFuncGetAttributes(&fa, k_loss_rows_shared<T, VEC, Store>));
+    CUDA_CHECK(cudaFuncGetAttributes(&fa, Kernel));
     int blocks = 0;
     fits = bytes + fa.sharedSizeBytes <= (size_t)optin;
     if (fits) {
-        CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_shared<T, VEC, Store>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)bytes));
-        CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_shared<T, VEC, Store>, cudaFuncAttributePreferredSharedMemoryCarveout,
+        CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+        CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                         cudaSharedmemCarveoutMaxShared));
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k_loss_rows_shared<T, VEC, Store>, LOSS_THREADS,
-                                                                 bytes));
-        fits = blocks >= LOSS_ROWS_SHARED_PER_SM;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, Kernel, LOSS_THREADS, bytes));
+        fits = blocks >= per_sm;
     }
     checked_bytes = bytes;
     return fits;
 }
 
-/* Launches k_loss_rows_shared<T, VEC, Store> if it fits (loss_rows_shared_fits); returns false, having
- * launched nothing, if not. */
+/* Launches k_loss_rows_pipelined<T, VEC, Store>, a block a multiprocessor, where it fits with two
+ * rows (loss_rows_kernel_fits); false, having launched nothing, if not. */
+template <typename T, int VEC, typename Store>
+static bool loss_rows_pipelined(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
+                                const float* dscale, Store st) {
+    size_t bytes = 2 * (size_t)Vp * sizeof(T);
+    if (n <= 0 || !loss_rows_kernel_fits<k_loss_rows_pipelined<T, VEC, Store>>(bytes, 1)) return false;
+    int dev, sms;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    launch_kernel_with_shared(k_loss_rows_pipelined<T, VEC, Store>, n < sms ? n : sms, LOSS_THREADS, bytes, losses,
+                              lse, logits, targets, n, V, Vp, dscale, st);
+    return true;
+}
+
+/* Launches k_loss_rows_shared<T, VEC, Store> if LOSS_ROWS_SHARED_PER_SM blocks of it fit a
+ * multiprocessor with a row each (loss_rows_kernel_fits); returns false, having launched nothing, if
+ * not. */
 template <typename T, int VEC, typename Store>
 static bool loss_rows_shared(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
                              const float* dscale, Store st) {
     size_t bytes = (size_t)Vp * sizeof(T);
     if constexpr (LOSS_ROWS_PIPELINED)
         if (loss_rows_pipelined<T, VEC, Store>(losses, lse, logits, targets, n, V, Vp, dscale, st)) return true;
-    if (!loss_rows_shared_fits<T, VEC, Store>(bytes)) return false;
+    if (!loss_rows_kernel_fits<k_loss_rows_shared<T, VEC, Store>>(bytes, LOSS_ROWS_SHARED_PER_SM)) return false;
     launch_kernel_with_shared(k_loss_rows_shared<T, VEC, Store>, n, LOSS_THREADS, bytes, losses, lse, logits, targets,
                               V, Vp, dscale, st);
     return true;
