@@ -124,8 +124,8 @@ __device__ __forceinline__ unsigned ln_fwd_row(T* __restrict__ out, float* __res
 /* One warp per row; amax_bits (precision fp8, else NULL): the outputs' amax, atomicMax'ed in. */
 template <typename T, int VEC>
 __global__ void LN_FWD_BOUNDS k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                const T* __restrict__ x, const float* __restrict__ gamma,
-                                const float* __restrict__ beta, int N, int C, unsigned* amax_bits) {
+                                              const T* __restrict__ x, const float* __restrict__ gamma,
+                                              const float* __restrict__ beta, int N, int C, unsigned* amax_bits) {
     await_previous_kernel();
     int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     unsigned am = row < N ? ln_fwd_row<T, VEC>(out, mean, rstd, x, gamma, beta, row, C) : 0u; /* whole warps */
