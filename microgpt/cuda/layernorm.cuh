@@ -110,22 +110,11 @@ __device__ __forceinline__ unsigned ln_fwd_row(T* __restrict__ out, float* __res
     return am;
 }
 
-/* A candidate, off until measured (docs/BENCHMARKS.md #174): -DLN_FWD_MIN_BLOCKS=8 bounds the
- * forward to 32 registers (ptxas, sm_90a: no local memory), so that 8 blocks fit a multiprocessor
- * and ANDREA-120M's 1024 blocks (8192 rows) run in one wave of 1056; at its 44 registers 5 blocks
- * fit, and the rows run in 1.55 waves, the last half-wave's reads after the first's writes. The
- * same arithmetic in the same order: the same bits. */
-#ifdef LN_FWD_MIN_BLOCKS
-#define LN_FWD_BOUNDS __launch_bounds__(32 * LN_WARPS, LN_FWD_MIN_BLOCKS)
-#else
-#define LN_FWD_BOUNDS
-#endif
-
 /* One warp per row; amax_bits (precision fp8, else NULL): the outputs' amax, atomicMax'ed in. */
 template <typename T, int VEC>
-__global__ void LN_FWD_BOUNDS k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                              const T* __restrict__ x, const float* __restrict__ gamma,
-                                              const float* __restrict__ beta, int N, int C, unsigned* amax_bits) {
+__global__ void k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                const T* __restrict__ x, const float* __restrict__ gamma,
+                                const float* __restrict__ beta, int N, int C, unsigned* amax_bits) {
     await_previous_kernel();
     int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     unsigned am = row < N ? ln_fwd_row<T, VEC>(out, mean, rstd, x, gamma, beta, row, C) : 0u; /* whole warps */

@@ -117,10 +117,11 @@ template <int VEC> __device__ __forceinline__ void loss_grad_lean(float (&v)[VEC
     for (int k = 0; k < VEC; k++) v[k] *= ds;
 }
 
-/* A candidate, off until measured (docs/BENCHMARKS.md #172): -DLOSS_LEAN_ROWS=1 gives every store
- * the lean second pass (loss_grad_lean), not only the FP8 classifier's, and the first pass's
- * exponentials exp_ftz. By the sm_90a SASS (nvcc 13) that takes the bf16 rows' loop from 118 to 89
- * instructions a packet in the first pass and from 138 to 110 in the second; the rows are bound by
+/* A candidate, off until the H200 measures it (docs/BENCHMARKS.md #172; on an H100, whose rows are
+ * bound by its slower memory, it gained nothing): -DLOSS_LEAN_ROWS=1 gives every store the lean
+ * second pass (loss_grad_lean), not only the FP8 classifier's, and the first pass's exponentials
+ * exp_ftz. By the sm_90a SASS (nvcc 13) that takes the bf16 rows' loop from 118 to 89 instructions
+ * a packet in the first pass and from 138 to 110 in the second; on the H200 the rows are bound by
  * instructions more than by bytes (#83). The bits it may change: the first pass's sum never
  * (a flushed exponential or rescale factor is below 2^-110, and every partial sum it could reach is
  * absorbed whole once the row maximum's term, 1, is added: the sum of a packet is at least 1); the
@@ -218,7 +219,7 @@ __device__ __forceinline__ void loss_row_copy(T* row_s, const T* l, int Vp) {
 #define LOSS_ROWS_SHARED_PER_SM 2 /* blocks of k_loss_rows_shared a multiprocessor must hold */
 /* Two blocks of LOSS_THREADS fit a multiprocessor of compute capability 8.0 or 9.0 (2048 threads),
  * not one of 8.6, 8.7 or 8.9 (1536): there the kernel's bound asks for one (ptxas would ignore two,
- * with a warning), loss_rows_kernel_fits finds that two do not fit, and the rows run from memory. */
+ * with a warning), loss_rows_shared_fits finds that two do not fit, and the rows run from memory. */
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || __CUDA_ARCH__ == 890)
 #define LOSS_ROWS_SHARED_BOUND 1
 #else
@@ -239,45 +240,13 @@ k_loss_rows_shared(float* __restrict__ losses, float* __restrict__ lse, T* __res
     __pipeline_wait_prior(0);
     loss_row<T, VEC>(losses, lse, l, row_s, row, target, target_logit, V, Vp, dscale, st);
 }
-/* A candidate, off until measured (docs/BENCHMARKS.md #173; #57 was this idea, never measured: its
- * launch asked for the whole opt-in limit as dynamic memory): -DLOSS_ROWS_PIPELINED=1 runs the rows
- * that fit two row buffers in one block a multiprocessor, which walks rows blockIdx.x, + gridDim.x,
- * ..., the copy of its next row in flight while it runs the current one, where
- * k_loss_rows_shared's two blocks a multiprocessor each copy, then compute, then store. Each
- * thread copies and reads only its own packets (loss_row_copy), and its reads of a buffer are done
- * before it issues the copy of the next-but-one row there: no barrier guards the buffers. The
- * same loss_row on the same values: the same bits. */
-#ifndef LOSS_ROWS_PIPELINED
-#define LOSS_ROWS_PIPELINED 0
-#endif
+/* Whether k_loss_rows_shared<T, VEC, Store> can run rows of `bytes` here: its dynamic shared memory (the
+ * row) plus its static shared memory (block_reduce's partials) within a block's opt-in limit (the
+ * sum of the two may not exceed it: asking for the whole limit as dynamic memory fails), and
+ * LOSS_ROWS_SHARED_PER_SM blocks of it (registers and shared memory, by the occupancy calculator)
+ * on one multiprocessor. Raises the kernel's dynamic limit to exactly the row's bytes on the way. */
 template <typename T, int VEC, typename Store>
-__global__ void __launch_bounds__(LOSS_THREADS, 1)
-k_loss_rows_pipelined(float* __restrict__ losses, float* __restrict__ lse, T* __restrict__ logits,
-                      const int* __restrict__ targets, int n, int V, int Vp, const float* __restrict__ dscale,
-                      Store st) {
-    await_previous_kernel();
-    extern __shared__ __align__(16) unsigned char loss_row_bytes[];
-    T* rows_s = reinterpret_cast<T*>(loss_row_bytes); /* two rows of Vp */
-    int row = blockIdx.x;
-    loss_row_copy<T, VEC>(rows_s, logits + (size_t)row * Vp, Vp);
-    for (int i = 0; row < n; row += gridDim.x, i++) {
-        int next = row + gridDim.x;
-        if (next < n) loss_row_copy<T, VEC>(rows_s + (size_t)((i + 1) & 1) * Vp, logits + (size_t)next * Vp, Vp);
-        else __pipeline_commit(); /* an empty group: the wait below still leaves only the newest pending */
-        __pipeline_wait_prior(1);
-        int target = targets[row];
-        T* l = logits + (size_t)row * Vp;
-        float target_logit = threadIdx.x == 0 ? to_f(l[target]) : 0.0f;
-        loss_row<T, VEC>(losses, lse, l, rows_s + (size_t)(i & 1) * Vp, row, target, target_logit, V, Vp, dscale, st);
-    }
-}
-
-/* Whether Kernel, a loss-rows kernel of LOSS_THREADS threads, can run with `bytes` of dynamic shared
- * memory here: those plus its static shared memory (block_reduce's partials) within a block's
- * opt-in limit (the sum of the two may not exceed it: asking for the whole limit as dynamic memory
- * fails), and `per_sm` blocks of it (registers and shared memory, by the occupancy calculator) on
- * one multiprocessor. Raises the kernel's dynamic limit to exactly `bytes` on the way. */
-template <auto Kernel> static bool loss_rows_kernel_fits(size_t bytes, int per_sm) {
+static bool loss_rows_shared_fits(size_t bytes) {
     static size_t checked_bytes = 0;
     static bool fits = false;
     if (bytes == checked_bytes) return fits;
@@ -285,45 +254,29 @@ template <auto Kernel> static bool loss_rows_kernel_fits(size_t bytes, int per_s
     cudaFuncAttributes fa;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    CUDA_CHECK(cudaFuncGetAttributes(&fa, Kernel));
+    CUDA_CHECK(cudaFuncGetAttributes(&fa, k_loss_rows_shared<T, VEC, Store>));
     int blocks = 0;
     fits = bytes + fa.sharedSizeBytes <= (size_t)optin;
     if (fits) {
-        CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-        CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+        CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_shared<T, VEC, Store>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)bytes));
+        CUDA_CHECK(cudaFuncSetAttribute(k_loss_rows_shared<T, VEC, Store>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                         cudaSharedmemCarveoutMaxShared));
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, Kernel, LOSS_THREADS, bytes));
-        fits = blocks >= per_sm;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k_loss_rows_shared<T, VEC, Store>, LOSS_THREADS,
+                                                                 bytes));
+        fits = blocks >= LOSS_ROWS_SHARED_PER_SM;
     }
     checked_bytes = bytes;
     return fits;
 }
 
-/* Launches k_loss_rows_pipelined<T, VEC, Store>, a block a multiprocessor, where it fits with two
- * rows (loss_rows_kernel_fits); false, having launched nothing, if not. */
-template <typename T, int VEC, typename Store>
-static bool loss_rows_pipelined(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
-                                const float* dscale, Store st) {
-    size_t bytes = 2 * (size_t)Vp * sizeof(T);
-    if (n <= 0 || !loss_rows_kernel_fits<k_loss_rows_pipelined<T, VEC, Store>>(bytes, 1)) return false;
-    int dev, sms;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    launch_kernel_with_shared(k_loss_rows_pipelined<T, VEC, Store>, n < sms ? n : sms, LOSS_THREADS, bytes, losses,
-                              lse, logits, targets, n, V, Vp, dscale, st);
-    return true;
-}
-
-/* Launches k_loss_rows_shared<T, VEC, Store> if LOSS_ROWS_SHARED_PER_SM blocks of it fit a
- * multiprocessor with a row each (loss_rows_kernel_fits); returns false, having launched nothing, if
- * not. */
+/* Launches k_loss_rows_shared<T, VEC, Store> if it fits (loss_rows_shared_fits); returns false, having
+ * launched nothing, if not. */
 template <typename T, int VEC, typename Store>
 static bool loss_rows_shared(float* losses, float* lse, T* logits, const int* targets, int n, int V, int Vp,
                              const float* dscale, Store st) {
     size_t bytes = (size_t)Vp * sizeof(T);
-    if constexpr (LOSS_ROWS_PIPELINED)
-        if (loss_rows_pipelined<T, VEC, Store>(losses, lse, logits, targets, n, V, Vp, dscale, st)) return true;
-    if (!loss_rows_kernel_fits<k_loss_rows_shared<T, VEC, Store>>(bytes, LOSS_ROWS_SHARED_PER_SM)) return false;
+    if (!loss_rows_shared_fits<T, VEC, Store>(bytes)) return false;
     launch_kernel_with_shared(k_loss_rows_shared<T, VEC, Store>, n, LOSS_THREADS, bytes, losses, lse, logits, targets,
                               V, Vp, dscale, st);
     return true;
