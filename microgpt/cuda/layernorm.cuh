@@ -29,8 +29,6 @@
 #include "common.cuh"
 #include "side_stream.cuh"
 
-#include <cuda_pipeline.h>
-
 #define LN_EPS 1e-5f
 #define LN_WARPS 8         /* warps per block in the row kernels */
 #define LN_MAX_CHUNKS 512  /* row chunks of k_layernorm_bwd (wide rows), and of the scratch */
@@ -42,15 +40,14 @@
 #define LN_REGS_CHUNKS 256 /* row chunks of k_layernorm_bwd_regs: 32 rows a chunk (4 a warp) at N = 8192 */
 #define LN_REG_PACKETS 4   /* packets of a row a lane holds in registers at most */
 
-/* LN_BWD_PREFETCH (a switch, off; docs/BENCHMARKS.md #176): the plain register kernel in 16-byte
- * packets copies each warp's next LN_BWD_STAGES rows (x, dout, dx) into shared memory by cp.async
- * while it computes the current one (k_layernorm_bwd_prefetch), where each warp otherwise loads a
- * row only after the last one's stores: every warp of a launch starts together, so without it the
- * memory idles while they all reduce. The same loads into the same registers, the same bits. */
-#ifndef LN_BWD_PREFETCH
-#define LN_BWD_PREFETCH 0
+/* LN_AMAX_ONLY_ASKED (a switch, off; docs/BENCHMARKS.md #178): where no amax is asked for (every
+ * precision but fp8), the plain forward and register backward run instantiations that do not take
+ * each output's |value| as stored (k_layernorm_fwd_noamax, k_layernorm_bwd_regs_noamax): today
+ * every element pays that conversion, the absolute value and the maximum, and the kernel throws
+ * the result away. The same outputs. */
+#ifndef LN_AMAX_ONLY_ASKED
+#define LN_AMAX_ONLY_ASKED 0
 #endif
-#define LN_BWD_STAGES 2
 
 /* Scratch floats layernorm_bwd needs for width C (LN_REGS_CHUNKS <= LN_MAX_CHUNKS). */
 static size_t layernorm_scratch_floats(int C) { return (size_t)2 * LN_MAX_CHUNKS * C; }
@@ -73,23 +70,6 @@ static int ln_slab_cols(int C) {
  * of the row (or of the slab, in the backward). */
 #define LN_ROW_LOOP(c, C) for (int c = lane * VEC; c < (C); c += 32 * VEC)
 
-/* The lane's 16-byte packets of a row of C (src) into shared memory (dst) by cp.async, no commit:
- * the packets LN_ROW_LOOP (and LN_REG_LOOP) visit, so each lane later reads only its own copies. */
-template <typename T, int VEC>
-__device__ __forceinline__ void ln_row_copy_async(T* dst, const T* src, int C) {
-    static_assert(VEC * sizeof(T) == 16, "cp.async of whole 16-byte packets");
-    int lane = threadIdx.x & 31;
-    LN_ROW_LOOP(c, C) __pipeline_memcpy_async(dst + c, src + c, 16);
-}
-
-/* Waits for all but the newest `pending` copy groups of this thread; nothing the compiler moves
- * across (the pipeline primitives' asm alone would not stop it hoisting the reads). */
-template <int pending>
-__device__ __forceinline__ void ln_copies_wait(void) {
-    __pipeline_wait_prior(pending);
-    asm volatile("" ::: "memory");
-}
-
 /* The mean and rstd of row xr (the row's warp; every lane gets both). */
 template <typename T, int VEC>
 __device__ __forceinline__ void ln_row_stats(float* mean, float* rstd, const T* __restrict__ xr, int C) {
@@ -109,13 +89,14 @@ __device__ __forceinline__ void ln_row_stats(float* mean, float* rstd, const T* 
     *rstd = 1.0f / sqrtf(warp_sum(s2) / C + LN_EPS);
 }
 
-/* One row of the forward (the row's warp), its input xr (the row of x, or its copy in shared
- * memory); returns the amax bits of the row's outputs as stored (lane-local). */
-template <typename T, int VEC>
+/* One row of the forward (the row's warp); returns the amax bits of the row's outputs as stored
+ * (lane-local). */
+template <typename T, int VEC, bool AMAX = true>
 __device__ __forceinline__ unsigned ln_fwd_row(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                               const T* __restrict__ xr, const float* __restrict__ gamma,
+                                               const T* __restrict__ x, const float* __restrict__ gamma,
                                                const float* __restrict__ beta, int row, int C) {
     int lane = threadIdx.x & 31;
+    const T* xr = x + (size_t)row * C;
     float m, r, v[VEC];
     unsigned am = 0;
     ln_row_stats<T, VEC>(&m, &r, xr, C);
@@ -127,7 +108,7 @@ __device__ __forceinline__ unsigned ln_fwd_row(T* __restrict__ out, float* __res
         load_vec(b, beta + c);
         for (int k = 0; k < VEC; k++) {
             v[k] = (v[k] - m) * r * g[k] + b[k];
-            am = max(am, abs_bits(as_stored<T>(v[k])));
+            if constexpr (AMAX) am = max(am, abs_bits(as_stored<T>(v[k])));
         }
         store_vec(o + c, v);
     }
@@ -145,48 +126,21 @@ __global__ void k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, f
                                 const float* __restrict__ beta, int N, int C, unsigned* amax_bits) {
     await_previous_kernel();
     int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
-    unsigned am = row < N ? ln_fwd_row<T, VEC>(out, mean, rstd, x + (size_t)row * C, gamma, beta, row, C)
-                          : 0u; /* whole warps */
+    unsigned am = row < N ? ln_fwd_row<T, VEC>(out, mean, rstd, x, gamma, beta, row, C) : 0u; /* whole warps */
     block_amax_commit(amax_bits, am);
 }
 
-/* LN_FWD_PREFETCH = R (a switch, 0: off; docs/BENCHMARKS.md #177): the forward in 16-byte packets as
- * R rows a warp, rows r0 + w, r0 + w + LN_WARPS, ... of the block's LN_WARPS x R, each warp's
- * next LN_BWD_STAGES rows copied into shared memory by cp.async while it computes the current one
- * (ln_fwd_prefetch_bytes), where k_layernorm_fwd's warps each load their one row, all at once,
- * then all reduce. The same row's operations: the same bits. */
-#ifndef LN_FWD_PREFETCH
-#define LN_FWD_PREFETCH 0
-#endif
-template <typename T>
-static size_t ln_fwd_prefetch_bytes(int C) { return (size_t)LN_WARPS * LN_BWD_STAGES * C * sizeof(T); }
-
+#if LN_AMAX_ONLY_ASKED
+/* k_layernorm_fwd where no amax is asked for. */
 template <typename T, int VEC>
-__device__ __forceinline__ void ln_fwd_row_copy(T* stages, int s, int row, int r1, const T* x, int C) {
-    asm volatile("" ::: "memory"); /* after the reads of what this stage held */
-    if (row < r1) ln_row_copy_async<T, VEC>(stages + (size_t)s * C, x + (size_t)row * C, C);
-    __pipeline_commit();
-}
-
-template <typename T, int VEC>
-__global__ void k_layernorm_fwd_prefetch(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                         const T* __restrict__ x, const float* __restrict__ gamma,
-                                         const float* __restrict__ beta, int N, int C, int rows_per_warp,
-                                         unsigned* amax_bits) {
+__global__ void k_layernorm_fwd_noamax(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                       const T* __restrict__ x, const float* __restrict__ gamma,
+                                       const float* __restrict__ beta, int N, int C, unsigned* amax_bits) {
     await_previous_kernel();
-    extern __shared__ __align__(16) unsigned char ln_fwd_stage_bytes[];
-    int warp = threadIdx.x >> 5, rows = LN_WARPS * rows_per_warp;
-    int r0 = blockIdx.x * rows, r1 = min(N, r0 + rows);
-    T* stages = reinterpret_cast<T*>(ln_fwd_stage_bytes) + (size_t)warp * LN_BWD_STAGES * C;
-    unsigned am = 0;
-    for (int s = 0; s < LN_BWD_STAGES; s++) ln_fwd_row_copy<T, VEC>(stages, s, r0 + warp + s * LN_WARPS, r1, x, C);
-    for (int row = r0 + warp, s = 0; row < r1; row += LN_WARPS, s = (s + 1) % LN_BWD_STAGES) {
-        ln_copies_wait<LN_BWD_STAGES - 1>();
-        am = max(am, ln_fwd_row<T, VEC>(out, mean, rstd, stages + (size_t)s * C, gamma, beta, row, C));
-        ln_fwd_row_copy<T, VEC>(stages, s, row + LN_BWD_STAGES * LN_WARPS, r1, x, C);
-    }
-    block_amax_commit(amax_bits, am);
+    int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
+    if (row < N) ln_fwd_row<T, VEC, false>(out, mean, rstd, x, gamma, beta, row, C);
 }
+#endif
 
 /* The means over a row of g = dout * gamma and of g * xhat (xhat = (x - mean) * rstd), which every
  * column's dx needs; every lane of the row's warp gets both. */
@@ -348,84 +302,33 @@ struct LnBwdPlain {
  * keeps zeros). Then the warps' sums go to shared memory and the block adds them in warp order, as
  * k_layernorm_bwd does. dx's operations are k_layernorm_bwd's, in the same order: the same dx.
  * amax_bits as k_layernorm_bwd's. */
-/* The shared memory k_layernorm_bwd_prefetch needs for rows of C: its warps' stages, which the
- * column sums (LN_WARPS x 2 x LN_SLAB_COLS floats) take over once the rows are done. */
-template <typename T>
-static size_t ln_bwd_prefetch_bytes(int C) {
-    size_t stages = (size_t)LN_WARPS * LN_BWD_STAGES * 3 * C * sizeof(T);
-    size_t sums = sizeof(float) * LN_WARPS * 2 * LN_SLAB_COLS;
-    return stages > sums ? stages : sums;
-}
-
-/* Row `row` (if < r1) of x, dout and dx into stage s of the warp's stages (each stage x, dout, dx
- * of a row, C apart), each lane its own packets, as one copy group (committed even when empty, so
- * that the groups count rows). */
-template <typename T, int VEC>
-__device__ __forceinline__ void ln_bwd_row_copy(T* stages, int s, int row, int r1, const T* x, const T* dout,
-                                                const T* dx, int C) {
-    T* st = stages + (size_t)s * 3 * C;
-    asm volatile("" ::: "memory"); /* after the reads of what this stage held */
-    if (row < r1) {
-        ln_row_copy_async<T, VEC>(st, x + (size_t)row * C, C);
-        ln_row_copy_async<T, VEC>(st + C, dout + (size_t)row * C, C);
-        ln_row_copy_async<T, VEC>(st + 2 * C, dx + (size_t)row * C, C);
-    }
-    __pipeline_commit();
-}
-
-template <typename T, int VEC, int PACKETS, typename Epi, bool PREFETCH = false>
+template <typename T, int VEC, int PACKETS, typename Epi, bool AMAX = true>
 __device__ __forceinline__ void ln_bwd_regs_body(T* __restrict__ dx, float* __restrict__ partial,
                                                  const T* __restrict__ dout, const T* __restrict__ x,
                                                  const float* __restrict__ gamma, const float* __restrict__ mean,
                                                  const float* __restrict__ rstd, int N, int C, int rows_per_chunk,
                                                  unsigned* amax_bits, Epi epi) {
-    float (*col_sums)[2][LN_SLAB_COLS]; /* [warp][dgamma, dbeta][column] */
-    T* stages = NULL;                   /* PREFETCH: this warp's LN_BWD_STAGES rows */
+    __shared__ __align__(16) float col_sums[LN_WARPS][2][LN_SLAB_COLS]; /* [warp][dgamma, dbeta][column] */
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if constexpr (PREFETCH) {
-        extern __shared__ __align__(16) unsigned char ln_bwd_stage_bytes[];
-        col_sums = reinterpret_cast<float (*)[2][LN_SLAB_COLS]>(ln_bwd_stage_bytes);
-        stages = reinterpret_cast<T*>(ln_bwd_stage_bytes) + (size_t)warp * LN_BWD_STAGES * 3 * C;
-    } else {
-        __shared__ __align__(16) float col_sums_static[LN_WARPS][2][LN_SLAB_COLS];
-        col_sums = col_sums_static;
-    }
     int chunk = blockIdx.x, n_chunks = gridDim.x;
     int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
     float dg[PACKETS][VEC] = {}, db[PACKETS][VEC] = {};
     unsigned am = 0;
     if constexpr (Epi::codes) epi.begin();
-    if constexpr (PREFETCH)
-        for (int s = 0; s < LN_BWD_STAGES; s++)
-            ln_bwd_row_copy<T, VEC>(stages, s, r0 + warp + s * LN_WARPS, r1, x, dout, dx, C);
     /* With codes, converted in pairs (fp8.cuh): out rounded to T in pairs, for the amax, the store
      * (the same bits: its values are T's already) and the codes (which then take them as they are) */
     constexpr bool ln_bwd_pairs = Epi::codes && VEC % 2 == 0;
-    for (int row = r0 + warp, s = 0; row < r1; row += LN_WARPS, s = (s + 1) % LN_BWD_STAGES) {
+    for (int row = r0 + warp; row < r1; row += LN_WARPS) {
         __align__(16) T xv[PACKETS][VEC], dv[PACKETS][VEC], ov[PACKETS][VEC];
         const T* xr = x + (size_t)row * C;
         const T* dr = dout + (size_t)row * C;
         T* o = dx + (size_t)row * C;
-        float m, r, sg = 0.0f, sgx = 0.0f;
-        if constexpr (PREFETCH) {
-            const T* st = stages + (size_t)s * 3 * C;
-            m = mean[row]; /* before the wait: their latency beside the copies' */
-            r = rstd[row];
-            ln_copies_wait<LN_BWD_STAGES - 1>(); /* this row's group: each lane reads only its copies */
-            LN_REG_LOOP(p, C) {
-                load_raw(xv[p], st + ln_reg_col(p));
-                load_raw(dv[p], st + C + ln_reg_col(p));
-                load_raw(ov[p], st + 2 * C + ln_reg_col(p));
-            }
-        } else {
-            LN_REG_LOOP(p, C) {
-                load_raw(xv[p], xr + ln_reg_col(p));
-                load_raw(dv[p], dr + ln_reg_col(p));
-                load_raw(ov[p], o + ln_reg_col(p));
-            }
-            m = mean[row];
-            r = rstd[row];
+        LN_REG_LOOP(p, C) {
+            load_raw(xv[p], xr + ln_reg_col(p));
+            load_raw(dv[p], dr + ln_reg_col(p));
+            load_raw(ov[p], o + ln_reg_col(p));
         }
+        float m = mean[row], r = rstd[row], sg = 0.0f, sgx = 0.0f;
         LN_REG_LOOP(p, C) {
             float gv[VEC];
             load_vec(gv, gamma + ln_reg_col(p));
@@ -444,7 +347,7 @@ __device__ __forceinline__ void ln_bwd_regs_body(T* __restrict__ dx, float* __re
                 out[k] = to_f(ov[p][k]) + r * (d * gv[k] - mg - xhat * mgx);
                 dg[p][k] += d * xhat;
                 db[p][k] += d;
-                if constexpr (!ln_bwd_pairs) am = max(am, abs_bits(as_stored<T>(out[k])));
+                if constexpr (!ln_bwd_pairs && AMAX) am = max(am, abs_bits(as_stored<T>(out[k])));
             }
             if constexpr (ln_bwd_pairs)
                 for (int k = 0; k < VEC; k += 2) {
@@ -456,15 +359,12 @@ __device__ __forceinline__ void ln_bwd_regs_body(T* __restrict__ dx, float* __re
             store_vec(o + ln_reg_col(p), out);
             if constexpr (Epi::codes) epi.template row<T, VEC>(out, row, row - r0, ln_reg_col(p), C, col_sums);
         }
-        if constexpr (PREFETCH) /* into the stage just read: its values are in registers and used */
-            ln_bwd_row_copy<T, VEC>(stages, s, row + LN_BWD_STAGES * LN_WARPS, r1, x, dout, dx, C);
     }
     if constexpr (Epi::codes) {
         __syncthreads();
         epi.finish(col_sums, r0, r1, N, C);
         __syncthreads();
     }
-    if constexpr (PREFETCH) __syncthreads(); /* the column sums take over every warp's stages */
     LN_REG_LOOP(p, C) {
         store_vec(col_sums[warp][0] + ln_reg_col(p), dg[p]);
         store_vec(col_sums[warp][1] + ln_reg_col(p), db[p]);
@@ -484,40 +384,18 @@ k_layernorm_bwd_regs(T* __restrict__ dx, float* __restrict__ partial, const T* _
                                       LnBwdPlain());
 }
 
-/* k_layernorm_bwd_regs with each warp's next rows in flight (LN_BWD_PREFETCH), 16-byte packets
- * only, ln_bwd_prefetch_bytes of dynamic shared memory. */
+#if LN_AMAX_ONLY_ASKED
+/* k_layernorm_bwd_regs where no amax is asked for. */
 template <typename T, int VEC, int PACKETS>
 __global__ void __launch_bounds__(32 * LN_WARPS, 2)
-k_layernorm_bwd_prefetch(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
-                         const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ mean,
-                         const float* __restrict__ rstd, int N, int C, int rows_per_chunk, unsigned* amax_bits) {
+k_layernorm_bwd_regs_noamax(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
+                            const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ mean,
+                            const float* __restrict__ rstd, int N, int C, int rows_per_chunk, unsigned* amax_bits) {
     await_previous_kernel();
-    ln_bwd_regs_body<T, VEC, PACKETS, LnBwdPlain, true>(dx, partial, dout, x, gamma, mean, rstd, N, C,
-                                                        rows_per_chunk, amax_bits, LnBwdPlain());
+    ln_bwd_regs_body<T, VEC, PACKETS, LnBwdPlain, false>(dx, partial, dout, x, gamma, mean, rstd, N, C,
+                                                         rows_per_chunk, amax_bits, LnBwdPlain());
 }
-
-/* Launches k_layernorm_bwd_prefetch<T, PACK(T), PACKETS> if two blocks of it fit a multiprocessor
- * (raising its dynamic limit on the way); false, having launched nothing, if not. */
-template <typename T, int PACKETS>
-static bool ln_bwd_prefetch_launch(T* dx, float* scratch, const T* dout, const T* x, const float* gamma,
-                                   const float* mean, const float* rstd, int N, int C, int rows_per_chunk,
-                                   int n_chunks, unsigned* amax_bits) {
-    auto kernel = k_layernorm_bwd_prefetch<T, PACK(T), PACKETS>;
-    static size_t checked_bytes = 0;
-    static bool fits = false;
-    size_t bytes = ln_bwd_prefetch_bytes<T>(C);
-    if (bytes != checked_bytes) {
-        int blocks = 0;
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, 32 * LN_WARPS, bytes));
-        fits = blocks >= 2;
-        checked_bytes = bytes;
-    }
-    if (fits)
-        launch_kernel_with_shared(kernel, n_chunks, 32 * LN_WARPS, bytes, dx, scratch, dout, x, gamma, mean, rstd, N,
-                                  C, rows_per_chunk, amax_bits);
-    return fits;
-}
+#endif
 
 /* Block (LN_FINAL_COLS columns) x (LN_FINAL_GROUPS groups): group k of a column sums chunks k,
  * k + LN_FINAL_GROUPS, ... in order, then group 0 adds the group sums in group order and writes
@@ -552,16 +430,13 @@ template <typename T>
 static void layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const float* gamma, const float* beta,
                           int N, int C, unsigned* amax_bits = NULL) {
     bool packed = packable(C, sizeof(T), {out, x}) && packable(C, sizeof(float), {gamma, beta});
-    if constexpr (LN_FWD_PREFETCH > 0) {
-        if (packed) {
-            auto kernel = k_layernorm_fwd_prefetch<T, PACK(T)>;
-            size_t bytes = ln_fwd_prefetch_bytes<T>(C);
-            CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-            launch_kernel_with_shared(kernel, ceil_div(N, LN_WARPS * LN_FWD_PREFETCH), 32 * LN_WARPS, bytes, out,
-                                      mean, rstd, x, gamma, beta, N, C, LN_FWD_PREFETCH, amax_bits);
-            return;
-        }
+#if LN_AMAX_ONLY_ASKED
+    if (!amax_bits) {
+        LAUNCH_PACKED(packed, k_layernorm_fwd_noamax, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean, rstd, x,
+                      gamma, beta, N, C, amax_bits);
+        return;
     }
+#endif
     LAUNCH_PACKED(packed, k_layernorm_fwd, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean, rstd, x, gamma,
                   beta, N, C, amax_bits);
 }
@@ -600,25 +475,6 @@ static LnBwdRegs ln_bwd_regs_plan(const T* dx, const T* dout, const T* x, const 
     return p;
 }
 
-/* The prefetching kernel where it is switched on and takes these rows (packed); false if not. */
-template <typename T>
-static bool ln_bwd_prefetch(const LnBwdRegs& rp, T* dx, float* scratch, const T* dout, const T* x,
-                            const float* gamma, const float* mean, const float* rstd, int N, int C,
-                            unsigned* amax_bits) {
-    if constexpr (!LN_BWD_PREFETCH) return false;
-    else if (!rp.packed) return false;
-    else switch (rp.packets) {
-    case 1: return ln_bwd_prefetch_launch<T, 1>(dx, scratch, dout, x, gamma, mean, rstd, N, C, rp.rows_per_chunk,
-                                                rp.n_chunks, amax_bits);
-    case 2: return ln_bwd_prefetch_launch<T, 2>(dx, scratch, dout, x, gamma, mean, rstd, N, C, rp.rows_per_chunk,
-                                                rp.n_chunks, amax_bits);
-    case 3: return ln_bwd_prefetch_launch<T, 3>(dx, scratch, dout, x, gamma, mean, rstd, N, C, rp.rows_per_chunk,
-                                                rp.n_chunks, amax_bits);
-    default: return ln_bwd_prefetch_launch<T, LN_REG_PACKETS>(dx, scratch, dout, x, gamma, mean, rstd, N, C,
-                                                              rp.rows_per_chunk, rp.n_chunks, amax_bits);
-    }
-}
-
 /* dx += ; dgamma, dbeta = / += by grad_beta (0 or 1); scratch holds layernorm_scratch_floats(C) floats.
  * amax_bits: precision fp8's amax of dx (after the addition) is atomicMax'ed in; NULL: none. */
 template <typename T>
@@ -628,8 +484,13 @@ static void layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, con
     LnBwdRegs rp = ln_bwd_regs_plan(dx, dout, x, gamma, N, C);
     layernorm_bwd_scratch_free(scratch);
     if (rp.packets) { /* the row in registers */
-        if (!ln_bwd_prefetch(rp, dx, scratch, dout, x, gamma, mean, rstd, N, C, amax_bits))
-            LN_LAUNCH_PACKETS(rp.packed, rp.packets, k_layernorm_bwd_regs, T, rp.n_chunks, 32 * LN_WARPS, dx, scratch,
+#if LN_AMAX_ONLY_ASKED
+        if (!amax_bits)
+            LN_LAUNCH_PACKETS(rp.packed, rp.packets, k_layernorm_bwd_regs_noamax, T, rp.n_chunks, 32 * LN_WARPS, dx,
+                              scratch, dout, x, gamma, mean, rstd, N, C, rp.rows_per_chunk, amax_bits);
+        else
+#endif
+        LN_LAUNCH_PACKETS(rp.packed, rp.packets, k_layernorm_bwd_regs, T, rp.n_chunks, 32 * LN_WARPS, dx, scratch,
                           dout, x, gamma, mean, rstd, N, C, rp.rows_per_chunk, amax_bits);
         layernorm_bwd_final_issue(dgamma, dbeta, scratch, C, rp.n_chunks, grad_beta != 0.0f);
         return;
