@@ -40,15 +40,6 @@
 #define LN_REGS_CHUNKS 256 /* row chunks of k_layernorm_bwd_regs: 32 rows a chunk (4 a warp) at N = 8192 */
 #define LN_REG_PACKETS 4   /* packets of a row a lane holds in registers at most */
 
-/* LN_AMAX_ONLY_ASKED (a switch, off; docs/BENCHMARKS.md #178): where no amax is asked for (every
- * precision but fp8), the plain forward and register backward run instantiations that do not take
- * each output's |value| as stored (k_layernorm_fwd_noamax, k_layernorm_bwd_regs_noamax): today
- * every element pays that conversion, the absolute value and the maximum, and the kernel throws
- * the result away. The same outputs. */
-#ifndef LN_AMAX_ONLY_ASKED
-#define LN_AMAX_ONLY_ASKED 0
-#endif
-
 /* Scratch floats layernorm_bwd needs for width C (LN_REGS_CHUNKS <= LN_MAX_CHUNKS). */
 static size_t layernorm_scratch_floats(int C) { return (size_t)2 * LN_MAX_CHUNKS * C; }
 
@@ -91,7 +82,7 @@ __device__ __forceinline__ void ln_row_stats(float* mean, float* rstd, const T* 
 
 /* One row of the forward (the row's warp); returns the amax bits of the row's outputs as stored
  * (lane-local). */
-template <typename T, int VEC, bool AMAX = true>
+template <typename T, int VEC>
 __device__ __forceinline__ unsigned ln_fwd_row(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
                                                const T* __restrict__ x, const float* __restrict__ gamma,
                                                const float* __restrict__ beta, int row, int C) {
@@ -108,7 +99,7 @@ __device__ __forceinline__ unsigned ln_fwd_row(T* __restrict__ out, float* __res
         load_vec(b, beta + c);
         for (int k = 0; k < VEC; k++) {
             v[k] = (v[k] - m) * r * g[k] + b[k];
-            if constexpr (AMAX) am = max(am, abs_bits(as_stored<T>(v[k])));
+            am = max(am, abs_bits(as_stored<T>(v[k])));
         }
         store_vec(o + c, v);
     }
@@ -129,18 +120,6 @@ __global__ void k_layernorm_fwd(T* __restrict__ out, float* __restrict__ mean, f
     unsigned am = row < N ? ln_fwd_row<T, VEC>(out, mean, rstd, x, gamma, beta, row, C) : 0u; /* whole warps */
     block_amax_commit(amax_bits, am);
 }
-
-#if LN_AMAX_ONLY_ASKED
-/* k_layernorm_fwd where no amax is asked for. */
-template <typename T, int VEC>
-__global__ void k_layernorm_fwd_noamax(T* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                       const T* __restrict__ x, const float* __restrict__ gamma,
-                                       const float* __restrict__ beta, int N, int C, unsigned* amax_bits) {
-    await_previous_kernel();
-    int row = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
-    if (row < N) ln_fwd_row<T, VEC, false>(out, mean, rstd, x, gamma, beta, row, C);
-}
-#endif
 
 /* The means over a row of g = dout * gamma and of g * xhat (xhat = (x - mean) * rstd), which every
  * column's dx needs; every lane of the row's warp gets both. */
@@ -302,7 +281,7 @@ struct LnBwdPlain {
  * keeps zeros). Then the warps' sums go to shared memory and the block adds them in warp order, as
  * k_layernorm_bwd does. dx's operations are k_layernorm_bwd's, in the same order: the same dx.
  * amax_bits as k_layernorm_bwd's. */
-template <typename T, int VEC, int PACKETS, typename Epi, bool AMAX = true>
+template <typename T, int VEC, int PACKETS, typename Epi>
 __device__ __forceinline__ void ln_bwd_regs_body(T* __restrict__ dx, float* __restrict__ partial,
                                                  const T* __restrict__ dout, const T* __restrict__ x,
                                                  const float* __restrict__ gamma, const float* __restrict__ mean,
@@ -347,7 +326,7 @@ __device__ __forceinline__ void ln_bwd_regs_body(T* __restrict__ dx, float* __re
                 out[k] = to_f(ov[p][k]) + r * (d * gv[k] - mg - xhat * mgx);
                 dg[p][k] += d * xhat;
                 db[p][k] += d;
-                if constexpr (!ln_bwd_pairs && AMAX) am = max(am, abs_bits(as_stored<T>(out[k])));
+                if constexpr (!ln_bwd_pairs) am = max(am, abs_bits(as_stored<T>(out[k])));
             }
             if constexpr (ln_bwd_pairs)
                 for (int k = 0; k < VEC; k += 2) {
@@ -384,19 +363,6 @@ k_layernorm_bwd_regs(T* __restrict__ dx, float* __restrict__ partial, const T* _
                                       LnBwdPlain());
 }
 
-#if LN_AMAX_ONLY_ASKED
-/* k_layernorm_bwd_regs where no amax is asked for. */
-template <typename T, int VEC, int PACKETS>
-__global__ void __launch_bounds__(32 * LN_WARPS, 2)
-k_layernorm_bwd_regs_noamax(T* __restrict__ dx, float* __restrict__ partial, const T* __restrict__ dout,
-                            const T* __restrict__ x, const float* __restrict__ gamma, const float* __restrict__ mean,
-                            const float* __restrict__ rstd, int N, int C, int rows_per_chunk, unsigned* amax_bits) {
-    await_previous_kernel();
-    ln_bwd_regs_body<T, VEC, PACKETS, LnBwdPlain, false>(dx, partial, dout, x, gamma, mean, rstd, N, C,
-                                                         rows_per_chunk, amax_bits, LnBwdPlain());
-}
-#endif
-
 /* Block (LN_FINAL_COLS columns) x (LN_FINAL_GROUPS groups): group k of a column sums chunks k,
  * k + LN_FINAL_GROUPS, ... in order, then group 0 adds the group sums in group order and writes
  * (add 0: whatever dgamma/dbeta held is not read) or adds (add 1) the result. */
@@ -430,13 +396,6 @@ template <typename T>
 static void layernorm_fwd(T* out, float* mean, float* rstd, const T* x, const float* gamma, const float* beta,
                           int N, int C, unsigned* amax_bits = NULL) {
     bool packed = packable(C, sizeof(T), {out, x}) && packable(C, sizeof(float), {gamma, beta});
-#if LN_AMAX_ONLY_ASKED
-    if (!amax_bits) {
-        LAUNCH_PACKED(packed, k_layernorm_fwd_noamax, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean, rstd, x,
-                      gamma, beta, N, C, amax_bits);
-        return;
-    }
-#endif
     LAUNCH_PACKED(packed, k_layernorm_fwd, T, ceil_div(N, LN_WARPS), 32 * LN_WARPS, out, mean, rstd, x, gamma,
                   beta, N, C, amax_bits);
 }
@@ -484,12 +443,6 @@ static void layernorm_bwd(T* dx, float* dgamma, float* dbeta, const T* dout, con
     LnBwdRegs rp = ln_bwd_regs_plan(dx, dout, x, gamma, N, C);
     layernorm_bwd_scratch_free(scratch);
     if (rp.packets) { /* the row in registers */
-#if LN_AMAX_ONLY_ASKED
-        if (!amax_bits)
-            LN_LAUNCH_PACKETS(rp.packed, rp.packets, k_layernorm_bwd_regs_noamax, T, rp.n_chunks, 32 * LN_WARPS, dx,
-                              scratch, dout, x, gamma, mean, rstd, N, C, rp.rows_per_chunk, amax_bits);
-        else
-#endif
         LN_LAUNCH_PACKETS(rp.packed, rp.packets, k_layernorm_bwd_regs, T, rp.n_chunks, 32 * LN_WARPS, dx, scratch,
                           dout, x, gamma, mean, rstd, N, C, rp.rows_per_chunk, amax_bits);
         layernorm_bwd_final_issue(dgamma, dbeta, scratch, C, rp.n_chunks, grad_beta != 0.0f);
