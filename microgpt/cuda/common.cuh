@@ -225,12 +225,33 @@ template <> struct TypeInfo<fp16> { static constexpr cudaDataType_t dtype = CUDA
 template <typename T> struct Pack { static constexpr int n = 16 / (int)sizeof(T); };
 #define PACK(T) (Pack<T>::n)
 
+/* A candidate, off (docs/BENCHMARKS.md #180): load_vec unpacks a bf16 packet by a shift or a mask a
+ * value, where CUDA's conversion of each extracted half takes a PRMT and a shift for every upper
+ * half; the same floats, fewer instructions in every kernel that loads bf16 packets. */
+#ifndef BF16_UNPACK_SHIFT
+#define BF16_UNPACK_SHIFT 0
+#endif
+
 template <int VEC, typename T>
 __device__ __forceinline__ void load_vec(float (&f)[VEC], const T* p) {
     if constexpr (VEC % PACK(T) == 0) {
 #pragma unroll
         for (int q = 0; q < VEC / PACK(T); q++) {
             int4 raw = reinterpret_cast<const int4*>(p)[q];
+#if BF16_UNPACK_SHIFT
+            if constexpr (std::is_same<T, bf16>::value) {
+                /* a bf16 is the upper half of its fp32: one shift or one mask a value (the
+                 * conversion's PRMT and shift took three instructions a pair; the same bits) */
+                unsigned w[4];
+                memcpy(w, &raw, sizeof raw);
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    f[q * 8 + 2 * k] = __uint_as_float(w[k] << 16);
+                    f[q * 8 + 2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+                }
+                continue;
+            }
+#endif
             const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
             for (int k = 0; k < PACK(T); k++) f[q * PACK(T) + k] = to_f(e[k]);

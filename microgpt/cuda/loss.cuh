@@ -88,13 +88,36 @@ struct LossStoreInPlace {
     }
 };
 
+#define LOG2_E 1.4426950216293334961f /* log2(e) in fp32, as __expf multiplies by it */
+
 /* exp(x) as __expf computes it (ex2.approx of x times log2 e rounded to fp32), but with results below
  * 2^-126 flushed to 0 (ex2.approx.ftz): the same bits for every other x, two to three instructions fewer. */
-__device__ __forceinline__ float exp_ftz(float x) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x * 1.4426950216293334961f));
-    return r;
-}
+__device__ __forceinline__ float exp_ftz(float x) { return fa_exp2(x * LOG2_E); }
+
+/* The running max of a row's first pass (LOSS_ROWS_MAX_FIRST): bf16 packets of 8 as packed pairs,
+ * their maxima taken pairwise without conversion (the values are exact in bf16, so the pairs' max
+ * is the floats'; a NaN is passed over either way, as by fmaxf), and every other packet in fp32. */
+template <typename T, int VEC> struct LossRowMax {
+    static constexpr bool packed = std::is_same<T, bf16>::value && VEC == 8;
+    float mx = -INFINITY;
+    __nv_bfloat162 m2 = __floats2bfloat162_rn(-INFINITY, -INFINITY);
+    __device__ __forceinline__ void add_packet(const T* p) {
+        if constexpr (packed) {
+            int4 raw = *reinterpret_cast<const int4*>(p);
+            __nv_bfloat162 w[4];
+            memcpy(w, &raw, sizeof raw);
+            m2 = __hmax2(m2, __hmax2(__hmax2(w[0], w[1]), __hmax2(w[2], w[3])));
+        } else {
+            float v[VEC];
+            load_vec(v, p);
+            for (int k = 0; k < VEC; k++) mx = fmaxf(mx, v[k]);
+        }
+    }
+    __device__ __forceinline__ void add(float x) { mx = fmaxf(mx, x); }
+    __device__ __forceinline__ float value(void) const {
+        return packed ? fmaxf(mx, fmaxf(__low2float(m2), __high2float(m2))) : mx;
+    }
+};
 
 /* The lean second pass's gradient of a packet v (column j), for LossStoreFp8's codes (in fewer
  * instructions, docs/BENCHMARKS.md #84): as
@@ -131,6 +154,29 @@ template <int VEC> __device__ __forceinline__ void loss_grad_lean(float (&v)[VEC
 #ifndef LOSS_LEAN_ROWS
 #define LOSS_LEAN_ROWS 0
 #endif
+/* A candidate, off (docs/BENCHMARKS.md #179): the first pass split in two, the row's max alone
+ * (LossRowMax), then the sum of 2^(logit log2 e - max log2 e) (one fused multiply-add and fa_exp2 a
+ * logit) at that max, in place of the online max and sum, whose every packet compares, rescales and
+ * exponentiates a difference; every store's gradient in the same form (loss_grad_fma). The row is
+ * in shared memory, so the extra pass costs no memory traffic there (an L2 read in k_loss_rows).
+ * Other low bits than the online form. Not for keeping as it is: max log2 e overflows for a row
+ * max above ~2.4e38. */
+#ifndef LOSS_ROWS_MAX_FIRST
+#define LOSS_ROWS_MAX_FIRST 0
+#endif
+
+/* LOSS_ROWS_MAX_FIRST's gradient of a packet, every store's (so the FP8 classifier's codes stay
+ * those of the in-place gradient): 2^(v log2 e - lse2) * ds, lse2 = lse log2 e, one fused
+ * multiply-add a logit where loss_grad_lean subtracts, then multiplies; the target's ds subtracted
+ * in the one packet that holds it. */
+template <int VEC> __device__ __forceinline__ void loss_grad_fma(float (&v)[VEC], int j, int target, float lse2,
+                                                                 float ds) {
+    for (int k = 0; k < VEC; k++) v[k] = fa_exp2(fmaf(v[k], LOG2_E, -lse2)) * ds;
+    if ((unsigned)(target - j) < (unsigned)VEC)
+        for (int k = 0; k < VEC; k++)
+            if (j + k == target) v[k] -= ds;
+}
+
 #if LOSS_LEAN_ROWS
 #define LOSS_EXP exp_ftz
 #else
@@ -149,6 +195,29 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
                                          int row, int target, float target_logit, int V, int Vp,
                                          const float* __restrict__ dscale, const Store& st) {
     float mx = -INFINITY, s = 0.0f, v[VEC];
+#if LOSS_ROWS_MAX_FIRST
+    LossRowMax<T, VEC> rm;
+    for (int j = threadIdx.x * VEC; j < V; j += LOSS_THREADS * VEC) {
+        if (j + VEC <= V) {
+            rm.add_packet(src + j);
+            continue;
+        }
+        load_vec(v, src + j); /* the one packet that reaches into the padding */
+        for (int k = 0; k < VEC; k++)
+            if (j + k < V) rm.add(v[k]);
+    }
+    mx = rm.value(); /* this thread's */
+    float row_mx = block_max(mx);
+    const float mx2 = row_mx * LOG2_E;
+    for (int j = threadIdx.x * VEC; row_mx != -INFINITY && j < V; j += LOSS_THREADS * VEC) {
+        load_vec(v, src + j);
+        if (j + VEC > V)
+            for (int k = 0; k < VEC; k++)
+                if (j + k >= V) v[k] = -INFINITY;
+        for (int k = 0; k < VEC; k++) s += fa_exp2(fmaf(v[k], LOG2_E, -mx2));
+    }
+    s = block_sum(s); /* ends with every read of l done */
+#else
     for (int j = threadIdx.x * VEC; j < V; j += LOSS_THREADS * VEC) {
         load_vec(v, src + j);
         if (j + VEC > V) /* the one packet that reaches into the padding */
@@ -164,6 +233,7 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
     }
     float row_mx = block_max(mx);
     s = block_sum(mx == -INFINITY ? 0.0f : s * LOSS_EXP(mx - row_mx)); /* ends with every read of l done */
+#endif
     float row_lse = row_mx + logf(s);
     if (threadIdx.x == 0) {
         lse[row] = row_lse;
@@ -174,7 +244,8 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
     const auto st_arg = loss_store_row_arg(st, ds, row);
     for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
         load_vec(v, src + j);
-        if constexpr (LOSS_LEAN_ROWS || LossStoreLean<Store>::value) loss_grad_lean(v, j, target, row_lse, ds);
+        if constexpr (LOSS_ROWS_MAX_FIRST) loss_grad_fma(v, j, target, row_lse * LOG2_E, ds);
+        else if constexpr (LOSS_LEAN_ROWS || LossStoreLean<Store>::value) loss_grad_lean(v, j, target, row_lse, ds);
         else
         for (int k = 0; k < VEC; k++) v[k] = (__expf(v[k] - row_lse) - (j + k == target ? 1.0f : 0.0f)) * ds;
         if (j + VEC > V) /* padded columns */
