@@ -155,27 +155,13 @@ template <int VEC> __device__ __forceinline__ void loss_grad_lean(float (&v)[VEC
 #define LOSS_LEAN_ROWS 0
 #endif
 /* A candidate, off (docs/BENCHMARKS.md #179): the first pass split in two, the row's max alone
- * (LossRowMax), then the sum of 2^(logit log2 e - max log2 e) (one fused multiply-add and fa_exp2 a
- * logit) at that max, in place of the online max and sum, whose every packet compares, rescales and
- * exponentiates a difference; every store's gradient in the same form (loss_grad_fma). The row is
- * in shared memory, so the extra pass costs no memory traffic there (an L2 read in k_loss_rows).
- * Other low bits than the online form. Not for keeping as it is: max log2 e overflows for a row
- * max above ~2.4e38. */
+ * (LossRowMax), then the sum of exp_ftz(logit - max) at that max, in place of the online max and
+ * sum, whose every packet compares, rescales and exponentiates; every store's gradient is #172's
+ * (loss_grad_lean). The row is in shared memory, so the extra pass costs no memory traffic there
+ * (an L2 read in k_loss_rows). Other low bits of the sum than the online form's. */
 #ifndef LOSS_ROWS_MAX_FIRST
 #define LOSS_ROWS_MAX_FIRST 0
 #endif
-
-/* LOSS_ROWS_MAX_FIRST's gradient of a packet, every store's (so the FP8 classifier's codes stay
- * those of the in-place gradient): 2^(v log2 e - lse2) * ds, lse2 = lse log2 e, one fused
- * multiply-add a logit where loss_grad_lean subtracts, then multiplies; the target's ds subtracted
- * in the one packet that holds it. */
-template <int VEC> __device__ __forceinline__ void loss_grad_fma(float (&v)[VEC], int j, int target, float lse2,
-                                                                 float ds) {
-    for (int k = 0; k < VEC; k++) v[k] = fa_exp2(fmaf(v[k], LOG2_E, -lse2)) * ds;
-    if ((unsigned)(target - j) < (unsigned)VEC)
-        for (int k = 0; k < VEC; k++)
-            if (j + k == target) v[k] -= ds;
-}
 
 #if LOSS_LEAN_ROWS
 #define LOSS_EXP exp_ftz
@@ -208,13 +194,12 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
     }
     mx = rm.value(); /* this thread's */
     float row_mx = block_max(mx);
-    const float mx2 = row_mx * LOG2_E;
     for (int j = threadIdx.x * VEC; row_mx != -INFINITY && j < V; j += LOSS_THREADS * VEC) {
         load_vec(v, src + j);
         if (j + VEC > V)
             for (int k = 0; k < VEC; k++)
                 if (j + k >= V) v[k] = -INFINITY;
-        for (int k = 0; k < VEC; k++) s += fa_exp2(fmaf(v[k], LOG2_E, -mx2));
+        for (int k = 0; k < VEC; k++) s += exp_ftz(v[k] - row_mx);
     }
     s = block_sum(s); /* ends with every read of l done */
 #else
@@ -244,8 +229,8 @@ __device__ __forceinline__ void loss_row(float* __restrict__ losses, float* __re
     const auto st_arg = loss_store_row_arg(st, ds, row);
     for (int j = threadIdx.x * VEC; j < Vp; j += LOSS_THREADS * VEC) {
         load_vec(v, src + j);
-        if constexpr (LOSS_ROWS_MAX_FIRST) loss_grad_fma(v, j, target, row_lse * LOG2_E, ds);
-        else if constexpr (LOSS_LEAN_ROWS || LossStoreLean<Store>::value) loss_grad_lean(v, j, target, row_lse, ds);
+        if constexpr (LOSS_ROWS_MAX_FIRST || LOSS_LEAN_ROWS || LossStoreLean<Store>::value)
+            loss_grad_lean(v, j, target, row_lse, ds);
         else
         for (int k = 0; k < VEC; k++) v[k] = (__expf(v[k] - row_lse) - (j + k == target ? 1.0f : 0.0f)) * ds;
         if (j + VEC > V) /* padded columns */
