@@ -88,11 +88,9 @@ struct LossStoreInPlace {
     }
 };
 
-#define LOG2_E 1.4426950216293334961f /* log2(e) in fp32, as __expf multiplies by it */
-
 /* exp(x) as __expf computes it (ex2.approx of x times log2 e rounded to fp32), but with results below
  * 2^-126 flushed to 0 (ex2.approx.ftz): the same bits for every other x, two to three instructions fewer. */
-__device__ __forceinline__ float exp_ftz(float x) { return fa_exp2(x * LOG2_E); }
+__device__ __forceinline__ float exp_ftz(float x) { return fa_exp2(x * FA_LOG2E); }
 
 /* The running max of a row's first pass (LOSS_ROWS_MAX_FIRST): bf16 packets of 8 as packed pairs,
  * their maxima taken pairwise without conversion (the values are exact in bf16, so the pairs' max
