@@ -506,10 +506,16 @@ template <typename T> static AttnScratch<T> attn_scratch_poisoned(int B, int Tn,
     return sc;
 }
 
-template <typename T> static void test_attn(const Shape& s, Tol tol) {
+/* ramp > 0: key j's row scaled by 1 + ramp * j / T, so the scores grow along the keys and the
+ * flash kernels' running max keeps moving from key tile to key tile (with ramp 0 it settles after
+ * the first), which exercises their rescaling paths. */
+template <typename T> static void test_attn(const Shape& s, Tol tol, float ramp = 0.0f) {
     int B = s.B, Tn = s.T, C = s.C, H = s.H, hs = C / H, N = B * Tn;
     size_t nc = (size_t)N * C;
-    Vec q = rounded<T>(randn(nc, 1.0f)), k = rounded<T>(randn(nc, 1.0f)), v = rounded<T>(randn(nc, 1.0f));
+    Vec q = rounded<T>(randn(nc, 1.0f)), k = randn(nc, 1.0f), v = rounded<T>(randn(nc, 1.0f));
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < C; c++) k[(size_t)n * C + c] *= 1.0f + ramp * (float)(n % Tn) / (float)Tn;
+    k = rounded<T>(k);
     Vec out_c(nc), att((size_t)B * H * Tn * Tn);
     attention_forward(out_c.data(), att.data(), q.data(), k.data(), v.data(), B, Tn, C, H);
     /* reference log-sum-exp of each score row, in double */
@@ -2126,6 +2132,10 @@ template <typename T> static void run_attn(void) {
     if constexpr (sizeof(T) == 2) check_wgmma_path<T>();
     for (const Shape& s : SHAPES) one(s);
     for (const Shape& s : ATTN_SHAPES) one(s);
+    for (const Shape& s : ATTN_SHAPES) {
+        set_ctx(TypeInfo<T>::name(), "attn", (shape_str(s) + " ramped keys").c_str());
+        test_attn<T>(s, tol_for<T>(), 4.0f);
+    }
 }
 
 /* The loss rows from shared memory (microgpt/cuda/loss.cuh's k_loss_rows_shared), which must run
