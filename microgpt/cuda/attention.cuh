@@ -552,45 +552,6 @@ __device__ __forceinline__ void fa_softmax_tile(float (*s)[4], float* m, float* 
     }
 }
 
-/* A candidate, off (docs/BENCHMARKS.md #181): the wgmma forward's running max moves only when a row
- * of the warp would gain more than FA_RESCALE_SLACK over it (base 2; FlashAttention-4's rule), so
- * most key tiles after the first few skip alpha's exponentials, l's rescale and o's (a
- * multiplication an accumulator). Where it stays, P = 2^(s sl2 - m) is at most 2^FA_RESCALE_SLACK
- * and o and l keep one scale, which the final o / l and lse = m + log l divide out: the same
- * quantities, other low bits. */
-#ifndef FA_FWD_LAZY_RESCALE
-#define FA_FWD_LAZY_RESCALE 0
-#endif
-#define FA_RESCALE_SLACK 8.0f
-
-/* fa_softmax_tile (without o) under that rule: returns whether the warp moved its rows' max, in
- * which case o must be rescaled by alpha; else alpha is 1. Warp-uniform. */
-template <int D>
-__device__ __forceinline__ bool fa_softmax_tile_lazy(float (*s)[4], float* m, float* l, float* alpha, float sl2) {
-    float m_new[2];
-    bool grows = false;
-    for (int h = 0; h < 2; h++) {
-        float mx = -INFINITY;
-        for (int j = 0; j < FA_TILE / 8; j++) mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
-        m_new[h] = fmaxf(m[h], fa_quad_max(mx) * sl2);
-        grows |= m_new[h] > m[h] + FA_RESCALE_SLACK;
-    }
-    bool move = __any_sync(0xffffffffu, grows);
-    for (int h = 0; h < 2; h++) {
-        float ref = move ? m_new[h] : m[h], sum = 0.0f;
-        alpha[h] = move ? fa_exp2(m[h] - ref) : 1.0f;
-        for (int j = 0; j < FA_TILE / 8; j++)
-            for (int e = 0; e < 2; e++) {
-                float p = fa_exp2(fmaf(s[j][2 * h + e], sl2, -ref));
-                s[j][2 * h + e] = p;
-                sum += p;
-            }
-        l[h] = move ? l[h] * alpha[h] + sum : l[h] + sum;
-        m[h] = ref;
-    }
-    return move;
-}
-
 /* One key tile of the forward for a warp: the online softmax, then o += P V (s becomes P). */
 template <typename T, int D>
 __device__ __forceinline__ void fa_fwd_tile(float (*o)[4], float* m, float* l, float (*s)[4], const T* vtile,
@@ -924,18 +885,11 @@ __device__ __forceinline__ void fa_fwd_wgmma_body(T* out, float* lse, const FaHe
         fa_wg_wait<1>(); /* S_kt is done; P_kt-1 V_kt-1 runs on beside the softmax */
         fa_wg_hold<FA_TILE / 8>(s);
         if (kt == qt) fa_mask_diagonal<false>(s, warp * 16);
-#if FA_FWD_LAZY_RESCALE
-        bool moved = fa_softmax_tile_lazy<D>(s, m, l, alpha, sl2); /* o is still being accumulated */
-#else
         fa_softmax_tile<D>(s, m, l, alpha, sl2, NULL); /* o is still being accumulated */
-#endif
         fa_wg_block_end(l[0]);
         fa_wg_wait<0>();
         fa_wg_hold<Fa<D>::ND>(o);
-#if FA_FWD_LAZY_RESCALE
-        if (moved)
-#endif
-            for (int h = 0; h < 2; h++) fa_rescale_rows<D>(o, alpha[h], h);
+        for (int h = 0; h < 2; h++) fa_rescale_rows<D>(o, alpha[h], h);
         fa_wg_pack_p<T>(p, s); /* only now: P V_kt-1 read these registers (else ptxas serialises the
                                 * products, C7513) */
     }
