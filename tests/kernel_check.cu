@@ -513,8 +513,9 @@ template <typename T> static void test_attn(const Shape& s, Tol tol, float ramp 
     int B = s.B, Tn = s.T, C = s.C, H = s.H, hs = C / H, N = B * Tn;
     size_t nc = (size_t)N * C;
     Vec q = rounded<T>(randn(nc, 1.0f)), k = randn(nc, 1.0f), v = rounded<T>(randn(nc, 1.0f));
-    for (int n = 0; n < N; n++)
-        for (int c = 0; c < C; c++) k[(size_t)n * C + c] *= 1.0f + ramp * (float)(n % Tn) / (float)Tn;
+    if (ramp > 0.0f)
+        for (int n = 0; n < N; n++)
+            for (int c = 0; c < C; c++) k[(size_t)n * C + c] *= 1.0f + ramp * (float)(n % Tn) / (float)Tn;
     k = rounded<T>(k);
     Vec out_c(nc), att((size_t)B * H * Tn * Tn);
     attention_forward(out_c.data(), att.data(), q.data(), k.data(), v.data(), B, Tn, C, H);

@@ -242,12 +242,12 @@ __device__ __forceinline__ void load_vec(float (&f)[VEC], const T* p) {
             if constexpr (std::is_same<T, bf16>::value) {
                 /* a bf16 is the upper half of its fp32: one shift or one mask a value (the
                  * conversion's PRMT and shift took three instructions a pair; the same bits) */
-                unsigned w[4];
+                unsigned w[PACK(T) / 2];
                 memcpy(w, &raw, sizeof raw);
 #pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    f[q * 8 + 2 * k] = __uint_as_float(w[k] << 16);
-                    f[q * 8 + 2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+                for (int k = 0; k < PACK(T) / 2; k++) {
+                    f[q * PACK(T) + 2 * k] = __uint_as_float(w[k] << 16);
+                    f[q * PACK(T) + 2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
                 }
                 continue;
             }
