@@ -1070,7 +1070,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
  *
  * Shared memory: the K and V tiles and double-buffered Q and dO tiles in the forward's swizzled
  * layout, 6 x 2D x 64 bytes + 1024 to align (49 KiB at D = 64: dynamic, over the static 48 KiB),
- * plus lse and delta of both query tiles (static). One barrier per step: step qt waits for tile
+ * plus lse and delta of both query tiles (static); FA_DKV_STAGES 3 triple-buffers them (65 KiB). One barrier per step: step qt waits for tile
  * qt's copies, issues S^T and dP^T, then starts tile qt + 1's copies beside them into the buffers
  * of tile qt - 1, whose products every thread waited for at the end of step qt - 1. Nothing but
  * that barrier comes before a step's products (docs/DESIGN.md §9: 141 -> 117.5 µs a launch at
@@ -1088,10 +1088,16 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
  * step ahead (FlashAttention-3's overlap: three query buffers, a second score register set, 2
  * blocks a multiprocessor) was measured and gained nothing (docs/DESIGN.md §9), so the issue of
  * those products is not what bounds this kernel. */
+/* FA_DKV_STAGES (a switch, 2 by default; docs/BENCHMARKS.md #182): query tiles in flight, the one
+ * a step works on and those whose copies are under way. 3 starts a tile's copies two steps ahead. */
+#ifndef FA_DKV_STAGES
+#define FA_DKV_STAGES 2
+#endif
 template <int D> struct FaWgDkv {
-    static constexpr int DYNAMIC_SMEM = 6 * FaWg<D>::TILE_BYTES + 1024;     /* k, v, q[2], dout[2] */
-    static constexpr int STATIC_SMEM = 2 * 2 * FA_TILE * (int)sizeof(float); /* lses, dls: at least the
-                                                                               * sm_90a body's static bytes */
+    static constexpr int STAGES = FA_DKV_STAGES;
+    static constexpr int DYNAMIC_SMEM = (2 + 2 * STAGES) * FaWg<D>::TILE_BYTES + 1024; /* k, v, q[], dout[] */
+    static constexpr int STATIC_SMEM = STAGES * 2 * FA_TILE * (int)sizeof(float); /* lses, dls: at least the
+                                                                                    * sm_90a body's static bytes */
 };
 
 /* Asynchronous 4-byte copy global -> shared (src_bytes 0: write zeros, read nothing). */
@@ -1144,25 +1150,27 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
                                                       unsigned char* fa_dkv_smem, Epi epi) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using W = FaWg<D>;
-    /* query tile qt's in [(qt - kt) % 2]; lse as stored (natural log, scaled where used) */
-    __shared__ float lses[2][FA_TILE], dls[2][FA_TILE];
-    __shared__ __align__(8) unsigned long long loaded[2]; /* mbarriers: query tile qt's loads, loaded[(qt - kt) % 2] */
+    constexpr int NQ = FaWgDkv<D>::STAGES; /* query tile qt's buffers: [(qt - kt) % NQ] */
+    static_assert(NQ == 2 || NQ == 3, "two or three query tiles in flight");
+    /* lse as stored (natural log, scaled where used) */
+    __shared__ float lses[NQ][FA_TILE], dls[NQ][FA_TILE];
+    __shared__ __align__(8) unsigned long long loaded[NQ]; /* mbarriers: query tile qt's loads */
     unsigned smem_addr = (unsigned)__cvta_generic_to_shared(fa_dkv_smem), pad = (1024 - (smem_addr & 1023)) & 1023;
-    unsigned char* tiles = fa_dkv_smem + pad; /* [k | v | q0 | q1 | dout0 | dout1], each TILE_BYTES */
+    unsigned char* tiles = fa_dkv_smem + pad; /* [k | v | q[NQ] | dout[NQ]], each TILE_BYTES */
     unsigned k_addr = smem_addr + pad, v_addr = k_addr + W::TILE_BYTES, bar0 = (unsigned)__cvta_generic_to_shared(loaded);
     auto q_tile = [&](int buf) { return (2 + buf) * W::TILE_BYTES; }; /* byte offsets in tiles */
-    auto do_tile = [&](int buf) { return (4 + buf) * W::TILE_BYTES; };
+    auto do_tile = [&](int buf) { return (2 + NQ + buf) * W::TILE_BYTES; };
     int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
     FaBlock blk = fa_block();
     int kt = blk.tile, bh = blk.bh, b = bh / H, hd = bh % H, n_tiles = blk.n_tiles;
     int sub = warp * 16, row0 = kt * FA_TILE + sub; /* the warp's first key within the tile, and in all */
     int col0 = hd * D;
     size_t base = (size_t)b * T_ * C + (size_t)col0;
-    /* starts loading query tile qt (the i-th, i = qt - kt) into buffer i % 2: its Q and dO tiles by
-     * the TMA (thread 0; the first also K and V) on mbarrier loaded[i % 2], in its phase i / 2, and
-     * lse and delta by cp.async, one group */
+    /* starts loading query tile qt (the i-th, i = qt - kt) into buffer i % NQ: its Q and dO tiles by
+     * the TMA (thread 0; the first also K and V) on mbarrier loaded[i % NQ], in its phase (i / NQ) % 2,
+     * and lse and delta by cp.async, one group */
     auto load_queries = [&](int qt) {
-        int i = qt - kt, buf = i % 2;
+        int i = qt - kt, buf = i % NQ;
         if (threadIdx.x == 0) {
             unsigned bar = bar0 + 8 * buf;
             mbar_arrive_expect_bytes(bar, (i == 0 ? 4 : 2) * W::TILE_BYTES);
@@ -1180,10 +1188,10 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
 
     /* query tile qt's step (one barrier, above), s and dp its scores; diagonal: qt == kt */
     auto step = [&](float (*s)[4], float (*dp)[4], int qt, bool diagonal) {
-        int i = qt - kt, cur = i % 2;
-        fa_cp_wait<0>();                       /* lse and delta of tile qt have landed (this thread's) ... */
-        mbar_wait(bar0 + 8 * cur, (i >> 1) & 1); /* ... its tiles too (the TMA's writes and the products'
-                                                  * reads are both async-proxy: no fence) ... */
+        int i = qt - kt, cur = i % NQ, phase = (NQ == 2 ? i >> 1 : i / NQ) & 1;
+        fa_cp_wait<NQ - 2>();                /* lse and delta of tile qt have landed (this thread's) ... */
+        mbar_wait(bar0 + 8 * cur, phase); /* ... its tiles too (the TMA's writes and the products'
+                                           * reads are both async-proxy: no fence) ... */
         __syncthreads(); /* ... and everyone's; everyone's products on tile qt - 1 are done */
         unsigned q_addr = k_addr + q_tile(cur), do_addr = k_addr + do_tile(cur);
         const float *lsec = lses[cur], *dlc = dls[cur];
@@ -1193,7 +1201,11 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
         fa_wg_fence(); /* p and ds were written by ordinary instructions */
         fa_wg_scores<T, D>(s, k_addr, q_addr); /* S^T and dP^T, issued as two groups */
         fa_wg_scores<T, D>(dp, v_addr, do_addr);
-        if (qt + 1 < n_tiles) load_queries(qt + 1); /* beside S^T, dP^T */
+        if (qt + NQ - 1 < n_tiles) /* beside S^T, dP^T */
+            load_queries(qt + NQ - 1);
+        else if (NQ > 2) /* an empty group, so that a step always finds the group of the tile after
+                          * its own committed (fa_cp_wait<1>) */
+            fa_cp_commit();
         fa_wg_wait<1>(); /* S^T is done; dP^T runs on beside P^T */
         fa_wg_hold<FA_TILE / 8>(s);
         if (diagonal) fa_mask_diagonal<true>(s, sub);
@@ -1216,12 +1228,17 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
     };
 
     if (threadIdx.x == 0) {
-        mbar_init(bar0, 1);
-        mbar_init(bar0 + 8, 1);
+        for (int j = 0; j < NQ; j++) mbar_init(bar0 + 8 * j, 1);
         mbar_init_fence();
     }
     __syncthreads(); /* the barriers are initialised before anyone waits on them */
     load_queries(kt);
+    if (NQ > 2) { /* the second tile's, as a step's below */
+        if (kt + 1 < n_tiles)
+            load_queries(kt + 1);
+        else
+            fa_cp_commit();
+    }
     float s[FA_TILE / 8][4], dp[FA_TILE / 8][4];
     step(s, dp, kt, true); /* the diagonal first, then no step tests for it */
     for (int qt = kt + 1; qt < n_tiles; qt++) step(s, dp, qt, false);
