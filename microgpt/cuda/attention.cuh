@@ -1068,11 +1068,13 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
  * (movmatrix), is the matching block of the dQ kernel's dS A fragment, so the tile holds the bits
  * fa_store_ds_fragments stores (no staging in shared memory).
  *
- * Shared memory: the K and V tiles and double-buffered Q and dO tiles in the forward's swizzled
- * layout, 6 x 2D x 64 bytes + 1024 to align (49 KiB at D = 64: dynamic, over the static 48 KiB),
- * plus lse and delta of both query tiles (static); FA_DKV_STAGES 3 triple-buffers them (65 KiB). One barrier per step: step qt waits for tile
- * qt's copies, issues S^T and dP^T, then starts tile qt + 1's copies beside them into the buffers
- * of tile qt - 1, whose products every thread waited for at the end of step qt - 1. Nothing but
+ * Shared memory: the K and V tiles and triple-buffered Q and dO tiles in the forward's swizzled
+ * layout, 8 x 2D x 64 bytes + 1024 to align (65 KiB at D = 64: dynamic, over the static 48 KiB;
+ * 3 blocks fit a multiprocessor), plus lse and delta of the three query tiles (static). One
+ * barrier per step: step qt waits for tile qt's copies, issues S^T and dP^T, then starts tile
+ * qt + 2's copies beside them into the buffers of tile qt - 1, whose products every thread waited
+ * for at the end of step qt - 1 (copies one step ahead, into two buffers, left the warps waiting
+ * for them at a ninth of Nsight Compute's samples: docs/BENCHMARKS.md #182). Nothing but
  * that barrier comes before a step's products (docs/DESIGN.md §9: 141 -> 117.5 µs a launch at
  * ANDREA-120M, docs/BENCHMARKS.md log #72), because a step that first copied the next tile held
  * the warpgroup's products for ~470 instructions and a global round trip:
@@ -1088,13 +1090,10 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
  * step ahead (FlashAttention-3's overlap: three query buffers, a second score register set, 2
  * blocks a multiprocessor) was measured and gained nothing (docs/DESIGN.md §9), so the issue of
  * those products is not what bounds this kernel. */
-/* FA_DKV_STAGES (a switch, 2 by default; docs/BENCHMARKS.md #182): query tiles in flight, the one
- * a step works on and those whose copies are under way. 3 starts a tile's copies two steps ahead. */
-#ifndef FA_DKV_STAGES
-#define FA_DKV_STAGES 2
-#endif
 template <int D> struct FaWgDkv {
-    static constexpr int STAGES = FA_DKV_STAGES;
+    /* query tiles in flight: the one a step works on and the next two, whose copies are under way
+     * (two, one step ahead, left the warps waiting for them: docs/BENCHMARKS.md #182) */
+    static constexpr int STAGES = 3;
     static constexpr int DYNAMIC_SMEM = (2 + 2 * STAGES) * FaWg<D>::TILE_BYTES + 1024; /* k, v, q[], dout[] */
     static constexpr int STATIC_SMEM = STAGES * 2 * FA_TILE * (int)sizeof(float); /* lses, dls: at least the
                                                                                     * sm_90a body's static bytes */
@@ -1151,7 +1150,7 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using W = FaWg<D>;
     constexpr int NQ = FaWgDkv<D>::STAGES; /* query tile qt's buffers: [(qt - kt) % NQ] */
-    static_assert(NQ == 2 || NQ == 3, "two or three query tiles in flight");
+    static_assert(NQ == 3, "the steps below start the copies NQ - 1 = 2 tiles ahead");
     /* lse as stored (natural log, scaled where used) */
     __shared__ float lses[NQ][FA_TILE], dls[NQ][FA_TILE];
     __shared__ __align__(8) unsigned long long loaded[NQ]; /* mbarriers: query tile qt's loads */
@@ -1188,8 +1187,8 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
 
     /* query tile qt's step (one barrier, above), s and dp its scores; diagonal: qt == kt */
     auto step = [&](float (*s)[4], float (*dp)[4], int qt, bool diagonal) {
-        int i = qt - kt, cur = i % NQ, phase = (NQ == 2 ? i >> 1 : i / NQ) & 1;
-        fa_cp_wait<NQ - 2>();                /* lse and delta of tile qt have landed (this thread's) ... */
+        int i = qt - kt, cur = i % NQ, phase = (i / NQ) & 1;
+        fa_cp_wait<1>();                     /* lse and delta of tile qt have landed (this thread's) ... */
         mbar_wait(bar0 + 8 * cur, phase); /* ... its tiles too (the TMA's writes and the products'
                                            * reads are both async-proxy: no fence) ... */
         __syncthreads(); /* ... and everyone's; everyone's products on tile qt - 1 are done */
@@ -1201,10 +1200,10 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
         fa_wg_fence(); /* p and ds were written by ordinary instructions */
         fa_wg_scores<T, D>(s, k_addr, q_addr); /* S^T and dP^T, issued as two groups */
         fa_wg_scores<T, D>(dp, v_addr, do_addr);
-        if (qt + NQ - 1 < n_tiles) /* beside S^T, dP^T */
-            load_queries(qt + NQ - 1);
-        else if (NQ > 2) /* an empty group, so that a step always finds the group of the tile after
-                          * its own committed (fa_cp_wait<1>) */
+        if (qt + 2 < n_tiles) /* beside S^T, dP^T */
+            load_queries(qt + 2);
+        else /* an empty group, so that a step always finds the group of the tile after its own
+              * committed (fa_cp_wait<1>) */
             fa_cp_commit();
         fa_wg_wait<1>(); /* S^T is done; dP^T runs on beside P^T */
         fa_wg_hold<FA_TILE / 8>(s);
@@ -1233,12 +1232,10 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
     }
     __syncthreads(); /* the barriers are initialised before anyone waits on them */
     load_queries(kt);
-    if (NQ > 2) { /* the second tile's, as a step's below */
-        if (kt + 1 < n_tiles)
-            load_queries(kt + 1);
-        else
-            fa_cp_commit();
-    }
+    if (kt + 1 < n_tiles) /* the second tile's, as a step's below */
+        load_queries(kt + 1);
+    else
+        fa_cp_commit();
     float s[FA_TILE / 8][4], dp[FA_TILE / 8][4];
     step(s, dp, kt, true); /* the diagonal first, then no step tests for it */
     for (int qt = kt + 1; qt < n_tiles; qt++) step(s, dp, qt, false);
@@ -1284,7 +1281,7 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
 /* Whether this process launches k_attn_bwd_dkv_wgmma<T, D, *> (as fa_fwd_wgmma_ok: the sm_90a body
  * alone has static shared memory, lses, dls and the mbarriers); where it does, both instantiations are allowed
  * their dynamic shared memory (over the default 48 KiB at D = 64) and asked for the largest
- * shared-memory carveout (3 blocks a multiprocessor need up to 150 KiB), once. */
+ * shared-memory carveout (3 blocks a multiprocessor need up to 200 KiB), once. */
 template <typename T, int D> static bool fa_dkv_wgmma_ok(void) {
     static int ok = -1;
     if (ok >= 0) return ok;
