@@ -696,24 +696,6 @@ static FaDkvMaps fa_dkv_maps(const void* q, const void* k, const void* v, const 
     return {fa_head_maps<D>(q, k, v, B, T_, C), fa_head_map<D>(dout, B, T_, C)};
 }
 
-/* FA_PREFETCH_MAPS (a switch, off; docs/BENCHMARKS.md #183): thread 0 of a wgmma flash kernel
- * prefetches the tensor maps its copies go through before it waits for the previous kernel, so
- * that the block's first copies need not fetch them. */
-#ifndef FA_PREFETCH_MAPS
-#define FA_PREFETCH_MAPS 0
-#endif
-__device__ __forceinline__ void fa_prefetch_maps(const FaHeadMaps& maps) {
-    if (FA_PREFETCH_MAPS && threadIdx.x == 0) {
-        tma_prefetch_map(&maps.q);
-        tma_prefetch_map(&maps.k);
-        tma_prefetch_map(&maps.v);
-    }
-}
-__device__ __forceinline__ void fa_prefetch_maps(const FaDkvMaps& maps) {
-    fa_prefetch_maps(maps.qkv);
-    if (FA_PREFETCH_MAPS && threadIdx.x == 0) tma_prefetch_map(&maps.dout);
-}
-
 /* Whether T is bf16 (else fp16): the products' input type, spelled in their instruction. */
 template <typename T> struct FaWgBf16 { static constexpr bool value = false; };
 template <> struct FaWgBf16<bf16> { static constexpr bool value = true; };
@@ -942,7 +924,6 @@ template <typename T, int D, bool AMAX>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
     k_attn_fwd_wgmma(T* out, float* lse, const __grid_constant__ FaHeadMaps maps, int T_, int C, int H, float sl2,
                      unsigned* amax_bits) {
-    fa_prefetch_maps(maps);
     await_previous_kernel();
     fa_fwd_wgmma_body<T, D, AMAX>(out, lse, maps, T_, C, H, sl2, amax_bits, FaBwdPlain());
 }
@@ -1289,7 +1270,6 @@ template <typename T, int D, bool AMAX>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     k_attn_bwd_dkv_wgmma(T* dk, T* dv, T* ds_tiles, const __grid_constant__ FaDkvMaps maps, const float* lse,
                          const float* delta, int T_, int C, int H, float scale, float sl2, unsigned* amax_bits) {
-    fa_prefetch_maps(maps);
     await_previous_kernel();
     /* declared in each kernel, not in the body: an extern's alignment there would align every
      * kernel's dynamic shared memory */

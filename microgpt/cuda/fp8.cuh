@@ -774,7 +774,6 @@ template <typename T, int D>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
     k_attn_bwd_dkv_wgmma_fp8(T* ds_tiles, const __grid_constant__ FaDkvMaps maps, const float* lse, const float* delta,
                              int T_, int C, int H, float scale, float sl2, FaBwdCodes codes) {
-    fa_prefetch_maps(maps);
     await_previous_kernel();
     extern __shared__ __align__(1024) unsigned char fa_dkv_smem[]; /* as k_attn_bwd_dkv_wgmma's */
     fa_bwd_dkv_wgmma_body<T, D, false>((T*)NULL, (T*)NULL, ds_tiles, maps, lse, delta, T_, C, H, scale, sl2,
@@ -863,7 +862,6 @@ template <typename T, int D>
 __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_FWD)
     k_attn_fwd_wgmma_fp8(T* out, float* lse, const __grid_constant__ FaHeadMaps maps, int T_, int C, int H, float sl2,
                          FaBwdCodes codes) {
-    fa_prefetch_maps(maps);
     await_previous_kernel();
     fa_fwd_wgmma_body<T, D, false>(out, lse, maps, T_, C, H, sl2, (unsigned*)NULL, codes);
 }

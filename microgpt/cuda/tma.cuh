@@ -50,12 +50,6 @@ __device__ __forceinline__ void tma_load(unsigned dst, const CUtensorMap* map, i
         "l"((unsigned long long)map), "r"(x), "r"(y), "r"(bar)
         : "memory");
 }
-/* Starts fetching the tensor map at map (a __grid_constant__ kernel parameter) into the TMA unit's
- * descriptor cache, so that the first copy through it need not fetch it. A map is no output of an
- * earlier kernel: a kernel may prefetch it before await_previous_kernel. */
-__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"((unsigned long long)map) : "memory");
-}
 /* Starts loading the box at column x, row y, plane z of the three-dimensional tensor map into
  * shared memory at dst; its bytes count on the mbarrier at bar. */
 __device__ __forceinline__ void tma_load_3d(unsigned dst, const CUtensorMap* map, int x, int y, int z, unsigned bar) {
