@@ -22,7 +22,9 @@
 #                step, ANDREA-12M and ANDREA-120M in bf16, uncaptured; $OUT/profile-*.csv, summed per
 #                kernel by bench/kernel_profile.py into $OUT/profile.log (ANDREA-120M also on the real
 #                text of data/megachat when it is there); and the stall and occupancy
-#                sections of the flash-attention kernels in $OUT/profile-k_attn_*.log
+#                sections of the flash-attention kernels in $OUT/profile-k_attn_*.log, and where
+#                their warps wait (per-instruction stall samples of build/attn_bench's, summarised
+#                by bench/stall_profile.py) in $OUT/stalls-k_attn_*.log
 # The last lines (also appended to $OUT/summary.log) say which stages passed; exit status 1 if any
 # failed, 2 for an unknown stage. Estimated on an H200: build 1-2 min, kernel_check < 1, pytest_gpu
 # 1-2, timing 1-2, pytest_engine 1-3, sanitizer 5-8 (each tool run has its own time limit).
@@ -192,6 +194,19 @@ profile_sections() {
         --data.train "$DATA/big_*.bin" | grep -v '^{'
 }
 
+# profile_stalls KERNEL: Nsight Compute's full set over one launch of KERNEL in build/attn_bench
+# (its ANDREA-120M shapes run first), the source page's per-instruction stall samples summarised by
+# bench/stall_profile.py (where the warps wait: stall reasons, the copies' mbarrier waits, the
+# instructions with most samples); the report and the page stay as $OUT/stalls-KERNEL.*
+profile_stalls() {
+    local ncu rep="$OUT/stalls-$1"
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    run_cmd 240 "$ncu" --set full --import-source no -k "regex:$1" -s 2 -c 1 -f -o "$rep" build/attn_bench \
+        > /dev/null || return 1
+    "$ncu" -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" || return 1
+    "$PY" bench/stall_profile.py "$rep.csv"
+}
+
 stage_profile() {
     local rc=0 k
     make_shard big 50257 3000000 || return 1
@@ -205,6 +220,10 @@ stage_profile() {
     "$PY" bench/kernel_profile.py "$OUT"/profile-*.csv || rc=1
     for k in k_attn_fwd k_attn_bwd_dq k_attn_bwd_dkv; do
         profile_sections "$k" > "$OUT/profile-$k.log" 2>&1 || rc=1
+    done
+    make build/attn_bench || return 1
+    for k in k_attn_fwd_wgmma k_attn_bwd_dkv_wgmma k_attn_bwd_dq; do
+        profile_stalls "$k" > "$OUT/stalls-$k.log" 2>&1 || rc=1
     done
     return "$rc"
 }
