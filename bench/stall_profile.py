@@ -25,13 +25,18 @@ EXECUTED = "Instructions Executed"
 BRANCH_TARGET = re.compile(r"\bBRA\b.*?(0x[0-9a-fA-F]+)")
 
 
+def count(text):
+    """A count as ncu writes it ("" for none, maybe with thousands separators)."""
+    return int(text.replace(",", "") or 0)
+
+
 class Instruction:
     def __init__(self, rec, stall_columns):
         self.address = int(rec["Address"], 16)
         self.sass = rec["Source"].strip()
-        self.samples = int(rec[SAMPLES] or 0)
-        self.executed = int(rec[EXECUTED] or 0)
-        self.stalls = {c[len("stall_"):]: int(rec[c] or 0) for c in stall_columns}
+        self.samples = count(rec[SAMPLES])
+        self.executed = count(rec[EXECUTED])
+        self.stalls = {c[len("stall_"):]: count(rec[c]) for c in stall_columns}
 
     def branch_target(self):
         m = BRANCH_TARGET.search(self.sass)
@@ -40,8 +45,11 @@ class Instruction:
 
 def read_source_page(path):
     """(kernel name, [Instruction] in address order) of one exported source page."""
-    with open(path, newline="") as f:
-        lines = [ln for ln in f if ln.startswith('"')]  # skip ==PROF== and program output
+    try:
+        with open(path, newline="") as f:
+            lines = [ln for ln in f if ln.startswith('"')]  # skip ==PROF== and program output
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{path}: cannot read it: {e}")
     if len(lines) < 3 or not lines[0].startswith('"Kernel Name"'):
         raise SystemExit(f"{path}: not ncu's source page as CSV (--page source --csv --print-source sass)")
     kernel = next(csv.reader(lines[:1]))[1]
@@ -50,7 +58,13 @@ def read_source_page(path):
     if missing:
         raise SystemExit(f"{path}: no column {sorted(missing)[0]!r}: profile with --set full")
     stall_columns = [c for c in reader.fieldnames if c.startswith("stall_") and "Not Issued" not in c]
-    return kernel, sorted((Instruction(rec, stall_columns) for rec in reader), key=lambda i: i.address)
+    instructions = []
+    for row, rec in enumerate(reader, 1):
+        try:
+            instructions.append(Instruction(rec, stall_columns))
+        except (ValueError, TypeError, AttributeError) as e:  # a short row gives None, a bad one text
+            raise SystemExit(f"{path}: instruction row {row} is not one of ncu's ({e})")
+    return kernel, sorted(instructions, key=lambda i: i.address)
 
 
 TRYWAIT_PREDICATE = re.compile(r"TRYWAIT\s+(P\d)\b")
@@ -115,10 +129,17 @@ def report(path, top):
         print(f"    {i.address - base:#06x} {pct(i.samples):>7} {i.executed:>9}  {i.sass[:60]:60s} {main}")
 
 
+def positive(text):
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return n
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source_csv", nargs="+")
-    ap.add_argument("--top", type=int, default=12, help="instructions to list (default 12)")
+    ap.add_argument("--top", type=positive, default=12, help="instructions to list (default 12)")
     args = ap.parse_args(argv)
     for path in args.source_csv:
         report(path, args.top)

@@ -78,6 +78,28 @@ def test_a_file_that_is_not_a_source_page_is_refused(tmp_path):
         stall_profile.read_source_page(path)
 
 
+@pytest.mark.parametrize("damage", ["missing", "text", "short"])
+def test_a_damaged_or_missing_page_is_one_clear_error(page, damage):
+    if damage == "missing":
+        page.unlink()
+        expected = "cannot read it"
+    elif damage == "text":
+        page.write_text(page.read_text().replace('"30","30","64"', '"x","30","64"'))
+        expected = "instruction row 7 is not one of ncu's"
+    else:
+        page.write_text(page.read_text()[:-40])  # the last row cut short
+        expected = f"instruction row {len(KERNEL)} is not one of ncu's"
+    res = subprocess.run([sys.executable, os.path.join(HERE, "stall_profile.py"), str(page)], capture_output=True,
+                         text=True)
+    assert res.returncode == 1 and expected in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_top_must_be_positive(page):
+    res = subprocess.run([sys.executable, os.path.join(HERE, "stall_profile.py"), str(page), "--top", "0"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "not a positive number" in res.stderr
+
+
 def test_a_page_without_samples_is_refused(tmp_path):
     path = tmp_path / "src.csv"
     path.write_text(source_page([(offset, sass, executed, {}) for offset, sass, executed, _ in KERNEL]))
