@@ -3,6 +3,7 @@
 
 Fast tests use the TINY model on random-token shards; one test trains on real Shakespeare shards.
 """
+import fcntl
 import json
 import math
 import glob
@@ -1127,6 +1128,29 @@ def test_special_files_are_refused_up_front(engine, random_shards, tmp_path, fif
     assert res.rc == 2, res.describe()
     assert len(res.errors) == 1 and word in res.errors[0], res.describe()
     assert res.steps == [] and not res.events("memory"), res.describe()
+
+
+def test_a_resume_on_a_checkpoint_in_use_is_refused_before_it_is_read(engine, random_shards, tmp_path):
+    """The checkpoint of an engine that holds PATH.lock may be half replaced (between the renames of
+    the checkpoint and its sidecar). A resume read it before taking the lock, called the pair
+    damaged and offered to move the live run's files back to the previous slot; CI caught it once.
+    The lock now comes first: with the pair out of step and the lock held, the answer is "in use"."""
+    ckpt = tmp_path / "run.ckpt"
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=ckpt))
+    data = bytearray(ckpt.read_bytes())
+    data[-1] ^= 0xFF  # the checkpoint no longer matches its sidecar's CRC
+    ckpt.write_bytes(bytes(data))
+    args = tiny_args(random_shards.train, **{"train.steps": 4}, checkpoint=ckpt, resume=True)
+    fd = os.open(f"{ckpt}.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a live engine holds it
+        held = eu.run_engine(engine.binary, args, timeout=20)
+    finally:
+        os.close(fd)
+    assert held.rc == 2 and len(held.errors) == 1, held.describe()
+    assert f"checkpoint {ckpt} is in use: another engine holds {ckpt}.lock" in held.errors[0]
+    free = eu.run_engine(engine.binary, args, timeout=20)  # the lock released: the damage is reported
+    assert free.rc == 2 and len(free.errors) == 1 and "fails its integrity check" in free.errors[0], free.describe()
 
 
 @pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])

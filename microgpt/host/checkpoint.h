@@ -403,9 +403,12 @@ static void ckpt_check_paths(const char* path, int fresh, size_t n_params) {
  * would race a starting engine) is flock'ed for the life of the process, which the kernel releases
  * however it ends. A second engine given the same path (without the proxy, whose run directory has
  * its own lock) would otherwise train on beside the first, each replacing the other's checkpoints. */
+static int g_ckpt_lock_fd = -1; /* PATH.lock while this process holds it */
+
 static void ckpt_lock(const char* path) {
     CkptFiles f;
     int fd;
+    if (g_ckpt_lock_fd >= 0) return; /* taken before the resume read (ckpt_lock_existing) */
     ckpt_files(path, &f);
     fd = open(f.lock, O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
     if (fd < 0) die_io("cannot open checkpoint lock %s: %s", f.lock, strerror(errno));
@@ -414,7 +417,18 @@ static void ckpt_lock(const char* path) {
             die_input("checkpoint %s is in use: another engine holds %s (one engine a checkpoint path)", path, f.lock);
         die_io("cannot lock checkpoint lock %s: %s", f.lock, strerror(errno));
     }
-    /* fd stays open: the lock lasts as long as this process */
+    g_ckpt_lock_fd = fd; /* stays open: the lock lasts as long as this process */
+}
+
+/* ckpt_lock where PATH.lock exists already, so that nothing is left behind: a resume takes it before
+ * it reads the checkpoint, which an engine holding it may be replacing. Read between that engine's
+ * two renames, the checkpoint and its sidecar are of different steps, and a resume that read them
+ * first called the pair damaged (and offered the way back to the previous slot) where the answer
+ * is that the path is in use. Where PATH.lock is missing no engine holds it. */
+static void ckpt_lock_existing(const char* path) {
+    CkptFiles f;
+    ckpt_files(path, &f);
+    if (file_exists(f.lock)) ckpt_lock(path);
 }
 
 /* Step in the header of the checkpoint `path`, or -1 when it cannot be read. */

@@ -278,6 +278,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0], r->layout.n_params);
     if (c->dump_grads[0]) dump_grads_check_path(r, c->dump_grads);
     if (c->resume) {
+        if (!c->dump_grads[0] && env_int("RANK", 0) == 0) ckpt_lock_existing(c->checkpoint.path); /* train_main's */
         r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer,
                                                    &r->sidecar);
         mixture_resume(&r->mix, c, c->checkpoint.path, &r->sidecar); /* before the start event, which reports p */
