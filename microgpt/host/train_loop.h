@@ -256,6 +256,12 @@ static void dump_grads_check_path(const Run* r, const char* path) {
 }
 
 /* Everything that can be wrong with the input is found here, before any large allocation. */
+/* Whether this process writes the run's checkpoints and so holds PATH.lock: rank 0 alone writes
+ * them (§17), and --dump-grads writes none. */
+static int run_locks_checkpoint(const Config* c) {
+    return c->checkpoint.path[0] && !c->dump_grads[0] && env_int("RANK", 0) == 0;
+}
+
 static void run_validate_inputs(Run* r, int argc, char** argv) {
     Config* c = &r->cfg;
     int V, T;
@@ -278,7 +284,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0], r->layout.n_params);
     if (c->dump_grads[0]) dump_grads_check_path(r, c->dump_grads);
     if (c->resume) {
-        if (!c->dump_grads[0] && env_int("RANK", 0) == 0) ckpt_lock_existing(c->checkpoint.path); /* train_main's */
+        if (run_locks_checkpoint(c)) ckpt_lock_existing(c->checkpoint.path); /* before the read */
         r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer,
                                                    &r->sidecar);
         mixture_resume(&r->mix, c, c->checkpoint.path, &r->sidecar); /* before the start event, which reports p */
@@ -516,10 +522,9 @@ static int train_main(int argc, char** argv) {
 
     signals_install();
     run_validate_inputs(r, argc, argv);
-    /* rank 0 alone writes checkpoints (§17); locked once the inputs are found good, so a refused
-     * start leaves nothing behind */
-    if (r->cfg.checkpoint.path[0] && !r->cfg.dump_grads[0] && env_int("RANK", 0) == 0)
-        ckpt_lock(r->cfg.checkpoint.path);
+    /* locked once the inputs are found good, so a refused start leaves nothing behind (a resume
+     * took the lock already where PATH.lock existed) */
+    if (run_locks_checkpoint(&r->cfg)) ckpt_lock(r->cfg.checkpoint.path);
     if (dist_start(r, argc, argv)) { /* dist (§17): no-op unless WORLD_SIZE > 1 */
         emit_start(r);
         return stop_before_first_step(r, 0);
