@@ -464,12 +464,7 @@ __device__ __forceinline__ unsigned fa_store_out_staged(T* y, T* stage, const fl
 
 /* The dQ kernel's bound: 6 blocks per multiprocessor (at most 85 registers; unbounded, ptxas holds
  * the prefetched fragments in 136). */
-/* FA_DQ_AHEAD (a switch, 1 by default; docs/BENCHMARKS.md #184): how many tiles ahead the dQ kernel
- * loads its dS fragments; 2 holds three fragment sets, so 5 blocks a multiprocessor (102 registers) */
-#ifndef FA_DQ_AHEAD
-#define FA_DQ_AHEAD 1
-#endif
-#define FA_DQ_BOUNDS __launch_bounds__(FA_THREADS, FA_DQ_AHEAD == 1 ? 6 : 5)
+#define FA_DQ_BOUNDS __launch_bounds__(FA_THREADS, 6)
 
 /* A warp's 16 staged dS^T rows (row stride LD; keys 16 kk .. of the tile) as the dQ kernel's A
  * fragments of k step kk: for query group i (dQ warp i), transposed ldmatrix gives each lane its 4
@@ -1327,7 +1322,6 @@ __device__ __forceinline__ void fa_bwd_dq_body(T* dq, const T* ds_tiles, const T
             a[kk][0] = v.x, a[kk][1] = v.y, a[kk][2] = v.z, a[kk][3] = v.w;
         }
     };
-#if FA_DQ_AHEAD == 1
     unsigned a_next[FA_TILE / 16][4];
     fa_load_rows<T, D>(ks[0], k + base, 0, T_, C);
     fa_cp_commit();
@@ -1346,36 +1340,6 @@ __device__ __forceinline__ void fa_bwd_dq_body(T* dq, const T* ds_tiles, const T
         for (int kk = 0; kk < FA_TILE / 16; kk++) fa_accumulate_step<T, D>(dq_acc, a[kk], ks[cur], kk);
         __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
     }
-#else
-    static_assert(FA_DQ_AHEAD == 2, "dS fragments one or two tiles ahead");
-    /* key tile kt's step on its fragments a: K tile kt + 1's copies, then the products */
-    auto dq_step = [&](int kt, const unsigned (*a)[4]) {
-        int cur = kt & 1;
-        if (kt < qt) fa_load_rows<T, D>(ks[cur ^ 1], k + base, (kt + 1) * FA_TILE, T_, C);
-        fa_cp_commit();
-        fa_cp_wait<1>(); /* K tile kt has landed (this thread's part) ... */
-        __syncthreads(); /* ... and everyone's */
-        for (int kk = 0; kk < FA_TILE / 16; kk++) fa_accumulate_step<T, D>(dq_acc, a[kk], ks[cur], kk);
-        __syncthreads(); /* everyone is done with buffer cur before it takes tile kt + 2 */
-    };
-    /* three fragment sets taken by turns, unrolled by three so that no set is copied: tile j's
-     * loads start before step j - 2's products */
-    unsigned f0[FA_TILE / 16][4], f1[FA_TILE / 16][4], f2[FA_TILE / 16][4];
-    fa_load_rows<T, D>(ks[0], k + base, 0, T_, C);
-    fa_cp_commit();
-    load_fragments(f0, 0);
-    if (qt >= 1) load_fragments(f1, 1);
-    for (int kt = 0; kt <= qt; kt += 3) {
-        if (kt + 2 <= qt) load_fragments(f2, kt + 2);
-        dq_step(kt, f0);
-        if (kt + 1 > qt) break;
-        if (kt + 3 <= qt) load_fragments(f0, kt + 3);
-        dq_step(kt + 1, f1);
-        if (kt + 2 > qt) break;
-        if (kt + 4 <= qt) load_fragments(f1, kt + 4);
-        dq_step(kt + 2, f2);
-    }
-#endif
     if constexpr (Epi::codes) { /* the staged tiles are done with (the loop's last barrier) */
         static_assert(Epi::template tile_bytes<D>() <= sizeof ks[0], "the codes fit a staged tile");
         unsigned char* dq_codes = (unsigned char*)ks[0];
