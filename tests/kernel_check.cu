@@ -573,12 +573,6 @@ template <typename T> static void test_attn(const Shape& s, Tol tol, float ramp 
     check("dk", r1[1], dk_inc, tol.fused);
     check("dv", r1[2], dv_inc, tol.fused);
     check_same("determ", r1, r2);
-#if FA_DKV_PERSISTENT
-    /* the dK/dV kernel's persistent blocks, 3 of them, each taking several items: the same bits */
-    g_fa_dkv_blocks_cap = 3;
-    check_same("3 persistent blocks", r1, gpu(NULL));
-    g_fa_dkv_blocks_cap = 0;
-#endif
     if (fused) { /* the same outputs, and the amax of dq, dk and dv together as stored */
         check_same("dqkv+amax", r1, r3);
         Vec dqkv = r3[0];
@@ -1532,13 +1526,6 @@ static void test_fp8_attn_bwd_fused(const Shape& s) {
             attn_bwd_fp8<bf16>(got.n, got.t, got.sc, dh, fmt, d_dout, d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
             check_fp8_fused(ref, got, 3 * nc, h, i == 1, "attn_bwd + fp8_cast", fmt);
             check_fp8_cast(got, dqkv, 3, N, C, fmt, 3, &h);
-#if FA_DKV_PERSISTENT
-            Fp8CastOut got3 = fp8_cast_out(3 * nc); /* 3 persistent dK/dV blocks, several items each */
-            g_fa_dkv_blocks_cap = 3;
-            attn_bwd_fp8<bf16>(got3.n, got3.t, got3.sc, dh, fmt, d_dout, d_out, d_lse, d_q, d_k, d_v, B, Tn, C, H, sc);
-            g_fa_dkv_blocks_cap = 0;
-            check_fp8_fused(ref, got3, 3 * nc, h, i == 1, "attn_bwd + fp8_cast, 3 persistent blocks", fmt);
-#endif
         } else {
             check_fp8_cast(ref, dqkv, 3, N, C, fmt, 3, &h);
         }

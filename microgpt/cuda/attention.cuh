@@ -1278,204 +1278,6 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
                                       FaBwdPlain());
 }
 
-/* FA_DKV_PERSISTENT (a switch, 0 by default; docs/BENCHMARKS.md #185): the dK/dV kernel as
- * persistent blocks, a grid of as many blocks as fit the GPU at once, each taking a fixed sequence
- * of (key tile, head) items, so that a block starts its next item's copies while it finishes the
- * last: the next item's first two query tiles two steps ahead as any, its K and V tiles once the
- * last step's S^T and dP^T products are done with theirs. A block of the present kernel waits at
- * its first tiles (the copies of its first step) for ~24 % of its warps' samples (Nsight Compute,
- * H100); this wait goes, but for each block's first item. */
-#ifndef FA_DKV_PERSISTENT
-#define FA_DKV_PERSISTENT 0
-#endif
-
-#if FA_DKV_PERSISTENT
-/* The items in order of decreasing length (key tile 0 has the most query tiles, n_tiles): item p
- * is key tile p / n_bh of head p % n_bh; block x of G takes items r G + x for even r and r G + G -
- * 1 - x for odd r (a snake, so the blocks' sums of steps differ by at most a few steps, as the
- * hardware's own block scheduling would have them). Which block does an item changes no bit. */
-struct FaDkvItems {
-    int n_tiles, n_bh, G, x;
-    __device__ int position(int r) const { return r * G + ((r & 1) ? G - 1 - x : x); }
-    __device__ bool has(int r) const { return position(r) < n_tiles * n_bh; }
-    __device__ int key_tile(int r) const { return position(r) / n_bh; }
-    __device__ int head(int r) const { return position(r) % n_bh; }
-};
-
-/* k_attn_bwd_dkv_wgmma's body as persistent blocks (above; the same steps, products and outputs,
- * bit for bit). The query tiles' buffers and mbarriers turn over one global step of the block at a
- * time, across items: step g (of all the block's items) uses buffers g % NQ in phase (g / NQ) % 2
- * and starts the copies of step g + 2, whichever item that is; K and V have their own mbarrier,
- * in phase r % 2 for the block's item r. An item's dK and dV are staged in the buffers of its last
- * step, which no copy takes until the next step's barrier. */
-template <typename T, int D, bool AMAX, typename Epi>
-__device__ __forceinline__ void fa_bwd_dkv_wgmma_persistent_body(T* dk, T* dv, T* ds_tiles, const FaDkvMaps& maps,
-                                                                 const float* lse, const float* delta, int T_, int C,
-                                                                 int H, int n_bh, float scale, float sl2,
-                                                                 unsigned* amax_bits, unsigned char* fa_dkv_smem,
-                                                                 Epi epi) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using W = FaWg<D>;
-    constexpr int NQ = FaWgDkv<D>::STAGES;
-    __shared__ float lses[NQ][FA_TILE], dls[NQ][FA_TILE];
-    __shared__ __align__(8) unsigned long long loaded[NQ + 1]; /* [0, NQ): the query tiles'; [NQ]: K and V */
-    unsigned smem_addr = (unsigned)__cvta_generic_to_shared(fa_dkv_smem), pad = (1024 - (smem_addr & 1023)) & 1023;
-    unsigned char* tiles = fa_dkv_smem + pad; /* [k | v | q[NQ] | dout[NQ]], each TILE_BYTES */
-    unsigned k_addr = smem_addr + pad, v_addr = k_addr + W::TILE_BYTES, bar0 = (unsigned)__cvta_generic_to_shared(loaded);
-    unsigned kv_bar = bar0 + 8 * NQ;
-    auto q_tile = [&](int buf) { return (2 + buf) * W::TILE_BYTES; };
-    auto do_tile = [&](int buf) { return (2 + NQ + buf) * W::TILE_BYTES; };
-    int warp = threadIdx.x >> 5, t = threadIdx.x & 3, sub = warp * 16;
-    int n_tiles = (T_ + FA_TILE - 1) / FA_TILE;
-    FaDkvItems items = {n_tiles, n_bh, (int)gridDim.x, (int)blockIdx.x};
-
-    /* thread 0: item r's K and V tiles */
-    auto load_keys = [&](int r) {
-        int bh = items.head(r), kt = items.key_tile(r);
-        mbar_arrive_expect_bytes(kv_bar, 2 * W::TILE_BYTES);
-        tma_load_3d(k_addr, &maps.qkv.k, (bh % H) * D, kt * FA_TILE, bh / H, kv_bar);
-        tma_load_3d(v_addr, &maps.qkv.v, (bh % H) * D, kt * FA_TILE, bh / H, kv_bar);
-    };
-    /* the copies' cursor: global step `loads` is query tile load_qt of item load_r */
-    int loads = 0, load_r = 0, load_qt = items.key_tile(0);
-    /* starts the copies of the cursor's step into buffers loads % NQ (Q and dO by the TMA, thread 0;
-     * lse and delta by cp.async, one group) and moves the cursor on; past the block's last item an
-     * empty group, so that a step always finds the group of the step after its own committed */
-    auto load_next = [&]() {
-        if (items.has(load_r)) {
-            int bh = items.head(load_r), buf = loads % NQ;
-            if (threadIdx.x == 0) {
-                unsigned bar = bar0 + 8 * buf;
-                mbar_arrive_expect_bytes(bar, 2 * W::TILE_BYTES);
-                tma_load_3d(k_addr + q_tile(buf), &maps.qkv.q, (bh % H) * D, load_qt * FA_TILE, bh / H, bar);
-                tma_load_3d(k_addr + do_tile(buf), &maps.dout, (bh % H) * D, load_qt * FA_TILE, bh / H, bar);
-            }
-            fa_cp_lse_delta(lses[buf], dls[buf], lse, delta, bh, load_qt * FA_TILE, T_);
-            loads++;
-            if (++load_qt == n_tiles && items.has(++load_r)) load_qt = items.key_tile(load_r);
-        }
-        fa_cp_commit();
-    };
-    float dk_acc[Fa<D>::ND][4], dv_acc[Fa<D>::ND][4];
-    int g = 0; /* the block's global step */
-
-    /* query tile qt's step of item r (key tile kt, head bh): k_attn_bwd_dkv_wgmma's step; the
-     * diagonal (first) step also waits for the item's K and V, and the last, where the block has a
-     * next item, starts that item's K and V copies once every warp's S^T and dP^T are done */
-    auto step = [&](float (*s)[4], float (*dp)[4], int r, int kt, int bh, int qt, bool diagonal) {
-        int cur = g % NQ, phase = (g / NQ) & 1;
-        bool keys_next = qt == n_tiles - 1 && items.has(r + 1);
-        fa_cp_wait<1>();
-        mbar_wait(bar0 + 8 * cur, phase);
-        if (diagonal) mbar_wait(kv_bar, r & 1);
-        __syncthreads();
-        unsigned q_addr = k_addr + q_tile(cur), do_addr = k_addr + do_tile(cur);
-        const float *lsec = lses[cur], *dlc = dls[cur];
-        auto lse2 = [&](int col) { return lsec[col] * FA_LOG2E; };
-        unsigned p[FA_TILE / 16][4], ds[FA_TILE / 16][4];
-        fa_wg_fence();
-        fa_wg_scores<T, D>(s, k_addr, q_addr);
-        fa_wg_scores<T, D>(dp, v_addr, do_addr);
-        load_next();
-        fa_wg_wait<1>();
-        fa_wg_hold<FA_TILE / 8>(s);
-        if (diagonal) fa_mask_diagonal<true>(s, sub);
-        for (int j = 0; j < FA_TILE / 8; j++)
-            for (int e = 0; e < 4; e++) s[j][e] = fa_exp2(fmaf(s[j][e], sl2, -lse2(8 * j + 2 * t + (e & 1))));
-        fa_wg_pack_p<T>(p, s);
-        fa_wg_fence();
-        fa_wg_accumulate<T, D>(dv_acc, p, do_addr);
-        fa_wg_wait<1>(); /* dP^T is done: this warp has no product left on K or V */
-        fa_wg_hold<FA_TILE / 8>(dp);
-        if (keys_next) {
-            __syncthreads(); /* nor has any warp */
-            if (threadIdx.x == 0) load_keys(r + 1);
-        }
-        for (int j = 0; j < FA_TILE / 8; j++)
-            for (int e = 0; e < 4; e++) dp[j][e] = s[j][e] * (dp[j][e] - dlc[8 * j + 2 * t + (e & 1)]);
-        fa_wg_pack_p<T>(ds, dp);
-        fa_wg_store_ds(ds_tiles + fa_ds_tile(bh, qt, kt, n_tiles), ds, warp);
-        fa_wg_fence();
-        fa_wg_accumulate<T, D>(dk_acc, ds, q_addr);
-        fa_wg_wait<0>();
-        g++;
-    };
-
-    if (threadIdx.x == 0) {
-        for (int j = 0; j <= NQ; j++) mbar_init(bar0 + 8 * j, 1);
-        mbar_init_fence();
-        load_keys(0); /* the grid has no more blocks than items */
-    }
-    __syncthreads();
-    load_next();
-    load_next();
-    for (int r = 0; items.has(r); r++) {
-        int kt = items.key_tile(r), bh = items.head(r), b = bh / H, hd = bh % H, row0 = kt * FA_TILE + sub;
-        size_t base = (size_t)b * T_ * C + (size_t)hd * D;
-        for (int n = 0; n < Fa<D>::ND; n++)
-            for (int e = 0; e < 4; e++) dk_acc[n][e] = dv_acc[n][e] = 0.0f;
-        float s[FA_TILE / 8][4], dp[FA_TILE / 8][4];
-        step(s, dp, r, kt, bh, kt, true);
-        for (int qt = kt + 1; qt < n_tiles; qt++) step(s, dp, r, kt, bh, qt, false);
-        fa_wg_hold<Fa<D>::ND>(dk_acc);
-        fa_wg_hold<Fa<D>::ND>(dv_acc);
-        /* the last step's buffers: free until the next step's barrier, before which its copies start */
-        int last = (g - 1) % NQ;
-        unsigned char *q_free = tiles + q_tile(last), *do_free = tiles + do_tile(last);
-        __syncthreads(); /* every warp's products are done with them */
-        if constexpr (Epi::codes) {
-            static_assert(Epi::template tile_bytes<D>() <= W::TILE_BYTES, "a tile's codes fit a buffer");
-            unsigned am = epi.template stage<T, D>(do_free, dv_acc, 1.0f, T_ - row0);
-            am = max(am, epi.template stage<T, D>(q_free, dk_acc, scale, T_ - row0));
-            __syncthreads();
-            epi.template write<D>(q_free, 1, b, kt, hd, T_, C);
-            epi.template write<D>(do_free, 2, b, kt, hd, T_, C);
-            epi.finish(am, (unsigned*)lses[last], true);
-        } else {
-            /* warps 0, 1 stage their rows in the Q buffer, 2, 3 in the dO one: dV's, then dK's */
-            static_assert(2 * 16 * Fa<D>::LD * sizeof(T) <= W::TILE_BYTES, "two warps' rows fit a buffer");
-            T* stage = reinterpret_cast<T*>(warp < 2 ? q_free : do_free) + (warp & 1) * 16 * Fa<D>::LD;
-            unsigned am = fa_store_out_staged<T, D, AMAX>(dv + base + (size_t)row0 * C, stage, dv_acc, 1.0f, T_ - row0, C);
-            __syncwarp(); /* every lane has read dV's rows */
-            am = max(am, fa_store_out_staged<T, D, AMAX>(dk + base + (size_t)row0 * C, stage, dk_acc, scale, T_ - row0, C));
-            if constexpr (AMAX) block_amax_commit_in(amax_bits, am, (unsigned*)lses[last]);
-        }
-        fence_shared_for_async(); /* these writes come before the TMA's into the same buffers */
-    }
-#else
-    __trap();
-#endif
-}
-
-template <typename T, int D, bool AMAX>
-__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
-    k_attn_bwd_dkv_wgmma_persistent(T* dk, T* dv, T* ds_tiles, const __grid_constant__ FaDkvMaps maps,
-                                    const float* lse, const float* delta, int T_, int C, int H, int n_bh, float scale,
-                                    float sl2, unsigned* amax_bits) {
-    await_previous_kernel();
-    extern __shared__ __align__(1024) unsigned char fa_dkv_smem[];
-    fa_bwd_dkv_wgmma_persistent_body<T, D, AMAX>(dk, dv, ds_tiles, maps, lse, delta, T_, C, H, n_bh, scale, sl2,
-                                                 amax_bits, fa_dkv_smem, FaBwdPlain());
-}
-
-/* kernel_check lowers it to send several items through each block; 0: as many as fit the GPU */
-static int g_fa_dkv_blocks_cap = 0;
-
-/* The persistent grid of `kernel` (one of the dK/dV kernels, its attributes set) over n_items:
- * as many blocks as fit the GPU at once (the occupancy calculator's, at FA_THREADS and the dynamic
- * shared memory), no more than the items or g_fa_dkv_blocks_cap. */
-template <int D, typename Kernel> static int fa_dkv_persistent_blocks(Kernel kernel, int n_items) {
-    int dev, sms, per_sm;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, FA_THREADS,
-                                                             FaWgDkv<D>::DYNAMIC_SMEM));
-    int blocks = max(1, per_sm) * sms;
-    if (g_fa_dkv_blocks_cap > 0) blocks = min(blocks, g_fa_dkv_blocks_cap);
-    return min(blocks, n_items);
-}
-#endif
-
 /* Whether this process launches k_attn_bwd_dkv_wgmma<T, D, *> (as fa_fwd_wgmma_ok: the sm_90a body
  * alone has static shared memory, lses, dls and the mbarriers); where it does, both instantiations are allowed
  * their dynamic shared memory (over the default 48 KiB at D = 64) and asked for the largest
@@ -1485,11 +1287,7 @@ template <typename T, int D> static bool fa_dkv_wgmma_ok(void) {
     if (ok >= 0) return ok;
     ok = fa_sm90a_image(k_attn_bwd_dkv_wgmma<T, D, false>, FaWgDkv<D>::STATIC_SMEM);
     if (!ok) return false;
-#if FA_DKV_PERSISTENT
-    for (auto kernel : {k_attn_bwd_dkv_wgmma_persistent<T, D, false>, k_attn_bwd_dkv_wgmma_persistent<T, D, true>}) {
-#else
     for (auto kernel : {k_attn_bwd_dkv_wgmma<T, D, false>, k_attn_bwd_dkv_wgmma<T, D, true>}) {
-#endif
         CUDA_CHECK(
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, FaWgDkv<D>::DYNAMIC_SMEM));
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -1649,17 +1447,8 @@ static void attn_bwd_flash_dkv(T* dk, T* dv, T* ds_tiles, const T* dout, const f
      * the dQ kernel, but must be finite) */
     if constexpr (D == 32 || D == 64) {
         if (fa_dkv_wgmma_ok<T, D>()) {
-#if FA_DKV_PERSISTENT
-            auto kernel = amax_bits ? k_attn_bwd_dkv_wgmma_persistent<T, D, true>
-                                    : k_attn_bwd_dkv_wgmma_persistent<T, D, false>;
-            launch_kernel_with_shared(kernel, fa_dkv_persistent_blocks<D>(kernel, ceil_div(T_, FA_TILE) * B * H),
-                                      FA_THREADS, FaWgDkv<D>::DYNAMIC_SMEM, dk, dv, ds_tiles,
-                                      fa_dkv_maps<D>(q, k, v, dout, B, T_, C), lse, delta, T_, C, H, B * H, scale, sl2,
-                                      amax_bits);
-#else
             FA_LAUNCH_SHARED(k_attn_bwd_dkv_wgmma, T, D, T_, B * H, FaWgDkv<D>::DYNAMIC_SMEM, amax_bits, dk, dv,
                              ds_tiles, fa_dkv_maps<D>(q, k, v, dout, B, T_, C), lse, delta, T_, C, H, scale, sl2);
-#endif
             return;
         }
     }

@@ -780,22 +780,6 @@ __global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
                                        (unsigned*)NULL, fa_dkv_smem, codes);
 }
 
-#if FA_DKV_PERSISTENT
-template <typename T, int D>
-__global__ void __launch_bounds__(FA_THREADS, FA_MIN_BLOCKS_DKV)
-    k_attn_bwd_dkv_wgmma_persistent_fp8(T* ds_tiles, const __grid_constant__ FaDkvMaps maps, const float* lse,
-                                        const float* delta, int T_, int C, int H, int n_bh, float scale, float sl2,
-                                        FaBwdCodes codes) {
-    await_previous_kernel();
-    extern __shared__ __align__(1024) unsigned char fa_dkv_smem[]; /* as k_attn_bwd_dkv_wgmma's */
-    fa_bwd_dkv_wgmma_persistent_body<T, D, false>((T*)NULL, (T*)NULL, ds_tiles, maps, lse, delta, T_, C, H, n_bh,
-                                                  scale, sl2, (unsigned*)NULL, fa_dkv_smem, codes);
-}
-#define FA_DKV_FP8_KERNEL k_attn_bwd_dkv_wgmma_persistent_fp8
-#else
-#define FA_DKV_FP8_KERNEL k_attn_bwd_dkv_wgmma_fp8
-#endif
-
 template <typename T, int D>
 __global__ void FA_DQ_BOUNDS k_attn_bwd_dq_fp8(const T* ds_tiles, const T* k, int T_, int C, int H, float scale,
                                                FaBwdCodes codes) {
@@ -808,11 +792,11 @@ __global__ void FA_DQ_BOUNDS k_attn_bwd_dq_fp8(const T* ds_tiles, const T* k, in
 template <typename T, int D> static bool fa_dkv_wgmma_fp8_ok(void) {
     static int ok = -1;
     if (ok >= 0) return ok;
-    ok = fa_sm90a_image(FA_DKV_FP8_KERNEL<T, D>, FaWgDkv<D>::STATIC_SMEM);
+    ok = fa_sm90a_image(k_attn_bwd_dkv_wgmma_fp8<T, D>, FaWgDkv<D>::STATIC_SMEM);
     if (!ok) return false;
-    CUDA_CHECK(cudaFuncSetAttribute(FA_DKV_FP8_KERNEL<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_CHECK(cudaFuncSetAttribute(k_attn_bwd_dkv_wgmma_fp8<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     FaWgDkv<D>::DYNAMIC_SMEM));
-    CUDA_CHECK(cudaFuncSetAttribute(FA_DKV_FP8_KERNEL<T, D>, cudaFuncAttributePreferredSharedMemoryCarveout,
+    CUDA_CHECK(cudaFuncSetAttribute(k_attn_bwd_dkv_wgmma_fp8<T, D>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                     cudaSharedmemCarveoutMaxShared));
     return true;
 }
@@ -845,15 +829,8 @@ static void attn_bwd_fp8_flash(const FaBwdCodes& codes, const T* dout, const T* 
     fa_check_aligned(dout, q, k, v);
     fa_check_aligned(out, codes.out_n, codes.out_t, ds_tiles);
     attn_bwd_flash_delta<T, D>(delta, dout, out, B, T_, C, H);
-#if FA_DKV_PERSISTENT
-    launch_kernel_with_shared(k_attn_bwd_dkv_wgmma_persistent_fp8<T, D>,
-                              fa_dkv_persistent_blocks<D>(k_attn_bwd_dkv_wgmma_persistent_fp8<T, D>, grid.x * grid.y),
-                              FA_THREADS, FaWgDkv<D>::DYNAMIC_SMEM, ds_tiles, fa_dkv_maps<D>(q, k, v, dout, B, T_, C),
-                              lse, delta, T_, C, H, B * H, scale, sl2, codes);
-#else
     launch_kernel_with_shared(k_attn_bwd_dkv_wgmma_fp8<T, D>, grid, FA_THREADS, FaWgDkv<D>::DYNAMIC_SMEM, ds_tiles,
                               fa_dkv_maps<D>(q, k, v, dout, B, T_, C), lse, delta, T_, C, H, scale, sl2, codes);
-#endif
     launch_kernel(k_attn_bwd_dq_fp8<T, D>, grid, FA_THREADS, (const T*)ds_tiles, k, T_, C, H, scale, codes);
 }
 
