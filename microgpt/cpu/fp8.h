@@ -29,11 +29,6 @@
 #else
 #define FP8_HD
 #endif
-#ifdef __CUDA_ARCH__
-#define FP8_UNROLL _Pragma("unroll") /* a loop over a local copy's array, kept in registers */
-#else
-#define FP8_UNROLL
-#endif
 
 enum { FP8_E4M3 = 0, FP8_E5M2 = 1 };
 
@@ -297,37 +292,15 @@ static inline FP8_HD int fp8_history_exponent(float amax, int fmt) {
     return e - 1;
 }
 
-/* A history as five words: its exponents four to a word in memory order (little-endian, as every
- * host and GPU the engines build for) and its count. On the GPU these are five loads of which none
- * waits for another, so a kernel starts them beside its first data loads and takes the scale once
- * those land (one round trip, where a loop to the count made two; docs/BENCHMARKS.md #186). */
-typedef struct {
-    unsigned exp4[FP8_HISTORY_LEN / 4];
-    int count;
-} Fp8HistoryWords;
-
-static inline FP8_HD Fp8HistoryWords fp8_history_words(const Fp8History* h) {
-    Fp8HistoryWords w;
-    memcpy(w.exp4, h->exp, sizeof w.exp4);
-    w.count = h->count;
-    return w;
-}
-
 /* The delayed scale: 2^(smallest exponent of the history); 1, the scale of a zero amax, when every
  * entry is an all-zero tensor's; 0 when the history is empty (a run's first forward: the caller
  * falls back to current scaling, which the host can tell from its count of training forwards). */
-static inline FP8_HD float fp8_history_words_scale(Fp8HistoryWords w) {
-    int i, k = FP8_HISTORY_NONE;
-    FP8_UNROLL
-    for (i = 0; i < FP8_HISTORY_LEN; i++) {
-        int e = (signed char)(w.exp4[i / 4] >> (8 * (i % 4))); /* exponent i */
-        if (i < w.count && e < k) k = e;
-    }
-    if (w.count == 0) return 0.0f;
-    return k == FP8_HISTORY_NONE ? 1.0f : ldexpf(1.0f, k);
-}
 static inline FP8_HD float fp8_history_scale(const Fp8History* h) {
-    return fp8_history_words_scale(fp8_history_words(h));
+    int i, k = FP8_HISTORY_NONE;
+    if (h->count == 0) return 0.0f;
+    for (i = 0; i < h->count; i++)
+        if (h->exp[i] < k) k = h->exp[i];
+    return k == FP8_HISTORY_NONE ? 1.0f : ldexpf(1.0f, k);
 }
 
 /* Appends the exponent of this forward's amax, dropping the oldest entry of a full history. */

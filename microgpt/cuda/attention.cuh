@@ -862,7 +862,6 @@ __device__ __forceinline__ void fa_fwd_wgmma_body(T* out, float* lse, const FaHe
         issue(1);
     }
     __syncthreads(); /* the barriers are initialised before anyone waits on them */
-    if constexpr (Epi::codes) epi.begin(); /* beside the first copies */
 
     float s[FA_TILE / 8][4], o[Fa<D>::ND][4] = {}, alpha[2];
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* running max (base 2), this lane's sum */
@@ -1237,7 +1236,6 @@ __device__ __forceinline__ void fa_bwd_dkv_wgmma_body(T* dk, T* dv, T* ds_tiles,
         load_queries(kt + 1);
     else
         fa_cp_commit();
-    if constexpr (Epi::codes) epi.begin(); /* beside the first copies */
     float s[FA_TILE / 8][4], dp[FA_TILE / 8][4];
     step(s, dp, kt, true); /* the diagonal first, then no step tests for it */
     for (int qt = kt + 1; qt < n_tiles; qt++) step(s, dp, qt, false);
@@ -1328,7 +1326,6 @@ __device__ __forceinline__ void fa_bwd_dq_body(T* dq, const T* ds_tiles, const T
     fa_load_rows<T, D>(ks[0], k + base, 0, T_, C);
     fa_cp_commit();
     load_fragments(a_next, 0);
-    if constexpr (Epi::codes) epi.begin(); /* beside the first loads */
     for (int kt = 0; kt <= qt; kt++) {
         int cur = kt & 1;
         unsigned a[FA_TILE / 16][4];

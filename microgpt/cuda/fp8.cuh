@@ -478,9 +478,7 @@ k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* 
     await_previous_kernel();
     extern __shared__ __align__(16) fp8 ln_tile[]; /* [LN_FP8_ROWS][C + 16] */
     const int pitch = C + 16, lane = threadIdx.x & 31, r0 = blockIdx.x * LN_FP8_ROWS;
-    /* the history's loads in flight beside the first row's; its scale taken once those landed
-     * (docs/BENCHMARKS.md #186) */
-    const Fp8HistoryWords hist_now = fp8_history_words(hist);
+    const float s = fp8_history_scale(hist);
     const int warps = blockDim.x >> 5; /* ln_fp8_fwd_warps */
     unsigned am = 0;
     for (int tr = threadIdx.x >> 5; tr < LN_FP8_ROWS; tr += warps) {
@@ -488,7 +486,6 @@ k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* 
         const T* xr = x + (size_t)row * C;
         float m, r, v[VEC], g[VEC], b[VEC];
         ln_row_stats<T, VEC>(&m, &r, xr, C);
-        const float s = fp8_history_words_scale(hist_now);
         LN_ROW_LOOP(c, C) {
             fp8 q[VEC];
             load_vec(v, xr + c);
@@ -525,7 +522,7 @@ k_layernorm_fwd_fp8(fp8* __restrict__ out_n, fp8* __restrict__ out_t, Fp8Scale* 
             rstd[row] = r;
         }
     }
-    ln_fp8_commit_scale(sc, fp8_history_words_scale(hist_now), am); /* its __syncthreads also publishes the tile */
+    ln_fp8_commit_scale(sc, s, am); /* its __syncthreads also publishes the tile */
     if (!out_t) return;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         uint4 w;
@@ -582,13 +579,9 @@ struct LnBwdCodes {
     Fp8Scale* sc;
     const Fp8History* hist; /* not empty */
     int fmt;
-    Fp8HistoryWords hist_now; /* *hist, loaded by begin() */
-    float s;             /* its scale, taken by ready() */
+    float s; /* the history's scale, set by begin() */
 
-    /* The history's loads, at the kernel's start, and its scale once the first row's loads are
-     * under way too, so that the two wait together (docs/BENCHMARKS.md #186). */
-    __device__ __forceinline__ void begin() { hist_now = fp8_history_words(hist); }
-    __device__ __forceinline__ void ready() { s = fp8_history_words_scale(hist_now); }
+    __device__ __forceinline__ void begin() { s = fp8_history_scale(hist); }
 
     template <typename T, int VEC>
     __device__ __forceinline__ void row(const float (&v)[VEC], int r, int tr, int c, int C, void* shared) const {
@@ -619,9 +612,8 @@ struct LnBwdCodes {
         const fp8* tile = (const fp8*)shared;
         const int pitch = LN_BWD_TILE_PITCH(C), n = r1 - r0;
         if (blockIdx.x == 0 && threadIdx.x == 0) {
-            float scale = fp8_history_words_scale(hist_now); /* thread 0 may have had no row */
-            sc->scale = scale;
-            sc->descale = 1.0f / scale;
+            sc->scale = s;
+            sc->descale = 1.0f / s;
         }
         if ((r0 | n | N) % 16 == 0) { /* whole 16-byte stores (out_t 16-byte aligned: the host checks) */
             const int groups = n / 16; /* neighbouring threads: the same column's neighbouring groups */
@@ -673,7 +665,7 @@ static void layernorm_bwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8His
                 (void*)out_n, (void*)out_t);
         exit(1);
     }
-    LnBwdCodes codes = {out_n, out_t, sc, hist, fmt, {}, 0.0f};
+    LnBwdCodes codes = {out_n, out_t, sc, hist, fmt, 0.0f};
     layernorm_bwd_scratch_free(scratch);
     LN_LAUNCH_PACKETS(rp.packed, rp.packets, k_layernorm_bwd_fp8, T, rp.n_chunks, 32 * LN_WARPS, dx, scratch, dout,
                       x, gamma, mean, rstd, N, C, rp.rows_per_chunk, codes);
@@ -714,12 +706,6 @@ struct FaBwdCodes {
     Fp8Scale* sc;
     const Fp8History* hist; /* not empty */
     int fmt, N;
-    float s; /* the history's scale, set by begin() */
-
-    /* Called by every thread at its kernel's start, beside the first tiles' copies, so that the
-     * epilogue finds the scale in a register rather than waiting for the history then
-     * (docs/BENCHMARKS.md #186). */
-    __device__ __forceinline__ void begin() { s = fp8_history_scale(hist); }
 
     template <int D> __host__ __device__ static constexpr int pitch(void) { return D + 16; }
     template <int D> __host__ __device__ static constexpr int tile_bytes(void) { return FA_TILE * pitch<D>(); }
@@ -731,6 +717,7 @@ struct FaBwdCodes {
     __device__ __forceinline__ unsigned stage(unsigned char* tile, const float (*acc)[4], float mul,
                                               int n_valid) const {
         int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3, sub = (threadIdx.x >> 5) * 16;
+        float s = fp8_history_scale(hist);
         unsigned am = 0;
         for (int n = 0; n < Fa<D>::ND; n++)
             for (int h = 0; h < 2; h++) {
@@ -775,6 +762,7 @@ struct FaBwdCodes {
      * `scale_writer`: the kernel whose first block writes the scale. */
     __device__ __forceinline__ void finish(unsigned am, unsigned* partial, bool scale_writer) const {
         if (scale_writer && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+            float s = fp8_history_scale(hist);
             sc->scale = s;
             sc->descale = 1.0f / s;
         }
@@ -853,7 +841,7 @@ static void attn_bwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8History*
                          const T* out, const float* lse, const T* q, const T* k, const T* v, int B, int T_, int C,
                          int H, AttnScratch<T> scratch) {
     if constexpr (FaType<T>::ok) {
-        FaBwdCodes codes = {out_n, out_t, sc, hist, fmt, B * T_, 0.0f};
+        FaBwdCodes codes = {out_n, out_t, sc, hist, fmt, B * T_};
         if (attn_bwd_fp8_fits<T>(C, H)) {
             if (C / H == 32)
                 return attn_bwd_fp8_flash<T, 32>(codes, dout, out, lse, q, k, v, B, T_, C, H, scratch.delta,
@@ -908,7 +896,7 @@ template <typename T>
 static void attn_fwd_fp8(fp8* out_n, fp8* out_t, Fp8Scale* sc, const Fp8History* hist, T* out, float* lse,
                          const T* q, const T* k, const T* v, int B, int T_, int C, int H) {
     if constexpr (FaType<T>::ok) {
-        FaBwdCodes codes = {out_n, out_t, sc, hist, FP8_E4M3, B * T_, 0.0f};
+        FaBwdCodes codes = {out_n, out_t, sc, hist, FP8_E4M3, B * T_};
         if (attn_fwd_fp8_fits<T>(C, H)) {
             if (C / H == 32) return attn_fwd_fp8_flash<T, 32>(codes, out, lse, q, k, v, B, T_, C, H);
             return attn_fwd_fp8_flash<T, 64>(codes, out, lse, q, k, v, B, T_, C, H);

@@ -307,7 +307,6 @@ __device__ __forceinline__ void ln_bwd_regs_body(T* __restrict__ dx, float* __re
             load_raw(dv[p], dr + ln_reg_col(p));
             load_raw(ov[p], o + ln_reg_col(p));
         }
-        if constexpr (Epi::codes) epi.ready(); /* beside the row's loads */
         float m = mean[row], r = rstd[row], sg = 0.0f, sgx = 0.0f;
         LN_REG_LOOP(p, C) {
             float gv[VEC];
