@@ -255,13 +255,13 @@ static void dump_grads_check_path(const Run* r, const char* path) {
     if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) die_input("--dump-grads: directory %s does not exist", dir);
 }
 
-/* Everything that can be wrong with the input is found here, before any large allocation. */
 /* Whether this process writes the run's checkpoints and so holds PATH.lock: rank 0 alone writes
  * them (§17), and --dump-grads writes none. */
 static int run_locks_checkpoint(const Config* c) {
     return c->checkpoint.path[0] && !c->dump_grads[0] && env_int("RANK", 0) == 0;
 }
 
+/* Everything that can be wrong with the input is found here, before any large allocation. */
 static void run_validate_inputs(Run* r, int argc, char** argv) {
     Config* c = &r->cfg;
     int V, T;
