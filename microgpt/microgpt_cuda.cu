@@ -604,7 +604,7 @@ static void fp8_qkv_fwd(const LayerActs<T>& a, int l, int N, int input) {
 template <typename T>
 static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N, int input, bool training) {
     int C = E.C, F = E.F;
-    if (fp8_producers_write_codes()) {
+    if (fp8_producers_write_codes() && N % 16 == 0) { /* fp8_transpose takes rows in 16s (F is K: 16s too) */
         fp8* gelu8 = (fp8*)a.h_gelu;
         Fp8Scale* sc = x8_scale(l, FP8_W_2);
         if (l > 0) ahead_join(); /* the layer below's transpose has read gelu8 */
