@@ -163,8 +163,8 @@ static size_t operands_bytes(const Product& pr) {
 static cublasStatus_t launch(const Product& pr, const Operands& o, const cublasLtMatmulAlgo_t* algo) {
     const LtPlan* p = pr.p;
     if (o.aux) lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &o.aux, sizeof o.aux);
-    return cublasLtMatmul(g_cublaslt, p->desc, &pr.g.alpha, o.b, p->a, o.a, p->b, &pr.g.beta, o.c, lt_c_layout(p), o.d,
-                          p->d, algo, g_gemm_workspace, lt_call_workspace(p, algo), g_stream);
+    return cublasLtMatmul(g_cublaslt, p->desc, &pr.g.alpha, o.b, p->a, o.a, p->b, &pr.g.beta, o.c, p->d, o.d, p->d, algo,
+                          g_gemm_workspace, lt_call_workspace(p, algo), g_stream);
 }
 
 static float time_algo(const Product& pr, const std::vector<Operands>& sets, const cublasLtMatmulAlgo_t* algo) {

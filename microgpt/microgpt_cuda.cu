@@ -595,27 +595,9 @@ static void fp8_qkv_fwd(const LayerActs<T>& a, int l, int N, int input) {
                 w8_fwd(l, T_WQ, FP8_W_QKV, (long long)C * C), a.qkv, NULL, 0.0f, 3, (long long)N * C);
 }
 
-/* With histories that hold entries the up product writes gelu(h)'s codes itself, at the delayed
- * scale that forward() set (fp8_zero_scales_set_gelu), into h_gelu's memory, which holds nothing
- * else in fp8; a training forward (`training`) transposes them into x8t for the backward's dW_2 on
- * the ahead stream, beside the down product, and the next layer's up product, which overwrites
- * them, waits for it (the backward joins the last layer's). Where cuBLASLt has no such product, or
- * in a run's first micro-batch, the up product writes h and a cast the GELU's codes. */
 template <typename T>
-static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N, int input, bool training) {
+static void fp8_mlp_fwd(const LayerActs<T>& a, int l, int N, int input) {
     int C = E.C, F = E.F;
-    if (fp8_producers_write_codes() && N % 16 == 0) { /* fp8_transpose takes rows in 16s (F is K: 16s too) */
-        fp8* gelu8 = (fp8*)a.h_gelu;
-        Fp8Scale* sc = x8_scale(l, FP8_W_2);
-        if (l > 0) ahead_join(); /* the layer below's transpose has read gelu8 */
-        if (fp8_gemm_gelu_codes<T>(N, F, C, fp8_act(a.ln2, l, FP8_W_1, N, C, input), w8_fwd(l, T_W1, FP8_W_1), gelu8,
-                                   sc, a.h)) {
-            if (training) ahead_run([&] { fp8_transpose(x8t(l, FP8_W_2), gelu8, N, F); });
-            fp8_gemm<T>(FP8_PASS_FORWARD, N, C, F, fp8_mat(gelu8, FP8_E4M3, sc), w8_fwd(l, T_W2, FP8_W_2),
-                        layer_input<T>(l + 1), a.xmid, 1.0f);
-            return;
-        }
-    }
     fp8_linear_fwd<T>(a.h, a.ln2, l, T_W1, FP8_W_1, N, C, F, NULL, input);
     int gelu_input = FP8_IN_AMAX;
     if (fp8_producers_write_codes()) { /* the GELU and its cast in one pass, no h_gelu in T */
@@ -718,12 +700,8 @@ template <typename T>
 static void forward(int B, int Tn, bool fp8, bool training) {
     int C = E.C, F = E.F, L = E.L, N = B * Tn, l;
     /* every amax of the activations' and gradients' casts that this micro-batch takes starts at 0 */
-    size_t scales = 2 * (size_t)FP8_W_PER_LAYER * L + fp8_cls_act_scale_count(); /* the FP8 classifier's too:
-                                               LNf's output's and the dlogits' (cls_x_scale, cls_g_scale) */
-    if (fp8 && fp8_producers_write_codes()) /* and the GELU's scales for the up product (fp8_mlp_fwd) */
-        fp8_zero_scales_set_gelu(x8_scale(0, 0), scales, FP8_W_PER_LAYER, FP8_W_2, E.fp8_hist, L);
-    else if (fp8)
-        fp8_zero_scales(x8_scale(0, 0), scales);
+    if (fp8) /* the FP8 classifier's too: LNf's output's and the dlogits' (cls_x_scale, cls_g_scale) */
+        fp8_zero_scales(x8_scale(0, 0), 2 * (size_t)FP8_W_PER_LAYER * L + fp8_cls_act_scale_count());
     embed_fwd<T>((T*)E.res, E.tok, E.params + E.layout.wte, E.params + E.layout.wpe, B, Tn, C);
     /* training: the embedding backward's sort needs only the tokens, so it runs beside the first
      * layer rather than on the step's one chain at the end of the backward (docs/DESIGN.md §9);
@@ -740,7 +718,7 @@ static void forward(int B, int Tn, bool fp8, bool training) {
         else attn_out_fwd<T>(a.xmid, a.atty, wl<T>(l, T_WO), a.x, N, C); /* xmid = x + attn(...) W_O */
         int in2 = ln_fwd_for_product<T>(a.ln2, a.ln2_mean, a.ln2_rstd, a.xmid, l, T_LN2_GAMMA, T_LN2_BETA, FP8_W_1,
                                         N, fp8);
-        if (fp8) fp8_mlp_fwd<T>(a, l, N, in2, training);
+        if (fp8) fp8_mlp_fwd<T>(a, l, N, in2);
         else mlp_fwd<T>(layer_input<T>(l + 1), a.h, a.h_gelu, a.ln2, wl<T>(l, T_W1), wl<T>(l, T_W2), a.xmid, N, C, F);
     }
     layernorm_fwd<T>((T*)E.lnf, E.lnf_mean, E.lnf_rstd, layer_input<T>(L), E.params + E.layout.lnf_gamma,
@@ -877,10 +855,6 @@ static void backward(void) {
     T* dqkv = (T*)E.dqkv;
     /* dln holds d(LNf output) from loss_chunks */
     CUDA_CHECK(cudaMemsetAsync(dres, 0, nc * es, g_stream));
-    /* the work forward() put on the ahead stream, before the first weight gradient reads any of it:
-     * the GELU's transposed codes (fp8_mlp_fwd; the last layer's dW_2 comes first) and the tokens'
-     * sort (the embedding backward's, long done by now) */
-    ahead_join();
     /* precision fp8: each LayerNorm backward's dres is the next product's output gradient (W_2 of the
      * layer below, W_O of its own): ln_bwd_for_product */
     int dres_in = ln_bwd_for_product<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln,
@@ -914,6 +888,7 @@ static void backward(void) {
                                         a.ln1_mean, a.ln1_rstd, l - 1, FP8_W_2);
     }
     side_join();
+    ahead_join(); /* the tokens' sort, forked by forward() after the embedding */
     embed_bwd_sorted<T>(E.grads + E.layout.wte, E.grads + E.layout.wpe, dres, E.embed_scratch, B, Tn, C, gb);
 }
 

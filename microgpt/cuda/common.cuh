@@ -526,7 +526,6 @@ struct LtPlan {
     bool ok; /* an algorithm exists */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t a, b, d;
-    cublasLtMatrixLayout_t c;    /* C's where it differs from D's (an FP8 D: fp8.cuh), else NULL */
     unsigned align[4];           /* of cuBLASLt's A, B, C, D (our B, A, C, D), in bytes */
     char name[LT_NAME_MAX];      /* lt_key_name: the fixed table's key */
     cublasLtMatmulAlgo_t rule;   /* the rule's choice */
@@ -542,12 +541,8 @@ static void lt_plan_destroy(LtPlan* p) {
     CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->a));
     CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->b));
     CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->d));
-    if (p->c) CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(p->c));
     CUBLAS_CHECK(cublasLtMatmulDescDestroy(p->desc));
 }
-
-/* The layout of p's C: D's unless the plan has its own. */
-static cublasLtMatrixLayout_t lt_c_layout(const LtPlan* p) { return p->c ? p->c : p->d; }
 
 static void lt_plans_clear(void) {
     for (int i = 0; i < g_lt_n_plans; i++) lt_plan_destroy(&g_lt_plans[i]);
@@ -622,8 +617,7 @@ static cublasStatus_t lt_heuristic(const LtPlan* p, int n, cublasLtMatmulHeurist
     lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, p->align[1]);
     lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, p->align[2]);
     lt_set_pref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, p->align[3]);
-    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g_cublaslt, p->desc, p->a, p->b, lt_c_layout(p), p->d, pref, n,
-                                                       res, found);
+    cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(g_cublaslt, p->desc, p->a, p->b, p->d, p->d, pref, n, res, found);
     CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
     return st;
 }
@@ -680,11 +674,11 @@ static bool lt_fixed_algo(const LtPlan* p, cublasLtMatmulAlgo_t* algo) {
     const LtTableEntry* e = lt_table_find(g_lt_table, p->name);
     if (!e) return false;
     cublasComputeType_t compute;
-    cudaDataType_t scale, type[4]; /* cuBLASLt's A, B, C, D */
+    cudaDataType_t scale, type[4]; /* cuBLASLt's A, B, C (= D's layout), D */
     size_t got;
     CUBLAS_CHECK(cublasLtMatmulDescGetAttribute(p->desc, CUBLASLT_MATMUL_DESC_COMPUTE_TYPE, &compute, sizeof compute, &got));
     CUBLAS_CHECK(cublasLtMatmulDescGetAttribute(p->desc, CUBLASLT_MATMUL_DESC_SCALE_TYPE, &scale, sizeof scale, &got));
-    const cublasLtMatrixLayout_t layouts[4] = {p->a, p->b, lt_c_layout(p), p->d};
+    const cublasLtMatrixLayout_t layouts[4] = {p->a, p->b, p->d, p->d};
     for (int i = 0; i < 4; i++)
         CUBLAS_CHECK(cublasLtMatrixLayoutGetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_TYPE, &type[i], sizeof type[i], &got));
     cublasLtMatmulAlgo_t a;
@@ -704,8 +698,7 @@ static bool lt_fixed_algo(const LtPlan* p, cublasLtMatmulAlgo_t* algo) {
         !lt_config_set(&a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof cluster))
         return false;
     cublasLtMatmulHeuristicResult_t check;
-    if (cublasLtMatmulAlgoCheck(g_cublaslt, p->desc, p->a, p->b, lt_c_layout(p), p->d, &a, &check) !=
-            CUBLAS_STATUS_SUCCESS ||
+    if (cublasLtMatmulAlgoCheck(g_cublaslt, p->desc, p->a, p->b, p->d, p->d, &a, &check) != CUBLAS_STATUS_SUCCESS ||
         check.workspaceSize > g_gemm_workspace_bytes)
         return false;
     static const cublasLtMatmulAlgoCapAttributes_t min_align[4] = {
@@ -740,8 +733,7 @@ static bool g_lt_products_share_gpu = false;
 static size_t lt_call_workspace(const LtPlan* p, const cublasLtMatmulAlgo_t* algo) {
     cublasLtMatmulHeuristicResult_t check;
     if (g_lt_products_share_gpu ||
-        cublasLtMatmulAlgoCheck(g_cublaslt, p->desc, p->a, p->b, lt_c_layout(p), p->d, algo, &check) !=
-            CUBLAS_STATUS_SUCCESS)
+        cublasLtMatmulAlgoCheck(g_cublaslt, p->desc, p->a, p->b, p->d, p->d, algo, &check) != CUBLAS_STATUS_SUCCESS)
         return g_gemm_workspace_bytes;
     return check.workspaceSize <= LT_TILE_COUNTER_BYTES ? 0 : g_gemm_workspace_bytes;
 }
@@ -772,7 +764,6 @@ static void lt_plan_make(LtPlan* p, const LtKey* key, const void* aux) {
     cublasOperation_t op_b = key->tb ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = key->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasLtEpilogue_t epi = epilogues[key->epilogue];
     p->key = *key;
-    p->c = NULL;
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, (cublasComputeType_t)key->compute, CUDA_R_32F));
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b);
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a);

@@ -52,15 +52,14 @@
 typedef unsigned char fp8;
 
 /* One cast's scale: its inverse, which the product multiplies by, the scale, and the amax it was
- * derived from (as fp32 bits). cuBLASLt reads `descale` through a scale pointer, and the product
- * that writes the GELU's codes (fp8_gemm_gelu_codes) reads `scale` and writes `amax_bits` through
- * two more; it refuses a product (CUBLAS_STATUS_NOT_SUPPORTED, cuBLASLt 13.1 on sm_90) whose such
- * pointer is not 16-byte aligned, so each field is (an array of Fp8Scale in a 256-byte aligned
- * buffer keeps them so). fp8_gemm checks it. */
-struct Fp8Scale {
-    alignas(16) float descale;
-    alignas(16) float scale;
-    alignas(16) unsigned amax_bits;
+ * derived from (as fp32 bits). cuBLASLt reads `descale` through a scale pointer and refuses the
+ * product (CUBLAS_STATUS_NOT_SUPPORTED, cuBLASLt 13.1 on sm_90) when that pointer sits 4 bytes past
+ * an aligned address; so descale comes first and every Fp8Scale is 16-byte aligned (an array of
+ * them in a 256-byte aligned buffer keeps each one so). fp8_gemm checks it. */
+struct __align__(16) Fp8Scale {
+    float descale;
+    float scale;
+    unsigned amax_bits;
 };
 #define FP8_SCALE_ALIGN 16
 
@@ -380,32 +379,6 @@ __global__ void __launch_bounds__(FP8_CAST_THREADS) k_fp8_cast_jobs(const Fp8Cas
  * engine zeroes all of a micro-batch's at its start, and all the weights' before their casts. */
 static void fp8_zero_scales(Fp8Scale* sc, size_t count) {
     CUDA_CHECK(cudaMemsetAsync(sc, 0, count * sizeof(Fp8Scale), g_stream));
-}
-
-/* fp8_zero_scales of the `count` scales from sc, a training forward's activations' first (layer l's
- * product k at l * per_layer + k), except that product k_gelu's of each layer l < layers gets its
- * scale and descale from the delayed history hist[l * FP8_DELAYED_PER_LAYER + DELAYED_GELU], for
- * the up product that writes the GELU's codes at that scale (fp8_gemm_gelu_codes) and the down
- * product that reads them: what fp8_cast_gelu would set. One thread a scale, in place of the memset. */
-__global__ void k_fp8_zero_scales_set_gelu(Fp8Scale* __restrict__ sc, int count, int per_layer, int k_gelu,
-                                           const Fp8History* __restrict__ hist, int layers) {
-    await_previous_kernel();
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= count) return;
-    float s = 0.0f, d = 0.0f;
-    if (i < layers * per_layer && i % per_layer == k_gelu) {
-        s = fp8_history_scale(&hist[(size_t)(i / per_layer) * FP8_DELAYED_PER_LAYER + DELAYED_GELU]);
-        d = 1.0f / s;
-    }
-    sc[i].descale = d;
-    sc[i].scale = s;
-    sc[i].amax_bits = 0;
-}
-
-static void fp8_zero_scales_set_gelu(Fp8Scale* sc, size_t count, int per_layer, int k_gelu, const Fp8History* hist,
-                                     int layers) {
-    launch_kernel(k_fp8_zero_scales_set_gelu, ceil_div(count, 128), 128, sc, (int)count, per_layer, k_gelu,
-                  hist, layers);
 }
 
 /* The amax of n values of x into sc (atomicMax: sc's amax zeroed before, fp8_zero_scales). */
@@ -1026,15 +999,13 @@ static bool fp8_fast_accum(Fp8Pass pass) {
 struct Fp8GemmKey {
     int M, N, K, batch, a_fmt, b_fmt, d_type;
     int fast_accum; /* fp8_fast_accum's choice for this product's pass */
-    int gelu_aux;   /* 0, or the type of h for D = the codes of gelu(h) (fp8_gemm_gelu_codes) */
     long long stride_a, stride_b, stride_d;
     unsigned align_a, align_b, align_c, align_d;
 };
 
 struct Fp8GemmPlan {
     Fp8GemmKey key;
-    LtPlan lt;             /* its descriptors and algorithm (its LtKey unused) */
-    cublasStatus_t status; /* the heuristic's, for the error where no algorithm exists */
+    LtPlan lt; /* its descriptors and algorithm (its LtKey unused) */
 };
 
 #define FP8_MAX_PLANS 64
@@ -1047,15 +1018,13 @@ static void fp8_plans_clear(void) {
 }
 
 /* Descriptors and the algorithm for `key`: the heuristic's first offer, or the fixed table's
- * (common.cuh); p->lt.ok says whether one exists. A product of the GELU's codes (key->gelu_aux)
- * has cuBLASLt's GELU_AUX epilogue, h of type gelu_aux beside D and C of h's type (cuBLASLt takes
- * no FP8 C; beta is 0). */
+ * (common.cuh); no algorithm is an error (the shape checks of engine_setup should have refused the
+ * config first). */
 static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
     cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
     cudaDataType_t dt = (cudaDataType_t)key->d_type;
     LtPlan* lt = &p->lt;
     p->key = *key;
-    lt->c = NULL;
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&lt->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     if (key->fast_accum) {
         int8_t on = 1;
@@ -1066,24 +1035,22 @@ static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
     lt->a = lt_layout(fp8_dtype(key->b_fmt), key->N, key->K, key->K, key->batch, key->stride_b);
     lt->b = lt_layout(fp8_dtype(key->a_fmt), key->M, key->K, key->K, key->batch, key->stride_a);
     lt->d = lt_layout(dt, key->M, key->N, key->N, key->batch, key->stride_d);
-    if (key->gelu_aux) {
-        cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_GELU_AUX;
-        int64_t ld_aux = key->N;
-        int32_t aux_type = key->gelu_aux;
-        lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi);
-        lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld_aux, sizeof ld_aux);
-        lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &aux_type, sizeof aux_type);
-        lt->c = lt_layout((cudaDataType_t)key->gelu_aux, key->M, key->N, key->N, key->batch, key->stride_d);
-    }
     lt->align[0] = key->align_b, lt->align[1] = key->align_a, lt->align[2] = key->align_c, lt->align[3] = key->align_d;
     /* in gemm's terms: A [M,K] as it is, B^T [N,K] read transposed; D plain or the residual join
      * (the same descriptors: one plan serves both) */
     /* a configuration the table measured in one accumulation mode is never taken for the other */
-    const char* kind = key->gelu_aux ? (key->fast_accum ? "fp8fa_gelu_codes" : "fp8_gelu_codes")
-                       : key->fast_accum ? "fp8fa" : "fp8";
+    const char* kind = key->fast_accum ? "fp8fa" : "fp8";
     lt_key_name(lt->name, fp8_dtype(key->a_fmt), fp8_dtype(key->b_fmt), dt, kind, false, true, key->M, key->N, key->K,
                 key->K, key->K, key->N, key->batch, key->stride_a, key->stride_b, key->stride_d);
-    p->status = lt_plan_algo(lt, NULL);
+    cublasStatus_t st = lt_plan_algo(lt, NULL);
+    if (!lt->ok) {
+        fprintf(stderr,
+                "error: cuBLASLt has no FP8 algorithm for D[%d,%d] (%s) = A[%d,%d] (%s) B[%d,%d] (%s), batch %d "
+                "(status %d); FP8 products need K a multiple of 16 and 16-byte aligned operands\n",
+                key->M, key->N, dt == CUDA_R_32F ? "fp32" : "bf16", key->M, key->K, key->a_fmt ? "e5m2" : "e4m3",
+                key->K, key->N, key->b_fmt ? "e5m2" : "e4m3", key->batch, (int)st);
+        exit(1);
+    }
 }
 
 static Fp8GemmPlan* fp8_plan(const Fp8GemmKey* key) {
@@ -1108,25 +1075,21 @@ static Fp8Mat fp8_mat(const fp8* p, int fmt, const Fp8Scale* sc, long long strid
     return m;
 }
 
-/* The plan of a product of pass `pass` of A [M,K] by Bt [N,K] into D (type d_type) with C (ignored
- * with beta 0: D), `batch` times; gelu_aux as Fp8GemmKey's. Reports the missing algorithm, once, and
- * returns the plan either way (fp8_gemm needs one, fp8_gemm_gelu_codes falls back). */
-static Fp8GemmPlan* fp8_gemm_plan(Fp8Pass pass, int M, int N, int K, const Fp8Mat& A, const Fp8Mat& Bt, int d_type,
-                                  const void* C, const void* D, int batch, long long stride_d, int gelu_aux) {
+/* D [M,N] (type TD: bf16 or float) = A [M,K] Bt[N,K]^T + beta C, as at the top of this section, a
+ * product of pass `pass` (which sets its accumulation, FP8_FAST_ACCUM). */
+template <typename TD>
+static void fp8_gemm(Fp8Pass pass, int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD* D, const TD* C, float beta,
+                     int batch = 1, long long stride_d = 0) {
     Fp8GemmKey key;
     memset(&key, 0, sizeof key);
     key.M = M, key.N = N, key.K = K, key.batch = batch, key.a_fmt = A.fmt, key.b_fmt = Bt.fmt;
     key.fast_accum = fp8_fast_accum(pass);
-    key.d_type = d_type, key.gelu_aux = gelu_aux;
+    key.d_type = TypeInfo<TD>::dtype;
     key.stride_a = A.stride, key.stride_b = Bt.stride, key.stride_d = stride_d;
     key.align_a = lt_alignment(A.p), key.align_b = lt_alignment(Bt.p);
-    key.align_c = lt_alignment(C), key.align_d = lt_alignment(D);
-    return fp8_plan(&key);
-}
-
-/* Points plan p's A and B scales at the operands' descales (cuBLASLt's A is our Bt). */
-static void fp8_gemm_set_scales(LtPlan* p, const Fp8Mat& A, const Fp8Mat& Bt) {
-    const float* a_descale = &Bt.sc->descale;
+    key.align_c = lt_alignment(C ? C : D), key.align_d = lt_alignment(D);
+    LtPlan* p = &fp8_plan(&key)->lt;
+    const float* a_descale = &Bt.sc->descale; /* cuBLASLt's A is our Bt */
     const float* b_descale = &A.sc->descale;
     if (lt_alignment(a_descale) < FP8_SCALE_ALIGN || lt_alignment(b_descale) < FP8_SCALE_ALIGN) {
         fprintf(stderr, "error: internal: an fp8 scale is not %d-byte aligned\n", FP8_SCALE_ALIGN);
@@ -1134,24 +1097,6 @@ static void fp8_gemm_set_scales(LtPlan* p, const Fp8Mat& A, const Fp8Mat& Bt) {
     }
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_descale, sizeof a_descale);
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_descale, sizeof b_descale);
-}
-
-/* D [M,N] (type TD: bf16 or float) = A [M,K] Bt[N,K]^T + beta C, as at the top of this section, a
- * product of pass `pass` (which sets its accumulation, FP8_FAST_ACCUM). */
-template <typename TD>
-static void fp8_gemm(Fp8Pass pass, int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD* D, const TD* C, float beta,
-                     int batch = 1, long long stride_d = 0) {
-    Fp8GemmPlan* plan = fp8_gemm_plan(pass, M, N, K, A, Bt, TypeInfo<TD>::dtype, C ? C : D, D, batch, stride_d, 0);
-    LtPlan* p = &plan->lt;
-    if (!p->ok) {
-        fprintf(stderr,
-                "error: cuBLASLt has no FP8 algorithm for D[%d,%d] (%s) = A[%d,%d] (%s) B[%d,%d] (%s), batch %d "
-                "(status %d); FP8 products need K a multiple of 16 and 16-byte aligned operands\n",
-                M, N, sizeof(TD) == 4 ? "fp32" : "bf16", M, K, A.fmt ? "e5m2" : "e4m3", K, N, Bt.fmt ? "e5m2" : "e4m3",
-                batch, (int)plan->status);
-        exit(1);
-    }
-    fp8_gemm_set_scales(p, A, Bt);
     float alpha = 1.0f;
     if (g_lt_watch) {
         Mat a = {A.p, fp8_dtype(A.fmt), K, A.stride, false}, b = {Bt.p, fp8_dtype(Bt.fmt), K, Bt.stride, true};
@@ -1162,35 +1107,6 @@ static void fp8_gemm(Fp8Pass pass, int M, int N, int K, Fp8Mat A, Fp8Mat Bt, TD*
     CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &alpha, Bt.p, p->a, A.p, p->b, &beta, C ? (const void*)C : D,
                                 p->d, D, p->d, &p->algo, g_gemm_workspace, p->workspace, g_stream));
     if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
-}
-
-/* Delayed scaling's fused GELU in the MLP's up product (docs/DESIGN.md §18): h [M,N] = A [M,K]
- * Bt[N,K]^T as fp8_gemm's forward product computes it, into h (type T, what the backward's GELU
- * reads), and, through cuBLASLt's GELU_AUX epilogue, the E4M3 codes of gelu(h) at the scale in
- * sc->scale (set beforehand from the history: fp8_set_delayed_scales) row-major into `codes`
- * [M][N], the amax of gelu(h) before scaling into sc->amax_bits. gelu is cuBLASLt's, of the fp32
- * sums before they are rounded to T, as the CPU engine computes it (of its fp32 product), where the
- * unfused path (fp8_cast_gelu) takes h as stored; the conversion rounds to nearest even and
- * saturates as fp8_cvt does (kernel_check's "gelu codes product" lines). Returns false, having done
- * nothing, where cuBLASLt has no such algorithm (then the caller casts: fp8_cast_gelu). */
-template <typename T>
-static bool fp8_gemm_gelu_codes(int M, int N, int K, Fp8Mat A, Fp8Mat Bt, fp8* codes, Fp8Scale* sc, T* h) {
-    Fp8GemmPlan* plan = fp8_gemm_plan(FP8_PASS_FORWARD, M, N, K, A, Bt, CUDA_R_8F_E4M3, h, codes, 1, 0,
-                                      TypeInfo<T>::dtype);
-    LtPlan* p = &plan->lt;
-    if (!p->ok) return false;
-    const float* d_scale = &sc->scale;
-    unsigned* d_amax = &sc->amax_bits; /* cuBLASLt writes a float there: the same bits, |x| >= 0 */
-    void* aux = h;
-    fp8_gemm_set_scales(p, A, Bt);
-    lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &d_scale, sizeof d_scale);
-    lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &d_amax, sizeof d_amax);
-    lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);
-    float alpha = 1.0f, beta = 0.0f;
-    CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, p->desc, &alpha, Bt.p, p->a, A.p, p->b, &beta, h, p->c, codes, p->d,
-                                &p->algo, g_gemm_workspace, p->workspace, g_stream));
-    if (sync_launches()) CUDA_CHECK(cudaDeviceSynchronize());
-    return true;
 }
 
 /* ---------------------------------------------------------------------------------------------- */

@@ -188,13 +188,12 @@ static void side_join(void) {
 }
 
 /* ---------------------------------------------------------------------------------------------- */
-/* The ahead stream: work of the forward whose results only the backward reads, forked from g_stream
- * so that it runs beside the forward instead of on the step's one chain: the embedding backward's
- * sort of the tokens (embed.cuh), once they are uploaded, and in fp8 the transpose of each layer's
- * GELU codes for its dW_2 (the engine's fp8_mlp_fwd, which joins before it overwrites the codes);
- * the backward joins it before its first product. Set up for every training run
- * (ahead_stream_init; the products' side stream above only where it pays); without it, ahead_run
- * runs the work in place. The same kernels on the same data: the same bits. */
+/* The ahead stream: work that reads only a micro-batch's inputs (the embedding backward's sort of
+ * the tokens, embed.cuh), forked from g_stream once they are uploaded so that it runs beside the
+ * forward instead of on the step's one chain at the end of the backward, and joined right before
+ * its result is read. Set up for every training run (ahead_stream_init; the products' side stream
+ * above only where it pays); without it, ahead_run runs the work in place. The same kernels on the
+ * same data: the same bits. */
 static struct {
     cudaStream_t stream; /* 0: none, work runs in place */
     cudaEvent_t fork, done;
