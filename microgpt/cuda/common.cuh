@@ -513,6 +513,7 @@ static long g_gemm_fused_runs[GEMM_N_FUSED] = {};
 /* Everything cuBLASLt's choice of algorithm depends on; memcmp-able (built from a zeroed struct). */
 struct LtKey {
     int ta, tb, M, N, K, lda, ldb, ldd, batch, epilogue, ab_type, d_type, compute;
+    int sm_target; /* g_lt_sm_target when the plan was made */
     long long stride_a, stride_b, stride_d;
     unsigned align_a, align_b, align_c, align_d, align_aux;
 };
@@ -523,7 +524,8 @@ struct LtKey {
  * microseconds of host time; the captured step does not pay them, uncaptured calls would). */
 struct LtPlan {
     LtKey key;
-    bool ok; /* an algorithm exists */
+    bool ok;       /* an algorithm exists */
+    int sm_target; /* the multiprocessors its algorithm was chosen for (lt_plan_sm_target); 0: all */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t a, b, d;
     unsigned align[4];           /* of cuBLASLt's A, B, C, D (our B, A, C, D), in bytes */
@@ -547,6 +549,20 @@ static void lt_plan_destroy(LtPlan* p) {
 static void lt_plans_clear(void) {
     for (int i = 0; i < g_lt_n_plans; i++) lt_plan_destroy(&g_lt_plans[i]);
     g_lt_n_plans = 0;
+}
+
+/* The multiprocessors cuBLASLt is told a product may have (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), 0
+ * for all: side_stream.cuh sets it for the weight gradients it runs beside the input gradients
+ * (docs/DESIGN.md §9), so that their kernels take part of the GPU instead of all of it. Part of
+ * every plan's key: a product gets its own plan, and algorithm, on each stream. */
+static int g_lt_sm_target = 0;
+
+/* Tells the heuristic of plan p (its descriptor) the multiprocessor count g_lt_sm_target. */
+static void lt_plan_sm_target(LtPlan* p) {
+    p->sm_target = g_lt_sm_target;
+    if (!p->sm_target) return;
+    int32_t n = p->sm_target;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &n, sizeof n));
 }
 
 /* The largest power of two up to 256 that divides the address (cuBLASLt's alignment classes). */
@@ -670,7 +686,7 @@ static bool lt_config_set(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAt
  * cuBLASLt accepts for p's descriptors, with a workspace that fits the engine's and alignment
  * minimums that p's operands meet; false leaves *algo alone. */
 static bool lt_fixed_algo(const LtPlan* p, cublasLtMatmulAlgo_t* algo) {
-    if (!lt_table_applies()) return false;
+    if (!lt_table_applies() || p->sm_target) return false; /* the table was measured on the whole GPU */
     const LtTableEntry* e = lt_table_find(g_lt_table, p->name);
     if (!e) return false;
     cublasComputeType_t compute;
@@ -768,6 +784,7 @@ static void lt_plan_make(LtPlan* p, const LtKey* key, const void* aux) {
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b);
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a);
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi);
+    lt_plan_sm_target(p);
     if (aux) {
         int64_t ld_aux = key->ldd;
         lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);
@@ -806,6 +823,7 @@ static bool lt_matmul(const Gemm& g, GemmEpilogue epilogue, const void* C, const
     key.lda = g.A.ld, key.ldb = g.B.ld, key.ldd = g.D.ld;
     key.batch = g.batch, key.stride_a = g.A.stride, key.stride_b = g.B.stride, key.stride_d = g.D.stride;
     key.epilogue = epilogue, key.ab_type = g.A.type, key.d_type = g.D.type, key.compute = g_lt_compute;
+    key.sm_target = g_lt_sm_target;
     key.align_a = lt_alignment(g.A.p), key.align_b = lt_alignment(g.B.p), key.align_d = lt_alignment(g.D.p);
     key.align_c = lt_alignment(C), key.align_aux = aux ? lt_alignment(aux) : 0;
     LtPlan* p = lt_plan(&key, aux);

@@ -8,10 +8,10 @@
  * neighbour and lose to the contention (docs/DESIGN.md §9 has the measurements). side_product runs
  * a weight-gradient product on the side stream, forked from g_stream by an event, so that the main
  * stream's next products and kernels run beside it; captured in a CUDA graph, the fork and the
- * joins become the graph's edges (parallel branches). Each kernel's arithmetic is unchanged (the
- * same products, the same algorithms: the side stream has its own cuBLAS handle and its own
- * workspace of the same size, so cuBLASLt's rule sees the same problem), so the bits are those of
- * one stream.
+ * joins become the graph's edges (parallel branches). The side stream has its own cuBLAS handle
+ * and its own workspace of the same size, and its products' algorithms are chosen for a share of
+ * the GPU (SIDE_SM_SHARE, below): their own, fixed for the shape and the device, so a run's bits
+ * are the same every time, launched as graphs or one by one.
  *
  * What orders the two streams (the engine's backward places the waits, docs/DESIGN.md §9):
  *   fork   side_product records an event on g_stream and the side stream waits for it: the
@@ -48,6 +48,7 @@ static struct {
     cudaStream_t stream; /* 0: no side stream, products run in place */
     cublasHandle_t cublas;
     void* workspace;
+    int sm_target; /* the side stream's products' g_lt_sm_target (SIDE_SM_SHARE) */
     cudaEvent_t fork, joined;
     bool active; /* side-stream work issued since the last join */
     SideRead reads[SIDE_MAX_BUFFERS];
@@ -71,6 +72,14 @@ static bool side_stream_pays(long long rows, int d_model, int sm_count) {
     return tiles < sm_count;
 }
 
+/* The share of the GPU's multiprocessors cuBLASLt is told a side-stream product may have
+ * (g_lt_sm_target: 1 / SIDE_SM_SHARE of them). Chosen for the whole GPU, a weight gradient's
+ * kernel of ANDREA-12M takes every multiprocessor for its split of K, so the input gradient beside
+ * it waits: on an H100 a pair ran 9.6 µs against 10.8 in turn. Told half, it leaves the input
+ * gradient room, 8.3 µs (docs/BENCHMARKS.md #188; a third or a quarter ran no better, the weight
+ * gradient alone slower). */
+#define SIDE_SM_SHARE 2
+
 /* The side stream, its cuBLAS handle (bound to it, with its own workspace of `bytes`, the main
  * one's size, and the main handle's math mode: call after cublas_init and gemm_set_tf32) and its
  * events. */
@@ -83,6 +92,7 @@ static void side_stream_init(void* workspace, size_t bytes) {
     CUBLAS_CHECK(cublasSetStream(g_side.cublas, g_side.stream));
     CUBLAS_CHECK(cublasSetWorkspace(g_side.cublas, workspace, bytes));
     g_side.workspace = workspace;
+    g_side.sm_target = lt_sm_count() / SIDE_SM_SHARE;
     g_lt_products_share_gpu = true; /* set before any product's plan: lt_call_workspace */
     CUDA_CHECK(cudaEventCreateWithFlags(&g_side.fork, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&g_side.joined, cudaEventDisableTiming));
@@ -112,14 +122,17 @@ static SideRead* side_read(const void* buffer) {
     return r;
 }
 
-/* Swaps what the products launch on (common.cuh's stream, cuBLAS handle and workspace) with the
- * side stream's: called twice, it restores them. cuBLASLt's handle takes the stream per call. */
+/* Swaps what the products launch on (common.cuh's stream, cuBLAS handle and workspace, and the
+ * multiprocessors their algorithms are chosen for) with the side stream's: called twice, it
+ * restores them. cuBLASLt's handle takes the stream per call. */
 static void side_swap(void) {
     cudaStream_t s = g_stream;
     cublasHandle_t h = g_cublas;
     void* w = g_gemm_workspace;
+    int n = g_lt_sm_target;
     g_stream = g_side.stream, g_cublas = g_side.cublas, g_gemm_workspace = g_side.workspace;
-    g_side.stream = s, g_side.cublas = h, g_side.workspace = w;
+    g_lt_sm_target = g_side.sm_target;
+    g_side.stream = s, g_side.cublas = h, g_side.workspace = w, g_side.sm_target = n;
 }
 
 /* Runs `product` (the launches of one weight gradient) on the side stream after everything issued
