@@ -524,8 +524,7 @@ struct LtKey {
  * microseconds of host time; the captured step does not pay them, uncaptured calls would). */
 struct LtPlan {
     LtKey key;
-    bool ok;       /* an algorithm exists */
-    int sm_target; /* the multiprocessors its algorithm was chosen for (lt_plan_sm_target); 0: all */
+    bool ok; /* an algorithm exists */
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t a, b, d;
     unsigned align[4];           /* of cuBLASLt's A, B, C, D (our B, A, C, D), in bytes */
@@ -553,16 +552,16 @@ static void lt_plans_clear(void) {
 
 /* The multiprocessors cuBLASLt is told a product may have (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), 0
  * for all: side_stream.cuh sets it for the weight gradients it runs beside the input gradients
- * (docs/DESIGN.md §9), so that their kernels take part of the GPU instead of all of it. Part of
- * every plan's key: a product gets its own plan, and algorithm, on each stream. */
+ * (docs/DESIGN.md §9), so that their persistent kernels take part of the GPU instead of all of it.
+ * Part of every plan's key: a product gets its own plan on each stream. The fixed table's
+ * algorithm, where it applies, is kept (the target then sizes its grid; skipping the table for
+ * such plans lost more than the target gained: docs/BENCHMARKS.md #110). */
 static int g_lt_sm_target = 0;
 
-/* Tells the heuristic of plan p (its descriptor) the multiprocessor count g_lt_sm_target. */
-static void lt_plan_sm_target(LtPlan* p) {
-    p->sm_target = g_lt_sm_target;
-    if (!p->sm_target) return;
-    int32_t n = p->sm_target;
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &n, sizeof n));
+/* Gives a plan's descriptor the multiprocessor count g_lt_sm_target, where one is set. */
+static void lt_desc_sm_target(cublasLtMatmulDesc_t desc) {
+    int32_t n = g_lt_sm_target;
+    if (n) CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &n, sizeof n));
 }
 
 /* The largest power of two up to 256 that divides the address (cuBLASLt's alignment classes). */
@@ -686,7 +685,7 @@ static bool lt_config_set(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAt
  * cuBLASLt accepts for p's descriptors, with a workspace that fits the engine's and alignment
  * minimums that p's operands meet; false leaves *algo alone. */
 static bool lt_fixed_algo(const LtPlan* p, cublasLtMatmulAlgo_t* algo) {
-    if (!lt_table_applies() || p->sm_target) return false; /* the table was measured on the whole GPU */
+    if (!lt_table_applies()) return false;
     const LtTableEntry* e = lt_table_find(g_lt_table, p->name);
     if (!e) return false;
     cublasComputeType_t compute;
@@ -784,7 +783,7 @@ static void lt_plan_make(LtPlan* p, const LtKey* key, const void* aux) {
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b);
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a);
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi);
-    lt_plan_sm_target(p);
+    lt_desc_sm_target(p->desc);
     if (aux) {
         int64_t ld_aux = key->ldd;
         lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);

@@ -1033,7 +1033,7 @@ static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
     }
     lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t);
     lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof op_n);
-    lt_plan_sm_target(lt);
+    lt_desc_sm_target(lt->desc);
     lt->a = lt_layout(fp8_dtype(key->b_fmt), key->N, key->K, key->K, key->batch, key->stride_b);
     lt->b = lt_layout(fp8_dtype(key->a_fmt), key->M, key->K, key->K, key->batch, key->stride_a);
     lt->d = lt_layout(dt, key->M, key->N, key->N, key->batch, key->stride_d);
