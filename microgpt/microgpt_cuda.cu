@@ -143,8 +143,7 @@ static struct {
      * products' inputs' and their output gradients', in that order; the FP8 classifier's too:
      * w8_scale); the cast input of the forward product in flight (a8); the cast inputs kept transposed for the weight gradients (x8t, per
      * layer: ln1, atty, ln2 [N][C] each, h_gelu [N][F], written by the forward's casts); the cast
-     * output gradient of the backward product in flight (g8, g8t: one of g8t_turns, taken by
-     * turns where the side stream runs, fp8_wait_grad_codes) */
+     * output gradient of the backward product in flight (g8, g8t) */
     int use_fp8, use_fp8_classifier; /* use_fp8_classifier: config_fp8_classifier's logits or all */
     int fp8_classifier_all;          /* config_fp8_classifier's all: its backward's products too */
     fp8 *w8_fwd, *w8_dx;
@@ -154,8 +153,6 @@ static struct {
     int lowp_stale; /* an update left the fp8 weights' part of wlow behind: refresh_stale_lowp_weights */
     Fp8Scale* fp8_scales;
     fp8 *a8, *x8t, *g8, *g8t;
-    fp8* g8t_turns[2]; /* [1]: NULL without the side stream */
-    int g8t_turn;
     /* the FP8 classifier only (else NULL): LNf's output cast transposed, chunk by chunk of the
      * logits (chunk r0's [C][n] at r0 * C; its row-major codes go to a8, which no product reads
      * again until the next forward), and one chunk's dlogits codes [chunk][Vp] and [Vp][chunk] */
@@ -293,8 +290,7 @@ static void plan_buffers(size_t* used) {
         E.a8 = (fp8*)carve(G_SCRATCH, act, used);
         E.x8t = (fp8*)carve(G_ACTIVATIONS, tr * L * N * (3 * C + F), used);
         E.g8 = (fp8*)carve(G_SCRATCH, tr * grad, used);
-        E.g8t = E.g8t_turns[0] = (fp8*)carve(G_SCRATCH, tr * grad, used);
-        E.g8t_turns[1] = (fp8*)carve(G_SCRATCH, (size_t)E.use_side_stream * grad, used);
+        E.g8t = (fp8*)carve(G_SCRATCH, tr * grad, used);
         E.fp8_hist = (Fp8History*)carve(G_SCRATCH, (E.fp8_delayed ? FP8_DELAYED_PER_LAYER * L : 0) * sizeof(Fp8History),
                                         used);
         E.lnf8t = (fp8*)carve(G_ACTIVATIONS, cls * tr * nc, used);
@@ -559,14 +555,10 @@ static void fp8_linear_fwd(T* out, const T* x, int l, int t, int k, int N, int i
                 residual ? 1.0f : 0.0f);
 }
 
-/* Before a gradient's cast (or the kernel that writes its codes) writes E.g8 and E.g8t: E.g8t is
- * the next of the two transposed buffers taken by turns where the side stream runs, and the weight
- * gradient that read it last (two products back, on the side stream) is done; so a weight gradient
- * runs on beside the next producer and input gradient, as bf16's do. (It gained nothing while the
- * weight gradients' kernels took the whole GPU, docs/BENCHMARKS.md #79; planned for half of it,
- * #188, #189.) Without a side stream one buffer, and no wait. */
+/* Before a gradient's cast writes E.g8 and E.g8t: the previous product's weight gradient (on the
+ * side stream) has read its cast. (Two g8t buffers taken by turns, so that a weight gradient
+ * overlapped more, gained nothing: docs/BENCHMARKS.md #79.) */
 static void fp8_wait_grad_codes(void) {
-    if (E.g8t_turns[1]) E.g8t = E.g8t_turns[E.g8t_turn ^= 1];
     side_wait(E.g8t);
 }
 
@@ -833,8 +825,8 @@ static void loss_chunks(int N, int train) {
  *   dW_1                  dh                                      the layer below's dh         side_wait(E.dh)
  *   dW_O                  dres                                    LN1 backward (dres +=)       side_wait(dres)
  *   dW_QKV                dqkv                                    the layer below's attn_bwd   side_wait(dqkv)
- *   fp8: every dW         g8t (the output gradient's cast,        the cast two products later  fp8_wait_grad_codes
- *                          one of two buffers taken by turns)      (fp8_linear_bwd; fp8_cast_dgelu;  (side_wait(E.g8t))
+ *   fp8: every dW         g8t (the output gradient's cast)        the next product's cast      fp8_wait_grad_codes
+ *                                                                 (fp8_linear_bwd; fp8_cast_dgelu;  (side_wait(E.g8t))
  *                                                                 the LN2 and LN1 backwards,
  *                                                                 layernorm_bwd_fp8; attn_bwd_fp8)
  *   a LayerNorm's final   ln_partial (the chunk partials)         the next LayerNorm backward  side_wait(ln_partial)
@@ -850,10 +842,9 @@ static void loss_chunks(int N, int train) {
  * cast, issued before the fork); nothing writes them again before the next forward. Waits sit just before the
  * overwrite, so a product overlaps everything in between; in bf16, dW_1 runs beside the LN2 backward,
  * W_O's input gradient and attention's backward; dW_O beside attention's backward and the QKV
- * input gradient; dW_QKV beside the LN1 backward and the layer below's MLP. In fp8 the two g8t
- * buffers let a weight gradient run on beside the next product's producer (its cast, or the GELU,
- * LayerNorm or attention backward that writes its codes) and input gradient; the producer after
- * that waits for it. */
+ * input gradient; dW_QKV beside the LN1 backward and the layer below's MLP. In fp8 the single g8t
+ * lets a weight gradient overlap only its own input-gradient product: the next product's producer
+ * (its cast, or the GELU, LayerNorm or attention backward that writes its codes) waits for it. */
 template <typename T>
 static void backward(void) {
     int B = E.B, Tn = E.T, C = E.C, F = E.F, L = E.L, N = E.N, l;
@@ -864,7 +855,6 @@ static void backward(void) {
     T* dqkv = (T*)E.dqkv;
     /* dln holds d(LNf output) from loss_chunks */
     CUDA_CHECK(cudaMemsetAsync(dres, 0, nc * es, g_stream));
-    E.g8t_turn = 0; /* fp8: every micro-batch takes the same transposed buffers (fp8_wait_grad_codes) */
     /* precision fp8: each LayerNorm backward's dres is the next product's output gradient (W_2 of the
      * layer below, W_O of its own): ln_bwd_for_product */
     int dres_in = ln_bwd_for_product<T>(dres, E.grads + E.layout.lnf_gamma, E.grads + E.layout.lnf_beta, dln,
