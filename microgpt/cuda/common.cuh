@@ -550,12 +550,11 @@ static void lt_plans_clear(void) {
     g_lt_n_plans = 0;
 }
 
-/* The multiprocessors cuBLASLt is told a product may have (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), 0
- * for all: side_stream.cuh sets it for the weight gradients it runs beside the input gradients
- * (docs/DESIGN.md §9), so that their persistent kernels take part of the GPU instead of all of it.
- * Part of every plan's key: a product gets its own plan on each stream. The fixed table's
- * algorithm, where it applies, is kept (the target then sizes its grid; skipping the table for
- * such plans lost more than the target gained: docs/BENCHMARKS.md #110). */
+/* The multiprocessors cuBLASLt's heuristic is told a product may have
+ * (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), 0 for all: side_stream.cuh sets it for the weight
+ * gradients it runs beside the input gradients where the fixed table does not apply (docs/DESIGN.md
+ * §9), so that their kernels are planned for part of the GPU instead of all of it. Part of every
+ * plan's key: a product gets its own plan on each stream. */
 static int g_lt_sm_target = 0;
 
 /* Gives a plan's descriptor the multiprocessor count g_lt_sm_target, where one is set. */

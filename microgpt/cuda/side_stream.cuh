@@ -9,9 +9,9 @@
  * a weight-gradient product on the side stream, forked from g_stream by an event, so that the main
  * stream's next products and kernels run beside it; captured in a CUDA graph, the fork and the
  * joins become the graph's edges (parallel branches). The side stream has its own cuBLAS handle
- * and its own workspace of the same size, and its products' algorithms are chosen for a share of
- * the GPU (SIDE_SM_SHARE, below): their own, fixed for the shape and the device, so a run's bits
- * are the same every time, launched as graphs or one by one.
+ * and its own workspace of the same size, and where the fixed table does not choose them its
+ * products' algorithms are planned for a share of the GPU (SIDE_SM_SHARE, below): fixed for the
+ * shape and the device, so a run's bits are the same every time, launched as graphs or one by one.
  *
  * What orders the two streams (the engine's backward places the waits, docs/DESIGN.md §9):
  *   fork   side_product records an event on g_stream and the side stream waits for it: the
@@ -72,12 +72,15 @@ static bool side_stream_pays(long long rows, int d_model, int sm_count) {
     return tiles < sm_count;
 }
 
-/* The share of the GPU's multiprocessors cuBLASLt is told a side-stream product may have
- * (g_lt_sm_target: 1 / SIDE_SM_SHARE of them). Chosen for the whole GPU, a weight gradient's
- * kernel of ANDREA-12M takes every multiprocessor for its split of K, so the input gradient beside
- * it waits: on an H100 a pair ran 9.6 µs against 10.8 in turn. Told half, it leaves the input
- * gradient room, 8.3 µs (docs/BENCHMARKS.md #188; a third or a quarter ran no better, the weight
- * gradient alone slower). */
+/* The share of the GPU's multiprocessors cuBLASLt's heuristic is told a side-stream product may
+ * have (g_lt_sm_target: 1 / SIDE_SM_SHARE of them), where the fixed table does not choose the
+ * algorithms (lt_table_applies). Planned for the whole GPU, a weight gradient's kernel of
+ * ANDREA-12M takes every multiprocessor for its split of K, so the input gradient beside it waits:
+ * on an H100 a pair ran 9.6 µs against 10.8 in turn; planned for half, 8.3, and the 12M step 27 µs
+ * faster in fp8, 35 in bf16 (docs/BENCHMARKS.md #188; a third or a quarter ran no better). Where
+ * the table applies (the H200) its algorithms, tuned for the whole GPU, stay: the target does not
+ * replan them, it only shrinks their grid (a probe: slower alone and no faster beside the input
+ * gradient), and the heuristic's algorithms planned for half lost to them there (#110). */
 #define SIDE_SM_SHARE 2
 
 /* The side stream, its cuBLAS handle (bound to it, with its own workspace of `bytes`, the main
@@ -92,7 +95,7 @@ static void side_stream_init(void* workspace, size_t bytes) {
     CUBLAS_CHECK(cublasSetStream(g_side.cublas, g_side.stream));
     CUBLAS_CHECK(cublasSetWorkspace(g_side.cublas, workspace, bytes));
     g_side.workspace = workspace;
-    g_side.sm_target = lt_sm_count() / SIDE_SM_SHARE;
+    g_side.sm_target = lt_table_applies() ? 0 : lt_sm_count() / SIDE_SM_SHARE;
     g_lt_products_share_gpu = true; /* set before any product's plan: lt_call_workspace */
     CUDA_CHECK(cudaEventCreateWithFlags(&g_side.fork, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&g_side.joined, cudaEventDisableTiming));
