@@ -1327,7 +1327,13 @@ static size_t engine_setup(const Config* cfg) {
     }
     cublas_init(E.cublas_ws, CUBLAS_WORKSPACE_BYTES);
     if (strcmp(prec, "tf32") == 0) gemm_set_tf32();
-    if (E.use_side_stream) side_stream_init(E.side_ws, CUBLAS_WORKSPACE_BYTES);
+    if (E.use_side_stream) {
+        side_stream_init(E.side_ws, CUBLAS_WORKSPACE_BYTES);
+        if (side_stream_sm_target()) /* docs/DESIGN.md §9 */
+            info("side stream's products: planned for %d of %d multiprocessors", side_stream_sm_target(), lt_sm_count());
+        else
+            info("side stream's products: planned for the whole GPU (the fixed table's algorithms)");
+    }
     if (E.training) ahead_stream_init();
     if (E.training) warm_up(); /* the device memory of a training run must not grow after its first step */
     return total;

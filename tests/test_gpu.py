@@ -428,6 +428,12 @@ def test_graphs_give_the_same_bits_as_launch_by_launch(cuda_binary, random_shard
     assert len([k for k in ref if k[0] == "train"]) == 5
     for mode, (res, _) in runs.items():
         assert "backward: weight gradients on a side stream" in res.stderr, res.stderr[-2000:]
+        # planned for half the GPU, unless the fixed table chooses the algorithms (docs/DESIGN.md §9)
+        planned = re.search(r"side stream's products: planned for (\d+) of (\d+) multiprocessors", res.stderr)
+        if "cuBLASLt algorithms: the fixed table" in res.stderr:
+            assert planned is None and "planned for the whole GPU" in res.stderr, res.stderr[-2000:]
+        else:
+            assert planned and int(planned[1]) == int(planned[2]) // 2, res.stderr[-2000:]
         if not OVERRIDE_ENGINE:  # the Makefile's build: kernels compiled for this GPU
             major = int(re.search(r"compute capability (\d+)\.\d+", res.stderr).group(1))
             programmatic = "kernel launches: programmatic dependent launch" in res.stderr

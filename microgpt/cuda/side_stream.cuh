@@ -101,6 +101,9 @@ static void side_stream_init(void* workspace, size_t bytes) {
     CUDA_CHECK(cudaEventCreateWithFlags(&g_side.joined, cudaEventDisableTiming));
 }
 
+/* The multiprocessors the side stream's products are planned for (SIDE_SM_SHARE); 0: the whole GPU. */
+static int side_stream_sm_target(void) { return g_side.sm_target; }
+
 static void side_stream_shutdown(void) {
     if (!g_side.stream) return;
     for (int i = 0; i < g_side.n_reads; i++) CUDA_CHECK(cudaEventDestroy(g_side.reads[i].done));
