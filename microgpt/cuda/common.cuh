@@ -513,7 +513,7 @@ static long g_gemm_fused_runs[GEMM_N_FUSED] = {};
 /* Everything cuBLASLt's choice of algorithm depends on; memcmp-able (built from a zeroed struct). */
 struct LtKey {
     int ta, tb, M, N, K, lda, ldb, ldd, batch, epilogue, ab_type, d_type, compute;
-    int sm_target; /* g_lt_sm_target when the plan was made */
+    int sm_target; /* the multiprocessors it is planned for (g_lt_sm_target); 0: all */
     long long stride_a, stride_b, stride_d;
     unsigned align_a, align_b, align_c, align_d, align_aux;
 };
@@ -557,9 +557,9 @@ static void lt_plans_clear(void) {
  * plan's key: a product gets its own plan on each stream. */
 static int g_lt_sm_target = 0;
 
-/* Gives a plan's descriptor the multiprocessor count g_lt_sm_target, where one is set. */
-static void lt_desc_sm_target(cublasLtMatmulDesc_t desc) {
-    int32_t n = g_lt_sm_target;
+/* Gives a plan's descriptor its key's multiprocessor count, where one is set. */
+static void lt_desc_sm_target(cublasLtMatmulDesc_t desc, int sm_target) {
+    int32_t n = sm_target;
     if (n) CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &n, sizeof n));
 }
 
@@ -782,7 +782,7 @@ static void lt_plan_make(LtPlan* p, const LtKey* key, const void* aux) {
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b);
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a);
     lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi);
-    lt_desc_sm_target(p->desc);
+    lt_desc_sm_target(p->desc, key->sm_target);
     if (aux) {
         int64_t ld_aux = key->ldd;
         lt_set_desc(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux);

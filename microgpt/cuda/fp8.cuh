@@ -999,7 +999,7 @@ static bool fp8_fast_accum(Fp8Pass pass) {
 struct Fp8GemmKey {
     int M, N, K, batch, a_fmt, b_fmt, d_type;
     int fast_accum; /* fp8_fast_accum's choice for this product's pass */
-    int sm_target;  /* g_lt_sm_target when the plan was made */
+    int sm_target;  /* the multiprocessors it is planned for (g_lt_sm_target); 0: all */
     long long stride_a, stride_b, stride_d;
     unsigned align_a, align_b, align_c, align_d;
 };
@@ -1033,7 +1033,7 @@ static void fp8_plan_make(Fp8GemmPlan* p, const Fp8GemmKey* key) {
     }
     lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t);
     lt_set_desc(lt->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof op_n);
-    lt_desc_sm_target(lt->desc);
+    lt_desc_sm_target(lt->desc, key->sm_target);
     lt->a = lt_layout(fp8_dtype(key->b_fmt), key->N, key->K, key->K, key->batch, key->stride_b);
     lt->b = lt_layout(fp8_dtype(key->a_fmt), key->M, key->K, key->K, key->batch, key->stride_a);
     lt->d = lt_layout(dt, key->M, key->N, key->N, key->batch, key->stride_d);
