@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import signal
 import socket
 import stat
@@ -231,8 +232,8 @@ def create_app(served, bind_host, token):
             first = int(last_id)
         if not streams.acquire(blocking=False):
             abort(503, f"too many live streams (at most {MAX_STREAMS}): close other dashboards")
-        resp = Response(_events(run, first), mimetype="text/event-stream",
-                        headers={"X-Accel-Buffering": "no"})
+        events = _events(run, first, request.environ["werkzeug.socket"])
+        resp = Response(events, mimetype="text/event-stream", headers={"X-Accel-Buffering": "no"})
         resp.call_on_close(streams.release)  # however the stream ends, even before its first byte
         return resp
 
@@ -325,10 +326,11 @@ def _records_message(log, first, limit):
     return msg, nxt
 
 
-def _events(run, cursor):
+def _events(run, cursor, sock):
     """The live stream: everything from cursor on, then whatever is new, as it appears. One message
     is built at a time, and only once the previous one was handed to the socket: a client that
-    does not read costs one message and its socket buffer, until the send timeout drops it."""
+    does not read costs one message and its socket buffer, until the send timeout drops it. A
+    client that closes its connection (sock) ends the stream at once, not at the next write."""
     seen_state = seen_samples = None
     last_sent = time.monotonic()
     while True:
@@ -348,8 +350,28 @@ def _events(run, cursor):
         if out:
             last_sent = now
             yield b"".join(out)
-        if cursor >= len(run.log):
-            time.sleep(POLL_SECONDS)
+        if cursor >= len(run.log) and _client_gone(sock, POLL_SECONDS):
+            return
+
+
+def _client_gone(sock, seconds):
+    """Waits `seconds`; True if the client closed its connection meanwhile. Without this, a stream
+    with nothing new to send noticed a client gone only when a ping failed, PING_SECONDS later,
+    and kept its slot (one of MAX_STREAMS) that long: a page of several finished runs, reloaded a
+    few times, was refused as "too many live streams"."""
+    poller = select.poll()  # not select.select, which refuses a descriptor over 1023
+    poller.register(sock, select.POLLIN)
+    if not poller.poll(seconds * 1000):
+        return False
+    try:
+        if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+            return True  # end of file: the client closed
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # reset
+    time.sleep(seconds)  # bytes the client sent after its request: not an end, and no busy loop
+    return False
 
 
 # ---------------------------------------------------------------------------------------------------

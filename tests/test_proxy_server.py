@@ -292,6 +292,24 @@ def test_streams_and_connections_are_bounded(served_dir):
             s.close()
 
 
+def test_a_stream_whose_client_left_frees_its_slot_at_once(served_dir):
+    """A stream of a run with nothing new to send noticed that its client had gone only when its
+    next ping failed, up to PING_SECONDS later: a dashboard of finished runs reloaded a few times
+    was told "too many live streams" with no other dashboard open. A client that closes is
+    noticed within a poll."""
+    server, _ = served_dir
+    for _ in range(2):  # the second round's streams need the first round's slots
+        held = [open_stream(server) for _ in range(proxy_server.MAX_STREAMS)]
+        assert all(b" 200 " in line for _, line in held)
+        for s, _ in held:
+            s.settimeout(0.2)
+            with contextlib.suppress(socket.timeout):
+                while s.recv(1 << 16):  # what a browser does: take what came, then close
+                    pass
+            s.close()
+        time.sleep(1)
+
+
 def test_a_client_that_stops_reading_is_dropped(tmp_path, monkeypatch):
     """A stream whose client takes nothing fills the socket buffers; after SEND_TIMEOUT_SECONDS the
     server drops it and its slot is free again. Enough records that the buffers fill."""
