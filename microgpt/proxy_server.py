@@ -399,6 +399,11 @@ class _RequestHandler(WSGIRequestHandler):
     def log_request(self, *args):  # no line per request
         pass
 
+    def log_error(self, *args):
+        """Nor per malformed request (http.server's send_error: a bad request line, a path too
+        long, too many headers): any local client, without the token, could add lines to the
+        proxy's terminal or log without end. An error in the app is still said (server.log)."""
+
 
 class _HeadDeadlines:
     """Connections whose request head is still coming (or whose answer is sent), each with the time

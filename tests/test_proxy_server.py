@@ -490,6 +490,31 @@ def test_serve_dir_from_the_command_line(tmp_path):
         assert res.returncode == 2 and "error:" in res.stderr and "Traceback" not in res.stderr, args
 
 
+def test_malformed_requests_write_nothing_on_the_proxys_terminal(tmp_path):
+    """http.server wrote a line on stderr for every request it could not parse (a bad request line,
+    a path too long, too many headers, another HTTP version): any local client, without the
+    token, could add lines to the proxy's terminal or log file without end, between its own
+    messages and through its progress line. They are answered, and not written."""
+    root = tmp_path / "runs"
+    make_run(root, "alpha", 10)
+    proc = subprocess.Popen([sys.executable, str(PROXY), "--serve", str(root), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=proxy_env())
+    try:
+        url = proc.stdout.readline().split(": ", 1)[1].strip().split("?token=")[0]
+        host, port = url.split("/")[2].split(":")
+        for head in (b"GARBAGE\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n",
+                     b"GET / HTTP/1.1\r\n" + b"X-A: b\r\n" * 200 + b"\r\n"):
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                s.sendall(head)
+                assert s.recv(64), head[:20]  # an answer (to GARBAGE, an HTTP/0.9 one: no status line)
+        assert requests.get(url + "api/runs", timeout=10).status_code == 403
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert proc.stderr.read() == ""
+    finally:
+        proc.kill()
+
+
 def test_files_linked_from_outside_the_served_directory_are_not_served(served_dir, tmp_path):
     """A run's state, samples or loss log that is a symbolic link to a file outside the served
     directory was served through /api/state, /api/samples and /api/records (only /files/ checked
