@@ -26,6 +26,7 @@ therefore appear in non-decreasing step order, which lets supersede_after() stop
 record at or below k instead of scanning the whole file.
 """
 import json
+import math
 import os
 import threading
 import time
@@ -49,13 +50,35 @@ def _refuse_constant(name):
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(text):
+    """parse_float for parse_json: a number beyond a double's range (1e999) is refused. Python's
+    json reads it as inf, the browser's JSON.parse as Infinity, which no chart axis can hold (one
+    such step emptied every chart), and json.dumps writes it back as Infinity, which JSON.parse
+    refuses (a state holding one was such an answer)."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text[:20]}... is beyond a double's range")
+    return value
+
+
+def _finite_int(text):
+    """parse_int for parse_json: an integer beyond a double's range (400 digits) is refused, as
+    _finite_float refuses 1e999 (JSON.parse reads it as Infinity). Only long ones are looked at:
+    this runs for every integer of every record."""
+    if len(text) > 300:
+        _finite_float(text)
+    return int(text)
+
+
 def parse_json(text):
     """JSON as a browser's JSON.parse reads it: Python's json also takes NaN and Infinity, which
-    would make a record that the dashboard (and any JSON reader) cannot parse look whole. A key
-    named twice in one object is refused too: the browser keeps the last, an engine the first.
-    Every fault is a ValueError, JSON nested too deeply for Python's json too (a RecursionError
-    otherwise, which the readers' ValueError handlers would let through as a traceback)."""
-    return loads_json(text, parse_constant=_refuse_constant)
+    would make a record that the dashboard (and any JSON reader) cannot parse look whole; so is a
+    number beyond a double's range (_finite_float). A key named twice in one object is refused
+    too: the browser keeps the last, an engine the first. Every fault is a ValueError, JSON nested
+    too deeply for Python's json too (a RecursionError otherwise, which the readers' ValueError
+    handlers would let through as a traceback)."""
+    return loads_json(text, parse_constant=_refuse_constant, parse_float=_finite_float,
+                      parse_int=_finite_int)
 
 
 def encode_record(rec):

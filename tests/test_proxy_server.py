@@ -238,7 +238,10 @@ def test_a_huge_state_file_is_served_as_empty_with_one_warning(served_dir, capsy
                                            # valid JSON, each record alone too, but not the layout the
                                            # records are cut by: answers holding them were unparseable
                                            (b'"loss":1},', 10), (b'"loss":\r1}', 10),
-                                           (b'"loss":1},\n', 11), (b'"loss":1},\n[', 11)])
+                                           (b'"loss":1},\n', 11), (b'"loss":1},\n[', 11),
+                                           # beyond a double: JSON.parse reads Infinity, which no
+                                           # axis can hold (one such step emptied every chart)
+                                           (b'"loss":1e999}', 10), (b'"loss":-' + b"9" * 400 + b'}', 10)])
 def test_a_damaged_record_in_a_served_log_is_not_served(served_dir, damage, whole, capsys):
     """`--serve` follows logs it does not validate at start; records are served as raw bytes, so
     one damaged record (a hand edit, a NaN that Python's json takes and JSON.parse does not) made
@@ -539,17 +542,29 @@ def test_files_linked_from_outside_the_served_directory_are_not_served(served_di
     assert get(server, "api/state?run=alpha/alpha").json()["name"] == "alpha"
 
 
-def test_a_state_file_holding_nan_is_served_as_empty(served_dir):
+@pytest.mark.parametrize("state, sample_step", [("NaN", "Infinity"),
+                                                # numbers beyond a double's range: Python's json
+                                                # read 1e999 as inf and wrote it back as Infinity
+                                                ("1e999", "-1e999"), ("9" * 400, "-" + "9" * 400)])
+def test_a_state_file_holding_nan_is_served_as_empty(served_dir, state, sample_step):
     """Python's json reads NaN and Infinity, JSON.parse does not: a state or samples file holding
     one (a hand edit) was served as it was, an answer the dashboard could not parse. Such a file
     is served as empty, as one of the wrong type is."""
     server, root = served_dir
-    (root / "alpha" / "alpha.state.json").write_text('{"name": "alpha", "loss": NaN}')
-    (root / "alpha" / "alpha.samples.json").write_text('[{"step": Infinity, "prompt": "A", "text": "b"}]')
+    (root / "alpha" / "alpha.state.json").write_text('{"name": "alpha", "loss": %s}' % state)
+    (root / "alpha" / "alpha.samples.json").write_text('[{"step": %s, "prompt": "A", "text": "b"}]' % sample_step)
     time.sleep(0.3)  # past run_view.REFRESH_SECONDS
     for what, empty in (("state", {}), ("samples", [])):
         r = get(server, f"api/{what}?run=alpha/alpha")
         assert json.loads(r.text, parse_constant=lambda c: pytest.fail(f"{c} served")) == empty
+    s, _ = open_stream(server)
+    with s:  # the live stream's state too
+        s.settimeout(5)
+        data = b""
+        while b"event: samples" not in data:
+            data += s.recv(1 << 16)
+    state_line = data.split(b"event: state\ndata: ")[1].split(b"\n")[0]
+    assert json.loads(state_line, parse_constant=lambda c: pytest.fail(f"{c} served")) == {}
 
 
 def test_a_fifo_in_the_served_directory_does_not_hang_the_server(served_dir):
