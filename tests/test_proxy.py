@@ -301,6 +301,9 @@ def test_every_dotted_engine_flag_is_a_config_key(flags):
     ({"sample": {"prompts": ["A", "a"]}}, '"sample.prompts[1]" has token id 64'),
     ({"polish": {"start_step": 3, "lr": 0.1}}, 'missing key "polish.train"'),
     ({"resume": True}, 'unknown key "resume"'),  # a flag the proxy sets itself, not a config key
+    # a dotted key written flat passed the checks and was never read: the run trained at the default lr
+    ({"train.lr": 0.5}, 'unknown key "train.lr" at the top level (a dotted key is nested: "train": {"lr": ...})'),
+    ({"sample.prompts": ["A"]}, 'unknown key "sample.prompts" at the top level'),
     ({"name": "../evil"}, '"name" must be letters'),
     ({"name": 3}, '"name" must be a non-empty string'),
     # "" is a string: "must be a string, not \"\"" said the opposite of what is wrong
