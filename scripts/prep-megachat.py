@@ -14,7 +14,7 @@ Sources, mixed in command-line order (repeatable), each [NAME=]PATH[:WEIGHT]:
 NAME (default: the file or folder name without extension) names the source in the summary and its
 own shard folder (letters, digits, '-', '_' and '.', not first). WEIGHT (default 1) scales a source:
 2 repeats each train document twice (the source is read twice, so a repeat is a whole document), 0.5
-keeps a hash-chosen half. Validation documents are never repeated.
+keeps a hash-chosen half; at most 1000. Validation documents are never repeated.
 
 Split: a document goes to val when blake2b(its text) mod 1000 < --val-permille (a text file: the
 text of its first chunk), so its split depends on its own content only; every document, train or
@@ -67,6 +67,9 @@ BATCH_BYTES = 1 << 20        # ... or fewer, once they hold this many bytes of i
 SPLITS = ("train", "val")
 # B*T+1 of the largest shipped run (ANDREA-120M: 8 x 1024): a window of T+1 tokens for every row.
 DEFAULT_MIN_SHARD_TOKENS = 8 * 1024 + 1
+# A source's weight is how many times its files are read (ceil(weight) passes): past this a build
+# never ends (1e308 passed the finite check, then overflowed the progress line in a traceback).
+MAX_WEIGHT = 1000
 
 
 class BuildError(RuntimeError):
@@ -97,6 +100,8 @@ class Source:
                 pass  # a ':' that belongs to the path
         if not math.isfinite(self.weight) or self.weight < 0:
             fail(f"--{kind} {spec}: weight must be a finite number >= 0")
+        if self.weight > MAX_WEIGHT:
+            fail(f"--{kind} {spec}: weight must be at most {MAX_WEIGHT} (the source is read that many times)")
         self.name = name or os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
         if not valid_name(self.name):
             fail(f"--{kind} {spec}: source name {self.name!r} may hold letters, digits, '-', '_' and '.' "

@@ -368,6 +368,10 @@ def test_mixing_with_weights_and_a_text_source(assets, pulled, tmp_path):
     (["--chat", "/nonexistent.jsonl"], "no such file or folder"),
     (["--chat", __file__], "expected JSON lines"),
     (["--text", __file__ + ":-1"], "weight must be a finite number >= 0"),
+    # each unit of weight is one more pass over the source: 1e308 was an OverflowError traceback
+    # from the progress line, and a large finite weight a build that never ends
+    (["--text", __file__ + ":1e308"], "weight must be at most 1000"),
+    (["--text", __file__ + ":1000.5"], "weight must be at most 1000"),
     (["--text", __file__, "--val-permille", "1001"], "--val-permille must be in [0, 1000]"),
     # a shard's header counts its tokens in an int32: a larger shard was an OverflowError traceback
     # once 2^31 tokens (4 GB, hours of tokenizing) were written
