@@ -195,12 +195,12 @@ def validate_config(cfg, flags):
                 _check_value(dotted, keys[dotted], subval, flags.get(dotted))
                 if keys[dotted] == "list":
                     _check_list(dotted, subval, list_fields(flags)[dotted])
-        elif key in keys and "." not in key:
-            _check_value(key, keys[key], value, None)
         elif "." in key:  # {"train.lr": 0.5} passed the checks and was then never read: a silent default
             section, _, sub = key.partition(".")
             raise ConfigError(f'unknown key "{key}" at the top level (a dotted key is nested: '
                               f'"{section}": {{"{sub}": ...}})')
+        elif key in keys:
+            _check_value(key, keys[key], value, None)
         else:
             raise ConfigError(f'unknown key "{key}"')
     for dotted in _required_keys(cfg, flags):
