@@ -337,6 +337,22 @@ def test_several_runs_from_a_served_directory(browser, tmp_path, serve_dir):
     wait_js(browser, "dash.runs.length === 3", timeout=60)
 
 
+def test_more_runs_than_a_browser_opens_connections_all_load(browser, tmp_path, serve_dir):
+    """A browser opens six connections to a host over HTTP/1.1 and a live stream holds one: past the
+    page's streams a run polls, so all of them load, and a polled run follows what is appended."""
+    runs = tmp_path / "runs"
+    logs = [make_run(runs, f"run{i}", 10 + i) for i in range(9)]
+    server = serve_dir(runs)
+    browser.get(f"{server.url}?token={server.token}")
+    wait_js(browser, "dash.runs.length === 9 && dash.runs.every(r => r.train.n === 10 + Number(r.label.slice(3)))")
+    polled = browser.execute_script("return dash.runs.filter(r => !r.streamed).map(r => r.label)")
+    assert len(polled) == 5, polled
+    logs[int(polled[-1][3:])].append([{"step": 100, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 6400,
+                                       "elapsed": 1.0, "tokens_per_s": 6400.0}])
+    wait_js(browser, f"dash.runs.find(r => r.label === '{polled[-1]}').train.n === {11 + int(polled[-1][3:])}")
+    assert not errors_shown(browser)
+
+
 def test_dashboard_opened_from_disk(browser, tmp_path, cpu_binary, serve_dir):
     exp = ProxyFixtureDir(tmp_path)
     browser.get(DASHBOARD.as_uri())
