@@ -392,6 +392,19 @@ def test_dashboard_opened_from_disk(browser, tmp_path, cpu_binary, serve_dir):
 # Charts
 
 
+def test_a_number_beyond_a_double_is_a_gap_not_an_empty_chart(browser):
+    """JSON.parse reads 1e999 as Infinity: in a .loss.json opened from disk, one such step or loss
+    is a gap in the curve, and the rest is drawn."""
+    browser.get(DASHBOARD.as_uri())
+    browser.execute_script("dash.synthetic(200)")
+    whole = curve_pixels(browser, redraw=True)
+    browser.execute_script("""dash.runs[0].feed(JSON.parse('[{"step": 1e999, "loss": 3.0, "tokens": 1, "elapsed": 1},' +
+                                                   ' {"step": 201, "loss": -1e999, "tokens": 1e999, "elapsed": 2}]'))""")
+    for x in ("step", "tokens"):
+        browser.execute_script(f"document.getElementById('xaxis').value = '{x}'")
+        assert curve_pixels(browser, redraw=True) > 0.8 * whole, x
+
+
 def test_the_y_range_holds_the_raw_curve_and_ignores_spikes(browser):
     """A noisy raw loss whose smoothed curve runs through its middle: the raw points must be on the
     chart (at the end of a run they fell below it), a few wild spikes must not flatten it, and on
