@@ -198,6 +198,8 @@ class EventHandler:
         dest = run.files.archive_dir(s)
         if os.path.exists(dest):  # a resume that replays the boundary: the archive is already made
             say(f"polish at step {s}: {dest} exists, keeping its samples and state")
+            if any(x.get("step", 0) <= s for x in rs.samples):  # replayed: the archive has them
+                rs.set_samples([x for x in rs.samples if x.get("step", 0) > s])
         else:
             rs.set_state(step=s)
             archive_samples_and_state(rs, dest)

@@ -956,6 +956,57 @@ def test_polish_archives_pretraining(exp, cpu_binary, every):
     assert not any(n.endswith(".loss.json") for n in os.listdir(arch))
 
 
+@pytest.fixture(scope="session")
+def kill_at_rename(tmp_path_factory):
+    lib = tmp_path_factory.mktemp("kill_at_rename") / "kill_at_rename.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(REPO / "tests" / "kill_at_rename.c"), "-ldl"],
+                   check=True)
+    return lib
+
+
+def polish_run_outcome(exp):
+    """What a run of POLISH_AT_30 leaves that must not depend on crashes: the live records, the
+    samples (live and archived), the archived and the final checkpoint."""
+    arch = exp.run_dir / "archive" / "step_30"
+    samples = lambda path: [(s["step"], s["text"]) for s in json.loads(path.read_text()) if not s.get("superseded")]
+    recs = exp.loss()
+    return {"train": [(r["step"], r["loss"], r["lr"]) for r in live_train(recs)],
+            "val": [(r["step"], r["val_loss"]) for r in live_val(recs)],
+            "polish": [r["step"] for r in recs if r["live"] and r.get("event") == "polish"],
+            "samples": samples(exp.path(".samples.json")), "archived": samples(arch / f"{NAME}.samples.json"),
+            "archived_ckpt": (arch / f"{NAME}.ckpt").read_bytes(), "ckpt": exp.path(".ckpt").read_bytes()}
+
+
+# Checkpoints at 7, 14, 21, 28 (every 7), 30 (the polish boundary), 35 and 40. The renames of the
+# engine's writes (tests/kill_at_rename.c): 1-2 (step 7's sidecar and checkpoint), then 4 a write
+# (the previous slot's two, the new sidecar, the new checkpoint): 15-18 the boundary's.
+@pytest.mark.parametrize("kill_at", [15], ids=["boundary_archived_not_saved"])
+def test_an_engine_killed_at_a_checkpoint_rename_resumes_as_if_never_killed(tmp_path, cpu_binary, kill_at_rename,
+                                                                            kill_at):
+    """kill -9 of the engine at any moment, then the same command: the run ends as one never killed.
+    Killed at the polish boundary after the proxy archived it and before the checkpoint was saved,
+    the resume replayed the boundary and its samples went into the polish phase's samples too."""
+    sections = dict(steps=40, checkpoint={"every": 7}, eval={"every": 5, "batches": 2},
+                    sample={"every": 10, "tokens": 4, "prompts": PROMPTS},
+                    polish={"start_step": 30, "train": str(tmp_path / "markov_val.bin"), "lr": 1e-4})
+    exp, ref = ProxyFixtureDir(tmp_path), ProxyFixtureDir(tmp_path / "ref")
+    _, rc = run_to_end(ref.config(**sections), ref.run_dir, cpu_binary, "--no-server")
+    assert rc == 0
+    cfg = exp.config(**sections)
+    wrapper = tmp_path / "killed_engine.sh"
+    wrapper.write_text(f'#!/bin/sh\n[ "$1" = --flags-json ] || export LD_PRELOAD={kill_at_rename} '
+                       f'KILL_AT_RENAME={kill_at}\nexec {cpu_binary} "$@"\n')
+    wrapper.chmod(0o755)
+    p, rc = run_to_end(cfg, exp.run_dir, wrapper, "--no-server")
+    assert rc == 1 and "engine killed by SIGKILL" in p.describe(), p.describe()
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    got, want = polish_run_outcome(exp), polish_run_outcome(ref)
+    assert {k: v for k, v in got.items() if "ckpt" not in k} == {k: v for k, v in want.items() if "ckpt" not in k}
+    assert got["archived_ckpt"] == want["archived_ckpt"] and got["ckpt"] == want["ckpt"]
+    assert_one_live_value_per_step(exp.loss())
+
+
 # ---------------------------------------------------------------------------------------------------
 # The server
 
