@@ -193,7 +193,8 @@ class EventHandler:
         state at the switch. The loss log is never archived: it is one history."""
         run, s = self.run, rec.get("step", 0)
         rs = run.store
-        self.add_record({"event": "polish", "step": s, "tokens": rs.state.get("tokens")})
+        if not self.polish_logged(s):
+            self.add_record({"event": "polish", "step": s, "tokens": rs.state.get("tokens")})
         run.flush(force=True)
         dest = run.files.archive_dir(s)
         if os.path.exists(dest):  # a resume that replays the boundary: the archive is already made
@@ -208,6 +209,13 @@ class EventHandler:
             self.polish_step = s
             say(f"polish phase starts at step {s}: the engine's checkpoint of this step will be kept")
         rs.set_state(force=True, phase="polish", archive=os.path.relpath(dest, run.files.dir))
+
+    def polish_logged(self, s):
+        """Whether the log holds a live polish record of step s: a launch that resumed from the
+        boundary's own checkpoint hears the engine's polish event again (a resume from before it
+        superseded the old record). The newest live records back to the first one before step s."""
+        rec = self.run.log.last_live(lambda r: r.get("event") == "polish" or r.get("step", 0) < s)
+        return rec is not None and rec.get("event") == "polish" and rec.get("step") == s
 
     def on_checkpoint(self, rec):
         """Records first (their steps are now behind the checkpoint), then the state that says so."""
