@@ -13,8 +13,8 @@ import shutil
 import stat
 import time
 
-from microgpt.atomic import atomic_open, fsync_dir, write_json_atomic
-from microgpt.checkpoint import HEADER_BYTES, SIDECAR_READ_MAX
+from microgpt.atomic import atomic_open, fsync_dir, write_bytes_atomic, write_json_atomic
+from microgpt.checkpoint import HEADER_BYTES, SIDECAR_READ_MAX, CheckpointError, read_header, sidecar_step
 from microgpt.files import DuplicateKeyError, file_kind, open_lock_file, open_regular, read_json
 from microgpt.loss_log import parse_json
 
@@ -114,6 +114,30 @@ def roll_back_checkpoint(ckpt):
                 os.replace(src + ".json", dst + ".json")
             os.replace(src, dst)
     fsync_dir(os.path.dirname(ckpt))
+
+
+def undo_a_cut_checkpoint_write(ckpt):
+    """An engine killed between the last two renames of a checkpoint write (host/checkpoint.h:
+    ckpt_write renames the new sidecar, then the new checkpoint) leaves the new sidecar beside the
+    old checkpoint, which is then also the previous slot: one file under both names (a hard link).
+    The engine refuses that newest slot, so the same command could not resume. The write is undone
+    instead: the previous slot's sidecar goes back beside the checkpoint it describes, and the run
+    resumes from that checkpoint (its later records are superseded). Only that exact state is
+    touched. Returns (the sidecar's step, the checkpoint's) where it was undone, else None."""
+    prev = ckpt + ".prev"
+    try:
+        if not os.path.samefile(ckpt, prev):
+            return None
+        step, _ = read_header(ckpt)
+        with open(prev + ".json", "rb") as f:
+            side = f.read(SIDECAR_READ_MAX + 1)
+    except (OSError, CheckpointError):
+        return None
+    cut = sidecar_step(ckpt)
+    if sidecar_step(prev) != step or cut == step or len(side) > SIDECAR_READ_MAX:
+        return None
+    write_bytes_atomic(ckpt + ".json", side)
+    return cut, step
 
 
 def _is_state(x):

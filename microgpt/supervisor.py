@@ -25,7 +25,8 @@ from microgpt.events import Clock, EventHandler
 from microgpt.failure import abort
 from microgpt.terminal import progress_line, say, summary, terminal
 from microgpt.loss_log import LossBuffer, LossLog
-from microgpt.run_dir import RunBusyError, RunFiles, RunState, lock_run, roll_back_checkpoint
+from microgpt.run_dir import (RunBusyError, RunFiles, RunState, lock_run, roll_back_checkpoint,
+                              undo_a_cut_checkpoint_write)
 
 POLL_SECONDS = LossBuffer.FLUSH_SECONDS  # the main loop wakes at least this often to flush
 ENGINE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}  # the ones the proxy forwards
@@ -58,6 +59,7 @@ class Run:
             say(message)
         self.previous_config = self.store.state.get("config")  # the last launch's, to tell changes
         self.note_an_unrecorded_end()
+        self.finish_a_cut_checkpoint_write()
         self.replay_unlogged_steps()
         self.steps = cfg["train"]["steps"]
         self.clock = Clock(1 + (self.log.record(len(self.log) - 1).get("seg", 0) if len(self.log) else 0))
@@ -83,6 +85,12 @@ class Run:
                              message="the previous launch ended without recording it (its proxy "
                                      "was killed)")
         say("the previous launch ended without recording it (its proxy was killed): marked crashed")
+
+    def finish_a_cut_checkpoint_write(self):
+        undone = undo_a_cut_checkpoint_write(self.files.ckpt)
+        if undone:
+            say(f"the engine was killed while it renamed its checkpoint of step {undone[0]} into place: "
+                f"resuming from the checkpoint before it, step {undone[1]}")
 
     def replay_unlogged_steps(self):
         """The engine does not wait for the proxy: a proxy killed while it lagged behind the engine

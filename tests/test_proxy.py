@@ -980,13 +980,17 @@ def polish_run_outcome(exp):
 # Checkpoints at 7, 14, 21, 28 (every 7), 30 (the polish boundary), 35 and 40. The renames of the
 # engine's writes (tests/kill_at_rename.c): 1-2 (step 7's sidecar and checkpoint), then 4 a write
 # (the previous slot's two, the new sidecar, the new checkpoint): 15-18 the boundary's.
-@pytest.mark.parametrize("kill_at", [15, 19], ids=["boundary_archived_not_saved", "right_after_boundary"])
+@pytest.mark.parametrize("kill_at", [6, 15, 18, 19],
+                         ids=["between_renames", "boundary_archived_not_saved", "boundary_between_renames",
+                              "right_after_boundary"])
 def test_an_engine_killed_at_a_checkpoint_rename_resumes_as_if_never_killed(tmp_path, cpu_binary, kill_at_rename,
                                                                             kill_at):
     """kill -9 of the engine at any moment, then the same command: the run ends as one never killed.
     Killed at the polish boundary after the proxy archived it and before the checkpoint was saved,
     the resume replayed the boundary and its samples went into the polish phase's samples too;
-    killed right after it, the resume started at the boundary, whose polish event was logged twice."""
+    killed right after it, the resume started at the boundary, whose polish event was logged twice.
+    Killed between the two renames of a write (the new sidecar beside the old checkpoint), the
+    engine refused the newest slot, and the same command with it, until the slot was moved by hand."""
     sections = dict(steps=40, checkpoint={"every": 7}, eval={"every": 5, "batches": 2},
                     sample={"every": 10, "tokens": 4, "prompts": PROMPTS},
                     polish={"start_step": 30, "train": str(tmp_path / "markov_val.bin"), "lr": 1e-4})
