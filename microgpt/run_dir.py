@@ -81,6 +81,15 @@ class RunFiles:
             if not stat.S_ISREG(mode):
                 raise RunFileError(f"{path} is {file_kind(mode)}, not a regular file; move it away")
 
+    def remove_stale_temps(self):
+        """The temp files of the proxy's atomic writes (atomic.py: PATH.tmpPID) that a proxy killed
+        mid-write left behind; the caller holds the run's lock, so no other proxy writes them now."""
+        prefixes = tuple(os.path.basename(p) + ".tmp" for p in (self.loss, self.samples, self.state))
+        for entry in os.scandir(self.dir):
+            rest = next((entry.name[len(p):] for p in prefixes if entry.name.startswith(p)), "")
+            if rest.isdigit() and entry.is_file(follow_symlinks=False):
+                os.remove(entry.path)
+
     def archive_dir(self, step):
         return os.path.join(self.dir, "archive", f"step_{step}")
 

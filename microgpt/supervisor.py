@@ -50,6 +50,7 @@ class Run:
         self.existed = self.files.existing()  # what a launch the engine refuses must leave as it was
         os.makedirs(self.dir, exist_ok=True)
         self.lock = lock_run(self.files.lock)  # before the log is opened (and maybe repaired)
+        self.files.remove_stale_temps()
         self.log = LossLog(self.files.loss)
         if self.log.message:
             say(self.log.message)
