@@ -166,6 +166,14 @@ class Result:
         return f"rc={self.rc}\n--- stdout (tail) ---\n{self.stdout[-3000:]}\n--- stderr ---\n{self.stderr[-3000:]}"
 
 
+def build_shim(tmp_path_factory, name):
+    """tests/NAME.c built as an LD_PRELOAD library; returns its path."""
+    lib = tmp_path_factory.mktemp(name) / f"{name}.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(REPO / "tests" / f"{name}.c"), "-ldl"],
+                   check=True)
+    return lib
+
+
 def run_ok(binary, args, **kw):
     """run_engine, asserting exit code 0."""
     res = run_engine(binary, args, **kw)

@@ -442,17 +442,9 @@ def test_huge_shape_is_really_too_big(engine, random_shards):
 # ---------------------------------------------------------------------------------------------------
 # 6: nothing is allocated inside the training loop
 
-def build_shim(tmp_path_factory, name):
-    """tests/NAME.c built as an LD_PRELOAD library; returns its path."""
-    lib = tmp_path_factory.mktemp(name) / f"{name}.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(eu.REPO / "tests" / f"{name}.c"), "-ldl"],
-                   check=True)
-    return lib
-
-
 @pytest.fixture(scope="session")
 def alloc_counter(tmp_path_factory):
-    return build_shim(tmp_path_factory, "alloc_counter")
+    return eu.build_shim(tmp_path_factory, "alloc_counter")
 
 
 def test_no_allocation_in_training_loop(engine, random_shards, alloc_counter):
@@ -958,7 +950,7 @@ def test_previous_slot_is_the_checkpoint_before_the_newest(engine, random_shards
 
 @pytest.fixture(scope="session")
 def no_hard_links(tmp_path_factory):
-    return build_shim(tmp_path_factory, "no_hard_links")
+    return eu.build_shim(tmp_path_factory, "no_hard_links")
 
 
 def test_previous_slot_without_hard_links_is_a_copy(engine, random_shards, tmp_path, no_hard_links):
@@ -980,7 +972,7 @@ def test_previous_slot_without_hard_links_is_a_copy(engine, random_shards, tmp_p
 
 @pytest.fixture(scope="session")
 def kill_at_rename(tmp_path_factory):
-    return build_shim(tmp_path_factory, "kill_at_rename")
+    return eu.build_shim(tmp_path_factory, "kill_at_rename")
 
 
 # Renames of a run that checkpoints at steps 2 and 4: the first write renames its sidecar and its

@@ -14,6 +14,7 @@ import types
 import pytest
 import requests
 
+from engine_util import build_shim
 from proxy_util import (NAME, PROXY, REPO, Proxy, ProxyFixtureDir, live_train, live_val,
                         proxy_env, run_to_end)
 
@@ -973,10 +974,7 @@ def test_polish_archives_pretraining(exp, cpu_binary, every):
 
 @pytest.fixture(scope="session")
 def kill_at_rename(tmp_path_factory):
-    lib = tmp_path_factory.mktemp("kill_at_rename") / "kill_at_rename.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(REPO / "tests" / "kill_at_rename.c"), "-ldl"],
-                   check=True)
-    return lib
+    return build_shim(tmp_path_factory, "kill_at_rename")
 
 
 def polish_run_outcome(exp):
