@@ -367,9 +367,12 @@ def extract_corpus_source(name, dst):
         shutil.rmtree(stale, ignore_errors=True)
     os.makedirs(tmp)
     progress = Progress(f"fetch-assets: {name}: extracting {os.path.basename(deb)}", None, unit=" docs")
-    n = size = 0
+    n = size = nul = 0
     try:
         for stem, text in corpus_docs(deb, include, exclude, reader):
+            if "\0" in text:  # UTF-16 or binary, no text: prep-megachat refuses a .txt with a NUL, and the set with it
+                nul += 1
+                continue
             with open(os.path.join(tmp, stem + ".txt"), "w", encoding="utf-8") as f:
                 f.write(text)
             n += 1
@@ -386,7 +389,8 @@ def extract_corpus_source(name, dst):
         raise
     finally:
         progress.close()
-    return f"{rel(dst)}/ ({n} documents, {size / 1e6:.1f}M characters, from {os.path.basename(deb)})"
+    left_out = f", {nul} with NUL bytes left out" if nul else ""
+    return f"{rel(dst)}/ ({n} documents, {size / 1e6:.1f}M characters{left_out}, from {os.path.basename(deb)})"
 
 
 ASSETS = {"tokenizer": fetch_tokenizer, "shakespeare": fetch_shakespeare, "chitchat": fetch_chitchat,

@@ -1536,3 +1536,20 @@ def test_a_bomb_in_a_deb_takes_neither_memory_nor_disk(tmp_path, where):
         assert status == 0, err
         assert [p.name for p in (tmp_path / "raw" / "nodejs-doc").glob("*.txt")] == ["usr__share__doc__nodejs__api__ok.md.txt"]
 
+
+@needs_dpkg
+def test_a_document_with_nul_bytes_is_left_out_not_the_whole_set_refused(tmp_path):
+    """A package member with a NUL byte (UTF-16, or binary under a .txt name) was extracted as a
+    document, and prep-megachat refuses a text file with a NUL in its start: the megachat build of
+    every `make data` failed on it, though the source was marked complete. Now such a document is
+    left out and counted; the rest of the source builds."""
+    def members(tar):
+        for i in range(20):
+            tar_member(tar, f"./usr/share/doc/git-doc/doc{i}.txt", f"document {i}\n\n{'some words. ' * 50}\n".encode())
+        tar_member(tar, "./usr/share/doc/git-doc/odd.txt", "a page saved as UTF-16\n".encode("utf-16"))
+    (tmp_path / "downloads").mkdir()
+    make_deb(tmp_path / "downloads" / "git-doc_1_all.deb", members)
+    status, err, errors = fetch_errors(start_fetch(tmp_path, "git-doc"))
+    assert status == 0 and not errors and "20 documents" in err and "1 with NUL bytes left out" in err, err
+    assert len(list((tmp_path / "raw" / "git-doc").glob("*.txt"))) == 20
+    ok(run_script("prep-megachat", "--text", tmp_path / "raw" / "git-doc", "--out-dir", tmp_path / "out", *SMALL))
