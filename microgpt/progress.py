@@ -21,7 +21,9 @@ def clock(seconds):
 
 
 class Progress:
-    def __init__(self, label, total, unit="B", out=sys.stderr):
+    def __init__(self, label, total, unit="B", out=None):
+        # sys.stderr as it is now, not as it was when this module was imported (a stream since closed)
+        out = sys.stderr if out is None else out
         self.label, self.total, self.unit, self.out = label, total, unit, out
         self.done = self.tokens = 0
         self.start = self.last = time.monotonic()

@@ -517,7 +517,8 @@ def up_to_date(manifest_path, fingerprint):
 
 # ---------------------------------------------------------------- summary and command line
 
-def print_summary(manifest, out=sys.stdout):
+def print_summary(manifest, out=None):
+    """The manifest as a table on out (None: sys.stdout as it is at the call, which print takes)."""
     print(f"prep-megachat: {manifest['name']} -> {manifest['out_dir']} (val {manifest['val_permille']}/1000)",
           file=out)
     print(f"{'source':<16} {'kind':<4} {'weight':>6} {'docs train':>10} {'docs val':>8} "
