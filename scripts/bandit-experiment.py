@@ -119,7 +119,13 @@ def train(cfg, work, engine):
     if res.returncode != 0:
         sys.exit(f"error: the run {cfg['name']} failed (exit status {res.returncode}); see above")
     with open(os.path.join(run_dir, cfg["name"] + ".loss.json")) as f:
-        return [r for r in json.load(f, object_pairs_hook=unique_keys) if r.get("live", 1)], time.time() - t0
+        records = [r for r in json.load(f, object_pairs_hook=unique_keys) if r.get("live", 1)]
+    done = max((r["step"] for r in records if "loss" in r and "event" not in r), default=0)
+    if done != cfg["train"]["steps"]:  # the proxy ends a run a signal stopped with exit status 0: compared
+        # with runs that finished, its last evaluation would stand beside theirs as if at equal steps
+        sys.exit(f"error: the run {cfg['name']} stopped at step {done} of {cfg['train']['steps']} (a signal "
+                 "stopped it); the runs are compared only at equal steps")
+    return records, time.time() - t0
 
 
 def arm_shares(steps, n_sources, windows):

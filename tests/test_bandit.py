@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -572,11 +573,8 @@ def experiment_sources_dir(sources, tmp_path):
     return src
 
 
-def test_experiment_scripts_run_and_draw(sources, tmp_path):
-    """scripts/bandit-experiment.py on two per-source folders with the TINY model: three runs of
-    equal steps and tokens, the bandit's p only in the bandit run, per-source validation losses;
-    scripts/plot-bandit.py draws the three figures (SVG here, where matplotlib may be missing)."""
-    src = experiment_sources_dir(sources, tmp_path)
+def tiny_experiment(sources, tmp_path):
+    """An --experiment of the TINY model, its data.val the useful source's."""
     experiment = tmp_path / "tiny-bandit.json"
     experiment.write_text(json.dumps({
         "name": "tiny-bandit",
@@ -585,6 +583,14 @@ def test_experiment_scripts_run_and_draw(sources, tmp_path):
         "data": {"sources": [], "val": sources.val},
         "eval": {"every": 10, "batches": 2},
         "bandit": {"every": 1}}))
+    return experiment
+
+
+def test_experiment_scripts_run_and_draw(sources, tmp_path):
+    """scripts/bandit-experiment.py on two per-source folders with the TINY model: three runs of
+    equal steps and tokens, the bandit's p only in the bandit run, per-source validation losses;
+    scripts/plot-bandit.py draws the three figures (SVG here, where matplotlib may be missing)."""
+    src, experiment = experiment_sources_dir(sources, tmp_path), tiny_experiment(sources, tmp_path)
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "bandit-experiment.py"), "--out", str(out),
                           "--steps", "40", "--eval-every", "10", "--engine", "cpu", "--experiment", str(experiment),
@@ -621,6 +627,40 @@ def test_an_unknown_run_is_one_clear_error_before_any_run(sources, tmp_path):
     lines = res.stderr.splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "--runs" in lines[0] and "'bandt'" in lines[0], res.stderr
     assert not out.exists()
+
+
+def test_a_run_a_signal_stopped_is_not_compared(sources, tmp_path):
+    """The proxy ends a run that a signal stopped (SIGTERM to the engine: a scheduler, an operator)
+    with exit status 0, "run the same command to resume". scripts/bandit-experiment.py took it as
+    finished: it went on with the other runs and compared the stopped run's last evaluation with
+    theirs at the full steps, exit 0. Now it is one `error:` line and a non-zero exit, and no
+    comparison is written (one run is enough to show it)."""
+    src, out = experiment_sources_dir(sources, tmp_path), tmp_path / "out"
+    exp = subprocess.Popen([sys.executable, str(eu.REPO / "scripts" / "bandit-experiment.py"), "--out", str(out),
+                            "--steps", "1000000", "--engine", "cpu", "--runs", "bandit", "--experiment",
+                            str(tiny_experiment(sources, tmp_path)), "--sources-dir", str(src)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=eu.python_env())
+    try:
+        deadline, engine = time.monotonic() + 60, None
+        while engine is None and time.monotonic() < deadline and exp.poll() is None:
+            time.sleep(0.2)
+            for pid in filter(str.isdigit, os.listdir("/proc")):  # the engine the proxy started on our sources
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if argv[0].endswith(b"microgpt_cpu") and str(src).encode() in b" ".join(argv):
+                    engine = int(pid)
+        assert engine is not None, "the engine never started"
+        time.sleep(1)  # past its start: a few steps trained
+        os.kill(engine, signal.SIGTERM)
+        _, err = exp.communicate(timeout=120)
+    finally:
+        exp.kill()
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert exp.returncode == 1 and len(errors) == 1, err[-3000:]
+    assert "bandit-experiment-bandit stopped at step" in errors[0] and "of 1000000" in errors[0], errors
+    assert not (out / "bandit-experiment.json").exists()
 
 
 @pytest.mark.parametrize("damage", ["bad-magic", "no-tokens"])
