@@ -30,7 +30,7 @@ import tempfile
 import time
 
 from microgpt.atomic import atomic_open
-from microgpt.cli import ArgumentParser
+from microgpt.cli import ArgumentParser, interrupted
 from microgpt.config import ConfigError, read_config, validate_config
 from microgpt.engines import ENGINES, ROOT, EngineChoiceError, engine_flags
 from microgpt.files import unique_keys
@@ -218,4 +218,8 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the running run has stopped (the proxy took the Ctrl-C too) and said so
+        sys.exit(interrupted("bandit-experiment", "the runs that finished have their results in --out; "
+                             "nothing was compared"))

@@ -629,6 +629,33 @@ def test_an_unknown_run_is_one_clear_error_before_any_run(sources, tmp_path):
     assert not out.exists()
 
 
+def start_long_experiment(sources, tmp_path, src, out):
+    """scripts/bandit-experiment.py's bandit run, far too long to finish during a test, in a
+    session of its own (a terminal's Ctrl-C reaches all of it)."""
+    return subprocess.Popen([sys.executable, str(eu.REPO / "scripts" / "bandit-experiment.py"), "--out", str(out),
+                             "--steps", "1000000", "--engine", "cpu", "--runs", "bandit", "--experiment",
+                             str(tiny_experiment(sources, tmp_path)), "--sources-dir", str(src)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=eu.python_env(),
+                            start_new_session=True)
+
+
+def experiment_engine(exp, src):
+    """The pid of the engine the experiment's proxy started on the sources in `src`, once it has
+    trained a little."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and exp.poll() is None:
+        time.sleep(0.2)
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[0].endswith(b"microgpt_cpu") and str(src).encode() in b" ".join(argv):
+                time.sleep(1)  # past its start: a few steps trained
+                return int(pid)
+    raise AssertionError("the engine never started")
+
+
 def test_a_run_a_signal_stopped_is_not_compared(sources, tmp_path):
     """The proxy ends a run that a signal stopped (SIGTERM to the engine: a scheduler, an operator)
     with exit status 0, "run the same command to resume". scripts/bandit-experiment.py took it as
@@ -636,30 +663,32 @@ def test_a_run_a_signal_stopped_is_not_compared(sources, tmp_path):
     theirs at the full steps, exit 0. Now it is one `error:` line and a non-zero exit, and no
     comparison is written (one run is enough to show it)."""
     src, out = experiment_sources_dir(sources, tmp_path), tmp_path / "out"
-    exp = subprocess.Popen([sys.executable, str(eu.REPO / "scripts" / "bandit-experiment.py"), "--out", str(out),
-                            "--steps", "1000000", "--engine", "cpu", "--runs", "bandit", "--experiment",
-                            str(tiny_experiment(sources, tmp_path)), "--sources-dir", str(src)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=eu.python_env())
+    exp = start_long_experiment(sources, tmp_path, src, out)
     try:
-        deadline, engine = time.monotonic() + 60, None
-        while engine is None and time.monotonic() < deadline and exp.poll() is None:
-            time.sleep(0.2)
-            for pid in filter(str.isdigit, os.listdir("/proc")):  # the engine the proxy started on our sources
-                try:
-                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                if argv[0].endswith(b"microgpt_cpu") and str(src).encode() in b" ".join(argv):
-                    engine = int(pid)
-        assert engine is not None, "the engine never started"
-        time.sleep(1)  # past its start: a few steps trained
-        os.kill(engine, signal.SIGTERM)
+        os.kill(experiment_engine(exp, src), signal.SIGTERM)
         _, err = exp.communicate(timeout=120)
     finally:
         exp.kill()
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert exp.returncode == 1 and len(errors) == 1, err[-3000:]
     assert "bandit-experiment-bandit stopped at step" in errors[0] and "of 1000000" in errors[0], errors
+    assert not (out / "bandit-experiment.json").exists()
+
+
+def test_ctrl_c_is_one_line_no_traceback(sources, tmp_path):
+    """Ctrl-C (SIGINT to the whole session, as a terminal sends it) mid-run ended
+    scripts/bandit-experiment.py in a KeyboardInterrupt traceback. It is one "interrupted" line and
+    exit status 130, as the other tools (microgpt/cli.py)."""
+    src, out = experiment_sources_dir(sources, tmp_path), tmp_path / "out"
+    exp = start_long_experiment(sources, tmp_path, src, out)
+    try:
+        experiment_engine(exp, src)
+        os.killpg(exp.pid, signal.SIGINT)
+        _, err = exp.communicate(timeout=120)
+    finally:
+        exp.kill()
+    assert exp.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1].startswith("bandit-experiment: interrupted; "), err[-3000:]
     assert not (out / "bandit-experiment.json").exists()
 
 
