@@ -44,6 +44,9 @@ SHARE_WINDOWS = 60  # windows of steps over which the realised source shares are
 
 def discover_sources(sources_dir):
     """[{name, train, val}] for every SRC/ folder with train shards, sorted by name."""
+    # absolute: the proxy resolves a relative glob against the repository, not the working folder,
+    # so the runs would train on other shards (or none) than the ones found and counted here
+    sources_dir = os.path.abspath(sources_dir)
     out = []
     for d in sorted(glob.glob(os.path.join(sources_dir, "*", ""))):
         name = os.path.basename(os.path.dirname(d))

@@ -615,6 +615,21 @@ def test_experiment_scripts_run_and_draw(sources, tmp_path):
                    list(root.iter("{http://www.w3.org/2000/svg}polygon"))) >= 2, stem
 
 
+def test_a_relative_sources_dir_is_the_working_folders(sources, tmp_path):
+    """--sources-dir relative to the working folder: the script found and counted the shards there,
+    but gave the runs the relative globs, which the proxy resolves against the repository: the runs
+    failed (no shard matches), or trained on another folder of the same name in the repository."""
+    experiment_sources_dir(sources, tmp_path)
+    res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "bandit-experiment.py"), "--out", "out",
+                          "--steps", "2", "--eval-every", "1", "--engine", "cpu", "--runs", "bandit",
+                          "--experiment", str(tiny_experiment(sources, tmp_path)), "--sources-dir", "sources"],
+                         capture_output=True, text=True, env=eu.python_env(), timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    trained = json.loads((tmp_path / "out" / "bandit-bandit.json").read_text())["config"]["data"]["sources"]
+    assert [s["train"] for s in trained] == [str(tmp_path / "sources" / name / f"{name}_train_*.bin")
+                                             for name in ("noise", "useful")]
+
+
 def test_an_unknown_run_is_one_clear_error_before_any_run(sources, tmp_path):
     """scripts/bandit-experiment.py --runs with a name that is no run looked it up only when its turn
     came: a KeyError traceback, after the runs before it had trained. It is refused up front: one
