@@ -164,8 +164,11 @@ def summarise(run, cfg, records, seconds):
 
 
 def write_json(path, doc):
-    with atomic_open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    try:
+        with atomic_open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+    except OSError as e:  # a full disk, a folder we may not write: one line (atomic_open left nothing behind)
+        sys.exit(f"error: cannot write {path}: {e.strerror or e}")
     print(f"wrote {path}")
 
 
@@ -198,7 +201,10 @@ def main():
                  "at least 2 (run `make data`)")
     base = read_experiment(args.experiment, args.engine, sources)
     configs, tokens = run_configs(base, sources, args.steps, args.eval_every)
-    os.makedirs(args.out, exist_ok=True)
+    try:  # before the first run, not after it
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        sys.exit(f"error: --out {args.out}: {e.strerror or e}")
     print(f"{len(sources)} sources: " + ", ".join(f"{n} ({t:,} train tokens)" for n, t in tokens.items()))
     results = {}
     with tempfile.TemporaryDirectory(prefix="andrea-bandit-") as work:

@@ -630,6 +630,27 @@ def test_a_relative_sources_dir_is_the_working_folders(sources, tmp_path):
                                              for name in ("noise", "useful")]
 
 
+@pytest.mark.parametrize("blocked", ["out-is-a-file", "result-is-a-folder"])
+def test_results_that_cannot_be_written_are_one_clear_error(sources, tmp_path, blocked):
+    """An --out that cannot be a folder ended the script in a traceback from os.makedirs; a result
+    that cannot be written (a full disk; here a folder in its place) in one from atomic_open, after
+    the run. One `error:` line naming the path, a non-zero exit; an --out that cannot be a folder is
+    refused before any run."""
+    out = tmp_path / "out"
+    if blocked == "out-is-a-file":
+        out.write_text("")
+    else:
+        (out / "bandit-bandit.json").mkdir(parents=True)
+    res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "bandit-experiment.py"), "--out", str(out),
+                          "--steps", "2", "--engine", "cpu", "--runs", "bandit", "--experiment",
+                          str(tiny_experiment(sources, tmp_path)),
+                          "--sources-dir", str(experiment_sources_dir(sources, tmp_path))],
+                         capture_output=True, text=True, env=eu.python_env(), timeout=120)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert res.returncode == 1 and len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert str(out) in errors[0] and ("=== bandit" in res.stdout) == (blocked == "result-is-a-folder"), errors
+
+
 def test_an_unknown_run_is_one_clear_error_before_any_run(sources, tmp_path):
     """scripts/bandit-experiment.py --runs with a name that is no run looked it up only when its turn
     came: a KeyError traceback, after the runs before it had trained. It is refused up front: one
