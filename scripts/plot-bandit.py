@@ -18,15 +18,26 @@ from microgpt.cli import ArgumentParser, fail
 from microgpt.files import loads_json, open_regular
 from microgpt.svg_chart import colour, svg_figure
 
+def numbers(xs, missing_ok=False):
+    """xs, if every one is a JSON number (or null where missing_ok: a loss that was no finite
+    number, which the charts leave out); else ValueError: a garbled file must not reach the drawing,
+    where it fails with a traceback or draws nonsense."""
+    if not all((isinstance(x, (int, float)) and not isinstance(x, bool)) or (missing_ok and x is None) for x in xs):
+        raise ValueError("not numbers")
+    return xs
+
+
 def figures(doc):
     """What to draw, independent of the backend: [(file stem, title, panels)], a panel being
     (title, kind "lines"|"stack", [(label, xs, ys)])."""
     runs = doc["runs"]
-    overall = [(run, [v["step"] for v in r["val"]], [v["val_loss"] for v in r["val"]]) for run, r in runs.items()]
+    overall = [(run, numbers([v["step"] for v in r["val"]]), numbers([v["val_loss"] for v in r["val"]], True))
+               for run, r in runs.items()]
     by_source = []
     for name in doc["sources"]:
-        series = [(run, [v["step"] for v in r["val"] if name in v["by_source"]],
-                   [v["by_source"][name] for v in r["val"] if name in v["by_source"]]) for run, r in runs.items()]
+        series = [(run, numbers([v["step"] for v in r["val"] if name in v["by_source"]]),
+                   numbers([v["by_source"][name] for v in r["val"] if name in v["by_source"]], True))
+                  for run, r in runs.items()]
         if any(xs for _, xs, _ in series):
             by_source.append((name, "lines", series))
     out = []  # a figure only where there is something to draw (runs with eval.every 0 have no evaluations)
@@ -36,8 +47,10 @@ def figures(doc):
         out.append(("bandit-val-by-source", "Validation loss per source", by_source))
     bandit = runs.get("bandit")
     if bandit and bandit["p"]:
-        steps = [e["step"] for e in bandit["p"]]
-        stack = [(name, steps, [e["p"][i] for e in bandit["p"]]) for i, name in enumerate(bandit["sources"])]
+        steps = numbers([e["step"] for e in bandit["p"]])
+        if any(len(e["p"]) != len(bandit["sources"]) for e in bandit["p"]):
+            raise ValueError("a p that is not one number per source")
+        stack = [(name, steps, numbers([e["p"][i] for e in bandit["p"]])) for i, name in enumerate(bandit["sources"])]
         out.append(("bandit-mixture", "The bandit's source probabilities p", [("p", "stack", stack)]))
     return out
 
@@ -97,7 +110,7 @@ def main():
             figs = figures(loads_json(f.read()))
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror or e} (scripts/bandit-experiment.py --out DIR writes it)")
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
         fail(f"{path} is not the results of scripts/bandit-experiment.py")
     if not figs:
         fail(f"{path} holds nothing to draw: no evaluations (--eval-every 0) and no bandit run")

@@ -772,6 +772,30 @@ def test_plot_bandit_without_evaluations_or_results(tmp_path):
         assert words in lines[0] and "bandit-experiment.json" in lines[0], lines
 
 
+GARBLED_RESULTS = {
+    "runs-a-list": {"sources": ["a"], "runs": []},
+    "loss-a-string": {"sources": ["a"], "runs": {"bandit": {"sources": ["a"], "p": [],
+                                                          "val": [{"step": 1, "val_loss": "x", "by_source": {}}]}}},
+    "p-too-short": {"sources": ["a", "b"], "runs": {"bandit": {"sources": ["a", "b"], "val": [],
+                                                               "p": [{"step": 1, "p": [0.5]}]}}},
+    "p-null": {"sources": ["a", "b"], "runs": {"bandit": {"sources": ["a", "b"], "val": [],
+                                                          "p": [{"step": 1, "p": [0.5, None]}]}}},
+}
+
+
+@pytest.mark.parametrize("garbled", sorted(GARBLED_RESULTS))
+def test_plot_bandit_on_garbled_results_is_one_clear_error(tmp_path, garbled):
+    """scripts/plot-bandit.py on a bandit-experiment.json of the wrong shape (runs a list, a loss
+    that is no number, a p with too few or null entries) ended in a traceback (AttributeError,
+    IndexError, or a TypeError from the SVG drawing). One `error:` line, exit 2, no figure."""
+    (tmp_path / "bandit-experiment.json").write_text(json.dumps(GARBLED_RESULTS[garbled]))
+    res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "plot-bandit.py"), str(tmp_path), "--svg"],
+                         capture_output=True, text=True, timeout=120, env=eu.python_env())
+    lines = res.stderr.splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "is not the results of" in lines[0], res.stderr
+    assert not list(tmp_path.glob("*.svg"))
+
+
 @pytest.mark.parametrize("experiment, words", [
     ([], "the config must be a JSON object"),
     ({"name": "x", "train": 5}, '"train" must be an object'),
