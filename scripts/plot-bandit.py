@@ -14,7 +14,8 @@ import math
 import os
 import sys
 
-from microgpt.cli import ArgumentParser, fail
+from microgpt.atomic import atomic_open
+from microgpt.cli import IO_ERROR, ArgumentParser, fail
 from microgpt.files import loads_json, open_regular
 from microgpt.svg_chart import colour, svg_figure
 
@@ -83,7 +84,8 @@ def plot_matplotlib(figs, out_dir):
         fig.suptitle(title)
         fig.tight_layout()
         path = os.path.join(out_dir, stem + ".png")
-        fig.savefig(path, dpi=110)
+        with atomic_open(path) as f:
+            fig.savefig(f, format="png", dpi=110)
         plt.close(fig)
         written.append(path)
     return written
@@ -93,7 +95,7 @@ def plot_svg(figs, out_dir):
     written = []
     for stem, title, panels in figs:
         path = os.path.join(out_dir, stem + ".svg")
-        with open(path, "w") as f:
+        with atomic_open(path, "w") as f:  # a failed write (a full disk) leaves the figure that was there
             f.write(svg_figure(title, panels))
         written.append(path)
     return written
@@ -115,11 +117,14 @@ def main():
     if not figs:
         fail(f"{path} holds nothing to draw: no evaluations (--eval-every 0) and no bandit run")
     try:
-        if args.svg:
-            raise ImportError
-        written = plot_matplotlib(figs, args.dir)
-    except ImportError:
-        written = plot_svg(figs, args.dir)
+        try:
+            if args.svg:
+                raise ImportError
+            written = plot_matplotlib(figs, args.dir)
+        except ImportError:
+            written = plot_svg(figs, args.dir)
+    except OSError as e:
+        fail(f"cannot write a figure in {args.dir}: {e.strerror or e}", IO_ERROR)
     print("\n".join(f"wrote {p}" for p in written))
     return 0
 

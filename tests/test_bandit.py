@@ -796,6 +796,30 @@ def test_plot_bandit_on_garbled_results_is_one_clear_error(tmp_path, garbled):
     assert not list(tmp_path.glob("*.svg"))
 
 
+def test_plot_bandit_keeps_the_old_figure_when_a_write_fails(tmp_path):
+    """plot-bandit.py opened each figure with open(path, "w"): a write that failed midway (a full
+    disk; here the file size limit, RLIMIT_FSIZE) left the figure truncated, and the OSError was a
+    traceback. Figures are written atomically: the one that was there stays whole, and the failure
+    is one `error:` line, exit 1."""
+    import resource
+
+    def small_files():  # writes past 2 KB fail with EFBIG (SIGXFSZ ignored, so they fail, not kill)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+
+    p = [{"step": s, "p": [0.5 - s / 1000, 0.5 + s / 1000]} for s in range(1, 200)]
+    (tmp_path / "bandit-experiment.json").write_text(json.dumps(
+        {"sources": ["a", "b"], "runs": {"bandit": {"sources": ["a", "b"], "val": [], "p": p}}}))
+    old = tmp_path / "bandit-mixture.svg"
+    old.write_text("<svg>the figure of an earlier run</svg>\n")
+    res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "plot-bandit.py"), str(tmp_path), "--svg"],
+                         capture_output=True, text=True, timeout=120, env=eu.python_env(), preexec_fn=small_files)
+    lines = res.stderr.splitlines()
+    assert res.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: cannot write"), res.stderr
+    assert old.read_text() == "<svg>the figure of an earlier run</svg>\n"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["bandit-experiment.json", "bandit-mixture.svg"]
+
+
 @pytest.mark.parametrize("experiment, words", [
     ([], "the config must be a JSON object"),
     ({"name": "x", "train": 5}, '"train" must be an object'),
