@@ -185,6 +185,9 @@ def main():
     args = ap.parse_args()
     if not args.out:
         ap.error("--out DIR (or $OUT) is required")
+    if args.steps < 1 or args.eval_every < 0:  # refused before any run, as the proxy would refuse the first
+        ap.error(f"--steps {args.steps}: at least 1" if args.steps < 1 else
+                 f"--eval-every {args.eval_every}: at least 0")
     runs = args.runs.split(",")
     unknown = [run for run in runs if run not in RUNS]
     if unknown:  # refused before any run: found after the first, it would end hours of training in a traceback

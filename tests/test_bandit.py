@@ -651,18 +651,23 @@ def test_results_that_cannot_be_written_are_one_clear_error(sources, tmp_path, b
     assert str(out) in errors[0] and ("=== bandit" in res.stdout) == (blocked == "result-is-a-folder"), errors
 
 
-def test_an_unknown_run_is_one_clear_error_before_any_run(sources, tmp_path):
+@pytest.mark.parametrize("flags, words", [(["--runs", "static-natural,bandt"], ["--runs", "'bandt'"]),
+                                          (["--steps", "0"], ["--steps 0"]),
+                                          (["--eval-every", "-1"], ["--eval-every -1"])],
+                         ids=["unknown-run", "steps-0", "eval-every-negative"])
+def test_an_unknown_run_is_one_clear_error_before_any_run(sources, tmp_path, flags, words):
     """scripts/bandit-experiment.py --runs with a name that is no run looked it up only when its turn
     came: a KeyError traceback, after the runs before it had trained. It is refused up front: one
-    `error:` line naming it, exit 2, nothing run or written."""
+    `error:` line naming it, exit 2, nothing run or written. So are --steps below 1 and a negative
+    --eval-every, which the first run's proxy refused: two error lines, after a run's banner."""
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "bandit-experiment.py"), "--out", str(out),
-                          "--engine", "cpu", "--runs", "static-natural,bandt",
+                          "--engine", "cpu", *flags, "--experiment", str(tiny_experiment(sources, tmp_path)),
                           "--sources-dir", str(experiment_sources_dir(sources, tmp_path))],
                          capture_output=True, text=True, env=eu.python_env(), timeout=120)
     lines = res.stderr.splitlines()
-    assert res.returncode == 2 and len(lines) == 1 and "--runs" in lines[0] and "'bandt'" in lines[0], res.stderr
-    assert not out.exists()
+    assert res.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), res.stderr
+    assert not out.exists() and not res.stdout
 
 
 def start_long_experiment(sources, tmp_path, src, out):

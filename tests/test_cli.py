@@ -20,7 +20,7 @@ TOOLS = {
     "scripts/gpu-export-check.py": (["x"], None),
     "scripts/plot-bandit.py": (["x"], None),
     "scripts/fetch-assets.py": ([], None),
-    "scripts/bandit-experiment.py": ([], None),
+    "scripts/bandit-experiment.py": ([], ["--out", "o", "--steps", "0"]),
     "scripts/pull-hermes3.py": ([], None),
     "scripts/prep-megachat.py": ([], ["--out-dir", "o", "--text", "x", "--val-permille", "2000"]),
     "scripts/prepare-data.py": ([], None),
