@@ -163,6 +163,12 @@ def summarise(run, cfg, records, seconds):
             "config": cfg}
 
 
+def loss_text(loss, digits):
+    """A loss for the summary; null where the engine wrote one (an evaluation that overflowed: no
+    finite number), which no format code takes."""
+    return "null" if loss is None else f"{loss:.{digits}f}"
+
+
 def write_json(path, doc):
     try:
         with atomic_open(path, "w") as f:
@@ -224,8 +230,8 @@ def main():
                {"sources": [s["name"] for s in sources], "train_tokens": tokens, "steps": args.steps,
                 "engine": args.engine, "final": final, "runs": results})
     for run, f in final.items():
-        print(f"{run:15s} final val_loss {f['val_loss']:.4f}  " +
-              "  ".join(f"{k} {v:.3f}" for k, v in f["by_source"].items()))
+        print(f"{run:15s} final val_loss {loss_text(f['val_loss'], 4)}  " +
+              "  ".join(f"{k} {loss_text(v, 3)}" for k, v in f["by_source"].items()))
     return 0
 
 

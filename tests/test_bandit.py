@@ -697,6 +697,25 @@ def experiment_engine(exp, src):
     raise AssertionError("the engine never started")
 
 
+def test_an_evaluation_that_overflowed_is_summarised(sources, tmp_path, monkeypatch, capsys):
+    """An evaluation whose loss was no finite number (a low-precision overflow) is null in the
+    records; the script's closing summary formatted it with :.4f, a TypeError traceback after every
+    run had trained. It is shown as null, and the results are written as they are."""
+    import runpy
+    script = runpy.run_path(str(eu.REPO / "scripts" / "bandit-experiment.py"))
+    records = [{"step": s, "loss": 4.0, "tokens": 64 * s, "ms": 1.0, "arm": 0} for s in (1, 2)] + \
+              [{"step": 2, "val_loss": None, "val_loss_by_source": {"noise": None, "useful": 3.5}}]
+    script["main"].__globals__["train"] = lambda cfg, work, engine: (records, 1.0)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["bandit-experiment.py", "--out", str(out), "--steps", "2", "--engine", "cpu",
+                                      "--runs", "static-uniform", "--experiment",
+                                      str(tiny_experiment(sources, tmp_path)),
+                                      "--sources-dir", str(experiment_sources_dir(sources, tmp_path))])
+    assert script["main"]() == 0
+    assert "final val_loss null  noise null  useful 3.500" in capsys.readouterr().out
+    assert json.loads((out / "bandit-experiment.json").read_text())["final"]["static-uniform"]["val_loss"] is None
+
+
 def test_a_run_a_signal_stopped_is_not_compared(sources, tmp_path):
     """The proxy ends a run that a signal stopped (SIGTERM to the engine: a scheduler, an operator)
     with exit status 0, "run the same command to resume". scripts/bandit-experiment.py took it as
