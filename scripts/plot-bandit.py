@@ -19,6 +19,7 @@ from microgpt.cli import IO_ERROR, ArgumentParser, fail
 from microgpt.files import loads_json, open_regular
 from microgpt.svg_chart import colour, svg_figure
 
+
 def numbers(xs, missing_ok=False):
     """xs, if every one is a JSON number (or null where missing_ok: a loss that was no finite
     number, which the charts leave out); else ValueError: a garbled file must not reach the drawing,
