@@ -1202,6 +1202,36 @@ def test_a_shard_truncated_while_training_is_one_error_line(engine, tmp_path):
     assert len(res.errors) == 1 and "a data shard truncated or rewritten in place" in res.errors[0], res.describe()
 
 
+@pytest.mark.parametrize("mode", ["training", "evaluating"])
+def test_a_shard_rewritten_in_place_with_bad_ids_is_one_error_line(cpu_binary, random_shards, tmp_path, mode):
+    """Token ids were checked only when a shard was opened; rewritten in place under the engine (its
+    MAP_PRIVATE mapping shows the new bytes), an id past the vocabulary indexed past the embedding
+    table: a segfault, or with ids just past vocab_size silently wrong rows."""
+    eu.write_random_shards(tmp_path, "big", 1, 2_000_000, eu.TINY_VOCAB, 5)
+    shard = tmp_path / "big_000000.bin"
+    ckpt = tmp_path / "run.ckpt"
+    if mode == "training":
+        cmd = [str(cpu_binary), *tiny_args(str(shard), **{"train.steps": 10**6})]
+    else:
+        eu.run_ok(cpu_binary, tiny_args(random_shards.train, train_steps=1, checkpoint=ckpt))
+        cmd = [str(cpu_binary), "--evaluate", "--checkpoint", str(ckpt), "--data.val", str(shard),
+               "--eval.batches", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()  # the memory plan: the shard is mapped and was checked
+        assert first.startswith("memory plan"), first
+        with open(shard, "r+b") as f:  # same size, so no SIGBUS: only the ids change
+            f.seek(1024)
+            f.write(np.full(2_000_000, 65535, dtype="<u2").tobytes())
+        stdout, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    errors = [l for l in rest.splitlines() if l.startswith("error:")]
+    assert proc.returncode == 1, (proc.returncode, rest[-2000:])
+    assert len(errors) == 1 and "token id 65535" in errors[0] and "rewritten in place" in errors[0], errors
+
+
 def test_a_shard_truncated_while_evaluating_is_one_error_line(cpu_binary, random_shards, tmp_path):
     """--evaluate maps its validation shards too, but only training installed the SIGBUS handler:
     one truncated under it killed the engine without a word."""

@@ -30,6 +30,7 @@ typedef struct {
     uint64_t* first_window; /* prefix sums: windows of shards before i; [n_shards] = total */
     uint64_t n_windows;     /* windows of T+1 tokens that lie inside one shard */
     size_t total_tokens;
+    int vocab_size;         /* every id read is checked against it again (shard_token) */
 } Dataset;
 
 /* Maps and validates one shard; dies naming the file on any defect. */
@@ -66,6 +67,7 @@ static void dataset_open(Dataset* ds, const char* pattern, const char* what, int
     int i, rc;
     size_t longest = 0;
     memset(ds, 0, sizeof *ds);
+    ds->vocab_size = vocab_size;
     rc = glob(pattern, 0, NULL, &g);
     if (rc != 0 || g.gl_pathc == 0) die_input("%s: no shard matches '%s'", what, pattern);
     ds->n_shards = (int)g.gl_pathc;
@@ -101,6 +103,19 @@ static void dataset_close(Dataset* ds) {
     memset(ds, 0, sizeof *ds);
 }
 
+/* Token k of shard i, checked again as it is read: the mapping follows the file, so a shard
+ * rewritten in place while the engine trains (a MAP_PRIVATE page not yet copied shows the new
+ * bytes) gives ids shard_map never saw, and one >= vocab_size would index past the embedding
+ * table and the logits. Exit 1 with the wording of on_bus_error (signals.h), the truncated case. */
+static int shard_token(const Dataset* ds, int i, size_t k) {
+    int id = ds->tokens[i][k];
+    if (id >= ds->vocab_size)
+        die_io("shard %s: token id %d at position %zu >= model.vocab_size (%d): a data shard truncated or rewritten "
+               "in place while the engine read it; the last checkpoint is intact, rerun once the data is whole",
+               ds->paths[i], id, k, ds->vocab_size);
+    return id;
+}
+
 /* B windows of T+1 tokens: window b starts at a position drawn from rng(seed, stream, counter0 + b)
  * over all windows of all shards. inputs/targets are [B*T]; targets are inputs shifted by one. */
 static void dataset_fill(const Dataset* ds, uint64_t seed, int stream, uint64_t counter0, int B, int T,
@@ -109,16 +124,16 @@ static void dataset_fill(const Dataset* ds, uint64_t seed, int stream, uint64_t 
     for (b = 0; b < B; b++) {
         uint64_t w = rng_below(seed, (uint64_t)stream, counter0 + (uint64_t)b, ds->n_windows);
         int lo = 0, hi = ds->n_shards - 1; /* find the shard i with first_window[i] <= w < first_window[i+1] */
-        const uint16_t* src;
+        size_t start;
         while (lo < hi) {
             int mid = (lo + hi + 1) / 2;
             if (ds->first_window[mid] <= w) lo = mid;
             else hi = mid - 1;
         }
-        src = ds->tokens[lo] + (w - ds->first_window[lo]);
+        start = (size_t)(w - ds->first_window[lo]);
         for (t = 0; t < T; t++) {
-            inputs[b * T + t] = src[t];
-            targets[b * T + t] = src[t + 1];
+            inputs[b * T + t] = shard_token(ds, lo, start + (size_t)t);
+            targets[b * T + t] = shard_token(ds, lo, start + (size_t)t + 1);
         }
     }
 }
@@ -152,12 +167,12 @@ static uint64_t dataset_sequential_windows(const Dataset* ds, int T) {
 /* Window w of that order into one sequence of inputs/targets [T]. */
 static void fill_sequential_window(const Dataset* ds, uint64_t w, int T, int* inputs, int* targets) {
     int i = 0, t;
-    const uint16_t* src;
+    size_t start;
     for (; w >= shard_sequential_windows(ds, i, T); i++) w -= shard_sequential_windows(ds, i, T);
-    src = ds->tokens[i] + w * (size_t)T;
+    start = (size_t)w * (size_t)T;
     for (t = 0; t < T; t++) {
-        inputs[t] = src[t];
-        targets[t] = src[t + 1];
+        inputs[t] = shard_token(ds, i, start + (size_t)t);
+        targets[t] = shard_token(ds, i, start + (size_t)t + 1);
     }
 }
 
