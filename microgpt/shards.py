@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from microgpt.atomic import atomic_open
-from microgpt.files import NotRegularFile, open_regular
+from microgpt.files import open_regular
 
 MAGIC = 20240520
 VERSION = 1
@@ -94,10 +94,12 @@ def read_shard(path):
 
 def read_checked(path, tokens):
     """The header's token count, or with tokens=True the tokens, read from one open of path: a FIFO
-    or directory matched by a glob is refused by name (open_regular), as the engine does."""
+    or directory matched by a glob is refused by name (open_regular), as the engine does. A path
+    that cannot be opened (a dangling link a glob matched, a link loop, no permission) is a
+    ShardError too: the readers that catch ShardError alone ended in a traceback."""
     try:
         fd = open_regular(path)
-    except NotRegularFile as e:
+    except OSError as e:  # NotRegularFile's strerror says what the file is
         raise ShardError(f"{path}: {e.strerror}") from None
     with open(fd, "rb") as f:
         size = os.fstat(fd).st_size

@@ -430,6 +430,18 @@ def test_a_shard_that_is_no_file_is_a_shard_error(tmp_path, kind):
             read(path)
 
 
+@pytest.mark.parametrize("kind", ["dangling link", "link loop"])
+def test_a_shard_that_cannot_be_opened_is_a_shard_error(tmp_path, kind):
+    """A glob matches a dangling symbolic link (and a link loop): open() then raised a bare
+    OSError, which the readers that catch ShardError (scripts/bandit-experiment.py,
+    bench/torch_gpt.py) let through as a traceback."""
+    path = tmp_path / "x_000000.bin"
+    os.symlink(path if kind == "link loop" else tmp_path / "gone.bin", path)
+    for read in (read_shard, read_header):
+        with pytest.raises(ShardError, match=f"{path}: "):
+            read(path)
+
+
 # ---------------------------------------------------------------- the default set-up and the engine
 
 def test_prepare_data_falls_back_to_chitchat_and_shakespeare(assets, tmp_path):
