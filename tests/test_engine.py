@@ -3,6 +3,7 @@
 
 Fast tests use the TINY model on random-token shards; one test trains on real Shakespeare shards.
 """
+import errno
 import fcntl
 import json
 import math
@@ -23,6 +24,7 @@ import engine_util as eu
 from engine_util import TINY, tiny_args
 
 from microgpt.checkpoint import read_checkpoint, read_sidecar, write_checkpoint
+from microgpt.shards import header_bytes
 
 # Signals are sent when the record of step SIGNAL_STEP appears; RESUME has eval and sampling on, so
 # their records (and random draws) are part of what must match exactly.
@@ -428,6 +430,20 @@ def test_a_model_beyond_the_machines_memory_is_one_error_line(cpu_binary, random
     assert res.rc == 1 and len(res.errors) == 1, res.describe()
     assert "of host memory" in res.errors[0] and "the machine has" in res.errors[0], res.describe()
     assert res.steps == [], res.describe()
+
+
+def test_a_shard_the_kernel_cannot_map_is_the_machines_limit(cpu_binary, tmp_path):
+    """A valid shard that mmap refuses with ENOMEM (past the address-space limit here; the same
+    error comes after vm.max_map_count shards, 65530 by default) was "cannot map shard X", exit 2:
+    no reason given, and the shard blamed as bad input. Now the reason, the limits, and exit 1."""
+    shard = tmp_path / "sparse_000000.bin"
+    with open(shard, "wb") as f:  # 4 GB of token 0, sparse: valid, and more than the limit below
+        f.write(header_bytes(2**31 - 1))
+        f.truncate(1024 + 2 * (2**31 - 1))
+    res = eu.run_engine(cpu_binary, tiny_args(str(shard)), timeout=60, preexec_fn=_limit_address_space)
+    assert res.rc == 1 and len(res.errors) == 1, res.describe()
+    assert f"cannot map shard {shard}" in res.errors[0] and os.strerror(errno.ENOMEM) in res.errors[0], res.describe()
+    assert "vm.max_map_count" in res.errors[0], res.describe()
 
 
 def test_huge_shape_is_really_too_big(engine, random_shards):

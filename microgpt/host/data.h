@@ -38,12 +38,19 @@ static void shard_map(Dataset* ds, int i, const char* path, int vocab_size) {
     struct stat st;
     const int32_t* header;
     size_t k, n;
-    int fd = open_regular_or_die(path, "shard", &st);
+    int err, fd = open_regular_or_die(path, "shard", &st);
     if ((size_t)st.st_size < SHARD_HEADER_BYTES)
         die_input("shard %s: %lld bytes is shorter than the %d-byte header", path, (long long)st.st_size, SHARD_HEADER_BYTES);
     ds->maps[i] = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    err = errno; /* before close() may change it */
     close(fd);
-    if (ds->maps[i] == MAP_FAILED) die_input("cannot map shard %s", path);
+    /* ENOMEM is the machine's limit, not the shard's fault: the kernel's count of mappings
+     * (vm.max_map_count, 65530 by default: one per shard) or the address space */
+    if (ds->maps[i] == MAP_FAILED && err == ENOMEM)
+        die_io("cannot map shard %s (%lld bytes, %d shards mapped before it): %s; the kernel limits a process's "
+               "mappings (vm.max_map_count, one per shard: fewer, larger shards need fewer) and its address space "
+               "(ulimit -v)", path, (long long)st.st_size, i, strerror(err));
+    if (ds->maps[i] == MAP_FAILED) die_input("cannot map shard %s: %s", path, strerror(err));
     ds->map_bytes[i] = (size_t)st.st_size;
     header = (const int32_t*)ds->maps[i];
     if (header[0] != SHARD_MAGIC) die_input("shard %s: bad magic %d (expected %d)", path, header[0], SHARD_MAGIC);
