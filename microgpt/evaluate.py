@@ -133,7 +133,11 @@ def evaluate(engine, model, data, batches, warn=None):
                 raise InferenceError(f"{data} has {len(ids)} tokens; scoring needs at least one window "
                                      f"of seq_len + 1 = {window}")
             shard_glob = os.path.join(tmp, "eval_000000.bin")
-            write_shard(shard_glob, ids)
+            try:
+                write_shard(shard_glob, ids)
+            except OSError as e:  # a full temporary folder: one line, not a traceback
+                raise InferenceError(f"cannot write the temporary shard of {data} in {tmp}: {e.strerror or e} "
+                                     "(TMPDIR names a folder with more room)") from None
             extra = {"documents": documents, "skipped": skipped}
         else:
             if not glob.glob(data):

@@ -3,9 +3,12 @@ the training loop's val_loss to the last bit; on a .txt or .jsonl file it scores
 of the file's tokens (rendered as the data pipeline renders them), which must equal the float64
 reference's mean loss over those windows (fp32 engine, its loss summed in double: 1e-6 relative).
 """
+import errno
 import json
 import math
 import os
+import resource
+import signal
 import subprocess
 import sys
 
@@ -166,6 +169,26 @@ def test_an_engine_error_naming_a_path_that_is_no_utf8_is_one_error_line(trained
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: the engine could not evaluate"), \
         res.stderr
     assert "bad_000000.bin" in lines[0]
+
+
+def _limit_file_size():
+    """In the child: files past 4 kB cannot be written, as on a full disk (EFBIG, not SIGXFSZ)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+
+def test_a_temporary_shard_that_cannot_be_written_is_one_error_line(trained_model, cpu_binary, tmp_path):
+    """A text is tokenized into a temporary shard; where it cannot be written (a full temporary
+    folder) write_shard's OSError ended evaluate.py in a traceback."""
+    path = tmp_path / "words.txt"
+    path.write_text("some plain words " * 1000, encoding="utf-8")  # a shard of more than 4 kB
+    res = subprocess.run([sys.executable, str(EVALUATE), str(trained_model.ckpt), str(path), "--engine", "cpu"],
+                         capture_output=True, text=True, timeout=600, env=eu.python_env(),
+                         preexec_fn=_limit_file_size)
+    lines = res.stderr.splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith(f"error: cannot write the temporary shard of {path}"), res.stderr
+    assert os.strerror(errno.EFBIG) in lines[0] and res.stdout == "", res.stderr
 
 
 @pytest.mark.parametrize("name", ["text.txt", "chats.jsonl"])
