@@ -5,7 +5,8 @@ Exit status 2 is a usage error: a flag argparse cannot parse, or a value a tool 
 own status for the same); --help still prints the full usage, exit 0. Exit status 1 (IO_ERROR), with
 one error line, is a tool that could not read its standard input or write its result (a full disk,
 an I/O error: output_failed); 141, with no message, is a tool whose stdout's reader went away
-(stdout_closed); 130 (INTERRUPTED), with one "interrupted" line, is a tool stopped by Ctrl-C.
+(stdout_closed); 130 (INTERRUPTED), with one "interrupted" line, is a tool stopped by Ctrl-C (or
+by SIGTERM, where the tool takes it so: stop_on_sigterm).
 
 Every line a tool writes on stderr is one line whatever it quotes (a path holding a newline or an
 escape sequence, a byte that is no UTF-8): one_line writes those characters as \\xNN, as the
@@ -97,6 +98,14 @@ def interrupted(tool, what):
         print(file=sys.stderr)
     say(f"{tool}: interrupted; {what}")
     return INTERRUPTED
+
+
+def stop_on_sigterm():
+    """SIGTERM (`kill PID`, a supervisor, `timeout`) taken as Ctrl-C is: a KeyboardInterrupt where
+    it comes, so that the tool's own cleanup runs (the engine it started stopped, its temporary
+    files removed) and it says "interrupted". Python's default ends the process on the spot: the
+    engine ran on, orphaned, and the temporary files stayed."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def shown_on_terminal(text):

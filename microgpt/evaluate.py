@@ -33,7 +33,7 @@ import numpy as np
 
 from microgpt import tokenizer
 from microgpt.cli import (USAGE_ERROR, ArgumentParser, error, interrupted, no_stdout, output_failed, say,
-                          stdout_closed)
+                          stdout_closed, stop_on_sigterm)
 from microgpt.engines import ENGINE_INT_MAX, ENGINE_TEXT
 from microgpt.files import RECORD_TOO_LONG, open_regular, record_lines
 from microgpt.inference import (InferenceError, engine_name, engine_warnings, pick_engine, read_model_shape,
@@ -171,6 +171,7 @@ def parse_args(argv):
 
 
 def main(argv):
+    stop_on_sigterm()  # the engine stopped and the temporary shard removed, as on Ctrl-C
     args = parse_args(argv)
     if no_stdout():  # file descriptor 1 closed: the result would go nowhere, and exit 0 say it went well
         return USAGE_ERROR

@@ -3,6 +3,7 @@ the training loop's val_loss to the last bit; on a .txt or .jsonl file it scores
 of the file's tokens (rendered as the data pipeline renders them), which must equal the float64
 reference's mean loss over those windows (fp32 engine, its loss summed in double: 1e-6 relative).
 """
+import contextlib
 import errno
 import json
 import math
@@ -11,6 +12,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -333,6 +335,48 @@ def test_ctrl_c_is_one_line_not_a_traceback(trained_model, cpu_binary, monkeypat
     monkeypatch.setattr(ev, "run_evaluate", interrupted)
     assert ev.main([str(trained_model.ckpt), trained_model.val, "--engine", "cpu"]) == 130
     assert capsys.readouterr().err.strip() == "evaluate: interrupted; nothing was scored"
+
+
+def test_sigterm_stops_the_engine_and_removes_the_temporary_shard(trained_model, cpu_binary, tmp_path):
+    """`kill PID` (or a supervisor's SIGTERM) ended evaluate.py on the spot: the engine it had
+    started scored on, orphaned, to no one, and the temporary shard stayed in TMPDIR. Now it is
+    taken as Ctrl-C is: the engine stopped, the shard removed, one line, exit 130."""
+    path = tmp_path / "long.txt"
+    path.write_text("the king shall love thee " * 200_000)  # a million tokens: seconds of scoring
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, str(EVALUATE), str(trained_model.ckpt), str(path), "--engine", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**eu.python_env(), "TMPDIR": str(tmp)})
+    children = f"/proc/{proc.pid}/task/{proc.pid}/children"
+    engine = None
+    try:
+        for _ in range(600):  # the engine started: the text is tokenized and its shard written
+            engine = open(children).read().split()
+            if engine:
+                break
+            time.sleep(0.05)
+        assert engine, "the engine did not start"
+        engine = int(engine[0])
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        for _ in range(100):  # killed: gone, or a zombie its new parent has yet to reap
+            try:
+                if open(f"/proc/{engine}/stat").read().split(") ")[1][0] == "Z":
+                    break
+            except FileNotFoundError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the engine runs on, orphaned")
+        assert proc.returncode == 130 and out == "" and \
+            err.splitlines()[-1] == "evaluate: interrupted; nothing was scored", err
+        assert os.listdir(tmp) == []
+    finally:
+        proc.kill()
+        if engine:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine, signal.SIGKILL)
 
 
 def test_a_checkpoint_without_checksums_is_scored_with_the_engines_warning(trained_model, cpu_binary, tmp_path):
