@@ -65,28 +65,36 @@ def write_json_atomic(path, obj):
         f.write(json_text(obj))
 
 
-def write_files_atomic(directory, files):
+def write_files_atomic(directory, files, last=None):
     """Several files {name: bytes} in `directory` as one change: every temp file is written and
     fsynced before the first rename, so a failure while writing (a full disk) leaves the directory as
-    it was; only a crash between the renames can leave some files new and some old. A directory
-    where a file belongs, which no rename replaces, is refused before anything is written."""
+    it was; only a crash between the renames can leave some files new and some old. `last`, where
+    given, names the file a reader looks for first (an export's config.json): the old one is removed
+    before the first rename and the new one renamed after every other, so that such a crash leaves
+    it missing, never a set that looks whole with old or missing files in it. A directory where a
+    file belongs, which no rename replaces, is refused before anything is written."""
     for name in files:
         target = os.path.join(directory, name)
         if os.path.isdir(target) and not os.path.islink(target):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
-    temps = []
+    temps = {}
     try:
         for name, data in files.items():
             tmp = os.path.join(directory, f"{name}.tmp{os.getpid()}")
-            temps.append(tmp)
+            temps[name] = tmp
             with open_new(tmp) as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        for (name, _), tmp in zip(files.items(), temps):
-            os.replace(tmp, os.path.join(directory, name))
+        if last is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, last))
+        for name in sorted(temps, key=lambda name: name == last):  # last at the end
+            if name == last:
+                fsync_dir(directory)  # the others' renames reach the disk before it
+            os.replace(temps[name], os.path.join(directory, name))
     except BaseException:
-        for tmp in temps:
+        for tmp in temps.values():
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
         raise

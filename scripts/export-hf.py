@@ -31,7 +31,9 @@ ChatML specials. llm.c hard-codes a 4 x d_model MLP, so only models with d_ff = 
 
 The files are written as one change (microgpt/atomic.py: all written and synced before any replaces
 its namesake), so a failure such as a full disk leaves OUT_DIR as it was, or absent where the export
-created it; other files in it are left alone.
+created it; other files in it are left alone. config.json (llmc: model.bin) is removed before the
+first rename and renamed last, so a crash between the renames leaves OUT_DIR without it, never a
+directory that loads as a whole export with old or missing files.
 """
 import contextlib
 import os
@@ -288,7 +290,9 @@ def main(argv):
         created = missing_directories(args.out_dir)
         try:
             os.makedirs(args.out_dir, exist_ok=True)
-            write_files_atomic(args.out_dir, files)
+            # the file a reader looks for first goes in last: a crash between the renames leaves
+            # it missing, not a directory that loads as a whole export with old or missing files
+            write_files_atomic(args.out_dir, files, last="config.json" if args.format == "hf" else "model.bin")
         except BaseException:  # a failed export leaves nothing, not even the directories it made
             for directory in reversed(created):
                 with contextlib.suppress(OSError):

@@ -346,6 +346,49 @@ def test_a_failed_write_leaves_no_trace(trained_model, tmp_path, fmt):
     assert (kept / "config.json").read_text() == "old"
 
 
+@pytest.mark.parametrize("fmt,marker", [("hf", "config.json"), ("llmc", "model.bin")])
+def test_a_crash_between_the_renames_never_leaves_an_export_that_looks_whole(trained_model, hf_dir, tmp_path,
+                                                                             monkeypatch, fmt, marker):
+    """A crash (kill -9, a power loss) between the renames that put the files in place left a fresh
+    OUT_DIR with config.json and model.safetensors but no tokenizer_config.json: transformers loaded
+    it as a whole export, its tokenizer without the ChatML specials (<|im_start|> read as 7 tokens of
+    text); over an older export, that export's config.json described the new weights. The file a
+    reader looks for first (hf: config.json; llmc: model.bin) is now removed before the first rename
+    and renamed last: at every crash point it is missing, or the export is the old one or the new
+    one, whole."""
+    from microgpt import atomic
+    module = load_export_module()
+    whole = tmp_path / "whole"
+    assert module.main([str(trained_model.ckpt), str(whole), "--format", fmt]) == 0
+    new = {p.name: p.read_bytes() for p in whole.iterdir()}
+    real_replace = os.replace
+
+    class Crash(BaseException):
+        pass
+
+    for crash_at in range(1, len(new) + 1):
+        for out in (tmp_path / f"fresh{crash_at}", tmp_path / f"old{crash_at}"):
+            if out.name.startswith("old"):  # an older export: every file there, none of them the new one
+                out.mkdir()
+                for name in new:
+                    (out / name).write_bytes(b"old")
+            renames = []
+
+            def crash_at_rename(src, dst):
+                renames.append(dst)
+                if len(renames) == crash_at:
+                    raise Crash
+                real_replace(src, dst)
+
+            monkeypatch.setattr(atomic.os, "replace", crash_at_rename)
+            with pytest.raises(Crash):
+                module.main([str(trained_model.ckpt), str(out), "--format", fmt])
+            monkeypatch.undo()
+            if (out / marker).exists():  # the export as it was, or the new one whole
+                files = {p.name: p.read_bytes() for p in out.iterdir()}
+                assert files in (new, dict.fromkeys(new, b"old")), (fmt, crash_at, out.name, sorted(files))
+
+
 def test_a_directory_where_a_file_belongs_changes_nothing(trained_model, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
