@@ -44,7 +44,7 @@ from safetensors.numpy import save as safetensors_bytes
 
 from microgpt import tokenizer
 from microgpt.atomic import json_text, write_files_atomic
-from microgpt.cli import ArgumentParser, error, interrupted, say
+from microgpt.cli import ArgumentParser, error, interrupted, say, stop_on_sigterm
 from microgpt.inference import InferenceError, read_model_params, resolve_checkpoint
 
 # microgpt/cpu/layernorm.h and microgpt/cuda/layernorm.cuh: LayerNorm's epsilon (test_export checks
@@ -273,6 +273,7 @@ def parse_args(argv):
 
 
 def main(argv):
+    stop_on_sigterm()  # the temporary files and the directories the export made removed, as on Ctrl-C
     args = parse_args(argv)
     try:
         ckpt = resolve_checkpoint(args.model)

@@ -464,6 +464,29 @@ def test_ctrl_c_during_the_export_is_one_line_and_leaves_nothing(trained_model, 
     assert len(calls) == 3 and os.listdir(tmp_path) == []
 
 
+def test_sigterm_during_the_export_is_one_line_and_leaves_nothing(trained_model, tmp_path):
+    """`kill PID` (SIGTERM) while the files were written ended the export on the spot, silently: the
+    temporary files (one the size of the model) and the directories it made stayed in OUT_DIR. Now
+    it is taken as Ctrl-C is. Here it comes while the third temp file is made."""
+    out = tmp_path / "new" / "out"
+    script = ("import os, runpy, signal, sys\n"
+              "from microgpt import atomic\n"
+              "real, calls = atomic.open_new, []\n"
+              "def open_new(*args, **kw):\n"
+              "    calls.append(args)\n"
+              "    if len(calls) == 3:\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    return real(*args, **kw)\n"
+              "atomic.open_new = open_new\n"
+              "sys.argv = sys.argv[1:]\n"
+              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    res = subprocess.run([sys.executable, "-c", script, str(EXPORT), str(trained_model.ckpt), str(out)],
+                         capture_output=True, text=True, timeout=300, env=eu.python_env())
+    assert res.returncode == 130 and res.stderr.splitlines()[-1] == \
+        f"export-hf: interrupted; nothing was exported to {out}", (res.returncode, res.stderr)
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_checkpoint_replaced_while_it_is_exported_is_an_error(trained_model, tmp_path, monkeypatch, capsys):
     """A run still training renames a new checkpoint into place every checkpoint.every steps. One
     that arrived after the engine had checked the file and before its weights were read was
