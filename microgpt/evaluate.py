@@ -38,7 +38,7 @@ from microgpt.engines import ENGINE_INT_MAX, ENGINE_TEXT
 from microgpt.files import RECORD_TOO_LONG, open_regular, record_lines
 from microgpt.inference import (InferenceError, engine_name, engine_warnings, pick_engine, read_model_shape,
                                 resolve_checkpoint)
-from microgpt.shards import write_shard
+from microgpt.shards import ShardError, write_shard
 
 TEXT_SUFFIXES = (".txt", ".jsonl")  # compared lower-cased: notes.TXT is text too
 
@@ -135,6 +135,8 @@ def evaluate(engine, model, data, batches, warn=None):
             shard_glob = os.path.join(tmp, "eval_000000.bin")
             try:
                 write_shard(shard_glob, ids)
+            except ShardError as e:  # more tokens than a shard's int32 count holds
+                raise InferenceError(f"{data}: {e}; score it in parts") from None
             except OSError as e:  # a full temporary folder: one line, not a traceback
                 raise InferenceError(f"cannot write the temporary shard of {data} in {tmp}: {e.strerror or e} "
                                      "(TMPDIR names a folder with more room)") from None

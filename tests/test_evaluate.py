@@ -19,7 +19,10 @@ import pytest
 
 import engine_util as eu
 import reference as ref
+from microgpt import evaluate as evaluate_module
+from microgpt import shards
 from microgpt import tokenizer as tk
+from microgpt.inference import InferenceError, pick_engine
 from tools_util import reference_model
 
 EVALUATE = eu.REPO / "microgpt" / "evaluate.py"
@@ -191,6 +194,17 @@ def test_a_temporary_shard_that_cannot_be_written_is_one_error_line(trained_mode
     assert res.returncode == 2 and len(lines) == 1, res.stderr
     assert lines[0].startswith(f"error: cannot write the temporary shard of {path}"), res.stderr
     assert os.strerror(errno.EFBIG) in lines[0] and res.stdout == "", res.stderr
+
+
+def test_a_text_longer_than_a_shard_holds_is_one_error(trained_model, cpu_binary, tmp_path, monkeypatch):
+    """A text of more tokens than a shard's int32 count holds (2^31 - 1; here that bound lowered to
+    100) raised write_shard's ShardError, which evaluate.py did not catch: a traceback. Now it is
+    the InferenceError that main() prints as one error line."""
+    monkeypatch.setattr(shards, "MAX_TOKENS", 100)
+    path = tmp_path / "words.txt"
+    path.write_text("some plain words " * 100, encoding="utf-8")
+    with pytest.raises(InferenceError, match=f"^{path}: a shard holds at most 100 tokens"):
+        evaluate_module.evaluate(pick_engine("cpu"), str(trained_model.ckpt), str(path), 1)
 
 
 @pytest.mark.parametrize("name", ["text.txt", "chats.jsonl"])
