@@ -298,6 +298,8 @@ def _bandit_edit(**edit):
 BANDIT_DAMAGE = {"gain_nan": _bandit_edit(gain=[float("nan"), 0.0]), "gain_infinite": _bandit_edit(gain=[1e400, 0.0]),
                  "gain_text": _bandit_edit(gain=["x", 0.0]), "gain_not_a_list": _bandit_edit(gain=3),
                  "rounds_negative": _bandit_edit(rounds=-1), "rounds_huge": _bandit_edit(rounds=1e300),
+                 # more probe rounds than the 4 steps before the checkpoint; INT_MAX overflowed the count
+                 "rounds_past_the_steps": _bandit_edit(rounds=5), "rounds_int_max": _bandit_edit(rounds=2147483647),
                  "variance_negative": _bandit_edit(reward_var=-1.0), "mean_nan": _bandit_edit(reward_mean=float("nan")),
                  "gains_overflow": _bandit_edit(gain=[1.7e308, -1.7e308])}
 

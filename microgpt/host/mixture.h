@@ -240,10 +240,11 @@ static int json_find_array(const char* text, const char* key, double* out, int m
  * (the checkpoint of a run without a bandit), with another number of sources or other names (or
  * order: the gains belong to sources by name), or with a state no
  * run leaves (a gain, mean or variance that is no finite number, a negative variance, a count of
- * rounds that is no int, gains whose probabilities overflow; the bandit state has no checksum of
- * its own) starts the bandit afresh, with a warning: drawing from probabilities that are no
- * numbers would pick the sources by accident. */
-static void mixture_restore(Mixture* m, const Config* c, const char* side, const char* text) {
+ * rounds that is no int or more than the `done` steps before the checkpoint (at most one probe a
+ * step: so the count cannot overflow however long the run goes on), gains whose probabilities
+ * overflow; the bandit state has no checksum of its own) starts the bandit afresh, with a warning:
+ * drawing from probabilities that are no numbers would pick the sources by accident. */
+static void mixture_restore(Mixture* m, const Config* c, const char* side, const char* text, int done) {
     double x, gain[CFG_MAX_SOURCES], mean, var;
     int n, i, finite_p;
     n = json_find_array(text, "gain", gain, CFG_MAX_SOURCES);
@@ -260,7 +261,7 @@ static void mixture_restore(Mixture* m, const Config* c, const char* side, const
              side, list);
         return;
     }
-    if (n < 0 || !json_find_number(text, "rounds", &x) || !(x >= 0 && x <= INT_MAX && x == floor(x)) ||
+    if (n < 0 || !json_find_number(text, "rounds", &x) || !(x >= 0 && x <= done && x == floor(x)) ||
         !json_find_number(text, "reward_mean", &mean) || !isfinite(mean) ||
         !json_find_number(text, "reward_var", &var) || !(var >= 0 && var <= DBL_MAX)) {
         warn("the bandit state in %s is not well-formed (damaged or edited): the bandit starts afresh", side);
@@ -279,12 +280,12 @@ static void mixture_restore(Mixture* m, const Config* c, const char* side, const
     }
 }
 
-/* The bandit state from `sidecar`, that of the checkpoint `ckpt_path` being resumed. */
-static void mixture_resume(Mixture* m, const Config* c, const char* ckpt_path, const Sidecar* sidecar) {
+/* The bandit state from `sidecar`, that of the checkpoint `ckpt_path` being resumed after `done` steps. */
+static void mixture_resume(Mixture* m, const Config* c, const char* ckpt_path, const Sidecar* sidecar, int done) {
     char side[CFG_PATH_MAX + 8];
     if (!c->bandit.enabled) return;
     snprintf(side, sizeof side, "%s.json", ckpt_path);
-    if (sidecar->text && json_has_member(sidecar->text, "bandit")) mixture_restore(m, c, side, sidecar->text);
+    if (sidecar->text && json_has_member(sidecar->text, "bandit")) mixture_restore(m, c, side, sidecar->text, done);
     else warn("checkpoint %s holds no bandit state: the bandit starts afresh from the prior weights", ckpt_path);
 }
 

@@ -287,7 +287,8 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
         if (run_locks_checkpoint(c)) ckpt_lock_existing(c->checkpoint.path); /* before the read */
         r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer,
                                                    &r->sidecar);
-        mixture_resume(&r->mix, c, c->checkpoint.path, &r->sidecar); /* before the start event, which reports p */
+        /* before the start event, which reports p */
+        mixture_resume(&r->mix, c, c->checkpoint.path, &r->sidecar, r->start_step);
         if (config_keeps_fp8_histories(c)) fp8_history_read(c->checkpoint.path, &r->sidecar, &r->resumed_fp8);
     }
 }
