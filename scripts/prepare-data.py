@@ -181,12 +181,15 @@ def main():
 
     pull = 1 if args.source == "chitchat" else script(
         "pull-hermes3.py", "--max-records", str(args.max_records), "--timeout", str(args.timeout))
-    if pull not in (0, 1):  # 1: the hub cannot be reached, which the fallback is for; else a local fault
+    # 1: the hub cannot be reached, 4: what it gave had no usable conversation; the fallback is for
+    # both. Else a local fault.
+    if pull not in (0, 1, 4):
         print("error: could not pull Hermes-3 (see above)", file=sys.stderr)
         return 1
     hermes_ok = pull == 0
     if args.source == "hermes" and not hermes_ok:
-        print("error: Hermes-3 could not be pulled and --source hermes allows no fallback", file=sys.stderr)
+        why = "gave no usable conversations" if pull == 4 else "could not be pulled"
+        print(f"error: Hermes-3 {why} and --source hermes allows no fallback", file=sys.stderr)
         return 1
     if hermes_ok:
         # what the pull holds, which is more than --max-records after an earlier, longer pull
@@ -195,10 +198,13 @@ def main():
                 f"of its first {pulled.get('read')} records)"]
         chat = ["--chat", f"hermes3={HERMES}"]
     else:
-        why = "by --source chitchat" if args.source == "chitchat" else "Hermes-3 could not be downloaded"
-        used = [f"DATA: conversations = FALLBACK ({why}):",
-                "      chitchat-dataset 0.9.0 (PyPI, MIT); re-run when the Hugging Face hub is reachable",
-                "      to use Hermes-3"]
+        why, hint = {1: ("Hermes-3 could not be downloaded", "re-run when the Hugging Face hub is reachable"),
+                     4: ("Hermes-3 gave no usable conversations", "the pull's counts of malformed records are above;"
+                         " re-run when the hub serves well-formed ones")}[pull]
+        if args.source == "chitchat":
+            why, hint = "by --source chitchat", "re-run with --source auto"
+        used = [f"DATA: conversations = FALLBACK ({why}):", "      chitchat-dataset 0.9.0 (PyPI, MIT)",
+                f"      {hint} to use Hermes-3"]
         try:
             chat = ["--chat", f"chitchat={chitchat_source()}"]
         except ChitchatError as e:

@@ -19,7 +19,8 @@ new source has given its first record). A finished pull is not repeated. A pull 
 second pull into the same output waits for the first.
 
 Exit status: 0 done; 1 the hub is unreachable / the download failed (re-run to resume); 2 bad usage;
-3 the output cannot be written (a full disk: no other source of conversations helps).
+3 the output cannot be written (a full disk: no other source of conversations helps); 4 every record
+read was malformed (no usable conversations).
 """
 import collections
 import contextlib
@@ -337,7 +338,7 @@ def pull_locked(args):
           f"to {args.out}, {bad} malformed" + (f" ({reasons})" if bad else ""), file=sys.stderr)
     if progress["written"] == 0:
         print("error: no usable conversations", file=sys.stderr)
-        return 1
+        return 4
     return 0
 
 

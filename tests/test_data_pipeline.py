@@ -916,6 +916,28 @@ def test_prepare_data_banner_counts_the_records_the_pull_holds(tmp_path, monkeyp
     assert "990 conversations of its first 1000 records" in banner and "first 10 records" not in banner
 
 
+@pytest.mark.parametrize("source", ["auto", "hermes"])
+def test_a_pull_with_no_usable_record_is_named_as_such(tmp_path, monkeypatch, capsys, source):
+    """A pull that read records but found none usable exited 1, the status of an unreachable hub, so
+    prepare-data's banner said "Hermes-3 could not be downloaded". Now the pull exits 4 and the
+    banner (or --source hermes's error) says what happened; the fallback is built as before."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"conversations": "x"}\n' * 3)
+    res = run_script("pull-hermes3", "--from-file", bad, "--out", tmp_path / "h.jsonl")
+    assert res.returncode == 4 and "error: no usable conversations" in res.stderr, res.stderr
+    mod = load_script("prepare-data")
+    monkeypatch.setattr(mod, "script", lambda name, *args: 4 if name == "pull-hermes3.py" else 0)
+    monkeypatch.setattr(mod, "chitchat_source", lambda: str(tmp_path / "chitchat.jsonl"))
+    monkeypatch.setattr(sys, "argv", ["prepare-data.py", "--source", source, "--no-corpus",
+                                      "--data-dir", str(tmp_path)])
+    assert mod.main() == (0 if source == "auto" else 1)
+    err = capsys.readouterr().err
+    if source == "auto":
+        assert "FALLBACK (Hermes-3 gave no usable conversations)" in err and "could not be downloaded" not in err
+    else:
+        assert "error: Hermes-3 gave no usable conversations and --source hermes allows no fallback" in err, err
+
+
 
 # A step of prepare-data's, in a copy of scripts/ (prepare-data runs the scripts beside it): it notes
 # its run in `ran`, then sleeps until Ctrl-C (exit 130), or exits 130 at once when given --keep-going.
@@ -1200,7 +1222,7 @@ def test_a_utf16_chat_file_is_refused_or_skipped_never_read_garbled(tmp_path):
     marked.write_bytes(text.encode("utf-16"))  # with its byte-order mark
     out = tmp_path / "pulled.jsonl"
     res = run_script("pull-hermes3", "--from-file", bare, "--out", out)
-    assert res.returncode == 1 and "0 conversations written" in res.stderr and out.read_bytes() == b"", res.stderr
+    assert res.returncode == 4 and "0 conversations written" in res.stderr and out.read_bytes() == b"", res.stderr
     for script, args in [("pull-hermes3", ["--from-file", marked, "--out", out]),
                          ("prep-megachat", ["--chat", marked, "--out-dir", tmp_path / "set", *SMALL])]:
         res = run_script(script, *args)
