@@ -33,9 +33,12 @@ The files are written as one change (microgpt/atomic.py: all written and synced 
 its namesake), so a failure such as a full disk leaves OUT_DIR as it was, or absent where the export
 created it; other files in it are left alone. config.json (llmc: model.bin) is removed before the
 first rename and renamed last, so a crash between the renames leaves OUT_DIR without it, never a
-directory that loads as a whole export with old or missing files.
+directory that loads as a whole export with old or missing files. An export holds an exclusive
+flock on OUT_DIR itself (no lock file is left in it): a second export into the same directory
+waits for the first, saying so, and the two never leave a mix of their files.
 """
 import contextlib
+import fcntl
 import os
 import sys
 
@@ -259,6 +262,22 @@ def clobbered_input(out_dir, names, ckpt):
     return None
 
 
+@contextlib.contextmanager
+def export_lock(out_dir):
+    """An exclusive flock on the directory out_dir for the with block: another export into it waits
+    (two at once renamed their files by turns: one's config.json beside the other's weights)."""
+    fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another export into {out_dir} to end")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def parse_args(argv):
     p = ArgumentParser(description="Export a trained model as a transformers GPT-2 directory "
                        "or an llm.c model file.")
@@ -293,7 +312,8 @@ def main(argv):
             os.makedirs(args.out_dir, exist_ok=True)
             # the file a reader looks for first goes in last: a crash between the renames leaves
             # it missing, not a directory that loads as a whole export with old or missing files
-            write_files_atomic(args.out_dir, files, last="config.json" if args.format == "hf" else "model.bin")
+            with export_lock(args.out_dir):
+                write_files_atomic(args.out_dir, files, last="config.json" if args.format == "hf" else "model.bin")
         except BaseException:  # a failed export leaves nothing, not even the directories it made
             for directory in reversed(created):
                 with contextlib.suppress(OSError):

@@ -8,6 +8,7 @@ against the float64 reference (tests/reference.py, 1e-9) and against the CPU eng
 conversations, with the ChatML specials). With torch and transformers installed, transformers loads
 the directory offline and its logits and greedy tokens match the engine's.
 """
+import fcntl
 import importlib.util
 import json
 import os
@@ -518,3 +519,24 @@ def test_a_path_with_a_newline_or_an_escape_is_quoted_on_one_line(trained_model,
     res = export(trained_model.ckpt, out)
     assert res.returncode == 2 and res.stderr == f"error: {tmp_path}/a\\x0ab\\x1b[2J exists and is no directory\n", \
         res.stderr
+
+
+def test_a_second_export_into_the_same_directory_waits_for_the_first(trained_model, tmp_path):
+    """Two exports into one OUT_DIR renamed their files by turns, so it could hold one's config.json
+    beside the other's weights. An export now holds a flock on OUT_DIR: here the test holds it, and
+    the export says it waits, has written nothing, and exports once the lock is let go."""
+    out = tmp_path / "out"
+    out.mkdir()
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        proc = subprocess.Popen([sys.executable, str(EXPORT), str(trained_model.ckpt), str(out)],
+                                stderr=subprocess.PIPE, text=True, env=eu.python_env())
+        first = proc.stderr.readline()
+        assert first == f"waiting for another export into {out} to end\n" and proc.poll() is None, first
+        assert os.listdir(out) == []  # not even a temporary file
+    finally:
+        os.close(fd)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0 and rest.startswith("exported "), rest
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
