@@ -113,7 +113,13 @@ def read_checked(path, tokens):
         ntok = int(header[2])
         if size != HEADER_BYTES + 2 * ntok:
             raise ShardError(f"{path}: file is {size} bytes, header promises {HEADER_BYTES + 2 * ntok}")
-        return np.fromfile(f, dtype="<u2", count=ntok) if tokens else ntok
+        if not tokens:
+            return ntok
+        ids = np.fromfile(f, dtype="<u2", count=ntok)
+        if len(ids) != ntok:  # fromfile returns what is there: a shard cut while it was read
+            raise ShardError(f"{path}: {len(ids)} of the header's {ntok} tokens could be read (the file "
+                             "changed while it was read)")
+        return ids
 
 
 def glob_tokens(pattern):

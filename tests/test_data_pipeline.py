@@ -442,6 +442,24 @@ def test_a_shard_that_cannot_be_opened_is_a_shard_error(tmp_path, kind):
             read(path)
 
 
+def test_a_shard_cut_while_it_is_read_is_a_shard_error(tmp_path, monkeypatch):
+    """read_shard checked the file's size against the header, then read the tokens: a shard cut in
+    between (a pipeline rewriting it) came back short, without a word, to a caller that trusts the
+    header's count. Here the shard is cut after the size check, before the read."""
+    from microgpt import shards
+    path = tmp_path / "x_000000.bin"
+    write_shard(path, np.arange(1000, dtype=np.uint16))
+    real_fromfile = shards.np.fromfile
+
+    def cut_then_read(f, **kw):
+        os.truncate(path, HEADER_BYTES + 2 * 600)
+        return real_fromfile(f, **kw)
+
+    monkeypatch.setattr(shards.np, "fromfile", cut_then_read)
+    with pytest.raises(ShardError, match=f"{path}: 600 of the header's 1000 tokens could be read"):
+        read_shard(path)
+
+
 # ---------------------------------------------------------------- the default set-up and the engine
 
 def test_prepare_data_falls_back_to_chitchat_and_shakespeare(assets, tmp_path):
