@@ -724,6 +724,33 @@ def test_output_follows_contract(engine, random_shards, tmp_path):
     assert res.records[-1] == {"event": "exit", "step": steps, "reason": "finished"}
 
 
+def test_a_non_blocking_stdout_loses_no_line_to_a_slow_reader(cpu_binary, random_shards):
+    """A stdout pipe whose open file is non-blocking (O_NONBLOCK, set by a launcher): once the
+    reader fell behind and the pipe was full, each line's write failed with EAGAIN and was dropped
+    without a word, the exit line too, and the run exited 0. The engine now waits for its reader."""
+    import time
+    steps = 2000
+    out_r, out_w = os.pipe()
+    os.set_blocking(out_w, False)
+    proc = subprocess.Popen([str(cpu_binary), *tiny_args(random_shards.train, **{"train.steps": steps,
+                                                                                  "train.batch_size": 1})],
+                            stdout=out_w, stderr=subprocess.PIPE)
+    os.close(out_w)
+    out = b""
+    try:
+        time.sleep(2)  # the reader behind: some 300 lines fill the pipe
+        while (chunk := os.read(out_r, 1 << 20)):
+            out += chunk
+        rc = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        os.close(out_r)
+        proc.stderr.close()
+    records = [json.loads(line) for line in out.splitlines()]
+    assert rc == 0 and sum("loss" in r for r in records) == steps, (rc, len(records))
+    assert records[-1] == {"event": "exit", "step": steps, "reason": "finished"}
+
+
 # ---------------------------------------------------------------------------------------------------
 # 9: nothing silently corrupted, nothing lost: checksums, two slots, the divergence guard, special
 # files, signals at start-up, the polish boundary (docs/DESIGN.md §15)

@@ -530,6 +530,39 @@ def test_a_request_stream_that_cannot_be_read_is_one_error_not_its_end(cpu_binar
 
 
 
+def test_a_non_blocking_stdin_or_stdout_waits_for_requests_and_reader(cpu_binary, trained):
+    """A launcher may hand over pipes whose open file is non-blocking (O_NONBLOCK, e.g. a Node.js
+    parent): the engine's first read, before any request came, failed with EAGAIN and it exited 1
+    ("cannot read the requests"), and an answer written while the reader was a moment behind (the
+    pipe full) failed so too. The engine now waits for both, as with ordinary pipes."""
+    import time
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    os.set_blocking(in_r, False)
+    os.set_blocking(out_w, False)
+    proc = subprocess.Popen([str(cpu_binary), "--generate", "--checkpoint", str(trained["ckpt"])], stdin=in_r,
+                            stdout=out_w, stderr=subprocess.PIPE)
+    os.close(in_r)
+    os.close(out_w)
+    out = b""
+    try:
+        time.sleep(1)  # the engine is reading an empty stdin
+        request = json.dumps({"id": 1, "prompt": [1], "max_tokens": T - 1, "logits": "all"}) + "\n"
+        os.write(in_w, request.encode() * 200)  # some 1.5 MB of answers: far more than a pipe holds
+        os.close(in_w)
+        time.sleep(1)  # the reader behind: the pipe is full
+        while (chunk := os.read(out_r, 1 << 20)):
+            out += chunk
+        rc = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        os.close(out_r)
+        stderr = proc.stderr.read().decode()
+        proc.stderr.close()
+    assert rc == 0 and "error:" not in stderr, stderr[-2000:]
+    assert sum(json.loads(line).get("done", False) for line in out.splitlines()) == 200
+
+
 def test_a_request_line_longer_than_any_engine_reads_is_one_error_reply(cpu_binary, trained):
     """A request line was read whole (getline) before it was judged: a line longer than the memory
     left (here under a 256 MB address-space limit) ended the engine. A line longer than the most a

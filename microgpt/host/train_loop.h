@@ -516,12 +516,25 @@ static int agreed_stop(void) {
     return stop;
 }
 
+/* Clears O_NONBLOCK on fd. A launcher may hand the engine a stdin or stdout whose open file is
+ * non-blocking (the flag belongs to the file, shared with whoever set it: a Node.js parent, a
+ * terminal another program left so): a read with no request yet, or a write to a reader a moment
+ * behind (a full pipe), then fails with EAGAIN: --generate ended as if stdin had failed or the
+ * reader were gone, and training dropped its progress lines without a word (the exit line too).
+ * stdio cannot retry such a write (the unwritten bytes are dropped), so the engine blocks instead,
+ * as bash does for its input: stdout in every mode, stdin where requests are read. */
+static void fd_make_blocking(int fd) {
+    int flags = fcntl(fd, F_GETFL);
+    if (flags >= 0 && (flags & O_NONBLOCK)) fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+}
+
 static int train_main(int argc, char** argv) {
     static Run run; /* static: big enough (Config holds paths) that it shouldn't live on the stack */
     Run* r = &run;
     int s, stop;
 
     signals_install();
+    fd_make_blocking(STDOUT_FILENO);
     run_validate_inputs(r, argc, argv);
     /* locked once the inputs are found good, so a refused start leaves nothing behind (a resume
      * took the lock already where PATH.lock existed) */
@@ -642,6 +655,8 @@ static int engine_main(int argc, char** argv) {
     if (!mode) return train_main(argc, argv);
     signals_unblock();
     signal(SIGPIPE, SIG_IGN); /* a reader gone is a failed write, one error line (answer_line_end) */
+    fd_make_blocking(STDIN_FILENO);
+    fd_make_blocking(STDOUT_FILENO);
     if (strcmp(mode, "generate") == 0) return generate_main(argc, argv);
     signals_install_bus_error(); /* a validation shard truncated under the mapping: one line, not a silent death */
     return evaluate_main(argc, argv);
