@@ -804,6 +804,16 @@ typedef struct {
     size_t first_non_finite;
 } CkptScan;
 
+/* The file ckpt_scan read (its device and inode), the one ckpt_check verified: ckpt_load reads
+ * the weights from that file alone. --generate and --evaluate take no lock (§15), so a run still
+ * writing checkpoints there may rename another file over the path between the check and the load:
+ * read by name, its weights were loaded unverified (a file of NaN served every token as id 0). */
+static struct {
+    int set;
+    dev_t dev;
+    ino_t ino;
+} g_ckpt_checked;
+
 static CkptScan ckpt_scan(const char* path) {
     CkptScan s = {0, 0};
     size_t len, offset = 0, values = 0, bad;
@@ -811,6 +821,9 @@ static CkptScan ckpt_scan(const char* path) {
     ssize_t got;
     struct stat st;
     int fd = open_regular_or_die(path, "checkpoint", &st);
+    g_ckpt_checked.set = 1;
+    g_ckpt_checked.dev = st.st_dev;
+    g_ckpt_checked.ino = st.st_ino;
     s.first_non_finite = (size_t)-1;
     while (!done) {
         for (len = 0; len < sizeof ckpt_io_buf; len += (size_t)got) {
@@ -956,9 +969,14 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* s
 /* Reads weights, m and v (n floats each) of a checkpoint that ckpt_check accepted; m and v NULL:
  * the weights only (--generate, --evaluate). */
 static void ckpt_load(const char* path, size_t n, float* params, float* m, float* v) {
-    FILE* f = fopen(path, "rb");
+    struct stat st;
+    int fd = open_regular_or_die(path, "checkpoint", &st);
+    FILE* f;
     int ok;
-    if (!f) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
+    if (g_ckpt_checked.set && (st.st_dev != g_ckpt_checked.dev || st.st_ino != g_ckpt_checked.ino))
+        die_input("checkpoint %s was replaced after its integrity check (a run still writing checkpoints there?); "
+                  "its weights are not loaded unverified: run again", path);
+    if (!(f = fdopen(fd, "rb"))) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
     ok = fseek(f, CKPT_HEADER_BYTES, SEEK_SET) == 0 && fread(params, 4, n, f) == n &&
          (!m || (fread(m, 4, n, f) == n && fread(v, 4, n, f) == n));
     fclose(f);

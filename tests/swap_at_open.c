@@ -1,0 +1,62 @@
+/* LD_PRELOAD shim for tests/test_generate.py: another file is renamed over a checkpoint just
+ * before the engine opens it for the Nth time, as a training run still writing checkpoints there
+ * renames its new one in between two of the engine's reads. SWAP_PATH names the file, SWAP_FROM
+ * the file renamed over it, SWAP_AT_OPEN the N (opens by open(2) or fopen(3), counted alike).
+ *
+ * Build: gcc -shared -fPIC -O2 -o swap_at_open.so swap_at_open.c -ldl
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void maybe_swap(const char* path) {
+    static int calls;
+    const char* target = getenv("SWAP_PATH");
+    const char* from = getenv("SWAP_FROM");
+    const char* at = getenv("SWAP_AT_OPEN");
+    if (target && from && at && strcmp(path, target) == 0 && ++calls == atoi(at)) rename(from, target);
+}
+
+static int real_open(const char* name, const char* path, int flags, mode_t mode) {
+    int (*real)(const char*, int, ...) = (int (*)(const char*, int, ...))dlsym(RTLD_NEXT, name);
+    maybe_swap(path);
+    return real(path, flags, mode);
+}
+
+int open(const char* path, int flags, ...) {
+    mode_t mode = 0;
+    if (flags & O_CREAT) {
+        va_list ap;
+        va_start(ap, flags);
+        mode = (mode_t)va_arg(ap, int);
+        va_end(ap);
+    }
+    return real_open("open", path, flags, mode);
+}
+
+int open64(const char* path, int flags, ...) {
+    mode_t mode = 0;
+    if (flags & O_CREAT) {
+        va_list ap;
+        va_start(ap, flags);
+        mode = (mode_t)va_arg(ap, int);
+        va_end(ap);
+    }
+    return real_open("open64", path, flags, mode);
+}
+
+FILE* fopen(const char* path, const char* how) {
+    FILE* (*real)(const char*, const char*) = (FILE * (*)(const char*, const char*)) dlsym(RTLD_NEXT, "fopen");
+    maybe_swap(path);
+    return real(path, how);
+}
+
+FILE* fopen64(const char* path, const char* how) {
+    FILE* (*real)(const char*, const char*) = (FILE * (*)(const char*, const char*)) dlsym(RTLD_NEXT, "fopen64");
+    maybe_swap(path);
+    return real(path, how);
+}
