@@ -751,6 +751,19 @@ def test_a_non_blocking_stdout_loses_no_line_to_a_slow_reader(cpu_binary, random
     assert records[-1] == {"event": "exit", "step": steps, "reason": "finished"}
 
 
+@pytest.mark.parametrize("closed", [1, 2])
+def test_a_closed_stdout_or_stderr_is_written_into_no_file(cpu_binary, random_shards, tmp_path, closed):
+    """A launcher that closes stdout or stderr (`>&-`): the next file the engine opened took that
+    descriptor, the checkpoint's lock file, and every progress line or message went into it."""
+    ckpt = tmp_path / "c.ckpt"
+    proc = subprocess.run([str(cpu_binary), *tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt})],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.close(closed),
+                          timeout=60)
+    assert proc.returncode == 0
+    assert Path(f"{ckpt}.lock").read_bytes() == b""
+    assert read_checkpoint(ckpt).step == 3
+
+
 # ---------------------------------------------------------------------------------------------------
 # 9: nothing silently corrupted, nothing lost: checksums, two slots, the divergence guard, special
 # files, signals at start-up, the polish boundary (docs/DESIGN.md §15)

@@ -528,12 +528,22 @@ static void fd_make_blocking(int fd) {
     if (flags >= 0 && (flags & O_NONBLOCK)) fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
 }
 
+/* Opens /dev/null on each of stdin, stdout and stderr that a launcher left closed (`>&-`): else the
+ * next file the engine opens takes that number, and what it prints there is written into that file
+ * (with stdout closed, every progress line went into the checkpoint's lock file). */
+static void std_fds_fill(void) {
+    int fd;
+    for (fd = 0; fd <= 2; fd++)
+        if (fcntl(fd, F_GETFD) < 0 && errno == EBADF && open("/dev/null", O_RDWR) != fd) return;
+}
+
 static int train_main(int argc, char** argv) {
     static Run run; /* static: big enough (Config holds paths) that it shouldn't live on the stack */
     Run* r = &run;
     int s, stop;
 
     signals_install();
+    std_fds_fill();
     fd_make_blocking(STDOUT_FILENO);
     run_validate_inputs(r, argc, argv);
     /* locked once the inputs are found good, so a refused start leaves nothing behind (a resume
