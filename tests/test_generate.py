@@ -544,6 +544,28 @@ def test_a_reader_gone_ends_generate_with_one_error(cpu_binary, trained, restore
     assert rc == 1 and len(errors) == 1 and "standard output" in errors[0], (rc, stderr)
 
 
+def test_sigusr1_does_not_stop_generate(cpu_binary, trained):
+    """SIGUSR1 asks an engine for a checkpoint and never stops it (docs/DESIGN.md §3.6); --generate
+    has none to write, but left the signal at its default action, so it died of it without a word,
+    mid-session. It now goes on serving."""
+    import signal
+    import time
+    proc = subprocess.Popen([str(cpu_binary), "--generate", "--checkpoint", str(trained["ckpt"])],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write((json.dumps(greedy(1, [1], max_tokens=1)) + "\n").encode())
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline())["id"] == 1  # serving
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        out, err = proc.communicate((json.dumps(greedy(2, [1], max_tokens=1)) + "\n").encode(), timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, (proc.returncode, err.decode()[-1000:])
+    last = json.loads(out.splitlines()[-1])
+    assert last["id"] == 2 and last["done"] and len(last["tokens"]) == 1, out
+
+
 def test_a_request_stream_that_cannot_be_read_is_one_error_not_its_end(cpu_binary, trained, tmp_path):
     """stdin that fails to read (here a directory: EISDIR) was taken for the end of the requests,
     exit 0."""

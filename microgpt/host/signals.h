@@ -48,7 +48,7 @@ static void signals_install_bus_error(void) {
 
 /* Unblocks SIGTERM, SIGINT and SIGUSR1, which a launcher may have blocked (a pending one is
  * handled now). --generate and --evaluate call only this (and --evaluate signals_install_bus_error):
- * their stop signals keep the default action. */
+ * their stop signals keep the default action, and they ignore SIGUSR1 (no checkpoint to write). */
 static void signals_unblock(void) {
     sigset_t handled;
     sigemptyset(&handled);

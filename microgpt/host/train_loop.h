@@ -665,6 +665,9 @@ static int engine_main(int argc, char** argv) {
     if (!mode) return train_main(argc, argv);
     signals_unblock();
     signal(SIGPIPE, SIG_IGN); /* a reader gone is a failed write, one error line (answer_line_end) */
+    /* SIGUSR1 asks for a checkpoint and never stops an engine (§3.6); these modes have none to
+     * write, so they go on: its default action killed a --generate server without a word */
+    signal(SIGUSR1, SIG_IGN);
     fd_make_blocking(STDIN_FILENO);
     fd_make_blocking(STDOUT_FILENO);
     if (strcmp(mode, "generate") == 0) return generate_main(argc, argv);
