@@ -462,6 +462,20 @@ def test_an_error_quoting_bytes_that_are_no_utf8_is_utf8(cpu_binary, trained, tm
         assert res.returncode == 2 and len(errors) == 1 and shown in errors[0], stderr
 
 
+@pytest.mark.parametrize("mode", ["--generate", "--evaluate"])
+def test_an_empty_checkpoint_path_is_the_flag_error_not_a_sidecar_one(cpu_binary, trained, tmp_path, mode):
+    """--checkpoint '' named the sidecar ".json": a file of the working directory of that name was
+    read as the checkpoint's sidecar, and its fault was the error line (here a damaged n_layer),
+    not the missing --checkpoint."""
+    side = eu.read_sidecar(trained["ckpt"])
+    side["fingerprint"]["n_layer"] = "x"
+    (tmp_path / ".json").write_text(json.dumps(side))
+    proc = subprocess.run([str(cpu_binary), mode, "--checkpoint", "", "--data.val", "x"], cwd=tmp_path,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert proc.returncode == 2 and errors == [f"error: {mode} needs --checkpoint PATH"], proc.stderr
+
+
 @pytest.fixture(scope="module")
 def swap_at_open(tmp_path_factory):
     return eu.build_shim(tmp_path_factory, "swap_at_open")

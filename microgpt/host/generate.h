@@ -190,8 +190,9 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
     args[n++] = argv[0];
     snprintf(side_path, sizeof side_path, "%s.json", path ? path : "");
     /* the model, so its layers, is yet to learn; a path too long is config_parse's error (a cut
-     * one would name another file) */
-    if (path && strlen(path) < CFG_PATH_MAX) sidecar_load(path, CFG_MAX_LAYERS, side);
+     * one would name another file), and so is an empty one (--checkpoint ''), whose sidecar would
+     * be the file ".json" of the working directory */
+    if (path && path[0] && strlen(path) < CFG_PATH_MAX) sidecar_load(path, CFG_MAX_LAYERS, side);
     if ((text = side->text)) {
         CkptFiles files;
         static Config scratch; /* the flag table's ranges: nothing is parsed into it */
