@@ -275,6 +275,7 @@ class LossLog:
         if not records:
             return
         with self.lock:
+            self._check_still_the_file()
             blob = bytearray()
             starts = []
             pos = self.end
@@ -289,6 +290,21 @@ class LossLog:
             os.fsync(self.fd)
             self.starts.extend(starts)
             self.end = pos
+
+    def _check_still_the_file(self):
+        """The log's path must still name the file open here: one replaced meanwhile (an editor saving
+        a copy over it, a `cp` and `mv`) or removed would take every later record into a file that no
+        one can open, and the run would end "stopped" with a hole in its history; a LossLogError
+        instead (a proxy failure: the engine is stopped before a checkpoint gets ahead of the log)."""
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            raise LossLogError(f"{self.path} was removed while the run was logging to it "
+                               f"({e.strerror or e})") from None
+        own = os.fstat(self.fd)
+        if (st.st_dev, st.st_ino) != (own.st_dev, own.st_ino):
+            raise LossLogError(f"{self.path} was replaced by another file while the run was logging "
+                               "to it")
 
     def _line(self, i):
         stop = self.starts[i + 1] - 2 if i + 1 < len(self.starts) else self.end

@@ -225,6 +225,34 @@ def test_a_proxy_failure_logs_the_records_up_to_the_engine_checkpoint(exp, cpu_b
     assert "proxy failed: RuntimeError: a bug in a handler" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("how", ["replaced", "removed"])
+def test_a_loss_log_replaced_while_running_is_a_proxy_failure(exp, cpu_binary, how):
+    """An editor saving the log (a copy renamed over it), or its removal, while the run writes it:
+    the proxy went on appending to the file no name leads to any more, and the run ended "stopped",
+    exit 0, with every later step missing from the log for good. Now the next append finds it out:
+    the engine is killed before a checkpoint gets past the log, with one error line."""
+    cfg = exp.config(steps=10**6, checkpoint={"every": 50})
+    p = Proxy.start(cfg, exp.run_dir, cpu_binary, "--no-server")
+    p.wait_state(lambda s: (s.get("checkpoint_step") or 0) >= 50)
+    log = exp.path(".loss.json")
+    if how == "replaced":
+        shutil.copy(log, exp.root / "copy.json")
+        os.replace(exp.root / "copy.json", log)
+    else:
+        log.unlink()
+    rc = p.wait(60)
+    assert rc == 1 and len(error_lines(p)) == 1, p.describe()
+    assert f"{log} was {how}" in error_lines(p)[0] and "killed without a checkpoint" in error_lines(p)[0]
+    st = exp.state()
+    assert st["status"] == "crashed" and f"was {how}" in st["message"]
+    if how == "replaced":  # the same command resumes where the copy ends: no step is missing
+        p = Proxy.start(cfg, exp.run_dir, cpu_binary, "--no-server")
+        last = p.wait_state(lambda s: s.get("status") == "running" and s.get("seg") == 2)["step"]
+        p.wait_state(lambda s: s.get("step", 0) > last + 50)
+        assert p.stop() == 0, p.describe()
+        assert_no_train_step_missing(exp.loss())
+
+
 # ---------------------------------------------------------------------------------------------------
 # run files of the wrong type, hostile configs: one message each, never a traceback
 
