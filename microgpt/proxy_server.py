@@ -53,11 +53,11 @@ from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 from microgpt.atomic import open_new
 from microgpt.cli import say
+from microgpt.run_dir import TOKEN_FILE
 from microgpt.run_view import RunDirectory, open_inside
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DASHBOARD = os.path.join(os.path.dirname(HERE), "scripts", "live-loss-dashboard.html")
-TOKEN_FILE = "dashboard.token"
 CHUNK = 20000  # records per /api/records answer at most
 STREAM_CHUNK = 5000  # records per stream message: catches up fast, bounds each stream's buffer
 POLL_SECONDS = 0.2

@@ -19,6 +19,7 @@ from microgpt.files import DuplicateKeyError, file_kind, open_lock_file, open_re
 from microgpt.loss_log import parse_json
 
 STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
+TOKEN_FILE = "dashboard.token"  # the dashboard's token, kept in the directory served (proxy_server.load_token)
 
 
 class RunBusyError(RuntimeError):
@@ -62,6 +63,7 @@ class RunFiles:
         self.samples = base + ".samples.json"
         self.state = base + ".state.json"
         self.lock = base + ".lock"
+        self.token = os.path.join(self.dir, TOKEN_FILE)
 
     @classmethod
     def named_after(cls, run_dir):
@@ -94,8 +96,9 @@ class RunFiles:
         return os.path.join(self.dir, "archive", f"step_{step}")
 
     def existing(self):
-        """Which of the run directory and its files exist now."""
-        return {p for p in (self.dir, self.ckpt, self.loss, self.samples, self.state, self.lock)
+        """Which of the run directory and its files exist now (the dashboard's token too: a launch
+        the engine refuses must not leave one made for it behind)."""
+        return {p for p in (self.dir, self.ckpt, self.loss, self.samples, self.state, self.lock, self.token)
                 if os.path.lexists(p)}
 
     def remove_all_but(self, existed):

@@ -464,6 +464,18 @@ def test_a_refused_relaunch_leaves_the_run_as_it_was(exp, cpu_binary):
     assert contents() == before
 
 
+def test_a_refused_relaunch_leaves_no_dashboard_token_behind(exp, cpu_binary):
+    """A run trained without the dashboard, relaunched with it and a config the engine refuses:
+    the token file the server made for that launch stayed in the run directory, which the proxy
+    said was "as it was"."""
+    p, rc = run_to_end(exp.config(steps=10), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    before = sorted(os.listdir(exp.run_dir))
+    p, rc = run_to_end(exp.config(steps=20, model={"n_head": 3}), exp.run_dir, cpu_binary)
+    assert rc == 2 and f"{exp.run_dir} is as it was" in "".join(p.out), p.describe()
+    assert sorted(os.listdir(exp.run_dir)) == before
+
+
 def test_resuming_with_a_changed_config_says_what_changed(exp, cpu_binary):
     p, rc = run_to_end(exp.config(steps=20), exp.run_dir, cpu_binary, "--no-server")
     assert rc == 0, p.describe()
