@@ -7,7 +7,7 @@ import sys
 import time
 
 from microgpt.config import config_changes, describe_changes
-from microgpt.run_dir import archive_samples_and_state, keep_checkpoint
+from microgpt.run_dir import archive_samples_and_state, keep_checkpoint, point_archived_state_at
 from microgpt.terminal import say
 
 
@@ -205,9 +205,12 @@ class EventHandler:
             rs.set_state(step=s)
             archive_samples_and_state(rs, dest)
             say(f"archived the pretraining samples and state in {dest}")
-        if not os.path.exists(os.path.join(dest, os.path.basename(run.files.ckpt))):
+        kept = os.path.join(dest, os.path.basename(run.files.ckpt))
+        if not os.path.exists(kept):
             self.polish_step = s
             say(f"polish phase starts at step {s}: the engine's checkpoint of this step will be kept")
+        else:  # kept by a launch whose proxy may have been killed before its state said so
+            point_archived_state_at(dest, kept, s, os.path.basename(run.files.state))
         rs.set_state(force=True, phase="polish", archive=os.path.relpath(dest, run.files.dir))
 
     def polish_logged(self, s):

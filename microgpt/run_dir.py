@@ -275,7 +275,15 @@ def keep_checkpoint(dest, ckpt, step, state_name):
             src.seek(0)
             with atomic_open(os.path.join(dest, os.path.basename(target))) as fout:
                 shutil.copyfileobj(src, fout)
-    kept = os.path.join(dest, os.path.basename(ckpt))
-    state_path = os.path.join(dest, state_name)
-    write_json_atomic(state_path, {**read_json(state_path, {}), "checkpoint": kept, "checkpoint_step": step})
+    point_archived_state_at(dest, os.path.join(dest, os.path.basename(ckpt)), step, state_name)
     return True
+
+
+def point_archived_state_at(dest, kept, step, state_name):
+    """The archive's state names its kept checkpoint (keep_checkpoint's last write; a polish replayed
+    after a proxy killed just before it does it then). Rewritten only where it names another."""
+    state_path = os.path.join(dest, state_name)
+    state = read_json(state_path, {})
+    state = state if isinstance(state, dict) else {}
+    if (state.get("checkpoint"), state.get("checkpoint_step")) != (kept, step):
+        write_json_atomic(state_path, {**state, "checkpoint": kept, "checkpoint_step": step})

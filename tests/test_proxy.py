@@ -18,7 +18,7 @@ from engine_util import build_shim
 from proxy_util import (NAME, PROXY, REPO, Proxy, ProxyFixtureDir, live_train, live_val,
                         proxy_env, run_to_end)
 
-from microgpt import config, engines, failure, loss_log, run_dir, run_view, supervisor
+from microgpt import config, engines, events, failure, loss_log, run_dir, run_view, supervisor
 from microgpt.checkpoint import checkpoint_step
 
 PROMPTS = ["A", "B"]  # GPT-2 ids 32 and 33: inside the tiny vocabulary
@@ -982,6 +982,27 @@ def test_polish_archives_pretraining(exp, cpu_binary, every):
     assert {r["phase"] for r in live_train(recs) if r["step"] > 30} == {"polish"}
     assert {r["phase"] for r in live_train(recs) if r["step"] <= 30} == {"pretrain"}
     assert not any(n.endswith(".loss.json") for n in os.listdir(arch))
+
+
+def test_a_replayed_polish_points_the_archived_state_at_the_kept_checkpoint(exp, cpu_binary):
+    """A proxy killed after it copied the boundary's checkpoint into the archive and before it
+    pointed the archived state at it left that state naming the live checkpoint (long moved on)
+    and an older step, for good: the resume that replays the boundary saw the kept checkpoint and
+    did nothing more."""
+    cfg = json.loads(exp.config(steps=40, polish={"start_step": 30, "train": str(exp.val)}).read_text())
+    run = supervisor.Run(cfg, engines.engine_flags(str(cpu_binary)), str(exp.root / "cfg.json"),
+                         str(exp.run_dir), str(cpu_binary), [])
+    dest = exp.run_dir / "archive" / "step_30"
+    dest.mkdir(parents=True)
+    for suffix, text in ((".ckpt", "the kept checkpoint"), (".ckpt.json", '{"step": 30}'), (".samples.json", "[]"),
+                         (".state.json", json.dumps({"step": 30, "checkpoint": str(exp.path(".ckpt")),
+                                                     "checkpoint_step": 28}))):
+        (dest / f"{NAME}{suffix}").write_text(text)
+    events.EventHandler(run).on_polish({"event": "polish", "step": 30})
+    archived = json.loads((dest / f"{NAME}.state.json").read_text())
+    assert archived["checkpoint"] == str(dest / f"{NAME}.ckpt") and archived["checkpoint_step"] == 30
+    assert archived["step"] == 30 and (dest / f"{NAME}.ckpt").read_text() == "the kept checkpoint"
+    run.log.close()
 
 
 @pytest.fixture(scope="session")
