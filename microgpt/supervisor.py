@@ -123,10 +123,14 @@ class Run:
         roll_back_checkpoint(ckpt)
 
     def discard_launch(self):
-        """The engine refused to start: remove what this launch created; returns what to say."""
+        """The engine refused to start: remove what this launch created; returns what to say. The
+        lock is let go only after that: a second proxy that took it in between would have its run
+        directory removed under it."""
         self.log.close()
-        self.lock.close()
-        return self.files.remove_all_but(self.existed)
+        try:
+            return self.files.remove_all_but(self.existed)
+        finally:
+            self.lock.close()
 
     def flush(self, force=False):
         self.buffer.flush(force)

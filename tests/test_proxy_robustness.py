@@ -506,3 +506,30 @@ def test_the_engine_starts_with_the_forwarded_signals_blocked(exp, cpu_binary, t
     blocked = int(seen.read_text().split()[1], 16)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         assert blocked & (1 << (sig - 1)), (sig, hex(blocked))
+
+
+def test_a_refused_launch_holds_the_run_lock_while_it_cleans_up(tmp_path):
+    """discard_launch let go of the run's lock, then removed what the launch had made (the whole
+    run directory where it was new): a second proxy that took the lock in between had its run
+    directory removed under it. The lock is now held until the clean-up is done."""
+    import fcntl
+    import types
+    from microgpt.run_dir import RunFiles, lock_run
+    from microgpt.supervisor import Run
+    files = RunFiles(tmp_path / "run", "r")
+    os.makedirs(files.dir)
+    held_during_cleanup = []
+
+    def remove_all_but(existed):
+        with open(files.lock) as other:  # a second proxy's try
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held_during_cleanup.append(False)
+            except BlockingIOError:
+                held_during_cleanup.append(True)
+        return "cleaned"
+
+    run = types.SimpleNamespace(files=types.SimpleNamespace(remove_all_but=remove_all_but), existed=set(),
+                                log=open(os.devnull), lock=lock_run(files.lock))
+    assert Run.discard_launch(run) == "cleaned" and held_during_cleanup == [True]
+    assert run.lock.closed
