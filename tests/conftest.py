@@ -210,6 +210,13 @@ def tiny_tmpfs(tmp_path):
 
 
 @pytest.fixture
+def three_checkpoint_tmpfs(tmp_path):
+    """A 1000 KiB file system: room for three checkpoints of the test model with their sidecars
+    (the two slots and a save's temporary files), and no more."""
+    yield from mounted_tmpfs(tmp_path, "size=1000k")
+
+
+@pytest.fixture
 def readonly_tmpfs(tmp_path):
     """A file system mounted read-only: every write fails with EROFS, also for root."""
     yield from mounted_tmpfs(tmp_path, "ro,size=64k")

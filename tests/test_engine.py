@@ -281,6 +281,24 @@ def test_a_checkpoint_directory_without_room_for_one_is_refused_up_front(engine,
     assert res.steps == [] and os.listdir(tiny_tmpfs) == [], res.describe()
 
 
+def test_a_run_that_fits_its_disk_resumes_on_it(engine, random_shards, three_checkpoint_tmpfs):
+    """The up-front check asked for a whole CKPT_SIDECAR_MAX (64 KiB) of room for the sidecar, whatever
+    the model, where the test model's takes one block: a run that had saved both slots on this disk,
+    and whose next save fits, was refused at its resume."""
+    ckpt = three_checkpoint_tmpfs / "run.ckpt"
+    settings = {**CONSTANT_LR, "checkpoint.every": 2}
+    ref = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, train_steps=6,
+                                               checkpoint=three_checkpoint_tmpfs / "ref.ckpt"))
+    assert [c["step"] for c in ref.events("checkpoint")] == [2, 4, 6], ref.describe()
+    for name in os.listdir(three_checkpoint_tmpfs):
+        os.unlink(three_checkpoint_tmpfs / name)
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, train_steps=4, checkpoint=ckpt))
+    again = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, train_steps=6, checkpoint=ckpt,
+                                               resume=True))
+    assert [c["step"] for c in again.events("checkpoint")] == [6], again.describe()
+    assert read_checkpoint(ckpt).step == 6 and read_checkpoint(f"{ckpt}.prev").step == 4
+
+
 def test_temporary_files_of_a_killed_writer_are_removed(engine, random_shards, tmp_path):
     """A writer killed mid-checkpoint leaves PATH.tmpPID behind; the next save removes it (its
     process is gone) and leaves a live process's temporary file alone."""

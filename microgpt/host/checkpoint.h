@@ -354,11 +354,13 @@ static void ckpt_write(const char* path, int step, const float* params, const fl
  * file with the longest name a save makes (the previous sidecar's temporary file, its pid at the
  * widest Linux gives) is made and removed, so a name too long for the file system is found too;
  * the free space must hold one more checkpoint and its sidecar (the previous slot is a hard link,
- * no copy). Space taken later by others is still the save's error. */
-static void ckpt_check_writable(const char* path, const char* dir, size_t n_params) {
+ * no copy), each in whole blocks, the sidecar at the longest this model's can be: asking for the
+ * writer's whole buffer (CKPT_SIDECAR_MAX) refused the resume of a run whose next save fitted.
+ * Space taken later by others is still the save's error. */
+static void ckpt_check_writable(const char* path, const char* dir, size_t n_params, size_t n_layer) {
     char probe[CFG_PATH_MAX + 48];
     struct statvfs fs;
-    unsigned long long free_bytes, need = ckpt_expected_bytes(n_params) + CKPT_SIDECAR_MAX;
+    unsigned long long free_bytes, need, block, side = sidecar_longest(n_layer);
     int fd;
     snprintf(probe, sizeof probe, "%s.prev.json.tmp%07d", path, (int)getpid());
     if ((fd = open(probe, O_WRONLY | O_CREAT | O_EXCL, 0644)) < 0 && errno == ENAMETOOLONG)
@@ -369,7 +371,11 @@ static void ckpt_check_writable(const char* path, const char* dir, size_t n_para
                   strerror(errno));
     close(fd);
     unlink(probe);
-    if (statvfs(dir, &fs) == 0 && (free_bytes = (unsigned long long)fs.f_bavail * fs.f_frsize) < need)
+    if (side > CKPT_SIDECAR_MAX) side = CKPT_SIDECAR_MAX;
+    if (statvfs(dir, &fs) != 0) return;
+    block = fs.f_frsize ? fs.f_frsize : 1;
+    need = ((ckpt_expected_bytes(n_params) + block - 1) / block + (side + block - 1) / block) * block;
+    if ((free_bytes = (unsigned long long)fs.f_bavail * fs.f_frsize) < need)
         die_input("checkpoint directory %s has %llu bytes free; a checkpoint of this model needs %llu", dir,
                   free_bytes, need);
 }
@@ -377,7 +383,7 @@ static void ckpt_check_writable(const char* path, const char* dir, size_t n_para
 /* Refuses, before anything is done, checkpoint files that are not plain files (a directory; a FIFO,
  * on which every open would block; a device) or that lie in a directory that does not exist or
  * cannot take a checkpoint, and, for a fresh run (`fresh`), an existing checkpoint in either slot. */
-static void ckpt_check_paths(const char* path, int fresh, size_t n_params) {
+static void ckpt_check_paths(const char* path, int fresh, size_t n_params, size_t n_layer) {
     CkptFiles f;
     const char* names[4];
     char dir[CFG_PATH_MAX];
@@ -390,7 +396,7 @@ static void ckpt_check_paths(const char* path, int fresh, size_t n_params) {
             die_input("checkpoint %s is %s, not a regular file", names[i], file_kind(st.st_mode));
     parent_dir(path, dir, sizeof dir);
     if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) die_input("checkpoint directory %s does not exist", dir);
-    ckpt_check_writable(path, dir, n_params);
+    ckpt_check_writable(path, dir, n_params, n_layer);
     if (fresh && file_exists(f.ckpt))
         die_input("checkpoint %s already exists; pass --resume to continue that run, or remove it to start over", path);
     if (fresh && file_exists(f.prev)) /* the newest slot is gone: --resume alone would find nothing */

@@ -281,7 +281,9 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     if (c->polish.enabled) dataset_open(&r->polish, c->polish.train, "polish.train", V, T);
     r->start_step = 0;
     r->saved_step = -1;
-    if (c->checkpoint.path[0]) ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0], r->layout.n_params);
+    if (c->checkpoint.path[0])
+        ckpt_check_paths(c->checkpoint.path, !c->resume && !c->dump_grads[0], r->layout.n_params,
+                         (size_t)c->model.n_layer);
     if (c->dump_grads[0]) dump_grads_check_path(r, c->dump_grads);
     if (c->resume) {
         if (run_locks_checkpoint(c)) ckpt_lock_existing(c->checkpoint.path); /* before the read */
