@@ -1085,6 +1085,29 @@ def test_a_crash_at_any_rename_leaves_a_whole_checkpoint(engine, random_shards, 
     assert ckpt.read_bytes() == ref_ckpt.read_bytes()
 
 
+def test_a_resume_after_a_crash_between_the_slots_renames_leaves_no_temporary_file(engine, random_shards, tmp_path,
+                                                                                     kill_at_rename):
+    """Killed after the previous slot took the step-2 pair (rename 4) and before the new pair's
+    renames, a run leaves PATH.prev a second name of PATH. The resumed run's save then renamed its
+    PATH.prev.tmpPID link over PATH.prev, the same file, which rename(2) leaves in place: the
+    temporary names stayed behind for good after a run that saved once."""
+    settings = {**CONSTANT_LR, "train.steps": 6, "checkpoint.every": 2}
+    ckpt = tmp_path / "run.ckpt"
+    crashed = eu.run_engine(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt),
+                            env={"LD_PRELOAD": str(kill_at_rename), "KILL_AT_RENAME": "5"})
+    assert crashed.rc == -signal.SIGKILL, crashed.describe()
+    assert os.path.samefile(ckpt, f"{ckpt}.prev")
+    for name in os.listdir(tmp_path):  # the killed writer's own temporary files: not this test's point
+        if ".tmp" in name:
+            os.unlink(tmp_path / name)
+    again = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{**settings, "train.steps": 4}, checkpoint=ckpt,
+                                               resume=True))
+    assert [c["step"] for c in again.events("checkpoint")] == [4], again.describe()
+    assert sorted(os.listdir(tmp_path)) == ["run.ckpt", "run.ckpt.json", "run.ckpt.lock", "run.ckpt.prev",
+                                            "run.ckpt.prev.json"]
+    assert read_checkpoint(ckpt).step == 4 and read_checkpoint(f"{ckpt}.prev").step == 2
+
+
 def _crafted_state(path, where, value):
     """Put `value` into every one of the checkpoint's weights ("params") or Adam's m ("m") and reseal
     it: an intact file holding a state that cannot train on."""

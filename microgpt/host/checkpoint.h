@@ -256,6 +256,10 @@ static int second_name(const char* from, const char* to) {
         errno = e;
         return -1;
     }
+    /* Where `to` was a name of `from` already (a writer killed between the renames of the two slots
+     * leaves PATH.prev a second name of PATH), rename(2) does nothing and succeeds, leaving the
+     * temporary name in place: it goes too. */
+    unlink(tmp);
     return 0;
 }
 
