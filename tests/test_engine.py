@@ -1085,6 +1085,36 @@ def test_a_crash_at_any_rename_leaves_a_whole_checkpoint(engine, random_shards, 
     assert ckpt.read_bytes() == ref_ckpt.read_bytes()
 
 
+@pytest.fixture(scope="session")
+def fail_rename(tmp_path_factory):
+    return eu.build_shim(tmp_path_factory, "fail_rename")
+
+
+@pytest.mark.parametrize("fail_at", [2, 6], ids=["first_write", "second_write"])
+def test_a_checkpoint_that_cannot_take_its_name_leaves_the_newest_slot_as_it_was(engine, random_shards, tmp_path,
+                                                                                  fail_rename, fail_at):
+    """The last rename of a write (the checkpoint's, after its sidecar's) failing with ENOSPC left the
+    new sidecar beside the old checkpoint: the newest slot was refused at the next resume, with only
+    the way back to the previous slot. The old sidecar now takes its name back (at the first write,
+    the new one goes): the slot resumes as it was, exactly."""
+    settings = {**CONSTANT_LR, "train.steps": 6, "checkpoint.every": 2}
+    ckpt, ref_ckpt = tmp_path / "run" / "run.ckpt", tmp_path / "ref.ckpt"
+    ckpt.parent.mkdir()
+    ref = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ref_ckpt))
+    failed = eu.run_engine(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt),
+                           env={"LD_PRELOAD": str(fail_rename), "FAIL_RENAME": str(fail_at)})
+    assert failed.rc == 1 and len(failed.errors) == 1, failed.describe()
+    assert "left as it was" in failed.errors[0], failed.describe()
+    kept = sorted(n for n in os.listdir(ckpt.parent) if n != "run.ckpt.lock")
+    assert kept == ([] if fail_at == 2 else ["run.ckpt", "run.ckpt.json", "run.ckpt.prev", "run.ckpt.prev.json"])
+    again = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt,
+                                               resume=ckpt.exists()))
+    assert again.events("start")[0]["step"] == (0 if fail_at == 2 else 2), again.describe()
+    expected = eu.exact_records(ref)
+    assert all(expected[key] == text for key, text in eu.exact_records(again).items())
+    assert ckpt.read_bytes() == ref_ckpt.read_bytes()
+
+
 def test_a_resume_after_a_crash_between_the_slots_renames_leaves_no_temporary_file(engine, random_shards, tmp_path,
                                                                                      kill_at_rename):
     """Killed after the previous slot took the step-2 pair (rename 4) and before the new pair's

@@ -305,7 +305,7 @@ static void ckpt_write(const char* path, int step, const float* params, const fl
     const void* parts[4];
     size_t bytes[4];
     uint32_t crc;
-    int e, i;
+    int e, i, had_ckpt;
     CkptFiles f;
     ckpt_files(path, &f);
     snprintf(tmp, sizeof tmp, "%s.tmp%d", path, (int)getpid());
@@ -327,6 +327,7 @@ static void ckpt_write(const char* path, int step, const float* params, const fl
         die_io("writing checkpoint sidecar %s failed (%s); the previous checkpoint, if any, is untouched", f.side,
                strerror(e));
     }
+    had_ckpt = file_exists(f.ckpt);
     if (ckpt_keep_previous(&f) != 0) {
         e = errno;
         unlink(tmp);
@@ -343,9 +344,17 @@ static void ckpt_write(const char* path, int step, const float* params, const fl
         die_io("renaming %s to %s failed: %s", side_tmp, f.side, strerror(e));
     }
     if (rename(tmp, path) != 0) {
+        /* The new sidecar is in place beside the old checkpoint, a pair a resume refuses. The old
+         * sidecar, which PATH.prev.json names too now, takes its name back (where the slot had no
+         * sidecar, or no checkpoint, the new one goes), so the newest slot is left as it was. */
+        int restored;
         e = errno;
+        restored = had_ckpt && file_exists(f.prev_side) ? second_name(f.prev_side, f.side) == 0 : unlink(f.side) == 0;
         unlink(tmp);
-        die_io("renaming %s to %s failed: %s", tmp, path, strerror(e));
+        if (restored) fsync_parent_dir(path);
+        die_io("renaming %s to %s failed: %s; %s", tmp, path, strerror(e),
+               restored ? "the newest checkpoint slot is left as it was"
+                        : "the newest checkpoint slot is left with the new sidecar beside the old checkpoint");
     }
     fsync_parent_dir(path);
 }
