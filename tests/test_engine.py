@@ -1249,6 +1249,34 @@ def test_special_files_are_refused_up_front(engine, random_shards, tmp_path, fif
     assert res.steps == [] and not res.events("memory"), res.describe()
 
 
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+@pytest.mark.parametrize("kind", ["link", "dir", "fifo"])
+def test_a_checkpoint_lock_that_is_no_regular_file_is_refused_up_front(engine, random_shards, tmp_path, kind, resume):
+    """PATH.lock as a symbolic link (even to a regular file) or a directory failed the lock's open
+    after start-up as an I/O error (exit 1, "Too many levels of symbolic links"); a FIFO was taken
+    as the lock. Like the checkpoint's other files it is now bad input, one line at start."""
+    ckpt = tmp_path / "run.ckpt"
+    if resume:
+        eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2}, checkpoint=ckpt))
+        os.unlink(f"{ckpt}.lock")
+    lock = tmp_path / "run.ckpt.lock"
+    if kind == "link":
+        (tmp_path / "elsewhere").write_bytes(b"")
+        os.symlink(tmp_path / "elsewhere", lock)
+    elif kind == "dir":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path) if (tmp_path / name).is_file()
+              and not (tmp_path / name).is_symlink() and name.startswith("run.ckpt") and name != "run.ckpt.lock"}
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{"train.steps": 4}, checkpoint=ckpt,
+                                                 resume=resume), timeout=20)
+    assert res.rc == 2 and len(res.errors) == 1, res.describe()
+    assert res.errors[0].startswith(f"error: checkpoint lock {lock} is a "), res.errors
+    assert res.steps == [] and not res.events("memory"), res.describe()
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+
+
 def test_a_resume_on_a_checkpoint_in_use_is_refused_before_it_is_read(engine, random_shards, tmp_path):
     """The checkpoint of an engine that holds PATH.lock may be half replaced (between the renames of
     the checkpoint and its sidecar). A resume read it before taking the lock, called the pair

@@ -407,6 +407,10 @@ static void ckpt_check_paths(const char* path, int fresh, size_t n_params, size_
     for (i = 0; i < 4; i++)
         if (stat(names[i], &st) == 0 && !S_ISREG(st.st_mode))
             die_input("checkpoint %s is %s, not a regular file", names[i], file_kind(st.st_mode));
+    /* The lock is opened without following a link (ckpt_lock): a link or a directory there failed
+     * that open after start-up, as an I/O error, and a FIFO was taken as the lock. */
+    if (lstat(f.lock, &st) == 0 && !S_ISREG(st.st_mode))
+        die_input("checkpoint lock %s is %s, not a regular file", f.lock, file_kind(st.st_mode));
     parent_dir(path, dir, sizeof dir);
     if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) die_input("checkpoint directory %s does not exist", dir);
     ckpt_check_writable(path, dir, n_params, n_layer);

@@ -18,7 +18,11 @@ static int file_exists(const char* path) {
 
 /* What a file that is not a regular file is, for error messages. */
 static const char* file_kind(mode_t mode) {
-    return S_ISDIR(mode) ? "a directory" : S_ISFIFO(mode) ? "a FIFO" : S_ISSOCK(mode) ? "a socket" : "a device";
+    return S_ISDIR(mode)    ? "a directory"
+           : S_ISFIFO(mode) ? "a FIFO"
+           : S_ISSOCK(mode) ? "a socket"
+           : S_ISLNK(mode)  ? "a symbolic link" /* lstat's: the checkpoint's lock, never followed */
+                            : "a device";
 }
 
 /* Opens an existing file for reading without ever blocking: O_NONBLOCK makes opening a FIFO return
