@@ -335,8 +335,11 @@ def _events(run, cursor, sock):
     last_sent = time.monotonic()
     while True:
         out = []
-        if cursor < len(run.log):
-            msg, cursor = _records_message(run.log, cursor, STREAM_CHUNK)
+        total = len(run.log)
+        if cursor != total:
+            # past the end: the log was replaced by a shorter one (moved away and started anew), so
+            # it is sent from its first record, a page the client sees start before its cursor
+            msg, cursor = _records_message(run.log, cursor if cursor < total else 0, STREAM_CHUNK)
             out.append(b"id: %d\nevent: records\ndata: " % cursor + msg + b"\n\n")
         if run.state_version != seen_state:
             seen_state = run.state_version

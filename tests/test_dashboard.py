@@ -21,6 +21,7 @@ from proxy_util import ARTIFACTS, REPO, Proxy, ProxyFixtureDir
 from test_proxy_server import make_run
 
 from microgpt import proxy_server
+from microgpt.loss_log import LossLog
 
 DASHBOARD = REPO / "scripts" / "live-loss-dashboard.html"
 TRAIN_COLOR = (0x1F, 0x6F, 0xEB)  # the first run's colour in the dashboard
@@ -350,6 +351,33 @@ def test_more_runs_than_a_browser_opens_connections_all_load(browser, tmp_path, 
     logs[int(polled[-1][3:])].append([{"step": 100, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 6400,
                                        "elapsed": 1.0, "tokens_per_s": 6400.0}])
     wait_js(browser, f"dash.runs.find(r => r.label === '{polled[-1]}').train.n === {11 + int(polled[-1][3:])}")
+    assert not errors_shown(browser)
+
+
+def test_a_log_replaced_under_the_page_is_shown_from_its_start(browser, tmp_path, serve_dir):
+    """A log moved away and started anew (docs/PROXY.md's way out of a damaged one) under an open
+    page: its first records were never shown, and those past the old log's length were drawn as if
+    they continued it, with no word of it. Now the page drops what it had and shows the new log,
+    streamed (the first runs) or polled (the rest) alike, and follows it on."""
+    runs = tmp_path / "runs"
+    for i in range(5):
+        make_run(runs, f"run{i}", 300)
+    server = serve_dir(runs)
+    browser.get(f"{server.url}?token={server.token}")
+    wait_js(browser, "dash.runs.length === 5 && dash.runs.every(r => r.train.n === 300)")
+    assert browser.execute_script("return dash.runs.map(r => r.streamed)") == [True] * 4 + [False]
+    new_logs = []
+    for name in ("run0", "run4"):
+        path = runs / name / f"{name}.loss.json"
+        os.rename(path, f"{path}.old")
+        new_logs.append(LossLog(str(path)))
+        new_logs[-1].append([{"step": i, "loss": 9.0, "tokens": i, "elapsed": i} for i in range(1, 11)])
+    steps = "Array.from(r.train.c.step.subarray(0, r.train.n))"
+    shown = f"[0, 4].map(k => {{ const r = dash.runs[k]; return {steps}; }})"
+    wait_js(browser, f"JSON.stringify({shown}) === JSON.stringify([[1,2,3,4,5,6,7,8,9,10], [1,2,3,4,5,6,7,8,9,10]])")
+    for log in new_logs:
+        log.append([{"step": i, "loss": 8.0, "tokens": i, "elapsed": i} for i in range(11, 321)])
+    wait_js(browser, f"{shown}.every(s => s.length === 320 && s.every((step, i) => step === i + 1))")
     assert not errors_shown(browser)
 
 

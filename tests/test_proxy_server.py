@@ -209,6 +209,40 @@ def test_the_served_directory_follows_runs_on_disk(served_dir):
                          timeout=10).status_code == 405
 
 
+def first_stream_records(server, query, headers=None):
+    """The first `records` message of a live stream: (event id, message)."""
+    with requests.get(server.url + "api/stream?" + query, headers={"X-Run-Token": server.token, **(headers or {})},
+                      stream=True, timeout=10) as r:
+        event = {}
+        for line in r.iter_lines():
+            if not line and event.get("event") == "records":
+                return int(event["id"]), json.loads(event["data"])
+            if line:
+                key, _, value = line.decode().partition(": ")
+                event[key] = value
+            else:
+                event = {}
+
+
+def test_a_stream_past_the_end_of_a_replaced_log_starts_it_over(served_dir):
+    """A log moved away and started anew (PROXY.md's way out of a damaged one) holds fewer records
+    than a page following it has seen: a reconnecting stream, from its last event id, sent nothing
+    until the new log grew past that index, then its records from there on, as if they continued
+    the old log. It sends the new log from its first record instead."""
+    server, root = served_dir
+    path = root / "alpha" / "alpha.loss.json"
+    os.rename(path, str(path) + ".old")
+    LossLog(str(path)).append([{"step": i, "loss": 9.0} for i in range(1, 11)])
+    time.sleep(run_view.REFRESH_SECONDS + 0.05)
+    for query, headers in (("run=alpha/alpha&from=300", None), ("run=alpha/alpha", {"Last-Event-ID": "300"})):
+        event_id, msg = first_stream_records(server, query, headers)
+        assert (event_id, msg["next"], msg["total"]) == (10, 10, 10)
+        assert [r["step"] for r in msg["records"]] == list(range(1, 11))
+    path.write_bytes(b"[\n]")  # no record at all: an empty page, from the start
+    time.sleep(run_view.REFRESH_SECONDS + 0.05)
+    assert first_stream_records(server, "run=alpha/alpha&from=10") == (0, {"next": 0, "total": 0, "records": []})
+
+
 def test_a_state_file_of_the_wrong_type_is_served_as_empty(served_dir):
     server, root = served_dir
     (root / "alpha" / "alpha.state.json").write_text("null")
