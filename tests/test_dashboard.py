@@ -279,6 +279,48 @@ def test_a_hostile_run_directory_is_shown_as_text(browser, tmp_path, serve_dir):
 # Several runs
 
 
+def test_a_bidi_override_from_a_run_reverses_nothing_after_it(browser):
+    """A right-to-left override (U+202E) left open in a run's name, a sample's prompt or a state's
+    value ran on to the end of the element holding it: the sample the model wrote showed reversed
+    after its prompt, "step 100" as "001 pets" after the run's name, a pid after the launch. A run's
+    text inside other text is isolated now: its controls end with it."""
+    browser.get(DASHBOARD.as_uri())
+    rlo = "\u202e"
+    order = browser.execute_script("""
+        const rlo = arguments[0];
+        dash.runs.length = 0;
+        for (let k = 0; k < 2; k++) {
+          const r = dash.synthetic(100);
+          r.state = {name: 'evil' + rlo, status: 'running', seg: 'seg' + rlo, pid: 4321};
+          r.samples = [{step: 100, prompt: 'P' + rlo, text: 'abc'}];
+        }
+        // left to right on screen, a string's first character before its last: its order not reversed
+        const inOrder = (node, word) => {
+          const walk = document.createTreeWalker(node, NodeFilter.SHOW_TEXT);
+          for (let t; (t = walk.nextNode());) {
+            const i = t.data.indexOf(word);
+            if (i < 0) continue;
+            const x = (j) => { const g = document.createRange(); g.setStart(t, j); g.setEnd(t, j + 1); return g.getBoundingClientRect().left; };
+            return x(i) < x(i + word.length - 1);
+          }
+          return null;
+        };
+        const out = {};
+        dash.draw();
+        out.heading = inOrder(document.querySelector('#sampleList .muted'), 'step');
+        out.sample = inOrder(document.querySelector('#sampleList .sample'), 'abc');
+        dash.runs.length = 1; dash.draw();
+        out.pid = inOrder(document.getElementById('stats'), '4321');
+        dash.runs[0].connection = 'disconnected'; dash.runs[0].base = 'x'; dash.runs[0].diagnose();
+        return out;""", rlo)
+    assert order == {"heading": True, "sample": True, "pid": True}, order
+    wait_js(browser, "document.querySelectorAll('#errors .error').length === 1")
+    assert browser.execute_script("""
+        const b = document.querySelector('#errors .error b'), t = b.firstChild, i = t.data.indexOf('retrying');
+        const x = (j) => { const g = document.createRange(); g.setStart(t, j); g.setEnd(t, j + 1); return g.getBoundingClientRect().left; };
+        return x(i) < x(i + 7);""")
+
+
 def test_a_long_line_from_a_run_never_widens_the_charts(browser):
     """A crashed run's message in the table of runs (its cells did not wrap), a sample without
     spaces (an early model repeating "!") or a long path in the config was the minimum width of the
