@@ -568,6 +568,21 @@ def test_a_static_mixture_shows_the_shares_it_drew(browser):
     assert 2.5 < area[1] / area[0] < 3.5 and area[2] == 0, area
 
 
+def test_a_record_naming_thousands_of_sources_does_not_take_the_tab_down(browser):
+    """Every source is a column of three growable arrays: a start record naming 200 000 (a 1.6 MB
+    line in a served log) asked for gigabytes and took the tab down, 20 000 took seconds. A run has
+    at most 32 sources (docs/FIREHOSE-BANDIT.md); the page keeps no more."""
+    browser.get(DASHBOARD.as_uri())
+    kept, ms = browser.execute_script("""
+        const r = dash.synthetic(100), t0 = performance.now();
+        r.feed([{event: 'resume', step: 50, tokens: 1, elapsed: 1, sources: Array.from({length: 200000}, (_, i) => 's' + i)},
+                {step: 51, tokens: 2, elapsed: 2, loss: 3, arm: [0, 31, 40000]}]);
+        dash.draw();
+        return [r.sources.length, performance.now() - t0];""")
+    assert kept == 32 and ms < 2000, (kept, ms)
+    assert browser.execute_script("return document.getElementById('mixture').hidden") is False
+
+
 def test_no_mixture_charts_without_sources(browser):
     browser.get(DASHBOARD.as_uri())
     assert browser.execute_script("dash.synthetic(100); dash.draw(); return document.getElementById('mixture').hidden")
