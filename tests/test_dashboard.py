@@ -691,6 +691,22 @@ def test_dashboard_resume_supersedes_and_smoothing_is_debiased(browser):
     assert all(abs(v - 3.0) < 1e-12 for v in smoothed), smoothed
 
 
+def test_a_resume_record_without_a_step_supersedes_nothing(browser):
+    """A resume record supersedes the records beyond its step; one whose step is no number (null,
+    a string: a log under --serve that no proxy checked) compared false, or as 0, with every step,
+    and took every record before it off every chart: the page showed an empty run."""
+    browser.get(DASHBOARD.as_uri())
+    live = browser.execute_script("""
+        const rec = (s) => ({step: s, loss: 3.0, tokens: s, elapsed: s, live: 1});
+        return [null, 'x', {}, undefined].map((k) => {
+          const r = new Run('a', ['#000', '#000']);
+          r.feed([1, 2, 3, 4, 5].map(rec).concat([{event: 'resume', step: k, live: 1}, rec(6)]));
+          let n = 0; for (let i = 0; i < r.train.n; i++) n += r.train.c.live[i];
+          return n;
+        });""")
+    assert live == [6, 6, 6, 6], live
+
+
 # ---------------------------------------------------------------------------------------------------
 # CI never passes by not looking
 
