@@ -204,6 +204,27 @@ def test_a_refused_token_stays_on_screen(browser, tmp_path, serve_dir):
     assert "refuses this page's token" in shown
 
 
+def test_the_token_is_in_no_fetched_url(browser, tmp_path, serve_dir):
+    """A request that fails is written to the browser's console with its URL: the run list, looked
+    at every 5 s, printed the token there each time the server was away. Requests carry it in a
+    header; only the live stream (EventSource sets no header) has it in its URL."""
+    runs = tmp_path / "runs"
+    for i in range(5):  # the fifth polls
+        make_run(runs, f"run{i}", 10)
+    server = serve_dir(runs)
+    browser.get(f"{server.url}?token={server.token}")
+    wait_js(browser, "dash.runs.length === 5 && dash.runs.every(r => r.train.n === 10)")
+    browser.execute_script("""
+        window.fetched = []; const fetch0 = window.fetch;
+        window.fetch = (url, init) => { fetched.push(String(url)); return fetch0(url, init); };
+        dash.runs[0].diagnose();""")
+    wait_js(browser, "fetched.some(u => u.includes('api/runs')) && fetched.some(u => u.includes('api/records'))"
+                     " && fetched.some(u => u.includes('api/stream'))", timeout=15)
+    fetched = browser.execute_script("return fetched")
+    assert not [u for u in fetched if server.token in u], fetched
+    assert not errors_shown(browser)
+
+
 def test_a_failed_control_stays_on_screen(browser, tmp_path, cpu_binary):
     exp = ProxyFixtureDir(tmp_path)
     p = Proxy.start(exp.config(steps=10**6, checkpoint={"every": 0}), exp.run_dir, cpu_binary)
