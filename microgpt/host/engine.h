@@ -15,7 +15,7 @@ typedef struct {
 } UpdateResult;
 
 /* Identity for the "start" event: "cpu" / "cuda", and what the engine really computes in for the
- * configured precision (the CPU engine always answers "fp32"). */
+ * configured precision (the CPU engine answers "fp32", or "fp8" where it emulates the FP8 casts). */
 static const char* engine_name(void);
 static const char* engine_compute_precision(const Config* cfg);
 
