@@ -1,5 +1,5 @@
-"""The fixed cuBLASLt algorithm table (microgpt/cuda/lt_table.h, docs/DESIGN.md §9) from the output
-of bench/lt_algos.cu.
+"""The fixed cuBLASLt algorithm table of a GPU (microgpt/cuda/lt_table_sm90.h for the H200, read by
+lt_table.h; docs/DESIGN.md §9) from the output of bench/lt_algos.cu.
 
     python3 bench/lt_table.py lt.txt [-o microgpt/cuda/lt_table_sm90.h] [--min-gain-pct 3]
 

@@ -179,7 +179,7 @@ def write_json(path, doc):
 
 
 def main():
-    ap = ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON results (default $OUT)")
     ap.add_argument("--steps", type=int, default=6000, help="steps of every run (default 6000)")
     ap.add_argument("--eval-every", type=int, default=250, help="evaluate every N steps (default 250)")

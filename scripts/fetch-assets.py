@@ -425,7 +425,7 @@ ASSETS = {"tokenizer": fetch_tokenizer, "shakespeare": fetch_shakespeare, "chitc
 
 
 def main():
-    ap = ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=",".join(ASSETS),
                     help=f"comma-separated subset of: {', '.join(ASSETS)} (default: all)")
     ap.add_argument("--keep-going", action="store_true",
