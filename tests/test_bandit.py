@@ -471,6 +471,25 @@ def test_the_shipped_bandit_experiment(flags):
     assert "bandit" in cfg and "bandit" not in plain
 
 
+def test_the_shipped_bandit_experiment_names_only_val_shards_make_data_writes():
+    """prep-megachat.py leaves a source's own val set out when it holds fewer than
+    --min-shard-tokens tokens (docs/ANDREA.md's table gives each source's count), and the engine
+    refuses a data.sources.N.val glob that matches no shard: sympy-doc's 7,512 val tokens made
+    the shipped experiment fail at start on the default data."""
+    import importlib.util
+    import re
+    spec = importlib.util.spec_from_file_location("prep_megachat", eu.REPO / "scripts" / "prep-megachat.py")
+    prep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prep)
+    val_tokens = {m[1]: int(m[2].replace(",", "")) for m in
+                  re.finditer(r"^\| ([\w-]+) \|.*\| ([\d,]+) \|$", (eu.REPO / "docs" / "ANDREA.md").read_text(), re.M)}
+    cfg = json.loads((eu.REPO / "experiments" / "ANDREA-12M-BANDIT.json").read_text())
+    for s in cfg["data"]["sources"]:
+        assert s["name"] in val_tokens, s["name"]
+        written = val_tokens[s["name"]] >= prep.DEFAULT_MIN_SHARD_TOKENS
+        assert ("val" in s) == written, (s["name"], val_tokens[s["name"]])
+
+
 def test_passes_warning_per_source(tmp_path):
     """The proxy's warning about reading data more than MAX_PASSES times looks at each source, by
     the share of the steps its prior weight gives it."""
