@@ -66,8 +66,10 @@ class Terminal:
 
 
 def _columns():
+    """The terminal's width; 120 where it is unknown (no terminal, or a pseudo-terminal whose size
+    was never set, which reports 0 columns)."""
     try:
-        return os.get_terminal_size().columns
+        return os.get_terminal_size().columns or 120
     except OSError:
         return 120
 

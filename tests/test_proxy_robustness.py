@@ -445,6 +445,21 @@ def test_a_plain_progress_line_is_not_repeated_word_for_word():
     assert out.getvalue().splitlines() == ["[proxy] step 1/9", "[proxy] step 2/9", "[proxy] step 1/9"]
 
 
+def test_a_terminal_of_unknown_width_shows_the_whole_progress_line(monkeypatch):
+    """A pseudo-terminal whose size was never set (`script`, `docker run -t`, CI's tty) reports 0
+    columns: the line was cut to its first 20 characters ("step 39/300 13.0% | "), every figure
+    after the step lost."""
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr(terminal.os, "get_terminal_size", lambda *a: os.terminal_size((0, 0)))
+    out = Tty()
+    term = terminal.Terminal(out=out, err=io.StringIO())
+    line = "step 39/300 13.0% | loss 7.4570 | 0.3k tok/s | 1m06s | ETA 3m21s"
+    term.progress(line)
+    assert out.getvalue() == "\r" + line + "\033[K"
+
+
 def test_plain_progress_lines_then_a_summary(exp, cpu_binary):
     cfg = exp.config(steps=400, eval={"every": 50})
     p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server", "--progress-every", "0.2")
