@@ -189,7 +189,10 @@ def create_app(served, bind_host, token):
         return resp
 
     def the_run():
-        run = served.get(request.args.get("run"))
+        run_id = request.args.get("run")
+        run = served.get(run_id)
+        if run is None and run_id is None:  # several runs served (or none yet): say which is meant
+            abort(404, "name the run with ?run=ID (GET /api/runs lists the runs served)")
         if run is None:
             abort(404, "no such run")
         return run

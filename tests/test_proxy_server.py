@@ -73,6 +73,16 @@ def test_every_read_needs_the_token(served_dir):
     assert page.status_code == 200 and "<canvas" in page.text
 
 
+def test_a_read_without_run_among_several_says_to_name_one(served_dir):
+    """`run` may be left out when one run is served; with several, a read without it answered "no
+    such run", as if the runs were missing, not that one must be named."""
+    server, _ = served_dir
+    for path in ("api/state", "api/samples", "api/records"):
+        r = get(server, path)
+        assert r.status_code == 404 and "?run=" in r.json()["error"] and "api/runs" in r.json()["error"], path
+    assert get(server, "api/state?run=gamma/gamma").json()["error"] == "no such run"
+
+
 def test_no_wildcard_cors(served_dir):
     server, _ = served_dir
     # Another site's page is refused even with the token (one that leaked, say in a pasted URL).
