@@ -39,7 +39,7 @@ def resolve_checkpoint(path):
     ckpt, files = path, None
     if os.path.isdir(path):
         files = RunFiles.named_after(path)
-        ckpt = files.ckpt
+        ckpt = os.path.join(path, files.name + ".ckpt")  # as given (relative stays relative), as shown
     try:
         os.close(open_regular(ckpt))
         return ckpt

