@@ -120,7 +120,10 @@ def history_row(record):
         return next((r for r in finished if (r.get("model"), r.get("side"), r.get("precision"))
                      == (model, "engine", precision)), None)
 
-    row = [str(record.get("date", "-"))[:16], str(record.get("commit", "-")),
+    commit = str(record.get("commit", "-"))
+    if re.fullmatch(r"[0-9a-f]{40}", commit):  # ANDREA_COMMIT given in full: shown as git's short form
+        commit = commit[:7]
+    row = [str(record.get("date", "-"))[:16], commit,
            f"{record['matmul']['tflops']:.0f}" if (record.get("matmul") or {}).get("tflops") else "-"]
     for model in HISTORY_MODELS:
         torch = [r for r in finished if (r.get("model"), r.get("side"), r.get("precision")) == (model, "torch", "bf16")]

@@ -285,6 +285,16 @@ def test_a_damaged_results_file_is_refused(tmp_path):
             results.read_records(str(tmp_path / "r.jsonl"))
 
 
+def test_the_history_shows_a_full_commit_hash_abbreviated(tmp_path, capsys):
+    """Runs measured on a copied tree record ANDREA_COMMIT as given, two of them a full 40-digit
+    hash: their history rows stood out twice as wide as the others' 7-digit commits."""
+    full = "f52a90205dbdc9d9df93f2bd7e563014b3dd5d74"
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"kind": "train", "date": "2026-01-01T10:00:00Z", "commit": full, "runs": []}) + "\n")
+    assert results.main(["--file", str(path), "--history", "f52a902"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split(" | ")[1] == "f52a902"
+
+
 def test_the_history_is_one_line_per_training_run_from_the_prefix_on(tmp_path, capsys):
     def run(model, side, precision, ms, mode=None, mfu=None):
         return {"model": model, "side": side, "precision": precision, "mode": mode, "ms_per_step": ms, "mfu": mfu}
