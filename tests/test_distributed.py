@@ -334,6 +334,33 @@ def test_rank_0_names_a_connection_that_never_greets(cpu_binary, shards, tmp_pat
     assert "lost rank 0" not in err
 
 
+def test_a_rank_connecting_to_a_port_that_drops_it_keeps_the_timeout(cpu_binary, shards, tmp_path):
+    """MASTER_PORT held by a listener whose backlog is full (a stuck process, a firewall): the
+    kernel drops the rank's SYNs and a blocking connect() would wait out its retries (about two
+    minutes), past ANDREA_DIST_TIMEOUT_S and deaf to a stop signal."""
+    with socket.socket() as server, socket.socket() as filler:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)  # one queued connection fills it
+        port = server.getsockname()[1]
+        filler.connect(("127.0.0.1", port))
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        argv = [str(cpu_binary)] + args(shards, tmp_path / "d.ckpt", steps=1)
+        late = subprocess.Popen(argv, env={**env, "ANDREA_DIST_TIMEOUT_S": "2"}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        stopped = subprocess.Popen(argv, env={**env, "ANDREA_DIST_TIMEOUT_S": "300"}, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(0.5)  # connecting (a signal before that ends it the same way)
+            stopped.send_signal(signal.SIGTERM)
+            late_err = late.communicate(timeout=60)[1]
+            stopped_err = stopped.communicate(timeout=60)[1]
+        finally:
+            late.kill()
+            stopped.kill()
+    assert late.returncode == 1 and "error: rank 1: lost rank 0 (cannot connect to MASTER_ADDR" in late_err, late_err
+    assert stopped.returncode == 0 and "stopped by signal 15 before the first step" in stopped_err, stopped_err
+
+
 def test_ranks_started_with_other_flags_are_refused(cpu_binary, shards, tmp_path):
     """Rank 1 with another model: rank 0 would read its gradients as its own (a wrong step, then
     garbage read as signal flags) and write that checkpoint. Both refuse instead, writing nothing."""

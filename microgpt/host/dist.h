@@ -17,6 +17,7 @@
 #include "signals.h"
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -219,22 +220,48 @@ static int dist_accept_all(struct sockaddr_in a) {
     return n < g_dist.world - 1;
 }
 
+/* One attempt to connect fd to a, non-blocking: a blocking connect() waits out the kernel's SYN
+ * retries (about two minutes) where the port drops them (a listener whose backlog is full, a
+ * firewall), past ANDREA_DIST_TIMEOUT_S and deaf to a stop signal (SA_RESTART restarts it).
+ * Returns 0 once connected, 1 on a stop signal, -1 otherwise (refused, or the deadline passed). */
+static int dist_try_connect(int fd, const struct sockaddr_in* a, double deadline) {
+    int err = 0, flags = fcntl(fd, F_GETFL);
+    socklen_t len = sizeof err;
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) return -1;
+    if (connect(fd, (const struct sockaddr*)a, sizeof *a) == 0) return 0;
+    if (errno != EINPROGRESS && errno != EINTR) return -1;
+    for (;;) {
+        struct pollfd p;
+        double left = deadline - dist_now_s();
+        int rc;
+        if (g_stop_signal) return 1;
+        if (left <= 0) return -1;
+        p.fd = fd; p.events = POLLOUT; p.revents = 0;
+        rc = poll(&p, 1, left * 1000.0 > DIST_STOP_POLL_MS ? DIST_STOP_POLL_MS : (int)(left * 1000.0) + 1);
+        if (rc < 0 && errno != EINTR) return -1;
+        if (rc > 0) break;
+    }
+    if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) return -1;
+    return 0;
+}
+
 /* Rank r > 0: connect to rank 0, retrying until the timeout (rank 0 may start later). Returns 1
  * where a stop signal came first, else 0. */
 static int dist_connect(struct sockaddr_in a) {
     double deadline = dist_now_s() + g_dist.timeout_s;
     DistHello mine = dist_hello(), h;
     for (;;) {
-        int fd;
+        int fd, rc;
         if (g_stop_signal) return 1;
         fd = socket(AF_INET, SOCK_STREAM, 0);
         if (fd < 0) die_io("rank %d: socket: %s", g_dist.rank, strerror(errno));
-        if (connect(fd, (struct sockaddr*)&a, sizeof a) == 0) {
+        if ((rc = dist_try_connect(fd, &a, deadline)) == 0) {
             dist_set_socket_options(fd);
             g_dist.fds[0] = fd;
             break;
         }
         close(fd);
+        if (rc > 0) return 1;
         if (dist_now_s() > deadline) dist_lost(0, "cannot connect to MASTER_ADDR:MASTER_PORT");
         {
             struct timespec pause = {0, 50000000}; /* 50 ms between attempts */
