@@ -291,6 +291,40 @@ def test_a_stop_signal_just_before_rank_0_waits_is_not_missed(cpu_binary, shards
     assert parse_stdout(rank0.stdout)[1][-1] == {"event": "exit", "step": 0, "reason": "signal"}
 
 
+# fsync() that fails as a full disk does: the checkpoint's write fails after its bytes were taken
+FSYNC_ENOSPC_SHIM = r"""
+#include <errno.h>
+int fsync(int fd) {
+    (void)fd;
+    errno = ENOSPC;
+    return -1;
+}
+"""
+
+
+def test_a_failed_last_checkpoint_fails_every_rank(cpu_binary, shards, tmp_path):
+    """Rank 0's disk fills at the run's last checkpoint: rank 1 had sent its shards and, with no
+    step after it, ended with exit 0 as if the run had finished well."""
+    shim = tmp_path / "fsync_enospc.so"
+    (tmp_path / "fsync_enospc.c").write_text(FSYNC_ENOSPC_SHIM)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "fsync_enospc.c")], check=True)
+    port = str(free_port())
+    procs = [subprocess.Popen([str(cpu_binary)] + args(shards, tmp_path / "f.ckpt", steps=2), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": str(r),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ANDREA_DIST_TIMEOUT_S": "60",
+                                   **({"LD_PRELOAD": str(shim)} if r == 0 else {})})
+             for r in range(2)]
+    try:
+        errs = [p.communicate(timeout=60)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 1 and "error: writing checkpoint" in errs[0], errs[0]
+    assert procs[1].returncode == 1 and "error: rank 1: lost rank 0 (it exited" in errs[1], errs[1]
+    assert not (tmp_path / "f.ckpt").exists()
+
+
 def test_a_rank_refuses_a_master_that_is_not_rank_0(cpu_binary, shards, tmp_path):
     """Something else listening on MASTER_PORT (here a web server's answer): its bytes are no
     signal flags, the rank must not take them for a stop and exit 0."""

@@ -159,9 +159,14 @@ static void save_checkpoint(Run* r, int done, const char* reason) {
     const char* names[3] = {"weight", "AdamW m", "AdamW v"};
     size_t n = r->layout.n_params, bad, len;
     char what[96], bandit_json[MIXTURE_SIDECAR_MAX], extra[SIDECAR_EXTRA_MAX];
-    int k;
+    int k, written = 1;
     engine_get_state(r->params, r->m, r->v, &r->loss_scale); /* gathers the ranks' AdamW shards (§17) */
-    if (g_dist.rank != 0) return;                            /* rank 0 alone checks and writes */
+    if (g_dist.rank != 0) { /* rank 0 alone checks and writes */
+        /* and says it did: after the last step (or a stop) nothing else would tell the others
+         * that rank 0 failed here (a full disk, non-finite moments), and they would exit 0 */
+        dist_broadcast(&written, sizeof written);
+        return;
+    }
     parts[0] = r->params; parts[1] = r->m; parts[2] = r->v;
     for (k = 0; k < 3; k++)
         if ((bad = first_non_finite(parts[k], n)) < n) {
@@ -173,6 +178,7 @@ static void save_checkpoint(Run* r, int done, const char* reason) {
     len = (size_t)snprintf(extra, sizeof extra, "%s", bandit_json);
     fp8_history_sidecar_json(r->fp8_hist, r->n_fp8_hist, extra + len, sizeof extra - len);
     ckpt_write(r->cfg.checkpoint.path, done, r->params, r->m, r->v, n, r->loss_scale, &r->cfg, extra);
+    dist_broadcast(&written, sizeof written);
     r->saved_step = done;
     emit_checkpoint(done, r->cfg.checkpoint.path, reason);
 }
