@@ -395,6 +395,47 @@ def test_a_rank_connecting_to_a_port_that_drops_it_keeps_the_timeout(cpu_binary,
     assert stopped.returncode == 0 and "stopped by signal 15 before the first step" in stopped_err, stopped_err
 
 
+def test_a_stop_signal_ends_the_wait_for_a_greeting_that_never_comes(cpu_binary, shards, tmp_path):
+    """Something on the port that says nothing (a port scanner, another program): rank 0 waiting
+    for its greeting, or rank 1 for the listener's, still ends at once on a stop signal, as every
+    wait before the first step does, not ANDREA_DIST_TIMEOUT_S (300 s here) later."""
+    argv = [str(cpu_binary)] + args(shards, tmp_path / "s.ckpt", steps=1)
+    base = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "ANDREA_DIST_TIMEOUT_S": "300"}
+    port = free_port()
+    rank0 = subprocess.Popen(argv, env={**base, "RANK": "0", "MASTER_PORT": str(port)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        rank1 = subprocess.Popen(argv, env={**base, "RANK": "1", "MASTER_PORT": str(server.getsockname()[1])},
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    silent = socket.create_connection(("127.0.0.1", port))
+                    break
+                except ConnectionRefusedError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            conn, _ = server.accept()
+            with silent, conn:
+                for sock in (silent, conn):  # each engine has sent its greeting: it now waits for one
+                    got = b""
+                    while len(got) < 16:
+                        chunk = sock.recv(16 - len(got))
+                        assert chunk
+                        got += chunk
+                for p in (rank0, rank1):
+                    p.send_signal(signal.SIGTERM)
+                errs = [p.communicate(timeout=30)[1] for p in (rank0, rank1)]
+        finally:
+            rank0.kill()
+            rank1.kill()
+    assert [rank0.returncode, rank1.returncode] == [0, 0], errs
+    assert all("stopped by signal 15 before the first step" in e for e in errs), errs
+
+
 def test_ranks_started_with_other_flags_are_refused(cpu_binary, shards, tmp_path):
     """Rank 1 with another model: rank 0 would read its gradients as its own (a wrong step, then
     garbage read as signal flags) and write that checkpoint. Both refuse instead, writing nothing."""

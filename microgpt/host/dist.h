@@ -137,19 +137,23 @@ static void dist_send(int peer, const void* buf, size_t bytes) {
     }
 }
 
-static void dist_recv(int peer, void* buf, size_t bytes) {
+/* `stoppable` (dist_wait): returns 1 where a stop signal came before all of buf, else 0. */
+static int dist_recv_or_stop(int peer, void* buf, size_t bytes, int stoppable) {
     int fd = g_dist.fds[g_dist.rank == 0 ? peer : 0];
     char* p = (char*)buf;
     while (bytes > 0) {
         ssize_t k;
-        dist_wait(fd, POLLIN, peer, 0);
+        if (dist_wait(fd, POLLIN, peer, stoppable)) return 1;
         k = recv(fd, p, bytes, MSG_DONTWAIT);
         if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
         if (k <= 0) dist_lost(peer, "it exited");
         p += k;
         bytes -= (size_t)k;
     }
+    return 0;
 }
+
+static void dist_recv(int peer, void* buf, size_t bytes) { dist_recv_or_stop(peer, buf, bytes, 0); }
 
 static struct sockaddr_in dist_master_address(void) {
     const char* host = getenv("MASTER_ADDR");
@@ -204,7 +208,11 @@ static int dist_accept_all(struct sockaddr_in a) {
         dist_set_socket_options(fd);
         g_dist.fds[0] = fd; /* dist_send's and dist_recv's socket for peer 0 until the rank is known */
         dist_send(0, &mine, sizeof mine);
-        dist_recv(0, &h, sizeof h);
+        /* stoppable: a connection that never greets (not a rank) must not hold a stop signal */
+        if (dist_recv_or_stop(0, &h, sizeof h, 1)) {
+            close(fd);
+            break;
+        }
         if (h.magic != DIST_MAGIC || (int)h.world != g_dist.world || h.rank == 0 || (int)h.rank >= g_dist.world ||
             g_dist.fds[h.rank] >= 0)
             die_input("rank 0: a connection announced rank %u of world %u (expected a new rank of %d)", h.rank,
@@ -269,7 +277,7 @@ static int dist_connect(struct sockaddr_in a) {
         }
     }
     dist_send(0, &mine, sizeof mine);
-    dist_recv(0, &h, sizeof h);
+    if (dist_recv_or_stop(0, &h, sizeof h, 1)) return 1; /* a silent program on the port: as above */
     if (h.magic != DIST_MAGIC || h.rank != 0)
         die_input("rank %d: MASTER_ADDR:MASTER_PORT (port %d) answers, but is not rank 0 of a run (another program on "
                   "that port?)", g_dist.rank, ntohs(a.sin_port));
