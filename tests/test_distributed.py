@@ -395,6 +395,43 @@ def test_a_rank_connecting_to_a_port_that_drops_it_keeps_the_timeout(cpu_binary,
     assert stopped.returncode == 0 and "stopped by signal 15 before the first step" in stopped_err, stopped_err
 
 
+def test_rank_0_names_a_stranger_and_a_rank_that_connects_twice(cpu_binary, shards, tmp_path):
+    """Another program's bytes were reported as "rank 1414012975 of world 825184340", and a second
+    process with RANK=1 as "rank 1 of world 3 (expected a new rank of 3)"."""
+    argv = [str(cpu_binary)] + args(shards, tmp_path / "n.ckpt", steps=1)
+    base = {**os.environ, "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "ANDREA_DIST_TIMEOUT_S": "30"}
+    port = str(free_port())
+    procs = [subprocess.Popen(argv, env={**base, "RANK": r, "MASTER_PORT": port}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in ("0", "1")]
+    try:
+        assert "rank 1 of 3" in procs[1].stderr.readline()  # rank 1 is connected
+        procs.append(subprocess.Popen(argv, env={**base, "RANK": "1", "MASTER_PORT": port},
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        errs = [p.communicate(timeout=60)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 2 and "error: rank 0: rank 1 connected twice" in errs[0], errs[0]
+    port = free_port()
+    rank0 = subprocess.Popen(argv, env={**base, "RANK": "0", "MASTER_PORT": str(port)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                stranger = socket.create_connection(("127.0.0.1", port))
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        with stranger:
+            stranger.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            err = rank0.communicate(timeout=60)[1]
+    finally:
+        rank0.kill()
+    assert rank0.returncode == 2 and "error: rank 0: a connection to MASTER_PORT" in err and "not a rank" in err, err
+
+
 def test_a_stop_signal_ends_the_wait_for_a_greeting_that_never_comes(cpu_binary, shards, tmp_path):
     """Something on the port that says nothing (a port scanner, another program): rank 0 waiting
     for its greeting, or rank 1 for the listener's, still ends at once on a stop signal, as every

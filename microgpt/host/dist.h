@@ -213,10 +213,15 @@ static int dist_accept_all(struct sockaddr_in a) {
             close(fd);
             break;
         }
-        if (h.magic != DIST_MAGIC || (int)h.world != g_dist.world || h.rank == 0 || (int)h.rank >= g_dist.world ||
-            g_dist.fds[h.rank] >= 0)
+        /* the magic first: another program's bytes are no rank number to report */
+        if (h.magic != DIST_MAGIC)
+            die_input("rank 0: a connection to MASTER_PORT (port %d) is not a rank of a run (another program on that "
+                      "port?)", ntohs(a.sin_port));
+        if ((int)h.world != g_dist.world || h.rank == 0 || (int)h.rank >= g_dist.world)
             die_input("rank 0: a connection announced rank %u of world %u (expected a new rank of %d)", h.rank,
                       h.world, g_dist.world);
+        if (g_dist.fds[h.rank] >= 0)
+            die_input("rank 0: rank %u connected twice (two processes started with RANK=%u?)", h.rank, h.rank);
         if (h.argv_crc != mine.argv_crc)
             die_input("rank 0: rank %u was started with other flags than rank 0 (every rank needs the same command "
                       "line)", h.rank);
