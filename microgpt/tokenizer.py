@@ -254,9 +254,12 @@ def has_lone_surrogate(text):
 def main(argv):
     usage = ("usage: tokenizer.py encode TEXT | encode-chat TEXT | decode ID...\n"
              "decode shows control characters but newline and tab as \\xNN on a terminal; a pipe gets the text")
-    if len(argv) < 2 or argv[0] not in ("encode", "encode-chat", "decode"):
-        print(usage, file=sys.stderr)
-        return 2
+    if argv in (["-h"], ["--help"]):
+        print(usage)
+        return 0
+    if len(argv) < 2 or argv[0] not in ("encode", "encode-chat", "decode"):  # one error line, as the tools'
+        error(f"{usage.splitlines()[0]} (see --help)")
+        return USAGE_ERROR
     if no_stdout():  # file descriptor 1 closed: the answer would go nowhere, and exit 0 say it went well
         return USAGE_ERROR
     try:

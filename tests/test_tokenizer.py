@@ -198,3 +198,16 @@ def test_cli_output_that_goes_nowhere_is_an_error(assets, command):
     finally:
         os.close(write_end)
     assert res.returncode == 141 and res.stderr == "", res.stderr
+
+
+@pytest.mark.parametrize("args", [(), ("bogus", "x"), ("encode",), ("decode",)])
+def test_cli_a_bad_command_line_is_one_error_line_and_help_the_usage(args):
+    """A command line the tokenizer cannot use printed a two-line usage block with no `error:`,
+    and --help was that block on stderr, exit 2: the tools answer a bad command line with one
+    `error: ... (see --help)` line, exit 2, and --help with the usage on stdout, exit 0."""
+    res = run_cli(*args)
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.startswith("error: ") and res.stderr.endswith("(see --help)\n") and \
+        len(res.stderr.splitlines()) == 1, res.stderr
+    res = run_cli("--help")
+    assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith("usage: tokenizer.py encode"), res
