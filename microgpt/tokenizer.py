@@ -29,7 +29,8 @@ import sys
 import numpy as np
 import tiktoken
 
-from microgpt.cli import USAGE_ERROR, error, no_stdout, output_failed, shown_on_terminal, stdout_closed
+from microgpt.cli import (USAGE_ERROR, error, interrupted, no_stdout, output_failed, shown_on_terminal,
+                          stdout_closed)
 from microgpt.files import DuplicateKeyError, JsonTooDeep, loads_json, open_regular
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -279,6 +280,8 @@ def main(argv):
     except TokenizerUnavailable as e:
         error(e)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while the BPE file loads or a long text is worked on
+        return interrupted("tokenizer", "the answer is not complete")
     except BrokenPipeError:  # `... | head -c 10`: its reader went away
         return stdout_closed()
     except OSError as e:  # a full disk (> /dev/full), an I/O error

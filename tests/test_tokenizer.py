@@ -211,3 +211,14 @@ def test_cli_a_bad_command_line_is_one_error_line_and_help_the_usage(args):
         len(res.stderr.splitlines()) == 1, res.stderr
     res = run_cli("--help")
     assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith("usage: tokenizer.py encode"), res
+
+
+@pytest.mark.parametrize("command", ["encode", "decode"])
+def test_cli_ctrl_c_is_one_interrupted_line_not_a_traceback(command, monkeypatch, capsys):
+    """Ctrl-C while the command line loaded the BPE file or worked (a long text) was a
+    KeyboardInterrupt traceback: it is one "interrupted" line and exit 130, as the tools give."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(tok, "encoding", interrupted)
+    assert tok.main([command, "12"]) == 130
+    assert capsys.readouterr().err == "\ntokenizer: interrupted; the answer is not complete\n"
