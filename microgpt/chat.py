@@ -24,8 +24,8 @@ import json
 import sys
 
 from microgpt import tokenizer
-from microgpt.cli import (IO_ERROR, USAGE_ERROR, ArgumentParser, error, no_stdout, output_failed, say,
-                          shown_on_terminal, stdout_closed)
+from microgpt.cli import (IO_ERROR, USAGE_ERROR, ArgumentParser, error, no_stderr_to_devnull, no_stdout,
+                          output_failed, say, shown_on_terminal, stdout_closed)
 from microgpt.engines import ENGINE_INT_MAX
 from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
                                 resolve_checkpoint)
@@ -260,6 +260,7 @@ def main(argv):
     args = parse_args(argv)
     if no_stdout():  # file descriptor 1 closed: the reply would go nowhere, and exit 0 say it went well
         return USAGE_ERROR
+    no_stderr_to_devnull()  # file descriptor 2 closed: the notices would go into the reply, input() fail
     sys.stdout.reconfigure(errors="backslashreplace")  # a model writes any character: one the locale's
     # encoding lacks shows as \uXXXX
     if args.prompt is None and sys.stdin is None:  # file descriptor 0 closed: no turns to read

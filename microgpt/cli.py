@@ -71,6 +71,20 @@ def no_stdout():
     return USAGE_ERROR
 
 
+def no_stderr_to_devnull():
+    """For a tool started with file descriptor 2 closed (`TOOL 2>&-`), where Python has no
+    sys.stderr: print(..., file=sys.stderr) writes to stdout instead (a notice inside the result)
+    and input() fails ("lost sys.stderr"). Descriptor 2 and sys.stderr are opened on /dev/null: what
+    the tool would say goes nowhere, as asked, and its result is as with stderr open."""
+    if sys.stderr is not None:
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    if devnull != 2:
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+
+
 def output_failed(e):
     """For a tool whose write to stdout failed (an OSError that is no lost reader: a full disk, an
     I/O error): one error line, and the exit status the engines give the same fault. stdout is

@@ -468,6 +468,22 @@ def test_no_standard_output_or_a_full_one_is_an_error_not_a_quiet_success(random
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("mode", [("--prompt", "hi"), ()], ids=["prompt", "interactive"])
+def test_no_standard_error_keeps_the_notices_out_of_the_reply(random_model, cpu_binary, mode):
+    """With file descriptor 2 closed (`chat.py ... 2>&-`) Python has no sys.stderr: print(...,
+    file=sys.stderr) wrote the notices ("[reply cut at --max-tokens]") into the reply on stdout,
+    and the chat's input() failed at the first prompt ("lost sys.stderr"), a traceback that went
+    nowhere, exit 1. What stderr would get now goes to /dev/null; stdout is as with stderr open."""
+    run_dir, _, _ = random_model
+    cmd = [sys.executable, str(CHAT), str(run_dir), "--engine", "cpu", "--temperature", "0",
+           "--max-tokens", str(MAX_TOKENS), *mode]
+    closed = subprocess.run(cmd, input="hi\n", preexec_fn=lambda: os.close(2), stdout=subprocess.PIPE, text=True,
+                            timeout=300, env=eu.python_env())
+    res = subprocess.run(cmd, input="hi\n", capture_output=True, text=True, timeout=300, env=eu.python_env())
+    assert res.returncode == 0 and "[reply cut at --max-tokens]" in res.stderr, res.stderr
+    assert closed.returncode == 0 and closed.stdout == res.stdout, closed.stdout
+
+
 def test_standard_input_that_cannot_be_read_is_an_error(random_model, cpu_binary, tmp_path):
     """Standard input open for writing only (`chat.py ... 0>file`): the read failed with EBADF, an
     OSError traceback. It is one error line, exit 1, as the engines treat a failed read of stdin."""
