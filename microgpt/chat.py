@@ -24,8 +24,8 @@ import json
 import sys
 
 from microgpt import tokenizer
-from microgpt.cli import (IO_ERROR, USAGE_ERROR, ArgumentParser, error, no_stderr_to_devnull, no_stdout,
-                          output_failed, say, shown_on_terminal, stdout_closed)
+from microgpt.cli import (IO_ERROR, USAGE_ERROR, ArgumentParser, error, interrupted, no_stderr_to_devnull,
+                          no_stdout, output_failed, say, shown_on_terminal, stdout_closed)
 from microgpt.engines import ENGINE_INT_MAX
 from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
                                 resolve_checkpoint)
@@ -289,10 +289,9 @@ def main(argv):
         error(e)
         return IO_ERROR
     except KeyboardInterrupt:  # at the prompt or mid-reply: stop the engine, no traceback
-        print(file=sys.stderr)
         if gen:
             gen.kill()
-        return 130
+        return interrupted("chat", "the conversation is not kept")
     except BrokenPipeError:  # stdout's reader went away (| head): the engine's writes go nowhere
         if gen:
             gen.kill()
