@@ -15,7 +15,7 @@ conversation; the first prompt shows once it has loaded the model (a damaged che
 error line before it). When the next prompt would leave less than the reply's room (--max-tokens,
 at most half of seq_len) in the model's context, the oldest exchanges are dropped and a line on
 stderr says so. Typing /reset starts over (the system prompt stays), /exit or end of input (Ctrl-D)
-quits, Ctrl-C quits at any time.
+quits, Ctrl-C (or SIGTERM) quits at any time.
 
 Turn n of a session samples with seed --seed + n, so a session replays exactly with the same inputs.
 """
@@ -25,7 +25,7 @@ import sys
 
 from microgpt import tokenizer
 from microgpt.cli import (IO_ERROR, USAGE_ERROR, ArgumentParser, error, interrupted, no_stderr_to_devnull,
-                          no_stdout, output_failed, say, shown_on_terminal, stdout_closed)
+                          no_stdout, output_failed, say, shown_on_terminal, stdout_closed, stop_on_sigterm)
 from microgpt.engines import ENGINE_INT_MAX
 from microgpt.inference import (Generator, InferenceError, pick_engine, read_model_shape,
                                 resolve_checkpoint)
@@ -267,6 +267,7 @@ def main(argv):
         error("no standard input (file descriptor 0 is closed); give the message with --prompt")
         return USAGE_ERROR
     gen = None
+    stop_on_sigterm()  # as Ctrl-C: readline gives the terminal back (echo on), the engine is stopped
     try:
         ckpt = resolve_checkpoint(args.model)
         shape = read_model_shape(ckpt)

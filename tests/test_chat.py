@@ -390,6 +390,31 @@ def test_ctrl_c_quits_cleanly(random_model, cpu_binary):
     assert proc.returncode == 130 and err == "\nchat: interrupted; the conversation is not kept\n", err
 
 
+def test_sigterm_at_the_prompt_of_a_terminal_restores_it(random_model, cpu_binary):
+    """`kill PID` (SIGTERM) of a chat waiting at its prompt on a terminal ended Python on the spot,
+    with readline's terminal settings in place: the terminal was left without echo and line
+    editing (a shell that does not restore them showed nothing typed). SIGTERM is taken as Ctrl-C:
+    readline gives the terminal back, the engine is stopped, one "interrupted" line, exit 130."""
+    import select
+    import termios
+    run_dir, _, _ = random_model
+    controller, terminal = os.openpty()
+    try:
+        settings = termios.tcgetattr(terminal)
+        proc = subprocess.Popen([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu"], stdin=terminal,
+                                stdout=terminal, stderr=terminal, env=eu.python_env())
+        shown = b""
+        while not shown.endswith(b"> "):  # the prompt: readline holds the terminal
+            assert select.select([controller], [], [], 60)[0], shown
+            shown += os.read(controller, 4096)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        assert rc == 130 and termios.tcgetattr(terminal)[3] == settings[3], (rc, shown)
+    finally:
+        os.close(controller)
+        os.close(terminal)
+
+
 def test_a_refused_request_is_an_error_and_the_engine_carries_on(random_model, cpu_binary):
     run_dir, cfg, flat = random_model
     with Generator(str(cpu_binary), str(run_dir / f"{run_dir.name}.ckpt")) as gen:
