@@ -118,23 +118,29 @@ def reply(gen, prompt_ids, args, turn, out):
                "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed + turn,
                "stop": [tokenizer.IM_END, tokenizer.EOT]}
     text, ids, stream = [], [], TextStream()
-    for record in gen.stream(request):
-        if "token" in record:
-            token = record["token"]
-            if token in request["stop"]:  # streamed like any token; never printed or kept
-                continue
-            ids.append(token)
-            piece = stream.feed(token)
-            text.append(piece)
-            if out and piece:
-                out.write(show(piece))
-                out.flush()
-        if record.get("done"):
-            tail = stream.finish()
-            text.append(tail)
-            if out and tail:
-                out.write(show(tail))
-            return ids, "".join(text), record
+    try:
+        for record in gen.stream(request):
+            if "token" in record:
+                token = record["token"]
+                if token in request["stop"]:  # streamed like any token; never printed or kept
+                    continue
+                ids.append(token)
+                piece = stream.feed(token)
+                text.append(piece)
+                if out and piece:
+                    out.write(show(piece))
+                    out.flush()
+            if record.get("done"):
+                tail = stream.finish()
+                text.append(tail)
+                if out and tail:
+                    out.write(show(tail))
+                return ids, "".join(text), record
+    except InferenceError:  # the engine died mid-reply: the error line goes on a line of its own
+        if out and "".join(text):
+            out.write("\n")
+            out.flush()
+        raise
 
 
 def cut_notice(record):

@@ -346,6 +346,29 @@ def test_control_characters_of_a_reply_are_shown_not_acted_on_by_a_terminal(asse
 
 
 
+class DyingGenerator(FakeGenerator):
+    """Streams its tokens, then fails as a Generator whose engine died mid-answer does."""
+
+    def stream(self, request):
+        yield from ({"token": t} for t in self.tokens)
+        raise InferenceError("the engine stopped while answering (exit code -9): ")
+
+
+def test_an_engine_that_dies_mid_reply_leaves_the_reply_its_own_line(assets):
+    """The engine killed mid-reply: the chat's error line followed the reply's last word on the
+    same terminal line ("...glowerror: the engine stopped"). The cut reply ends its line first."""
+    from microgpt import chat
+    args = chat.parse_args(["unused", "--temperature", "0"])
+    for out in (TerminalOut(), io.StringIO()):
+        with pytest.raises(InferenceError):
+            chat.reply(DyingGenerator(tk.encode("a few words")), [1], args, 0, out)
+        assert out.getvalue() == "a few words\n"
+    out = io.StringIO()
+    with pytest.raises(InferenceError):  # nothing written: nothing to end
+        chat.reply(DyingGenerator([]), [1], args, 0, out)
+    assert out.getvalue() == ""
+
+
 def test_a_reply_the_output_encoding_cannot_hold_is_escaped_not_a_traceback(random_model, cpu_binary):
     """Under a locale whose encoding lacks a character the model wrote (here ASCII: this reply holds
     U+00F1), writing the reply raised UnicodeEncodeError: a traceback mid-reply. Such a character is
