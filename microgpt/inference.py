@@ -10,6 +10,7 @@ protocol itself in §16). chat.py, evaluate.py, export-hf.py and the export chec
 import collections
 import json
 import os
+import signal
 import subprocess
 import threading
 
@@ -192,9 +193,22 @@ class Generator:
     def _failure(self, what):
         self.proc.wait()
         self._drain.join(timeout=5)
-        errors = [l for l in self.stderr_tail if l.startswith("error:")]
-        detail = errors[-1][len("error:"):].strip() if errors else " | ".join(self.stderr_tail)
-        return InferenceError(f"the engine {what} (exit code {self.proc.returncode}): {detail}")
+        tail = list(self.stderr_tail)
+        errors = [l for l in tail if l.startswith("error:")]
+        if errors:
+            detail = errors[-1][len("error:"):].strip()
+        else:  # what it wrote after its start line: the warnings and memory plan before it are no reason
+            starts = [i for i, l in enumerate(tail) if GENERATE_START in l]
+            detail = " | ".join(tail[starts[-1] + 1:] if starts else tail)
+        rc = self.proc.returncode
+        if rc < 0:  # killed (kill -9, the OOM killer), not an exit
+            try:
+                how = f"killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                how = f"killed by signal {-rc}"
+        else:
+            how = f"exit code {rc}"
+        return InferenceError(f"the engine {what} ({how})" + (f": {detail}" if detail else ""))
 
     def stream(self, request):
         """Send one request (an "id" is added) and yield the engine's answers to it: an optional

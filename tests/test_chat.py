@@ -438,6 +438,22 @@ def test_sigterm_at_the_prompt_of_a_terminal_restores_it(random_model, cpu_binar
         os.close(terminal)
 
 
+def test_an_engine_killed_is_said_so_not_quoted_from_its_start_lines(random_model, cpu_binary):
+    """An engine killed between turns (kill -9, the OOM killer) was "the engine stopped ... (exit
+    code -9): warning: ... | memory plan (cpu): ... | ...; reading requests on stdin": its start
+    lines quoted as if they were why. It names the signal, and quotes only what the engine wrote
+    after its start line (here nothing)."""
+    run_dir, _, _ = random_model
+    with Generator(str(cpu_binary), str(run_dir / f"{run_dir.name}.ckpt")) as gen:
+        assert gen.ready()
+        gen.proc.kill()
+        gen.proc.wait()
+        with pytest.raises(InferenceError) as e:
+            gen.run({"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+    message = str(e.value)
+    assert "killed by SIGKILL" in message and "memory plan" not in message and "unverified" not in message, message
+
+
 def test_a_refused_request_is_an_error_and_the_engine_carries_on(random_model, cpu_binary):
     run_dir, cfg, flat = random_model
     with Generator(str(cpu_binary), str(run_dir / f"{run_dir.name}.ckpt")) as gen:
