@@ -52,6 +52,17 @@ def free_port():
         return s.getsockname()[1]
 
 
+def connect_once_listening(port):
+    """A connection to 127.0.0.1:port as soon as an engine listens there (within 20 s)."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port))
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
 class Ranks:
     """N engine processes of one run, as a launcher starts them (ranks 0..started-1 of them: the
     others never come)."""
@@ -352,14 +363,7 @@ def test_rank_0_names_a_connection_that_never_greets(cpu_binary, shards, tmp_pat
                              env={**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
                                   "MASTER_PORT": str(port), "ANDREA_DIST_TIMEOUT_S": "2"})
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                silent = socket.create_connection(("127.0.0.1", port))
-                break
-            except ConnectionRefusedError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+        silent = connect_once_listening(port)
         with silent:
             _, err = rank0.communicate(timeout=30)
     finally:
@@ -416,14 +420,7 @@ def test_rank_0_names_a_stranger_and_a_rank_that_connects_twice(cpu_binary, shar
     rank0 = subprocess.Popen(argv, env={**base, "RANK": "0", "MASTER_PORT": str(port)}, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                stranger = socket.create_connection(("127.0.0.1", port))
-                break
-            except ConnectionRefusedError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+        stranger = connect_once_listening(port)
         with stranger:
             stranger.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             err = rank0.communicate(timeout=60)[1]
@@ -447,14 +444,7 @@ def test_a_stop_signal_ends_the_wait_for_a_greeting_that_never_comes(cpu_binary,
         rank1 = subprocess.Popen(argv, env={**base, "RANK": "1", "MASTER_PORT": str(server.getsockname()[1])},
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    silent = socket.create_connection(("127.0.0.1", port))
-                    break
-                except ConnectionRefusedError:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.05)
+            silent = connect_once_listening(port)
             conn, _ = server.accept()
             with silent, conn:
                 for sock in (silent, conn):  # each engine has sent its greeting: it now waits for one
