@@ -123,25 +123,32 @@ static int shard_token(const Dataset* ds, int i, size_t k) {
     return id;
 }
 
+/* The window of T+1 tokens of shard i from position start: inputs are its first T, targets its
+ * last T; each token read (and checked) once. */
+static void copy_window(const Dataset* ds, int i, size_t start, int T, int* inputs, int* targets) {
+    int t, prev = shard_token(ds, i, start);
+    for (t = 0; t < T; t++) {
+        int next = shard_token(ds, i, start + (size_t)t + 1);
+        inputs[t] = prev;
+        targets[t] = next;
+        prev = next;
+    }
+}
+
 /* B windows of T+1 tokens: window b starts at a position drawn from rng(seed, stream, counter0 + b)
  * over all windows of all shards. inputs/targets are [B*T]; targets are inputs shifted by one. */
 static void dataset_fill(const Dataset* ds, uint64_t seed, int stream, uint64_t counter0, int B, int T,
                          int* inputs, int* targets) {
-    int b, t;
+    int b;
     for (b = 0; b < B; b++) {
         uint64_t w = rng_below(seed, (uint64_t)stream, counter0 + (uint64_t)b, ds->n_windows);
         int lo = 0, hi = ds->n_shards - 1; /* find the shard i with first_window[i] <= w < first_window[i+1] */
-        size_t start;
         while (lo < hi) {
             int mid = (lo + hi + 1) / 2;
             if (ds->first_window[mid] <= w) lo = mid;
             else hi = mid - 1;
         }
-        start = (size_t)(w - ds->first_window[lo]);
-        for (t = 0; t < T; t++) {
-            inputs[b * T + t] = shard_token(ds, lo, start + (size_t)t);
-            targets[b * T + t] = shard_token(ds, lo, start + (size_t)t + 1);
-        }
+        copy_window(ds, lo, (size_t)(w - ds->first_window[lo]), T, inputs + b * T, targets + b * T);
     }
 }
 
@@ -173,14 +180,9 @@ static uint64_t dataset_sequential_windows(const Dataset* ds, int T) {
 
 /* Window w of that order into one sequence of inputs/targets [T]. */
 static void fill_sequential_window(const Dataset* ds, uint64_t w, int T, int* inputs, int* targets) {
-    int i = 0, t;
-    size_t start;
+    int i = 0;
     for (; w >= shard_sequential_windows(ds, i, T); i++) w -= shard_sequential_windows(ds, i, T);
-    start = (size_t)w * (size_t)T;
-    for (t = 0; t < T; t++) {
-        inputs[t] = shard_token(ds, i, start + (size_t)t);
-        targets[t] = shard_token(ds, i, start + (size_t)t + 1);
-    }
+    copy_window(ds, i, (size_t)w * (size_t)T, T, inputs, targets);
 }
 
 #endif
