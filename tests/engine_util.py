@@ -297,6 +297,16 @@ def is_step_record(step):
     return lambda r: "loss" in r and "event" not in r and r.get("step", -1) >= step
 
 
+def read_when_behind(fd, seconds):
+    """Everything written to the pipe `fd` until its writers close it, read only after `seconds`:
+    a reader a moment behind, whose writer meanwhile finds the pipe full."""
+    time.sleep(seconds)
+    out = b""
+    while (chunk := os.read(fd, 1 << 20)):
+        out += chunk
+    return out
+
+
 def run_with_signal(binary, args, sig, at_step, env=None, timeout=120):
     """Run an engine and send `sig` as soon as the record of step `at_step` appears; return the Result."""
     proc = start_engine(binary, args, env)

@@ -27,27 +27,20 @@ static int real_open(const char* name, const char* path, int flags, mode_t mode)
     return real(path, flags, mode);
 }
 
-int open(const char* path, int flags, ...) {
-    mode_t mode = 0;
-    if (flags & O_CREAT) {
-        va_list ap;
-        va_start(ap, flags);
-        mode = (mode_t)va_arg(ap, int);
-        va_end(ap);
+/* open(2) and open64(2), variadic: the mode is there only with O_CREAT. */
+#define SWAP_OPEN(fn)                                                                              \
+    int fn(const char* path, int flags, ...) {                                                    \
+        mode_t mode = 0;                                                                          \
+        if (flags & O_CREAT) {                                                                    \
+            va_list ap;                                                                           \
+            va_start(ap, flags);                                                                  \
+            mode = (mode_t)va_arg(ap, int);                                                       \
+            va_end(ap);                                                                           \
+        }                                                                                         \
+        return real_open(#fn, path, flags, mode);                                                 \
     }
-    return real_open("open", path, flags, mode);
-}
-
-int open64(const char* path, int flags, ...) {
-    mode_t mode = 0;
-    if (flags & O_CREAT) {
-        va_list ap;
-        va_start(ap, flags);
-        mode = (mode_t)va_arg(ap, int);
-        va_end(ap);
-    }
-    return real_open("open64", path, flags, mode);
-}
+SWAP_OPEN(open)
+SWAP_OPEN(open64)
 
 FILE* fopen(const char* path, const char* how) {
     FILE* (*real)(const char*, const char*) = (FILE * (*)(const char*, const char*)) dlsym(RTLD_NEXT, "fopen");

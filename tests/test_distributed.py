@@ -52,6 +52,15 @@ def free_port():
         return s.getsockname()[1]
 
 
+def stderr_of_all(procs, timeout=60):
+    """Each process's stderr once it has ended; every one is killed if any does not end in time."""
+    try:
+        return [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
 def connect_once_listening(port):
     """A connection to 127.0.0.1:port as soon as an engine listens there (within 20 s)."""
     deadline = time.monotonic() + 20
@@ -326,11 +335,7 @@ def test_a_failed_last_checkpoint_fails_every_rank(cpu_binary, shards, tmp_path)
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ANDREA_DIST_TIMEOUT_S": "60",
                                    **({"LD_PRELOAD": str(shim)} if r == 0 else {})})
              for r in range(2)]
-    try:
-        errs = [p.communicate(timeout=60)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    errs = stderr_of_all(procs)
     assert procs[0].returncode == 1 and "error: writing checkpoint" in errs[0], errs[0]
     assert procs[1].returncode == 1 and "error: rank 1: lost rank 0 (it exited" in errs[1], errs[1]
     assert not (tmp_path / "f.ckpt").exists()
@@ -411,7 +416,7 @@ def test_rank_0_names_a_stranger_and_a_rank_that_connects_twice(cpu_binary, shar
         assert "rank 1 of 3" in procs[1].stderr.readline()  # rank 1 is connected
         procs.append(subprocess.Popen(argv, env={**base, "RANK": "1", "MASTER_PORT": port},
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-        errs = [p.communicate(timeout=60)[1] for p in procs]
+        errs = stderr_of_all(procs)
     finally:
         for p in procs:
             p.kill()
@@ -474,11 +479,7 @@ def test_ranks_started_with_other_flags_are_refused(cpu_binary, shards, tmp_path
                                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                                               "ANDREA_DIST_TIMEOUT_S": "10"})
              for r in range(2)]
-    try:
-        errs = [p.communicate(timeout=60)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    errs = stderr_of_all(procs)
     assert [p.returncode for p in procs] == [2, 2], errs
     assert "error: rank 0: rank 1 was started with other flags than rank 0" in errs[0]
     assert "error: rank 1: rank 0 was started with other flags than rank 1" in errs[1]

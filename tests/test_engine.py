@@ -748,7 +748,6 @@ def test_a_non_blocking_stdout_loses_no_line_to_a_slow_reader(cpu_binary, random
     """A stdout pipe whose open file is non-blocking (O_NONBLOCK, set by a launcher): once the
     reader fell behind and the pipe was full, each line's write failed with EAGAIN and was dropped
     without a word, the exit line too, and the run exited 0. The engine now waits for its reader."""
-    import time
     steps = 2000
     out_r, out_w = os.pipe()
     os.set_blocking(out_w, False)
@@ -756,11 +755,8 @@ def test_a_non_blocking_stdout_loses_no_line_to_a_slow_reader(cpu_binary, random
                                                                                   "train.batch_size": 1})],
                             stdout=out_w, stderr=subprocess.PIPE)
     os.close(out_w)
-    out = b""
     try:
-        time.sleep(2)  # the reader behind: some 300 lines fill the pipe
-        while (chunk := os.read(out_r, 1 << 20)):
-            out += chunk
+        out = eu.read_when_behind(out_r, 2)  # some 300 lines fill the pipe meanwhile
         rc = proc.wait(timeout=120)
     finally:
         proc.kill()
@@ -1057,18 +1053,26 @@ def kill_at_rename(tmp_path_factory):
 RENAMES_OF_TWO_WRITES = 6
 
 
+def two_writes_beside_a_reference(engine, random_shards, tmp_path, env):
+    """A 6-step run writing a checkpoint every 2 steps in tmp_path/run/, under `env` (a shim), and
+    the same run untouched beside it: (settings, its checkpoint, the reference's, the reference's
+    result, its result)."""
+    settings = {**CONSTANT_LR, "train.steps": 6, "checkpoint.every": 2}
+    ckpt, ref_ckpt = tmp_path / "run" / "run.ckpt", tmp_path / "ref.ckpt"
+    ckpt.parent.mkdir()
+    ref = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ref_ckpt))
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt), env=env)
+    return settings, ckpt, ref_ckpt, ref, res
+
+
 @pytest.mark.parametrize("kill_at", range(1, RENAMES_OF_TWO_WRITES + 1))
 def test_a_crash_at_any_rename_leaves_a_whole_checkpoint(engine, random_shards, tmp_path, kill_at_rename, kill_at):
     """Killed just before any rename of a checkpoint write, a run leaves either no checkpoint (during
     its first write) or a slot that resumes exactly: never only a bad file, and never a checkpoint
     event for a write that did not complete. Where the newest slot is refused (its new sidecar beside
     its old checkpoint), the error line's advice resumes the previous slot."""
-    settings = {**CONSTANT_LR, "train.steps": 6, "checkpoint.every": 2}
-    ckpt, ref_ckpt = tmp_path / "run" / "run.ckpt", tmp_path / "ref.ckpt"
-    ckpt.parent.mkdir()
-    ref = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ref_ckpt))
-    crashed = eu.run_engine(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt),
-                            env={"LD_PRELOAD": str(kill_at_rename), "KILL_AT_RENAME": str(kill_at)})
+    settings, ckpt, ref_ckpt, ref, crashed = two_writes_beside_a_reference(
+        engine, random_shards, tmp_path, {"LD_PRELOAD": str(kill_at_rename), "KILL_AT_RENAME": str(kill_at)})
     assert crashed.rc == -signal.SIGKILL, crashed.describe()
     assert [c["step"] for c in crashed.events("checkpoint")] == ([2] if kill_at > 2 else []), crashed.describe()
 
@@ -1099,12 +1103,8 @@ def test_a_checkpoint_that_cannot_take_its_name_leaves_the_newest_slot_as_it_was
     new sidecar beside the old checkpoint: the newest slot was refused at the next resume, with only
     the way back to the previous slot. The old sidecar now takes its name back (at the first write,
     the new one goes): the slot resumes as it was, exactly."""
-    settings = {**CONSTANT_LR, "train.steps": 6, "checkpoint.every": 2}
-    ckpt, ref_ckpt = tmp_path / "run" / "run.ckpt", tmp_path / "ref.ckpt"
-    ckpt.parent.mkdir()
-    ref = eu.run_ok(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ref_ckpt))
-    failed = eu.run_engine(engine.binary, tiny_args(random_shards.train, **settings, checkpoint=ckpt),
-                           env={"LD_PRELOAD": str(fail_rename), "FAIL_RENAME": str(fail_at)})
+    settings, ckpt, ref_ckpt, ref, failed = two_writes_beside_a_reference(
+        engine, random_shards, tmp_path, {"LD_PRELOAD": str(fail_rename), "FAIL_RENAME": str(fail_at)})
     assert failed.rc == 1 and len(failed.errors) == 1, failed.describe()
     assert "left as it was" in failed.errors[0], failed.describe()
     kept = sorted(n for n in os.listdir(ckpt.parent) if n != "run.ckpt.lock")

@@ -608,15 +608,12 @@ def test_a_non_blocking_stdin_or_stdout_waits_for_requests_and_reader(cpu_binary
                             stdout=out_w, stderr=subprocess.PIPE)
     os.close(in_r)
     os.close(out_w)
-    out = b""
     try:
         time.sleep(1)  # the engine is reading an empty stdin
         request = json.dumps({"id": 1, "prompt": [1], "max_tokens": T - 1, "logits": "all"}) + "\n"
         os.write(in_w, request.encode() * 200)  # some 1.5 MB of answers: far more than a pipe holds
         os.close(in_w)
-        time.sleep(1)  # the reader behind: the pipe is full
-        while (chunk := os.read(out_r, 1 << 20)):
-            out += chunk
+        out = eu.read_when_behind(out_r, 1)  # the pipe is full meanwhile
         rc = proc.wait(timeout=60)
     finally:
         proc.kill()
