@@ -1,7 +1,8 @@
 /* LD_PRELOAD shim for tests/test_generate.py: another file is renamed over a checkpoint just
- * before the engine opens it for the Nth time, as a training run still writing checkpoints there
- * renames its new one in between two of the engine's reads. SWAP_PATH names the file, SWAP_FROM
- * the file renamed over it, SWAP_AT_OPEN the N (opens by open(2) or fopen(3), counted alike).
+ * before the engine opens a file for the Nth time, as a training run still writing checkpoints
+ * there renames its new one in between two of the engine's reads. SWAP_PATH names the checkpoint,
+ * SWAP_FROM the file renamed over it, SWAP_WHEN the file whose opens are counted (SWAP_PATH when
+ * unset), SWAP_AT_OPEN the N (opens by open(2) or fopen(3), counted alike).
  *
  * Build: gcc -shared -fPIC -O2 -o swap_at_open.so swap_at_open.c -ldl
  */
@@ -18,7 +19,8 @@ static void maybe_swap(const char* path) {
     const char* target = getenv("SWAP_PATH");
     const char* from = getenv("SWAP_FROM");
     const char* at = getenv("SWAP_AT_OPEN");
-    if (target && from && at && strcmp(path, target) == 0 && ++calls == atoi(at)) rename(from, target);
+    const char* when = getenv("SWAP_WHEN") ? getenv("SWAP_WHEN") : target;
+    if (target && from && at && strcmp(path, when) == 0 && ++calls == atoi(at)) rename(from, target);
 }
 
 static int real_open(const char* name, const char* path, int flags, mode_t mode) {

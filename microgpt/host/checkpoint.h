@@ -818,8 +818,8 @@ static size_t first_non_finite(const float* x, size_t n) {
     return i;
 }
 
-/* One pass over a checkpoint file (of the size ckpt_check found), streamed through the static
- * buffer: the CRC-32C of all its bytes, and the index in [weights | m | v] of its first value that
+/* One pass over the open checkpoint file fd (of the size ckpt_check found), streamed through the
+ * static buffer: the CRC-32C of all its bytes, and the index in [weights | m | v] of its first value that
  * is no finite number (the count of its values when there is none). Every read but the last fills
  * the buffer, whose size is a multiple of 4, as the header's is: no float straddles two reads. */
 typedef struct {
@@ -827,30 +827,15 @@ typedef struct {
     size_t first_non_finite;
 } CkptScan;
 
-/* The file ckpt_scan read (its device and inode), the one ckpt_check verified: ckpt_load reads
- * the weights from that file alone. --generate and --evaluate take no lock (§15), so a run still
- * writing checkpoints there may rename another file over the path between the check and the load:
- * read by name, its weights were loaded unverified (a file of NaN served every token as id 0). */
-static struct {
-    int set;
-    dev_t dev;
-    ino_t ino;
-} g_ckpt_checked;
-
-static CkptScan ckpt_scan(const char* path) {
+static CkptScan ckpt_scan(int fd, const char* path) {
     CkptScan s = {0, 0};
     size_t len, offset = 0, values = 0, bad;
     int done = 0;
     ssize_t got;
-    struct stat st;
-    int fd = open_regular_or_die(path, "checkpoint", &st);
-    g_ckpt_checked.set = 1;
-    g_ckpt_checked.dev = st.st_dev;
-    g_ckpt_checked.ino = st.st_ino;
     s.first_non_finite = (size_t)-1;
     while (!done) {
         for (len = 0; len < sizeof ckpt_io_buf; len += (size_t)got) {
-            got = read(fd, ckpt_io_buf + len, sizeof ckpt_io_buf - len);
+            got = pread(fd, ckpt_io_buf + len, sizeof ckpt_io_buf - len, (off_t)(offset + len));
             if (got < 0 && errno == EINTR) { got = 0; continue; }
             if (got < 0) die_input("reading checkpoint %s failed: %s", path, strerror(errno));
             if (got == 0) { done = 1; break; }
@@ -865,7 +850,6 @@ static CkptScan ckpt_scan(const char* path) {
         }
         offset += len;
     }
-    close(fd);
     if (s.first_non_finite == (size_t)-1) s.first_non_finite = values;
     return s;
 }
@@ -920,8 +904,12 @@ static void sidecar_check_values(const CkptFiles* f, const char* sidecar) {
  * on any mismatch; the files are left as they are. A checkpoint without a checksum (no sidecar, or
  * one written before sidecars held "crc32c") is loaded with a warning. n_layer: the model's, which
  * bounds its sidecar. `side`: the sidecar, loaded already (--generate and --evaluate read it to
- * learn the model) or read here, after the checkpoint's own checks; the later readers take it. */
-static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* side) {
+ * learn the model) or read here, after the checkpoint's own checks; the later readers take it.
+ * *checked: the open descriptor of the file verified, from which ckpt_load reads the state. By name
+ * it could be another: --generate and --evaluate take no lock (§15), so a run still writing
+ * checkpoints there may rename a new file over the path between the check and the load, and its
+ * weights were loaded unverified (a file of NaN served every token as id 0). */
+static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* side, int* checked) {
     CkptFiles f;
     struct stat st;
     int32_t header[2];
@@ -929,13 +917,11 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* s
     const char* sidecar;
     double x;
     CkptScan scan;
-    int fd, header_ok;
+    int fd;
     ckpt_files(path, &f);
     if (!file_exists(path)) die_input("checkpoint %s does not exist (drop --resume to start a fresh run)", path);
-    fd = open_regular_or_die(path, "checkpoint", &st);
-    header_ok = read(fd, header, sizeof header) == (ssize_t)sizeof header;
-    close(fd);
-    if (!header_ok) {
+    *checked = fd = open_regular_or_die(path, "checkpoint", &st);
+    if (pread(fd, header, sizeof header, 0) != (ssize_t)sizeof header) {
         snprintf(what, sizeof what, "is truncated: %lld bytes, shorter than its 8-byte header", (long long)st.st_size);
         ckpt_refuse_damaged(&f, what);
     }
@@ -954,7 +940,7 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* s
                  (long long)st.st_size, ckpt_expected_bytes(n_params), n_params);
         ckpt_refuse_damaged(&f, what);
     }
-    scan = ckpt_scan(path);
+    scan = ckpt_scan(fd, path);
     if (side->loaded) sidecar_refuse_longer(&f, side->bytes, (size_t)n_layer);
     else sidecar_load(path, (size_t)n_layer, side);
     if (!(sidecar = side->text)) {
@@ -989,17 +975,13 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* s
     return header[0];
 }
 
-/* Reads weights, m and v (n floats each) of a checkpoint that ckpt_check accepted; m and v NULL:
- * the weights only (--generate, --evaluate). */
-static void ckpt_load(const char* path, size_t n, float* params, float* m, float* v) {
-    struct stat st;
-    int fd = open_regular_or_die(path, "checkpoint", &st);
+/* Reads weights, m and v (n floats each) of the checkpoint `path` from `checked`, the descriptor of
+ * the file that ckpt_check accepted, and closes it; m and v NULL: the weights only (--generate,
+ * --evaluate). */
+static void ckpt_load(int checked, const char* path, size_t n, float* params, float* m, float* v) {
     FILE* f;
     int ok;
-    if (g_ckpt_checked.set && (st.st_dev != g_ckpt_checked.dev || st.st_ino != g_ckpt_checked.ino))
-        die_input("checkpoint %s was replaced after its integrity check (a run still writing checkpoints there?); "
-                  "its weights are not loaded unverified: run again", path);
-    if (!(f = fdopen(fd, "rb"))) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
+    if (!(f = fdopen(checked, "rb"))) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
     ok = fseek(f, CKPT_HEADER_BYTES, SEEK_SET) == 0 && fread(params, 4, n, f) == n &&
          (!m || (fread(m, 4, n, f) == n && fread(v, 4, n, f) == n));
     fclose(f);

@@ -249,10 +249,11 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
     if (!file_exists(c->checkpoint.path)) die_input("checkpoint %s does not exist", c->checkpoint.path);
 }
 
-/* The weights of --checkpoint (ckpt_check accepted it) into the engine (set up already). */
-static void load_weights(const Config* c, size_t n_params) {
+/* The weights of --checkpoint, from `checked`, ckpt_check's descriptor of it, into the engine (set
+ * up already). */
+static void load_weights(const Config* c, size_t n_params, int checked) {
     float* params = (float*)xmalloc(n_params * sizeof(float), "host weights");
-    ckpt_load(c->checkpoint.path, n_params, params, NULL, NULL);
+    ckpt_load(checked, c->checkpoint.path, n_params, params, NULL, NULL);
     engine_set_state(params, NULL, NULL, 0.0f);
     free(params);
 }
@@ -822,15 +823,16 @@ static int generate_main(int argc, char** argv) {
     Sidecar side = {0, NULL, 0};
     Server server;
     ssize_t len;
-    int step, too_long;
+    int step, too_long, checked;
     config_parse_for_checkpoint(c, argc, argv, &side);
     param_layout_init(&layout, c);
-    step = ckpt_check(c->checkpoint.path, layout.n_params, c->model.n_layer, &side); /* before any large allocation */
+    /* before any large allocation */
+    step = ckpt_check(c->checkpoint.path, layout.n_params, c->model.n_layer, &side, &checked);
     sidecar_free(&side);
     c->train.batch_size = 1; /* the prefill's forward buffers: one window */
     g_quiet_events = 1;      /* stdout is the protocol's; the memory plan goes to stderr */
     engine_setup(c);
-    load_weights(c, layout.n_params);
+    load_weights(c, layout.n_params, checked);
     info("%s engine, %s (computing in %s): %s at step %d; reading requests on stdin", engine_name(),
          c->train.precision, engine_compute_precision(c), c->checkpoint.path, step);
     server_init(&server, c);

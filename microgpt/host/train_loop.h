@@ -38,6 +38,7 @@ typedef struct {
     float* logits;                   /* [vocab_size] */
     Sampler sampler;
     Sidecar sidecar;                 /* the checkpoint's, read once at start-up (resume, evaluate) */
+    int checked_ckpt;                /* ckpt_check's descriptor of the checkpoint, for ckpt_load */
     Fp8HistoryMember resumed_fp8;    /* the checkpoint's fp8 histories (resume, fp8 training) */
     Fp8History* fp8_hist;            /* a copy of the engine's fp8 histories [n_fp8_hist] (§18) */
     int n_fp8_hist;                  /* engine_fp8_history_count(): 0 unless it trains in fp8 */
@@ -294,7 +295,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     if (c->resume) {
         if (run_locks_checkpoint(c)) ckpt_lock_existing(c->checkpoint.path); /* before the read */
         r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer,
-                                                   &r->sidecar);
+                                                   &r->sidecar, &r->checked_ckpt);
         /* before the start event, which reports p */
         mixture_resume(&r->mix, c, c->checkpoint.path, &r->sidecar, r->start_step);
         if (config_keeps_fp8_histories(c)) fp8_history_read(c->checkpoint.path, &r->sidecar, &r->resumed_fp8);
@@ -411,7 +412,7 @@ static void run_start(Run* r) {
     r->n_fp8_hist = engine_fp8_history_count();
     r->fp8_hist = (Fp8History*)xcalloc(r->n_fp8_hist ? (size_t)r->n_fp8_hist : 1, sizeof(Fp8History), "fp8 histories");
     if (c->resume) {
-        ckpt_load(c->checkpoint.path, r->layout.n_params, r->params, r->m, r->v);
+        ckpt_load(r->checked_ckpt, c->checkpoint.path, r->layout.n_params, r->params, r->m, r->v);
         r->loss_scale = sidecar_loss_scale(c->checkpoint.path, r->start_step, c, &r->sidecar);
         info("resumed from %s at step %d", c->checkpoint.path, r->start_step);
     } else {
@@ -624,14 +625,15 @@ static int evaluate_main(int argc, char** argv) {
     char b[32];
     config_parse_for_checkpoint(c, argc, argv, &r->sidecar);
     param_layout_init(&r->layout, c);
-    ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer, &r->sidecar); /* before any large allocation */
+    /* before any large allocation */
+    ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer, &r->sidecar, &r->checked_ckpt);
     if (c->eval.batches == 0) c->train.batch_size = 1;
     dataset_open(&r->val, c->data.val, "data.val", c->model.vocab_size, c->model.seq_len);
     r->inputs = (int*)xmalloc((size_t)c->train.batch_size * c->model.seq_len * sizeof(int), "batch inputs");
     r->targets = (int*)xmalloc((size_t)c->train.batch_size * c->model.seq_len * sizeof(int), "batch targets");
     g_quiet_events = 1; /* stdout is the one result line */
     engine_setup(c);
-    load_weights(c, r->layout.n_params);
+    load_weights(c, r->layout.n_params, r->checked_ckpt);
     if (strcmp(engine_compute_precision(c), c->train.precision) != 0)
         info("note: the %s engine computes in %s (train.precision %s was asked for)", engine_name(),
              engine_compute_precision(c), c->train.precision);
