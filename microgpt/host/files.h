@@ -1,6 +1,7 @@
 /* files.h: opening input files (shards, checkpoints) so that nothing can hang the engine: a FIFO
  * or device given as a data or checkpoint path is refused with one error line instead of blocking
- * open() or read(), deaf to SIGTERM, until some writer appears.
+ * open() or read(), deaf to SIGTERM, until some writer appears; and the standard descriptors a
+ * launcher hands over, made fit to use (none closed, none non-blocking).
  * Compiles as C99 and as C++ (nvcc). */
 #ifndef MICROGPT_HOST_FILES_H
 #define MICROGPT_HOST_FILES_H
@@ -34,6 +35,27 @@ static int open_regular_or_die(const char* path, const char* what, struct stat* 
     if (fstat(fd, st) != 0) die_input("cannot read %s %s: %s", what, path, strerror(errno));
     if (!S_ISREG(st->st_mode)) die_input("%s %s is %s, not a regular file", what, path, file_kind(st->st_mode));
     return fd;
+}
+
+/* Clears O_NONBLOCK on fd. A launcher may hand the engine a stdin or stdout whose open file is
+ * non-blocking (the flag belongs to the file, shared with whoever set it: a Node.js parent, a
+ * terminal another program left so): a read with no request yet, or a write to a reader a moment
+ * behind (a full pipe), then fails with EAGAIN: --generate ended as if stdin had failed or the
+ * reader were gone, and training dropped its progress lines without a word (the exit line too).
+ * stdio cannot retry such a write (the unwritten bytes are dropped), so the engine blocks instead,
+ * as bash does for its input: stdout in every mode, stdin where requests are read. */
+static void fd_make_blocking(int fd) {
+    int flags = fcntl(fd, F_GETFL);
+    if (flags >= 0 && (flags & O_NONBLOCK)) fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+}
+
+/* Opens /dev/null on each of stdin, stdout and stderr that a launcher left closed (`>&-`): else the
+ * next file the engine opens takes that number, and what it prints there is written into that file
+ * (with stdout closed, every progress line went into the checkpoint's lock file). */
+static void std_fds_fill(void) {
+    int fd;
+    for (fd = 0; fd <= 2; fd++)
+        if (fcntl(fd, F_GETFD) < 0 && errno == EBADF && open("/dev/null", O_RDWR) != fd) return;
 }
 
 #endif

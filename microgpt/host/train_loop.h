@@ -11,6 +11,7 @@
 #include "data.h"
 #include "dist.h"
 #include "engine.h"
+#include "files.h"
 #include "fp8_history.h"
 #include "generate.h"
 #include "mixture.h"
@@ -523,27 +524,6 @@ static int agreed_stop(void) {
     dist_max_flags(&stop, 1);
     if (stop && !g_stop_signal) g_stop_signal = stop;
     return stop;
-}
-
-/* Clears O_NONBLOCK on fd. A launcher may hand the engine a stdin or stdout whose open file is
- * non-blocking (the flag belongs to the file, shared with whoever set it: a Node.js parent, a
- * terminal another program left so): a read with no request yet, or a write to a reader a moment
- * behind (a full pipe), then fails with EAGAIN: --generate ended as if stdin had failed or the
- * reader were gone, and training dropped its progress lines without a word (the exit line too).
- * stdio cannot retry such a write (the unwritten bytes are dropped), so the engine blocks instead,
- * as bash does for its input: stdout in every mode, stdin where requests are read. */
-static void fd_make_blocking(int fd) {
-    int flags = fcntl(fd, F_GETFL);
-    if (flags >= 0 && (flags & O_NONBLOCK)) fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
-}
-
-/* Opens /dev/null on each of stdin, stdout and stderr that a launcher left closed (`>&-`): else the
- * next file the engine opens takes that number, and what it prints there is written into that file
- * (with stdout closed, every progress line went into the checkpoint's lock file). */
-static void std_fds_fill(void) {
-    int fd;
-    for (fd = 0; fd <= 2; fd++)
-        if (fcntl(fd, F_GETFD) < 0 && errno == EBADF && open("/dev/null", O_RDWR) != fd) return;
 }
 
 static int train_main(int argc, char** argv) {
