@@ -486,6 +486,32 @@ def test_ranks_started_with_other_flags_are_refused(cpu_binary, shards, tmp_path
     assert not ckpt.exists()
 
 
+def test_ranks_resuming_from_other_files_are_refused(cpu_binary, shards, tmp_path):
+    """The same flags, a relative --checkpoint, each rank in its own directory (as each node of a
+    multi-node run reads its own disk): rank 1's copy is a step behind rank 0's. Each rank took its
+    own weights and moments and the run trained on, every rank apart, without a word. Both refuse
+    instead, and each checkpoint is left as it was."""
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for d, steps in zip(dirs, (3, 2)):
+        d.mkdir()
+        subprocess.run([str(cpu_binary)] + args(shards, "x.ckpt", steps=steps), cwd=d, check=True,
+                       capture_output=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    before = [(d / "x.ckpt").read_bytes() for d in dirs]
+    port = str(free_port())
+    procs = [subprocess.Popen([str(cpu_binary)] + args(shards, "x.ckpt", steps=6, resume=True), cwd=dirs[r],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": str(r),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ANDREA_DIST_TIMEOUT_S": "10"})
+             for r in range(2)]
+    errs = stderr_of_all(procs)
+    assert [p.returncode for p in procs] == [2, 2], errs
+    for r, err in enumerate(errs):
+        errors = [l for l in err.splitlines() if l.startswith("error:")]
+        assert errors == [f"error: rank {r}: rank {max(r, 1)} resumed from another checkpoint or sidecar than rank 0 "
+                          "(every rank must read the same files: a stale copy on another node?)"], err
+    assert [(d / "x.ckpt").read_bytes() for d in dirs] == before
+
+
 # --------------------------------------------------------------------------------------------------
 # the proxy's --ranks
 

@@ -898,18 +898,26 @@ static void sidecar_check_values(const CkptFiles* f, const char* sidecar) {
              "model shape and settings are taken unverified", f->side);
 }
 
+/* A checkpoint that ckpt_check accepted: its step, the CRC-32C of all its bytes, and the open
+ * descriptor of the very file it verified, from which ckpt_load reads the state. By name it could
+ * be another: --generate and --evaluate take no lock (§15), so a run still writing checkpoints
+ * there may rename a new file over the path between the check and the load, and its weights were
+ * loaded unverified (a file of NaN served every token as id 0). */
+typedef struct {
+    int step;
+    uint32_t crc;
+    int fd;
+} CkptChecked;
+
 /* Validates a checkpoint before it is resumed and before any large allocation: header and size
  * against the config's n_params, the sidecar's step, and the CRC-32C of every byte against the
- * sidecar's, then its values (ckpt_refuse_non_finite). Returns the step. Dies with one error line
- * on any mismatch; the files are left as they are. A checkpoint without a checksum (no sidecar, or
- * one written before sidecars held "crc32c") is loaded with a warning. n_layer: the model's, which
- * bounds its sidecar. `side`: the sidecar, loaded already (--generate and --evaluate read it to
- * learn the model) or read here, after the checkpoint's own checks; the later readers take it.
- * *checked: the open descriptor of the file verified, from which ckpt_load reads the state. By name
- * it could be another: --generate and --evaluate take no lock (§15), so a run still writing
- * checkpoints there may rename a new file over the path between the check and the load, and its
- * weights were loaded unverified (a file of NaN served every token as id 0). */
-static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* side, int* checked) {
+ * sidecar's, then its values (ckpt_refuse_non_finite). Dies with one error line on any mismatch;
+ * the files are left as they are. A checkpoint without a checksum (no sidecar, or one written
+ * before sidecars held "crc32c") is loaded with a warning. n_layer: the model's, which bounds its
+ * sidecar. `side`: the sidecar, loaded already (--generate and --evaluate read it to learn the
+ * model) or read here, after the checkpoint's own checks; the later readers take it. */
+static CkptChecked ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* side) {
+    CkptChecked checked;
     CkptFiles f;
     struct stat st;
     int32_t header[2];
@@ -920,7 +928,7 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* s
     int fd;
     ckpt_files(path, &f);
     if (!file_exists(path)) die_input("checkpoint %s does not exist (drop --resume to start a fresh run)", path);
-    *checked = fd = open_regular_or_die(path, "checkpoint", &st);
+    checked.fd = fd = open_regular_or_die(path, "checkpoint", &st);
     if (pread(fd, header, sizeof header, 0) != (ssize_t)sizeof header) {
         snprintf(what, sizeof what, "is truncated: %lld bytes, shorter than its 8-byte header", (long long)st.st_size);
         ckpt_refuse_damaged(&f, what);
@@ -941,6 +949,8 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* s
         ckpt_refuse_damaged(&f, what);
     }
     scan = ckpt_scan(fd, path);
+    checked.step = header[0];
+    checked.crc = scan.crc;
     if (side->loaded) sidecar_refuse_longer(&f, side->bytes, (size_t)n_layer);
     else sidecar_load(path, (size_t)n_layer, side);
     if (!(sidecar = side->text)) {
@@ -948,7 +958,7 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* s
              "from its default", f.side, path);
         ckpt_refuse_non_finite(&f, &scan, n_params);
         if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
-        return header[0];
+        return checked;
     }
     if (!json_find_number(sidecar, "step", &x) || x != (double)header[0]) {
         char side_step[32] = "none";
@@ -972,16 +982,15 @@ static int ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* s
     }
     ckpt_refuse_non_finite(&f, &scan, n_params);
     if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
-    return header[0];
+    return checked;
 }
 
-/* Reads weights, m and v (n floats each) of the checkpoint `path` from `checked`, the descriptor of
- * the file that ckpt_check accepted, and closes it; m and v NULL: the weights only (--generate,
- * --evaluate). */
-static void ckpt_load(int checked, const char* path, size_t n, float* params, float* m, float* v) {
+/* Reads weights, m and v (n floats each) of the checkpoint `path` from the file that ckpt_check
+ * accepted (`checked`), and closes it; m and v NULL: the weights only (--generate, --evaluate). */
+static void ckpt_load(const CkptChecked* checked, const char* path, size_t n, float* params, float* m, float* v) {
     FILE* f;
     int ok;
-    if (!(f = fdopen(checked, "rb"))) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
+    if (!(f = fdopen(checked->fd, "rb"))) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
     ok = fseek(f, CKPT_HEADER_BYTES, SEEK_SET) == 0 && fread(params, 4, n, f) == n &&
          (!m || (fread(m, 4, n, f) == n && fread(v, 4, n, f) == n));
     fclose(f);

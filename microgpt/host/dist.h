@@ -40,18 +40,19 @@ typedef struct {
     int rank, world, local_rank;
     double timeout_s; /* longest wait for a peer (ANDREA_DIST_TIMEOUT_S) */
     uint32_t argv_crc; /* CRC-32C of the command line: every rank must be started with the same one */
+    uint32_t state_crc; /* CRC-32C of the resumed checkpoint and sidecar (0: a fresh start): the same */
     int starting;      /* until the first step: a stop signal then ends the ranks, nothing to save */
     int* fds;         /* rank 0: fds[r] is rank r's socket (fds[0] unused); others: fds[0] is rank 0's */
     char* scratch;    /* rank 0's receive buffer for reductions, grown once */
     size_t scratch_bytes;
 } Dist;
 
-static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, 0, 1, NULL, NULL, 0};
+static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, 0, 0, 1, NULL, NULL, 0};
 
 /* What each side of a connection says first (rank 0 answers with its own): a peer of another run,
- * one started with other flags, or another program on the port is refused before any of its bytes
- * is taken for a gradient or a signal flag. */
-typedef struct { uint32_t magic, rank, world, argv_crc; } DistHello;
+ * one started with other flags or resuming from other files, or another program on the port is
+ * refused before any of its bytes is taken for a gradient or a signal flag. */
+typedef struct { uint32_t magic, rank, world, argv_crc, state_crc; } DistHello;
 
 /* A part of [0, n) for each rank: rank r takes [r·stride, (r+1)·stride) clipped to n, where the
  * stride is a whole number of units (dist_stride), the same for every rank as NCCL's reduce-scatter
@@ -180,12 +181,23 @@ static void dist_set_socket_options(int fd) {
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* small control messages: no Nagle */
 }
 
+/* The error of ranks 0 and r whose resumed states differ. The same flags name the same checkpoint
+ * path, but not always the same file: each node of a multi-node run reads its own disk, where a
+ * copy may be of another step; resumed from it, the ranks would train apart without a word. */
+static const char* dist_other_state(uint32_t r) {
+    static char what[200];
+    snprintf(what, sizeof what, "rank %u resumed from another checkpoint or sidecar than rank 0 (every rank must "
+             "read the same files: a stale copy on another node?)", r);
+    return what;
+}
+
 static DistHello dist_hello(void) {
     DistHello h;
     h.magic = DIST_MAGIC;
     h.rank = (uint32_t)g_dist.rank;
     h.world = (uint32_t)g_dist.world;
     h.argv_crc = g_dist.argv_crc;
+    h.state_crc = g_dist.state_crc;
     return h;
 }
 
@@ -225,6 +237,7 @@ static int dist_accept_all(struct sockaddr_in a) {
         if (h.argv_crc != mine.argv_crc)
             die_input("rank 0: rank %u was started with other flags than rank 0 (every rank needs the same command "
                       "line)", h.rank);
+        if (h.state_crc != mine.state_crc) die_input("rank 0: %s", dist_other_state(h.rank));
         g_dist.fds[h.rank] = fd;
         n++;
     }
@@ -291,6 +304,7 @@ static int dist_connect(struct sockaddr_in a) {
     if (h.argv_crc != mine.argv_crc)
         die_input("rank %d: rank 0 was started with other flags than rank %d (every rank needs the same command line)",
                   g_dist.rank, g_dist.rank);
+    if (h.state_crc != mine.state_crc) die_input("rank %d: %s", g_dist.rank, dist_other_state(g_dist.rank));
     return 0;
 }
 
@@ -306,9 +320,10 @@ static void dist_shutdown(void) {
 }
 
 /* Reads the environment; with WORLD_SIZE > 1 connects every rank to rank 0, each started with
- * this command line (argv[1..], checked through its CRC). Returns 1 where a stop signal came before
- * the ranks were connected (then nothing is), else 0. */
-static int dist_init(int argc, char** argv) {
+ * this command line (argv[1..], checked through its CRC) and resuming from the same state
+ * (state_crc: 0 for a fresh start). Returns 1 where a stop signal came before the ranks were
+ * connected (then nothing is), else 0. */
+static int dist_init(int argc, char** argv, uint32_t state_crc) {
     const char* t = getenv("ANDREA_DIST_TIMEOUT_S");
     int r;
     g_dist.world = env_int("WORLD_SIZE", 1);
@@ -324,6 +339,7 @@ static int dist_init(int argc, char** argv) {
     }
     if (g_dist.world == 1) return 0;
     for (r = 1; r < argc; r++) g_dist.argv_crc = crc32c_update(g_dist.argv_crc, argv[r], strlen(argv[r]) + 1);
+    g_dist.state_crc = state_crc;
     g_dist.fds = (int*)xmalloc((size_t)g_dist.world * sizeof(int), "rank sockets");
     for (r = 0; r < g_dist.world; r++) g_dist.fds[r] = -1;
     if (g_dist.rank == 0 ? dist_accept_all(dist_master_address()) : dist_connect(dist_master_address())) {

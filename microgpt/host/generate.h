@@ -249,9 +249,9 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
     if (!file_exists(c->checkpoint.path)) die_input("checkpoint %s does not exist", c->checkpoint.path);
 }
 
-/* The weights of --checkpoint, from `checked`, ckpt_check's descriptor of it, into the engine (set
- * up already). */
-static void load_weights(const Config* c, size_t n_params, int checked) {
+/* The weights of --checkpoint (`checked`: as ckpt_check accepted it) into the engine (set up
+ * already). */
+static void load_weights(const Config* c, size_t n_params, const CkptChecked* checked) {
     float* params = (float*)xmalloc(n_params * sizeof(float), "host weights");
     ckpt_load(checked, c->checkpoint.path, n_params, params, NULL, NULL);
     engine_set_state(params, NULL, NULL, 0.0f);
@@ -823,18 +823,18 @@ static int generate_main(int argc, char** argv) {
     Sidecar side = {0, NULL, 0};
     Server server;
     ssize_t len;
-    int step, too_long, checked;
+    CkptChecked checked;
+    int too_long;
     config_parse_for_checkpoint(c, argc, argv, &side);
     param_layout_init(&layout, c);
-    /* before any large allocation */
-    step = ckpt_check(c->checkpoint.path, layout.n_params, c->model.n_layer, &side, &checked);
+    checked = ckpt_check(c->checkpoint.path, layout.n_params, c->model.n_layer, &side); /* before any large allocation */
     sidecar_free(&side);
     c->train.batch_size = 1; /* the prefill's forward buffers: one window */
     g_quiet_events = 1;      /* stdout is the protocol's; the memory plan goes to stderr */
     engine_setup(c);
-    load_weights(c, layout.n_params, checked);
+    load_weights(c, layout.n_params, &checked);
     info("%s engine, %s (computing in %s): %s at step %d; reading requests on stdin", engine_name(),
-         c->train.precision, engine_compute_precision(c), c->checkpoint.path, step);
+         c->train.precision, engine_compute_precision(c), c->checkpoint.path, checked.step);
     server_init(&server, c);
     while ((len = read_request_line(&server, &too_long)) >= 0) serve_line(&server, server.line, (size_t)len, too_long);
     /* not the end of the requests: a read that failed (stdin a directory, closed) */

@@ -39,7 +39,7 @@ typedef struct {
     float* logits;                   /* [vocab_size] */
     Sampler sampler;
     Sidecar sidecar;                 /* the checkpoint's, read once at start-up (resume, evaluate) */
-    int checked_ckpt;                /* ckpt_check's descriptor of the checkpoint, for ckpt_load */
+    CkptChecked resumed;             /* the checkpoint ckpt_check accepted (resume, evaluate) */
     Fp8HistoryMember resumed_fp8;    /* the checkpoint's fp8 histories (resume, fp8 training) */
     Fp8History* fp8_hist;            /* a copy of the engine's fp8 histories [n_fp8_hist] (§18) */
     int n_fp8_hist;                  /* engine_fp8_history_count(): 0 unless it trains in fp8 */
@@ -295,8 +295,8 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     if (c->dump_grads[0]) dump_grads_check_path(r, c->dump_grads);
     if (c->resume) {
         if (run_locks_checkpoint(c)) ckpt_lock_existing(c->checkpoint.path); /* before the read */
-        r->start_step = r->saved_step = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer,
-                                                   &r->sidecar, &r->checked_ckpt);
+        r->resumed = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer, &r->sidecar);
+        r->start_step = r->saved_step = r->resumed.step;
         /* before the start event, which reports p */
         mixture_resume(&r->mix, c, c->checkpoint.path, &r->sidecar, r->start_step);
         if (config_keeps_fp8_histories(c)) fp8_history_read(c->checkpoint.path, &r->sidecar, &r->resumed_fp8);
@@ -413,7 +413,7 @@ static void run_start(Run* r) {
     r->n_fp8_hist = engine_fp8_history_count();
     r->fp8_hist = (Fp8History*)xcalloc(r->n_fp8_hist ? (size_t)r->n_fp8_hist : 1, sizeof(Fp8History), "fp8 histories");
     if (c->resume) {
-        ckpt_load(r->checked_ckpt, c->checkpoint.path, r->layout.n_params, r->params, r->m, r->v);
+        ckpt_load(&r->resumed, c->checkpoint.path, r->layout.n_params, r->params, r->m, r->v);
         r->loss_scale = sidecar_loss_scale(c->checkpoint.path, r->start_step, c, &r->sidecar);
         info("resumed from %s at step %d", c->checkpoint.path, r->start_step);
     } else {
@@ -505,10 +505,19 @@ static int stop_before_first_step(Run* r, int engine_started) {
     return 0;
 }
 
+/* What a resumed run starts from, the checkpoint's bytes and its sidecar, as one CRC-32C that the
+ * ranks compare (0: a fresh start). */
+static uint32_t resumed_state_crc(const Run* r) {
+    uint32_t crc;
+    if (!r->cfg.resume) return 0;
+    crc = crc32c_update(0, &r->resumed.crc, sizeof r->resumed.crc);
+    return r->sidecar.text ? crc32c_update(crc, r->sidecar.text, r->sidecar.bytes) : crc;
+}
+
 /* dist (§17): connect the ranks; only rank 0's events reach stdout. Returns 1 where a stop signal
  * came before they were connected. */
 static int dist_start(const Run* r, int argc, char** argv) {
-    int stopped = dist_init(argc, argv);
+    int stopped = dist_init(argc, argv, resumed_state_crc(r));
     if (g_dist.world == 1) return 0;
     if (r->cfg.dump_grads[0]) die_input("--dump-grads is one process: unset WORLD_SIZE");
     if (g_dist.rank != 0 && !freopen("/dev/null", "w", stdout)) die_io("rank %d: cannot silence stdout", g_dist.rank);
@@ -606,14 +615,14 @@ static int evaluate_main(int argc, char** argv) {
     config_parse_for_checkpoint(c, argc, argv, &r->sidecar);
     param_layout_init(&r->layout, c);
     /* before any large allocation */
-    ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer, &r->sidecar, &r->checked_ckpt);
+    r->resumed = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer, &r->sidecar);
     if (c->eval.batches == 0) c->train.batch_size = 1;
     dataset_open(&r->val, c->data.val, "data.val", c->model.vocab_size, c->model.seq_len);
     r->inputs = (int*)xmalloc((size_t)c->train.batch_size * c->model.seq_len * sizeof(int), "batch inputs");
     r->targets = (int*)xmalloc((size_t)c->train.batch_size * c->model.seq_len * sizeof(int), "batch targets");
     g_quiet_events = 1; /* stdout is the one result line */
     engine_setup(c);
-    load_weights(c, r->layout.n_params, r->checked_ckpt);
+    load_weights(c, r->layout.n_params, &r->resumed);
     if (strcmp(engine_compute_precision(c), c->train.precision) != 0)
         info("note: the %s engine computes in %s (train.precision %s was asked for)", engine_name(),
              engine_compute_precision(c), c->train.precision);
