@@ -102,6 +102,34 @@ def test_resume_in_another_precision_starts_from_the_default_loss_scale(engine, 
         assert fp16.steps[0]["loss_scale"] >= 32768, fp16.steps[0]  # default 65536, at most one overflow
 
 
+def test_a_resume_on_other_training_data_says_so(engine, random_shards, tmp_path):
+    """`make data` run again between a run and its resume, or a glob that now matches another
+    shard: the resume drew other batches than the run it continues, and said nothing. The sidecar
+    now keeps the training data's fingerprint; a resume on the same data is silent, one on other
+    data (a shard added; the same shards re-tokenized, equal in length) warns once and goes on."""
+    ckpt = tmp_path / "run.ckpt"
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt}))
+    assert isinstance(read_sidecar(ckpt)["data_crc32c"], int)
+    saved = {p: Path(p).read_bytes() for p in (ckpt, f"{ckpt}.json")}
+    shards = sorted(Path(random_shards.dir).glob("rand_train_*.bin"))
+    added, retokenized = tmp_path / "added", tmp_path / "retokenized"
+    for d in (added, retokenized):
+        d.mkdir()
+        for s in shards:
+            shutil.copy(s, d / s.name)
+    eu.write_random_shards(added, "rand_train_x", 1, 4096, eu.TINY_VOCAB, seed=9)
+    tokens = np.fromfile(retokenized / shards[1].name, dtype="<u2", offset=1024)
+    eu.write_shard(retokenized / shards[1].name, (tokens[::-1] + 1) % eu.TINY_VOCAB)
+    for data, changed in ((random_shards.train, False), (added / "rand_train_*.bin", True),
+                          (retokenized / "rand_train_*.bin", True)):
+        for p, b in saved.items():
+            Path(p).write_bytes(b)
+        res = eu.run_ok(engine.binary, tiny_args(data, **{"train.steps": 4, "checkpoint": ckpt, "resume": True}))
+        warnings = [l for l in res.stderr.splitlines() if "training data differ" in l]
+        assert len(warnings) == int(changed), (data, res.stderr)
+        assert [r["step"] for r in res.steps] == [4]
+
+
 def test_sigusr1_checkpoints_and_training_continues(engine, random_shards, tmp_path):
     settings = resume_settings(engine)
     args = tiny_args(random_shards.train, random_shards.val, **settings)

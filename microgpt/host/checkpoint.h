@@ -28,6 +28,7 @@
 #define CKPT_HEADER_BYTES 8
 #define CKPT_SIDECAR_MAX 65536 /* the writer's buffer: a run whose longest sidecar outgrows it is refused at start */
 #define CKPT_SIDECAR_OWN_MAX 1024 /* sidecar_text's own members (~0.4 KB) */
+#define SIDECAR_DATA_MAX 32 /* the training data's fingerprint: ,"data_crc32c":4294967295 (train_loop.h) */
 
 /* The longest state mixture_sidecar_json (mixture.h) writes: CFG_MAX_SOURCES sources, every number
  * as wide as put_double writes one (sign, 17 digits, point, "e-308": 24 characters), the rest
@@ -48,12 +49,14 @@ static size_t fp8_history_member_max(size_t n) {
     return n == 0 ? 0 : head + n * history + (n - 1) + 2;
 }
 
-/* The longest sidecar a run of n_layer layers writes: its own members, the bandit state and the fp8
- * histories (FP8_DELAYED_PER_LAYER a layer), each at its longest. The one place for the fact:
+/* The longest sidecar a run of n_layer layers writes: its own members, the training data's
+ * fingerprint, the bandit state and the fp8 histories (FP8_DELAYED_PER_LAYER a layer), each at its
+ * longest. The one place for the fact:
  * train_loop.h refuses a run whose sidecar could outgrow CKPT_SIDECAR_MAX, the readers take
  * SIDECAR_SPACE_FACTOR times it (sidecar_load). */
 static size_t sidecar_longest(size_t n_layer) {
-    return CKPT_SIDECAR_OWN_MAX + MIXTURE_SIDECAR_MAX + fp8_history_member_max(FP8_DELAYED_PER_LAYER * n_layer);
+    return CKPT_SIDECAR_OWN_MAX + SIDECAR_DATA_MAX + MIXTURE_SIDECAR_MAX +
+           fp8_history_member_max(FP8_DELAYED_PER_LAYER * n_layer);
 }
 
 /* The most bytes a reader takes in the sidecar of a model of n_layer layers (CFG_MAX_LAYERS when the
@@ -670,14 +673,15 @@ static void sidecar_check_fp8_classifier(const char* text, const Config* c) {
              saved);
 }
 
-/* Every member name a sidecar holds (sidecar_text, mixture_sidecar_json in mixture.h,
- * fp8_history_sidecar_json in fp8_history.h; a writer that adds a member adds its name here). The
+/* Every member name a sidecar holds (sidecar_text, save_checkpoint in train_loop.h,
+ * mixture_sidecar_json in mixture.h, fp8_history_sidecar_json in fp8_history.h; a writer that adds
+ * a member adds its name here). The
  * readers find members by name, so a name with a bit flipped would hide its member without a word:
  * "crc33c" would read as a sidecar written before checksums. */
 static const char* const sidecar_names[] = {
     "step", "n_params", "crc32c", "values_crc32c", "loss_scale", "fingerprint", "n_layer", "d_model", "n_head",
     "d_ff", "seq_len", "vocab_size", "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision",
-    "fp8_classifier",
+    "fp8_classifier", "data_crc32c",
     "bandit", "rounds", "reward_mean", "reward_var", "gain", "p", "sources_crc32c", "fp8_history", "len", "exp"};
 #define SIDECAR_N_NAMES (sizeof sidecar_names / sizeof sidecar_names[0])
 

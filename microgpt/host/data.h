@@ -6,6 +6,7 @@
 #ifndef MICROGPT_HOST_DATA_H
 #define MICROGPT_HOST_DATA_H
 
+#include "crc32c.h"
 #include "files.h"
 #include "output.h"
 #include "rng.h"
@@ -98,6 +99,25 @@ static void dataset_open(Dataset* ds, const char* pattern, const char* what, int
     if (ds->n_windows == 0)
         die_input("%s: model.seq_len (%d) is too long for the data: a window needs %d tokens, the longest shard has %zu",
                   what, T, T + 1, longest);
+}
+
+/* Tokens at each end of a shard that dataset_fingerprint takes. */
+#define DATASET_FINGERPRINT_TOKENS 64
+
+/* crc, continued over what decides the windows a run draws from ds: each shard's token count in
+ * order, and its first and last DATASET_FINGERPRINT_TOKENS tokens (a sample of the content, as
+ * reading it all would cost a large corpus seconds at every start). Shards added, removed or
+ * re-tokenized change it; an edit inside a shard that keeps its length and ends does not. */
+static uint32_t dataset_fingerprint(const Dataset* ds, uint32_t crc) {
+    int i;
+    for (i = 0; i < ds->n_shards; i++) {
+        uint64_t n = ds->ntok[i];
+        size_t ends = n < DATASET_FINGERPRINT_TOKENS ? n : DATASET_FINGERPRINT_TOKENS;
+        crc = crc32c_update(crc, &n, sizeof n);
+        crc = crc32c_update(crc, ds->tokens[i], ends * 2);
+        crc = crc32c_update(crc, ds->tokens[i] + (n - ends), ends * 2);
+    }
+    return crc;
 }
 
 static void dataset_close(Dataset* ds) {

@@ -40,6 +40,7 @@ typedef struct {
     Sampler sampler;
     Sidecar sidecar;                 /* the checkpoint's, read once at start-up (resume, evaluate) */
     CkptChecked resumed;             /* the checkpoint ckpt_check accepted (resume, evaluate) */
+    uint32_t data_crc;               /* training_data_fingerprint, kept in the sidecar */
     Fp8HistoryMember resumed_fp8;    /* the checkpoint's fp8 histories (resume, fp8 training) */
     Fp8History* fp8_hist;            /* a copy of the engine's fp8 histories [n_fp8_hist] (§18) */
     int n_fp8_hist;                  /* engine_fp8_history_count(): 0 unless it trains in fp8 */
@@ -152,8 +153,8 @@ static void agree_fp8_histories(Run* r) {
     engine_set_fp8_history(r->fp8_hist);
 }
 
-/* The sidecar's members beyond its own (checkpoint.h): the bandit state, then the fp8 histories
- * (validate_sidecar_room). */
+/* The sidecar's members beyond its own (checkpoint.h): the training data's fingerprint, the bandit
+ * state, then the fp8 histories (validate_sidecar_room). */
 #define SIDECAR_EXTRA_MAX (CKPT_SIDECAR_MAX - CKPT_SIDECAR_OWN_MAX)
 
 static void save_checkpoint(Run* r, int done, const char* reason) {
@@ -177,7 +178,7 @@ static void save_checkpoint(Run* r, int done, const char* reason) {
         }
     mixture_sidecar_json(&r->mix, &r->cfg, bandit_json, sizeof bandit_json);
     engine_get_fp8_history(r->fp8_hist);
-    len = (size_t)snprintf(extra, sizeof extra, "%s", bandit_json);
+    len = (size_t)snprintf(extra, sizeof extra, ",\"data_crc32c\":%lu%s", (unsigned long)r->data_crc, bandit_json);
     fp8_history_sidecar_json(r->fp8_hist, r->n_fp8_hist, extra + len, sizeof extra - len);
     ckpt_write(r->cfg.checkpoint.path, done, r->params, r->m, r->v, n, r->loss_scale, &r->cfg, extra);
     dist_broadcast(&written, sizeof written);
@@ -269,6 +270,27 @@ static int run_locks_checkpoint(const Config* c) {
     return c->checkpoint.path[0] && !c->dump_grads[0] && env_int("RANK", 0) == 0;
 }
 
+/* What the training steps draw from, the mixture's sources in order, then the polish shards, as one
+ * CRC-32C (dataset_fingerprint): the sidecar keeps it, and a resume whose data differ says so. */
+static uint32_t training_data_fingerprint(const Run* r) {
+    uint32_t crc = 0;
+    int i;
+    for (i = 0; i < r->mix.n; i++) crc = dataset_fingerprint(&r->mix.train[i], crc);
+    return r->polish.n_shards ? dataset_fingerprint(&r->polish, crc) : crc;
+}
+
+/* A resume on other training data than the checkpoint's (`make data` run again in between, a glob
+ * that now matches more shards) goes on, as a run may be continued on new data on purpose; but
+ * its batches are no longer those of the run it continues, so it says so. A sidecar written before
+ * sidecars held the fingerprint says nothing. */
+static void warn_if_data_changed(const Run* r) {
+    double x;
+    if (r->sidecar.text && json_find_number(r->sidecar.text, "data_crc32c", &x) && x != (double)r->data_crc)
+        warn("the training data differ from those %s was written with (shards added or removed, or of other lengths "
+             "or contents): the run goes on from step %d, no longer as the run it continues would have",
+             r->cfg.checkpoint.path, r->start_step);
+}
+
 /* Everything that can be wrong with the input is found here, before any large allocation. */
 static void run_validate_inputs(Run* r, int argc, char** argv) {
     Config* c = &r->cfg;
@@ -287,6 +309,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     mixture_open(&r->mix, c);
     if (c->data.val[0]) dataset_open(&r->val, c->data.val, "data.val", V, T);
     if (c->polish.enabled) dataset_open(&r->polish, c->polish.train, "polish.train", V, T);
+    r->data_crc = training_data_fingerprint(r);
     r->start_step = 0;
     r->saved_step = -1;
     if (c->checkpoint.path[0])
@@ -297,6 +320,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
         if (run_locks_checkpoint(c)) ckpt_lock_existing(c->checkpoint.path); /* before the read */
         r->resumed = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer, &r->sidecar);
         r->start_step = r->saved_step = r->resumed.step;
+        warn_if_data_changed(r);
         /* before the start event, which reports p */
         mixture_resume(&r->mix, c, c->checkpoint.path, &r->sidecar, r->start_step);
         if (config_keeps_fp8_histories(c)) fp8_history_read(c->checkpoint.path, &r->sidecar, &r->resumed_fp8);
