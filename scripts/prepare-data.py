@@ -16,6 +16,7 @@ done, so a second run takes seconds.
 
     python scripts/prepare-data.py [--source auto|hermes|chitchat] [--max-records N]
 """
+import errno
 import importlib.util
 import json
 import os
@@ -209,6 +210,10 @@ def main():
             chat = ["--chat", f"chitchat={chitchat_source()}"]
         except ChitchatError as e:
             print(f"error: {e}", file=sys.stderr)
+            return 1
+        except OSError as e:  # writing the converted lines (reading dataset.json is a ChitchatError)
+            why = "the disk is full" if e.errno == errno.ENOSPC else e.strerror or str(e)
+            print(f"error: cannot write {CHITCHAT_HERMES}: {why}", file=sys.stderr)
             return 1
     text = [arg for name in corpus for arg in ("--text", os.path.join(RAW, name))]
     used.append("      text corpus: Shakespeare" + "".join(f", {n}" for n in corpus) + " (licences: docs/ANDREA.md)")

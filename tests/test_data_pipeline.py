@@ -1040,6 +1040,27 @@ def test_a_damaged_chitchat_dataset_is_one_error_naming_it(tmp_path, monkeypatch
     assert "delete it" in errors[0] and sorted(os.listdir(tmp_path)) == ["dataset.json"]
 
 
+@pytest.mark.parametrize("fs", ["tiny_tmpfs", "readonly_tmpfs"])
+def test_converting_chitchat_onto_a_full_or_read_only_disk_is_one_error(tmp_path, monkeypatch, capsys, request, fs):
+    """The chitchat conversations converted to JSON lines are written beside dataset.json; a full or
+    read-only disk there was a traceback. Now it is one error line naming the file, and no temp
+    file is left."""
+    mnt = request.getfixturevalue(fs)
+    mod = load_script("prepare-data")
+    src = tmp_path / "dataset.json"
+    src.write_text(json.dumps({f"c{i}": {"messages": [TURN, [{"text": "yo " * 50, "sender": "b"}]]}
+                               for i in range(1000)}))  # ~200 kB converted: more than the 64 kB disk
+    monkeypatch.setattr(mod, "CHITCHAT_JSON", str(src))
+    monkeypatch.setattr(mod, "CHITCHAT_HERMES", str(mnt / "chitchat_hermes.jsonl"))
+    monkeypatch.setattr(mod, "script", lambda name, *args: 1 if name == "pull-hermes3.py" else 0)
+    monkeypatch.setattr(sys, "argv", ["prepare-data.py", "--no-corpus", "--data-dir", str(tmp_path)])
+    assert mod.main() == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    why = "the disk is full" if fs == "tiny_tmpfs" else "Read-only file system"
+    assert errors == [f"error: cannot write {mnt / 'chitchat_hermes.jsonl'}: {why}"], errors
+    assert os.listdir(mnt) == []
+
+
 # ---------------------------------------------------------------- fetch-assets: damaged downloads
 
 def start_fetch(data, asset, *args, **overrides):
