@@ -353,6 +353,9 @@ def main():
     if args.max_records is not None and args.max_records <= 0:
         print("error: --max-records must be positive", file=sys.stderr)
         return 2
+    if not args.timeout > 0:  # nan too; requests' ValueError would read as a failed download (exit 1)
+        print("error: --timeout must be a positive number of seconds", file=sys.stderr)
+        return 2
     if args.from_file and not os.path.isfile(args.from_file):
         why = f"{file_kind(os.stat(args.from_file).st_mode)}, not a file" if os.path.exists(args.from_file) \
             else "no such file"

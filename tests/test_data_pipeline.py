@@ -256,10 +256,14 @@ def test_pull_from_unreachable_hub_fails_fast_and_clearly(tmp_path):
     (["--from-file", "/nonexistent/x.parquet"], "no such file"),
     (["--from-file", __file__], "unknown extension"),
     (["--max-records", "0"], "--max-records must be positive"),
+    # were "download failed ... re-run to resume", exit 1: a hub that cannot be reached
+    (["--timeout", "0"], "--timeout must be a positive number of seconds"),
+    (["--timeout", "-1"], "--timeout must be a positive number of seconds"),
+    (["--timeout", "nan"], "--timeout must be a positive number of seconds"),
 ])
 def test_pull_bad_usage(args, message, tmp_path):
-    res = run_script("pull-hermes3", *args, "--out", tmp_path / "o.jsonl")
-    assert res.returncode == 2 and message in res.stderr
+    res = run_script("pull-hermes3", *args, "--out", tmp_path / "o.jsonl", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert res.returncode == 2 and message in res.stderr, res.stderr
 
 
 # ---------------------------------------------------------------- prep-megachat
