@@ -414,13 +414,19 @@ class SetLocation:
     def check_out_dir(self):
         """An OUT_DIR that is a real folder (an older layout, or a new empty folder) is taken over
         only when it holds nothing but this set's files; one that is a symbolic link only when the
-        link is one a build made (install removes the set it points to)."""
+        link is one a build made and its set has this name (install removes the set it points to)."""
         if os.path.islink(self.out_dir):
             target = os.readlink(self.out_dir)
             if os.sep in target or not target.startswith(f".{self.base}.set-"):
                 raise BuildError(f"--out-dir {self.out_dir} is a symbolic link to {target}, not one this "
                                  "script made (a build replaces it and removes what it points to); remove "
                                  "the link, or link the folder above it instead")
+            # a set of another --name there would be removed without a word, as a folder's files are not
+            others = [entry for entry in sorted(os.listdir(self.out_dir)) if entry.endswith(".manifest.json")
+                      and entry != f"{self.name}.manifest.json"] if os.path.isdir(self.out_dir) else []
+            if others:
+                raise BuildError(f"--out-dir {self.out_dir} holds a set not named {self.name} ({others[0]}); "
+                                 "give another --out-dir, or remove it to replace that set")
             return
         if not os.path.exists(self.out_dir):
             return

@@ -1428,6 +1428,22 @@ def test_an_out_dir_folder_is_taken_over_only_when_it_holds_a_set(tmp_path):
     assert copied.is_symlink() and shard_bytes(copied) == shard_bytes(tmp_path / "set")
 
 
+def test_a_set_of_another_name_at_out_dir_is_refused_not_replaced(tmp_path):
+    """A build with --name b into the OUT_DIR of a set named a replaced the link, and set a was
+    removed without a word (a real folder holding set a is refused). Now it is refused, named, and
+    set a is kept; the same name rebuilds as before."""
+    chat = small_chat(tmp_path / "c.jsonl")
+    out = tmp_path / "sets"
+    prep(out, "--chat", chat, name="a", extra=SMALL)
+    before = shard_bytes(out)
+    res = run_script("prep-megachat", "--chat", chat, "--out-dir", out, "--name", "b", *SMALL)
+    assert res.returncode == 1 and len(errors_of(res)) == 1, res.stderr
+    assert "holds a set not named b (a.manifest.json)" in errors_of(res)[0], res.stderr
+    assert shard_bytes(out) == before and sorted(before) == ["a_train_000000.bin", "a_val_000000.bin"]
+    prep(out, "--chat", chat, name="a", extra=(*SMALL, "--force"))
+    assert shard_bytes(out) == before
+
+
 @pytest.mark.parametrize("args", [["--chat", "..=C"], ["--chat", ".=C"], ["--chat", "C", "--name", ".hidden"]])
 def test_a_name_that_starts_with_a_dot_is_refused(tmp_path, args):
     """A source named '..' wrote its own set into OUT_DIR itself (as '.._train_000000.bin'), one named
