@@ -34,7 +34,7 @@ import zlib
 
 from microgpt.atomic import write_bytes_atomic
 from microgpt.cli import ArgumentParser
-from microgpt.files import hold_lock
+from microgpt.files import hold_lock, open_regular
 from microgpt.progress import Progress
 from microgpt.tokenizer import ASSET_PATH, ASSET_SHA256  # where the tokenizer reads it
 
@@ -53,8 +53,10 @@ def rel(path):
 
 
 def sha256_of(path):
+    """The file's sha256; one that is no regular file is NotRegularFile (a plain open() of a FIFO
+    would wait for a writer for ever)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(open_regular(path), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()

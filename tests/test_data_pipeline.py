@@ -1117,6 +1117,21 @@ def test_a_download_is_found_in_a_folder_named_like_a_glob(tmp_path):
     assert (data / "raw" / "chitchat" / "dataset.json").read_bytes() == dataset
 
 
+def test_a_fifo_where_the_tokenizer_file_belongs_is_one_error_not_a_hang(tmp_path):
+    """fetch-assets checked a present tokenizer file's sha256 with a plain open(), which waits for
+    ever on a FIFO put in its place. Now that is one error line naming it, exit 1."""
+    fifo = tmp_path / "r50k_base.tiktoken"
+    os.mkfifo(fifo)
+    proc = start_fetch(tmp_path, "tokenizer", ASSET_PATH=str(fifo))
+    try:
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert errors == [f"error: tokenizer: a FIFO, not a regular file ({fifo})"], err
+
+
 def test_a_second_fetch_waits_for_the_first_instead_of_removing_its_work(tmp_path):
     """Two `make data` at once: the second fetch of a corpus source took the first's temporary
     folder for a killed run's and removed it, and the first died with a traceback. Now a source is
