@@ -54,7 +54,7 @@ import numpy as np
 
 from microgpt import tokenizer
 from microgpt.atomic import fsync_dir, write_json_atomic
-from microgpt.cli import ArgumentParser, fail, interrupted
+from microgpt.cli import ArgumentParser, fail, interrupted, output_failed, stdout_closed
 from microgpt.files import RECORD_TOO_LONG, hold_lock, open_regular, read_json, record_lines
 from microgpt.progress import Progress
 from microgpt.shards import MAX_TOKENS, ShardError, ShardStream, read_header, read_shard
@@ -548,6 +548,21 @@ def print_summary(manifest, out=None):
         print(f"  {shard['file']}: {shard['tokens']} tokens", file=out)
 
 
+def show_summary(manifest):
+    """print_summary on stdout, flushed; the exit status. The set is built by then: a stdout that
+    cannot take the table (a full disk, `> /dev/full`; a reader gone, `| head -1`) is said in one
+    line (cli.output_failed) or none (cli.stdout_closed), not a traceback, nor taken for a failed
+    write of the shards."""
+    try:
+        print_summary(manifest)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return stdout_closed()
+    except OSError as e:
+        return output_failed(e)
+    return 0
+
+
 class AddSource(argparse.Action):
     """--chat and --text both append (kind, spec) to args.sources, keeping command-line order."""
 
@@ -612,8 +627,7 @@ def main(argv):
     manifest = None if args.force else up_to_date(manifest_path, fingerprint)
     if manifest is not None:
         print(f"prep-megachat: {args.name} shards are up to date ({manifest_path})", file=sys.stderr)
-        print_summary(manifest)
-        return 0
+        return show_summary(manifest)
 
     where = SetLocation(out_dir, args.name)
     progress = None
@@ -624,8 +638,7 @@ def main(argv):
             if manifest is not None:
                 print(f"prep-megachat: {args.name} shards are up to date ({manifest_path}; "
                       "built by another run meanwhile)", file=sys.stderr)
-                print_summary(manifest)
-                return 0
+                return show_summary(manifest)
             where.check_out_dir()
             where.clean_stale()
             os.makedirs(where.build_dir)
@@ -653,11 +666,11 @@ def main(argv):
     except BaseException:
         remove(where.build_dir)
         raise
-    print_summary(manifest)
+    status = show_summary(manifest)
     if any(src["left_out"] for src in manifest["sources"]):
         print("prep-megachat: some sources' own sets were too small to write (see above); "
               "the mixed set holds all of them", file=sys.stderr)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

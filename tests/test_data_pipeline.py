@@ -1443,6 +1443,20 @@ def test_an_out_dir_folder_is_taken_over_only_when_it_holds_a_set(tmp_path):
     assert copied.is_symlink() and shard_bytes(copied) == shard_bytes(tmp_path / "set")
 
 
+def test_a_summary_that_stdout_cannot_take_is_one_error_not_a_traceback(tmp_path):
+    """The summary table goes to stdout once the set is built; `> /dev/full` ended in a traceback,
+    whether the set was built or up to date. Now it is one error line, exit 1, and the set stands."""
+    chat = small_chat(tmp_path / "c.jsonl")
+    args = [sys.executable, str(REPO / "scripts" / "prep-megachat.py"), "--chat", str(chat),
+            "--out-dir", str(tmp_path / "out"), *map(str, SMALL)]
+    for run in ("built", "up to date"):
+        with open("/dev/full", "w") as full:
+            res = subprocess.run(args, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, env=python_env())
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+        assert errors_of(res) == ["error: cannot write to standard output: No space left on device"], res.stderr
+        assert len(manifest_of(tmp_path / "out")["shards"]) == 2
+
+
 def test_a_set_of_another_name_at_out_dir_is_refused_not_replaced(tmp_path):
     """A build with --name b into the OUT_DIR of a set named a replaced the link, and set a was
     removed without a word (a real folder holding set a is refused). Now it is refused, named, and
