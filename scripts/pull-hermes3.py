@@ -233,6 +233,10 @@ def pull(records, out_path, progress, progress_path, max_records):
         with writing(progress_path):
             write_json_atomic(progress_path, progress)
 
+    # Before the first line: a pull from a new source killed (kill -9) before its first save left
+    # the last source's progress beside the new source's lines, and a rerun of the last source took
+    # them for its own finished pull ("already has N conversations").
+    save()
     try:
         while max_records is None or progress["read"] < max_records:
             record = next(records, StopIteration)

@@ -244,6 +244,29 @@ def test_pull_resumes_where_it_stopped(chitchat, tmp_path):
     assert "already has" not in res.stderr and twice.read_bytes() == once.read_bytes()
 
 
+def test_a_pull_killed_before_its_first_save_leaves_no_other_sources_claim(tmp_path):
+    """A pull from a new source cuts the output and writes its lines, but saved its progress only
+    every 1000 records: killed (kill -9) before the first save, it left the last source's progress
+    beside its own lines, and a rerun of the last source said "already has N conversations" of a
+    file that held the new source's. Now the new source's progress is saved before its first line."""
+    a, b, out = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "h.jsonl"
+    jsonl(a, [{"conversations": [{"from": "human", "value": f"A {i}"}, {"from": "gpt", "value": "a"}]} for i in range(5)])
+    jsonl(b, [{"conversations": [{"from": "human", "value": f"B {i} " + "b" * 20000}, {"from": "gpt", "value": "b"}]}
+              for i in range(100)])
+    ok(run_script("pull-hermes3", "--from-file", a, "--out", out))
+    pulled = out.read_bytes()
+    killed = (f"import importlib.util, os, sys; spec = importlib.util.spec_from_file_location('pull', "
+              f"{str(REPO / 'scripts' / 'pull-hermes3.py')!r}); mod = importlib.util.module_from_spec(spec); "
+              "spec.loader.exec_module(mod); records = mod.iter_local_file; "
+              # the 21st record is never taken: the process dies as kill -9 ends it, no finally run
+              "mod.iter_local_file = lambda path: (r if i < 20 else os._exit(137) for i, r in enumerate(records(path))); "
+              f"sys.argv[1:] = ['--from-file', {str(b)!r}, '--out', {str(out)!r}]; mod.main()")
+    res = subprocess.run([sys.executable, "-c", killed], capture_output=True, text=True, timeout=60, env=python_env())
+    assert res.returncode == 137 and out.stat().st_size > len(pulled), res.stderr
+    res = ok(run_script("pull-hermes3", "--from-file", a, "--out", out))
+    assert "already has" not in res.stderr and out.read_bytes() == pulled, res.stderr
+
+
 def test_pull_from_unreachable_hub_fails_fast_and_clearly(tmp_path):
     # Port 9 (discard) on localhost: refused at once, no traffic leaves the machine.
     res = run_script("pull-hermes3", "--out", tmp_path / "h.jsonl", "--timeout", 3,
