@@ -142,13 +142,18 @@ class Source:
     def units(self, chunk_chars):
         """Yield (payload, position, nbytes): position is "doc" for a whole document, else "first",
         "middle" or "last" chunk of a text file ("doc" for one that fits in one chunk). Files are
-        read in bytes (the only way to count progress exactly); nothing holds a whole file."""
+        read in bytes (the only way to count progress exactly); nothing holds a whole file. An input
+        that cannot be read (removed since it was listed, an I/O error) is a BuildError naming it:
+        main's OSError handler would blame the write of the shards."""
         for path in self.files:
-            with open(open_regular(path), "rb") as f:
-                if self.kind == "chat":
-                    yield from json_lines(f)
-                else:
-                    yield from positioned(text_chunks(f, chunk_chars))
+            try:
+                with open(open_regular(path), "rb") as f:
+                    if self.kind == "chat":
+                        yield from json_lines(f)
+                    else:
+                        yield from positioned(text_chunks(f, chunk_chars))
+            except OSError as e:
+                raise BuildError(f"--{self.kind} {path}: cannot read it ({e.strerror or e})") from None
 
 
 def json_lines(f):

@@ -1466,6 +1466,28 @@ def test_an_out_dir_folder_is_taken_over_only_when_it_holds_a_set(tmp_path):
     assert copied.is_symlink() and shard_bytes(copied) == shard_bytes(tmp_path / "set")
 
 
+def test_an_input_that_cannot_be_read_in_the_build_is_named_not_the_output(tmp_path, monkeypatch, capsys):
+    """An input removed after it was listed (or an I/O error reading it) was reported as "cannot
+    write the megachat shards ...: No such file or directory", as if the output had failed. Now
+    the error line names the input that cannot be read; nothing is installed."""
+    mod = load_script("prep-megachat")
+    folder = tmp_path / "in"
+    folder.mkdir()
+    small_chat(folder / "a.jsonl")
+    small_chat(folder / "b.jsonl")
+    listed = mod.Source.fingerprint
+
+    def removed_meanwhile(self):  # the inputs are fingerprinted once listed, then read
+        digest = listed(self)
+        (folder / "b.jsonl").unlink()
+        return digest
+    monkeypatch.setattr(mod.Source, "fingerprint", removed_meanwhile)
+    assert mod.main(["--chat", str(folder), "--out-dir", str(tmp_path / "out"), *map(str, SMALL)]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --chat {folder / 'b.jsonl'}: cannot read it (No such file or directory)"], errors
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.build-*"))
+
+
 def test_a_summary_that_stdout_cannot_take_is_one_error_not_a_traceback(tmp_path):
     """The summary table goes to stdout once the set is built; `> /dev/full` ended in a traceback,
     whether the set was built or up to date. Now it is one error line, exit 1, and the set stands."""
