@@ -31,6 +31,10 @@ NAME_MAX_BYTES = 100
 DESCRIPTION_MAX_CHARS = 10_000
 PROMPTS_MAX_CHARS = 65_536  # all prompts together
 ARG_MAX_BYTES = 128 * 1024
+# A config is read whole before it is parsed: a longer file is refused unread, where a shard or a disk
+# image given by mistake took all memory. Far above any config the limits above allow (its prompts
+# written as \u escapes, 32 data sources with the longest paths the engine takes).
+CONFIG_MAX_BYTES = 4 << 20
 TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a non-empty string", "path": "a path",
               "glob": "a glob pattern", "bool": "true or false", "prompts": "a list of strings",
               "list": "a list of objects"}
@@ -57,12 +61,16 @@ def float_that_is_not_lost(text):
 def read_config(path):
     """The JSON document at path (any JSON: validate_config says whether it is a config)."""
     try:
-        with open(open_regular(path), encoding="utf-8") as f:  # JSON's, whatever the locale's
-            return loads_json(f.read(), parse_float=float_that_is_not_lost)
-    except FloatUnderflow as e:
-        raise ConfigError(str(e)) from None
+        with open(open_regular(path), "rb") as f:
+            data = f.read(CONFIG_MAX_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"cannot read it: {e.strerror}") from None
+    if len(data) > CONFIG_MAX_BYTES:
+        raise ConfigError(f"it is longer than {CONFIG_MAX_BYTES} bytes, more than any config")
+    try:  # JSON's encoding, whatever the locale's (a UnicodeDecodeError is a ValueError: not valid JSON)
+        return loads_json(data.decode("utf-8"), parse_float=float_that_is_not_lost)
+    except FloatUnderflow as e:
+        raise ConfigError(str(e)) from None
     except DuplicateKeyError as e:
         raise ConfigError(f"{e}; which one is meant is ambiguous (give it once)") from None
     except JsonTooDeep:

@@ -1237,6 +1237,24 @@ def test_a_config_that_is_no_regular_file_is_one_plain_error(tmp_path, cpu_binar
                                                                "regular file"], res.stderr
 
 
+def test_a_config_file_too_large_to_be_one_is_refused_unread(tmp_path, cpu_binary):
+    """The whole file was read before it was parsed: a multi-gigabyte file given as the config (a
+    shard, a disk image, a sparse file) took all memory, or was a MemoryError traceback."""
+    import resource
+    path = tmp_path / "exp.json"
+    with open(path, "wb") as f:
+        f.write(b'{"name": "x"}')
+        f.truncate(8 << 30)  # sparse: no disk space, 8 GiB to read
+    limit = 2 << 30  # far above what the proxy needs; far below the file
+
+    def limit_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    res = subprocess.run([sys.executable, str(PROXY), str(path), "--engine-binary", str(cpu_binary), "--no-server"],
+                         capture_output=True, text=True, env=proxy_env(), timeout=60, preexec_fn=limit_memory)
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        f"error: {path}: it is longer than {config.CONFIG_MAX_BYTES} bytes, more than any config"], res.stderr
+
+
 @pytest.mark.parametrize("flag, value", [("--port", "-1"), ("--port", "65536"), ("--progress-every", "nan"),
                                          ("--progress-every", "-1"), ("--progress-every", "inf")])
 def test_a_proxy_flag_out_of_range_is_one_error_line(exp, cpu_binary, flag, value):
