@@ -256,6 +256,9 @@ def tokenize_prompts(cfg, flags):
     seq_len = cfg["model"]["seq_len"]
     out = []
     for i, text in enumerate(prompts):
+        if tokenizer.has_lone_surrogate(text):  # tiktoken would encode it as U+FFFD without a word
+            raise ConfigError(f'"sample.prompts[{i}]" holds a lone UTF-16 surrogate (a \\ud800-\\udfff '
+                              'escape), which is no text')
         try:
             ids = tokenizer.encode_chat(text)
         except tokenizer.TokenizerUnavailable as e:

@@ -243,6 +243,16 @@ def test_engine_args_are_the_dotted_keys(flags):
     assert args[-1] == "--resume"
 
 
+def test_a_sample_prompt_holding_a_lone_surrogate_is_refused(flags):
+    """Valid JSON ("\\ud83d") reads as a lone surrogate, which tiktoken encodes as U+FFFD without a
+    word: with the full vocabulary the run sampled a continuation of a prompt no one wrote."""
+    cfg = {"name": "x", "model": {"n_layer": 1, "d_model": 8, "n_head": 2, "seq_len": 64},
+           "train": {"steps": 2}, "data": {"train": "a"}, "sample": {"every": 1, "prompts": ["A", "B\ud83d"]}}
+    config.validate_config(cfg, flags)
+    with pytest.raises(config.ConfigError, match=r'"sample.prompts\[1\]" holds a lone UTF-16 surrogate'):
+        config.tokenize_prompts(cfg, flags)
+
+
 def test_a_config_is_read_as_utf8_whatever_the_locale(tmp_path):
     """JSON is UTF-8 (RFC 8259): under an ASCII locale a config holding "é" was "not valid JSON",
     under a Latin-1 one its strings were read as other text."""
