@@ -233,15 +233,27 @@ def _other_shape(engine, shards, path):
     eu.run_ok(engine.binary, tiny_args(shards.train, **{"train.steps": 1, "model.d_model": 16, "checkpoint": path}))
 
 
+# Genuine checkpoints of models whose shape differs from TINY's but whose parameter count is the
+# same, so that only the sidecar tells them apart: one layer with an MLP of 322 for TINY's two of 128
+# (4C² + 2CF + 4C per layer at C = 32), and TINY with 2 heads for 4 (no tensor's size shows n_head).
+SAME_SIZE_SHAPES = {"one_wide_layer": {"model.n_layer": 1, "model.d_ff": 322}, "other_n_head": {"model.n_head": 2}}
 DAMAGE = {"truncated": _truncate, "wrong_n_params": _wrong_n_params}
 
 
-@pytest.mark.parametrize("damage", ["truncated", "wrong_n_params", "other_shape", "missing", "exists_without_resume"])
+@pytest.mark.parametrize("damage", ["truncated", "wrong_n_params", "other_shape", *SAME_SIZE_SHAPES, "missing",
+                                    "exists_without_resume"])
 def test_bad_checkpoint_is_refused_and_left_alone(engine, random_shards, tmp_path, damage):
+    """A checkpoint of another shape with TINY's parameter count passed the n_params check and was
+    resumed with a warning: its tensors read as others (a layer norm's gains as weights), the run
+    trained on and replaced it."""
     ckpt = tmp_path / "bad.ckpt"
     args = tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint": ckpt})
     if damage == "other_shape":
         _other_shape(engine, random_shards, ckpt)
+    elif damage in SAME_SIZE_SHAPES:
+        eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt,
+                                                                   **SAME_SIZE_SHAPES[damage]}))
+        assert read_checkpoint(ckpt).n_params == eu.layout_for()["n_params"]
     elif damage != "missing":
         eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 2, "checkpoint": ckpt}))
         DAMAGE.get(damage, lambda path: None)(ckpt)

@@ -989,6 +989,28 @@ static CkptChecked ckpt_check(const char* path, size_t n_params, int n_layer, Si
     return checked;
 }
 
+/* A checkpoint of another model shape whose parameter count is the config's (one layer with a wide
+ * MLP for two narrow ones; another n_head, which no tensor's size shows) passes ckpt_check's n_params
+ * check: resumed, its tensors would be read as others and the run train on, replacing it. The
+ * sidecar's shape, verified by ckpt_check, tells it apart: refused as another n_params is. Members
+ * a sidecar lacks (an older writer's) are left to the n_params check. */
+static void ckpt_refuse_other_shape(const char* path, const Config* c, const char* sidecar) {
+    struct { const char* key; int value; } shape[6];
+    double x;
+    int i;
+    shape[0].key = "n_layer"; shape[0].value = c->model.n_layer;
+    shape[1].key = "d_model"; shape[1].value = c->model.d_model;
+    shape[2].key = "n_head"; shape[2].value = c->model.n_head;
+    shape[3].key = "d_ff"; shape[3].value = c->model.d_ff;
+    shape[4].key = "seq_len"; shape[4].value = c->model.seq_len;
+    shape[5].key = "padded_vocab_size"; shape[5].value = c->model.padded_vocab_size;
+    for (i = 0; i < (int)(sizeof shape / sizeof shape[0]); i++)
+        if (sidecar && json_find_number(sidecar, shape[i].key, &x) && x != (double)shape[i].value)
+            die_input("checkpoint %s was written with model.%s %.12g, this config has %d (a different model shape "
+                      "with as many parameters); refusing to load or overwrite it", path, shape[i].key, x,
+                      shape[i].value);
+}
+
 /* Reads weights, m and v (n floats each) of the checkpoint `path` from the file that ckpt_check
  * accepted (`checked`), and closes it; m and v NULL: the weights only (--generate, --evaluate). */
 static void ckpt_load(const CkptChecked* checked, const char* path, size_t n, float* params, float* m, float* v) {
@@ -1010,7 +1032,7 @@ static float sidecar_loss_scale(const char* path, int ckpt_step, const Config* c
     double x;
     float loss_scale = 0.0f;
     int i;
-    struct { const char* key; int value; } fp[10];
+    struct { const char* key; int value; } fp[4]; /* the model's shape: ckpt_refuse_other_shape */
     snprintf(side, sizeof side, "%s.json", path);
     if (!text) return 0.0f;
     if (!json_find_number(text, "step", &x) || x != (double)ckpt_step) {
@@ -1024,16 +1046,10 @@ static float sidecar_loss_scale(const char* path, int ckpt_step, const Config* c
     else if (json_has_member(text, "loss_scale"))
         warn("checkpoint sidecar %s holds a loss_scale that is not a positive finite number; the loss scale starts "
              "from its default", side);
-    fp[0].key = "n_layer"; fp[0].value = c->model.n_layer;
-    fp[1].key = "d_model"; fp[1].value = c->model.d_model;
-    fp[2].key = "n_head"; fp[2].value = c->model.n_head;
-    fp[3].key = "d_ff"; fp[3].value = c->model.d_ff;
-    fp[4].key = "seq_len"; fp[4].value = c->model.seq_len;
-    fp[5].key = "vocab_size"; fp[5].value = c->model.vocab_size;
-    fp[6].key = "padded_vocab_size"; fp[6].value = c->model.padded_vocab_size;
-    fp[7].key = "seed"; fp[7].value = c->train.seed;
-    fp[8].key = "batch_size"; fp[8].value = c->train.batch_size;
-    fp[9].key = "grad_accum"; fp[9].value = c->train.grad_accum;
+    fp[0].key = "vocab_size"; fp[0].value = c->model.vocab_size;
+    fp[1].key = "seed"; fp[1].value = c->train.seed;
+    fp[2].key = "batch_size"; fp[2].value = c->train.batch_size;
+    fp[3].key = "grad_accum"; fp[3].value = c->train.grad_accum;
     for (i = 0; i < (int)(sizeof fp / sizeof fp[0]); i++)
         if (json_find_number(text, fp[i].key, &x) && x != (double)fp[i].value) /* as a double: (int)1e300 is undefined */
             warn("resuming with %s = %d, the checkpoint was written with %.12g", fp[i].key, fp[i].value, x);

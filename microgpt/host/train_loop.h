@@ -320,6 +320,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
         if (run_locks_checkpoint(c)) ckpt_lock_existing(c->checkpoint.path); /* before the read */
         r->resumed = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer, &r->sidecar);
         r->start_step = r->saved_step = r->resumed.step;
+        ckpt_refuse_other_shape(c->checkpoint.path, c, r->sidecar.text);
         warn_if_data_changed(r);
         /* before the start event, which reports p */
         mixture_resume(&r->mix, c, c->checkpoint.path, &r->sidecar, r->start_step);
