@@ -21,7 +21,9 @@ USAGE_ERROR = 2
 IO_ERROR = 1  # as the engines' exit status for a read of stdin or a write of an answer that fails
 STDOUT_CLOSED = 128 + signal.SIGPIPE  # 141: a shell's status for a program that SIGPIPE ended
 INTERRUPTED = 128 + signal.SIGINT  # 130: a shell's status for a program that Ctrl-C (SIGINT) ended
-CONTROL_CHARACTERS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but tab and newline, DEL, C1
+# C0 but tab and newline, DEL, C1; and the bidirectional embeddings, overrides and isolates
+# (U+202A..U+202E, U+2066..U+2069), which make a terminal show the rest of the line reordered
+CONTROL_CHARACTERS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 # Every C0 character, DEL, C1, and a byte that is no UTF-8 as Python's surrogateescape holds it (a
 # path's, an argument's: U+DC80..U+DCFF) or any other lone surrogate
 NOT_ONE_LINE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
@@ -126,7 +128,9 @@ def shown_on_terminal(text):
     """Decoded text (a model's words, a tokenizer's output) as a terminal should show it: data, not
     commands. Its control characters (C0 but tab and newline, DEL, C1) are written as \\xNN escapes:
     a terminal acts on them (ESC starts sequences that move the cursor, rewrite the screen or
-    retitle the window; CR returns over the line). For a terminal only: a pipe gets the text."""
+    retitle the window; CR returns over the line); its bidirectional overrides and isolates as
+    \\uXXXX (an U+202E made the rest of a line, the next prompt's echo too, read backwards). For a
+    terminal only: a pipe gets the text."""
     return _escaped(CONTROL_CHARACTERS, text)
 
 

@@ -335,12 +335,15 @@ class TerminalOut(io.StringIO):
 
 def test_control_characters_of_a_reply_are_shown_not_acted_on_by_a_terminal(assets):
     """A model's reply is data, but the chat wrote it to the terminal as it came: an ESC the model
-    wrote (here an OSC sequence that retitles the window) was acted on. On a terminal the control
-    characters but newline and tab are shown as \\xNN; piped output and --json keep the text exact."""
+    wrote (here an OSC sequence that retitles the window) was acted on, and a right-to-left override
+    showed the rest of the line backwards. On a terminal the control characters but newline and tab
+    are shown as \\xNN, the bidirectional overrides and isolates as \\uXXXX; piped output and --json
+    keep the text exact."""
     from microgpt import chat
-    text = "a\x1b]0;pwned\x07b\r\tc\x7f\x9b\n"
+    text = "a\x1b]0;pwned\x07b\r\tc\x7f\x9b\u202ed\u2067\n"
     args = chat.parse_args(["unused", "--temperature", "0"])
-    for out, shown in ((TerminalOut(), "a\\x1b]0;pwned\\x07b\\x0d\tc\\x7f\\x9b\n"), (io.StringIO(), text)):
+    for out, shown in ((TerminalOut(), "a\\x1b]0;pwned\\x07b\\x0d\tc\\x7f\\x9b\\u202ed\\u2067\n"),
+                       (io.StringIO(), text)):
         ids, reply_text, _ = chat.reply(FakeGenerator(tk.encode(text)), [1], args, 0, out)
         assert out.getvalue() == shown and reply_text == text and ids == tk.encode(text)
 
