@@ -277,9 +277,9 @@ def main(argv):
             fn = encode if argv[0] == "encode" else encode_chat
             print(json.dumps(fn(" ".join(argv[1:]))))
         sys.stdout.flush()
-    except TokenizerUnavailable as e:
+    except TokenizerUnavailable as e:  # the tools' status for an asset they cannot use (chat, evaluate, export)
         error(e)
-        return 1
+        return USAGE_ERROR
     except KeyboardInterrupt:  # Ctrl-C while the BPE file loads or a long text is worked on
         return interrupted("tokenizer", "the answer is not complete")
     except BrokenPipeError:  # `... | head -c 10`: its reader went away

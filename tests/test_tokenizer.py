@@ -112,6 +112,18 @@ def test_corrupt_asset_is_refused(assets, fresh_tokenizer, tmp_path, monkeypatch
         tok.encode("x")
 
 
+def test_cli_with_an_unusable_asset_is_one_line_and_the_tools_status(assets, fresh_tokenizer, tmp_path, monkeypatch,
+                                                                      capsys):
+    """The tokenizer CLI exited 1 for a changed asset, the status of a failed write, where chat,
+    evaluate and export exit 2 for the same file: a script could not tell the two apart."""
+    bad = tmp_path / "r50k_base.tiktoken"
+    bad.write_bytes(b"not a bpe file\n")
+    monkeypatch.setattr(tok, "ASSET_PATH", str(bad))
+    assert tok.main(["encode", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "fetch-assets.py" in err, err
+
+
 def test_missing_asset_offline_says_what_to_run(fresh_tokenizer, tmp_path, monkeypatch):
     def offline(name):
         raise ConnectionError("no network")
