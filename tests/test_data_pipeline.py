@@ -1033,6 +1033,17 @@ def test_ctrl_c_in_prepare_data_is_one_line_and_starts_no_next_step(tmp_path, ho
 TURN = [{"text": "hi", "sender": "a"}]
 
 
+def prepare_chitchat_only(monkeypatch, chitchat_json, converted, data_dir):
+    """prepare-data's main with the chitchat conversations at chitchat_json (their JSON-lines form
+    written to `converted`), no corpus, and a Hermes-3 pull that fails; its exit status."""
+    mod = load_script("prepare-data")
+    monkeypatch.setattr(mod, "CHITCHAT_JSON", str(chitchat_json))
+    monkeypatch.setattr(mod, "CHITCHAT_HERMES", str(converted))
+    monkeypatch.setattr(mod, "script", lambda name, *args: 1 if name == "pull-hermes3.py" else 0)
+    monkeypatch.setattr(sys, "argv", ["prepare-data.py", "--no-corpus", "--data-dir", str(data_dir)])
+    return mod.main()
+
+
 @pytest.mark.parametrize("damage, why", [
     ("not JSON", "Expecting"), ("not UTF-8", "utf-8"), ("a key twice", "appears twice"),
     ("fifo", "a FIFO, not a regular file"), ("directory", "a directory, not a regular file"),
@@ -1048,7 +1059,6 @@ def test_a_damaged_chitchat_dataset_is_one_error_naming_it(tmp_path, monkeypatch
     """A chitchat dataset.json edited by hand or damaged (not JSON, other types, a FIFO in its
     place) was a traceback when prepare-data converted it, or a hang on the FIFO. Now it is one
     error line that names the file and says to delete it (fetch-assets then fetches it again)."""
-    mod = load_script("prepare-data")
     src = tmp_path / "dataset.json"
     if damage == "fifo":
         os.mkfifo(src)
@@ -1057,11 +1067,7 @@ def test_a_damaged_chitchat_dataset_is_one_error_naming_it(tmp_path, monkeypatch
     else:
         src.write_bytes({"not JSON": b"{\"c1\": ", "not UTF-8": b'{"c1": "\xff"}', "a key twice": b'{"c1": {}, "c1": {}}'}
                         [damage] if isinstance(damage, str) else json.dumps(damage).encode())
-    monkeypatch.setattr(mod, "CHITCHAT_JSON", str(src))
-    monkeypatch.setattr(mod, "CHITCHAT_HERMES", str(tmp_path / "chitchat_hermes.jsonl"))
-    monkeypatch.setattr(mod, "script", lambda name, *args: 1 if name == "pull-hermes3.py" else 0)
-    monkeypatch.setattr(sys, "argv", ["prepare-data.py", "--no-corpus", "--data-dir", str(tmp_path)])
-    assert mod.main() == 1
+    assert prepare_chitchat_only(monkeypatch, src, tmp_path / "chitchat_hermes.jsonl", tmp_path) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {src}: ") and why in errors[0], errors
     assert "delete it" in errors[0] and sorted(os.listdir(tmp_path)) == ["dataset.json"]
@@ -1073,15 +1079,10 @@ def test_converting_chitchat_onto_a_full_or_read_only_disk_is_one_error(tmp_path
     read-only disk there was a traceback. Now it is one error line naming the file, and no temp
     file is left."""
     mnt = request.getfixturevalue(fs)
-    mod = load_script("prepare-data")
     src = tmp_path / "dataset.json"
     src.write_text(json.dumps({f"c{i}": {"messages": [TURN, [{"text": "yo " * 50, "sender": "b"}]]}
                                for i in range(1000)}))  # ~200 kB converted: more than the 64 kB disk
-    monkeypatch.setattr(mod, "CHITCHAT_JSON", str(src))
-    monkeypatch.setattr(mod, "CHITCHAT_HERMES", str(mnt / "chitchat_hermes.jsonl"))
-    monkeypatch.setattr(mod, "script", lambda name, *args: 1 if name == "pull-hermes3.py" else 0)
-    monkeypatch.setattr(sys, "argv", ["prepare-data.py", "--no-corpus", "--data-dir", str(tmp_path)])
-    assert mod.main() == 1
+    assert prepare_chitchat_only(monkeypatch, src, mnt / "chitchat_hermes.jsonl", tmp_path) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     why = "the disk is full" if fs == "tiny_tmpfs" else "Read-only file system"
     assert errors == [f"error: cannot write {mnt / 'chitchat_hermes.jsonl'}: {why}"], errors
