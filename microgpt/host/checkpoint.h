@@ -51,9 +51,8 @@ static size_t fp8_history_member_max(size_t n) {
 
 /* The longest sidecar a run of n_layer layers writes: its own members, the training data's
  * fingerprint, the bandit state and the fp8 histories (FP8_DELAYED_PER_LAYER a layer), each at its
- * longest. The one place for the fact:
- * train_loop.h refuses a run whose sidecar could outgrow CKPT_SIDECAR_MAX, the readers take
- * SIDECAR_SPACE_FACTOR times it (sidecar_load). */
+ * longest. The one place for the fact: train_loop.h refuses a run whose sidecar could outgrow
+ * CKPT_SIDECAR_MAX, the readers take SIDECAR_SPACE_FACTOR times it (sidecar_load). */
 static size_t sidecar_longest(size_t n_layer) {
     return CKPT_SIDECAR_OWN_MAX + SIDECAR_DATA_MAX + MIXTURE_SIDECAR_MAX +
            fp8_history_member_max(FP8_DELAYED_PER_LAYER * n_layer);
@@ -675,9 +674,8 @@ static void sidecar_check_fp8_classifier(const char* text, const Config* c) {
 
 /* Every member name a sidecar holds (sidecar_text, save_checkpoint in train_loop.h,
  * mixture_sidecar_json in mixture.h, fp8_history_sidecar_json in fp8_history.h; a writer that adds
- * a member adds its name here). The
- * readers find members by name, so a name with a bit flipped would hide its member without a word:
- * "crc33c" would read as a sidecar written before checksums. */
+ * a member adds its name here). The readers find members by name, so a name with a bit flipped
+ * would hide its member without a word: "crc33c" would read as a sidecar written before checksums. */
 static const char* const sidecar_names[] = {
     "step", "n_params", "crc32c", "values_crc32c", "loss_scale", "fingerprint", "n_layer", "d_model", "n_head",
     "d_ff", "seq_len", "vocab_size", "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision",
@@ -823,9 +821,10 @@ static size_t first_non_finite(const float* x, size_t n) {
 }
 
 /* One pass over the open checkpoint file fd (of the size ckpt_check found), streamed through the
- * static buffer: the CRC-32C of all its bytes, and the index in [weights | m | v] of its first value that
- * is no finite number (the count of its values when there is none). Every read but the last fills
- * the buffer, whose size is a multiple of 4, as the header's is: no float straddles two reads. */
+ * static buffer: the CRC-32C of all its bytes, and the index in [weights | m | v] of its first
+ * value that is no finite number (the count of its values when there is none). Every read but the
+ * last fills the buffer, whose size is a multiple of 4, as the header's is: no float straddles two
+ * reads. */
 typedef struct {
     uint32_t crc;
     size_t first_non_finite;
@@ -1032,7 +1031,7 @@ static float sidecar_loss_scale(const char* path, int ckpt_step, const Config* c
     double x;
     float loss_scale = 0.0f;
     int i;
-    struct { const char* key; int value; } fp[4]; /* the model's shape: ckpt_refuse_other_shape */
+    struct { const char* key; int value; } fp[4]; /* the shape's members are ckpt_refuse_other_shape's */
     snprintf(side, sizeof side, "%s.json", path);
     if (!text) return 0.0f;
     if (!json_find_number(text, "step", &x) || x != (double)ckpt_step) {
