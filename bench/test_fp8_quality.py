@@ -440,6 +440,16 @@ def test_svg_lines_leave_out_points_that_are_not_finite_and_text_drops_control_c
     assert len(a.get("points").split()) == 2 and b.get("points") == "" and "nan" not in svg
 
 
+def test_svg_text_drops_the_noncharacters_and_lone_surrogates_xml_forbids():
+    """A label (a data source's name, read from JSON) holding U+FFFF made a figure no XML parser
+    reads, and one holding a lone surrogate ("\\ud800" in the JSON) a figure that could not be
+    written as UTF-8 at all."""
+    from microgpt.svg_chart import svg_figure
+    svg = svg_figure("t\ufffe", [("p", "lines", [("a\uffffb\ud800c\udfffd", [1, 2], [1.0, 2.0])])])
+    root = ET.fromstring(svg.encode("utf-8"))
+    assert [t.text for t in root.iter(SVG + "text")][0] == "t" and "abcd" in [t.text for t in root.iter(SVG + "text")]
+
+
 def test_svg_axes_of_constant_series_at_any_magnitude_and_points_with_x_not_finite():
     from microgpt.svg_chart import svg_figure
     svg = svg_figure("t", [("big y", "lines", [("a", [1, 2, 3], [2e7] * 3)]),        # lo + 1e-9 == lo there

@@ -16,9 +16,15 @@ def colour(i):
     return COLOURS[i % len(COLOURS)]
 
 
+# What XML 1.0 forbids even escaped: the C0 controls but tab and the line ends, U+FFFE and U+FFFF
+# (a parser stops at them), and lone surrogates (a str read from JSON's "\ud800", which no UTF-8
+# writer takes: the figure's file failed to be written)
+XML_FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
 def svg_text(s):
-    """s as SVG text: markup escaped, and the control characters XML 1.0 forbids even escaped dropped."""
-    return html.escape(re.sub(r"[\x00-\x08\x0b\x0c\x0e-\x1f]", "", str(s)))
+    """s as SVG text: markup escaped, and the characters XML 1.0 forbids even escaped dropped."""
+    return html.escape(XML_FORBIDDEN.sub("", str(s)))
 
 
 def is_finite(y):
