@@ -38,6 +38,7 @@ import ipaddress
 import json
 import logging
 import os
+import resource
 import secrets
 import select
 import signal
@@ -542,4 +543,17 @@ def start_for_run(run, host, port, default_port):
 
 def start_for_directory(root, host, port, default_port):
     """`--serve DIR`: every run under DIR, read-only, with DIR's token."""
+    _raise_open_files_limit()
     return start(RunDirectory(root), host, port, default_port, load_token(root))
+
+
+def _raise_open_files_limit():
+    """Every run served keeps its loss log open (run_view.LogFollower), so a directory of a thousand
+    runs took every descriptor of the usual soft limit (1024): the runs past it were shown without
+    records, with a warning that they could not be read, and connections failed. The soft limit is
+    raised to the hard one (as Go's runtime does for every program); descriptors past 1023 are fine
+    here, nothing uses select.select."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):  # an unlimited hard limit, which Linux refuses
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -537,6 +537,35 @@ def test_serve_dir_from_the_command_line(tmp_path):
         assert res.returncode == 2 and "error:" in res.stderr and "Traceback" not in res.stderr, args
 
 
+def test_a_directory_of_more_runs_than_the_soft_open_files_limit_serves_them_all(tmp_path):
+    """Each run served keeps its loss log open: under a soft limit of descriptors (1024 by default;
+    64 here) a directory of more runs than that showed the ones past it without records, said
+    they could not be read, and failed connections."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"a hard limit of {hard} descriptors")
+    root = tmp_path / "runs"
+    n = 100
+    for k in range(n):
+        d = root / f"r{k}"
+        d.mkdir(parents=True)
+        LossLog(str(d / f"r{k}.loss.json")).append([{"step": 1, "loss": 3.0, "seg": 1, "elapsed": 0.0}])
+    proc = subprocess.Popen([sys.executable, str(PROXY), "--serve", str(root), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=proxy_env(),
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard)))
+    try:
+        url, token = proc.stdout.readline().split(": ", 1)[1].strip().split("?token=")
+        with requests.Session() as s:
+            totals = [s.get(url + f"api/records?run=r{k}/r{k}", headers={"X-Run-Token": token},
+                            timeout=10).json()["total"] for k in range(n)]
+        assert totals == [1] * n
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert "cannot read it" not in err and "Traceback" not in err, err[-2000:]
+
+
 def test_malformed_requests_write_nothing_on_the_proxys_terminal(tmp_path):
     """http.server wrote a line on stderr for every request it could not parse (a bad request line,
     a path too long, too many headers, another HTTP version): any local client, without the
