@@ -25,6 +25,7 @@ the same rule: a resume record at step k supersedes every earlier record with st
 therefore appear in non-decreasing step order, which lets supersede_after() stop at the first live
 record at or below k instead of scanning the whole file.
 """
+import bisect
 import json
 import math
 import os
@@ -338,15 +339,18 @@ class LossLog:
                     return rec
         return None
 
-    def read_json(self, first, limit):
+    def read_json(self, first, limit, max_bytes=None):
         """Records first..first+limit-1 as the bytes of a JSON array (no parsing), and the index
-        after the last one returned."""
+        after the last one returned. With max_bytes, only those that start within max_bytes of the
+        first (at least one): a count of records alone bounds nothing where records are large."""
         with self.lock:
             n = len(self.starts)
             first = max(0, min(first, n))
             stop_i = min(n, first + max(0, limit))
             if stop_i == first:
                 return b"[]", first
+            if max_bytes is not None:
+                stop_i = bisect.bisect_right(self.starts, self.starts[first] + max_bytes, first + 1, stop_i)
             stop = self.starts[stop_i] - 2 if stop_i < n else self.end
             chunk = os.pread(self.fd, stop - self.starts[first], self.starts[first])
         return b"[" + chunk + b"]", stop_i

@@ -25,10 +25,10 @@ The Host header must name this machine (a loopback name, an IP literal, or this 
 a page cannot reach the server through DNS rebinding.
 
 Resources are bounded so that no client can slow training: at most MAX_CONNECTIONS connections
-(one thread each), MAX_STREAMS live streams, one message of at most STREAM_CHUNK records buffered
-per stream, and a client that does not take its data, or send a request's head, within
-SEND_TIMEOUT_SECONDS, or goes on sending for longer after its answer, is dropped. The
-engine's output is read by the proxy's own threads, which never wait on a client.
+(one thread each), MAX_STREAMS live streams, one message of at most STREAM_CHUNK records (and
+MESSAGE_BYTES) buffered per stream, and a client that does not take its data, or send a
+request's head, within SEND_TIMEOUT_SECONDS, or goes on sending for longer after its answer, is
+dropped. The engine's output is read by the proxy's own threads, which never wait on a client.
 """
 import base64
 import contextlib
@@ -61,6 +61,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DASHBOARD = os.path.join(os.path.dirname(HERE), "scripts", "live-loss-dashboard.html")
 CHUNK = 20000  # records per /api/records answer at most
 STREAM_CHUNK = 5000  # records per stream message: catches up fast, bounds each stream's buffer
+# bytes of records per answer or message at most (and one record more): a log of records of
+# megabytes each (not the proxy's, whose are hundreds of bytes) made each answer gigabytes in memory
+MESSAGE_BYTES = 1 << 23
 POLL_SECONDS = 0.2
 PING_SECONDS = 15
 MAX_CONNECTIONS = 64
@@ -323,7 +326,7 @@ def _int_arg(name, default):
 
 def _records_message(log, first, limit):
     """({"next","total","records"} as bytes, next): raw bytes from the log, never parsed here."""
-    body, nxt = log.read_json(first, limit)
+    body, nxt = log.read_json(first, limit, MESSAGE_BYTES)
     # One record per line on disk; a message is one line (SSE data may not contain newlines, and
     # records never do: json.dumps escapes them).
     msg = b'{"next":%d,"total":%d,"records":' % (nxt, len(log)) + body.replace(b"\n", b"") + b"}"

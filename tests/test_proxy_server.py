@@ -318,6 +318,30 @@ def open_stream(server, run="alpha/alpha", rcvbuf=None):
     return s, s.recv(64).split(b"\r\n")[0]
 
 
+def test_an_answer_of_large_records_is_bounded_in_bytes(served_dir, monkeypatch):
+    """An answer held up to CHUNK records and a stream message STREAM_CHUNK, whatever their size: a
+    log of records of megabytes each (in a served directory) made every answer gigabytes in the
+    server's memory. Past MESSAGE_BYTES an answer ends (one record more at most), and the cursor
+    takes the client on to the rest."""
+    monkeypatch.setattr(proxy_server, "MESSAGE_BYTES", 50_000, raising=False)
+    server, root = served_dir
+    big = root / "big"
+    big.mkdir()
+    LossLog(str(big / "big.loss.json")).append([{"step": i, "loss": 1.0, "pad": "x" * 10_000}
+                                                for i in range(1, 41)])
+    steps, cursor, pages = [], 0, 0
+    while cursor < 40:
+        r = get(server, f"api/records?run=big/big&from={cursor}")
+        assert len(r.content) < 50_000 + 2 * 10_100, len(r.content)
+        msg = r.json()
+        steps += [rec["step"] for rec in msg["records"]]
+        cursor, pages = msg["next"], pages + 1
+    assert steps == list(range(1, 41)) and pages > 1
+    with get(server, "api/stream?run=big/big", stream=True) as s:
+        head = next(s.iter_lines())
+    assert head.startswith(b"id: ") and int(head[4:]) < 40
+
+
 def test_streams_and_connections_are_bounded(served_dir):
     server, _ = served_dir
     before = threading.active_count()
