@@ -109,8 +109,10 @@ def _read_token(path):
     except FileNotFoundError:
         return None
     if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
-        with open(path) as f:
-            token = f.read().strip()
+        # bytes: a file damaged into something that is no UTF-8 was a UnicodeDecodeError, a
+        # traceback at every start; a token is ASCII (it goes in a header), anything else is no token
+        with open(path, "rb") as f:
+            token = f.read(1024).decode("ascii", "replace").strip()
         if len(token) >= 16 and token.replace("-", "").replace("_", "").isalnum():
             return token
     say(f"warning: {path} was not an owner-only token file; making a new token")

@@ -163,6 +163,17 @@ def test_the_token_is_stable_and_owner_only(tmp_path):
     assert len(proxy_server.load_token(str(root))) >= 16 and path.is_dir()
 
 
+def test_a_token_file_that_is_no_text_is_replaced_not_a_traceback(tmp_path, capsys):
+    """An owner-only token file damaged into bytes that are no UTF-8 was a UnicodeDecodeError at
+    every start of the proxy or of --serve; it is no token, so it is replaced, as any other."""
+    path = tmp_path / proxy_server.TOKEN_FILE
+    path.write_bytes(b"\xff\xfe" + b"a" * 30 + b"\n")
+    path.chmod(0o600)
+    token = proxy_server.load_token(str(tmp_path))
+    assert len(token) >= 16 and token.isascii() and path.read_text().strip() == token
+    assert "making a new token" in capsys.readouterr().err
+
+
 def test_a_link_planted_at_the_token_temp_name_is_not_written_through(tmp_path):
     """The token's temp name is foreseeable (TOKEN.PID.tmp): a link planted there must neither
     receive the secret nor leave it in a file others can read."""
