@@ -373,6 +373,15 @@ def test_model_flags_come_from_the_sidecar_and_bad_setups_are_refused(cpu_binary
 
 
 
+@pytest.mark.parametrize("mode", ["--generate", "--evaluate"])
+def test_a_model_flag_of_another_shape_with_as_many_parameters_is_refused(cpu_binary, trained, pattern_shards, mode):
+    """--model.n_head 2 for the sidecar's 4 (no tensor's size shows n_head) passed the size check,
+    and the engine served answers, or a loss, of the weights read as another model's."""
+    res = eu.run_engine(cpu_binary, [mode, "--checkpoint", trained["ckpt"], "--data.val", pattern_shards[1],
+                                     "--model.n_head", "2"])
+    assert res.rc == 2 and len(res.errors) == 1 and "model.n_head 4" in res.errors[0], res.describe()
+
+
 def test_a_damaged_checkpoint_says_how_to_use_the_previous_one_here(cpu_binary, trained, tmp_path):
     """A damaged checkpoint with a previous slot is refused by --generate as by training, with the
     way back to the previous slot; that way ended "then run again with --resume", a flag --generate

@@ -641,6 +641,7 @@ static int evaluate_main(int argc, char** argv) {
     param_layout_init(&r->layout, c);
     /* before any large allocation */
     r->resumed = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer, &r->sidecar);
+    ckpt_refuse_other_shape(c->checkpoint.path, c, r->sidecar.text); /* as --generate: its loss a wrong model's */
     if (c->eval.batches == 0) c->train.batch_size = 1;
     dataset_open(&r->val, c->data.val, "data.val", c->model.vocab_size, c->model.seq_len);
     r->inputs = (int*)xmalloc((size_t)c->train.batch_size * c->model.seq_len * sizeof(int), "batch inputs");
