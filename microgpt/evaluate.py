@@ -83,8 +83,8 @@ def tokenize_file(path):
 
 
 def run_evaluate(engine, ckpt, shard_glob, batches, warn=None):
-    """ENGINE --evaluate -> its {"loss", "tokens", "batches"} record. warn (a function of one line),
-    where given, gets the engine's warning lines (a checkpoint loaded unverified, §15)."""
+    """ENGINE --evaluate -> its {"loss", "tokens", "batches", "checkpoint_step"} record. warn (a function
+    of one line), where given, gets the engine's warning lines (a checkpoint loaded unverified, §15)."""
     cmd = [engine, "--evaluate", "--checkpoint", ckpt, "--data.val", shard_glob, "--eval.batches", str(batches)]
     try:
         res = subprocess.run(cmd, capture_output=True, **ENGINE_TEXT)
@@ -150,8 +150,10 @@ def evaluate(engine, model, data, batches, warn=None):
         raise InferenceError(f"the model's loss on {data} is no finite number: its weights overflow the forward "
                              "pass (an untrained, diverged or edited checkpoint)")
     loss = float(record["loss"])
-    return {"loss": loss, "perplexity": perplexity(loss), "tokens": record["tokens"],
-            "batches": record["batches"], "checkpoint": ckpt, "step": shape["step"], "data": data,
+    # the step of the checkpoint the engine scored, not the sidecar's read above: a run still training
+    # replaces the file every checkpoint.every steps, also while a large text is tokenized
+    return {"loss": loss, "perplexity": perplexity(loss), "tokens": record["tokens"], "batches": record["batches"],
+            "checkpoint": ckpt, "step": record.get("checkpoint_step", shape["step"]), "data": data,
             "engine": engine_name(engine), **extra}
 
 

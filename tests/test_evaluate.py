@@ -9,6 +9,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -361,6 +362,32 @@ def test_ctrl_c_is_one_line_not_a_traceback(trained_model, cpu_binary, monkeypat
     monkeypatch.setattr(ev, "run_evaluate", interrupted)
     assert ev.main([str(trained_model.ckpt), trained_model.val, "--engine", "cpu"]) == 130
     assert capsys.readouterr().err.strip() == "evaluate: interrupted; nothing was scored"
+
+
+def test_the_step_is_that_of_the_checkpoint_scored(trained_model, cpu_binary, tmp_path, monkeypatch, capsys):
+    """A run still training renames a new checkpoint into place every checkpoint.every steps; one
+    that arrived after the sidecar's step was read (a large text takes a while to tokenize) was
+    scored and reported under the step read before it."""
+    ckpt = tmp_path / "m.ckpt"
+    shutil.copy(trained_model.ckpt, ckpt)
+    shutil.copy(f"{trained_model.ckpt}.json", f"{ckpt}.json")
+    real_read = evaluate_module.read_model_shape
+
+    def read_then_replace(path):
+        shape = real_read(path)
+        raw = bytearray(ckpt.read_bytes())
+        raw[0:4] = np.array([41], dtype="<i4").tobytes()  # the next checkpoint, step 41
+        (tmp_path / "next").write_bytes(bytes(raw))
+        shutil.copy(f"{ckpt}.json", tmp_path / "next.json")
+        eu.reseal_checkpoint(tmp_path / "next")
+        os.replace(tmp_path / "next.json", f"{ckpt}.json")  # as the engine writes it: sidecar, then checkpoint
+        os.replace(tmp_path / "next", ckpt)
+        return shape
+
+    monkeypatch.setattr(evaluate_module, "read_model_shape", read_then_replace)
+    assert evaluate_module.main([str(ckpt), trained_model.val, "--engine", "cpu", "--batches", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step"] == 41, out
 
 
 def test_sigterm_stops_the_engine_and_removes_the_temporary_shard(trained_model, cpu_binary, tmp_path):

@@ -627,9 +627,10 @@ static double eval_all_windows(Run* r, uint64_t* windows) {
 }
 
 /* --evaluate: the loss of --checkpoint on --data.val as one JSON line
- * {"loss":L,"tokens":N,"batches":n}. With eval.batches n > 0 it is run_eval's data.val figure: the training
- * loop's val_loss on the same batches (seed, batch size and precision from the sidecar), bit for
- * bit on the same engine; with 0 it is the mean over every whole window (eval_all_windows). */
+ * {"loss":L,"tokens":N,"batches":n,"checkpoint_step":s}. With eval.batches n > 0 it is run_eval's
+ * data.val figure: the training loop's val_loss on the same batches (seed, batch size and
+ * precision from the sidecar), bit for bit on the same engine; with 0 it is the mean over every
+ * whole window (eval_all_windows). */
 static int evaluate_main(int argc, char** argv) {
     static Run run; /* static: Config holds paths */
     Run* r = &run;
@@ -658,9 +659,12 @@ static int evaluate_main(int argc, char** argv) {
     } else {
         loss = eval_all_windows(r, &batches);
     }
-    fprintf(stdout, "{\"loss\":%s,\"tokens\":%llu,\"batches\":%llu", json_num(b, sizeof b, loss),
+    /* the step of the checkpoint scored: a run still training may have replaced the file since its
+     * caller read the sidecar, and the loss is this one's (not "step": no training step record) */
+    fprintf(stdout, "{\"loss\":%s,\"tokens\":%llu,\"batches\":%llu,\"checkpoint_step\":%d",
+            json_num(b, sizeof b, loss),
             (unsigned long long)(batches * (uint64_t)c->train.batch_size * (uint64_t)c->model.seq_len),
-            (unsigned long long)batches);
+            (unsigned long long)batches, r->resumed.step);
     answer_line_end();
     engine_shutdown();
     run_free(r);
