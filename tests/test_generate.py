@@ -246,6 +246,25 @@ def test_top_p_and_top_k_one_are_greedy_and_padded_rows_never_drawn(cpu_binary, 
     assert len(set(hot)) > 5, "temperature 50 should spread the draws"
 
 
+
+def test_a_logit_that_overflowed_to_infinity_takes_the_softmax_whole(cpu_binary, tmp_path):
+    """A diverged model whose logits overflow: tokens 5 and 7 at +inf hold all of the softmax, half
+    each. inf - inf made their weights NaN: top-k sampling drew its k-th best token every time, and
+    the full softmax the last infinite one (7), never 5."""
+    layout = eu.layout_for()
+    n = layout["n_params"]
+    params = np.random.default_rng(0).normal(0, 0.02, n).astype(np.float32)
+    tensors = {name: params[sl].reshape(sh) for name, (sl, sh) in eu.tensor_slices(layout).items()}
+    tensors["lnf.gamma"][:], tensors["lnf.beta"][:] = 0.0, 1e30  # every position's final state 1e30
+    tensors["wte"][[5, 7]] = 1e10  # their logits past the largest float: +inf
+    ckpt = tmp_path / "inf.ckpt"
+    write_checkpoint(ckpt, 0, params, np.zeros(n), np.zeros(n))
+    model = [a for k, v in TINY.items() if k.startswith("model.") for a in (f"--{k}", v)]
+    served = serve(cpu_binary, ckpt, [{"id": "k", "prompt": [1], "max_tokens": 12, "top_k": 40, "seed": 1},
+                                      {"id": "all", "prompt": [1], "max_tokens": 12, "seed": 1}], *model)
+    assert set(served.tokens("k")) == set(served.tokens("all")) == {5, 7}, served.records
+
+
 # ---------------------------------------------------------------------------------------------------
 # ending a request, bad requests
 

@@ -84,14 +84,19 @@ static int sampler_top(Sampler* s, const float* logits, int k) {
 }
 
 /* softmax(logits / temperature) over the whole vocabulary inverted at u, in id order: no sort
- * (it would cost more than a GPU decode step). NaN logits have no weight. */
+ * (it would cost more than a GPU decode step). NaN logits have no weight. A logit equal to the
+ * largest weighs 1, exp(0), also where that is an infinity (a logit that overflowed a diverged
+ * model's forward): inf - inf would be NaN and every weight's sum NaN, and no token's share would
+ * be its softmax's. */
 static int sample_full(Sampler* s, const float* logits, double temperature, double u) {
     double max = -INFINITY, total = 0.0, acc = 0.0;
     int i, last = 0;
     for (i = 0; i < s->V; i++)
         if (logits[i] > max) max = logits[i];
     for (i = 0; i < s->V; i++) {
-        s->weight[i] = logits[i] == logits[i] ? exp(((double)logits[i] - max) / temperature) : 0.0;
+        s->weight[i] = logits[i] != logits[i] ? 0.0
+                       : logits[i] == max     ? 1.0
+                                              : exp(((double)logits[i] - max) / temperature);
         total += s->weight[i];
     }
     for (i = 0; i < s->V; i++) {
@@ -118,7 +123,8 @@ static int sample_token(Sampler* s, const float* logits, double temperature, int
     if (n == 1) return s->cand[0].id;
     max = s->cand[0].value;
     for (i = 0; i < n; i++) {
-        s->weight[i] = exp(((double)s->cand[i].value - max) / temperature);
+        /* the largest weighs 1 also where it is an infinity, as in sample_full */
+        s->weight[i] = s->cand[i].value == max ? 1.0 : exp(((double)s->cand[i].value - max) / temperature);
         total += s->weight[i];
     }
     if (top_p < 1.0) {
