@@ -219,6 +219,24 @@ def read_checkpoint(path):
     return Checkpoint(str(path), step, n, body[:n], body[n:2 * n], body[2 * n:], read_sidecar(path))
 
 
+def read_params(path):
+    """(step, weights) of a checkpoint, the weights read into memory, not mapped: a mapping reads the
+    file only when its pages are touched, so a file rewritten in place before then (cp over it)
+    would give another file's weights, in part, and one cut shorter a SIGBUS. CheckpointError where
+    fewer weights than the header's count could be read (the file cut short meanwhile)."""
+    step, n = read_header(path)
+    try:
+        with os.fdopen(open_regular(path), "rb") as f:
+            f.seek(HEADER_BYTES)
+            params = np.fromfile(f, dtype="<f4", count=n)
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    if len(params) != n:
+        raise CheckpointError(f"checkpoint {path}: {len(params)} of its {n} weights could be read (cut short "
+                              "while it was read?)")
+    return step, params
+
+
 def write_checkpoint(path, step, params, m, v):
     """A checkpoint in the engine's format (for tests and tools that make one from other weights)."""
     params, m, v = (np.asarray(a, dtype="<f4").ravel() for a in (params, m, v))

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import threading
 
-from microgpt.checkpoint import (CheckpointError, SidecarError, load_sidecar, read_checkpoint, sidecar_name_twice,
+from microgpt.checkpoint import (CheckpointError, SidecarError, load_sidecar, read_params, sidecar_name_twice,
                                  sidecar_values_intact, split_params)
 from microgpt.engines import ENGINE_TEXT, ENGINES, EngineChoiceError, EngineQueryError, param_layout, select_engine
 from microgpt.files import NotRegularFile, open_regular
@@ -119,8 +119,9 @@ def read_model_params(ckpt, warn=None):
     says (`--layout-json` of the CPU engine, which every machine builds), checked first as an
     engine checks a checkpoint it loads (verify_checkpoint; warn: its warnings). The weights read
     are those of the file checked: a checkpoint replaced meanwhile (a run still training writes a
-    new one every checkpoint.every steps, by a rename) is an error, not weights of another step
-    exported under the checked one's step and shape."""
+    new one every checkpoint.every steps, by a rename; cp writes over it in place) is an error, not
+    weights of another step exported under the checked one's step and shape; they are read into
+    memory before that check, not mapped."""
     try:
         before = file_identity(os.stat(ckpt))
     except OSError as e:
@@ -129,15 +130,15 @@ def read_model_params(ckpt, warn=None):
     verify_checkpoint(ckpt, warn)
     try:
         layout = param_layout(ENGINES["cpu"], [a for k in MODEL_FLAGS for a in (f"--model.{k}", str(shape[k]))])
-        checkpoint = read_checkpoint(ckpt)
+        _, params = read_params(ckpt)  # in memory: a mapping would read the file when exported, seconds later
         try:
-            after = file_identity(os.stat(ckpt))  # the same file from before the check to after its mapping
+            after = file_identity(os.stat(ckpt))  # the same file from before the check to after its read
         except OSError:
             after = None
         if before != after:
             raise InferenceError(f"checkpoint {ckpt} changed while it was read (a run still writing checkpoints "
                                  "there?); try again, or stop the run first")
-        return shape, split_params(checkpoint.params, layout)
+        return shape, split_params(params, layout)
     except (CheckpointError, EngineQueryError) as e:
         raise InferenceError(str(e)) from None
 

@@ -511,6 +511,33 @@ def test_a_checkpoint_replaced_while_it_is_exported_is_an_error(trained_model, t
     assert not out.exists()
 
 
+def test_a_checkpoint_rewritten_in_place_after_it_was_read_is_not_what_is_exported(trained_model, tmp_path,
+                                                                                    monkeypatch):
+    """The weights were a memory mapping of the checkpoint, read only when the files were made,
+    seconds after the check: a checkpoint rewritten in place meanwhile (cp over it) was exported
+    in part as the checked one (and one cut shorter ended the export in a SIGBUS)."""
+    from safetensors.numpy import load_file
+    module = load_export_module()
+    ckpt = tmp_path / "m.ckpt"
+    shutil.copy(trained_model.ckpt, ckpt)
+    shutil.copy(f"{trained_model.ckpt}.json", f"{ckpt}.json")
+    real_read = module.read_model_params
+
+    def read_then_rewrite(path, warn=None):
+        shape, params = real_read(path, warn)
+        with open(path, "r+b") as f:  # in place: the same file, other weights
+            f.seek(8)
+            f.write(np.full(1000, 0.5, dtype="<f4").tobytes())
+        return shape, params
+
+    monkeypatch.setattr(module, "read_model_params", read_then_rewrite)
+    out = tmp_path / "out"
+    assert module.main([str(ckpt), str(out)]) == 0
+    wte = load_file(out / "model.safetensors")["transformer.wte.weight"]
+    checked = np.fromfile(trained_model.ckpt, dtype="<f4", count=1000, offset=8)
+    assert np.array_equal(wte.ravel()[:1000], checked)
+
+
 def test_a_path_with_a_newline_or_an_escape_is_quoted_on_one_line(trained_model, tmp_path):
     """An error line quoted OUT_DIR as it was: a newline in it made two lines, an escape sequence
     drove the terminal. Both are written as \\xNN, as the engines write theirs (DESIGN §3.8)."""
