@@ -8,6 +8,7 @@ continuation and its logits. KV-cache decoding is checked against recomputing th
 fp32 and bf16, the same tokens whatever a request is batched with, and --evaluate equal to its own
 training loop's val_loss.
 """
+import fcntl
 import json
 import os
 import shutil
@@ -530,6 +531,32 @@ def test_a_checkpoint_replaced_after_its_check_is_not_what_is_loaded(cpu_binary,
     assert not (tmp_path / "nan.ckpt").exists(), "the shim swapped nothing"
     assert res.rc == 0 and len(res.lines) == 1, res.describe()
     assert json.loads(res.lines[0], parse_float=str)["loss"] == trained["val_loss_text"], res.describe()
+
+
+@pytest.mark.parametrize("mode", ["--generate", "--evaluate"])
+def test_a_pair_read_between_a_live_runs_renames_is_not_called_damage_to_undo(cpu_binary, trained, pattern_shards,
+                                                                             tmp_path, mode):
+    """--generate and --evaluate take no lock, so they may read a checkpoint and its sidecar between
+    the two renames of an engine still writing there: of different steps, the pair was called
+    damaged, with the advice to move the previous slot over it (mv PATH.prev PATH ...), under a run
+    that goes on writing. Where another process holds PATH.lock the error says the path is being
+    written instead; where none does, the way back is offered as before."""
+    ckpt = tmp_path / "m.ckpt"
+    for suffix in ("", ".prev"):
+        shutil.copy(trained["ckpt"], f"{ckpt}{suffix}")
+        side = eu.read_sidecar(trained["ckpt"])
+        side["step"] += 10 if suffix == "" else 0  # the newer sidecar renamed in, its checkpoint not yet
+        Path(f"{ckpt}{suffix}.json").write_text(json.dumps(side))
+    cmd = [str(cpu_binary), mode, "--checkpoint", str(ckpt), "--data.val", str(pattern_shards[1])]
+    with open(f"{ckpt}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        live = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    errors = [l for l in live.stderr.splitlines() if l.startswith("error:")]
+    assert live.returncode == 2 and len(errors) == 1, live.stderr
+    assert "is writing checkpoints there" in errors[0] and "mv " not in errors[0], errors
+    idle = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    errors = [l for l in idle.stderr.splitlines() if l.startswith("error:")]
+    assert idle.returncode == 2 and len(errors) == 1 and f"mv {ckpt}.prev {ckpt}" in errors[0], idle.stderr
 
 
 def test_a_checkpoint_path_too_long_is_the_flag_error_not_a_sidecar_one(cpu_binary, tmp_path):

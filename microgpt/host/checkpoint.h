@@ -466,12 +466,29 @@ static int ckpt_header_step(const char* path) {
     return ok && header[0] >= 0 ? header[0] : -1;
 }
 
+/* Whether another process holds f's lock: an engine writing checkpoints there. --generate and
+ * --evaluate take no lock (§15), so they may read between that engine's two renames, where the
+ * checkpoint and its sidecar are of different steps; that pair is no damage to undo by hand. */
+static int ckpt_lock_held_elsewhere(const CkptFiles* f) {
+    int held, fd;
+    if (g_ckpt_lock_fd >= 0) return 0;
+    fd = open(f->lock, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return 0;
+    held = flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+    close(fd);
+    return held;
+}
+
 /* One error line for a damaged checkpoint: what is wrong, that nothing was changed, and how to
  * go back to the previous slot where there is one. The same words serve training (which then
  * resumes with --resume) and --generate / --evaluate (which refuse --resume: the same command
- * again). */
+ * again). Where an engine is writing checkpoints there, no way back is offered: the pair read
+ * may be one caught between its renames (ckpt_lock_held_elsewhere). */
 static void ckpt_refuse_damaged(const CkptFiles* f, const char* what) {
     int prev_step = file_exists(f->prev) ? ckpt_header_step(f->prev) : -1;
+    if (ckpt_lock_held_elsewhere(f))
+        die_input("checkpoint %s %s; an engine holding %s is writing checkpoints there (read between its writes?): "
+                  "run again, or once that run has stopped", f->ckpt, what, f->lock);
     if (prev_step >= 0)
         die_input("checkpoint %s %s; it is left as it is. The previous checkpoint %s (step %d) is kept: to go back to "
                   "it, run mv %s %s && mv %s %s, then run again (training: with --resume)", f->ckpt, what, f->prev,
