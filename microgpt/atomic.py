@@ -65,6 +65,24 @@ def write_json_atomic(path, obj):
         f.write(json_text(obj))
 
 
+def remove_stale_temps(directory, names):
+    """The temp files (NAME.tmpPID) of the given names in `directory` that a process killed mid-write
+    left (kill -9, a power loss): its cleanup never ran, and an export's are model-sized. Only those
+    whose process is gone; a live one's temp file is its own."""
+    prefixes = {f"{name}.tmp": name for name in names}
+    for entry in os.listdir(directory):
+        head, sep, pid = entry.rpartition(".tmp")
+        if not sep or f"{head}.tmp" not in prefixes or not pid.isdigit() or pid != str(int(pid)):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.remove(os.path.join(directory, entry))
+        except (PermissionError, OverflowError):  # another user's process, or no pid at all
+            continue
+
+
 def write_files_atomic(directory, files, last=None):
     """Several files {name: bytes} in `directory` as one change: every temp file is written and
     fsynced before the first rename, so a failure while writing (a full disk) leaves the directory as
@@ -72,11 +90,13 @@ def write_files_atomic(directory, files, last=None):
     given, names the file a reader looks for first (an export's config.json): the old one is removed
     before the first rename and the new one renamed after every other, so that such a crash leaves
     it missing, never a set that looks whole with old or missing files in it. A directory where a
-    file belongs, which no rename replaces, is refused before anything is written."""
+    file belongs, which no rename replaces, is refused before anything is written; the temp files
+    of these names that a killed writer left are removed first (remove_stale_temps)."""
     for name in files:
         target = os.path.join(directory, name)
         if os.path.isdir(target) and not os.path.islink(target):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
+    remove_stale_temps(directory, files)
     temps = {}
     try:
         for name, data in files.items():

@@ -1,6 +1,8 @@
 """microgpt/atomic.py: a file is replaced whole or not at all, and no temp file is left behind."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -87,3 +89,20 @@ def test_a_link_planted_at_the_temp_name_is_not_written_through(tmp_path):
         assert victim.read_bytes() == b"precious" and (out / name).read_bytes() == b"new " + name[:1].encode()
     assert sorted(os.listdir(out)) == ["a.bin", "b.bin"]
 
+
+
+def test_the_temp_files_of_a_killed_writer_are_removed_and_a_live_ones_kept(tmp_path):
+    """An export killed mid-write (kill -9) left its model-sized temp files (NAME.tmpPID) in the
+    folder for good: the next export's own cleanup knew only its own pid. Those of a process that is
+    gone are now removed before the write; a live process's, and other files, are left alone."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = os.getppid()
+    names = [f"model.bin.tmp{dead.pid}", f"config.json.tmp{dead.pid}", f"model.bin.tmp{live}",
+             f"other.bin.tmp{dead.pid}", f"model.bin.tmp0{dead.pid}", "model.bin.tmpx"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"left")
+    write_files_atomic(tmp_path, {"model.bin": b"new", "config.json": b"{}"}, last="config.json")
+    assert sorted(os.listdir(tmp_path)) == sorted(["model.bin", "config.json", f"model.bin.tmp{live}",
+                                                   f"other.bin.tmp{dead.pid}", f"model.bin.tmp0{dead.pid}",
+                                                   "model.bin.tmpx"])
