@@ -121,8 +121,9 @@ class LogFollower:
         next one starts less its ",\n" (LossLog.read_json), so each is checked to be a JSON object
         in exactly that layout first: one damaged record, or two commas, a blank line between
         records, a "\r" (a blank to JSON, the end of a line to an event stream), would make every
-        answer holding it unparseable. The log is indexed up to the record before it, and no
-        further, with one warning."""
+        answer holding it unparseable; so would a line of READ_BYTES or more (no record of ours)
+        be awaited for ever as a write under way. The log is indexed up to the record before it,
+        and no further, with one warning."""
         pos, found, layout_ok = 0, [], True  # found: (offset in data, record) of each complete record line
         while True:
             nl = data.find(b"\n", pos)
@@ -145,6 +146,8 @@ class LogFollower:
                 layout_ok = False
                 break
             pos = nl + 1
+        if pos == 0 and len(data) == READ_BYTES and data.find(b"\n") < 0:
+            layout_ok = False  # a line longer than a read, which no record of ours is: else awaited for ever
         whole = _whole_records(record for _, record in found)
         for offset, record in found[:whole]:
             self.starts.append(self.scanned + offset)

@@ -296,7 +296,10 @@ def test_a_huge_state_file_is_served_as_empty_with_one_warning(served_dir, capsy
                                            (b'"loss":1},\n', 11), (b'"loss":1},\n[', 11),
                                            # beyond a double: JSON.parse reads Infinity, which no
                                            # axis can hold (one such step emptied every chart)
-                                           (b'"loss":1e999}', 10), (b'"loss":-' + b"9" * 400 + b'}', 10)])
+                                           (b'"loss":1e999}', 10), (b'"loss":-' + b"9" * 400 + b'}', 10),
+                                           # longer than a read: awaited for ever as a write under
+                                           # way, the log silently shown no further
+                                           (b'"loss":1,"x":"' + b"x" * run_view.READ_BYTES + b'"}', 10)])
 def test_a_damaged_record_in_a_served_log_is_not_served(served_dir, damage, whole, capsys):
     """`--serve` follows logs it does not validate at start; records are served as raw bytes, so
     one damaged record (a hand edit, a NaN that Python's json takes and JSON.parse does not) made
