@@ -84,11 +84,19 @@ class LogFollower:
         self.scanned = 0  # offset of the first byte not yet indexed
         self.damaged = None  # what is wrong with the record at self.scanned, if anything
 
-    def _reopen(self):
+    def close(self):
+        """No log open: a removed one's disk space is given back, and nothing of it is served."""
+        with self.lock:
+            self._close()
+
+    def _close(self):
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
         self._forget()
+
+    def _reopen(self):
+        self._close()
         self.fd = open_inside(self.root, self.path)
         st = os.fstat(self.fd)
         self.ident = (st.st_dev, st.st_ino)
@@ -107,7 +115,8 @@ class LogFollower:
                     self._index(os.pread(self.fd, min(size - self.scanned, READ_BYTES), self.scanned))
                     if self.scanned == before:  # a write under way: its line is looked at next time
                         break
-        except FileNotFoundError:
+        except FileNotFoundError:  # removed (or a link out put in its place): the open log was kept,
+            self.close()           # its records served and its disk space held, for as long as served
             return
         except OSError as e:  # another user's run, owner-only: no records, rather than a 500 a time
             if not self.unreadable:
@@ -222,6 +231,9 @@ class RunView:
         self._looked = 0.0
         self._lock = threading.Lock()
 
+    def close(self):
+        self._log.close()
+
     def _refresh(self):
         with self._lock:
             now = time.monotonic()
@@ -263,6 +275,7 @@ class RunDirectory:
             if time.monotonic() - self._scanned < SCAN_SECONDS:
                 return
             self._scanned = time.monotonic()
+            found = set()
             for d, dirs, names in os.walk(self.root):
                 depth = os.path.relpath(d, self.root).count(os.sep) + (d != self.root)
                 dirs[:] = sorted(x for x in dirs if x != "archive" and depth + 1 < SCAN_DEPTH)
@@ -270,8 +283,13 @@ class RunDirectory:
                     path = os.path.join(d, n)
                     if n.endswith(LOSS_SUFFIX) and len(n) > len(LOSS_SUFFIX) and inside(self.root, path):
                         run_id = os.path.relpath(path, self.root)[:-len(LOSS_SUFFIX)]
+                        found.add(run_id)
                         if run_id not in self._runs:
                             self._runs[run_id] = RunView(path, self.root)
+            # a run removed or renamed since is listed no more (renamed, it was listed twice), and
+            # its log is closed: an open one held a removed log's disk space as long as served
+            for run_id in set(self._runs) - found:
+                self._runs.pop(run_id).close()
 
     def listing(self):
         self._scan()

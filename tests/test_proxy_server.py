@@ -7,6 +7,7 @@ import errno
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -228,6 +229,31 @@ def test_the_served_directory_follows_runs_on_disk(served_dir):
     # Read-only: no controls.
     assert requests.post(server.url + "api/stop", headers={"X-Run-Token": server.token},
                          timeout=10).status_code == 405
+
+
+def descriptors_of(path):
+    """How many of this process's open descriptors are of `path` (as /proc names it)."""
+    fds = [f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd")]
+    return sum(1 for fd in fds if os.path.islink(fd) and os.readlink(fd) == str(path))
+
+
+def test_a_run_removed_or_renamed_is_no_more_listed_and_its_log_closed(served_dir):
+    """The served directory kept every run it had found: one removed stayed listed, its records
+    served and its log open (the disk space of a removed log held as long as the server ran), and
+    one renamed was listed twice. Both now follow the directory."""
+    server, root = served_dir
+    assert get(server, "api/records?run=beta/beta").json()["total"] == 200
+    log = root / "beta" / "beta.loss.json"
+    held = descriptors_of(log)
+    shutil.rmtree(root / "beta")
+    (root / "alpha").rename(root / "delta")
+    deadline = time.monotonic() + 30
+    while [r["id"] for r in get(server, "api/runs").json()] != ["delta/alpha"]:
+        assert time.monotonic() < deadline, get(server, "api/runs").json()
+        time.sleep(0.1)
+    assert get(server, "api/records?run=beta/beta").status_code == 404
+    assert get(server, "api/records?run=delta/alpha").json()["total"] == 300
+    assert descriptors_of(f"{log} (deleted)") == held - 1  # the server's; make_run's writer keeps its own
 
 
 def first_stream_records(server, query, headers=None):
