@@ -102,26 +102,43 @@ static void dist_lost(int peer, const char* what) {
     die_io("rank %d: lost rank %d (%s); the run stops (the last checkpoint is kept)", g_dist.rank, peer, what);
 }
 
-/* Waits until fd is ready for `events`, at most the timeout; a dead or silent peer ends the run.
- * `stoppable`: a stop signal ends the wait too; returns 1 then, else 0. */
-static int dist_wait(int fd, short events, int peer, int stoppable) {
-    double deadline = dist_now_s() + g_dist.timeout_s;
+/* How a wait on a socket ended (dist_poll_until). */
+enum { DIST_READY, DIST_TIMED_OUT, DIST_STOPPED, DIST_POLL_FAILED };
+
+/* Polls fd for `events` until it is ready or the deadline (dist_now_s) passes. `stoppable`: a stop
+ * signal ends the wait too, read at least every DIST_STOP_POLL_MS. *revents: poll's, when ready;
+ * errno stands where the poll failed. */
+static int dist_poll_until(int fd, short events, double deadline, int stoppable, short* revents) {
     for (;;) {
         struct pollfd p;
         double left = deadline - dist_now_s();
         int rc, ms = left > 1000.0 ? 1000000 : (int)(left * 1000.0) + 1;
-        if (stoppable && g_stop_signal) return 1;
-        if (left <= 0) dist_lost(peer, "no answer within ANDREA_DIST_TIMEOUT_S");
+        if (stoppable && g_stop_signal) return DIST_STOPPED;
+        if (left <= 0) return DIST_TIMED_OUT;
         if (stoppable && ms > DIST_STOP_POLL_MS) ms = DIST_STOP_POLL_MS;
         p.fd = fd; p.events = events; p.revents = 0;
         rc = poll(&p, 1, ms);
         if (rc < 0 && errno == EINTR) continue; /* a signal: its flag is read between steps (stoppable: above) */
-        if (rc < 0) dist_lost(peer, strerror(errno));
+        if (rc < 0) return DIST_POLL_FAILED;
         if (rc > 0) {
-            if (p.revents & (POLLERR | POLLNVAL)) dist_lost(peer, "it exited or its connection broke");
-            return 0; /* readable, writable, or hung up (then recv reads 0: "it exited") */
+            *revents = p.revents;
+            return DIST_READY;
         }
     }
+}
+
+/* Waits until fd is ready for `events`, at most the timeout; a dead or silent peer ends the run.
+ * `stoppable`: a stop signal ends the wait too; returns 1 then, else 0. */
+static int dist_wait(int fd, short events, int peer, int stoppable) {
+    short revents = 0;
+    switch (dist_poll_until(fd, events, dist_now_s() + g_dist.timeout_s, stoppable, &revents)) {
+    case DIST_STOPPED: return 1;
+    case DIST_TIMED_OUT: dist_lost(peer, "no answer within ANDREA_DIST_TIMEOUT_S"); break;
+    case DIST_POLL_FAILED: dist_lost(peer, strerror(errno)); break;
+    default: break;
+    }
+    if (revents & (POLLERR | POLLNVAL)) dist_lost(peer, "it exited or its connection broke");
+    return 0; /* readable, writable, or hung up (then recv reads 0: "it exited") */
 }
 
 static void dist_send(int peer, const void* buf, size_t bytes) {
@@ -253,19 +270,14 @@ static int dist_accept_all(struct sockaddr_in a) {
 static int dist_try_connect(int fd, const struct sockaddr_in* a, double deadline) {
     int err = 0, flags = fcntl(fd, F_GETFL);
     socklen_t len = sizeof err;
+    short revents;
     if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) return -1;
     if (connect(fd, (const struct sockaddr*)a, sizeof *a) == 0) return 0;
     if (errno != EINPROGRESS && errno != EINTR) return -1;
-    for (;;) {
-        struct pollfd p;
-        double left = deadline - dist_now_s();
-        int rc;
-        if (g_stop_signal) return 1;
-        if (left <= 0) return -1;
-        p.fd = fd; p.events = POLLOUT; p.revents = 0;
-        rc = poll(&p, 1, left * 1000.0 > DIST_STOP_POLL_MS ? DIST_STOP_POLL_MS : (int)(left * 1000.0) + 1);
-        if (rc < 0 && errno != EINTR) return -1;
-        if (rc > 0) break;
+    switch (dist_poll_until(fd, POLLOUT, deadline, 1, &revents)) {
+    case DIST_READY: break;
+    case DIST_STOPPED: return 1;
+    default: return -1;
     }
     if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) return -1;
     return 0;
