@@ -301,6 +301,9 @@ BANDIT_DAMAGE = {"gain_nan": _bandit_edit(gain=[float("nan"), 0.0]), "gain_infin
                  # more probe rounds than the 4 steps before the checkpoint; INT_MAX overflowed the count
                  "rounds_past_the_steps": _bandit_edit(rounds=5), "rounds_int_max": _bandit_edit(rounds=2147483647),
                  "variance_negative": _bandit_edit(reward_var=-1.0), "mean_nan": _bandit_edit(reward_mean=float("nan")),
+                 # beyond what drops of float losses give: a mean of 1e308 overflowed the variance to inf
+                 # (every later z 0, the sidecar's reward_var null); a variance of 1e308 silenced the rewards
+                 "mean_huge": _bandit_edit(reward_mean=1e308), "variance_huge": _bandit_edit(reward_var=1e308),
                  "gains_overflow": _bandit_edit(gain=[1.7e308, -1.7e308])}
 
 

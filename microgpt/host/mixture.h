@@ -235,11 +235,18 @@ static int json_find_array(const char* text, const char* key, double* out, int m
     return n;
 }
 
+/* The largest raw reward a run can leave: a probe loss is a float (engine_forward_loss) and not
+ * negative, so no drop exceeds FLT_MAX in size, nor does their running mean (an average of drops);
+ * a deviation from it stays within 2·FLT_MAX, so the running variance stays below (2·FLT_MAX)². */
+#define BANDIT_REWARD_MAX ((double)FLT_MAX)
+
 /* Restores the bandit state from `text`, the sidecar `side` of the checkpoint being resumed
  * (mixture_resume). A sidecar without it
  * (the checkpoint of a run without a bandit), with another number of sources or other names (or
  * order: the gains belong to sources by name), or with a state no
- * run leaves (a gain, mean or variance that is no finite number, a negative variance, a count of
+ * run leaves (a gain that is no finite number, a mean or variance beyond what drops of float
+ * losses give (BANDIT_REWARD_MAX: a mean of 1e308 overflowed the next round's variance to inf,
+ * which silenced every later reward and wrote "reward_var":null), a negative variance, a count of
  * rounds that is no int or more than the `done` steps before the checkpoint (at most one probe a
  * step: so the count cannot overflow however long the run goes on), gains whose probabilities
  * overflow; the bandit state has no checksum of its own) starts the bandit afresh, with a warning:
@@ -262,8 +269,8 @@ static void mixture_restore(Mixture* m, const Config* c, const char* side, const
         return;
     }
     if (n < 0 || !json_find_number(text, "rounds", &x) || !(x >= 0 && x <= done && x == floor(x)) ||
-        !json_find_number(text, "reward_mean", &mean) || !isfinite(mean) ||
-        !json_find_number(text, "reward_var", &var) || !(var >= 0 && var <= DBL_MAX)) {
+        !json_find_number(text, "reward_mean", &mean) || !(fabs(mean) <= BANDIT_REWARD_MAX) ||
+        !json_find_number(text, "reward_var", &var) || !(var >= 0 && var <= 4.0 * BANDIT_REWARD_MAX * BANDIT_REWARD_MAX)) {
         warn("the bandit state in %s is not well-formed (damaged or edited): the bandit starts afresh", side);
         return;
     }
