@@ -39,6 +39,9 @@ TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a non-empty stri
               "glob": "a glob pattern", "bool": "true or false", "prompts": "a list of strings",
               "list": "a list of objects"}
 ITEM_INDEX = re.compile(r"\.(N|\d+)\.")  # the item index of a list-item flag: data.sources.N.train
+# A data source's name, as the engine takes it (config.h's config_validate_sources: ASCII letters and
+# digits, ".", "_", "-"), and each name once
+SOURCE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 class ConfigError(ValueError):
@@ -220,6 +223,7 @@ def validate_config(cfg, flags):
         if f.get("one_of") and len(given) != 1:
             raise ConfigError(f'give one of "{f["one_of"][0]}" and "{f["one_of"][1]}"'
                               + (", not both" if given else f': missing key "{f["one_of"][0]}"'))
+    _check_source_names(cfg.get("data", {}).get("sources", []))
     name = cfg["name"]
     if (not all(c.isalnum() or c in "._-" for c in name) or name.startswith(".")
             or len(name.encode("utf-8")) > NAME_MAX_BYTES):
@@ -227,6 +231,22 @@ def validate_config(cfg, flags):
                           f'most {NAME_MAX_BYTES} bytes in UTF-8), not {_shown(name)}')
     _check_length("description", cfg.get("description", ""), DESCRIPTION_MAX_CHARS)
     _check_length("sample.prompts", "".join(cfg.get("sample", {}).get("prompts", [])), PROMPTS_MAX_CHARS)
+
+
+def _check_source_names(sources):
+    """The sources' names, checked here as the engine checks them: found only by the engine, a name
+    was first printed as it stood by the proxy's warnings (a newline in it forged an "error:" line)
+    and the run directory made before the engine refused it."""
+    first = {}
+    for i, source in enumerate(sources):
+        name = source["name"]
+        if not SOURCE_NAME.fullmatch(name):
+            raise ConfigError(f'"data.sources[{i}].name" must be letters, digits, ".", "_" or "-" (it names the '
+                              f'source in records), not {_shown(name)}')
+        if name in first:
+            raise ConfigError(f'"data.sources[{i}].name" {_shown(name)} is already the name of '
+                              f'data.sources[{first[name]}]')
+        first[name] = i
 
 
 def _shown(text, limit=60):

@@ -446,6 +446,10 @@ def test_config_sources_become_indexed_flags(flags):
     ({"sources": []}, '"data.sources" must be a list of objects'),
     ({"sources": [{"name": "a", "train": "a"}] * 33}, '"data.sources" holds 33 items; at most 32'),
     ({"train": "t_*.bin"}, '"data.train" and "data.sources", not both'),
+    ({"sources": [{"name": "a\nerror: forged", "train": "a"}]}, '"data.sources[0].name" must be letters'),
+    ({"sources": [{"name": "caf\u00e9", "train": "a"}]}, '"data.sources[0].name" must be letters'),  # the engine's are ASCII
+    ({"sources": [{"name": "a", "train": "a"}, {"name": "a", "train": "b"}]},
+     '"data.sources[1].name" "a" is already the name of data.sources[0]'),
 ])
 def test_bad_mixture_config_names_the_key(flags, change, message):
     cfg = mixture_config(**change)
@@ -549,6 +553,24 @@ def test_proxy_refuses_a_bad_mixture_before_launching(cpu_binary, tmp_path):
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and '"data.sources[1].weight" must be a number' in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_proxy_refuses_a_bad_source_name_before_its_warnings(cpu_binary, tmp_path):
+    """A source's name is the proxy's to refuse, as the engine would: found only by the engine, it was
+    first printed as it stood in the proxy's warning about passes over the data, where a newline in
+    it forged an "error:" line. One error line, the name escaped, no run directory."""
+    exp = ProxyFixtureDir(tmp_path)
+    cfg = json.loads(exp.config(steps=20000).read_text())  # 20000 steps read the shards ~30 times: a warning
+    cfg["data"] = {"sources": [{"name": "a\nerror: forged", "train": str(exp.train)},
+                               {"name": "b", "train": str(exp.train)}], "val": str(exp.val)}
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps(cfg))
+    res = subprocess.run([sys.executable, str(PROXY), str(path), "--engine-binary", str(cpu_binary),
+                          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, env=proxy_env(),
+                         timeout=60)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and '"data.sources[0].name"' in lines[0], res.stderr
+    assert "forged" in lines[0] and not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------------------------------------------
