@@ -56,10 +56,12 @@ def discover_sources(sources_dir):
     return out
 
 
-def read_experiment(path, engine, sources):
+def read_experiment(path, engine, sources, bandit_run=True):
     """The experiment's config, checked against the engine's flags as every run gets it: its data
-    the discovered sources and its data.val, the validation set every run is measured on. A section
-    that is no object or a mistyped key is one error line, not a traceback."""
+    the discovered sources and its data.val, the validation set every run is measured on; with the
+    bandit run, its bandit section (without one that run is static-uniform under another name, and
+    the comparison compares a static mixture with itself). A section that is no object or a
+    mistyped key is one error line, not a traceback."""
     try:
         flags = engine_flags(ENGINES[engine])
     except EngineChoiceError as e:
@@ -74,6 +76,8 @@ def read_experiment(path, engine, sources):
             validate_config(base, flags)  # it names what is no object
         if "val" not in data:
             raise ConfigError('missing key "data.val" (the validation set every run is measured on)')
+        if bandit_run and "bandit" not in base:
+            raise ConfigError('missing key "bandit.every" (the bandit run\'s settings)')
     except ConfigError as e:
         sys.exit(f"error: config {path}: {e}")
     return base
@@ -208,7 +212,7 @@ def main():
     if len(sources) < 2:
         sys.exit(f"error: {args.sources_dir} holds {len(sources)} source folder(s) with shards; the experiment needs "
                  "at least 2 (run `make data`)")
-    base = read_experiment(args.experiment, args.engine, sources)
+    base = read_experiment(args.experiment, args.engine, sources, "bandit" in runs)
     configs, tokens = run_configs(base, sources, args.steps, args.eval_every)
     try:  # before the first run, not after it
         os.makedirs(args.out, exist_ok=True)

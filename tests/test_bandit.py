@@ -899,6 +899,9 @@ def test_plot_bandit_keeps_the_old_figure_when_a_write_fails(tmp_path):
      '"train.warmup_steps"'),
     ({"name": "x", "model": {k.split(".")[1]: v for k, v in TINY.items() if k.startswith("model.")},
       "train": {"steps": 1}, "data": {"sources": []}}, 'missing key "data.val"'),
+    # no bandit section: the "bandit" run trained the static uniform mixture and was reported as the bandit
+    ({"name": "x", "model": {k.split(".")[1]: v for k, v in TINY.items() if k.startswith("model.")},
+      "train": {"steps": 1}, "data": {"sources": [], "val": "v"}}, 'missing key "bandit.every"'),
 ])
 def test_a_bad_experiment_is_one_clear_error(cpu_binary, sources, tmp_path, experiment, words):
     """scripts/bandit-experiment.py read its --experiment as any JSON and indexed into it: a section
