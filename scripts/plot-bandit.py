@@ -21,10 +21,15 @@ from microgpt.svg_chart import colour, svg_figure
 
 
 def numbers(xs, missing_ok=False):
-    """xs, if every one is a JSON number (or null where missing_ok: a loss that was no finite
-    number, which the charts leave out); else ValueError: a garbled file must not reach the drawing,
-    where it fails with a traceback or draws nonsense."""
-    if not all((isinstance(x, (int, float)) and not isinstance(x, bool)) or (missing_ok and x is None) for x in xs):
+    """xs, if every one is a finite JSON number (or, where missing_ok, null or not finite: a loss that
+    was no finite number, which the charts leave out); else ValueError: a garbled file must not reach
+    the drawing, where it fails with a traceback or draws nonsense (Python's json reads NaN and
+    Infinity, which the stack of p drew as "nan" coordinates)."""
+    def ok(x):
+        if x is None or isinstance(x, bool) or not isinstance(x, (int, float)):
+            return missing_ok and x is None
+        return missing_ok or math.isfinite(x)
+    if not all(ok(x) for x in xs):
         raise ValueError("not numbers")
     return xs
 

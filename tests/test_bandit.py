@@ -850,6 +850,9 @@ GARBLED_RESULTS = {
                                                                "p": [{"step": 1, "p": [0.5]}]}}},
     "p-null": {"sources": ["a", "b"], "runs": {"bandit": {"sources": ["a", "b"], "val": [],
                                                           "p": [{"step": 1, "p": [0.5, None]}]}}},
+    # Python's json writes and reads NaN: the stack drew it as "nan" coordinates
+    "p-nan": {"sources": ["a", "b"], "runs": {"bandit": {"sources": ["a", "b"], "val": [],
+                                                         "p": [{"step": 1, "p": [float("nan"), 0.5]}]}}},
 }
 
 
@@ -857,7 +860,8 @@ GARBLED_RESULTS = {
 def test_plot_bandit_on_garbled_results_is_one_clear_error(tmp_path, garbled):
     """scripts/plot-bandit.py on a bandit-experiment.json of the wrong shape (runs a list, a loss
     that is no number, a p with too few or null entries) ended in a traceback (AttributeError,
-    IndexError, or a TypeError from the SVG drawing). One `error:` line, exit 2, no figure."""
+    IndexError, or a TypeError from the SVG drawing), or (a NaN) drew nonsense. One `error:` line,
+    exit 2, no figure."""
     (tmp_path / "bandit-experiment.json").write_text(json.dumps(GARBLED_RESULTS[garbled]))
     res = subprocess.run([sys.executable, str(eu.REPO / "scripts" / "plot-bandit.py"), str(tmp_path), "--svg"],
                          capture_output=True, text=True, timeout=120, env=eu.python_env())
