@@ -9,6 +9,7 @@ import os
 import numpy as np
 
 from microgpt.atomic import atomic_open
+from microgpt.cli import one_line
 from microgpt.files import open_regular
 
 MAGIC = 20240520
@@ -142,7 +143,8 @@ def passes_warning(what, pattern, tokens_read):
         return None
     if total == 0 or tokens_read <= MAX_PASSES * total:
         return None
-    return (f"warning: {what} reads {tokens_read / 1e6:.1f}M tokens from {pattern}, which holds "
+    # one_line: a glob is the user's text, and a newline in it would forge a line of its own
+    return (f"warning: {what} reads {tokens_read / 1e6:.1f}M tokens from {one_line(pattern)}, which holds "
             f"{total / 1e6:.1f}M: {tokens_read / total:.1f} passes over the same data (more than "
             f"{MAX_PASSES} and a model memorises its data); add data or shorten the run")
 

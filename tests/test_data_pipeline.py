@@ -753,6 +753,13 @@ def test_passes_warning_from_shard_headers(tmp_path):
     cfg["polish"] = {"start_step": 300, "train": str(tmp_path / "p_train_*.bin"), "lr": 1e-4}
     [line] = run_passes_warnings(cfg)  # pretraining now 3 passes; polish 101 x 100 over 1000 tokens
     assert line.startswith("warning: the polish phase") and "10.1 passes" in line
+    # a glob is the user's text: a newline in it forged an "error:" line of its own
+    odd = tmp_path / "a\nerror: b"
+    odd.mkdir()
+    write_shard(odd / "p_train_000000.bin", np.zeros(1000, np.uint16))
+    cfg["polish"]["train"] = str(odd / "p_train_*.bin")
+    [line] = run_passes_warnings(cfg)
+    assert "\n" not in line and "a\\x0aerror: b" in line, line
 
 
 # ---------------------------------------------------------------- the text corpus (Debian packages)
