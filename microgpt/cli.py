@@ -78,13 +78,27 @@ def no_stderr_to_devnull():
     sys.stderr: print(..., file=sys.stderr) writes to stdout instead (a notice inside the result)
     and input() fails ("lost sys.stderr"). Descriptor 2 and sys.stderr are opened on /dev/null: what
     the tool would say goes nowhere, as asked, and its result is as with stderr open."""
-    if sys.stderr is not None:
-        return
+    if sys.stderr is None:
+        sys.stderr = _devnull_stream(2)
+
+
+def no_output_to_devnull():
+    """For a tool whose stdout, like its stderr, carries only what it says (the training proxy: its
+    result is the run directory), started with either closed: that descriptor and its sys stream
+    are opened on /dev/null, and the tool runs as with them open (Python's None for a closed one
+    was an AttributeError traceback at the first message)."""
+    if sys.stdout is None:
+        sys.stdout = _devnull_stream(1)
+    no_stderr_to_devnull()
+
+
+def _devnull_stream(fd):
+    """/dev/null opened on the closed file descriptor fd, as a line-buffered text stream."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    if devnull != 2:
-        os.dup2(devnull, 2)
+    if devnull != fd:
+        os.dup2(devnull, fd)
         os.close(devnull)
-    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+    return open(fd, "w", buffering=1, errors="backslashreplace", closefd=False)
 
 
 def output_failed(e):

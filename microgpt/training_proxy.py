@@ -30,6 +30,10 @@ def hold_signals():
 
 if __name__ == "__main__":
     hold_signals()
+    # `>&-` or `2>&-`: the proxy's messages go nowhere and it trains as usual (microgpt.terminal
+    # takes sys.stdout and sys.stderr as they are when it is imported, below)
+    from microgpt.cli import no_output_to_devnull
+    no_output_to_devnull()
 
 from microgpt.checkpoint import sidecar_step, whole_checkpoint_step
 from microgpt.cli import ArgumentParser, fail

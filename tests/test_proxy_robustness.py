@@ -476,6 +476,40 @@ def test_plain_progress_lines_then_a_summary(exp, cpu_binary):
     assert f"export it:     python scripts/export-hf.py {exp.path('.ckpt')} OUT_DIR" in out
 
 
+CRASHING_ENGINE = """#!{python}
+# A stand-in engine that starts, says why it fails on stderr and exits 1 (a machine failure)
+import json, os, sys
+if sys.argv[1:] == ["--flags-json"]:
+    os.execv({cpu!r}, [{cpu!r}, "--flags-json"])
+print(json.dumps({{"event": "start", "step": 0, "steps": 5}}), flush=True)
+print("memory plan: a line before the error", file=sys.stderr, flush=True)
+print("error: the machine failed", file=sys.stderr, flush=True)
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("closed", ["stdout", "stderr"])
+def test_a_proxy_started_with_its_output_closed_runs_as_usual(exp, cpu_binary, tmp_path, closed):
+    """`proxy ... >&-` (or `2>&-`): Python has no sys.stdout (sys.stderr), so the terminal's first
+    message was an AttributeError traceback at import, and the engine's stderr pass-through thread
+    died at its first line, the engine's error line never reaching the crashed run's message."""
+    from proxy_util import PROXY, proxy_env
+    engine = tmp_path / "engine.py"
+    engine.write_text(CRASHING_ENGINE.format(python=sys.executable, cpu=str(cpu_binary)))
+    engine.chmod(0o755)
+    fd = {"stdout": 1, "stderr": 2}[closed]
+    proc = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=5)), "--engine-binary",
+                           str(engine), "--run-dir", str(exp.run_dir), "--no-server"],
+                          stdout=subprocess.PIPE if fd == 2 else None,
+                          stderr=subprocess.PIPE if fd == 1 else None, text=True, env=proxy_env(),
+                          preexec_fn=lambda: os.close(fd), timeout=60)
+    assert "Traceback" not in (proc.stdout or "") + (proc.stderr or ""), proc
+    assert proc.returncode == 1, proc
+    state = exp.state()
+    assert state["status"] == "crashed", state
+    assert state["message"] == "engine exited with code 1: error: the machine failed", state
+
+
 def test_on_a_terminal_the_progress_line_is_rewritten_in_place(exp, cpu_binary):
     import pty
     from proxy_util import PROXY, proxy_env
