@@ -3,12 +3,11 @@ records go to the loss log, everything else updates the run's state, samples and
 import collections
 import json
 import os
-import sys
 import time
 
 from microgpt.config import config_changes, describe_changes
 from microgpt.run_dir import archive_samples_and_state, keep_checkpoint, point_archived_state_at
-from microgpt.terminal import say
+from microgpt.terminal import say, terminal
 
 
 def decode_tokens(ids):
@@ -77,7 +76,7 @@ class EventHandler:
         except ValueError:
             rec = None
         if not isinstance(rec, dict):  # not protocol: show it rather than lose it
-            sys.stderr.write(line)
+            terminal.passthrough(line)
             return
         handler = {None: self.on_record, "start": self.on_start, "sample": self.on_sample,
                    "polish": self.on_polish, "checkpoint": self.on_checkpoint,

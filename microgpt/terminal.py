@@ -28,22 +28,33 @@ class Terminal:
 
     def _clear(self):
         if self.shown:
-            self.out.write("\r\033[K")
-            self.out.flush()
+            self._write(self.out, "\r\033[K")
             self.shown = False
+
+    @staticmethod
+    def _write(stream, text):
+        """Write and flush. A reader of the proxy's output that went away (`proxy | tee log`, tee
+        ended by the same Ctrl-C that stops the run; `| head`) is no failure of the run, which its
+        directory records: the proxy goes on, what it says going to /dev/null from then on (a
+        BrokenPipeError here crashed the run, and killed its stderr pass-through thread)."""
+        try:
+            stream.write(text)
+            stream.flush()
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())  # the text still buffered is flushed there later
+            os.close(devnull)
 
     def say(self, msg):
         with self.lock:
             self._clear()
-            self.out.write(f"[proxy] {msg}\n")
-            self.out.flush()
+            self._write(self.out, f"[proxy] {msg}\n")
 
     def passthrough(self, text):
         """A line of the engine's stderr, as it came."""
         with self.lock:
             self._clear()
-            self.err.write(text)
-            self.err.flush()
+            self._write(self.err, text)
 
     def progress(self, line):
         """Show the progress line if it is due (the caller may call this as often as it likes)."""
@@ -53,12 +64,11 @@ class Terminal:
         self.last_progress = now
         with self.lock:
             if self.tty:
-                self.out.write("\r" + line[:max(20, _columns() - 1)] + "\033[K")
+                self._write(self.out, "\r" + line[:max(20, _columns() - 1)] + "\033[K")
                 self.shown = True
             elif line != self.last_plain:
-                self.out.write(f"[proxy] {line}\n")
+                self._write(self.out, f"[proxy] {line}\n")
                 self.last_plain = line
-            self.out.flush()
 
     def end_progress(self):
         with self.lock:

@@ -510,6 +510,52 @@ def test_a_proxy_started_with_its_output_closed_runs_as_usual(exp, cpu_binary, t
     assert state["message"] == "engine exited with code 1: error: the machine failed", state
 
 
+STOPPING_ENGINE = """#!{python}
+# A stand-in engine that trains until SIGTERM, then says a lot on stderr (more than a pipe holds)
+# and stops as the engine does: an exit record, exit code 0
+import json, os, signal, sys
+if sys.argv[1:] == ["--flags-json"]:
+    os.execv({cpu!r}, [{cpu!r}, "--flags-json"])
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}})
+print(json.dumps({{"event": "start", "step": 0, "steps": 10**9}}), flush=True)
+step = 0
+while not stop:
+    step += 1
+    print(json.dumps({{"step": step, "loss": 1.0}}), flush=True)
+for i in range(2000):
+    print(f"stopping, line {{i}} of 2000 " + "." * 80, file=sys.stderr, flush=True)
+print(json.dumps({{"event": "exit", "step": step, "reason": "signal"}}), flush=True)
+"""
+
+
+def test_a_stop_after_the_output_s_reader_went_away_is_a_stop(exp, cpu_binary, tmp_path):
+    """`proxy 2>&1 | tee log` and a Ctrl-C, which ends tee too: the proxy's "SIGINT: asked the
+    engine to checkpoint and stop" was a BrokenPipeError, a proxy failure, and a clean stop was
+    recorded as a crash (exit 1); the engine's stderr pass-through died on it too, and the engine
+    then blocked on a full pipe. The run goes on to its stop, saying nothing more."""
+    from proxy_util import PROXY, proxy_env
+    engine = tmp_path / "engine.py"
+    engine.write_text(STOPPING_ENGINE.format(python=sys.executable, cpu=str(cpu_binary)))
+    engine.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, str(PROXY), str(exp.config(steps=10**6)), "--engine-binary",
+                             str(engine), "--run-dir", str(exp.run_dir), "--no-server"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=proxy_env())
+    try:
+        for line in proc.stdout:
+            if "starting at step 0" in line:
+                break
+        proc.stdout.close()  # the reader goes away
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = exp.state()
+    assert state["status"] == "stopped", state
+
+
 def test_on_a_terminal_the_progress_line_is_rewritten_in_place(exp, cpu_binary):
     import pty
     from proxy_util import PROXY, proxy_env
