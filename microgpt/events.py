@@ -1,11 +1,11 @@
 """What the proxy does with each line the engine prints (docs/DESIGN.md §3 lists the events): loss
 records go to the loss log, everything else updates the run's state, samples and archive."""
 import collections
-import json
 import os
 import time
 
 from microgpt.config import config_changes, describe_changes
+from microgpt.loss_log import parse_json
 from microgpt.run_dir import archive_samples_and_state, keep_checkpoint, point_archived_state_at
 from microgpt.terminal import say, terminal
 
@@ -72,7 +72,7 @@ class EventHandler:
 
     def handle_line(self, line):
         try:
-            rec = json.loads(line)
+            rec = parse_json(line)  # as the log is read back: NaN, 1e999 or deep nesting are no protocol
         except ValueError:
             rec = None
         if not isinstance(rec, dict):  # not protocol: show it rather than lose it

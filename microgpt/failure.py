@@ -1,6 +1,5 @@
 """When the proxy itself fails while the engine runs (a bug in a handler, a full disk): the engine
 must not train on unobserved, and no checkpoint may get ahead of the loss log (docs/PROXY.md)."""
-import json
 import os
 import queue
 import signal
@@ -9,7 +8,7 @@ import time
 import traceback
 
 from microgpt.checkpoint import whole_checkpoint_step
-from microgpt.loss_log import LossBuffer, LossLogError
+from microgpt.loss_log import LossBuffer, LossLogError, parse_json
 
 ABORT_WAIT_SECONDS = 30  # how long the engine gets to checkpoint on SIGTERM
 
@@ -87,7 +86,7 @@ def _log_plain_records(sup, timeout):
         if line is None:
             return
         try:
-            rec = json.loads(line)
+            rec = parse_json(line)
         except ValueError:
             continue
         if (isinstance(rec, dict) and "event" not in rec and isinstance(rec.get("step"), int)

@@ -408,6 +408,38 @@ def test_a_stop_while_the_proxy_imports_stops_cleanly(exp, cpu_binary, sig):
     assert not any("Traceback" in line for line in p.err), p.describe()
 
 
+LINE_ENGINE = """#!{python}
+# A stand-in engine that prints the line in {line_file} among its records, then finishes
+import json, os, sys
+if sys.argv[1:] == ["--flags-json"]:
+    os.execv({cpu!r}, [{cpu!r}, "--flags-json"])
+print(json.dumps({{"event": "start", "step": 0, "steps": 1}}), flush=True)
+sys.stdout.buffer.write(open({line_file!r}, "rb").read())
+print(json.dumps({{"step": 1, "loss": 1.5}}), flush=True)
+print(json.dumps({{"event": "exit", "step": 1, "reason": "finished"}}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("line", ['{"step":1e999,"loss":1}', '{"step":1,"loss":NaN}',
+                                  '{"step":1,"loss":Infinity}', "[" * 100000])
+def test_an_engine_line_that_is_no_strict_json_is_shown_not_logged(exp, cpu_binary, tmp_path, line):
+    """Python's json.loads takes NaN, Infinity and 1e999 (as inf), none of which the log may hold:
+    the record was a ValueError at its append, a proxy failure, and again in the failure's own
+    flush of it, a traceback that left the run "running". Nested too deeply, a line was a
+    RecursionError, a proxy failure. Such a line is no protocol: shown, and the run goes on."""
+    line_file = tmp_path / "line"
+    line_file.write_text(line + "\n")
+    engine = tmp_path / "engine.py"
+    engine.write_text(LINE_ENGINE.format(python=sys.executable, cpu=str(cpu_binary), line_file=str(line_file)))
+    engine.chmod(0o755)
+    p, rc = run_to_end(exp.config(steps=1), exp.run_dir, engine, "--no-server")
+    assert rc == 0, p.describe()
+    assert exp.state()["status"] == "finished"
+    assert any(l.strip() == line for l in p.err), p.describe()
+    recs = loss_log.parse_json(exp.path(".loss.json").read_bytes())
+    assert [(r["step"], r["loss"]) for r in recs if "loss" in r] == [(1, 1.5)]
+
+
 # ---------------------------------------------------------------------------------------------------
 # the terminal: progress and summary
 
