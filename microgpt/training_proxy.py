@@ -110,6 +110,11 @@ def open_run(args):
         engine = pick_engine(args)
         flags = engine_flags(engine)  # the config's keys come from the engine itself
     except EngineChoiceError as e:
+        # a terminal's Ctrl-C reaches the flag query too (one process group) and ends it: that is
+        # the stop asked for, not an engine to rebuild
+        if (stop := early_stop()) is not None:
+            say(nothing_launched(stop))
+            sys.exit(0)
         fail(str(e))
     try:
         cfg = load_config(args.config, flags)
@@ -127,9 +132,17 @@ def open_run(args):
         fail(str(e))
 
 
+def early_stop():
+    """The stop (SIGTERM, SIGINT) that arrived before the engine was launched, or None."""
+    return next((sig for sig in EARLY_SIGNALS if sig != signal.SIGUSR1), None)
+
+
+def nothing_launched(sig):
+    return f"{signal.Signals(sig).name} before the engine started: nothing launched"
+
+
 def main(argv):
     hold_signals()
-    early = EARLY_SIGNALS
     args = parse_args(argv)
     if args.serve:
         return serve_directory(args)
@@ -149,9 +162,9 @@ def main(argv):
     supervisor = Supervisor(run, args.ranks)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, supervisor.on_signal)
-    stop = next((sig for sig in early if sig != signal.SIGUSR1), None)
+    stop = early_stop()
     if stop is not None:
-        say(f"{signal.Signals(stop).name} before the engine started: nothing launched")
+        say(nothing_launched(stop))
         code = 0
     elif done is not None and done >= run.steps and sidecar_step(run.files.ckpt) == done:
         # header and sidecar agree (a damaged header is the engine's to refuse, with its way back)

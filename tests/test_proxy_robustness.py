@@ -390,6 +390,30 @@ def test_sigterm_before_the_engine_starts_stops_cleanly(exp, cpu_binary, tmp_pat
     assert not launched.exists()
 
 
+def test_a_ctrl_c_during_the_engine_s_flag_query_stops_cleanly(exp, cpu_binary, tmp_path):
+    """A terminal's Ctrl-C goes to its whole foreground process group: the engine answering
+    --flags-json too, which it ends. That was "did not give its flag table (exit code -2);
+    rebuild it with `make`", exit 2: it is the stop asked for, nothing launched, exit 0."""
+    from proxy_util import PROXY, proxy_env
+    asked, launched = tmp_path / "asked", tmp_path / "launched"
+    engine = tmp_path / "engine.sh"
+    engine.write_text(f'#!/bin/sh\nif [ "$1" = --flags-json ]; then touch {asked}; sleep 30; '
+                      f'exec {cpu_binary} --flags-json; fi\ntouch {launched}\nexec {cpu_binary} "$@"\n')
+    engine.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, str(PROXY), str(exp.config(steps=5)), "--engine-binary",
+                             str(engine), "--run-dir", str(exp.run_dir), "--no-server"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=proxy_env(),
+                            start_new_session=True)  # a process group of its own, as a shell's job
+    deadline = time.monotonic() + 30
+    while not asked.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, (out, err)
+    assert "SIGINT before the engine started: nothing launched" in out and "error" not in err, (out, err)
+    assert not launched.exists() and not exp.run_dir.exists()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_while_the_proxy_imports_stops_cleanly(exp, cpu_binary, sig):
     """The stop handlers were installed in main(), after the imports (numpy and the rest take a
