@@ -34,13 +34,14 @@ class Terminal:
     @staticmethod
     def _write(stream, text):
         """Write and flush. A reader of the proxy's output that went away (`proxy | tee log`, tee
-        ended by the same Ctrl-C that stops the run; `| head`) is no failure of the run, which its
-        directory records: the proxy goes on, what it says going to /dev/null from then on (a
-        BrokenPipeError here crashed the run, and killed its stderr pass-through thread)."""
+        ended by the same Ctrl-C that stops the run; `| head`; the terminal of a proxy run with
+        `disown` or `setsid` closed, where writes fail with EIO) is no failure of the run, which its
+        directory records: the proxy goes on, what it says going to /dev/null from then on (the
+        OSError here crashed the run, and killed its stderr pass-through thread)."""
         try:
             stream.write(text)
             stream.flush()
-        except BrokenPipeError:
+        except OSError:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, stream.fileno())  # the text still buffered is flushed there later
             os.close(devnull)

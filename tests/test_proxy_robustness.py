@@ -612,6 +612,42 @@ def test_a_stop_after_the_output_s_reader_went_away_is_a_stop(exp, cpu_binary, t
     assert state["status"] == "stopped", state
 
 
+def test_a_proxy_whose_terminal_closed_trains_on_to_its_stop(exp, cpu_binary):
+    """A proxy started with `disown` or `setsid` gets no SIGHUP when its terminal closes (an ssh
+    session that drops), but every write to that terminal then fails with EIO: the next progress
+    line was a proxy failure, and the run was stopped and marked crashed. It trains on until
+    stopped, saying nothing more."""
+    import pty
+    from proxy_util import PROXY, proxy_env
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(PROXY), str(exp.config(steps=10**6)), "--engine-binary",
+                             str(cpu_binary), "--run-dir", str(exp.run_dir), "--no-server",
+                             "--progress-every", "0.01"],
+                            stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, env=proxy_env(),
+                            start_new_session=True)  # no controlling terminal: no SIGHUP
+    os.close(follower)
+    try:
+        out = b""
+        while b"starting at step 0" not in out:
+            chunk = os.read(leader, 65536)
+            assert chunk, out
+            out += chunk
+        os.close(leader)  # the terminal goes away
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:  # progress lines meanwhile
+            step = json.loads(exp.path(".state.json").read_text()).get("step", 0)
+            if step >= 300:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = exp.state()
+    assert state["status"] == "stopped" and state["step"] >= 300, state
+
+
 def test_on_a_terminal_the_progress_line_is_rewritten_in_place(exp, cpu_binary):
     import pty
     from proxy_util import PROXY, proxy_env
