@@ -36,7 +36,7 @@ if __name__ == "__main__":
     no_output_to_devnull()
 
 from microgpt.checkpoint import sidecar_step, whole_checkpoint_step
-from microgpt.cli import ArgumentParser, fail
+from microgpt.cli import IO_ERROR, ArgumentParser, fail
 from microgpt.config import ConfigError, load_config, resolve_path, tokenize_prompts
 from microgpt.engines import ENGINES, ROOT, EngineChoiceError, engine_flags, is_built, select_engine
 from microgpt.loss_log import LossLogError
@@ -168,8 +168,11 @@ def main(argv):
         code = 0
     elif done is not None and done >= run.steps and sidecar_step(run.files.ckpt) == done:
         # header and sidecar agree (a damaged header is the engine's to refuse, with its way back)
-        run.store.set_state(force=True, status="finished", pid=None, step=done,
-                            checkpoint=run.files.ckpt, checkpoint_step=done)
+        try:
+            run.store.set_state(force=True, status="finished", pid=None, step=done,
+                                checkpoint=run.files.ckpt, checkpoint_step=done)
+        except OSError as e:  # a full disk: the engine is not involved, so no proxy failure
+            fail(f"{run.files.state}: cannot record that the run is finished: {e.strerror or e}", IO_ERROR)
         say(f"{run.name} already finished: checkpoint {run.files.ckpt} is at step {done} of "
             f"{run.steps}; nothing to train")
         summarize(run, 0.0)
