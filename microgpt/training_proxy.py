@@ -128,7 +128,9 @@ def open_run(args):
         fail(f"--run-dir {run_dir} exists and is no directory")
     try:
         return Run(cfg, flags, args.config, run_dir, engine, prompt_ids)
-    except (RunBusyError, LossLogError, OSError) as e:
+    except OSError as e:  # a write's error names no file (a full disk): say which run it was
+        fail(f"cannot prepare the run in {run_dir}: {e.strerror}" if e.strerror and not e.filename else str(e))
+    except (RunBusyError, LossLogError) as e:
         fail(str(e))
 
 

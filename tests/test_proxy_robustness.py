@@ -197,24 +197,37 @@ def test_a_full_disk_loses_nothing_silently(exp, cpu_binary, tmp_path, monkeypat
     assert st["status"] == "crashed" and "could not be written" in st["message"]
 
 
-def test_a_finished_run_on_a_full_disk_is_one_error(exp, cpu_binary):
-    """Run again, a finished run rewrites its state ("finished", the checkpoint's step) before its
-    summary, outside the engine's supervision: on a full disk that was an OSError traceback."""
+def run_on_a_full_disk(cfg, run_dir, cpu_binary):
+    """The proxy, in a process where the run directory's JSON files cannot be written (ENOSPC)."""
     from proxy_util import proxy_env
-    cfg = exp.config(steps=12)
-    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
-    assert rc == 0, p.describe()
     full_disk = ("import errno, sys\n"
                  "from microgpt import run_dir, training_proxy\n"
                  "def full(*_): raise OSError(errno.ENOSPC, 'No space left on device')\n"
                  "run_dir.write_json_atomic = full\n"
                  "sys.exit(training_proxy.main(sys.argv[1:]))\n")
-    proc = subprocess.run([sys.executable, "-c", full_disk, str(cfg), "--engine-binary", str(cpu_binary),
-                           "--run-dir", str(exp.run_dir), "--no-server"],
+    return subprocess.run([sys.executable, "-c", full_disk, str(cfg), "--engine-binary", str(cpu_binary),
+                           "--run-dir", str(run_dir), "--no-server"],
                           capture_output=True, text=True, env=proxy_env(), timeout=60)
+
+
+def test_a_finished_run_on_a_full_disk_is_one_error(exp, cpu_binary):
+    """Run again, a finished run rewrites its state ("finished", the checkpoint's step) before its
+    summary, outside the engine's supervision: on a full disk that was an OSError traceback."""
+    cfg = exp.config(steps=12)
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    proc = run_on_a_full_disk(cfg, exp.run_dir, cpu_binary)
     assert proc.returncode == 1 and proc.stderr.splitlines() == [
         f"error: {exp.path('.state.json')}: cannot record that the run is finished: No space left on device"], proc
     assert exp.state()["status"] == "finished"
+
+
+def test_a_new_run_on_a_full_disk_is_one_error_naming_the_run(exp, cpu_binary):
+    """A write's OSError names no file: a new run on a full disk was "error: [Errno 28] No space
+    left on device", not saying which run or directory."""
+    proc = run_on_a_full_disk(exp.config(steps=12), exp.run_dir, cpu_binary)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: cannot prepare the run in {exp.run_dir}: No space left on device"], proc
 
 
 def test_a_proxy_failure_logs_the_records_up_to_the_engine_checkpoint(exp, cpu_binary, tmp_path, capsys):
