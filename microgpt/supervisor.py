@@ -314,8 +314,11 @@ class Supervisor:
             return 0
         if rc == 0 and reason == "signal":
             run.store.set_state(force=True, status="stopped", pid=None, eta_s=None, message=None)
-            say(f"{run.name} stopped at step {step} with checkpoint {run.state.get('checkpoint')}; "
-                "run the same command to resume")
+            # stopped before its first step, a new run has nothing to save (host/signals.h)
+            ckpt = run.state.get("checkpoint") or (run.files.ckpt if os.path.exists(run.files.ckpt) else None)
+            kept = (f"with checkpoint {ckpt}; run the same command to resume" if ckpt else
+                    "before any checkpoint; run the same command to start again")
+            say(f"{run.name} stopped at step {step} {kept}")
             return 0
         if rc < 0:
             why = f"engine killed by {signal_name(-rc)}"

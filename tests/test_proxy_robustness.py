@@ -423,6 +423,33 @@ def test_sigterm_before_the_engine_starts_stops_cleanly(exp, cpu_binary, tmp_pat
     assert not launched.exists()
 
 
+WAITING_ENGINE = """#!{python}
+# A stand-in engine stopped before its first step: it says nothing to save, as the engine does
+import json, os, signal, sys
+if sys.argv[1:] == ["--flags-json"]:
+    os.execv({cpu!r}, [{cpu!r}, "--flags-json"])
+print(json.dumps({{"event": "start", "step": 0, "steps": 5}}), flush=True)
+signal.sigwait({{signal.SIGTERM}})  # blocked since the launch
+print(json.dumps({{"event": "exit", "step": 0, "reason": "signal"}}), flush=True)
+"""
+
+
+def test_a_new_run_stopped_before_its_first_step_says_so(exp, cpu_binary, tmp_path):
+    """A new run stopped before its first step has no checkpoint: the proxy said "stopped at step 0
+    with checkpoint None; run the same command to resume"."""
+    engine = tmp_path / "engine.py"
+    engine.write_text(WAITING_ENGINE.format(python=sys.executable, cpu=str(cpu_binary)))
+    engine.chmod(0o755)
+    p = Proxy.start(exp.config(steps=5), exp.run_dir, engine, "--no-server")
+    p.wait_output("starting at step 0")
+    p.proc.send_signal(signal.SIGTERM)
+    assert p.wait() == 0, p.describe()
+    assert any("tiny stopped at step 0 before any checkpoint; run the same command to start again" in line
+               for line in p.out), p.describe()
+    assert not any("None" in line for line in p.out), p.describe()
+    assert exp.state()["status"] == "stopped"
+
+
 def test_a_ctrl_c_during_the_engine_s_flag_query_stops_cleanly(exp, cpu_binary, tmp_path):
     """A terminal's Ctrl-C goes to its whole foreground process group: the engine answering
     --flags-json too, which it ends. That was "did not give its flag table (exit code -2);
