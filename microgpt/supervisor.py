@@ -6,7 +6,8 @@ run: rank 0's stdout is the run's, the others' messages are prefixed "rank R: ",
 to all of them, and a rank that dies is a crashed run.
 
 Signals: SIGTERM/SIGINT are forwarded to the engine, which checkpoints and exits; the proxy then
-marks the run stopped and exits 0. SIGUSR1 is forwarded (checkpoint, keep training). An engine that
+marks the run stopped and exits 0. SIGHUP (the terminal closed: an ssh session dropped) stops the
+same way, forwarded as SIGTERM. SIGUSR1 is forwarded (checkpoint, keep training). An engine that
 dies any other way leaves the run crashed and the proxy exits non-zero; re-running resumes. If the
 proxy itself fails while the engine runs, failure.py stops the engine and marks the run crashed.
 """
@@ -30,6 +31,14 @@ from microgpt.run_dir import (RunBusyError, RunFiles, RunState, lock_run, roll_b
 
 POLL_SECONDS = LossBuffer.FLUSH_SECONDS  # the main loop wakes at least this often to flush
 ENGINE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}  # the ones the proxy forwards
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each a stop with a checkpoint
+
+
+def engine_signal(sig):
+    """The signal the engine gets for the proxy's `sig`. SIGHUP is a stop: the engine runs in a
+    session of its own, out of the terminal's reach, and the proxy, whose default on SIGHUP was to
+    die, left it to die at its next write to the proxy, unsaved."""
+    return signal.SIGTERM if sig == signal.SIGHUP else sig
 PEER_GRACE_SECONDS = 30  # after rank 0 ends, how long the other ranks get to end by themselves
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun's names
 # NVLink multicast stays off in every process of a multi-GPU run (NCCL, PyTorch, NVSHMEM)
@@ -156,7 +165,7 @@ class Supervisor:
         self.lines = None  # the engine's stdout lines, as the reader thread queues them
         self.events = EventHandler(run)
         self.stderr_tail = collections.deque(maxlen=8)
-        self.stop_signal = None  # SIGTERM/SIGINT received: the engine was asked to stop
+        self.stop_signal = None  # a STOP_SIGNALS one received: the engine was asked to stop
         self.stop_announced = False
         self.peer_failed = False  # a rank > 0 ended with an error: the others were asked to stop
 
@@ -176,10 +185,10 @@ class Supervisor:
         """Signals only forward and take note; the main loop reports and reacts. (No printing
         here: the handler may interrupt a print of the main thread, and buffered I/O is not
         reentrant.)"""
-        if sig in (signal.SIGTERM, signal.SIGINT) and self.stop_signal is None:
+        if sig in STOP_SIGNALS and self.stop_signal is None:
             self.stop_signal = sig
         self.events.checkpoint_asked = True  # each of these signals makes the engine checkpoint
-        self.signal_engine(sig)
+        self.signal_engine(engine_signal(sig))
 
     def announce_stop(self):
         if self.stop_signal is not None and not self.stop_announced:
@@ -211,7 +220,7 @@ class Supervisor:
         run.store.state = {**run.base_state(self.proc.pid), **kept}
         run.store.set_state(step=whole_checkpoint_step(run.files.ckpt) or 0)
         if self.stop_signal is not None:  # a signal that arrived before the engine existed
-            self.signal_engine(self.stop_signal)
+            self.signal_engine(engine_signal(self.stop_signal))
 
     def run_engine(self):
         """Launch the engine, follow it to its end, return the proxy's exit code. If the proxy

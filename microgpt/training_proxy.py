@@ -24,7 +24,7 @@ EARLY_SIGNALS = []
 
 
 def hold_signals():
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, lambda sig, _frame: EARLY_SIGNALS.append(sig))
 
 
@@ -135,7 +135,7 @@ def open_run(args):
 
 
 def early_stop():
-    """The stop (SIGTERM, SIGINT) that arrived before the engine was launched, or None."""
+    """The stop (SIGTERM, SIGINT, SIGHUP) that arrived before the engine was launched, or None."""
     return next((sig for sig in EARLY_SIGNALS if sig != signal.SIGUSR1), None)
 
 
@@ -162,7 +162,7 @@ def main(argv):
         say(f"dashboard: {server.url}?token={server.token}")
 
     supervisor = Supervisor(run, args.ranks)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, supervisor.on_signal)
     stop = early_stop()
     if stop is not None:

@@ -587,6 +587,22 @@ def test_sigterm_stops_with_a_checkpoint_and_rerun_resumes_exactly(tmp_path, cpu
     assert [r["loss"] for r in a[:n]] == [r["loss"] for r in b[:n]]
 
 
+def test_a_closed_terminal_stops_with_a_checkpoint(exp, cpu_binary):
+    """SIGHUP (the terminal closed: an ssh session dropped, the window shut) killed the proxy on the
+    spot; the engine, in a session of its own, trained on until its next write to the gone proxy
+    failed, and ended without a checkpoint: the steps since the last one were lost and the run was
+    left "running". SIGHUP is now a stop like SIGTERM: the engine checkpoints, the run is stopped."""
+    p = Proxy.start(exp.config(steps=10**6, checkpoint={"every": 0}), exp.run_dir, cpu_binary)
+    p.wait_state(lambda s: s.get("status") == "running" and s.get("step", 0) >= 10)
+    assert not exp.path(".ckpt").exists()
+    p.proc.send_signal(signal.SIGHUP)
+    assert p.wait() == 0, p.describe()
+    st = exp.state()
+    assert st["status"] == "stopped" and st["pid"] is None, st
+    assert st["checkpoint_step"] == checkpoint_step(exp.path(".ckpt")) == live_train(exp.loss())[-1]["step"] >= 10
+    assert any("SIGHUP: asked the engine to checkpoint and stop" in line for line in p.out), p.describe()
+
+
 def test_sigusr1_is_forwarded_and_training_continues(exp, cpu_binary):
     p = Proxy.start(exp.config(steps=10**6, checkpoint={"every": 0}), exp.run_dir, cpu_binary)
     p.wait_state(lambda s: s.get("step", 0) >= 10)
