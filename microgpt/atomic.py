@@ -65,22 +65,26 @@ def write_json_atomic(path, obj):
         f.write(json_text(obj))
 
 
-def remove_stale_temps(directory, names):
+def remove_stale_temps(directory, names, locked=False):
     """The temp files (NAME.tmpPID) of the given names in `directory` that a process killed mid-write
     left (kill -9, a power loss): its cleanup never ran, and an export's are model-sized. Only those
-    whose process is gone; a live one's temp file is its own."""
-    prefixes = {f"{name}.tmp": name for name in names}
+    whose process is gone, as a live one's temp file is its own; `locked`: all of them, the caller
+    holding the lock that every writer of these names takes (a pid may have been reused since)."""
+    prefixes = {f"{name}.tmp" for name in names}
     for entry in os.listdir(directory):
         head, sep, pid = entry.rpartition(".tmp")
         if not sep or f"{head}.tmp" not in prefixes or not pid.isdigit() or pid != str(int(pid)):
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                os.remove(os.path.join(directory, entry))
-        except (PermissionError, OverflowError):  # another user's process, or no pid at all
-            continue
+        if not locked:
+            try:
+                os.kill(int(pid), 0)
+                continue
+            except ProcessLookupError:
+                pass
+            except (PermissionError, OverflowError):  # another user's process, or no pid at all
+                continue
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            os.remove(os.path.join(directory, entry))
 
 
 def write_files_atomic(directory, files, last=None):

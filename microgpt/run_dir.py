@@ -13,7 +13,7 @@ import shutil
 import stat
 import time
 
-from microgpt.atomic import atomic_open, fsync_dir, write_bytes_atomic, write_json_atomic
+from microgpt.atomic import atomic_open, fsync_dir, remove_stale_temps, write_bytes_atomic, write_json_atomic
 from microgpt.checkpoint import HEADER_BYTES, SIDECAR_READ_MAX, CheckpointError, read_header, sidecar_step
 from microgpt.files import DuplicateKeyError, file_kind, open_lock_file, open_regular, read_json
 from microgpt.loss_log import parse_json
@@ -85,12 +85,15 @@ class RunFiles:
 
     def remove_stale_temps(self):
         """The temp files of the proxy's atomic writes (atomic.py: PATH.tmpPID) that a proxy killed
-        mid-write left behind; the caller holds the run's lock, so no other proxy writes them now."""
-        prefixes = tuple(os.path.basename(p) + ".tmp" for p in (self.loss, self.samples, self.state))
-        for entry in os.scandir(self.dir):
-            rest = next((entry.name[len(p):] for p in prefixes if entry.name.startswith(p)), "")
-            if rest.isdigit() and entry.is_file(follow_symlinks=False):
-                os.remove(entry.path)
+        mid-write left behind, in the run directory and its archives (a polish checkpoint's copy is
+        checkpoint-sized); the caller holds the run's lock, so no other proxy writes them now."""
+        names = [os.path.basename(p) for p in (self.loss, self.samples, self.state)]
+        remove_stale_temps(self.dir, names, locked=True)
+        archive = os.path.join(self.dir, "archive")
+        kept = names + [os.path.basename(self.ckpt), os.path.basename(self.ckpt) + ".json"]
+        for entry in os.scandir(archive) if os.path.isdir(archive) else ():
+            if entry.name.startswith("step_") and entry.is_dir(follow_symlinks=False):
+                remove_stale_temps(entry.path, kept, locked=True)
 
     def archive_dir(self, step):
         return os.path.join(self.dir, "archive", f"step_{step}")

@@ -841,12 +841,16 @@ time.sleep(600)
 
 def test_a_proxy_killed_mid_write_leaves_no_temp_file_behind(exp, cpu_binary):
     """A proxy killed -9 while it rewrote .state.json (twice a second) left its temp file,
-    <name>.state.json.tmpPID, in the run directory for good: 3 of 41 random kills did. The next
-    start, holding the run's lock, removes those of its own files; others are left alone."""
+    <name>.state.json.tmpPID, in the run directory for good: 3 of 41 random kills did; one killed
+    while it copied the polish checkpoint into the archive left a checkpoint-sized one there. The
+    next start, holding the run's lock, removes those of its own files; others are left alone."""
     cfg = exp.config(steps=20)
     exp.run_dir.mkdir()
-    left = [exp.path(".state.json.tmp4242"), exp.path(".samples.json.tmp17"), exp.path(".loss.json.tmp99")]
-    kept = [exp.path(".state.json.tmpx"), exp.run_dir / "notes.tmp123"]
+    archive = exp.run_dir / "archive" / "step_10"  # a polish checkpoint's copy is checkpoint-sized
+    archive.mkdir(parents=True)
+    left = [exp.path(".state.json.tmp4242"), exp.path(".samples.json.tmp17"), exp.path(".loss.json.tmp99"),
+            archive / f"{exp.path('.ckpt').name}.tmp{os.getpid()}", archive / f"{exp.path('.ckpt').name}.json.tmp5"]
+    kept = [exp.path(".state.json.tmpx"), exp.run_dir / "notes.tmp123", archive / "notes.tmp7"]
     for path in left + kept:
         path.write_text("{")
     p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
