@@ -46,6 +46,12 @@ def markov_tokens(n, seed):
     return out
 
 
+def proxy_command(config, run_dir, engine_binary, *extra):
+    """The command line of the proxy on `config` with the given engine and run directory."""
+    return [sys.executable, str(PROXY), str(config), "--engine-binary", str(engine_binary), "--run-dir", str(run_dir),
+            *map(str, extra)]
+
+
 class ProxyFixtureDir:
     """A temporary experiment: shards, a config file, a run directory."""
 
@@ -117,8 +123,7 @@ class Proxy:
 
     @classmethod
     def start(cls, config, run_dir, engine_binary, *extra):
-        cmd = [sys.executable, str(PROXY), str(config), "--engine-binary", str(engine_binary),
-               "--run-dir", str(run_dir), "--port", "0", *map(str, extra)]
+        cmd = proxy_command(config, run_dir, engine_binary, "--port", "0", *extra)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=proxy_env())
         return cls(proc, run_dir)

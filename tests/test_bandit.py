@@ -541,16 +541,22 @@ def test_the_proxy_keeps_what_the_dashboard_draws(cpu_binary, tmp_path):
     assert vals and all(set(r["val_loss_by_source"]) == {"a"} for r in vals)
 
 
-def test_proxy_refuses_a_bad_mixture_before_launching(cpu_binary, tmp_path):
-    """Through the proxy: exit 2, one error line naming the key, no run directory."""
-    cfg = mixture_config()
-    cfg["data"]["sources"][1]["weight"] = "heavy"
+def proxy_on_config(cpu_binary, tmp_path, cfg):
+    """The proxy run on the config cfg (written to tmp_path/mix.json; its run directory
+    tmp_path/run): its CompletedProcess and its stderr's lines."""
     path = tmp_path / "mix.json"
     path.write_text(json.dumps(cfg))
     res = subprocess.run([sys.executable, str(PROXY), str(path), "--engine-binary", str(cpu_binary),
                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, env=proxy_env(),
                          timeout=60)
-    lines = res.stderr.strip().splitlines()
+    return res, res.stderr.strip().splitlines()
+
+
+def test_proxy_refuses_a_bad_mixture_before_launching(cpu_binary, tmp_path):
+    """Through the proxy: exit 2, one error line naming the key, no run directory."""
+    cfg = mixture_config()
+    cfg["data"]["sources"][1]["weight"] = "heavy"
+    res, lines = proxy_on_config(cpu_binary, tmp_path, cfg)
     assert res.returncode == 2 and len(lines) == 1 and '"data.sources[1].weight" must be a number' in lines[0]
     assert not (tmp_path / "run").exists()
 
@@ -563,12 +569,7 @@ def test_proxy_refuses_a_bad_source_name_before_its_warnings(cpu_binary, tmp_pat
     cfg = json.loads(exp.config(steps=20000).read_text())  # 20000 steps read the shards ~30 times: a warning
     cfg["data"] = {"sources": [{"name": "a\nerror: forged", "train": str(exp.train)},
                                {"name": "b", "train": str(exp.train)}], "val": str(exp.val)}
-    path = tmp_path / "mix.json"
-    path.write_text(json.dumps(cfg))
-    res = subprocess.run([sys.executable, str(PROXY), str(path), "--engine-binary", str(cpu_binary),
-                          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, env=proxy_env(),
-                         timeout=60)
-    lines = res.stderr.strip().splitlines()
+    res, lines = proxy_on_config(cpu_binary, tmp_path, cfg)
     assert res.returncode == 2 and len(lines) == 1 and '"data.sources[0].name"' in lines[0], res.stderr
     assert "forged" in lines[0] and not (tmp_path / "run").exists()
 

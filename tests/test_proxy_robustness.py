@@ -1,5 +1,6 @@
 """The proxy under damage and faults: a damaged loss log anywhere, a proxy killed with SIGKILL, a full
 disk, stale or damaged run files, hostile inputs (docs/PROXY.md, "When things go wrong")."""
+import contextlib
 import errno
 import io
 import json
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from proxy_util import REPO, Proxy, ProxyFixtureDir, live_train, run_to_end
+from proxy_util import REPO, Proxy, ProxyFixtureDir, live_train, proxy_command, proxy_env, run_to_end
 
 from microgpt import engines, loss_log, supervisor, terminal
 from microgpt.checkpoint import checkpoint_step
@@ -646,28 +647,34 @@ print(json.dumps({{"event": "exit", "step": step, "reason": "signal"}}), flush=T
 """
 
 
-def test_a_stop_after_the_output_s_reader_went_away_is_a_stop(exp, cpu_binary, tmp_path):
-    """`proxy 2>&1 | tee log` and a Ctrl-C, which ends tee too: the proxy's "SIGINT: asked the
-    engine to checkpoint and stop" was a BrokenPipeError, a proxy failure, and a clean stop was
-    recorded as a crash (exit 1); the engine's stderr pass-through died on it too, and the engine
-    then blocked on a full pipe. The run goes on to its stop, saying nothing more."""
-    from proxy_util import PROXY, proxy_env
-    engine = tmp_path / "engine.py"
-    engine.write_text(STOPPING_ENGINE.format(python=sys.executable, cpu=str(cpu_binary)))
-    engine.chmod(0o755)
-    proc = subprocess.Popen([sys.executable, str(PROXY), str(exp.config(steps=10**6)), "--engine-binary",
-                             str(engine), "--run-dir", str(exp.run_dir), "--no-server"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=proxy_env())
+@contextlib.contextmanager
+def stopped_at_the_end(proc):
+    """Runs the block, then stops the proxy proc with SIGTERM, which must end it with exit 0; kills
+    it where it is still running however the block ended."""
     try:
-        for line in proc.stdout:
-            if "starting at step 0" in line:
-                break
-        proc.stdout.close()  # the reader goes away
+        yield
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_stop_after_the_output_s_reader_went_away_is_a_stop(exp, cpu_binary, tmp_path):
+    """`proxy 2>&1 | tee log` and a Ctrl-C, which ends tee too: the proxy's "SIGINT: asked the
+    engine to checkpoint and stop" was a BrokenPipeError, a proxy failure, and a clean stop was
+    recorded as a crash (exit 1); the engine's stderr pass-through died on it too, and the engine
+    then blocked on a full pipe. The run goes on to its stop, saying nothing more."""
+    engine = tmp_path / "engine.py"
+    engine.write_text(STOPPING_ENGINE.format(python=sys.executable, cpu=str(cpu_binary)))
+    engine.chmod(0o755)
+    proc = subprocess.Popen(proxy_command(exp.config(steps=10**6), exp.run_dir, engine, "--no-server"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=proxy_env())
+    with stopped_at_the_end(proc):
+        for line in proc.stdout:
+            if "starting at step 0" in line:
+                break
+        proc.stdout.close()  # the reader goes away
     state = exp.state()
     assert state["status"] == "stopped", state
 
@@ -678,15 +685,13 @@ def test_a_proxy_whose_terminal_closed_trains_on_to_its_stop(exp, cpu_binary):
     line was a proxy failure, and the run was stopped and marked crashed. It trains on until
     stopped, saying nothing more."""
     import pty
-    from proxy_util import PROXY, proxy_env
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, str(PROXY), str(exp.config(steps=10**6)), "--engine-binary",
-                             str(cpu_binary), "--run-dir", str(exp.run_dir), "--no-server",
-                             "--progress-every", "0.01"],
+    proc = subprocess.Popen(proxy_command(exp.config(steps=10**6), exp.run_dir, cpu_binary, "--no-server",
+                                          "--progress-every", "0.01"),
                             stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, env=proxy_env(),
                             start_new_session=True)  # no controlling terminal: no SIGHUP
     os.close(follower)
-    try:
+    with stopped_at_the_end(proc):
         out = b""
         while b"starting at step 0" not in out:
             chunk = os.read(leader, 65536)
@@ -699,11 +704,6 @@ def test_a_proxy_whose_terminal_closed_trains_on_to_its_stop(exp, cpu_binary):
             if step >= 300:
                 break
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     state = exp.state()
     assert state["status"] == "stopped" and state["step"] >= 300, state
 
