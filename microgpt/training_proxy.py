@@ -10,6 +10,7 @@ The run directory (default runs/<name>/ under the repository root) is described 
 engine's supervision and signals in supervisor.py, the config in config.py. See docs/PROXY.md for
 the user's view and the server's endpoints.
 """
+import errno
 import math
 import os
 import signal
@@ -36,7 +37,7 @@ if __name__ == "__main__":
     no_output_to_devnull()
 
 from microgpt.checkpoint import sidecar_step, whole_checkpoint_step
-from microgpt.cli import IO_ERROR, ArgumentParser, fail
+from microgpt.cli import IO_ERROR, USAGE_ERROR, ArgumentParser, fail
 from microgpt.config import ConfigError, load_config, resolve_path, tokenize_prompts
 from microgpt.engines import ENGINES, ROOT, EngineChoiceError, engine_flags, is_built, select_engine
 from microgpt.loss_log import LossLogError
@@ -129,7 +130,10 @@ def open_run(args):
     try:
         return Run(cfg, flags, args.config, run_dir, engine, prompt_ids)
     except OSError as e:  # a write's error names no file (a full disk): say which run it was
-        fail(f"cannot prepare the run in {run_dir}: {e.strerror}" if e.strerror and not e.filename else str(e))
+        # a disk that fails the write is exit 1, as for the engines and a finished run's state below;
+        # run files that are not what they should be (a link, a FIFO) are the input's fault, exit 2
+        fail(f"cannot prepare the run in {run_dir}: {e.strerror}" if e.strerror and not e.filename else str(e),
+             IO_ERROR if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO) else USAGE_ERROR)
     except (RunBusyError, LossLogError) as e:
         fail(str(e))
 

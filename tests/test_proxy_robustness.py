@@ -225,9 +225,10 @@ def test_a_finished_run_on_a_full_disk_is_one_error(exp, cpu_binary):
 
 def test_a_new_run_on_a_full_disk_is_one_error_naming_the_run(exp, cpu_binary):
     """A write's OSError names no file: a new run on a full disk was "error: [Errno 28] No space
-    left on device", not saying which run or directory."""
+    left on device", not saying which run or directory, and exit 2, the status of bad input; it is
+    exit 1, a failed write's, as for a finished run's state."""
     proc = run_on_a_full_disk(exp.config(steps=12), exp.run_dir, cpu_binary)
-    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+    assert proc.returncode == 1 and proc.stderr.splitlines() == [
         f"error: cannot prepare the run in {exp.run_dir}: No space left on device"], proc
 
 
