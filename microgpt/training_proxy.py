@@ -24,8 +24,15 @@ import time
 EARLY_SIGNALS = []
 
 
+# The signals the proxy takes: SIGTERM, SIGINT, SIGUSR1, and SIGHUP (a closed terminal: a stop) unless
+# it started ignored, as `nohup` starts a program so that it goes on when the terminal closes.
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) + (
+    () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,))
+STOP_SIGNALS = tuple(sig for sig in HANDLED_SIGNALS if sig != signal.SIGUSR1)
+
+
 def hold_signals():
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+    for sig in HANDLED_SIGNALS:
         signal.signal(sig, lambda sig, _frame: EARLY_SIGNALS.append(sig))
 
 
@@ -140,7 +147,7 @@ def open_run(args):
 
 def early_stop():
     """The stop (SIGTERM, SIGINT, SIGHUP) that arrived before the engine was launched, or None."""
-    return next((sig for sig in EARLY_SIGNALS if sig != signal.SIGUSR1), None)
+    return next((sig for sig in EARLY_SIGNALS if sig in STOP_SIGNALS), None)
 
 
 def nothing_launched(sig):
@@ -166,7 +173,7 @@ def main(argv):
         say(f"dashboard: {server.url}?token={server.token}")
 
     supervisor = Supervisor(run, args.ranks)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+    for sig in HANDLED_SIGNALS:
         signal.signal(sig, supervisor.on_signal)
     stop = early_stop()
     if stop is not None:
@@ -212,7 +219,7 @@ def serve_directory(args):
 def serve_until_signal(message):
     say(message)
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:  # a closed terminal too: an orphaned server would hold its port and token
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
         pass

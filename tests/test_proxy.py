@@ -16,7 +16,7 @@ import requests
 
 from engine_util import build_shim
 from proxy_util import (NAME, PROXY, REPO, Proxy, ProxyFixtureDir, live_train, live_val,
-                        proxy_env, run_to_end)
+                        proxy_command, proxy_env, run_to_end)
 
 from microgpt import config, engines, events, failure, loss_log, run_dir, run_view, supervisor
 from microgpt.checkpoint import checkpoint_step
@@ -601,6 +601,30 @@ def test_a_closed_terminal_stops_with_a_checkpoint(exp, cpu_binary):
     assert st["status"] == "stopped" and st["pid"] is None, st
     assert st["checkpoint_step"] == checkpoint_step(exp.path(".ckpt")) == live_train(exp.loss())[-1]["step"] >= 10
     assert any("SIGHUP: asked the engine to checkpoint and stop" in line for line in p.out), p.describe()
+
+
+def test_under_nohup_a_closed_terminal_leaves_the_run_training(exp, cpu_binary):
+    """`nohup` starts a program with SIGHUP ignored so that it goes on when the terminal closes; the
+    proxy's own handler took it as a stop all the same. Started so, it trains on until stopped."""
+    cmd = proxy_command(exp.config(steps=10**6, checkpoint={"every": 0}), exp.run_dir, cpu_binary, "--no-server")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=proxy_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 60
+        while not exp.path(".state.json").exists() or exp.state().get("step", 0) < 10:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGHUP)
+        hup_step = exp.state()["step"]
+        while exp.state().get("step", 0) < hup_step + 50:
+            assert time.monotonic() < deadline and proc.poll() is None, exp.state()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert exp.state()["status"] == "stopped"
 
 
 def test_sigusr1_is_forwarded_and_training_continues(exp, cpu_binary):

@@ -578,7 +578,8 @@ def test_the_log_follower_serves_only_complete_records(tmp_path, monkeypatch):
 
 
 def test_serve_dir_from_the_command_line(tmp_path):
-    """`training_proxy.py --serve DIR`: one line with the URL, the runs listed, Ctrl-C ends it;
+    """`training_proxy.py --serve DIR`: one line with the URL, the runs listed, Ctrl-C or a closed
+    terminal (SIGHUP) ends it;
     a config and --serve together, or neither, or a DIR that is not one, is a usage error."""
     root = tmp_path / "runs"
     make_run(root, "alpha", 10)
@@ -591,7 +592,8 @@ def test_serve_dir_from_the_command_line(tmp_path):
         url, token = line.split(": ", 1)[1].strip().split("?token=")
         runs = requests.get(url + "api/runs", headers={"X-Run-Token": token}, timeout=10).json()
         assert [r["name"] for r in runs] == ["alpha", "beta"]
-        proc.send_signal(signal.SIGINT)
+        # a closed terminal ends it too: on SIGHUP it went on, orphaned, holding its port and token
+        proc.send_signal(signal.SIGHUP)
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
