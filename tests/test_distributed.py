@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import time
 
@@ -432,6 +433,26 @@ def test_rank_0_names_a_stranger_and_a_rank_that_connects_twice(cpu_binary, shar
     finally:
         rank0.kill()
     assert rank0.returncode == 2 and "error: rank 0: a connection to MASTER_PORT" in err and "not a rank" in err, err
+
+
+def test_rank_0_refuses_a_rank_of_another_build_at_once(cpu_binary, shards, tmp_path):
+    """A rank of an older build greets with 16 bytes (no state CRC) and the old magic: rank 0 read
+    its 20-byte greeting and waited for the rest until ANDREA_DIST_TIMEOUT_S (300 s here), then
+    called it a rank that sent no greeting. The magic is read first and changes with the greeting:
+    refused at once, named."""
+    port = free_port()
+    rank0 = subprocess.Popen([str(cpu_binary)] + args(shards, tmp_path / "o.ckpt", steps=1), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": str(port), "ANDREA_DIST_TIMEOUT_S": "300"})
+    try:
+        old = connect_once_listening(port)
+        with old:
+            old.sendall(struct.pack("<4I", 0x414E4452, 1, 2, 0))  # "ANDR", rank 1 of 2, an argv CRC
+            err = rank0.communicate(timeout=60)[1]
+    finally:
+        rank0.kill()
+    assert rank0.returncode == 2 and "a rank of another ANDREA build" in err, err
 
 
 def test_a_stop_signal_ends_the_wait_for_a_greeting_that_never_comes(cpu_binary, shards, tmp_path):

@@ -30,7 +30,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#define DIST_MAGIC 0x414e4452u /* "ANDR": a connection from or to something else is refused */
+/* "AND2": a connection from or to something else is refused; it changes whenever DistHello does, so
+ * a rank of another build is refused at once too (a longer greeting would be waited for in vain) */
+#define DIST_MAGIC 0x414e4432u
 #define DIST_DEFAULT_TIMEOUT_S 600.0
 /* A stoppable wait (dist_wait) polls at most this long at a time: a signal that lands after the
  * stop flag was read and before poll() starts does not interrupt it, so the flag is read again. */
@@ -208,6 +210,15 @@ static const char* dist_other_state(uint32_t r) {
     return what;
 }
 
+/* The peer's DistHello (peer 0's socket) into *h, its magic first: a peer whose magic differs
+ * (another program, a rank of another build) is told apart without waiting for bytes it may never
+ * send. Returns 1 where a stop signal came first, else 0. */
+static int dist_recv_hello(DistHello* h) {
+    if (dist_recv_or_stop(0, &h->magic, sizeof h->magic, 1)) return 1;
+    return h->magic == DIST_MAGIC &&
+           dist_recv_or_stop(0, (char*)h + sizeof h->magic, sizeof *h - sizeof h->magic, 1);
+}
+
 static DistHello dist_hello(void) {
     DistHello h;
     h.magic = DIST_MAGIC;
@@ -238,14 +249,14 @@ static int dist_accept_all(struct sockaddr_in a) {
         g_dist.fds[0] = fd; /* dist_send's and dist_recv's socket for peer 0 until the rank is known */
         dist_send(0, &mine, sizeof mine);
         /* stoppable: a connection that never greets (not a rank) must not hold a stop signal */
-        if (dist_recv_or_stop(0, &h, sizeof h, 1)) {
+        if (dist_recv_hello(&h)) {
             close(fd);
             break;
         }
         /* the magic first: another program's bytes are no rank number to report */
         if (h.magic != DIST_MAGIC)
             die_input("rank 0: a connection to MASTER_PORT (port %d) is not a rank of a run (another program on that "
-                      "port?)", ntohs(a.sin_port));
+                      "port, or a rank of another ANDREA build?)", ntohs(a.sin_port));
         if ((int)h.world != g_dist.world || h.rank == 0 || (int)h.rank >= g_dist.world)
             die_input("rank 0: a connection announced rank %u of world %u (expected a new rank of %d)", h.rank,
                       h.world, g_dist.world);
@@ -307,10 +318,10 @@ static int dist_connect(struct sockaddr_in a) {
         }
     }
     dist_send(0, &mine, sizeof mine);
-    if (dist_recv_or_stop(0, &h, sizeof h, 1)) return 1; /* a silent program on the port: as above */
+    if (dist_recv_hello(&h)) return 1; /* a silent program on the port: as above */
     if (h.magic != DIST_MAGIC || h.rank != 0)
         die_input("rank %d: MASTER_ADDR:MASTER_PORT (port %d) answers, but is not rank 0 of a run (another program on "
-                  "that port?)", g_dist.rank, ntohs(a.sin_port));
+                  "that port, or a rank 0 of another ANDREA build?)", g_dist.rank, ntohs(a.sin_port));
     if ((int)h.world != g_dist.world)
         die_input("rank %d: rank 0 has WORLD_SIZE %u, this rank %d", g_dist.rank, h.world, g_dist.world);
     if (h.argv_crc != mine.argv_crc)
