@@ -90,10 +90,13 @@ class RunFiles:
         names = [os.path.basename(p) for p in (self.loss, self.samples, self.state)]
         remove_stale_temps(self.dir, names, locked=True)
         archive = os.path.join(self.dir, "archive")
+        if not os.path.isdir(archive) or os.path.islink(archive):  # a link's target is none of the run's
+            return
         kept = names + [os.path.basename(self.ckpt), os.path.basename(self.ckpt) + ".json"]
-        for entry in os.scandir(archive) if os.path.isdir(archive) else ():
-            if entry.name.startswith("step_") and entry.is_dir(follow_symlinks=False):
-                remove_stale_temps(entry.path, kept, locked=True)
+        with os.scandir(archive) as entries:
+            for entry in entries:
+                if entry.name.startswith("step_") and entry.is_dir(follow_symlinks=False):
+                    remove_stale_temps(entry.path, kept, locked=True)
 
     def archive_dir(self, step):
         return os.path.join(self.dir, "archive", f"step_{step}")

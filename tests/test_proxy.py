@@ -882,6 +882,20 @@ def test_a_proxy_killed_mid_write_leaves_no_temp_file_behind(exp, cpu_binary):
     assert not any(path.exists() for path in left) and all(path.exists() for path in kept)
 
 
+def test_the_temp_file_cleanup_does_not_follow_an_archive_link(exp, cpu_binary, tmp_path):
+    """An `archive` that is a symbolic link leads out of the run directory: the files there, named
+    as a checkpoint's temp files or not, are not the run's to remove."""
+    elsewhere = tmp_path / "elsewhere" / "step_10"
+    elsewhere.mkdir(parents=True)
+    outside = elsewhere / f"{exp.path('.ckpt').name}.tmp5"
+    outside.write_text("{")
+    exp.run_dir.mkdir()
+    (exp.run_dir / "archive").symlink_to(elsewhere.parent)
+    p, rc = run_to_end(exp.config(steps=20), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    assert outside.exists()
+
+
 def test_a_proxy_killed_while_it_lags_loses_no_record(exp, cpu_binary, tmp_path):
     """The engine never waits for the proxy: a proxy killed while it lagged behind left checkpoints
     past records it never wrote, and the next run resumed there: those records were lost for good

@@ -470,8 +470,10 @@ static int ckpt_header_step(const char* path) {
  * --evaluate take no lock (§15), so they may read between that engine's two renames, where the
  * checkpoint and its sidecar are of different steps; that pair is no damage to undo by hand. */
 static int ckpt_lock_held_elsewhere(const CkptFiles* f) {
+    const char* rank = getenv("RANK");
     int held, fd;
-    if (g_ckpt_lock_fd >= 0) return 0;
+    /* ranks > 0 of a data-parallel run (§17) read the checkpoint while their own rank 0 holds it */
+    if (g_ckpt_lock_fd >= 0 || (rank && atoi(rank) > 0)) return 0;
     fd = open(f->lock, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) return 0;
     held = flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
@@ -926,7 +928,7 @@ static void sidecar_check_values(const CkptFiles* f, const char* sidecar) {
 typedef struct {
     int step;
     uint32_t crc;
-    int fd;
+    int fd; /* -1 once loaded (ckpt_load), or where no checkpoint was checked */
 } CkptChecked;
 
 /* Validates a checkpoint before it is resumed and before any large allocation: header and size
@@ -1022,17 +1024,19 @@ static void ckpt_refuse_other_shape(const char* path, const Config* c, const cha
     shape[5].key = "padded_vocab_size"; shape[5].value = c->model.padded_vocab_size;
     for (i = 0; i < (int)(sizeof shape / sizeof shape[0]); i++)
         if (sidecar && json_find_number(sidecar, shape[i].key, &x) && x != (double)shape[i].value)
-            die_input("checkpoint %s was written with model.%s %.12g, this config has %d (a different model shape "
-                      "with as many parameters); refusing to load or overwrite it", path, shape[i].key, x,
-                      shape[i].value);
+            die_input("checkpoint %s was written with model.%s %.12g, and model.%s is %d here (a different model "
+                      "shape with as many parameters); it is neither loaded nor overwritten", path, shape[i].key, x,
+                      shape[i].key, shape[i].value);
 }
 
 /* Reads weights, m and v (n floats each) of the checkpoint `path` from the file that ckpt_check
- * accepted (`checked`), and closes it; m and v NULL: the weights only (--generate, --evaluate). */
-static void ckpt_load(const CkptChecked* checked, const char* path, size_t n, float* params, float* m, float* v) {
+ * accepted (`checked`), and closes it (checked->fd is -1 then); m and v NULL: the weights only
+ * (--generate, --evaluate). */
+static void ckpt_load(CkptChecked* checked, const char* path, size_t n, float* params, float* m, float* v) {
     FILE* f;
     int ok;
     if (!(f = fdopen(checked->fd, "rb"))) die_input("cannot open checkpoint %s: %s", path, strerror(errno));
+    checked->fd = -1;
     ok = fseek(f, CKPT_HEADER_BYTES, SEEK_SET) == 0 && fread(params, 4, n, f) == n &&
          (!m || (fread(m, 4, n, f) == n && fread(v, 4, n, f) == n));
     fclose(f);

@@ -30,7 +30,7 @@ static const char* file_kind(mode_t mode) {
  * at once (a plain open would wait, deaf to SIGTERM, for a writer), and anything but a regular
  * file is refused with one error line naming `what`. Returns the descriptor; *st is its stat. */
 static int open_regular_or_die(const char* path, const char* what, struct stat* st) {
-    int fd = open(path, O_RDONLY | O_NONBLOCK);
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC); /* a checkpoint's stays open until it is loaded */
     if (fd < 0) die_input("cannot open %s %s: %s", what, path, strerror(errno));
     if (fstat(fd, st) != 0) die_input("cannot read %s %s: %s", what, path, strerror(errno));
     if (!S_ISREG(st->st_mode)) die_input("%s %s is %s, not a regular file", what, path, file_kind(st->st_mode));

@@ -257,7 +257,7 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
 
 /* The weights of --checkpoint (`checked`: as ckpt_check accepted it) into the engine (set up
  * already). */
-static void load_weights(const Config* c, size_t n_params, const CkptChecked* checked) {
+static void load_weights(const Config* c, size_t n_params, CkptChecked* checked) {
     float* params = (float*)xmalloc(n_params * sizeof(float), "host weights");
     ckpt_load(checked, c->checkpoint.path, n_params, params, NULL, NULL);
     engine_set_state(params, NULL, NULL, 0.0f);

@@ -39,7 +39,7 @@ typedef struct {
     float* logits;                   /* [vocab_size] */
     Sampler sampler;
     Sidecar sidecar;                 /* the checkpoint's, read once at start-up (resume, evaluate) */
-    CkptChecked resumed;             /* the checkpoint ckpt_check accepted (resume, evaluate) */
+    CkptChecked resumed;             /* the checkpoint ckpt_check accepted (resume, evaluate); fd -1: none */
     uint32_t data_crc;               /* training_data_fingerprint, kept in the sidecar */
     Fp8HistoryMember resumed_fp8;    /* the checkpoint's fp8 histories (resume, fp8 training) */
     Fp8History* fp8_hist;            /* a copy of the engine's fp8 histories [n_fp8_hist] (§18) */
@@ -295,6 +295,7 @@ static void warn_if_data_changed(const Run* r) {
 static void run_validate_inputs(Run* r, int argc, char** argv) {
     Config* c = &r->cfg;
     int V, T;
+    r->resumed.fd = -1;
     config_parse(c, argc, argv);
     V = c->model.vocab_size;
     T = c->model.seq_len;
@@ -347,6 +348,7 @@ static void run_free(Run* r) {
     free(r->params); free(r->m); free(r->v); free(r->inputs); free(r->targets); free(r->arms);
     free(r->sample_tokens); free(r->logits); free(r->micro_losses);
     free(r->fp8_hist); free(r->resumed_fp8.h);
+    if (r->resumed.fd >= 0) close(r->resumed.fd); /* checked but never loaded: a finished run's resume */
     sidecar_free(&r->sidecar);
     sampler_free(&r->sampler);
     free(r->cfg.sample.prompt_tokens);
