@@ -94,11 +94,17 @@ def no_output_to_devnull():
 
 def _devnull_stream(fd):
     """/dev/null opened on the closed file descriptor fd, as a line-buffered text stream."""
+    point_at_devnull(fd)
+    return open(fd, "w", buffering=1, errors="backslashreplace", closefd=False)
+
+
+def point_at_devnull(fd):
+    """/dev/null on the output descriptor fd, closed or one whose reader is gone: what is written
+    there from now on (and what is still buffered for it) goes nowhere, and no write fails again."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     if devnull != fd:
         os.dup2(devnull, fd)
         os.close(devnull)
-    return open(fd, "w", buffering=1, errors="backslashreplace", closefd=False)
 
 
 def output_failed(e):
@@ -115,9 +121,7 @@ def stdout_closed():
     nothing more can be said there, and it is no fault of the input, so no message. Points stdout
     at /dev/null, so that Python's flush at exit does not fail again; returns the exit status, that
     of a program SIGPIPE ended (Python ignores the signal and raises instead)."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
+    point_at_devnull(sys.stdout.fileno())
     return STDOUT_CLOSED
 
 

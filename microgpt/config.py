@@ -16,7 +16,7 @@ import os
 import re
 
 from microgpt.engines import ROOT
-from microgpt.files import DuplicateKeyError, JsonTooDeep, loads_json, open_regular
+from microgpt.files import DuplicateKeyError, JsonTooDeep, has_lone_surrogate, loads_json, open_regular
 
 OWN_KEYS = {  # key: (type, required)
     "name": ("str", True),          # names the run directory and files; passed as --name
@@ -141,7 +141,7 @@ def _check_value(dotted, kind, value, flag):
         raise ConfigError(f'"{dotted}" must be a number, not NaN')
     if not flag:
         return
-    if isinstance(value, str) and not _is_utf8_text(value):  # the engine's argument could not hold it
+    if isinstance(value, str) and has_lone_surrogate(value):  # the engine's argument could not hold it
         raise ConfigError(f'"{dotted}" holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape), which is '
                           'no text')
     if flag["choices"] and value not in flag["choices"]:
@@ -151,14 +151,6 @@ def _check_value(dotted, kind, value, flag):
         raise ConfigError(f'"{dotted}" must be at least {flag["min"]}, not {json.dumps(value)}')
     if flag["max"] is not None and value > flag["max"]:
         raise ConfigError(f'"{dotted}" must be at most {flag["max"]}, not {json.dumps(value)}')
-
-
-def _is_utf8_text(text):
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _check_list(dotted, items, fields):
@@ -276,7 +268,7 @@ def tokenize_prompts(cfg, flags):
     seq_len = cfg["model"]["seq_len"]
     out = []
     for i, text in enumerate(prompts):
-        if tokenizer.has_lone_surrogate(text):  # tiktoken would encode it as U+FFFD without a word
+        if has_lone_surrogate(text):  # tiktoken would encode it as U+FFFD without a word
             raise ConfigError(f'"sample.prompts[{i}]" holds a lone UTF-16 surrogate (a \\ud800-\\udfff '
                               'escape), which is no text')
         try:

@@ -128,3 +128,13 @@ def read_json(path, default):
             return loads_json(f.read())
     except (OSError, ValueError):
         return default
+
+
+def has_lone_surrogate(text):
+    """Whether a str holds a lone UTF-16 surrogate: valid JSON ("\\ud83d") reads as one, but it is
+    no text; no UTF-8 writer takes it (an engine's argument, a shard's tokenizer)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

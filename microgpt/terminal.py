@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+from microgpt.cli import point_at_devnull
 from microgpt.run_dir import RunFiles
 
 TTY_SECONDS = 1.0
@@ -42,9 +43,7 @@ class Terminal:
             stream.write(text)
             stream.flush()
         except OSError:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, stream.fileno())  # the text still buffered is flushed there later
-            os.close(devnull)
+            point_at_devnull(stream.fileno())  # the text still buffered is flushed there later
 
     def say(self, msg):
         with self.lock:

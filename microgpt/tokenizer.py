@@ -31,7 +31,7 @@ import tiktoken
 
 from microgpt.cli import (USAGE_ERROR, error, interrupted, no_stdout, output_failed, shown_on_terminal,
                           stdout_closed)
-from microgpt.files import DuplicateKeyError, JsonTooDeep, loads_json, open_regular
+from microgpt.files import DuplicateKeyError, JsonTooDeep, has_lone_surrogate, loads_json, open_regular
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSET_PATH = os.path.join(ROOT, "data", "assets", "r50k_base.tiktoken")
@@ -242,14 +242,6 @@ def turn_problem(turn, role_key, text_key):
     return None
 
 
-def has_lone_surrogate(text):
-    """Whether a str holds a lone UTF-16 surrogate: valid JSON ("\\ud83d") reads as one, but it is
-    no text; no UTF-8 writer takes it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 def main(argv):

@@ -27,7 +27,7 @@ import sys
 from microgpt.atomic import atomic_open
 from microgpt.cli import INTERRUPTED, ArgumentParser, interrupted
 from microgpt.files import loads_json, open_regular, read_json
-from microgpt.tokenizer import has_lone_surrogate
+from microgpt.files import has_lone_surrogate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

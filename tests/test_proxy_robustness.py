@@ -200,7 +200,6 @@ def test_a_full_disk_loses_nothing_silently(exp, cpu_binary, tmp_path, monkeypat
 
 def run_on_a_full_disk(cfg, run_dir, cpu_binary):
     """The proxy, in a process where the run directory's JSON files cannot be written (ENOSPC)."""
-    from proxy_util import proxy_env
     full_disk = ("import errno, sys\n"
                  "from microgpt import run_dir, training_proxy\n"
                  "def full(*_): raise OSError(errno.ENOSPC, 'No space left on device')\n"
@@ -456,14 +455,12 @@ def test_a_ctrl_c_during_the_engine_s_flag_query_stops_cleanly(exp, cpu_binary, 
     """A terminal's Ctrl-C goes to its whole foreground process group: the engine answering
     --flags-json too, which it ends. That was "did not give its flag table (exit code -2);
     rebuild it with `make`", exit 2: it is the stop asked for, nothing launched, exit 0."""
-    from proxy_util import PROXY, proxy_env
     asked, launched = tmp_path / "asked", tmp_path / "launched"
     engine = tmp_path / "engine.sh"
     engine.write_text(f'#!/bin/sh\nif [ "$1" = --flags-json ]; then touch {asked}; sleep 30; '
                       f'exec {cpu_binary} --flags-json; fi\ntouch {launched}\nexec {cpu_binary} "$@"\n')
     engine.chmod(0o755)
-    proc = subprocess.Popen([sys.executable, str(PROXY), str(exp.config(steps=5)), "--engine-binary",
-                             str(engine), "--run-dir", str(exp.run_dir), "--no-server"],
+    proc = subprocess.Popen(proxy_command(exp.config(steps=5), exp.run_dir, engine, "--no-server"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=proxy_env(),
                             start_new_session=True)  # a process group of its own, as a shell's job
     deadline = time.monotonic() + 30
@@ -611,13 +608,11 @@ def test_a_proxy_started_with_its_output_closed_runs_as_usual(exp, cpu_binary, t
     """`proxy ... >&-` (or `2>&-`): Python has no sys.stdout (sys.stderr), so the terminal's first
     message was an AttributeError traceback at import, and the engine's stderr pass-through thread
     died at its first line, the engine's error line never reaching the crashed run's message."""
-    from proxy_util import PROXY, proxy_env
     engine = tmp_path / "engine.py"
     engine.write_text(CRASHING_ENGINE.format(python=sys.executable, cpu=str(cpu_binary)))
     engine.chmod(0o755)
     fd = {"stdout": 1, "stderr": 2}[closed]
-    proc = subprocess.run([sys.executable, str(PROXY), str(exp.config(steps=5)), "--engine-binary",
-                           str(engine), "--run-dir", str(exp.run_dir), "--no-server"],
+    proc = subprocess.run(proxy_command(exp.config(steps=5), exp.run_dir, engine, "--no-server"),
                           stdout=subprocess.PIPE if fd == 2 else None,
                           stderr=subprocess.PIPE if fd == 1 else None, text=True, env=proxy_env(),
                           preexec_fn=lambda: os.close(fd), timeout=60)
@@ -711,11 +706,9 @@ def test_a_proxy_whose_terminal_closed_trains_on_to_its_stop(exp, cpu_binary):
 
 def test_on_a_terminal_the_progress_line_is_rewritten_in_place(exp, cpu_binary):
     import pty
-    from proxy_util import PROXY, proxy_env
     leader, follower = pty.openpty()
     cfg = exp.config(steps=300)
-    proc = subprocess.Popen([sys.executable, str(PROXY), str(cfg), "--engine-binary", str(cpu_binary),
-                             "--run-dir", str(exp.run_dir), "--no-server", "--progress-every", "0.1"],
+    proc = subprocess.Popen(proxy_command(cfg, exp.run_dir, cpu_binary, "--no-server", "--progress-every", "0.1"),
                             stdin=follower, stdout=follower, stderr=follower, env=proxy_env())
     os.close(follower)
     out = b""
