@@ -360,21 +360,28 @@ def test_a_rank_refuses_a_master_that_is_not_rank_0(cpu_binary, shards, tmp_path
     assert not (tmp_path / "w.ckpt").exists()
 
 
+def rank0_greeted_by(cpu_binary, shards, ckpt, greeting, timeout_s):
+    """Rank 0 of two, and a connection to its port that sends `greeting` (b"": nothing) and stays
+    open until rank 0 has ended: rank 0's exit status and stderr."""
+    port = free_port()
+    rank0 = subprocess.Popen([str(cpu_binary)] + args(shards, ckpt, steps=1), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": str(port), "ANDREA_DIST_TIMEOUT_S": str(timeout_s)})
+    try:
+        with connect_once_listening(port) as peer:
+            peer.sendall(greeting)
+            err = rank0.communicate(timeout=60)[1]
+    finally:
+        rank0.kill()
+    return rank0.returncode, err
+
+
 def test_rank_0_names_a_connection_that_never_greets(cpu_binary, shards, tmp_path):
     """Something connects to MASTER_PORT and says nothing: rank 0 reads no greeting from it, and
     must not say it lost "rank 0", itself."""
-    port = free_port()
-    rank0 = subprocess.Popen([str(cpu_binary)] + args(shards, tmp_path / "g.ckpt", steps=1), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                                  "MASTER_PORT": str(port), "ANDREA_DIST_TIMEOUT_S": "2"})
-    try:
-        silent = connect_once_listening(port)
-        with silent:
-            _, err = rank0.communicate(timeout=30)
-    finally:
-        rank0.kill()
-    assert rank0.returncode == 1 and "error: rank 0: a connection to MASTER_PORT sent no greeting" in err, err
+    rc, err = rank0_greeted_by(cpu_binary, shards, tmp_path / "g.ckpt", b"", timeout_s=2)
+    assert rc == 1 and "error: rank 0: a connection to MASTER_PORT sent no greeting" in err, err
     assert "lost rank 0" not in err
 
 
@@ -440,19 +447,9 @@ def test_rank_0_refuses_a_rank_of_another_build_at_once(cpu_binary, shards, tmp_
     its 20-byte greeting and waited for the rest until ANDREA_DIST_TIMEOUT_S (300 s here), then
     called it a rank that sent no greeting. The magic is read first and changes with the greeting:
     refused at once, named."""
-    port = free_port()
-    rank0 = subprocess.Popen([str(cpu_binary)] + args(shards, tmp_path / "o.ckpt", steps=1), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                                  "MASTER_PORT": str(port), "ANDREA_DIST_TIMEOUT_S": "300"})
-    try:
-        old = connect_once_listening(port)
-        with old:
-            old.sendall(struct.pack("<4I", 0x414E4452, 1, 2, 0))  # "ANDR", rank 1 of 2, an argv CRC
-            err = rank0.communicate(timeout=60)[1]
-    finally:
-        rank0.kill()
-    assert rank0.returncode == 2 and "a rank of another ANDREA build" in err, err
+    old = struct.pack("<4I", 0x414E4452, 1, 2, 0)  # "ANDR", rank 1 of 2, an argv CRC
+    rc, err = rank0_greeted_by(cpu_binary, shards, tmp_path / "o.ckpt", old, timeout_s=300)
+    assert rc == 2 and "a rank of another ANDREA build" in err, err
 
 
 def test_a_stop_signal_ends_the_wait_for_a_greeting_that_never_comes(cpu_binary, shards, tmp_path):
