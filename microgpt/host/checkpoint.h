@@ -931,14 +931,38 @@ typedef struct {
     int fd; /* -1 once loaded (ckpt_load), or where no checkpoint was checked */
 } CkptChecked;
 
-/* Validates a checkpoint before it is resumed and before any large allocation: header and size
+/* A checkpoint of another model shape whose parameter count is the config's (one layer with a wide
+ * MLP for two narrow ones; another n_head, which no tensor's size shows) passes ckpt_check's n_params
+ * check: resumed, its tensors would be read as others and the run train on, replacing it. The
+ * sidecar's shape, verified by ckpt_check, tells it apart: refused as another n_params is. Members
+ * a sidecar lacks (an older writer's) are left to the n_params check. */
+static void ckpt_refuse_other_shape(const char* path, const Config* c, const char* sidecar) {
+    struct { const char* key; int value; } shape[6];
+    double x;
+    int i;
+    shape[0].key = "n_layer"; shape[0].value = c->model.n_layer;
+    shape[1].key = "d_model"; shape[1].value = c->model.d_model;
+    shape[2].key = "n_head"; shape[2].value = c->model.n_head;
+    shape[3].key = "d_ff"; shape[3].value = c->model.d_ff;
+    shape[4].key = "seq_len"; shape[4].value = c->model.seq_len;
+    shape[5].key = "padded_vocab_size"; shape[5].value = c->model.padded_vocab_size;
+    for (i = 0; i < (int)(sizeof shape / sizeof shape[0]); i++)
+        if (sidecar && json_find_number(sidecar, shape[i].key, &x) && x != (double)shape[i].value)
+            die_input("checkpoint %s was written with model.%s %.12g, and model.%s is %d here (a different model "
+                      "shape with as many parameters); it is neither loaded nor overwritten", path, shape[i].key, x,
+                      shape[i].key, shape[i].value);
+}
+
+/* Validates c's checkpoint before it is resumed and before any large allocation: header and size
  * against the config's n_params, the sidecar's step, and the CRC-32C of every byte against the
- * sidecar's, then its values (ckpt_refuse_non_finite). Dies with one error line on any mismatch;
- * the files are left as they are. A checkpoint without a checksum (no sidecar, or one written
- * before sidecars held "crc32c") is loaded with a warning. n_layer: the model's, which bounds its
- * sidecar. `side`: the sidecar, loaded already (--generate and --evaluate read it to learn the
- * model) or read here, after the checkpoint's own checks; the later readers take it. */
-static CkptChecked ckpt_check(const char* path, size_t n_params, int n_layer, Sidecar* side) {
+ * sidecar's, then its values (ckpt_refuse_non_finite), then the model shape its sidecar records
+ * (ckpt_refuse_other_shape). Dies with one error line on any mismatch; the files are left as they
+ * are. A checkpoint without a checksum (no sidecar, or one written before sidecars held "crc32c")
+ * is loaded with a warning. `side`: the sidecar, loaded already (--generate and --evaluate read it
+ * to learn the model) or read here, after the checkpoint's own checks; the later readers take it. */
+static CkptChecked ckpt_check(const Config* c, size_t n_params, Sidecar* side) {
+    const char* path = c->checkpoint.path;
+    size_t n_layer = (size_t)c->model.n_layer; /* bounds the sidecar */
     CkptChecked checked;
     CkptFiles f;
     struct stat st;
@@ -973,8 +997,8 @@ static CkptChecked ckpt_check(const char* path, size_t n_params, int n_layer, Si
     scan = ckpt_scan(fd, path);
     checked.step = header[0];
     checked.crc = scan.crc;
-    if (side->loaded) sidecar_refuse_longer(&f, side->bytes, (size_t)n_layer);
-    else sidecar_load(path, (size_t)n_layer, side);
+    if (side->loaded) sidecar_refuse_longer(&f, side->bytes, n_layer);
+    else sidecar_load(path, n_layer, side);
     if (!(sidecar = side->text)) {
         warn("checkpoint sidecar %s is missing: %s is loaded unverified (no checksum) and the loss scale starts "
              "from its default", f.side, path);
@@ -1004,29 +1028,8 @@ static CkptChecked ckpt_check(const char* path, size_t n_params, int n_layer, Si
     }
     ckpt_refuse_non_finite(&f, &scan, n_params);
     if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
+    ckpt_refuse_other_shape(path, c, sidecar);
     return checked;
-}
-
-/* A checkpoint of another model shape whose parameter count is the config's (one layer with a wide
- * MLP for two narrow ones; another n_head, which no tensor's size shows) passes ckpt_check's n_params
- * check: resumed, its tensors would be read as others and the run train on, replacing it. The
- * sidecar's shape, verified by ckpt_check, tells it apart: refused as another n_params is. Members
- * a sidecar lacks (an older writer's) are left to the n_params check. */
-static void ckpt_refuse_other_shape(const char* path, const Config* c, const char* sidecar) {
-    struct { const char* key; int value; } shape[6];
-    double x;
-    int i;
-    shape[0].key = "n_layer"; shape[0].value = c->model.n_layer;
-    shape[1].key = "d_model"; shape[1].value = c->model.d_model;
-    shape[2].key = "n_head"; shape[2].value = c->model.n_head;
-    shape[3].key = "d_ff"; shape[3].value = c->model.d_ff;
-    shape[4].key = "seq_len"; shape[4].value = c->model.seq_len;
-    shape[5].key = "padded_vocab_size"; shape[5].value = c->model.padded_vocab_size;
-    for (i = 0; i < (int)(sizeof shape / sizeof shape[0]); i++)
-        if (sidecar && json_find_number(sidecar, shape[i].key, &x) && x != (double)shape[i].value)
-            die_input("checkpoint %s was written with model.%s %.12g, and model.%s is %d here (a different model "
-                      "shape with as many parameters); it is neither loaded nor overwritten", path, shape[i].key, x,
-                      shape[i].key, shape[i].value);
 }
 
 /* Reads weights, m and v (n floats each) of the checkpoint `path` from the file that ckpt_check

@@ -200,15 +200,11 @@ static void dist_set_socket_options(int fd) {
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* small control messages: no Nagle */
 }
 
-/* The error of ranks 0 and r whose resumed states differ. The same flags name the same checkpoint
- * path, but not always the same file: each node of a multi-node run reads its own disk, where a
- * copy may be of another step; resumed from it, the ranks would train apart without a word. */
-static const char* dist_other_state(uint32_t r) {
-    static char what[200];
-    snprintf(what, sizeof what, "rank %u resumed from another checkpoint or sidecar than rank 0 (every rank must "
-             "read the same files: a stale copy on another node?)", r);
-    return what;
-}
+/* The error of ranks 0 and r (its %u) whose resumed states differ. The same flags name the same
+ * checkpoint path, but not always the same file: each node of a multi-node run reads its own disk,
+ * where a copy may be of another step; resumed from it, the ranks would train apart without a word. */
+#define DIST_OTHER_STATE "rank %u resumed from another checkpoint or sidecar than rank 0 (every rank must read the " \
+                         "same files: a stale copy on another node?)"
 
 /* The peer's DistHello (peer 0's socket) into *h, its magic first: a peer whose magic differs
  * (another program, a rank of another build) is told apart without waiting for bytes it may never
@@ -265,7 +261,7 @@ static int dist_accept_all(struct sockaddr_in a) {
         if (h.argv_crc != mine.argv_crc)
             die_input("rank 0: rank %u was started with other flags than rank 0 (every rank needs the same command "
                       "line)", h.rank);
-        if (h.state_crc != mine.state_crc) die_input("rank 0: %s", dist_other_state(h.rank));
+        if (h.state_crc != mine.state_crc) die_input("rank 0: " DIST_OTHER_STATE, h.rank);
         g_dist.fds[h.rank] = fd;
         n++;
     }
@@ -327,7 +323,7 @@ static int dist_connect(struct sockaddr_in a) {
     if (h.argv_crc != mine.argv_crc)
         die_input("rank %d: rank 0 was started with other flags than rank %d (every rank needs the same command line)",
                   g_dist.rank, g_dist.rank);
-    if (h.state_crc != mine.state_crc) die_input("rank %d: %s", g_dist.rank, dist_other_state(g_dist.rank));
+    if (h.state_crc != mine.state_crc) die_input("rank %d: " DIST_OTHER_STATE, g_dist.rank, (uint32_t)g_dist.rank);
     return 0;
 }
 

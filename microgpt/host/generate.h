@@ -833,10 +833,10 @@ static int generate_main(int argc, char** argv) {
     int too_long;
     config_parse_for_checkpoint(c, argc, argv, &side);
     param_layout_init(&layout, c);
-    checked = ckpt_check(c->checkpoint.path, layout.n_params, c->model.n_layer, &side); /* before any large allocation */
-    /* a model flag on the command line that gives another shape of as many parameters (--model.n_head 2
-     * for 4) passes the size check: the weights would be read as another model's, its answers wrong */
-    ckpt_refuse_other_shape(c->checkpoint.path, c, side.text);
+    /* before any large allocation; a model flag on the command line that gives another shape of as many
+     * parameters (--model.n_head 2 for 4) is refused there: the weights would be read as another
+     * model's, its answers wrong */
+    checked = ckpt_check(c, layout.n_params, &side);
     sidecar_free(&side);
     c->train.batch_size = 1; /* the prefill's forward buffers: one window */
     g_quiet_events = 1;      /* stdout is the protocol's; the memory plan goes to stderr */

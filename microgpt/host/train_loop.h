@@ -319,9 +319,8 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     if (c->dump_grads[0]) dump_grads_check_path(r, c->dump_grads);
     if (c->resume) {
         if (run_locks_checkpoint(c)) ckpt_lock_existing(c->checkpoint.path); /* before the read */
-        r->resumed = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer, &r->sidecar);
+        r->resumed = ckpt_check(c, r->layout.n_params, &r->sidecar);
         r->start_step = r->saved_step = r->resumed.step;
-        ckpt_refuse_other_shape(c->checkpoint.path, c, r->sidecar.text);
         warn_if_data_changed(r);
         /* before the start event, which reports p */
         mixture_resume(&r->mix, c, c->checkpoint.path, &r->sidecar, r->start_step);
@@ -643,8 +642,7 @@ static int evaluate_main(int argc, char** argv) {
     config_parse_for_checkpoint(c, argc, argv, &r->sidecar);
     param_layout_init(&r->layout, c);
     /* before any large allocation */
-    r->resumed = ckpt_check(c->checkpoint.path, r->layout.n_params, c->model.n_layer, &r->sidecar);
-    ckpt_refuse_other_shape(c->checkpoint.path, c, r->sidecar.text); /* as --generate: its loss a wrong model's */
+    r->resumed = ckpt_check(c, r->layout.n_params, &r->sidecar);
     if (c->eval.batches == 0) c->train.batch_size = 1;
     dataset_open(&r->val, c->data.val, "data.val", c->model.vocab_size, c->model.seq_len);
     r->inputs = (int*)xmalloc((size_t)c->train.batch_size * c->model.seq_len * sizeof(int), "batch inputs");
