@@ -559,6 +559,6 @@ def _raise_open_files_limit():
     raised to the hard one (as Go's runtime does for every program); descriptors past 1023 are fine
     here, nothing uses select.select."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+    if soft != hard:
         with contextlib.suppress(ValueError, OSError):  # an unlimited hard limit, which Linux refuses
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

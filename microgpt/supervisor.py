@@ -31,7 +31,10 @@ from microgpt.run_dir import (RunBusyError, RunFiles, RunState, lock_run, roll_b
 
 POLL_SECONDS = LossBuffer.FLUSH_SECONDS  # the main loop wakes at least this often to flush
 ENGINE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}  # the ones the proxy forwards
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each a stop with a checkpoint
+PEER_GRACE_SECONDS = 30  # after rank 0 ends, how long the other ranks get to end by themselves
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun's names
+# NVLink multicast stays off in every process of a multi-GPU run (NCCL, PyTorch, NVSHMEM)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def engine_signal(sig):
@@ -39,10 +42,6 @@ def engine_signal(sig):
     session of its own, out of the terminal's reach, and the proxy, whose default on SIGHUP was to
     die, left it to die at its next write to the proxy, unsaved."""
     return signal.SIGTERM if sig == signal.SIGHUP else sig
-PEER_GRACE_SECONDS = 30  # after rank 0 ends, how long the other ranks get to end by themselves
-RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun's names
-# NVLink multicast stays off in every process of a multi-GPU run (NCCL, PyTorch, NVSHMEM)
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class Run:
@@ -165,7 +164,7 @@ class Supervisor:
         self.lines = None  # the engine's stdout lines, as the reader thread queues them
         self.events = EventHandler(run)
         self.stderr_tail = collections.deque(maxlen=8)
-        self.stop_signal = None  # a STOP_SIGNALS one received: the engine was asked to stop
+        self.stop_signal = None  # a stop signal received: the engine was asked to stop
         self.stop_announced = False
         self.peer_failed = False  # a rank > 0 ended with an error: the others were asked to stop
 
@@ -185,7 +184,7 @@ class Supervisor:
         """Signals only forward and take note; the main loop reports and reacts. (No printing
         here: the handler may interrupt a print of the main thread, and buffered I/O is not
         reentrant.)"""
-        if sig in STOP_SIGNALS and self.stop_signal is None:
+        if sig != signal.SIGUSR1 and self.stop_signal is None:  # SIGTERM, SIGINT, SIGHUP: a stop
             self.stop_signal = sig
         self.events.checkpoint_asked = True  # each of these signals makes the engine checkpoint
         self.signal_engine(engine_signal(sig))
