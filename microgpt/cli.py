@@ -125,6 +125,20 @@ def stdout_closed():
     return STDOUT_CLOSED
 
 
+def answer_on_stdout(write):
+    """Runs write(), which prints a tool's answer on stdout, and flushes it; the exit status: 0, or
+    stdout_closed's where the reader went away (| head), or output_failed's where the write failed
+    (a full disk): a one-line answer to a lost reader is no traceback."""
+    try:
+        write()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return stdout_closed()
+    except OSError as e:
+        return output_failed(e)
+    return 0
+
+
 def interrupted(tool, what):
     """For a tool stopped by Ctrl-C (KeyboardInterrupt): one line, "TOOL: interrupted; WHAT" (what
     was kept, how to go on), no traceback; returns the exit status of a program SIGINT ended."""

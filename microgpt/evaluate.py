@@ -32,8 +32,8 @@ import tempfile
 import numpy as np
 
 from microgpt import tokenizer
-from microgpt.cli import (USAGE_ERROR, ArgumentParser, error, interrupted, no_stdout, output_failed, say,
-                          stdout_closed, stop_on_sigterm)
+from microgpt.cli import (USAGE_ERROR, ArgumentParser, answer_on_stdout, error, interrupted, no_stdout, say,
+                          stop_on_sigterm)
 from microgpt.engines import ENGINE_INT_MAX, ENGINE_TEXT
 from microgpt.files import RECORD_TOO_LONG, open_regular, record_lines
 from microgpt.inference import (InferenceError, engine_name, engine_warnings, pick_engine, read_model_shape,
@@ -187,13 +187,7 @@ def main(argv):
         return USAGE_ERROR
     except KeyboardInterrupt:  # the engine (subprocess.run's child) is killed, the temporary shard removed
         return interrupted("evaluate", "nothing was scored")
-    try:
-        print(json.dumps(result), flush=True)
-    except BrokenPipeError:  # stdout's reader went away (| true)
-        return stdout_closed()
-    except OSError as e:  # a full disk (> /dev/full), an I/O error
-        return output_failed(e)
-    return 0
+    return answer_on_stdout(lambda: print(json.dumps(result)))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ import numpy as np
 
 from microgpt import tokenizer
 from microgpt.atomic import fsync_dir, write_json_atomic
-from microgpt.cli import ArgumentParser, fail, interrupted, output_failed, stdout_closed
+from microgpt.cli import ArgumentParser, answer_on_stdout, fail, interrupted
 from microgpt.files import RECORD_TOO_LONG, hold_lock, open_regular, read_json, record_lines
 from microgpt.progress import Progress
 from microgpt.shards import MAX_TOKENS, ShardError, ShardStream, read_header, read_shard
@@ -554,18 +554,10 @@ def print_summary(manifest, out=None):
 
 
 def show_summary(manifest):
-    """print_summary on stdout, flushed; the exit status. The set is built by then: a stdout that
-    cannot take the table (a full disk, `> /dev/full`; a reader gone, `| head -1`) is said in one
-    line (cli.output_failed) or none (cli.stdout_closed), not a traceback, nor taken for a failed
-    write of the shards."""
-    try:
-        print_summary(manifest)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        return stdout_closed()
-    except OSError as e:
-        return output_failed(e)
-    return 0
+    """print_summary on stdout; the exit status. The set is built by then: a stdout that cannot take
+    the table (a full disk, `> /dev/full`; a reader gone, `| head -1`) is said in one line or none
+    (cli.answer_on_stdout), not a traceback, nor taken for a failed write of the shards."""
+    return answer_on_stdout(lambda: print_summary(manifest))
 
 
 class AddSource(argparse.Action):
