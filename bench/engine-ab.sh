@@ -24,8 +24,11 @@
 # (also in $OUT/summary.txt): per model and precision, each build's median ms/step in each round,
 # its change against default in µs per step (mean over the rounds), and whether its losses are
 # the default's bit for bit ('=' or 'differ').
-# FLAGS are -DMACRO[=VALUE] and -UMACRO words only. Exit status 1 if a build, check, test or run
-# failed, 2 on bad arguments.
+# FLAGS are -DMACRO[=VALUE] and -UMACRO words only. With AB_PREBUILT=1 nothing is built: each build's
+# build/microgpt_cuda_NAME and build/kernel_check_NAME must be there already (made for this GPU
+# elsewhere with the same make command, e.g. on a machine without one with GPU_ARCH=90, to spend the
+# GPU's time on the checks and runs alone); a missing one is refused before anything runs. Exit
+# status 1 if a build, check, test or run failed, 2 on bad arguments.
 set -u -o pipefail
 # shellcheck source=scripts/check-lib.sh
 . "$(dirname "$0")/../scripts/check-lib.sh"
@@ -55,6 +58,22 @@ done
 for word in $AB_PRECS; do
     case $word in bf16 | fp8) ;; *) echo "error: AB_PRECS takes bf16 and fp8, got '$word'" >&2; exit 2 ;; esac
 done
+AB_PREBUILT=${AB_PREBUILT:-0}
+if [ "$AB_PREBUILT" != 0 ] && [ "$AB_PREBUILT" != 1 ]; then
+    echo "error: AB_PREBUILT must be 0 or 1, got '$AB_PREBUILT'" >&2
+    exit 2
+fi
+if [ "$AB_PREBUILT" = 1 ]; then
+    for b in "${BUILDS[@]}"; do
+        for tool in microgpt_cuda kernel_check; do
+            bin="$(dirname "$0")/../build/${tool}_$b"
+            if [ ! -x "$bin" ]; then
+                echo "error: AB_PREBUILT=1 but build/${tool}_$b is not there (make VARIANT_SUFFIX=_$b ...)" >&2
+                exit 2
+            fi
+        done
+    done
+fi
 SAME_BITS=${SAME_BITS:-0}
 if [ "$SAME_BITS" != 0 ] && [ "$SAME_BITS" != 1 ]; then # a typo must not silently skip the bit tests
     echo "error: SAME_BITS must be 0 or 1, got '$SAME_BITS'" >&2
@@ -70,7 +89,7 @@ fi
 check_init engine-ab ./engine-ab-out
 
 rc=0
-build_variants microgpt_cuda kernel_check || rc=1
+if [ "$AB_PREBUILT" = 0 ]; then build_variants microgpt_cuda kernel_check || rc=1; fi
 
 declare -A check
 timed=()

@@ -76,3 +76,49 @@ def test_each_build_reaches_make_with_its_flags(tmp_path):
                       f"build/kernel_check_{b}"] for b in sorted(flags)]
     assert "kernel_check: default NOT BUILT, cand NOT BUILT" in (tmp_path / "out" / "summary.txt").read_text()
     assert not (tmp_path / "out" / "timing.json").exists()
+
+
+def test_prebuilt_binaries_must_all_be_there_before_anything_runs(tmp_path):
+    """AB_PREBUILT=1 builds nothing, so a build whose binaries are missing would be found out only as
+    NOT BUILT after the others' minutes of checks and runs: it is refused first, as is a value other
+    than 0 or 1 (a typo must not quietly rebuild everything on the GPU's time)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "make").write_text(f"#!/bin/bash\ntouch {tmp_path}/made\nexit 1\n")
+    (bin_dir / "make").chmod(0o755)
+    path = f"{bin_dir}:/usr/bin:/bin"
+    res = run(["nosuchbuild=-DX=1"], tmp_path, path=path, AB_PREBUILT="1")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.startswith("error: AB_PREBUILT=1 but build/microgpt_cuda_") and "is not there" in res.stderr
+    res = run(["x=-DX=1"], tmp_path, path=path, AB_PREBUILT="yes")
+    assert res.returncode == 2 and res.stderr.startswith("error: AB_PREBUILT must be 0 or 1"), res.stderr
+    assert not (tmp_path / "made").exists() and not (tmp_path / "out").exists()
+
+
+def test_prebuilt_binaries_are_checked_and_timed_without_a_build(tmp_path):
+    """With AB_PREBUILT=1 and every binary there (in a copy of the scripts beside stand-in binaries),
+    make is never called and each build's own kernel_check runs; the stand-in engines fail, so the
+    script fails."""
+    root = tmp_path / "repo"
+    for rel in ("bench/engine-ab.sh", "scripts/check-lib.sh"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text((SCRIPT.parent.parent / rel).read_text())
+    (root / "build").mkdir()
+    for b in ("default", "cand"):
+        (root / "build" / f"kernel_check_{b}").write_text(f"#!/bin/bash\ntouch {tmp_path}/checked-{b}\necho ok\n")
+        (root / "build" / f"microgpt_cuda_{b}").write_text("#!/bin/bash\nexit 1\n")
+        for tool in ("kernel_check", "microgpt_cuda"):
+            (root / "build" / f"{tool}_{b}").chmod(0o755)
+    (root / "shard.bin").write_bytes(b"")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "make").write_text(f"#!/bin/bash\ntouch {tmp_path}/made\nexit 1\n")
+    (bin_dir / "make").chmod(0o755)
+    res = subprocess.run(["bash", str(root / "bench/engine-ab.sh"), "cand=-DX=1"], capture_output=True, text=True,
+                         timeout=120, env={"OUT": str(tmp_path / "out"), "PATH": f"{bin_dir}:/usr/bin:/bin",
+                                           "AB_PREBUILT": "1", "AB_SHARDS": "shard.bin", "AB_MODELS": "12M",
+                                           "AB_PRECS": "bf16", "ROUNDS": "1"})
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert not (tmp_path / "made").exists()
+    assert (tmp_path / "checked-default").exists() and (tmp_path / "checked-cand").exists()
+    assert "kernel_check: default ok, cand ok" in (tmp_path / "out" / "summary.txt").read_text()
