@@ -19,6 +19,7 @@
 #include <fcntl.h>
 #include <float.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -173,20 +174,50 @@ static void append_text(char* buf, size_t cap, const char* text) {
     buf[n + k] = '\0';
 }
 
+/* What a resume whose config differs from a sidecar's fingerprint setting does: refuse it (the
+ * model's shape: ckpt_refuse_other_shape), warn (sidecar_loss_scale), or nothing (steps: a resumed
+ * run may be lengthened). */
+enum { SETTING_SHAPE, SETTING_WARN, SETTING_FREE };
+
+/* The config's whole-number settings in the sidecar's fingerprint, in the order sidecar_text writes
+ * them: the one list of them its readers check. */
+static const struct {
+    const char* key;
+    size_t offset; /* of the int in Config */
+    int on_resume; /* SETTING_* */
+} sidecar_settings[] = {
+    {"n_layer", offsetof(Config, model.n_layer), SETTING_SHAPE},
+    {"d_model", offsetof(Config, model.d_model), SETTING_SHAPE},
+    {"n_head", offsetof(Config, model.n_head), SETTING_SHAPE},
+    {"d_ff", offsetof(Config, model.d_ff), SETTING_SHAPE},
+    {"seq_len", offsetof(Config, model.seq_len), SETTING_SHAPE},
+    {"vocab_size", offsetof(Config, model.vocab_size), SETTING_WARN},
+    {"padded_vocab_size", offsetof(Config, model.padded_vocab_size), SETTING_SHAPE},
+    {"seed", offsetof(Config, train.seed), SETTING_WARN},
+    {"batch_size", offsetof(Config, train.batch_size), SETTING_WARN},
+    {"grad_accum", offsetof(Config, train.grad_accum), SETTING_WARN},
+    {"steps", offsetof(Config, train.steps), SETTING_FREE}};
+#define SIDECAR_N_SETTINGS (sizeof sidecar_settings / sizeof sidecar_settings[0])
+
+static int sidecar_setting(const Config* c, size_t i) {
+    return *(const int*)((const char*)c + sidecar_settings[i].offset);
+}
+
 /* `extra`: further members of the sidecar object (",\"bandit\":{...}", mixture.h), or "". The
  * values' checksum is taken of the text it covers, as a reader takes it (sidecar_values_crc32c). */
 static void sidecar_text(char* buf, size_t cap, int step, size_t n_params, uint32_t crc, float loss_scale,
                          const Config* c, const char* extra) {
-    char ls[32], values[CKPT_SIDECAR_OWN_MAX];
-    snprintf(values, sizeof values,
-             "\"n_params\":%zu,\"loss_scale\":%s,\"fingerprint\":{\"n_layer\":%d,"
-             "\"d_model\":%d,\"n_head\":%d,\"d_ff\":%d,\"seq_len\":%d,\"vocab_size\":%d,\"padded_vocab_size\":%d,"
-             "\"seed\":%d,\"batch_size\":%d,\"grad_accum\":%d,\"steps\":%d,\"precision\":\"%s\","
-             "\"fp8_classifier\":\"%s\"}",
-             n_params, json_num(ls, sizeof ls, loss_scale), c->model.n_layer,
-             c->model.d_model, c->model.n_head, c->model.d_ff, c->model.seq_len, c->model.vocab_size,
-             c->model.padded_vocab_size, c->train.seed, c->train.batch_size, c->train.grad_accum, c->train.steps,
-             c->train.precision, c->train.fp8_classifier);
+    char ls[32], item[64], values[CKPT_SIDECAR_OWN_MAX];
+    size_t i;
+    snprintf(values, sizeof values, "\"n_params\":%zu,\"loss_scale\":%s,\"fingerprint\":{", n_params,
+             json_num(ls, sizeof ls, loss_scale));
+    for (i = 0; i < SIDECAR_N_SETTINGS; i++) {
+        snprintf(item, sizeof item, "\"%s\":%d,", sidecar_settings[i].key, sidecar_setting(c, i));
+        append_text(values, sizeof values, item);
+    }
+    snprintf(item, sizeof item, "\"precision\":\"%s\",\"fp8_classifier\":\"%s\"}", c->train.precision,
+             c->train.fp8_classifier);
+    append_text(values, sizeof values, item);
     snprintf(buf, cap, "{\"step\":%d,\"crc32c\":%lu,\"values_crc32c\":%lu,", step, (unsigned long)crc,
              (unsigned long)sidecar_values_crc32c(values));
     append_text(buf, cap, values);
@@ -937,20 +968,16 @@ typedef struct {
  * sidecar's shape, verified by ckpt_check, tells it apart: refused as another n_params is. Members
  * a sidecar lacks (an older writer's) are left to the n_params check. */
 static void ckpt_refuse_other_shape(const char* path, const Config* c, const char* sidecar) {
-    struct { const char* key; int value; } shape[6];
     double x;
-    int i;
-    shape[0].key = "n_layer"; shape[0].value = c->model.n_layer;
-    shape[1].key = "d_model"; shape[1].value = c->model.d_model;
-    shape[2].key = "n_head"; shape[2].value = c->model.n_head;
-    shape[3].key = "d_ff"; shape[3].value = c->model.d_ff;
-    shape[4].key = "seq_len"; shape[4].value = c->model.seq_len;
-    shape[5].key = "padded_vocab_size"; shape[5].value = c->model.padded_vocab_size;
-    for (i = 0; i < (int)(sizeof shape / sizeof shape[0]); i++)
-        if (sidecar && json_find_number(sidecar, shape[i].key, &x) && x != (double)shape[i].value)
+    size_t i;
+    for (i = 0; i < SIDECAR_N_SETTINGS; i++) {
+        const char* key = sidecar_settings[i].key;
+        int value = sidecar_setting(c, i);
+        if (sidecar_settings[i].on_resume == SETTING_SHAPE && sidecar && json_find_number(sidecar, key, &x) &&
+            x != (double)value)
             die_input("checkpoint %s was written with model.%s %.12g, and model.%s is %d here (a different model "
-                      "shape with as many parameters); it is neither loaded nor overwritten", path, shape[i].key, x,
-                      shape[i].key, shape[i].value);
+                      "shape with as many parameters); it is neither loaded nor overwritten", path, key, x, key, value);
+    }
 }
 
 /* Validates c's checkpoint before it is resumed and before any large allocation: header and size
@@ -1054,8 +1081,7 @@ static float sidecar_loss_scale(const char* path, int ckpt_step, const Config* c
     const char* text = sidecar->text;
     double x;
     float loss_scale = 0.0f;
-    int i;
-    struct { const char* key; int value; } fp[4]; /* the shape's members are ckpt_refuse_other_shape's */
+    size_t i;
     snprintf(side, sizeof side, "%s.json", path);
     if (!text) return 0.0f;
     if (!json_find_number(text, "step", &x) || x != (double)ckpt_step) {
@@ -1069,13 +1095,13 @@ static float sidecar_loss_scale(const char* path, int ckpt_step, const Config* c
     else if (json_has_member(text, "loss_scale"))
         warn("checkpoint sidecar %s holds a loss_scale that is not a positive finite number; the loss scale starts "
              "from its default", side);
-    fp[0].key = "vocab_size"; fp[0].value = c->model.vocab_size;
-    fp[1].key = "seed"; fp[1].value = c->train.seed;
-    fp[2].key = "batch_size"; fp[2].value = c->train.batch_size;
-    fp[3].key = "grad_accum"; fp[3].value = c->train.grad_accum;
-    for (i = 0; i < (int)(sizeof fp / sizeof fp[0]); i++)
-        if (json_find_number(text, fp[i].key, &x) && x != (double)fp[i].value) /* as a double: (int)1e300 is undefined */
-            warn("resuming with %s = %d, the checkpoint was written with %.12g", fp[i].key, fp[i].value, x);
+    for (i = 0; i < SIDECAR_N_SETTINGS; i++) {
+        const char* key = sidecar_settings[i].key;
+        int value = sidecar_setting(c, i);
+        if (sidecar_settings[i].on_resume == SETTING_WARN && json_find_number(text, key, &x) &&
+            x != (double)value) /* as a double: (int)1e300 is undefined */
+            warn("resuming with %s = %d, the checkpoint was written with %.12g", key, value, x);
+    }
     {
         /* A loss scale belongs to the precision whose run produced it (non-fp16 runs record 1):
          * resuming in another precision starts from the engine's default scale. */
