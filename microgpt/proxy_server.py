@@ -55,7 +55,7 @@ from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 from microgpt.atomic import open_new
 from microgpt.cli import say
 from microgpt.run_dir import TOKEN_FILE
-from microgpt.run_view import RunDirectory, open_inside
+from microgpt.run_view import RunDirectory, ServedDir, open_inside
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DASHBOARD = os.path.join(os.path.dirname(HERE), "scripts", "live-loss-dashboard.html")
@@ -150,7 +150,10 @@ class TrainedRun:
     controllable = True
 
     def __init__(self, run):
-        self.run, self.root = run, run.dir
+        self.run, self.root = run, ServedDir(run.dir)
+
+    def close(self):
+        self.root.close()
 
     def listing(self):
         return [{"id": self.run.name, "name": self.run.name, "controls": True}]
@@ -248,10 +251,9 @@ def create_app(served, bind_host, token):
 
     @app.get("/files/")
     def file_list():
-        root = os.path.realpath(served.root)
         found = []
-        for d, _dirs, names in os.walk(root):
-            found += [os.path.relpath(os.path.join(d, n), root) for n in names if n.endswith(".json")]
+        for d, _dirs, names in served.root.walk():  # from the directory opened at the start
+            found += [os.path.join(d, n) for n in names if n.endswith(".json")]
         return jsonify(sorted(found))
 
     @app.get("/files/<path:rel>")
@@ -509,6 +511,7 @@ class Server:
     def shutdown(self):
         self.httpd.shutdown()
         self.httpd.heads.stopped.set()
+        self.served.close()  # the served directory's descriptor: nothing under it is served any more
 
 
 def exposure_warning(host, port):

@@ -5,6 +5,7 @@ run is followed as its files change, so runs that other proxies are training sho
 loss log is indexed as it grows (only complete lines), the state and samples are re-read when
 their files change. Nothing is ever written, except the dashboard token (proxy_server.load_token).
 """
+import contextlib
 import errno
 import json
 import os
@@ -24,9 +25,70 @@ READ_BYTES = 1 << 22  # a log is indexed this much at a time (records are a few 
 JSON_FILE_MAX = 1 << 24  # a longer state or samples file is none of ours (a 20000-step run's samples: ~100 KB)
 
 
+class ServedDir:
+    """A served directory, opened once (at the server's start) and held until close(): every listing
+    and open under it starts from this descriptor, never from its name, so the directory renamed,
+    or it or a directory above it swapped for a link to somewhere else after the start, leads
+    nowhere else: what is served is the directory that was opened, wherever it is now, or nothing
+    (removed)."""
+
+    def __init__(self, path):
+        self.path = os.path.realpath(path)  # its name at the start: for messages only
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    @contextlib.contextmanager
+    def opened(self):
+        """(descriptor, path) for one listing or open: a descriptor of the directory, which close()
+        meanwhile leaves open (its number is not reused for another file under a request still
+        under way), and the directory's real path now, which follows a rename (as /proc/self/fd
+        names it; its name at the start where there is no /proc). FileNotFoundError once closed."""
+        with self._lock:
+            if self._fd is None:
+                raise FileNotFoundError(errno.ENOENT, "no longer served", self.path)
+            fd = os.dup(self._fd)
+        try:
+            try:
+                now = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                now = self.path
+            yield fd, now
+        finally:
+            os.close(fd)
+
+    def walk(self):
+        """os.walk of the directory from its descriptor (os.fwalk, no link followed): (dir, dirs,
+        names), dir relative to it ("" for itself); dirs may be pruned, as os.walk's."""
+        with self.opened() as (fd, _):
+            for d, dirs, names, _ in os.fwalk(dir_fd=fd):
+                yield os.path.normpath(d) if d != os.curdir else "", dirs, names
+
+    def stat(self, path):
+        """os.stat of path under the directory (links followed: for a look at whether a file
+        changed, never for what is served, which open_inside opens)."""
+        with self.opened() as (fd, _):
+            return os.stat(path, dir_fd=fd)
+
+    def name(self, path):
+        """path under the directory as its name at the start says it: for messages."""
+        return os.path.join(self.path, path)
+
+
 def inside(root, rel):
-    """The real path of rel under root, or None if it leaves root (.., absolute, symlink) or cannot
-    be a path at all (a NUL byte)."""
+    """The real path of rel under root (a path), or None if it leaves root (.., absolute, symlink) or
+    cannot be a path at all (a NUL byte)."""
     if "\0" in rel:
         return None
     root = os.path.realpath(root)
@@ -35,31 +97,39 @@ def inside(root, rel):
 
 
 def open_inside(root, path):
-    """os.open(path) read-only, where path, links followed, stays under root and is a regular file:
-    FileNotFoundError otherwise (a link out of the served directory, or a FIFO, whose open would
-    wait for a writer for ever, is served as no file). The real path is what is opened, from the
-    root one name at a time with no link followed, so neither the file nor a directory on the way
-    that is swapped for a link after the check leads anywhere."""
-    real = inside(root, path)
-    if real is None:
-        raise FileNotFoundError(path)
-    base = os.path.realpath(root)
-    *dirs, name = os.path.relpath(real, base).split(os.sep)
-    dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for d in dirs:
-            next_fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
-            os.close(dir_fd)
-            dir_fd = next_fd
-        return open_regular(name, os.O_NOFOLLOW, dir_fd=dir_fd)
-    except NotRegularFile:
-        raise FileNotFoundError(path) from None
-    except OSError as e:  # ELOOP, ENOTDIR: a name on the way became a link or a file after the check
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+    """os.open(path) read-only, where path, links followed, stays under root (a ServedDir, or a
+    directory's path, opened for this call) and is a regular file: FileNotFoundError otherwise (a
+    link out of the served directory, or a FIFO, whose open would wait for a writer for ever, is
+    served as no file). Links are resolved by name under where root's directory is now, but what
+    is opened is opened from root's descriptor one name at a time with no link followed, so
+    neither the file nor a directory on the way, nor root itself, swapped for a link after the
+    check leads anywhere."""
+    if not isinstance(root, ServedDir):
+        with ServedDir(root) as served:
+            return open_inside(served, path)
+    with root.opened() as (root_fd, base):
+        real = inside(base, path)
+        # inside resolves names, which lead elsewhere if the directory moves meanwhile: a path not
+        # under base is no file, never a way up ("..") from the descriptor
+        rel = os.path.relpath(real, base).split(os.sep) if real else [os.pardir]
+        if rel[0] in (os.pardir, os.curdir):
+            raise FileNotFoundError(path)
+        *dirs, name = rel
+        dir_fd = os.dup(root_fd)
+        try:
+            for d in dirs:
+                next_fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                os.close(dir_fd)
+                dir_fd = next_fd
+            return open_regular(name, os.O_NOFOLLOW, dir_fd=dir_fd)
+        except NotRegularFile:
             raise FileNotFoundError(path) from None
-        raise
-    finally:
-        os.close(dir_fd)
+        except OSError as e:  # ELOOP, ENOTDIR: a name on the way became a link or a file after the check
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise FileNotFoundError(path) from None
+            raise
+        finally:
+            os.close(dir_fd)
 
 
 class LogFollower:
@@ -70,7 +140,7 @@ class LogFollower:
     read_json = LossLog.read_json
 
     def __init__(self, path, root):
-        self.path, self.root = path, root
+        self.path, self.root = path, root  # path: under root (a ServedDir)
         self.lock = threading.Lock()
         self.fd = None
         self.unreadable = False  # said so once
@@ -103,7 +173,7 @@ class LogFollower:
 
     def refresh(self):
         try:
-            st = os.stat(self.path)
+            st = self.root.stat(self.path)
             with self.lock:
                 if (st.st_dev, st.st_ino) != self.ident:
                     self._reopen()
@@ -120,7 +190,7 @@ class LogFollower:
             return
         except OSError as e:  # another user's run, owner-only: no records, rather than a 500 a time
             if not self.unreadable:
-                say(f"warning: {self.path}: cannot read it ({e.strerror or e}); shown without its records")
+                say(f"warning: {self.root.name(self.path)}: cannot read it ({e.strerror or e}); shown without its records")
             self.unreadable = True
 
     def _index(self, data):
@@ -162,7 +232,7 @@ class LogFollower:
             self.starts.append(self.scanned + offset)
             self.end = self.scanned + offset + len(record)
         if whole < len(found) or not layout_ok:
-            self.damaged = f"{self.path}: record {len(self.starts) + 1} is damaged; shown up to the one before it"
+            self.damaged = f"{self.root.name(self.path)}: record {len(self.starts) + 1} is damaged; shown up to the one before it"
             say(f"warning: {self.damaged}")
             if whole < len(found):
                 pos = found[whole][0]
@@ -192,14 +262,14 @@ def _whole_records(records):
 
 
 def _read_json_file(root, path, kind):
-    """A JSON file's value under root if it is JSON as a browser reads it (parse_json) and of the
+    """A JSON file's value under root (a ServedDir) if it is JSON as a browser reads it (parse_json) and of the
     expected kind (dict or list), else an empty one; also (with a warning) where it is longer than
     JSON_FILE_MAX: read whole, a huge or sparse file took all memory, then a 500 a request."""
     try:
         with os.fdopen(open_inside(root, path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size > JSON_FILE_MAX:
-                say(f"warning: {path}: {size} bytes, more than a run's state or samples take "
+                say(f"warning: {root.name(path)}: {size} bytes, more than a run's state or samples take "
                     f"({JSON_FILE_MAX}); shown as empty")
                 return kind()
             value = parse_json(f.read(JSON_FILE_MAX + 1))
@@ -219,7 +289,7 @@ def _checked(attr):
 class RunView:
     """One run on disk: state, samples and log, with the counters the live stream watches."""
 
-    def __init__(self, loss_path, root):
+    def __init__(self, loss_path, root):  # loss_path: under root (a ServedDir)
         self.dir, self.root = os.path.dirname(loss_path), root
         self.name = os.path.basename(loss_path)[:-len(LOSS_SUFFIX)]
         base = os.path.join(self.dir, self.name)
@@ -242,7 +312,7 @@ class RunView:
             self._looked = now
             for key, (path, kind) in self._files.items():
                 try:
-                    st = os.stat(path)
+                    st = self.root.stat(path)
                     sig = (st.st_ino, st.st_size, st.st_mtime_ns)
                 except OSError:
                     sig = None
@@ -260,15 +330,25 @@ class RunView:
 
 
 class RunDirectory:
-    """Every run under root, found again every SCAN_SECONDS; read-only."""
+    """Every run under root, found again every SCAN_SECONDS; read-only. root is opened here, and
+    served from that descriptor until close() (ServedDir)."""
 
     controllable = False
 
     def __init__(self, root):
-        self.root = os.path.realpath(root)
+        self.root = ServedDir(root)
         self._runs = {}
         self._scanned = 0.0
         self._lock = threading.Lock()
+
+    def close(self):
+        """The directory and every run's log closed: nothing of them is served any more."""
+        with self._lock:
+            for run in self._runs.values():
+                run.close()
+            self._runs.clear()
+            self._scanned = float("inf")  # no scan again
+            self.root.close()
 
     def _scan(self):
         with self._lock:
@@ -276,16 +356,17 @@ class RunDirectory:
                 return
             self._scanned = time.monotonic()
             found = set()
-            for d, dirs, names in os.walk(self.root):
-                depth = os.path.relpath(d, self.root).count(os.sep) + (d != self.root)
-                dirs[:] = sorted(x for x in dirs if x != "archive" and depth + 1 < SCAN_DEPTH)
-                for n in sorted(names):
-                    path = os.path.join(d, n)
-                    if n.endswith(LOSS_SUFFIX) and len(n) > len(LOSS_SUFFIX) and inside(self.root, path):
-                        run_id = os.path.relpath(path, self.root)[:-len(LOSS_SUFFIX)]
-                        found.add(run_id)
-                        if run_id not in self._runs:
-                            self._runs[run_id] = RunView(path, self.root)
+            with self.root.opened() as (_, base):
+                for d, dirs, names in self.root.walk():
+                    depth = d.count(os.sep) + (d != "")
+                    dirs[:] = sorted(x for x in dirs if x != "archive" and depth + 1 < SCAN_DEPTH)
+                    for n in sorted(names):
+                        path = os.path.join(d, n)
+                        if n.endswith(LOSS_SUFFIX) and len(n) > len(LOSS_SUFFIX) and inside(base, path):
+                            run_id = path[:-len(LOSS_SUFFIX)]
+                            found.add(run_id)
+                            if run_id not in self._runs:
+                                self._runs[run_id] = RunView(path, self.root)
             # a run removed or renamed since is listed no more (renamed, it was listed twice), and
             # its log is closed: an open one held a removed log's disk space as long as served
             for run_id in set(self._runs) - found:

@@ -556,7 +556,7 @@ def test_the_log_follower_serves_only_complete_records(tmp_path, monkeypatch):
     path = tmp_path / "x.loss.json"
     log = LossLog(str(path))
     log.append([{"step": i, "loss": 1.0 / i, "note": "é" * (i % 5)} for i in range(1, 40)])
-    follower = run_view.LogFollower(str(path), str(tmp_path))
+    follower = run_view.LogFollower(path.name, run_view.ServedDir(str(tmp_path)))
     follower.refresh()
     whole = json.loads(path.read_bytes())
     assert len(follower) == 39 and json.loads(follower.read_json(0, 100)[0]) == whole
@@ -575,6 +575,8 @@ def test_the_log_follower_serves_only_complete_records(tmp_path, monkeypatch):
     os.replace(fresh, path)
     follower.refresh()
     assert json.loads(follower.read_json(0, 10)[0]) == [{"live": 1, "step": 1, "loss": 2.0}]
+    follower.close()
+    follower.root.close()
 
 
 def test_serve_dir_from_the_command_line(tmp_path):
@@ -767,6 +769,45 @@ def test_a_file_swapped_for_a_link_after_the_check_is_not_served(served_dir, tmp
     r = get(server, "files/alpha/alpha.state.json")
     assert os.path.islink(target), "the check never looked at the file"
     assert r.status_code == 404 and "outside" not in r.text, r.text
+
+
+@pytest.mark.parametrize("swapped", ["the directory", "a directory above it"])
+def test_the_served_directory_swapped_for_a_link_after_the_start_leads_nowhere_else(tmp_path, swapped):
+    """The served directory was found by its name at every listing and open: renamed after the
+    start, and it (or a directory above it) replaced by a link to another directory (another
+    user's runs, /etc), the server listed and served that directory's files instead. It serves the
+    directory it opened at the start, wherever that is now, and nothing of the other one."""
+    root, other = tmp_path / "up" / "runs", tmp_path / "elsewhere" / "runs"
+    make_run(root, "alpha", 300)
+    make_run(root, "beta", 200)
+    make_run(other, "alpha", 5, state={"name": "alpha", "secret": "elsewhere"})  # the same run's name
+    make_run(other, "gamma", 5)
+    (other / "secret.json").write_text(json.dumps({"secret": "elsewhere"}))
+    server = proxy_server.start_for_directory(str(root), "127.0.0.1", 0, None)
+    try:
+        files = get(server, "files/").json()
+        assert get(server, "api/records?run=alpha/alpha").json()["total"] == 300
+        moved, link, target = ((root.parent / "runs.old", root, other) if swapped == "the directory"
+                               else (tmp_path / "up.old", root.parent, other.parent))
+        link.rename(moved)
+        link.symlink_to(target, target_is_directory=True)
+        held = moved / "runs" if swapped != "the directory" else moved
+        time.sleep(max(run_view.SCAN_SECONDS, run_view.REFRESH_SECONDS) + 0.1)
+        answers = [get(server, path) for path in (
+            "files/", "files/secret.json", "files/gamma/gamma.state.json", "files/alpha/alpha.state.json",
+            "api/runs", "api/state?run=alpha/alpha", "api/samples?run=alpha/alpha",
+            "api/records?run=alpha/alpha", "api/state?run=gamma/gamma", "api/records?run=gamma/gamma")]
+        assert all("elsewhere" not in r.text and "gamma" not in r.text for r in answers), \
+            [r.text for r in answers]
+        assert get(server, "files/").json() == files
+        assert [r["id"] for r in get(server, "api/runs").json()] == ["alpha/alpha", "beta/beta"]
+        assert get(server, "api/records?run=alpha/alpha").json()["total"] == 300
+        assert get(server, "api/records?run=beta/beta&from=199").json()["next"] == 200
+        assert get(server, "files/alpha/alpha.state.json").json()["name"] == "alpha"
+        assert descriptors_of(held) == 1  # the directory opened at the start, held to the end
+    finally:
+        server.shutdown()
+    assert descriptors_of(held) == 0
 
 
 def test_open_inside_takes_a_directory_swapped_for_a_link_after_its_check_as_no_file(tmp_path, monkeypatch):
