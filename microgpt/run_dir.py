@@ -180,6 +180,7 @@ class RunState:
     def __init__(self, files):
         self.files = files
         self.messages = []  # what loading had to repair, for the proxy to say
+        self.unread = {}  # path -> "missing" or "damaged": a file that load() found no value in
         self.samples = self.load(files.samples, "a list of samples", [],
                                  lambda v: isinstance(v, list) and all(map(_is_sample, v)))
         if not os.path.exists(files.samples):
@@ -200,12 +201,14 @@ class RunState:
                 return value
             why = f"not {what}"
         except FileNotFoundError:
+            self.unread[path] = "missing"
             return empty
         except DuplicateKeyError as e:
             why = f"ambiguous: {e}"
         except ValueError:
             why = "not valid JSON"
         os.replace(path, path + ".damaged")
+        self.unread[path] = "damaged"
         self.messages.append(f"warning: {path} was {why}; moved it to {path}.damaged and started anew")
         return empty
 

@@ -106,9 +106,11 @@ class Run:
         leaves a checkpoint whose event it never handled, so the records before it (a step's,
         its evaluation's) may never have reached the log, and resuming there would lose them for
         good. .state.json's checkpoint_step is the last checkpoint whose records were all on disk
-        (EventHandler.on_checkpoint flushes, then records it). Past it, the previous checkpoint
-        becomes the newest (roll_back_checkpoint), and the engine trains, and the proxy logs, the
-        steps after it again (bit-exact: the same steps; the records they replace superseded)."""
+        (EventHandler.on_checkpoint flushes, then records it); where the state names none (it was
+        removed, damaged, or its launch handled no checkpoint), the log itself says how far its
+        records reach (steps_logged_whole). Past that, the previous checkpoint becomes the newest
+        (roll_back_checkpoint), and the engine trains, and the proxy logs, the steps after it again
+        (bit-exact: the same steps; the records they replace superseded)."""
         ckpt = self.files.ckpt
         if not os.path.exists(ckpt + ".ahead"):  # else a rollback was cut short: finish it
             if not (os.path.exists(ckpt) and os.path.exists(ckpt + ".prev")):
@@ -120,15 +122,39 @@ class Run:
             if sidecar_step(ckpt) != newest or sidecar_step(ckpt + ".prev") != previous:
                 return  # a header its sidecar contradicts (a flipped bit): the engine's to refuse too
             logged = self.store.state.get("checkpoint_step")
-            logged = logged if isinstance(logged, int) else 0
+            from_state = isinstance(logged, int) and not isinstance(logged, bool)
+            if not from_state:
+                logged = self.steps_logged_whole()
             if newest <= logged or previous >= newest or n_previous != n_newest:  # not this run's
                 return
             unsure = (f"; records of steps {logged + 1}..{previous} may be missing"
                       if previous > logged else "")
-            say(f"the checkpoint of step {newest} was written after the proxy last logged one (step "
-                f"{logged}; it was killed): resuming from the previous checkpoint, step {previous}, "
-                f"to train and log steps {previous + 1}..{newest} again{unsure}")
+            again = (f"resuming from the previous checkpoint, step {previous}, to train and log steps "
+                     f"{previous + 1}..{newest} again{unsure}")
+            if from_state:
+                say(f"the checkpoint of step {newest} was written after the proxy last logged one (step "
+                    f"{logged}; it was killed): {again}")
+            else:
+                why = {"missing": "was missing", "damaged": "was damaged"}.get(
+                    self.store.unread.get(self.files.state), "named no checkpoint")
+                say(f"{os.path.basename(self.files.state)} {why}, so the loss log tells which steps "
+                    f"were logged: every record up to step {logged}, short of the checkpoint of step "
+                    f"{newest}: {again}")
         roll_back_checkpoint(ckpt)
+
+    def steps_logged_whole(self):
+        """The last step whose records the loss log holds all of: its last live record's step (a
+        record is appended only after every record before it), but one less where that record is
+        the step's train (or bandit) record and the step's evaluation, printed after it, is due
+        (the config's eval.every, and the last step) and may not have been logged; 0 for a log
+        with no record."""
+        last = self.log.last_live(lambda r: "step" in r)
+        if last is None:
+            return 0
+        step = last["step"]
+        every = self.cfg.get("eval", {}).get("every", self.flags.get("eval.every", {}).get("default") or 0)
+        due = every > 0 and (step % every == 0 or step == self.cfg["train"]["steps"])
+        return step - 1 if due and last.get("event") in (None, "bandit") and "val_loss" not in last else step
 
     def discard_launch(self):
         """The engine refused to start: remove what this launch created; returns what to say. The

@@ -182,7 +182,7 @@ def main(argv):
     elif done is not None and done >= run.steps and sidecar_step(run.files.ckpt) == done:
         # header and sidecar agree (a damaged header is the engine's to refuse, with its way back)
         try:
-            run.store.set_state(force=True, status="finished", pid=None, step=done,
+            run.store.set_state(force=True, status="finished", pid=None, step=done, steps=run.steps,
                                 checkpoint=run.files.ckpt, checkpoint_step=done)
         except OSError as e:  # a full disk: the engine is not involved, so no proxy failure
             fail(f"{run.files.state}: cannot record that the run is finished: {e.strerror or e}", IO_ERROR)

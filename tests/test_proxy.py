@@ -845,8 +845,9 @@ def test_engine_killed_outright_is_crashed_and_rerun_resumes(exp, cpu_binary):
 
 LAGGING_ENGINE = """\
 import os, subprocess, sys, time
-# The real engine, whose output reaches the proxy only up to the checkpoint event of step HOLD_AT:
-# the rest is held back, as when a proxy lags behind a fast engine, until the engine has exited.
+# The real engine, whose output reaches the proxy only up to the line that holds every part of
+# HOLD_AFTER: the rest is held back, as when a proxy lags behind a fast engine, until the engine
+# has exited.
 if sys.argv[1:] == ["--flags-json"]:
     os.execv(ENGINE, [ENGINE] + sys.argv[1:])
 engine = subprocess.Popen([ENGINE] + sys.argv[1:], stdout=subprocess.PIPE)
@@ -855,7 +856,7 @@ for line in engine.stdout:
     if passing:
         sys.stdout.buffer.write(line)
         sys.stdout.flush()
-    if b'"event":"checkpoint"' in line and b'"step":HOLD_AT,' in line:
+    if all(part in line for part in HOLD_AFTER):
         passing = False
 engine.wait()
 open(DONE, "w").close()
@@ -896,12 +897,27 @@ def test_the_temp_file_cleanup_does_not_follow_an_archive_link(exp, cpu_binary, 
     assert outside.exists()
 
 
-def test_a_proxy_killed_while_it_lags_loses_no_record(exp, cpu_binary, tmp_path):
+AFTER_THE_PROXY_LOGGED = ("the checkpoint of step 20 was written after the proxy last logged one (step 15; it "
+                          "was killed): ")
+THE_LOG_TELLS = "tiny.state.json was missing, so the loss log tells which steps were logged: every record up to step "
+AGAIN = "resuming from the previous checkpoint, step 15, to train and log steps 16..20 again"
+
+
+@pytest.mark.parametrize("hold_after, held_at, state, said", [
+    ((b'"event":"checkpoint"', b'"step":15,'), 15, "kept", AFTER_THE_PROXY_LOGGED + AGAIN),
+    ((b'"event":"checkpoint"', b'"step":15,'), 15, "removed",
+     THE_LOG_TELLS + "15, short of the checkpoint of step 20: " + AGAIN),
+    # the log's last record is step 20's train record, but step 20's evaluation was never logged
+    ((b'{"step":20,"loss":',), 20, "removed", THE_LOG_TELLS + "19, short of the checkpoint of step 20: " + AGAIN),
+])
+def test_a_proxy_killed_while_it_lags_loses_no_record(exp, cpu_binary, tmp_path, hold_after, held_at, state, said):
     """The engine never waits for the proxy: a proxy killed while it lagged behind left checkpoints
     past records it never wrote, and the next run resumed there: those records were lost for good
     (5 of 12 random kill -9s lost a checkpoint interval). The next run must train and log them again:
     every step's loss and validation loss as in a run never interrupted. (A lag of more than one
-    checkpoint interval can still lose records: there are two checkpoint slots; the message says so.)"""
+    checkpoint interval can still lose records: there are two checkpoint slots; the message says so.)
+    Where .state.json is gone too, the log says how far its records reach (every record of a step
+    whose evaluation is due only with that evaluation), and the message says why it was asked."""
     cfg = exp.config(steps=20, checkpoint={"every": 5}, eval={"every": 5, "batches": 2})
     ref = ProxyFixtureDir(tmp_path / "ref")
     _, rc = run_to_end(ref.config(steps=20, checkpoint={"every": 5}, eval={"every": 5, "batches": 2}),
@@ -909,24 +925,26 @@ def test_a_proxy_killed_while_it_lags_loses_no_record(exp, cpu_binary, tmp_path)
     assert rc == 0
     done = tmp_path / "engine-done"
     wrapper = tmp_path / "lagging_engine.py"
-    wrapper.write_text(f"#!{sys.executable}\nENGINE, DONE = {str(cpu_binary)!r}, {str(done)!r}\n" +
-                       LAGGING_ENGINE.replace("HOLD_AT", "15"))
+    wrapper.write_text(f"#!{sys.executable}\nENGINE, DONE = {str(cpu_binary)!r}, {str(done)!r}\n"
+                       f"HOLD_AFTER = {hold_after!r}\n" + LAGGING_ENGINE)
     wrapper.chmod(0o755)
     p = Proxy.start(cfg, exp.run_dir, wrapper, "--no-server")
     deadline = time.monotonic() + 120
     while not done.exists() and p.proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert done.exists(), p.describe()
-    wrapper_pid = exp.state()["pid"]
-    p.proc.kill()  # kill -9 of the proxy: it had logged up to step 15, the engine checkpointed 20
+    # the proxy has handled every line it was passed (the state is written at once after each)
+    wrapper_pid = p.wait_state(lambda s: (s.get("step"), s.get("checkpoint_step")) == (held_at, 15))["pid"]
+    p.proc.kill()  # kill -9 of the proxy: it had logged up to step 15 (or 20's train record), the engine checkpointed 20
     p.wait()
     os.kill(wrapper_pid, signal.SIGKILL)
     assert exp.state()["checkpoint_step"] == 15 and checkpoint_step(exp.path(".ckpt")) == 20
+    if state == "removed":
+        exp.path(".state.json").unlink()
 
     p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
     assert rc == 0, p.describe()
-    assert "resuming from the previous checkpoint, step 15, to train and log steps 16..20 again" in \
-        "".join(p.out), p.describe()
+    assert said in "".join(p.out), p.describe()
     recs, want = exp.loss(), ref.loss()
     assert_one_live_value_per_step(recs)
     assert [(r["step"], r["loss"]) for r in live_train(recs)] == [(r["step"], r["loss"]) for r in live_train(want)]
@@ -934,6 +952,33 @@ def test_a_proxy_killed_while_it_lags_loses_no_record(exp, cpu_binary, tmp_path)
         [(r["step"], r["val_loss"]) for r in live_val(want)]
     assert exp.path(".ckpt").read_bytes() == ref.path(".ckpt").read_bytes()
     assert sorted(os.listdir(exp.run_dir)) == sorted(os.listdir(ref.run_dir))  # no .ahead left
+
+
+@pytest.mark.parametrize("state", ["removed", "emptied", "without checkpoint_step"])
+def test_a_state_without_its_checkpoint_step_rolls_back_nothing_the_log_holds(exp, cpu_binary, state):
+    """A .state.json removed, emptied, or naming no checkpoint was taken as "nothing logged": the
+    next launch of a finished run rolled its checkpoint of step 20 back to the one of step 15,
+    saying the proxy had been killed after logging step 0, and trained steps 16..20 again. The
+    log holds every record up to step 20: nothing is rolled back or trained again."""
+    cfg = exp.config(steps=20, checkpoint={"every": 5}, eval={"every": 5, "batches": 2})
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    log, ckpt = exp.path(".loss.json").read_bytes(), exp.path(".ckpt").read_bytes()
+    if state == "removed":
+        exp.path(".state.json").unlink()
+    elif state == "emptied":
+        exp.path(".state.json").write_bytes(b"")
+    else:
+        exp.path(".state.json").write_text(json.dumps({k: v for k, v in exp.state().items() if k != "checkpoint_step"}))
+
+    p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    out = "".join(p.out)
+    assert "tiny already finished: checkpoint" in out and "at step 20 of 20" in out, p.describe()
+    assert "summary: step 20 of 20," in out, p.describe()  # the steps of the config, not of a state now gone
+    assert "resuming from the previous checkpoint" not in out and "was killed" not in out, p.describe()
+    assert exp.path(".loss.json").read_bytes() == log and exp.path(".ckpt").read_bytes() == ckpt
+    assert checkpoint_step(exp.path(".ckpt.prev")) == 15 and exp.state()["checkpoint_step"] == 20
 
 
 @pytest.mark.parametrize("cut_at", range(6))
