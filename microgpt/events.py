@@ -1,6 +1,7 @@
 """What the proxy does with each line the engine prints (docs/DESIGN.md §3 lists the events): loss
 records go to the loss log, everything else updates the run's state, samples and archive."""
 import collections
+import json
 import os
 import time
 
@@ -8,6 +9,54 @@ from microgpt.config import config_changes, describe_changes
 from microgpt.loss_log import parse_json
 from microgpt.run_dir import archive_samples_and_state, keep_checkpoint, point_archived_state_at
 from microgpt.terminal import say, terminal
+
+
+def _count(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+COUNT = (_count, "a whole number >= 0")
+NUMBER = (_number, "a number")
+NUMBER_OR_NULL = (lambda v: v is None or _number(v), "a number or null")  # null: not finite (§15)
+TEXT = (lambda v: isinstance(v, str), "a string")
+TOKEN_IDS = (lambda v: isinstance(v, list) and all(map(_count, v)), "a list of token ids")
+
+# The fields of the engine's records (docs/DESIGN.md §3.8) that the proxy computes with, formats or
+# passes to the state, the log and the archive, by name; a sample's tokens are its ids.
+RECORD_FIELDS = {"event": TEXT, "step": COUNT, "steps": COUNT, "tokens_per_step": COUNT, "tokens": COUNT,
+                 "total_bytes": COUNT, "loss": NUMBER_OR_NULL, "val_loss": NUMBER_OR_NULL,
+                 "lr": NUMBER_OR_NULL, "grad_norm": NUMBER_OR_NULL, "tokens_per_s": NUMBER_OR_NULL,
+                 "ms": NUMBER, "phase": TEXT, "path": TEXT, "reason": TEXT}
+SAMPLE_FIELDS = {**RECORD_FIELDS, "prompt": COUNT, "prompt_tokens": TOKEN_IDS, "tokens": TOKEN_IDS}
+
+
+def engine_record(line):
+    """The one way a line of the engine's stdout becomes a record: (record, None), or (None, why
+    not). A line that is no JSON object as the log is read back (text, NaN, 1e999, deep nesting) is
+    (None, None): no protocol, shown as it came. An object with a field of another type than the
+    engine prints (`"loss": "abc"`, `"step": "x"`: a damaged or foreign engine) is (None, which
+    field), never handed on: the handlers, the log and the state would fail on it or keep it."""
+    try:
+        rec = parse_json(line)
+    except ValueError:
+        return None, None
+    if not isinstance(rec, dict):
+        return None, None
+    fields = SAMPLE_FIELDS if rec.get("event") == "sample" else RECORD_FIELDS
+    for name, value in rec.items():
+        valid, what = fields.get(name, (None, None))
+        if valid and not valid(value):
+            return None, (f'a record whose "{name}" is {_cut(json.dumps(value), 40)}, not {what}: '
+                          f'{_cut(json.dumps(rec, separators=(",", ":")), 160)}')  # one line, no control bytes
+    return rec, None
+
+
+def _cut(text, limit):
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def decode_tokens(ids):
@@ -71,11 +120,11 @@ class EventHandler:
         self.checkpoint_asked = False  # a signal asked the engine for a checkpoint not yet written
 
     def handle_line(self, line):
-        try:
-            rec = parse_json(line)  # as the log is read back: NaN, 1e999 or deep nesting are no protocol
-        except ValueError:
-            rec = None
-        if not isinstance(rec, dict):  # not protocol: show it rather than lose it
+        rec, fault = engine_record(line)
+        if fault:  # a damaged or foreign engine: said, and skipped
+            say(f"warning: the engine printed {fault}; not logged")
+            return
+        if rec is None:  # not protocol: show it rather than lose it
             terminal.passthrough(line)
             return
         handler = {None: self.on_record, "start": self.on_start, "sample": self.on_sample,

@@ -8,7 +8,8 @@ import time
 import traceback
 
 from microgpt.checkpoint import whole_checkpoint_step
-from microgpt.loss_log import LossBuffer, LossLogError, parse_json
+from microgpt.events import engine_record
+from microgpt.loss_log import LossBuffer, LossLogError
 
 ABORT_WAIT_SECONDS = 30  # how long the engine gets to checkpoint on SIGTERM
 
@@ -85,10 +86,6 @@ def _log_plain_records(sup, timeout):
             return
         if line is None:
             return
-        try:
-            rec = parse_json(line)
-        except ValueError:
-            continue
-        if (isinstance(rec, dict) and "event" not in rec and isinstance(rec.get("step"), int)
-                and ("loss" in rec or "val_loss" in rec)):
+        rec, _ = engine_record(line)
+        if rec is not None and "event" not in rec and "step" in rec and ("loss" in rec or "val_loss" in rec):
             sup.events.add_record(rec)

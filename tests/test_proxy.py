@@ -651,10 +651,11 @@ def test_engine_killed_by_an_unnamed_signal_is_crashed(exp, cpu_binary, tmp_path
 
 
 def test_proxy_failure_stops_the_engine_with_a_checkpoint(exp, cpu_binary, tmp_path):
-    """A bug in the proxy (here: a record with a non-numeric step trips the train handler) must not
-    leave the engine training unobserved: the engine gets SIGTERM, checkpoints and exits; the run is
-    marked crashed and the proxy exits 1 with one error line. The double wraps the real engine so
-    the checkpoint on SIGTERM is the real one."""
+    """A failure of the proxy (here: a polish event whose archive cannot be made, a file standing
+    where its directory goes; a record of the wrong types, the failure this test used before, is a
+    warning now) must not leave the engine training unobserved: the engine gets SIGTERM,
+    checkpoints and exits; the run is marked crashed and the proxy exits 1 with one error line. The
+    double wraps the real engine so the checkpoint on SIGTERM is the real one."""
     pidfile = tmp_path / "engine.pid"
     engine = tmp_path / "engine.py"
     engine.write_text(f"""#!{sys.executable}
@@ -671,15 +672,17 @@ for line in child.stdout:
     sys.stdout.buffer.write(line)
     trains += b'"loss"' in line
     if trains == 20:
-        sys.stdout.buffer.write(b'{{"step": "twenty-one", "loss": 1.0}}\\n')
+        sys.stdout.buffer.write(b'{{"event": "polish", "step": 20}}\\n')
     sys.stdout.flush()
 sys.exit(child.wait())
 """)
     engine.chmod(0o755)
+    exp.run_dir.mkdir()
+    (exp.run_dir / "archive").write_text("not a directory")
     p, rc = run_to_end(exp.config(steps=10**6, checkpoint={"every": 0}), exp.run_dir, engine)
     assert rc == 1, p.describe()
     errors = [line for line in p.err if line.startswith("error")]
-    assert len(errors) == 1 and "proxy failed: TypeError" in errors[0], p.describe()
+    assert len(errors) == 1 and "proxy failed: NotADirectoryError" in errors[0], p.describe()
     st = exp.state()
     step = checkpoint_step(exp.path(".ckpt"))  # checkpoint every 0: only SIGTERM makes one
     assert step >= 20 and st["checkpoint_step"] == step, (step, st)

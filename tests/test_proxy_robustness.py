@@ -503,13 +503,8 @@ print(json.dumps({{"event": "exit", "step": 1, "reason": "finished"}}), flush=Tr
 """
 
 
-@pytest.mark.parametrize("line", ['{"step":1e999,"loss":1}', '{"step":1,"loss":NaN}',
-                                  '{"step":1,"loss":Infinity}', "[" * 100000])
-def test_an_engine_line_that_is_no_strict_json_is_shown_not_logged(exp, cpu_binary, tmp_path, line):
-    """Python's json.loads takes NaN, Infinity and 1e999 (as inf), none of which the log may hold:
-    the record was a ValueError at its append, a proxy failure, and again in the failure's own
-    flush of it, a traceback that left the run "running". Nested too deeply, a line was a
-    RecursionError, a proxy failure. Such a line is no protocol: shown, and the run goes on."""
+def run_with_a_line(exp, cpu_binary, tmp_path, line):
+    """The proxy run to its end on LINE_ENGINE printing `line`: it must end well."""
     line_file = tmp_path / "line"
     line_file.write_text(line + "\n")
     engine = tmp_path / "engine.py"
@@ -517,10 +512,52 @@ def test_an_engine_line_that_is_no_strict_json_is_shown_not_logged(exp, cpu_bina
     engine.chmod(0o755)
     p, rc = run_to_end(exp.config(steps=1), exp.run_dir, engine, "--no-server")
     assert rc == 0, p.describe()
+    return p
+
+
+@pytest.mark.parametrize("line", ['{"step":1e999,"loss":1}', '{"step":1,"loss":NaN}',
+                                  '{"step":1,"loss":Infinity}', "[" * 100000])
+def test_an_engine_line_that_is_no_strict_json_is_shown_not_logged(exp, cpu_binary, tmp_path, line):
+    """Python's json.loads takes NaN, Infinity and 1e999 (as inf), none of which the log may hold:
+    the record was a ValueError at its append, a proxy failure, and again in the failure's own
+    flush of it, a traceback that left the run "running". Nested too deeply, a line was a
+    RecursionError, a proxy failure. Such a line is no protocol: shown, and the run goes on."""
+    p = run_with_a_line(exp, cpu_binary, tmp_path, line)
     assert exp.state()["status"] == "finished"
     assert any(l.strip() == line for l in p.err), p.describe()
     recs = loss_log.parse_json(exp.path(".loss.json").read_bytes())
     assert [(r["step"], r["loss"]) for r in recs if "loss" in r] == [(1, 1.5)]
+
+
+@pytest.mark.parametrize("line, field", [
+    ('{"step": 1, "loss": "abc"}', '"loss" is "abc", not a number or null'),
+    ('{"step": "x", "loss": 1.25}', '"step" is "x", not a whole number >= 0'),
+    ('{"step": 1, "loss": [1]}', '"loss" is [1], not a number or null'),
+    ('{"step": 1, "val_loss": {"a": 1}}', '"val_loss" is {"a": 1}, not a number or null'),
+    ('{"step": -1, "loss": 1.25}', '"step" is -1, not a whole number >= 0'),
+    ('{"step": true, "loss": 1.25}', '"step" is true, not a whole number >= 0'),
+    ('{"event": ["exit"], "step": 1}', '"event" is ["exit"], not a string'),
+    ('{"event": "checkpoint", "step": 1, "path": 7, "reason": "usr1"}', '"path" is 7, not a string'),
+    ('{"event": "exit", "step": "1", "reason": "finished"}', '"step" is "1", not a whole number >= 0'),
+    ('{"event": "sample", "step": 1, "prompt": 0, "prompt_tokens": [32], "tokens": ["a"]}',
+     '"tokens" is ["a"], not a list of token ids'),
+])
+def test_an_engine_record_of_the_wrong_types_is_one_warning_not_a_proxy_failure(exp, cpu_binary, tmp_path,
+                                                                                  line, field):
+    """A record whose fields are of other types than the engine prints (a damaged or foreign engine
+    binary) went into the state and the handlers as it came: "loss": "abc" failed the progress
+    line's format, "step": "x" the ETA's arithmetic, an "event" that is a list the dispatch, each a
+    traceback-like "proxy failed" that stopped the run. Such a record is checked where the line
+    becomes a record, said in one warning that names the field, and not logged: the run goes on."""
+    p = run_with_a_line(exp, cpu_binary, tmp_path, line)
+    st = exp.state()
+    assert st["status"] == "finished" and st["loss"] == 1.5 and st["checkpoint"] is None, st
+    warnings = [l for l in p.out if "warning: the engine printed a record whose" in l]
+    assert len(warnings) == 1 and field in warnings[0] and warnings[0].endswith("; not logged\n"), p.describe()
+    assert not any("Traceback" in l or "proxy failed" in l for l in p.out + p.err), p.describe()
+    recs = loss_log.parse_json(exp.path(".loss.json").read_bytes())
+    assert [(r["step"], r["loss"]) for r in recs if "loss" in r] == [(1, 1.5)]
+    assert json.loads(exp.path(".samples.json").read_text()) == []
 
 
 # ---------------------------------------------------------------------------------------------------
