@@ -20,7 +20,6 @@ def _number(v):
 
 
 COUNT = (_count, "a whole number >= 0")
-NUMBER = (_number, "a number")
 NUMBER_OR_NULL = (lambda v: v is None or _number(v), "a number or null")  # null: not finite (§15)
 TEXT = (lambda v: isinstance(v, str), "a string")
 TOKEN_IDS = (lambda v: isinstance(v, list) and all(map(_count, v)), "a list of token ids")
@@ -30,7 +29,7 @@ TOKEN_IDS = (lambda v: isinstance(v, list) and all(map(_count, v)), "a list of t
 RECORD_FIELDS = {"event": TEXT, "step": COUNT, "steps": COUNT, "tokens_per_step": COUNT, "tokens": COUNT,
                  "total_bytes": COUNT, "loss": NUMBER_OR_NULL, "val_loss": NUMBER_OR_NULL,
                  "lr": NUMBER_OR_NULL, "grad_norm": NUMBER_OR_NULL, "tokens_per_s": NUMBER_OR_NULL,
-                 "ms": NUMBER, "phase": TEXT, "path": TEXT, "reason": TEXT}
+                 "ms": NUMBER_OR_NULL, "phase": TEXT, "path": TEXT, "reason": TEXT}
 SAMPLE_FIELDS = {**RECORD_FIELDS, "prompt": COUNT, "prompt_tokens": TOKEN_IDS, "tokens": TOKEN_IDS}
 
 
@@ -101,7 +100,7 @@ class Throughput:
         t0, s0, k0 = self.window[0]
         if len(self.window) >= 2 and rec["step"] > s0 and now > t0:
             return (now - t0) / (rec["step"] - s0), (rec.get("tokens", 0) - k0) / (now - t0)
-        return rec.get("ms", 0) / 1000, rec.get("tokens_per_s")  # too early: the engine's timing
+        return (rec.get("ms") or 0) / 1000, rec.get("tokens_per_s")  # too early: the engine's (null: not finite)
 
 
 class EventHandler:

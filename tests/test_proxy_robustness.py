@@ -560,6 +560,20 @@ def test_an_engine_record_of_the_wrong_types_is_one_warning_not_a_proxy_failure(
     assert json.loads(exp.path(".samples.json").read_text()) == []
 
 
+def test_an_engine_record_whose_values_are_not_finite_is_logged_as_the_engine_prints_it(exp, cpu_binary,
+                                                                                          tmp_path):
+    """The engine prints a value that is no finite number as null (a diverged loss, a step's time
+    under a broken clock). The first step's record is timed by its own "ms", and null there was a
+    TypeError, a proxy failure; now it is a record like any other: logged, no warning."""
+    line = ('{"step":1,"loss":null,"lr":null,"grad_norm":null,"ms":null,"tokens_per_s":null,"tokens":8,'
+            '"phase":"train"}')
+    p = run_with_a_line(exp, cpu_binary, tmp_path, line)
+    assert exp.state()["status"] == "finished"
+    assert not any("warning" in l or "Traceback" in l or "proxy failed" in l for l in p.out + p.err), p.describe()
+    recs = loss_log.parse_json(exp.path(".loss.json").read_bytes())
+    assert [r["loss"] for r in recs if "loss" in r] == [None, 1.5]
+
+
 # ---------------------------------------------------------------------------------------------------
 # the terminal: progress and summary
 
