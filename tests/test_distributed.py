@@ -530,6 +530,30 @@ def test_ranks_resuming_from_other_files_are_refused(cpu_binary, shards, tmp_pat
     assert [(d / "x.ckpt").read_bytes() for d in dirs] == before
 
 
+def test_ranks_training_on_other_data_are_refused(cpu_binary, tmp_path):
+    """The same flags, a relative --data.train, each rank in its own directory (as each node of a
+    multi-node run reads its own disk): rank 1's shards are another copy (re-tokenized, a partial
+    sync). The greeting compared the flags and the resumed state, not the data: rank 1 drew its
+    micro-batches from its own shards, and the run went on, exit 0, its batches no run's on one
+    rank. Both refuse instead, before training."""
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for seed, d in enumerate(dirs, start=3):
+        write_random_shards(d / "data", "tr", 2, 20000, 60, seed=seed)
+    port = str(free_port())
+    procs = [subprocess.Popen([str(cpu_binary)] + args("data/tr_*.bin", "x.ckpt", steps=2), cwd=dirs[r],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": str(r),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ANDREA_DIST_TIMEOUT_S": "30"})
+             for r in range(2)]
+    errs = stderr_of_all(procs)
+    assert [p.returncode for p in procs] == [2, 2], errs
+    for r, err in enumerate(errs):
+        errors = [l for l in err.splitlines() if l.startswith("error:")]
+        assert errors == [f"error: rank {r}: rank 1 trains on other data than rank 0 (the same data flags name other "
+                          "shards on its disk: a stale or partial copy on another node?)"], err
+    assert not any((d / "x.ckpt").exists() for d in dirs)
+
+
 # --------------------------------------------------------------------------------------------------
 # the proxy's --ranks
 

@@ -30,9 +30,9 @@
 #include <time.h>
 #include <unistd.h>
 
-/* "AND2": a connection from or to something else is refused; it changes whenever DistHello does, so
+/* "AND3": a connection from or to something else is refused; it changes whenever DistHello does, so
  * a rank of another build is refused at once too (a longer greeting would be waited for in vain) */
-#define DIST_MAGIC 0x414e4432u
+#define DIST_MAGIC 0x414e4433u
 #define DIST_DEFAULT_TIMEOUT_S 600.0
 /* A stoppable wait (dist_wait) polls at most this long at a time: a signal that lands after the
  * stop flag was read and before poll() starts does not interrupt it, so the flag is read again. */
@@ -43,18 +43,20 @@ typedef struct {
     double timeout_s; /* longest wait for a peer (ANDREA_DIST_TIMEOUT_S) */
     uint32_t argv_crc; /* CRC-32C of the command line: every rank must be started with the same one */
     uint32_t state_crc; /* CRC-32C of the resumed checkpoint and sidecar (0: a fresh start): the same */
+    uint32_t data_crc;  /* the training data's fingerprint (train_loop.h): the same on every rank */
     int starting;      /* until the first step: a stop signal then ends the ranks, nothing to save */
     int* fds;         /* rank 0: fds[r] is rank r's socket (fds[0] unused); others: fds[0] is rank 0's */
     char* scratch;    /* rank 0's receive buffer for reductions, grown once */
     size_t scratch_bytes;
 } Dist;
 
-static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, 0, 0, 1, NULL, NULL, 0};
+static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, 0, 0, 0, 1, NULL, NULL, 0};
 
 /* What each side of a connection says first (rank 0 answers with its own): a peer of another run,
- * one started with other flags or resuming from other files, or another program on the port is
- * refused before any of its bytes is taken for a gradient or a signal flag. */
-typedef struct { uint32_t magic, rank, world, argv_crc, state_crc; } DistHello;
+ * one started with other flags, resuming from other files or reading other training data, or
+ * another program on the port is refused before any of its bytes is taken for a gradient or a
+ * signal flag. */
+typedef struct { uint32_t magic, rank, world, argv_crc, state_crc, data_crc; } DistHello;
 
 /* A part of [0, n) for each rank: rank r takes [r·stride, (r+1)·stride) clipped to n, where the
  * stride is a whole number of units (dist_stride), the same for every rank as NCCL's reduce-scatter
@@ -205,6 +207,11 @@ static void dist_set_socket_options(int fd) {
  * where a copy may be of another step; resumed from it, the ranks would train apart without a word. */
 #define DIST_OTHER_STATE "rank %u resumed from another checkpoint or sidecar than rank 0 (every rank must read the " \
                          "same files: a stale copy on another node?)"
+/* The same for the training data: the same --data flags (a relative glob, the same path on each
+ * node's disk) may name other shards; each rank draws its micro-batches from its own, so the run
+ * would train on, no longer any run on one rank, with nothing said. */
+#define DIST_OTHER_DATA "rank %u trains on other data than rank 0 (the same data flags name other shards on its " \
+                        "disk: a stale or partial copy on another node?)"
 
 /* The peer's DistHello (peer 0's socket) into *h, its magic first: a peer whose magic differs
  * (another program, a rank of another build) is told apart without waiting for bytes it may never
@@ -222,6 +229,7 @@ static DistHello dist_hello(void) {
     h.world = (uint32_t)g_dist.world;
     h.argv_crc = g_dist.argv_crc;
     h.state_crc = g_dist.state_crc;
+    h.data_crc = g_dist.data_crc;
     return h;
 }
 
@@ -262,6 +270,7 @@ static int dist_accept_all(struct sockaddr_in a) {
             die_input("rank 0: rank %u was started with other flags than rank 0 (every rank needs the same command "
                       "line)", h.rank);
         if (h.state_crc != mine.state_crc) die_input("rank 0: " DIST_OTHER_STATE, h.rank);
+        if (h.data_crc != mine.data_crc) die_input("rank 0: " DIST_OTHER_DATA, h.rank);
         g_dist.fds[h.rank] = fd;
         n++;
     }
@@ -324,6 +333,7 @@ static int dist_connect(struct sockaddr_in a) {
         die_input("rank %d: rank 0 was started with other flags than rank %d (every rank needs the same command line)",
                   g_dist.rank, g_dist.rank);
     if (h.state_crc != mine.state_crc) die_input("rank %d: " DIST_OTHER_STATE, g_dist.rank, (uint32_t)g_dist.rank);
+    if (h.data_crc != mine.data_crc) die_input("rank %d: " DIST_OTHER_DATA, g_dist.rank, (uint32_t)g_dist.rank);
     return 0;
 }
 
@@ -339,10 +349,10 @@ static void dist_shutdown(void) {
 }
 
 /* Reads the environment; with WORLD_SIZE > 1 connects every rank to rank 0, each started with
- * this command line (argv[1..], checked through its CRC) and resuming from the same state
- * (state_crc: 0 for a fresh start). Returns 1 where a stop signal came before the ranks were
- * connected (then nothing is), else 0. */
-static int dist_init(int argc, char** argv, uint32_t state_crc) {
+ * this command line (argv[1..], checked through its CRC), resuming from the same state
+ * (state_crc: 0 for a fresh start) and training on the same data (data_crc, their fingerprint).
+ * Returns 1 where a stop signal came before the ranks were connected (then nothing is), else 0. */
+static int dist_init(int argc, char** argv, uint32_t state_crc, uint32_t data_crc) {
     const char* t = getenv("ANDREA_DIST_TIMEOUT_S");
     int r;
     g_dist.world = env_int("WORLD_SIZE", 1);
@@ -359,6 +369,7 @@ static int dist_init(int argc, char** argv, uint32_t state_crc) {
     if (g_dist.world == 1) return 0;
     for (r = 1; r < argc; r++) g_dist.argv_crc = crc32c_update(g_dist.argv_crc, argv[r], strlen(argv[r]) + 1);
     g_dist.state_crc = state_crc;
+    g_dist.data_crc = data_crc;
     g_dist.fds = (int*)xmalloc((size_t)g_dist.world * sizeof(int), "rank sockets");
     for (r = 0; r < g_dist.world; r++) g_dist.fds[r] = -1;
     if (g_dist.rank == 0 ? dist_accept_all(dist_master_address()) : dist_connect(dist_master_address())) {
