@@ -554,6 +554,45 @@ def test_ranks_training_on_other_data_are_refused(cpu_binary, tmp_path):
     assert not any((d / "x.ckpt").exists() for d in dirs)
 
 
+def test_a_rank_refuses_a_rank_0_of_the_other_engine(cpu_binary, shards, tmp_path):
+    """Rank 0 runs the CUDA engine, rank 1 the CPU engine, with the same flags (a node without a
+    GPU, a launcher that picks the engine per node). Here rank 0 is played by a socket: it echoes
+    rank 1's greeting as rank 0's, naming the cuda engine where the greeting has an engine, then
+    says what the CUDA engine says next: the stop flags, then its 128-byte NCCL id. The greeting
+    named no engine, so rank 1 took it; it then read the id's bytes as a stop signal and exited 0,
+    "stopped by signal ..." (the other way round, both ranks waited for each other until
+    ANDREA_DIST_TIMEOUT_S, then called the other silent). Refused at the greeting instead."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(server.getsockname()[1]), "ANDREA_DIST_TIMEOUT_S": "30"}
+        rank1 = subprocess.Popen([str(cpu_binary)] + args(shards, tmp_path / "m.ckpt", steps=1), env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(30)
+                hello = conn.recv(256)  # one small send on loopback: the whole greeting
+                reply = bytearray(hello)
+                reply[4:8] = struct.pack("<I", 0)
+                if len(reply) > 24:  # the engine's name follows the data fingerprint
+                    reply[24:] = b"cuda".ljust(len(reply) - 24, b"\0")
+                conn.sendall(bytes(reply))
+                try:
+                    conn.recv(4)  # rank 1's stop flags
+                    conn.sendall(struct.pack("<i", 0) + bytes(range(7, 7 + 128)))  # none; the NCCL id
+                except OSError:
+                    pass  # rank 1 has refused and gone
+                err = rank1.communicate(timeout=60)[1]
+        finally:
+            rank1.kill()
+    assert rank1.returncode == 2, err
+    errors = [l for l in err.splitlines() if l.startswith("error:")]
+    assert errors == ["error: rank 1: rank 0 runs the cuda engine, this rank the cpu engine (every rank must run "
+                      "the same engine)"], err
+
+
 # --------------------------------------------------------------------------------------------------
 # the proxy's --ranks
 

@@ -30,9 +30,9 @@
 #include <time.h>
 #include <unistd.h>
 
-/* "AND3": a connection from or to something else is refused; it changes whenever DistHello does, so
+/* "AND4": a connection from or to something else is refused; it changes whenever DistHello does, so
  * a rank of another build is refused at once too (a longer greeting would be waited for in vain) */
-#define DIST_MAGIC 0x414e4433u
+#define DIST_MAGIC 0x414e4434u
 #define DIST_DEFAULT_TIMEOUT_S 600.0
 /* A stoppable wait (dist_wait) polls at most this long at a time: a signal that lands after the
  * stop flag was read and before poll() starts does not interrupt it, so the flag is read again. */
@@ -44,19 +44,27 @@ typedef struct {
     uint32_t argv_crc; /* CRC-32C of the command line: every rank must be started with the same one */
     uint32_t state_crc; /* CRC-32C of the resumed checkpoint and sidecar (0: a fresh start): the same */
     uint32_t data_crc;  /* the training data's fingerprint (train_loop.h): the same on every rank */
+    const char* engine; /* engine_name(): every rank must run the same engine (their messages differ) */
     int starting;      /* until the first step: a stop signal then ends the ranks, nothing to save */
     int* fds;         /* rank 0: fds[r] is rank r's socket (fds[0] unused); others: fds[0] is rank 0's */
     char* scratch;    /* rank 0's receive buffer for reductions, grown once */
     size_t scratch_bytes;
 } Dist;
 
-static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, 0, 0, 0, 1, NULL, NULL, 0};
+static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, 0, 0, 0, "", 1, NULL, NULL, 0};
 
 /* What each side of a connection says first (rank 0 answers with its own): a peer of another run,
- * one started with other flags, resuming from other files or reading other training data, or
- * another program on the port is refused before any of its bytes is taken for a gradient or a
- * signal flag. */
-typedef struct { uint32_t magic, rank, world, argv_crc, state_crc, data_crc; } DistHello;
+ * one started with other flags, resuming from other files or reading other training data, one of
+ * the other engine, or another program on the port is refused before any of its bytes is taken
+ * for a gradient or a signal flag. The engine's name: the flags alone do not tell the engines
+ * apart, and after the greeting they say different things (the CPU engine its gradients, the
+ * CUDA engine an NCCL id), so a CPU rank read a CUDA rank 0's id as a stop signal and exited 0,
+ * and a CPU rank 0 and a CUDA rank each waited for the other until the timeout. */
+#define DIST_ENGINE_NAME_MAX 8
+typedef struct {
+    uint32_t magic, rank, world, argv_crc, state_crc, data_crc;
+    char engine[DIST_ENGINE_NAME_MAX]; /* NUL-padded */
+} DistHello;
 
 /* A part of [0, n) for each rank: rank r takes [r·stride, (r+1)·stride) clipped to n, where the
  * stride is a whole number of units (dist_stride), the same for every rank as NCCL's reduce-scatter
@@ -213,6 +221,23 @@ static void dist_set_socket_options(int fd) {
 #define DIST_OTHER_DATA "rank %u trains on other data than rank 0 (the same data flags name other shards on its " \
                         "disk: a stale or partial copy on another node?)"
 
+/* The peer's engine name (h->engine) into out, fit to print: a peer's bytes, so anything but a
+ * lower-case letter, digit or '_' shows as '?'. */
+static const char* dist_peer_engine(const DistHello* h, char out[DIST_ENGINE_NAME_MAX]) {
+    int i;
+    for (i = 0; i < DIST_ENGINE_NAME_MAX - 1 && h->engine[i]; i++) {
+        char c = h->engine[i];
+        out[i] = (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' ? c : '?';
+    }
+    out[i] = 0;
+    return out;
+}
+
+/* Whether h names another engine than this rank's. */
+static int dist_other_engine(const DistHello* h, const DistHello* mine) {
+    return memcmp(h->engine, mine->engine, sizeof h->engine) != 0;
+}
+
 /* The peer's DistHello (peer 0's socket) into *h, its magic first: a peer whose magic differs
  * (another program, a rank of another build) is told apart without waiting for bytes it may never
  * send. Returns 1 where a stop signal came first, else 0. */
@@ -230,6 +255,8 @@ static DistHello dist_hello(void) {
     h.argv_crc = g_dist.argv_crc;
     h.state_crc = g_dist.state_crc;
     h.data_crc = g_dist.data_crc;
+    memset(h.engine, 0, sizeof h.engine);
+    strncpy(h.engine, g_dist.engine, sizeof h.engine - 1);
     return h;
 }
 
@@ -244,6 +271,7 @@ static int dist_accept_all(struct sockaddr_in a) {
         die_io("rank 0: cannot listen on MASTER_ADDR:MASTER_PORT (port %d): %s", ntohs(a.sin_port), strerror(errno));
     while (n < g_dist.world - 1) {
         DistHello h;
+        char name[DIST_ENGINE_NAME_MAX];
         int fd, missing = 1;
         while (g_dist.fds[missing] >= 0) missing++;
         if (dist_wait(lfd, POLLIN, missing, 1)) break;
@@ -266,6 +294,9 @@ static int dist_accept_all(struct sockaddr_in a) {
                       h.world, g_dist.world);
         if (g_dist.fds[h.rank] >= 0)
             die_input("rank 0: rank %u connected twice (two processes started with RANK=%u?)", h.rank, h.rank);
+        if (dist_other_engine(&h, &mine))
+            die_input("rank 0: rank %u runs the %s engine, this rank the %s engine (every rank must run the same "
+                      "engine)", h.rank, dist_peer_engine(&h, name), g_dist.engine);
         if (h.argv_crc != mine.argv_crc)
             die_input("rank 0: rank %u was started with other flags than rank 0 (every rank needs the same command "
                       "line)", h.rank);
@@ -304,6 +335,7 @@ static int dist_try_connect(int fd, const struct sockaddr_in* a, double deadline
 static int dist_connect(struct sockaddr_in a) {
     double deadline = dist_now_s() + g_dist.timeout_s;
     DistHello mine = dist_hello(), h;
+    char name[DIST_ENGINE_NAME_MAX];
     for (;;) {
         int fd, rc;
         if (g_stop_signal) return 1;
@@ -329,6 +361,9 @@ static int dist_connect(struct sockaddr_in a) {
                   "that port, or a rank 0 of another ANDREA build?)", g_dist.rank, ntohs(a.sin_port));
     if ((int)h.world != g_dist.world)
         die_input("rank %d: rank 0 has WORLD_SIZE %u, this rank %d", g_dist.rank, h.world, g_dist.world);
+    if (dist_other_engine(&h, &mine))
+        die_input("rank %d: rank 0 runs the %s engine, this rank the %s engine (every rank must run the same engine)",
+                  g_dist.rank, dist_peer_engine(&h, name), g_dist.engine);
     if (h.argv_crc != mine.argv_crc)
         die_input("rank %d: rank 0 was started with other flags than rank %d (every rank needs the same command line)",
                   g_dist.rank, g_dist.rank);
@@ -350,9 +385,10 @@ static void dist_shutdown(void) {
 
 /* Reads the environment; with WORLD_SIZE > 1 connects every rank to rank 0, each started with
  * this command line (argv[1..], checked through its CRC), resuming from the same state
- * (state_crc: 0 for a fresh start) and training on the same data (data_crc, their fingerprint).
- * Returns 1 where a stop signal came before the ranks were connected (then nothing is), else 0. */
-static int dist_init(int argc, char** argv, uint32_t state_crc, uint32_t data_crc) {
+ * (state_crc: 0 for a fresh start), training on the same data (data_crc, their fingerprint) with
+ * the same engine (its name, at most DIST_ENGINE_NAME_MAX - 1 characters). Returns 1 where a stop
+ * signal came before the ranks were connected (then nothing is), else 0. */
+static int dist_init(int argc, char** argv, uint32_t state_crc, uint32_t data_crc, const char* engine) {
     const char* t = getenv("ANDREA_DIST_TIMEOUT_S");
     int r;
     g_dist.world = env_int("WORLD_SIZE", 1);
@@ -370,6 +406,7 @@ static int dist_init(int argc, char** argv, uint32_t state_crc, uint32_t data_cr
     for (r = 1; r < argc; r++) g_dist.argv_crc = crc32c_update(g_dist.argv_crc, argv[r], strlen(argv[r]) + 1);
     g_dist.state_crc = state_crc;
     g_dist.data_crc = data_crc;
+    g_dist.engine = engine;
     g_dist.fds = (int*)xmalloc((size_t)g_dist.world * sizeof(int), "rank sockets");
     for (r = 0; r < g_dist.world; r++) g_dist.fds[r] = -1;
     if (g_dist.rank == 0 ? dist_accept_all(dist_master_address()) : dist_connect(dist_master_address())) {
