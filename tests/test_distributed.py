@@ -452,6 +452,29 @@ def test_rank_0_refuses_a_rank_of_another_build_at_once(cpu_binary, shards, tmp_
     assert rc == 2 and "a rank of another ANDREA build" in err, err
 
 
+@pytest.mark.parametrize("rank", [0x80000000, 0xFFFFFFFF])
+def test_rank_0_refuses_a_greeting_with_a_rank_past_int(cpu_binary, shards, tmp_path, rank):
+    """A peer that answers rank 0's own greeting with a rank number of 2^31 or more: taken as an int
+    it was negative, so not "at or above WORLD_SIZE", and rank 0 looked it up in its table of
+    sockets far out of bounds and died of SIGSEGV without a word. Refused, named, exit 2."""
+    port = free_port()
+    rank0 = subprocess.Popen([str(cpu_binary)] + args(shards, tmp_path / "r.ckpt", steps=1), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": str(port), "ANDREA_DIST_TIMEOUT_S": "30"})
+    try:
+        with connect_once_listening(port) as peer:
+            peer.settimeout(30)
+            greeting = bytearray(peer.recv(256))  # rank 0's own, one small send on loopback: all of it
+            greeting[4:8] = struct.pack("<I", rank)
+            peer.sendall(bytes(greeting))
+            err = rank0.communicate(timeout=60)[1]
+    finally:
+        rank0.kill()
+    assert rank0.returncode == 2, err
+    assert f"error: rank 0: a connection announced rank {rank} of world 2 (expected a new rank of 2)" in err, err
+
+
 def test_a_stop_signal_ends_the_wait_for_a_greeting_that_never_comes(cpu_binary, shards, tmp_path):
     """Something on the port that says nothing (a port scanner, another program): rank 0 waiting
     for its greeting, or rank 1 for the listener's, still ends at once on a stop signal, as every

@@ -289,7 +289,9 @@ static int dist_accept_all(struct sockaddr_in a) {
         if (h.magic != DIST_MAGIC)
             die_input("rank 0: a connection to MASTER_PORT (port %d) is not a rank of a run (another program on that "
                       "port, or a rank of another ANDREA build?)", ntohs(a.sin_port));
-        if ((int)h.world != g_dist.world || h.rank == 0 || (int)h.rank >= g_dist.world)
+        /* unsigned: a rank of 2^31 or more was a negative int, below WORLD_SIZE, and indexed fds[]
+         * far out of bounds (a crash without a word) */
+        if (h.world != (uint32_t)g_dist.world || h.rank == 0 || h.rank >= (uint32_t)g_dist.world)
             die_input("rank 0: a connection announced rank %u of world %u (expected a new rank of %d)", h.rank,
                       h.world, g_dist.world);
         if (g_dist.fds[h.rank] >= 0)
