@@ -238,6 +238,20 @@ def test_rank_environment_errors(cpu_binary, shards, tmp_path):
         assert bad.returncode == 2 and f"error: ANDREA_DIST_TIMEOUT_S={timeout} is not a positive" in bad.stderr
 
 
+def test_dump_grads_with_ranks_is_refused_before_waiting_for_them(cpu_binary, shards, tmp_path):
+    """--dump-grads in a shell where WORLD_SIZE=2 is left set: the refusal came only once every rank
+    had connected, so a lone process waited ANDREA_DIST_TIMEOUT_S (300 s here) for a rank 1 nobody
+    starts, then said it lost it and that "the last checkpoint is kept", exit 1. Refused at once."""
+    argv = args(shards, tmp_path / "d.ckpt", steps=1) + ["--dump-grads", str(tmp_path / "g.bin")]
+    bad = subprocess.run([str(cpu_binary)] + argv, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": str(free_port()), "ANDREA_DIST_TIMEOUT_S": "300"})
+    assert bad.returncode == 2, bad.stderr
+    assert [l for l in bad.stderr.splitlines() if l.startswith("error:")] == [
+        "error: --dump-grads is one process: unset WORLD_SIZE"], bad.stderr
+    assert not (tmp_path / "g.bin").exists()
+
+
 def test_rank_0_alone_names_the_rank_it_waits_for(cpu_binary, shards, tmp_path):
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "ANDREA_DIST_TIMEOUT_S": "1"}

@@ -543,9 +543,13 @@ static uint32_t resumed_state_crc(const Run* r) {
 /* dist (§17): connect the ranks; only rank 0's events reach stdout. Returns 1 where a stop signal
  * came before they were connected. */
 static int dist_start(const Run* r, int argc, char** argv) {
-    int stopped = dist_init(argc, argv, resumed_state_crc(r), r->data_crc, engine_name());
+    int stopped;
+    /* before dist_init: refused after it, a lone process (WORLD_SIZE left in the shell) waited
+     * ANDREA_DIST_TIMEOUT_S for ranks nobody starts, then reported a lost rank instead */
+    if (r->cfg.dump_grads[0] && env_int("WORLD_SIZE", 1) > 1)
+        die_input("--dump-grads is one process: unset WORLD_SIZE");
+    stopped = dist_init(argc, argv, resumed_state_crc(r), r->data_crc, engine_name());
     if (g_dist.world == 1) return 0;
-    if (r->cfg.dump_grads[0]) die_input("--dump-grads is one process: unset WORLD_SIZE");
     if (g_dist.rank != 0 && !freopen("/dev/null", "w", stdout)) die_io("rank %d: cannot silence stdout", g_dist.rank);
     if (stopped) return 1;
     info("rank %d of %d (local rank %d): %d windows of %d tokens per step in all", g_dist.rank, g_dist.world,
