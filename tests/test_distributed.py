@@ -8,6 +8,7 @@ weights, same windows, losses summed in the same global order) and its gradient 
 for bit; after a few steps losses agree within REL_TOL and the state within STATE_TOL (measured:
 about 1e-7 and 1e-6). Two runs on the same number of ranks are bit-identical.
 """
+import contextlib
 import json
 import os
 import signal
@@ -356,20 +357,32 @@ def test_a_failed_last_checkpoint_fails_every_rank(cpu_binary, shards, tmp_path)
     assert not (tmp_path / "f.ckpt").exists()
 
 
-def test_a_rank_refuses_a_master_that_is_not_rank_0(cpu_binary, shards, tmp_path):
-    """Something else listening on MASTER_PORT (here a web server's answer): its bytes are no
-    signal flags, the rank must not take them for a stop and exit 0."""
+@contextlib.contextmanager
+def rank_1_facing_the_test(binary, argv, timeout_s):
+    """Rank 1 of two, started with argv, whose MASTER_PORT the test holds: (rank 1's process, the
+    test's end of its connection). Rank 1 is killed on the way out."""
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(server.getsockname()[1]), "ANDREA_DIST_TIMEOUT_S": "5"}
-        rank1 = subprocess.Popen([str(cpu_binary)] + args(shards, tmp_path / "w.ckpt", steps=1), env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        conn, _ = server.accept()
-        with conn:
-            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n" * 8)
-            _, err = rank1.communicate(timeout=30)
+               "MASTER_PORT": str(server.getsockname()[1]), "ANDREA_DIST_TIMEOUT_S": str(timeout_s)}
+        rank1 = subprocess.Popen([str(binary)] + argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True)
+        try:
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(30)
+                yield rank1, conn
+        finally:
+            rank1.kill()
+
+
+def test_a_rank_refuses_a_master_that_is_not_rank_0(cpu_binary, shards, tmp_path):
+    """Something else listening on MASTER_PORT (here a web server's answer): its bytes are no
+    signal flags, the rank must not take them for a stop and exit 0."""
+    with rank_1_facing_the_test(cpu_binary, args(shards, tmp_path / "w.ckpt", steps=1), 5) as (rank1, conn):
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n" * 8)
+        err = rank1.communicate(timeout=30)[1]
     assert rank1.returncode == 2 and "error: rank 1: MASTER_ADDR:MASTER_PORT" in err and "is not rank 0" in err
     assert not (tmp_path / "w.ckpt").exists()
 
@@ -552,19 +565,23 @@ def test_ranks_resuming_from_other_files_are_refused(cpu_binary, shards, tmp_pat
         subprocess.run([str(cpu_binary)] + args(shards, "x.ckpt", steps=steps), cwd=d, check=True,
                        capture_output=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
     before = [(d / "x.ckpt").read_bytes() for d in dirs]
-    port = str(free_port())
-    procs = [subprocess.Popen([str(cpu_binary)] + args(shards, "x.ckpt", steps=6, resume=True), cwd=dirs[r],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": str(r),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ANDREA_DIST_TIMEOUT_S": "10"})
-             for r in range(2)]
-    errs = stderr_of_all(procs)
-    assert [p.returncode for p in procs] == [2, 2], errs
-    for r, err in enumerate(errs):
-        errors = [l for l in err.splitlines() if l.startswith("error:")]
-        assert errors == [f"error: rank {r}: rank {max(r, 1)} resumed from another checkpoint or sidecar than rank 0 "
-                          "(every rank must read the same files: a stale copy on another node?)"], err
+    assert errors_of_ranks_in(cpu_binary, dirs, args(shards, "x.ckpt", steps=6, resume=True)) == [
+        [f"error: rank {r}: rank 1 resumed from another checkpoint or sidecar than rank 0 (every rank must read the "
+         "same files: a stale copy on another node?)"] for r in range(2)]
     assert [(d / "x.ckpt").read_bytes() for d in dirs] == before
+
+
+def errors_of_ranks_in(binary, dirs, argv):
+    """Rank r of len(dirs) started in dirs[r], each with argv: their error lines, once each has
+    exited 2 (a refusal)."""
+    port = str(free_port())
+    procs = [subprocess.Popen([str(binary)] + argv, cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(len(dirs)), "RANK": str(r),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ANDREA_DIST_TIMEOUT_S": "30"})
+             for r, d in enumerate(dirs)]
+    errs = stderr_of_all(procs)
+    assert [p.returncode for p in procs] == [2] * len(dirs), errs
+    return [[line for line in err.splitlines() if line.startswith("error:")] for err in errs]
 
 
 def test_ranks_training_on_other_data_are_refused(cpu_binary, tmp_path):
@@ -576,18 +593,9 @@ def test_ranks_training_on_other_data_are_refused(cpu_binary, tmp_path):
     dirs = [tmp_path / "node0", tmp_path / "node1"]
     for seed, d in enumerate(dirs, start=3):
         write_random_shards(d / "data", "tr", 2, 20000, 60, seed=seed)
-    port = str(free_port())
-    procs = [subprocess.Popen([str(cpu_binary)] + args("data/tr_*.bin", "x.ckpt", steps=2), cwd=dirs[r],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": str(r),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "ANDREA_DIST_TIMEOUT_S": "30"})
-             for r in range(2)]
-    errs = stderr_of_all(procs)
-    assert [p.returncode for p in procs] == [2, 2], errs
-    for r, err in enumerate(errs):
-        errors = [l for l in err.splitlines() if l.startswith("error:")]
-        assert errors == [f"error: rank {r}: rank 1 trains on other data than rank 0 (the same data flags name other "
-                          "shards on its disk: a stale or partial copy on another node?)"], err
+    assert errors_of_ranks_in(cpu_binary, dirs, args("data/tr_*.bin", "x.ckpt", steps=2)) == [
+        [f"error: rank {r}: rank 1 trains on other data than rank 0 (the same data flags name other shards on its "
+         "disk: a stale or partial copy on another node?)"] for r in range(2)]
     assert not any((d / "x.ckpt").exists() for d in dirs)
 
 
@@ -599,31 +607,18 @@ def test_a_rank_refuses_a_rank_0_of_the_other_engine(cpu_binary, shards, tmp_pat
     named no engine, so rank 1 took it; it then read the id's bytes as a stop signal and exited 0,
     "stopped by signal ..." (the other way round, both ranks waited for each other until
     ANDREA_DIST_TIMEOUT_S, then called the other silent). Refused at the greeting instead."""
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen(1)
-        env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(server.getsockname()[1]), "ANDREA_DIST_TIMEOUT_S": "30"}
-        rank1 = subprocess.Popen([str(cpu_binary)] + args(shards, tmp_path / "m.ckpt", steps=1), env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with rank_1_facing_the_test(cpu_binary, args(shards, tmp_path / "m.ckpt", steps=1), 30) as (rank1, conn):
+        reply = bytearray(conn.recv(256))  # one small send on loopback: the whole greeting
+        reply[4:8] = struct.pack("<I", 0)
+        if len(reply) > 24:  # the engine's name follows the data fingerprint
+            reply[24:] = b"cuda".ljust(len(reply) - 24, b"\0")
+        conn.sendall(bytes(reply))
         try:
-            conn, _ = server.accept()
-            with conn:
-                conn.settimeout(30)
-                hello = conn.recv(256)  # one small send on loopback: the whole greeting
-                reply = bytearray(hello)
-                reply[4:8] = struct.pack("<I", 0)
-                if len(reply) > 24:  # the engine's name follows the data fingerprint
-                    reply[24:] = b"cuda".ljust(len(reply) - 24, b"\0")
-                conn.sendall(bytes(reply))
-                try:
-                    conn.recv(4)  # rank 1's stop flags
-                    conn.sendall(struct.pack("<i", 0) + bytes(range(7, 7 + 128)))  # none; the NCCL id
-                except OSError:
-                    pass  # rank 1 has refused and gone
-                err = rank1.communicate(timeout=60)[1]
-        finally:
-            rank1.kill()
+            conn.recv(4)  # rank 1's stop flags
+            conn.sendall(struct.pack("<i", 0) + bytes(range(7, 7 + 128)))  # none; the NCCL id
+        except OSError:
+            pass  # rank 1 has refused and gone
+        err = rank1.communicate(timeout=60)[1]
     assert rank1.returncode == 2, err
     errors = [l for l in err.splitlines() if l.startswith("error:")]
     assert errors == ["error: rank 1: rank 0 runs the cuda engine, this rank the cpu engine (every rank must run "
