@@ -505,6 +505,22 @@ def test_an_empty_checkpoint_path_is_the_flag_error_not_a_sidecar_one(cpu_binary
     assert proc.returncode == 2 and errors == [f"error: {mode} needs --checkpoint PATH"], proc.stderr
 
 
+@pytest.mark.parametrize("mode", ["--generate", "--evaluate"])
+def test_a_flag_value_that_spells_checkpoint_is_no_checkpoint_flag(cpu_binary, trained, pattern_shards, mode):
+    """The sidecar that supplies the model flags was found by scanning the command line for
+    "--checkpoint" anywhere, a flag's value too: with a run named "--checkpoint" the sidecar read
+    was that of the file "--checkpoint" (none), and the engine stopped with "missing required flag
+    --model.n_layer" before the real --checkpoint was looked at. Its value is read where
+    config_parse reads it, as the mode flags are."""
+    proc = subprocess.run([str(cpu_binary), mode, "--name", "--checkpoint", "--checkpoint", str(trained["ckpt"]),
+                           "--data.val", str(pattern_shards[1]), "--eval.batches", str(TRAIN["eval.batches"])],
+                          input=json.dumps(greedy(1, [1, 2, 3], max_tokens=2)) + "\n", capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and "error" not in proc.stderr, proc.stderr
+    answer = json.loads(proc.stdout.splitlines()[-1], parse_float=str)
+    assert answer.get("done") if mode == "--generate" else answer["loss"] == trained["val_loss_text"], proc.stdout
+
+
 @pytest.fixture(scope="module")
 def swap_at_open(tmp_path_factory):
     return eu.build_shim(tmp_path_factory, "swap_at_open")

@@ -524,6 +524,35 @@ static int find_flag(const Flag* f, int n, const char* name, size_t len, int* it
     return -1;
 }
 
+/* The value of the last --NAME on the command line (--NAME VALUE or --NAME=VALUE; "1" for a bare
+ * bool flag), or NULL where it is not given, found where config_parse finds flags: a value that
+ * spells a flag is that value (--name --checkpoint names the run "--checkpoint"). For what must be
+ * known before config_parse runs: the mode (engine_main), --checkpoint's sidecar (generate.h). */
+static const char* argv_flag_value(int argc, char** argv, const char* name) {
+    static Config scratch; /* the table's pointers only: nothing is parsed into it */
+    Flag f[CFG_N_FLAGS_MAX];
+    int n = config_flags(&scratch, f), i, k, item;
+    const char* value = NULL;
+    for (i = 1; i < argc; i++) {
+        const char *a, *eq;
+        size_t len;
+        int named;
+        if (strncmp(argv[i], "--", 2) != 0) continue;
+        a = argv[i] + 2;
+        eq = strchr(a, '=');
+        len = eq ? (size_t)(eq - a) : strlen(a);
+        if ((k = find_flag(f, n, a, len, &item)) < 0) continue;
+        named = len == strlen(name) && strncmp(a, name, len) == 0;
+        if (f[k].type == F_BOOL) {
+            if (named && !eq) value = "1"; /* --generate=1 is config_parse's error, no mode */
+        } else if (eq || i + 1 < argc) {
+            const char* v = eq ? eq + 1 : argv[++i]; /* its value, whatever it spells */
+            if (named) value = v;
+        }
+    }
+    return value;
+}
+
 /* Whether the flag called `name` was given on the command line. */
 static int flag_seen(const Flag* f, int n, const int* seen, const char* name) {
     int item;

@@ -153,18 +153,6 @@ static int id_in(int id, const int* ids, int n) {
 /* ---------------------------------------------------------------------------------------------- */
 /* Model flags from the checkpoint's sidecar */
 
-/* The value of the last `flag` on the command line, the one config_parse takes, or NULL. */
-static const char* argv_value(int argc, char** argv, const char* flag) {
-    size_t len = strlen(flag);
-    const char* value = NULL;
-    int i;
-    for (i = 1; i < argc; i++) {
-        if (strcmp(argv[i], flag) == 0 && i + 1 < argc) value = argv[++i];
-        else if (strncmp(argv[i], flag, len) == 0 && argv[i][len] == '=') value = argv[i] + len + 1;
-    }
-    return value;
-}
-
 /* One error line for --checkpoint path whose sidecar side_path holds a member no run writes so
  * (`what`: "whose seed is no number"): the sidecar's damage, not a flag the command line gave. */
 static void refuse_sidecar_member(const char* path, const char* side_path, const char* what) {
@@ -189,7 +177,7 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
     static char values[N_KEYS + 1][40], flags[N_KEYS + 1][40];
     char side_path[CFG_PATH_MAX + 8], what[96];
     const char* text;
-    const char* path = argv_value(argc, argv, "--checkpoint");
+    const char* path = argv_flag_value(argc, argv, "checkpoint");
     char** args = (char**)xmalloc((size_t)(argc + 2 * N_KEYS + 2) * sizeof(char*), "command line");
     int n = 0, i;
     double x;
@@ -248,10 +236,6 @@ static void config_parse_for_checkpoint(Config* c, int argc, char** argv, Sideca
     for (i = 1; i < argc; i++) args[n++] = argv[i];
     config_parse(c, n, args);
     free(args);
-    if (path && strcmp(path, c->checkpoint.path) != 0) { /* a flag's value that reads as --checkpoint */
-        sidecar_free(side);
-        side->loaded = 0; /* ckpt_check reads the checkpoint's own */
-    }
     if (!file_exists(c->checkpoint.path)) die_input("checkpoint %s does not exist", c->checkpoint.path);
 }
 

@@ -679,17 +679,8 @@ static int evaluate_main(int argc, char** argv) {
  * config_parse finds flags: a flag's value that spells one (a run named "--generate", --name
  * --generate) is that flag's value, and the run trains. */
 static const char* command_line_mode(int argc, char** argv) {
-    static Config scratch; /* the table's pointers only: nothing is parsed into it */
-    Flag f[CFG_N_FLAGS_MAX];
-    int n = config_flags(&scratch, f), i, k, item;
-    for (i = 1; i < argc; i++) {
-        const char* a = argv[i];
-        if (strcmp(a, "--generate") == 0 || strcmp(a, "--evaluate") == 0) return a + 2;
-        if (strncmp(a, "--", 2) != 0 || strchr(a, '=')) continue;
-        k = find_flag(f, n, a + 2, strlen(a + 2), &item);
-        if (k >= 0 && f[k].type != F_BOOL) i++; /* its value, whatever it spells */
-    }
-    return NULL;
+    if (argv_flag_value(argc, argv, "generate")) return "generate";
+    return argv_flag_value(argc, argv, "evaluate") ? "evaluate" : NULL;
 }
 
 /* main() of both engines: --generate (generate.h), --evaluate, or training. */
