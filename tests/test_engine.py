@@ -740,6 +740,21 @@ def test_layout_json_publishes_the_flat_vector_of_design(engine, random_shards, 
     assert "--model." in missing.errors[0]
 
 
+@pytest.mark.parametrize("overrides,words", [
+    ({"model.n_head": 5}, "must divide model.d_model"),
+    ({"model.vocab_size": 100}, "smaller than model.vocab_size"),
+    ({"model.d_model": 65536, "model.n_head": 1, "model.n_layer": 1000}, "checkpoint format holds at most"),
+], ids=["n_head_not_dividing", "padded_below_vocab", "too_many_params"])
+def test_layout_json_of_a_model_no_engine_runs_is_one_error(engine, overrides, words):
+    """--layout-json checked only that the model flags were there: a model that training refuses
+    (n_head not dividing d_model, fewer embedding rows than tokens, more parameters than a
+    checkpoint holds) got a layout on stdout and exit 0, for programs to read as the engine's."""
+    model = {k: v for k, v in TINY.items() if k.startswith("model.")}
+    res = eu.run_engine(engine.binary, [*eu.flag_list({**model, **overrides}), "--layout-json"], timeout=30)
+    assert res.rc == 2 and res.stdout == "" and len(res.errors) == 1, res.describe()
+    assert words in res.errors[0], res.errors
+
+
 def test_output_follows_contract(engine, random_shards, tmp_path):
     B, T, steps = TINY["train.batch_size"], TINY["model.seq_len"], 8
     prompts = [[1, 2, 3], [7]]

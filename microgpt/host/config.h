@@ -569,11 +569,12 @@ static int seen_in_section(const Flag* f, int n, const int* seen, const char* na
 }
 
 static void config_validate(const Config* c, const int* seen, const Flag* f, int n);
+static void config_validate_model(const Config* c);
 
 /* Parses argv into *c (defaults first), validates, and dies with one error line on bad input.
  * --help prints the table for people, --flags-json for programs, --print-config the parsed
- * configuration with its defaults; all three exit 0. --layout-json returns unvalidated: the caller
- * prints the parameter layout (param_layout_json) and exits 0. */
+ * configuration with its defaults; all three exit 0. --layout-json returns with the model flags
+ * alone validated: the caller prints the parameter layout (param_layout_json) and exits 0. */
 static void config_parse(Config* c, int argc, char** argv) {
     Flag f[CFG_N_FLAGS_MAX];
     int seen[CFG_N_FLAGS_MAX];
@@ -640,10 +641,11 @@ static void config_parse(Config* c, int argc, char** argv) {
         config_print_json(stdout, c);
         exit(0);
     }
-    if (c->layout_json) { /* the layout needs only the model's sizes; the caller prints it */
+    if (c->layout_json) { /* the layout needs only the model's flags; the caller prints it */
         for (i = 0; i < n; i++)
             if (f[i].required == REQ_YES && !seen[i] && strncmp(f[i].name, "model.", 6) == 0)
                 die_input("missing required flag --%s", f[i].name);
+        config_validate_model(c);
         return;
     }
     config_validate(c, seen, f, n);
@@ -717,6 +719,17 @@ static void info_fp8_classifier(const Config* c, const char* dtype) {
              FP8_CLASSIFIER_MIN_D_MODEL);
 }
 
+/* The model flags' rules among themselves, which --layout-json keeps too: a layout of a model no
+ * engine builds (n_head not dividing d_model, fewer embedding rows than tokens) was printed with
+ * exit 0, for programs to read as the engine's word. */
+static void config_validate_model(const Config* c) {
+    if (c->model.d_model % c->model.n_head != 0)
+        die_input("model.n_head (%d) must divide model.d_model (%d)", c->model.n_head, c->model.d_model);
+    if (c->model.padded_vocab_size < c->model.vocab_size)
+        die_input("model.padded_vocab_size (%d) is smaller than model.vocab_size (%d)", c->model.padded_vocab_size,
+                  c->model.vocab_size);
+}
+
 static void config_validate(const Config* c, const int* seen, const Flag* f, int n) {
     int i;
     if (c->generate.enabled || c->evaluate) {
@@ -737,11 +750,7 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
         if (c->sample.stop_ids[i] >= c->model.vocab_size)
             die_input("--sample.stop: token id %d >= model.vocab_size (%d)", c->sample.stop_ids[i], c->model.vocab_size);
     if (!(c->generate.enabled || c->evaluate)) config_validate_sources(c);
-    if (c->model.d_model % c->model.n_head != 0)
-        die_input("model.n_head (%d) must divide model.d_model (%d)", c->model.n_head, c->model.d_model);
-    if (c->model.padded_vocab_size < c->model.vocab_size)
-        die_input("model.padded_vocab_size (%d) is smaller than model.vocab_size (%d)", c->model.padded_vocab_size,
-                  c->model.vocab_size);
+    config_validate_model(c);
     /* layer functions count elements of one activation tensor in int */
     if ((double)c->train.batch_size * c->model.seq_len * (c->model.d_ff > c->model.d_model ? c->model.d_ff : c->model.d_model) > INT_MAX)
         die_input("train.batch_size * model.seq_len * model.d_ff is too large (at most %d elements per activation)", INT_MAX);

@@ -300,12 +300,12 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     V = c->model.vocab_size;
     T = c->model.seq_len;
     param_layout_init(&r->layout, c);
+    if (r->layout.n_params > 2147483647u) /* a layout too: offsets past any checkpoint, of no model the engine runs */
+        die_input("the model has %zu parameters; the checkpoint format holds at most 2^31-1", r->layout.n_params);
     if (c->layout_json) {
         param_layout_json(stdout, &r->layout);
         exit(0);
     }
-    if (r->layout.n_params > 2147483647u)
-        die_input("the model has %zu parameters; the checkpoint format holds at most 2^31-1", r->layout.n_params);
     validate_sidecar_room(c);
     mixture_open(&r->mix, c);
     if (c->data.val[0]) dataset_open(&r->val, c->data.val, "data.val", V, T);
