@@ -835,6 +835,22 @@ def test_a_closed_stdout_or_stderr_is_written_into_no_file(cpu_binary, random_sh
     assert read_checkpoint(ckpt).step == 3
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_records_stdout_cannot_take_are_one_error_not_exit_0(cpu_binary, random_shards, tmp_path):
+    """A stdout that fails every write (a log file on a full disk; /dev/full here): training dropped
+    every record, the exit line too, without a word, and exited 0. It still trains to the end and
+    saves its checkpoints, then says what was lost: one error line and exit 1."""
+    ckpt = tmp_path / "c.ckpt"
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([str(cpu_binary), *tiny_args(random_shards.train, **{"train.steps": 3,
+                                                                                    "checkpoint": ckpt})],
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr
+    assert "standard output" in errors[0] and os.strerror(errno.ENOSPC) in errors[0], errors
+    assert read_checkpoint(ckpt).step == 3
+
+
 # ---------------------------------------------------------------------------------------------------
 # 9: nothing silently corrupted, nothing lost: checksums, two slots, the divergence guard, special
 # files, signals at start-up, the polish boundary (docs/DESIGN.md §15)

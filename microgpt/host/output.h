@@ -150,10 +150,15 @@ static void json_put_string(FILE* f, const char* s) {
     fputc('"', f);
 }
 
+/* The error of the first JSON line that could not be written to stdout (0: none so far). Training
+ * goes on past it (its checkpoints are its result, and a step's line is no reason to lose them)
+ * but does not end with exit 0 as if its records had been read: train_done says so. */
+static int g_stdout_errno = 0;
+
 /* Every JSON line goes through these two so the flush can't be forgotten. */
 static void jline_end(void) {
     fputs("}\n", stdout);
-    fflush(stdout);
+    if ((fflush(stdout) != 0 || ferror(stdout)) && !g_stdout_errno) g_stdout_errno = errno ? errno : EIO;
 }
 
 /* The end of a line of --generate's or --evaluate's answer (docs/DESIGN.md §16), where stdout is

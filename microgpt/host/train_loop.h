@@ -686,7 +686,15 @@ static const char* command_line_mode(int argc, char** argv) {
 /* main() of both engines: --generate (generate.h), --evaluate, or training. */
 static int engine_main(int argc, char** argv) {
     const char* mode = command_line_mode(argc, argv);
-    if (!mode) return train_main(argc, argv);
+    if (!mode) {
+        int rc = train_main(argc, argv);
+        /* stdout that could not take the records (a log file on a full disk): the run went on and
+         * saved its checkpoints, but exit 0 would say its losses and events were all written */
+        if (rc == 0 && g_stdout_errno)
+            die_io("the run's records could not all be written to standard output (%s): the run went on and its "
+                   "checkpoints are saved, but its losses and events are lost in part", strerror(g_stdout_errno));
+        return rc;
+    }
     signals_unblock();
     signal(SIGPIPE, SIG_IGN); /* a reader gone is a failed write, one error line (answer_line_end) */
     /* SIGUSR1 asks for a checkpoint and never stops an engine (§3.6); these modes have none to
