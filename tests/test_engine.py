@@ -851,6 +851,19 @@ def test_records_stdout_cannot_take_are_one_error_not_exit_0(cpu_binary, random_
     assert read_checkpoint(ckpt).step == 3
 
 
+@pytest.mark.parametrize("flag", ["--help", "--flags-json", "--print-config", "--layout-json"])
+def test_an_answer_stdout_cannot_take_is_one_error_not_exit_0(cpu_binary, random_shards, flag):
+    """--help, --flags-json, --print-config and --layout-json print their whole answer on stdout and
+    exit: to a stdout that fails every write (/dev/full) they exited 0 with nothing written, so a
+    program reading the flag table or the layout took an empty file for an answer."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([str(cpu_binary), *tiny_args(random_shards.train), flag], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr
+    assert "standard output" in errors[0] and os.strerror(errno.ENOSPC) in errors[0], errors
+
+
 # ---------------------------------------------------------------------------------------------------
 # 9: nothing silently corrupted, nothing lost: checksums, two slots, the divergence guard, special
 # files, signals at start-up, the polish boundary (docs/DESIGN.md §15)

@@ -573,8 +573,9 @@ static void config_validate_model(const Config* c);
 
 /* Parses argv into *c (defaults first), validates, and dies with one error line on bad input.
  * --help prints the table for people, --flags-json for programs, --print-config the parsed
- * configuration with its defaults; all three exit 0. --layout-json returns with the model flags
- * alone validated: the caller prints the parameter layout (param_layout_json) and exits 0. */
+ * configuration with its defaults; all three exit 0 once written (exit_once_written).
+ * --layout-json returns with the model flags alone validated: the caller prints the parameter
+ * layout (param_layout_json) and exits the same way. */
 static void config_parse(Config* c, int argc, char** argv) {
     Flag f[CFG_N_FLAGS_MAX];
     int seen[CFG_N_FLAGS_MAX];
@@ -594,11 +595,11 @@ static void config_parse(Config* c, int argc, char** argv) {
         int k, item;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             config_help(stdout, argv[0]);
-            exit(0);
+            exit_once_written();
         }
         if (strcmp(a, "--flags-json") == 0) {
             config_flags_json(stdout);
-            exit(0);
+            exit_once_written();
         }
         if (strcmp(a, "--print-config") == 0) {
             print_config = 1;
@@ -639,7 +640,7 @@ static void config_parse(Config* c, int argc, char** argv) {
     parse_stop(c);
     if (print_config) { /* before the required-flag and cross-flag checks: a partial config resolves too */
         config_print_json(stdout, c);
-        exit(0);
+        exit_once_written();
     }
     if (c->layout_json) { /* the layout needs only the model's flags; the caller prints it */
         for (i = 0; i < n; i++)

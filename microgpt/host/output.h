@@ -91,6 +91,16 @@ static void die_code(int code, const char* fmt, ...) {
 #define die_input(...) die_code(EXIT_BAD_INPUT, __VA_ARGS__)
 #define die_io(...) die_code(EXIT_FAILURE_IO, __VA_ARGS__)
 
+/* Exit 0 once all that was printed on stdout is written: the answer of --help, --flags-json,
+ * --print-config and --layout-json is all there is to them, and a stdout that took none of it
+ * (a full disk, > /dev/full) was exit 0 with nothing written. */
+static void exit_once_written(void) {
+    errno = 0;
+    if (fflush(stdout) != 0 || ferror(stdout))
+        die_io("cannot write to standard output: %s", strerror(errno ? errno : EIO));
+    exit(0);
+}
+
 /* A line for people on stderr, escaped as put_line says: no format of the engines holds a newline
  * or tab of its own (the GPU engine's memory plan, a table, is one info() a line). */
 static void info(const char* fmt, ...) {

@@ -304,7 +304,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
         die_input("the model has %zu parameters; the checkpoint format holds at most 2^31-1", r->layout.n_params);
     if (c->layout_json) {
         param_layout_json(stdout, &r->layout);
-        exit(0);
+        exit_once_written();
     }
     validate_sidecar_room(c);
     mixture_open(&r->mix, c);
