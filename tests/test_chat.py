@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -416,6 +417,20 @@ def test_ctrl_c_quits_cleanly(random_model, cpu_binary):
     assert proc.returncode == 130 and err == "\nchat: interrupted; the conversation is not kept\n", err
 
 
+def wait_at_the_prompt(pid):
+    """Returns once the process's main thread waits in the kernel for the terminal (readline's
+    select), up to 30 s. The prompt is written just before that wait: a signal that came in between
+    (the test's, sent as the prompt appeared, on a loaded machine) is handled before the wait starts,
+    which no signal then interrupts, so the chat waited on at "> " (a race of Python's readline
+    module; a person's `kill` comes while the chat waits)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/wchan") as f:
+            if any(word in f.read() for word in ("poll", "select")):
+                return
+        time.sleep(0.01)
+
+
 def test_sigterm_at_the_prompt_of_a_terminal_restores_it(random_model, cpu_binary):
     """`kill PID` (SIGTERM) of a chat waiting at its prompt on a terminal ended Python on the spot,
     with readline's terminal settings in place: the terminal was left without echo and line
@@ -433,6 +448,7 @@ def test_sigterm_at_the_prompt_of_a_terminal_restores_it(random_model, cpu_binar
         while not shown.endswith(b"> "):  # the prompt: readline holds the terminal
             assert select.select([controller], [], [], 60)[0], shown
             shown += os.read(controller, 4096)
+        wait_at_the_prompt(proc.pid)
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=60)
         assert rc == 130 and termios.tcgetattr(terminal)[3] == settings[3], (rc, shown)
