@@ -55,7 +55,7 @@ from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 from microgpt.atomic import open_new
 from microgpt.cli import say
 from microgpt.run_dir import TOKEN_FILE
-from microgpt.run_view import RunDirectory, ServedDir, open_inside
+from microgpt.run_view import RunDirectory, ServedDir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DASHBOARD = os.path.join(os.path.dirname(HERE), "scripts", "live-loss-dashboard.html")
@@ -258,12 +258,12 @@ def create_app(served, bind_host, token):
 
     @app.get("/files/<path:rel>")
     def run_file(rel):
-        # opened once, where the check found it (open_inside): a file swapped for a link or a FIFO
+        # opened once, where the check found it (ServedDir.open): a file swapped for a link or a FIFO
         # after a check by name would be served from outside, or hold the request for ever
         if not rel.endswith(".json"):
             abort(404)
         try:
-            fd = open_inside(served.root, rel)
+            fd = served.root.open(rel)
         except OSError:
             abort(404)
         return send_file(os.fdopen(fd, "rb"), mimetype="application/json")

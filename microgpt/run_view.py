@@ -77,9 +77,40 @@ class ServedDir:
 
     def stat(self, path):
         """os.stat of path under the directory (links followed: for a look at whether a file
-        changed, never for what is served, which open_inside opens)."""
+        changed, never for what is served, which open opens)."""
         with self.opened() as (fd, _):
             return os.stat(path, dir_fd=fd)
+
+    def open(self, path):
+        """os.open(path) read-only, where path, links followed, stays under the directory and is a
+        regular file: FileNotFoundError otherwise (a link out of the served directory, or a FIFO,
+        whose open would wait for a writer for ever, is served as no file). Links are resolved by
+        name under where the directory is now, but what is opened is opened from its descriptor
+        one name at a time with no link followed, so neither the file nor a directory on the way,
+        nor the directory itself, swapped for a link after the check leads anywhere."""
+        with self.opened() as (root_fd, base):
+            real = inside(base, path)
+            # inside resolves names, which lead elsewhere if the directory moves meanwhile: a path
+            # not under base is no file, never a way up ("..") from the descriptor
+            rel = os.path.relpath(real, base).split(os.sep) if real else [os.pardir]
+            if rel[0] in (os.pardir, os.curdir):
+                raise FileNotFoundError(path)
+            *dirs, name = rel
+            dir_fd = os.dup(root_fd)
+            try:
+                for d in dirs:
+                    next_fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                    os.close(dir_fd)
+                    dir_fd = next_fd
+                return open_regular(name, os.O_NOFOLLOW, dir_fd=dir_fd)
+            except NotRegularFile:
+                raise FileNotFoundError(path) from None
+            except OSError as e:  # ELOOP, ENOTDIR: a name on the way became a link or a file after the check
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise FileNotFoundError(path) from None
+                raise
+            finally:
+                os.close(dir_fd)
 
     def name(self, path):
         """path under the directory as its name at the start says it: for messages."""
@@ -94,42 +125,6 @@ def inside(root, rel):
     root = os.path.realpath(root)
     path = os.path.realpath(os.path.join(root, rel))
     return path if os.path.commonpath([root, path]) == root and path != root else None
-
-
-def open_inside(root, path):
-    """os.open(path) read-only, where path, links followed, stays under root (a ServedDir, or a
-    directory's path, opened for this call) and is a regular file: FileNotFoundError otherwise (a
-    link out of the served directory, or a FIFO, whose open would wait for a writer for ever, is
-    served as no file). Links are resolved by name under where root's directory is now, but what
-    is opened is opened from root's descriptor one name at a time with no link followed, so
-    neither the file nor a directory on the way, nor root itself, swapped for a link after the
-    check leads anywhere."""
-    if not isinstance(root, ServedDir):
-        with ServedDir(root) as served:
-            return open_inside(served, path)
-    with root.opened() as (root_fd, base):
-        real = inside(base, path)
-        # inside resolves names, which lead elsewhere if the directory moves meanwhile: a path not
-        # under base is no file, never a way up ("..") from the descriptor
-        rel = os.path.relpath(real, base).split(os.sep) if real else [os.pardir]
-        if rel[0] in (os.pardir, os.curdir):
-            raise FileNotFoundError(path)
-        *dirs, name = rel
-        dir_fd = os.dup(root_fd)
-        try:
-            for d in dirs:
-                next_fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
-                os.close(dir_fd)
-                dir_fd = next_fd
-            return open_regular(name, os.O_NOFOLLOW, dir_fd=dir_fd)
-        except NotRegularFile:
-            raise FileNotFoundError(path) from None
-        except OSError as e:  # ELOOP, ENOTDIR: a name on the way became a link or a file after the check
-            if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise FileNotFoundError(path) from None
-            raise
-        finally:
-            os.close(dir_fd)
 
 
 class LogFollower:
@@ -167,7 +162,7 @@ class LogFollower:
 
     def _reopen(self):
         self._close()
-        self.fd = open_inside(self.root, self.path)
+        self.fd = self.root.open(self.path)
         st = os.fstat(self.fd)
         self.ident = (st.st_dev, st.st_ino)
 
@@ -266,7 +261,7 @@ def _read_json_file(root, path, kind):
     expected kind (dict or list), else an empty one; also (with a warning) where it is longer than
     JSON_FILE_MAX: read whole, a huge or sparse file took all memory, then a 500 a request."""
     try:
-        with os.fdopen(open_inside(root, path), "rb") as f:
+        with os.fdopen(root.open(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size > JSON_FILE_MAX:
                 say(f"warning: {root.name(path)}: {size} bytes, more than a run's state or samples take "

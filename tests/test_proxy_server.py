@@ -733,7 +733,7 @@ def test_a_log_that_cannot_be_read_is_served_without_records(served_dir, monkeyp
     log = str(root / "beta" / "beta.loss.json")
     open_regular = run_view.open_regular
 
-    def refuse_beta(path, flags=0, dir_fd=None):  # open_inside opens the last name in its directory
+    def refuse_beta(path, flags=0, dir_fd=None):  # ServedDir.open opens the last name in its directory
         if os.path.basename(path) == "beta.loss.json":
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
         return open_regular(path, flags, dir_fd)
@@ -810,7 +810,7 @@ def test_the_served_directory_swapped_for_a_link_after_the_start_leads_nowhere_e
     assert descriptors_of(held) == 0
 
 
-def test_open_inside_takes_a_directory_swapped_for_a_link_after_its_check_as_no_file(tmp_path, monkeypatch):
+def test_served_dir_open_takes_a_directory_swapped_for_a_link_after_its_check_as_no_file(tmp_path, monkeypatch):
     """O_NOFOLLOW guards the last name only: a directory on the way swapped for a link out of the
     served directory between the check and the open (a rename and a symlink, by anyone who can
     write in it) was followed, and the file at the link's end served. Each name is opened
@@ -830,20 +830,22 @@ def test_open_inside_takes_a_directory_swapped_for_a_link_after_its_check_as_no_
 
     monkeypatch.setattr(run_view, "inside", swap_after_the_check)
     with pytest.raises(FileNotFoundError):
-        os.close(run_view.open_inside(str(root), "run/x.json"))
+        with run_view.ServedDir(str(root)) as served:
+            os.close(served.open("run/x.json"))
     monkeypatch.undo()
     os.unlink(root / "run")
     os.rename(root / "run.real", root / "run")
-    with os.fdopen(run_view.open_inside(str(root), "run/x.json")) as f:  # the same path, untouched
+    with run_view.ServedDir(str(root)) as served, os.fdopen(served.open("run/x.json")) as f:  # the same path, untouched
         assert f.read() == "inside"
 
 
-def test_open_inside_takes_a_file_swapped_for_a_link_after_its_check_as_no_file(tmp_path, monkeypatch):
+def test_served_dir_open_takes_a_file_swapped_for_a_link_after_its_check_as_no_file(tmp_path, monkeypatch):
     """The check (run_view.inside) resolves links; a file swapped for a link between the check and
-    the open (O_NOFOLLOW: ELOOP) is no file, as open_inside promises, for the dashboard's /files/
+    the open (O_NOFOLLOW: ELOOP) is no file, as ServedDir.open promises, for the dashboard's /files/
     and the loss-log follower alike, not an OSError of another kind."""
     (tmp_path / "secret").write_text("x")
     (tmp_path / "log").symlink_to(tmp_path / "secret")
     monkeypatch.setattr(run_view, "inside", lambda root, path: str(tmp_path / "log"))  # the check ran before
     with pytest.raises(FileNotFoundError):
-        run_view.open_inside(str(tmp_path), "log")
+        with run_view.ServedDir(str(tmp_path)) as served:
+            served.open("log")
