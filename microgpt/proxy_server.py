@@ -263,7 +263,7 @@ def create_app(served, bind_host, token):
         if not rel.endswith(".json"):
             abort(404)
         try:
-            fd = served.root.open(rel)
+            fd = served.root.open(rel, ".json")
         except OSError:
             abort(404)
         return send_file(os.fdopen(fd, "rb"), mimetype="application/json")

@@ -81,10 +81,11 @@ class ServedDir:
         with self.opened() as (fd, _):
             return os.stat(path, dir_fd=fd)
 
-    def open(self, path):
+    def open(self, path, suffix=""):
         """os.open(path) read-only, where path, links followed, stays under the directory and is a
-        regular file: FileNotFoundError otherwise (a link out of the served directory, or a FIFO,
-        whose open would wait for a writer for ever, is served as no file). Links are resolved by
+        regular file whose own name ends with suffix: FileNotFoundError otherwise (a link out of the
+        served directory, a FIFO, whose open would wait for a writer for ever, or a link x.json to
+        the directory's dashboard.token, is served as no file). Links are resolved by
         name under where the directory is now, but what is opened is opened from its descriptor
         one name at a time with no link followed, so neither the file nor a directory on the way,
         nor the directory itself, swapped for a link after the check leads anywhere."""
@@ -96,6 +97,8 @@ class ServedDir:
             if rel[0] in (os.pardir, os.curdir):
                 raise FileNotFoundError(path)
             *dirs, name = rel
+            if not name.endswith(suffix):  # the file the links lead to, not the name asked for
+                raise FileNotFoundError(path)
             dir_fd = os.dup(root_fd)
             try:
                 for d in dirs:

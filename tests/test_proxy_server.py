@@ -683,6 +683,18 @@ def test_files_linked_from_outside_the_served_directory_are_not_served(served_di
     assert get(server, "api/state?run=alpha/alpha").json()["name"] == "alpha"
 
 
+def test_a_json_named_link_to_a_file_that_is_no_json_is_not_served(served_dir):
+    """Only .json files are served, but /files/ looked at the name asked for, not the file it leads
+    to: a link x.json to the directory's dashboard.token (or a checkpoint) inside the directory,
+    put there by anyone who can write in it, served the token, which answers for every run."""
+    server, root = served_dir
+    os.symlink("../dashboard.token", root / "alpha" / "leak.json")
+    os.symlink("../alpha/alpha.loss.json", root / "beta" / "alpha-log.json")  # a .json: served
+    r = get(server, "files/alpha/leak.json")
+    assert r.status_code == 404 and server.token not in r.text
+    assert get(server, "files/beta/alpha-log.json").json()[0]["step"] == 1
+
+
 @pytest.mark.parametrize("state, sample_step", [("NaN", "Infinity"),
                                                 # numbers beyond a double's range: Python's json
                                                 # read 1e999 as inf and wrote it back as Infinity
