@@ -440,6 +440,18 @@ def test_svg_lines_leave_out_points_that_are_not_finite_and_text_drops_control_c
     assert len(a.get("points").split()) == 2 and b.get("points") == "" and "nan" not in svg
 
 
+def test_svg_points_of_values_near_a_doubles_limit_stay_on_the_panel():
+    """Finite values whose span is beyond a double's range (a loss of 1e308 in a run's file, with
+    -1e308 beside it) made the scale's hi - lo infinite: the point at hi was drawn at "nan"."""
+    from microgpt.svg_chart import svg_figure
+    svg = svg_figure("t", [("y", "lines", [("a", [1, 2, 3], [-1e308, 0.0, 1e308])]),
+                           ("x", "lines", [("b", [-1.7e308, 0.0, 1.7e308], [1.0, 2.0, 3.0])])])
+    for line in ET.fromstring(svg).iter(SVG + "polyline"):
+        points = [tuple(map(float, p.split(","))) for p in line.get("points").split()]
+        assert len(points) == 3 and all(math.isfinite(v) for p in points for v in p), points
+        assert points[0][0] < points[1][0] < points[2][0] and points[0][1] > points[2][1]
+
+
 def test_svg_text_drops_the_noncharacters_and_lone_surrogates_xml_forbids():
     """A label (a data source's name, read from JSON) holding U+FFFF made a figure no XML parser
     reads, and one holding a lone surrogate ("\\ud800" in the JSON) a figure that could not be

@@ -38,6 +38,12 @@ def axis_range(values, least_span):
     return lo, hi if hi > lo else lo + max(least_span, abs(lo) * 1e-9)
 
 
+def fraction(v, lo, hi):
+    """Where v lies from lo (0) to hi (1), in halves: hi - lo of two finite values can be beyond a
+    double's range (-1e308 and 1e308), and (v - lo) / inf drew the point at hi at "nan"."""
+    return (v / 2 - lo / 2) / (hi / 2 - lo / 2)
+
+
 def svg_panel(x0, y0, w, h, name, kind, series):
     """One panel as SVG elements: axes box, title, min/max labels, the series. A line leaves out
     its points whose x or y is None or not finite (a diverged run's losses)."""
@@ -47,10 +53,10 @@ def svg_panel(x0, y0, w, h, name, kind, series):
     lo_y, hi_y = (0.0, 1.0) if kind == "stack" else axis_range(ys_all, 1e-9)
 
     def px(x):
-        return x0 + (x - lo_x) / (hi_x - lo_x) * w
+        return x0 + fraction(x, lo_x, hi_x) * w
 
     def py(y):
-        return y0 + h - (y - lo_y) / (hi_y - lo_y) * h
+        return y0 + h - fraction(y, lo_y, hi_y) * h
 
     parts = [f'<rect x="{x0}" y="{y0}" width="{w}" height="{h}" fill="none" stroke="#999"/>',
              f'<text x="{x0}" y="{y0 - 6}" font-size="12">{svg_text(name)}</text>',
