@@ -728,6 +728,28 @@ def test_a_resume_record_without_a_step_supersedes_nothing(browser):
     assert live == [6, 6, 6, 6], live
 
 
+def test_resumes_after_many_superseded_records_cost_what_they_supersede(browser):
+    """A resume walked back from the newest record over every superseded one (live 0) until it found
+    a live one at or below its step: a log (under --serve, anyone's) of many superseded records and
+    markers followed by thousands of resume records took each resume over all of them again, and
+    the tab froze for minutes. A resume now costs the records it supersedes; what it supersedes is
+    unchanged (test_dashboard_resume_supersedes_and_smoothing_is_debiased)."""
+    browser.get(DASHBOARD.as_uri())
+    ms, live = browser.execute_script("""
+        const recs = [{step: 0, loss: 3, live: 1}, {event: 'polish', step: 0, live: 1}];
+        for (let i = 1; i <= 200000; i++) recs.push({step: i, loss: 3, live: 0}, {event: 'polish', step: i, live: 0});
+        for (let i = 0; i < 60000; i++) recs.push({event: 'resume', step: 0, live: i % 2});
+        recs.push({step: 1, loss: 3, live: 1}, {event: 'resume', step: 0, live: 1});
+        const r = new Run('a', ['#000', '#000']);
+        const t0 = performance.now();
+        r.feed(recs);
+        const ms = performance.now() - t0;
+        let n = 0; for (let i = 0; i < r.train.n; i++) n += r.train.c.live[i];
+        return [ms, [n, r.markers.filter((m) => m.live).length]];""")
+    assert live == [1, 1 + 30001], live  # step 0 and its polish marker, and the live resumes' markers
+    assert ms < 3000, f"{ms:.0f} ms"
+
+
 # ---------------------------------------------------------------------------------------------------
 # CI never passes by not looking
 
