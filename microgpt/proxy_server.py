@@ -164,6 +164,9 @@ class TrainedRun:
 
 def create_app(served, bind_host, token):
     app = Flask(__name__)
+    # a path one slash off a route is that route, or no route: never a redirect, whose HTML page
+    # (which Flask sends past plain_error) echoes the URL asked for, token and all
+    app.url_map.strict_slashes = app.url_map.merge_slashes = False
     exposed = not is_loopback(bind_host)
     # this machine's names, looked up once (getfqdn may wait on DNS)
     own_names = {socket.gethostname().lower(), socket.getfqdn().lower()} if exposed else set()

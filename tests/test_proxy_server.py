@@ -121,6 +121,17 @@ def test_the_page_may_run_only_its_own_script(served_dir):
     assert "connect-src 'self'" in policy
 
 
+def test_a_path_routing_would_redirect_is_answered_in_json_not_an_html_redirect(served_dir):
+    """Flask answers a path one slash off a route (/files, api//runs) with a redirect whose HTML page
+    echoes the URL asked for, token and all, past the JSON error handler (a routing redirect is not
+    an error to Flask). Such paths are now the route itself, or a JSON 404."""
+    server, _ = served_dir
+    r = get(server, f"files?token={server.token}", token=False, allow_redirects=False)
+    assert r.status_code == 200 and r.json() == sorted(r.json()), r.text
+    r = get(server, f"api//runs?token={server.token}", token=False, allow_redirects=False)
+    assert r.status_code == 404 and server.token not in r.text and "error" in r.json(), r.text
+
+
 def test_a_nul_byte_in_a_file_path_is_a_clean_404(served_dir):
     server, _ = served_dir
     for path in ("files/%00", "files/alpha/alpha.loss.json%00", "files/%00/../../etc/passwd"):
