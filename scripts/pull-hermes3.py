@@ -15,8 +15,8 @@ UTF-16 or UTF-32 byte-order mark is refused.
 Resuming: progress (records read, bytes written) is saved beside the output in OUT.progress.json;
 an interrupted pull (network error, Ctrl-C, a smaller --max-records) continues where it stopped when
 re-run with the same source (a changed --from-file starts over, cutting the output back only once the
-new source has given its first record). A finished pull is not repeated. A pull holds OUT.lock: a
-second pull into the same output waits for the first.
+new source has given its first usable conversation). A finished pull is not repeated. A pull holds
+OUT.lock: a second pull into the same output waits for the first.
 
 Exit status: 0 done; 1 the hub is unreachable / the download failed (re-run to resume); 2 bad usage;
 3 the output cannot be written (a full disk: no other source of conversations helps); 4 every record
@@ -213,49 +213,73 @@ def to_sharegpt(turns):
     return {"conversations": [{"from": SHAREGPT_NAMES[r], "value": v} for r, v in turns]}
 
 
-def pull(records, out_path, progress, progress_path, max_records):
-    """Append normalized records to out_path until the source or max_records runs out. The output
-    is cut back to what the progress holds (nothing, for a new source) only once the first record
-    has come: a copy that cannot be read, or a hub that fails at once, leaves the last pull whole."""
-    first = next(records, StopIteration)
-    records = itertools.chain([] if first is StopIteration else [first], records)
-    malformed = collections.Counter(progress["malformed"])
-    bar = progress_bar(max_records, progress["read"])
+def conversation_line(record):
+    """(the ShareGPT line of a record, or None where it is malformed; the reasons it adds to the
+    counts: why it is malformed, or where its conversation was cut)."""
+    try:
+        if isinstance(record, Exception):
+            raise record
+        cuts = {}
+        turns = parse_conversation(record, cuts)
+    except ValueError as e:
+        return None, [str(e)]
+    line = json.dumps(to_sharegpt(turns), ensure_ascii=False).encode("utf-8") + b"\n"
+    return line, [f"cut: {reason}" for reason in cuts]
+
+
+def cut_back(out_path, size):
+    """The output open for appending after its first `size` bytes, a torn tail written after the
+    last save dropped."""
     with writing(out_path):
         out = open(out_path, "r+b" if os.path.exists(out_path) else "wb")
-        out.truncate(progress["bytes"])  # drop a torn tail written after the last save
-        out.seek(progress["bytes"])
+        out.truncate(size)
+        out.seek(size)
+    return out
+
+
+def pull(records, out_path, progress, progress_path, max_records):
+    """Append normalized records to out_path until the source or max_records runs out. A resume
+    cuts the output back to what the progress holds at once; a new source only once it has given
+    its first usable conversation: a copy that cannot be read, one of malformed records only (a
+    file of another format), or a hub that fails at once leaves the last pull and its progress
+    whole."""
+    malformed = collections.Counter(progress["malformed"])
+    bar = progress_bar(max_records, progress["read"])
+    out = None
 
     def save():
+        progress["malformed"] = dict(malformed)  # the summary's counts, saved or not
+        if out is None:  # none of this source's lines in the output: its progress would void the last pull
+            return
         with writing(out_path):
             out.flush()
-        progress.update(bytes=out.tell(), malformed=dict(malformed))
+        progress["bytes"] = out.tell()
         with writing(progress_path):
             write_json_atomic(progress_path, progress)
 
-    # Before the first line: a pull from a new source killed (kill -9) before its first save left
-    # the last source's progress beside the new source's lines, and a rerun of the last source took
-    # them for its own finished pull ("already has N conversations").
-    save()
+    if progress["read"]:  # a resume: the output holds this source's lines up to progress["bytes"]
+        out = cut_back(out_path, progress["bytes"])
+        save()
     try:
         while max_records is None or progress["read"] < max_records:
             record = next(records, StopIteration)
             if record is StopIteration:
                 progress["exhausted"] = True
                 break
-            progress["read"] += 1
-            try:
-                if isinstance(record, Exception):
-                    raise record
-                cuts = {}
-                turns = parse_conversation(record, cuts)
-                malformed.update(f"cut: {reason}" for reason in cuts)
-                line = json.dumps(to_sharegpt(turns), ensure_ascii=False)
+            line, reasons = conversation_line(record)
+            if line is not None:
+                if out is None:
+                    # Saved before the first line: a pull from a new source killed (kill -9) before
+                    # its first save left the last source's progress beside the new source's lines,
+                    # and a rerun of the last source took them for its own finished pull ("already
+                    # has N conversations").
+                    out = cut_back(out_path, progress["bytes"])
+                    save()
                 with writing(out_path):
-                    out.write(line.encode("utf-8") + b"\n")
+                    out.write(line)
                 progress["written"] += 1
-            except ValueError as e:
-                malformed[str(e)] += 1
+            progress["read"] += 1
+            malformed.update(reasons)
             if bar is not None:
                 bar.update(1)
             if progress["read"] % SAVE_EVERY == 0:
@@ -267,8 +291,9 @@ def pull(records, out_path, progress, progress_path, max_records):
             save()
         finally:
             # save() flushed what there was; after a failed write, close() would only fail again
-            with contextlib.suppress(OSError):
-                out.close()
+            if out is not None:
+                with contextlib.suppress(OSError):
+                    out.close()
 
 
 @contextlib.contextmanager

@@ -1326,7 +1326,7 @@ def test_a_utf16_chat_file_is_refused_or_skipped_never_read_garbled(tmp_path):
     marked.write_bytes(text.encode("utf-16"))  # with its byte-order mark
     out = tmp_path / "pulled.jsonl"
     res = run_script("pull-hermes3", "--from-file", bare, "--out", out)
-    assert res.returncode == 4 and "0 conversations written" in res.stderr and out.read_bytes() == b"", res.stderr
+    assert res.returncode == 4 and "0 conversations written" in res.stderr and not out.exists(), res.stderr
     for script, args in [("pull-hermes3", ["--from-file", marked, "--out", out]),
                          ("prep-megachat", ["--chat", marked, "--out-dir", tmp_path / "set", *SMALL])]:
         res = run_script(script, *args)
@@ -1395,6 +1395,26 @@ def test_a_pull_that_cannot_read_its_new_source_keeps_the_last_pull(tmp_path, ne
     res = run_script("pull-hermes3", "--from-file", source, "--out", out)
     assert res.returncode == 2 and "Traceback" not in res.stderr and len(errors_of(res)) == 1, res.stderr
     assert out.read_bytes() == before
+
+
+def test_a_new_source_with_no_usable_record_keeps_the_last_pull(tmp_path):
+    """A new source whose records were all malformed (a file of another format, say plain-text
+    records) gave "a first record", so the output was cut to nothing: the last pull's conversations
+    were gone, and exit 4 said only that the new source had none; its rerun said "already has 0
+    conversations", exit 0. Now the output and its progress are cut only at the new source's first
+    usable conversation: the last pull is still done, and every run of the other source exits 4."""
+    out = tmp_path / "h.jsonl"
+    ok(run_script("pull-hermes3", "--from-file", small_chat(tmp_path / "c.jsonl"), "--out", out))
+    before = out.read_bytes()
+    progress_before = (tmp_path / "h.jsonl.progress.json").read_bytes()
+    wrong = jsonl(tmp_path / "wrong.jsonl", [{"text": f"plain {i}"} for i in range(50)])
+    for _ in range(2):
+        res = run_script("pull-hermes3", "--from-file", wrong, "--out", out)
+        assert res.returncode == 4 and "50 no conversations/messages list" in res.stderr, res.stderr
+        assert out.read_bytes() == before
+        assert (tmp_path / "h.jsonl.progress.json").read_bytes() == progress_before
+    res = ok(run_script("pull-hermes3", "--from-file", tmp_path / "c.jsonl", "--out", out))
+    assert "already has 100 conversations" in res.stderr and out.read_bytes() == before
 
 
 def test_two_pulls_into_one_output_take_turns(tmp_path):
