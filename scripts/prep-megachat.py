@@ -107,8 +107,8 @@ class Source:
             fail(f"--{kind} {spec}: source name {self.name!r} may hold letters, digits, '-', '_' and '.' "
                 "only, and not start with '.' (write NAME=PATH)")
         exts = (".jsonl", ".ndjson") if kind == "chat" else (".txt",)
-        if os.path.isdir(path):
-            self.files = sorted(f for f in glob.glob(os.path.join(path, "*")) if f.endswith(exts))
+        if os.path.isdir(path):  # escaped: a folder named "works[1]" would list works1/'s files
+            self.files = sorted(f for f in glob.glob(os.path.join(glob.escape(path), "*")) if f.endswith(exts))
         elif os.path.exists(path):  # a FIFO or device too: refused below, by name
             self.files = [path]
         else:

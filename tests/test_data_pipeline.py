@@ -1375,6 +1375,21 @@ def test_a_text_files_byte_order_mark_is_no_text(tmp_path):
     assert sorted(docs) == sorted(text + EOT_TEXT for text in works.values())
 
 
+def test_a_source_folder_named_like_a_glob_is_read_not_a_folder_it_matches(tmp_path):
+    """A source folder's files were listed with glob(FOLDER/*), its name unescaped: --text
+    'w=works[1]' read works1/'s texts, trained on the wrong data without a word (or found "no
+    *.txt files" where there was no works1/). Now the folder is read, whatever its name."""
+    works = {}
+    for folder in ("works[1]", "works1"):
+        (tmp_path / folder).mkdir()
+        for i in range(12):
+            works.setdefault(folder, []).append(f"{folder} work {i}\n\n" + "a line of text\n" * 40)
+            (tmp_path / folder / f"w{i}.txt").write_text(works[folder][-1], encoding="utf-8")
+    prep(tmp_path / "out", "--text", f"w={tmp_path / 'works[1]'}", extra=SMALL)
+    docs = decoded_docs(tmp_path / "out", "megachat", "train") + decoded_docs(tmp_path / "out", "megachat", "val")
+    assert sorted(docs) == sorted(text + EOT_TEXT for text in works["works[1]"])
+
+
 @pytest.mark.parametrize("new_source", ["unknown extension", "damaged parquet", "the output itself"])
 def test_a_pull_that_cannot_read_its_new_source_keeps_the_last_pull(tmp_path, new_source):
     """A pull from another source starts over: it cut the output to nothing before reading a record,
