@@ -419,28 +419,30 @@ class SetLocation:
     def check_out_dir(self):
         """An OUT_DIR that is a real folder (an older layout, or a new empty folder) is taken over
         only when it holds nothing but this set's files; one that is a symbolic link only when the
-        link is one a build made and its set has this name (install removes the set it points to)."""
+        link is one a build made, its set has this name and its folder holds nothing else (install
+        removes the set it points to: a file put there by hand would go with it)."""
         if os.path.islink(self.out_dir):
             target = os.readlink(self.out_dir)
             if os.sep in target or not target.startswith(f".{self.base}.set-"):
                 raise BuildError(f"--out-dir {self.out_dir} is a symbolic link to {target}, not one this "
                                  "script made (a build replaces it and removes what it points to); remove "
                                  "the link, or link the folder above it instead")
+            if not os.path.isdir(self.out_dir):  # its set is gone: nothing to lose
+                return
             # a set of another --name there would be removed without a word, as a folder's files are not
             others = [entry for entry in sorted(os.listdir(self.out_dir)) if entry.endswith(".manifest.json")
-                      and entry != f"{self.name}.manifest.json"] if os.path.isdir(self.out_dir) else []
+                      and entry != f"{self.name}.manifest.json"]
             if others:
                 raise BuildError(f"--out-dir {self.out_dir} holds a set not named {self.name} ({others[0]}); "
                                  "give another --out-dir, or remove it to replace that set")
+        elif not os.path.exists(self.out_dir):
             return
-        if not os.path.exists(self.out_dir):
-            return
-        if not os.path.isdir(self.out_dir):
+        elif not os.path.isdir(self.out_dir):
             raise BuildError(f"--out-dir {self.out_dir} exists and is not a folder")
         others = foreign_entries(self.out_dir, self.name)
         if others:
-            raise BuildError(f"--out-dir {self.out_dir} holds other files ({others[0]}, ...); give a new "
-                             "or empty folder")
+            raise BuildError(f"--out-dir {self.out_dir} holds other files ({others[0]}, ...), which a build "
+                             "would remove; move them out, or give a new or empty folder")
 
     def install(self):
         """Make the finished build folder the set OUT_DIR shows, in one rename of a link."""
@@ -481,11 +483,17 @@ def foreign_entries(out_dir, name):
                 else:
                     own = shard_files(src)
                     others += [os.path.join(entry, src, f) for f in sorted(os.listdir(folder))
-                               if not own.fullmatch(f) or not os.path.isfile(os.path.join(folder, f))]
-        elif not ((ours.fullmatch(entry) or manifest.fullmatch(entry)) and os.path.isfile(path)
+                               if not own.fullmatch(f) or holds_files(os.path.join(folder, f))]
+        elif not ((ours.fullmatch(entry) or manifest.fullmatch(entry)) and not holds_files(path)
                   or entry.startswith(f".{name}.tmp")):
             others.append(entry)
     return others
+
+
+def holds_files(path):
+    """Whether removing path would remove more than its name: a real folder. A FIFO or a link where
+    a set's file belongs (a damaged set) holds nothing, and a rebuild replaces it."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def remove(path):

@@ -1582,6 +1582,25 @@ def test_a_set_of_another_name_at_out_dir_is_refused_not_replaced(tmp_path):
     assert shard_bytes(out) == before
 
 
+@pytest.mark.parametrize("added", ["NOTES.txt", "mine_train_000000.bin", "sources/mine.txt"])
+def test_a_file_added_to_a_built_set_is_refused_not_removed(tmp_path, added):
+    """OUT_DIR looks like a folder, but it is a link to a set's folder, and a rebuild removes that
+    folder: a file put in it by hand (notes, another set's shard) was removed without a word. A
+    real folder holding such a file was refused; now the set's folder is checked the same way, and
+    the file is kept."""
+    chat = small_chat(tmp_path / "c.jsonl")
+    out = tmp_path / "sets"
+    prep(out, "--chat", chat, extra=SMALL)
+    (out / added).parent.mkdir(parents=True, exist_ok=True)
+    (out / added).write_bytes(b"mine\n")
+    before = shard_bytes(out)
+    res = run_script("prep-megachat", "--chat", chat, "--out-dir", out, *SMALL, "--force")
+    assert res.returncode == 1 and len(errors_of(res)) == 1 and added in errors_of(res)[0], res.stderr
+    assert (out / added).read_bytes() == b"mine\n" and shard_bytes(out) == before
+    (out / added).unlink()
+    prep(out, "--chat", chat, extra=(*SMALL, "--force"))
+
+
 @pytest.mark.parametrize("args", [["--chat", "..=C"], ["--chat", ".=C"], ["--chat", "C", "--name", ".hidden"]])
 def test_a_name_that_starts_with_a_dot_is_refused(tmp_path, args):
     """A source named '..' wrote its own set into OUT_DIR itself (as '.._train_000000.bin'), one named
