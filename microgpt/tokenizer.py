@@ -13,7 +13,7 @@ The ChatML format lives here too, so the data pipeline and the proxy render and 
     <|im_start|>system\n...<|im_end|>\n<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n...<|im_end|>\n
 
 Command line (used to check a prompt or to decode a shard):
-    python microgpt/tokenizer.py encode "text"        ordinary text -> ids
+    python microgpt/tokenizer.py encode "text"        ordinary text (UTF-8) -> ids
     python microgpt/tokenizer.py encode-chat "text"   text whose ChatML specials are real specials -> ids
     python microgpt/tokenizer.py decode 1 2 3         ids -> text (on a terminal its control
                                                       characters but newline and tab shown as \\xNN,
@@ -266,8 +266,12 @@ def main(argv):
             sys.stdout.reconfigure(errors="backslashreplace")  # a character the encoding lacks: \uXXXX
             sys.stdout.write(shown_on_terminal(text) if sys.stdout.isatty() else text)
         else:
+            text = " ".join(argv[1:])
+            if has_lone_surrogate(text):  # bytes that are no UTF-8: tiktoken would encode U+FFFD for them
+                error("the text is not UTF-8 (bytes that are no UTF-8 would be encoded as U+FFFD, not as typed)")
+                return USAGE_ERROR
             fn = encode if argv[0] == "encode" else encode_chat
-            print(json.dumps(fn(" ".join(argv[1:]))))
+            print(json.dumps(fn(text)))
         sys.stdout.flush()
     except TokenizerUnavailable as e:  # the tools' status for an asset they cannot use (chat, evaluate, export)
         error(e)

@@ -149,6 +149,17 @@ def test_cli(assets):
     assert res.returncode == 2 and res.stderr.startswith("error:")
 
 
+@pytest.mark.parametrize("command", ["encode", "encode-chat"])
+def test_cli_text_that_is_no_utf8_is_one_error_not_replaced(assets, command):
+    """Text in another encoding (a Latin-1 terminal's "caf\xe9") came in as a lone surrogate, which
+    tiktoken replaces with U+FFFD: the ids printed were those of "caf\ufffd", not of the text
+    typed, without a word. Now it is one error line, exit 2, as the proxy refuses a sample prompt
+    that is no UTF-8."""
+    res = run_cli(command, b"caf\xe9")
+    assert res.returncode == 2 and res.stdout == "" and len(res.stderr.splitlines()) == 1, res
+    assert res.stderr.startswith("error: ") and "UTF-8" in res.stderr, res.stderr
+
+
 def test_cli_decode_shows_control_characters_on_a_terminal_and_pipes_them_exact(assets):
     """`decode` wrote the control characters of what it decoded to the terminal, which acted on
     them (here an OSC sequence that retitles the window, a CR over the line). On a terminal they are
