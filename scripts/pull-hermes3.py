@@ -84,7 +84,8 @@ def iter_json_lines(path):
 
 def iter_local_file(path):
     """Records of a local copy: .jsonl/.ndjson (streamed), .json (an array, streamed element by
-    element; or one record; or JSON lines under a .json name), .parquet (by batches)."""
+    element; or records, one or more, each over several lines; or JSON lines under a .json name),
+    .parquet (by batches)."""
     ext = os.path.splitext(path)[1].lower()
     if ext in (".json", ".jsonl", ".ndjson"):
         with open(path, "rb") as f:
@@ -95,10 +96,12 @@ def iter_local_file(path):
         yield from iter_json_lines(path)
     elif ext == ".json":
         with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:  # -sig: a byte-order mark
-            first = f.read(1 << 16).lstrip()[:1]
-        if first == "[":
+            head = f.read(1 << 16).lstrip()
+        if head[:1] == "[":
             yield from iter_json_array(path)
-        else:  # one record, or (as many ".json" downloads are) JSON lines
+        elif head.partition("\n")[0].strip() == "{":  # a record over several lines: json.dump(indent=...)
+            yield from iter_json_array(path, bare=True)
+        else:  # one record on one line, or (as many ".json" downloads are) JSON lines
             yield from iter_json_lines(path)
     elif ext == ".parquet":
         import pyarrow.parquet as pq  # comes with `datasets`
@@ -113,16 +116,17 @@ def utf8_bytes(text):
     return len(text.encode("utf-8", "surrogateescape"))
 
 
-def iter_json_array(path, block=1 << 20):
+def iter_json_array(path, block=1 << 20, bare=False):
     """The elements of a JSON array file, one at a time, holding one element plus one block of text
-    in memory (a .json download of a whole data set can be gigabytes). An element of
-    MAX_RECORD_BYTES UTF-8 bytes or more yields a ValueError(RECORD_TOO_LONG), as such a line does
-    in a JSON-lines file (files.record_lines). An element that does not parse, names a key twice in
-    one object, or is too long to have been read whole, yields a ValueError and the rest of the file
-    is not read (its structure is lost)."""
+    in memory (a .json download of a whole data set can be gigabytes); bare: the JSON values of a
+    file that holds them one after another, no array around them (records over several lines
+    each). An element of MAX_RECORD_BYTES UTF-8 bytes or more yields a ValueError(RECORD_TOO_LONG),
+    as such a line does in a JSON-lines file (files.record_lines). An element that does not parse,
+    names a key twice in one object, or is too long to have been read whole, yields a ValueError
+    and the rest of the file is not read (its structure is lost)."""
     decoder = json.JSONDecoder(object_pairs_hook=unique_keys)
     with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:  # -sig: a byte-order mark is no element
-        buf, pos, started = "", 0, False
+        buf, pos, started = "", 0, bare
 
         def refill():
             nonlocal buf, pos

@@ -1378,6 +1378,24 @@ def test_a_json_array_with_a_byte_order_mark_is_read(tmp_path):
         assert out.read_bytes() == (tmp_path / "plain.jsonl").read_bytes()
 
 
+def test_a_json_file_of_one_record_over_several_lines_is_read(tmp_path):
+    """A .json file may hold one record (the pull's help says so), but one written over several
+    lines (json.dump(record, indent=2), an editor's formatting) was read as JSON lines, each line a
+    malformed record: "12 invalid JSON", "no usable conversations". Now such records are read whole,
+    one after another; JSON lines under a .json name are read as before."""
+    record = {"conversations": [{"from": "human", "value": "q é"}, {"from": "gpt", "value": "a"}]}
+    ok(run_script("pull-hermes3", "--from-file", jsonl(tmp_path / "r.jsonl", [record] * 2), "--out", tmp_path / "r.out"))
+    for name, text, written, malformed in [
+            ("one.json", json.dumps(record, indent=2, ensure_ascii=False), 1, 0),
+            ("two.json", (json.dumps(record, indent=2) + "\n") * 2, 2, 0),
+            ("lines.json", "{not json\n" + (json.dumps(record) + "\n") * 2, 2, 1)]:
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        out = tmp_path / f"{name}.out"
+        res = ok(run_script("pull-hermes3", "--from-file", tmp_path / name, "--out", out))
+        assert f"{written} conversations written" in res.stderr and f"{malformed} malformed" in res.stderr, res.stderr
+        assert out.read_text().splitlines() == (tmp_path / "r.out").read_text().splitlines()[:written]
+
+
 def test_a_text_files_byte_order_mark_is_no_text(tmp_path):
     """A text file's UTF-8 byte-order mark (four of linux-doc's documents have one) was tokenized as
     the document's first character, U+FEFF, and counted in the hash that splits documents: the same
