@@ -409,12 +409,15 @@ class SetLocation:
         return None
 
     def clean_stale(self):
-        """Remove leftovers of killed builds (call with the lock held: no other build is running)."""
+        """Remove leftovers of killed builds (call with the lock held: no other build is running).
+        Only names this class makes (a set's hex ID, a PID): `.BASE.set-*` also matched the hidden
+        folders of an OUT_DIR named BASE.set-x beside this one, and removed that set."""
         current = self.current_target()
-        for tag in ("set", "build", "link", "old"):
-            for path in glob.glob(glob.escape(self.hidden(tag)) + "-*"):
-                if path != current:
-                    remove(path)
+        stale = re.compile(rf"\.{re.escape(self.base)}\.(set-[0-9a-f]+|(build|link|old)-[0-9]+)")
+        for entry in os.listdir(self.parent):
+            path = os.path.join(self.parent, entry)
+            if stale.fullmatch(entry) and path != current:
+                remove(path)
 
     def check_out_dir(self):
         """An OUT_DIR that is a real folder (an older layout, or a new empty folder) is taken over

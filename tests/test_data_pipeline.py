@@ -687,6 +687,20 @@ def peak_rss_mb(args):
     return int(res.stdout) / 1024
 
 
+def test_a_build_removes_no_set_of_an_out_dir_named_like_its_hidden_folders(chitchat, tmp_path):
+    """A build removes the leftovers of killed builds beside OUT_DIR, .BASE.set-* among them; that
+    glob also matched the hidden folder of another OUT_DIR named BASE.set-x in the same parent, so
+    building `a` removed the set `a.set-x` showed (its link left dangling). Only the names a build
+    makes are leftovers now."""
+    args = ("--chat", chitchat["jsonl"], "--min-shard-tokens", 257)
+    other, out = tmp_path / "a.set-x", tmp_path / "a"
+    prep(other, *args)
+    before = shard_bytes(other)
+    prep(out, *args)
+    prep(out, *args, "--force")
+    assert shard_bytes(other) == before and manifest_of(other)["shards"]
+
+
 def test_memory_stays_bounded_on_large_inputs(chitchat, tmp_path):
     """A .json array used to be loaded whole by pull-hermes3, and prep-megachat held a line, and a
     shard's tokens, whole. A 150 MB array and a 60 MB single-line text now run in well under the
