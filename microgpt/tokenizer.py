@@ -5,7 +5,7 @@
     50257          <|im_start|>
     50258          <|im_end|>     -> vocab_size 50259
 
-The BPE ranks come from data/assets/r50k_base.tiktoken when it exists (written by
+The BPE ranks come from data/assets/r50k_base.tiktoken when it is there (written by
 `python scripts/fetch-assets.py`, works offline), else from tiktoken's own download.
 
 The ChatML format lives here too, so the data pipeline and the proxy render and tokenize it the same way:
@@ -83,7 +83,7 @@ def _load_ranks(path):
 
 
 def _build_encoding():
-    if os.path.exists(ASSET_PATH):
+    if os.path.lexists(ASSET_PATH):  # a link whose file is gone is this asset, unusable: no download
         ranks = _load_ranks(ASSET_PATH)
     else:
         try:

@@ -133,6 +133,18 @@ def test_missing_asset_offline_says_what_to_run(fresh_tokenizer, tmp_path, monke
         tok.encode("x")
 
 
+def test_a_dangling_link_at_the_asset_is_refused_not_bypassed(fresh_tokenizer, tmp_path, monkeypatch):
+    """A link at data/assets/r50k_base.tiktoken whose file is gone (an asset folder moved) made the
+    tokenizer download from tiktoken's servers without a word, as if no asset were there; offline,
+    the message said the file was not found, not that its link is broken. It is the asset, unusable."""
+    link = tmp_path / "r50k_base.tiktoken"
+    link.symlink_to(tmp_path / "moved" / "r50k_base.tiktoken")
+    monkeypatch.setattr(tok, "ASSET_PATH", str(link))
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: pytest.fail("downloaded past the asset"))
+    with pytest.raises(tok.TokenizerUnavailable, match=f"{link}: cannot be read"):
+        tok.encode("x")
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, str(REPO / "microgpt" / "tokenizer.py"), *args],
                           capture_output=True, text=True, timeout=60, env=python_env())
