@@ -97,6 +97,13 @@ def parse_args(argv):
     if args.run_dir == "":  # "$RUN_DIR" unset: the default would take, or resume, another run
         p.error("--run-dir is empty (an unset shell variable?): give a directory, or leave the flag "
                 "out for runs/<name>/")
+    # "$ENGINE" unset: the default engine trained in the custom build's place; "$RUNS" unset: --serve
+    # "" was taken as no --serve, and the proxy failed on the config it then lacked (a traceback);
+    # "$HOST" unset: the dashboard was bound to every interface, reachable from the network
+    for what, value in (("--engine-binary", args.engine_binary), ("--serve", args.serve),
+                        ("the experiment config", args.config), ("--host", args.host)):
+        if value == "":
+            p.error(f"{what} is empty (an unset shell variable?)")
     if (args.config is None) == (args.serve is None):
         p.error("give an experiment config to train, or --serve DIR to look at runs")
     return args

@@ -366,6 +366,28 @@ def test_an_empty_run_dir_is_one_error_not_the_default(exp, cpu_binary):
         shutil.rmtree(default, ignore_errors=True)
 
 
+@pytest.mark.parametrize("given, words", [
+    # the default engine trained in the custom build's place
+    (["CONFIG", "--engine-binary", ""], "--engine-binary is empty"),
+    # taken as no --serve: a TypeError traceback on the missing config
+    (["--serve", ""], "--serve is empty"),
+    (["", "--engine-binary", "ENGINE"], "the experiment config is empty"),
+    # bound to every interface, the dashboard reachable from the network
+    (["--serve", "RUN_DIR", "--host", ""], "--host is empty"),
+])
+def test_an_empty_argument_is_one_error_not_ignored(exp, cpu_binary, given, words):
+    """`"$VAR"` with the variable unset is an empty argument: one error line, nothing trained or served."""
+    exp.run_dir.mkdir()
+    argv = [{"CONFIG": str(exp.config(steps=2)), "ENGINE": str(cpu_binary), "RUN_DIR": str(exp.run_dir)}.get(a, a)
+            for a in given]
+    res = subprocess.run([sys.executable, str(REPO / "microgpt" / "training_proxy.py"), *argv, "--run-dir",
+                          str(exp.run_dir), "--no-server"], capture_output=True, text=True, env=proxy_env(),
+                         timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], res.stderr
+    assert not any(exp.run_dir.iterdir())
+
+
 def test_a_config_naming_a_key_twice_is_one_error(exp, cpu_binary):
     """docs/DESIGN.md §4: Python's json kept the last of a key given twice; which one the writer
     meant is unknown, so the config is refused and no run starts."""
