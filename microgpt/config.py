@@ -134,7 +134,7 @@ def _type_ok(kind, value):
 def _check_value(dotted, kind, value, flag):
     """One key's value against its type and, for engine flags, its choices and range."""
     if not _type_ok(kind, value):
-        raise ConfigError(f'"{dotted}" must be {TYPE_WORDS[kind]}, not {json.dumps(value)}')
+        raise ConfigError(f'"{dotted}" must be {TYPE_WORDS[kind]}, not {_shown(value)}')
     if isinstance(value, str) and "\0" in value:  # no command-line argument can hold one
         raise ConfigError(f'"{dotted}" must not contain a NUL character')
     if isinstance(value, float) and math.isnan(value):  # Python's json reads NaN; no range holds it
@@ -146,11 +146,11 @@ def _check_value(dotted, kind, value, flag):
                           'no text')
     if flag["choices"] and value not in flag["choices"]:
         raise ConfigError(f'"{dotted}" must be one of {", ".join(flag["choices"])}, '
-                          f'not {json.dumps(value)}')
+                          f'not {_shown(value)}')
     if flag["min"] is not None and value < flag["min"]:
-        raise ConfigError(f'"{dotted}" must be at least {flag["min"]}, not {json.dumps(value)}')
+        raise ConfigError(f'"{dotted}" must be at least {flag["min"]}, not {_shown(value)}')
     if flag["max"] is not None and value > flag["max"]:
-        raise ConfigError(f'"{dotted}" must be at most {flag["max"]}, not {json.dumps(value)}')
+        raise ConfigError(f'"{dotted}" must be at most {flag["max"]}, not {_shown(value)}')
 
 
 def _check_list(dotted, items, fields):
@@ -241,10 +241,14 @@ def _check_source_names(sources):
         first[name] = i
 
 
-def _shown(text, limit=60):
-    """A value for an error message: JSON, cut short if long."""
-    shown = json.dumps(text)
-    return shown if len(shown) <= limit else f"{shown[:limit]}... ({len(text)} characters)"
+def _shown(value, limit=60):
+    """A value for an error message: JSON, cut short if long (quoted whole, a list pasted into the
+    wrong key made the one error line megabytes long)."""
+    shown = json.dumps(value)
+    if len(shown) <= limit:
+        return shown
+    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(shown)} characters of JSON"
+    return f"{shown[:limit]}... ({size})"
 
 
 def _check_length(key, text, limit):

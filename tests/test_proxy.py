@@ -253,6 +253,23 @@ def test_a_sample_prompt_holding_a_lone_surrogate_is_refused(flags):
         config.tokenize_prompts(cfg, flags)
 
 
+@pytest.mark.parametrize("setting, shown, words", [
+    ({"lr": [0] * 100_000}, "[0, 0, 0", "must be a number, not"),
+    ({"schedule": "y" * 100_000}, '"yyy', "must be one of"),
+    ({"beta1": 10**4000}, "1000", "must be at most 0.999999, not"),
+    ({"seed": -(10**4000)}, "-1000", "must be at least 0, not"),
+])
+def test_a_long_wrong_value_is_cut_short_in_the_error(flags, setting, shown, words):
+    """Quoted whole, a list pasted into the wrong key made the one error line megabytes long."""
+    cfg = {"name": "x", "model": {"n_layer": 1, "d_model": 8, "n_head": 2, "seq_len": 64},
+           "train": {"steps": 2, **setting}, "data": {"train": "a"}}
+    with pytest.raises(config.ConfigError) as e:
+        config.validate_config(cfg, flags)
+    message = str(e.value)
+    assert words in message and shown in message and len(message) < 200, message[:300]
+    assert "characters" in message
+
+
 def test_a_config_is_read_as_utf8_whatever_the_locale(tmp_path):
     """JSON is UTF-8 (RFC 8259): under an ASCII locale a config holding "é" was "not valid JSON",
     under a Latin-1 one its strings were read as other text."""
