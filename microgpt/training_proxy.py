@@ -186,8 +186,11 @@ def main(argv):
     if stop is not None:
         say(nothing_launched(stop))
         code = 0
-    elif done is not None and done >= run.steps and sidecar_step(run.files.ckpt) == done:
-        # header and sidecar agree (a damaged header is the engine's to refuse, with its way back)
+    elif (done is not None and done >= run.steps and sidecar_step(run.files.ckpt) == done
+          and run.previous_config in (None, run.cfg)):
+        # header and sidecar agree (a damaged header is the engine's to refuse, with its way back);
+        # a config changed since the last launch is the engine's to judge: it refuses a model of
+        # another shape, which was "already finished" here, its old summary shown as the new one's
         try:
             run.store.set_state(force=True, status="finished", pid=None, step=done, steps=run.steps,
                                 checkpoint=run.files.ckpt, checkpoint_step=done)

@@ -974,6 +974,21 @@ def test_a_proxy_killed_while_it_lags_loses_no_record(exp, cpu_binary, tmp_path,
     assert sorted(os.listdir(exp.run_dir)) == sorted(os.listdir(ref.run_dir))  # no .ahead left
 
 
+def test_a_finished_run_relaunched_with_another_model_shape_is_refused(exp, cpu_binary):
+    """A finished run was "already finished" whatever its config had become: a model of another
+    shape, which the engine refuses for any resume, got exit 0 and the old model's summary."""
+    p, rc = run_to_end(exp.config(steps=4, train={"warmup_steps": 0}), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    kept = [exp.path(suffix) for suffix in (".ckpt", ".ckpt.json", ".loss.json", ".state.json", ".samples.json")]
+    before = [path.read_bytes() for path in kept]
+    wider = exp.config(steps=4, train={"warmup_steps": 0}, model={"d_model": 64, "n_head": 4}, file="wider.json")
+    p, rc = run_to_end(wider, exp.run_dir, cpu_binary, "--no-server")
+    errors = [line for line in p.err if line.startswith("error")]
+    assert rc == 2 and len(errors) == 1 and "different model shape" in errors[0], p.describe()
+    assert not any("already finished" in line for line in p.out), p.describe()
+    assert [path.read_bytes() for path in kept] == before
+
+
 @pytest.mark.parametrize("state", ["removed", "emptied", "without checkpoint_step"])
 def test_a_state_without_its_checkpoint_step_rolls_back_nothing_the_log_holds(exp, cpu_binary, state):
     """A .state.json removed, emptied, or naming no checkpoint was taken as "nothing logged": the
