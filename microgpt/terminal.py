@@ -6,6 +6,7 @@ any other message; otherwise (a log file, a pipe) it is a plain line every PLAIN
 while it would repeat the last one word for word (a step slower than the interval). The proxy's
 --progress-every sets another interval (0: no progress line)."""
 import os
+import shlex
 import sys
 import threading
 import time
@@ -121,6 +122,13 @@ def shown_path(path):
     return path if rel.startswith("..") else rel
 
 
+def shell_word(path):
+    """A path as one word of a command to copy: quoted where a shell would split or expand it (a
+    run directory "my run" made two arguments of it, one holding $(...) ran that command), and
+    ./ before a relative path that starts with "-", which the tool would take for an option."""
+    return shlex.quote(os.path.join(".", path) if path.startswith("-") else path)
+
+
 def summary(state, launch_seconds, run_dir, checkpoint):
     """The lines said when a launch ends: how it ended, the losses, the time, the checkpoint, and
     what to do next."""
@@ -137,7 +145,7 @@ def summary(state, launch_seconds, run_dir, checkpoint):
         lines.append(f"checkpoint {shown_path(checkpoint[0])} (step {checkpoint[1]})")
         # a run directory where the tools find this checkpoint in it, else the checkpoint file
         found = RunFiles.named_after(run_dir).ckpt == os.path.abspath(checkpoint[0])
-        run = shown_path(run_dir if found else checkpoint[0])
+        run = shell_word(shown_path(run_dir if found else checkpoint[0]))
         lines.append(f"chat with it:  python microgpt/chat.py {run}")
         lines.append(f"export it:     python scripts/export-hf.py {run} OUT_DIR")
     return lines

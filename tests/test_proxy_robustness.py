@@ -621,6 +621,20 @@ def test_progress_line_and_summary_say_what_a_user_needs():
                           "export it:     python scripts/export-hf.py /r/r1/x.ckpt OUT_DIR"]
 
 
+@pytest.mark.parametrize("run_dir, word", [
+    ("/r/my run", "'/r/my run'"),  # two arguments to the tool
+    ("/r/$(touch x)", "'/r/$(touch x)'"),  # the copied command ran `touch x`
+    ("-x", "./-x"),  # an option to the tool
+])
+def test_the_summary_s_commands_take_the_run_directory_as_one_argument(run_dir, word):
+    """The summary's commands are to be copied into a shell: the run directory is one word there."""
+    state = {"status": "finished", "step": 4, "steps": 4}
+    ckpt = os.path.join(run_dir, os.path.basename(run_dir) + ".ckpt")
+    lines = terminal.summary(state, 1.0, os.path.abspath(run_dir), (os.path.abspath(ckpt), 4))
+    assert lines[-2:] == [f"chat with it:  python microgpt/chat.py {word}",
+                          f"export it:     python scripts/export-hf.py {word} OUT_DIR"]
+
+
 def test_a_plain_progress_line_is_not_repeated_word_for_word():
     """With steps slower than the interval (ANDREA-12M on the CPU engine: ~35 s a step against 30 s),
     the log showed each step's line twice, the same training time in both, as if written twice."""
