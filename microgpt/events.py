@@ -7,7 +7,7 @@ import time
 
 from microgpt.config import config_changes, describe_changes
 from microgpt.loss_log import parse_json
-from microgpt.run_dir import archive_samples_and_state, keep_checkpoint, point_archived_state_at
+from microgpt.run_dir import archive_samples_and_state, archived_state_path, keep_checkpoint, point_archived_state_at
 from microgpt.terminal import say, terminal
 
 
@@ -244,13 +244,13 @@ class EventHandler:
             self.add_record({"event": "polish", "step": s, "tokens": rs.state.get("tokens")})
         run.flush(force=True)
         dest = run.files.archive_dir(s)
-        if os.path.exists(dest):  # a resume that replays the boundary: the archive is already made
-            say(f"polish at step {s}: {dest} exists, keeping its samples and state")
+        if os.path.exists(archived_state_path(run.files, s)):  # a resume that replays the boundary
+            say(f"polish at step {s}: {dest} holds this run's archive, keeping its samples and state")
             if any(x.get("step", 0) <= s for x in rs.samples):  # replayed: the archive has them
                 rs.set_samples([x for x in rs.samples if x.get("step", 0) > s])
         else:
             rs.set_state(step=s)
-            archive_samples_and_state(rs, dest)
+            archive_samples_and_state(rs, s)
             say(f"archived the pretraining samples and state in {dest}")
         kept = os.path.join(dest, os.path.basename(run.files.ckpt))
         if not os.path.exists(kept):

@@ -235,16 +235,20 @@ class RunState:
         write_json_atomic(self.files.samples, samples)
 
 
-def archive_samples_and_state(run_state, dest):
-    """Move .samples.json and .state.json aside (the directory appears whole or not at all) and
+def archived_state_path(files, step):
+    """The run's state in the archive of polish step `step`: written last, so its presence says this
+    run's archive of that step is made. Another run sharing the directory (another name) may have
+    archived the same step there: the folder alone says nothing of this run."""
+    return os.path.join(files.archive_dir(step), os.path.basename(files.state))
+
+
+def archive_samples_and_state(run_state, step):
+    """Move .samples.json and .state.json aside into the archive of `step`, the state last, and
     start fresh samples for the polish phase."""
     files = run_state.files
-    tmp = dest + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    write_json_atomic(os.path.join(tmp, os.path.basename(files.samples)), run_state.samples)
-    write_json_atomic(os.path.join(tmp, os.path.basename(files.state)), run_state.state)
-    os.rename(tmp, dest)
+    os.makedirs(files.archive_dir(step), exist_ok=True)
+    write_json_atomic(os.path.join(files.archive_dir(step), os.path.basename(files.samples)), run_state.samples)
+    write_json_atomic(archived_state_path(files, step), run_state.state)
     run_state.set_samples([])
 
 

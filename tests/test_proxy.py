@@ -1132,6 +1132,26 @@ def test_polish_archives_pretraining(exp, cpu_binary, every):
     assert not any(n.endswith(".loss.json") for n in os.listdir(arch))
 
 
+def test_two_runs_of_one_directory_each_archive_their_polish_step(exp, cpu_binary):
+    """Two runs (two names) may share a run directory, and so archive/step_<s>/ where they polish at
+    the same step: the second found the folder there, took it for its own archive made by an
+    earlier launch, and its pretraining samples and state were never archived (its samples of
+    steps up to s dropped). Each run's archive is its own files there now."""
+    for name in (NAME, "other"):
+        cfg = exp.config(steps=40, name=name, file=f"{name}.json", checkpoint={"every": 0},
+                         sample={"every": 10, "tokens": 4, "prompts": PROMPTS},
+                         polish={"start_step": 20, "train": str(exp.val), "lr": 1e-4})
+        p, rc = run_to_end(cfg, exp.run_dir, cpu_binary, "--no-server")
+        assert rc == 0, p.describe()
+    arch = exp.run_dir / "archive" / "step_20"
+    assert sorted(os.listdir(arch)) == sorted(f"{n}{s}" for n in (NAME, "other")
+                                              for s in (".ckpt", ".ckpt.json", ".samples.json", ".state.json"))
+    for name in (NAME, "other"):
+        assert {x["step"] for x in json.loads((arch / f"{name}.samples.json").read_text())} == {10, 20}
+        archived = json.loads((arch / f"{name}.state.json").read_text())
+        assert archived["phase"] == "pretrain" and archived["checkpoint_step"] == 20, archived
+
+
 def test_a_replayed_polish_points_the_archived_state_at_the_kept_checkpoint(exp, cpu_binary):
     """A proxy killed after it copied the boundary's checkpoint into the archive and before it
     pointed the archived state at it left that state naming the live checkpoint (long moved on)
