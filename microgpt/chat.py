@@ -14,8 +14,9 @@ the output's encoding lacks is written as \\uXXXX). One engine process serves th
 conversation; the first prompt shows once it has loaded the model (a damaged checkpoint is one
 error line before it). When the next prompt would leave less than the reply's room (--max-tokens,
 at most half of seq_len) in the model's context, the oldest exchanges are dropped and a line on
-stderr says so. Typing /reset starts over (the system prompt stays), /exit or end of input (Ctrl-D)
-quits, Ctrl-C (or SIGTERM) quits at any time.
+stderr says so. A piped line too long for any message to fit (`< /dev/zero`) is read in pieces
+and dropped, never held whole, and a line on stderr says so. Typing /reset starts over (the system
+prompt stays), /exit or end of input (Ctrl-D) quits, Ctrl-C (or SIGTERM) quits at any time.
 
 Turn n of a session samples with seed --seed + n, so a session replays exactly with the same inputs.
 """
@@ -36,6 +37,9 @@ COMMANDS = "/reset clears the conversation, /exit quits"
 # flag, not the engine's request field.
 TEMPERATURE_MAX = 1e30
 SEED_MAX = 2**52  # turn n samples with seed + n; the engine takes seeds below 2^53
+# r50k_base's longest token, in bytes; a character is one byte or more, so a message of more than
+# this many characters per position of the context takes more tokens than the context holds
+LONGEST_TOKEN_BYTES = 128
 
 
 def turn_tokens(role, content):
@@ -173,20 +177,34 @@ class StdinFailed(Exception):
     end of input, an error."""
 
 
-def read_line(prompt):
+class LineTooLong(Exception):
+    """A line of standard input longer than any message that fits the context: read and dropped."""
+
+
+def read_line(prompt, limit):
     """input(prompt), its faults told apart: EOFError at end of input, StdinFailed where the read
     fails, an OSError (from writing the prompt) where stdout fails. On a terminal input() writes the
-    prompt itself, so that line editing (readline) redraws it."""
-    if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        sys.stdout.write(prompt)
-        sys.stdout.flush()
-        prompt = ""
-    try:
-        return input(prompt)
-    except OSError as e:
-        if sys.stdin.isatty() and sys.stdout.isatty():  # input() wrote the prompt: either side's fault
+    prompt itself, so that line editing (readline) redraws it. Elsewhere the line is read at most
+    `limit` characters at a time: a longer one (`< /dev/zero`, a binary file piped in) is read to
+    its end and dropped, LineTooLong, where input() held it whole, memory without bound."""
+    if sys.stdin.isatty() and sys.stdout.isatty():
+        try:
+            return input(prompt)
+        except OSError as e:  # input() wrote the prompt: either side's fault
             raise StdinFailed(f"cannot read the terminal: {e.strerror or e}") from None
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    try:
+        line = sys.stdin.readline(limit + 1)
+        if len(line) > limit and not line.endswith("\n"):
+            while line and not line.endswith("\n"):
+                line = sys.stdin.readline(limit)
+            raise LineTooLong
+    except OSError as e:
         raise StdinFailed(f"cannot read standard input: {e.strerror or e}") from None
+    if not line:
+        raise EOFError
+    return line[:-1] if line.endswith("\n") else line  # as input() gives it
 
 
 def interactive(gen, conv, args):
@@ -196,13 +214,17 @@ def interactive(gen, conv, args):
     sys.stdin.reconfigure(errors="replace")
     if sys.stdin.isatty():
         import readline  # noqa: F401  (line editing and history for input(); only on a terminal)
-    turn = 0
+    turn, limit = 0, LONGEST_TOKEN_BYTES * conv.seq_len
     while True:
         try:
-            line = read_line("> ")
+            line = read_line("> ", limit)
         except EOFError:
             print()
             return 0
+        except LineTooLong:
+            print(f"[the message is longer than {limit} characters: it cannot fit the model's {conv.seq_len}-token "
+                  "context; say it shorter]", file=sys.stderr)
+            continue
         text = line.strip()
         if text == "/exit":
             return 0

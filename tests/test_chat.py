@@ -204,6 +204,31 @@ def test_message_too_long_for_the_context(random_model, cpu_binary):
     assert res.returncode == 0 and "does not fit" in res.stderr and res.stdout == "> > ", res.stderr
 
 
+def test_a_piped_line_of_no_end_is_refused_unread_not_held_whole(random_model, cpu_binary):
+    """Standard input of one endless line (`chat.py RUN < /dev/zero`, a binary file piped in) was
+    read whole by input() before the message was judged: memory without bound, then a MemoryError
+    traceback (or the OOM killer). A line longer than any message that fits the context is read in
+    pieces and dropped, said so, and the chat goes on; under a memory limit far below what reading
+    the line whole takes."""
+    import resource
+    run_dir, _, _ = random_model
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # noqa: E731
+    endless = subprocess.Popen(["sh", "-c", "head -c 2000000000 /dev/zero; printf '\\n/exit\\n'"],
+                               stdout=subprocess.PIPE)
+    try:
+        res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu"], stdin=endless.stdout,
+                             capture_output=True, text=True, timeout=600, env=eu.python_env(), preexec_fn=limit)
+    finally:
+        endless.stdout.close()
+        endless.kill()
+        endless.wait()
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert "cannot fit" in res.stderr and res.stdout == "> > ", res.stderr
+    # the bound is sound: no token is longer than the chat assumes
+    from microgpt import chat as chat_py
+    assert max(map(len, tk.encoding()._mergeable_ranks)) <= chat_py.LONGEST_TOKEN_BYTES
+
+
 def test_typed_bytes_that_are_no_utf8_are_read_as_the_replacement_character(random_model, cpu_binary):
     """Under a UTF-8 locale other than C's (en_US.UTF-8: Python reads stdin strictly there, as
     PYTHONIOENCODING=utf-8:strict does) a typed or piped line holding a byte that is no UTF-8 ended
