@@ -36,8 +36,8 @@ from microgpt.cli import (USAGE_ERROR, ArgumentParser, answer_on_stdout, error, 
                           stop_on_sigterm)
 from microgpt.engines import ENGINE_INT_MAX, ENGINE_TEXT
 from microgpt.files import RECORD_TOO_LONG, open_regular, record_lines
-from microgpt.inference import (InferenceError, engine_name, engine_warnings, pick_engine, read_model_shape,
-                                resolve_checkpoint)
+from microgpt.inference import (STDERR_TAIL_LINES, InferenceError, engine_failure, engine_name, engine_warnings,
+                                pick_engine, read_model_shape, resolve_checkpoint)
 from microgpt.shards import ShardError, write_shard
 
 TEXT_SUFFIXES = (".txt", ".jsonl")  # compared lower-cased: notes.TXT is text too
@@ -91,9 +91,8 @@ def run_evaluate(engine, ckpt, shard_glob, batches, warn=None):
     except OSError as e:
         raise InferenceError(f"cannot start {engine}: {e.strerror or e}") from None
     if res.returncode != 0:
-        errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
-        detail = errors[-1][len("error:"):].strip() if errors else res.stderr.strip()[-500:]
-        raise InferenceError(f"the engine could not evaluate (exit code {res.returncode}): {detail}")
+        raise InferenceError(engine_failure("the engine could not evaluate", res.returncode,
+                                            res.stderr.splitlines()[-STDERR_TAIL_LINES:]))
     for line in engine_warnings(res.stderr) if warn else ():
         warn(line)
     for line in reversed(res.stdout.splitlines()):

@@ -25,6 +25,9 @@ STDERR_TAIL_LINES = 20  # the engine's last messages, shown when it fails
 # (host/generate.h): the warnings about the checkpoint come before it.
 GENERATE_START = "; reading requests on stdin"
 START_WAIT_S = 5  # how long ready() waits for that line once the engine has answered
+# The engines' memory plan, a line on stderr in every mode once the checkpoint is checked (the only
+# one of `--evaluate` before it scores): set-up, as is all before it, never why an engine failed.
+MEMORY_PLAN = "memory plan ("
 MODEL_FLAGS = ("n_layer", "d_model", "n_head", "d_ff", "seq_len", "vocab_size", "padded_vocab_size")
 
 
@@ -91,6 +94,28 @@ def engine_warnings(stderr_text):
     return [l for l in stderr_text.splitlines() if l.startswith("warning:")]
 
 
+def engine_failure(what, returncode, stderr_lines):
+    """An error line's text for an engine that failed: `what` (what it did), how it ended ("exit
+    code N", or "killed by SIGKILL" where a signal ended it: kill -9, the OOM killer), and why: its
+    last `error:` line, else what it wrote after its set-up lines (its memory plan and the start
+    line of `--generate`; those and its warnings before them are no reason), if anything."""
+    errors = [l for l in stderr_lines if l.startswith("error:")]
+    if errors:
+        detail = errors[-1][len("error:"):].strip()
+    else:
+        starts = [i for i, l in enumerate(stderr_lines) if MEMORY_PLAN in l or GENERATE_START in l]
+        after = stderr_lines[starts[-1] + 1:] if starts else stderr_lines
+        detail = " | ".join(l for l in after if not l.startswith("warning:"))
+    if returncode >= 0:
+        how = f"exit code {returncode}"
+    else:
+        try:
+            how = f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            how = f"killed by signal {-returncode}"
+    return f"{what} ({how})" + (f": {detail}" if detail else "")
+
+
 def verify_checkpoint(ckpt, warn=None):
     """The engines' own checks of a checkpoint (header, size, the sidecar's step, the CRC-32C of
     every byte, values that are no number: docs/DESIGN.md §15), made by the CPU engine, which every machine builds: set up
@@ -103,9 +128,11 @@ def verify_checkpoint(ckpt, warn=None):
     except OSError as e:
         raise InferenceError(f"cannot start {ENGINES['cpu']}: {e.strerror or e}") from None
     if res.returncode != 0:
-        errors = [l for l in res.stderr.splitlines() if l.startswith("error:")]
-        detail = errors[-1][len("error:"):].strip() if errors else res.stderr.strip()[-500:]
-        raise InferenceError(detail)
+        lines = res.stderr.splitlines()[-STDERR_TAIL_LINES:]
+        errors = [l for l in lines if l.startswith("error:")]
+        if errors:  # what is wrong with the checkpoint, in the engine's words
+            raise InferenceError(errors[-1][len("error:"):].strip())
+        raise InferenceError(engine_failure(f"the CPU engine checking {ckpt} ended", res.returncode, lines))
     for line in engine_warnings(res.stderr) if warn else ():
         warn(line)
 
@@ -194,22 +221,7 @@ class Generator:
     def _failure(self, what):
         self.proc.wait()
         self._drain.join(timeout=5)
-        tail = list(self.stderr_tail)
-        errors = [l for l in tail if l.startswith("error:")]
-        if errors:
-            detail = errors[-1][len("error:"):].strip()
-        else:  # what it wrote after its start line: the warnings and memory plan before it are no reason
-            starts = [i for i, l in enumerate(tail) if GENERATE_START in l]
-            detail = " | ".join(tail[starts[-1] + 1:] if starts else tail)
-        rc = self.proc.returncode
-        if rc < 0:  # killed (kill -9, the OOM killer), not an exit
-            try:
-                how = f"killed by {signal.Signals(-rc).name}"
-            except ValueError:
-                how = f"killed by signal {-rc}"
-        else:
-            how = f"exit code {rc}"
-        return InferenceError(f"the engine {what} ({how})" + (f": {detail}" if detail else ""))
+        return InferenceError(engine_failure(f"the engine {what}", self.proc.returncode, list(self.stderr_tail)))
 
     def stream(self, request):
         """Send one request (an "id" is added) and yield the engine's answers to it: an optional

@@ -24,7 +24,7 @@ from microgpt import evaluate as evaluate_module
 from microgpt import shards
 from microgpt import tokenizer as tk
 from microgpt.inference import InferenceError, pick_engine
-from tools_util import reference_model
+from tools_util import killed_engine, reference_model
 
 EVALUATE = eu.REPO / "microgpt" / "evaluate.py"
 REFERENCE_RTOL = 1e-6  # measured: about 1e-8
@@ -445,3 +445,14 @@ def test_a_checkpoint_without_checksums_is_scored_with_the_engines_warning(train
     assert res.returncode == 0 and out["loss"] > 0, res.stderr
     lines = res.stderr.splitlines()
     assert [l for l in lines if "unverified" in l and l.startswith("warning: ")], res.stderr
+
+
+def test_an_engine_killed_while_it_scores_is_said_so_not_quoted_from_its_memory_plan(trained_model, tmp_path):
+    """An engine killed while it scored (kill -9, the OOM killer on a large model) was "the engine
+    could not evaluate (exit code -9): memory plan (cpu): ...": its start line quoted as if it were
+    why. It names the signal, as the chat does, and quotes only what the engine wrote after its
+    memory plan (here nothing)."""
+    with pytest.raises(InferenceError) as e:
+        evaluate_module.run_evaluate(str(killed_engine(tmp_path)), str(trained_model.ckpt), trained_model.val, 1)
+    message = str(e.value)
+    assert "killed by SIGKILL" in message and "memory plan" not in message, message

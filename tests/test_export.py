@@ -24,7 +24,7 @@ import pytest
 
 import engine_util as eu
 import reference as ref
-from tools_util import reference_log_probs, reference_model
+from tools_util import killed_engine, reference_log_probs, reference_model
 from microgpt import tokenizer
 from microgpt.checkpoint import read_sidecar
 from microgpt.inference import Generator
@@ -570,3 +570,15 @@ def test_a_second_export_into_the_same_directory_waits_for_the_first(trained_mod
     rest = proc.stderr.read()
     assert proc.wait(timeout=300) == 0 and rest.startswith("exported "), rest
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+
+
+def test_an_engine_killed_while_it_checks_the_checkpoint_is_said_so(trained_model, tmp_path, monkeypatch):
+    """The CPU engine killed while it checked the checkpoint (kill -9, the OOM killer) made the
+    export's error line its memory plan ("error: memory plan (cpu): ..."), as if that were what is
+    wrong with the checkpoint. It names the signal."""
+    from microgpt import inference
+    monkeypatch.setitem(inference.ENGINES, "cpu", str(killed_engine(tmp_path)))
+    with pytest.raises(inference.InferenceError) as e:
+        inference.verify_checkpoint(str(trained_model.ckpt))
+    message = str(e.value)
+    assert "killed by SIGKILL" in message and "memory plan" not in message, message

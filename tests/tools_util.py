@@ -1,5 +1,6 @@
 """The float64 reference (tests/reference.py) run on a checkpoint, for the tests of the tools that use
-a trained model (chat, evaluate, export): its log-probabilities and its greedy continuation."""
+a trained model (chat, evaluate, export): its log-probabilities and its greedy continuation; and an
+engine killed at start."""
 import numpy as np
 
 import reference as ref
@@ -32,3 +33,13 @@ def reference_greedy(cfg, flat, prompt, max_tokens, stop=()):
             break
         ids.append(token)
     return out
+
+
+def killed_engine(tmp_path):
+    """An engine that writes the memory plan an engine writes at start, then is killed (kill -9, the
+    OOM killer), as a shell script."""
+    fake = tmp_path / "killed_engine"
+    fake.write_text("#!/bin/sh\necho 'memory plan (cpu): params 6.5 MB, total 59.7 MB' >&2\nkill -9 $$\n")
+    fake.chmod(0o755)
+    return fake
+
