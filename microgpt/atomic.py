@@ -10,6 +10,7 @@ import contextlib
 import errno
 import json
 import os
+import signal
 
 
 @contextlib.contextmanager
@@ -87,6 +88,36 @@ def remove_stale_temps(directory, names, locked=False):
             os.remove(os.path.join(directory, entry))
 
 
+class InterruptedWhole(KeyboardInterrupt):
+    """Ctrl-C, or SIGTERM taken as Ctrl-C, that came while write_files_atomic put its files in place:
+    held back until the last of them was, so the change is whole."""
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """SIGINT and SIGTERM held back for the with block, then raised again under their own handlers:
+    where the block ended without an exception, the KeyboardInterrupt one raises is InterruptedWhole.
+    Their handlers are swapped for the block, not the signals blocked: a thread of a library
+    (numpy's BLAS) that does not block them would take them for the main thread."""
+    came = []
+    handlers = {sig: signal.signal(sig, lambda signum, frame: came.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    whole = False
+    try:
+        yield
+        whole = True
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        try:
+            for sig in dict.fromkeys(came):
+                signal.raise_signal(sig)
+        except KeyboardInterrupt:
+            if whole:
+                raise InterruptedWhole from None
+            raise
+
+
 def write_files_atomic(directory, files, last=None):
     """Several files {name: bytes} in `directory` as one change: every temp file is written and
     fsynced before the first rename, so a failure while writing (a full disk) leaves the directory as
@@ -95,7 +126,9 @@ def write_files_atomic(directory, files, last=None):
     before the first rename and the new one renamed after every other, so that such a crash leaves
     it missing, never a set that looks whole with old or missing files in it. A directory where a
     file belongs, which no rename replaces, is refused before anything is written; the temp files
-    of these names that a killed writer left are removed first (remove_stale_temps)."""
+    of these names that a killed writer left are removed first (remove_stale_temps). Ctrl-C or
+    SIGTERM (taken as Ctrl-C) during the renames is held back until they are done: a handled signal
+    is no crash, and stopping there lost the old set for a part of the new one (InterruptedWhole)."""
     for name in files:
         target = os.path.join(directory, name)
         if os.path.isdir(target) and not os.path.islink(target):
@@ -110,16 +143,17 @@ def write_files_atomic(directory, files, last=None):
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        if last is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(directory, last))
-        for name in sorted(temps, key=lambda name: name == last):  # last at the end
-            if name == last:
-                fsync_dir(directory)  # the others' renames reach the disk before it
-            os.replace(temps[name], os.path.join(directory, name))
+        with stop_signals_held():  # once the first old file is gone, every new one goes in place
+            if last is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(directory, last))
+            for name in sorted(temps, key=lambda name: name == last):  # last at the end
+                if name == last:
+                    fsync_dir(directory)  # the others' renames reach the disk before it
+                os.replace(temps[name], os.path.join(directory, name))
+            fsync_dir(directory)
     except BaseException:
         for tmp in temps.values():
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
         raise
-    fsync_dir(directory)

@@ -33,7 +33,8 @@ The files are written as one change (microgpt/atomic.py: all written and synced 
 its namesake), so a failure such as a full disk leaves OUT_DIR as it was, or absent where the export
 created it; other files in it are left alone. config.json (llmc: model.bin) is removed before the
 first rename and renamed last, so a crash between the renames leaves OUT_DIR without it, never a
-directory that loads as a whole export with old or missing files. An export holds an exclusive
+directory that loads as a whole export with old or missing files; Ctrl-C or SIGTERM then is held
+back until the last rename, so that the export is whole, and it says so. An export holds an exclusive
 flock on OUT_DIR itself (no lock file is left in it): a second export into the same directory
 waits for the first, saying so, and the two never leave a mix of their files.
 """
@@ -46,7 +47,7 @@ import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
 from microgpt import tokenizer
-from microgpt.atomic import json_text, write_files_atomic
+from microgpt.atomic import InterruptedWhole, json_text, write_files_atomic
 from microgpt.cli import ArgumentParser, error, interrupted, say, stop_on_sigterm
 from microgpt.inference import InferenceError, read_model_params, resolve_checkpoint
 
@@ -325,6 +326,8 @@ def main(argv):
     except OSError as e:
         error(f"{e.filename or args.out_dir}: {e.strerror or e}")
         return 2
+    except InterruptedWhole:  # it came while the files went in place, and waited until they all were
+        return interrupted("export-hf", f"the export to {args.out_dir} was already in place, whole")
     except KeyboardInterrupt:  # the temporary files and the directories the export made are removed
         return interrupted("export-hf", f"nothing was exported to {args.out_dir}")
     say(f"exported {ckpt} (step {shape['step']}) as {args.format} to {args.out_dir}")

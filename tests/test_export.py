@@ -582,3 +582,31 @@ def test_an_engine_killed_while_it_checks_the_checkpoint_is_said_so(trained_mode
         inference.verify_checkpoint(str(trained_model.ckpt))
     message = str(e.value)
     assert "killed by SIGKILL" in message and "memory plan" not in message, message
+
+
+def test_sigterm_while_the_files_go_in_place_leaves_one_export_whole(trained_model, hf_dir, tmp_path):
+    """SIGTERM (or Ctrl-C) that came between the renames putting the files in place, after the old
+    config.json was removed, stopped them there: OUT_DIR held some new files beside old ones and
+    no config.json, the older export lost, and the export said "nothing was exported". The signal is
+    held back until the last rename: OUT_DIR holds the new export whole, and the line says so."""
+    out = tmp_path / "out"
+    out.mkdir()
+    new = {p.name: p.read_bytes() for p in hf_dir.iterdir()}
+    for name in new:
+        (out / name).write_bytes(b"old")
+    script = ("import os, runpy, signal, sys\n"
+              "real, calls = os.replace, []\n"
+              "def replace(*args):\n"
+              "    calls.append(args)\n"
+              "    if len(calls) == 3:\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    return real(*args)\n"
+              "os.replace = replace\n"
+              "sys.argv = sys.argv[1:]\n"
+              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    res = subprocess.run([sys.executable, "-c", script, str(EXPORT), str(trained_model.ckpt), str(out)],
+                         capture_output=True, text=True, timeout=300, env=eu.python_env())
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert files == new, sorted(name for name in new if files.get(name) != new[name])
+    assert res.returncode == 130 and res.stderr.splitlines()[-1] == \
+        f"export-hf: interrupted; the export to {out} was already in place, whole", (res.returncode, res.stderr)
