@@ -10,7 +10,8 @@ FILE_OR_GLOB is
     records are skipped and counted, as the pipeline does, or
   * a .txt file, one document: its text, then <|endoftext|>; UTF-8, read as the data pipeline
     reads a text (a byte-order mark is no text, a file in UTF-16 or UTF-32 is refused).
-A file is tokenized into a temporary shard. The engine's `--evaluate` mode scores it: the same code
+A file is tokenized into a temporary shard (in memory first: one too large for the memory left is
+one error, score it in parts). The engine's `--evaluate` mode scores it: the same code
 and the same windows as the training loop's validation, so `--batches N` on a run's validation
 shards reproduces the val_loss the run reported with eval.batches N. Without --batches every full
 window of seq_len + 1 tokens is scored once.
@@ -80,6 +81,8 @@ def tokenize_file(path):
         raise InferenceError(f"{path}: {e.strerror}{hint}") from None
     except OSError as e:
         raise InferenceError(f"{path}: {e.strerror}") from None
+    except MemoryError:  # a text larger than the memory left: its bytes, its text and its tokens are held
+        raise InferenceError(f"{path}: out of memory while reading and tokenizing it; score it in parts") from None
 
 
 def run_evaluate(engine, ckpt, shard_glob, batches, warn=None):

@@ -456,3 +456,19 @@ def test_an_engine_killed_while_it_scores_is_said_so_not_quoted_from_its_memory_
         evaluate_module.run_evaluate(str(killed_engine(tmp_path)), str(trained_model.ckpt), trained_model.val, 1)
     message = str(e.value)
     assert "killed by SIGKILL" in message and "memory plan" not in message, message
+
+
+def test_a_text_too_large_for_memory_is_one_error(trained_model, cpu_binary, tmp_path, monkeypatch, capsys):
+    """A text larger than the memory left (a 300 MB file under a 700 MB address-space limit) ended in
+    a MemoryError traceback, raised where the file was read, decoded or tokenized. It is one error
+    line, exit 2. Here the tokenizer runs out of memory."""
+    text = tmp_path / "big.txt"
+    text.write_text("hello there " * 100)
+
+    def out_of_memory(text):
+        raise MemoryError
+
+    monkeypatch.setattr(tk, "encode_array", out_of_memory)
+    assert evaluate_module.main([str(trained_model.ckpt), str(text), "--engine", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {text}: out of memory") and len(err.splitlines()) == 1, err
