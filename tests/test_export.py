@@ -43,6 +43,24 @@ def load_export_module():
     return module
 
 
+def export_with_sigterm_at_third_call(module, function, model, out_dir):
+    """The export of `model` into out_dir in a process that sends itself SIGTERM as it makes its
+    third call of module.function (module: "os", or "atomic" for microgpt.atomic)."""
+    script = ("import os, runpy, signal, sys\n"
+              "from microgpt import atomic\n"
+              f"real, calls = {module}.{function}, []\n"
+              "def wrapped(*args, **kw):\n"
+              "    calls.append(args)\n"
+              "    if len(calls) == 3:\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    return real(*args, **kw)\n"
+              f"{module}.{function} = wrapped\n"
+              "sys.argv = sys.argv[1:]\n"
+              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return subprocess.run([sys.executable, "-c", script, str(EXPORT), str(model), str(out_dir)],
+                          capture_output=True, text=True, timeout=300, env=eu.python_env())
+
+
 def export(model, out_dir, *extra):
     return subprocess.run([sys.executable, str(EXPORT), str(model), str(out_dir), *extra],
                           capture_output=True, text=True, timeout=300, env=eu.python_env())
@@ -473,19 +491,7 @@ def test_sigterm_during_the_export_is_one_line_and_leaves_nothing(trained_model,
     temporary files (one the size of the model) and the directories it made stayed in OUT_DIR. Now
     it is taken as Ctrl-C is. Here it comes while the third temp file is made."""
     out = tmp_path / "new" / "out"
-    script = ("import os, runpy, signal, sys\n"
-              "from microgpt import atomic\n"
-              "real, calls = atomic.open_new, []\n"
-              "def open_new(*args, **kw):\n"
-              "    calls.append(args)\n"
-              "    if len(calls) == 3:\n"
-              "        os.kill(os.getpid(), signal.SIGTERM)\n"
-              "    return real(*args, **kw)\n"
-              "atomic.open_new = open_new\n"
-              "sys.argv = sys.argv[1:]\n"
-              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    res = subprocess.run([sys.executable, "-c", script, str(EXPORT), str(trained_model.ckpt), str(out)],
-                         capture_output=True, text=True, timeout=300, env=eu.python_env())
+    res = export_with_sigterm_at_third_call("atomic", "open_new", trained_model.ckpt, out)
     assert res.returncode == 130 and res.stderr.splitlines()[-1] == \
         f"export-hf: interrupted; nothing was exported to {out}", (res.returncode, res.stderr)
     assert os.listdir(tmp_path) == []
@@ -594,18 +600,7 @@ def test_sigterm_while_the_files_go_in_place_leaves_one_export_whole(trained_mod
     new = {p.name: p.read_bytes() for p in hf_dir.iterdir()}
     for name in new:
         (out / name).write_bytes(b"old")
-    script = ("import os, runpy, signal, sys\n"
-              "real, calls = os.replace, []\n"
-              "def replace(*args):\n"
-              "    calls.append(args)\n"
-              "    if len(calls) == 3:\n"
-              "        os.kill(os.getpid(), signal.SIGTERM)\n"
-              "    return real(*args)\n"
-              "os.replace = replace\n"
-              "sys.argv = sys.argv[1:]\n"
-              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    res = subprocess.run([sys.executable, "-c", script, str(EXPORT), str(trained_model.ckpt), str(out)],
-                         capture_output=True, text=True, timeout=300, env=eu.python_env())
+    res = export_with_sigterm_at_third_call("os", "replace", trained_model.ckpt, out)
     files = {p.name: p.read_bytes() for p in out.iterdir()}
     assert files == new, sorted(name for name in new if files.get(name) != new[name])
     assert res.returncode == 130 and res.stderr.splitlines()[-1] == \
