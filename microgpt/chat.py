@@ -197,8 +197,8 @@ def read_line(prompt, limit):
     try:
         line = sys.stdin.readline(limit + 1)
         if len(line) > limit and not line.endswith("\n"):
-            while line and not line.endswith("\n"):
-                line = sys.stdin.readline(limit)
+            while line and not line.endswith("\n"):  # the rest in pieces of a MiB at least
+                line = sys.stdin.readline(max(limit, 1 << 20))
             raise LineTooLong
     except OSError as e:
         raise StdinFailed(f"cannot read standard input: {e.strerror or e}") from None

@@ -213,7 +213,7 @@ def test_a_piped_line_of_no_end_is_refused_unread_not_held_whole(random_model, c
     import resource
     run_dir, _, _ = random_model
     limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # noqa: E731
-    endless = subprocess.Popen(["sh", "-c", "head -c 2000000000 /dev/zero; printf '\\n/exit\\n'"],
+    endless = subprocess.Popen(["sh", "-c", "head -c 1100000000 /dev/zero; printf '\\n/exit\\n'"],
                                stdout=subprocess.PIPE)
     try:
         res = subprocess.run([sys.executable, str(CHAT), str(run_dir), "--engine", "cpu"], stdin=endless.stdout,
