@@ -13,6 +13,8 @@ import csv
 import sys
 from collections import defaultdict
 
+from microgpt.cli import ArgumentParser, fail
+
 
 def kernel_rows(path):
     """(name, duration in ns) for every profiled kernel, in launch order."""
@@ -63,10 +65,13 @@ def report(path):
 
 
 def main(argv):
-    if not argv:
-        raise SystemExit(__doc__)
-    for path in argv:
-        report(path)
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("profile_csv", nargs="+", help="ncu's per-kernel durations of one training step, as CSV")
+    for path in ap.parse_args(argv).profile_csv:
+        try:
+            report(path)
+        except OSError as e:
+            fail(f"{path}: cannot read it: {e.strerror or e}", 1)
 
 
 if __name__ == "__main__":

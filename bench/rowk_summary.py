@@ -8,6 +8,8 @@ import math
 import re
 import sys
 
+from microgpt.cli import ArgumentParser
+
 RUN_NAME = re.compile(r"[A-Za-z0-9._+-]+")    # a table column's heading: no '|' or markup
 
 
@@ -57,10 +59,11 @@ def table(logs):
 
 
 def main(argv):
-    runs = [a.partition("=") for a in argv[1:]]
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", metavar="NAME=LOG", help="a rowk_bench log and its column's name; the first is the base")
+    runs = [a.partition("=") for a in ap.parse_args(argv[1:]).runs]
     if len(runs) < 2 or any(not name or not path for name, _, path in runs):
-        print("usage: rowk_summary.py NAME=LOG NAME=LOG... (the first is the base)", file=sys.stderr)
-        return 2
+        ap.error("give two or more NAME=LOG runs (the first is the base)")
     names = [name for name, _, _ in runs]
     bad = [n for n in names if not RUN_NAME.fullmatch(n)] + [n for i, n in enumerate(names) if n in names[:i]]
     if bad:

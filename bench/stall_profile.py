@@ -20,6 +20,8 @@ import re
 import sys
 from collections import Counter
 
+from microgpt.cli import ArgumentParser
+
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 BRANCH_TARGET = re.compile(r"\bBRA\b.*?(0x[0-9a-fA-F]+)")
@@ -137,7 +139,7 @@ def positive(text):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source_csv", nargs="+")
     ap.add_argument("--top", type=positive, default=12, help="instructions to list (default 12)")
     args = ap.parse_args(argv)

@@ -53,3 +53,9 @@ def test_a_log_without_a_training_step_is_refused(tmp_path):
     path.write_text(csv_text([("k_embed_fwd", 5), ("k_loss_rows", 9)]))
     with pytest.raises(SystemExit, match="k_adamw"):
         kernel_profile.step_slices(kernel_profile.kernel_rows(str(path)))
+
+
+def test_a_missing_profile_is_one_error_line(tmp_path):
+    res = subprocess.run([sys.executable, os.path.join(HERE, "kernel_profile.py"), str(tmp_path / "none.csv")],
+                         capture_output=True, text=True)
+    assert res.returncode == 1 and res.stderr.startswith("error: ") and len(res.stderr.splitlines()) == 1, res.stderr

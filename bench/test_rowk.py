@@ -1,4 +1,6 @@
 """bench/rowk_summary.py: the comparison of bench/rowk_bench.cu runs (no GPU needed)."""
+import pytest
+
 from rowk_summary import main, parse_log, table
 
 # rowk_bench's report(): the same printf format
@@ -43,10 +45,12 @@ def test_main_prints_the_table_of_two_logs(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("| model | kernel | before | after |")
 
 
-def test_main_refuses_fewer_than_two_runs_or_a_run_without_a_name(capsys):
-    assert main(["rowk_summary.py", "before=a.log"]) == 2
-    assert main(["rowk_summary.py", "a.log", "b.log"]) == 2
-    assert capsys.readouterr().err.startswith("usage: rowk_summary.py NAME=LOG")
+@pytest.mark.parametrize("argv", [["before=a.log"], ["a.log", "b.log"]])
+def test_main_refuses_fewer_than_two_runs_or_a_run_without_a_name(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["rowk_summary.py", *argv])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "error: give two or more NAME=LOG runs (the first is the base) (see --help)\n"
 
 
 def test_main_fails_on_a_log_without_results(tmp_path, capsys):

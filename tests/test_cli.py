@@ -34,6 +34,9 @@ TOOLS = {
     "bench/hf_decode.py": (["x", "--prompts", "p"], None),
     "bench/matmul_peak.py": ([], None),
     "bench/timeline.py": (["x"], ["--steps", "0"]),
+    "bench/kernel_profile.py": (["x"], None),
+    "bench/stall_profile.py": (["x"], ["--top", "0"]),
+    "bench/rowk_summary.py": (["a=x", "b=y"], None),
 }
 NEEDS_TORCH = {"bench/hf_decode.py", "bench/matmul_peak.py"}
 
