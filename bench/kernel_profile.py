@@ -16,6 +16,10 @@ from collections import defaultdict
 from microgpt.cli import ArgumentParser, fail
 
 
+
+class ProfileError(Exception):
+    """A profile this tool cannot read: main says it in one error line, exit 1."""
+
 def kernel_rows(path):
     """(name, duration in ns) for every profiled kernel, in launch order."""
     with open(path, newline="") as f:
@@ -32,7 +36,7 @@ def last_index(rows, needle, before=None):
     for i in range(end - 1, -1, -1):
         if needle in rows[i][0]:
             return i
-    raise SystemExit(f"no kernel named *{needle}* in the profile: not an engine training step")
+    raise ProfileError(f"no kernel named *{needle}* in the profile: not an engine training step")
 
 
 COPY = "k_copy_words"  # the graphs' uploads and downloads (microgpt/cuda/common.cuh's copy_words)
@@ -72,6 +76,8 @@ def main(argv):
             report(path)
         except OSError as e:
             fail(f"{path}: cannot read it: {e.strerror or e}", 1)
+        except ProfileError as e:
+            fail(str(e), 1)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,16 @@ import re
 import sys
 from collections import Counter
 
-from microgpt.cli import ArgumentParser
+from microgpt.cli import ArgumentParser, fail
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 BRANCH_TARGET = re.compile(r"\bBRA\b.*?(0x[0-9a-fA-F]+)")
 
+
+
+class ProfileError(Exception):
+    """A page this tool cannot read: main says it in one error line, exit 1."""
 
 def count(text):
     """A count as ncu writes it ("" for none, maybe with thousands separators)."""
@@ -51,21 +55,21 @@ def read_source_page(path):
         with open(path, newline="") as f:
             lines = [ln for ln in f if ln.startswith('"')]  # skip ==PROF== and program output
     except (OSError, UnicodeDecodeError) as e:
-        raise SystemExit(f"{path}: cannot read it: {e}")
+        raise ProfileError(f"{path}: cannot read it: {e}")
     if len(lines) < 3 or not lines[0].startswith('"Kernel Name"'):
-        raise SystemExit(f"{path}: not ncu's source page as CSV (--page source --csv --print-source sass)")
+        raise ProfileError(f"{path}: not ncu's source page as CSV (--page source --csv --print-source sass)")
     kernel = next(csv.reader(lines[:1]))[1]
     reader = csv.DictReader(lines[1:])
     missing = {"Address", "Source", SAMPLES, EXECUTED} - set(reader.fieldnames)
     if missing:
-        raise SystemExit(f"{path}: no column {sorted(missing)[0]!r}: profile with --set full")
+        raise ProfileError(f"{path}: no column {sorted(missing)[0]!r}: profile with --set full")
     stall_columns = [c for c in reader.fieldnames if c.startswith("stall_") and "Not Issued" not in c]
     instructions = []
     for row, rec in enumerate(reader, 1):
         try:
             instructions.append(Instruction(rec, stall_columns))
         except (ValueError, TypeError, AttributeError) as e:  # a short row gives None, a bad one text
-            raise SystemExit(f"{path}: instruction row {row} is not one of ncu's ({e})")
+            raise ProfileError(f"{path}: instruction row {row} is not one of ncu's ({e})")
     return kernel, sorted(instructions, key=lambda i: i.address)
 
 
@@ -109,7 +113,7 @@ def report(path, top):
     kernel, instructions = read_source_page(path)
     total = sum(i.samples for i in instructions)
     if total == 0:
-        raise SystemExit(f"{path}: no stall samples (was the source page exported from a --set full report?)")
+        raise ProfileError(f"{path}: no stall samples (was the source page exported from a --set full report?)")
     base = instructions[0].address
     once = instructions[0].executed  # a kernel's first instruction runs once a warp
     pct = lambda x: f"{100.0 * x / total:.1f} %"
@@ -144,7 +148,10 @@ def main(argv=None):
     ap.add_argument("--top", type=positive, default=12, help="instructions to list (default 12)")
     args = ap.parse_args(argv)
     for path in args.source_csv:
-        report(path, args.top)
+        try:
+            report(path, args.top)
+        except ProfileError as e:
+            fail(str(e), 1)
     return 0
 
 

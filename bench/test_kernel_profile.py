@@ -51,7 +51,7 @@ def test_the_last_training_step_is_found_and_summed(tmp_path):
 def test_a_log_without_a_training_step_is_refused(tmp_path):
     path = tmp_path / "p.csv"
     path.write_text(csv_text([("k_embed_fwd", 5), ("k_loss_rows", 9)]))
-    with pytest.raises(SystemExit, match="k_adamw"):
+    with pytest.raises(kernel_profile.ProfileError, match="k_adamw"):
         kernel_profile.step_slices(kernel_profile.kernel_rows(str(path)))
 
 
@@ -59,3 +59,12 @@ def test_a_missing_profile_is_one_error_line(tmp_path):
     res = subprocess.run([sys.executable, os.path.join(HERE, "kernel_profile.py"), str(tmp_path / "none.csv")],
                          capture_output=True, text=True)
     assert res.returncode == 1 and res.stderr.startswith("error: ") and len(res.stderr.splitlines()) == 1, res.stderr
+
+
+def test_a_profile_of_no_training_step_is_one_error_line(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text(csv_text([("k_embed_fwd", 5), ("k_loss_rows", 9)]))
+    res = subprocess.run([sys.executable, os.path.join(HERE, "kernel_profile.py"), str(path)],
+                         capture_output=True, text=True)
+    assert res.returncode == 1 and res.stderr.startswith("error: no kernel named *k_adamw*"), res.stderr
+    assert len(res.stderr.splitlines()) == 1, res.stderr
