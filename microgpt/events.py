@@ -23,13 +23,25 @@ COUNT = (_count, "a whole number >= 0")
 NUMBER_OR_NULL = (lambda v: v is None or _number(v), "a number or null")  # null: not finite (§15)
 TEXT = (lambda v: isinstance(v, str), "a string")
 TOKEN_IDS = (lambda v: isinstance(v, list) and all(map(_count, v)), "a list of token ids")
+# The mixture's fields (docs/DESIGN.md §19): a source's index (one per micro-batch), its names, and
+# numbers per source (p, rewards, losses), which the dashboard and scripts/bandit-experiment.py index
+# and count with ("arm": "x" was a traceback there, at the end of a run of hours).
+ARMS = (lambda v: _count(v) or (isinstance(v, list) and all(map(_count, v))), "a source index or a list of them")
+NAMES = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of source names")
+NUMBERS_OR_NULL = (lambda v: isinstance(v, list) and all(x is None or _number(x) for x in v),
+                   "a list of numbers or null")
+LOSS_BY_NAME = (lambda v: isinstance(v, dict) and all(x is None or _number(x) for x in v.values()),
+                "an object of numbers or null")
 
-# The fields of the engine's records (docs/DESIGN.md §3.8) that the proxy computes with, formats or
-# passes to the state, the log and the archive, by name; a sample's tokens are its ids.
+# The fields of the engine's records (docs/DESIGN.md §3.8, §19) that the proxy computes with, formats
+# or passes to the state, the log and the archive, by name; a sample's tokens are its ids.
 RECORD_FIELDS = {"event": TEXT, "step": COUNT, "steps": COUNT, "tokens_per_step": COUNT, "tokens": COUNT,
                  "total_bytes": COUNT, "loss": NUMBER_OR_NULL, "val_loss": NUMBER_OR_NULL,
                  "lr": NUMBER_OR_NULL, "grad_norm": NUMBER_OR_NULL, "tokens_per_s": NUMBER_OR_NULL,
-                 "ms": NUMBER_OR_NULL, "phase": TEXT, "path": TEXT, "reason": TEXT}
+                 "ms": NUMBER_OR_NULL, "phase": TEXT, "path": TEXT, "reason": TEXT,
+                 "arm": ARMS, "sources": NAMES, "p": NUMBERS_OR_NULL, "reward": NUMBERS_OR_NULL,
+                 "val_loss_by_source": LOSS_BY_NAME, "probe_loss": NUMBER_OR_NULL, "drop": NUMBER_OR_NULL,
+                 "z": NUMBER_OR_NULL}
 SAMPLE_FIELDS = {**RECORD_FIELDS, "prompt": COUNT, "prompt_tokens": TOKEN_IDS, "tokens": TOKEN_IDS}
 
 

@@ -563,6 +563,13 @@ def test_an_engine_line_that_is_no_strict_json_is_shown_not_logged(exp, cpu_bina
     ('{"event": "exit", "step": "1", "reason": "finished"}', '"step" is "1", not a whole number >= 0'),
     ('{"event": "sample", "step": 1, "prompt": 0, "prompt_tokens": [32], "tokens": ["a"]}',
      '"tokens" is ["a"], not a list of token ids'),
+    ('{"step": 1, "loss": 1.25, "arm": "x"}', '"arm" is "x", not a source index or a list of them'),
+    ('{"step": 1, "loss": 1.25, "arm": [0, -1]}', '"arm" is [0, -1], not a source index or a list of them'),
+    ('{"event": "bandit", "step": 1, "arm": 0, "p": [0.5, "x"]}', '"p" is [0.5, "x"], not a list of numbers or null'),
+    ('{"event": "bandit", "step": 1, "arm": 0, "probe_loss": "x"}', '"probe_loss" is "x", not a number or null'),
+    ('{"step": 1, "val_loss": 2.5, "val_loss_by_source": {"a": [1]}}',
+     '"val_loss_by_source" is {"a": [1]}, not an object of numbers or null'),
+    ('{"event": "start", "step": 0, "steps": 1, "sources": "ab"}', '"sources" is "ab", not a list of source names'),
 ])
 def test_an_engine_record_of_the_wrong_types_is_one_warning_not_a_proxy_failure(exp, cpu_binary, tmp_path,
                                                                                   line, field):
@@ -570,7 +577,9 @@ def test_an_engine_record_of_the_wrong_types_is_one_warning_not_a_proxy_failure(
     binary) went into the state and the handlers as it came: "loss": "abc" failed the progress
     line's format, "step": "x" the ETA's arithmetic, an "event" that is a list the dispatch, each a
     traceback-like "proxy failed" that stopped the run. Such a record is checked where the line
-    becomes a record, said in one warning that names the field, and not logged: the run goes on."""
+    becomes a record, said in one warning that names the field, and not logged: the run goes on.
+    The mixture's fields too (a source index, names, numbers per source): the log keeps them for
+    the dashboard and scripts/bandit-experiment.py, which indexed with "arm": "x" (a traceback)."""
     p = run_with_a_line(exp, cpu_binary, tmp_path, line)
     st = exp.state()
     assert st["status"] == "finished" and st["loss"] == 1.5 and st["checkpoint"] is None, st
