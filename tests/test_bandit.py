@@ -345,6 +345,25 @@ def test_resuming_with_the_sources_reordered_starts_the_bandit_afresh(cpu_binary
     assert read_sidecar(ckpt)["bandit"]["rounds"] == 2
 
 
+def test_resuming_on_another_probe_set_says_so(cpu_binary, sources, tmp_path):
+    """data.val decides a bandit run's draws (its probes score the sources), but data_crc32c covers
+    the training shards only: a resume on other data.val shards went on without a word, its draws
+    no longer those of the run it continues. The bandit state keeps the probe set's fingerprint; a
+    resume on another one says so and goes on from the state, one on the same says nothing."""
+    bandit = {"bandit.every": 1, "bandit.eta": 0.5, "bandit.reward_decay": 0.5}
+    for name in ("same", "other"):
+        eu.run_ok(cpu_binary, mixture_args(sources, 6, checkpoint=tmp_path / f"{name}.ckpt", **bandit))
+    runs = {name: eu.run_ok(cpu_binary, mixture_args(sources, 8, checkpoint=tmp_path / f"{name}.ckpt", resume=True,
+                                                     **bandit, **({"data.val": sources.noise_val} if name == "other"
+                                                                  else {})))
+            for name in ("same", "other")}
+    assert "data.val" not in runs["same"].stderr, runs["same"].describe()
+    warned = [l for l in runs["other"].stderr.splitlines() if "other data.val shards" in l]
+    assert len(warned) == 1 and warned[0].startswith("warning: "), runs["other"].describe()
+    p = [run.events("start")[0]["p"] for run in runs.values()]
+    assert "starts afresh" not in runs["other"].stderr and p[0] == p[1] != [0.5, 0.5]  # the learned state, kept
+
+
 def test_a_re_indented_sidecar_resumes_the_bandit_exactly(cpu_binary, sources, tmp_path):
     """JSON whitespace anywhere in the member (a tool re-indented the sidecar, spaces around its
     colons) reads the same state."""

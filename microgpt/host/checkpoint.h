@@ -33,8 +33,8 @@
 
 /* The longest state mixture_sidecar_json (mixture.h) writes: CFG_MAX_SOURCES sources, every number
  * as wide as put_double writes one (sign, 17 digits, point, "e-308": 24 characters), the rest
- * (the names' CRC among it) under 128. */
-#define MIXTURE_SIDECAR_MAX (128 + (2 + 2 * CFG_MAX_SOURCES) * (24 + 1))
+ * (the probe set's and the names' CRCs among it) under 160. */
+#define MIXTURE_SIDECAR_MAX (160 + (2 + 2 * CFG_MAX_SOURCES) * (24 + 1))
 
 /* A reader takes a sidecar up to this many times the longest one the writer makes for the model:
  * a valid sidecar re-indented by hand or by a tool (json.dump(indent=4) turns a 5-byte fp8 history
@@ -730,7 +730,8 @@ static const char* const sidecar_names[] = {
     "step", "n_params", "crc32c", "values_crc32c", "loss_scale", "fingerprint", "n_layer", "d_model", "n_head",
     "d_ff", "seq_len", "vocab_size", "padded_vocab_size", "seed", "batch_size", "grad_accum", "steps", "precision",
     "fp8_classifier", "data_crc32c",
-    "bandit", "rounds", "reward_mean", "reward_var", "gain", "p", "sources_crc32c", "fp8_history", "len", "exp"};
+    "bandit", "rounds", "reward_mean", "reward_var", "gain", "p", "probe_crc32c", "sources_crc32c",
+    "fp8_history", "len", "exp"};
 #define SIDECAR_N_NAMES (sizeof sidecar_names / sizeof sidecar_names[0])
 
 /* p past an object member's name, one of sidecar_names and not yet seen[], and its colon, from p

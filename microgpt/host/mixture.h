@@ -33,6 +33,7 @@ typedef struct {
     double gain[CFG_MAX_SOURCES];  /* G_i: importance-weighted sum of normalised rewards */
     double reward_mean, reward_var; /* running (exponentially decayed) statistics of raw rewards */
     int rounds;                     /* probe steps so far */
+    uint32_t probe_crc; /* dataset_fingerprint of data.val, which the probes measure (the engine sets it) */
     /* probe loss at the start of step index probe_step (-1: none). A cache, not state: after a
      * resume it is measured again, on the same weights, to the same bits. */
     int probe_step;
@@ -211,8 +212,8 @@ static void mixture_sidecar_json(const Mixture* m, const Config* c, char* out, s
             len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "%s%s", i ? "," : "", x);
         }
     }
-    len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "],\"sources_crc32c\":%lu}",
-                            (unsigned long)mixture_names_crc(m));
+    len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "],\"probe_crc32c\":%lu,\"sources_crc32c\":%lu}",
+                            (unsigned long)m->probe_crc, (unsigned long)mixture_names_crc(m));
     if (len >= cap) die_io("internal: the bandit state does not fit the sidecar buffer");
 }
 
@@ -250,7 +251,8 @@ static int json_find_array(const char* text, const char* key, double* out, int m
  * rounds that is no int or more than the `done` steps before the checkpoint (at most one probe a
  * step: so the count cannot overflow however long the run goes on), gains whose probabilities
  * overflow; the bandit state has no checksum of its own) starts the bandit afresh, with a warning:
- * drawing from probabilities that are no numbers would pick the sources by accident. */
+ * drawing from probabilities that are no numbers would pick the sources by accident. A state
+ * restored from probes of other data.val shards (probe_crc32c) goes on, with a warning. */
 static void mixture_restore(Mixture* m, const Config* c, const char* side, const char* text, int done) {
     double x, gain[CFG_MAX_SOURCES], mean, var;
     int n, i, finite_p;
@@ -284,7 +286,13 @@ static void mixture_restore(Mixture* m, const Config* c, const char* side, const
         warn("the bandit state in %s gives probabilities that are no numbers (damaged or edited): the bandit "
              "starts afresh", side);
         mixture_reset_bandit(m, c);
+        return;
     }
+    /* the probes decide the draws: on another data.val they score the sources otherwise, and
+     * data_crc32c covers the training shards only (a sidecar from before the member says nothing) */
+    if (json_find_number(text, "probe_crc32c", &x) && x != (double)m->probe_crc)
+        warn("the bandit state in %s was learned on other data.val shards than this run's, which its probes "
+             "measure: the run goes on from it, no longer as the run it continues would have", side);
 }
 
 /* The bandit state from `sidecar`, that of the checkpoint `ckpt_path` being resumed after `done` steps. */

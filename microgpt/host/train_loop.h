@@ -311,6 +311,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     if (c->data.val[0]) dataset_open(&r->val, c->data.val, "data.val", V, T);
     if (c->polish.enabled) dataset_open(&r->polish, c->polish.train, "polish.train", V, T);
     r->data_crc = training_data_fingerprint(r);
+    r->mix.probe_crc = dataset_fingerprint(&r->val, 0);
     r->start_step = 0;
     r->saved_step = -1;
     if (c->checkpoint.path[0])
