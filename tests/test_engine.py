@@ -454,8 +454,10 @@ def test_bad_input_is_one_clear_error(engine, random_shards, bad_shards, case_id
     assert res.rc == 2, res.describe()
     assert len(res.errors) == 1, res.describe()
     assert any(w.lower() in res.errors[0].lower() for w in words), f"error does not name the problem {words}: {res.errors[0]}"
-    assert res.steps == [] and not res.events("memory"), "error came after allocation/training started\n" + res.describe()
-    assert res.seconds < 10, f"took {res.seconds:.1f}s: validation must come before the work"
+    # Validation comes before the work: the engine reports its start (then allocates, and reports
+    # the memory plan) only after every input was found good, so a refused run writes no record at
+    # all (the CPU engine's address-space limit above catches an allocation made before the check).
+    assert res.records == [] and res.stdout == "", "error came after start-up began\n" + res.describe()
 
 
 @pytest.mark.parametrize("mode", ["--generate", "--evaluate"])
