@@ -316,7 +316,9 @@ def test_ten_adamw_steps_match_cpu_engine(cuda_binary, cpu_binary, random_shards
     args = tiny_args(random_shards.train, random_shards.val, **settings)
     cpu = run_ok(cpu_binary, args + ["--checkpoint", tmp_path / "cpu.ckpt"])
     gpu = run_ok(cuda_binary, args + ["--checkpoint", tmp_path / "gpu.ckpt"])
-    assert [r["step"] for r in gpu.steps] == list(range(1, 11))
+    # every step and both validations on each side, so that the pairs below are all of them
+    assert [r["step"] for r in gpu.steps] == [r["step"] for r in cpu.steps] == list(range(1, 11))
+    assert [v["step"] for v in gpu.vals] == [v["step"] for v in cpu.vals] == [5, 10], (cpu.vals, gpu.vals)
     for c, g in zip(cpu.steps, gpu.steps):
         assert g["lr"] == c["lr"]
         assert abs(g["loss"] - c["loss"]) <= 1e-5 * abs(c["loss"]), (c, g)
@@ -335,6 +337,7 @@ def test_bf16_training_tracks_cpu_engine(cuda_binary, cpu_binary, random_shards)
     cpu = run_ok(cpu_binary, tiny_args(random_shards.train, **settings))
     gpu = run_ok(cuda_binary, tiny_args(random_shards.train, **{**settings, "train.precision": "bf16"}))
     assert gpu.events("start")[0]["compute_precision"] == "bf16"
+    assert [r["step"] for r in gpu.steps] == [r["step"] for r in cpu.steps] == list(range(1, 11))
     for c, g in zip(cpu.steps, gpu.steps):
         assert abs(g["loss"] - c["loss"]) <= 2e-2 * abs(c["loss"]), (c, g)
 
@@ -620,7 +623,7 @@ def test_fp8_training_tracks_cpu_fp8_emulation(cuda_binary, cpu_binary, random_s
                 "train.precision": "fp8"}
     cpu = run_ok(cpu_binary, tiny_args(random_shards.train, **settings))
     gpu = run_ok(cuda_binary, tiny_args(random_shards.train, **settings))
-    assert [r["step"] for r in gpu.steps] == list(range(1, 11))
+    assert [r["step"] for r in gpu.steps] == [r["step"] for r in cpu.steps] == list(range(1, 11))
     for c, g in zip(cpu.steps, gpu.steps):
         assert abs(g["loss"] - c["loss"]) <= 3e-2 * abs(c["loss"]), (c, g)
 
