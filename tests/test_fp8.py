@@ -20,6 +20,13 @@ from microgpt.checkpoint import read_checkpoint
 E4M3, E5M2 = 0, 1
 # (exponent bits, mantissa bits, bias, largest finite value)
 FORMATS = {E4M3: (4, 3, 7, 448.0), E5M2: (5, 2, 15, 57344.0)}
+# fp8 training against fp32 training on the CPU engine, the same steps: the largest per-step relative
+# loss gap |fp8 - fp32| / fp32. Measured (deterministic runs) 6.0e-4 for FP8_RUN on random tokens,
+# 3.0e-4 for the proxy's 12 Markov-chain steps, 7.6e-4 for test_fp8_delayed's 12 pattern steps at
+# d_model 48: FP8_LOSS_RTOL leaves 3x headroom. An emulation that casts without its scale gave
+# 6.5e-3 to 1.4e-2 there, one that dequantises at twice the value 1.2e-2 to 9e-2; the 5e-2 this
+# replaced let both pass (a loss near ln(60) moves little whatever the products do).
+FP8_LOSS_RTOL = 2.5e-3
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -290,6 +297,14 @@ def test_dlogits_rounding_draws_its_bits_from_row_and_column(fp8lib):
 # ---------------------------------------------------------------------------------------------------
 # the CPU engine in fp8
 
+def worst_loss_gap(fp8_losses, fp32_losses):
+    """max over steps of |fp8 - fp32| / fp32, for two runs of the same steps."""
+    assert len(fp8_losses) == len(fp32_losses) > 0, (fp8_losses, fp32_losses)
+    worst = max(abs(a - b) / b for a, b in zip(fp8_losses, fp32_losses))
+    print(f"fp8 vs fp32: worst relative loss gap {worst:.3g}")
+    return worst
+
+
 FP8_RUN = {"train.steps": 30, "train.lr": 3e-3, "train.warmup_steps": 3, "eval.every": 5, "eval.batches": 2,
            "sample.every": 10, "sample.tokens": 6, "sample.prompt": ["1,2,3", "7"], "train.precision": "fp8"}
 
@@ -301,10 +316,11 @@ def test_cpu_engine_trains_fp8_emulated_and_says_so(cpu_binary, random_shards):
     assert "computes in" not in fp8.stderr, "the CPU engine must not fall back from fp8"
     losses8 = [r["loss"] for r in fp8.steps]
     losses32 = [r["loss"] for r in fp32.steps]
-    assert all(np.isfinite(losses8)) and len(losses8) == 30
+    assert all(np.isfinite(losses8)) and len(losses8) == len(losses32) == 30
     assert losses8 != losses32, "fp8 computed exactly what fp32 computes: the emulation is not in effect"
-    # FP8 operands perturb each step by a few percent at most; training follows the fp32 run
-    assert all(abs(a - b) <= 0.05 * b for a, b in zip(losses8, losses32)), list(zip(losses8, losses32))
+    # training follows the fp32 run (FP8_LOSS_RTOL)
+    worst = worst_loss_gap(losses8, losses32)
+    assert worst <= FP8_LOSS_RTOL, list(zip(losses8, losses32))
 
 
 @pytest.mark.parametrize("shape", [{"model.d_model": 40, "model.n_head": 4},     # d_model 40, d_ff 160
@@ -336,5 +352,5 @@ def test_the_proxy_trains_fp8_as_fp8_on_the_cpu_engine(tmp_path, cpu_binary):
         assert exp.state()["status"] == "finished" and exp.state()["config"]["train"]["precision"] == precision
         assert "computes in" not in p.describe(), "the engine fell back to another precision"
         losses[precision] = [r["loss"] for r in live_train(exp.loss())]
-    assert len(losses["fp8"]) == 12 and losses["fp8"] != losses["fp32"]
-    assert all(abs(a - b) <= 0.05 * b for a, b in zip(losses["fp8"], losses["fp32"]))
+    assert len(losses["fp8"]) == len(losses["fp32"]) == 12 and losses["fp8"] != losses["fp32"]
+    assert worst_loss_gap(losses["fp8"], losses["fp32"]) <= FP8_LOSS_RTOL, losses
