@@ -136,7 +136,7 @@ def test_n_ranks_match_one_rank_with_n_times_the_accumulation(cpu_binary, shards
     one = steps_of(run_single(cpu_binary, args(shards, tmp_path / "one.ckpt", accum=ranks * accum)))
     many_records = run_ranks(cpu_binary, args(shards, tmp_path / "many.ckpt", accum=accum), ranks)
     many = steps_of(many_records)
-    assert [r["step"] for r in many] == list(range(1, 7))
+    assert [r["step"] for r in many] == [r["step"] for r in one] == list(range(1, 7))
     # sharding: rank r's micro-batch j is micro-batch r*accum+j of the 1-rank run, so the first
     # step (same weights) has the same mean loss and gradient norm, bit for bit
     assert many[0]["loss"] == one[0]["loss"] and many[0]["grad_norm"] == one[0]["grad_norm"]
@@ -164,6 +164,7 @@ def test_batches_depend_on_the_rank(cpu_binary, shards, tmp_path):
 def test_two_runs_on_two_ranks_are_identical(cpu_binary, shards, tmp_path):
     a = run_ranks(cpu_binary, args(shards, tmp_path / "a.ckpt", steps=4), 2)
     b = run_ranks(cpu_binary, args(shards, tmp_path / "b.ckpt", steps=4), 2)
+    assert [r["step"] for r in steps_of(a)] == [1, 2, 3, 4]
     assert without_timing(steps_of(a)) == without_timing(steps_of(b))
     assert (tmp_path / "a.ckpt").read_bytes() == (tmp_path / "b.ckpt").read_bytes()
 
@@ -711,7 +712,7 @@ def test_two_gpus_match_one_gpu_with_twice_the_accumulation(two_gpus, shards, tm
     rcs, records, errs = Ranks(two_gpus, args(shards, tmp_path / "two.ckpt"), 2, GPU_ENV).finish(timeout=300)
     assert rcs == [0, 0], errs
     two = steps_of(records)
-    assert [r["step"] for r in two] == list(range(1, 7))
+    assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, 7))
     for a, b in zip(two, one):
         assert rel_err(a["loss"], b["loss"]) <= GPU_REL_TOL and rel_err(a["grad_norm"], b["grad_norm"]) <= GPU_REL_TOL
     assert "NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_NVLS_ENABLE=0" in errs[0]
