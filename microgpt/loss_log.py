@@ -293,9 +293,10 @@ class LossLog:
             self.end = pos
 
     def _check_still_the_file(self):
-        """The log's path must still name the file open here: one replaced meanwhile (an editor saving
-        a copy over it, a `cp` and `mv`) or removed would take every later record into a file that no
-        one can open, and the run would end "stopped" with a hole in its history; a LossLogError
+        """The log's path must still name the file open here, whole: one replaced meanwhile (an editor
+        saving a copy over it, a `cp` and `mv`) or removed would take every later record into a file
+        that no one can open, and the run would end "stopped" with a hole in its history; one
+        truncated, past a hole of NUL bytes; a LossLogError
         instead (a proxy failure: the engine is stopped before a checkpoint gets ahead of the log)."""
         try:
             st = os.stat(self.path)
@@ -306,6 +307,12 @@ class LossLog:
         if (st.st_dev, st.st_ino) != (own.st_dev, own.st_ino):
             raise LossLogError(f"{self.path} was replaced by another file while the run was logging "
                                "to it")
+        # Truncated in place (`: > log`, `truncate -s`): the same file, but a write at the old end
+        # would leave a hole of NUL bytes before it, a log no JSON reader takes. (Longer than the
+        # end is no harm: a write cut short by a full disk leaves that, and the next one covers it.)
+        if own.st_size < self.end + 2:
+            raise LossLogError(f"{self.path} was truncated to {own.st_size} bytes by another process "
+                               "while the run was logging to it")
 
     def _line(self, i):
         stop = self.starts[i + 1] - 2 if i + 1 < len(self.starts) else self.end

@@ -287,6 +287,31 @@ def test_a_loss_log_replaced_while_running_is_a_proxy_failure(exp, cpu_binary, h
         assert_no_train_step_missing(exp.loss())
 
 
+@pytest.mark.parametrize("keep", [0, 300])
+def test_a_loss_log_truncated_while_running_is_a_proxy_failure(exp, cpu_binary, keep):
+    """Someone truncating the log in place (`: > log`, `truncate -s`) while the run writes it: the
+    same file, so the replaced-file check passed, and the proxy went on writing at its old end,
+    past a hole of NUL bytes. The run ended "stopped" with a log no JSON reader takes, which the
+    next start refused as damaged. Now the next append finds it out, as for a replaced log, and
+    the same command resumes with a log that json.load takes."""
+    cfg = exp.config(steps=10**6, checkpoint={"every": 50})
+    p = Proxy.start(cfg, exp.run_dir, cpu_binary, "--no-server")
+    p.wait_state(lambda s: (s.get("checkpoint_step") or 0) >= 50)
+    log = exp.path(".loss.json")
+    with open(log, "r+b") as f:
+        f.truncate(keep)
+    rc = p.wait(60)
+    assert rc == 1 and len(error_lines(p)) == 1, p.describe()
+    assert f"{log} was truncated" in error_lines(p)[0] and "killed without a checkpoint" in error_lines(p)[0]
+    assert b"\0" not in log.read_bytes()
+    assert exp.state()["status"] == "crashed"
+    p = Proxy.start(cfg, exp.run_dir, cpu_binary, "--no-server")
+    last = p.wait_state(lambda s: s.get("status") == "running")["step"]  # it was "crashed"
+    p.wait_state(lambda s: s.get("step", 0) > last + 20)
+    assert p.stop() == 0, p.describe()
+    assert [r["step"] for r in live_train(exp.loss())][-1] > last + 20
+
+
 # ---------------------------------------------------------------------------------------------------
 # run files of the wrong type, hostile configs: one message each, never a traceback
 
