@@ -84,18 +84,21 @@ def decode_tokens(ids):
 
 class Clock:
     """Launch number and elapsed training time across launches: every record says which launch
-    (seg) wrote it and how long the run had trained by then, so resumes can be told apart."""
+    (seg) wrote it and how long the run had trained by then, so resumes can be told apart.
+    The time trained is measured on the monotonic clock: the wall clock set back or forward
+    meanwhile (NTP, a VM restored) made it negative, or a day longer than it was."""
 
     def __init__(self, seg):
         self.seg = seg
-        self.t0 = time.time()
+        self.t0 = time.time()  # the launch's wall time, for its start record
+        self.m0 = time.monotonic()
         self.base = 0.0  # training time of earlier launches, up to the step this one resumed at
 
     def restart(self, base):
-        self.base, self.t0 = base, time.time()
+        self.base, self.t0, self.m0 = base, time.time(), time.monotonic()
 
-    def elapsed(self, now=None):
-        return round(self.base + (now or time.time()) - self.t0, 3)
+    def elapsed(self):
+        return round(self.base + time.monotonic() - self.m0, 3)
 
 
 class Throughput:
@@ -146,8 +149,7 @@ class EventHandler:
             handler(rec)
 
     def add_record(self, rec):
-        now = time.time()
-        rec.update(seg=self.run.clock.seg, time=round(now, 3), elapsed=self.run.clock.elapsed(now))
+        rec.update(seg=self.run.clock.seg, time=round(time.time(), 3), elapsed=self.run.clock.elapsed())
         self.run.buffer.add(rec)
 
     def on_start(self, rec):
@@ -229,13 +231,13 @@ class EventHandler:
                 or (self.checkpoint_every > 0 and step % self.checkpoint_every == 0))
 
     def on_train(self, rec):
-        now = time.time()
+        now = time.monotonic()  # rates over a wall clock that jumps would be a day off
         sec_per_step, tokens_per_s = self.throughput.add(now, rec)
         eta = max(0, self.steps - rec["step"]) * sec_per_step
         self.run.store.set_state(
             step=rec["step"], tokens=rec.get("tokens"), phase=rec.get("phase", "pretrain"),
             tokens_per_s=round(tokens_per_s, 1) if tokens_per_s else None, eta_s=round(eta, 1),
-            loss=rec.get("loss"), lr=rec.get("lr"), elapsed_s=self.run.clock.elapsed(now))
+            loss=rec.get("loss"), lr=rec.get("lr"), elapsed_s=self.run.clock.elapsed())
 
     def on_sample(self, rec):
         texts, i = self.run.prompt_texts, rec.get("prompt", 0)

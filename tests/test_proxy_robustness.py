@@ -259,6 +259,51 @@ def test_a_proxy_failure_logs_the_records_up_to_the_engine_checkpoint(exp, cpu_b
     assert "proxy failed: RuntimeError: a bug in a handler" in capsys.readouterr().err
 
 
+class JumpingClock:
+    """The time module as events.py sees it, with a wall clock that jumps by `offset` when told."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def time(self):
+        return time.time() + self.offset
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+@pytest.mark.parametrize("jump", [-86400.0, 86400.0])
+def test_a_wall_clock_jump_is_no_training_time(exp, cpu_binary, monkeypatch, jump):
+    """The clock set back or forward while a run trains (NTP stepping it, a VM restored): `elapsed`,
+    the training time summed over launches, was taken from the wall clock, so every record after a
+    jump back said a negative training time (and the next launch counted on from it), and a jump
+    forward added a day of training that never happened. Only the records' `time` follows the
+    wall clock."""
+    from microgpt import events
+    cfg = json.loads(exp.config(steps=300).read_text())
+    run = supervisor.Run(cfg, engines.engine_flags(str(cpu_binary)), str(exp.root / "cfg.json"),
+                         str(exp.run_dir), str(cpu_binary), [])
+    sup = supervisor.Supervisor(run)
+    clock = JumpingClock()
+    monkeypatch.setattr(events, "time", clock)
+    real = sup.events.on_train
+
+    def on_train(rec):
+        if rec["step"] == 100:
+            clock.offset = jump
+        real(rec)
+    sup.events.on_train = on_train
+    t0 = time.monotonic()
+    assert sup.run_engine() == 0
+    took = time.monotonic() - t0
+    run.log.close()
+    recs = exp.loss()
+    elapsed = [r["elapsed"] for r in recs]
+    assert elapsed == sorted(elapsed) and 0 <= elapsed[0] and elapsed[-1] <= took, elapsed
+    assert 0 <= exp.state()["elapsed_s"] <= took
+    assert recs[-1]["time"] - recs[0]["time"] > abs(jump) / 2 if jump > 0 else recs[-1]["time"] < recs[0]["time"]
+
+
 @pytest.mark.parametrize("how", ["replaced", "removed"])
 def test_a_loss_log_replaced_while_running_is_a_proxy_failure(exp, cpu_binary, how):
     """An editor saving the log (a copy renamed over it), or its removal, while the run writes it:
