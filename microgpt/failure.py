@@ -28,11 +28,21 @@ def abort(sup, exc):
            f"({os.path.basename(where.filename)}:{where.lineno})")
     if sup.proc and sup.proc.poll() is None:
         why += _stop_engine(sup)
+    elif sup.proc:  # it ended by itself: what it printed before its last checkpoint is still to log
+        _log_plain_records(sup, timeout=1.0)
+        unwritten = _unwritten_records(run)
+        if unwritten:
+            why += f"; {unwritten} could not be written to the loss log"
     step = whole_checkpoint_step(run.files.ckpt)
     if sup.proc:
         why += "; last checkpoint: " + (f"step {step}" if step is not None else "none")
     try:
-        kept = {"checkpoint": run.files.ckpt, "checkpoint_step": step} if step is not None else {}
+        # checkpoint_step is the last checkpoint whose records are all on disk: with records left
+        # unwritten, the engine (which does not wait for the proxy) may have checkpointed past them,
+        # and the next start must roll back to the previous slot and log those steps again, not
+        # take the newest checkpoint's step as logged.
+        whole = step is not None and not run.buffer.pending
+        kept = {"checkpoint": run.files.ckpt, "checkpoint_step": step} if whole else {}
         run.store.set_state(force=True, status="crashed", pid=None, eta_s=None, message=why, **kept)
     except OSError as e:  # the failure may be the full disk itself: still say what happened
         why += f"; could not record the crash in {run.files.state}: {e.strerror or e}"

@@ -198,6 +198,39 @@ def test_a_full_disk_loses_nothing_silently(exp, cpu_binary, tmp_path, monkeypat
     assert st["status"] == "crashed" and "could not be written" in st["message"]
 
 
+def test_a_checkpoint_past_records_that_could_not_be_logged_is_not_taken_as_logged(exp, cpu_binary, monkeypatch,
+                                                                                   capsys):
+    """The engine does not wait for the proxy: where a flush fails (a full disk) once the engine has
+    checkpointed past the records in it, the state's checkpoint_step must stay the last checkpoint
+    whose records are on disk. The proxy failure wrote the newest checkpoint's step there instead,
+    so the next start took every step up to it as logged and resumed from it: the records that
+    could not be written were missing for good (here the run was finished: it did nothing more)."""
+    cfg = json.loads(exp.config(steps=60, checkpoint={"every": 20}).read_text())
+    run = supervisor.Run(cfg, engines.engine_flags(str(cpu_binary)), str(exp.root / "cfg.json"),
+                         str(exp.run_dir), str(cpu_binary), [])
+    sup = supervisor.Supervisor(run)
+    real_append = loss_log.LossLog.append
+
+    def append(log, records):
+        if any(r.get("step", 0) > 40 for r in records):  # the disk is full from here on
+            sup.proc.wait()  # the engine has checkpointed step 60, past these records, and ended
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_append(log, records)
+    monkeypatch.setattr(loss_log.LossLog, "append", append)
+    assert sup.run_engine() == 1
+    run.log.close()
+    run.lock.close()  # as the proxy's exit would
+    monkeypatch.setattr(loss_log.LossLog, "append", real_append)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "could not be written to the loss log" in err[0], err
+    assert checkpoint_step(str(exp.path(".ckpt"))) == 60 and exp.state()["checkpoint_step"] == 40
+    p, rc = run_to_end(exp.root / "cfg.json", exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0, p.describe()
+    assert any("resuming from the previous checkpoint, step 40" in line for line in p.out), p.describe()
+    assert_no_train_step_missing(exp.loss())
+    assert live_train(exp.loss())[-1]["step"] == 60
+
+
 def run_on_a_full_disk(cfg, run_dir, cpu_binary):
     """The proxy, in a process where the run directory's JSON files cannot be written (ENOSPC)."""
     full_disk = ("import errno, sys\n"
