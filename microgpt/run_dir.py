@@ -193,7 +193,7 @@ class RunState:
 
     def load(self, path, what, empty, valid):
         """A run file the proxy wrote, or `empty` if it is missing. One that is not what the proxy
-        writes (hand-edited, damaged) is moved aside to PATH.damaged, never silently dropped."""
+        writes (hand-edited, damaged) is moved aside (move_aside), never silently dropped."""
         try:
             with open(path, "rb") as f:
                 value = parse_json(f.read())  # as the dashboard will read it: no NaN
@@ -207,9 +207,9 @@ class RunState:
             why = f"ambiguous: {e}"
         except ValueError:
             why = "not valid JSON"
-        os.replace(path, path + ".damaged")
+        aside = move_aside(path)
         self.unread[path] = "damaged"
-        self.messages.append(f"warning: {path} was {why}; moved it to {path}.damaged and started anew")
+        self.messages.append(f"warning: {path} was {why}; moved it to {aside} and started anew")
         return empty
 
     def set_state(self, force=False, **changes):
@@ -233,6 +233,17 @@ class RunState:
         self.samples = samples
         self.samples_version += 1
         write_json_atomic(self.files.samples, samples)
+
+
+def move_aside(path):
+    """Rename path to PATH.damaged, or PATH.damaged.N where that is taken: a second damaged copy
+    replaced the first (a file damaged again after a restart), and the first was lost. Returns the
+    new name. The lock held keeps another proxy from taking the same name meanwhile."""
+    aside, n = path + ".damaged", 1
+    while os.path.lexists(aside):
+        aside, n = f"{path}.damaged.{n}", n + 1
+    os.rename(path, aside)
+    return aside
 
 
 def archived_state_path(files, step):

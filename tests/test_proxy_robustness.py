@@ -416,6 +416,12 @@ def test_run_files_of_the_wrong_type_are_moved_aside(exp, cpu_binary, suffix, co
     assert len(said) == 1 and what in said[0], p.describe()
     assert exp.path(suffix + ".damaged").read_text() == content  # kept, not lost
     assert exp.state()["status"] == "finished"
+    # damaged again: a second copy goes beside the first, which it replaced before
+    exp.path(suffix).write_text(content + " ")
+    p, rc = run_to_end(exp.config(steps=12), exp.run_dir, cpu_binary, "--no-server")
+    assert rc == 0 and f"moved it to {exp.path(suffix)}.damaged.1 " in p.describe(), p.describe()
+    assert exp.path(suffix + ".damaged").read_text() == content
+    assert exp.path(suffix + ".damaged.1").read_text() == content + " "
 
 
 @pytest.mark.parametrize("key, value", [("loss", "x"), ("val_loss", [1]), ("elapsed_s", "1m")])
