@@ -64,6 +64,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORMAT = 4                   # bump when the rendering or splitting changes, so old manifests go stale
 BATCH_DOCS = 256             # documents per task handed to a worker ...
 BATCH_BYTES = 1 << 20        # ... or fewer, once they hold this many bytes of input
+MAX_WORKERS = 256            # 2 tasks a worker in flight: at most 512 MiB of input held at once
 SPLITS = ("train", "val")
 # B*T+1 of the largest shipped run (ANDREA-120M: 8 x 1024): a window of T+1 tokens for every row.
 DEFAULT_MIN_SHARD_TOKENS = 8 * 1024 + 1
@@ -591,7 +592,8 @@ def parse_args(argv):
                     help=f"fewest tokens in a shard: B*T+1 of the runs that read it "
                          f"(default {DEFAULT_MIN_SHARD_TOKENS}, ANDREA-120M's 8 x 1024 + 1)")
     ap.add_argument("--text-chunk-chars", type=int, default=4000, help="plain-text chunk size (default 4000)")
-    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
+    ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, MAX_WORKERS),
+                    help=f"tokenizer threads (default: the CPU count, at most {MAX_WORKERS})")
     ap.add_argument("--force", action="store_true", help="rebuild even if the manifest says up to date")
     args = ap.parse_args(argv)
     if not args.sources:
@@ -600,6 +602,8 @@ def parse_args(argv):
         ap.error("--val-permille must be in [0, 1000]")
     if min(args.shard_tokens, args.min_shard_tokens, args.text_chunk_chars, args.workers) < 1:
         ap.error("--shard-tokens, --min-shard-tokens, --text-chunk-chars and --workers must be positive")
+    if args.workers > MAX_WORKERS:  # each worker keeps two batches of input in flight
+        ap.error(f"--workers must be at most {MAX_WORKERS}")
     if args.min_shard_tokens > args.shard_tokens:
         ap.error("--min-shard-tokens must not exceed --shard-tokens")
     if args.shard_tokens + args.min_shard_tokens - 1 > MAX_TOKENS:  # the most a shard with a merged tail holds

@@ -404,6 +404,8 @@ def test_mixing_with_weights_and_a_text_source(assets, pulled, tmp_path):
     (["--text", __file__ + ":1e308"], "weight must be at most 1000"),
     (["--text", __file__ + ":1000.5"], "weight must be at most 1000"),
     (["--text", __file__, "--val-permille", "1001"], "--val-permille must be in [0, 1000]"),
+    # each worker keeps two 1 MiB batches in flight: --workers 1000000 held gigabytes of input
+    (["--text", __file__, "--workers", "257"], "--workers must be at most 256"),
     # a shard's header counts its tokens in an int32: a larger shard was an OverflowError traceback
     # once 2^31 tokens (4 GB, hours of tokenizing) were written
     (["--text", __file__, "--shard-tokens", "2147483648"], "at most 2147483647 tokens"),
