@@ -85,8 +85,8 @@ def _unwritten_records(run):
 
 
 def _log_plain_records(sup, timeout):
-    """While the engine stops after a proxy failure: its step and validation records go to the
-    loss log (and nothing else: the event handlers may be what failed)."""
+    """While the engine stops after a proxy failure: its step, validation and bandit records go to
+    the loss log, placed on their tokens (and nothing else: the event handlers may be what failed)."""
     lines = sup.lines
     deadline = time.monotonic() + timeout
     while lines is not None:
@@ -97,5 +97,8 @@ def _log_plain_records(sup, timeout):
         if line is None:
             return
         rec, _ = engine_record(line)
-        if rec is not None and "event" not in rec and "step" in rec and ("loss" in rec or "val_loss" in rec):
+        if rec is None or not isinstance(rec.get("step"), int):
+            continue
+        if rec.get("event") == "bandit" or ("event" not in rec and ("loss" in rec or "val_loss" in rec)):
+            sup.events.place_on_tokens(rec)
             sup.events.add_record(rec)

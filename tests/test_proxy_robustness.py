@@ -147,21 +147,23 @@ def test_records_are_on_disk_when_the_checkpoint_is_announced(exp, cpu_binary):
 
 STUB_ENGINE = """#!{python}
 # A stand-in engine: records as fast as it can; SIGTERM writes "checkpointed" (as the real engine's
-# checkpoint would) and exits.
+# checkpoint would), prints the step's validation and bandit records (a probe step's) and exits.
+# The handler only raises a flag: a write it interrupts (EINTR) would run it mid-line.
 import json, os, signal, sys
 if sys.argv[1:] == ["--flags-json"]:
     os.execv({cpu!r}, [{cpu!r}, "--flags-json"])
-def stop(*_):
-    open({marker!r}, "w").write("checkpointed")
-    print(json.dumps({{"event": "exit", "step": step, "reason": "signal"}}), flush=True)
-    sys.exit(0)
-signal.signal(signal.SIGTERM, stop)
+stopping = []
+signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}})  # as the engine does
 step = 0
 print(json.dumps({{"event": "start", "step": 0, "steps": 10**9, "tokens_per_step": 64}}), flush=True)
-while True:
+while not stopping:
     step += 1
     print(json.dumps({{"step": step, "loss": 1.0, "tokens": 64 * step}}), flush=True)
+open({marker!r}, "w").write("checkpointed")
+print(json.dumps({{"step": step, "val_loss": 2.0}}), flush=True)
+print(json.dumps({{"event": "bandit", "step": step, "arm": 0, "reward": [0.5], "p": [1.0]}}), flush=True)
+print(json.dumps({{"event": "exit", "step": step, "reason": "signal"}}), flush=True)
 """
 
 
@@ -289,6 +291,11 @@ def test_a_proxy_failure_logs_the_records_up_to_the_engine_checkpoint(exp, cpu_b
     # step 200 itself tripped the handler: it is the one record the failure cost
     assert steps[:199] == list(range(1, 200)) and steps[199:] == list(range(201, steps[-1] + 1))
     assert steps[-1] > 200
+    # the validation and bandit records printed on the way out too, placed on their tokens as
+    # while the proxy works (the bandit record was dropped: its probe's p lost from the history)
+    out = [r for r in recs if "val_loss" in r or r.get("event") == "bandit"]
+    assert [(r.get("event"), r.get("tokens")) for r in out] == [(None, 64 * out[0]["step"]), ("bandit", 64 * out[0]["step"])]
+    assert out[0]["step"] == out[1]["step"] == steps[-1]
     assert "proxy failed: RuntimeError: a bug in a handler" in capsys.readouterr().err
 
 
