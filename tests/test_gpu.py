@@ -624,8 +624,17 @@ def test_fp8_training_tracks_cpu_fp8_emulation(cuda_binary, cpu_binary, random_s
     cpu = run_ok(cpu_binary, tiny_args(random_shards.train, **settings))
     gpu = run_ok(cuda_binary, tiny_args(random_shards.train, **settings))
     assert [r["step"] for r in gpu.steps] == [r["step"] for r in cpu.steps] == list(range(1, 11))
+    # Derived, not measured: no GPU figure of this test's per-step gaps is recorded (docs/BENCHMARKS.md
+    # and the log say only that it passed, at 3e-2). Step 1's loss is the micro-batch loss that
+    # test_fp8_gradients_match_cpu_fp8_emulation["odd"] holds within LOSS_TOL["fp8"] (2e-2). Later steps
+    # add the drift of weights trained on the GPU's fp8 gradients, which that test lets differ from the
+    # CPU's by at most 0.5 normwise: about 7x fp8's own noise (0.07-0.11 for the linear weights). Measured
+    # on the CPU at this test's settings, that noise moves the losses little: the fp32 loss of fp8-trained
+    # weights is within 1.3e-4 (relative) of the fp32-trained weights' at steps 3-10, and CPU fp8 within
+    # 6e-6 to 1.3e-4 of CPU fp32 at every step. Scaled 7x: 9e-4, so LOSS_TOL["fp8"] + 1e-3 (was 3e-2).
+    tol = LOSS_TOL["fp8"] + 1e-3
     for c, g in zip(cpu.steps, gpu.steps):
-        assert abs(g["loss"] - c["loss"]) <= 3e-2 * abs(c["loss"]), (c, g)
+        assert abs(g["loss"] - c["loss"]) <= tol * abs(c["loss"]), (c, g)
 
 
 def test_fp8_graphs_give_the_same_bits_as_launch_by_launch(cuda_binary, random_shards, tmp_path):
