@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import kernel_profile
+from engine_util import python_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -41,7 +42,7 @@ def test_the_last_training_step_is_found_and_summed(tmp_path):
     assert [n for n, _ in fb] == [n for n, _ in STEP[:7]]  # not the update's download before it
     assert [d for _, d in update] == [1_000, 3_000, 10_000, 20_000]  # "1,234" thousands separators parsed
     out = subprocess.run([sys.executable, os.path.join(HERE, "kernel_profile.py"), str(path)],
-                         capture_output=True, text=True, check=True).stdout
+                         env=python_env(), capture_output=True, text=True, check=True).stdout
     assert "11 kernels, 2044.5 us of kernel time per step (micro-batch 2010.5 us, update 34.0 us)" in out
     first = out.splitlines()[1]
     assert "k_loss_rows" in first and "2000.0 us" in first  # biggest first
@@ -57,7 +58,7 @@ def test_a_log_without_a_training_step_is_refused(tmp_path):
 
 def test_a_missing_profile_is_one_error_line(tmp_path):
     res = subprocess.run([sys.executable, os.path.join(HERE, "kernel_profile.py"), str(tmp_path / "none.csv")],
-                         capture_output=True, text=True)
+                         env=python_env(), capture_output=True, text=True)
     assert res.returncode == 1 and res.stderr.startswith("error: ") and len(res.stderr.splitlines()) == 1, res.stderr
 
 
@@ -65,6 +66,6 @@ def test_a_profile_of_no_training_step_is_one_error_line(tmp_path):
     path = tmp_path / "p.csv"
     path.write_text(csv_text([("k_embed_fwd", 5), ("k_loss_rows", 9)]))
     res = subprocess.run([sys.executable, os.path.join(HERE, "kernel_profile.py"), str(path)],
-                         capture_output=True, text=True)
+                         env=python_env(), capture_output=True, text=True)
     assert res.returncode == 1 and res.stderr.startswith("error: no kernel named *k_adamw*"), res.stderr
     assert len(res.stderr.splitlines()) == 1, res.stderr

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import stall_profile
+from engine_util import python_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STALLS = ["stall_barrier", "stall_long_sb", "stall_wait"]
@@ -89,15 +90,15 @@ def test_a_damaged_or_missing_page_is_one_clear_error(page, damage):
     else:
         page.write_text(page.read_text()[:-40])  # the last row cut short
         expected = f"instruction row {len(KERNEL)} is not one of ncu's"
-    res = subprocess.run([sys.executable, os.path.join(HERE, "stall_profile.py"), str(page)], capture_output=True,
-                         text=True)
+    res = subprocess.run([sys.executable, os.path.join(HERE, "stall_profile.py"), str(page)], env=python_env(),
+                         capture_output=True, text=True)
     assert res.returncode == 1 and res.stderr.startswith("error: ") and expected in res.stderr, res.stderr
     assert len(res.stderr.splitlines()) == 1, res.stderr
 
 
 def test_top_must_be_positive(page):
     res = subprocess.run([sys.executable, os.path.join(HERE, "stall_profile.py"), str(page), "--top", "0"],
-                         capture_output=True, text=True)
+                         env=python_env(), capture_output=True, text=True)
     assert res.returncode == 2 and "not a positive number" in res.stderr
 
 
@@ -110,6 +111,6 @@ def test_a_page_without_samples_is_refused(tmp_path):
 
 def test_command_line(page):
     res = subprocess.run([sys.executable, os.path.join(HERE, "stall_profile.py"), str(page), "--top", "1"],
-                         capture_output=True, text=True)
+                         env=python_env(), capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "in a loop 10.0 %" in res.stdout
