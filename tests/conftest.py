@@ -21,6 +21,11 @@ import engine_util as eu
 # spin-waiting turns oversubscription into a 2-3x slowdown; sleeping waiters don't change any
 # result (the engines' reductions don't depend on timing), only the wall time.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# Under pytest-xdist (`make test` runs two worker processes) the workers already keep the cores busy:
+# each one's engines run one thread. On 2 cores the suite took 347 s so, 422 s with two threads an
+# engine. Tests of thread counts set OMP_NUM_THREADS themselves.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config):
