@@ -722,8 +722,10 @@ def test_two_gpus_match_one_gpu_with_twice_the_accumulation(two_gpus, shards, tm
 @pytest.mark.parametrize("precision", ["fp32", "fp8"])
 def test_two_gpus_resume_exactly_after_sigterm(two_gpus, shards, tmp_path, precision):
     """fp8: the delayed-scaling histories are shared by the ranks after every step, so rank 0's
-    sidecar resumes both (docs/DESIGN.md §18)."""
-    steps = 10
+    sidecar resumes both (docs/DESIGN.md §18). 400 steps: the tiny model's steps take about a
+    millisecond on a GPU and rank 0's stdout is read behind them, so the SIGTERM after step 3's
+    record must still come before the last step (else the test compares two finished runs)."""
+    steps = 400
     rcs, _, errs = Ranks(two_gpus, args(shards, tmp_path / "full.ckpt", steps=steps, train_precision=precision), 2,
                          GPU_ENV).finish(300)
     assert rcs == [0, 0], errs
@@ -732,8 +734,10 @@ def test_two_gpus_resume_exactly_after_sigterm(two_gpus, shards, tmp_path, preci
     ranks.wait_rank0_step(3, timeout=300)
     for p in ranks.procs:
         p.send_signal(signal.SIGTERM)
-    rcs, _, errs = ranks.finish(timeout=300)
+    rcs, records, errs = ranks.finish(timeout=300)
     assert rcs == [0, 0], errs
+    stopped_at = [e for e in records if e.get("event") == "exit"][0]
+    assert stopped_at["reason"] == "signal" and stopped_at["step"] < steps, stopped_at
     rcs, _, errs = Ranks(two_gpus, args(shards, ckpt, steps=steps, resume=True, train_precision=precision), 2,
                          GPU_ENV).finish(300)
     assert rcs == [0, 0], errs
