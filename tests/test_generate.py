@@ -585,6 +585,25 @@ def test_a_checkpoint_path_too_long_is_the_flag_error_not_a_sidecar_one(cpu_bina
     assert res.errors[0].startswith("error: --checkpoint: value is longer than"), res.errors
 
 
+@pytest.mark.parametrize("mode", ["--generate", "--evaluate"])
+def test_layout_json_in_a_checkpoint_mode_prints_the_checkpoints_layout(cpu_binary, trained, pattern_shards, mode):
+    """--layout-json beside --generate or --evaluate was dropped without a word: config_parse returned
+    with the model flags alone validated, and the mode went on to serve requests or score the
+    checkpoint with the rest of its flags never checked (the size of an activation, fp8's multiples
+    of 16). It prints the layout of the checkpoint's model (its sidecar's, flags over it), as
+    --print-config prints the settings, and exits 0 without reading a request; the mode still
+    needs its --checkpoint."""
+    request = json.dumps(greedy(1, [1, 2, 3], max_tokens=2)) + "\n"
+    proc = subprocess.run([str(cpu_binary), mode, "--checkpoint", str(trained["ckpt"]), "--data.val",
+                           str(pattern_shards[1]), "--layout-json"], input=request, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert json.loads(proc.stdout) == eu.layout_for(), proc.stdout
+    model = [a for k, v in TINY.items() if k.startswith("model.") for a in (f"--{k}", str(v))]
+    res = eu.run_engine(cpu_binary, [mode, *model, "--layout-json"])
+    assert res.rc == 2 and res.stdout == "" and res.errors == [f"error: {mode} needs --checkpoint PATH"], res.describe()
+
+
 
 def answer_to(binary, stdout, args, requests=b"", timeout=60):
     """An engine run whose stdout is `stdout` (a file object), its stderr's error lines."""

@@ -570,12 +570,13 @@ static int seen_in_section(const Flag* f, int n, const int* seen, const char* na
 
 static void config_validate(const Config* c, const int* seen, const Flag* f, int n);
 static void config_validate_model(const Config* c);
+static void config_validate_mode(const Config* c);
 
 /* Parses argv into *c (defaults first), validates, and dies with one error line on bad input.
  * --help prints the table for people, --flags-json for programs, --print-config the parsed
  * configuration with its defaults; all three exit 0 once written (exit_once_written).
- * --layout-json returns with the model flags alone validated: the caller prints the parameter
- * layout (param_layout_json) and exits the same way. */
+ * --layout-json returns with the model flags alone validated (and the mode's, config_validate_mode):
+ * every mode's caller prints the parameter layout (param_layout_check) and exits the same way. */
 static void config_parse(Config* c, int argc, char** argv) {
     Flag f[CFG_N_FLAGS_MAX];
     int seen[CFG_N_FLAGS_MAX];
@@ -643,6 +644,7 @@ static void config_parse(Config* c, int argc, char** argv) {
         exit_once_written();
     }
     if (c->layout_json) { /* the layout needs only the model's flags; the caller prints it */
+        config_validate_mode(c);
         for (i = 0; i < n; i++)
             if (f[i].required == REQ_YES && !seen[i] && strncmp(f[i].name, "model.", 6) == 0)
                 die_input("missing required flag --%s", f[i].name);
@@ -731,15 +733,20 @@ static void config_validate_model(const Config* c) {
                   c->model.vocab_size);
 }
 
+/* --generate and --evaluate: one of them, of the checkpoint they read (where their model flags come
+ * from), and no training flag; --layout-json keeps it too (the layout is the checkpoint's model's). */
+static void config_validate_mode(const Config* c) {
+    const char* mode = c->generate.enabled ? "--generate" : "--evaluate";
+    if (!c->generate.enabled && !c->evaluate) return;
+    if (c->generate.enabled && c->evaluate) die_input("--generate and --evaluate are separate modes: give one");
+    if (!c->checkpoint.path[0]) die_input("%s needs --checkpoint PATH", mode);
+    if (c->resume || c->dump_grads[0]) die_input("%s does not train: drop --resume and --dump-grads", mode);
+}
+
 static void config_validate(const Config* c, const int* seen, const Flag* f, int n) {
     int i;
-    if (c->generate.enabled || c->evaluate) {
-        const char* mode = c->generate.enabled ? "--generate" : "--evaluate";
-        if (c->generate.enabled && c->evaluate) die_input("--generate and --evaluate are separate modes: give one");
-        if (!c->checkpoint.path[0]) die_input("%s needs --checkpoint PATH", mode);
-        if (c->resume || c->dump_grads[0]) die_input("%s does not train: drop --resume and --dump-grads", mode);
-        if (c->evaluate && !c->data.val[0]) die_input("--evaluate needs --data.val GLOB");
-    }
+    config_validate_mode(c);
+    if (c->evaluate && !c->data.val[0]) die_input("--evaluate needs --data.val GLOB");
     for (i = 0; i < n; i++) {
         int j = f[i].required == REQ_IN_SECTION && !seen[i] ? seen_in_section(f, n, seen, f[i].name) : -1;
         /* --generate and --evaluate train nothing: of the required flags they need the model's */

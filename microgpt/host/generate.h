@@ -817,6 +817,7 @@ static int generate_main(int argc, char** argv) {
     int too_long;
     config_parse_for_checkpoint(c, argc, argv, &side);
     param_layout_init(&layout, c);
+    param_layout_check(c, &layout);
     /* before any large allocation; a model flag on the command line that gives another shape of as many
      * parameters (--model.n_head 2 for 4) is refused there: the weights would be read as another
      * model's, its answers wrong */

@@ -103,6 +103,20 @@ static void param_layout_json(FILE* out, const ParamLayout* p) {
     fputs("]}\n", out);
 }
 
+/* The layout of the model every mode runs, once it is known (training: from its flags; --generate
+ * and --evaluate: from the checkpoint's sidecar, flags over it): a parameter count the checkpoint
+ * format holds (its header's int32; a layout too: offsets past any checkpoint are of no model the
+ * engine runs), then --layout-json's answer, exit 0. config_parse returned early for it, with the
+ * model flags alone validated: a mode that went on (--generate served requests, --evaluate scored
+ * the checkpoint) ran with the rest of its flags never checked. */
+static void param_layout_check(const Config* c, const ParamLayout* p) {
+    if (p->n_params > 2147483647u)
+        die_input("the model has %zu parameters; the checkpoint format holds at most 2^31-1", p->n_params);
+    if (!c->layout_json) return;
+    param_layout_json(stdout, p);
+    exit_once_written();
+}
+
 static void param_layout_free(ParamLayout* p) {
     free(p->tensors);
     p->tensors = NULL;

@@ -300,12 +300,7 @@ static void run_validate_inputs(Run* r, int argc, char** argv) {
     V = c->model.vocab_size;
     T = c->model.seq_len;
     param_layout_init(&r->layout, c);
-    if (r->layout.n_params > 2147483647u) /* a layout too: offsets past any checkpoint, of no model the engine runs */
-        die_input("the model has %zu parameters; the checkpoint format holds at most 2^31-1", r->layout.n_params);
-    if (c->layout_json) {
-        param_layout_json(stdout, &r->layout);
-        exit_once_written();
-    }
+    param_layout_check(c, &r->layout);
     validate_sidecar_room(c);
     mixture_open(&r->mix, c);
     if (c->data.val[0]) dataset_open(&r->val, c->data.val, "data.val", V, T);
@@ -646,6 +641,7 @@ static int evaluate_main(int argc, char** argv) {
     char b[32];
     config_parse_for_checkpoint(c, argc, argv, &r->sidecar);
     param_layout_init(&r->layout, c);
+    param_layout_check(c, &r->layout);
     /* before any large allocation */
     r->resumed = ckpt_check(c, r->layout.n_params, &r->sidecar);
     if (c->eval.batches == 0) c->train.batch_size = 1;
