@@ -980,6 +980,18 @@ def _non_finite_resealed(value, vector):
     return damage
 
 
+def _v_sign_flipped_without_sidecar(path):
+    """A checkpoint without its sidecar is loaded unverified (no checksum): its values are the one
+    check left. A sign bit flipped in v, AdamW's second moment (a mean of squares, never negative),
+    was loaded, and the run went on to NaN and ended as diverged, exit 3, blaming train.lr."""
+    raw = bytearray(path.read_bytes())
+    ckpt = read_checkpoint(path)
+    at = 8 + 4 * (2 * ckpt.n_params + int(np.flatnonzero(ckpt.v > 0)[0])) + 3  # the float's sign byte
+    raw[at] |= 0x80
+    path.write_bytes(bytes(raw))
+    path.with_name(path.name + ".json").unlink()
+
+
 def _sidecar_cut_before_the_checksum(path):
     """A sidecar cut short (it is no JSON object then) before "crc32c" read as one written before
     checksums: the flipped bit was loaded with a warning, unverified."""
@@ -999,6 +1011,7 @@ def _flip_bit_in_n_params(path):
 
 INTEGRITY_DAMAGE = {"n_params_bit": _flip_bit_in_n_params,
                     "sidecar_cut": _sidecar_cut_before_the_checksum, "nan_weight": _non_finite_resealed(np.nan, 0), "inf_in_v": _non_finite_resealed(np.inf, 2),
+                    "negative_v": _non_finite_resealed(-1.0, 2), "v_sign_without_sidecar": _v_sign_flipped_without_sidecar,
                     "bit_in_v": _flip_bit_in_v, "garbage_weights": _garbage_weights, "step_49": _set_step(49),
                     "step_1048881": _set_step(1048881), "sidecar_step": _sidecar_of_another_step,
                     "sidecar_checksum_not_a_number": _sidecar_checksum_not_a_number,

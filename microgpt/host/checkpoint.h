@@ -871,22 +871,37 @@ static size_t first_non_finite(const float* x, size_t n) {
     return i;
 }
 
-/* One pass over the open checkpoint file fd (of the size ckpt_check found), streamed through the
- * static buffer: the CRC-32C of all its bytes, and the index in [weights | m | v] of its first
- * value that is no finite number (the count of its values when there is none). Every read but the
- * last fills the buffer, whose size is a multiple of 4, as the header's is: no float straddles two
- * reads. */
+/* Whether value i of a checkpoint's [weights | m | v] (n each) is one no run writes: a number that
+ * is not finite (a save refuses non-finite state), or a negative v, AdamW's second moment (a
+ * running mean of squares, never below 0: a sign bit flipped, which nothing else shows where the
+ * checkpoint has no sidecar and so no checksum). */
+static int ckpt_value_bad(float x, size_t i, size_t n) { return !isfinite(x) || (i >= 2 * n && x < 0.0f); }
+
+/* Index of the first of the values x[0 .. count), values first .. first + count - 1 of the
+ * checkpoint's n parameters, that no run writes (ckpt_value_bad), or count. */
+static size_t first_bad_value(const float* x, size_t count, size_t first, size_t n) {
+    size_t i = 0;
+    while (i < count && !ckpt_value_bad(x[i], first + i, n)) i++;
+    return i;
+}
+
+/* One pass over the open checkpoint file fd (of the size ckpt_check found, for n parameters),
+ * streamed through the static buffer: the CRC-32C of all its bytes, and the index in
+ * [weights | m | v] of its first value that no run writes (first_bad_value; the count of its
+ * values when there is none), and that value. Every read but the last fills the buffer, whose size
+ * is a multiple of 4, as the header's is: no float straddles two reads. */
 typedef struct {
     uint32_t crc;
-    size_t first_non_finite;
+    size_t first_bad;
+    float bad_value;
 } CkptScan;
 
-static CkptScan ckpt_scan(int fd, const char* path) {
-    CkptScan s = {0, 0};
+static CkptScan ckpt_scan(int fd, const char* path, size_t n_params) {
+    CkptScan s = {0, 0, 0.0f};
     size_t len, offset = 0, values = 0, bad;
     int done = 0;
     ssize_t got;
-    s.first_non_finite = (size_t)-1;
+    s.first_bad = (size_t)-1;
     while (!done) {
         for (len = 0; len < sizeof ckpt_io_buf; len += (size_t)got) {
             got = pread(fd, ckpt_io_buf + len, sizeof ckpt_io_buf - len, (off_t)(offset + len));
@@ -899,25 +914,33 @@ static CkptScan ckpt_scan(int fd, const char* path) {
             size_t skip = offset < CKPT_HEADER_BYTES ? CKPT_HEADER_BYTES - offset : 0; /* the header is no value */
             size_t n = len > skip ? (len - skip) / 4 : 0;
             const float* x = (const float*)(const void*)(ckpt_io_buf + skip);
-            if (s.first_non_finite == (size_t)-1 && (bad = first_non_finite(x, n)) < n) s.first_non_finite = values + bad;
+            if (s.first_bad == (size_t)-1 && (bad = first_bad_value(x, n, values, n_params)) < n) {
+                s.first_bad = values + bad;
+                s.bad_value = x[bad];
+            }
             values += n;
         }
         offset += len;
     }
-    if (s.first_non_finite == (size_t)-1) s.first_non_finite = values;
+    if (s.first_bad == (size_t)-1) s.first_bad = values;
     return s;
 }
 
-/* A value that is no finite number in a file that is otherwise intact: no run writes one (a save
- * refuses non-finite state), so the file was made or edited by hand; loaded, it would make every
- * step, or every generated token, silently wrong. */
-static void ckpt_refuse_non_finite(const CkptFiles* f, const CkptScan* s, size_t n) {
+/* A value no run writes (ckpt_value_bad) in a file that is otherwise intact, or unverified: made
+ * or edited by hand, or damaged where no checksum shows it; loaded, it would make every step, or
+ * every generated token, silently wrong (a negative v: every step's update NaN, ended as a
+ * divergence that blamed the learning rate). */
+static void ckpt_refuse_bad_value(const CkptFiles* f, const CkptScan* s, size_t n) {
     const char* names[3] = {"weight", "AdamW m value", "AdamW v value"};
     char what[160];
-    size_t i = s->first_non_finite;
+    size_t i = s->first_bad;
     if (i >= 3 * n) return;
-    snprintf(what, sizeof what, "holds %s %zu of %zu, which is not a finite number (no run writes one: edited?)",
-             names[i / n], i % n, n);
+    if (isfinite(s->bad_value))
+        snprintf(what, sizeof what, "holds %s %zu of %zu, %g, which is negative (a second moment: no run writes one; "
+                 "a flipped sign bit?)", names[i / n], i % n, n, (double)s->bad_value);
+    else
+        snprintf(what, sizeof what, "holds %s %zu of %zu, which is not a finite number (no run writes one: edited?)",
+                 names[i / n], i % n, n);
     ckpt_refuse_damaged(f, what);
 }
 
@@ -983,7 +1006,7 @@ static void ckpt_refuse_other_shape(const char* path, const Config* c, const cha
 
 /* Validates c's checkpoint before it is resumed and before any large allocation: header and size
  * against the config's n_params, the sidecar's step, and the CRC-32C of every byte against the
- * sidecar's, then its values (ckpt_refuse_non_finite), then the model shape its sidecar records
+ * sidecar's, then its values (ckpt_refuse_bad_value), then the model shape its sidecar records
  * (ckpt_refuse_other_shape). Dies with one error line on any mismatch; the files are left as they
  * are. A checkpoint without a checksum (no sidecar, or one written before sidecars held "crc32c")
  * is loaded with a warning. `side`: the sidecar, loaded already (--generate and --evaluate read it
@@ -1022,7 +1045,7 @@ static CkptChecked ckpt_check(const Config* c, size_t n_params, Sidecar* side) {
                  (long long)st.st_size, ckpt_expected_bytes(n_params), n_params);
         ckpt_refuse_damaged(&f, what);
     }
-    scan = ckpt_scan(fd, path);
+    scan = ckpt_scan(fd, path, n_params);
     checked.step = header[0];
     checked.crc = scan.crc;
     if (side->loaded) sidecar_refuse_longer(&f, side->bytes, n_layer);
@@ -1030,7 +1053,7 @@ static CkptChecked ckpt_check(const Config* c, size_t n_params, Sidecar* side) {
     if (!(sidecar = side->text)) {
         warn("checkpoint sidecar %s is missing: %s is loaded unverified (no checksum) and the loss scale starts "
              "from its default", f.side, path);
-        ckpt_refuse_non_finite(&f, &scan, n_params);
+        ckpt_refuse_bad_value(&f, &scan, n_params);
         if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
         return checked;
     }
@@ -1054,7 +1077,7 @@ static CkptChecked ckpt_check(const Config* c, size_t n_params, Sidecar* side) {
                  "%.12g (damaged on disk or edited)", (unsigned long)scan.crc, f.side, x);
         ckpt_refuse_damaged(&f, what);
     }
-    ckpt_refuse_non_finite(&f, &scan, n_params);
+    ckpt_refuse_bad_value(&f, &scan, n_params);
     if (header[0] < 0) ckpt_refuse_damaged(&f, "has a negative step");
     ckpt_refuse_other_shape(path, c, sidecar);
     return checked;
