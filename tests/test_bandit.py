@@ -364,6 +364,23 @@ def test_resuming_on_another_probe_set_says_so(cpu_binary, sources, tmp_path):
     assert "starts afresh" not in runs["other"].stderr and p[0] == p[1] != [0.5, 0.5]  # the learned state, kept
 
 
+@pytest.mark.parametrize("value", [None, "x"], ids=["null", "text"])
+def test_a_probe_fingerprint_that_is_no_number_says_so(cpu_binary, sources, tmp_path, value):
+    """The bandit state has no checksum: a probe_crc32c that is no number read as absent, as in a
+    sidecar written before the member, and the resume said nothing of whether its probes had
+    measured this run's data.val. It says it cannot tell, once, and goes on from the state."""
+    ckpt = tmp_path / "c.ckpt"
+    bandit = {"bandit.every": 1, "bandit.eta": 0.5, "bandit.reward_decay": 0.5}
+    eu.run_ok(cpu_binary, mixture_args(sources, 6, checkpoint=ckpt, **bandit))
+    side = read_sidecar(ckpt)
+    side["bandit"]["probe_crc32c"] = value
+    (tmp_path / "c.ckpt.json").write_text(json.dumps(side))
+    res = eu.run_ok(cpu_binary, mixture_args(sources, 8, checkpoint=ckpt, resume=True, **bandit))
+    warned = [l for l in res.stderr.splitlines() if "probe_crc32c" in l]
+    assert len(warned) == 1 and warned[0].startswith("warning: "), res.describe()
+    assert "starts afresh" not in res.stderr and res.events("start")[0]["p"] != [0.5, 0.5], res.describe()
+
+
 def test_a_re_indented_sidecar_resumes_the_bandit_exactly(cpu_binary, sources, tmp_path):
     """JSON whitespace anywhere in the member (a tool re-indented the sidecar, spaces around its
     colons) reads the same state."""

@@ -130,6 +130,24 @@ def test_a_resume_on_other_training_data_says_so(engine, random_shards, tmp_path
         assert [r["step"] for r in res.steps] == [4]
 
 
+@pytest.mark.parametrize("value", [None, "1422946530", [1]], ids=["null", "text", "list"])
+def test_a_data_fingerprint_that_is_no_number_says_so(engine, random_shards, tmp_path, value):
+    """data_crc32c has no checksum (DESIGN.md §3: damage there gives the data warning, nothing
+    worse), but one that is no number read as absent, as in a sidecar written before the member:
+    the resume said nothing of whether its data were the run's. It says it cannot tell, once, and
+    goes on."""
+    ckpt = tmp_path / "run.ckpt"
+    eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3, "checkpoint": ckpt}))
+    side = read_sidecar(ckpt)
+    side["data_crc32c"] = value
+    Path(f"{ckpt}.json").write_text(json.dumps(side))
+    res = eu.run_ok(engine.binary, tiny_args(random_shards.train, **{"train.steps": 4, "checkpoint": ckpt,
+                                                                      "resume": True}))
+    warnings = [l for l in res.stderr.splitlines() if "data_crc32c" in l]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: "), res.stderr
+    assert [r["step"] for r in res.steps] == [4]
+
+
 def test_sigusr1_checkpoints_and_training_continues(engine, random_shards, tmp_path):
     settings = resume_settings(engine)
     args = tiny_args(random_shards.train, random_shards.val, **settings)

@@ -289,10 +289,14 @@ static void mixture_restore(Mixture* m, const Config* c, const char* side, const
         return;
     }
     /* the probes decide the draws: on another data.val they score the sources otherwise, and
-     * data_crc32c covers the training shards only (a sidecar from before the member says nothing) */
+     * data_crc32c covers the training shards only (a sidecar from before the member says nothing;
+     * one whose member is no number, which no checksum covers, says it cannot tell) */
     if (json_find_number(text, "probe_crc32c", &x) && x != (double)m->probe_crc)
         warn("the bandit state in %s was learned on other data.val shards than this run's, which its probes "
              "measure: the run goes on from it, no longer as the run it continues would have", side);
+    else if (!json_find_number(text, "probe_crc32c", &x) && json_has_member(text, "probe_crc32c"))
+        warn("the bandit state in %s holds a probe_crc32c that is no number (damaged or edited): whether its probes "
+             "measured this run's data.val shards is unknown; the run goes on from it", side);
 }
 
 /* The bandit state from `sidecar`, that of the checkpoint `ckpt_path` being resumed after `done` steps. */

@@ -282,12 +282,18 @@ static uint32_t training_data_fingerprint(const Run* r) {
 /* A resume on other training data than the checkpoint's (`make data` run again in between, a glob
  * that now matches more shards) goes on, as a run may be continued on new data on purpose; but
  * its batches are no longer those of the run it continues, so it says so. A sidecar written before
- * sidecars held the fingerprint says nothing. */
+ * sidecars held the fingerprint says nothing; one whose fingerprint is no number (no checksum
+ * covers it: edited or damaged) says it cannot tell, where taken as absent it said nothing. */
 static void warn_if_data_changed(const Run* r) {
+    const char* text = r->sidecar.text;
     double x;
-    if (r->sidecar.text && json_find_number(r->sidecar.text, "data_crc32c", &x) && x != (double)r->data_crc)
+    if (text && json_find_number(text, "data_crc32c", &x) && x != (double)r->data_crc)
         warn("the training data differ from those %s was written with (shards added or removed, or of other lengths "
              "or contents): the run goes on from step %d, no longer as the run it continues would have",
+             r->cfg.checkpoint.path, r->start_step);
+    else if (text && !json_find_number(text, "data_crc32c", &x) && json_has_member(text, "data_crc32c"))
+        warn("checkpoint sidecar %s.json holds a data_crc32c that is no number (damaged or edited): whether the "
+             "training data are those it was written with is unknown; the run goes on from step %d",
              r->cfg.checkpoint.path, r->start_step);
 }
 
