@@ -563,6 +563,14 @@ static int json_find_number(const char* text, const char* key, double* out) {
  * neither reads holds a value of another type. */
 static int json_has_member(const char* text, const char* key) { return json_find_member(text, key) != NULL; }
 
+/* A member no checksum covers and older sidecars lack (the data fingerprints): 1 with *out where it
+ * is a number, 0 where it is absent, -1 where it holds another type (damaged or edited: what it
+ * would have said cannot be told). */
+static int json_optional_number(const char* text, const char* key, double* out) {
+    if (json_find_number(text, key, out)) return 1;
+    return json_has_member(text, key) ? -1 : 0;
+}
+
 /* The value of the 4 hex digits at p (json_skip_string checked them). */
 static unsigned hex4(const char* p) {
     unsigned u = 0;

@@ -255,7 +255,7 @@ static int json_find_array(const char* text, const char* key, double* out, int m
  * restored from probes of other data.val shards (probe_crc32c) goes on, with a warning. */
 static void mixture_restore(Mixture* m, const Config* c, const char* side, const char* text, int done) {
     double x, gain[CFG_MAX_SOURCES], mean, var;
-    int n, i, finite_p;
+    int n, i, finite_p, found;
     n = json_find_array(text, "gain", gain, CFG_MAX_SOURCES);
     if (n >= 0 && n != m->n) {
         warn("the bandit state in %s does not fit %d data sources: the bandit starts afresh", side, m->n);
@@ -291,10 +291,11 @@ static void mixture_restore(Mixture* m, const Config* c, const char* side, const
     /* the probes decide the draws: on another data.val they score the sources otherwise, and
      * data_crc32c covers the training shards only (a sidecar from before the member says nothing;
      * one whose member is no number, which no checksum covers, says it cannot tell) */
-    if (json_find_number(text, "probe_crc32c", &x) && x != (double)m->probe_crc)
+    found = json_optional_number(text, "probe_crc32c", &x);
+    if (found > 0 && x != (double)m->probe_crc)
         warn("the bandit state in %s was learned on other data.val shards than this run's, which its probes "
              "measure: the run goes on from it, no longer as the run it continues would have", side);
-    else if (!json_find_number(text, "probe_crc32c", &x) && json_has_member(text, "probe_crc32c"))
+    else if (found < 0)
         warn("the bandit state in %s holds a probe_crc32c that is no number (damaged or edited): whether its probes "
              "measured this run's data.val shards is unknown; the run goes on from it", side);
 }

@@ -285,13 +285,13 @@ static uint32_t training_data_fingerprint(const Run* r) {
  * sidecars held the fingerprint says nothing; one whose fingerprint is no number (no checksum
  * covers it: edited or damaged) says it cannot tell, where taken as absent it said nothing. */
 static void warn_if_data_changed(const Run* r) {
-    const char* text = r->sidecar.text;
     double x;
-    if (text && json_find_number(text, "data_crc32c", &x) && x != (double)r->data_crc)
+    int found = r->sidecar.text ? json_optional_number(r->sidecar.text, "data_crc32c", &x) : 0;
+    if (found > 0 && x != (double)r->data_crc)
         warn("the training data differ from those %s was written with (shards added or removed, or of other lengths "
              "or contents): the run goes on from step %d, no longer as the run it continues would have",
              r->cfg.checkpoint.path, r->start_step);
-    else if (text && !json_find_number(text, "data_crc32c", &x) && json_has_member(text, "data_crc32c"))
+    else if (found < 0)
         warn("checkpoint sidecar %s.json holds a data_crc32c that is no number (damaged or edited): whether the "
              "training data are those it was written with is unknown; the run goes on from step %d",
              r->cfg.checkpoint.path, r->start_step);
