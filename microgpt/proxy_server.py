@@ -17,6 +17,8 @@ two controls of the run being trained.
 (header X-Run-Token, or ?token= where a header cannot be set: EventSource, links); when the server
 is bound to anything but loopback, the page needs it too. The token is kept in the served directory
 (TOKEN_FILE, owner-only), so it outlives a launch: a tab left open keeps working after a relaunch.
+`--serve DIR` keeps its own (VIEWER_TOKEN_FILE), so that serving a run's own directory read-only
+hands out no token that can stop the run.
 
 No wildcard CORS: only a page opened from disk (origin "null", or "file://") is allowed to read,
 and only with the token. A request that names another site's page as its Origin is refused even
@@ -54,7 +56,7 @@ from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 from microgpt.atomic import open_new
 from microgpt.cli import say
-from microgpt.run_dir import TOKEN_FILE
+from microgpt.run_dir import TOKEN_FILE, VIEWER_TOKEN_FILE
 from microgpt.run_view import RunDirectory, ServedDir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -83,10 +85,11 @@ def is_loopback(host):
 # The token
 
 
-def load_token(directory):
-    """The dashboard token of `directory`, created on first use: a file only its owner can read.
-    Where it cannot be kept (a read-only directory), a token for this process only, with a warning."""
-    path = os.path.join(directory, TOKEN_FILE)
+def load_token(directory, name=TOKEN_FILE):
+    """The dashboard token kept in `directory` as `name`, created on first use: a file only its
+    owner can read. Where it cannot be kept (a read-only directory), a token for this process
+    only, with a warning."""
+    path = os.path.join(directory, name)
     token = _read_token(path)
     if token:
         return token
@@ -553,9 +556,10 @@ def start_for_run(run, host, port, default_port):
 
 
 def start_for_directory(root, host, port, default_port):
-    """`--serve DIR`: every run under DIR, read-only, with DIR's token."""
+    """`--serve DIR`: every run under DIR, read-only, with DIR's viewer token: never the token of
+    a run trained in DIR itself, which would let a viewer stop that run."""
     _raise_open_files_limit()
-    return start(RunDirectory(root), host, port, default_port, load_token(root))
+    return start(RunDirectory(root), host, port, default_port, load_token(root, VIEWER_TOKEN_FILE))
 
 
 def _raise_open_files_limit():

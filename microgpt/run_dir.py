@@ -19,7 +19,10 @@ from microgpt.files import DuplicateKeyError, file_kind, open_lock_file, open_re
 from microgpt.loss_log import parse_json
 
 STATE_SECONDS = 0.5  # .state.json is rewritten at most this often (and at every event)
-TOKEN_FILE = "dashboard.token"  # the dashboard's token, kept in the directory served (proxy_server.load_token)
+TOKEN_FILE = "dashboard.token"  # the training dashboard's token, kept in the run directory (proxy_server.load_token)
+# `--serve DIR`'s token, a file of its own: served read-only (the page even shows it when bound
+# beyond loopback), it must not be the token that stops a run trained in DIR.
+VIEWER_TOKEN_FILE = "viewer.token"
 
 
 class RunBusyError(RuntimeError):

@@ -3,7 +3,7 @@
 DIR is a run directory (it holds <name>.loss.json) or a directory of them (runs/<name>/...). Each
 run is followed as its files change, so runs that other proxies are training show up live: the
 loss log is indexed as it grows (only complete lines), the state and samples are re-read when
-their files change. Nothing is ever written, except the dashboard token (proxy_server.load_token).
+their files change. Nothing is ever written, except the viewer token (proxy_server.load_token).
 """
 import contextlib
 import errno

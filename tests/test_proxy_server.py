@@ -163,16 +163,33 @@ def test_the_token_is_stable_and_owner_only(tmp_path):
         tokens.append(server.token)
         server.shutdown()
     assert tokens[0] == tokens[1] and len(tokens[0]) >= 16
-    path = root / proxy_server.TOKEN_FILE
+    path = root / proxy_server.VIEWER_TOKEN_FILE
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.stat().st_uid == os.getuid()
     path.chmod(0o644)  # readable by others: no longer a secret, so it is replaced
-    assert proxy_server.load_token(str(root)) != tokens[0]
+    assert proxy_server.load_token(str(root), proxy_server.VIEWER_TOKEN_FILE) != tokens[0]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     # Not a file at all, in a directory that cannot take a new one: a token for this process only,
     # with a warning, never a traceback.
     path.unlink()
     path.mkdir()
-    assert len(proxy_server.load_token(str(root))) >= 16 and path.is_dir()
+    assert len(proxy_server.load_token(str(root), proxy_server.VIEWER_TOKEN_FILE)) >= 16 and path.is_dir()
+
+
+def test_serving_a_run_directory_read_only_hands_out_no_token_that_stops_its_run(tmp_path):
+    """`--serve` of a run's own directory used the training proxy's dashboard.token, and its page
+    shows the token when bound beyond loopback: a viewer could stop the run with it."""
+    root = tmp_path / "runs"
+    make_run(root, "alpha", 5)
+    run_dir = root / "alpha"
+    trainer_token = proxy_server.load_token(str(run_dir))
+    server = proxy_server.start_for_directory(str(run_dir), "127.0.0.1", 0, None)
+    try:
+        assert server.token != trainer_token
+        assert (run_dir / proxy_server.TOKEN_FILE).read_text().strip() == trainer_token
+        assert (run_dir / proxy_server.VIEWER_TOKEN_FILE).read_text().strip() == server.token
+        assert get(server, "api/runs").status_code == 200
+    finally:
+        server.shutdown()
 
 
 def test_a_token_file_that_is_no_text_is_replaced_not_a_traceback(tmp_path, capsys):
