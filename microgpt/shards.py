@@ -31,6 +31,11 @@ def header_bytes(ntok):
     return header.tobytes()
 
 
+def shard_size(ntok):
+    """The bytes of a valid shard of ntok tokens."""
+    return HEADER_BYTES + 2 * ntok
+
+
 def check_ids(path, tokens):
     """Integer ids in [0, 65535]: astype("<u2") would cut 1.7 to 1 and 65536 to 0 without a word."""
     if tokens.size and tokens.dtype.kind not in "iu":
@@ -112,8 +117,8 @@ def read_checked(path, tokens):
         if header[1] != VERSION:
             raise ShardError(f"{path}: unsupported version {header[1]} (expected {VERSION})")
         ntok = int(header[2])
-        if size != HEADER_BYTES + 2 * ntok:
-            raise ShardError(f"{path}: file is {size} bytes, header promises {HEADER_BYTES + 2 * ntok}")
+        if size != shard_size(ntok):
+            raise ShardError(f"{path}: file is {size} bytes, header promises {shard_size(ntok)}")
         if not tokens:
             return ntok
         ids = np.fromfile(f, dtype="<u2", count=ntok)

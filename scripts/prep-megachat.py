@@ -47,6 +47,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 
@@ -57,7 +58,7 @@ from microgpt.atomic import fsync_dir, write_json_atomic
 from microgpt.cli import ArgumentParser, answer_on_stdout, fail, interrupted
 from microgpt.files import RECORD_TOO_LONG, hold_lock, open_regular, read_json, record_lines
 from microgpt.progress import Progress
-from microgpt.shards import MAX_TOKENS, ShardError, ShardStream, read_header, read_shard
+from microgpt.shards import MAX_TOKENS, ShardError, ShardStream, read_header, read_shard, shard_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -422,7 +423,8 @@ class SetLocation:
 
     def check_out_dir(self):
         """An OUT_DIR that is a real folder (an older layout, or a new empty folder) is taken over
-        only when it holds nothing but this set's files; one that is a symbolic link only when the
+        only when it holds nothing but this set's files (its shards: those its manifest lists, with
+        the sizes it lists, where it has one); one that is a symbolic link only when the
         link is one a build made, its set has this name and its folder holds nothing else (install
         removes the set it points to: a file put there by hand would go with it)."""
         if os.path.islink(self.out_dir):
@@ -471,11 +473,13 @@ def shard_files(name):
 
 
 def foreign_entries(out_dir, name):
-    """What a real folder at OUT_DIR holds besides a set of this name (an older layout's shards,
-    manifest and temp folder; a copied set's sources/SRC/ shards): install removes the folder with
-    all it holds, so a build takes over only one where this is empty."""
+    """What a folder at OUT_DIR (a real one, or the one a build's link points to) holds besides a set
+    of this name (an older layout's shards, manifest and temp folder; a copied set's sources/SRC/
+    shards), a look-alike shard saying why: install removes the folder with all it holds, so a build
+    takes over only one where this is empty."""
     ours = shard_files(name)
     manifest = re.compile(rf"{re.escape(name)}\.manifest\.json(\.tmp[0-9]+)?")
+    sizes = listed_sizes(out_dir, name)
     others = []
     for entry in sorted(os.listdir(out_dir)):
         path = os.path.join(out_dir, entry)
@@ -484,14 +488,69 @@ def foreign_entries(out_dir, name):
                 folder = os.path.join(path, src)
                 if not os.path.isdir(folder) or os.path.islink(folder) or not valid_name(src):
                     others.append(os.path.join(entry, src))
-                else:
-                    own = shard_files(src)
-                    others += [os.path.join(entry, src, f) for f in sorted(os.listdir(folder))
-                               if not own.fullmatch(f) or holds_files(os.path.join(folder, f))]
-        elif not ((ours.fullmatch(entry) or manifest.fullmatch(entry)) and not holds_files(path)
-                  or entry.startswith(f".{name}.tmp")):
+                    continue
+                own = shard_files(src)
+                for f in sorted(os.listdir(folder)):
+                    found = own.fullmatch(f)
+                    if not found or holds_files(os.path.join(folder, f)):
+                        others.append(os.path.join(entry, src, f))
+                    else:
+                        others += look_alike(out_dir, os.path.join(entry, src, f), found, sizes, name)
+        elif (found := ours.fullmatch(entry)) and not holds_files(path):
+            others += look_alike(out_dir, entry, found, sizes, name)
+        elif not (manifest.fullmatch(entry) and not holds_files(path) or entry.startswith(f".{name}.tmp")):
             others.append(entry)
     return others
+
+
+def listed_sizes(out_dir, name):
+    """{path in the set: size in bytes} of each shard OUT_DIR/NAME.manifest.json lists (a shard is
+    exactly its header and two bytes a token: shards.shard_size), or None where no manifest reads
+    whole: missing (an older layout removed it before a build and wrote it last, so a killed build
+    left none), damaged or edited by hand (a rebuild replaces it), no regular file."""
+    manifest = read_json(os.path.join(out_dir, f"{name}.manifest.json"), None)
+    sizes = {}
+    try:
+        for shard in listed_shards(manifest):
+            file, tokens = shard["file"], shard["tokens"]
+            if not isinstance(file, str) or type(tokens) is not int or not 0 <= tokens <= MAX_TOKENS:
+                return None
+            sizes[os.path.normpath(file)] = shard_size(tokens)
+    except (LookupError, TypeError, AttributeError):
+        return None
+    return sizes
+
+
+def look_alike(out_dir, entry, found, sizes, name):
+    """[entry, saying why] where a file named like a set's shard (found: the name's match) is not the
+    set's: a regular file its manifest does not list, or lists with another size; else [].
+
+    Its size is what tells a shard the build wrote from a copy put in its place: a stat, no read of
+    the shard. Not its modification time, which a copied set (cp -r) or a shard edited in place has
+    changed (such a set is rebuilt, as before). Where no manifest reads whole (sizes None), every
+    such name counts as the set's, as it did before manifests were read here: refusing them would
+    leave a set whose manifest a killed build never wrote, or one damaged, to be removed by hand,
+    and nothing there tells the set's shards from look-alikes. A killed build's temp file (.tmpN),
+    a link or a FIFO is the set's too: removing it loses nothing the set did not hold."""
+    if sizes is None or found.group(2):
+        return []
+    try:
+        st = os.lstat(os.path.join(out_dir, entry))
+    except FileNotFoundError:  # gone meanwhile: nothing to lose
+        return []
+    if not stat.S_ISREG(st.st_mode):
+        return []
+    if entry not in sizes:
+        return [f"{entry}, a shard {name}.manifest.json does not list"]
+    if st.st_size != sizes[entry]:
+        return [f"{entry}, {st.st_size} bytes where {name}.manifest.json lists {sizes[entry]}"]
+    return []
+
+
+def listed_shards(manifest):
+    """The shard entries of a manifest: the mixed set's, then each source's (an older layout's lists
+    none of a source's)."""
+    return manifest["shards"] + [s for src in manifest["sources"] for s in src.get("shards", [])]
 
 
 def holds_files(path):
@@ -523,7 +582,7 @@ def up_to_date(manifest_path, fingerprint):
         return None
     base = os.path.dirname(manifest_path)
     try:
-        listed = manifest["shards"] + [s for src in manifest["sources"] for s in src["shards"]]
+        listed = listed_shards(manifest)
         found = {os.path.relpath(os.path.join(d, f), base) for d, _, files in os.walk(base) for f in files
                  if f.endswith(".bin")}
         if found != {shard["file"] for shard in listed}:  # a shard added: a glob of the set reads it too

@@ -915,19 +915,18 @@ def test_an_input_folder_entry_that_is_no_file_is_one_error_not_a_hang(tmp_path,
         assert res.returncode == 2 and "a FIFO, not a regular file" in res.stderr, res.stderr
 
 
-@pytest.mark.parametrize("damage", ["tokens edited", "header", "manifest types", "shard added"])
+@pytest.mark.parametrize("damage", ["tokens edited", "header", "manifest types"])
 def test_a_set_changed_since_its_manifest_is_rebuilt(tmp_path, damage):
     """A rerun trusted the manifest if each shard had the size it lists: tokens edited in place, or a
     shard header broken, were left for training to read, and a manifest whose counts were edited
     into strings was a traceback; a shard added to the set was read by training too. Now the shards'
-    headers and modification times are checked too, and the set must hold no other shard."""
+    headers and modification times are checked too, and the set must hold no other shard (one added
+    is no longer rebuilt over but refused: test_a_shard_named_like_the_sets_own_is_refused_not_removed)."""
     chat, out = small_chat(tmp_path / "c.jsonl"), tmp_path / "out"
     prep(out, "--chat", chat, extra=SMALL)
     before = shard_bytes(out)
     shard = out / "megachat_train_000000.bin"
-    if damage == "shard added":  # the engine's glob would read it too
-        shutil.copy(shard, out / "megachat_train_000001.bin")
-    elif damage == "manifest types":
+    if damage == "manifest types":
         manifest = manifest_of(out)
         manifest["shards"][0]["tokens"] = "many"
         (out / "megachat.manifest.json").write_text(json.dumps(manifest))
@@ -1631,6 +1630,75 @@ def test_a_file_added_to_a_built_set_is_refused_not_removed(tmp_path, added):
     assert (out / added).read_bytes() == b"mine\n" and shard_bytes(out) == before
     (out / added).unlink()
     prep(out, "--chat", chat, extra=(*SMALL, "--force"))
+
+
+@pytest.mark.parametrize("layout", ["link", "folder"])
+@pytest.mark.parametrize("look_alike", ["megachat_train_000001.bin", "sources/c/c_val_000001.bin",
+                                        "sources/other/other_train_000000.bin", "megachat_val_000000.bin"])
+def test_a_shard_named_like_the_sets_own_is_refused_not_removed(tmp_path, layout, look_alike):
+    """A file named like the set's own shards counted as the set's: a shard copied in from elsewhere
+    under such a name (beside the mixed shards or in sources/SRC/, or over one of the set's own) was
+    removed by the rebuild without a word, from a build's folder as from an older layout's real one.
+    Now a shard the set's manifest does not list, or lists with another size, is refused, named, and
+    kept, as any other file put there; once it is gone the set is rebuilt as before."""
+    chat = small_chat(tmp_path / "c.jsonl")
+    out = tmp_path / "out"
+    if layout == "link":
+        prep(out, "--chat", chat, extra=SMALL)
+    else:  # a set copied with cp -r: a real folder with its manifest
+        prep(tmp_path / "built", "--chat", chat, extra=SMALL)
+        shutil.copytree(tmp_path / "built", out)
+    mine = out / look_alike
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(out / "megachat_train_000000.bin", mine)  # a whole, valid shard, as a copied one is
+    if look_alike == "megachat_val_000000.bin":  # listed, but not with this size
+        assert [s["tokens"] for s in manifest_of(out)["shards"] if s["file"] == look_alike] != [read_header(mine)]
+    copied, before = mine.read_bytes(), shard_bytes(out)
+    res = run_script("prep-megachat", "--chat", chat, "--out-dir", out, *SMALL, "--force")
+    assert res.returncode == 1 and len(errors_of(res)) == 1 and look_alike in errors_of(res)[0], res.stderr
+    assert "which a build would remove" in errors_of(res)[0] and "Traceback" not in res.stderr
+    assert mine.read_bytes() == copied and shard_bytes(out) == before and out.is_symlink() == (layout == "link")
+    mine.unlink()
+    prep(out, "--chat", chat, extra=(*SMALL, "--force"))
+    assert out.is_symlink() and len(manifest_of(out)["shards"]) == 2
+
+
+def test_an_older_layouts_folder_is_told_from_look_alikes_by_its_manifest(tmp_path):
+    """The layout before the link (OUT_DIR a real folder of the mixed shards and a manifest listing
+    them by name, no sources/ nor modification times) is taken over as before, with a killed build's
+    temp files; a shard named like its own that its manifest does not list is refused. Without a
+    manifest (that layout removed it before a build and wrote it last), nothing tells the set's
+    shards from look-alikes: they are taken as the set's, as they were."""
+    chat = small_chat(tmp_path / "c.jsonl")
+    built, out = tmp_path / "built", tmp_path / "out"
+    prep(built, "--chat", chat, extra=SMALL)
+    shards = manifest_of(built)["shards"]
+
+    def older_layout(manifest):
+        out.mkdir()
+        for shard in shards:
+            shutil.copy(built / shard["file"], out / shard["file"])
+        (out / "megachat_train_000001.bin.tmp4242").write_bytes(b"cut short")  # a killed build's
+        (out / ".megachat.tmp4242").mkdir()
+        if manifest:
+            (out / "megachat.manifest.json").write_text(json.dumps({
+                "name": "megachat", "out_dir": str(out), "val_permille": 300, "fingerprint": {"format": 1},
+                "sources": [{"path": str(chat), "kind": "chat", "weight": 1.0}],
+                "shards": [{"file": s["file"], "tokens": s["tokens"]} for s in shards]}))
+
+    older_layout(manifest=True)
+    look_alike = out / "megachat_train_000007.bin"
+    shutil.copy(out / "megachat_train_000000.bin", look_alike)
+    res = run_script("prep-megachat", "--chat", chat, "--out-dir", out, *SMALL)
+    assert res.returncode == 1 and len(errors_of(res)) == 1 and look_alike.name in errors_of(res)[0], res.stderr
+    assert look_alike.exists() and not out.is_symlink()
+    look_alike.unlink()
+    prep(out, "--chat", chat, extra=SMALL)
+    assert out.is_symlink() and shard_bytes(out) == shard_bytes(built)
+    os.remove(out)
+    older_layout(manifest=False)
+    prep(out, "--chat", chat, extra=SMALL)
+    assert out.is_symlink() and shard_bytes(out) == shard_bytes(built)
 
 
 @pytest.mark.parametrize("args", [["--chat", "..=C"], ["--chat", ".=C"], ["--chat", "C", "--name", ".hidden"]])
