@@ -297,11 +297,11 @@ def test_dlogits_rounding_draws_its_bits_from_row_and_column(fp8lib):
 # ---------------------------------------------------------------------------------------------------
 # the CPU engine in fp8
 
-def worst_loss_gap(fp8_losses, fp32_losses):
-    """max over steps of |fp8 - fp32| / fp32, for two runs of the same steps."""
+def worst_loss_gap(fp8_losses, fp32_losses, label="fp8 vs fp32"):
+    """max over steps of |fp8 - fp32| / fp32, for two runs of the same steps (printed, as label)."""
     assert len(fp8_losses) == len(fp32_losses) > 0, (fp8_losses, fp32_losses)
     worst = max(abs(a - b) / b for a, b in zip(fp8_losses, fp32_losses))
-    print(f"fp8 vs fp32: worst relative loss gap {worst:.3g}")
+    print(f"{label}: worst relative loss gap {worst:.3g}")
     return worst
 
 

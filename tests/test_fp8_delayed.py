@@ -387,6 +387,14 @@ def test_two_ranks_hold_one_set_of_histories_and_resume_exactly(cpu_binary, rand
 GPU_HEADS = {"fallback": {}, "fused_attention": {"model.d_model": 64, "model.n_head": 2}}
 
 
+# Not derived, and no GPU figure of the gaps is recorded: 3e-2 is the tolerance test_gpu's fp8
+# tracking test had when these GPU tests landed and passed. test_gpu's derivation (LOSS_TOL["fp8"] +
+# 1e-3) does not carry over: a scale one exponent apart puts a whole tensor on another grid, which no
+# gradient test here bounds. worst_loss_gap prints the worst step's gap, so a GPU run under -s records
+# the figure a derived bound needs.
+DELAYED_TRACK_TOL = 3e-2
+
+
 def gpu_settings(heads):
     return {**FP8_SHAPES["odd"], **GPU_HEADS[heads], "train.lr": 3e-3, "train.warmup_steps": 2,
             "train.precision": "fp8"}
@@ -395,14 +403,15 @@ def gpu_settings(heads):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", sorted(GPU_HEADS))
 def test_gpu_delayed_tracks_the_cpu_delayed_emulation(heads, cpu_binary, cuda_binary, random_shards, tmp_path):
-    """As test_gpu's fp8 tracking test (loss within 3e-2 a step); both keep PER_LAYER x n_layer
+    """As test_gpu's fp8 tracking test, within DELAYED_TRACK_TOL a step; both keep PER_LAYER x n_layer
     histories of the training micro-batches (their exponents may differ by one where a bf16 amax and
     an fp32 one fall on either side of a power of two)."""
     args = tiny_args(random_shards.train, **{**gpu_settings(heads), "train.steps": 10})
     runs = {name: run_ok(b, args + ["--checkpoint", tmp_path / f"{name}.ckpt"])
             for name, b in (("cpu", cpu_binary), ("gpu", cuda_binary))}
-    for c, g in zip(runs["cpu"].steps, runs["gpu"].steps):
-        assert abs(g["loss"] - c["loss"]) <= 3e-2 * abs(c["loss"]), (c, g)
+    gpu_losses, cpu_losses = ([r["loss"] for r in runs[n].steps] for n in ("gpu", "cpu"))
+    gap = worst_loss_gap(gpu_losses, cpu_losses, f"delayed {heads}: GPU vs CPU emulation")
+    assert gap <= DELAYED_TRACK_TOL, list(zip(gpu_losses, cpu_losses))
     hists = {name: sidecar_history(tmp_path / f"{name}.ckpt")["exp"] for name in runs}
     want = [10] * PER_LAYER * gpu_settings(heads)["model.n_layer"]
     assert [len(h) for h in hists["gpu"]] == want == [len(h) for h in hists["cpu"]]
