@@ -773,6 +773,59 @@ def test_an_id_with_a_lone_surrogate_is_refused_not_echoed(cpu_binary, trained, 
     assert served.tokens("\U0001F600") and served.tokens("\\ud800")
 
 
+# Requests of one batch whose ids a JSON reader takes for one value (Python's json: escapes read, 1 ==
+# 1.0, True == 1; no id is null, as is one refused); a request "_" keeps them company, last: every
+# decode step's lines of the batch end with its line.
+SAME_IDS = {
+    "same text": ('"a"', '"a"'),
+    "escapes": ('"a\\u00e9"', '"\\u0061\u00e9"'),
+    "numbers": ("1", "1.0"),
+    "exponent": ("-0", "0e5"),
+    "true and 1": ("true", "1"),
+    "false and 0": ("false", "0.0"),
+    "no ids": (None, None),
+    "null and none": ("null", None),
+    "refused and none": ('"\\ud800"', None),
+}
+
+
+@pytest.mark.parametrize("first, second", SAME_IDS.values(), ids=SAME_IDS.keys())
+def test_requests_of_one_batch_with_one_id_are_each_refused(cpu_binary, trained, first, second):
+    """Two requests of one batch with the same id had their token lines interleaved under that id:
+    answers no client could tell apart. Each request of the id gets one error line (naming the
+    other's place in the batch, unless it has an error of its own) and no other line; the batch's
+    other requests are served. Ids repeat freely across lines: a line's answers all come before the
+    next line is read."""
+    def request(rid, prompt):
+        return "{" + ("" if rid is None else f'"id": {rid}, ') + f'"prompt": {prompt}, "max_tokens": 3}}'
+    batch = "[" + ", ".join([request(first, [1, 2]), request(second, [3]), request('"_"', [4])]) + "]"
+    served = serve(cpu_binary, trained["ckpt"], [batch, request(second, [1, 2]), request(second, [3])])
+    refused = first == '"\\ud800"'  # an id no UTF-8 reader can take: the request's own error, id null
+    echoed = None if refused else json.loads(first or "null")
+    assert len(served.tokens("_")) == 3
+    n_batch = served.records.index(served.done("_")) + 1
+    others = [r for r in served.records[:n_batch] if r["id"] != "_"]
+    same = ("request {} of this batch has this id too (as JSON readers read ids): the lines of requests decoded "
+            "together are told apart by their ids alone, so no request with this id is served")
+    own = "id holds a lone surrogate" if refused else same.format(1)
+    assert [r["id"] for r in others] == [echoed, echoed] and "error" in others[0], others
+    assert others[0]["error"].startswith(own) and others[1] == {"id": echoed, "error": same.format(0)}, others
+    later = served.records[n_batch:]
+    assert [r["done"] for r in later if "done" in r] == [True, True] and not [r for r in later if "error" in r]
+
+
+def test_ids_that_only_look_alike_are_served_together(cpu_binary, trained):
+    """The rule above is no wider than a reader's equality: a string and a number, a string that
+    differs by a U+0000, two numbers a double tells apart, null and "null" are distinct ids."""
+    pairs = [('"1"', "1"), ('"a\\u0000"', '"a"'), ("0.1", "0.2"), ("null", '"null"'), ("true", '"true"'),
+             ("false", "null"), ("9007199254740990", "9007199254740991")]
+    lines = ['[{"id": %s, "prompt": [1], "max_tokens": 2}, {"id": %s, "prompt": [2], "max_tokens": 2}]' % pair
+             for pair in pairs]
+    served = serve(cpu_binary, trained["ckpt"], lines)
+    assert not served.errors() and len([r for r in served.records if r.get("done")]) == 2 * len(pairs), served.errors()
+    assert [r["id"] for r in served.records if r.get("done")] == [json.loads(rid) for pair in pairs for rid in pair]
+
+
 # ---------------------------------------------------------------------------------------------------
 # training samples stop at <|im_end|>
 

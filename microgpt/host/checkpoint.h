@@ -619,17 +619,15 @@ static int utf8_encode(unsigned u, unsigned char* b) {
     return 4;
 }
 
-/* The string of the member key in text (json_find_member; a text sidecar_is_well_formed took, so
- * its escapes are whole), decoded as JSON decodes it (escapes, a \u pair as one character), its
- * first cap - 1 bytes of UTF-8, into out. Returns 1 if found; 0 for a string holding U+0000 too,
- * which a C string cannot hold: cut there, "fp32\u0000x" would read as fp32. Python's reader takes
- * the same bytes (microgpt/checkpoint.py: _canonical_value). */
-static int json_find_string(const char* text, const char* key, char* out, size_t cap) {
-    const char* p = json_find_member(text, key);
+/* The JSON string that starts at p (its opening quote; a valid one, json_skip_string), decoded as
+ * JSON decodes it (escapes, a \u pair as one character, a lone surrogate as its 3 bytes, U+0000 as
+ * a 0 byte): its first cap - 1 bytes of UTF-8 into out, NUL-terminated. Returns the decoded length
+ * (all of it, cut or not); *has_nul says whether it holds U+0000. */
+static size_t json_decode_string(const char* p, char* out, size_t cap, int* has_nul) {
     unsigned char b[4];
     size_t k = 0;
     int n, i;
-    if (!p || *(p = json_skip_space(p)) != '"') return 0;
+    *has_nul = 0;
     for (p++; *p && *p != '"'; k += (size_t)n) {
         unsigned u;
         int len;
@@ -639,7 +637,7 @@ static int json_find_string(const char* text, const char* key, char* out, size_t
         } else if (p[1] == 'u') {
             u = json_u_escape(p, &len);
             p += len;
-            if (u == 0) return 0;
+            if (u == 0) *has_nul = 1;
             n = utf8_encode(u, b);
         } else {
             b[0] = (unsigned char)(p[1] == 'b' ? '\b' : p[1] == 'f' ? '\f' : p[1] == 'n' ? '\n' : p[1] == 'r' ? '\r'
@@ -650,7 +648,20 @@ static int json_find_string(const char* text, const char* key, char* out, size_t
         for (i = 0; i < n && k + i + 1 < cap; i++) out[k + i] = (char)b[i];
     }
     out[k < cap ? k : cap - 1] = '\0';
-    return 1;
+    return k;
+}
+
+/* The string of the member key in text (json_find_member; a text sidecar_is_well_formed took, so
+ * its escapes are whole), decoded (json_decode_string), its first cap - 1 bytes of UTF-8, into out.
+ * Returns 1 if found; 0 for a string holding U+0000 too, which a C string cannot hold: cut there,
+ * "fp32\u0000x" would read as fp32. Python's reader takes the same bytes (microgpt/checkpoint.py:
+ * _canonical_value). */
+static int json_find_string(const char* text, const char* key, char* out, size_t cap) {
+    const char* p = json_find_member(text, key);
+    int has_nul;
+    if (!p || *(p = json_skip_space(p)) != '"') return 0;
+    json_decode_string(p, out, cap, &has_nul);
+    return !has_nul;
 }
 
 /* Sidecars nest 4 deep (an fp8 history inside "exp" inside "fp8_history"); deeper is no sidecar. */

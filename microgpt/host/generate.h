@@ -253,6 +253,7 @@ static void load_weights(const Config* c, size_t n_params, CkptChecked* checked)
 
 #define GEN_ID_MAX 256  /* bytes of an id's JSON text */
 #define GEN_MAX_STOP 64 /* stop ids per request */
+#define GEN_ID_KEY_MAX (GEN_ID_MAX + 8) /* gen_id_key: a type byte and a decoded string or a double */
 
 /* The most bytes a request line may hold (its '\n' not counted), so that no line is held in
  * memory whole before it is judged (a client's runaway line would take all of it): what the
@@ -282,6 +283,8 @@ typedef struct {
     uint64_t seed;
     int stop[GEN_MAX_STOP];
     char error[200]; /* "" = a good request */
+    char id_key[GEN_ID_KEY_MAX]; /* the id as JSON readers read it (gen_id_key), id_key_len bytes */
+    size_t id_key_len;
     /* as decoded */
     int* out; /* [seq_len] generated tokens */
     int n_out;
@@ -559,6 +562,48 @@ static int parse_request(JsonIn* j, Request* r, const Config* c) {
     return 1;
 }
 
+/* The value of an id's JSON text (a valid one: parse_request) as JSON readers read it, into key
+ * (GEN_ID_KEY_MAX bytes), its length returned: two ids with one key are one id to some reader. A
+ * string by its decoded text ("a" = "\u0061"); a number by its double (1 = 1.0 = 1e0, -0 = 0, and
+ * integers a double cannot tell apart); true and false as 1 and 0 (Python's json reads True == 1,
+ * so a client keyed by id would take one request's lines for the other's); null alone. */
+static size_t gen_id_key(const char* id, char* key) {
+    double x;
+    int has_nul;
+    if (*id == '"') {
+        key[0] = 's';
+        return 1 + json_decode_string(id, key + 1, GEN_ID_KEY_MAX - 1, &has_nul); /* never longer than the text */
+    }
+    if (*id == 'n') {
+        key[0] = 'z';
+        return 1;
+    }
+    x = *id == 't' ? 1.0 : *id == 'f' ? 0.0 : strtod(id, NULL) + 0.0; /* + 0.0: -0 is 0 */
+    key[0] = 'n';
+    memcpy(key + 1, &x, sizeof x);
+    return 1 + sizeof x;
+}
+
+/* Requests of one batch that share an id (gen_id_key) are each refused: their lines, streamed
+ * together, would carry one id, and which answer is whose could not be told. A request with an
+ * error of its own keeps it (it too is answered by one error line). Lines are served in turn, so ids
+ * repeat freely across lines. docs/DESIGN.md §16. */
+static void refuse_shared_ids(Request* req, int n) {
+    int i, k;
+    for (i = 0; i < n; i++) req[i].id_key_len = gen_id_key(req[i].id, req[i].id_key);
+    for (i = 0; i < n; i++)
+        for (k = 0; k < n; k++) {
+            if (k == i || req[k].id_key_len != req[i].id_key_len ||
+                memcmp(req[k].id_key, req[i].id_key, req[i].id_key_len) != 0)
+                continue;
+            if (!req[i].error[0])
+                snprintf(req[i].error, sizeof req[i].error, "request %d of this batch has this id too (as JSON readers "
+                         "read ids): the lines of requests decoded together are told apart by their ids alone, so no "
+                         "request with this id is served", k);
+            break;
+        }
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Output lines */
 
@@ -728,9 +773,10 @@ static ssize_t read_request_line(Server* s, int* too_long) {
 
 /* One stdin line: a request object or an array of them. A line that is not JSON of that form, or
  * a batch larger than max_batch, is one error event (id null, or a lone request's id when it was
- * read before the fault); a bad request in a batch is an error event of its own and the others
- * are served. A line longer than s->line_max (too_long: line is its first line_max bytes) is one
- * error event too, with the id of a lone request read before the cut. */
+ * read before the fault); a bad request in a batch, and each of the batch's requests that share an
+ * id (refuse_shared_ids), is an error event of its own and the others are served. A line longer
+ * than s->line_max (too_long: line is its first line_max bytes) is one error event too, with the id
+ * of a lone request read before the cut. */
 static void serve_line(Server* s, const char* line, size_t len, int too_long) {
     JsonIn j;
     int n = 0, i, batch;
@@ -800,6 +846,7 @@ static void serve_line(Server* s, const char* line, size_t len, int too_long) {
         emit_gen_error("null", msg);
         return;
     }
+    refuse_shared_ids(s->req, n);
     for (i = 0; i < n; i++)
         if (s->req[i].error[0]) emit_gen_error(s->req[i].id, s->req[i].error);
     serve_batch(s, n);
