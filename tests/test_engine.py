@@ -1312,10 +1312,13 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(engine, ran
 
 
 def test_divergence_before_any_checkpoint_says_so_plainly(engine, random_shards, tmp_path):
-    """lr 1 with weight decay 1e30 diverges in a step or two, before any checkpoint: the message read
-    "the last good no checkpoint was written"."""
+    """A run that diverges before any checkpoint: the message read "the last good no checkpoint was
+    written". Adam at lr 1, unclipped, with beta2 0 and beta1 near 1 divides the mean of the past
+    gradients by the last one alone, and a small last one throws a weight far: non-finite in a few
+    steps (step 4 on the CPU)."""
     res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{
-        "train.steps": 10, "train.lr": 1.0, "train.weight_decay": 1e30, "checkpoint": tmp_path / "run.ckpt"}))
+        "train.steps": 10, "train.lr": 1.0, "train.beta1": 0.999999, "train.beta2": 0, "train.eps": 1e-30,
+        "train.grad_clip": 0, "train.weight_decay": 0, "checkpoint": tmp_path / "run.ckpt"}))
     assert res.rc == 3 and len(res.errors) == 1, res.describe()
     assert "training diverged at step " in res.errors[0] and "; stopped without saving this state, no checkpoint was " \
         "written (a lower train.lr" in res.errors[0], res.errors[0]
@@ -1345,6 +1348,33 @@ def test_learning_rates_are_bounded(engine, random_shards, flag):
     assert ok.exit_event["reason"] == "finished"
     res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{**polish, "train.steps": 3, flag: 1e30}))
     assert res.rc == 2 and len(res.errors) == 1 and flag in res.errors[0], res.describe()
+
+
+POLISH_AT = {"polish.start_step": 2, "polish.train": "@val", "polish.lr": 1e-4}
+
+
+@pytest.mark.parametrize("flags, rate", [
+    ({"train.weight_decay": 1e30}, "train.lr"),  # at the default train.lr
+    ({"train.lr": 1.0, "train.weight_decay": 1.0}, "train.lr"),
+    ({"train.lr": 1e-3, "train.weight_decay": 1000}, "train.lr"),
+    ({"train.lr": 1e-4, "train.weight_decay": 2.0, **POLISH_AT, "polish.lr": 0.5}, "polish.lr"),
+    ({"train.lr": 1.0, "train.weight_decay": 0.99}, None),
+    ({"train.lr": 1e-3, "train.weight_decay": 999}, None),
+    ({"train.lr": 0.5, "train.weight_decay": 1.9, **POLISH_AT, "polish.lr": 0.1}, None),
+], ids=["1e30", "lr_1_wd_1", "lr_1e-3_wd_1000", "polish_lr", "lr_1_wd_0.99", "lr_1e-3_wd_999", "polish_lower"])
+def test_a_weight_decay_of_lr_times_wd_from_1_is_refused(engine, random_shards, flags, rate):
+    """AdamW's decoupled decay multiplies each decayed weight by 1 - lr * weight_decay every step: from
+    lr * weight_decay = 1 on every weight is zeroed or flipped each step, and up to 1e30 was taken
+    (lr 1 with it diverged: test_divergence_before_any_checkpoint_says_so_plainly relied on it). lr
+    is the highest rate the run steps at, train.lr or a higher polish.lr (`rate`, which the one error
+    line names; exit 2); a product just below 1 trains (rate None)."""
+    flags = {key: random_shards.val if value == "@val" else value for key, value in flags.items()}
+    res = eu.run_engine(engine.binary, tiny_args(random_shards.train, **{"train.steps": 3, **flags}))
+    if rate is None:
+        assert res.rc == 0 and res.exit_event["reason"] == "finished", res.describe()
+        return
+    assert res.rc == 2 and len(res.errors) == 1, res.describe()
+    assert "train.weight_decay" in res.errors[0] and f"{rate} " in res.errors[0], res.errors[0]
 
 
 @pytest.fixture

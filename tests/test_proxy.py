@@ -479,6 +479,16 @@ def test_a_config_the_engine_refuses_leaves_nothing_behind(exp, cpu_binary):
         assert not exp.run_dir.exists(), os.listdir(exp.run_dir)
 
 
+def test_a_weight_decay_past_1_over_lr_is_the_engines_to_refuse(exp, cpu_binary):
+    """The proxy checks each key against the engine's table and leaves rules between flags to the
+    engine, which refuses at launch: train.lr 3e-3 with weight_decay 1000 (AdamW's decay factor
+    1 - lr * weight_decay = -2) trained, every weight flipped each step. One error line, exit 2."""
+    p, rc = run_to_end(exp.config(steps=5, train={"warmup_steps": 0, "weight_decay": 1000}), exp.run_dir, cpu_binary)
+    errors = [line for line in p.err if line.startswith("error")]
+    assert rc == 2 and len(errors) == 1 and "train.weight_decay" in errors[0], p.describe()
+    assert not exp.run_dir.exists(), os.listdir(exp.run_dir)
+
+
 def test_a_refused_relaunch_leaves_the_run_as_it_was(exp, cpu_binary):
     cfg = exp.config(steps=10, sample={"every": 5, "prompts": PROMPTS})
     p, rc = run_to_end(cfg, exp.run_dir, cpu_binary)

@@ -164,7 +164,7 @@ static int config_flags(Config* c, Flag* f) {
          "none (off)");
     FLAG("train.lr", F_FLOAT, &c->train.lr, 0, "6e-4", 0, NULL, 0, LR_MAX, "peak learning rate");
     FLAG("train.min_lr", F_FLOAT, &c->train.min_lr, 0, "0", 0, NULL, 0, LR_MAX, "final learning rate of the decay");
-    FLAG("train.weight_decay", F_FLOAT, &c->train.weight_decay, 0, "0.1", 0, NULL, 0, FBIG, "AdamW decoupled weight decay (2-D tensors only)");
+    FLAG("train.weight_decay", F_FLOAT, &c->train.weight_decay, 0, "0.1", 0, NULL, 0, FBIG, "AdamW decoupled weight decay (2-D tensors only); times the highest lr, below 1");
     FLAG("train.grad_clip", F_FLOAT, &c->train.grad_clip, 0, "1.0", 0, NULL, 0, FBIG, "clip global grad L2 norm to this (0: off)");
     FLAG("train.beta1", F_FLOAT, &c->train.beta1, 0, "0.9", 0, NULL, 0, 0.999999, "AdamW beta1");
     /* beta2 is held as a float: 0.99999997 and up round to 1.0f, whose bias correction 1 - beta2^t is 0
@@ -776,6 +776,19 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
                   "be a multiple of 16 (a dimension of its FP8 products); got %d", FP8_CLASSIFIER_MIN_D_MODEL,
                   c->model.padded_vocab_size);
     if (c->train.min_lr > c->train.lr) die_input("train.min_lr (%g) is above train.lr (%g)", c->train.min_lr, c->train.lr);
+    {
+        /* AdamW's decoupled decay multiplies each decayed weight by 1 - lr * weight_decay every step
+         * (cpu/adamw.h): from lr * weight_decay = 1 on every weight is zeroed or flipped each step
+         * and nothing trains. lr is the highest rate of the run: train.lr, the schedule's peak
+         * (schedule.h), or polish.lr above it. Two floats' product is exact in double. */
+        int polish = c->polish.enabled && c->polish.lr > c->train.lr;
+        double lr = polish ? c->polish.lr : c->train.lr;
+        if (lr * (double)c->train.weight_decay >= 1.0)
+            die_input("train.weight_decay (%g) times %s (%g) is %.9g, at least 1: AdamW's decay would multiply every "
+                      "decayed weight by 1 - lr * weight_decay <= 0 each step; give a weight_decay below %.9g",
+                      c->train.weight_decay, polish ? "polish.lr" : "train.lr", lr,
+                      lr * (double)c->train.weight_decay, 1.0 / lr);
+    }
     if (c->train.warmup_steps > c->train.steps)
         die_input("train.warmup_steps (%d) is more than train.steps (%d)", c->train.warmup_steps, c->train.steps);
     if (c->eval.every > 0 && !c->data.val[0] && !config_all_sources_have_val(c))
