@@ -469,11 +469,14 @@ def test_a_config_the_engine_refuses_leaves_nothing_behind(exp, cpu_binary):
     """A config the proxy accepts but the engine refuses (n_head must divide d_model; a missing
     shard): the engine's own error line reaches the user once, the exit code is the engine's, and
     neither a new run directory nor a word about resuming is left behind."""
-    for sections in ({"model": {"n_head": 3}}, {"data": {"train": str(exp.root / "missing_*.bin")}}):
-        p, rc = run_to_end(exp.config(steps=5, **sections), exp.run_dir, cpu_binary)
+    # steps 20: at 5, below the config's 10 warmup steps, the engine refused that rule first, and
+    # the missing shard was never looked for
+    for sections, cause in (({"model": {"n_head": 3}}, "n_head"),
+                            ({"data": {"train": str(exp.root / "missing_*.bin")}}, "missing_")):
+        p, rc = run_to_end(exp.config(steps=20, **sections), exp.run_dir, cpu_binary)
         assert rc == 2, p.describe()
         errors = [line for line in p.err if line.startswith("error")]
-        assert len(errors) == 1, p.describe()
+        assert len(errors) == 1 and cause in errors[0], p.describe()
         assert not any("resume" in line for line in p.out + p.err), p.describe()
         assert any("the engine refused to start" in line for line in p.out), p.describe()
         assert not exp.run_dir.exists(), os.listdir(exp.run_dir)
