@@ -198,11 +198,16 @@ class Supervisor:
 
     def signal_engine(self, sig):
         # rank 0 last: before the first step a rank that sees it gone ends cleanly only if its
-        # own stop signal came first (docs/DESIGN.md §17)
+        # own stop signal came first (docs/DESIGN.md §17). A stop is followed by SIGCONT, as a
+        # shell's kill does for a stopped job: a process stopped by SIGSTOP (a debugger, kill
+        # -STOP) holds the stop pending, and with several ranks every other one waited for it in
+        # the step's agreement until ANDREA_DIST_TIMEOUT_S, and the run ended crashed.
         for proc in self.peers + [self.proc]:
             if proc and proc.poll() is None:
                 try:
                     os.kill(proc.pid, sig)
+                    if sig in (signal.SIGTERM, signal.SIGINT):
+                        os.kill(proc.pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
 

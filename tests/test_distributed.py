@@ -655,6 +655,31 @@ def test_proxy_marks_the_run_crashed_when_a_rank_dies(cpu_binary, tmp_path):
     assert state["status"] == "crashed" and "lost rank 1" in state["message"]
 
 
+def test_a_stop_reaches_a_rank_that_was_sigstopped(cpu_binary, tmp_path, monkeypatch):
+    """A rank stopped by SIGSTOP (a debugger, an operator's kill -STOP) held the SIGTERM the proxy
+    forwarded pending, and every other rank waited for it in the step's agreement until
+    ANDREA_DIST_TIMEOUT_S (120 s here; 600 by default): the run ended crashed instead of stopped.
+    The proxy follows a stop with SIGCONT, as a shell's kill does for a stopped job."""
+    monkeypatch.setenv("ANDREA_DIST_TIMEOUT_S", "120")
+    d = ProxyFixtureDir(tmp_path)
+    p = Proxy.start(d.config(steps=10**6), d.run_dir, cpu_binary, "--ranks", "2", "--no-server")
+    victim = None
+    try:
+        p.wait_state(lambda s: s.get("step", 0) >= 2)
+        rank0 = d.state()["pid"]
+        peers = subprocess.run(["pgrep", "-P", str(p.proc.pid)], capture_output=True, text=True).stdout.split()
+        victim = next(int(pid) for pid in peers if int(pid) != rank0)
+        os.kill(victim, signal.SIGSTOP)
+        assert p.stop(timeout=30) == 0, p.describe()
+        state = d.state()
+        assert state["status"] == "stopped" and state["checkpoint_step"] == state["step"], state
+    finally:
+        p.kill()
+        if victim is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+
+
 def test_proxy_ends_the_run_when_a_rank_dies_before_connecting(cpu_binary, tmp_path, monkeypatch):
     """Rank 1 fails at launch: rank 0 would wait for it until ANDREA_DIST_TIMEOUT_S (600 s by
     default; 120 s here, beyond the test's 60 s); the proxy sees the rank end and stops rank 0, and
