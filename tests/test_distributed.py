@@ -378,24 +378,34 @@ def rank_1_facing_the_test(binary, argv, timeout_s):
             rank1.kill()
 
 
-def test_a_rank_refuses_a_master_that_is_not_rank_0(cpu_binary, shards, tmp_path):
-    """Something else listening on MASTER_PORT (here a web server's answer): its bytes are no
-    signal flags, the rank must not take them for a stop and exit 0."""
+@pytest.mark.parametrize("answer", [b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n" * 8,
+                                    struct.pack("<4I", 0x414E4452, 0, 2, 0)])
+def test_a_rank_refuses_a_master_that_is_not_rank_0(cpu_binary, shards, tmp_path, answer):
+    """Something else listening on MASTER_PORT (here a web server's answer, or the greeting of a
+    rank 0 of another build, "ANDR"): its bytes are no signal flags, the rank must not take them
+    for a stop and exit 0. (A rank 0 of this build closes a rank of another build, and that rank
+    refuses itself the same way on reading its greeting.)"""
     with rank_1_facing_the_test(cpu_binary, args(shards, tmp_path / "w.ckpt", steps=1), 5) as (rank1, conn):
-        conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n" * 8)
+        conn.sendall(answer)
         err = rank1.communicate(timeout=30)[1]
     assert rank1.returncode == 2 and "error: rank 1: MASTER_ADDR:MASTER_PORT" in err and "is not rank 0" in err
+    assert "another ANDREA build" in err, err
     assert not (tmp_path / "w.ckpt").exists()
+
+
+def start_rank(binary, argv, rank, world, port, timeout_s, stdout=subprocess.DEVNULL):
+    """Rank `rank` of `world` whose rank 0 listens on 127.0.0.1:port; its stderr piped."""
+    return subprocess.Popen([str(binary)] + argv, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(world), "RANK": str(rank),
+                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                 "ANDREA_DIST_TIMEOUT_S": str(timeout_s)})
 
 
 def rank0_greeted_by(cpu_binary, shards, ckpt, greeting, timeout_s):
     """Rank 0 of two, and a connection to its port that sends `greeting` (b"": nothing) and stays
     open until rank 0 has ended: rank 0's exit status and stderr."""
     port = free_port()
-    rank0 = subprocess.Popen([str(cpu_binary)] + args(shards, ckpt, steps=1), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                                  "MASTER_PORT": str(port), "ANDREA_DIST_TIMEOUT_S": str(timeout_s)})
+    rank0 = start_rank(cpu_binary, args(shards, ckpt, steps=1), 0, 2, port, timeout_s)
     try:
         with connect_once_listening(port) as peer:
             peer.sendall(greeting)
@@ -405,12 +415,123 @@ def rank0_greeted_by(cpu_binary, shards, ckpt, greeting, timeout_s):
     return rank0.returncode, err
 
 
-def test_rank_0_names_a_connection_that_never_greets(cpu_binary, shards, tmp_path):
-    """Something connects to MASTER_PORT and says nothing: rank 0 reads no greeting from it, and
-    must not say it lost "rank 0", itself."""
+def test_rank_0_alone_with_a_connection_that_never_greets_waits_for_rank_1(cpu_binary, shards, tmp_path):
+    """Something connects to MASTER_PORT and says nothing, and rank 1 never comes: rank 0 closes the
+    connection with a warning and names the rank it waited for, not "rank 0", itself."""
     rc, err = rank0_greeted_by(cpu_binary, shards, tmp_path / "g.ckpt", b"", timeout_s=2)
-    assert rc == 1 and "error: rank 0: a connection to MASTER_PORT sent no greeting" in err, err
+    assert rc == 1 and "error: rank 0: lost rank 1 (no answer within ANDREA_DIST_TIMEOUT_S)" in err, err
+    warnings = [l for l in err.splitlines() if l.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "warning: rank 0: closed a connection to MASTER_PORT from 127.0.0.1:"), err
+    # its greeting window (2 s, from when it was taken) and rank 0's wait (2 s, from before) end together
+    assert any(f"not a rank of this run: {why} (0 of a greeting's 32 bytes came)" in warnings[0]
+               for why in ("its greeting was not all in when rank 0 stopped waiting for ranks",
+                           "no whole greeting within 2 s")), err
     assert "lost rank 0" not in err
+
+
+def recv_exactly(sock, n):
+    got = b""
+    while len(got) < n:
+        chunk = sock.recv(n - len(got))
+        assert chunk, f"closed after {len(got)} of {n} bytes"
+        got += chunk
+    return got
+
+
+GREETING_BYTES = 32  # DistHello: magic, rank, world, three CRCs, the engine's name in 8 bytes
+# what strangers on MASTER_PORT send once rank 0 has greeted them: a web client's request, nothing,
+# or the start of a rank's greeting (the magic and a rank) and then nothing more
+STRAYS = {"garbage": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "nothing": b"",
+          "part of a greeting": struct.pack("<2I", 0x414E4434, 1)}
+STRAY_WHY = {"garbage": "another magic number (another program on the port, or a rank of another ANDREA build",
+             "nothing": "its greeting was not all in when rank 0 stopped waiting for ranks (0 of a greeting's",
+             "part of a greeting": "its greeting was not all in when rank 0 stopped waiting for ranks (8 of a"}
+
+
+def strays_then_rank_1(binary, argv, kinds, timeout_s=10):
+    """Rank 0 of two; a connection to its port for each of `kinds` (STRAYS), each greeted by rank 0
+    before it sends its bytes and left open; then rank 1. Returns (exit statuses, rank 0's records,
+    the ranks' stderr). Before rank 1 starts, rank 0 has taken the first stray."""
+    port = free_port()
+    procs = [start_rank(binary, argv, 0, 2, port, timeout_s, stdout=subprocess.PIPE)]
+    with contextlib.ExitStack() as stack:
+        try:
+            strays = [stack.enter_context(connect_once_listening(port)) for _ in kinds]
+            for i, (sock, kind) in enumerate(zip(strays, kinds)):
+                sock.settimeout(30)
+                if i == 0:
+                    recv_exactly(sock, GREETING_BYTES)  # rank 0 took it (one at a time before, all at once now)
+                sock.sendall(STRAYS[kind])
+            procs.append(start_rank(binary, argv, 1, 2, port, timeout_s, stdout=subprocess.PIPE))
+            outs = [p.communicate(timeout=60) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    return [p.returncode for p in procs], parse_stdout(outs[0][0])[1], [e for _, e in outs]
+
+
+@pytest.mark.parametrize("kind", list(STRAYS))
+def test_a_stray_connection_does_not_stop_the_ranks(cpu_binary, shards, tmp_path, kind):
+    """Something that is no rank connects to MASTER_PORT while rank 0 waits (a port scanner, a
+    health check, another program): rank 0 ended the run on its bytes ("not a rank", exit 2), or
+    waited for its greeting until ANDREA_DIST_TIMEOUT_S (10 s here) and then stopped, accepting no
+    rank meanwhile. Now it is closed with one warning and the run trains to its end."""
+    rcs, records, errs = strays_then_rank_1(cpu_binary, args(shards, tmp_path / "s.ckpt", steps=3), [kind])
+    assert rcs == [0, 0], errs
+    assert [r["step"] for r in steps_of(records)] == [1, 2, 3]
+    warnings = [l for l in errs[0].splitlines() if l.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "warning: rank 0: closed a connection to MASTER_PORT from 127.0.0.1:"), errs[0]
+    assert "not a rank of this run: " + STRAY_WHY[kind] in warnings[0], warnings
+    assert "warning:" not in errs[1] and "error:" not in errs[0] + errs[1], errs
+
+
+def test_several_stray_connections_at_once_do_not_hold_a_rank(cpu_binary, shards, tmp_path):
+    """Silent connections, part greetings and garbage all at once: rank 0 read one greeting at a
+    time, so a silent one ahead of rank 1 held it (and the others) until the timeout. Greetings are
+    read side by side: rank 1 joins at once, long before the greeting window (10 s) of any of them."""
+    kinds = ["nothing", "part of a greeting", "garbage", "nothing", "part of a greeting", "nothing", "garbage"]
+    start = time.monotonic()
+    rcs, records, errs = strays_then_rank_1(cpu_binary, args(shards, tmp_path / "m.ckpt", steps=2), kinds,
+                                            timeout_s=60)
+    assert rcs == [0, 0], errs
+    assert time.monotonic() - start < 9, "rank 1 waited for a greeting window"
+    assert [r["step"] for r in steps_of(records)] == [1, 2]
+    warnings = [l for l in errs[0].splitlines() if l.startswith("warning:")]
+    assert len(warnings) == len(kinds), errs[0]
+    for kind in set(kinds):
+        assert sum(STRAY_WHY[kind] in w for w in warnings) == kinds.count(kind), warnings
+
+
+def test_a_stray_is_closed_after_the_greeting_window(cpu_binary, shards, tmp_path):
+    """A connection that sends part of a greeting and stalls is closed when its greeting window ends
+    (the window is ANDREA_DIST_TIMEOUT_S, 4 s here, where that is shorter than 10 s), while rank 0
+    goes on waiting: three ranks, rank 1 joins 2 s after the stray (which renews rank 0's wait for the
+    next rank), and rank 2 starts once the stray is closed."""
+    argv, port = args(shards, tmp_path / "w.ckpt", steps=2), free_port()
+    procs = [start_rank(cpu_binary, argv, 0, 3, port, 4, stdout=subprocess.PIPE)]
+    try:
+        with connect_once_listening(port) as stray:
+            stray.settimeout(30)
+            recv_exactly(stray, GREETING_BYTES)
+            stray.sendall(STRAYS["part of a greeting"])
+            opened = time.monotonic()
+            time.sleep(2)
+            procs.append(start_rank(cpu_binary, argv, 1, 3, port, 4, stdout=subprocess.PIPE))
+            warning = procs[0].stderr.readline()
+            closed = time.monotonic()
+            assert warning.startswith("warning: rank 0: closed a connection to MASTER_PORT from 127.0.0.1:"), warning
+            assert "not a rank of this run: no whole greeting within 4 s (8 of a greeting's 32 bytes came)" in warning
+            assert 3 < closed - opened < 6
+            assert stray.recv(1) == b""  # closed by rank 0
+            procs.append(start_rank(cpu_binary, argv, 2, 3, port, 4, stdout=subprocess.PIPE))
+            outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0, 0], [e for _, e in outs]
+    assert [r["step"] for r in steps_of(parse_stdout(outs[0][0])[1])] == [1, 2]
 
 
 def test_a_rank_connecting_to_a_port_that_drops_it_keeps_the_timeout(cpu_binary, shards, tmp_path):
@@ -440,9 +561,10 @@ def test_a_rank_connecting_to_a_port_that_drops_it_keeps_the_timeout(cpu_binary,
     assert stopped.returncode == 0 and "stopped by signal 15 before the first step" in stopped_err, stopped_err
 
 
-def test_rank_0_names_a_stranger_and_a_rank_that_connects_twice(cpu_binary, shards, tmp_path):
-    """Another program's bytes were reported as "rank 1414012975 of world 825184340", and a second
-    process with RANK=1 as "rank 1 of world 3 (expected a new rank of 3)"."""
+def test_rank_0_names_a_rank_that_connects_twice(cpu_binary, shards, tmp_path):
+    """A second process with RANK=1 was reported as "rank 1 of world 3 (expected a new rank of 3)".
+    (Another program's bytes, once reported as "rank 1414012975 of world 825184340", are closed with
+    a warning: test_a_stray_connection_does_not_stop_the_ranks.)"""
     argv = [str(cpu_binary)] + args(shards, tmp_path / "n.ckpt", steps=1)
     base = {**os.environ, "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "ANDREA_DIST_TIMEOUT_S": "30"}
     port = str(free_port())
@@ -457,27 +579,33 @@ def test_rank_0_names_a_stranger_and_a_rank_that_connects_twice(cpu_binary, shar
         for p in procs:
             p.kill()
     assert procs[0].returncode == 2 and "error: rank 0: rank 1 connected twice" in errs[0], errs[0]
-    port = free_port()
-    rank0 = subprocess.Popen(argv, env={**base, "RANK": "0", "MASTER_PORT": str(port)}, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
-    try:
-        stranger = connect_once_listening(port)
-        with stranger:
-            stranger.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            err = rank0.communicate(timeout=60)[1]
-    finally:
-        rank0.kill()
-    assert rank0.returncode == 2 and "error: rank 0: a connection to MASTER_PORT" in err and "not a rank" in err, err
 
 
-def test_rank_0_refuses_a_rank_of_another_build_at_once(cpu_binary, shards, tmp_path):
+def test_rank_0_closes_a_rank_of_another_build_at_once(cpu_binary, shards, tmp_path):
     """A rank of an older build greets with 16 bytes (no state CRC) and the old magic: rank 0 read
     its 20-byte greeting and waited for the rest until ANDREA_DIST_TIMEOUT_S (300 s here), then
     called it a rank that sent no greeting. The magic is read first and changes with the greeting:
-    refused at once, named."""
+    closed at once with a warning (rank 0 waits on for its own ranks), and the other rank has rank
+    0's greeting, whose magic tells it to refuse itself."""
     old = struct.pack("<4I", 0x414E4452, 1, 2, 0)  # "ANDR", rank 1 of 2, an argv CRC
-    rc, err = rank0_greeted_by(cpu_binary, shards, tmp_path / "o.ckpt", old, timeout_s=300)
-    assert rc == 2 and "a rank of another ANDREA build" in err, err
+    port = free_port()
+    rank0 = start_rank(cpu_binary, args(shards, tmp_path / "o.ckpt", steps=1), 0, 2, port, 300)
+    try:
+        with connect_once_listening(port) as peer:
+            peer.settimeout(30)
+            peer.sendall(old)  # as a rank does: its greeting first, then it reads rank 0's
+            warning = rank0.stderr.readline()  # at once, not after 300 s (pytest's timeout aside: 60 s below)
+            greeting = recv_exactly(peer, GREETING_BYTES)  # still there for it after the close
+            assert peer.recv(1) == b""
+        assert rank0.poll() is None  # still waiting for rank 1
+        rank0.send_signal(signal.SIGTERM)
+        err = rank0.communicate(timeout=60)[1]
+    finally:
+        rank0.kill()
+    assert warning.startswith("warning: rank 0: closed a connection to MASTER_PORT from 127.0.0.1:"), warning
+    assert "a rank of another ANDREA build" in warning and "(16 of a greeting's 32 bytes came)" in warning, warning
+    assert struct.unpack("<I", greeting[:4])[0] != 0x414E4452  # another magic than its own: it refuses itself
+    assert rank0.returncode == 0 and "stopped by signal 15 before the first step" in err, err
 
 
 @pytest.mark.parametrize("rank", [0x80000000, 0xFFFFFFFF])
@@ -486,10 +614,7 @@ def test_rank_0_refuses_a_greeting_with_a_rank_past_int(cpu_binary, shards, tmp_
     it was negative, so not "at or above WORLD_SIZE", and rank 0 looked it up in its table of
     sockets far out of bounds and died of SIGSEGV without a word. Refused, named, exit 2."""
     port = free_port()
-    rank0 = subprocess.Popen([str(cpu_binary)] + args(shards, tmp_path / "r.ckpt", steps=1), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                                  "MASTER_PORT": str(port), "ANDREA_DIST_TIMEOUT_S": "30"})
+    rank0 = start_rank(cpu_binary, args(shards, tmp_path / "r.ckpt", steps=1), 0, 2, port, 30)
     try:
         with connect_once_listening(port) as peer:
             peer.settimeout(30)
@@ -522,11 +647,7 @@ def test_a_stop_signal_ends_the_wait_for_a_greeting_that_never_comes(cpu_binary,
             conn, _ = server.accept()
             with silent, conn:
                 for sock in (silent, conn):  # each engine has sent its greeting: it now waits for one
-                    got = b""
-                    while len(got) < 16:
-                        chunk = sock.recv(16 - len(got))
-                        assert chunk
-                        got += chunk
+                    recv_exactly(sock, GREETING_BYTES)
                 for p in (rank0, rank1):
                     p.send_signal(signal.SIGTERM)
                 errs = [p.communicate(timeout=30)[1] for p in (rank0, rank1)]

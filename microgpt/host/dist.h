@@ -30,13 +30,24 @@
 #include <time.h>
 #include <unistd.h>
 
-/* "AND4": a connection from or to something else is refused; it changes whenever DistHello does, so
- * a rank of another build is refused at once too (a longer greeting would be waited for in vain) */
+/* "AND4": rank 0 closes a connection from something else and waits on; a rank refuses a rank 0 that
+ * is something else. It changes whenever DistHello does, so a rank of another build is told at once
+ * too (a longer greeting would be waited for in vain): it reads rank 0's magic and refuses itself. */
 #define DIST_MAGIC 0x414e4434u
 #define DIST_DEFAULT_TIMEOUT_S 600.0
 /* A stoppable wait (dist_wait) polls at most this long at a time: a signal that lands after the
  * stop flag was read and before poll() starts does not interrupt it, so the flag is read again. */
 #define DIST_STOP_POLL_MS 200
+/* The greeting window: how long rank 0 waits for the whole greeting of a connection it accepted
+ * before it closes it as no rank of this run (DESIGN §17), at most ANDREA_DIST_TIMEOUT_S. A rank
+ * sends its greeting the moment it is connected, before it reads rank 0's, so a real rank's 32
+ * bytes follow its connection within a round trip; 10 s leaves room for a loaded machine and for
+ * TCP to resend a lost segment several times. Greetings are read side by side (dist_accept_all),
+ * so a connection that stays silent delays no rank: the window only bounds how long it holds one
+ * of the DIST_PENDING_MAX places. */
+#define DIST_GREETING_S 10.0
+/* Connections whose greeting rank 0 reads at once; more wait in the kernel's listen queue. */
+#define DIST_PENDING_MAX 32
 
 typedef struct {
     int rank, world, local_rank;
@@ -53,13 +64,15 @@ typedef struct {
 
 static Dist g_dist = {0, 1, 0, DIST_DEFAULT_TIMEOUT_S, 0, 0, 0, "", 1, NULL, NULL, 0};
 
-/* What each side of a connection says first (rank 0 answers with its own): a peer of another run,
- * one started with other flags, resuming from other files or reading other training data, one of
- * the other engine, or another program on the port is refused before any of its bytes is taken
- * for a gradient or a signal flag. The engine's name: the flags alone do not tell the engines
- * apart, and after the greeting they say different things (the CPU engine its gradients, the
- * CUDA engine an NCCL id), so a CPU rank read a CUDA rank 0's id as a stop signal and exited 0,
- * and a CPU rank 0 and a CUDA rank each waited for the other until the timeout. */
+/* What each side of a connection says first (rank 0 sends its own on accepting): a peer of
+ * another run, one started with other flags, resuming from other files or reading other training
+ * data, or one of the other engine is refused before any of its bytes is taken for a gradient or a
+ * signal flag; another program on the port (another magic, no greeting) is closed by rank 0, which
+ * waits on for the ranks, and refused by the other ranks. The engine's name: the flags alone do
+ * not tell the engines apart, and after the greeting they say different things (the CPU engine
+ * its gradients, the CUDA engine an NCCL id), so a CPU rank read a CUDA rank 0's id as a stop
+ * signal and exited 0, and a CPU rank 0 and a CUDA rank each waited for the other until the
+ * timeout. */
 #define DIST_ENGINE_NAME_MAX 8
 typedef struct {
     uint32_t magic, rank, world, argv_crc, state_crc, data_crc;
@@ -105,8 +118,6 @@ static double dist_now_s(void) {
 }
 
 static void dist_lost(int peer, const char* what) {
-    if (g_dist.rank == 0 && peer == 0) /* dist_accept_all: a connection that has not said its rank yet */
-        die_io("rank 0: a connection to MASTER_PORT sent no greeting (%s); the run stops", what);
     if (g_dist.starting && g_stop_signal && g_dist.rank != 0) { /* rank 0 left on the same signal */
         info("rank %d: stopped by signal %d before the first step: nothing to save", g_dist.rank, (int)g_stop_signal);
         exit(0);
@@ -117,39 +128,42 @@ static void dist_lost(int peer, const char* what) {
 /* How a wait on a socket ended (dist_poll_until). */
 enum { DIST_READY, DIST_TIMED_OUT, DIST_STOPPED, DIST_POLL_FAILED };
 
-/* Polls fd for `events` until it is ready or the deadline (dist_now_s) passes. `stoppable`: a stop
- * signal ends the wait too, read at least every DIST_STOP_POLL_MS. *revents: poll's, when ready;
- * errno stands where the poll failed. */
-static int dist_poll_until(int fd, short events, double deadline, int stoppable, short* revents) {
+static struct pollfd dist_pollfd(int fd, short events) {
+    struct pollfd p;
+    p.fd = fd;
+    p.events = events;
+    p.revents = 0;
+    return p;
+}
+
+/* Polls p[0, n) (poll's fds, events set) until one is ready or the deadline (dist_now_s) passes.
+ * `stoppable`: a stop signal ends the wait too, read at least every DIST_STOP_POLL_MS. p[].revents:
+ * poll's, when ready; errno stands where the poll failed. */
+static int dist_poll_until(struct pollfd* p, nfds_t n, double deadline, int stoppable) {
     for (;;) {
-        struct pollfd p;
         double left = deadline - dist_now_s();
         int rc, ms = left > 1000.0 ? 1000000 : (int)(left * 1000.0) + 1;
         if (stoppable && g_stop_signal) return DIST_STOPPED;
         if (left <= 0) return DIST_TIMED_OUT;
         if (stoppable && ms > DIST_STOP_POLL_MS) ms = DIST_STOP_POLL_MS;
-        p.fd = fd; p.events = events; p.revents = 0;
-        rc = poll(&p, 1, ms);
+        rc = poll(p, n, ms);
         if (rc < 0 && errno == EINTR) continue; /* a signal: its flag is read between steps (stoppable: above) */
         if (rc < 0) return DIST_POLL_FAILED;
-        if (rc > 0) {
-            *revents = p.revents;
-            return DIST_READY;
-        }
+        if (rc > 0) return DIST_READY;
     }
 }
 
 /* Waits until fd is ready for `events`, at most the timeout; a dead or silent peer ends the run.
  * `stoppable`: a stop signal ends the wait too; returns 1 then, else 0. */
 static int dist_wait(int fd, short events, int peer, int stoppable) {
-    short revents = 0;
-    switch (dist_poll_until(fd, events, dist_now_s() + g_dist.timeout_s, stoppable, &revents)) {
+    struct pollfd p = dist_pollfd(fd, events);
+    switch (dist_poll_until(&p, 1, dist_now_s() + g_dist.timeout_s, stoppable)) {
     case DIST_STOPPED: return 1;
     case DIST_TIMED_OUT: dist_lost(peer, "no answer within ANDREA_DIST_TIMEOUT_S"); break;
     case DIST_POLL_FAILED: dist_lost(peer, strerror(errno)); break;
     default: break;
     }
-    if (revents & (POLLERR | POLLNVAL)) dist_lost(peer, "it exited or its connection broke");
+    if (p.revents & (POLLERR | POLLNVAL)) dist_lost(peer, "it exited or its connection broke");
     return 0; /* readable, writable, or hung up (then recv reads 0: "it exited") */
 }
 
@@ -260,55 +274,145 @@ static DistHello dist_hello(void) {
     return h;
 }
 
+/* Rank 0: the greeting of a rank of this run (its magic is rank 0's) against rank 0's own. One that
+ * disagrees is a rank started wrongly, not a stranger: refused, exit 2, since the launch is wrong. */
+static void dist_check_rank(const DistHello* h, const DistHello* mine) {
+    char name[DIST_ENGINE_NAME_MAX];
+    /* unsigned: a rank of 2^31 or more was a negative int, below WORLD_SIZE, and indexed fds[]
+     * far out of bounds (a crash without a word) */
+    if (h->world != (uint32_t)g_dist.world || h->rank == 0 || h->rank >= (uint32_t)g_dist.world)
+        die_input("rank 0: a connection announced rank %u of world %u (expected a new rank of %d)", h->rank, h->world,
+                  g_dist.world);
+    if (g_dist.fds[h->rank] >= 0)
+        die_input("rank 0: rank %u connected twice (two processes started with RANK=%u?)", h->rank, h->rank);
+    if (dist_other_engine(h, mine))
+        die_input("rank 0: rank %u runs the %s engine, this rank the %s engine (every rank must run the same "
+                  "engine)", h->rank, dist_peer_engine(h, name), g_dist.engine);
+    if (h->argv_crc != mine->argv_crc)
+        die_input("rank 0: rank %u was started with other flags than rank 0 (every rank needs the same command "
+                  "line)", h->rank);
+    if (h->state_crc != mine->state_crc) die_input("rank 0: " DIST_OTHER_STATE, h->rank);
+    if (h->data_crc != mine->data_crc) die_input("rank 0: " DIST_OTHER_DATA, h->rank);
+}
+
+/* A connection rank 0 has accepted and sent its greeting to, whose own greeting is not all in. */
+typedef struct {
+    int fd;
+    double deadline; /* the end of its greeting window */
+    size_t got;      /* bytes of h read */
+    DistHello h;
+    char from[INET_ADDRSTRLEN + 8]; /* its address:port, for the warning */
+} DistPending;
+
+/* Closes c, a connection that is no rank of this run, with one warning line saying why. */
+static void dist_drop(DistPending* c, const char* why) {
+    warn("rank 0: closed a connection to MASTER_PORT from %s, not a rank of this run: %s (%zu of a greeting's %zu "
+         "bytes came)", c->from, why, c->got, sizeof c->h);
+    close(c->fd);
+}
+
+/* Reads what c has sent of its greeting, never past it (a rank sends more once it has rank 0's).
+ * Returns 1 once c is a rank (its socket in g_dist.fds), -1 where it was closed as none, 0 while
+ * its greeting is not all in. */
+static int dist_take_greeting(DistPending* c, const DistHello* mine) {
+    ssize_t k = recv(c->fd, (char*)&c->h + c->got, sizeof c->h - c->got, MSG_DONTWAIT);
+    if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+    if (k <= 0) {
+        dist_drop(c, k == 0 ? "it closed before its greeting" : "its connection broke");
+        return -1;
+    }
+    c->got += (size_t)k;
+    /* the magic first: another program's bytes are no rank number to report */
+    if (c->got >= sizeof c->h.magic && c->h.magic != DIST_MAGIC) {
+        dist_drop(c, "another magic number (another program on the port, or a rank of another ANDREA build, which "
+                     "refuses itself on reading rank 0's greeting)");
+        return -1;
+    }
+    if (c->got < sizeof c->h) return 0;
+    dist_check_rank(&c->h, mine);
+    g_dist.fds[c->h.rank] = c->fd;
+    return 1;
+}
+
+/* Accepts a connection waiting on lfd into *c and sends it rank 0's greeting (a new connection's
+ * send buffer takes its 32 bytes at once). Returns 1 where c now waits for its greeting, else 0. */
+static int dist_accept_one(int lfd, DistPending* c, const DistHello* mine, double window) {
+    struct sockaddr_in from;
+    socklen_t len = sizeof from;
+    char addr[INET_ADDRSTRLEN];
+    c->fd = accept(lfd, (struct sockaddr*)&from, &len);
+    if (c->fd < 0) return 0; /* gone before it was taken; the listener is non-blocking */
+    dist_set_socket_options(c->fd);
+    c->deadline = dist_now_s() + window;
+    c->got = 0;
+    snprintf(c->from, sizeof c->from, "%s:%u", inet_ntop(AF_INET, &from.sin_addr, addr, sizeof addr) ? addr : "?",
+             (unsigned)ntohs(from.sin_port));
+    if (send(c->fd, mine, sizeof *mine, MSG_NOSIGNAL | MSG_DONTWAIT) == (ssize_t)sizeof *mine) return 1;
+    dist_drop(c, "its connection broke");
+    return 0;
+}
+
 /* Rank 0: accept the world-1 others, each announcing its DistHello (and hearing rank 0's first).
+ * Anything may connect to MASTER_PORT (a port scanner, a health check, another program): it must
+ * neither end the run nor keep a rank out. So greetings are read side by side: one poll() over the
+ * listener and up to DIST_PENDING_MAX accepted connections, each read as its bytes come, and a rank
+ * joins once its whole greeting is in, whatever the others still owe. A connection with another
+ * magic, one that closes, or one whose greeting is not all in within the greeting window
+ * (DIST_GREETING_S, at most the timeout) is closed with a warning. With every place taken the
+ * listener is left alone: new connections wait in the kernel's queue until a greeting is in or a
+ * window ends, so a flood of silent ones costs a rank at most a window per DIST_PENDING_MAX of them.
+ * (Greetings read one after another, each within the window, would be simpler, but k silent
+ * connections would hold a rank for k windows.) The wait for the next rank (ANDREA_DIST_TIMEOUT_S)
+ * starts anew only when a rank joins, so strays do not prolong it either.
  * Returns 1 where a stop signal came first, else 0. */
 static int dist_accept_all(struct sockaddr_in a) {
     DistHello mine = dist_hello();
-    int one = 1, n = 0, lfd = socket(AF_INET, SOCK_STREAM, 0);
+    DistPending pend[DIST_PENDING_MAX];
+    struct pollfd p[DIST_PENDING_MAX + 1];
+    char expired[64];
+    double window = g_dist.timeout_s < DIST_GREETING_S ? g_dist.timeout_s : DIST_GREETING_S;
+    double until = dist_now_s() + g_dist.timeout_s; /* for the next rank; renewed as each joins */
+    int one = 1, n = 0, np = 0, i, rc = DIST_READY, lfd = socket(AF_INET, SOCK_STREAM, 0);
     if (lfd < 0) die_io("rank 0: socket: %s", strerror(errno));
     setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (bind(lfd, (struct sockaddr*)&a, sizeof a) != 0 || listen(lfd, g_dist.world) != 0)
+    if (bind(lfd, (struct sockaddr*)&a, sizeof a) != 0 || listen(lfd, g_dist.world + DIST_PENDING_MAX) != 0 ||
+        fcntl(lfd, F_SETFL, O_NONBLOCK) != 0)
         die_io("rank 0: cannot listen on MASTER_ADDR:MASTER_PORT (port %d): %s", ntohs(a.sin_port), strerror(errno));
+    snprintf(expired, sizeof expired, "no whole greeting within %g s", window);
     while (n < g_dist.world - 1) {
-        DistHello h;
-        char name[DIST_ENGINE_NAME_MAX];
-        int fd, missing = 1;
-        while (g_dist.fds[missing] >= 0) missing++;
-        if (dist_wait(lfd, POLLIN, missing, 1)) break;
-        fd = accept(lfd, NULL, NULL);
-        if (fd < 0) continue;
-        dist_set_socket_options(fd);
-        g_dist.fds[0] = fd; /* dist_send's and dist_recv's socket for peer 0 until the rank is known */
-        dist_send(0, &mine, sizeof mine);
-        /* stoppable: a connection that never greets (not a rank) must not hold a stop signal */
-        if (dist_recv_hello(&h)) {
-            close(fd);
-            break;
+        double next = until;
+        p[0] = dist_pollfd(np < DIST_PENDING_MAX ? lfd : -1, POLLIN); /* poll() passes over a negative fd */
+        for (i = 0; i < np; i++) {
+            p[i + 1] = dist_pollfd(pend[i].fd, POLLIN);
+            if (pend[i].deadline < next) next = pend[i].deadline;
         }
-        /* the magic first: another program's bytes are no rank number to report */
-        if (h.magic != DIST_MAGIC)
-            die_input("rank 0: a connection to MASTER_PORT (port %d) is not a rank of a run (another program on that "
-                      "port, or a rank of another ANDREA build?)", ntohs(a.sin_port));
-        /* unsigned: a rank of 2^31 or more was a negative int, below WORLD_SIZE, and indexed fds[]
-         * far out of bounds (a crash without a word) */
-        if (h.world != (uint32_t)g_dist.world || h.rank == 0 || h.rank >= (uint32_t)g_dist.world)
-            die_input("rank 0: a connection announced rank %u of world %u (expected a new rank of %d)", h.rank,
-                      h.world, g_dist.world);
-        if (g_dist.fds[h.rank] >= 0)
-            die_input("rank 0: rank %u connected twice (two processes started with RANK=%u?)", h.rank, h.rank);
-        if (dist_other_engine(&h, &mine))
-            die_input("rank 0: rank %u runs the %s engine, this rank the %s engine (every rank must run the same "
-                      "engine)", h.rank, dist_peer_engine(&h, name), g_dist.engine);
-        if (h.argv_crc != mine.argv_crc)
-            die_input("rank 0: rank %u was started with other flags than rank 0 (every rank needs the same command "
-                      "line)", h.rank);
-        if (h.state_crc != mine.state_crc) die_input("rank 0: " DIST_OTHER_STATE, h.rank);
-        if (h.data_crc != mine.data_crc) die_input("rank 0: " DIST_OTHER_DATA, h.rank);
-        g_dist.fds[h.rank] = fd;
-        n++;
+        /* stoppable: connections that never greet (no ranks) must not hold a stop signal */
+        if ((rc = dist_poll_until(p, (nfds_t)np + 1, next, 1)) == DIST_STOPPED) break;
+        if (rc == DIST_POLL_FAILED) die_io("rank 0: waiting for the ranks: poll: %s", strerror(errno));
+        /* from the last: a place that closes takes pend[np - 1], already read */
+        for (i = np; i-- > 0;) {
+            int taken = p[i + 1].revents ? dist_take_greeting(&pend[i], &mine) : 0;
+            if (taken == 0 && dist_now_s() >= pend[i].deadline) {
+                dist_drop(&pend[i], expired);
+                taken = -1;
+            }
+            if (taken == 1) {
+                n++;
+                until = dist_now_s() + g_dist.timeout_s;
+            }
+            if (taken != 0) pend[i] = pend[--np];
+        }
+        if (n == g_dist.world - 1) break;
+        if (p[0].revents & POLLIN) np += dist_accept_one(lfd, &pend[np], &mine, window);
+        if (dist_now_s() >= until) break;
     }
-    g_dist.fds[0] = -1;
+    for (i = 0; i < np; i++) dist_drop(&pend[i], "its greeting was not all in when rank 0 stopped waiting for ranks");
     close(lfd);
+    if (n < g_dist.world - 1 && rc != DIST_STOPPED) {
+        int missing = 1;
+        while (g_dist.fds[missing] >= 0) missing++;
+        dist_lost(missing, "no answer within ANDREA_DIST_TIMEOUT_S");
+    }
     return n < g_dist.world - 1;
 }
 
@@ -319,11 +423,11 @@ static int dist_accept_all(struct sockaddr_in a) {
 static int dist_try_connect(int fd, const struct sockaddr_in* a, double deadline) {
     int err = 0, flags = fcntl(fd, F_GETFL);
     socklen_t len = sizeof err;
-    short revents;
+    struct pollfd p = dist_pollfd(fd, POLLOUT);
     if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) != 0) return -1;
     if (connect(fd, (const struct sockaddr*)a, sizeof *a) == 0) return 0;
     if (errno != EINPROGRESS && errno != EINTR) return -1;
-    switch (dist_poll_until(fd, POLLOUT, deadline, 1, &revents)) {
+    switch (dist_poll_until(&p, 1, deadline, 1)) {
     case DIST_READY: break;
     case DIST_STOPPED: return 1;
     default: return -1;
