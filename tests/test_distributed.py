@@ -11,10 +11,12 @@ about 1e-7 and 1e-6). Two runs on the same number of ranks are bit-identical.
 import contextlib
 import json
 import os
+import selectors
 import signal
 import socket
 import struct
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -504,6 +506,85 @@ def test_several_stray_connections_at_once_do_not_hold_a_rank(cpu_binary, shards
     assert len(warnings) == len(kinds), errs[0]
     for kind in set(kinds):
         assert sum(STRAY_WHY[kind] in w for w in warnings) == kinds.count(kind), warnings
+
+
+@contextlib.contextmanager
+def silent_flood(port, k):
+    """k connections to 127.0.0.1:port that never greet, for as long as the block runs, kept up as a
+    flood keeps them: each that rank 0 closes is replaced at once, and each whose SYN the kernel
+    dropped (connect() still under way after 0.2 s) is tried afresh, so that a place that frees in
+    rank 0's listen queue is taken again within milliseconds."""
+    stop = threading.Event()
+
+    def connect(sel):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        sel.register(s, selectors.EVENT_READ | selectors.EVENT_WRITE, time.monotonic())
+
+    def replace(sel, s):
+        sel.unregister(s)
+        s.close()
+        connect(sel)
+
+    def flood():
+        with selectors.DefaultSelector() as sel:
+            for _ in range(k):
+                connect(sel)
+            while not stop.is_set():
+                for key, events in sel.select(timeout=0.01):
+                    s = key.fileobj
+                    if events & selectors.EVENT_WRITE:  # connected (or failed): now only read
+                        sel.modify(s, selectors.EVENT_READ, None)
+                    if events & selectors.EVENT_READ:
+                        try:
+                            if s.recv(256):
+                                continue  # rank 0's greeting: still open
+                        except BlockingIOError:
+                            continue
+                        except OSError:
+                            pass
+                        replace(sel, s)
+                now = time.monotonic()
+                for key in list(sel.get_map().values()):
+                    if key.data is not None and now - key.data > 0.2:
+                        replace(sel, key.fileobj)
+            for key in list(sel.get_map().values()):
+                key.fileobj.close()
+
+    thread = threading.Thread(target=flood)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_flood_of_silent_connections_keeps_no_rank_out(cpu_binary, shards, tmp_path):
+    """80 connections that never greet, kept up while rank 1 connects: 32 hold rank 0's places
+    until their greeting window (10 s) ends, the rest wait in its listen queue. That queue held
+    WORLD_SIZE + 32 connections, so it stayed full, the kernel dropped rank 1's SYNs, and each of
+    rank 1's retries (1, 2, 4, 8, 16 s apart) found it refilled: rank 1 was kept out until
+    ANDREA_DIST_TIMEOUT_S (40 s here) and the run ended (exit 1 on both; rank 0 said rank 1 never
+    answered). In a queue of the kernel's length rank 1 waits its turn behind the flood's 48 and
+    joins after two windows, as DESIGN §17 says: a window per 32 connections ahead of it."""
+    argv, port = args(shards, tmp_path / "f.ckpt", steps=2), free_port()
+    procs = [start_rank(cpu_binary, argv, 0, 2, port, 40, stdout=subprocess.PIPE)]
+    try:
+        connect_once_listening(port).close()
+        with silent_flood(port, 80):
+            time.sleep(1)  # every place taken, the queue holding the rest
+            start = time.monotonic()
+            procs.append(start_rank(cpu_binary, argv, 1, 2, port, 40, stdout=subprocess.PIPE))
+            outs = [p.communicate(timeout=90) for p in procs]
+            waited = time.monotonic() - start
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [e[-600:] for _, e in outs]
+    assert waited < 35, f"rank 1 waited {waited:.0f} s"
+    assert [r["step"] for r in steps_of(parse_stdout(outs[0][0])[1])] == [1, 2]
 
 
 def test_a_stray_is_closed_after_the_greeting_window(cpu_binary, shards, tmp_path):

@@ -360,7 +360,8 @@ static int dist_accept_one(int lfd, DistPending* c, const DistHello* mine, doubl
  * magic, one that closes, or one whose greeting is not all in within the greeting window
  * (DIST_GREETING_S, at most the timeout) is closed with a warning. With every place taken the
  * listener is left alone: new connections wait in the kernel's queue until a greeting is in or a
- * window ends, so a flood of silent ones costs a rank at most a window per DIST_PENDING_MAX of them.
+ * window ends, so a flood of silent ones costs a rank at most a window per DIST_PENDING_MAX of them
+ * ahead of it (the queue as long as the kernel allows: a full one drops a rank's SYNs).
  * (Greetings read one after another, each within the window, would be simpler, but k silent
  * connections would hold a rank for k windows.) The wait for the next rank (ANDREA_DIST_TIMEOUT_S)
  * starts anew only when a rank joins, so strays do not prolong it either.
@@ -375,7 +376,11 @@ static int dist_accept_all(struct sockaddr_in a) {
     int one = 1, n = 0, np = 0, i, rc = DIST_READY, lfd = socket(AF_INET, SOCK_STREAM, 0);
     if (lfd < 0) die_io("rank 0: socket: %s", strerror(errno));
     setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (bind(lfd, (struct sockaddr*)&a, sizeof a) != 0 || listen(lfd, g_dist.world + DIST_PENDING_MAX) != 0 ||
+    /* The longest queue the kernel allows (it cuts the backlog to net.core.somaxconn): in one of
+     * WORLD_SIZE + 32, full while every place was taken, the kernel dropped a rank's SYNs, and a
+     * flood that kept it full kept the rank out until the timeout; queued, it waits its turn */
+    if (bind(lfd, (struct sockaddr*)&a, sizeof a) != 0 ||
+        listen(lfd, g_dist.world + DIST_PENDING_MAX > SOMAXCONN ? g_dist.world + DIST_PENDING_MAX : SOMAXCONN) != 0 ||
         fcntl(lfd, F_SETFL, O_NONBLOCK) != 0)
         die_io("rank 0: cannot listen on MASTER_ADDR:MASTER_PORT (port %d): %s", ntohs(a.sin_port), strerror(errno));
     snprintf(expired, sizeof expired, "no whole greeting within %g s", window);
