@@ -496,11 +496,11 @@ def test_several_stray_connections_at_once_do_not_hold_a_rank(cpu_binary, shards
     time, so a silent one ahead of rank 1 held it (and the others) until the timeout. Greetings are
     read side by side: rank 1 joins at once, long before the greeting window (10 s) of any of them."""
     kinds = ["nothing", "part of a greeting", "garbage", "nothing", "part of a greeting", "nothing", "garbage"]
-    start = time.monotonic()
     rcs, records, errs = strays_then_rank_1(cpu_binary, args(shards, tmp_path / "m.ckpt", steps=2), kinds,
                                             timeout_s=60)
     assert rcs == [0, 0], errs
-    assert time.monotonic() - start < 9, "rank 1 waited for a greeting window"
+    # No clock: each silent or half-greeted stray's warning says it was still pending when rank 1
+    # had joined (STRAY_WHY), not that its window ended, so rank 1 waited for no window.
     assert [r["step"] for r in steps_of(records)] == [1, 2]
     warnings = [l for l in errs[0].splitlines() if l.startswith("warning:")]
     assert len(warnings) == len(kinds), errs[0]
@@ -587,26 +587,27 @@ def test_a_flood_of_silent_connections_keeps_no_rank_out(cpu_binary, shards, tmp
 
 def test_a_stray_is_closed_after_the_greeting_window(cpu_binary, shards, tmp_path):
     """A connection that sends part of a greeting and stalls is closed when its greeting window ends
-    (the window is ANDREA_DIST_TIMEOUT_S, 4 s here, where that is shorter than 10 s), while rank 0
-    goes on waiting: three ranks, rank 1 joins 2 s after the stray (which renews rank 0's wait for the
-    next rank), and rank 2 starts once the stray is closed."""
+    (the window is ANDREA_DIST_TIMEOUT_S, 8 s here, where that is shorter than 10 s), while rank 0
+    goes on waiting: three ranks, rank 1 joins 5 s after the stray (which renews rank 0's wait for the
+    next rank, to 13 s), and rank 2 starts once the stray is closed (8 s: 5 s of margin for a loaded
+    machine; the upper bound on when the warning comes is the machine's, so none is asserted)."""
     argv, port = args(shards, tmp_path / "w.ckpt", steps=2), free_port()
-    procs = [start_rank(cpu_binary, argv, 0, 3, port, 4, stdout=subprocess.PIPE)]
+    procs = [start_rank(cpu_binary, argv, 0, 3, port, 8, stdout=subprocess.PIPE)]
     try:
         with connect_once_listening(port) as stray:
             stray.settimeout(30)
             recv_exactly(stray, GREETING_BYTES)
             stray.sendall(STRAYS["part of a greeting"])
             opened = time.monotonic()
-            time.sleep(2)
-            procs.append(start_rank(cpu_binary, argv, 1, 3, port, 4, stdout=subprocess.PIPE))
+            time.sleep(5)
+            procs.append(start_rank(cpu_binary, argv, 1, 3, port, 8, stdout=subprocess.PIPE))
             warning = procs[0].stderr.readline()
             closed = time.monotonic()
             assert warning.startswith("warning: rank 0: closed a connection to MASTER_PORT from 127.0.0.1:"), warning
-            assert "not a rank of this run: no whole greeting within 4 s (8 of a greeting's 32 bytes came)" in warning
-            assert 3 < closed - opened < 6
+            assert "not a rank of this run: no whole greeting within 8 s (8 of a greeting's 32 bytes came)" in warning
+            assert closed - opened > 7  # not before its window ended
             assert stray.recv(1) == b""  # closed by rank 0
-            procs.append(start_rank(cpu_binary, argv, 2, 3, port, 4, stdout=subprocess.PIPE))
+            procs.append(start_rank(cpu_binary, argv, 2, 3, port, 8, stdout=subprocess.PIPE))
             outs = [p.communicate(timeout=60) for p in procs]
     finally:
         for p in procs:
