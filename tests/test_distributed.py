@@ -585,6 +585,47 @@ def test_a_flood_of_silent_connections_keeps_no_rank_out(cpu_binary, shards, tmp
     assert [r["step"] for r in steps_of(parse_stdout(outs[0][0])[1])] == [1, 2]
 
 
+def cpu_seconds(pid):
+    """User plus system CPU time of process pid so far (/proc/PID/stat, fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_rank_0_out_of_descriptors_waits_without_spinning(cpu_binary, shards, tmp_path):
+    """With no file descriptor free, accept() fails (EMFILE) while the connection stays queued, so
+    the listener stays readable: rank 0 polled and failed again at once, a core busy until a
+    greeting window freed a place or the timeout. It now says so once and tries again every
+    DIST_STOP_POLL_MS. Measured as CPU time over 3 s of wall time: a spinning loop takes most of
+    it, the waiting one a few milliseconds (0.5 s leaves room for a loaded machine); then, with
+    descriptors again, rank 1 joins and the run trains."""
+    import resource
+    argv, port = args(shards, tmp_path / "e.ckpt", steps=2), free_port()
+    procs = [start_rank(cpu_binary, argv, 0, 2, port, 60, stdout=subprocess.PIPE)]
+    try:
+        with connect_once_listening(port) as probe:
+            probe.settimeout(30)
+            recv_exactly(probe, GREETING_BYTES)  # accepted: rank 0 polls its listener again
+            pid = procs[0].pid
+            in_use = len(os.listdir(f"/proc/{pid}/fd"))
+            # the soft limit alone: raising a hard limit back needs CAP_SYS_RESOURCE
+            limits = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (in_use, limits[1]))
+            with socket.create_connection(("127.0.0.1", port)):  # queued; accept() cannot take it
+                before = cpu_seconds(pid)
+                time.sleep(3)
+                spent = cpu_seconds(pid) - before
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, limits)
+            assert spent < 0.5, f"rank 0 used {spent:.2f} s of CPU in 3 s waiting for a descriptor"
+            procs.append(start_rank(cpu_binary, argv, 1, 2, port, 60, stdout=subprocess.PIPE))
+            outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
+    assert outs[0][1].count("cannot take a connection to MASTER_PORT now (Too many open files)") == 1, outs[0][1]
+
+
 def test_a_stray_is_closed_after_the_greeting_window(cpu_binary, shards, tmp_path):
     """A connection that sends part of a greeting and stalls is closed when its greeting window ends
     (the window is ANDREA_DIST_TIMEOUT_S, 8 s here, where that is shorter than 10 s), while rank 0

@@ -335,13 +335,15 @@ static int dist_take_greeting(DistPending* c, const DistHello* mine) {
 }
 
 /* Accepts a connection waiting on lfd into *c and sends it rank 0's greeting (a new connection's
- * send buffer takes its 32 bytes at once). Returns 1 where c now waits for its greeting, else 0. */
+ * send buffer takes its 32 bytes at once). Returns 1 where c now waits for its greeting, -1 where no
+ * descriptor (or kernel memory) was free to take it, which stays queued, else 0. */
 static int dist_accept_one(int lfd, DistPending* c, const DistHello* mine, double window) {
     struct sockaddr_in from;
     socklen_t len = sizeof from;
     char addr[INET_ADDRSTRLEN];
     c->fd = accept(lfd, (struct sockaddr*)&from, &len);
-    if (c->fd < 0) return 0; /* gone before it was taken; the listener is non-blocking */
+    if (c->fd < 0) /* else gone before it was taken; the listener is non-blocking */
+        return errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM ? -1 : 0;
     dist_set_socket_options(c->fd);
     c->deadline = dist_now_s() + window;
     c->got = 0;
@@ -373,7 +375,11 @@ static int dist_accept_all(struct sockaddr_in a) {
     char expired[64];
     double window = g_dist.timeout_s < DIST_GREETING_S ? g_dist.timeout_s : DIST_GREETING_S;
     double until = dist_now_s() + g_dist.timeout_s; /* for the next rank; renewed as each joins */
-    int one = 1, n = 0, np = 0, i, rc = DIST_READY, lfd = socket(AF_INET, SOCK_STREAM, 0);
+    /* Where accept() found no descriptor free, the connection stays queued and the listener
+     * readable: polled again at once, it was a core spinning until a window freed a place or the
+     * timeout. The listener rests until `rested`, DIST_STOP_POLL_MS later; said once. */
+    double rested = 0;
+    int one = 1, n = 0, np = 0, i, said_full = 0, rc = DIST_READY, lfd = socket(AF_INET, SOCK_STREAM, 0);
     if (lfd < 0) die_io("rank 0: socket: %s", strerror(errno));
     setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     /* The longest queue the kernel allows (it cuts the backlog to net.core.somaxconn): in one of
@@ -385,8 +391,10 @@ static int dist_accept_all(struct sockaddr_in a) {
         die_io("rank 0: cannot listen on MASTER_ADDR:MASTER_PORT (port %d): %s", ntohs(a.sin_port), strerror(errno));
     snprintf(expired, sizeof expired, "no whole greeting within %g s", window);
     while (n < g_dist.world - 1) {
-        double next = until;
-        p[0] = dist_pollfd(np < DIST_PENDING_MAX ? lfd : -1, POLLIN); /* poll() passes over a negative fd */
+        double next = until, now = dist_now_s();
+        int listening = np < DIST_PENDING_MAX && now >= rested;
+        if (now < rested && rested < next) next = rested; /* the listener's rest ends */
+        p[0] = dist_pollfd(listening ? lfd : -1, POLLIN); /* poll() passes over a negative fd */
         for (i = 0; i < np; i++) {
             p[i + 1] = dist_pollfd(pend[i].fd, POLLIN);
             if (pend[i].deadline < next) next = pend[i].deadline;
@@ -408,7 +416,17 @@ static int dist_accept_all(struct sockaddr_in a) {
             if (taken != 0) pend[i] = pend[--np];
         }
         if (n == g_dist.world - 1) break;
-        if (p[0].revents & POLLIN) np += dist_accept_one(lfd, &pend[np], &mine, window);
+        if (p[0].revents & POLLIN) {
+            int accepted = dist_accept_one(lfd, &pend[np], &mine, window);
+            if (accepted < 0) {
+                if (!said_full)
+                    warn("rank 0: cannot take a connection to MASTER_PORT now (%s): trying again every %d ms (out of file "
+                         "descriptors: raise `ulimit -n`)", strerror(errno), DIST_STOP_POLL_MS);
+                said_full = 1;
+                rested = dist_now_s() + DIST_STOP_POLL_MS / 1000.0;
+            } else
+                np += accepted;
+        }
         if (dist_now_s() >= until) break;
     }
     for (i = 0; i < np; i++) dist_drop(&pend[i], "its greeting was not all in when rank 0 stopped waiting for ranks");
