@@ -39,7 +39,9 @@
  * stop flag was read and before poll() starts does not interrupt it, so the flag is read again. */
 #define DIST_STOP_POLL_MS 200
 /* The greeting window: how long rank 0 waits for the whole greeting of a connection it accepted
- * before it closes it as no rank of this run (DESIGN §17), at most ANDREA_DIST_TIMEOUT_S. A rank
+ * before it closes it as no rank of this run (DESIGN §17), at most half of ANDREA_DIST_TIMEOUT_S (at
+ * the timeout itself, 32 silent connections held every place until rank 0 gave up, a rank queued
+ * behind them never taken; at half, they are closed in time for it). A rank
  * sends its greeting the moment it is connected, before it reads rank 0's, so a real rank's 32
  * bytes follow its connection within a round trip; 10 s leaves room for a loaded machine and for
  * TCP to resend a lost segment several times. Greetings are read side by side (dist_accept_all),
@@ -360,7 +362,7 @@ static int dist_accept_one(int lfd, DistPending* c, const DistHello* mine, doubl
  * listener and up to DIST_PENDING_MAX accepted connections, each read as its bytes come, and a rank
  * joins once its whole greeting is in, whatever the others still owe. A connection with another
  * magic, one that closes, or one whose greeting is not all in within the greeting window
- * (DIST_GREETING_S, at most the timeout) is closed with a warning. With every place taken the
+ * (DIST_GREETING_S, at most half the timeout) is closed with a warning. With every place taken the
  * listener is left alone: new connections wait in the kernel's queue until a greeting is in or a
  * window ends, so a flood of silent ones costs a rank at most a window per DIST_PENDING_MAX of them
  * ahead of it (the queue as long as the kernel allows: a full one drops a rank's SYNs).
@@ -373,7 +375,7 @@ static int dist_accept_all(struct sockaddr_in a) {
     DistPending pend[DIST_PENDING_MAX];
     struct pollfd p[DIST_PENDING_MAX + 1];
     char expired[64];
-    double window = g_dist.timeout_s < DIST_GREETING_S ? g_dist.timeout_s : DIST_GREETING_S;
+    double window = g_dist.timeout_s / 2 < DIST_GREETING_S ? g_dist.timeout_s / 2 : DIST_GREETING_S;
     double until = dist_now_s() + g_dist.timeout_s; /* for the next rank; renewed as each joins */
     /* Where accept() found no descriptor free, the connection stays queued and the listener
      * readable: polled again at once, it was a core spinning until a window freed a place or the
