@@ -559,6 +559,24 @@ def silent_flood(port, k):
         thread.join()
 
 
+def rank_1_behind_a_flood(binary, argv, flood, timeout_s, settle):
+    """Rank 0 of two on a free port; a silent_flood of `flood` connections, kept up from `settle`
+    seconds before rank 1 starts until both ranks end. Returns (exit statuses, (stdout, stderr) of
+    each rank)."""
+    port = free_port()
+    procs = [start_rank(binary, argv, 0, 2, port, timeout_s, stdout=subprocess.PIPE)]
+    try:
+        connect_once_listening(port).close()
+        with silent_flood(port, flood):
+            time.sleep(settle)  # every place taken
+            procs.append(start_rank(binary, argv, 1, 2, port, timeout_s, stdout=subprocess.PIPE))
+            outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [p.returncode for p in procs], outs
+
+
 def test_a_flood_of_silent_connections_keeps_no_rank_out(cpu_binary, shards, tmp_path):
     """80 connections that never greet, kept up while rank 1 connects: 32 hold rank 0's places
     until their greeting window (10 s) ends, the rest wait in its listen queue. That queue held
@@ -567,19 +585,10 @@ def test_a_flood_of_silent_connections_keeps_no_rank_out(cpu_binary, shards, tmp
     ANDREA_DIST_TIMEOUT_S (40 s here) and the run ended (exit 1 on both; rank 0 said rank 1 never
     answered). In a queue of the kernel's length rank 1 waits its turn behind the flood's 48 and
     joins after two windows, as DESIGN §17 says: a window per 32 connections ahead of it."""
-    argv, port = args(shards, tmp_path / "f.ckpt", steps=2), free_port()
-    procs = [start_rank(cpu_binary, argv, 0, 2, port, 40, stdout=subprocess.PIPE)]
-    try:
-        connect_once_listening(port).close()
-        with silent_flood(port, 80):
-            time.sleep(1)  # every place taken, the queue holding the rest
-            procs.append(start_rank(cpu_binary, argv, 1, 2, port, 40, stdout=subprocess.PIPE))
-            outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    # 1 s: every place taken, the queue holding the rest
+    rcs, outs = rank_1_behind_a_flood(cpu_binary, args(shards, tmp_path / "f.ckpt", steps=2), 80, 40, 1)
     # both ended 0: rank 1 joined within rank 0's 40 s wait (no bound on when: that is the machine's)
-    assert [p.returncode for p in procs] == [0, 0], [e[-600:] for _, e in outs]
+    assert rcs == [0, 0], [e[-600:] for _, e in outs]
     assert [r["step"] for r in steps_of(parse_stdout(outs[0][0])[1])] == [1, 2]
 
 
@@ -588,18 +597,8 @@ def test_a_short_timeout_still_lets_a_rank_past_silent_connections(cpu_binary, s
     than 10 s, so 32 silent connections held every place until rank 0 gave up, and it blamed rank
     1, which sat in its queue. The window is now at most half the timeout: the strays are closed
     at 3 s and rank 1, queued behind them, joins within rank 0's 6 s."""
-    argv, port = args(shards, tmp_path / "h.ckpt", steps=2), free_port()
-    procs = [start_rank(cpu_binary, argv, 0, 2, port, 6, stdout=subprocess.PIPE)]
-    try:
-        connect_once_listening(port).close()
-        with silent_flood(port, 40):
-            time.sleep(0.5)  # every place taken
-            procs.append(start_rank(cpu_binary, argv, 1, 2, port, 6, stdout=subprocess.PIPE))
-            outs = [p.communicate(timeout=60) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [e[-600:] for _, e in outs]
+    rcs, outs = rank_1_behind_a_flood(cpu_binary, args(shards, tmp_path / "h.ckpt", steps=2), 40, 6, 0.5)
+    assert rcs == [0, 0], [e[-600:] for _, e in outs]
     assert "no whole greeting within 3 s" in outs[0][1], outs[0][1][-600:]
 
 
