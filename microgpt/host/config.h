@@ -743,6 +743,20 @@ static void config_validate_mode(const Config* c) {
     if (c->resume || c->dump_grads[0]) die_input("%s does not train: drop --resume and --dump-grads", mode);
 }
 
+/* AdamW's decoupled decay multiplies each decayed weight by 1 - lr * weight_decay every step
+ * (cpu/adamw.h): from lr * weight_decay = 1 on every weight is zeroed or flipped each step and
+ * nothing trains. lr is the highest rate of the run: train.lr, the schedule's peak (schedule.h), or
+ * polish.lr above it. Two floats' product is exact in double. */
+static void config_validate_weight_decay(const Config* c) {
+    int polish = c->polish.enabled && c->polish.lr > c->train.lr;
+    double lr = polish ? c->polish.lr : c->train.lr;
+    if (lr * (double)c->train.weight_decay >= 1.0)
+        die_input("train.weight_decay (%g) times %s (%g) is %.9g, at least 1: AdamW's decay would multiply every "
+                  "decayed weight by 1 - lr * weight_decay <= 0 each step; give a weight_decay below %.9g",
+                  c->train.weight_decay, polish ? "polish.lr" : "train.lr", lr, lr * (double)c->train.weight_decay,
+                  1.0 / lr);
+}
+
 static void config_validate(const Config* c, const int* seen, const Flag* f, int n) {
     int i;
     config_validate_mode(c);
@@ -776,19 +790,7 @@ static void config_validate(const Config* c, const int* seen, const Flag* f, int
                   "be a multiple of 16 (a dimension of its FP8 products); got %d", FP8_CLASSIFIER_MIN_D_MODEL,
                   c->model.padded_vocab_size);
     if (c->train.min_lr > c->train.lr) die_input("train.min_lr (%g) is above train.lr (%g)", c->train.min_lr, c->train.lr);
-    {
-        /* AdamW's decoupled decay multiplies each decayed weight by 1 - lr * weight_decay every step
-         * (cpu/adamw.h): from lr * weight_decay = 1 on every weight is zeroed or flipped each step
-         * and nothing trains. lr is the highest rate of the run: train.lr, the schedule's peak
-         * (schedule.h), or polish.lr above it. Two floats' product is exact in double. */
-        int polish = c->polish.enabled && c->polish.lr > c->train.lr;
-        double lr = polish ? c->polish.lr : c->train.lr;
-        if (lr * (double)c->train.weight_decay >= 1.0)
-            die_input("train.weight_decay (%g) times %s (%g) is %.9g, at least 1: AdamW's decay would multiply every "
-                      "decayed weight by 1 - lr * weight_decay <= 0 each step; give a weight_decay below %.9g",
-                      c->train.weight_decay, polish ? "polish.lr" : "train.lr", lr,
-                      lr * (double)c->train.weight_decay, 1.0 / lr);
-    }
+    config_validate_weight_decay(c);
     if (c->train.warmup_steps > c->train.steps)
         die_input("train.warmup_steps (%d) is more than train.steps (%d)", c->train.warmup_steps, c->train.steps);
     if (c->eval.every > 0 && !c->data.val[0] && !config_all_sources_have_val(c))
